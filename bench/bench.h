@@ -1,0 +1,10 @@
+/*
+ * bench — entry points of the benchmarks that `disagg bench` runs.
+ * argv[0] is the benchmark's name; return value is the exit status.
+ */
+#ifndef DISAGG_BENCH_H
+#define DISAGG_BENCH_H
+
+int bench_transfer_main(int argc, char **argv); /* transfer_bench.c */
+
+#endif

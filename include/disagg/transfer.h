@@ -1,0 +1,219 @@
+/*
+ * disagg transfer engine — public API.
+ *
+ * Moves bytes between registered memory of two processes with one-sided READ
+ * and WRITE, in the model of Mooncake's transfer engine.  An engine is named by
+ * its segment name "ip:port" (the handshake/RPC port; IPv6 as "[ip]:port").
+ * A peer opens a segment by that name (P2P handshake, no metadata server) and
+ * receives its descriptor: registered buffers, data addresses, host identity
+ * and protocol versions.  Requests name remote memory by its absolute virtual
+ * address in the target process; the target accepts a request only if the
+ * whole range lies inside one of its registered buffers.
+ *
+ * Transports: "tcp" (persistent pipelined connections, striped over lanes and
+ * over the interfaces named by device_name) and "shm" (same host: one copy with
+ * process_vm_writev/readv, no socket; chosen automatically for same-host peers
+ * and falling back to tcp when the kernel refuses it).
+ *
+ * This library depends on nothing above src/base and never prints to stdout.
+ * Every function returns 0 or a negative transfer_error; transfer_strerror()
+ * names it.  All functions are thread-safe.
+ */
+#ifndef DISAGG_TRANSFER_H
+#define DISAGG_TRANSFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- errors ------------------------------------------------------------- */
+
+typedef enum transfer_error {
+    TRANSFER_OK = 0,
+    TRANSFER_EINVAL = -1,     /* invalid argument (message in the log names it) */
+    TRANSFER_ENOMEM = -2,     /* out of memory */
+    TRANSFER_EOVERLAP = -3,   /* registration overlaps an existing one */
+    TRANSFER_ENOTREG = -4,    /* local address range is not registered */
+    TRANSFER_EREMOTEADDR = -5,/* target rejected the remote address range */
+    TRANSFER_ETIMEDOUT = -6,  /* a deadline passed */
+    TRANSFER_ECONN = -7,      /* peer unreachable, connection refused, reset or closed */
+    TRANSFER_EPROTO = -8,     /* malformed or unexpected frame from the peer */
+    TRANSFER_ESTALE = -9,     /* batch or segment handle is stale or unknown */
+    TRANSFER_EBUSY = -10,     /* batch still has requests in flight */
+    TRANSFER_ECANCELED = -11, /* request was cancelled */
+    TRANSFER_ENOSEG = -12,    /* segment name cannot be resolved / opened */
+    TRANSFER_EVERSION = -13,  /* peer speaks an incompatible protocol version */
+    TRANSFER_ESYS = -14,      /* unexpected system error (errno in the log) */
+    TRANSFER_ENOSPACE = -15,  /* batch capacity exceeded */
+    TRANSFER_EPERM = -16,     /* operation not permitted (e.g. shm refused by the kernel) */
+} transfer_error;
+
+const char *transfer_strerror(int err);
+
+/* ---- engine ------------------------------------------------------------- */
+
+typedef struct transfer_engine transfer_engine;
+
+/* Which transport a segment uses. */
+typedef enum transfer_protocol {
+    TRANSFER_PROTO_AUTO = 0, /* shm for same-host peers when permitted, else tcp */
+    TRANSFER_PROTO_TCP = 1,
+    TRANSFER_PROTO_SHM = 2, /* same host only; opening a remote host's segment fails */
+} transfer_protocol;
+
+typedef struct transfer_config {
+    /* Address advertised in the segment name.  NULL/"" = VLLM_HOST_IP if set,
+     * else the first address of an allowed interface, else 127.0.0.1. */
+    const char *local_hostname;
+    /* Handshake (RPC) port; 0 = an ephemeral port. */
+    uint16_t rpc_port;
+    /* Data port for incoming tcp data connections; 0 = ephemeral. */
+    uint16_t data_port;
+    transfer_protocol protocol;
+    /* Comma-separated whitelist of local interfaces ("eth0,eth1"); NULL/"" = all
+     * non-loopback interfaces that are up (loopback if nothing else). */
+    const char *device_name;
+    /* tcp: connections (lanes) per peer and per path; 0 = default (4). */
+    int lanes;
+    /* tcp: requests larger than this are striped across lanes; 0 = 1 MiB. */
+    size_t stripe_bytes;
+    /* Deadline of one request: timeout_base_ns + timeout_per_byte_ns * length.
+     * 0 = Mooncake's defaults (30 s, 1 ns per byte). */
+    uint64_t timeout_base_ns;
+    double timeout_per_byte_ns;
+    /* Deadline of connect and handshake; 0 = 5 s. */
+    uint64_t connect_timeout_ns;
+} transfer_config;
+
+/* Fill *cfg with defaults. */
+void transfer_config_init(transfer_config *cfg);
+
+int transfer_engine_create(const transfer_config *cfg, transfer_engine **out);
+/* Stops all threads, fails pending requests with TRANSFER_ECANCELED, frees all. */
+void transfer_engine_destroy(transfer_engine *engine);
+
+/* "ip:port" of this engine's handshake port; valid until destroy. */
+const char *transfer_engine_segment_name(const transfer_engine *engine);
+
+/* ---- memory registration ------------------------------------------------ */
+
+/* location: "cpu:N" (NUMA node, or "cpu:0" / "cpu" for any); "cuda:N" is
+ * reserved for the GPU backend and rejected by this build.  Zero-length and
+ * overlapping registrations are rejected. */
+int transfer_register(transfer_engine *engine, void *addr, size_t length, const char *location);
+/* addr must be the start of a registration. */
+int transfer_unregister(transfer_engine *engine, void *addr);
+
+/* ---- segments ------------------------------------------------------------ */
+
+typedef int64_t transfer_segment;
+
+/* Open a peer by segment name (P2P handshake).  Opening the same name twice
+ * returns the same handle.  Returns the handle in *out. */
+int transfer_open_segment(transfer_engine *engine, const char *name, transfer_segment *out);
+int transfer_close_segment(transfer_engine *engine, transfer_segment seg);
+/* Re-fetch the peer's descriptor (e.g. after it registered more memory). */
+int transfer_refresh_segment(transfer_engine *engine, transfer_segment seg);
+
+typedef struct transfer_buffer_info {
+    uint64_t addr;
+    uint64_t length;
+    char location[32];
+} transfer_buffer_info;
+
+typedef struct transfer_segment_info {
+    char name[96];        /* "ip:port" */
+    char host_id[96];     /* boot id + pid namespace: equal means same host */
+    int pid;              /* peer process id */
+    transfer_protocol protocol; /* the transport this engine uses for it */
+    int tcp_proto_version;
+    size_t num_buffers;
+    size_t num_data_addrs; /* tcp data endpoints advertised (one per interface) */
+} transfer_segment_info;
+
+int transfer_segment_get_info(transfer_engine *engine, transfer_segment seg,
+                              transfer_segment_info *info);
+/* Copies up to max buffers into out; returns the number copied (>= 0). */
+int transfer_segment_get_buffers(transfer_engine *engine, transfer_segment seg,
+                                 transfer_buffer_info *out, size_t max);
+
+/* ---- batches -------------------------------------------------------------- */
+
+typedef uint64_t transfer_batch; /* generation-tagged; 0 is never valid */
+
+typedef enum transfer_opcode { TRANSFER_READ = 0, TRANSFER_WRITE = 1 } transfer_opcode;
+
+typedef struct transfer_request {
+    transfer_opcode opcode;
+    void *local;          /* must lie inside a local registration */
+    transfer_segment target;
+    uint64_t remote_addr; /* absolute address in the target process */
+    size_t length;
+} transfer_request;
+
+typedef enum transfer_state {
+    TRANSFER_STATE_WAITING = 0, /* slot allocated, not submitted */
+    TRANSFER_STATE_PENDING = 1,
+    TRANSFER_STATE_COMPLETED = 2,
+    TRANSFER_STATE_FAILED = 3,
+    TRANSFER_STATE_CANCELED = 4,
+    TRANSFER_STATE_TIMEOUT = 5,
+} transfer_state;
+
+typedef struct transfer_status {
+    transfer_state state;
+    int error;                /* transfer_error when FAILED/TIMEOUT/CANCELED */
+    size_t transferred_bytes;
+} transfer_status;
+
+/* A batch holds up to max_requests requests over its lifetime. */
+int transfer_batch_alloc(transfer_engine *engine, size_t max_requests, transfer_batch *out);
+/* Submit n more requests; returns immediately.  Invalid requests (bad local
+ * range, unknown segment) fail the whole call before anything is sent. */
+int transfer_batch_submit(transfer_engine *engine, transfer_batch batch,
+                          const transfer_request *reqs, size_t n);
+/* Block (no busy spin) until every submitted request has ended or timeout_ns
+ * passed.  Returns 0 when all completed successfully, the first request's
+ * error when one failed, TRANSFER_ETIMEDOUT if still pending at the timeout. */
+int transfer_batch_wait(transfer_engine *engine, transfer_batch batch, uint64_t timeout_ns);
+int transfer_batch_get_status(transfer_engine *engine, transfer_batch batch, size_t index,
+                              transfer_status *status);
+/* Aggregate: PENDING while any is pending, else FAILED/TIMEOUT/CANCELED if any
+ * ended so, else COMPLETED; transferred_bytes summed. */
+int transfer_batch_get_overall(transfer_engine *engine, transfer_batch batch,
+                               transfer_status *status);
+/* Requests not yet on the wire end as CANCELED; those on the wire finish.
+ * Wait before reusing the local memory. */
+int transfer_batch_cancel(transfer_engine *engine, transfer_batch batch);
+/* TRANSFER_EBUSY while requests are in flight (cancel + wait first). */
+int transfer_batch_free(transfer_engine *engine, transfer_batch batch);
+
+/* Convenience: open target by name, WRITE src[i] -> dst[i] (len[i] bytes) for
+ * i < n, wait for all with the default deadlines.  The form the KV connector
+ * calls. */
+int transfer_sync_write(transfer_engine *engine, const char *target_name, void *const src[],
+                        const uint64_t dst[], const size_t len[], size_t n);
+int transfer_sync_read(transfer_engine *engine, const char *target_name, void *const dst[],
+                       const uint64_t src[], const size_t len[], size_t n);
+
+/* ---- statistics ------------------------------------------------------------ */
+
+typedef struct transfer_stats {
+    uint64_t bytes_written, bytes_read;    /* as initiator, completed */
+    uint64_t requests_ok, requests_failed; /* as initiator */
+    uint64_t bytes_served;                 /* as target (tcp) */
+    uint64_t requests_rejected;            /* as target: address rejected */
+    uint64_t path_retries;                 /* tcp chunks retried on another path */
+    uint64_t shm_fallbacks;                /* shm refused, used tcp */
+} transfer_stats;
+
+void transfer_engine_get_stats(transfer_engine *engine, transfer_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DISAGG_TRANSFER_H */

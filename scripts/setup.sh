@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The only install step: every Debian package and Python test package that the
+# build, the tests and the tools need. Idempotent and non-interactive.
+set -euo pipefail
+
+DEBS=(
+  build-essential cmake ninja-build pkg-config clang clang-format
+  libjansson-dev libzmq3-dev libmsgpack-dev libmicrohttpd-dev libcurl4-openssl-dev
+  libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
+  libibverbs-dev iproute2 xz-utils
+)
+PIPS=(pytest pytest-timeout openai pyzmq msgpack numpy requests)
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+missing=()
+for p in "${DEBS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import pytest, openai, zmq, msgpack, numpy, requests, pytest_timeout' 2>/dev/null; then
+  echo "setup: installing Python test packages: ${PIPS[*]}"
+  "$PY" -m pip install -q --disable-pip-version-check "${PIPS[@]}"
+fi
+echo "setup: ok"

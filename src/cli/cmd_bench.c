@@ -1,0 +1,21 @@
+/*
+ * cmd_bench — `disagg bench <what>`: dispatches to the benchmarks in bench/.
+ */
+#include "bench/bench.h"
+#include "cli/commands.h"
+
+#include <stdio.h>
+#include <string.h>
+
+int cmd_bench(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        FILE *f = argc < 2 ? stderr : stdout;
+        fprintf(f, "usage: disagg bench <what> [options]\n\n"
+                   "  transfer   transfer-engine throughput and latency (tcp, shm)\n\n"
+                   "`disagg bench <what> --help` lists its options.\n");
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "transfer")) return bench_transfer_main(argc - 1, argv + 1);
+    fprintf(stderr, "disagg bench: unknown benchmark '%s'; accepted: transfer\n", argv[1]);
+    return 2;
+}

@@ -1,0 +1,12 @@
+/*
+ * commands — the subcommands of the `disagg` binary.  Each takes the argv that
+ * follows its own name (argv[0] is the subcommand name) and returns the
+ * process exit status (0 ok, 1 runtime failure, 2 usage error).
+ */
+#ifndef DISAGG_CLI_COMMANDS_H
+#define DISAGG_CLI_COMMANDS_H
+
+int cmd_transfer(int argc, char **argv); /* cmd_transfer.c: target / copy / demo helpers */
+int cmd_bench(int argc, char **argv);    /* cmd_bench.c: bench transfer|... */
+
+#endif
