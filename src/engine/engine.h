@@ -12,6 +12,8 @@
 #ifndef DISAGG_ENGINE_ENGINE_H
 #define DISAGG_ENGINE_ENGINE_H
 
+#include "engine/kv_connector.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -59,7 +61,8 @@ typedef struct engine_request_params {
     const int32_t *stop_token_ids; /* (n_stop_token_ids) besides the model's eos */
     int n_stop_token_ids;
     engine_sampling sampling;
-    const char *request_id; /* for logs */
+    const char *request_id;         /* for logs */
+    const char *kv_transfer_params; /* JSON text for the KV connector, or NULL */
 } engine_request_params;
 
 #define ENGINE_MAX_TOP_LOGPROBS 20
@@ -108,6 +111,17 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
  * Unknown or finished ids are ignored. */
 void engine_abort(engine *e, uint64_t id);
 
+/* Attach a KV connector (before the first submit).  Its classify() runs in
+ * engine_submit's thread, the other hooks on the engine thread. */
+void engine_set_kv_connector(engine *e, const engine_kv_connector *c);
+void engine_get_kv_region(const engine *e, engine_kv_region *out);
+/* Consumer: the remote KV of request id has arrived (ok) or not.  On failure
+ * the request fails with error, or, when recompute is set, computes its
+ * prompt locally.  Must be called exactly once per start_load(). */
+void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, const char *error);
+/* Producer: free the blocks kept for request id (after request_finished keep). */
+void engine_kv_release(engine *e, uint64_t id);
+
 typedef struct engine_stats {
     int num_running, num_waiting, num_parked;
     int num_blocks, num_blocks_used;      /* KV cache blocks */
@@ -115,6 +129,8 @@ typedef struct engine_stats {
     uint64_t num_preemptions;
     uint64_t prompt_tokens, generation_tokens; /* totals */
     uint64_t steps;
+    int num_kept;    /* producer requests holding blocks for a pull */
+    int num_loading; /* consumer requests waiting for remote KV */
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);
