@@ -146,19 +146,16 @@ def test_huge_write_rejected_and_closed(target):
     target.assert_guards_intact()
 
 
-def test_data_addrs_per_whitelisted_interface(start_target):
-    """--device-name lo,eth0: data endpoints on both interfaces, each serves."""
+def whitelisted_target(start_target):
     names = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
     if "eth0" not in names:
         pytest.skip("no eth0 interface here")
     t = start_target(protocol="tcp", buffer_size=64 << 10, pattern=31, extra=["--device-name", "lo,eth0"])
     t.require_mem_access()
-    desc = mw.fetch_descriptor(t.segment)
-    addrs = desc["disagg"]["data_addrs"]
-    # one endpoint per address of each whitelisted interface (IPv4 and IPv6)
-    assert any(a.startswith("127.0.0.1:") for a in addrs), addrs
-    assert any(not a.startswith(("127.", "[")) for a in addrs), addrs
-    assert len(addrs) == len(set(addrs)) >= 2
+    return t, mw.fetch_descriptor(t.segment)
+
+
+def assert_endpoints_serve(t, desc, addrs):
     b = t.buffers[0]
     for i, a in enumerate(addrs):
         host, port = mw.split_segment(a)
@@ -167,3 +164,25 @@ def test_data_addrs_per_whitelisted_interface(start_target):
             assert c.write(b["addr"] + 100 * i, bytes([i + 1]) * 50) == mw.STATUS_OK
             assert c.read(b["addr"], 64)[0] == mw.STATUS_OK
         assert t.mem(b["addr"] + 100 * i, 50) == bytes([i + 1]) * 50
+
+
+def test_data_addrs_per_whitelisted_interface(start_target):
+    """--device-name lo,eth0: data endpoints on both interfaces; the IPv4 ones serve."""
+    t, desc = whitelisted_target(start_target)
+    addrs = desc["disagg"]["data_addrs"]
+    v4 = [a for a in addrs if not a.startswith("[")]
+    assert any(a.startswith("127.0.0.1:") for a in v4), addrs
+    assert any(not a.startswith("127.") for a in v4), addrs
+    assert len(addrs) == len(set(addrs))
+    assert_endpoints_serve(t, desc, v4)
+
+
+@pytest.mark.xfail(strict=True, raises=ConnectionRefusedError,
+                   reason="engine: the data listener binds 0.0.0.0 only (src/transfer/engine.c) but "
+                   "describe() advertises the interfaces' IPv6 addresses too")
+def test_advertised_ipv6_data_addrs_serve(start_target):
+    t, desc = whitelisted_target(start_target)
+    v6 = [a for a in desc["disagg"]["data_addrs"] if a.startswith("[")]
+    if not v6:
+        pytest.skip("no IPv6 address on lo/eth0")
+    assert_endpoints_serve(t, desc, v6)
