@@ -918,7 +918,7 @@ static int check_submit(check_ctx *c, const check_range *rs, size_t n, uint8_t *
 /* One round: a batch of non-overlapping random READs and WRITEs, READs verified;
  * then a batch reading every written range back, verified. */
 static bool check_round(check_ctx *c, uint64_t round) {
-    check_range rs[CHECK_MAX_BATCH];
+    check_range rs[CHECK_MAX_BATCH] = {0};
     size_t n = 0;
     size_t want = c->p->batch;
     for (size_t tries = 0; n < want && tries < want * 8; tries++) {
@@ -949,7 +949,7 @@ static bool check_round(check_ctx *c, uint64_t round) {
             random_fill(slots + i * c->p->max_length, rs[i].len, &c->rng);
     if (check_submit(c, rs, n, slots, &c->s->transfer_seconds)) return false;
 
-    check_range wb[CHECK_MAX_BATCH];
+    check_range wb[CHECK_MAX_BATCH] = {0};
     size_t nw = 0;
     for (size_t i = 0; i < n; i++) {
         uint8_t *slot = slots + i * c->p->max_length;
@@ -1024,7 +1024,7 @@ static bool check_out_of_range(check_ctx *c) {
  * every checked byte back, verified. */
 static bool check_final(check_ctx *c) {
     uint64_t chunk = c->p->max_length;
-    check_range rs[CHECK_MAX_BATCH];
+    check_range rs[CHECK_MAX_BATCH] = {0};
     if (!c->p->no_restore) {
         for (size_t k = 0; k < c->s->buffers; k++) {
             if (c->dirty_hi[k] <= c->dirty_lo[k]) continue;

@@ -105,6 +105,7 @@ def test_target_killed_mid_batch(disagg_bin, start_target, reaper, tmp_path, pro
                 "segment cannot be opened", "system error")), summary["error"]
     assert "FAILED" in err
     assert elapsed < 15
+    print(f"{protocol}: initiator exited {elapsed:.2f} s after the kill: {summary['error']}")
 
 
 def test_target_frozen_mid_batch_times_out(disagg_bin, start_target, reaper, tmp_path):
@@ -125,6 +126,7 @@ def test_target_frozen_mid_batch_times_out(disagg_bin, start_target, reaper, tmp
     assert summary["ok"] is False
     assert "deadline exceeded" in summary["error"], summary["error"]
     assert elapsed < 12
+    print(f"frozen target: initiator exited {elapsed:.2f} s after SIGSTOP: {summary['error']}")
     # the target, thawed, still serves a fresh initiator
     proc = run_cli(disagg_bin, "transfer", "copy", "--target", t.segment, "--op", "read", "--protocol",
                    "tcp", "--remote-addr", t.buffers[0]["addr"], "--length", 4096, "--timeout-ms", 5000)

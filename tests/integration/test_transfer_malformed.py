@@ -4,6 +4,7 @@ a client closing mid-payload.  The target answers with an error or closes,
 never crashes (under ASan a crash or an out-of-bounds access kills it and
 prints a report), and keeps serving a well-formed client afterwards."""
 import json
+import os
 import socket
 import struct
 import time
@@ -252,3 +253,14 @@ def test_target_exits_cleanly_after_abuse(target):
     assert rc == 0, target.stderr()[-4000:]
     assert stats["event"] == "stats"
     target.assert_sanitizer_clean()
+
+
+def test_sanitizer_build_is_what_the_suite_believes(disagg_bin, sanitized):
+    """DISAGG_SANITIZED=1 must mean the binary really is ASan-instrumented;
+    otherwise the "no crash" assertions above would prove less than claimed."""
+    env = os.environ.get("DISAGG_SANITIZED", "").strip().lower()
+    with open(disagg_bin, "rb") as f:
+        instrumented = b"__asan_init" in f.read()
+    if env in ("1", "on", "true", "yes"):
+        assert instrumented, f"DISAGG_SANITIZED={env} but {disagg_bin} has no __asan_init"
+    assert sanitized == instrumented or env in ("1", "on", "true", "yes")
