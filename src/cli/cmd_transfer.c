@@ -785,6 +785,7 @@ typedef struct check_params {
     uint64_t timeout_ms; /* engine deadline base, 0 = default */
     bool no_restore;     /* leave written bytes in the target */
     bool quiet;          /* no progress lines on stderr (demo) */
+    bool progress;       /* a stderr line after every round */
 } check_params;
 
 typedef struct check_summary {
@@ -1124,8 +1125,12 @@ static int check_run(const check_params *p, check_summary *s) {
     }
 
     if (!p->quiet) fprintf(stderr, "disagg transfer check: traffic started\n");
-    for (uint64_t r = 0; r < p->iterations; r++)
+    for (uint64_t r = 0; r < p->iterations; r++) {
         if (!check_round(&c, r)) goto out;
+        if (p->progress)
+            fprintf(stderr, "disagg transfer check: round %" PRIu64 " ok, %" PRIu64 " requests\n",
+                    r + 1, s->requests);
+    }
     if (!check_out_of_range(&c)) goto out;
     check_final(&c);
 
@@ -1191,6 +1196,7 @@ static int cmd_check(int argc, char **argv) {
         {"--target", OPT_SEG, &p.target, 0, 0, "SEG", "the target's segment name ip:port (required)"},
         CHECK_SPECS(p),
         {"--no-restore", OPT_FLAG, &p.no_restore, 0, 0, NULL, "leave the written bytes (default: restore the pattern)"},
+        {"--progress", OPT_FLAG, &p.progress, 0, 0, NULL, "print a line on stderr after every round"},
     };
     // clang-format on
     const sub_usage u = {
