@@ -169,3 +169,19 @@ def test_demo(disagg_bin, protocol):
     assert "OK: every byte verified" in out
     assert "3/3 out-of-range requests rejected" in out
     assert "GB/s" in out
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_check_many_small_requests(disagg_bin, start_target, protocol):
+    """Batches of 512 requests of 1..64 bytes: pipelining and completion
+    bookkeeping under many tiny requests, every byte verified."""
+    t = start_target(protocol=protocol, buffer_size=256 << 10, buffers=3, pattern=1234)
+    proc = run_cli(disagg_bin, "transfer", "check", "--target", t.segment, "--protocol", protocol,
+                   "--iterations", 10, "--batch", 512, "--max-length", 64, "--pattern", 1234,
+                   "--seed", 77, timeout=60)
+    s = parse_summary(proc)
+    assert proc.returncode == 0, s.get("error")
+    assert s["buffers"] == 3 and s["max_length"] <= 64
+    assert s["requests"] > 10 * 512
+    rc, _ = t.stop()
+    assert rc == 0

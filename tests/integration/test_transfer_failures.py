@@ -144,3 +144,33 @@ def test_copy_to_dead_target_fails_fast(disagg_bin, start_target):
     assert proc.returncode == 1
     assert f"cannot open segment {seg}" in proc.stderr.decode()
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_initiator_killed_mid_batch_target_survives(disagg_bin, start_target, reaper, tmp_path, protocol):
+    """The other direction: the initiator dies with requests on the wire; the
+    target keeps serving, and its memory outside the buffers is untouched."""
+    import mooncake_wire as mw
+    t = start_target(protocol=protocol, buffer_size=32 << 20, pattern=9)
+    t.require_mem_access()
+    b = t.buffers[0]
+    for _ in range(2):
+        check, _ = start_check(disagg_bin, reaper, t, protocol, 5000, tmp_path)
+        time.sleep(0.1)
+        check.kill()
+        check.wait(timeout=10)
+        time.sleep(0.1)
+        assert t.alive(), t.stderr()[-4000:]
+        t.assert_guards_intact()
+        # the killed check left its WRITEs: put the pattern back over the raw wire
+        with mw.DataConn.from_descriptor(t.segment, mw.fetch_descriptor(t.segment), timeout=20) as c:
+            step = 8 << 20
+            for off in range(0, b["length"], step):
+                assert c.write(b["addr"] + off, t.expected(0, off, step)) == mw.STATUS_OK
+    assert t.mem(b["addr"], b["length"]) == t.expected(0, 0, b["length"])
+    proc = run_cli(disagg_bin, "transfer", "check", "--target", t.segment, "--protocol", protocol,
+                   "--iterations", 5, "--pattern", 9, "--timeout-ms", 10000)
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+    rc, _ = t.stop()
+    assert rc == 0
+    t.assert_sanitizer_clean()

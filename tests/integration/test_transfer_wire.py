@@ -186,3 +186,33 @@ def test_advertised_ipv6_data_addrs_serve(start_target):
     if not v6:
         pytest.skip("no IPv6 address on lo/eth0")
     assert_endpoints_serve(t, desc, v6)
+
+
+def test_concurrent_clients(target):
+    """Eight raw clients at once, each writing and reading back its own region."""
+    import threading
+    b = target.buffers[1]
+    errors = []
+
+    def client(i):
+        try:
+            rng = random.Random(i)
+            with data_conn(target) as c:
+                for _ in range(20):
+                    n = rng.randrange(1, 8192)
+                    off = i * (b["length"] // 8) + rng.randrange(0, b["length"] // 8 - n)
+                    data = rng.randbytes(n)
+                    assert c.write(b["addr"] + off, data) == mw.STATUS_OK
+                    code, got = c.read(b["addr"] + off, n)
+                    assert code == mw.STATUS_OK and got == data
+        except Exception as e:  # reported below
+            errors.append(f"client {i}: {e!r}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert not any(th.is_alive() for th in threads), "a client hung"
+    assert not errors, errors
+    target.assert_guards_intact()
