@@ -50,7 +50,7 @@ MODEL_DIR = os.path.normpath(os.path.join(HERE, "..", "models", "disagg-sotu-tin
 PRESETS = {
     "full": dict(
         hidden=256, layers=6, heads=8, kv_heads=2, inter=1024, max_pos=2048, rope_theta=10000.0,
-        seq=1024, batch=32, steps=1200, lr=2e-3, min_lr_frac=0.1, warmup=60, wd=0.1,
+        seq=1024, batch=32, steps=500, lr=2e-3, min_lr_frac=0.1, warmup=40, wd=0.1,
         beta1=0.9, beta2=0.95, clip=1.0, eval_every=100, eval_ctx=1024, eval_tokens=0, seed=1234,
         gen_tokens=48,
     ),
