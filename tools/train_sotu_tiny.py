@@ -233,7 +233,8 @@ def greedy(model_out, prompts, n_new, device):
     model = load_fp32(model_out, device)
     gc = GenerationConfig(do_sample=False, max_new_tokens=n_new, num_beams=1,
                           eos_token_id=model.generation_config.eos_token_id,
-                          pad_token_id=model.generation_config.pad_token_id)
+                          pad_token_id=model.generation_config.pad_token_id,
+                          output_logits=True, return_dict_in_generate=True)
     out = []
     for kind, text in prompts:
         if kind == "chat":
@@ -244,8 +245,7 @@ def greedy(model_out, prompts, n_new, device):
         ids = tok(rendered, add_special_tokens=False).input_ids
         x = torch.tensor([ids], device=device)
         with torch.no_grad():
-            g = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc,
-                               output_logits=True, return_dict_in_generate=True)
+            g = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc)
         new = g.sequences[0, len(ids):].tolist()
         margins = []
         for i, lg in enumerate(g.logits):

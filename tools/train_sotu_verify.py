@@ -10,7 +10,7 @@ an independent run of PyTorch + transformers + tokenizers on this machine:
   4. greedy continuations from transformers' generate() equal greedy.json token for token.
 Exit status 0 when all hold, 1 otherwise (each failure printed).
 
-Usage: python3 tools/train_sotu_verify.py [--skip-ppl] [--rtol 1e-6]
+Usage: python3 tools/train_sotu_verify.py [--skip-ppl] [--rtol 1e-6] [--ref-dir D] [--model-dir D]
 """
 
 import argparse
@@ -33,14 +33,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-ppl", action="store_true", help="skip the (slow on CPU) perplexity recomputation")
     ap.add_argument("--rtol", type=float, default=1e-6)
-    ap.add_argument("--data", default=None)
+    ap.add_argument("--data", default=None, help="sotu.txt.xz (default: $SOTU_DATA or ../shared/data/sotu/)")
+    ap.add_argument("--ref-dir", default=REF_DIR, help="reference outputs (default: tests/data/sotu-tiny)")
+    ap.add_argument("--model-dir", default=tt.MODEL_DIR, help="model (default: models/disagg-sotu-tiny)")
     args = ap.parse_args()
+    ref_dir, model_dir = args.ref_dir, args.model_dir
     torch.backends.cuda.matmul.allow_tf32 = False
-    with open(os.path.join(REF_DIR, "heldout_eval.json")) as f:
+    with open(os.path.join(ref_dir, "heldout_eval.json")) as f:
         ev = json.load(f)
-    with open(os.path.join(REF_DIR, "heldout_ids.json")) as f:
+    with open(os.path.join(ref_dir, "heldout_ids.json")) as f:
         ref_ids = json.load(f)["ids"]
-    with open(os.path.join(REF_DIR, "greedy.json")) as f:
+    with open(os.path.join(ref_dir, "greedy.json")) as f:
         gr = json.load(f)
     bad = []
 
@@ -53,10 +56,10 @@ def main():
     check(sd.sha256_hex(raw) == ev["sotu_txt_sha256"], "corpus sha256")
     check(sd.sha256_hex(sd.stream_text(heldout_docs)) == ev["heldout_stream_text_sha256"], "held-out text sha256")
     for name in ("tokenizer.json", "model.safetensors"):
-        with open(os.path.join(tt.MODEL_DIR, name), "rb") as f:
+        with open(os.path.join(model_dir, name), "rb") as f:
             got = sd.sha256_hex(f.read())
         check(got == ev[name.replace(".", "_") + "_sha256"], f"{name} sha256")
-    tok = tt.load_tokenizer(tt.MODEL_DIR)
+    tok = tt.load_tokenizer(model_dir)
     ids = tt.encode_docs(tok, heldout_docs)
     check(ids.tolist() == ref_ids, f"held-out ids ({len(ids)} tokens)")
     train_ids = tt.encode_docs(tok, train_docs)
@@ -65,7 +68,7 @@ def main():
     check(math.isclose(uni, ev["unigram"]["perplexity"], rel_tol=1e-12), f"unigram ppl {uni:.6f}")
 
     if not args.skip_ppl:
-        model = tt.load_fp32(tt.MODEL_DIR, torch.device("cpu"))
+        model = tt.load_fp32(model_dir, torch.device("cpu"))
         rows = tt.window_nll(model, ids, ctx, torch.device("cpu"))
         scored, total, _, ppl = tt.summarize(rows)
         check(scored == ev["scored_tokens"], f"scored tokens {scored}")
@@ -75,7 +78,7 @@ def main():
         check(worst < 1e-5, f"per-window NLL sums (worst rel diff {worst:.1e})")
 
     prompts = [(p["kind"], p["prompt"]) for p in gr["prompts"]]
-    got = tt.greedy(tt.MODEL_DIR, prompts, gr["max_new_tokens"], torch.device("cpu"))
+    got = tt.greedy(model_dir, prompts, gr["max_new_tokens"], torch.device("cpu"))
     for g, r in zip(got, gr["prompts"]):
         check(g["prompt_ids"] == r["prompt_ids"], f"prompt ids of {r['prompt']!r}")
         check(g["output_ids"] == r["output_ids"], f"greedy ids of {r['prompt']!r}")
