@@ -152,9 +152,6 @@ def test_handshake_client_closes_mid_payload(target):
     assert_healthy(target)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: the handshake server serves one connection at a time "
-                   "(src/transfer/handshake.c server_main), so each silent client stalls every other "
-                   "handshake for SERVE_DEADLINE_NS (2 s)")
 def test_handshake_silent_client_does_not_block_others(target):
     """A client that connects and sends nothing must not stop others being served."""
     idle = [mw.connect(*rpc_addr(target)) for _ in range(4)]

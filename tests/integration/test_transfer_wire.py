@@ -177,9 +177,6 @@ def test_data_addrs_per_whitelisted_interface(start_target):
     assert_endpoints_serve(t, desc, v4)
 
 
-@pytest.mark.xfail(strict=True, raises=ConnectionRefusedError,
-                   reason="engine: the data listener binds 0.0.0.0 only (src/transfer/engine.c) but "
-                   "describe() advertises the interfaces' IPv6 addresses too")
 def test_advertised_ipv6_data_addrs_serve(start_target):
     t, desc = whitelisted_target(start_target)
     v6 = [a for a in desc["disagg"]["data_addrs"] if a.startswith("[")]
