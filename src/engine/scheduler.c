@@ -187,6 +187,7 @@ int sched_step(scheduler *s, sched_plan *p) {
         }
         int count = q->n_tokens - q->n_computed;
         if (count > budget) count = budget;
+        if (q->max_chunk > 0 && count > q->max_chunk) count = q->max_chunk;
         if (count <= 0) {
             q = next;
             continue;
@@ -216,6 +217,7 @@ int sched_step(scheduler *s, sched_plan *p) {
         take_cached_prefix(s, q);
         int count = q->n_tokens - q->n_computed;
         if (count > budget) count = budget;
+        if (q->max_chunk > 0 && count > q->max_chunk) count = q->max_chunk;
         if (grow_blocks(s, q, q->n_computed + count) != 0) {
             drop_blocks(s, q); /* give cached blocks back; try again next step */
             break;

@@ -36,6 +36,7 @@ typedef struct seq {
     seq_state state;
     int num_preemptions;
     int no_prefix_cache;     /* skip prefix-cache lookup at admission */
+    int max_chunk;           /* most tokens computed in one step, 0 = no limit */
     struct seq *prev, *next; /* links in the scheduler's waiting or running list */
     void *owner;             /* the engine's request */
 } seq;
