@@ -15,6 +15,7 @@
 #include <cmocka.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -634,6 +635,74 @@ static void test_load_errors(void **state) {
     remove_temp_dir(dir);
 }
 
+/* ---- threads share one tokenizer (word cache, regex) --------------------- */
+
+typedef struct thread_vectors {
+    json_t **texts; /* (n) input strings */
+    json_t **ids;   /* (n) HF ids */
+    size_t n;       /* vectors */
+    size_t first;   /* this thread's starting vector */
+    size_t bad;     /* mismatches seen by this thread */
+} thread_vectors;
+
+static void collect_line(json_t *o, size_t lineno, void *arg) {
+    (void)lineno;
+    thread_vectors *v = arg;
+    v->texts[v->n] = json_incref(json_object_get(o, "text"));
+    v->ids[v->n] = json_incref(json_object_get(o, "ids"));
+    v->n++;
+}
+
+static void *encode_thread(void *arg) {
+    thread_vectors *v = arg;
+    /* every thread walks all vectors twice from its own offset, so threads
+     * hit the same cache slots at different times */
+    for (size_t r = 0; r < 2 * v->n; r++) {
+        size_t i = (v->first + r) % v->n;
+        size_t nw = json_array_size(v->ids[i]);
+        int32_t *ids;
+        size_t n;
+        bool ok =
+            tokenizer_encode(g_tok, json_string_value(v->texts[i]), json_string_length(v->texts[i]),
+                             false, &ids, &n, NULL, 0) == 0 &&
+            n == nw;
+        for (size_t k = 0; ok && k < n; k++)
+            ok = ids[k] == (int32_t)json_integer_value(json_array_get(v->ids[i], k));
+        if (ok) free(ids);
+        if (!ok) v->bad++;
+    }
+    return NULL;
+}
+
+static void test_threads(void **state) {
+    (void)state;
+    enum { NT = 4, MAXV = 4000 };
+    thread_vectors all = {.texts = calloc(MAXV, sizeof(json_t *)),
+                          .ids = calloc(MAXV, sizeof(json_t *))};
+    for_each_jsonl("encode.jsonl", collect_line, &all);
+    assert_true(all.n > 3000 && all.n <= MAXV);
+    thread_vectors tv[NT];
+    pthread_t th[NT];
+    for (int t = 0; t < NT; t++) {
+        tv[t] = all;
+        tv[t].first = (size_t)t * all.n / NT;
+        assert_int_equal(pthread_create(&th[t], NULL, encode_thread, &tv[t]), 0);
+    }
+    size_t bad = 0;
+    for (int t = 0; t < NT; t++) {
+        pthread_join(th[t], NULL);
+        bad += tv[t].bad;
+    }
+    fprintf(stderr, "threads: %d x %zu encodes, %zu mismatches\n", NT, 2 * all.n, bad);
+    assert_int_equal(bad, 0);
+    for (size_t i = 0; i < all.n; i++) {
+        json_decref(all.texts[i]);
+        json_decref(all.ids[i]);
+    }
+    free(all.texts);
+    free(all.ids);
+}
+
 /* ---- the whole corpus: HF's id count and hash, and the speed ------------ */
 
 static void test_corpus_hash_and_speed(void **state) {
@@ -711,6 +780,7 @@ int main(void) {
         cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_decode_errors),
         cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_threads),
         cmocka_unit_test(test_corpus_hash_and_speed),
     };
     return cmocka_run_group_tests(tests, setup_all, teardown_all);
