@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <jansson.h>
+#include <utf8proc.h>
 
 #include "model/tokenizer.h"
 
@@ -338,9 +339,9 @@ static char *make_temp_dir(void) {
 }
 
 static void remove_temp_dir(char *d) {
-    const char *names[] = {"tokenizer.json", "tokenizer_config.json"};
+    const char *names[] = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"};
     char p[256];
-    for (size_t i = 0; i < 2; i++) {
+    for (size_t i = 0; i < 3; i++) {
         snprintf(p, sizeof(p), "%s/%s", d, names[i]);
         unlink(p);
     }
@@ -632,7 +633,83 @@ static void test_load_errors(void **state) {
     assert_int_equal(ids[0], 151644); /* add_bos_token honoured with add_special */
     free(ids);
     tokenizer_free(tok);
+    /* chat_template as a list of named templates: "default" is taken */
+    write_text(dir, "tokenizer_config.json",
+               "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"T\"}, "
+               "{\"name\": \"default\", \"template\": \"D\"}]}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_string_equal(tokenizer_chat_template(tok), "D");
+    tokenizer_free(tok);
+    write_text(dir, "tokenizer_config.json",
+               "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"T\"}]}");
+    expect_load_error(dir, "tokenizer_config.json", "no entry named \"default\"");
+    /* no chat_template in the config: chat_template.jinja beside it */
+    write_text(dir, "tokenizer_config.json", "{}");
+    write_text(dir, "chat_template.jinja", "{{ messages }}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_string_equal(tokenizer_chat_template(tok), "{{ messages }}");
+    assert_int_equal(tokenizer_eos_id(tok), -1);
+    tokenizer_free(tok);
     remove_temp_dir(dir);
+}
+
+/* Random strings dense in combining marks, Hangul jamo and bytes that are
+ * invalid UTF-8: encode either rejects them (invalid) or decode(encode(x))
+ * equals utf8proc's NFC of the whole string (checks the span-wise NFC fast
+ * path and that nothing is lost).  Never crashes. */
+static void test_random_strings(void **state) {
+    (void)state;
+    static const int32_t pool[] = {
+        'a',    'e',    'A',    ' ',     '\n',    '\'',   's',    '1',    0xE9,   0xC5,   0x212B,
+        0x2126, 0x0300, 0x0301, 0x0308,  0x0323,  0x0327, 0x030A, 0x0345, 0x1100, 0x1161, 0x11A8,
+        0xAC00, 0x0915, 0x093C, 0x0958,  0x0B47,  0x0B3E, 0x0CD5, 0x0DCF, 0x05B7, 0x0653, 0x3099,
+        0x304B, 0xFF8A, 0xFF9F, 0x1F44D, 0x1F3FD, 0x200D, 0xFE0F, 0x0F73, 0x0344, 0x0F71, 0x2ADC};
+    srand(12345);
+    size_t valid = 0, invalid = 0, bad = 0;
+    for (int iter = 0; iter < 3000; iter++) {
+        uint8_t buf[256];
+        size_t n = 0;
+        int len = 1 + rand() % 24;
+        bool inject = rand() % 5 == 0;
+        for (int k = 0; k < len; k++) {
+            if (inject && rand() % 8 == 0) {
+                buf[n++] = (uint8_t)(0x80 + rand() % 0x80); /* a stray byte */
+                continue;
+            }
+            n += (size_t)utf8proc_encode_char(pool[rand() % (sizeof(pool) / sizeof(pool[0]))],
+                                              buf + n);
+        }
+        int32_t *ids = NULL;
+        size_t nid;
+        char err[256];
+        int rc = tokenizer_encode(g_tok, (char *)buf, n, false, &ids, &nid, err, sizeof(err));
+        size_t off = tokenizer_utf8_check((char *)buf, n);
+        if (off < n) {
+            invalid++;
+            if (rc != -EILSEQ) bad++;
+            continue;
+        }
+        valid++;
+        assert_int_equal(rc, 0);
+        uint8_t *nfc = NULL;
+        utf8proc_ssize_t nl =
+            utf8proc_map(buf, (utf8proc_ssize_t)n, &nfc, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+        assert_true(nl >= 0);
+        char *txt;
+        size_t tl;
+        assert_int_equal(tokenizer_decode(g_tok, ids, nid, false, &txt, &tl, err, sizeof(err)), 0);
+        if (tl != (size_t)nl || memcmp(txt, nfc, tl) != 0) {
+            fprintf(stderr, "RANDOM MISMATCH iter %d\n", iter);
+            bad++;
+        }
+        free(txt);
+        free(nfc);
+        free(ids);
+    }
+    fprintf(stderr, "random strings: %zu valid, %zu invalid, %zu mismatches\n", valid, invalid,
+            bad);
+    assert_true(valid > 1000 && invalid > 100);
+    assert_int_equal(bad, 0);
 }
 
 /* ---- threads share one tokenizer (word cache, regex) --------------------- */
@@ -783,6 +860,7 @@ int main(void) {
         cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_decode_errors),
         cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_random_strings),
         cmocka_unit_test(test_threads),
         cmocka_unit_test(test_corpus_hash_and_speed),
     };
