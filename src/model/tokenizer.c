@@ -285,6 +285,7 @@ typedef struct tok_pre {
     bool add_prefix_space; /* ByteLevel: prepend ' ' to a piece not starting with one */
 } tok_pre;
 
+#define TOK_MAX_ID         (1 << 24) /* ids are dense: tables are sized by the largest */
 #define TOK_MAX_NORM       4
 #define TOK_MAX_PRE        4
 #define TOK_CACHE_SLOTS    65536 /* direct-mapped word cache */
@@ -306,7 +307,7 @@ typedef struct tok_cache_slot {
 struct tokenizer {
     /* ids: every id 0..n_ids-1 may or may not exist (has_id) */
     int32_t n_ids;       /* one more than the largest id */
-    uint8_t *has_id;     /* (n_ids) 1 if the id exists */
+    uint8_t *has_id;     /* (n_ids) 1: model vocab, 2: added token only, 0: unused id */
     uint8_t *is_special; /* (n_ids) 1 for added tokens marked special */
     uint8_t *arena;      /* decoded bytes of all tokens, back to back */
     size_t *tok_off;     /* (n_ids) offset of an id's bytes in arena */
@@ -323,17 +324,17 @@ struct tokenizer {
     tok_merge *merges; /* (merge_mask+1) slots, key UINT64_MAX when empty */
     size_t merge_mask; /* table size - 1 */
 
-    tok_added *added; /* (n_added) added tokens, in tokenizer.json order */
-    size_t n_added;
+    tok_added *added;            /* (n_added) added tokens, in tokenizer.json order */
+    size_t n_added;              /* entries of added */
     bool any_added_norm;         /* some added token has normalized=true */
     bool any_added_raw;          /* some added token has normalized=false */
     uint8_t added_first[2][256]; /* [normalized][byte]: 1 if an added token starts with it */
 
     int norm_flags[TOK_MAX_NORM]; /* utf8proc option sets, applied in order */
-    int n_norm;
-    bool nfc_only;            /* the normalizer is exactly NFC (fast path) */
-    tok_pre pre[TOK_MAX_PRE]; /* pre-tokenizer steps, applied in order */
-    int n_pre;
+    int n_norm;                   /* entries of norm_flags */
+    bool nfc_only;                /* the normalizer is exactly NFC (fast path) */
+    tok_pre pre[TOK_MAX_PRE];     /* pre-tokenizer steps, applied in order */
+    int n_pre;                    /* entries of pre */
 
     /* tokenizer_config.json */
     int32_t eos_id, pad_id, bos_id; /* -1 when absent */
@@ -649,6 +650,11 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
     }
     if (max_id < 0) {
         tok_set_err(err, cap, "%s: model.vocab is empty", path);
+        return -EINVAL;
+    }
+    if (max_id >= TOK_MAX_ID) {
+        tok_set_err(err, cap, "%s: token id %lld is too large (ids below %d are supported)", path,
+                    (long long)max_id, TOK_MAX_ID);
         return -EINVAL;
     }
     t->n_ids = (int32_t)(max_id + 1);

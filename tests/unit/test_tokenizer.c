@@ -595,6 +595,10 @@ static void test_load_errors(void **state) {
                "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": \"x\"}, \"merges\": []}}");
     expect_load_error(dir, "model.vocab[\"a\"]", "integer");
     write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 2000000000}, "
+               "\"merges\": []}}");
+    expect_load_error(dir, "tokenizer.json", "token id 2000000000 is too large");
+    write_text(dir, "tokenizer.json",
                "{\"normalizer\": {\"type\": \"Lowercase\"}, \"model\": {\"type\": \"BPE\", "
                "\"vocab\": {\"a\": 0}, \"merges\": []}}");
     expect_load_error(dir, "tokenizer.json", "unsupported normalizer type \"Lowercase\"");
