@@ -18,7 +18,10 @@ Outputs (JSON lines, one object per line, UTF-8):
   meta.json     library versions, and the id count and FNV-1a 64 hash of the ids
                 of the whole sotu corpus (../shared/data/sotu/sotu.txt.xz)
   chat.jsonl    {"name": ..., "messages": [...], "tools": [...] or null,
-                 "add_generation_prompt": bool, "text": HF rendering}
+                 "add_generation_prompt": bool, "text": HF rendering}; list contents
+                are joined with "\n" before rendering and, where
+                "parse_tool_arguments" is true, string tool-call arguments are
+                parsed (both as vLLM does before applying a template)
 The inputs are pseudo-random with a fixed seed, so rerunning gives the same
 files for the same library versions (recorded in meta.json).
 """
@@ -299,7 +302,29 @@ def gen_chats():
         ("parts_system_user", [parts_sys, parts_user], None),
         ("parts_tools", [parts_sys, parts_user], tools[1:]),
     ]
-    return convs, parts
+    # string arguments parsed first (chat_template_opts.parse_tool_arguments)
+    empty_args = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "search", "arguments": ""}},
+        {"type": "function", "function": {"name": "search",
+                                          "arguments": "{\"q\": [1.5, 2, {\"k\": null}]}"}}]}
+    parse = [
+        ("parsed_string_args", [u2, call_text, t1], tools),
+        ("parsed_empty_args", [u2, empty_args, t1, t2], tools),
+    ]
+    return convs, parts, parse
+
+
+def parse_arguments(messages):
+    """vLLM's _postprocess_messages: string tool-call arguments -> JSON."""
+    out = []
+    for m in messages:
+        m = json.loads(json.dumps(m))
+        for tc in m.get("tool_calls") or []:
+            fn = tc.get("function", tc)
+            a = fn.get("arguments")
+            fn["arguments"] = json.loads(a) if isinstance(a, str) and a else (a or {})
+        out.append(m)
+    return out
 
 
 def join_parts(messages):
@@ -399,17 +424,20 @@ def main():
         f.write("\n")
 
     hf = AutoTokenizer.from_pretrained(args.tokenizer_dir)
-    convs, parts = gen_chats()
+    convs, parts, parse = gen_chats()
     with open(os.path.join(args.out, "chat.jsonl"), "w", encoding="utf-8") as f:
-        for joined, group in ((False, convs), (True, parts)):
+        for joined, group in ((False, convs), (True, parts), (False, parse)):
             for name, msgs, tls in group:
                 for agp in (True, False):
                     render_msgs = join_parts(msgs) if joined else msgs
-                    text = hf.apply_chat_template(render_msgs, tools=tls, tokenize=False,
-                                                  add_generation_prompt=agp)
-                    f.write(json.dumps({"name": name, "messages": msgs, "tools": tls,
-                                        "add_generation_prompt": agp, "text": text},
-                                       ensure_ascii=False) + "\n")
+                    rec = {"name": name, "messages": msgs, "tools": tls,
+                           "add_generation_prompt": agp}
+                    if group is parse:
+                        render_msgs = parse_arguments(msgs)
+                        rec["parse_tool_arguments"] = True
+                    rec["text"] = hf.apply_chat_template(render_msgs, tools=tls, tokenize=False,
+                                                         add_generation_prompt=agp)
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     # the whole corpus: count and FNV-1a 64 of the ids (as little-endian uint32)
     ids = tok.encode(corpus).ids
     h = 0xcbf29ce484222325

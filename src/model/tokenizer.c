@@ -285,10 +285,17 @@ typedef struct tok_pre {
     bool add_prefix_space; /* ByteLevel: prepend ' ' to a piece not starting with one */
 } tok_pre;
 
+#define TOK_MAX_ID         (1 << 24) /* ids are dense: tables are sized by the largest */
 #define TOK_MAX_NORM       4
 #define TOK_MAX_PRE        4
-#define TOK_CACHE_SLOTS    16384 /* direct-mapped word cache */
+#define TOK_CACHE_SLOTS    65536 /* direct-mapped word cache */
 #define TOK_CACHE_MAX_WORD 64    /* words longer than this are not cached */
+
+typedef struct tok_merge {
+    uint64_t key;  /* left id << 32 | right id; UINT64_MAX when the slot is empty */
+    uint32_t rank; /* merge priority: index in model.merges (lower merges first) */
+    int32_t nid;   /* id of the merged token */
+} tok_merge;
 
 typedef struct tok_cache_slot {
     uint8_t *key;   /* word bytes (malloc'ed), NULL if empty */
@@ -300,7 +307,7 @@ typedef struct tok_cache_slot {
 struct tokenizer {
     /* ids: every id 0..n_ids-1 may or may not exist (has_id) */
     int32_t n_ids;       /* one more than the largest id */
-    uint8_t *has_id;     /* (n_ids) 1 if the id exists */
+    uint8_t *has_id;     /* (n_ids) 1: model vocab, 2: added token only, 0: unused id */
     uint8_t *is_special; /* (n_ids) 1 for added tokens marked special */
     uint8_t *arena;      /* decoded bytes of all tokens, back to back */
     size_t *tok_off;     /* (n_ids) offset of an id's bytes in arena */
@@ -314,21 +321,20 @@ struct tokenizer {
     bool ignore_merges;   /* BPE: a word found whole in the vocab is not merged */
 
     /* merges: (left << 32 | right) -> rank, merged id */
-    uint64_t *merge_key;  /* (merge_mask+1) keys, UINT64_MAX empty */
-    uint32_t *merge_rank; /* (merge_mask+1) */
-    int32_t *merge_new;   /* (merge_mask+1) */
-    size_t merge_mask;    /* table size - 1 */
+    tok_merge *merges; /* (merge_mask+1) slots, key UINT64_MAX when empty */
+    size_t merge_mask; /* table size - 1 */
 
-    tok_added *added; /* (n_added) added tokens, in tokenizer.json order */
-    size_t n_added;
+    tok_added *added;            /* (n_added) added tokens, in tokenizer.json order */
+    size_t n_added;              /* entries of added */
     bool any_added_norm;         /* some added token has normalized=true */
     bool any_added_raw;          /* some added token has normalized=false */
     uint8_t added_first[2][256]; /* [normalized][byte]: 1 if an added token starts with it */
 
     int norm_flags[TOK_MAX_NORM]; /* utf8proc option sets, applied in order */
-    int n_norm;
-    tok_pre pre[TOK_MAX_PRE]; /* pre-tokenizer steps, applied in order */
-    int n_pre;
+    int n_norm;                   /* entries of norm_flags */
+    bool nfc_only;                /* the normalizer is exactly NFC (fast path) */
+    tok_pre pre[TOK_MAX_PRE];     /* pre-tokenizer steps, applied in order */
+    int n_pre;                    /* entries of pre */
 
     /* tokenizer_config.json */
     int32_t eos_id, pad_id, bos_id; /* -1 when absent */
@@ -367,11 +373,11 @@ static bool merge_find(const tokenizer *t, int32_t a, int32_t b, uint32_t *rank,
     uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
     size_t i = tok_hash_u64(key) & t->merge_mask;
     for (;;) {
-        uint64_t k = t->merge_key[i];
+        uint64_t k = t->merges[i].key;
         if (k == UINT64_MAX) return false;
         if (k == key) {
-            *rank = t->merge_rank[i];
-            *nid = t->merge_new[i];
+            *rank = t->merges[i].rank;
+            *nid = t->merges[i].nid;
             return true;
         }
         i = (i + 1) & t->merge_mask;
@@ -382,13 +388,11 @@ static bool merge_find(const tokenizer *t, int32_t a, int32_t b, uint32_t *rank,
 static void merge_insert(tokenizer *t, int32_t a, int32_t b, uint32_t rank, int32_t nid) {
     uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
     size_t i = tok_hash_u64(key) & t->merge_mask;
-    while (t->merge_key[i] != UINT64_MAX) {
-        if (t->merge_key[i] == key) return;
+    while (t->merges[i].key != UINT64_MAX) {
+        if (t->merges[i].key == key) return;
         i = (i + 1) & t->merge_mask;
     }
-    t->merge_key[i] = key;
-    t->merge_rank[i] = rank;
-    t->merge_new[i] = nid;
+    t->merges[i] = (tok_merge){.key = key, .rank = rank, .nid = nid};
 }
 
 /* ======================================================================
@@ -648,6 +652,11 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
         tok_set_err(err, cap, "%s: model.vocab is empty", path);
         return -EINVAL;
     }
+    if (max_id >= TOK_MAX_ID) {
+        tok_set_err(err, cap, "%s: token id %lld is too large (ids below %d are supported)", path,
+                    (long long)max_id, TOK_MAX_ID);
+        return -EINVAL;
+    }
     t->n_ids = (int32_t)(max_id + 1);
     size_t n = (size_t)t->n_ids;
     t->has_id = calloc(n, 1);
@@ -702,11 +711,10 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
     /* merges */
     size_t nm = json_array_size(merges);
     t->merge_mask = tok_pow2_at_least(2 * nm + 16) - 1;
-    t->merge_key = malloc((t->merge_mask + 1) * sizeof(uint64_t));
-    t->merge_rank = malloc((t->merge_mask + 1) * sizeof(uint32_t));
-    t->merge_new = malloc((t->merge_mask + 1) * sizeof(int32_t));
-    if (!t->merge_key || !t->merge_rank || !t->merge_new) return -ENOMEM;
-    memset(t->merge_key, 0xff, (t->merge_mask + 1) * sizeof(uint64_t));
+    t->merges = malloc((t->merge_mask + 1) * sizeof(tok_merge));
+    if (!t->merges) return -ENOMEM;
+    for (size_t k = 0; k <= t->merge_mask; k++)
+        t->merges[k].key = UINT64_MAX;
     tok_bytes scratch = {0}, joined = {0};
     int rc = 0;
     json_array_foreach(merges, i, val) {
@@ -984,6 +992,7 @@ int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap) 
     if (!json_is_array(added)) added = NULL;
     json_t *empty = json_array();
     rc = tok_parse_normalizer(t, path, json_object_get(root, "normalizer"), err, err_cap);
+    t->nfc_only = t->n_norm == 1 && t->norm_flags[0] == (UTF8PROC_STABLE | UTF8PROC_COMPOSE);
     if (!rc) rc = tok_parse_model(t, path, model, added ? added : empty, err, err_cap);
     if (!rc && added) rc = tok_parse_added(t, path, added, err, err_cap);
     json_decref(empty);
@@ -1026,9 +1035,7 @@ void tokenizer_free(tokenizer *t) {
     free(t->tok_off);
     free(t->tok_len);
     free(t->vocab_ht);
-    free(t->merge_key);
-    free(t->merge_rank);
-    free(t->merge_new);
+    free(t->merges);
     for (size_t i = 0; i < t->n_added; i++)
         free(t->added[i].content);
     free(t->added);
@@ -1256,23 +1263,80 @@ static int enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n) {
  * pre-tokenizers and the model. */
 static int enc_added(enc_ctx *c, const uint8_t *s, size_t n, bool normalized);
 
+/* NFC fast path.  Text whose code points are all below U+0300 is NFC, and a
+ * character below U+0300 is a starter that is never the second half of a
+ * composition, so the boundary before it is safe: only spans holding a code
+ * point >= U+0300 (lead byte >= 0xCC), from the character before them to the
+ * next character below U+0300, go through utf8proc.  *out is NULL when s is
+ * already NFC. */
+static bool utf8_is_low_lead(uint8_t b) {
+    return b < 0x80 || (b >= 0xC2 && b < 0xCC);
+}
+
+static int tok_nfc_spans(const tokenizer *t, const uint8_t *s, size_t n, tok_bytes *out,
+                         bool *changed) {
+    *changed = false;
+    size_t pos = 0;
+    for (;;) {
+        size_t h = pos;
+        while (h < n && (s[h] < 0xCC || s[h] > 0xF4 || (s[h] & 0xC0) == 0x80))
+            h++;
+        if (h == n) break;
+        size_t seg = h;
+        if (h > pos) { /* start of the character before h */
+            seg = h - 1;
+            while (seg > pos && (s[seg] & 0xC0) == 0x80)
+                seg--;
+        }
+        size_t e = h + 1;
+        while (e < n && !utf8_is_low_lead(s[e]))
+            e++;
+        char *norm = NULL;
+        size_t nlen = 0;
+        if (tok_normalize(t, s + seg, e - seg, &norm, &nlen)) return -EILSEQ;
+        int rc = tok_bytes_append(out, s + pos, seg - pos);
+        if (!rc) rc = tok_bytes_append(out, norm, nlen);
+        free(norm);
+        if (rc) return rc;
+        *changed = true;
+        pos = e;
+    }
+    if (*changed) return tok_bytes_append(out, s + pos, n - pos);
+    return 0;
+}
+
 static int enc_normalized_piece(enc_ctx *c, const uint8_t *s, size_t n) {
     const tokenizer *t = c->t;
-    bool ascii = true;
-    for (size_t i = 0; i < n && ascii; i++)
-        ascii = s[i] < 0x80;
-    if (ascii || t->n_norm == 0) {
-        if (t->any_added_norm) return enc_added(c, s, n, true);
-        return enc_pre(c, 0, s, n);
-    }
     char *cur = NULL;
     size_t len = 0;
-    if (tok_normalize(t, s, n, &cur, &len)) {
-        tok_set_err(c->err, c->err_cap, "normalization failed");
-        return -EILSEQ;
+    int rc = 0;
+    if (t->nfc_only) {
+        tok_bytes b = {0};
+        bool changed;
+        rc = tok_nfc_spans(t, s, n, &b, &changed);
+        if (rc) {
+            free(b.v);
+            tok_set_err(c->err, c->err_cap, "normalization failed");
+            return rc;
+        }
+        cur = (char *)b.v;
+        len = b.n;
+        if (!changed) {
+            free(b.v);
+            cur = NULL;
+        }
+    } else if (t->n_norm > 0) {
+        bool ascii = true;
+        for (size_t i = 0; i < n && ascii; i++)
+            ascii = s[i] < 0x80;
+        if (!ascii && tok_normalize(t, s, n, &cur, &len)) {
+            tok_set_err(c->err, c->err_cap, "normalization failed");
+            return -EILSEQ;
+        }
     }
-    const uint8_t *u = (const uint8_t *)cur;
-    int rc = t->any_added_norm ? enc_added(c, u, len, true) : enc_pre(c, 0, u, len);
+    const uint8_t *u = cur ? (const uint8_t *)cur : s;
+    if (!cur) len = n;
+    rc = t->any_added_norm ? enc_added(c, u, len, true) : enc_pre(c, 0, u, len);
     free(cur);
     return rc;
 }

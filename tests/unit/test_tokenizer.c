@@ -15,6 +15,7 @@
 #include <cmocka.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,7 @@
 #include <unistd.h>
 
 #include <jansson.h>
+#include <utf8proc.h>
 
 #include "model/tokenizer.h"
 
@@ -337,9 +339,9 @@ static char *make_temp_dir(void) {
 }
 
 static void remove_temp_dir(char *d) {
-    const char *names[] = {"tokenizer.json", "tokenizer_config.json"};
+    const char *names[] = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"};
     char p[256];
-    for (size_t i = 0; i < 2; i++) {
+    for (size_t i = 0; i < 3; i++) {
         snprintf(p, sizeof(p), "%s/%s", d, names[i]);
         unlink(p);
     }
@@ -593,6 +595,10 @@ static void test_load_errors(void **state) {
                "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": \"x\"}, \"merges\": []}}");
     expect_load_error(dir, "model.vocab[\"a\"]", "integer");
     write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 2000000000}, "
+               "\"merges\": []}}");
+    expect_load_error(dir, "tokenizer.json", "token id 2000000000 is too large");
+    write_text(dir, "tokenizer.json",
                "{\"normalizer\": {\"type\": \"Lowercase\"}, \"model\": {\"type\": \"BPE\", "
                "\"vocab\": {\"a\": 0}, \"merges\": []}}");
     expect_load_error(dir, "tokenizer.json", "unsupported normalizer type \"Lowercase\"");
@@ -631,7 +637,151 @@ static void test_load_errors(void **state) {
     assert_int_equal(ids[0], 151644); /* add_bos_token honoured with add_special */
     free(ids);
     tokenizer_free(tok);
+    /* chat_template as a list of named templates: "default" is taken */
+    write_text(dir, "tokenizer_config.json",
+               "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"T\"}, "
+               "{\"name\": \"default\", \"template\": \"D\"}]}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_string_equal(tokenizer_chat_template(tok), "D");
+    tokenizer_free(tok);
+    write_text(dir, "tokenizer_config.json",
+               "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"T\"}]}");
+    expect_load_error(dir, "tokenizer_config.json", "no entry named \"default\"");
+    /* no chat_template in the config: chat_template.jinja beside it */
+    write_text(dir, "tokenizer_config.json", "{}");
+    write_text(dir, "chat_template.jinja", "{{ messages }}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_string_equal(tokenizer_chat_template(tok), "{{ messages }}");
+    assert_int_equal(tokenizer_eos_id(tok), -1);
+    tokenizer_free(tok);
     remove_temp_dir(dir);
+}
+
+/* Random strings dense in combining marks, Hangul jamo and bytes that are
+ * invalid UTF-8: encode either rejects them (invalid) or decode(encode(x))
+ * equals utf8proc's NFC of the whole string (checks the span-wise NFC fast
+ * path and that nothing is lost).  Never crashes. */
+static void test_random_strings(void **state) {
+    (void)state;
+    static const int32_t pool[] = {
+        'a',    'e',    'A',    ' ',     '\n',    '\'',   's',    '1',    0xE9,   0xC5,   0x212B,
+        0x2126, 0x0300, 0x0301, 0x0308,  0x0323,  0x0327, 0x030A, 0x0345, 0x1100, 0x1161, 0x11A8,
+        0xAC00, 0x0915, 0x093C, 0x0958,  0x0B47,  0x0B3E, 0x0CD5, 0x0DCF, 0x05B7, 0x0653, 0x3099,
+        0x304B, 0xFF8A, 0xFF9F, 0x1F44D, 0x1F3FD, 0x200D, 0xFE0F, 0x0F73, 0x0344, 0x0F71, 0x2ADC};
+    srand(12345);
+    size_t valid = 0, invalid = 0, bad = 0;
+    for (int iter = 0; iter < 3000; iter++) {
+        uint8_t buf[256];
+        size_t n = 0;
+        int len = 1 + rand() % 24;
+        bool inject = rand() % 5 == 0;
+        for (int k = 0; k < len; k++) {
+            if (inject && rand() % 8 == 0) {
+                buf[n++] = (uint8_t)(0x80 + rand() % 0x80); /* a stray byte */
+                continue;
+            }
+            n += (size_t)utf8proc_encode_char(pool[rand() % (sizeof(pool) / sizeof(pool[0]))],
+                                              buf + n);
+        }
+        int32_t *ids = NULL;
+        size_t nid;
+        char err[256];
+        int rc = tokenizer_encode(g_tok, (char *)buf, n, false, &ids, &nid, err, sizeof(err));
+        size_t off = tokenizer_utf8_check((char *)buf, n);
+        if (off < n) {
+            invalid++;
+            if (rc != -EILSEQ) bad++;
+            continue;
+        }
+        valid++;
+        assert_int_equal(rc, 0);
+        uint8_t *nfc = NULL;
+        utf8proc_ssize_t nl =
+            utf8proc_map(buf, (utf8proc_ssize_t)n, &nfc, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+        assert_true(nl >= 0);
+        char *txt;
+        size_t tl;
+        assert_int_equal(tokenizer_decode(g_tok, ids, nid, false, &txt, &tl, err, sizeof(err)), 0);
+        if (tl != (size_t)nl || memcmp(txt, nfc, tl) != 0) {
+            fprintf(stderr, "RANDOM MISMATCH iter %d\n", iter);
+            bad++;
+        }
+        free(txt);
+        free(nfc);
+        free(ids);
+    }
+    fprintf(stderr, "random strings: %zu valid, %zu invalid, %zu mismatches\n", valid, invalid,
+            bad);
+    assert_true(valid > 1000 && invalid > 100);
+    assert_int_equal(bad, 0);
+}
+
+/* ---- threads share one tokenizer (word cache, regex) --------------------- */
+
+typedef struct thread_vectors {
+    json_t **texts; /* (n) input strings */
+    json_t **ids;   /* (n) HF ids */
+    size_t n;       /* vectors */
+    size_t first;   /* this thread's starting vector */
+    size_t bad;     /* mismatches seen by this thread */
+} thread_vectors;
+
+static void collect_line(json_t *o, size_t lineno, void *arg) {
+    (void)lineno;
+    thread_vectors *v = arg;
+    v->texts[v->n] = json_incref(json_object_get(o, "text"));
+    v->ids[v->n] = json_incref(json_object_get(o, "ids"));
+    v->n++;
+}
+
+static void *encode_thread(void *arg) {
+    thread_vectors *v = arg;
+    /* every thread walks all vectors twice from its own offset, so threads
+     * hit the same cache slots at different times */
+    for (size_t r = 0; r < 2 * v->n; r++) {
+        size_t i = (v->first + r) % v->n;
+        size_t nw = json_array_size(v->ids[i]);
+        int32_t *ids;
+        size_t n;
+        bool ok =
+            tokenizer_encode(g_tok, json_string_value(v->texts[i]), json_string_length(v->texts[i]),
+                             false, &ids, &n, NULL, 0) == 0 &&
+            n == nw;
+        for (size_t k = 0; ok && k < n; k++)
+            ok = ids[k] == (int32_t)json_integer_value(json_array_get(v->ids[i], k));
+        if (ok) free(ids);
+        if (!ok) v->bad++;
+    }
+    return NULL;
+}
+
+static void test_threads(void **state) {
+    (void)state;
+    enum { NT = 4, MAXV = 4000 };
+    thread_vectors all = {.texts = calloc(MAXV, sizeof(json_t *)),
+                          .ids = calloc(MAXV, sizeof(json_t *))};
+    for_each_jsonl("encode.jsonl", collect_line, &all);
+    assert_true(all.n > 3000 && all.n <= MAXV);
+    thread_vectors tv[NT];
+    pthread_t th[NT];
+    for (int t = 0; t < NT; t++) {
+        tv[t] = all;
+        tv[t].first = (size_t)t * all.n / NT;
+        assert_int_equal(pthread_create(&th[t], NULL, encode_thread, &tv[t]), 0);
+    }
+    size_t bad = 0;
+    for (int t = 0; t < NT; t++) {
+        pthread_join(th[t], NULL);
+        bad += tv[t].bad;
+    }
+    fprintf(stderr, "threads: %d x %zu encodes, %zu mismatches\n", NT, 2 * all.n, bad);
+    assert_int_equal(bad, 0);
+    for (size_t i = 0; i < all.n; i++) {
+        json_decref(all.texts[i]);
+        json_decref(all.ids[i]);
+    }
+    free(all.texts);
+    free(all.ids);
 }
 
 /* ---- the whole corpus: HF's id count and hash, and the speed ------------ */
@@ -658,14 +808,17 @@ static void test_corpus_hash_and_speed(void **state) {
     if (!meta) fail_msg("%s: %s", path, je.text);
     assert_int_equal(len, json_integer_value(json_object_get(meta, "sotu_bytes")));
 
-    struct timespec t0, t1;
+    struct timespec t0, t1, c0, c1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
     int32_t *ids;
     size_t n;
     char err[256];
     assert_int_equal(tokenizer_encode(g_tok, text, len, false, &ids, &n, err, sizeof(err)), 0);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    double cs = (double)(c1.tv_sec - c0.tv_sec) + 1e-9 * (double)(c1.tv_nsec - c0.tv_nsec);
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < n; i++)
         for (int b = 0; b < 4; b++) {
@@ -675,9 +828,9 @@ static void test_corpus_hash_and_speed(void **state) {
     char hex[17];
     snprintf(hex, sizeof(hex), "%016llx", (unsigned long long)h);
     fprintf(stderr,
-            "sotu corpus: %zu bytes -> %zu tokens in %.3f s: %.0f tokens/s, %.1f MB/s (one "
-            "thread, cold word cache)\n",
-            len, n, s, (double)n / s, (double)len / s / 1e6);
+            "sotu corpus: %zu bytes -> %zu tokens in %.3f s wall, %.3f s CPU: %.0f tokens/s, "
+            "%.1f MB/s per CPU second (one thread)\n",
+            len, n, s, cs, (double)n / cs, (double)len / cs / 1e6);
     assert_int_equal(n, json_integer_value(json_object_get(meta, "sotu_n_ids")));
     assert_string_equal(hex, json_string_value(json_object_get(meta, "sotu_ids_fnv1a64")));
 
@@ -711,6 +864,8 @@ int main(void) {
         cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_decode_errors),
         cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_random_strings),
+        cmocka_unit_test(test_threads),
         cmocka_unit_test(test_corpus_hash_and_speed),
     };
     return cmocka_run_group_tests(tests, setup_all, teardown_all);
