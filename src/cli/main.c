@@ -19,6 +19,7 @@ typedef struct command {
 static const command COMMANDS[] = {
     {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
     {"bench", cmd_bench, "measurements: bench transfer"},
+    {"serve", cmd_serve, "OpenAI-compatible server: disagg serve [MODEL] --port 8000"},
 };
 #define NCOMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
 

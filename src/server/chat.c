@@ -44,9 +44,9 @@ static int chat_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t
     json_t *delta = json_object();
     json_object_set_new(delta, "content", json_stringn(c->text.data + c->sent, end - c->sent));
     oai_usage u;
-    json_t *chunk = oai_chat_chunk(r->id, r->created, r->s->model_name, c->index, delta,
-                                   c->logprobs, NULL, NULL, choice_usage(r, c, &u),
-                                   r->o.include_usage);
+    json_t *chunk =
+        oai_chat_chunk(r->id, r->created, r->s->model_name, c->index, delta, c->logprobs, NULL,
+                       NULL, choice_usage(r, c, &u), r->o.include_usage);
     c->logprobs = NULL;
     c->sent = end;
     return oai_sse_event(sse, chunk);
@@ -60,19 +60,21 @@ static int chat_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     if (r->o.parse_tool_calls &&
         tool_calls_parse(c->text.data ? c->text.data : "", c->text.len, &calls, &content_len) > 0) {
         if (content_len > c->sent)
-            json_object_set_new(delta, "content", json_stringn(c->text.data + c->sent, content_len - c->sent));
+            json_object_set_new(delta, "content",
+                                json_stringn(c->text.data + c->sent, content_len - c->sent));
         for (size_t i = 0; i < json_array_size(calls); i++)
             json_object_set_new(json_array_get(calls, i), "index", json_integer((json_int_t)i));
         json_object_set_new(delta, "tool_calls", calls);
         if (!strcmp(reason, "stop")) reason = "tool_calls";
     } else if (c->text.len > c->sent) {
-        json_object_set_new(delta, "content", json_stringn(c->text.data + c->sent, c->text.len - c->sent));
+        json_object_set_new(delta, "content",
+                            json_stringn(c->text.data + c->sent, c->text.len - c->sent));
     }
     c->sent = c->text.len;
     oai_usage u;
-    json_t *chunk = oai_chat_chunk(r->id, r->created, r->s->model_name, c->index, delta,
-                                   c->logprobs, reason, json_incref(c->stop_reason),
-                                   choice_usage(r, c, &u), r->o.include_usage);
+    json_t *chunk =
+        oai_chat_chunk(r->id, r->created, r->s->model_name, c->index, delta, c->logprobs, reason,
+                       json_incref(c->stop_reason), choice_usage(r, c, &u), r->o.include_usage);
     c->logprobs = NULL;
     return oai_sse_event(sse, chunk);
 }
@@ -103,7 +105,8 @@ static json_t *chat_build(gen_req *r) {
     return resp;
 }
 
-static const gen_ops CHAT_OPS = {chat_stream_start, chat_stream_delta, chat_stream_finish, chat_build};
+static const gen_ops CHAT_OPS = {chat_stream_start, chat_stream_delta, chat_stream_finish,
+                                 chat_build};
 
 /* Render and tokenize the conversation (shared with /tokenize). */
 int chat_render_ids(server *s, const json_t *messages, const json_t *tools,
@@ -158,7 +161,8 @@ void chat_handle(server *s, struct evhttp_request *req) {
         goto fail;
     r->n_pids[0] = (int)n;
     if (n == 0) {
-        oai_error_set(&r->err, 400, "BadRequestError", "messages", "the conversation renders to no tokens");
+        oai_error_set(&r->err, 400, "BadRequestError", "messages",
+                      "the conversation renders to no tokens");
         goto fail;
     }
     gen_start(r);

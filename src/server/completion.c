@@ -34,10 +34,9 @@ static int cmpl_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t
 static int cmpl_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     oai_usage u;
     size_t n = c->text.len - c->sent;
-    json_t *chunk = oai_completion_chunk(r->id, r->created, r->s->model_name, c->index,
-                                         c->text.data + c->sent, n, c->logprobs, c->finish_reason,
-                                         json_incref(c->stop_reason), choice_usage(r, c, &u),
-                                         r->o.include_usage);
+    json_t *chunk = oai_completion_chunk(
+        r->id, r->created, r->s->model_name, c->index, c->text.data + c->sent, n, c->logprobs,
+        c->finish_reason, json_incref(c->stop_reason), choice_usage(r, c, &u), r->o.include_usage);
     c->logprobs = NULL;
     c->sent = c->text.len;
     return oai_sse_event(sse, chunk);
@@ -59,11 +58,10 @@ static json_t *cmpl_build(gen_req *r) {
     json_t *choices = json_array();
     for (int i = 0; i < r->n_ch; i++) {
         gen_choice *c = &r->ch[i];
-        json_array_append_new(choices,
-                              oai_completion_choice(c->index, c->text.data, c->text.len,
-                                                    cmpl_logprobs(c), c->finish_reason,
-                                                    json_incref(c->stop_reason),
-                                                    json_incref(c->prompt_logprobs)));
+        json_array_append_new(choices, oai_completion_choice(c->index, c->text.data, c->text.len,
+                                                             cmpl_logprobs(c), c->finish_reason,
+                                                             json_incref(c->stop_reason),
+                                                             json_incref(c->prompt_logprobs)));
     }
     oai_usage u;
     gen_usage(r, &u);
@@ -98,7 +96,8 @@ static int cmpl_prepare_prompts(server *s, gen_req *r) {
             }
             if (nid == 0) {
                 free(ids);
-                oai_error_set(&r->err, 400, "BadRequestError", "prompt", "prompt %d encodes to no tokens", i);
+                oai_error_set(&r->err, 400, "BadRequestError", "prompt",
+                              "prompt %d encodes to no tokens", i);
                 return -1;
             }
             r->pids[i] = ids;
@@ -139,7 +138,8 @@ void completion_handle(server *s, struct evhttp_request *req) {
     }
     size_t len = 0;
     char *body = server_read_body(req, &len);
-    int rc = body ? oai_request_parse(&r->o, OAI_COMPLETIONS, body, len, &s->defaults, &r->err) : -1;
+    int rc =
+        body ? oai_request_parse(&r->o, OAI_COMPLETIONS, body, len, &s->defaults, &r->err) : -1;
     free(body);
     if (rc) {
         if (!body) oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-int detok_stream_init(detok_stream *d, const tokenizer *tok, bool skip_special,
-                      char *const *stops, int n_stops, bool include_stop) {
+int detok_stream_init(detok_stream *d, const tokenizer *tok, bool skip_special, char *const *stops,
+                      int n_stops, bool include_stop) {
     memset(d, 0, sizeof *d);
     d->tok = tok;
     tokenizer_stream_init(&d->ts, skip_special);
@@ -68,7 +68,8 @@ int detok_stream_push_text(detok_stream *d, const char *text, size_t n, sbuf *ou
     /* hold back what could still start a stop string, on a character boundary */
     if (d->held.len < d->max_stop) return 0;
     size_t release = d->held.len - (d->max_stop - 1);
-    while (release > 0 && ((unsigned char)d->held.data[release] & 0xC0) == 0x80) release--;
+    while (release > 0 && ((unsigned char)d->held.data[release] & 0xC0) == 0x80)
+        release--;
     if (release == 0) return 0;
     if ((rc = sbuf_append(out, d->held.data, release))) return rc;
     sbuf_consume(&d->held, release);

@@ -20,21 +20,21 @@
 #include <stdint.h>
 
 typedef struct detok_stream {
-    const tokenizer *tok;   /* decoder; NULL when only text is pushed (tests) */
-    tokenizer_stream ts;    /* pending bytes of an unfinished character */
-    char *scratch;          /* (scratch_cap) output of one decoder push */
-    size_t scratch_cap;     /* TOKENIZER_STREAM_OUT_CAP(tok) */
-    char *const *stops;     /* (n_stops) stop strings, borrowed from the request */
-    int n_stops;            /* 0: no stop strings, nothing is held back */
-    size_t max_stop;        /* longest stop string in bytes */
-    bool include_stop;      /* release the matched stop string too */
-    sbuf held;              /* decoded text not yet released */
-    int stop_index;         /* index of the matched stop string, -1 while running */
+    const tokenizer *tok; /* decoder; NULL when only text is pushed (tests) */
+    tokenizer_stream ts;  /* pending bytes of an unfinished character */
+    char *scratch;        /* (scratch_cap) output of one decoder push */
+    size_t scratch_cap;   /* TOKENIZER_STREAM_OUT_CAP(tok) */
+    char *const *stops;   /* (n_stops) stop strings, borrowed from the request */
+    int n_stops;          /* 0: no stop strings, nothing is held back */
+    size_t max_stop;      /* longest stop string in bytes */
+    bool include_stop;    /* release the matched stop string too */
+    sbuf held;            /* decoded text not yet released */
+    int stop_index;       /* index of the matched stop string, -1 while running */
 } detok_stream;
 
 /* stops must outlive the stream.  Returns 0 or -ENOMEM. */
-int detok_stream_init(detok_stream *d, const tokenizer *tok, bool skip_special,
-                      char *const *stops, int n_stops, bool include_stop);
+int detok_stream_init(detok_stream *d, const tokenizer *tok, bool skip_special, char *const *stops,
+                      int n_stops, bool include_stop);
 void detok_stream_free(detok_stream *d);
 
 /* Feed one token (needs tok) or a piece of text; the text that is now safe to

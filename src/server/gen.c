@@ -8,25 +8,27 @@
 
 #include <errno.h>
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 /* One engine event copied off the engine thread. */
 typedef struct gen_event {
-    struct gen_event *next;  /* queue link */
-    gen_choice *c;           /* the choice it belongs to */
-    engine_event_kind kind;  /* TOKEN or FINISHED */
-    engine_token tok;        /* TOKEN: the token */
-    char finish_reason[16];  /* FINISHED */
-    int32_t stop_token;      /* FINISHED: eos/stop id or -1 */
-    char *error;             /* FINISHED with "error" */
+    struct gen_event *next;              /* queue link */
+    gen_choice *c;                       /* the choice it belongs to */
+    engine_event_kind kind;              /* TOKEN or FINISHED */
+    engine_token tok;                    /* TOKEN: the token */
+    char finish_reason[16];              /* FINISHED */
+    int32_t stop_token;                  /* FINISHED: eos/stop id or -1 */
+    char *error;                         /* FINISHED with "error" */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
-    engine_token *prompt_lp; /* (n_prompt) prompt logprobs, or NULL */
+    engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
 } gen_event;
 
 /* ---- the engine thread side ---------------------------------------------- */
@@ -54,12 +56,15 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
         if (ev->prompt_logprobs && ev->n_prompt > 0) {
             g->prompt_lp = malloc((size_t)ev->n_prompt * sizeof *g->prompt_lp);
             if (g->prompt_lp)
-                memcpy(g->prompt_lp, ev->prompt_logprobs, (size_t)ev->n_prompt * sizeof *g->prompt_lp);
+                memcpy(g->prompt_lp, ev->prompt_logprobs,
+                       (size_t)ev->n_prompt * sizeof *g->prompt_lp);
         }
     }
     pthread_mutex_lock(&s->q_lock);
-    if (s->q_tail) s->q_tail->next = g;
-    else s->q_head = g;
+    if (s->q_tail)
+        s->q_tail->next = g;
+    else
+        s->q_head = g;
     s->q_tail = g;
     pthread_mutex_unlock(&s->q_lock);
     event_active(s->wake, EV_READ, 0);
@@ -110,23 +115,22 @@ void gen_req_free(gen_req *r) {
     free(r->ptext);
     free(r->ptext_len);
     free(r->x_request_id);
+    free(r->kv_params_text);
     oai_request_free(&r->o);
     free(r);
 }
+
+static void gen_abort_all(gen_req *r, const char *why);
 
 /* ---- output ------------------------------------------------------------------ */
 
 static void gen_close_cb(struct evhttp_connection *conn, void *arg) {
     gen_req *r = arg;
-    r->client_gone = true;
     r->conn = NULL;
-    int n = 0;
-    for (int i = 0; i < r->n_ch && r->s->eng; i++)
-        if (r->ch[i].submitted && !r->ch[i].engine_done) {
-            engine_abort(r->s->eng, r->ch[i].eid);
-            n++;
-        }
-    LOG_I("server", "%s: client disconnected, aborted %d engine request(s)", r->id, n);
+    r->detached = true;
+    if (r->client_gone) return;
+    r->client_gone = true;
+    gen_abort_all(r, "client disconnected");
 }
 
 void gen_send_chunk(gen_req *r, sbuf *sse) {
@@ -145,7 +149,8 @@ void gen_send_chunk(gen_req *r, sbuf *sse) {
 void gen_usage(const gen_req *r, oai_usage *u) {
     memset(u, 0, sizeof *u);
     int n = r->o.n;
-    for (int p = 0; p < r->n_prompts; p++) u->prompt_tokens += r->n_pids[p];
+    for (int p = 0; p < r->n_prompts; p++)
+        u->prompt_tokens += r->n_pids[p];
     for (int i = 0; i < r->n_ch; i++) {
         u->completion_tokens += r->ch[i].n_tokens;
         if (i % n == 0) u->cached_tokens += r->ch[i].n_cached;
@@ -160,15 +165,52 @@ json_t *gen_kv_transfer_params(gen_req *r) {
 }
 
 static void gen_free_and_account(gen_req *r) {
-    r->s->n_live--;
+    server *s = r->s;
+    s->n_live--;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        s->live = r->next;
+    if (r->next) r->next->prev = r->prev;
     gen_req_free(r);
+}
+
+static void gen_abort_all(gen_req *r, const char *why) {
+    int n = 0;
+    for (int i = 0; i < r->n_ch && r->s->eng; i++)
+        if (r->ch[i].submitted && !r->ch[i].engine_done) {
+            engine_abort(r->s->eng, r->ch[i].eid);
+            n++;
+        }
+    LOG_I("server", "%s: %s, aborted %d engine request(s)", r->id, why, n);
+}
+
+void gen_probe_clients(server *s) {
+    for (gen_req *r = s->live; r; r = r->next) {
+        if (r->client_gone || r->streaming || !r->conn) continue;
+        struct bufferevent *bev = evhttp_connection_get_bufferevent(r->conn);
+        evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+        if (fd < 0) continue;
+        char c;
+        ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            /* the reply will still be sent; libevent then notices and frees the connection */
+            r->client_gone = true;
+            gen_abort_all(r, "client closed the connection");
+        }
+    }
 }
 
 /* Every engine request has finished: send what is left and free. */
 static void gen_complete(gen_req *r) {
     if (r->client_gone) {
-        if (r->streaming) evhttp_send_reply_end(r->http); /* frees the detached request */
-        else evhttp_send_reply(r->http, 499, "Client Closed Request", NULL);
+        if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+        /* a detached request is freed by these; an attached one is answered and
+         * libevent notices the closed socket */
+        if (r->streaming)
+            evhttp_send_reply_end(r->http);
+        else
+            evhttp_send_reply(r->http, 499, "Client Closed Request", NULL);
         gen_free_and_account(r);
         return;
     }
@@ -189,8 +231,11 @@ static void gen_complete(gen_req *r) {
         server_reply_error(r->http, &r->err, r->x_request_id);
     } else {
         json_t *body = r->ops->build_response(r);
-        if (body) server_reply_json(r->http, 200, body, r->x_request_id);
-        else server_reply_errorf(r->http, 500, "InternalServerError", NULL, "out of memory rendering the response");
+        if (body)
+            server_reply_json(r->http, 200, body, r->x_request_id);
+        else
+            server_reply_errorf(r->http, 500, "InternalServerError", NULL,
+                                "out of memory rendering the response");
     }
     if (r->s->cfg.log_requests) {
         oai_usage u;
@@ -211,7 +256,8 @@ static void gen_choice_done(gen_choice *c, const char *reason) {
     uint64_t now = clock_now_ns();
     m->finished[metrics_finish_of(reason)]++;
     metrics_observe(&m->e2e, (double)(now - r->t_arrival) / 1e9);
-    if (c->n_tokens > 1) metrics_observe(&m->tpot, (double)(c->t_last - c->t_first) / 1e9 / (c->n_tokens - 1));
+    if (c->n_tokens > 1)
+        metrics_observe(&m->tpot, (double)(c->t_last - c->t_first) / 1e9 / (c->n_tokens - 1));
     if (r->streaming && !r->client_gone) {
         sbuf sse;
         sbuf_init(&sse, (size_t)1 << 30);
@@ -233,8 +279,10 @@ static void gen_add_logprobs(gen_choice *c, const engine_token *t) {
     gen_req *r = c->r;
     if (r->o.logprobs < 0) return;
     if (!c->logprobs) c->logprobs = r->chat ? oai_chat_logprobs_new() : oai_cmpl_logprobs_new();
-    if (r->chat) oai_chat_logprobs_add(c->logprobs, t, r->o.logprobs, &r->namer);
-    else oai_cmpl_logprobs_add(c->logprobs, t, r->o.logprobs, false, &c->text_offset, &r->namer);
+    if (r->chat)
+        oai_chat_logprobs_add(c->logprobs, t, r->o.logprobs, &r->namer);
+    else
+        oai_cmpl_logprobs_add(c->logprobs, t, r->o.logprobs, false, &c->text_offset, &r->namer);
 }
 
 static void gen_on_token(gen_choice *c, const engine_token *t) {
@@ -312,12 +360,13 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
         gen_send_chunk(r, &sse);
         sbuf_free(&sse);
     }
-    const char *reason = !strcmp(g->finish_reason, "stop") ? "stop"
+    const char *reason = !strcmp(g->finish_reason, "stop")     ? "stop"
                          : !strcmp(g->finish_reason, "length") ? "length"
                                                                : "abort";
     if (!strcmp(reason, "stop") && g->stop_token >= 0)
         for (int i = 0; i < r->o.n_stop_token_ids; i++)
-            if (r->o.stop_token_ids[i] == g->stop_token) c->stop_reason = json_integer(g->stop_token);
+            if (r->o.stop_token_ids[i] == g->stop_token)
+                c->stop_reason = json_integer(g->stop_token);
     gen_choice_done(c, reason);
 }
 
@@ -414,9 +463,10 @@ void gen_start(gen_req *r) {
     for (int p = 0; p < r->n_prompts; p++) {
         for (int i = 0; i < r->n_pids[p]; i++)
             if (r->pids[p][i] >= vocab) {
-                oai_error_set(&r->err, 400, "BadRequestError", r->chat ? "messages" : "prompt",
-                              "token id %d at position %d is out of range: the vocabulary has ids 0..%d",
-                              r->pids[p][i], i, vocab - 1);
+                oai_error_set(
+                    &r->err, 400, "BadRequestError", r->chat ? "messages" : "prompt",
+                    "token id %d at position %d is out of range: the vocabulary has ids 0..%d",
+                    r->pids[p][i], i, vocab - 1);
                 goto fail;
             }
         for (int i = 0; i < r->o.n_stop_token_ids; i++)
@@ -453,8 +503,18 @@ void gen_start(gen_req *r) {
                 if (((unsigned char)t[k] & 0xC0) != 0x80) c->text_offset++;
         }
     }
+    if (r->o.kv_transfer_params) {
+        r->kv_params_text = json_dumps(r->o.kv_transfer_params, JSON_COMPACT);
+        if (!r->kv_params_text) {
+            oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+            goto fail;
+        }
+    }
     r->conn = evhttp_request_get_connection(r->http);
     s->n_live++;
+    r->next = s->live;
+    if (s->live) s->live->prev = r;
+    s->live = r;
     for (int i = 0; i < r->n_ch; i++) {
         gen_choice *c = &r->ch[i];
         engine_request_params p;
@@ -469,6 +529,7 @@ void gen_start(gen_req *r) {
         p.sampling = r->o.sampling;
         if (p.sampling.has_seed) p.sampling.seed += (uint64_t)(i % r->o.n);
         p.request_id = r->id;
+        p.kv_transfer_params = r->kv_params_text;
         char err[512] = "";
         int rc = engine_submit(s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
         if (rc) {
@@ -476,7 +537,8 @@ void gen_start(gen_req *r) {
             oai_error_set(&r->err, rc == -EINVAL ? 400 : 500,
                           rc == -EINVAL ? "BadRequestError" : "InternalServerError", NULL, "%s",
                           err[0] ? err : "the engine refused the request");
-            for (int k = 0; k < i; k++) engine_abort(s->eng, r->ch[k].eid);
+            for (int k = 0; k < i; k++)
+                engine_abort(s->eng, r->ch[k].eid);
             break;
         }
         c->submitted = true;

@@ -43,15 +43,24 @@ void server_config_init(server_config *c) {
 
 static const char *status_reason(int status) {
     switch (status) {
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 413: return "Payload Too Large";
-    case 500: return "Internal Server Error";
-    case 503: return "Service Unavailable";
-    default: return "Error";
+    case 200:
+        return "OK";
+    case 400:
+        return "Bad Request";
+    case 401:
+        return "Unauthorized";
+    case 404:
+        return "Not Found";
+    case 405:
+        return "Method Not Allowed";
+    case 413:
+        return "Payload Too Large";
+    case 500:
+        return "Internal Server Error";
+    case 503:
+        return "Service Unavailable";
+    default:
+        return "Error";
     }
 }
 
@@ -59,8 +68,12 @@ void server_reply_json(struct evhttp_request *req, int status, json_t *body, con
     char *s = body ? json_dumps(body, JSON_COMPACT) : NULL;
     json_decref(body);
     struct evbuffer *b = evbuffer_new();
-    if (s) evbuffer_add(b, s, strlen(s));
-    else evbuffer_add_printf(b, "{\"error\":{\"message\":\"out of memory\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}");
+    if (s)
+        evbuffer_add(b, s, strlen(s));
+    else
+        evbuffer_add_printf(
+            b, "{\"error\":{\"message\":\"out of "
+               "memory\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}");
     free(s);
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
     evhttp_add_header(h, "Content-Type", "application/json");
@@ -134,7 +147,8 @@ static void handle_models(server *s, struct evhttp_request *req) {
     json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:n}", "id", s->model_name, "object", "model",
                           "created", (json_int_t)time(NULL), "owned_by", "disagg", "root",
                           s->cfg.model ? s->cfg.model : s->model_name, "parent");
-    if (m && s->max_model_len > 0) json_object_set_new(m, "max_model_len", json_integer(s->max_model_len));
+    if (m && s->max_model_len > 0)
+        json_object_set_new(m, "max_model_len", json_integer(s->max_model_len));
     server_reply_json(req, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m), NULL);
 }
 
@@ -159,11 +173,11 @@ static void handle_metrics(server *s, struct evhttp_request *req) {
 typedef void (*route_fn)(server *s, struct evhttp_request *req);
 
 typedef struct route {
-    const char *path;  /* exact path */
-    int method;        /* EVHTTP_REQ_GET or EVHTTP_REQ_POST */
-    int needs_engine;  /* 503 until the model is loaded */
-    int needs_key;     /* --api-key applies (the /v1 routes, as vLLM) */
-    route_fn fn;       /* handler */
+    const char *path; /* exact path */
+    int method;       /* EVHTTP_REQ_GET or EVHTTP_REQ_POST */
+    int needs_engine; /* 503 until the model is loaded */
+    int needs_key;    /* --api-key applies (the /v1 routes, as vLLM) */
+    route_fn fn;      /* handler */
 } route;
 
 static const route ROUTES[] = {
@@ -185,7 +199,8 @@ static int api_key_ok(server *s, struct evhttp_request *req) {
     h += 7;
     size_t a = strlen(h), b = strlen(s->cfg.api_key);
     unsigned diff = (unsigned)(a ^ b);
-    for (size_t i = 0; i < a && i < b; i++) diff |= (unsigned char)(h[i] ^ s->cfg.api_key[i]);
+    for (size_t i = 0; i < a && i < b; i++)
+        diff |= (unsigned char)(h[i] ^ s->cfg.api_key[i]);
     return diff == 0;
 }
 
@@ -209,16 +224,19 @@ static void http_dispatch(struct evhttp_request *req, void *arg) {
                             path);
         return;
     }
-    int allowed = match->method == EVHTTP_REQ_GET ? (EVHTTP_REQ_GET | EVHTTP_REQ_HEAD) : match->method;
+    int allowed =
+        match->method == EVHTTP_REQ_GET ? (EVHTTP_REQ_GET | EVHTTP_REQ_HEAD) : match->method;
     if (!(method & allowed)) {
         const char *m = match->method == EVHTTP_REQ_GET ? "GET" : "POST";
         evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", m);
-        server_reply_errorf(req, 405, "MethodNotAllowed", NULL, "Method not allowed on %s; accepted: %s", path, m);
+        server_reply_errorf(req, 405, "MethodNotAllowed", NULL,
+                            "Method not allowed on %s; accepted: %s", path, m);
         return;
     }
     if (match->needs_key && !api_key_ok(s, req)) {
-        server_reply_errorf(req, 401, "AuthenticationError", NULL,
-                            "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'");
+        server_reply_errorf(
+            req, 401, "AuthenticationError", NULL,
+            "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'");
         return;
     }
     if (match->needs_engine && atomic_load(&s->ready) != 1) {
@@ -248,7 +266,8 @@ static void *loader_main(void *arg) {
         goto fail;
     }
     const char *tt = tokenizer_chat_template(tok);
-    if (!tt) snprintf(s->tmpl_error, sizeof s->tmpl_error, "the model has no chat template");
+    if (!tt)
+        snprintf(s->tmpl_error, sizeof s->tmpl_error, "the model has no chat template");
     else if (chat_template_init(tt, &s->tmpl, err, sizeof err))
         snprintf(s->tmpl_error, sizeof s->tmpl_error, "%s", err);
     const model_config *mc = engine_model_config(e);
@@ -257,7 +276,8 @@ static void *loader_main(void *arg) {
         s->defaults.top_p = mc->gen_top_p;
         s->defaults.top_k = mc->gen_top_k;
         s->defaults.repetition_penalty = mc->gen_repetition_penalty;
-        LOG_I("server", "default sampling from generation_config.json: temperature %g top_p %g "
+        LOG_I("server",
+              "default sampling from generation_config.json: temperature %g top_p %g "
               "top_k %d repetition_penalty %g (a request's own values win)",
               mc->gen_temperature, mc->gen_top_p, mc->gen_top_k, mc->gen_repetition_penalty);
     }
@@ -286,7 +306,13 @@ static void on_ready(evutil_socket_t fd, short what, void *arg) {
     }
 }
 
-static void on_wake(evutil_socket_t fd, short what, void *arg) { gen_drain_events(arg); }
+static void on_wake(evutil_socket_t fd, short what, void *arg) {
+    gen_drain_events(arg);
+}
+
+static void on_probe(evutil_socket_t fd, short what, void *arg) {
+    gen_probe_clients(arg);
+}
 
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
     server *s = arg;
@@ -325,12 +351,16 @@ int server_run(const server_config *cfg) {
     evhttp_set_timeout(s->http, 600);
     evhttp_set_gencb(s->http, http_dispatch, s);
     if (!evhttp_bind_socket_with_handle(s->http, cfg->host, (ev_uint16_t)cfg->port)) {
-        LOG_E("server", "cannot listen on %s:%d: %s (is the port in use? choose another with --port)",
+        LOG_E("server",
+              "cannot listen on %s:%d: %s (is the port in use? choose another with --port)",
               cfg->host, cfg->port, strerror(errno));
         goto out;
     }
     s->wake = event_new(s->base, -1, 0, on_wake, s);
     s->ready_ev = event_new(s->base, -1, 0, on_ready, s);
+    s->probe = event_new(s->base, -1, EV_PERSIST, on_probe, s);
+    struct timeval probe_every = {0, 200 * 1000};
+    event_add(s->probe, &probe_every);
     s->sig_int = evsignal_new(s->base, SIGINT, on_signal, s);
     s->sig_term = evsignal_new(s->base, SIGTERM, on_signal, s);
     event_add(s->sig_int, NULL);
@@ -352,6 +382,7 @@ out:
     if (s->tok) tokenizer_free(s->tok);
     if (s->wake) event_free(s->wake);
     if (s->ready_ev) event_free(s->ready_ev);
+    if (s->probe) event_free(s->probe);
     if (s->sig_int) event_free(s->sig_int);
     if (s->sig_term) event_free(s->sig_term);
     if (s->base) event_base_free(s->base);

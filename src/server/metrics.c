@@ -14,8 +14,8 @@ static const double TTFT_BOUNDS[] = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.
                                      20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
 static const double ITL_BOUNDS[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
                                     0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
-static const double E2E_BOUNDS[] = {0.3,  0.5,  0.8,  1.0,   1.5,   2.0,   2.5,
-                                    5.0,  10.0, 15.0, 20.0,  30.0,  40.0,  50.0,
+static const double E2E_BOUNDS[] = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                    5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
                                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
 #define NB(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
@@ -35,7 +35,8 @@ void metrics_init(server_metrics *m) {
 
 void metrics_observe(metrics_histogram *h, double v) {
     int i = 0;
-    while (i < h->n_bounds && v > h->bounds[i]) i++; /* Prometheus buckets are le */
+    while (i < h->n_bounds && v > h->bounds[i])
+        i++; /* Prometheus buckets are le */
     h->buckets[i]++;
     h->count++;
     h->sum += v;
@@ -72,10 +73,14 @@ void metrics_format_value(double v, char *buf, size_t cap) {
 static int metrics_append_label(sbuf *out, const char *v) {
     int rc = 0;
     for (const char *p = v; *p && !rc; p++) {
-        if (*p == '\\') rc = sbuf_append(out, "\\\\", 2);
-        else if (*p == '"') rc = sbuf_append(out, "\\\"", 2);
-        else if (*p == '\n') rc = sbuf_append(out, "\\n", 2);
-        else rc = sbuf_append(out, p, 1);
+        if (*p == '\\')
+            rc = sbuf_append(out, "\\\\", 2);
+        else if (*p == '"')
+            rc = sbuf_append(out, "\\\"", 2);
+        else if (*p == '\n')
+            rc = sbuf_append(out, "\\n", 2);
+        else
+            rc = sbuf_append(out, p, 1);
     }
     return rc;
 }
@@ -87,7 +92,8 @@ typedef struct metrics_writer {
 } metrics_writer;
 
 static void mw_head(metrics_writer *w, const char *name, const char *type, const char *help) {
-    if (!w->rc) w->rc = sbuf_appendf(w->out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+    if (!w->rc)
+        w->rc = sbuf_appendf(w->out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
 /* name{extra,model_name="..."} value */
@@ -95,8 +101,9 @@ static void mw_sample(metrics_writer *w, const char *name, const char *suffix, c
                       double v) {
     char val[32];
     metrics_format_value(v, val, sizeof val);
-    if (!w->rc) w->rc = sbuf_appendf(w->out, "%s%s{%s%smodel_name=\"", name, suffix,
-                                     extra ? extra : "", extra ? "," : "");
+    if (!w->rc)
+        w->rc = sbuf_appendf(w->out, "%s%s{%s%smodel_name=\"", name, suffix, extra ? extra : "",
+                             extra ? "," : "");
     if (!w->rc) w->rc = metrics_append_label(w->out, w->model);
     if (!w->rc) w->rc = sbuf_appendf(w->out, "\"} %s\n", val);
 }
@@ -119,8 +126,10 @@ static void mw_hist(metrics_writer *w, const char *name, const char *help,
     char le[48], val[32];
     for (int i = 0; i <= h->n_bounds; i++) {
         cum += h->buckets[i];
-        if (i < h->n_bounds) metrics_format_value(h->bounds[i], val, sizeof val);
-        else snprintf(val, sizeof val, "+Inf");
+        if (i < h->n_bounds)
+            metrics_format_value(h->bounds[i], val, sizeof val);
+        else
+            snprintf(val, sizeof val, "+Inf");
         snprintf(le, sizeof le, "le=\"%s\"", val);
         mw_sample(w, name, "_bucket", le, (double)cum);
     }
@@ -178,7 +187,7 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
             &m->itl);
     mw_hist(&w, "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.", &m->tpot);
-    mw_hist(&w, "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.", &m->e2e);
+    mw_hist(&w, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            &m->e2e);
     return w.rc;
 }

@@ -19,11 +19,11 @@
 #define METRICS_MAX_BUCKETS 32
 
 typedef struct metrics_histogram {
-    const double *bounds;                 /* (n_bounds) upper bounds, ascending, without +Inf */
-    int n_bounds;                         /* <= METRICS_MAX_BUCKETS */
+    const double *bounds; /* (n_bounds) upper bounds, ascending, without +Inf */
+    int n_bounds;         /* <= METRICS_MAX_BUCKETS */
     uint64_t buckets[METRICS_MAX_BUCKETS + 1]; /* per bucket counts, last = above all bounds */
-    uint64_t count;                       /* observations */
-    double sum;                           /* sum of observations */
+    uint64_t count;                            /* observations */
+    double sum;                                /* sum of observations */
 } metrics_histogram;
 
 typedef enum metrics_finish {
@@ -35,12 +35,12 @@ typedef enum metrics_finish {
 } metrics_finish;
 
 typedef struct server_metrics {
-    metrics_histogram ttft;  /* vllm:time_to_first_token_seconds */
-    metrics_histogram itl;   /* vllm:inter_token_latency_seconds */
-    metrics_histogram tpot;  /* vllm:request_time_per_output_token_seconds */
-    metrics_histogram e2e;   /* vllm:e2e_request_latency_seconds */
+    metrics_histogram ttft;                  /* vllm:time_to_first_token_seconds */
+    metrics_histogram itl;                   /* vllm:inter_token_latency_seconds */
+    metrics_histogram tpot;                  /* vllm:request_time_per_output_token_seconds */
+    metrics_histogram e2e;                   /* vllm:e2e_request_latency_seconds */
     uint64_t finished[METRICS_FINISH_COUNT]; /* vllm:request_success_total by reason */
-    uint64_t http_requests;  /* disagg:http_requests_total */
+    uint64_t http_requests;                  /* disagg:http_requests_total */
 } server_metrics;
 
 void metrics_init(server_metrics *m);

@@ -12,8 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-void oai_error_set(oai_error *e, int status, const char *type, const char *param,
-                   const char *fmt, ...) {
+void oai_error_set(oai_error *e, int status, const char *type, const char *param, const char *fmt,
+                   ...) {
     e->status = status;
     e->type = type;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
@@ -26,8 +26,7 @@ void oai_error_set(oai_error *e, int status, const char *type, const char *param
 char *oai_error_json(const oai_error *e) {
     json_t *inner = json_pack("{s:s, s:s, s:o, s:i}", "message", e->message, "type",
                               e->type ? e->type : "BadRequestError", "param",
-                              e->param[0] ? json_string(e->param) : json_null(), "code",
-                              e->status);
+                              e->param[0] ? json_string(e->param) : json_null(), "code", e->status);
     if (!inner) return NULL;
     json_t *root = json_pack("{s:o}", "error", inner);
     if (!root) return NULL;
@@ -62,14 +61,21 @@ static int bad(oai_error *err, const char *key, const char *fmt, ...) {
 
 static const char *json_kind(const json_t *v) {
     switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "an array";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER: return "an integer";
-    case JSON_REAL: return "a number";
+    case JSON_OBJECT:
+        return "an object";
+    case JSON_ARRAY:
+        return "an array";
+    case JSON_STRING:
+        return "a string";
+    case JSON_INTEGER:
+        return "an integer";
+    case JSON_REAL:
+        return "a number";
     case JSON_TRUE:
-    case JSON_FALSE: return "a boolean";
-    default: return "null";
+    case JSON_FALSE:
+        return "a boolean";
+    default:
+        return "null";
     }
 }
 
@@ -98,8 +104,8 @@ static int get_i64(const json_t *o, const char *key, long long lo, long long hi,
                    json_kind(v));
     }
     if (x < lo || x > hi)
-        return bad(err, key, "'%s' must be an integer between %lld and %lld, got %lld", key, lo,
-                   hi, x);
+        return bad(err, key, "'%s' must be an integer between %lld and %lld, got %lld", key, lo, hi,
+                   x);
     *out = x;
     return 1;
 }
@@ -112,8 +118,8 @@ static int get_int(const json_t *o, const char *key, int lo, int hi, int *out, o
 }
 
 /* Numbers in [lo, hi] (lo_open: lo itself refused). */
-static int get_num(const json_t *o, const char *key, double lo, int lo_open, double hi,
-                   float *out, oai_error *err) {
+static int get_num(const json_t *o, const char *key, double lo, int lo_open, double hi, float *out,
+                   oai_error *err) {
     const json_t *v = json_object_get(o, key);
     if (!v || json_is_null(v)) return 0;
     const char *range_fmt = lo_open ? "'%s' must be a number greater than %g and at most %g"
@@ -131,27 +137,25 @@ static int get_num(const json_t *o, const char *key, double lo, int lo_open, dou
 static int get_string(const json_t *o, const char *key, const char **out, oai_error *err) {
     const json_t *v = json_object_get(o, key);
     if (!v || json_is_null(v)) return 0;
-    if (!json_is_string(v)) return bad(err, key, "'%s' must be a string, got %s", key, json_kind(v));
+    if (!json_is_string(v))
+        return bad(err, key, "'%s' must be a string, got %s", key, json_kind(v));
     *out = json_string_value(v);
     return 1;
 }
 
 /* ---- prompts ----------------------------------------------------------- */
 
-static int ids_from_array(const json_t *a, const char *key, int32_t **ids, int *n,
-                          oai_error *err) {
+static int ids_from_array(const json_t *a, const char *key, int32_t **ids, int *n, oai_error *err) {
     size_t len = json_array_size(a);
     *ids = malloc((len ? len : 1) * sizeof **ids);
     if (!*ids) return bad(err, key, "out of memory");
     for (size_t i = 0; i < len; i++) {
         const json_t *t = json_array_get(a, i);
-        if (!json_is_integer(t) || json_integer_value(t) < 0 ||
-            json_integer_value(t) > INT32_MAX) {
+        if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) > INT32_MAX) {
             free(*ids);
             *ids = NULL;
-            return bad(err, key,
-                       "'%s' token ids must be non-negative integers; element %zu is %s", key, i,
-                       json_is_integer(t) ? "negative or too large" : json_kind(t));
+            return bad(err, key, "'%s' token ids must be non-negative integers; element %zu is %s",
+                       key, i, json_is_integer(t) ? "negative or too large" : json_kind(t));
         }
         (*ids)[i] = (int32_t)json_integer_value(t);
     }
@@ -171,11 +175,11 @@ static int parse_prompt(oai_request *r, const json_t *body, oai_error *err) {
         r->prompts[0].text_len = json_string_length(p);
         r->prompts[0].text = strndup(json_string_value(p), r->prompts[0].text_len);
         if (!r->prompts[0].text) return bad(err, "prompt", "out of memory");
-        if (r->prompts[0].text_len == 0)
-            return bad(err, "prompt", "'prompt' must not be empty");
+        if (r->prompts[0].text_len == 0) return bad(err, "prompt", "'prompt' must not be empty");
         return 0;
     }
-    if (!json_is_array(p)) return bad(err, "prompt", "'prompt' must be %s, got %s", accepted, json_kind(p));
+    if (!json_is_array(p))
+        return bad(err, "prompt", "'prompt' must be %s, got %s", accepted, json_kind(p));
     size_t len = json_array_size(p);
     if (len == 0) return bad(err, "prompt", "'prompt' must not be empty");
     const json_t *first = json_array_get(p, 0);
@@ -185,7 +189,8 @@ static int parse_prompt(oai_request *r, const json_t *body, oai_error *err) {
         r->n_prompts = 1;
         return ids_from_array(p, "prompt", &r->prompts[0].ids, &r->prompts[0].n_ids, err);
     }
-    if (len > 1024) return bad(err, "prompt", "'prompt' holds %zu prompts; at most 1024 are accepted", len);
+    if (len > 1024)
+        return bad(err, "prompt", "'prompt' holds %zu prompts; at most 1024 are accepted", len);
     r->prompts = calloc(len, sizeof *r->prompts);
     if (!r->prompts) return bad(err, "prompt", "out of memory");
     r->n_prompts = (int)len;
@@ -202,7 +207,8 @@ static int parse_prompt(oai_request *r, const json_t *body, oai_error *err) {
                 return bad(err, "prompt", "'prompt' element %zu is an empty token list", i);
             if (ids_from_array(e, "prompt", &op->ids, &op->n_ids, err)) return -EINVAL;
         } else {
-            return bad(err, "prompt", "'prompt' must be %s; element %zu is %s (mixed lists are not accepted)",
+            return bad(err, "prompt",
+                       "'prompt' must be %s; element %zu is %s (mixed lists are not accepted)",
                        accepted, i, json_kind(e));
         }
     }
@@ -214,18 +220,22 @@ static int parse_stop(oai_request *r, const json_t *body, oai_error *err) {
     if (!s || json_is_null(s)) return 0;
     size_t n = json_is_string(s) ? 1 : json_is_array(s) ? json_array_size(s) : 0;
     if (!json_is_string(s) && !json_is_array(s))
-        return bad(err, "stop", "'stop' must be a string or a list of strings, got %s", json_kind(s));
+        return bad(err, "stop", "'stop' must be a string or a list of strings, got %s",
+                   json_kind(s));
     if (n > OAI_MAX_STOPS)
-        return bad(err, "stop", "'stop' holds %zu strings; at most %d are accepted", n, OAI_MAX_STOPS);
+        return bad(err, "stop", "'stop' holds %zu strings; at most %d are accepted", n,
+                   OAI_MAX_STOPS);
     r->stop = calloc(n ? n : 1, sizeof *r->stop);
     if (!r->stop) return bad(err, "stop", "out of memory");
     for (size_t i = 0; i < n; i++) {
         const json_t *e = json_is_string(s) ? s : json_array_get(s, i);
         if (!json_is_string(e))
-            return bad(err, "stop", "'stop' must be a string or a list of strings; element %zu is %s",
-                       i, json_kind(e));
+            return bad(err, "stop",
+                       "'stop' must be a string or a list of strings; element %zu is %s", i,
+                       json_kind(e));
         if (json_string_length(e) == 0 || strlen(json_string_value(e)) != json_string_length(e))
-            return bad(err, "stop", "'stop' strings must be non-empty and contain no NUL; element %zu is not",
+            return bad(err, "stop",
+                       "'stop' strings must be non-empty and contain no NUL; element %zu is not",
                        i);
         r->stop[i] = strdup(json_string_value(e));
         if (!r->stop[i]) return bad(err, "stop", "out of memory");
@@ -245,8 +255,9 @@ static int parse_stop_ids(oai_request *r, const json_t *body, oai_error *err) {
 
 /* Fields we cannot honour: refused rather than silently ignored. */
 static int refuse_unsupported(const json_t *body, oai_error *err) {
-    static const char *guided[] = {"guided_json", "guided_regex", "guided_choice",
-                                   "guided_grammar", "structured_outputs", "guided_decoding_backend"};
+    static const char *guided[] = {"guided_json",        "guided_regex",
+                                   "guided_choice",      "guided_grammar",
+                                   "structured_outputs", "guided_decoding_backend"};
     for (size_t i = 0; i < sizeof guided / sizeof guided[0]; i++) {
         const json_t *v = json_object_get(body, guided[i]);
         if (v && !json_is_null(v))
@@ -255,16 +266,19 @@ static int refuse_unsupported(const json_t *body, oai_error *err) {
     }
     const json_t *v = json_object_get(body, "logit_bias");
     if (v && !json_is_null(v) && !(json_is_object(v) && json_object_size(v) == 0))
-        return bad(err, "logit_bias", "'logit_bias' is not supported by this server; accepted: null or {}");
+        return bad(err, "logit_bias",
+                   "'logit_bias' is not supported by this server; accepted: null or {}");
     v = json_object_get(body, "response_format");
     if (v && !json_is_null(v)) {
         const json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
         if (!json_is_string(t) || strcmp(json_string_value(t), "text"))
             return bad(err, "response_format",
-                       "'response_format' type must be \"text\"; json_object and json_schema are not supported");
+                       "'response_format' type must be \"text\"; json_object and json_schema are "
+                       "not supported");
     }
     v = json_object_get(body, "use_beam_search");
-    if (json_is_true(v)) return bad(err, "use_beam_search", "beam search is not supported; accepted: false");
+    if (json_is_true(v))
+        return bad(err, "use_beam_search", "beam search is not supported; accepted: false");
     return 0;
 }
 
@@ -287,7 +301,8 @@ static int parse_sampling(oai_request *r, const json_t *body, const oai_defaults
     if (get_num(body, "top_p", 0.0, 1, 1.0, &s->top_p, err) < 0) return -EINVAL;
     const json_t *tk = json_object_get(body, "top_k");
     if (tk && !json_is_null(tk)) {
-        if (!json_is_integer(tk) || json_integer_value(tk) < -1 || json_integer_value(tk) > INT32_MAX)
+        if (!json_is_integer(tk) || json_integer_value(tk) < -1 ||
+            json_integer_value(tk) > INT32_MAX)
             return bad(err, "top_k",
                        "'top_k' must be -1 or 0 (disabled) or a positive integer, got %s",
                        json_is_integer(tk) ? "a value below -1" : json_kind(tk));
@@ -295,7 +310,8 @@ static int parse_sampling(oai_request *r, const json_t *body, const oai_defaults
         if (s->top_k < 0) s->top_k = 0;
     }
     if (get_num(body, "min_p", 0.0, 0, 1.0, &s->min_p, err) < 0) return -EINVAL;
-    if (get_num(body, "presence_penalty", -2.0, 0, 2.0, &s->presence_penalty, err) < 0) return -EINVAL;
+    if (get_num(body, "presence_penalty", -2.0, 0, 2.0, &s->presence_penalty, err) < 0)
+        return -EINVAL;
     if (get_num(body, "frequency_penalty", -2.0, 0, 2.0, &s->frequency_penalty, err) < 0)
         return -EINVAL;
     if (get_num(body, "repetition_penalty", 0.0, 1, 1e6, &s->repetition_penalty, err) < 0)
@@ -315,7 +331,8 @@ static int parse_stream(oai_request *r, const json_t *body, oai_error *err) {
     const json_t *so = json_object_get(body, "stream_options");
     if (!so || json_is_null(so)) return 0;
     if (!json_is_object(so))
-        return bad(err, "stream_options", "'stream_options' must be an object, got %s", json_kind(so));
+        return bad(err, "stream_options", "'stream_options' must be an object, got %s",
+                   json_kind(so));
     if (!r->stream)
         return bad(err, "stream_options", "'stream_options' can only be set when 'stream' is true");
     if (get_bool(so, "include_usage", &r->include_usage, err) < 0) return -EINVAL;
@@ -340,26 +357,33 @@ static int parse_model(oai_request *r, const json_t *body, const oai_defaults *d
 
 static int parse_chat(oai_request *r, const json_t *body, oai_error *err) {
     const json_t *m = json_object_get(body, "messages");
-    if (!m || json_is_null(m)) return bad(err, "messages", "'messages' is required: a non-empty list of messages");
+    if (!m || json_is_null(m))
+        return bad(err, "messages", "'messages' is required: a non-empty list of messages");
     if (!json_is_array(m) || json_array_size(m) == 0)
-        return bad(err, "messages", "'messages' must be a non-empty list of message objects, got %s",
+        return bad(err, "messages",
+                   "'messages' must be a non-empty list of message objects, got %s",
                    json_is_array(m) ? "an empty list" : json_kind(m));
     for (size_t i = 0; i < json_array_size(m); i++)
         if (!json_is_object(json_array_get(m, i)))
-            return bad(err, "messages", "'messages' element %zu must be an object with 'role' and 'content', got %s",
+            return bad(err, "messages",
+                       "'messages' element %zu must be an object with 'role' and 'content', got %s",
                        i, json_kind(json_array_get(m, i)));
     r->messages = json_incref((json_t *)m);
     const json_t *t = json_object_get(body, "tools");
     if (t && !json_is_null(t)) {
-        if (!json_is_array(t)) return bad(err, "tools", "'tools' must be a list of tool objects, got %s", json_kind(t));
+        if (!json_is_array(t))
+            return bad(err, "tools", "'tools' must be a list of tool objects, got %s",
+                       json_kind(t));
         for (size_t i = 0; i < json_array_size(t); i++) {
             const json_t *e = json_array_get(t, i);
             const json_t *f = json_object_get(e, "function");
             const json_t *ty = json_object_get(e, "type");
-            if (!json_is_object(e) || !json_is_object(f) || !json_is_string(json_object_get(f, "name")) ||
+            if (!json_is_object(e) || !json_is_object(f) ||
+                !json_is_string(json_object_get(f, "name")) ||
                 (ty && !(json_is_string(ty) && !strcmp(json_string_value(ty), "function"))))
                 return bad(err, "tools",
-                           "'tools' element %zu must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}",
+                           "'tools' element %zu must be {\"type\": \"function\", \"function\": "
+                           "{\"name\": ..., \"parameters\": ...}}",
                            i);
         }
         if (json_array_size(t) > 0) r->tools = json_incref((json_t *)t);
@@ -367,24 +391,31 @@ static int parse_chat(oai_request *r, const json_t *body, oai_error *err) {
     const json_t *tc = json_object_get(body, "tool_choice");
     bool auto_choice = true;
     if (tc && !json_is_null(tc)) {
-        if (json_is_string(tc) && !strcmp(json_string_value(tc), "none")) auto_choice = false;
+        if (json_is_string(tc) && !strcmp(json_string_value(tc), "none"))
+            auto_choice = false;
         else if (!(json_is_string(tc) && !strcmp(json_string_value(tc), "auto")))
-            return bad(err, "tool_choice",
-                       "'tool_choice' must be \"auto\" or \"none\"; \"required\" and named tool choice "
-                       "need structured output, which this server does not support");
+            return bad(
+                err, "tool_choice",
+                "'tool_choice' must be \"auto\" or \"none\"; \"required\" and named tool choice "
+                "need structured output, which this server does not support");
     }
     r->parse_tool_calls = r->tools && auto_choice;
     r->add_generation_prompt = true;
     if (get_bool(body, "add_generation_prompt", &r->add_generation_prompt, err) < 0) return -EINVAL;
     bool cont = false;
     if (get_bool(body, "continue_final_message", &cont, err) < 0) return -EINVAL;
-    if (cont) return bad(err, "continue_final_message", "'continue_final_message' is not supported; accepted: false");
+    if (cont)
+        return bad(err, "continue_final_message",
+                   "'continue_final_message' is not supported; accepted: false");
     const char *tmpl = NULL;
     if (get_string(body, "chat_template", &tmpl, err) < 0) return -EINVAL;
-    if (tmpl) return bad(err, "chat_template", "a per-request 'chat_template' is not supported; the model's template is used");
+    if (tmpl)
+        return bad(err, "chat_template",
+                   "a per-request 'chat_template' is not supported; the model's template is used");
     bool echo = false;
     if (get_bool(body, "echo", &echo, err) < 0) return -EINVAL;
-    if (echo) return bad(err, "echo", "'echo' is not supported for chat completions; accepted: false");
+    if (echo)
+        return bad(err, "echo", "'echo' is not supported for chat completions; accepted: false");
     /* logprobs: bool + top_logprobs */
     bool lp = false;
     if (get_bool(body, "logprobs", &lp, err) < 0) return -EINVAL;
@@ -443,7 +474,8 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     long long best_of = 0;
     if (get_i64(root, "best_of", 1, OAI_MAX_N, &best_of, err) < 0) goto out;
     if (best_of && best_of != r->n) {
-        bad(err, "best_of", "'best_of' must equal 'n' (%d); best-of sampling is not supported", r->n);
+        bad(err, "best_of", "'best_of' must equal 'n' (%d); best-of sampling is not supported",
+            r->n);
         goto out;
     }
     if (get_int(root, "min_tokens", 0, INT32_MAX, &r->min_tokens, err) < 0) goto out;
@@ -456,10 +488,13 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     if (parse_stop(r, root, err) || parse_stop_ids(r, root, err)) goto out;
     if (parse_sampling(r, root, d, err)) goto out;
     if (parse_stream(r, root, err)) goto out;
-    if (get_int(root, "prompt_logprobs", 0, OAI_MAX_LOGPROBS, &r->prompt_logprobs, err) < 0) goto out;
-    if (get_bool(root, "return_tokens_as_token_ids", &r->return_tokens_as_token_ids, err) < 0) goto out;
+    if (get_int(root, "prompt_logprobs", 0, OAI_MAX_LOGPROBS, &r->prompt_logprobs, err) < 0)
+        goto out;
+    if (get_bool(root, "return_tokens_as_token_ids", &r->return_tokens_as_token_ids, err) < 0)
+        goto out;
     if (get_bool(root, "skip_special_tokens", &r->skip_special_tokens, err) < 0) goto out;
-    if (get_bool(root, "include_stop_str_in_output", &r->include_stop_str_in_output, err) < 0) goto out;
+    if (get_bool(root, "include_stop_str_in_output", &r->include_stop_str_in_output, err) < 0)
+        goto out;
     if (get_bool(root, "add_special_tokens", &r->add_special_tokens, err) < 0) goto out;
     if (r->stream && r->prompt_logprobs >= 0) {
         bad(err, "prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true");
@@ -494,7 +529,8 @@ void oai_request_free(oai_request *r) {
     free(r->prompts);
     json_decref(r->messages);
     json_decref(r->tools);
-    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    for (int i = 0; i < r->n_stop; i++)
+        free(r->stop[i]);
     free(r->stop);
     free(r->stop_token_ids);
     json_decref(r->kv_transfer_params);

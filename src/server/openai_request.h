@@ -34,8 +34,8 @@ typedef struct oai_error {
     char message[1024]; /* what was wrong and what is accepted */
 } oai_error;
 
-void oai_error_set(oai_error *e, int status, const char *type, const char *param,
-                   const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+void oai_error_set(oai_error *e, int status, const char *type, const char *param, const char *fmt,
+                   ...) __attribute__((format(printf, 5, 6)));
 /* {"error":{"message","type","param","code"}} (vLLM's ErrorResponse shape);
  * malloc'ed compact JSON, NULL on allocation failure. */
 char *oai_error_json(const oai_error *e);
@@ -60,35 +60,35 @@ typedef struct oai_prompt {
 } oai_prompt;
 
 typedef struct oai_request {
-    oai_kind kind;               /* which endpoint */
-    char *model;                 /* "model" as given, NULL when absent */
-    oai_prompt *prompts;         /* (n_prompts) completions prompts */
-    int n_prompts;               /* >= 1 for completions, 0 for chat */
-    json_t *messages;            /* chat: the messages array (own reference) */
-    json_t *tools;               /* chat: tools array or NULL (own reference) */
-    bool add_generation_prompt;  /* chat: end the prompt with the assistant header */
-    bool parse_tool_calls;       /* chat: tools given and tool_choice is "auto" */
-    bool add_special_tokens;     /* tokenizer's bos/eos (completions: true, chat: false) */
-    int n;                       /* choices per prompt */
-    int max_tokens;              /* -1: as many as max_model_len allows */
-    int min_tokens;              /* eos/stop ignored before this many tokens */
-    bool ignore_eos;             /* keep generating past eos */
-    char **stop;                 /* (n_stop) stop strings */
-    int n_stop;                  /* stop strings given */
-    int32_t *stop_token_ids;     /* (n_stop_token_ids) extra stop ids */
-    int n_stop_token_ids;        /* stop ids given */
-    engine_sampling sampling;    /* temperature ... seed, logprobs, prompt_logprobs */
-    int logprobs;                /* -1: none; N: chosen token + top N (completions
-                                    "logprobs", chat "top_logprobs" with "logprobs") */
-    int prompt_logprobs;         /* -1: none; N: vLLM's prompt_logprobs field */
-    bool echo;                   /* completions: prepend the prompt to the text */
-    bool stream;                 /* Server-Sent Events */
-    bool include_usage;          /* stream_options.include_usage */
-    bool continuous_usage_stats; /* stream_options.continuous_usage_stats */
+    oai_kind kind;                   /* which endpoint */
+    char *model;                     /* "model" as given, NULL when absent */
+    oai_prompt *prompts;             /* (n_prompts) completions prompts */
+    int n_prompts;                   /* >= 1 for completions, 0 for chat */
+    json_t *messages;                /* chat: the messages array (own reference) */
+    json_t *tools;                   /* chat: tools array or NULL (own reference) */
+    bool add_generation_prompt;      /* chat: end the prompt with the assistant header */
+    bool parse_tool_calls;           /* chat: tools given and tool_choice is "auto" */
+    bool add_special_tokens;         /* tokenizer's bos/eos (completions: true, chat: false) */
+    int n;                           /* choices per prompt */
+    int max_tokens;                  /* -1: as many as max_model_len allows */
+    int min_tokens;                  /* eos/stop ignored before this many tokens */
+    bool ignore_eos;                 /* keep generating past eos */
+    char **stop;                     /* (n_stop) stop strings */
+    int n_stop;                      /* stop strings given */
+    int32_t *stop_token_ids;         /* (n_stop_token_ids) extra stop ids */
+    int n_stop_token_ids;            /* stop ids given */
+    engine_sampling sampling;        /* temperature ... seed, logprobs, prompt_logprobs */
+    int logprobs;                    /* -1: none; N: chosen token + top N (completions
+                                        "logprobs", chat "top_logprobs" with "logprobs") */
+    int prompt_logprobs;             /* -1: none; N: vLLM's prompt_logprobs field */
+    bool echo;                       /* completions: prepend the prompt to the text */
+    bool stream;                     /* Server-Sent Events */
+    bool include_usage;              /* stream_options.include_usage */
+    bool continuous_usage_stats;     /* stream_options.continuous_usage_stats */
     bool return_tokens_as_token_ids; /* logprob tokens as "token_id:N" */
-    bool skip_special_tokens;    /* drop special tokens from the text (default) */
+    bool skip_special_tokens;        /* drop special tokens from the text (default) */
     bool include_stop_str_in_output; /* keep the matched stop string */
-    json_t *kv_transfer_params;  /* vLLM extension, own reference or NULL */
+    json_t *kv_transfer_params;      /* vLLM extension, own reference or NULL */
 } oai_request;
 
 /* Parse body (len bytes).  Returns 0, or -EINVAL with err filled (the

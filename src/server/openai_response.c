@@ -10,17 +10,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-static json_t *nullable(json_t *x) { return x ? x : json_null(); }
+static json_t *nullable(json_t *x) {
+    return x ? x : json_null();
+}
 
 json_t *oai_usage_json(const oai_usage *u) {
     json_t *o = json_object();
     json_object_set_new(o, "prompt_tokens", json_integer(u->prompt_tokens));
     json_object_set_new(o, "total_tokens", json_integer(u->prompt_tokens + u->completion_tokens));
     json_object_set_new(o, "completion_tokens", json_integer(u->completion_tokens));
-    json_object_set_new(o, "prompt_tokens_details",
-                        u->cached_tokens < 0
-                            ? json_null()
-                            : json_pack("{s:i}", "cached_tokens", u->cached_tokens));
+    json_object_set_new(
+        o, "prompt_tokens_details",
+        u->cached_tokens < 0 ? json_null() : json_pack("{s:i}", "cached_tokens", u->cached_tokens));
     return o;
 }
 
@@ -71,7 +72,8 @@ int oai_cmpl_logprobs_add(json_t *lp, const engine_token *t, int n_top, bool no_
                 json_decref(top);
                 goto out;
             }
-            json_object_set_new(top, json_string_value(s), json_real(oai_logprob_value(t->top_logprobs[i])));
+            json_object_set_new(top, json_string_value(s),
+                                json_real(oai_logprob_value(t->top_logprobs[i])));
             json_decref(s);
         }
         /* vLLM adds the sampled token when it is not among the top n */
@@ -81,7 +83,8 @@ int oai_cmpl_logprobs_add(json_t *lp, const engine_token *t, int n_top, bool no_
             goto out;
         }
         if (!json_object_get(top, json_string_value(s)))
-            json_object_set_new(top, json_string_value(s), json_real(oai_logprob_value(t->logprob)));
+            json_object_set_new(top, json_string_value(s),
+                                json_real(oai_logprob_value(t->logprob)));
         json_decref(s);
     }
     json_array_append_new(json_object_get(lp, "top_logprobs"), top);
@@ -91,11 +94,14 @@ out:
     return rc;
 }
 
-json_t *oai_chat_logprobs_new(void) { return json_pack("{s:[]}", "content"); }
+json_t *oai_chat_logprobs_new(void) {
+    return json_pack("{s:[]}", "content");
+}
 
 static json_t *bytes_array(const char *s, size_t n) {
     json_t *a = json_array();
-    for (size_t i = 0; i < n; i++) json_array_append_new(a, json_integer((unsigned char)s[i]));
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(a, json_integer((unsigned char)s[i]));
     return a;
 }
 
@@ -162,7 +168,8 @@ json_t *oai_prompt_logprobs_json(const engine_token *pl, int n, int n_top, const
         for (int k = 0; k < t->n_top; k++)
             if (t->top_ids[k] == t->id) found = k;
         snprintf(key, sizeof key, "%d", t->id);
-        json_t *e = prompt_lp_entry(nm, t->id, t->logprob, found >= 0 ? json_integer(found + 1) : NULL, &tmp);
+        json_t *e = prompt_lp_entry(nm, t->id, t->logprob,
+                                    found >= 0 ? json_integer(found + 1) : NULL, &tmp);
         if (!e) goto fail;
         json_object_set_new(o, key, e);
         int m = n_top < t->n_top ? n_top : t->n_top;
@@ -192,7 +199,8 @@ json_t *oai_completion_choice(int index, const char *text, size_t len, json_t *l
     json_object_set_new(c, "index", json_integer(index));
     json_object_set_new(c, "text", json_stringn(text ? text : "", text ? len : 0));
     json_object_set_new(c, "logprobs", nullable(logprobs));
-    json_object_set_new(c, "finish_reason", finish_reason ? json_string(finish_reason) : json_null());
+    json_object_set_new(c, "finish_reason",
+                        finish_reason ? json_string(finish_reason) : json_null());
     json_object_set_new(c, "stop_reason", nullable(stop_reason));
     json_object_set_new(c, "prompt_logprobs", nullable(prompt_logprobs));
     return c;
@@ -204,13 +212,15 @@ json_t *oai_chat_choice(int index, const char *content, size_t len, bool content
     json_t *msg = json_object();
     json_object_set_new(msg, "role", json_string("assistant"));
     json_object_set_new(msg, "content",
-                        content_null ? json_null() : json_stringn(content ? content : "", content ? len : 0));
+                        content_null ? json_null()
+                                     : json_stringn(content ? content : "", content ? len : 0));
     json_object_set_new(msg, "tool_calls", tool_calls ? tool_calls : json_array());
     json_t *c = json_object();
     json_object_set_new(c, "index", json_integer(index));
     json_object_set_new(c, "message", msg);
     json_object_set_new(c, "logprobs", nullable(logprobs));
-    json_object_set_new(c, "finish_reason", finish_reason ? json_string(finish_reason) : json_null());
+    json_object_set_new(c, "finish_reason",
+                        finish_reason ? json_string(finish_reason) : json_null());
     json_object_set_new(c, "stop_reason", nullable(stop_reason));
     return c;
 }
@@ -235,20 +245,23 @@ json_t *oai_response(bool chat, const char *id, long long created, const char *m
 }
 
 static void set_usage(json_t *o, const oai_usage *usage, bool usage_null) {
-    if (usage) json_object_set_new(o, "usage", oai_usage_json(usage));
-    else if (usage_null) json_object_set_new(o, "usage", json_null());
+    if (usage)
+        json_object_set_new(o, "usage", oai_usage_json(usage));
+    else if (usage_null)
+        json_object_set_new(o, "usage", json_null());
 }
 
 json_t *oai_completion_chunk(const char *id, long long created, const char *model, int index,
                              const char *text, size_t len, json_t *logprobs,
-                             const char *finish_reason, json_t *stop_reason,
-                             const oai_usage *usage, bool usage_null) {
+                             const char *finish_reason, json_t *stop_reason, const oai_usage *usage,
+                             bool usage_null) {
     json_t *o = envelope("text_completion", id, created, model);
     json_t *c = json_object();
     json_object_set_new(c, "index", json_integer(index));
     json_object_set_new(c, "text", json_stringn(text ? text : "", text ? len : 0));
     json_object_set_new(c, "logprobs", nullable(logprobs));
-    json_object_set_new(c, "finish_reason", finish_reason ? json_string(finish_reason) : json_null());
+    json_object_set_new(c, "finish_reason",
+                        finish_reason ? json_string(finish_reason) : json_null());
     json_object_set_new(c, "stop_reason", nullable(stop_reason));
     json_object_set_new(o, "choices", json_pack("[o]", c));
     set_usage(o, usage, usage_null);
@@ -263,7 +276,8 @@ json_t *oai_chat_chunk(const char *id, long long created, const char *model, int
     json_object_set_new(c, "index", json_integer(index));
     json_object_set_new(c, "delta", delta ? delta : json_object());
     json_object_set_new(c, "logprobs", nullable(logprobs));
-    json_object_set_new(c, "finish_reason", finish_reason ? json_string(finish_reason) : json_null());
+    json_object_set_new(c, "finish_reason",
+                        finish_reason ? json_string(finish_reason) : json_null());
     json_object_set_new(c, "stop_reason", nullable(stop_reason));
     json_object_set_new(o, "choices", json_pack("[o]", c));
     set_usage(o, usage, usage_null);
@@ -290,4 +304,6 @@ int oai_sse_event(sbuf *out, json_t *x) {
     return rc;
 }
 
-int oai_sse_done(sbuf *out) { return sbuf_append(out, "data: [DONE]\n\n", 14); }
+int oai_sse_done(sbuf *out) {
+    return sbuf_append(out, "data: [DONE]\n\n", 14);
+}

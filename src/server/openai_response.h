@@ -81,8 +81,8 @@ json_t *oai_response(bool chat, const char *id, long long created, const char *m
  * when usage_null, as OpenAI does on the content chunks when include_usage). */
 json_t *oai_completion_chunk(const char *id, long long created, const char *model, int index,
                              const char *text, size_t len, json_t *logprobs,
-                             const char *finish_reason, json_t *stop_reason,
-                             const oai_usage *usage, bool usage_null);
+                             const char *finish_reason, json_t *stop_reason, const oai_usage *usage,
+                             bool usage_null);
 json_t *oai_chat_chunk(const char *id, long long created, const char *model, int index,
                        json_t *delta, json_t *logprobs, const char *finish_reason,
                        json_t *stop_reason, const oai_usage *usage, bool usage_null);

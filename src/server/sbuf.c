@@ -25,7 +25,8 @@ static int sbuf_reserve(sbuf *b, size_t extra) {
     size_t need = b->len + extra + 1;
     if (need <= b->cap) return 0;
     size_t cap = b->cap ? b->cap : 64;
-    while (cap < need) cap *= 2;
+    while (cap < need)
+        cap *= 2;
     char *p = realloc(b->data, cap);
     if (!p) return -ENOMEM;
     b->data = p;

@@ -11,10 +11,10 @@
 #include <stddef.h>
 
 typedef struct sbuf {
-    char *data;  /* (len + 1) bytes, NUL-terminated; NULL until the first append */
-    size_t len;  /* bytes used, without the NUL */
-    size_t cap;  /* bytes allocated */
-    size_t max;  /* growth cap: len never exceeds this */
+    char *data; /* (len + 1) bytes, NUL-terminated; NULL until the first append */
+    size_t len; /* bytes used, without the NUL */
+    size_t cap; /* bytes allocated */
+    size_t max; /* growth cap: len never exceeds this */
 } sbuf;
 
 void sbuf_init(sbuf *b, size_t max);

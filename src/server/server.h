@@ -19,21 +19,20 @@
  * given the request's kv_transfer_params object (NULL when absent) and the
  * engine id of the request's first choice.  Returns a new reference, or NULL
  * for null.  Without a hook responses carry "kv_transfer_params": null. */
-typedef json_t *(*server_kv_params_fn)(void *ctx, const json_t *request_params,
-                                       uint64_t engine_id);
+typedef json_t *(*server_kv_params_fn)(void *ctx, const json_t *request_params, uint64_t engine_id);
 
 typedef struct server_config {
-    const char *host;               /* listen address (default "0.0.0.0") */
-    int port;                       /* listen port (default 8000) */
-    const char *model;              /* MODEL as given (directory or hub name) */
-    const char *served_model_name;  /* name in /v1/models and responses; NULL = model */
-    const char *api_key;            /* Bearer key required on the /v1 routes; NULL = none */
-    const char *kv_transfer_config; /* --kv-transfer-config JSON text, kept for the connector */
-    size_t max_body_bytes;          /* request body limit (default 32 MiB) → 413 */
-    int log_requests;               /* log one line per request (default 1) */
-    engine_config engine;           /* passed to engine_create */
+    const char *host;                 /* listen address (default "0.0.0.0") */
+    int port;                         /* listen port (default 8000) */
+    const char *model;                /* MODEL as given (directory or hub name) */
+    const char *served_model_name;    /* name in /v1/models and responses; NULL = model */
+    const char *api_key;              /* Bearer key required on the /v1 routes; NULL = none */
+    const char *kv_transfer_config;   /* --kv-transfer-config JSON text, kept for the connector */
+    size_t max_body_bytes;            /* request body limit (default 32 MiB) → 413 */
+    int log_requests;                 /* log one line per request (default 1) */
+    engine_config engine;             /* passed to engine_create */
     server_kv_params_fn kv_params_fn; /* connector hook, NULL = null */
-    void *kv_params_ctx;            /* its context */
+    void *kv_params_ctx;              /* its context */
 } server_config;
 
 void server_config_init(server_config *c);

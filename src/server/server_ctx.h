@@ -25,31 +25,34 @@ struct event;
 struct evhttp;
 struct evhttp_request;
 struct gen_event;
+struct gen_req;
 
 typedef struct server {
-    server_config cfg;          /* copy of the configuration */
-    const char *model_name;     /* served model name */
-    struct event_base *base;    /* the one event loop */
-    struct evhttp *http;        /* listener and router */
-    struct event *wake;         /* activated by the engine thread: drain the queue */
-    struct event *ready_ev;     /* activated by the loader thread when it ends */
+    server_config cfg;                /* copy of the configuration */
+    const char *model_name;           /* served model name */
+    struct event_base *base;          /* the one event loop */
+    struct evhttp *http;              /* listener and router */
+    struct event *wake;               /* activated by the engine thread: drain the queue */
+    struct event *ready_ev;           /* activated by the loader thread when it ends */
     struct event *sig_int, *sig_term; /* stop the loop */
-    atomic_int ready;           /* 1: engine + tokenizer loaded; -1: loading failed */
-    char load_error[1024];      /* why loading failed */
-    pthread_t loader;           /* engine_create runs here */
-    engine *eng;                /* NULL until ready */
-    tokenizer *tok;             /* NULL until ready */
-    chat_template *tmpl;        /* NULL when the model has no (supported) template */
-    char tmpl_error[512];       /* why tmpl is NULL */
-    int max_model_len;          /* engine_max_model_len */
-    int block_size;             /* tokens per KV block */
-    oai_defaults defaults;      /* request defaults (generation_config.json) */
-    server_metrics metrics;     /* Prometheus series */
-    pthread_mutex_t q_lock;     /* guards q_head / q_tail */
-    struct gen_event *q_head;   /* engine events waiting for the loop, FIFO */
+    atomic_int ready;                 /* 1: engine + tokenizer loaded; -1: loading failed */
+    char load_error[1024];            /* why loading failed */
+    pthread_t loader;                 /* engine_create runs here */
+    engine *eng;                      /* NULL until ready */
+    tokenizer *tok;                   /* NULL until ready */
+    chat_template *tmpl;              /* NULL when the model has no (supported) template */
+    char tmpl_error[512];             /* why tmpl is NULL */
+    int max_model_len;                /* engine_max_model_len */
+    int block_size;                   /* tokens per KV block */
+    oai_defaults defaults;            /* request defaults (generation_config.json) */
+    server_metrics metrics;           /* Prometheus series */
+    pthread_mutex_t q_lock;           /* guards q_head / q_tail */
+    struct gen_event *q_head;         /* engine events waiting for the loop, FIFO */
     struct gen_event *q_tail;
-    int n_live;                 /* generation requests in flight (for shutdown) */
-    uint64_t next_id;           /* request id counter */
+    int n_live;           /* generation requests in flight */
+    struct gen_req *live; /* those requests, a doubly linked list */
+    struct event *probe;  /* periodic: notice clients that left a non-streaming request */
+    uint64_t next_id;     /* request id counter */
 } server;
 
 /* ---- replies (http.c) ---------------------------------------------------- */
@@ -68,16 +71,19 @@ int server_token_namer(void *ctx, int32_t id, sbuf *out);
 int server_token_namer_ids(void *ctx, int32_t id, sbuf *out);
 
 /* ---- handlers ------------------------------------------------------------ */
-void completion_handle(server *s, struct evhttp_request *req);  /* completion.c */
-void chat_handle(server *s, struct evhttp_request *req);        /* chat.c */
-void tokenize_handle(server *s, struct evhttp_request *req);    /* tokenize.c */
-void detokenize_handle(server *s, struct evhttp_request *req);  /* tokenize.c */
+void completion_handle(server *s, struct evhttp_request *req); /* completion.c */
+void chat_handle(server *s, struct evhttp_request *req);       /* chat.c */
+void tokenize_handle(server *s, struct evhttp_request *req);   /* tokenize.c */
+void detokenize_handle(server *s, struct evhttp_request *req); /* tokenize.c */
 /* Render messages (+ tools) with the chat template and tokenize (chat.c). */
 int chat_render_ids(server *s, const json_t *messages, const json_t *tools,
                     bool add_generation_prompt, bool add_special, int32_t **ids, size_t *n,
                     oai_error *err);
 /* Drain the engine-event queue (gen.c), on the loop thread. */
 void gen_drain_events(server *s);
+/* Abort the requests whose client closed its connection while waiting for a
+ * non-streaming reply (libevent only notices a close when it writes). */
+void gen_probe_clients(server *s);
 /* Free queued events without handling them (shutdown). */
 void gen_drop_events(server *s);
 

@@ -43,7 +43,8 @@ static json_t *token_str(const tokenizer *tok, int32_t id) {
     if (tokenizer_is_special(tok, id)) return json_stringn((const char *)bytes, n);
     sbuf s;
     sbuf_init(&s, 1 << 16);
-    for (size_t i = 0; i < n; i++) utf8_put(&s, byte_level_char(bytes[i]));
+    for (size_t i = 0; i < n; i++)
+        utf8_put(&s, byte_level_char(bytes[i]));
     json_t *j = json_stringn(s.data ? s.data : "", s.len);
     sbuf_free(&s);
     return j;
@@ -60,8 +61,8 @@ static json_t *parse_body(server *s, struct evhttp_request *req, oai_error *err)
     json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
     free(body);
     if (!root) {
-        oai_error_set(err, 400, "BadRequestError", NULL, "Invalid JSON body: %s at line %d column %d",
-                      je.text, je.line, je.column);
+        oai_error_set(err, 400, "BadRequestError", NULL,
+                      "Invalid JSON body: %s at line %d column %d", je.text, je.line, je.column);
         return NULL;
     }
     if (!json_is_object(root)) {
@@ -87,7 +88,8 @@ static int get_flag(json_t *o, const char *key, bool def, bool *out, oai_error *
     *out = def;
     if (!v || json_is_null(v)) return 0;
     if (!json_is_boolean(v)) {
-        oai_error_set(err, 400, "BadRequestError", key, "'%s' must be a boolean (true or false)", key);
+        oai_error_set(err, 400, "BadRequestError", key, "'%s' must be a boolean (true or false)",
+                      key);
         return -1;
     }
     *out = json_is_true(v);
@@ -109,7 +111,8 @@ void tokenize_handle(server *s, struct evhttp_request *req) {
     if (get_flag(root, "return_token_strs", false, &strs, &err)) goto fail;
     if (messages && !json_is_null(messages)) {
         if (!json_is_array(messages) || json_array_size(messages) == 0) {
-            oai_error_set(&err, 400, "BadRequestError", "messages", "'messages' must be a non-empty list of messages");
+            oai_error_set(&err, 400, "BadRequestError", "messages",
+                          "'messages' must be a non-empty list of messages");
             goto fail;
         }
         json_t *tools = json_object_get(root, "tools");
@@ -132,8 +135,9 @@ void tokenize_handle(server *s, struct evhttp_request *req) {
             goto fail;
         }
     } else {
-        oai_error_set(&err, 400, "BadRequestError", prompt ? "prompt" : NULL,
-                      "/tokenize needs 'prompt' (a string) or 'messages' (a list of chat messages)");
+        oai_error_set(
+            &err, 400, "BadRequestError", prompt ? "prompt" : NULL,
+            "/tokenize needs 'prompt' (a string) or 'messages' (a list of chat messages)");
         goto fail;
     }
     json_t *toks = json_array(), *ts = strs ? json_array() : json_null();
@@ -167,7 +171,8 @@ void detokenize_handle(server *s, struct evhttp_request *req) {
     size_t n = json_array_size(t), len = 0;
     int vocab = tokenizer_vocab_size(s->tok);
     if (!json_is_array(t)) {
-        oai_error_set(&err, 400, "BadRequestError", "tokens", "'tokens' is required: a list of token ids");
+        oai_error_set(&err, 400, "BadRequestError", "tokens",
+                      "'tokens' is required: a list of token ids");
         goto fail;
     }
     ids = malloc((n ? n : 1) * sizeof *ids);

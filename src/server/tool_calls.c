@@ -3,6 +3,8 @@
  */
 #include "server/tool_calls.h"
 
+#include "model/chat_template.h"
+
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -38,8 +40,13 @@ static json_t *parse_one(const char *p, size_t n) {
         json_decref(j);
         return NULL;
     }
-    char *args_s = args ? json_dumps(args, JSON_ENCODE_ANY) : strdup("{}");
-    if (!args_s) {
+    char *args_s = NULL;
+    size_t args_len = 0;
+    json_t *empty = args ? NULL : json_object();
+    int rc = chat_template_tojson(args ? args : empty, &args_s, &args_len);
+    json_decref(empty);
+    if (rc || !args_s) {
+        free(args_s);
         json_decref(j);
         return NULL;
     }

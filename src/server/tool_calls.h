@@ -8,7 +8,8 @@
  *   "function": {"name", "arguments": <arguments as a JSON string>}}.
  * If any block is not valid JSON of that shape the whole output is plain
  * content (vLLM's fallback).  Arguments are serialised as Python's
- * json.dumps(..., ensure_ascii=False) writes them (", " and ": ").
+ * json.dumps(..., ensure_ascii=False) writes them (", " and ": ", floats as
+ * repr), through model/chat_template's tojson.
  */
 #ifndef DISAGG_SERVER_TOOL_CALLS_H
 #define DISAGG_SERVER_TOOL_CALLS_H

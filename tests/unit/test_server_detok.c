@@ -29,7 +29,9 @@ static char *run_pieces(const char *const *pieces, int n, char *const *stops, in
         size_t before = out.len;
         int rc = detok_stream_push_text(&d, pieces[i], strlen(pieces[i]), &out);
         assert_true(rc == 0 || rc == 1);
-        if (steps) sbuf_appendf(steps, "[%.*s]", (int)(out.len - before), out.data ? out.data + before : "");
+        if (steps)
+            sbuf_appendf(steps, "[%.*s]", (int)(out.len - before),
+                         out.data ? out.data + before : "");
         if (rc == 1) break;
     }
     if (d.stop_index < 0) assert_int_equal(detok_stream_finish(&d, &out), 0);
@@ -132,10 +134,13 @@ static void test_tokens_against_hf(void **state) {
         char stop[8] = "";
         if (wl >= 8) {
             size_t at = wl / 2;
-            while (at > 0 && ((unsigned char)want[at] & 0xC0) == 0x80) at--;
+            while (at > 0 && ((unsigned char)want[at] & 0xC0) == 0x80)
+                at--;
             size_t l = 0;
-            while (l < 3 && at + l < wl) l++;
-            while (at + l < wl && ((unsigned char)want[at + l] & 0xC0) == 0x80) l++;
+            while (l < 3 && at + l < wl)
+                l++;
+            while (at + l < wl && ((unsigned char)want[at + l] & 0xC0) == 0x80)
+                l++;
             memcpy(stop, want + at, l);
             stop[l] = 0;
             if (strlen(stop) != l) stop[0] = 0; /* no NUL inside a stop string */
@@ -147,14 +152,15 @@ static void test_tokens_against_hf(void **state) {
         sbuf_init(&out, 1 << 20);
         int rc = 0;
         for (size_t i = 0; i < json_array_size(ids) && rc == 0; i++)
-            rc = detok_stream_push_token(&d, (int32_t)json_integer_value(json_array_get(ids, i)), &out);
+            rc = detok_stream_push_token(&d, (int32_t)json_integer_value(json_array_get(ids, i)),
+                                         &out);
         assert_true(rc == 0 || rc == 1);
         if (rc == 0) assert_int_equal(detok_stream_finish(&d, &out), 0);
         const char *hit = stop[0] ? memmem(want, wl, stop, strlen(stop)) : NULL;
         size_t expect_len = hit ? (size_t)(hit - want) : wl;
         if (out.len != expect_len || memcmp(out.data ? out.data : "", want, expect_len))
-            fail_msg("line %d: got '%s' want '%.*s' (stop '%s')", cases + 1, out.data ? out.data : "",
-                     (int)expect_len, want, stop);
+            fail_msg("line %d: got '%s' want '%.*s' (stop '%s')", cases + 1,
+                     out.data ? out.data : "", (int)expect_len, want, stop);
         if (hit) stopped++;
         sbuf_free(&out);
         detok_stream_free(&d);

@@ -83,13 +83,19 @@ static void test_render(void **state) {
     expect_line(t, line);
     snprintf(line, sizeof line, "vllm:num_preemptions_total%s 7.0", L);
     expect_line(t, line);
-    expect_line(t, "vllm:request_success_total{finished_reason=\"length\",model_name=\"my \\\"model\\\"\\\\x\"} 2.0");
-    expect_line(t, "vllm:request_success_total{finished_reason=\"stop\",model_name=\"my \\\"model\\\"\\\\x\"} 1.0");
+    expect_line(t, "vllm:request_success_total{finished_reason=\"length\",model_name=\"my "
+                   "\\\"model\\\"\\\\x\"} 2.0");
+    expect_line(t, "vllm:request_success_total{finished_reason=\"stop\",model_name=\"my "
+                   "\\\"model\\\"\\\\x\"} 1.0");
     expect_line(t, "# TYPE vllm:time_to_first_token_seconds histogram");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"0.001\",model_name=\"my \\\"model\\\"\\\\x\"} 0.0");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"0.005\",model_name=\"my \\\"model\\\"\\\\x\"} 2.0");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"2560.0\",model_name=\"my \\\"model\\\"\\\\x\"} 2.0");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"+Inf\",model_name=\"my \\\"model\\\"\\\\x\"} 3.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"0.001\",model_name=\"my "
+                   "\\\"model\\\"\\\\x\"} 0.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"0.005\",model_name=\"my "
+                   "\\\"model\\\"\\\\x\"} 2.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"2560.0\",model_name=\"my "
+                   "\\\"model\\\"\\\\x\"} 2.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"+Inf\",model_name=\"my "
+                   "\\\"model\\\"\\\\x\"} 3.0");
     snprintf(line, sizeof line, "vllm:time_to_first_token_seconds_count%s 3.0", L);
     expect_line(t, line);
     snprintf(line, sizeof line, "vllm:time_to_first_token_seconds_sum%s 5000.008", L);
@@ -113,6 +119,7 @@ static void test_render(void **state) {
 }
 
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_values), cmocka_unit_test(test_render)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_values),
+                                       cmocka_unit_test(test_render)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -51,9 +51,10 @@ static void test_completion_stream_golden(void **state) {
     (void)state;
     sbuf sse;
     sbuf_init(&sse, 1 << 20);
-    assert_int_equal(oai_sse_event(&sse, oai_completion_chunk("cmpl-abc", 1700000000, "tiny", 0, " Hello", 6,
-                                                              NULL, NULL, NULL, NULL, true)),
-                     0);
+    assert_int_equal(
+        oai_sse_event(&sse, oai_completion_chunk("cmpl-abc", 1700000000, "tiny", 0, " Hello", 6,
+                                                 NULL, NULL, NULL, NULL, true)),
+        0);
     json_t *lp = oai_cmpl_logprobs_new();
     engine_token t = tok(2, -0.5f);
     t.n_top = 2;
@@ -65,8 +66,8 @@ static void test_completion_stream_golden(void **state) {
     assert_int_equal(oai_cmpl_logprobs_add(lp, &t, 1, false, &off, &NAMER), 0);
     assert_int_equal(off, 12); /* " wörld" is 6 characters (7 bytes) */
     const char *w = VOCAB[2];
-    oai_sse_event(&sse, oai_completion_chunk("cmpl-abc", 1700000000, "tiny", 0, w, strlen(w), lp, NULL,
-                                             NULL, NULL, true));
+    oai_sse_event(&sse, oai_completion_chunk("cmpl-abc", 1700000000, "tiny", 0, w, strlen(w), lp,
+                                             NULL, NULL, NULL, true));
     oai_sse_event(&sse, oai_completion_chunk("cmpl-abc", 1700000000, "tiny", 0, "", 0, NULL, "stop",
                                              json_string("\n"), NULL, true));
     oai_usage u = {3, 2, 0};
@@ -93,8 +94,9 @@ static void test_chat_stream_golden(void **state) {
     t.top_ids[2] = 1;
     t.top_logprobs[2] = -3.0f;
     assert_int_equal(oai_chat_logprobs_add(lp, &t, 2, &NAMER), 0);
-    oai_sse_event(&sse, oai_chat_chunk("chatcmpl-x1", 1700000001, "tiny", 0,
-                                       json_pack("{s:s}", "content", "Hi"), lp, NULL, NULL, NULL, false));
+    oai_sse_event(&sse,
+                  oai_chat_chunk("chatcmpl-x1", 1700000001, "tiny", 0,
+                                 json_pack("{s:s}", "content", "Hi"), lp, NULL, NULL, NULL, false));
     oai_sse_event(&sse, oai_chat_chunk("chatcmpl-x1", 1700000001, "tiny", 0, NULL, NULL, "length",
                                        NULL, NULL, false));
     oai_sse_done(&sse);
@@ -160,9 +162,11 @@ static void test_tool_calls(void **state) {
     /* arguments as Python's json.dumps writes them */
     assert_string_equal(json_string_value(json_object_get(f0, "arguments")),
                         "{\"city\": \"Paris\", \"days\": [1, 2]}");
-    assert_string_equal(json_string_value(json_object_get(json_array_get(calls, 0), "type")), "function");
+    assert_string_equal(json_string_value(json_object_get(json_array_get(calls, 0), "type")),
+                        "function");
     assert_int_equal(strncmp(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
-                             "chatcmpl-tool-", 14), 0);
+                             "chatcmpl-tool-", 14),
+                     0);
     assert_string_not_equal(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
                             json_string_value(json_object_get(json_array_get(calls, 1), "id")));
     json_decref(calls);
@@ -186,9 +190,12 @@ static void test_tool_calls(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_completion_stream_golden), cmocka_unit_test(test_chat_stream_golden),
-        cmocka_unit_test(test_chat_response_golden),     cmocka_unit_test(test_echo_logprobs_and_clamp),
-        cmocka_unit_test(test_prompt_logprobs),          cmocka_unit_test(test_tool_calls),
+        cmocka_unit_test(test_completion_stream_golden),
+        cmocka_unit_test(test_chat_stream_golden),
+        cmocka_unit_test(test_chat_response_golden),
+        cmocka_unit_test(test_echo_logprobs_and_clamp),
+        cmocka_unit_test(test_prompt_logprobs),
+        cmocka_unit_test(test_tool_calls),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
