@@ -54,7 +54,7 @@ static long detok_find_stop(const detok_stream *d, int *which) {
 int detok_stream_push_text(detok_stream *d, const char *text, size_t n, sbuf *out) {
     if (d->stop_index >= 0) return 1;
     int rc;
-    if (d->n_stops == 0) return sbuf_append(out, text, n);
+    if (d->n_stops == 0 || d->stops_off) return sbuf_append(out, text, n);
     if ((rc = sbuf_append(&d->held, text, n))) return rc;
     int which = -1;
     long at = detok_find_stop(d, &which);
@@ -75,6 +75,8 @@ int detok_stream_push_text(detok_stream *d, const char *text, size_t n, sbuf *ou
     sbuf_consume(&d->held, release);
     return 0;
 }
+
+void detok_stream_set_stops(detok_stream *d, bool on) { d->stops_off = !on; }
 
 int detok_stream_push_token(detok_stream *d, int32_t id, sbuf *out) {
     if (d->stop_index >= 0) return 1;

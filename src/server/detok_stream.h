@@ -30,6 +30,7 @@ typedef struct detok_stream {
     bool include_stop;    /* release the matched stop string too */
     sbuf held;            /* decoded text not yet released */
     int stop_index;       /* index of the matched stop string, -1 while running */
+    bool stops_off;       /* stop strings not checked yet (before min_tokens) */
 } detok_stream;
 
 /* stops must outlive the stream.  Returns 0 or -ENOMEM. */
@@ -43,6 +44,10 @@ void detok_stream_free(detok_stream *d);
  * or a negative errno (bad token id, out full). */
 int detok_stream_push_token(detok_stream *d, int32_t id, sbuf *out);
 int detok_stream_push_text(detok_stream *d, const char *text, size_t n, sbuf *out);
+/* Stop strings are not looked for while off (vLLM ignores them before
+ * min_tokens): text passes straight through.  Turning them on searches only
+ * text pushed from then on. */
+void detok_stream_set_stops(detok_stream *d, bool on);
 /* End of generation: flushes the decoder and releases held text (no stop
  * string can complete any more).  Returns 0, 1 if already stopped, or < 0. */
 int detok_stream_finish(detok_stream *d, sbuf *out);

@@ -348,7 +348,7 @@ int server_run(const server_config *cfg) {
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
     evhttp_set_max_body_size(s->http, (ev_ssize_t)cfg->max_body_bytes);
     evhttp_set_max_headers_size(s->http, 64 * 1024);
-    evhttp_set_timeout(s->http, 600);
+    evhttp_set_timeout(s->http, 3600); /* idle I/O; a long non-streaming generation is silent */
     evhttp_set_gencb(s->http, http_dispatch, s);
     if (!evhttp_bind_socket_with_handle(s->http, cfg->host, (ev_uint16_t)cfg->port)) {
         LOG_E("server",

@@ -110,6 +110,23 @@ static void test_holdback_keeps_characters_whole(void **state) {
     sbuf_free(&steps);
 }
 
+static void test_stops_off_before_min_tokens(void **state) {
+    (void)state;
+    char *stops[] = {"ab"};
+    detok_stream d;
+    assert_int_equal(detok_stream_init(&d, NULL, true, stops, 1, false), 0);
+    sbuf out;
+    sbuf_init(&out, 1 << 16);
+    detok_stream_set_stops(&d, false);
+    assert_int_equal(detok_stream_push_text(&d, "xab", 3, &out), 0); /* ignored, not held */
+    assert_string_equal(out.data, "xab");
+    detok_stream_set_stops(&d, true);
+    assert_int_equal(detok_stream_push_text(&d, "cab", 3, &out), 1);
+    assert_string_equal(out.data, "xabc");
+    sbuf_free(&out);
+    detok_stream_free(&d);
+}
+
 /* Real ids: the stream decoder + stop strings must equal HF's decode,
  * truncated at the first occurrence of the stop string. */
 static void test_tokens_against_hf(void **state) {
@@ -180,6 +197,7 @@ int main(void) {
         cmocka_unit_test(test_false_alarm_is_released),
         cmocka_unit_test(test_earliest_stop_wins_and_include),
         cmocka_unit_test(test_holdback_keeps_characters_whole),
+        cmocka_unit_test(test_stops_off_before_min_tokens),
         cmocka_unit_test(test_tokens_against_hf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
