@@ -76,7 +76,9 @@ int detok_stream_push_text(detok_stream *d, const char *text, size_t n, sbuf *ou
     return 0;
 }
 
-void detok_stream_set_stops(detok_stream *d, bool on) { d->stops_off = !on; }
+void detok_stream_set_stops(detok_stream *d, bool on) {
+    d->stops_off = !on;
+}
 
 int detok_stream_push_token(detok_stream *d, int32_t id, sbuf *out) {
     if (d->stop_index >= 0) return 1;
