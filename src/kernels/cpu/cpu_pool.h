@@ -1,0 +1,22 @@
+/*
+ * cpu_pool — a small fixed thread pool for the CPU kernels.  cpu_pool_run() splits
+ * n_tasks among the workers and the calling thread (tasks are claimed from an atomic
+ * counter) and returns when all are done.  Which thread runs a task never changes a
+ * result: kernels give each task a disjoint slice of the output.
+ */
+#ifndef DISAGG_KERNELS_CPU_POOL_H
+#define DISAGG_KERNELS_CPU_POOL_H
+
+typedef struct cpu_pool cpu_pool;
+
+/* fn(ctx, task): run one task, 0 <= task < n_tasks. */
+typedef void (*cpu_pool_fn)(void *ctx, int task);
+
+/* n_threads <= 0: one per online CPU.  Returns NULL on failure (logged). */
+cpu_pool *cpu_pool_init(int n_threads);
+void cpu_pool_free(cpu_pool *p);
+int cpu_pool_threads(const cpu_pool *p);
+/* Runs fn for every task in [0, n_tasks); p may be NULL (runs inline). Not reentrant. */
+void cpu_pool_run(cpu_pool *p, int n_tasks, cpu_pool_fn fn, void *ctx);
+
+#endif
