@@ -1,0 +1,234 @@
+/*
+ * test_sampler — the sampler against distributions computed here independently:
+ * greedy and tie-breaking, empirical frequencies under temperature / top-k / top-p / min-p
+ * (20000 seeded draws vs. the analytic probabilities), seed reproducibility, repetition /
+ * presence / frequency penalties, logprobs, stop ids, and invalid parameters.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "model/sampler.h"
+
+#define V 5
+static const double P5[V] = {0.5, 0.3, 0.1, 0.07, 0.03}; /* a known distribution */
+
+static void fill(float *l) {
+    for (int i = 0; i < V; i++)
+        l[i] = (float)log(P5[i]) + 3.0f; /* shift: softmax unchanged */
+}
+
+/* Draws n samples with p, compares frequencies with want[] (must sum to 1). */
+static void check_freq(const sampler_params *p, const double *want, int n) {
+    char err[256];
+    sampler *s = sampler_init(p, V, NULL, 0, err, sizeof err);
+    assert_non_null(s);
+    int cnt[V] = {0};
+    for (int i = 0; i < n; i++) {
+        float l[V];
+        fill(l);
+        sample_result r;
+        assert_int_equal(sampler_sample(s, l, &r), 0);
+        cnt[r.token]++;
+    }
+    for (int i = 0; i < V; i++) {
+        double f = (double)cnt[i] / n, sd = sqrt(want[i] * (1 - want[i]) / n);
+        if (fabs(f - want[i]) > 5 * sd + 1e-9)
+            fail_msg("token %d: frequency %.4f, expected %.4f (5 sd = %.4f)", i, f, want[i],
+                     5 * sd);
+    }
+    sampler_free(s);
+}
+
+static void test_distributions(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.has_seed = 1;
+    p.seed = 7;
+    p.temperature = 1.0f;
+    check_freq(&p, P5, 20000);
+    /* temperature 0.5: p^2 renormalised */
+    double w[V], z = 0;
+    for (int i = 0; i < V; i++)
+        z += w[i] = P5[i] * P5[i];
+    for (int i = 0; i < V; i++)
+        w[i] /= z;
+    p.temperature = 0.5f;
+    check_freq(&p, w, 20000);
+    p.temperature = 1.0f;
+    p.top_k = 2; /* {0.5, 0.3} renormalised */
+    double k2[V] = {0.625, 0.375, 0, 0, 0};
+    check_freq(&p, k2, 20000);
+    p.top_k = 0;
+    p.top_p = 0.6f; /* 0.5 < 0.6, 0.8 >= 0.6: keep two */
+    check_freq(&p, k2, 20000);
+    p.top_p = 0.85f; /* 0.8 < 0.85 <= 0.9: keep three */
+    double k3[V] = {0.5 / 0.9, 0.3 / 0.9, 0.1 / 0.9, 0, 0};
+    check_freq(&p, k3, 20000);
+    p.top_p = 1.0f;
+    p.min_p = 0.15f; /* keep p >= 0.075: 0.5, 0.3, 0.1 */
+    check_freq(&p, k3, 20000);
+}
+
+static void test_greedy_and_ties(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    char err[256];
+    sampler *s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+    float l[V] = {0.1f, 2.0f, -1.0f, 2.0f, 1.9f};
+    sample_result r;
+    sampler_sample(s, l, &r);
+    assert_int_equal(r.token, 1); /* tie 1 vs 3: lower id */
+    sampler_free(s);
+}
+
+static void test_seed_reproducible(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = 1.0f;
+    p.has_seed = 1;
+    p.seed = 12345;
+    char err[256];
+    int a[64], b[64], c[64], same = 1;
+    for (int run = 0; run < 3; run++) {
+        if (run == 2) p.seed = 54321;
+        sampler *s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+        for (int i = 0; i < 64; i++) {
+            float l[V];
+            fill(l);
+            sample_result r;
+            sampler_sample(s, l, &r);
+            (run == 0 ? a : run == 1 ? b : c)[i] = r.token;
+        }
+        sampler_free(s);
+    }
+    assert_memory_equal(a, b, sizeof a);
+    for (int i = 0; i < 64; i++)
+        same &= a[i] == c[i];
+    assert_false(same);
+}
+
+static void test_penalties(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    char err[256];
+    sample_result r;
+    /* repetition: token 0 in the prompt, 2.0 / 2 = 1.0 < 1.5 */
+    p.repetition_penalty = 2.0f;
+    int32_t prompt[1] = {0};
+    sampler *s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    float l[V] = {2.0f, 1.5f, -1.0f, 0.0f, 0.0f};
+    sampler_sample(s, l, &r);
+    assert_int_equal(r.token, 1);
+    /* 1 is now an output token too: 0 -> 1.0, 1 -> 0.75, 4 unpenalised 1.1 wins */
+    float l2[V] = {2.0f, 1.5f, -1.0f, 0.0f, 1.1f};
+    sampler_sample(s, l2, &r);
+    assert_int_equal(r.token, 4);
+    sampler_free(s);
+    /* negative logits are multiplied */
+    float l3[V] = {-1.0f, -1.5f, -5.0f, -5.0f, -5.0f};
+    s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    sampler_sample(s, l3, &r);
+    assert_int_equal(r.token, 1); /* -1 * 2 = -2 < -1.5 */
+    sampler_free(s);
+    /* frequency and presence: output-only */
+    sampler_params_default(&p);
+    p.frequency_penalty = 0.3f;
+    p.presence_penalty = 0.2f;
+    s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    sampler_accept(s, 1);
+    sampler_accept(s, 1);
+    float l4[V] = {1.0f, 1.75f, 0.0f, 0.0f, 0.0f}; /* 1.75 - 0.6 - 0.2 = 0.95 < 1.0 */
+    sampler_sample(s, l4, &r);
+    assert_int_equal(r.token, 0);
+    float l5[V] = {1.0f, 1.85f, 0.0f, 0.0f, 0.0f}; /* 1.85 - 0.8 = 1.05 > 1.0 - 0.5 */
+    sampler_sample(s, l5, &r);
+    assert_int_equal(r.token, 1);
+    sampler_free(s);
+}
+
+static void test_logprobs_and_stop(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.logprobs = 3;
+    p.stop_ids[0] = 0;
+    p.n_stop = 1;
+    p.repetition_penalty = 1.5f; /* must not change the reported (raw) logprobs */
+    char err[256];
+    int32_t prompt[1] = {1};
+    sampler *s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    float l[V];
+    fill(l);
+    sample_result r;
+    sampler_sample(s, l, &r);
+    assert_int_equal(r.token, 0);
+    assert_int_equal(r.is_stop, 1);
+    assert_true(fabs(r.logprob - log(0.5)) < 1e-5);
+    assert_int_equal(r.n_top, 3);
+    int want[3] = {0, 1, 2};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(r.top_ids[i], want[i]);
+        assert_true(fabs(r.top_logprobs[i] - log(P5[want[i]])) < 1e-5);
+    }
+    sampler_free(s);
+}
+
+static void expect_bad(sampler_params *p, const char *needle) {
+    char err[256] = "";
+    assert_int_equal(sampler_params_check(p, V, err, sizeof err), -EINVAL);
+    if (!strstr(err, needle)) fail_msg("error '%s' does not mention '%s'", err, needle);
+    assert_null(sampler_init(p, V, NULL, 0, err, sizeof err));
+    sampler_params_default(p);
+}
+
+static void test_invalid(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = -0.5f;
+    expect_bad(&p, "temperature -0.5");
+    p.temperature = NAN;
+    expect_bad(&p, "temperature");
+    p.top_p = 0.0f;
+    expect_bad(&p, "top_p 0");
+    p.top_p = 1.5f;
+    expect_bad(&p, "top_p 1.5");
+    p.top_k = -2;
+    expect_bad(&p, "top_k -2");
+    p.top_k = V + 1;
+    expect_bad(&p, "top_k 6");
+    p.min_p = 2.0f;
+    expect_bad(&p, "min_p 2");
+    p.repetition_penalty = 0.0f;
+    expect_bad(&p, "repetition_penalty 0");
+    p.presence_penalty = 3.0f;
+    expect_bad(&p, "presence_penalty 3");
+    p.frequency_penalty = -2.5f;
+    expect_bad(&p, "frequency_penalty -2.5");
+    p.logprobs = 21;
+    expect_bad(&p, "logprobs 21");
+    p.n_stop = 1;
+    p.stop_ids[0] = V;
+    expect_bad(&p, "stop token id 5");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_distributions),     cmocka_unit_test(test_greedy_and_ties),
+        cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_penalties),
+        cmocka_unit_test(test_logprobs_and_stop), cmocka_unit_test(test_invalid),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
