@@ -1,56 +1,87 @@
 /*
- * cpu_pool — fixed thread pool: workers sleep on a condition variable, wake on a new
- * generation, claim tasks from an atomic counter, and the last one to finish signals
- * the caller.  The caller claims tasks too, so a 1-thread pool has no workers.
+ * cpu_pool — fixed thread pool.  Each cpu_pool_run publishes a job (on the caller's
+ * stack) under the mutex; workers that wake in time join it and claim tasks from its
+ * atomic counter, and the caller claims tasks too.  The caller waits for the tasks to be
+ * done, not for every worker to show up: a worker descheduled by a busy machine that
+ * wakes after the job finished finds no job and goes back to sleep, so it never delays
+ * the caller.  Workers spin briefly before sleeping so back-to-back jobs (one per matmul
+ * in a decode step) do not pay a futex wake-up each.
  */
 #include "kernels/cpu/cpu_pool.h"
 
 #include "base/log.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#define POOL_SPIN 20000 /* polls of the generation before a worker sleeps */
+
+typedef struct pool_job {
+    cpu_pool_fn fn;  /* task function */
+    void *ctx;       /* its context */
+    int n_tasks;     /* task count */
+    atomic_int next; /* next task to claim */
+    atomic_int done; /* tasks finished */
+    int refs;        /* workers inside the job (under mu) */
+} pool_job;
+
 struct cpu_pool {
     int n_threads;       /* workers + the caller */
     pthread_t *workers;  /* (n_threads - 1) */
-    pthread_mutex_t mu;  /* guards gen, stop, fn, ctx, n_tasks, active */
-    pthread_cond_t wake; /* workers wait for a new generation */
-    pthread_cond_t done; /* caller waits for active == 0 */
-    unsigned long gen;   /* bumped per cpu_pool_run */
+    pthread_mutex_t mu;  /* guards job, stop, refs, and the condition variables */
+    pthread_cond_t wake; /* workers wait for a job */
+    pthread_cond_t done; /* caller waits for its job's tasks and refs */
+    atomic_ulong gen;    /* bumped per published job (read without mu when spinning) */
+    pool_job *job;       /* current job, NULL when none */
     int stop;            /* set by cpu_pool_free */
-    cpu_pool_fn fn;      /* current job */
-    void *ctx;           /* current job's context */
-    int n_tasks;         /* current job's task count */
-    atomic_int next;     /* next task to claim */
-    int active;          /* workers still inside the current job */
+    int sleepers;        /* workers waiting on wake */
 };
 
-static void pool_drain(cpu_pool *p) {
+static void pool_drain(cpu_pool *p, pool_job *j) {
     for (;;) {
-        int t = atomic_fetch_add(&p->next, 1);
-        if (t >= p->n_tasks) break;
-        p->fn(p->ctx, t);
+        int t = atomic_fetch_add(&j->next, 1);
+        if (t >= j->n_tasks) break;
+        j->fn(j->ctx, t);
+        if (atomic_fetch_add(&j->done, 1) + 1 == j->n_tasks) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_broadcast(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
 }
 
 static void *pool_worker(void *arg) {
     cpu_pool *p = arg;
     unsigned long seen = 0;
-    pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->stop && p->gen == seen)
-            pthread_cond_wait(&p->wake, &p->mu);
-        if (p->stop) break;
-        seen = p->gen;
-        pthread_mutex_unlock(&p->mu);
-        pool_drain(p);
+        for (int i = 0; i < POOL_SPIN && atomic_load(&p->gen) == seen; i++)
+            __builtin_ia32_pause();
         pthread_mutex_lock(&p->mu);
-        if (--p->active == 0) pthread_cond_signal(&p->done);
+        while (!p->stop && atomic_load(&p->gen) == seen) {
+            p->sleepers++;
+            pthread_cond_wait(&p->wake, &p->mu);
+            p->sleepers--;
+        }
+        if (p->stop) {
+            pthread_mutex_unlock(&p->mu);
+            return NULL;
+        }
+        seen = atomic_load(&p->gen);
+        pool_job *j = p->job;
+        if (!j) { /* woke after that job finished */
+            pthread_mutex_unlock(&p->mu);
+            continue;
+        }
+        j->refs++;
+        pthread_mutex_unlock(&p->mu);
+        pool_drain(p, j);
+        pthread_mutex_lock(&p->mu);
+        if (--j->refs == 0) pthread_cond_broadcast(&p->done);
+        pthread_mutex_unlock(&p->mu);
     }
-    pthread_mutex_unlock(&p->mu);
-    return NULL;
 }
 
 cpu_pool *cpu_pool_init(int n_threads) {
@@ -106,18 +137,20 @@ void cpu_pool_run(cpu_pool *p, int n_tasks, cpu_pool_fn fn, void *ctx) {
             fn(ctx, t);
         return;
     }
+    pool_job j = {.fn = fn, .ctx = ctx, .n_tasks = n_tasks};
+    atomic_init(&j.next, 0);
+    atomic_init(&j.done, 0);
     pthread_mutex_lock(&p->mu);
-    p->fn = fn;
-    p->ctx = ctx;
-    p->n_tasks = n_tasks;
-    atomic_store(&p->next, 0);
-    p->active = p->n_threads - 1;
-    p->gen++;
-    pthread_cond_broadcast(&p->wake);
+    p->job = &j;
+    atomic_fetch_add(&p->gen, 1);
+    if (p->sleepers) pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
-    pool_drain(p);
+    pool_drain(p, &j);
     pthread_mutex_lock(&p->mu);
-    while (p->active > 0)
+    while (atomic_load(&j.done) < n_tasks)
+        pthread_cond_wait(&p->done, &p->mu);
+    p->job = NULL; /* late workers find no job */
+    while (j.refs > 0)
         pthread_cond_wait(&p->done, &p->mu);
     pthread_mutex_unlock(&p->mu);
 }
