@@ -15,6 +15,7 @@
 
 #define ROWS_PER_TASK   16 /* weight rows per task (4 panels of 4) */
 #define TOKENS_PER_TASK 64
+#define PREFETCH_GROUPS 2 /* extra 4-row groups of prefetch distance in decode */
 
 /* ---- ISA selection ------------------------------------------------------ */
 
@@ -96,8 +97,14 @@ static inline __attribute__((always_inline)) void
 k_1x4(float *y, const float *x, const void *w, cpu_dtype dt, const float *bias, int n0, int K) {
     size_t o0 = (size_t)n0 * K, o1 = o0 + K, o2 = o1 + K, o3 = o2 + K;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    /* the next 4 rows are prefetched as this group streams: rows are short (K * 2 bytes), too
+     * short for the hardware prefetchers to pick up each one in time */
+    const size_t es = cpu_dtype_size(dt);
+    const char *next = (const char *)w + (o3 + K + (size_t)PREFETCH_GROUPS * 4 * K) * es;
     int k = 0;
     for (; k + 8 <= K; k += 8) {
+        _mm_prefetch(next + (size_t)k * 4 * es, _MM_HINT_T0);
+        if (es == 4) _mm_prefetch(next + (size_t)k * 16 + 64, _MM_HINT_T0);
         __m256 xv = _mm256_loadu_ps(x + k);
         a0 = _mm256_fmadd_ps(xv, load8(w, dt, o0 + k), a0);
         a1 = _mm256_fmadd_ps(xv, load8(w, dt, o1 + k), a1);
@@ -165,7 +172,8 @@ typedef struct mm_job {
     cpu_dtype wt;      /* weight dtype */
     const float *bias; /* (N) or NULL */
     int T, N, K;       /* shapes */
-    int row_tasks;     /* ceil(N / ROWS_PER_TASK) */
+    int rows_per_task; /* weight rows per task (multiple of 4) */
+    int row_tasks;     /* ceil(N / rows_per_task) */
 } mm_job;
 
 static _Thread_local float *tl_panel;   /* (4, K) f32 panel of this thread */
@@ -174,7 +182,7 @@ static _Thread_local size_t tl_panel_n; /* floats allocated */
 static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, int task,
                                                              cpu_dtype dt) {
     int rt = task % j->row_tasks, tt = task / j->row_tasks;
-    int n_beg = rt * ROWS_PER_TASK, n_end = n_beg + ROWS_PER_TASK;
+    int n_beg = rt * j->rows_per_task, n_end = n_beg + j->rows_per_task;
     if (n_end > j->N) n_end = j->N;
     int t_beg = tt * TOKENS_PER_TASK, t_end = t_beg + TOKENS_PER_TASK;
     if (t_end > j->T) t_end = j->T;
@@ -236,7 +244,14 @@ void cpu_matmul(cpu_pool *pool, float *y, const float *x, const void *w, cpu_dty
         cpu_ref_matmul(y, x, w, wt, bias, T, N, K);
         return;
     }
-    mm_job j = {y, x, w, wt, bias, T, N, K, (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK};
+    /* decode-sized batches stream weights: few long contiguous row ranges per thread keep
+     * the hardware prefetchers busy; larger batches use short panels (cache reuse) */
+    int rpt = ROWS_PER_TASK;
+    if (T <= 2) {
+        int per = (N + cpu_pool_threads(pool) * 8 - 1) / (cpu_pool_threads(pool) * 8);
+        rpt = per > rpt ? (per + 3) & ~3 : rpt;
+    }
+    mm_job j = {y, x, w, wt, bias, T, N, K, rpt, (N + rpt - 1) / rpt};
     int token_tasks = (T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK;
     cpu_pool_run(pool, j.row_tasks * token_tasks, mm_task, &j);
 }
