@@ -180,9 +180,6 @@ typedef struct att_job {
     int layer;
 } att_job;
 
-static _Thread_local float *tl_scores; /* (max_position) */
-static _Thread_local int tl_scores_n;
-
 static void att_task(void *ctx, int task) {
     const att_job *j = ctx;
     const model_config *c = &j->m->cfg;
@@ -190,15 +187,8 @@ static void att_task(void *ctx, int task) {
     int t = task / H, hh = task % H, kvh = hh / group;
     int pos = j->s->tok_pos[t];
     const qwen2_seq *sq = &j->seqs[j->s->tok_seq[t]];
-    if (tl_scores_n < pos + 1) {
-        free(tl_scores);
-        tl_scores_n = c->max_position > pos + 1 ? c->max_position : pos + 1;
-        tl_scores = malloc((size_t)tl_scores_n * sizeof(float));
-        if (!tl_scores) {
-            tl_scores_n = 0;
-            abort(); /* cannot report from a worker; max_position floats is small */
-        }
-    }
+    float *scores = cpu_scratch(1, (size_t)pos + 1); /* (pos + 1) */
+    if (!scores) abort();                            /* a worker cannot report; pos + 1 floats */
     const float *q = j->s->q + (size_t)t * c->hidden_size + (size_t)hh * hd;
     float *out = j->s->att + (size_t)t * c->hidden_size + (size_t)hh * hd;
     const float scale = (float)(1.0 / sqrt((double)hd));
@@ -206,18 +196,18 @@ static void att_task(void *ctx, int task) {
     for (int p = 0; p <= pos; p++) {
         const float *k = kv_at(j->kv, sq->block_table, p, j->layer, 0) + (size_t)kvh * hd;
         float sc = cpu_dot(q, k, hd) * scale;
-        tl_scores[p] = sc;
+        scores[p] = sc;
         if (sc > mx) mx = sc;
     }
     float sum = 0.0f;
     for (int p = 0; p <= pos; p++) {
-        tl_scores[p] = expf(tl_scores[p] - mx);
-        sum += tl_scores[p];
+        scores[p] = expf(scores[p] - mx);
+        sum += scores[p];
     }
     memset(out, 0, (size_t)hd * sizeof(float));
     for (int p = 0; p <= pos; p++) {
         const float *v = kv_at(j->kv, sq->block_table, p, j->layer, 1) + (size_t)kvh * hd;
-        cpu_axpy(out, tl_scores[p] / sum, v, hd);
+        cpu_axpy(out, scores[p] / sum, v, hd);
     }
 }
 

@@ -176,9 +176,6 @@ typedef struct mm_job {
     int row_tasks;     /* ceil(N / rows_per_task) */
 } mm_job;
 
-static _Thread_local float *tl_panel;   /* (4, K) f32 panel of this thread */
-static _Thread_local size_t tl_panel_n; /* floats allocated */
-
 static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, int task,
                                                              cpu_dtype dt) {
     int rt = task % j->row_tasks, tt = task / j->row_tasks;
@@ -193,16 +190,11 @@ static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, in
             for (int t = t_beg; t < t_end; t++)
                 k_1x4(j->y + (size_t)t * N, j->x + (size_t)t * K, j->w, dt, j->bias, n, K);
     } else {
-        size_t need = 4 * (size_t)K;
-        if (tl_panel_n < need) {
-            free(tl_panel);
-            tl_panel = aligned_alloc(32, (need * 4 + 31) & ~(size_t)31);
-            tl_panel_n = tl_panel ? need : 0;
-        }
-        for (; tl_panel && n + 4 <= n_end; n += 4) {
+        float *panel = cpu_scratch(0, 4 * (size_t)K); /* (4, K) f32 panel */
+        for (; panel && n + 4 <= n_end; n += 4) {
             for (int r = 0; r < 4; r++) {
                 const size_t o = (size_t)(n + r) * K;
-                float *dst = tl_panel + (size_t)r * K;
+                float *dst = panel + (size_t)r * K;
                 int k = 0;
                 for (; k + 8 <= K; k += 8)
                     _mm256_storeu_ps(dst + k, load8(j->w, dt, o + k));
@@ -211,9 +203,9 @@ static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, in
             }
             int t = t_beg;
             for (; t + 3 <= t_end; t += 3)
-                k_3x4_panel(j->y + (size_t)t * N, N, j->x + (size_t)t * K, K, tl_panel, j->bias, n);
+                k_3x4_panel(j->y + (size_t)t * N, N, j->x + (size_t)t * K, K, panel, j->bias, n);
             for (; t < t_end; t++)
-                k_1x4(j->y + (size_t)t * N + n, j->x + (size_t)t * K, tl_panel, CPU_F32,
+                k_1x4(j->y + (size_t)t * N + n, j->x + (size_t)t * K, panel, CPU_F32,
                       j->bias ? j->bias + n : NULL, 0, K);
         }
     }

@@ -40,6 +40,44 @@ struct cpu_pool {
     int sleepers;        /* workers waiting on wake */
 };
 
+/* ---- per-thread scratch ---------------------------------------------------- */
+
+typedef struct scratch_set {
+    float *buf[CPU_SCRATCH_SLOTS]; /* buffers */
+    size_t n[CPU_SCRATCH_SLOTS];   /* floats allocated */
+} scratch_set;
+
+static pthread_key_t g_scratch_key;
+static pthread_once_t g_scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_destroy(void *p) {
+    scratch_set *s = p;
+    for (int i = 0; i < CPU_SCRATCH_SLOTS; i++)
+        free(s->buf[i]);
+    free(s);
+}
+
+static void scratch_key_init(void) {
+    pthread_key_create(&g_scratch_key, scratch_destroy);
+}
+
+float *cpu_scratch(int slot, size_t n) {
+    pthread_once(&g_scratch_once, scratch_key_init);
+    scratch_set *s = pthread_getspecific(g_scratch_key);
+    if (!s) {
+        if (!(s = calloc(1, sizeof *s))) return NULL;
+        pthread_setspecific(g_scratch_key, s);
+    }
+    if (s->n[slot] < n) {
+        free(s->buf[slot]);
+        s->buf[slot] = aligned_alloc(32, (n * sizeof(float) + 31) & ~(size_t)31);
+        s->n[slot] = s->buf[slot] ? n : 0;
+    }
+    return s->buf[slot];
+}
+
+/* ---- pool -------------------------------------------------------------------- */
+
 static void pool_drain(cpu_pool *p, pool_job *j) {
     for (;;) {
         int t = atomic_fetch_add(&j->next, 1);

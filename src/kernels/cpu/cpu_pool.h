@@ -7,6 +7,8 @@
 #ifndef DISAGG_KERNELS_CPU_POOL_H
 #define DISAGG_KERNELS_CPU_POOL_H
 
+#include <stddef.h>
+
 typedef struct cpu_pool cpu_pool;
 
 /* fn(ctx, task): run one task, 0 <= task < n_tasks. */
@@ -18,5 +20,10 @@ void cpu_pool_free(cpu_pool *p);
 int cpu_pool_threads(const cpu_pool *p);
 /* Runs fn for every task in [0, n_tasks); p may be NULL (runs inline). Not reentrant. */
 void cpu_pool_run(cpu_pool *p, int n_tasks, cpu_pool_fn fn, void *ctx);
+
+/* Per-thread scratch buffer `slot` (0..CPU_SCRATCH_SLOTS-1) of at least n floats, 32-byte
+ * aligned, kept for the thread's life (freed at thread exit).  NULL if out of memory. */
+#define CPU_SCRATCH_SLOTS 4
+float *cpu_scratch(int slot, size_t n);
 
 #endif
