@@ -6,5 +6,6 @@
 #define DISAGG_BENCH_H
 
 int bench_transfer_main(int argc, char **argv); /* transfer_bench.c */
+int bench_model_main(int argc, char **argv);    /* model_bench.c */
 
 #endif

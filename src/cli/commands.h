@@ -8,5 +8,6 @@
 
 int cmd_transfer(int argc, char **argv); /* cmd_transfer.c: target / copy / demo helpers */
 int cmd_bench(int argc, char **argv);    /* cmd_bench.c: bench transfer|... */
+int cmd_generate(int argc, char **argv); /* cmd_generate.c: CPU text generation from a model */
 
 #endif

@@ -1,0 +1,105 @@
+/*
+ * tokenizer — Hugging Face `tokenizer.json` byte-level BPE (the Qwen2/Qwen2.5
+ * family) plus the parts of `tokenizer_config.json` the server needs (eos, pad,
+ * bos tokens, model_max_length, chat_template text).
+ *
+ * Encoding follows Hugging Face `tokenizers` step by step, and must agree with
+ * it id for id (tests/unit/test_tokenizer.c checks thousands of strings whose
+ * ids HF produced, see tools/gen_tokenizer_golden.py):
+ *   1. added tokens whose `normalized` flag is false are split out of the raw
+ *      text first (leftmost-longest match, honouring single_word, lstrip,
+ *      rstrip); the remaining pieces are normalized (NFC via utf8proc), then
+ *      added tokens with `normalized` true are split out of those;
+ *   2. pre-tokenizers: Split (Oniguruma regex, behavior Isolated) and
+ *      ByteLevel (bytes -> printable unicode, optional GPT-2 regex);
+ *   3. BPE with merge ranks (lowest rank first, leftmost on ties), with a
+ *      cache of recently seen words.
+ * Decoding maps ids to bytes (ByteLevel decoder) and replaces invalid UTF-8 as
+ * Rust's String::from_utf8_lossy does (one U+FFFD per maximal invalid
+ * subpart); the stream decoder gives the same text piece by piece and never
+ * emits half a character.
+ *
+ * A loaded tokenizer is read-only and may be shared by threads (the word
+ * cache has its own lock).  Functions return 0 or a negative errno; errors
+ * write a message into the caller's err buffer (may be NULL) naming the file
+ * or the bad value.
+ */
+#ifndef DISAGG_MODEL_TOKENIZER_H
+#define DISAGG_MODEL_TOKENIZER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct tokenizer tokenizer;
+
+/* Load DIR/tokenizer.json and DIR/tokenizer_config.json (the latter is
+ * optional: without it there is no chat template and no eos/pad).  On error
+ * *out is NULL and err says which file and what is wrong. */
+int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap);
+void tokenizer_free(tokenizer *tok);
+
+/* Encode len bytes of UTF-8 text.  add_special adds the bos/eos tokens that
+ * tokenizer_config.json asks for (add_bos_token / add_eos_token; Qwen2.5 adds
+ * none).  *ids_out is malloc'ed (caller frees), *n_out its length.  Invalid
+ * UTF-8 is rejected with -EILSEQ and a message naming the byte offset. */
+int tokenizer_encode(const tokenizer *tok, const char *text, size_t len, bool add_special,
+                     int32_t **ids_out, size_t *n_out, char *err, size_t err_cap);
+
+/* Decode ids to UTF-8 text (NUL-terminated, malloc'ed, *len_out without the
+ * NUL).  skip_special drops added tokens marked special.  An id outside the
+ * vocabulary is -EINVAL. */
+int tokenizer_decode(const tokenizer *tok, const int32_t *ids, size_t n, bool skip_special,
+                     char **text_out, size_t *len_out, char *err, size_t err_cap);
+
+/* Id of a token given as its vocabulary string (added token content such as
+ * "<|im_end|>", or a byte-level vocab key such as "Ġhello"); -1 if none. */
+int32_t tokenizer_token_id(const tokenizer *tok, const char *token);
+/* The raw bytes an id decodes to (not NUL-terminated); NULL if out of range. */
+const uint8_t *tokenizer_token_bytes(const tokenizer *tok, int32_t id, size_t *len);
+/* True if id is an added token marked special. */
+bool tokenizer_is_special(const tokenizer *tok, int32_t id);
+/* One more than the largest id (vocab plus added tokens). */
+int32_t tokenizer_vocab_size(const tokenizer *tok);
+/* Longest token in bytes (bounds the stream decoder's output, see below). */
+size_t tokenizer_max_token_bytes(const tokenizer *tok);
+
+/* From tokenizer_config.json: ids of eos/pad/bos (-1 when absent), their text
+ * (NULL when absent), model_max_length (0 when absent or not an integer) and
+ * the chat template text (NULL when absent). */
+int32_t tokenizer_eos_id(const tokenizer *tok);
+int32_t tokenizer_pad_id(const tokenizer *tok);
+int32_t tokenizer_bos_id(const tokenizer *tok);
+const char *tokenizer_eos_token(const tokenizer *tok);
+uint64_t tokenizer_model_max_length(const tokenizer *tok);
+const char *tokenizer_chat_template(const tokenizer *tok);
+
+/* ---- streaming decode --------------------------------------------------
+ * Feed ids one at a time; each push writes the text that is complete so far.
+ * Bytes of an unfinished UTF-8 character are held until the next push; an
+ * invalid sequence becomes U+FFFD exactly as tokenizer_decode would.  The
+ * concatenation of all pushes plus the flush equals tokenizer_decode of the
+ * same ids. */
+typedef struct tokenizer_stream {
+    uint8_t pending[4]; /* bytes of an incomplete character */
+    int n_pending;      /* how many of pending[] are used */
+    bool skip_special;  /* drop special added tokens */
+} tokenizer_stream;
+
+/* Output capacity that always suffices for one push or flush. */
+#define TOKENIZER_STREAM_OUT_CAP(tok) (3 * (tokenizer_max_token_bytes(tok) + 4) + 1)
+
+void tokenizer_stream_init(tokenizer_stream *st, bool skip_special);
+/* Writes up to cap bytes to out (not NUL-terminated), *out_len how many;
+ * -ENOSPC when cap < TOKENIZER_STREAM_OUT_CAP, -EINVAL for a bad id. */
+int tokenizer_stream_push(const tokenizer *tok, tokenizer_stream *st, int32_t id, char *out,
+                          size_t cap, size_t *out_len);
+/* End of stream: held bytes of an unfinished character become U+FFFD. */
+int tokenizer_stream_flush(tokenizer_stream *st, char *out, size_t cap, size_t *out_len);
+
+/* Validate UTF-8 (the rules of Rust's str: no overlongs, surrogates or values
+ * above U+10FFFF).  Returns the byte offset of the first invalid sequence, or
+ * len when the text is valid. */
+size_t tokenizer_utf8_check(const char *text, size_t len);
+
+#endif
