@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #define TB_MAX_BLOCKS     32
+#define TB_MAX_ROUNDS     9
 #define TB_DEFAULT_BUFFER (512ull << 20)
 #define TB_RTT_BLOCK      4096
 #define TB_PAGE           4096ull
@@ -71,6 +72,7 @@ typedef struct tb_options {
     int nblocks;                    /* entries in blocks */
     long batch;                     /* requests per batch (capped by the buffer) */
     long threads;                   /* submitting threads */
+    long rounds;                    /* interleaved engine/ceiling rounds per block size */
     double duration;                /* seconds per block size */
     const char *device_name;        /* interface whitelist, NULL = engine default */
     const char *local_hostname;     /* advertised address, NULL = engine default */
@@ -108,8 +110,12 @@ static void tb_usage(FILE *f) {
         "                       size so that threads x batch x block fits half the buffer\n"
         "  --threads N          submitting threads, 1..64 (default 1)\n"
         "  --duration T         seconds per block size: 1, 0.5, 2s, 500ms; > 0 (default 1)\n"
+        "  --rounds N           split each size's time into N rounds, 1..9 (default 3): the\n"
+        "                       engine and its ceilings alternate round by round and each\n"
+        "                       reports its best round (the machine may be shared); batch\n"
+        "                       latencies are pooled over all rounds\n"
         "  --device-name LIST   comma-separated interfaces for the engine's tcp paths\n"
-        "                       (default: lo in single-command mode, else the engine's)\n"
+        "                       (default: none given, the engine's default)\n"
         "  --local-hostname IP  address the engines advertise (default: 127.0.0.1 in\n"
         "                       single-command mode, else the engine's choice)\n"
         "  --segment-id IP:PORT initiator: the target's segment name (required there)\n"
@@ -229,6 +235,7 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
         o->blocks[o->nblocks++] = default_blocks[i];
     o->batch = 128;
     o->threads = 1;
+    o->rounds = 3;
     o->duration = 1.0;
     o->buffer_size = TB_DEFAULT_BUFFER;
     bool mode_given = false, port_given = false, segment_given = false;
@@ -267,18 +274,20 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
             continue;
         }
         static const char *const with_value[] = {
-            "mode",     "protocol",    "operation",      "block-size", "batch-size", "threads",
-            "duration", "device-name", "local-hostname", "segment-id", "port",       "buffer-size"};
+            "mode",    "protocol", "operation",   "block-size",     "batch-size",
+            "threads", "duration", "device-name", "local-hostname", "segment-id",
+            "port",    "rounds",   "buffer-size"};
         bool known = false;
         for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
             if (!strcmp(name, with_value[k])) known = true;
         if (!known) {
-            fprintf(stderr,
-                    "disagg bench transfer: unknown option '%s'; accepted: --mode, --protocol, "
-                    "--operation, --block-size, --batch-size, --threads, --duration, "
-                    "--device-name, --local-hostname, --segment-id, --port, --buffer-size, "
-                    "--verify, --json, --help\n",
-                    arg);
+            fprintf(
+                stderr,
+                "disagg bench transfer: unknown option '%s'; accepted: --mode, --protocol, "
+                "--operation, --block-size, --batch-size, --threads, --duration, "
+                "--device-name, --local-hostname, --segment-id, --port, --buffer-size, --rounds, "
+                "--verify, --json, --help\n",
+                arg);
             return 2;
         }
         const char *val = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
@@ -312,6 +321,10 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
             if (tb_parse_int(val, 1, 64, &v))
                 return tb_bad("--threads", val, "an integer from 1 to 64");
             o->threads = v;
+        } else if (!strcmp(name, "rounds")) {
+            if (tb_parse_int(val, 1, TB_MAX_ROUNDS, &v))
+                return tb_bad("--rounds", val, "an integer from 1 to 9");
+            o->rounds = v;
         } else if (!strcmp(name, "duration")) {
             if (tb_parse_duration(val, &o->duration))
                 return tb_bad("--duration", val,
@@ -364,7 +377,6 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
     }
     if (o->mode == TB_MODE_SINGLE) {
         if (!o->local_hostname) o->local_hostname = "127.0.0.1";
-        if (!o->device_name) o->device_name = "lo";
         size_t maxb = 0;
         for (int i = 0; i < o->nblocks; i++)
             if (o->blocks[i] > maxb) maxb = o->blocks[i];
@@ -482,8 +494,10 @@ static int tb_child_spawn(const tb_options *o, transfer_protocol proto, tb_child
     args[n++] = bufsz;
     args[n++] = "--local-hostname";
     args[n++] = o->local_hostname;
-    args[n++] = "--device-name";
-    args[n++] = o->device_name;
+    if (o->device_name) {
+        args[n++] = "--device-name";
+        args[n++] = o->device_name;
+    }
     args[n] = NULL;
     fflush(stdout);
     fflush(stderr);
@@ -787,6 +801,8 @@ typedef struct tb_row {
     tb_ceiling mem;                         /* memcpy ceiling */
     tb_ceiling sock;                        /* socket ceiling (tcp), ops == 0 if not measured */
     double ratio;                           /* gbps / ceiling (socket for tcp, memcpy for shm) */
+    int nrounds;                            /* interleaved rounds measured */
+    double round_gbps[TB_MAX_ROUNDS], round_mem[TB_MAX_ROUNDS], round_sock[TB_MAX_ROUNDS];
     uint64_t checked_blocks, bad_blocks, bad_bytes; /* verify */
     char first_bad[256];                            /* verify: first mismatch */
 } tb_row;
@@ -804,39 +820,75 @@ static double tb_pct_us(const uint64_t *v, size_t n, double q) {
     return (double)v[k] / 1e3;
 }
 
-/* Run one measurement; returns 0, or 1 after printing the engine error. */
-static int tb_measure(tb_run *r, tb_row *row) {
-    memset(row, 0, sizeof *row);
+/* Batch latencies pooled over the rounds of one block size. */
+typedef struct tb_lat {
+    uint64_t *v;   /* (n) nanoseconds */
+    size_t n, cap; /* used, allocated */
+} tb_lat;
+
+static void tb_lat_append(tb_lat *p, const uint64_t *v, size_t n) {
+    if (!n) return;
+    if (p->n + n > p->cap) {
+        size_t cap = p->cap ? p->cap : 4096;
+        while (cap < p->n + n)
+            cap *= 2;
+        uint64_t *q = realloc(p->v, cap * sizeof *q);
+        if (!q) return; /* keep what we have rather than fail the run */
+        p->v = q;
+        p->cap = cap;
+    }
+    memcpy(p->v + p->n, v, n * sizeof *v);
+    p->n += n;
+}
+
+/* p50/p99/mean/min of the pool into row; frees the pool. */
+static void tb_lat_finish(tb_lat *p, tb_row *row) {
+    if (p->n) {
+        double sum = 0;
+        for (size_t i = 0; i < p->n; i++)
+            sum += (double)p->v[i];
+        qsort(p->v, p->n, sizeof *p->v, tb_cmp_u64);
+        row->p50_us = tb_pct_us(p->v, p->n, 0.50);
+        row->p99_us = tb_pct_us(p->v, p->n, 0.99);
+        row->min_us = (double)p->v[0] / 1e3;
+        row->mean_us = sum / (double)p->n / 1e3;
+    }
+    free(p->v);
+    memset(p, 0, sizeof *p);
+}
+
+/* Run one timed round of r: requests and wall time into *ops and *seconds,
+ * batch latencies into pool, verification counts added to row.  Returns 0, or
+ * 1 after printing the engine error. */
+static int tb_measure(tb_run *r, uint64_t *ops, double *seconds, tb_lat *pool, tb_row *row) {
     tb_worker *ws = calloc((size_t)r->threads, sizeof *ws);
     if (!ws) return 1;
     atomic_store(&r->stop, 0);
     pthread_barrier_init(&r->start, NULL, (unsigned)r->threads);
-    int started = 0;
     for (int i = 0; i < r->threads; i++) {
         ws[i].run = r;
         ws[i].index = i;
-        if (pthread_create(&ws[i].tid, NULL, tb_worker_main, &ws[i])) break;
-        started++;
-    }
-    if (started < r->threads) {
-        /* cannot happen in practice; the barrier would hang, so bail out hard */
-        fprintf(stderr, "disagg bench transfer: pthread_create failed\n");
-        exit(1);
+        if (pthread_create(&ws[i].tid, NULL, tb_worker_main, &ws[i])) {
+            /* the barrier would never open: give up on the process */
+            fprintf(stderr, "disagg bench transfer: pthread_create failed\n");
+            exit(1);
+        }
     }
     uint64_t t0 = UINT64_MAX, t1 = 0;
-    size_t nlat = 0;
     int rc = 0;
+    *ops = 0;
     for (int i = 0; i < r->threads; i++) {
         pthread_join(ws[i].tid, NULL);
         if (ws[i].err && !rc) {
-            fprintf(stderr, "disagg bench transfer: %s %s, %zu-byte blocks: %s\n",
-                    tb_op_name(r->op), "thread", r->block, ws[i].msg);
+            fprintf(stderr, "disagg bench transfer: %s, %zu-byte blocks: %s\n", tb_op_name(r->op),
+                    r->block, ws[i].msg);
             rc = 1;
         }
         if (ws[i].start_ns < t0) t0 = ws[i].start_ns;
         if (ws[i].end_ns > t1) t1 = ws[i].end_ns;
-        row->ops += ws[i].ops;
-        nlat += ws[i].nlat;
+        *ops += ws[i].ops;
+        tb_lat_append(pool, ws[i].lat_ns, ws[i].nlat);
+        free(ws[i].lat_ns);
         row->checked_blocks += ws[i].checked_blocks;
         row->bad_blocks += ws[i].bad_blocks;
         row->bad_bytes += ws[i].bad_bytes;
@@ -844,32 +896,7 @@ static int tb_measure(tb_run *r, tb_row *row) {
             snprintf(row->first_bad, sizeof row->first_bad, "%s", ws[i].first_bad);
     }
     pthread_barrier_destroy(&r->start);
-    row->block = r->block;
-    row->batch = r->batch;
-    row->threads = r->threads;
-    row->seconds = t1 > t0 ? (double)(t1 - t0) / 1e9 : 0;
-    if (row->seconds > 0) {
-        row->gbps = (double)row->ops * (double)r->block / row->seconds / 1e9;
-        row->ops_per_s = (double)row->ops / row->seconds;
-    }
-    uint64_t *all = nlat ? malloc(nlat * sizeof *all) : NULL;
-    if (all) {
-        size_t k = 0;
-        double sum = 0;
-        for (int i = 0; i < r->threads; i++)
-            for (size_t j = 0; j < ws[i].nlat; j++) {
-                all[k++] = ws[i].lat_ns[j];
-                sum += (double)ws[i].lat_ns[j];
-            }
-        qsort(all, nlat, sizeof *all, tb_cmp_u64);
-        row->p50_us = tb_pct_us(all, nlat, 0.50);
-        row->p99_us = tb_pct_us(all, nlat, 0.99);
-        row->min_us = (double)all[0] / 1e3;
-        row->mean_us = sum / (double)nlat / 1e3;
-        free(all);
-    }
-    for (int i = 0; i < r->threads; i++)
-        free(ws[i].lat_ns);
+    *seconds = t1 > t0 ? (double)(t1 - t0) / 1e9 : 0;
     free(ws);
     return rc;
 }
@@ -947,9 +974,10 @@ static bool tb_target_pass(const tb_target *t) {
 
 static void tb_print_header(const tb_options *o, const tb_sweep *s, const char *segment,
                             const char *how) {
-    printf("\n== %s %s  target %s%s  threads %ld  batch <= %ld  %.2f s per size%s ==\n",
+    printf("\n== %s %s  target %s%s  threads %ld  batch <= %ld  %.2f s per size in %ld "
+           "rounds%s ==\n",
            tb_protocol_name(s->proto), tb_op_name(s->op), segment, how, o->threads, o->batch,
-           o->duration, o->verify ? "  (verify: timing includes checks)" : "");
+           o->duration, o->rounds, o->verify ? "  (verify: timing includes checks)" : "");
     printf("%9s %5s %9s %10s %9s %9s | %11s %11s | %s\n", "block", "batch", "GB/s", "ops/s",
            "p50 us", "p99 us", "memcpy GB/s", "socket GB/s", "ratio");
     fflush(stdout);
@@ -1010,6 +1038,14 @@ static json_t *tb_row_json(const tb_row *r, bool verify) {
                   r->ops_per_s, "lat_p50_us", r->p50_us, "lat_p99_us", r->p99_us, "lat_mean_us",
                   r->mean_us, "lat_min_us", r->min_us, "memcpy", tb_ceiling_json(&r->mem), "socket",
                   tb_ceiling_json(&r->sock), "ratio", r->ratio);
+    if (j && r->nrounds > 1) {
+        json_t *rs = json_array();
+        for (int k = 0; k < r->nrounds; k++)
+            json_array_append_new(rs, json_pack("{s:f,s:f,s:f}", "gbps", r->round_gbps[k],
+                                                "memcpy_gbps", r->round_mem[k], "socket_gbps",
+                                                r->round_sock[k]));
+        json_object_set_new(j, "rounds", rs);
+    }
     if (j && verify)
         json_object_set_new(j, "verify",
                             json_pack("{s:I,s:I,s:I,s:s}", "checked_blocks",
@@ -1170,42 +1206,81 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
                     .duration = o->duration,
                     .verify = o->verify};
         double ceil_s = o->duration < 0.4 ? o->duration : 0.25 * o->duration + 0.1;
+        int rounds = (int)o->rounds;
         char err[256];
         if (!o->json) tb_print_header(o, s, segment, how);
         for (int i = 0; i < o->nblocks && !status; i++) {
             tb_row *row = &s->rows[s->nrows];
-            r.block = o->blocks[i];
-            r.batch = batch[i];
-            if (tb_measure(&r, row)) {
-                status = 1;
-                break;
-            }
-            s->nrows++;
+            tb_lat pool = {0};
+            row->block = r.block = o->blocks[i];
+            row->batch = r.batch = batch[i];
+            row->threads = r.threads;
+            r.duration = o->duration / rounds;
             size_t slots = row->batch * (size_t)row->threads;
-            tb_memcpy_ceiling(local, base, row->block, slots, ceil_s, &row->mem);
-            if (proto == TRANSFER_PROTO_TCP &&
-                tb_socket_ceiling("127.0.0.1", s->op == TRANSFER_READ, row->block, local, base,
-                                  slots, ceil_s * 2, &row->sock, err, sizeof err)) {
-                fprintf(stderr, "disagg bench transfer: %s\n", err);
-                status = 1;
-                break;
+            /* Engine and ceilings alternate, so that load from elsewhere on the
+             * machine hits them alike; each keeps its best round. */
+            for (int k = 0; k < rounds && !status; k++) {
+                uint64_t ops;
+                double secs;
+                tb_ceiling mem, sock = {0};
+                if (tb_measure(&r, &ops, &secs, &pool, row)) {
+                    status = 1;
+                    break;
+                }
+                tb_memcpy_ceiling(local, base, row->block, slots, ceil_s / rounds, &mem);
+                if (proto == TRANSFER_PROTO_TCP &&
+                    tb_socket_ceiling("127.0.0.1", s->op == TRANSFER_READ, row->block, local, base,
+                                      slots, 2 * ceil_s / rounds, &sock, err, sizeof err)) {
+                    fprintf(stderr, "disagg bench transfer: %s\n", err);
+                    status = 1;
+                    break;
+                }
+                double gbps = secs > 0 ? (double)ops * (double)row->block / secs / 1e9 : 0;
+                row->round_gbps[k] = gbps;
+                row->round_mem[k] = mem.gbps;
+                row->round_sock[k] = sock.gbps;
+                row->nrounds = k + 1;
+                if (k == 0 || gbps > row->gbps) {
+                    row->gbps = gbps;
+                    row->ops = ops;
+                    row->seconds = secs;
+                    row->ops_per_s = secs > 0 ? (double)ops / secs : 0;
+                }
+                if (k == 0 || mem.gbps > row->mem.gbps) row->mem = mem;
+                if (k == 0 || sock.gbps > row->sock.gbps) row->sock = sock;
             }
+            tb_lat_finish(&pool, row);
+            if (status) break;
+            s->nrows++;
             double ceil = proto == TRANSFER_PROTO_TCP ? row->sock.gbps : row->mem.gbps;
             row->ratio = ceil > 0 ? row->gbps / ceil : 0;
             if (!o->json) tb_print_row(s, row);
         }
         if (!status) {
-            r.block = TB_RTT_BLOCK;
-            r.batch = 1;
-            r.threads = 1;
-            if (tb_measure(&r, &s->rtt))
+            /* the single request: 4 KiB, batch 1, one thread, the full duration */
+            tb_lat pool = {0};
+            uint64_t ops;
+            double secs;
+            r.block = s->rtt.block = TB_RTT_BLOCK;
+            r.batch = s->rtt.batch = 1;
+            r.threads = s->rtt.threads = 1;
+            r.duration = o->duration;
+            if (tb_measure(&r, &ops, &secs, &pool, &s->rtt)) {
                 status = 1;
-            else if (proto == TRANSFER_PROTO_TCP &&
-                     tb_socket_ceiling("127.0.0.1", s->op == TRANSFER_READ, TB_RTT_BLOCK, local,
-                                       base, 1, ceil_s, &s->rtt_sock, err, sizeof err)) {
-                fprintf(stderr, "disagg bench transfer: %s\n", err);
-                status = 1;
+            } else {
+                s->rtt.ops = ops;
+                s->rtt.seconds = secs;
+                s->rtt.ops_per_s = secs > 0 ? (double)ops / secs : 0;
+                s->rtt.gbps = s->rtt.ops_per_s * TB_RTT_BLOCK / 1e9;
+                s->rtt.nrounds = 1;
+                if (proto == TRANSFER_PROTO_TCP &&
+                    tb_socket_ceiling("127.0.0.1", s->op == TRANSFER_READ, TB_RTT_BLOCK, local,
+                                      base, 1, ceil_s, &s->rtt_sock, err, sizeof err)) {
+                    fprintf(stderr, "disagg bench transfer: %s\n", err);
+                    status = 1;
+                }
             }
+            tb_lat_finish(&pool, &s->rtt);
         }
         if (!status) {
             if (!o->json) tb_print_footer(o, s);
