@@ -81,6 +81,8 @@ typedef struct tb_options {
     size_t buffer_size;             /* target buffer bytes (two halves) */
     bool verify;                    /* check every byte moved */
     bool json;                      /* machine-readable output on stdout */
+    bool no_ceilings;               /* skip memcpy/socket ceilings (profiling the engine) */
+    bool hugepages;                 /* MADV_HUGEPAGE on every buffer (target, local, ceilings) */
 } tb_options;
 
 static const char *tb_protocol_name(transfer_protocol p) {
@@ -127,7 +129,12 @@ static void tb_usage(FILE *f) {
         "                       pattern, READs compare with it, WRITEs are read back and\n"
         "                       compared; mismatches are reported and the exit status is 1.\n"
         "                       The timed loop then includes the checking.\n"
+        "  --hugepages on|off   back every buffer (the target's, the initiator's, the ceilings')\n"
+        "                       with transparent huge pages (MADV_HUGEPAGE) or 4 KiB pages\n"
+        "                       (default on)\n"
         "  --json               print the results as one JSON object on stdout instead of tables\n"
+        "  --no-ceilings        measure the engine only (no memcpy/socket loops, no ratios):\n"
+        "                       for profiling it with perf\n"
         "  -h, --help           this text\n"
         "\n"
         "Per block size: GB/s (10^9 bytes/s), ops/s, p50/p99 latency of one batch (submit to\n"
@@ -236,6 +243,7 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
     o->batch = 128;
     o->threads = 1;
     o->rounds = 3;
+    o->hugepages = true;
     o->duration = 1.0;
     o->buffer_size = TB_DEFAULT_BUFFER;
     bool mode_given = false, port_given = false, segment_given = false;
@@ -261,7 +269,7 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
         for (size_t k = 0; k < nlen; k++)
             name[k] = arg[2 + k] == '_' ? '-' : arg[2 + k];
         name[nlen] = 0;
-        if (!strcmp(name, "verify") || !strcmp(name, "json")) {
+        if (!strcmp(name, "verify") || !strcmp(name, "json") || !strcmp(name, "no-ceilings")) {
             if (eq) {
                 fprintf(stderr, "disagg bench transfer: --%s takes no value (got '%s')\n", name,
                         eq + 1);
@@ -269,14 +277,16 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
             }
             if (!strcmp(name, "verify"))
                 o->verify = true;
-            else
+            else if (!strcmp(name, "json"))
                 o->json = true;
+            else
+                o->no_ceilings = true;
             continue;
         }
         static const char *const with_value[] = {
             "mode",    "protocol", "operation",   "block-size",     "batch-size",
             "threads", "duration", "device-name", "local-hostname", "segment-id",
-            "port",    "rounds",   "buffer-size"};
+            "port",    "rounds",   "buffer-size", "hugepages"};
         bool known = false;
         for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
             if (!strcmp(name, with_value[k])) known = true;
@@ -286,7 +296,8 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
                 "disagg bench transfer: unknown option '%s'; accepted: --mode, --protocol, "
                 "--operation, --block-size, --batch-size, --threads, --duration, "
                 "--device-name, --local-hostname, --segment-id, --port, --buffer-size, --rounds, "
-                "--verify, --json, --help\n",
+                "--hugepages, "
+                "--verify, --json, --no-ceilings, --help\n",
                 arg);
             return 2;
         }
@@ -321,6 +332,13 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
             if (tb_parse_int(val, 1, 64, &v))
                 return tb_bad("--threads", val, "an integer from 1 to 64");
             o->threads = v;
+        } else if (!strcmp(name, "hugepages")) {
+            if (!strcmp(val, "on"))
+                o->hugepages = true;
+            else if (!strcmp(val, "off"))
+                o->hugepages = false;
+            else
+                return tb_bad("--hugepages", val, "on or off");
         } else if (!strcmp(name, "rounds")) {
             if (tb_parse_int(val, 1, TB_MAX_ROUNDS, &v))
                 return tb_bad("--rounds", val, "an integer from 1 to 9");
@@ -389,10 +407,31 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
 
 /* ---- memory ----------------------------------------------------------------------- */
 
-static void *tb_map(size_t len) {
-    void *p =
-        mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    return p == MAP_FAILED ? NULL : p;
+/* Anonymous memory of len bytes.  huge: 2 MiB aligned with MADV_HUGEPAGE
+ * (transparent huge pages in "madvise" mode), faulted in by the caller's
+ * first write; else 4 KiB pages, populated now.  Free with tb_unmap(p, len). */
+static void *tb_map(size_t len, bool huge) {
+    if (!huge) {
+        void *p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    const size_t H = 2u << 20;
+    size_t span = ((len + H - 1) & ~(H - 1)) + H;
+    uint8_t *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    uint8_t *p = (uint8_t *)(((uintptr_t)raw + H - 1) & ~(uintptr_t)(H - 1));
+    size_t body = (len + H - 1) & ~(H - 1);
+    if (p > raw) munmap(raw, (size_t)(p - raw));
+    if (raw + span > p + body) munmap(p + body, (size_t)(raw + span - (p + body)));
+    madvise(p, body, MADV_HUGEPAGE);
+    return p;
+}
+
+static void tb_unmap(void *p, size_t len, bool huge) {
+    if (!p) return;
+    if (huge) len = (len + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+    munmap(p, len);
 }
 
 /* ---- target ----------------------------------------------------------------------- */
@@ -423,7 +462,8 @@ static int tb_run_target(const tb_options *o) {
     sigaddset(&set, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
 
-    uint8_t *buf = tb_map(o->buffer_size); /* (buffer_size) pattern TB_SEED_TARGET by offset */
+    /* (buffer_size) pattern TB_SEED_TARGET by offset */
+    uint8_t *buf = tb_map(o->buffer_size, o->hugepages);
     if (!buf) {
         fprintf(stderr, "disagg bench transfer: target: cannot map %zu bytes: %s\n", o->buffer_size,
                 strerror(errno));
@@ -432,7 +472,7 @@ static int tb_run_target(const tb_options *o) {
     tb_pattern_fill(buf, 0, o->buffer_size, TB_SEED_TARGET);
     transfer_engine *eng;
     if (tb_engine_create(o, o->protocols[0], (uint16_t)o->port, &eng)) {
-        munmap(buf, o->buffer_size);
+        tb_unmap(buf, o->buffer_size, o->hugepages);
         return 1;
     }
     int rc = transfer_register(eng, buf, o->buffer_size, "cpu:0");
@@ -440,7 +480,7 @@ static int tb_run_target(const tb_options *o) {
         fprintf(stderr, "disagg bench transfer: target: transfer_register(%zu bytes): %s\n",
                 o->buffer_size, transfer_strerror(rc));
         transfer_engine_destroy(eng);
-        munmap(buf, o->buffer_size);
+        tb_unmap(buf, o->buffer_size, o->hugepages);
         return 1;
     }
     printf("disagg-bench-target segment=%s addr=0x%" PRIxPTR " length=%zu pid=%d protocol=%s\n",
@@ -461,7 +501,7 @@ static int tb_run_target(const tb_options *o) {
             sig, st.bytes_served, st.requests_rejected);
     transfer_unregister(eng, buf);
     transfer_engine_destroy(eng);
-    munmap(buf, o->buffer_size);
+    tb_unmap(buf, o->buffer_size, o->hugepages);
     return 0;
 }
 
@@ -481,7 +521,7 @@ static int tb_child_spawn(const tb_options *o, transfer_protocol proto, tb_child
     }
     char bufsz[32];
     snprintf(bufsz, sizeof bufsz, "%zu", o->buffer_size);
-    const char *args[20];
+    const char *args[24];
     int n = 0;
     args[n++] = "disagg";
     args[n++] = "bench";
@@ -494,6 +534,8 @@ static int tb_child_spawn(const tb_options *o, transfer_protocol proto, tb_child
     args[n++] = bufsz;
     args[n++] = "--local-hostname";
     args[n++] = o->local_hostname;
+    args[n++] = "--hugepages";
+    args[n++] = o->hugepages ? "on" : "off";
     if (o->device_name) {
         args[n++] = "--device-name";
         args[n++] = o->device_name;
@@ -929,7 +971,8 @@ static int tb_targets(const tb_sweep *s, tb_target *t, int max) {
     bool shm = s->proto == TRANSFER_PROTO_SHM;
     for (int i = 0; i < s->nrows && n < max; i++) {
         const tb_row *r = &s->rows[i];
-        if (shm ? r->block >= (64u << 10) : r->block >= (1u << 20)) {
+        double ceil = shm ? r->mem.gbps : r->sock.gbps;
+        if (ceil > 0 && (shm ? r->block >= (64u << 10) : r->block >= (1u << 20))) {
             snprintf(t[n].what, sizeof t[n].what, "%s %s %s: GB/s vs %s",
                      tb_protocol_name(s->proto), tb_op_name(s->op),
                      tb_format_size(r->block, sz, sizeof sz), shm ? "memcpy" : "socket loop");
@@ -984,15 +1027,15 @@ static void tb_print_header(const tb_options *o, const tb_sweep *s, const char *
 }
 
 static void tb_print_row(const tb_sweep *s, const tb_row *r) {
-    char sz[32], sock[32];
-    if (r->sock.ops)
-        snprintf(sock, sizeof sock, "%.3f", r->sock.gbps);
-    else
-        snprintf(sock, sizeof sock, "-");
-    printf("%9s %5zu %9.3f %10.0f %9.1f %9.1f | %11.3f %11s | %5.1f%% of %s\n",
+    char sz[32], mem[32] = "-", sock[32] = "-", ratio[32] = "-";
+    if (r->mem.ops) snprintf(mem, sizeof mem, "%.3f", r->mem.gbps);
+    if (r->sock.ops) snprintf(sock, sizeof sock, "%.3f", r->sock.gbps);
+    if (r->ratio > 0)
+        snprintf(ratio, sizeof ratio, "%5.1f%% of %s", 100 * r->ratio,
+                 s->proto == TRANSFER_PROTO_SHM ? "memcpy" : "socket");
+    printf("%9s %5zu %9.3f %10.0f %9.1f %9.1f | %11s %11s | %s\n",
            tb_format_size(r->block, sz, sizeof sz), r->batch, r->gbps, r->ops_per_s, r->p50_us,
-           r->p99_us, r->mem.gbps, sock, 100 * r->ratio,
-           s->proto == TRANSFER_PROTO_SHM ? "memcpy" : "socket");
+           r->p99_us, mem, sock, ratio);
     fflush(stdout);
 }
 
@@ -1158,9 +1201,9 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
     }
     if (TB_RTT_BLOCK * (size_t)o->threads > foot) foot = TB_RTT_BLOCK * (size_t)o->threads;
     foot = (foot + TB_PAGE - 1) & ~(size_t)(TB_PAGE - 1);
-    local = tb_map(foot);                      /* (threads*batch, block) registered */
-    base = tb_map(foot);                       /* (threads*batch, block) ceilings' other side */
-    scratch = o->verify ? tb_map(foot) : NULL; /* (threads*batch, block) registered */
+    local = tb_map(foot, o->hugepages); /* (threads*batch, block) registered */
+    base = tb_map(foot, o->hugepages);  /* (threads*batch, block) ceilings' other side */
+    scratch = o->verify ? tb_map(foot, o->hugepages) : NULL; /* (threads*batch, block) registered */
     if (!local || !base || (o->verify && !scratch)) {
         fprintf(stderr, "disagg bench transfer: cannot map 3 x %zu bytes: %s\n", foot,
                 strerror(errno));
@@ -1168,6 +1211,7 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
         goto out;
     }
     memset(local, 0x11, foot);
+    if (scratch) memset(scratch, 0, foot);
     memset(base, 0x22, foot);
     if ((rc = transfer_register(eng, local, foot, "cpu:0")) ||
         (scratch && (rc = transfer_register(eng, scratch, foot, "cpu:0")))) {
@@ -1178,14 +1222,15 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
     }
     /* The streaming memcpy reference, once per protocol: 1 MiB blocks over 64 MiB. */
     tb_ceiling stream = {0};
-    uint8_t *sa = tb_map(64u << 20), *sb = tb_map(64u << 20);
+    uint8_t *sa = o->no_ceilings ? NULL : tb_map(64u << 20, o->hugepages);
+    uint8_t *sb = o->no_ceilings ? NULL : tb_map(64u << 20, o->hugepages);
     if (sa && sb) {
         memset(sa, 0x33, 64u << 20);
         memset(sb, 0x44, 64u << 20);
         tb_memcpy_ceiling(sb, sa, 1u << 20, 64, o->duration < 0.3 ? o->duration : 0.3, &stream);
     }
-    if (sa) munmap(sa, 64u << 20);
-    if (sb) munmap(sb, 64u << 20);
+    tb_unmap(sa, 64u << 20, o->hugepages);
+    tb_unmap(sb, 64u << 20, o->hugepages);
     for (int k = 0; k < o->noperations && !status; k++) {
         tb_sweep *s = calloc(1, sizeof *s);
         if (!s) {
@@ -1227,8 +1272,11 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
                     status = 1;
                     break;
                 }
-                tb_memcpy_ceiling(local, base, row->block, slots, ceil_s / rounds, &mem);
-                if (proto == TRANSFER_PROTO_TCP &&
+                if (!o->no_ceilings)
+                    tb_memcpy_ceiling(local, base, row->block, slots, ceil_s / rounds, &mem);
+                else
+                    memset(&mem, 0, sizeof mem);
+                if (proto == TRANSFER_PROTO_TCP && !o->no_ceilings &&
                     tb_socket_ceiling("127.0.0.1", s->op == TRANSFER_READ, row->block, local, base,
                                       slots, 2 * ceil_s / rounds, &sock, err, sizeof err)) {
                     fprintf(stderr, "disagg bench transfer: %s\n", err);
@@ -1273,7 +1321,7 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
                 s->rtt.ops_per_s = secs > 0 ? (double)ops / secs : 0;
                 s->rtt.gbps = s->rtt.ops_per_s * TB_RTT_BLOCK / 1e9;
                 s->rtt.nrounds = 1;
-                if (proto == TRANSFER_PROTO_TCP &&
+                if (proto == TRANSFER_PROTO_TCP && !o->no_ceilings &&
                     tb_socket_ceiling("127.0.0.1", s->op == TRANSFER_READ, TB_RTT_BLOCK, local,
                                       base, 1, ceil_s, &s->rtt_sock, err, sizeof err)) {
                     fprintf(stderr, "disagg bench transfer: %s\n", err);
@@ -1310,9 +1358,9 @@ out:
     if (local) transfer_unregister(eng, local);
     transfer_close_segment(eng, seg);
     transfer_engine_destroy(eng);
-    if (local) munmap(local, foot);
-    if (base) munmap(base, foot);
-    if (scratch) munmap(scratch, foot);
+    tb_unmap(local, foot, o->hugepages);
+    tb_unmap(base, foot, o->hugepages);
+    tb_unmap(scratch, foot, o->hugepages);
     return status;
 }
 
