@@ -406,6 +406,17 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
         if (need > o->buffer_size) o->buffer_size = need;
     }
     o->buffer_size = (o->buffer_size + 2 * TB_PAGE - 1) & ~(2 * TB_PAGE - 1);
+    /* target buffer + initiator (local, ceiling side, verify scratch: half each) */
+    double need = (double)o->buffer_size * (o->mode == TB_MODE_SINGLE ? 2.5 : 1.0);
+    double phys = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+    if (o->mode != TB_MODE_INITIATOR && phys > 0 && need > 0.75 * phys) {
+        fprintf(stderr,
+                "disagg bench transfer: this run needs about %.1f GiB of memory (target buffer "
+                "%.1f GiB = 2 x threads x largest block or --buffer-size) but the machine has "
+                "%.1f GiB; lower --threads, --block-size or --buffer-size\n",
+                need / (1 << 30), (double)o->buffer_size / (1 << 30), phys / (1 << 30));
+        return 2;
+    }
     return -1;
 }
 
@@ -688,6 +699,24 @@ typedef struct tb_worker {
     char msg[256];             /* describes err */
 } tb_worker;
 
+static const char *tb_state_name(transfer_state st) {
+    switch (st) {
+    case TRANSFER_STATE_WAITING:
+        return "WAITING";
+    case TRANSFER_STATE_PENDING:
+        return "PENDING";
+    case TRANSFER_STATE_COMPLETED:
+        return "COMPLETED";
+    case TRANSFER_STATE_FAILED:
+        return "FAILED";
+    case TRANSFER_STATE_CANCELED:
+        return "CANCELED";
+    case TRANSFER_STATE_TIMEOUT:
+        return "TIMEOUT";
+    }
+    return "in an unknown state";
+}
+
 /* alloc + submit + wait + free one batch; 0 or an error described in msg. */
 static int tb_do_batch(tb_run *r, const transfer_request *reqs, size_t n, char *msg, size_t cap) {
     transfer_batch b;
@@ -714,10 +743,9 @@ static int tb_do_batch(tb_run *r, const transfer_request *reqs, size_t n, char *
                 bad = i;
         if (bad < n)
             snprintf(msg, cap,
-                     "%s of %zu bytes at remote 0x%" PRIx64 " (request %zu of %zu) ended in state "
-                     "%d: %s",
+                     "%s of %zu bytes at remote 0x%" PRIx64 " (request %zu of %zu) ended %s: %s",
                      tb_op_name(reqs[bad].opcode), reqs[bad].length, reqs[bad].remote_addr, bad, n,
-                     (int)st.state, transfer_strerror(st.error ? st.error : rc));
+                     tb_state_name(st.state), transfer_strerror(st.error ? st.error : rc));
         else
             snprintf(msg, cap, "transfer_batch_wait: %s", transfer_strerror(rc));
         if (rc == TRANSFER_ETIMEDOUT) {
@@ -728,9 +756,9 @@ static int tb_do_batch(tb_run *r, const transfer_request *reqs, size_t n, char *
         transfer_status st;
         int grc = transfer_batch_get_overall(r->engine, b, &st);
         if (grc || st.state != TRANSFER_STATE_COMPLETED || st.transferred_bytes != bytes) {
-            snprintf(msg, cap,
-                     "batch of %zu x %zu bytes completed but reports state %d, %zu bytes (%s)", n,
-                     reqs[0].length, (int)st.state, st.transferred_bytes, transfer_strerror(grc));
+            snprintf(msg, cap, "batch of %zu x %zu bytes completed but reports %s, %zu bytes (%s)",
+                     n, reqs[0].length, tb_state_name(st.state), st.transferred_bytes,
+                     transfer_strerror(grc));
             rc = grc ? grc : -1;
         }
     }
