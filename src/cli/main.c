@@ -19,6 +19,7 @@ typedef struct command {
 static const command COMMANDS[] = {
     {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
     {"bench", cmd_bench, "measurements: bench transfer"},
+    {"bootstrap", cmd_bootstrap, "Mooncake bootstrap server alone; register/query helpers"},
 };
 #define NCOMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
 
