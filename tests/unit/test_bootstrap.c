@@ -208,6 +208,16 @@ static void test_bad_server_address(void **state) {
         assert_non_null(strstr(err, "accepted: \"host:port\""));
     }
     assert_int_equal(bootstrap_client_query(NULL, NULL, &t, err, sizeof err), BOOTSTRAP_EINVAL);
+    /* register with a bad address fails cleanly too (it once freed an unset buffer) */
+    bootstrap_registration reg = {"e", 0, 0, 0, "tcp://x:1"};
+    for (int i = 0; bad[i]; i++) {
+        assert_int_equal(bootstrap_client_register(bad[i], &reg, NULL, err, sizeof err),
+                         BOOTSTRAP_EINVAL);
+        assert_non_null(strstr(err, "accepted: \"host:port\""));
+    }
+    bootstrap_registration no_addr = {"e", 0, 0, 0, NULL};
+    assert_int_equal(bootstrap_client_register("h:1", &no_addr, NULL, err, sizeof err),
+                     BOOTSTRAP_EINVAL);
 }
 
 static void test_table_parse(void **state) {

@@ -132,6 +132,7 @@ static void real_sleep(double s, void *ud) {
 /* The retry loop.  On 0, *body holds a 200 answer (caller frees body->data). */
 static int request(const char *what, const char *server, const char *path, const char *post_body,
                    const bootstrap_retry *retry, resp_buf *body, char *err, size_t err_cap) {
+    memset(body, 0, sizeof *body);
     pthread_once(&g_curl_once, curl_init_once);
     bootstrap_retry def;
     if (!retry) {
