@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -484,6 +485,16 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
 out:
     json_decref(root);
     return rc;
+}
+
+kv_protocol kv_transfer_config_effective_protocol(const kv_transfer_config *c, int rdma_available) {
+    static atomic_int warned;
+    if (c->protocol != KV_PROTOCOL_RDMA || rdma_available) return c->protocol;
+    if (atomic_exchange(&warned, 1) == 0)
+        LOG_W(MOD, "mooncake_protocol \"rdma\" (the default) but this build or host has no RDMA "
+                   "device: using tcp instead (set kv_connector_extra_config.mooncake_protocol to "
+                   "\"tcp\" or \"shm\" to silence this)");
+    return KV_PROTOCOL_TCP;
 }
 
 /* ---- environment -------------------------------------------------------- */

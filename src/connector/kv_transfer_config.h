@@ -68,6 +68,11 @@ typedef struct kv_transfer_config {
 int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, char *err,
                              size_t err_cap);
 
+/* The transport to use: the configured one, except that "rdma" without an RDMA
+ * device (rdma_available 0) falls back to tcp with one loud warning per
+ * process.  The caller reports the result in logs and /metrics. */
+kv_protocol kv_transfer_config_effective_protocol(const kv_transfer_config *c, int rdma_available);
+
 /* Names of the enums, as written in the JSON. */
 const char *kv_role_name(kv_role r);
 const char *kv_protocol_name(kv_protocol p);

@@ -94,6 +94,7 @@ static void test_full_config(void **state) {
     assert_int_equal(c.role, KV_ROLE_BOTH);
     assert_true(c.engine_id_generated);
     assert_int_equal(c.protocol, KV_PROTOCOL_SHM);
+    assert_int_equal(kv_transfer_config_effective_protocol(&c, 0), KV_PROTOCOL_SHM);
     assert_int_equal(c.num_workers, 1);
     assert_string_equal(c.bootstrap_host, "::1");
     assert_int_equal(c.bootstrap_port, 8998);
@@ -104,6 +105,9 @@ static void test_full_config(void **state) {
     assert_int_equal(c.protocol, KV_PROTOCOL_RDMA);
     assert_true(c.rdma_requested);
     assert_int_equal(c.num_workers, 1024);
+    assert_int_equal(kv_transfer_config_effective_protocol(&c, 1), KV_PROTOCOL_RDMA);
+    assert_int_equal(kv_transfer_config_effective_protocol(&c, 0), KV_PROTOCOL_TCP);
+    assert_int_equal(kv_transfer_config_effective_protocol(&c, 0), KV_PROTOCOL_TCP);
     assert_string_equal(kv_role_name(KV_ROLE_BOTH), "kv_both");
     assert_string_equal(kv_protocol_name(KV_PROTOCOL_SHM), "shm");
     assert_string_equal(kv_load_failure_policy_name(KV_LOAD_FAILURE_RECOMPUTE), "recompute");
