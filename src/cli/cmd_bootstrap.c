@@ -72,6 +72,7 @@ static int serve(int argc, char **argv) {
             return 2;
         }
     }
+    signal(SIGPIPE, SIG_IGN); /* a client closing early must not kill the server */
     /* block the stop signals before the server thread exists, then wait for one */
     sigset_t set;
     sigemptyset(&set);

@@ -14,7 +14,8 @@
  * libevent evhttp on its own thread and event_base, so a prefill instance can
  * embed it (rank 0) and `disagg bootstrap` can run it alone; stop() ends the
  * loop from any thread and joins it.  The table is guarded by a mutex so the
- * embedding process may read it directly.
+ * embedding process may read it directly.  The process must ignore SIGPIPE
+ * (evhttp writes with writev): a client that disconnects early raises it.
  */
 #ifndef DISAGG_CONNECTOR_MOONCAKE_BOOTSTRAP_SERVER_H
 #define DISAGG_CONNECTOR_MOONCAKE_BOOTSTRAP_SERVER_H
