@@ -16,10 +16,11 @@
 
 #include <stddef.h>
 
-#define BOOTSTRAP_EINVAL   (-22)  /* bad argument or malformed answer */
-#define BOOTSTRAP_EHTTP    (-71)  /* the server answered with an HTTP error (EPROTO) */
-#define BOOTSTRAP_EUNREACH (-113) /* every attempt failed to connect or timed out (EHOSTUNREACH)   \
-                                   */
+#define BOOTSTRAP_EINVAL (-22) /* bad argument or malformed answer */
+#define BOOTSTRAP_EHTTP  (-71) /* the server answered with an HTTP error (EPROTO) */
+#define BOOTSTRAP_EUNREACH                                                                         \
+    (-113) /* every attempt failed to connect or timed out (EHOSTUNREACH)                          \
+            */
 #define BOOTSTRAP_ENOMEM (-12)
 
 typedef struct bootstrap_retry {
