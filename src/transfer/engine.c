@@ -55,6 +55,7 @@ struct transfer_engine {
     int nifaces;
     int whitelisted; /* device_name was given */
     uint16_t rpc_port, data_port;
+    int ipv4_only; /* listeners are IPv4 only (no IPv6 on this host) */
 
     pthread_rwlock_t reg_lock; /* guards regs; servers hold it (read) while copying */
     registry regs;
@@ -106,6 +107,7 @@ static char *describe(void *ctx) {
     if (e->whitelisted) {
         for (int i = 0; i < e->nifaces && d.num_data_addrs < SEGMENT_MAX_DATA_ADDRS; i++) {
             net_addr a = e->ifaces[i].addr;
+            if (e->ipv4_only && a.ss.ss_family != AF_INET) continue;
             net_addr_set_port(&a, e->data_port);
             net_addr_format(&a, d.data_addrs[d.num_data_addrs++], sizeof d.data_addrs[0]);
         }
@@ -189,15 +191,23 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     }
     if ((rc = choose_hostname(e, cfg)) != 0) goto fail_early;
 
+    /* Listen dual-stack ([::] accepts IPv4 too) so that every advertised
+     * address is served; hosts without IPv6 fall back to 0.0.0.0. */
     net_addr any;
-    net_resolve(strchr(e->hostname, ':') ? "::" : "0.0.0.0", cfg->data_port, &any);
+    net_resolve("::", cfg->data_port, &any);
     tcp_server_env env = {.reg_lock = &e->reg_lock,
                           .regs = &e->regs,
                           .timeout_base_ns = e->cfg.timeout_base_ns,
                           .timeout_per_byte_ns = e->cfg.timeout_per_byte_ns,
                           .bytes_served = &e->bytes_served,
                           .rejected = &e->requests_rejected};
-    if ((rc = tcp_server_start(&any, &env, &e->ts, &e->data_port)) != 0) goto fail_early;
+    rc = tcp_server_start(&any, &env, &e->ts, &e->data_port);
+    if (rc != 0 && !strchr(e->hostname, ':')) {
+        net_resolve("0.0.0.0", cfg->data_port, &any);
+        e->ipv4_only = 1;
+        rc = tcp_server_start(&any, &env, &e->ts, &e->data_port);
+    }
+    if (rc != 0) goto fail_early;
     net_addr_set_port(&any, cfg->rpc_port);
     if ((rc = handshake_server_start(&any, describe, e, &e->hs, &e->rpc_port)) != 0) goto fail;
     if ((rc = shm_pool_create(e, SHM_THREADS, shm_refused_cb, e, &e->shm)) != 0) goto fail;

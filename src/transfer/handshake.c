@@ -17,6 +17,7 @@
 
 #define MOD               "transfer.handshake"
 #define SERVE_DEADLINE_NS (2 * NS_PER_S) /* a client must send its frame within this */
+#define MAX_ACTIVE        64             /* connections served at once; more wait in the backlog */
 
 struct handshake_server {
     int listen_fd;
@@ -24,7 +25,15 @@ struct handshake_server {
     handshake_describe_fn describe;
     void *ctx;
     pthread_t thread;
+    pthread_mutex_t mu; /* guards active */
+    pthread_cond_t idle;
+    int active; /* connection threads running */
 };
+
+typedef struct hs_conn {
+    handshake_server *s;
+    int fd;
+} hs_conn;
 
 void handshake_header_encode(uint8_t hdr[HANDSHAKE_HEADER_LEN], uint64_t len, uint8_t type) {
     for (int i = 0; i < 8; i++)
@@ -100,6 +109,21 @@ static void serve_conn(handshake_server *s, int fd) {
     free(body);
 }
 
+/* Each connection on its own short-lived thread, so that a silent client
+ * (up to SERVE_DEADLINE_NS) never holds up the others. */
+static void *conn_main(void *arg) {
+    hs_conn *c = arg;
+    handshake_server *s = c->s;
+    serve_conn(s, c->fd);
+    close(c->fd);
+    free(c);
+    pthread_mutex_lock(&s->mu);
+    s->active--;
+    pthread_cond_broadcast(&s->idle);
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
 static void *server_main(void *arg) {
     handshake_server *s = arg;
     for (;;) {
@@ -112,9 +136,30 @@ static void *server_main(void *arg) {
         int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) continue;
         net_set_nonblock(fd, 1);
-        serve_conn(s, fd);
-        close(fd);
+        pthread_mutex_lock(&s->mu);
+        while (s->active >= MAX_ACTIVE)
+            pthread_cond_wait(&s->idle, &s->mu);
+        s->active++;
+        pthread_mutex_unlock(&s->mu);
+        hs_conn *c = malloc(sizeof *c);
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        if (c) *c = (hs_conn){s, fd};
+        if (!c || pthread_create(&t, &at, conn_main, c) != 0) {
+            free(c);
+            close(fd);
+            pthread_mutex_lock(&s->mu);
+            s->active--;
+            pthread_mutex_unlock(&s->mu);
+        }
+        pthread_attr_destroy(&at);
     }
+    pthread_mutex_lock(&s->mu); /* connection threads use s: wait for them */
+    while (s->active > 0)
+        pthread_cond_wait(&s->idle, &s->mu);
+    pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
@@ -124,6 +169,8 @@ int handshake_server_start(const net_addr *addr, handshake_describe_fn describe,
     if (!s) return TRANSFER_ENOMEM;
     s->describe = describe;
     s->ctx = ctx;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->idle, NULL);
     s->listen_fd = net_listen(addr, 128);
     if (s->listen_fd < 0) {
         char a[80];
@@ -154,6 +201,8 @@ void handshake_server_stop(handshake_server *s) {
     pthread_join(s->thread, NULL);
     close(s->listen_fd);
     close(s->stop_fd);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->idle);
     free(s);
 }
 
