@@ -26,6 +26,7 @@
 #include "cli/commands.h"
 
 #include "base/clock.h"
+#include "base/stop_signal.h"
 #include "base/net.h"
 #include "disagg/transfer.h"
 
@@ -43,7 +44,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -502,15 +502,11 @@ static int cmd_target(int argc, char **argv) {
     int prc = opts_parse(&u, specs, sizeof specs / sizeof specs[0], argc, argv);
     if (prc) return prc < 0 ? 0 : prc;
 
-    /* SIGINT/SIGTERM are blocked before any engine thread exists, then read from a signalfd. */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
-    int sfd = signalfd(-1, &set, SFD_CLOEXEC);
+    /* SIGINT/SIGTERM make sfd readable (a process-wide handler: see base/stop_signal.h). */
+    int sfd = stop_signal_fd();
     if (sfd < 0) {
-        fprintf(stderr, "disagg transfer target: signalfd: %s\n", strerror(errno));
+        fprintf(stderr, "disagg transfer target: cannot install signal handlers: %s\n",
+                strerror(-sfd));
         return 1;
     }
 
@@ -529,7 +525,6 @@ static int cmd_target(int argc, char **argv) {
                 ", data port %" PRIu64 ", devices %s): %s\n",
                 host ? host : "default", port, data_port, device ? device : "all",
                 transfer_strerror(rc));
-        close(sfd);
         return 1;
     }
 
@@ -621,7 +616,6 @@ static int cmd_target(int argc, char **argv) {
     transfer_engine_destroy(eng);
     for (size_t k = 0; k < nb; k++)
         munmap(bufs[k].map, bufs[k].length + 2 * TARGET_GUARD_BYTES);
-    close(sfd);
     return status;
 }
 

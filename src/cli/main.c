@@ -18,16 +18,18 @@ typedef struct command {
 
 static const command COMMANDS[] = {
     {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
-    {"bench", cmd_bench, "measurements: bench transfer"},
+    {"bench", cmd_bench, "measurements: bench transfer, bench model, bench serve"},
+    {"generate", cmd_generate, "generate text from a model on the CPU (streams to stdout)"},
+    {"bootstrap", cmd_bootstrap, "Mooncake bootstrap server alone; register/query helpers"},
     {"serve", cmd_serve, "OpenAI-compatible server: disagg serve [MODEL] --port 8000"},
 };
 #define NCOMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
 
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: disagg <command> [options]\n\n"
-            "Prefill/decode disaggregated LLM serving.\n\ncommands:\n");
-    for (size_t i = 0; i < NCOMMANDS; i++) fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].summary);
+    fprintf(f, "usage: disagg <command> [options]\n\n"
+               "Prefill/decode disaggregated LLM serving.\n\ncommands:\n");
+    for (size_t i = 0; i < NCOMMANDS; i++)
+        fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].summary);
     fprintf(f, "\n`disagg <command> --help` describes a command.\n");
 }
 
@@ -48,7 +50,8 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < NCOMMANDS; i++)
         if (!strcmp(name, COMMANDS[i].name)) return COMMANDS[i].run(argc - 1, argv + 1);
     fprintf(stderr, "disagg: unknown command '%s'; accepted: ", name);
-    for (size_t i = 0; i < NCOMMANDS; i++) fprintf(stderr, "%s%s", i ? ", " : "", COMMANDS[i].name);
+    for (size_t i = 0; i < NCOMMANDS; i++)
+        fprintf(stderr, "%s%s", i ? ", " : "", COMMANDS[i].name);
     fprintf(stderr, " (see disagg --help)\n");
     return 2;
 }

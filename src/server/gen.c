@@ -330,6 +330,8 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     c->n_prompt = g->n_prompt;
     c->n_cached = g->n_cached;
     if (g->prompt_lp && r->o.sampling.prompt_logprobs >= 0) {
+        /* entry 0 has no logprob; its id is the prompt's first token */
+        if (g->n_prompt == r->n_pids[c->prompt]) g->prompt_lp[0].id = r->pids[c->prompt][0];
         if (r->o.prompt_logprobs >= 0)
             c->prompt_logprobs = oai_prompt_logprobs_json(g->prompt_lp, g->n_prompt,
                                                           r->o.prompt_logprobs, &r->namer);

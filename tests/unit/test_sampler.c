@@ -1,225 +1,234 @@
-/* Unit tests: engine/sampler — greedy, seeded reproducibility, top-k/top-p/
- * min-p, penalties, logprobs, validation.  Expected values are computed here
- * from the definitions (softmax), not from the sampler. */
+/*
+ * test_sampler — the sampler against distributions computed here independently:
+ * greedy and tie-breaking, empirical frequencies under temperature / top-k / top-p / min-p
+ * (20000 seeded draws vs. the analytic probabilities), seed reproducibility, repetition /
+ * presence / frequency penalties, logprobs, stop ids, and invalid parameters.
+ */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+
 #include <cmocka.h>
-
-#include "engine/sampler.h"
-
+#include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
-#define V 50
+#include "model/sampler.h"
+
+#define V 5
+static const double P5[V] = {0.5, 0.3, 0.1, 0.07, 0.03}; /* a known distribution */
 
 static void fill(float *l) {
     for (int i = 0; i < V; i++)
-        l[i] = (float)((i * 37) % V) / 10.0f; /* a permutation of 0..4.9 */
+        l[i] = (float)log(P5[i]) + 3.0f; /* shift: softmax unchanged */
 }
 
-static engine_sampling greedy(void) {
-    engine_sampling s;
-    engine_sampling_init(&s);
-    s.temperature = 0;
-    return s;
-}
-
-static void test_greedy(void **state) {
-    (void)state;
-    float l[V];
-    fill(l);
-    engine_sampling s = greedy();
-    int32_t best = 0;
-    for (int i = 0; i < V; i++)
-        if (l[i] > l[best]) best = i;
-    assert_int_equal(sampler_sample(&s, l, V, NULL, 0, 0, NULL), best);
-    float t[4] = {1, 3, 3, 2}; /* ties go to the lowest id, like torch.argmax */
-    assert_int_equal(sampler_sample(&s, t, 4, NULL, 0, 0, NULL), 1);
-}
-
-static void test_seeded_reproducible_and_distributed(void **state) {
-    (void)state;
-    engine_sampling s;
-    engine_sampling_init(&s);
-    s.temperature = 1.0f;
-    float base[V], l[V];
-    fill(base);
-    int counts[V] = {0};
-    sampler_rng a, b;
-    sampler_rng_seed(&a, 1234);
-    sampler_rng_seed(&b, 1234);
-    enum { N = 20000 };
-    for (int i = 0; i < N; i++) {
-        memcpy(l, base, sizeof l);
-        int32_t x = sampler_sample(&s, l, V, NULL, 0, 0, &a);
-        memcpy(l, base, sizeof l);
-        int32_t y = sampler_sample(&s, l, V, NULL, 0, 0, &b);
-        assert_int_equal(x, y);
-        counts[x]++;
-    }
-    double z = 0;
-    for (int i = 0; i < V; i++)
-        z += exp(base[i]);
-    for (int i = 0; i < V; i++) {
-        double p = exp(base[i]) / z, sd = sqrt(N * p * (1 - p));
-        assert_true(fabs(counts[i] - N * p) < 5 * sd + 2);
-    }
-}
-
-static void test_top_k_top_p_min_p(void **state) {
-    (void)state;
-    float base[V], l[V];
-    fill(base);
-    int32_t best = 0;
-    for (int i = 0; i < V; i++)
-        if (base[i] > base[best]) best = i;
-    sampler_rng r;
-    sampler_rng_seed(&r, 7);
-    engine_sampling s;
-    engine_sampling_init(&s);
-    s.temperature = 5.0f;
-    s.top_k = 1;
-    for (int i = 0; i < 100; i++) {
-        memcpy(l, base, sizeof l);
-        assert_int_equal(sampler_sample(&s, l, V, NULL, 0, 0, &r), best);
-    }
-    engine_sampling_init(&s);
-    s.top_p = 1e-6f;
-    for (int i = 0; i < 100; i++) {
-        memcpy(l, base, sizeof l);
-        assert_int_equal(sampler_sample(&s, l, V, NULL, 0, 0, &r), best);
-    }
-    /* top_k = 3: only the three largest logits are ever drawn */
-    engine_sampling_init(&s);
-    s.top_k = 3;
-    for (int i = 0; i < 300; i++) {
-        memcpy(l, base, sizeof l);
-        int32_t x = sampler_sample(&s, l, V, NULL, 0, 0, &r);
-        assert_true(base[x] >= 4.7f - 1e-6f);
-    }
-    /* min_p = 0.5: only tokens with p >= 0.5 * p_max, i.e. logit >= max + ln 0.5 */
-    engine_sampling_init(&s);
-    s.min_p = 0.5f;
-    for (int i = 0; i < 300; i++) {
-        memcpy(l, base, sizeof l);
-        int32_t x = sampler_sample(&s, l, V, NULL, 0, 0, &r);
-        assert_true(base[x] >= 4.9f + logf(0.5f) - 1e-6f);
-    }
-}
-
-static void test_penalties(void **state) {
-    (void)state;
-    float l[4] = {2.0f, 1.9f, -1.0f, 0.5f};
-    int32_t toks[3] = {0, 3, 0}; /* prompt: token 0; output: 3, 0 */
-    engine_sampling s = greedy();
-    s.repetition_penalty = 2.0f; /* 0 -> 1.0, 3 -> 0.25: 1 wins */
-    assert_int_equal(sampler_sample(&s, l, 4, toks, 3, 1, NULL), 1);
-    assert_true(fabsf(l[0] - 1.0f) < 1e-6f && fabsf(l[3] - 0.25f) < 1e-6f && l[2] == -1.0f);
-    float m[4] = {2.0f, 1.9f, -1.0f, 0.5f};
-    s = greedy();
-    s.frequency_penalty = 0.2f; /* token 0 appears once in the output: 2.0 - 0.2 */
-    assert_int_equal(sampler_sample(&s, m, 4, toks, 3, 1, NULL), 1);
-    float n[4] = {2.0f, 1.9f, -1.0f, 0.5f};
-    s = greedy();
-    s.presence_penalty = 0.05f; /* 1.95 still beats 1.9 */
-    assert_int_equal(sampler_sample(&s, n, 4, toks, 3, 1, NULL), 0);
-    float o[4] = {2.0f, 1.9f, -1.0f, 0.5f};
-    int32_t only_prompt[1] = {0}; /* presence/frequency ignore the prompt */
-    s = greedy();
-    s.presence_penalty = 2.0f;
-    assert_int_equal(sampler_sample(&s, o, 4, only_prompt, 1, 1, NULL), 0);
-}
-
-static void test_logprobs(void **state) {
-    (void)state;
-    float l[V];
-    fill(l);
-    float lp, top[5];
-    int32_t ids[5];
-    int n;
-    sampler_logprobs(l, V, 3, 5, &lp, ids, top, &n);
-    double z = 0;
-    for (int i = 0; i < V; i++)
-        z += exp(l[i]);
-    assert_true(fabs(lp - (l[3] - log(z))) < 1e-5);
-    assert_int_equal(n, 5);
-    for (int i = 0; i < 5; i++) {
-        assert_true(fabs(l[ids[i]] - (4.9 - 0.1 * i)) < 1e-5);
-        assert_true(fabs(top[i] - (l[ids[i]] - log(z))) < 1e-5);
-    }
-    sampler_logprobs(l, V, 0, 0, &lp, ids, top, &n);
-    assert_int_equal(n, 0);
-}
-
-static void test_validation(void **state) {
-    (void)state;
+/* Draws n samples with p, compares frequencies with want[] (must sum to 1). */
+static void check_freq(const sampler_params *p, const double *want, int n) {
     char err[256];
-    engine_sampling s;
-    engine_sampling_init(&s);
-    assert_int_equal(sampler_validate(&s, err, sizeof err), 0);
-    const char *fields[] = {"temperature",
-                            "top_p",
-                            "top_p",
-                            "top_k",
-                            "min_p",
-                            "repetition_penalty",
-                            "presence_penalty",
-                            "frequency_penalty",
-                            "logprobs",
-                            "prompt_logprobs"};
-    for (int i = 0; i < 10; i++) {
-        engine_sampling_init(&s);
-        switch (i) {
-        case 0:
-            s.temperature = -0.5f;
-            break;
-        case 1:
-            s.top_p = 0;
-            break;
-        case 2:
-            s.top_p = 1.5f;
-            break;
-        case 3:
-            s.top_k = -2;
-            break;
-        case 4:
-            s.min_p = 2;
-            break;
-        case 5:
-            s.repetition_penalty = 0;
-            break;
-        case 6:
-            s.presence_penalty = 3;
-            break;
-        case 7:
-            s.frequency_penalty = -2.5f;
-            break;
-        case 8:
-            s.logprobs = 21;
-            break;
-        case 9:
-            s.prompt_logprobs = -2;
-            break;
-        }
-        err[0] = 0;
-        assert_int_equal(sampler_validate(&s, err, sizeof err), -22);
-        assert_non_null(strstr(err, fields[i]));
+    sampler *s = sampler_init(p, V, NULL, 0, err, sizeof err);
+    assert_non_null(s);
+    int cnt[V] = {0};
+    for (int i = 0; i < n; i++) {
+        float l[V];
+        fill(l);
+        sample_result r;
+        assert_int_equal(sampler_sample(s, l, &r), 0);
+        cnt[r.token]++;
     }
-    engine_sampling_init(&s);
-    s.temperature = NAN;
-    assert_int_equal(sampler_validate(&s, err, sizeof err), -22);
+    for (int i = 0; i < V; i++) {
+        double f = (double)cnt[i] / n, sd = sqrt(want[i] * (1 - want[i]) / n);
+        if (fabs(f - want[i]) > 5 * sd + 1e-9)
+            fail_msg("token %d: frequency %.4f, expected %.4f (5 sd = %.4f)", i, f, want[i],
+                     5 * sd);
+    }
+    sampler_free(s);
+}
+
+static void test_distributions(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.has_seed = 1;
+    p.seed = 7;
+    p.temperature = 1.0f;
+    check_freq(&p, P5, 20000);
+    /* temperature 0.5: p^2 renormalised */
+    double w[V], z = 0;
+    for (int i = 0; i < V; i++)
+        z += w[i] = P5[i] * P5[i];
+    for (int i = 0; i < V; i++)
+        w[i] /= z;
+    p.temperature = 0.5f;
+    check_freq(&p, w, 20000);
+    p.temperature = 1.0f;
+    p.top_k = 2; /* {0.5, 0.3} renormalised */
+    double k2[V] = {0.625, 0.375, 0, 0, 0};
+    check_freq(&p, k2, 20000);
+    p.top_k = 0;
+    p.top_p = 0.6f; /* 0.5 < 0.6, 0.8 >= 0.6: keep two */
+    check_freq(&p, k2, 20000);
+    p.top_p = 0.85f; /* 0.8 < 0.85 <= 0.9: keep three */
+    double k3[V] = {0.5 / 0.9, 0.3 / 0.9, 0.1 / 0.9, 0, 0};
+    check_freq(&p, k3, 20000);
+    p.top_p = 1.0f;
+    p.min_p = 0.15f; /* keep p >= 0.075: 0.5, 0.3, 0.1 */
+    check_freq(&p, k3, 20000);
+}
+
+static void test_greedy_and_ties(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    char err[256];
+    sampler *s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+    float l[V] = {0.1f, 2.0f, -1.0f, 2.0f, 1.9f};
+    sample_result r;
+    sampler_sample(s, l, &r);
+    assert_int_equal(r.token, 1); /* tie 1 vs 3: lower id */
+    sampler_free(s);
+}
+
+static void test_seed_reproducible(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = 1.0f;
+    p.has_seed = 1;
+    p.seed = 12345;
+    char err[256];
+    int a[64], b[64], c[64], same = 1;
+    for (int run = 0; run < 3; run++) {
+        if (run == 2) p.seed = 54321;
+        sampler *s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+        for (int i = 0; i < 64; i++) {
+            float l[V];
+            fill(l);
+            sample_result r;
+            sampler_sample(s, l, &r);
+            (run == 0 ? a : run == 1 ? b : c)[i] = r.token;
+        }
+        sampler_free(s);
+    }
+    assert_memory_equal(a, b, sizeof a);
+    for (int i = 0; i < 64; i++)
+        same &= a[i] == c[i];
+    assert_false(same);
+}
+
+static void test_penalties(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    char err[256];
+    sample_result r;
+    /* repetition: token 0 in the prompt, 2.0 / 2 = 1.0 < 1.5 */
+    p.repetition_penalty = 2.0f;
+    int32_t prompt[1] = {0};
+    sampler *s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    float l[V] = {2.0f, 1.5f, -1.0f, 0.0f, 0.0f};
+    sampler_sample(s, l, &r);
+    assert_int_equal(r.token, 1);
+    /* 1 is now an output token too: 0 -> 1.0, 1 -> 0.75, 4 unpenalised 1.1 wins */
+    float l2[V] = {2.0f, 1.5f, -1.0f, 0.0f, 1.1f};
+    sampler_sample(s, l2, &r);
+    assert_int_equal(r.token, 4);
+    sampler_free(s);
+    /* negative logits are multiplied */
+    float l3[V] = {-1.0f, -1.5f, -5.0f, -5.0f, -5.0f};
+    s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    sampler_sample(s, l3, &r);
+    assert_int_equal(r.token, 1); /* -1 * 2 = -2 < -1.5 */
+    sampler_free(s);
+    /* frequency and presence: output-only */
+    sampler_params_default(&p);
+    p.frequency_penalty = 0.3f;
+    p.presence_penalty = 0.2f;
+    s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    sampler_accept(s, 1);
+    sampler_accept(s, 1);
+    float l4[V] = {1.0f, 1.75f, 0.0f, 0.0f, 0.0f}; /* 1.75 - 0.6 - 0.2 = 0.95 < 1.0 */
+    sampler_sample(s, l4, &r);
+    assert_int_equal(r.token, 0);
+    float l5[V] = {1.0f, 1.85f, 0.0f, 0.0f, 0.0f}; /* 1.85 - 0.8 = 1.05 > 1.0 - 0.5 */
+    sampler_sample(s, l5, &r);
+    assert_int_equal(r.token, 1);
+    sampler_free(s);
+}
+
+static void test_logprobs_and_stop(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.logprobs = 3;
+    p.stop_ids[0] = 0;
+    p.n_stop = 1;
+    p.repetition_penalty = 1.5f; /* must not change the reported (raw) logprobs */
+    char err[256];
+    int32_t prompt[1] = {1};
+    sampler *s = sampler_init(&p, V, prompt, 1, err, sizeof err);
+    float l[V];
+    fill(l);
+    sample_result r;
+    sampler_sample(s, l, &r);
+    assert_int_equal(r.token, 0);
+    assert_int_equal(r.is_stop, 1);
+    assert_true(fabs(r.logprob - log(0.5)) < 1e-5);
+    assert_int_equal(r.n_top, 3);
+    int want[3] = {0, 1, 2};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(r.top_ids[i], want[i]);
+        assert_true(fabs(r.top_logprobs[i] - log(P5[want[i]])) < 1e-5);
+    }
+    sampler_free(s);
+}
+
+static void expect_bad(sampler_params *p, const char *needle) {
+    char err[256] = "";
+    assert_int_equal(sampler_params_check(p, V, err, sizeof err), -EINVAL);
+    if (!strstr(err, needle)) fail_msg("error '%s' does not mention '%s'", err, needle);
+    assert_null(sampler_init(p, V, NULL, 0, err, sizeof err));
+    sampler_params_default(p);
+}
+
+static void test_invalid(void **st) {
+    (void)st;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = -0.5f;
+    expect_bad(&p, "temperature -0.5");
+    p.temperature = NAN;
+    expect_bad(&p, "temperature");
+    p.top_p = 0.0f;
+    expect_bad(&p, "top_p 0");
+    p.top_p = 1.5f;
+    expect_bad(&p, "top_p 1.5");
+    p.top_k = -2;
+    expect_bad(&p, "top_k -2");
+    p.top_k = V + 1;
+    expect_bad(&p, "top_k 6");
+    p.min_p = 2.0f;
+    expect_bad(&p, "min_p 2");
+    p.repetition_penalty = 0.0f;
+    expect_bad(&p, "repetition_penalty 0");
+    p.presence_penalty = 3.0f;
+    expect_bad(&p, "presence_penalty 3");
+    p.frequency_penalty = -2.5f;
+    expect_bad(&p, "frequency_penalty -2.5");
+    p.logprobs = 21;
+    expect_bad(&p, "logprobs 21");
+    p.n_stop = 1;
+    p.stop_ids[0] = V;
+    expect_bad(&p, "stop token id 5");
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_greedy),
-        cmocka_unit_test(test_seeded_reproducible_and_distributed),
-        cmocka_unit_test(test_top_k_top_p_min_p),
-        cmocka_unit_test(test_penalties),
-        cmocka_unit_test(test_logprobs),
-        cmocka_unit_test(test_validation),
+        cmocka_unit_test(test_distributions),     cmocka_unit_test(test_greedy_and_ties),
+        cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_penalties),
+        cmocka_unit_test(test_logprobs_and_stop), cmocka_unit_test(test_invalid),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,245 @@
+/*
+ * model_bench — `disagg bench model MODEL --prompt-len N --gen-len M --threads T [--json]`:
+ * prefill tok/s, decode tok/s and the weight-streaming GB/s decode achieves, beside the
+ * machine's ceilings measured in the same run: memory read bandwidth (threads streaming a
+ * 1 GiB buffer) and a reference GEMM rate (OpenBLAS sgemm at the MLP shape, f32).
+ * decode bound = read bandwidth / bytes of weights per token; prefill is compared with the
+ * GEMM rate through the matmul FLOPs it performs.
+ */
+#include "bench/bench.h"
+
+#include "base/clock.h"
+#include "kernels/cpu/cpu_matmul.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "model/qwen2.h"
+
+#include <cblas.h>
+#include <errno.h>
+#include <immintrin.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- ceilings ----------------------------------------------------------------- */
+
+typedef struct bw_job {
+    const float *buf; /* (n) */
+    size_t n;         /* floats */
+    int parts;        /* tasks */
+    float sums[256];  /* per task, keeps the loads alive */
+} bw_job;
+
+__attribute__((target("avx2"))) static void bw_task(void *ctx, int t) {
+    bw_job *j = ctx;
+    size_t per = j->n / (size_t)j->parts, beg = per * (size_t)t, end = beg + per;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = beg; i + 32 <= end; i += 32) {
+        a0 = _mm256_add_ps(a0, _mm256_load_ps(j->buf + i));
+        a1 = _mm256_add_ps(a1, _mm256_load_ps(j->buf + i + 8));
+        a2 = _mm256_add_ps(a2, _mm256_load_ps(j->buf + i + 16));
+        a3 = _mm256_add_ps(a3, _mm256_load_ps(j->buf + i + 24));
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    j->sums[t] = tmp[0] + tmp[7];
+}
+
+/* Best of 5 passes over 1 GiB, GB/s. */
+static double measure_read_bw(cpu_pool *pool) {
+    size_t bytes = (size_t)1 << 30, n = bytes / 4;
+    float *buf = aligned_alloc(64, bytes);
+    if (!buf) return 0;
+    for (size_t i = 0; i < n; i++)
+        buf[i] = (float)(i & 7);
+    bw_job j = {buf, n, cpu_pool_threads(pool) * 4, {0}};
+    double best = 0;
+    for (int r = 0; r < 5; r++) {
+        uint64_t t0 = clock_now_ns();
+        cpu_pool_run(pool, j.parts, bw_task, &j);
+        double gbs = (double)bytes / (double)(clock_now_ns() - t0);
+        if (gbs > best) best = gbs;
+    }
+    free(buf);
+    return best;
+}
+
+/* OpenBLAS sgemm C(M,N) = A(M,K) B(N,K)^T at the MLP shape, best of 3, GFLOP/s. */
+static double measure_gemm(int threads, int M, int N, int K) {
+    openblas_set_num_threads(threads);
+    float *a = malloc((size_t)M * K * 4), *b = malloc((size_t)N * K * 4),
+          *c = malloc((size_t)M * N * 4);
+    if (!a || !b || !c) return 0;
+    for (size_t i = 0; i < (size_t)M * K; i++)
+        a[i] = (float)(i % 13) * 0.01f;
+    for (size_t i = 0; i < (size_t)N * K; i++)
+        b[i] = (float)(i % 7) * 0.01f;
+    double best = 0;
+    for (int r = 0; r < 3; r++) {
+        uint64_t t0 = clock_now_ns();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K, 0.0f, c, N);
+        double g = 2.0 * M * N * K / (double)(clock_now_ns() - t0);
+        if (g > best) best = g;
+    }
+    free(a);
+    free(b);
+    free(c);
+    return best;
+}
+
+/* ---- the benchmark ------------------------------------------------------------ */
+
+static int usage(FILE *f, int rc) {
+    fprintf(
+        f, "usage: disagg bench model MODEL [--prompt-len N] [--gen-len M] [--threads T] [--json]\n"
+           "  MODEL         model directory or hub name in the Hugging Face cache\n"
+           "  --prompt-len  prompt tokens prefilled in one forward (default 512)\n"
+           "  --gen-len     tokens decoded one at a time after it (default 32)\n"
+           "  --threads     worker threads (default: all online CPUs)\n"
+           "  --json        one JSON object instead of the table\n");
+    return rc;
+}
+
+static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
+    char *end;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || *end || x < lo || x > hi) {
+        fprintf(stderr,
+                "disagg bench model: %s '%s' is invalid; accepted: an integer in [%d, %d]\n", flag,
+                v ? v : "", lo, hi);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+int bench_model_main(int argc, char **argv) {
+    const char *model_arg = NULL;
+    int prompt_len = 512, gen_len = 32, threads = 0, json = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout, 0);
+        if (!strcmp(a, "--json"))
+            json = 1;
+        else if (!strcmp(a, "--prompt-len")) {
+            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &prompt_len)) return 2;
+        } else if (!strcmp(a, "--gen-len")) {
+            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &gen_len)) return 2;
+        } else if (!strcmp(a, "--threads")) {
+            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &threads)) return 2;
+        } else if (a[0] == '-') {
+            fprintf(stderr, "disagg bench model: unknown option '%s'\n", a);
+            return usage(stderr, 2);
+        } else if (!model_arg)
+            model_arg = a;
+        else {
+            fprintf(stderr, "disagg bench model: unexpected argument '%s'\n", a);
+            return 2;
+        }
+    }
+    if (!model_arg) return usage(stderr, 2);
+    qwen2_model m;
+    char err[4096];
+    if (qwen2_load(&m, model_arg, 1, err, sizeof err)) {
+        fprintf(stderr, "disagg bench model: %s\n", err);
+        return 1;
+    }
+    const model_config *c = &m.cfg;
+    if (prompt_len + gen_len > c->max_position) {
+        fprintf(stderr,
+                "disagg bench model: --prompt-len %d + --gen-len %d exceeds "
+                "max_position_embeddings %d\n",
+                prompt_len, gen_len, c->max_position);
+        qwen2_free(&m);
+        return 2;
+    }
+    cpu_pool *pool = cpu_pool_init(threads);
+    threads = cpu_pool_threads(pool);
+    double bw = measure_read_bw(pool);
+    double gemm = measure_gemm(threads, 512, c->intermediate_size, c->hidden_size);
+
+    int bs = 16, n_blocks = (prompt_len + gen_len + bs - 1) / bs;
+    kv_store kv;
+    qwen2_state *s = qwen2_state_init(&m, prompt_len, pool);
+    int32_t *table = malloc((size_t)n_blocks * sizeof *table),
+            *toks = malloc((size_t)prompt_len * 4);
+    float *logits = malloc((size_t)c->vocab_size * 4);
+    if (!s || !table || !toks || !logits || kv_store_init(&kv, c, n_blocks, bs)) {
+        fprintf(stderr, "disagg bench model: out of memory\n");
+        return 1;
+    }
+    for (int b = 0; b < n_blocks; b++)
+        table[b] = b;
+    uint64_t x = 88172645463325252ull;
+    for (int i = 0; i < prompt_len; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        toks[i] = (int32_t)(x % 151643 % (uint64_t)c->vocab_size);
+    }
+    /* prefill */
+    qwen2_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0};
+    uint64_t t0 = clock_now_ns();
+    int rc = qwen2_forward(&m, s, &kv, &q, 1);
+    double prefill_s = (double)(clock_now_ns() - t0) / 1e9;
+    /* decode, greedy */
+    uint64_t t1 = clock_now_ns();
+    for (int i = 0; i < gen_len && rc == 0; i++) {
+        int32_t next = 0;
+        for (int v = 1; v < c->vocab_size; v++)
+            if (logits[v] > logits[next]) next = v;
+        qwen2_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0};
+        rc = qwen2_forward(&m, s, &kv, &d, 1);
+    }
+    double decode_s = (double)(clock_now_ns() - t1) / 1e9;
+    if (rc) {
+        fprintf(stderr, "disagg bench model: forward failed (%d)\n", rc);
+        return 1;
+    }
+    /* work accounting */
+    double h = c->hidden_size, kvd = (double)c->n_kv_heads * c->head_dim,
+           inter = c->intermediate_size;
+    double layer_params = h * h * 2 + h * kvd * 2 + 3 * h * inter;
+    double mm_flops_tok = 2.0 * (c->n_layers * layer_params); /* + lm_head on the last row only */
+    double prefill_flops =
+        mm_flops_tok * prompt_len + 2.0 * h * c->vocab_size +
+        c->n_layers * 2.0 * 2.0 * h * (double)prompt_len * (prompt_len + 1) / 2.0;
+    double bytes_tok = (double)m.w.matrix_bytes;
+    if (c->tie_embeddings)
+        bytes_tok += 0; /* lm_head streams the embedding once; the lookup reads a row */
+    double prefill_tps = prompt_len / prefill_s, decode_tps = gen_len / decode_s;
+    double prefill_gflops = prefill_flops / prefill_s / 1e9;
+    double decode_gbs = bytes_tok * decode_tps / 1e9, bound_tps = bw * 1e9 / bytes_tok;
+    if (json) {
+        printf("{\"model\":\"%s\",\"dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,\"prompt_len\":%d,"
+               "\"gen_len\":%d,"
+               "\"prefill_tok_s\":%.2f,\"prefill_gflop_s\":%.2f,\"gemm_gflop_s\":%.2f,\"prefill_vs_"
+               "gemm\":%.3f,"
+               "\"decode_tok_s\":%.2f,\"decode_weight_gb_s\":%.2f,\"read_bw_gb_s\":%.2f,\"decode_"
+               "bound_tok_s\":%.2f,"
+               "\"decode_vs_bound\":%.3f,\"weight_bytes_per_token\":%.0f}\n",
+               m.dir, cpu_dtype_name(m.w.dtype), cpu_isa_name(cpu_isa_get()), threads, prompt_len,
+               gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm, decode_tps,
+               decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok);
+    } else {
+        printf("model %s (%s weights, %d layers, hidden %d), %d threads, %s kernels\n", m.dir,
+               cpu_dtype_name(m.w.dtype), c->n_layers, c->hidden_size, threads,
+               cpu_isa_name(cpu_isa_get()));
+        printf("%-34s %12s %14s %10s\n", "measurement", "value", "ceiling", "of ceiling");
+        printf("%-34s %10.1f/s %14s %10s\n", "prefill tokens (one forward)", prefill_tps, "", "");
+        printf("%-34s %8.1f GF/s %9.1f GF/s %9.0f%%\n", "prefill matmul+attention FLOP rate",
+               prefill_gflops, gemm, 100 * prefill_gflops / gemm);
+        printf("%-34s %10.2f/s %12.2f/s %9.0f%%\n", "decode tokens (batch 1)", decode_tps,
+               bound_tps, 100 * decode_tps / bound_tps);
+        printf("%-34s %8.2f GB/s %9.2f GB/s %9.0f%%\n", "decode weight streaming", decode_gbs, bw,
+               100 * decode_gbs / bw);
+        printf("(weights per token %.0f MB; ceilings: %d-thread memory read of 1 GiB, OpenBLAS "
+               "sgemm %dx%dx%d)\n",
+               bytes_tok / 1e6, threads, 512, c->intermediate_size, c->hidden_size);
+    }
+    free(table);
+    free(toks);
+    free(logits);
+    kv_store_free(&kv);
+    qwen2_state_free(s);
+    cpu_pool_free(pool);
+    qwen2_free(&m);
+    return 0;
+}

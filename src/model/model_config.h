@@ -1,0 +1,44 @@
+/*
+ * model_config — a Qwen2 model's hyper-parameters from config.json (transformers 4.x and
+ * 5.x spellings) and the sampling defaults of generation_config.json.  The KV layout
+ * (layers, kv heads, head dim) derived from it must agree between prefill and decode.
+ */
+#ifndef DISAGG_MODEL_CONFIG_H
+#define DISAGG_MODEL_CONFIG_H
+
+#include <stddef.h>
+
+#define MODEL_MAX_EOS 8
+
+typedef struct model_config {
+    char arch[64];              /* architectures[0], e.g. Qwen2ForCausalLM */
+    int vocab_size;             /* embedding rows */
+    int hidden_size;            /* model width */
+    int n_layers;               /* num_hidden_layers */
+    int n_heads;                /* num_attention_heads */
+    int n_kv_heads;             /* num_key_value_heads (GQA) */
+    int head_dim;               /* hidden_size / n_heads (or head_dim) */
+    int intermediate_size;      /* MLP width */
+    int max_position;           /* max_position_embeddings */
+    float rms_norm_eps;         /* RMSNorm epsilon */
+    float rope_theta;           /* RoPE base */
+    int tie_embeddings;         /* lm_head shares embed_tokens */
+    char dtype[16];             /* torch_dtype / dtype as written ("bfloat16", ...) */
+    int bos_token_id;           /* -1 if absent */
+    int eos_ids[MODEL_MAX_EOS]; /* config + generation_config eos ids */
+    int n_eos;
+    /* generation_config.json sampling defaults (has_gen_defaults = file present) */
+    int has_gen_defaults;
+    float gen_temperature;        /* 1.0 if absent */
+    float gen_top_p;              /* 1.0 if absent */
+    int gen_top_k;                /* 0 (off) if absent */
+    float gen_repetition_penalty; /* 1.0 if absent */
+} model_config;
+
+/* Reads dir/config.json and dir/generation_config.json (optional). */
+int model_config_load(model_config *c, const char *dir, char *err, size_t errlen);
+/* Same from JSON text (tests); gen_json may be NULL. */
+int model_config_parse(model_config *c, const char *config_json, const char *gen_json,
+                       const char *where, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,295 @@
+/*
+ * sampler — see sampler.h.  Token counts live in a small open-addressing hash map (a
+ * request sees few distinct tokens), so a sampler costs O(tokens seen), not O(vocab).
+ */
+#include "model/sampler.h"
+
+#include "base/clock.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct tok_count {
+    int32_t token;  /* -1 = empty slot */
+    int32_t out;    /* occurrences in the output */
+    int32_t prompt; /* 1 if in the prompt */
+} tok_count;
+
+struct sampler {
+    sampler_params p;  /* validated parameters */
+    int vocab;         /* logits per row */
+    uint64_t rng[4];   /* xoshiro256** state */
+    tok_count *counts; /* (cap) hash map */
+    int cap, used;     /* slots, used slots */
+    int32_t *idx;      /* (vocab) candidate ids scratch */
+    float *raw;        /* (vocab) copy of the raw logits (for logprobs) */
+};
+
+/* ---- params ----------------------------------------------------------------- */
+
+void sampler_params_default(sampler_params *p) {
+    memset(p, 0, sizeof *p);
+    p->temperature = 0.0f;
+    p->top_p = 1.0f;
+    p->repetition_penalty = 1.0f;
+}
+
+int sampler_params_check(const sampler_params *p, int vocab, char *err, size_t errlen) {
+#define BAD(...)                                                                                   \
+    do {                                                                                           \
+        snprintf(err, errlen, __VA_ARGS__);                                                        \
+        return -EINVAL;                                                                            \
+    } while (0)
+    if (!(p->temperature >= 0.0f && p->temperature <= 100.0f))
+        BAD("temperature %g is invalid; accepted: 0 (greedy) to 100", (double)p->temperature);
+    if (p->top_k < -1 || p->top_k > vocab)
+        BAD("top_k %d is invalid; accepted: -1 or 0 (off), or 1 to %d", p->top_k, vocab);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        BAD("top_p %g is invalid; accepted: (0, 1]", (double)p->top_p);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
+        BAD("min_p %g is invalid; accepted: [0, 1]", (double)p->min_p);
+    if (!(p->repetition_penalty > 0.0f && p->repetition_penalty <= 100.0f))
+        BAD("repetition_penalty %g is invalid; accepted: (0, 100], 1 = off",
+            (double)p->repetition_penalty);
+    if (!(p->presence_penalty >= -2.0f && p->presence_penalty <= 2.0f))
+        BAD("presence_penalty %g is invalid; accepted: [-2, 2]", (double)p->presence_penalty);
+    if (!(p->frequency_penalty >= -2.0f && p->frequency_penalty <= 2.0f))
+        BAD("frequency_penalty %g is invalid; accepted: [-2, 2]", (double)p->frequency_penalty);
+    if (p->logprobs < 0 || p->logprobs > SAMPLER_MAX_LOGPROBS)
+        BAD("logprobs %d is invalid; accepted: 0 to %d", p->logprobs, SAMPLER_MAX_LOGPROBS);
+    if (p->n_stop < 0 || p->n_stop > SAMPLER_MAX_STOP)
+        BAD("%d stop token ids; accepted: at most %d", p->n_stop, SAMPLER_MAX_STOP);
+    for (int i = 0; i < p->n_stop; i++)
+        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= vocab)
+            BAD("stop token id %d is outside the vocabulary [0, %d)", p->stop_ids[i], vocab);
+    return 0;
+#undef BAD
+}
+
+/* ---- rng ---------------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t rotl(uint64_t x, int k) {
+    return (x << k) | (x >> (64 - k));
+}
+
+static uint64_t rng_next(uint64_t *s) {
+    uint64_t r = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return r;
+}
+
+/* uniform in [0, 1) with 53 bits */
+static double rng_uniform(uint64_t *s) {
+    return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* ---- counts ------------------------------------------------------------------- */
+
+static tok_count *count_slot(sampler *s, int32_t tok, int insert) {
+    if (insert && (s->used + 1) * 2 > s->cap) {
+        int ncap = s->cap ? s->cap * 2 : 64;
+        tok_count *nc = malloc((size_t)ncap * sizeof *nc);
+        if (!nc) return NULL;
+        for (int i = 0; i < ncap; i++)
+            nc[i] = (tok_count){-1, 0, 0};
+        for (int i = 0; i < s->cap; i++)
+            if (s->counts[i].token >= 0) {
+                uint32_t h = ((uint32_t)s->counts[i].token * 2654435761u) & (uint32_t)(ncap - 1);
+                while (nc[h].token >= 0)
+                    h = (h + 1) & (uint32_t)(ncap - 1);
+                nc[h] = s->counts[i];
+            }
+        free(s->counts);
+        s->counts = nc;
+        s->cap = ncap;
+    }
+    if (!s->cap) return NULL;
+    uint32_t h = ((uint32_t)tok * 2654435761u) & (uint32_t)(s->cap - 1);
+    while (s->counts[h].token >= 0) {
+        if (s->counts[h].token == tok) return &s->counts[h];
+        h = (h + 1) & (uint32_t)(s->cap - 1);
+    }
+    if (!insert) return NULL;
+    s->counts[h] = (tok_count){tok, 0, 0};
+    s->used++;
+    return &s->counts[h];
+}
+
+void sampler_accept(sampler *s, int32_t token) {
+    tok_count *c = count_slot(s, token, 1);
+    if (c) c->out++;
+}
+
+/* ---- lifecycle ---------------------------------------------------------------- */
+
+sampler *sampler_init(const sampler_params *p, int vocab, const int32_t *prompt, int n_prompt,
+                      char *err, size_t errlen) {
+    if (sampler_params_check(p, vocab, err, errlen)) return NULL;
+    sampler *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->p = *p;
+    s->vocab = vocab;
+    s->idx = malloc((size_t)vocab * sizeof *s->idx);
+    s->raw = malloc((size_t)vocab * sizeof *s->raw);
+    if (!s->idx || !s->raw) {
+        sampler_free(s);
+        return NULL;
+    }
+    static atomic_uint_fast64_t unseeded;
+    uint64_t x = p->has_seed ? p->seed : clock_now_ns() ^ (atomic_fetch_add(&unseeded, 1) << 32);
+    for (int i = 0; i < 4; i++)
+        s->rng[i] = splitmix64(&x);
+    if (p->repetition_penalty != 1.0f)
+        for (int i = 0; i < n_prompt; i++) {
+            tok_count *c = count_slot(s, prompt[i], 1);
+            if (c) c->prompt = 1;
+        }
+    return s;
+}
+
+void sampler_free(sampler *s) {
+    if (!s) return;
+    free(s->counts);
+    free(s->idx);
+    free(s->raw);
+    free(s);
+}
+
+/* ---- sampling ----------------------------------------------------------------- */
+
+static _Thread_local const float *tl_sort_logits;
+
+static int cmp_desc(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    float lx = tl_sort_logits[x], ly = tl_sort_logits[y];
+    if (lx > ly) return -1;
+    if (lx < ly) return 1;
+    return x < y ? -1 : x > y;
+}
+
+/* Top n ids of v (n small), best first, ties to the lower id. */
+static void top_n(const float *v, int len, int n, int32_t *ids) {
+    int have = 0;
+    for (int i = 0; i < len; i++) {
+        if (have == n && !(v[i] > v[ids[n - 1]])) continue;
+        int j = have < n ? have++ : n - 1;
+        while (j > 0 && v[i] > v[ids[j - 1]]) {
+            ids[j] = ids[j - 1];
+            j--;
+        }
+        ids[j] = i;
+    }
+}
+
+int sampler_sample(sampler *s, float *logits, sample_result *out) {
+    const sampler_params *p = &s->p;
+    int V = s->vocab;
+    memset(out, 0, sizeof *out);
+    /* raw log-softmax normaliser for logprobs */
+    float mx = logits[0];
+    for (int i = 1; i < V; i++)
+        if (logits[i] > mx) mx = logits[i];
+    double z = 0;
+    for (int i = 0; i < V; i++)
+        z += exp((double)(logits[i] - mx));
+    double lse = (double)mx + log(z);
+    if (p->logprobs > 0) {
+        top_n(logits, V, p->logprobs, out->top_ids);
+        out->n_top = p->logprobs;
+        for (int i = 0; i < out->n_top; i++)
+            out->top_logprobs[i] = (float)(logits[out->top_ids[i]] - lse);
+    }
+    memcpy(s->raw, logits, (size_t)V * sizeof *logits);
+    /* penalties on the tokens seen */
+    for (int i = 0; i < s->cap; i++) {
+        tok_count *c = &s->counts[i];
+        if (c->token < 0) continue;
+        float *l = &logits[c->token];
+        float raw = *l;
+        if (p->repetition_penalty != 1.0f && (c->prompt || c->out))
+            *l = raw > 0 ? raw / p->repetition_penalty : raw * p->repetition_penalty;
+        if (c->out) *l -= p->frequency_penalty * (float)c->out + p->presence_penalty;
+    }
+    int32_t tok;
+    if (p->temperature == 0.0f || p->top_k == 1) {
+        tok = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[tok]) tok = i;
+    } else {
+        int n = V;
+        int32_t *idx = s->idx;
+        for (int i = 0; i < V; i++)
+            idx[i] = i;
+        tl_sort_logits = logits;
+        if (p->top_k > 0 && p->top_k < V) {
+            n = p->top_k;
+            if (n <= 64)
+                top_n(logits, V, n, idx); /* O(V k), best first */
+            else
+                qsort(idx, (size_t)V, sizeof *idx, cmp_desc);
+        } else if (p->top_p < 1.0f) {
+            qsort(idx, (size_t)V, sizeof *idx, cmp_desc);
+        }
+        /* probabilities of the candidates at this temperature (idx[0] is the max when sorted) */
+        float cmx = logits[idx[0]];
+        for (int i = 1; i < n; i++)
+            if (logits[idx[i]] > cmx) cmx = logits[idx[i]];
+        double sum = 0;
+        float *pr = logits; /* reuse logits as probabilities, indexed by token */
+        for (int i = 0; i < n; i++) {
+            int t = idx[i];
+            pr[t] = expf((logits[t] - cmx) / p->temperature);
+            sum += pr[t];
+        }
+        if (p->top_p < 1.0f) { /* smallest prefix of the sorted candidates reaching top_p */
+            double cum = 0;
+            int keep = 0;
+            while (keep < n) {
+                cum += pr[idx[keep]] / sum;
+                keep++;
+                if (cum >= p->top_p) break;
+            }
+            n = keep;
+        }
+        if (p->min_p > 0.0f) { /* the max has probability weight 1 (exp(0)) */
+            int w = 0;
+            for (int i = 0; i < n; i++)
+                if (pr[idx[i]] >= p->min_p) idx[w++] = idx[i];
+            n = w;
+        }
+        double tot = 0;
+        for (int i = 0; i < n; i++)
+            tot += pr[idx[i]];
+        double u = rng_uniform(s->rng) * tot, acc = 0;
+        tok = idx[n - 1];
+        for (int i = 0; i < n; i++) {
+            acc += pr[idx[i]];
+            if (u < acc) {
+                tok = idx[i];
+                break;
+            }
+        }
+    }
+    out->token = tok;
+    out->logprob = (float)((double)s->raw[tok] - lse);
+    for (int i = 0; i < p->n_stop; i++)
+        if (p->stop_ids[i] == tok) out->is_stop = 1;
+    sampler_accept(s, tok);
+    return 0;
+}

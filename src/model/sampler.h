@@ -1,0 +1,60 @@
+/*
+ * sampler — turns a row of logits into the next token of one request: repetition,
+ * presence and frequency penalties, then greedy (temperature 0) or temperature + top-k +
+ * top-p + min-p sampling with a per-request seeded generator (same seed, same logits ->
+ * same tokens), logprobs of the chosen and the top-N tokens, and stop token ids.
+ * Semantics follow vLLM's SamplingParams: repetition_penalty applies to prompt and output
+ * tokens, presence/frequency penalties to output tokens; logprobs are those of the raw
+ * model distribution (before penalties and temperature).
+ */
+#ifndef DISAGG_MODEL_SAMPLER_H
+#define DISAGG_MODEL_SAMPLER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SAMPLER_MAX_LOGPROBS 20
+#define SAMPLER_MAX_STOP     64
+
+typedef struct sampler_params {
+    float temperature;                  /* 0 = greedy; accepted [0, 100] */
+    int top_k;                          /* 0 or -1 = off; else >= 1 */
+    float top_p;                        /* (0, 1]; 1 = off */
+    float min_p;                        /* [0, 1]; 0 = off */
+    float repetition_penalty;           /* (0, 100]; 1 = off */
+    float presence_penalty;             /* [-2, 2] */
+    float frequency_penalty;            /* [-2, 2] */
+    int has_seed;                       /* seed given: reproducible */
+    uint64_t seed;                      /* the seed when has_seed */
+    int logprobs;                       /* top-N logprobs to report, 0..SAMPLER_MAX_LOGPROBS */
+    int32_t stop_ids[SAMPLER_MAX_STOP]; /* token ids that end the request */
+    int n_stop;                         /* entries of stop_ids */
+} sampler_params;
+
+typedef struct sample_result {
+    int32_t token;                            /* chosen token */
+    float logprob;                            /* its log-probability (raw distribution) */
+    int is_stop;                              /* token is a stop id */
+    int n_top;                                /* entries below (= params.logprobs) */
+    int32_t top_ids[SAMPLER_MAX_LOGPROBS];    /* most likely tokens, best first */
+    float top_logprobs[SAMPLER_MAX_LOGPROBS]; /* their log-probabilities */
+} sample_result;
+
+typedef struct sampler sampler;
+
+/* Greedy, no penalties, no logprobs, no stops. */
+void sampler_params_default(sampler_params *p);
+/* 0 if valid; else -EINVAL and err names the bad value and the accepted range. */
+int sampler_params_check(const sampler_params *p, int vocab_size, char *err, size_t errlen);
+
+/* prompt (n_prompt) feeds the repetition penalty.  NULL on invalid params (err set). */
+sampler *sampler_init(const sampler_params *p, int vocab_size, const int32_t *prompt, int n_prompt,
+                      char *err, size_t errlen);
+void sampler_free(sampler *s);
+/* Picks the next token from logits (vocab_size; modified in place) and records it as
+ * output for the penalties. */
+int sampler_sample(sampler *s, float *logits, sample_result *out);
+/* Records a token produced elsewhere (e.g. the first token from a prefill instance). */
+void sampler_accept(sampler *s, int32_t token);
+
+#endif

@@ -1,0 +1,143 @@
+/*
+ * weights — binds Hugging Face Qwen2 tensor names to the forward's weight structs.
+ */
+#include "model/weights.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int w_dtype(const char *s, cpu_dtype *out) {
+    if (!strcmp(s, "BF16"))
+        *out = CPU_BF16;
+    else if (!strcmp(s, "F16"))
+        *out = CPU_F16;
+    else if (!strcmp(s, "F32"))
+        *out = CPU_F32;
+    else
+        return -1;
+    return 0;
+}
+
+static const st_tensor *w_find(model_weights *w, const char *name, int n_dims, int64_t d0,
+                               int64_t d1, char *err, size_t errlen) {
+    const st_tensor *t = st_set_find(&w->st, name);
+    if (!t) {
+        snprintf(err, errlen, "missing tensor '%s' in the model's safetensors (%s%s)", name,
+                 w->st.n_files ? w->st.files[0].path : "?", w->st.n_files > 1 ? ", ..." : "");
+        return NULL;
+    }
+    cpu_dtype dt;
+    if (w_dtype(t->dtype, &dt) != 0) {
+        snprintf(err, errlen, "%s: tensor '%s' has unsupported dtype %s (accepted: BF16, F16, F32)",
+                 st_set_file_of(&w->st, t), name, t->dtype);
+        return NULL;
+    }
+    if (t->n_dims != n_dims || t->shape[0] != d0 || (n_dims == 2 && t->shape[1] != d1)) {
+        char got[96] = "", want[64];
+        size_t o = 0;
+        for (int i = 0; i < t->n_dims; i++)
+            o += (size_t)snprintf(got + o, sizeof got - o, "%s%lld", i ? ", " : "",
+                                  (long long)t->shape[i]);
+        if (n_dims == 2)
+            snprintf(want, sizeof want, "%lld, %lld", (long long)d0, (long long)d1);
+        else
+            snprintf(want, sizeof want, "%lld", (long long)d0);
+        snprintf(err, errlen, "%s: tensor '%s' has shape [%s], config.json implies [%s]",
+                 st_set_file_of(&w->st, t), name, got, want);
+        return NULL;
+    }
+    return t;
+}
+
+static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, int cols, char *err,
+                 size_t errlen) {
+    const st_tensor *t = w_find(w, name, 2, rows, cols, err, errlen);
+    if (!t) return -EINVAL;
+    w_dtype(t->dtype, &m->dtype);
+    m->data = t->data;
+    m->rows = rows;
+    m->cols = cols;
+    w->matrix_bytes += t->nbytes;
+    return 0;
+}
+
+static int w_vec(model_weights *w, float **v, const char *name, int n, char *err, size_t errlen) {
+    const st_tensor *t = w_find(w, name, 1, n, 0, err, errlen);
+    if (!t) return -EINVAL;
+    cpu_dtype dt;
+    w_dtype(t->dtype, &dt);
+    *v = malloc((size_t)n * sizeof **v);
+    if (!*v) return -ENOMEM;
+    cpu_ref_row_to_f32(*v, t->data, dt, n);
+    return 0;
+}
+
+int weights_load(model_weights *w, const model_config *c, const char *dir, char *err,
+                 size_t errlen) {
+    memset(w, 0, sizeof *w);
+    int rc = st_set_open(&w->st, dir, err, errlen);
+    if (rc) return rc;
+    int h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size;
+    w->layers = calloc((size_t)c->n_layers, sizeof *w->layers);
+    if (!w->layers) {
+        weights_free(w);
+        return -ENOMEM;
+    }
+    w->n_layers = c->n_layers;
+    char n[256];
+    rc = w_mat(w, &w->embed, "model.embed_tokens.weight", c->vocab_size, h, err, errlen);
+    for (int l = 0; l < c->n_layers && !rc; l++) {
+        layer_weights *L = &w->layers[l];
+#define MAT(field, suffix, r, cc)                                                                  \
+    if (!rc) {                                                                                     \
+        snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                                    \
+        rc = w_mat(w, &L->field, n, r, cc, err, errlen);                                           \
+    }
+#define VEC(field, suffix, len)                                                                    \
+    if (!rc) {                                                                                     \
+        snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                                    \
+        rc = w_vec(w, &L->field, n, len, err, errlen);                                             \
+    }
+        VEC(attn_norm, "input_layernorm.weight", h);
+        MAT(wq, "self_attn.q_proj.weight", h, h);
+        VEC(bq, "self_attn.q_proj.bias", h);
+        MAT(wk, "self_attn.k_proj.weight", kvd, h);
+        VEC(bk, "self_attn.k_proj.bias", kvd);
+        MAT(wv, "self_attn.v_proj.weight", kvd, h);
+        VEC(bv, "self_attn.v_proj.bias", kvd);
+        MAT(wo, "self_attn.o_proj.weight", h, h);
+        VEC(mlp_norm, "post_attention_layernorm.weight", h);
+        MAT(w_gate, "mlp.gate_proj.weight", I, h);
+        MAT(w_up, "mlp.up_proj.weight", I, h);
+        MAT(w_down, "mlp.down_proj.weight", h, I);
+#undef MAT
+#undef VEC
+    }
+    if (!rc) rc = w_vec(w, &w->final_norm, "model.norm.weight", h, err, errlen);
+    if (!rc) {
+        if (c->tie_embeddings)
+            w->lm_head = w->embed;
+        else
+            rc = w_mat(w, &w->lm_head, "lm_head.weight", c->vocab_size, h, err, errlen);
+    }
+    if (!rc) w->dtype = w->embed.dtype; /* mixed dtypes work: each matrix carries its own */
+    if (rc) weights_free(w);
+    return rc;
+}
+
+void weights_free(model_weights *w) {
+    for (int l = 0; w->layers && l < w->n_layers; l++) {
+        layer_weights *L = &w->layers[l];
+        free(L->attn_norm);
+        free(L->bq);
+        free(L->bk);
+        free(L->bv);
+        free(L->mlp_norm);
+    }
+    st_set_free(&w->st);
+    free(w->final_norm);
+    free(w->layers);
+    memset(w, 0, sizeof *w);
+}

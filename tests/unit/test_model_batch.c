@@ -1,0 +1,191 @@
+/*
+ * test_model_batch — batch-invariant numerics of the Qwen2 forward: a sequence's logits
+ * are byte-identical whether its positions run in one prefill, in chunks, one token at a
+ * time, batched beside other sequences (with their own scattered blocks), on 1 or all
+ * threads, and on the AVX2 or the scalar kernels.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <errno.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include "kernels/cpu/cpu_matmul.h"
+#include "model/qwen2.h"
+#include "test_model_fixture.h"
+
+#define BS 4  /* small blocks: a 20-token prompt spans 5 */
+#define N  20 /* prompt A */
+#define NB 13 /* prompt B */
+
+static qwen2_model g_m;
+static int V;
+static int32_t A[N], B[NB];
+
+static int setup(void **st) {
+    (void)st;
+    char dir[1024], err[1024];
+    json_t *g = fixture_model("tiny-bf16", dir, sizeof dir);
+    if (!g) return -1;
+    json_decref(g);
+    if (qwen2_load(&g_m, dir, 0, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
+        return -1;
+    }
+    V = g_m.cfg.vocab_size;
+    for (int i = 0; i < N; i++)
+        A[i] = (int32_t)((i * 7919 + 13) % 151643);
+    for (int i = 0; i < NB; i++)
+        B[i] = (int32_t)((i * 104729 + 5) % 151643);
+    return 0;
+}
+
+static int teardown(void **st) {
+    (void)st;
+    qwen2_free(&g_m);
+    return 0;
+}
+
+/* Reference: A in one prefill, logits of every position: (N, V). */
+static float *run_prefill(cpu_pool *pool) {
+    kv_store kv;
+    assert_int_equal(kv_store_init(&kv, &g_m.cfg, 8, BS), 0);
+    int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    qwen2_state *s = qwen2_state_init(&g_m, 64, pool);
+    float *out = malloc((size_t)N * V * sizeof(float));
+    qwen2_seq q = {A, N, 0, table, 8, out, 1};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
+    qwen2_state_free(s);
+    kv_store_free(&kv);
+    return out;
+}
+
+static void assert_rows_equal(const float *want, const float *got, int row0, int n_rows,
+                              const char *what) {
+    if (memcmp(want + (size_t)row0 * V, got, (size_t)n_rows * V * sizeof(float)))
+        fail_msg("%s: logits of positions %d..%d differ from the one-shot prefill", what, row0,
+                 row0 + n_rows - 1);
+}
+
+static void test_chunks_and_tokens(void **st) {
+    (void)st;
+    cpu_pool *pool = cpu_pool_init(0);
+    float *ref = run_prefill(pool);
+    qwen2_state *s = qwen2_state_init(&g_m, 64, pool);
+    float *out = malloc((size_t)N * V * sizeof(float));
+    /* chunks 7 + 8 + 5, blocks in a scattered table */
+    kv_store kv;
+    assert_int_equal(kv_store_init(&kv, &g_m.cfg, 16, BS), 0);
+    int32_t table[5] = {9, 2, 14, 0, 7};
+    int chunks[3] = {7, 8, 5}, pos = 0;
+    for (int c = 0; c < 3; c++) {
+        qwen2_seq q = {A + pos, chunks[c], pos, table, 5, out, 1};
+        assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
+        assert_rows_equal(ref, out, pos, chunks[c], "chunked prefill");
+        pos += chunks[c];
+    }
+    /* one token at a time, last-row logits */
+    memset(kv.base, 0, (size_t)kv.n_blocks * qwen2_kv_block_bytes(&g_m.cfg, BS));
+    for (int p = 0; p < N; p++) {
+        qwen2_seq q = {A + p, 1, p, table, 5, out, 0};
+        assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
+        assert_rows_equal(ref, out, p, 1, "token-by-token");
+    }
+    kv_store_free(&kv);
+    free(out);
+    free(ref);
+    qwen2_state_free(s);
+    cpu_pool_free(pool);
+}
+
+static void test_batched_with_others(void **st) {
+    (void)st;
+    cpu_pool *pool = cpu_pool_init(0);
+    float *ref = run_prefill(pool);
+    qwen2_state *s = qwen2_state_init(&g_m, 64, pool);
+    kv_store kv;
+    assert_int_equal(kv_store_init(&kv, &g_m.cfg, 24, BS), 0);
+    int32_t ta[5] = {3, 11, 20, 6, 1}, tb[4] = {0, 23, 5, 17}, tc[4] = {8, 9, 10, 12};
+    float *la = malloc((size_t)N * V * sizeof(float)), *lb = malloc((size_t)NB * V * sizeof(float));
+    float *lc = malloc((size_t)V * sizeof(float));
+    /* step 1: A's first 9 tokens beside B's whole prompt and C's 2 tokens */
+    qwen2_seq q1[3] = {
+        {B, NB, 0, tb, 4, lb, 1}, {A, 9, 0, ta, 5, la, 1}, {B + 3, 2, 0, tc, 4, lc, 0}};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, q1, 3), 0);
+    assert_rows_equal(ref, la, 0, 9, "batched prefill (with 2 others)");
+    /* step 2: A's next 10 tokens beside one decode token of B and of C */
+    int32_t bn = 42, cn = 77;
+    qwen2_seq q2[3] = {
+        {&bn, 1, NB, tb, 4, lb, 0}, {&cn, 1, 2, tc, 4, lc, 0}, {A + 9, 10, 9, ta, 5, la, 1}};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, q2, 3), 0);
+    assert_rows_equal(ref, la, 9, 10, "batched chunk (with 2 decodes)");
+    /* step 3: A's last token alone vs. beside 2 decode tokens: both must equal */
+    qwen2_seq q3[3] = {
+        {&bn, 1, NB + 1, tb, 4, lb, 0}, {A + 19, 1, 19, ta, 5, la, 0}, {&cn, 1, 3, tc, 4, lc, 0}};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, q3, 3), 0);
+    assert_rows_equal(ref, la, 19, 1, "batched decode");
+    free(la);
+    free(lb);
+    free(lc);
+    free(ref);
+    kv_store_free(&kv);
+    qwen2_state_free(s);
+    cpu_pool_free(pool);
+}
+
+static void test_threads_and_isa(void **st) {
+    (void)st;
+    cpu_pool *p1 = cpu_pool_init(1), *p3 = cpu_pool_init(3);
+    float *r1 = run_prefill(p1), *r3 = run_prefill(p3);
+    assert_memory_equal(r1, r3, (size_t)N * V * sizeof(float));
+    cpu_isa prev = cpu_isa_get();
+    if (prev == CPU_ISA_AVX2) {
+        cpu_isa_force(CPU_ISA_SCALAR);
+        float *rs = run_prefill(p3);
+        cpu_isa_force(prev);
+        if (memcmp(r1, rs, (size_t)N * V * sizeof(float)))
+            fail_msg("scalar reference and AVX2 logits differ");
+        free(rs);
+    }
+    free(r1);
+    free(r3);
+    cpu_pool_free(p1);
+    cpu_pool_free(p3);
+}
+
+static void test_bad_inputs(void **st) {
+    (void)st;
+    qwen2_state *s = qwen2_state_init(&g_m, 8, NULL);
+    kv_store kv;
+    assert_int_equal(kv_store_init(&kv, &g_m.cfg, 4, BS), 0);
+    int32_t table[4] = {0, 1, 2, 3}, bad_table[2] = {0, 4};
+    float *out = malloc((size_t)V * sizeof(float));
+    int32_t tok_bad = V, ok[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    qwen2_seq q = {&tok_bad, 1, 0, table, 4, out, 0};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* token id >= vocab */
+    q = (qwen2_seq){ok, 9, 0, table, 4, out, 0};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* more than max_tokens */
+    q = (qwen2_seq){ok, 1, 16, table, 4, out, 0};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* table too short */
+    q = (qwen2_seq){ok, 2, 3, bad_table, 2, out, 0};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* block id out of range */
+    q = (qwen2_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* beyond max_position */
+    q = (qwen2_seq){ok, 0, 0, table, 4, out, 0};
+    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* empty */
+    free(out);
+    kv_store_free(&kv);
+    qwen2_state_free(s);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chunks_and_tokens),
+        cmocka_unit_test(test_batched_with_others),
+        cmocka_unit_test(test_threads_and_isa),
+        cmocka_unit_test(test_bad_inputs),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
