@@ -388,5 +388,6 @@ out:
     if (s->base) event_base_free(s->base);
     pthread_mutex_destroy(&s->q_lock);
     free(s);
+    LOG_I("server", "stopped");
     return rc;
 }
