@@ -69,6 +69,7 @@ class Server:
         return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
 
     def stop(self):
+        """SIGTERM, then the exit status (0 = clean shutdown; sanitizer reports fail it)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

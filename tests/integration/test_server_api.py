@@ -20,7 +20,8 @@ CHAT_CASES = [p for p in GREEDY["prompts"] if p["kind"] == "chat"]
 def srv():
     s = Server("--max-model-len", "1024", "--kv-cache-memory", "64M")
     yield s
-    s.stop()
+    rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()
 
 
 @pytest.fixture(scope="module")

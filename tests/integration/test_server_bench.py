@@ -12,7 +12,8 @@ from server_harness import BIN, Server
 def srv():
     s = Server("--max-model-len", "512", "--kv-cache-memory", "32M")
     yield s
-    s.stop()
+    rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])

@@ -14,7 +14,8 @@ from server_harness import BIN, MODEL, Server
 def srv():
     s = Server("--max-model-len", "256", "--kv-cache-memory", "32M", "--max-body-bytes", "1M")
     yield s
-    s.stop()
+    rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()
 
 
 def err_of(r, status):
@@ -117,7 +118,7 @@ def test_api_key():
         assert ok.status_code == 200
         assert requests.get(s.url + "/health").status_code == 200  # not behind the key, as vLLM
     finally:
-        s.stop()
+        assert s.stop() == 0, s.logs()
 
 
 def test_api_key_from_env():
@@ -126,7 +127,7 @@ def test_api_key_from_env():
         err_of(requests.get(s.url + "/v1/models"), 401)
         assert requests.get(s.url + "/v1/models", headers={"Authorization": "Bearer envkey"}).status_code == 200
     finally:
-        s.stop()
+        assert s.stop() == 0, s.logs()
 
 
 def run_cli(*args):
@@ -162,4 +163,4 @@ def test_default_model_and_flags_accepted():
         r = requests.post(s.url + C, json={"model": "disagg-sotu-tiny", "prompt": "The", "max_tokens": 2})
         assert r.status_code == 200
     finally:
-        s.stop()
+        assert s.stop() == 0, s.logs()

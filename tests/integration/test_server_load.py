@@ -20,7 +20,8 @@ PROMPTS = [p["prompt"] for p in GREEDY["prompts"] if p["kind"] == "text"]
 def srv():
     s = Server("--max-model-len", "512", "--kv-cache-memory", "64M", "--max-num-seqs", "64")
     yield s
-    s.stop()
+    rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()
 
 
 def wait_for(pred, timeout=30):
