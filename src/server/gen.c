@@ -395,6 +395,20 @@ void gen_drain_events(server *s) {
     }
 }
 
+void gen_free_live(server *s) {
+    while (s->live) {
+        gen_req *r = s->live;
+        if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+        if (r->detached) { /* libevent no longer owns it: these free it */
+            if (r->streaming)
+                evhttp_send_reply_end(r->http);
+            else
+                evhttp_send_reply(r->http, 503, "Service Unavailable", NULL);
+        }
+        gen_free_and_account(r);
+    }
+}
+
 void gen_drop_events(server *s) {
     pthread_mutex_lock(&s->q_lock);
     gen_event *g = s->q_head;

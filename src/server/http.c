@@ -376,8 +376,9 @@ int server_run(const server_config *cfg) {
 out:
     if (s->eng) engine_destroy(s->eng); /* no engine callback runs after this */
     s->eng = NULL;                      /* close callbacks below must not abort */
+    gen_drop_events(s);                 /* events of requests that are freed next */
+    gen_free_live(s);
     if (s->http) evhttp_free(s->http);
-    gen_drop_events(s); /* they belong to requests that die with the process */
     if (s->tmpl) chat_template_free(s->tmpl);
     if (s->tok) tokenizer_free(s->tok);
     if (s->wake) event_free(s->wake);

@@ -84,6 +84,9 @@ void gen_drain_events(server *s);
 /* Abort the requests whose client closed its connection while waiting for a
  * non-streaming reply (libevent only notices a close when it writes). */
 void gen_probe_clients(server *s);
+/* Shutdown, after engine_destroy: free the requests still in flight (their
+ * connections are then closed by evhttp_free). */
+void gen_free_live(server *s);
 /* Free queued events without handling them (shutdown). */
 void gen_drop_events(server *s);
 
