@@ -507,6 +507,10 @@ void gen_start(gen_req *r) {
         c->index = i;
         c->prompt = i / r->o.n;
         sbuf_init(&c->text, (size_t)1 << 30);
+        if (sbuf_append(&c->text, "", 0)) { /* text.data is never NULL from here on */
+            oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+            goto fail;
+        }
         if (detok_stream_init(&c->ds, s->tok, r->o.skip_special_tokens, r->o.stop, r->o.n_stop,
                               r->o.include_stop_str_in_output)) {
             oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
