@@ -737,6 +737,8 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -ENOMEM;
         goto fail;
     }
+    /* Huge pages: fewer page pins for every KV transfer (shm and tcp) and fewer TLB misses. */
+    madvise(base, e->kv_bytes, MADV_HUGEPAGE);
     e->kv.base = base;
     e->kv.n_blocks = (int)nblocks;
     e->kv.block_size = c.block_size;
