@@ -13,10 +13,10 @@
 #include "cli/commands.h"
 
 #include "base/log.h"
+#include "connector/kv_transfer_config.h"
 #include "server/server.h"
 
 #include <errno.h>
-#include <jansson.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -298,18 +298,12 @@ int cmd_serve(int argc, char **argv) {
                       "float32",
                       val);
         } else if (!strcmp(flag, "--kv-transfer-config")) {
-            json_error_t je;
-            json_t *j = json_loads(val, 0, &je);
-            if (!j || !json_is_object(j)) {
-                fprintf(
-                    stderr,
-                    "disagg serve: --kv-transfer-config must be a JSON object such as "
-                    "'{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_producer\"}': %s\n",
-                    j ? "not an object" : je.text);
-                json_decref(j);
+            kv_transfer_config kc;
+            char err[512];
+            if (kv_transfer_config_parse(val, &kc, err, sizeof err)) {
+                fprintf(stderr, "disagg serve: --kv-transfer-config: %s\n", err);
                 return 2;
             }
-            json_decref(j);
             cfg.kv_transfer_config = val;
         } else if (!strcmp(flag, "--uvicorn-log-level")) {
             static const char *lv[] = {"critical", "error", "warning", "info", "debug", "trace"};

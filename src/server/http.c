@@ -9,6 +9,7 @@
 #include "server/server_ctx.h"
 
 #include "base/clock.h"
+#include "connector/mooncake/mooncake_connector.h"
 #include "base/log.h"
 #include "model/model_config.h"
 
@@ -159,6 +160,11 @@ static void handle_metrics(server *s, struct evhttp_request *req) {
     sbuf out;
     sbuf_init(&out, (size_t)16 << 20);
     int rc = metrics_render(&s->metrics, &st, s->block_size, s->model_name, &out);
+    if (!rc && s->conn) { /* disagg:kv_transfer_* */
+        char *kv = mooncake_connector_metrics_text(s->conn);
+        if (kv) rc = sbuf_append(&out, kv, strlen(kv));
+        free(kv);
+    }
     struct evbuffer *b = evbuffer_new();
     if (!rc) evbuffer_add(b, out.data, out.len);
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
@@ -258,11 +264,22 @@ static void *loader_main(void *arg) {
         snprintf(s->load_error, sizeof s->load_error, "loading the engine failed: %s", err);
         goto fail;
     }
+    if (s->cfg.kv_transfer_config) { /* attach before the first submit */
+        rc = mooncake_connector_create(s->cfg.kv_transfer_config, e, &s->conn, err, sizeof err);
+        if (rc) {
+            snprintf(s->load_error, sizeof s->load_error, "starting the KV connector failed: %s",
+                     err);
+            engine_destroy(e);
+            goto fail;
+        }
+    }
     tokenizer *tok = NULL;
     rc = tokenizer_load(engine_model_dir(e), &tok, err, sizeof err);
     if (rc) {
         snprintf(s->load_error, sizeof s->load_error, "loading the tokenizer failed: %s", err);
         engine_destroy(e);
+        if (s->conn) mooncake_connector_destroy(s->conn);
+        s->conn = NULL;
         goto fail;
     }
     const char *tt = tokenizer_chat_template(tok);
@@ -378,6 +395,7 @@ out:
     s->eng = NULL;                      /* close callbacks below must not abort */
     gen_drop_events(s);                 /* events of requests that are freed next */
     gen_free_live(s);
+    if (s->conn) mooncake_connector_destroy(s->conn);
     if (s->http) evhttp_free(s->http);
     if (s->tmpl) chat_template_free(s->tmpl);
     if (s->tok) tokenizer_free(s->tok);

@@ -39,6 +39,7 @@ typedef struct server {
     char load_error[1024];            /* why loading failed */
     pthread_t loader;                 /* engine_create runs here */
     engine *eng;                      /* NULL until ready */
+    struct mooncake_connector *conn;  /* KV connector (--kv-transfer-config), or NULL */
     tokenizer *tok;                   /* NULL until ready */
     chat_template *tmpl;              /* NULL when the model has no (supported) template */
     char tmpl_error[512];             /* why tmpl is NULL */

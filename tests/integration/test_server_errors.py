@@ -142,7 +142,9 @@ def test_cli_errors():
     r = run_cli(str(MODEL), "--port", "http")
     assert r.returncode == 2 and "--port" in r.stderr
     r = run_cli(str(MODEL), "--kv-transfer-config", "{not json")
-    assert r.returncode == 2 and "JSON object" in r.stderr
+    assert r.returncode == 2 and "--kv-transfer-config" in r.stderr
+    r = run_cli(str(MODEL), "--kv-transfer-config", '{"kv_connector": "MooncakeConnector", "kv_role": "kv_sideways"}')
+    assert r.returncode == 2 and "kv_sideways" in r.stderr and "kv_producer" in r.stderr
     r = run_cli(str(MODEL), "--kv-cache-memory", "lots")
     assert r.returncode == 2 and "512M" in r.stderr
     r = run_cli("--help")
@@ -153,7 +155,8 @@ def test_cli_errors():
 
 def test_default_model_and_flags_accepted():
     s = Server("--dtype", "bfloat16", "--kv-transfer-config",
-               json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}),
+               json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                           "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}),
                "--uvicorn-log-level", "warning", "--disable-log-requests", "--no-enable-prefix-caching",
                "--block-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--seed", "3",
                "--kv-cache-memory", "16M", "--max-model-len", "256", model=None, name=None)
