@@ -277,9 +277,9 @@ static void *loader_main(void *arg) {
     rc = tokenizer_load(engine_model_dir(e), &tok, err, sizeof err);
     if (rc) {
         snprintf(s->load_error, sizeof s->load_error, "loading the tokenizer failed: %s", err);
-        engine_destroy(e);
         if (s->conn) mooncake_connector_destroy(s->conn);
         s->conn = NULL;
+        engine_destroy(e);
         goto fail;
     }
     const char *tt = tokenizer_chat_template(tok);
@@ -391,11 +391,13 @@ int server_run(const server_config *cfg) {
     pthread_join(s->loader, NULL);
     rc = atomic_load(&s->ready) == 1 ? 0 : -1;
 out:
+    /* the connector detaches itself from the engine, so it goes first */
+    if (s->conn) mooncake_connector_destroy(s->conn);
+    s->conn = NULL;
     if (s->eng) engine_destroy(s->eng); /* no engine callback runs after this */
     s->eng = NULL;                      /* close callbacks below must not abort */
     gen_drop_events(s);                 /* events of requests that are freed next */
     gen_free_live(s);
-    if (s->conn) mooncake_connector_destroy(s->conn);
     if (s->http) evhttp_free(s->http);
     if (s->tmpl) chat_template_free(s->tmpl);
     if (s->tok) tokenizer_free(s->tok);

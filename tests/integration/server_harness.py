@@ -52,7 +52,8 @@ class Server:
         raise RuntimeError("disagg serve did not become ready: " + self.logs())
 
     def logs(self):
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()[-4000:]
 
     def metrics(self):
