@@ -3,11 +3,12 @@ status and the offending field named), API key, and command-line errors."""
 import json
 import socket
 import subprocess
+import time
 
 import pytest
 import requests
 
-from server_harness import BIN, MODEL, Server
+from server_harness import BIN, MODEL, Server, free_port
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +168,36 @@ def test_default_model_and_flags_accepted():
         assert r.status_code == 200
     finally:
         assert s.stop() == 0, s.logs()
+
+
+def test_503_while_loading_then_load_failure_exits_1():
+    """A producer whose bootstrap server is unreachable retries for ~3 s while loading: the
+    server answers meanwhile (503 on /health and generation, models listed), then exits 1."""
+    port = free_port()
+    cfg = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                      "kv_connector_extra_config": {"mooncake_protocol": "tcp",
+                                                    "bootstrap_server_address": "127.0.0.1:1"}})
+    p = subprocess.Popen([BIN, "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
+                          "--kv-cache-memory", "16M", "--kv-transfer-config", cfg],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        seen = None
+        for _ in range(100):
+            try:
+                seen = requests.get(url + "/health", timeout=2).status_code
+                break
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        assert seen == 503
+        e = err_of(requests.post(url + C, json={"prompt": "x"}), 503)
+        assert "loading" in e["message"]
+        err_of(requests.post(url + "/tokenize", json={"prompt": "x"}), 503)
+        assert requests.get(url + "/v1/models").status_code == 200
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1
+    assert "starting the KV connector failed" in out and "127.0.0.1:1" in out
