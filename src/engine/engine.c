@@ -320,7 +320,8 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
         }
         r->s.no_prefix_cache = 1; /* every prompt position must produce logits */
         r->s.max_chunk = PROMPT_LOGPROBS_CHUNK;
-        r->prompt_lp_done = 1; /* position 0 has no logprob */
+        r->prompt_lp_done = 1; /* position 0 has no logprob, only its id */
+        r->prompt_lp[0].id = p->prompt[0];
     }
     r->fn = fn;
     r->ctx = ctx;

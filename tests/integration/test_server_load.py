@@ -97,8 +97,6 @@ def test_prefix_cache_hit_on_repeated_prompt(srv):
     assert hits >= 16 * ((n_prompt - 1) // 16) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: finish_request() calls sched_finish(), which zeroes "
-                   "seq.n_cached, before emit_finish() reads it, so FINISHED always reports n_cached 0")
 def test_prefix_cache_hit_in_usage(srv):
     prompt = " ".join(reversed(PROMPTS)) * 2
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}

@@ -37,7 +37,7 @@ typedef struct mooncake_connector mooncake_connector;
  * fails with a clear error when it cannot. */
 int mooncake_connector_create(const char *kv_transfer_config_json, engine *eng,
                               mooncake_connector **out, char *err, size_t errlen);
-/* Detach from the engine first (engine_destroy before this is fine too). */
+/* Detaches from the engine: call it before engine_destroy. */
 void mooncake_connector_destroy(mooncake_connector *c);
 
 typedef struct mooncake_stats {
