@@ -5,11 +5,11 @@ set -euo pipefail
 
 DEBS=(
   build-essential cmake ninja-build pkg-config clang clang-format
-  libjansson-dev libzmq3-dev libmsgpack-dev libmicrohttpd-dev libcurl4-openssl-dev
+  libjansson-dev libzmq3-dev libmsgpack-dev libmicrohttpd-dev libevent-dev libcurl4-openssl-dev
   libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
   libibverbs-dev iproute2 xz-utils
 )
-PIPS=(pytest pytest-timeout openai pyzmq msgpack numpy requests)
+PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests)
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -26,7 +26,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import pytest, openai, zmq, msgpack, numpy, requests, pytest_timeout' 2>/dev/null; then
+if ! "$PY" -c 'import pytest, openai, zmq, msgpack, msgspec, numpy, requests, pytest_timeout' 2>/dev/null; then
   echo "setup: installing Python test packages: ${PIPS[*]}"
   "$PY" -m pip install -q --disable-pip-version-check "${PIPS[@]}"
 fi

@@ -22,7 +22,8 @@ int clock_remaining_ms(uint64_t deadline_ns) {
 }
 
 struct timespec clock_to_timespec(uint64_t abs_ns) {
-    struct timespec ts = {.tv_sec = (time_t)(abs_ns / NS_PER_S), .tv_nsec = (long)(abs_ns % NS_PER_S)};
+    struct timespec ts = {.tv_sec = (time_t)(abs_ns / NS_PER_S),
+                          .tv_nsec = (long)(abs_ns % NS_PER_S)};
     return ts;
 }
 

@@ -10,7 +10,7 @@
 
 #define NS_PER_US 1000ull
 #define NS_PER_MS 1000000ull
-#define NS_PER_S 1000000000ull
+#define NS_PER_S  1000000000ull
 
 /* CLOCK_MONOTONIC in ns. */
 uint64_t clock_now_ns(void);

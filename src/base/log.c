@@ -20,8 +20,12 @@ static log_level level_now(void) {
     return (log_level)l;
 }
 
-void log_set_level(log_level level) { atomic_store(&g_level, (int)level); }
-log_level log_get_level(void) { return level_now(); }
+void log_set_level(log_level level) {
+    atomic_store(&g_level, (int)level);
+}
+log_level log_get_level(void) {
+    return level_now();
+}
 
 int log_parse_level(const char *s) {
     static const char *names[] = {"debug", "info", "warn", "error", "off"};
@@ -43,7 +47,8 @@ void log_msg(log_level level, const char *module, const char *fmt, ...) {
                      tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, module);
     va_list ap;
     va_start(ap, fmt);
-    if (n > 0 && (size_t)n < sizeof line) n += vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    if (n > 0 && (size_t)n < sizeof line)
+        n += vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
     va_end(ap);
     if (n < 0) return;
     if ((size_t)n >= sizeof line - 1) n = (int)sizeof line - 2;

@@ -8,7 +8,13 @@
 
 #include <stdarg.h>
 
-typedef enum log_level { LOG_DEBUG = 0, LOG_INFO = 1, LOG_WARN = 2, LOG_ERROR = 3, LOG_OFF = 4 } log_level;
+typedef enum log_level {
+    LOG_DEBUG = 0,
+    LOG_INFO = 1,
+    LOG_WARN = 2,
+    LOG_ERROR = 3,
+    LOG_OFF = 4
+} log_level;
 
 void log_set_level(log_level level);
 log_level log_get_level(void);

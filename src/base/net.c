@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <limits.h>
 #include <unistd.h>
 
 int net_split_host_port(const char *s, char *host, size_t host_cap, uint16_t *port,
@@ -114,7 +115,10 @@ int net_listen(const net_addr *addr, int backlog) {
     if (fd < 0) return -errno;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (addr->ss.ss_family == AF_INET6) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+    if (addr->ss.ss_family == AF_INET6) { /* the wildcard is dual-stack, a specific address not */
+        int v6only = !IN6_IS_ADDR_UNSPECIFIED(&((const struct sockaddr_in6 *)&addr->ss)->sin6_addr);
+        setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &v6only, sizeof v6only);
+    }
     if (bind(fd, (const struct sockaddr *)&addr->ss, addr->len) != 0 || listen(fd, backlog) != 0) {
         int e = -errno;
         close(fd);
@@ -162,9 +166,8 @@ int net_connect(const net_addr *addr, const net_addr *source, uint64_t deadline_
             goto fail;
         }
     }
-    net_set_nonblock(fd, 0);
     net_set_nodelay(fd);
-    return fd;
+    return fd; /* non-blocking: the *_all helpers poll with deadlines */
 fail:
     close(fd);
     return rc;
@@ -172,7 +175,9 @@ fail:
 
 int net_writev_all(int fd, struct iovec *iov, int iovcnt, uint64_t deadline_ns) {
     while (iovcnt > 0) {
-        ssize_t n = writev(fd, iov, iovcnt);
+        struct msghdr mh = {.msg_iov = iov,
+                            .msg_iovlen = (size_t)(iovcnt > IOV_MAX ? IOV_MAX : iovcnt)};
+        ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL); /* never SIGPIPE */
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -226,9 +231,11 @@ static int name_in_list(const char *list, const char *name) {
     size_t nl = strlen(name);
     const char *p = list;
     while (*p) {
-        while (*p == ',' || *p == ' ') p++;
+        while (*p == ',' || *p == ' ')
+            p++;
         const char *e = p;
-        while (*e && *e != ',' && *e != ' ') e++;
+        while (*e && *e != ',' && *e != ' ')
+            e++;
         if ((size_t)(e - p) == nl && strncmp(p, name, nl) == 0) return 1;
         p = e;
     }
@@ -247,7 +254,8 @@ static int prefix_of(const struct sockaddr *mask) {
         n = 4;
     }
     int bits = 0;
-    for (size_t i = 0; i < n; i++) bits += __builtin_popcount(b[i]);
+    for (size_t i = 0; i < n; i++)
+        bits += __builtin_popcount(b[i]);
     return bits;
 }
 
@@ -260,13 +268,16 @@ int net_list_iface_addrs(const char *whitelist, net_iface_addr *out, int max,
     if (wl) { /* every whitelisted name must exist */
         const char *p = whitelist;
         while (*p) {
-            while (*p == ',' || *p == ' ') p++;
+            while (*p == ',' || *p == ' ')
+                p++;
             const char *e = p;
-            while (*e && *e != ',' && *e != ' ') e++;
+            while (*e && *e != ',' && *e != ' ')
+                e++;
             if (e > p) {
                 int found = 0;
                 for (struct ifaddrs *i = ifa; i; i = i->ifa_next)
-                    if (strlen(i->ifa_name) == (size_t)(e - p) && !strncmp(i->ifa_name, p, (size_t)(e - p)))
+                    if (strlen(i->ifa_name) == (size_t)(e - p) &&
+                        !strncmp(i->ifa_name, p, (size_t)(e - p)))
                         found = 1;
                 if (!found) {
                     snprintf(bad, sizeof bad, "%.*s", (int)(e - p), p);
@@ -295,7 +306,8 @@ int net_list_iface_addrs(const char *whitelist, net_iface_addr *out, int max,
                 continue;
             net_iface_addr *o = &out[n++];
             snprintf(o->ifname, sizeof o->ifname, "%s", i->ifa_name);
-            o->addr.len = fam == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+            o->addr.len =
+                fam == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
             memcpy(&o->addr.ss, i->ifa_addr, o->addr.len);
             net_addr_set_port(&o->addr, 0);
             o->prefix_len = prefix_of(i->ifa_netmask);

@@ -37,11 +37,12 @@ void net_addr_set_port(net_addr *a, uint16_t port);
 int net_listen(const net_addr *addr, int backlog);
 /* The bound address of a socket. */
 int net_local_addr(int fd, net_addr *out);
-/* Connect (blocking fd returned) within deadline_ns (absolute clock_now_ns);
+/* Connect (non-blocking fd returned) within deadline_ns (absolute clock_now_ns);
  * optional source address to bind (NULL = any).  TCP_NODELAY set. */
 int net_connect(const net_addr *addr, const net_addr *source, uint64_t deadline_ns);
-/* Send/receive exactly len bytes on a blocking or non-blocking fd, polling
- * until deadline_ns.  -ETIMEDOUT at the deadline, -ECONNRESET on EOF (recv). */
+/* Send/receive exactly len bytes on a non-blocking fd (a blocking fd cannot
+ * honour the deadline), polling until deadline_ns; sends never raise SIGPIPE.  -ETIMEDOUT at the
+ * deadline, -ECONNRESET on EOF (recv). */
 int net_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
 int net_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns);
 int net_writev_all(int fd, struct iovec *iov, int iovcnt, uint64_t deadline_ns);

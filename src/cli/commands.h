@@ -9,5 +9,6 @@
 int cmd_transfer(int argc, char **argv); /* cmd_transfer.c: target / copy / demo helpers */
 int cmd_bench(int argc, char **argv);    /* cmd_bench.c: bench transfer|... */
 int cmd_generate(int argc, char **argv); /* cmd_generate.c: CPU text generation from a model */
+int cmd_bootstrap(int argc, char **argv); /* cmd_bootstrap.c: bootstrap server, register, query */
 
 #endif

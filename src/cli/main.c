@@ -20,6 +20,7 @@ static const command COMMANDS[] = {
     {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
     {"bench", cmd_bench, "measurements: bench transfer, bench model"},
     {"generate", cmd_generate, "generate text from a model on the CPU (streams to stdout)"},
+    {"bootstrap", cmd_bootstrap, "Mooncake bootstrap server alone; register/query helpers"},
 };
 #define NCOMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
 

@@ -216,6 +216,8 @@ typedef struct tok_byte_map {
 } tok_byte_map;
 
 static tok_byte_map g_byte_map;
+enum { CL_L = 1, CL_N = 2, CL_S = 4 }; /* \p{L}, \p{N}, \s */
+static uint8_t g_ascii_class[128];     /* CL_* bits of each ASCII char, as Oniguruma has them */
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
 static void tok_global_init(void) {
@@ -230,6 +232,22 @@ static void tok_global_init(void) {
     }
     OnigEncoding enc[1] = {ONIG_ENCODING_UTF8};
     onig_initialize(enc, 1);
+    /* ASCII character classes exactly as Oniguruma matches them */
+    static const char *cls_pat[3] = {"\\p{L}", "\\p{N}", "\\s"};
+    for (int k = 0; k < 3; k++) {
+        OnigRegex re;
+        OnigErrorInfo ei;
+        const OnigUChar *pp = (const OnigUChar *)cls_pat[k];
+        if (onig_new(&re, pp, pp + strlen(cls_pat[k]), ONIG_OPTION_NONE, ONIG_ENCODING_UTF8,
+                     ONIG_SYNTAX_RUBY, &ei) != ONIG_NORMAL)
+            continue; /* cannot happen; the class stays empty and the fast path is off */
+        for (int ch = 0; ch < 128; ch++) {
+            OnigUChar c = (OnigUChar)ch;
+            if (onig_match(re, &c, &c + 1, &c, NULL, ONIG_OPTION_NONE) == 1)
+                g_ascii_class[ch] |= (uint8_t)(1 << k);
+        }
+        onig_free(re);
+    }
 }
 
 /* Byte-level string (UTF-8) -> raw bytes.  Returns false (and leaves out
@@ -283,8 +301,17 @@ typedef struct tok_pre {
     int kind;              /* PRE_SPLIT or PRE_BYTE_LEVEL */
     OnigRegex re;          /* the split pattern; NULL for ByteLevel without regex */
     bool add_prefix_space; /* ByteLevel: prepend ' ' to a piece not starting with one */
+    bool qwen_fast;        /* re is QWEN2_PATTERN: ASCII matches skip Oniguruma */
 } tok_pre;
 
+/* The Qwen2 / Qwen2.5 split pattern.  Its matches over ASCII text are found by
+ * qwen_match_ascii below, with character classes taken from Oniguruma
+ * itself; anything involving a non-ASCII character goes to Oniguruma. */
+static const char QWEN2_PATTERN[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+    "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+#define TOK_MAX_ID         (1 << 24) /* ids are dense: tables are sized by the largest */
 #define TOK_MAX_NORM       4
 #define TOK_MAX_PRE        4
 #define TOK_CACHE_SLOTS    65536 /* direct-mapped word cache */
@@ -306,7 +333,7 @@ typedef struct tok_cache_slot {
 struct tokenizer {
     /* ids: every id 0..n_ids-1 may or may not exist (has_id) */
     int32_t n_ids;       /* one more than the largest id */
-    uint8_t *has_id;     /* (n_ids) 1 if the id exists */
+    uint8_t *has_id;     /* (n_ids) 1: model vocab, 2: added token only, 0: unused id */
     uint8_t *is_special; /* (n_ids) 1 for added tokens marked special */
     uint8_t *arena;      /* decoded bytes of all tokens, back to back */
     size_t *tok_off;     /* (n_ids) offset of an id's bytes in arena */
@@ -323,17 +350,17 @@ struct tokenizer {
     tok_merge *merges; /* (merge_mask+1) slots, key UINT64_MAX when empty */
     size_t merge_mask; /* table size - 1 */
 
-    tok_added *added; /* (n_added) added tokens, in tokenizer.json order */
-    size_t n_added;
+    tok_added *added;            /* (n_added) added tokens, in tokenizer.json order */
+    size_t n_added;              /* entries of added */
     bool any_added_norm;         /* some added token has normalized=true */
     bool any_added_raw;          /* some added token has normalized=false */
     uint8_t added_first[2][256]; /* [normalized][byte]: 1 if an added token starts with it */
 
     int norm_flags[TOK_MAX_NORM]; /* utf8proc option sets, applied in order */
-    int n_norm;
-    bool nfc_only;            /* the normalizer is exactly NFC (fast path) */
-    tok_pre pre[TOK_MAX_PRE]; /* pre-tokenizer steps, applied in order */
-    int n_pre;
+    int n_norm;                   /* entries of norm_flags */
+    bool nfc_only;                /* the normalizer is exactly NFC (fast path) */
+    tok_pre pre[TOK_MAX_PRE];     /* pre-tokenizer steps, applied in order */
+    int n_pre;                    /* entries of pre */
 
     /* tokenizer_config.json */
     int32_t eos_id, pad_id, bos_id; /* -1 when absent */
@@ -558,6 +585,7 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
         free(esc);
         if (rc) return rc;
         s->kind = PRE_SPLIT;
+        s->qwen_fast = rx && strcmp(rx, QWEN2_PATTERN) == 0;
     } else if (strcmp(type, "ByteLevel") == 0) {
         s->kind = PRE_BYTE_LEVEL;
         s->add_prefix_space = json_is_true(json_object_get(p, "add_prefix_space"));
@@ -649,6 +677,11 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
     }
     if (max_id < 0) {
         tok_set_err(err, cap, "%s: model.vocab is empty", path);
+        return -EINVAL;
+    }
+    if (max_id >= TOK_MAX_ID) {
+        tok_set_err(err, cap, "%s: token id %lld is too large (ids below %d are supported)", path,
+                    (long long)max_id, TOK_MAX_ID);
         return -EINVAL;
     }
     t->n_ids = (int32_t)(max_id + 1);
@@ -1210,10 +1243,94 @@ static int enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n);
 
 /* Split s by the step's regex, Isolated: matches and the gaps between them
  * are pieces; empty pieces vanish. */
-static int enc_regex_split(enc_ctx *c, int step, OnigRegex re, const uint8_t *s, size_t n) {
+/* One match of QWEN2_PATTERN starting at i (the pattern matches at every
+ * position), decided from ASCII characters only: returns its end, or 0 when
+ * a non-ASCII character takes part in the decision (then Oniguruma decides).
+ * Alternatives are tried in the pattern's order, as a backtracking engine
+ * does. */
+static size_t qwen_match_ascii(const uint8_t *s, size_t n, size_t i) {
+#define CH(k)  ((k) < n ? (int)s[k] : -1) /* -1: end of text */
+#define CLS(c) ((c) < 0 ? 0 : g_ascii_class[c])
+    int c0 = s[i];
+    if (c0 >= 0x80) return 0;
+    /* (?i:'s|'t|'re|'ve|'m|'ll|'d) */
+    if (c0 == '\'') {
+        int c1 = CH(i + 1), c2 = CH(i + 2);
+        if (c1 >= 0x80) return 0;
+        c1 = c1 >= 'A' && c1 <= 'Z' ? c1 + 32 : c1;
+        if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') return i + 2;
+        if (c1 == 'r' || c1 == 'v' || c1 == 'l') {
+            if (c2 >= 0x80) return 0;
+            c2 = c2 >= 'A' && c2 <= 'Z' ? c2 + 32 : c2;
+            if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l'))
+                return i + 3;
+        }
+    }
+    int k0 = CLS(c0);
+    /* [^\r\n\p{L}\p{N}]?\p{L}+ */
+    size_t ls = n; /* where the letter run starts, n if the alternative fails */
+    if (k0 & CL_L) {
+        ls = i;
+    } else if (c0 != '\r' && c0 != '\n' && !(k0 & CL_N)) {
+        int c1 = CH(i + 1);
+        if (c1 >= 0x80) return 0;
+        if (CLS(c1) & CL_L) ls = i + 1;
+    }
+    if (ls < n) {
+        size_t e = ls;
+        while (e < n && s[e] < 0x80 && (g_ascii_class[s[e]] & CL_L))
+            e++;
+        if (e < n && s[e] >= 0x80) return 0;
+        return e;
+    }
+    /* \p{N} */
+    if (k0 & CL_N) return i + 1;
+    /* ' ?[^\s\p{L}\p{N}]+[\r\n]*' */
+    size_t ps = n;
+    if (!(k0 & (CL_S | CL_L | CL_N))) {
+        ps = i;
+    } else if (c0 == ' ') {
+        int c1 = CH(i + 1);
+        if (c1 >= 0x80) return 0;
+        if (c1 >= 0 && !(CLS(c1) & (CL_S | CL_L | CL_N))) ps = i + 1;
+    }
+    if (ps < n) {
+        size_t e = ps;
+        while (e < n && s[e] < 0x80 && !(g_ascii_class[s[e]] & (CL_S | CL_L | CL_N)))
+            e++;
+        if (e < n && s[e] >= 0x80) return 0;
+        while (e < n && (s[e] == '\r' || s[e] == '\n'))
+            e++;
+        return e;
+    }
+    /* c0 is whitespace: \s*[\r\n]+ | \s+(?!\S) | \s+ */
+    size_t e = i, last_nl = n;
+    while (e < n && s[e] < 0x80 && (g_ascii_class[s[e]] & CL_S)) {
+        if (s[e] == '\r' || s[e] == '\n') last_nl = e;
+        e++;
+    }
+    if (e < n && s[e] >= 0x80) return 0; /* may be more (unicode) whitespace */
+    if (last_nl < n) return last_nl + 1;
+    if (e == n) return e;
+    if (e - i >= 2) return e - 1;
+    return e;
+#undef CH
+#undef CLS
+}
+
+static int enc_regex_split(enc_ctx *c, int step, const tok_pre *p, const uint8_t *s, size_t n) {
+    OnigRegex re = p->re;
     size_t pos = 0, last = 0;
     int rc;
     while (pos < n) {
+        if (p->qwen_fast && pos == last) {
+            size_t e = qwen_match_ascii(s, n, pos);
+            if (e > pos) {
+                if ((rc = enc_pre(c, step + 1, s + pos, e - pos))) return rc;
+                last = pos = e;
+                continue;
+            }
+        }
         int r = onig_search(re, s, s + n, s + pos, s + n, c->region, ONIG_OPTION_NONE);
         if (r == ONIG_MISMATCH) break;
         if (r < 0) {
@@ -1250,7 +1367,7 @@ static int enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n) {
         n = b->n;
     }
     if (!p->re) return enc_pre(c, step + 1, s, n);
-    return enc_regex_split(c, step, p->re, s, n);
+    return enc_regex_split(c, step, p, s, n);
 }
 
 /* Apply the normalizers to s, then the normalized added tokens, then the

@@ -11,13 +11,21 @@
  *      rstrip); the remaining pieces are normalized (NFC via utf8proc), then
  *      added tokens with `normalized` true are split out of those;
  *   2. pre-tokenizers: Split (Oniguruma regex, behavior Isolated) and
- *      ByteLevel (bytes -> printable unicode, optional GPT-2 regex);
+ *      ByteLevel (bytes -> printable unicode, optional GPT-2 regex); the
+ *      Qwen2 split pattern has an ASCII fast path whose character classes
+ *      come from Oniguruma (test_split_fast_path compares it with Oniguruma);
  *   3. BPE with merge ranks (lowest rank first, leftmost on ties), with a
  *      cache of recently seen words.
  * Decoding maps ids to bytes (ByteLevel decoder) and replaces invalid UTF-8 as
  * Rust's String::from_utf8_lossy does (one U+FFFD per maximal invalid
  * subpart); the stream decoder gives the same text piece by piece and never
  * emits half a character.
+ *
+ * Not supported (load fails with a message naming the field): models other
+ * than BPE, normalizers other than NFC/NFD/NFKC/NFKD, pre-tokenizers other
+ * than Split(Isolated)/ByteLevel, post-processors other than ByteLevel (so no
+ * TemplateProcessing: add_special only honours add_bos_token/add_eos_token of
+ * tokenizer_config.json), decoders other than ByteLevel.
  *
  * A loaded tokenizer is read-only and may be shared by threads (the word
  * cache has its own lock).  Functions return 0 or a negative errno; errors

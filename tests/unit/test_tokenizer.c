@@ -595,6 +595,10 @@ static void test_load_errors(void **state) {
                "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": \"x\"}, \"merges\": []}}");
     expect_load_error(dir, "model.vocab[\"a\"]", "integer");
     write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 2000000000}, "
+               "\"merges\": []}}");
+    expect_load_error(dir, "tokenizer.json", "token id 2000000000 is too large");
+    write_text(dir, "tokenizer.json",
                "{\"normalizer\": {\"type\": \"Lowercase\"}, \"model\": {\"type\": \"BPE\", "
                "\"vocab\": {\"a\": 0}, \"merges\": []}}");
     expect_load_error(dir, "tokenizer.json", "unsupported normalizer type \"Lowercase\"");
@@ -710,6 +714,72 @@ static void test_random_strings(void **state) {
             bad);
     assert_true(valid > 1000 && invalid > 100);
     assert_int_equal(bad, 0);
+}
+
+/* The ASCII fast path for Qwen's split pattern against Oniguruma alone: the
+ * same tokenizer.json with the pattern wrapped in (?:...) (same language, so
+ * not recognised as the fast-path pattern) must give the same ids for random
+ * strings over all ASCII characters plus non-ASCII letters, spaces and marks
+ * that meet the pattern's classes (and 'ſ', which (?i:'s) matches). */
+static void test_split_fast_path(void **state) {
+    (void)state;
+    json_t *tj = load_qwen_json();
+    json_t *steps = json_object_get(json_object_get(tj, "pre_tokenizer"), "pretokenizers");
+    json_t *pat = json_object_get(json_object_get(json_array_get(steps, 0), "pattern"), "Regex");
+    assert_non_null(pat);
+    char *wrapped = malloc(json_string_length(pat) + 8);
+    sprintf(wrapped, "(?:%s)", json_string_value(pat));
+    json_string_set(pat, wrapped);
+    free(wrapped);
+    char *dir = make_temp_dir();
+    write_json(dir, "tokenizer.json", tj);
+    json_decref(tj);
+    tokenizer *slow = NULL;
+    char err[512] = "";
+    if (tokenizer_load(dir, &slow, err, sizeof(err))) fail_msg("load: %s", err);
+    static const char *extra[] = {"ſ", "\u00a0", "\u3000", "é",      "\u2028", "\u212a", "\xc2\x85",
+                                  "ǅ", "١",      "…",      "\u0301", "中",     "🦙"};
+    srand(777);
+    size_t bad = 0, total_ids = 0;
+    for (int iter = 0; iter < 20000; iter++) {
+        char buf[256];
+        size_t n = 0;
+        int len = 1 + rand() % 30;
+        for (int k = 0; k < len; k++) {
+            int r = rand() % 100;
+            if (r < 8) {
+                const char *x = extra[rand() % (sizeof(extra) / sizeof(extra[0]))];
+                memcpy(buf + n, x, strlen(x));
+                n += strlen(x);
+            } else if (r < 40) {
+                buf[n++] = " \t\n\r\v\f'"[rand() % 8];
+            } else if (r < 55) {
+                buf[n++] = "sStTrReEvVmMlLdD"[rand() % 16];
+            } else {
+                buf[n++] = (char)(rand() % 128);
+            }
+        }
+        int32_t *a, *b;
+        size_t na, nb;
+        assert_int_equal(tokenizer_encode(g_tok, buf, n, false, &a, &na, NULL, 0), 0);
+        assert_int_equal(tokenizer_encode(slow, buf, n, false, &b, &nb, NULL, 0), 0);
+        if (na != nb || memcmp(a, b, na * sizeof(int32_t)) != 0) {
+            if (bad < 5) {
+                fprintf(stderr, "FAST PATH MISMATCH on \"%.*s\"\n", (int)n, buf);
+                print_ids("oniguruma", b, nb);
+                print_ids("fast     ", a, na);
+            }
+            bad++;
+        }
+        total_ids += na;
+        free(a);
+        free(b);
+    }
+    fprintf(stderr, "split fast path: 20000 strings (%zu ids), %zu differ from Oniguruma\n",
+            total_ids, bad);
+    assert_int_equal(bad, 0);
+    tokenizer_free(slow);
+    remove_temp_dir(dir);
 }
 
 /* ---- threads share one tokenizer (word cache, regex) --------------------- */
@@ -861,6 +931,7 @@ int main(void) {
         cmocka_unit_test(test_decode_errors),
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_random_strings),
+        cmocka_unit_test(test_split_fast_path),
         cmocka_unit_test(test_threads),
         cmocka_unit_test(test_corpus_hash_and_speed),
     };

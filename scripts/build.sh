@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Build disagg (release-with-debug-info) into build/; pass -DDISAGG_SANITIZE=ON
+# and a directory as BUILD_DIR for the sanitizer build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${BUILD_DIR:-build}
+cmake -S . -B "$BUILD_DIR" -G Ninja "$@" >/dev/null
+ninja -C "$BUILD_DIR" -j "${JOBS:-$(nproc)}"

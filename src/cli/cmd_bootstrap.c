@@ -1,0 +1,194 @@
+/*
+ * cmd_bootstrap — `disagg bootstrap`: run the Mooncake bootstrap server alone
+ * (for kv_connector_extra_config.bootstrap_server_address), or talk to one:
+ *
+ *   disagg bootstrap [--host H] [--port N]        serve until SIGINT/SIGTERM
+ *   disagg bootstrap register --server H:P --engine-id E --addr tcp://ip:port
+ *                    [--dp-rank N] [--tp-rank N] [--pp-rank N]
+ *   disagg bootstrap query --server H:P           print the table (GET /query)
+ *
+ * The client commands use the connector's retry policy (3 attempts, per-attempt
+ * timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, backoff 1 s, 2 s).
+ */
+#include "cli/commands.h"
+
+#include "connector/kv_transfer_config.h"
+#include "connector/mooncake/bootstrap_client.h"
+#include "connector/mooncake/bootstrap_server.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: disagg bootstrap [--host H] [--port N]\n"
+               "       disagg bootstrap register --server HOST:PORT --engine-id ID --addr "
+               "tcp://IP:PORT\n"
+               "                        [--dp-rank N] [--tp-rank N] [--pp-rank N]\n"
+               "       disagg bootstrap query --server HOST:PORT\n\n"
+               "Runs the Mooncake bootstrap server (POST /register, GET /query) alone, or\n"
+               "registers with / queries one.  --port defaults to VLLM_MOONCAKE_BOOTSTRAP_PORT\n"
+               "(8998); --host to 0.0.0.0; 0 picks a free port.  Client commands retry 3 times\n"
+               "(per-attempt timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, default 30 s).\n");
+}
+
+/* Strict integer in [lo, hi]; prints the error itself. */
+static int parse_int_flag(const char *flag, const char *s, long lo, long hi, long *out) {
+    char *end = NULL;
+    errno = 0;
+    long v = s ? strtol(s, &end, 10) : 0;
+    if (!s || errno || end == s || *end || v < lo || v > hi) {
+        fprintf(stderr,
+                "disagg bootstrap: %s '%s' is not accepted; accepted: an integer from %ld "
+                "to %ld\n",
+                flag, s ? s : "", lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int serve(int argc, char **argv) {
+    const char *host = "0.0.0.0";
+    char err[512];
+    kv_transfer_env env;
+    if (kv_transfer_env_load(&env, err, sizeof err) != 0) {
+        fprintf(stderr, "disagg bootstrap: %s\n", err);
+        return 2;
+    }
+    long port = env.bootstrap_port;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--host") && i + 1 < argc) {
+            host = argv[++i];
+        } else if (!strcmp(argv[i], "--port") && i + 1 < argc) {
+            if (parse_int_flag("--port", argv[++i], 0, 65535, &port)) return 2;
+        } else {
+            fprintf(stderr, "disagg bootstrap: unknown or incomplete option '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    signal(SIGPIPE, SIG_IGN); /* a client closing early must not kill the server */
+    /* block the stop signals before the server thread exists, then wait for one */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    bootstrap_server *s = NULL;
+    if (bootstrap_server_start(host, (uint16_t)port, &s, err, sizeof err) != 0) {
+        fprintf(stderr, "disagg bootstrap: %s\n", err);
+        return 1;
+    }
+    printf("bootstrap server listening on http://%s:%u\n", host,
+           (unsigned)bootstrap_server_port(s));
+    fflush(stdout);
+    int sig = 0;
+    sigwait(&set, &sig);
+    bootstrap_server_stop(s);
+    fprintf(stderr, "disagg bootstrap: stopped (%s)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    return 0;
+}
+
+static int client_retry(bootstrap_retry *r) {
+    char err[512];
+    kv_transfer_env env;
+    if (kv_transfer_env_load(&env, err, sizeof err) != 0) {
+        fprintf(stderr, "disagg bootstrap: %s\n", err);
+        return -1;
+    }
+    bootstrap_retry_init(r, env.connector_timeout_s);
+    return 0;
+}
+
+static int do_register(int argc, char **argv) {
+    const char *server = NULL, *engine_id = NULL, *addr = NULL;
+    long dp = 0, tp = 0, pp = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--server") && v)
+            server = argv[++i];
+        else if (!strcmp(argv[i], "--engine-id") && v)
+            engine_id = argv[++i];
+        else if (!strcmp(argv[i], "--addr") && v)
+            addr = argv[++i];
+        else if (!strcmp(argv[i], "--dp-rank") && v) {
+            if (parse_int_flag("--dp-rank", argv[++i], 0, 1000000, &dp)) return 2;
+        } else if (!strcmp(argv[i], "--tp-rank") && v) {
+            if (parse_int_flag("--tp-rank", argv[++i], 0, 1000000, &tp)) return 2;
+        } else if (!strcmp(argv[i], "--pp-rank") && v) {
+            if (parse_int_flag("--pp-rank", argv[++i], 0, 1000000, &pp)) return 2;
+        } else {
+            fprintf(stderr, "disagg bootstrap register: unknown or incomplete option '%s'\n",
+                    argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!server || !engine_id || !addr) {
+        fprintf(stderr,
+                "disagg bootstrap register: --server, --engine-id and --addr are required\n");
+        return 2;
+    }
+    bootstrap_retry r;
+    if (client_retry(&r)) return 2;
+    bootstrap_registration reg = {engine_id, (int)dp, (int)tp, (int)pp, addr};
+    char err[1024];
+    if (bootstrap_client_register(server, &reg, &r, err, sizeof err) != 0) {
+        fprintf(stderr, "disagg bootstrap register: %s\n", err);
+        return 1;
+    }
+    printf("registered\n");
+    return 0;
+}
+
+static int do_query(int argc, char **argv) {
+    const char *server = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--server") && i + 1 < argc) {
+            server = argv[++i];
+        } else {
+            fprintf(stderr, "disagg bootstrap query: unknown or incomplete option '%s'\n", argv[i]);
+            return 2;
+        }
+    }
+    if (!server) {
+        fprintf(stderr, "disagg bootstrap query: --server is required\n");
+        return 2;
+    }
+    bootstrap_retry r;
+    if (client_retry(&r)) return 2;
+    bootstrap_table t;
+    char err[1024];
+    if (bootstrap_client_query(server, &r, &t, err, sizeof err) != 0) {
+        fprintf(stderr, "disagg bootstrap query: %s\n", err);
+        return 1;
+    }
+    /* one line per worker: dp engine_id tp pp addr */
+    for (size_t i = 0; i < t.n; i++) {
+        const bootstrap_engine *e = &t.engines[i];
+        for (int tp = 0; tp < e->tp_size; tp++)
+            for (int pp = 0; pp < e->pp_size; pp++) {
+                const char *a = bootstrap_engine_addr(e, tp, pp);
+                if (a)
+                    printf("dp=%d engine_id=%s tp=%d pp=%d addr=%s\n", e->dp_rank, e->engine_id, tp,
+                           pp, a);
+            }
+    }
+    bootstrap_table_free(&t);
+    return 0;
+}
+
+int cmd_bootstrap(int argc, char **argv) {
+    if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+        usage(stdout);
+        return 0;
+    }
+    if (argc >= 2 && !strcmp(argv[1], "register")) return do_register(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "query")) return do_query(argc - 1, argv + 1);
+    return serve(argc, argv);
+}

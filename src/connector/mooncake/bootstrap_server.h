@@ -1,0 +1,48 @@
+/*
+ * bootstrap_server — the Mooncake bootstrap HTTP server (PROTOCOL.md §2), the
+ * registry through which decode instances find a prefill instance's
+ * side-channel endpoints.  Same API as vLLM's MooncakeBootstrapServer:
+ *
+ *   POST /register {"engine_id","dp_rank","tp_rank","pp_rank","addr"}
+ *        200 {"status":"ok"} (an identical repeat is also 200);
+ *        400 {"detail": "..."} when the dp_rank belongs to another engine_id or
+ *        that (dp,tp,pp) is registered at another address;
+ *        422 {"detail": [{"type","loc","msg"}, ...]} (FastAPI's shape) for a
+ *        body that is not JSON, not an object, or has missing/ill-typed fields.
+ *   GET  /query -> {"<dp>": {"engine_id": "...", "worker_addr": {"<tp>": {"<pp>": "tcp://..."}}}}
+ *
+ * libevent evhttp on its own thread and event_base, so a prefill instance can
+ * embed it (rank 0) and `disagg bootstrap` can run it alone; stop() ends the
+ * loop from any thread and joins it.  The table is guarded by a mutex so the
+ * embedding process may read it directly.  The process must ignore SIGPIPE
+ * (evhttp writes with writev): a client that disconnects early raises it.
+ */
+#ifndef DISAGG_CONNECTOR_MOONCAKE_BOOTSTRAP_SERVER_H
+#define DISAGG_CONNECTOR_MOONCAKE_BOOTSTRAP_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define BOOTSTRAP_MAX_BODY    65536 /* bytes of a /register body */
+#define BOOTSTRAP_MAX_WORKERS 65536 /* registered (dp,tp,pp) entries */
+#define BOOTSTRAP_MAX_STR     256   /* bytes of engine_id and addr */
+
+typedef struct bootstrap_server bootstrap_server; /* opaque */
+
+/* Listen on host:port (host NULL = "0.0.0.0"; port 0 = ephemeral) and start the
+ * server thread.  Returns 0, or -errno with a message in err (e.g. the port in
+ * use).  */
+int bootstrap_server_start(const char *host, uint16_t port, bootstrap_server **out, char *err,
+                           size_t err_cap);
+/* The bound port (useful after port 0). */
+uint16_t bootstrap_server_port(const bootstrap_server *s);
+/* Stop the loop, join the thread, free everything.  NULL is a no-op. */
+void bootstrap_server_stop(bootstrap_server *s);
+
+/* The table as GET /query returns it (compact JSON, malloc'd; free()). */
+char *bootstrap_server_query_json(bootstrap_server *s);
+/* Number of (tp,pp) workers registered for dp_rank under engine_id (0 when the
+ * dp_rank is unknown or belongs to another engine). */
+int bootstrap_server_count_workers(bootstrap_server *s, int dp_rank, const char *engine_id);
+
+#endif

@@ -1,0 +1,72 @@
+/*
+ * side_channel — the ZeroMQ transport of the Mooncake side channel
+ * (PROTOCOL.md §3), message bodies in side_channel_msg.h.
+ *
+ * Producer (P): a ROUTER socket on its own thread.  A decode worker's DEALER
+ * sends ONE frame (a pull); the ROUTER sees [identity, pull].  Each decoded
+ * pull is handed to a callback together with a reply handle; the callback (the
+ * producer's logic) returns at once and replies later, from any thread, as
+ * often as it likes: CONTINUE ... then FINISH or ERROR, which ends the pull and
+ * releases the handle.  A pull that does not decode is answered ERROR by the
+ * transport itself (with the decoder's message), so the peer never waits.
+ *
+ * Consumer (D): side_channel_pull_run() opens a DEALER, sends one pull and
+ * reads single-frame replies until FINISH or ERROR, each within the receive
+ * timeout (vLLM: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s).
+ */
+#ifndef DISAGG_CONNECTOR_MOONCAKE_SIDE_CHANNEL_H
+#define DISAGG_CONNECTOR_MOONCAKE_SIDE_CHANNEL_H
+
+#include "connector/mooncake/side_channel_msg.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define SIDE_CHANNEL_ETIMEDOUT (-110) /* no reply within the receive timeout */
+#define SIDE_CHANNEL_ECLOSED   (-32)  /* the server stopped (EPIPE) */
+#define SIDE_CHANNEL_ECANCELED (-125) /* the caller's cancel flag was raised */
+#define SIDE_CHANNEL_EIO       (-5)   /* ZeroMQ failure */
+
+typedef struct side_channel_server side_channel_server; /* opaque */
+typedef struct side_channel_call side_channel_call;     /* one pull awaiting replies */
+
+/* Called on the server thread for each decoded pull.  Takes ownership of pull
+ * (heap-allocated; release with side_channel_pull_release) and of call
+ * (released by its final reply).  Must not block. */
+typedef void (*side_channel_pull_fn)(void *ud, side_channel_call *call, side_channel_pull *pull);
+
+/* Bind a ROUTER on tcp://bind_host:port (port 0 = ephemeral) and start the
+ * server thread.  Returns 0 or a negative code with a message in err. */
+int side_channel_server_start(const char *bind_host, uint16_t port, side_channel_pull_fn fn,
+                              void *ud, side_channel_server **out, char *err, size_t err_cap);
+uint16_t side_channel_server_port(const side_channel_server *s);
+/* Stop the thread and close the socket.  Calls still held by the handler stay
+ * valid: replying to them returns SIDE_CHANNEL_ECLOSED (a final reply still
+ * releases them). */
+void side_channel_server_stop(side_channel_server *s);
+
+/* Frees a pull handed to the handler: its contents and the struct. */
+void side_channel_pull_release(side_channel_pull *pull);
+
+/* Thread-safe.  Queue one reply to the pull behind call.  FINISH or ERROR is
+ * the last: call is released and must not be used again. */
+int side_channel_call_reply(side_channel_call *call, const side_channel_reply *r);
+
+/* Number of pulls handed to the handler and not yet finished (for metrics). */
+int side_channel_server_pending(side_channel_server *s);
+
+/* Called for each reply of a pull (its memory is valid only during the call);
+ * return non-zero to stop waiting. */
+typedef int (*side_channel_reply_fn)(void *ud, const side_channel_reply *r);
+
+/* Consumer: send pull to endpoint ("tcp://host:port") and deliver replies to fn
+ * until FINISH or ERROR.  Each reply must arrive within recv_timeout_s.  cancel
+ * (optional) is polled every 100 ms.  Returns 0 once a FINISH or ERROR reply
+ * was delivered (or fn asked to stop), else SIDE_CHANNEL_ETIMEDOUT,
+ * SIDE_CHANNEL_ECANCELED, SIDE_CHANNEL_EINVAL (undecodable reply) or
+ * SIDE_CHANNEL_EIO, with a message in err. */
+int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
+                          double recv_timeout_s, const atomic_int *cancel, side_channel_reply_fn fn,
+                          void *ud, char *err, size_t err_cap);
+
+#endif

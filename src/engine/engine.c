@@ -1,0 +1,833 @@
+/*
+ * engine — see engine.h.  One step thread runs the loop
+ *   take new requests and aborts -> plan (scheduler) -> forward (model) ->
+ *   commit -> sample the items that reached their end -> emit events,
+ * so every request's tokens come from the same batch-invariant forward
+ * whatever else is running.  The KV region is one anonymous mapping of
+ * num_blocks blocks (block-major, model/qwen2.h's kv_store).
+ */
+#include "engine/engine.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "engine/block_pool.h"
+#include "engine/scheduler.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "model/qwen2.h"
+#include "model/sampler.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define MOD                   "engine"
+#define PROMPT_LOGPROBS_CHUNK 32 /* prompt-logprob requests prefill in chunks this size */
+
+typedef struct ereq {
+    seq s;                   /* scheduler state: tokens, blocks */
+    engine_request_params p; /* copy; p.prompt points into s.tokens */
+    int32_t *stop_ids;       /* (p.n_stop_token_ids) copy */
+    engine_event_fn fn;
+    void *ctx;
+    sampler *smp; /* per-request sampler: seed stream, penalty counts */
+    int n_generated;
+    engine_token *prompt_lp; /* (n_prompt) when prompt_logprobs >= 0 */
+    int prompt_lp_done;      /* prompt logprobs filled up to this position */
+    uint64_t t_arrival_ns;
+    int kv_role;       /* kv_role_of_request */
+    void *kv_handle;   /* the connector's per-request state */
+    int loading;       /* consumer: start_load() sent, load_done() not yet */
+    int needs_park;    /* consumer: waiting for blocks to park with */
+    int zombie;        /* finished to the client, blocks wait for load_done() */
+    struct ereq *next; /* inbox or live list */
+} ereq;
+
+typedef struct kept_blocks { /* producer: blocks kept for a pull */
+    uint64_t id;
+    int32_t *blocks;
+    int n;
+    struct kept_blocks *next;
+} kept_blocks;
+
+typedef struct kv_note { /* a connector's answer, queued for the step thread */
+    uint64_t id;
+    int kind; /* 0 load done, 1 release */
+    int ok, recompute;
+    char error[200];
+    struct kv_note *next;
+} kv_note;
+
+struct engine {
+    engine_config cfg;
+    qwen2_model model;
+    cpu_pool *pool;
+    qwen2_state *state;
+    kv_store kv;     /* the KV region (base from mmap) */
+    size_t kv_bytes; /* mapping length */
+    block_pool bp;
+    scheduler sched;
+    sched_plan plan;
+    qwen2_seq *fwd; /* (max_num_seqs) forward descriptors */
+    float *logits;  /* (max_num_seqs, vocab) last-token logits */
+    float *plogits; /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
+    float *scratch; /* (vocab) the sampler's working copy of a row */
+    int vocab;
+    int max_model_len;
+
+    pthread_t thread;
+    pthread_mutex_t mu; /* guards inbox, aborts, stop, stats */
+    pthread_cond_t cv;
+    ereq *inbox;      /* submitted, not yet seen by the step thread (LIFO) */
+    uint64_t *aborts; /* (n_aborts) ids to cancel */
+    size_t n_aborts, cap_aborts;
+    int stop;
+    uint64_t next_id;
+    engine_stats stats; /* snapshot published after every step */
+
+    ereq *live;               /* step thread only: every request it owns */
+    engine_kv_connector conn; /* hooks (conn.classify NULL = none) */
+    kv_note *notes;           /* under mu: connector answers (LIFO) */
+    kept_blocks *kept;        /* step thread only */
+    int n_kept, n_loading;
+    int n_parkwait; /* consumers not yet parked (not in the scheduler) */
+};
+
+void engine_config_init(engine_config *c) {
+    memset(c, 0, sizeof *c);
+    c->block_size = 16;
+    c->kv_cache_fraction = 0.25;
+    c->max_num_seqs = 64;
+    c->max_num_batched_tokens = 2048;
+    c->enable_prefix_caching = 1;
+}
+
+/* ---- requests --------------------------------------------------------------- */
+
+void engine_sampling_init(engine_sampling *s) {
+    memset(s, 0, sizeof *s);
+    s->temperature = 1.0f;
+    s->top_p = 1.0f;
+    s->repetition_penalty = 1.0f;
+    s->logprobs = -1;
+    s->prompt_logprobs = -1;
+}
+
+/* The request's sampling values as the model's sampler takes them (it
+ * validates them; stop ids are the engine's business, not the sampler's). */
+static int engine_sampling_to_params(const engine_sampling *sp, const engine_request_params *p,
+                                     sampler_params *out, char *err, size_t errlen) {
+    sampler_params_default(out);
+    out->temperature = sp->temperature;
+    out->top_k = sp->top_k;
+    out->top_p = sp->top_p;
+    out->min_p = sp->min_p;
+    out->repetition_penalty = sp->repetition_penalty;
+    out->presence_penalty = sp->presence_penalty;
+    out->frequency_penalty = sp->frequency_penalty;
+    out->has_seed = sp->has_seed;
+    out->seed = sp->seed;
+    out->logprobs = sp->logprobs < 0 ? 0 : sp->logprobs;
+    (void)p;
+    return sampler_params_check(out, 1 << 30, err, errlen);
+}
+
+/* log_softmax(row)[chosen] and the top_n most likely tokens, for prompt logprobs. */
+static void row_logprobs(const float *l, int vocab, int32_t chosen, int top_n, engine_token *t) {
+    float mx = -INFINITY;
+    for (int i = 0; i < vocab; i++)
+        if (l[i] > mx) mx = l[i];
+    double sum = 0;
+    for (int i = 0; i < vocab; i++)
+        sum += exp((double)(l[i] - mx));
+    float lse = mx + (float)log(sum);
+    t->logprob = l[chosen] - lse;
+    int n = 0;
+    for (int i = 0; i < vocab && top_n > 0; i++) {
+        if (n == top_n && l[i] <= l[t->top_ids[n - 1]]) continue;
+        int j = n < top_n ? n++ : n - 1;
+        while (j > 0 && l[t->top_ids[j - 1]] < l[i]) {
+            t->top_ids[j] = t->top_ids[j - 1];
+            j--;
+        }
+        t->top_ids[j] = i;
+    }
+    for (int i = 0; i < n; i++)
+        t->top_logprobs[i] = l[t->top_ids[i]] - lse;
+    t->n_top = n;
+}
+
+static void ereq_free(ereq *r) {
+    if (r->smp) sampler_free(r->smp);
+    seq_free(&r->s);
+    free(r->stop_ids);
+    free(r->prompt_lp);
+    free(r);
+}
+
+static void emit_finish(engine *e, ereq *r, const char *reason, int32_t stop_token,
+                        const char *error) {
+    engine_event ev = {.kind = ENGINE_EV_FINISHED,
+                       .id = r->s.id,
+                       .finish_reason = reason,
+                       .stop_token = stop_token,
+                       .error = error,
+                       .n_prompt = r->s.n_prompt,
+                       .n_cached = r->s.n_cached,
+                       .n_generated = r->n_generated,
+                       .prompt_logprobs = r->prompt_lp};
+    r->fn(r->ctx, &ev);
+    (void)e;
+}
+
+static void live_remove(engine *e, ereq *r) {
+    for (ereq **pp = &e->live; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            return;
+        }
+}
+
+static void release_handle(engine *e, ereq *r) {
+    if (r->kv_handle && e->conn.request_released)
+        e->conn.request_released(e->conn.ctx, r->kv_handle, r->s.id);
+    r->kv_handle = NULL;
+}
+
+static void finish(engine *e, ereq *r, const char *reason, int32_t stop_token, const char *error) {
+    int ok_end = !strcmp(reason, "stop") || !strcmp(reason, "length");
+    int keep = r->kv_role == KV_REQ_REMOTE_DECODE && ok_end;
+    kept_blocks *k = NULL;
+    if (keep) {
+        k = calloc(1, sizeof *k);
+        if (k) k->blocks = malloc((size_t)(r->s.n_blocks ? r->s.n_blocks : 1) * sizeof *k->blocks);
+        if (!k || !k->blocks) { /* cannot keep: the pull will find nothing */
+            if (k) free(k);
+            k = NULL;
+            keep = 0;
+        }
+    }
+    if (keep) {
+        k->id = r->s.id;
+        k->n = r->s.n_blocks;
+        memcpy(k->blocks, r->s.blocks, (size_t)k->n * sizeof *k->blocks);
+        k->next = e->kept;
+        e->kept = k;
+        e->n_kept++;
+    }
+    if (r->needs_park) {
+        r->needs_park = 0;
+        e->n_parkwait--;
+    }
+    if (r->loading) {
+        /* A transfer may still be writing into its blocks: tell the client now,
+         * free the blocks when the connector reports the load ended. */
+        if (!r->zombie) emit_finish(e, r, reason, stop_token, error);
+        r->zombie = 1;
+        return;
+    }
+    sched_finish(&e->sched, &r->s, keep);
+    live_remove(e, r);
+    if (r->kv_role == KV_REQ_REMOTE_DECODE && e->conn.request_finished)
+        e->conn.request_finished(e->conn.ctx, r->kv_handle, r->s.id, reason, r->s.blocks,
+                                 r->s.n_blocks, r->s.n_prompt, keep);
+    if (!r->zombie) emit_finish(e, r, reason, stop_token, error);
+    release_handle(e, r);
+    ereq_free(r);
+}
+
+int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn, void *ctx,
+                  uint64_t *id, char *err, size_t errlen) {
+    if (!p || !fn) return -EINVAL;
+    if (p->n_prompt <= 0) {
+        snprintf(err, errlen, "the prompt is empty: at least one token is needed");
+        return -EINVAL;
+    }
+    if (p->max_tokens <= 0) {
+        snprintf(err, errlen, "max_tokens must be at least 1 (got %d)", p->max_tokens);
+        return -EINVAL;
+    }
+    if ((long)p->n_prompt + p->max_tokens > e->max_model_len) {
+        snprintf(
+            err, errlen,
+            "this model's maximum context length is %d tokens; the request has %d prompt tokens "
+            "and max_tokens %d (%ld in all): shorten the prompt or lower max_tokens",
+            e->max_model_len, p->n_prompt, p->max_tokens, (long)p->n_prompt + p->max_tokens);
+        return -EINVAL;
+    }
+    for (int i = 0; i < p->n_prompt; i++)
+        if (p->prompt[i] < 0 || p->prompt[i] >= e->vocab) {
+            snprintf(err, errlen,
+                     "prompt token %d at index %d is out of range (vocabulary has %d tokens)",
+                     p->prompt[i], i, e->vocab);
+            return -EINVAL;
+        }
+    for (int i = 0; i < p->n_stop_token_ids; i++)
+        if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= e->vocab) {
+            snprintf(err, errlen, "stop_token_ids[%d] = %d is out of range (0..%d)", i,
+                     p->stop_token_ids[i], e->vocab - 1);
+            return -EINVAL;
+        }
+    const engine_sampling *sp = &p->sampling;
+    if (sp->logprobs > ENGINE_MAX_TOP_LOGPROBS || sp->prompt_logprobs > ENGINE_MAX_TOP_LOGPROBS) {
+        snprintf(err, errlen, "logprobs / prompt_logprobs may ask for at most %d top tokens",
+                 ENGINE_MAX_TOP_LOGPROBS);
+        return -EINVAL;
+    }
+    sampler_params spar;
+    int rc = engine_sampling_to_params(sp, p, &spar, err, errlen);
+    if (rc) return rc;
+
+    ereq *r = calloc(1, sizeof *r);
+    if (!r) return -ENOMEM;
+    if (seq_init(&r->s, 0, p->prompt, p->n_prompt, p->max_tokens) != 0) {
+        free(r);
+        return -ENOMEM;
+    }
+    r->p = *p;
+    r->p.prompt = r->s.tokens;
+    r->p.request_id = NULL;
+    r->p.kv_transfer_params = NULL;
+    if (p->n_stop_token_ids > 0) {
+        r->stop_ids = malloc((size_t)p->n_stop_token_ids * sizeof *r->stop_ids);
+        if (!r->stop_ids) {
+            ereq_free(r);
+            return -ENOMEM;
+        }
+        memcpy(r->stop_ids, p->stop_token_ids, (size_t)p->n_stop_token_ids * sizeof *r->stop_ids);
+    }
+    r->p.stop_token_ids = r->stop_ids;
+    r->smp = sampler_init(&spar, e->vocab, p->prompt, p->n_prompt, err, errlen);
+    if (!r->smp) {
+        ereq_free(r);
+        return -EINVAL;
+    }
+    if (sp->prompt_logprobs >= 0) {
+        r->prompt_lp = calloc((size_t)p->n_prompt, sizeof *r->prompt_lp);
+        if (!r->prompt_lp) {
+            ereq_free(r);
+            return -ENOMEM;
+        }
+        r->s.no_prefix_cache = 1; /* every prompt position must produce logits */
+        r->s.max_chunk = PROMPT_LOGPROBS_CHUNK;
+        r->prompt_lp_done = 1; /* position 0 has no logprob */
+    }
+    r->fn = fn;
+    r->ctx = ctx;
+    r->t_arrival_ns = clock_now_ns();
+    pthread_mutex_lock(&e->mu);
+    r->s.id = ++e->next_id;
+    pthread_mutex_unlock(&e->mu);
+    if (p->kv_transfer_params && e->conn.classify) {
+        int role = e->conn.classify(e->conn.ctx, r->s.id, p->kv_transfer_params, p->n_prompt,
+                                    &r->kv_handle, err, errlen);
+        if (role < 0) {
+            ereq_free(r);
+            return -EINVAL;
+        }
+        r->kv_role = role;
+        r->needs_park = role == KV_REQ_REMOTE_PREFILL;
+    }
+    pthread_mutex_lock(&e->mu);
+    r->s.owner = r;
+    r->next = e->inbox;
+    e->inbox = r;
+    *id = r->s.id;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
+void engine_abort(engine *e, uint64_t id) {
+    pthread_mutex_lock(&e->mu);
+    if (e->n_aborts == e->cap_aborts) {
+        size_t cap = e->cap_aborts ? e->cap_aborts * 2 : 16;
+        uint64_t *a = realloc(e->aborts, cap * sizeof *a);
+        if (!a) {
+            pthread_mutex_unlock(&e->mu);
+            LOG_E(MOD, "out of memory queueing an abort for request %llu", (unsigned long long)id);
+            return;
+        }
+        e->aborts = a;
+        e->cap_aborts = cap;
+    }
+    e->aborts[e->n_aborts++] = id;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void push_note(engine *e, kv_note *n) {
+    pthread_mutex_lock(&e->mu);
+    n->next = e->notes;
+    e->notes = n;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, const char *error) {
+    kv_note *n = calloc(1, sizeof *n);
+    if (!n) {
+        LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);
+        return;
+    }
+    n->id = id;
+    n->kind = 0;
+    n->ok = ok;
+    n->recompute = recompute;
+    snprintf(n->error, sizeof n->error, "%s", error ? error : "remote KV load failed");
+    push_note(e, n);
+}
+
+void engine_kv_release(engine *e, uint64_t id) {
+    kv_note *n = calloc(1, sizeof *n);
+    if (!n) {
+        LOG_E(MOD, "out of memory releasing the kept blocks of request %llu",
+              (unsigned long long)id);
+        return;
+    }
+    n->id = id;
+    n->kind = 1;
+    push_note(e, n);
+}
+
+void engine_set_kv_connector(engine *e, const engine_kv_connector *c) {
+    pthread_mutex_lock(&e->mu);
+    if (c)
+        e->conn = *c;
+    else
+        memset(&e->conn, 0, sizeof e->conn);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_get_kv_region(const engine *e, engine_kv_region *out) {
+    const model_config *c = &e->model.cfg;
+    memset(out, 0, sizeof *out);
+    out->base = e->kv.base;
+    out->bytes = e->kv_bytes;
+    out->block_bytes = qwen2_kv_block_bytes(c, e->kv.block_size);
+    out->n_blocks = e->kv.n_blocks;
+    out->block_size = e->kv.block_size;
+    snprintf(out->fingerprint, sizeof out->fingerprint,
+             "qwen2:L%d:kvh%d:hd%d:bs%d:f32:layer-kv-token-major:v%d", c->n_layers, c->n_kv_heads,
+             c->head_dim, e->kv.block_size, c->vocab_size);
+}
+
+static ereq *find_live(engine *e, uint64_t id) {
+    for (ereq *r = e->live; r; r = r->next)
+        if (r->s.id == id) return r;
+    return NULL;
+}
+
+static void handle_note(engine *e, const kv_note *n) {
+    if (n->kind == 1) {
+        for (kept_blocks **pp = &e->kept; *pp; pp = &(*pp)->next)
+            if ((*pp)->id == n->id) {
+                kept_blocks *k = *pp;
+                *pp = k->next;
+                block_pool_release(&e->bp, k->blocks, k->n);
+                free(k->blocks);
+                free(k);
+                e->n_kept--;
+                return;
+            }
+        return;
+    }
+    ereq *r = find_live(e, n->id);
+    if (!r || !r->loading) return;
+    r->loading = 0;
+    e->n_loading--;
+    if (r->zombie) { /* aborted meanwhile: now the blocks can go */
+        finish(e, r, "abort", -1, NULL);
+        return;
+    }
+    if (n->ok) {
+        sched_unpark(&e->sched, &r->s, r->s.n_prompt - 1); /* recompute the last prompt token */
+    } else if (n->recompute) {
+        LOG_W(MOD,
+              "request %llu: %s; computing its prompt locally (kv_load_failure_policy recompute)",
+              (unsigned long long)r->s.id, n->error);
+        sched_unpark(&e->sched, &r->s, r->s.n_cached);
+    } else {
+        finish(e, r, "error", -1, n->error);
+    }
+}
+
+/* Consumers waiting for blocks: park them with blocks for the whole prompt
+ * and ask the connector to fill them. */
+static void park_consumers(engine *e) {
+    for (ereq *r = e->live; r; r = r->next) {
+        if (!r->needs_park) continue;
+        sched_add(&e->sched, &r->s);
+        if (sched_park_with_blocks(&e->sched, &r->s) != 0) { /* retry when blocks free up */
+            sched_finish(&e->sched, &r->s, 0);
+            continue;
+        }
+        r->needs_park = 0;
+        e->n_parkwait--;
+        r->loading = 1;
+        e->n_loading++;
+        e->conn.start_load(e->conn.ctx, r->kv_handle, r->s.id, r->s.blocks, r->s.n_blocks,
+                           r->s.n_cached, r->s.n_prompt);
+    }
+}
+
+/* ---- the step ----------------------------------------------------------------- */
+
+/* Take the inbox (oldest first) and the aborts. */
+static void take_inputs(engine *e) {
+    pthread_mutex_lock(&e->mu);
+    while (!e->stop && !e->inbox && !e->notes && e->n_aborts == 0 && e->sched.n_running == 0 &&
+           e->sched.n_waiting == 0)
+        pthread_cond_wait(&e->cv, &e->mu);
+    ereq *in = e->inbox;
+    e->inbox = NULL;
+    kv_note *notes = e->notes;
+    e->notes = NULL;
+    size_t na = e->n_aborts;
+    uint64_t *ab = NULL;
+    if (na) {
+        ab = malloc(na * sizeof *ab);
+        if (ab) memcpy(ab, e->aborts, na * sizeof *ab);
+        e->n_aborts = 0;
+    }
+    pthread_mutex_unlock(&e->mu);
+    ereq *rev = NULL; /* the inbox is LIFO: reverse to FCFS */
+    while (in) {
+        ereq *n = in->next;
+        in->next = rev;
+        rev = in;
+        in = n;
+    }
+    while (rev) {
+        ereq *n = rev->next;
+        rev->next = e->live;
+        e->live = rev;
+        if (rev->needs_park) {
+            rev->s.state = SEQ_FINISHED; /* in no scheduler list until parked */
+            e->n_parkwait++;
+        } else {
+            sched_add(&e->sched, &rev->s);
+        }
+        rev = n;
+    }
+    for (size_t i = 0; ab && i < na; i++) {
+        ereq *r = find_live(e, ab[i]);
+        if (r && !r->zombie) finish(e, r, "abort", -1, NULL);
+    }
+    free(ab);
+    kv_note *rn = NULL; /* notes are LIFO: handle in arrival order */
+    while (notes) {
+        kv_note *n = notes->next;
+        notes->next = rn;
+        rn = notes;
+        notes = n;
+    }
+    while (rn) {
+        kv_note *n = rn->next;
+        handle_note(e, rn);
+        free(rn);
+        rn = n;
+    }
+    park_consumers(e);
+}
+
+static int is_stop_token(const engine *e, const ereq *r, int32_t t) {
+    if (!r->p.ignore_eos) {
+        const model_config *c = &e->model.cfg;
+        for (int i = 0; i < c->n_eos; i++)
+            if (c->eos_ids[i] == t) return 1;
+    }
+    for (int i = 0; i < r->p.n_stop_token_ids; i++)
+        if (r->stop_ids[i] == t) return 1;
+    return 0;
+}
+
+/* Fill prompt logprobs for positions [from, from + n) from logits rows. */
+static void fill_prompt_logprobs(engine *e, ereq *r, const float *rows, int first_pos, int n) {
+    for (int k = 0; k < n; k++) {
+        int target = first_pos + k + 1; /* row k predicts the token at first_pos + k + 1 */
+        if (target >= r->s.n_prompt || target < r->prompt_lp_done) continue;
+        engine_token *t = &r->prompt_lp[target];
+        t->id = r->s.tokens[target];
+        row_logprobs(rows + (size_t)k * (size_t)e->vocab, e->vocab, t->id,
+                     r->p.sampling.prompt_logprobs, t);
+        r->prompt_lp_done = target + 1;
+    }
+}
+
+static void run_step(engine *e) {
+    sched_plan *pl = &e->plan;
+    if (sched_step(&e->sched, pl) == 0) return;
+    int n = pl->n_items;
+    int k_logits = 0;
+    for (int i = 0; i < n; i++) {
+        const sched_item *it = &pl->items[i];
+        ereq *r = it->s->owner;
+        qwen2_seq *f = &e->fwd[i];
+        f->tokens = it->s->tokens + it->start;
+        f->n_tokens = it->count;
+        f->start_pos = it->start;
+        f->block_table = it->s->blocks;
+        f->n_blocks = it->s->n_blocks;
+        f->logits_all = r->prompt_lp && it->start < r->s.n_prompt;
+        if (f->logits_all)
+            f->logits = e->plogits; /* only one such item per step (see below) */
+        else
+            f->logits = it->logits ? e->logits + (size_t)(k_logits++) * (size_t)e->vocab : NULL;
+    }
+    /* At most one prompt-logprob chunk per forward: the workspace holds one. */
+    int seen = 0;
+    for (int i = 0; i < n; i++)
+        if (e->fwd[i].logits_all && seen++) {
+            e->fwd[i].logits_all = 0;
+            e->fwd[i].logits = NULL;
+            pl->items[i].count = 0; /* deferred: recomputed next step */
+        }
+    int m = 0; /* drop deferred items */
+    for (int i = 0; i < n; i++) {
+        if (pl->items[i].count == 0) continue;
+        pl->items[m] = pl->items[i];
+        e->fwd[m] = e->fwd[i];
+        m++;
+    }
+    pl->n_items = n = m;
+    int rc = qwen2_forward(&e->model, e->state, &e->kv, e->fwd, n);
+    if (rc != 0) {
+        for (int i = 0; i < n; i++)
+            finish(e, pl->items[i].s->owner, "error", -1, "model forward failed");
+        return;
+    }
+    sched_commit(&e->sched, pl);
+    uint64_t gen = 0, prompt = 0;
+    for (int i = 0; i < n; i++) {
+        const sched_item *it = &pl->items[i];
+        ereq *r = it->s->owner;
+        if (it->start < r->s.n_prompt)
+            prompt += (uint64_t)((it->start + it->count < r->s.n_prompt ? it->start + it->count
+                                                                        : r->s.n_prompt) -
+                                 it->start);
+        const float *last = e->fwd[i].logits;
+        if (e->fwd[i].logits_all) {
+            fill_prompt_logprobs(e, r, e->fwd[i].logits, it->start, it->count);
+            last = e->fwd[i].logits + (size_t)(it->count - 1) * (size_t)e->vocab;
+        }
+        if (!it->logits) continue;
+        /* Sample the next token (on a scratch copy: logprobs are of the raw row). */
+        engine_token tok;
+        memset(&tok, 0, sizeof tok);
+        memcpy(e->scratch, last, (size_t)e->vocab * sizeof *e->scratch);
+        sample_result sr;
+        sampler_sample(r->smp, e->scratch, &sr);
+        tok.id = sr.token;
+        tok.logprob = sr.logprob;
+        tok.n_top = sr.n_top;
+        memcpy(tok.top_ids, sr.top_ids, sizeof tok.top_ids);
+        memcpy(tok.top_logprobs, sr.top_logprobs, sizeof tok.top_logprobs);
+        int stop = is_stop_token(e, r, tok.id) && r->n_generated + 1 > r->p.min_tokens;
+        seq_append(&r->s, tok.id);
+        r->n_generated++;
+        gen++;
+        engine_event ev = {.kind = ENGINE_EV_TOKEN, .id = r->s.id, .token = &tok};
+        r->fn(r->ctx, &ev);
+        if (stop)
+            finish(e, r, "stop", tok.id, NULL);
+        else if (r->n_generated >= r->p.max_tokens || r->s.n_tokens >= e->max_model_len)
+            finish(e, r, "length", -1, NULL);
+    }
+    pthread_mutex_lock(&e->mu);
+    e->stats.prompt_tokens += prompt;
+    e->stats.generation_tokens += gen;
+    e->stats.steps++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void publish_stats(engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->stats.num_running = e->sched.n_running;
+    e->stats.num_waiting = e->sched.n_waiting;
+    e->stats.num_parked = e->sched.n_parked;
+    e->stats.num_blocks = e->bp.num_blocks;
+    e->stats.num_blocks_used = block_pool_num_used(&e->bp);
+    e->stats.prefix_queries = e->bp.queries;
+    e->stats.prefix_hits = e->bp.hits;
+    e->stats.num_preemptions = e->sched.num_preemptions;
+    e->stats.num_kept = e->n_kept;
+    e->stats.num_loading = e->n_loading;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void *step_main(void *arg) {
+    engine *e = arg;
+    for (;;) {
+        take_inputs(e);
+        pthread_mutex_lock(&e->mu);
+        int stop = e->stop;
+        pthread_mutex_unlock(&e->mu);
+        if (stop) break;
+        run_step(e);
+        publish_stats(e);
+    }
+    while (e->live)
+        finish(e, e->live, "abort", -1, NULL);
+    publish_stats(e);
+    return NULL;
+}
+
+/* ---- lifecycle ---------------------------------------------------------------- */
+
+static size_t physical_ram(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : (size_t)8 << 30;
+}
+
+int engine_create(const engine_config *cfg, engine **out, char *err, size_t errlen) {
+    engine_config c = *cfg;
+    if (c.block_size <= 0 || c.block_size > 1024) {
+        snprintf(err, errlen, "block size %d is out of range (accepted: 1..1024, default 16)",
+                 c.block_size);
+        return -EINVAL;
+    }
+    if (c.max_num_seqs <= 0 || c.max_num_batched_tokens <= 0) {
+        snprintf(err, errlen, "max_num_seqs and max_num_batched_tokens must be positive");
+        return -EINVAL;
+    }
+    engine *e = calloc(1, sizeof *e);
+    if (!e) return -ENOMEM;
+    e->cfg = c;
+    int rc = qwen2_load(&e->model, c.model, c.progress, err, errlen);
+    if (rc) {
+        free(e);
+        return rc;
+    }
+    const model_config *mc = &e->model.cfg;
+    e->vocab = mc->vocab_size;
+    e->max_model_len = c.max_model_len > 0 ? c.max_model_len : mc->max_position;
+    if (e->max_model_len > mc->max_position) {
+        snprintf(err, errlen, "max_model_len %d exceeds the model's max_position_embeddings %d",
+                 e->max_model_len, mc->max_position);
+        rc = -EINVAL;
+        goto fail;
+    }
+    if (c.max_num_batched_tokens < c.max_num_seqs) e->cfg.max_num_batched_tokens = c.max_num_seqs;
+    size_t block_bytes = qwen2_kv_block_bytes(mc, c.block_size);
+    size_t want = c.kv_cache_bytes ? c.kv_cache_bytes
+                                   : (size_t)((double)physical_ram() * c.kv_cache_fraction);
+    size_t nblocks = want / block_bytes;
+    size_t min_blocks = (size_t)(e->max_model_len + c.block_size - 1) / (size_t)c.block_size;
+    if (nblocks < min_blocks) {
+        snprintf(err, errlen,
+                 "KV cache of %zu bytes holds %zu blocks of %zu bytes, fewer than one max-length "
+                 "request "
+                 "needs (%zu): raise --kv-cache-memory or lower --max-model-len",
+                 want, nblocks, block_bytes, min_blocks);
+        rc = -EINVAL;
+        goto fail;
+    }
+    if (nblocks > INT32_MAX / 2) nblocks = INT32_MAX / 2;
+    e->kv_bytes = nblocks * block_bytes;
+    void *base = mmap(NULL, e->kv_bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map a KV cache of %zu bytes: %s", e->kv_bytes,
+                 strerror(errno));
+        rc = -ENOMEM;
+        goto fail;
+    }
+    e->kv.base = base;
+    e->kv.n_blocks = (int)nblocks;
+    e->kv.block_size = c.block_size;
+    e->kv.n_layers = mc->n_layers;
+    e->kv.kv_dim = mc->n_kv_heads * mc->head_dim;
+    e->pool = cpu_pool_init(c.threads);
+    e->state = qwen2_state_init(&e->model, e->cfg.max_num_batched_tokens, e->pool);
+    e->fwd = calloc((size_t)c.max_num_seqs, sizeof *e->fwd);
+    e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
+    e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
+    e->scratch = malloc((size_t)e->vocab * sizeof(float));
+    sched_config sc = {c.block_size, c.max_num_seqs, e->cfg.max_num_batched_tokens,
+                       c.enable_prefix_caching};
+    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->scratch ||
+        block_pool_init(&e->bp, (int32_t)nblocks) || sched_init(&e->sched, &sc, &e->bp) ||
+        sched_plan_init(&e->plan, &sc)) {
+        snprintf(err, errlen, "out of memory setting up the engine");
+        rc = -ENOMEM;
+        goto fail;
+    }
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    if (pthread_create(&e->thread, NULL, step_main, e) != 0) {
+        snprintf(err, errlen, "cannot start the engine thread");
+        rc = -ENOMEM;
+        goto fail;
+    }
+    LOG_I(MOD,
+          "model %s: %d layers, hidden %d, vocab %d; KV cache %zu blocks x %d tokens (%zu tokens, "
+          "%.1f MiB)",
+          e->model.dir, mc->n_layers, mc->hidden_size, e->vocab, nblocks, c.block_size,
+          nblocks * (size_t)c.block_size, (double)e->kv_bytes / (1 << 20));
+    *out = e;
+    return 0;
+fail:
+    sched_plan_free(&e->plan);
+    block_pool_free_all(&e->bp);
+    free(e->fwd);
+    free(e->logits);
+    free(e->plogits);
+    free(e->scratch);
+    if (e->state) qwen2_state_free(e->state);
+    if (e->pool) cpu_pool_free(e->pool);
+    if (e->kv.base) munmap(e->kv.base, e->kv_bytes);
+    qwen2_free(&e->model);
+    free(e);
+    return rc;
+}
+
+void engine_destroy(engine *e) {
+    if (!e) return;
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    pthread_join(e->thread, NULL);
+    while (e->inbox) { /* submitted after the loop ended */
+        ereq *r = e->inbox;
+        e->inbox = r->next;
+        emit_finish(e, r, "abort", -1, NULL);
+        ereq_free(r);
+    }
+    free(e->aborts);
+    sched_plan_free(&e->plan);
+    sched_free(&e->sched);
+    block_pool_free_all(&e->bp);
+    free(e->fwd);
+    free(e->logits);
+    free(e->plogits);
+    free(e->scratch);
+    qwen2_state_free(e->state);
+    cpu_pool_free(e->pool);
+    munmap(e->kv.base, e->kv_bytes);
+    qwen2_free(&e->model);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+void engine_get_stats(engine *e, engine_stats *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = e->stats;
+    pthread_mutex_unlock(&e->mu);
+}
+
+const struct model_config *engine_model_config(const engine *e) {
+    return &e->model.cfg;
+}
+const char *engine_model_dir(const engine *e) {
+    return e->model.dir;
+}
+int engine_max_model_len(const engine *e) {
+    return e->max_model_len;
+}

@@ -1,0 +1,142 @@
+/*
+ * engine — the serving engine: owns the model, the paged KV cache (one
+ * region, block-major, registered with the transfer engine by the connector),
+ * the block pool, the scheduler and the step thread that runs continuous
+ * batching.  The server submits tokenized requests and receives events
+ * (new tokens, finish) through a callback that runs on the engine thread.
+ *
+ * Threading: engine_submit / engine_abort / engine_get_stats are thread-safe
+ * and never block on the step loop for long; event callbacks run on the
+ * engine thread and must not block (hand the event to your own loop).
+ */
+#ifndef DISAGG_ENGINE_ENGINE_H
+#define DISAGG_ENGINE_ENGINE_H
+
+#include "engine/kv_connector.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct engine engine;
+struct model_config;
+
+typedef struct engine_config {
+    const char *model;          /* directory or hub name in the HF cache */
+    int block_size;             /* tokens per KV block (default 16) */
+    size_t kv_cache_bytes;      /* KV region size; 0 = kv_cache_fraction of RAM */
+    double kv_cache_fraction;   /* default 0.25 */
+    int max_num_seqs;           /* default 64 */
+    int max_num_batched_tokens; /* default 2048 */
+    int max_model_len;          /* 0 = the model's max_position_embeddings */
+    int enable_prefix_caching;  /* default 1 */
+    uint64_t seed;              /* engine-wide seed for unseeded sampling */
+    int threads;                /* compute threads, 0 = all cores */
+    int progress;               /* show model-loading progress on a tty */
+} engine_config;
+
+void engine_config_init(engine_config *c);
+
+typedef struct engine_sampling {
+    float temperature;        /* 0 = greedy */
+    float top_p;              /* 1 = off */
+    int top_k;                /* 0 or -1 = off */
+    float min_p;              /* 0 = off */
+    float repetition_penalty; /* 1 = off */
+    float presence_penalty;   /* 0 = off */
+    float frequency_penalty;  /* 0 = off */
+    int has_seed;
+    uint64_t seed;       /* per-request seed: reproducible output */
+    int logprobs;        /* -1: none; N >= 0: chosen token's logprob + top N */
+    int prompt_logprobs; /* -1: none; N >= 0: prompt tokens' logprobs + top N */
+} engine_sampling;
+
+void engine_sampling_init(engine_sampling *s);
+
+typedef struct engine_request_params {
+    const int32_t *prompt; /* (n_prompt) token ids */
+    int n_prompt;
+    int max_tokens; /* > 0 */
+    int min_tokens; /* eos/stop ids ignored before this many */
+    int ignore_eos;
+    const int32_t *stop_token_ids; /* (n_stop_token_ids) besides the model's eos */
+    int n_stop_token_ids;
+    engine_sampling sampling;
+    const char *request_id;         /* for logs */
+    const char *kv_transfer_params; /* JSON text for the KV connector, or NULL */
+} engine_request_params;
+
+#define ENGINE_MAX_TOP_LOGPROBS 20
+
+typedef struct engine_token {
+    int32_t id;
+    float logprob; /* of the chosen token (if asked) */
+    int n_top;     /* entries in top_* */
+    int32_t top_ids[ENGINE_MAX_TOP_LOGPROBS];
+    float top_logprobs[ENGINE_MAX_TOP_LOGPROBS]; /* descending */
+} engine_token;
+
+typedef enum engine_event_kind {
+    ENGINE_EV_TOKEN = 0,   /* one new token */
+    ENGINE_EV_FINISHED = 1 /* last event of a request */
+} engine_event_kind;
+
+typedef struct engine_event {
+    engine_event_kind kind;
+    uint64_t id;               /* the request's engine id */
+    const engine_token *token; /* ENGINE_EV_TOKEN */
+    /* ENGINE_EV_FINISHED */
+    const char *finish_reason; /* "stop" (eos/stop id), "length", "abort", "error" */
+    int32_t stop_token;        /* the eos/stop id that ended it, -1 otherwise */
+    const char *error;         /* message when finish_reason is "error" */
+    int n_prompt;              /* usage: prompt tokens */
+    int n_cached;              /* of those, served from the prefix cache */
+    int n_generated;           /* usage: completion tokens */
+    /* prompt logprobs (if asked): (n_prompt) entries, entry 0 has no logprob */
+    const engine_token *prompt_logprobs;
+} engine_event;
+
+typedef void (*engine_event_fn)(void *ctx, const engine_event *ev);
+
+/* Loads the model, sizes and allocates the KV region, starts the step thread.
+ * Errors go to err (what was wrong and what is accepted). */
+int engine_create(const engine_config *cfg, engine **out, char *err, size_t errlen);
+void engine_destroy(engine *e);
+
+/* Queue a request; *id identifies it in events and engine_abort.  Params are
+ * copied.  Returns 0 or -EINVAL with err filled (empty prompt, prompt + max
+ * tokens beyond max_model_len, bad token id, invalid sampling values). */
+int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn, void *ctx,
+                  uint64_t *id, char *err, size_t errlen);
+/* Cancel: the request ends with finish_reason "abort" and its blocks are freed.
+ * Unknown or finished ids are ignored. */
+void engine_abort(engine *e, uint64_t id);
+
+/* Attach a KV connector (before the first submit).  Its classify() runs in
+ * engine_submit's thread, the other hooks on the engine thread. */
+void engine_set_kv_connector(engine *e, const engine_kv_connector *c);
+void engine_get_kv_region(const engine *e, engine_kv_region *out);
+/* Consumer: the remote KV of request id has arrived (ok) or not.  On failure
+ * the request fails with error, or, when recompute is set, computes its
+ * prompt locally.  Must be called exactly once per start_load(). */
+void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, const char *error);
+/* Producer: free the blocks kept for request id (after request_finished keep). */
+void engine_kv_release(engine *e, uint64_t id);
+
+typedef struct engine_stats {
+    int num_running, num_waiting, num_parked;
+    int num_blocks, num_blocks_used;      /* KV cache blocks */
+    uint64_t prefix_queries, prefix_hits; /* blocks */
+    uint64_t num_preemptions;
+    uint64_t prompt_tokens, generation_tokens; /* totals */
+    uint64_t steps;
+    int num_kept;    /* producer requests holding blocks for a pull */
+    int num_loading; /* consumer requests waiting for remote KV */
+} engine_stats;
+
+void engine_get_stats(engine *e, engine_stats *out);
+const struct model_config *engine_model_config(const engine *e);
+/* The resolved model directory (tokenizer files live there). */
+const char *engine_model_dir(const engine *e);
+int engine_max_model_len(const engine *e);
+
+#endif

@@ -1,0 +1,60 @@
+/*
+ * kv_connector — what the engine asks of a KV connector (implemented one
+ * layer up, in connector/).  The engine calls these hooks from its step
+ * thread; they must not block.  The connector answers asynchronously through
+ * engine_kv_load_done() and engine_kv_release() (thread-safe).
+ *
+ * Life of a request with kv_transfer_params:
+ *   classify()          on arrival: local, remote prefill (consumer: the engine
+ *                       gives it blocks for the whole prompt and parks it) or
+ *                       remote decode (producer: keep the blocks at the end).
+ *   start_load()        consumer: blocks are allocated; pull the remote KV into
+ *                       them, then engine_kv_load_done().
+ *   request_finished()  producer: the request ended; if keep, its blocks stay
+ *                       referenced until engine_kv_release(id).
+ *   request_released()  the engine is done with the request's handle.
+ */
+#ifndef DISAGG_ENGINE_KV_CONNECTOR_H
+#define DISAGG_ENGINE_KV_CONNECTOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum kv_role_of_request {
+    KV_REQ_LOCAL = 0,          /* no remote KV involved */
+    KV_REQ_REMOTE_PREFILL = 1, /* consumer: load the prompt's KV from a producer */
+    KV_REQ_REMOTE_DECODE = 2,  /* producer: keep the KV for a consumer to pull */
+} kv_role_of_request;
+
+typedef struct engine_kv_connector {
+    void *ctx;
+    /* kv_params: the request's kv_transfer_params as JSON text.  Returns the
+     * role, or -1 with err filled when the params are invalid (the request
+     * is rejected).  *handle: the connector's per-request state (may be NULL). */
+    int (*classify)(void *ctx, uint64_t id, const char *kv_params, int n_prompt, void **handle,
+                    char *err, size_t errlen);
+    /* Consumer: blocks (n_blocks) hold the whole prompt; the first
+     * n_local_tokens tokens' KV is already there (local prefix cache). */
+    void (*start_load)(void *ctx, void *handle, uint64_t id, const int32_t *blocks, int n_blocks,
+                       int n_local_tokens, int n_prompt);
+    /* Producer: the request ended ("stop", "length", "abort", "error").  When
+     * keep is set its blocks (n_blocks) stay allocated until
+     * engine_kv_release(id). */
+    void (*request_finished)(void *ctx, void *handle, uint64_t id, const char *finish_reason,
+                             const int32_t *blocks, int n_blocks, int n_prompt, int keep);
+    /* The engine forgets the request (after finish or abort); free handle. */
+    void (*request_released)(void *ctx, void *handle, uint64_t id);
+} engine_kv_connector;
+
+/* The KV region, for registration with the transfer engine and the layout
+ * fingerprint both sides compare before moving bytes. */
+typedef struct engine_kv_region {
+    void *base;
+    size_t bytes;
+    size_t block_bytes;
+    int n_blocks;
+    int block_size;
+    char fingerprint[160]; /* model shape, dtype, block size and layout */
+} engine_kv_region;
+
+#endif

@@ -1,0 +1,294 @@
+/* scheduler — see scheduler.h. */
+#include "engine/scheduler.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int sched_init(scheduler *s, const sched_config *cfg, block_pool *bp) {
+    memset(s, 0, sizeof *s);
+    if (cfg->block_size <= 0 || cfg->max_num_seqs <= 0 || cfg->max_num_batched_tokens <= 0)
+        return -1;
+    s->cfg = *cfg;
+    s->bp = bp;
+    return 0;
+}
+
+void sched_free(scheduler *s) {
+    memset(s, 0, sizeof *s);
+}
+
+int sched_plan_init(sched_plan *p, const sched_config *cfg) {
+    memset(p, 0, sizeof *p);
+    p->items = calloc((size_t)cfg->max_num_seqs, sizeof *p->items);
+    p->preempted = calloc((size_t)cfg->max_num_seqs + 1, sizeof *p->preempted);
+    return p->items && p->preempted ? 0 : -1;
+}
+
+void sched_plan_free(sched_plan *p) {
+    free(p->items);
+    free(p->preempted);
+    memset(p, 0, sizeof *p);
+}
+
+int seq_init(seq *q, uint64_t id, const int32_t *prompt, int n_prompt, int max_tokens) {
+    memset(q, 0, sizeof *q);
+    if (n_prompt <= 0 || max_tokens < 0) return -1;
+    q->id = id;
+    q->cap_tokens = n_prompt + max_tokens + 1;
+    q->tokens = malloc((size_t)q->cap_tokens * sizeof *q->tokens);
+    if (!q->tokens) return -1;
+    memcpy(q->tokens, prompt, (size_t)n_prompt * sizeof *prompt);
+    q->n_tokens = q->n_prompt = n_prompt;
+    return 0;
+}
+
+void seq_free(seq *q) {
+    free(q->tokens);
+    free(q->blocks);
+    free(q->hashes);
+    memset(q, 0, sizeof *q);
+}
+
+int seq_append(seq *q, int32_t token) {
+    if (q->n_tokens >= q->cap_tokens) return -1;
+    q->tokens[q->n_tokens++] = token;
+    return 0;
+}
+
+int sched_blocks_for(const scheduler *s, int n_tokens) {
+    return (n_tokens + s->cfg.block_size - 1) / s->cfg.block_size;
+}
+
+/* ---- lists ---------------------------------------------------------------- */
+
+static void list_unlink(seq **head, seq **tail, seq *q) {
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        *head = q->next;
+    if (q->next)
+        q->next->prev = q->prev;
+    else
+        *tail = q->prev;
+    q->prev = q->next = NULL;
+}
+
+static void list_push_tail(seq **head, seq **tail, seq *q) {
+    q->next = NULL;
+    q->prev = *tail;
+    if (*tail)
+        (*tail)->next = q;
+    else
+        *head = q;
+    *tail = q;
+}
+
+static void list_push_head(seq **head, seq **tail, seq *q) {
+    q->prev = NULL;
+    q->next = *head;
+    if (*head)
+        (*head)->prev = q;
+    else
+        *tail = q;
+    *head = q;
+}
+
+void sched_add(scheduler *s, seq *q) {
+    q->state = SEQ_WAITING;
+    list_push_tail(&s->wait_head, &s->wait_tail, q);
+    s->n_waiting++;
+}
+
+/* ---- blocks --------------------------------------------------------------- */
+
+static int ensure_capacity(seq *q, int n_blocks) {
+    if (n_blocks <= q->cap_blocks) return 0;
+    int cap = q->cap_blocks ? q->cap_blocks : 4;
+    while (cap < n_blocks)
+        cap *= 2;
+    int32_t *b = realloc(q->blocks, (size_t)cap * sizeof *b);
+    if (!b) return -1;
+    q->blocks = b;
+    uint64_t *h = realloc(q->hashes, (size_t)cap * sizeof *h);
+    if (!h) return -1;
+    q->hashes = h;
+    q->cap_blocks = cap;
+    return 0;
+}
+
+/* Give q blocks to hold n_tokens. */
+static int grow_blocks(scheduler *s, seq *q, int n_tokens) {
+    int need = sched_blocks_for(s, n_tokens) - q->n_blocks;
+    if (need <= 0) return 0;
+    if (ensure_capacity(q, q->n_blocks + need)) return -1;
+    if (block_pool_alloc(s->bp, need, q->blocks + q->n_blocks)) return -1;
+    q->n_blocks += need;
+    return 0;
+}
+
+static void drop_blocks(scheduler *s, seq *q) {
+    block_pool_release(s->bp, q->blocks, q->n_blocks);
+    q->n_blocks = 0;
+    q->n_hashed = 0;
+    q->n_computed = 0;
+    q->n_cached = 0;
+}
+
+/* Take the longest cached prefix of full blocks (at least one token is left to
+ * compute, so the last prompt token always produces logits). */
+static void take_cached_prefix(scheduler *s, seq *q) {
+    if (!s->cfg.enable_prefix_caching || q->no_prefix_cache || q->n_blocks > 0) return;
+    int bs = s->cfg.block_size;
+    int full = (q->n_tokens - 1) / bs;
+    if (full <= 0 || ensure_capacity(q, full)) return;
+    uint64_t h = 0;
+    for (int i = 0; i < full; i++) {
+        h = block_pool_hash_tokens(h, q->tokens + i * bs, bs);
+        int32_t b = block_pool_lookup(s->bp, h);
+        if (b < 0) break;
+        q->blocks[q->n_blocks++] = b;
+        q->hashes[q->n_hashed++] = h;
+    }
+    q->n_computed = q->n_cached = q->n_blocks * bs;
+}
+
+static void preempt(scheduler *s, seq *q, sched_plan *p) {
+    list_unlink(&s->run_head, &s->run_tail, q);
+    s->n_running--;
+    drop_blocks(s, q);
+    q->state = SEQ_WAITING;
+    q->num_preemptions++;
+    s->num_preemptions++;
+    list_push_head(&s->wait_head, &s->wait_tail, q);
+    s->n_waiting++;
+    p->preempted[p->n_preempted++] = q;
+}
+
+/* ---- planning ------------------------------------------------------------- */
+
+static void plan_add(sched_plan *p, seq *q, int count) {
+    sched_item *it = &p->items[p->n_items++];
+    it->s = q;
+    it->start = q->n_computed;
+    it->count = count;
+    it->logits = q->n_computed + count == q->n_tokens;
+    p->n_tokens += count;
+}
+
+int sched_step(scheduler *s, sched_plan *p) {
+    p->n_items = p->n_tokens = p->n_preempted = 0;
+    int budget = s->cfg.max_num_batched_tokens;
+    /* 1. Running sequences, in admission order. */
+    for (seq *q = s->run_head; q && budget > 0 && p->n_items < s->cfg.max_num_seqs;) {
+        seq *next = q->next;
+        if (q->state == SEQ_PARKED) {
+            q = next;
+            continue;
+        }
+        int count = q->n_tokens - q->n_computed;
+        if (count > budget) count = budget;
+        if (q->max_chunk > 0 && count > q->max_chunk) count = q->max_chunk;
+        if (count <= 0) {
+            q = next;
+            continue;
+        }
+        int preempted_self = 0;
+        while (grow_blocks(s, q, q->n_computed + count) != 0) {
+            seq *victim = s->run_tail;
+            while (victim && victim->state == SEQ_PARKED)
+                victim = victim->prev;
+            if (!victim) return p->n_items; /* nothing left to preempt */
+            preempt(s, victim, p);
+            next = victim == next ? NULL : next;
+            if (victim == q) {
+                preempted_self = 1;
+                break;
+            }
+        }
+        if (preempted_self) break;
+        plan_add(p, q, count);
+        budget -= count;
+        q = next;
+    }
+    /* 2. Waiting sequences, FCFS, while there is room (no preemption to admit). */
+    while (s->wait_head && budget > 0 && p->n_items < s->cfg.max_num_seqs &&
+           s->n_running + s->n_parked < s->cfg.max_num_seqs && p->n_preempted == 0) {
+        seq *q = s->wait_head;
+        take_cached_prefix(s, q);
+        int count = q->n_tokens - q->n_computed;
+        if (count > budget) count = budget;
+        if (q->max_chunk > 0 && count > q->max_chunk) count = q->max_chunk;
+        if (grow_blocks(s, q, q->n_computed + count) != 0) {
+            drop_blocks(s, q); /* give cached blocks back; try again next step */
+            break;
+        }
+        list_unlink(&s->wait_head, &s->wait_tail, q);
+        s->n_waiting--;
+        q->state = SEQ_RUNNING;
+        list_push_tail(&s->run_head, &s->run_tail, q);
+        s->n_running++;
+        plan_add(p, q, count);
+        budget -= count;
+    }
+    return p->n_items;
+}
+
+static void register_hashes(scheduler *s, seq *q) {
+    int bs = s->cfg.block_size;
+    while ((q->n_hashed + 1) * bs <= q->n_computed && q->n_hashed < q->n_blocks) {
+        uint64_t parent = q->n_hashed ? q->hashes[q->n_hashed - 1] : 0;
+        uint64_t h = block_pool_hash_tokens(parent, q->tokens + q->n_hashed * bs, bs);
+        q->hashes[q->n_hashed] = h;
+        if (s->cfg.enable_prefix_caching) block_pool_set_hash(s->bp, q->blocks[q->n_hashed], h);
+        q->n_hashed++;
+    }
+}
+
+void sched_commit(scheduler *s, const sched_plan *p) {
+    for (int i = 0; i < p->n_items; i++) {
+        seq *q = p->items[i].s;
+        if (q->state != SEQ_RUNNING) continue;
+        q->n_computed = p->items[i].start + p->items[i].count;
+        register_hashes(s, q);
+    }
+}
+
+void sched_finish(scheduler *s, seq *q, int keep_blocks) {
+    if (q->state == SEQ_WAITING) {
+        list_unlink(&s->wait_head, &s->wait_tail, q);
+        s->n_waiting--;
+    } else if (q->state == SEQ_RUNNING || q->state == SEQ_PARKED) {
+        list_unlink(&s->run_head, &s->run_tail, q);
+        if (q->state == SEQ_RUNNING)
+            s->n_running--;
+        else
+            s->n_parked--;
+    }
+    if (!keep_blocks && q->state != SEQ_FINISHED) drop_blocks(s, q);
+    q->state = SEQ_FINISHED;
+}
+
+int sched_park_with_blocks(scheduler *s, seq *q) {
+    if (q->state != SEQ_WAITING) return -1;
+    take_cached_prefix(s, q);
+    if (grow_blocks(s, q, q->n_tokens) != 0) {
+        drop_blocks(s, q);
+        return -1;
+    }
+    list_unlink(&s->wait_head, &s->wait_tail, q);
+    s->n_waiting--;
+    q->state = SEQ_PARKED;
+    list_push_tail(&s->run_head, &s->run_tail, q);
+    s->n_parked++;
+    return 0;
+}
+
+void sched_unpark(scheduler *s, seq *q, int n_computed) {
+    if (q->state != SEQ_PARKED) return;
+    q->state = SEQ_RUNNING;
+    s->n_parked--;
+    s->n_running++;
+    if (n_computed > q->n_computed)
+        q->n_computed = n_computed < q->n_tokens ? n_computed : q->n_tokens - 1;
+    register_hashes(s, q);
+}

@@ -1,0 +1,878 @@
+/*
+ * engine — the transfer engine's public API (include/disagg/transfer.h): owns
+ * the configuration, this engine's registrations and servers (handshake +
+ * tcp data), the table of opened peer segments and the batch table, and routes
+ * each request's chunks to a transport (tcp_client or the shm pool).  The
+ * transports end every chunk through engine_op_done().
+ */
+#include "disagg/transfer.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "base/net.h"
+#include "transfer/batch.h"
+#include "transfer/handshake.h"
+#include "transfer/registry.h"
+#include "transfer/segment_desc.h"
+#include "transfer/shm.h"
+#include "transfer/tcp_client.h"
+#include "transfer/tcp_server.h"
+#include "transfer/xfer_op.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MOD            "transfer"
+#define MAX_IFACES     16
+#define DEFAULT_LANES  2
+#define DEFAULT_STRIPE (1u << 20)
+#define SHM_STRIPE     (4u << 20)
+#define SHM_THREADS    2
+
+typedef struct peer {
+    transfer_segment handle; /* (generation << 32) | (index + 1) */
+    char name[96];           /* segment name as opened */
+    net_addr rpc_addr;       /* its handshake port */
+    pthread_mutex_t mu;      /* guards desc, tcp */
+    segment_desc desc;       /* last fetched descriptor */
+    transfer_protocol proto; /* transport in use: TCP or SHM */
+    tcp_client *tcp;         /* created on first tcp use */
+    int closed;
+} peer;
+
+struct transfer_engine {
+    transfer_config cfg;
+    char hostname[64];     /* advertised host (numeric) */
+    char device_name[256]; /* whitelist copy */
+    char segment_name[96]; /* "host:rpc_port" */
+    char host_id[96];
+    net_iface_addr ifaces[MAX_IFACES]; /* allowed local interface addresses */
+    int nifaces;
+    int whitelisted; /* device_name was given */
+    uint16_t rpc_port, data_port;
+    int ipv4_only; /* listeners are IPv4 only (no IPv6 on this host) */
+
+    pthread_rwlock_t reg_lock; /* guards regs; servers hold it (read) while copying */
+    registry regs;
+
+    handshake_server *hs;
+    tcp_server *ts;
+    shm_pool *shm;
+
+    pthread_mutex_t peers_mu; /* guards peers array */
+    peer **peers;
+    size_t npeers, peers_cap;
+
+    batch_table batches;
+
+    _Atomic uint64_t bytes_written, bytes_read, requests_ok, requests_failed;
+    _Atomic uint64_t bytes_served, requests_rejected, shm_fallbacks;
+};
+
+/* ---- configuration ------------------------------------------------------- */
+
+void transfer_config_init(transfer_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->protocol = TRANSFER_PROTO_AUTO;
+    cfg->lanes = DEFAULT_LANES;
+    cfg->stripe_bytes = DEFAULT_STRIPE;
+    cfg->timeout_base_ns = 30 * NS_PER_S;
+    cfg->timeout_per_byte_ns = 1.0;
+    cfg->connect_timeout_ns = 5 * NS_PER_S;
+}
+
+static uint64_t request_deadline(const transfer_engine *e, size_t len) {
+    double per = e->cfg.timeout_per_byte_ns * (double)len;
+    return clock_now_ns() + e->cfg.timeout_base_ns + (uint64_t)(per > 1e15 ? 1e15 : per);
+}
+
+/* ---- engine lifecycle ---------------------------------------------------- */
+
+static void shm_refused_cb(void *ctx, xfer_op *op);
+
+static char *describe(void *ctx) {
+    transfer_engine *e = ctx;
+    segment_desc d;
+    segment_desc_init(&d);
+    snprintf(d.name, sizeof d.name, "%s", e->segment_name);
+    d.tcp_data_port = e->data_port;
+    d.disagg_version = SEGMENT_DISAGG_VERSION;
+    snprintf(d.host_id, sizeof d.host_id, "%s", e->host_id);
+    d.pid = (int)getpid();
+    if (e->whitelisted) {
+        for (int i = 0; i < e->nifaces && d.num_data_addrs < SEGMENT_MAX_DATA_ADDRS; i++) {
+            net_addr a = e->ifaces[i].addr;
+            if (e->ipv4_only && a.ss.ss_family != AF_INET) continue;
+            net_addr_set_port(&a, e->data_port);
+            net_addr_format(&a, d.data_addrs[d.num_data_addrs++], sizeof d.data_addrs[0]);
+        }
+    }
+    pthread_rwlock_rdlock(&e->reg_lock);
+    int rc = 0;
+    for (size_t i = 0; i < e->regs.n && rc == 0; i++)
+        rc =
+            registry_add(&d.buffers, e->regs.v[i].addr, e->regs.v[i].length, e->regs.v[i].location);
+    pthread_rwlock_unlock(&e->reg_lock);
+    char *json = rc == 0 ? segment_desc_encode(&d) : NULL;
+    segment_desc_free(&d);
+    return json;
+}
+
+static int choose_hostname(transfer_engine *e, const transfer_config *cfg) {
+    const char *h =
+        cfg->local_hostname && *cfg->local_hostname ? cfg->local_hostname : getenv("VLLM_HOST_IP");
+    net_addr a;
+    if (h && *h) {
+        if (net_resolve(h, 0, &a) != 0) {
+            LOG_E(MOD, "local hostname '%s' does not resolve to an address", h);
+            return TRANSFER_EINVAL;
+        }
+    } else if (e->nifaces > 0) {
+        a = e->ifaces[0].addr;
+    } else {
+        net_resolve("127.0.0.1", 0, &a);
+    }
+    net_addr_host(&a, e->hostname, sizeof e->hostname);
+    return 0;
+}
+
+int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out) {
+    if (!out) return TRANSFER_EINVAL;
+    transfer_config def;
+    transfer_config_init(&def);
+    const transfer_config *cfg = cfg_in ? cfg_in : &def;
+    if (cfg->protocol != TRANSFER_PROTO_AUTO && cfg->protocol != TRANSFER_PROTO_TCP &&
+        cfg->protocol != TRANSFER_PROTO_SHM) {
+        LOG_E(MOD, "unknown protocol %d (accepted: auto, tcp, shm)", (int)cfg->protocol);
+        return TRANSFER_EINVAL;
+    }
+    if (cfg->lanes < 0 || cfg->lanes > 64) {
+        LOG_E(MOD, "lanes %d out of range (accepted: 1..64, 0 = default %d)", cfg->lanes,
+              DEFAULT_LANES);
+        return TRANSFER_EINVAL;
+    }
+    transfer_engine *e = calloc(1, sizeof *e);
+    if (!e) return TRANSFER_ENOMEM;
+    e->cfg = *cfg;
+    if (!e->cfg.lanes) e->cfg.lanes = DEFAULT_LANES;
+    if (!e->cfg.stripe_bytes) e->cfg.stripe_bytes = DEFAULT_STRIPE;
+    if (!e->cfg.timeout_base_ns) e->cfg.timeout_base_ns = def.timeout_base_ns;
+    if (e->cfg.timeout_per_byte_ns <= 0) e->cfg.timeout_per_byte_ns = def.timeout_per_byte_ns;
+    if (!e->cfg.connect_timeout_ns) e->cfg.connect_timeout_ns = def.connect_timeout_ns;
+    snprintf(e->device_name, sizeof e->device_name, "%s", cfg->device_name ? cfg->device_name : "");
+    e->cfg.device_name = e->device_name;
+    e->cfg.local_hostname = NULL;
+    e->whitelisted = e->device_name[0] != 0;
+    segment_host_id(e->host_id, sizeof e->host_id);
+    pthread_rwlock_init(&e->reg_lock, NULL);
+    registry_init(&e->regs);
+    pthread_mutex_init(&e->peers_mu, NULL);
+    int rc = batch_table_init(&e->batches);
+    if (rc) goto fail_early;
+
+    const char *bad = NULL;
+    e->nifaces = net_list_iface_addrs(e->device_name, e->ifaces, MAX_IFACES, &bad);
+    if (e->nifaces < 0) {
+        LOG_E(MOD, "device_name '%s': no interface named '%s' on this host", e->device_name,
+              bad ? bad : "?");
+        rc = TRANSFER_EINVAL;
+        goto fail_early;
+    }
+    if (e->whitelisted && e->nifaces == 0) {
+        LOG_E(MOD, "device_name '%s': none of these interfaces is up with an address",
+              e->device_name);
+        rc = TRANSFER_EINVAL;
+        goto fail_early;
+    }
+    if ((rc = choose_hostname(e, cfg)) != 0) goto fail_early;
+
+    /* Listen dual-stack ([::] accepts IPv4 too) so that every advertised
+     * address is served; hosts without IPv6 fall back to 0.0.0.0. */
+    net_addr any;
+    net_resolve("::", cfg->data_port, &any);
+    tcp_server_env env = {.reg_lock = &e->reg_lock,
+                          .regs = &e->regs,
+                          .timeout_base_ns = e->cfg.timeout_base_ns,
+                          .timeout_per_byte_ns = e->cfg.timeout_per_byte_ns,
+                          .bytes_served = &e->bytes_served,
+                          .rejected = &e->requests_rejected};
+    rc = tcp_server_start(&any, &env, &e->ts, &e->data_port);
+    if (rc != 0 && !strchr(e->hostname, ':')) {
+        net_resolve("0.0.0.0", cfg->data_port, &any);
+        e->ipv4_only = 1;
+        rc = tcp_server_start(&any, &env, &e->ts, &e->data_port);
+    }
+    if (rc != 0) goto fail_early;
+    net_addr_set_port(&any, cfg->rpc_port);
+    if ((rc = handshake_server_start(&any, describe, e, &e->hs, &e->rpc_port)) != 0) goto fail;
+    if ((rc = shm_pool_create(e, SHM_THREADS, shm_refused_cb, e, &e->shm)) != 0) goto fail;
+    net_addr adv;
+    net_resolve(e->hostname, e->rpc_port, &adv);
+    net_addr_format(&adv, e->segment_name, sizeof e->segment_name);
+    LOG_D(MOD, "engine %s up (tcp data port %u, %d interface address(es))", e->segment_name,
+          e->data_port, e->nifaces);
+    *out = e;
+    return 0;
+fail:
+    handshake_server_stop(e->hs);
+    tcp_server_stop(e->ts);
+fail_early:
+    batch_table_destroy(&e->batches);
+    registry_free(&e->regs);
+    pthread_rwlock_destroy(&e->reg_lock);
+    pthread_mutex_destroy(&e->peers_mu);
+    free(e);
+    return rc;
+}
+
+void transfer_engine_destroy(transfer_engine *e) {
+    if (!e) return;
+    /* Cancel every batch so queued chunks end without going out. */
+    pthread_mutex_lock(&e->batches.mu);
+    for (size_t i = 0; i < e->batches.cap; i++)
+        if (e->batches.slots[i]) atomic_store(&e->batches.slots[i]->canceled, 1);
+    pthread_mutex_unlock(&e->batches.mu);
+    shm_pool_destroy(e->shm);
+    for (size_t i = 0; i < e->npeers; i++) {
+        peer *p = e->peers[i];
+        tcp_client_destroy(p->tcp);
+        segment_desc_free(&p->desc);
+        pthread_mutex_destroy(&p->mu);
+        free(p);
+    }
+    free(e->peers);
+    handshake_server_stop(e->hs);
+    tcp_server_stop(e->ts);
+    batch_table_destroy(&e->batches);
+    registry_free(&e->regs);
+    pthread_rwlock_destroy(&e->reg_lock);
+    pthread_mutex_destroy(&e->peers_mu);
+    free(e);
+}
+
+const char *transfer_engine_segment_name(const transfer_engine *e) {
+    return e ? e->segment_name : "";
+}
+
+/* ---- registration -------------------------------------------------------- */
+
+int transfer_register(transfer_engine *e, void *addr, size_t length, const char *location) {
+    if (!e || !addr || length == 0) {
+        LOG_E(MOD, "register: %s", !addr ? "NULL address" : "zero length");
+        return TRANSFER_EINVAL;
+    }
+    const char *loc = location && *location ? location : "cpu:0";
+    if (strncmp(loc, "cuda", 4) == 0) {
+        LOG_E(MOD,
+              "register: location '%s' needs the CUDA backend, which this build lacks "
+              "(accepted: cpu, cpu:N)",
+              loc);
+        return TRANSFER_EINVAL;
+    }
+    if (strcmp(loc, "cpu") != 0 && strncmp(loc, "cpu:", 4) != 0) {
+        LOG_E(MOD, "register: unknown location '%s' (accepted: cpu, cpu:N; cuda:N reserved)", loc);
+        return TRANSFER_EINVAL;
+    }
+    pthread_rwlock_wrlock(&e->reg_lock);
+    int rc = registry_add(&e->regs, (uint64_t)(uintptr_t)addr, length, loc);
+    pthread_rwlock_unlock(&e->reg_lock);
+    if (rc == TRANSFER_EOVERLAP)
+        LOG_E(MOD, "register: [%p, +%zu) overlaps an existing registration", addr, length);
+    return rc;
+}
+
+int transfer_unregister(transfer_engine *e, void *addr) {
+    if (!e) return TRANSFER_EINVAL;
+    /* The write lock waits for tcp server threads copying into this memory. */
+    pthread_rwlock_wrlock(&e->reg_lock);
+    int rc = registry_remove(&e->regs, (uint64_t)(uintptr_t)addr);
+    pthread_rwlock_unlock(&e->reg_lock);
+    return rc;
+}
+
+static int local_registered(transfer_engine *e, const void *addr, size_t len) {
+    pthread_rwlock_rdlock(&e->reg_lock);
+    int ok = registry_find(&e->regs, (uint64_t)(uintptr_t)addr, len) != NULL;
+    pthread_rwlock_unlock(&e->reg_lock);
+    return ok;
+}
+
+/* ---- segments ------------------------------------------------------------ */
+
+static peer *peer_lookup(transfer_engine *e, transfer_segment h) {
+    uint64_t idx = (uint64_t)h & 0xffffffffu;
+    pthread_mutex_lock(&e->peers_mu);
+    peer *p = (idx >= 1 && idx <= e->npeers) ? e->peers[idx - 1] : NULL;
+    if (p && (p->handle != h || p->closed)) p = NULL;
+    pthread_mutex_unlock(&e->peers_mu);
+    return p;
+}
+
+/* Fetch (or re-fetch) p's descriptor.  Caller holds p->mu. */
+static int peer_fetch_locked(transfer_engine *e, peer *p) {
+    char *mine = describe(e);
+    segment_desc d;
+    char err[256] = "";
+    int rc = handshake_fetch(&p->rpc_addr, mine, clock_now_ns() + e->cfg.connect_timeout_ns, &d,
+                             err, sizeof err);
+    free(mine);
+    if (rc) {
+        LOG_W(MOD, "open segment %s: %s", p->name, err);
+        return rc;
+    }
+    if (d.tcp_proto_version != SEGMENT_TCP_PROTO_VERSION) {
+        LOG_E(MOD, "segment %s speaks tcp protocol version %d (this engine speaks %d)", p->name,
+              d.tcp_proto_version, SEGMENT_TCP_PROTO_VERSION);
+        segment_desc_free(&d);
+        return TRANSFER_EVERSION;
+    }
+    segment_desc_free(&p->desc);
+    p->desc = d;
+    return 0;
+}
+
+/* Paths to p: one per advertised data endpoint, with a local source address
+ * on the same subnet when a device_name whitelist is in force. */
+static int peer_paths(transfer_engine *e, peer *p, tcp_path *paths) {
+    int n = 0;
+    char host[64];
+    uint16_t port;
+    if (p->desc.num_data_addrs == 0) { /* a Mooncake peer, or no whitelist there */
+        paths[0].dst = p->rpc_addr;
+        net_addr_set_port(&paths[0].dst, p->desc.tcp_data_port);
+        n = 1;
+    }
+    for (size_t i = 0; i < p->desc.num_data_addrs && n < TCP_CLIENT_MAX_PATHS; i++) {
+        if (net_split_host_port(p->desc.data_addrs[i], host, sizeof host, &port, 0) != 0 ||
+            net_resolve(host, port, &paths[n].dst) != 0) {
+            LOG_W(MOD, "segment %s advertises an unusable data address '%s'", p->name,
+                  p->desc.data_addrs[i]);
+            continue;
+        }
+        n++;
+    }
+    for (int i = 0; i < n; i++) {
+        paths[i].has_src = 0;
+        if (e->whitelisted) {
+            int best = -1;
+            for (int k = 0; k < e->nifaces; k++) {
+                if (e->ifaces[k].addr.ss.ss_family != paths[i].dst.ss.ss_family) continue;
+                if (net_same_subnet(&e->ifaces[k].addr, &paths[i].dst, e->ifaces[k].prefix_len)) {
+                    best = k;
+                    break;
+                }
+                if (best < 0) best = k;
+            }
+            if (best >= 0) {
+                paths[i].src = e->ifaces[best].addr;
+                paths[i].has_src = 1;
+            }
+        }
+        char d[80], s[80] = "any";
+        net_addr_format(&paths[i].dst, d, sizeof d);
+        if (paths[i].has_src) net_addr_host(&paths[i].src, s, sizeof s);
+        snprintf(paths[i].label, sizeof paths[i].label, "%s -> %s", s, d);
+    }
+    return n;
+}
+
+/* Caller holds p->mu. */
+static int peer_ensure_tcp_locked(transfer_engine *e, peer *p) {
+    if (p->tcp) return 0;
+    tcp_path paths[TCP_CLIENT_MAX_PATHS];
+    int n = peer_paths(e, p, paths);
+    if (n == 0) {
+        LOG_E(MOD, "segment %s has no usable tcp data address", p->name);
+        return TRANSFER_ENOSEG;
+    }
+    return tcp_client_create(e, paths, n, e->cfg.lanes, e->cfg.connect_timeout_ns, &p->tcp);
+}
+
+int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment *out) {
+    if (!e || !name || !out) return TRANSFER_EINVAL;
+    char host[64];
+    uint16_t port;
+    if (net_split_host_port(name, host, sizeof host, &port, 0) != 0) {
+        LOG_E(MOD, "segment name '%s' is not \"ip:port\" or \"[ipv6]:port\"", name);
+        return TRANSFER_EINVAL;
+    }
+    pthread_mutex_lock(&e->peers_mu);
+    for (size_t i = 0; i < e->npeers; i++) {
+        if (!e->peers[i]->closed && strcmp(e->peers[i]->name, name) == 0) {
+            *out = e->peers[i]->handle;
+            pthread_mutex_unlock(&e->peers_mu);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&e->peers_mu);
+
+    peer *p = calloc(1, sizeof *p);
+    if (!p) return TRANSFER_ENOMEM;
+    snprintf(p->name, sizeof p->name, "%s", name);
+    pthread_mutex_init(&p->mu, NULL);
+    segment_desc_init(&p->desc);
+    if (net_resolve(host, port, &p->rpc_addr) != 0) {
+        LOG_E(MOD, "segment '%s': host '%s' does not resolve", name, host);
+        free(p);
+        return TRANSFER_ENOSEG;
+    }
+    int rc = peer_fetch_locked(e, p);
+    if (rc == 0) {
+        int same_host = p->desc.disagg_version > 0 && strcmp(p->desc.host_id, e->host_id) == 0;
+        if (e->cfg.protocol == TRANSFER_PROTO_SHM && !same_host) {
+            LOG_E(MOD, "segment %s is on another host; protocol shm needs the same host", name);
+            rc = TRANSFER_ENOSEG;
+        }
+        p->proto = (e->cfg.protocol != TRANSFER_PROTO_TCP && same_host) ? TRANSFER_PROTO_SHM
+                                                                        : TRANSFER_PROTO_TCP;
+    }
+    if (rc) {
+        segment_desc_free(&p->desc);
+        pthread_mutex_destroy(&p->mu);
+        free(p);
+        return rc == TRANSFER_ECONN || rc == TRANSFER_ETIMEDOUT ? TRANSFER_ENOSEG : rc;
+    }
+    pthread_mutex_lock(&e->peers_mu);
+    for (size_t i = 0; i < e->npeers; i++) { /* lost a race with another opener? */
+        if (!e->peers[i]->closed && strcmp(e->peers[i]->name, name) == 0) {
+            *out = e->peers[i]->handle;
+            pthread_mutex_unlock(&e->peers_mu);
+            segment_desc_free(&p->desc);
+            pthread_mutex_destroy(&p->mu);
+            free(p);
+            return 0;
+        }
+    }
+    if (e->npeers == e->peers_cap) {
+        size_t cap = e->peers_cap ? e->peers_cap * 2 : 16;
+        peer **v = realloc(e->peers, cap * sizeof *v);
+        if (!v) {
+            pthread_mutex_unlock(&e->peers_mu);
+            segment_desc_free(&p->desc);
+            free(p);
+            return TRANSFER_ENOMEM;
+        }
+        e->peers = v;
+        e->peers_cap = cap;
+    }
+    e->peers[e->npeers++] = p;
+    p->handle = (transfer_segment)(((uint64_t)1 << 32) | e->npeers);
+    *out = p->handle;
+    pthread_mutex_unlock(&e->peers_mu);
+    LOG_D(MOD, "opened segment %s via %s", name, p->proto == TRANSFER_PROTO_SHM ? "shm" : "tcp");
+    return 0;
+}
+
+int transfer_close_segment(transfer_engine *e, transfer_segment seg) {
+    if (!e) return TRANSFER_EINVAL;
+    peer *p = peer_lookup(e, seg);
+    if (!p) return TRANSFER_ESTALE;
+    pthread_mutex_lock(&e->peers_mu);
+    p->closed = 1; /* the struct lives until the engine goes: ops may point to it */
+    pthread_mutex_unlock(&e->peers_mu);
+    pthread_mutex_lock(&p->mu);
+    tcp_client *t = p->tcp;
+    p->tcp = NULL;
+    pthread_mutex_unlock(&p->mu);
+    tcp_client_destroy(t);
+    return 0;
+}
+
+int transfer_refresh_segment(transfer_engine *e, transfer_segment seg) {
+    if (!e) return TRANSFER_EINVAL;
+    peer *p = peer_lookup(e, seg);
+    if (!p) return TRANSFER_ESTALE;
+    pthread_mutex_lock(&p->mu);
+    int rc = peer_fetch_locked(e, p);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int transfer_segment_get_info(transfer_engine *e, transfer_segment seg,
+                              transfer_segment_info *info) {
+    if (!e || !info) return TRANSFER_EINVAL;
+    peer *p = peer_lookup(e, seg);
+    if (!p) return TRANSFER_ESTALE;
+    pthread_mutex_lock(&p->mu);
+    memset(info, 0, sizeof *info);
+    snprintf(info->name, sizeof info->name, "%s", p->name);
+    snprintf(info->host_id, sizeof info->host_id, "%s", p->desc.host_id);
+    info->pid = p->desc.pid;
+    info->protocol = p->proto;
+    info->tcp_proto_version = p->desc.tcp_proto_version;
+    info->num_buffers = p->desc.buffers.n;
+    info->num_data_addrs = p->desc.num_data_addrs;
+    pthread_mutex_unlock(&p->mu);
+    return 0;
+}
+
+int transfer_segment_get_buffers(transfer_engine *e, transfer_segment seg,
+                                 transfer_buffer_info *out, size_t max) {
+    if (!e || (!out && max)) return TRANSFER_EINVAL;
+    peer *p = peer_lookup(e, seg);
+    if (!p) return TRANSFER_ESTALE;
+    pthread_mutex_lock(&p->mu);
+    size_t n = p->desc.buffers.n < max ? p->desc.buffers.n : max;
+    for (size_t i = 0; i < n; i++) {
+        out[i].addr = p->desc.buffers.v[i].addr;
+        out[i].length = p->desc.buffers.v[i].length;
+        snprintf(out[i].location, sizeof out[i].location, "%s", p->desc.buffers.v[i].location);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return (int)n;
+}
+
+/* ---- op completion (called by transports) -------------------------------- */
+
+void engine_op_done(transfer_engine *e, xfer_op *op, int err) {
+    if (err == 0) {
+        atomic_fetch_add(op->opcode == TRANSFER_WRITE ? &e->bytes_written : &e->bytes_read,
+                         op->len);
+    }
+    pthread_mutex_lock(&e->batches.mu);
+    batch *b = op->batch;
+    transfer_state before = b->reqs[op->req].state;
+    batch_chunk_done_locked(b, op->req, op->len, err);
+    transfer_state after = b->reqs[op->req].state;
+    b->ops_inflight--;
+    pthread_mutex_unlock(&e->batches.mu);
+    if (before == TRANSFER_STATE_PENDING && after != TRANSFER_STATE_PENDING)
+        atomic_fetch_add(after == TRANSFER_STATE_COMPLETED ? &e->requests_ok : &e->requests_failed,
+                         1);
+    free(op);
+}
+
+int engine_op_canceled(const xfer_op *op) {
+    return atomic_load(&op->batch->canceled);
+}
+
+/* shm refused by the kernel for this peer: switch it to tcp, re-route op. */
+static void shm_refused(transfer_engine *e, xfer_op *op) {
+    peer *p = op->peer;
+    pthread_mutex_lock(&p->mu);
+    if (p->proto == TRANSFER_PROTO_SHM) {
+        p->proto = TRANSFER_PROTO_TCP;
+        atomic_fetch_add(&e->shm_fallbacks, 1);
+        LOG_W(MOD,
+              "segment %s: the kernel refused process_vm_writev/readv (ptrace policy); using tcp",
+              p->name);
+    }
+    int rc = peer_ensure_tcp_locked(e, p);
+    tcp_client *t = p->tcp;
+    pthread_mutex_unlock(&p->mu);
+    if (rc)
+        engine_op_done(e, op, rc);
+    else
+        tcp_client_submit(t, op);
+}
+
+static void shm_refused_cb(void *ctx, xfer_op *op) {
+    shm_refused(ctx, op);
+}
+
+/* ---- batches ------------------------------------------------------------- */
+
+int transfer_batch_alloc(transfer_engine *e, size_t max_requests, transfer_batch *out) {
+    if (!e) return TRANSFER_EINVAL;
+    return batch_table_alloc(&e->batches, max_requests, out);
+}
+
+/* The shm range check: inside the peer's advertised buffers, re-fetching its
+ * descriptor once on a miss (it may have registered more since). */
+static int shm_range_ok(transfer_engine *e, peer *p, uint64_t addr, size_t len, int *refreshed) {
+    pthread_mutex_lock(&p->mu);
+    int ok = registry_find(&p->desc.buffers, addr, len) != NULL;
+    if (!ok && !*refreshed) {
+        *refreshed = 1;
+        if (peer_fetch_locked(e, p) == 0) ok = registry_find(&p->desc.buffers, addr, len) != NULL;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return ok;
+}
+
+typedef struct route {
+    peer *p;
+    transfer_protocol proto;
+    pid_t pid;
+    tcp_client *tcp;
+    int reject; /* shm range check failed: the request fails with EREMOTEADDR */
+} route;
+
+int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_request *reqs,
+                          size_t n) {
+    if (!e || (!reqs && n)) return TRANSFER_EINVAL;
+    if (n == 0) return 0;
+    route *rt = calloc(n, sizeof *rt);
+    if (!rt) return TRANSFER_ENOMEM;
+    int rc = 0, refreshed = 0;
+    size_t nops = 0;
+    /* 1. Validate everything before anything is queued. */
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        const transfer_request *r = &reqs[i];
+        if ((r->opcode != TRANSFER_READ && r->opcode != TRANSFER_WRITE) || r->length == 0 ||
+            !r->local) {
+            LOG_E(MOD, "submit: request %zu is invalid (opcode %d, length %zu)", i, (int)r->opcode,
+                  r->length);
+            rc = TRANSFER_EINVAL;
+        } else if (!local_registered(e, r->local, r->length)) {
+            LOG_E(MOD,
+                  "submit: request %zu: local range [%p, +%zu) is not inside a registered buffer",
+                  i, r->local, r->length);
+            rc = TRANSFER_ENOTREG;
+        } else if (!(rt[i].p = peer_lookup(e, r->target))) {
+            LOG_E(MOD, "submit: request %zu names an unknown or closed segment", i);
+            rc = TRANSFER_ESTALE;
+        }
+        if (rc) break;
+        peer *p = rt[i].p;
+        pthread_mutex_lock(&p->mu);
+        rt[i].proto = p->proto;
+        rt[i].pid = p->desc.pid;
+        if (p->proto == TRANSFER_PROTO_TCP) {
+            rc = peer_ensure_tcp_locked(e, p);
+            rt[i].tcp = p->tcp;
+        }
+        pthread_mutex_unlock(&p->mu);
+        if (rc) break;
+        size_t stripe = rt[i].proto == TRANSFER_PROTO_SHM ? SHM_STRIPE : e->cfg.stripe_bytes;
+        if (rt[i].proto == TRANSFER_PROTO_SHM &&
+            !shm_range_ok(e, p, r->remote_addr, r->length, &refreshed))
+            rt[i].reject = 1;
+        else
+            nops += (r->length + stripe - 1) / stripe;
+    }
+    xfer_op **ops = rc == 0 ? calloc(nops ? nops : 1, sizeof *ops) : NULL;
+    if (rc == 0 && !ops) rc = TRANSFER_ENOMEM;
+    for (size_t k = 0; rc == 0 && k < nops; k++)
+        if (!(ops[k] = malloc(sizeof *ops[k]))) rc = TRANSFER_ENOMEM;
+    /* 2. Claim request slots. */
+    size_t base = 0;
+    batch *b = NULL;
+    if (rc == 0) {
+        pthread_mutex_lock(&e->batches.mu);
+        b = batch_table_lookup_locked(&e->batches, h);
+        if (!b)
+            rc = TRANSFER_ESTALE;
+        else if (b->n + n > b->cap)
+            rc = TRANSFER_ENOSPACE;
+        else {
+            base = b->n;
+            b->n += n;
+            b->ops_inflight += (uint32_t)nops;
+            for (size_t i = 0; i < n; i++) {
+                batch_req *q = &b->reqs[base + i];
+                size_t stripe =
+                    rt[i].proto == TRANSFER_PROTO_SHM ? SHM_STRIPE : e->cfg.stripe_bytes;
+                q->transferred = 0;
+                if (rt[i].reject) {
+                    q->state = TRANSFER_STATE_FAILED;
+                    q->error = TRANSFER_EREMOTEADDR;
+                    atomic_fetch_add(&e->requests_failed, 1);
+                } else {
+                    q->state = TRANSFER_STATE_PENDING;
+                    q->error = 0;
+                    q->chunks_left = (uint32_t)((reqs[i].length + stripe - 1) / stripe);
+                    b->reqs_pending++;
+                }
+            }
+        }
+        pthread_mutex_unlock(&e->batches.mu);
+    }
+    if (rc) {
+        if (rc == TRANSFER_ESTALE && b == NULL && ops) LOG_E(MOD, "submit: stale batch handle");
+        for (size_t k = 0; ops && k < nops; k++)
+            free(ops[k]);
+        free(ops);
+        free(rt);
+        return rc;
+    }
+    /* 3. Cut into chunks and hand them to the transports. */
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (rt[i].reject) continue;
+        const transfer_request *r = &reqs[i];
+        size_t stripe = rt[i].proto == TRANSFER_PROTO_SHM ? SHM_STRIPE : e->cfg.stripe_bytes;
+        uint64_t deadline = request_deadline(e, r->length);
+        for (size_t off = 0; off < r->length; off += stripe) {
+            xfer_op *op = ops[k++];
+            op->next = NULL;
+            op->batch = b;
+            op->peer = rt[i].p;
+            op->req = (uint32_t)(base + i);
+            op->opcode = (uint8_t)r->opcode;
+            op->local = (char *)r->local + off;
+            op->remote = r->remote_addr + off;
+            op->len = r->length - off < stripe ? r->length - off : stripe;
+            op->deadline_ns = deadline;
+            op->tries = 0;
+            if (rt[i].proto == TRANSFER_PROTO_SHM) {
+                shm_pool_submit(e->shm, op, rt[i].pid);
+            } else {
+                tcp_client_submit(rt[i].tcp, op);
+            }
+        }
+    }
+    free(ops);
+    free(rt);
+    return 0;
+}
+
+int transfer_batch_wait(transfer_engine *e, transfer_batch h, uint64_t timeout_ns) {
+    if (!e) return TRANSFER_EINVAL;
+    uint64_t deadline = clock_now_ns() + timeout_ns;
+    if (deadline < timeout_ns) deadline = UINT64_MAX;
+    pthread_mutex_lock(&e->batches.mu);
+    batch *b = batch_table_lookup_locked(&e->batches, h);
+    if (!b) {
+        pthread_mutex_unlock(&e->batches.mu);
+        return TRANSFER_ESTALE;
+    }
+    int rc = 0;
+    b->waiters++;
+    while (b->reqs_pending > 0) {
+        if (clock_now_ns() >= deadline) {
+            rc = TRANSFER_ETIMEDOUT;
+            break;
+        }
+        struct timespec ts = clock_to_timespec(deadline);
+        pthread_cond_timedwait(&b->cv, &e->batches.mu, &ts);
+    }
+    b->waiters--;
+    if (rc == 0)
+        for (size_t i = 0; i < b->n; i++)
+            if (b->reqs[i].state != TRANSFER_STATE_COMPLETED) {
+                rc = b->reqs[i].error ? b->reqs[i].error : TRANSFER_ECANCELED;
+                break;
+            }
+    pthread_mutex_unlock(&e->batches.mu);
+    return rc;
+}
+
+int transfer_batch_get_status(transfer_engine *e, transfer_batch h, size_t index,
+                              transfer_status *st) {
+    if (!e || !st) return TRANSFER_EINVAL;
+    pthread_mutex_lock(&e->batches.mu);
+    batch *b = batch_table_lookup_locked(&e->batches, h);
+    int rc = !b ? TRANSFER_ESTALE : index >= b->n ? TRANSFER_EINVAL : 0;
+    if (rc == 0) {
+        st->state = b->reqs[index].state;
+        st->error = b->reqs[index].error;
+        st->transferred_bytes = b->reqs[index].transferred;
+    }
+    pthread_mutex_unlock(&e->batches.mu);
+    return rc;
+}
+
+int transfer_batch_get_overall(transfer_engine *e, transfer_batch h, transfer_status *st) {
+    if (!e || !st) return TRANSFER_EINVAL;
+    pthread_mutex_lock(&e->batches.mu);
+    batch *b = batch_table_lookup_locked(&e->batches, h);
+    if (!b) {
+        pthread_mutex_unlock(&e->batches.mu);
+        return TRANSFER_ESTALE;
+    }
+    memset(st, 0, sizeof *st);
+    st->state = b->n ? TRANSFER_STATE_COMPLETED : TRANSFER_STATE_WAITING;
+    for (size_t i = 0; i < b->n; i++) {
+        const batch_req *q = &b->reqs[i];
+        st->transferred_bytes += q->transferred;
+        if (q->state == TRANSFER_STATE_PENDING)
+            st->state = TRANSFER_STATE_PENDING;
+        else if (q->state != TRANSFER_STATE_COMPLETED && st->state != TRANSFER_STATE_PENDING &&
+                 st->error == 0) {
+            st->state = q->state;
+            st->error = q->error;
+        }
+    }
+    pthread_mutex_unlock(&e->batches.mu);
+    return 0;
+}
+
+int transfer_batch_cancel(transfer_engine *e, transfer_batch h) {
+    if (!e) return TRANSFER_EINVAL;
+    pthread_mutex_lock(&e->batches.mu);
+    batch *b = batch_table_lookup_locked(&e->batches, h);
+    if (b) atomic_store(&b->canceled, 1);
+    pthread_mutex_unlock(&e->batches.mu);
+    return b ? 0 : TRANSFER_ESTALE;
+}
+
+int transfer_batch_free(transfer_engine *e, transfer_batch h) {
+    if (!e) return TRANSFER_EINVAL;
+    pthread_mutex_lock(&e->batches.mu);
+    int rc = batch_table_free_locked(&e->batches, h);
+    pthread_mutex_unlock(&e->batches.mu);
+    return rc;
+}
+
+/* ---- synchronous convenience ---------------------------------------------- */
+
+static int sync_op(transfer_engine *e, const char *target, transfer_opcode opcode,
+                   void *const local[], const uint64_t remote[], const size_t len[], size_t n) {
+    if (!e || !target || (n && (!local || !remote || !len))) return TRANSFER_EINVAL;
+    if (n == 0) return 0;
+    transfer_segment seg;
+    int rc = transfer_open_segment(e, target, &seg);
+    if (rc) return rc;
+    transfer_request *reqs = calloc(n, sizeof *reqs);
+    if (!reqs) return TRANSFER_ENOMEM;
+    size_t longest = 0;
+    for (size_t i = 0; i < n; i++) {
+        reqs[i] = (transfer_request){opcode, local[i], seg, remote[i], len[i]};
+        if (len[i] > longest) longest = len[i];
+    }
+    transfer_batch b;
+    rc = transfer_batch_alloc(e, n, &b);
+    if (rc == 0) {
+        rc = transfer_batch_submit(e, b, reqs, n);
+        if (rc == 0) {
+            /* Each chunk has its own deadline; this outer one only guards
+             * against a transport bug. */
+            uint64_t t = e->cfg.timeout_base_ns * 2 +
+                         (uint64_t)(e->cfg.timeout_per_byte_ns * (double)longest * 2);
+            rc = transfer_batch_wait(e, b, t);
+            if (rc == TRANSFER_ETIMEDOUT) {
+                transfer_batch_cancel(e, b);
+                while (transfer_batch_wait(e, b, NS_PER_S) == TRANSFER_ETIMEDOUT) {
+                }
+            }
+        }
+        transfer_batch_free(e, b);
+    }
+    free(reqs);
+    return rc;
+}
+
+int transfer_sync_write(transfer_engine *e, const char *target, void *const src[],
+                        const uint64_t dst[], const size_t len[], size_t n) {
+    return sync_op(e, target, TRANSFER_WRITE, src, dst, len, n);
+}
+
+int transfer_sync_read(transfer_engine *e, const char *target, void *const dst[],
+                       const uint64_t src[], const size_t len[], size_t n) {
+    return sync_op(e, target, TRANSFER_READ, dst, src, len, n);
+}
+
+void transfer_engine_get_stats(transfer_engine *e, transfer_stats *out) {
+    memset(out, 0, sizeof *out);
+    if (!e) return;
+    out->bytes_written = atomic_load(&e->bytes_written);
+    out->bytes_read = atomic_load(&e->bytes_read);
+    out->requests_ok = atomic_load(&e->requests_ok);
+    out->requests_failed = atomic_load(&e->requests_failed);
+    out->bytes_served = atomic_load(&e->bytes_served);
+    out->requests_rejected = atomic_load(&e->requests_rejected);
+    out->shm_fallbacks = atomic_load(&e->shm_fallbacks);
+    pthread_mutex_lock(&e->peers_mu);
+    for (size_t i = 0; i < e->npeers; i++) {
+        pthread_mutex_lock(&e->peers[i]->mu);
+        if (e->peers[i]->tcp) out->path_retries += tcp_client_retries(e->peers[i]->tcp);
+        pthread_mutex_unlock(&e->peers[i]->mu);
+    }
+    pthread_mutex_unlock(&e->peers_mu);
+}

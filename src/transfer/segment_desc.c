@@ -1,0 +1,178 @@
+/* segment_desc — see segment_desc.h. */
+#include "transfer/segment_desc.h"
+
+#include "disagg/transfer.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+void segment_desc_init(segment_desc *d) {
+    memset(d, 0, sizeof *d);
+    registry_init(&d->buffers);
+    snprintf(d->protocol, sizeof d->protocol, "tcp");
+    d->tcp_proto_version = SEGMENT_TCP_PROTO_VERSION;
+}
+
+void segment_desc_free(segment_desc *d) {
+    registry_free(&d->buffers);
+}
+
+char *segment_desc_encode(const segment_desc *d) {
+    json_t *o = json_object();
+    json_object_set_new(o, "name", json_string(d->name));
+    json_object_set_new(o, "protocol", json_string(d->protocol));
+    json_object_set_new(o, "tcp_data_port", json_integer(d->tcp_data_port));
+    json_object_set_new(o, "tcp_proto_version", json_integer(d->tcp_proto_version));
+    json_t *bufs = json_array();
+    for (size_t i = 0; i < d->buffers.n; i++) {
+        const registry_entry *e = &d->buffers.v[i];
+        json_t *b = json_object();
+        json_object_set_new(b, "name", json_string(e->location));
+        /* u64 addresses: jansson integers are signed 64-bit; user-space
+         * addresses on Linux fit (< 2^63). */
+        json_object_set_new(b, "addr", json_integer((json_int_t)e->addr));
+        json_object_set_new(b, "length", json_integer((json_int_t)e->length));
+        json_array_append_new(bufs, b);
+    }
+    json_object_set_new(o, "buffers", bufs);
+    char ts[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    json_object_set_new(o, "timestamp", json_string(ts));
+    json_t *x = json_object();
+    json_object_set_new(x, "version", json_integer(d->disagg_version));
+    json_object_set_new(x, "host_id", json_string(d->host_id));
+    json_object_set_new(x, "pid", json_integer(d->pid));
+    json_t *da = json_array();
+    for (size_t i = 0; i < d->num_data_addrs; i++)
+        json_array_append_new(da, json_string(d->data_addrs[i]));
+    json_object_set_new(x, "data_addrs", da);
+    json_object_set_new(o, "disagg", x);
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+static int fail(char *err, size_t cap, const char *msg, const char *key) {
+    if (err && cap)
+        snprintf(err, cap, "segment descriptor: %s%s%s", msg, key ? " " : "", key ? key : "");
+    return TRANSFER_EPROTO;
+}
+
+static int get_str(json_t *o, const char *key, char *dst, size_t cap, int required, char *err,
+                   size_t ecap) {
+    json_t *v = json_object_get(o, key);
+    if (!v) return required ? fail(err, ecap, "missing string field", key) : 0;
+    if (!json_is_string(v)) return fail(err, ecap, "field must be a string:", key);
+    if (json_string_length(v) >= cap) return fail(err, ecap, "string too long:", key);
+    memcpy(dst, json_string_value(v), json_string_length(v) + 1);
+    return 0;
+}
+
+static int get_uint(json_t *o, const char *key, uint64_t max, uint64_t *dst, int required,
+                    char *err, size_t ecap) {
+    json_t *v = json_object_get(o, key);
+    if (!v) return required ? fail(err, ecap, "missing integer field", key) : 0;
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || (uint64_t)json_integer_value(v) > max)
+        return fail(err, ecap, "field must be a non-negative integer in range:", key);
+    *dst = (uint64_t)json_integer_value(v);
+    return 0;
+}
+
+int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *err, size_t cap) {
+    segment_desc_init(out);
+    json_error_t je;
+    json_t *o = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!o) {
+        if (err && cap) snprintf(err, cap, "segment descriptor: invalid JSON: %s", je.text);
+        return TRANSFER_EPROTO;
+    }
+    int rc = TRANSFER_EPROTO;
+    uint64_t u = 0;
+    if (!json_is_object(o)) {
+        fail(err, cap, "not a JSON object", NULL);
+        goto done;
+    }
+    if (get_str(o, "name", out->name, sizeof out->name, 1, err, cap)) goto done;
+    if (get_str(o, "protocol", out->protocol, sizeof out->protocol, 0, err, cap)) goto done;
+    if (get_uint(o, "tcp_data_port", 65535, &u, 0, err, cap)) goto done;
+    out->tcp_data_port = (uint16_t)u;
+    u = 1;
+    if (get_uint(o, "tcp_proto_version", 1000, &u, 0, err, cap)) goto done;
+    out->tcp_proto_version = (int)u;
+    json_t *bufs = json_object_get(o, "buffers");
+    if (bufs && !json_is_array(bufs)) {
+        fail(err, cap, "field must be an array:", "buffers");
+        goto done;
+    }
+    size_t i;
+    json_t *b;
+    json_array_foreach(bufs, i, b) {
+        char loc[32] = "cpu:0";
+        uint64_t addr = 0, length = 0;
+        if (!json_is_object(b)) {
+            fail(err, cap, "buffer entry is not an object", NULL);
+            goto done;
+        }
+        if (get_str(b, "name", loc, sizeof loc, 0, err, cap) ||
+            get_uint(b, "addr", UINT64_MAX, &addr, 1, err, cap) ||
+            get_uint(b, "length", UINT64_MAX, &length, 1, err, cap))
+            goto done;
+        int r = registry_add(&out->buffers, addr, length, loc);
+        if (r == TRANSFER_ENOMEM) {
+            rc = r;
+            goto done;
+        }
+        if (r) {
+            fail(err, cap, "buffers are empty or overlap", NULL);
+            goto done;
+        }
+    }
+    json_t *x = json_object_get(o, "disagg");
+    if (x && json_is_object(x)) {
+        u = 0;
+        if (get_uint(x, "version", 1000000, &u, 0, err, cap)) goto done;
+        out->disagg_version = (int)u;
+        if (get_str(x, "host_id", out->host_id, sizeof out->host_id, 0, err, cap)) goto done;
+        u = 0;
+        if (get_uint(x, "pid", INT32_MAX, &u, 0, err, cap)) goto done;
+        out->pid = (int)u;
+        json_t *da = json_object_get(x, "data_addrs");
+        if (da && !json_is_array(da)) {
+            fail(err, cap, "field must be an array:", "disagg.data_addrs");
+            goto done;
+        }
+        json_t *a;
+        json_array_foreach(da, i, a) {
+            if (out->num_data_addrs == SEGMENT_MAX_DATA_ADDRS) break;
+            if (!json_is_string(a) || json_string_length(a) >= sizeof out->data_addrs[0]) {
+                fail(err, cap, "bad entry in", "disagg.data_addrs");
+                goto done;
+            }
+            memcpy(out->data_addrs[out->num_data_addrs++], json_string_value(a),
+                   json_string_length(a) + 1);
+        }
+    }
+    rc = 0;
+done:
+    json_decref(o);
+    if (rc) segment_desc_free(out);
+    return rc;
+}
+
+void segment_host_id(char *buf, size_t cap) {
+    char boot[64] = "unknown";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        if (fgets(boot, sizeof boot, f)) boot[strcspn(boot, "\n")] = 0;
+        fclose(f);
+    }
+    struct stat st;
+    unsigned long ns = stat("/proc/self/ns/pid", &st) == 0 ? (unsigned long)st.st_ino : 0;
+    snprintf(buf, cap, "%s/%lu", boot, ns);
+}

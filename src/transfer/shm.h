@@ -1,0 +1,33 @@
+/*
+ * shm — the same-host transport: the initiator copies bytes straight between
+ * its memory and the target process's with process_vm_writev/readv (one copy,
+ * no socket, the target's threads not involved).  Ranges were checked against
+ * the target's registered buffers before an op gets here (engine.c).  Small
+ * ops run inline in the submitting thread; larger ones on a worker pool so
+ * that submit returns at once and big requests use every core.
+ */
+#ifndef DISAGG_TRANSFER_SHM_H
+#define DISAGG_TRANSFER_SHM_H
+
+#include "transfer/xfer_op.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* Copy one range: 0, TRANSFER_EPERM (kernel refused: not same user / ptrace
+ * policy), TRANSFER_ECONN (process gone), TRANSFER_EREMOTEADDR (remote range
+ * not mapped), TRANSFER_ESYS. */
+int shm_copy(pid_t pid, int opcode, void *local, uint64_t remote, size_t len);
+
+typedef struct shm_pool shm_pool;
+/* refused(ctx, op): the kernel refused shm for op's peer; the callee re-routes op. */
+typedef void (*shm_refused_fn)(void *ctx, xfer_op *op);
+
+int shm_pool_create(struct transfer_engine *e, int nthreads, shm_refused_fn refused, void *ctx,
+                    shm_pool **out);
+/* Run op (inline when small) and end it through engine_op_done. */
+void shm_pool_submit(shm_pool *p, xfer_op *op, pid_t pid);
+void shm_pool_destroy(shm_pool *p);
+
+#endif

@@ -1,0 +1,401 @@
+/* tcp_client — see tcp_client.h. */
+#include "transfer/tcp_client.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "disagg/transfer.h"
+#include "transfer/tcp_server.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MOD          "transfer.tcp"
+#define GATHER_OPS   64         /* ops per sendmsg */
+#define GATHER_BYTES (8u << 20) /* payload bytes per sendmsg */
+#define RBUF         4096       /* receiver's buffer for status words */
+#define DIRECT_MIN   2048       /* READ payload at least this goes straight to memory */
+
+typedef struct lane {
+    struct tcp_client *cl;
+    int path;                 /* index into cl->paths */
+    pthread_mutex_t mu;       /* guards everything below */
+    pthread_cond_t send_cv;   /* sender: work queued, or connection state changed */
+    pthread_cond_t recv_cv;   /* receiver: ops in flight, or broken */
+    xfer_op *q_head, *q_tail; /* queued, not yet sent */
+    xfer_op *f_head, *f_tail; /* sent (or being sent), awaiting replies in order */
+    int fd;                   /* -1 when not connected */
+    uint32_t epoch;           /* bumped on every connect */
+    int broken;               /* the connection failed; receiver cleans up */
+    int sending;              /* sender is writing on fd outside the lock */
+    int stop;
+    pthread_t sender, receiver;
+    uint8_t rbuf[RBUF]; /* receiver's buffered input */
+    size_t roff, rlen;
+} lane;
+
+struct tcp_client {
+    struct transfer_engine *e;
+    tcp_path paths[TCP_CLIENT_MAX_PATHS];
+    int npaths;
+    int lanes_per_path;
+    lane *lanes; /* (npaths * lanes_per_path), path-major */
+    int nlanes;
+    uint64_t connect_timeout_ns;
+    atomic_uint next; /* round-robin cursor */
+    _Atomic uint64_t path_bytes[TCP_CLIENT_MAX_PATHS];
+    _Atomic uint64_t retries;
+    uint32_t max_tries; /* attempts per op across paths */
+};
+
+static void lane_enqueue_locked(lane *l, xfer_op *op) {
+    op->next = NULL;
+    if (l->q_tail)
+        l->q_tail->next = op;
+    else
+        l->q_head = op;
+    l->q_tail = op;
+}
+
+static void lane_push(lane *l, xfer_op *op) {
+    pthread_mutex_lock(&l->mu);
+    if (l->stop) {
+        pthread_mutex_unlock(&l->mu);
+        engine_op_done(l->cl->e, op, TRANSFER_ECANCELED);
+        return;
+    }
+    lane_enqueue_locked(l, op);
+    pthread_cond_signal(&l->send_cv);
+    pthread_mutex_unlock(&l->mu);
+}
+
+void tcp_client_submit(tcp_client *c, xfer_op *op) {
+    unsigned i = atomic_fetch_add(&c->next, 1) % (unsigned)c->nlanes;
+    lane_push(&c->lanes[i], op);
+}
+
+/* The op failed on lane `from` with err: try another path, or end it. */
+static void reroute(tcp_client *c, const lane *from, xfer_op *op, int err) {
+    if (engine_op_canceled(op)) {
+        engine_op_done(c->e, op, TRANSFER_ECANCELED);
+        return;
+    }
+    if (clock_now_ns() >= op->deadline_ns) {
+        engine_op_done(c->e, op, TRANSFER_ETIMEDOUT);
+        return;
+    }
+    if (++op->tries >= c->max_tries) {
+        engine_op_done(c->e, op, err);
+        return;
+    }
+    atomic_fetch_add(&c->retries, 1);
+    int path = (from->path + (int)op->tries) % c->npaths;
+    unsigned k = atomic_fetch_add(&c->next, 1) % (unsigned)c->lanes_per_path;
+    LOG_D(MOD, "retrying a %zu-byte chunk on path %s", op->len, c->paths[path].label);
+    lane_push(&c->lanes[path * c->lanes_per_path + (int)k], op);
+}
+
+/* Caller holds l->mu: declare the current connection failed (once). */
+static void lane_break_locked(lane *l, uint32_t epoch) {
+    if (l->fd < 0 || l->epoch != epoch || l->broken) return;
+    l->broken = 1;
+    shutdown(l->fd, SHUT_RDWR);
+    pthread_cond_broadcast(&l->recv_cv);
+}
+
+static void *sender_main(void *arg) {
+    lane *l = arg;
+    tcp_client *c = l->cl;
+    const tcp_path *p = &c->paths[l->path];
+    uint8_t hdrs[GATHER_OPS][TCP_HEADER_LEN];
+    struct iovec iov[GATHER_OPS * 2];
+    pthread_mutex_lock(&l->mu);
+    while (!l->stop) {
+        if (!l->q_head || l->broken) {
+            pthread_cond_wait(&l->send_cv, &l->mu);
+            continue;
+        }
+        if (l->fd < 0) {
+            pthread_mutex_unlock(&l->mu);
+            int fd = net_connect(&p->dst, p->has_src ? &p->src : NULL,
+                                 clock_now_ns() + c->connect_timeout_ns);
+            pthread_mutex_lock(&l->mu);
+            if (fd >= 0 && l->stop) {
+                close(fd);
+                break;
+            }
+            if (fd < 0) {
+                LOG_W(MOD, "cannot connect %s: %s", p->label, strerror(-fd));
+                xfer_op *q = l->q_head;
+                l->q_head = l->q_tail = NULL;
+                pthread_mutex_unlock(&l->mu);
+                int err = fd == -ETIMEDOUT ? TRANSFER_ETIMEDOUT : TRANSFER_ECONN;
+                while (q) {
+                    xfer_op *n = q->next;
+                    reroute(c, l, q, err);
+                    q = n;
+                }
+                pthread_mutex_lock(&l->mu);
+                continue;
+            }
+            net_set_bufsize(fd, 4 << 20);
+            l->fd = fd;
+            l->epoch++;
+            l->roff = l->rlen = 0;
+            pthread_cond_broadcast(&l->recv_cv);
+        }
+        /* Gather queued ops; cancelled ones end here without being sent. */
+        int n = 0, niov = 0;
+        size_t bytes = 0;
+        uint64_t deadline = UINT64_MAX;
+        xfer_op *canceled = NULL;
+        while (l->q_head && n < GATHER_OPS && bytes < GATHER_BYTES) {
+            xfer_op *op = l->q_head;
+            l->q_head = op->next;
+            if (!l->q_head) l->q_tail = NULL;
+            if (engine_op_canceled(op)) {
+                op->next = canceled;
+                canceled = op;
+                continue;
+            }
+            op->next = NULL;
+            if (l->f_tail)
+                l->f_tail->next = op;
+            else
+                l->f_head = op;
+            l->f_tail = op;
+            tcp_header_encode(hdrs[n], op->len, op->remote, (uint8_t)(TCP_OP_V2 | op->opcode));
+            iov[niov++] = (struct iovec){hdrs[n], TCP_HEADER_LEN};
+            if (op->opcode == TRANSFER_WRITE) {
+                iov[niov++] = (struct iovec){op->local, op->len};
+                bytes += op->len;
+            }
+            if (op->deadline_ns < deadline) deadline = op->deadline_ns;
+            n++;
+        }
+        int fd = l->fd;
+        uint32_t epoch = l->epoch;
+        if (n > 0) pthread_cond_broadcast(&l->recv_cv);
+        l->sending = 1;
+        pthread_mutex_unlock(&l->mu);
+        while (canceled) {
+            xfer_op *nx = canceled->next;
+            engine_op_done(c->e, canceled, TRANSFER_ECANCELED);
+            canceled = nx;
+        }
+        int rc = n ? net_writev_all(fd, iov, niov, deadline) : 0;
+        if (rc == 0) atomic_fetch_add(&c->path_bytes[l->path], bytes);
+        pthread_mutex_lock(&l->mu);
+        l->sending = 0;
+        pthread_cond_broadcast(&l->recv_cv);
+        if (rc != 0) {
+            LOG_D(MOD, "send on %s failed: %s", p->label, strerror(-rc));
+            lane_break_locked(l, epoch);
+        }
+    }
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+/* Receive exactly n bytes into dst through the lane's buffer. */
+static int lane_read(lane *l, int fd, void *dst, size_t n, uint64_t deadline) {
+    char *d = dst;
+    while (n > 0) {
+        size_t have = l->rlen - l->roff;
+        if (have > 0) {
+            size_t t = have < n ? have : n;
+            memcpy(d, l->rbuf + l->roff, t);
+            l->roff += t;
+            d += t;
+            n -= t;
+            continue;
+        }
+        if (n >= DIRECT_MIN) return net_recv_all(fd, d, n, deadline);
+        l->roff = l->rlen = 0;
+        ssize_t r = recv(fd, l->rbuf, RBUF, MSG_DONTWAIT);
+        if (r > 0) {
+            l->rlen = (size_t)r;
+            continue;
+        }
+        if (r == 0) return -ECONNRESET;
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+        int ms = clock_remaining_ms(deadline);
+        if (ms == 0) return -ETIMEDOUT;
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        if (poll(&pf, 1, ms) < 0 && errno != EINTR) return -errno;
+    }
+    return 0;
+}
+
+static int status_to_error(uint64_t st) {
+    if ((st & 0xFFFFFFFF00000000ull) != TCP_STATUS_MAGIC) return TRANSFER_EPROTO;
+    switch (st & 0xFFFFFFFFu) {
+    case TCP_STATUS_OK:
+        return 0;
+    case TCP_STATUS_REJECTED:
+        return TRANSFER_EREMOTEADDR;
+    default:
+        return TRANSFER_EPROTO;
+    }
+}
+
+static void *receiver_main(void *arg) {
+    lane *l = arg;
+    tcp_client *c = l->cl;
+    pthread_mutex_lock(&l->mu);
+    for (;;) {
+        if (l->broken || (l->stop && l->fd >= 0)) {
+            /* Close the failed connection (once the sender is off it); its
+             * in-flight ops go elsewhere. */
+            if (l->sending) {
+                pthread_cond_wait(&l->recv_cv, &l->mu);
+                continue;
+            }
+            xfer_op *f = l->f_head;
+            l->f_head = l->f_tail = NULL;
+            close(l->fd);
+            l->fd = -1;
+            l->broken = 0;
+            int stop = l->stop;
+            pthread_cond_broadcast(&l->send_cv);
+            pthread_mutex_unlock(&l->mu);
+            while (f) {
+                xfer_op *n = f->next;
+                if (stop)
+                    engine_op_done(c->e, f, TRANSFER_ECANCELED);
+                else
+                    reroute(c, l, f, TRANSFER_ECONN);
+                f = n;
+            }
+            pthread_mutex_lock(&l->mu);
+            continue;
+        }
+        if (l->stop) break;
+        if (!l->f_head || l->fd < 0) {
+            pthread_cond_wait(&l->recv_cv, &l->mu);
+            continue;
+        }
+        xfer_op *op = l->f_head;
+        int fd = l->fd;
+        uint32_t epoch = l->epoch;
+        pthread_mutex_unlock(&l->mu);
+        uint64_t st = 0;
+        int rc = lane_read(l, fd, &st, sizeof st, op->deadline_ns);
+        int err = rc == 0 ? status_to_error(st) : 0;
+        if (rc == 0 && err == 0 && op->opcode == TRANSFER_READ) {
+            rc = lane_read(l, fd, op->local, op->len, op->deadline_ns);
+            if (rc == 0) atomic_fetch_add(&c->path_bytes[l->path], op->len);
+        }
+        pthread_mutex_lock(&l->mu);
+        if (rc != 0 || err == TRANSFER_EPROTO) {
+            if (rc == -ETIMEDOUT && l->f_head == op && l->epoch == epoch) {
+                /* This op's reply is late: it fails; the stream is now out of
+                 * sync, so the connection goes and the rest are retried. */
+                l->f_head = op->next;
+                if (!l->f_head) l->f_tail = NULL;
+                pthread_mutex_unlock(&l->mu);
+                LOG_W(MOD, "request of %zu bytes on %s timed out", op->len,
+                      c->paths[l->path].label);
+                engine_op_done(c->e, op, TRANSFER_ETIMEDOUT);
+                pthread_mutex_lock(&l->mu);
+            } else if (err == TRANSFER_EPROTO && l->f_head == op && l->epoch == epoch) {
+                l->f_head = op->next;
+                if (!l->f_head) l->f_tail = NULL;
+                pthread_mutex_unlock(&l->mu);
+                LOG_W(MOD, "peer %s answered with an invalid status word 0x%016llx",
+                      c->paths[l->path].label, (unsigned long long)st);
+                engine_op_done(c->e, op, TRANSFER_EPROTO);
+                pthread_mutex_lock(&l->mu);
+            }
+            lane_break_locked(l, epoch);
+            continue;
+        }
+        /* Completed (ok or rejected): it is the head of the in-flight FIFO. */
+        l->f_head = op->next;
+        if (!l->f_head) l->f_tail = NULL;
+        pthread_mutex_unlock(&l->mu);
+        engine_op_done(c->e, op, err);
+        pthread_mutex_lock(&l->mu);
+    }
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+int tcp_client_create(struct transfer_engine *e, const tcp_path *paths, int npaths,
+                      int lanes_per_path, uint64_t connect_timeout_ns, tcp_client **out) {
+    if (npaths <= 0 || npaths > TCP_CLIENT_MAX_PATHS || lanes_per_path <= 0) return TRANSFER_EINVAL;
+    tcp_client *c = calloc(1, sizeof *c);
+    if (!c) return TRANSFER_ENOMEM;
+    c->e = e;
+    memcpy(c->paths, paths, (size_t)npaths * sizeof *paths);
+    c->npaths = npaths;
+    c->lanes_per_path = lanes_per_path;
+    c->nlanes = npaths * lanes_per_path;
+    c->connect_timeout_ns = connect_timeout_ns;
+    c->max_tries = (uint32_t)(npaths > 1 ? npaths + 1 : 2);
+    c->lanes = calloc((size_t)c->nlanes, sizeof *c->lanes);
+    if (!c->lanes) {
+        free(c);
+        return TRANSFER_ENOMEM;
+    }
+    for (int i = 0; i < c->nlanes; i++) {
+        lane *l = &c->lanes[i];
+        l->cl = c;
+        l->path = i / lanes_per_path;
+        l->fd = -1;
+        pthread_mutex_init(&l->mu, NULL);
+        pthread_cond_init(&l->send_cv, NULL);
+        pthread_cond_init(&l->recv_cv, NULL);
+        pthread_create(&l->sender, NULL, sender_main, l);
+        pthread_create(&l->receiver, NULL, receiver_main, l);
+    }
+    *out = c;
+    return 0;
+}
+
+void tcp_client_destroy(tcp_client *c) {
+    if (!c) return;
+    for (int i = 0; i < c->nlanes; i++) {
+        lane *l = &c->lanes[i];
+        pthread_mutex_lock(&l->mu);
+        l->stop = 1;
+        if (l->fd >= 0) shutdown(l->fd, SHUT_RDWR);
+        pthread_cond_broadcast(&l->send_cv);
+        pthread_cond_broadcast(&l->recv_cv);
+        pthread_mutex_unlock(&l->mu);
+    }
+    for (int i = 0; i < c->nlanes; i++) {
+        lane *l = &c->lanes[i];
+        pthread_join(l->sender, NULL);
+        pthread_join(l->receiver, NULL);
+        /* Whatever is left never reached the wire or lost its connection. */
+        xfer_op *lists[2] = {l->q_head, l->f_head};
+        for (int k = 0; k < 2; k++)
+            for (xfer_op *op = lists[k]; op;) {
+                xfer_op *n = op->next;
+                engine_op_done(c->e, op, TRANSFER_ECANCELED);
+                op = n;
+            }
+        if (l->fd >= 0) close(l->fd);
+        pthread_mutex_destroy(&l->mu);
+        pthread_cond_destroy(&l->send_cv);
+        pthread_cond_destroy(&l->recv_cv);
+    }
+    free(c->lanes);
+    free(c);
+}
+
+int tcp_client_num_lanes(const tcp_client *c) {
+    return c->nlanes;
+}
+uint64_t tcp_client_path_bytes(const tcp_client *c, int path) {
+    return path >= 0 && path < c->npaths ? atomic_load(&c->path_bytes[path]) : 0;
+}
+uint64_t tcp_client_retries(const tcp_client *c) {
+    return atomic_load(&c->retries);
+}

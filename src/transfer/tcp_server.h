@@ -1,0 +1,48 @@
+/*
+ * tcp_server — the target side of the tcp transport: accepts data
+ * connections and serves Mooncake TCP v2 requests (docs/transfer.md) on each,
+ * in order, so clients may pipeline.  A request is served only when
+ * [addr, addr+size) lies inside one registered buffer (registry_find under
+ * the engine's registration lock); WRITE payloads are received straight into
+ * that memory.  One thread per connection; replies are batched while more
+ * requests are already buffered.
+ */
+#ifndef DISAGG_TRANSFER_TCP_SERVER_H
+#define DISAGG_TRANSFER_TCP_SERVER_H
+
+#include "base/net.h"
+#include "transfer/registry.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define TCP_HEADER_LEN       24
+#define TCP_STATUS_MAGIC     0x4D43545600000000ull
+#define TCP_STATUS_OK        0
+#define TCP_STATUS_REJECTED  1
+#define TCP_STATUS_MALFORMED 2
+#define TCP_OP_V2            0x80
+#define TCP_MAX_REQUEST      (1ull << 30) /* larger rejected WRITEs close the connection */
+
+typedef struct tcp_server_env {
+    pthread_rwlock_t *reg_lock; /* guards regs; held (read) while bytes move */
+    const registry *regs;       /* this engine's registrations */
+    uint64_t timeout_base_ns;   /* payload deadline = base + per_byte * size */
+    double timeout_per_byte_ns;
+    _Atomic uint64_t *bytes_served; /* stats */
+    _Atomic uint64_t *rejected;
+} tcp_server_env;
+
+typedef struct tcp_server tcp_server;
+
+int tcp_server_start(const net_addr *addr, const tcp_server_env *env, tcp_server **out,
+                     uint16_t *port);
+void tcp_server_stop(tcp_server *s);
+
+/* Encode / decode the 24-byte request header (little-endian). */
+void tcp_header_encode(uint8_t h[TCP_HEADER_LEN], uint64_t size, uint64_t addr, uint8_t opcode);
+void tcp_header_decode(const uint8_t h[TCP_HEADER_LEN], uint64_t *size, uint64_t *addr,
+                       uint8_t *opcode);
+
+#endif

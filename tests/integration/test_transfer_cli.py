@@ -1,0 +1,104 @@
+"""`disagg transfer` command line: --help for the command and every
+subcommand; bad input exits 2 with a message naming the bad value and what is
+accepted, before anything connects or serves."""
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.timeout(60)
+
+SUBS = ["target", "copy", "check", "demo"]
+
+
+def test_transfer_help(disagg_bin):
+    p = run_cli(disagg_bin, "transfer", "--help")
+    assert p.returncode == 0
+    out = p.stdout.decode()
+    for sub in SUBS:
+        assert sub in out
+
+
+def test_transfer_without_sub_is_usage_error(disagg_bin):
+    p = run_cli(disagg_bin, "transfer")
+    assert p.returncode == 2 and b"usage: disagg transfer" in p.stderr
+
+
+@pytest.mark.parametrize("sub", SUBS)
+def test_sub_help(disagg_bin, sub):
+    p = run_cli(disagg_bin, "transfer", sub, "--help")
+    assert p.returncode == 0, p.stderr.decode()
+    out = p.stdout.decode()
+    assert out.startswith(f"usage: disagg transfer {sub}")
+    assert "--protocol" in out
+
+
+SEG = "127.0.0.1:1"  # never contacted: every case fails in parsing
+
+BAD = [
+    (["frobnicate"], ["'frobnicate'", "target, copy, check, demo"]),
+    (["target", "--buffer-size", "12Q"], ["--buffer-size", "'12Q'", "K, M, G"]),
+    (["target", "--buffer-size", "0"], ["'0'", "1.."]),
+    (["target", "--buffer-size", "-5"], ["'-5'"]),
+    (["target", "--buffers", "0"], ["--buffers", "'0'", "1..64"]),
+    (["target", "--buffers", "65"], ["'65'", "1..64"]),
+    (["target", "--protocol", "udp"], ["'udp'", "auto, tcp, shm"]),
+    (["target", "--port", "70000"], ["--port", "'70000'", "0..65535"]),
+    (["target", "--port"], ["--port", "needs a value"]),
+    (["target", "--pattern", "abc"], ["--pattern", "'abc'"]),
+    (["target", "--frobnicate"], ["'--frobnicate'", "--buffer-size"]),
+    (["target", "stray"], ["'stray'"]),
+    (["target", "--exit-on-stdin-eof=yes"], ["--exit-on-stdin-eof", "'yes'"]),
+    (["copy", "--op", "read", "--remote-addr", "1", "--length", "1"], ["--target", "required"]),
+    (["copy", "--target", "nocolon", "--op", "read"], ["'nocolon'", "ip:port"]),
+    (["copy", "--target", "1.2.3.4:0", "--op", "read"], ["'1.2.3.4:0'", "1..65535"]),
+    (["copy", "--target", SEG, "--op", "frob", "--remote-addr", "1", "--length", "1"], ["'frob'", "read, write"]),
+    (["copy", "--target", SEG, "--op", "read", "--remote-addr", "xyz", "--length", "1"], ["'xyz'", "0x-hex"]),
+    (["copy", "--target", SEG, "--op", "read", "--remote-addr", "0xZZ", "--length", "1"], ["'0xZZ'"]),
+    (["copy", "--target", SEG, "--op", "read", "--remote-addr", "1", "--length", "0"], ["--length", "'0'"]),
+    (["copy", "--target", SEG, "--op", "read", "--remote-addr", "1"], ["--length", "required"]),
+    (["copy", "--target", SEG, "--op", "read", "--remote-addr", "1", "--length", "1", "--in", "f"], ["--in", "'f'", "write only"]),
+    (["copy", "--target", SEG, "--op", "write", "--remote-addr", "1", "--length", "1", "--out", "f"], ["--out", "'f'", "read only"]),
+    (["copy", "--target", SEG, "--op", "read", "--remote-addr", "1", "--length", "1", "--timeout-ms", "0"], ["--timeout-ms", "'0'"]),
+    (["check"], ["--target", "required"]),
+    (["check", "--target", SEG, "--iterations", "-1"], ["--iterations", "'-1'"]),
+    (["check", "--target", SEG, "--batch", "0"], ["--batch", "'0'", "1..1024"]),
+    (["check", "--target", SEG, "--batch", "5000"], ["'5000'", "1..1024"]),
+    (["check", "--target", SEG, "--max-length", "2G"], ["--max-length", "'2G'"]),
+    (["check", "--target", SEG, "--seed", "1.5"], ["--seed", "'1.5'"]),
+    (["check", "--target", "[::1:80", "--iterations", "1"], ["'[::1:80'"]),
+    (["demo", "--protocol", "rdma"], ["'rdma'", "auto, tcp, shm"]),
+    (["demo", "--buffer-size", "1X"], ["'1X'"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_exits_2_naming_the_value(disagg_bin, args, needles):
+    p = run_cli(disagg_bin, "transfer", *args, timeout=10)
+    err = p.stderr.decode()
+    assert p.returncode == 2, f"rc {p.returncode}: {err}"
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+    assert p.stdout == b""
+
+
+def test_sizes_accept_suffixes(disagg_bin, start_target):
+    """64K, 1MiB and plain bytes are all sizes the target accepts."""
+    for size, want in (("64K", 64 << 10), ("1MiB", 1 << 20), ("12345", 12345)):
+        t = start_target(buffer_size=size)
+        assert t.buffers[0]["length"] == want
+        rc, stats = t.stop()
+        assert rc == 0 and stats["event"] == "stats"
+
+
+def test_target_stops_on_sigterm(disagg_bin, reaper):
+    import json
+    import signal
+    import subprocess
+    from conftest import read_line
+    p = reaper.popen([disagg_bin, "transfer", "target", "--buffer-size", "4K"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    info = json.loads(read_line(p.stdout.fileno(), 20))
+    assert info["pid"] == p.pid and len(info["buffers"]) == 1
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=10) == 0
+    assert json.loads(p.stdout.read().decode().strip().splitlines()[-1])["event"] == "stats"

@@ -1,0 +1,224 @@
+/* Unit tests: engine/scheduler — chunked prefill under the token budget,
+ * decode batching, prefix-cache admission, preemption by recompute, parking. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "engine/scheduler.h"
+
+typedef struct env {
+    block_pool bp;
+    scheduler s;
+    sched_plan p;
+} env;
+
+static void env_init(env *e, int blocks, int bs, int max_seqs, int max_tokens) {
+    assert_int_equal(block_pool_init(&e->bp, blocks), 0);
+    sched_config c = {bs, max_seqs, max_tokens, 1};
+    assert_int_equal(sched_init(&e->s, &c, &e->bp), 0);
+    assert_int_equal(sched_plan_init(&e->p, &c), 0);
+}
+
+static void env_free(env *e) {
+    sched_plan_free(&e->p);
+    sched_free(&e->s);
+    block_pool_free_all(&e->bp);
+}
+
+static void make_seq(seq *q, uint64_t id, int n, int first, int max_tokens) {
+    int32_t t[512];
+    for (int i = 0; i < n; i++)
+        t[i] = first + i;
+    assert_int_equal(seq_init(q, id, t, n, max_tokens), 0);
+}
+
+/* Run a step and "sample" token 7 for every item that reached its end. */
+static void step(env *e) {
+    sched_step(&e->s, &e->p);
+    sched_commit(&e->s, &e->p);
+    for (int i = 0; i < e->p.n_items; i++)
+        if (e->p.items[i].logits) seq_append(e->p.items[i].s, 7);
+}
+
+static void test_chunked_prefill(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 64, 4, 8, 10);
+    seq a, b;
+    make_seq(&a, 1, 25, 100, 4);
+    make_seq(&b, 2, 3, 500, 4);
+    sched_add(&e.s, &a);
+    sched_add(&e.s, &b);
+    /* step 1: 10 tokens of a (budget), b waits */
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.p.n_items, 1);
+    assert_int_equal(e.p.items[0].count, 10);
+    assert_int_equal(e.p.items[0].logits, 0);
+    sched_commit(&e.s, &e.p);
+    assert_int_equal(a.n_computed, 10);
+    assert_int_equal(a.n_blocks, 3);
+    /* step 2: 10 more of a; step 3: last 5 of a + 3 of b */
+    step(&e);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.p.n_items, 2);
+    assert_int_equal(e.p.items[0].count, 5);
+    assert_int_equal(e.p.items[0].logits, 1);
+    assert_int_equal(e.p.items[1].count, 3);
+    assert_int_equal(e.p.n_tokens, 8);
+    sched_commit(&e.s, &e.p);
+    seq_append(&a, 7);
+    seq_append(&b, 7);
+    /* step 4: both decode one token */
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.p.n_items, 2);
+    assert_int_equal(e.p.items[0].count, 1);
+    assert_int_equal(e.p.items[0].start, 25);
+    assert_int_equal(e.p.items[1].count, 1);
+    sched_commit(&e.s, &e.p);
+    sched_finish(&e.s, &a, 0);
+    sched_finish(&e.s, &b, 0);
+    assert_int_equal(block_pool_num_used(&e.bp), 0);
+    seq_free(&a);
+    seq_free(&b);
+    env_free(&e);
+}
+
+static void test_prefix_cache_admission(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 64, 4, 8, 100);
+    seq a, b, c;
+    make_seq(&a, 1, 18, 100, 2);
+    sched_add(&e.s, &a);
+    step(&e);
+    sched_finish(&e.s, &a, 0);
+    /* b shares a's first 16 tokens (4 full blocks): those come from the cache */
+    make_seq(&b, 2, 18, 100, 2);
+    b.tokens[17] = 9999;
+    sched_add(&e.s, &b);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(b.n_cached, 16);
+    assert_int_equal(e.p.items[0].start, 16);
+    assert_int_equal(e.p.items[0].count, 2);
+    sched_commit(&e.s, &e.p);
+    /* an exact repeat of a 16-token prompt leaves its last token to compute */
+    make_seq(&c, 3, 16, 100, 2);
+    sched_add(&e.s, &c);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(c.n_cached, 12);
+    assert_int_equal(e.p.items[e.p.n_items - 1].count, 4);
+    assert_true(e.bp.hits >= 7);
+    sched_finish(&e.s, &b, 0);
+    sched_finish(&e.s, &c, 0);
+    assert_int_equal(block_pool_num_used(&e.bp), 0);
+    seq_free(&a);
+    seq_free(&b);
+    seq_free(&c);
+    env_free(&e);
+}
+
+static void test_preemption(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 6, 4, 8, 64);
+    seq a, b;
+    make_seq(&a, 1, 11, 100, 20); /* 3 blocks */
+    make_seq(&b, 2, 11, 300, 20); /* 3 blocks */
+    sched_add(&e.s, &a);
+    sched_add(&e.s, &b);
+    step(&e);
+    assert_int_equal(block_pool_num_free(&e.bp), 0);
+    /* a and b have 12 tokens (3 full blocks); the next step fits, the one after
+     * needs a 4th block for a: none free, so b (admitted last) is preempted */
+    step(&e);
+    assert_int_equal(e.p.n_preempted, 0);
+    step(&e);
+    assert_int_equal(e.p.n_preempted, 1);
+    assert_ptr_equal(e.p.preempted[0], &b);
+    assert_int_equal(b.state, SEQ_WAITING);
+    assert_int_equal(b.n_computed, 0);
+    assert_int_equal(b.n_tokens, 13); /* its generated tokens are kept, recomputed later */
+    assert_int_equal(e.s.num_preemptions, 1);
+    sched_finish(&e.s, &a, 0);
+    /* b comes back and recomputes all 12 tokens */
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.p.n_items, 1);
+    assert_ptr_equal(e.p.items[0].s, &b);
+    assert_int_equal(e.p.items[0].count, 13 - b.n_cached);
+    sched_commit(&e.s, &e.p);
+    sched_finish(&e.s, &b, 0);
+    assert_int_equal(block_pool_num_used(&e.bp), 0);
+    seq_free(&a);
+    seq_free(&b);
+    env_free(&e);
+}
+
+static void test_park_unpark(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 16, 4, 2, 64);
+    seq a, b;
+    make_seq(&a, 1, 10, 100, 4);
+    make_seq(&b, 2, 5, 300, 4);
+    sched_add(&e.s, &a);
+    assert_int_equal(sched_park_with_blocks(&e.s, &a), 0);
+    assert_int_equal(a.n_blocks, 3);
+    assert_int_equal(a.state, SEQ_PARKED);
+    sched_add(&e.s, &b);
+    sched_step(&e.s, &e.p); /* a is skipped while parked; b runs */
+    assert_int_equal(e.p.n_items, 1);
+    assert_ptr_equal(e.p.items[0].s, &b);
+    sched_commit(&e.s, &e.p);
+    seq_append(&b, 7);
+    /* remote KV arrived for all but the last prompt token */
+    sched_unpark(&e.s, &a, 9);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.p.n_items, 2);
+    assert_ptr_equal(e.p.items[0].s, &a);
+    assert_int_equal(e.p.items[0].start, 9);
+    assert_int_equal(e.p.items[0].count, 1);
+    assert_int_equal(e.p.items[0].logits, 1);
+    sched_commit(&e.s, &e.p);
+    assert_int_equal(a.n_hashed, 2);
+    /* finishing with keep_blocks leaves them referenced (the connector owns them) */
+    sched_finish(&e.s, &a, 1);
+    assert_int_equal(block_pool_num_used(&e.bp), 3 + b.n_blocks);
+    block_pool_release(&e.bp, a.blocks, a.n_blocks);
+    sched_finish(&e.s, &b, 0);
+    assert_int_equal(block_pool_num_used(&e.bp), 0);
+    seq_free(&a);
+    seq_free(&b);
+    env_free(&e);
+}
+
+static void test_max_num_seqs(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 64, 4, 2, 64);
+    seq q[3];
+    for (int i = 0; i < 3; i++) {
+        make_seq(&q[i], (uint64_t)i, 3, 100 * i, 4);
+        sched_add(&e.s, &q[i]);
+    }
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.p.n_items, 2);
+    assert_int_equal(e.s.n_waiting, 1);
+    sched_commit(&e.s, &e.p);
+    for (int i = 0; i < 3; i++)
+        sched_finish(&e.s, &q[i], 0);
+    assert_int_equal(block_pool_num_used(&e.bp), 0);
+    for (int i = 0; i < 3; i++)
+        seq_free(&q[i]);
+    env_free(&e);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_prefix_cache_admission),
+        cmocka_unit_test(test_preemption),      cmocka_unit_test(test_park_unpark),
+        cmocka_unit_test(test_max_num_seqs),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
