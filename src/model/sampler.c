@@ -241,32 +241,33 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
         for (int i = 0; i < V; i++)
             idx[i] = i;
         tl_sort_logits = logits;
-        if (p->top_k > 0 && p->top_k < V) {
+        int use_k = p->top_k > 0 && p->top_k < V;
+        if (use_k && p->top_k <= 64) {
             n = p->top_k;
-            if (n <= 64)
-                top_n(logits, V, n, idx); /* O(V k), best first */
-            else
-                qsort(idx, (size_t)V, sizeof *idx, cmp_desc);
-        } else if (p->top_p < 1.0f) {
-            /* the top-p prefix without sorting the vocabulary: bucket the probability mass by
-             * binary exponent, find the bucket where the running mass (best first) reaches
-             * top_p, and sort only the tokens in it and above: the prefix ends inside it */
+            top_n(logits, V, n, idx); /* O(V k), best first */
+        } else if (use_k || p->top_p < 1.0f) {
+            /* top-k (large k) or top-p without sorting the vocabulary: bucket the tokens by
+             * the binary exponent of their relative probability, walk the buckets from the
+             * best until they hold k tokens (top-k) or top_p of the mass (top-p), and sort only
+             * the tokens in those buckets: the cut falls inside the last one */
             float best = logits[0];
             for (int i = 1; i < V; i++)
                 if (logits[i] > best) best = logits[i];
-            double bucket[256] = {0};
+            double mass[256] = {0};
+            int count[256] = {0};
             float *pr = s->prob;
             for (int i = 0; i < V; i++) {
                 pr[i] = expf((logits[i] - best) / p->temperature);
                 uint32_t u;
                 memcpy(&u, &pr[i], 4);
-                bucket[u >> 23] += pr[i]; /* exponent bits (probabilities are >= 0) */
-                full_sum += pr[i];
+                mass[u >> 23] += pr[i]; /* exponent bits (probabilities are >= 0) */
+                count[u >> 23]++;
+                if (!use_k) full_sum += pr[i];
             }
-            double want = p->top_p * full_sum, cum = 0;
+            double want = use_k ? p->top_k : p->top_p * full_sum, cum = 0;
             int e = 255;
-            while (e > 0 && cum + bucket[e] < want)
-                cum += bucket[e--];
+            while (e > 0 && cum + (use_k ? count[e] : mass[e]) < want)
+                cum += use_k ? count[e--] : mass[e--];
             n = 0;
             for (int i = 0; i < V; i++) {
                 uint32_t u;
@@ -274,6 +275,7 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
                 if ((int)(u >> 23) >= e) idx[n++] = i;
             }
             qsort(idx, (size_t)n, sizeof *idx, cmp_desc);
+            if (use_k && n > p->top_k) n = p->top_k;
         }
         /* probabilities of the candidates at this temperature (idx[0] is the max when sorted) */
         float cmx = logits[idx[0]];

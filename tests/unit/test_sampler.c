@@ -79,8 +79,8 @@ static void test_distributions(void **st) {
     check_freq(&p, k3, 20000);
 }
 
-/* Large vocabulary: the top-p set (found here by a full sort in double) is exactly what is
- * sampled from. */
+/* Large vocabulary: the top-p (and top-k) set (found here by a full sort in double) is exactly what
+ * is sampled from. */
 static const float *g_l;
 static int cmp_l(const void *a, const void *b) {
     int x = *(const int *)a, y = *(const int *)b;
@@ -125,6 +125,21 @@ static void test_top_p_large_vocab(void **st) {
     }
     assert_true(set > 1);
     if (set <= 50) assert_int_equal(distinct, set); /* every member shows up */
+    sampler_free(s);
+    /* top-k with a large k (the bucketed path): only the k best ever come out */
+    p.top_p = 1.0f;
+    p.top_k = 100;
+    p.temperature = 3.0f; /* flat enough that the whole set is reachable */
+    memset(in_set, 0, sizeof in_set);
+    for (int i = 0; i < 100; i++)
+        in_set[order[i]] = 1;
+    s = sampler_init(&p, BV, NULL, 0, err, sizeof err);
+    for (int r = 0; r < 3000; r++) {
+        memcpy(w, l, sizeof l);
+        sample_result res;
+        sampler_sample(s, w, &res);
+        if (!in_set[res.token]) fail_msg("token %d sampled outside the top-100", res.token);
+    }
     sampler_free(s);
 }
 
