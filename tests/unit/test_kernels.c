@@ -133,6 +133,21 @@ static void test_vector_ops(void **st) {
     cpu_isa prev = cpu_isa_get();
     for (int n = 1; n <= 37; n += 3)
         assert_true(cpu_dot(a, b, n) == cpu_ref_dot(a, b, n));
+    /* the GQA helpers equal per-head cpu_dot / cpu_axpy, bit for bit */
+    float q[7 * 37], o1[7], yh[7 * 37], yr[7 * 37], wts[7];
+    for (int i = 0; i < 7 * 37; i++)
+        q[i] = frand(), yh[i] = yr[i] = frand();
+    for (int h = 0; h < 7; h++)
+        wts[h] = frand();
+    for (int n = 5; n <= 37; n += 16) {
+        cpu_dot_heads(o1, q, b, 7, n);
+        for (int h = 0; h < 7; h++)
+            assert_true(o1[h] == cpu_dot(q + h * n, b, n));
+        cpu_axpy_heads(yh, wts, a, 7, n);
+        for (int h = 0; h < 7; h++)
+            cpu_axpy(yr + h * n, wts[h], a, n);
+        assert_memory_equal(yh, yr, sizeof(float) * 7 * (size_t)n);
+    }
     cpu_axpy(y1, 0.37f, a, 37);
     cpu_ref_axpy(y2, 0.37f, a, 37);
     assert_memory_equal(y1, y2, sizeof y1);

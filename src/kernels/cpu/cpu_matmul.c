@@ -14,7 +14,7 @@
 #include <string.h>
 
 #define ROWS_PER_TASK   16 /* weight rows per task (4 panels of 4) */
-#define TOKENS_PER_TASK 64
+#define TOKENS_PER_TASK 96
 #define PREFETCH_GROUPS 2 /* extra 4-row groups of prefetch distance in decode */
 
 /* ---- ISA selection ------------------------------------------------------ */
@@ -271,6 +271,40 @@ void cpu_axpy(float *y, float a, const float *x, int n) {
                          _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++)
         y[i] = __builtin_fmaf(a, x[i], y[i]);
+}
+
+void cpu_dot_heads(float *out, const float *q, const float *k, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        for (int h = 0; h < m; h++)
+            out[h] = cpu_ref_dot(q + (size_t)h * n, k, n);
+        return;
+    }
+    for (int h = 0; h < m; h++) {
+        const float *a = q + (size_t)h * n;
+        __m256 acc = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(k + i), acc);
+        out[h] = finish(acc, a, k, CPU_F32, 0, i, n, NULL, 0);
+    }
+}
+
+void cpu_axpy_heads(float *y, const float *a, const float *x, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        for (int h = 0; h < m; h++)
+            cpu_ref_axpy(y + (size_t)h * n, a[h], x, n);
+        return;
+    }
+    for (int h = 0; h < m; h++) {
+        float *yh = y + (size_t)h * n;
+        __m256 av = _mm256_set1_ps(a[h]);
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(yh + i,
+                             _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(yh + i)));
+        for (; i < n; i++)
+            yh[i] = __builtin_fmaf(a[h], x[i], yh[i]);
+    }
 }
 
 void cpu_row_to_f32(float *out, const void *row, cpu_dtype dt, int n) {

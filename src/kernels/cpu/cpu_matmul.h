@@ -40,6 +40,11 @@ void cpu_matmul(cpu_pool *pool, float *y, const float *x, const void *w, cpu_dty
 float cpu_dot(const float *a, const float *b, int n);
 /* y[i] = fma(a, x[i], y[i]) for i < n. */
 void cpu_axpy(float *y, float a, const float *x, int n);
+/* Attention helpers for m query heads that share one key/value row (GQA), each head's
+ * result equal to cpu_dot / cpu_axpy on its own:
+ * out[h] = dot(q (m, n) row h, k (n));  y (m, n) row h += a[h] * x (n). */
+void cpu_dot_heads(float *out, const float *q, const float *k, int m, int n);
+void cpu_axpy_heads(float *y, const float *a, const float *x, int m, int n);
 /* out (n) = row (n) of dtype dt converted to f32. */
 void cpu_row_to_f32(float *out, const void *row, cpu_dtype dt, int n);
 
