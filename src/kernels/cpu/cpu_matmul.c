@@ -15,7 +15,9 @@
 
 #define ROWS_PER_TASK   16 /* weight rows per task (4 panels of 4) */
 #define TOKENS_PER_TASK 96
+#ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 2 /* extra 4-row groups of prefetch distance in decode */
+#endif
 
 /* ---- ISA selection ------------------------------------------------------ */
 
