@@ -326,9 +326,10 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
         /* attention block */
         for (int t = 0; t < T; t++)
             rmsnorm(s->xb + (size_t)t * h, s->x + (size_t)t * h, L->attn_norm, h, c->rms_norm_eps);
-        cpu_matmul(s->pool, s->q, s->xb, L->wq.data, L->wq.dtype, L->bq, T, h, h);
-        cpu_matmul(s->pool, s->k, s->xb, L->wk.data, L->wk.dtype, L->bk, T, kvd, h);
-        cpu_matmul(s->pool, s->v, s->xb, L->wv.data, L->wv.dtype, L->bv, T, kvd, h);
+        cpu_matmul_op qkv[3] = {{s->q, s->xb, L->wq.data, L->wq.dtype, L->bq, T, h, h},
+                                {s->k, s->xb, L->wk.data, L->wk.dtype, L->bk, T, kvd, h},
+                                {s->v, s->xb, L->wv.data, L->wv.dtype, L->bv, T, kvd, h}};
+        cpu_matmul_batch(s->pool, qkv, 3);
         for (int t = 0; t < T; t++) {
             float pos = (float)s->tok_pos[t];
             for (int i = 0; i < half; i++) {
@@ -352,8 +353,9 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
         /* MLP block */
         for (int t = 0; t < T; t++)
             rmsnorm(s->xb + (size_t)t * h, s->x + (size_t)t * h, L->mlp_norm, h, c->rms_norm_eps);
-        cpu_matmul(s->pool, s->hb, s->xb, L->w_gate.data, L->w_gate.dtype, NULL, T, I, h);
-        cpu_matmul(s->pool, s->hb2, s->xb, L->w_up.data, L->w_up.dtype, NULL, T, I, h);
+        cpu_matmul_op gate_up[2] = {{s->hb, s->xb, L->w_gate.data, L->w_gate.dtype, NULL, T, I, h},
+                                    {s->hb2, s->xb, L->w_up.data, L->w_up.dtype, NULL, T, I, h}};
+        cpu_matmul_batch(s->pool, gate_up, 2);
         act_job mj = {s->hb, s->hb2, I};
         cpu_pool_run(s->pool, T, act_task, &mj);
         cpu_matmul(s->pool, s->xb, s->hb, L->w_down.data, L->w_down.dtype, NULL, T, h, I);

@@ -231,23 +231,56 @@ static void mm_task(void *ctx, int task) {
     }
 }
 
-void cpu_matmul(cpu_pool *pool, float *y, const float *x, const void *w, cpu_dtype wt,
-                const float *bias, int T, int N, int K) {
-    if (T <= 0 || N <= 0) return;
+typedef struct mm_multi {
+    mm_job jobs[CPU_MATMUL_MAX_OPS];   /* one per op */
+    int first[CPU_MATMUL_MAX_OPS + 1]; /* first task of each op; first[n] = total */
+    int n;                             /* ops */
+} mm_multi;
+
+static void mm_multi_task(void *ctx, int task) {
+    const mm_multi *m = ctx;
+    int o = 0;
+    while (task >= m->first[o + 1])
+        o++;
+    mm_task((void *)&m->jobs[o], task - m->first[o]);
+}
+
+void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
     if (cpu_isa_get() == CPU_ISA_SCALAR) {
-        cpu_ref_matmul(y, x, w, wt, bias, T, N, K);
+        for (int i = 0; i < n_ops; i++)
+            if (ops[i].T > 0 && ops[i].N > 0)
+                cpu_ref_matmul(ops[i].y, ops[i].x, ops[i].w, ops[i].wt, ops[i].bias, ops[i].T,
+                               ops[i].N, ops[i].K);
         return;
     }
-    /* decode-sized batches stream weights: few long contiguous row ranges per thread keep
-     * the hardware prefetchers busy; larger batches use short panels (cache reuse) */
-    int rpt = ROWS_PER_TASK;
-    if (T <= 2) {
-        int per = (N + cpu_pool_threads(pool) * 8 - 1) / (cpu_pool_threads(pool) * 8);
-        rpt = per > rpt ? (per + 3) & ~3 : rpt;
+    for (int base = 0; base < n_ops; base += CPU_MATMUL_MAX_OPS) {
+        mm_multi m = {.n = 0};
+        int total = 0;
+        for (int i = base; i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
+            const cpu_matmul_op *op = &ops[i];
+            if (op->T <= 0 || op->N <= 0) continue;
+            /* decode-sized batches stream weights: few long contiguous row ranges per thread
+             * keep the hardware prefetchers busy; larger batches use short panels (reuse) */
+            int rpt = ROWS_PER_TASK;
+            if (op->T <= 2) {
+                int per = (op->N + cpu_pool_threads(pool) * 8 - 1) / (cpu_pool_threads(pool) * 8);
+                rpt = per > rpt ? (per + 3) & ~3 : rpt;
+            }
+            mm_job *j = &m.jobs[m.n];
+            *j = (mm_job){op->y, op->x, op->w, op->wt, op->bias,
+                          op->T, op->N, op->K, rpt,    (op->N + rpt - 1) / rpt};
+            m.first[m.n++] = total;
+            total += j->row_tasks * ((op->T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK);
+        }
+        m.first[m.n] = total;
+        cpu_pool_run(pool, total, mm_multi_task, &m);
     }
-    mm_job j = {y, x, w, wt, bias, T, N, K, rpt, (N + rpt - 1) / rpt};
-    int token_tasks = (T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK;
-    cpu_pool_run(pool, j.row_tasks * token_tasks, mm_task, &j);
+}
+
+void cpu_matmul(cpu_pool *pool, float *y, const float *x, const void *w, cpu_dtype wt,
+                const float *bias, int T, int N, int K) {
+    cpu_matmul_op op = {y, x, w, wt, bias, T, N, K};
+    cpu_matmul_batch(pool, &op, 1);
 }
 
 /* ---- vector helpers ----------------------------------------------------- */
