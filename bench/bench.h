@@ -7,5 +7,6 @@
 
 int bench_transfer_main(int argc, char **argv); /* transfer_bench.c */
 int bench_model_main(int argc, char **argv);    /* model_bench.c */
+int bench_serve_main(int argc, char **argv);    /* serve_bench.c: vllm bench serve */
 
 #endif

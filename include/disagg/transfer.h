@@ -77,7 +77,7 @@ typedef struct transfer_config {
     /* Comma-separated whitelist of local interfaces ("eth0,eth1"); NULL/"" = all
      * non-loopback interfaces that are up (loopback if nothing else). */
     const char *device_name;
-    /* tcp: connections (lanes) per peer and per path; 0 = default (4). */
+    /* tcp: connections (lanes) per peer and per path; 0 = default (2). */
     int lanes;
     /* tcp: requests larger than this are striped across lanes; 0 = 1 MiB. */
     size_t stripe_bytes;

@@ -224,9 +224,15 @@ static void finish(engine *e, ereq *r, const char *reason, int32_t stop_token, c
         e->n_parkwait--;
     }
     if (r->loading) {
-        /* A transfer may still be writing into its blocks: tell the client now,
-         * free the blocks when the connector reports the load ended. */
-        if (!r->zombie) emit_finish(e, r, reason, stop_token, error);
+        /* A transfer may still be writing into its blocks: tell the client and
+         * the connector (it cancels the pull) now, free the blocks when the
+         * connector reports the load ended (engine_kv_load_done). */
+        if (!r->zombie) {
+            emit_finish(e, r, reason, stop_token, error);
+            if (e->conn.request_finished)
+                e->conn.request_finished(e->conn.ctx, r->kv_handle, r->s.id, reason, NULL, 0,
+                                         r->s.n_prompt, 0);
+        }
         r->zombie = 1;
         return;
     }
@@ -314,7 +320,8 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
         }
         r->s.no_prefix_cache = 1; /* every prompt position must produce logits */
         r->s.max_chunk = PROMPT_LOGPROBS_CHUNK;
-        r->prompt_lp_done = 1; /* position 0 has no logprob */
+        r->prompt_lp_done = 1; /* position 0 has no logprob, only its id */
+        r->prompt_lp[0].id = p->prompt[0];
     }
     r->fn = fn;
     r->ctx = ctx;
@@ -737,6 +744,8 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -ENOMEM;
         goto fail;
     }
+    /* Huge pages: fewer page pins for every KV transfer (shm and tcp) and fewer TLB misses. */
+    madvise(base, e->kv_bytes, MADV_HUGEPAGE);
     e->kv.base = base;
     e->kv.n_blocks = (int)nblocks;
     e->kv.block_size = c.block_size;

@@ -11,7 +11,9 @@
  *   start_load()        consumer: blocks are allocated; pull the remote KV into
  *                       them, then engine_kv_load_done().
  *   request_finished()  producer: the request ended; if keep, its blocks stay
- *                       referenced until engine_kv_release(id).
+ *                       referenced until engine_kv_release(id).  Consumer: the
+ *                       request was aborted while loading (cancel the pull;
+ *                       engine_kv_load_done() must still follow).
  *   request_released()  the engine is done with the request's handle.
  */
 #ifndef DISAGG_ENGINE_KV_CONNECTOR_H
@@ -39,7 +41,7 @@ typedef struct engine_kv_connector {
                        int n_local_tokens, int n_prompt);
     /* Producer: the request ended ("stop", "length", "abort", "error").  When
      * keep is set its blocks (n_blocks) stay allocated until
-     * engine_kv_release(id). */
+     * engine_kv_release(id).  Consumer: aborted during its load (blocks NULL). */
     void (*request_finished)(void *ctx, void *handle, uint64_t id, const char *finish_reason,
                              const int32_t *blocks, int n_blocks, int n_prompt, int keep);
     /* The engine forgets the request (after finish or abort); free handle. */

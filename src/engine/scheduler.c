@@ -264,7 +264,11 @@ void sched_finish(scheduler *s, seq *q, int keep_blocks) {
         else
             s->n_parked--;
     }
-    if (!keep_blocks && q->state != SEQ_FINISHED) drop_blocks(s, q);
+    if (!keep_blocks && q->state != SEQ_FINISHED) {
+        int cached = q->n_cached; /* kept for the request's usage report */
+        drop_blocks(s, q);
+        q->n_cached = cached;
+    }
     q->state = SEQ_FINISHED;
 }
 

@@ -123,6 +123,15 @@ static char *describe(void *ctx) {
     return json;
 }
 
+/* The handshake port is bound: name the segment before anyone can ask for it. */
+static void rpc_bound(void *ctx, uint16_t port) {
+    transfer_engine *e = ctx;
+    e->rpc_port = port;
+    net_addr adv;
+    net_resolve(e->hostname, port, &adv);
+    net_addr_format(&adv, e->segment_name, sizeof e->segment_name);
+}
+
 static int choose_hostname(transfer_engine *e, const transfer_config *cfg) {
     const char *h =
         cfg->local_hostname && *cfg->local_hostname ? cfg->local_hostname : getenv("VLLM_HOST_IP");
@@ -209,11 +218,8 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     }
     if (rc != 0) goto fail_early;
     net_addr_set_port(&any, cfg->rpc_port);
-    if ((rc = handshake_server_start(&any, describe, e, &e->hs, &e->rpc_port)) != 0) goto fail;
+    if ((rc = handshake_server_start(&any, describe, rpc_bound, e, &e->hs)) != 0) goto fail;
     if ((rc = shm_pool_create(e, SHM_THREADS, shm_refused_cb, e, &e->shm)) != 0) goto fail;
-    net_addr adv;
-    net_resolve(e->hostname, e->rpc_port, &adv);
-    net_addr_format(&adv, e->segment_name, sizeof e->segment_name);
     LOG_D(MOD, "engine %s up (tcp data port %u, %d interface address(es))", e->segment_name,
           e->data_port, e->nifaces);
     *out = e;

@@ -163,8 +163,8 @@ static void *server_main(void *arg) {
     return NULL;
 }
 
-int handshake_server_start(const net_addr *addr, handshake_describe_fn describe, void *ctx,
-                           handshake_server **out, uint16_t *port) {
+int handshake_server_start(const net_addr *addr, handshake_describe_fn describe,
+                           handshake_bound_fn bound_fn, void *ctx, handshake_server **out) {
     handshake_server *s = calloc(1, sizeof *s);
     if (!s) return TRANSFER_ENOMEM;
     s->describe = describe;
@@ -182,7 +182,7 @@ int handshake_server_start(const net_addr *addr, handshake_describe_fn describe,
     s->stop_fd = eventfd(0, EFD_CLOEXEC);
     net_addr bound;
     net_local_addr(s->listen_fd, &bound);
-    *port = net_addr_port(&bound);
+    if (bound_fn) bound_fn(ctx, net_addr_port(&bound)); /* before any client can be served */
     if (s->stop_fd < 0 || pthread_create(&s->thread, NULL, server_main, s) != 0) {
         close(s->listen_fd);
         if (s->stop_fd >= 0) close(s->stop_fd);

@@ -27,9 +27,12 @@ typedef struct handshake_server handshake_server;
 /* describe(ctx) returns this engine's descriptor as malloc'd JSON. */
 typedef char *(*handshake_describe_fn)(void *ctx);
 
-/* Listen on addr (port 0 = ephemeral); the bound port goes to *port. */
-int handshake_server_start(const net_addr *addr, handshake_describe_fn describe, void *ctx,
-                           handshake_server **out, uint16_t *port);
+/* bound(ctx, port) learns the bound port before the first client is served. */
+typedef void (*handshake_bound_fn)(void *ctx, uint16_t port);
+
+/* Listen on addr (port 0 = ephemeral) and serve on a thread. */
+int handshake_server_start(const net_addr *addr, handshake_describe_fn describe,
+                           handshake_bound_fn bound, void *ctx, handshake_server **out);
 void handshake_server_stop(handshake_server *s);
 
 /* Encode a frame header; validate one (0, or TRANSFER_EPROTO if the length is

@@ -19,6 +19,8 @@
 #define GATHER_BYTES (8u << 20) /* payload bytes per sendmsg */
 #define RBUF         4096       /* receiver's buffer for status words */
 #define DIRECT_MIN   2048       /* READ payload at least this goes straight to memory */
+#define INLINE_SEND_MAX                                                                            \
+    (64u << 10) /* WRITEs up to this are sent by the submitter on an idle lane */
 
 typedef struct lane {
     struct tcp_client *cl;
@@ -61,6 +63,9 @@ static void lane_enqueue_locked(lane *l, xfer_op *op) {
     l->q_tail = op;
 }
 
+static void lane_flush_locked(lane *l, uint8_t (*hdrs)[TCP_HEADER_LEN], struct iovec *iov,
+                              int max_ops);
+
 static void lane_push(lane *l, xfer_op *op) {
     pthread_mutex_lock(&l->mu);
     if (l->stop) {
@@ -68,8 +73,18 @@ static void lane_push(lane *l, xfer_op *op) {
         engine_op_done(l->cl->e, op, TRANSFER_ECANCELED);
         return;
     }
+    int idle = !l->q_head && !l->f_head && !l->sending && !l->broken && l->fd >= 0;
     lane_enqueue_locked(l, op);
-    pthread_cond_signal(&l->send_cv);
+    if (idle && (op->opcode == TRANSFER_READ || op->len <= INLINE_SEND_MAX)) {
+        /* An idle connected lane: send from this thread, saving the sender's
+         * wakeup on the latency path (the socket buffer is empty, so a small
+         * request does not block). */
+        uint8_t hdrs[1][TCP_HEADER_LEN];
+        struct iovec iov[2];
+        lane_flush_locked(l, hdrs, iov, 1);
+    } else {
+        pthread_cond_signal(&l->send_cv);
+    }
     pthread_mutex_unlock(&l->mu);
 }
 
@@ -107,6 +122,64 @@ static void lane_break_locked(lane *l, uint32_t epoch) {
     pthread_cond_broadcast(&l->recv_cv);
 }
 
+/* Caller holds l->mu, the lane is connected and nobody else is sending:
+ * gather queued ops into one sendmsg and send it (the lock is dropped while
+ * writing); returns with l->mu held. */
+static void lane_flush_locked(lane *l, uint8_t (*hdrs)[TCP_HEADER_LEN], struct iovec *iov,
+                              int max_ops) {
+    tcp_client *c = l->cl;
+    const tcp_path *p = &c->paths[l->path];
+    /* Gather queued ops; cancelled ones end here without being sent. */
+    int n = 0, niov = 0;
+    size_t bytes = 0;
+    uint64_t deadline = UINT64_MAX;
+    xfer_op *canceled = NULL;
+    while (l->q_head && n < max_ops && bytes < GATHER_BYTES) {
+        xfer_op *op = l->q_head;
+        l->q_head = op->next;
+        if (!l->q_head) l->q_tail = NULL;
+        if (engine_op_canceled(op)) {
+            op->next = canceled;
+            canceled = op;
+            continue;
+        }
+        op->next = NULL;
+        if (l->f_tail)
+            l->f_tail->next = op;
+        else
+            l->f_head = op;
+        l->f_tail = op;
+        tcp_header_encode(hdrs[n], op->len, op->remote, (uint8_t)(TCP_OP_V2 | op->opcode));
+        iov[niov++] = (struct iovec){hdrs[n], TCP_HEADER_LEN};
+        if (op->opcode == TRANSFER_WRITE) {
+            iov[niov++] = (struct iovec){op->local, op->len};
+            bytes += op->len;
+        }
+        if (op->deadline_ns < deadline) deadline = op->deadline_ns;
+        n++;
+    }
+    int fd = l->fd;
+    uint32_t epoch = l->epoch;
+    if (n > 0) pthread_cond_broadcast(&l->recv_cv);
+    l->sending = 1;
+    pthread_mutex_unlock(&l->mu);
+    while (canceled) {
+        xfer_op *nx = canceled->next;
+        engine_op_done(c->e, canceled, TRANSFER_ECANCELED);
+        canceled = nx;
+    }
+    int rc = n ? net_writev_all(fd, iov, niov, deadline) : 0;
+    if (rc == 0) atomic_fetch_add(&c->path_bytes[l->path], bytes);
+    pthread_mutex_lock(&l->mu);
+    l->sending = 0;
+    pthread_cond_broadcast(&l->recv_cv);
+    if (rc != 0) {
+        LOG_D(MOD, "send on %s failed: %s", p->label, strerror(-rc));
+        lane_break_locked(l, epoch);
+    }
+    if (l->q_head) pthread_cond_signal(&l->send_cv);
+}
+
 static void *sender_main(void *arg) {
     lane *l = arg;
     tcp_client *c = l->cl;
@@ -115,7 +188,7 @@ static void *sender_main(void *arg) {
     struct iovec iov[GATHER_OPS * 2];
     pthread_mutex_lock(&l->mu);
     while (!l->stop) {
-        if (!l->q_head || l->broken) {
+        if (!l->q_head || l->broken || l->sending) {
             pthread_cond_wait(&l->send_cv, &l->mu);
             continue;
         }
@@ -148,54 +221,7 @@ static void *sender_main(void *arg) {
             l->roff = l->rlen = 0;
             pthread_cond_broadcast(&l->recv_cv);
         }
-        /* Gather queued ops; cancelled ones end here without being sent. */
-        int n = 0, niov = 0;
-        size_t bytes = 0;
-        uint64_t deadline = UINT64_MAX;
-        xfer_op *canceled = NULL;
-        while (l->q_head && n < GATHER_OPS && bytes < GATHER_BYTES) {
-            xfer_op *op = l->q_head;
-            l->q_head = op->next;
-            if (!l->q_head) l->q_tail = NULL;
-            if (engine_op_canceled(op)) {
-                op->next = canceled;
-                canceled = op;
-                continue;
-            }
-            op->next = NULL;
-            if (l->f_tail)
-                l->f_tail->next = op;
-            else
-                l->f_head = op;
-            l->f_tail = op;
-            tcp_header_encode(hdrs[n], op->len, op->remote, (uint8_t)(TCP_OP_V2 | op->opcode));
-            iov[niov++] = (struct iovec){hdrs[n], TCP_HEADER_LEN};
-            if (op->opcode == TRANSFER_WRITE) {
-                iov[niov++] = (struct iovec){op->local, op->len};
-                bytes += op->len;
-            }
-            if (op->deadline_ns < deadline) deadline = op->deadline_ns;
-            n++;
-        }
-        int fd = l->fd;
-        uint32_t epoch = l->epoch;
-        if (n > 0) pthread_cond_broadcast(&l->recv_cv);
-        l->sending = 1;
-        pthread_mutex_unlock(&l->mu);
-        while (canceled) {
-            xfer_op *nx = canceled->next;
-            engine_op_done(c->e, canceled, TRANSFER_ECANCELED);
-            canceled = nx;
-        }
-        int rc = n ? net_writev_all(fd, iov, niov, deadline) : 0;
-        if (rc == 0) atomic_fetch_add(&c->path_bytes[l->path], bytes);
-        pthread_mutex_lock(&l->mu);
-        l->sending = 0;
-        pthread_cond_broadcast(&l->recv_cv);
-        if (rc != 0) {
-            LOG_D(MOD, "send on %s failed: %s", p->label, strerror(-rc));
-            lane_break_locked(l, epoch);
-        }
+        lane_flush_locked(l, hdrs, iov, GATHER_OPS);
     }
     pthread_mutex_unlock(&l->mu);
     return NULL;
@@ -276,8 +302,23 @@ static void *receiver_main(void *arg) {
             continue;
         }
         if (l->stop) break;
-        if (!l->f_head || l->fd < 0) {
+        if (l->fd < 0) {
             pthread_cond_wait(&l->recv_cv, &l->mu);
+            continue;
+        }
+        if (!l->f_head) {
+            /* Connected and idle: wait on the socket itself, so that the reply
+             * to the next request wakes this thread once (the sender need not
+             * wake it first).  Readable with nothing in flight means EOF or
+             * unsolicited bytes: the connection goes. */
+            int fd = l->fd;
+            uint32_t epoch = l->epoch;
+            pthread_mutex_unlock(&l->mu);
+            struct pollfd pf = {.fd = fd, .events = POLLIN};
+            int pr = poll(&pf, 1, 100);
+            pthread_mutex_lock(&l->mu);
+            if (pr > 0 && !l->f_head && l->epoch == epoch && l->roff == l->rlen)
+                lane_break_locked(l, epoch);
             continue;
         }
         xfer_op *op = l->f_head;

@@ -1,0 +1,721 @@
+/*
+ * serve_bench — `disagg bench serve`: the equivalent of `vllm bench serve` against any
+ * OpenAI-compatible endpoint.  Random dataset (prompts of --random-input-len random
+ * common English words, which BPE tokenizers encode as about one token each; the token
+ * counts reported are the server's usage numbers, not the word counts), requests sent at
+ * --request-rate (Poisson, or gamma with --burstiness) and/or under --max-concurrency,
+ * each streamed (SSE, stream_options.include_usage) on its own connection from one
+ * libevent loop.  Measures TTFT (first content chunk), ITL (between content chunks),
+ * TPOT ((e2e - ttft) / (output tokens - 1)) and end-to-end latency; prints mean, median,
+ * p90, p99, throughput and goodput, and writes them as JSON with --json FILE.
+ */
+#include "bench/bench.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct sb_opts {
+    char host[256];       /* from --base-url */
+    int port;             /* from --base-url */
+    const char *base_url; /* --base-url */
+    const char *endpoint; /* --endpoint */
+    const char *model;    /* --model, NULL: the first of GET /v1/models */
+    int input_len;        /* --random-input-len */
+    int output_len;       /* --random-output-len */
+    double range_ratio;   /* --random-range-ratio: lengths uniform in [L(1-r), L(1+r)] */
+    int num_prompts;      /* --num-prompts */
+    double rate;          /* --request-rate, INFINITY = all at once */
+    double burstiness;    /* --burstiness (gamma shape; 1 = Poisson) */
+    int max_concurrency;  /* --max-concurrency, 0 = unlimited */
+    int ignore_eos;       /* --ignore-eos */
+    uint64_t seed;        /* --seed */
+    double goodput_ttft_ms, goodput_tpot_ms, goodput_e2el_ms; /* --goodput, 0 = unset */
+    const char *json_path;                                    /* --json */
+    const char *api_key;                                      /* OPENAI_API_KEY */
+    int progress;                                             /* progress bar on a tty */
+} sb_opts;
+
+typedef struct sb_req {
+    struct sb_run *run;             /* owner */
+    int index;                      /* request number */
+    char *body;                     /* JSON request body */
+    int in_len, out_len;            /* requested lengths (words / max_tokens) */
+    struct evhttp_connection *conn; /* its connection */
+    double t_start;                 /* seconds, monotonic */
+    double t_first;                 /* first content chunk, 0 = none yet */
+    double t_last;                  /* latest content chunk */
+    double t_end;                   /* completion */
+    double *itl;                    /* (n_itl) inter-chunk gaps */
+    int n_itl, cap_itl;
+    int prompt_tokens, output_tokens; /* from usage */
+    int ok;                           /* finished with [DONE] and HTTP 200 */
+    char err[256];                    /* why it failed */
+    char *sse;                        /* unparsed SSE bytes */
+    size_t sse_len;
+} sb_req;
+
+typedef struct sb_run {
+    sb_opts *o;
+    struct event_base *base;
+    sb_req *reqs; /* (num_prompts) */
+    int next;     /* next request to send */
+    int in_flight, done;
+    double t0;           /* benchmark start */
+    struct event *timer; /* next arrival */
+    int waiting_slot;    /* a send is due but max_concurrency is reached */
+} sb_run;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* ---- random numbers (splitmix64) ------------------------------------------------- */
+
+static uint64_t g_rng;
+static uint64_t rng_u64(void) {
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double rng_unit(void) {
+    return ((rng_u64() >> 11) + 0.5) / 9007199254740992.0;
+}
+
+/* Gamma(shape k, scale 1) by Marsaglia-Tsang. */
+static double rng_gamma(double k) {
+    if (k < 1) return rng_gamma(k + 1) * pow(rng_unit(), 1 / k);
+    double d = k - 1.0 / 3, c = 1 / sqrt(9 * d);
+    for (;;) {
+        double x, v;
+        do {
+            double u1 = rng_unit(), u2 = rng_unit();
+            x = sqrt(-2 * log(u1)) * cos(2 * M_PI * u2);
+            v = 1 + c * x;
+        } while (v <= 0);
+        v = v * v * v;
+        double u = rng_unit();
+        if (log(u) < 0.5 * x * x + d - d * v + d * log(v)) return d * v;
+    }
+}
+
+static const char *WORDS[] = {
+    "the",     "of",     "and",   "to",     "in",     "a",     "that",     "is",         "for",
+    "it",      "as",     "was",   "with",   "be",     "by",    "on",       "not",        "he",
+    "this",    "are",    "or",    "his",    "from",   "at",    "which",    "but",        "have",
+    "an",      "had",    "they",  "you",    "were",   "their", "one",      "all",        "we",
+    "can",     "her",    "has",   "there",  "been",   "if",    "more",     "when",       "will",
+    "would",   "who",    "so",    "no",     "people", "time",  "year",     "government", "world",
+    "country", "nation", "state", "work",   "new",    "great", "American", "Congress",   "America",
+    "years",   "our",    "must",  "should", "law"};
+#define NWORDS (sizeof WORDS / sizeof WORDS[0])
+
+static int sb_len(int l, double r) {
+    int lo = (int)floor(l * (1 - r)), hi = (int)ceil(l * (1 + r));
+    if (lo < 1) lo = 1;
+    if (hi < lo) hi = lo;
+    return lo + (int)(rng_u64() % (uint64_t)(hi - lo + 1));
+}
+
+static char *sb_make_body(const sb_opts *o, const char *model, int in_len, int out_len) {
+    size_t cap = (size_t)in_len * 16 + 64, n = 0;
+    char *text = malloc(cap);
+    if (!text) return NULL;
+    for (int i = 0; i < in_len; i++) {
+        const char *w = WORDS[rng_u64() % NWORDS];
+        n += (size_t)snprintf(text + n, cap - n, "%s%s", i ? " " : "", w);
+    }
+    json_t *b = json_pack("{s:s,s:i,s:b,s:{s:b},s:f}", "model", model, "max_tokens", out_len,
+                          "stream", 1, "stream_options", "include_usage", 1, "temperature", 0.0);
+    if (o->ignore_eos) json_object_set_new(b, "ignore_eos", json_true());
+    if (strstr(o->endpoint, "chat"))
+        json_object_set_new(b, "messages",
+                            json_pack("[{s:s,s:s}]", "role", "user", "content", text));
+    else
+        json_object_set_new(b, "prompt", json_string(text));
+    free(text);
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+/* ---- one request ------------------------------------------------------------------ */
+
+static void sb_send_due(sb_run *run);
+
+static void sb_on_event(sb_req *q, const char *data, size_t n) {
+    if (n == 6 && !memcmp(data, "[DONE]", 6)) {
+        q->ok = 1;
+        return;
+    }
+    json_t *j = json_loadb(data, n, 0, NULL);
+    if (!j) return;
+    json_t *usage = json_object_get(j, "usage");
+    if (json_is_object(usage)) {
+        q->prompt_tokens = (int)json_integer_value(json_object_get(usage, "prompt_tokens"));
+        q->output_tokens = (int)json_integer_value(json_object_get(usage, "completion_tokens"));
+    }
+    json_t *err = json_object_get(j, "error");
+    if (err)
+        snprintf(q->err, sizeof q->err, "%s", json_string_value(json_object_get(err, "message")));
+    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+    const char *text = NULL;
+    if (ch) {
+        json_t *t = json_object_get(ch, "text");
+        if (!t) t = json_object_get(json_object_get(ch, "delta"), "content");
+        text = json_string_value(t);
+    }
+    if (text && *text) {
+        double t = now_s();
+        if (q->t_first == 0)
+            q->t_first = t;
+        else {
+            if (q->n_itl == q->cap_itl) {
+                q->cap_itl = q->cap_itl ? q->cap_itl * 2 : 64;
+                q->itl = realloc(q->itl, (size_t)q->cap_itl * sizeof *q->itl);
+            }
+            q->itl[q->n_itl++] = t - q->t_last;
+        }
+        q->t_last = t;
+    }
+    json_decref(j);
+}
+
+static void sb_on_chunk(struct evhttp_request *req, void *arg) {
+    sb_req *q = arg;
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t n = evbuffer_get_length(in);
+    q->sse = realloc(q->sse, q->sse_len + n + 1);
+    evbuffer_remove(in, q->sse + q->sse_len, n);
+    q->sse_len += n;
+    size_t start = 0;
+    for (size_t i = 0; i + 1 < q->sse_len; i++) {
+        if (q->sse[i] == '\n' && q->sse[i + 1] == '\n') {
+            if (i - start >= 6 && !memcmp(q->sse + start, "data: ", 6))
+                sb_on_event(q, q->sse + start + 6, i - start - 6);
+            start = i + 2;
+            i++;
+        }
+    }
+    memmove(q->sse, q->sse + start, q->sse_len - start);
+    q->sse_len -= start;
+}
+
+static void sb_progress(sb_run *run) {
+    if (!run->o->progress) return;
+    int w = 40, done = run->done, n = run->o->num_prompts;
+    int fill = n ? done * w / n : w;
+    fprintf(stderr, "\r[%.*s%*s] %d/%d requests, %.1f s", fill,
+            "########################################", w - fill, "", done, n, now_s() - run->t0);
+    if (done == n) fputc('\n', stderr);
+}
+
+static void sb_on_done(struct evhttp_request *req, void *arg) {
+    sb_req *q = arg;
+    sb_run *run = q->run;
+    q->t_end = now_s();
+    if (!req) {
+        snprintf(q->err, sizeof q->err, "connection failed");
+        q->ok = 0;
+    } else if (evhttp_request_get_response_code(req) != 200) {
+        if (!q->err[0])
+            snprintf(q->err, sizeof q->err, "HTTP %d", evhttp_request_get_response_code(req));
+        q->ok = 0;
+    } else {
+        sb_on_chunk(req, q); /* anything left */
+        if (q->err[0])
+            q->ok = 0;
+        else if (!q->ok)
+            snprintf(q->err, sizeof q->err, "stream ended without [DONE]");
+    }
+    run->in_flight--;
+    run->done++;
+    sb_progress(run);
+    if (run->done == run->o->num_prompts)
+        event_base_loopexit(run->base, NULL);
+    else if (run->waiting_slot)
+        sb_send_due(run);
+}
+
+static void sb_send(sb_run *run, sb_req *q) {
+    const sb_opts *o = run->o;
+    q->conn = evhttp_connection_base_new(run->base, NULL, o->host, (unsigned short)o->port);
+    evhttp_connection_set_timeout(q->conn, 3600);
+    struct evhttp_request *req = evhttp_request_new(sb_on_done, q);
+    evhttp_request_set_chunked_cb(req, sb_on_chunk);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    char hostport[300];
+    snprintf(hostport, sizeof hostport, "%s:%d", o->host, o->port);
+    evhttp_add_header(h, "Host", hostport);
+    evhttp_add_header(h, "Content-Type", "application/json");
+    if (o->api_key) {
+        char auth[512];
+        snprintf(auth, sizeof auth, "Bearer %s", o->api_key);
+        evhttp_add_header(h, "Authorization", auth);
+    }
+    evbuffer_add(evhttp_request_get_output_buffer(req), q->body, strlen(q->body));
+    q->t_start = now_s();
+    run->in_flight++;
+    evhttp_make_request(q->conn, req, EVHTTP_REQ_POST, o->endpoint);
+}
+
+/* Arrival times are precomputed offsets; send every request whose time has come. */
+static double *g_arrival;
+
+static void sb_on_timer(evutil_socket_t fd, short what, void *arg) {
+    sb_send_due(arg);
+}
+
+static void sb_send_due(sb_run *run) {
+    const sb_opts *o = run->o;
+    run->waiting_slot = 0;
+    while (run->next < o->num_prompts) {
+        double due = run->t0 + g_arrival[run->next], t = now_s();
+        if (due > t) {
+            double d = due - t;
+            struct timeval tv = {(long)d, (long)((d - floor(d)) * 1e6)};
+            evtimer_add(run->timer, &tv);
+            return;
+        }
+        if (o->max_concurrency > 0 && run->in_flight >= o->max_concurrency) {
+            run->waiting_slot = 1;
+            return;
+        }
+        sb_send(run, &run->reqs[run->next++]);
+    }
+}
+
+/* ---- statistics ---------------------------------------------------------------------- */
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct sb_stat {
+    double mean, median, p90, p99, std;
+} sb_stat;
+
+/* Linear-interpolated percentiles, as numpy.percentile. */
+static sb_stat sb_stats(double *v, int n) {
+    sb_stat s = {0, 0, 0, 0, 0};
+    if (n == 0) return s;
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += v[i];
+    s.mean = sum / n;
+    double var = 0;
+    for (int i = 0; i < n; i++)
+        var += (v[i] - s.mean) * (v[i] - s.mean);
+    s.std = sqrt(var / n);
+    double ps[3] = {50, 90, 99}, *out[3] = {&s.median, &s.p90, &s.p99};
+    for (int k = 0; k < 3; k++) {
+        double pos = ps[k] / 100 * (n - 1);
+        int lo = (int)floor(pos), hi = lo + 1 < n ? lo + 1 : lo;
+        *out[k] = v[lo] + (v[hi] - v[lo]) * (pos - lo);
+    }
+    return s;
+}
+
+static void sb_print_stat(const char *title, const char *key, sb_stat s, json_t *res) {
+    printf("%s\n", title);
+    printf("%-40s %-10.2f\n", "Mean (ms):", s.mean * 1e3);
+    printf("%-40s %-10.2f\n", "Median (ms):", s.median * 1e3);
+    printf("%-40s %-10.2f\n", "P90 (ms):", s.p90 * 1e3);
+    printf("%-40s %-10.2f\n", "P99 (ms):", s.p99 * 1e3);
+    char k[64];
+    const char *names[] = {"mean", "median", "p90", "p99", "std"};
+    double vals[] = {s.mean, s.median, s.p90, s.p99, s.std};
+    for (int i = 0; i < 5; i++) {
+        snprintf(k, sizeof k, "%s_%s_ms", names[i], key);
+        json_object_set_new(res, k, json_real(vals[i] * 1e3));
+    }
+}
+
+static int sb_report(sb_run *run, double duration) {
+    const sb_opts *o = run->o;
+    int n = o->num_prompts, ok = 0;
+    long in_tok = 0, out_tok = 0;
+    double *ttft = calloc((size_t)n + 1, sizeof(double)),
+           *tpot = calloc((size_t)n + 1, sizeof(double));
+    double *e2el = calloc((size_t)n + 1, sizeof(double));
+    int n_itl = 0, n_tpot = 0, good = 0;
+    for (int i = 0; i < n; i++)
+        n_itl += run->reqs[i].n_itl;
+    double *itl = calloc((size_t)n_itl + 1, sizeof(double));
+    n_itl = 0;
+    const char *first_err = NULL;
+    for (int i = 0; i < n; i++) {
+        sb_req *q = &run->reqs[i];
+        if (!q->ok || q->t_first == 0) {
+            if (!first_err) first_err = q->err[0] ? q->err : "no output";
+            continue;
+        }
+        double t1 = q->t_first - q->t_start, e = q->t_end - q->t_start;
+        ttft[ok] = t1;
+        e2el[ok] = e;
+        double tp = q->output_tokens > 1 ? (e - t1) / (q->output_tokens - 1) : 0;
+        if (q->output_tokens > 1) tpot[n_tpot++] = tp;
+        memcpy(itl + n_itl, q->itl, (size_t)q->n_itl * sizeof(double));
+        n_itl += q->n_itl;
+        in_tok += q->prompt_tokens;
+        out_tok += q->output_tokens;
+        int g = 1;
+        if (o->goodput_ttft_ms > 0 && t1 * 1e3 > o->goodput_ttft_ms) g = 0;
+        if (o->goodput_tpot_ms > 0 && tp * 1e3 > o->goodput_tpot_ms) g = 0;
+        if (o->goodput_e2el_ms > 0 && e * 1e3 > o->goodput_e2el_ms) g = 0;
+        good += g;
+        ok++;
+    }
+    json_t *res = json_object();
+    printf("============ Serving Benchmark Result ============\n");
+    printf("%-40s %-10d\n", "Successful requests:", ok);
+    printf("%-40s %-10d\n", "Failed requests:", n - ok);
+    if (o->max_concurrency > 0)
+        printf("%-40s %-10d\n", "Maximum request concurrency:", o->max_concurrency);
+    printf("%-40s %-10.2f\n", "Benchmark duration (s):", duration);
+    printf("%-40s %-10ld\n", "Total input tokens:", in_tok);
+    printf("%-40s %-10ld\n", "Total generated tokens:", out_tok);
+    printf("%-40s %-10.2f\n", "Request throughput (req/s):", ok / duration);
+    int has_goodput = o->goodput_ttft_ms > 0 || o->goodput_tpot_ms > 0 || o->goodput_e2el_ms > 0;
+    if (has_goodput) printf("%-40s %-10.2f\n", "Request goodput (req/s):", good / duration);
+    printf("%-40s %-10.2f\n", "Output token throughput (tok/s):", out_tok / duration);
+    printf("%-40s %-10.2f\n", "Total Token throughput (tok/s):", (in_tok + out_tok) / duration);
+    json_object_set_new(res, "endpoint", json_string(o->endpoint));
+    json_object_set_new(res, "base_url", json_string(o->base_url));
+    json_object_set_new(res, "num_prompts", json_integer(n));
+    json_object_set_new(res, "request_rate",
+                        isinf(o->rate) ? json_string("inf") : json_real(o->rate));
+    json_object_set_new(res, "burstiness", json_real(o->burstiness));
+    json_object_set_new(res, "max_concurrency",
+                        o->max_concurrency ? json_integer(o->max_concurrency) : json_null());
+    json_object_set_new(res, "duration", json_real(duration));
+    json_object_set_new(res, "completed", json_integer(ok));
+    json_object_set_new(res, "failed", json_integer(n - ok));
+    json_object_set_new(res, "total_input_tokens", json_integer(in_tok));
+    json_object_set_new(res, "total_output_tokens", json_integer(out_tok));
+    json_object_set_new(res, "request_throughput", json_real(ok / duration));
+    json_object_set_new(res, "request_goodput",
+                        has_goodput ? json_real(good / duration) : json_null());
+    json_object_set_new(res, "output_throughput", json_real(out_tok / duration));
+    json_object_set_new(res, "total_token_throughput", json_real((in_tok + out_tok) / duration));
+    sb_print_stat("---------------Time to First Token----------------", "ttft", sb_stats(ttft, ok),
+                  res);
+    sb_print_stat("-----Time per Output Token (excl. 1st token)------", "tpot",
+                  sb_stats(tpot, n_tpot), res);
+    sb_print_stat("---------------Inter-token Latency----------------", "itl", sb_stats(itl, n_itl),
+                  res);
+    sb_print_stat("----------------End-to-end Latency----------------", "e2el", sb_stats(e2el, ok),
+                  res);
+    printf("==================================================\n");
+    if (first_err)
+        fprintf(stderr, "disagg bench serve: %d request(s) failed; first error: %s\n", n - ok,
+                first_err);
+    int rc = 0;
+    if (o->json_path) {
+        if (json_dump_file(res, o->json_path, JSON_INDENT(2))) {
+            fprintf(stderr, "disagg bench serve: cannot write %s\n", o->json_path);
+            rc = 1;
+        }
+    }
+    json_decref(res);
+    free(ttft);
+    free(tpot);
+    free(e2el);
+    free(itl);
+    return rc ? rc : (ok == n ? 0 : 1);
+}
+
+/* ---- setup --------------------------------------------------------------------------- */
+
+static void sb_usage(FILE *f) {
+    fprintf(
+        f, "usage: disagg bench serve [options]   (the `vllm bench serve` equivalent)\n\n"
+           "  --base-url URL              server (default http://127.0.0.1:8000)\n"
+           "  --endpoint PATH             /v1/completions (default) or /v1/chat/completions\n"
+           "  --model NAME                model name (default: the first of GET /v1/models)\n"
+           "  --dataset-name random       the only dataset: random words\n"
+           "  --random-input-len N        prompt length in words, ~tokens (default 1024)\n"
+           "  --random-output-len N       max_tokens (default 128)\n"
+           "  --random-range-ratio R      lengths uniform in [L(1-R), L(1+R)] (default 0)\n"
+           "  --num-prompts N             requests (default 1000)\n"
+           "  --request-rate R            requests/s, Poisson arrivals (default inf: all at once)\n"
+           "  --burstiness B              gamma arrivals of shape B (default 1 = Poisson)\n"
+           "  --max-concurrency N         most requests in flight (default unlimited)\n"
+           "  --ignore-eos                generate exactly --random-output-len tokens\n"
+           "  --goodput KEY:MS ...        SLOs: ttft:MS tpot:MS e2el:MS\n"
+           "  --seed N                    dataset and arrival seed (default 0)\n"
+           "  --json FILE                 write the results as JSON\n"
+           "  --disable-tqdm              no progress bar\n"
+           "OPENAI_API_KEY, when set, is sent as the Bearer key.\n");
+}
+
+static int sb_parse_url(sb_opts *o) {
+    const char *u = o->base_url;
+    if (strncmp(u, "http://", 7)) {
+        fprintf(stderr, "disagg bench serve: --base-url must start with http:// (got '%s')\n", u);
+        return -1;
+    }
+    u += 7;
+    const char *colon = strchr(u, ':'), *slash = strchr(u, '/');
+    size_t hl = colon ? (size_t)(colon - u) : slash ? (size_t)(slash - u) : strlen(u);
+    if (hl == 0 || hl >= sizeof o->host) {
+        fprintf(stderr, "disagg bench serve: no host in --base-url '%s'\n", o->base_url);
+        return -1;
+    }
+    memcpy(o->host, u, hl);
+    o->host[hl] = 0;
+    o->port = colon ? atoi(colon + 1) : 80;
+    if (o->port <= 0 || o->port > 65535) {
+        fprintf(stderr, "disagg bench serve: bad port in --base-url '%s'\n", o->base_url);
+        return -1;
+    }
+    return 0;
+}
+
+/* GET /v1/models synchronously (before the run). */
+static char g_model[256];
+static void sb_models_cb(struct evhttp_request *req, void *arg) {
+    if (req && evhttp_request_get_response_code(req) == 200) {
+        struct evbuffer *in = evhttp_request_get_input_buffer(req);
+        size_t n = evbuffer_get_length(in);
+        char *s = malloc(n + 1);
+        evbuffer_remove(in, s, n);
+        s[n] = 0;
+        json_t *j = json_loads(s, 0, NULL);
+        const char *id =
+            json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id"));
+        if (id) snprintf(g_model, sizeof g_model, "%s", id);
+        json_decref(j);
+        free(s);
+    }
+    event_base_loopexit(arg, NULL);
+}
+
+static int sb_fetch_model(const sb_opts *o) {
+    struct event_base *b = event_base_new();
+    struct evhttp_connection *c =
+        evhttp_connection_base_new(b, NULL, o->host, (unsigned short)o->port);
+    evhttp_connection_set_timeout(c, 30);
+    struct evhttp_request *r = evhttp_request_new(sb_models_cb, b);
+    evhttp_add_header(evhttp_request_get_output_headers(r), "Host", o->host);
+    if (o->api_key) {
+        char auth[512];
+        snprintf(auth, sizeof auth, "Bearer %s", o->api_key);
+        evhttp_add_header(evhttp_request_get_output_headers(r), "Authorization", auth);
+    }
+    evhttp_make_request(c, r, EVHTTP_REQ_GET, "/v1/models");
+    event_base_dispatch(b);
+    evhttp_connection_free(c);
+    event_base_free(b);
+    if (!g_model[0]) {
+        fprintf(
+            stderr,
+            "disagg bench serve: GET %s/v1/models failed; is the server up? (or pass --model)\n",
+            o->base_url);
+        return -1;
+    }
+    return 0;
+}
+
+static int sb_num(const char *flag, const char *v, double lo, double *out) {
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end || !(x >= lo)) {
+        fprintf(stderr, "disagg bench serve: %s expects a number >= %g, got '%s'\n", flag, lo, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+int bench_serve_main(int argc, char **argv) {
+    sb_opts o;
+    memset(&o, 0, sizeof o);
+    o.base_url = "http://127.0.0.1:8000";
+    o.endpoint = "/v1/completions";
+    o.input_len = 1024;
+    o.output_len = 128;
+    o.num_prompts = 1000;
+    o.rate = INFINITY;
+    o.burstiness = 1.0;
+    o.progress = isatty(2);
+    o.api_key = getenv("OPENAI_API_KEY");
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        double x = 0;
+#define NEED_V()                                                                                   \
+    do {                                                                                           \
+        if (!v) {                                                                                  \
+            fprintf(stderr, "disagg bench serve: %s needs a value\n", a);                          \
+            return 2;                                                                              \
+        }                                                                                          \
+        i++;                                                                                       \
+    } while (0)
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            sb_usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--base-url")) {
+            NEED_V();
+            o.base_url = v;
+        } else if (!strcmp(a, "--endpoint")) {
+            NEED_V();
+            if (strcmp(v, "/v1/completions") && strcmp(v, "/v1/chat/completions")) {
+                fprintf(stderr,
+                        "disagg bench serve: --endpoint '%s'; accepted: /v1/completions, "
+                        "/v1/chat/completions\n",
+                        v);
+                return 2;
+            }
+            o.endpoint = v;
+        } else if (!strcmp(a, "--model")) {
+            NEED_V();
+            o.model = v;
+        } else if (!strcmp(a, "--dataset-name")) {
+            NEED_V();
+            if (strcmp(v, "random")) {
+                fprintf(stderr, "disagg bench serve: --dataset-name '%s'; accepted: random\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--random-input-len") || !strcmp(a, "--random-output-len") ||
+                   !strcmp(a, "--num-prompts") || !strcmp(a, "--max-concurrency") ||
+                   !strcmp(a, "--seed")) {
+            NEED_V();
+            if (sb_num(a, v, 1, &x) || x != floor(x)) {
+                if (x != floor(x))
+                    fprintf(stderr, "disagg bench serve: %s expects an integer, got '%s'\n", a, v);
+                return 2;
+            }
+            if (!strcmp(a, "--random-input-len"))
+                o.input_len = (int)x;
+            else if (!strcmp(a, "--random-output-len"))
+                o.output_len = (int)x;
+            else if (!strcmp(a, "--num-prompts"))
+                o.num_prompts = (int)x;
+            else if (!strcmp(a, "--max-concurrency"))
+                o.max_concurrency = (int)x;
+            else
+                o.seed = (uint64_t)x;
+        } else if (!strcmp(a, "--random-range-ratio")) {
+            NEED_V();
+            if (sb_num(a, v, 0, &o.range_ratio) || o.range_ratio >= 1) {
+                fprintf(stderr, "disagg bench serve: --random-range-ratio must be in [0, 1)\n");
+                return 2;
+            }
+        } else if (!strcmp(a, "--request-rate")) {
+            NEED_V();
+            if (!strcmp(v, "inf"))
+                o.rate = INFINITY;
+            else if (sb_num(a, v, 1e-9, &o.rate))
+                return 2;
+        } else if (!strcmp(a, "--burstiness")) {
+            NEED_V();
+            if (sb_num(a, v, 1e-9, &o.burstiness)) return 2;
+        } else if (!strcmp(a, "--ignore-eos")) {
+            o.ignore_eos = 1;
+        } else if (!strcmp(a, "--disable-tqdm")) {
+            o.progress = 0;
+        } else if (!strcmp(a, "--json")) {
+            NEED_V();
+            o.json_path = v;
+        } else if (!strcmp(a, "--goodput")) {
+            int any = 0;
+            while (i + 1 < argc && argv[i + 1][0] != '-') {
+                const char *g = argv[++i];
+                const char *c = strchr(g, ':');
+                double ms;
+                if (!c || sb_num("--goodput", c + 1, 0, &ms)) {
+                    fprintf(
+                        stderr,
+                        "disagg bench serve: --goodput '%s'; accepted: ttft:MS tpot:MS e2el:MS\n",
+                        g);
+                    return 2;
+                }
+                if (!strncmp(g, "ttft:", 5))
+                    o.goodput_ttft_ms = ms;
+                else if (!strncmp(g, "tpot:", 5))
+                    o.goodput_tpot_ms = ms;
+                else if (!strncmp(g, "e2el:", 5))
+                    o.goodput_e2el_ms = ms;
+                else {
+                    fprintf(stderr,
+                            "disagg bench serve: --goodput '%s'; accepted keys: ttft, tpot, e2el\n",
+                            g);
+                    return 2;
+                }
+                any = 1;
+            }
+            if (!any) {
+                fprintf(stderr, "disagg bench serve: --goodput needs KEY:MS values (ttft:MS "
+                                "tpot:MS e2el:MS)\n");
+                return 2;
+            }
+        } else {
+            fprintf(stderr,
+                    "disagg bench serve: unknown option '%s' (see disagg bench serve --help)\n", a);
+            return 2;
+        }
+#undef NEED_V
+    }
+    if (sb_parse_url(&o)) return 2;
+    if (!o.model) {
+        if (sb_fetch_model(&o)) return 1;
+        o.model = g_model;
+    }
+    g_rng = o.seed;
+    sb_run run;
+    memset(&run, 0, sizeof run);
+    run.o = &o;
+    run.reqs = calloc((size_t)o.num_prompts, sizeof *run.reqs);
+    g_arrival = calloc((size_t)o.num_prompts, sizeof *g_arrival);
+    if (!run.reqs || !g_arrival) return 1;
+    double t = 0;
+    for (int i = 0; i < o.num_prompts; i++) {
+        sb_req *q = &run.reqs[i];
+        q->run = &run;
+        q->index = i;
+        q->in_len = sb_len(o.input_len, o.range_ratio);
+        q->out_len = sb_len(o.output_len, o.range_ratio);
+        q->body = sb_make_body(&o, o.model, q->in_len, q->out_len);
+        if (!q->body) return 1;
+        g_arrival[i] = t;
+        if (!isinf(o.rate)) t += rng_gamma(o.burstiness) / (o.rate * o.burstiness);
+    }
+    printf("Benchmark: %d requests to %s%s, model %s, ~%d input words, %d output tokens, rate %s, "
+           "max concurrency %s\n",
+           o.num_prompts, o.base_url, o.endpoint, o.model, o.input_len, o.output_len,
+           isinf(o.rate) ? "inf" : "Poisson", o.max_concurrency ? "set" : "unlimited");
+    run.base = event_base_new();
+    run.timer = evtimer_new(run.base, sb_on_timer, &run);
+    run.t0 = now_s();
+    sb_send_due(&run);
+    event_base_dispatch(run.base);
+    double duration = now_s() - run.t0;
+    int rc = sb_report(&run, duration);
+    for (int i = 0; i < o.num_prompts; i++) {
+        if (run.reqs[i].conn) evhttp_connection_free(run.reqs[i].conn);
+        free(run.reqs[i].body);
+        free(run.reqs[i].itl);
+        free(run.reqs[i].sse);
+    }
+    event_free(run.timer);
+    event_base_free(run.base);
+    free(run.reqs);
+    free(g_arrival);
+    return rc;
+}

@@ -1,0 +1,1026 @@
+/* mooncake_connector — see mooncake_connector.h. */
+#include "connector/mooncake/mooncake_connector.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "base/net.h"
+#include "connector/kv_transfer_config.h"
+#include "connector/mooncake/bootstrap_client.h"
+#include "connector/mooncake/bootstrap_server.h"
+#include "connector/mooncake/side_channel.h"
+#include "connector/mooncake/side_channel_msg.h"
+#include "connector/mooncake/xfer_plan.h"
+#include "disagg/transfer.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MOD              "connector.mooncake"
+#define ID_MAX           128
+#define REAPER_PERIOD_NS (50 * NS_PER_MS)
+#define MAX_PULL_THREADS 512
+
+/* ---- state ------------------------------------------------------------------ */
+
+typedef enum prod_state {
+    P_UNKNOWN = 0,    /* a pull named this transfer_id before the request arrived */
+    P_PREFILLING = 1, /* the request is being prefilled */
+    P_READY = 2,      /* blocks kept, waiting for the pull */
+    P_SENDING = 3,    /* a sender is writing them */
+    P_DONE = 4,       /* pulled (or released / expired): blocks freed */
+    P_FAILED = 5,     /* the prefill did not finish: pulls get an error */
+} prod_state;
+
+struct pull_job;
+
+typedef struct pull_part { /* one request of a pull, waiting for its producer entry */
+    struct pull_job *job;
+    size_t req; /* index in job->pull->reqs */
+    struct pull_part *next;
+} pull_part;
+
+typedef struct prod_req {
+    char transfer_id[ID_MAX];
+    uint64_t id; /* the engine's request id */
+    prod_state state;
+    int32_t *blocks; /* (n_blocks) kept blocks, P_READY and after */
+    int n_blocks;
+    int kept;             /* blocks are held in the engine: engine_kv_release owed */
+    int engine_released;  /* the engine dropped its handle */
+    uint64_t deadline_ns; /* P_READY: expiry; P_UNKNOWN/P_PREFILLING with waiters: give up */
+    char fail_msg[192];
+    pull_part *waiters;
+    struct prod_req *next;
+} prod_req;
+
+typedef struct pull_job { /* one pull from a decoder, until its final reply */
+    side_channel_call *call;
+    side_channel_pull *pull;
+    size_t pending;   /* requests not yet done */
+    char **ok, **err; /* (n_reqs) borrowed req ids */
+    size_t n_ok, n_err;
+    char err_msg[256];
+} pull_job;
+
+typedef struct send_task {
+    pull_job *job;
+    size_t req;
+    prod_req *p;
+    struct send_task *next;
+} send_task;
+
+typedef struct cons_req {
+    struct mooncake_connector *c;
+    uint64_t id;
+    char transfer_id[ID_MAX];
+    char remote_engine_id[ID_MAX];
+    char bootstrap[256]; /* "http://host:port" */
+    int32_t *blocks;     /* (n_blocks) all the prompt's blocks */
+    int n_blocks, n_local_tokens, n_prompt;
+    atomic_int cancel; /* raised by abort or the deadline */
+    uint64_t deadline_ns;
+    int loading;  /* a pull thread owns it */
+    int released; /* the engine dropped its handle */
+    struct cons_req *next;
+} cons_req;
+
+typedef struct handle { /* what the engine holds per request */
+    int is_producer;
+    void *p; /* prod_req* or cons_req* */
+} handle;
+
+struct mooncake_connector {
+    kv_transfer_config cfg;
+    kv_transfer_env env;
+    kv_protocol proto; /* effective */
+    engine *eng;
+    engine_kv_region region;
+    transfer_engine *te;
+    char segment[128]; /* our transfer-engine segment name */
+    char host[64];     /* advertised host */
+    /* producer */
+    bootstrap_server *bs;
+    side_channel_server *sc;
+    char sc_addr[160]; /* "tcp://host:port" */
+    send_task *q_head, *q_tail;
+    pthread_t *senders;
+    int n_senders;
+    pthread_cond_t q_cv;
+    prod_req *prods;
+    /* consumer */
+    cons_req *conss;
+    int n_pull_threads;
+    /* shared */
+    pthread_mutex_t mu; /* guards everything mutable above and the stats */
+    pthread_cond_t cv;  /* reaper wake-up / pull threads drained */
+    pthread_t reaper;
+    int stop;
+    mooncake_stats st;
+};
+
+static int is_producer_role(const mooncake_connector *c) {
+    return c->cfg.role != KV_ROLE_CONSUMER;
+}
+static int is_consumer_role(const mooncake_connector *c) {
+    return c->cfg.role != KV_ROLE_PRODUCER;
+}
+
+/* ---- producer: pulls and senders ----------------------------------------------- */
+
+static prod_req *prod_find(mooncake_connector *c, const char *transfer_id) {
+    for (prod_req *p = c->prods; p; p = p->next)
+        if (!strcmp(p->transfer_id, transfer_id)) return p;
+    return NULL;
+}
+
+static prod_req *prod_new(mooncake_connector *c, const char *transfer_id, prod_state st) {
+    prod_req *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    snprintf(p->transfer_id, sizeof p->transfer_id, "%s", transfer_id);
+    p->state = st;
+    p->next = c->prods;
+    c->prods = p;
+    return p;
+}
+
+/* Caller holds mu.  Reply to a pull whose requests are all done. */
+static void job_finish_locked(mooncake_connector *c, pull_job *job) {
+    side_channel_reply r = {.status = SIDE_CHANNEL_FINISH,
+                            .ok_reqs = job->ok,
+                            .n_ok = job->n_ok,
+                            .err_reqs = job->err,
+                            .n_err = job->n_err,
+                            .err_msg = job->n_err ? job->err_msg : NULL};
+    side_channel_call_reply(job->call, &r);
+    side_channel_pull_release(job->pull);
+    free(job->ok);
+    free(job->err);
+    free(job);
+    (void)c;
+}
+
+/* Caller holds mu.  One request of job ended. */
+static void job_req_done_locked(mooncake_connector *c, pull_job *job, size_t req, int ok,
+                                const char *why) {
+    char *rid = job->pull->reqs[req].req_id;
+    if (ok) {
+        job->ok[job->n_ok++] = rid;
+    } else {
+        job->err[job->n_err++] = rid;
+        if (!job->err_msg[0] && why) snprintf(job->err_msg, sizeof job->err_msg, "%s", why);
+    }
+    if (--job->pending == 0) job_finish_locked(c, job);
+}
+
+/* Caller holds mu.  Drop the hold on_pull keeps while it walks the requests. */
+static void job_drop_hold_locked(mooncake_connector *c, pull_job *job) {
+    if (--job->pending == 0) job_finish_locked(c, job);
+}
+
+/* Caller holds mu.  Free p's blocks in the engine (once). */
+static void prod_release_blocks_locked(mooncake_connector *c, prod_req *p) {
+    if (p->kept) {
+        engine_kv_release(c->eng, p->id);
+        p->kept = 0;
+        c->st.kept--;
+    }
+}
+
+/* Caller holds mu.  p became ready or failed: serve or fail its waiters. */
+static void prod_wake_waiters_locked(mooncake_connector *c, prod_req *p) {
+    pull_part *w = p->waiters;
+    p->waiters = NULL;
+    while (w) {
+        pull_part *n = w->next;
+        if (p->state == P_READY) {
+            send_task *t = malloc(sizeof *t);
+            if (t) {
+                *t = (send_task){w->job, w->req, p, NULL};
+                p->state = P_SENDING;
+                if (c->q_tail)
+                    c->q_tail->next = t;
+                else
+                    c->q_head = t;
+                c->q_tail = t;
+                pthread_cond_signal(&c->q_cv);
+            } else {
+                job_req_done_locked(c, w->job, w->req, 0, "producer out of memory");
+            }
+        } else {
+            const char *why = p->state == P_FAILED ? p->fail_msg
+                              : p->state == P_SENDING || p->state == P_DONE
+                                  ? "transfer already pulled by another request"
+                                  : "no such transfer";
+            job_req_done_locked(c, w->job, w->req, 0, why);
+        }
+        free(w);
+        w = n;
+    }
+}
+
+static void prod_maybe_free_locked(mooncake_connector *c, prod_req *p) {
+    if (!p->engine_released && p->state != P_UNKNOWN) return;
+    if (p->waiters || p->state == P_SENDING || p->state == P_READY || p->state == P_PREFILLING)
+        return;
+    for (prod_req **pp = &c->prods; *pp; pp = &(*pp)->next)
+        if (*pp == p) {
+            *pp = p->next;
+            break;
+        }
+    free(p->blocks);
+    free(p);
+}
+
+/* Write p's blocks (the tail D asked for) into D's region. */
+static int send_blocks(mooncake_connector *c, const side_channel_pull *pull,
+                       const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
+                       size_t *nruns, char *err, size_t cap) {
+    if (pull->n_regions != 1) {
+        snprintf(err, cap,
+                 "decoder registered %zu KV regions; this producer has one block-major region "
+                 "(layouts differ)",
+                 pull->n_regions);
+        return -EINVAL;
+    }
+    const side_channel_block_group *g = &rb->groups[0];
+    int64_t *pids = malloc((size_t)(p->n_blocks ? p->n_blocks : 1) * sizeof *pids);
+    xfer_run *runs = malloc((g->n ? g->n : 1) * sizeof *runs);
+    if (!pids || !runs) {
+        free(pids);
+        free(runs);
+        snprintf(err, cap, "producer out of memory");
+        return -ENOMEM;
+    }
+    for (int i = 0; i < p->n_blocks; i++)
+        pids[i] = p->blocks[i];
+    xfer_region pr = {(uint64_t)(uintptr_t)c->region.base, c->region.block_bytes,
+                      c->region.block_bytes};
+    xfer_region dr = {pull->kv_caches_base_addr[0], (uint64_t)pull->block_lens[0],
+                      (uint64_t)pull->kv_block_lens[0]};
+    int n = xfer_plan_request(pids, (size_t)p->n_blocks, g->ids, g->n, &pr, &dr, 1,
+                              (uint64_t)c->region.n_blocks, runs, g->n ? g->n : 1, err, cap);
+    free(pids);
+    if (n < 0) {
+        free(runs);
+        return n;
+    }
+    void **src = malloc((size_t)(n ? n : 1) * sizeof *src);
+    uint64_t *dst = malloc((size_t)(n ? n : 1) * sizeof *dst);
+    size_t *len = malloc((size_t)(n ? n : 1) * sizeof *len);
+    int rc = -ENOMEM;
+    if (src && dst && len) {
+        *bytes = 0;
+        for (int i = 0; i < n; i++) {
+            src[i] = (void *)(uintptr_t)runs[i].src;
+            dst[i] = runs[i].dst;
+            len[i] = (size_t)runs[i].len;
+            *bytes += runs[i].len;
+        }
+        char target[320];
+        if (strchr(pull->remote_hostname, ':'))
+            snprintf(target, sizeof target, "[%s]:%" PRId64, pull->remote_hostname,
+                     pull->remote_port);
+        else
+            snprintf(target, sizeof target, "%s:%" PRId64, pull->remote_hostname,
+                     pull->remote_port);
+        rc = transfer_sync_write(c->te, target, src, dst, len, (size_t)n);
+        if (rc)
+            snprintf(err, cap, "writing %zu KV bytes to decoder %s failed: %s", (size_t)*bytes,
+                     target, transfer_strerror(rc));
+        *nruns = (size_t)n;
+    } else {
+        snprintf(err, cap, "producer out of memory");
+    }
+    free(src);
+    free(dst);
+    free(len);
+    free(runs);
+    return rc;
+}
+
+static void *sender_main(void *arg) {
+    mooncake_connector *c = arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->q_head && !c->stop)
+            pthread_cond_wait(&c->q_cv, &c->mu);
+        if (!c->q_head) break;
+        send_task *t = c->q_head;
+        c->q_head = t->next;
+        if (!c->q_head) c->q_tail = NULL;
+        pthread_mutex_unlock(&c->mu);
+        char err[320] = "";
+        uint64_t bytes = 0;
+        size_t nruns = 0;
+        uint64_t t0 = clock_now_ns();
+        int rc = send_blocks(c, t->job->pull, &t->job->pull->reqs[t->req], t->p, &bytes, &nruns,
+                             err, sizeof err);
+        pthread_mutex_lock(&c->mu);
+        prod_req *p = t->p;
+        if (rc == 0) {
+            c->st.bytes_sent += bytes;
+            c->st.descriptors_sent += nruns;
+            c->st.transfers_ok++;
+            LOG_D(MOD, "transfer %s: %" PRIu64 " bytes in %zu descriptors, %.2f ms", p->transfer_id,
+                  bytes, nruns, (double)(clock_now_ns() - t0) / 1e6);
+        } else {
+            c->st.transfers_failed++;
+            LOG_W(MOD, "transfer %s: %s", p->transfer_id, err);
+        }
+        p->state = P_DONE;
+        prod_release_blocks_locked(c, p); /* one decoder rank: pulled once */
+        job_req_done_locked(c, t->job, t->req, rc == 0, rc ? err : NULL);
+        prod_wake_waiters_locked(c, p); /* any second pull of the same id */
+        prod_maybe_free_locked(c, p);
+        free(t);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* Side-channel thread: a decoder's pull.  Must not block. */
+static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
+    mooncake_connector *c = ud;
+    if (pull->layout && strcmp(pull->layout, c->region.fingerprint) != 0) {
+        char msg[400];
+        snprintf(msg, sizeof msg,
+                 "KV layout mismatch: decoder has %s, producer has %s (same model, dtype and "
+                 "--block-size are required)",
+                 pull->layout, c->region.fingerprint);
+        LOG_W(MOD, "refusing a pull: %s", msg);
+        side_channel_reply r = {.status = SIDE_CHANNEL_ERROR, .err_msg = msg};
+        side_channel_call_reply(call, &r);
+        side_channel_pull_release(pull);
+        return;
+    }
+    if (!pull->layout && pull->n_regions == 1 &&
+        (uint64_t)pull->block_lens[0] != c->region.block_bytes) {
+        char msg[256];
+        snprintf(msg, sizeof msg,
+                 "KV block size mismatch: decoder blocks are %" PRId64 " bytes, producer's %zu",
+                 pull->block_lens[0], c->region.block_bytes);
+        side_channel_reply r = {.status = SIDE_CHANNEL_ERROR, .err_msg = msg};
+        side_channel_call_reply(call, &r);
+        side_channel_pull_release(pull);
+        return;
+    }
+    pull_job *job = calloc(1, sizeof *job);
+    char **ok = calloc(pull->n_reqs + 1, sizeof *ok), **er = calloc(pull->n_reqs + 1, sizeof *er);
+    if (!job || !ok || !er) {
+        free(job);
+        free(ok);
+        free(er);
+        side_channel_reply r = {.status = SIDE_CHANNEL_ERROR, .err_msg = "producer out of memory"};
+        side_channel_call_reply(call, &r);
+        side_channel_pull_release(pull);
+        return;
+    }
+    job->call = call;
+    job->pull = pull;
+    job->ok = ok;
+    job->err = er;
+    job->pending = pull->n_reqs + 1; /* +1 held until the loop is done */
+    uint64_t now = clock_now_ns();
+    uint64_t wait_deadline = now + (uint64_t)(c->env.abort_request_timeout_s * 1e9);
+    pthread_mutex_lock(&c->mu);
+    for (size_t i = 0; i < pull->n_reqs; i++) {
+        const side_channel_req_blocks *rb = &pull->reqs[i];
+        prod_req *p = prod_find(c, rb->transfer_id);
+        size_t nids = 0;
+        for (size_t g = 0; g < rb->n_groups; g++)
+            nids += rb->groups[g].n;
+        if (nids == 0) { /* "nothing to send, release your blocks" */
+            if (p && (p->state == P_READY)) {
+                p->state = P_DONE;
+                prod_release_blocks_locked(c, p);
+                prod_maybe_free_locked(c, p);
+            }
+            job_req_done_locked(c, job, i, 1, NULL);
+            continue;
+        }
+        if (rb->n_groups != 1) {
+            job_req_done_locked(c, job, i, 0,
+                                "this producer has one KV group; the pull names several");
+            continue;
+        }
+        if (!p && !(p = prod_new(c, rb->transfer_id, P_UNKNOWN))) {
+            job_req_done_locked(c, job, i, 0, "producer out of memory");
+            continue;
+        }
+        pull_part *w = malloc(sizeof *w);
+        if (!w) {
+            job_req_done_locked(c, job, i, 0, "producer out of memory");
+            continue;
+        }
+        *w = (pull_part){job, i, p->waiters};
+        p->waiters = w;
+        if (p->state == P_UNKNOWN || p->state == P_PREFILLING) {
+            if (!p->deadline_ns || p->deadline_ns > wait_deadline) p->deadline_ns = wait_deadline;
+        } else {
+            prod_wake_waiters_locked(c, p);
+        }
+    }
+    job_drop_hold_locked(c, job);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- consumer: pulls ------------------------------------------------------------ */
+
+typedef struct pull_outcome {
+    const char *my_req;
+    int ok;   /* our request was in ok_reqs */
+    int done; /* a final reply came */
+    char err[320];
+} pull_outcome;
+
+static int on_reply(void *ud, const side_channel_reply *r) {
+    pull_outcome *o = ud;
+    for (size_t i = 0; i < r->n_ok; i++)
+        if (!strcmp(r->ok_reqs[i], o->my_req)) o->ok = 1;
+    for (size_t i = 0; i < r->n_err; i++)
+        if (!strcmp(r->err_reqs[i], o->my_req)) {
+            o->ok = 0;
+            snprintf(o->err, sizeof o->err, "producer failed the transfer: %s",
+                     r->err_msg ? r->err_msg : "no reason given");
+        }
+    if (r->status == SIDE_CHANNEL_ERROR) {
+        o->ok = 0;
+        snprintf(o->err, sizeof o->err, "producer refused the pull: %s",
+                 r->err_msg ? r->err_msg : "no reason given");
+    }
+    if (r->status != SIDE_CHANNEL_CONTINUE) o->done = 1;
+    return 0;
+}
+
+/* Find the producer's side-channel endpoint for engine_id via its bootstrap server. */
+static int resolve_endpoint(mooncake_connector *c, const cons_req *r, char *ep, size_t cap,
+                            char *err, size_t errcap) {
+    bootstrap_retry retry;
+    bootstrap_retry_init(&retry, c->env.connector_timeout_s);
+    retry.attempts = 2;
+    bootstrap_table t;
+    int rc = bootstrap_client_query(r->bootstrap, &retry, &t, err, errcap);
+    if (rc) return rc;
+    const char *addr = NULL;
+    for (size_t i = 0; i < t.n && !addr; i++)
+        if (t.engines[i].engine_id && !strcmp(t.engines[i].engine_id, r->remote_engine_id))
+            addr = bootstrap_engine_addr(&t.engines[i], 0, 0);
+    if (!addr) {
+        snprintf(err, errcap, "bootstrap server %s knows no engine '%s' (remote_engine_id)",
+                 r->bootstrap, r->remote_engine_id);
+        bootstrap_table_free(&t);
+        return -ENOENT;
+    }
+    snprintf(ep, cap, "%s", addr);
+    bootstrap_table_free(&t);
+    return 0;
+}
+
+static void load_observe_locked(mooncake_connector *c, double s) {
+    static const double b[12] = MOONCAKE_LOAD_BUCKETS;
+    c->st.load_count++;
+    c->st.load_sum_s += s;
+    for (int i = 0; i < 12; i++)
+        if (s <= b[i]) c->st.load_buckets[i]++;
+}
+
+static void *pull_main(void *arg) {
+    cons_req *r = arg;
+    mooncake_connector *c = r->c;
+    uint64_t t0 = clock_now_ns();
+    char ep[256], err[320] = "";
+    pull_outcome o = {0};
+    char my_req[32];
+    snprintf(my_req, sizeof my_req, "d-%" PRIu64, r->id);
+    o.my_req = my_req;
+    int rc = resolve_endpoint(c, r, ep, sizeof ep, err, sizeof err);
+    if (rc == 0) {
+        int bs = c->region.block_size;
+        int first =
+            r->n_local_tokens / bs; /* blocks before this came from the local prefix cache */
+        side_channel_block_group g = {0};
+        g.n = (size_t)(r->n_blocks - first);
+        g.ids = malloc((g.n ? g.n : 1) * sizeof *g.ids);
+        for (size_t i = 0; g.ids && i < g.n; i++)
+            g.ids[i] = r->blocks[first + (int)i];
+        side_channel_req_blocks rb = {my_req, r->transfer_id, &g, 1};
+        uint64_t base = (uint64_t)(uintptr_t)c->region.base;
+        int64_t blen = (int64_t)c->region.block_bytes;
+        char host[64];
+        uint16_t port = 0;
+        net_split_host_port(c->segment, host, sizeof host, &port, 0);
+        side_channel_pull pull = {.remote_hostname = host,
+                                  .remote_port = port,
+                                  .remote_tp_size = 1,
+                                  .remote_tp_rank = 0,
+                                  .reqs = &rb,
+                                  .n_reqs = 1,
+                                  .kv_caches_base_addr = &base,
+                                  .block_lens = &blen,
+                                  .kv_block_lens = &blen,
+                                  .n_regions = 1,
+                                  .remote_pp_size = 1,
+                                  .layout = c->region.fingerprint};
+        double timeout = c->env.abort_request_timeout_s + 60;
+        if (!g.ids) {
+            rc = -ENOMEM;
+            snprintf(err, sizeof err, "decoder out of memory");
+        } else {
+            rc = side_channel_pull_run(ep, &pull, timeout, &r->cancel, on_reply, &o, err,
+                                       sizeof err);
+        }
+        free(g.ids);
+        if (rc == 0 && !o.ok && !o.err[0])
+            snprintf(o.err, sizeof o.err, "producer's reply did not list this request");
+        if (rc == 0 && !o.ok) snprintf(err, sizeof err, "%s", o.err);
+        if (rc == SIDE_CHANNEL_ECANCELED && clock_now_ns() >= r->deadline_ns)
+            snprintf(err, sizeof err, "no KV from producer %s within the decoder's deadline", ep);
+    }
+    int ok = rc == 0 && o.ok;
+    double secs = (double)(clock_now_ns() - t0) / 1e9;
+    if (!ok)
+        LOG_W(MOD, "request %" PRIu64 " (transfer %s): remote KV load failed: %s", r->id,
+              r->transfer_id, err);
+    char msg[400];
+    snprintf(msg, sizeof msg, "remote prefill failed (transfer %s): %s", r->transfer_id, err);
+    engine_kv_load_done(c->eng, r->id, ok, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
+                        ok ? NULL : msg);
+    pthread_mutex_lock(&c->mu);
+    if (ok) {
+        c->st.pulls_ok++;
+        load_observe_locked(c, secs);
+    } else {
+        c->st.pulls_failed++;
+    }
+    c->st.loading--;
+    c->n_pull_threads--;
+    r->loading = 0;
+    if (r->released) {
+        for (cons_req **pp = &c->conss; *pp; pp = &(*pp)->next)
+            if (*pp == r) {
+                *pp = r->next;
+                break;
+            }
+        free(r->blocks);
+        free(r);
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* ---- engine hooks ---------------------------------------------------------------- */
+
+static const char *jstr(json_t *o, const char *k) {
+    json_t *v = json_object_get(o, k);
+    return json_is_string(v) ? json_string_value(v) : NULL;
+}
+
+static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt, void **out,
+                    char *err, size_t errlen) {
+    mooncake_connector *c = ctx;
+    *out = NULL;
+    json_error_t je;
+    json_t *o = json_loads(kv_params, 0, &je);
+    if (!o || json_is_null(o)) {
+        json_decref(o);
+        return o ? KV_REQ_LOCAL
+                 : (snprintf(err, errlen, "kv_transfer_params is not valid JSON: %s", je.text), -1);
+    }
+    if (!json_is_object(o)) {
+        json_decref(o);
+        snprintf(err, errlen, "kv_transfer_params must be an object or null");
+        return -1;
+    }
+    int remote_decode = json_is_true(json_object_get(o, "do_remote_decode"));
+    int remote_prefill = json_is_true(json_object_get(o, "do_remote_prefill"));
+    const char *tid = jstr(o, "transfer_id");
+    int role = KV_REQ_LOCAL;
+    handle *h = NULL;
+    if (remote_decode && remote_prefill) {
+        snprintf(err, errlen,
+                 "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true");
+        role = -1;
+    } else if (remote_decode || remote_prefill) {
+        if (!tid || !*tid || strlen(tid) >= ID_MAX) {
+            snprintf(err, errlen,
+                     "kv_transfer_params.transfer_id must be a non-empty string (below %d bytes)",
+                     ID_MAX);
+            role = -1;
+        }
+    }
+    if (role == 0 && remote_decode) {
+        if (!is_producer_role(c)) {
+            snprintf(err, errlen,
+                     "do_remote_decode needs kv_role kv_producer or kv_both; this instance is %s",
+                     kv_role_name(c->cfg.role));
+            role = -1;
+        } else {
+            pthread_mutex_lock(&c->mu);
+            prod_req *p = prod_find(c, tid);
+            if (p && p->state != P_UNKNOWN) {
+                snprintf(err, errlen, "kv_transfer_params.transfer_id '%s' is already in use", tid);
+                role = -1;
+            } else if (!p && !(p = prod_new(c, tid, P_PREFILLING))) {
+                snprintf(err, errlen, "out of memory");
+                role = -1;
+            } else {
+                p->state = P_PREFILLING;
+                p->id = id;
+                h = malloc(sizeof *h);
+                if (h) *h = (handle){1, p};
+                role = KV_REQ_REMOTE_DECODE;
+            }
+            pthread_mutex_unlock(&c->mu);
+        }
+    } else if (role == 0 && remote_prefill) {
+        const char *eid = jstr(o, "remote_engine_id"), *boot = jstr(o, "remote_bootstrap_addr");
+        if (!is_consumer_role(c)) {
+            snprintf(err, errlen,
+                     "do_remote_prefill needs kv_role kv_consumer or kv_both; this instance is %s",
+                     kv_role_name(c->cfg.role));
+            role = -1;
+        } else if (!eid || !*eid || strlen(eid) >= ID_MAX) {
+            snprintf(err, errlen, "kv_transfer_params.remote_engine_id must be a non-empty string");
+            role = -1;
+        } else if (!boot || !*boot || strlen(boot) >= 256) {
+            snprintf(err, errlen,
+                     "kv_transfer_params.remote_bootstrap_addr must be \"http://host:port\"");
+            role = -1;
+        } else {
+            cons_req *r = calloc(1, sizeof *r);
+            h = malloc(sizeof *h);
+            if (!r || !h) {
+                free(r);
+                free(h);
+                h = NULL;
+                snprintf(err, errlen, "out of memory");
+                role = -1;
+            } else {
+                r->c = c;
+                r->id = id;
+                r->n_prompt = n_prompt;
+                snprintf(r->transfer_id, sizeof r->transfer_id, "%s", tid);
+                snprintf(r->remote_engine_id, sizeof r->remote_engine_id, "%s", eid);
+                snprintf(r->bootstrap, sizeof r->bootstrap, "%s", boot);
+                *h = (handle){0, r};
+                pthread_mutex_lock(&c->mu);
+                r->next = c->conss;
+                c->conss = r;
+                pthread_mutex_unlock(&c->mu);
+                role = KV_REQ_REMOTE_PREFILL;
+            }
+        }
+    }
+    json_decref(o);
+    *out = h;
+    return role;
+}
+
+static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, int n_blocks,
+                       int n_local_tokens, int n_prompt) {
+    mooncake_connector *c = ctx;
+    handle *h = hp;
+    cons_req *r = h->p;
+    r->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *r->blocks);
+    if (!r->blocks) {
+        engine_kv_load_done(c->eng, id, 0, 0, "decoder out of memory");
+        return;
+    }
+    memcpy(r->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
+    r->n_blocks = n_blocks;
+    r->n_local_tokens = n_local_tokens;
+    r->n_prompt = n_prompt;
+    r->deadline_ns = clock_now_ns() + (uint64_t)((c->env.abort_request_timeout_s + 60) * 1e9);
+    pthread_mutex_lock(&c->mu);
+    if (c->n_pull_threads >= MAX_PULL_THREADS || c->stop) {
+        pthread_mutex_unlock(&c->mu);
+        engine_kv_load_done(c->eng, id, 0, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
+                            "too many remote KV loads in flight");
+        return;
+    }
+    r->loading = 1;
+    c->st.loading++;
+    c->n_pull_threads++;
+    pthread_mutex_unlock(&c->mu);
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &at, pull_main, r);
+    pthread_attr_destroy(&at);
+    if (rc != 0) {
+        pthread_mutex_lock(&c->mu);
+        r->loading = 0;
+        c->st.loading--;
+        c->n_pull_threads--;
+        pthread_mutex_unlock(&c->mu);
+        engine_kv_load_done(c->eng, id, 0, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
+                            "cannot start a pull thread");
+    }
+}
+
+static void request_finished(void *ctx, void *hp, uint64_t id, const char *reason,
+                             const int32_t *blocks, int n_blocks, int n_prompt, int keep) {
+    mooncake_connector *c = ctx;
+    handle *h = hp;
+    if (!h) return;
+    if (!h->is_producer) { /* consumer aborted during its load: stop the pull */
+        atomic_store(&((cons_req *)h->p)->cancel, 1);
+        return;
+    }
+    prod_req *p = h->p;
+    pthread_mutex_lock(&c->mu);
+    if (keep) {
+        p->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *p->blocks);
+        if (p->blocks) memcpy(p->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
+        p->n_blocks = n_blocks;
+        p->kept = 1;
+        c->st.kept++;
+        p->state = p->blocks ? P_READY : P_FAILED;
+        if (!p->blocks) {
+            snprintf(p->fail_msg, sizeof p->fail_msg, "producer out of memory");
+            prod_release_blocks_locked(c, p);
+        }
+        p->deadline_ns = clock_now_ns() + (uint64_t)(c->env.abort_request_timeout_s * 1e9);
+    } else {
+        p->state = P_FAILED;
+        snprintf(p->fail_msg, sizeof p->fail_msg,
+                 "the prefill request ended with '%s' before its KV was ready", reason);
+    }
+    (void)n_prompt;
+    (void)id;
+    prod_wake_waiters_locked(c, p);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void request_released(void *ctx, void *hp, uint64_t id) {
+    mooncake_connector *c = ctx;
+    handle *h = hp;
+    if (!h) return;
+    pthread_mutex_lock(&c->mu);
+    if (h->is_producer) {
+        prod_req *p = h->p;
+        p->engine_released = 1;
+        if (p->state == P_PREFILLING) { /* finished without request_finished (engine stop) */
+            p->state = P_FAILED;
+            snprintf(p->fail_msg, sizeof p->fail_msg, "the prefill request was dropped");
+            prod_wake_waiters_locked(c, p);
+        }
+        prod_maybe_free_locked(c, p);
+    } else {
+        cons_req *r = h->p;
+        r->released = 1;
+        if (!r->loading) {
+            for (cons_req **pp = &c->conss; *pp; pp = &(*pp)->next)
+                if (*pp == r) {
+                    *pp = r->next;
+                    break;
+                }
+            free(r->blocks);
+            free(r);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    free(h);
+    (void)id;
+}
+
+/* ---- reaper: expiries and deadlines -------------------------------------------------- */
+
+static void *reaper_main(void *arg) {
+    mooncake_connector *c = arg;
+    pthread_mutex_lock(&c->mu);
+    while (!c->stop) {
+        struct timespec ts = clock_to_timespec(clock_now_ns() + REAPER_PERIOD_NS);
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+        uint64_t now = clock_now_ns();
+        for (prod_req *p = c->prods, *next; p; p = next) {
+            next = p->next;
+            if (p->state == P_READY && now >= p->deadline_ns) {
+                LOG_W(MOD,
+                      "transfer %s: no decoder pulled it within %.0f s "
+                      "(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT); freeing its %d blocks",
+                      p->transfer_id, c->env.abort_request_timeout_s, p->n_blocks);
+                p->state = P_DONE;
+                c->st.expired++;
+                prod_release_blocks_locked(c, p);
+                prod_maybe_free_locked(c, p);
+            } else if ((p->state == P_UNKNOWN || p->state == P_PREFILLING) && p->waiters &&
+                       p->deadline_ns && now >= p->deadline_ns) {
+                prod_state was = p->state;
+                p->state = P_FAILED;
+                snprintf(p->fail_msg, sizeof p->fail_msg, "%s within %.0f s",
+                         was == P_UNKNOWN ? "no request with this transfer_id reached the producer"
+                                          : "the prefill did not finish",
+                         c->env.abort_request_timeout_s);
+                prod_wake_waiters_locked(c, p);
+                if (was == P_UNKNOWN) {
+                    p->engine_released = 1;
+                    prod_maybe_free_locked(c, p);
+                } else {
+                    p->state = P_PREFILLING; /* the request still runs; its end frees the blocks */
+                    p->deadline_ns = 0;
+                }
+            }
+        }
+        for (cons_req *r = c->conss; r; r = r->next)
+            if (r->loading && now >= r->deadline_ns) atomic_store(&r->cancel, 1);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------ */
+
+static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
+    char server[300];
+    if (c->cfg.bootstrap_host[0]) {
+        snprintf(server, sizeof server, strchr(c->cfg.bootstrap_host, ':') ? "[%s]:%u" : "%s:%u",
+                 c->cfg.bootstrap_host, c->cfg.bootstrap_port);
+    } else {
+        int rc = bootstrap_server_start(NULL, c->env.bootstrap_port, &c->bs, err, errlen);
+        if (rc) return rc;
+        snprintf(server, sizeof server, "127.0.0.1:%u", bootstrap_server_port(c->bs));
+        LOG_I(MOD, "bootstrap server on port %u (VLLM_MOONCAKE_BOOTSTRAP_PORT)",
+              bootstrap_server_port(c->bs));
+    }
+    int rc = side_channel_server_start(strchr(c->host, ':') ? "::" : "0.0.0.0", 0, on_pull, c,
+                                       &c->sc, err, errlen);
+    if (rc) return rc;
+    snprintf(c->sc_addr, sizeof c->sc_addr, strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u",
+             c->host, side_channel_server_port(c->sc));
+    c->n_senders = c->cfg.num_workers;
+    c->senders = calloc((size_t)c->n_senders, sizeof *c->senders);
+    if (!c->senders) return -ENOMEM;
+    for (int i = 0; i < c->n_senders; i++)
+        pthread_create(&c->senders[i], NULL, sender_main, c);
+    bootstrap_retry retry;
+    bootstrap_retry_init(&retry, c->env.connector_timeout_s);
+    bootstrap_registration reg = {c->cfg.engine_id, 0, 0, 0, c->sc_addr};
+    rc = bootstrap_client_register(server, &reg, &retry, err, errlen);
+    if (rc) return rc;
+    LOG_I(MOD, "producer engine %s registered at %s (side channel %s)", c->cfg.engine_id, server,
+          c->sc_addr);
+    return 0;
+}
+
+int mooncake_connector_create(const char *json, engine *eng, mooncake_connector **out, char *err,
+                              size_t errlen) {
+    mooncake_connector *c = calloc(1, sizeof *c);
+    if (!c) return -ENOMEM;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->q_cv, NULL);
+    c->eng = eng;
+    int rc = kv_transfer_config_parse(json, &c->cfg, err, errlen);
+    if (rc == 0) rc = kv_transfer_env_load(&c->env, err, errlen);
+    if (rc) {
+        free(c);
+        return rc;
+    }
+    c->proto = kv_transfer_config_effective_protocol(&c->cfg, 0 /* no RDMA in this build */);
+    engine_get_kv_region(eng, &c->region);
+    transfer_config tc;
+    transfer_config_init(&tc);
+    tc.local_hostname = c->env.host_ip[0] ? c->env.host_ip : NULL;
+    tc.device_name = c->cfg.device_name;
+    tc.protocol = c->proto == KV_PROTOCOL_SHM ? TRANSFER_PROTO_SHM : TRANSFER_PROTO_TCP;
+    rc = transfer_engine_create(&tc, &c->te);
+    if (rc) {
+        snprintf(err, errlen, "cannot start the transfer engine (device_name '%s'): %s",
+                 c->cfg.device_name, transfer_strerror(rc));
+        free(c);
+        return -EINVAL;
+    }
+    rc = transfer_register(c->te, c->region.base, c->region.bytes, "cpu:0");
+    if (rc) {
+        snprintf(err, errlen, "cannot register the KV cache with the transfer engine: %s",
+                 transfer_strerror(rc));
+        transfer_engine_destroy(c->te);
+        free(c);
+        return -EINVAL;
+    }
+    snprintf(c->segment, sizeof c->segment, "%s", transfer_engine_segment_name(c->te));
+    uint16_t port;
+    net_split_host_port(c->segment, c->host, sizeof c->host, &port, 0);
+    c->st.role = kv_role_name(c->cfg.role);
+    c->st.protocol = kv_protocol_name(c->proto);
+    c->st.engine_id = c->cfg.engine_id;
+    pthread_create(&c->reaper, NULL, reaper_main, c);
+    if (is_producer_role(c) && (rc = start_producer(c, err, errlen)) != 0) {
+        mooncake_connector_destroy(c);
+        return rc < 0 ? rc : -EINVAL;
+    }
+    engine_kv_connector hooks = {.ctx = c,
+                                 .classify = classify,
+                                 .start_load = start_load,
+                                 .request_finished = request_finished,
+                                 .request_released = request_released};
+    engine_set_kv_connector(eng, &hooks);
+    LOG_I(MOD,
+          "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "
+          "%.1f MiB "
+          "(%d blocks of %zu bytes)",
+          kv_role_name(c->cfg.role), c->cfg.engine_id, kv_protocol_name(c->proto), c->segment,
+          (double)c->region.bytes / (1 << 20), c->region.n_blocks, c->region.block_bytes);
+    *out = c;
+    return 0;
+}
+
+void mooncake_connector_destroy(mooncake_connector *c) {
+    if (!c) return;
+    if (c->eng) engine_set_kv_connector(c->eng, NULL);
+    if (c->sc) side_channel_server_stop(c->sc);
+    pthread_mutex_lock(&c->mu);
+    c->stop = 1;
+    for (cons_req *r = c->conss; r; r = r->next)
+        atomic_store(&r->cancel, 1);
+    pthread_cond_broadcast(&c->q_cv);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    for (int i = 0; i < c->n_senders; i++)
+        pthread_join(c->senders[i], NULL);
+    pthread_join(c->reaper, NULL);
+    pthread_mutex_lock(&c->mu); /* pull threads end within 100 ms of their cancel */
+    while (c->n_pull_threads > 0)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    if (c->bs) bootstrap_server_stop(c->bs);
+    while (c->prods) {
+        prod_req *p = c->prods;
+        c->prods = p->next;
+        for (pull_part *w = p->waiters, *n; w; w = n) {
+            n = w->next;
+            free(w);
+        }
+        free(p->blocks);
+        free(p);
+    }
+    while (c->conss) {
+        cons_req *r = c->conss;
+        c->conss = r->next;
+        free(r->blocks);
+        free(r);
+    }
+    transfer_engine_destroy(c->te);
+    free(c->senders);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->q_cv);
+    free(c);
+}
+
+void mooncake_connector_get_stats(mooncake_connector *c, mooncake_stats *out) {
+    pthread_mutex_lock(&c->mu);
+    *out = c->st;
+    pthread_mutex_unlock(&c->mu);
+}
+
+char *mooncake_connector_metrics_text(mooncake_connector *c) {
+    mooncake_stats s;
+    mooncake_connector_get_stats(c, &s);
+    static const double b[12] = MOONCAKE_LOAD_BUCKETS;
+    size_t cap = 4096;
+    char *t = malloc(cap);
+    if (!t) return NULL;
+    int n =
+        snprintf(t, cap,
+                 "# HELP disagg:kv_transfer_info KV connector role and transport in use.\n"
+                 "# TYPE disagg:kv_transfer_info gauge\n"
+                 "disagg:kv_transfer_info{role=\"%s\",protocol=\"%s\",engine_id=\"%s\"} 1\n"
+                 "# TYPE disagg:kv_transfer_bytes_total counter\n"
+                 "disagg:kv_transfer_bytes_total %" PRIu64 "\n"
+                 "# TYPE disagg:kv_transfer_descriptors_total counter\n"
+                 "disagg:kv_transfer_descriptors_total %" PRIu64 "\n"
+                 "# TYPE disagg:kv_transfers_total counter\n"
+                 "disagg:kv_transfers_total{side=\"producer\",result=\"ok\"} %" PRIu64 "\n"
+                 "disagg:kv_transfers_total{side=\"producer\",result=\"failed\"} %" PRIu64 "\n"
+                 "disagg:kv_transfers_total{side=\"consumer\",result=\"ok\"} %" PRIu64 "\n"
+                 "disagg:kv_transfers_total{side=\"consumer\",result=\"failed\"} %" PRIu64 "\n"
+                 "# TYPE disagg:kv_transfer_expired_total counter\n"
+                 "disagg:kv_transfer_expired_total %" PRIu64 "\n"
+                 "# TYPE disagg:kv_transfer_kept_requests gauge\n"
+                 "disagg:kv_transfer_kept_requests %d\n"
+                 "# TYPE disagg:kv_transfer_loading_requests gauge\n"
+                 "disagg:kv_transfer_loading_requests %d\n"
+                 "# TYPE disagg:kv_load_seconds histogram\n",
+                 s.role, s.protocol, s.engine_id, s.bytes_sent, s.descriptors_sent, s.transfers_ok,
+                 s.transfers_failed, s.pulls_ok, s.pulls_failed, s.expired, s.kept, s.loading);
+    for (int i = 0; i < 12 && n > 0 && (size_t)n < cap; i++)
+        n += snprintf(t + n, cap - (size_t)n,
+                      "disagg:kv_load_seconds_bucket{le=\"%g\"} %" PRIu64 "\n", b[i],
+                      s.load_buckets[i]);
+    if (n > 0 && (size_t)n < cap)
+        snprintf(t + n, cap - (size_t)n,
+                 "disagg:kv_load_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n"
+                 "disagg:kv_load_seconds_sum %.6f\ndisagg:kv_load_seconds_count %" PRIu64 "\n",
+                 s.load_count, s.load_sum_s, s.load_count);
+    return t;
+}

@@ -1,0 +1,67 @@
+/*
+ * mooncake_connector — vLLM's MooncakeConnector, in C (PROTOCOL.md §1-4):
+ * the engine's KV connector hooks (engine/kv_connector.h) for the three roles.
+ *
+ * Producer (kv_producer / kv_both, the prefill instance): embeds the
+ * bootstrap server (unless bootstrap_server_address names one), binds the
+ * ZMQ side channel and registers it; a request with do_remote_decode keeps
+ * its KV blocks when it finishes; a pull from a decoder (possibly arriving
+ * before the prefill, or before the request itself) waits for them, then a
+ * sender pool (num_workers threads) writes P's blocks into D's through the
+ * transfer engine, one descriptor per contiguous run, replies FINISH and frees
+ * the blocks.  Blocks nobody pulls are freed after
+ * VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT.
+ *
+ * Consumer (kv_consumer / kv_both, the decode instance): a request with
+ * do_remote_prefill is parked with blocks for its prompt; a pull thread finds
+ * the producer's side channel through its bootstrap server (cached), sends the
+ * pull (our KV region, block ids not already in the local prefix cache, the
+ * layout fingerprint) and reports the outcome to the engine, which recomputes
+ * the last prompt token and decodes — or fails the request / prefills locally
+ * per kv_load_failure_policy.  Every wait has a deadline.
+ */
+#ifndef DISAGG_CONNECTOR_MOONCAKE_CONNECTOR_H
+#define DISAGG_CONNECTOR_MOONCAKE_CONNECTOR_H
+
+#include "engine/engine.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct mooncake_connector mooncake_connector;
+
+/* Parses the --kv-transfer-config JSON and the VLLM_MOONCAKE_* environment,
+ * creates the transfer engine (registering the engine's KV region), starts
+ * the producer / consumer machinery and attaches the hooks to eng.  Producer
+ * start-up registers with the bootstrap server (3 attempts with backoff) and
+ * fails with a clear error when it cannot. */
+int mooncake_connector_create(const char *kv_transfer_config_json, engine *eng,
+                              mooncake_connector **out, char *err, size_t errlen);
+/* Detaches from the engine: call it before engine_destroy. */
+void mooncake_connector_destroy(mooncake_connector *c);
+
+typedef struct mooncake_stats {
+    const char *role;     /* "kv_producer", "kv_consumer", "kv_both" */
+    const char *protocol; /* transport in use: "tcp" or "shm" */
+    const char *engine_id;
+    uint64_t bytes_sent;                     /* producer: KV bytes written to decoders */
+    uint64_t descriptors_sent;               /* producer: contiguous runs written */
+    uint64_t transfers_ok, transfers_failed; /* producer: per request */
+    uint64_t pulls_ok, pulls_failed;         /* consumer: per request */
+    uint64_t expired;                        /* producer: kept blocks freed by the abort timeout */
+    int kept;                                /* producer: requests holding blocks for a pull */
+    int loading;                             /* consumer: pulls in flight */
+    /* consumer: remote-KV load latency (pull sent -> KV in place), histogram */
+    uint64_t load_count;
+    double load_sum_s;
+    uint64_t load_buckets[12]; /* cumulative counts for MOONCAKE_LOAD_BUCKETS */
+} mooncake_stats;
+
+#define MOONCAKE_LOAD_BUCKETS                                                                      \
+    { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0 }
+
+void mooncake_connector_get_stats(mooncake_connector *c, mooncake_stats *out);
+/* Prometheus text lines (disagg:kv_transfer_*), appended to a malloc'd string. */
+char *mooncake_connector_metrics_text(mooncake_connector *c);
+
+#endif

@@ -1,0 +1,581 @@
+/*
+ * gen — generation request lifecycle (see gen.h).
+ */
+#include "server/gen.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+/* One engine event copied off the engine thread. */
+typedef struct gen_event {
+    struct gen_event *next;              /* queue link */
+    gen_choice *c;                       /* the choice it belongs to */
+    engine_event_kind kind;              /* TOKEN or FINISHED */
+    engine_token tok;                    /* TOKEN: the token */
+    char finish_reason[16];              /* FINISHED */
+    int32_t stop_token;                  /* FINISHED: eos/stop id or -1 */
+    char *error;                         /* FINISHED with "error" */
+    int n_prompt, n_cached, n_generated; /* FINISHED: usage */
+    engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
+} gen_event;
+
+/* ---- the engine thread side ---------------------------------------------- */
+
+static void gen_engine_cb(void *ctx, const engine_event *ev) {
+    gen_choice *c = ctx;
+    server *s = c->r->s;
+    gen_event *g = calloc(1, sizeof *g);
+    if (!g) {
+        LOG_E("server", "out of memory queueing an engine event; request %s will hang", c->r->id);
+        return;
+    }
+    g->c = c;
+    g->kind = ev->kind;
+    if (ev->kind == ENGINE_EV_TOKEN) {
+        g->tok = *ev->token;
+    } else {
+        snprintf(g->finish_reason, sizeof g->finish_reason, "%s",
+                 ev->finish_reason ? ev->finish_reason : "error");
+        g->stop_token = ev->stop_token;
+        g->error = ev->error ? strdup(ev->error) : NULL;
+        g->n_prompt = ev->n_prompt;
+        g->n_cached = ev->n_cached;
+        g->n_generated = ev->n_generated;
+        if (ev->prompt_logprobs && ev->n_prompt > 0) {
+            g->prompt_lp = malloc((size_t)ev->n_prompt * sizeof *g->prompt_lp);
+            if (g->prompt_lp)
+                memcpy(g->prompt_lp, ev->prompt_logprobs,
+                       (size_t)ev->n_prompt * sizeof *g->prompt_lp);
+        }
+    }
+    pthread_mutex_lock(&s->q_lock);
+    if (s->q_tail)
+        s->q_tail->next = g;
+    else
+        s->q_head = g;
+    s->q_tail = g;
+    pthread_mutex_unlock(&s->q_lock);
+    event_active(s->wake, EV_READ, 0);
+}
+
+/* ---- request allocation ---------------------------------------------------- */
+
+gen_req *gen_req_new(server *s, struct evhttp_request *http, bool chat, const gen_ops *ops) {
+    gen_req *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->s = s;
+    r->http = http;
+    r->chat = chat;
+    r->ops = ops;
+    r->t_arrival = clock_now_ns();
+    r->created = (long long)time(NULL);
+    const char *xr = evhttp_find_header(evhttp_request_get_input_headers(http), "X-Request-Id");
+    if (xr && *xr) {
+        r->x_request_id = strndup(xr, 120);
+        snprintf(r->id, sizeof r->id, "%s-%s", chat ? "chatcmpl" : "cmpl", r->x_request_id);
+    } else {
+        uint64_t a = ++s->next_id, b = clock_now_ns();
+        snprintf(r->id, sizeof r->id, "%s-%016llx%016llx", chat ? "chatcmpl" : "cmpl",
+                 (unsigned long long)b, (unsigned long long)(a * 0x9E3779B97F4A7C15ull));
+    }
+    return r;
+}
+
+void gen_req_free(gen_req *r) {
+    if (!r) return;
+    for (int i = 0; i < r->n_ch; i++) {
+        gen_choice *c = &r->ch[i];
+        detok_stream_free(&c->ds);
+        sbuf_free(&c->text);
+        json_decref(c->logprobs);
+        json_decref(c->stop_reason);
+        json_decref(c->prompt_logprobs);
+        json_decref(c->echo_logprobs);
+        free(c->error);
+    }
+    free(r->ch);
+    for (int i = 0; i < r->n_prompts; i++) {
+        if (r->pids) free(r->pids[i]);
+        if (r->ptext) free(r->ptext[i]);
+    }
+    free(r->pids);
+    free(r->n_pids);
+    free(r->ptext);
+    free(r->ptext_len);
+    free(r->x_request_id);
+    free(r->kv_params_text);
+    oai_request_free(&r->o);
+    free(r);
+}
+
+static void gen_abort_all(gen_req *r, const char *why);
+
+/* ---- output ------------------------------------------------------------------ */
+
+static void gen_close_cb(struct evhttp_connection *conn, void *arg) {
+    gen_req *r = arg;
+    r->conn = NULL;
+    r->detached = true;
+    if (r->client_gone) return;
+    r->client_gone = true;
+    gen_abort_all(r, "client disconnected");
+}
+
+void gen_send_chunk(gen_req *r, sbuf *sse) {
+    if (sse->len == 0) return;
+    if (!r->client_gone && r->streaming) {
+        struct evbuffer *b = evbuffer_new();
+        if (b) {
+            evbuffer_add(b, sse->data, sse->len);
+            evhttp_send_reply_chunk(r->http, b);
+            evbuffer_free(b);
+        }
+    }
+    sbuf_reset(sse);
+}
+
+void gen_usage(const gen_req *r, oai_usage *u) {
+    memset(u, 0, sizeof *u);
+    int n = r->o.n;
+    for (int p = 0; p < r->n_prompts; p++)
+        u->prompt_tokens += r->n_pids[p];
+    for (int i = 0; i < r->n_ch; i++) {
+        u->completion_tokens += r->ch[i].n_tokens;
+        if (i % n == 0) u->cached_tokens += r->ch[i].n_cached;
+    }
+}
+
+json_t *gen_kv_transfer_params(gen_req *r) {
+    const server_config *cfg = &r->s->cfg;
+    if (!cfg->kv_params_fn) return NULL;
+    return cfg->kv_params_fn(cfg->kv_params_ctx, r->o.kv_transfer_params,
+                             r->n_ch > 0 ? r->ch[0].eid : 0);
+}
+
+static void gen_free_and_account(gen_req *r) {
+    server *s = r->s;
+    s->n_live--;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        s->live = r->next;
+    if (r->next) r->next->prev = r->prev;
+    gen_req_free(r);
+}
+
+static void gen_abort_all(gen_req *r, const char *why) {
+    int n = 0;
+    for (int i = 0; i < r->n_ch && r->s->eng; i++)
+        if (r->ch[i].submitted && !r->ch[i].engine_done) {
+            engine_abort(r->s->eng, r->ch[i].eid);
+            n++;
+        }
+    LOG_I("server", "%s: %s, aborted %d engine request(s)", r->id, why, n);
+}
+
+void gen_probe_clients(server *s) {
+    for (gen_req *r = s->live; r; r = r->next) {
+        if (r->client_gone || r->streaming || !r->conn) continue;
+        struct bufferevent *bev = evhttp_connection_get_bufferevent(r->conn);
+        evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+        if (fd < 0) continue;
+        char c;
+        ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            /* the reply will still be sent; libevent then notices and frees the connection */
+            r->client_gone = true;
+            gen_abort_all(r, "client closed the connection");
+        }
+    }
+}
+
+/* Every engine request has finished: send what is left and free. */
+static void gen_complete(gen_req *r) {
+    if (r->client_gone) {
+        if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+        /* a detached request is freed by these; an attached one is answered and
+         * libevent notices the closed socket */
+        if (r->streaming)
+            evhttp_send_reply_end(r->http);
+        else
+            evhttp_send_reply(r->http, 499, "Client Closed Request", NULL);
+        gen_free_and_account(r);
+        return;
+    }
+    if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+    if (r->streaming) {
+        sbuf sse;
+        sbuf_init(&sse, (size_t)1 << 30);
+        if (r->o.include_usage) {
+            oai_usage u;
+            gen_usage(r, &u);
+            oai_sse_event(&sse, oai_usage_chunk(r->chat, r->id, r->created, r->s->model_name, &u));
+        }
+        oai_sse_done(&sse);
+        gen_send_chunk(r, &sse);
+        sbuf_free(&sse);
+        evhttp_send_reply_end(r->http);
+    } else if (r->has_err) {
+        server_reply_error(r->http, &r->err, r->x_request_id);
+    } else {
+        json_t *body = r->ops->build_response(r);
+        if (body)
+            server_reply_json(r->http, 200, body, r->x_request_id);
+        else
+            server_reply_errorf(r->http, 500, "InternalServerError", NULL,
+                                "out of memory rendering the response");
+    }
+    if (r->s->cfg.log_requests) {
+        oai_usage u;
+        gen_usage(r, &u);
+        LOG_I("server", "%s: %d choice(s), prompt %d tokens, completion %d tokens, %.3f s", r->id,
+              r->n_ch, u.prompt_tokens, u.completion_tokens,
+              (double)(clock_now_ns() - r->t_arrival) / 1e9);
+    }
+    gen_free_and_account(r);
+}
+
+/* The choice produced its last output. */
+static void gen_choice_done(gen_choice *c, const char *reason) {
+    gen_req *r = c->r;
+    c->out_done = true;
+    c->finish_reason = reason;
+    server_metrics *m = &r->s->metrics;
+    uint64_t now = clock_now_ns();
+    m->finished[metrics_finish_of(reason)]++;
+    metrics_observe(&m->e2e, (double)(now - r->t_arrival) / 1e9);
+    if (c->n_tokens > 1)
+        metrics_observe(&m->tpot, (double)(c->t_last - c->t_first) / 1e9 / (c->n_tokens - 1));
+    if (r->streaming && !r->client_gone) {
+        sbuf sse;
+        sbuf_init(&sse, (size_t)1 << 30);
+        if (c->error) {
+            oai_error e;
+            oai_error_set(&e, 500, "InternalServerError", NULL, "%s", c->error);
+            char *j = oai_error_json(&e);
+            if (j) sbuf_appendf(&sse, "data: %s\n\n", j);
+            free(j);
+        } else {
+            r->ops->stream_finish(r, c, &sse);
+        }
+        gen_send_chunk(r, &sse);
+        sbuf_free(&sse);
+    }
+}
+
+static void gen_add_logprobs(gen_choice *c, const engine_token *t) {
+    gen_req *r = c->r;
+    if (r->o.logprobs < 0) return;
+    if (!c->logprobs) c->logprobs = r->chat ? oai_chat_logprobs_new() : oai_cmpl_logprobs_new();
+    if (r->chat)
+        oai_chat_logprobs_add(c->logprobs, t, r->o.logprobs, &r->namer);
+    else
+        oai_cmpl_logprobs_add(c->logprobs, t, r->o.logprobs, false, &c->text_offset, &r->namer);
+}
+
+static void gen_on_token(gen_choice *c, const engine_token *t) {
+    gen_req *r = c->r;
+    if (c->out_done) return;
+    uint64_t now = clock_now_ns();
+    server_metrics *m = &r->s->metrics;
+    if (c->n_tokens == 0) {
+        c->t_first = now;
+        metrics_observe(&m->ttft, (double)(now - r->t_arrival) / 1e9);
+    } else {
+        metrics_observe(&m->itl, (double)(now - c->t_last) / 1e9);
+    }
+    c->t_last = now;
+    c->n_tokens++;
+    gen_add_logprobs(c, t);
+    size_t before = c->text.len;
+    detok_stream_set_stops(&c->ds, c->n_tokens >= r->o.min_tokens);
+    int rc = detok_stream_push_token(&c->ds, t->id, &c->text);
+    if (rc < 0) {
+        LOG_E("server", "%s: detokenizing token %d failed (%d)", r->id, t->id, rc);
+        c->error = strdup("detokenization failed");
+    }
+    if (r->streaming && !r->client_gone) {
+        sbuf sse;
+        sbuf_init(&sse, (size_t)1 << 30);
+        r->ops->stream_delta(r, c, c->text.data + before, c->text.len - before, &sse);
+        gen_send_chunk(r, &sse);
+        sbuf_free(&sse);
+    }
+    if (rc == 1) { /* stop string */
+        c->stop_reason = json_string(r->o.stop[c->ds.stop_index]);
+        engine_abort(r->s->eng, c->eid);
+        gen_choice_done(c, "stop");
+    } else if (rc < 0) {
+        engine_abort(r->s->eng, c->eid);
+        gen_choice_done(c, "error");
+    }
+}
+
+static void gen_on_finished(gen_choice *c, gen_event *g) {
+    gen_req *r = c->r;
+    c->engine_done = true;
+    r->n_pending--;
+    c->n_prompt = g->n_prompt;
+    c->n_cached = g->n_cached;
+    if (g->prompt_lp && r->o.sampling.prompt_logprobs >= 0) {
+        /* entry 0 has no logprob; its id is the prompt's first token */
+        if (g->n_prompt == r->n_pids[c->prompt]) g->prompt_lp[0].id = r->pids[c->prompt][0];
+        if (r->o.prompt_logprobs >= 0)
+            c->prompt_logprobs = oai_prompt_logprobs_json(g->prompt_lp, g->n_prompt,
+                                                          r->o.prompt_logprobs, &r->namer);
+        if (r->o.echo && r->o.logprobs >= 0 && !r->chat) {
+            /* echo: the prompt's tokens lead the logprobs, the first without a value */
+            json_t *lp = oai_cmpl_logprobs_new();
+            size_t off = 0;
+            for (int i = 0; i < g->n_prompt; i++)
+                oai_cmpl_logprobs_add(lp, &g->prompt_lp[i], r->o.logprobs, i == 0, &off, &r->namer);
+            c->echo_logprobs = lp;
+        }
+    }
+    if (c->out_done) return;
+    if (!strcmp(g->finish_reason, "error")) {
+        c->error = strdup(g->error ? g->error : "engine error");
+        if (!r->has_err) {
+            r->has_err = true;
+            oai_error_set(&r->err, 500, "InternalServerError", NULL, "%s", c->error);
+        }
+        gen_choice_done(c, "error");
+        return;
+    }
+    size_t before = c->text.len;
+    detok_stream_finish(&c->ds, &c->text);
+    if (r->streaming && !r->client_gone && c->text.len > before) {
+        sbuf sse;
+        sbuf_init(&sse, (size_t)1 << 30);
+        r->ops->stream_delta(r, c, c->text.data + before, c->text.len - before, &sse);
+        gen_send_chunk(r, &sse);
+        sbuf_free(&sse);
+    }
+    const char *reason = !strcmp(g->finish_reason, "stop")     ? "stop"
+                         : !strcmp(g->finish_reason, "length") ? "length"
+                                                               : "abort";
+    if (!strcmp(reason, "stop") && g->stop_token >= 0)
+        for (int i = 0; i < r->o.n_stop_token_ids; i++)
+            if (r->o.stop_token_ids[i] == g->stop_token)
+                c->stop_reason = json_integer(g->stop_token);
+    gen_choice_done(c, reason);
+}
+
+void gen_drain_events(server *s) {
+    pthread_mutex_lock(&s->q_lock);
+    gen_event *g = s->q_head;
+    s->q_head = s->q_tail = NULL;
+    pthread_mutex_unlock(&s->q_lock);
+    while (g) {
+        gen_event *next = g->next;
+        gen_choice *c = g->c;
+        gen_req *r = c->r;
+        if (g->kind == ENGINE_EV_TOKEN) {
+            gen_on_token(c, &g->tok);
+        } else {
+            gen_on_finished(c, g);
+            if (r->n_pending == 0) gen_complete(r);
+        }
+        free(g->error);
+        free(g->prompt_lp);
+        free(g);
+        g = next;
+    }
+}
+
+void gen_free_live(server *s) {
+    while (s->live) {
+        gen_req *r = s->live;
+        if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+        if (r->detached) { /* libevent no longer owns it: these free it */
+            if (r->streaming)
+                evhttp_send_reply_end(r->http);
+            else
+                evhttp_send_reply(r->http, 503, "Service Unavailable", NULL);
+        }
+        gen_free_and_account(r);
+    }
+}
+
+void gen_drop_events(server *s) {
+    pthread_mutex_lock(&s->q_lock);
+    gen_event *g = s->q_head;
+    s->q_head = s->q_tail = NULL;
+    pthread_mutex_unlock(&s->q_lock);
+    while (g) {
+        gen_event *next = g->next;
+        free(g->error);
+        free(g->prompt_lp);
+        free(g);
+        g = next;
+    }
+}
+
+/* ---- start ---------------------------------------------------------------------- */
+
+static int gen_check_lengths(gen_req *r, int p, int *max_tokens) {
+    int mml = r->s->max_model_len, np = r->n_pids[p];
+    const char *what = r->chat ? "messages" : "prompt";
+    int mt = r->o.max_tokens;
+    if (mt < 0) {
+        if (np >= mml) {
+            oai_error_set(&r->err, 400, "BadRequestError", what,
+                          "This model's maximum context length is %d tokens. However, your %s "
+                          "contains %d input tokens, leaving no room for the completion. Please "
+                          "reduce the length of the %s.",
+                          mml, what, np, what);
+            return -EINVAL;
+        }
+        mt = mml - np;
+    } else if ((long long)np + mt > mml) {
+        oai_error_set(&r->err, 400, "BadRequestError", np >= mml ? what : "max_tokens",
+                      "This model's maximum context length is %d tokens. However, you requested "
+                      "%lld tokens (%d in the %s, %d in the completion). Please reduce the "
+                      "length of the %s or completion.",
+                      mml, (long long)np + mt, np, what, mt, what);
+        return -EINVAL;
+    }
+    if (r->o.min_tokens > mt) {
+        oai_error_set(&r->err, 400, "BadRequestError", "min_tokens",
+                      "'min_tokens' (%d) is more than the %d tokens that fit after the prompt",
+                      r->o.min_tokens, mt);
+        return -EINVAL;
+    }
+    *max_tokens = mt;
+    return 0;
+}
+
+static void gen_start_stream(gen_req *r) {
+    struct evkeyvalq *h = evhttp_request_get_output_headers(r->http);
+    evhttp_add_header(h, "Content-Type", "text/event-stream; charset=utf-8");
+    evhttp_add_header(h, "Cache-Control", "no-cache");
+    if (r->x_request_id) evhttp_add_header(h, "X-Request-Id", r->x_request_id);
+    evhttp_send_reply_start(r->http, 200, "OK");
+    r->streaming = true;
+    sbuf sse;
+    sbuf_init(&sse, (size_t)1 << 30);
+    if (r->ops->stream_start) r->ops->stream_start(r, &sse);
+    gen_send_chunk(r, &sse);
+    sbuf_free(&sse);
+}
+
+void gen_start(gen_req *r) {
+    server *s = r->s;
+    r->namer.fn = r->o.return_tokens_as_token_ids ? server_token_namer_ids : server_token_namer;
+    r->namer.ctx = s->tok;
+    int vocab = tokenizer_vocab_size(s->tok);
+    int max_tokens[1024];
+    for (int p = 0; p < r->n_prompts; p++) {
+        for (int i = 0; i < r->n_pids[p]; i++)
+            if (r->pids[p][i] >= vocab) {
+                oai_error_set(
+                    &r->err, 400, "BadRequestError", r->chat ? "messages" : "prompt",
+                    "token id %d at position %d is out of range: the vocabulary has ids 0..%d",
+                    r->pids[p][i], i, vocab - 1);
+                goto fail;
+            }
+        for (int i = 0; i < r->o.n_stop_token_ids; i++)
+            if (r->o.stop_token_ids[i] >= vocab) {
+                oai_error_set(&r->err, 400, "BadRequestError", "stop_token_ids",
+                              "stop token id %d is out of range: the vocabulary has ids 0..%d",
+                              r->o.stop_token_ids[i], vocab - 1);
+                goto fail;
+            }
+        if (gen_check_lengths(r, p, &max_tokens[p])) goto fail;
+    }
+    r->n_ch = r->n_prompts * r->o.n;
+    r->ch = calloc((size_t)r->n_ch, sizeof *r->ch);
+    if (!r->ch) {
+        oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+        goto fail;
+    }
+    for (int i = 0; i < r->n_ch; i++) {
+        gen_choice *c = &r->ch[i];
+        c->r = r;
+        c->index = i;
+        c->prompt = i / r->o.n;
+        sbuf_init(&c->text, (size_t)1 << 30);
+        if (sbuf_append(&c->text, "", 0)) { /* text.data is never NULL from here on */
+            oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+            goto fail;
+        }
+        if (detok_stream_init(&c->ds, s->tok, r->o.skip_special_tokens, r->o.stop, r->o.n_stop,
+                              r->o.include_stop_str_in_output)) {
+            oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+            goto fail;
+        }
+        if (r->o.echo && r->ptext && r->ptext[c->prompt]) {
+            sbuf_append(&c->text, r->ptext[c->prompt], r->ptext_len[c->prompt]);
+            /* the generated tokens' text offsets follow the echoed prompt */
+            const char *t = r->ptext[c->prompt];
+            for (size_t k = 0; k < r->ptext_len[c->prompt]; k++)
+                if (((unsigned char)t[k] & 0xC0) != 0x80) c->text_offset++;
+        }
+    }
+    if (r->o.kv_transfer_params) {
+        r->kv_params_text = json_dumps(r->o.kv_transfer_params, JSON_COMPACT);
+        if (!r->kv_params_text) {
+            oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+            goto fail;
+        }
+    }
+    r->conn = evhttp_request_get_connection(r->http);
+    s->n_live++;
+    r->next = s->live;
+    if (s->live) s->live->prev = r;
+    s->live = r;
+    for (int i = 0; i < r->n_ch; i++) {
+        gen_choice *c = &r->ch[i];
+        engine_request_params p;
+        memset(&p, 0, sizeof p);
+        p.prompt = r->pids[c->prompt];
+        p.n_prompt = r->n_pids[c->prompt];
+        p.max_tokens = max_tokens[c->prompt];
+        p.min_tokens = r->o.min_tokens;
+        p.ignore_eos = r->o.ignore_eos;
+        p.stop_token_ids = r->o.stop_token_ids;
+        p.n_stop_token_ids = r->o.n_stop_token_ids;
+        p.sampling = r->o.sampling;
+        if (p.sampling.has_seed) p.sampling.seed += (uint64_t)(i % r->o.n);
+        p.request_id = r->id;
+        p.kv_transfer_params = r->kv_params_text;
+        char err[512] = "";
+        int rc = engine_submit(s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
+        if (rc) {
+            r->has_err = true;
+            oai_error_set(&r->err, rc == -EINVAL ? 400 : 500,
+                          rc == -EINVAL ? "BadRequestError" : "InternalServerError", NULL, "%s",
+                          err[0] ? err : "the engine refused the request");
+            for (int k = 0; k < i; k++)
+                engine_abort(s->eng, r->ch[k].eid);
+            break;
+        }
+        c->submitted = true;
+        r->n_pending++;
+    }
+    /* Events are handled on this thread, so none is processed before we return:
+     * the stream can start after the submissions. */
+    if (!r->has_err && r->o.stream) gen_start_stream(r);
+    if (r->n_pending > 0) {
+        if (r->conn) evhttp_connection_set_closecb(r->conn, gen_close_cb, r);
+        return; /* gen_complete replies (the error, if any) */
+    }
+    server_reply_error(r->http, &r->err, r->x_request_id);
+    gen_free_and_account(r);
+    return;
+fail:
+    server_reply_error(r->http, &r->err, r->x_request_id);
+    gen_req_free(r);
+}

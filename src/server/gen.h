@@ -1,0 +1,108 @@
+/*
+ * gen — the lifecycle of one generation request (completions or chat) from
+ * validated request to last byte: it submits one engine request per choice
+ * (prompts × n, seeds derived as seed + choice index within the prompt),
+ * receives the engine's events through the server's queue (the engine
+ * callback runs on the engine thread and only copies the event and wakes the
+ * loop), detokenizes with stop strings (detok_stream), accumulates logprobs,
+ * counts usage, observes the latency metrics, and either streams chunks or
+ * builds the final body through the endpoint's gen_ops (completion.c,
+ * chat.c).  A client that disconnects gets its engine requests aborted; the
+ * request's memory is freed once every engine request has sent FINISHED.
+ */
+#ifndef DISAGG_SERVER_GEN_H
+#define DISAGG_SERVER_GEN_H
+
+#include "server/detok_stream.h"
+#include "server/openai_response.h"
+#include "server/server_ctx.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+typedef struct gen_req gen_req;
+
+typedef struct gen_choice {
+    gen_req *r;                /* owner */
+    int index;                 /* choice index in the response */
+    int prompt;                /* which prompt it continues */
+    uint64_t eid;              /* engine request id */
+    bool submitted;            /* engine_submit succeeded: a FINISHED event will come */
+    bool engine_done;          /* FINISHED received */
+    bool out_done;             /* no more output: stop string matched or engine finished */
+    detok_stream ds;           /* tokens → released text */
+    sbuf text;                 /* all released text */
+    size_t sent;               /* bytes of text already streamed as content */
+    json_t *logprobs;          /* accumulated logprobs (stream: since the last chunk) */
+    size_t text_offset;        /* completions logprobs text_offset, in characters */
+    int n_tokens;              /* generated tokens that count (up to the stop) */
+    const char *finish_reason; /* "stop", "length", "abort", "error", "tool_calls" */
+    json_t *stop_reason;       /* matched stop string or stop token id, or NULL */
+    json_t *prompt_logprobs;   /* vLLM prompt_logprobs array, or NULL */
+    json_t *echo_logprobs;     /* completions echo: prompt part of the logprobs, or NULL */
+    int n_prompt;              /* prompt tokens (from the engine) */
+    int n_cached;              /* of those, from the prefix cache */
+    char *error;               /* engine error message */
+    uint64_t t_first, t_last;  /* clock_now_ns of the first / latest token */
+    bool role_sent;            /* chat stream: the role chunk went out */
+} gen_choice;
+
+typedef struct gen_ops {
+    /* Streaming only: called once before any chunk (e.g. chat's role chunks). */
+    int (*stream_start)(gen_req *r, sbuf *sse);
+    /* Streaming only: new text and/or logprobs for c (text may be empty). */
+    int (*stream_delta)(gen_req *r, gen_choice *c, const char *text, size_t len, sbuf *sse);
+    /* Streaming only: c is finished (finish_reason set), emit its last chunk. */
+    int (*stream_finish)(gen_req *r, gen_choice *c, sbuf *sse);
+    /* Non-streaming: the response body once every choice is done. */
+    json_t *(*build_response)(gen_req *r);
+} gen_ops;
+
+struct gen_req {
+    server *s;                      /* the server */
+    gen_req *prev, *next;           /* s->live list */
+    struct evhttp_request *http;    /* the HTTP request (valid until replied) */
+    struct evhttp_connection *conn; /* its connection, NULL once closed */
+    const gen_ops *ops;             /* endpoint rendering */
+    oai_request o;                  /* the validated request */
+    bool chat;                      /* chat endpoint */
+    char id[160];                   /* "cmpl-..." / "chatcmpl-..." */
+    char *x_request_id;             /* X-Request-Id header value, or NULL */
+    long long created;              /* unix seconds */
+    int n_prompts;                  /* prompts */
+    int32_t **pids;                 /* (n_prompts) token ids of each prompt */
+    int *n_pids;                    /* (n_prompts) their lengths */
+    char **ptext;                   /* (n_prompts) prompt text for echo, or NULL */
+    size_t *ptext_len;              /* (n_prompts) */
+    gen_choice *ch;                 /* (n_ch) choices */
+    int n_ch;                       /* n_prompts * n */
+    int n_pending;                  /* submitted engine requests not yet FINISHED */
+    bool streaming;                 /* reply started as SSE */
+    bool client_gone;               /* the client left: engine requests aborted */
+    bool detached;                  /* libevent closed the connection (http detached) */
+    bool replied;                   /* the final reply was sent */
+    oai_error err;                  /* a failure to report instead of the response */
+    bool has_err;                   /* err is set */
+    uint64_t t_arrival;             /* clock_now_ns at arrival */
+    oai_namer namer;                /* token strings for logprobs */
+    char *kv_params_text;           /* o.kv_transfer_params as JSON text for the engine, or NULL */
+};
+
+/* Allocate a request for http; fills id, x_request_id, created, arrival.
+ * NULL on allocation failure. */
+gen_req *gen_req_new(server *s, struct evhttp_request *http, bool chat, const gen_ops *ops);
+/* Take ownership of prompt i's ids (and text for echo, may be NULL). */
+/* Validate lengths, create the choices, submit them and start the stream.
+ * After this call r belongs to gen (it replies and frees); on failure before
+ * submission it replies the error itself. */
+void gen_start(gen_req *r);
+/* Free a request that never reached gen_start (after replying an error). */
+void gen_req_free(gen_req *r);
+/* Write an SSE buffer to the client as one chunk. */
+void gen_send_chunk(gen_req *r, sbuf *sse);
+/* Usage totals over all choices so far. */
+void gen_usage(const gen_req *r, oai_usage *u);
+/* Response-side kv_transfer_params (the connector hook, or NULL). */
+json_t *gen_kv_transfer_params(gen_req *r);
+
+#endif

@@ -1,0 +1,414 @@
+/*
+ * http — the libevent evhttp glue of `disagg serve`: the event loop, the
+ * listener, the router (404 unknown route, 405 wrong method with an Allow
+ * header, 413 body over the limit, 401 without the API key, 503 while the
+ * model loads), the reply helpers shared by the handlers, the loader thread
+ * and the info endpoints (/health, /version, /v1/models, /metrics).
+ */
+#include "server/gen.h"
+#include "server/server_ctx.h"
+
+#include "base/clock.h"
+#include "connector/mooncake/mooncake_connector.h"
+#include "base/log.h"
+#include "model/model_config.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <event2/thread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#ifndef DISAGG_VERSION
+#define DISAGG_VERSION "0.1.0"
+#endif
+
+void server_config_init(server_config *c) {
+    memset(c, 0, sizeof *c);
+    c->host = "0.0.0.0";
+    c->port = 8000;
+    c->max_body_bytes = (size_t)32 << 20;
+    c->log_requests = 1;
+    engine_config_init(&c->engine);
+}
+
+/* ---- reply helpers --------------------------------------------------------- */
+
+static const char *status_reason(int status) {
+    switch (status) {
+    case 200:
+        return "OK";
+    case 400:
+        return "Bad Request";
+    case 401:
+        return "Unauthorized";
+    case 404:
+        return "Not Found";
+    case 405:
+        return "Method Not Allowed";
+    case 413:
+        return "Payload Too Large";
+    case 500:
+        return "Internal Server Error";
+    case 503:
+        return "Service Unavailable";
+    default:
+        return "Error";
+    }
+}
+
+void server_reply_json(struct evhttp_request *req, int status, json_t *body, const char *req_id) {
+    char *s = body ? json_dumps(body, JSON_COMPACT) : NULL;
+    json_decref(body);
+    struct evbuffer *b = evbuffer_new();
+    if (s)
+        evbuffer_add(b, s, strlen(s));
+    else
+        evbuffer_add_printf(
+            b, "{\"error\":{\"message\":\"out of "
+               "memory\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}");
+    free(s);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_add_header(h, "Content-Type", "application/json");
+    if (req_id) evhttp_add_header(h, "X-Request-Id", req_id);
+    evhttp_send_reply(req, status, status_reason(status), b);
+    evbuffer_free(b);
+}
+
+void server_reply_error(struct evhttp_request *req, const oai_error *e, const char *req_id) {
+    char *s = oai_error_json(e);
+    json_t *body = s ? json_loads(s, 0, NULL) : NULL;
+    free(s);
+    server_reply_json(req, e->status, body, req_id);
+}
+
+void server_reply_errorf(struct evhttp_request *req, int status, const char *type,
+                         const char *param, const char *fmt, ...) {
+    oai_error e;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    oai_error_set(&e, status, type, param, "%s", msg);
+    server_reply_error(req, &e, NULL);
+}
+
+char *server_read_body(struct evhttp_request *req, size_t *len) {
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t n = evbuffer_get_length(in);
+    char *p = malloc(n + 1);
+    if (!p) return NULL;
+    evbuffer_copyout(in, p, n);
+    p[n] = 0;
+    *len = n;
+    return p;
+}
+
+int server_token_namer(void *ctx, int32_t id, sbuf *out) {
+    char *text = NULL;
+    size_t len = 0;
+    int rc = tokenizer_decode(ctx, &id, 1, false, &text, &len, NULL, 0);
+    if (rc) return rc;
+    sbuf_reset(out);
+    rc = sbuf_append(out, text, len);
+    free(text);
+    return rc;
+}
+
+int server_token_namer_ids(void *ctx, int32_t id, sbuf *out) {
+    (void)ctx;
+    sbuf_reset(out);
+    return sbuf_appendf(out, "token_id:%d", id);
+}
+
+/* ---- info endpoints --------------------------------------------------------------- */
+
+static void handle_health(server *s, struct evhttp_request *req) {
+    int ready = atomic_load(&s->ready);
+    struct evbuffer *b = evbuffer_new();
+    evhttp_send_reply(req, ready == 1 ? 200 : 503, ready == 1 ? "OK" : "Service Unavailable", b);
+    evbuffer_free(b);
+}
+
+static void handle_version(server *s, struct evhttp_request *req) {
+    (void)s;
+    server_reply_json(req, 200, json_pack("{s:s}", "version", DISAGG_VERSION), NULL);
+}
+
+static void handle_models(server *s, struct evhttp_request *req) {
+    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:n}", "id", s->model_name, "object", "model",
+                          "created", (json_int_t)time(NULL), "owned_by", "disagg", "root",
+                          s->cfg.model ? s->cfg.model : s->model_name, "parent");
+    if (m && s->max_model_len > 0)
+        json_object_set_new(m, "max_model_len", json_integer(s->max_model_len));
+    server_reply_json(req, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m), NULL);
+}
+
+static void handle_metrics(server *s, struct evhttp_request *req) {
+    engine_stats st;
+    memset(&st, 0, sizeof st);
+    if (s->eng) engine_get_stats(s->eng, &st);
+    sbuf out;
+    sbuf_init(&out, (size_t)16 << 20);
+    int rc = metrics_render(&s->metrics, &st, s->block_size, s->model_name, &out);
+    if (!rc && s->conn) { /* disagg:kv_transfer_* */
+        char *kv = mooncake_connector_metrics_text(s->conn);
+        if (kv) rc = sbuf_append(&out, kv, strlen(kv));
+        free(kv);
+    }
+    struct evbuffer *b = evbuffer_new();
+    if (!rc) evbuffer_add(b, out.data, out.len);
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
+                      "text/plain; version=0.0.4; charset=utf-8");
+    evhttp_send_reply(req, rc ? 500 : 200, rc ? "Internal Server Error" : "OK", b);
+    evbuffer_free(b);
+    sbuf_free(&out);
+}
+
+/* ---- router ---------------------------------------------------------------------- */
+
+typedef void (*route_fn)(server *s, struct evhttp_request *req);
+
+typedef struct route {
+    const char *path; /* exact path */
+    int method;       /* EVHTTP_REQ_GET or EVHTTP_REQ_POST */
+    int needs_engine; /* 503 until the model is loaded */
+    int needs_key;    /* --api-key applies (the /v1 routes, as vLLM) */
+    route_fn fn;      /* handler */
+} route;
+
+static const route ROUTES[] = {
+    {"/v1/completions", EVHTTP_REQ_POST, 1, 1, completion_handle},
+    {"/v1/chat/completions", EVHTTP_REQ_POST, 1, 1, chat_handle},
+    {"/v1/models", EVHTTP_REQ_GET, 0, 1, handle_models},
+    {"/tokenize", EVHTTP_REQ_POST, 1, 0, tokenize_handle},
+    {"/detokenize", EVHTTP_REQ_POST, 1, 0, detokenize_handle},
+    {"/health", EVHTTP_REQ_GET, 0, 0, handle_health},
+    {"/version", EVHTTP_REQ_GET, 0, 0, handle_version},
+    {"/metrics", EVHTTP_REQ_GET, 0, 0, handle_metrics},
+};
+#define NROUTES (sizeof ROUTES / sizeof ROUTES[0])
+
+static int api_key_ok(server *s, struct evhttp_request *req) {
+    if (!s->cfg.api_key || !*s->cfg.api_key) return 1;
+    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
+    h += 7;
+    size_t a = strlen(h), b = strlen(s->cfg.api_key);
+    unsigned diff = (unsigned)(a ^ b);
+    for (size_t i = 0; i < a && i < b; i++)
+        diff |= (unsigned char)(h[i] ^ s->cfg.api_key[i]);
+    return diff == 0;
+}
+
+static void http_dispatch(struct evhttp_request *req, void *arg) {
+    server *s = arg;
+    s->metrics.http_requests++;
+    const char *path = evhttp_uri_get_path(evhttp_request_get_evhttp_uri(req));
+    if (!path) path = "/";
+    int method = evhttp_request_get_command(req);
+    const route *match = NULL;
+    for (size_t i = 0; i < NROUTES; i++)
+        if (!strcmp(path, ROUTES[i].path)) {
+            match = &ROUTES[i];
+            break;
+        }
+    if (!match) {
+        server_reply_errorf(req, 404, "NotFoundError", NULL,
+                            "No route for %s; accepted: POST /v1/completions, POST "
+                            "/v1/chat/completions, GET /v1/models, POST /tokenize, POST "
+                            "/detokenize, GET /health, GET /version, GET /metrics",
+                            path);
+        return;
+    }
+    int allowed =
+        match->method == EVHTTP_REQ_GET ? (EVHTTP_REQ_GET | EVHTTP_REQ_HEAD) : match->method;
+    if (!(method & allowed)) {
+        const char *m = match->method == EVHTTP_REQ_GET ? "GET" : "POST";
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", m);
+        server_reply_errorf(req, 405, "MethodNotAllowed", NULL,
+                            "Method not allowed on %s; accepted: %s", path, m);
+        return;
+    }
+    if (match->needs_key && !api_key_ok(s, req)) {
+        server_reply_errorf(
+            req, 401, "AuthenticationError", NULL,
+            "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'");
+        return;
+    }
+    if (match->needs_engine && atomic_load(&s->ready) != 1) {
+        server_reply_errorf(req, 503, "ServiceUnavailableError", NULL,
+                            "The model is still loading; retry when GET /health returns 200");
+        return;
+    }
+    match->fn(s, req);
+}
+
+/* ---- loading ---------------------------------------------------------------------- */
+
+static void *loader_main(void *arg) {
+    server *s = arg;
+    char err[1024] = "";
+    engine *e = NULL;
+    int rc = engine_create(&s->cfg.engine, &e, err, sizeof err);
+    if (rc) {
+        snprintf(s->load_error, sizeof s->load_error, "loading the engine failed: %s", err);
+        goto fail;
+    }
+    if (s->cfg.kv_transfer_config) { /* attach before the first submit */
+        rc = mooncake_connector_create(s->cfg.kv_transfer_config, e, &s->conn, err, sizeof err);
+        if (rc) {
+            snprintf(s->load_error, sizeof s->load_error, "starting the KV connector failed: %s",
+                     err);
+            engine_destroy(e);
+            goto fail;
+        }
+    }
+    tokenizer *tok = NULL;
+    rc = tokenizer_load(engine_model_dir(e), &tok, err, sizeof err);
+    if (rc) {
+        snprintf(s->load_error, sizeof s->load_error, "loading the tokenizer failed: %s", err);
+        if (s->conn) mooncake_connector_destroy(s->conn);
+        s->conn = NULL;
+        engine_destroy(e);
+        goto fail;
+    }
+    const char *tt = tokenizer_chat_template(tok);
+    if (!tt)
+        snprintf(s->tmpl_error, sizeof s->tmpl_error, "the model has no chat template");
+    else if (chat_template_init(tt, &s->tmpl, err, sizeof err))
+        snprintf(s->tmpl_error, sizeof s->tmpl_error, "%s", err);
+    const model_config *mc = engine_model_config(e);
+    if (mc && mc->has_gen_defaults) {
+        s->defaults.temperature = mc->gen_temperature;
+        s->defaults.top_p = mc->gen_top_p;
+        s->defaults.top_k = mc->gen_top_k;
+        s->defaults.repetition_penalty = mc->gen_repetition_penalty;
+        LOG_I("server",
+              "default sampling from generation_config.json: temperature %g top_p %g "
+              "top_k %d repetition_penalty %g (a request's own values win)",
+              mc->gen_temperature, mc->gen_top_p, mc->gen_top_k, mc->gen_repetition_penalty);
+    }
+    s->defaults.model_path = s->cfg.model;
+    s->max_model_len = engine_max_model_len(e);
+    s->tok = tok;
+    s->eng = e;
+    atomic_store(&s->ready, 1);
+    event_active(s->ready_ev, EV_READ, 0);
+    return NULL;
+fail:
+    atomic_store(&s->ready, -1);
+    event_active(s->ready_ev, EV_READ, 0);
+    return NULL;
+}
+
+static void on_ready(evutil_socket_t fd, short what, void *arg) {
+    server *s = arg;
+    if (atomic_load(&s->ready) == 1) {
+        LOG_I("server", "ready: model %s served as \"%s\", max_model_len %d", s->cfg.model,
+              s->model_name, s->max_model_len);
+        if (!s->tmpl) LOG_W("server", "chat completions are unavailable: %s", s->tmpl_error);
+    } else {
+        LOG_E("server", "%s", s->load_error);
+        event_base_loopexit(s->base, NULL);
+    }
+}
+
+static void on_wake(evutil_socket_t fd, short what, void *arg) {
+    gen_drain_events(arg);
+}
+
+static void on_probe(evutil_socket_t fd, short what, void *arg) {
+    gen_probe_clients(arg);
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg) {
+    server *s = arg;
+    LOG_I("server", "signal %d: shutting down", (int)sig);
+    event_base_loopexit(s->base, NULL);
+}
+
+int server_run(const server_config *cfg) {
+    server *s = calloc(1, sizeof *s);
+    if (!s) return -ENOMEM;
+    s->cfg = *cfg;
+    s->model_name = cfg->served_model_name ? cfg->served_model_name : cfg->model;
+    s->block_size = cfg->engine.block_size > 0 ? cfg->engine.block_size : 16;
+    oai_defaults_init(&s->defaults);
+    s->defaults.served_model_name = s->model_name;
+    s->defaults.model_path = cfg->model;
+    metrics_init(&s->metrics);
+    pthread_mutex_init(&s->q_lock, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    int rc = -1;
+    if (evthread_use_pthreads()) {
+        LOG_E("server", "libevent has no pthreads support");
+        goto out;
+    }
+    s->base = event_base_new();
+    s->http = s->base ? evhttp_new(s->base) : NULL;
+    if (!s->http) {
+        LOG_E("server", "cannot create the event loop");
+        goto out;
+    }
+    evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
+                                            EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
+                                            EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
+    evhttp_set_max_body_size(s->http, (ev_ssize_t)cfg->max_body_bytes);
+    evhttp_set_max_headers_size(s->http, 64 * 1024);
+    evhttp_set_timeout(s->http, 3600); /* idle I/O; a long non-streaming generation is silent */
+    evhttp_set_gencb(s->http, http_dispatch, s);
+    if (!evhttp_bind_socket_with_handle(s->http, cfg->host, (ev_uint16_t)cfg->port)) {
+        LOG_E("server",
+              "cannot listen on %s:%d: %s (is the port in use? choose another with --port)",
+              cfg->host, cfg->port, strerror(errno));
+        goto out;
+    }
+    s->wake = event_new(s->base, -1, 0, on_wake, s);
+    s->ready_ev = event_new(s->base, -1, 0, on_ready, s);
+    s->probe = event_new(s->base, -1, EV_PERSIST, on_probe, s);
+    struct timeval probe_every = {0, 200 * 1000};
+    event_add(s->probe, &probe_every);
+    s->sig_int = evsignal_new(s->base, SIGINT, on_signal, s);
+    s->sig_term = evsignal_new(s->base, SIGTERM, on_signal, s);
+    event_add(s->sig_int, NULL);
+    event_add(s->sig_term, NULL);
+    LOG_I("server", "listening on http://%s:%d (loading %s)", cfg->host, cfg->port, cfg->model);
+    if (pthread_create(&s->loader, NULL, loader_main, s)) {
+        LOG_E("server", "cannot start the loader thread");
+        goto out;
+    }
+    event_base_dispatch(s->base);
+    pthread_join(s->loader, NULL);
+    rc = atomic_load(&s->ready) == 1 ? 0 : -1;
+out:
+    /* the connector detaches itself from the engine, so it goes first */
+    if (s->conn) mooncake_connector_destroy(s->conn);
+    s->conn = NULL;
+    if (s->eng) engine_destroy(s->eng); /* no engine callback runs after this */
+    s->eng = NULL;                      /* close callbacks below must not abort */
+    gen_drop_events(s);                 /* events of requests that are freed next */
+    gen_free_live(s);
+    if (s->http) evhttp_free(s->http);
+    if (s->tmpl) chat_template_free(s->tmpl);
+    if (s->tok) tokenizer_free(s->tok);
+    if (s->wake) event_free(s->wake);
+    if (s->ready_ev) event_free(s->ready_ev);
+    if (s->probe) event_free(s->probe);
+    if (s->sig_int) event_free(s->sig_int);
+    if (s->sig_term) event_free(s->sig_term);
+    if (s->base) event_base_free(s->base);
+    pthread_mutex_destroy(&s->q_lock);
+    free(s);
+    LOG_I("server", "stopped");
+    return rc;
+}

@@ -1,0 +1,193 @@
+/*
+ * metrics — Prometheus text rendering with vLLM's metric names (see
+ * metrics.h).  Bucket bounds are vLLM's (v1 PrometheusStatLogger).
+ */
+#include "server/metrics.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const double TTFT_BOUNDS[] = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.08, 0.1,
+                                     0.25,  0.5,   0.75, 1.0,   2.5,   5.0,   7.5,  10.0,
+                                     20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
+static const double ITL_BOUNDS[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                    0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+static const double E2E_BOUNDS[] = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                    5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
+                                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+#define NB(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+static void metrics_hist_init(metrics_histogram *h, const double *b, int n) {
+    memset(h, 0, sizeof *h);
+    h->bounds = b;
+    h->n_bounds = n;
+}
+
+void metrics_init(server_metrics *m) {
+    memset(m, 0, sizeof *m);
+    metrics_hist_init(&m->ttft, TTFT_BOUNDS, NB(TTFT_BOUNDS));
+    metrics_hist_init(&m->itl, ITL_BOUNDS, NB(ITL_BOUNDS));
+    metrics_hist_init(&m->tpot, ITL_BOUNDS, NB(ITL_BOUNDS));
+    metrics_hist_init(&m->e2e, E2E_BOUNDS, NB(E2E_BOUNDS));
+}
+
+void metrics_observe(metrics_histogram *h, double v) {
+    int i = 0;
+    while (i < h->n_bounds && v > h->bounds[i])
+        i++; /* Prometheus buckets are le */
+    h->buckets[i]++;
+    h->count++;
+    h->sum += v;
+}
+
+metrics_finish metrics_finish_of(const char *reason) {
+    if (!reason) return METRICS_FINISH_ERROR;
+    if (!strcmp(reason, "stop") || !strcmp(reason, "tool_calls")) return METRICS_FINISH_STOP;
+    if (!strcmp(reason, "length")) return METRICS_FINISH_LENGTH;
+    if (!strcmp(reason, "abort")) return METRICS_FINISH_ABORT;
+    return METRICS_FINISH_ERROR;
+}
+
+void metrics_format_value(double v, char *buf, size_t cap) {
+    if (isnan(v)) {
+        snprintf(buf, cap, "NaN");
+        return;
+    }
+    if (isinf(v)) {
+        snprintf(buf, cap, v > 0 ? "+Inf" : "-Inf");
+        return;
+    }
+    if (v == floor(v) && fabs(v) < 1e16) {
+        snprintf(buf, cap, "%.1f", v);
+        return;
+    }
+    for (int prec = 1; prec <= 17; prec++) { /* shortest round-trip, as Python's repr */
+        snprintf(buf, cap, "%.*g", prec, v);
+        if (strtod(buf, NULL) == v) return;
+    }
+}
+
+/* Label value escaping of the text format: backslash, double quote, newline. */
+static int metrics_append_label(sbuf *out, const char *v) {
+    int rc = 0;
+    for (const char *p = v; *p && !rc; p++) {
+        if (*p == '\\')
+            rc = sbuf_append(out, "\\\\", 2);
+        else if (*p == '"')
+            rc = sbuf_append(out, "\\\"", 2);
+        else if (*p == '\n')
+            rc = sbuf_append(out, "\\n", 2);
+        else
+            rc = sbuf_append(out, p, 1);
+    }
+    return rc;
+}
+
+typedef struct metrics_writer {
+    sbuf *out;
+    const char *model; /* model_name label value */
+    int rc;            /* first error */
+} metrics_writer;
+
+static void mw_head(metrics_writer *w, const char *name, const char *type, const char *help) {
+    if (!w->rc)
+        w->rc = sbuf_appendf(w->out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* name{extra,model_name="..."} value */
+static void mw_sample(metrics_writer *w, const char *name, const char *suffix, const char *extra,
+                      double v) {
+    char val[32];
+    metrics_format_value(v, val, sizeof val);
+    if (!w->rc)
+        w->rc = sbuf_appendf(w->out, "%s%s{%s%smodel_name=\"", name, suffix, extra ? extra : "",
+                             extra ? "," : "");
+    if (!w->rc) w->rc = metrics_append_label(w->out, w->model);
+    if (!w->rc) w->rc = sbuf_appendf(w->out, "\"} %s\n", val);
+}
+
+static void mw_gauge(metrics_writer *w, const char *name, const char *help, double v) {
+    mw_head(w, name, "gauge", help);
+    mw_sample(w, name, "", NULL, v);
+}
+
+/* prometheus_client names a counter's family without "_total". */
+static void mw_counter(metrics_writer *w, const char *family, const char *help, double v) {
+    mw_head(w, family, "counter", help);
+    mw_sample(w, family, "_total", NULL, v);
+}
+
+static void mw_hist(metrics_writer *w, const char *name, const char *help,
+                    const metrics_histogram *h) {
+    mw_head(w, name, "histogram", help);
+    uint64_t cum = 0;
+    char le[48], val[32];
+    for (int i = 0; i <= h->n_bounds; i++) {
+        cum += h->buckets[i];
+        if (i < h->n_bounds)
+            metrics_format_value(h->bounds[i], val, sizeof val);
+        else
+            snprintf(val, sizeof val, "+Inf");
+        snprintf(le, sizeof le, "le=\"%s\"", val);
+        mw_sample(w, name, "_bucket", le, (double)cum);
+    }
+    mw_sample(w, name, "_count", NULL, (double)h->count);
+    mw_sample(w, name, "_sum", NULL, h->sum);
+}
+
+int metrics_render(const server_metrics *m, const engine_stats *st, int block_size,
+                   const char *model_name, sbuf *out) {
+    metrics_writer w = {out, model_name ? model_name : "", 0};
+    double usage = st->num_blocks > 0 ? (double)st->num_blocks_used / st->num_blocks : 0.0;
+    mw_gauge(&w, "vllm:num_requests_running", "Number of requests in model execution batches.",
+             st->num_running);
+    mw_gauge(&w, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             st->num_waiting);
+    mw_gauge(&w, "vllm:gpu_cache_usage_perc",
+             "KV-cache usage. 1 means 100 percent usage (the KV cache lives in host memory here).",
+             usage);
+    mw_gauge(&w, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
+    mw_gauge(&w, "disagg:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
+    mw_gauge(&w, "disagg:kv_blocks_used", "KV-cache blocks in use by requests.",
+             st->num_blocks_used);
+    mw_gauge(&w, "disagg:kv_blocks_total", "KV-cache blocks in the region.", st->num_blocks);
+    mw_gauge(&w, "disagg:num_requests_parked",
+             "Requests parked waiting for something outside the step loop (remote KV).",
+             st->num_parked);
+    mw_counter(&w, "vllm:prompt_tokens", "Number of prefill tokens processed.",
+               (double)st->prompt_tokens);
+    mw_counter(&w, "vllm:generation_tokens", "Number of generation tokens processed.",
+               (double)st->generation_tokens);
+    mw_counter(&w, "vllm:prefix_cache_queries",
+               "Prefix cache queries, in terms of number of queried tokens (full blocks).",
+               (double)st->prefix_queries * block_size);
+    mw_counter(&w, "vllm:prefix_cache_hits",
+               "Prefix cache hits, in terms of number of cached tokens (full blocks).",
+               (double)st->prefix_hits * block_size);
+    mw_counter(&w, "disagg:prefix_cache_queries_blocks", "Prefix cache queries, in blocks.",
+               (double)st->prefix_queries);
+    mw_counter(&w, "disagg:prefix_cache_hits_blocks", "Prefix cache hits, in blocks.",
+               (double)st->prefix_hits);
+    mw_counter(&w, "vllm:num_preemptions", "Cumulative number of preemptions.",
+               (double)st->num_preemptions);
+    mw_counter(&w, "disagg:engine_steps", "Engine steps executed.", (double)st->steps);
+    mw_counter(&w, "disagg:http_requests", "HTTP requests received.", (double)m->http_requests);
+    static const char *reasons[METRICS_FINISH_COUNT] = {"stop", "length", "abort", "error"};
+    mw_head(&w, "vllm:request_success", "counter", "Count of finished requests by reason.");
+    for (int i = 0; i < METRICS_FINISH_COUNT; i++) {
+        char lab[48];
+        snprintf(lab, sizeof lab, "finished_reason=\"%s\"", reasons[i]);
+        mw_sample(&w, "vllm:request_success", "_total", lab, (double)m->finished[i]);
+    }
+    mw_hist(&w, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            &m->ttft);
+    mw_hist(&w, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            &m->itl);
+    mw_hist(&w, "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", &m->tpot);
+    mw_hist(&w, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            &m->e2e);
+    return w.rc;
+}

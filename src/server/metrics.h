@@ -1,0 +1,61 @@
+/*
+ * metrics — the server's Prometheus metrics: histograms and counters the
+ * HTTP handlers observe (time to first token, inter-token latency, end-to-end
+ * latency, finished requests by reason) and the engine's gauges and counters
+ * (engine_stats), rendered in the Prometheus text exposition format 0.0.4
+ * with vLLM's metric names and buckets (vllm/v1/metrics/loggers.py) so that
+ * dashboards and `vllm bench`-style scrapers written for vLLM work unchanged.
+ * disagg-specific series use the "disagg:" prefix.  Updated and rendered on
+ * the server's event-loop thread only (no locking).
+ */
+#ifndef DISAGG_SERVER_METRICS_H
+#define DISAGG_SERVER_METRICS_H
+
+#include "engine/engine.h"
+#include "server/sbuf.h"
+
+#include <stdint.h>
+
+#define METRICS_MAX_BUCKETS 32
+
+typedef struct metrics_histogram {
+    const double *bounds; /* (n_bounds) upper bounds, ascending, without +Inf */
+    int n_bounds;         /* <= METRICS_MAX_BUCKETS */
+    uint64_t buckets[METRICS_MAX_BUCKETS + 1]; /* per bucket counts, last = above all bounds */
+    uint64_t count;                            /* observations */
+    double sum;                                /* sum of observations */
+} metrics_histogram;
+
+typedef enum metrics_finish {
+    METRICS_FINISH_STOP = 0,
+    METRICS_FINISH_LENGTH,
+    METRICS_FINISH_ABORT,
+    METRICS_FINISH_ERROR,
+    METRICS_FINISH_COUNT
+} metrics_finish;
+
+typedef struct server_metrics {
+    metrics_histogram ttft;                  /* vllm:time_to_first_token_seconds */
+    metrics_histogram itl;                   /* vllm:inter_token_latency_seconds */
+    metrics_histogram tpot;                  /* vllm:request_time_per_output_token_seconds */
+    metrics_histogram e2e;                   /* vllm:e2e_request_latency_seconds */
+    uint64_t finished[METRICS_FINISH_COUNT]; /* vllm:request_success_total by reason */
+    uint64_t http_requests;                  /* disagg:http_requests_total */
+} server_metrics;
+
+void metrics_init(server_metrics *m);
+void metrics_observe(metrics_histogram *h, double v);
+/* Maps an engine / server finish reason ("stop", "length", "tool_calls",
+ * "abort", "error") to the counter it belongs to. */
+metrics_finish metrics_finish_of(const char *reason);
+
+/* Appends the exposition text.  block_size turns the engine's block-granular
+ * prefix-cache counters into vLLM's token-granular ones.  Returns 0 or <0. */
+int metrics_render(const server_metrics *m, const engine_stats *st, int block_size,
+                   const char *model_name, sbuf *out);
+
+/* A sample value as Python's prometheus_client writes it ("1.0", "0.25",
+ * "+Inf", "NaN").  buf needs 32 bytes. */
+void metrics_format_value(double v, char *buf, size_t cap);
+
+#endif

@@ -1,0 +1,44 @@
+/*
+ * server — `disagg serve`: the OpenAI-compatible HTTP server in front of one
+ * engine.  One libevent event-loop thread serves every connection (no thread
+ * per connection); the engine runs its own step thread and hands events to
+ * the loop through a queue (see gen.h).  The model loads on a loader thread
+ * while the server already answers: /health is 503 until the engine is ready,
+ * then 200.  server_run returns when SIGINT or SIGTERM arrives.
+ */
+#ifndef DISAGG_SERVER_SERVER_H
+#define DISAGG_SERVER_SERVER_H
+
+#include "engine/engine.h"
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Hook for the KV connector: the value of "kv_transfer_params" in a response,
+ * given the request's kv_transfer_params object (NULL when absent) and the
+ * engine id of the request's first choice.  Returns a new reference, or NULL
+ * for null.  Without a hook responses carry "kv_transfer_params": null. */
+typedef json_t *(*server_kv_params_fn)(void *ctx, const json_t *request_params, uint64_t engine_id);
+
+typedef struct server_config {
+    const char *host;                 /* listen address (default "0.0.0.0") */
+    int port;                         /* listen port (default 8000) */
+    const char *model;                /* MODEL as given (directory or hub name) */
+    const char *served_model_name;    /* name in /v1/models and responses; NULL = model */
+    const char *api_key;              /* Bearer key required on the /v1 routes; NULL = none */
+    const char *kv_transfer_config;   /* --kv-transfer-config JSON text, kept for the connector */
+    size_t max_body_bytes;            /* request body limit (default 32 MiB) → 413 */
+    int log_requests;                 /* log one line per request (default 1) */
+    engine_config engine;             /* passed to engine_create */
+    server_kv_params_fn kv_params_fn; /* connector hook, NULL = null */
+    void *kv_params_ctx;              /* its context */
+} server_config;
+
+void server_config_init(server_config *c);
+
+/* Serve until SIGINT/SIGTERM.  Returns 0, or < 0 when the listen socket
+ * cannot be opened or the model fails to load (message on stderr). */
+int server_run(const server_config *cfg);
+
+#endif

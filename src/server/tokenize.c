@@ -1,0 +1,207 @@
+/*
+ * tokenize — POST /tokenize and POST /detokenize as vLLM serves them
+ * (vllm/entrypoints/openai/serving_tokenization.py):
+ *   /tokenize {"prompt": text, "add_special_tokens": true, "return_token_strs": false}
+ *          or {"messages": [...], "tools": [...], "add_generation_prompt": true,
+ *              "add_special_tokens": false, "return_token_strs": false}
+ *     → {"count": N, "max_model_len": M, "tokens": [...], "token_strs": null | [...]}
+ *   /detokenize {"tokens": [ids]} → {"prompt": text}
+ * token_strs are the vocabulary strings (byte-level, "Ġhello"), as
+ * convert_ids_to_tokens gives them.
+ */
+#include "server/gen.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* GPT-2 bytes_to_unicode: printable bytes map to themselves, the others to
+ * U+0100 upwards in byte order. */
+static int byte_level_char(unsigned b) {
+    if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255)) return (int)b;
+    int n = 0;
+    for (unsigned x = 0; x < b; x++)
+        if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255))) n++;
+    return 256 + n;
+}
+
+static void utf8_put(sbuf *out, int cp) {
+    char b[4];
+    if (cp < 0x80) {
+        b[0] = (char)cp;
+        sbuf_append(out, b, 1);
+    } else {
+        b[0] = (char)(0xC0 | (cp >> 6));
+        b[1] = (char)(0x80 | (cp & 0x3F));
+        sbuf_append(out, b, 2);
+    }
+}
+
+static json_t *token_str(const tokenizer *tok, int32_t id) {
+    size_t n = 0;
+    const uint8_t *bytes = tokenizer_token_bytes(tok, id, &n);
+    if (!bytes) return json_null();
+    if (tokenizer_is_special(tok, id)) return json_stringn((const char *)bytes, n);
+    sbuf s;
+    sbuf_init(&s, 1 << 16);
+    for (size_t i = 0; i < n; i++)
+        utf8_put(&s, byte_level_char(bytes[i]));
+    json_t *j = json_stringn(s.data ? s.data : "", s.len);
+    sbuf_free(&s);
+    return j;
+}
+
+static json_t *parse_body(server *s, struct evhttp_request *req, oai_error *err) {
+    size_t len = 0;
+    char *body = server_read_body(req, &len);
+    if (!body) {
+        oai_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+        return NULL;
+    }
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    free(body);
+    if (!root) {
+        oai_error_set(err, 400, "BadRequestError", NULL,
+                      "Invalid JSON body: %s at line %d column %d", je.text, je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        json_decref(root);
+        oai_error_set(err, 400, "BadRequestError", NULL, "The request body must be a JSON object");
+        return NULL;
+    }
+    json_t *m = json_object_get(root, "model");
+    if (m && !json_is_null(m) &&
+        (!json_is_string(m) || (strcmp(json_string_value(m), s->model_name) &&
+                                (!s->cfg.model || strcmp(json_string_value(m), s->cfg.model))))) {
+        oai_error_set(err, 404, "NotFoundError", "model",
+                      "The model `%s` does not exist. Accepted: \"%s\"",
+                      json_is_string(m) ? json_string_value(m) : "(not a string)", s->model_name);
+        json_decref(root);
+        return NULL;
+    }
+    return root;
+}
+
+static int get_flag(json_t *o, const char *key, bool def, bool *out, oai_error *err) {
+    json_t *v = json_object_get(o, key);
+    *out = def;
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_boolean(v)) {
+        oai_error_set(err, 400, "BadRequestError", key, "'%s' must be a boolean (true or false)",
+                      key);
+        return -1;
+    }
+    *out = json_is_true(v);
+    return 0;
+}
+
+void tokenize_handle(server *s, struct evhttp_request *req) {
+    oai_error err;
+    json_t *root = parse_body(s, req, &err);
+    if (!root) {
+        server_reply_error(req, &err, NULL);
+        return;
+    }
+    json_t *prompt = json_object_get(root, "prompt");
+    json_t *messages = json_object_get(root, "messages");
+    int32_t *ids = NULL;
+    size_t n = 0;
+    bool strs = false, add_special, add_gen;
+    if (get_flag(root, "return_token_strs", false, &strs, &err)) goto fail;
+    if (messages && !json_is_null(messages)) {
+        if (!json_is_array(messages) || json_array_size(messages) == 0) {
+            oai_error_set(&err, 400, "BadRequestError", "messages",
+                          "'messages' must be a non-empty list of messages");
+            goto fail;
+        }
+        json_t *tools = json_object_get(root, "tools");
+        if (tools && !json_is_null(tools) && !json_is_array(tools)) {
+            oai_error_set(&err, 400, "BadRequestError", "tools", "'tools' must be a list of tools");
+            goto fail;
+        }
+        if (get_flag(root, "add_generation_prompt", true, &add_gen, &err) ||
+            get_flag(root, "add_special_tokens", false, &add_special, &err))
+            goto fail;
+        if (chat_render_ids(s, messages, json_is_array(tools) ? tools : NULL, add_gen, add_special,
+                            &ids, &n, &err))
+            goto fail;
+    } else if (json_is_string(prompt)) {
+        char msg[512] = "";
+        if (get_flag(root, "add_special_tokens", true, &add_special, &err)) goto fail;
+        if (tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt),
+                             add_special, &ids, &n, msg, sizeof msg)) {
+            oai_error_set(&err, 400, "BadRequestError", "prompt", "%s", msg);
+            goto fail;
+        }
+    } else {
+        oai_error_set(
+            &err, 400, "BadRequestError", prompt ? "prompt" : NULL,
+            "/tokenize needs 'prompt' (a string) or 'messages' (a list of chat messages)");
+        goto fail;
+    }
+    json_t *toks = json_array(), *ts = strs ? json_array() : json_null();
+    for (size_t i = 0; i < n; i++) {
+        json_array_append_new(toks, json_integer(ids[i]));
+        if (strs) json_array_append_new(ts, token_str(s->tok, ids[i]));
+    }
+    free(ids);
+    json_decref(root);
+    server_reply_json(req, 200,
+                      json_pack("{s:I,s:i,s:o,s:o}", "count", (json_int_t)n, "max_model_len",
+                                s->max_model_len, "tokens", toks, "token_strs", ts),
+                      NULL);
+    return;
+fail:
+    free(ids);
+    json_decref(root);
+    server_reply_error(req, &err, NULL);
+}
+
+void detokenize_handle(server *s, struct evhttp_request *req) {
+    oai_error err;
+    json_t *root = parse_body(s, req, &err);
+    if (!root) {
+        server_reply_error(req, &err, NULL);
+        return;
+    }
+    json_t *t = json_object_get(root, "tokens");
+    int32_t *ids = NULL;
+    char *text = NULL;
+    size_t n = json_array_size(t), len = 0;
+    int vocab = tokenizer_vocab_size(s->tok);
+    if (!json_is_array(t)) {
+        oai_error_set(&err, 400, "BadRequestError", "tokens",
+                      "'tokens' is required: a list of token ids");
+        goto fail;
+    }
+    ids = malloc((n ? n : 1) * sizeof *ids);
+    if (!ids) {
+        oai_error_set(&err, 500, "InternalServerError", NULL, "out of memory");
+        goto fail;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(t, i);
+        if (!json_is_integer(e) || json_integer_value(e) < 0 || json_integer_value(e) >= vocab) {
+            oai_error_set(&err, 400, "BadRequestError", "tokens",
+                          "'tokens' element %zu is not a token id: accepted are integers 0..%d", i,
+                          vocab - 1);
+            goto fail;
+        }
+        ids[i] = (int32_t)json_integer_value(e);
+    }
+    char msg[512] = "";
+    if (tokenizer_decode(s->tok, ids, n, false, &text, &len, msg, sizeof msg)) {
+        oai_error_set(&err, 400, "BadRequestError", "tokens", "%s", msg);
+        goto fail;
+    }
+    server_reply_json(req, 200, json_pack("{s:s%}", "prompt", text, len), NULL);
+    free(text);
+    free(ids);
+    json_decref(root);
+    return;
+fail:
+    free(ids);
+    json_decref(root);
+    server_reply_error(req, &err, NULL);
+}

@@ -1,0 +1,82 @@
+"""Starts a real `disagg serve` process for the server integration tests
+(tests/integration/test_server*.py) and stops it afterwards."""
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = os.environ.get("DISAGG_BIN", str(ROOT / "build" / "disagg"))
+MODEL = ROOT / "models" / "disagg-sotu-tiny"
+DATA = ROOT / "tests" / "data"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `disagg serve` process on a free port; .url is http://127.0.0.1:PORT."""
+
+    def __init__(self, *extra, model=str(MODEL), name="tiny", env=None, ready_timeout=180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [BIN, "serve"] + ([model] if model else []) + [
+            "--host", "127.0.0.1", "--port", str(self.port), "--threads", "2",
+        ]
+        if name:
+            args += ["--served-model-name", name]
+        args += list(extra)
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"disagg-serve-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        e = dict(os.environ)
+        e.update(env or {})
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=e)
+        deadline = time.time() + ready_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"disagg serve exited with {self.proc.returncode}: {self.logs()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("disagg serve did not become ready: " + self.logs())
+
+    def logs(self):
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def metrics(self):
+        """Prometheus text -> {name{labels}: value}."""
+        out = {}
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def metric(self, name):
+        """Sum of a series over its labels."""
+        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
+
+    def stop(self):
+        """SIGTERM, then the exit status (0 = clean shutdown; sanitizer reports fail it)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

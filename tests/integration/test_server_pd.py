@@ -1,0 +1,60 @@
+"""`disagg serve` as a prefill (kv_producer) and a decode (kv_consumer) instance, driven as
+the proxy contract of PROTOCOL.md §1 says: P gets the request with max_tokens 1 and
+do_remote_decode, D the same request with do_remote_prefill and P's engine id; D's output
+equals the colocated greedy output and P's KV bytes really moved (/metrics)."""
+import concurrent.futures as cf
+import json
+import uuid
+
+import pytest
+import requests
+
+from server_harness import DATA, Server, free_port
+
+GREEDY = json.loads((DATA / "sotu-tiny" / "greedy.json").read_text())
+
+
+def kv_config(role):
+    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}})
+
+
+@pytest.fixture(scope="module")
+def pd():
+    boot = free_port()
+    env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot), "VLLM_HOST_IP": "127.0.0.1"}
+    p = Server("--kv-cache-memory", "64M", "--max-model-len", "512", "--kv-transfer-config",
+               kv_config("kv_producer"), env=env)
+    try:
+        d = Server("--kv-cache-memory", "64M", "--max-model-len", "512", "--kv-transfer-config",
+                   kv_config("kv_consumer"), env=env)
+    except Exception:
+        p.stop()
+        raise
+    yield p, d, f"http://127.0.0.1:{boot}"
+    rd, rp = d.stop(), p.stop()
+    assert rd == 0 and rp == 0, d.logs() + p.logs()
+
+
+def test_disaggregated_request_equals_colocated(pd):
+    p, d, boot = pd
+    engine_id = requests.get(boot + "/query", timeout=10).json()["0"]["engine_id"]
+    for case in [c for c in GREEDY["prompts"] if c["kind"] == "text"][:3]:
+        body = {"model": "tiny", "prompt": case["prompt"] * 3, "max_tokens": 16, "temperature": 0}
+        xfer = f"xfer-{uuid.uuid4()}"
+        to_p = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                                           "transfer_id": xfer})
+        to_d = dict(body, kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": True,
+                                              "remote_engine_id": engine_id, "remote_bootstrap_addr": boot,
+                                              "transfer_id": xfer})
+        with cf.ThreadPoolExecutor(2) as ex:
+            fp = ex.submit(requests.post, p.url + "/v1/completions", json=to_p,
+                           headers={"X-Request-Id": str(uuid.uuid4())}, timeout=120)
+            fd = ex.submit(requests.post, d.url + "/v1/completions", json=to_d, timeout=120)
+            rp, rd = fp.result(), fd.result()
+        assert rp.status_code == 200 and rp.json()["kv_transfer_params"] is None
+        assert rd.status_code == 200, rd.text
+        colocated = requests.post(p.url + "/v1/completions", json=body, timeout=120).json()
+        assert rd.json()["choices"][0]["text"] == colocated["choices"][0]["text"]
+        assert rd.json()["usage"]["completion_tokens"] == 16
+    assert p.metric("disagg:kv_transfer_bytes_total") > 0
