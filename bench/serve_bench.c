@@ -88,7 +88,7 @@ typedef struct sb_run {
     double t0;           /* benchmark start */
     struct event *timer; /* next arrival */
     int waiting_slot;    /* a send is due but max_concurrency is reached */
-    double kv_sum, kv_n; /* P/D: the decoder's remote-KV load seconds over the run */
+    double kv[4]; /* P/D over the run: D load seconds sum, count; P send seconds sum, count */
 } sb_run;
 
 static double now_s(void) {
@@ -493,12 +493,17 @@ static int sb_report(sb_run *run, double duration) {
         printf("%-40s %-10d\n", "Prefill requests ok:", p_ok);
         sb_stat ps = sb_stats(pl, p_ok);
         printf("%-40s %-10.2f\n", "Mean prefill request latency (ms):", ps.mean * 1e3);
-        double kv = run->kv_n > 0 ? run->kv_sum / run->kv_n : 0;
-        printf("%-40s %-10.2f\n", "Mean KV load time per request (ms):", kv * 1e3);
+        double kv = run->kv[1] > 0 ? run->kv[0] / run->kv[1] : 0;
+        double send = run->kv[3] > 0 ? run->kv[2] / run->kv[3] : 0;
+        printf("%-40s %-10.2f\n", "Mean KV transfer time (P send, ms):", send * 1e3);
+        printf("%-40s %-10.2f\n", "Mean KV wait on D (pull->KV, ms):", kv * 1e3);
+        if (ps.mean > 0)
+            printf("%-40s %-10.2f\n", "KV transfer / prefill latency (%):", 100 * send / ps.mean);
         json_object_set_new(res, "pd_prefill_ok", json_integer(p_ok));
         json_object_set_new(res, "mean_prefill_latency_ms", json_real(ps.mean * 1e3));
-        json_object_set_new(res, "mean_kv_load_ms", json_real(kv * 1e3));
-        json_object_set_new(res, "kv_loads", json_real(run->kv_n));
+        json_object_set_new(res, "mean_kv_transfer_ms", json_real(send * 1e3));
+        json_object_set_new(res, "mean_kv_wait_ms", json_real(kv * 1e3));
+        json_object_set_new(res, "kv_loads", json_real(run->kv[1]));
         free(pl);
         if (p_ok < n && !first_err) first_err = "a prefill request failed";
     }
@@ -648,17 +653,28 @@ static int sb_fetch_engine_id(sb_opts *o) {
     return 0;
 }
 
-/* The decoder's remote-KV load histogram (disagg:kv_load_seconds): sum, count. */
-static void sb_kv_load(const sb_opts *o, double *sum, double *count) {
-    char *body = NULL;
+/* A "<name>_sum" and "<name>_count" pair from a server's /metrics. */
+static void sb_metric_pair(const char *host, int port, const char *api_key, const char *name,
+                           double *sum, double *count) {
+    char *body = NULL, key[128];
     *sum = *count = 0;
-    if (sb_get(o->host, o->port, "/metrics", o->api_key, &body) == 200 && body) {
-        const char *p = strstr(body, "\ndisagg:kv_load_seconds_sum ");
-        if (p) *sum = atof(p + strlen("\ndisagg:kv_load_seconds_sum "));
-        p = strstr(body, "\ndisagg:kv_load_seconds_count ");
-        if (p) *count = atof(p + strlen("\ndisagg:kv_load_seconds_count "));
+    if (sb_get(host, port, "/metrics", api_key, &body) == 200 && body) {
+        snprintf(key, sizeof key, "\n%s_sum ", name);
+        const char *p = strstr(body, key);
+        if (p) *sum = atof(p + strlen(key));
+        snprintf(key, sizeof key, "\n%s_count ", name);
+        p = strstr(body, key);
+        if (p) *count = atof(p + strlen(key));
     }
     free(body);
+}
+
+/* P/D counters over the run: the decoder's load time (pull sent -> KV in place,
+ * which includes waiting for the prefill) and the producer's send time (KV
+ * ready -> written into the decoder: the transfer itself). */
+static void sb_kv_load(const sb_opts *o, double v[4]) {
+    sb_metric_pair(o->host, o->port, o->api_key, "disagg:kv_load_seconds", &v[0], &v[1]);
+    sb_metric_pair(o->p_host, o->p_port, o->api_key, "disagg:kv_send_seconds", &v[2], &v[3]);
 }
 
 /* GET /v1/models synchronously (before the run). */
@@ -858,8 +874,8 @@ int bench_serve_main(int argc, char **argv) {
         return 2;
     }
     if (o.pd_prefill && sb_fetch_engine_id(&o)) return 1;
-    double kv_sum0 = 0, kv_n0 = 0;
-    if (o.pd_prefill) sb_kv_load(&o, &kv_sum0, &kv_n0);
+    double kv0[4] = {0, 0, 0, 0};
+    if (o.pd_prefill) sb_kv_load(&o, kv0);
     if (!o.model) {
         if (sb_fetch_model(&o)) return 1;
         o.model = g_model;
@@ -894,9 +910,9 @@ int bench_serve_main(int argc, char **argv) {
     event_base_dispatch(run.base);
     double duration = now_s() - run.t0;
     if (o.pd_prefill) {
-        sb_kv_load(&o, &run.kv_sum, &run.kv_n);
-        run.kv_sum -= kv_sum0;
-        run.kv_n -= kv_n0;
+        sb_kv_load(&o, run.kv);
+        for (int k = 0; k < 4; k++)
+            run.kv[k] -= kv0[k];
     }
     int rc = sb_report(&run, duration);
     for (int i = 0; i < o.num_prompts; i++) {
