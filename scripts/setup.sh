@@ -5,7 +5,7 @@ set -euo pipefail
 
 DEBS=(
   build-essential cmake ninja-build pkg-config clang clang-format
-  libjansson-dev libzmq3-dev libmsgpack-dev libmicrohttpd-dev libcurl4-openssl-dev
+  libjansson-dev libevent-dev libzmq3-dev libmsgpack-dev libmicrohttpd-dev libcurl4-openssl-dev
   libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
   libibverbs-dev iproute2 xz-utils
 )

@@ -8,5 +8,6 @@
 
 int cmd_transfer(int argc, char **argv); /* cmd_transfer.c: target / copy / demo helpers */
 int cmd_bench(int argc, char **argv);    /* cmd_bench.c: bench transfer|... */
+int cmd_proxy(int argc, char **argv);    /* cmd_proxy.c: the P/D router */
 
 #endif

@@ -19,6 +19,7 @@ typedef struct command {
 static const command COMMANDS[] = {
     {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
     {"bench", cmd_bench, "measurements: bench transfer"},
+    {"proxy", cmd_proxy, "P/D router: --prefill URL --decode URL, serves :8000"},
 };
 #define NCOMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
 
