@@ -99,6 +99,23 @@ int cmd_proxy(int argc, char **argv) {
                 u->bootstrap = argv[++i];
             continue;
         }
+        static const char *const known[] = {"--host",
+                                            "--port",
+                                            "--policy",
+                                            "--api-key",
+                                            "--max-body-bytes",
+                                            "--max-headers",
+                                            "--connect-timeout",
+                                            "--timeout",
+                                            "--health-interval",
+                                            "--log-level"};
+        int is_known = 0;
+        for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
+            is_known |= !strcmp(a, known[k]);
+        if (!is_known) {
+            fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
+            return 2;
+        }
         if (!v) {
             fprintf(stderr, "disagg proxy: %s needs a value (see disagg proxy --help)\n", a);
             return 2;
@@ -157,7 +174,11 @@ int cmd_proxy(int argc, char **argv) {
             char host[256], err[300];
             uint16_t port;
             const proxy_upstream *u = r ? &dec[i] : &pre[i];
-            if (backend_parse_url(u->url, host, sizeof host, &port, err, sizeof err)) {
+            char bhost[256];
+            uint16_t bport;
+            if (backend_parse_url(u->url, host, sizeof host, &port, err, sizeof err) ||
+                (!r && backend_parse_bootstrap(u->url, host, u->bootstrap, bhost, sizeof bhost,
+                                               &bport, err, sizeof err))) {
                 fprintf(stderr, "disagg proxy: --%s %s\n", r ? "decode" : "prefill", err);
                 return 2;
             }

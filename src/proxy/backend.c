@@ -71,6 +71,26 @@ int backend_parse_url(const char *url, char *host, size_t host_cap, uint16_t *po
     return 0;
 }
 
+int backend_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
+                            char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap) {
+    snprintf(host, host_cap, "%s", api_host);
+    *port = BACKEND_DEFAULT_BOOTSTRAP_PORT;
+    if (!bootstrap) return 0;
+    const char *q = bootstrap;
+    while (isdigit((unsigned char)*q))
+        q++;
+    if (*bootstrap && !*q) {
+        long v = strtol(bootstrap, NULL, 10);
+        if (v < 1 || v > 65535 || q - bootstrap > 5) {
+            snprintf(err, errcap, "bootstrap port '%s' of %s is not 1..65535", bootstrap, url);
+            return -EINVAL;
+        }
+        *port = (uint16_t)v;
+        return 0;
+    }
+    return backend_parse_url(bootstrap, host, host_cap, port, err, errcap);
+}
+
 static void format_url(char *out, size_t cap, const char *host, uint16_t port) {
     int v6 = strchr(host, ':') != NULL;
     snprintf(out, cap, "http://%s%s%s:%u", v6 ? "[" : "", host, v6 ? "]" : "", port);
@@ -86,26 +106,9 @@ int backend_init(backend *b, backend_role role, int index, const char *url, cons
     if (rc) return rc;
     format_url(b->url, sizeof b->url, b->host, b->port);
     if (role == BACKEND_PREFILL) {
-        snprintf(b->bootstrap_host, sizeof b->bootstrap_host, "%s", b->host);
-        b->bootstrap_port = BACKEND_DEFAULT_BOOTSTRAP_PORT;
-        if (bootstrap) {
-            const char *q = bootstrap;
-            while (isdigit((unsigned char)*q))
-                q++;
-            if (*bootstrap && !*q) {
-                long v = strtol(bootstrap, NULL, 10);
-                if (v < 1 || v > 65535) {
-                    snprintf(err, errcap, "bootstrap port '%s' of %s is not 1..65535", bootstrap,
-                             url);
-                    return -EINVAL;
-                }
-                b->bootstrap_port = (uint16_t)v;
-            } else {
-                rc = backend_parse_url(bootstrap, b->bootstrap_host, sizeof b->bootstrap_host,
-                                       &b->bootstrap_port, err, errcap);
-                if (rc) return rc;
-            }
-        }
+        rc = backend_parse_bootstrap(url, b->host, bootstrap, b->bootstrap_host,
+                                     sizeof b->bootstrap_host, &b->bootstrap_port, err, errcap);
+        if (rc) return rc;
         format_url(b->bootstrap_url, sizeof b->bootstrap_url, b->bootstrap_host, b->bootstrap_port);
         b->bootstrap_pool = hc_pool_new(env->base, b->bootstrap_host, b->bootstrap_port, 2);
     }
@@ -115,7 +118,7 @@ int backend_init(backend *b, backend_role role, int index, const char *url, cons
         snprintf(err, errcap, "out of memory");
         return -ENOMEM;
     }
-    snprintf(b->last_error, sizeof b->last_error, "not probed yet");
+    snprintf(b->last_error, sizeof b->last_error, "waiting for its first health probe");
     return 0;
 }
 

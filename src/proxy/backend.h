@@ -63,6 +63,10 @@ typedef struct backend {
  * a message in err naming the bad part. */
 int backend_parse_url(const char *url, char *host, size_t host_cap, uint16_t *port, char *err,
                       size_t errcap);
+/* The bootstrap address of a prefill at url (API host api_host): bootstrap
+ * NULL (port 8998 on the API host), "PORT", "host:port" or "http://host:port". */
+int backend_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
+                            char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap);
 /* bootstrap: NULL (port 8998 on the API host), "PORT", "host:port" or
  * "http://host:port". */
 int backend_init(backend *b, backend_role role, int index, const char *url, const char *bootstrap,

@@ -1,0 +1,521 @@
+"""`disagg proxy` against upstream test doubles: the request rewriting of
+PROTOCOL.md section 1, the relay, discovery, errors and cancellation."""
+import http.client
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+from proxy_fixtures import (UUID4, assert_openai_error, free_port, json_body, proxy_factory,  # noqa: F401
+                            doubles, raw_request, split_response, BIN)
+
+
+def pd(doubles, proxy_factory, extra=(), **kw):
+    p = doubles("prefill", "p0")
+    d = doubles("decode", "d0")
+    return p, d, proxy_factory([p], [d], extra, **kw)
+
+
+# --- request rewriting (PROTOCOL.md section 1) ------------------------------------
+
+
+def test_completion_bodies_and_headers_per_protocol(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    client_body = {"model": "m", "prompt": "Hello there", "max_tokens": 7, "temperature": 0,
+                   "seed": 3, "logprobs": None, "stop": ["\n"]}
+    r = requests.post(px.url + "/v1/completions", json=client_body,
+                      headers={"Authorization": "Bearer client-key"})
+    assert r.status_code == 200, r.text
+    [pr], [dr] = p.completions(), d.completions()
+    pb, db = json_body(pr), json_body(dr)
+    tid = pb["kv_transfer_params"]["transfer_id"]
+    assert tid.startswith("xfer-") and UUID4.match(tid[5:]), tid
+    expect_p = dict(client_body, max_tokens=1, stream=False,
+                    kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                        "transfer_id": tid})
+    assert pb == expect_p
+    expect_d = dict(client_body, kv_transfer_params={
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": p.engine_id(0),
+        "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}", "transfer_id": tid})
+    assert db == expect_d
+    assert pr["path"] == dr["path"] == "/v1/completions"
+    assert UUID4.match(pr["headers"]["x-request-id"])
+    assert pr["headers"]["x-data-parallel-rank"] == "0"
+    assert pr["headers"]["authorization"] == dr["headers"]["authorization"] == "Bearer client-key"
+    # the client gets the decode answer, byte for byte
+    assert r.content == dr["response_body"]
+    assert r.headers["content-type"] == "application/json"
+
+
+def test_chat_stream_bodies_stream_options_and_max_completion_tokens(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    client_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                   "max_completion_tokens": 4, "max_tokens": 4, "stream": True,
+                   "stream_options": {"include_usage": True}}
+    r = requests.post(px.url + "/v1/chat/completions", json=client_body, stream=True)
+    raw = b"".join(r.iter_content(None))
+    assert r.status_code == 200
+    pb, db = json_body(p.completions()[0]), json_body(d.completions()[0])
+    assert "stream_options" not in pb
+    assert pb["stream"] is False and pb["max_tokens"] == 1 and pb["max_completion_tokens"] == 1
+    assert pb["messages"] == client_body["messages"]
+    kv = db.pop("kv_transfer_params")
+    assert db == client_body
+    assert kv["transfer_id"] == pb["kv_transfer_params"]["transfer_id"]
+    assert raw == d.completions()[0]["response_body"]
+    assert b'"usage"' in raw and raw.endswith(b"data: [DONE]\n\n")
+
+
+def test_max_completion_tokens_absent_stays_absent(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    r = requests.post(px.url + "/v1/chat/completions",
+                      json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200
+    pb = json_body(p.completions()[0])
+    assert "max_completion_tokens" not in pb and pb["max_tokens"] == 1
+    assert "max_tokens" not in json_body(d.completions()[0])
+
+
+def test_api_key_flag_replaces_authorization(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory, extra=["--api-key", "sk-upstream"])
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "a"},
+                      headers={"Authorization": "Bearer from-client"})
+    assert r.status_code == 200
+    for rec in (p.completions()[0], d.completions()[0]):
+        assert rec["headers"]["authorization"] == "Bearer sk-upstream"
+
+
+def test_bootstrap_given_as_address_and_url(doubles, proxy_factory):
+    for form in ("addr", "url"):
+        p = doubles("prefill", f"p-{form}")
+        d = doubles("decode", f"d-{form}")
+        px = proxy_factory([p], [d], bootstrap_arg=form)
+        r = requests.post(px.url + "/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 200
+        kv = json_body(d.completions()[0])["kv_transfer_params"]
+        assert kv["remote_bootstrap_addr"] == f"http://127.0.0.1:{p.bootstrap_port}"
+        assert kv["remote_engine_id"] == p.engine_id(0)
+
+
+# --- relay ----------------------------------------------------------------------------
+
+
+def test_streaming_relay_byte_for_byte_raw_http(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    d.stream_events = 20
+    d.stream_interval = 0.01
+    conn = http.client.HTTPConnection("127.0.0.1", px.port, timeout=10)
+    body = json.dumps({"prompt": "stream me", "stream": True, "max_tokens": 20})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.getheader("Content-Type") == "text/event-stream; charset=utf-8"
+    assert resp.getheader("Transfer-Encoding") == "chunked"
+    # events arrive as the decode sends them, not all at the end
+    first = resp.read1(65536)
+    assert first.startswith(b"data: ")
+    rest = resp.read()
+    assert first + rest == d.completions()[0]["response_body"]
+    assert (first + rest).count(b"data: ") == 21
+    # keep-alive: a second request on the same connection works
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() == b'{"status":"ok"}'
+    conn.close()
+
+
+def test_stream_reaches_client_before_decode_ends(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    d.stream_events = 10
+    d.stream_interval = 0.1
+    t0 = time.monotonic()
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 10},
+                      stream=True)
+    it = r.iter_lines()
+    first = next(l for l in it if l)
+    t_first = time.monotonic() - t0
+    list(it)
+    t_all = time.monotonic() - t0
+    assert first.startswith(b"data: ")
+    assert t_first < 0.5 and t_all > 0.9, (t_first, t_all)
+
+
+def test_openai_client_same_answers_as_the_decode_instance(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    via = openai.OpenAI(base_url=px.url + "/v1", api_key="k", max_retries=0)
+    direct = openai.OpenAI(base_url=d.url + "/v1", api_key="k", max_retries=0)
+    for c in (via, direct):
+        assert [m.id for m in c.models.list()] == ["double-model"]
+    kw = dict(model="double-model", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert via.completions.create(**kw).choices[0].text == direct.completions.create(**kw).choices[0].text
+    s_via = "".join(ch.choices[0].text for ch in via.completions.create(stream=True, **kw))
+    s_dir = "".join(ch.choices[0].text for ch in direct.completions.create(stream=True, **kw))
+    assert s_via == s_dir and s_via
+    msgs = [{"role": "user", "content": "Say hi"}]
+    ckw = dict(model="double-model", messages=msgs, max_tokens=4, temperature=0)
+    assert (via.chat.completions.create(**ckw).choices[0].message.content ==
+            direct.chat.completions.create(**ckw).choices[0].message.content)
+    parts = [ch.choices[0].delta.content or "" for ch in via.chat.completions.create(stream=True, **ckw)
+             if ch.choices]
+    parts_d = [ch.choices[0].delta.content or "" for ch in direct.chat.completions.create(stream=True, **ckw)
+               if ch.choices]
+    assert parts == parts_d and "".join(parts)
+
+
+def test_decode_error_status_is_relayed_and_prefill_cancelled(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    p.hold = True
+    d.fail_status = 400
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 400
+    assert r.content == d.completions()[0]["response_body"]
+    rec = p.completions()[0]
+    assert rec["done"].wait(5) and rec["peer_closed"], "the prefill request was not cancelled"
+
+
+# --- errors are not lost ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["http500", "close"])
+def test_prefill_failure_gives_502_and_aborts_decode(doubles, proxy_factory, fault):
+    p, d, px = pd(doubles, proxy_factory)
+    d.hold = True  # a decode that would wait for KV that never comes
+    if fault == "http500":
+        p.fail_status = 500
+    else:
+        p.close_connection = True
+    t0 = time.monotonic()
+    r = requests.post(px.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "x"}], "stream": True}, timeout=10)
+    assert time.monotonic() - t0 < 3
+    err = assert_openai_error(r, 502, "prefill", p.url)
+    if fault == "http500":
+        assert "HTTP 500" in err["message"] and "injected failure on p0" in err["message"]
+    rec = d.completions()[0]
+    assert rec["done"].wait(5) and rec["peer_closed"], "the decode request was not aborted"
+    m = px.metrics()
+    assert m['disagg_proxy_errors_total{reason="prefill_failed"}'] == 1
+    assert m[f'disagg_proxy_backend_outstanding_requests{{role="decode",backend="{d.url}"}}'] == 0
+
+
+def test_client_disconnect_cancels_both_upstream_requests(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    p.hold = d.hold = True
+    body = json.dumps({"prompt": "x", "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", px.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 5
+    while not (p.completions() and d.completions()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.completions() and d.completions()
+    px.wait_metric("disagg_proxy_inflight_requests", 1)
+    s.close()
+    for rec in (p.completions()[0], d.completions()[0]):
+        assert rec["done"].wait(5), "upstream request still open after the client left"
+        assert rec["peer_closed"]
+    px.wait_metric('disagg_proxy_errors_total{reason="client_disconnected"}', 1)
+    m = px.metrics()
+    assert m["disagg_proxy_inflight_requests"] == 0
+    assert m[f'disagg_proxy_backend_outstanding_requests{{role="prefill",backend="{p.url}"}}'] == 0
+
+
+def test_client_disconnect_mid_stream_cancels_decode(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    d.stream_events = 50
+    d.stream_interval = 0.05
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 50},
+                      stream=True)
+    it = r.iter_lines()
+    assert next(l for l in it if l).startswith(b"data: ")
+    r.close()
+    rec = d.completions()[0]
+    assert rec["done"].wait(5) and rec["peer_closed"]
+    assert rec["response_body"].count(b"data: ") < 50
+
+
+# --- discovery and readiness ------------------------------------------------------------
+
+
+def test_503_until_discovery_then_ready(doubles, proxy_factory):
+    p = doubles("prefill", "p0")
+    d = doubles("decode", "d0")
+    p.health_status = 503
+    px = proxy_factory([p], [d], ready=False)
+    time.sleep(0.3)
+    for path, method in (("/health", "GET"), ("/v1/completions", "POST"), ("/v1/models", "GET")):
+        r = requests.request(method, px.url + path, json={"prompt": "x"} if method == "POST" else None)
+        assert_openai_error(r, 503, "not ready", p.url)
+    assert not p.completions() and not d.completions()
+    # healthy but nothing registered with the bootstrap server yet: still 503
+    p.query_empty = True
+    p.health_status = 200
+    time.sleep(0.3)
+    assert_openai_error(requests.get(px.url + "/health"), 503, "empty")
+    p.query_empty = False
+    px.wait_ready(5)
+    assert requests.post(px.url + "/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert px.metrics()['disagg_proxy_backend_dp_ranks{role="prefill",backend="%s"}' % p.url] == 1
+
+
+def test_decode_down_at_start_is_503(doubles, proxy_factory):
+    p = doubles("prefill", "p0")
+    d = doubles("decode", "d0")
+    d.stop()
+    px = proxy_factory([p], [d], ready=False)
+    time.sleep(0.3)
+    assert_openai_error(requests.get(px.url + "/health"), 503, "decode", d.url)
+    d.start()
+    px.wait_ready(5)
+
+
+# --- several instances, policies --------------------------------------------------------------
+
+
+def test_round_robin_over_prefill_dp_ranks_and_decodes(doubles, proxy_factory):
+    p0 = doubles("prefill", "p0", dp_ranks=2)
+    p1 = doubles("prefill", "p1", dp_ranks=1)
+    d0, d1 = doubles("decode", "d0"), doubles("decode", "d1")
+    px = proxy_factory([p0, p1], [d0, d1], ["--policy", "round_robin"])
+    for i in range(6):
+        assert requests.post(px.url + "/v1/completions", json={"prompt": str(i)}).status_code == 200
+    slots = []
+    for p in (p0, p1):
+        for rec in p.completions():
+            slots.append((p.name, rec["headers"]["x-data-parallel-rank"]))
+    assert sorted(slots) == sorted([("p0", "0"), ("p0", "1"), ("p1", "0")] * 2)
+    assert len(d0.completions()) == len(d1.completions()) == 3
+    # every decode request names the engine and bootstrap of the prefill its twin went to
+    by_tid = {}
+    for p in (p0, p1):
+        for rec in p.completions():
+            by_tid[json_body(rec)["kv_transfer_params"]["transfer_id"]] = (p, rec["headers"]["x-data-parallel-rank"])
+    for d in (d0, d1):
+        for rec in d.completions():
+            kv = json_body(rec)["kv_transfer_params"]
+            p, rank = by_tid[kv["transfer_id"]]
+            assert kv["remote_engine_id"] == p.engine_id(int(rank))
+            assert kv["remote_bootstrap_addr"] == f"http://127.0.0.1:{p.bootstrap_port}"
+
+
+def test_least_loaded_picks_the_idle_instances(doubles, proxy_factory):
+    p0, p1 = doubles("prefill", "p0"), doubles("prefill", "p1")
+    d0, d1 = doubles("decode", "d0"), doubles("decode", "d1")
+    px = proxy_factory([p0, p1], [d0, d1])  # default policy
+    for x in (p0, p1, d0, d1):
+        x.hold = True
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=20).status_code))
+        for _ in range(2)]
+    threads[0].start()
+    deadline = time.monotonic() + 5
+    while len(p0.completions()) + len(p1.completions()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads[1].start()
+    while len(p0.completions()) + len(p1.completions()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    while len(d0.completions()) + len(d1.completions()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # the second request went to the instances the first one did not occupy
+    assert len(p0.completions()) == len(p1.completions()) == 1
+    assert len(d0.completions()) == len(d1.completions()) == 1
+    m = px.metrics()
+    for x, role in ((p0, "prefill"), (p1, "prefill"), (d0, "decode"), (d1, "decode")):
+        assert m[f'disagg_proxy_backend_outstanding_requests{{role="{role}",backend="{x.url}"}}'] == 1
+    for x in (p0, p1, d0, d1):
+        x.release()
+    for t in threads:
+        t.join(20)
+    assert results == [200, 200]
+
+
+# --- health checking, retries -------------------------------------------------------------------
+
+
+def test_backend_killed_and_restarted(doubles, proxy_factory):
+    p0, p1 = doubles("prefill", "p0"), doubles("prefill", "p1")
+    d0, d1 = doubles("decode", "d0"), doubles("decode", "d1")
+    px = proxy_factory([p0, p1], [d0, d1], ["--policy", "round_robin"])
+    key = 'disagg_proxy_backend_healthy{role="%s",backend="%s"}'
+    p1.stop()
+    d1.stop()
+    px.wait_metric(key % ("prefill", p1.url), 0)
+    px.wait_metric(key % ("decode", d1.url), 0)
+    for x in (p0, d0):
+        x.clear()
+    for i in range(4):
+        assert requests.post(px.url + "/v1/completions", json={"prompt": str(i)}).status_code == 200
+    assert len(p0.completions()) == 4 and len(d0.completions()) == 4
+    p1.start()
+    d1.start()
+    px.wait_metric(key % ("prefill", p1.url), 1)
+    px.wait_metric(key % ("decode", d1.url), 1)
+    for i in range(4):
+        assert requests.post(px.url + "/v1/completions", json={"prompt": str(i)}).status_code == 200
+    assert len(p1.completions()) == 2 and len(d1.completions()) == 2
+    # the restarted prefill was re-discovered: decode bodies carry its new engine id
+    engines = {json_body(r)["kv_transfer_params"]["remote_engine_id"] for d in (d0, d1)
+               for r in d.completions()}
+    assert p1.engine_id(0) in engines and p1.engine_id(0).endswith("g1-dp0")
+    assert "engine-p1-g0-dp0" not in engines
+
+
+def test_retry_on_another_prefill_when_connection_refused(doubles, proxy_factory):
+    p0, p1 = doubles("prefill", "p0"), doubles("prefill", "p1")
+    d0 = doubles("decode", "d0")
+    px = proxy_factory([p0, p1], [d0], ["--policy", "round_robin", "--health-interval", "60"])
+    p1.stop()  # the proxy's probes are too slow to notice: the request finds out
+    for i in range(4):
+        r = requests.post(px.url + "/v1/completions", json={"prompt": str(i)})
+        assert r.status_code == 200, r.text
+    assert len(p0.completions()) == 4
+    m = px.metrics()
+    assert m['disagg_proxy_retries_total{role="prefill"}'] >= 1
+    assert m['disagg_proxy_backend_healthy{role="prefill",backend="%s"}' % p1.url] == 0
+    # the decode requests that reached the client name p0's engine
+    ok = [json_body(r) for r in d0.completions() if r["response_status"] == 200 and not r["peer_closed"]]
+    assert all(b["kv_transfer_params"]["remote_engine_id"] == p0.engine_id(0) for b in ok[-4:])
+
+
+def test_retry_on_another_decode_when_connection_refused(doubles, proxy_factory):
+    p0 = doubles("prefill", "p0")
+    d0, d1 = doubles("decode", "d0"), doubles("decode", "d1")
+    px = proxy_factory([p0], [d0, d1], ["--policy", "round_robin", "--health-interval", "60"])
+    d1.stop()
+    for i in range(4):
+        r = requests.post(px.url + "/v1/completions", json={"prompt": str(i), "stream": True})
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+    assert len(d0.completions()) == 4
+    assert px.metrics()['disagg_proxy_retries_total{role="decode"}'] >= 1
+
+
+def test_all_prefills_refuse_gives_503(doubles, proxy_factory):
+    p0 = doubles("prefill", "p0")
+    d0 = doubles("decode", "d0")
+    px = proxy_factory([p0], [d0], ["--health-interval", "60"])
+    p0.stop()
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"})
+    assert_openai_error(r, 503, "prefill")
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_input_matrix(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory, extra=["--max-body-bytes", "1000", "--max-headers", "20"])
+    u = px.url
+    assert_openai_error(requests.post(u + "/v1/completions", data=b"{not json",
+                                      headers={"Content-Type": "application/json"}), 400, "not valid JSON")
+    assert_openai_error(requests.post(u + "/v1/completions", data=b"[1,2]"), 400, "JSON object", "array")
+    assert_openai_error(requests.post(u + "/v1/chat/completions", data=b""), 400, "not valid JSON")
+    r = requests.get(u + "/v1/completions")
+    assert_openai_error(r, 405, "GET", "POST")
+    assert r.headers["Allow"] == "POST"
+    assert_openai_error(requests.post(u + "/v1/models", json={}), 405, "use GET")
+    assert_openai_error(requests.delete(u + "/health"), 405)
+    assert_openai_error(requests.get(u + "/v2/nothing"), 404, "/v2/nothing")
+    assert_openai_error(requests.post(u + "/v1/completions", json={"prompt": "x" * 2000}), 413,
+                        "limit of 1000 bytes")
+    many = {f"X-H{i}": "v" for i in range(30)}
+    assert_openai_error(requests.get(u + "/health", headers=many), 431, "headers")
+    status, headers, body = split_response(raw_request(px.port, b"NONSENSE\r\n\r\n"))
+    assert status == 400 and json.loads(body)["error"]["code"] == 400
+    status, _, body = split_response(raw_request(
+        px.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n"))
+    assert status == 413
+    # chunked request bodies are accepted too
+    status, _, body = split_response(raw_request(
+        px.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                 b"Connection: close\r\n\r\n6\r\n{\"prom\r\nB;ext=1\r\npt\": \"a b\"}\r\n0\r\n\r\n"))
+    assert status == 200, body
+    assert json_body(p.completions()[-1])["prompt"] == "a b"
+    assert not [r for r in d.completions() if json_body(r).get("prompt") != "a b"]
+    m = px.metrics()
+    assert m['disagg_proxy_errors_total{reason="bad_request"}'] == 3
+    assert m['disagg_proxy_errors_total{reason="not_found"}'] == 1
+    assert m['disagg_proxy_errors_total{reason="method_not_allowed"}'] == 3
+
+
+def test_slow_client_request_times_out_with_408(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    s = socket.create_connection(("127.0.0.1", px.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
+    # default client timeout is 60 s; the connection must still be open, not answered
+    s.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        s.recv(100)
+    s.close()
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def test_metrics_content(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    for stream in (False, True, False):
+        r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": stream})
+        assert r.status_code == 200
+    requests.get(px.url + "/v1/nope")
+    m = px.metrics()
+    assert m['disagg_proxy_requests_total{endpoint="/v1/completions"}'] == 3
+    assert m['disagg_proxy_responses_total{code="2xx"}'] >= 3
+    assert m['disagg_proxy_responses_total{code="4xx"}'] == 1
+    assert m['disagg_proxy_errors_total{reason="not_found"}'] == 1
+    for role, x in (("prefill", p), ("decode", d)):
+        lab = f'role="{role}",backend="{x.url}"'
+        assert m[f"disagg_proxy_backend_requests_total{{{lab}}}"] == 3
+        assert m[f"disagg_proxy_backend_outstanding_requests{{{lab}}}"] == 0
+        assert m[f"disagg_proxy_backend_healthy{{{lab}}}"] == 1
+        assert m[f"disagg_proxy_backend_errors_total{{{lab}}}"] == 0
+        assert m[f"disagg_proxy_backend_latency_seconds_count{{{lab}}}"] == 3
+        assert m[f'disagg_proxy_backend_latency_seconds_bucket{{{lab},le="+Inf"}}'] == 3
+        assert m[f"disagg_proxy_backend_latency_seconds_sum{{{lab}}}"] > 0
+    for phase in ("prefill", "decode", "first_byte", "total"):
+        assert m[f'disagg_proxy_phase_seconds_count{{phase="{phase}"}}'] == 3
+    # histogram buckets are cumulative
+    buckets = [v for k, v in m.items() if k.startswith('disagg_proxy_phase_seconds_bucket{phase="total"')]
+    assert buckets == sorted(buckets) and buckets[-1] == 3
+
+
+# --- command line --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,needle", [
+    ([], "at least one --prefill and one --decode"),
+    (["--prefill", "http://127.0.0.1:1"], "at least one --prefill and one --decode"),
+    (["--prefill", "https://a:1", "--decode", "http://b:2"], "https is not supported"),
+    (["--prefill", "http://a:99999", "--decode", "http://b:2"], "port '99999'"),
+    (["--prefill", "http://a:1", "70000", "--decode", "http://b:2"], "bootstrap port '70000'"),
+    (["--prefill", "http://a:1", "--decode", "http://b:2", "--policy", "random"], "'random'"),
+    (["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "x"], "--port 'x'"),
+    (["--prefill", "http://a:1", "--decode", "http://b:2", "--frob"], "'--frob'"),
+])
+def test_cli_usage_errors(args, needle):
+    import subprocess
+    r = subprocess.run([BIN, "proxy", *args], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr, r.stderr
+
+
+def test_cli_help_and_listed():
+    import subprocess
+    r = subprocess.run([BIN, "proxy", "--help"], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0 and "--prefill URL [BOOTSTRAP]" in r.stdout and "--policy" in r.stdout
+    r = subprocess.run([BIN, "--help"], capture_output=True, text=True, timeout=10)
+    assert "proxy" in r.stdout
+
+
+def test_listen_port_in_use_fails_clearly(doubles):
+    import subprocess
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    r = subprocess.run([BIN, "proxy", "--port", str(port), "--prefill", "http://127.0.0.1:1",
+                        "--decode", "http://127.0.0.1:2"], capture_output=True, text=True, timeout=10)
+    s.close()
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
