@@ -259,15 +259,20 @@ int http_body_read(http_body_reader *r, struct evbuffer *in, struct evbuffer *ou
                 r->state = 2;
                 continue;
             }
+            if (r->state == 2) { /* exactly CRLF after chunk data */
+                unsigned char crlf[2];
+                ssize_t got = evbuffer_copyout(in, crlf, 2);
+                if (got >= 1 && crlf[0] != '\r') return HTTP_EBAD_MESSAGE;
+                if (got < 2) return 0;
+                if (crlf[1] != '\n') return HTTP_EBAD_MESSAGE;
+                evbuffer_drain(in, 2);
+                r->state = 0;
+                continue;
+            }
             size_t len;
             char *line = evbuffer_readln(in, &len, EVBUFFER_EOL_CRLF);
             if (!line) return evbuffer_get_length(in) > 4096 ? HTTP_EBAD_MESSAGE : 0;
-            if (r->state == 2) { /* CRLF after data */
-                int bad = len != 0;
-                free(line);
-                if (bad) return HTTP_EBAD_MESSAGE;
-                r->state = 0;
-            } else if (r->state == 0) { /* size line: hex [; ext] */
+            if (r->state == 0) { /* size line: hex [; ext] */
                 char *end;
                 errno = 0;
                 long long sz = strtoll(line, &end, 16);
