@@ -6,5 +6,6 @@
 #define DISAGG_BENCH_H
 
 int bench_transfer_main(int argc, char **argv); /* transfer_bench.c */
+int bench_proxy_main(int argc, char **argv);    /* proxy_bench.c */
 
 #endif

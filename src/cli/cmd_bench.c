@@ -11,11 +11,13 @@ int cmd_bench(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         FILE *f = argc < 2 ? stderr : stdout;
         fprintf(f, "usage: disagg bench <what> [options]\n\n"
-                   "  transfer   transfer-engine throughput and latency (tcp, shm)\n\n"
+                   "  transfer   transfer-engine throughput and latency (tcp, shm)\n"
+                   "  proxy      P/D proxy added latency, relay rate, concurrent streams\n\n"
                    "`disagg bench <what> --help` lists its options.\n");
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "transfer")) return bench_transfer_main(argc - 1, argv + 1);
-    fprintf(stderr, "disagg bench: unknown benchmark '%s'; accepted: transfer\n", argv[1]);
+    if (!strcmp(argv[1], "proxy")) return bench_proxy_main(argc - 1, argv + 1);
+    fprintf(stderr, "disagg bench: unknown benchmark '%s'; accepted: transfer, proxy\n", argv[1]);
     return 2;
 }
