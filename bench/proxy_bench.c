@@ -417,12 +417,15 @@ int bench_proxy_main(int argc, char **argv) {
              "{\"model\":\"bench\",\"prompt\":\"hello\",\"stream\":true,\"bench_events\":20,"
              "\"bench_interval_ms\":50}");
     printf("\n### Concurrent streaming clients (20 events 50 ms apart: ~1 s per response)\n\n");
-    printf(
-        "| clients | responses | wall s | p50 s | p99 s | errors |\n|---|---|---|---|---|---|\n");
-    result r = run_load(px_port, sbody, streams * 2, streams, 1);
-    errors += r.errors;
-    printf("| %d | %d | %.2f | %.3f | %.3f | %d |\n", streams, streams * 2, r.wall_s,
-           r.p50_ms / 1e3, r.p99_ms / 1e3, r.errors);
+    printf("| path | clients | responses | wall s | p50 s | p99 s | errors |\n"
+           "|---|---|---|---|---|---|---|\n");
+    for (int k = 0; k < 2; k++) {
+        result r = run_load(k ? px_port : up_port, sbody, streams * 2, streams, 1);
+        errors += r.errors;
+        printf("| %s | %d | %d | %.2f | %.3f | %.3f | %d |\n", k ? "through proxy" : "direct",
+               streams, streams * 2, r.wall_s, r.p50_ms / 1e3, r.p99_ms / 1e3, r.errors);
+        fflush(stdout);
+    }
 
     kill(px, SIGTERM);
     kill(up, SIGTERM);

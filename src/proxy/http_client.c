@@ -187,6 +187,8 @@ static int req_start(hc_req *r, int fresh_only) {
             return -ENOMEM;
         }
         bufferevent_setwatermark(c->bev, EV_READ, 0, 256 * 1024);
+        bufferevent_set_max_single_read(c->bev, 256 * 1024);
+        bufferevent_set_max_single_write(c->bev, 256 * 1024);
     }
     c->req = r;
     c->uses++;

@@ -285,6 +285,8 @@ static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct socka
         return;
     }
     bufferevent_setcb(c->bev, read_cb, write_cb, event_cb, c);
+    bufferevent_set_max_single_read(c->bev, 256 * 1024);
+    bufferevent_set_max_single_write(c->bev, 256 * 1024);
     bufferevent_setwatermark(c->bev, EV_READ, 0, s->cfg.limits.max_head_bytes + (1u << 20));
     bufferevent_setwatermark(c->bev, EV_WRITE, s->cfg.max_output_bytes / 4, 0);
     struct timeval it = tv_of(s->cfg.idle_timeout_s);

@@ -519,3 +519,82 @@ def test_listen_port_in_use_fails_clearly(doubles):
                         "--decode", "http://127.0.0.1:2"], capture_output=True, text=True, timeout=10)
     s.close()
     assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+# --- bounded buffers, timeouts, HTTP/1.0 ---------------------------------------------------------------
+
+
+def test_large_stream_slow_client_and_slow_prefill_backpressure(doubles, proxy_factory):
+    """A 2 MB stream: held while the prefill is slow (over the 1 MiB hold cap), then
+    relayed to a client that does not read for a while; every byte arrives in order."""
+    p, d, px = pd(doubles, proxy_factory)
+    d.stream_events = 64
+    d.event_pad = 32 * 1024
+    p.delay = 0.5
+    s = socket.create_connection(("127.0.0.1", px.port))
+    body = json.dumps({"prompt": "big", "stream": True, "max_tokens": 64}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(1.5)  # client not reading: the proxy pauses the decode (bounded output buffer)
+    m = px.metrics()
+    assert m["disagg_proxy_inflight_requests"] == 1
+    chunks = []
+    s.settimeout(10)
+    while True:
+        c = s.recv(1 << 16)
+        if not c:
+            break
+        chunks.append(c)
+    status, headers, raw = split_response(b"".join(chunks))
+    assert status == 200 and headers["transfer-encoding"] == "chunked"
+    # de-chunk
+    out, i = [], 0
+    while True:
+        j = raw.index(b"\r\n", i)
+        n = int(raw[i:j], 16)
+        if n == 0:
+            break
+        out.append(raw[j + 2:j + 2 + n])
+        i = j + 2 + n + 2
+    got = b"".join(out)
+    assert len(got) > 2_000_000
+    assert got == d.completions()[0]["response_body"]
+
+
+def test_upstream_timeout_gives_504(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory, extra=["--timeout", "0.5"])
+    d.hold = True
+    t0 = time.monotonic()
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert time.monotonic() - t0 < 3
+    assert_openai_error(r, 504, "decode", d.url, "timed out")
+    rec = d.completions()[0]
+    assert rec["done"].wait(5) and rec["peer_closed"]
+
+
+def test_http10_client_gets_close_delimited_stream(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    body = json.dumps({"prompt": "x", "stream": True}).encode()
+    raw = raw_request(px.port, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body))
+    status, headers, got = split_response(raw)
+    assert status == 200 and "transfer-encoding" not in headers and "content-length" not in headers
+    assert got == d.completions()[0]["response_body"]
+
+
+def test_expect_100_continue(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    body = json.dumps({"prompt": "x"}).encode()
+    s = socket.create_connection(("127.0.0.1", px.port), timeout=5)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nConnection: close\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body))
+    assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    s.sendall(body)
+    chunks = []
+    while True:
+        c = s.recv(65536)
+        if not c:
+            break
+        chunks.append(c)
+    status, _, got = split_response(b"".join(chunks))
+    assert status == 200 and got == d.completions()[0]["response_body"]

@@ -214,6 +214,7 @@ class UpstreamDouble:
         self.released = threading.Event()
         self.stream_events = 5
         self.stream_interval = 0.0
+        self.event_pad = 0  # bytes of padding added to every SSE event (large-stream tests)
         self._port = port
         self._bport = bootstrap_port
         self._servers = []
@@ -327,6 +328,8 @@ class UpstreamDouble:
                 obj = "text_completion"
             ev = {"id": f"cmpl-{self.name}", "object": obj, "created": 1700000000, "model": self.model,
                   "choices": [ch]}
+            if self.event_pad:
+                ev["pad"] = ("%d" % i) * self.event_pad
             yield b"data: " + json.dumps(ev).encode() + b"\n\n"
         if (req.get("stream_options") or {}).get("include_usage"):
             u = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
