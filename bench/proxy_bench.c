@@ -123,7 +123,7 @@ static void on_term(evutil_socket_t sig, short what, void *arg) {
 
 /* Child: serves until SIGTERM; writes its port to fd. */
 static int run_upstream(int fd) {
-    struct event_base *base = event_base_new();
+    struct event_base *base = proxy_event_base_new();
     hs_config c;
     hs_config_default(&c);
     c.max_output_bytes = 4u << 20;
@@ -143,7 +143,7 @@ static int run_upstream(int fd) {
 
 /* Child: the proxy in front of the upstream. */
 static int run_proxy(int fd, uint16_t up_port) {
-    struct event_base *base = event_base_new();
+    struct event_base *base = proxy_event_base_new();
     char url[64], boot[64];
     snprintf(url, sizeof url, "http://127.0.0.1:%u", up_port);
     snprintf(boot, sizeof boot, "127.0.0.1:%u", up_port);
@@ -300,7 +300,7 @@ typedef struct result {
 
 static result run_load(uint16_t port, const char *body, int total, int conc, int stream) {
     load l = {0};
-    l.base = event_base_new();
+    l.base = proxy_event_base_new();
     l.pool = hc_pool_new(l.base, "127.0.0.1", port, conc + 16);
     l.body = body;
     l.total = total;
@@ -323,6 +323,22 @@ static result run_load(uint16_t port, const char *body, int total, int conc, int
     hc_pool_free(l.pool);
     event_base_free(l.base);
     return r;
+}
+
+/* CPU seconds (user + system) a process used so far, from /proc/PID/stat. */
+static double proc_cpu_s(pid_t pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')'); /* comm may contain spaces */
+    unsigned long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+        return 0;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
 
 /* ---- main ------------------------------------------------------------------------- */
@@ -381,18 +397,21 @@ int bench_proxy_main(int argc, char **argv) {
     printf("### Added latency (non-streaming completion, %d requests each)\n\n", requests);
     printf("| concurrency | direct p50 ms | direct p99 ms | proxy p50 ms | proxy p99 ms | added "
            "p50 ms "
-           "| added p99 ms | proxy req/s | errors |\n|---|---|---|---|---|---|---|---|---|\n");
+           "| added p99 ms | proxy req/s | proxy CPU us/req | errors |\n"
+           "|---|---|---|---|---|---|---|---|---|---|\n");
     int conc[] = {1, 64};
     int errors = 0;
     for (int c = 0; c < 2; c++) {
         run_load(up_port, json_body, requests / 10 + 1, conc[c], 0); /* warm-up */
         run_load(px_port, json_body, requests / 10 + 1, conc[c], 0);
         result d = run_load(up_port, json_body, requests, conc[c], 0);
+        double cpu0 = proc_cpu_s(px);
         result p = run_load(px_port, json_body, requests, conc[c], 0);
+        double cpu = proc_cpu_s(px) - cpu0;
         errors += d.errors + p.errors;
-        printf("| %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.0f | %d |\n", conc[c], d.p50_ms,
-               d.p99_ms, p.p50_ms, p.p99_ms, p.p50_ms - d.p50_ms, p.p99_ms - d.p99_ms, p.rps,
-               d.errors + p.errors);
+        printf("| %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.0f | %.0f | %d |\n", conc[c],
+               d.p50_ms, d.p99_ms, p.p50_ms, p.p99_ms, p.p50_ms - d.p50_ms, p.p99_ms - d.p99_ms,
+               p.rps, cpu / requests * 1e6, d.errors + p.errors);
         fflush(stdout);
     }
 
@@ -402,14 +421,20 @@ int bench_proxy_main(int argc, char **argv) {
              events);
     printf("\n### Relay rate (SSE, %d events of %zu bytes per response, 1 client)\n\n", events,
            sizeof UP_EVENT - 1);
-    printf("| path | responses | MB/s | events/s | errors |\n|---|---|---|---|---|\n");
+    printf("| path | responses | MB/s | events/s | proxy CPU s per GB | errors |\n"
+           "|---|---|---|---|---|---|\n");
     for (int k = 0; k < 2; k++) {
         uint16_t port = k ? px_port : up_port;
         run_load(port, sbody, 5, 1, 1);
+        double cpu0 = proc_cpu_s(px);
         result r = run_load(port, sbody, 50, 1, 1);
+        double cpu = proc_cpu_s(px) - cpu0;
         errors += r.errors;
-        printf("| %s | 50 | %.0f | %.0f | %d |\n", k ? "through proxy" : "direct", r.mbps,
-               r.rps * events, r.errors);
+        if (k)
+            printf("| through proxy | 50 | %.0f | %.0f | %.2f | %d |\n", r.mbps, r.rps * events,
+                   cpu / (r.mbps * r.wall_s / 1e3), r.errors);
+        else
+            printf("| direct | 50 | %.0f | %.0f | - | %d |\n", r.mbps, r.rps * events, r.errors);
         fflush(stdout);
     }
 

@@ -326,9 +326,18 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
     event_base_loopexit(base, NULL);
 }
 
+struct event_base *proxy_event_base_new(void) {
+    struct event_config *ec = event_config_new();
+    if (!ec) return NULL;
+    event_config_set_flag(ec, EVENT_BASE_FLAG_EPOLL_USE_CHANGELIST);
+    struct event_base *base = event_base_new_with_config(ec);
+    event_config_free(ec);
+    return base ? base : event_base_new();
+}
+
 int proxy_run(const proxy_config *cfg) {
     signal(SIGPIPE, SIG_IGN);
-    struct event_base *base = event_base_new();
+    struct event_base *base = proxy_event_base_new();
     if (!base) {
         LOG_E(MOD, "cannot create the event loop");
         return 1;

@@ -49,6 +49,9 @@ void proxy_free(proxy *p);
 uint16_t proxy_port(const proxy *p);
 /* 1 once at least one prefill (engine table known) and one decode are ready. */
 int proxy_ready(const proxy *p);
+/* A libevent loop set up for the proxy (epoll change-list: adding and
+ * removing write interest within one loop iteration costs no epoll_ctl). */
+struct event_base *proxy_event_base_new(void);
 /* Runs a proxy until SIGINT/SIGTERM; returns the exit status. */
 int proxy_run(const proxy_config *cfg);
 
