@@ -108,6 +108,7 @@ int cmd_proxy(int argc, char **argv) {
                                             "--connect-timeout",
                                             "--timeout",
                                             "--health-interval",
+                                            "--client-timeout",
                                             "--log-level"};
         int is_known = 0;
         for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
@@ -148,6 +149,8 @@ int cmd_proxy(int argc, char **argv) {
             if (parse_double(a, v, 0.001, 86400, &cfg.upstream_timeout_s)) return 2;
         } else if (!strcmp(a, "--health-interval")) {
             if (parse_double(a, v, 0.01, 3600, &cfg.health_interval_s)) return 2;
+        } else if (!strcmp(a, "--client-timeout")) {
+            if (parse_double(a, v, 0.001, 3600, &cfg.client_timeout_s)) return 2;
         } else if (!strcmp(a, "--log-level")) {
             int l = log_parse_level(v);
             if (l < 0) {

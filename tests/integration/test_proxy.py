@@ -441,14 +441,37 @@ def test_bad_input_matrix(doubles, proxy_factory):
 
 
 def test_slow_client_request_times_out_with_408(doubles, proxy_factory):
-    p, d, px = pd(doubles, proxy_factory)
-    s = socket.create_connection(("127.0.0.1", px.port))
+    p, d, px = pd(doubles, proxy_factory, extra=["--client-timeout", "0.5"])
+    s = socket.create_connection(("127.0.0.1", px.port), timeout=5)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
-    # default client timeout is 60 s; the connection must still be open, not answered
-    s.settimeout(0.5)
-    with pytest.raises(socket.timeout):
-        s.recv(100)
+    t0 = time.monotonic()
+    raw = b""
+    while True:
+        c = s.recv(4096)
+        if not c:
+            break
+        raw += c
     s.close()
+    assert 0.4 < time.monotonic() - t0 < 3
+    status, _, body = split_response(raw)
+    assert status == 408 and json.loads(body)["error"]["code"] == 408
+    assert not p.completions()
+
+
+def test_decode_stalling_mid_stream_truncates_the_reply(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory, extra=["--timeout", "0.5"])
+    d.stream_events = 3
+    d.stream_interval = 0.2
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True}, stream=True)
+    assert r.status_code == 200
+    assert r.raw.read().endswith(b"data: [DONE]\n\n")  # 0.2 s gaps are under the timeout
+    d.stream_interval = 1.0  # 1 s of silence before each event: over the 0.5 s upstream timeout
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True}, stream=True)
+    assert r.status_code == 200
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        b"".join(r.iter_content(None))
+    m = px.metrics()
+    assert m['disagg_proxy_errors_total{reason="decode_failed"}'] == 1
 
 
 # --- metrics --------------------------------------------------------------------------------------
