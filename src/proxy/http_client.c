@@ -336,8 +336,10 @@ static void conn_event_cb(struct bufferevent *bev, short what, void *arg) {
         req_end(r, HC_ECONNECT);
         return;
     }
-    if ((what & BEV_EVENT_EOF) && !r->got_bytes && c->uses > 1 && !r->retried) {
-        /* A keep-alive connection the upstream had closed: resend once on a new one. */
+    if ((what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)) && !r->got_bytes && c->uses > 1 && !r->retried) {
+        /* A keep-alive connection the upstream closed while it sat idle in
+         * the pool (EOF or reset before any response byte): resend once on a
+         * new connection. */
         r->retried = 1;
         r->conn = NULL;
         c->req = NULL;

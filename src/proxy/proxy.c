@@ -34,20 +34,45 @@ void proxy_count_status(proxy *px, int status) {
     if (cls >= 1 && cls <= 5) px->responses[cls]++;
 }
 
-void proxy_reply_error(proxy *px, hs_req *req, int status, proxy_error_kind kind, const char *fmt,
-                       ...) {
+static void proxy_reply_error_hdr(proxy *px, hs_req *req, int status, proxy_error_kind kind,
+                                  const char *extra_headers, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+static void reply_error_v(proxy *px, hs_req *req, int status, proxy_error_kind kind,
+                          const char *extra_headers, const char *fmt, va_list ap) {
     char msg[4096];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     char *body = api_error_json(status, msg);
     px->errors[kind]++;
     proxy_count_status(px, status);
-    const char *extra = NULL;
-    if (status == 405) extra = strstr(msg, "use GET") ? "Allow: GET, HEAD\r\n" : "Allow: POST\r\n";
-    hs_reply(req, status, "application/json", extra, body ? body : msg, strlen(body ? body : msg));
+    hs_reply(req, status, "application/json", extra_headers, body ? body : msg,
+             strlen(body ? body : msg));
     free(body);
+}
+
+void proxy_reply_error(proxy *px, hs_req *req, int status, proxy_error_kind kind, const char *fmt,
+                       ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    reply_error_v(px, req, status, kind, NULL, fmt, ap);
+    va_end(ap);
+}
+
+static void proxy_reply_error_hdr(proxy *px, hs_req *req, int status, proxy_error_kind kind,
+                                  const char *extra_headers, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    reply_error_v(px, req, status, kind, extra_headers, fmt, ap);
+    va_end(ap);
+}
+
+/* 405 with the Allow header listing `allow` ("POST", "GET", "GET, HEAD"). */
+static void reply_405(proxy *px, hs_req *req, const char *method, const char *path,
+                      const char *allow) {
+    char hdr[64];
+    snprintf(hdr, sizeof hdr, "Allow: %s\r\n", allow);
+    proxy_reply_error_hdr(px, req, 405, PERR_METHOD, hdr, "method %s is not allowed on %s; use %s",
+                          method, path, allow);
 }
 
 int proxy_ready(const proxy *px) {
@@ -186,13 +211,15 @@ static void handle(hs_req *req, void *arg) {
         return;
     }
     if ((ep == EP_COMPLETIONS || ep == EP_CHAT) && strcmp(method, "POST") != 0) {
-        proxy_reply_error(px, req, 405, PERR_METHOD, "method %s is not allowed on %s; use POST",
-                          method, path);
+        reply_405(px, req, method, path, "POST");
         return;
     }
-    if (ep != EP_COMPLETIONS && ep != EP_CHAT && !is_get) {
-        proxy_reply_error(px, req, 405, PERR_METHOD, "method %s is not allowed on %s; use GET",
-                          method, path);
+    if (ep == EP_MODELS && strcmp(method, "GET") != 0) {
+        reply_405(px, req, method, path, "GET");
+        return;
+    }
+    if ((ep == EP_HEALTH || ep == EP_METRICS) && !is_get) {
+        reply_405(px, req, method, path, "GET, HEAD");
         return;
     }
     if (ep == EP_METRICS) {

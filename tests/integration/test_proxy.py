@@ -415,8 +415,14 @@ def test_bad_input_matrix(doubles, proxy_factory):
     r = requests.get(u + "/v1/completions")
     assert_openai_error(r, 405, "GET", "POST")
     assert r.headers["Allow"] == "POST"
-    assert_openai_error(requests.post(u + "/v1/models", json={}), 405, "use GET")
-    assert_openai_error(requests.delete(u + "/health"), 405)
+    r = requests.post(u + "/v1/models", json={})
+    assert_openai_error(r, 405, "use GET")
+    assert r.headers["Allow"] == "GET"
+    r = requests.delete(u + "/health")
+    assert_openai_error(r, 405, "DELETE")
+    assert r.headers["Allow"] == "GET, HEAD"
+    r = requests.head(u + "/health")
+    assert r.status_code == 200 and r.content == b"" and r.headers["Content-Length"] == "15"
     assert_openai_error(requests.get(u + "/v2/nothing"), 404, "/v2/nothing")
     assert_openai_error(requests.post(u + "/v1/completions", json={"prompt": "x" * 2000}), 413,
                         "limit of 1000 bytes")
