@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #define MOD "upstream"
 
@@ -196,7 +197,13 @@ static int req_start(hc_req *r, int fresh_only) {
     bufferevent_setcb(c->bev, conn_read_cb, NULL, conn_event_cb, c);
     struct timeval it = tv_of(r->t.idle_s), ct = tv_of(r->t.connect_s);
     struct evbuffer *out = bufferevent_get_output(c->bev);
-    evbuffer_add(out, evbuffer_pullup(r->wire, -1), evbuffer_get_length(r->wire));
+    const char *wire = (const char *)evbuffer_pullup(r->wire, -1);
+    size_t len = evbuffer_get_length(r->wire), sent = 0;
+    if (c->connected && evbuffer_get_length(out) == 0) { /* straight to the socket */
+        ssize_t w = send(bufferevent_getfd(c->bev), wire, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) sent = (size_t)w;
+    }
+    if (sent < len) evbuffer_add(out, wire + sent, len - sent);
     if (!c->connected) {
         bufferevent_set_timeouts(c->bev, &it, &ct);
         bufferevent_enable(c->bev, EV_READ | EV_WRITE);

@@ -54,6 +54,7 @@ struct hs_conn {
     struct evbuffer *body;    /* (body bytes) so far */
     hs_req *req;              /* request being served (CONN_HANDLING) */
     int keep_alive;           /* connection stays open after this reply */
+    struct evbuffer *stage;   /* reply bytes being composed, sent by conn_flush */
     int in_process;           /* inside process_input (defer frees) */
     int want_free;            /* free when process_input unwinds */
     hs_conn *prev, *next;     /* server's connection list */
@@ -87,6 +88,28 @@ static struct timeval tv_of(double s) {
     return tv;
 }
 
+/* Sends the staged reply bytes: straight to the socket when nothing is queued
+ * (saves the epoll round trip and the add/remove of write interest), the rest
+ * through the bufferevent's output. */
+static void conn_flush(hs_conn *c) {
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    if (evbuffer_get_length(out) == 0 && evbuffer_get_length(c->stage) > 0) {
+        struct evbuffer_iovec v[16];
+        int n = evbuffer_peek(c->stage, -1, NULL, v, 16);
+        struct msghdr m = {0};
+        m.msg_iov = (struct iovec *)v; /* evbuffer_iovec is struct iovec on POSIX */
+        m.msg_iovlen = (size_t)(n < 16 ? n : 16);
+        ssize_t w = sendmsg(bufferevent_getfd(c->bev), &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) evbuffer_drain(c->stage, (size_t)w);
+    }
+    if (evbuffer_get_length(c->stage)) evbuffer_add_buffer(out, c->stage);
+}
+
+/* Unsent reply bytes. */
+static size_t conn_unsent(hs_conn *c) {
+    return evbuffer_get_length(bufferevent_get_output(c->bev));
+}
+
 static void conn_free(hs_conn *c) {
     if (c->in_process) {
         c->want_free = 1;
@@ -105,6 +128,7 @@ static void conn_free(hs_conn *c) {
     http_head_free(&c->head);
     if (c->body) evbuffer_free(c->body);
     bufferevent_free(c->bev);
+    evbuffer_free(c->stage);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -119,16 +143,16 @@ static void conn_error(hs_conn *c, int status, const char *message) {
     LOG_D(MOD, "%s: %d %s", c->peer, status, message);
     char *body = c->srv->error_body ? c->srv->error_body(status, message) : NULL;
     const char *b = body ? body : message;
-    struct evbuffer *out = bufferevent_get_output(c->bev);
-    evbuffer_add_printf(out,
+    evbuffer_add_printf(c->stage,
                         "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
                         "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
                         status, http_reason(status), strlen(b), b);
     free(body);
+    conn_flush(c);
     http_head_free(&c->head);
     c->state = CONN_CLOSING;
     bufferevent_disable(c->bev, EV_READ);
-    bufferevent_enable(c->bev, EV_WRITE);
+    if (conn_unsent(c) == 0) conn_free(c);
 }
 
 static int head_status(int rc) {
@@ -189,8 +213,10 @@ static void process_input(hs_conn *c) {
                 break;
             }
             const char *expect = http_head_get(&c->head, "Expect");
-            if (expect && !strcasecmp(expect, "100-continue") && c->head.minor >= 1)
-                bufferevent_write(c->bev, "HTTP/1.1 100 Continue\r\n\r\n", 25);
+            if (expect && !strcasecmp(expect, "100-continue") && c->head.minor >= 1) {
+                evbuffer_add(c->stage, "HTTP/1.1 100 Continue\r\n\r\n", 25);
+                conn_flush(c);
+            }
             http_body_init(&c->body_rd, &c->head, 0);
             c->body = evbuffer_new();
             struct timeval rt = tv_of(s->cfg.request_timeout_s);
@@ -279,8 +305,13 @@ static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct socka
     a.len = (socklen_t)salen;
     net_addr_format(&a, c->peer, sizeof c->peer);
     c->bev = bufferevent_socket_new(s->base, fd, BEV_OPT_CLOSE_ON_FREE);
-    if (!c->bev) {
-        evutil_closesocket(fd);
+    c->stage = evbuffer_new();
+    if (!c->bev || !c->stage) {
+        if (c->bev)
+            bufferevent_free(c->bev);
+        else
+            evutil_closesocket(fd);
+        if (c->stage) evbuffer_free(c->stage);
         free(c);
         return;
     }
@@ -392,7 +423,7 @@ static void add_conn_header(hs_req *r, struct evbuffer *out) {
 
 int hs_reply(hs_req *r, int status, const char *content_type, const char *extra_headers,
              const void *body, size_t len) {
-    struct evbuffer *out = bufferevent_get_output(r->conn->bev);
+    struct evbuffer *out = r->conn->stage;
     evbuffer_add_printf(out, "HTTP/1.1 %d %s\r\n", status, http_reason(status));
     if (content_type) evbuffer_add_printf(out, "Content-Type: %s\r\n", content_type);
     if (extra_headers) evbuffer_add(out, extra_headers, strlen(extra_headers));
@@ -400,6 +431,7 @@ int hs_reply(hs_req *r, int status, const char *content_type, const char *extra_
     add_conn_header(r, out);
     evbuffer_add(out, "\r\n", 2);
     if (strcmp(r->head.method, "HEAD") != 0) evbuffer_add(out, body, len);
+    conn_flush(r->conn);
     req_finish(r);
     return 0;
 }
@@ -415,7 +447,7 @@ static int is_hop_by_hop(const char *name) {
 
 int hs_reply_start(hs_req *r, int status, const http_header *headers, int n,
                    int64_t content_length) {
-    struct evbuffer *out = bufferevent_get_output(r->conn->bev);
+    struct evbuffer *out = r->conn->stage;
     evbuffer_add_printf(out, "HTTP/1.1 %d %s\r\n", status, http_reason(status));
     for (int i = 0; i < n; i++)
         if (!is_hop_by_hop(headers[i].name))
@@ -431,17 +463,19 @@ int hs_reply_start(hs_req *r, int status, const http_header *headers, int n,
     add_conn_header(r, out);
     evbuffer_add(out, "\r\n", 2);
     r->started = 1;
+    conn_flush(r->conn);
     return 0;
 }
 
 int hs_reply_data(hs_req *r, struct evbuffer *data) {
     size_t n = evbuffer_get_length(data);
     if (n == 0) return 0;
-    struct evbuffer *out = bufferevent_get_output(r->conn->bev);
+    struct evbuffer *out = r->conn->stage;
     if (r->chunked) evbuffer_add_printf(out, "%zx\r\n", n);
     evbuffer_add_buffer(out, data);
     if (r->chunked) evbuffer_add(out, "\r\n", 2);
-    if (evbuffer_get_length(out) > r->conn->srv->cfg.max_output_bytes) {
+    conn_flush(r->conn);
+    if (conn_unsent(r->conn) > r->conn->srv->cfg.max_output_bytes) {
         r->paused = 1;
         return 1;
     }
@@ -449,7 +483,10 @@ int hs_reply_data(hs_req *r, struct evbuffer *data) {
 }
 
 int hs_reply_end(hs_req *r) {
-    if (r->chunked) evbuffer_add(bufferevent_get_output(r->conn->bev), "0\r\n\r\n", 5);
+    if (r->chunked) {
+        evbuffer_add(r->conn->stage, "0\r\n\r\n", 5);
+        conn_flush(r->conn);
+    }
     req_finish(r);
     return 0;
 }

@@ -7,14 +7,42 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <unistd.h>
+
+/* xoshiro256** seeded from getrandom once per process (re-seeded after a
+ * fork): ids must be unique, not secret, and a syscall per id is avoidable. */
+static uint64_t rng_state[4];
+static pid_t rng_pid;
+
+static uint64_t rotl(uint64_t x, int k) {
+    return (x << k) | (x >> (64 - k));
+}
+
+static uint64_t rng_next(void) {
+    if (rng_pid != getpid()) {
+        size_t got = 0;
+        while (got < sizeof rng_state) {
+            ssize_t n = getrandom((char *)rng_state + got, sizeof rng_state - got, 0);
+            if (n > 0) got += (size_t)n;
+        }
+        rng_pid = getpid();
+    }
+    uint64_t *s = rng_state;
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
 
 void pd_uuid4(char out[PD_UUID_LEN + 1]) {
     uint8_t b[16];
-    size_t got = 0;
-    while (got < sizeof b) {
-        ssize_t n = getrandom(b + got, sizeof b - got, 0);
-        if (n > 0) got += (size_t)n;
-    }
+    uint64_t x = rng_next(), y = rng_next();
+    memcpy(b, &x, 8);
+    memcpy(b + 8, &y, 8);
     b[6] = (uint8_t)((b[6] & 0x0f) | 0x40); /* version 4 */
     b[8] = (uint8_t)((b[8] & 0x3f) | 0x80); /* RFC 4122 variant */
     static const char hex[] = "0123456789abcdef";

@@ -232,6 +232,20 @@ static int send_pd(relay *r) {
                        : "no prefill instance is ready");
         return 1;
     }
+    /* Fresh ids for every attempt: a decode instance may still be aborting
+     * the request of a previous attempt. */
+    char u[PD_UUID_LEN + 1];
+    pd_uuid4(r->request_id);
+    pd_uuid4(u);
+    snprintf(r->transfer_id, sizeof r->transfer_id, "xfer-%s", u);
+    json_t *pb = pd_prefill_body(r->body, r->transfer_id);
+    free(r->p_body);
+    r->p_body = pb ? json_dumps(pb, JSON_COMPACT) : NULL;
+    json_decref(pb);
+    if (!r->p_body) {
+        relay_fail(r, 500, PERR_PREFILL, "out of memory building the prefill request");
+        return 1;
+    }
     r->p = p;
     r->p_rank = eng->dp_rank;
     snprintf(r->p_engine_id, sizeof r->p_engine_id, "%s", eng->engine_id);
@@ -257,6 +271,8 @@ static int send_pd(relay *r) {
     }
     p->outstanding++;
     p->requests++;
+    LOG_D(MOD, "request %s: %s to prefill %s dp rank %d, transfer_id %s", r->request_id,
+          hs_req_path(r->client), p->url, r->p_rank, r->transfer_id);
     return send_decode(r);
 }
 
@@ -442,9 +458,6 @@ static relay *relay_new(proxy *px, hs_req *req, json_t *body) {
     r->held = evbuffer_new();
     r->p_err = evbuffer_new();
     pd_uuid4(r->request_id);
-    char u[PD_UUID_LEN + 1];
-    pd_uuid4(u);
-    snprintf(r->transfer_id, sizeof r->transfer_id, "xfer-%s", u);
     px->inflight++;
     hs_req_set_close_cb(req, client_gone, r);
     hs_req_set_drain_cb(req, client_drained, r);
@@ -458,14 +471,6 @@ void relay_start_pd(proxy *px, hs_req *req, json_t *body) {
         proxy_reply_error(px, req, 500, PERR_PREFILL, "out of memory");
         return;
     }
-    json_t *pb = pd_prefill_body(body, r->transfer_id);
-    r->p_body = pb ? json_dumps(pb, JSON_COMPACT) : NULL;
-    json_decref(pb);
-    if (!r->p_body) {
-        relay_fail(r, 500, PERR_PREFILL, "out of memory building the prefill request");
-        return;
-    }
-    LOG_D(MOD, "request %s: %s transfer_id %s", r->request_id, hs_req_path(req), r->transfer_id);
     (void)send_pd(r);
 }
 

@@ -179,5 +179,11 @@ def split_response(raw):
     return status, headers, body
 
 
+def sent(rec, timeout=5):
+    """The exact body bytes a double sent for a recorded request (once it is done)."""
+    assert rec["done"].wait(timeout), "upstream request still running"
+    return rec["response_body"]
+
+
 def json_body(rec):
     return json.loads(rec["body"])

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from proxy_fixtures import (UUID4, assert_openai_error, free_port, json_body, proxy_factory,  # noqa: F401
-                            doubles, raw_request, split_response, BIN)
+                            doubles, raw_request, sent, split_response, BIN)
 
 
 def pd(doubles, proxy_factory, extra=(), **kw):
@@ -47,7 +47,7 @@ def test_completion_bodies_and_headers_per_protocol(doubles, proxy_factory):
     assert pr["headers"]["x-data-parallel-rank"] == "0"
     assert pr["headers"]["authorization"] == dr["headers"]["authorization"] == "Bearer client-key"
     # the client gets the decode answer, byte for byte
-    assert r.content == dr["response_body"]
+    assert r.content == sent(dr)
     assert r.headers["content-type"] == "application/json"
 
 
@@ -66,7 +66,7 @@ def test_chat_stream_bodies_stream_options_and_max_completion_tokens(doubles, pr
     kv = db.pop("kv_transfer_params")
     assert db == client_body
     assert kv["transfer_id"] == pb["kv_transfer_params"]["transfer_id"]
-    assert raw == d.completions()[0]["response_body"]
+    assert raw == sent(d.completions()[0])
     assert b'"usage"' in raw and raw.endswith(b"data: [DONE]\n\n")
 
 
@@ -119,7 +119,7 @@ def test_streaming_relay_byte_for_byte_raw_http(doubles, proxy_factory):
     first = resp.read1(65536)
     assert first.startswith(b"data: ")
     rest = resp.read()
-    assert first + rest == d.completions()[0]["response_body"]
+    assert first + rest == sent(d.completions()[0])
     assert (first + rest).count(b"data: ") == 21
     # keep-alive: a second request on the same connection works
     conn.request("GET", "/health")
@@ -167,11 +167,19 @@ def test_openai_client_same_answers_as_the_decode_instance(doubles, proxy_factor
 
 def test_decode_error_status_is_relayed_and_prefill_cancelled(doubles, proxy_factory):
     p, d, px = pd(doubles, proxy_factory)
+    # warm up: the proxy then holds a keep-alive connection to P, so the prefill request is
+    # on P's socket at once (a request cancelled while still connecting never reaches P)
+    assert requests.post(px.url + "/v1/completions", json={"prompt": "w"}).status_code == 200
+    p.clear()
+    d.clear()
     p.hold = True
     d.fail_status = 400
     r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 400
-    assert r.content == d.completions()[0]["response_body"]
+    assert r.content == sent(d.completions()[0])
+    deadline = time.monotonic() + 5
+    while not p.completions() and time.monotonic() < deadline:
+        time.sleep(0.01)
     rec = p.completions()[0]
     assert rec["done"].wait(5) and rec["peer_closed"], "the prefill request was not cancelled"
 
@@ -182,6 +190,11 @@ def test_decode_error_status_is_relayed_and_prefill_cancelled(doubles, proxy_fac
 @pytest.mark.parametrize("fault", ["http500", "close"])
 def test_prefill_failure_gives_502_and_aborts_decode(doubles, proxy_factory, fault):
     p, d, px = pd(doubles, proxy_factory)
+    # warm up: with a keep-alive connection to D in the pool the decode request reaches D at
+    # once (one cancelled while still connecting never reaches it: nothing to abort there)
+    assert requests.post(px.url + "/v1/completions", json={"prompt": "w"}).status_code == 200
+    p.clear()
+    d.clear()
     d.hold = True  # a decode that would wait for KV that never comes
     if fault == "http500":
         p.fail_status = 500
@@ -194,6 +207,9 @@ def test_prefill_failure_gives_502_and_aborts_decode(doubles, proxy_factory, fau
     err = assert_openai_error(r, 502, "prefill", p.url)
     if fault == "http500":
         assert "HTTP 500" in err["message"] and "injected failure on p0" in err["message"]
+    deadline = time.monotonic() + 5
+    while not d.completions() and time.monotonic() < deadline:
+        time.sleep(0.01)
     rec = d.completions()[0]
     assert rec["done"].wait(5) and rec["peer_closed"], "the decode request was not aborted"
     m = px.metrics()
@@ -234,7 +250,7 @@ def test_client_disconnect_mid_stream_cancels_decode(doubles, proxy_factory):
     r.close()
     rec = d.completions()[0]
     assert rec["done"].wait(5) and rec["peer_closed"]
-    assert rec["response_body"].count(b"data: ") < 50
+    assert sent(rec).count(b"data: ") < 50
 
 
 # --- discovery and readiness ------------------------------------------------------------
@@ -368,6 +384,7 @@ def test_retry_on_another_prefill_when_connection_refused(doubles, proxy_factory
     p0, p1 = doubles("prefill", "p0"), doubles("prefill", "p1")
     d0 = doubles("decode", "d0")
     px = proxy_factory([p0, p1], [d0], ["--policy", "round_robin", "--health-interval", "60"])
+    p1_engine = p1.engine_id(0)
     p1.stop()  # the proxy's probes are too slow to notice: the request finds out
     for i in range(4):
         r = requests.post(px.url + "/v1/completions", json={"prompt": str(i)})
@@ -376,9 +393,17 @@ def test_retry_on_another_prefill_when_connection_refused(doubles, proxy_factory
     m = px.metrics()
     assert m['disagg_proxy_retries_total{role="prefill"}'] >= 1
     assert m['disagg_proxy_backend_healthy{role="prefill",backend="%s"}' % p1.url] == 0
-    # the decode requests that reached the client name p0's engine
-    ok = [json_body(r) for r in d0.completions() if r["response_status"] == 200 and not r["peer_closed"]]
-    assert all(b["kv_transfer_params"]["remote_engine_id"] == p0.engine_id(0) for b in ok[-4:])
+    # each prefill request that was served has one decode twin naming p0's engine; the
+    # attempts that named p1 used other transfer ids (and were cancelled)
+    d_by_tid = {}
+    for rec in d0.completions():
+        kv = json_body(rec)["kv_transfer_params"]
+        d_by_tid.setdefault(kv["transfer_id"], []).append(kv)
+    for rec in p0.completions():
+        twins = d_by_tid[json_body(rec)["kv_transfer_params"]["transfer_id"]]
+        assert [kv["remote_engine_id"] for kv in twins] == [p0.engine_id(0)]
+    named_p1 = [kvs for kvs in d_by_tid.values() if kvs[0]["remote_engine_id"] == p1_engine]
+    assert len(named_p1) == m['disagg_proxy_retries_total{role="prefill"}']
 
 
 def test_retry_on_another_decode_when_connection_refused(doubles, proxy_factory):
@@ -553,20 +578,33 @@ def test_listen_port_in_use_fails_clearly(doubles):
 # --- bounded buffers, timeouts, HTTP/1.0 ---------------------------------------------------------------
 
 
+def rss_bytes(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
 def test_large_stream_slow_client_and_slow_prefill_backpressure(doubles, proxy_factory):
-    """A 2 MB stream: held while the prefill is slow (over the 1 MiB hold cap), then
-    relayed to a client that does not read for a while; every byte arrives in order."""
+    """An 8 MB stream: held while the prefill is slow (over the 1 MiB hold cap), then
+    relayed to a client that does not read for a while.  The proxy waits without
+    buffering the stream in memory, and every byte arrives in order."""
     p, d, px = pd(doubles, proxy_factory)
     d.stream_events = 64
-    d.event_pad = 32 * 1024
+    d.event_pad = 128 * 1024
     p.delay = 0.5
-    s = socket.create_connection(("127.0.0.1", px.port))
+    rss0 = rss_bytes(px.proc.pid)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+    s.connect(("127.0.0.1", px.port))
     body = json.dumps({"prompt": "big", "stream": True, "max_tokens": 64}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    time.sleep(1.5)  # client not reading: the proxy pauses the decode (bounded output buffer)
-    m = px.metrics()
-    assert m["disagg_proxy_inflight_requests"] == 1
+    time.sleep(1.5)  # client not reading
+    assert px.metrics()["disagg_proxy_inflight_requests"] == 1  # more than the kernel buffers hold
+    grown = rss_bytes(px.proc.pid) - rss0
+    assert grown < 3 * 1024 * 1024, f"proxy RSS grew by {grown} bytes"
     chunks = []
     s.settimeout(10)
     while True:
@@ -576,8 +614,7 @@ def test_large_stream_slow_client_and_slow_prefill_backpressure(doubles, proxy_f
         chunks.append(c)
     status, headers, raw = split_response(b"".join(chunks))
     assert status == 200 and headers["transfer-encoding"] == "chunked"
-    # de-chunk
-    out, i = [], 0
+    out, i = [], 0  # de-chunk
     while True:
         j = raw.index(b"\r\n", i)
         n = int(raw[i:j], 16)
@@ -586,8 +623,8 @@ def test_large_stream_slow_client_and_slow_prefill_backpressure(doubles, proxy_f
         out.append(raw[j + 2:j + 2 + n])
         i = j + 2 + n + 2
     got = b"".join(out)
-    assert len(got) > 2_000_000
-    assert got == d.completions()[0]["response_body"]
+    assert len(got) > 8_000_000
+    assert got == sent(d.completions()[0])
 
 
 def test_upstream_timeout_gives_504(doubles, proxy_factory):
@@ -608,7 +645,7 @@ def test_http10_client_gets_close_delimited_stream(doubles, proxy_factory):
                       % (len(body), body))
     status, headers, got = split_response(raw)
     assert status == 200 and "transfer-encoding" not in headers and "content-length" not in headers
-    assert got == d.completions()[0]["response_body"]
+    assert got == sent(d.completions()[0])
 
 
 def test_expect_100_continue(doubles, proxy_factory):
@@ -626,4 +663,4 @@ def test_expect_100_continue(doubles, proxy_factory):
             break
         chunks.append(c)
     status, _, got = split_response(b"".join(chunks))
-    assert status == 200 and got == d.completions()[0]["response_body"]
+    assert status == 200 and got == sent(d.completions()[0])

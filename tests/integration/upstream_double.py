@@ -329,7 +329,7 @@ class UpstreamDouble:
             ev = {"id": f"cmpl-{self.name}", "object": obj, "created": 1700000000, "model": self.model,
                   "choices": [ch]}
             if self.event_pad:
-                ev["pad"] = ("%d" % i) * self.event_pad
+                ev["pad"] = chr(ord("a") + i % 26) * self.event_pad
             yield b"data: " + json.dumps(ev).encode() + b"\n\n"
         if (req.get("stream_options") or {}).get("include_usage"):
             u = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
