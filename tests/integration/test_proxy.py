@@ -2,6 +2,7 @@
 PROTOCOL.md section 1, the relay, discovery, errors and cancellation."""
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -604,7 +605,9 @@ def test_large_stream_slow_client_and_slow_prefill_backpressure(doubles, proxy_f
     time.sleep(1.5)  # client not reading
     assert px.metrics()["disagg_proxy_inflight_requests"] == 1  # more than the kernel buffers hold
     grown = rss_bytes(px.proc.pid) - rss0
-    assert grown < 3 * 1024 * 1024, f"proxy RSS grew by {grown} bytes"
+    if os.environ.get("DISAGG_SANITIZED", "0") not in ("1", "ON", "TRUE", "true"):
+        # (ASan's quarantine keeps freed memory resident: RSS means nothing there)
+        assert grown < 3 * 1024 * 1024, f"proxy RSS grew by {grown} bytes"
     chunks = []
     s.settimeout(10)
     while True:
