@@ -211,8 +211,11 @@ static int req_start(hc_req *r, int fresh_only) {
             0)
             return HC_ECONNECT;
     } else {
+        /* EV_WRITE stays enabled from the connect: bytes left in the output
+         * are written when the socket allows; enabling it again would cost a
+         * write-readiness round trip for nothing. */
         bufferevent_set_timeouts(c->bev, &it, &it);
-        bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+        bufferevent_enable(c->bev, EV_READ);
     }
     return 0;
 }

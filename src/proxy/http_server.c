@@ -55,6 +55,7 @@ struct hs_conn {
     hs_req *req;              /* request being served (CONN_HANDLING) */
     int keep_alive;           /* connection stays open after this reply */
     struct evbuffer *stage;   /* reply bytes being composed, sent by conn_flush */
+    struct event *flush_ev;   /* deferred conn_flush (hs_reply_flush) */
     int in_process;           /* inside process_input (defer frees) */
     int want_free;            /* free when process_input unwinds */
     hs_conn *prev, *next;     /* server's connection list */
@@ -129,6 +130,7 @@ static void conn_free(hs_conn *c) {
     if (c->body) evbuffer_free(c->body);
     bufferevent_free(c->bev);
     evbuffer_free(c->stage);
+    event_free(c->flush_ev);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -283,6 +285,10 @@ static void event_cb(struct bufferevent *bev, short what, void *arg) {
     conn_free(c);
 }
 
+static void flush_cb(evutil_socket_t fd, short what, void *arg) {
+    conn_flush(arg);
+}
+
 static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int salen,
                       void *arg) {
     hs_server *s = arg;
@@ -306,12 +312,14 @@ static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct socka
     net_addr_format(&a, c->peer, sizeof c->peer);
     c->bev = bufferevent_socket_new(s->base, fd, BEV_OPT_CLOSE_ON_FREE);
     c->stage = evbuffer_new();
-    if (!c->bev || !c->stage) {
+    c->flush_ev = event_new(s->base, -1, 0, flush_cb, c);
+    if (!c->bev || !c->stage || !c->flush_ev) {
         if (c->bev)
             bufferevent_free(c->bev);
         else
             evutil_closesocket(fd);
         if (c->stage) evbuffer_free(c->stage);
+        if (c->flush_ev) event_free(c->flush_ev);
         free(c);
         return;
     }
@@ -463,8 +471,13 @@ int hs_reply_start(hs_req *r, int status, const http_header *headers, int n,
     add_conn_header(r, out);
     evbuffer_add(out, "\r\n", 2);
     r->started = 1;
-    conn_flush(r->conn);
     return 0;
+}
+
+void hs_reply_flush(hs_req *r) {
+    /* After the callbacks of this loop turn: bytes that arrive with the
+     * head (the usual case) then go out in the same write. */
+    event_active(r->conn->flush_ev, EV_TIMEOUT, 0);
 }
 
 int hs_reply_data(hs_req *r, struct evbuffer *data) {
@@ -483,10 +496,8 @@ int hs_reply_data(hs_req *r, struct evbuffer *data) {
 }
 
 int hs_reply_end(hs_req *r) {
-    if (r->chunked) {
-        evbuffer_add(r->conn->stage, "0\r\n\r\n", 5);
-        conn_flush(r->conn);
-    }
+    if (r->chunked) evbuffer_add(r->conn->stage, "0\r\n\r\n", 5);
+    conn_flush(r->conn);
     req_finish(r);
     return 0;
 }

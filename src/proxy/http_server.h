@@ -71,9 +71,14 @@ const char *hs_req_peer(const hs_req *r);
 int hs_reply(hs_req *r, int status, const char *content_type, const char *extra_headers,
              const void *body, size_t len);
 /* Starts a streamed reply: headers (n of them) copied as given, except
- * hop-by-hop ones; content_length >= 0 sends it as is, -1 uses chunked. */
+ * hop-by-hop ones; content_length >= 0 sends it as is, -1 uses chunked.  The
+ * head goes out with the first hs_reply_data / hs_reply_end, or at
+ * hs_reply_flush. */
 int hs_reply_start(hs_req *r, int status, const http_header *headers, int n,
                    int64_t content_length);
+/* Sends what hs_reply_start queued at the end of this loop turn (it is
+ * otherwise sent with the first data). */
+void hs_reply_flush(hs_req *r);
 /* Appends reply bytes (moved out of `data`).  Returns 1 when unsent output is
  * above the high watermark (the caller should pause its source until the
  * drain callback), 0 otherwise, <0 on error. */

@@ -7,25 +7,31 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
-#include <unistd.h>
+#include <pthread.h>
 
 /* xoshiro256** seeded from getrandom once per process (re-seeded after a
  * fork): ids must be unique, not secret, and a syscall per id is avoidable. */
 static uint64_t rng_state[4];
-static pid_t rng_pid;
+static int rng_seeded;
+
+static void rng_forget(void) {
+    rng_seeded = 0; /* in a forked child: draw a new seed */
+}
 
 static uint64_t rotl(uint64_t x, int k) {
     return (x << k) | (x >> (64 - k));
 }
 
 static uint64_t rng_next(void) {
-    if (rng_pid != getpid()) {
+    if (!rng_seeded) {
+        static int atfork_set;
+        if (!atfork_set) atfork_set = pthread_atfork(NULL, NULL, rng_forget) == 0;
         size_t got = 0;
         while (got < sizeof rng_state) {
             ssize_t n = getrandom((char *)rng_state + got, sizeof rng_state - got, 0);
             if (n > 0) got += (size_t)n;
         }
-        rng_pid = getpid();
+        rng_seeded = 1;
     }
     uint64_t *s = rng_state;
     uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;

@@ -182,7 +182,10 @@ static int relay_advance(relay *r) {
     if (!r->started) {
         hs_reply_start(r->client, r->d_status, r->d_hdrs, r->d_nhdrs, r->d_clen);
         r->started = 1;
-        if (evbuffer_get_length(r->held)) send_client(r, r->held);
+        if (evbuffer_get_length(r->held))
+            send_client(r, r->held);
+        else if (!r->d_done)
+            hs_reply_flush(r->client); /* headers now, body as it comes */
     }
     if (r->d_done) {
         relay_complete(r);
