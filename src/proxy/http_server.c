@@ -71,6 +71,8 @@ struct hs_server {
     hs_conn *conns;              /* live connections */
     int nconns;                  /* their count */
     uint16_t port;               /* bound port */
+    struct event *resume_ev;     /* re-enables accepting after EMFILE */
+    uint64_t accept_errors;      /* accept failures (logged once per pause) */
 };
 
 void hs_config_default(hs_config *c) {
@@ -337,6 +339,24 @@ static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct socka
     s->nconns++;
 }
 
+static void resume_cb(evutil_socket_t fd, short what, void *arg) {
+    hs_server *s = arg;
+    evconnlistener_enable(s->lst);
+}
+
+/* accept() failed (EMFILE/ENFILE: out of descriptors): pause accepting for
+ * 100 ms instead of spinning on the always-readable listening socket. */
+static void accept_error_cb(struct evconnlistener *l, void *arg) {
+    hs_server *s = arg;
+    int err = EVUTIL_SOCKET_ERROR();
+    if (s->accept_errors++ % 100 == 0)
+        LOG_W(MOD, "accept failed: %s (%d connections open); pausing new connections for 100 ms",
+              strerror(err), s->nconns);
+    evconnlistener_disable(l);
+    struct timeval tv = {0, 100000};
+    event_add(s->resume_ev, &tv);
+}
+
 hs_server *hs_server_new(struct event_base *base, const char *host, uint16_t port,
                          const hs_config *cfg, hs_handler_fn handler, void *arg,
                          hs_error_body_fn error_body) {
@@ -360,6 +380,8 @@ hs_server *hs_server_new(struct event_base *base, const char *host, uint16_t por
         free(s);
         return NULL;
     }
+    s->resume_ev = evtimer_new(base, resume_cb, s);
+    evconnlistener_set_error_cb(s->lst, accept_error_cb);
     net_addr bound;
     if (net_local_addr(evconnlistener_get_fd(s->lst), &bound) == 0) s->port = net_addr_port(&bound);
     return s;
@@ -375,6 +397,7 @@ int hs_server_connections(const hs_server *s) {
 void hs_server_free(hs_server *s) {
     if (!s) return;
     evconnlistener_free(s->lst);
+    if (s->resume_ev) event_free(s->resume_ev);
     while (s->conns)
         conn_free(s->conns);
     free(s);

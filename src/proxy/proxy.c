@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #define MOD "proxy"
 
@@ -364,6 +365,15 @@ struct event_base *proxy_event_base_new(void) {
 
 int proxy_run(const proxy_config *cfg) {
     signal(SIGPIPE, SIG_IGN);
+    /* Each client costs up to three descriptors (client, P, D): take the hard limit. */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4096)
+        LOG_W(MOD, "only %llu file descriptors allowed (ulimit -n): about %llu concurrent clients",
+              (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_cur / 3);
     struct event_base *base = proxy_event_base_new();
     if (!base) {
         LOG_E(MOD, "cannot create the event loop");

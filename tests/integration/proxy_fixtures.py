@@ -32,7 +32,7 @@ def free_port():
 class ProxyProc:
     """`disagg proxy` as a child process."""
 
-    def __init__(self, prefills, decodes, extra=(), bootstrap_arg="port"):
+    def __init__(self, prefills, decodes, extra=(), bootstrap_arg="port", nofile=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [BIN, "proxy", "--port", str(self.port), "--health-interval", "0.1"]
@@ -49,7 +49,12 @@ class ProxyProc:
         args += list(extra)
         self.args = args
         self.log = open(f"/tmp/disagg-proxy-test-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        def limit():
+            if nofile:
+                import resource
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=limit)
         deadline = time.monotonic() + 10
         while True:
             try:

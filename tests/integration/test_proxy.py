@@ -667,3 +667,31 @@ def test_expect_100_continue(doubles, proxy_factory):
         chunks.append(c)
     status, _, got = split_response(b"".join(chunks))
     assert status == 200 and got == sent(d.completions()[0])
+
+
+def test_out_of_descriptors_pauses_accepting_then_recovers(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory, nofile=48)
+    socks = []
+    for _ in range(80):  # more connections than the proxy has descriptors
+        s = socket.socket()
+        s.settimeout(2)
+        s.connect(("127.0.0.1", px.port))
+        socks.append(s)
+    with open(f"/proc/{px.proc.pid}/stat") as f:
+        t0 = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    time.sleep(1.0)
+    with open(f"/proc/{px.proc.pid}/stat") as f:
+        px_cpu = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]) - t0
+    assert px_cpu < 30, f"proxy used {px_cpu} ticks in 1 s while out of descriptors (spinning)"
+    assert "accept failed" in px.output()
+    for s in socks:
+        s.close()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=2)
+            break
+        except requests.RequestException:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert r.status_code == 200
