@@ -38,6 +38,8 @@ static void proxy_usage(FILE *f) {
         "  --connect-timeout S        upstream connect timeout, seconds (default 5)\n"
         "  --timeout S                longest upstream silence, seconds (default 600)\n"
         "  --health-interval S        health probe period, seconds (default 1)\n"
+        "  --client-timeout S         time to receive a client's whole request (default 60)\n"
+        "  --shutdown-timeout S       on SIGTERM/SIGINT, wait for requests in flight (default 30)\n"
         "  --log-level L              debug|info|warn|error (default info, or DISAGG_LOG_LEVEL)\n");
 }
 
@@ -109,6 +111,7 @@ int cmd_proxy(int argc, char **argv) {
                                             "--timeout",
                                             "--health-interval",
                                             "--client-timeout",
+                                            "--shutdown-timeout",
                                             "--log-level"};
         int is_known = 0;
         for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
@@ -149,6 +152,8 @@ int cmd_proxy(int argc, char **argv) {
             if (parse_double(a, v, 0.001, 86400, &cfg.upstream_timeout_s)) return 2;
         } else if (!strcmp(a, "--health-interval")) {
             if (parse_double(a, v, 0.01, 3600, &cfg.health_interval_s)) return 2;
+        } else if (!strcmp(a, "--shutdown-timeout")) {
+            if (parse_double(a, v, 0, 86400, &cfg.shutdown_timeout_s)) return 2;
         } else if (!strcmp(a, "--client-timeout")) {
             if (parse_double(a, v, 0.001, 3600, &cfg.client_timeout_s)) return 2;
         } else if (!strcmp(a, "--log-level")) {

@@ -341,7 +341,7 @@ static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct socka
 
 static void resume_cb(evutil_socket_t fd, short what, void *arg) {
     hs_server *s = arg;
-    evconnlistener_enable(s->lst);
+    if (s->lst) evconnlistener_enable(s->lst);
 }
 
 /* accept() failed (EMFILE/ENFILE: out of descriptors): pause accepting for
@@ -394,9 +394,16 @@ int hs_server_connections(const hs_server *s) {
     return s->nconns;
 }
 
+void hs_server_stop_listening(hs_server *s) {
+    if (!s->lst) return;
+    evconnlistener_free(s->lst);
+    s->lst = NULL;
+    if (s->resume_ev) event_del(s->resume_ev);
+}
+
 void hs_server_free(hs_server *s) {
     if (!s) return;
-    evconnlistener_free(s->lst);
+    if (s->lst) evconnlistener_free(s->lst);
     if (s->resume_ev) event_free(s->resume_ev);
     while (s->conns)
         conn_free(s->conns);

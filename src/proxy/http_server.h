@@ -53,6 +53,9 @@ hs_server *hs_server_new(struct event_base *base, const char *host, uint16_t por
                          hs_error_body_fn error_body);
 /* Port actually bound (when port 0 was asked). */
 uint16_t hs_server_port(const hs_server *s);
+/* Closes the listening socket (new connections are refused); open
+ * connections stay. */
+void hs_server_stop_listening(hs_server *s);
 /* Closes the listener and every connection (close callbacks run). */
 void hs_server_free(hs_server *s);
 int hs_server_connections(const hs_server *s);

@@ -1,6 +1,7 @@
 /* proxy — see proxy.h. */
 #include "proxy/proxy_internal.h"
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "proxy/api_error.h"
 
@@ -28,6 +29,7 @@ void proxy_config_default(proxy_config *c) {
     c->upstream_timeout_s = 600;
     c->health_interval_s = 1;
     c->client_timeout_s = 60;
+    c->shutdown_timeout_s = 30;
 }
 
 void proxy_count_status(proxy *px, int status) {
@@ -233,8 +235,15 @@ static void handle(hs_req *req, void *arg) {
         return;
     }
     char why[2048];
-    if (!proxy_ready(px)) {
-        not_ready_reason(px, why, sizeof why);
+    if (px->draining && ep != EP_HEALTH) {
+        proxy_reply_error(px, req, 503, PERR_NOT_READY, "the proxy is shutting down");
+        return;
+    }
+    if (px->draining || !proxy_ready(px)) {
+        if (px->draining)
+            snprintf(why, sizeof why, "the proxy is shutting down");
+        else
+            not_ready_reason(px, why, sizeof why);
         proxy_reply_error(px, req, 503, PERR_NOT_READY, "%s", why);
         return;
     }
@@ -339,6 +348,7 @@ void proxy_free(proxy *px) {
     if (!px) return;
     hs_server_free(px->srv); /* close callbacks cancel the relays */
     if (px->probe_timer) event_free(px->probe_timer);
+    if (px->drain_timer) event_free(px->drain_timer);
     for (int i = 0; i < px->nprefill; i++)
         backend_free(&px->prefill[i]);
     for (int i = 0; i < px->ndecode; i++)
@@ -348,10 +358,39 @@ void proxy_free(proxy *px) {
     free(px);
 }
 
+static void drain_check(evutil_socket_t fd, short what, void *arg) {
+    proxy *px = arg;
+    if (px->inflight == 0) {
+        LOG_I(MOD, "no request in flight: stopping");
+        event_base_loopexit(px->base, NULL);
+    } else if (clock_now_ns() >= px->drain_deadline_ns) {
+        LOG_W(MOD, "shutdown timeout: stopping with %d requests in flight", px->inflight);
+        event_base_loopexit(px->base, NULL);
+    }
+}
+
+void proxy_drain(proxy *px) {
+    if (px->draining) return;
+    px->draining = 1;
+    px->drain_deadline_ns = clock_now_ns() + (uint64_t)(px->cfg.shutdown_timeout_s * 1e9);
+    hs_server_stop_listening(px->srv);
+    LOG_I(MOD, "draining: %d requests in flight, waiting up to %g s", px->inflight,
+          px->cfg.shutdown_timeout_s);
+    px->drain_timer = event_new(px->base, -1, EV_PERSIST, drain_check, px);
+    struct timeval tv = {0, 20000};
+    event_add(px->drain_timer, &tv);
+    drain_check(-1, 0, px);
+}
+
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
-    struct event_base *base = arg;
-    LOG_I(MOD, "signal %d: stopping", (int)sig);
-    event_base_loopexit(base, NULL);
+    proxy *px = arg;
+    if (px->draining) {
+        LOG_I(MOD, "signal %d again: stopping now", (int)sig);
+        event_base_loopexit(px->base, NULL);
+        return;
+    }
+    LOG_I(MOD, "signal %d: finishing the requests in flight (again to stop at once)", (int)sig);
+    proxy_drain(px);
 }
 
 struct event_base *proxy_event_base_new(void) {
@@ -386,8 +425,8 @@ int proxy_run(const proxy_config *cfg) {
         event_base_free(base);
         return 1;
     }
-    struct event *si = evsignal_new(base, SIGINT, on_signal, base);
-    struct event *st = evsignal_new(base, SIGTERM, on_signal, base);
+    struct event *si = evsignal_new(base, SIGINT, on_signal, px);
+    struct event *st = evsignal_new(base, SIGTERM, on_signal, px);
     event_add(si, NULL);
     event_add(st, NULL);
     LOG_I(MOD, "listening on http://%s:%u (policy %s, %d prefill, %d decode)", cfg->host,

@@ -37,6 +37,7 @@ typedef struct proxy_config {
     double upstream_timeout_s; /* longest upstream silence while waiting for bytes (600) */
     double health_interval_s;  /* probe period (1) */
     double client_timeout_s;   /* to receive a client's whole request (60) */
+    double shutdown_timeout_s; /* on SIGTERM/SIGINT, wait this long for requests in flight (30) */
     int quiet;                 /* no start-up banner on stderr */
 } proxy_config;
 
@@ -52,7 +53,11 @@ int proxy_ready(const proxy *p);
 /* A libevent loop set up for the proxy (epoll change-list: adding and
  * removing write interest within one loop iteration costs no epoll_ctl). */
 struct event_base *proxy_event_base_new(void);
-/* Runs a proxy until SIGINT/SIGTERM; returns the exit status. */
+/* Stops accepting, answers 503 to new requests on open connections, and
+ * ends the loop once no request is in flight or after shutdown_timeout_s. */
+void proxy_drain(proxy *p);
+/* Runs a proxy until SIGINT/SIGTERM (drains; a second signal stops at
+ * once); returns the exit status. */
 int proxy_run(const proxy_config *cfg);
 
 #endif

@@ -47,8 +47,9 @@ struct proxy {
     unsigned rr_prefill;         /* round-robin cursor over prefill slots */
     unsigned rr_decode;          /* round-robin cursor over decode instances */
     struct event *probe_timer;   /* periodic health probes */
-    struct event *sig_int;       /* SIGINT: stop */
-    struct event *sig_term;      /* SIGTERM: stop */
+    int draining;                /* stop signal received: no new requests, finishing the rest */
+    uint64_t drain_deadline_ns;  /* when draining gives up on requests still running */
+    struct event *drain_timer;   /* checks whether the drain is over */
     int inflight;                /* client requests being relayed */
     uint64_t requests[EP_COUNT]; /* client requests by endpoint */
     uint64_t responses[6];       /* client responses by status class (index = status/100) */

@@ -35,7 +35,8 @@ class ProxyProc:
     def __init__(self, prefills, decodes, extra=(), bootstrap_arg="port", nofile=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [BIN, "proxy", "--port", str(self.port), "--health-interval", "0.1"]
+        args = [BIN, "proxy", "--port", str(self.port), "--health-interval", "0.1",
+                "--shutdown-timeout", "2"]
         for p in prefills:
             args += ["--prefill", p.url]
             if bootstrap_arg == "port":

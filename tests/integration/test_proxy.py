@@ -695,3 +695,81 @@ def test_out_of_descriptors_pauses_accepting_then_recovers(doubles, proxy_factor
             assert time.monotonic() < deadline
             time.sleep(0.1)
     assert r.status_code == 200
+
+
+# --- shutdown ---------------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_requests_in_flight(doubles, proxy_factory):
+    import signal
+    p, d, px = pd(doubles, proxy_factory, extra=["--shutdown-timeout", "10"])
+    d.hold = True
+    keep = http.client.HTTPConnection("127.0.0.1", px.port, timeout=10)  # an open keep-alive connection
+    keep.request("GET", "/health")
+    assert keep.getresponse().read() == b'{"status":"ok"}'
+    result = {}
+
+    def client():
+        r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=20)
+        result["status"], result["body"] = r.status_code, r.content
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not d.completions() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    px.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert px.proc.poll() is None  # still serving the request in flight
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", px.port), timeout=1)  # no new connections
+    keep.request("GET", "/health")
+    r = keep.getresponse()
+    assert r.status == 503 and b"shutting down" in r.read()
+    d.release()
+    t.join(10)
+    assert result["status"] == 200 and result["body"].endswith(b"data: [DONE]\n\n")
+    assert px.proc.wait(5) == 0
+
+
+def test_shutdown_timeout_and_second_signal(doubles, proxy_factory):
+    import signal
+    p, d, px = pd(doubles, proxy_factory, extra=["--shutdown-timeout", "0.5"])
+    d.hold = True
+    got = []
+
+    def post(url):
+        try:
+            got.append(requests.post(url + "/v1/completions", json={"prompt": "x"}, timeout=20))
+        except requests.ConnectionError as e:
+            got.append(e)
+
+    t = threading.Thread(target=post, args=(px.url,))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not d.completions() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    px.proc.send_signal(signal.SIGTERM)
+    assert px.proc.wait(5) == 0
+    assert 0.4 < time.monotonic() - t0 < 3
+    assert "shutdown timeout" in px.output()
+    rec = d.completions()[0]
+    assert rec["done"].wait(5) and rec["peer_closed"]  # the decode request was cancelled on exit
+    t.join(5)
+    assert isinstance(got[0], requests.ConnectionError)  # the client saw the connection close
+
+    px2 = proxy_factory([p], [d], ["--shutdown-timeout", "60"])
+    d.clear()
+    t = threading.Thread(target=post, args=(px2.url,))
+    t.start()
+    while not d.completions() and time.monotonic() < deadline + 5:
+        time.sleep(0.01)
+    px2.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert px2.proc.poll() is None
+    t0 = time.monotonic()
+    px2.proc.send_signal(signal.SIGINT)
+    assert px2.proc.wait(5) == 0 and time.monotonic() - t0 < 2
+    t.join(5)
+    assert isinstance(got[1], requests.ConnectionError)
