@@ -26,6 +26,10 @@ static void proxy_usage(FILE *f) {
         "bootstrap\n"
         "                             server: a port on the same host (default 8998) or host:port\n"
         "  --decode URL               decode instance http://host:port (repeatable)\n"
+        "  --prefiller-hosts H.. --prefiller-ports P.. --decoder-hosts H.. --decoder-ports P..\n"
+        "                             the same in the form of vLLM's toy_proxy_server.py "
+        "(bootstrap\n"
+        "                             port 8998 on each prefill host)\n"
         "  --host H                   listen address (default 127.0.0.1)\n"
         "  --port N                   listen port (default 8000)\n"
         "  --policy P                 least_loaded (default: fewest outstanding requests) or "
@@ -67,12 +71,27 @@ static int parse_long(const char *flag, const char *v, long lo, long hi, long *o
     return 0;
 }
 
+/* The host/port flags of vLLM's toy_proxy_server.py (0 prefiller hosts,
+ * 1 prefiller ports, 2 decoder hosts, 3 decoder ports), or -1. */
+static int alias_kind(const char *a) {
+    static const char *const names[4][2] = {{"--prefiller-hosts", "--prefiller-host"},
+                                            {"--prefiller-ports", "--prefiller-port"},
+                                            {"--decoder-hosts", "--decoder-host"},
+                                            {"--decoder-ports", "--decoder-port"}};
+    for (int k = 0; k < 4; k++)
+        if (!strcmp(a, names[k][0]) || !strcmp(a, names[k][1])) return k;
+    return -1;
+}
+
 int cmd_proxy(int argc, char **argv) {
     proxy_config cfg;
     proxy_config_default(&cfg);
     proxy_upstream pre[POLICY_MAX_BACKENDS], dec[POLICY_MAX_BACKENDS];
     cfg.prefill = pre;
     cfg.decode = dec;
+    const char *alias_v[4][POLICY_MAX_BACKENDS]; /* prefiller hosts, ports, decoder hosts, ports */
+    int alias_n[4] = {0};
+    char alias_urls[2][POLICY_MAX_BACKENDS][300];
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -80,6 +99,24 @@ int cmd_proxy(int argc, char **argv) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             proxy_usage(stdout);
             return 0;
+        }
+        int alias = alias_kind(a);
+        if (alias >= 0) { /* vLLM toy proxy: --prefiller-hosts H... --prefiller-ports P... */
+            int got = 0;
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+                if (alias_n[alias] >= POLICY_MAX_BACKENDS) {
+                    fprintf(stderr, "disagg proxy: at most %d values for %s\n", POLICY_MAX_BACKENDS,
+                            a);
+                    return 2;
+                }
+                alias_v[alias][alias_n[alias]++] = argv[++i];
+                got++;
+            }
+            if (!got) {
+                fprintf(stderr, "disagg proxy: %s needs at least one value\n", a);
+                return 2;
+            }
+            continue;
         }
         if (!strcmp(a, "--prefill") || !strcmp(a, "--decode")) {
             int is_p = a[2] == 'p';
@@ -169,6 +206,31 @@ int cmd_proxy(int argc, char **argv) {
         } else {
             fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
             return 2;
+        }
+    }
+    for (int r = 0; r < 2; r++) { /* pair the toy-proxy host and port lists */
+        int nh = alias_n[2 * r], np = alias_n[2 * r + 1];
+        if (!nh && !np) continue;
+        const char *who = r ? "decoder" : "prefiller";
+        if (nh != np && nh != 1 && np != 1) {
+            fprintf(stderr, "disagg proxy: %d --%s-hosts but %d --%s-ports: give as many of each\n",
+                    nh, who, np, who);
+            return 2;
+        }
+        int n = nh > np ? nh : np;
+        for (int k = 0; k < n; k++) {
+            const char *h = nh ? alias_v[2 * r][nh == 1 ? 0 : k] : "localhost";
+            const char *pt = np ? alias_v[2 * r + 1][np == 1 ? 0 : k] : (r ? "8200" : "8100");
+            int *cnt = r ? &cfg.ndecode : &cfg.nprefill;
+            if (*cnt >= POLICY_MAX_BACKENDS) {
+                fprintf(stderr, "disagg proxy: at most %d %s instances\n", POLICY_MAX_BACKENDS,
+                        who);
+                return 2;
+            }
+            snprintf(alias_urls[r][k], sizeof alias_urls[r][k], "http://%s:%s", h, pt);
+            proxy_upstream *u = &(r ? dec : pre)[(*cnt)++];
+            u->url = alias_urls[r][k];
+            u->bootstrap = NULL;
         }
     }
     if (cfg.nprefill == 0 || cfg.ndecode == 0) {

@@ -91,6 +91,10 @@ json_t *pd_prefill_body(const json_t *client, const char *transfer_id) {
         json_object_set_new(b, "max_completion_tokens", json_integer(1));
     json_object_set_new(b, "stream", json_false());
     json_object_del(b, "stream_options");
+    /* min_tokens > 1 contradicts max_tokens 1 and a server rejects it (vLLM's
+     * own proxy drops these for P too); D still gets them. */
+    json_object_del(b, "min_tokens");
+    json_object_del(b, "min_completion_tokens");
     json_object_set_new(b, "kv_transfer_params",
                         json_pack("{s:b, s:b, s:s}", "do_remote_decode", 1, "do_remote_prefill", 0,
                                   "transfer_id", transfer_id));

@@ -22,7 +22,8 @@ void pd_uuid4(char out[PD_UUID_LEN + 1]);
  * reference, or -EINVAL with a message for the client in err. */
 int pd_parse_client_body(const char *buf, size_t len, json_t **out, char *err, size_t errcap);
 
-/* The prefill body (new reference) for client body `client`. */
+/* The prefill body (new reference) for client body `client`: also without
+ * min_tokens / min_completion_tokens, which a 1-token request cannot honour. */
 json_t *pd_prefill_body(const json_t *client, const char *transfer_id);
 /* The decode body (new reference). */
 json_t *pd_decode_body(const json_t *client, const char *remote_engine_id,

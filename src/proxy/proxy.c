@@ -203,6 +203,7 @@ static void handle(hs_req *req, void *arg) {
                         : !strcmp(path, "/v1/chat/completions") ? EP_CHAT
                         : !strcmp(path, "/v1/models")           ? EP_MODELS
                         : !strcmp(path, "/health")              ? EP_HEALTH
+                        : !strcmp(path, "/healthcheck")         ? EP_HEALTH
                         : !strcmp(path, "/metrics")             ? EP_METRICS
                                                                 : EP_OTHER;
     px->requests[ep]++;
@@ -235,6 +236,16 @@ static void handle(hs_req *req, void *arg) {
         return;
     }
     char why[2048];
+    if (!strcmp(path, "/healthcheck")) { /* vLLM toy proxy's liveness: 200 while running */
+        int ready = proxy_ready(px) && !px->draining;
+        int n = snprintf(why, sizeof why,
+                         "{\"status\":\"ok\",\"ready\":%s,\"prefill_instances\":%d,"
+                         "\"decode_instances\":%d}",
+                         ready ? "true" : "false", px->nprefill, px->ndecode);
+        proxy_count_status(px, 200);
+        hs_reply(req, 200, "application/json", NULL, why, (size_t)n);
+        return;
+    }
     if (px->draining && ep != EP_HEALTH) {
         proxy_reply_error(px, req, 503, PERR_NOT_READY, "the proxy is shutting down");
         return;

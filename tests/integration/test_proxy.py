@@ -56,12 +56,13 @@ def test_chat_stream_bodies_stream_options_and_max_completion_tokens(doubles, pr
     p, d, px = pd(doubles, proxy_factory)
     client_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                    "max_completion_tokens": 4, "max_tokens": 4, "stream": True,
-                   "stream_options": {"include_usage": True}}
+                   "stream_options": {"include_usage": True}, "min_tokens": 2}
     r = requests.post(px.url + "/v1/chat/completions", json=client_body, stream=True)
     raw = b"".join(r.iter_content(None))
     assert r.status_code == 200
     pb, db = json_body(p.completions()[0]), json_body(d.completions()[0])
     assert "stream_options" not in pb
+    assert "min_tokens" not in pb  # a 1-token prefill cannot honour it (D still gets it)
     assert pb["stream"] is False and pb["max_tokens"] == 1 and pb["max_completion_tokens"] == 1
     assert pb["messages"] == client_body["messages"]
     kv = db.pop("kv_transfer_params")
@@ -773,3 +774,48 @@ def test_shutdown_timeout_and_second_signal(doubles, proxy_factory):
     assert px2.proc.wait(5) == 0 and time.monotonic() - t0 < 2
     t.join(5)
     assert isinstance(got[1], requests.ConnectionError)
+
+
+# --- vLLM toy-proxy compatibility ---------------------------------------------------------------------------
+
+
+def test_toy_proxy_flags_and_healthcheck(doubles, proxy_factory):
+    """`--prefiller-hosts/--prefiller-ports/--decoder-hosts/--decoder-ports` as in vLLM's
+    toy_proxy_server.py (bootstrap on port 8998 of the prefill host, which this test
+    does not serve: the flags' parsing and the liveness endpoint are checked)."""
+    import subprocess
+    p = doubles("prefill", "p0")
+    d0, d1 = doubles("decode", "d0"), doubles("decode", "d1")
+    port = free_port()
+    proc = subprocess.Popen([BIN, "proxy", "--port", str(port), "--prefiller-hosts", "127.0.0.1",
+                             "--prefiller-ports", str(p.port), "--decoder-hosts", "127.0.0.1", "127.0.0.1",
+                             "--decoder-ports", str(d0.port), str(d1.port), "--health-interval", "0.1"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                r = requests.get(f"http://127.0.0.1:{port}/healthcheck", timeout=1)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert r.status_code == 200
+        j = r.json()
+        assert j["status"] == "ok" and j["prefill_instances"] == 1 and j["decode_instances"] == 2
+        assert isinstance(j["ready"], bool)
+        time.sleep(0.3)
+        m = requests.get(f"http://127.0.0.1:{port}/metrics").text
+        assert f'disagg_proxy_backend_healthy{{role="decode",backend="{d1.url}"}} 1' in m
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+    # the default bootstrap port on the prefill host
+    assert f"prefill {p.url} (bootstrap http://127.0.0.1:8998)" in proc.stderr.read()
+
+
+def test_toy_proxy_flag_count_mismatch():
+    import subprocess
+    r = subprocess.run([BIN, "proxy", "--prefiller-hosts", "a", "b", "c", "--prefiller-ports", "1", "2",
+                        "--decoder-host", "d"], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 2 and "3 --prefiller-hosts but 2 --prefiller-ports" in r.stderr

@@ -168,7 +168,8 @@ static void test_prefill_and_decode_bodies(void **state) {
     (void)state;
     json_t *client = J("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
                        "\"max_tokens\":50,\"max_completion_tokens\":50,\"stream\":true,"
-                       "\"stream_options\":{\"include_usage\":true},\"temperature\":0.5}");
+                       "\"stream_options\":{\"include_usage\":true},\"temperature\":0.5,"
+                       "\"min_tokens\":4,\"min_completion_tokens\":4}");
     json_t *p = pd_prefill_body(client, "xfer-1");
     /* expected per PROTOCOL.md §1 (1), written out by hand */
     json_t *want_p = J("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
