@@ -475,9 +475,10 @@ int hs_reply(hs_req *r, int status, const char *content_type, const char *extra_
 }
 
 static int is_hop_by_hop(const char *name) {
-    static const char *const hop[] = {
-        "Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length", "Proxy-Connection",
-        "TE",         "Trailer",    "Upgrade",           "Date",           "Server"};
+    /* RFC 9110 7.6.1 connection-specific fields, and the framing we redo. */
+    static const char *const hop[] = {"Connection",     "Keep-Alive",       "Transfer-Encoding",
+                                      "Content-Length", "Proxy-Connection", "TE",
+                                      "Trailer",        "Upgrade"};
     for (size_t i = 0; i < sizeof hop / sizeof hop[0]; i++)
         if (!strcasecmp(name, hop[i])) return 1;
     return 0;

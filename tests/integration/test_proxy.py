@@ -50,6 +50,7 @@ def test_completion_bodies_and_headers_per_protocol(doubles, proxy_factory):
     # the client gets the decode answer, byte for byte
     assert r.content == sent(dr)
     assert r.headers["content-type"] == "application/json"
+    assert r.headers["x-double"] == "d0"  # end-to-end headers of D's answer are relayed
 
 
 def test_chat_stream_bodies_stream_options_and_max_completion_tokens(doubles, proxy_factory):
