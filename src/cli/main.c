@@ -17,6 +17,7 @@ typedef struct command {
 } command;
 
 static const command COMMANDS[] = {
+    {"demo", cmd_demo, "P + D + proxy on localhost, one chat request, on the default model"},
     {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
     {"bench", cmd_bench, "measurements: bench transfer, bench model, bench serve, bench proxy"},
     {"generate", cmd_generate, "generate text from a model on the CPU (streams to stdout)"},
