@@ -5,9 +5,9 @@ set -euo pipefail
 
 DEBS=(
   build-essential cmake ninja-build pkg-config clang clang-format
-  libjansson-dev libzmq3-dev libmsgpack-dev libmicrohttpd-dev libevent-dev libcurl4-openssl-dev
+  libjansson-dev libzmq3-dev libmsgpack-dev libevent-dev libcurl4-openssl-dev
   libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
-  libibverbs-dev iproute2 xz-utils
+  libibverbs-dev iproute2 xz-utils curl
 )
 PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests)
 
