@@ -6,6 +6,7 @@ kv_connector_extra_config.device_name decides which of them carry the KV bytes,
 which the kernel's per-interface counters show.  Outputs are compared token for
 token with a colocated `disagg serve` in the root namespace."""
 import concurrent.futures as cf
+import json
 
 import pytest
 import requests
@@ -157,3 +158,50 @@ def test_pd_across_hosts_concurrent(pd2, colocated):
         assert completion_ids(dr) == ref
     wait_blocks_zero(pd2.p)
     wait_blocks_zero(pd2.d)
+
+
+# ---- striping over two rate-limited links ------------------------------------------------------
+
+RATE_MBIT = 200  # per link (tc tbf on the prefill host's side)
+
+
+def bench_write(cluster, device_name):
+    """`disagg bench transfer` between the hosts: a target on d advertising the
+    links of device_name, an initiator on p writing 1 MiB blocks; returns GB/s."""
+    import subprocess
+    p, d = cluster.hosts
+    t = d.popen([netns.BIN, "bench", "transfer", "--mode", "target", "--protocol", "tcp",
+                 "--device-name", device_name, "--local-hostname", d.lan_ip, "--buffer-size", "128M"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = t.stdout.readline()
+        assert "segment=" in line, line
+        seg = line.split("segment=")[1].split()[0]
+        r = p.run(netns.BIN, "bench", "transfer", "--mode", "initiator", "--protocol", "tcp",
+                  "--device-name", device_name, "--segment-id", seg, "--operation", "write",
+                  "--block-size", "1M", "--batch-size", "32", "--duration", "1", "--rounds", "1",
+                  "--no-ceilings", "--json", timeout=90)
+        row = json.loads(r.stdout)["runs"][0]["rows"][0]
+        return row["gbps"]
+    finally:
+        t.terminate()
+        t.wait(10)
+
+
+def test_striping_over_two_rate_limited_links_doubles_throughput(cluster):
+    """Each KV link limited to RATE_MBIT: one link moves about RATE_MBIT/8 MB/s,
+    both about twice that (docs/multihost.md records the numbers)."""
+    p, _ = cluster.hosts
+    try:
+        for i in ("veth-a", "veth-b"):
+            p.rate_limit(i, RATE_MBIT)
+        one = bench_write(cluster, "veth-a")
+        two = bench_write(cluster, "veth-a,veth-b")
+    finally:
+        for i in ("veth-a", "veth-b"):
+            p.rate_limit(i, None)
+    print(f"\nKV write throughput, links at {RATE_MBIT} Mbit/s: one link {one * 1000:.1f} MB/s, "
+          f"two links {two * 1000:.1f} MB/s, ratio {two / one:.2f}")
+    limit = RATE_MBIT / 8 / 1000  # GB/s
+    assert 0.7 * limit < one < 1.1 * limit, one
+    assert two > 1.6 * one, (one, two)

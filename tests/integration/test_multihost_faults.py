@@ -141,7 +141,7 @@ def test_client_disconnects_before_prefill_finishes(pair, colocated):
     pd = pair()
     pb, db, _ = pd.bodies(dict(BODY, prompt=prompt(900, salt=1)))
     cp, cd = post_raw(pd.p, pb), post_raw(pd.d, db)
-    wait_for(lambda: blocks_used(pd.p) > 0, 10, "P to start the prefill")
+    time.sleep(0.5)  # P prefills 900 tokens (seconds here)
     cd.close()  # the proxy drops both requests when its client goes
     cp.close()
     all_blocks_free(pd.p, pd.d, timeout=20)
@@ -190,15 +190,20 @@ def test_prefill_killed_during_prefill(pair, colocated):
     pd = pair(d_cfg=kv_config("kv_consumer", "veth-a,veth-b", kv_load_failure_policy="fail"))
     pb, db, _ = pd.bodies(dict(BODY, prompt=prompt(900, salt=4)))
     cd = post_raw(pd.d, db)
-    post_raw(pd.p, pb)
-    wait_for(lambda: blocks_used(pd.p) > 0, 10, "P to start the prefill")
+    cp = post_raw(pd.p, pb)  # kept open: a dropped connection would abort P's request
+    time.sleep(0.5)  # P prefills 900 tokens (seconds here); D's pull waits at P
+    assert pd.p.proc.poll() is None
     t0 = time.time()
     pd.p.kill()
     r = cd.getresponse()
     body = r.read().decode()
     elapsed = time.time() - t0
     assert r.status >= 400 or json.loads(body)["choices"][0]["finish_reason"] == "error", body
-    assert elapsed < 70, elapsed  # within ABORT_REQUEST_TIMEOUT + 60 s, the side channel's deadline
+    # The side channel sees P's connection drop: no wait for its receive timeout
+    # (ABORT_REQUEST_TIMEOUT + 60 s).
+    assert elapsed < 15, elapsed
+    assert "closed the connection" in pd.d.logs(), pd.d.logs()
+    cp.close()
     wait_blocks_zero(pd.d)
 
 
@@ -330,20 +335,20 @@ def test_relay_latency_keeps_results_correct(relayed, colocated):
 
 
 def test_relay_reset_mid_transfer_is_retried(relayed, colocated):
-    pd, relay = relayed(reset_after=300_000, faulty={0})
+    pd, relay = relayed(reset_after=100_000, faulty={0, 1})
     body = dict(BODY, prompt=prompt(300, salt=30))
     pr, dr = pd.send(body)
     assert pr.status_code == 200
     assert completion_ids(dr) == reference(colocated, body)  # the chunk went again on a new connection
     st = relay.stats()
-    assert st[0]["outcome"].startswith("reset"), st
-    assert len(st) >= 2, st
+    assert any(c["outcome"].startswith("reset") for c in st), st
+    assert len(st) >= 3, st  # the reset chunk went again on a new connection
     all_blocks_free(pd.p, pd.d)
     follow_up_ok(pd, colocated)
 
 
 def test_relay_black_hole_fails_cleanly(relayed, colocated):
-    pd, relay = relayed(stall_after=300_000, faulty={0})
+    pd, relay = relayed(stall_after=100_000, faulty={0, 1})
     body = dict(BODY, prompt=prompt(300, salt=40))
     t0 = time.time()
     pr, dr = pd.send(body)
@@ -352,7 +357,7 @@ def test_relay_black_hole_fails_cleanly(relayed, colocated):
     if not failed_cleanly(dr):
         assert completion_ids(dr) == reference(colocated, body)
     assert elapsed < 90, elapsed
-    assert relay.stats()[0]["outcome"].startswith("stalled")
+    assert any(c["outcome"].startswith("stalled") for c in relay.stats()), relay.stats()
     all_blocks_free(pd.p, pd.d, timeout=30)
     follow_up_ok(pd, colocated)
 
