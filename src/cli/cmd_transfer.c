@@ -1247,7 +1247,7 @@ static void child_reap(pid_t pid, uint64_t deadline) {
     }
 }
 
-static int cmd_demo(int argc, char **argv) {
+static int transfer_demo(int argc, char **argv) {
     check_params p;
     check_params_init(&p);
     p.iterations = 64;
@@ -1391,7 +1391,7 @@ int cmd_transfer(int argc, char **argv) {
     if (!strcmp(sub, "target")) return cmd_target(argc - 1, argv + 1);
     if (!strcmp(sub, "copy")) return cmd_copy(argc - 1, argv + 1);
     if (!strcmp(sub, "check")) return cmd_check(argc - 1, argv + 1);
-    if (!strcmp(sub, "demo")) return cmd_demo(argc - 1, argv + 1);
+    if (!strcmp(sub, "demo")) return transfer_demo(argc - 1, argv + 1);
     fprintf(stderr,
             "disagg transfer: unknown subcommand '%s'; accepted: target, copy, check, demo\n", sub);
     return 2;

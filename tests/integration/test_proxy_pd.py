@@ -1,0 +1,193 @@
+"""`disagg proxy` in front of real `disagg serve` instances (issue 7): a
+kv_producer and a kv_consumer behind the proxy, the official `openai` client
+in front; answers compared with a colocated `disagg serve` of the same model."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import openai
+import pytest
+import requests
+
+from proxy_fixtures import ProxyProc
+from server_harness import BIN, MODEL, Server, free_port
+from test_pd import COMMON, consumer_config, producer_config, wait_blocks_zero
+
+TIMEOUT = 120
+
+
+class Prefill:
+    """A kv_producer `disagg serve` with its own bootstrap port."""
+
+    def __init__(self, env=None):
+        self.bootstrap_port = free_port()
+        e = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port)}
+        e.update(env or {})
+        self.server = Server(*COMMON, "--kv-transfer-config", producer_config(), env=e)
+        self.url = self.server.url
+
+
+def decode(env=None):
+    return Server(*COMMON, "--kv-transfer-config", consumer_config(), env=env)
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    s = Server(*COMMON)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    p = Prefill()
+    d = decode()
+    px = ProxyProc([p], [d])
+    px.wait_ready(30)
+    yield p, d, px
+    px.proc.terminate()
+    px.proc.wait(10)
+    d.stop()
+    p.server.stop()
+
+
+PROMPTS = ["Fellow-Citizens of the Senate and House of Representatives:",
+           "The state of the Union is strong, and " * 12,
+           "Commerce"]
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long", "one"])
+def test_completions_through_proxy_equal_colocated(stack, colocated, prompt):
+    _, _, px = stack
+    kw = dict(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    want = client(colocated.url).completions.create(**kw).choices[0].text
+    got = client(px.url).completions.create(**kw)
+    assert got.choices[0].text == want
+    streamed = "".join(c.choices[0].text for c in client(px.url).completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == want
+
+
+def test_chat_through_proxy_equal_colocated(stack, colocated):
+    _, _, px = stack
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell the Congress about trade."}],
+              max_tokens=24, temperature=0)
+    want = client(colocated.url).chat.completions.create(**kw).choices[0].message.content
+    assert client(px.url).chat.completions.create(**kw).choices[0].message.content == want
+    parts = []
+    for c in client(px.url).chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if c.choices and c.choices[0].delta.content:
+            parts.append(c.choices[0].delta.content)
+    assert "".join(parts) == want
+
+
+def test_kv_really_moved_and_blocks_return(stack):
+    p, d, px = stack
+    client(px.url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    m = p.server.metrics()
+    assert m.get('disagg:kv_transfers_total{side="producer",result="ok"}', 0) >= 1
+    assert m.get("disagg:kv_transfer_bytes_total", 0) > 0
+    wait_blocks_zero(p.server)
+    wait_blocks_zero(d)
+
+
+def test_client_cancel_mid_stream_frees_decoder_blocks(stack):
+    p, d, px = stack
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 900, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    r = requests.post(px.url + "/v1/completions", json=body, stream=True, timeout=TIMEOUT)
+    it = r.iter_lines()
+    got = 0
+    for line in it:
+        if line.startswith(b"data: "):
+            got += 1
+            if got == 3:
+                break
+    r.close()  # the client goes away mid-stream
+    wait_blocks_zero(d, timeout=20)
+    wait_blocks_zero(p.server, timeout=20)
+
+
+def test_two_prefills_two_decodes_both_policies(colocated):
+    ps = [Prefill(), Prefill()]
+    ds = [decode(), decode()]
+    try:
+        for policy in ("round_robin", "least_loaded"):
+            px = ProxyProc(ps, ds, extra=("--policy", policy))
+            try:
+                px.wait_ready(30)
+                for i in range(8):
+                    kw = dict(model="tiny", prompt=f"{PROMPTS[0]} number {i}", max_tokens=8, temperature=0)
+                    want = client(colocated.url).completions.create(**kw).choices[0].text
+                    assert client(px.url).completions.create(**kw).choices[0].text == want
+            finally:
+                px.proc.terminate()
+                px.proc.wait(10)
+        # every instance took part
+        for s in [p.server for p in ps] + ds:
+            m = s.metrics()
+            n = sum(v for k, v in m.items() if k.startswith("vllm:request_success_total"))
+            assert n >= 1, s.url
+    finally:
+        for s in ds + [p.server for p in ps]:
+            s.stop()
+
+
+def test_503_until_prefill_is_discovered_then_serves(colocated):
+    bp = free_port()
+    dead_url_port = free_port()
+
+    class Late:  # the prefill's address before it exists
+        url = f"http://127.0.0.1:{dead_url_port}"
+        bootstrap_port = bp
+
+    d = decode()
+    px = ProxyProc([Late], [d])
+    p = None
+    try:
+        r = requests.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                          timeout=10)
+        assert r.status_code == 503 and "error" in r.json()
+        # now start the real prefill on the address the proxy was given
+        env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bp)}
+        p = subprocess.Popen([BIN, "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(dead_url_port),
+                              "--served-model-name", "tiny", *COMMON, "--kv-transfer-config", producer_config()],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, **env))
+        px.wait_ready(60)
+        kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        want = client(colocated.url).completions.create(**kw).choices[0].text
+        assert client(px.url).completions.create(**kw).choices[0].text == want
+    finally:
+        px.proc.terminate()
+        px.proc.wait(10)
+        d.stop()
+        if p is not None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(20)
+
+
+def test_prefill_killed_client_gets_error_promptly():
+    p = Prefill(env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "3"})
+    d = decode(env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "3"})
+    px = ProxyProc([p], [d])
+    try:
+        px.wait_ready(30)
+        p.server.proc.send_signal(signal.SIGKILL)
+        p.server.proc.wait(10)
+        t0 = time.time()
+        r = requests.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0],
+                                                             "max_tokens": 8}, timeout=TIMEOUT)
+        assert time.time() - t0 < 30
+        assert r.status_code in (502, 503), r.text
+        assert "prefill" in r.text.lower()
+        wait_blocks_zero(d)
+    finally:
+        px.proc.terminate()
+        px.proc.wait(10)
+        d.stop()
