@@ -395,3 +395,56 @@ def wait_blocks_zero(server, timeout=15):
         if time.time() >= deadline:
             raise AssertionError(f"{server.url}: {n} KV blocks still in use after {timeout} s")
         time.sleep(0.1)
+
+
+# ---- the proxy, in the root namespace ---------------------------------------------------------
+
+class Proxy:
+    """`disagg proxy` in the root namespace in front of NsServer instances:
+    prefills = [(NsServer, bootstrap_port)], decodes = [NsServer]."""
+
+    def __init__(self, prefills, decodes, extra=(), ready_timeout=30):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [BIN, "proxy", "--host", "127.0.0.1", "--port", str(self.port), "--health-interval", "0.2"]
+        for p, boot in prefills:
+            args += ["--prefill", p.url, str(boot)]
+        for d in decodes:
+            args += ["--decode", d.url]
+        args += list(extra)
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"disagg-proxy-mh-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"disagg proxy exited with {self.proc.returncode}: {self.logs()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("disagg proxy did not become ready: " + self.logs())
+            time.sleep(0.1)
+
+    def logs(self):
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+        return self.proc.returncode
