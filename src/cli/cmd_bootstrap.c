@@ -188,6 +188,11 @@ int cmd_bootstrap(int argc, char **argv) {
         usage(stdout);
         return 0;
     }
+    int sub = argc >= 2 && (!strcmp(argv[1], "register") || !strcmp(argv[1], "query"));
+    if (sub && argc >= 3 && (!strcmp(argv[2], "--help") || !strcmp(argv[2], "-h"))) {
+        usage(stdout);
+        return 0;
+    }
     if (argc >= 2 && !strcmp(argv[1], "register")) return do_register(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "query")) return do_query(argc - 1, argv + 1);
     return serve(argc, argv);

@@ -37,6 +37,7 @@ static void serve_usage(FILE *f) {
         "options:\n"
         "  --host HOST                     listen address (default 0.0.0.0)\n"
         "  --port PORT                     listen port (default 8000)\n"
+        "  --model MODEL                   the model, as the positional MODEL (vllm accepts both)\n"
         "  --served-model-name NAME        model name in the API (default: MODEL)\n"
         "  --api-key KEY                   require 'Authorization: Bearer KEY' on /v1 (also "
         "VLLM_API_KEY)\n"

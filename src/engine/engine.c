@@ -47,8 +47,9 @@ typedef struct ereq {
     struct ereq *next; /* inbox or live list */
 } ereq;
 
-typedef struct kept_blocks { /* producer: blocks kept for a pull */
-    uint64_t id;
+typedef struct kept_blocks { /* blocks held outside any request */
+    uint64_t id;             /* producer: the request they were kept for (0: quarantine) */
+    uint64_t expire_ns;      /* quarantine: freed at this time (0: until released) */
     int32_t *blocks;
     int n;
     struct kept_blocks *next;
@@ -58,7 +59,8 @@ typedef struct kv_note { /* a connector's answer, queued for the step thread */
     uint64_t id;
     int kind; /* 0 load done, 1 release */
     int ok, recompute;
-    char error[200];
+    uint64_t hold_ns; /* failure: keep the blocks out of use this long */
+    char error[512];
     struct kv_note *next;
 } kv_note;
 
@@ -94,7 +96,8 @@ struct engine {
     kv_note *notes;           /* under mu: connector answers (LIFO) */
     kept_blocks *kept;        /* step thread only */
     int n_kept, n_loading;
-    int n_parkwait; /* consumers not yet parked (not in the scheduler) */
+    int n_parkwait;    /* consumers not yet parked (not in the scheduler) */
+    int n_quarantined; /* blocks held after abandoned loads (see quarantine) */
 };
 
 void engine_config_init(engine_config *c) {
@@ -375,7 +378,8 @@ static void push_note(engine *e, kv_note *n) {
     pthread_mutex_unlock(&e->mu);
 }
 
-void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, const char *error) {
+void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t hold_ns,
+                         const char *error) {
     kv_note *n = calloc(1, sizeof *n);
     if (!n) {
         LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);
@@ -385,6 +389,7 @@ void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, const ch
     n->kind = 0;
     n->ok = ok;
     n->recompute = recompute;
+    n->hold_ns = ok ? 0 : hold_ns;
     snprintf(n->error, sizeof n->error, "%s", error ? error : "remote KV load failed");
     push_note(e, n);
 }
@@ -429,6 +434,41 @@ static ereq *find_live(engine *e, uint64_t id) {
     return NULL;
 }
 
+/* A failed load whose producer may still write into r's blocks: move them
+ * into quarantine (freed after hold_ns); r is left without KV. */
+static void quarantine(engine *e, ereq *r, uint64_t hold_ns) {
+    kept_blocks *k = calloc(1, sizeof *k);
+    if (!k) return; /* no memory: the blocks go back now (the lesser evil than a leak) */
+    sched_take_blocks(&e->sched, &r->s, &k->blocks, &k->n);
+    k->expire_ns = clock_now_ns() + hold_ns;
+    k->next = e->kept;
+    e->kept = k;
+    e->n_quarantined += k->n;
+    LOG_W(
+        MOD,
+        "request %llu: its %d KV blocks stay out of use for %.0f s (the producer may still write)",
+        (unsigned long long)r->s.id, k->n, (double)hold_ns / 1e9);
+}
+
+/* Free quarantined blocks whose time has come; the earliest pending expiry. */
+static uint64_t expire_quarantine(engine *e) {
+    uint64_t now = clock_now_ns(), next = 0;
+    for (kept_blocks **pp = &e->kept; *pp;) {
+        kept_blocks *k = *pp;
+        if (k->expire_ns && k->expire_ns <= now) {
+            *pp = k->next;
+            block_pool_release(&e->bp, k->blocks, k->n);
+            e->n_quarantined -= k->n;
+            free(k->blocks);
+            free(k);
+            continue;
+        }
+        if (k->expire_ns && (!next || k->expire_ns < next)) next = k->expire_ns;
+        pp = &k->next;
+    }
+    return next;
+}
+
 static void handle_note(engine *e, const kv_note *n) {
     if (n->kind == 1) {
         for (kept_blocks **pp = &e->kept; *pp; pp = &(*pp)->next)
@@ -447,6 +487,7 @@ static void handle_note(engine *e, const kv_note *n) {
     if (!r || !r->loading) return;
     r->loading = 0;
     e->n_loading--;
+    if (n->hold_ns) quarantine(e, r, n->hold_ns);
     if (r->zombie) { /* aborted meanwhile: now the blocks can go */
         finish(e, r, "abort", -1, NULL);
         return;
@@ -484,12 +525,36 @@ static void park_consumers(engine *e) {
 
 /* ---- the step ----------------------------------------------------------------- */
 
+static void publish_stats(engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->stats.num_running = e->sched.n_running;
+    e->stats.num_waiting = e->sched.n_waiting;
+    e->stats.num_parked = e->sched.n_parked;
+    e->stats.num_blocks = e->bp.num_blocks;
+    e->stats.num_blocks_used = block_pool_num_used(&e->bp);
+    e->stats.prefix_queries = e->bp.queries;
+    e->stats.prefix_hits = e->bp.hits;
+    e->stats.num_preemptions = e->sched.num_preemptions;
+    e->stats.num_kept = e->n_kept;
+    e->stats.num_loading = e->n_loading;
+    pthread_mutex_unlock(&e->mu);
+}
+
 /* Take the inbox (oldest first) and the aborts. */
 static void take_inputs(engine *e) {
+    uint64_t next_expiry = expire_quarantine(e);
+    publish_stats(e); /* blocks may have been freed: /metrics must see it even if we sleep now */
     pthread_mutex_lock(&e->mu);
     while (!e->stop && !e->inbox && !e->notes && e->n_aborts == 0 && e->sched.n_running == 0 &&
-           e->sched.n_waiting == 0)
-        pthread_cond_wait(&e->cv, &e->mu);
+           e->sched.n_waiting == 0) {
+        if (!next_expiry) {
+            pthread_cond_wait(&e->cv, &e->mu);
+            continue;
+        }
+        if (clock_now_ns() >= next_expiry) break;
+        struct timespec ts = clock_to_timespec(next_expiry); /* cv is on CLOCK_MONOTONIC */
+        pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    }
     ereq *in = e->inbox;
     e->inbox = NULL;
     kv_note *notes = e->notes;
@@ -652,20 +717,6 @@ static void run_step(engine *e) {
     pthread_mutex_unlock(&e->mu);
 }
 
-static void publish_stats(engine *e) {
-    pthread_mutex_lock(&e->mu);
-    e->stats.num_running = e->sched.n_running;
-    e->stats.num_waiting = e->sched.n_waiting;
-    e->stats.num_parked = e->sched.n_parked;
-    e->stats.num_blocks = e->bp.num_blocks;
-    e->stats.num_blocks_used = block_pool_num_used(&e->bp);
-    e->stats.prefix_queries = e->bp.queries;
-    e->stats.prefix_hits = e->bp.hits;
-    e->stats.num_preemptions = e->sched.num_preemptions;
-    e->stats.num_kept = e->n_kept;
-    e->stats.num_loading = e->n_loading;
-    pthread_mutex_unlock(&e->mu);
-}
 
 static void *step_main(void *arg) {
     engine *e = arg;
@@ -767,7 +818,11 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         goto fail;
     }
     pthread_mutex_init(&e->mu, NULL);
-    pthread_cond_init(&e->cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->cv, &ca);
+    pthread_condattr_destroy(&ca);
     if (pthread_create(&e->thread, NULL, step_main, e) != 0) {
         snprintf(err, errlen, "cannot start the engine thread");
         rc = -ENOMEM;
@@ -807,6 +862,17 @@ void engine_destroy(engine *e) {
         e->inbox = r->next;
         emit_finish(e, r, "abort", -1, NULL);
         ereq_free(r);
+    }
+    while (e->kept) { /* blocks kept for pulls or in quarantine */
+        kept_blocks *k = e->kept;
+        e->kept = k->next;
+        free(k->blocks);
+        free(k);
+    }
+    while (e->notes) {
+        kv_note *n = e->notes;
+        e->notes = n->next;
+        free(n);
     }
     free(e->aborts);
     sched_plan_free(&e->plan);

@@ -117,8 +117,12 @@ void engine_set_kv_connector(engine *e, const engine_kv_connector *c);
 void engine_get_kv_region(const engine *e, engine_kv_region *out);
 /* Consumer: the remote KV of request id has arrived (ok) or not.  On failure
  * the request fails with error, or, when recompute is set, computes its
- * prompt locally.  Must be called exactly once per start_load(). */
-void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, const char *error);
+ * prompt locally.  hold_ns > 0 (a failure where the producer may still be
+ * writing, e.g. a pull abandoned without its final reply): the request's
+ * blocks stay out of use that long before they are freed, so a late write
+ * cannot land in another request's KV.  Exactly once per start_load(). */
+void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t hold_ns,
+                         const char *error);
 /* Producer: free the blocks kept for request id (after request_finished keep). */
 void engine_kv_release(engine *e, uint64_t id);
 

@@ -287,6 +287,16 @@ int sched_park_with_blocks(scheduler *s, seq *q) {
     return 0;
 }
 
+void sched_take_blocks(scheduler *s, seq *q, int32_t **blocks, int *n_blocks) {
+    (void)s;
+    *blocks = q->blocks;
+    *n_blocks = q->n_blocks;
+    q->blocks = NULL;
+    free(q->hashes);
+    q->hashes = NULL;
+    q->cap_blocks = q->n_blocks = q->n_hashed = q->n_computed = q->n_cached = 0;
+}
+
 void sched_unpark(scheduler *s, seq *q, int n_computed) {
     if (q->state != SEQ_PARKED) return;
     q->state = SEQ_RUNNING;

@@ -94,6 +94,9 @@ void sched_finish(scheduler *s, seq *q, int keep_blocks);
 /* Give q blocks for all its prompt tokens now (remote KV will fill them) and
  * park it; the longest cached prefix is reused.  -1 if blocks are short. */
 int sched_park_with_blocks(scheduler *s, seq *q);
+/* Take q's block table away without releasing the blocks (the caller now owns
+ * the references, *blocks is malloc'd); q has no KV afterwards. */
+void sched_take_blocks(scheduler *s, seq *q, int32_t **blocks, int *n_blocks);
 /* q's KV for [0, n_computed) arrived: back to running. */
 void sched_unpark(scheduler *s, seq *q, int n_computed);
 /* Number of blocks needed to hold n tokens. */

@@ -321,3 +321,29 @@ def test_bad_kv_transfer_config_rejected_at_startup(cfg, needle):
                         "--kv-transfer-config", cfg], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert needle in r.stderr, r.stderr[-2000:]
+
+
+def test_producer_dies_while_decoder_waits_fails_fast():
+    """ZeroMQ does not report a vanished peer: the decoder probes the producer's
+    bootstrap server and gives up within seconds, not the 540 s pull timeout.
+    The abandoned pull's blocks are quarantined (a late write could still land)
+    and then freed."""
+    x = PD()
+    try:
+        body = dict(BODY, prompt=corpus_prompts()[6], kv_transfer_params={
+            "do_remote_prefill": True, "remote_engine_id": x.engine_id,
+            "remote_bootstrap_addr": x.bootstrap, "transfer_id": "xfer-p-dies"})
+        with cf.ThreadPoolExecutor(1) as ex:
+            t0 = time.time()
+            f = ex.submit(requests.post, x.d.url + "/v1/completions", json=body, timeout=TIMEOUT)
+            time.sleep(1.5)  # the pull waits at P for a request that never comes
+            x.p.proc.send_signal(signal.SIGKILL)
+            x.p.proc.wait(10)
+            r = f.result()
+        assert time.time() - t0 < 20, "the decoder did not notice the dead producer"
+        assert r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error", r.text
+        assert "unreachable" in r.text, r.text
+        assert blocks_used(x.d) > 0  # quarantined
+        wait_blocks_zero(x.d, timeout=60)
+    finally:
+        x.stop()

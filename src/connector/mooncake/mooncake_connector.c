@@ -25,6 +25,8 @@
 #define ID_MAX           128
 #define REAPER_PERIOD_NS (50 * NS_PER_MS)
 #define MAX_PULL_THREADS 512
+#define PROBE_AFTER_NS   (3 * NS_PER_S) /* a pull waiting longer gets its producer probed */
+#define PROBE_PERIOD_NS  (2 * NS_PER_S)
 
 /* ---- state ------------------------------------------------------------------ */
 
@@ -85,6 +87,8 @@ typedef struct cons_req {
     int n_blocks, n_local_tokens, n_prompt;
     atomic_int cancel; /* raised by abort or the deadline */
     uint64_t deadline_ns;
+    uint64_t started_ns; /* the pull thread started */
+    int unreachable;     /* the liveness probe found the producer gone */
     int loading;  /* a pull thread owns it */
     int released; /* the engine dropped its handle */
     struct cons_req *next;
@@ -501,6 +505,7 @@ static void *pull_main(void *arg) {
     char my_req[32];
     snprintf(my_req, sizeof my_req, "d-%" PRIu64, r->id);
     o.my_req = my_req;
+    uint64_t hold_ns = 0; /* set when a pull went out and its final reply never came */
     int rc = resolve_endpoint(c, r, ep, sizeof ep, err, sizeof err);
     if (rc == 0) {
         int bs = c->region.block_size;
@@ -536,12 +541,22 @@ static void *pull_main(void *arg) {
         } else {
             rc = side_channel_pull_run(ep, &pull, timeout, &r->cancel, on_reply, &o, err,
                                        sizeof err);
+            /* Abandoned without the producer's final reply: its sender may still
+             * be writing into these blocks, for at most its transfer deadline
+             * (30 s + 1 ns per byte, Mooncake's default) — keep them out of use
+             * that long, plus a margin. */
+            if (rc != 0 && !o.done)
+                hold_ns = 35 * 1000000000ull + (uint64_t)g.n * (uint64_t)c->region.block_bytes;
         }
         free(g.ids);
         if (rc == 0 && !o.ok && !o.err[0])
             snprintf(o.err, sizeof o.err, "producer's reply did not list this request");
         if (rc == 0 && !o.ok) snprintf(err, sizeof err, "%s", o.err);
-        if (rc == SIDE_CHANNEL_ECANCELED && clock_now_ns() >= r->deadline_ns)
+        if (rc == SIDE_CHANNEL_ECANCELED && r->unreachable)
+            snprintf(err, sizeof err,
+                     "producer unreachable: its bootstrap server %s stopped answering",
+                     r->bootstrap);
+        else if (rc == SIDE_CHANNEL_ECANCELED && clock_now_ns() >= r->deadline_ns)
             snprintf(err, sizeof err, "no KV from producer %s within the decoder's deadline", ep);
     }
     int ok = rc == 0 && o.ok;
@@ -552,7 +567,7 @@ static void *pull_main(void *arg) {
     char msg[400];
     snprintf(msg, sizeof msg, "remote prefill failed (transfer %s): %s", r->transfer_id, err);
     engine_kv_load_done(c->eng, r->id, ok, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
-                        ok ? NULL : msg);
+                        hold_ns, ok ? NULL : msg);
     pthread_mutex_lock(&c->mu);
     if (ok) {
         c->st.pulls_ok++;
@@ -692,19 +707,20 @@ static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, 
     cons_req *r = h->p;
     r->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *r->blocks);
     if (!r->blocks) {
-        engine_kv_load_done(c->eng, id, 0, 0, "decoder out of memory");
+        engine_kv_load_done(c->eng, id, 0, 0, 0, "decoder out of memory");
         return;
     }
     memcpy(r->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
     r->n_blocks = n_blocks;
     r->n_local_tokens = n_local_tokens;
     r->n_prompt = n_prompt;
-    r->deadline_ns = clock_now_ns() + (uint64_t)((c->env.abort_request_timeout_s + 60) * 1e9);
+    r->started_ns = clock_now_ns();
+    r->deadline_ns = r->started_ns + (uint64_t)((c->env.abort_request_timeout_s + 60) * 1e9);
     pthread_mutex_lock(&c->mu);
     if (c->n_pull_threads >= MAX_PULL_THREADS || c->stop) {
         pthread_mutex_unlock(&c->mu);
         engine_kv_load_done(c->eng, id, 0, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
-                            "too many remote KV loads in flight");
+                            0, "too many remote KV loads in flight");
         return;
     }
     r->loading = 1;
@@ -724,7 +740,7 @@ static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, 
         c->n_pull_threads--;
         pthread_mutex_unlock(&c->mu);
         engine_kv_load_done(c->eng, id, 0, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
-                            "cannot start a pull thread");
+                            0, "cannot start a pull thread");
     }
 }
 
@@ -796,8 +812,49 @@ static void request_released(void *ctx, void *hp, uint64_t id) {
 
 /* ---- reaper: expiries and deadlines -------------------------------------------------- */
 
+/* Caller holds mu (dropped while probing).  ZeroMQ does not report a peer
+ * that vanished, so a pull to a dead producer would wait for its whole
+ * timeout: every PROBE_PERIOD_NS, ask the bootstrap server of each producer
+ * that a pull has waited on for over PROBE_AFTER_NS; when it does not answer
+ * (an embedded bootstrap server dies with its producer), cancel those pulls. */
+static void probe_producers_locked(mooncake_connector *c) {
+    enum { MAX_PROBES = 16 };
+    char addrs[MAX_PROBES][256];
+    int n = 0;
+    uint64_t now = clock_now_ns();
+    for (cons_req *r = c->conss; r && n < MAX_PROBES; r = r->next) {
+        if (!r->loading || now - r->started_ns < PROBE_AFTER_NS) continue;
+        int dup = 0;
+        for (int i = 0; i < n && !dup; i++)
+            dup = !strcmp(addrs[i], r->bootstrap);
+        if (!dup) snprintf(addrs[n++], sizeof addrs[0], "%s", r->bootstrap);
+    }
+    if (n == 0) return;
+    pthread_mutex_unlock(&c->mu);
+    int dead[MAX_PROBES] = {0};
+    for (int i = 0; i < n; i++) {
+        bootstrap_retry retry;
+        bootstrap_retry_init(&retry, 2.0);
+        retry.attempts = 1;
+        bootstrap_table t;
+        char err[256];
+        if (bootstrap_client_query(addrs[i], &retry, &t, err, sizeof err) == 0)
+            bootstrap_table_free(&t);
+        else
+            dead[i] = 1;
+    }
+    pthread_mutex_lock(&c->mu);
+    for (cons_req *r = c->conss; r; r = r->next)
+        for (int i = 0; i < n; i++)
+            if (dead[i] && r->loading && !strcmp(addrs[i], r->bootstrap)) {
+                r->unreachable = 1;
+                atomic_store(&r->cancel, 1);
+            }
+}
+
 static void *reaper_main(void *arg) {
     mooncake_connector *c = arg;
+    uint64_t next_probe = 0;
     pthread_mutex_lock(&c->mu);
     while (!c->stop) {
         struct timespec ts = clock_to_timespec(clock_now_ns() + REAPER_PERIOD_NS);
@@ -834,6 +891,10 @@ static void *reaper_main(void *arg) {
         }
         for (cons_req *r = c->conss; r; r = r->next)
             if (r->loading && now >= r->deadline_ns) atomic_store(&r->cancel, 1);
+        if (now >= next_probe) {
+            probe_producers_locked(c);
+            next_probe = clock_now_ns() + PROBE_PERIOD_NS;
+        }
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
