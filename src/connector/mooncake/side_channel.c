@@ -423,8 +423,8 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
             if (event == ZMQ_EVENT_CONNECTED) connected = 1;
             if (event == ZMQ_EVENT_DISCONNECTED && connected && !(it[0].revents & ZMQ_POLLIN)) {
                 snprintf(err, err_cap,
-                         "side channel: the producer at %s closed the connection before answering "
-                         "(it stopped or crashed)",
+                         "side channel: producer unreachable: the producer at %s closed the "
+                         "connection before answering (it stopped or crashed)",
                          endpoint);
                 rc = SIDE_CHANNEL_EIO;
                 break;
