@@ -839,6 +839,15 @@ int transfer_batch_free(transfer_engine *e, transfer_batch h) {
 
 /* ---- synchronous convenience ---------------------------------------------- */
 
+/* Requests of batch h not yet ended (0 for an unknown batch). */
+static size_t batch_pending(transfer_engine *e, transfer_batch h) {
+    pthread_mutex_lock(&e->batches.mu);
+    batch *b = batch_table_lookup_locked(&e->batches, h);
+    size_t n = b ? b->reqs_pending : 0;
+    pthread_mutex_unlock(&e->batches.mu);
+    return n;
+}
+
 static int sync_op(transfer_engine *e, const char *target, transfer_opcode opcode,
                    void *const local[], const uint64_t remote[], const size_t len[], size_t n) {
     if (!e || !target || (n && (!local || !remote || !len))) return TRANSFER_EINVAL;
@@ -863,10 +872,14 @@ static int sync_op(transfer_engine *e, const char *target, transfer_opcode opcod
             uint64_t t = e->cfg.timeout_base_ns * 2 +
                          (uint64_t)(e->cfg.timeout_per_byte_ns * (double)longest * 2);
             rc = transfer_batch_wait(e, b, t);
-            if (rc == TRANSFER_ETIMEDOUT) {
+            /* ETIMEDOUT is also the result of a chunk that timed out: only a
+             * batch still pending is cancelled and waited for (looping on the
+             * result would spin forever on a finished, timed-out batch). */
+            if (rc == TRANSFER_ETIMEDOUT && batch_pending(e, b)) {
                 transfer_batch_cancel(e, b);
-                while (transfer_batch_wait(e, b, NS_PER_S) == TRANSFER_ETIMEDOUT) {
-                }
+                while (batch_pending(e, b))
+                    transfer_batch_wait(e, b, NS_PER_S);
+                rc = TRANSFER_ETIMEDOUT;
             }
         }
         transfer_batch_free(e, b);

@@ -9,6 +9,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -354,6 +356,21 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
     zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(d, ZMQ_SNDTIMEO, &snd_ms, sizeof snd_ms);
     if (endpoint && strchr(endpoint, '[')) zmq_setsockopt(d, ZMQ_IPV6, &one, sizeof one);
+    /* Watch the connection: a producer that dies (or drops the connection)
+     * after taking the pull can never answer it (its ROUTER forgot this
+     * peer), so its disconnect fails the pull now instead of at the timeout. */
+    static atomic_uint mon_seq;
+    char mon_ep[64];
+    snprintf(mon_ep, sizeof mon_ep, "inproc://side-channel-pull-%u", atomic_fetch_add(&mon_seq, 1));
+    void *mon = NULL;
+    if (zmq_socket_monitor(d, mon_ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) == 0) {
+        mon = zmq_socket(zctx(), ZMQ_PAIR);
+        if (mon && zmq_connect(mon, mon_ep) != 0) {
+            zmq_close(mon);
+            mon = NULL;
+        }
+    }
+    int connected = 0;
     if (!endpoint || zmq_connect(d, endpoint) != 0) {
         snprintf(err, err_cap,
                  "side channel: endpoint '%s' is not accepted (%s); accepted: \"tcp://host:port\"",
@@ -382,14 +399,39 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
             rc = SIDE_CHANNEL_ETIMEDOUT;
             break;
         }
-        zmq_pollitem_t it = {d, 0, ZMQ_POLLIN, 0};
-        int n = zmq_poll(&it, 1, ms < 100 ? ms : 100);
+        zmq_pollitem_t it[2] = {{d, 0, ZMQ_POLLIN, 0}, {mon, 0, ZMQ_POLLIN, 0}};
+        int n = zmq_poll(it, mon ? 2 : 1, ms < 100 ? ms : 100);
         if (n < 0 && zmq_errno() != EINTR) {
             snprintf(err, err_cap, "side channel: zmq_poll: %s", zmq_strerror(zmq_errno()));
             rc = SIDE_CHANNEL_EIO;
             break;
         }
         if (n <= 0) continue;
+        if (mon && (it[1].revents & ZMQ_POLLIN)) {
+            /* An event: frame 1 is u16 event + u32 value, frame 2 the endpoint. */
+            zmq_msg_t ev;
+            uint16_t event = 0;
+            zmq_msg_init(&ev);
+            if (zmq_msg_recv(&ev, mon, 0) >= 0 && zmq_msg_size(&ev) >= 2)
+                memcpy(&event, zmq_msg_data(&ev), 2);
+            while (zmq_msg_more(&ev)) {
+                zmq_msg_close(&ev);
+                zmq_msg_init(&ev);
+                if (zmq_msg_recv(&ev, mon, 0) < 0) break;
+            }
+            zmq_msg_close(&ev);
+            if (event == ZMQ_EVENT_CONNECTED) connected = 1;
+            if (event == ZMQ_EVENT_DISCONNECTED && connected && !(it[0].revents & ZMQ_POLLIN)) {
+                snprintf(err, err_cap,
+                         "side channel: producer unreachable: the producer at %s closed the "
+                         "connection before answering (it stopped or crashed)",
+                         endpoint);
+                rc = SIDE_CHANNEL_EIO;
+                break;
+            }
+            if (!(it[0].revents & ZMQ_POLLIN)) continue;
+        }
+        if (!(it[0].revents & ZMQ_POLLIN)) continue;
         zmq_msg_t m;
         zmq_msg_init(&m);
         if (zmq_msg_recv(&m, d, 0) < 0) {
@@ -417,6 +459,10 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
         deadline = clock_now_ns() + timeout_ns; /* the timeout is per reply */
     }
 out:
+    if (mon) {
+        zmq_socket_monitor(d, NULL, 0);
+        zmq_close(mon);
+    }
     zmq_close(d);
     free(buf);
     return rc;
