@@ -8,5 +8,6 @@
 int bench_transfer_main(int argc, char **argv); /* transfer_bench.c */
 int bench_model_main(int argc, char **argv);    /* model_bench.c */
 int bench_serve_main(int argc, char **argv);    /* serve_bench.c: vllm bench serve */
+int bench_proxy_main(int argc, char **argv);    /* proxy_bench.c */
 
 #endif

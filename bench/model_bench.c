@@ -114,7 +114,7 @@ static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) 
 
 int bench_model_main(int argc, char **argv) {
     const char *model_arg = NULL;
-    int prompt_len = 512, gen_len = 32, threads = 0, json = 0;
+    int prompt_len = 512, gen_len = 32, threads = 0, json = 0, repeat = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout, 0);
@@ -124,6 +124,8 @@ int bench_model_main(int argc, char **argv) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &prompt_len)) return 2;
         } else if (!strcmp(a, "--gen-len")) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &gen_len)) return 2;
+        } else if (!strcmp(a, "--repeat")) {
+            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 100, &repeat)) return 2;
         } else if (!strcmp(a, "--threads")) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &threads)) return 2;
         } else if (a[0] == '-') {
@@ -154,9 +156,6 @@ int bench_model_main(int argc, char **argv) {
     }
     cpu_pool *pool = cpu_pool_init(threads);
     threads = cpu_pool_threads(pool);
-    double bw = measure_read_bw(pool);
-    double gemm = measure_gemm(threads, 512, c->intermediate_size, c->hidden_size);
-
     int bs = 16, n_blocks = (prompt_len + gen_len + bs - 1) / bs;
     kv_store kv;
     qwen2_state *s = qwen2_state_init(&m, prompt_len, pool);
@@ -174,21 +173,31 @@ int bench_model_main(int argc, char **argv) {
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
         toks[i] = (int32_t)(x % 151643 % (uint64_t)c->vocab_size);
     }
-    /* prefill */
-    qwen2_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0};
-    uint64_t t0 = clock_now_ns();
-    int rc = qwen2_forward(&m, s, &kv, &q, 1);
-    double prefill_s = (double)(clock_now_ns() - t0) / 1e9;
-    /* decode, greedy */
-    uint64_t t1 = clock_now_ns();
-    for (int i = 0; i < gen_len && rc == 0; i++) {
-        int32_t next = 0;
-        for (int v = 1; v < c->vocab_size; v++)
-            if (logits[v] > logits[next]) next = v;
-        qwen2_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0};
-        rc = qwen2_forward(&m, s, &kv, &d, 1);
+    /* each round: ceilings, prefill (fresh KV), greedy decode; best of the rounds, so that a
+     * busy machine penalises the model and the ceilings alike */
+    double bw = 0, gemm = 0, prefill_s = 1e30, decode_s = 1e30;
+    int rc = 0;
+    for (int r = 0; r < repeat && rc == 0; r++) {
+        double v = measure_read_bw(pool);
+        bw = v > bw ? v : bw;
+        v = measure_gemm(threads, 512, c->intermediate_size, c->hidden_size);
+        gemm = v > gemm ? v : gemm;
+        qwen2_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0};
+        uint64_t t0 = clock_now_ns();
+        rc = qwen2_forward(&m, s, &kv, &q, 1);
+        double ps = (double)(clock_now_ns() - t0) / 1e9;
+        prefill_s = ps < prefill_s ? ps : prefill_s;
+        uint64_t t1 = clock_now_ns();
+        for (int i = 0; i < gen_len && rc == 0; i++) {
+            int32_t next = 0;
+            for (int v2 = 1; v2 < c->vocab_size; v2++)
+                if (logits[v2] > logits[next]) next = v2;
+            qwen2_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0};
+            rc = qwen2_forward(&m, s, &kv, &d, 1);
+        }
+        double ds = (double)(clock_now_ns() - t1) / 1e9;
+        decode_s = ds < decode_s ? ds : decode_s;
     }
-    double decode_s = (double)(clock_now_ns() - t1) / 1e9;
     if (rc) {
         fprintf(stderr, "disagg bench model: forward failed (%d)\n", rc);
         return 1;
@@ -202,8 +211,6 @@ int bench_model_main(int argc, char **argv) {
         mm_flops_tok * prompt_len + 2.0 * h * c->vocab_size +
         c->n_layers * 2.0 * 2.0 * h * (double)prompt_len * (prompt_len + 1) / 2.0;
     double bytes_tok = (double)m.w.matrix_bytes;
-    if (c->tie_embeddings)
-        bytes_tok += 0; /* lm_head streams the embedding once; the lookup reads a row */
     double prefill_tps = prompt_len / prefill_s, decode_tps = gen_len / decode_s;
     double prefill_gflops = prefill_flops / prefill_s / 1e9;
     double decode_gbs = bytes_tok * decode_tps / 1e9, bound_tps = bw * 1e9 / bytes_tok;
@@ -214,10 +221,10 @@ int bench_model_main(int argc, char **argv) {
                "gemm\":%.3f,"
                "\"decode_tok_s\":%.2f,\"decode_weight_gb_s\":%.2f,\"read_bw_gb_s\":%.2f,\"decode_"
                "bound_tok_s\":%.2f,"
-               "\"decode_vs_bound\":%.3f,\"weight_bytes_per_token\":%.0f}\n",
+               "\"decode_vs_bound\":%.3f,\"weight_bytes_per_token\":%.0f,\"repeat\":%d}\n",
                m.dir, cpu_dtype_name(m.w.dtype), cpu_isa_name(cpu_isa_get()), threads, prompt_len,
                gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm, decode_tps,
-               decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok);
+               decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok, repeat);
     } else {
         printf("model %s (%s weights, %d layers, hidden %d), %d threads, %s kernels\n", m.dir,
                cpu_dtype_name(m.w.dtype), c->n_layers, c->hidden_size, threads,
@@ -230,9 +237,10 @@ int bench_model_main(int argc, char **argv) {
                bound_tps, 100 * decode_tps / bound_tps);
         printf("%-34s %8.2f GB/s %9.2f GB/s %9.0f%%\n", "decode weight streaming", decode_gbs, bw,
                100 * decode_gbs / bw);
-        printf("(weights per token %.0f MB; ceilings: %d-thread memory read of 1 GiB, OpenBLAS "
-               "sgemm %dx%dx%d)\n",
-               bytes_tok / 1e6, threads, 512, c->intermediate_size, c->hidden_size);
+        printf("(weights per token %.0f MB, tied lm_head counted once; ceilings: %d-thread memory "
+               "read "
+               "of 1 GiB, OpenBLAS sgemm %dx%dx%d; best of %d rounds)\n",
+               bytes_tok / 1e6, threads, 512, c->intermediate_size, c->hidden_size, repeat);
     }
     free(table);
     free(toks);

@@ -44,6 +44,15 @@ typedef struct sb_opts {
     const char *json_path;                                    /* --json */
     const char *api_key;                                      /* OPENAI_API_KEY */
     int progress;                                             /* progress bar on a tty */
+    /* P/D mode: requests go to a prefill (P) and this decode (D) instance at
+     * once, the way the proxy sends them (PROTOCOL.md section 1) */
+    const char *pd_prefill; /* --pd-prefill URL, NULL = colocated */
+    char p_host[256];
+    int p_port;
+    const char *pd_bootstrap; /* --pd-bootstrap URL (default http://<P host>:8998) */
+    char b_host[256];
+    int b_port;
+    char engine_id[160]; /* P's engine id for dp rank 0 (from /query) */
 } sb_opts;
 
 typedef struct sb_req {
@@ -63,6 +72,11 @@ typedef struct sb_req {
     char err[256];                    /* why it failed */
     char *sse;                        /* unparsed SSE bytes */
     size_t sse_len;
+    /* P/D mode */
+    char *p_body; /* the prefill request */
+    struct evhttp_connection *p_conn;
+    double t_p_end; /* the prefill answered */
+    int p_status;   /* its HTTP status, 0 = no answer */
 } sb_req;
 
 typedef struct sb_run {
@@ -74,6 +88,7 @@ typedef struct sb_run {
     double t0;           /* benchmark start */
     struct event *timer; /* next arrival */
     int waiting_slot;    /* a send is due but max_concurrency is reached */
+    double kv[4]; /* P/D over the run: D load seconds sum, count; P send seconds sum, count */
 } sb_run;
 
 static double now_s(void) {
@@ -130,7 +145,31 @@ static int sb_len(int l, double r) {
     return lo + (int)(rng_u64() % (uint64_t)(hi - lo + 1));
 }
 
-static char *sb_make_body(const sb_opts *o, const char *model, int in_len, int out_len) {
+/* P/D: D's body gets kv_transfer_params for a remote prefill; *p_body gets
+ * P's: max_tokens 1, not streamed, remote decode, the same transfer_id. */
+static void sb_add_pd(const sb_opts *o, json_t *b, char **p_body) {
+    char tid[64];
+    snprintf(tid, sizeof tid, "xfer-%016llx%016llx", (unsigned long long)rng_u64(),
+             (unsigned long long)rng_u64());
+    char boot[300];
+    snprintf(boot, sizeof boot, "http://%s:%d", o->b_host, o->b_port);
+    json_t *pb = json_deep_copy(b);
+    json_object_set_new(pb, "max_tokens", json_integer(1));
+    json_object_set_new(pb, "stream", json_false());
+    json_object_del(pb, "stream_options");
+    json_object_set_new(pb, "kv_transfer_params",
+                        json_pack("{s:b,s:b,s:s}", "do_remote_decode", 1, "do_remote_prefill", 0,
+                                  "transfer_id", tid));
+    *p_body = json_dumps(pb, JSON_COMPACT);
+    json_decref(pb);
+    json_object_set_new(b, "kv_transfer_params",
+                        json_pack("{s:b,s:b,s:s,s:s,s:s}", "do_remote_decode", 0,
+                                  "do_remote_prefill", 1, "remote_engine_id", o->engine_id,
+                                  "remote_bootstrap_addr", boot, "transfer_id", tid));
+}
+
+static char *sb_make_body(const sb_opts *o, const char *model, int in_len, int out_len,
+                          char **p_body) {
     size_t cap = (size_t)in_len * 16 + 64, n = 0;
     char *text = malloc(cap);
     if (!text) return NULL;
@@ -147,6 +186,7 @@ static char *sb_make_body(const sb_opts *o, const char *model, int in_len, int o
     else
         json_object_set_new(b, "prompt", json_string(text));
     free(text);
+    if (o->pd_prefill) sb_add_pd(o, b, p_body);
     char *s = json_dumps(b, JSON_COMPACT);
     json_decref(b);
     return s;
@@ -250,8 +290,30 @@ static void sb_on_done(struct evhttp_request *req, void *arg) {
         sb_send_due(run);
 }
 
+static void sb_on_p_done(struct evhttp_request *req, void *arg) {
+    sb_req *q = arg;
+    q->t_p_end = now_s();
+    q->p_status = req ? evhttp_request_get_response_code(req) : 0;
+}
+
+/* P/D: the prefill request, sent together with the decode request. */
+static void sb_send_prefill(sb_run *run, sb_req *q) {
+    const sb_opts *o = run->o;
+    q->p_conn = evhttp_connection_base_new(run->base, NULL, o->p_host, (unsigned short)o->p_port);
+    evhttp_connection_set_timeout(q->p_conn, 3600);
+    struct evhttp_request *req = evhttp_request_new(sb_on_p_done, q);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    char hostport[300];
+    snprintf(hostport, sizeof hostport, "%s:%d", o->p_host, o->p_port);
+    evhttp_add_header(h, "Host", hostport);
+    evhttp_add_header(h, "Content-Type", "application/json");
+    evbuffer_add(evhttp_request_get_output_buffer(req), q->p_body, strlen(q->p_body));
+    evhttp_make_request(q->p_conn, req, EVHTTP_REQ_POST, o->endpoint);
+}
+
 static void sb_send(sb_run *run, sb_req *q) {
     const sb_opts *o = run->o;
+    if (o->pd_prefill) sb_send_prefill(run, q);
     q->conn = evhttp_connection_base_new(run->base, NULL, o->host, (unsigned short)o->port);
     evhttp_connection_set_timeout(q->conn, 3600);
     struct evhttp_request *req = evhttp_request_new(sb_on_done, q);
@@ -421,6 +483,30 @@ static int sb_report(sb_run *run, double duration) {
                   res);
     sb_print_stat("----------------End-to-end Latency----------------", "e2el", sb_stats(e2el, ok),
                   res);
+    if (o->pd_prefill) {
+        double *pl = calloc((size_t)n + 1, sizeof(double));
+        int p_ok = 0;
+        for (int i = 0; i < n; i++)
+            if (run->reqs[i].p_status == 200)
+                pl[p_ok++] = run->reqs[i].t_p_end - run->reqs[i].t_start;
+        printf("%s\n", "----------P/D (prefill instance, KV load)---------");
+        printf("%-40s %-10d\n", "Prefill requests ok:", p_ok);
+        sb_stat ps = sb_stats(pl, p_ok);
+        printf("%-40s %-10.2f\n", "Mean prefill request latency (ms):", ps.mean * 1e3);
+        double kv = run->kv[1] > 0 ? run->kv[0] / run->kv[1] : 0;
+        double send = run->kv[3] > 0 ? run->kv[2] / run->kv[3] : 0;
+        printf("%-40s %-10.2f\n", "Mean KV transfer time (P send, ms):", send * 1e3);
+        printf("%-40s %-10.2f\n", "Mean KV wait on D (pull->KV, ms):", kv * 1e3);
+        if (ps.mean > 0)
+            printf("%-40s %-10.2f\n", "KV transfer / prefill latency (%):", 100 * send / ps.mean);
+        json_object_set_new(res, "pd_prefill_ok", json_integer(p_ok));
+        json_object_set_new(res, "mean_prefill_latency_ms", json_real(ps.mean * 1e3));
+        json_object_set_new(res, "mean_kv_transfer_ms", json_real(send * 1e3));
+        json_object_set_new(res, "mean_kv_wait_ms", json_real(kv * 1e3));
+        json_object_set_new(res, "kv_loads", json_real(run->kv[1]));
+        free(pl);
+        if (p_ok < n && !first_err) first_err = "a prefill request failed";
+    }
     printf("==================================================\n");
     if (first_err)
         fprintf(stderr, "disagg bench serve: %d request(s) failed; first error: %s\n", n - ok,
@@ -444,47 +530,151 @@ static int sb_report(sb_run *run, double duration) {
 
 static void sb_usage(FILE *f) {
     fprintf(
-        f, "usage: disagg bench serve [options]   (the `vllm bench serve` equivalent)\n\n"
-           "  --base-url URL              server (default http://127.0.0.1:8000)\n"
-           "  --endpoint PATH             /v1/completions (default) or /v1/chat/completions\n"
-           "  --model NAME                model name (default: the first of GET /v1/models)\n"
-           "  --dataset-name random       the only dataset: random words\n"
-           "  --random-input-len N        prompt length in words, ~tokens (default 1024)\n"
-           "  --random-output-len N       max_tokens (default 128)\n"
-           "  --random-range-ratio R      lengths uniform in [L(1-R), L(1+R)] (default 0)\n"
-           "  --num-prompts N             requests (default 1000)\n"
-           "  --request-rate R            requests/s, Poisson arrivals (default inf: all at once)\n"
-           "  --burstiness B              gamma arrivals of shape B (default 1 = Poisson)\n"
-           "  --max-concurrency N         most requests in flight (default unlimited)\n"
-           "  --ignore-eos                generate exactly --random-output-len tokens\n"
-           "  --goodput KEY:MS ...        SLOs: ttft:MS tpot:MS e2el:MS\n"
-           "  --seed N                    dataset and arrival seed (default 0)\n"
-           "  --json FILE                 write the results as JSON\n"
-           "  --disable-tqdm              no progress bar\n"
-           "OPENAI_API_KEY, when set, is sent as the Bearer key.\n");
+        f,
+        "usage: disagg bench serve [options]   (the `vllm bench serve` equivalent)\n\n"
+        "  --base-url URL              server (default http://127.0.0.1:8000)\n"
+        "  --endpoint PATH             /v1/completions (default) or /v1/chat/completions\n"
+        "  --model NAME                model name (default: the first of GET /v1/models)\n"
+        "  --dataset-name random       the only dataset: random words\n"
+        "  --random-input-len N        prompt length in words, ~tokens (default 1024)\n"
+        "  --random-output-len N       max_tokens (default 128)\n"
+        "  --random-range-ratio R      lengths uniform in [L(1-R), L(1+R)] (default 0)\n"
+        "  --num-prompts N             requests (default 1000)\n"
+        "  --request-rate R            requests/s, Poisson arrivals (default inf: all at once)\n"
+        "  --burstiness B              gamma arrivals of shape B (default 1 = Poisson)\n"
+        "  --max-concurrency N         most requests in flight (default unlimited)\n"
+        "  --ignore-eos                generate exactly --random-output-len tokens\n"
+        "  --goodput KEY:MS ...        SLOs: ttft:MS tpot:MS e2el:MS\n"
+        "  --seed N                    dataset and arrival seed (default 0)\n"
+        "  --json FILE                 write the results as JSON\n"
+        "  --disable-tqdm              no progress bar\n"
+        "  --pd-prefill URL            P/D: --base-url is a kv_consumer; each request also goes\n"
+        "                              to this kv_producer at the same time, as the proxy sends\n"
+        "                              them (PROTOCOL.md 1); reports prefill latency and the\n"
+        "                              decoder's mean KV load time\n"
+        "  --pd-bootstrap URL          P's bootstrap server (default http://<P host>:8998)\n"
+        "OPENAI_API_KEY, when set, is sent as the Bearer key.\n");
 }
 
-static int sb_parse_url(sb_opts *o) {
-    const char *u = o->base_url;
+/* "http://host[:port][/...]" -> host, port. */
+static int sb_url(const char *flag, const char *url, char *host, size_t cap, int *port) {
+    const char *u = url;
     if (strncmp(u, "http://", 7)) {
-        fprintf(stderr, "disagg bench serve: --base-url must start with http:// (got '%s')\n", u);
+        fprintf(stderr, "disagg bench serve: %s must start with http:// (got '%s')\n", flag, url);
         return -1;
     }
     u += 7;
     const char *colon = strchr(u, ':'), *slash = strchr(u, '/');
+    if (colon && slash && slash < colon) colon = NULL;
     size_t hl = colon ? (size_t)(colon - u) : slash ? (size_t)(slash - u) : strlen(u);
-    if (hl == 0 || hl >= sizeof o->host) {
-        fprintf(stderr, "disagg bench serve: no host in --base-url '%s'\n", o->base_url);
+    if (hl == 0 || hl >= cap) {
+        fprintf(stderr, "disagg bench serve: no host in %s '%s'\n", flag, url);
         return -1;
     }
-    memcpy(o->host, u, hl);
-    o->host[hl] = 0;
-    o->port = colon ? atoi(colon + 1) : 80;
-    if (o->port <= 0 || o->port > 65535) {
-        fprintf(stderr, "disagg bench serve: bad port in --base-url '%s'\n", o->base_url);
+    memcpy(host, u, hl);
+    host[hl] = 0;
+    *port = colon ? atoi(colon + 1) : 80;
+    if (*port <= 0 || *port > 65535) {
+        fprintf(stderr, "disagg bench serve: bad port in %s '%s'\n", flag, url);
         return -1;
     }
     return 0;
+}
+
+static int sb_parse_url(sb_opts *o) {
+    if (sb_url("--base-url", o->base_url, o->host, sizeof o->host, &o->port)) return -1;
+    if (!o->pd_prefill) return 0;
+    if (sb_url("--pd-prefill", o->pd_prefill, o->p_host, sizeof o->p_host, &o->p_port)) return -1;
+    if (!o->pd_bootstrap) {
+        snprintf(o->b_host, sizeof o->b_host, "%s", o->p_host);
+        o->b_port = 8998;
+        return 0;
+    }
+    return sb_url("--pd-bootstrap", o->pd_bootstrap, o->b_host, sizeof o->b_host, &o->b_port);
+}
+
+/* A blocking GET (its own event loop): the status, the body in *out (malloc'd). */
+typedef struct sb_get_ctx {
+    struct event_base *b;
+    int status;
+    char *body;
+} sb_get_ctx;
+
+static void sb_get_cb(struct evhttp_request *req, void *arg) {
+    sb_get_ctx *g = arg;
+    if (req) {
+        g->status = evhttp_request_get_response_code(req);
+        struct evbuffer *in = evhttp_request_get_input_buffer(req);
+        size_t n = evbuffer_get_length(in);
+        g->body = malloc(n + 1);
+        if (g->body) {
+            evbuffer_remove(in, g->body, n);
+            g->body[n] = 0;
+        }
+    }
+    event_base_loopexit(g->b, NULL);
+}
+
+static int sb_get(const char *host, int port, const char *path, const char *api_key, char **out) {
+    sb_get_ctx g = {event_base_new(), 0, NULL};
+    struct evhttp_connection *c = evhttp_connection_base_new(g.b, NULL, host, (unsigned short)port);
+    evhttp_connection_set_timeout(c, 30);
+    struct evhttp_request *r = evhttp_request_new(sb_get_cb, &g);
+    evhttp_add_header(evhttp_request_get_output_headers(r), "Host", host);
+    if (api_key) {
+        char auth[512];
+        snprintf(auth, sizeof auth, "Bearer %s", api_key);
+        evhttp_add_header(evhttp_request_get_output_headers(r), "Authorization", auth);
+    }
+    evhttp_make_request(c, r, EVHTTP_REQ_GET, path);
+    event_base_dispatch(g.b);
+    evhttp_connection_free(c);
+    event_base_free(g.b);
+    *out = g.body;
+    return g.status;
+}
+
+/* P/D: P's engine id for dp rank 0, from its bootstrap server. */
+static int sb_fetch_engine_id(sb_opts *o) {
+    char *body = NULL;
+    int st = sb_get(o->b_host, o->b_port, "/query", NULL, &body);
+    json_t *j = st == 200 && body ? json_loads(body, 0, NULL) : NULL;
+    const char *id = json_string_value(json_object_get(json_object_get(j, "0"), "engine_id"));
+    if (id) snprintf(o->engine_id, sizeof o->engine_id, "%s", id);
+    json_decref(j);
+    free(body);
+    if (!o->engine_id[0]) {
+        fprintf(stderr,
+                "disagg bench serve: GET http://%s:%d/query gave no engine for dp rank 0; is the "
+                "prefill instance's bootstrap server there? (--pd-bootstrap)\n",
+                o->b_host, o->b_port);
+        return -1;
+    }
+    return 0;
+}
+
+/* A "<name>_sum" and "<name>_count" pair from a server's /metrics. */
+static void sb_metric_pair(const char *host, int port, const char *api_key, const char *name,
+                           double *sum, double *count) {
+    char *body = NULL, key[128];
+    *sum = *count = 0;
+    if (sb_get(host, port, "/metrics", api_key, &body) == 200 && body) {
+        snprintf(key, sizeof key, "\n%s_sum ", name);
+        const char *p = strstr(body, key);
+        if (p) *sum = atof(p + strlen(key));
+        snprintf(key, sizeof key, "\n%s_count ", name);
+        p = strstr(body, key);
+        if (p) *count = atof(p + strlen(key));
+    }
+    free(body);
+}
+
+/* P/D counters over the run: the decoder's load time (pull sent -> KV in place,
+ * which includes waiting for the prefill) and the producer's send time (KV
+ * ready -> written into the decoder: the transfer itself). */
+static void sb_kv_load(const sb_opts *o, double v[4]) {
+    sb_metric_pair(o->host, o->port, o->api_key, "disagg:kv_load_seconds", &v[0], &v[1]);
+    sb_metric_pair(o->p_host, o->p_port, o->api_key, "disagg:kv_send_seconds", &v[2], &v[3]);
 }
 
 /* GET /v1/models synchronously (before the run). */
@@ -628,6 +818,12 @@ int bench_serve_main(int argc, char **argv) {
             if (sb_num(a, v, 1e-9, &o.burstiness)) return 2;
         } else if (!strcmp(a, "--ignore-eos")) {
             o.ignore_eos = 1;
+        } else if (!strcmp(a, "--pd-prefill")) {
+            NEED_V();
+            o.pd_prefill = v;
+        } else if (!strcmp(a, "--pd-bootstrap")) {
+            NEED_V();
+            o.pd_bootstrap = v;
         } else if (!strcmp(a, "--disable-tqdm")) {
             o.progress = 0;
         } else if (!strcmp(a, "--json")) {
@@ -673,6 +869,13 @@ int bench_serve_main(int argc, char **argv) {
 #undef NEED_V
     }
     if (sb_parse_url(&o)) return 2;
+    if (o.pd_bootstrap && !o.pd_prefill) {
+        fprintf(stderr, "disagg bench serve: --pd-bootstrap needs --pd-prefill\n");
+        return 2;
+    }
+    if (o.pd_prefill && sb_fetch_engine_id(&o)) return 1;
+    double kv0[4] = {0, 0, 0, 0};
+    if (o.pd_prefill) sb_kv_load(&o, kv0);
     if (!o.model) {
         if (sb_fetch_model(&o)) return 1;
         o.model = g_model;
@@ -691,8 +894,8 @@ int bench_serve_main(int argc, char **argv) {
         q->index = i;
         q->in_len = sb_len(o.input_len, o.range_ratio);
         q->out_len = sb_len(o.output_len, o.range_ratio);
-        q->body = sb_make_body(&o, o.model, q->in_len, q->out_len);
-        if (!q->body) return 1;
+        q->body = sb_make_body(&o, o.model, q->in_len, q->out_len, &q->p_body);
+        if (!q->body || (o.pd_prefill && !q->p_body)) return 1;
         g_arrival[i] = t;
         if (!isinf(o.rate)) t += rng_gamma(o.burstiness) / (o.rate * o.burstiness);
     }
@@ -706,9 +909,16 @@ int bench_serve_main(int argc, char **argv) {
     sb_send_due(&run);
     event_base_dispatch(run.base);
     double duration = now_s() - run.t0;
+    if (o.pd_prefill) {
+        sb_kv_load(&o, run.kv);
+        for (int k = 0; k < 4; k++)
+            run.kv[k] -= kv0[k];
+    }
     int rc = sb_report(&run, duration);
     for (int i = 0; i < o.num_prompts; i++) {
         if (run.reqs[i].conn) evhttp_connection_free(run.reqs[i].conn);
+        if (run.reqs[i].p_conn) evhttp_connection_free(run.reqs[i].p_conn);
+        free(run.reqs[i].p_body);
         free(run.reqs[i].body);
         free(run.reqs[i].itl);
         free(run.reqs[i].sse);

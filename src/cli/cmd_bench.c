@@ -12,14 +12,19 @@ int cmd_bench(int argc, char **argv) {
         FILE *f = argc < 2 ? stderr : stdout;
         fprintf(f, "usage: disagg bench <what> [options]\n\n"
                    "  transfer   transfer-engine throughput and latency (tcp, shm)\n"
-                   "  model      CPU model prefill/decode speed beside memory-bandwidth and GEMM ceilings\n"
-                   "  serve      an OpenAI-compatible server under load (vllm bench serve)\n\n"
+                   "  model      CPU model prefill/decode speed beside memory-bandwidth and GEMM "
+                   "ceilings\n"
+                   "  serve      an OpenAI-compatible server under load (vllm bench serve)\n"
+                   "  proxy      P/D proxy added latency, relay rate, concurrent streams\n\n"
                    "`disagg bench <what> --help` lists its options.\n");
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "transfer")) return bench_transfer_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "model")) return bench_model_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "serve")) return bench_serve_main(argc - 1, argv + 1);
-    fprintf(stderr, "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve\n", argv[1]);
+    if (!strcmp(argv[1], "proxy")) return bench_proxy_main(argc - 1, argv + 1);
+    fprintf(stderr,
+            "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy\n",
+            argv[1]);
     return 2;
 }

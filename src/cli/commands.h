@@ -11,5 +11,6 @@ int cmd_bench(int argc, char **argv);    /* cmd_bench.c: bench transfer|... */
 int cmd_generate(int argc, char **argv); /* cmd_generate.c: CPU text generation from a model */
 int cmd_bootstrap(int argc, char **argv); /* cmd_bootstrap.c: bootstrap server, register, query */
 int cmd_serve(int argc, char **argv);    /* cmd_serve.c: the OpenAI-compatible server */
+int cmd_proxy(int argc, char **argv);    /* cmd_proxy.c: the P/D router */
 
 #endif

@@ -18,10 +18,11 @@ typedef struct command {
 
 static const command COMMANDS[] = {
     {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
-    {"bench", cmd_bench, "measurements: bench transfer, bench model, bench serve"},
+    {"bench", cmd_bench, "measurements: bench transfer, bench model, bench serve, bench proxy"},
     {"generate", cmd_generate, "generate text from a model on the CPU (streams to stdout)"},
     {"bootstrap", cmd_bootstrap, "Mooncake bootstrap server alone; register/query helpers"},
     {"serve", cmd_serve, "OpenAI-compatible server: disagg serve [MODEL] --port 8000"},
+    {"proxy", cmd_proxy, "P/D router: --prefill URL --decode URL, serves :8000"},
 };
 #define NCOMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
 

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define QWEN2_MAX_GROUP 64 /* query heads per KV head */
+
 /* ---- model ---------------------------------------------------------------- */
 
 int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, size_t errlen) {
@@ -23,6 +25,13 @@ int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, s
     int rc = hf_cache_resolve(model_arg, m->dir, sizeof m->dir, err, errlen);
     if (rc) return rc;
     if ((rc = model_config_load(&m->cfg, m->dir, err, errlen))) return rc;
+    if (m->cfg.n_heads / m->cfg.n_kv_heads > QWEN2_MAX_GROUP || m->cfg.head_dim > 1024) {
+        snprintf(err, errlen,
+                 "%s/config.json: %d query heads per KV head and head_dim %d; supported: at most "
+                 "%d and 1024",
+                 m->dir, m->cfg.n_heads / m->cfg.n_kv_heads, m->cfg.head_dim, QWEN2_MAX_GROUP);
+        return -EINVAL;
+    }
     if ((rc = weights_load(&m->w, &m->cfg, m->dir, err, errlen))) return rc;
     int half = m->cfg.head_dim / 2;
     m->rope_inv_freq = malloc((size_t)half * sizeof(float));
@@ -180,34 +189,47 @@ typedef struct att_job {
     int layer;
 } att_job;
 
+/* One token and one KV head: the `group` query heads sharing it read each K/V row once.
+ * Per head: scores = q.k * scale over positions 0..pos in order, softmax, out = sum p_i v_i
+ * in order -- the same arithmetic whatever the batch or chunking. */
 static void att_task(void *ctx, int task) {
     const att_job *j = ctx;
     const model_config *c = &j->m->cfg;
-    int H = c->n_heads, hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
-    int t = task / H, hh = task % H, kvh = hh / group;
-    int pos = j->s->tok_pos[t];
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
+    int t = task / c->n_kv_heads, kvh = task % c->n_kv_heads;
+    int pos = j->s->tok_pos[t], np = pos + 1;
     const qwen2_seq *sq = &j->seqs[j->s->tok_seq[t]];
-    float *scores = cpu_scratch(1, (size_t)pos + 1); /* (pos + 1) */
-    if (!scores) abort();                            /* a worker cannot report; pos + 1 floats */
-    const float *q = j->s->q + (size_t)t * c->hidden_size + (size_t)hh * hd;
-    float *out = j->s->att + (size_t)t * c->hidden_size + (size_t)hh * hd;
+    float *scores = cpu_scratch(1, (size_t)group * np); /* (group, pos + 1) */
+    if (!scores) abort(); /* a worker cannot report; group * (pos + 1) floats */
+    const float *q =
+        j->s->q + (size_t)t * c->hidden_size + (size_t)kvh * group * hd; /* (group, hd) */
+    float *out =
+        j->s->att + (size_t)t * c->hidden_size + (size_t)kvh * group * hd; /* (group, hd) */
     const float scale = (float)(1.0 / sqrt((double)hd));
-    float mx = -INFINITY;
-    for (int p = 0; p <= pos; p++) {
+    float mx[QWEN2_MAX_GROUP], sum[QWEN2_MAX_GROUP], w[QWEN2_MAX_GROUP];
+    for (int g = 0; g < group; g++)
+        mx[g] = -INFINITY, sum[g] = 0.0f;
+    for (int p = 0; p < np; p++) {
         const float *k = kv_at(j->kv, sq->block_table, p, j->layer, 0) + (size_t)kvh * hd;
-        float sc = cpu_dot(q, k, hd) * scale;
-        scores[p] = sc;
-        if (sc > mx) mx = sc;
+        cpu_dot_heads(w, q, k, group, hd);
+        for (int g = 0; g < group; g++) {
+            float sc = w[g] * scale;
+            scores[(size_t)g * np + p] = sc;
+            if (sc > mx[g]) mx[g] = sc;
+        }
     }
-    float sum = 0.0f;
-    for (int p = 0; p <= pos; p++) {
-        scores[p] = expf(scores[p] - mx);
-        sum += scores[p];
-    }
-    memset(out, 0, (size_t)hd * sizeof(float));
-    for (int p = 0; p <= pos; p++) {
+    for (int g = 0; g < group; g++)
+        for (int p = 0; p < np; p++) {
+            float e = expf(scores[(size_t)g * np + p] - mx[g]);
+            scores[(size_t)g * np + p] = e;
+            sum[g] += e;
+        }
+    memset(out, 0, (size_t)group * hd * sizeof(float));
+    for (int p = 0; p < np; p++) {
         const float *v = kv_at(j->kv, sq->block_table, p, j->layer, 1) + (size_t)kvh * hd;
-        cpu_axpy(out, scores[p] / sum, v, hd);
+        for (int g = 0; g < group; g++)
+            w[g] = scores[(size_t)g * np + p] / sum[g];
+        cpu_axpy_heads(out, w, v, group, hd);
     }
 }
 
@@ -298,16 +320,16 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
             cpu_row_to_f32(s->x + (size_t)t * h, row, w->embed.dtype, h);
         }
 
-    float cosv[512], sinv[512]; /* head_dim / 2 <= 512 */
-    if (half > 512) return -EINVAL;
+    float cosv[512], sinv[512]; /* head_dim / 2 <= 512 (checked at load) */
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
         /* attention block */
         for (int t = 0; t < T; t++)
             rmsnorm(s->xb + (size_t)t * h, s->x + (size_t)t * h, L->attn_norm, h, c->rms_norm_eps);
-        cpu_matmul(s->pool, s->q, s->xb, L->wq.data, L->wq.dtype, L->bq, T, h, h);
-        cpu_matmul(s->pool, s->k, s->xb, L->wk.data, L->wk.dtype, L->bk, T, kvd, h);
-        cpu_matmul(s->pool, s->v, s->xb, L->wv.data, L->wv.dtype, L->bv, T, kvd, h);
+        cpu_matmul_op qkv[3] = {{s->q, s->xb, L->wq.data, L->wq.dtype, L->bq, T, h, h},
+                                {s->k, s->xb, L->wk.data, L->wk.dtype, L->bk, T, kvd, h},
+                                {s->v, s->xb, L->wv.data, L->wv.dtype, L->bv, T, kvd, h}};
+        cpu_matmul_batch(s->pool, qkv, 3);
         for (int t = 0; t < T; t++) {
             float pos = (float)s->tok_pos[t];
             for (int i = 0; i < half; i++) {
@@ -324,15 +346,16 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
                    (size_t)kvd * 4);
         }
         att_job aj = {m, s, kv, seqs, l};
-        cpu_pool_run(s->pool, T * c->n_heads, att_task, &aj);
+        cpu_pool_run(s->pool, T * c->n_kv_heads, att_task, &aj);
         cpu_matmul(s->pool, s->xb, s->att, L->wo.data, L->wo.dtype, NULL, T, h, h);
         for (size_t i = 0; i < (size_t)T * h; i++)
             s->x[i] += s->xb[i];
         /* MLP block */
         for (int t = 0; t < T; t++)
             rmsnorm(s->xb + (size_t)t * h, s->x + (size_t)t * h, L->mlp_norm, h, c->rms_norm_eps);
-        cpu_matmul(s->pool, s->hb, s->xb, L->w_gate.data, L->w_gate.dtype, NULL, T, I, h);
-        cpu_matmul(s->pool, s->hb2, s->xb, L->w_up.data, L->w_up.dtype, NULL, T, I, h);
+        cpu_matmul_op gate_up[2] = {{s->hb, s->xb, L->w_gate.data, L->w_gate.dtype, NULL, T, I, h},
+                                    {s->hb2, s->xb, L->w_up.data, L->w_up.dtype, NULL, T, I, h}};
+        cpu_matmul_batch(s->pool, gate_up, 2);
         act_job mj = {s->hb, s->hb2, I};
         cpu_pool_run(s->pool, T, act_task, &mj);
         cpu_matmul(s->pool, s->xb, s->hb, L->w_down.data, L->w_down.dtype, NULL, T, h, I);

@@ -27,6 +27,7 @@ struct sampler {
     int cap, used;     /* slots, used slots */
     int32_t *idx;      /* (vocab) candidate ids scratch */
     float *raw;        /* (vocab) copy of the raw logits (for logprobs) */
+    float *prob;       /* (vocab) relative probabilities scratch (top-p) */
 };
 
 /* ---- params ----------------------------------------------------------------- */
@@ -147,7 +148,8 @@ sampler *sampler_init(const sampler_params *p, int vocab, const int32_t *prompt,
     s->vocab = vocab;
     s->idx = malloc((size_t)vocab * sizeof *s->idx);
     s->raw = malloc((size_t)vocab * sizeof *s->raw);
-    if (!s->idx || !s->raw) {
+    s->prob = malloc((size_t)vocab * sizeof *s->prob);
+    if (!s->idx || !s->raw || !s->prob) {
         sampler_free(s);
         return NULL;
     }
@@ -168,6 +170,7 @@ void sampler_free(sampler *s) {
     free(s->counts);
     free(s->idx);
     free(s->raw);
+    free(s->prob);
     free(s);
 }
 
@@ -207,7 +210,7 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
         if (logits[i] > mx) mx = logits[i];
     double z = 0;
     for (int i = 0; i < V; i++)
-        z += exp((double)(logits[i] - mx));
+        z += (double)expf(logits[i] - mx);
     double lse = (double)mx + log(z);
     if (p->logprobs > 0) {
         top_n(logits, V, p->logprobs, out->top_ids);
@@ -234,17 +237,45 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
     } else {
         int n = V;
         int32_t *idx = s->idx;
+        double full_sum = 0; /* mass of the whole vocabulary when top-p runs without top-k */
         for (int i = 0; i < V; i++)
             idx[i] = i;
         tl_sort_logits = logits;
-        if (p->top_k > 0 && p->top_k < V) {
+        int use_k = p->top_k > 0 && p->top_k < V;
+        if (use_k && p->top_k <= 64) {
             n = p->top_k;
-            if (n <= 64)
-                top_n(logits, V, n, idx); /* O(V k), best first */
-            else
-                qsort(idx, (size_t)V, sizeof *idx, cmp_desc);
-        } else if (p->top_p < 1.0f) {
-            qsort(idx, (size_t)V, sizeof *idx, cmp_desc);
+            top_n(logits, V, n, idx); /* O(V k), best first */
+        } else if (use_k || p->top_p < 1.0f) {
+            /* top-k (large k) or top-p without sorting the vocabulary: bucket the tokens by
+             * the binary exponent of their relative probability, walk the buckets from the
+             * best until they hold k tokens (top-k) or top_p of the mass (top-p), and sort only
+             * the tokens in those buckets: the cut falls inside the last one */
+            float best = logits[0];
+            for (int i = 1; i < V; i++)
+                if (logits[i] > best) best = logits[i];
+            double mass[256] = {0};
+            int count[256] = {0};
+            float *pr = s->prob;
+            for (int i = 0; i < V; i++) {
+                pr[i] = expf((logits[i] - best) / p->temperature);
+                uint32_t u;
+                memcpy(&u, &pr[i], 4);
+                mass[u >> 23] += pr[i]; /* exponent bits (probabilities are >= 0) */
+                count[u >> 23]++;
+                if (!use_k) full_sum += pr[i];
+            }
+            double want = use_k ? p->top_k : p->top_p * full_sum, cum = 0;
+            int e = 255;
+            while (e > 0 && cum + (use_k ? count[e] : mass[e]) < want)
+                cum += use_k ? count[e--] : mass[e--];
+            n = 0;
+            for (int i = 0; i < V; i++) {
+                uint32_t u;
+                memcpy(&u, &pr[i], 4);
+                if ((int)(u >> 23) >= e) idx[n++] = i;
+            }
+            qsort(idx, (size_t)n, sizeof *idx, cmp_desc);
+            if (use_k && n > p->top_k) n = p->top_k;
         }
         /* probabilities of the candidates at this temperature (idx[0] is the max when sorted) */
         float cmx = logits[idx[0]];
@@ -261,7 +292,7 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
             double cum = 0;
             int keep = 0;
             while (keep < n) {
-                cum += pr[idx[keep]] / sum;
+                cum += pr[idx[keep]] / (full_sum > 0 ? full_sum : sum);
                 keep++;
                 if (cum >= p->top_p) break;
             }

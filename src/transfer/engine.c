@@ -697,8 +697,13 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         free(rt);
         return rc;
     }
-    /* 3. Cut into chunks and hand them to the transports. */
+    /* 3. Cut into chunks and hand them to the transports; consecutive shm
+     * chunks for the same peer and opcode travel in groups (one vectored
+     * process_vm_* call each). */
     size_t k = 0;
+    xfer_op *g_head = NULL, *g_tail = NULL;
+    size_t g_n = 0, g_bytes = 0;
+    pid_t g_pid = 0;
     for (size_t i = 0; i < n; i++) {
         if (rt[i].reject) continue;
         const transfer_request *r = &reqs[i];
@@ -717,12 +722,28 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
             op->deadline_ns = deadline;
             op->tries = 0;
             if (rt[i].proto == TRANSFER_PROTO_SHM) {
-                shm_pool_submit(e->shm, op, rt[i].pid);
+                if (g_head && (g_pid != rt[i].pid || g_head->opcode != op->opcode ||
+                               g_n == SHM_GROUP_OPS || g_bytes + op->len > SHM_GROUP_BYTES)) {
+                    shm_pool_submit(e->shm, g_head, g_bytes, g_pid);
+                    g_head = NULL;
+                }
+                if (!g_head) {
+                    g_head = g_tail = op;
+                    g_n = 0;
+                    g_bytes = 0;
+                    g_pid = rt[i].pid;
+                } else {
+                    g_tail->next = op;
+                    g_tail = op;
+                }
+                g_n++;
+                g_bytes += op->len;
             } else {
                 tcp_client_submit(rt[i].tcp, op);
             }
         }
     }
+    if (g_head) shm_pool_submit(e->shm, g_head, g_bytes, g_pid);
     free(ops);
     free(rt);
     return 0;

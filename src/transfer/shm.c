@@ -11,7 +11,15 @@
 
 #define INLINE_MAX (64u << 10) /* ops up to this size run in the submitting thread */
 
+static int map_errno(int e) {
+    if (e == EPERM || e == ENOSYS) return TRANSFER_EPERM;
+    if (e == ESRCH) return TRANSFER_ECONN;
+    if (e == EFAULT) return TRANSFER_EREMOTEADDR;
+    return TRANSFER_ESYS;
+}
+
 int shm_copy(pid_t pid, int opcode, void *local, uint64_t remote, size_t len) {
+    if (len == 0) return 0;
     char *l = local;
     while (len > 0) {
         struct iovec li = {l, len}, ri = {(void *)(uintptr_t)remote, len};
@@ -19,10 +27,7 @@ int shm_copy(pid_t pid, int opcode, void *local, uint64_t remote, size_t len) {
                                              : process_vm_readv(pid, &li, 1, &ri, 1, 0);
         if (n < 0) {
             if (errno == EINTR) continue;
-            if (errno == EPERM || errno == ENOSYS) return TRANSFER_EPERM;
-            if (errno == ESRCH) return TRANSFER_ECONN;
-            if (errno == EFAULT) return TRANSFER_EREMOTEADDR;
-            return TRANSFER_ESYS;
+            return map_errno(errno);
         }
         if (n == 0) return TRANSFER_EREMOTEADDR;
         l += n;
@@ -33,7 +38,7 @@ int shm_copy(pid_t pid, int opcode, void *local, uint64_t remote, size_t len) {
 }
 
 typedef struct shm_job {
-    xfer_op *op;
+    xfer_op *ops; /* a group: same pid and opcode, linked by next */
     pid_t pid;
     struct shm_job *next;
 } shm_job;
@@ -50,21 +55,59 @@ struct shm_pool {
     pthread_t *threads;
 };
 
-static void run_op(shm_pool *p, xfer_op *op, pid_t pid) {
-    if (engine_op_canceled(op)) {
-        engine_op_done(p->e, op, TRANSFER_ECANCELED);
-        return;
+/* Run a group of ops with as few process_vm_* calls as possible (one when
+ * nothing fails): every op is one local and one remote iovec of equal length. */
+static void run_group(shm_pool *p, xfer_op *ops, pid_t pid) {
+    struct iovec li[SHM_GROUP_OPS], ri[SHM_GROUP_OPS];
+    xfer_op *v[SHM_GROUP_OPS];
+    int n = 0;
+    uint64_t now = clock_now_ns();
+    while (ops) {
+        xfer_op *op = ops;
+        ops = op->next;
+        if (engine_op_canceled(op))
+            engine_op_done(p->e, op, TRANSFER_ECANCELED);
+        else if (now >= op->deadline_ns)
+            engine_op_done(p->e, op, TRANSFER_ETIMEDOUT);
+        else if (n < SHM_GROUP_OPS) {
+            v[n] = op;
+            li[n] = (struct iovec){op->local, op->len};
+            ri[n] = (struct iovec){(void *)(uintptr_t)op->remote, op->len};
+            n++;
+        } else {
+            engine_op_done(p->e, op, shm_copy(pid, op->opcode, op->local, op->remote, op->len));
+        }
     }
-    if (clock_now_ns() >= op->deadline_ns) {
-        engine_op_done(p->e, op, TRANSFER_ETIMEDOUT);
-        return;
+    int i = 0;
+    while (i < n) {
+        ssize_t got = v[i]->opcode == TRANSFER_WRITE
+                          ? process_vm_writev(pid, li + i, (unsigned long)(n - i), ri + i,
+                                              (unsigned long)(n - i), 0)
+                          : process_vm_readv(pid, li + i, (unsigned long)(n - i), ri + i,
+                                             (unsigned long)(n - i), 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) { /* the op at i failed (a partial first op returns > 0 instead) */
+            int rc = got < 0 ? map_errno(errno) : TRANSFER_EREMOTEADDR;
+            if (rc == TRANSFER_EPERM && p->refused) {
+                for (; i < n; i++)
+                    p->refused(p->ctx, v[i]);
+                return;
+            }
+            engine_op_done(p->e, v[i++], rc);
+            continue;
+        }
+        size_t left = (size_t)got;
+        while (i < n && left >= li[i].iov_len) {
+            left -= li[i].iov_len;
+            engine_op_done(p->e, v[i++], 0);
+        }
+        if (left > 0) { /* partial op: continue where it stopped */
+            li[i].iov_base = (char *)li[i].iov_base + left;
+            li[i].iov_len -= left;
+            ri[i].iov_base = (char *)ri[i].iov_base + left;
+            ri[i].iov_len -= left;
+        }
     }
-    int rc = shm_copy(pid, op->opcode, op->local, op->remote, op->len);
-    if (rc == TRANSFER_EPERM && p->refused) {
-        p->refused(p->ctx, op);
-        return;
-    }
-    engine_op_done(p->e, op, rc);
 }
 
 static void *worker_main(void *arg) {
@@ -78,7 +121,7 @@ static void *worker_main(void *arg) {
         p->head = j->next;
         if (!p->head) p->tail = NULL;
         pthread_mutex_unlock(&p->mu);
-        run_op(p, j->op, j->pid);
+        run_group(p, j->ops, j->pid);
         free(j);
         pthread_mutex_lock(&p->mu);
     }
@@ -107,13 +150,13 @@ int shm_pool_create(struct transfer_engine *e, int nthreads, shm_refused_fn refu
     return 0;
 }
 
-void shm_pool_submit(shm_pool *p, xfer_op *op, pid_t pid) {
-    shm_job *j = op->len > INLINE_MAX ? malloc(sizeof *j) : NULL;
+void shm_pool_submit(shm_pool *p, xfer_op *ops, size_t bytes, pid_t pid) {
+    shm_job *j = bytes > INLINE_MAX ? malloc(sizeof *j) : NULL;
     if (!j) { /* small (or no memory for a job): run here */
-        run_op(p, op, pid);
+        run_group(p, ops, pid);
         return;
     }
-    j->op = op;
+    j->ops = ops;
     j->pid = pid;
     j->next = NULL;
     pthread_mutex_lock(&p->mu);

@@ -2,9 +2,10 @@
  * shm — the same-host transport: the initiator copies bytes straight between
  * its memory and the target process's with process_vm_writev/readv (one copy,
  * no socket, the target's threads not involved).  Ranges were checked against
- * the target's registered buffers before an op gets here (engine.c).  Small
- * ops run inline in the submitting thread; larger ones on a worker pool so
- * that submit returns at once and big requests use every core.
+ * the target's registered buffers before an op gets here (engine.c).  The
+ * engine hands over groups of ops (one vectored call each); small groups run
+ * inline in the submitting thread, larger ones on a worker pool so that
+ * submit returns at once and big batches use every core.
  */
 #ifndef DISAGG_TRANSFER_SHM_H
 #define DISAGG_TRANSFER_SHM_H
@@ -26,8 +27,13 @@ typedef void (*shm_refused_fn)(void *ctx, xfer_op *op);
 
 int shm_pool_create(struct transfer_engine *e, int nthreads, shm_refused_fn refused, void *ctx,
                     shm_pool **out);
-/* Run op (inline when small) and end it through engine_op_done. */
-void shm_pool_submit(shm_pool *p, xfer_op *op, pid_t pid);
+#define SHM_GROUP_OPS   256        /* ops moved by one process_vm_* call */
+#define SHM_GROUP_BYTES (1u << 20) /* a group's bytes, so big batches spread over the workers */
+
+/* Run a group of ops (linked by next; same pid and opcode, at most
+ * SHM_GROUP_OPS, bytes in all) — inline when small, else on a worker — and
+ * end each through engine_op_done. */
+void shm_pool_submit(shm_pool *p, xfer_op *ops, size_t bytes, pid_t pid);
 void shm_pool_destroy(shm_pool *p);
 
 #endif

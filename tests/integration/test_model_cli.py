@@ -91,3 +91,22 @@ def test_bench_model_json(model):
         assert d[k] > 0, k
     r = run("bench", "model", model, "--prompt-len", "600")  # tiny model: 512 positions
     assert r.returncode == 2 and "max_position_embeddings" in r.stderr
+
+
+SOTU = os.path.join(ROOT, "models", "disagg-sotu-tiny")
+SOTU_GREEDY = json.load(open(os.path.join(ROOT, "tests", "data", "sotu-tiny", "greedy.json")))
+
+
+@pytest.mark.parametrize("i", range(len(SOTU_GREEDY["prompts"])))
+def test_generate_text_matches_transformers_on_trained_model(i):
+    """Tokenizer + chat template + forward + streaming decode end to end: the text printed by
+    `disagg generate --temperature 0` equals transformers' greedy output text."""
+    p = SOTU_GREEDY["prompts"][i]
+    args = ["generate", SOTU, "--prompt", p["prompt"], "--temperature", "0", "--max-tokens",
+            str(SOTU_GREEDY["max_new_tokens"]), "--threads", "2"]
+    if p["kind"] == "chat":
+        assert p["messages"] == [{"role": "user", "content": p["prompt"]}]
+        args.append("--chat")
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout[:-1] == p["output_text"]  # generate ends the text with a newline

@@ -174,16 +174,19 @@ def test_503_while_loading_then_load_failure_exits_1():
     """A producer whose bootstrap server is unreachable retries for ~3 s while loading: the
     server answers meanwhile (503 on /health and generation, models listed), then exits 1."""
     port = free_port()
+    dead = free_port()  # nothing listens there
     cfg = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
                       "kv_connector_extra_config": {"mooncake_protocol": "tcp",
-                                                    "bootstrap_server_address": "127.0.0.1:1"}})
+                                                    "bootstrap_server_address": f"127.0.0.1:{dead}"}})
     p = subprocess.Popen([BIN, "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
                           "--kv-cache-memory", "16M", "--kv-transfer-config", cfg],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         seen = None
-        for _ in range(100):
+        for _ in range(400):  # up to 20 s on a loaded machine
+            if p.poll() is not None:
+                break
             try:
                 seen = requests.get(url + "/health", timeout=2).status_code
                 break
@@ -200,4 +203,4 @@ def test_503_while_loading_then_load_failure_exits_1():
             p.kill()
             p.wait()
     assert p.returncode == 1
-    assert "starting the KV connector failed" in out and "127.0.0.1:1" in out
+    assert "starting the KV connector failed" in out and f"127.0.0.1:{dead}" in out

@@ -125,6 +125,30 @@ static void test_matmul_avx2_vs_ref(void **st) {
     cpu_pool_free(pool);
 }
 
+static void test_matmul_batch(void **st) {
+    (void)st;
+    cpu_pool *pool = cpu_pool_init(2);
+    int T = 5, K = 40, Ns[3] = {12, 7, 33};
+    float x[5 * 40], w[3][33 * 40], b[33], y1[3][5 * 33], y2[3][5 * 33];
+    for (int i = 0; i < T * K; i++)
+        x[i] = frand();
+    for (int o = 0; o < 3; o++)
+        for (int i = 0; i < Ns[o] * K; i++)
+            w[o][i] = frand();
+    for (int i = 0; i < 33; i++)
+        b[i] = frand();
+    cpu_matmul_op ops[3];
+    for (int o = 0; o < 3; o++) {
+        ops[o] =
+            (cpu_matmul_op){y1[o], x, w[o], CPU_F32, o == 1 ? b : NULL, o == 2 ? 1 : T, Ns[o], K};
+        cpu_matmul(NULL, y2[o], x, w[o], CPU_F32, o == 1 ? b : NULL, o == 2 ? 1 : T, Ns[o], K);
+    }
+    cpu_matmul_batch(pool, ops, 3);
+    for (int o = 0; o < 3; o++)
+        assert_memory_equal(y1[o], y2[o], sizeof(float) * (size_t)(o == 2 ? 1 : T) * Ns[o]);
+    cpu_pool_free(pool);
+}
+
 static void test_vector_ops(void **st) {
     (void)st;
     float a[37], b[37], y1[37], y2[37];
@@ -133,6 +157,21 @@ static void test_vector_ops(void **st) {
     cpu_isa prev = cpu_isa_get();
     for (int n = 1; n <= 37; n += 3)
         assert_true(cpu_dot(a, b, n) == cpu_ref_dot(a, b, n));
+    /* the GQA helpers equal per-head cpu_dot / cpu_axpy, bit for bit */
+    float q[7 * 37], o1[7], yh[7 * 37], yr[7 * 37], wts[7];
+    for (int i = 0; i < 7 * 37; i++)
+        q[i] = frand(), yh[i] = yr[i] = frand();
+    for (int h = 0; h < 7; h++)
+        wts[h] = frand();
+    for (int n = 5; n <= 37; n += 16) {
+        cpu_dot_heads(o1, q, b, 7, n);
+        for (int h = 0; h < 7; h++)
+            assert_true(o1[h] == cpu_dot(q + h * n, b, n));
+        cpu_axpy_heads(yh, wts, a, 7, n);
+        for (int h = 0; h < 7; h++)
+            cpu_axpy(yr + h * n, wts[h], a, n);
+        assert_memory_equal(yh, yr, sizeof(float) * 7 * (size_t)n);
+    }
     cpu_axpy(y1, 0.37f, a, 37);
     cpu_ref_axpy(y2, 0.37f, a, 37);
     assert_memory_equal(y1, y2, sizeof y1);
@@ -194,6 +233,7 @@ static void test_pool(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matmul_avx2_vs_ref),
+        cmocka_unit_test(test_matmul_batch),
         cmocka_unit_test(test_vector_ops),
         cmocka_unit_test(test_conversions),
         cmocka_unit_test(test_pool),

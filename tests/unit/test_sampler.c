@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "model/sampler.h"
@@ -76,6 +77,70 @@ static void test_distributions(void **st) {
     p.top_p = 1.0f;
     p.min_p = 0.15f; /* keep p >= 0.075: 0.5, 0.3, 0.1 */
     check_freq(&p, k3, 20000);
+}
+
+/* Large vocabulary: the top-p (and top-k) set (found here by a full sort in double) is exactly what
+ * is sampled from. */
+static const float *g_l;
+static int cmp_l(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    return g_l[x] > g_l[y] ? -1 : g_l[x] < g_l[y] ? 1 : x - y;
+}
+
+static void test_top_p_large_vocab(void **st) {
+    (void)st;
+    enum { BV = 50000 };
+    static float l[BV], w[BV];
+    static int order[BV], in_set[BV], seen[BV];
+    uint64_t x = 99;
+    for (int i = 0; i < BV; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        double u = (double)(x >> 11) / 9007199254740992.0;
+        l[i] = (float)(-1.0 * log(-log(u + 1e-300) + 1e-300)); /* Gumbel-like logits */
+        order[i] = i;
+    }
+    g_l = l;
+    qsort(order, BV, sizeof *order, cmp_l);
+    double z = 0, cum = 0;
+    for (int i = 0; i < BV; i++)
+        z += exp((double)l[i] - l[order[0]]);
+    int set = 0;
+    while (cum < 0.5)
+        cum += exp((double)l[order[set]] - l[order[0]]) / z, in_set[order[set++]] = 1;
+    sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = 1.0f;
+    p.top_p = 0.5f;
+    p.has_seed = 1;
+    char err[256];
+    sampler *s = sampler_init(&p, BV, NULL, 0, err, sizeof err);
+    int distinct = 0;
+    for (int r = 0; r < 3000; r++) {
+        memcpy(w, l, sizeof l);
+        sample_result res;
+        sampler_sample(s, w, &res);
+        if (!in_set[res.token])
+            fail_msg("token %d sampled outside the top-p set of %d tokens", res.token, set);
+        distinct += !seen[res.token]++;
+    }
+    assert_true(set > 1);
+    if (set <= 50) assert_int_equal(distinct, set); /* every member shows up */
+    sampler_free(s);
+    /* top-k with a large k (the bucketed path): only the k best ever come out */
+    p.top_p = 1.0f;
+    p.top_k = 100;
+    p.temperature = 3.0f; /* flat enough that the whole set is reachable */
+    memset(in_set, 0, sizeof in_set);
+    for (int i = 0; i < 100; i++)
+        in_set[order[i]] = 1;
+    s = sampler_init(&p, BV, NULL, 0, err, sizeof err);
+    for (int r = 0; r < 3000; r++) {
+        memcpy(w, l, sizeof l);
+        sample_result res;
+        sampler_sample(s, w, &res);
+        if (!in_set[res.token]) fail_msg("token %d sampled outside the top-100", res.token);
+    }
+    sampler_free(s);
 }
 
 static void test_greedy_and_ties(void **st) {
@@ -226,9 +291,10 @@ static void test_invalid(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_distributions),     cmocka_unit_test(test_greedy_and_ties),
-        cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_penalties),
-        cmocka_unit_test(test_logprobs_and_stop), cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_distributions),   cmocka_unit_test(test_top_p_large_vocab),
+        cmocka_unit_test(test_greedy_and_ties), cmocka_unit_test(test_seed_reproducible),
+        cmocka_unit_test(test_penalties),       cmocka_unit_test(test_logprobs_and_stop),
+        cmocka_unit_test(test_invalid),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -324,6 +324,8 @@ static void *sender_main(void *arg) {
         pthread_mutex_lock(&c->mu);
         prod_req *p = t->p;
         if (rc == 0) {
+            c->st.send_count++;
+            c->st.send_sum_s += (double)(clock_now_ns() - t0) / 1e9;
             c->st.bytes_sent += bytes;
             c->st.descriptors_sent += nruns;
             c->st.transfers_ok++;
@@ -1020,7 +1022,11 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
     if (n > 0 && (size_t)n < cap)
         snprintf(t + n, cap - (size_t)n,
                  "disagg:kv_load_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n"
-                 "disagg:kv_load_seconds_sum %.6f\ndisagg:kv_load_seconds_count %" PRIu64 "\n",
-                 s.load_count, s.load_sum_s, s.load_count);
+                 "disagg:kv_load_seconds_sum %.6f\ndisagg:kv_load_seconds_count %" PRIu64 "\n"
+                 "# HELP disagg:kv_send_seconds Producer: time to write one request's KV into the "
+                 "decoder (blocks ready -> written).\n"
+                 "# TYPE disagg:kv_send_seconds summary\n"
+                 "disagg:kv_send_seconds_sum %.6f\ndisagg:kv_send_seconds_count %" PRIu64 "\n",
+                 s.load_count, s.load_sum_s, s.load_count, s.send_sum_s, s.send_count);
     return t;
 }

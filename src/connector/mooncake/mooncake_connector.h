@@ -55,6 +55,8 @@ typedef struct mooncake_stats {
     uint64_t load_count;
     double load_sum_s;
     uint64_t load_buckets[12]; /* cumulative counts for MOONCAKE_LOAD_BUCKETS */
+    uint64_t send_count; /* producer: requests whose KV was written (blocks ready -> written) */
+    double send_sum_s;
 } mooncake_stats;
 
 #define MOONCAKE_LOAD_BUCKETS                                                                      \

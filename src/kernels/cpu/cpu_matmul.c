@@ -15,8 +15,10 @@
 #include <string.h>
 
 #define ROWS_PER_TASK   16 /* weight rows per task (4 panels of 4) */
-#define TOKENS_PER_TASK 64
+#define TOKENS_PER_TASK 96
+#ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 2 /* extra 4-row groups of prefetch distance in decode */
+#endif
 
 /* ---- ISA selection ------------------------------------------------------ */
 
@@ -235,23 +237,56 @@ static void mm_task(void *ctx, int task) {
     }
 }
 
-void cpu_matmul(cpu_pool *pool, float *y, const float *x, const void *w, cpu_dtype wt,
-                const float *bias, int T, int N, int K) {
-    if (T <= 0 || N <= 0) return;
+typedef struct mm_multi {
+    mm_job jobs[CPU_MATMUL_MAX_OPS];   /* one per op */
+    int first[CPU_MATMUL_MAX_OPS + 1]; /* first task of each op; first[n] = total */
+    int n;                             /* ops */
+} mm_multi;
+
+static void mm_multi_task(void *ctx, int task) {
+    const mm_multi *m = ctx;
+    int o = 0;
+    while (task >= m->first[o + 1])
+        o++;
+    mm_task((void *)&m->jobs[o], task - m->first[o]);
+}
+
+void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
     if (cpu_isa_get() == CPU_ISA_SCALAR) {
-        cpu_ref_matmul(y, x, w, wt, bias, T, N, K);
+        for (int i = 0; i < n_ops; i++)
+            if (ops[i].T > 0 && ops[i].N > 0)
+                cpu_ref_matmul(ops[i].y, ops[i].x, ops[i].w, ops[i].wt, ops[i].bias, ops[i].T,
+                               ops[i].N, ops[i].K);
         return;
     }
-    /* decode-sized batches stream weights: few long contiguous row ranges per thread keep
-     * the hardware prefetchers busy; larger batches use short panels (cache reuse) */
-    int rpt = ROWS_PER_TASK;
-    if (T <= 2) {
-        int per = (N + cpu_pool_threads(pool) * 8 - 1) / (cpu_pool_threads(pool) * 8);
-        rpt = per > rpt ? (per + 3) & ~3 : rpt;
+    for (int base = 0; base < n_ops; base += CPU_MATMUL_MAX_OPS) {
+        mm_multi m = {.n = 0};
+        int total = 0;
+        for (int i = base; i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
+            const cpu_matmul_op *op = &ops[i];
+            if (op->T <= 0 || op->N <= 0) continue;
+            /* decode-sized batches stream weights: few long contiguous row ranges per thread
+             * keep the hardware prefetchers busy; larger batches use short panels (reuse) */
+            int rpt = ROWS_PER_TASK;
+            if (op->T <= 2) {
+                int per = (op->N + cpu_pool_threads(pool) * 8 - 1) / (cpu_pool_threads(pool) * 8);
+                rpt = per > rpt ? (per + 3) & ~3 : rpt;
+            }
+            mm_job *j = &m.jobs[m.n];
+            *j = (mm_job){op->y, op->x, op->w, op->wt, op->bias,
+                          op->T, op->N, op->K, rpt,    (op->N + rpt - 1) / rpt};
+            m.first[m.n++] = total;
+            total += j->row_tasks * ((op->T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK);
+        }
+        m.first[m.n] = total;
+        cpu_pool_run(pool, total, mm_multi_task, &m);
     }
-    mm_job j = {y, x, w, wt, bias, T, N, K, rpt, (N + rpt - 1) / rpt};
-    int token_tasks = (T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK;
-    cpu_pool_run(pool, j.row_tasks * token_tasks, mm_task, &j);
+}
+
+void cpu_matmul(cpu_pool *pool, float *y, const float *x, const void *w, cpu_dtype wt,
+                const float *bias, int T, int N, int K) {
+    cpu_matmul_op op = {y, x, w, wt, bias, T, N, K};
+    cpu_matmul_batch(pool, &op, 1);
 }
 
 /* ---- vector helpers ----------------------------------------------------- */
@@ -277,6 +312,40 @@ void cpu_axpy(float *y, float a, const float *x, int n) {
                          _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++)
         y[i] = __builtin_fmaf(a, x[i], y[i]);
+}
+
+void cpu_dot_heads(float *out, const float *q, const float *k, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        for (int h = 0; h < m; h++)
+            out[h] = cpu_ref_dot(q + (size_t)h * n, k, n);
+        return;
+    }
+    for (int h = 0; h < m; h++) {
+        const float *a = q + (size_t)h * n;
+        __m256 acc = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(k + i), acc);
+        out[h] = finish(acc, a, k, CPU_F32, 0, i, n, NULL, 0);
+    }
+}
+
+void cpu_axpy_heads(float *y, const float *a, const float *x, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        for (int h = 0; h < m; h++)
+            cpu_ref_axpy(y + (size_t)h * n, a[h], x, n);
+        return;
+    }
+    for (int h = 0; h < m; h++) {
+        float *yh = y + (size_t)h * n;
+        __m256 av = _mm256_set1_ps(a[h]);
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(yh + i,
+                             _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(yh + i)));
+        for (; i < n; i++)
+            yh[i] = __builtin_fmaf(a[h], x[i], yh[i]);
+    }
 }
 
 void cpu_row_to_f32(float *out, const void *row, cpu_dtype dt, int n) {

@@ -36,10 +36,27 @@ int cpu_isa_force(cpu_isa isa);
  * task; pool may be NULL. */
 void cpu_matmul(cpu_pool *pool, float *y, const float *x, const void *w, cpu_dtype wt,
                 const float *bias, int T, int N, int K);
+/* Several independent matmuls in one pool dispatch (fewer synchronisations per decode
+ * step); each result equals its own cpu_matmul. */
+#define CPU_MATMUL_MAX_OPS 8
+typedef struct cpu_matmul_op {
+    float *y;          /* (T, N) out */
+    const float *x;    /* (T, K) */
+    const void *w;     /* (N, K) of wt */
+    cpu_dtype wt;      /* weight dtype */
+    const float *bias; /* (N) or NULL */
+    int T, N, K;       /* shapes */
+} cpu_matmul_op;
+void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops);
 /* Canonical dot of two f32 vectors of length n. */
 float cpu_dot(const float *a, const float *b, int n);
 /* y[i] = fma(a, x[i], y[i]) for i < n. */
 void cpu_axpy(float *y, float a, const float *x, int n);
+/* Attention helpers for m query heads that share one key/value row (GQA), each head's
+ * result equal to cpu_dot / cpu_axpy on its own:
+ * out[h] = dot(q (m, n) row h, k (n));  y (m, n) row h += a[h] * x (n). */
+void cpu_dot_heads(float *out, const float *q, const float *k, int m, int n);
+void cpu_axpy_heads(float *y, const float *a, const float *x, int m, int n);
 /* out (n) = row (n) of dtype dt converted to f32. */
 void cpu_row_to_f32(float *out, const void *row, cpu_dtype dt, int n);
 

@@ -1,0 +1,257 @@
+/*
+ * cmd_proxy — `disagg proxy`: parses the command line (the flags of vLLM's
+ * disaggregated-serving example proxy plus ours) and runs src/proxy.
+ */
+#include "cli/commands.h"
+
+#include "base/log.h"
+#include "proxy/proxy.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void proxy_usage(FILE *f) {
+    fprintf(
+        f,
+        "usage: disagg proxy --prefill URL [BOOTSTRAP] [--prefill ...] --decode URL [--decode "
+        "...]\n"
+        "                    [--host H] [--port N] [--policy least_loaded|round_robin] [--api-key "
+        "KEY]\n\n"
+        "P/D router: sends each OpenAI request to a prefill instance (max_tokens 1) and, at\n"
+        "the same time, to a decode instance, and relays the decode response.\n\n"
+        "  --prefill URL [BOOTSTRAP]  prefill instance http://host:port; BOOTSTRAP is its "
+        "bootstrap\n"
+        "                             server: a port on the same host (default 8998) or host:port\n"
+        "  --decode URL               decode instance http://host:port (repeatable)\n"
+        "  --prefiller-hosts H.. --prefiller-ports P.. --decoder-hosts H.. --decoder-ports P..\n"
+        "                             the same in the form of vLLM's toy_proxy_server.py "
+        "(bootstrap\n"
+        "                             port 8998 on each prefill host)\n"
+        "  --host H                   listen address (default 127.0.0.1)\n"
+        "  --port N                   listen port (default 8000)\n"
+        "  --policy P                 least_loaded (default: fewest outstanding requests) or "
+        "round_robin\n"
+        "  --api-key KEY              sent upstream as 'Authorization: Bearer KEY' (default: pass "
+        "the\n"
+        "                             client's Authorization header through)\n"
+        "  --max-body-bytes N         client request body limit (default 16777216)\n"
+        "  --max-headers N            client request header count limit (default 100)\n"
+        "  --connect-timeout S        upstream connect timeout, seconds (default 5)\n"
+        "  --timeout S                longest upstream silence, seconds (default 600)\n"
+        "  --health-interval S        health probe period, seconds (default 1)\n"
+        "  --client-timeout S         time to receive a client's whole request (default 60)\n"
+        "  --shutdown-timeout S       on SIGTERM/SIGINT, wait for requests in flight (default 30)\n"
+        "  --log-level L              debug|info|warn|error (default info, or DISAGG_LOG_LEVEL)\n");
+}
+
+static int parse_double(const char *flag, const char *v, double lo, double hi, double *out) {
+    char *end;
+    errno = 0;
+    double d = strtod(v, &end);
+    if (!*v || *end || errno || d < lo || d > hi) {
+        fprintf(stderr, "disagg proxy: %s '%s' is not a number in [%g, %g]\n", flag, v, lo, hi);
+        return -EINVAL;
+    }
+    *out = d;
+    return 0;
+}
+
+static int parse_long(const char *flag, const char *v, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    if (!*v || *end || errno || n < lo || n > hi) {
+        fprintf(stderr, "disagg proxy: %s '%s' is not an integer in [%ld, %ld]\n", flag, v, lo, hi);
+        return -EINVAL;
+    }
+    *out = n;
+    return 0;
+}
+
+/* The host/port flags of vLLM's toy_proxy_server.py (0 prefiller hosts,
+ * 1 prefiller ports, 2 decoder hosts, 3 decoder ports), or -1. */
+static int alias_kind(const char *a) {
+    static const char *const names[4][2] = {{"--prefiller-hosts", "--prefiller-host"},
+                                            {"--prefiller-ports", "--prefiller-port"},
+                                            {"--decoder-hosts", "--decoder-host"},
+                                            {"--decoder-ports", "--decoder-port"}};
+    for (int k = 0; k < 4; k++)
+        if (!strcmp(a, names[k][0]) || !strcmp(a, names[k][1])) return k;
+    return -1;
+}
+
+int cmd_proxy(int argc, char **argv) {
+    proxy_config cfg;
+    proxy_config_default(&cfg);
+    proxy_upstream pre[POLICY_MAX_BACKENDS], dec[POLICY_MAX_BACKENDS];
+    cfg.prefill = pre;
+    cfg.decode = dec;
+    const char *alias_v[4][POLICY_MAX_BACKENDS]; /* prefiller hosts, ports, decoder hosts, ports */
+    int alias_n[4] = {0};
+    char alias_urls[2][POLICY_MAX_BACKENDS][300];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        long n;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            proxy_usage(stdout);
+            return 0;
+        }
+        int alias = alias_kind(a);
+        if (alias >= 0) { /* vLLM toy proxy: --prefiller-hosts H... --prefiller-ports P... */
+            int got = 0;
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+                if (alias_n[alias] >= POLICY_MAX_BACKENDS) {
+                    fprintf(stderr, "disagg proxy: at most %d values for %s\n", POLICY_MAX_BACKENDS,
+                            a);
+                    return 2;
+                }
+                alias_v[alias][alias_n[alias]++] = argv[++i];
+                got++;
+            }
+            if (!got) {
+                fprintf(stderr, "disagg proxy: %s needs at least one value\n", a);
+                return 2;
+            }
+            continue;
+        }
+        if (!strcmp(a, "--prefill") || !strcmp(a, "--decode")) {
+            int is_p = a[2] == 'p';
+            if (!v || !strncmp(v, "--", 2)) {
+                fprintf(stderr, "disagg proxy: %s needs a URL (http://host:port)\n", a);
+                return 2;
+            }
+            int *cnt = is_p ? &cfg.nprefill : &cfg.ndecode;
+            if (*cnt >= POLICY_MAX_BACKENDS) {
+                fprintf(stderr, "disagg proxy: at most %d %s instances\n", POLICY_MAX_BACKENDS,
+                        a + 2);
+                return 2;
+            }
+            proxy_upstream *u = &(is_p ? pre : dec)[(*cnt)++];
+            u->url = v;
+            u->bootstrap = NULL;
+            i++;
+            if (is_p && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
+                u->bootstrap = argv[++i];
+            continue;
+        }
+        static const char *const known[] = {"--host",
+                                            "--port",
+                                            "--policy",
+                                            "--api-key",
+                                            "--max-body-bytes",
+                                            "--max-headers",
+                                            "--connect-timeout",
+                                            "--timeout",
+                                            "--health-interval",
+                                            "--client-timeout",
+                                            "--shutdown-timeout",
+                                            "--log-level"};
+        int is_known = 0;
+        for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
+            is_known |= !strcmp(a, known[k]);
+        if (!is_known) {
+            fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
+            return 2;
+        }
+        if (!v) {
+            fprintf(stderr, "disagg proxy: %s needs a value (see disagg proxy --help)\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--host")) {
+            cfg.host = v;
+        } else if (!strcmp(a, "--port")) {
+            if (parse_long(a, v, 0, 65535, &n)) return 2;
+            cfg.port = (uint16_t)n;
+        } else if (!strcmp(a, "--policy")) {
+            if (policy_parse(v, &cfg.policy)) {
+                fprintf(stderr,
+                        "disagg proxy: --policy '%s' is not accepted; use least_loaded or "
+                        "round_robin\n",
+                        v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--api-key")) {
+            cfg.api_key = v;
+        } else if (!strcmp(a, "--max-body-bytes")) {
+            if (parse_long(a, v, 1, 1L << 32, &n)) return 2;
+            cfg.max_body_bytes = (size_t)n;
+        } else if (!strcmp(a, "--max-headers")) {
+            if (parse_long(a, v, 1, 10000, &n)) return 2;
+            cfg.max_headers = (int)n;
+        } else if (!strcmp(a, "--connect-timeout")) {
+            if (parse_double(a, v, 0.001, 3600, &cfg.connect_timeout_s)) return 2;
+        } else if (!strcmp(a, "--timeout")) {
+            if (parse_double(a, v, 0.001, 86400, &cfg.upstream_timeout_s)) return 2;
+        } else if (!strcmp(a, "--health-interval")) {
+            if (parse_double(a, v, 0.01, 3600, &cfg.health_interval_s)) return 2;
+        } else if (!strcmp(a, "--shutdown-timeout")) {
+            if (parse_double(a, v, 0, 86400, &cfg.shutdown_timeout_s)) return 2;
+        } else if (!strcmp(a, "--client-timeout")) {
+            if (parse_double(a, v, 0.001, 3600, &cfg.client_timeout_s)) return 2;
+        } else if (!strcmp(a, "--log-level")) {
+            int l = log_parse_level(v);
+            if (l < 0) {
+                fprintf(stderr,
+                        "disagg proxy: --log-level '%s' is not accepted; use debug, info, warn or "
+                        "error\n",
+                        v);
+                return 2;
+            }
+            log_set_level((log_level)l);
+        } else {
+            fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
+            return 2;
+        }
+    }
+    for (int r = 0; r < 2; r++) { /* pair the toy-proxy host and port lists */
+        int nh = alias_n[2 * r], np = alias_n[2 * r + 1];
+        if (!nh && !np) continue;
+        const char *who = r ? "decoder" : "prefiller";
+        if (nh != np && nh != 1 && np != 1) {
+            fprintf(stderr, "disagg proxy: %d --%s-hosts but %d --%s-ports: give as many of each\n",
+                    nh, who, np, who);
+            return 2;
+        }
+        int n = nh > np ? nh : np;
+        for (int k = 0; k < n; k++) {
+            const char *h = nh ? alias_v[2 * r][nh == 1 ? 0 : k] : "localhost";
+            const char *pt = np ? alias_v[2 * r + 1][np == 1 ? 0 : k] : (r ? "8200" : "8100");
+            int *cnt = r ? &cfg.ndecode : &cfg.nprefill;
+            if (*cnt >= POLICY_MAX_BACKENDS) {
+                fprintf(stderr, "disagg proxy: at most %d %s instances\n", POLICY_MAX_BACKENDS,
+                        who);
+                return 2;
+            }
+            snprintf(alias_urls[r][k], sizeof alias_urls[r][k], "http://%s:%s", h, pt);
+            proxy_upstream *u = &(r ? dec : pre)[(*cnt)++];
+            u->url = alias_urls[r][k];
+            u->bootstrap = NULL;
+        }
+    }
+    if (cfg.nprefill == 0 || cfg.ndecode == 0) {
+        fprintf(stderr, "disagg proxy: at least one --prefill and one --decode are needed\n");
+        proxy_usage(stderr);
+        return 2;
+    }
+    /* Validate URLs here so that a bad one is a usage error (2), not a runtime one. */
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < (r ? cfg.ndecode : cfg.nprefill); i++) {
+            char host[256], err[300];
+            uint16_t port;
+            const proxy_upstream *u = r ? &dec[i] : &pre[i];
+            char bhost[256];
+            uint16_t bport;
+            if (backend_parse_url(u->url, host, sizeof host, &port, err, sizeof err) ||
+                (!r && backend_parse_bootstrap(u->url, host, u->bootstrap, bhost, sizeof bhost,
+                                               &bport, err, sizeof err))) {
+                fprintf(stderr, "disagg proxy: --%s %s\n", r ? "decode" : "prefill", err);
+                return 2;
+            }
+        }
+    return proxy_run(&cfg);
+}

@@ -1,0 +1,231 @@
+/* backend — see backend.h. */
+#include "proxy/backend.h"
+
+#include "base/log.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <event2/buffer.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#define MOD "proxy"
+
+const char *backend_role_name(backend_role r) {
+    return r == BACKEND_PREFILL ? "prefill" : "decode";
+}
+
+int backend_parse_url(const char *url, char *host, size_t host_cap, uint16_t *port, char *err,
+                      size_t errcap) {
+    const char *p = url;
+    if (!strncasecmp(p, "https://", 8)) {
+        snprintf(err, errcap, "'%s': https is not supported; use http://host:port", url);
+        return -EINVAL;
+    }
+    if (!strncasecmp(p, "http://", 7)) p += 7;
+    size_t n = strcspn(p, "/");
+    if (p[n] && strcmp(p + n, "/") != 0) {
+        snprintf(err, errcap, "'%s': a path is not accepted; give http://host:port", url);
+        return -EINVAL;
+    }
+    char hp[300];
+    if (n == 0 || n >= sizeof hp) {
+        snprintf(err, errcap, "'%s' is not an http://host:port address", url);
+        return -EINVAL;
+    }
+    memcpy(hp, p, n);
+    hp[n] = 0;
+    const char *colon = hp[0] == '[' ? strstr(hp, "]:") : strrchr(hp, ':');
+    if (hp[0] == '[' && colon) colon++;
+    if (!colon || (hp[0] != '[' && strchr(hp, ':') != colon)) {
+        if (hp[0] == '[' || strchr(hp, ':')) {
+            snprintf(err, errcap, "'%s': malformed host:port", url);
+            return -EINVAL;
+        }
+        if (strlen(hp) >= host_cap) return -EINVAL;
+        strcpy(host, hp);
+        *port = 80;
+        return 0;
+    }
+    char *end;
+    long v = strtol(colon + 1, &end, 10);
+    if (!isdigit((unsigned char)colon[1]) || *end || v < 1 || v > 65535) {
+        snprintf(err, errcap, "'%s': port '%s' is not 1..65535", url, colon + 1);
+        return -EINVAL;
+    }
+    size_t hl = (size_t)(colon - hp);
+    const char *h = hp;
+    if (hp[0] == '[') {
+        h = hp + 1;
+        hl -= 2;
+    }
+    if (hl == 0 || hl >= host_cap) {
+        snprintf(err, errcap, "'%s': missing or too long host", url);
+        return -EINVAL;
+    }
+    memcpy(host, h, hl);
+    host[hl] = 0;
+    *port = (uint16_t)v;
+    return 0;
+}
+
+int backend_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
+                            char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap) {
+    snprintf(host, host_cap, "%s", api_host);
+    *port = BACKEND_DEFAULT_BOOTSTRAP_PORT;
+    if (!bootstrap) return 0;
+    const char *q = bootstrap;
+    while (isdigit((unsigned char)*q))
+        q++;
+    if (*bootstrap && !*q) {
+        long v = strtol(bootstrap, NULL, 10);
+        if (v < 1 || v > 65535 || q - bootstrap > 5) {
+            snprintf(err, errcap, "bootstrap port '%s' of %s is not 1..65535", bootstrap, url);
+            return -EINVAL;
+        }
+        *port = (uint16_t)v;
+        return 0;
+    }
+    return backend_parse_url(bootstrap, host, host_cap, port, err, errcap);
+}
+
+static void format_url(char *out, size_t cap, const char *host, uint16_t port) {
+    int v6 = strchr(host, ':') != NULL;
+    snprintf(out, cap, "http://%s%s%s:%u", v6 ? "[" : "", host, v6 ? "]" : "", port);
+}
+
+int backend_init(backend *b, backend_role role, int index, const char *url, const char *bootstrap,
+                 const backend_env *env, char *err, size_t errcap) {
+    memset(b, 0, sizeof *b);
+    b->role = role;
+    b->index = index;
+    b->env = env;
+    int rc = backend_parse_url(url, b->host, sizeof b->host, &b->port, err, errcap);
+    if (rc) return rc;
+    format_url(b->url, sizeof b->url, b->host, b->port);
+    if (role == BACKEND_PREFILL) {
+        rc = backend_parse_bootstrap(url, b->host, bootstrap, b->bootstrap_host,
+                                     sizeof b->bootstrap_host, &b->bootstrap_port, err, errcap);
+        if (rc) return rc;
+        format_url(b->bootstrap_url, sizeof b->bootstrap_url, b->bootstrap_host, b->bootstrap_port);
+        b->bootstrap_pool = hc_pool_new(env->base, b->bootstrap_host, b->bootstrap_port, 2);
+    }
+    b->pool = hc_pool_new(env->base, b->host, b->port, 1024);
+    b->probe_body = evbuffer_new();
+    if (!b->pool || !b->probe_body || (role == BACKEND_PREFILL && !b->bootstrap_pool)) {
+        snprintf(err, errcap, "out of memory");
+        return -ENOMEM;
+    }
+    snprintf(b->last_error, sizeof b->last_error, "waiting for its first health probe");
+    return 0;
+}
+
+void backend_free(backend *b) {
+    hc_cancel(b->probe);
+    b->probe = NULL;
+    hc_pool_free(b->pool);
+    hc_pool_free(b->bootstrap_pool);
+    if (b->probe_body) evbuffer_free(b->probe_body);
+    pd_engines_free(b->engines, b->nengines);
+    memset(b, 0, sizeof *b);
+}
+
+static void set_state(backend *b, int healthy, int ready, const char *why) {
+    if (why) snprintf(b->last_error, sizeof b->last_error, "%s", why);
+    if (b->ready != ready) {
+        b->transitions++;
+        if (ready)
+            LOG_I(MOD, "%s %s is ready%s", backend_role_name(b->role), b->url,
+                  b->ever_ready ? " again: back in rotation" : "");
+        else
+            LOG_W(MOD, "%s %s taken out of rotation: %s", backend_role_name(b->role), b->url,
+                  b->last_error);
+    }
+    b->healthy = healthy;
+    b->ready = ready;
+    if (ready) b->ever_ready = 1;
+}
+
+void backend_mark_down(backend *b, const char *why) {
+    if (b->role == BACKEND_PREFILL) {
+        pd_engines_free(b->engines, b->nengines);
+        b->engines = NULL;
+        b->nengines = 0;
+    }
+    set_state(b, 0, 0, why);
+}
+
+static void probe_head(hc_req *r, const http_head *h, void *arg) {
+    backend *b = arg;
+    b->probe_status = h->status;
+}
+
+static void probe_data(hc_req *r, struct evbuffer *data, void *arg) {
+    backend *b = arg;
+    if (evbuffer_get_length(b->probe_body) < (1u << 20)) evbuffer_add_buffer(b->probe_body, data);
+}
+
+static void probe_start(backend *b, int stage);
+
+static void probe_done(hc_req *r, int err, void *arg) {
+    backend *b = arg;
+    b->probe = NULL;
+    char why[1024];
+    const char *what = b->probe_stage == 0 ? "GET /health" : "GET /query";
+    const char *where = b->probe_stage == 0 ? b->url : b->bootstrap_url;
+    if (err) {
+        snprintf(why, sizeof why, "%s%s: %s", where, b->probe_stage ? "/query" : "/health",
+                 hc_strerror(err));
+        backend_mark_down(b, why);
+        return;
+    }
+    if (b->probe_status != 200) {
+        snprintf(why, sizeof why, "%s on %s answered HTTP %d", what, where, b->probe_status);
+        backend_mark_down(b, why);
+        return;
+    }
+    if (b->probe_stage == 0) {
+        if (b->role == BACKEND_DECODE || b->nengines > 0) {
+            set_state(b, 1, 1, NULL);
+            return;
+        }
+        b->healthy = 1;
+        probe_start(b, 1); /* prefill without an engine table: discover it */
+        return;
+    }
+    size_t len = evbuffer_get_length(b->probe_body);
+    const char *txt = (const char *)evbuffer_pullup(b->probe_body, -1);
+    pd_engine *rows;
+    int n;
+    char perr[300];
+    int rc = pd_parse_query(txt ? txt : "", len, &rows, &n, perr, sizeof perr);
+    if (rc) {
+        snprintf(why, sizeof why, "%s/query: %s", b->bootstrap_url, perr);
+        backend_mark_down(b, why);
+        return;
+    }
+    pd_engines_free(b->engines, b->nengines);
+    b->engines = rows;
+    b->nengines = n;
+    for (int i = 0; i < n; i++)
+        LOG_I(MOD, "prefill %s dp rank %d: engine_id %s (tp %d)", b->url, rows[i].dp_rank,
+              rows[i].engine_id, rows[i].tp_size);
+    set_state(b, 1, 1, NULL);
+}
+
+static void probe_start(backend *b, int stage) {
+    static const hc_callbacks cb = {probe_head, probe_data, probe_done};
+    hc_timeouts t = {b->env->probe_timeout_s, b->env->probe_timeout_s};
+    b->probe_stage = stage;
+    b->probe_status = 0;
+    evbuffer_drain(b->probe_body, evbuffer_get_length(b->probe_body));
+    b->probe =
+        hc_request(stage == 0 ? b->pool : b->bootstrap_pool, "GET",
+                   stage == 0 ? "/health" : "/query", b->env->auth_header, NULL, 0, &t, &cb, b);
+}
+
+void backend_probe(backend *b) {
+    if (!b->probe) probe_start(b, 0);
+}

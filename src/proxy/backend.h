@@ -1,0 +1,81 @@
+/*
+ * backend — one upstream instance of the proxy (a prefill or a decode
+ * server): its address and bootstrap address (from `--prefill URL
+ * [BOOTSTRAP_PORT]` / `--decode URL`), connection pools, health state and
+ * discovery (GET /health until 200, then for a prefill GET {bootstrap}/query
+ * for dp_rank -> engine_id, PROTOCOL.md §1-2), and per-backend load and
+ * latency counters.  A backend that fails a probe or refuses a connection is
+ * taken out of rotation; the periodic probe puts it back (re-reading its
+ * engine table: a restarted prefill has new engine ids).
+ */
+#ifndef DISAGG_PROXY_BACKEND_H
+#define DISAGG_PROXY_BACKEND_H
+
+#include "proxy/http_client.h"
+#include "proxy/metrics.h"
+#include "proxy/pd_request.h"
+
+#include <stdint.h>
+
+struct event_base;
+
+typedef enum backend_role { BACKEND_PREFILL = 0, BACKEND_DECODE = 1 } backend_role;
+
+#define BACKEND_DEFAULT_BOOTSTRAP_PORT 8998
+
+typedef struct backend_env {
+    struct event_base *base; /* loop */
+    const char *auth_header; /* "Authorization: Bearer KEY\r\n" for probes, or NULL */
+    double probe_timeout_s;  /* per probe request */
+} backend_env;
+
+typedef struct backend {
+    backend_role role;           /* prefill or decode */
+    int index;                   /* position in its role's list (exclusion bit) */
+    char url[300];               /* "http://host:port" (label in logs and metrics) */
+    char host[256];              /* API host */
+    uint16_t port;               /* API port */
+    char bootstrap_url[300];     /* prefill: "http://host:port" of its bootstrap server */
+    char bootstrap_host[256];    /* prefill: bootstrap host */
+    uint16_t bootstrap_port;     /* prefill: bootstrap port */
+    hc_pool *pool;               /* keep-alive connections to the API */
+    hc_pool *bootstrap_pool;     /* prefill: connections to the bootstrap server */
+    const backend_env *env;      /* shared settings */
+    int healthy;                 /* last probe passed and no connection refused since */
+    int ready;                   /* usable: healthy and (decode, or engine table known) */
+    int ever_ready;              /* was ready at least once */
+    pd_engine *engines;          /* prefill: (nengines) dp rank -> engine_id, by rank */
+    int nengines;                /* number of dp ranks */
+    unsigned rank_rr;            /* next dp rank (index into engines) for this backend */
+    int outstanding;             /* requests in flight on it */
+    uint64_t requests;           /* requests sent */
+    uint64_t errors;             /* requests that failed (connection, timeout, HTTP >= 500) */
+    uint64_t transitions;        /* times it was taken out or put back */
+    metrics_hist latency;        /* request start -> response end */
+    hc_req *probe;               /* probe in flight */
+    int probe_stage;             /* 0: /health, 1: /query */
+    struct evbuffer *probe_body; /* (bytes) /query answer being read */
+    int probe_status;            /* HTTP status of the probe */
+    char last_error[1024];       /* why it is out of rotation */
+} backend;
+
+/* Parses "http://host[:port][/]" or "host:port" into host/port; -EINVAL with
+ * a message in err naming the bad part. */
+int backend_parse_url(const char *url, char *host, size_t host_cap, uint16_t *port, char *err,
+                      size_t errcap);
+/* The bootstrap address of a prefill at url (API host api_host): bootstrap
+ * NULL (port 8998 on the API host), "PORT", "host:port" or "http://host:port". */
+int backend_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
+                            char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap);
+/* bootstrap: NULL (port 8998 on the API host), "PORT", "host:port" or
+ * "http://host:port". */
+int backend_init(backend *b, backend_role role, int index, const char *url, const char *bootstrap,
+                 const backend_env *env, char *err, size_t errcap);
+void backend_free(backend *b);
+/* Starts a probe unless one is in flight. */
+void backend_probe(backend *b);
+/* A request found it unreachable: take it out of rotation until a probe passes. */
+void backend_mark_down(backend *b, const char *why);
+const char *backend_role_name(backend_role r);
+
+#endif

@@ -1,0 +1,182 @@
+/* pd_request — see pd_request.h. */
+#include "proxy/pd_request.h"
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <pthread.h>
+
+/* xoshiro256** seeded from getrandom once per process (re-seeded after a
+ * fork): ids must be unique, not secret, and a syscall per id is avoidable. */
+static uint64_t rng_state[4];
+static int rng_seeded;
+
+static void rng_forget(void) {
+    rng_seeded = 0; /* in a forked child: draw a new seed */
+}
+
+static uint64_t rotl(uint64_t x, int k) {
+    return (x << k) | (x >> (64 - k));
+}
+
+static uint64_t rng_next(void) {
+    if (!rng_seeded) {
+        static int atfork_set;
+        if (!atfork_set) atfork_set = pthread_atfork(NULL, NULL, rng_forget) == 0;
+        size_t got = 0;
+        while (got < sizeof rng_state) {
+            ssize_t n = getrandom((char *)rng_state + got, sizeof rng_state - got, 0);
+            if (n > 0) got += (size_t)n;
+        }
+        rng_seeded = 1;
+    }
+    uint64_t *s = rng_state;
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+void pd_uuid4(char out[PD_UUID_LEN + 1]) {
+    uint8_t b[16];
+    uint64_t x = rng_next(), y = rng_next();
+    memcpy(b, &x, 8);
+    memcpy(b + 8, &y, 8);
+    b[6] = (uint8_t)((b[6] & 0x0f) | 0x40); /* version 4 */
+    b[8] = (uint8_t)((b[8] & 0x3f) | 0x80); /* RFC 4122 variant */
+    static const char hex[] = "0123456789abcdef";
+    char *o = out;
+    for (int i = 0; i < 16; i++) {
+        if (i == 4 || i == 6 || i == 8 || i == 10) *o++ = '-';
+        *o++ = hex[b[i] >> 4];
+        *o++ = hex[b[i] & 15];
+    }
+    *o = 0;
+}
+
+int pd_parse_client_body(const char *buf, size_t len, json_t **out, char *err, size_t errcap) {
+    json_error_t je;
+    json_t *j = json_loadb(buf, len, 0, &je);
+    if (!j) {
+        snprintf(err, errcap, "request body is not valid JSON: %s (line %d, column %d)", je.text,
+                 je.line, je.column);
+        return -EINVAL;
+    }
+    if (!json_is_object(j)) {
+        snprintf(err, errcap, "request body must be a JSON object, got a JSON %s",
+                 json_is_array(j)     ? "array"
+                 : json_is_string(j)  ? "string"
+                 : json_is_null(j)    ? "null"
+                 : json_is_boolean(j) ? "boolean"
+                                      : "number");
+        json_decref(j);
+        return -EINVAL;
+    }
+    *out = j;
+    return 0;
+}
+
+json_t *pd_prefill_body(const json_t *client, const char *transfer_id) {
+    json_t *b = json_deep_copy(client);
+    if (!b) return NULL;
+    json_object_set_new(b, "max_tokens", json_integer(1));
+    if (json_object_get(b, "max_completion_tokens"))
+        json_object_set_new(b, "max_completion_tokens", json_integer(1));
+    json_object_set_new(b, "stream", json_false());
+    json_object_del(b, "stream_options");
+    /* min_tokens > 1 contradicts max_tokens 1 and a server rejects it (vLLM's
+     * own proxy drops these for P too); D still gets them. */
+    json_object_del(b, "min_tokens");
+    json_object_del(b, "min_completion_tokens");
+    json_object_set_new(b, "kv_transfer_params",
+                        json_pack("{s:b, s:b, s:s}", "do_remote_decode", 1, "do_remote_prefill", 0,
+                                  "transfer_id", transfer_id));
+    return b;
+}
+
+json_t *pd_decode_body(const json_t *client, const char *remote_engine_id,
+                       const char *remote_bootstrap_addr, const char *transfer_id) {
+    json_t *b = json_deep_copy(client);
+    if (!b) return NULL;
+    json_object_set_new(b, "kv_transfer_params",
+                        json_pack("{s:b, s:b, s:s, s:s, s:s}", "do_remote_decode", 0,
+                                  "do_remote_prefill", 1, "remote_engine_id", remote_engine_id,
+                                  "remote_bootstrap_addr", remote_bootstrap_addr, "transfer_id",
+                                  transfer_id));
+    return b;
+}
+
+static int cmp_rank(const void *a, const void *b) {
+    return ((const pd_engine *)a)->dp_rank - ((const pd_engine *)b)->dp_rank;
+}
+
+int pd_parse_query(const char *buf, size_t len, pd_engine **rows, int *n, char *err,
+                   size_t errcap) {
+    *rows = NULL;
+    *n = 0;
+    json_error_t je;
+    json_t *j = json_loadb(buf, len, 0, &je);
+    if (!j || !json_is_object(j)) {
+        snprintf(err, errcap, "bootstrap /query answer is not a JSON object%s%s", j ? "" : ": ",
+                 j ? "" : je.text);
+        json_decref(j);
+        return -EINVAL;
+    }
+    size_t cnt = json_object_size(j);
+    if (cnt == 0) {
+        snprintf(err, errcap, "bootstrap /query table is empty (no prefill rank registered yet)");
+        json_decref(j);
+        return -ENOENT;
+    }
+    pd_engine *r = calloc(cnt, sizeof *r);
+    if (!r) {
+        json_decref(j);
+        return -ENOMEM;
+    }
+    int k = 0, rc = 0;
+    const char *key;
+    json_t *v;
+    json_object_foreach(j, key, v) {
+        char *end;
+        long rank = strtol(key, &end, 10);
+        const char *eid = json_string_value(json_object_get(v, "engine_id"));
+        if (!*key || *end || rank < 0 || rank > 65535) {
+            snprintf(err, errcap, "bootstrap /query key '%s' is not a dp rank (0..65535)", key);
+            rc = -EINVAL;
+            break;
+        }
+        if (!json_is_object(v) || !eid || !*eid) {
+            snprintf(err, errcap, "bootstrap /query entry for dp rank %s has no engine_id string",
+                     key);
+            rc = -EINVAL;
+            break;
+        }
+        json_t *wa = json_object_get(v, "worker_addr");
+        r[k].dp_rank = (int)rank;
+        r[k].engine_id = strdup(eid);
+        r[k].tp_size = json_is_object(wa) ? (int)json_object_size(wa) : 0;
+        k++;
+    }
+    json_decref(j);
+    if (rc) {
+        pd_engines_free(r, k);
+        return rc;
+    }
+    qsort(r, (size_t)k, sizeof *r, cmp_rank);
+    *rows = r;
+    *n = k;
+    return 0;
+}
+
+void pd_engines_free(pd_engine *rows, int n) {
+    for (int i = 0; i < n; i++)
+        free(rows[i].engine_id);
+    free(rows);
+}

@@ -1,0 +1,45 @@
+/*
+ * pd_request — the request rewriting of PROTOCOL.md section 1: the body the
+ * prefill instance gets (max_tokens 1, stream false, stream_options removed,
+ * kv_transfer_params do_remote_decode) and the body the decode instance gets
+ * (client's body plus kv_transfer_params do_remote_prefill with P's
+ * engine_id, bootstrap address and the shared transfer_id); uuid4 ids; and
+ * parsing of a bootstrap server's GET /query table (section 2).  Pure
+ * functions on jansson values, no I/O.
+ */
+#ifndef DISAGG_PROXY_PD_REQUEST_H
+#define DISAGG_PROXY_PD_REQUEST_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+#define PD_UUID_LEN 36 /* "xxxxxxxx-xxxx-4xxx-yxxx-xxxxxxxxxxxx" */
+
+/* Random RFC 4122 version-4 uuid, lower-case hex, NUL-terminated. */
+void pd_uuid4(char out[PD_UUID_LEN + 1]);
+
+/* Parses a client body: must be a JSON object.  Returns 0 and a new
+ * reference, or -EINVAL with a message for the client in err. */
+int pd_parse_client_body(const char *buf, size_t len, json_t **out, char *err, size_t errcap);
+
+/* The prefill body (new reference) for client body `client`: also without
+ * min_tokens / min_completion_tokens, which a 1-token request cannot honour. */
+json_t *pd_prefill_body(const json_t *client, const char *transfer_id);
+/* The decode body (new reference). */
+json_t *pd_decode_body(const json_t *client, const char *remote_engine_id,
+                       const char *remote_bootstrap_addr, const char *transfer_id);
+
+/* One row of a bootstrap /query table. */
+typedef struct pd_engine {
+    int dp_rank;     /* data-parallel rank (the JSON key) */
+    char *engine_id; /* that rank's engine id (malloc'ed) */
+    int tp_size;     /* number of tp ranks registered under worker_addr */
+} pd_engine;
+
+/* Parses `{"0": {"engine_id": "...", "worker_addr": {...}}, ...}` into
+ * (*n) rows sorted by dp_rank.  Returns 0, or -EINVAL with a message naming
+ * the bad part.  An empty table is -ENOENT (nothing registered yet). */
+int pd_parse_query(const char *buf, size_t len, pd_engine **rows, int *n, char *err, size_t errcap);
+void pd_engines_free(pd_engine *rows, int n);
+
+#endif

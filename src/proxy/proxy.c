@@ -1,0 +1,455 @@
+/* proxy — see proxy.h. */
+#include "proxy/proxy_internal.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "proxy/api_error.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+#define MOD "proxy"
+
+void proxy_config_default(proxy_config *c) {
+    memset(c, 0, sizeof *c);
+    c->host = "127.0.0.1";
+    c->port = 8000;
+    c->policy = POLICY_LEAST_LOADED;
+    c->max_body_bytes = 16u << 20;
+    c->max_headers = 100;
+    c->max_head_bytes = 64 * 1024;
+    c->connect_timeout_s = 5;
+    c->upstream_timeout_s = 600;
+    c->health_interval_s = 1;
+    c->client_timeout_s = 60;
+    c->shutdown_timeout_s = 30;
+}
+
+void proxy_count_status(proxy *px, int status) {
+    int cls = status / 100;
+    if (cls >= 1 && cls <= 5) px->responses[cls]++;
+}
+
+static void proxy_reply_error_hdr(proxy *px, hs_req *req, int status, proxy_error_kind kind,
+                                  const char *extra_headers, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+static void reply_error_v(proxy *px, hs_req *req, int status, proxy_error_kind kind,
+                          const char *extra_headers, const char *fmt, va_list ap) {
+    char msg[4096];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    char *body = api_error_json(status, msg);
+    px->errors[kind]++;
+    proxy_count_status(px, status);
+    hs_reply(req, status, "application/json", extra_headers, body ? body : msg,
+             strlen(body ? body : msg));
+    free(body);
+}
+
+void proxy_reply_error(proxy *px, hs_req *req, int status, proxy_error_kind kind, const char *fmt,
+                       ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    reply_error_v(px, req, status, kind, NULL, fmt, ap);
+    va_end(ap);
+}
+
+static void proxy_reply_error_hdr(proxy *px, hs_req *req, int status, proxy_error_kind kind,
+                                  const char *extra_headers, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    reply_error_v(px, req, status, kind, extra_headers, fmt, ap);
+    va_end(ap);
+}
+
+/* 405 with the Allow header listing `allow` ("POST", "GET", "GET, HEAD"). */
+static void reply_405(proxy *px, hs_req *req, const char *method, const char *path,
+                      const char *allow) {
+    char hdr[64];
+    snprintf(hdr, sizeof hdr, "Allow: %s\r\n", allow);
+    proxy_reply_error_hdr(px, req, 405, PERR_METHOD, hdr, "method %s is not allowed on %s; use %s",
+                          method, path, allow);
+}
+
+int proxy_ready(const proxy *px) {
+    int p = 0, d = 0;
+    for (int i = 0; i < px->nprefill; i++)
+        p |= px->prefill[i].ready && px->prefill[i].nengines > 0;
+    for (int i = 0; i < px->ndecode; i++)
+        d |= px->decode[i].ready;
+    return p && d;
+}
+
+uint16_t proxy_port(const proxy *px) {
+    return hs_server_port(px->srv);
+}
+
+/* Why the proxy is not ready, for 503 bodies. */
+static void not_ready_reason(const proxy *px, char *out, size_t cap) {
+    size_t n = (size_t)snprintf(out, cap, "the proxy is not ready: ");
+    const char *sep = "";
+    for (int r = 0; r < 2; r++) {
+        const backend *list = r ? px->decode : px->prefill;
+        int cnt = r ? px->ndecode : px->nprefill, any = 0;
+        for (int i = 0; i < cnt; i++)
+            any |= list[i].ready;
+        if (any) continue;
+        for (int i = 0; i < cnt && n < cap; i++) {
+            n += (size_t)snprintf(out + n, cap - n, "%s%s %s: %s", sep,
+                                  backend_role_name(list[i].role), list[i].url, list[i].last_error);
+            sep = "; ";
+        }
+    }
+}
+
+/* ---- metrics ---------------------------------------------------------- */
+
+static void write_metrics(proxy *px, struct evbuffer *o) {
+    static const char *const ep_names[EP_COUNT] = {
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
+    static const char *const err_names[PERR_COUNT] = {
+        "bad_request",    "not_found",     "method_not_allowed", "not_ready",
+        "prefill_failed", "decode_failed", "client_disconnected"};
+    metrics_header(o, "disagg_proxy_requests_total", "counter", "Client requests by endpoint.");
+    for (int i = 0; i < EP_COUNT; i++)
+        evbuffer_add_printf(o, "disagg_proxy_requests_total{endpoint=\"%s\"} %llu\n", ep_names[i],
+                            (unsigned long long)px->requests[i]);
+    metrics_header(o, "disagg_proxy_responses_total", "counter",
+                   "Client responses by status class.");
+    for (int i = 1; i <= 5; i++)
+        evbuffer_add_printf(o, "disagg_proxy_responses_total{code=\"%dxx\"} %llu\n", i,
+                            (unsigned long long)px->responses[i]);
+    metrics_header(o, "disagg_proxy_errors_total", "counter", "Failed client requests by reason.");
+    for (int i = 0; i < PERR_COUNT; i++)
+        evbuffer_add_printf(o, "disagg_proxy_errors_total{reason=\"%s\"} %llu\n", err_names[i],
+                            (unsigned long long)px->errors[i]);
+    metrics_header(o, "disagg_proxy_retries_total", "counter",
+                   "Requests resent to another instance after a refused connection.");
+    for (int r = 0; r < 2; r++)
+        evbuffer_add_printf(o, "disagg_proxy_retries_total{role=\"%s\"} %llu\n",
+                            backend_role_name((backend_role)r), (unsigned long long)px->retries[r]);
+    metrics_header(o, "disagg_proxy_inflight_requests", "gauge", "Client requests being relayed.");
+    evbuffer_add_printf(o, "disagg_proxy_inflight_requests %d\n", px->inflight);
+    metrics_header(o, "disagg_proxy_ready", "gauge",
+                   "1 when a prefill and a decode instance are ready.");
+    evbuffer_add_printf(o, "disagg_proxy_ready %d\n", proxy_ready(px));
+
+    static const struct {
+        const char *name, *type, *help;
+    } per[] = {
+        {"disagg_proxy_backend_healthy", "gauge", "1 when the instance is in rotation."},
+        {"disagg_proxy_backend_outstanding_requests", "gauge",
+         "Requests in flight on the instance."},
+        {"disagg_proxy_backend_requests_total", "counter", "Requests sent to the instance."},
+        {"disagg_proxy_backend_errors_total", "counter",
+         "Requests to the instance that failed (connection, timeout, HTTP 5xx)."},
+        {"disagg_proxy_backend_dp_ranks", "gauge", "Data-parallel ranks discovered (prefill)."},
+    };
+    for (size_t m = 0; m < sizeof per / sizeof per[0]; m++) {
+        metrics_header(o, per[m].name, per[m].type, per[m].help);
+        for (int r = 0; r < 2; r++) {
+            backend *list = r ? px->decode : px->prefill;
+            int cnt = r ? px->ndecode : px->nprefill;
+            for (int i = 0; i < cnt; i++) {
+                backend *b = &list[i];
+                unsigned long long v = m == 0   ? (unsigned long long)b->ready
+                                       : m == 1 ? (unsigned long long)b->outstanding
+                                       : m == 2 ? b->requests
+                                       : m == 3 ? b->errors
+                                                : (unsigned long long)b->nengines;
+                if (m == 4 && r) continue;
+                evbuffer_add_printf(o, "%s{role=\"%s\",backend=\"%s\"} %llu\n", per[m].name,
+                                    backend_role_name(b->role), b->url, v);
+            }
+        }
+    }
+    metrics_header(o, "disagg_proxy_backend_latency_seconds", "histogram",
+                   "Request start to response end per instance.");
+    for (int r = 0; r < 2; r++) {
+        backend *list = r ? px->decode : px->prefill;
+        int cnt = r ? px->ndecode : px->nprefill;
+        for (int i = 0; i < cnt; i++) {
+            char labels[400];
+            snprintf(labels, sizeof labels, "role=\"%s\",backend=\"%s\"",
+                     backend_role_name(list[i].role), list[i].url);
+            metrics_hist_format(o, "disagg_proxy_backend_latency_seconds", labels,
+                                &list[i].latency);
+        }
+    }
+    metrics_header(o, "disagg_proxy_phase_seconds", "histogram",
+                   "Time split of disaggregated requests: prefill (P dispatch to P answer), "
+                   "decode (P answer to D end), first_byte and total (from the client request).");
+    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"prefill\"", &px->t_prefill);
+    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"decode\"", &px->t_decode);
+    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"first_byte\"", &px->t_first_byte);
+    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"total\"", &px->t_total);
+}
+
+/* ---- routing ---------------------------------------------------------- */
+
+static void handle(hs_req *req, void *arg) {
+    proxy *px = arg;
+    const char *path = hs_req_path(req);
+    const char *method = hs_req_head(req)->method;
+    int is_get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    proxy_endpoint ep = !strcmp(path, "/v1/completions")        ? EP_COMPLETIONS
+                        : !strcmp(path, "/v1/chat/completions") ? EP_CHAT
+                        : !strcmp(path, "/v1/models")           ? EP_MODELS
+                        : !strcmp(path, "/health")              ? EP_HEALTH
+                        : !strcmp(path, "/healthcheck")         ? EP_HEALTH
+                        : !strcmp(path, "/metrics")             ? EP_METRICS
+                                                                : EP_OTHER;
+    px->requests[ep]++;
+    if (ep == EP_OTHER) {
+        proxy_reply_error(px, req, 404, PERR_NOT_FOUND,
+                          "no route for %s %.200s; the proxy serves POST /v1/completions, POST "
+                          "/v1/chat/completions, GET /v1/models, GET /health, GET /metrics",
+                          method, path);
+        return;
+    }
+    if ((ep == EP_COMPLETIONS || ep == EP_CHAT) && strcmp(method, "POST") != 0) {
+        reply_405(px, req, method, path, "POST");
+        return;
+    }
+    if (ep == EP_MODELS && strcmp(method, "GET") != 0) {
+        reply_405(px, req, method, path, "GET");
+        return;
+    }
+    if ((ep == EP_HEALTH || ep == EP_METRICS) && !is_get) {
+        reply_405(px, req, method, path, "GET, HEAD");
+        return;
+    }
+    if (ep == EP_METRICS) {
+        struct evbuffer *o = evbuffer_new();
+        write_metrics(px, o);
+        proxy_count_status(px, 200);
+        hs_reply(req, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, evbuffer_pullup(o, -1),
+                 evbuffer_get_length(o));
+        evbuffer_free(o);
+        return;
+    }
+    char why[2048];
+    if (!strcmp(path, "/healthcheck")) { /* vLLM toy proxy's liveness: 200 while running */
+        int ready = proxy_ready(px) && !px->draining;
+        int n = snprintf(why, sizeof why,
+                         "{\"status\":\"ok\",\"ready\":%s,\"prefill_instances\":%d,"
+                         "\"decode_instances\":%d}",
+                         ready ? "true" : "false", px->nprefill, px->ndecode);
+        proxy_count_status(px, 200);
+        hs_reply(req, 200, "application/json", NULL, why, (size_t)n);
+        return;
+    }
+    if (px->draining && ep != EP_HEALTH) {
+        proxy_reply_error(px, req, 503, PERR_NOT_READY, "the proxy is shutting down");
+        return;
+    }
+    if (px->draining || !proxy_ready(px)) {
+        if (px->draining)
+            snprintf(why, sizeof why, "the proxy is shutting down");
+        else
+            not_ready_reason(px, why, sizeof why);
+        proxy_reply_error(px, req, 503, PERR_NOT_READY, "%s", why);
+        return;
+    }
+    if (ep == EP_HEALTH) {
+        proxy_count_status(px, 200);
+        hs_reply(req, 200, "application/json", NULL, "{\"status\":\"ok\"}", 15);
+        return;
+    }
+    if (ep == EP_MODELS) {
+        relay_start_passthrough(px, req);
+        return;
+    }
+    size_t len;
+    const char *body = hs_req_body(req, &len);
+    json_t *j;
+    if (pd_parse_client_body(body, len, &j, why, sizeof why)) {
+        proxy_reply_error(px, req, 400, PERR_BAD_REQUEST, "%s", why);
+        return;
+    }
+    relay_start_pd(px, req, j);
+}
+
+/* ---- probes and lifecycle --------------------------------------------- */
+
+static void probe_tick(evutil_socket_t fd, short what, void *arg) {
+    proxy *px = arg;
+    for (int i = 0; i < px->nprefill; i++)
+        backend_probe(&px->prefill[i]);
+    for (int i = 0; i < px->ndecode; i++)
+        backend_probe(&px->decode[i]);
+}
+
+static char *server_error_body(int status, const char *message) {
+    return api_error_json(status, message);
+}
+
+proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, size_t errcap) {
+    if (cfg->nprefill < 1 || cfg->ndecode < 1) {
+        snprintf(err, errcap,
+                 "at least one --prefill and one --decode instance are needed (got %d and %d)",
+                 cfg->nprefill, cfg->ndecode);
+        return NULL;
+    }
+    if (cfg->nprefill > POLICY_MAX_BACKENDS || cfg->ndecode > POLICY_MAX_BACKENDS) {
+        snprintf(err, errcap, "at most %d instances per role are accepted", POLICY_MAX_BACKENDS);
+        return NULL;
+    }
+    proxy *px = calloc(1, sizeof *px);
+    if (!px) {
+        snprintf(err, errcap, "out of memory");
+        return NULL;
+    }
+    px->base = base;
+    px->cfg = *cfg;
+    if (cfg->api_key && cfg->api_key[0])
+        snprintf(px->auth_header, sizeof px->auth_header, "Authorization: Bearer %s\r\n",
+                 cfg->api_key);
+    px->env.base = base;
+    px->env.auth_header = px->auth_header[0] ? px->auth_header : NULL;
+    px->env.probe_timeout_s = cfg->health_interval_s * 2 < 2 ? 2 : cfg->health_interval_s * 2;
+    px->prefill = calloc((size_t)cfg->nprefill, sizeof *px->prefill);
+    px->decode = calloc((size_t)cfg->ndecode, sizeof *px->decode);
+    if (!px->prefill || !px->decode) goto oom;
+    for (int i = 0; i < cfg->nprefill; i++) {
+        if (backend_init(&px->prefill[i], BACKEND_PREFILL, i, cfg->prefill[i].url,
+                         cfg->prefill[i].bootstrap, &px->env, err, errcap))
+            goto fail;
+        px->nprefill++;
+    }
+    for (int i = 0; i < cfg->ndecode; i++) {
+        if (backend_init(&px->decode[i], BACKEND_DECODE, i, cfg->decode[i].url, NULL, &px->env, err,
+                         errcap))
+            goto fail;
+        px->ndecode++;
+    }
+    hs_config hc;
+    hs_config_default(&hc);
+    hc.limits.max_headers = cfg->max_headers;
+    hc.limits.max_head_bytes = cfg->max_head_bytes;
+    hc.max_body_bytes = cfg->max_body_bytes;
+    hc.request_timeout_s = cfg->client_timeout_s;
+    px->srv = hs_server_new(base, cfg->host, cfg->port, &hc, handle, px, server_error_body);
+    if (!px->srv) {
+        snprintf(err, errcap, "cannot listen on %s:%u (see the log above)", cfg->host, cfg->port);
+        goto fail;
+    }
+    px->probe_timer = event_new(base, -1, EV_PERSIST, probe_tick, px);
+    struct timeval tv = {
+        (time_t)cfg->health_interval_s,
+        (suseconds_t)((cfg->health_interval_s - (double)(time_t)cfg->health_interval_s) * 1e6)};
+    event_add(px->probe_timer, &tv);
+    probe_tick(-1, 0, px);
+    return px;
+oom:
+    snprintf(err, errcap, "out of memory");
+fail:
+    proxy_free(px);
+    return NULL;
+}
+
+void proxy_free(proxy *px) {
+    if (!px) return;
+    hs_server_free(px->srv); /* close callbacks cancel the relays */
+    if (px->probe_timer) event_free(px->probe_timer);
+    if (px->drain_timer) event_free(px->drain_timer);
+    for (int i = 0; i < px->nprefill; i++)
+        backend_free(&px->prefill[i]);
+    for (int i = 0; i < px->ndecode; i++)
+        backend_free(&px->decode[i]);
+    free(px->prefill);
+    free(px->decode);
+    free(px);
+}
+
+static void drain_check(evutil_socket_t fd, short what, void *arg) {
+    proxy *px = arg;
+    if (px->inflight == 0) {
+        LOG_I(MOD, "no request in flight: stopping");
+        event_base_loopexit(px->base, NULL);
+    } else if (clock_now_ns() >= px->drain_deadline_ns) {
+        LOG_W(MOD, "shutdown timeout: stopping with %d requests in flight", px->inflight);
+        event_base_loopexit(px->base, NULL);
+    }
+}
+
+void proxy_drain(proxy *px) {
+    if (px->draining) return;
+    px->draining = 1;
+    px->drain_deadline_ns = clock_now_ns() + (uint64_t)(px->cfg.shutdown_timeout_s * 1e9);
+    hs_server_stop_listening(px->srv);
+    LOG_I(MOD, "draining: %d requests in flight, waiting up to %g s", px->inflight,
+          px->cfg.shutdown_timeout_s);
+    px->drain_timer = event_new(px->base, -1, EV_PERSIST, drain_check, px);
+    struct timeval tv = {0, 20000};
+    event_add(px->drain_timer, &tv);
+    drain_check(-1, 0, px);
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg) {
+    proxy *px = arg;
+    if (px->draining) {
+        LOG_I(MOD, "signal %d again: stopping now", (int)sig);
+        event_base_loopexit(px->base, NULL);
+        return;
+    }
+    LOG_I(MOD, "signal %d: finishing the requests in flight (again to stop at once)", (int)sig);
+    proxy_drain(px);
+}
+
+struct event_base *proxy_event_base_new(void) {
+    struct event_config *ec = event_config_new();
+    if (!ec) return NULL;
+    event_config_set_flag(ec, EVENT_BASE_FLAG_EPOLL_USE_CHANGELIST);
+    struct event_base *base = event_base_new_with_config(ec);
+    event_config_free(ec);
+    return base ? base : event_base_new();
+}
+
+int proxy_run(const proxy_config *cfg) {
+    signal(SIGPIPE, SIG_IGN);
+    /* Each client costs up to three descriptors (client, P, D): take the hard limit. */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4096)
+        LOG_W(MOD, "only %llu file descriptors allowed (ulimit -n): about %llu concurrent clients",
+              (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_cur / 3);
+    struct event_base *base = proxy_event_base_new();
+    if (!base) {
+        LOG_E(MOD, "cannot create the event loop");
+        return 1;
+    }
+    char err[512];
+    proxy *px = proxy_new(base, cfg, err, sizeof err);
+    if (!px) {
+        LOG_E(MOD, "%s", err);
+        event_base_free(base);
+        return 1;
+    }
+    struct event *si = evsignal_new(base, SIGINT, on_signal, px);
+    struct event *st = evsignal_new(base, SIGTERM, on_signal, px);
+    event_add(si, NULL);
+    event_add(st, NULL);
+    LOG_I(MOD, "listening on http://%s:%u (policy %s, %d prefill, %d decode)", cfg->host,
+          proxy_port(px), policy_name(cfg->policy), px->nprefill, px->ndecode);
+    for (int i = 0; i < px->nprefill; i++)
+        LOG_I(MOD, "prefill %s (bootstrap %s)", px->prefill[i].url, px->prefill[i].bootstrap_url);
+    for (int i = 0; i < px->ndecode; i++)
+        LOG_I(MOD, "decode %s", px->decode[i].url);
+    event_base_dispatch(base);
+    proxy_free(px);
+    event_free(si);
+    event_free(st);
+    event_base_free(base);
+    return 0;
+}

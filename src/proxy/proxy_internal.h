@@ -1,0 +1,76 @@
+/*
+ * proxy_internal — the proxy state shared by proxy.c (front end, probes,
+ * metrics) and relay.c (per-request P/D dispatch and relay).  Not a public
+ * header.
+ */
+#ifndef DISAGG_PROXY_PROXY_INTERNAL_H
+#define DISAGG_PROXY_PROXY_INTERNAL_H
+
+#include "proxy/backend.h"
+#include "proxy/http_server.h"
+#include "proxy/metrics.h"
+#include "proxy/proxy.h"
+
+#include <jansson.h>
+
+typedef enum proxy_endpoint {
+    EP_COMPLETIONS = 0, /* POST /v1/completions */
+    EP_CHAT,            /* POST /v1/chat/completions */
+    EP_MODELS,          /* GET /v1/models */
+    EP_HEALTH,          /* GET /health */
+    EP_METRICS,         /* GET /metrics */
+    EP_OTHER,           /* anything else (404/405) */
+    EP_COUNT
+} proxy_endpoint;
+
+typedef enum proxy_error_kind {
+    PERR_BAD_REQUEST = 0, /* invalid JSON, non-object body */
+    PERR_NOT_FOUND,       /* unknown path */
+    PERR_METHOD,          /* wrong method */
+    PERR_NOT_READY,       /* no ready prefill/decode instance */
+    PERR_PREFILL,         /* prefill request failed (502) */
+    PERR_DECODE,          /* decode request failed before or during the reply */
+    PERR_CLIENT_GONE,     /* client disconnected before the reply ended */
+    PERR_COUNT
+} proxy_error_kind;
+
+struct proxy {
+    struct event_base *base;     /* loop */
+    proxy_config cfg;            /* settings (strings owned by the caller) */
+    hs_server *srv;              /* front end */
+    backend_env env;             /* shared backend settings */
+    char auth_header[512];       /* "Authorization: Bearer KEY\r\n" or "" */
+    backend *prefill;            /* (nprefill) */
+    int nprefill;                /* count */
+    backend *decode;             /* (ndecode) */
+    int ndecode;                 /* count */
+    unsigned rr_prefill;         /* round-robin cursor over prefill slots */
+    unsigned rr_decode;          /* round-robin cursor over decode instances */
+    struct event *probe_timer;   /* periodic health probes */
+    int draining;                /* stop signal received: no new requests, finishing the rest */
+    uint64_t drain_deadline_ns;  /* when draining gives up on requests still running */
+    struct event *drain_timer;   /* checks whether the drain is over */
+    int inflight;                /* client requests being relayed */
+    uint64_t requests[EP_COUNT]; /* client requests by endpoint */
+    uint64_t responses[6];       /* client responses by status class (index = status/100) */
+    uint64_t errors[PERR_COUNT]; /* failures by kind */
+    uint64_t retries[2]; /* requests resent to another backend after a refused connect, by role */
+    metrics_hist t_prefill;    /* P dispatch -> P response end */
+    metrics_hist t_decode;     /* P response end -> D response end (the decode part) */
+    metrics_hist t_first_byte; /* client request -> first byte relayed */
+    metrics_hist t_total;      /* client request -> reply end */
+};
+
+/* Sends an OpenAI-style error reply and counts it. */
+void proxy_reply_error(proxy *px, hs_req *req, int status, proxy_error_kind kind, const char *fmt,
+                       ...) __attribute__((format(printf, 5, 6)));
+/* Counts a reply's status (for replies not sent by proxy_reply_error). */
+void proxy_count_status(proxy *px, int status);
+
+/* relay.c: a disaggregated completion: body is the parsed client body (the
+ * relay takes the reference). */
+void relay_start_pd(proxy *px, hs_req *req, json_t *body);
+/* relay.c: a request forwarded as is to one decode instance (GET /v1/models). */
+void relay_start_passthrough(proxy *px, hs_req *req);
+
+#endif

@@ -1,0 +1,488 @@
+/*
+ * relay — one client request through the proxy (PROTOCOL.md §1).  A
+ * disaggregated completion sends the prefill body to a prefill instance and,
+ * at the same time, the decode body to a decode instance, then relays the
+ * decode response to the client as it arrives.  The decode bytes are held
+ * (bounded; reading stops beyond RELAY_HOLD_MAX) until the prefill answered
+ * 2xx, so a failed prefill still becomes a clear 502 for the client instead
+ * of a decode that waits for KV that never comes; a decode error status is
+ * relayed at once.  A refused connection (nothing sent) is retried on another
+ * instance of that role (for a prefill, the decode request is re-issued too,
+ * since it names the prefill's engine).  A client that disconnects cancels
+ * both upstream requests (their connections are closed).
+ */
+#include "proxy/proxy_internal.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "proxy/pd_request.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MOD               "proxy"
+#define RELAY_HOLD_MAX    (1u << 20) /* decode bytes held while the prefill is pending */
+#define RELAY_ERRBODY_MAX 2048       /* prefill error body kept for the client's message */
+
+typedef enum p_state { P_NONE = 0, P_PENDING, P_OK } p_state;
+
+typedef struct relay {
+    proxy *px;                         /* owner */
+    hs_req *client;                    /* the client request; NULL once replied/gone */
+    json_t *body;                      /* parsed client body (NULL for passthrough) */
+    char request_id[PD_UUID_LEN + 1];  /* X-Request-Id sent upstream */
+    char transfer_id[PD_UUID_LEN + 6]; /* "xfer-<uuid4>" */
+    char *p_body;                      /* prefill body (JSON text) */
+    backend *p;                        /* chosen prefill */
+    char p_engine_id[128];             /* that rank's engine id (copied: tables change) */
+    int p_rank;                        /* that dp rank */
+    hc_req *p_req;                     /* prefill request in flight */
+    p_state p_st;                      /* prefill progress */
+    int p_status;                      /* its HTTP status */
+    struct evbuffer *p_err;            /* (<= RELAY_ERRBODY_MAX) its error body */
+    uint64_t p_tried;                  /* prefill backends that refused (bit = index) */
+    uint64_t p_start_ns;               /* prefill dispatch time */
+    char *d_body;                      /* decode body (JSON text), NULL for passthrough GET */
+    backend *d;                        /* chosen decode */
+    hc_req *d_req;                     /* decode request in flight */
+    uint64_t d_tried;                  /* decode backends that refused */
+    uint64_t d_start_ns;               /* decode dispatch time */
+    int d_status;                      /* decode HTTP status (0 before its head) */
+    http_header *d_hdrs;               /* (d_nhdrs) copied decode response headers */
+    int d_nhdrs;                       /* count */
+    int64_t d_clen;                    /* decode Content-Length, -1 when chunked/close-delimited */
+    int d_done;                        /* decode response complete */
+    int d_paused;                      /* decode reading paused (backpressure) */
+    struct evbuffer *held; /* (<= RELAY_HOLD_MAX + one read) decode bytes before the gate opened */
+    int started;           /* client reply head sent */
+    uint64_t t0_ns;        /* client request complete */
+    uint64_t p_done_ns;    /* prefill response end */
+    int first_byte;        /* first body byte relayed */
+} relay;
+
+static const hc_callbacks P_CB, D_CB;
+
+static void relay_free(relay *r) {
+    r->px->inflight--;
+    json_decref(r->body);
+    free(r->p_body);
+    free(r->d_body);
+    if (r->p_err) evbuffer_free(r->p_err);
+    if (r->held) evbuffer_free(r->held);
+    for (int i = 0; i < r->d_nhdrs; i++) {
+        free(r->d_hdrs[i].name);
+        free(r->d_hdrs[i].value);
+    }
+    free(r->d_hdrs);
+    free(r);
+}
+
+static double secs(uint64_t ns) {
+    return (double)ns / 1e9;
+}
+
+static void p_finish_metrics(relay *r, int failed) {
+    backend *p = r->p;
+    p->outstanding--;
+    metrics_hist_observe(&p->latency, secs(clock_now_ns() - r->p_start_ns));
+    if (failed) p->errors++;
+}
+
+static void d_finish_metrics(relay *r, int failed) {
+    backend *d = r->d;
+    d->outstanding--;
+    metrics_hist_observe(&d->latency, secs(clock_now_ns() - r->d_start_ns));
+    if (failed) d->errors++;
+}
+
+static void cancel_p(relay *r) {
+    if (!r->p_req) return;
+    hc_cancel(r->p_req);
+    r->p_req = NULL;
+    p_finish_metrics(r, 0);
+}
+
+static void cancel_d(relay *r) {
+    if (!r->d_req) return;
+    hc_cancel(r->d_req);
+    r->d_req = NULL;
+    d_finish_metrics(r, 0);
+}
+
+/* Error reply to the client (if it is still there) and the end of the relay. */
+static void relay_fail(relay *r, int status, proxy_error_kind kind, const char *msg) {
+    cancel_p(r);
+    cancel_d(r);
+    if (r->client) {
+        if (r->started) {
+            LOG_W(MOD, "request %s: %s; closing the client connection mid-reply", r->request_id,
+                  msg);
+            r->px->errors[kind]++;
+            hs_reply_abort(r->client);
+        } else {
+            LOG_W(MOD, "request %s: %s", r->request_id, msg);
+            proxy_reply_error(r->px, r->client, status, kind, "%s", msg);
+        }
+        r->client = NULL;
+    }
+    relay_free(r);
+}
+
+static void client_gone(hs_req *req, void *arg) {
+    relay *r = arg;
+    LOG_I(MOD, "request %s: client disconnected; cancelling the upstream requests", r->request_id);
+    r->client = NULL;
+    r->px->errors[PERR_CLIENT_GONE]++;
+    cancel_p(r);
+    cancel_d(r);
+    relay_free(r);
+}
+
+static void client_drained(hs_req *req, void *arg) {
+    relay *r = arg;
+    if (r->d_paused && r->d_req) {
+        r->d_paused = 0;
+        hc_pause(r->d_req, 0);
+    }
+}
+
+static int gate_open(const relay *r) {
+    return r->p_st != P_PENDING || (r->d_status && r->d_status / 100 != 2);
+}
+
+/* Relays decode bytes to the client, pausing the decode on backpressure. */
+static void send_client(relay *r, struct evbuffer *data) {
+    if (evbuffer_get_length(data) && !r->first_byte) {
+        r->first_byte = 1;
+        metrics_hist_observe(&r->px->t_first_byte, secs(clock_now_ns() - r->t0_ns));
+    }
+    if (hs_reply_data(r->client, data) == 1 && r->d_req && !r->d_paused) {
+        r->d_paused = 1;
+        hc_pause(r->d_req, 1);
+    }
+}
+
+static void relay_complete(relay *r) {
+    uint64_t now = clock_now_ns();
+    if (r->p_done_ns) metrics_hist_observe(&r->px->t_decode, secs(now - r->p_done_ns));
+    metrics_hist_observe(&r->px->t_total, secs(now - r->t0_ns));
+    proxy_count_status(r->px, r->d_status);
+    hs_reply_end(r->client);
+    r->client = NULL;
+    relay_free(r);
+}
+
+/* Called whenever the gate may have opened: start the reply, flush held
+ * bytes, end it if the decode already finished.  Returns 1 if r was freed. */
+static int relay_advance(relay *r) {
+    if (!r->d_status || !gate_open(r)) return 0;
+    if (!r->started) {
+        hs_reply_start(r->client, r->d_status, r->d_hdrs, r->d_nhdrs, r->d_clen);
+        r->started = 1;
+        if (evbuffer_get_length(r->held))
+            send_client(r, r->held);
+        else if (!r->d_done)
+            hs_reply_flush(r->client); /* headers now, body as it comes */
+    }
+    if (r->d_done) {
+        relay_complete(r);
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- sending ---------------------------------------------------------- */
+
+static char *headers_for(relay *r, int with_rank) {
+    proxy *px = r->px;
+    const char *auth = px->auth_header;
+    char client_auth[1100] = "";
+    if (!auth[0] && r->client) {
+        const char *a = http_head_get(hs_req_head(r->client), "Authorization");
+        if (a && strlen(a) < 1024)
+            snprintf(client_auth, sizeof client_auth, "Authorization: %s\r\n", a);
+        auth = client_auth;
+    }
+    char *h = NULL;
+    int n;
+    if (with_rank)
+        n = asprintf(&h,
+                     "Content-Type: application/json\r\nX-Request-Id: %s\r\n"
+                     "X-data-parallel-rank: %d\r\n%s",
+                     r->request_id, r->p_rank, auth);
+    else
+        n = asprintf(&h, "%sX-Request-Id: %s\r\n%s",
+                     r->d_body ? "Content-Type: application/json\r\n" : "", r->request_id, auth);
+    return n < 0 ? NULL : h;
+}
+
+static int send_decode(relay *r);
+
+/* Picks a prefill (not tried yet) and a decode, builds the decode body for
+ * that prefill and sends both.  Returns 1 if r was freed. */
+static int send_pd(relay *r) {
+    proxy *px = r->px;
+    const pd_engine *eng = NULL;
+    backend *p =
+        policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried, &eng);
+    if (!p) {
+        relay_fail(r, 503, PERR_NOT_READY,
+                   r->p_tried
+                       ? "no other prefill instance is reachable (all refused the connection)"
+                       : "no prefill instance is ready");
+        return 1;
+    }
+    /* Fresh ids for every attempt: a decode instance may still be aborting
+     * the request of a previous attempt. */
+    char u[PD_UUID_LEN + 1];
+    pd_uuid4(r->request_id);
+    pd_uuid4(u);
+    snprintf(r->transfer_id, sizeof r->transfer_id, "xfer-%s", u);
+    json_t *pb = pd_prefill_body(r->body, r->transfer_id);
+    free(r->p_body);
+    r->p_body = pb ? json_dumps(pb, JSON_COMPACT) : NULL;
+    json_decref(pb);
+    if (!r->p_body) {
+        relay_fail(r, 500, PERR_PREFILL, "out of memory building the prefill request");
+        return 1;
+    }
+    r->p = p;
+    r->p_rank = eng->dp_rank;
+    snprintf(r->p_engine_id, sizeof r->p_engine_id, "%s", eng->engine_id);
+    json_t *db = pd_decode_body(r->body, r->p_engine_id, p->bootstrap_url, r->transfer_id);
+    free(r->d_body);
+    r->d_body = db ? json_dumps(db, JSON_COMPACT) : NULL;
+    json_decref(db);
+    if (!r->d_body) {
+        relay_fail(r, 500, PERR_DECODE, "out of memory building the decode request");
+        return 1;
+    }
+    char *hdr = headers_for(r, 1);
+    hc_timeouts t = {px->cfg.connect_timeout_s, px->cfg.upstream_timeout_s};
+    r->p_st = P_PENDING;
+    r->p_status = 0;
+    r->p_start_ns = clock_now_ns();
+    r->p_req = hc_request(p->pool, "POST", hs_req_path(r->client), hdr, r->p_body,
+                          strlen(r->p_body), &t, &P_CB, r);
+    free(hdr);
+    if (!r->p_req) {
+        relay_fail(r, 500, PERR_PREFILL, "out of memory sending the prefill request");
+        return 1;
+    }
+    p->outstanding++;
+    p->requests++;
+    LOG_D(MOD, "request %s: %s to prefill %s dp rank %d, transfer_id %s", r->request_id,
+          hs_req_path(r->client), p->url, r->p_rank, r->transfer_id);
+    return send_decode(r);
+}
+
+/* Sends the decode request (body already built) to a decode not tried yet. */
+static int send_decode(relay *r) {
+    proxy *px = r->px;
+    backend *d =
+        policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried, NULL);
+    if (!d) {
+        relay_fail(r, 503, PERR_NOT_READY,
+                   r->d_tried ? "no other decode instance is reachable (all refused the connection)"
+                              : "no decode instance is ready");
+        return 1;
+    }
+    r->d = d;
+    char *hdr = headers_for(r, 0);
+    hc_timeouts t = {px->cfg.connect_timeout_s, px->cfg.upstream_timeout_s};
+    r->d_start_ns = clock_now_ns();
+    const char *target = r->body ? hs_req_path(r->client) : hs_req_head(r->client)->target;
+    r->d_req = hc_request(d->pool, r->d_body ? "POST" : "GET", target, hdr, r->d_body,
+                          r->d_body ? strlen(r->d_body) : 0, &t, &D_CB, r);
+    free(hdr);
+    if (!r->d_req) {
+        relay_fail(r, 500, PERR_DECODE, "out of memory sending the decode request");
+        return 1;
+    }
+    d->outstanding++;
+    d->requests++;
+    return 0;
+}
+
+/* Forgets a decode response (before re-issuing the decode request). */
+static void reset_d(relay *r) {
+    for (int i = 0; i < r->d_nhdrs; i++) {
+        free(r->d_hdrs[i].name);
+        free(r->d_hdrs[i].value);
+    }
+    free(r->d_hdrs);
+    r->d_hdrs = NULL;
+    r->d_nhdrs = 0;
+    r->d_status = 0;
+    r->d_clen = -1;
+    r->d_done = 0;
+    r->d_paused = 0;
+    evbuffer_drain(r->held, evbuffer_get_length(r->held));
+}
+
+/* ---- prefill callbacks -------------------------------------------------- */
+
+static void p_head(hc_req *q, const http_head *h, void *arg) {
+    relay *r = arg;
+    r->p_status = h->status;
+}
+
+static void p_data(hc_req *q, struct evbuffer *data, void *arg) {
+    relay *r = arg;
+    if (r->p_status / 100 == 2) return; /* the 1-token answer is discarded */
+    size_t have = evbuffer_get_length(r->p_err);
+    if (have < RELAY_ERRBODY_MAX) evbuffer_remove_buffer(data, r->p_err, RELAY_ERRBODY_MAX - have);
+}
+
+static void p_done(hc_req *q, int err, void *arg) {
+    relay *r = arg;
+    r->p_req = NULL;
+    backend *p = r->p;
+    if (err == HC_ECONNECT || err == HC_ERESOLVE) {
+        p_finish_metrics(r, 1);
+        char why[160];
+        snprintf(why, sizeof why, "connection refused or unreachable (%s)", hc_strerror(err));
+        backend_mark_down(p, why);
+        r->px->retries[BACKEND_PREFILL]++;
+        r->p_tried |= 1ull << p->index;
+        LOG_W(MOD, "request %s: prefill %s unreachable; retrying on another prefill", r->request_id,
+              p->url);
+        cancel_d(r); /* its body names this prefill's engine */
+        reset_d(r);
+        (void)send_pd(r);
+        return;
+    }
+    char msg[RELAY_ERRBODY_MAX + 300];
+    if (err) {
+        p_finish_metrics(r, 1);
+        snprintf(msg, sizeof msg, "prefill instance %s failed: %s", p->url, hc_strerror(err));
+        relay_fail(r, err == HC_ETIMEOUT ? 504 : 502, PERR_PREFILL, msg);
+        return;
+    }
+    if (r->p_status / 100 != 2) {
+        p_finish_metrics(r, r->p_status >= 500);
+        size_t n = evbuffer_get_length(r->p_err);
+        snprintf(msg, sizeof msg, "prefill instance %s failed: HTTP %d%s%.*s", p->url, r->p_status,
+                 n ? ": " : "", (int)n, n ? (const char *)evbuffer_pullup(r->p_err, -1) : "");
+        relay_fail(r, 502, PERR_PREFILL, msg);
+        return;
+    }
+    p_finish_metrics(r, 0);
+    r->p_st = P_OK;
+    r->p_done_ns = clock_now_ns();
+    metrics_hist_observe(&r->px->t_prefill, secs(r->p_done_ns - r->p_start_ns));
+    if (r->d_paused && r->d_req && !r->started) {
+        r->d_paused = 0;
+        hc_pause(r->d_req, 0);
+    }
+    (void)relay_advance(r);
+}
+
+/* ---- decode callbacks --------------------------------------------------- */
+
+static void d_head(hc_req *q, const http_head *h, void *arg) {
+    relay *r = arg;
+    r->d_status = h->status;
+    r->d_clen = h->chunked ? -1 : h->content_length;
+    r->d_hdrs = calloc((size_t)h->nheaders + 1, sizeof *r->d_hdrs);
+    for (int i = 0; r->d_hdrs && i < h->nheaders; i++) {
+        r->d_hdrs[i].name = strdup(h->headers[i].name);
+        r->d_hdrs[i].value = strdup(h->headers[i].value);
+        r->d_nhdrs++;
+    }
+    if (h->status / 100 != 2 && r->p_st == P_PENDING) {
+        /* The decode refused the request: its answer is the client's; the
+         * prefill's KV would never be pulled. */
+        LOG_W(MOD, "request %s: decode %s answered HTTP %d; cancelling the prefill", r->request_id,
+              r->d->url, h->status);
+        cancel_p(r);
+        r->p_st = P_NONE;
+    }
+    (void)relay_advance(r);
+}
+
+static void d_data(hc_req *q, struct evbuffer *data, void *arg) {
+    relay *r = arg;
+    if (r->started) {
+        send_client(r, data);
+        return;
+    }
+    evbuffer_add_buffer(r->held, data);
+    if (evbuffer_get_length(r->held) > RELAY_HOLD_MAX && !r->d_paused) {
+        r->d_paused = 1;
+        hc_pause(q, 1);
+    }
+}
+
+static void d_done(hc_req *q, int err, void *arg) {
+    relay *r = arg;
+    r->d_req = NULL;
+    backend *d = r->d;
+    if ((err == HC_ECONNECT || err == HC_ERESOLVE) && !r->started) {
+        d_finish_metrics(r, 1);
+        char why[160];
+        snprintf(why, sizeof why, "connection refused or unreachable (%s)", hc_strerror(err));
+        backend_mark_down(d, why);
+        r->px->retries[BACKEND_DECODE]++;
+        r->d_tried |= 1ull << d->index;
+        LOG_W(MOD, "request %s: decode %s unreachable; retrying on another decode", r->request_id,
+              d->url);
+        (void)send_decode(r);
+        return;
+    }
+    if (err) {
+        d_finish_metrics(r, 1);
+        char msg[512];
+        snprintf(msg, sizeof msg, "decode instance %s failed: %s", d->url, hc_strerror(err));
+        relay_fail(r, err == HC_ETIMEOUT ? 504 : 502, PERR_DECODE, msg);
+        return;
+    }
+    d_finish_metrics(r, r->d_status >= 500);
+    r->d_done = 1;
+    (void)relay_advance(r);
+}
+
+static const hc_callbacks P_CB = {p_head, p_data, p_done};
+static const hc_callbacks D_CB = {d_head, d_data, d_done};
+
+/* ---- entry points ------------------------------------------------------- */
+
+static relay *relay_new(proxy *px, hs_req *req, json_t *body) {
+    relay *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->px = px;
+    r->client = req;
+    r->body = body;
+    r->d_clen = -1;
+    r->t0_ns = clock_now_ns();
+    r->held = evbuffer_new();
+    r->p_err = evbuffer_new();
+    pd_uuid4(r->request_id);
+    px->inflight++;
+    hs_req_set_close_cb(req, client_gone, r);
+    hs_req_set_drain_cb(req, client_drained, r);
+    return r;
+}
+
+void relay_start_pd(proxy *px, hs_req *req, json_t *body) {
+    relay *r = relay_new(px, req, body);
+    if (!r) {
+        json_decref(body);
+        proxy_reply_error(px, req, 500, PERR_PREFILL, "out of memory");
+        return;
+    }
+    (void)send_pd(r);
+}
+
+void relay_start_passthrough(proxy *px, hs_req *req) {
+    relay *r = relay_new(px, req, NULL);
+    if (!r) {
+        proxy_reply_error(px, req, 500, PERR_DECODE, "out of memory");
+        return;
+    }
+    r->p_st = P_NONE;
+    (void)send_decode(r);
+}

@@ -1,0 +1,361 @@
+/* Unit tests of the proxy's pure parts: HTTP head and body framing
+ * (RFC 9112 byte streams), the PROTOCOL.md §1 body rewriting, the §2
+ * /query table, URL and bootstrap parsing, and the routing policies. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "proxy/backend.h"
+#include "proxy/http_msg.h"
+#include "proxy/pd_request.h"
+#include "proxy/policy.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const http_limits LIM = {1024, 8};
+
+static int parse_str(const char *s, int is_request, http_head *h, struct evbuffer **rest) {
+    struct evbuffer *in = evbuffer_new();
+    evbuffer_add(in, s, strlen(s));
+    int rc = http_head_parse(in, is_request, &LIM, h);
+    if (rest)
+        *rest = in;
+    else
+        evbuffer_free(in);
+    return rc;
+}
+
+static void test_request_head(void **state) {
+    (void)state;
+    http_head h;
+    struct evbuffer *rest;
+    assert_int_equal(
+        parse_str("POST /v1/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length:  12 \r\n"
+                  "Connection: close\r\n\r\n{\"a\":1}",
+                  1, &h, &rest),
+        1);
+    assert_string_equal(h.method, "POST");
+    assert_string_equal(h.target, "/v1/completions?x=1");
+    assert_int_equal(h.minor, 1);
+    assert_int_equal(h.nheaders, 3);
+    assert_string_equal(http_head_get(&h, "content-length"), "12");
+    assert_int_equal(h.content_length, 12);
+    assert_int_equal(h.keep_alive, 0);
+    assert_int_equal(evbuffer_get_length(rest), 7); /* body left in the buffer */
+    http_head_free(&h);
+    evbuffer_free(rest);
+
+    /* incomplete, then HTTP/1.0 default close, bare LF line ends */
+    assert_int_equal(parse_str("GET / HTTP/1.1\r\nHost: a\r\n", 1, &h, NULL), 0);
+    assert_int_equal(parse_str("GET / HTTP/1.0\nHost: a\n\n", 1, &h, NULL), 1);
+    assert_int_equal(h.keep_alive, 0);
+    assert_int_equal(h.content_length, -1);
+    http_head_free(&h);
+
+    /* malformed */
+    const char *bad[] = {"NONSENSE\r\n\r\n",
+                         "GET /\r\n\r\n",
+                         "GET / HTTP/2.0\r\n\r\n",
+                         "get / HTTP/1.1\r\n\r\n",
+                         "GET / HTTP/1.1\r\nNoColon\r\n\r\n",
+                         "GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+                         "GET / HTTP/1.1\r\nA: b\r\n folded\r\n\r\n",
+                         "POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+                         "POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                         "POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_int_equal(parse_str(bad[i], 1, &h, NULL), HTTP_EBAD_MESSAGE);
+
+    /* limits: 9 headers > 8; head over 1024 bytes */
+    char many[512] = "GET / HTTP/1.1\r\n";
+    for (int i = 0; i < 9; i++)
+        strcat(many, "X-A: b\r\n");
+    strcat(many, "\r\n");
+    assert_int_equal(parse_str(many, 1, &h, NULL), HTTP_ETOO_MANY_HEADERS);
+    char *big = malloc(2000);
+    strcpy(big, "GET / HTTP/1.1\r\nX: ");
+    memset(big + strlen(big), 'a', 1500);
+    big[19 + 1500] = 0;
+    assert_int_equal(parse_str(big, 1, &h, NULL), HTTP_EHEAD_TOO_LARGE);
+    free(big);
+}
+
+static void test_status_head(void **state) {
+    (void)state;
+    http_head h;
+    assert_int_equal(parse_str("HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n"
+                               "Content-Length: 5\r\n\r\n",
+                               0, &h, NULL),
+                     1);
+    assert_int_equal(h.status, 503);
+    assert_int_equal(h.chunked, 1);
+    assert_int_equal(h.content_length, -1); /* Transfer-Encoding wins */
+    http_head_free(&h);
+    assert_int_equal(parse_str("HTTP/1.1 200\r\n\r\n", 0, &h, NULL), 1);
+    assert_int_equal(h.status, 200);
+    http_head_free(&h);
+    assert_int_equal(parse_str("HTTP/1.1 2x0 OK\r\n\r\n", 0, &h, NULL), HTTP_EBAD_MESSAGE);
+}
+
+/* Feeds `wire` one byte at a time and returns the decoded body. */
+static char *decode_body(const char *head, const char *wire, int *rc_out) {
+    http_head h;
+    assert_int_equal(parse_str(head, 0, &h, NULL), 1);
+    http_body_reader r;
+    http_body_init(&r, &h, 0);
+    struct evbuffer *in = evbuffer_new(), *out = evbuffer_new();
+    int rc = 0;
+    for (size_t i = 0; wire[i] && rc == 0; i++) {
+        evbuffer_add(in, wire + i, 1);
+        rc = http_body_read(&r, in, out);
+    }
+    *rc_out = rc;
+    size_t n = evbuffer_get_length(out);
+    char *s = calloc(1, n + 1);
+    evbuffer_remove(out, s, n);
+    evbuffer_free(in);
+    evbuffer_free(out);
+    http_head_free(&h);
+    return s;
+}
+
+static void test_body_framing(void **state) {
+    (void)state;
+    int rc;
+    /* RFC 9112 7.1 chunked coding with an extension and a trailer */
+    char *s = decode_body("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                          "5;name=v\r\nhello\r\n7\r\n, world\r\n0\r\nX-T: 1\r\n\r\n", &rc);
+    assert_int_equal(rc, 1);
+    assert_string_equal(s, "hello, world");
+    free(s);
+    s = decode_body("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", "5\r\nhelloXX", &rc);
+    assert_int_equal(rc, HTTP_EBAD_MESSAGE);
+    free(s);
+    s = decode_body("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", "zz\r\n", &rc);
+    assert_int_equal(rc, HTTP_EBAD_MESSAGE);
+    free(s);
+    s = decode_body("HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", "abcdEXTRA", &rc);
+    assert_int_equal(rc, 1);
+    assert_string_equal(s, "abcd");
+    free(s);
+    s = decode_body("HTTP/1.1 200 OK\r\n\r\n", "until close", &rc);
+    assert_int_equal(rc, 0); /* ends only at EOF */
+    assert_string_equal(s, "until close");
+    free(s);
+    http_head h;
+    http_body_reader r;
+    assert_int_equal(parse_str("HTTP/1.1 204 No Content\r\nContent-Length: 9\r\n\r\n", 0, &h, NULL),
+                     1);
+    http_body_init(&r, &h, 0);
+    assert_int_equal(r.mode, HTTP_BODY_NONE);
+    http_head_free(&h);
+}
+
+static json_t *J(const char *s) {
+    json_error_t e;
+    json_t *j = json_loads(s, 0, &e);
+    assert_non_null(j);
+    return j;
+}
+
+static void test_prefill_and_decode_bodies(void **state) {
+    (void)state;
+    json_t *client = J("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                       "\"max_tokens\":50,\"max_completion_tokens\":50,\"stream\":true,"
+                       "\"stream_options\":{\"include_usage\":true},\"temperature\":0.5,"
+                       "\"min_tokens\":4,\"min_completion_tokens\":4}");
+    json_t *p = pd_prefill_body(client, "xfer-1");
+    /* expected per PROTOCOL.md §1 (1), written out by hand */
+    json_t *want_p = J("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                       "\"max_tokens\":1,\"max_completion_tokens\":1,\"stream\":false,"
+                       "\"temperature\":0.5,\"kv_transfer_params\":{\"do_remote_decode\":true,"
+                       "\"do_remote_prefill\":false,\"transfer_id\":\"xfer-1\"}}");
+    assert_true(json_equal(p, want_p));
+    json_t *d = pd_decode_body(client, "eng-0", "http://10.0.0.2:8998", "xfer-1");
+    json_t *want_d = json_deep_copy(client);
+    json_object_set_new(want_d, "kv_transfer_params",
+                        J("{\"do_remote_decode\":false,\"do_remote_prefill\":true,"
+                          "\"remote_engine_id\":\"eng-0\",\"remote_bootstrap_addr\":"
+                          "\"http://10.0.0.2:8998\",\"transfer_id\":\"xfer-1\"}"));
+    assert_true(json_equal(d, want_d));
+    /* the client's body is not modified */
+    assert_true(json_is_true(json_object_get(client, "stream")));
+    /* max_completion_tokens is not invented */
+    json_t *c2 = J("{\"prompt\":\"x\"}");
+    json_t *p2 = pd_prefill_body(c2, "t");
+    assert_null(json_object_get(p2, "max_completion_tokens"));
+    assert_int_equal(json_integer_value(json_object_get(p2, "max_tokens")), 1);
+    json_decref(c2);
+    json_decref(p2);
+    json_decref(client);
+    json_decref(p);
+    json_decref(want_p);
+    json_decref(d);
+    json_decref(want_d);
+
+    char err[200];
+    json_t *out;
+    assert_int_equal(pd_parse_client_body("[1]", 3, &out, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "array"));
+    assert_int_equal(pd_parse_client_body("{\"a\":", 5, &out, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "not valid JSON"));
+    assert_int_equal(pd_parse_client_body("{}", 2, &out, err, sizeof err), 0);
+    json_decref(out);
+}
+
+static void test_uuid4(void **state) {
+    (void)state;
+    char a[PD_UUID_LEN + 1], b[PD_UUID_LEN + 1];
+    pd_uuid4(a);
+    pd_uuid4(b);
+    assert_int_equal(strlen(a), 36);
+    assert_string_not_equal(a, b);
+    assert_int_equal(a[14], '4');
+    assert_non_null(strchr("89ab", a[19]));
+    assert_true(a[8] == '-' && a[13] == '-' && a[18] == '-' && a[23] == '-');
+}
+
+static void test_query_table(void **state) {
+    (void)state;
+    const char *q =
+        "{\"1\": {\"engine_id\": \"e1\", \"worker_addr\": {\"0\": {\"0\": \"tcp://a:1\"},"
+        " \"1\": {\"0\": \"tcp://a:2\"}}}, \"0\": {\"engine_id\": \"e0\", "
+        "\"worker_addr\": {\"0\": {\"0\": \"tcp://a:3\"}}}}";
+    pd_engine *rows;
+    int n;
+    char err[200];
+    assert_int_equal(pd_parse_query(q, strlen(q), &rows, &n, err, sizeof err), 0);
+    assert_int_equal(n, 2);
+    assert_int_equal(rows[0].dp_rank, 0);
+    assert_string_equal(rows[0].engine_id, "e0");
+    assert_int_equal(rows[1].tp_size, 2);
+    pd_engines_free(rows, n);
+    assert_int_equal(pd_parse_query("{}", 2, &rows, &n, err, sizeof err), -ENOENT);
+    assert_int_equal(
+        pd_parse_query("{\"x\": {\"engine_id\": \"e\"}}", 25, &rows, &n, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "'x'"));
+    assert_int_equal(pd_parse_query("{\"0\": {}}", 9, &rows, &n, err, sizeof err), -EINVAL);
+    assert_int_equal(pd_parse_query("[]", 2, &rows, &n, err, sizeof err), -EINVAL);
+}
+
+static void test_urls(void **state) {
+    (void)state;
+    char host[256], err[300];
+    uint16_t port;
+    assert_int_equal(
+        backend_parse_url("http://192.168.0.2:8010", host, sizeof host, &port, err, sizeof err), 0);
+    assert_string_equal(host, "192.168.0.2");
+    assert_int_equal(port, 8010);
+    assert_int_equal(backend_parse_url("localhost:9/", host, sizeof host, &port, err, sizeof err),
+                     0);
+    assert_int_equal(port, 9);
+    assert_int_equal(
+        backend_parse_url("http://[::1]:8020", host, sizeof host, &port, err, sizeof err), 0);
+    assert_string_equal(host, "::1");
+    assert_int_equal(backend_parse_url("http://h", host, sizeof host, &port, err, sizeof err), 0);
+    assert_int_equal(port, 80);
+    assert_int_equal(backend_parse_url("http://h:0", host, sizeof host, &port, err, sizeof err),
+                     -EINVAL);
+    assert_int_equal(backend_parse_url("http://h:1/v1", host, sizeof host, &port, err, sizeof err),
+                     -EINVAL);
+    assert_int_equal(backend_parse_url("https://h:1", host, sizeof host, &port, err, sizeof err),
+                     -EINVAL);
+    assert_int_equal(backend_parse_url("http://", host, sizeof host, &port, err, sizeof err),
+                     -EINVAL);
+
+    /* bootstrap: default 8998 on the prefill host, a port, or a full address */
+    assert_int_equal(
+        backend_parse_bootstrap("u", "10.0.0.2", NULL, host, sizeof host, &port, err, sizeof err),
+        0);
+    assert_string_equal(host, "10.0.0.2");
+    assert_int_equal(port, 8998);
+    assert_int_equal(
+        backend_parse_bootstrap("u", "10.0.0.2", "9000", host, sizeof host, &port, err, sizeof err),
+        0);
+    assert_int_equal(port, 9000);
+    assert_string_equal(host, "10.0.0.2");
+    assert_int_equal(backend_parse_bootstrap("u", "10.0.0.2", "10.0.0.9:7000", host, sizeof host,
+                                             &port, err, sizeof err),
+                     0);
+    assert_string_equal(host, "10.0.0.9");
+    assert_int_equal(port, 7000);
+    assert_int_equal(
+        backend_parse_bootstrap("u", "h", "70000", host, sizeof host, &port, err, sizeof err),
+        -EINVAL);
+}
+
+/* Fake ready backends for the policies. */
+static void fake(backend *b, backend_role role, int index, int ranks) {
+    memset(b, 0, sizeof *b);
+    b->role = role;
+    b->index = index;
+    b->ready = b->healthy = 1;
+    b->nengines = ranks;
+    if (ranks) {
+        b->engines = calloc((size_t)ranks, sizeof *b->engines);
+        for (int i = 0; i < ranks; i++)
+            b->engines[i].dp_rank = i;
+    }
+}
+
+static void test_policies(void **state) {
+    (void)state;
+    backend p[2];
+    fake(&p[0], BACKEND_PREFILL, 0, 2);
+    fake(&p[1], BACKEND_PREFILL, 1, 1);
+    unsigned rr = 0;
+    int count[2][2] = {{0}};
+    for (int i = 0; i < 6; i++) {
+        const pd_engine *e;
+        backend *b = policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 0, &e);
+        count[b->index][e->dp_rank]++;
+    }
+    assert_int_equal(count[0][0], 2);
+    assert_int_equal(count[0][1], 2);
+    assert_int_equal(count[1][0], 2);
+    /* exclusion and readiness */
+    const pd_engine *e;
+    assert_ptr_equal(policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 1, &e), &p[1]);
+    p[1].ready = 0;
+    assert_null(policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 1, &e));
+    assert_null(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 1, &e));
+    p[1].ready = 1;
+    /* least loaded: fewest outstanding wins; ties rotate */
+    p[0].outstanding = 3;
+    p[1].outstanding = 1;
+    for (int i = 0; i < 4; i++)
+        assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e), &p[1]);
+    p[0].outstanding = p[1].outstanding = 0;
+    backend *x = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e);
+    backend *y = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e);
+    assert_ptr_not_equal(x, y);
+    /* dp ranks of the chosen prefill cycle */
+    p[1].ready = 0;
+    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e), &p[0]);
+    int r0 = e->dp_rank;
+    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e), &p[0]);
+    int r1 = e->dp_rank;
+    assert_int_not_equal(r0, r1);
+    policy_kind k;
+    assert_int_equal(policy_parse("round_robin", &k), 0);
+    assert_int_equal(k, POLICY_ROUND_ROBIN);
+    assert_int_equal(policy_parse("random", &k), -EINVAL);
+    free(p[0].engines);
+    free(p[1].engines);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_request_head), cmocka_unit_test(test_status_head),
+        cmocka_unit_test(test_body_framing), cmocka_unit_test(test_prefill_and_decode_bodies),
+        cmocka_unit_test(test_uuid4),        cmocka_unit_test(test_query_table),
+        cmocka_unit_test(test_urls),         cmocka_unit_test(test_policies),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
