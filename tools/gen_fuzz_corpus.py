@@ -203,4 +203,31 @@ idx = js({"metadata": {"total_size": 24},
                          "model.norm.weight": "model-00001-of-00001.safetensors"}}).encode()
 put("safetensors", [b"\0" + one, b"\1" + idx + b"\0" + one,
                     b"\0" + st({"a": ("F16", [], bytes(2)), "b": ("I64", [1, 1, 1, 1], bytes(8))})])
+# ---- proxy_http: byte0 bit0 request / bit1 HEAD response, byte1 piece size ----
+body = js({"model": "tiny", "prompt": "Hi", "max_tokens": 4}).encode()
+put("proxy_http", [
+    b"\x01\x07POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
+    b"\x01\x00\r\nGET /v1/models HTTP/1.0\nConnection: keep-alive\n\n",
+    b"\x01\x03POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+    b"5;ext=1\r\nhello\r\n0\r\nX-Trailer: 1\r\n\r\n",
+    b"\x00\x10HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"e\r\ndata: {\"a\":1}\n\n\r\n0\r\n\r\n",
+    b"\x00\xffHTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+    b"\x02\x05HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n",
+    b"\x00\x01HTTP/1.0 200 OK\r\n\r\nuntil close",
+])
+
+# ---- proxy_pd_request: byte0 even = client body, odd = bootstrap /query table ----
+put("proxy_pd_request", [
+    b"0" + js({"model": "tiny", "prompt": "Hello", "max_tokens": 16, "stream": True,
+               "stream_options": {"include_usage": True}, "min_tokens": 2}).encode(),
+    b"0" + js({"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 5,
+               "kv_transfer_params": {"x": 1}}).encode(),
+    b"0[]",
+    b"1" + js({"0": {"engine_id": "p-0", "worker_addr": {"0": {"0": "tcp://10.0.0.2:53817"}}}}).encode(),
+    b"1" + js({"1": {"engine_id": "p-1", "worker_addr": {"0": {"0": "a"}, "3": {"0": "b"}}},
+               "0": {"engine_id": "p-0", "worker_addr": {}}}).encode(),
+    b"1{}",
+])
 print("fuzz corpora written to", OUT)
