@@ -230,4 +230,21 @@ put("proxy_pd_request", [
                "0": {"engine_id": "p-0", "worker_addr": {}}}).encode(),
     b"1{}",
 ])
+# ---- server_http: byte0 even = raw HTTP; odd = byte1 route (0 completions,
+# 1 chat, 2 tokenize, 3 detokenize) + POST body ----
+put("server_http", [
+    b"\x01\x00" + js({"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode(),
+    b"\x01\x00" + js({"prompt": [1, 2, 3], "max_tokens": 3, "stream": True, "logprobs": 2,
+                       "echo": True, "stream_options": {"include_usage": True}}).encode(),
+    b"\x01\x01" + js({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                       "stream": True, "logprobs": True, "top_logprobs": 1}).encode(),
+    b"\x01\x01" + js({"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 4,
+                       "tools": [{"type": "function", "function": {"name": "w", "parameters": {}}}]}).encode(),
+    b"\x01\x02" + js({"prompt": "Hello world"}).encode(),
+    b"\x01\x02" + js({"messages": [{"role": "user", "content": "x"}]}).encode(),
+    b"\x01\x03" + js({"tokens": [1, 2, 4093]}).encode(),
+    b"\x00GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"\x00GET /metrics HTTP/1.1\r\n\r\n",
+    b"\x00POST /v1/completions HTTP/1.1\r\nAuthorization: Bearer x\r\nContent-Length: 2\r\n\r\n{}",
+])
 print("fuzz corpora written to", OUT)
