@@ -38,13 +38,13 @@ run_one() { # BINARY SECONDS [WORK_CORPUS_DIR [ARTIFACT_DIR]]
     mkdir -p "$work" "$art"
     local dict=()
     [ -f "$ROOT/fuzz/dict/$name.dict" ] && dict=("-dict=$ROOT/fuzz/dict/$name.dict")
-    local rc=0 log="$work/$name.log"
+    local rc=0 log="$work/$name.log" t0=$SECONDS
     "$bin" -max_total_time="$secs" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 \
         -artifact_prefix="$art/" "${dict[@]}" "$work" "$ROOT/fuzz/corpus/$name" >"$log" 2>&1 || rc=$?
     local execs cov
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1 || true)
     cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | cut -d' ' -f2 || true)
-    echo "fuzz: $name: ${execs:-?} execs in ${secs}s, coverage ${cov:-?} edges, corpus $(ls "$work" | grep -vc -e '\.log$' -e '^artifacts$' || true) units, exit $rc"
+    echo "fuzz: $name: ${execs:-?} execs in $((SECONDS - t0))s, coverage ${cov:-?} edges, corpus $(ls "$work" | grep -vc -e '\.log$' -e '^artifacts$' || true) units, exit $rc"
     if [ $rc -ne 0 ]; then
         grep -E 'ERROR|SUMMARY|runtime error|==[0-9]+==|Test unit written|abort' "$log" | head -30 >&2
         echo "fuzz: $name FAILED (log: $log; inputs: $art)" >&2
