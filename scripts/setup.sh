@@ -4,7 +4,7 @@
 set -euo pipefail
 
 DEBS=(
-  build-essential cmake ninja-build pkg-config clang clang-format
+  build-essential cmake ninja-build pkg-config clang clang-format libclang-rt-dev
   libjansson-dev libzmq3-dev libmsgpack-dev libevent-dev libcurl4-openssl-dev
   libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
   libibverbs-dev iproute2 xz-utils curl

@@ -180,7 +180,14 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         const char *key;
         json_t *v;
         json_object_foreach(wm, key, v) {
-            if (!json_is_string(v)) continue;
+            if (!json_is_string(v)) {
+                free(names);
+                rc = st_fail(err, errlen, -EINVAL,
+                             "%s: weight_map[\"%s\"] must be a shard file name (a string)", path,
+                             key);
+                json_decref(root);
+                return rc;
+            }
             names[nu++] = (char *)json_string_value(v);
         }
         qsort(names, nu, sizeof *names, str_cmp);
@@ -198,7 +205,9 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         }
         free(names);
         if (rc == 0) { /* every indexed tensor must exist in its shard */
-            qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
+            /* qsort's base must not be NULL, even for 0 items */
+            if (s->n_tensors > 0)
+                qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
             json_object_foreach(wm, key, v) {
                 if (!st_set_find(s, key)) {
                     rc = st_fail(err, errlen, -EINVAL,
@@ -228,7 +237,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         if (rc == 0 && !found)
             rc = st_fail(err, errlen, -ENOENT,
                          "%s: no *.safetensors weights (and no model.safetensors.index.json)", dir);
-        if (rc == 0) qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
+        if (rc == 0 && s->n_tensors > 0)
+            qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
     }
     if (rc == 0)
         for (int i = 1; i < s->n_tensors; i++)

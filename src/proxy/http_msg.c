@@ -126,8 +126,14 @@ int http_head_parse(struct evbuffer *in, int is_request, const http_limits *lim,
         return http_head_parse(in, is_request, lim, h);
     }
     size_t end = head_end(p, scan);
-    if (!end) return scan > lim->max_head_bytes ? HTTP_EHEAD_TOO_LARGE : 0;
+    /* A head may take max_head_bytes plus its final line end (end <= max + 2):
+     * only when max + 2 bytes hold no end is it too large, however the bytes
+     * were split into reads. */
+    if (!end) return scan >= lim->max_head_bytes + 2 ? HTTP_EHEAD_TOO_LARGE : 0;
     if (end > lim->max_head_bytes + 2) return HTTP_EHEAD_TOO_LARGE;
+    /* A NUL byte would end a line early here and hide the headers after it
+     * (e.g. a Content-Length): reject it (RFC 9110 5.5). */
+    if (memchr(p, 0, end)) return HTTP_EBAD_MESSAGE;
 
     memset(h, 0, sizeof *h);
     h->raw = malloc(end + 1);

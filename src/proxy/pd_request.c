@@ -1,6 +1,7 @@
 /* pd_request — see pd_request.h. */
 #include "proxy/pd_request.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -147,7 +148,7 @@ int pd_parse_query(const char *buf, size_t len, pd_engine **rows, int *n, char *
         char *end;
         long rank = strtol(key, &end, 10);
         const char *eid = json_string_value(json_object_get(v, "engine_id"));
-        if (!*key || *end || rank < 0 || rank > 65535) {
+        if (!isdigit((unsigned char)*key) || *end || rank < 0 || rank > 65535) {
             snprintf(err, errcap, "bootstrap /query key '%s' is not a dp rank (0..65535)", key);
             rc = -EINVAL;
             break;
@@ -170,6 +171,12 @@ int pd_parse_query(const char *buf, size_t len, pd_engine **rows, int *n, char *
         return rc;
     }
     qsort(r, (size_t)k, sizeof *r, cmp_rank);
+    for (int i = 1; i < k; i++)
+        if (r[i].dp_rank == r[i - 1].dp_rank) { /* "0" and "00" */
+            snprintf(err, errcap, "bootstrap /query lists dp rank %d twice", r[i].dp_rank);
+            pd_engines_free(r, k);
+            return -EINVAL;
+        }
     *rows = r;
     *n = k;
     return 0;

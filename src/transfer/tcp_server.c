@@ -200,6 +200,9 @@ static void *conn_main(void *arg) {
         int rc;
         while ((rc = serve_one(s, io)) == 0) {
         }
+        /* Requests served before the end (the peer shut down its side, or a
+         * later request failed) still get their batched statuses. */
+        flush_out(io, clock_now_ns() + NS_PER_S);
         if (rc != -ECONNRESET && rc != -EPROTO)
             LOG_D(MOD, "data connection closed: %s", strerror(-rc));
         free(io);

@@ -1,6 +1,7 @@
 /* bootstrap_client — see bootstrap_client.h.  Parts: URL building, one HTTP
  * attempt, the retry loop, /query table parsing. */
 #include "connector/mooncake/bootstrap_client.h"
+#include "connector/mooncake/bootstrap_server.h"
 
 #include "base/log.h"
 #include "base/net.h"
@@ -17,7 +18,7 @@
 
 #define MOD          "bootstrap"
 #define MAX_RESPONSE (16u << 20)
-#define MAX_RANK     4096
+#define MAX_RANK     BOOTSTRAP_MAX_RANK
 
 void bootstrap_retry_init(bootstrap_retry *r, double timeout_s) {
     memset(r, 0, sizeof *r);
@@ -272,7 +273,7 @@ static int parse_engine(const char *dpk, json_t *ev, bootstrap_engine *e, char *
         }
     }
     size_t slots = (size_t)e->tp_size * (size_t)e->pp_size;
-    if (slots > 65536) {
+    if (slots > BOOTSTRAP_MAX_GRID) {
         snprintf(err, cap, "bootstrap query: dp %s: %d x %d workers is too many", dpk, e->tp_size,
                  e->pp_size);
         return BOOTSTRAP_EINVAL;

@@ -52,6 +52,9 @@ struct bootstrap_server {
     size_t n_workers; /* total over engines, <= BOOTSTRAP_MAX_WORKERS */
 };
 
+#define STR_(x) #x
+#define STR(x)  STR_(x)
+
 static bs_engine *find_engine(bootstrap_server *s, int dp) {
     for (size_t i = 0; i < s->n_engines; i++)
         if (s->engines[i].dp_rank == dp) return &s->engines[i];
@@ -85,6 +88,18 @@ static int registry_add(bootstrap_server *s, const char *engine_id, int dp, int 
                      "%s, but still want to register at %s",
                      dp, tp, pp, w->addr, addr);
         }
+        goto out;
+    }
+    int max_tp = tp, max_pp = pp; /* the grid GET /query clients will allocate */
+    for (size_t i = 0; e && i < e->n; i++) {
+        if (e->workers[i].tp_rank > max_tp) max_tp = e->workers[i].tp_rank;
+        if (e->workers[i].pp_rank > max_pp) max_pp = e->workers[i].pp_rank;
+    }
+    if ((long long)(max_tp + 1) * (max_pp + 1) > BOOTSTRAP_MAX_GRID) {
+        snprintf(detail, cap,
+                 "Worker with dp_rank=%d, tp_rank=%d, pp_rank=%d would make a %d x %d tp x pp "
+                 "grid; at most %d workers per dp_rank",
+                 dp, tp, pp, max_tp + 1, max_pp + 1, BOOTSTRAP_MAX_GRID);
         goto out;
     }
     if (s->n_workers >= BOOTSTRAP_MAX_WORKERS) {
@@ -228,9 +243,9 @@ static void check_rank(json_t *body, const char *key, json_t *errors, int *out) 
     if (i < 0)
         return add_error(errors, "greater_than_equal", key,
                          "Input should be greater than or equal to 0");
-    if (i > 1000000)
+    if (i > BOOTSTRAP_MAX_RANK)
         return add_error(errors, "less_than_equal", key,
-                         "Input should be less than or equal to 1000000");
+                         "Input should be less than or equal to " STR(BOOTSTRAP_MAX_RANK));
     *out = (int)i;
 }
 

@@ -26,6 +26,11 @@
 #define BOOTSTRAP_MAX_BODY    65536 /* bytes of a /register body */
 #define BOOTSTRAP_MAX_WORKERS 65536 /* registered (dp,tp,pp) entries */
 #define BOOTSTRAP_MAX_STR     256   /* bytes of engine_id and addr */
+/* What bootstrap_client's table parser accepts, so that the server never
+ * serves a table its clients refuse: ranks 0..BOOTSTRAP_MAX_RANK, and per dp
+ * rank a (max tp + 1) x (max pp + 1) grid of at most BOOTSTRAP_MAX_GRID. */
+#define BOOTSTRAP_MAX_RANK 4096
+#define BOOTSTRAP_MAX_GRID 65536
 
 typedef struct bootstrap_server bootstrap_server; /* opaque */
 

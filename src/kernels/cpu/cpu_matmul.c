@@ -9,6 +9,7 @@
 
 #include "base/log.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,10 +24,15 @@
 
 static int g_isa = -1; /* cpu_isa, -1 until detected */
 
+/* F16C through cpuid: clang before 15 does not know __builtin_cpu_supports("f16c"). */
+static int isa_has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+
 static int isa_has_avx2(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && isa_has_f16c();
 }
 
 cpu_isa cpu_isa_get(void) {
