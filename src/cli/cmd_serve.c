@@ -10,6 +10,7 @@
  * <exe dir>/../share/disagg/models/disagg-sotu-tiny (an install prefix), then
  * ./models/disagg-sotu-tiny.
  */
+#include "base/text.h"
 #include "cli/commands.h"
 
 #include "base/log.h"
@@ -159,29 +160,11 @@ static const char *FLAGS[] = {"--host",
                               "--model"};
 #define NFLAGS (sizeof FLAGS / sizeof FLAGS[0])
 
-static size_t edit_distance(const char *a, const char *b) {
-    size_t la = strlen(a), lb = strlen(b), prev[64], cur[64];
-    if (la >= 63 || lb >= 63) return 99;
-    for (size_t j = 0; j <= lb; j++)
-        prev[j] = j;
-    for (size_t i = 1; i <= la; i++) {
-        cur[0] = i;
-        for (size_t j = 1; j <= lb; j++) {
-            size_t c = prev[j - 1] + (a[i - 1] != b[j - 1]);
-            if (prev[j] + 1 < c) c = prev[j] + 1;
-            if (cur[j - 1] + 1 < c) c = cur[j - 1] + 1;
-            cur[j] = c;
-        }
-        memcpy(prev, cur, sizeof cur);
-    }
-    return prev[lb];
-}
-
 static void unknown_flag(const char *f) {
     const char *best = NULL;
     size_t bd = 99;
     for (size_t i = 0; i < NFLAGS; i++) {
-        size_t d = edit_distance(f, FLAGS[i]);
+        size_t d = (size_t)text_edit_distance(f, FLAGS[i]);
         if (d < bd) bd = d, best = FLAGS[i];
     }
     fprintf(stderr, "disagg serve: unknown option '%s'", f);

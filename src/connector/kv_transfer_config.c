@@ -2,6 +2,8 @@
  * value checkers, the JSON walk and the environment. */
 #include "connector/kv_transfer_config.h"
 
+#include "base/text.h"
+
 #include "base/log.h"
 #include "base/net.h"
 
@@ -89,25 +91,7 @@ const char *kv_load_failure_policy_name(kv_load_failure_policy p) {
 /* ---- helpers ------------------------------------------------------------ */
 
 int kv_config_edit_distance(const char *a, const char *b) {
-    size_t la = strlen(a), lb = strlen(b);
-    if (la > 256 || lb > 256) return (int)(la > lb ? la : lb);
-    int row[257];
-    for (size_t j = 0; j <= lb; j++)
-        row[j] = (int)j;
-    for (size_t i = 1; i <= la; i++) {
-        int diag = row[0];
-        row[0] = (int)i;
-        for (size_t j = 1; j <= lb; j++) {
-            int up = row[j];
-            int cost = tolower((unsigned char)a[i - 1]) == tolower((unsigned char)b[j - 1]) ? 0 : 1;
-            int best = diag + cost;
-            if (row[j] + 1 < best) best = row[j] + 1;
-            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
-            row[j] = best;
-            diag = up;
-        }
-    }
-    return row[lb];
+    return text_edit_distance(a, b);
 }
 
 /* The closest of names[] to s when close enough to be a typo, else NULL. */
@@ -150,27 +134,6 @@ static void append_key(char *list, size_t cap, const char *key) {
     size_t len = strlen(list);
     if (len + 1 >= cap) return;
     snprintf(list + len, cap - len, "%s%s", len ? "," : "", key);
-}
-
-static const char *json_type_name(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "an object";
-    case JSON_ARRAY:
-        return "an array";
-    case JSON_STRING:
-        return "a string";
-    case JSON_INTEGER:
-        return "an integer";
-    case JSON_REAL:
-        return "a number";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "a boolean";
-    case JSON_NULL:
-        return "null";
-    }
-    return "?";
 }
 
 /* Short printable rendering of a JSON value for messages. */
@@ -243,7 +206,7 @@ static int parse_enum(const char *key, const json_t *v, const char *const *names
     char list[256], shown[96];
     if (!json_is_string(v)) {
         set_err(err, cap, "kv-transfer-config: %s: %s is %s, not a string; accepted: %s", key,
-                json_short(v, shown, sizeof shown), json_type_name(v),
+                json_short(v, shown, sizeof shown), text_json_kind(v),
                 join_names(names, n, list, sizeof list));
         return KV_CONFIG_EINVAL;
     }
@@ -428,7 +391,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     char shown[96];
     if (!json_is_object(root)) {
         set_err(err, err_cap, "kv-transfer-config: the value is %s; accepted: a JSON object",
-                json_type_name(root));
+                text_json_kind(root));
         goto out;
     }
     /* 1. every key known to vLLM and of vLLM's type */
@@ -451,7 +414,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
         }
         if (!type_ok(v, k->type)) {
             set_err(err, err_cap, "kv-transfer-config: %s: %s is %s; accepted: %s", key,
-                    json_short(v, shown, sizeof shown), json_type_name(v), type_want(k->type));
+                    json_short(v, shown, sizeof shown), text_json_kind(v), type_want(k->type));
             goto out;
         }
         if (!k->used) append_key(c.ignored_keys, sizeof c.ignored_keys, key);

@@ -3,6 +3,7 @@
  * openai_request.h).  One getter per JSON type names the field and the
  * accepted values when it refuses one.
  */
+#include "base/text.h"
 #include "server/openai_request.h"
 
 #include <errno.h>
@@ -59,31 +60,12 @@ static int bad(oai_error *err, const char *key, const char *fmt, ...) {
     return -EINVAL;
 }
 
-static const char *json_kind(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "an object";
-    case JSON_ARRAY:
-        return "an array";
-    case JSON_STRING:
-        return "a string";
-    case JSON_INTEGER:
-        return "an integer";
-    case JSON_REAL:
-        return "a number";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "a boolean";
-    default:
-        return "null";
-    }
-}
-
 static int get_bool(const json_t *o, const char *key, bool *out, oai_error *err) {
     const json_t *v = json_object_get(o, key);
     if (!v || json_is_null(v)) return 0;
     if (!json_is_boolean(v))
-        return bad(err, key, "'%s' must be a boolean (true or false), got %s", key, json_kind(v));
+        return bad(err, key, "'%s' must be a boolean (true or false), got %s", key,
+                   text_json_kind(v));
     *out = json_is_true(v);
     return 1;
 }
@@ -101,7 +83,7 @@ static int get_i64(const json_t *o, const char *key, long long lo, long long hi,
         x = (long long)json_real_value(v);
     } else {
         return bad(err, key, "'%s' must be an integer between %lld and %lld, got %s", key, lo, hi,
-                   json_kind(v));
+                   text_json_kind(v));
     }
     if (x < lo || x > hi)
         return bad(err, key, "'%s' must be an integer between %lld and %lld, got %lld", key, lo, hi,
@@ -126,7 +108,7 @@ static int get_num(const json_t *o, const char *key, double lo, int lo_open, dou
                                     : "'%s' must be a number between %g and %g";
     char range[160];
     snprintf(range, sizeof range, range_fmt, key, lo, hi);
-    if (!json_is_number(v)) return bad(err, key, "%s, got %s", range, json_kind(v));
+    if (!json_is_number(v)) return bad(err, key, "%s, got %s", range, text_json_kind(v));
     double x = json_number_value(v);
     if (!isfinite(x) || x < lo || (lo_open && x == lo) || x > hi)
         return bad(err, key, "%s, got %g", range, x);
@@ -138,7 +120,7 @@ static int get_string(const json_t *o, const char *key, const char **out, oai_er
     const json_t *v = json_object_get(o, key);
     if (!v || json_is_null(v)) return 0;
     if (!json_is_string(v))
-        return bad(err, key, "'%s' must be a string, got %s", key, json_kind(v));
+        return bad(err, key, "'%s' must be a string, got %s", key, text_json_kind(v));
     *out = json_string_value(v);
     return 1;
 }
@@ -155,7 +137,7 @@ static int ids_from_array(const json_t *a, const char *key, int32_t **ids, int *
             free(*ids);
             *ids = NULL;
             return bad(err, key, "'%s' token ids must be non-negative integers; element %zu is %s",
-                       key, i, json_is_integer(t) ? "negative or too large" : json_kind(t));
+                       key, i, json_is_integer(t) ? "negative or too large" : text_json_kind(t));
         }
         (*ids)[i] = (int32_t)json_integer_value(t);
     }
@@ -179,7 +161,7 @@ static int parse_prompt(oai_request *r, const json_t *body, oai_error *err) {
         return 0;
     }
     if (!json_is_array(p))
-        return bad(err, "prompt", "'prompt' must be %s, got %s", accepted, json_kind(p));
+        return bad(err, "prompt", "'prompt' must be %s, got %s", accepted, text_json_kind(p));
     size_t len = json_array_size(p);
     if (len == 0) return bad(err, "prompt", "'prompt' must not be empty");
     const json_t *first = json_array_get(p, 0);
@@ -209,7 +191,7 @@ static int parse_prompt(oai_request *r, const json_t *body, oai_error *err) {
         } else {
             return bad(err, "prompt",
                        "'prompt' must be %s; element %zu is %s (mixed lists are not accepted)",
-                       accepted, i, json_kind(e));
+                       accepted, i, text_json_kind(e));
         }
     }
     return 0;
@@ -221,7 +203,7 @@ static int parse_stop(oai_request *r, const json_t *body, oai_error *err) {
     size_t n = json_is_string(s) ? 1 : json_is_array(s) ? json_array_size(s) : 0;
     if (!json_is_string(s) && !json_is_array(s))
         return bad(err, "stop", "'stop' must be a string or a list of strings, got %s",
-                   json_kind(s));
+                   text_json_kind(s));
     if (n > OAI_MAX_STOPS)
         return bad(err, "stop", "'stop' holds %zu strings; at most %d are accepted", n,
                    OAI_MAX_STOPS);
@@ -232,7 +214,7 @@ static int parse_stop(oai_request *r, const json_t *body, oai_error *err) {
         if (!json_is_string(e))
             return bad(err, "stop",
                        "'stop' must be a string or a list of strings; element %zu is %s", i,
-                       json_kind(e));
+                       text_json_kind(e));
         if (json_string_length(e) == 0 || strlen(json_string_value(e)) != json_string_length(e))
             return bad(err, "stop",
                        "'stop' strings must be non-empty and contain no NUL; element %zu is not",
@@ -249,7 +231,7 @@ static int parse_stop_ids(oai_request *r, const json_t *body, oai_error *err) {
     if (!s || json_is_null(s)) return 0;
     if (!json_is_array(s))
         return bad(err, "stop_token_ids", "'stop_token_ids' must be a list of token ids, got %s",
-                   json_kind(s));
+                   text_json_kind(s));
     return ids_from_array(s, "stop_token_ids", &r->stop_token_ids, &r->n_stop_token_ids, err);
 }
 
@@ -305,7 +287,7 @@ static int parse_sampling(oai_request *r, const json_t *body, const oai_defaults
             json_integer_value(tk) > INT32_MAX)
             return bad(err, "top_k",
                        "'top_k' must be -1 or 0 (disabled) or a positive integer, got %s",
-                       json_is_integer(tk) ? "a value below -1" : json_kind(tk));
+                       json_is_integer(tk) ? "a value below -1" : text_json_kind(tk));
         s->top_k = (int)json_integer_value(tk);
         if (s->top_k < 0) s->top_k = 0;
     }
@@ -332,7 +314,7 @@ static int parse_stream(oai_request *r, const json_t *body, oai_error *err) {
     if (!so || json_is_null(so)) return 0;
     if (!json_is_object(so))
         return bad(err, "stream_options", "'stream_options' must be an object, got %s",
-                   json_kind(so));
+                   text_json_kind(so));
     if (!r->stream)
         return bad(err, "stream_options", "'stream_options' can only be set when 'stream' is true");
     if (get_bool(so, "include_usage", &r->include_usage, err) < 0) return -EINVAL;
@@ -362,18 +344,18 @@ static int parse_chat(oai_request *r, const json_t *body, oai_error *err) {
     if (!json_is_array(m) || json_array_size(m) == 0)
         return bad(err, "messages",
                    "'messages' must be a non-empty list of message objects, got %s",
-                   json_is_array(m) ? "an empty list" : json_kind(m));
+                   json_is_array(m) ? "an empty list" : text_json_kind(m));
     for (size_t i = 0; i < json_array_size(m); i++)
         if (!json_is_object(json_array_get(m, i)))
             return bad(err, "messages",
                        "'messages' element %zu must be an object with 'role' and 'content', got %s",
-                       i, json_kind(json_array_get(m, i)));
+                       i, text_json_kind(json_array_get(m, i)));
     r->messages = json_incref((json_t *)m);
     const json_t *t = json_object_get(body, "tools");
     if (t && !json_is_null(t)) {
         if (!json_is_array(t))
             return bad(err, "tools", "'tools' must be a list of tool objects, got %s",
-                       json_kind(t));
+                       text_json_kind(t));
         for (size_t i = 0; i < json_array_size(t); i++) {
             const json_t *e = json_array_get(t, i);
             const json_t *f = json_object_get(e, "function");
@@ -464,7 +446,7 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     }
     int rc = -EINVAL;
     if (!json_is_object(root)) {
-        bad(err, NULL, "The request body must be a JSON object, got %s", json_kind(root));
+        bad(err, NULL, "The request body must be a JSON object, got %s", text_json_kind(root));
         goto out;
     }
     if (parse_model(r, root, d, err)) goto out;
@@ -504,7 +486,7 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     if (kv && !json_is_null(kv)) {
         if (!json_is_object(kv)) {
             bad(err, "kv_transfer_params", "'kv_transfer_params' must be an object or null, got %s",
-                json_kind(kv));
+                text_json_kind(kv));
             goto out;
         }
         r->kv_transfer_params = json_incref((json_t *)kv);
