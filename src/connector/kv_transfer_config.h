@@ -66,8 +66,8 @@ typedef struct kv_transfer_config {
     char auth_secret[KV_CONFIG_SECRET_MAX];
     int auth_secret_from_env; /* 1 when auth_secret came from DISAGG_KV_SECRET */
     /* producer: pulls naming a transfer id this producer does not (yet) know
-     * that may wait at once; more are refused at once (a flood of bogus
-     * pulls costs O(1) each).  1..1048576, default 4096. */
+     * that may wait at once; one more evicts the oldest (its pull fails at
+     * once): a flood of bogus pulls costs O(1) each.  1..1048576, default 4096. */
     int max_pending_pulls;
     /* what was accepted but means nothing here (comma-separated, for logs/tests) */
     char ignored_keys[KV_CONFIG_KEYS_MAX];       /* vLLM KVTransferConfig fields unused here */

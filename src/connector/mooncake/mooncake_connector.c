@@ -59,7 +59,8 @@ typedef struct prod_req {
     uint64_t deadline_ns; /* P_READY: expiry; P_UNKNOWN/P_PREFILLING with waiters: give up */
     char fail_msg[192];
     pull_part *waiters;
-    struct prod_req *next, *prev; /* c->prods (prev: O(1) unlink) */
+    struct prod_req *next, *prev;   /* c->prods (prev: O(1) unlink) */
+    struct prod_req *unext, *uprev; /* c->u_head..u_tail while P_UNKNOWN (oldest last) */
 } prod_req;
 
 typedef struct pull_job { /* one pull from a decoder, until its final reply */
@@ -120,7 +121,8 @@ struct mooncake_connector {
     prod_req *prods;
     id_table prod_index;      /* transfer_id -> prod_req, every entry of prods */
     int n_unknown;            /* prods in P_UNKNOWN: pulls ahead of their request */
-    uint64_t pulls_refused;   /* pull requests refused: n_unknown at max_pending_pulls */
+    prod_req *u_head, *u_tail; /* those, newest first (eviction takes the oldest) */
+    uint64_t pulls_evicted;   /* P_UNKNOWN entries evicted at max_pending_pulls */
     char listen_host[256];    /* the server's --host ("" = all interfaces) */
     /* consumer */
     cons_req *conss;
@@ -161,6 +163,30 @@ static prod_req *prod_new(mooncake_connector *c, const char *transfer_id, prod_s
     if (c->prods) c->prods->prev = p;
     c->prods = p;
     return p;
+}
+
+/* Caller holds mu.  p enters P_UNKNOWN (a pull ahead of its request). */
+static void unknown_push_locked(mooncake_connector *c, prod_req *p) {
+    p->uprev = NULL;
+    p->unext = c->u_head;
+    if (c->u_head) c->u_head->uprev = p;
+    c->u_head = p;
+    if (!c->u_tail) c->u_tail = p;
+    c->n_unknown++;
+}
+
+/* Caller holds mu.  p leaves P_UNKNOWN. */
+static void unknown_remove_locked(mooncake_connector *c, prod_req *p) {
+    if (p->uprev)
+        p->uprev->unext = p->unext;
+    else
+        c->u_head = p->unext;
+    if (p->unext)
+        p->unext->uprev = p->uprev;
+    else
+        c->u_tail = p->uprev;
+    p->unext = p->uprev = NULL;
+    c->n_unknown--;
 }
 
 /* Caller holds mu.  Reply to a pull whose requests are all done. */
@@ -426,23 +452,32 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
                                 "this producer has one KV group; the pull names several");
             continue;
         }
-        if (!p && c->n_unknown >= c->cfg.max_pending_pulls) { /* O(1), nothing kept */
-            char why[200];
-            snprintf(why, sizeof why,
-                     "producer refused the pull: %d pulls already wait for transfer ids it does "
-                     "not know (kv_connector_extra_config.max_pending_pulls)",
-                     c->n_unknown);
-            if (c->pulls_refused++ % 1000 == 0)
-                LOG_W(MOD, "%s; %" PRIu64 " refused so far", why, c->pulls_refused);
-            job_req_done_locked(c, job, i, 0, why);
-            continue;
+        if (!p && c->n_unknown >= c->cfg.max_pending_pulls) {
+            /* Full: evict the oldest waiting pull, O(1).  A real pull ahead
+             * of its request is young (its request is on the way), so a
+             * flood evicts its own entries first. */
+            prod_req *old = c->u_tail;
+            unknown_remove_locked(c, old);
+            old->state = P_FAILED;
+            snprintf(old->fail_msg, sizeof old->fail_msg,
+                     "evicted: %d newer pulls for transfer ids this producer does not know "
+                     "arrived first (kv_connector_extra_config.max_pending_pulls)",
+                     c->cfg.max_pending_pulls);
+            if (c->pulls_evicted++ % 1000 == 0)
+                LOG_W(MOD,
+                      "%d pulls wait for unknown transfer ids (max_pending_pulls): evicting the "
+                      "oldest (%" PRIu64 " evicted so far; a flood of bogus pulls?)",
+                      c->n_unknown + 1, c->pulls_evicted);
+            prod_wake_waiters_locked(c, old);
+            old->engine_released = 1;
+            prod_maybe_free_locked(c, old);
         }
         if (!p) {
             if (!(p = prod_new(c, rb->transfer_id, P_UNKNOWN))) {
                 job_req_done_locked(c, job, i, 0, "producer out of memory");
                 continue;
             }
-            c->n_unknown++;
+            unknown_push_locked(c, p);
         }
         pull_part *w = malloc(sizeof *w);
         if (!w) {
@@ -674,7 +709,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 snprintf(err, errlen, "out of memory");
                 role = -1;
             } else {
-                if (p->state == P_UNKNOWN) c->n_unknown--;
+                if (p->state == P_UNKNOWN) unknown_remove_locked(c, p);
                 p->state = P_PREFILLING;
                 p->id = id;
                 h = malloc(sizeof *h);
@@ -901,7 +936,7 @@ static void *reaper_main(void *arg) {
             } else if ((p->state == P_UNKNOWN || p->state == P_PREFILLING) && p->waiters &&
                        p->deadline_ns && now >= p->deadline_ns) {
                 prod_state was = p->state;
-                if (was == P_UNKNOWN) c->n_unknown--;
+                if (was == P_UNKNOWN) unknown_remove_locked(c, p);
                 p->state = P_FAILED;
                 snprintf(p->fail_msg, sizeof p->fail_msg, "%s within %.0f s",
                          was == P_UNKNOWN ? "no request with this transfer_id reached the producer"
@@ -1158,7 +1193,7 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
                  s.load_count, s.load_sum_s, s.load_count, s.send_sum_s, s.send_count);
     /* issue 11 section 3: what the KV ports refused */
     pthread_mutex_lock(&c->mu);
-    uint64_t refused = c->pulls_refused;
+    uint64_t evicted = c->pulls_evicted;
     int unknown = c->n_unknown;
     pthread_mutex_unlock(&c->mu);
     uint64_t sc_rej = c->sc ? side_channel_server_auth_rejected(c->sc) : 0;
@@ -1170,13 +1205,13 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
              "# TYPE disagg:kv_auth_rejected_total counter\n"
              "disagg:kv_auth_rejected_total{port=\"side_channel\"} %" PRIu64 "\n"
              "disagg:kv_auth_rejected_total{port=\"bootstrap\"} %" PRIu64 "\n"
-             "# HELP disagg:kv_pulls_refused_total Producer: pulled requests refused because "
-             "max_pending_pulls pulls already waited for unknown transfer ids.\n"
-             "# TYPE disagg:kv_pulls_refused_total counter\n"
-             "disagg:kv_pulls_refused_total %" PRIu64 "\n"
+             "# HELP disagg:kv_pending_pulls_evicted_total Producer: pulls for unknown "
+             "transfer ids evicted (oldest first) because max_pending_pulls were waiting.\n"
+             "# TYPE disagg:kv_pending_pulls_evicted_total counter\n"
+             "disagg:kv_pending_pulls_evicted_total %" PRIu64 "\n"
              "# TYPE disagg:kv_pending_unknown_pulls gauge\n"
              "disagg:kv_pending_unknown_pulls %d\n",
-             sc_rej, bs_rej, refused, unknown);
+             sc_rej, bs_rej, evicted, unknown);
     size_t used = strlen(t), add = strlen(more);
     char *nt = realloc(t, used + add + 1);
     if (!nt) return t;
