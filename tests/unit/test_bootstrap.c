@@ -15,6 +15,8 @@
 #include "connector/mooncake/bootstrap_server.h"
 
 #include <dirent.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <stdio.h>
 #include <time.h>
 #include <stdlib.h>
@@ -296,6 +298,9 @@ static int raw_register(uint16_t port, const char *body, const char *hdr, char *
     uint64_t dl = clock_now_ns() + 5 * NS_PER_S;
     int fd = net_connect(&a, NULL, dl);
     assert_true(fd >= 0);
+    net_set_nonblock(fd, 0); /* plain blocking reads below, bounded by SO_RCVTIMEO */
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     char req[2048];
     int n = snprintf(req, sizeof req,
                      "POST /register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
