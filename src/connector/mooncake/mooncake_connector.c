@@ -984,8 +984,7 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
         int rc = bootstrap_server_start_auth(bh, c->env.bootstrap_port, secret, &c->bs, err,
                                              errlen);
         if (rc) return rc;
-        const char *reach = bh ? bh : (c->listen_host[0] && strchr(c->listen_host, ':') ? "::1"
-                                                                                        : "127.0.0.1");
+        const char *reach = bh ? bh : "127.0.0.1"; /* a wildcard binds 0.0.0.0 */
         snprintf(server, sizeof server, strchr(reach, ':') ? "[%s]:%u" : "%s:%u", reach,
                  bootstrap_server_port(c->bs));
         LOG_I(MOD, "bootstrap server on %s (VLLM_MOONCAKE_BOOTSTRAP_PORT)", server);
