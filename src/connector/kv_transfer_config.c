@@ -71,9 +71,9 @@ static const top_key TOP_KEYS[] = {
 };
 #define N_TOP_KEYS (sizeof TOP_KEYS / sizeof TOP_KEYS[0])
 
-static const char *const EXTRA_KEYS[] = {"num_workers",        "mooncake_protocol",
-                                         "device_name",        "bootstrap_server_address",
-                                         "auth_secret",        "max_pending_pulls"};
+static const char *const EXTRA_KEYS[] = {"num_workers", "mooncake_protocol",
+                                         "device_name", "bootstrap_server_address",
+                                         "auth_secret", "max_pending_pulls"};
 #define N_EXTRA_KEYS (sizeof EXTRA_KEYS / sizeof EXTRA_KEYS[0])
 
 static const char *const ROLE_NAMES[] = {"kv_producer", "kv_consumer", "kv_both"};
@@ -307,7 +307,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
                         "kv-transfer-config: kv_connector_extra_config.auth_secret: %s is not "
                         "accepted; accepted: a non-empty string without NUL bytes, shorter than "
                         "%zu bytes (or leave it out: then $%s, else no authentication)",
-                        !sv ? text_json_kind(v)
+                        !sv      ? text_json_kind(v)
                         : n == 0 ? "an empty string"
                                  : "a string too long or containing NUL",
                         sizeof c->auth_secret, AUTH_SECRET_ENV);

@@ -37,12 +37,12 @@ typedef enum kv_protocol {
     KV_PROTOCOL_SHM = 2,  /* "shm": same host, process_vm_* (ours) */
 } kv_protocol;
 
-#define KV_CONFIG_NUM_WORKERS_DEFAULT 10
-#define KV_CONFIG_NUM_WORKERS_MAX     1024
-#define KV_CONFIG_ENGINE_ID_MAX       128 /* bytes incl. NUL */
-#define KV_CONFIG_KEYS_MAX            512 /* bytes of the ignored/unknown key lists */
-#define KV_CONFIG_SECRET_MAX          256 /* bytes of auth_secret incl. NUL */
-#define KV_CONFIG_PENDING_PULLS_DEFAULT 4096    /* max_pending_pulls */
+#define KV_CONFIG_NUM_WORKERS_DEFAULT   10
+#define KV_CONFIG_NUM_WORKERS_MAX       1024
+#define KV_CONFIG_ENGINE_ID_MAX         128  /* bytes incl. NUL */
+#define KV_CONFIG_KEYS_MAX              512  /* bytes of the ignored/unknown key lists */
+#define KV_CONFIG_SECRET_MAX            256  /* bytes of auth_secret incl. NUL */
+#define KV_CONFIG_PENDING_PULLS_DEFAULT 4096 /* max_pending_pulls */
 #define KV_CONFIG_PENDING_PULLS_MAX     1048576
 
 typedef struct kv_transfer_config {

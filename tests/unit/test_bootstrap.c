@@ -330,7 +330,8 @@ static void test_register_requires_secret(void **state) {
     bootstrap_registration fake = {"engine-F", 0, 0, 0, "tcp://10.9.9.9:1"};
     /* no secret: 401, not retried, both sides say why */
     uint64_t t0 = clock_now_ns();
-    assert_int_equal(bootstrap_client_register(server, &fake, &r, err, sizeof err), BOOTSTRAP_EAUTH);
+    assert_int_equal(bootstrap_client_register(server, &fake, &r, err, sizeof err),
+                     BOOTSTRAP_EAUTH);
     assert_true(clock_now_ns() - t0 < NS_PER_S);
     assert_non_null(strstr(err, "HTTP 401"));
     assert_non_null(strstr(err, "carried no X-Disagg-Auth header"));

@@ -397,8 +397,8 @@ static void test_auth_secret_and_pending_cap(void **state) {
     unsetenv("DISAGG_KV_SECRET");
     static const char *const badcap[] = {"0", "-1", "1048577", "\"10\"", "1.5", "null"};
     for (size_t i = 0; i < sizeof badcap / sizeof badcap[0]; i++) {
-        snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"max_pending_pulls\":%s}}",
-                 base, badcap[i]);
+        snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"max_pending_pulls\":%s}}", base,
+                 badcap[i]);
         parse_bad(j, "kv_connector_extra_config.max_pending_pulls", "an integer from 1 to 1048576");
     }
 }

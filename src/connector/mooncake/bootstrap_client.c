@@ -97,8 +97,8 @@ static int retryable(CURLcode c) {
     }
 }
 
-int bootstrap_auth_header(const char *secret, long long ts, const char *body, size_t len,
-                          char *out, size_t cap) {
+int bootstrap_auth_header(const char *secret, long long ts, const char *body, size_t len, char *out,
+                          size_t cap) {
     if (!secret || !secret[0] || !body) return BOOTSTRAP_EINVAL;
     char tss[32];
     snprintf(tss, sizeof tss, "%lld", ts);
@@ -180,9 +180,10 @@ static int request(const char *what, const char *server, const char *path, const
                 snprintf(err, err_cap,
                          "bootstrap %s at %s refused our authentication (HTTP %ld): %.400s%s", what,
                          url, status, detail,
-                         secret ? "" : " -- this instance has no auth_secret; set "
-                                       "kv_connector_extra_config.auth_secret or "
-                                       "DISAGG_KV_SECRET to the bootstrap server's secret");
+                         secret ? ""
+                                : " -- this instance has no auth_secret; set "
+                                  "kv_connector_extra_config.auth_secret or "
+                                  "DISAGG_KV_SECRET to the bootstrap server's secret");
                 free(body->data);
                 body->data = NULL;
                 return BOOTSTRAP_EAUTH;

@@ -54,8 +54,8 @@ int bootstrap_client_register_auth(const char *server, const bootstrap_registrat
                                    size_t err_cap);
 /* The X-Disagg-Auth header line ("X-Disagg-Auth: v1 ts=... mac=...") for body
  * at unix time ts, into out (exposed for tests).  Returns 0 or BOOTSTRAP_EINVAL. */
-int bootstrap_auth_header(const char *secret, long long ts, const char *body, size_t len,
-                          char *out, size_t cap);
+int bootstrap_auth_header(const char *secret, long long ts, const char *body, size_t len, char *out,
+                          size_t cap);
 
 /* One data-parallel rank of the table. */
 typedef struct bootstrap_engine {

@@ -259,12 +259,13 @@ static void check_rank(json_t *body, const char *key, json_t *errors, int *out) 
  * (*status 401: absent, 403: wrong). */
 static const char *check_auth(bootstrap_server *s, struct evhttp_request *req, const char *body,
                               size_t len, int *status, char *buf, size_t cap) {
-    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), BOOTSTRAP_AUTH_HEADER);
+    const char *h =
+        evhttp_find_header(evhttp_request_get_input_headers(req), BOOTSTRAP_AUTH_HEADER);
     *status = 401;
     if (!h)
         return "bootstrap /register requires authentication: this server has a shared secret "
-               "(--auth-secret or DISAGG_KV_SECRET) and the request carried no " BOOTSTRAP_AUTH_HEADER
-               " header; give the registering instance the same secret "
+               "(--auth-secret or DISAGG_KV_SECRET) and the request carried "
+               "no " BOOTSTRAP_AUTH_HEADER " header; give the registering instance the same secret "
                "(kv_connector_extra_config.auth_secret or DISAGG_KV_SECRET)";
     *status = 403;
     long long ts = 0;

@@ -37,8 +37,8 @@
 /* What bootstrap_client's table parser accepts, so that the server never
  * serves a table its clients refuse: ranks 0..BOOTSTRAP_MAX_RANK, and per dp
  * rank a (max tp + 1) x (max pp + 1) grid of at most BOOTSTRAP_MAX_GRID. */
-#define BOOTSTRAP_MAX_RANK 4096
-#define BOOTSTRAP_MAX_GRID 65536
+#define BOOTSTRAP_MAX_RANK    4096
+#define BOOTSTRAP_MAX_GRID    65536
 #define BOOTSTRAP_AUTH_HEADER "X-Disagg-Auth"
 #define BOOTSTRAP_AUTH_LABEL  "disagg-bootstrap-register-v1"
 #define BOOTSTRAP_AUTH_SKEW_S 300

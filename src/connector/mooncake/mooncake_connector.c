@@ -119,11 +119,11 @@ struct mooncake_connector {
     int n_senders;
     pthread_cond_t q_cv;
     prod_req *prods;
-    id_table prod_index;      /* transfer_id -> prod_req, every entry of prods */
-    int n_unknown;            /* prods in P_UNKNOWN: pulls ahead of their request */
+    id_table prod_index;       /* transfer_id -> prod_req, every entry of prods */
+    int n_unknown;             /* prods in P_UNKNOWN: pulls ahead of their request */
     prod_req *u_head, *u_tail; /* those, newest first (eviction takes the oldest) */
-    uint64_t pulls_evicted;   /* P_UNKNOWN entries evicted at max_pending_pulls */
-    char listen_host[256];    /* the server's --host ("" = all interfaces) */
+    uint64_t pulls_evicted;    /* P_UNKNOWN entries evicted at max_pending_pulls */
+    char listen_host[256];     /* the server's --host ("" = all interfaces) */
     /* consumer */
     cons_req *conss;
     int n_pull_threads;
@@ -981,8 +981,8 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
          * the proxy and the decoders reach it at the prefill's API host
          * (docs/security.md "Which interfaces"). */
         const char *bh = is_wildcard_host(c->listen_host) ? NULL : c->listen_host;
-        int rc = bootstrap_server_start_auth(bh, c->env.bootstrap_port, secret, &c->bs, err,
-                                             errlen);
+        int rc =
+            bootstrap_server_start_auth(bh, c->env.bootstrap_port, secret, &c->bs, err, errlen);
         if (rc) return rc;
         const char *reach = bh ? bh : "127.0.0.1"; /* a wildcard binds 0.0.0.0 */
         snprintf(server, sizeof server, strchr(reach, ':') ? "[%s]:%u" : "%s:%u", reach,
@@ -1040,9 +1040,10 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     /* The KV host (advertised, and where the side channel listens):
      * VLLM_HOST_IP, else device_name's first interface, else --host when it
      * names one address, else the first interface that is up. */
-    tc.local_hostname = c->env.host_ip[0]                                          ? c->env.host_ip
-                        : !c->cfg.device_name[0] && !is_wildcard_host(c->listen_host) ? c->listen_host
-                                                                                    : NULL;
+    tc.local_hostname = c->env.host_ip[0] ? c->env.host_ip
+                        : !c->cfg.device_name[0] && !is_wildcard_host(c->listen_host)
+                            ? c->listen_host
+                            : NULL;
     tc.device_name = c->cfg.device_name;
     tc.protocol = c->proto == KV_PROTOCOL_SHM ? TRANSFER_PROTO_SHM : TRANSFER_PROTO_TCP;
     rc = transfer_engine_create(&tc, &c->te);

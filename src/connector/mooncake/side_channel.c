@@ -113,19 +113,19 @@ typedef struct sc_out {
 } sc_out;
 
 typedef struct sc_hub {
-    pthread_mutex_t mu;  /* guards everything below */
-    int refs;            /* the server + every unreleased call */
-    int closed;          /* the server stopped: replies are refused */
-    int pending;         /* calls handed out and not finished */
-    sc_out *head, *tail; /* replies waiting for the server thread */
-    int wake[2];         /* pipe: a byte per queued reply wakes the server thread */
+    pthread_mutex_t mu;      /* guards everything below */
+    int refs;                /* the server + every unreleased call */
+    int closed;              /* the server stopped: replies are refused */
+    int pending;             /* calls handed out and not finished */
+    sc_out *head, *tail;     /* replies waiting for the server thread */
+    int wake[2];             /* pipe: a byte per queued reply wakes the server thread */
     char secret[SECRET_MAX]; /* shared secret, "" = none (immutable after start) */
 } sc_hub;
 
 struct side_channel_call {
-    sc_hub *hub;                    /* shared with the server */
-    size_t id_len;                  /* routing id of the DEALER */
-    unsigned char id[MAX_IDENTITY]; /* (id_len) */
+    sc_hub *hub;                     /* shared with the server */
+    size_t id_len;                   /* routing id of the DEALER */
+    unsigned char id[MAX_IDENTITY];  /* (id_len) */
     unsigned char nonce[AUTH_NONCE]; /* the authenticated pull's nonce (secret set) */
     uint64_t seq;                    /* next reply's sequence number (under hub->mu) */
 };
@@ -195,13 +195,13 @@ void side_channel_pull_release(side_channel_pull *pull) {
 /* ---- server ---------------------------------------------------------------- */
 
 struct side_channel_server {
-    void *router;            /* ZMQ_ROUTER, used only by the thread once started */
-    uint16_t port;           /* bound port */
-    side_channel_pull_fn fn; /* the producer's handler */
-    void *ud;                /* its argument */
-    sc_hub *hub;             /* replies from any thread */
-    atomic_int stop;         /* set by stop() */
-    pthread_t thread;        /* the loop */
+    void *router;                       /* ZMQ_ROUTER, used only by the thread once started */
+    uint16_t port;                      /* bound port */
+    side_channel_pull_fn fn;            /* the producer's handler */
+    void *ud;                           /* its argument */
+    sc_hub *hub;                        /* replies from any thread */
+    atomic_int stop;                    /* set by stop() */
+    pthread_t thread;                   /* the loop */
     atomic_uint_fast64_t auth_rejected; /* pulls refused for authentication */
     uint64_t auth_logged_ns;            /* last rejection log line (server thread only) */
     uint64_t auth_unlogged;             /* rejections since that line */
@@ -572,7 +572,8 @@ int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pu
     if (secret && (auth_random(nonce, sizeof nonce) != 0 ||
                    auth_frame_make(secret, 'P', wall_ms(), nonce, buf, len, af) != 0)) {
         free(buf);
-        snprintf(err, err_cap, "side channel: cannot authenticate the pull (no randomness or HMAC)");
+        snprintf(err, err_cap,
+                 "side channel: cannot authenticate the pull (no randomness or HMAC)");
         return SIDE_CHANNEL_EIO;
     }
     void *d = zmq_socket(zctx(), ZMQ_DEALER);
@@ -684,8 +685,8 @@ int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pu
         }
         side_channel_reply r;
         char derr[512];
-        rc = extra || (has_a && !secret && !auth_frame_shaped(zmq_msg_data(&a), zmq_msg_size(&a),
-                                                              'R'))
+        rc = extra || (has_a && !secret &&
+                       !auth_frame_shaped(zmq_msg_data(&a), zmq_msg_size(&a), 'R'))
                  ? (snprintf(derr, sizeof derr, "a multi-frame reply"), SIDE_CHANNEL_EINVAL)
                  : auth_check_reply(secret, endpoint, &m, &a, has_a, seq, nonce, err, err_cap);
         if (rc == 0)
