@@ -281,6 +281,42 @@ def test_one_sided_secret_refused_on_both_sides():
 
 # ---- 4. a flood of bogus pulls -------------------------------------------------------------
 
+def test_pending_pull_cap_evicts_the_oldest(colocated):
+    """max_pending_pulls 2: a third pull for an unknown transfer id evicts the
+    first (answered at once, naming the key); the two newer ones keep waiting;
+    real requests still work."""
+    no_secret_env()
+    x = PD(p_cfg=producer_config({"max_pending_pulls": 2}))
+    ctx = zmq.Context.instance()
+    socks = []
+    try:
+        ep = side_channel_endpoint(x.bootstrap)
+        blen = producer_block_len(ep)
+        for i in range(3):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            s.send(vllm_pull(f"xfer-wait-{i}-{uuid.uuid4()}", block_len=blen))
+            socks.append(s)
+            time.sleep(0.2)  # arrival order = eviction order
+        assert socks[0].poll(5000), "the oldest pull was not answered"
+        r = msgpack.unpackb(socks[0].recv())
+        assert r["status"] == 0 and r.get("err_reqs") == ["d-evil"], r  # FINISH, request failed
+        assert "evicted" in r["err_msg"] and "max_pending_pulls" in r["err_msg"], r
+        assert not socks[1].poll(300) and not socks[2].poll(300)  # still waiting
+        m = x.p.metrics()
+        assert m["disagg:kv_pending_pulls_evicted_total"] == 1
+        assert m["disagg:kv_pending_unknown_pulls"] == 2
+        body = dict(BODY, prompt=corpus_prompts()[4])
+        ref = completion_ids(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
+        pr, dr = x.send(body)
+        assert completion_ids(dr) == ref
+    finally:
+        for s in socks:
+            s.close()
+        x.stop()
+
+
 def flood(endpoint, n, block_len, secret_frame=None, stop=None):
     """n bogus pulls with distinct transfer ids from one DEALER, replies drained."""
     ctx = zmq.Context.instance()
