@@ -31,6 +31,8 @@ typedef enum proxy_error_kind {
     PERR_PREFILL,         /* prefill request failed (502) */
     PERR_DECODE,          /* decode request failed before or during the reply */
     PERR_CLIENT_GONE,     /* client disconnected before the reply ended */
+    PERR_PREFILL_REJECTED, /* prefill answered 4xx: relayed unchanged */
+    PERR_DECODE_REJECTED,  /* decode answered non-2xx (after a 2xx prefill): relayed */
     PERR_COUNT
 } proxy_error_kind;
 
