@@ -108,6 +108,10 @@ int side_channel_call_reply(side_channel_call *call, const side_channel_reply *r
     return rc;
 }
 
+int side_channel_call_peer_is(const side_channel_call *call, const void *peer, size_t peer_len) {
+    return call && peer_len == call->id_len && memcmp(call->id, peer, peer_len) == 0;
+}
+
 void side_channel_pull_release(side_channel_pull *pull) {
     if (!pull) return;
     side_channel_pull_free(pull);
@@ -120,6 +124,7 @@ struct side_channel_server {
     void *router;            /* ZMQ_ROUTER, used only by the thread once started */
     uint16_t port;           /* bound port */
     side_channel_pull_fn fn; /* the producer's handler */
+    _Atomic(side_channel_cancel_fn) cancel_fn; /* its cancel handler, or NULL */
     void *ud;                /* its argument */
     sc_hub *hub;             /* replies from any thread */
     atomic_int stop;         /* set by stop() */
@@ -157,6 +162,35 @@ static void flush_replies(side_channel_server *s) {
     }
 }
 
+/* A cancel (side_channel_msg.h) is handed to the cancel handler; returns 0
+ * when the payload is not a cancel (then it is decoded as a pull). */
+static int handle_cancel(side_channel_server *s, const unsigned char *id, size_t id_len,
+                         zmq_msg_t *payload) {
+    const void *buf = zmq_msg_data(payload);
+    size_t len = zmq_msg_size(payload);
+    static const char key[] = SIDE_CHANNEL_CANCEL_KEY;
+    if (!memmem(buf, len, key, sizeof key - 1)) return 0; /* cheap: pulls never carry it */
+    side_channel_cancel c;
+    char err[512];
+    int rc = side_channel_cancel_decode(buf, len, &c, err, sizeof err);
+    if (rc == 1) return 0;
+    side_channel_cancel_fn fn = atomic_load(&s->cancel_fn);
+    if (rc < 0) {
+        LOG_W(MOD, "rejecting a cancel: %s", err);
+        send_error(s->router, id, id_len, err);
+    } else if (!fn) {
+        send_error(s->router, id, id_len, "side-channel cancel: not supported by this producer");
+    } else {
+        fn(s->ud, id, id_len, &c);
+    }
+    side_channel_cancel_free(&c);
+    return 1;
+}
+
+void side_channel_server_set_cancel_fn(side_channel_server *s, side_channel_cancel_fn fn) {
+    atomic_store(&s->cancel_fn, fn);
+}
+
 /* Receive one whole multipart message if there is one; 0 = nothing waiting. */
 static int handle_incoming(side_channel_server *s) {
     zmq_msg_t id, part;
@@ -184,6 +218,8 @@ static int handle_incoming(side_channel_server *s) {
         snprintf(msg, sizeof msg, "side-channel pull: expected one frame, got %d", frames);
         LOG_W(MOD, "%s", msg);
         send_error(s->router, idp, id_len, msg);
+    } else if (handle_cancel(s, idp, id_len, &payload)) {
+        /* a cancel: handled */
     } else {
         side_channel_pull *pull = calloc(1, sizeof *pull);
         side_channel_call *call = calloc(1, sizeof *call);
@@ -337,6 +373,94 @@ void side_channel_server_stop(side_channel_server *s) {
 int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
                           double recv_timeout_s, const atomic_int *cancel, side_channel_reply_fn fn,
                           void *ud, char *err, size_t err_cap) {
+    return side_channel_pull_run_ex(endpoint, pull, recv_timeout_s, cancel, 0, NULL, fn, ud, err,
+                                    err_cap);
+}
+
+/* The monitor's next event (frame 1 is u16 event + u32 value, frame 2 the endpoint). */
+static uint16_t monitor_event(void *mon) {
+    zmq_msg_t ev;
+    uint16_t event = 0;
+    zmq_msg_init(&ev);
+    if (zmq_msg_recv(&ev, mon, 0) >= 0 && zmq_msg_size(&ev) >= 2)
+        memcpy(&event, zmq_msg_data(&ev), 2);
+    while (zmq_msg_more(&ev)) {
+        zmq_msg_close(&ev);
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, mon, 0) < 0) break;
+    }
+    zmq_msg_close(&ev);
+    return event;
+}
+
+/* Send a cancel for pull's requests on d and wait for the producer's final
+ * reply: 1 = FINISH (acknowledged), 0 = anything else within ack_timeout_s. */
+static int cancel_and_wait_ack(void *d, void *mon, const side_channel_pull *pull,
+                               double ack_timeout_s, const char *endpoint) {
+    side_channel_cancel c = {0};
+    c.n = pull->n_reqs;
+    c.req_ids = calloc(c.n ? c.n : 1, sizeof *c.req_ids);
+    c.transfer_ids = calloc(c.n ? c.n : 1, sizeof *c.transfer_ids);
+    char *buf = NULL;
+    size_t len = 0;
+    int rc = c.req_ids && c.transfer_ids ? 0 : SIDE_CHANNEL_ENOMEM;
+    for (size_t i = 0; rc == 0 && i < c.n; i++) {
+        c.req_ids[i] = pull->reqs[i].req_id;
+        c.transfer_ids[i] = pull->reqs[i].transfer_id;
+    }
+    if (rc == 0) rc = side_channel_cancel_encode(&c, &buf, &len);
+    free(c.req_ids);
+    free(c.transfer_ids);
+    if (rc || zmq_send(d, buf, len, ZMQ_DONTWAIT) < 0) {
+        free(buf);
+        return 0;
+    }
+    free(buf);
+    uint64_t deadline = clock_now_ns() + (uint64_t)(ack_timeout_s * 1e9);
+    for (;;) {
+        int ms = clock_remaining_ms(deadline);
+        if (ms <= 0) {
+            LOG_W(MOD, "producer %s did not acknowledge a cancel within %.1f s", endpoint,
+                  ack_timeout_s);
+            return 0;
+        }
+        zmq_pollitem_t it[2] = {{d, 0, ZMQ_POLLIN, 0}, {mon, 0, ZMQ_POLLIN, 0}};
+        int n = zmq_poll(it, mon ? 2 : 1, ms);
+        if (n < 0 && zmq_errno() != EINTR) return 0;
+        if (n <= 0) continue;
+        if (mon && (it[1].revents & ZMQ_POLLIN) && monitor_event(mon) == ZMQ_EVENT_DISCONNECTED &&
+            !(it[0].revents & ZMQ_POLLIN))
+            return 0;
+        if (!(it[0].revents & ZMQ_POLLIN)) continue;
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, d, 0) < 0) {
+            zmq_msg_close(&m);
+            continue;
+        }
+        side_channel_reply r;
+        char derr[256];
+        int drc = zmq_msg_more(&m) ? SIDE_CHANNEL_EINVAL
+                                   : side_channel_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m),
+                                                               &r, derr, sizeof derr);
+        zmq_msg_close(&m);
+        if (drc) return 0;
+        side_channel_status st = r.status;
+        int named_err = r.err_msg != NULL;
+        if (st == SIDE_CHANNEL_ERROR)
+            LOG_I(MOD, "producer %s answered the cancel with an error (%s): no acknowledgement",
+                  endpoint, named_err ? r.err_msg : "no reason given");
+        side_channel_reply_free(&r);
+        if (st == SIDE_CHANNEL_FINISH) return 1;
+        if (st == SIDE_CHANNEL_ERROR) return 0;
+    }
+}
+
+int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull,
+                             double recv_timeout_s, const atomic_int *cancel, double ack_timeout_s,
+                             int *acked, side_channel_reply_fn fn, void *ud, char *err,
+                             size_t err_cap) {
+    if (acked) *acked = 0;
     char *buf = NULL;
     size_t len = 0;
     int rc = side_channel_pull_encode(pull, &buf, &len);
@@ -388,7 +512,10 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
     uint64_t deadline = clock_now_ns() + timeout_ns;
     for (;;) {
         if (cancel && atomic_load(cancel)) {
-            snprintf(err, err_cap, "side channel: pull to %s canceled", endpoint);
+            if (atomic_load(cancel) == SIDE_CHANNEL_CANCEL_ASK && ack_timeout_s > 0 && acked)
+                *acked = cancel_and_wait_ack(d, mon, pull, ack_timeout_s, endpoint);
+            snprintf(err, err_cap, "side channel: pull to %s canceled%s", endpoint,
+                     acked && *acked ? " (the producer acknowledged)" : "");
             rc = SIDE_CHANNEL_ECANCELED;
             break;
         }
@@ -408,18 +535,7 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
         }
         if (n <= 0) continue;
         if (mon && (it[1].revents & ZMQ_POLLIN)) {
-            /* An event: frame 1 is u16 event + u32 value, frame 2 the endpoint. */
-            zmq_msg_t ev;
-            uint16_t event = 0;
-            zmq_msg_init(&ev);
-            if (zmq_msg_recv(&ev, mon, 0) >= 0 && zmq_msg_size(&ev) >= 2)
-                memcpy(&event, zmq_msg_data(&ev), 2);
-            while (zmq_msg_more(&ev)) {
-                zmq_msg_close(&ev);
-                zmq_msg_init(&ev);
-                if (zmq_msg_recv(&ev, mon, 0) < 0) break;
-            }
-            zmq_msg_close(&ev);
+            uint16_t event = monitor_event(mon);
             if (event == ZMQ_EVENT_CONNECTED) connected = 1;
             if (event == ZMQ_EVENT_DISCONNECTED && connected && !(it[0].revents & ZMQ_POLLIN)) {
                 snprintf(err, err_cap,

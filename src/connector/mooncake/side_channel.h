@@ -52,6 +52,16 @@ void side_channel_pull_release(side_channel_pull *pull);
  * the last: call is released and must not be used again. */
 int side_channel_call_reply(side_channel_call *call, const side_channel_reply *r);
 
+/* Called on the server thread for each decoded cancel (side_channel_msg.h)
+ * from the DEALER whose routing id is peer; see side_channel_call_peer_is.
+ * Must not block.  Without a handler a cancel is answered ERROR. */
+typedef void (*side_channel_cancel_fn)(void *ud, const void *peer, size_t peer_len,
+                                       const side_channel_cancel *c);
+/* Install the cancel handler (before pulls arrive; ud is the pull handler's). */
+void side_channel_server_set_cancel_fn(side_channel_server *s, side_channel_cancel_fn fn);
+/* 1 when call's pull came from the DEALER with routing id peer. */
+int side_channel_call_peer_is(const side_channel_call *call, const void *peer, size_t peer_len);
+
 /* Number of pulls handed to the handler and not yet finished (for metrics). */
 int side_channel_server_pending(side_channel_server *s);
 
@@ -68,5 +78,20 @@ typedef int (*side_channel_reply_fn)(void *ud, const side_channel_reply *r);
 int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
                           double recv_timeout_s, const atomic_int *cancel, side_channel_reply_fn fn,
                           void *ud, char *err, size_t err_cap);
+
+/* Values of the cancel flag for side_channel_pull_run_ex. */
+#define SIDE_CHANNEL_CANCEL_ASK  1 /* tell the producer and wait for its acknowledgement */
+#define SIDE_CHANNEL_CANCEL_DROP 2 /* just stop (the producer is unreachable) */
+
+/* side_channel_pull_run, and when *cancel becomes SIDE_CHANNEL_CANCEL_ASK:
+ * sends a cancel for the pull's requests on the same connection and waits up
+ * to ack_timeout_s for the producer's final FINISH; *acked = 1 when it came
+ * (no write into the pull's blocks can happen any more), else 0 (no answer,
+ * an ERROR — a peer that does not know the message —, or a disconnect).
+ * Returns SIDE_CHANNEL_ECANCELED after a cancel either way. */
+int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull,
+                             double recv_timeout_s, const atomic_int *cancel, double ack_timeout_s,
+                             int *acked, side_channel_reply_fn fn, void *ud, char *err,
+                             size_t err_cap);
 
 #endif
