@@ -704,6 +704,12 @@ static int bootstrap_addr_ok(const char *s) {
            !strchr(host, '/') && !strchr(host, ' ');
 }
 
+/* The JSON kind of o[k] for messages; "nothing" when absent. */
+static const char *kind_of(json_t *o, const char *k) {
+    json_t *v = json_object_get(o, k);
+    return v ? text_json_kind(v) : "nothing";
+}
+
 static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt, void **out,
                     char *err, size_t errlen) {
     mooncake_connector *c = ctx;
@@ -733,7 +739,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
     }
     if (bad_flag) {
         snprintf(err, errlen, "kv_transfer_params.%s must be true or false, got %s", bad_flag,
-                 text_json_kind(json_object_get(o, bad_flag)));
+                 kind_of(o, bad_flag));
         role = -1;
     } else if (remote_decode && remote_prefill) {
         snprintf(err, errlen,
@@ -783,14 +789,13 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
             snprintf(err, errlen,
                      "kv_transfer_params.remote_engine_id must be a non-empty string (below %d "
                      "bytes), got %s",
-                     ID_MAX, text_json_kind(json_object_get(o, "remote_engine_id")));
+                     ID_MAX, kind_of(o, "remote_engine_id"));
             role = -1;
         } else if (!boot || !bootstrap_addr_ok(boot)) {
             snprintf(err, errlen,
                      "kv_transfer_params.remote_bootstrap_addr %s%.200s%s is not accepted; "
                      "accepted: \"http://host:port\" or \"host:port\" (port 1..65535)",
-                     boot ? "'" : "", boot ? boot : text_json_kind(json_object_get(o,
-                     "remote_bootstrap_addr")), boot ? "'" : "");
+                     boot ? "'" : "", boot ? boot : kind_of(o, "remote_bootstrap_addr"), boot ? "'" : "");
             role = -1;
         } else {
             cons_req *r = calloc(1, sizeof *r);
