@@ -655,11 +655,7 @@ static void *pull_main(void *arg) {
     char msg[400];
     snprintf(msg, sizeof msg, "remote prefill failed (transfer %s): %s", r->transfer_id, err);
     int recompute = c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE;
-    if (ok)
-        engine_kv_load_done(c->eng, r->id, 1, recompute, 0, NULL);
-    else
-        engine_kv_load_failed(c->eng, r->id, recompute, hold_ns, status, msg);
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->mu); /* counted before the client can see the outcome */
     if (ok) {
         c->st.pulls_ok++;
         load_observe_locked(c, secs);
@@ -667,6 +663,12 @@ static void *pull_main(void *arg) {
         c->st.pulls_failed++;
         c->fail_c[reason]++;
     }
+    pthread_mutex_unlock(&c->mu);
+    if (ok)
+        engine_kv_load_done(c->eng, r->id, 1, recompute, 0, NULL);
+    else
+        engine_kv_load_failed(c->eng, r->id, recompute, hold_ns, status, msg);
+    pthread_mutex_lock(&c->mu);
     c->st.loading--;
     c->n_pull_threads--;
     r->loading = 0;
