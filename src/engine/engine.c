@@ -397,8 +397,8 @@ void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t
     push_note(e, n);
 }
 
-void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns,
-                           int http_status, const char *error) {
+void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
+                           const char *error) {
     kv_note *n = calloc(1, sizeof *n);
     if (!n) {
         LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);

@@ -127,8 +127,8 @@ void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t
 /* engine_kv_load_done(e, id, 0, recompute, hold_ns, error) that also says
  * which HTTP status the failure is (400: unusable kv_transfer_params, 502/503:
  * producer unreachable or failing, 504: no KV in time; 0 = 500). */
-void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns,
-                           int http_status, const char *error);
+void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
+                           const char *error);
 /* Producer: free the blocks kept for request id (after request_finished keep). */
 void engine_kv_release(engine *e, uint64_t id);
 

@@ -302,7 +302,6 @@ static void test_our_dealer_against_python_router(void **state) {
     assert_string_equal(c.ok[1], "r2");
 }
 
-
 /* ---- cancel and its acknowledgement --------------------------------------- */
 
 typedef struct cancel_seen {

@@ -626,7 +626,6 @@ static void test_mutation_fuzz(void **state) {
     (void)ok;
 }
 
-
 /* The cancel extension: round trip, a pull is "not a cancel", malformed cancels named. */
 static void test_cancel_message(void **state) {
     (void)state;
@@ -652,9 +651,15 @@ static void test_cancel_message(void **state) {
     side_channel_req_blocks r = {"req", "xfer", &g, 1};
     uint64_t base[] = {4096};
     int64_t lens[] = {64};
-    side_channel_pull pl = {.remote_hostname = "h", .remote_tp_size = 1, .reqs = &r, .n_reqs = 1,
-                            .kv_caches_base_addr = base, .block_lens = lens,
-                            .kv_block_lens = lens, .n_regions = 1, .remote_pp_size = 1};
+    side_channel_pull pl = {.remote_hostname = "h",
+                            .remote_tp_size = 1,
+                            .reqs = &r,
+                            .n_reqs = 1,
+                            .kv_caches_base_addr = base,
+                            .block_lens = lens,
+                            .kv_block_lens = lens,
+                            .n_regions = 1,
+                            .remote_pp_size = 1};
     assert_int_equal(side_channel_pull_encode(&pl, &buf, &len), 0);
     assert_int_equal(side_channel_cancel_decode(buf, len, &d, err, sizeof err), 1);
     free(buf);

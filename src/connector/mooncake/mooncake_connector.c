@@ -40,8 +40,8 @@ enum {
     FP_CANCELLED,        /* the decoder cancelled it */
     FP_COUNT
 };
-static const char *const FP_NAMES[FP_COUNT] = {"unknown_transfer", "prefill_ended",
-                                               "write_failed", "refused", "cancelled"};
+static const char *const FP_NAMES[FP_COUNT] = {"unknown_transfer", "prefill_ended", "write_failed",
+                                               "refused", "cancelled"};
 enum {
     FC_BAD_PARAMS,            /* kv_transfer_params unusable (unknown engine) */
     FC_BOOTSTRAP_UNREACHABLE, /* P's bootstrap server did not answer */
@@ -52,9 +52,13 @@ enum {
     FC_LOCAL,                 /* decoder-side: memory, threads */
     FC_COUNT
 };
-static const char *const FC_NAMES[FC_COUNT] = {
-    "bad_params", "bootstrap_unreachable", "producer_unreachable", "producer_error",
-    "timeout",    "cancelled",             "decoder"};
+static const char *const FC_NAMES[FC_COUNT] = {"bad_params",
+                                               "bootstrap_unreachable",
+                                               "producer_unreachable",
+                                               "producer_error",
+                                               "timeout",
+                                               "cancelled",
+                                               "decoder"};
 
 /* ---- state ------------------------------------------------------------------ */
 
@@ -85,8 +89,8 @@ typedef struct prod_req {
     int engine_released;  /* the engine dropped its handle */
     uint64_t deadline_ns; /* P_READY: expiry; P_UNKNOWN/P_PREFILLING with waiters: give up */
     char fail_msg[192];
-    int fail_reason;      /* P_FAILED: FP_* */
-    int cancelled;        /* a decoder cancelled its pull: release the blocks once ready */
+    int fail_reason; /* P_FAILED: FP_* */
+    int cancelled;   /* a decoder cancelled its pull: release the blocks once ready */
     pull_part *waiters;
     struct prod_req *next;
 } prod_req;
@@ -797,7 +801,8 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
             snprintf(err, errlen,
                      "kv_transfer_params.remote_bootstrap_addr %s%.200s%s is not accepted; "
                      "accepted: \"http://host:port\" or \"host:port\" (port 1..65535)",
-                     boot ? "'" : "", boot ? boot : kind_of(o, "remote_bootstrap_addr"), boot ? "'" : "");
+                     boot ? "'" : "", boot ? boot : kind_of(o, "remote_bootstrap_addr"),
+                     boot ? "'" : "");
             role = -1;
         } else {
             cons_req *r = calloc(1, sizeof *r);
@@ -987,7 +992,8 @@ static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_ch
         for (send_task **pt = &c->q_head, *prev = NULL; *pt;) {
             send_task *t = *pt;
             if (side_channel_call_peer_is(t->job->call, peer, peer_len) &&
-                !strcmp(t->job->pull->reqs[t->req].req_id, rid) && !strcmp(t->p->transfer_id, tid)) {
+                !strcmp(t->job->pull->reqs[t->req].req_id, rid) &&
+                !strcmp(t->p->transfer_id, tid)) {
                 *pt = t->next;
                 if (c->q_tail == t) c->q_tail = prev;
                 prod_req *tp = t->p;
