@@ -48,10 +48,14 @@ def pd():
 ])
 def test_malformed_kv_transfer_params_are_400_naming_the_field(pd, field, value, needle):
     body = dict(BODY, prompt="hello", kv_transfer_params=d_params(pd, **{field: value}))
+    before = metric(pd.d, "disagg:kv_transfer_failures_total", side="consumer", reason="bad_params")
     r = requests.post(pd.d.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "BadRequestError"
     assert blocks_used(pd.d) == 0
+    assert metric(pd.d, "disagg:kv_transfer_failures_total", side="consumer",
+                  reason="bad_params") == before + 1
 
 
 def test_unknown_engine_is_400_naming_remote_engine_id(pd):

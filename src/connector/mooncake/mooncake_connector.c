@@ -38,12 +38,13 @@ enum {
     FP_WRITE_FAILED,     /* writing into the decoder failed */
     FP_REFUSED,          /* the pull did not fit (layout, groups, memory) */
     FP_CANCELLED,        /* the decoder cancelled it */
+    FP_BAD_PARAMS,       /* a request's kv_transfer_params were refused (400) */
     FP_COUNT
 };
 static const char *const FP_NAMES[FP_COUNT] = {"unknown_transfer", "prefill_ended", "write_failed",
-                                               "refused", "cancelled"};
+                                               "refused", "cancelled", "bad_params"};
 enum {
-    FC_BAD_PARAMS,            /* kv_transfer_params unusable (unknown engine) */
+    FC_BAD_PARAMS,            /* kv_transfer_params refused (400) or unknown engine */
     FC_BOOTSTRAP_UNREACHABLE, /* P's bootstrap server did not answer */
     FC_PRODUCER_UNREACHABLE,  /* P's side channel closed or P stopped answering */
     FC_PRODUCER_ERROR,        /* P answered that the transfer failed */
@@ -828,6 +829,14 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 role = KV_REQ_REMOTE_PREFILL;
             }
         }
+    }
+    if (role < 0) {
+        pthread_mutex_lock(&c->mu);
+        if (remote_prefill || (bad_flag && !strcmp(bad_flag, "do_remote_prefill")))
+            c->fail_c[FC_BAD_PARAMS]++;
+        else
+            c->fail_p[FP_BAD_PARAMS]++;
+        pthread_mutex_unlock(&c->mu);
     }
     json_decref(o);
     *out = h;
