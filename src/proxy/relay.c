@@ -228,6 +228,24 @@ static char *headers_for(relay *r, int with_rank) {
 
 static int send_decode(relay *r);
 
+/* "no other prefill instance is reachable (http://a:1, http://b:2 refused the
+ * connection)", naming the instances tried, or "no prefill instance is ready". */
+static void tried_message(char *msg, size_t cap, const char *role, const backend *b, int n,
+                          uint64_t tried) {
+    if (!tried) {
+        snprintf(msg, cap, "no %s instance is ready", role);
+        return;
+    }
+    size_t len = (size_t)snprintf(msg, cap, "no other %s instance is reachable (", role);
+    const char *sep = "";
+    for (int i = 0; i < n && i < 64 && len < cap; i++)
+        if (tried & (1ull << i)) {
+            len += (size_t)snprintf(msg + len, cap - len, "%s%s", sep, b[i].url);
+            sep = ", ";
+        }
+    if (len < cap) snprintf(msg + len, cap - len, " refused the connection or is unreachable)");
+}
+
 /* Picks a prefill (not tried yet) and a decode, builds the decode body for
  * that prefill and sends both.  Returns 1 if r was freed. */
 static int send_pd(relay *r) {
@@ -236,10 +254,9 @@ static int send_pd(relay *r) {
     backend *p =
         policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried, &eng);
     if (!p) {
-        relay_fail(r, 503, PERR_NOT_READY,
-                   r->p_tried
-                       ? "no other prefill instance is reachable (all refused the connection)"
-                       : "no prefill instance is ready");
+        char msg[1024];
+        tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);
+        relay_fail(r, 503, PERR_NOT_READY, msg);
         return 1;
     }
     /* Fresh ids for every attempt: a decode instance may still be aborting
@@ -292,9 +309,9 @@ static int send_decode(relay *r) {
     backend *d =
         policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried, NULL);
     if (!d) {
-        relay_fail(r, 503, PERR_NOT_READY,
-                   r->d_tried ? "no other decode instance is reachable (all refused the connection)"
-                              : "no decode instance is ready");
+        char msg[1024];
+        tried_message(msg, sizeof msg, "decode", px->decode, px->ndecode, r->d_tried);
+        relay_fail(r, 503, PERR_NOT_READY, msg);
         return 1;
     }
     r->d = d;

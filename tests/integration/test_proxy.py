@@ -485,7 +485,7 @@ def test_all_prefills_refuse_gives_503(doubles, proxy_factory):
     px = proxy_factory([p0], [d0], ["--health-interval", "60"])
     p0.stop()
     r = requests.post(px.url + "/v1/completions", json={"prompt": "x"})
-    assert_openai_error(r, 503, "prefill")
+    assert_openai_error(r, 503, "prefill", p0.url, "refused the connection")  # names it
 
 
 # --- bad input ------------------------------------------------------------------------------------
