@@ -102,10 +102,7 @@ def test_client_disconnect_mid_pull_frees_decoder_blocks_at_once(pd):
     """The pull waits at P (its transfer id has not arrived there); the client goes away;
     D cancels, P acknowledges, D frees the blocks without the 35 s quarantine."""
     body = dict(BODY, prompt=corpus_prompts()[8], kv_transfer_params=d_params(pd))
-    data = json.dumps(body).encode()
-    s = socket.create_connection(("127.0.0.1", pd.d.port), timeout=10)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    s = raw_post(pd.d, body)
     deadline = time.time() + 10
     while blocks_used(pd.d) == 0 and time.time() < deadline:
         time.sleep(0.05)
@@ -124,19 +121,65 @@ def test_client_disconnect_mid_pull_frees_decoder_blocks_at_once(pd):
     assert pr.status_code == 200 and dr.status_code == 200, dr.text
 
 
+def one_at_a_time_pd(p_env=None):
+    """A PD whose producer runs one request at a time (a long one queues the next)."""
+    from server_harness import Server
+    from test_pd import COMMON, producer_config
+    x = PD()
+    x.p.stop()
+    env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(x.boot_port)}
+    env.update(p_env or {})
+    x.p = Server(*COMMON, "--max-num-seqs", "1", "--kv-transfer-config", producer_config(), env=env)
+    x.engine_id = requests.get(x.bootstrap + "/query", timeout=10).json()["0"]["engine_id"]
+    return x
+
+
+def raw_post(server, body):
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return s
+
+
+def test_client_disconnect_while_the_prefill_is_queued_frees_both_sides():
+    """The pull waits on a request queued on P; the client leaves D: D's blocks are free at
+    once (P acknowledged), and P frees its blocks as soon as that prefill ends instead of
+    keeping them for a pull that will never come (480 s)."""
+    x = one_at_a_time_pd()
+    try:
+        hog = dict(BODY, prompt="x", max_tokens=900, ignore_eos=True)
+        tid = "xfer-" + str(uuid.uuid4())
+        body = dict(BODY, prompt=corpus_prompts()[7])
+        with cf.ThreadPoolExecutor(2) as ex:
+            fh = ex.submit(requests.post, x.p.url + "/v1/completions", json=hog, timeout=TIMEOUT)
+            time.sleep(0.3)
+            fp = ex.submit(requests.post, x.p.url + "/v1/completions", timeout=TIMEOUT, json=dict(
+                body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}))
+            s = raw_post(x.d, dict(body, kv_transfer_params=d_params(x, transfer_id=tid)))
+            deadline = time.time() + 10
+            while blocks_used(x.d) == 0 and time.time() < deadline:
+                time.sleep(0.05)
+            assert blocks_used(x.d) > 0
+            time.sleep(0.3)
+            assert not fh.done(), "the long request ended before the test could queue behind it"
+            s.close()
+            wait_blocks_zero(x.d, timeout=3)
+            assert metric(x.d, "disagg:kv_cancels_total", acked="yes") == 1
+            assert fh.result().status_code == 200 and fp.result().status_code == 200
+        wait_blocks_zero(x.p, timeout=10)  # not the 480 s abort timeout
+        assert metric(x.p, "disagg:kv_transfer_failures_total", side="producer", reason="cancelled") == 1
+        assert metric(x.p, "disagg:kv_transfer_expired_total") == 0
+    finally:
+        x.stop()
+
+
 def test_abort_timeout_counts_from_the_end_of_the_prefill():
     """P runs one request at a time, with a 1 s abort timeout; a P/D request queued behind a
     long generation for more than 1 s still succeeds (vLLM counts the abort timeout from the
     end of P's prefill; a queued request on a live producer is not failed by it)."""
-    x = PD(p_env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "1"})
+    x = one_at_a_time_pd({"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "1"})
     try:
-        x.p.stop()
-        from server_harness import Server
-        from test_pd import COMMON, producer_config
-        x.p = Server(*COMMON, "--max-num-seqs", "1", "--kv-transfer-config", producer_config(),
-                     env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(x.boot_port),
-                          "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "1"})
-        x.engine_id = requests.get(x.bootstrap + "/query", timeout=10).json()["0"]["engine_id"]
         hog = dict(BODY, prompt="x", max_tokens=900, ignore_eos=True)
         with cf.ThreadPoolExecutor(1) as ex:
             t0 = time.time()
