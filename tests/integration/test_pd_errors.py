@@ -116,6 +116,13 @@ def test_client_disconnect_mid_pull_frees_decoder_blocks_at_once(pd):
     assert metric(pd.d, "disagg:kv_cancels_total", acked="yes") == acked + 1
     assert metric(pd.d, "disagg:kv_transfer_failures_total", side="consumer", reason="cancelled") >= 1
     assert metric(pd.p, "disagg:kv_transfer_failures_total", side="producer", reason="cancelled") >= 1
+    # P's request for that transfer arrives late: its KV is released once ready, not kept
+    # for the 480 s abort timeout waiting for a pull that will not come
+    tid = body["kv_transfer_params"]["transfer_id"]
+    r = requests.post(pd.p.url + "/v1/completions", timeout=TIMEOUT, json=dict(
+        body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}))
+    assert r.status_code == 200, r.text
+    wait_blocks_zero(pd.p, timeout=5)
     # the instances still serve
     pr, dr = pd.send(dict(BODY, prompt=corpus_prompts()[3]))
     assert pr.status_code == 200 and dr.status_code == 200, dr.text

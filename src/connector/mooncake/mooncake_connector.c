@@ -1022,8 +1022,12 @@ static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_ch
             p->state = P_DONE;
             prod_release_blocks_locked(c, p);
             prod_maybe_free_locked(c, p);
-        } else if (p && p->state == P_UNKNOWN && !p->waiters) {
-            prod_maybe_free_locked(c, p);
+        } else if (p && p->state == P_UNKNOWN && !p->waiters && p->cancelled) {
+            /* Remembered for a while: if the request still arrives, its KV is
+             * released as soon as it is ready instead of waiting for a pull
+             * that will not come (the reaper forgets it after the deadline). */
+            p->deadline_ns =
+                clock_now_ns() + (uint64_t)(c->env.unknown_transfer_timeout_s * 1e9);
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -1099,6 +1103,9 @@ static void *reaper_main(void *arg) {
                 LOG_W(MOD, "%s; failing the pull", p->fail_msg);
                 prod_wake_waiters_locked(c, p);
                 p->engine_released = 1;
+                prod_maybe_free_locked(c, p);
+            } else if (p->state == P_UNKNOWN && !p->waiters && p->deadline_ns &&
+                       now >= p->deadline_ns) { /* a cancelled pull's entry */
                 prod_maybe_free_locked(c, p);
             } else if (p->waiters) {
                 beat_waiters_locked(c, p, now);
