@@ -43,6 +43,7 @@ typedef struct gen_choice {
     int n_prompt;              /* prompt tokens (from the engine) */
     int n_cached;              /* of those, from the prefix cache */
     char *error;               /* engine error message */
+    int error_status;          /* its HTTP status from the engine (0 = 500) */
     uint64_t t_first, t_last;  /* clock_now_ns of the first / latest token */
     bool role_sent;            /* chat stream: the role chunk went out */
 } gen_choice;

@@ -495,6 +495,150 @@ static void test_auth_forged_replies_refused(void **state) {
     }
 }
 
+/* ---- cancel and its acknowledgement --------------------------------------- */
+
+typedef struct cancel_seen {
+    producer *p;
+    int calls;
+    int same_peer;
+    char req[32], xfer[32];
+    int ack; /* answer the held pull's FINISH */
+} cancel_seen;
+
+static cancel_seen g_cancel;
+
+static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_channel_cancel *c) {
+    producer *p = ud;
+    g_cancel.calls++;
+    g_cancel.same_peer = side_channel_call_peer_is(p->held, peer, peer_len);
+    if (c->n) {
+        snprintf(g_cancel.req, sizeof g_cancel.req, "%s", c->req_ids[0]);
+        snprintf(g_cancel.xfer, sizeof g_cancel.xfer, "%s", c->transfer_ids[0]);
+    }
+    if (g_cancel.ack && g_cancel.same_peer) {
+        char *err[1] = {c->req_ids[0]};
+        side_channel_reply r = {.status = SIDE_CHANNEL_FINISH,
+                                .err_reqs = err,
+                                .n_err = 1,
+                                .err_msg = "cancelled by the decoder"};
+        side_channel_call_reply(p->held, &r);
+        side_channel_pull_release(p->held_pull);
+        p->held = NULL;
+        p->held_pull = NULL;
+    }
+}
+
+static void test_cancel_acknowledged_by_the_producer(void **state) {
+    (void)state;
+    producer p = {.mode = 1};
+    char ep[64], err[256];
+    side_channel_server *s = start(&p, ep, sizeof ep);
+    side_channel_server_set_cancel_fn(s, on_cancel);
+    memset(&g_cancel, 0, sizeof g_cancel);
+    g_cancel.ack = 1;
+    int64_t ids[] = {3};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks req = {"d-7", "xfer-7", &g, 1};
+    side_channel_pull pull = make_pull(&req, 1);
+    collected c = {0};
+    atomic_int cancel = SIDE_CHANNEL_CANCEL_ASK;
+    int acked = -1;
+    uint64_t t0 = clock_now_ns();
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 1);
+    assert_true((double)(clock_now_ns() - t0) / 1e9 < 2.0);
+    assert_non_null(strstr(err, "the producer acknowledged"));
+    assert_int_equal(g_cancel.calls, 1);
+    assert_int_equal(g_cancel.same_peer, 1);
+    assert_string_equal(g_cancel.req, "d-7");
+    assert_string_equal(g_cancel.xfer, "xfer-7");
+    assert_int_equal(side_channel_server_pending(s), 0);
+    side_channel_server_stop(s);
+}
+
+static void test_cancel_not_acknowledged(void **state) {
+    (void)state;
+    producer p = {.mode = 1};
+    char ep[64], err[256];
+    side_channel_server *s = start(&p, ep, sizeof ep);
+    side_channel_req_blocks req = {"d-8", "xfer-8", NULL, 0};
+    side_channel_pull pull = make_pull(&req, 1);
+    collected c = {0};
+    /* no cancel handler: the server answers ERROR, which is no acknowledgement */
+    atomic_int cancel = SIDE_CHANNEL_CANCEL_ASK;
+    int acked = -1;
+    uint64_t t0 = clock_now_ns();
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 0);
+    assert_true((double)(clock_now_ns() - t0) / 1e9 < 2.0);
+    /* a handler that does not answer: no acknowledgement within the wait */
+    side_channel_server_set_cancel_fn(s, on_cancel);
+    memset(&g_cancel, 0, sizeof g_cancel);
+    side_channel_pull_release(p.held_pull);
+    side_channel_reply fin = {.status = SIDE_CHANNEL_FINISH};
+    side_channel_call_reply(p.held, &fin);
+    t0 = clock_now_ns();
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 0.3, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    double el = (double)(clock_now_ns() - t0) / 1e9;
+    assert_int_equal(acked, 0);
+    assert_true(el >= 0.29 && el < 3.0);
+    assert_int_equal(g_cancel.calls, 1);
+    /* DROP: stop without asking */
+    side_channel_pull_release(p.held_pull);
+    side_channel_call_reply(p.held, &fin);
+    __atomic_store_n(&p.held_pull, NULL, __ATOMIC_SEQ_CST);
+    atomic_store(&cancel, SIDE_CHANNEL_CANCEL_DROP);
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 0);
+    /* the pull may or may not have reached the server (the DEALER closed at once) */
+    for (int i = 0; i < 30 && !__atomic_load_n(&p.held_pull, __ATOMIC_SEQ_CST); i++)
+        usleep(10000);
+    usleep(50000);
+    assert_int_equal(g_cancel.calls, 1); /* no cancel was sent */
+    if (__atomic_load_n(&p.held_pull, __ATOMIC_SEQ_CST)) {
+        side_channel_pull_release(p.held_pull);
+        side_channel_call_reply(p.held, &fin);
+    }
+    side_channel_server_stop(s);
+}
+
+static void test_cancel_against_a_vllm_router_falls_back(void **state) {
+    (void)state;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "python3 %s/tests/tools/side_channel_peer.py router-cancel",
+             DISAGG_SOURCE_DIR);
+    FILE *f = popen(cmd, "r");
+    assert_non_null(f);
+    char line[512];
+    assert_non_null(fgets(line, sizeof line, f));
+    int port = atoi(line);
+    assert_true(port > 0);
+    char ep[64], err[256];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", port);
+    int64_t ids[] = {5};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks req = {"d-9", "xfer-9", &g, 1};
+    side_channel_pull pull = make_pull(&req, 1);
+    collected c = {0};
+    atomic_int cancel = SIDE_CHANNEL_CANCEL_ASK;
+    int acked = -1;
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 0);
+    assert_non_null(fgets(line, sizeof line, f));
+    assert_non_null(strstr(line, "cancel answered ERROR: "));
+    assert_int_equal(pclose(f), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pull_continue_finish),
@@ -504,6 +648,9 @@ int main(void) {
         cmocka_unit_test(test_our_dealer_against_python_router),
         cmocka_unit_test(test_auth_pulls),
         cmocka_unit_test(test_auth_forged_replies_refused),
+        cmocka_unit_test(test_cancel_acknowledged_by_the_producer),
+        cmocka_unit_test(test_cancel_not_acknowledged),
+        cmocka_unit_test(test_cancel_against_a_vllm_router_falls_back),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
