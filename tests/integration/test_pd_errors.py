@@ -4,8 +4,10 @@ the field, an unreachable producer a 502 naming it, a pull for a transfer id
 the producer never receives fails within DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT
 with the decoder's blocks freed, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT counts
 from the end of the prefill, a client that disconnects mid-pull gets its
-decoder blocks freed at once (the producer acknowledges the cancel), and each
-failure shows in a /metrics counter."""
+decoder blocks freed at once (the producer acknowledges the cancel), the
+entries P remembers for cancelled pulls stay within max_pending_pulls and are
+forgotten after the unknown-transfer timeout, and each failure shows in a
+/metrics counter."""
 import concurrent.futures as cf
 import json
 import socket
@@ -16,7 +18,7 @@ import pytest
 import requests
 
 from server_harness import free_port
-from test_pd import BODY, PD, TIMEOUT, blocks_used, corpus_prompts, wait_blocks_zero
+from test_pd import BODY, PD, TIMEOUT, blocks_used, corpus_prompts, producer_config, wait_blocks_zero
 
 
 def d_params(x, **kw):
@@ -126,6 +128,39 @@ def test_client_disconnect_mid_pull_frees_decoder_blocks_at_once(pd):
     # the instances still serve
     pr, dr = pd.send(dict(BODY, prompt=corpus_prompts()[3]))
     assert pr.status_code == 200 and dr.status_code == 200, dr.text
+
+
+def test_cancelled_unknown_entries_are_capped_and_forgotten():
+    """A cancelled pull for a transfer id P has not seen is remembered (so that a late request's
+    KV is released once ready) in the capped list of pulls for unknown transfer ids: with
+    max_pending_pulls 2 a third such entry evicts the oldest, and each is forgotten after
+    DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT (3 s here): the gauge returns to 0, P keeps serving."""
+    x = PD(p_env={"DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT": "3"},
+           p_cfg=producer_config({"max_pending_pulls": 2}))
+    try:
+        def seen(m):
+            return m["disagg:kv_pending_unknown_pulls"] + m["disagg:kv_pending_pulls_evicted_total"]
+        for i in range(3):
+            s = raw_post(x.d, dict(BODY, prompt=corpus_prompts()[8], kv_transfer_params=d_params(x)))
+            deadline = time.time() + 10
+            while seen(x.p.metrics()) < i + 1 and time.time() < deadline:
+                time.sleep(0.05)
+            assert seen(x.p.metrics()) == i + 1, x.p.metrics()
+            s.close()
+            wait_blocks_zero(x.d, timeout=3)  # acknowledged: no quarantine
+        m = x.p.metrics()
+        assert metric(x.d, "disagg:kv_cancels_total", acked="yes") == 3
+        assert m["disagg:kv_pending_unknown_pulls"] == 2  # the remembered entries, capped
+        assert m["disagg:kv_pending_pulls_evicted_total"] == 1
+        deadline = time.time() + 15
+        while x.p.metrics()["disagg:kv_pending_unknown_pulls"] > 0 and time.time() < deadline:
+            time.sleep(0.1)
+        assert x.p.metrics()["disagg:kv_pending_unknown_pulls"] == 0
+        pr, dr = x.send(dict(BODY, prompt=corpus_prompts()[3]))
+        assert pr.status_code == 200 and dr.status_code == 200, dr.text
+        assert dr.json()["choices"][0]["finish_reason"] != "error", dr.text
+    finally:
+        x.stop()
 
 
 def one_at_a_time_pd(p_env=None):
