@@ -54,7 +54,7 @@ int handshake_header_decode(const uint8_t hdr[HANDSHAKE_HEADER_LEN], uint64_t *b
         l |= (uint64_t)hdr[i] << (8 * i);
     if (l == 0 || l > HANDSHAKE_MAX_FRAME) {
         *body_len = l;
-        *type = hdr[8];
+        *type = hdr[8] <= HANDSHAKE_TYPE_PROBE ? hdr[8] : HANDSHAKE_TYPE_OLD;
         return TRANSFER_EPROTO;
     }
     if (hdr[8] <= HANDSHAKE_TYPE_PROBE) {
@@ -85,8 +85,22 @@ static int send_json(int fd, uint8_t type, json_t *o, uint64_t deadline) {
 }
 
 static void send_error(int fd, uint8_t type, const char *why, uint64_t deadline) {
-    send_json(fd, type == HANDSHAKE_TYPE_OLD ? HANDSHAKE_TYPE_CONNECT : type,
-              json_pack("{s:s}", "error", why), deadline);
+    json_t *o = json_pack("{s:s}", "error", why);
+    if (type != HANDSHAKE_TYPE_OLD) {
+        send_json(fd, type, o, deadline);
+        return;
+    }
+    /* Mooncake answers an untyped frame with an untyped one: no type byte. */
+    char *b = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!b) return;
+    uint64_t len = strlen(b);
+    uint8_t hdr[8];
+    for (int i = 0; i < 8; i++)
+        hdr[i] = (uint8_t)(len >> (8 * i));
+    struct iovec iov[2] = {{hdr, sizeof hdr}, {b, len}};
+    net_writev_all(fd, iov, 2, deadline);
+    free(b);
 }
 
 enum { FRAME_OK = 0, FRAME_EIO = 1, FRAME_ELEN = 2, FRAME_ENOMEM = 3 };
