@@ -105,6 +105,8 @@ void transfer_engine_destroy(transfer_engine *engine);
 
 /* "ip:port" of this engine's handshake port; valid until destroy. */
 const char *transfer_engine_segment_name(const transfer_engine *engine);
+/* The port of this engine's tcp data listener(s). */
+uint16_t transfer_engine_data_port(const transfer_engine *engine);
 
 /* ---- memory registration ------------------------------------------------ */
 

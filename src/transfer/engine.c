@@ -303,6 +303,10 @@ const char *transfer_engine_segment_name(const transfer_engine *e) {
     return e ? e->segment_name : "";
 }
 
+uint16_t transfer_engine_data_port(const transfer_engine *e) {
+    return e ? e->data_port : 0;
+}
+
 /* ---- registration -------------------------------------------------------- */
 
 int transfer_register(transfer_engine *e, void *addr, size_t length, const char *location) {

@@ -1,6 +1,7 @@
 /* mooncake_connector — see mooncake_connector.h. */
 #include "connector/mooncake/mooncake_connector.h"
 
+#include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
 #include "base/net.h"
@@ -955,6 +956,9 @@ int mooncake_connector_create(const char *json, engine *eng, mooncake_connector 
     tc.local_hostname = c->env.host_ip[0] ? c->env.host_ip : NULL;
     tc.device_name = c->cfg.device_name;
     tc.protocol = c->proto == KV_PROTOCOL_SHM ? TRANSFER_PROTO_SHM : TRANSFER_PROTO_TCP;
+    /* Shared secret of the transfer ports (docs/transfer.md, Security); with
+     * kv_transfer_config's auth_secret key: that value, else this. */
+    tc.auth_secret = auth_secret_resolve(NULL);
     rc = transfer_engine_create(&tc, &c->te);
     if (rc) {
         snprintf(err, errlen, "cannot start the transfer engine (device_name '%s'): %s",
