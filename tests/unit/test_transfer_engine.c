@@ -314,6 +314,68 @@ static void test_target_dies(void **state) {
     assert_true(st.requests_failed > 0);
 }
 
+/* ---- shared secret (docs/transfer.md, Security) ---------------------------- */
+
+static transfer_engine *secret_engine(const char *secret) {
+    transfer_config c;
+    transfer_config_init(&c);
+    c.local_hostname = "127.0.0.1";
+    c.protocol = TRANSFER_PROTO_TCP;
+    c.connect_timeout_ns = NS_PER_S;
+    c.timeout_base_ns = 3 * NS_PER_S;
+    c.auth_secret = secret;
+    transfer_engine *e = NULL;
+    assert_int_equal(transfer_engine_create(&c, &e), 0);
+    return e;
+}
+
+/* Same secret: data moves (several lanes, striped); missing or different:
+ * the open fails with TRANSFER_EAUTH and the target counts the refusal. */
+static void test_auth_secret(void **state) {
+    (void)state;
+    char key[] = "s3cret";
+    transfer_engine *t = secret_engine(key);
+    key[0] = 'X'; /* the engine keeps its own copy */
+    enum { LEN = 3u << 20 };
+    uint8_t *tm = malloc(LEN), *im = malloc(LEN);
+    for (size_t i = 0; i < LEN; i++)
+        tm[i] = (uint8_t)(i * 13 + 1);
+    assert_int_equal(transfer_register(t, tm, LEN, "cpu:0"), 0);
+    const char *name = transfer_engine_segment_name(t);
+
+    transfer_engine *ok = secret_engine("s3cret");
+    assert_int_equal(transfer_register(ok, im, LEN, "cpu:0"), 0);
+    void *dst[1] = {im + 1};
+    uint64_t src[1] = {(uint64_t)(uintptr_t)(tm + 3)};
+    size_t len[1] = {LEN - 5};
+    assert_int_equal(transfer_sync_read(ok, name, dst, src, len, 1), 0);
+    assert_memory_equal(im + 1, tm + 3, LEN - 5);
+    transfer_engine_destroy(ok);
+
+    const char *bad[] = {NULL, "", "other"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        transfer_engine *e = secret_engine(bad[i]);
+        transfer_segment seg;
+        assert_int_equal(transfer_open_segment(e, name, &seg), TRANSFER_EAUTH);
+        transfer_engine_destroy(e);
+    }
+    transfer_stats st;
+    transfer_engine_get_stats(t, &st);
+    assert_true(st.auth_refused >= 3);
+
+    /* a secret initiator refuses a target without one */
+    transfer_engine *plain = secret_engine(NULL);
+    transfer_engine *e = secret_engine("s3cret");
+    transfer_segment seg;
+    assert_int_equal(transfer_open_segment(e, transfer_engine_segment_name(plain), &seg),
+                     TRANSFER_EAUTH);
+    transfer_engine_destroy(e);
+    transfer_engine_destroy(plain);
+    transfer_engine_destroy(t);
+    free(tm);
+    free(im);
+}
+
 int main(void) {
     log_set_level(LOG_ERROR);
     const struct CMUnitTest tests[] = {
@@ -329,6 +391,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_register_errors, setup_tcp, teardown),
         cmocka_unit_test(test_open_errors),
         cmocka_unit_test_setup_teardown(test_target_dies, setup_tcp, teardown),
+        cmocka_unit_test(test_auth_secret),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
