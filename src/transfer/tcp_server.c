@@ -141,13 +141,17 @@ static int serve_one(tcp_server *s, conn_io *io) {
     double per = s->env.timeout_per_byte_ns * (double)size;
     uint64_t deadline =
         clock_now_ns() + s->env.timeout_base_ns + (per > 1e15 ? (uint64_t)1e15 : (uint64_t)per);
-    if (!(opcode & TCP_OP_V2) || (opcode & 0x7f) > TRANSFER_WRITE) {
+    if ((opcode & 0x7f) > TRANSFER_WRITE) {
         LOG_W(MOD, "malformed request (opcode 0x%02x); closing the connection", opcode);
         push_status(io, TCP_STATUS_MALFORMED, deadline);
         flush_out(io, deadline);
         return -EPROTO;
     }
     int is_write = (opcode & 0x7f) == TRANSFER_WRITE;
+    /* Mooncake's v1 framing (no 0x80 flag: MC_TCP_PROTO=1, or engines before
+     * tcp_proto_version): no status words at all; a rejected request closes
+     * the connection, as Mooncake's server does. */
+    int v2 = (opcode & TCP_OP_V2) != 0;
     pthread_rwlock_rdlock(s->env.reg_lock);
     const registry_entry *e = registry_find(s->env.regs, addr, size);
     if (!e) {
@@ -155,6 +159,10 @@ static int serve_one(tcp_server *s, conn_io *io) {
         atomic_fetch_add(s->env.rejected, 1);
         LOG_D(MOD, "rejected %s of %llu bytes at 0x%llx: not inside a registered buffer",
               is_write ? "WRITE" : "READ", (unsigned long long)size, (unsigned long long)addr);
+        if (!v2) {
+            flush_out(io, deadline);
+            return -EPROTO;
+        }
         if (is_write && size > TCP_MAX_REQUEST) {
             push_status(io, TCP_STATUS_REJECTED, deadline);
             flush_out(io, deadline);
@@ -168,10 +176,10 @@ static int serve_one(tcp_server *s, conn_io *io) {
         pthread_rwlock_unlock(s->env.reg_lock);
         if (rc) return rc;
         atomic_fetch_add(s->env.bytes_served, size);
-        return push_status(io, TCP_STATUS_OK, deadline);
+        return v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
     }
-    /* READ: statuses so far, then this one's status and payload in one writev. */
-    rc = push_status(io, TCP_STATUS_OK, deadline);
+    /* READ: statuses so far, then this one's status (v2) and payload in one writev. */
+    rc = v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
     if (rc == 0) {
         struct iovec iov[2] = {{io->out, io->nout * sizeof io->out[0]},
                                {(void *)(uintptr_t)addr, size}};

@@ -94,13 +94,13 @@ def start_mooncake(reaper, tmp_path):
         pytest.skip(problem)
     count = [0]
 
-    def start(size=4 << 20, seed=5):
+    def start(size=4 << 20, seed=5, env=None):
         count[0] += 1
         err_path = tmp_path / f"mooncake{count[0]}.stderr"
         with open(err_path, "wb") as err:
             proc = reaper.popen([sys.executable, str(HERE / "mooncake_driver.py"), HOST, str(size), str(seed)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                env=child_env())
+                                env={**child_env(), **(env or {})})
         line = read_line(proc.stdout.fileno(), timeout=60)
         assert line, f"mooncake driver did not start; stderr:\n{err_path.read_text(errors='replace')[-3000:]}"
         info = json.loads(line)
@@ -192,6 +192,27 @@ def test_mooncake_out_of_range_rejected_by_disagg(start_mooncake, target):
     rc, stats = target.stop()
     assert rc == 0
     assert stats["requests_rejected"] >= len(bad) + 1, stats  # every READ, at least one WRITE
+
+
+def test_mooncake_v1_framing_against_disagg_target(start_mooncake, target):
+    """MC_TCP_PROTO=1: Mooncake's legacy framing (no status words) is served too."""
+    mc = start_mooncake(env={"MC_TCP_PROTO": "1"})
+    rng = random.Random(12)
+    for k, off, n in cases(target.buffers[0]["length"])[:4]:
+        remote = target.buffers[k]["addr"] + off
+        rc, got = mc.read(target.segment, remote, n, offset=1)
+        assert rc == 0 and got == target.expected(k, off, n), f"v1 READ of {n} at +{off}: {mc.stderr()[-2000:]}"
+        data = rng.randbytes(n)
+        assert mc.write(target.segment, remote, data, offset=2) == 0
+        rc, back = mc.read(target.segment, remote, n, offset=(1 << 21) + 3)
+        assert rc == 0 and back == data
+        assert mc.write(target.segment, remote, target.expected(k, off, n), offset=2) == 0
+    # v1 has no rejection status: the target closes the connection, the READ fails
+    b1 = target.buffers[1]
+    rc, _ = mc.read(target.segment, b1["addr"] + b1["length"] - 3, 10)
+    assert rc != 0
+    rc, stats = target.stop()
+    assert rc == 0 and stats["requests_rejected"] >= 1
 
 
 # ---- disagg initiator -> Mooncake target -------------------------------------
