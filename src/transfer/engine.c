@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #define MOD            "transfer"
@@ -131,6 +132,17 @@ static void rpc_bound(void *ctx, uint16_t port) {
     net_addr_format(&adv, e->segment_name, sizeof e->segment_name);
 }
 
+/* Whether a can be bound on this host (it is one of its addresses). */
+static int host_is_local(const net_addr *a) {
+    int fd = socket(a->ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 1; /* let the real bind report it */
+    net_addr t = *a;
+    net_addr_set_port(&t, 0);
+    int ok = bind(fd, (const struct sockaddr *)&t.ss, t.len) == 0 || errno != EADDRNOTAVAIL;
+    close(fd);
+    return ok;
+}
+
 static int choose_hostname(transfer_engine *e, const transfer_config *cfg) {
     const char *h =
         cfg->local_hostname && *cfg->local_hostname ? cfg->local_hostname : getenv("VLLM_HOST_IP");
@@ -214,11 +226,22 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
         rc = TRANSFER_EINVAL;
         goto fail_early;
     }
+    if (!host_is_local(&host)) {
+        /* A NAT'd or forwarded address (e.g. VLLM_HOST_IP of a container's
+         * host): it cannot be bound here, so listen on every interface. */
+        LOG_W(MOD,
+              "advertised host %s is not an address of this host: the handshake and data "
+              "ports listen on all interfaces",
+              e->hostname);
+        net_resolve(host.ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0, &host);
+    }
     net_addr binds[1 + MAX_IFACES];
     int ok[1 + MAX_IFACES], nb = 0, listener_of[MAX_IFACES];
     binds[nb] = host;
     net_addr_set_port(&binds[nb++], cfg->data_port);
-    int wildcard = !strcmp(e->hostname, "0.0.0.0") || !strcmp(e->hostname, "::");
+    char bound_host[64];
+    net_addr_host(&host, bound_host, sizeof bound_host);
+    int wildcard = !strcmp(bound_host, "0.0.0.0") || !strcmp(bound_host, "::");
     for (int i = 0; e->whitelisted && i < e->nifaces; i++) {
         char h[64];
         net_addr_host(&e->ifaces[i].addr, h, sizeof h);

@@ -108,6 +108,18 @@ def test_ports_bind_only_the_selected_interfaces(start_target, monkeypatch, extr
                 socket.create_connection((a, port), timeout=2).close()
 
 
+def test_foreign_advertised_host_falls_back_to_all_interfaces(start_target, monkeypatch):
+    """A NAT'd VLLM_HOST_IP cannot be bound: the engine warns and listens everywhere."""
+    monkeypatch.delenv("DISAGG_KV_SECRET", raising=False)
+    monkeypatch.setenv("VLLM_HOST_IP", "203.0.113.7")  # TEST-NET-3, not on this host
+    t = start_target(protocol="tcp", buffer_size=1 << 16)
+    assert t.segment.startswith("203.0.113.7:")
+    assert "is not an address of this host" in t.stderr()
+    port = int(t.segment.rsplit(":", 1)[1])
+    ftype, desc = mw.handshake(f"127.0.0.1:{port}", mw.FRAME_METADATA, {})
+    assert desc["name"] == t.segment and desc["tcp_data_port"] == t.info["tcp_data_port"]
+
+
 # ---- the right secret ---------------------------------------------------------
 
 def test_right_secret_works(disagg_bin, start_target, monkeypatch):
