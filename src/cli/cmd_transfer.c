@@ -498,8 +498,10 @@ static int cmd_target(int argc, char **argv) {
         "[options]",
         "Registers K buffers filled with the pattern (see src/cli/cmd_transfer.c) and\n"
         "serves them.  Prints one JSON line "
-        "{\"segment\",\"pid\",\"buffers\":[{\"addr\",\"length\"}],...}\n"
-        "on start and one {\"event\":\"stats\",...} line on exit (SIGINT/SIGTERM).",
+        "{\"segment\",\"tcp_data_port\",\"pid\",\"auth\",\"buffers\":[{\"addr\",\"length\"}],...}\n"
+        "on start and one {\"event\":\"stats\",...} line on exit (SIGINT/SIGTERM).\n"
+        "With $DISAGG_KV_SECRET set (also for copy and check) the ports require that\n"
+        "shared secret (docs/transfer.md, Security).",
     };
     int prc = opts_parse(&u, specs, sizeof specs / sizeof specs[0], argc, argv);
     if (prc) return prc < 0 ? 0 : prc;
