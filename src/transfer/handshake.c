@@ -207,8 +207,7 @@ static void serve_auth(handshake_server *s, hs_conn *c, json_t *au, uint64_t dea
     auth_hex(sn, sizeof sn, hs);
     auth_hex(mac, sizeof mac, hm);
     if (send_json(fd, HANDSHAKE_TYPE_METADATA,
-                  json_pack("{s:{s:s,s:s}}", "disagg_auth", "nonce", hs, "mac", hm),
-                  deadline) != 0)
+                  json_pack("{s:{s:s,s:s}}", "disagg_auth", "nonce", hs, "mac", hm), deadline) != 0)
         return;
     uint8_t type;
     char *body;
@@ -491,10 +490,10 @@ static int client_auth(int fd, const char *a, const char *peer_name, const char 
         return TRANSFER_ESYS;
     }
     auth_hex(cn, sizeof cn, hx);
-    int rc = send_json(fd, HANDSHAKE_TYPE_METADATA,
-                       json_pack("{s:{s:i,s:s,s:s}}", "disagg_auth", "version", 1, "nonce", hx,
-                                 "name", self_name),
-                       deadline);
+    int rc = send_json(
+        fd, HANDSHAKE_TYPE_METADATA,
+        json_pack("{s:{s:i,s:s,s:s}}", "disagg_auth", "version", 1, "nonce", hx, "name", self_name),
+        deadline);
     if (rc) {
         snprintf(err, cap, "handshake with %s failed: %s", a, strerror(-rc));
         return io_error(rc);

@@ -29,7 +29,7 @@
 #define HANDSHAKE_TYPE_METADATA 1
 #define HANDSHAKE_TYPE_NOTIFY   2
 #define HANDSHAKE_TYPE_PROBE    3
-#define HANDSHAKE_TYPE_OLD      0xff /* Mooncake's untyped frame (first byte > 3) */
+#define HANDSHAKE_TYPE_OLD      0xff       /* Mooncake's untyped frame (first byte > 3) */
 #define HANDSHAKE_MAX_FRAME     (1u << 20) /* Mooncake's default MC_HANDSHAKE_MAX_LENGTH */
 #define HANDSHAKE_HEADER_LEN    9
 

@@ -13,11 +13,11 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#define MOD       "transfer.tcp"
-#define MAX_CONNS 1024
-#define INBUF     65536
-#define OUTMAX    512 /* status words batched before a flush */
-#define MAX_LISTEN 17
+#define MOD              "transfer.tcp"
+#define MAX_CONNS        1024
+#define INBUF            65536
+#define OUTMAX           512 /* status words batched before a flush */
+#define MAX_LISTEN       17
 #define AUTH_DEADLINE_NS (2 * NS_PER_S)
 
 typedef struct conn {
@@ -193,7 +193,8 @@ static int serve_one(tcp_server *s, conn_io *io) {
 
 int tcp_auth_mac(const char *secret, int server_role, const uint8_t *cn, const uint8_t *sn,
                  uint8_t *out) {
-    const char *label = server_role ? "disagg transfer data v1 server" : "disagg transfer data v1 client";
+    const char *label =
+        server_role ? "disagg transfer data v1 server" : "disagg transfer data v1 client";
     const void *parts[3] = {label, cn, sn};
     size_t lens[3] = {strlen(label) + 1, AUTH_NONCE_LEN, AUTH_NONCE_LEN};
     return auth_hmacv(secret, strlen(secret), parts, lens, 3, out);
@@ -340,8 +341,8 @@ static void *accept_main(void *arg) {
     return NULL;
 }
 
-int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *env,
-                     tcp_server **out, uint16_t *port, int *ok) {
+int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *env, tcp_server **out,
+                     uint16_t *port, int *ok) {
     if (naddrs < 1 || naddrs > MAX_LISTEN) return TRANSFER_EINVAL;
     tcp_server *s = calloc(1, sizeof *s);
     if (!s) return TRANSFER_ENOMEM;
