@@ -605,12 +605,12 @@ static int cmd_target(int argc, char **argv) {
         transfer_engine_get_stats(eng, &st);
         json_t *sj =
             json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "event", "stats", "auth_refused",
-                      (json_int_t)st.auth_refused, "bytes_written",
-                      (json_int_t)st.bytes_written, "bytes_read", (json_int_t)st.bytes_read,
-                      "requests_ok", (json_int_t)st.requests_ok, "requests_failed",
-                      (json_int_t)st.requests_failed, "bytes_served", (json_int_t)st.bytes_served,
-                      "requests_rejected", (json_int_t)st.requests_rejected, "path_retries",
-                      (json_int_t)st.path_retries, "shm_fallbacks", (json_int_t)st.shm_fallbacks);
+                      (json_int_t)st.auth_refused, "bytes_written", (json_int_t)st.bytes_written,
+                      "bytes_read", (json_int_t)st.bytes_read, "requests_ok",
+                      (json_int_t)st.requests_ok, "requests_failed", (json_int_t)st.requests_failed,
+                      "bytes_served", (json_int_t)st.bytes_served, "requests_rejected",
+                      (json_int_t)st.requests_rejected, "path_retries", (json_int_t)st.path_retries,
+                      "shm_fallbacks", (json_int_t)st.shm_fallbacks);
         s = json_dumps(sj, JSON_COMPACT);
         printf("%s\n", s);
         fflush(stdout);
