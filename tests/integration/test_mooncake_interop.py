@@ -19,6 +19,7 @@ import os
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,7 @@ class Mooncake:
 def start_mooncake(reaper, tmp_path):
     problem = wheel_problem()
     if problem:
+        warnings.warn(problem)  # in the warnings summary too, not only the skip count
         pytest.skip(problem)
     count = [0]
 
