@@ -1,7 +1,8 @@
 /*
  * fuzz_tcp_data — bytes from the network to a transfer engine's tcp data port
  * (Mooncake TCP v2: 24-byte headers `u64 size | u64 addr | u8 opcode | 7
- * zero`, WRITE payloads after their header; docs/transfer.md): a real
+ * zero`, WRITE payloads after their header, and v1 without status words;
+ * docs/transfer.md): a real
  * tcp_server runs in this process with one registered 64 KiB buffer, and each
  * input is sent to it over a loopback connection, then half-closed.
  *
@@ -53,7 +54,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
                           .bytes_served = &g_served,
                           .rejected = &g_rejected};
     net_addr a;
-    if (net_resolve("127.0.0.1", 0, &a) != 0 || tcp_server_start(&a, &env, &g_srv, &g_port) != 0) {
+    if (net_resolve("127.0.0.1", 0, &a) != 0 || tcp_server_start(&a, 1, &env, &g_srv, &g_port, NULL) != 0) {
         fprintf(stderr, "fuzz_tcp_data: cannot start the tcp server\n");
         abort();
     }
@@ -85,14 +86,16 @@ static size_t expected_reply(const uint8_t *msg, size_t size, uint8_t *shadow, u
         uint8_t op;
         tcp_header_decode(msg + off, &len, &addr, &op);
         off += TCP_HEADER_LEN;
-        if (!(op & TCP_OP_V2) || (op & 0x7f) > TRANSFER_WRITE) {
+        if ((op & 0x7f) > TRANSFER_WRITE) {
             w = TCP_STATUS_MAGIC | TCP_STATUS_MALFORMED;
             PUT(&w, 8);
             break;
         }
         int is_write = (op & 0x7f) == TRANSFER_WRITE;
+        int v2 = (op & TCP_OP_V2) != 0; /* v1 (Mooncake's legacy framing): no status words */
         uint64_t rel = addr - base;
         int inside = len > 0 && rel < BUF_BYTES && len <= BUF_BYTES - rel;
+        if (!inside && !v2) break; /* v1 rejection: the connection closes */
         if (!inside) {
             w = TCP_STATUS_MAGIC | TCP_STATUS_REJECTED;
             if (is_write && len > TCP_MAX_REQUEST) {
@@ -116,9 +119,9 @@ static size_t expected_reply(const uint8_t *msg, size_t size, uint8_t *shadow, u
             }
             memcpy(shadow + rel, msg + off, (size_t)len);
             off += (size_t)len;
-            PUT(&w, 8);
+            if (v2) PUT(&w, 8);
         } else {
-            PUT(&w, 8);
+            if (v2) PUT(&w, 8);
             PUT(shadow + rel, (size_t)len);
         }
     }
