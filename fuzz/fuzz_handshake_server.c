@@ -23,6 +23,9 @@
 
 static handshake_server *g_srv;
 static uint16_t g_port;
+/* The same descriptor behind a server with a shared secret: no input may get it. */
+static handshake_server *g_srv_auth;
+static uint16_t g_port_auth;
 static char *g_desc; /* our descriptor's JSON */
 
 static char *describe(void *ctx) {
@@ -30,6 +33,9 @@ static char *describe(void *ctx) {
 }
 static void bound(void *ctx, uint16_t port) {
     g_port = port;
+}
+static void bound_auth(void *ctx, uint16_t port) {
+    g_port_auth = port;
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
@@ -51,12 +57,23 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
         fprintf(stderr, "fuzz_handshake_server: cannot start the server\n");
         abort();
     }
+    handshake_server_cfg acfg = {
+        .describe = describe, .bound = bound_auth, .self_name = "127.0.0.1:0", .secret = "fz"};
+    if (handshake_server_start(&a, &acfg, &g_srv_auth) != 0 || g_port_auth == 0) abort();
     return 0;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static char reply[REPLY_CAP + 1];
-    long got = fuzz_exchange(g_port, data, size, reply, REPLY_CAP, 5000);
+    long got = fuzz_exchange(g_port_auth, data, size, reply, REPLY_CAP, 5000);
+    if (got > 0) {
+        reply[got] = 0;
+        if (memmem(reply, (size_t)got, "\"buffers\"", 9)) {
+            fprintf(stderr, "the authenticated server gave its descriptor away\n");
+            abort();
+        }
+    }
+    got = fuzz_exchange(g_port, data, size, reply, REPLY_CAP, 5000);
     if (got == 0) return 0;
     uint64_t len;
     uint8_t type;
