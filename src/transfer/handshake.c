@@ -335,6 +335,7 @@ static void *conn_main(void *arg) {
     serve_conn(s, c);
     close(c->fd);
     free(c);
+    if (s->cfg.secret) auth_thread_stop(); /* before stop() can see this thread done */
     pthread_mutex_lock(&s->mu);
     s->active--;
     pthread_cond_broadcast(&s->idle);

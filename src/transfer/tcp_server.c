@@ -216,8 +216,8 @@ static int serve_auth(tcp_server *s, conn *c) {
               "refused data connection from %s: it did not authenticate (it has no auth_secret, "
               "or is a plain Mooncake engine); this engine requires the shared secret",
               c->peer);
+        atomic_fetch_add(s->env.auth_refused, 1); /* counted before the peer can see it */
         send_word(c->fd, TCP_STATUS_AUTH_REFUSED, deadline);
-        atomic_fetch_add(s->env.auth_refused, 1);
         return -EACCES;
     }
     if (rc == 0) rc = net_recv_all(c->fd, cn, sizeof cn, deadline);
@@ -246,8 +246,8 @@ static int serve_auth(tcp_server *s, conn *c) {
               "refused data connection from %s: authentication failed, its proof does not verify "
               "(a different auth_secret / DISAGG_KV_SECRET)",
               c->peer);
+        atomic_fetch_add(s->env.auth_refused, 1); /* counted before the peer can see it */
         send_word(c->fd, TCP_STATUS_AUTH_REFUSED, deadline);
-        atomic_fetch_add(s->env.auth_refused, 1);
         return -EACCES;
     }
     send_word(c->fd, TCP_STATUS_OK, deadline);
@@ -269,7 +269,9 @@ static void conn_unlink(tcp_server *s, conn *c) {
 static void *conn_main(void *arg) {
     conn *c = arg;
     tcp_server *s = c->srv;
-    conn_io *io = s->env.secret && serve_auth(s, c) != 0 ? NULL : malloc(sizeof *io);
+    int refused = s->env.secret && serve_auth(s, c) != 0;
+    if (s->env.secret) auth_thread_stop(); /* before stop() can see this connection gone */
+    conn_io *io = refused ? NULL : malloc(sizeof *io);
     if (io) {
         io->fd = c->fd;
         io->in_off = io->in_len = io->nout = 0;
