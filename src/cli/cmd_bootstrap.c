@@ -2,16 +2,20 @@
  * cmd_bootstrap — `disagg bootstrap`: run the Mooncake bootstrap server alone
  * (for kv_connector_extra_config.bootstrap_server_address), or talk to one:
  *
- *   disagg bootstrap [--host H] [--port N]        serve until SIGINT/SIGTERM
+ *   disagg bootstrap [--host H] [--port N] [--auth-secret S]   serve until SIGINT/SIGTERM
  *   disagg bootstrap register --server H:P --engine-id E --addr tcp://ip:port
- *                    [--dp-rank N] [--tp-rank N] [--pp-rank N]
+ *                    [--dp-rank N] [--tp-rank N] [--pp-rank N] [--auth-secret S]
  *   disagg bootstrap query --server H:P           print the table (GET /query)
  *
  * The client commands use the connector's retry policy (3 attempts, per-attempt
- * timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, backoff 1 s, 2 s).
+ * timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, backoff 1 s, 2 s).  The shared
+ * secret (--auth-secret, else $DISAGG_KV_SECRET) makes the server require an
+ * authenticated /register and the register command sign its request
+ * (docs/security.md).
  */
 #include "cli/commands.h"
 
+#include "base/auth.h"
 #include "connector/kv_transfer_config.h"
 #include "connector/mooncake/bootstrap_client.h"
 #include "connector/mooncake/bootstrap_server.h"
@@ -25,15 +29,47 @@
 #include <string.h>
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: disagg bootstrap [--host H] [--port N]\n"
+    fprintf(f, "usage: disagg bootstrap [--host H] [--port N] [--auth-secret S]\n"
                "       disagg bootstrap register --server HOST:PORT --engine-id ID --addr "
                "tcp://IP:PORT\n"
-               "                        [--dp-rank N] [--tp-rank N] [--pp-rank N]\n"
+               "                        [--dp-rank N] [--tp-rank N] [--pp-rank N] "
+               "[--auth-secret S]\n"
                "       disagg bootstrap query --server HOST:PORT\n\n"
                "Runs the Mooncake bootstrap server (POST /register, GET /query) alone, or\n"
                "registers with / queries one.  --port defaults to VLLM_MOONCAKE_BOOTSTRAP_PORT\n"
-               "(8998); --host to 0.0.0.0; 0 picks a free port.  Client commands retry 3 times\n"
-               "(per-attempt timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, default 30 s).\n");
+               "(8998); --host to 0.0.0.0 (give the one address the prefill and decode\n"
+               "instances and the proxy reach); 0 picks a free port.  Client commands retry 3\n"
+               "times (per-attempt timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, default 30 s).\n"
+               "--auth-secret (else $DISAGG_KV_SECRET, which keeps it out of the process list)\n"
+               "is the shared secret: the server then refuses a /register without a valid\n"
+               "X-Disagg-Auth MAC (401/403), and `register` signs its request\n"
+               "(docs/security.md).  /query needs no secret.\n");
+}
+
+/* --auth-secret's value, else $DISAGG_KV_SECRET; "" is refused. */
+static int secret_flag(const char *cmd, const char *v, const char **out) {
+    if (!v || !v[0] || strlen(v) > 255) {
+        fprintf(stderr,
+                "disagg %s: --auth-secret is not accepted: %s; accepted: a non-empty secret of "
+                "at most 255 bytes (or set %s instead)\n",
+                cmd, !v || !v[0] ? "empty" : "longer than 255 bytes", AUTH_SECRET_ENV);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int resolve_secret(const char *cmd, const char *flag, const char **out) {
+    const char *s = auth_secret_resolve(flag);
+    if (s && strlen(s) > 255) {
+        fprintf(stderr,
+                "disagg %s: %s is not accepted: longer than 255 bytes; accepted: a non-empty "
+                "secret of at most 255 bytes\n",
+                cmd, AUTH_SECRET_ENV);
+        return -1;
+    }
+    *out = s;
+    return 0;
 }
 
 /* Strict integer in [lo, hi]; prints the error itself. */
@@ -53,7 +89,7 @@ static int parse_int_flag(const char *flag, const char *s, long lo, long hi, lon
 }
 
 static int serve(int argc, char **argv) {
-    const char *host = "0.0.0.0";
+    const char *host = "0.0.0.0", *secret = NULL;
     char err[512];
     kv_transfer_env env;
     if (kv_transfer_env_load(&env, err, sizeof err) != 0) {
@@ -66,6 +102,8 @@ static int serve(int argc, char **argv) {
             host = argv[++i];
         } else if (!strcmp(argv[i], "--port") && i + 1 < argc) {
             if (parse_int_flag("--port", argv[++i], 0, 65535, &port)) return 2;
+        } else if (!strcmp(argv[i], "--auth-secret") && i + 1 < argc) {
+            if (secret_flag("bootstrap", argv[++i], &secret)) return 2;
         } else {
             fprintf(stderr, "disagg bootstrap: unknown or incomplete option '%s'\n", argv[i]);
             usage(stderr);
@@ -79,13 +117,15 @@ static int serve(int argc, char **argv) {
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
+    if (resolve_secret("bootstrap", secret, &secret)) return 2;
     bootstrap_server *s = NULL;
-    if (bootstrap_server_start(host, (uint16_t)port, &s, err, sizeof err) != 0) {
+    if (bootstrap_server_start_auth(host, (uint16_t)port, secret, &s, err, sizeof err) != 0) {
         fprintf(stderr, "disagg bootstrap: %s\n", err);
         return 1;
     }
-    printf("bootstrap server listening on http://%s:%u\n", host,
-           (unsigned)bootstrap_server_port(s));
+    printf("bootstrap server listening on http://%s:%u%s\n", host,
+           (unsigned)bootstrap_server_port(s),
+           secret ? " (/register requires the shared secret)" : "");
     fflush(stdout);
     int sig = 0;
     sigwait(&set, &sig);
@@ -106,7 +146,7 @@ static int client_retry(bootstrap_retry *r) {
 }
 
 static int do_register(int argc, char **argv) {
-    const char *server = NULL, *engine_id = NULL, *addr = NULL;
+    const char *server = NULL, *engine_id = NULL, *addr = NULL, *secret = NULL;
     long dp = 0, tp = 0, pp = 0;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -122,6 +162,8 @@ static int do_register(int argc, char **argv) {
             if (parse_int_flag("--tp-rank", argv[++i], 0, 1000000, &tp)) return 2;
         } else if (!strcmp(argv[i], "--pp-rank") && v) {
             if (parse_int_flag("--pp-rank", argv[++i], 0, 1000000, &pp)) return 2;
+        } else if (!strcmp(argv[i], "--auth-secret") && v) {
+            if (secret_flag("bootstrap register", argv[++i], &secret)) return 2;
         } else {
             fprintf(stderr, "disagg bootstrap register: unknown or incomplete option '%s'\n",
                     argv[i]);
@@ -134,11 +176,12 @@ static int do_register(int argc, char **argv) {
                 "disagg bootstrap register: --server, --engine-id and --addr are required\n");
         return 2;
     }
+    if (resolve_secret("bootstrap register", secret, &secret)) return 2;
     bootstrap_retry r;
     if (client_retry(&r)) return 2;
     bootstrap_registration reg = {engine_id, (int)dp, (int)tp, (int)pp, addr};
     char err[1024];
-    if (bootstrap_client_register(server, &reg, &r, err, sizeof err) != 0) {
+    if (bootstrap_client_register_auth(server, &reg, secret, &r, err, sizeof err) != 0) {
         fprintf(stderr, "disagg bootstrap register: %s\n", err);
         return 1;
     }

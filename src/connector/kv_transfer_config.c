@@ -2,6 +2,7 @@
  * value checkers, the JSON walk and the environment. */
 #include "connector/kv_transfer_config.h"
 
+#include "base/auth.h"
 #include "base/text.h"
 
 #include "base/log.h"
@@ -70,8 +71,9 @@ static const top_key TOP_KEYS[] = {
 };
 #define N_TOP_KEYS (sizeof TOP_KEYS / sizeof TOP_KEYS[0])
 
-static const char *const EXTRA_KEYS[] = {"num_workers", "mooncake_protocol", "device_name",
-                                         "bootstrap_server_address"};
+static const char *const EXTRA_KEYS[] = {"num_workers", "mooncake_protocol",
+                                         "device_name", "bootstrap_server_address",
+                                         "auth_secret", "max_pending_pulls"};
 #define N_EXTRA_KEYS (sizeof EXTRA_KEYS / sizeof EXTRA_KEYS[0])
 
 static const char *const ROLE_NAMES[] = {"kv_producer", "kv_consumer", "kv_both"};
@@ -296,6 +298,33 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
             }
             snprintf(c->bootstrap_host, sizeof c->bootstrap_host, "%s", host);
             c->bootstrap_port = port;
+        } else if (strcmp(key, "auth_secret") == 0) {
+            /* never echo the value: it is a secret */
+            const char *sv = json_is_string(v) ? json_string_value(v) : NULL;
+            size_t n = sv ? json_string_length(v) : 0;
+            if (!sv || n == 0 || n >= sizeof c->auth_secret || strlen(sv) != n) {
+                set_err(err, cap,
+                        "kv-transfer-config: kv_connector_extra_config.auth_secret: %s is not "
+                        "accepted; accepted: a non-empty string without NUL bytes, shorter than "
+                        "%zu bytes (or leave it out: then $%s, else no authentication)",
+                        !sv      ? text_json_kind(v)
+                        : n == 0 ? "an empty string"
+                                 : "a string too long or containing NUL",
+                        sizeof c->auth_secret, AUTH_SECRET_ENV);
+                return KV_CONFIG_EINVAL;
+            }
+            snprintf(c->auth_secret, sizeof c->auth_secret, "%s", sv);
+        } else if (strcmp(key, "max_pending_pulls") == 0) {
+            if (!json_is_integer(v) || json_integer_value(v) < 1 ||
+                json_integer_value(v) > KV_CONFIG_PENDING_PULLS_MAX) {
+                set_err(err, cap,
+                        "kv-transfer-config: kv_connector_extra_config.max_pending_pulls: %s is "
+                        "not accepted; accepted: an integer from 1 to %d (default %d)",
+                        json_short(v, shown, sizeof shown), KV_CONFIG_PENDING_PULLS_MAX,
+                        KV_CONFIG_PENDING_PULLS_DEFAULT);
+                return KV_CONFIG_EINVAL;
+            }
+            c->max_pending_pulls = (int)json_integer_value(v);
         } else {
             const char *hint = did_you_mean(key, EXTRA_KEYS, N_EXTRA_KEYS);
             LOG_W(MOD,
@@ -372,6 +401,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     c.load_failure_policy = KV_LOAD_FAILURE_FAIL;
     c.num_workers = KV_CONFIG_NUM_WORKERS_DEFAULT;
     c.protocol = KV_PROTOCOL_RDMA;
+    c.max_pending_pulls = KV_CONFIG_PENDING_PULLS_DEFAULT;
     if (err && err_cap) err[0] = '\0';
     if (!json_text) {
         set_err(err, err_cap, "kv-transfer-config: missing (NULL) text");
@@ -440,6 +470,20 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     v = json_object_get(root, "kv_connector_extra_config");
     if (v && parse_extra(v, &c, err, err_cap)) goto out;
     c.rdma_requested = c.protocol == KV_PROTOCOL_RDMA;
+    if (!c.auth_secret[0]) { /* the key wins; else the environment */
+        const char *env = auth_secret_resolve(NULL);
+        if (env && strlen(env) >= sizeof c.auth_secret) {
+            set_err(err, err_cap,
+                    "%s is not accepted: %zu bytes; accepted: a non-empty secret shorter than %zu "
+                    "bytes",
+                    AUTH_SECRET_ENV, strlen(env), sizeof c.auth_secret);
+            goto out;
+        }
+        if (env) {
+            snprintf(c.auth_secret, sizeof c.auth_secret, "%s", env);
+            c.auth_secret_from_env = 1;
+        }
+    }
     if (c.ignored_keys[0])
         LOG_I(MOD, "kv-transfer-config keys accepted but unused by disagg's MooncakeConnector: %s",
               c.ignored_keys);

@@ -37,10 +37,13 @@ typedef enum kv_protocol {
     KV_PROTOCOL_SHM = 2,  /* "shm": same host, process_vm_* (ours) */
 } kv_protocol;
 
-#define KV_CONFIG_NUM_WORKERS_DEFAULT 10
-#define KV_CONFIG_NUM_WORKERS_MAX     1024
-#define KV_CONFIG_ENGINE_ID_MAX       128 /* bytes incl. NUL */
-#define KV_CONFIG_KEYS_MAX            512 /* bytes of the ignored/unknown key lists */
+#define KV_CONFIG_NUM_WORKERS_DEFAULT   10
+#define KV_CONFIG_NUM_WORKERS_MAX       1024
+#define KV_CONFIG_ENGINE_ID_MAX         128  /* bytes incl. NUL */
+#define KV_CONFIG_KEYS_MAX              512  /* bytes of the ignored/unknown key lists */
+#define KV_CONFIG_SECRET_MAX            256  /* bytes of auth_secret incl. NUL */
+#define KV_CONFIG_PENDING_PULLS_DEFAULT 4096 /* max_pending_pulls */
+#define KV_CONFIG_PENDING_PULLS_MAX     1048576
 
 typedef struct kv_transfer_config {
     char kv_connector[64];                      /* always "MooncakeConnector" after a parse */
@@ -56,6 +59,16 @@ typedef struct kv_transfer_config {
     char device_name[256];    /* NIC/interface whitelist, "" = all */
     char bootstrap_host[256]; /* bootstrap_server_address host, "" = embed one */
     uint16_t bootstrap_port;  /* its port (0 when none given) */
+    /* Shared secret of the KV ports (docs/security.md): the auth_secret key,
+     * else $DISAGG_KV_SECRET (auth_secret_resolve); "" = none, no
+     * authentication (vLLM/Mooncake peers work unchanged).  Handed to the
+     * side channel, the bootstrap client/server and the transfer engine. */
+    char auth_secret[KV_CONFIG_SECRET_MAX];
+    int auth_secret_from_env; /* 1 when auth_secret came from DISAGG_KV_SECRET */
+    /* producer: pulls naming a transfer id this producer does not (yet) know
+     * that may wait at once; one more evicts the oldest (its pull fails at
+     * once): a flood of bogus pulls costs O(1) each.  1..1048576, default 4096. */
+    int max_pending_pulls;
     /* what was accepted but means nothing here (comma-separated, for logs/tests) */
     char ignored_keys[KV_CONFIG_KEYS_MAX];       /* vLLM KVTransferConfig fields unused here */
     char unknown_extra_keys[KV_CONFIG_KEYS_MAX]; /* kv_connector_extra_config keys unknown */

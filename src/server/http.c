@@ -265,7 +265,8 @@ static void *loader_main(void *arg) {
         goto fail;
     }
     if (s->cfg.kv_transfer_config) { /* attach before the first submit */
-        rc = mooncake_connector_create(s->cfg.kv_transfer_config, e, &s->conn, err, sizeof err);
+        rc = mooncake_connector_create_on(s->cfg.kv_transfer_config, s->cfg.host, e, &s->conn, err,
+                                          sizeof err);
         if (rc) {
             snprintf(s->load_error, sizeof s->load_error, "starting the KV connector failed: %s",
                      err);

@@ -15,7 +15,10 @@
 #include "connector/mooncake/bootstrap_server.h"
 
 #include <dirent.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <stdio.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -286,6 +289,102 @@ static void test_start_errors_and_no_fd_leak(void **state) {
     assert_int_equal(count_fds(), before);
 }
 
+/* ---- authentication (issue 11 section 3) ------------------------------- */
+
+/* POST /register with an optional extra header; returns the status, body in out. */
+static int raw_register(uint16_t port, const char *body, const char *hdr, char *out, size_t cap) {
+    net_addr a;
+    net_resolve("127.0.0.1", port, &a);
+    uint64_t dl = clock_now_ns() + 5 * NS_PER_S;
+    int fd = net_connect(&a, NULL, dl);
+    assert_true(fd >= 0);
+    net_set_nonblock(fd, 0); /* plain blocking reads below, bounded by SO_RCVTIMEO */
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char req[2048];
+    int n = snprintf(req, sizeof req,
+                     "POST /register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: %zu\r\nConnection: close\r\n%s%s\r\n%s",
+                     strlen(body), hdr ? hdr : "", hdr ? "\r\n" : "", body);
+    assert_int_equal(net_send_all(fd, req, (size_t)n, dl), 0);
+    size_t got = 0;
+    ssize_t r;
+    while (got + 1 < cap && (r = read(fd, out + got, cap - 1 - got)) > 0)
+        got += (size_t)r;
+    out[got] = '\0';
+    close(fd);
+    int status = 0;
+    sscanf(out, "HTTP/1.1 %d", &status);
+    return status;
+}
+
+static void test_register_requires_secret(void **state) {
+    (void)state;
+    bootstrap_server *s = NULL;
+    char err[1024] = "", server[64];
+    assert_int_equal(bootstrap_server_start_auth("127.0.0.1", 0, "s3cret", &s, err, sizeof err), 0);
+    uint16_t port = bootstrap_server_port(s);
+    snprintf(server, sizeof server, "127.0.0.1:%u", (unsigned)port);
+    bootstrap_retry r;
+    bootstrap_retry_init(&r, 5.0);
+    bootstrap_registration fake = {"engine-F", 0, 0, 0, "tcp://10.9.9.9:1"};
+    /* no secret: 401, not retried, both sides say why */
+    uint64_t t0 = clock_now_ns();
+    assert_int_equal(bootstrap_client_register(server, &fake, &r, err, sizeof err),
+                     BOOTSTRAP_EAUTH);
+    assert_true(clock_now_ns() - t0 < NS_PER_S);
+    assert_non_null(strstr(err, "HTTP 401"));
+    assert_non_null(strstr(err, "carried no X-Disagg-Auth header"));
+    assert_non_null(strstr(err, "this instance has no auth_secret"));
+    /* a different secret: 403 */
+    assert_int_equal(bootstrap_client_register_auth(server, &fake, "guess", &r, err, sizeof err),
+                     BOOTSTRAP_EAUTH);
+    assert_non_null(strstr(err, "HTTP 403"));
+    assert_non_null(strstr(err, "MAC does not match"));
+    assert_int_equal(bootstrap_server_count_workers(s, 0, NULL), 0);
+    assert_int_equal(bootstrap_server_auth_rejected(s), 2);
+    /* raw: a valid header over another body (tampered), a stale one, garbage */
+    const char *body = "{\"engine_id\":\"engine-A\",\"dp_rank\":0,\"tp_rank\":0,\"pp_rank\":0,"
+                       "\"addr\":\"tcp://127.0.0.1:5\"}";
+    const char *evil = "{\"engine_id\":\"engine-A\",\"dp_rank\":0,\"tp_rank\":0,\"pp_rank\":0,"
+                       "\"addr\":\"tcp://6.6.6.6:5\"}";
+    char hdr[200], out[4096];
+    assert_int_equal(
+        bootstrap_auth_header("s3cret", (long long)time(NULL), body, strlen(body), hdr, sizeof hdr),
+        0);
+    assert_int_equal(raw_register(port, evil, hdr, out, sizeof out), 403);
+    assert_non_null(strstr(out, "MAC does not match"));
+    char stale[200];
+    assert_int_equal(bootstrap_auth_header("s3cret", (long long)time(NULL) - 1000, body,
+                                           strlen(body), stale, sizeof stale),
+                     0);
+    assert_int_equal(raw_register(port, body, stale, out, sizeof out), 403);
+    assert_non_null(strstr(out, "timestamp is 1000 s off"));
+    assert_int_equal(raw_register(port, body, "X-Disagg-Auth: Bearer s3cret", out, sizeof out),
+                     403);
+    assert_non_null(strstr(out, "malformed X-Disagg-Auth header"));
+    assert_non_null(strstr(out, "application/json"));
+    assert_int_equal(bootstrap_server_count_workers(s, 0, NULL), 0);
+    /* the documented header, byte for byte, is accepted; so is the client's */
+    assert_int_equal(raw_register(port, body, hdr, out, sizeof out), 200);
+    bootstrap_registration good = {"engine-A", 0, 1, 0, "tcp://127.0.0.1:6"};
+    assert_int_equal(bootstrap_client_register_auth(server, &good, "s3cret", &r, err, sizeof err),
+                     0);
+    assert_int_equal(bootstrap_server_count_workers(s, 0, "engine-A"), 2);
+    assert_int_equal(bootstrap_server_auth_rejected(s), 5);
+    /* /query stays readable without the secret */
+    bootstrap_table t;
+    assert_int_equal(bootstrap_client_query(server, &r, &t, err, sizeof err), 0);
+    assert_int_equal((int)t.n, 1);
+    bootstrap_table_free(&t);
+    bootstrap_server_stop(s);
+    /* a server without a secret ignores the header (a vLLM server would too) */
+    s = start(server, sizeof server);
+    assert_int_equal(bootstrap_client_register_auth(server, &good, "s3cret", &r, err, sizeof err),
+                     0);
+    bootstrap_server_stop(s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_register_and_query),
@@ -295,6 +394,7 @@ int main(void) {
         cmocka_unit_test(test_bad_server_address),
         cmocka_unit_test(test_table_parse),
         cmocka_unit_test(test_start_errors_and_no_fd_leak),
+        cmocka_unit_test(test_register_requires_secret),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -349,6 +349,60 @@ static void test_env_bad_matrix(void **state) {
     env_clear();
 }
 
+/* auth_secret (issue 11 section 3): the key, else DISAGG_KV_SECRET, else none;
+ * a bad value is refused without echoing it. */
+static void test_auth_secret_and_pending_cap(void **state) {
+    (void)state;
+    unsetenv("DISAGG_KV_SECRET");
+    const char *base = "{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_producer\"";
+    char j[512];
+    snprintf(j, sizeof j, "%s}", base);
+    kv_transfer_config c = parse_ok(j);
+    assert_string_equal(c.auth_secret, "");
+    assert_int_equal(c.auth_secret_from_env, 0);
+    assert_int_equal(c.max_pending_pulls, KV_CONFIG_PENDING_PULLS_DEFAULT);
+    setenv("DISAGG_KV_SECRET", "from-env", 1);
+    c = parse_ok(j);
+    assert_string_equal(c.auth_secret, "from-env");
+    assert_int_equal(c.auth_secret_from_env, 1);
+    snprintf(j, sizeof j,
+             "%s,\"kv_connector_extra_config\":{\"auth_secret\":\"s3cret\","
+             "\"max_pending_pulls\":7}}",
+             base);
+    c = parse_ok(j); /* the key wins over the environment */
+    assert_string_equal(c.auth_secret, "s3cret");
+    assert_int_equal(c.auth_secret_from_env, 0);
+    assert_int_equal(c.max_pending_pulls, 7);
+    unsetenv("DISAGG_KV_SECRET");
+    static const char *const bad[] = {"\"\"", "42", "null", "[\"x\"]"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"auth_secret\":%s}}", base,
+                 bad[i]);
+        parse_bad(j, "kv_connector_extra_config.auth_secret", "a non-empty string");
+    }
+    char big[400];
+    memset(big, 'k', 300);
+    big[300] = '\0';
+    char jb[800];
+    snprintf(jb, sizeof jb, "%s,\"kv_connector_extra_config\":{\"auth_secret\":\"%s\"}}", base,
+             big);
+    parse_bad(jb, "auth_secret", "shorter than 256 bytes");
+    kv_transfer_config cb;
+    char err[1024];
+    assert_int_equal(kv_transfer_config_parse(jb, &cb, err, sizeof err), KV_CONFIG_EINVAL);
+    assert_null(strstr(err, big)); /* the secret is never echoed */
+    setenv("DISAGG_KV_SECRET", big, 1);
+    snprintf(j, sizeof j, "%s}", base);
+    parse_bad(j, "DISAGG_KV_SECRET", "shorter than 256 bytes");
+    unsetenv("DISAGG_KV_SECRET");
+    static const char *const badcap[] = {"0", "-1", "1048577", "\"10\"", "1.5", "null"};
+    for (size_t i = 0; i < sizeof badcap / sizeof badcap[0]; i++) {
+        snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"max_pending_pulls\":%s}}", base,
+                 badcap[i]);
+        parse_bad(j, "kv_connector_extra_config.max_pending_pulls", "an integer from 1 to 1048576");
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_minimal_producer_defaults),
@@ -360,6 +414,7 @@ int main(void) {
         cmocka_unit_test(test_edit_distance_and_uuid),
         cmocka_unit_test(test_env_defaults_and_values),
         cmocka_unit_test(test_env_bad_matrix),
+        cmocka_unit_test(test_auth_secret_and_pending_cap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,6 +3,7 @@
 #include "connector/mooncake/bootstrap_client.h"
 #include "connector/mooncake/bootstrap_server.h"
 
+#include "base/auth.h"
 #include "base/log.h"
 #include "base/net.h"
 
@@ -96,9 +97,25 @@ static int retryable(CURLcode c) {
     }
 }
 
-/* One attempt.  Returns the CURLcode; *status = HTTP status when CURLE_OK. */
-static CURLcode attempt(const char *url, const char *post_body, double timeout_s, long *status,
-                        resp_buf *body) {
+int bootstrap_auth_header(const char *secret, long long ts, const char *body, size_t len, char *out,
+                          size_t cap) {
+    if (!secret || !secret[0] || !body) return BOOTSTRAP_EINVAL;
+    char tss[32];
+    snprintf(tss, sizeof tss, "%lld", ts);
+    const void *parts[4] = {BOOTSTRAP_AUTH_LABEL "\n", tss, "\n", body};
+    size_t lens[4] = {strlen(BOOTSTRAP_AUTH_LABEL) + 1, strlen(tss), 1, len};
+    uint8_t mac[AUTH_MAC_LEN];
+    char hex[2 * AUTH_MAC_LEN + 1];
+    if (auth_hmacv(secret, strlen(secret), parts, lens, 4, mac) != 0) return BOOTSTRAP_EINVAL;
+    auth_hex(mac, sizeof mac, hex);
+    int n = snprintf(out, cap, "%s: v1 ts=%s mac=%s", BOOTSTRAP_AUTH_HEADER, tss, hex);
+    return n > 0 && (size_t)n < cap ? 0 : BOOTSTRAP_EINVAL;
+}
+
+/* One attempt.  Returns the CURLcode; *status = HTTP status when CURLE_OK.
+ * secret: sign the POST body (a fresh timestamp per attempt). */
+static CURLcode attempt(const char *url, const char *post_body, const char *secret,
+                        double timeout_s, long *status, resp_buf *body) {
     CURL *h = curl_easy_init();
     if (!h) return CURLE_OUT_OF_MEMORY;
     struct curl_slist *hdr = NULL;
@@ -113,6 +130,10 @@ static CURLcode attempt(const char *url, const char *post_body, double timeout_s
     curl_easy_setopt(h, CURLOPT_WRITEDATA, body);
     if (post_body) {
         hdr = curl_slist_append(hdr, "Content-Type: application/json");
+        char auth[160];
+        if (secret && bootstrap_auth_header(secret, (long long)time(NULL), post_body,
+                                            strlen(post_body), auth, sizeof auth) == 0)
+            hdr = curl_slist_append(hdr, auth);
         curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
         curl_easy_setopt(h, CURLOPT_POSTFIELDS, post_body);
     }
@@ -132,7 +153,8 @@ static void real_sleep(double s, void *ud) {
 
 /* The retry loop.  On 0, *body holds a 200 answer (caller frees body->data). */
 static int request(const char *what, const char *server, const char *path, const char *post_body,
-                   const bootstrap_retry *retry, resp_buf *body, char *err, size_t err_cap) {
+                   const char *secret, const bootstrap_retry *retry, resp_buf *body, char *err,
+                   size_t err_cap) {
     memset(body, 0, sizeof *body);
     pthread_once(&g_curl_once, curl_init_once);
     bootstrap_retry def;
@@ -149,11 +171,23 @@ static int request(const char *what, const char *server, const char *path, const
     for (int a = 1; a <= attempts; a++) {
         memset(body, 0, sizeof *body);
         long status = 0;
-        last = attempt(url, post_body, retry->timeout_s, &status, body);
+        last = attempt(url, post_body, secret, retry->timeout_s, &status, body);
         if (last == CURLE_OK) {
             if (status == 200) return 0;
             /* an answer: not retried */
             const char *detail = body->data ? body->data : "";
+            if (status == 401 || status == 403) {
+                snprintf(err, err_cap,
+                         "bootstrap %s at %s refused our authentication (HTTP %ld): %.400s%s", what,
+                         url, status, detail,
+                         secret ? ""
+                                : " -- this instance has no auth_secret; set "
+                                  "kv_connector_extra_config.auth_secret or "
+                                  "DISAGG_KV_SECRET to the bootstrap server's secret");
+                free(body->data);
+                body->data = NULL;
+                return BOOTSTRAP_EAUTH;
+            }
             snprintf(err, err_cap, "bootstrap %s at %s: HTTP %ld: %.400s", what, url, status,
                      detail);
             free(body->data);
@@ -190,6 +224,13 @@ static int request(const char *what, const char *server, const char *path, const
 
 int bootstrap_client_register(const char *server, const bootstrap_registration *reg,
                               const bootstrap_retry *retry, char *err, size_t err_cap) {
+    return bootstrap_client_register_auth(server, reg, NULL, retry, err, err_cap);
+}
+
+int bootstrap_client_register_auth(const char *server, const bootstrap_registration *reg,
+                                   const char *secret, const bootstrap_retry *retry, char *err,
+                                   size_t err_cap) {
+    if (secret && !secret[0]) secret = NULL;
     if (!reg || !reg->engine_id || !reg->addr) {
         snprintf(err, err_cap, "bootstrap register: engine_id and addr are required");
         return BOOTSTRAP_EINVAL;
@@ -201,7 +242,7 @@ int bootstrap_client_register(const char *server, const bootstrap_registration *
     json_decref(j);
     if (!text) return BOOTSTRAP_ENOMEM;
     resp_buf body;
-    int rc = request("register", server, "/register", text, retry, &body, err, err_cap);
+    int rc = request("register", server, "/register", text, secret, retry, &body, err, err_cap);
     free(text);
     free(body.data);
     if (rc == 0)
@@ -214,7 +255,7 @@ int bootstrap_client_query(const char *server, const bootstrap_retry *retry, boo
                            char *err, size_t err_cap) {
     memset(out, 0, sizeof *out);
     resp_buf body;
-    int rc = request("query", server, "/query", NULL, retry, &body, err, err_cap);
+    int rc = request("query", server, "/query", NULL, NULL, retry, &body, err, err_cap);
     if (rc) return rc;
     rc = bootstrap_table_parse(body.data ? body.data : "", body.len, out, err, err_cap);
     free(body.data);

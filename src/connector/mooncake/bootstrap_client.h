@@ -22,6 +22,7 @@
     (-113) /* every attempt failed to connect or timed out (EHOSTUNREACH)                          \
             */
 #define BOOTSTRAP_ENOMEM (-12)
+#define BOOTSTRAP_EAUTH  (-13) /* the server refused our authentication (401/403) */
 
 typedef struct bootstrap_retry {
     int attempts;         /* total attempts, >= 1 (default 3) */
@@ -45,6 +46,16 @@ typedef struct bootstrap_registration {
  * the codes above with a message in err naming the server and the cause. */
 int bootstrap_client_register(const char *server, const bootstrap_registration *reg,
                               const bootstrap_retry *retry, char *err, size_t err_cap);
+/* The same, authenticated with the shared secret (NULL/"" = none): each
+ * attempt carries a fresh X-Disagg-Auth header (bootstrap_server.h).  A 401
+ * or 403 answer is BOOTSTRAP_EAUTH, with the server's reason in err. */
+int bootstrap_client_register_auth(const char *server, const bootstrap_registration *reg,
+                                   const char *secret, const bootstrap_retry *retry, char *err,
+                                   size_t err_cap);
+/* The X-Disagg-Auth header line ("X-Disagg-Auth: v1 ts=... mac=...") for body
+ * at unix time ts, into out (exposed for tests).  Returns 0 or BOOTSTRAP_EINVAL. */
+int bootstrap_auth_header(const char *secret, long long ts, const char *body, size_t len, char *out,
+                          size_t cap);
 
 /* One data-parallel rank of the table. */
 typedef struct bootstrap_engine {

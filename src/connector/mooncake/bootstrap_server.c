@@ -2,6 +2,7 @@
  * /register validation, HTTP handlers, thread lifecycle. */
 #include "connector/mooncake/bootstrap_server.h"
 
+#include "base/auth.h"
 #include "base/log.h"
 #include "base/net.h"
 
@@ -16,7 +17,9 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MOD "bootstrap"
@@ -50,6 +53,9 @@ struct bootstrap_server {
     bs_engine *engines;      /* (n_engines) sorted by dp_rank */
     size_t n_engines, cap_engines;
     size_t n_workers; /* total over engines, <= BOOTSTRAP_MAX_WORKERS */
+    char secret[256]; /* /register's shared secret, "" = none */
+    atomic_ulong auth_rejected;
+    time_t auth_logged; /* last refusal log line (server thread only) */
 };
 
 #define STR_(x) #x
@@ -249,10 +255,75 @@ static void check_rank(json_t *body, const char *key, json_t *errors, int *out) 
     *out = (int)i;
 }
 
+/* NULL when the request's X-Disagg-Auth is valid for body, else why not
+ * (*status 401: absent, 403: wrong). */
+static const char *check_auth(bootstrap_server *s, struct evhttp_request *req, const char *body,
+                              size_t len, int *status, char *buf, size_t cap) {
+    const char *h =
+        evhttp_find_header(evhttp_request_get_input_headers(req), BOOTSTRAP_AUTH_HEADER);
+    *status = 401;
+    if (!h)
+        return "bootstrap /register requires authentication: this server has a shared secret "
+               "(--auth-secret or DISAGG_KV_SECRET) and the request carried "
+               "no " BOOTSTRAP_AUTH_HEADER " header; give the registering instance the same secret "
+               "(kv_connector_extra_config.auth_secret or DISAGG_KV_SECRET)";
+    *status = 403;
+    long long ts = 0;
+    char hex[2 * AUTH_MAC_LEN + 2];
+    int n = 0;
+    if (sscanf(h, "v1 ts=%lld mac=%65s%n", &ts, hex, &n) != 2 || h[n] != '\0' ||
+        strlen(hex) != 2 * AUTH_MAC_LEN)
+        return "bootstrap /register: malformed " BOOTSTRAP_AUTH_HEADER
+               " header; accepted: \"v1 ts=<unix seconds> mac=<64 hex digits>\"";
+    long long skew = (long long)time(NULL) - ts;
+    if (skew > BOOTSTRAP_AUTH_SKEW_S || skew < -BOOTSTRAP_AUTH_SKEW_S) {
+        snprintf(buf, cap,
+                 "bootstrap /register: the " BOOTSTRAP_AUTH_HEADER
+                 " timestamp is %lld s off this server's clock (accepted: within %d s; are the "
+                 "hosts' clocks synchronized?)",
+                 skew, BOOTSTRAP_AUTH_SKEW_S);
+        return buf;
+    }
+    char tss[32];
+    snprintf(tss, sizeof tss, "%lld", ts);
+    const void *parts[4] = {BOOTSTRAP_AUTH_LABEL "\n", tss, "\n", body};
+    size_t lens[4] = {strlen(BOOTSTRAP_AUTH_LABEL) + 1, strlen(tss), 1, len};
+    uint8_t mac[AUTH_MAC_LEN];
+    char want[2 * AUTH_MAC_LEN + 1];
+    if (auth_hmacv(s->secret, strlen(s->secret), parts, lens, 4, mac) != 0)
+        return "bootstrap /register: cannot compute the MAC";
+    auth_hex(mac, sizeof mac, want);
+    for (char *p = hex; *p; p++)
+        if (*p >= 'A' && *p <= 'F') *p = (char)(*p - 'A' + 'a');
+    if (!auth_equal(want, hex, 2 * AUTH_MAC_LEN))
+        return "bootstrap /register: authentication failed: the MAC does not match (the "
+               "registering instance's auth_secret differs from this server's)";
+    return NULL;
+}
+
 static void handle_register(bootstrap_server *s, struct evhttp_request *req) {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
     const char *data = len ? (const char *)evbuffer_pullup(in, -1) : "";
+    if (s->secret[0]) {
+        int status;
+        char buf[256];
+        const char *why = check_auth(s, req, data, len, &status, buf, sizeof buf);
+        if (why) {
+            unsigned long n = atomic_fetch_add(&s->auth_rejected, 1) + 1;
+            time_t now = time(NULL);
+            if (now - s->auth_logged >= 10) { /* at most one line per 10 s */
+                char peer[64] = "?";
+                char *ph = NULL;
+                ev_uint16_t pport = 0;
+                evhttp_connection_get_peer(evhttp_request_get_connection(req), &ph, &pport);
+                if (ph) snprintf(peer, sizeof peer, "%s", ph);
+                LOG_W(MOD, "refusing a /register from %s (%lu refused in all): %s", peer, n, why);
+                s->auth_logged = now;
+            }
+            return send_detail(req, status, status == 401 ? "Unauthorized" : "Forbidden", why);
+        }
+    }
     json_error_t jerr;
     json_t *body = json_loadb(data, len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
     json_t *errors = json_array();
@@ -353,10 +424,24 @@ static void server_free(bootstrap_server *s) {
 
 int bootstrap_server_start(const char *host, uint16_t port, bootstrap_server **out, char *err,
                            size_t err_cap) {
+    return bootstrap_server_start_auth(host, port, NULL, out, err, err_cap);
+}
+
+unsigned long bootstrap_server_auth_rejected(bootstrap_server *s) {
+    return atomic_load(&s->auth_rejected);
+}
+
+int bootstrap_server_start_auth(const char *host, uint16_t port, const char *secret,
+                                bootstrap_server **out, char *err, size_t err_cap) {
     *out = NULL;
     if (!host || !host[0]) host = "0.0.0.0";
+    if (secret && strlen(secret) >= sizeof((bootstrap_server *)0)->secret) {
+        snprintf(err, err_cap, "bootstrap server: the secret is longer than 255 bytes");
+        return -EINVAL;
+    }
     bootstrap_server *s = calloc(1, sizeof *s);
     if (!s) return -ENOMEM;
+    if (secret) snprintf(s->secret, sizeof s->secret, "%s", secret);
     s->stop_pipe[0] = s->stop_pipe[1] = -1;
     s->listen_fd = -1;
     pthread_mutex_init(&s->mu, NULL);
@@ -414,7 +499,8 @@ int bootstrap_server_start(const char *host, uint16_t port, bootstrap_server **o
         goto fail;
     }
     s->thread_started = 1;
-    LOG_I(MOD, "bootstrap server listening on %s:%u", host, (unsigned)s->port);
+    LOG_I(MOD, "bootstrap server listening on %s:%u (%s)", host, (unsigned)s->port,
+          s->secret[0] ? "/register requires the shared secret" : "no authentication");
     *out = s;
     return 0;
 fail:

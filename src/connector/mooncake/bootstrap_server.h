@@ -11,6 +11,14 @@
  *        body that is not JSON, not an object, or has missing/ill-typed fields.
  *   GET  /query -> {"<dp>": {"engine_id": "...", "worker_addr": {"<tp>": {"<pp>": "tcp://..."}}}}
  *
+ * With a shared secret (docs/security.md) POST /register must carry
+ *   X-Disagg-Auth: v1 ts=<unix seconds> mac=<64 hex digits>
+ *   mac = HMAC-SHA256(secret, "disagg-bootstrap-register-v1\n" ts "\n" body)
+ * with ts within BOOTSTRAP_AUTH_SKEW_S of the server's clock; without the
+ * header the answer is 401, with a bad one 403, both {"detail": "..."} naming
+ * the cause.  GET /query stays open (addresses only; the side channel they
+ * name authenticates every pull).  Without a secret nothing changes.
+ *
  * libevent evhttp on its own thread and event_base, so a prefill instance can
  * embed it (rank 0) and `disagg bootstrap` can run it alone; stop() ends the
  * loop from any thread and joins it.  The table is guarded by a mutex so the
@@ -29,8 +37,11 @@
 /* What bootstrap_client's table parser accepts, so that the server never
  * serves a table its clients refuse: ranks 0..BOOTSTRAP_MAX_RANK, and per dp
  * rank a (max tp + 1) x (max pp + 1) grid of at most BOOTSTRAP_MAX_GRID. */
-#define BOOTSTRAP_MAX_RANK 4096
-#define BOOTSTRAP_MAX_GRID 65536
+#define BOOTSTRAP_MAX_RANK    4096
+#define BOOTSTRAP_MAX_GRID    65536
+#define BOOTSTRAP_AUTH_HEADER "X-Disagg-Auth"
+#define BOOTSTRAP_AUTH_LABEL  "disagg-bootstrap-register-v1"
+#define BOOTSTRAP_AUTH_SKEW_S 300
 
 typedef struct bootstrap_server bootstrap_server; /* opaque */
 
@@ -39,6 +50,11 @@ typedef struct bootstrap_server bootstrap_server; /* opaque */
  * use).  */
 int bootstrap_server_start(const char *host, uint16_t port, bootstrap_server **out, char *err,
                            size_t err_cap);
+/* The same with the shared secret /register requires (NULL/"" = none). */
+int bootstrap_server_start_auth(const char *host, uint16_t port, const char *secret,
+                                bootstrap_server **out, char *err, size_t err_cap);
+/* /register requests refused for authentication (401 and 403). */
+unsigned long bootstrap_server_auth_rejected(bootstrap_server *s);
 /* The bound port (useful after port 0). */
 uint16_t bootstrap_server_port(const bootstrap_server *s);
 /* Stop the loop, join the thread, free everything.  NULL is a no-op. */

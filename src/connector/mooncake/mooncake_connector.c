@@ -8,6 +8,7 @@
 #include "connector/kv_transfer_config.h"
 #include "connector/mooncake/bootstrap_client.h"
 #include "connector/mooncake/bootstrap_server.h"
+#include "connector/mooncake/id_table.h"
 #include "connector/mooncake/side_channel.h"
 #include "connector/mooncake/side_channel_msg.h"
 #include "connector/mooncake/xfer_plan.h"
@@ -59,7 +60,8 @@ typedef struct prod_req {
     uint64_t deadline_ns; /* P_READY: expiry; P_UNKNOWN/P_PREFILLING with waiters: give up */
     char fail_msg[192];
     pull_part *waiters;
-    struct prod_req *next;
+    struct prod_req *next, *prev;   /* c->prods (prev: O(1) unlink) */
+    struct prod_req *unext, *uprev; /* c->u_head..u_tail while P_UNKNOWN (oldest last) */
 } prod_req;
 
 typedef struct pull_job { /* one pull from a decoder, until its final reply */
@@ -118,6 +120,11 @@ struct mooncake_connector {
     int n_senders;
     pthread_cond_t q_cv;
     prod_req *prods;
+    id_table prod_index;       /* transfer_id -> prod_req, every entry of prods */
+    int n_unknown;             /* prods in P_UNKNOWN: pulls ahead of their request */
+    prod_req *u_head, *u_tail; /* those, newest first (eviction takes the oldest) */
+    uint64_t pulls_evicted;    /* P_UNKNOWN entries evicted at max_pending_pulls */
+    char listen_host[256];     /* the server's --host ("" = all interfaces) */
     /* consumer */
     cons_req *conss;
     int n_pull_threads;
@@ -138,20 +145,49 @@ static int is_consumer_role(const mooncake_connector *c) {
 
 /* ---- producer: pulls and senders ----------------------------------------------- */
 
+/* O(1): the index, not a walk of prods (issue 11 section 3: a flood of
+ * bogus pulls must not slow the lookups of real ones). */
 static prod_req *prod_find(mooncake_connector *c, const char *transfer_id) {
-    for (prod_req *p = c->prods; p; p = p->next)
-        if (!strcmp(p->transfer_id, transfer_id)) return p;
-    return NULL;
+    return id_table_get(&c->prod_index, transfer_id);
 }
 
 static prod_req *prod_new(mooncake_connector *c, const char *transfer_id, prod_state st) {
     prod_req *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     snprintf(p->transfer_id, sizeof p->transfer_id, "%s", transfer_id);
+    if (id_table_put(&c->prod_index, p->transfer_id, p) != 0) {
+        free(p);
+        return NULL;
+    }
     p->state = st;
     p->next = c->prods;
+    if (c->prods) c->prods->prev = p;
     c->prods = p;
     return p;
+}
+
+/* Caller holds mu.  p enters P_UNKNOWN (a pull ahead of its request). */
+static void unknown_push_locked(mooncake_connector *c, prod_req *p) {
+    p->uprev = NULL;
+    p->unext = c->u_head;
+    if (c->u_head) c->u_head->uprev = p;
+    c->u_head = p;
+    if (!c->u_tail) c->u_tail = p;
+    c->n_unknown++;
+}
+
+/* Caller holds mu.  p leaves P_UNKNOWN. */
+static void unknown_remove_locked(mooncake_connector *c, prod_req *p) {
+    if (p->uprev)
+        p->uprev->unext = p->unext;
+    else
+        c->u_head = p->unext;
+    if (p->unext)
+        p->unext->uprev = p->uprev;
+    else
+        c->u_tail = p->uprev;
+    p->unext = p->uprev = NULL;
+    c->n_unknown--;
 }
 
 /* Caller holds mu.  Reply to a pull whose requests are all done. */
@@ -233,11 +269,12 @@ static void prod_maybe_free_locked(mooncake_connector *c, prod_req *p) {
     if (!p->engine_released && p->state != P_UNKNOWN) return;
     if (p->waiters || p->state == P_SENDING || p->state == P_READY || p->state == P_PREFILLING)
         return;
-    for (prod_req **pp = &c->prods; *pp; pp = &(*pp)->next)
-        if (*pp == p) {
-            *pp = p->next;
-            break;
-        }
+    id_table_del(&c->prod_index, p->transfer_id);
+    if (p->prev)
+        p->prev->next = p->next;
+    else
+        c->prods = p->next;
+    if (p->next) p->next->prev = p->prev;
     free(p->blocks);
     free(p);
 }
@@ -416,9 +453,32 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
                                 "this producer has one KV group; the pull names several");
             continue;
         }
-        if (!p && !(p = prod_new(c, rb->transfer_id, P_UNKNOWN))) {
-            job_req_done_locked(c, job, i, 0, "producer out of memory");
-            continue;
+        if (!p && c->n_unknown >= c->cfg.max_pending_pulls) {
+            /* Full: evict the oldest waiting pull, O(1).  A real pull ahead
+             * of its request is young (its request is on the way), so a
+             * flood evicts its own entries first. */
+            prod_req *old = c->u_tail;
+            unknown_remove_locked(c, old);
+            old->state = P_FAILED;
+            snprintf(old->fail_msg, sizeof old->fail_msg,
+                     "evicted: %d newer pulls for transfer ids this producer does not know "
+                     "arrived first (kv_connector_extra_config.max_pending_pulls)",
+                     c->cfg.max_pending_pulls);
+            if (c->pulls_evicted++ % 1000 == 0)
+                LOG_W(MOD,
+                      "%d pulls wait for unknown transfer ids (max_pending_pulls): evicting the "
+                      "oldest (%" PRIu64 " evicted so far; a flood of bogus pulls?)",
+                      c->n_unknown + 1, c->pulls_evicted);
+            prod_wake_waiters_locked(c, old);
+            old->engine_released = 1;
+            prod_maybe_free_locked(c, old);
+        }
+        if (!p) {
+            if (!(p = prod_new(c, rb->transfer_id, P_UNKNOWN))) {
+                job_req_done_locked(c, job, i, 0, "producer out of memory");
+                continue;
+            }
+            unknown_push_locked(c, p);
         }
         pull_part *w = malloc(sizeof *w);
         if (!w) {
@@ -540,8 +600,9 @@ static void *pull_main(void *arg) {
             rc = -ENOMEM;
             snprintf(err, sizeof err, "decoder out of memory");
         } else {
-            rc = side_channel_pull_run(ep, &pull, timeout, &r->cancel, on_reply, &o, err,
-                                       sizeof err);
+            rc = side_channel_pull_run_auth(ep, &pull,
+                                            c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL,
+                                            timeout, &r->cancel, on_reply, &o, err, sizeof err);
             /* Abandoned without the producer's final reply: its sender may still
              * be writing into these blocks, for at most its transfer deadline
              * (30 s + 1 ns per byte, Mooncake's default) — keep them out of use
@@ -649,6 +710,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 snprintf(err, errlen, "out of memory");
                 role = -1;
             } else {
+                if (p->state == P_UNKNOWN) unknown_remove_locked(c, p);
                 p->state = P_PREFILLING;
                 p->id = id;
                 h = malloc(sizeof *h);
@@ -875,6 +937,7 @@ static void *reaper_main(void *arg) {
             } else if ((p->state == P_UNKNOWN || p->state == P_PREFILLING) && p->waiters &&
                        p->deadline_ns && now >= p->deadline_ns) {
                 prod_state was = p->state;
+                if (was == P_UNKNOWN) unknown_remove_locked(c, p);
                 p->state = P_FAILED;
                 snprintf(p->fail_msg, sizeof p->fail_msg, "%s within %.0f s",
                          was == P_UNKNOWN ? "no request with this transfer_id reached the producer"
@@ -903,20 +966,33 @@ static void *reaper_main(void *arg) {
 
 /* ---- lifecycle ------------------------------------------------------------------------ */
 
+/* A wildcard listen address (or none): every interface. */
+static int is_wildcard_host(const char *h) {
+    return !h || !h[0] || !strcmp(h, "0.0.0.0") || !strcmp(h, "::") || !strcmp(h, "[::]");
+}
+
 static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
     char server[300];
+    const char *secret = c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL;
     if (c->cfg.bootstrap_host[0]) {
         snprintf(server, sizeof server, strchr(c->cfg.bootstrap_host, ':') ? "[%s]:%u" : "%s:%u",
                  c->cfg.bootstrap_host, c->cfg.bootstrap_port);
     } else {
-        int rc = bootstrap_server_start(NULL, c->env.bootstrap_port, &c->bs, err, errlen);
+        /* The embedded bootstrap server listens where the API does (--host):
+         * the proxy and the decoders reach it at the prefill's API host
+         * (docs/security.md "Which interfaces"). */
+        const char *bh = is_wildcard_host(c->listen_host) ? NULL : c->listen_host;
+        int rc =
+            bootstrap_server_start_auth(bh, c->env.bootstrap_port, secret, &c->bs, err, errlen);
         if (rc) return rc;
-        snprintf(server, sizeof server, "127.0.0.1:%u", bootstrap_server_port(c->bs));
-        LOG_I(MOD, "bootstrap server on port %u (VLLM_MOONCAKE_BOOTSTRAP_PORT)",
-              bootstrap_server_port(c->bs));
+        const char *reach = bh ? bh : "127.0.0.1"; /* a wildcard binds 0.0.0.0 */
+        snprintf(server, sizeof server, strchr(reach, ':') ? "[%s]:%u" : "%s:%u", reach,
+                 bootstrap_server_port(c->bs));
+        LOG_I(MOD, "bootstrap server on %s (VLLM_MOONCAKE_BOOTSTRAP_PORT)", server);
     }
-    int rc = side_channel_server_start(strchr(c->host, ':') ? "::" : "0.0.0.0", 0, on_pull, c,
-                                       &c->sc, err, errlen);
+    /* The side channel listens only on the advertised KV host, the address
+     * the bootstrap table gives decoders. */
+    int rc = side_channel_server_start_auth(c->host, 0, secret, on_pull, c, &c->sc, err, errlen);
     if (rc) return rc;
     snprintf(c->sc_addr, sizeof c->sc_addr, strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u",
              c->host, side_channel_server_port(c->sc));
@@ -928,8 +1004,11 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
     bootstrap_retry retry;
     bootstrap_retry_init(&retry, c->env.connector_timeout_s);
     bootstrap_registration reg = {c->cfg.engine_id, 0, 0, 0, c->sc_addr};
-    rc = bootstrap_client_register(server, &reg, &retry, err, errlen);
-    if (rc) return rc;
+    rc = bootstrap_client_register_auth(server, &reg, secret, &retry, err, errlen);
+    if (rc) {
+        if (rc == BOOTSTRAP_EAUTH) LOG_E(MOD, "cannot register with the bootstrap server: %s", err);
+        return rc;
+    }
     LOG_I(MOD, "producer engine %s registered at %s (side channel %s)", c->cfg.engine_id, server,
           c->sc_addr);
     return 0;
@@ -937,8 +1016,14 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
 
 int mooncake_connector_create(const char *json, engine *eng, mooncake_connector **out, char *err,
                               size_t errlen) {
+    return mooncake_connector_create_on(json, NULL, eng, out, err, errlen);
+}
+
+int mooncake_connector_create_on(const char *json, const char *listen_host, engine *eng,
+                                 mooncake_connector **out, char *err, size_t errlen) {
     mooncake_connector *c = calloc(1, sizeof *c);
     if (!c) return -ENOMEM;
+    if (listen_host) snprintf(c->listen_host, sizeof c->listen_host, "%s", listen_host);
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->q_cv, NULL);
@@ -953,7 +1038,13 @@ int mooncake_connector_create(const char *json, engine *eng, mooncake_connector 
     engine_get_kv_region(eng, &c->region);
     transfer_config tc;
     transfer_config_init(&tc);
-    tc.local_hostname = c->env.host_ip[0] ? c->env.host_ip : NULL;
+    /* The KV host (advertised, and where the side channel listens):
+     * VLLM_HOST_IP, else device_name's first interface, else --host when it
+     * names one address, else the first interface that is up. */
+    tc.local_hostname = c->env.host_ip[0] ? c->env.host_ip
+                        : !c->cfg.device_name[0] && !is_wildcard_host(c->listen_host)
+                            ? c->listen_host
+                            : NULL;
     tc.device_name = c->cfg.device_name;
     tc.protocol = c->proto == KV_PROTOCOL_SHM ? TRANSFER_PROTO_SHM : TRANSFER_PROTO_TCP;
     /* Shared secret of the transfer ports (docs/transfer.md, Security); with
@@ -980,6 +1071,16 @@ int mooncake_connector_create(const char *json, engine *eng, mooncake_connector 
     c->st.role = kv_role_name(c->cfg.role);
     c->st.protocol = kv_protocol_name(c->proto);
     c->st.engine_id = c->cfg.engine_id;
+    if (id_table_init(&c->prod_index) != 0) {
+        snprintf(err, errlen, "out of memory");
+        transfer_engine_destroy(c->te);
+        free(c);
+        return -ENOMEM;
+    }
+    if (c->cfg.auth_secret[0])
+        LOG_I(MOD, "KV ports authenticated with the shared secret (%s)",
+              c->cfg.auth_secret_from_env ? "DISAGG_KV_SECRET"
+                                          : "kv_connector_extra_config.auth_secret");
     pthread_create(&c->reaper, NULL, reaper_main, c);
     if (is_producer_role(c) && (rc = start_producer(c, err, errlen)) != 0) {
         mooncake_connector_destroy(c);
@@ -1036,6 +1137,7 @@ void mooncake_connector_destroy(mooncake_connector *c) {
         free(r->blocks);
         free(r);
     }
+    id_table_free(&c->prod_index);
     transfer_engine_destroy(c->te);
     free(c->senders);
     pthread_mutex_destroy(&c->mu);
@@ -1093,5 +1195,30 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
                  "# TYPE disagg:kv_send_seconds summary\n"
                  "disagg:kv_send_seconds_sum %.6f\ndisagg:kv_send_seconds_count %" PRIu64 "\n",
                  s.load_count, s.load_sum_s, s.load_count, s.send_sum_s, s.send_count);
-    return t;
+    /* issue 11 section 3: what the KV ports refused */
+    pthread_mutex_lock(&c->mu);
+    uint64_t evicted = c->pulls_evicted;
+    int unknown = c->n_unknown;
+    pthread_mutex_unlock(&c->mu);
+    uint64_t sc_rej = c->sc ? side_channel_server_auth_rejected(c->sc) : 0;
+    uint64_t bs_rej = c->bs ? bootstrap_server_auth_rejected(c->bs) : 0;
+    char more[1024];
+    snprintf(more, sizeof more,
+             "# HELP disagg:kv_auth_rejected_total Messages refused for authentication "
+             "(auth_secret / DISAGG_KV_SECRET), by port.\n"
+             "# TYPE disagg:kv_auth_rejected_total counter\n"
+             "disagg:kv_auth_rejected_total{port=\"side_channel\"} %" PRIu64 "\n"
+             "disagg:kv_auth_rejected_total{port=\"bootstrap\"} %" PRIu64 "\n"
+             "# HELP disagg:kv_pending_pulls_evicted_total Producer: pulls for unknown "
+             "transfer ids evicted (oldest first) because max_pending_pulls were waiting.\n"
+             "# TYPE disagg:kv_pending_pulls_evicted_total counter\n"
+             "disagg:kv_pending_pulls_evicted_total %" PRIu64 "\n"
+             "# TYPE disagg:kv_pending_unknown_pulls gauge\n"
+             "disagg:kv_pending_unknown_pulls %d\n",
+             sc_rej, bs_rej, evicted, unknown);
+    size_t used = strlen(t), add = strlen(more);
+    char *nt = realloc(t, used + add + 1);
+    if (!nt) return t;
+    memcpy(nt + used, more, add + 1);
+    return nt;
 }

@@ -37,6 +37,12 @@ typedef struct mooncake_connector mooncake_connector;
  * fails with a clear error when it cannot. */
 int mooncake_connector_create(const char *kv_transfer_config_json, engine *eng,
                               mooncake_connector **out, char *err, size_t errlen);
+/* The same for a server listening on listen_host (its --host; NULL, "",
+ * "0.0.0.0" or "::" = all interfaces): the embedded bootstrap server binds
+ * there, and the KV host is listen_host when it names one address and neither
+ * VLLM_HOST_IP nor device_name chooses another (docs/security.md). */
+int mooncake_connector_create_on(const char *kv_transfer_config_json, const char *listen_host,
+                                 engine *eng, mooncake_connector **out, char *err, size_t errlen);
 /* Detaches from the engine: call it before engine_destroy. */
 void mooncake_connector_destroy(mooncake_connector *c);
 

@@ -3,17 +3,20 @@
  * ROUTER server thread, the DEALER client. */
 #include "connector/mooncake/side_channel.h"
 
+#include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -33,6 +36,70 @@ static void *zctx(void) {
     return g_ctx;
 }
 
+/* ---- auth frames (side_channel.h, docs/security.md) ---------------------- */
+
+#define AUTH_TAG       "DKA1"
+#define AUTH_TAG_LEN   4
+#define AUTH_NONCE     16
+#define AUTH_OFF_KIND  4
+#define AUTH_OFF_CTR   5
+#define AUTH_OFF_NONCE 13
+#define AUTH_OFF_MAC   29
+#define SECRET_MAX     256
+_Static_assert(AUTH_OFF_MAC + AUTH_MAC_LEN == SIDE_CHANNEL_AUTH_LEN, "auth frame layout");
+
+static const char PULL_LABEL[] = "disagg-sc-pull-v1";
+static const char REPLY_LABEL[] = "disagg-sc-reply-v1";
+
+static void put_be64(unsigned char *p, uint64_t v) {
+    for (int i = 7; i >= 0; i--, v >>= 8)
+        p[i] = (unsigned char)v;
+}
+static uint64_t get_be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+static uint64_t wall_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* The MAC of an auth frame whose header (kind, counter, nonce) is filled. */
+static int auth_frame_mac(const char *secret, const unsigned char *f, const void *payload,
+                          size_t len, unsigned char mac[AUTH_MAC_LEN]) {
+    const char *label = f[AUTH_OFF_KIND] == 'P' ? PULL_LABEL : REPLY_LABEL;
+    const void *parts[4] = {label, f + AUTH_OFF_CTR, f + AUTH_OFF_NONCE, payload};
+    size_t lens[4] = {strlen(label), 8, AUTH_NONCE, len};
+    return auth_hmacv(secret, strlen(secret), parts, lens, 4, mac);
+}
+
+static int auth_frame_make(const char *secret, char kind, uint64_t ctr,
+                           const unsigned char nonce[AUTH_NONCE], const void *payload, size_t len,
+                           unsigned char out[SIDE_CHANNEL_AUTH_LEN]) {
+    memcpy(out, AUTH_TAG, AUTH_TAG_LEN);
+    out[AUTH_OFF_KIND] = (unsigned char)kind;
+    put_be64(out + AUTH_OFF_CTR, ctr);
+    memcpy(out + AUTH_OFF_NONCE, nonce, AUTH_NONCE);
+    return auth_frame_mac(secret, out, payload, len, out + AUTH_OFF_MAC);
+}
+
+/* A frame that has the shape of an auth frame of the given kind. */
+static int auth_frame_shaped(const void *f, size_t flen, char kind) {
+    const unsigned char *b = f;
+    return flen == SIDE_CHANNEL_AUTH_LEN && memcmp(b, AUTH_TAG, AUTH_TAG_LEN) == 0 &&
+           b[AUTH_OFF_KIND] == (unsigned char)kind;
+}
+
+static int auth_frame_mac_ok(const char *secret, const unsigned char *f, const void *payload,
+                             size_t len) {
+    unsigned char mac[AUTH_MAC_LEN];
+    return auth_frame_mac(secret, f, payload, len, mac) == 0 &&
+           auth_equal(mac, f + AUTH_OFF_MAC, AUTH_MAC_LEN);
+}
+
 /* ---- reply hub ------------------------------------------------------------ */
 
 typedef struct sc_out {
@@ -41,21 +108,26 @@ typedef struct sc_out {
     unsigned char id[MAX_IDENTITY]; /* (id_len) */
     char *data;                     /* (len) encoded reply, malloc'd */
     size_t len;
+    int has_auth;                              /* auth is sent as a second frame */
+    unsigned char auth[SIDE_CHANNEL_AUTH_LEN]; /* the reply's auth frame */
 } sc_out;
 
 typedef struct sc_hub {
-    pthread_mutex_t mu;  /* guards everything below */
-    int refs;            /* the server + every unreleased call */
-    int closed;          /* the server stopped: replies are refused */
-    int pending;         /* calls handed out and not finished */
-    sc_out *head, *tail; /* replies waiting for the server thread */
-    int wake[2];         /* pipe: a byte per queued reply wakes the server thread */
+    pthread_mutex_t mu;      /* guards everything below */
+    int refs;                /* the server + every unreleased call */
+    int closed;              /* the server stopped: replies are refused */
+    int pending;             /* calls handed out and not finished */
+    sc_out *head, *tail;     /* replies waiting for the server thread */
+    int wake[2];             /* pipe: a byte per queued reply wakes the server thread */
+    char secret[SECRET_MAX]; /* shared secret, "" = none (immutable after start) */
 } sc_hub;
 
 struct side_channel_call {
-    sc_hub *hub;                    /* shared with the server */
-    size_t id_len;                  /* routing id of the DEALER */
-    unsigned char id[MAX_IDENTITY]; /* (id_len) */
+    sc_hub *hub;                     /* shared with the server */
+    size_t id_len;                   /* routing id of the DEALER */
+    unsigned char id[MAX_IDENTITY];  /* (id_len) */
+    unsigned char nonce[AUTH_NONCE]; /* the authenticated pull's nonce (secret set) */
+    uint64_t seq;                    /* next reply's sequence number (under hub->mu) */
 };
 
 static void hub_unref_locked_and_unlock(sc_hub *h) {
@@ -81,6 +153,12 @@ int side_channel_call_reply(side_channel_call *call, const side_channel_reply *r
     sc_hub *h = call->hub;
     pthread_mutex_lock(&h->mu);
     if (rc == 0 && h->closed) rc = SIDE_CHANNEL_ECLOSED;
+    if (rc == 0 && h->secret[0]) { /* MAC'd in queue order: seq matches the wire order */
+        if (auth_frame_make(h->secret, 'R', call->seq, call->nonce, o->data, o->len, o->auth) == 0)
+            o->has_auth = 1, call->seq++;
+        else
+            rc = SIDE_CHANNEL_EIO;
+    }
     if (rc == 0) {
         o->id_len = call->id_len;
         memcpy(o->id, call->id, call->id_len);
@@ -117,19 +195,23 @@ void side_channel_pull_release(side_channel_pull *pull) {
 /* ---- server ---------------------------------------------------------------- */
 
 struct side_channel_server {
-    void *router;            /* ZMQ_ROUTER, used only by the thread once started */
-    uint16_t port;           /* bound port */
-    side_channel_pull_fn fn; /* the producer's handler */
-    void *ud;                /* its argument */
-    sc_hub *hub;             /* replies from any thread */
-    atomic_int stop;         /* set by stop() */
-    pthread_t thread;        /* the loop */
+    void *router;                       /* ZMQ_ROUTER, used only by the thread once started */
+    uint16_t port;                      /* bound port */
+    side_channel_pull_fn fn;            /* the producer's handler */
+    void *ud;                           /* its argument */
+    sc_hub *hub;                        /* replies from any thread */
+    atomic_int stop;                    /* set by stop() */
+    pthread_t thread;                   /* the loop */
+    atomic_uint_fast64_t auth_rejected; /* pulls refused for authentication */
+    uint64_t auth_logged_ns;            /* last rejection log line (server thread only) */
+    uint64_t auth_unlogged;             /* rejections since that line */
 };
 
 static void send_frames(void *router, const unsigned char *id, size_t id_len, const void *data,
-                        size_t len) {
+                        size_t len, const unsigned char *auth) {
     if (zmq_send(router, id, id_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-        zmq_send(router, data, len, ZMQ_DONTWAIT) < 0)
+        zmq_send(router, data, len, ZMQ_DONTWAIT | (auth ? ZMQ_SNDMORE : 0)) < 0 ||
+        (auth && zmq_send(router, auth, SIDE_CHANNEL_AUTH_LEN, ZMQ_DONTWAIT) < 0))
         LOG_W(MOD, "dropping a reply: %s", zmq_strerror(zmq_errno()));
 }
 
@@ -138,7 +220,7 @@ static void send_error(void *router, const unsigned char *id, size_t id_len, con
     char *buf;
     size_t len;
     if (side_channel_reply_encode(&r, &buf, &len) == 0) {
-        send_frames(router, id, id_len, buf, len);
+        send_frames(router, id, id_len, buf, len, NULL);
         free(buf);
     }
 }
@@ -150,11 +232,65 @@ static void flush_replies(side_channel_server *s) {
     pthread_mutex_unlock(&s->hub->mu);
     while (o) {
         sc_out *n = o->next;
-        send_frames(s->router, o->id, o->id_len, o->data, o->len);
+        send_frames(s->router, o->id, o->id_len, o->data, o->len, o->has_auth ? o->auth : NULL);
         free(o->data);
         free(o);
         o = n;
     }
+}
+
+/* Refuse a pull for authentication: count it, answer ERROR (unauthenticated:
+ * the peer may not share the secret), log at most one line per 10 s. */
+static void auth_refuse(side_channel_server *s, const unsigned char *id, size_t id_len,
+                        const char *why) {
+    atomic_fetch_add(&s->auth_rejected, 1);
+    s->auth_unlogged++;
+    uint64_t now = clock_now_ns();
+    if (!s->auth_logged_ns || now - s->auth_logged_ns >= 10 * NS_PER_S) {
+        LOG_W(MOD, "refusing %" PRIu64 " side-channel pull(s) (%" PRIu64 " in all): %s",
+              s->auth_unlogged, (uint64_t)atomic_load(&s->auth_rejected), why);
+        s->auth_logged_ns = now;
+        s->auth_unlogged = 0;
+    }
+    send_error(s->router, id, id_len, why);
+}
+
+/* With a secret: NULL when the pull's auth frame is valid, else why not.
+ * Without one: NULL unless the peer sent an auth frame. */
+static const char *auth_check_pull(side_channel_server *s, int frames, zmq_msg_t *payload,
+                                   zmq_msg_t *af, char *buf, size_t cap, unsigned char *nonce) {
+    const char *secret = s->hub->secret;
+    int shaped = frames == 2 && auth_frame_shaped(zmq_msg_data(af), zmq_msg_size(af), 'P');
+    if (!secret[0])
+        return shaped ? "the pull carries an authentication frame but this producer has no "
+                        "auth_secret: set the same secret (kv_connector_extra_config.auth_secret "
+                        "or DISAGG_KV_SECRET) on both sides, or on neither"
+                      : NULL;
+    if (frames == 1)
+        return "unauthenticated pull refused: this producer requires the shared secret "
+               "(kv_connector_extra_config.auth_secret or DISAGG_KV_SECRET) and the pull "
+               "carried no authentication frame";
+    if (!shaped) {
+        snprintf(buf, cap,
+                 "pull refused: expected the pull and a %d-byte authentication frame, got %d "
+                 "frame(s)",
+                 SIDE_CHANNEL_AUTH_LEN, frames);
+        return buf;
+    }
+    const unsigned char *f = zmq_msg_data(af);
+    int64_t skew = (int64_t)(wall_ms() - get_be64(f + AUTH_OFF_CTR));
+    if (skew > SIDE_CHANNEL_AUTH_SKEW_S * 1000LL || skew < -SIDE_CHANNEL_AUTH_SKEW_S * 1000LL) {
+        snprintf(buf, cap,
+                 "pull refused: its timestamp is %.0f s off this producer's clock (accepted: "
+                 "within %d s; are the hosts' clocks synchronized?)",
+                 (double)skew / 1000.0, SIDE_CHANNEL_AUTH_SKEW_S);
+        return buf;
+    }
+    if (!auth_frame_mac_ok(secret, f, zmq_msg_data(payload), zmq_msg_size(payload)))
+        return "pull authentication failed: the MAC does not match (the decoder's auth_secret "
+               "differs from this producer's)";
+    memcpy(nonce, f + AUTH_OFF_NONCE, AUTH_NONCE);
+    return NULL;
 }
 
 /* Receive one whole multipart message if there is one; 0 = nothing waiting. */
@@ -166,20 +302,29 @@ static int handle_incoming(side_channel_server *s) {
         return 0;
     }
     int frames = 0, more = zmq_msg_more(&id);
-    zmq_msg_t payload;
+    zmq_msg_t payload, af;
     zmq_msg_init(&payload);
+    zmq_msg_init(&af);
     while (more) {
         zmq_msg_init(&part);
         int got = zmq_msg_recv(&part, s->router, 0) >= 0;
         more = got && zmq_msg_more(&part);
         if (got && ++frames == 1) zmq_msg_copy(&payload, &part);
+        if (got && frames == 2) zmq_msg_copy(&af, &part);
         zmq_msg_close(&part);
         if (!got) break;
     }
     size_t id_len = zmq_msg_size(&id);
     if (id_len > MAX_IDENTITY) id_len = MAX_IDENTITY;
     const unsigned char *idp = zmq_msg_data(&id);
-    if (frames != 1) {
+    char why_buf[256];
+    unsigned char nonce[AUTH_NONCE] = {0};
+    const char *why =
+        frames >= 1 ? auth_check_pull(s, frames, &payload, &af, why_buf, sizeof why_buf, nonce)
+                    : NULL;
+    if (why) {
+        auth_refuse(s, idp, id_len, why);
+    } else if (frames != (s->hub->secret[0] ? 2 : 1)) {
         char msg[128];
         snprintf(msg, sizeof msg, "side-channel pull: expected one frame, got %d", frames);
         LOG_W(MOD, "%s", msg);
@@ -201,6 +346,7 @@ static int handle_incoming(side_channel_server *s) {
             call->hub = s->hub;
             call->id_len = id_len;
             memcpy(call->id, idp, id_len);
+            memcpy(call->nonce, nonce, AUTH_NONCE);
             pthread_mutex_lock(&s->hub->mu);
             s->hub->refs++;
             s->hub->pending++;
@@ -209,6 +355,7 @@ static int handle_incoming(side_channel_server *s) {
         }
     }
     zmq_msg_close(&payload);
+    zmq_msg_close(&af);
     zmq_msg_close(&id);
     return 1;
 }
@@ -238,9 +385,19 @@ static void *server_main(void *arg) {
 
 int side_channel_server_start(const char *bind_host, uint16_t port, side_channel_pull_fn fn,
                               void *ud, side_channel_server **out, char *err, size_t err_cap) {
+    return side_channel_server_start_auth(bind_host, port, NULL, fn, ud, out, err, err_cap);
+}
+
+int side_channel_server_start_auth(const char *bind_host, uint16_t port, const char *secret,
+                                   side_channel_pull_fn fn, void *ud, side_channel_server **out,
+                                   char *err, size_t err_cap) {
     *out = NULL;
     if (!fn) {
         snprintf(err, err_cap, "side channel: a pull handler is required");
+        return SIDE_CHANNEL_EINVAL;
+    }
+    if (secret && strlen(secret) >= SECRET_MAX) {
+        snprintf(err, err_cap, "side channel: the secret is longer than %d bytes", SECRET_MAX - 1);
         return SIDE_CHANNEL_EINVAL;
     }
     if (!bind_host || !bind_host[0]) bind_host = "0.0.0.0";
@@ -255,6 +412,7 @@ int side_channel_server_start(const char *bind_host, uint16_t port, side_channel
     s->ud = ud;
     s->hub = h;
     h->refs = 1;
+    if (secret) snprintf(h->secret, sizeof h->secret, "%s", secret);
     pthread_mutex_init(&h->mu, NULL);
     if (pipe2(h->wake, O_NONBLOCK | O_CLOEXEC) != 0) {
         snprintf(err, err_cap, "side channel: pipe: %s", strerror(errno));
@@ -287,7 +445,8 @@ int side_channel_server_start(const char *bind_host, uint16_t port, side_channel
         errno = rc;
         goto zfail;
     }
-    LOG_I(MOD, "side channel ROUTER bound on %s", last);
+    LOG_I(MOD, "side channel ROUTER bound on %s (%s)", last,
+          h->secret[0] ? "pulls authenticated with the shared secret" : "no authentication");
     *out = s;
     return 0;
 zfail:
@@ -302,6 +461,10 @@ zfail:
 
 uint16_t side_channel_server_port(const side_channel_server *s) {
     return s->port;
+}
+
+uint64_t side_channel_server_auth_rejected(side_channel_server *s) {
+    return (uint64_t)atomic_load(&s->auth_rejected);
 }
 
 int side_channel_server_pending(side_channel_server *s) {
@@ -337,12 +500,81 @@ void side_channel_server_stop(side_channel_server *s) {
 int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
                           double recv_timeout_s, const atomic_int *cancel, side_channel_reply_fn fn,
                           void *ud, char *err, size_t err_cap) {
+    return side_channel_pull_run_auth(endpoint, pull, NULL, recv_timeout_s, cancel, fn, ud, err,
+                                      err_cap);
+}
+
+/* With a secret: 0 when reply frame m (and auth frame a, when has_a) is
+ * authenticated as reply number seq of the pull with this nonce; else
+ * SIDE_CHANNEL_EAUTH with the cause in err.  Without one: refuses an auth
+ * frame (the producer expects a secret we do not have). */
+static int auth_check_reply(const char *secret, const char *endpoint, zmq_msg_t *m, zmq_msg_t *a,
+                            int has_a, uint64_t seq, const unsigned char *nonce, char *err,
+                            size_t cap) {
+    if (!secret) {
+        if (!has_a) return 0;
+        snprintf(err, cap,
+                 "side channel: the reply from %s carries an authentication frame but this "
+                 "decoder has no auth_secret: set the same secret "
+                 "(kv_connector_extra_config.auth_secret or DISAGG_KV_SECRET) on both sides, or "
+                 "on neither",
+                 endpoint);
+        return SIDE_CHANNEL_EAUTH;
+    }
+    if (!has_a) {
+        /* An unauthenticated ERROR is still worth showing (the producer's own
+         * words, e.g. that it wants a secret); nothing else of it is used. */
+        side_channel_reply r;
+        char derr[64];
+        int decoded =
+            side_channel_reply_decode(zmq_msg_data(m), zmq_msg_size(m), &r, derr, sizeof derr) == 0;
+        if (decoded && r.status == SIDE_CHANNEL_ERROR && r.err_msg)
+            snprintf(err, cap,
+                     "side channel: the producer at %s refused the pull (unauthenticated "
+                     "reply): %.300s",
+                     endpoint, r.err_msg);
+        else
+            snprintf(err, cap,
+                     "side channel: the reply from %s is not authenticated (no authentication "
+                     "frame): the producer has no auth_secret; set the same secret on both sides, "
+                     "or on neither",
+                     endpoint);
+        if (decoded) side_channel_reply_free(&r);
+        return SIDE_CHANNEL_EAUTH;
+    }
+    const unsigned char *f = zmq_msg_data(a);
+    if (!auth_frame_shaped(f, zmq_msg_size(a), 'R') ||
+        memcmp(f + AUTH_OFF_NONCE, nonce, AUTH_NONCE) != 0 || get_be64(f + AUTH_OFF_CTR) != seq ||
+        !auth_frame_mac_ok(secret, f, zmq_msg_data(m), zmq_msg_size(m))) {
+        snprintf(err, cap,
+                 "side channel: the reply from %s failed authentication (a MAC that does not "
+                 "match this pull: the producer's auth_secret differs, or the reply is forged or "
+                 "replayed)",
+                 endpoint);
+        return SIDE_CHANNEL_EAUTH;
+    }
+    return 0;
+}
+
+int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pull,
+                               const char *secret, double recv_timeout_s, const atomic_int *cancel,
+                               side_channel_reply_fn fn, void *ud, char *err, size_t err_cap) {
     char *buf = NULL;
     size_t len = 0;
+    if (secret && !secret[0]) secret = NULL;
     int rc = side_channel_pull_encode(pull, &buf, &len);
     if (rc) {
         snprintf(err, err_cap, "side channel: cannot encode the pull (out of memory)");
         return rc;
+    }
+    unsigned char af[SIDE_CHANNEL_AUTH_LEN], nonce[AUTH_NONCE];
+    uint64_t seq = 0;
+    if (secret && (auth_random(nonce, sizeof nonce) != 0 ||
+                   auth_frame_make(secret, 'P', wall_ms(), nonce, buf, len, af) != 0)) {
+        free(buf);
+        snprintf(err, err_cap,
+                 "side channel: cannot authenticate the pull (no randomness or HMAC)");
+        return SIDE_CHANNEL_EIO;
     }
     void *d = zmq_socket(zctx(), ZMQ_DEALER);
     if (!d) {
@@ -378,7 +610,8 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
         rc = SIDE_CHANNEL_EINVAL;
         goto out;
     }
-    if (zmq_send(d, buf, len, 0) < 0) {
+    if (zmq_send(d, buf, len, secret ? ZMQ_SNDMORE : 0) < 0 ||
+        (secret && zmq_send(d, af, sizeof af, 0) < 0)) {
         snprintf(err, err_cap, "side channel: sending the pull to %s: %s", endpoint,
                  zmq_strerror(zmq_errno()));
         rc = SIDE_CHANNEL_EIO;
@@ -438,13 +671,31 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
             zmq_msg_close(&m);
             continue;
         }
-        int more = zmq_msg_more(&m);
+        int more = zmq_msg_more(&m), has_a = 0, extra = 0;
+        zmq_msg_t a;
+        zmq_msg_init(&a);
+        if (more) { /* the auth frame, then nothing else */
+            has_a = zmq_msg_recv(&a, d, 0) >= 0;
+            for (more = has_a && zmq_msg_more(&a); more; extra++) {
+                zmq_msg_t x;
+                zmq_msg_init(&x);
+                more = zmq_msg_recv(&x, d, 0) >= 0 && zmq_msg_more(&x);
+                zmq_msg_close(&x);
+            }
+        }
         side_channel_reply r;
         char derr[512];
-        rc = more ? (snprintf(derr, sizeof derr, "a multi-frame reply"), SIDE_CHANNEL_EINVAL)
-                  : side_channel_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &r, derr,
-                                              sizeof derr);
+        rc = extra || (has_a && !secret &&
+                       !auth_frame_shaped(zmq_msg_data(&a), zmq_msg_size(&a), 'R'))
+                 ? (snprintf(derr, sizeof derr, "a multi-frame reply"), SIDE_CHANNEL_EINVAL)
+                 : auth_check_reply(secret, endpoint, &m, &a, has_a, seq, nonce, err, err_cap);
+        if (rc == 0)
+            rc = side_channel_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &r, derr,
+                                           sizeof derr);
+        zmq_msg_close(&a);
         zmq_msg_close(&m);
+        if (rc == SIDE_CHANNEL_EAUTH) break;
+        seq++;
         if (rc) {
             snprintf(err, err_cap, "side channel: bad reply from %s: %s", endpoint, derr);
             break;

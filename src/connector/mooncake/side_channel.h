@@ -13,6 +13,20 @@
  * Consumer (D): side_channel_pull_run() opens a DEALER, sends one pull and
  * reads single-frame replies until FINISH or ERROR, each within the receive
  * timeout (vLLM: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s).
+ *
+ * Authentication (docs/security.md, issue 11 section 3): with a shared secret
+ * every message gets a second ZeroMQ frame, the auth frame
+ * (SIDE_CHANNEL_AUTH_LEN bytes):
+ *   pull  D->P: "DKA1" 'P' ts_ms(u64 BE, wall clock) nonce(16) mac(32)
+ *               mac = HMAC-SHA256(secret, "disagg-sc-pull-v1" ts nonce payload)
+ *   reply P->D: "DKA1" 'R' seq(u64 BE, 0,1,2.. per pull) nonce(16, the pull's) mac(32)
+ *               mac = HMAC-SHA256(secret, "disagg-sc-reply-v1" seq nonce payload)
+ * A producer with a secret drops (answers ERROR, counts, logs rate-limited)
+ * any pull without a valid frame, and one whose ts is more than
+ * SIDE_CHANNEL_AUTH_SKEW_S off its clock; a consumer with a secret accepts
+ * only replies MAC'd for its own pull, in sequence.  Without a secret on both
+ * sides the wire is exactly vLLM's (one frame); a secret on one side only is
+ * refused with a message naming the cause on both sides.
  */
 #ifndef DISAGG_CONNECTOR_MOONCAKE_SIDE_CHANNEL_H
 #define DISAGG_CONNECTOR_MOONCAKE_SIDE_CHANNEL_H
@@ -26,6 +40,10 @@
 #define SIDE_CHANNEL_ECLOSED   (-32)  /* the server stopped (EPIPE) */
 #define SIDE_CHANNEL_ECANCELED (-125) /* the caller's cancel flag was raised */
 #define SIDE_CHANNEL_EIO       (-5)   /* ZeroMQ failure */
+#define SIDE_CHANNEL_EAUTH     (-13)  /* a reply failed authentication (EACCES) */
+
+#define SIDE_CHANNEL_AUTH_LEN    61 /* bytes of the auth frame */
+#define SIDE_CHANNEL_AUTH_SKEW_S 60 /* accepted |pull ts - producer clock| */
 
 typedef struct side_channel_server side_channel_server; /* opaque */
 typedef struct side_channel_call side_channel_call;     /* one pull awaiting replies */
@@ -35,10 +53,18 @@ typedef struct side_channel_call side_channel_call;     /* one pull awaiting rep
  * (released by its final reply).  Must not block. */
 typedef void (*side_channel_pull_fn)(void *ud, side_channel_call *call, side_channel_pull *pull);
 
-/* Bind a ROUTER on tcp://bind_host:port (port 0 = ephemeral) and start the
- * server thread.  Returns 0 or a negative code with a message in err. */
+/* Bind a ROUTER on tcp://bind_host:port (port 0 = ephemeral; bind_host NULL/""
+ * = all interfaces) and start the server thread.  Returns 0 or a negative code
+ * with a message in err.  The _auth form takes the shared secret (NULL/"" =
+ * none: vLLM's wire, unauthenticated). */
 int side_channel_server_start(const char *bind_host, uint16_t port, side_channel_pull_fn fn,
                               void *ud, side_channel_server **out, char *err, size_t err_cap);
+int side_channel_server_start_auth(const char *bind_host, uint16_t port, const char *secret,
+                                   side_channel_pull_fn fn, void *ud, side_channel_server **out,
+                                   char *err, size_t err_cap);
+/* Pulls refused before reaching the handler because of authentication (no or
+ * a bad auth frame, a stale timestamp, or an auth frame with no secret here). */
+uint64_t side_channel_server_auth_rejected(side_channel_server *s);
 uint16_t side_channel_server_port(const side_channel_server *s);
 /* Stop the thread and close the socket.  Calls still held by the handler stay
  * valid: replying to them returns SIDE_CHANNEL_ECLOSED (a final reply still
@@ -68,5 +94,11 @@ typedef int (*side_channel_reply_fn)(void *ud, const side_channel_reply *r);
 int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
                           double recv_timeout_s, const atomic_int *cancel, side_channel_reply_fn fn,
                           void *ud, char *err, size_t err_cap);
+/* The same with the shared secret (NULL/"" = none).  With one, a reply that
+ * is not authenticated for this pull ends it with SIDE_CHANNEL_EAUTH and a
+ * message naming the cause (and the producer's own words when it refused). */
+int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pull,
+                               const char *secret, double recv_timeout_s, const atomic_int *cancel,
+                               side_channel_reply_fn fn, void *ud, char *err, size_t err_cap);
 
 #endif
