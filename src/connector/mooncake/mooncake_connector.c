@@ -1047,9 +1047,9 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
                             : NULL;
     tc.device_name = c->cfg.device_name;
     tc.protocol = c->proto == KV_PROTOCOL_SHM ? TRANSFER_PROTO_SHM : TRANSFER_PROTO_TCP;
-    /* Shared secret of the transfer ports (docs/transfer.md, Security); with
-     * kv_transfer_config's auth_secret key: that value, else this. */
-    tc.auth_secret = auth_secret_resolve(NULL);
+    /* Shared secret of the transfer ports (docs/transfer.md, Security): the
+     * auth_secret key, else $DISAGG_KV_SECRET (resolved by the config). */
+    tc.auth_secret = c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL;
     rc = transfer_engine_create(&tc, &c->te);
     if (rc) {
         snprintf(err, errlen, "cannot start the transfer engine (device_name '%s'): %s",
