@@ -1,15 +1,19 @@
 """The connector's transfer engine with a shared secret ($DISAGG_KV_SECRET;
 docs/transfer.md, Security): a P/D pair with the same secret moves its KV over
-authenticated transfer ports and D's output equals the colocated one; a pair
-whose secrets differ moves no KV byte, says why in P's log, and the request
-still ends (no hang)."""
+authenticated transfer ports and D's output equals the colocated one, while
+P's and D's transfer segments refuse a `disagg transfer copy` without the
+secret or with another; a pair whose secrets differ moves no KV byte, says
+why, and the request still ends (no hang)."""
 import concurrent.futures as cf
 import json
+import re
+import subprocess
 import uuid
 
 import pytest
 import requests
 
+from conftest import child_env
 from server_harness import DATA, Server, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,7 +61,7 @@ def prompt():
     return [c for c in GREEDY["prompts"] if c["kind"] == "text"][0]["prompt"] * 3
 
 
-def test_same_secret_moves_kv():
+def test_same_secret_moves_kv(disagg_bin):
     p, d, boot = start_pair("pd-secret", "pd-secret")
     try:
         body, rp, rd = pd_request(p, d, boot, prompt())
@@ -66,6 +70,19 @@ def test_same_secret_moves_kv():
         assert rd.json()["choices"][0]["text"] == colocated["choices"][0]["text"]
         assert p.metric("disagg:kv_transfer_bytes_total") > 0
         assert "refused handshake" not in p.logs() + d.logs()
+        # The connector gave its transfer engine the secret: its segments
+        # refuse initiators without it, or with another.
+        for srv in (p, d):
+            seg = re.search(r"transfer segment (\S+),", srv.logs()).group(1)
+            for secret, why in ((None, "authentication required"), ("wrong", "does not verify")):
+                env = child_env()
+                env.pop("DISAGG_KV_SECRET", None)
+                if secret:
+                    env["DISAGG_KV_SECRET"] = secret
+                r = subprocess.run([disagg_bin, "transfer", "copy", "--target", seg, "--op", "read",
+                                    "--remote-addr", "4096", "--length", "8", "--protocol", "tcp"],
+                                   capture_output=True, timeout=60, env=env)
+                assert r.returncode == 1 and why in r.stderr.decode(), r.stderr.decode()
     finally:
         rd_, rp_ = d.stop(), p.stop()
     assert rd_ == 0 and rp_ == 0
@@ -79,11 +96,12 @@ def test_different_secrets_move_no_kv():
         # D either fails the request or recomputes it (kv_load_failure_policy);
         # either way no KV byte moved and the refusal is named.
         assert rd.status_code in (200, 500, 502, 503), rd.text
+        # Whichever port refuses first (side channel or transfer engine) names it.
         if rd.status_code != 200:
-            assert "peer authentication failed" in rd.text, rd.text
+            assert "authentication failed" in rd.text or "auth_secret differs" in rd.text, rd.text
         assert p.metric("disagg:kv_transfer_bytes_total") == 0
         logs = p.logs() + d.logs()
-        assert "failed authentication" in logs or "refused handshake" in logs, logs[-4000:]
+        assert re.search(r"auth_secret|authentication failed", logs), logs[-4000:]
     finally:
         d.stop()
         p.stop()
