@@ -127,6 +127,24 @@ def completion_ids(r):
     return [int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]], c["text"], c["finish_reason"]
 
 
+def assert_kv_pulled(usage):
+    """D's usage (docs/server.md, usage.kv_transfer): every prompt token not in D's own prefix
+    cache had its KV sent by P, and D ran only the last prompt token (for its logits) — a D that
+    silently recomputed the prompt gives the same text but fails this."""
+    kv = usage["kv_transfer"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert kv["received_prompt_tokens"] == usage["prompt_tokens"] - cached > 0, usage
+    assert kv["computed_prompt_tokens"] == 1, usage
+
+
+def assert_prefilled(usage):
+    """P's usage: it computed the prompt (less its prefix-cache hits) and received nothing."""
+    kv = usage["kv_transfer"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert kv["received_prompt_tokens"] == 0, usage
+    assert kv["computed_prompt_tokens"] == usage["prompt_tokens"] - cached > 0, usage
+
+
 BODY = {"model": "tiny", "max_tokens": 24, "temperature": 0, "logprobs": 0,
         "return_tokens_as_token_ids": True}
 
@@ -140,6 +158,8 @@ def test_pd_greedy_equals_colocated(pd, colocated, prompt):
     assert pr.json()["kv_transfer_params"] is None
     assert len(pr.json()["choices"][0]["logprobs"]["tokens"]) == 1
     assert completion_ids(dr) == ref
+    assert_prefilled(pr.json()["usage"])
+    assert_kv_pulled(dr.json()["usage"])
 
 
 def test_pd_seeded_sampling_equals_colocated(pd, colocated):
@@ -147,6 +167,7 @@ def test_pd_seeded_sampling_equals_colocated(pd, colocated):
     ref = completion_ids(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
     _, dr = pd.send(body)
     assert completion_ids(dr) == ref
+    assert_kv_pulled(dr.json()["usage"])
 
 
 def test_pd_chat_streaming_equals_colocated(pd, colocated):
@@ -156,13 +177,15 @@ def test_pd_chat_streaming_equals_colocated(pd, colocated):
     sbody = dict(body, stream=True, stream_options={"include_usage": True})
     pr, dr = pd.send(sbody, endpoint="/v1/chat/completions")
     assert pr.status_code == 200 and dr.status_code == 200, (pr.text, dr.text)
-    text = ""
+    text, usage = "", None
     for line in dr.text.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
             ev = json.loads(line[6:])
             for ch in ev.get("choices", []):
                 text += ch.get("delta", {}).get("content") or ""
+            usage = ev.get("usage") or usage
     assert text == ref["choices"][0]["message"]["content"]
+    assert_kv_pulled(usage)
     assert dr.text.rstrip().endswith("data: [DONE]")
 
 
@@ -177,6 +200,7 @@ def test_pd_shared_prefixes_and_concurrency(pd, colocated):
     for (pr, dr), ref in zip(outs, refs):
         assert pr.status_code == 200, pr.text
         assert completion_ids(dr) == ref
+        assert_kv_pulled(dr.json()["usage"])  # each request's own KV, even with shared prefixes
     wait_blocks_zero(pd.p)
     wait_blocks_zero(pd.d)
     m = pd.p.metrics()
@@ -198,6 +222,7 @@ def test_pull_before_prefill_waits(pd, colocated):
         pr = requests.post(pd.p.url + "/v1/completions", json=pb, timeout=TIMEOUT)
         assert pr.status_code == 200
         assert completion_ids(fd.result()) == ref
+        assert_kv_pulled(fd.result().json()["usage"])
 
 
 def test_bad_kv_transfer_params_rejected(pd):
@@ -215,7 +240,9 @@ def test_requests_without_params_are_colocated(pd, colocated):
     body = dict(BODY, prompt=corpus_prompts()[2])
     ref = completion_ids(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
     for s in (pd.p, pd.d):
-        assert completion_ids(requests.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)) == ref
+        r = requests.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert completion_ids(r) == ref
+        assert "kv_transfer" not in r.json()["usage"]  # a colocated request: no P/D accounting
 
 
 # ---- deadlines and failures, each with its own small instances -------------------------------
@@ -288,6 +315,10 @@ def test_producer_killed(policy, colocated):
         assert time.time() - t0 < 70
         if policy == "recompute":
             assert completion_ids(r) == ref
+            u = r.json()["usage"]  # nothing came over the wire: D computed the prompt itself
+            assert u["kv_transfer"]["received_prompt_tokens"] == 0, u
+            assert u["kv_transfer"]["computed_prompt_tokens"] == \
+                u["prompt_tokens"] - (u["prompt_tokens_details"] or {}).get("cached_tokens", 0), u
         else:
             assert r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error", r.text
         wait_blocks_zero(x.d)

@@ -13,7 +13,7 @@ import requests
 
 from proxy_fixtures import ProxyProc
 from server_harness import BIN, MODEL, Server, free_port
-from test_pd import COMMON, consumer_config, producer_config, wait_blocks_zero
+from test_pd import COMMON, assert_kv_pulled, consumer_config, producer_config, wait_blocks_zero
 
 TIMEOUT = 120
 
@@ -69,9 +69,11 @@ def test_completions_through_proxy_equal_colocated(stack, colocated, prompt):
     want = client(colocated.url).completions.create(**kw).choices[0].text
     got = client(px.url).completions.create(**kw)
     assert got.choices[0].text == want
-    streamed = "".join(c.choices[0].text for c in client(px.url).completions.create(stream=True, **kw)
-                       if c.choices)
+    assert_kv_pulled(got.usage.model_dump())  # D's KV came from P, D did not recompute it
+    chunks = list(client(px.url).completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == want
+    assert_kv_pulled(chunks[-1].usage.model_dump())
 
 
 def test_chat_through_proxy_equal_colocated(stack, colocated):
