@@ -99,8 +99,13 @@ def test_kv_really_moved_and_blocks_return(stack):
     wait_blocks_zero(d)
 
 
+ABORTED = 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}'
+
+
 def test_client_cancel_mid_stream_frees_decoder_blocks(stack):
     p, d, px = stack
+    aborted_before = d.metrics().get(ABORTED, 0)
+    gen_before = d.metric("vllm:generation_tokens_total")
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 900, "ignore_eos": True, "stream": True,
             "temperature": 0}
     r = requests.post(px.url + "/v1/completions", json=body, stream=True, timeout=TIMEOUT)
@@ -114,6 +119,9 @@ def test_client_cancel_mid_stream_frees_decoder_blocks(stack):
     r.close()  # the client goes away mid-stream
     wait_blocks_zero(d, timeout=20)
     wait_blocks_zero(p.server, timeout=20)
+    # the proxy cancelled D's request: aborted there, not run to its 900 tokens
+    assert d.metrics().get(ABORTED, 0) == aborted_before + 1
+    assert d.metric("vllm:generation_tokens_total") - gen_before < 900
 
 
 def test_two_prefills_two_decodes_both_policies(colocated):
