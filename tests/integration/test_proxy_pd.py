@@ -81,7 +81,9 @@ def test_chat_through_proxy_equal_colocated(stack, colocated):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell the Congress about trade."}],
               max_tokens=24, temperature=0)
     want = client(colocated.url).chat.completions.create(**kw).choices[0].message.content
-    assert client(px.url).chat.completions.create(**kw).choices[0].message.content == want
+    got = client(px.url).chat.completions.create(**kw)
+    assert got.choices[0].message.content == want
+    assert_kv_pulled(got.usage.model_dump())
     parts = []
     for c in client(px.url).chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         if c.choices and c.choices[0].delta.content:
@@ -91,10 +93,14 @@ def test_chat_through_proxy_equal_colocated(stack, colocated):
 
 def test_kv_really_moved_and_blocks_return(stack):
     p, d, px = stack
-    client(px.url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0)
-    m = p.server.metrics()
-    assert m.get('disagg:kv_transfers_total{side="producer",result="ok"}', 0) >= 1
-    assert m.get("disagg:kv_transfer_bytes_total", 0) > 0
+    ok = 'disagg:kv_transfers_total{side="producer",result="ok"}'
+    m0 = p.server.metrics()
+    got = client(px.url).completions.create(model="tiny", prompt=PROMPTS[1] + " again", max_tokens=4,
+                                            temperature=0)
+    assert_kv_pulled(got.usage.model_dump())
+    m = p.server.metrics()  # this request's transfer, not an earlier test's
+    assert m.get(ok, 0) == m0.get(ok, 0) + 1
+    assert m.get("disagg:kv_transfer_bytes_total", 0) > m0.get("disagg:kv_transfer_bytes_total", 0)
     wait_blocks_zero(p.server)
     wait_blocks_zero(d)
 
@@ -135,7 +141,9 @@ def test_two_prefills_two_decodes_both_policies(colocated):
                 for i in range(8):
                     kw = dict(model="tiny", prompt=f"{PROMPTS[0]} number {i}", max_tokens=8, temperature=0)
                     want = client(colocated.url).completions.create(**kw).choices[0].text
-                    assert client(px.url).completions.create(**kw).choices[0].text == want
+                    got = client(px.url).completions.create(**kw)
+                    assert got.choices[0].text == want
+                    assert_kv_pulled(got.usage.model_dump())
             finally:
                 px.proc.terminate()
                 px.proc.wait(10)
