@@ -44,9 +44,10 @@ typedef struct ereq {
     int loading;       /* consumer: start_load() sent, load_done() not yet */
     int needs_park;    /* consumer: waiting for blocks to park with */
     int zombie;        /* finished to the client, blocks wait for load_done() */
-    int n_kv_received;     /* prompt tokens whose KV came from the producer */
-    int n_prompt_computed; /* prompt tokens run through the model here */
     struct ereq *next; /* inbox or live list */
+
+    int n_kv_received;     /* usage: prompt tokens whose KV came from the producer */
+    int n_prompt_computed; /* usage: prompt tokens run through the model here */
 } ereq;
 
 typedef struct kept_blocks { /* blocks held outside any request */
@@ -498,7 +499,8 @@ static void handle_note(engine *e, const kv_note *n) {
         return;
     }
     if (n->ok) {
-        r->n_kv_received = r->s.n_prompt - r->s.n_cached; /* the blocks start_load() asked for */
+        /* the KV start_load() asked for: the prompt less the local prefix-cache hits */
+        r->n_kv_received = r->s.n_prompt - r->s.n_cached;
         sched_unpark(&e->sched, &r->s, r->s.n_prompt - 1); /* recompute the last prompt token */
     } else if (n->recompute) {
         LOG_W(MOD,
@@ -685,9 +687,9 @@ static void run_step(engine *e) {
         const sched_item *it = &pl->items[i];
         ereq *r = it->s->owner;
         if (it->start < r->s.n_prompt) {
-            int np = (it->start + it->count < r->s.n_prompt ? it->start + it->count
-                                                            : r->s.n_prompt) -
-                     it->start;
+            int np =
+                (it->start + it->count < r->s.n_prompt ? it->start + it->count : r->s.n_prompt) -
+                it->start;
             prompt += (uint64_t)np;
             r->n_prompt_computed += np;
         }

@@ -28,7 +28,7 @@ typedef struct gen_event {
     int32_t stop_token;                  /* FINISHED: eos/stop id or -1 */
     char *error;                         /* FINISHED with "error" */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
-    int kv_role, n_kv_received, n_prompt_computed; /* FINISHED: P/D accounting */
+    int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
     engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
 } gen_event;
 
@@ -55,8 +55,8 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
         g->n_cached = ev->n_cached;
         g->n_generated = ev->n_generated;
         g->kv_role = ev->kv_role;
-        g->n_kv_received = ev->n_kv_received;
-        g->n_prompt_computed = ev->n_prompt_computed;
+        g->n_kv_recv = ev->n_kv_received;
+        g->n_computed = ev->n_prompt_computed;
         if (ev->prompt_logprobs && ev->n_prompt > 0) {
             g->prompt_lp = malloc((size_t)ev->n_prompt * sizeof *g->prompt_lp);
             if (g->prompt_lp)
@@ -159,7 +159,7 @@ void gen_usage(const gen_req *r, oai_usage *u) {
         u->completion_tokens += r->ch[i].n_tokens;
         if (i % n == 0) u->cached_tokens += r->ch[i].n_cached;
         if (r->ch[i].kv_role) u->kv_transfer = true;
-        u->kv_received_tokens += r->ch[i].n_kv_received;
+        u->received_tokens += r->ch[i].n_kv_received;
         u->computed_tokens += r->ch[i].n_prompt_computed;
     }
 }
@@ -337,8 +337,8 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     c->n_prompt = g->n_prompt;
     c->n_cached = g->n_cached;
     c->kv_role = g->kv_role;
-    c->n_kv_received = g->n_kv_received;
-    c->n_prompt_computed = g->n_prompt_computed;
+    c->n_kv_received = g->n_kv_recv;
+    c->n_prompt_computed = g->n_computed;
     if (g->prompt_lp && r->o.sampling.prompt_logprobs >= 0) {
         /* entry 0 has no logprob; its id is the prompt's first token */
         if (g->n_prompt == r->n_pids[c->prompt]) g->prompt_lp[0].id = r->pids[c->prompt][0];

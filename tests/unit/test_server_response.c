@@ -126,7 +126,7 @@ static void test_usage_kv_transfer(void **state) {
     assert_null(json_object_get(j, "kv_transfer"));
     json_decref(j);
     u.kv_transfer = true;
-    u.kv_received_tokens = 24;
+    u.received_tokens = 24;
     u.computed_tokens = 1;
     j = oai_usage_json(&u);
     char *s = json_dumps(json_object_get(j, "kv_transfer"), JSON_COMPACT);
