@@ -218,7 +218,11 @@ def test_pull_before_prefill_waits(pd, colocated):
     pb = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
     with cf.ThreadPoolExecutor(2) as ex:
         fd = ex.submit(requests.post, pd.d.url + "/v1/completions", json=db, timeout=TIMEOUT)
-        time.sleep(1.0)  # the pull is waiting at P by now
+        deadline = time.time() + 30  # D's pull has started (a blind sleep could race D's admission)
+        while pd.d.metric("disagg:kv_transfer_loading_requests") != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert pd.d.metric("disagg:kv_transfer_loading_requests") == 1
+        time.sleep(1.0)  # its query and connect take milliseconds: the pull is waiting at P by now
         pr = requests.post(pd.p.url + "/v1/completions", json=pb, timeout=TIMEOUT)
         assert pr.status_code == 200
         assert completion_ids(fd.result()) == ref
