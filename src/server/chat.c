@@ -13,9 +13,9 @@
 
 static const oai_usage *choice_usage(gen_req *r, gen_choice *c, oai_usage *u) {
     if (!r->o.continuous_usage_stats) return NULL;
-    u->prompt_tokens = r->n_pids[c->prompt];
-    u->completion_tokens = c->n_tokens;
-    u->cached_tokens = -1;
+    *u = (oai_usage){.prompt_tokens = r->n_pids[c->prompt],
+                     .completion_tokens = c->n_tokens,
+                     .cached_tokens = -1};
     return u;
 }
 

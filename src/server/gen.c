@@ -28,6 +28,7 @@ typedef struct gen_event {
     int32_t stop_token;                  /* FINISHED: eos/stop id or -1 */
     char *error;                         /* FINISHED with "error" */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
+    int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
     engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
 } gen_event;
 
@@ -53,6 +54,9 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
         g->n_prompt = ev->n_prompt;
         g->n_cached = ev->n_cached;
         g->n_generated = ev->n_generated;
+        g->kv_role = ev->kv_role;
+        g->n_kv_recv = ev->n_kv_received;
+        g->n_computed = ev->n_prompt_computed;
         if (ev->prompt_logprobs && ev->n_prompt > 0) {
             g->prompt_lp = malloc((size_t)ev->n_prompt * sizeof *g->prompt_lp);
             if (g->prompt_lp)
@@ -154,6 +158,9 @@ void gen_usage(const gen_req *r, oai_usage *u) {
     for (int i = 0; i < r->n_ch; i++) {
         u->completion_tokens += r->ch[i].n_tokens;
         if (i % n == 0) u->cached_tokens += r->ch[i].n_cached;
+        if (r->ch[i].kv_role) u->kv_transfer = true;
+        u->received_tokens += r->ch[i].n_kv_received;
+        u->computed_tokens += r->ch[i].n_prompt_computed;
     }
 }
 
@@ -329,6 +336,9 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     r->n_pending--;
     c->n_prompt = g->n_prompt;
     c->n_cached = g->n_cached;
+    c->kv_role = g->kv_role;
+    c->n_kv_received = g->n_kv_recv;
+    c->n_prompt_computed = g->n_computed;
     if (g->prompt_lp && r->o.sampling.prompt_logprobs >= 0) {
         /* entry 0 has no logprob; its id is the prompt's first token */
         if (g->n_prompt == r->n_pids[c->prompt]) g->prompt_lp[0].id = r->pids[c->prompt][0];

@@ -42,6 +42,9 @@ typedef struct gen_choice {
     json_t *echo_logprobs;     /* completions echo: prompt part of the logprobs, or NULL */
     int n_prompt;              /* prompt tokens (from the engine) */
     int n_cached;              /* of those, from the prefix cache */
+    int kv_role;               /* kv_role_of_request (engine/kv_connector.h) */
+    int n_kv_received;         /* of the prompt, tokens whose KV came from a producer */
+    int n_prompt_computed;     /* prompt tokens this instance computed */
     char *error;               /* engine error message */
     uint64_t t_first, t_last;  /* clock_now_ns of the first / latest token */
     bool role_sent;            /* chat stream: the role chunk went out */
