@@ -13,6 +13,7 @@ import os
 import socket
 import struct
 import subprocess
+import time
 
 import pytest
 
@@ -54,6 +55,16 @@ def copy(disagg_bin, secret, *args, input=None):
 def read(disagg_bin, secret, t, k, off, n, protocol="tcp"):
     return copy(disagg_bin, secret, "--target", t.segment, "--op", "read", "--remote-addr",
                 t.buffers[k]["addr"] + off, "--length", n, "--protocol", protocol)
+
+
+def wait_for(pred, timeout=5.0):
+    """pred() within timeout seconds (a liveness bound, polled)."""
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def stop_stats(t):
@@ -164,13 +175,15 @@ def test_wrong_secret_refused(disagg_bin, start_target, monkeypatch):
     err = r.stderr.decode()
     assert r.returncode == 1 and r.stdout == b""
     assert "failed authentication" in err and "does not verify" in err, err
-    assert "refused handshake" in t.stderr(), t.stderr()
+    # the client refuses the server first; the server logs when it reads that
+    assert wait_for(lambda: "refused handshake" in t.stderr()), t.stderr()
     data = b"\x00" * 64
     r = copy(disagg_bin, "not the secret", "--target", t.segment, "--op", "write", "--remote-addr",
              t.buffers[0]["addr"], "--length", 64, "--protocol", "tcp", input=data)
     assert r.returncode == 1
     r = read(disagg_bin, SECRET, t, 0, 0, 64)
     assert r.returncode == 0 and r.stdout == t.expected(0, 0, 64), "a refused WRITE changed the target"
+    assert wait_for(lambda: t.stderr().count("refused handshake") >= 2), t.stderr()
     assert stop_stats(t)["auth_refused"] >= 2
 
 
