@@ -939,8 +939,8 @@ int mooncake_connector_create(const char *json, engine *eng, mooncake_connector 
     mooncake_connector *c = calloc(1, sizeof *c);
     if (!c) return -ENOMEM;
     pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
-    pthread_cond_init(&c->q_cv, NULL);
+    clock_cond_init(&c->cv); /* the reaper's timed wait takes clock_now_ns deadlines */
+    clock_cond_init(&c->q_cv);
     c->eng = eng;
     int rc = kv_transfer_config_parse(json, &c->cfg, err, errlen);
     if (rc == 0) rc = kv_transfer_env_load(&c->env, err, errlen);
