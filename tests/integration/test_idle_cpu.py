@@ -86,6 +86,10 @@ class Proc:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        return self.proc.returncode
+
+    def logs(self):
+        return open(self.log_path).read()[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +122,12 @@ def fleet():
             time.sleep(0.1)
         yield {"prefill": p, "decode": d, "kv_both": both, "bootstrap": boot, "proxy": proxy}
     finally:
+        bad = []
         for s in reversed(started):
-            s.stop()
+            rc = s.stop()
+            if rc != 0:
+                bad.append(f"exit {rc}: {s.logs()}")
+        assert not bad, "; ".join(bad)
 
 
 def assert_idle(fleet):

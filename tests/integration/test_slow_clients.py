@@ -38,11 +38,8 @@ def server():
     s = Server("--max-model-len", "1024", "--kv-cache-memory", "64M",
                "--client-header-timeout", str(HEADER_S), "--timeout-keep-alive", str(KEEPALIVE_S))
     yield s
-    s.stop()
-
-
-def port_of(url):
-    return int(url.rsplit(":", 1)[1])
+    rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()
 
 
 def slow_loris(port, limit_s):
@@ -202,6 +199,57 @@ def test_health_answers_while_two_clients_post_30mb_prompts(server, tmp_path):
     # Liveness, generously: tokenized on the loop, a 30 MB /tokenize alone holds
     # it for seconds (parse, 7 M ids, 50 MB of JSON).
     assert lats[-1] < 1.0, f"/health waited {lats[-1]:.2f} s while the prompts were prepared"
+
+
+def big_body(mb=30):
+    words = "Fellow-Citizens of the Senate and House of Representatives: the state of the Union. "
+    n = mb * 1_000_000
+    return json.dumps({"prompt": (words * (n // len(words) + 1))[:n]}).encode()
+
+
+def send_raw_post(port, path, body):
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (path.encode(), len(body)) + body)
+    return s
+
+
+def test_client_leaving_while_its_prompt_is_prepared():
+    """The client closes while its 30 MB prompt is being tokenized off the
+    loop: the server carries on and still exits cleanly (the sanitizer build
+    checks that nothing leaks)."""
+    s = Server("--max-model-len", "1024", "--kv-cache-memory", "64M")
+    try:
+        body = big_body()
+        for path in ("/v1/completions", "/tokenize"):
+            c = send_raw_post(s.port, path, body)
+            time.sleep(0.2)
+            c.close()
+        time.sleep(1.0)
+        assert requests.get(s.url + "/health", timeout=10).status_code == 200
+        r = requests.post(s.url + "/tokenize", json={"prompt": "a\x00b"}, timeout=30)
+        assert r.status_code == 200, r.text
+        time.sleep(3.0)  # let the preparation thread finish both
+    finally:
+        rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly: " + s.logs()
+
+
+def test_shutdown_while_a_prompt_is_prepared():
+    s = Server("--max-model-len", "1024", "--kv-cache-memory", "64M")
+    try:
+        c = send_raw_post(s.port, "/tokenize", big_body())
+        time.sleep(0.3)
+    finally:
+        rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly: " + s.logs()
+    c.settimeout(10)
+    try:
+        got = c.recv(4096)
+    except (ConnectionResetError, socket.timeout):
+        got = b""
+    c.close()
+    assert got == b"" or got.startswith((b"HTTP/1.1 503", b"HTTP/1.1 200")), got[:200]
 
 
 # ---- NUL in JSON strings -------------------------------------------------------------
