@@ -408,7 +408,8 @@ int server_run(const server_config *cfg) {
     event_add(s->sig_int, NULL);
     event_add(s->sig_term, NULL);
     LOG_I("server", "listening on http://%s:%d (loading %s)", cfg->host, cfg->port, cfg->model);
-    if (prep_init(s)) LOG_W("server", "no preparation thread: long prompts are tokenized on the loop");
+    if (prep_init(s))
+        LOG_W("server", "no preparation thread: long prompts are tokenized on the loop");
     if (pthread_create(&s->loader, NULL, loader_main, s)) {
         LOG_E("server", "cannot start the loader thread");
         goto out;

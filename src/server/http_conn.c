@@ -42,17 +42,17 @@ typedef enum conn_phase {
 } conn_phase;
 
 struct http_conn {
-    server *s;                      /* owner */
-    struct bufferevent *bev;        /* the connection's bufferevent (evhttp owns it) */
-    struct evhttp_connection *evc;  /* its evhttp connection, once registered */
-    evutil_socket_t fd;             /* its socket, once registered */
-    struct event *init;             /* deferred registration (runs before any I/O) */
-    struct event *timer;            /* the deadline of the current phase */
-    conn_phase phase;               /* see conn_phase */
-    int eol;                        /* head scanner: 0 in a line, 1 after LF, 2 after LF CR */
-    http_conn_close_fn close_fn;    /* gen.c's close callback, or NULL */
-    void *close_arg;                /* its argument */
-    struct http_conn *prev, *next;  /* server's list */
+    server *s;                     /* owner */
+    struct bufferevent *bev;       /* the connection's bufferevent (evhttp owns it) */
+    struct evhttp_connection *evc; /* its evhttp connection, once registered */
+    evutil_socket_t fd;            /* its socket, once registered */
+    struct event *init;            /* deferred registration (runs before any I/O) */
+    struct event *timer;           /* the deadline of the current phase */
+    conn_phase phase;              /* see conn_phase */
+    int eol;                       /* head scanner: 0 in a line, 1 after LF, 2 after LF CR */
+    http_conn_close_fn close_fn;   /* gen.c's close callback, or NULL */
+    void *close_arg;               /* its argument */
+    struct http_conn *prev, *next; /* server's list */
 };
 
 static struct timeval tv_of(double s) {
@@ -192,7 +192,8 @@ static struct bufferevent *conn_new_bev(struct event_base *base, void *arg) {
     c->fd = -1;
     c->init = event_new(base, -1, 0, conn_register, c);
     c->timer = evtimer_new(base, conn_timeout, c);
-    if (!c->init || !c->timer || evbuffer_add_cb(bufferevent_get_input(bev), conn_input, c) == NULL) {
+    if (!c->init || !c->timer ||
+        evbuffer_add_cb(bufferevent_get_input(bev), conn_input, c) == NULL) {
         if (c->init) event_free(c->init);
         if (c->timer) event_free(c->timer);
         free(c);

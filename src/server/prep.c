@@ -23,14 +23,14 @@
 #include <string.h>
 
 struct prep {
-    server *s;             /* owner */
-    pthread_t thread;      /* the preparation thread */
-    int started;           /* thread running */
-    pthread_mutex_t mu;    /* guards the queues and stop */
-    pthread_cond_t cv;     /* a job was queued, or stop */
-    prep_job *todo_head;   /* jobs for the thread, FIFO */
+    server *s;           /* owner */
+    pthread_t thread;    /* the preparation thread */
+    int started;         /* thread running */
+    pthread_mutex_t mu;  /* guards the queues and stop */
+    pthread_cond_t cv;   /* a job was queued, or stop */
+    prep_job *todo_head; /* jobs for the thread, FIFO */
     prep_job *todo_tail;
-    prep_job *done_head;   /* jobs back for the loop, FIFO */
+    prep_job *done_head; /* jobs back for the loop, FIFO */
     prep_job *done_tail;
     int stop;              /* the thread must exit */
     struct event *done_ev; /* activated when a job is done */

@@ -60,7 +60,7 @@ typedef struct server {
     http_conn *conns;     /* connections with deadlines (http_conn.c), a list */
     http_conn **conn_by_fd; /* (n_conn_by_fd) those connections by socket fd */
     int n_conn_by_fd;
-    prep *prep;           /* the request preparation thread (prep.c), or NULL */
+    prep *prep; /* the request preparation thread (prep.c), or NULL */
 } server;
 
 /* ---- replies (http.c) ---------------------------------------------------- */
@@ -108,10 +108,10 @@ struct prep_job {
     /* Loop thread: reply on http (NULL: the request is gone or already
      * answered, only free) and free the job. */
     void (*done)(prep_job *j);
-    void *arg;                     /* the endpoint's data */
-    int rc;                        /* the work's result, for done */
-    prep_job *next;                /* queue link */
-    prep_job *all_next;            /* prep's list of jobs away */
+    void *arg;          /* the endpoint's data */
+    int rc;             /* the work's result, for done */
+    prep_job *next;     /* queue link */
+    prep_job *all_next; /* prep's list of jobs away */
 };
 /* Start the thread (0, or -1: requests are then prepared on the loop). */
 int prep_init(server *s);

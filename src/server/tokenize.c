@@ -67,7 +67,7 @@ static json_t *parse_body(server *s, const char *body, size_t len, oai_error *er
     if (m && !json_is_null(m) &&
         (!json_is_string(m) || strlen(json_string_value(m)) != json_string_length(m) ||
          (strcmp(json_string_value(m), s->model_name) &&
-                                (!s->cfg.model || strcmp(json_string_value(m), s->cfg.model))))) {
+          (!s->cfg.model || strcmp(json_string_value(m), s->cfg.model))))) {
         oai_error_set(err, 404, "NotFoundError", "model",
                       "The model `%s` does not exist. Accepted: \"%s\"",
                       json_is_string(m) ? json_string_value(m) : "(not a string)", s->model_name);
@@ -92,7 +92,8 @@ static int get_flag(json_t *o, const char *key, bool def, bool *out, oai_error *
 
 /* The /tokenize answer for body: 0 and *resp, or -1 and *err (on the loop or
  * the preparation thread). */
-static int tokenize_run(server *s, const char *body, size_t len, json_t **resp, oai_error *err_out) {
+static int tokenize_run(server *s, const char *body, size_t len, json_t **resp,
+                        oai_error *err_out) {
     oai_error err;
     json_t *root = parse_body(s, body, len, &err);
     if (!root) {
@@ -193,8 +194,7 @@ void tokenize_handle(server *s, struct evhttp_request *req) {
     char *body = server_read_body(req, &len);
     json_t *resp = NULL;
     oai_error err;
-    if (!body)
-        oai_error_set(&err, 500, "InternalServerError", NULL, "out of memory");
+    if (!body) oai_error_set(&err, 500, "InternalServerError", NULL, "out of memory");
     int rc = body ? tokenize_run(s, body, len, &resp, &err) : -1;
     free(body);
     if (rc)
