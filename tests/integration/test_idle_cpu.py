@@ -1,6 +1,6 @@
 """Idle processes sleep (issue 11, section 1): a prefill (kv_producer), a
-decode (kv_consumer), a kv_both instance, a `disagg bootstrap` and a
-`disagg proxy`, started and left without traffic for 5 s, each use under
+decode (kv_consumer), a kv_both instance, a colocated `disagg serve` (no
+connector), a `disagg bootstrap` and a `disagg proxy`, started and left without traffic for 5 s, each use under
 0.1 s of CPU time (utime + stime of every thread, read from /proc/PID/stat);
 so do they after serving requests.  A failure names the threads that ran and
 where they were waiting (/proc/PID/task/TID/{comm,wchan})."""
@@ -107,6 +107,8 @@ def fleet():
         both = Server(*COMMON, "--kv-transfer-config", both_cfg,
                       env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())})
         started.append(both)
+        colocated = Server(*COMMON)
+        started.append(colocated)
         bport = free_port()
         boot = Proc([BIN, "bootstrap", "--host", "127.0.0.1", "--port", str(bport)],
                     f"http://127.0.0.1:{bport}/query", env=bootstrap_env())
@@ -120,7 +122,8 @@ def fleet():
         while requests.get(proxy.url + "/health", timeout=5).status_code != 200:
             assert time.time() < deadline, "the proxy did not see its upstreams healthy"
             time.sleep(0.1)
-        yield {"prefill": p, "decode": d, "kv_both": both, "bootstrap": boot, "proxy": proxy}
+        yield {"prefill": p, "decode": d, "kv_both": both, "colocated": colocated,
+               "bootstrap": boot, "proxy": proxy}
     finally:
         bad = []
         for s in reversed(started):
