@@ -1025,8 +1025,8 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     if (!c) return -ENOMEM;
     if (listen_host) snprintf(c->listen_host, sizeof c->listen_host, "%s", listen_host);
     pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
-    pthread_cond_init(&c->q_cv, NULL);
+    clock_cond_init(&c->cv); /* the reaper's timed wait takes clock_now_ns deadlines */
+    clock_cond_init(&c->q_cv);
     c->eng = eng;
     int rc = kv_transfer_config_parse(json, &c->cfg, err, errlen);
     if (rc == 0) rc = kv_transfer_env_load(&c->env, err, errlen);
