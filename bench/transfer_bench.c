@@ -25,6 +25,7 @@
  * targets, PASS or MISS.  --verify checks every byte moved (READ against the
  * target's pattern; WRITE by reading back); a mismatch exits 1.
  */
+#include "base/auth.h"
 #include "bench/bench.h"
 #include "bench/transfer_bench.h"
 #include "disagg/transfer.h"
@@ -459,6 +460,7 @@ static int tb_engine_create(const tb_options *o, transfer_protocol proto, uint16
     cfg.rpc_port = port;
     cfg.protocol = proto;
     cfg.device_name = o->device_name;
+    cfg.auth_secret = auth_secret_resolve(NULL); /* $DISAGG_KV_SECRET (docs/transfer.md) */
     int rc = transfer_engine_create(&cfg, out);
     if (rc)
         fprintf(stderr,

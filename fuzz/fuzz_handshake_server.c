@@ -23,6 +23,9 @@
 
 static handshake_server *g_srv;
 static uint16_t g_port;
+/* The same descriptor behind a server with a shared secret: no input may get it. */
+static handshake_server *g_srv_auth;
+static uint16_t g_port_auth;
 static char *g_desc; /* our descriptor's JSON */
 
 static char *describe(void *ctx) {
@@ -30,6 +33,9 @@ static char *describe(void *ctx) {
 }
 static void bound(void *ctx, uint16_t port) {
     g_port = port;
+}
+static void bound_auth(void *ctx, uint16_t port) {
+    g_port_auth = port;
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
@@ -45,28 +51,43 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     g_desc = segment_desc_encode(&d);
     segment_desc_free(&d);
     net_addr a;
+    handshake_server_cfg cfg = {.describe = describe, .bound = bound, .self_name = "127.0.0.1:0"};
     if (!g_desc || net_resolve("127.0.0.1", 0, &a) != 0 ||
-        handshake_server_start(&a, describe, bound, NULL, &g_srv) != 0 || g_port == 0) {
+        handshake_server_start(&a, &cfg, &g_srv) != 0 || g_port == 0) {
         fprintf(stderr, "fuzz_handshake_server: cannot start the server\n");
         abort();
     }
+    handshake_server_cfg acfg = {
+        .describe = describe, .bound = bound_auth, .self_name = "127.0.0.1:0", .secret = "fz"};
+    if (handshake_server_start(&a, &acfg, &g_srv_auth) != 0 || g_port_auth == 0) abort();
     return 0;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static char reply[REPLY_CAP + 1];
-    long got = fuzz_exchange(g_port, data, size, reply, REPLY_CAP, 5000);
+    long got = fuzz_exchange(g_port_auth, data, size, reply, REPLY_CAP, 5000);
+    if (got > 0) {
+        reply[got] = 0;
+        if (memmem(reply, (size_t)got, "\"buffers\"", 9)) {
+            fprintf(stderr, "the authenticated server gave its descriptor away\n");
+            abort();
+        }
+    }
+    got = fuzz_exchange(g_port, data, size, reply, REPLY_CAP, 5000);
     if (got == 0) return 0;
     uint64_t len;
     uint8_t type;
+    /* One frame in Mooncake's framing: typed (the length counts the type
+     * byte) or, answering an untyped request, untyped. */
     if (got < HANDSHAKE_HEADER_LEN ||
         handshake_header_decode((const uint8_t *)reply, &len, &type) != 0 ||
-        len != (uint64_t)got - HANDSHAKE_HEADER_LEN) {
+        len != (uint64_t)got - (type == HANDSHAKE_TYPE_OLD ? 8 : HANDSHAKE_HEADER_LEN)) {
         fprintf(stderr, "answer is not one frame (%ld bytes)\n", got);
         abort();
     }
+    const char *body = reply + (type == HANDSHAKE_TYPE_OLD ? 8 : HANDSHAKE_HEADER_LEN);
     json_error_t je;
-    json_t *o = json_loadb(reply + HANDSHAKE_HEADER_LEN, len, 0, &je);
+    json_t *o = json_loadb(body, len, 0, &je);
     if (!json_is_object(o)) {
         fprintf(stderr, "answer body is not a JSON object: %s\n", je.text);
         abort();
@@ -76,7 +97,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         segment_desc d;
         char err[256];
         segment_desc_init(&d);
-        if (segment_desc_decode(reply + HANDSHAKE_HEADER_LEN, len, &d, err, sizeof err) != 0) {
+        if (segment_desc_decode(body, len, &d, err, sizeof err) != 0) {
             fprintf(stderr, "our own descriptor is refused: %s\n", err);
             abort();
         }

@@ -1,7 +1,8 @@
 /*
  * fuzz_tcp_data — bytes from the network to a transfer engine's tcp data port
  * (Mooncake TCP v2: 24-byte headers `u64 size | u64 addr | u8 opcode | 7
- * zero`, WRITE payloads after their header; docs/transfer.md): a real
+ * zero`, WRITE payloads after their header, and v1 without status words;
+ * docs/transfer.md): a real
  * tcp_server runs in this process with one registered 64 KiB buffer, and each
  * input is sent to it over a loopback connection, then half-closed.
  *
@@ -38,6 +39,11 @@ static pthread_rwlock_t g_lock = PTHREAD_RWLOCK_INITIALIZER;
 static _Atomic uint64_t g_served, g_rejected;
 static tcp_server *g_srv;
 static uint16_t g_port;
+/* The same buffer behind a server with a shared secret: no input (the fuzzer
+ * cannot forge the HMAC) may read or write a byte of it. */
+static tcp_server *g_srv_auth;
+static uint16_t g_port_auth;
+static _Atomic uint64_t g_refused;
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     fuzz_quiet_logs();
@@ -53,8 +59,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
                           .bytes_served = &g_served,
                           .rejected = &g_rejected};
     net_addr a;
-    if (net_resolve("127.0.0.1", 0, &a) != 0 || tcp_server_start(&a, &env, &g_srv, &g_port) != 0) {
+    if (net_resolve("127.0.0.1", 0, &a) != 0 || tcp_server_start(&a, 1, &env, &g_srv, &g_port, NULL) != 0) {
         fprintf(stderr, "fuzz_tcp_data: cannot start the tcp server\n");
+        abort();
+    }
+    env.secret = "fuzz-secret";
+    env.auth_refused = &g_refused;
+    if (tcp_server_start(&a, 1, &env, &g_srv_auth, &g_port_auth, NULL) != 0) {
+        fprintf(stderr, "fuzz_tcp_data: cannot start the authenticated tcp server\n");
         abort();
     }
     return 0;
@@ -85,14 +97,16 @@ static size_t expected_reply(const uint8_t *msg, size_t size, uint8_t *shadow, u
         uint8_t op;
         tcp_header_decode(msg + off, &len, &addr, &op);
         off += TCP_HEADER_LEN;
-        if (!(op & TCP_OP_V2) || (op & 0x7f) > TRANSFER_WRITE) {
+        if ((op & 0x7f) > TRANSFER_WRITE) {
             w = TCP_STATUS_MAGIC | TCP_STATUS_MALFORMED;
             PUT(&w, 8);
             break;
         }
         int is_write = (op & 0x7f) == TRANSFER_WRITE;
+        int v2 = (op & TCP_OP_V2) != 0; /* v1 (Mooncake's legacy framing): no status words */
         uint64_t rel = addr - base;
         int inside = len > 0 && rel < BUF_BYTES && len <= BUF_BYTES - rel;
+        if (!inside && !v2) break; /* v1 rejection: the connection closes */
         if (!inside) {
             w = TCP_STATUS_MAGIC | TCP_STATUS_REJECTED;
             if (is_write && len > TCP_MAX_REQUEST) {
@@ -116,9 +130,9 @@ static size_t expected_reply(const uint8_t *msg, size_t size, uint8_t *shadow, u
             }
             memcpy(shadow + rel, msg + off, (size_t)len);
             off += (size_t)len;
-            PUT(&w, 8);
+            if (v2) PUT(&w, 8);
         } else {
-            PUT(&w, 8);
+            if (v2) PUT(&w, 8);
             PUT(shadow + rel, (size_t)len);
         }
     }
@@ -139,11 +153,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         tcp_header_encode(msg + off, len, base + addr, op);
         memcpy(msg + off + 17, data + off + 17, 7); /* keep the reserved bytes as given */
         off += TCP_HEADER_LEN;
-        if (!(op & TCP_OP_V2) || (op & 0x7f) > TRANSFER_WRITE) break; /* server closes */
+        if ((op & 0x7f) > TRANSFER_WRITE) break; /* server closes */
         if ((op & 0x7f) == TRANSFER_WRITE) off += len < size - off ? (size_t)len : size - off;
     }
     static uint8_t shadow[BUF_BYTES];
     memcpy(shadow, g_mem + GUARD, BUF_BYTES);
+    {
+        /* At most: refusal, or challenge (status + nonce + proof) then refusal. */
+        char r[8 + 64 + 8 + 1];
+        long n = fuzz_exchange(g_port_auth, msg, size, r, sizeof r, 5000);
+        if (n > 8 + 64 + 8 || memcmp(shadow, g_mem + GUARD, BUF_BYTES) != 0 || !guards_clean()) {
+            fprintf(stderr, "the authenticated server answered %ld bytes or let memory change\n",
+                    n);
+            abort();
+        }
+    }
     uint8_t *exp;
     size_t exp_len = expected_reply(msg, size, shadow, &exp);
     uint8_t *reply = malloc(exp_len + 4096);

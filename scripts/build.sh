@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build disagg (release-with-debug-info) into build/; pass -DDISAGG_SANITIZE=ON
-# and a directory as BUILD_DIR for the sanitizer build.
+# Build disagg (release-with-debug-info) into build/ with warnings as errors
+# (-DDISAGG_WERROR=ON; later arguments win); pass -DDISAGG_SANITIZE=ON and a
+# directory as BUILD_DIR for the sanitizer build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-cmake -S . -B "$BUILD_DIR" -G Ninja "$@" >/dev/null
+cmake -S . -B "$BUILD_DIR" -G Ninja -DDISAGG_WERROR=ON "$@" >/dev/null
 ninja -C "$BUILD_DIR" -j "${JOBS:-$(nproc)}"

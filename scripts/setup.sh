@@ -30,4 +30,16 @@ if ! "$PY" -c 'import pytest, openai, zmq, msgpack, msgspec, numpy, requests, py
   echo "setup: installing Python test packages: ${PIPS[*]}"
   "$PY" -m pip install -q --disable-pip-version-check "${PIPS[@]}"
 fi
+# The real Mooncake transfer engine (tests/integration/test_mooncake_interop.py
+# drives it against disagg). A 46 MB wheel for CPython x86_64 manylinux only:
+# when it cannot be installed, setup goes on and those tests skip, naming why.
+MOONCAKE_WHEEL=${MOONCAKE_WHEEL:-mooncake-transfer-engine-non-cuda==0.3.13.post1}
+if ! "$PY" -c 'from mooncake.engine import TransferEngine' 2>/dev/null; then
+  echo "setup: installing the Mooncake transfer engine wheel: $MOONCAKE_WHEEL"
+  if ! "$PY" -m pip install -q --disable-pip-version-check "$MOONCAKE_WHEEL"; then
+    echo "setup: WARNING: $MOONCAKE_WHEEL did not install; the Mooncake interop tests will skip" >&2
+  elif ! "$PY" -c 'from mooncake.engine import TransferEngine' 2>/dev/null; then
+    echo "setup: WARNING: $MOONCAKE_WHEEL installed but 'from mooncake.engine import TransferEngine' fails; the Mooncake interop tests will skip" >&2
+  fi
+fi
 echo "setup: ok"

@@ -50,6 +50,7 @@ typedef enum transfer_error {
     TRANSFER_ESYS = -14,      /* unexpected system error (errno in the log) */
     TRANSFER_ENOSPACE = -15,  /* batch capacity exceeded */
     TRANSFER_EPERM = -16,     /* operation not permitted (e.g. shm refused by the kernel) */
+    TRANSFER_EAUTH = -17,     /* shared-secret authentication failed or was refused */
 } transfer_error;
 
 const char *transfer_strerror(int err);
@@ -87,6 +88,12 @@ typedef struct transfer_config {
     double timeout_per_byte_ns;
     /* Deadline of connect and handshake; 0 = 5 s. */
     uint64_t connect_timeout_ns;
+    /* Shared secret (copied).  NULL/"" = none: the handshake and data ports
+     * speak Mooncake's frames unchanged.  Set: every handshake and every data
+     * connection, in both directions, is an HMAC-SHA256 challenge-response
+     * (docs/transfer.md, Security); peers without it are refused.  Callers
+     * resolve it with auth_secret_resolve() (config, else $DISAGG_KV_SECRET). */
+    const char *auth_secret;
 } transfer_config;
 
 /* Fill *cfg with defaults. */
@@ -98,6 +105,8 @@ void transfer_engine_destroy(transfer_engine *engine);
 
 /* "ip:port" of this engine's handshake port; valid until destroy. */
 const char *transfer_engine_segment_name(const transfer_engine *engine);
+/* The port of this engine's tcp data listener(s). */
+uint16_t transfer_engine_data_port(const transfer_engine *engine);
 
 /* ---- memory registration ------------------------------------------------ */
 
@@ -209,6 +218,7 @@ typedef struct transfer_stats {
     uint64_t requests_rejected;            /* as target: address rejected */
     uint64_t path_retries;                 /* tcp chunks retried on another path */
     uint64_t shm_fallbacks;                /* shm refused, used tcp */
+    uint64_t auth_refused;                 /* as target: handshakes + data connections refused */
 } transfer_stats;
 
 void transfer_engine_get_stats(transfer_engine *engine, transfer_stats *out);

@@ -59,3 +59,7 @@ void auth_hex(const uint8_t *bytes, size_t len, char *out) {
     }
     out[2 * len] = '\0';
 }
+
+void auth_thread_stop(void) {
+    OPENSSL_thread_stop();
+}

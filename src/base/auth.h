@@ -29,6 +29,10 @@ int auth_random(void *buf, size_t len);
  * or a flag), else $DISAGG_KV_SECRET when set and non-empty, else NULL (no
  * authentication: vLLM/Mooncake peers work unchanged). */
 const char *auth_secret_resolve(const char *configured);
+/* Free this thread's OpenSSL state now (OPENSSL_thread_stop): a detached
+ * thread that used the functions above calls it before it signals that it is
+ * done, so that nothing of it is left when the process exits. */
+void auth_thread_stop(void);
 /* Lowercase hex of len bytes into out (2*len+1 bytes). */
 void auth_hex(const uint8_t *bytes, size_t len, char *out);
 

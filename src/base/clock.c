@@ -27,6 +27,16 @@ struct timespec clock_to_timespec(uint64_t abs_ns) {
     return ts;
 }
 
+int clock_cond_init(pthread_cond_t *cv) {
+    pthread_condattr_t ca;
+    int rc = pthread_condattr_init(&ca);
+    if (rc) return rc;
+    rc = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    if (!rc) rc = pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+    return rc;
+}
+
 void clock_sleep_ns(uint64_t ns) {
     struct timespec ts = {.tv_sec = (time_t)(ns / NS_PER_S), .tv_nsec = (long)(ns % NS_PER_S)};
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {

@@ -42,7 +42,16 @@ static void proxy_usage(FILE *f) {
         "  --connect-timeout S        upstream connect timeout, seconds (default 5)\n"
         "  --timeout S                longest upstream silence, seconds (default 600)\n"
         "  --health-interval S        health probe period, seconds (default 1)\n"
-        "  --client-timeout S         time to receive a client's whole request (default 60)\n"
+        "  --client-timeout S         deadline to receive a client's whole request, from its "
+        "first\n"
+        "                             byte; bytes do not extend it (default 60) -> 408\n"
+        "  --client-header-timeout S  deadline to receive a request head, from its first byte\n"
+        "                             (nginx's client_header_timeout; default 60) -> 408\n"
+        "  --timeout-keep-alive S     close a client connection idle this long between requests\n"
+        "                             (default 75)\n"
+        "  --upstream-keepalive-timeout S  close a pooled upstream connection idle this long;\n"
+        "                             below the upstreams' own (5 s for disagg serve and vLLM)\n"
+        "                             (default 4)\n"
         "  --shutdown-timeout S       on SIGTERM/SIGINT, wait for requests in flight (default 30)\n"
         "  --log-level L              debug|info|warn|error (default info, or DISAGG_LOG_LEVEL)\n");
 }
@@ -148,6 +157,9 @@ int cmd_proxy(int argc, char **argv) {
                                             "--timeout",
                                             "--health-interval",
                                             "--client-timeout",
+                                            "--client-header-timeout",
+                                            "--timeout-keep-alive",
+                                            "--upstream-keepalive-timeout",
                                             "--shutdown-timeout",
                                             "--log-level"};
         int is_known = 0;
@@ -193,6 +205,12 @@ int cmd_proxy(int argc, char **argv) {
             if (parse_double(a, v, 0, 86400, &cfg.shutdown_timeout_s)) return 2;
         } else if (!strcmp(a, "--client-timeout")) {
             if (parse_double(a, v, 0.001, 3600, &cfg.client_timeout_s)) return 2;
+        } else if (!strcmp(a, "--client-header-timeout")) {
+            if (parse_double(a, v, 0.001, 3600, &cfg.client_header_timeout_s)) return 2;
+        } else if (!strcmp(a, "--timeout-keep-alive")) {
+            if (parse_double(a, v, 0.001, 86400, &cfg.keepalive_timeout_s)) return 2;
+        } else if (!strcmp(a, "--upstream-keepalive-timeout")) {
+            if (parse_double(a, v, 0, 86400, &cfg.upstream_keepalive_s)) return 2;
         } else if (!strcmp(a, "--log-level")) {
             int l = log_parse_level(v);
             if (l < 0) {

@@ -55,6 +55,11 @@ static void serve_usage(FILE *f) {
         "  --threads N                     compute threads (default: all cores)\n"
         "  --kv-transfer-config JSON       KV connector configuration (P/D disaggregation)\n"
         "  --max-body-bytes N              request body limit (default 32M) -> 413\n"
+        "  --client-header-timeout S       a request head must be complete S seconds after its\n"
+        "                                  first byte (a new connection: after connecting); bytes\n"
+        "                                  do not extend it (nginx's; default 60) -> 408, close\n"
+        "  --timeout-keep-alive S          close a connection idle S seconds after a response\n"
+        "                                  (uvicorn's; default 5, as vLLM)\n"
         "  --uvicorn-log-level LEVEL       debug|info|warning|error|critical|trace\n"
         "  --disable-log-requests          no per-request log lines\n"
         "  --enable-log-requests           per-request log lines (default)\n"
@@ -152,6 +157,8 @@ static const char *FLAGS[] = {"--host",
                               "--threads",
                               "--kv-transfer-config",
                               "--max-body-bytes",
+                              "--client-header-timeout",
+                              "--timeout-keep-alive",
                               "--uvicorn-log-level",
                               "--disable-log-requests",
                               "--enable-log-requests",
@@ -252,6 +259,21 @@ int cmd_serve(int argc, char **argv) {
             cfg.engine.block_size = (int)x;
         } else if (!strcmp(flag, "--kv-cache-memory")) {
             if (parse_bytes(flag, val, &cfg.engine.kv_cache_bytes)) return 2;
+        } else if (!strcmp(flag, "--client-header-timeout") ||
+                   !strcmp(flag, "--timeout-keep-alive")) {
+            char *end;
+            errno = 0;
+            double d = strtod(val, &end);
+            if (errno || end == val || *end || !(d > 0) || d > 86400) {
+                fprintf(stderr,
+                        "disagg serve: %s expects seconds, a number in (0, 86400], got '%s'\n",
+                        flag, val);
+                return 2;
+            }
+            if (flag[2] == 'c')
+                cfg.header_timeout_s = d;
+            else
+                cfg.keepalive_timeout_s = d;
         } else if (!strcmp(flag, "--max-body-bytes")) {
             if (parse_bytes(flag, val, &cfg.max_body_bytes)) return 2;
         } else if (!strcmp(flag, "--enable-prefix-caching"))

@@ -25,6 +25,7 @@
  */
 #include "cli/commands.h"
 
+#include "base/auth.h"
 #include "base/clock.h"
 #include "base/stop_signal.h"
 #include "base/net.h"
@@ -385,6 +386,7 @@ static int initiator_create(transfer_protocol proto, const char *device, uint64_
     transfer_config_init(&cfg);
     cfg.protocol = proto;
     cfg.device_name = device;
+    cfg.auth_secret = auth_secret_resolve(NULL); /* $DISAGG_KV_SECRET */
     if (timeout_ms) {
         cfg.timeout_base_ns = timeout_ms * NS_PER_MS;
         if (cfg.connect_timeout_ns == 0 || cfg.connect_timeout_ns > timeout_ms * NS_PER_MS)
@@ -496,8 +498,10 @@ static int cmd_target(int argc, char **argv) {
         "[options]",
         "Registers K buffers filled with the pattern (see src/cli/cmd_transfer.c) and\n"
         "serves them.  Prints one JSON line "
-        "{\"segment\",\"pid\",\"buffers\":[{\"addr\",\"length\"}],...}\n"
-        "on start and one {\"event\":\"stats\",...} line on exit (SIGINT/SIGTERM).",
+        "{\"segment\",\"tcp_data_port\",\"pid\",\"auth\",\"buffers\":[{\"addr\",\"length\"}],...}\n"
+        "on start and one {\"event\":\"stats\",...} line on exit (SIGINT/SIGTERM).\n"
+        "With $DISAGG_KV_SECRET set (also for copy and check) the ports require that\n"
+        "shared secret (docs/transfer.md, Security).",
     };
     int prc = opts_parse(&u, specs, sizeof specs / sizeof specs[0], argc, argv);
     if (prc) return prc < 0 ? 0 : prc;
@@ -517,6 +521,7 @@ static int cmd_target(int argc, char **argv) {
     cfg.data_port = (uint16_t)data_port;
     cfg.protocol = proto;
     cfg.device_name = device;
+    cfg.auth_secret = auth_secret_resolve(NULL); /* $DISAGG_KV_SECRET */
     transfer_engine *eng = NULL;
     int rc = transfer_engine_create(&cfg, &eng);
     if (rc) {
@@ -567,8 +572,9 @@ static int cmd_target(int argc, char **argv) {
                                                  (json_int_t)(uintptr_t)bufs[k].data, "length",
                                                  (json_int_t)bufs[k].length, "location", "cpu:0"));
         json_t *line = json_pack(
-            "{s:s,s:i,s:s,s:I,s:i,s:i,s:o}", "segment", transfer_engine_segment_name(eng), "pid",
-            (int)getpid(), "protocol", protocol_name(proto), "pattern", (json_int_t)seed,
+            "{s:s,s:i,s:i,s:b,s:s,s:I,s:i,s:i,s:o}", "segment", transfer_engine_segment_name(eng),
+            "tcp_data_port", (int)transfer_engine_data_port(eng), "pid", (int)getpid(), "auth",
+            cfg.auth_secret != NULL, "protocol", protocol_name(proto), "pattern", (json_int_t)seed,
             "guard_bytes", TARGET_GUARD_BYTES, "guard_value", TARGET_GUARD_VALUE, "buffers", arr);
         char *s = json_dumps(line, JSON_COMPACT);
         printf("%s\n", s);
@@ -598,12 +604,13 @@ static int cmd_target(int argc, char **argv) {
         transfer_stats st;
         transfer_engine_get_stats(eng, &st);
         json_t *sj =
-            json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "event", "stats", "bytes_written",
-                      (json_int_t)st.bytes_written, "bytes_read", (json_int_t)st.bytes_read,
-                      "requests_ok", (json_int_t)st.requests_ok, "requests_failed",
-                      (json_int_t)st.requests_failed, "bytes_served", (json_int_t)st.bytes_served,
-                      "requests_rejected", (json_int_t)st.requests_rejected, "path_retries",
-                      (json_int_t)st.path_retries, "shm_fallbacks", (json_int_t)st.shm_fallbacks);
+            json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "event", "stats", "auth_refused",
+                      (json_int_t)st.auth_refused, "bytes_written", (json_int_t)st.bytes_written,
+                      "bytes_read", (json_int_t)st.bytes_read, "requests_ok",
+                      (json_int_t)st.requests_ok, "requests_failed", (json_int_t)st.requests_failed,
+                      "bytes_served", (json_int_t)st.bytes_served, "requests_rejected",
+                      (json_int_t)st.requests_rejected, "path_retries", (json_int_t)st.path_retries,
+                      "shm_fallbacks", (json_int_t)st.shm_fallbacks);
         s = json_dumps(sj, JSON_COMPACT);
         printf("%s\n", s);
         fflush(stdout);

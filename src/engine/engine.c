@@ -46,6 +46,9 @@ typedef struct ereq {
     int zombie;        /* finished to the client, blocks wait for load_done() */
     int error_status;  /* HTTP status for an "error" finish (0 = internal, 500) */
     struct ereq *next; /* inbox or live list */
+
+    int n_kv_received;     /* usage: prompt tokens whose KV came from the producer */
+    int n_prompt_computed; /* usage: prompt tokens run through the model here */
 } ereq;
 
 typedef struct kept_blocks { /* blocks held outside any request */
@@ -185,6 +188,9 @@ static void emit_finish(engine *e, ereq *r, const char *reason, int32_t stop_tok
                        .n_prompt = r->s.n_prompt,
                        .n_cached = r->s.n_cached,
                        .n_generated = r->n_generated,
+                       .kv_role = r->kv_role,
+                       .n_kv_received = r->n_kv_received,
+                       .n_prompt_computed = r->n_prompt_computed,
                        .prompt_logprobs = r->prompt_lp};
     r->fn(r->ctx, &ev);
     (void)e;
@@ -511,6 +517,8 @@ static void handle_note(engine *e, const kv_note *n) {
         return;
     }
     if (n->ok) {
+        /* the KV start_load() asked for: the prompt less the local prefix-cache hits */
+        r->n_kv_received = r->s.n_prompt - r->s.n_cached;
         sched_unpark(&e->sched, &r->s, r->s.n_prompt - 1); /* recompute the last prompt token */
     } else if (n->recompute) {
         LOG_W(MOD,
@@ -697,10 +705,13 @@ static void run_step(engine *e) {
     for (int i = 0; i < n; i++) {
         const sched_item *it = &pl->items[i];
         ereq *r = it->s->owner;
-        if (it->start < r->s.n_prompt)
-            prompt += (uint64_t)((it->start + it->count < r->s.n_prompt ? it->start + it->count
-                                                                        : r->s.n_prompt) -
-                                 it->start);
+        if (it->start < r->s.n_prompt) {
+            int np =
+                (it->start + it->count < r->s.n_prompt ? it->start + it->count : r->s.n_prompt) -
+                it->start;
+            prompt += (uint64_t)np;
+            r->n_prompt_computed += np;
+        }
         const float *last = e->fwd[i].logits;
         if (e->fwd[i].logits_all) {
             fill_prompt_logprobs(e, r, e->fwd[i].logits, it->start, it->count);

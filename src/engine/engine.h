@@ -92,6 +92,9 @@ typedef struct engine_event {
     int n_prompt;              /* usage: prompt tokens */
     int n_cached;              /* of those, served from the prefix cache */
     int n_generated;           /* usage: completion tokens */
+    int kv_role;               /* kv_role_of_request: LOCAL, REMOTE_PREFILL or REMOTE_DECODE */
+    int n_kv_received;         /* prompt tokens whose KV a producer sent (consumer, load ok) */
+    int n_prompt_computed;     /* prompt tokens this instance ran through the model */
     /* prompt logprobs (if asked): (n_prompt) entries, entry 0 has no logprob */
     const engine_token *prompt_logprobs;
 } engine_event;

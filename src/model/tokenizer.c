@@ -18,6 +18,8 @@
 #include <oniguruma.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,6 +66,7 @@ typedef struct tok_bytes {
 } tok_bytes;
 
 static int tok_bytes_append(tok_bytes *b, const void *p, size_t n) {
+    if (n >= PTRDIFF_MAX - b->n) return -ENOMEM; /* no object is that large */
     if (b->n + n + 1 > b->cap) {
         size_t nc = b->cap ? b->cap : 256;
         while (nc < b->n + n + 1)

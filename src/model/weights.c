@@ -55,7 +55,7 @@ static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, in
                  size_t errlen) {
     const st_tensor *t = w_find(w, name, 2, rows, cols, err, errlen);
     if (!t) return -EINVAL;
-    w_dtype(t->dtype, &m->dtype);
+    if (w_dtype(t->dtype, &m->dtype)) return -EINVAL; /* w_find accepted it */
     m->data = t->data;
     m->rows = rows;
     m->cols = cols;
@@ -67,7 +67,7 @@ static int w_vec(model_weights *w, float **v, const char *name, int n, char *err
     const st_tensor *t = w_find(w, name, 1, n, 0, err, errlen);
     if (!t) return -EINVAL;
     cpu_dtype dt;
-    w_dtype(t->dtype, &dt);
+    if (w_dtype(t->dtype, &dt)) return -EINVAL; /* w_find accepted it */
     *v = malloc((size_t)n * sizeof **v);
     if (!*v) return -ENOMEM;
     cpu_ref_row_to_f32(*v, t->data, dt, n);

@@ -111,8 +111,10 @@ int backend_init(backend *b, backend_role role, int index, const char *url, cons
         if (rc) return rc;
         format_url(b->bootstrap_url, sizeof b->bootstrap_url, b->bootstrap_host, b->bootstrap_port);
         b->bootstrap_pool = hc_pool_new(env->base, b->bootstrap_host, b->bootstrap_port, 2);
+        if (b->bootstrap_pool) hc_pool_set_keepalive(b->bootstrap_pool, env->pool_keepalive_s);
     }
     b->pool = hc_pool_new(env->base, b->host, b->port, 1024);
+    if (b->pool) hc_pool_set_keepalive(b->pool, env->pool_keepalive_s);
     b->probe_body = evbuffer_new();
     if (!b->pool || !b->probe_body || (role == BACKEND_PREFILL && !b->bootstrap_pool)) {
         snprintf(err, errcap, "out of memory");

@@ -27,6 +27,7 @@ typedef struct backend_env {
     struct event_base *base; /* loop */
     const char *auth_header; /* "Authorization: Bearer KEY\r\n" for probes, or NULL */
     double probe_timeout_s;  /* per probe request */
+    double pool_keepalive_s; /* idle pooled connection lifetime (hc_pool_set_keepalive) */
 } backend_env;
 
 typedef struct backend {

@@ -37,6 +37,7 @@ struct hc_pool {
     hc_conn *idle;           /* idle keep-alive connections */
     int nidle;               /* their count */
     int max_idle;            /* cap on idle connections kept */
+    double keepalive_s;      /* idle connection lifetime, 0 = unbounded */
 };
 
 struct hc_req {
@@ -122,6 +123,10 @@ void hc_pool_free(hc_pool *p) {
     free(p);
 }
 
+void hc_pool_set_keepalive(hc_pool *p, double idle_s) {
+    p->keepalive_s = idle_s > 0 ? idle_s : 0;
+}
+
 int hc_pool_idle(const hc_pool *p) {
     return p->nidle;
 }
@@ -160,7 +165,8 @@ static void conn_release(hc_req *r, int reusable) {
         conn_close(c);
         return;
     }
-    bufferevent_set_timeouts(c->bev, NULL, NULL);
+    struct timeval kt = tv_of(p->keepalive_s); /* conn_event_cb closes it when it fires */
+    bufferevent_set_timeouts(c->bev, p->keepalive_s > 0 ? &kt : NULL, NULL);
     bufferevent_enable(c->bev, EV_READ);
     c->next_idle = p->idle;
     p->idle = c;
@@ -335,7 +341,7 @@ static void conn_event_cb(struct bufferevent *bev, short what, void *arg) {
         }
         return;
     }
-    if (!r) { /* idle connection closed by the upstream */
+    if (!r) { /* idle connection closed by the upstream, or its keep-alive time is over */
         pool_remove_idle(c->pool, c);
         conn_close(c);
         return;

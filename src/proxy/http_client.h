@@ -50,6 +50,10 @@ typedef struct hc_timeouts {
 /* A pool for host:port (name resolved once, at creation). */
 hc_pool *hc_pool_new(struct event_base *base, const char *host, uint16_t port, int max_idle);
 void hc_pool_free(hc_pool *p); /* cancels nothing: free requests first */
+/* Idle pooled connections are closed after this many seconds (0: kept until
+ * the upstream closes them).  Keep it below the upstream's own keep-alive
+ * timeout so that a request never races the upstream's close. */
+void hc_pool_set_keepalive(hc_pool *p, double idle_s);
 int hc_pool_idle(const hc_pool *p);
 
 /* Starts a request.  headers: "Name: value\r\n" lines (Host and

@@ -1,6 +1,7 @@
 /* http_server — see http_server.h. */
 #include "proxy/http_server.h"
 
+#include "base/clock.h"
 #include "base/log.h"
 
 #include <arpa/inet.h>
@@ -56,6 +57,9 @@ struct hs_conn {
     int keep_alive;           /* connection stays open after this reply */
     struct evbuffer *stage;   /* reply bytes being composed, sent by conn_flush */
     struct event *flush_ev;   /* deferred conn_flush (hs_reply_flush) */
+    struct event *deadline;   /* header / request deadline; bytes do not move it */
+    uint64_t started_ns;      /* clock_now_ns when the request's first byte was seen */
+    int receiving;            /* a request began (deadline armed) and is not dispatched */
     int in_process;           /* inside process_input (defer frees) */
     int want_free;            /* free when process_input unwinds */
     hs_conn *prev, *next;     /* server's connection list */
@@ -79,8 +83,9 @@ void hs_config_default(hs_config *c) {
     c->limits.max_head_bytes = 64 * 1024;
     c->limits.max_headers = 100;
     c->max_body_bytes = 16u << 20;
+    c->header_timeout_s = 60;
     c->request_timeout_s = 60;
-    c->idle_timeout_s = 300;
+    c->idle_timeout_s = 75;
     c->write_timeout_s = 300;
     c->max_output_bytes = 256 * 1024;
     c->max_connections = 16384;
@@ -133,6 +138,7 @@ static void conn_free(hs_conn *c) {
     bufferevent_free(c->bev);
     evbuffer_free(c->stage);
     event_free(c->flush_ev);
+    event_free(c->deadline);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -154,6 +160,8 @@ static void conn_error(hs_conn *c, int status, const char *message) {
     free(body);
     conn_flush(c);
     http_head_free(&c->head);
+    c->receiving = 0;
+    event_del(c->deadline);
     c->state = CONN_CLOSING;
     bufferevent_disable(c->bev, EV_READ);
     if (conn_unsent(c) == 0) conn_free(c);
@@ -161,6 +169,42 @@ static void conn_error(hs_conn *c, int status, const char *message) {
 
 static int head_status(int rc) {
     return rc == HTTP_EHEAD_TOO_LARGE || rc == HTTP_ETOO_MANY_HEADERS ? 431 : 400;
+}
+
+/* Arms the deadline `limit_s` after the request's first byte (0 or less: none). */
+static void deadline_arm(hs_conn *c, double limit_s) {
+    if (limit_s <= 0) {
+        event_del(c->deadline);
+        return;
+    }
+    uint64_t end = c->started_ns + (uint64_t)(limit_s * 1e9), now = clock_now_ns();
+    uint64_t left = end > now ? end - now : 0;
+    struct timeval tv = {(time_t)(left / 1000000000u), (suseconds_t)(left % 1000000000u / 1000)};
+    event_add(c->deadline, &tv);
+}
+
+/* The first byte of a request: no more idle timeout, the head deadline runs. */
+static void request_begins(hs_conn *c) {
+    hs_config *cfg = &c->srv->cfg;
+    c->receiving = 1;
+    c->started_ns = clock_now_ns();
+    bufferevent_set_timeouts(c->bev, NULL, NULL);
+    double h = cfg->header_timeout_s;
+    if (cfg->request_timeout_s > 0 && (h <= 0 || cfg->request_timeout_s < h))
+        h = cfg->request_timeout_s;
+    deadline_arm(c, h);
+}
+
+static void deadline_cb(evutil_socket_t fd, short what, void *arg) {
+    hs_conn *c = arg;
+    if (!c->receiving) return;
+    c->receiving = 0;
+    LOG_D(MOD, "%s: request not received in time (%s): closing", c->peer,
+          c->state == CONN_READ_HEAD ? "head" : "body");
+    conn_error(c, 408,
+               c->state == CONN_READ_HEAD
+                   ? "timed out reading the request head (see --client-header-timeout)"
+                   : "timed out reading the request (see --client-timeout)");
 }
 
 static void dispatch(hs_conn *c) {
@@ -179,6 +223,8 @@ static void dispatch(hs_conn *c) {
     c->keep_alive = r->head.keep_alive;
     c->req = r;
     c->state = CONN_HANDLING;
+    c->receiving = 0;
+    event_del(c->deadline);
     /* No read timeout while serving: the client waits for us.  Reading stays
      * on so that EOF (client gone) is seen at once. */
     struct timeval wt = tv_of(c->srv->cfg.write_timeout_s);
@@ -195,12 +241,9 @@ static void process_input(hs_conn *c) {
     for (;;) {
         if (c->state == CONN_READ_HEAD) {
             if (evbuffer_get_length(in) == 0) break;
+            if (!c->receiving) request_begins(c);
             int rc = http_head_parse(in, 1, &s->cfg.limits, &c->head);
-            if (rc == 0) {
-                struct timeval rt = tv_of(s->cfg.request_timeout_s);
-                bufferevent_set_timeouts(c->bev, &rt, NULL);
-                break;
-            }
+            if (rc == 0) break;
             if (rc < 0) {
                 conn_error(c, rc == -ENOMEM ? 500 : head_status(rc),
                            rc == HTTP_EHEAD_TOO_LARGE     ? "request head too large"
@@ -223,8 +266,7 @@ static void process_input(hs_conn *c) {
             }
             http_body_init(&c->body_rd, &c->head, 0);
             c->body = evbuffer_new();
-            struct timeval rt = tv_of(s->cfg.request_timeout_s);
-            bufferevent_set_timeouts(c->bev, &rt, NULL);
+            deadline_arm(c, s->cfg.request_timeout_s);
             c->state = CONN_READ_BODY;
         }
         if (c->state == CONN_READ_BODY) {
@@ -271,18 +313,12 @@ static void write_cb(struct bufferevent *bev, void *arg) {
 static void event_cb(struct bufferevent *bev, short what, void *arg) {
     hs_conn *c = arg;
     (void)bev;
-    if ((what & BEV_EVENT_TIMEOUT) && (what & BEV_EVENT_READING) && c->state == CONN_READ_BODY) {
-        conn_error(c, 408, "timed out reading the request body");
-        return;
-    }
-    if ((what & BEV_EVENT_TIMEOUT) && (what & BEV_EVENT_READING) && c->state == CONN_READ_HEAD &&
-        evbuffer_get_length(bufferevent_get_input(c->bev)) > 0) {
-        conn_error(c, 408, "timed out reading the request head");
-        return;
-    }
+    /* The only read timeout is the idle one (no byte of a request yet):
+     * close silently, as a keep-alive connection's end. */
     LOG_D(MOD, "%s: connection %s", c->peer,
           what & BEV_EVENT_EOF       ? "closed by the client"
-          : what & BEV_EVENT_TIMEOUT ? "timed out"
+          : what & BEV_EVENT_TIMEOUT ? (what & BEV_EVENT_READING ? "idle (keep-alive timeout)"
+                                                                 : "not reading (write timeout)")
                                      : "error");
     conn_free(c);
 }
@@ -315,13 +351,15 @@ static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct socka
     c->bev = bufferevent_socket_new(s->base, fd, BEV_OPT_CLOSE_ON_FREE);
     c->stage = evbuffer_new();
     c->flush_ev = event_new(s->base, -1, 0, flush_cb, c);
-    if (!c->bev || !c->stage || !c->flush_ev) {
+    c->deadline = evtimer_new(s->base, deadline_cb, c);
+    if (!c->bev || !c->stage || !c->flush_ev || !c->deadline) {
         if (c->bev)
             bufferevent_free(c->bev);
         else
             evutil_closesocket(fd);
         if (c->stage) evbuffer_free(c->stage);
         if (c->flush_ev) event_free(c->flush_ev);
+        if (c->deadline) event_free(c->deadline);
         free(c);
         return;
     }

@@ -26,8 +26,9 @@ typedef struct hs_req hs_req;
 typedef struct hs_config {
     http_limits limits;       /* head bytes / header count */
     size_t max_body_bytes;    /* request body cap (413 beyond) */
-    double request_timeout_s; /* to receive a whole request once it began */
-    double idle_timeout_s;    /* keep-alive connection idle before close */
+    double header_timeout_s;  /* to receive a request head from its first byte (deadline) */
+    double request_timeout_s; /* to receive a whole request from its first byte (deadline) */
+    double idle_timeout_s;    /* connection without a request byte (keep-alive) before close */
     double write_timeout_s;   /* client not reading our output for this long: drop */
     size_t max_output_bytes;  /* high watermark of unsent reply bytes (backpressure) */
     int max_connections;      /* accepted connections beyond are closed at once */

@@ -64,7 +64,7 @@ void pd_uuid4(char out[PD_UUID_LEN + 1]) {
 
 int pd_parse_client_body(const char *buf, size_t len, json_t **out, char *err, size_t errcap) {
     json_error_t je;
-    json_t *j = json_loadb(buf, len, 0, &je);
+    json_t *j = json_loadb(buf, len, JSON_ALLOW_NUL, &je); /* "\u0000" is valid JSON */
     if (!j) {
         snprintf(err, errcap, "request body is not valid JSON: %s (line %d, column %d)", je.text,
                  je.line, je.column);

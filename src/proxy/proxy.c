@@ -29,6 +29,9 @@ void proxy_config_default(proxy_config *c) {
     c->upstream_timeout_s = 600;
     c->health_interval_s = 1;
     c->client_timeout_s = 60;
+    c->client_header_timeout_s = 60;
+    c->keepalive_timeout_s = 75;
+    c->upstream_keepalive_s = 4; /* below the upstreams' own (disagg serve and vLLM: 5 s) */
     c->shutdown_timeout_s = 30;
 }
 
@@ -315,6 +318,7 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
                  cfg->api_key);
     px->env.base = base;
     px->env.auth_header = px->auth_header[0] ? px->auth_header : NULL;
+    px->env.pool_keepalive_s = cfg->upstream_keepalive_s;
     px->env.probe_timeout_s = cfg->health_interval_s * 2 < 2 ? 2 : cfg->health_interval_s * 2;
     px->prefill = calloc((size_t)cfg->nprefill, sizeof *px->prefill);
     px->decode = calloc((size_t)cfg->ndecode, sizeof *px->decode);
@@ -337,6 +341,8 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
     hc.limits.max_head_bytes = cfg->max_head_bytes;
     hc.max_body_bytes = cfg->max_body_bytes;
     hc.request_timeout_s = cfg->client_timeout_s;
+    hc.header_timeout_s = cfg->client_header_timeout_s;
+    hc.idle_timeout_s = cfg->keepalive_timeout_s;
     px->srv = hs_server_new(base, cfg->host, cfg->port, &hc, handle, px, server_error_body);
     if (!px->srv) {
         snprintf(err, errcap, "cannot listen on %s:%u (see the log above)", cfg->host, cfg->port);

@@ -36,7 +36,10 @@ typedef struct proxy_config {
     double connect_timeout_s;  /* upstream TCP connect (5) */
     double upstream_timeout_s; /* longest upstream silence while waiting for bytes (600) */
     double health_interval_s;  /* probe period (1) */
-    double client_timeout_s;   /* to receive a client's whole request (60) */
+    double client_timeout_s;   /* to receive a client's whole request, from its first byte (60) */
+    double client_header_timeout_s; /* to receive a request head, from its first byte (60) */
+    double keepalive_timeout_s;     /* client connection idle between requests (75) */
+    double upstream_keepalive_s;    /* pooled upstream connection idle before close (4) */
     double shutdown_timeout_s; /* on SIGTERM/SIGINT, wait this long for requests in flight (30) */
     int quiet;                 /* no start-up banner on stderr */
 } proxy_config;

@@ -13,9 +13,9 @@
 
 static const oai_usage *choice_usage(gen_req *r, gen_choice *c, oai_usage *u) {
     if (!r->o.continuous_usage_stats) return NULL;
-    u->prompt_tokens = r->n_pids[c->prompt];
-    u->completion_tokens = c->n_tokens;
-    u->cached_tokens = -1;
+    *u = (oai_usage){.prompt_tokens = r->n_pids[c->prompt],
+                     .completion_tokens = c->n_tokens,
+                     .cached_tokens = -1};
     return u;
 }
 
@@ -134,40 +134,34 @@ int chat_render_ids(server *s, const json_t *messages, const json_t *tools,
     return 0;
 }
 
+/* Parse, render and tokenize (on the loop or the preparation thread). */
+static int chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
+    if (oai_request_parse(&r->o, OAI_CHAT, body, len, &s->defaults, &r->err)) return -1;
+    r->pids = calloc(1, sizeof *r->pids);
+    r->n_pids = calloc(1, sizeof *r->n_pids);
+    if (!r->pids || !r->n_pids) {
+        oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+        return -1;
+    }
+    r->n_prompts = 1;
+    size_t n = 0;
+    if (chat_render_ids(s, r->o.messages, r->o.tools, r->o.add_generation_prompt,
+                        r->o.add_special_tokens, &r->pids[0], &n, &r->err))
+        return -1;
+    r->n_pids[0] = (int)n;
+    if (n == 0) {
+        oai_error_set(&r->err, 400, "BadRequestError", "messages",
+                      "the conversation renders to no tokens");
+        return -1;
+    }
+    return 0;
+}
+
 void chat_handle(server *s, struct evhttp_request *req) {
     gen_req *r = gen_req_new(s, req, true, &CHAT_OPS);
     if (!r) {
         server_reply_errorf(req, 500, "InternalServerError", NULL, "out of memory");
         return;
     }
-    size_t len = 0;
-    char *body = server_read_body(req, &len);
-    int rc = body ? oai_request_parse(&r->o, OAI_CHAT, body, len, &s->defaults, &r->err) : -1;
-    free(body);
-    if (rc) {
-        if (!body) oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
-        goto fail;
-    }
-    r->pids = calloc(1, sizeof *r->pids);
-    r->n_pids = calloc(1, sizeof *r->n_pids);
-    if (!r->pids || !r->n_pids) {
-        oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
-        goto fail;
-    }
-    r->n_prompts = 1;
-    size_t n = 0;
-    if (chat_render_ids(s, r->o.messages, r->o.tools, r->o.add_generation_prompt,
-                        r->o.add_special_tokens, &r->pids[0], &n, &r->err))
-        goto fail;
-    r->n_pids[0] = (int)n;
-    if (n == 0) {
-        oai_error_set(&r->err, 400, "BadRequestError", "messages",
-                      "the conversation renders to no tokens");
-        goto fail;
-    }
-    gen_start(r);
-    return;
-fail:
-    server_reply_error(req, &r->err, r->x_request_id);
-    gen_req_free(r);
+    gen_prepare_and_start(r, chat_prepare);
 }

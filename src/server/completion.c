@@ -11,9 +11,9 @@
 /* Stream usage for one choice (continuous_usage_stats). */
 static const oai_usage *choice_usage(gen_req *r, gen_choice *c, oai_usage *u) {
     if (!r->o.continuous_usage_stats) return NULL;
-    u->prompt_tokens = r->n_pids[c->prompt];
-    u->completion_tokens = c->n_tokens;
-    u->cached_tokens = -1;
+    *u = (oai_usage){.prompt_tokens = r->n_pids[c->prompt],
+                     .completion_tokens = c->n_tokens,
+                     .cached_tokens = -1};
     return u;
 }
 
@@ -130,30 +130,22 @@ static int cmpl_prepare_prompts(server *s, gen_req *r) {
     return 0;
 }
 
+/* Parse and tokenize (on the loop or the preparation thread). */
+static int cmpl_prepare(server *s, gen_req *r, const char *body, size_t len) {
+    if (oai_request_parse(&r->o, OAI_COMPLETIONS, body, len, &s->defaults, &r->err)) return -1;
+    if (r->o.stream && r->o.echo && r->o.logprobs >= 0) {
+        oai_error_set(&r->err, 400, "BadRequestError", "echo",
+                      "'echo' together with 'logprobs' is not available when 'stream' is true");
+        return -1;
+    }
+    return cmpl_prepare_prompts(s, r);
+}
+
 void completion_handle(server *s, struct evhttp_request *req) {
     gen_req *r = gen_req_new(s, req, false, &CMPL_OPS);
     if (!r) {
         server_reply_errorf(req, 500, "InternalServerError", NULL, "out of memory");
         return;
     }
-    size_t len = 0;
-    char *body = server_read_body(req, &len);
-    int rc =
-        body ? oai_request_parse(&r->o, OAI_COMPLETIONS, body, len, &s->defaults, &r->err) : -1;
-    free(body);
-    if (rc) {
-        if (!body) oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
-        goto fail;
-    }
-    if (r->o.stream && r->o.echo && r->o.logprobs >= 0) {
-        oai_error_set(&r->err, 400, "BadRequestError", "echo",
-                      "'echo' together with 'logprobs' is not available when 'stream' is true");
-        goto fail;
-    }
-    if (cmpl_prepare_prompts(s, r)) goto fail;
-    gen_start(r);
-    return;
-fail:
-    server_reply_error(req, &r->err, r->x_request_id);
-    gen_req_free(r);
+    gen_prepare_and_start(r, cmpl_prepare);
 }

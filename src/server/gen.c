@@ -29,6 +29,7 @@ typedef struct gen_event {
     char *error;                         /* FINISHED with "error" */
     int error_status;                    /* its HTTP status (0 = 500) */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
+    int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
     engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
 } gen_event;
 
@@ -55,6 +56,9 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
         g->n_prompt = ev->n_prompt;
         g->n_cached = ev->n_cached;
         g->n_generated = ev->n_generated;
+        g->kv_role = ev->kv_role;
+        g->n_kv_recv = ev->n_kv_received;
+        g->n_computed = ev->n_prompt_computed;
         if (ev->prompt_logprobs && ev->n_prompt > 0) {
             g->prompt_lp = malloc((size_t)ev->n_prompt * sizeof *g->prompt_lp);
             if (g->prompt_lp)
@@ -156,6 +160,9 @@ void gen_usage(const gen_req *r, oai_usage *u) {
     for (int i = 0; i < r->n_ch; i++) {
         u->completion_tokens += r->ch[i].n_tokens;
         if (i % n == 0) u->cached_tokens += r->ch[i].n_cached;
+        if (r->ch[i].kv_role) u->kv_transfer = true;
+        u->received_tokens += r->ch[i].n_kv_received;
+        u->computed_tokens += r->ch[i].n_prompt_computed;
     }
 }
 
@@ -206,7 +213,7 @@ void gen_probe_clients(server *s) {
 /* Every engine request has finished: send what is left and free. */
 static void gen_complete(gen_req *r) {
     if (r->client_gone) {
-        if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+        if (r->conn) http_conn_set_close_cb(r->s, r->conn, NULL, NULL);
         /* a detached request is freed by these; an attached one is answered and
          * libevent notices the closed socket */
         if (r->streaming)
@@ -216,7 +223,7 @@ static void gen_complete(gen_req *r) {
         gen_free_and_account(r);
         return;
     }
-    if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+    if (r->conn) http_conn_set_close_cb(r->s, r->conn, NULL, NULL);
     if (r->streaming) {
         sbuf sse;
         sbuf_init(&sse, (size_t)1 << 30);
@@ -353,6 +360,9 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     r->n_pending--;
     c->n_prompt = g->n_prompt;
     c->n_cached = g->n_cached;
+    c->kv_role = g->kv_role;
+    c->n_kv_received = g->n_kv_recv;
+    c->n_prompt_computed = g->n_computed;
     if (g->prompt_lp && r->o.sampling.prompt_logprobs >= 0) {
         /* entry 0 has no logprob; its id is the prompt's first token */
         if (g->n_prompt == r->n_pids[c->prompt]) g->prompt_lp[0].id = r->pids[c->prompt][0];
@@ -423,7 +433,7 @@ void gen_drain_events(server *s) {
 void gen_free_live(server *s) {
     while (s->live) {
         gen_req *r = s->live;
-        if (r->conn) evhttp_connection_set_closecb(r->conn, NULL, NULL);
+        if (r->conn) http_conn_set_close_cb(r->s, r->conn, NULL, NULL);
         if (r->detached) { /* libevent no longer owns it: these free it */
             if (r->streaming)
                 evhttp_send_reply_end(r->http);
@@ -594,7 +604,7 @@ void gen_start(gen_req *r) {
      * the stream can start after the submissions. */
     if (!r->has_err && r->o.stream) gen_start_stream(r);
     if (r->n_pending > 0) {
-        if (r->conn) evhttp_connection_set_closecb(r->conn, gen_close_cb, r);
+        if (r->conn) http_conn_set_close_cb(r->s, r->conn, gen_close_cb, r);
         return; /* gen_complete replies (the error, if any) */
     }
     server_reply_error(r->http, &r->err, r->x_request_id);
@@ -603,4 +613,56 @@ void gen_start(gen_req *r) {
 fail:
     server_reply_error(r->http, &r->err, r->x_request_id);
     gen_req_free(r);
+}
+
+/* ---- preparation (here or on the preparation thread) --------------------------- */
+
+static void gen_prep_work(prep_job *j, const char *body, size_t len) {
+    gen_req *r = j->arg;
+    j->rc = r->prepare(j->s, r, body, len);
+}
+
+static void gen_prep_done(prep_job *j) {
+    gen_req *r = j->arg;
+    struct evhttp_request *http = j->http;
+    int rc = j->rc;
+    free(j);
+    if (!http) { /* the client left (or shutdown answered it) */
+        gen_req_free(r);
+        return;
+    }
+    if (rc) {
+        server_reply_error(http, &r->err, r->x_request_id);
+        gen_req_free(r);
+        return;
+    }
+    gen_start(r);
+}
+
+void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare) {
+    server *s = r->s;
+    prep_job *j = prep_wants(s, r->http) ? calloc(1, sizeof *j) : NULL;
+    if (j) {
+        r->prepare = prepare;
+        j->http = r->http;
+        j->work = gen_prep_work;
+        j->done = gen_prep_done;
+        j->arg = r;
+        prep_submit(s, j);
+        return;
+    }
+    size_t len = 0;
+    char *body = server_read_body(r->http, &len);
+    int rc = -1;
+    if (body)
+        rc = prepare(s, r, body, len);
+    else
+        oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+    free(body);
+    if (rc) {
+        server_reply_error(r->http, &r->err, r->x_request_id);
+        gen_req_free(r);
+        return;
+    }
+    gen_start(r);
 }

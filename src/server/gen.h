@@ -21,6 +21,8 @@
 #include <stdint.h>
 
 typedef struct gen_req gen_req;
+/* Parse + tokenize a request body into r: 0, or -1 with r->err set. */
+typedef int (*gen_prepare_fn)(server *s, gen_req *r, const char *body, size_t len);
 
 typedef struct gen_choice {
     gen_req *r;                /* owner */
@@ -42,6 +44,9 @@ typedef struct gen_choice {
     json_t *echo_logprobs;     /* completions echo: prompt part of the logprobs, or NULL */
     int n_prompt;              /* prompt tokens (from the engine) */
     int n_cached;              /* of those, from the prefix cache */
+    int kv_role;               /* kv_role_of_request (engine/kv_connector.h) */
+    int n_kv_received;         /* of the prompt, tokens whose KV came from a producer */
+    int n_prompt_computed;     /* prompt tokens this instance computed */
     char *error;               /* engine error message */
     int error_status;          /* its HTTP status from the engine (0 = 500) */
     uint64_t t_first, t_last;  /* clock_now_ns of the first / latest token */
@@ -87,6 +92,7 @@ struct gen_req {
     uint64_t t_arrival;             /* clock_now_ns at arrival */
     oai_namer namer;                /* token strings for logprobs */
     char *kv_params_text;           /* o.kv_transfer_params as JSON text for the engine, or NULL */
+    gen_prepare_fn prepare;         /* what the preparation thread runs */
 };
 
 /* Allocate a request for http; fills id, x_request_id, created, arrival.
@@ -97,6 +103,10 @@ gen_req *gen_req_new(server *s, struct evhttp_request *http, bool chat, const ge
  * After this call r belongs to gen (it replies and frees); on failure before
  * submission it replies the error itself. */
 void gen_start(gen_req *r);
+/* Prepare r (parse + tokenize: prepare(s, r, body, len) returns 0 or sets
+ * r->err) on the loop, or on the preparation thread for a large body, then
+ * gen_start it or reply its error.  The endpoints' common entry. */
+void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare);
 /* Free a request that never reached gen_start (after replying an error). */
 void gen_req_free(gen_req *r);
 /* Write an SSE buffer to the client as one chunk. */

@@ -36,6 +36,8 @@ void server_config_init(server_config *c) {
     c->host = "0.0.0.0";
     c->port = 8000;
     c->max_body_bytes = (size_t)32 << 20;
+    c->header_timeout_s = 60;   /* nginx's client_header_timeout */
+    c->keepalive_timeout_s = 5; /* uvicorn's and vLLM's */
     c->log_requests = 1;
     engine_config_init(&c->engine);
 }
@@ -81,6 +83,27 @@ void server_reply_json(struct evhttp_request *req, int status, json_t *body, con
     if (req_id) evhttp_add_header(h, "X-Request-Id", req_id);
     evhttp_send_reply(req, status, status_reason(status), b);
     evbuffer_free(b);
+}
+
+static void free_text(const void *data, size_t len, void *arg) {
+    free(arg);
+}
+
+void server_reply_json_text(struct evhttp_request *req, int status, char *text) {
+    if (!text) {
+        server_reply_json(req, status, NULL, NULL);
+        return;
+    }
+    struct evbuffer *b = evbuffer_new();
+    if (b && evbuffer_add_reference(b, text, strlen(text), free_text, text) == 0) {
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
+                          "application/json");
+        evhttp_send_reply(req, status, status_reason(status), b);
+    } else {
+        free(text);
+        server_reply_json(req, 500, NULL, NULL);
+    }
+    if (b) evbuffer_free(b);
 }
 
 void server_reply_error(struct evhttp_request *req, const oai_error *e, const char *req_id) {
@@ -213,6 +236,7 @@ static int api_key_ok(server *s, struct evhttp_request *req) {
 static void http_dispatch(struct evhttp_request *req, void *arg) {
     server *s = arg;
     s->metrics.http_requests++;
+    http_conn_request_begins(s, req);
     const char *path = evhttp_uri_get_path(evhttp_request_get_evhttp_uri(req));
     if (!path) path = "/";
     int method = evhttp_request_get_command(req);
@@ -368,6 +392,7 @@ int server_run(const server_config *cfg) {
     evhttp_set_max_headers_size(s->http, 64 * 1024);
     evhttp_set_timeout(s->http, 3600); /* idle I/O; a long non-streaming generation is silent */
     evhttp_set_gencb(s->http, http_dispatch, s);
+    http_conn_install(s);
     if (!evhttp_bind_socket_with_handle(s->http, cfg->host, (ev_uint16_t)cfg->port)) {
         LOG_E("server",
               "cannot listen on %s:%d: %s (is the port in use? choose another with --port)",
@@ -384,6 +409,8 @@ int server_run(const server_config *cfg) {
     event_add(s->sig_int, NULL);
     event_add(s->sig_term, NULL);
     LOG_I("server", "listening on http://%s:%d (loading %s)", cfg->host, cfg->port, cfg->model);
+    if (prep_init(s))
+        LOG_W("server", "no preparation thread: long prompts are tokenized on the loop");
     if (pthread_create(&s->loader, NULL, loader_main, s)) {
         LOG_E("server", "cannot start the loader thread");
         goto out;
@@ -399,7 +426,9 @@ out:
     s->eng = NULL;                      /* close callbacks below must not abort */
     gen_drop_events(s);                 /* events of requests that are freed next */
     gen_free_live(s);
+    prep_free(s); /* before evhttp_free: the requests it holds are answered */
     if (s->http) evhttp_free(s->http);
+    http_conn_free_all(s);
     if (s->tmpl) chat_template_free(s->tmpl);
     if (s->tok) tokenizer_free(s->tok);
     if (s->wake) event_free(s->wake);

@@ -121,11 +121,24 @@ static int get_string(const json_t *o, const char *key, const char **out, oai_er
     if (!v || json_is_null(v)) return 0;
     if (!json_is_string(v))
         return bad(err, key, "'%s' must be a string, got %s", key, text_json_kind(v));
+    if (strlen(json_string_value(v)) != json_string_length(v)) /* a name, not text */
+        return bad(err, key, "'%s' must not contain NUL characters (\\u0000)", key);
     *out = json_string_value(v);
     return 1;
 }
 
 /* ---- prompts ----------------------------------------------------------- */
+
+/* A JSON string's bytes, NULs included ("\u0000" is valid JSON and vLLM
+ * accepts it), NUL-terminated for convenience; *len is its byte length. */
+static char *dup_json_string(const json_t *v, size_t *len) {
+    *len = json_string_length(v);
+    char *p = malloc(*len + 1);
+    if (!p) return NULL;
+    memcpy(p, json_string_value(v), *len);
+    p[*len] = 0;
+    return p;
+}
 
 static int ids_from_array(const json_t *a, const char *key, int32_t **ids, int *n, oai_error *err) {
     size_t len = json_array_size(a);
@@ -154,8 +167,7 @@ static int parse_prompt(oai_request *r, const json_t *body, oai_error *err) {
         r->prompts = calloc(1, sizeof *r->prompts);
         if (!r->prompts) return bad(err, "prompt", "out of memory");
         r->n_prompts = 1;
-        r->prompts[0].text_len = json_string_length(p);
-        r->prompts[0].text = strndup(json_string_value(p), r->prompts[0].text_len);
+        r->prompts[0].text = dup_json_string(p, &r->prompts[0].text_len);
         if (!r->prompts[0].text) return bad(err, "prompt", "out of memory");
         if (r->prompts[0].text_len == 0) return bad(err, "prompt", "'prompt' must not be empty");
         return 0;
@@ -180,8 +192,7 @@ static int parse_prompt(oai_request *r, const json_t *body, oai_error *err) {
         const json_t *e = json_array_get(p, i);
         oai_prompt *op = &r->prompts[i];
         if (json_is_string(e) && json_is_string(first)) {
-            op->text_len = json_string_length(e);
-            op->text = strndup(json_string_value(e), op->text_len);
+            op->text = dup_json_string(e, &op->text_len);
             if (!op->text) return bad(err, "prompt", "out of memory");
             if (op->text_len == 0) return bad(err, "prompt", "'prompt' element %zu is empty", i);
         } else if (json_is_array(e) && json_is_array(first)) {
@@ -438,7 +449,7 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     r->skip_special_tokens = true;
     r->add_special_tokens = kind == OAI_COMPLETIONS;
     json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &je);
     if (!root) {
         oai_error_set(err, 400, "BadRequestError", NULL,
                       "Invalid JSON body: %s at line %d column %d", je.text, je.line, je.column);

@@ -34,6 +34,9 @@ typedef struct oai_usage {
     int prompt_tokens;     /* all prompts, once each */
     int completion_tokens; /* all choices */
     int cached_tokens;     /* prompt tokens served from the prefix cache, -1: omit details */
+    bool kv_transfer;      /* a P/D request: add "kv_transfer" (the two counts below) */
+    int received_tokens;   /* prompt tokens whose KV came from the producer */
+    int computed_tokens;   /* prompt tokens computed by this instance */
 } oai_usage;
 
 json_t *oai_usage_json(const oai_usage *u);

@@ -29,6 +29,8 @@ typedef struct server_config {
     const char *api_key;              /* Bearer key required on the /v1 routes; NULL = none */
     const char *kv_transfer_config;   /* --kv-transfer-config JSON text, kept for the connector */
     size_t max_body_bytes;            /* request body limit (default 32 MiB) → 413 */
+    double header_timeout_s;          /* head complete this long after its first byte (60) */
+    double keepalive_timeout_s;       /* idle keep-alive connection closed after (5) */
     int log_requests;                 /* log one line per request (default 1) */
     engine_config engine;             /* passed to engine_create */
     server_kv_params_fn kv_params_fn; /* connector hook, NULL = null */

@@ -50,16 +50,9 @@ static json_t *token_str(const tokenizer *tok, int32_t id) {
     return j;
 }
 
-static json_t *parse_body(server *s, struct evhttp_request *req, oai_error *err) {
-    size_t len = 0;
-    char *body = server_read_body(req, &len);
-    if (!body) {
-        oai_error_set(err, 500, "InternalServerError", NULL, "out of memory");
-        return NULL;
-    }
+static json_t *parse_body(server *s, const char *body, size_t len, oai_error *err) {
     json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
-    free(body);
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &je);
     if (!root) {
         oai_error_set(err, 400, "BadRequestError", NULL,
                       "Invalid JSON body: %s at line %d column %d", je.text, je.line, je.column);
@@ -72,8 +65,9 @@ static json_t *parse_body(server *s, struct evhttp_request *req, oai_error *err)
     }
     json_t *m = json_object_get(root, "model");
     if (m && !json_is_null(m) &&
-        (!json_is_string(m) || (strcmp(json_string_value(m), s->model_name) &&
-                                (!s->cfg.model || strcmp(json_string_value(m), s->cfg.model))))) {
+        (!json_is_string(m) || strlen(json_string_value(m)) != json_string_length(m) ||
+         (strcmp(json_string_value(m), s->model_name) &&
+          (!s->cfg.model || strcmp(json_string_value(m), s->cfg.model))))) {
         oai_error_set(err, 404, "NotFoundError", "model",
                       "The model `%s` does not exist. Accepted: \"%s\"",
                       json_is_string(m) ? json_string_value(m) : "(not a string)", s->model_name);
@@ -96,12 +90,15 @@ static int get_flag(json_t *o, const char *key, bool def, bool *out, oai_error *
     return 0;
 }
 
-void tokenize_handle(server *s, struct evhttp_request *req) {
+/* The /tokenize answer for body: 0 and *resp, or -1 and *err (on the loop or
+ * the preparation thread). */
+static int tokenize_run(server *s, const char *body, size_t len, json_t **resp,
+                        oai_error *err_out) {
     oai_error err;
-    json_t *root = parse_body(s, req, &err);
+    json_t *root = parse_body(s, body, len, &err);
     if (!root) {
-        server_reply_error(req, &err, NULL);
-        return;
+        *err_out = err;
+        return -1;
     }
     json_t *prompt = json_object_get(root, "prompt");
     json_t *messages = json_object_get(root, "messages");
@@ -147,20 +144,75 @@ void tokenize_handle(server *s, struct evhttp_request *req) {
     }
     free(ids);
     json_decref(root);
-    server_reply_json(req, 200,
-                      json_pack("{s:I,s:i,s:o,s:o}", "count", (json_int_t)n, "max_model_len",
-                                s->max_model_len, "tokens", toks, "token_strs", ts),
-                      NULL);
-    return;
+    *resp = json_pack("{s:I,s:i,s:o,s:o}", "count", (json_int_t)n, "max_model_len",
+                      s->max_model_len, "tokens", toks, "token_strs", ts);
+    return 0;
 fail:
     free(ids);
     json_decref(root);
-    server_reply_error(req, &err, NULL);
+    *err_out = err;
+    return -1;
+}
+
+typedef struct tokenize_job {
+    prep_job job;  /* first: the prep job */
+    char *resp;    /* the answer as JSON text, when job.rc == 0 */
+    oai_error err; /* the error, when job.rc != 0 */
+} tokenize_job;
+
+static void tokenize_work(prep_job *j, const char *body, size_t len) {
+    tokenize_job *t = (tokenize_job *)j;
+    json_t *resp = NULL;
+    j->rc = tokenize_run(j->s, body, len, &resp, &t->err);
+    if (j->rc == 0) { /* 7 M tokens are 50 MB of JSON: rendered here, not on the loop */
+        t->resp = json_dumps(resp, JSON_COMPACT);
+        json_decref(resp);
+    }
+}
+
+static void tokenize_done(prep_job *j) {
+    tokenize_job *t = (tokenize_job *)j;
+    if (j->http && j->rc == 0)
+        server_reply_json_text(j->http, 200, t->resp); /* consumes resp */
+    else if (j->http)
+        server_reply_error(j->http, &t->err, NULL);
+    else
+        free(t->resp);
+    free(t);
+}
+
+void tokenize_handle(server *s, struct evhttp_request *req) {
+    tokenize_job *t = prep_wants(s, req) ? calloc(1, sizeof *t) : NULL;
+    if (t) { /* a long prompt: tokenized off the loop */
+        t->job.http = req;
+        t->job.work = tokenize_work;
+        t->job.done = tokenize_done;
+        prep_submit(s, &t->job);
+        return;
+    }
+    size_t len = 0;
+    char *body = server_read_body(req, &len);
+    json_t *resp = NULL;
+    oai_error err;
+    if (!body) oai_error_set(&err, 500, "InternalServerError", NULL, "out of memory");
+    int rc = body ? tokenize_run(s, body, len, &resp, &err) : -1;
+    free(body);
+    if (rc)
+        server_reply_error(req, &err, NULL);
+    else
+        server_reply_json(req, 200, resp, NULL);
 }
 
 void detokenize_handle(server *s, struct evhttp_request *req) {
     oai_error err;
-    json_t *root = parse_body(s, req, &err);
+    size_t blen = 0;
+    char *body = server_read_body(req, &blen);
+    if (!body) {
+        server_reply_errorf(req, 500, "InternalServerError", NULL, "out of memory");
+        return;
+    }
+    json_t *root = parse_body(s, body, blen, &err);
+    free(body);
     if (!root) {
         server_reply_error(req, &err, NULL);
         return;

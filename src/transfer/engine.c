@@ -7,6 +7,7 @@
  */
 #include "disagg/transfer.h"
 
+#include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
 #include "base/net.h"
@@ -25,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #define MOD            "transfer"
@@ -55,7 +57,11 @@ struct transfer_engine {
     int nifaces;
     int whitelisted; /* device_name was given */
     uint16_t rpc_port, data_port;
-    int ipv4_only; /* listeners are IPv4 only (no IPv6 on this host) */
+    char *secret; /* shared secret, NULL = none */
+    /* Data endpoints advertised in the descriptor (whitelisted interfaces that
+     * could be bound), "ip:port". */
+    char data_addrs[SEGMENT_MAX_DATA_ADDRS][64];
+    int ndata_addrs;
 
     pthread_rwlock_t reg_lock; /* guards regs; servers hold it (read) while copying */
     registry regs;
@@ -71,7 +77,7 @@ struct transfer_engine {
     batch_table batches;
 
     _Atomic uint64_t bytes_written, bytes_read, requests_ok, requests_failed;
-    _Atomic uint64_t bytes_served, requests_rejected, shm_fallbacks;
+    _Atomic uint64_t bytes_served, requests_rejected, shm_fallbacks, auth_refused;
 };
 
 /* ---- configuration ------------------------------------------------------- */
@@ -104,14 +110,8 @@ static char *describe(void *ctx) {
     d.disagg_version = SEGMENT_DISAGG_VERSION;
     snprintf(d.host_id, sizeof d.host_id, "%s", e->host_id);
     d.pid = (int)getpid();
-    if (e->whitelisted) {
-        for (int i = 0; i < e->nifaces && d.num_data_addrs < SEGMENT_MAX_DATA_ADDRS; i++) {
-            net_addr a = e->ifaces[i].addr;
-            if (e->ipv4_only && a.ss.ss_family != AF_INET) continue;
-            net_addr_set_port(&a, e->data_port);
-            net_addr_format(&a, d.data_addrs[d.num_data_addrs++], sizeof d.data_addrs[0]);
-        }
-    }
+    for (int i = 0; i < e->ndata_addrs && d.num_data_addrs < SEGMENT_MAX_DATA_ADDRS; i++)
+        snprintf(d.data_addrs[d.num_data_addrs++], sizeof d.data_addrs[0], "%s", e->data_addrs[i]);
     pthread_rwlock_rdlock(&e->reg_lock);
     int rc = 0;
     for (size_t i = 0; i < e->regs.n && rc == 0; i++)
@@ -130,6 +130,17 @@ static void rpc_bound(void *ctx, uint16_t port) {
     net_addr adv;
     net_resolve(e->hostname, port, &adv);
     net_addr_format(&adv, e->segment_name, sizeof e->segment_name);
+}
+
+/* Whether a can be bound on this host (it is one of its addresses). */
+static int host_is_local(const net_addr *a) {
+    int fd = socket(a->ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 1; /* let the real bind report it */
+    net_addr t = *a;
+    net_addr_set_port(&t, 0);
+    int ok = bind(fd, (const struct sockaddr *)&t.ss, t.len) == 0 || errno != EADDRNOTAVAIL;
+    close(fd);
+    return ok;
 }
 
 static int choose_hostname(transfer_engine *e, const transfer_config *cfg) {
@@ -200,25 +211,73 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     }
     if ((rc = choose_hostname(e, cfg)) != 0) goto fail_early;
 
-    /* Listen dual-stack ([::] accepts IPv4 too) so that every advertised
-     * address is served; hosts without IPv6 fall back to 0.0.0.0. */
-    net_addr any;
-    net_resolve("::", cfg->data_port, &any);
+    if (cfg->auth_secret && *cfg->auth_secret && !(e->secret = strdup(cfg->auth_secret))) {
+        rc = TRANSFER_ENOMEM;
+        goto fail_early;
+    }
+    e->cfg.auth_secret = e->secret;
+
+    /* Bind only where peers must reach us (docs/transfer.md, Security): the
+     * handshake port on the advertised host, the data port there and on
+     * each whitelisted interface address (the advertised data_addrs). */
+    net_addr host;
+    if (net_resolve(e->hostname, 0, &host) != 0) {
+        LOG_E(MOD, "advertised host '%s' does not resolve", e->hostname);
+        rc = TRANSFER_EINVAL;
+        goto fail_early;
+    }
+    if (!host_is_local(&host)) {
+        /* A NAT'd or forwarded address (e.g. VLLM_HOST_IP of a container's
+         * host): it cannot be bound here, so listen on every interface. */
+        LOG_W(MOD,
+              "advertised host %s is not an address of this host: the handshake and data "
+              "ports listen on all interfaces",
+              e->hostname);
+        net_resolve(host.ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0, &host);
+    }
+    net_addr binds[1 + MAX_IFACES];
+    int ok[1 + MAX_IFACES], nb = 0, listener_of[MAX_IFACES];
+    binds[nb] = host;
+    net_addr_set_port(&binds[nb++], cfg->data_port);
+    char bound_host[64];
+    net_addr_host(&host, bound_host, sizeof bound_host);
+    int wildcard = !strcmp(bound_host, "0.0.0.0") || !strcmp(bound_host, "::");
+    for (int i = 0; e->whitelisted && i < e->nifaces; i++) {
+        char h[64];
+        net_addr_host(&e->ifaces[i].addr, h, sizeof h);
+        if (wildcard || strcmp(h, e->hostname) == 0) {
+            listener_of[i] = 0; /* served by the host's listener */
+        } else {
+            listener_of[i] = nb;
+            binds[nb++] = e->ifaces[i].addr;
+        }
+    }
     tcp_server_env env = {.reg_lock = &e->reg_lock,
                           .regs = &e->regs,
                           .timeout_base_ns = e->cfg.timeout_base_ns,
                           .timeout_per_byte_ns = e->cfg.timeout_per_byte_ns,
                           .bytes_served = &e->bytes_served,
-                          .rejected = &e->requests_rejected};
-    rc = tcp_server_start(&any, &env, &e->ts, &e->data_port);
-    if (rc != 0 && !strchr(e->hostname, ':')) {
-        net_resolve("0.0.0.0", cfg->data_port, &any);
-        e->ipv4_only = 1;
-        rc = tcp_server_start(&any, &env, &e->ts, &e->data_port);
-    }
+                          .rejected = &e->requests_rejected,
+                          .secret = e->secret,
+                          .auth_refused = &e->auth_refused};
+    rc = tcp_server_start(binds, nb, &env, &e->ts, &e->data_port, ok);
     if (rc != 0) goto fail_early;
-    net_addr_set_port(&any, cfg->rpc_port);
-    if ((rc = handshake_server_start(&any, describe, rpc_bound, e, &e->hs)) != 0) goto fail;
+    for (int i = 0; e->whitelisted && i < e->nifaces; i++) {
+        /* Advertise every whitelisted interface address whose listener is up. */
+        if (!ok[listener_of[i]] || e->ndata_addrs == SEGMENT_MAX_DATA_ADDRS) continue;
+        net_addr a = e->ifaces[i].addr;
+        net_addr_set_port(&a, e->data_port);
+        net_addr_format(&a, e->data_addrs[e->ndata_addrs++], sizeof e->data_addrs[0]);
+    }
+    net_addr hs_addr = host;
+    net_addr_set_port(&hs_addr, cfg->rpc_port);
+    handshake_server_cfg hcfg = {.describe = describe,
+                                 .bound = rpc_bound,
+                                 .ctx = e,
+                                 .self_name = e->segment_name,
+                                 .secret = e->secret,
+                                 .auth_refused = &e->auth_refused};
+    if ((rc = handshake_server_start(&hs_addr, &hcfg, &e->hs)) != 0) goto fail;
     if ((rc = shm_pool_create(e, SHM_THREADS, shm_refused_cb, e, &e->shm)) != 0) goto fail;
     LOG_D(MOD, "engine %s up (tcp data port %u, %d interface address(es))", e->segment_name,
           e->data_port, e->nifaces);
@@ -228,6 +287,7 @@ fail:
     handshake_server_stop(e->hs);
     tcp_server_stop(e->ts);
 fail_early:
+    free(e->secret);
     batch_table_destroy(&e->batches);
     registry_free(&e->regs);
     pthread_rwlock_destroy(&e->reg_lock);
@@ -258,11 +318,16 @@ void transfer_engine_destroy(transfer_engine *e) {
     registry_free(&e->regs);
     pthread_rwlock_destroy(&e->reg_lock);
     pthread_mutex_destroy(&e->peers_mu);
+    free(e->secret);
     free(e);
 }
 
 const char *transfer_engine_segment_name(const transfer_engine *e) {
     return e ? e->segment_name : "";
+}
+
+uint16_t transfer_engine_data_port(const transfer_engine *e) {
+    return e ? e->data_port : 0;
 }
 
 /* ---- registration -------------------------------------------------------- */
@@ -324,8 +389,8 @@ static int peer_fetch_locked(transfer_engine *e, peer *p) {
     char *mine = describe(e);
     segment_desc d;
     char err[256] = "";
-    int rc = handshake_fetch(&p->rpc_addr, mine, clock_now_ns() + e->cfg.connect_timeout_ns, &d,
-                             err, sizeof err);
+    int rc = handshake_fetch(&p->rpc_addr, p->name, e->segment_name, mine, e->secret,
+                             clock_now_ns() + e->cfg.connect_timeout_ns, &d, err, sizeof err);
     free(mine);
     if (rc) {
         LOG_W(MOD, "open segment %s: %s", p->name, err);
@@ -396,7 +461,8 @@ static int peer_ensure_tcp_locked(transfer_engine *e, peer *p) {
         LOG_E(MOD, "segment %s has no usable tcp data address", p->name);
         return TRANSFER_ENOSEG;
     }
-    return tcp_client_create(e, paths, n, e->cfg.lanes, e->cfg.connect_timeout_ns, &p->tcp);
+    return tcp_client_create(e, paths, n, e->cfg.lanes, e->cfg.connect_timeout_ns, e->secret,
+                             &p->tcp);
 }
 
 int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment *out) {
@@ -908,6 +974,7 @@ void transfer_engine_get_stats(transfer_engine *e, transfer_stats *out) {
     out->bytes_served = atomic_load(&e->bytes_served);
     out->requests_rejected = atomic_load(&e->requests_rejected);
     out->shm_fallbacks = atomic_load(&e->shm_fallbacks);
+    out->auth_refused = atomic_load(&e->auth_refused);
     pthread_mutex_lock(&e->peers_mu);
     for (size_t i = 0; i < e->npeers; i++) {
         pthread_mutex_lock(&e->peers[i]->mu);

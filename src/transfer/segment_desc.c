@@ -119,8 +119,16 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
             fail(err, cap, "buffer entry is not an object", NULL);
             goto done;
         }
-        if (get_str(b, "name", loc, sizeof loc, 0, err, cap) ||
-            get_uint(b, "addr", UINT64_MAX, &addr, 1, err, cap) ||
+        /* Mooncake names a tcp buffer after its segment ("ip:port"): kept
+         * when it fits, else the default location (it is informative). */
+        json_t *bn = json_object_get(b, "name");
+        if (bn && !json_is_string(bn)) {
+            fail(err, cap, "field must be a string:", "buffers[].name");
+            goto done;
+        }
+        if (bn && json_string_length(bn) < sizeof loc)
+            memcpy(loc, json_string_value(bn), json_string_length(bn) + 1);
+        if (get_uint(b, "addr", UINT64_MAX, &addr, 1, err, cap) ||
             get_uint(b, "length", UINT64_MAX, &length, 1, err, cap))
             goto done;
         int r = registry_add(&out->buffers, addr, length, loc);

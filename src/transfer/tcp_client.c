@@ -1,6 +1,7 @@
 /* tcp_client — see tcp_client.h. */
 #include "transfer/tcp_client.h"
 
+#include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
 #include "disagg/transfer.h"
@@ -48,6 +49,7 @@ struct tcp_client {
     lane *lanes; /* (npaths * lanes_per_path), path-major */
     int nlanes;
     uint64_t connect_timeout_ns;
+    const char *secret;
     atomic_uint next; /* round-robin cursor */
     _Atomic uint64_t path_bytes[TCP_CLIENT_MAX_PATHS];
     _Atomic uint64_t retries;
@@ -103,7 +105,7 @@ static void reroute(tcp_client *c, const lane *from, xfer_op *op, int err) {
         engine_op_done(c->e, op, TRANSFER_ETIMEDOUT);
         return;
     }
-    if (++op->tries >= c->max_tries) {
+    if (++op->tries >= c->max_tries || err == TRANSFER_EAUTH) { /* another path won't help */
         engine_op_done(c->e, op, err);
         return;
     }
@@ -180,6 +182,58 @@ static void lane_flush_locked(lane *l, uint8_t (*hdrs)[TCP_HEADER_LEN], struct i
     if (l->q_head) pthread_cond_signal(&l->send_cv);
 }
 
+/* The secret's challenge-response on a fresh connection (tcp_server.h).
+ * Returns 0, or a transfer_error with the reason logged. */
+static int client_auth(tcp_client *c, int fd, const char *label, uint64_t deadline) {
+    uint8_t cn[AUTH_NONCE_LEN], sn[AUTH_NONCE_LEN], mac[AUTH_MAC_LEN], want[AUTH_MAC_LEN];
+    uint64_t w = 0;
+    if (auth_random(cn, sizeof cn) != 0) return TRANSFER_ESYS;
+    struct iovec iov[2] = {{(void *)TCP_AUTH_MAGIC, TCP_AUTH_MAGIC_LEN}, {cn, sizeof cn}};
+    int rc = net_writev_all(fd, iov, 2, deadline);
+    if (rc == 0) rc = net_recv_all(fd, &w, sizeof w, deadline);
+    if (rc) {
+        LOG_E(MOD,
+              "data connection %s: the peer closed during authentication (%s): it has no "
+              "auth_secret (a plain Mooncake or unauthenticated disagg engine), or another one",
+              label, strerror(-rc));
+        return TRANSFER_EAUTH;
+    }
+    if (w == (TCP_STATUS_MAGIC | TCP_STATUS_AUTH_REFUSED)) {
+        LOG_E(MOD, "data connection %s: the peer refused authentication", label);
+        return TRANSFER_EAUTH;
+    }
+    if (w != (TCP_STATUS_MAGIC | TCP_STATUS_AUTH_CHALLENGE)) {
+        LOG_E(MOD,
+              "data connection %s: the peer does not authenticate (it answered 0x%016llx: no "
+              "auth_secret there); refusing it",
+              label, (unsigned long long)w);
+        return TRANSFER_EAUTH;
+    }
+    rc = net_recv_all(fd, sn, sizeof sn, deadline);
+    if (rc == 0) rc = net_recv_all(fd, mac, sizeof mac, deadline);
+    if (rc) {
+        LOG_E(MOD, "data connection %s: truncated authentication challenge: %s", label,
+              strerror(-rc));
+        return TRANSFER_ECONN;
+    }
+    if (tcp_auth_mac(c->secret, 1, cn, sn, want) != 0 || !auth_equal(mac, want, sizeof mac)) {
+        LOG_E(MOD,
+              "data connection %s: the peer's proof does not verify (a different auth_secret / "
+              "DISAGG_KV_SECRET); refusing it",
+              label);
+        return TRANSFER_EAUTH;
+    }
+    if (tcp_auth_mac(c->secret, 0, cn, sn, mac) != 0) return TRANSFER_ESYS;
+    rc = net_send_all(fd, mac, sizeof mac, deadline);
+    if (rc == 0) rc = net_recv_all(fd, &w, sizeof w, deadline);
+    if (rc || w != (TCP_STATUS_MAGIC | TCP_STATUS_OK)) {
+        LOG_E(MOD, "data connection %s: the peer refused this engine's proof (a different secret)",
+              label);
+        return TRANSFER_EAUTH;
+    }
+    return 0;
+}
+
 static void *sender_main(void *arg) {
     lane *l = arg;
     tcp_client *c = l->cl;
@@ -201,12 +255,26 @@ static void *sender_main(void *arg) {
                 close(fd);
                 break;
             }
-            if (fd < 0) {
+            int err = fd == -ETIMEDOUT ? TRANSFER_ETIMEDOUT : TRANSFER_ECONN;
+            if (fd >= 0 && c->secret) {
+                pthread_mutex_unlock(&l->mu);
+                int ar = client_auth(c, fd, p->label, clock_now_ns() + c->connect_timeout_ns);
+                pthread_mutex_lock(&l->mu);
+                if (ar) {
+                    close(fd);
+                    fd = -1;
+                    err = ar;
+                } else if (l->stop) {
+                    close(fd);
+                    break;
+                }
+            } else if (fd < 0) {
                 LOG_W(MOD, "cannot connect %s: %s", p->label, strerror(-fd));
+            }
+            if (fd < 0) {
                 xfer_op *q = l->q_head;
                 l->q_head = l->q_tail = NULL;
                 pthread_mutex_unlock(&l->mu);
-                int err = fd == -ETIMEDOUT ? TRANSFER_ETIMEDOUT : TRANSFER_ECONN;
                 while (q) {
                     xfer_op *n = q->next;
                     reroute(c, l, q, err);
@@ -368,7 +436,8 @@ static void *receiver_main(void *arg) {
 }
 
 int tcp_client_create(struct transfer_engine *e, const tcp_path *paths, int npaths,
-                      int lanes_per_path, uint64_t connect_timeout_ns, tcp_client **out) {
+                      int lanes_per_path, uint64_t connect_timeout_ns, const char *secret,
+                      tcp_client **out) {
     if (npaths <= 0 || npaths > TCP_CLIENT_MAX_PATHS || lanes_per_path <= 0) return TRANSFER_EINVAL;
     tcp_client *c = calloc(1, sizeof *c);
     if (!c) return TRANSFER_ENOMEM;
@@ -378,6 +447,7 @@ int tcp_client_create(struct transfer_engine *e, const tcp_path *paths, int npat
     c->lanes_per_path = lanes_per_path;
     c->nlanes = npaths * lanes_per_path;
     c->connect_timeout_ns = connect_timeout_ns;
+    c->secret = secret && *secret ? secret : NULL;
     c->max_tries = (uint32_t)(npaths > 1 ? npaths + 1 : 2);
     c->lanes = calloc((size_t)c->nlanes, sizeof *c->lanes);
     if (!c->lanes) {

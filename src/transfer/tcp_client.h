@@ -27,8 +27,12 @@ typedef struct tcp_path {
 
 typedef struct tcp_client tcp_client;
 
+/* secret: NULL, or the shared secret (kept by pointer: it must outlive the
+ * client) with which every connection authenticates before its first
+ * request (tcp_server.h). */
 int tcp_client_create(struct transfer_engine *e, const tcp_path *paths, int npaths,
-                      int lanes_per_path, uint64_t connect_timeout_ns, tcp_client **out);
+                      int lanes_per_path, uint64_t connect_timeout_ns, const char *secret,
+                      tcp_client **out);
 /* Takes ownership of op; it ends through engine_op_done(). */
 void tcp_client_submit(tcp_client *c, xfer_op *op);
 /* Stops every lane; queued and in-flight ops end with TRANSFER_ECANCELED. */

@@ -1,6 +1,7 @@
 /* tcp_server — see tcp_server.h. */
 #include "transfer/tcp_server.h"
 
+#include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
 #include "disagg/transfer.h"
@@ -12,20 +13,24 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#define MOD       "transfer.tcp"
-#define MAX_CONNS 1024
-#define INBUF     65536
-#define OUTMAX    512 /* status words batched before a flush */
+#define MOD              "transfer.tcp"
+#define MAX_CONNS        1024
+#define INBUF            65536
+#define OUTMAX           512 /* status words batched before a flush */
+#define MAX_LISTEN       17
+#define AUTH_DEADLINE_NS (2 * NS_PER_S)
 
 typedef struct conn {
     struct conn *prev, *next; /* server's list */
     struct tcp_server *srv;
     int fd;
+    char peer[80]; /* client "ip:port", for logs */
 } conn;
 
 struct tcp_server {
     tcp_server_env env;
-    int listen_fd;
+    int listen_fd[MAX_LISTEN];
+    int nlisten;
     int stop_fd;
     pthread_t accept_thread;
     pthread_mutex_t mu; /* guards conns, nconns, stopping */
@@ -136,13 +141,17 @@ static int serve_one(tcp_server *s, conn_io *io) {
     double per = s->env.timeout_per_byte_ns * (double)size;
     uint64_t deadline =
         clock_now_ns() + s->env.timeout_base_ns + (per > 1e15 ? (uint64_t)1e15 : (uint64_t)per);
-    if (!(opcode & TCP_OP_V2) || (opcode & 0x7f) > TRANSFER_WRITE) {
+    if ((opcode & 0x7f) > TRANSFER_WRITE) {
         LOG_W(MOD, "malformed request (opcode 0x%02x); closing the connection", opcode);
         push_status(io, TCP_STATUS_MALFORMED, deadline);
         flush_out(io, deadline);
         return -EPROTO;
     }
     int is_write = (opcode & 0x7f) == TRANSFER_WRITE;
+    /* Mooncake's v1 framing (no 0x80 flag: MC_TCP_PROTO=1, or engines before
+     * tcp_proto_version): no status words at all; a rejected request closes
+     * the connection, as Mooncake's server does. */
+    int v2 = (opcode & TCP_OP_V2) != 0;
     pthread_rwlock_rdlock(s->env.reg_lock);
     const registry_entry *e = registry_find(s->env.regs, addr, size);
     if (!e) {
@@ -150,6 +159,10 @@ static int serve_one(tcp_server *s, conn_io *io) {
         atomic_fetch_add(s->env.rejected, 1);
         LOG_D(MOD, "rejected %s of %llu bytes at 0x%llx: not inside a registered buffer",
               is_write ? "WRITE" : "READ", (unsigned long long)size, (unsigned long long)addr);
+        if (!v2) {
+            flush_out(io, deadline);
+            return -EPROTO;
+        }
         if (is_write && size > TCP_MAX_REQUEST) {
             push_status(io, TCP_STATUS_REJECTED, deadline);
             flush_out(io, deadline);
@@ -163,10 +176,10 @@ static int serve_one(tcp_server *s, conn_io *io) {
         pthread_rwlock_unlock(s->env.reg_lock);
         if (rc) return rc;
         atomic_fetch_add(s->env.bytes_served, size);
-        return push_status(io, TCP_STATUS_OK, deadline);
+        return v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
     }
-    /* READ: statuses so far, then this one's status and payload in one writev. */
-    rc = push_status(io, TCP_STATUS_OK, deadline);
+    /* READ: statuses so far, then this one's status (v2) and payload in one writev. */
+    rc = v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
     if (rc == 0) {
         struct iovec iov[2] = {{io->out, io->nout * sizeof io->out[0]},
                                {(void *)(uintptr_t)addr, size}};
@@ -176,6 +189,69 @@ static int serve_one(tcp_server *s, conn_io *io) {
     pthread_rwlock_unlock(s->env.reg_lock);
     if (rc == 0) atomic_fetch_add(s->env.bytes_served, size);
     return rc;
+}
+
+int tcp_auth_mac(const char *secret, int server_role, const uint8_t *cn, const uint8_t *sn,
+                 uint8_t *out) {
+    const char *label =
+        server_role ? "disagg transfer data v1 server" : "disagg transfer data v1 client";
+    const void *parts[3] = {label, cn, sn};
+    size_t lens[3] = {strlen(label) + 1, AUTH_NONCE_LEN, AUTH_NONCE_LEN};
+    return auth_hmacv(secret, strlen(secret), parts, lens, 3, out);
+}
+
+static void send_word(int fd, uint64_t code, uint64_t deadline) {
+    uint64_t w = TCP_STATUS_MAGIC | code;
+    net_send_all(fd, &w, sizeof w, deadline);
+}
+
+/* The secret's challenge-response, before any request frame is read. */
+static int serve_auth(tcp_server *s, conn *c) {
+    uint64_t deadline = clock_now_ns() + AUTH_DEADLINE_NS;
+    uint8_t magic[TCP_AUTH_MAGIC_LEN], cn[AUTH_NONCE_LEN], sn[AUTH_NONCE_LEN];
+    uint8_t mac[AUTH_MAC_LEN], want[AUTH_MAC_LEN];
+    int rc = net_recv_all(c->fd, magic, sizeof magic, deadline);
+    if (rc == 0 && memcmp(magic, TCP_AUTH_MAGIC, sizeof magic) != 0) {
+        LOG_W(MOD,
+              "refused data connection from %s: it did not authenticate (it has no auth_secret, "
+              "or is a plain Mooncake engine); this engine requires the shared secret",
+              c->peer);
+        atomic_fetch_add(s->env.auth_refused, 1); /* counted before the peer can see it */
+        send_word(c->fd, TCP_STATUS_AUTH_REFUSED, deadline);
+        return -EACCES;
+    }
+    if (rc == 0) rc = net_recv_all(c->fd, cn, sizeof cn, deadline);
+    if (rc) {
+        LOG_W(MOD, "refused data connection from %s: no authentication within 2 s (%s)", c->peer,
+              strerror(-rc));
+        atomic_fetch_add(s->env.auth_refused, 1);
+        return -EACCES;
+    }
+    if (auth_random(sn, sizeof sn) != 0 || tcp_auth_mac(s->env.secret, 1, cn, sn, mac) != 0)
+        return -EIO;
+    uint64_t w = TCP_STATUS_MAGIC | TCP_STATUS_AUTH_CHALLENGE;
+    struct iovec iov[3] = {{&w, sizeof w}, {sn, sizeof sn}, {mac, sizeof mac}};
+    if ((rc = net_writev_all(c->fd, iov, 3, deadline)) != 0) return rc;
+    rc = net_recv_all(c->fd, mac, sizeof mac, deadline);
+    if (rc) {
+        LOG_W(MOD,
+              "refused data connection from %s: it closed during authentication (it rejected "
+              "this engine's proof: a different auth_secret?)",
+              c->peer);
+        atomic_fetch_add(s->env.auth_refused, 1);
+        return -EACCES;
+    }
+    if (tcp_auth_mac(s->env.secret, 0, cn, sn, want) != 0 || !auth_equal(mac, want, sizeof mac)) {
+        LOG_W(MOD,
+              "refused data connection from %s: authentication failed, its proof does not verify "
+              "(a different auth_secret / DISAGG_KV_SECRET)",
+              c->peer);
+        atomic_fetch_add(s->env.auth_refused, 1); /* counted before the peer can see it */
+        send_word(c->fd, TCP_STATUS_AUTH_REFUSED, deadline);
+        return -EACCES;
+    }
+    send_word(c->fd, TCP_STATUS_OK, deadline);
+    return 0;
 }
 
 static void conn_unlink(tcp_server *s, conn *c) {
@@ -193,7 +269,9 @@ static void conn_unlink(tcp_server *s, conn *c) {
 static void *conn_main(void *arg) {
     conn *c = arg;
     tcp_server *s = c->srv;
-    conn_io *io = malloc(sizeof *io);
+    int refused = s->env.secret && serve_auth(s, c) != 0;
+    if (s->env.secret) auth_thread_stop(); /* before stop() can see this connection gone */
+    conn_io *io = refused ? NULL : malloc(sizeof *io);
     if (io) {
         io->fd = c->fd;
         io->in_off = io->in_len = io->nout = 0;
@@ -216,13 +294,22 @@ static void *conn_main(void *arg) {
 static void *accept_main(void *arg) {
     tcp_server *s = arg;
     for (;;) {
-        struct pollfd p[2] = {{.fd = s->listen_fd, .events = POLLIN},
-                              {.fd = s->stop_fd, .events = POLLIN}};
-        int r = poll(p, 2, -1);
+        struct pollfd p[MAX_LISTEN + 1];
+        for (int i = 0; i < s->nlisten; i++)
+            p[i] = (struct pollfd){.fd = s->listen_fd[i], .events = POLLIN};
+        p[s->nlisten] = (struct pollfd){.fd = s->stop_fd, .events = POLLIN};
+        int r = poll(p, (nfds_t)s->nlisten + 1, -1);
         if (r < 0 && errno == EINTR) continue;
-        if (r < 0 || (p[1].revents & POLLIN)) break;
-        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (r < 0 || (p[s->nlisten].revents & POLLIN)) break;
+        int li = 0;
+        while (li < s->nlisten && !(p[li].revents & POLLIN))
+            li++;
+        if (li == s->nlisten) continue;
+        net_addr from;
+        socklen_t fl = sizeof from.ss;
+        int fd = accept4(s->listen_fd[li], (struct sockaddr *)&from.ss, &fl, SOCK_CLOEXEC);
         if (fd < 0) continue;
+        from.len = fl;
         net_set_nodelay(fd);
         net_set_nonblock(fd, 1);
         conn *c = calloc(1, sizeof *c);
@@ -236,6 +323,7 @@ static void *accept_main(void *arg) {
         }
         c->srv = s;
         c->fd = fd;
+        net_addr_format(&from, c->peer, sizeof c->peer);
         c->next = s->conns;
         if (s->conns) s->conns->prev = c;
         s->conns = c;
@@ -255,27 +343,46 @@ static void *accept_main(void *arg) {
     return NULL;
 }
 
-int tcp_server_start(const net_addr *addr, const tcp_server_env *env, tcp_server **out,
-                     uint16_t *port) {
+int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *env, tcp_server **out,
+                     uint16_t *port, int *ok) {
+    if (naddrs < 1 || naddrs > MAX_LISTEN) return TRANSFER_EINVAL;
     tcp_server *s = calloc(1, sizeof *s);
     if (!s) return TRANSFER_ENOMEM;
     s->env = *env;
+    if (s->env.secret && !*s->env.secret) s->env.secret = NULL;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->drained, NULL);
-    s->listen_fd = net_listen(addr, 512);
-    if (s->listen_fd < 0) {
-        char a[80];
-        net_addr_format(addr, a, sizeof a);
-        LOG_E(MOD, "cannot listen on %s for tcp data: %s", a, strerror(-s->listen_fd));
-        free(s);
-        return TRANSFER_ESYS;
+    uint16_t p = net_addr_port(&addrs[0]);
+    for (int i = 0; i < naddrs; i++) {
+        net_addr a = addrs[i];
+        net_addr_set_port(&a, p);
+        int fd = net_listen(&a, 512);
+        if (ok) ok[i] = fd >= 0;
+        if (fd < 0) {
+            char as[80];
+            net_addr_format(&a, as, sizeof as);
+            if (i == 0) {
+                LOG_E(MOD, "cannot listen on %s for tcp data: %s", as, strerror(-fd));
+                pthread_mutex_destroy(&s->mu);
+                pthread_cond_destroy(&s->drained);
+                free(s);
+                return TRANSFER_ESYS;
+            }
+            LOG_W(MOD, "cannot listen on %s for tcp data (%s): not advertised", as, strerror(-fd));
+            continue;
+        }
+        if (i == 0) {
+            net_addr bound;
+            net_local_addr(fd, &bound);
+            p = net_addr_port(&bound);
+        }
+        s->listen_fd[s->nlisten++] = fd;
     }
-    net_addr bound;
-    net_local_addr(s->listen_fd, &bound);
-    *port = net_addr_port(&bound);
+    *port = p;
     s->stop_fd = eventfd(0, EFD_CLOEXEC);
     if (s->stop_fd < 0 || pthread_create(&s->accept_thread, NULL, accept_main, s) != 0) {
-        close(s->listen_fd);
+        for (int i = 0; i < s->nlisten; i++)
+            close(s->listen_fd[i]);
         if (s->stop_fd >= 0) close(s->stop_fd);
         free(s);
         return TRANSFER_ESYS;
@@ -297,7 +404,8 @@ void tcp_server_stop(tcp_server *s) {
     while (s->nconns > 0)
         pthread_cond_wait(&s->drained, &s->mu);
     pthread_mutex_unlock(&s->mu);
-    close(s->listen_fd);
+    for (int i = 0; i < s->nlisten; i++)
+        close(s->listen_fd[i]);
     close(s->stop_fd);
     pthread_cond_destroy(&s->drained);
     pthread_mutex_destroy(&s->mu);

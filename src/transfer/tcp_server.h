@@ -17,13 +17,21 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#define TCP_HEADER_LEN       24
-#define TCP_STATUS_MAGIC     0x4D43545600000000ull
-#define TCP_STATUS_OK        0
-#define TCP_STATUS_REJECTED  1
-#define TCP_STATUS_MALFORMED 2
-#define TCP_OP_V2            0x80
-#define TCP_MAX_REQUEST      (1ull << 30) /* larger rejected WRITEs close the connection */
+#define TCP_HEADER_LEN            24
+#define TCP_STATUS_MAGIC          0x4D43545600000000ull
+#define TCP_STATUS_OK             0
+#define TCP_STATUS_REJECTED       1
+#define TCP_STATUS_MALFORMED      2
+#define TCP_STATUS_AUTH_REFUSED   3 /* secret set: the peer did not (or could not) authenticate */
+#define TCP_STATUS_AUTH_CHALLENGE 4 /* secret set: server nonce + proof follow */
+/* Secret set: a data connection opens with TCP_AUTH_MAGIC + client nonce; the
+ * server answers status AUTH_CHALLENGE + nonce + proof; the client sends its
+ * proof; the server answers status OK (then requests flow) or AUTH_REFUSED
+ * and closes.  No request frame is read before that. */
+#define TCP_AUTH_MAGIC     "DGXAUTH1"
+#define TCP_AUTH_MAGIC_LEN 8
+#define TCP_OP_V2          0x80
+#define TCP_MAX_REQUEST    (1ull << 30) /* larger rejected WRITEs close the connection */
 
 typedef struct tcp_server_env {
     pthread_rwlock_t *reg_lock; /* guards regs; held (read) while bytes move */
@@ -32,16 +40,25 @@ typedef struct tcp_server_env {
     double timeout_per_byte_ns;
     _Atomic uint64_t *bytes_served; /* stats */
     _Atomic uint64_t *rejected;
+    const char *secret;             /* NULL = no authentication (Mooncake's frames) */
+    _Atomic uint64_t *auth_refused; /* stats: data connections refused */
 } tcp_server_env;
 
 typedef struct tcp_server tcp_server;
 
-int tcp_server_start(const net_addr *addr, const tcp_server_env *env, tcp_server **out,
-                     uint16_t *port);
+/* Listen on addrs[0] (its port, 0 = ephemeral; the bound one in *port) and
+ * on addrs[1..n) with that same port.  A failure on addrs[0] fails the call;
+ * on the others it is logged and ok[i] = 0 (ok may be NULL). */
+int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *env, tcp_server **out,
+                     uint16_t *port, int *ok);
 void tcp_server_stop(tcp_server *s);
 
 /* Encode / decode the 24-byte request header (little-endian). */
 void tcp_header_encode(uint8_t h[TCP_HEADER_LEN], uint64_t size, uint64_t addr, uint8_t opcode);
+/* The data connection's proofs: HMAC-SHA256(secret, role label | cn | sn). */
+int tcp_auth_mac(const char *secret, int server_role, const uint8_t *cn, const uint8_t *sn,
+                 uint8_t *out);
+
 void tcp_header_decode(const uint8_t h[TCP_HEADER_LEN], uint64_t *size, uint64_t *addr,
                        uint8_t *opcode);
 

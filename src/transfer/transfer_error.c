@@ -37,6 +37,8 @@ const char *transfer_strerror(int err) {
         return "batch capacity exceeded";
     case TRANSFER_EPERM:
         return "operation not permitted";
+    case TRANSFER_EAUTH:
+        return "peer authentication failed (shared secret missing or different)";
     default:
         return "unknown transfer error";
     }

@@ -1,9 +1,14 @@
 """mooncake_wire — a small, independent Python client of the transfer engine's
-wire formats, written from docs/transfer.md only (no code shared with the C
-engine): the handshake (RPC) frames and the Mooncake TCP v2 data protocol.
+wire formats (no code shared with the C engine): the handshake (RPC) frames
+and the Mooncake TCP v2 data protocol, as Mooncake's own source has them
+(mooncake-transfer-engine/include/common.h writeString/readString,
+transfer_metadata_plugin.cpp SocketHandShakePlugin, tcp_transport.cpp).
+test_mooncake_interop.py checks the engine against the real Mooncake wheel;
+this client is for what the wheel cannot send: malformed frames, raw attackers.
 
-Handshake frame:  u64 length (LE) | u8 type | length bytes of JSON.
-  type 1 metadata (answer: the peer's descriptor), type 3 probe.
+Handshake frame:  u64 length (LE) | u8 type | JSON, length = 1 + len(JSON)
+  (it counts the type byte); type 1 metadata (answer: the peer's
+  descriptor), type 3 probe (answer {"status": "success"}).
 Data request:     u64 size | u64 addr | u8 opcode (0x80 | op) | 7 pad  (24 bytes, LE)
   op 0 READ, 1 WRITE; status word u64 = 0x4D43545600000000 | code
   (0 ok, 1 address rejected, 2 malformed).
@@ -65,15 +70,15 @@ def encode_frame(ftype, payload):
     """A handshake frame; payload is bytes or a JSON-serialisable object."""
     if not isinstance(payload, (bytes, bytearray)):
         payload = json.dumps(payload).encode()
-    return struct.pack("<QB", len(payload), ftype) + bytes(payload)
+    return struct.pack("<QB", len(payload) + 1, ftype) + bytes(payload)
 
 
 def read_frame(sock, max_len=16 << 20):
     """-> (type, parsed JSON) of one answer frame."""
     length, ftype = struct.unpack("<QB", recv_exact(sock, 9))
-    if length > max_len:
-        raise WireError(f"answer frame length {length} exceeds {max_len}")
-    body = recv_exact(sock, length)
+    if length == 0 or length > max_len:
+        raise WireError(f"answer frame length {length} is not in 1..{max_len}")
+    body = recv_exact(sock, length - 1)
     try:
         return ftype, json.loads(body)
     except ValueError as e:

@@ -14,6 +14,7 @@ import requests
 import netns
 from netns import COMMON, HostPD, wait_blocks_zero
 from server_harness import Server
+from test_pd import assert_kv_pulled
 
 TIMEOUT = 120
 WORDS = ("Fellow-Citizens of the Senate and House of Representatives: the state of the Union "
@@ -70,6 +71,7 @@ def run_and_count(cluster, colocated, device_name, n_requests=4, words=200):
             pr, dr = pd.send(body)
             assert pr.status_code == 200, pr.text
             assert completion_ids(dr) == reference(colocated, body)
+            assert_kv_pulled(dr.json()["usage"])
         after = kv_counters(p)
         kv = pd.p.metric("disagg:kv_transfer_bytes_total")
         assert pd.p.metric("disagg:kv_transfers_total") == n_requests
@@ -127,12 +129,14 @@ def test_pd_across_hosts_equals_colocated(pd2, colocated, words):
     assert pr.status_code == 200, pr.text
     assert pr.json()["kv_transfer_params"] is None
     assert completion_ids(dr) == reference(colocated, body)
+    assert_kv_pulled(dr.json()["usage"])
 
 
 def test_pd_across_hosts_seeded_and_chat_stream(pd2, colocated):
     body = dict(BODY, prompt=prompt(64, salt=3), temperature=0.9, top_p=0.95, seed=77, max_tokens=24)
     _, dr = pd2.send(body)
     assert completion_ids(dr) == reference(colocated, body)
+    assert_kv_pulled(dr.json()["usage"])
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "What is the state of the Union?"}],
             "max_tokens": 20, "temperature": 0}
     ref = requests.post(colocated.url + "/v1/chat/completions", json=chat, timeout=TIMEOUT).json()
@@ -156,6 +160,7 @@ def test_pd_across_hosts_concurrent(pd2, colocated):
     for (pr, dr), ref in zip(outs, refs):
         assert pr.status_code == 200, pr.text
         assert completion_ids(dr) == ref
+        assert_kv_pulled(dr.json()["usage"])
     wait_blocks_zero(pd2.p)
     wait_blocks_zero(pd2.d)
 

@@ -13,6 +13,7 @@ import requests
 import netns
 from netns import COMMON, HostPD, NsServer, Proxy, kv_config, wait_blocks_zero
 from server_harness import Server
+from test_pd import assert_kv_pulled
 
 TIMEOUT = 120
 WORDS = ("Fellow-Citizens of the Senate and House of Representatives: the state of the Union "
@@ -74,6 +75,7 @@ def test_completions_through_proxy_across_hosts(stack, colocated, words):
     kv0 = p.tx_bytes("veth-a") + p.tx_bytes("veth-b")
     r = requests.post(proxy.url + "/v1/completions", json=body, timeout=TIMEOUT)
     assert completion_ids(r) == completion_ids(reference(colocated, body))
+    assert_kv_pulled(r.json()["usage"])  # D's KV came over the wire, D did not recompute it
     if words >= 40:  # the KV crossed the KV links
         assert p.tx_bytes("veth-a") + p.tx_bytes("veth-b") - kv0 > 40_000
 

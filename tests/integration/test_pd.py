@@ -127,6 +127,24 @@ def completion_ids(r):
     return [int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]], c["text"], c["finish_reason"]
 
 
+def assert_kv_pulled(usage):
+    """D's usage (docs/server.md, usage.kv_transfer): every prompt token not in D's own prefix
+    cache had its KV sent by P, and D ran only the last prompt token (for its logits) — a D that
+    silently recomputed the prompt gives the same text but fails this."""
+    kv = usage["kv_transfer"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert kv["received_prompt_tokens"] == usage["prompt_tokens"] - cached > 0, usage
+    assert kv["computed_prompt_tokens"] == 1, usage
+
+
+def assert_prefilled(usage):
+    """P's usage: it computed the prompt (less its prefix-cache hits) and received nothing."""
+    kv = usage["kv_transfer"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert kv["received_prompt_tokens"] == 0, usage
+    assert kv["computed_prompt_tokens"] == usage["prompt_tokens"] - cached > 0, usage
+
+
 BODY = {"model": "tiny", "max_tokens": 24, "temperature": 0, "logprobs": 0,
         "return_tokens_as_token_ids": True}
 
@@ -140,6 +158,8 @@ def test_pd_greedy_equals_colocated(pd, colocated, prompt):
     assert pr.json()["kv_transfer_params"] is None
     assert len(pr.json()["choices"][0]["logprobs"]["tokens"]) == 1
     assert completion_ids(dr) == ref
+    assert_prefilled(pr.json()["usage"])
+    assert_kv_pulled(dr.json()["usage"])
 
 
 def test_pd_seeded_sampling_equals_colocated(pd, colocated):
@@ -147,6 +167,7 @@ def test_pd_seeded_sampling_equals_colocated(pd, colocated):
     ref = completion_ids(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
     _, dr = pd.send(body)
     assert completion_ids(dr) == ref
+    assert_kv_pulled(dr.json()["usage"])
 
 
 def test_pd_chat_streaming_equals_colocated(pd, colocated):
@@ -156,13 +177,15 @@ def test_pd_chat_streaming_equals_colocated(pd, colocated):
     sbody = dict(body, stream=True, stream_options={"include_usage": True})
     pr, dr = pd.send(sbody, endpoint="/v1/chat/completions")
     assert pr.status_code == 200 and dr.status_code == 200, (pr.text, dr.text)
-    text = ""
+    text, usage = "", None
     for line in dr.text.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
             ev = json.loads(line[6:])
             for ch in ev.get("choices", []):
                 text += ch.get("delta", {}).get("content") or ""
+            usage = ev.get("usage") or usage
     assert text == ref["choices"][0]["message"]["content"]
+    assert_kv_pulled(usage)
     assert dr.text.rstrip().endswith("data: [DONE]")
 
 
@@ -177,6 +200,7 @@ def test_pd_shared_prefixes_and_concurrency(pd, colocated):
     for (pr, dr), ref in zip(outs, refs):
         assert pr.status_code == 200, pr.text
         assert completion_ids(dr) == ref
+        assert_kv_pulled(dr.json()["usage"])  # each request's own KV, even with shared prefixes
     wait_blocks_zero(pd.p)
     wait_blocks_zero(pd.d)
     m = pd.p.metrics()
@@ -194,10 +218,15 @@ def test_pull_before_prefill_waits(pd, colocated):
     pb = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
     with cf.ThreadPoolExecutor(2) as ex:
         fd = ex.submit(requests.post, pd.d.url + "/v1/completions", json=db, timeout=TIMEOUT)
-        time.sleep(1.0)  # the pull is waiting at P by now
+        deadline = time.time() + 30  # D's pull has started (a blind sleep could race D's admission)
+        while pd.d.metric("disagg:kv_transfer_loading_requests") != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert pd.d.metric("disagg:kv_transfer_loading_requests") == 1
+        time.sleep(1.0)  # its query and connect take milliseconds: the pull is waiting at P by now
         pr = requests.post(pd.p.url + "/v1/completions", json=pb, timeout=TIMEOUT)
         assert pr.status_code == 200
         assert completion_ids(fd.result()) == ref
+        assert_kv_pulled(fd.result().json()["usage"])
 
 
 def test_bad_kv_transfer_params_rejected(pd):
@@ -215,7 +244,9 @@ def test_requests_without_params_are_colocated(pd, colocated):
     body = dict(BODY, prompt=corpus_prompts()[2])
     ref = completion_ids(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
     for s in (pd.p, pd.d):
-        assert completion_ids(requests.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)) == ref
+        r = requests.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert completion_ids(r) == ref
+        assert "kv_transfer" not in r.json()["usage"]  # a colocated request: no P/D accounting
 
 
 # ---- deadlines and failures, each with its own small instances -------------------------------
@@ -289,6 +320,10 @@ def test_producer_killed(policy, colocated):
         assert time.time() - t0 < 70
         if policy == "recompute":
             assert completion_ids(r) == ref
+            u = r.json()["usage"]  # nothing came over the wire: D computed the prompt itself
+            assert u["kv_transfer"]["received_prompt_tokens"] == 0, u
+            assert u["kv_transfer"]["computed_prompt_tokens"] == \
+                u["prompt_tokens"] - (u["prompt_tokens_details"] or {}).get("cached_tokens", 0), u
         else:
             assert r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error", r.text
         wait_blocks_zero(x.d)
@@ -348,3 +383,97 @@ def test_producer_dies_while_decoder_waits_fails_fast():
         wait_blocks_zero(x.d, timeout=60)
     finally:
         x.stop()
+
+
+# ---- kv_both and an external bootstrap server -------------------------------------------------
+
+def pd_pair(p, p_bootstrap, d, body, endpoint="/v1/completions"):
+    """One request prefilled on p and decoded on d (the proxy's two bodies, sent together)."""
+    engine_id = requests.get(p_bootstrap + "/query", timeout=10).json()["0"]["engine_id"]
+    tid = "xfer-" + str(uuid.uuid4())
+    pb = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                                      "transfer_id": tid})
+    db = dict(body, kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": True,
+                                        "remote_engine_id": engine_id, "remote_bootstrap_addr": p_bootstrap,
+                                        "transfer_id": tid})
+    with cf.ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(requests.post, p.url + endpoint, json=pb, timeout=TIMEOUT)
+        fd = ex.submit(requests.post, d.url + endpoint, json=db, timeout=TIMEOUT)
+        return fp.result(), fd.result()
+
+
+def test_kv_both_is_producer_for_one_request_and_consumer_for_another(colocated):
+    """Two kv_both instances A and B: request 1 prefilled on A and decoded on B, request 2
+    prefilled on B and decoded on A, request 3 colocated on A; each equals the colocated
+    answer, and each decoder's KV came from the other instance."""
+    both = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}})
+    ports = (free_port(), free_port())
+    a = Server(*COMMON, "--kv-transfer-config", both, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(ports[0])})
+    try:
+        b = Server(*COMMON, "--kv-transfer-config", both, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(ports[1])})
+    except Exception:
+        a.stop()
+        raise
+    boot_a, boot_b = (f"http://127.0.0.1:{p}" for p in ports)
+    try:
+        prompts = corpus_prompts()
+        for (p, bp, d), prompt in zip([(a, boot_a, b), (b, boot_b, a)], (prompts[6], prompts[7])):
+            body = dict(BODY, prompt=prompt)
+            ref = completion_ids(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
+            pr, dr = pd_pair(p, bp, d, body)
+            assert pr.status_code == 200, pr.text
+            assert completion_ids(dr) == ref
+            assert_prefilled(pr.json()["usage"])
+            assert_kv_pulled(dr.json()["usage"])
+        for s in (a, b):  # each served once as producer (and once as consumer, checked above)
+            m = s.metrics()
+            assert m.get('disagg:kv_transfers_total{side="producer",result="ok"}', 0) == 1, m
+        body = dict(BODY, prompt=prompts[5])  # no kv_transfer_params on kv_both: colocated
+        r = requests.post(a.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert completion_ids(r) == completion_ids(
+            requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
+        assert "kv_transfer" not in r.json()["usage"]
+        wait_blocks_zero(a)
+        wait_blocks_zero(b)
+    finally:
+        for s in (a, b):
+            s.stop()
+
+
+def test_prefill_registers_with_external_bootstrap(colocated):
+    """`disagg bootstrap` started on its own; the prefill names it in bootstrap_server_address
+    (and embeds none); its rank appears there; the decoder resolves the producer through it."""
+    bs = subprocess.Popen([BIN, "bootstrap", "--host", "127.0.0.1", "--port", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = d = None
+    try:
+        line = bs.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        ext = line.strip().rsplit(" ", 1)[1]  # http://127.0.0.1:PORT
+        assert requests.get(ext + "/query", timeout=10).json() == {}
+        embed_port = free_port()  # where an embedded server would listen: must stay closed
+        p = Server(*COMMON, "--kv-transfer-config",
+                   producer_config({"bootstrap_server_address": ext[len("http://"):]}),
+                   env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(embed_port)})
+        table = requests.get(ext + "/query", timeout=10).json()
+        assert list(table) == ["0"], table
+        assert table["0"]["engine_id"]
+        assert table["0"]["worker_addr"]["0"]["0"].startswith("tcp://"), table
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"http://127.0.0.1:{embed_port}/query", timeout=5)
+        d = Server(*COMMON, "--kv-transfer-config", consumer_config())
+        body = dict(BODY, prompt=corpus_prompts()[6])
+        ref = completion_ids(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
+        pr, dr = pd_pair(p, ext, d, body)
+        assert pr.status_code == 200, pr.text
+        assert completion_ids(dr) == ref
+        assert_kv_pulled(dr.json()["usage"])
+        wait_blocks_zero(p)
+        wait_blocks_zero(d)
+    finally:
+        for s in (d, p):
+            if s:
+                s.stop()
+        bs.send_signal(signal.SIGTERM)
+        assert bs.wait(10) == 0

@@ -13,7 +13,7 @@ import requests
 
 from proxy_fixtures import ProxyProc
 from server_harness import BIN, MODEL, Server, free_port
-from test_pd import COMMON, consumer_config, producer_config, wait_blocks_zero
+from test_pd import COMMON, assert_kv_pulled, consumer_config, producer_config, wait_blocks_zero
 
 TIMEOUT = 120
 
@@ -69,9 +69,11 @@ def test_completions_through_proxy_equal_colocated(stack, colocated, prompt):
     want = client(colocated.url).completions.create(**kw).choices[0].text
     got = client(px.url).completions.create(**kw)
     assert got.choices[0].text == want
-    streamed = "".join(c.choices[0].text for c in client(px.url).completions.create(stream=True, **kw)
-                       if c.choices)
+    assert_kv_pulled(got.usage.model_dump())  # D's KV came from P, D did not recompute it
+    chunks = list(client(px.url).completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == want
+    assert_kv_pulled(chunks[-1].usage.model_dump())
 
 
 def test_chat_through_proxy_equal_colocated(stack, colocated):
@@ -79,7 +81,9 @@ def test_chat_through_proxy_equal_colocated(stack, colocated):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell the Congress about trade."}],
               max_tokens=24, temperature=0)
     want = client(colocated.url).chat.completions.create(**kw).choices[0].message.content
-    assert client(px.url).chat.completions.create(**kw).choices[0].message.content == want
+    got = client(px.url).chat.completions.create(**kw)
+    assert got.choices[0].message.content == want
+    assert_kv_pulled(got.usage.model_dump())
     parts = []
     for c in client(px.url).chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         if c.choices and c.choices[0].delta.content:
@@ -89,16 +93,25 @@ def test_chat_through_proxy_equal_colocated(stack, colocated):
 
 def test_kv_really_moved_and_blocks_return(stack):
     p, d, px = stack
-    client(px.url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0)
-    m = p.server.metrics()
-    assert m.get('disagg:kv_transfers_total{side="producer",result="ok"}', 0) >= 1
-    assert m.get("disagg:kv_transfer_bytes_total", 0) > 0
+    ok = 'disagg:kv_transfers_total{side="producer",result="ok"}'
+    m0 = p.server.metrics()
+    got = client(px.url).completions.create(model="tiny", prompt=PROMPTS[1] + " again", max_tokens=4,
+                                            temperature=0)
+    assert_kv_pulled(got.usage.model_dump())
+    m = p.server.metrics()  # this request's transfer, not an earlier test's
+    assert m.get(ok, 0) == m0.get(ok, 0) + 1
+    assert m.get("disagg:kv_transfer_bytes_total", 0) > m0.get("disagg:kv_transfer_bytes_total", 0)
     wait_blocks_zero(p.server)
     wait_blocks_zero(d)
 
 
+ABORTED = 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}'
+
+
 def test_client_cancel_mid_stream_frees_decoder_blocks(stack):
     p, d, px = stack
+    aborted_before = d.metrics().get(ABORTED, 0)
+    gen_before = d.metric("vllm:generation_tokens_total")
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 900, "ignore_eos": True, "stream": True,
             "temperature": 0}
     r = requests.post(px.url + "/v1/completions", json=body, stream=True, timeout=TIMEOUT)
@@ -112,6 +125,9 @@ def test_client_cancel_mid_stream_frees_decoder_blocks(stack):
     r.close()  # the client goes away mid-stream
     wait_blocks_zero(d, timeout=20)
     wait_blocks_zero(p.server, timeout=20)
+    # the proxy cancelled D's request: aborted there, not run to its 900 tokens
+    assert d.metrics().get(ABORTED, 0) == aborted_before + 1
+    assert d.metric("vllm:generation_tokens_total") - gen_before < 900
 
 
 def test_two_prefills_two_decodes_both_policies(colocated):
@@ -125,7 +141,9 @@ def test_two_prefills_two_decodes_both_policies(colocated):
                 for i in range(8):
                     kw = dict(model="tiny", prompt=f"{PROMPTS[0]} number {i}", max_tokens=8, temperature=0)
                     want = client(colocated.url).completions.create(**kw).choices[0].text
-                    assert client(px.url).completions.create(**kw).choices[0].text == want
+                    got = client(px.url).completions.create(**kw)
+                    assert got.choices[0].text == want
+                    assert_kv_pulled(got.usage.model_dump())
             finally:
                 px.proc.terminate()
                 px.proc.wait(10)

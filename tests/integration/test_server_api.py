@@ -8,7 +8,7 @@ import openai
 import pytest
 import requests
 
-from server_harness import DATA, Server
+from server_harness import DATA, ROOT, Server
 
 GREEDY = json.loads((DATA / "sotu-tiny" / "greedy.json").read_text())
 EOS = set(GREEDY["eos_token_ids"])
@@ -202,13 +202,42 @@ def test_token_id_prompts_and_prompt_lists(client):
     assert r.usage.prompt_tokens == len(a["prompt_ids"]) + len(b["prompt_ids"])
 
 
-def test_ignore_eos_and_min_tokens(client):
-    r = client.completions.create(model="tiny", prompt="The", max_tokens=40, temperature=0,
-                                  extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
-    r = client.completions.create(model="tiny", prompt="The", max_tokens=12, temperature=0,
-                                  extra_body={"min_tokens": 12})
-    assert r.usage.completion_tokens == 12
+def test_ignore_eos_and_min_tokens(tmp_path):
+    """The tiny model never emits its eos (4093, 4095) in 200 greedy tokens, so against it
+    ignore_eos and min_tokens change nothing.  Serve it with a generation_config whose eos
+    list also holds the first greedy token after "The": then an eos comes at once, and both
+    fields must change the output."""
+    src = ROOT / "models" / "disagg-sotu-tiny"
+    model = tmp_path / "tiny-eos"
+    model.mkdir()
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    gen = json.loads((src / "generation_config.json").read_text())
+    body = {"model": "tiny", "prompt": "The", "max_tokens": 40, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    s = Server("--max-model-len", "256", "--kv-cache-memory", "16M")
+    try:
+        greedy = ids_of(requests.post(s.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"])
+    finally:
+        s.stop()
+    assert len(greedy) == 40 and not set(greedy) & EOS
+    eos = greedy[0]
+    gen["eos_token_id"] = gen["eos_token_id"] + [eos]
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    s = Server("--max-model-len", "256", "--kv-cache-memory", "16M", model=str(model))
+    try:
+        def run(**kw):
+            c = requests.post(s.url + "/v1/completions", json=dict(body, **kw)).json()["choices"][0]
+            return ids_of(c["logprobs"]["tokens"]), c["finish_reason"]
+
+        assert run() == ([eos], "stop")  # the eos counts as a generated token, as in vLLM
+        assert run(ignore_eos=True) == (greedy, "length")
+        # min_tokens: eos ignored for the first 12 tokens, then the next one ends it
+        n = next((i + 1 for i in range(11, 40) if greedy[i] == eos), 40)
+        assert run(min_tokens=12) == (greedy[:n], "stop" if n < 40 else "length")
+    finally:
+        assert s.stop() == 0
 
 
 def test_kv_transfer_params_and_request_id(srv):

@@ -4,6 +4,7 @@ aborted and its KV blocks freed (visible in /metrics); a repeated prompt hits th
 prefix cache (visible in /metrics and usage)."""
 import concurrent.futures as cf
 import json
+import socket
 import time
 
 import openai
@@ -76,13 +77,27 @@ def test_cancel_mid_stream_frees_blocks(srv):
     assert srv.metric("vllm:generation_tokens_total") < 10_000
 
 
-def test_cancel_non_streaming_request(srv):
+ABORTED = 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}'
+
+
+def test_cancel_non_streaming_request():
+    """A non-streaming client that goes away: its request is aborted (not run to its end, which
+    would free the blocks too).  The request asks for ~2000 tokens (seconds of work) and the
+    client leaves as soon as it runs, so it cannot have finished by itself."""
+    s = Server("--max-model-len", "2048", "--kv-cache-memory", "64M")
     try:
-        requests.post(srv.url + "/v1/completions", timeout=0.5,
-                      json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 480, "ignore_eos": True})
-    except requests.exceptions.ReadTimeout:
-        pass
-    assert wait_for(lambda: srv.metric("disagg:kv_blocks_used") == 0 and srv.metric("vllm:num_requests_running") == 0)
+        body = json.dumps({"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 2000, "ignore_eos": True})
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert wait_for(lambda: s.metric("vllm:num_requests_running") == 1, timeout=30)
+        sock.close()  # the client goes away
+        assert wait_for(lambda: s.metric("disagg:kv_blocks_used") == 0 and s.metric("vllm:num_requests_running") == 0)
+        m = s.metrics()
+        assert m.get(ABORTED, 0) == 1, m
+        assert s.metric("vllm:generation_tokens_total") < 2000
+    finally:
+        assert s.stop() == 0
 
 
 def test_prefix_cache_hit_on_repeated_prompt(srv):

@@ -1,9 +1,11 @@
-"""The target speaks the wire format of docs/transfer.md: an independent Python
-client (mooncake_wire.py) fetches the descriptor over the handshake port and
-WRITEs/READs over the TCP v2 data port; the bytes are checked in the target's
-memory through /proc/<pid>/mem.  Also: requests outside the buffers are
+"""The target's wire format, byte by byte, with an independent Python client
+(mooncake_wire.py, written from Mooncake's source): the descriptor over the
+handshake port, WRITE/READ over the TCP v2 data port, the bytes checked in the
+target's memory through /proc/<pid>/mem; requests outside the buffers are
 rejected with status code 1, the stream stays in sync, and no byte outside a
-buffer changes."""
+buffer changes.  That this format is Mooncake's is proven against the real
+wheel in test_mooncake_interop.py; this file pins the details the wheel
+cannot show (pipelining, exact status words, malformed opcodes)."""
 import random
 import struct
 
@@ -45,7 +47,7 @@ def test_descriptor_matches_target(target):
 
 def test_probe(target):
     ftype, body = mw.handshake(target.segment, mw.FRAME_PROBE, {})
-    assert ftype == mw.FRAME_PROBE and body == {"status": "ok"}
+    assert ftype == mw.FRAME_PROBE and body == {"status": "success"}  # Mooncake's answer
 
 
 def test_write_read_over_data_port(target):

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <errno.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include <cmocka.h>
 
@@ -135,23 +136,39 @@ static void test_batched_with_others(void **st) {
     cpu_pool_free(pool);
 }
 
-static void test_threads_and_isa(void **st) {
+static int g_skipped; /* tests skipped for a missing ISA */
+
+static void test_threads(void **st) {
     (void)st;
     cpu_pool *p1 = cpu_pool_init(1), *p3 = cpu_pool_init(3);
     float *r1 = run_prefill(p1), *r3 = run_prefill(p3);
     assert_memory_equal(r1, r3, (size_t)N * V * sizeof(float));
-    cpu_isa prev = cpu_isa_get();
-    if (prev == CPU_ISA_AVX2) {
-        cpu_isa_force(CPU_ISA_SCALAR);
-        float *rs = run_prefill(p3);
-        cpu_isa_force(prev);
-        if (memcmp(r1, rs, (size_t)N * V * sizeof(float)))
-            fail_msg("scalar reference and AVX2 logits differ");
-        free(rs);
-    }
     free(r1);
     free(r3);
     cpu_pool_free(p1);
+    cpu_pool_free(p3);
+}
+
+/* The whole forward gives the same logits on the scalar and the AVX2 kernels (the AVX2 path
+ * is forced, not assumed: on a CPU without it this says so and skips). */
+static void test_scalar_equals_avx2(void **st) {
+    (void)st;
+    cpu_isa prev = cpu_isa_get();
+    if (cpu_isa_force(CPU_ISA_AVX2) != 0) {
+        fprintf(stderr, "SKIPPED: this CPU lacks avx2 (needs avx2, fma and f16c): scalar vs "
+                        "avx2 forward NOT compared\n");
+        g_skipped++;
+        skip();
+    }
+    cpu_pool *p3 = cpu_pool_init(3);
+    float *ra = run_prefill(p3);
+    cpu_isa_force(CPU_ISA_SCALAR);
+    float *rs = run_prefill(p3);
+    cpu_isa_force(prev);
+    if (memcmp(ra, rs, (size_t)N * V * sizeof(float)))
+        fail_msg("scalar reference and AVX2 logits differ");
+    free(ra);
+    free(rs);
     cpu_pool_free(p3);
 }
 
@@ -182,10 +199,10 @@ static void test_bad_inputs(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_chunks_and_tokens),
-        cmocka_unit_test(test_batched_with_others),
-        cmocka_unit_test(test_threads_and_isa),
+        cmocka_unit_test(test_chunks_and_tokens), cmocka_unit_test(test_batched_with_others),
+        cmocka_unit_test(test_threads),           cmocka_unit_test(test_scalar_equals_avx2),
         cmocka_unit_test(test_bad_inputs),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    int failed = cmocka_run_group_tests(tests, setup, teardown);
+    return failed == 0 && g_skipped ? 77 : failed; /* 77: ctest reports Skipped */
 }

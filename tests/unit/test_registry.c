@@ -157,11 +157,21 @@ static void test_wire_headers(void **state) {
     uint8_t f[HANDSHAKE_HEADER_LEN];
     uint64_t len;
     uint8_t type;
+    /* Mooncake's writeString: the length counts the type byte (301 = 0x12d). */
     handshake_header_encode(f, 300, 1);
-    assert_int_equal(f[0], 44);
+    assert_int_equal(f[0], 0x2d);
     assert_int_equal(f[1], 1);
+    assert_int_equal(f[8], 1);
     assert_int_equal(handshake_header_decode(f, &len, &type), 0);
     assert_true(len == 300 && type == 1);
+    /* readString: a first byte above 3 is an untyped frame, all of it body. */
+    f[8] = '{';
+    assert_int_equal(handshake_header_decode(f, &len, &type), 0);
+    assert_true(len == 301 && type == HANDSHAKE_TYPE_OLD);
+    /* length 0 is invalid */
+    memset(f, 0, sizeof f);
+    f[8] = 1;
+    assert_int_equal(handshake_header_decode(f, &len, &type), TRANSFER_EPROTO);
     handshake_header_encode(f, (uint64_t)1 << 63, 1);
     assert_int_equal(handshake_header_decode(f, &len, &type), TRANSFER_EPROTO);
 }

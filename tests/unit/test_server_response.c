@@ -70,7 +70,7 @@ static void test_completion_stream_golden(void **state) {
                                              NULL, NULL, NULL, true));
     oai_sse_event(&sse, oai_completion_chunk("cmpl-abc", 1700000000, "tiny", 0, "", 0, NULL, "stop",
                                              json_string("\n"), NULL, true));
-    oai_usage u = {3, 2, 0};
+    oai_usage u = {.prompt_tokens = 3, .completion_tokens = 2, .cached_tokens = 0};
     oai_sse_event(&sse, oai_usage_chunk(false, "cmpl-abc", 1700000000, "tiny", &u));
     oai_sse_done(&sse);
     assert_string_equal(sse.data, read_golden("completion_stream.sse"));
@@ -108,7 +108,7 @@ static void test_chat_response_golden(void **state) {
     (void)state;
     json_t *choices = json_array();
     json_array_append_new(choices, oai_chat_choice(0, "Hi!", 3, false, NULL, NULL, "stop", NULL));
-    oai_usage u = {10, 2, 8};
+    oai_usage u = {.prompt_tokens = 10, .completion_tokens = 2, .cached_tokens = 8};
     json_t *r = oai_response(true, "chatcmpl-x2", 1700000002, "tiny", choices, &u, NULL);
     char *s = json_dumps(r, JSON_COMPACT);
     json_decref(r);
@@ -116,6 +116,23 @@ static void test_chat_response_golden(void **state) {
     want[strcspn(want, "\n")] = 0;
     assert_string_equal(s, want);
     free(s);
+}
+
+/* A P/D request's usage carries the kv_transfer extension; others do not. */
+static void test_usage_kv_transfer(void **state) {
+    (void)state;
+    oai_usage u = {.prompt_tokens = 40, .completion_tokens = 3, .cached_tokens = 16};
+    json_t *j = oai_usage_json(&u);
+    assert_null(json_object_get(j, "kv_transfer"));
+    json_decref(j);
+    u.kv_transfer = true;
+    u.received_tokens = 24;
+    u.computed_tokens = 1;
+    j = oai_usage_json(&u);
+    char *s = json_dumps(json_object_get(j, "kv_transfer"), JSON_COMPACT);
+    assert_string_equal(s, "{\"received_prompt_tokens\":24,\"computed_prompt_tokens\":1}");
+    free(s);
+    json_decref(j);
 }
 
 static void test_echo_logprobs_and_clamp(void **state) {
@@ -193,6 +210,7 @@ int main(void) {
         cmocka_unit_test(test_completion_stream_golden),
         cmocka_unit_test(test_chat_stream_golden),
         cmocka_unit_test(test_chat_response_golden),
+        cmocka_unit_test(test_usage_kv_transfer),
         cmocka_unit_test(test_echo_logprobs_and_clamp),
         cmocka_unit_test(test_prompt_logprobs),
         cmocka_unit_test(test_tool_calls),

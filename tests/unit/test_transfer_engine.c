@@ -11,8 +11,13 @@
 #include "base/log.h"
 #include "disagg/transfer.h"
 
+#include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define TBUF (8u << 20)
 
@@ -76,10 +81,35 @@ static int run_batch(fixture *f, const transfer_request *r, size_t n) {
     return rc;
 }
 
+/* The transport each setup asks for is the one used and the one that carries the bytes:
+ * tcp goes through the target's data port (its bytes_served grows), shm (auto, same host:
+ * here the same process) never touches it. */
+static void check_protocol(fixture *f, transfer_protocol want) {
+    transfer_segment_info info;
+    assert_int_equal(transfer_segment_get_info(f->init, f->seg, &info), 0);
+    if (info.protocol != want)
+        fail_msg("segment opened via %s, expected %s",
+                 info.protocol == TRANSFER_PROTO_SHM ? "shm" : "tcp",
+                 want == TRANSFER_PROTO_SHM ? "shm" : "tcp");
+    transfer_stats t0, t1, i1;
+    transfer_engine_get_stats(f->target, &t0);
+    transfer_request r = {TRANSFER_READ, f->imem, f->seg, (uint64_t)(uintptr_t)f->tmem + 3, 100000};
+    assert_int_equal(run_batch(f, &r, 1), 0);
+    assert_memory_equal(f->imem, f->tmem + 3, 100000);
+    transfer_engine_get_stats(f->target, &t1);
+    transfer_engine_get_stats(f->init, &i1);
+    assert_int_equal(i1.shm_fallbacks, 0);
+    assert_int_equal(i1.bytes_read, 100000);
+    assert_int_equal(t1.bytes_served - t0.bytes_served, want == TRANSFER_PROTO_TCP ? 100000 : 0);
+    assert_int_equal(transfer_segment_get_info(f->init, f->seg, &info), 0);
+    assert_int_equal(info.protocol, want); /* still: no silent fallback */
+}
+
 static void test_protocol_chosen(void **state) {
     fixture *f = *state;
     transfer_segment_info info;
     assert_int_equal(transfer_segment_get_info(f->init, f->seg, &info), 0);
+    assert_int_equal(info.protocol, TRANSFER_PROTO_TCP);
     assert_int_equal(info.num_buffers, 1);
     transfer_buffer_info bi;
     assert_int_equal(transfer_segment_get_buffers(f->init, f->seg, &bi, 1), 1);
@@ -90,6 +120,11 @@ static void test_protocol_chosen(void **state) {
     assert_int_equal(
         transfer_open_segment(f->init, transfer_engine_segment_name(f->target), &again), 0);
     assert_true(again == f->seg);
+    check_protocol(f, TRANSFER_PROTO_TCP);
+}
+
+static void test_protocol_chosen_auto_same_host(void **state) {
+    check_protocol(*state, TRANSFER_PROTO_SHM);
 }
 
 /* Random READs and WRITEs, verified byte for byte. */
@@ -230,30 +265,120 @@ static void test_batch_handles(void **state) {
     assert_int_equal(transfer_batch_free(f->init, 0xdeadbeef12345678ull), TRANSFER_ESTALE);
 }
 
+/* Cancel must stop what is not on the wire yet.  The target runs in a child process that
+ * the test stops (SIGSTOP): a stopped peer reads nothing, so at most a socket's worth of the
+ * batch can be on the wire when the cancel comes, whatever the machine's speed; the rest
+ * must end CANCELED, having moved no byte.  (A no-op cancel completes them all.) */
+static pid_t g_target_pid; /* test_cancel's child, killed by its teardown even on failure */
+
+static int kill_target(void **state) {
+    (void)state;
+    if (g_target_pid > 0) {
+        kill(g_target_pid, SIGKILL);
+        waitpid(g_target_pid, NULL, 0);
+    }
+    g_target_pid = 0;
+    return 0;
+}
+
 static void test_cancel(void **state) {
-    fixture *f = *state;
-    enum { N = 512 };
-    transfer_request *r = calloc(N, sizeof *r);
-    for (int i = 0; i < N; i++)
-        r[i] = (transfer_request){TRANSFER_WRITE, f->imem + (size_t)i * 8192, f->seg,
-                                  (uint64_t)(uintptr_t)f->tmem + (size_t)i * 8192, 8192};
+    (void)state;
+    enum { N = 64 };
+    const size_t len = 4u << 20; /* 256 MiB in all: far more than the sockets buffer */
+    int pfd[2];
+    assert_int_equal(pipe(pfd), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) { /* the target: serve until killed */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(pfd[0]);
+        transfer_config c;
+        transfer_config_init(&c);
+        c.local_hostname = "127.0.0.1";
+        transfer_engine *t;
+        uint8_t *mem = aligned_alloc(4096, TBUF);
+        if (!mem || transfer_engine_create(&c, &t) || transfer_register(t, mem, TBUF, "cpu"))
+            _exit(1);
+        char msg[128] = {0};
+        uint64_t addr = (uint64_t)(uintptr_t)mem;
+        memcpy(msg, &addr, 8);
+        snprintf(msg + 8, sizeof msg - 8, "%s", transfer_engine_segment_name(t));
+        if (write(pfd[1], msg, sizeof msg) != (ssize_t)sizeof msg) _exit(1);
+        for (;;)
+            pause();
+    }
+    g_target_pid = pid;
+    close(pfd[1]);
+    char msg[128];
+    assert_int_equal(read(pfd[0], msg, sizeof msg), (ssize_t)sizeof msg);
+    close(pfd[0]);
+    uint64_t taddr;
+    memcpy(&taddr, msg, 8);
+    transfer_config c;
+    transfer_config_init(&c);
+    c.local_hostname = "127.0.0.1";
+    c.protocol = TRANSFER_PROTO_TCP; /* shm would write into the stopped process regardless */
+    c.timeout_base_ns = 20 * NS_PER_S;
+    transfer_engine *e;
+    assert_int_equal(transfer_engine_create(&c, &e), 0);
+    uint8_t *mem = aligned_alloc(4096, TBUF);
+    memset(mem, 0x5A, TBUF);
+    assert_int_equal(transfer_register(e, mem, TBUF, "cpu"), 0);
+    transfer_segment seg;
+    assert_int_equal(transfer_open_segment(e, msg + 8, &seg), 0);
+    /* connections up before the target stops */
+    transfer_request warm = {TRANSFER_WRITE, mem, seg, taddr, 4096};
     transfer_batch b;
-    assert_int_equal(transfer_batch_alloc(f->init, N, &b), 0);
-    assert_int_equal(transfer_batch_submit(f->init, b, r, N), 0);
-    assert_int_equal(transfer_batch_cancel(f->init, b), 0);
-    int rc = transfer_batch_wait(f->init, b, 10 * NS_PER_S);
-    assert_true(rc == 0 || rc == TRANSFER_ECANCELED);
+    assert_int_equal(transfer_batch_alloc(e, 1, &b), 0);
+    assert_int_equal(transfer_batch_submit(e, b, &warm, 1), 0);
+    assert_int_equal(transfer_batch_wait(e, b, 10 * NS_PER_S), 0);
+    assert_int_equal(transfer_batch_free(e, b), 0);
+
+    int wst;
+    assert_int_equal(kill(pid, SIGSTOP), 0);
+    assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid);
+    assert_true(WIFSTOPPED(wst));
+    transfer_request r[N];
+    for (int i = 0; i < N; i++)
+        r[i] = (transfer_request){TRANSFER_WRITE, mem + (size_t)(i % 2) * len, seg,
+                                  taddr + (size_t)(i % 2) * len, len};
+    assert_int_equal(transfer_batch_alloc(e, N, &b), 0);
+    assert_int_equal(transfer_batch_submit(e, b, r, N), 0);
+    usleep(200 * 1000); /* let the lanes fill the sockets: some requests are on the wire */
+    assert_int_equal(transfer_batch_cancel(e, b), 0);
+    assert_int_equal(kill(pid, SIGCONT), 0);
+    assert_int_equal(transfer_batch_wait(e, b, 15 * NS_PER_S), TRANSFER_ECANCELED);
     int done = 0, canceled = 0;
     for (int i = 0; i < N; i++) {
         transfer_status st;
-        assert_int_equal(transfer_batch_get_status(f->init, b, (size_t)i, &st), 0);
-        assert_true(st.state == TRANSFER_STATE_COMPLETED || st.state == TRANSFER_STATE_CANCELED);
-        done += st.state == TRANSFER_STATE_COMPLETED;
-        canceled += st.state == TRANSFER_STATE_CANCELED;
+        assert_int_equal(transfer_batch_get_status(e, b, (size_t)i, &st), 0);
+        if (st.state == TRANSFER_STATE_COMPLETED) {
+            assert_int_equal(st.transferred_bytes, len);
+            done++;
+        } else if (st.state == TRANSFER_STATE_CANCELED) {
+            assert_int_equal(st.error, TRANSFER_ECANCELED);
+            canceled++;
+        } else {
+            fail_msg("request %d ended in state %d (error %d)", i, st.state, st.error);
+        }
     }
     assert_int_equal(done + canceled, N);
-    assert_int_equal(transfer_batch_free(f->init, b), 0);
-    free(r);
+    if (canceled < N / 2)
+        fail_msg("cancel stopped only %d of %d requests (the target was stopped: at most a "
+                 "socket's worth can have been on the wire)",
+                 canceled, N);
+    transfer_status all;
+    assert_int_equal(transfer_batch_get_overall(e, b, &all), 0);
+    assert_int_equal(all.state, TRANSFER_STATE_CANCELED);
+    assert_true(all.transferred_bytes < (size_t)N * len / 2);
+    assert_int_equal(transfer_batch_free(e, b), 0);
+    /* the engine and its connections still work */
+    assert_int_equal(transfer_batch_alloc(e, 1, &b), 0);
+    assert_int_equal(transfer_batch_submit(e, b, &warm, 1), 0);
+    assert_int_equal(transfer_batch_wait(e, b, 10 * NS_PER_S), 0);
+    assert_int_equal(transfer_batch_free(e, b), 0);
+    transfer_engine_destroy(e);
+    free(mem);
 }
 
 static void test_register_errors(void **state) {
@@ -314,10 +439,79 @@ static void test_target_dies(void **state) {
     assert_true(st.requests_failed > 0);
 }
 
+/* ---- shared secret (docs/transfer.md, Security) ---------------------------- */
+
+static transfer_engine *secret_engine(const char *secret) {
+    transfer_config c;
+    transfer_config_init(&c);
+    c.local_hostname = "127.0.0.1";
+    c.protocol = TRANSFER_PROTO_TCP;
+    c.connect_timeout_ns = NS_PER_S;
+    c.timeout_base_ns = 3 * NS_PER_S;
+    c.auth_secret = secret;
+    transfer_engine *e = NULL;
+    assert_int_equal(transfer_engine_create(&c, &e), 0);
+    return e;
+}
+
+/* Same secret: data moves (several lanes, striped); missing or different:
+ * the open fails with TRANSFER_EAUTH and the target counts the refusal. */
+static void test_auth_secret(void **state) {
+    (void)state;
+    char key[] = "s3cret";
+    transfer_engine *t = secret_engine(key);
+    key[0] = 'X'; /* the engine keeps its own copy */
+    enum { LEN = 3u << 20 };
+    uint8_t *tm = malloc(LEN), *im = malloc(LEN);
+    for (size_t i = 0; i < LEN; i++)
+        tm[i] = (uint8_t)(i * 13 + 1);
+    assert_int_equal(transfer_register(t, tm, LEN, "cpu:0"), 0);
+    const char *name = transfer_engine_segment_name(t);
+
+    transfer_engine *ok = secret_engine("s3cret");
+    assert_int_equal(transfer_register(ok, im, LEN, "cpu:0"), 0);
+    void *dst[1] = {im + 1};
+    uint64_t src[1] = {(uint64_t)(uintptr_t)(tm + 3)};
+    size_t len[1] = {LEN - 5};
+    assert_int_equal(transfer_sync_read(ok, name, dst, src, len, 1), 0);
+    assert_memory_equal(im + 1, tm + 3, LEN - 5);
+    transfer_engine_destroy(ok);
+
+    const char *bad[] = {NULL, "", "other"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        transfer_engine *e = secret_engine(bad[i]);
+        transfer_segment seg;
+        assert_int_equal(transfer_open_segment(e, name, &seg), TRANSFER_EAUTH);
+        transfer_engine_destroy(e);
+    }
+    /* The wrong-secret client refuses the server first; the server counts
+     * when it reads that refusal, just after the open returned. */
+    transfer_stats st;
+    uint64_t until = clock_now_ns() + 5 * NS_PER_S;
+    do {
+        transfer_engine_get_stats(t, &st);
+        if (st.auth_refused < 3) usleep(10000);
+    } while (st.auth_refused < 3 && clock_now_ns() < until);
+    assert_true(st.auth_refused >= 3);
+
+    /* a secret initiator refuses a target without one */
+    transfer_engine *plain = secret_engine(NULL);
+    transfer_engine *e = secret_engine("s3cret");
+    transfer_segment seg;
+    assert_int_equal(transfer_open_segment(e, transfer_engine_segment_name(plain), &seg),
+                     TRANSFER_EAUTH);
+    transfer_engine_destroy(e);
+    transfer_engine_destroy(plain);
+    transfer_engine_destroy(t);
+    free(tm);
+    free(im);
+}
+
 int main(void) {
     log_set_level(LOG_ERROR);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_protocol_chosen, setup_tcp, teardown),
+        cmocka_unit_test_setup_teardown(test_protocol_chosen_auto_same_host, setup_shm, teardown),
         cmocka_unit_test_setup_teardown(test_random_roundtrips, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_random_roundtrips, setup_shm, teardown),
         cmocka_unit_test_setup_teardown(test_large_striped, setup_tcp, teardown),
@@ -325,10 +519,11 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_remote_rejected, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_remote_rejected, setup_shm, teardown),
         cmocka_unit_test_setup_teardown(test_batch_handles, setup_tcp, teardown),
-        cmocka_unit_test_setup_teardown(test_cancel, setup_tcp, teardown),
+        cmocka_unit_test_teardown(test_cancel, kill_target),
         cmocka_unit_test_setup_teardown(test_register_errors, setup_tcp, teardown),
         cmocka_unit_test(test_open_errors),
         cmocka_unit_test_setup_teardown(test_target_dies, setup_tcp, teardown),
+        cmocka_unit_test(test_auth_secret),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

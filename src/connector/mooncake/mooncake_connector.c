@@ -1,6 +1,7 @@
 /* mooncake_connector — see mooncake_connector.h. */
 #include "connector/mooncake/mooncake_connector.h"
 
+#include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
 #include "base/net.h"
@@ -1251,8 +1252,8 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     if (!c) return -ENOMEM;
     if (listen_host) snprintf(c->listen_host, sizeof c->listen_host, "%s", listen_host);
     pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
-    pthread_cond_init(&c->q_cv, NULL);
+    clock_cond_init(&c->cv); /* the reaper's timed wait takes clock_now_ns deadlines */
+    clock_cond_init(&c->q_cv);
     c->eng = eng;
     int rc = kv_transfer_config_parse(json, &c->cfg, err, errlen);
     if (rc == 0) rc = kv_transfer_env_load(&c->env, err, errlen);
@@ -1273,6 +1274,9 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
                             : NULL;
     tc.device_name = c->cfg.device_name;
     tc.protocol = c->proto == KV_PROTOCOL_SHM ? TRANSFER_PROTO_SHM : TRANSFER_PROTO_TCP;
+    /* Shared secret of the transfer ports (docs/transfer.md, Security): the
+     * auth_secret key, else $DISAGG_KV_SECRET (resolved by the config). */
+    tc.auth_secret = c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL;
     rc = transfer_engine_create(&tc, &c->te);
     if (rc) {
         snprintf(err, errlen, "cannot start the transfer engine (device_name '%s'): %s",
