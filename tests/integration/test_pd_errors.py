@@ -176,6 +176,16 @@ def one_at_a_time_pd(p_env=None):
     return x
 
 
+HOGS = 4  # long generations queued ahead on a one-at-a-time P (each well under 1 s alone)
+
+
+def submit_hogs(ex, x):
+    """Queue HOGS long generations on P; the request sent next waits behind all of them."""
+    hog = dict(BODY, prompt="x", max_tokens=900, ignore_eos=True)
+    return [ex.submit(requests.post, x.p.url + "/v1/completions", json=hog, timeout=TIMEOUT)
+            for _ in range(HOGS)]
+
+
 def raw_post(server, body):
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
@@ -190,11 +200,10 @@ def test_client_disconnect_while_the_prefill_is_queued_frees_both_sides():
     keeping them for a pull that will never come (480 s)."""
     x = one_at_a_time_pd()
     try:
-        hog = dict(BODY, prompt="x", max_tokens=900, ignore_eos=True)
         tid = "xfer-" + str(uuid.uuid4())
         body = dict(BODY, prompt=corpus_prompts()[7])
-        with cf.ThreadPoolExecutor(2) as ex:
-            fh = ex.submit(requests.post, x.p.url + "/v1/completions", json=hog, timeout=TIMEOUT)
+        with cf.ThreadPoolExecutor(HOGS + 1) as ex:
+            hogs = submit_hogs(ex, x)
             time.sleep(0.3)
             fp = ex.submit(requests.post, x.p.url + "/v1/completions", timeout=TIMEOUT, json=dict(
                 body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}))
@@ -204,11 +213,11 @@ def test_client_disconnect_while_the_prefill_is_queued_frees_both_sides():
                 time.sleep(0.05)
             assert blocks_used(x.d) > 0
             time.sleep(0.3)
-            assert not fh.done(), "the long request ended before the test could queue behind it"
+            assert not hogs[-1].done(), "the long requests ended before the test could queue behind them"
             s.close()
             wait_blocks_zero(x.d, timeout=3)
             assert metric(x.d, "disagg:kv_cancels_total", acked="yes") == 1
-            assert fh.result().status_code == 200 and fp.result().status_code == 200
+            assert all(h.result().status_code == 200 for h in hogs) and fp.result().status_code == 200
         wait_blocks_zero(x.p, timeout=10)  # not the 480 s abort timeout
         assert metric(x.p, "disagg:kv_transfer_failures_total", side="producer", reason="cancelled") == 1
         assert metric(x.p, "disagg:kv_transfer_expired_total") == 0
@@ -222,15 +231,14 @@ def test_abort_timeout_counts_from_the_end_of_the_prefill():
     end of P's prefill; a queued request on a live producer is not failed by it)."""
     x = one_at_a_time_pd({"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "1"})
     try:
-        hog = dict(BODY, prompt="x", max_tokens=900, ignore_eos=True)
-        with cf.ThreadPoolExecutor(1) as ex:
+        with cf.ThreadPoolExecutor(HOGS) as ex:
             t0 = time.time()
-            fh = ex.submit(requests.post, x.p.url + "/v1/completions", json=hog, timeout=TIMEOUT)
+            hogs = submit_hogs(ex, x)
             time.sleep(0.3)
             pr, dr = x.send(dict(BODY, prompt=corpus_prompts()[5]))
             waited = time.time() - t0
-            assert fh.result().status_code == 200
-        assert waited > 1.5, f"the hog took only {waited:.2f} s: the test did not queue the request"
+            assert all(h.result().status_code == 200 for h in hogs)
+        assert waited > 1.5, f"the hogs took only {waited:.2f} s: the test did not queue the request"
         assert pr.status_code == 200, pr.text
         assert dr.status_code == 200, dr.text
         assert dr.json()["choices"][0]["finish_reason"] != "error", dr.text
