@@ -96,10 +96,10 @@ void backend_options_init(backend_options *o); /* zeros: all CPUs, no progress, 
 #define BACKEND_DEVICE_NAMES "auto, cpu, cuda, cuda:N"
 int backend_open(const char *device, const backend_options *opts, backend **out, char *err,
                  size_t errlen);
-void backend_free(backend *be); /* NULL is fine; every buffer and stream must be freed first */
+void backend_close(backend *be); /* NULL is fine; every buffer and stream must be freed first */
 
 /* The process-wide CPU backend with no threads of its own (streams bring a pool, see
- * kernels/cpu/cpu_backend.h).  Never freed; backend_free() on it does nothing. */
+ * kernels/cpu/cpu_backend.h).  Never freed; backend_close() on it does nothing. */
 backend *backend_cpu_default(void);
 
 const char *backend_name(const backend *be);        /* "cpu", "cuda:0 (NVIDIA H200)", ... */

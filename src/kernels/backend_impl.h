@@ -64,8 +64,8 @@ struct backend {
     backend_dtype act_dtype;    /* backend_act_dtype() */
     backend_dtype kv_dtype;     /* backend_kv_dtype_default() */
     unsigned kv_dtypes;         /* bit (1 << dtype) per KV dtype supported */
-    int is_static;              /* 1: backend_free() does nothing (backend_cpu_default) */
-    void *module;               /* dlopen handle of the module (closed by backend_free) */
+    int is_static;              /* 1: backend_close() does nothing (backend_cpu_default) */
+    void *module;               /* dlopen handle of the module (closed by backend_close) */
 };
 
 struct backend_buffer {
