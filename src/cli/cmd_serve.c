@@ -15,6 +15,7 @@
 
 #include "base/log.h"
 #include "connector/kv_transfer_config.h"
+#include "kernels/backend.h"
 #include "server/server.h"
 
 #include <errno.h>
@@ -53,6 +54,10 @@ static void serve_usage(FILE *f) {
         "  --dtype auto|bfloat16|float16|float32   weight dtype check; the CPU computes in "
         "float32\n"
         "  --threads N                     compute threads (default: all cores)\n"
+        "  --device auto|cpu|cuda|cuda:N   compute device (default auto: cuda when its module "
+        "loads and a GPU is visible, else cpu)\n"
+        "  --kv-cache-dtype auto|bfloat16|float16|float32   KV-cache element type (default "
+        "auto: the device's, float32 on the CPU)\n"
         "  --kv-transfer-config JSON       KV connector configuration (P/D disaggregation)\n"
         "  --max-body-bytes N              request body limit (default 32M) -> 413\n"
         "  --client-header-timeout S       a request head must be complete S seconds after its\n"
@@ -155,6 +160,8 @@ static const char *FLAGS[] = {"--host",
                               "--seed",
                               "--dtype",
                               "--threads",
+                              "--device",
+                              "--kv-cache-dtype",
                               "--kv-transfer-config",
                               "--max-body-bytes",
                               "--client-header-timeout",
@@ -182,6 +189,7 @@ static void unknown_flag(const char *f) {
 int cmd_serve(int argc, char **argv) {
     server_config cfg;
     server_config_init(&cfg);
+    cfg.engine.device = "auto";
     const char *model = NULL;
     static char default_model[PATH_MAX];
     const char *env_key = getenv("VLLM_API_KEY");
@@ -286,6 +294,20 @@ int cmd_serve(int argc, char **argv) {
         } else if (!strcmp(flag, "--threads")) {
             if (parse_long(flag, val, 0, 4096, &x)) return 2;
             cfg.engine.threads = (int)x;
+        } else if (!strcmp(flag, "--device")) {
+            if (strcmp(val, "auto") && strcmp(val, "cpu") && strncmp(val, "cuda", 4)) {
+                fprintf(stderr, "disagg serve: --device '%s' is not a device; accepted: %s\n", val,
+                        BACKEND_DEVICE_NAMES);
+                return 2;
+            }
+            cfg.engine.device = val; /* "cuda:N" is checked when the backend opens */
+        } else if (!strcmp(flag, "--kv-cache-dtype")) {
+            if (backend_dtype_parse(val, &cfg.engine.kv_cache_dtype)) {
+                fprintf(stderr,
+                        "disagg serve: --kv-cache-dtype '%s' is not supported; accepted: %s\n", val,
+                        BACKEND_DTYPE_NAMES);
+                return 2;
+            }
         } else if (!strcmp(flag, "--dtype")) {
             static const char *ok[] = {"auto", "bfloat16", "float16", "half", "float32", "float"};
             int good = 0;

@@ -32,6 +32,8 @@ typedef struct engine_config {
     uint64_t seed;              /* engine-wide seed for unseeded sampling */
     int threads;                /* compute threads, 0 = all cores */
     int progress;               /* show model-loading progress on a tty */
+    const char *device;         /* backend_open device: "cpu" (default), "auto", "cuda[:N]" */
+    int kv_cache_dtype;         /* backend_dtype of the KV cache; -1 = the device's default */
 } engine_config;
 
 void engine_config_init(engine_config *c);
