@@ -88,9 +88,10 @@ static int probe(int device, dcu_info *info, char *err, size_t errlen) {
     info->driver_version = drv;
     if (e != cudaSuccess || drv == 0) {
         seterr(err, errlen,
-               "no NVIDIA driver found (libcuda.so.1 could not be loaded: %s); install the "
-               "NVIDIA driver (>= the one for CUDA %d.%d) or use --device cpu",
-               cudaGetErrorString(e), CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+               "no NVIDIA driver found (libcuda.so.1 is not installed or cannot load%s%s); "
+               "install the NVIDIA driver for CUDA %d.%d or newer, or use --device cpu",
+               e != cudaSuccess ? ": " : "", e != cudaSuccess ? cudaGetErrorString(e) : "",
+               CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
         return -ENODEV;
     }
     if (drv / 1000 < CUDART_VERSION / 1000) {
