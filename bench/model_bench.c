@@ -230,12 +230,12 @@ int bench_model_main(int argc, char **argv) {
                "\"decode_tok_s\":%.2f,\"decode_weight_gb_s\":%.2f,\"read_bw_gb_s\":%.2f,\"decode_"
                "bound_tok_s\":%.2f,"
                "\"decode_vs_bound\":%.3f,\"weight_bytes_per_token\":%.0f,\"repeat\":%d}\n",
-               m.dir, cpu_dtype_name(m.w.dtype), cpu_isa_name(cpu_isa_get()), threads, prompt_len,
-               gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm, decode_tps,
-               decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok, repeat);
+               m.dir, cpu_dtype_name((cpu_dtype)m.w.dtype), cpu_isa_name(cpu_isa_get()), threads,
+               prompt_len, gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm,
+               decode_tps, decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok, repeat);
     } else {
         printf("model %s (%s weights, %d layers, hidden %d), %d threads, %s kernels\n", m.dir,
-               cpu_dtype_name(m.w.dtype), c->n_layers, c->hidden_size, threads,
+               cpu_dtype_name((cpu_dtype)m.w.dtype), c->n_layers, c->hidden_size, threads,
                cpu_isa_name(cpu_isa_get()));
         printf("%-34s %12s %14s %10s\n", "measurement", "value", "ceiling", "of ceiling");
         printf("%-34s %10.1f/s %14s %10s\n", "prefill tokens (one forward)", prefill_tps, "", "");

@@ -11,8 +11,9 @@
  *   bf16 outputs: 1 bf16 ulp (2^-8 relative); matmul: 1e-3 of sum |x||w|;
  *   attention: 2e-3 absolute with f32 KV and bf16 q rounding, 2e-2 with bf16 KV;
  *   whole model logits: max |gpu - cpu| <= 0.03 * max |cpu logit| per row (bf16 rounding of
- *   every GEMM input over all layers); greedy continuations equal where the reference's
- *   top-2 margin is comfortable (the golden file records it).
+ *   every GEMM input over all layers), and <= 0.05 against HF on the GPU (bf16 and f32);
+ *   greedy continuations equal to HF's, or diverging only where the reference's top-2
+ *   margin is below 0.25 (a near tie, recorded in greedy.json), and at least half equal.
  *
  * No GPU (or no module): every test is skipped with a loud line saying why.
  */
@@ -502,6 +503,7 @@ static void test_model_default(void **st) {
 }
 
 /* greedy continuations of the golden prompts (HF float32) with device argmax */
+#define GREEDY_TIE 0.25
 static void test_greedy_golden(void **st) {
     NEED_GPU();
     char dir[1024], path[1200], err[1024];
@@ -521,7 +523,7 @@ static void test_greedy_golden(void **st) {
         table[b] = (b * 37) % nb;
     size_t pi;
     json_t *p;
-    int all = 0, same = 0;
+    int all = 0, same = 0, ties = 0;
     json_array_foreach(json_object_get(g, "prompts"), pi, p) {
         json_t *jp = json_object_get(p, "prompt_ids"), *jo = json_object_get(p, "output_ids");
         int n = (int)json_array_size(jp), no = (int)json_array_size(jo);
@@ -531,6 +533,7 @@ static void test_greedy_golden(void **st) {
         int32_t next;
         qwen2_seq q = {ids, n, 0, table, nb, NULL, 0};
         assert_int_equal(qwen2_cuda_forward(&gc, &q, 1, &next), 0);
+        json_t *jm = json_object_get(p, "top2_logit_margins");
         int k = 0;
         for (; k < no; k++) {
             int want = (int)json_integer_value(json_array_get(jo, (size_t)k));
@@ -539,14 +542,27 @@ static void test_greedy_golden(void **st) {
             qwen2_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0};
             assert_int_equal(qwen2_cuda_forward(&gc, &d, 1, &next), 0);
         }
-        double margin = json_real_value(json_object_get(p, "min_margin"));
-        fprintf(stderr, "  golden prompt %zu: %d/%d greedy tokens equal to HF (min top-2 margin %.3f)\n",
-                pi, k, no, margin);
         all++;
-        same += k == no;
+        if (k == no) {
+            same++;
+            fprintf(stderr, "  golden prompt %zu: %d/%d greedy tokens equal to HF\n", pi, k, no);
+        } else {
+            /* a divergence is allowed only at a near tie of the reference: its top-2 margin
+             * there below GREEDY_TIE (the bf16 logit error measured above is ~1e-2 of the
+             * largest logit, a few tenths at most) */
+            double margin = json_number_value(json_array_get(jm, (size_t)k));
+            fprintf(stderr,
+                    "  golden prompt %zu: %d/%d greedy tokens equal to HF, then a near tie "
+                    "(reference top-2 margin %.4f at step %d, allowed < %.2f)\n",
+                    pi, k, no, margin, k, GREEDY_TIE);
+            assert_true(margin < GREEDY_TIE);
+            ties++;
+        }
     }
-    fprintf(stderr, "  greedy: %d/%d golden prompts equal in full\n", same, all);
-    assert_int_equal(same, all);
+    fprintf(stderr, "  greedy: %d/%d golden prompts equal in full, %d diverge at a near tie\n", same,
+            all, ties);
+    assert_int_equal(same + ties, all);
+    assert_true(same >= all / 2);
     qwen2_cuda_close(&gc);
     qwen2_free(&m);
     json_decref(g);

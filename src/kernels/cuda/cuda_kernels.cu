@@ -608,9 +608,8 @@ __global__ void k_att_combine(OT *out, const float *part, const float *ml, int n
 template <typename KT, typename OT, int ND>
 static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
                        const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
-                       int T, int nh, int nkv, int hd, int splits, int chunk) {
+                       int T, int nh, int nkv, int hd, int splits, int chunk, float scale) {
     dim3 grid(T, nkv, splits);
-    float scale = (float)(1.0 / sqrt((double)hd));
     k_attention<KT, OT, ND><<<grid, ATT_WARPS * 32, 0, c->stream>>>(
         out, c->att_part, c->att_ml, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer,
         pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale);
@@ -623,25 +622,26 @@ static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, in
 template <typename KT, typename OT>
 static int att_nd(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
                   const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride, int T,
-                  int nh, int nkv, int hd, int splits, int chunk) {
+                  int nh, int nkv, int hd, int splits, int chunk, float scale) {
     int nd = (hd + 31) / 32;
     if (nd <= 1)
         launch_att<KT, OT, 1>(c, out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv, hd,
-                              splits, chunk);
+                              splits, chunk, scale);
     else if (nd <= 2)
         launch_att<KT, OT, 2>(c, out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv, hd,
-                              splits, chunk);
+                              splits, chunk, scale);
     else if (nd <= 4)
         launch_att<KT, OT, 4>(c, out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv, hd,
-                              splits, chunk);
+                              splits, chunk, scale);
     else
         return -EINVAL;
     return launch_check("attention");
 }
 
-static int attention(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,
-                     int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
-                     int bt_stride, int T, int nh, int nkv, int hd, int max_ctx) {
+static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q,
+                            const dcu_kv *kv, int layer, const int32_t *pos, const int32_t *seq,
+                            const int32_t *bts, int bt_stride, int T, int nh, int nkv, int hd,
+                            int max_ctx, float scale) {
     if (T <= 0) return 0;
     if (nkv <= 0 || nh % nkv || nh / nkv > ATT_MAXG || hd > 128 || hd % 2) {
         fprintf(stderr,
@@ -679,15 +679,22 @@ static int attention(dcu_ctx *c, void *out, int out_dtype, const float *q, const
     int bf_kv = kv->dtype == DCU_BF16, bf_out = out_dtype == DCU_BF16;
     if (bf_kv && bf_out)
         return att_nd<bf16, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
-                                  nkv, hd, splits, chunk);
+                                  nkv, hd, splits, chunk, scale);
     if (bf_kv)
         return att_nd<bf16, float>(c, (float *)out, q, kv, layer, pos, seq, bts, bt_stride, T,
-                                   nh, nkv, hd, splits, chunk);
+                                   nh, nkv, hd, splits, chunk, scale);
     if (bf_out)
         return att_nd<float, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
-                                   nkv, hd, splits, chunk);
+                                   nkv, hd, splits, chunk, scale);
     return att_nd<float, float>(c, (float *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
-                                nkv, hd, splits, chunk);
+                                nkv, hd, splits, chunk, scale);
+}
+
+static int attention(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,
+                     int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                     int bt_stride, int T, int nh, int nkv, int hd, int max_ctx) {
+    return attention_scaled(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv,
+                            hd, max_ctx, (float)(1.0 / sqrt((double)hd)));
 }
 
 /* ---- argmax --------------------------------------------------------------------- */
@@ -861,7 +868,7 @@ static int upload_mat(dcu_model *m, bf16 *dst, const dcu_host_mat *s, int which)
         }
         CK(cudaEventRecord(m->stage_ev[b], c->stream));
         m->done_bytes += cnt * esz;
-        if (m->d.progress)
+        if (m->d.progress && isatty(2) && (m->done_bytes >> 30) != ((m->done_bytes - cnt * esz) >> 30))
             fprintf(stderr, "\rcuda: uploading weights %zu / %zu MiB", m->done_bytes >> 20,
                     m->total_bytes >> 20);
     }
@@ -976,7 +983,7 @@ static dcu_model *model_create(dcu_ctx *c, const dcu_model_desc *d, char *err, s
     if (upload_vec(m, &m->final_norm, d->final_norm, h) ||
         upload_vec(m, &m->inv_freq, d->rope_inv_freq, d->head_dim / 2))
         OOM("norm weights");
-    if (m->d.progress) fprintf(stderr, "\n");
+    if (m->d.progress && isatty(2)) fprintf(stderr, "\n");
     size_t T = (size_t)d->max_tokens, W = (size_t)h + 2 * kvd;
     if (!(m->x = (float *)model_alloc(m, T * h * 4)) || !(m->y = (float *)model_alloc(m, T * h * 4)) ||
         !(m->q = (float *)model_alloc(m, T * h * 4)) ||
@@ -1213,3 +1220,8 @@ static const dcu_api API = {
 extern "C" __attribute__((visibility("default"))) const dcu_api *disagg_cuda_api_v1(void) {
     return &API;
 }
+
+/* ---- kernels/backend.h ------------------------------------------------------------- */
+
+#include "kernels/cuda/cuda_backend.cuh"
+
