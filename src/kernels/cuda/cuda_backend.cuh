@@ -34,6 +34,8 @@ typedef struct cb_stream {
     size_t h_cap;
     int T, S, stride, n_out, max_ctx;
     int32_t *tok, *seq, *pos, *orow, *bt; /* into d_meta */
+    int32_t *tiles, *rest;                /* prefill tiles (3 each) and the other tokens */
+    int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
     void *xconv;          /* bf16 copy of a matmul input */
     size_t xconv_bytes;
 } cb_stream;
@@ -194,7 +196,8 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
         if (n > stride) stride = n;
         if (b->kv_len[i] > max_ctx) max_ctx = b->kv_len[i];
     }
-    size_t need = (size_t)4 * T + (size_t)b->n_out + (size_t)S * stride + 8;
+    size_t need = (size_t)4 * T + (size_t)b->n_out + (size_t)S * stride + 8 +
+                  3 * ((size_t)T + S) + (size_t)T;
     if (need > s->h_cap) {
         free(s->h_meta);
         s->h_meta = (int32_t *)malloc(need * 4);
@@ -220,10 +223,16 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
         for (int k = n; k < stride; k++)
             bt[(size_t)i * stride + k] = 0;
     }
+    /* prefill tiles for the tensor-core kernel (used when the KV is bf16, see cb_attention) */
+    int32_t *tiles = bt + (size_t)S * stride, *rest = tiles + 3 * ((size_t)T + S);
+    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, !s->c->no_flash, tiles, &s->n_tiles,
+                              rest, &s->n_rest);
+    size_t n_meta = (size_t)(rest - h) + s->n_rest;
     /* pageable source: the copy is staged before cudaMemcpyAsync returns, and it is ordered
      * after the previous batch's kernels on this stream */
-    CK(cudaMemcpyAsync(s->d_meta, h, (3 * (size_t)T + b->n_out + (size_t)S * stride) * 4,
-                       cudaMemcpyHostToDevice, s->c->stream));
+    CK(cudaMemcpyAsync(s->d_meta, h, n_meta * 4, cudaMemcpyHostToDevice, s->c->stream));
+    s->tiles = s->d_meta + (tiles - h);
+    s->rest = s->d_meta + (rest - h);
     s->tok = s->d_meta;
     s->seq = s->d_meta + T;
     s->pos = s->d_meta + 2 * T;
@@ -233,10 +242,47 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
     return 0;
 }
 
+__device__ __forceinline__ float load_any(const __half *p) {
+    return __half2float(*p);
+}
+template <typename TT, typename OT>
+__global__ void k_embed_any(OT *out, const TT *table, const int32_t *tok, int h) {
+    int t = blockIdx.x;
+    const TT *row = table + (size_t)tok[t] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float v;
+        if constexpr (sizeof(TT) == 4)
+            v = load_f((const float *)row + i);
+        else if constexpr (std::is_same<TT, __half>::value)
+            v = load_any((const __half *)row + i);
+        else
+            v = load_f((const bf16 *)row + i);
+        store_as(out + (size_t)t * h + i, v);
+    }
+}
+
 static int cb_embed(backend_stream *st, void *out, backend_dtype out_dt, const void *table,
                     backend_dtype table_dt, int hidden) {
-    if (out_dt != BACKEND_F32 || table_dt != BACKEND_BF16) return -ENOTSUP;
-    return embed(CB(st)->c, (float *)out, table, CB(st)->tok, CB(st)->T, hidden);
+    cb_stream *s = CB(st);
+    if (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) return -ENOTSUP;
+    if (s->T <= 0) return 0;
+    cudaStream_t cs = s->c->stream;
+#define EMB(TT)                                                                                   \
+    (out_dt == BACKEND_F32                                                                       \
+         ? k_embed_any<TT, float><<<s->T, 256, 0, cs>>>((float *)out, (const TT *)table, s->tok, \
+                                                         hidden)                                 \
+         : k_embed_any<TT, bf16><<<s->T, 256, 0, cs>>>((bf16 *)out, (const TT *)table, s->tok,   \
+                                                        hidden))
+    if (table_dt == BACKEND_BF16)
+        EMB(bf16);
+    else if (table_dt == BACKEND_F16)
+        EMB(__half);
+    else if (table_dt == BACKEND_F32)
+        EMB(float);
+    else
+        return -ENOTSUP;
+#undef EMB
+    return launch_check("embed");
 }
 
 static int cb_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
@@ -310,6 +356,10 @@ static int cb_attention(backend_stream *st, void *out, const void *q, backend_dt
     if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
         return -ENOTSUP;
     dcu_kv d = to_dkv(kv);
+    if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
+        return attention_mixed(s->c, out, DCU_F32, (const float *)q, &d, layer, s->pos, s->seq,
+                               s->bt, s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim,
+                               scale, s->tiles, s->n_tiles, s->rest, s->n_rest, s->rest_ctx);
     return attention_scaled(s->c, out, DCU_F32, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                             s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, s->max_ctx,
                             scale);

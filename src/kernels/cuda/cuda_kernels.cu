@@ -21,6 +21,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <type_traits>
+
 typedef __nv_bfloat16 bf16;
 
 static void seterr(char *err, size_t errlen, const char *fmt, ...) {
@@ -56,6 +58,9 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp;
     int last_err;
+    int no_gemv; /* DISAGG_CUDA_NO_GEMV=1: every GEMM through cuBLASLt */
+    const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
+    int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
 };
 
 #define CK(call)                                                                             \
@@ -151,6 +156,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
+    c->no_gemv = getenv("DISAGG_CUDA_NO_GEMV") && atoi(getenv("DISAGG_CUDA_NO_GEMV")) > 0;
+    c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -483,7 +490,8 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
 
 /* ---- attention ------------------------------------------------------------------ */
 
-#define ATT_WARPS 4
+#define ATT_WARPS 8
+#define ATT_U 4
 #define ATT_MAXG 8
 
 /* grid (T, n_kv, splits), ATT_WARPS warps.  Each warp walks keys k0+w, k0+w+ATT_WARPS, ...
@@ -494,8 +502,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
     k_attention(OT *out, float *part, float *ml, const float *q, const KT *kv, int bs,
                 int n_layers, int layer, const int32_t *pos, const int32_t *seq,
                 const int32_t *bts, int bt_stride, int nh, int nkv, int hd, int chunk,
-                float scale) {
-    int t = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+                float scale, const int32_t *list) {
+    int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int t = list ? list[ti] : ti; /* token; partials are indexed by ti */
     int G = nh / nkv, kvd = nkv * hd;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int n = pos[t] + 1;
@@ -516,32 +525,61 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
         for (int d = 0; d < ND; d++)
             acc[g][d] = 0.0f;
     }
-    for (int j = k0 + w; j < k1; j += ATT_WARPS) {
-        const KT *kr = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + (size_t)kvh * hd;
-        const KT *vr = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) + (size_t)kvh * hd;
-        float kk[ND], vv[ND];
+    /* ATT_U consecutive keys per warp per step: their loads are all in flight at once */
+    for (int j0 = k0 + w * ATT_U; j0 < k1; j0 += ATT_WARPS * ATT_U) {
+        float kk[ATT_U][ND], vv[ATT_U][ND];
 #pragma unroll
-        for (int d = 0; d < ND; d++) {
-            int e = lane + 32 * d;
-            kk[d] = e < hd ? load_f(kr + e) : 0.0f;
-            vv[d] = e < hd ? load_f(vr + e) : 0.0f;
+        for (int u = 0; u < ATT_U; u++) {
+            int j = j0 + u;
+            if (j < k1) {
+                const KT *kr = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + (size_t)kvh * hd;
+                const KT *vr = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) + (size_t)kvh * hd;
+#pragma unroll
+                for (int d = 0; d < ND; d++) {
+                    int e = lane + 32 * d;
+                    kk[u][d] = e < hd ? load_f(kr + e) : 0.0f;
+                    vv[u][d] = e < hd ? load_f(vr + e) : 0.0f;
+                }
+            } else {
+#pragma unroll
+                for (int d = 0; d < ND; d++)
+                    kk[u][d] = vv[u][d] = 0.0f;
+            }
         }
 #pragma unroll
         for (int g = 0; g < ATT_MAXG; g++) {
             if (g >= G) break;
-            float s = 0.0f;
+            float sc[ATT_U];
 #pragma unroll
-            for (int d = 0; d < ND; d++) {
-                int e = lane + 32 * d;
-                if (e < hd) s += qs[g * hd + e] * kk[d];
+            for (int u = 0; u < ATT_U; u++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int d = 0; d < ND; d++) {
+                    int e = lane + 32 * d;
+                    if (e < hd) s += qs[g * hd + e] * kk[u][d];
+                }
+                sc[u] = s;
             }
-            s = warp_sum(s);
-            float mn = fmaxf(m[g], s);
-            float corr = __expf(m[g] - mn), pe = __expf(s - mn);
-            l[g] = l[g] * corr + pe;
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++)
+                sc[u] = j0 + u < k1 ? warp_sum(sc[u]) : -INFINITY;
+            float mn = m[g];
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++)
+                mn = fmaxf(mn, sc[u]);
+            float corr = __expf(m[g] - mn);
+            l[g] *= corr;
 #pragma unroll
             for (int d = 0; d < ND; d++)
-                acc[g][d] = acc[g][d] * corr + pe * vv[d];
+                acc[g][d] *= corr;
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++) {
+                float pe = __expf(sc[u] - mn);
+                l[g] += pe;
+#pragma unroll
+                for (int d = 0; d < ND; d++)
+                    acc[g][d] += pe * vv[u][d];
+            }
             m[g] = mn;
         }
     }
@@ -575,7 +613,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
         if (splits == 1) {
             store_as(out + (size_t)t * nh * hd + (size_t)head * hd + e, L > 0 ? A / L : 0.0f);
         } else {
-            size_t pi = ((size_t)t * nh + head) * splits + sp;
+            size_t pi = ((size_t)ti * nh + head) * splits + sp;
             part[pi * hd + e] = A;
             if (e == 0) {
                 ml[pi * 2] = M;
@@ -587,8 +625,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 
 template <typename OT>
 __global__ void k_att_combine(OT *out, const float *part, const float *ml, int nh, int hd,
-                              int splits) {
-    int th = blockIdx.x; /* t * nh + head */
+                              int splits, const int32_t *list) {
+    int th = blockIdx.x; /* ti * nh + head */
+    int ti = th / nh, head = th % nh;
+    size_t orow = ((size_t)(list ? list[ti] : ti) * nh + head) * hd;
     float M = -INFINITY;
     for (int s = 0; s < splits; s++)
         M = fmaxf(M, ml[((size_t)th * splits + s) * 2]);
@@ -601,7 +641,7 @@ __global__ void k_att_combine(OT *out, const float *part, const float *ml, int n
             L += ml[((size_t)th * splits + s) * 2 + 1] * f;
             A += part[((size_t)th * splits + s) * hd + e] * f;
         }
-        store_as(out + (size_t)th * hd + e, L > 0 ? A / L : 0.0f);
+        store_as(out + orow + e, L > 0 ? A / L : 0.0f);
     }
 }
 
@@ -612,11 +652,10 @@ static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, in
     dim3 grid(T, nkv, splits);
     k_attention<KT, OT, ND><<<grid, ATT_WARPS * 32, 0, c->stream>>>(
         out, c->att_part, c->att_ml, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer,
-        pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale);
+        pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale, c->att_list);
     if (splits > 1)
-        k_att_combine<OT><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(out, c->att_part,
-                                                                          c->att_ml, nh, hd,
-                                                                          splits);
+        k_att_combine<OT><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
+            out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
 }
 
 template <typename KT, typename OT>
@@ -654,7 +693,7 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
     int base = T * nkv, splits = 1;
     if (base < 2 * c->n_sm && max_ctx > 128) {
         splits = (2 * c->n_sm + base - 1) / base;
-        int most = (max_ctx + 63) / 64;
+        int most = (max_ctx + 127) / 128;
         if (splits > most) splits = most;
         if (splits < 1) splits = 1;
     }
@@ -690,11 +729,258 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
                                 nkv, hd, splits, chunk, scale);
 }
 
+
+
+
+/* ---- prefill attention on tensor cores ---------------------------------------------- */
+
+#include <mma.h>
+
+#define FA_BQ 64 /* query rows per CTA: 4 warps x 16 */
+#define FA_BK 64 /* keys per tile */
+
+static size_t flash_smem(int hd) {
+    return (size_t)(FA_BQ + 2 * FA_BK) * hd * 2 /* Q, K, V bf16 */ + 4 * 16 * FA_BK * 4 /* S */ +
+           4 * 16 * FA_BK * 2 /* P */ + 4 * 16 * (size_t)hd * 4 /* O */ + 2 * 64 * 4 /* m, l */;
+}
+
+/* Flash attention (online softmax) over the paged bf16 KV for prefill tiles: CTA = (tile of
+ * up to 64 consecutive new tokens of one sequence, query head).  tiles (n, 3): first token,
+ * rows, sequence.  The tile's positions are pos[t0] .. pos[t0] + rows - 1; keys 0 ..
+ * pos[t0] + rows - 1 are read tile by tile through the block table, causally masked.
+ * S = Q K^T and O += P V on tensor cores (wmma bf16, f32 accumulate); softmax in f32. */
+template <int HD, typename OT>
+__global__ void __launch_bounds__(128)
+    k_flash_prefill(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
+                    const int32_t *tiles, const int32_t *pos, const int32_t *bts, int bt_stride,
+                    int nh, int nkv, float scale) {
+    using namespace nvcuda;
+    int tile = blockIdx.x, h = blockIdx.y, kvh = h / (nh / nkv), kvd = nkv * HD;
+    int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
+    const int32_t *bt = bts + (size_t)sq * bt_stride;
+    int p0 = pos[t0], kmax = p0 + rows;
+    extern __shared__ __align__(16) char smem[];
+    bf16 *Qs = (bf16 *)smem, *Ks = Qs + FA_BQ * HD, *Vs = Ks + FA_BK * HD;
+    float *Ss = (float *)(Vs + FA_BK * HD);
+    bf16 *Ps = (bf16 *)(Ss + 4 * 16 * FA_BK);
+    float *Os = (float *)(Ps + 4 * 16 * FA_BK);
+    float *Ms = Os + 4 * 16 * HD, *Ls = Ms + 64;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 16;
+    for (int i = threadIdx.x; i < FA_BQ * HD; i += 128) {
+        int r = i / HD, d = i % HD;
+        float v = r < rows ? q[(size_t)(t0 + r) * nh * HD + (size_t)h * HD + d] * scale : 0.0f;
+        Qs[i] = __float2bfloat16(v);
+    }
+    for (int i = threadIdx.x; i < 4 * 16 * HD; i += 128)
+        Os[i] = 0.0f;
+    if (threadIdx.x < 64) Ms[threadIdx.x] = -INFINITY, Ls[threadIdx.x] = 0.0f;
+    __syncthreads();
+    for (int k0 = 0; k0 < kmax; k0 += FA_BK) {
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = k0 + r;
+            uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
+            if (j < kmax) {
+                kz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) +
+                                      (size_t)kvh * HD + c8 * 8);
+                vz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) +
+                                      (size_t)kvh * HD + c8 * 8);
+            }
+            *(uint4 *)(Ks + r * HD + c8 * 8) = kz;
+            *(uint4 *)(Vs + r * HD + c8 * 8) = vz;
+        }
+        __syncthreads();
+        if (wr0 < rows && k0 <= p0 + wr0 + 15) {
+            float *Sw = Ss + warp * 16 * FA_BK;
+            bf16 *Pw = Ps + warp * 16 * FA_BK;
+            float *Ow = Os + warp * 16 * HD;
+#pragma unroll
+            for (int n = 0; n < FA_BK / 16; n++) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; kk++) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
+                    wmma::load_matrix_sync(a, Qs + wr0 * HD + kk * 16, HD);
+                    wmma::load_matrix_sync(b, Ks + n * 16 * HD + kk * 16, HD);
+                    wmma::mma_sync(acc, a, b, acc);
+                }
+                wmma::store_matrix_sync(Sw + n * 16, acc, FA_BK, wmma::mem_row_major);
+            }
+            __syncwarp();
+            int r = lane >> 1, c0 = (lane & 1) * 32, qpos = p0 + wr0 + r;
+            float *srow = Sw + r * FA_BK;
+            float mx = -INFINITY;
+            for (int cc = 0; cc < 32; cc++) {
+                int j = k0 + c0 + cc;
+                float v = (j <= qpos && wr0 + r < rows) ? srow[c0 + cc] : -INFINITY;
+                srow[c0 + cc] = v;
+                mx = fmaxf(mx, v);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            float mold = Ms[wr0 + r], mnew = fmaxf(mold, mx);
+            float corr = mnew == -INFINITY ? 1.0f : __expf(mold - mnew);
+            float sum = 0.0f;
+            for (int cc = 0; cc < 32; cc++) {
+                float v = srow[c0 + cc];
+                float e = v == -INFINITY ? 0.0f : __expf(v - mnew);
+                bf16 eb = __float2bfloat16(e);
+                Pw[r * FA_BK + c0 + cc] = eb;
+                sum += __bfloat162float(eb); /* the weights P V uses */
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            for (int d = (lane & 1) * (HD / 2); d < (lane & 1) * (HD / 2) + HD / 2; d++)
+                Ow[r * HD + d] *= corr;
+            __syncwarp();
+            if ((lane & 1) == 0) {
+                Ms[wr0 + r] = mnew;
+                Ls[wr0 + r] = Ls[wr0 + r] * corr + sum;
+            }
+#pragma unroll
+            for (int dn = 0; dn < HD / 16; dn++) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+                wmma::load_matrix_sync(o, Ow + dn * 16, HD, wmma::mem_row_major);
+#pragma unroll
+                for (int kk = 0; kk < FA_BK / 16; kk++) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+                    wmma::load_matrix_sync(a, Pw + kk * 16, FA_BK);
+                    wmma::load_matrix_sync(b, Vs + kk * 16 * HD + dn * 16, HD);
+                    wmma::mma_sync(o, a, b, o);
+                }
+                wmma::store_matrix_sync(Ow + dn * 16, o, HD, wmma::mem_row_major);
+            }
+            __syncwarp();
+        }
+        __syncthreads();
+    }
+    float *Ow = Os + warp * 16 * HD;
+    for (int i = lane; i < 16 * HD; i += 32) {
+        int r = i / HD, d = i % HD;
+        if (wr0 + r < rows) {
+            float L = Ls[wr0 + r];
+            store_as(out + (size_t)(t0 + wr0 + r) * nh * HD + (size_t)h * HD + d,
+                     L > 0 ? Ow[i] / L : 0.0f);
+        }
+    }
+}
+
+template <int HD, typename OT>
+static int launch_flash(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                        const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
+                        int bt_stride, int nh, int nkv, float scale) {
+    size_t sh = flash_smem(HD);
+    static int attr_done[2][8];
+    int oi = sizeof(OT) == 2, hi = HD / 16 - 1;
+    if (!attr_done[oi][hi]) {
+        cudaFuncSetAttribute(k_flash_prefill<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sh);
+        attr_done[oi][hi] = 1;
+    }
+    dim3 grid(n_tiles, nh);
+    k_flash_prefill<HD, OT><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
+                                                          kv->block_size, kv->n_layers, layer,
+                                                          tiles, pos, bts, bt_stride, nh, nkv,
+                                                          scale);
+    return launch_check("flash_prefill");
+}
+
+/* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
+static int flash_ok(const dcu_ctx *c, int kv_dtype, int hd) {
+    return !c->no_flash && kv_dtype == DCU_BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
+}
+
+/* Host side: splits a batch into prefill tiles (sequences with >= 16 new tokens, chunks of 64)
+ * and the rest (one list entry per token).  seq_of(t) / pos are the per-token host arrays;
+ * tokens of a sequence are contiguous.  tiles: (3 * n_tiles), rest: (n_rest).  Returns the
+ * largest pos + 1 among the rest. */
+static int split_batch(int T, const int32_t *seq, const int32_t *pos, int flash, int32_t *tiles,
+                       int *n_tiles, int32_t *rest, int *n_rest) {
+    int nt = 0, nr = 0, rest_ctx = 0;
+    for (int t = 0; t < T;) {
+        int e = t;
+        while (e < T && seq[e] == seq[t])
+            e++;
+        if (flash && e - t >= 16) {
+            for (int a = t; a < e; a += FA_BQ) {
+                tiles[3 * nt] = a;
+                tiles[3 * nt + 1] = e - a < FA_BQ ? e - a : FA_BQ;
+                tiles[3 * nt + 2] = seq[t];
+                nt++;
+            }
+        } else {
+            for (int a = t; a < e; a++) {
+                rest[nr++] = a;
+                if (pos[a] + 1 > rest_ctx) rest_ctx = pos[a] + 1;
+            }
+        }
+        t = e;
+    }
+    *n_tiles = nt;
+    *n_rest = nr;
+    return rest_ctx;
+}
+
+/* attention of a split batch: the flash kernel over tiles, the split kernel over the rest */
+static int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
+                           const dcu_kv *kv, int layer, const int32_t *pos, const int32_t *seq,
+                           const int32_t *bts, int bt_stride, int T, int nh, int nkv, int hd,
+                           float scale, const int32_t *tiles_d, int n_tiles, const int32_t *rest_d,
+                           int n_rest, int rest_ctx) {
+    int rc = 0;
+    if (n_tiles > 0) {
+        int b = out_dtype == DCU_BF16;
+#define FL(H)                                                                                    \
+    (b ? launch_flash<H, bf16>(c, (bf16 *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,        \
+                               bt_stride, nh, nkv, scale)                                       \
+       : launch_flash<H, float>(c, (float *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,      \
+                                bt_stride, nh, nkv, scale))
+        rc = hd == 16 ? FL(16) : hd == 32 ? FL(32) : hd == 64 ? FL(64) : FL(128);
+#undef FL
+        if (rc) return rc;
+    }
+    if (n_rest > 0) {
+        c->att_list = n_rest == T ? NULL : rest_d;
+        rc = attention_scaled(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, n_rest,
+                              nh, nkv, hd, rest_ctx, scale);
+        c->att_list = NULL;
+    }
+    return rc;
+}
+
+/* The ABI's attention op (tests): reads pos/seq back to split the batch like the forward
+ * does (prefill tiles on tensor cores, the rest split over KV), synchronously. */
 static int attention(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,
                      int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
                      int bt_stride, int T, int nh, int nkv, int hd, int max_ctx) {
-    return attention_scaled(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv,
-                            hd, max_ctx, (float)(1.0 / sqrt((double)hd)));
+    if (T <= 0) return 0;
+    int32_t *h = (int32_t *)malloc((size_t)T * 4 * 6 + 64);
+    if (!h) return -ENOMEM;
+    int32_t *pos_h = h, *seq_h = h + T, *tiles_h = h + 2 * T, *rest_h = tiles_h + 3 * T;
+    int32_t *dev = NULL;
+    int rc = 0, n_tiles = 0, n_rest = 0;
+    if (cudaMemcpyAsync(pos_h, pos, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
+        cudaMemcpyAsync(seq_h, seq, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
+        cudaStreamSynchronize(c->stream)) {
+        free(h);
+        return -EIO;
+    }
+    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd) && nh % nkv == 0,
+                               tiles_h, &n_tiles, rest_h, &n_rest);
+    if (cudaMalloc((void **)&dev, (size_t)T * 4 * 4) != cudaSuccess) rc = -ENOMEM;
+    if (!rc && n_tiles)
+        rc = cudaMemcpy(dev, tiles_h, (size_t)n_tiles * 12, cudaMemcpyHostToDevice) ? -EIO : 0;
+    if (!rc && n_rest)
+        rc = cudaMemcpy(dev + 3 * T, rest_h, (size_t)n_rest * 4, cudaMemcpyHostToDevice) ? -EIO : 0;
+    if (!rc)
+        rc = attention_mixed(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
+                             nkv, hd, (float)(1.0 / sqrt((double)hd)), dev, n_tiles, dev + 3 * T,
+                             n_rest, rest_ctx);
+    if (!rc && cudaStreamSynchronize(c->stream)) rc = -EIO;
+    cudaFree(dev);
+    free(h);
+    (void)max_ctx;
+    return rc;
 }
 
 /* ---- argmax --------------------------------------------------------------------- */
@@ -778,9 +1064,67 @@ static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
     return p;
 }
 
+/* y (T, N) f32 = x (T, K) bf16 . w (N, K)^T bf16 (+ bias) for small T (decode): one warp per
+ * weight row, 16-byte loads, f32 accumulation; weight-streaming bound. */
+__device__ __forceinline__ float bf_lo(uint32_t v) {
+    return __uint_as_float(v << 16);
+}
+__device__ __forceinline__ float bf_hi(uint32_t v) {
+    return __uint_as_float(v & 0xffff0000u);
+}
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+    return bf_lo(a.x) * bf_lo(b.x) + bf_hi(a.x) * bf_hi(b.x) + bf_lo(a.y) * bf_lo(b.y) +
+           bf_hi(a.y) * bf_hi(b.y) + bf_lo(a.z) * bf_lo(b.z) + bf_hi(a.z) * bf_hi(b.z) +
+           bf_lo(a.w) * bf_lo(b.w) + bf_hi(a.w) * bf_hi(b.w);
+}
+template <int TT>
+__global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4 *__restrict__ x,
+                                              const uint4 *__restrict__ w,
+                                              const float *__restrict__ bias, int N, int K8) {
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const uint4 *wr = w + (size_t)row * K8;
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++)
+        acc[t] = 0.0f;
+#pragma unroll 4
+    for (int i = lane; i < K8; i += 32) {
+        uint4 wv = __ldcs(wr + i); /* streamed once: do not keep in L2 */
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+            acc[t] += dot8(wv, __ldg(x + (size_t)t * K8 + i));
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) y[(size_t)t * N + row] = v + (bias ? bias[row] : 0.0f);
+    }
+}
+
+static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
+                int N, int K) {
+    dim3 g((N + 7) / 8);
+    const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
+    int K8 = K / 8;
+    switch (T) {
+#define G_(n)                                                                          \
+    case n:                                                                            \
+        k_gemv<n><<<g, 256, 0, c->stream>>>(y, xv, wv, bias, N, K8);                   \
+        break;
+        G_(1) G_(2) G_(3) G_(4) G_(5) G_(6) G_(7) G_(8)
+#undef G_
+    default:
+        return -EINVAL;
+    }
+    return launch_check("gemv");
+}
+
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                   int N, int K) {
     if (T <= 0) return 0;
+    if (T <= 8 && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
+        return gemv(c, y, x, w, bias, T, N, K);
     gemm_plan *p = plan_get(c, T, N, K);
     if (!p) return -EIO;
     float alpha = 1.0f, beta = 0.0f;
@@ -995,7 +1339,7 @@ static dcu_model *model_create(dcu_ctx *c, const dcu_model_desc *d, char *err, s
         !(m->hb = (bf16 *)model_alloc(m, T * I * 2)) ||
         !(m->head_in = (bf16 *)model_alloc(m, T * h * 2)))
         OOM("activations");
-    m->meta_cap = T * 5 + (size_t)d->max_seqs * d->max_blocks + 64;
+    m->meta_cap = T * 9 + (size_t)d->max_seqs * (d->max_blocks + 3) + 64;
     if (!(m->meta_d = (int32_t *)model_alloc(m, m->meta_cap * 4)) ||
         cudaHostAlloc((void **)&m->meta_h, m->meta_cap * 4, cudaHostAllocDefault) != cudaSuccess)
         OOM("batch metadata");
@@ -1065,7 +1409,6 @@ static int forward(dcu_model *m, const dcu_kv *kv, const dcu_batch *b, char *err
     size_t nbt = (size_t)b->n_seqs * b->bt_stride;
     int32_t *tok_h = mh, *pos_h = mh + T, *seq_h = mh + 2 * T, *out_h = mh + 3 * T,
             *bt_h = mh + 5 * T;
-    int max_ctx = 0;
     /* make sure the previous call's download is finished before reusing meta_h */
     CK(cudaStreamSynchronize(c->stream));
     memcpy(tok_h, b->tokens, (size_t)T * 4);
@@ -1073,12 +1416,15 @@ static int forward(dcu_model *m, const dcu_kv *kv, const dcu_batch *b, char *err
     memcpy(seq_h, b->seq, (size_t)T * 4);
     memcpy(out_h, b->out_rows, (size_t)b->n_out * 4);
     memcpy(bt_h, b->block_tables, nbt * 4);
-    for (int t = 0; t < T; t++)
-        if (pos_h[t] + 1 > max_ctx) max_ctx = pos_h[t] + 1;
+    int32_t *tiles_h = bt_h + nbt, *rest_h = tiles_h + 3 * ((size_t)T + b->n_seqs);
+    int n_tiles = 0, n_rest = 0;
+    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd), tiles_h, &n_tiles,
+                               rest_h, &n_rest);
+    size_t meta_n = (size_t)(rest_h - mh) + n_rest;
     int32_t *md = m->meta_d;
     int32_t *tok = md, *pos = md + T, *seq = md + 2 * T, *orow = md + 3 * T, *amax = md + 4 * T,
-            *bt = md + 5 * T;
-    CK(cudaMemcpyAsync(md, mh, (5 * (size_t)T + nbt) * 4, cudaMemcpyHostToDevice, c->stream));
+            *bt = md + 5 * T, *tiles_d = md + (tiles_h - mh), *rest_d = md + (rest_h - mh);
+    CK(cudaMemcpyAsync(md, mh, meta_n * 4, cudaMemcpyHostToDevice, c->stream));
     int rc = 0;
 #define R(call)                                                                    \
     do {                                                                           \
@@ -1102,8 +1448,9 @@ static int forward(dcu_model *m, const dcu_kv *kv, const dcu_batch *b, char *err
                 m->q, (float *)kv->base, kv->block_size, kv->n_layers, l, m->qkv, L->bqkv, pos,
                 seq, bt, b->bt_stride, m->inv_freq, nh, nkv, hd);
         R(launch_check("qkv_finish"));
-        R(attention(c, m->att, DCU_BF16, m->q, kv, l, pos, seq, bt, b->bt_stride, T, nh, nkv, hd,
-                    max_ctx));
+        R(attention_mixed(c, m->att, DCU_BF16, m->q, kv, l, pos, seq, bt, b->bt_stride, T, nh,
+                          nkv, hd, (float)(1.0 / sqrt((double)hd)), tiles_d, n_tiles, rest_d,
+                          n_rest, rest_ctx));
         R(matmul(c, m->y, m->att, L->wo, NULL, T, h, h));
         R(rmsnorm(c, m->xb, DCU_BF16, m->x, m->y, L->mlp_norm, NULL, T, h, d->rms_eps, 1));
         R(matmul(c, m->gu, m->xb, L->wgu, NULL, T, 2 * I, h));
