@@ -33,7 +33,7 @@ def start(dev, *extra):
         if p.poll() is not None:
             raise SystemExit("serve --device %s exited %d; log: %s" % (dev, p.returncode, open(log.name).read()[-2000:]))
         try:
-            if requests.get(url + "/v1/models", timeout=1).status_code == 200:
+            if requests.get(url + "/health", timeout=1).status_code == 200:  # 503 while loading
                 return p, url
         except requests.RequestException:
             pass

@@ -289,10 +289,11 @@ static void test_matmul(void **state) {
                     char what[96];
                     snprintf(what, sizeof what, "matmul T %d N %d K %d %s%s", T, N, K,
                              backend_dtype_name((backend_dtype)dt), withb ? " +bias" : "");
-                    /* a GPU backend rounds GEMM inputs and weights to bf16 (tensor cores)
-                     * whatever its activation dtype: the bf16 tolerances apply */
-                    double tol1 = backend_is_cpu(be) ? tol_for(be, 1e-5, 2e-2) : 2e-2,
-                           tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2) : 1e-2;
+                    /* a GPU backend rounds GEMM inputs and weights to bf16 (tensor cores;
+                     * f16 and f32 weights are stored bf16) whatever its activation dtype:
+                     * 2^-9 relative per operand over K <= 129 terms, 4e-2 of 1 + |ref| */
+                    double tol1 = backend_is_cpu(be) ? tol_for(be, 1e-5, 2e-2) : 4e-2,
+                           tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2) : 4e-2;
                     check_close(what, be, got, want, (size_t)T * N, tol1);
                     check_close(what, be, got2, want2, (size_t)T * N, tol2);
                     free(got), free(got2), free(want), free(want2), free(x), free(w), free(bias);
