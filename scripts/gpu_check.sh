@@ -50,6 +50,10 @@ step "GPU parity test (ops and whole model vs CPU, greedy vs golden)"
 "$BUILD/test_cuda_model"
 check $? test_cuda_model
 
+step "GPU parity test with the small-batch GEMV enabled (DISAGG_CUDA_GEMV=1)"
+DISAGG_CUDA_GEMV=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|OK|FAILED|PASSED|ERROR"
+check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=1"
+
 step "backend parity test (every kernels/backend.h op, CUDA vs reference)"
 "$BUILD/test_backend_ops"
 check $? test_backend_ops
@@ -81,6 +85,9 @@ W7=/dev/shm/q7b
 check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
+echo "--- the same, batch 1 and 8 with the small-batch GEMV (DISAGG_CUDA_GEMV=1):"
+DISAGG_CUDA_GEMV=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,$p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=1"
 
 step "summary"
 echo "gpu_check: $fails failed step(s)"

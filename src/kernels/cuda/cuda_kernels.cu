@@ -58,7 +58,7 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp;
     int last_err;
-    int no_gemv; /* DISAGG_CUDA_NO_GEMV=1: every GEMM through cuBLASLt */
+    int no_gemv; /* unless DISAGG_CUDA_GEMV=1: every GEMM through cuBLASLt */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
 };
@@ -156,7 +156,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
-    c->no_gemv = getenv("DISAGG_CUDA_NO_GEMV") && atoi(getenv("DISAGG_CUDA_NO_GEMV")) > 0;
+    c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
@@ -492,6 +492,7 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
 
 #define ATT_WARPS 8
 #define ATT_U 4
+#define ATT_CHUNK 256 /* KV positions per split of the decode kernel */
 #define ATT_MAXG 8
 
 /* grid (T, n_kv, splits), ATT_WARPS warps.  Each warp walks keys k0+w, k0+w+ATT_WARPS, ...
@@ -689,15 +690,11 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
                 nh, nkv, hd, ATT_MAXG);
         return -EINVAL;
     }
-    /* split over KV when the (token, kv head) grid leaves multiprocessors idle */
-    int base = T * nkv, splits = 1;
-    if (base < 2 * c->n_sm && max_ctx > 128) {
-        splits = (2 * c->n_sm + base - 1) / base;
-        int most = (max_ctx + 127) / 128;
-        if (splits > most) splits = most;
-        if (splits < 1) splits = 1;
-    }
-    int chunk = (max_ctx + splits - 1) / splits;
+    /* split over KV in fixed chunks of ATT_CHUNK positions: a token's keys are cut the same
+     * way whatever else is in the batch, so its result does not depend on the batch (the
+     * combine adds empty splits as exact zeros) */
+    int chunk = ATT_CHUNK, splits = (max_ctx + chunk - 1) / chunk;
+    if (splits < 1) splits = 1;
     if (splits > 1) {
         size_t need = (size_t)T * nh * splits * hd, need_ml = (size_t)T * nh * splits * 2;
         if (need > c->att_part_cap) {
@@ -1122,7 +1119,7 @@ static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float 
 
 /* measured on the H200 (7B shapes): the GEMV beats cuBLASLt at T = 1 (6.05 vs 6.4 ms a decode
  * step) and loses at T = 8 (11.5 vs 7.5 ms), where its x loads from L1 dominate */
-#define GEMV_MAX_T 2
+#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1; off by default: one GEMM path for every T */
 
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                   int N, int K) {
