@@ -492,7 +492,7 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
 
 #define ATT_WARPS 8
 #define ATT_U 4
-#define ATT_CHUNK 256 /* KV positions per split of the decode kernel */
+#define ATT_CHUNK 128 /* KV positions per split of the decode kernel */
 #define ATT_MAXG 8
 
 /* grid (T, n_kv, splits), ATT_WARPS warps.  Each warp walks keys k0+w, k0+w+ATT_WARPS, ...
