@@ -10,11 +10,11 @@
 #      and the random tiny model, then test_cuda_model again against those references,
 #   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
 #      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run.
-# Everything is logged to $OUT/gpu_check.log (OUT defaults to ./gpu-check-out).
+# Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SRC=$PWD
-OUT=${OUT:-$SRC/gpu-check-out}
+OUT=${OUT:-${TMPDIR:-/tmp}/gpu-check-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 step() { echo; echo "=== $(date -u +%T) $* ==="; }
@@ -37,7 +37,7 @@ elif [ -n "${PREBUILT:-}" ]; then
   BUILD=$PREBUILT
   nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden --Werror all-warnings \
     -gencode arch=compute_90,code=[sm_90,compute_90] -cudart static -I src -I include \
-    -o "$BUILD/libdisagg_cuda.so" src/kernels/cuda/*.cu -lcublasLt
+    -Xlinker -z,nodelete -o "$BUILD/libdisagg_cuda.so" src/kernels/cuda/*.cu -lcublasLt
   check $? "nvcc build of libdisagg_cuda.so (sm_90 + compute_90 PTX)"
 else
   echo "cmake configure failed; see $OUT/cmake.log (or give PREBUILT=dir)"; exit 1

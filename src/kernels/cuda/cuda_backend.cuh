@@ -41,6 +41,9 @@ typedef struct cb_stream {
 } cb_stream;
 
 #define CB(st) ((cb_stream *)(st)->impl)
+/* The calling thread's current device must be the stream's (cuda:N with N > 0): set it in
+ * every entry point a new thread may start with (plan begins every forward). */
+#define ON_DEV(st) cudaSetDevice(CB(st)->c->device)
 
 static void cb_free(backend *be) {
     cb_dev *d = (cb_dev *)be->ctx;
@@ -105,8 +108,11 @@ static int cb_weights_load(backend *be, backend_buffer *b, const void *src, back
     dcu_ctx *c = d->loader;
     size_t esz = src_dt == BACKEND_F32 ? 4 : 2, per = d->stage_bytes / esz;
     bf16 *dst = (bf16 *)b->ptr;
-    if (src_dt != BACKEND_BF16 && !d->conv && cudaMalloc(&d->conv, d->stage_bytes) != cudaSuccess)
+    cudaSetDevice(d->ord);
+    if (src_dt != BACKEND_BF16 && !d->conv && cudaMalloc(&d->conv, d->stage_bytes) != cudaSuccess) {
+        cb_buffer_free(be, b);
         return -ENOMEM;
+    }
     for (size_t off = 0; off < n; off += per) {
         size_t cnt = n - off < per ? n - off : per;
         int k = d->next++ & 1;
@@ -162,6 +168,7 @@ static void cb_stream_free(backend_stream *st) {
 }
 
 static int cb_stream_sync(backend_stream *st) {
+    ON_DEV(st);
     cudaError_t e = cudaStreamSynchronize(CB(st)->c->stream);
     if (e != cudaSuccess) {
         fprintf(stderr, "cuda_backend: stream: %s\n", cudaGetErrorString(e));
@@ -171,18 +178,22 @@ static int cb_stream_sync(backend_stream *st) {
 }
 
 static int cb_upload(backend_stream *st, void *dev, const void *host, size_t n) {
+    ON_DEV(st);
     return dupload(CB(st)->c, dev, host, n);
 }
 static int cb_download(backend_stream *st, void *host, const void *dev, size_t n) {
+    ON_DEV(st);
     return ddownload(CB(st)->c, host, dev, n);
 }
 static int cb_copy(backend_stream *st, void *dst, const void *src, size_t n) {
+    ON_DEV(st);
     if (dst == src) return 0;
     CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, CB(st)->c->stream));
     CK(cudaStreamSynchronize(CB(st)->c->stream));
     return 0;
 }
 static int cb_memset_zero(backend_stream *st, void *dev, size_t n) {
+    ON_DEV(st);
     CK(cudaMemsetAsync(dev, 0, n, CB(st)->c->stream));
     CK(cudaStreamSynchronize(CB(st)->c->stream));
     return 0;
@@ -190,6 +201,7 @@ static int cb_memset_zero(backend_stream *st, void *dev, size_t n) {
 
 static int cb_plan(backend_stream *st, const backend_batch *b) {
     cb_stream *s = CB(st);
+    ON_DEV(st);
     int T = b->n_tokens, S = b->n_seqs, stride = 1, max_ctx = 0;
     for (int i = 0; i < S; i++) {
         int n = b->bt_indptr[i + 1] - b->bt_indptr[i];
