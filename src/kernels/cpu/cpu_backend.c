@@ -110,13 +110,12 @@ static int cpu_buffer_alloc(backend *be, backend_buffer *b, size_t bytes, int fl
         madvise(p, bytes, MADV_HUGEPAGE);
         kind = BUF_MAP;
     } else {
-        size_t rounded = (bytes + 63) & ~(size_t)63;
-        p = aligned_alloc(64, rounded);
+        /* calloc: a large zeroed buffer comes as fresh zero pages, touched only when used */
+        p = flags & BACKEND_BUF_ZERO ? calloc(1, bytes) : malloc(bytes);
         if (!p) {
             LOG_E(MOD, "out of memory allocating %zu bytes", bytes);
             return -ENOMEM;
         }
-        if (flags & BACKEND_BUF_ZERO) memset(p, 0, bytes);
         kind = BUF_HEAP;
     }
     b->ptr = p;
