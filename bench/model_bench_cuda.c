@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BS 16
+#define BS      16
 #define MAXLIST 16
 
 static int parse_list(const char *flag, const char *v, int *out, int *n) {
@@ -49,8 +49,8 @@ static double now_s(void) {
 }
 
 /* n_seqs sequences, one token each at position ctx + step, blocks laid out consecutively */
-static int decode_run(qwen2_cuda *g, int n_seqs, int ctx, int steps, int32_t *tables,
-                      int per_seq, double *sec) {
+static int decode_run(qwen2_cuda *g, int n_seqs, int ctx, int steps, int32_t *tables, int per_seq,
+                      double *sec) {
     qwen2_seq *q = calloc((size_t)n_seqs, sizeof *q);
     int32_t *tok = calloc((size_t)n_seqs, 4), *next = calloc((size_t)n_seqs, 4);
     if (!q || !tok || !next) return -ENOMEM;
@@ -66,8 +66,8 @@ static int decode_run(qwen2_cuda *g, int n_seqs, int ctx, int steps, int32_t *ta
         for (int s = 0; s < steps + 2 && !rc; s++) {
             if (s == 2) t0 = now_s(); /* two warm-up steps */
             for (int i = 0; i < n_seqs; i++)
-                q[i] = (qwen2_seq){&tok[i], 1, ctx + s, &tables[(size_t)i * per_seq], per_seq,
-                                   NULL, 0};
+                q[i] = (qwen2_seq){&tok[i], 1,    ctx + s, &tables[(size_t)i * per_seq],
+                                   per_seq, NULL, 0};
             rc = qwen2_cuda_forward(g, q, n_seqs, next);
             for (int i = 0; i < n_seqs; i++)
                 tok[i] = next[i];
@@ -151,8 +151,10 @@ static int serve_path(const char *model_arg, const int *prompts, int n_prompts, 
                 if (st == 2) t0 = now_s();
                 for (int i = 0; i < n; i++) {
                     toks[i] = (i * 31 + st) % 1000;
-                    q[i] = (qwen2_seq){&toks[i], 1, C + st, &tables[(size_t)i * per], per,
-                                       logits + (size_t)i * c->vocab_size, 0};
+                    q[i] = (qwen2_seq){&toks[i], 1,
+                                       C + st,   &tables[(size_t)i * per],
+                                       per,      logits + (size_t)i * c->vocab_size,
+                                       0};
                 }
                 rc = qwen2_forward(&m, s, &kv, q, n);
             }
@@ -193,12 +195,15 @@ int bench_model_cuda_main(int argc, char **argv) {
                    !strcmp(a, "--gen-len")) {
             long x = v ? strtol(v, &end, 10) : 0;
             if (!v || *end || x < 1 || x > 1 << 20) {
-                fprintf(stderr, "disagg bench model: %s '%s' is invalid; accepted: an integer in "
-                                "[1, 1048576]\n", a, v ? v : "");
+                fprintf(stderr,
+                        "disagg bench model: %s '%s' is invalid; accepted: an integer in "
+                        "[1, 1048576]\n",
+                        a, v ? v : "");
                 return 2;
             }
-            *(!strcmp(a, "--context") ? &ctx : !strcmp(a, "--gen-len") ? &steps : &long_ctx) =
-                (int)x;
+            *(!strcmp(a, "--context")   ? &ctx
+              : !strcmp(a, "--gen-len") ? &steps
+                                        : &long_ctx) = (int)x;
             i++;
         } else if (!strcmp(a, "--kv-cache-dtype")) {
             if (v && (!strcmp(v, "auto") || !strcmp(v, "bfloat16")))
@@ -206,15 +211,19 @@ int bench_model_cuda_main(int argc, char **argv) {
             else if (v && !strcmp(v, "float32"))
                 kv_dtype = DCU_F32;
             else {
-                fprintf(stderr, "disagg bench model: --kv-cache-dtype '%s' is invalid; accepted: "
-                                "auto, bfloat16, float32\n", v ? v : "");
+                fprintf(stderr,
+                        "disagg bench model: --kv-cache-dtype '%s' is invalid; accepted: "
+                        "auto, bfloat16, float32\n",
+                        v ? v : "");
                 return 2;
             }
             i++;
         } else if (a[0] == '-') {
-            fprintf(stderr, "disagg bench model --device cuda: unknown option '%s'; accepted: "
-                            "--prompt-lens, --batches, --context, --long-context, --gen-len, "
-                            "--kv-cache-dtype, --json\n", a);
+            fprintf(stderr,
+                    "disagg bench model --device cuda: unknown option '%s'; accepted: "
+                    "--prompt-lens, --batches, --context, --long-context, --gen-len, "
+                    "--kv-cache-dtype, --json\n",
+                    a);
             return 2;
         } else if (!model_arg) {
             model_arg = a;
@@ -284,19 +293,20 @@ int bench_model_cuda_main(int argc, char **argv) {
     double h = c->hidden_size, kvd = (double)c->n_kv_heads * c->head_dim,
            inter = c->intermediate_size;
     double layer_params = h * h * 2 + h * kvd * 2 + 3 * h * inter;
-    double wbytes = 2.0 * (c->n_layers * layer_params + (double)c->vocab_size * h *
-                                                            (m.w.lm_head.data == m.w.embed.data ? 1 : 2));
+    double wbytes =
+        2.0 * (c->n_layers * layer_params +
+               (double)c->vocab_size * h * (m.w.lm_head.data == m.w.embed.data ? 1 : 2));
     double head_bytes = 2.0 * c->vocab_size * h;
     double kv_tok = 2.0 * c->n_layers * kvd * (kv_dtype == DCU_BF16 ? 2 : 4);
     printf("GPU %s (%d SMs, %.0f GB), driver CUDA %d, built with %d\n", g.info.name, g.info.n_sm,
            g.info.total_mem / 1e9, g.info.driver_version, g.info.runtime_version);
     printf("model %s: %d layers, hidden %d, %d/%d heads, intermediate %d, vocab %d; %.2f GB of "
-           "bf16 weights in HBM, KV %s\n", m.dir, c->n_layers, c->hidden_size, c->n_heads,
-           c->n_kv_heads, c->intermediate_size, c->vocab_size, wbytes / 1e9,
-           kv_dtype == DCU_BF16 ? "bf16" : "f32");
+           "bf16 weights in HBM, KV %s\n",
+           m.dir, c->n_layers, c->hidden_size, c->n_heads, c->n_kv_heads, c->intermediate_size,
+           c->vocab_size, wbytes / 1e9, kv_dtype == DCU_BF16 ? "bf16" : "f32");
     printf("ceilings (this run): HBM copy %.0f GB/s (cudaMemcpy D2D, read+write); cuBLASLt bf16 "
-           "GEMM %.0f TFLOP/s at 8192^3, %.0f TFLOP/s at %dx%dx%d\n", copy, gemm, gemm_mlp, 4096,
-           2 * c->intermediate_size, c->hidden_size);
+           "GEMM %.0f TFLOP/s at 8192^3, %.0f TFLOP/s at %dx%dx%d\n",
+           copy, gemm, gemm_mlp, 4096, 2 * c->intermediate_size, c->hidden_size);
     printf("weights page cache -> HBM: %.2f s (%.1f GB/s)\n", upload_s, wbytes / upload_s / 1e9);
     int rc = 0;
     int32_t *tables = calloc((size_t)n_blocks, 4), *toks = calloc((size_t)max_tokens, 4);
@@ -337,7 +347,8 @@ int bench_model_cuda_main(int argc, char **argv) {
                bytes / sec / 1e9, 100.0 * bytes / sec / 1e9 / copy);
     }
     printf("(best of 2 rounds of %d steps after 2 warm-ups; greedy argmax on the device, no logits "
-           "download; eager launches, no CUDA graphs)\n", steps);
+           "download; eager launches, no CUDA graphs)\n",
+           steps);
     if (rc) fprintf(stderr, "disagg bench model: CUDA forward failed (%d)\n", rc);
     qwen2_cuda_close(&g); /* frees the fused copy's HBM before the serving path loads its own */
     if (!rc) rc = serve_path(model_arg, prompts, n_prompts, ctx, long_ctx, steps, kv_dtype);

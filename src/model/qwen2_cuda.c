@@ -15,8 +15,8 @@ static dcu_host_mat hm(const weight_mat *w) {
     return r;
 }
 
-int qwen2_cuda_open(qwen2_cuda *g, const qwen2_model *m, int device, int max_tokens,
-                    int max_seqs, int max_blocks, int progress, char *err, size_t errlen) {
+int qwen2_cuda_open(qwen2_cuda *g, const qwen2_model *m, int device, int max_tokens, int max_seqs,
+                    int max_blocks, int progress, char *err, size_t errlen) {
     memset(g, 0, sizeof *g);
     const model_config *c = &m->cfg;
     if (max_tokens <= 0 || max_seqs <= 0 || max_blocks <= 0) {
@@ -186,8 +186,9 @@ int qwen2_cuda_forward(qwen2_cuda *g, qwen2_seq *seqs, int n_seqs, int32_t *gree
         if (!(q->logits && q->logits_all)) g->out_rows[n_out++] = t - 1;
         if (q->logits) want_logits = 1;
     }
-    dcu_batch b = {T,       g->tok,     g->pos,   g->seq, n_seqs, g->bt,
-                   stride,  n_out,      g->out_rows, want_logits ? g->logits : NULL, g->amax};
+    dcu_batch b = {T,      g->tok, g->pos, g->seq,      n_seqs,
+                   g->bt,  stride, n_out,  g->out_rows, want_logits ? g->logits : NULL,
+                   g->amax};
     char err[512];
     int rc = g->api->forward(g->dm, &g->kv, &b, err, sizeof err);
     if (rc) {

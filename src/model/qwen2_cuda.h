@@ -16,7 +16,7 @@ typedef struct qwen2_cuda {
     dcu_ctx *ctx;
     dcu_model *dm;
     dcu_info info;
-    dcu_kv kv;            /* the KV region in HBM (base NULL until kv_alloc) */
+    dcu_kv kv; /* the KV region in HBM (base NULL until kv_alloc) */
     int max_tokens, max_seqs, max_blocks;
     int vocab;
     /* host scratch for one batch */
@@ -26,8 +26,8 @@ typedef struct qwen2_cuda {
 
 /* Opens device `device`, uploads m's weights (progress on stderr when progress).  Errors
  * (module/driver/GPU missing, out of GPU memory) in err.  */
-int qwen2_cuda_open(qwen2_cuda *g, const qwen2_model *m, int device, int max_tokens,
-                    int max_seqs, int max_blocks, int progress, char *err, size_t errlen);
+int qwen2_cuda_open(qwen2_cuda *g, const qwen2_model *m, int device, int max_tokens, int max_seqs,
+                    int max_blocks, int progress, char *err, size_t errlen);
 void qwen2_cuda_close(qwen2_cuda *g);
 
 /* Allocates (zeroed) the KV region: n_blocks of block_size tokens, dtype DCU_BF16|DCU_F32. */

@@ -48,7 +48,8 @@ static int setup(void **st) {
                 why);
         A = NULL;
     } else {
-        fprintf(stderr, "test_cuda_model: %s, compute %d.%d, %d SMs, driver CUDA %d, built with %d\n",
+        fprintf(stderr,
+                "test_cuda_model: %s, compute %d.%d, %d SMs, driver CUDA %d, built with %d\n",
                 info.name, info.cc_major, info.cc_minor, info.n_sm, info.driver_version,
                 info.runtime_version);
     }
@@ -58,12 +59,12 @@ static int teardown(void **st) {
     if (C) A->ctx_free(C);
     return 0;
 }
-#define NEED_GPU()                                                                    \
-    do {                                                                              \
-        if (!A) {                                                                     \
-            fprintf(stderr, "SKIP %s: needs a CUDA GPU (%s)\n", __func__, why);       \
-            skip();                                                                   \
-        }                                                                             \
+#define NEED_GPU()                                                                                 \
+    do {                                                                                           \
+        if (!A) {                                                                                  \
+            fprintf(stderr, "SKIP %s: needs a CUDA GPU (%s)\n", __func__, why);                    \
+            skip();                                                                                \
+        }                                                                                          \
     } while (0)
 
 static uint64_t rs = 0x9e3779b97f4a7c15ull;
@@ -258,8 +259,7 @@ static void test_matmul_argmax(void **st) {
                 double e = fabs(y[t * N + n] - ref) / mag;
                 if (e > worst) worst = e;
             }
-        fprintf(stderr, "  matmul %dx%dx%d: max err %.2e of sum|xw| (tol 1e-3)\n", T, N, K,
-                worst);
+        fprintf(stderr, "  matmul %dx%dx%d: max err %.2e of sum|xw| (tol 1e-3)\n", T, N, K, worst);
         assert_true(worst <= 1e-3);
         /* argmax over the rows (plant a tie: lowest id wins) */
         y[0 * N + 3] = 1e9f, y[0 * N + 9] = 1e9f;
@@ -392,8 +392,9 @@ static void attention_case(int nh, int nkv, int hd, int bs, int n_seqs, const in
             size_t base = bt[pos[t] / bs] * per_block;
             for (int which = 0; which < 2; which++)
                 for (int e = 0; e < kvd; e++)
-                    assert_true(back[base + (((size_t)2 * 2 + which) * bs + pos[t] % bs) * kvd +
-                                     e] == q[(size_t)t * nh * hd + e]);
+                    assert_true(
+                        back[base + (((size_t)2 * 2 + which) * bs + pos[t] % bs) * kvd + e] ==
+                        q[(size_t)t * nh * hd + e]);
         }
         free(back);
     }
@@ -433,8 +434,7 @@ static void test_attention(void **st) {
 
 #define BS 16
 
-static double compare_model(const char *dir, const int32_t *ids, int n, int kv_dtype,
-                            double tol) {
+static double compare_model(const char *dir, const int32_t *ids, int n, int kv_dtype, double tol) {
     char err[1024];
     qwen2_model m;
     int rc = qwen2_load(&m, dir, 0, err, sizeof err);
@@ -571,8 +571,8 @@ static void test_greedy_golden(void **st) {
             ties++;
         }
     }
-    fprintf(stderr, "  greedy: %d/%d golden prompts equal in full, %d diverge at a near tie\n", same,
-            all, ties);
+    fprintf(stderr, "  greedy: %d/%d golden prompts equal in full, %d diverge at a near tie\n",
+            same, all, ties);
     assert_int_equal(same + ties, all);
     assert_true(same >= all / 2);
     qwen2_cuda_close(&gc);
@@ -624,12 +624,15 @@ static void hf_case(const char *refdir, const char *name, const char *model_dir)
                 double mx = json_number_value(json_object_get(row, mxk)), e = 0;
                 for (size_t i = 0; i < json_array_size(jid); i++) {
                     int v = (int)json_integer_value(json_array_get(jid, i));
-                    double d = fabs(lg[(size_t)t * V + v] - json_number_value(json_array_get(jv, i)));
+                    double d =
+                        fabs(lg[(size_t)t * V + v] - json_number_value(json_array_get(jv, i)));
                     if (d > e) e = d;
                 }
                 if (e / mx > worst) worst = e / mx;
             }
-            fprintf(stderr, "  HF %s case %zu (%d tokens) vs HF %s on the GPU: max err / max|logit| %.2e (tol 0.05)\n",
+            fprintf(stderr,
+                    "  HF %s case %zu (%d tokens) vs HF %s on the GPU: max err / max|logit| %.2e "
+                    "(tol 0.05)\n",
                     name, ci, n, kinds[k], worst);
             assert_true(worst <= 0.05);
         }

@@ -33,15 +33,15 @@ typedef struct dcu_ctx dcu_ctx;     /* one device, one stream, one cuBLASLt hand
 typedef struct dcu_model dcu_model; /* weights in HBM + activation workspace */
 
 typedef struct dcu_info {
-    int device;              /* ordinal used */
-    int n_devices;           /* visible devices (CUDA_VISIBLE_DEVICES applies) */
-    char name[256];          /* e.g. "NVIDIA H200" */
-    int cc_major, cc_minor;  /* compute capability */
-    int n_sm;                /* multiprocessors */
-    size_t total_mem;        /* bytes of device memory */
-    size_t free_mem;         /* bytes free now */
-    int driver_version;      /* cudaDriverGetVersion: CUDA version the driver supports */
-    int runtime_version;     /* CUDART_VERSION the module was built with */
+    int device;             /* ordinal used */
+    int n_devices;          /* visible devices (CUDA_VISIBLE_DEVICES applies) */
+    char name[256];         /* e.g. "NVIDIA H200" */
+    int cc_major, cc_minor; /* compute capability */
+    int n_sm;               /* multiprocessors */
+    size_t total_mem;       /* bytes of device memory */
+    size_t free_mem;        /* bytes free now */
+    int driver_version;     /* cudaDriverGetVersion: CUDA version the driver supports */
+    int runtime_version;    /* CUDART_VERSION the module was built with */
 } dcu_info;
 
 /* A host matrix to upload: (rows, cols) of dtype in host memory (e.g. the safetensors
@@ -53,13 +53,13 @@ typedef struct dcu_host_mat {
 } dcu_host_mat;
 
 typedef struct dcu_host_layer {
-    const float *attn_norm;          /* (hidden) */
-    dcu_host_mat wq, wk, wv;         /* (hidden|kv_dim, hidden) */
-    const float *bq, *bk, *bv;       /* (hidden), (kv_dim), (kv_dim); may be NULL (zero) */
-    dcu_host_mat wo;                 /* (hidden, hidden) */
-    const float *mlp_norm;           /* (hidden) */
-    dcu_host_mat w_gate, w_up;       /* (inter, hidden) */
-    dcu_host_mat w_down;             /* (hidden, inter) */
+    const float *attn_norm;    /* (hidden) */
+    dcu_host_mat wq, wk, wv;   /* (hidden|kv_dim, hidden) */
+    const float *bq, *bk, *bv; /* (hidden), (kv_dim), (kv_dim); may be NULL (zero) */
+    dcu_host_mat wo;           /* (hidden, hidden) */
+    const float *mlp_norm;     /* (hidden) */
+    dcu_host_mat w_gate, w_up; /* (inter, hidden) */
+    dcu_host_mat w_down;       /* (hidden, inter) */
 } dcu_host_layer;
 
 typedef struct dcu_model_desc {
@@ -71,15 +71,15 @@ typedef struct dcu_model_desc {
     int tied;                   /* lm_head shares embed's device copy */
     const float *final_norm;    /* (hidden) */
     const dcu_host_layer *layers;
-    int max_tokens;   /* tokens per forward call (activation workspace) */
-    int max_seqs;     /* sequences per forward call */
-    int max_blocks;   /* block-table entries per sequence */
-    int progress;     /* 1: upload progress on stderr (a terminal) */
+    int max_tokens; /* tokens per forward call (activation workspace) */
+    int max_seqs;   /* sequences per forward call */
+    int max_blocks; /* block-table entries per sequence */
+    int progress;   /* 1: upload progress on stderr (a terminal) */
 } dcu_model_desc;
 
 typedef struct dcu_kv {
-    void *base;      /* device pointer: (n_blocks, n_layers, 2, block_size, kv_dim) */
-    int dtype;       /* DCU_BF16 or DCU_F32 */
+    void *base; /* device pointer: (n_blocks, n_layers, 2, block_size, kv_dim) */
+    int dtype;  /* DCU_BF16 or DCU_F32 */
     int n_blocks, block_size, n_layers, kv_dim;
 } dcu_kv;
 
@@ -99,8 +99,8 @@ typedef struct dcu_batch {
 } dcu_batch;
 
 typedef struct dcu_api {
-    int abi;                 /* DCU_ABI_VERSION */
-    int build_cuda_version;  /* CUDART_VERSION at build time, e.g. 13000 */
+    int abi;                /* DCU_ABI_VERSION */
+    int build_cuda_version; /* CUDART_VERSION at build time, e.g. 13000 */
     /* Driver / device check without keeping anything; fills info when it succeeds. */
     int (*probe)(int device, dcu_info *info, char *err, size_t errlen);
     dcu_ctx *(*ctx_create)(int device, char *err, size_t errlen);
@@ -118,12 +118,12 @@ typedef struct dcu_api {
     int (*to_bf16)(dcu_ctx *c, void *dst, const float *src, size_t n);
     int (*matmul)(dcu_ctx *c, float *y, const void *x_bf16, const void *w_bf16, const float *bias,
                   int T, int N, int K); /* y (T,N) = x (T,K) w (N,K)^T + bias */
-    int (*rmsnorm)(dcu_ctx *c, void *out, int out_dtype, float *x, const float *add,
-                   const float *w, const int32_t *rows, int n_rows, int n, float eps,
+    int (*rmsnorm)(dcu_ctx *c, void *out, int out_dtype, float *x, const float *add, const float *w,
+                   const int32_t *rows, int n_rows, int n, float eps,
                    int write_back); /* row r: v = x[rows?rows[r]:r] (+ add[..]); write_back:
                                        x = v; out[r] = w * v / rms(v) */
-    int (*rope)(dcu_ctx *c, float *x, int row_stride, const int32_t *pos,
-                const float *inv_freq, int T, int n_heads, int head_dim); /* rotate-half */
+    int (*rope)(dcu_ctx *c, float *x, int row_stride, const int32_t *pos, const float *inv_freq,
+                int T, int n_heads, int head_dim); /* rotate-half */
     int (*swiglu)(dcu_ctx *c, void *out, int out_dtype, const float *gate_up, int T,
                   int inter); /* out (T, I) = silu(gu[:, :I]) * gu[:, I:] */
     int (*add)(dcu_ctx *c, float *x, const float *y, size_t n);
@@ -136,9 +136,8 @@ typedef struct dcu_api {
      * f32 over keys 0..pos[t] of sequence seq[t] in kv, layer `layer`; max_ctx: the largest
      * pos + 1 in the batch (sizes the split over KV blocks). */
     int (*attention)(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,
-                     int layer, const int32_t *pos, const int32_t *seq,
-                     const int32_t *block_tables, int bt_stride, int T, int n_heads,
-                     int n_kv_heads, int head_dim, int max_ctx);
+                     int layer, const int32_t *pos, const int32_t *seq, const int32_t *block_tables,
+                     int bt_stride, int T, int n_heads, int n_kv_heads, int head_dim, int max_ctx);
     int (*argmax)(dcu_ctx *c, int32_t *out, const float *logits, int rows, int vocab);
     /* whole model */
     dcu_model *(*model_create)(dcu_ctx *c, const dcu_model_desc *d, char *err, size_t errlen);
