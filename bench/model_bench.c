@@ -123,7 +123,8 @@ int bench_model_main(int argc, char **argv) {
             const char *v = i + 1 < argc ? argv[++i] : "";
             if (!strcmp(v, "cuda")) return bench_model_cuda_main(argc, argv);
             if (strcmp(v, "cpu")) {
-                fprintf(stderr, "disagg bench model: --device '%s' is invalid; accepted: cpu, cuda\n", v);
+                fprintf(stderr,
+                        "disagg bench model: --device '%s' is invalid; accepted: cpu, cuda\n", v);
                 return 2;
             }
         } else if (!strcmp(a, "--json"))

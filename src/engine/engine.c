@@ -816,7 +816,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
                  "needs (%zu): raise %s or lower --max-model-len",
                  want, nblocks, block_bytes, min_blocks,
                  backend_is_cpu(e->be) || c.kv_cache_bytes ? "--kv-cache-memory"
-                                                            : "--gpu-memory-utilization");
+                                                           : "--gpu-memory-utilization");
         rc = -EINVAL;
         goto fail;
     }
