@@ -95,7 +95,8 @@ static int usage(FILE *f, int rc) {
            "  --prompt-len  prompt tokens prefilled in one forward (default 512)\n"
            "  --gen-len     tokens decoded one at a time after it (default 32)\n"
            "  --threads     worker threads (default: all online CPUs)\n"
-           "  --json        one JSON object instead of the table\n");
+           "  --json        one JSON object instead of the table\n"
+           "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n");
     return rc;
 }
 
@@ -118,7 +119,15 @@ int bench_model_main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout, 0);
-        if (!strcmp(a, "--json"))
+        if (!strcmp(a, "--device")) {
+            const char *v = i + 1 < argc ? argv[++i] : "";
+            if (!strcmp(v, "cuda")) return bench_model_cuda_main(argc, argv);
+            if (strcmp(v, "cpu")) {
+                fprintf(stderr,
+                        "disagg bench model: --device '%s' is invalid; accepted: cpu, cuda\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--json"))
             json = 1;
         else if (!strcmp(a, "--prompt-len")) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &prompt_len)) return 2;

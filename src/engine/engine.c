@@ -106,6 +106,7 @@ void engine_config_init(engine_config *c) {
     memset(c, 0, sizeof *c);
     c->block_size = 16;
     c->kv_cache_fraction = 0.25;
+    c->gpu_memory_utilization = 0.9;
     c->max_num_seqs = 64;
     c->max_num_batched_tokens = 2048;
     c->enable_prefix_caching = 1;
@@ -798,18 +799,35 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -EINVAL;
         goto fail;
     }
-    size_t block_bytes = qwen2_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0;
-    backend_memory(e->be, NULL, &mem_total);
+    size_t block_bytes = qwen2_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0,
+           mem_free = 0;
+    /* activations first: on a GPU the KV cache gets what is left (vLLM's
+     * --gpu-memory-utilization: weights + activations + KV <= that fraction of the device) */
+    e->state = qwen2_state_create(&e->model, e->cfg.max_num_batched_tokens);
+    backend_memory(e->be, &mem_free, &mem_total);
     size_t want =
         c.kv_cache_bytes ? c.kv_cache_bytes : (size_t)((double)mem_total * c.kv_cache_fraction);
+    if (!backend_is_cpu(e->be) && !c.kv_cache_bytes) {
+        double budget = (double)mem_total * c.gpu_memory_utilization;
+        double used = (double)(mem_total - mem_free);
+        double reserve = 512.0 * (1 << 20); /* cuBLASLt workspaces, attention scratch, logits */
+        want = budget > used + reserve ? (size_t)(budget - used - reserve) : 0;
+        LOG_I(MOD,
+              "%s: %.2f GB of %.2f GB in use after weights and activations; "
+              "--gpu-memory-utilization %.2f leaves %.2f GB for the KV cache",
+              backend_name(e->be), used / 1e9, (double)mem_total / 1e9, c.gpu_memory_utilization,
+              (double)want / 1e9);
+    }
     size_t nblocks = want / block_bytes;
     size_t min_blocks = (size_t)(e->max_model_len + c.block_size - 1) / (size_t)c.block_size;
     if (nblocks < min_blocks) {
         snprintf(err, errlen,
                  "KV cache of %zu bytes holds %zu blocks of %zu bytes, fewer than one max-length "
                  "request "
-                 "needs (%zu): raise --kv-cache-memory or lower --max-model-len",
-                 want, nblocks, block_bytes, min_blocks);
+                 "needs (%zu): raise %s or lower --max-model-len",
+                 want, nblocks, block_bytes, min_blocks,
+                 backend_is_cpu(e->be) || c.kv_cache_bytes ? "--kv-cache-memory"
+                                                           : "--gpu-memory-utilization");
         rc = -EINVAL;
         goto fail;
     }
@@ -822,7 +840,6 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -ENOMEM;
         goto fail;
     }
-    e->state = qwen2_state_create(&e->model, e->cfg.max_num_batched_tokens);
     e->fwd = calloc((size_t)c.max_num_seqs, sizeof *e->fwd);
     e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
