@@ -95,7 +95,8 @@ static int usage(FILE *f, int rc) {
            "  --prompt-len  prompt tokens prefilled in one forward (default 512)\n"
            "  --gen-len     tokens decoded one at a time after it (default 32)\n"
            "  --threads     worker threads (default: all online CPUs)\n"
-           "  --json        one JSON object instead of the table\n");
+           "  --json        one JSON object instead of the table\n"
+           "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n");
     return rc;
 }
 
@@ -118,7 +119,15 @@ int bench_model_main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout, 0);
-        if (!strcmp(a, "--json"))
+        if (!strcmp(a, "--device")) {
+            const char *v = i + 1 < argc ? argv[++i] : "";
+            if (!strcmp(v, "cuda")) return bench_model_cuda_main(argc, argv);
+            if (strcmp(v, "cpu")) {
+                fprintf(stderr,
+                        "disagg bench model: --device '%s' is invalid; accepted: cpu, cuda\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--json"))
             json = 1;
         else if (!strcmp(a, "--prompt-len")) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &prompt_len)) return 2;
@@ -222,12 +231,12 @@ int bench_model_main(int argc, char **argv) {
                "\"decode_tok_s\":%.2f,\"decode_weight_gb_s\":%.2f,\"read_bw_gb_s\":%.2f,\"decode_"
                "bound_tok_s\":%.2f,"
                "\"decode_vs_bound\":%.3f,\"weight_bytes_per_token\":%.0f,\"repeat\":%d}\n",
-               m.dir, cpu_dtype_name(m.w.dtype), cpu_isa_name(cpu_isa_get()), threads, prompt_len,
-               gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm, decode_tps,
-               decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok, repeat);
+               m.dir, cpu_dtype_name((cpu_dtype)m.w.dtype), cpu_isa_name(cpu_isa_get()), threads,
+               prompt_len, gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm,
+               decode_tps, decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok, repeat);
     } else {
         printf("model %s (%s weights, %d layers, hidden %d), %d threads, %s kernels\n", m.dir,
-               cpu_dtype_name(m.w.dtype), c->n_layers, c->hidden_size, threads,
+               cpu_dtype_name((cpu_dtype)m.w.dtype), c->n_layers, c->hidden_size, threads,
                cpu_isa_name(cpu_isa_get()));
         printf("%-34s %12s %14s %10s\n", "measurement", "value", "ceiling", "of ceiling");
         printf("%-34s %10.1f/s %14s %10s\n", "prefill tokens (one forward)", prefill_tps, "", "");

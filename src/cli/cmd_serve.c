@@ -15,6 +15,7 @@
 
 #include "base/log.h"
 #include "connector/kv_transfer_config.h"
+#include "kernels/backend.h"
 #include "server/server.h"
 
 #include <errno.h>
@@ -53,6 +54,14 @@ static void serve_usage(FILE *f) {
         "  --dtype auto|bfloat16|float16|float32   weight dtype check; the CPU computes in "
         "float32\n"
         "  --threads N                     compute threads (default: all cores)\n"
+        "  --device auto|cpu|cuda|cuda:N   compute device (default auto: cuda when its module "
+        "loads and a GPU is visible, else cpu)\n"
+        "  --kv-cache-dtype auto|bfloat16|float16|float32   KV-cache element type (default "
+        "auto: the device's, float32 on the CPU)\n"
+        "  --gpu-memory-utilization F      GPU: fraction of device memory for weights, "
+        "activations and KV cache (default 0.9; the KV cache gets what is left)\n"
+        "  --enforce-eager                 GPU: no CUDA graphs (accepted; every step runs eager "
+        "today)\n"
         "  --kv-transfer-config JSON       KV connector configuration (P/D disaggregation)\n"
         "  --max-body-bytes N              request body limit (default 32M) -> 413\n"
         "  --client-header-timeout S       a request head must be complete S seconds after its\n"
@@ -155,6 +164,10 @@ static const char *FLAGS[] = {"--host",
                               "--seed",
                               "--dtype",
                               "--threads",
+                              "--device",
+                              "--kv-cache-dtype",
+                              "--gpu-memory-utilization",
+                              "--enforce-eager",
                               "--kv-transfer-config",
                               "--max-body-bytes",
                               "--client-header-timeout",
@@ -182,6 +195,7 @@ static void unknown_flag(const char *f) {
 int cmd_serve(int argc, char **argv) {
     server_config cfg;
     server_config_init(&cfg);
+    cfg.engine.device = "auto";
     const char *model = NULL;
     static char default_model[PATH_MAX];
     const char *env_key = getenv("VLLM_API_KEY");
@@ -212,7 +226,7 @@ int cmd_serve(int argc, char **argv) {
         int takes_value =
             strcmp(flag, "--enable-prefix-caching") && strcmp(flag, "--no-enable-prefix-caching") &&
             strcmp(flag, "--disable-log-requests") && strcmp(flag, "--enable-log-requests") &&
-            strcmp(flag, "--trust-remote-code");
+            strcmp(flag, "--trust-remote-code") && strcmp(flag, "--enforce-eager");
         int known = 0;
         for (size_t k = 0; k < NFLAGS; k++)
             known |= !strcmp(flag, FLAGS[k]);
@@ -286,6 +300,33 @@ int cmd_serve(int argc, char **argv) {
         } else if (!strcmp(flag, "--threads")) {
             if (parse_long(flag, val, 0, 4096, &x)) return 2;
             cfg.engine.threads = (int)x;
+        } else if (!strcmp(flag, "--device")) {
+            if (strcmp(val, "auto") && strcmp(val, "cpu") && strncmp(val, "cuda", 4)) {
+                fprintf(stderr, "disagg serve: --device '%s' is not a device; accepted: %s\n", val,
+                        BACKEND_DEVICE_NAMES);
+                return 2;
+            }
+            cfg.engine.device = val; /* "cuda:N" is checked when the backend opens */
+        } else if (!strcmp(flag, "--gpu-memory-utilization")) {
+            char *end;
+            double f = strtod(val, &end);
+            if (*val == 0 || *end || !(f > 0.0 && f <= 1.0)) {
+                fprintf(stderr,
+                        "disagg serve: --gpu-memory-utilization '%s' is invalid; accepted: a "
+                        "fraction in (0, 1], e.g. 0.9\n",
+                        val);
+                return 2;
+            }
+            cfg.engine.gpu_memory_utilization = f;
+        } else if (!strcmp(flag, "--enforce-eager")) {
+            cfg.engine.enforce_eager = 1;
+        } else if (!strcmp(flag, "--kv-cache-dtype")) {
+            if (backend_dtype_parse(val, &cfg.engine.kv_cache_dtype)) {
+                fprintf(stderr,
+                        "disagg serve: --kv-cache-dtype '%s' is not supported; accepted: %s\n", val,
+                        BACKEND_DTYPE_NAMES);
+                return 2;
+            }
         } else if (!strcmp(flag, "--dtype")) {
             static const char *ok[] = {"auto", "bfloat16", "float16", "half", "float32", "float"};
             int good = 0;

@@ -12,7 +12,7 @@
 #include "base/log.h"
 #include "engine/block_pool.h"
 #include "engine/scheduler.h"
-#include "kernels/cpu/cpu_pool.h"
+#include "kernels/backend.h"
 #include "model/qwen2.h"
 #include "model/sampler.h"
 
@@ -22,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #define MOD                   "engine"
@@ -72,10 +71,10 @@ typedef struct kv_note { /* a connector's answer, queued for the step thread */
 struct engine {
     engine_config cfg;
     qwen2_model model;
-    cpu_pool *pool;
+    backend *be; /* the compute device: weights, KV region, work */
     qwen2_state *state;
-    kv_store kv;     /* the KV region (base from mmap) */
-    size_t kv_bytes; /* mapping length */
+    kv_store kv;     /* the KV region (a buffer of be) */
+    size_t kv_bytes; /* its length */
     block_pool bp;
     scheduler sched;
     sched_plan plan;
@@ -109,9 +108,12 @@ void engine_config_init(engine_config *c) {
     memset(c, 0, sizeof *c);
     c->block_size = 16;
     c->kv_cache_fraction = 0.25;
+    c->gpu_memory_utilization = 0.9;
     c->max_num_seqs = 64;
     c->max_num_batched_tokens = 2048;
     c->enable_prefix_caching = 1;
+    c->device = "cpu";
+    c->kv_cache_dtype = -1;
 }
 
 /* ---- requests --------------------------------------------------------------- */
@@ -444,12 +446,14 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     memset(out, 0, sizeof *out);
     out->base = e->kv.base;
     out->bytes = e->kv_bytes;
-    out->block_bytes = qwen2_kv_block_bytes(c, e->kv.block_size);
+    out->block_bytes = qwen2_kv_block_bytes_dt(c, e->kv.block_size, e->kv.dtype);
+    snprintf(out->location, sizeof out->location, "%s", backend_buffer_location(e->kv.buf));
+    static const char *const short_dt[] = {"f32", "f16", "bf16"};
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;
     snprintf(out->fingerprint, sizeof out->fingerprint,
-             "qwen2:L%d:kvh%d:hd%d:bs%d:f32:layer-kv-token-major:v%d", c->n_layers, c->n_kv_heads,
-             c->head_dim, e->kv.block_size, c->vocab_size);
+             "qwen2:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d", c->n_layers, c->n_kv_heads,
+             c->head_dim, e->kv.block_size, short_dt[e->kv.dtype], c->vocab_size);
 }
 
 static ereq *find_live(engine *e, uint64_t id) {
@@ -747,7 +751,6 @@ static void run_step(engine *e) {
     pthread_mutex_unlock(&e->mu);
 }
 
-
 static void *step_main(void *arg) {
     engine *e = arg;
     for (;;) {
@@ -767,11 +770,6 @@ static void *step_main(void *arg) {
 
 /* ---- lifecycle ---------------------------------------------------------------- */
 
-static size_t physical_ram(void) {
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : (size_t)8 << 30;
-}
-
 int engine_create(const engine_config *cfg, engine **out, char *err, size_t errlen) {
     engine_config c = *cfg;
     if (c.block_size <= 0 || c.block_size > 1024) {
@@ -786,8 +784,18 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     engine *e = calloc(1, sizeof *e);
     if (!e) return -ENOMEM;
     e->cfg = c;
-    int rc = qwen2_load(&e->model, c.model, c.progress, err, errlen);
+    backend_options bo;
+    backend_options_init(&bo);
+    bo.n_threads = c.threads;
+    bo.progress = c.progress;
+    int rc = backend_open(c.device, &bo, &e->be, err, errlen);
     if (rc) {
+        free(e);
+        return rc;
+    }
+    rc = qwen2_load_on(&e->model, c.model, e->be, c.progress, err, errlen);
+    if (rc) {
+        backend_close(e->be);
         free(e);
         return rc;
     }
@@ -801,39 +809,56 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         goto fail;
     }
     if (c.max_num_batched_tokens < c.max_num_seqs) e->cfg.max_num_batched_tokens = c.max_num_seqs;
-    size_t block_bytes = qwen2_kv_block_bytes(mc, c.block_size);
-    size_t want = c.kv_cache_bytes ? c.kv_cache_bytes
-                                   : (size_t)((double)physical_ram() * c.kv_cache_fraction);
+    backend_dtype kv_dt =
+        c.kv_cache_dtype < 0 ? backend_kv_dtype_default(e->be) : (backend_dtype)c.kv_cache_dtype;
+    if (!backend_kv_dtype_ok(e->be, kv_dt)) {
+        snprintf(err, errlen, "--kv-cache-dtype %s is not supported on %s (auto: %s)",
+                 backend_dtype_name(kv_dt), backend_name(e->be),
+                 backend_dtype_name(backend_kv_dtype_default(e->be)));
+        rc = -EINVAL;
+        goto fail;
+    }
+    size_t block_bytes = qwen2_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0,
+           mem_free = 0;
+    /* activations first: on a GPU the KV cache gets what is left (vLLM's
+     * --gpu-memory-utilization: weights + activations + KV <= that fraction of the device) */
+    e->state = qwen2_state_create(&e->model, e->cfg.max_num_batched_tokens);
+    backend_memory(e->be, &mem_free, &mem_total);
+    size_t want =
+        c.kv_cache_bytes ? c.kv_cache_bytes : (size_t)((double)mem_total * c.kv_cache_fraction);
+    if (!backend_is_cpu(e->be) && !c.kv_cache_bytes) {
+        double budget = (double)mem_total * c.gpu_memory_utilization;
+        double used = (double)(mem_total - mem_free);
+        double reserve = 512.0 * (1 << 20); /* cuBLASLt workspaces, attention scratch, logits */
+        want = budget > used + reserve ? (size_t)(budget - used - reserve) : 0;
+        LOG_I(MOD,
+              "%s: %.2f GB of %.2f GB in use after weights and activations; "
+              "--gpu-memory-utilization %.2f leaves %.2f GB for the KV cache",
+              backend_name(e->be), used / 1e9, (double)mem_total / 1e9, c.gpu_memory_utilization,
+              (double)want / 1e9);
+    }
     size_t nblocks = want / block_bytes;
     size_t min_blocks = (size_t)(e->max_model_len + c.block_size - 1) / (size_t)c.block_size;
     if (nblocks < min_blocks) {
         snprintf(err, errlen,
                  "KV cache of %zu bytes holds %zu blocks of %zu bytes, fewer than one max-length "
                  "request "
-                 "needs (%zu): raise --kv-cache-memory or lower --max-model-len",
-                 want, nblocks, block_bytes, min_blocks);
+                 "needs (%zu): raise %s or lower --max-model-len",
+                 want, nblocks, block_bytes, min_blocks,
+                 backend_is_cpu(e->be) || c.kv_cache_bytes ? "--kv-cache-memory"
+                                                           : "--gpu-memory-utilization");
         rc = -EINVAL;
         goto fail;
     }
     if (nblocks > INT32_MAX / 2) nblocks = INT32_MAX / 2;
     e->kv_bytes = nblocks * block_bytes;
-    void *base = mmap(NULL, e->kv_bytes, PROT_READ | PROT_WRITE,
-                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (base == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map a KV cache of %zu bytes: %s", e->kv_bytes,
-                 strerror(errno));
+    /* the backend allocates the region (CPU: an anonymous mapping with huge pages) */
+    if (kv_store_init_on(&e->kv, e->be, mc, (int)nblocks, c.block_size, kv_dt, BACKEND_BUF_KV)) {
+        snprintf(err, errlen, "cannot allocate a KV cache of %zu bytes on %s", e->kv_bytes,
+                 backend_name(e->be));
         rc = -ENOMEM;
         goto fail;
     }
-    /* Huge pages: fewer page pins for every KV transfer (shm and tcp) and fewer TLB misses. */
-    madvise(base, e->kv_bytes, MADV_HUGEPAGE);
-    e->kv.base = base;
-    e->kv.n_blocks = (int)nblocks;
-    e->kv.block_size = c.block_size;
-    e->kv.n_layers = mc->n_layers;
-    e->kv.kv_dim = mc->n_kv_heads * mc->head_dim;
-    e->pool = cpu_pool_init(c.threads);
-    e->state = qwen2_state_init(&e->model, e->cfg.max_num_batched_tokens, e->pool);
     e->fwd = calloc((size_t)c.max_num_seqs, sizeof *e->fwd);
     e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
@@ -859,10 +884,11 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         goto fail;
     }
     LOG_I(MOD,
-          "model %s: %d layers, hidden %d, vocab %d; KV cache %zu blocks x %d tokens (%zu tokens, "
-          "%.1f MiB)",
-          e->model.dir, mc->n_layers, mc->hidden_size, e->vocab, nblocks, c.block_size,
-          nblocks * (size_t)c.block_size, (double)e->kv_bytes / (1 << 20));
+          "model %s on %s: %d layers, hidden %d, vocab %d; KV cache %zu blocks x %d tokens (%zu "
+          "tokens, %.1f MiB, %s)",
+          e->model.dir, backend_name(e->be), mc->n_layers, mc->hidden_size, e->vocab, nblocks,
+          c.block_size, nblocks * (size_t)c.block_size, (double)e->kv_bytes / (1 << 20),
+          backend_dtype_name(kv_dt));
     *out = e;
     return 0;
 fail:
@@ -873,9 +899,9 @@ fail:
     free(e->plogits);
     free(e->scratch);
     if (e->state) qwen2_state_free(e->state);
-    if (e->pool) cpu_pool_free(e->pool);
-    if (e->kv.base) munmap(e->kv.base, e->kv_bytes);
+    kv_store_free(&e->kv);
     qwen2_free(&e->model);
+    backend_close(e->be);
     free(e);
     return rc;
 }
@@ -913,9 +939,9 @@ void engine_destroy(engine *e) {
     free(e->plogits);
     free(e->scratch);
     qwen2_state_free(e->state);
-    cpu_pool_free(e->pool);
-    munmap(e->kv.base, e->kv_bytes);
+    kv_store_free(&e->kv);
     qwen2_free(&e->model);
+    backend_close(e->be);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);

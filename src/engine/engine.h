@@ -32,6 +32,10 @@ typedef struct engine_config {
     uint64_t seed;              /* engine-wide seed for unseeded sampling */
     int threads;                /* compute threads, 0 = all cores */
     int progress;               /* show model-loading progress on a tty */
+    const char *device;         /* backend_open device: "cpu" (default), "auto", "cuda[:N]" */
+    int kv_cache_dtype;         /* backend_dtype of the KV cache; -1 = the device's default */
+    double gpu_memory_utilization; /* GPU: device-memory fraction for everything (0.9) */
+    int enforce_eager;          /* GPU: no CUDA graphs (today every step is eager) */
 } engine_config;
 
 void engine_config_init(engine_config *c);

@@ -56,6 +56,7 @@ typedef struct engine_kv_region {
     size_t block_bytes;
     int n_blocks;
     int block_size;
+    char location[32];     /* where base lives, for transfer_register: "cpu:0", "cuda:0" */
     char fingerprint[160]; /* model shape, dtype, block size and layout */
 } engine_kv_region;
 

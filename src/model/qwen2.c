@@ -1,13 +1,12 @@
 /*
  * qwen2 — Qwen2 forward pass (see qwen2.h).  Reads top-down like the math: embed, then
- * per layer attention block and MLP block, then the head.  Threading: matmuls split
- * weight rows, attention splits (token, head) pairs, the MLP activation splits tokens;
- * none of these splits changes any value.
+ * per layer attention block and MLP block, then the head.  Every step is one operation of
+ * kernels/backend.h on the state's stream; nothing here touches device memory directly.
  */
 #include "model/qwen2.h"
 
 #include "base/log.h"
-#include "kernels/cpu/cpu_matmul.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "model/hf_cache.h"
 
 #include <errno.h>
@@ -21,7 +20,13 @@
 /* ---- model ---------------------------------------------------------------- */
 
 int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, size_t errlen) {
+    return qwen2_load_on(m, model_arg, backend_cpu_default(), progress, err, errlen);
+}
+
+int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progress, char *err,
+                  size_t errlen) {
     memset(m, 0, sizeof *m);
+    m->be = be;
     int rc = hf_cache_resolve(model_arg, m->dir, sizeof m->dir, err, errlen);
     if (rc) return rc;
     if ((rc = model_config_load(&m->cfg, m->dir, err, errlen))) return rc;
@@ -32,121 +37,169 @@ int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, s
                  m->dir, m->cfg.n_heads / m->cfg.n_kv_heads, m->cfg.head_dim, QWEN2_MAX_GROUP);
         return -EINVAL;
     }
-    if ((rc = weights_load(&m->w, &m->cfg, m->dir, err, errlen))) return rc;
+    if ((rc = weights_load_on(&m->w, be, &m->cfg, m->dir, err, errlen))) return rc;
     int half = m->cfg.head_dim / 2;
-    m->rope_inv_freq = malloc((size_t)half * sizeof(float));
-    if (!m->rope_inv_freq) {
-        weights_free(&m->w);
-        return -ENOMEM;
+    float *inv = malloc((size_t)half * sizeof(float));
+    m->rope_buf = inv ? backend_buffer_alloc(be, (size_t)half * sizeof(float), 0) : NULL;
+    backend_stream *st = m->rope_buf ? backend_stream_create(be) : NULL;
+    rc = st ? 0 : -ENOMEM;
+    if (!rc) {
+        /* as transformers: 1 / theta ** (arange(0, d, 2) / d), in f32 */
+        for (int i = 0; i < half; i++)
+            inv[i] = 1.0f / powf(m->cfg.rope_theta, (float)(2 * i) / (float)m->cfg.head_dim);
+        rc = backend_upload(st, backend_buffer_ptr(m->rope_buf), inv, (size_t)half * sizeof(float));
+        m->rope_inv_freq = backend_buffer_ptr(m->rope_buf);
     }
-    /* as transformers: 1 / theta ** (arange(0, d, 2) / d), in f32 */
-    for (int i = 0; i < half; i++)
-        m->rope_inv_freq[i] =
-            1.0f / powf(m->cfg.rope_theta, (float)(2 * i) / (float)m->cfg.head_dim);
+    backend_stream_free(st);
+    free(inv);
+    if (rc) {
+        snprintf(err, errlen, "cannot place the RoPE table on %s", backend_name(be));
+        qwen2_free(m);
+        return rc;
+    }
     if (progress) st_set_prefault(&m->w.st, m->dir);
     return 0;
 }
 
 void qwen2_free(qwen2_model *m) {
     weights_free(&m->w);
-    free(m->rope_inv_freq);
+    backend_buffer_free(m->rope_buf);
     memset(m, 0, sizeof *m);
 }
 
 /* ---- KV store ----------------------------------------------------------- */
 
-size_t qwen2_kv_block_bytes(const model_config *c, int block_size) {
+size_t qwen2_kv_block_bytes_dt(const model_config *c, int block_size, backend_dtype dt) {
     return (size_t)c->n_layers * 2 * (size_t)block_size * (size_t)(c->n_kv_heads * c->head_dim) *
-           sizeof(float);
+           backend_dtype_size(dt);
+}
+
+size_t qwen2_kv_block_bytes(const model_config *c, int block_size) {
+    return qwen2_kv_block_bytes_dt(c, block_size, BACKEND_F32);
 }
 
 int kv_store_init(kv_store *kv, const model_config *c, int n_blocks, int block_size) {
+    return kv_store_init_on(kv, backend_cpu_default(), c, n_blocks, block_size, BACKEND_F32,
+                            BACKEND_BUF_ZERO);
+}
+
+int kv_store_init_on(kv_store *kv, backend *be, const model_config *c, int n_blocks, int block_size,
+                     backend_dtype dt, int flags) {
     memset(kv, 0, sizeof *kv);
     if (n_blocks <= 0 || block_size <= 0) return -EINVAL;
-    kv->base = calloc((size_t)n_blocks, qwen2_kv_block_bytes(c, block_size));
-    if (!kv->base) return -ENOMEM;
+    if (!backend_kv_dtype_ok(be, dt)) return -ENOTSUP;
+    kv->buf =
+        backend_buffer_alloc(be, (size_t)n_blocks * qwen2_kv_block_bytes_dt(c, block_size, dt),
+                             flags | BACKEND_BUF_ZERO);
+    if (!kv->buf) return -ENOMEM;
+    kv->base = backend_buffer_ptr(kv->buf);
     kv->n_blocks = n_blocks;
     kv->block_size = block_size;
     kv->n_layers = c->n_layers;
     kv->kv_dim = c->n_kv_heads * c->head_dim;
+    kv->n_kv_heads = c->n_kv_heads;
+    kv->head_dim = c->head_dim;
+    kv->dtype = dt;
     return 0;
 }
 
 void kv_store_free(kv_store *kv) {
-    free(kv->base);
+    backend_buffer_free(kv->buf);
     memset(kv, 0, sizeof *kv);
-}
-
-/* K (which=0) or V (which=1) of a position of a sequence, layer l: (kv_dim) */
-static inline float *kv_at(const kv_store *kv, const int32_t *table, int pos, int l, int which) {
-    size_t blk = (size_t)table[pos / kv->block_size], slot = (size_t)(pos % kv->block_size);
-    size_t per_block = (size_t)kv->n_layers * 2 * kv->block_size * kv->kv_dim;
-    return kv->base + blk * per_block +
-           (((size_t)l * 2 + which) * kv->block_size + slot) * kv->kv_dim;
 }
 
 /* ---- state ---------------------------------------------------------------- */
 
+enum { B_X, B_XB, B_Q, B_K, B_V, B_ATT, B_HB, B_HB2, B_COUNT };
+
 struct qwen2_state {
-    int max_tokens;   /* capacity in tokens */
-    cpu_pool *pool;   /* threads (not owned) */
-    float *x;         /* (T, hidden) residual stream */
-    float *xb;        /* (T, hidden) normed input */
-    float *q;         /* (T, hidden) */
-    float *k;         /* (T, kv_dim) */
-    float *v;         /* (T, kv_dim) */
-    float *att;       /* (T, hidden) attention output */
-    float *hb;        /* (T, intermediate) gate, then silu(gate) * up */
-    float *hb2;       /* (T, intermediate) up */
-    int32_t *tok_seq; /* (T) sequence index of each token */
-    int32_t *tok_pos; /* (T) position of each token */
-    float *head_in;   /* (max_tokens, hidden) rows gathered for lm_head */
-    float *head_out;  /* (head_cap, vocab) lm_head output of last-token rows */
-    int head_cap;     /* rows of head_out */
+    int max_tokens;     /* capacity in tokens */
+    backend_stream *st; /* the stream all work goes to (owned) */
+    backend_dtype act;  /* activation dtype */
+    backend_buffer *buf[B_COUNT];
+    void *x;                    /* (T, hidden) residual stream */
+    void *xb;                   /* (T, hidden) normed input; rows gathered for lm_head */
+    void *q;                    /* (T, hidden) */
+    void *k;                    /* (T, kv_dim) */
+    void *v;                    /* (T, kv_dim) */
+    void *att;                  /* (T, hidden) attention output */
+    void *hb;                   /* (T, intermediate) gate, then silu(gate) * up */
+    void *hb2;                  /* (T, intermediate) up */
+    backend_buffer *logits_buf; /* (logits_cap, vocab) f32 lm_head output */
+    int logits_cap;             /* rows of logits_buf */
+    /* the batch's host metadata (backend_batch) */
+    int32_t *tokens, *tok_seq, *tok_pos, *out_rows; /* (max_tokens) each */
+    int32_t *qo_indptr, *kv_len, *bt_indptr;        /* (max_tokens + 1) each */
+    int32_t *bt_indices;                            /* (bt_cap) */
+    int bt_cap;
 };
 
-qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, cpu_pool *pool) {
+static qwen2_state *state_new(const qwen2_model *m, int max_tokens, backend_stream *st) {
     const model_config *c = &m->cfg;
-    if (max_tokens <= 0) return NULL;
+    if (max_tokens <= 0 || !st) {
+        backend_stream_free(st);
+        return NULL;
+    }
     qwen2_state *s = calloc(1, sizeof *s);
-    if (!s) return NULL;
-    size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size,
-           kvd = (size_t)(c->n_kv_heads * c->head_dim), I = (size_t)c->intermediate_size;
+    if (!s) {
+        backend_stream_free(st);
+        return NULL;
+    }
+    s->st = st;
+    s->act = backend_act_dtype(m->be);
     s->max_tokens = max_tokens;
-    s->pool = pool;
-    s->x = malloc(T * h * 4);
-    s->xb = malloc(T * h * 4);
-    s->q = malloc(T * h * 4);
-    s->k = malloc(T * kvd * 4);
-    s->v = malloc(T * kvd * 4);
-    s->att = malloc(T * h * 4);
-    s->hb = malloc(T * I * 4);
-    s->hb2 = malloc(T * I * 4);
-    s->tok_seq = malloc(T * 4);
-    s->tok_pos = malloc(T * 4);
-    s->head_in = malloc(T * h * 4);
-    if (!s->x || !s->xb || !s->q || !s->k || !s->v || !s->att || !s->hb || !s->hb2 || !s->tok_seq ||
-        !s->tok_pos || !s->head_in) {
+    size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size,
+           kvd = (size_t)(c->n_kv_heads * c->head_dim), I = (size_t)c->intermediate_size,
+           es = backend_dtype_size(s->act);
+    size_t width[B_COUNT] = {h, h, h, kvd, kvd, h, I, I};
+    void **ptr[B_COUNT] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att, &s->hb, &s->hb2};
+    int ok = 1;
+    for (int i = 0; i < B_COUNT && ok; i++) {
+        s->buf[i] = backend_buffer_alloc(m->be, T * width[i] * es, 0);
+        ok = s->buf[i] != NULL;
+        if (ok) *ptr[i] = backend_buffer_ptr(s->buf[i]);
+    }
+    int32_t **arr[7] = {&s->tokens,    &s->tok_seq, &s->tok_pos,  &s->out_rows,
+                        &s->qo_indptr, &s->kv_len,  &s->bt_indptr};
+    for (int i = 0; i < 7 && ok; i++)
+        ok = (*arr[i] = malloc((T + 1) * sizeof(int32_t))) != NULL;
+    if (!ok) {
         qwen2_state_free(s);
         return NULL;
     }
     return s;
 }
 
+qwen2_state *qwen2_state_create(const qwen2_model *m, int max_tokens) {
+    return state_new(m, max_tokens, backend_stream_create(m->be));
+}
+
+qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, cpu_pool *pool) {
+    if (!backend_is_cpu(m->be)) {
+        if (pool) {
+            LOG_E("qwen2", "qwen2_state_init: a CPU thread pool given for a model on %s",
+                  backend_name(m->be));
+            return NULL;
+        }
+        return qwen2_state_create(m, max_tokens);
+    }
+    return state_new(m, max_tokens, cpu_backend_stream_create(m->be, pool));
+}
+
 void qwen2_state_free(qwen2_state *s) {
     if (!s) return;
-    free(s->x);
-    free(s->xb);
-    free(s->q);
-    free(s->k);
-    free(s->v);
-    free(s->att);
-    free(s->hb);
-    free(s->hb2);
+    backend_stream_free(s->st);
+    for (int i = 0; i < B_COUNT; i++)
+        backend_buffer_free(s->buf[i]);
+    backend_buffer_free(s->logits_buf);
+    free(s->tokens);
     free(s->tok_seq);
     free(s->tok_pos);
-    free(s->head_in);
-    free(s->head_out);
+    free(s->out_rows);
+    free(s->qo_indptr);
+    free(s->kv_len);
+    free(s->bt_indptr);
+    free(s->bt_indices);
     free(s);
 }
 
@@ -154,109 +207,17 @@ int qwen2_state_max_tokens(const qwen2_state *s) {
     return s->max_tokens;
 }
 
-/* ---- small ops ------------------------------------------------------------ */
-
-/* out (n) = w * (x / sqrt(mean(x^2) + eps)) */
-static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++)
-        ss += x[i] * x[i];
-    float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++)
-        out[i] = w[i] * (x[i] * inv);
-}
-
-/* rotate-half RoPE on n_heads vectors of head_dim at vec (n_heads, head_dim) */
-static void rope(float *vec, int n_heads, int head_dim, const float *cosv, const float *sinv) {
-    int half = head_dim / 2;
-    for (int hh = 0; hh < n_heads; hh++) {
-        float *v = vec + (size_t)hh * head_dim;
-        for (int i = 0; i < half; i++) {
-            float a = v[i], b = v[i + half];
-            v[i] = a * cosv[i] - b * sinv[i];
-            v[i + half] = b * cosv[i] + a * sinv[i];
-        }
-    }
-}
-
-/* ---- attention ------------------------------------------------------------ */
-
-typedef struct att_job {
-    const qwen2_model *m;
-    qwen2_state *s;
-    const kv_store *kv;
-    const qwen2_seq *seqs;
-    int layer;
-} att_job;
-
-/* One token and one KV head: the `group` query heads sharing it read each K/V row once.
- * Per head: scores = q.k * scale over positions 0..pos in order, softmax, out = sum p_i v_i
- * in order -- the same arithmetic whatever the batch or chunking. */
-static void att_task(void *ctx, int task) {
-    const att_job *j = ctx;
-    const model_config *c = &j->m->cfg;
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
-    int t = task / c->n_kv_heads, kvh = task % c->n_kv_heads;
-    int pos = j->s->tok_pos[t], np = pos + 1;
-    const qwen2_seq *sq = &j->seqs[j->s->tok_seq[t]];
-    float *scores = cpu_scratch(1, (size_t)group * np); /* (group, pos + 1) */
-    if (!scores) abort(); /* a worker cannot report; group * (pos + 1) floats */
-    const float *q =
-        j->s->q + (size_t)t * c->hidden_size + (size_t)kvh * group * hd; /* (group, hd) */
-    float *out =
-        j->s->att + (size_t)t * c->hidden_size + (size_t)kvh * group * hd; /* (group, hd) */
-    const float scale = (float)(1.0 / sqrt((double)hd));
-    float mx[QWEN2_MAX_GROUP], sum[QWEN2_MAX_GROUP], w[QWEN2_MAX_GROUP];
-    for (int g = 0; g < group; g++)
-        mx[g] = -INFINITY, sum[g] = 0.0f;
-    for (int p = 0; p < np; p++) {
-        const float *k = kv_at(j->kv, sq->block_table, p, j->layer, 0) + (size_t)kvh * hd;
-        cpu_dot_heads(w, q, k, group, hd);
-        for (int g = 0; g < group; g++) {
-            float sc = w[g] * scale;
-            scores[(size_t)g * np + p] = sc;
-            if (sc > mx[g]) mx[g] = sc;
-        }
-    }
-    for (int g = 0; g < group; g++)
-        for (int p = 0; p < np; p++) {
-            float e = expf(scores[(size_t)g * np + p] - mx[g]);
-            scores[(size_t)g * np + p] = e;
-            sum[g] += e;
-        }
-    memset(out, 0, (size_t)group * hd * sizeof(float));
-    for (int p = 0; p < np; p++) {
-        const float *v = kv_at(j->kv, sq->block_table, p, j->layer, 1) + (size_t)kvh * hd;
-        for (int g = 0; g < group; g++)
-            w[g] = scores[(size_t)g * np + p] / sum[g];
-        cpu_axpy_heads(out, w, v, group, hd);
-    }
-}
-
-/* ---- MLP activation ------------------------------------------------------- */
-
-typedef struct act_job {
-    float *g;       /* (T, I) gate in, silu(gate) * up out */
-    const float *u; /* (T, I) up */
-    int I;
-} act_job;
-
-static void act_task(void *ctx, int t) {
-    const act_job *j = ctx;
-    float *g = j->g + (size_t)t * j->I;
-    const float *u = j->u + (size_t)t * j->I;
-    for (int i = 0; i < j->I; i++)
-        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-
-/* ---- forward -------------------------------------------------------------- */
-
 static int check_seqs(const qwen2_model *m, const qwen2_state *s, const kv_store *kv,
                       const qwen2_seq *seqs, int n_seqs, int *total) {
     const model_config *c = &m->cfg;
-    if (kv->n_layers != c->n_layers || kv->kv_dim != c->n_kv_heads * c->head_dim) {
+    if (kv->n_layers != c->n_layers || kv->kv_dim != c->n_kv_heads * c->head_dim || !kv->buf) {
         LOG_E("qwen2", "kv store shape (layers %d, kv_dim %d) does not match the model (%d, %d)",
               kv->n_layers, kv->kv_dim, c->n_layers, c->n_kv_heads * c->head_dim);
+        return -EINVAL;
+    }
+    backend *kb = backend_buffer_backend(kv->buf);
+    if (kb != m->be && !(backend_is_cpu(kb) && backend_is_cpu(m->be))) {
+        LOG_E("qwen2", "kv store on %s, the model on %s", backend_name(kb), backend_name(m->be));
         return -EINVAL;
     }
     int T = 0;
@@ -301,6 +262,48 @@ static int check_seqs(const qwen2_model *m, const qwen2_state *s, const kv_store
     return 0;
 }
 
+/* Fills the batch's host metadata for the backend and plans it: token rows, positions,
+ * block tables, and the rows whose logits are wanted (every row of a logits_all sequence,
+ * else its last), in sequence order. */
+static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs, int n_seqs,
+                      int T) {
+    int nbt = 0;
+    for (int i = 0; i < n_seqs; i++)
+        nbt += (seqs[i].start_pos + seqs[i].n_tokens + kv->block_size - 1) / kv->block_size;
+    if (nbt > s->bt_cap) {
+        int32_t *p = realloc(s->bt_indices, (size_t)nbt * sizeof *p);
+        if (!p) return -ENOMEM;
+        s->bt_indices = p;
+        s->bt_cap = nbt;
+    }
+    int t = 0, n_out = 0, b = 0;
+    s->qo_indptr[0] = s->bt_indptr[0] = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        const qwen2_seq *q = &seqs[i];
+        int end = q->start_pos + q->n_tokens, nb = (end + kv->block_size - 1) / kv->block_size;
+        memcpy(s->bt_indices + b, q->block_table, (size_t)nb * sizeof(int32_t));
+        b += nb;
+        for (int j = 0; j < q->n_tokens; j++, t++) {
+            s->tokens[t] = q->tokens[j];
+            s->tok_seq[t] = i;
+            s->tok_pos[t] = q->start_pos + j;
+            if (q->logits && (q->logits_all || j == q->n_tokens - 1)) s->out_rows[n_out++] = t;
+        }
+        s->qo_indptr[i + 1] = t;
+        s->kv_len[i] = end;
+        s->bt_indptr[i + 1] = b;
+    }
+    backend_batch bb = {
+        T,         n_seqs,       s->tokens,     s->tok_seq, s->tok_pos, s->qo_indptr,
+        s->kv_len, s->bt_indptr, s->bt_indices, n_out,      s->out_rows};
+    return backend_plan(s->st, &bb) ? -EINVAL : n_out;
+}
+
+#define TRY(call)                                                                                  \
+    do {                                                                                           \
+        if ((rc = (call)) != 0) return rc;                                                         \
+    } while (0)
+
 int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
                   int n_seqs) {
     const model_config *c = &m->cfg;
@@ -308,95 +311,63 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
     int T, rc = check_seqs(m, s, kv, seqs, n_seqs, &T);
     if (rc) return rc;
     int h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size,
-        hd = c->head_dim, half = hd / 2;
+        V = c->vocab_size, nh = c->n_heads;
+    const backend_dtype a = s->act; /* activations */
+    const float eps = c->rms_norm_eps, scale = (float)(1.0 / sqrt((double)c->head_dim));
+    const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+    backend_stream *st = s->st;
+    int n_out = plan_batch(s, kv, seqs, n_seqs, T);
+    if (n_out < 0) return n_out;
 
-    /* token -> (sequence, position); embeddings */
-    for (int i = 0, t = 0; i < n_seqs; i++)
-        for (int j = 0; j < seqs[i].n_tokens; j++, t++) {
-            s->tok_seq[t] = i;
-            s->tok_pos[t] = seqs[i].start_pos + j;
-            const char *row = (const char *)w->embed.data + (size_t)seqs[i].tokens[j] * (size_t)h *
-                                                                cpu_dtype_size(w->embed.dtype);
-            cpu_row_to_f32(s->x + (size_t)t * h, row, w->embed.dtype, h);
-        }
-
-    float cosv[512], sinv[512]; /* head_dim / 2 <= 512 (checked at load) */
+    TRY(backend_embed(st, s->x, a, w->embed.data, w->embed.dtype, h));
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
-        /* attention block */
-        for (int t = 0; t < T; t++)
-            rmsnorm(s->xb + (size_t)t * h, s->x + (size_t)t * h, L->attn_norm, h, c->rms_norm_eps);
-        cpu_matmul_op qkv[3] = {{s->q, s->xb, L->wq.data, L->wq.dtype, L->bq, T, h, h},
-                                {s->k, s->xb, L->wk.data, L->wk.dtype, L->bk, T, kvd, h},
-                                {s->v, s->xb, L->wv.data, L->wv.dtype, L->bv, T, kvd, h}};
-        cpu_matmul_batch(s->pool, qkv, 3);
-        for (int t = 0; t < T; t++) {
-            float pos = (float)s->tok_pos[t];
-            for (int i = 0; i < half; i++) {
-                float a = pos * m->rope_inv_freq[i];
-                cosv[i] = cosf(a);
-                sinv[i] = sinf(a);
-            }
-            rope(s->q + (size_t)t * h, c->n_heads, hd, cosv, sinv);
-            rope(s->k + (size_t)t * kvd, c->n_kv_heads, hd, cosv, sinv);
-            const qwen2_seq *sq = &seqs[s->tok_seq[t]];
-            memcpy(kv_at(kv, sq->block_table, s->tok_pos[t], l, 0), s->k + (size_t)t * kvd,
-                   (size_t)kvd * 4);
-            memcpy(kv_at(kv, sq->block_table, s->tok_pos[t], l, 1), s->v + (size_t)t * kvd,
-                   (size_t)kvd * 4);
-        }
-        att_job aj = {m, s, kv, seqs, l};
-        cpu_pool_run(s->pool, T * c->n_kv_heads, att_task, &aj);
-        cpu_matmul(s->pool, s->xb, s->att, L->wo.data, L->wo.dtype, NULL, T, h, h);
-        for (size_t i = 0; i < (size_t)T * h; i++)
-            s->x[i] += s->xb[i];
-        /* MLP block */
-        for (int t = 0; t < T; t++)
-            rmsnorm(s->xb + (size_t)t * h, s->x + (size_t)t * h, L->mlp_norm, h, c->rms_norm_eps);
-        cpu_matmul_op gate_up[2] = {{s->hb, s->xb, L->w_gate.data, L->w_gate.dtype, NULL, T, I, h},
-                                    {s->hb2, s->xb, L->w_up.data, L->w_up.dtype, NULL, T, I, h}};
-        cpu_matmul_batch(s->pool, gate_up, 2);
-        act_job mj = {s->hb, s->hb2, I};
-        cpu_pool_run(s->pool, T, act_task, &mj);
-        cpu_matmul(s->pool, s->xb, s->hb, L->w_down.data, L->w_down.dtype, NULL, T, h, I);
-        for (size_t i = 0; i < (size_t)T * h; i++)
-            s->x[i] += s->xb[i];
+        /* attention block: x += wo · attention(rope(wq · norm(x)), rope(wk · ..), wv · ..) */
+        TRY(backend_rmsnorm(st, s->xb, a, s->x, a, L->attn_norm, T, h, eps));
+        backend_matmul_op qkv[3] = {{s->q, a, s->xb, a, L->wq.data, L->wq.dtype, L->bq, T, h, h},
+                                    {s->k, a, s->xb, a, L->wk.data, L->wk.dtype, L->bk, T, kvd, h},
+                                    {s->v, a, s->xb, a, L->wv.data, L->wv.dtype, L->bv, T, kvd, h}};
+        TRY(backend_matmul(st, qkv, 3));
+        TRY(backend_rope(st, s->q, nh, s->k, c->n_kv_heads, a, c->head_dim, m->rope_inv_freq));
+        TRY(backend_kv_write(st, &bkv, l, s->k, s->v, a));
+        TRY(backend_attention(st, s->att, s->q, a, &bkv, l, nh, scale));
+        backend_matmul_op o = {s->xb, a, s->att, a, L->wo.data, L->wo.dtype, NULL, T, h, h};
+        TRY(backend_matmul(st, &o, 1));
+        TRY(backend_add(st, s->x, s->xb, a, (size_t)T * h));
+        /* MLP block: x += w_down · (silu(w_gate · norm(x)) * (w_up · norm(x))) */
+        TRY(backend_rmsnorm(st, s->xb, a, s->x, a, L->mlp_norm, T, h, eps));
+        backend_matmul_op gate_up[2] = {
+            {s->hb, a, s->xb, a, L->w_gate.data, L->w_gate.dtype, NULL, T, I, h},
+            {s->hb2, a, s->xb, a, L->w_up.data, L->w_up.dtype, NULL, T, I, h}};
+        TRY(backend_matmul(st, gate_up, 2));
+        TRY(backend_swiglu(st, s->hb, s->hb2, a, T, I));
+        backend_matmul_op down = {s->xb,           a,    s->hb, a, L->w_down.data,
+                                  L->w_down.dtype, NULL, T,     h, I};
+        TRY(backend_matmul(st, &down, 1));
+        TRY(backend_add(st, s->x, s->xb, a, (size_t)T * h));
     }
+    if (!n_out) return backend_stream_sync(st);
 
-    /* head: sequences wanting every row get their own matmul; last rows are batched */
-    int n_last = 0;
-    for (int i = 0, t0 = 0; i < n_seqs; t0 += seqs[i].n_tokens, i++) {
+    /* head: logits (n_out, vocab) f32 = lm_head · norm(x) of the wanted rows */
+    if (s->logits_cap < n_out) {
+        backend_buffer_free(s->logits_buf);
+        s->logits_buf = backend_buffer_alloc(m->be, (size_t)n_out * V * sizeof(float), 0);
+        s->logits_cap = s->logits_buf ? n_out : 0;
+        if (!s->logits_buf) return -ENOMEM;
+    }
+    float *logits = backend_buffer_ptr(s->logits_buf);
+    TRY(backend_gather_rows(st, s->xb, s->x, a, h));
+    TRY(backend_rmsnorm(st, s->xb, a, s->xb, a, w->final_norm, n_out, h, eps));
+    backend_matmul_op head = {logits,           BACKEND_F32, s->xb, a, w->lm_head.data,
+                              w->lm_head.dtype, NULL,        n_out, V, h};
+    TRY(backend_matmul(st, &head, 1));
+    for (int i = 0, r = 0; i < n_seqs; i++) {
         if (!seqs[i].logits) continue;
-        if (seqs[i].logits_all) {
-            for (int j = 0; j < seqs[i].n_tokens; j++)
-                rmsnorm(s->head_in + (size_t)j * h, s->x + (size_t)(t0 + j) * h, w->final_norm, h,
-                        c->rms_norm_eps);
-            cpu_matmul(s->pool, seqs[i].logits, s->head_in, w->lm_head.data, w->lm_head.dtype, NULL,
-                       seqs[i].n_tokens, c->vocab_size, h);
-        } else {
-            n_last++;
-        }
+        int rows = seqs[i].logits_all ? seqs[i].n_tokens : 1;
+        TRY(backend_download(st, seqs[i].logits, logits + (size_t)r * V,
+                             (size_t)rows * V * sizeof(float)));
+        r += rows;
     }
-    if (n_last) {
-        if (s->head_cap < n_last) {
-            free(s->head_out);
-            s->head_out = malloc((size_t)n_last * c->vocab_size * sizeof(float));
-            s->head_cap = s->head_out ? n_last : 0;
-            if (!s->head_out) return -ENOMEM;
-        }
-        int r = 0;
-        for (int i = 0, t0 = 0; i < n_seqs; t0 += seqs[i].n_tokens, i++)
-            if (seqs[i].logits && !seqs[i].logits_all)
-                rmsnorm(s->head_in + (size_t)(r++) * h,
-                        s->x + (size_t)(t0 + seqs[i].n_tokens - 1) * h, w->final_norm, h,
-                        c->rms_norm_eps);
-        cpu_matmul(s->pool, s->head_out, s->head_in, w->lm_head.data, w->lm_head.dtype, NULL,
-                   n_last, c->vocab_size, h);
-        r = 0;
-        for (int i = 0; i < n_seqs; i++)
-            if (seqs[i].logits && !seqs[i].logits_all)
-                memcpy(seqs[i].logits, s->head_out + (size_t)(r++) * c->vocab_size,
-                       (size_t)c->vocab_size * sizeof(float));
-    }
-    return 0;
+    return backend_stream_sync(st);
 }

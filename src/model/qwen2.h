@@ -1,26 +1,32 @@
 /*
- * qwen2 — the Qwen2 decoder forward on the CPU (f32 compute from bf16/f16/f32 weights):
+ * qwen2 — the Qwen2 decoder forward, on any compute backend (kernels/backend.h):
  * embeddings, per layer RMSNorm -> q/k/v (with biases) -> RoPE (rotate-half) -> GQA
  * causal attention over the paged KV store -> o_proj -> residual -> RMSNorm -> SwiGLU MLP
- * -> residual, final RMSNorm and lm_head (tied or not).
+ * -> residual, final RMSNorm and lm_head (tied or not).  On the CPU backend: f32 compute
+ * from bf16/f16/f32 weights, exactly the original CPU code's arithmetic.
  *
- * The KV cache is a kv_store: one region of blocks, block-major as DESIGN.md "The KV
- * region" says — block b holds, for block_size tokens, every layer's K and V:
- *   block (n_layers, 2 [K,V], block_size, n_kv_heads * head_dim) f32
- * so block_bytes = layers * 2 * block_size * kv_heads * head_dim * 4.  A sequence names
- * its blocks with a block table (position p lives in block table[p / block_size], slot
- * p % block_size).  The engine's paged KV cache owns the region and the tables and passes
- * them in; nothing here keeps per-sequence state.
+ * The KV cache is a kv_store: one backend buffer of blocks, block-major as DESIGN.md "The
+ * KV region" says — block b holds, for block_size tokens, every layer's K and V:
+ *   block (n_layers, 2 [K,V], block_size, n_kv_heads * head_dim) of the KV dtype
+ * so block_bytes = layers * 2 * block_size * kv_heads * head_dim * sizeof(dtype).  A
+ * sequence names its blocks with a block table (position p lives in block
+ * table[p / block_size], slot p % block_size).  The engine's paged KV cache owns the region
+ * and the tables and passes them in; nothing here keeps per-sequence state.
  *
  * Batch invariance: a sequence's logits are bit-identical whatever else is in the batch
  * and however its positions were split into calls (one prefill, chunks, or one token at a
- * time), because every kernel computes each output element in one fixed order (see
- * kernels/cpu/cpu_matmul.h) and attention for position p reads keys 0..p in order.
+ * time), because every backend operation computes each output element in one fixed order
+ * (backend.h "Determinism") and attention for position p reads keys 0..p in order.
+ *
+ * CPU conveniences: qwen2_load, kv_store_init and qwen2_state_init keep their original
+ * CPU-only signatures (tests, generate, bench); the *_on / qwen2_state_create variants
+ * take the backend.
  */
 #ifndef DISAGG_MODEL_QWEN2_H
 #define DISAGG_MODEL_QWEN2_H
 
-#include "kernels/cpu/cpu_pool.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_matmul.h" /* CPU conveniences: cpu_pool, cpu_dtype */
 #include "model/model_config.h"
 #include "model/weights.h"
 
@@ -28,28 +34,43 @@
 #include <stdint.h>
 
 typedef struct qwen2_model {
-    model_config cfg;     /* hyper-parameters */
-    model_weights w;      /* mapped weights */
-    char dir[4096];       /* resolved model directory */
-    float *rope_inv_freq; /* (head_dim / 2) */
+    model_config cfg;           /* hyper-parameters */
+    model_weights w;            /* weights, in buffers of be */
+    char dir[4096];             /* resolved model directory */
+    backend *be;                /* where weights and work live (not owned) */
+    backend_buffer *rope_buf;   /* rope_inv_freq's buffer */
+    const float *rope_inv_freq; /* (head_dim / 2) f32, device address */
 } qwen2_model;
 
 /* model_arg: a directory or a hub name in the HF cache.  progress: warm the page cache
- * showing progress on a tty. */
+ * showing progress on a tty.  qwen2_load: on the CPU backend (backend_cpu_default). */
 int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, size_t errlen);
+int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progress, char *err,
+                  size_t errlen);
 void qwen2_free(qwen2_model *m);
 
 typedef struct kv_store {
-    float *base;    /* (n_blocks, n_layers, 2, block_size, kv_dim) */
-    int n_blocks;   /* blocks in the region */
-    int block_size; /* tokens per block */
-    int n_layers;   /* must equal the model's */
-    int kv_dim;     /* n_kv_heads * head_dim, must equal the model's */
+    void *base;          /* (n_blocks, n_layers, 2, block_size, kv_dim) device address */
+    int n_blocks;        /* blocks in the region */
+    int block_size;      /* tokens per block */
+    int n_layers;        /* must equal the model's */
+    int kv_dim;          /* n_kv_heads * head_dim, must equal the model's */
+    int n_kv_heads;      /* KV heads */
+    int head_dim;        /* elements per head */
+    backend_dtype dtype; /* element type */
+    backend_buffer *buf; /* the region (backend_buffer_location says where it lives) */
 } kv_store;
 
+/* Bytes of one block of f32 KV (qwen2_kv_block_bytes_dt: of KV dtype dt). */
 size_t qwen2_kv_block_bytes(const model_config *c, int block_size);
-/* Allocates a zeroed region for n_blocks (tests, generate, bench). */
+size_t qwen2_kv_block_bytes_dt(const model_config *c, int block_size, backend_dtype dt);
+/* Allocates a zeroed f32 region for n_blocks on the CPU (tests, generate, bench). */
 int kv_store_init(kv_store *kv, const model_config *c, int n_blocks, int block_size);
+/* The same on backend be, of KV dtype dt (backend_kv_dtype_ok), with buffer flags
+ * (BACKEND_BUF_KV for the engine's registered region).  -ENOTSUP for a dtype be lacks,
+ * -ENOMEM when the region cannot be allocated (logged with the size). */
+int kv_store_init_on(kv_store *kv, backend *be, const model_config *c, int n_blocks, int block_size,
+                     backend_dtype dt, int flags);
 void kv_store_free(kv_store *kv);
 
 typedef struct qwen2_seq {
@@ -64,14 +85,20 @@ typedef struct qwen2_seq {
 
 typedef struct qwen2_state qwen2_state;
 
-/* Workspace for up to max_tokens tokens per forward call; pool may be NULL (one thread). */
+/* Workspace for up to max_tokens tokens per forward call, with its own stream on the
+ * model's backend (the backend's threads).  NULL on failure (logged). */
+qwen2_state *qwen2_state_create(const qwen2_model *m, int max_tokens);
+/* CPU convenience: on the CPU backend, the work runs on pool (NULL: one thread); on another
+ * backend pool must be NULL and this is qwen2_state_create. */
 qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, cpu_pool *pool);
 void qwen2_state_free(qwen2_state *s);
 int qwen2_state_max_tokens(const qwen2_state *s);
 
 /* Runs the new tokens of n_seqs sequences (sum of n_tokens <= max_tokens): writes their K/V
- * into kv and their logits.  Returns 0 or -EINVAL (bad token id, position beyond
- * max_position_embeddings, block table too short or out of range; logged with the values). */
+ * into kv (on the model's backend) and their logits (host memory, f32).  Returns 0 or
+ * -EINVAL (bad token id, position beyond max_position_embeddings, block table too short or
+ * out of range, kv of another shape or backend; logged with the values), or the backend's
+ * error (-ENOMEM, -EIO, -ENOTSUP). */
 int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
                   int n_seqs);
 

@@ -1,20 +1,23 @@
 /*
- * weights — binds Hugging Face Qwen2 tensor names to the forward's weight structs.
+ * weights — binds Hugging Face Qwen2 tensor names to the forward's weight structs, in
+ * buffers of the model's backend.
  */
 #include "model/weights.h"
+
+#include "kernels/cpu/cpu_matmul.h" /* host-side conversion of the small vectors to f32 */
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int w_dtype(const char *s, cpu_dtype *out) {
+static int w_dtype(const char *s, backend_dtype *out) {
     if (!strcmp(s, "BF16"))
-        *out = CPU_BF16;
+        *out = BACKEND_BF16;
     else if (!strcmp(s, "F16"))
-        *out = CPU_F16;
+        *out = BACKEND_F16;
     else if (!strcmp(s, "F32"))
-        *out = CPU_F32;
+        *out = BACKEND_F32;
     else
         return -1;
     return 0;
@@ -28,7 +31,7 @@ static const st_tensor *w_find(model_weights *w, const char *name, int n_dims, i
                  w->st.n_files ? w->st.files[0].path : "?", w->st.n_files > 1 ? ", ..." : "");
         return NULL;
     }
-    cpu_dtype dt;
+    backend_dtype dt;
     if (w_dtype(t->dtype, &dt) != 0) {
         snprintf(err, errlen, "%s: tensor '%s' has unsupported dtype %s (accepted: BF16, F16, F32)",
                  st_set_file_of(&w->st, t), name, t->dtype);
@@ -51,37 +54,82 @@ static const st_tensor *w_find(model_weights *w, const char *name, int n_dims, i
     return t;
 }
 
+static int w_keep(model_weights *w, backend_buffer *b) {
+    if (w->n_bufs == w->cap_bufs) {
+        int cap = w->cap_bufs ? 2 * w->cap_bufs : 64;
+        backend_buffer **p = realloc(w->bufs, (size_t)cap * sizeof *p);
+        if (!p) return -ENOMEM;
+        w->bufs = p;
+        w->cap_bufs = cap;
+    }
+    w->bufs[w->n_bufs++] = b;
+    return 0;
+}
+
 static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, int cols, char *err,
                  size_t errlen) {
     const st_tensor *t = w_find(w, name, 2, rows, cols, err, errlen);
     if (!t) return -EINVAL;
-    if (w_dtype(t->dtype, &m->dtype)) return -EINVAL; /* w_find accepted it */
-    m->data = t->data;
+    backend_dtype src;
+    if (w_dtype(t->dtype, &src)) return -EINVAL; /* w_find accepted it */
+    backend_buffer *b =
+        backend_weights_load(w->be, t->data, src, (size_t)rows * (size_t)cols, &m->dtype);
+    if (!b || w_keep(w, b)) {
+        backend_buffer_free(b);
+        snprintf(err, errlen, "cannot place tensor '%s' (%zu bytes) on %s", name, t->nbytes,
+                 backend_name(w->be));
+        return -ENOMEM;
+    }
+    m->data = backend_buffer_ptr(b);
     m->rows = rows;
     m->cols = cols;
     w->matrix_bytes += t->nbytes;
     return 0;
 }
 
-static int w_vec(model_weights *w, float **v, const char *name, int n, char *err, size_t errlen) {
+/* an f32 vector on the device from a tensor of any supported dtype */
+static int w_vec(model_weights *w, backend_stream *st, float **v, const char *name, int n,
+                 char *err, size_t errlen) {
     const st_tensor *t = w_find(w, name, 1, n, 0, err, errlen);
     if (!t) return -EINVAL;
-    cpu_dtype dt;
+    backend_dtype dt;
     if (w_dtype(t->dtype, &dt)) return -EINVAL; /* w_find accepted it */
-    *v = malloc((size_t)n * sizeof **v);
-    if (!*v) return -ENOMEM;
-    cpu_ref_row_to_f32(*v, t->data, dt, n);
-    return 0;
+    float *host = malloc((size_t)n * sizeof *host);
+    backend_buffer *b = host ? backend_buffer_alloc(w->be, (size_t)n * sizeof *host, 0) : NULL;
+    int rc = -ENOMEM;
+    if (b && !w_keep(w, b)) {
+        cpu_ref_row_to_f32(host, t->data, (cpu_dtype)dt, n);
+        rc = backend_upload(st, backend_buffer_ptr(b), host, (size_t)n * sizeof *host);
+        *v = backend_buffer_ptr(b);
+        b = NULL; /* kept */
+    }
+    backend_buffer_free(b);
+    free(host);
+    if (rc) snprintf(err, errlen, "cannot place tensor '%s' on %s", name, backend_name(w->be));
+    return rc;
 }
 
 int weights_load(model_weights *w, const model_config *c, const char *dir, char *err,
                  size_t errlen) {
+    return weights_load_on(w, backend_cpu_default(), c, dir, err, errlen);
+}
+
+int weights_load_on(model_weights *w, backend *be, const model_config *c, const char *dir,
+                    char *err, size_t errlen) {
     memset(w, 0, sizeof *w);
+    w->be = be;
     int rc = st_set_open(&w->st, dir, err, errlen);
     if (rc) return rc;
+    backend_stream *st = backend_stream_create(be);
+    if (!st) {
+        snprintf(err, errlen, "cannot create a stream on %s", backend_name(be));
+        weights_free(w);
+        return -ENOMEM;
+    }
     int h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size;
     w->layers = calloc((size_t)c->n_layers, sizeof *w->layers);
     if (!w->layers) {
+        backend_stream_free(st);
         weights_free(w);
         return -ENOMEM;
     }
@@ -98,7 +146,7 @@ int weights_load(model_weights *w, const model_config *c, const char *dir, char 
 #define VEC(field, suffix, len)                                                                    \
     if (!rc) {                                                                                     \
         snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                                    \
-        rc = w_vec(w, &L->field, n, len, err, errlen);                                             \
+        rc = w_vec(w, st, &L->field, n, len, err, errlen);                                         \
     }
         VEC(attn_norm, "input_layernorm.weight", h);
         MAT(wq, "self_attn.q_proj.weight", h, h);
@@ -115,29 +163,28 @@ int weights_load(model_weights *w, const model_config *c, const char *dir, char 
 #undef MAT
 #undef VEC
     }
-    if (!rc) rc = w_vec(w, &w->final_norm, "model.norm.weight", h, err, errlen);
+    if (!rc) rc = w_vec(w, st, &w->final_norm, "model.norm.weight", h, err, errlen);
     if (!rc) {
         if (c->tie_embeddings)
             w->lm_head = w->embed;
         else
             rc = w_mat(w, &w->lm_head, "lm_head.weight", c->vocab_size, h, err, errlen);
     }
-    if (!rc) w->dtype = w->embed.dtype; /* mixed dtypes work: each matrix carries its own */
+    if (!rc) rc = backend_stream_sync(st);
+    backend_stream_free(st);
+    if (!rc) { /* mixed dtypes work: each matrix carries its own */
+        const st_tensor *e = st_set_find(&w->st, "model.embed_tokens.weight");
+        w_dtype(e->dtype, &w->dtype);
+    }
     if (rc) weights_free(w);
     return rc;
 }
 
 void weights_free(model_weights *w) {
-    for (int l = 0; w->layers && l < w->n_layers; l++) {
-        layer_weights *L = &w->layers[l];
-        free(L->attn_norm);
-        free(L->bq);
-        free(L->bk);
-        free(L->bv);
-        free(L->mlp_norm);
-    }
+    for (int i = 0; i < w->n_bufs; i++)
+        backend_buffer_free(w->bufs[i]);
+    free(w->bufs);
     st_set_free(&w->st);
-    free(w->final_norm);
     free(w->layers);
     memset(w, 0, sizeof *w);
 }

@@ -1,20 +1,23 @@
 /*
- * weights — the Qwen2 weight tensors, used in place from the safetensors mapping
- * (bf16, f16 or f32; no f32 copy).  Loading checks every tensor exists with the shape the
- * config implies and a supported dtype; errors name the file and tensor.  Small vectors
- * (norm weights, biases) are converted to f32 copies.
+ * weights — the Qwen2 weight tensors as buffers of a backend (kernels/backend.h).  The
+ * matrices go through backend_weights_load: the CPU backend uses them in place from the
+ * safetensors mapping (bf16, f16 or f32; no copy), a GPU backend copies them to its memory
+ * in the dtype it computes with (weight_mat.dtype says which).  Small vectors (norm
+ * weights, biases) become f32 buffers.  Every pointer here is a device address of the
+ * backend's (host pointers on the CPU).  Loading checks every tensor exists with the shape
+ * the config implies and a supported dtype; errors name the file and tensor.
  */
 #ifndef DISAGG_MODEL_WEIGHTS_H
 #define DISAGG_MODEL_WEIGHTS_H
 
-#include "kernels/cpu/cpu_matmul.h"
+#include "kernels/backend.h"
 #include "model/model_config.h"
 #include "model/safetensors.h"
 
 typedef struct weight_mat {
-    const void *data; /* (rows, cols) in the mapping */
-    cpu_dtype dtype;  /* element type */
-    int rows, cols;   /* shape */
+    const void *data;    /* (rows, cols) device address */
+    backend_dtype dtype; /* element type as the backend stores it */
+    int rows, cols;      /* shape */
 } weight_mat;
 
 typedef struct layer_weights {
@@ -34,12 +37,18 @@ typedef struct model_weights {
     int n_layers;          /* entries of layers */
     float *final_norm;     /* (hidden) */
     weight_mat lm_head;    /* (vocab, hidden); == embed when tied */
-    cpu_dtype dtype;       /* dtype of the big matrices */
-    size_t matrix_bytes;   /* bytes of all matrices (lm_head counted once) */
+    backend_dtype dtype;   /* checkpoint dtype of the big matrices */
+    size_t matrix_bytes;   /* checkpoint bytes of all matrices (lm_head counted once) */
+    backend *be;           /* where the buffers live (not owned) */
+    backend_buffer **bufs; /* (n_bufs) every buffer made, freed by weights_free */
+    int n_bufs, cap_bufs;
 } model_weights;
 
+/* On the CPU backend (backend_cpu_default). */
 int weights_load(model_weights *w, const model_config *c, const char *dir, char *err,
                  size_t errlen);
+int weights_load_on(model_weights *w, backend *be, const model_config *c, const char *dir,
+                    char *err, size_t errlen);
 void weights_free(model_weights *w);
 
 #endif

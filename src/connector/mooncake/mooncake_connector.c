@@ -1284,7 +1284,7 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         free(c);
         return -EINVAL;
     }
-    rc = transfer_register(c->te, c->region.base, c->region.bytes, "cpu:0");
+    rc = transfer_register(c->te, c->region.base, c->region.bytes, c->region.location);
     if (rc) {
         snprintf(err, errlen, "cannot register the KV cache with the transfer engine: %s",
                  transfer_strerror(rc));

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# gpu_check — the GPU suite and the GPU benchmarks in one command, on a machine with an
+# NVIDIA GPU (Hopper, sm_90), nvcc 12/13 and python3 with torch + transformers + safetensors:
+#   1. build (cmake + ninja; where the C dependencies' dev packages are missing, the
+#      binaries given with PREBUILT=DIR are used and the CUDA module is rebuilt here
+#      from source with nvcc),
+#   2. tests/unit/test_cuda_model (every op CUDA vs CPU, whole model vs CPU, greedy vs the
+#      golden continuations),
+#   3. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
+#      and the random tiny model, then test_cuda_model again against those references,
+#   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
+#      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run.
+# Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SRC=$PWD
+OUT=${OUT:-${TMPDIR:-/tmp}/gpu-check-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+step() { echo; echo "=== $(date -u +%T) $* ==="; }
+fails=0
+check() { if [ "$1" -ne 0 ]; then echo "*** FAILED: $2 (exit $1)"; fails=$((fails + 1)); else echo "--- ok: $2"; fi; }
+
+step machine
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+nvcc --version | tail -2
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' || true
+
+step build
+BUILD=${BUILD_DIR:-$SRC/build-gpu}
+if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops >>"$OUT/cmake.log" 2>&1
+  check $? "cmake build in $BUILD"
+elif [ -n "${PREBUILT:-}" ]; then
+  echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
+  echo "using the prebuilt binaries in $PREBUILT and rebuilding the CUDA module from source with nvcc"
+  BUILD=$PREBUILT
+  nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden --Werror all-warnings \
+    -gencode arch=compute_90,code=[sm_90,compute_90] -cudart static -I src -I include \
+    -Xlinker -z,nodelete -o "$BUILD/libdisagg_cuda.so" src/kernels/cuda/*.cu -lcublasLt
+  check $? "nvcc build of libdisagg_cuda.so (sm_90 + compute_90 PTX)"
+else
+  echo "cmake configure failed; see $OUT/cmake.log (or give PREBUILT=dir)"; exit 1
+fi
+cuobjdump --list-elf "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
+cuobjdump --list-ptx "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
+BIN=$BUILD/disagg
+
+step "GPU parity test (ops and whole model vs CPU, greedy vs golden)"
+"$BUILD/test_cuda_model"
+check $? test_cuda_model
+
+step "GPU parity test with the small-batch GEMV enabled (DISAGG_CUDA_GEMV=1)"
+DISAGG_CUDA_GEMV=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|OK|FAILED|PASSED|ERROR"
+check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=1"
+
+step "backend parity test (every kernels/backend.h op, CUDA vs reference)"
+"$BUILD/test_backend_ops"
+check $? test_backend_ops
+
+step "Hugging Face transformers references on the GPU"
+TINY=$(ls -d "${TMPDIR:-/tmp}"/disagg-test-models-"$(id -u)"/tiny-bf16-* 2>/dev/null | head -1)
+python3 tools/gpu_hf_reference.py --out "$OUT/ref" --model sotu-tiny=models/disagg-sotu-tiny \
+  ${TINY:+--model tiny-bf16=$TINY}
+check $? gpu_hf_reference
+DISAGG_GPU_REF_DIR=$OUT/ref "$BUILD/test_cuda_model" 2>&1 | grep -v "^  \(attention\|matmul\|rmsnorm\|rope\|swiglu\)"
+check ${PIPESTATUS[0]} "test_cuda_model against HF on the GPU"
+
+step "serve on the GPU (disagg serve --device cuda vs --device cpu, concurrent batching)"
+python3 tools/gpu_serve_smoke.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+check $? gpu_serve_smoke
+step "integration: tests/integration/test_device.py"
+DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
+check ${PIPESTATUS[0]} test_device.py
+echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
+
+step "bench model: default model on the GPU"
+"$BIN" bench model models/disagg-sotu-tiny --device cuda
+check $? "bench model sotu-tiny --device cuda"
+
+step "bench model: 7B-shaped random bf16 weights"
+W7=/dev/shm/q7b
+[ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
+[ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+check $? "gen_random_qwen2_gpu 7b"
+"$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
+check $? "bench model 7b --device cuda"
+echo "--- the same, batch 1 and 8 with the small-batch GEMV (DISAGG_CUDA_GEMV=1):"
+DISAGG_CUDA_GEMV=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,$p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=1"
+
+step "summary"
+echo "gpu_check: $fails failed step(s)"
+exit $((fails > 0))

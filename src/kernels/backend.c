@@ -1,0 +1,430 @@
+/*
+ * backend — the registry (backend_open: "cpu" here, "cuda" from the module
+ * libdisagg_cuda.so through dlopen) and the public functions of kernels/backend.h, which
+ * check their arguments once here and call the backend's table (backend_impl.h).
+ */
+#include "kernels/backend_impl.h"
+
+#include "base/log.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#define MOD "backend"
+
+/* ---- dtypes ------------------------------------------------------------------------ */
+
+size_t backend_dtype_size(backend_dtype dt) {
+    switch (dt) {
+    case BACKEND_F32:
+        return 4;
+    case BACKEND_F16:
+    case BACKEND_BF16:
+        return 2;
+    }
+    return 0;
+}
+
+const char *backend_dtype_name(backend_dtype dt) {
+    switch (dt) {
+    case BACKEND_F32:
+        return "float32";
+    case BACKEND_F16:
+        return "float16";
+    case BACKEND_BF16:
+        return "bfloat16";
+    }
+    return "?";
+}
+
+int backend_dtype_parse(const char *s, int *out) {
+    static const struct {
+        const char *name;
+        int dt;
+    } names[] = {{"auto", -1},           {"float32", BACKEND_F32},   {"f32", BACKEND_F32},
+                 {"float", BACKEND_F32}, {"float16", BACKEND_F16},   {"f16", BACKEND_F16},
+                 {"half", BACKEND_F16},  {"bfloat16", BACKEND_BF16}, {"bf16", BACKEND_BF16}};
+    for (size_t i = 0; s && i < sizeof names / sizeof names[0]; i++)
+        if (!strcasecmp(s, names[i].name)) {
+            *out = names[i].dt;
+            return 0;
+        }
+    return -EINVAL;
+}
+
+static int dt_ok(backend_dtype dt) {
+    return backend_dtype_size(dt) != 0;
+}
+
+/* ---- devices ---------------------------------------------------------------------- */
+
+void backend_options_init(backend_options *o) {
+    memset(o, 0, sizeof *o);
+}
+
+/* Opens the CUDA module: $DISAGG_CUDA_MODULE, else next to the executable, else the
+ * linker's search path.  -ENOENT with err naming every place tried when it is missing. */
+static int open_module(const backend_options *opts, backend **out, char *err, size_t errlen) {
+    char tried[3][PATH_MAX];
+    int n_tried = 0;
+    void *h = NULL;
+    const char *env = getenv("DISAGG_CUDA_MODULE");
+    char last_err[512] = "";
+    if (env && *env) {
+        snprintf(tried[n_tried++], PATH_MAX, "%s", env);
+    } else {
+        char exe[PATH_MAX];
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+        if (n > 0) {
+            exe[n] = 0;
+            char *slash = strrchr(exe, '/');
+            if (slash) {
+                *slash = 0;
+                snprintf(tried[n_tried++], PATH_MAX, "%s/%s", exe, BACKEND_MODULE_NAME);
+            }
+        }
+        snprintf(tried[n_tried++], PATH_MAX, "%s", BACKEND_MODULE_NAME);
+    }
+    for (int i = 0; i < n_tried && !h; i++) {
+        h = dlopen(tried[i], RTLD_NOW | RTLD_LOCAL);
+        if (!h) {
+            const char *e = dlerror();
+            snprintf(last_err, sizeof last_err, "%s", e ? e : "unknown dlopen error");
+        }
+    }
+    if (!h) {
+        snprintf(err, errlen,
+                 "--device cuda: this disagg was built without CUDA or its CUDA module is "
+                 "missing (%s not found: %s; set DISAGG_CUDA_MODULE to its path, or use "
+                 "--device cpu)",
+                 BACKEND_MODULE_NAME, last_err);
+        return -ENOENT;
+    }
+    backend_module_open_fn fn =
+        (backend_module_open_fn)(uintptr_t)dlsym(h, BACKEND_MODULE_OPEN_SYMBOL);
+    if (!fn) {
+        snprintf(err, errlen,
+                 "--device cuda: %s has no entry point %s (a module of another build?)", tried[0],
+                 BACKEND_MODULE_OPEN_SYMBOL);
+        dlclose(h);
+        return -ENOENT;
+    }
+    int rc = fn(BACKEND_ABI_VERSION, opts, out, err, errlen);
+    if (rc) {
+        dlclose(h);
+        *out = NULL;
+        return rc;
+    }
+    (*out)->module = h;
+    return 0;
+}
+
+/* "cuda" -> 0, "cuda:N" -> N; -1 when s is not a CUDA device name */
+static int cuda_ordinal(const char *s) {
+    if (!strcmp(s, "cuda")) return 0;
+    if (strncmp(s, "cuda:", 5) != 0 || !s[5]) return -1;
+    char *end;
+    long n = strtol(s + 5, &end, 10);
+    if (*end || n < 0 || n > 1023) return -1;
+    return (int)n;
+}
+
+int backend_open(const char *device, const backend_options *opts, backend **out, char *err,
+                 size_t errlen) {
+    backend_options o;
+    if (opts)
+        o = *opts;
+    else
+        backend_options_init(&o);
+    *out = NULL;
+    if (!device || !*device) device = "cpu";
+    if (!strcmp(device, "cpu") || !strcmp(device, "cpu:0"))
+        return cpu_backend_open(&o, out, err, errlen);
+    if (!strcmp(device, "auto")) {
+        o.device_ord = 0;
+        char why[512];
+        if (open_module(&o, out, why, sizeof why) == 0) return 0;
+        LOG_I(MOD, "--device auto: using the CPU (%s)", why);
+        return cpu_backend_open(&o, out, err, errlen);
+    }
+    int ord = cuda_ordinal(device);
+    if (ord < 0) {
+        snprintf(err, errlen, "unknown device '%s' (accepted: %s)", device, BACKEND_DEVICE_NAMES);
+        return -EINVAL;
+    }
+    o.device_ord = ord;
+    return open_module(&o, out, err, errlen);
+}
+
+void backend_close(backend *be) {
+    if (!be || be->is_static) return;
+    void *module = be->module;
+    be->iface->free(be);
+    if (module) dlclose(module);
+}
+
+const char *backend_name(const backend *be) {
+    return be->name;
+}
+const char *backend_location(const backend *be) {
+    return be->location;
+}
+int backend_is_cpu(const backend *be) {
+    return be->is_cpu;
+}
+backend_dtype backend_act_dtype(const backend *be) {
+    return be->act_dtype;
+}
+backend_dtype backend_kv_dtype_default(const backend *be) {
+    return be->kv_dtype;
+}
+int backend_kv_dtype_ok(const backend *be, backend_dtype dt) {
+    return dt_ok(dt) && (be->kv_dtypes & (1u << dt)) != 0;
+}
+int backend_memory(const backend *be, size_t *free_b, size_t *total_b) {
+    return be->iface->memory(be, free_b, total_b);
+}
+
+/* ---- buffers ---------------------------------------------------------------------- */
+
+backend_buffer *backend_buffer_alloc(backend *be, size_t bytes, int flags) {
+    if (!be || bytes == 0) {
+        LOG_E(MOD, "buffer_alloc: %s", !be ? "no backend" : "zero bytes");
+        return NULL;
+    }
+    backend_buffer *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->be = be;
+    b->flags = flags;
+    if (flags & BACKEND_BUF_KV) b->flags |= BACKEND_BUF_ZERO;
+    if (be->iface->buffer_alloc(be, b, bytes, b->flags)) {
+        free(b);
+        return NULL;
+    }
+    return b;
+}
+
+backend_buffer *backend_weights_load(backend *be, const void *src, backend_dtype src_dtype,
+                                     size_t n, backend_dtype *stored) {
+    if (!be || !src || n == 0 || !dt_ok(src_dtype) || !stored) {
+        LOG_E(MOD, "weights_load: bad arguments (src %p, dtype %d, %zu elements)", src,
+              (int)src_dtype, n);
+        return NULL;
+    }
+    backend_buffer *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->be = be;
+    if (be->iface->weights_load(be, b, src, src_dtype, n, stored)) {
+        free(b);
+        return NULL;
+    }
+    return b;
+}
+
+void backend_buffer_free(backend_buffer *b) {
+    if (!b) return;
+    b->be->iface->buffer_free(b->be, b);
+    free(b);
+}
+
+void *backend_buffer_ptr(const backend_buffer *b) {
+    return b->ptr;
+}
+size_t backend_buffer_size(const backend_buffer *b) {
+    return b->size;
+}
+int backend_buffer_is_host(const backend_buffer *b) {
+    return b->is_host;
+}
+const char *backend_buffer_location(const backend_buffer *b) {
+    return b->be->location;
+}
+backend *backend_buffer_backend(const backend_buffer *b) {
+    return b->be;
+}
+
+/* ---- streams ---------------------------------------------------------------------- */
+
+backend_stream *backend_stream_create(backend *be) {
+    backend_stream *st = calloc(1, sizeof *st);
+    if (!st) return NULL;
+    st->be = be;
+    if (be->iface->stream_create(be, st)) {
+        free(st);
+        return NULL;
+    }
+    return st;
+}
+
+void backend_stream_free(backend_stream *st) {
+    if (!st) return;
+    st->be->iface->stream_sync(st);
+    st->be->iface->stream_free(st);
+    free(st);
+}
+
+int backend_stream_sync(backend_stream *st) {
+    return st->be->iface->stream_sync(st);
+}
+backend *backend_stream_backend(const backend_stream *st) {
+    return st->be;
+}
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            LOG_E(MOD, __VA_ARGS__);                                                               \
+            return -EINVAL;                                                                        \
+        }                                                                                          \
+    } while (0)
+
+int backend_upload(backend_stream *st, void *dev, const void *host, size_t bytes) {
+    if (!bytes) return 0;
+    CHECK(dev && host, "upload: null pointer (dev %p, host %p)", dev, host);
+    return st->be->iface->upload(st, dev, host, bytes);
+}
+int backend_download(backend_stream *st, void *host, const void *dev, size_t bytes) {
+    if (!bytes) return 0;
+    CHECK(dev && host, "download: null pointer (dev %p, host %p)", dev, host);
+    return st->be->iface->download(st, host, dev, bytes);
+}
+int backend_copy(backend_stream *st, void *dst, const void *src, size_t bytes) {
+    if (!bytes || dst == src) return 0;
+    CHECK(dst && src, "copy: null pointer (dst %p, src %p)", dst, src);
+    CHECK((const char *)dst + bytes <= (const char *)src ||
+              (const char *)src + bytes <= (const char *)dst,
+          "copy: %zu bytes at %p and %p overlap", bytes, dst, src);
+    return st->be->iface->copy(st, dst, src, bytes);
+}
+int backend_memset_zero(backend_stream *st, void *dev, size_t bytes) {
+    if (!bytes) return 0;
+    CHECK(dev, "memset_zero: null pointer");
+    return st->be->iface->memset_zero(st, dev, bytes);
+}
+
+/* ---- the batch -------------------------------------------------------------------- */
+
+int backend_plan(backend_stream *st, const backend_batch *b) {
+    CHECK(b && b->n_tokens >= 1 && b->n_seqs >= 1 && b->n_seqs <= b->n_tokens,
+          "plan: %d tokens of %d sequences (need 1 <= sequences <= tokens)", b ? b->n_tokens : 0,
+          b ? b->n_seqs : 0);
+    CHECK(b->tokens && b->tok_seq && b->tok_pos && b->qo_indptr && b->kv_len && b->bt_indptr &&
+              b->bt_indices,
+          "plan: a required array is NULL");
+    CHECK(b->n_out >= 0 && (b->n_out == 0 || b->out_rows), "plan: n_out %d without out_rows",
+          b->n_out);
+    int T = b->n_tokens, S = b->n_seqs;
+    CHECK(b->qo_indptr[0] == 0 && b->qo_indptr[S] == T && b->bt_indptr[0] == 0,
+          "plan: qo_indptr must run from 0 to %d (got %d..%d), bt_indptr from 0", T,
+          b->qo_indptr[0], b->qo_indptr[S]);
+    for (int s = 0; s < S; s++) {
+        int n = b->qo_indptr[s + 1] - b->qo_indptr[s];
+        CHECK(n >= 1 && b->kv_len[s] >= n, "plan: sequence %d has %d new tokens and kv_len %d", s,
+              n, b->kv_len[s]);
+        CHECK(b->bt_indptr[s + 1] >= b->bt_indptr[s], "plan: bt_indptr decreases at sequence %d",
+              s);
+        for (int t = b->qo_indptr[s]; t < b->qo_indptr[s + 1]; t++)
+            CHECK(b->tok_seq[t] == s && b->tok_pos[t] == b->kv_len[s] - n + (t - b->qo_indptr[s]),
+                  "plan: token %d has sequence %d position %d; the ranges say %d, %d", t,
+                  b->tok_seq[t], b->tok_pos[t], s, b->kv_len[s] - n + (t - b->qo_indptr[s]));
+    }
+    for (int r = 0; r < b->n_out; r++)
+        CHECK(b->out_rows[r] >= 0 && b->out_rows[r] < T, "plan: out_rows[%d] = %d outside [0, %d)",
+              r, b->out_rows[r], T);
+    return st->be->iface->plan(st, b);
+}
+
+/* ---- operations ------------------------------------------------------------------- */
+
+int backend_embed(backend_stream *st, void *out, backend_dtype out_dt, const void *table,
+                  backend_dtype table_dt, int hidden) {
+    CHECK(out && table && hidden >= 1 && dt_ok(out_dt) && dt_ok(table_dt),
+          "embed: bad arguments (hidden %d)", hidden);
+    return st->be->iface->embed(st, out, out_dt, table, table_dt, hidden);
+}
+
+int backend_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
+                    backend_dtype x_dt, const float *w, int rows, int n, float eps) {
+    CHECK(out && x && w && rows >= 1 && n >= 1 && dt_ok(out_dt) && dt_ok(x_dt),
+          "rmsnorm: bad arguments (rows %d, n %d)", rows, n);
+    return st->be->iface->rmsnorm(st, out, out_dt, x, x_dt, w, rows, n, eps);
+}
+
+int backend_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
+    CHECK(ops && n_ops >= 1 && n_ops <= BACKEND_MATMUL_MAX_OPS, "matmul: %d ops (accepted 1..%d)",
+          n_ops, BACKEND_MATMUL_MAX_OPS);
+    for (int i = 0; i < n_ops; i++) {
+        const backend_matmul_op *o = &ops[i];
+        CHECK(o->y && o->x && o->w && o->T >= 1 && o->N >= 1 && o->K >= 1 && dt_ok(o->y_dt) &&
+                  dt_ok(o->x_dt) && dt_ok(o->w_dt),
+              "matmul: op %d has bad arguments (T %d, N %d, K %d)", i, o->T, o->N, o->K);
+    }
+    return st->be->iface->matmul(st, ops, n_ops);
+}
+
+int backend_rope(backend_stream *st, void *q, int n_q_heads, void *k, int n_k_heads,
+                 backend_dtype dt, int head_dim, const float *inv_freq) {
+    CHECK(q && inv_freq && n_q_heads >= 1 && (!k || n_k_heads >= 1) && head_dim >= 2 &&
+              head_dim % 2 == 0 && head_dim <= 1024 && dt_ok(dt),
+          "rope: bad arguments (heads %d/%d, head_dim %d; head_dim must be even, <= 1024)",
+          n_q_heads, n_k_heads, head_dim);
+    return st->be->iface->rope(st, q, n_q_heads, k, n_k_heads, dt, head_dim, inv_freq);
+}
+
+size_t backend_kv_block_bytes(const backend_kv *kv) {
+    return (size_t)kv->n_layers * 2 * (size_t)kv->block_size * (size_t)kv->n_kv_heads *
+           (size_t)kv->head_dim * backend_dtype_size(kv->dtype);
+}
+
+static int kv_ok(const backend_kv *kv, int layer) {
+    return kv && kv->base && kv->n_blocks >= 1 && kv->block_size >= 1 && kv->n_layers >= 1 &&
+           kv->n_kv_heads >= 1 && kv->head_dim >= 1 && dt_ok(kv->dtype) && layer >= 0 &&
+           layer < kv->n_layers;
+}
+
+int backend_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
+                     const void *v, backend_dtype dt) {
+    CHECK(kv_ok(kv, layer) && k && v && dt_ok(dt), "kv_write: bad arguments (layer %d)", layer);
+    return st->be->iface->kv_write(st, kv, layer, k, v, dt);
+}
+
+int backend_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
+                      const backend_kv *kv, int layer, int n_heads, float scale) {
+    CHECK(kv_ok(kv, layer) && out && q && out != q && dt_ok(dt),
+          "attention: bad arguments (layer %d)", layer);
+    CHECK(n_heads >= kv->n_kv_heads && n_heads % kv->n_kv_heads == 0 &&
+              n_heads / kv->n_kv_heads <= 64,
+          "attention: %d query heads over %d KV heads (need a multiple, at most 64 per KV head)",
+          n_heads, kv->n_kv_heads);
+    return st->be->iface->attention(st, out, q, dt, kv, layer, n_heads, scale);
+}
+
+int backend_swiglu(backend_stream *st, void *g, const void *u, backend_dtype dt, int rows, int n) {
+    CHECK(g && u && rows >= 1 && n >= 1 && dt_ok(dt), "swiglu: bad arguments (rows %d, n %d)", rows,
+          n);
+    return st->be->iface->swiglu(st, g, u, dt, rows, n);
+}
+
+int backend_add(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n) {
+    if (!n) return 0;
+    CHECK(y && x && dt_ok(dt), "add: bad arguments");
+    return st->be->iface->add(st, y, x, dt, n);
+}
+
+int backend_gather_rows(backend_stream *st, void *out, const void *x, backend_dtype dt, int width) {
+    CHECK(out && x && out != x && width >= 1 && dt_ok(dt), "gather_rows: bad arguments (width %d)",
+          width);
+    return st->be->iface->gather_rows(st, out, x, dt, width);
+}
+
+int backend_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab) {
+    CHECK(out && logits && rows >= 1 && vocab >= 1, "argmax: bad arguments (rows %d, vocab %d)",
+          rows, vocab);
+    return st->be->iface->argmax(st, out, logits, rows, vocab);
+}

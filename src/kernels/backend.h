@@ -1,0 +1,270 @@
+/*
+ * backend — the compute device behind the model, in the spirit of ggml-backend: an opaque
+ * device handle, buffers in the device's memory, in-order streams of operations, and the
+ * operations the Qwen2 forward needs.  model/qwen2.c calls only this header; the CPU
+ * backend (kernels/cpu/cpu_backend.c) is the original CPU code behind it, the CUDA backend
+ * (kernels/cuda/, loaded as the module libdisagg_cuda.so so the binary needs no CUDA
+ * library until --device cuda) implements the same contract in HBM.
+ *
+ * Memory.  Every pointer an operation takes is a *device address*: a pointer returned by
+ * backend_buffer_ptr() plus a byte offset (char arithmetic on it is fine; it must not be
+ * dereferenced on the host unless backend_buffer_is_host() says so).  On the CPU backend
+ * device addresses are ordinary host pointers.  Host data moves in and out only through
+ * backend_upload / backend_download (or lives in a host-addressable buffer).  Small
+ * per-call metadata (token ids, positions, block tables) is passed as *host* arrays in a
+ * backend_batch (backend_plan), which the backend copies to where its kernels need it.
+ *
+ * Layouts.  All tensors are dense and row-major: "(T, N)" means T rows of N contiguous
+ * elements, element (t, n) at index t * N + n.  Activations of T tokens are (T, width).
+ * A weight matrix "(N, K)" is stored as the checkpoint stores it (out_features rows of
+ * in_features), and a matmul computes y = x · w^T.  Norm weights and biases are always
+ * f32 vectors on the device.
+ *
+ * Dtypes.  Every pointer argument comes with its dtype (or is documented as f32).  The
+ * CPU backend computes in f32: activations, logits and KV are f32 (weights f32, f16 or
+ * bf16); it returns -ENOTSUP for other activation dtypes.  The CUDA backend keeps weights
+ * and KV in bf16 (or KV in f32) and chooses its activation dtype, which the model reads
+ * from backend_act_dtype().  Logits are always f32.
+ *
+ * The KV region.  One buffer of n_blocks blocks, block-major as DESIGN.md "The KV region"
+ * says: block b occupies [base + b * block_bytes, base + (b + 1) * block_bytes) and holds,
+ * for block_size tokens, every layer's K and V:
+ *   block (n_layers, 2 [0 = K, 1 = V], block_size, n_kv_heads, head_dim) of kv dtype
+ *   block_bytes = n_layers * 2 * block_size * n_kv_heads * head_dim * dtype size
+ * so K (which = 0) or V (which = 1) of layer l, slot s (position p of a sequence lives in
+ * block table[p / block_size], slot p % block_size), KV head h, element d is at element
+ *   b * (block_bytes / size) + ((l * 2 + which) * block_size + s) * kv_dim + h * head_dim + d
+ * with kv_dim = n_kv_heads * head_dim.  The same layout in device memory on every backend;
+ * backend_location() says where it lives, for transfer_register().
+ *
+ * Streams and errors.  Operations are enqueued on a backend_stream and run in order; the
+ * CPU backend runs each one before returning, the CUDA backend may return before the work
+ * is done.  backend_stream_sync() waits for everything enqueued and returns the first
+ * device error.  backend_upload / backend_download / backend_copy are ordered on the
+ * stream and complete before they return (host memory may be reused at once).  Every
+ * function returns 0 or a negative errno: -EINVAL for bad arguments (logged by backend.c,
+ * naming the operation and the value), -ENOTSUP for a dtype the backend lacks, -ENOMEM,
+ * -EIO for a device failure (logged by the backend with the device's own message).
+ *
+ * Determinism.  Each backend computes every output element of an operation in one fixed
+ * order that does not depend on the batch's other rows, the split into calls, or the
+ * number of threads (the CPU backend's canonical dot, kernels/cpu/cpu_matmul.h), so a
+ * sequence's logits do not depend on what else is batched with it.
+ *
+ * Threads.  A stream is used by one thread at a time; different streams of one backend
+ * may be used concurrently (on the CPU backend, only when they run on different thread
+ * pools).  Buffers may be freed from any thread once no enqueued work uses them.
+ */
+#ifndef DISAGG_KERNELS_BACKEND_H
+#define DISAGG_KERNELS_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct backend backend;               /* a device (opaque) */
+typedef struct backend_buffer backend_buffer; /* memory on that device (opaque) */
+typedef struct backend_stream backend_stream; /* an in-order queue of work (opaque) */
+
+/* Element types; the values equal kernels/cpu cpu_dtype's. */
+typedef enum backend_dtype { BACKEND_F32 = 0, BACKEND_F16 = 1, BACKEND_BF16 = 2 } backend_dtype;
+
+size_t backend_dtype_size(backend_dtype dt);      /* 4 or 2; 0 for an unknown value */
+const char *backend_dtype_name(backend_dtype dt); /* "float32", "float16", "bfloat16" */
+/* "auto" (-> *out = -1), "float32"/"f32", "float16"/"f16"/"half", "bfloat16"/"bf16".
+ * Returns 0, or -EINVAL for anything else (the caller words the error; accepted names are
+ * BACKEND_DTYPE_NAMES). */
+#define BACKEND_DTYPE_NAMES "auto, bfloat16, float16, float32"
+int backend_dtype_parse(const char *s, int *out);
+
+/* ---- devices ---------------------------------------------------------------------- */
+
+typedef struct backend_options {
+    int n_threads;  /* CPU: compute threads of the backend's own pool (0 = one per CPU) */
+    int progress;   /* show weight-upload progress on a tty */
+    int device_ord; /* filled by backend_open from "cuda:N" (0 for "cuda"); ignored by cpu */
+} backend_options;
+
+void backend_options_init(backend_options *o); /* zeros: all CPUs, no progress, device 0 */
+
+/* device: "auto" (cuda when the CUDA module loads and a GPU is visible, else cpu), "cpu",
+ * "cpu:0", "cuda", "cuda:N".  opts may be NULL (defaults).  On failure *out is NULL and
+ * err says what was wrong and what is accepted; "cuda" without the module fails with
+ * -ENOENT ("built without CUDA" / "module libdisagg_cuda.so not found: <dlerror>").
+ * The module is looked up as $DISAGG_CUDA_MODULE when set, else libdisagg_cuda.so in the
+ * executable's directory, else by the dynamic linker's search path.  "auto" falls back to
+ * the CPU (logged once at info level, with the reason) when the module or a GPU is missing. */
+#define BACKEND_DEVICE_NAMES "auto, cpu, cuda, cuda:N"
+int backend_open(const char *device, const backend_options *opts, backend **out, char *err,
+                 size_t errlen);
+void backend_close(backend *be); /* NULL is fine; every buffer and stream must be freed first */
+
+/* The process-wide CPU backend with no threads of its own (streams bring a pool, see
+ * kernels/cpu/cpu_backend.h).  Never freed; backend_close() on it does nothing. */
+backend *backend_cpu_default(void);
+
+const char *backend_name(const backend *be);        /* "cpu", "cuda:0 (NVIDIA H200)", ... */
+const char *backend_location(const backend *be);    /* "cpu:0", "cuda:0": transfer_register() */
+int backend_is_cpu(const backend *be);              /* 1 for the CPU backend */
+backend_dtype backend_act_dtype(const backend *be); /* activations the model should use */
+backend_dtype backend_kv_dtype_default(const backend *be); /* "auto" KV dtype: f32 cpu, bf16 cuda */
+int backend_kv_dtype_ok(const backend *be, backend_dtype dt); /* 1 if KV of dt is supported */
+/* Device memory: *free_b bytes free now, *total_b in all (CPU: available and physical RAM). */
+int backend_memory(const backend *be, size_t *free_b, size_t *total_b);
+
+/* ---- buffers ---------------------------------------------------------------------- */
+
+#define BACKEND_BUF_ZERO 0x1 /* contents start zeroed */
+/* The KV region: one large allocation registered for transfers (CPU: anonymous mapping,
+ * reserved lazily, transparent huge pages; CUDA: one cudaMalloc).  Implies ZERO. */
+#define BACKEND_BUF_KV 0x2
+
+/* Returns NULL on failure (logged with the size and the device's reason). */
+backend_buffer *backend_buffer_alloc(backend *be, size_t bytes, int flags);
+/* A matrix of weights (n elements of src_dtype at host address src, e.g. in the safetensors
+ * mapping).  The backend stores it as it computes best and says how in *stored: the CPU
+ * backend aliases src (zero copy: src must outlive the buffer) and keeps its dtype; CUDA
+ * copies it to HBM as bf16 (f16/f32 converted).  NULL on failure (logged). */
+backend_buffer *backend_weights_load(backend *be, const void *src, backend_dtype src_dtype,
+                                     size_t n, backend_dtype *stored);
+void backend_buffer_free(backend_buffer *b);       /* NULL is fine */
+void *backend_buffer_ptr(const backend_buffer *b); /* device address of byte 0 */
+size_t backend_buffer_size(const backend_buffer *b);
+int backend_buffer_is_host(const backend_buffer *b);          /* 1: the host may read/write ptr */
+const char *backend_buffer_location(const backend_buffer *b); /* as backend_location */
+backend *backend_buffer_backend(const backend_buffer *b);
+
+/* ---- streams ---------------------------------------------------------------------- */
+
+/* A stream on the backend's own resources (CPU: the backend's pool, or none for
+ * backend_cpu_default(), which runs inline).  NULL on failure (logged). */
+backend_stream *backend_stream_create(backend *be);
+void backend_stream_free(backend_stream *st); /* syncs first; NULL is fine */
+int backend_stream_sync(backend_stream *st);
+backend *backend_stream_backend(const backend_stream *st);
+
+/* Host <-> device copies of bytes at device address dev (see "Streams": they complete
+ * before returning).  backend_copy: device to device, may overlap only if dst == src. */
+int backend_upload(backend_stream *st, void *dev, const void *host, size_t bytes);
+int backend_download(backend_stream *st, void *host, const void *dev, size_t bytes);
+int backend_copy(backend_stream *st, void *dst, const void *src, size_t bytes);
+int backend_memset_zero(backend_stream *st, void *dev, size_t bytes);
+
+/* ---- one forward's batch ------------------------------------------------------------ */
+
+/* The tokens of one forward call: T new tokens of S sequences.  Tokens of a sequence are
+ * contiguous and in position order; sequence s owns tokens [qo_indptr[s], qo_indptr[s+1])
+ * at positions kv_len[s] - n_s .. kv_len[s] - 1 (n_s its token count), and its KV cache
+ * after this call holds positions 0 .. kv_len[s] - 1 in the blocks
+ * bt_indices[bt_indptr[s] .. bt_indptr[s+1]) (position p in entry p / block_size; at least
+ * ceil(kv_len[s] / block_size) entries, each a block id < the region's n_blocks).  tok_seq
+ * and tok_pos repeat that per token for kernels that want it flat.  All arrays are host
+ * memory; backend_plan copies them (they may be reused once it returns).  out_rows names
+ * the token rows backend_gather_rows collects (for logits), in the order given. */
+typedef struct backend_batch {
+    int n_tokens;              /* T >= 1 */
+    int n_seqs;                /* S >= 1 */
+    const int32_t *tokens;     /* (T) token ids, for backend_embed */
+    const int32_t *tok_seq;    /* (T) sequence index of each token */
+    const int32_t *tok_pos;    /* (T) absolute position of each token */
+    const int32_t *qo_indptr;  /* (S + 1) token ranges: qo_indptr[0] = 0, [S] = T */
+    const int32_t *kv_len;     /* (S) positions in the cache after this call */
+    const int32_t *bt_indptr;  /* (S + 1) block-table ranges into bt_indices */
+    const int32_t *bt_indices; /* (bt_indptr[S]) block ids */
+    int n_out;                 /* rows for backend_gather_rows (0 = none) */
+    const int32_t *out_rows;   /* (n_out) token indices in [0, T) */
+} backend_batch;
+
+/* Makes b the stream's current batch: the operations below that say "from the plan" use
+ * it until the next backend_plan on the stream (which may come before the previous batch's
+ * work has finished: the backend keeps what enqueued work needs).  Checks the arrays'
+ * consistency (-EINVAL, logged with the value); any T is accepted, the backend grows its
+ * copies as needed.  Block ids are the caller's to check against the region (the model
+ * does, before planning); a backend need not. */
+int backend_plan(backend_stream *st, const backend_batch *b);
+
+/* ---- operations ----------------------------------------------------------------------- */
+
+/* out (T, hidden) of out_dt: row t = row tokens[t] (from the plan) of table (vocab, hidden)
+ * of table_dt, converted. */
+int backend_embed(backend_stream *st, void *out, backend_dtype out_dt, const void *table,
+                  backend_dtype table_dt, int hidden);
+
+/* out (rows, n) of out_dt = w * (x / sqrt(mean(x^2) + eps)) row by row; x (rows, n) of x_dt,
+ * w (n) f32.  out may equal x.  CPU: ss summed in order in f32, inv = 1 / sqrtf(ss / n +
+ * eps), out = w * (x * inv). */
+int backend_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
+                    backend_dtype x_dt, const float *w, int rows, int n, float eps);
+
+/* y (T, N) of y_dt = x (T, K) of x_dt · w (N, K)^T of w_dt + bias (N, f32, or NULL).
+ * Accumulates in f32.  y must not overlap x. */
+typedef struct backend_matmul_op {
+    void *y;            /* (T, N) out */
+    backend_dtype y_dt; /* dtype of y (F32 for logits) */
+    const void *x;      /* (T, K) in */
+    backend_dtype x_dt; /* dtype of x */
+    const void *w;      /* (N, K) weights */
+    backend_dtype w_dt; /* dtype of w (as backend_weights_load stored it) */
+    const float *bias;  /* (N) f32 or NULL */
+    int T, N, K;        /* shapes, all >= 1 */
+} backend_matmul_op;
+#define BACKEND_MATMUL_MAX_OPS 8
+/* n_ops (1 .. BACKEND_MATMUL_MAX_OPS) independent matmuls in one dispatch (q/k/v; gate/up);
+ * each result equals its own single matmul. */
+int backend_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops);
+
+/* Rotate-half RoPE in place at each token's position (from the plan):
+ *   q (T, n_q_heads, head_dim), k (T, n_k_heads, head_dim) of dt (k may be NULL);
+ *   angle_i = pos * inv_freq[i], for i < head_dim / 2, v[i], v[i + half] <-
+ *   v[i] cos - v[i + half] sin, v[i + half] cos + v[i] sin  (cosf / sinf of the f32 angle).
+ * inv_freq: (head_dim / 2) f32 on the device.  head_dim even, <= 1024. */
+int backend_rope(backend_stream *st, void *q, int n_q_heads, void *k, int n_k_heads,
+                 backend_dtype dt, int head_dim, const float *inv_freq);
+
+/* The KV region as the operations see it (layout in the header comment). */
+typedef struct backend_kv {
+    void *base;          /* device address of block 0 */
+    backend_dtype dtype; /* element type of K and V */
+    int n_blocks;        /* blocks in the region */
+    int block_size;      /* tokens per block */
+    int n_layers;        /* layers per block */
+    int n_kv_heads;      /* KV heads */
+    int head_dim;        /* elements per head */
+} backend_kv;
+size_t backend_kv_block_bytes(const backend_kv *kv);
+
+/* Writes K and V of every token (k, v: (T, n_kv_heads * head_dim) of dt) into layer's
+ * slot of the token's position in its sequence's blocks (from the plan), converted to
+ * kv->dtype. */
+int backend_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
+                     const void *v, backend_dtype dt);
+
+/* Paged causal attention with grouped-query heads, prefill and decode in one call:
+ * for token t of sequence s at position p (from the plan) and query head h (KV head
+ * h / (n_heads / n_kv_heads)):
+ *   out[t, h] = sum_{j <= p} softmax_j(scale * q[t, h] . K[s, j, kvh]) V[s, j, kvh]
+ * over positions 0..p of s read through its block table -- the KV of earlier calls and of
+ * this call's tokens (written by backend_kv_write for this layer before this call).
+ * q, out: (T, n_heads, head_dim) of dt; out must not overlap q.  n_heads a multiple of
+ * kv->n_kv_heads, at most 64 query heads per KV head.  The backend picks its kernels per
+ * sequence (e.g. a prefill kernel for sequences with many new tokens, a split-KV decode
+ * kernel for one); the result is the same math either way.  CPU: scores in f32 in position
+ * order, max-subtracted expf, sum in order, out = sum_j (e_j / sum) v_j in position order
+ * (fmaf per element). */
+int backend_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
+                      const backend_kv *kv, int layer, int n_heads, float scale);
+
+/* g (rows, n) = silu(g) * u = g / (1 + exp(-g)) * u elementwise; u (rows, n); both of dt. */
+int backend_swiglu(backend_stream *st, void *g, const void *u, backend_dtype dt, int rows, int n);
+
+/* y (n) += x (n), elementwise, both of dt (the residual stream). */
+int backend_add(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n);
+
+/* out (n_out, width) row r = x (T, width) row out_rows[r] (from the plan); both of dt.
+ * Logits are gather_rows -> rmsnorm -> matmul with y_dt F32. */
+int backend_gather_rows(backend_stream *st, void *out, const void *x, backend_dtype dt, int width);
+
+/* Sampling helpers on the device.  out (rows) int32 on the device: index of the largest
+ * of each row of logits (rows, vocab) f32 (the first one on ties; NaN never wins). */
+int backend_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab);
+
+#endif

@@ -1,0 +1,96 @@
+/*
+ * backend_impl — what a backend implements: the function table behind kernels/backend.h
+ * and the structs its opaque handles point to.  Only backends (kernels/cpu/cpu_backend.c,
+ * kernels/cuda/) and the registry (kernels/backend.c) include this; everything else uses
+ * backend.h.  backend.c checks the public functions' arguments (null pointers, sizes,
+ * dtypes it can name) before calling the table, so implementations may assume them;
+ * dtype support is the implementation's to check (-ENOTSUP).
+ *
+ * A module (libdisagg_cuda.so) exports one C symbol, BACKEND_MODULE_OPEN_SYMBOL, of type
+ * backend_module_open_fn; backend_open("cuda[:N]") dlopen()s the module and calls it with
+ * BACKEND_ABI_VERSION, which the module compares with the version it was built with
+ * (mismatch: -EPROTO and an error naming both).
+ */
+#ifndef DISAGG_KERNELS_BACKEND_IMPL_H
+#define DISAGG_KERNELS_BACKEND_IMPL_H
+
+#include "kernels/backend.h"
+
+/* Bump on any change to backend.h's types or this file's structs. */
+#define BACKEND_ABI_VERSION 1
+
+typedef struct backend_iface {
+    /* device */
+    void (*free)(backend *be); /* frees be->ctx and be itself */
+    int (*memory)(const backend *be, size_t *free_b, size_t *total_b);
+    /* buffers: fill b->ptr, b->size, b->is_host, b->impl; return 0 or -errno (logged) */
+    int (*buffer_alloc)(backend *be, backend_buffer *b, size_t bytes, int flags);
+    int (*weights_load)(backend *be, backend_buffer *b, const void *src, backend_dtype src_dt,
+                        size_t n, backend_dtype *stored);
+    void (*buffer_free)(backend *be, backend_buffer *b); /* releases b->impl / b->ptr only */
+    /* streams: fill st->impl */
+    int (*stream_create)(backend *be, backend_stream *st);
+    void (*stream_free)(backend_stream *st); /* releases st->impl only (synced before) */
+    int (*stream_sync)(backend_stream *st);
+    int (*upload)(backend_stream *st, void *dev, const void *host, size_t bytes);
+    int (*download)(backend_stream *st, void *host, const void *dev, size_t bytes);
+    int (*copy)(backend_stream *st, void *dst, const void *src, size_t bytes);
+    int (*memset_zero)(backend_stream *st, void *dev, size_t bytes);
+    int (*plan)(backend_stream *st, const backend_batch *b); /* b already checked */
+    /* operations, as in backend.h */
+    int (*embed)(backend_stream *st, void *out, backend_dtype out_dt, const void *table,
+                 backend_dtype table_dt, int hidden);
+    int (*rmsnorm)(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
+                   backend_dtype x_dt, const float *w, int rows, int n, float eps);
+    int (*matmul)(backend_stream *st, const backend_matmul_op *ops, int n_ops);
+    int (*rope)(backend_stream *st, void *q, int n_q_heads, void *k, int n_k_heads,
+                backend_dtype dt, int head_dim, const float *inv_freq);
+    int (*kv_write)(backend_stream *st, const backend_kv *kv, int layer, const void *k,
+                    const void *v, backend_dtype dt);
+    int (*attention)(backend_stream *st, void *out, const void *q, backend_dtype dt,
+                     const backend_kv *kv, int layer, int n_heads, float scale);
+    int (*swiglu)(backend_stream *st, void *g, const void *u, backend_dtype dt, int rows, int n);
+    int (*add)(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n);
+    int (*gather_rows)(backend_stream *st, void *out, const void *x, backend_dtype dt, int width);
+    int (*argmax)(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab);
+} backend_iface;
+
+struct backend {
+    const backend_iface *iface; /* the implementation */
+    void *ctx;                  /* the implementation's device state */
+    char name[96];              /* backend_name(): "cpu", "cuda:0 (NVIDIA H200)" */
+    char location[32];          /* backend_location(): "cpu:0", "cuda:0" */
+    int is_cpu;                 /* backend_is_cpu() */
+    backend_dtype act_dtype;    /* backend_act_dtype() */
+    backend_dtype kv_dtype;     /* backend_kv_dtype_default() */
+    unsigned kv_dtypes;         /* bit (1 << dtype) per KV dtype supported */
+    int is_static;              /* 1: backend_close() does nothing (backend_cpu_default) */
+    void *module;               /* dlopen handle of the module (closed by backend_close) */
+};
+
+struct backend_buffer {
+    backend *be; /* owner */
+    void *ptr;   /* device address of byte 0 */
+    size_t size; /* bytes */
+    int is_host; /* the host may dereference ptr */
+    int flags;   /* BACKEND_BUF_* it was made with */
+    void *impl;  /* the implementation's per-buffer state */
+};
+
+struct backend_stream {
+    backend *be; /* owner */
+    void *impl;  /* the implementation's per-stream state */
+};
+
+/* The module entry point: opens device ordinal opts->device_ord.  Fills a malloc'ed
+ * *out (iface, ctx, name, location, dtypes; module is set by the caller) or returns
+ * -errno with err filled (no GPU visible, driver too old: both versions, out of memory). */
+#define BACKEND_MODULE_OPEN_SYMBOL "disagg_backend_module_open"
+#define BACKEND_MODULE_NAME        "libdisagg_cuda.so"
+typedef int (*backend_module_open_fn)(int abi_version, const backend_options *opts, backend **out,
+                                      char *err, size_t errlen);
+
+/* The CPU backend's opener (kernels/cpu/cpu_backend.c). */
+int cpu_backend_open(const backend_options *opts, backend **out, char *err, size_t errlen);
+
+#endif

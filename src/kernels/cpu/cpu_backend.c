@@ -1,0 +1,519 @@
+/*
+ * cpu_backend — kernels/backend.h on the CPU (see cpu_backend.h).  Threading as the
+ * original forward had it: matmuls split weight rows (cpu_matmul.c), attention splits
+ * (token, KV head) pairs, SwiGLU splits tokens; embeddings, norms, RoPE, KV writes and
+ * residual adds run on the calling thread.  None of these splits changes any value.
+ */
+#include "kernels/cpu/cpu_backend.h"
+
+#include "base/log.h"
+#include "kernels/backend_impl.h"
+#include "kernels/cpu/cpu_matmul.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define MOD           "cpu_backend"
+#define CPU_MAX_GROUP 64 /* query heads per KV head (backend_attention's limit) */
+
+/* ---- device ------------------------------------------------------------------------ */
+
+typedef struct cpu_ctx {
+    cpu_pool *pool; /* the backend's own threads (NULL for backend_cpu_default) */
+} cpu_ctx;
+
+static const backend_iface cpu_iface;
+
+static void cpu_fill(backend *be) {
+    be->iface = &cpu_iface;
+    snprintf(be->name, sizeof be->name, "cpu");
+    snprintf(be->location, sizeof be->location, "cpu:0");
+    be->is_cpu = 1;
+    be->act_dtype = BACKEND_F32;
+    be->kv_dtype = BACKEND_F32;
+    be->kv_dtypes = 1u << BACKEND_F32;
+}
+
+int cpu_backend_open(const backend_options *opts, backend **out, char *err, size_t errlen) {
+    backend *be = calloc(1, sizeof *be);
+    cpu_ctx *c = calloc(1, sizeof *c);
+    if (!be || !c) {
+        free(be);
+        free(c);
+        snprintf(err, errlen, "out of memory opening the CPU backend");
+        return -ENOMEM;
+    }
+    c->pool = cpu_pool_init(opts ? opts->n_threads : 0);
+    if (!c->pool) {
+        free(be);
+        free(c);
+        snprintf(err, errlen, "cannot start the CPU backend's threads");
+        return -ENOMEM;
+    }
+    cpu_fill(be);
+    be->ctx = c;
+    *out = be;
+    return 0;
+}
+
+backend *backend_cpu_default(void) {
+    static backend g_cpu;
+    static cpu_ctx g_ctx;
+    static atomic_int g_init;
+    if (!atomic_load(&g_init)) { /* racing initialisers write the same values */
+        cpu_fill(&g_cpu);
+        g_cpu.ctx = &g_ctx;
+        g_cpu.is_static = 1;
+        atomic_store(&g_init, 1);
+    }
+    return &g_cpu;
+}
+
+static void cpu_free(backend *be) {
+    cpu_ctx *c = be->ctx;
+    cpu_pool_free(c->pool);
+    free(c);
+    free(be);
+}
+
+static int cpu_memory(const backend *be, size_t *free_b, size_t *total_b) {
+    long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES),
+         page = sysconf(_SC_PAGESIZE);
+    size_t total = pages > 0 && page > 0 ? (size_t)pages * (size_t)page : (size_t)8 << 30;
+    size_t fr = avail > 0 && page > 0 ? (size_t)avail * (size_t)page : total;
+    if (free_b) *free_b = fr;
+    if (total_b) *total_b = total;
+    return 0;
+}
+
+/* ---- buffers ---------------------------------------------------------------------- */
+
+enum { BUF_HEAP = 0, BUF_MAP = 1, BUF_ALIAS = 2 }; /* b->impl holds one of these */
+
+static int cpu_buffer_alloc(backend *be, backend_buffer *b, size_t bytes, int flags) {
+    void *p;
+    intptr_t kind;
+    if (flags & BACKEND_BUF_KV) {
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+        if (p == MAP_FAILED) {
+            LOG_E(MOD, "cannot map a KV region of %zu bytes: %s", bytes, strerror(errno));
+            return -ENOMEM;
+        }
+        /* huge pages: fewer page pins for every KV transfer (shm and tcp), fewer TLB misses */
+        madvise(p, bytes, MADV_HUGEPAGE);
+        kind = BUF_MAP;
+    } else {
+        /* calloc: a large zeroed buffer comes as fresh zero pages, touched only when used */
+        p = flags & BACKEND_BUF_ZERO ? calloc(1, bytes) : malloc(bytes);
+        if (!p) {
+            LOG_E(MOD, "out of memory allocating %zu bytes", bytes);
+            return -ENOMEM;
+        }
+        kind = BUF_HEAP;
+    }
+    b->ptr = p;
+    b->size = bytes;
+    b->is_host = 1;
+    b->impl = (void *)kind;
+    return 0;
+}
+
+static int cpu_weights_load(backend *be, backend_buffer *b, const void *src, backend_dtype src_dt,
+                            size_t n, backend_dtype *stored) {
+    b->ptr = (void *)src; /* zero copy: the caller's mapping outlives the buffer */
+    b->size = n * backend_dtype_size(src_dt);
+    b->is_host = 1;
+    b->impl = (void *)(intptr_t)BUF_ALIAS;
+    *stored = src_dt;
+    return 0;
+}
+
+static void cpu_buffer_free(backend *be, backend_buffer *b) {
+    switch ((intptr_t)b->impl) {
+    case BUF_MAP:
+        munmap(b->ptr, b->size);
+        break;
+    case BUF_HEAP:
+        free(b->ptr);
+        break;
+    default:
+        break;
+    }
+}
+
+/* ---- streams and the plan ------------------------------------------------------------ */
+
+typedef struct cpu_stream {
+    cpu_pool *pool;      /* threads for the work (not owned; NULL = inline) */
+    backend_batch b;     /* the current plan; arrays point into the copies below */
+    int32_t *tok_arrays; /* tokens, tok_seq, tok_pos, out_rows: 4 * tok_cap */
+    int tok_cap;
+    int32_t *seq_arrays; /* qo_indptr, kv_len, bt_indptr: 3 * (seq_cap + 1) */
+    int seq_cap;
+    int32_t *bt; /* bt_indices (bt_cap) */
+    int bt_cap;
+} cpu_stream;
+
+static int stream_init(backend_stream *st, cpu_pool *pool) {
+    cpu_stream *s = calloc(1, sizeof *s);
+    if (!s) return -ENOMEM;
+    s->pool = pool;
+    st->impl = s;
+    return 0;
+}
+
+static int cpu_stream_create(backend *be, backend_stream *st) {
+    return stream_init(st, ((cpu_ctx *)be->ctx)->pool);
+}
+
+backend_stream *cpu_backend_stream_create(backend *be, cpu_pool *pool) {
+    if (!be || be->iface != &cpu_iface) {
+        LOG_E(MOD, "cpu_backend_stream_create: %s is not the CPU backend",
+              be ? be->name : "(null)");
+        return NULL;
+    }
+    backend_stream *st = calloc(1, sizeof *st);
+    if (!st) return NULL;
+    st->be = be;
+    if (stream_init(st, pool)) {
+        free(st);
+        return NULL;
+    }
+    return st;
+}
+
+static void cpu_stream_free(backend_stream *st) {
+    cpu_stream *s = st->impl;
+    free(s->tok_arrays);
+    free(s->seq_arrays);
+    free(s->bt);
+    free(s);
+}
+
+static int cpu_stream_sync(backend_stream *st) {
+    return 0; /* every operation finished before it returned */
+}
+
+static int cpu_upload(backend_stream *st, void *dev, const void *host, size_t bytes) {
+    memcpy(dev, host, bytes);
+    return 0;
+}
+
+static int cpu_copy(backend_stream *st, void *dst, const void *src, size_t bytes) {
+    memcpy(dst, src, bytes);
+    return 0;
+}
+
+static int cpu_memset_zero(backend_stream *st, void *dev, size_t bytes) {
+    memset(dev, 0, bytes);
+    return 0;
+}
+
+/* grows *arr to hold `need` elements of `per` int32 groups */
+static int grow(int32_t **arr, int *cap, int need, int groups) {
+    if (need <= *cap) return 0;
+    int n = need > 2 * *cap ? need : 2 * *cap;
+    int32_t *p = realloc(*arr, (size_t)n * (size_t)groups * sizeof *p);
+    if (!p) return -ENOMEM;
+    *arr = p;
+    *cap = n;
+    return 0;
+}
+
+static int cpu_plan(backend_stream *st, const backend_batch *b) {
+    cpu_stream *s = st->impl;
+    int T = b->n_tokens, S = b->n_seqs, nbt = b->bt_indptr[S];
+    if (grow(&s->tok_arrays, &s->tok_cap, T, 4) || grow(&s->seq_arrays, &s->seq_cap, S + 1, 3) ||
+        grow(&s->bt, &s->bt_cap, nbt > 0 ? nbt : 1, 1)) {
+        LOG_E(MOD, "out of memory planning %d tokens of %d sequences", T, S);
+        return -ENOMEM;
+    }
+    int32_t *t = s->tok_arrays, *q = s->seq_arrays;
+    size_t tc = (size_t)s->tok_cap, sc = (size_t)s->seq_cap;
+    memcpy(t, b->tokens, (size_t)T * 4);
+    memcpy(t + tc, b->tok_seq, (size_t)T * 4);
+    memcpy(t + 2 * tc, b->tok_pos, (size_t)T * 4);
+    if (b->n_out) memcpy(t + 3 * tc, b->out_rows, (size_t)b->n_out * 4);
+    memcpy(q, b->qo_indptr, (size_t)(S + 1) * 4);
+    memcpy(q + sc, b->kv_len, (size_t)S * 4);
+    memcpy(q + 2 * sc, b->bt_indptr, (size_t)(S + 1) * 4);
+    if (nbt) memcpy(s->bt, b->bt_indices, (size_t)nbt * 4);
+    s->b = *b;
+    s->b.tokens = t;
+    s->b.tok_seq = t + tc;
+    s->b.tok_pos = t + 2 * tc;
+    s->b.out_rows = t + 3 * tc;
+    s->b.qo_indptr = q;
+    s->b.kv_len = q + sc;
+    s->b.bt_indptr = q + 2 * sc;
+    s->b.bt_indices = s->bt;
+    return 0;
+}
+
+static const backend_batch *plan_of(backend_stream *st) {
+    cpu_stream *s = st->impl;
+    return s->tok_arrays ? &s->b : NULL;
+}
+
+#define NEED_PLAN(op)                                                                              \
+    const backend_batch *pb = plan_of(st);                                                         \
+    if (!pb) {                                                                                     \
+        LOG_E(MOD, "%s before any backend_plan on the stream", op);                                \
+        return -EINVAL;                                                                            \
+    }
+
+#define NEED_F32(op, cond)                                                                         \
+    if (!(cond)) {                                                                                 \
+        LOG_E(MOD, "%s: the CPU backend computes in float32 only", op);                            \
+        return -ENOTSUP;                                                                           \
+    }
+
+/* ---- small operations ---------------------------------------------------------------- */
+
+static int cpu_embed(backend_stream *st, void *out, backend_dtype out_dt, const void *table,
+                     backend_dtype table_dt, int hidden) {
+    NEED_PLAN("embed");
+    NEED_F32("embed", out_dt == BACKEND_F32);
+    size_t row_bytes = (size_t)hidden * backend_dtype_size(table_dt);
+    for (int t = 0; t < pb->n_tokens; t++)
+        cpu_row_to_f32((float *)out + (size_t)t * hidden,
+                       (const char *)table + (size_t)pb->tokens[t] * row_bytes, (cpu_dtype)table_dt,
+                       hidden);
+    return 0;
+}
+
+/* out (n) = w * (x / sqrt(mean(x^2) + eps)) */
+static void rmsnorm_row(float *out, const float *x, const float *w, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++)
+        ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++)
+        out[i] = w[i] * (x[i] * inv);
+}
+
+static int cpu_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
+                       backend_dtype x_dt, const float *w, int rows, int n, float eps) {
+    NEED_F32("rmsnorm", out_dt == BACKEND_F32 && x_dt == BACKEND_F32);
+    for (int r = 0; r < rows; r++)
+        rmsnorm_row((float *)out + (size_t)r * n, (const float *)x + (size_t)r * n, w, n, eps);
+    return 0;
+}
+
+static int cpu_matmul_ops(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
+    cpu_matmul_op m[BACKEND_MATMUL_MAX_OPS];
+    for (int i = 0; i < n_ops; i++) {
+        NEED_F32("matmul", ops[i].x_dt == BACKEND_F32 && ops[i].y_dt == BACKEND_F32);
+        m[i] = (cpu_matmul_op){ops[i].y,    ops[i].x, ops[i].w, (cpu_dtype)ops[i].w_dt,
+                               ops[i].bias, ops[i].T, ops[i].N, ops[i].K};
+    }
+    cpu_matmul_batch(((cpu_stream *)st->impl)->pool, m, n_ops);
+    return 0;
+}
+
+/* rotate-half RoPE on n_heads vectors of head_dim at vec (n_heads, head_dim) */
+static void rope_heads(float *vec, int n_heads, int head_dim, const float *cosv,
+                       const float *sinv) {
+    int half = head_dim / 2;
+    for (int hh = 0; hh < n_heads; hh++) {
+        float *v = vec + (size_t)hh * head_dim;
+        for (int i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cosv[i] - b * sinv[i];
+            v[i + half] = b * cosv[i] + a * sinv[i];
+        }
+    }
+}
+
+static int cpu_rope(backend_stream *st, void *q, int n_q_heads, void *k, int n_k_heads,
+                    backend_dtype dt, int head_dim, const float *inv_freq) {
+    NEED_PLAN("rope");
+    NEED_F32("rope", dt == BACKEND_F32);
+    int half = head_dim / 2;
+    float cosv[512], sinv[512]; /* head_dim <= 1024 (checked in backend.c) */
+    for (int t = 0; t < pb->n_tokens; t++) {
+        float pos = (float)pb->tok_pos[t];
+        for (int i = 0; i < half; i++) {
+            float a = pos * inv_freq[i];
+            cosv[i] = cosf(a);
+            sinv[i] = sinf(a);
+        }
+        rope_heads((float *)q + (size_t)t * n_q_heads * head_dim, n_q_heads, head_dim, cosv, sinv);
+        if (k)
+            rope_heads((float *)k + (size_t)t * n_k_heads * head_dim, n_k_heads, head_dim, cosv,
+                       sinv);
+    }
+    return 0;
+}
+
+/* K (which = 0) or V (which = 1) of position pos of sequence seq, layer l: (kv_dim) */
+static inline float *kv_at(const backend_kv *kv, const backend_batch *pb, int seq, int pos, int l,
+                           int which) {
+    size_t kv_dim = (size_t)kv->n_kv_heads * kv->head_dim;
+    size_t blk = (size_t)pb->bt_indices[pb->bt_indptr[seq] + pos / kv->block_size],
+           slot = (size_t)(pos % kv->block_size);
+    size_t per_block = (size_t)kv->n_layers * 2 * kv->block_size * kv_dim;
+    return (float *)kv->base + blk * per_block +
+           (((size_t)l * 2 + which) * kv->block_size + slot) * kv_dim;
+}
+
+static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
+                        const void *v, backend_dtype dt) {
+    NEED_PLAN("kv_write");
+    NEED_F32("kv_write", dt == BACKEND_F32 && kv->dtype == BACKEND_F32);
+    size_t kvd = (size_t)kv->n_kv_heads * kv->head_dim;
+    for (int t = 0; t < pb->n_tokens; t++) {
+        memcpy(kv_at(kv, pb, pb->tok_seq[t], pb->tok_pos[t], layer, 0),
+               (const float *)k + (size_t)t * kvd, kvd * 4);
+        memcpy(kv_at(kv, pb, pb->tok_seq[t], pb->tok_pos[t], layer, 1),
+               (const float *)v + (size_t)t * kvd, kvd * 4);
+    }
+    return 0;
+}
+
+/* ---- attention ------------------------------------------------------------------------ */
+
+typedef struct att_job {
+    const backend_batch *pb; /* the plan */
+    const backend_kv *kv;    /* the region */
+    const float *q;          /* (T, n_heads, hd) */
+    float *out;              /* (T, n_heads, hd) */
+    int layer, n_heads;      /* which layer; query heads */
+    float scale;             /* score scale */
+} att_job;
+
+/* One token and one KV head: the `group` query heads sharing it read each K/V row once.
+ * Per head: scores = q.k * scale over positions 0..pos in order, softmax, out = sum p_i v_i
+ * in order -- the same arithmetic whatever the batch or chunking. */
+static void att_task(void *ctx, int task) {
+    const att_job *j = ctx;
+    const backend_kv *kv = j->kv;
+    int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv, width = j->n_heads * hd;
+    int t = task / nkv, kvh = task % nkv;
+    int seq = j->pb->tok_seq[t], pos = j->pb->tok_pos[t], np = pos + 1;
+    float *scores = cpu_scratch(1, (size_t)group * np); /* (group, pos + 1) */
+    if (!scores) abort(); /* a worker cannot report; group * (pos + 1) floats */
+    const float *q = j->q + (size_t)t * width + (size_t)kvh * group * hd; /* (group, hd) */
+    float *out = j->out + (size_t)t * width + (size_t)kvh * group * hd;   /* (group, hd) */
+    const float scale = j->scale;
+    float mx[CPU_MAX_GROUP], sum[CPU_MAX_GROUP], w[CPU_MAX_GROUP];
+    for (int g = 0; g < group; g++)
+        mx[g] = -INFINITY, sum[g] = 0.0f;
+    for (int p = 0; p < np; p++) {
+        const float *k = kv_at(kv, j->pb, seq, p, j->layer, 0) + (size_t)kvh * hd;
+        cpu_dot_heads(w, q, k, group, hd);
+        for (int g = 0; g < group; g++) {
+            float sc = w[g] * scale;
+            scores[(size_t)g * np + p] = sc;
+            if (sc > mx[g]) mx[g] = sc;
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int p = 0; p < np; p++) {
+            float e = expf(scores[(size_t)g * np + p] - mx[g]);
+            scores[(size_t)g * np + p] = e;
+            sum[g] += e;
+        }
+    memset(out, 0, (size_t)group * hd * sizeof(float));
+    for (int p = 0; p < np; p++) {
+        const float *v = kv_at(kv, j->pb, seq, p, j->layer, 1) + (size_t)kvh * hd;
+        for (int g = 0; g < group; g++)
+            w[g] = scores[(size_t)g * np + p] / sum[g];
+        cpu_axpy_heads(out, w, v, group, hd);
+    }
+}
+
+static int cpu_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
+                         const backend_kv *kv, int layer, int n_heads, float scale) {
+    NEED_PLAN("attention");
+    NEED_F32("attention", dt == BACKEND_F32 && kv->dtype == BACKEND_F32);
+    att_job j = {pb, kv, q, out, layer, n_heads, scale};
+    cpu_pool_run(((cpu_stream *)st->impl)->pool, pb->n_tokens * kv->n_kv_heads, att_task, &j);
+    return 0;
+}
+
+/* ---- MLP activation, residual, gather, argmax ----------------------------------------- */
+
+typedef struct act_job {
+    float *g;       /* (rows, n) gate in, silu(gate) * up out */
+    const float *u; /* (rows, n) up */
+    int n;          /* row width */
+} act_job;
+
+static void act_task(void *ctx, int t) {
+    const act_job *j = ctx;
+    float *g = j->g + (size_t)t * j->n;
+    const float *u = j->u + (size_t)t * j->n;
+    for (int i = 0; i < j->n; i++)
+        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static int cpu_swiglu(backend_stream *st, void *g, const void *u, backend_dtype dt, int rows,
+                      int n) {
+    NEED_F32("swiglu", dt == BACKEND_F32);
+    act_job j = {g, u, n};
+    cpu_pool_run(((cpu_stream *)st->impl)->pool, rows, act_task, &j);
+    return 0;
+}
+
+static int cpu_add(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n) {
+    NEED_F32("add", dt == BACKEND_F32);
+    float *yy = y;
+    const float *xx = x;
+    for (size_t i = 0; i < n; i++)
+        yy[i] += xx[i];
+    return 0;
+}
+
+static int cpu_gather_rows(backend_stream *st, void *out, const void *x, backend_dtype dt,
+                           int width) {
+    NEED_PLAN("gather_rows");
+    size_t row = (size_t)width * backend_dtype_size(dt);
+    for (int r = 0; r < pb->n_out; r++)
+        memcpy((char *)out + (size_t)r * row, (const char *)x + (size_t)pb->out_rows[r] * row, row);
+    return 0;
+}
+
+static int cpu_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab) {
+    for (int r = 0; r < rows; r++) {
+        const float *l = logits + (size_t)r * vocab;
+        int best = 0;
+        for (int i = 1; i < vocab; i++)
+            if (l[i] > l[best] || (isnan(l[best]) && !isnan(l[i]))) best = i;
+        out[r] = best;
+    }
+    return 0;
+}
+
+static const backend_iface cpu_iface = {
+    .free = cpu_free,
+    .memory = cpu_memory,
+    .buffer_alloc = cpu_buffer_alloc,
+    .weights_load = cpu_weights_load,
+    .buffer_free = cpu_buffer_free,
+    .stream_create = cpu_stream_create,
+    .stream_free = cpu_stream_free,
+    .stream_sync = cpu_stream_sync,
+    .upload = cpu_upload,
+    .download = cpu_upload, /* both are memcpy(dst, src) on the host */
+    .copy = cpu_copy,
+    .memset_zero = cpu_memset_zero,
+    .plan = cpu_plan,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = cpu_matmul_ops,
+    .rope = cpu_rope,
+    .kv_write = cpu_kv_write,
+    .attention = cpu_attention,
+    .swiglu = cpu_swiglu,
+    .add = cpu_add,
+    .gather_rows = cpu_gather_rows,
+    .argmax = cpu_argmax,
+};

@@ -1,0 +1,483 @@
+/*
+ * cuda_backend — kernels/backend.h on the GPU: the backend_iface table the registry
+ * (kernels/backend.c) gets from disagg_backend_module_open().  Included at the end of
+ * cuda_kernels.cu (one translation unit, so it reuses that file's kernels).
+ *
+ * Device memory: every buffer is one cudaMalloc (the KV region too, zeroed).  Weights are
+ * stored bf16 (f16/f32 converted on the device) after a copy through pinned staging.
+ * Activations are f32 (backend_act_dtype): matmul inputs are rounded to bf16 on the way
+ * into cuBLASLt (one conversion per distinct input of an op batch), accumulation and
+ * outputs f32.  KV is bf16 (default) or f32.  Each backend_stream is a CUDA stream with its
+ * own cuBLASLt workspace, split-attention scratch and copy of the plan's metadata.
+ */
+#include "kernels/backend_impl.h"
+
+typedef struct cb_dev {
+    int ord;
+    dcu_info info;
+    int progress;
+    dcu_ctx *loader;      /* stream used by weights_load */
+    void *stage[2];       /* pinned staging */
+    cudaEvent_t ev[2];
+    size_t stage_bytes;
+    int next;
+    void *conv;           /* device chunk for f16/f32 conversion */
+    size_t loaded;        /* bytes of weights loaded (progress) */
+    size_t last_shown;
+} cb_dev;
+
+typedef struct cb_stream {
+    dcu_ctx *c;
+    int32_t *d_meta;      /* device: tok | seq | pos | out_rows | bt (dense S x stride) */
+    size_t meta_cap;      /* int32 entries */
+    int32_t *h_meta;      /* host staging (pageable) */
+    size_t h_cap;
+    int T, S, stride, n_out, max_ctx;
+    int32_t *tok, *seq, *pos, *orow, *bt; /* into d_meta */
+    int32_t *tiles, *rest;                /* prefill tiles (3 each) and the other tokens */
+    int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
+    void *xconv;          /* bf16 copy of a matmul input */
+    size_t xconv_bytes;
+} cb_stream;
+
+#define CB(st) ((cb_stream *)(st)->impl)
+/* The calling thread's current device must be the stream's (cuda:N with N > 0): set it in
+ * every entry point a new thread may start with (plan begins every forward). */
+#define ON_DEV(st) cudaSetDevice(CB(st)->c->device)
+
+static void cb_free(backend *be) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    if (d) {
+        if (d->loader) ctx_free(d->loader);
+        for (int i = 0; i < 2; i++) {
+            if (d->stage[i]) cudaFreeHost(d->stage[i]);
+            if (d->ev[i]) cudaEventDestroy(d->ev[i]);
+        }
+        cudaFree(d->conv);
+        free(d);
+    }
+    free(be);
+}
+
+static int cb_memory(const backend *be, size_t *free_b, size_t *total_b) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    cudaSetDevice(d->ord);
+    CK(cudaMemGetInfo(free_b, total_b));
+    return 0;
+}
+
+static int cb_buffer_alloc(backend *be, backend_buffer *b, size_t bytes, int flags) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    cudaSetDevice(d->ord);
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        size_t fr = 0, tot = 0;
+        cudaMemGetInfo(&fr, &tot);
+        fprintf(stderr,
+                "cuda_backend: cannot allocate %.3f GB on cuda:%d (%s; %.2f GB free of %.2f GB)\n",
+                bytes / 1e9, d->ord, cudaGetErrorString(e), fr / 1e9, tot / 1e9);
+        return -ENOMEM;
+    }
+    if (flags & (BACKEND_BUF_ZERO | BACKEND_BUF_KV)) {
+        if ((e = cudaMemset(p, 0, bytes)) != cudaSuccess) {
+            fprintf(stderr, "cuda_backend: cudaMemset: %s\n", cudaGetErrorString(e));
+            cudaFree(p);
+            return -EIO;
+        }
+    }
+    b->ptr = p;
+    b->size = bytes;
+    b->is_host = 0;
+    b->impl = NULL;
+    return 0;
+}
+
+static void cb_buffer_free(backend *be, backend_buffer *b) {
+    if (b->ptr) cudaFree(b->ptr);
+    b->ptr = NULL;
+}
+
+static int cb_weights_load(backend *be, backend_buffer *b, const void *src, backend_dtype src_dt,
+                           size_t n, backend_dtype *stored) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    if (src_dt != BACKEND_BF16 && src_dt != BACKEND_F16 && src_dt != BACKEND_F32) return -ENOTSUP;
+    int rc = cb_buffer_alloc(be, b, n * 2, 0);
+    if (rc) return rc;
+    dcu_ctx *c = d->loader;
+    size_t esz = src_dt == BACKEND_F32 ? 4 : 2, per = d->stage_bytes / esz;
+    bf16 *dst = (bf16 *)b->ptr;
+    cudaSetDevice(d->ord);
+    if (src_dt != BACKEND_BF16 && !d->conv && cudaMalloc(&d->conv, d->stage_bytes) != cudaSuccess) {
+        cb_buffer_free(be, b);
+        return -ENOMEM;
+    }
+    for (size_t off = 0; off < n; off += per) {
+        size_t cnt = n - off < per ? n - off : per;
+        int k = d->next++ & 1;
+        CK(cudaEventSynchronize(d->ev[k]));
+        memcpy(d->stage[k], (const char *)src + off * esz, cnt * esz);
+        if (src_dt == BACKEND_BF16) {
+            CK(cudaMemcpyAsync(dst + off, d->stage[k], cnt * 2, cudaMemcpyHostToDevice, c->stream));
+        } else {
+            CK(cudaMemcpyAsync(d->conv, d->stage[k], cnt * esz, cudaMemcpyHostToDevice, c->stream));
+            if (src_dt == BACKEND_F32)
+                k_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(dst + off,
+                                                                      (const float *)d->conv, cnt);
+            else
+                k_f16_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(
+                    dst + off, (const __half *)d->conv, cnt);
+        }
+        CK(cudaEventRecord(d->ev[k], c->stream));
+        d->loaded += cnt * esz;
+    }
+    CK(cudaStreamSynchronize(c->stream));
+    if (d->progress && isatty(2) && d->loaded - d->last_shown >= (1u << 30)) {
+        fprintf(stderr, "\rcuda: %.1f GB of weights uploaded to HBM", d->loaded / 1e9);
+        d->last_shown = d->loaded;
+    }
+    *stored = BACKEND_BF16;
+    return 0;
+}
+
+static int cb_stream_create(backend *be, backend_stream *st) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    char err[256];
+    cb_stream *s = (cb_stream *)calloc(1, sizeof *s);
+    if (!s) return -ENOMEM;
+    s->c = ctx_create(d->ord, err, sizeof err);
+    if (!s->c) {
+        fprintf(stderr, "cuda_backend: stream: %s\n", err);
+        free(s);
+        return -EIO;
+    }
+    st->impl = s;
+    return 0;
+}
+
+static void cb_stream_free(backend_stream *st) {
+    cb_stream *s = CB(st);
+    if (!s) return;
+    cudaFree(s->d_meta);
+    cudaFree(s->xconv);
+    free(s->h_meta);
+    ctx_free(s->c);
+    free(s);
+    st->impl = NULL;
+}
+
+static int cb_stream_sync(backend_stream *st) {
+    ON_DEV(st);
+    cudaError_t e = cudaStreamSynchronize(CB(st)->c->stream);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "cuda_backend: stream: %s\n", cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+static int cb_upload(backend_stream *st, void *dev, const void *host, size_t n) {
+    ON_DEV(st);
+    return dupload(CB(st)->c, dev, host, n);
+}
+static int cb_download(backend_stream *st, void *host, const void *dev, size_t n) {
+    ON_DEV(st);
+    return ddownload(CB(st)->c, host, dev, n);
+}
+static int cb_copy(backend_stream *st, void *dst, const void *src, size_t n) {
+    ON_DEV(st);
+    if (dst == src) return 0;
+    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, CB(st)->c->stream));
+    CK(cudaStreamSynchronize(CB(st)->c->stream));
+    return 0;
+}
+static int cb_memset_zero(backend_stream *st, void *dev, size_t n) {
+    ON_DEV(st);
+    CK(cudaMemsetAsync(dev, 0, n, CB(st)->c->stream));
+    CK(cudaStreamSynchronize(CB(st)->c->stream));
+    return 0;
+}
+
+static int cb_plan(backend_stream *st, const backend_batch *b) {
+    cb_stream *s = CB(st);
+    ON_DEV(st);
+    int T = b->n_tokens, S = b->n_seqs, stride = 1, max_ctx = 0;
+    for (int i = 0; i < S; i++) {
+        int n = b->bt_indptr[i + 1] - b->bt_indptr[i];
+        if (n > stride) stride = n;
+        if (b->kv_len[i] > max_ctx) max_ctx = b->kv_len[i];
+    }
+    size_t need = (size_t)4 * T + (size_t)b->n_out + (size_t)S * stride + 8 +
+                  3 * ((size_t)T + S) + (size_t)T;
+    if (need > s->h_cap) {
+        free(s->h_meta);
+        s->h_meta = (int32_t *)malloc(need * 4);
+        s->h_cap = s->h_meta ? need : 0;
+        if (!s->h_meta) return -ENOMEM;
+    }
+    if (need > s->meta_cap) {
+        cudaFree(s->d_meta); /* synchronises: no enqueued kernel still reads it */
+        s->d_meta = NULL;
+        s->meta_cap = 0;
+        if (cudaMalloc((void **)&s->d_meta, need * 2 * 4) != cudaSuccess) return -ENOMEM;
+        s->meta_cap = need * 2;
+    }
+    int32_t *h = s->h_meta;
+    memcpy(h, b->tokens, (size_t)T * 4);
+    memcpy(h + T, b->tok_seq, (size_t)T * 4);
+    memcpy(h + 2 * T, b->tok_pos, (size_t)T * 4);
+    if (b->n_out) memcpy(h + 3 * T, b->out_rows, (size_t)b->n_out * 4);
+    int32_t *bt = h + 3 * T + b->n_out;
+    for (int i = 0; i < S; i++) {
+        int n = b->bt_indptr[i + 1] - b->bt_indptr[i];
+        memcpy(bt + (size_t)i * stride, b->bt_indices + b->bt_indptr[i], (size_t)n * 4);
+        for (int k = n; k < stride; k++)
+            bt[(size_t)i * stride + k] = 0;
+    }
+    /* prefill tiles for the tensor-core kernel (used when the KV is bf16, see cb_attention) */
+    int32_t *tiles = bt + (size_t)S * stride, *rest = tiles + 3 * ((size_t)T + S);
+    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, !s->c->no_flash, tiles, &s->n_tiles,
+                              rest, &s->n_rest);
+    size_t n_meta = (size_t)(rest - h) + s->n_rest;
+    /* pageable source: the copy is staged before cudaMemcpyAsync returns, and it is ordered
+     * after the previous batch's kernels on this stream */
+    CK(cudaMemcpyAsync(s->d_meta, h, n_meta * 4, cudaMemcpyHostToDevice, s->c->stream));
+    s->tiles = s->d_meta + (tiles - h);
+    s->rest = s->d_meta + (rest - h);
+    s->tok = s->d_meta;
+    s->seq = s->d_meta + T;
+    s->pos = s->d_meta + 2 * T;
+    s->orow = s->d_meta + 3 * T;
+    s->bt = s->d_meta + 3 * T + b->n_out;
+    s->T = T, s->S = S, s->stride = stride, s->n_out = b->n_out, s->max_ctx = max_ctx;
+    return 0;
+}
+
+__device__ __forceinline__ float load_any(const __half *p) {
+    return __half2float(*p);
+}
+template <typename TT, typename OT>
+__global__ void k_embed_any(OT *out, const TT *table, const int32_t *tok, int h) {
+    int t = blockIdx.x;
+    const TT *row = table + (size_t)tok[t] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float v;
+        if constexpr (sizeof(TT) == 4)
+            v = load_f((const float *)row + i);
+        else if constexpr (std::is_same<TT, __half>::value)
+            v = load_any((const __half *)row + i);
+        else
+            v = load_f((const bf16 *)row + i);
+        store_as(out + (size_t)t * h + i, v);
+    }
+}
+
+static int cb_embed(backend_stream *st, void *out, backend_dtype out_dt, const void *table,
+                    backend_dtype table_dt, int hidden) {
+    cb_stream *s = CB(st);
+    if (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) return -ENOTSUP;
+    if (s->T <= 0) return 0;
+    cudaStream_t cs = s->c->stream;
+#define EMB(TT)                                                                                   \
+    (out_dt == BACKEND_F32                                                                       \
+         ? k_embed_any<TT, float><<<s->T, 256, 0, cs>>>((float *)out, (const TT *)table, s->tok, \
+                                                         hidden)                                 \
+         : k_embed_any<TT, bf16><<<s->T, 256, 0, cs>>>((bf16 *)out, (const TT *)table, s->tok,   \
+                                                        hidden))
+    if (table_dt == BACKEND_BF16)
+        EMB(bf16);
+    else if (table_dt == BACKEND_F16)
+        EMB(__half);
+    else if (table_dt == BACKEND_F32)
+        EMB(float);
+    else
+        return -ENOTSUP;
+#undef EMB
+    return launch_check("embed");
+}
+
+static int cb_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
+                      backend_dtype x_dt, const float *w, int rows, int n, float eps) {
+    if (x_dt != BACKEND_F32 || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) || n > 12288)
+        return -ENOTSUP;
+    return rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x, NULL,
+                   w, NULL, rows, n, eps, 0);
+}
+
+static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
+    cb_stream *s = CB(st);
+    const void *last_x = NULL;
+    int last_T = 0, last_K = 0;
+    for (int i = 0; i < n_ops; i++) {
+        const backend_matmul_op *o = &ops[i];
+        if (o->w_dt != BACKEND_BF16 || o->y_dt != BACKEND_F32 ||
+            (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16))
+            return -ENOTSUP;
+        const void *xb = o->x;
+        if (o->x_dt == BACKEND_F32) {
+            size_t n = (size_t)o->T * o->K;
+            if (!(o->x == last_x && o->T == last_T && o->K == last_K)) {
+                if (n * 2 > s->xconv_bytes) {
+                    cudaFree(s->xconv); /* synchronises */
+                    s->xconv = NULL;
+                    s->xconv_bytes = 0;
+                    if (cudaMalloc(&s->xconv, n * 2) != cudaSuccess) return -ENOMEM;
+                    s->xconv_bytes = n * 2;
+                }
+                int rc = to_bf16(s->c, s->xconv, (const float *)o->x, n);
+                if (rc) return rc;
+                last_x = o->x, last_T = o->T, last_K = o->K;
+            }
+            xb = s->xconv;
+        }
+        int rc = matmul(s->c, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+static int cb_rope(backend_stream *st, void *q, int nq, void *k, int nk, backend_dtype dt, int hd,
+                   const float *inv_freq) {
+    cb_stream *s = CB(st);
+    if (dt != BACKEND_F32) return -ENOTSUP;
+    int rc = rope(s->c, (float *)q, nq * hd, s->pos, inv_freq, s->T, nq, hd);
+    if (!rc && k) rc = rope(s->c, (float *)k, nk * hd, s->pos, inv_freq, s->T, nk, hd);
+    return rc;
+}
+
+static dcu_kv to_dkv(const backend_kv *kv) {
+    dcu_kv d = {kv->base, kv->dtype == BACKEND_BF16 ? DCU_BF16 : DCU_F32, kv->n_blocks,
+                kv->block_size, kv->n_layers, kv->n_kv_heads * kv->head_dim};
+    return d;
+}
+
+static int cb_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
+                       const void *v, backend_dtype dt) {
+    cb_stream *s = CB(st);
+    if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
+        return -ENOTSUP;
+    dcu_kv d = to_dkv(kv);
+    return kv_write(s->c, &d, layer, (const float *)k, (const float *)v, d.kv_dim, s->pos, s->seq,
+                    s->bt, s->stride, s->T);
+}
+
+static int cb_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
+                        const backend_kv *kv, int layer, int n_heads, float scale) {
+    cb_stream *s = CB(st);
+    if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
+        return -ENOTSUP;
+    dcu_kv d = to_dkv(kv);
+    if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
+        return attention_mixed(s->c, out, DCU_F32, (const float *)q, &d, layer, s->pos, s->seq,
+                               s->bt, s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim,
+                               scale, s->tiles, s->n_tiles, s->rest, s->n_rest, s->rest_ctx);
+    return attention_scaled(s->c, out, DCU_F32, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
+                            s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, s->max_ctx,
+                            scale);
+}
+
+__global__ void k_swiglu2(float *g, const float *u, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float x = g[i];
+        g[i] = x / (1.0f + expf(-x)) * u[i];
+    }
+}
+
+static int cb_swiglu(backend_stream *st, void *g, const void *u, backend_dtype dt, int rows,
+                     int n) {
+    if (dt != BACKEND_F32) return -ENOTSUP;
+    size_t cnt = (size_t)rows * n;
+    k_swiglu2<<<grid_for(cnt, 256), 256, 0, CB(st)->c->stream>>>((float *)g, (const float *)u,
+                                                                  cnt);
+    return launch_check("swiglu");
+}
+
+static int cb_add(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n) {
+    if (dt != BACKEND_F32) return -ENOTSUP;
+    return add(CB(st)->c, (float *)y, (const float *)x, n);
+}
+
+__global__ void k_gather(float *out, const float *x, const int32_t *rows, int width) {
+    int r = blockIdx.x;
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        out[(size_t)r * width + i] = x[(size_t)rows[r] * width + i];
+}
+
+static int cb_gather_rows(backend_stream *st, void *out, const void *x, backend_dtype dt,
+                          int width) {
+    cb_stream *s = CB(st);
+    if (dt != BACKEND_F32) return -ENOTSUP;
+    if (!s->n_out) return 0;
+    k_gather<<<s->n_out, 256, 0, s->c->stream>>>((float *)out, (const float *)x, s->orow, width);
+    return launch_check("gather_rows");
+}
+
+static int cb_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab) {
+    return argmax(CB(st)->c, out, logits, rows, vocab);
+}
+
+static const backend_iface CB_IFACE = {
+    cb_free,     cb_memory,         cb_buffer_alloc, cb_weights_load, cb_buffer_free,
+    cb_stream_create, cb_stream_free, cb_stream_sync, cb_upload,      cb_download,
+    cb_copy,     cb_memset_zero,    cb_plan,         cb_embed,        cb_rmsnorm,
+    cb_matmul,   cb_rope,           cb_kv_write,     cb_attention,    cb_swiglu,
+    cb_add,      cb_gather_rows,    cb_argmax,
+};
+
+extern "C" __attribute__((visibility("default"))) int
+disagg_backend_module_open(int abi_version, const backend_options *opts, backend **out, char *err,
+                           size_t errlen) {
+    *out = NULL;
+    if (abi_version != BACKEND_ABI_VERSION) {
+        seterr(err, errlen,
+               "--device cuda: the CUDA module speaks backend ABI %d, this disagg %d (rebuild "
+               "them together)",
+               BACKEND_ABI_VERSION, abi_version);
+        return -EPROTO;
+    }
+    int ord = opts ? opts->device_ord : 0;
+    cb_dev *d = (cb_dev *)calloc(1, sizeof *d);
+    backend *be = (backend *)calloc(1, sizeof *be);
+    if (!d || !be) {
+        free(d);
+        free(be);
+        seterr(err, errlen, "out of host memory opening cuda:%d", ord);
+        return -ENOMEM;
+    }
+    be->ctx = d;
+    d->ord = ord;
+    d->progress = opts ? opts->progress : 0;
+    char why[512];
+    if (probe(ord, &d->info, why, sizeof why)) {
+        seterr(err, errlen, "--device cuda:%d: %s", ord, why);
+        cb_free(be);
+        return -ENODEV;
+    }
+    d->loader = ctx_create(ord, why, sizeof why);
+    if (!d->loader) {
+        seterr(err, errlen, "--device cuda:%d: %s", ord, why);
+        cb_free(be);
+        return -ENODEV;
+    }
+    d->stage_bytes = 32u << 20;
+    for (int i = 0; i < 2; i++) {
+        if (cudaHostAlloc(&d->stage[i], d->stage_bytes, cudaHostAllocDefault) != cudaSuccess ||
+            cudaEventCreateWithFlags(&d->ev[i], cudaEventDisableTiming) != cudaSuccess) {
+            seterr(err, errlen, "--device cuda:%d: cannot allocate pinned staging memory", ord);
+            cb_free(be);
+            return -ENOMEM;
+        }
+        cudaEventRecord(d->ev[i], d->loader->stream);
+    }
+    be->iface = &CB_IFACE;
+    snprintf(be->name, sizeof be->name, "cuda:%d (%.60s)", ord, d->info.name);
+    snprintf(be->location, sizeof be->location, "cuda:%d", ord);
+    be->is_cpu = 0;
+    be->act_dtype = BACKEND_F32;
+    be->kv_dtype = BACKEND_BF16;
+    be->kv_dtypes = (1u << BACKEND_F32) | (1u << BACKEND_BF16);
+    *out = be;
+    return 0;
+}

@@ -1,0 +1,1575 @@
+/*
+ * cuda_kernels — the CUDA module (see cuda_module.h): device context, buffers, the
+ * forward's kernels (embedding gather, RMSNorm with fused residual add, RoPE, SwiGLU,
+ * KV write into paged blocks, paged GQA attention split over KV blocks, argmax), GEMMs
+ * through cuBLASLt (bf16 in, f32 accumulate and out), and the Qwen2 forward built on
+ * them.  Built for sm_90 plus compute_90 PTX; linked against the static CUDA runtime and
+ * libcublasLt, so the module needs libcuda (the driver) and libcublasLt at load time.
+ */
+#include "kernels/cuda/cuda_module.h"
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <type_traits>
+
+typedef __nv_bfloat16 bf16;
+
+static void seterr(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || !errlen) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* ---- context ---------------------------------------------------------------- */
+
+#define PLAN_CACHE 256
+
+typedef struct gemm_plan {
+    int T, N, K, valid;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+} gemm_plan;
+
+struct dcu_ctx {
+    int device;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *ws;           /* cuBLASLt workspace */
+    size_t ws_bytes;
+    gemm_plan plans[PLAN_CACHE];
+    int next_plan;
+    int n_sm;
+    float *att_part; /* split-attention partials */
+    float *att_ml;   /* (m, l) per partial */
+    size_t att_part_cap, att_ml_cap;
+    int32_t *amax_tmp;
+    int last_err;
+    int no_gemv; /* unless DISAGG_CUDA_GEMV=1: every GEMM through cuBLASLt */
+    const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
+    int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
+};
+
+#define CK(call)                                                                             \
+    do {                                                                                     \
+        cudaError_t e_ = (call);                                                             \
+        if (e_ != cudaSuccess) {                                                             \
+            fprintf(stderr, "cuda: %s failed: %s (%s:%d)\n", #call, cudaGetErrorString(e_), \
+                    __FILE__, __LINE__);                                                     \
+            return -EIO;                                                                     \
+        }                                                                                    \
+    } while (0)
+
+static int launch_check(const char *what) {
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        fprintf(stderr, "cuda: kernel %s failed to launch: %s\n", what, cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+static int probe(int device, dcu_info *info, char *err, size_t errlen) {
+    dcu_info tmp;
+    if (!info) info = &tmp;
+    memset(info, 0, sizeof *info);
+    info->device = device;
+    info->runtime_version = CUDART_VERSION;
+    int drv = 0;
+    cudaError_t e = cudaDriverGetVersion(&drv);
+    info->driver_version = drv;
+    if (e != cudaSuccess || drv == 0) {
+        seterr(err, errlen,
+               "no NVIDIA driver found (libcuda.so.1 is not installed or cannot load%s%s); "
+               "install the NVIDIA driver for CUDA %d.%d or newer, or use --device cpu",
+               e != cudaSuccess ? ": " : "", e != cudaSuccess ? cudaGetErrorString(e) : "",
+               CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+        return -ENODEV;
+    }
+    if (drv / 1000 < CUDART_VERSION / 1000) {
+        seterr(err, errlen,
+               "the NVIDIA driver supports CUDA %d.%d but this build needs CUDA %d.%d "
+               "(CUDART_VERSION %d); install an NVIDIA driver for CUDA %d (e.g. the %s "
+               "series) or rebuild disagg with CUDA %d's nvcc",
+               drv / 1000, drv % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10,
+               CUDART_VERSION, CUDART_VERSION / 1000, CUDART_VERSION >= 13000 ? "580" : "525",
+               drv / 1000);
+        return -ENODEV;
+    }
+    int n = 0;
+    e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+        seterr(err, errlen, "no CUDA GPU is visible (%s%s%s); use --device cpu",
+               e != cudaSuccess ? cudaGetErrorString(e) : "0 devices",
+               cvd ? ", CUDA_VISIBLE_DEVICES=" : "", cvd ? cvd : "");
+        return -ENODEV;
+    }
+    info->n_devices = n;
+    if (device < 0 || device >= n) {
+        seterr(err, errlen, "CUDA device %d does not exist; %d visible (0..%d)", device, n,
+               n - 1);
+        return -ENODEV;
+    }
+    cudaDeviceProp p;
+    if ((e = cudaGetDeviceProperties(&p, device)) != cudaSuccess) {
+        seterr(err, errlen, "cudaGetDeviceProperties(%d): %s", device, cudaGetErrorString(e));
+        return -ENODEV;
+    }
+    snprintf(info->name, sizeof info->name, "%s", p.name);
+    info->cc_major = p.major;
+    info->cc_minor = p.minor;
+    info->n_sm = p.multiProcessorCount;
+    info->total_mem = p.totalGlobalMem;
+    if (p.major < 9) {
+        seterr(err, errlen,
+               "%s has compute capability %d.%d; this build runs on 9.0 (Hopper) and newer",
+               p.name, p.major, p.minor);
+        return -ENODEV;
+    }
+    int cur = -1;
+    cudaGetDevice(&cur);
+    if (cudaSetDevice(device) == cudaSuccess) {
+        size_t fr = 0, tot = 0;
+        if (cudaMemGetInfo(&fr, &tot) == cudaSuccess) info->free_mem = fr;
+    }
+    return 0;
+}
+
+static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
+    dcu_info info;
+    if (probe(device, &info, err, errlen)) return NULL;
+    dcu_ctx *c = (dcu_ctx *)calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->device = device;
+    c->n_sm = info.n_sm;
+    c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
+    c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
+    cudaError_t e;
+    if ((e = cudaSetDevice(device)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        seterr(err, errlen, "CUDA device %d: %s", device, cudaGetErrorString(e));
+        free(c);
+        return NULL;
+    }
+    cublasStatus_t s = cublasLtCreate(&c->lt);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        seterr(err, errlen, "cublasLtCreate failed (status %d)", (int)s);
+        cudaStreamDestroy(c->stream);
+        free(c);
+        return NULL;
+    }
+    c->ws_bytes = 64u << 20;
+    if (cudaMalloc(&c->ws, c->ws_bytes) != cudaSuccess ||
+        cudaMalloc((void **)&c->amax_tmp, 4096 * sizeof(int32_t)) != cudaSuccess) {
+        seterr(err, errlen, "out of GPU memory for the cuBLASLt workspace (64 MiB)");
+        cublasLtDestroy(c->lt);
+        cudaStreamDestroy(c->stream);
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+static void ctx_free(dcu_ctx *c) {
+    if (!c) return;
+    cudaStreamSynchronize(c->stream);
+    for (int i = 0; i < PLAN_CACHE; i++)
+        if (c->plans[i].valid) {
+            cublasLtMatmulDescDestroy(c->plans[i].op);
+            cublasLtMatrixLayoutDestroy(c->plans[i].a);
+            cublasLtMatrixLayoutDestroy(c->plans[i].b);
+            cublasLtMatrixLayoutDestroy(c->plans[i].c);
+        }
+    cudaFree(c->ws);
+    cudaFree(c->att_part);
+    cudaFree(c->att_ml);
+    cudaFree(c->amax_tmp);
+    cublasLtDestroy(c->lt);
+    cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+static int ctx_info(dcu_ctx *c, dcu_info *info) {
+    return probe(c->device, info, NULL, 0);
+}
+
+static int dsync(dcu_ctx *c, char *err, size_t errlen) {
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        seterr(err, errlen, "CUDA stream: %s", cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+static void *dalloc(dcu_ctx *c, size_t bytes) {
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+static void dfree(dcu_ctx *c, void *p) {
+    if (p) cudaFree(p);
+}
+static int dupload(dcu_ctx *c, void *dst, const void *src, size_t n) {
+    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream));
+    CK(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+static int ddownload(dcu_ctx *c, void *dst, const void *src, size_t n) {
+    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream));
+    CK(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+static int dmemset0(dcu_ctx *c, void *dst, size_t n) {
+    CK(cudaMemsetAsync(dst, 0, n, c->stream));
+    return 0;
+}
+static int dcopy(dcu_ctx *c, void *dst, const void *src, size_t n) {
+    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, c->stream));
+    return 0;
+}
+
+/* ---- small kernels ------------------------------------------------------------ */
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets it */
+__device__ float block_sum(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float r = lane < nw ? sh[lane] : 0.0f;
+    r = warp_sum(r);
+    return r;
+}
+
+template <typename T> __device__ __forceinline__ void store_as(T *p, float v);
+template <> __device__ __forceinline__ void store_as<float>(float *p, float v) {
+    *p = v;
+}
+template <> __device__ __forceinline__ void store_as<bf16>(bf16 *p, float v) {
+    *p = __float2bfloat16(v);
+}
+__device__ __forceinline__ float load_f(const float *p) {
+    return *p;
+}
+__device__ __forceinline__ float load_f(const bf16 *p) {
+    return __bfloat162float(*p);
+}
+
+__global__ void k_to_bf16(bf16 *dst, const float *src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16(src[i]);
+}
+
+__global__ void k_f16_to_bf16(bf16 *dst, const __half *src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16(__half2float(src[i]));
+}
+
+static int grid_for(size_t n, int threads) {
+    size_t g = (n + threads - 1) / threads;
+    return (int)(g > 65535 * 4 ? 65535 * 4 : (g ? g : 1));
+}
+
+static int to_bf16(dcu_ctx *c, void *dst, const float *src, size_t n) {
+    k_to_bf16<<<grid_for(n, 256), 256, 0, c->stream>>>((bf16 *)dst, src, n);
+    return launch_check("to_bf16");
+}
+
+__global__ void k_embed(float *x, const bf16 *table, const int32_t *tok, int h) {
+    int t = blockIdx.x;
+    const bf16 *row = table + (size_t)tok[t] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        x[(size_t)t * h + i] = __bfloat162float(row[i]);
+}
+
+static int embed(dcu_ctx *c, float *x, const void *table, const int32_t *tokens, int T, int h) {
+    if (T <= 0) return 0;
+    k_embed<<<T, 256, 0, c->stream>>>(x, (const bf16 *)table, tokens, h);
+    return launch_check("embed");
+}
+
+template <typename OT>
+__global__ void k_rmsnorm(OT *out, float *x, const float *add, const float *w, const int32_t *rows,
+                          int n, float eps, int write_back) {
+    int r = blockIdx.x;
+    int src = rows ? rows[r] : r;
+    float *xr = x + (size_t)src * n;
+    const float *ar = add ? add + (size_t)src * n : NULL;
+    extern __shared__ float vbuf[];
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = xr[i];
+        if (ar) v += ar[i];
+        vbuf[i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = vbuf[i];
+        if (write_back) xr[i] = v;
+        store_as(out + (size_t)r * n + i, w[i] * (v * inv));
+    }
+}
+
+static int rmsnorm(dcu_ctx *c, void *out, int out_dtype, float *x, const float *add,
+                   const float *w, const int32_t *rows, int n_rows, int n, float eps,
+                   int write_back) {
+    if (n_rows <= 0) return 0;
+    int th = n >= 1024 ? 1024 : (n >= 256 ? 256 : 128);
+    size_t sh = (size_t)n * sizeof(float);
+    if (sh > 48 * 1024) return -EINVAL;
+    if (out_dtype == DCU_BF16)
+        k_rmsnorm<bf16><<<n_rows, th, sh, c->stream>>>((bf16 *)out, x, add, w, rows, n, eps,
+                                                       write_back);
+    else
+        k_rmsnorm<float><<<n_rows, th, sh, c->stream>>>((float *)out, x, add, w, rows, n, eps,
+                                                        write_back);
+    return launch_check("rmsnorm");
+}
+
+__global__ void k_rope(float *x, int stride, const int32_t *pos, const float *inv_freq,
+                       int n_heads, int hd) {
+    int t = blockIdx.x, half = hd / 2;
+    float p = (float)pos[t];
+    for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
+        int hh = i / half, j = i % half;
+        float a = p * inv_freq[j];
+        float cs = cosf(a), sn = sinf(a);
+        float *v = x + (size_t)t * stride + (size_t)hh * hd;
+        float u = v[j], w = v[j + half];
+        v[j] = u * cs - w * sn;
+        v[j + half] = w * cs + u * sn;
+    }
+}
+
+static int rope(dcu_ctx *c, float *x, int stride, const int32_t *pos, const float *inv_freq,
+                int T, int n_heads, int hd) {
+    if (T <= 0) return 0;
+    k_rope<<<T, 128, 0, c->stream>>>(x, stride, pos, inv_freq, n_heads, hd);
+    return launch_check("rope");
+}
+
+template <typename OT>
+__global__ void k_swiglu(OT *out, const float *gu, int I) {
+    int t = blockIdx.y;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
+        float g = gu[(size_t)t * 2 * I + i], u = gu[(size_t)t * 2 * I + I + i];
+        store_as(out + (size_t)t * I + i, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+static int swiglu(dcu_ctx *c, void *out, int out_dtype, const float *gu, int T, int I) {
+    if (T <= 0) return 0;
+    dim3 g((I + 255) / 256 > 64 ? 64 : (I + 255) / 256, T);
+    if (out_dtype == DCU_BF16)
+        k_swiglu<bf16><<<g, 256, 0, c->stream>>>((bf16 *)out, gu, I);
+    else
+        k_swiglu<float><<<g, 256, 0, c->stream>>>((float *)out, gu, I);
+    return launch_check("swiglu");
+}
+
+__global__ void k_add(float *x, const float *y, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+static int add(dcu_ctx *c, float *x, const float *y, size_t n) {
+    if (!n) return 0;
+    k_add<<<grid_for(n, 256), 256, 0, c->stream>>>(x, y, n);
+    return launch_check("add");
+}
+
+__global__ void k_bias(float *y, const float *b, int N, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] += b[i % N];
+}
+
+/* element offset of (block of pos, layer, which, slot) in the KV region */
+__device__ __forceinline__ size_t kv_off(const int32_t *bt, int pos, int bs, int n_layers, int kvd,
+                                         int layer, int which) {
+    size_t blk = (size_t)bt[pos / bs], slot = (size_t)(pos % bs);
+    size_t per_block = (size_t)n_layers * 2 * bs * kvd;
+    return blk * per_block + (((size_t)layer * 2 + which) * bs + slot) * kvd;
+}
+
+template <typename KT>
+__global__ void k_kv_write(KT *kv, int bs, int n_layers, int kvd, int layer, const float *k,
+                           const float *v, int stride, const int32_t *pos, const int32_t *seq,
+                           const int32_t *bts, int bt_stride) {
+    int t = blockIdx.x;
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    size_t ok = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 0);
+    size_t ov = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 1);
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
+        store_as(kv + ok + i, k[(size_t)t * stride + i]);
+        store_as(kv + ov + i, v[(size_t)t * stride + i]);
+    }
+}
+
+static int kv_write(dcu_ctx *c, const dcu_kv *kv, int layer, const float *k, const float *v,
+                    int stride, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                    int bt_stride, int T) {
+    if (T <= 0) return 0;
+    if (kv->dtype == DCU_BF16)
+        k_kv_write<bf16><<<T, 128, 0, c->stream>>>((bf16 *)kv->base, kv->block_size, kv->n_layers,
+                                                   kv->kv_dim, layer, k, v, stride, pos, seq, bts,
+                                                   bt_stride);
+    else
+        k_kv_write<float><<<T, 128, 0, c->stream>>>((float *)kv->base, kv->block_size,
+                                                    kv->n_layers, kv->kv_dim, layer, k, v, stride,
+                                                    pos, seq, bts, bt_stride);
+    return launch_check("kv_write");
+}
+
+/* The forward's fused step after the QKV GEMM: bias, RoPE on q and k, q to qout (T, nh*hd),
+ * k and v into the KV cache. qkv (T, (nh + 2 nkv) hd). */
+template <typename KT>
+__global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int layer,
+                             const float *qkv, const float *bias, const int32_t *pos,
+                             const int32_t *seq, const int32_t *bts, int bt_stride,
+                             const float *inv_freq, int nh, int nkv, int hd) {
+    int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
+    const float *row = qkv + (size_t)t * W;
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    int p = pos[t];
+    size_t ok = kv_off(bt, p, bs, n_layers, kvd, layer, 0);
+    size_t ov = kv_off(bt, p, bs, n_layers, kvd, layer, 1);
+    float fp = (float)p;
+    for (int i = threadIdx.x; i < (nh + nkv) * half; i += blockDim.x) {
+        int hh = i / half, j = i % half;
+        int o = hh * hd + j; /* q heads then k heads: contiguous in row */
+        float u = row[o] + (bias ? bias[o] : 0.0f);
+        float w = row[o + half] + (bias ? bias[o + half] : 0.0f);
+        float a = fp * inv_freq[j];
+        float cs = cosf(a), sn = sinf(a);
+        float r0 = u * cs - w * sn, r1 = w * cs + u * sn;
+        if (hh < nh) {
+            qout[(size_t)t * h + o] = r0;
+            qout[(size_t)t * h + o + half] = r1;
+        } else {
+            int ko = o - h;
+            store_as(kv + ok + ko, r0);
+            store_as(kv + ok + ko + half, r1);
+        }
+    }
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x)
+        store_as(kv + ov + i, row[h + kvd + i] + (bias ? bias[h + kvd + i] : 0.0f));
+}
+
+/* ---- attention ------------------------------------------------------------------ */
+
+#define ATT_WARPS 8
+#define ATT_U 4
+#define ATT_CHUNK 128 /* KV positions per split of the decode kernel */
+#define ATT_MAXG 8
+
+/* grid (T, n_kv, splits), ATT_WARPS warps.  Each warp walks keys k0+w, k0+w+ATT_WARPS, ...
+ * keeping an online softmax per query head of the group; the warps are merged at the end.
+ * splits == 1: writes the normalised output; else unnormalised partials and (m, l). */
+template <typename KT, typename OT, int ND>
+__global__ void __launch_bounds__(ATT_WARPS * 32)
+    k_attention(OT *out, float *part, float *ml, const float *q, const KT *kv, int bs,
+                int n_layers, int layer, const int32_t *pos, const int32_t *seq,
+                const int32_t *bts, int bt_stride, int nh, int nkv, int hd, int chunk,
+                float scale, const int32_t *list) {
+    int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int t = list ? list[ti] : ti; /* token; partials are indexed by ti */
+    int G = nh / nkv, kvd = nkv * hd;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int n = pos[t] + 1;
+    int k0 = sp * chunk, k1 = min(n, k0 + chunk);
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    __shared__ float qs[ATT_MAXG * ND * 32];
+    __shared__ float sm[ATT_WARPS][ATT_MAXG], sl[ATT_WARPS][ATT_MAXG];
+    __shared__ float sacc[ATT_WARPS][ATT_MAXG * ND * 32];
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x)
+        qs[i] = q[(size_t)t * nh * hd + (size_t)kvh * G * hd + i] * scale;
+    __syncthreads();
+    float m[ATT_MAXG], l[ATT_MAXG], acc[ATT_MAXG][ND];
+#pragma unroll
+    for (int g = 0; g < ATT_MAXG; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < ND; d++)
+            acc[g][d] = 0.0f;
+    }
+    /* ATT_U consecutive keys per warp per step: their loads are all in flight at once */
+    for (int j0 = k0 + w * ATT_U; j0 < k1; j0 += ATT_WARPS * ATT_U) {
+        float kk[ATT_U][ND], vv[ATT_U][ND];
+#pragma unroll
+        for (int u = 0; u < ATT_U; u++) {
+            int j = j0 + u;
+            if (j < k1) {
+                const KT *kr = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + (size_t)kvh * hd;
+                const KT *vr = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) + (size_t)kvh * hd;
+#pragma unroll
+                for (int d = 0; d < ND; d++) {
+                    int e = lane + 32 * d;
+                    kk[u][d] = e < hd ? load_f(kr + e) : 0.0f;
+                    vv[u][d] = e < hd ? load_f(vr + e) : 0.0f;
+                }
+            } else {
+#pragma unroll
+                for (int d = 0; d < ND; d++)
+                    kk[u][d] = vv[u][d] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < ATT_MAXG; g++) {
+            if (g >= G) break;
+            float sc[ATT_U];
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int d = 0; d < ND; d++) {
+                    int e = lane + 32 * d;
+                    if (e < hd) s += qs[g * hd + e] * kk[u][d];
+                }
+                sc[u] = s;
+            }
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++)
+                sc[u] = j0 + u < k1 ? warp_sum(sc[u]) : -INFINITY;
+            float mn = m[g];
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++)
+                mn = fmaxf(mn, sc[u]);
+            float corr = __expf(m[g] - mn);
+            l[g] *= corr;
+#pragma unroll
+            for (int d = 0; d < ND; d++)
+                acc[g][d] *= corr;
+#pragma unroll
+            for (int u = 0; u < ATT_U; u++) {
+                float pe = __expf(sc[u] - mn);
+                l[g] += pe;
+#pragma unroll
+                for (int d = 0; d < ND; d++)
+                    acc[g][d] += pe * vv[u][d];
+            }
+            m[g] = mn;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATT_MAXG; g++) {
+        if (g >= G) break;
+        if (lane == 0) {
+            sm[w][g] = m[g];
+            sl[w][g] = l[g];
+        }
+#pragma unroll
+        for (int d = 0; d < ND; d++) {
+            int e = lane + 32 * d;
+            if (e < hd) sacc[w][g * hd + e] = acc[g][d];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        int g = i / hd, e = i % hd;
+        float M = -INFINITY;
+        for (int ww = 0; ww < ATT_WARPS; ww++)
+            M = fmaxf(M, sm[ww][g]);
+        float L = 0.0f, A = 0.0f;
+        if (M != -INFINITY)
+            for (int ww = 0; ww < ATT_WARPS; ww++) {
+                float f = sm[ww][g] == -INFINITY ? 0.0f : __expf(sm[ww][g] - M);
+                L += sl[ww][g] * f;
+                A += sacc[ww][i] * f;
+            }
+        int head = kvh * G + g;
+        if (splits == 1) {
+            store_as(out + (size_t)t * nh * hd + (size_t)head * hd + e, L > 0 ? A / L : 0.0f);
+        } else {
+            size_t pi = ((size_t)ti * nh + head) * splits + sp;
+            part[pi * hd + e] = A;
+            if (e == 0) {
+                ml[pi * 2] = M;
+                ml[pi * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+template <typename OT>
+__global__ void k_att_combine(OT *out, const float *part, const float *ml, int nh, int hd,
+                              int splits, const int32_t *list) {
+    int th = blockIdx.x; /* ti * nh + head */
+    int ti = th / nh, head = th % nh;
+    size_t orow = ((size_t)(list ? list[ti] : ti) * nh + head) * hd;
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++)
+        M = fmaxf(M, ml[((size_t)th * splits + s) * 2]);
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+        float L = 0.0f, A = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float ms = ml[((size_t)th * splits + s) * 2];
+            if (ms == -INFINITY) continue;
+            float f = __expf(ms - M);
+            L += ml[((size_t)th * splits + s) * 2 + 1] * f;
+            A += part[((size_t)th * splits + s) * hd + e] * f;
+        }
+        store_as(out + orow + e, L > 0 ? A / L : 0.0f);
+    }
+}
+
+template <typename KT, typename OT, int ND>
+static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                       const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
+                       int T, int nh, int nkv, int hd, int splits, int chunk, float scale) {
+    dim3 grid(T, nkv, splits);
+    k_attention<KT, OT, ND><<<grid, ATT_WARPS * 32, 0, c->stream>>>(
+        out, c->att_part, c->att_ml, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer,
+        pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale, c->att_list);
+    if (splits > 1)
+        k_att_combine<OT><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
+            out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+}
+
+template <typename KT, typename OT>
+static int att_nd(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                  const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride, int T,
+                  int nh, int nkv, int hd, int splits, int chunk, float scale) {
+    int nd = (hd + 31) / 32;
+    if (nd <= 1)
+        launch_att<KT, OT, 1>(c, out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv, hd,
+                              splits, chunk, scale);
+    else if (nd <= 2)
+        launch_att<KT, OT, 2>(c, out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv, hd,
+                              splits, chunk, scale);
+    else if (nd <= 4)
+        launch_att<KT, OT, 4>(c, out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv, hd,
+                              splits, chunk, scale);
+    else
+        return -EINVAL;
+    return launch_check("attention");
+}
+
+static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q,
+                            const dcu_kv *kv, int layer, const int32_t *pos, const int32_t *seq,
+                            const int32_t *bts, int bt_stride, int T, int nh, int nkv, int hd,
+                            int max_ctx, float scale) {
+    if (T <= 0) return 0;
+    if (nkv <= 0 || nh % nkv || nh / nkv > ATT_MAXG || hd > 128 || hd % 2) {
+        fprintf(stderr,
+                "cuda: attention with %d query heads, %d KV heads, head_dim %d is not "
+                "supported; accepted: at most %d query heads per KV head, even head_dim <= 128\n",
+                nh, nkv, hd, ATT_MAXG);
+        return -EINVAL;
+    }
+    /* split over KV in fixed chunks of ATT_CHUNK positions: a token's keys are cut the same
+     * way whatever else is in the batch, so its result does not depend on the batch (the
+     * combine adds empty splits as exact zeros) */
+    int chunk = ATT_CHUNK, splits = (max_ctx + chunk - 1) / chunk;
+    if (splits < 1) splits = 1;
+    if (splits > 1) {
+        size_t need = (size_t)T * nh * splits * hd, need_ml = (size_t)T * nh * splits * 2;
+        if (need > c->att_part_cap) {
+            cudaFree(c->att_part);
+            c->att_part = NULL;
+            c->att_part_cap = 0;
+            if (cudaMalloc((void **)&c->att_part, need * 4) != cudaSuccess) return -ENOMEM;
+            c->att_part_cap = need;
+        }
+        if (need_ml > c->att_ml_cap) {
+            cudaFree(c->att_ml);
+            c->att_ml = NULL;
+            c->att_ml_cap = 0;
+            if (cudaMalloc((void **)&c->att_ml, need_ml * 4) != cudaSuccess) return -ENOMEM;
+            c->att_ml_cap = need_ml;
+        }
+    }
+    int bf_kv = kv->dtype == DCU_BF16, bf_out = out_dtype == DCU_BF16;
+    if (bf_kv && bf_out)
+        return att_nd<bf16, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
+                                  nkv, hd, splits, chunk, scale);
+    if (bf_kv)
+        return att_nd<bf16, float>(c, (float *)out, q, kv, layer, pos, seq, bts, bt_stride, T,
+                                   nh, nkv, hd, splits, chunk, scale);
+    if (bf_out)
+        return att_nd<float, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
+                                   nkv, hd, splits, chunk, scale);
+    return att_nd<float, float>(c, (float *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
+                                nkv, hd, splits, chunk, scale);
+}
+
+
+
+
+/* ---- prefill attention on tensor cores ---------------------------------------------- */
+
+#include <mma.h>
+
+#define FA_BQ 64 /* query rows per CTA: 4 warps x 16 */
+#define FA_BK 64 /* keys per tile */
+
+static size_t flash_smem(int hd) {
+    return (size_t)(FA_BQ + 2 * FA_BK) * hd * 2 /* Q, K, V bf16 */ + 4 * 16 * FA_BK * 4 /* S */ +
+           4 * 16 * FA_BK * 2 /* P */ + 4 * 16 * (size_t)hd * 4 /* O */ + 2 * 64 * 4 /* m, l */;
+}
+
+/* Flash attention (online softmax) over the paged bf16 KV for prefill tiles: CTA = (tile of
+ * up to 64 consecutive new tokens of one sequence, query head).  tiles (n, 3): first token,
+ * rows, sequence.  The tile's positions are pos[t0] .. pos[t0] + rows - 1; keys 0 ..
+ * pos[t0] + rows - 1 are read tile by tile through the block table, causally masked.
+ * S = Q K^T and O += P V on tensor cores (wmma bf16, f32 accumulate); softmax in f32. */
+template <int HD, typename OT>
+__global__ void __launch_bounds__(128)
+    k_flash_prefill(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
+                    const int32_t *tiles, const int32_t *pos, const int32_t *bts, int bt_stride,
+                    int nh, int nkv, float scale) {
+    using namespace nvcuda;
+    int tile = blockIdx.x, h = blockIdx.y, kvh = h / (nh / nkv), kvd = nkv * HD;
+    int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
+    const int32_t *bt = bts + (size_t)sq * bt_stride;
+    int p0 = pos[t0], kmax = p0 + rows;
+    extern __shared__ __align__(16) char smem[];
+    bf16 *Qs = (bf16 *)smem, *Ks = Qs + FA_BQ * HD, *Vs = Ks + FA_BK * HD;
+    float *Ss = (float *)(Vs + FA_BK * HD);
+    bf16 *Ps = (bf16 *)(Ss + 4 * 16 * FA_BK);
+    float *Os = (float *)(Ps + 4 * 16 * FA_BK);
+    float *Ms = Os + 4 * 16 * HD, *Ls = Ms + 64;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 16;
+    for (int i = threadIdx.x; i < FA_BQ * HD; i += 128) {
+        int r = i / HD, d = i % HD;
+        float v = r < rows ? q[(size_t)(t0 + r) * nh * HD + (size_t)h * HD + d] * scale : 0.0f;
+        Qs[i] = __float2bfloat16(v);
+    }
+    for (int i = threadIdx.x; i < 4 * 16 * HD; i += 128)
+        Os[i] = 0.0f;
+    if (threadIdx.x < 64) Ms[threadIdx.x] = -INFINITY, Ls[threadIdx.x] = 0.0f;
+    __syncthreads();
+    for (int k0 = 0; k0 < kmax; k0 += FA_BK) {
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = k0 + r;
+            uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
+            if (j < kmax) {
+                kz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) +
+                                      (size_t)kvh * HD + c8 * 8);
+                vz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) +
+                                      (size_t)kvh * HD + c8 * 8);
+            }
+            *(uint4 *)(Ks + r * HD + c8 * 8) = kz;
+            *(uint4 *)(Vs + r * HD + c8 * 8) = vz;
+        }
+        __syncthreads();
+        if (wr0 < rows && k0 <= p0 + wr0 + 15) {
+            float *Sw = Ss + warp * 16 * FA_BK;
+            bf16 *Pw = Ps + warp * 16 * FA_BK;
+            float *Ow = Os + warp * 16 * HD;
+#pragma unroll
+            for (int n = 0; n < FA_BK / 16; n++) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; kk++) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
+                    wmma::load_matrix_sync(a, Qs + wr0 * HD + kk * 16, HD);
+                    wmma::load_matrix_sync(b, Ks + n * 16 * HD + kk * 16, HD);
+                    wmma::mma_sync(acc, a, b, acc);
+                }
+                wmma::store_matrix_sync(Sw + n * 16, acc, FA_BK, wmma::mem_row_major);
+            }
+            __syncwarp();
+            int r = lane >> 1, c0 = (lane & 1) * 32, qpos = p0 + wr0 + r;
+            float *srow = Sw + r * FA_BK;
+            float mx = -INFINITY;
+            for (int cc = 0; cc < 32; cc++) {
+                int j = k0 + c0 + cc;
+                float v = (j <= qpos && wr0 + r < rows) ? srow[c0 + cc] : -INFINITY;
+                srow[c0 + cc] = v;
+                mx = fmaxf(mx, v);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            float mold = Ms[wr0 + r], mnew = fmaxf(mold, mx);
+            float corr = mnew == -INFINITY ? 1.0f : __expf(mold - mnew);
+            float sum = 0.0f;
+            for (int cc = 0; cc < 32; cc++) {
+                float v = srow[c0 + cc];
+                float e = v == -INFINITY ? 0.0f : __expf(v - mnew);
+                bf16 eb = __float2bfloat16(e);
+                Pw[r * FA_BK + c0 + cc] = eb;
+                sum += __bfloat162float(eb); /* the weights P V uses */
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            for (int d = (lane & 1) * (HD / 2); d < (lane & 1) * (HD / 2) + HD / 2; d++)
+                Ow[r * HD + d] *= corr;
+            __syncwarp();
+            if ((lane & 1) == 0) {
+                Ms[wr0 + r] = mnew;
+                Ls[wr0 + r] = Ls[wr0 + r] * corr + sum;
+            }
+#pragma unroll
+            for (int dn = 0; dn < HD / 16; dn++) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+                wmma::load_matrix_sync(o, Ow + dn * 16, HD, wmma::mem_row_major);
+#pragma unroll
+                for (int kk = 0; kk < FA_BK / 16; kk++) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+                    wmma::load_matrix_sync(a, Pw + kk * 16, FA_BK);
+                    wmma::load_matrix_sync(b, Vs + kk * 16 * HD + dn * 16, HD);
+                    wmma::mma_sync(o, a, b, o);
+                }
+                wmma::store_matrix_sync(Ow + dn * 16, o, HD, wmma::mem_row_major);
+            }
+            __syncwarp();
+        }
+        __syncthreads();
+    }
+    float *Ow = Os + warp * 16 * HD;
+    for (int i = lane; i < 16 * HD; i += 32) {
+        int r = i / HD, d = i % HD;
+        if (wr0 + r < rows) {
+            float L = Ls[wr0 + r];
+            store_as(out + (size_t)(t0 + wr0 + r) * nh * HD + (size_t)h * HD + d,
+                     L > 0 ? Ow[i] / L : 0.0f);
+        }
+    }
+}
+
+template <int HD, typename OT>
+static int launch_flash(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                        const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
+                        int bt_stride, int nh, int nkv, float scale) {
+    size_t sh = flash_smem(HD);
+    static int attr_done[2][8];
+    int oi = sizeof(OT) == 2, hi = HD / 16 - 1;
+    if (!attr_done[oi][hi]) {
+        cudaFuncSetAttribute(k_flash_prefill<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sh);
+        attr_done[oi][hi] = 1;
+    }
+    dim3 grid(n_tiles, nh);
+    k_flash_prefill<HD, OT><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
+                                                          kv->block_size, kv->n_layers, layer,
+                                                          tiles, pos, bts, bt_stride, nh, nkv,
+                                                          scale);
+    return launch_check("flash_prefill");
+}
+
+/* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
+static int flash_ok(const dcu_ctx *c, int kv_dtype, int hd) {
+    return !c->no_flash && kv_dtype == DCU_BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
+}
+
+/* Host side: splits a batch into prefill tiles (sequences with >= 16 new tokens, chunks of 64)
+ * and the rest (one list entry per token).  seq_of(t) / pos are the per-token host arrays;
+ * tokens of a sequence are contiguous.  tiles: (3 * n_tiles), rest: (n_rest).  Returns the
+ * largest pos + 1 among the rest. */
+static int split_batch(int T, const int32_t *seq, const int32_t *pos, int flash, int32_t *tiles,
+                       int *n_tiles, int32_t *rest, int *n_rest) {
+    int nt = 0, nr = 0, rest_ctx = 0;
+    for (int t = 0; t < T;) {
+        int e = t;
+        while (e < T && seq[e] == seq[t])
+            e++;
+        if (flash && e - t >= 16) {
+            for (int a = t; a < e; a += FA_BQ) {
+                tiles[3 * nt] = a;
+                tiles[3 * nt + 1] = e - a < FA_BQ ? e - a : FA_BQ;
+                tiles[3 * nt + 2] = seq[t];
+                nt++;
+            }
+        } else {
+            for (int a = t; a < e; a++) {
+                rest[nr++] = a;
+                if (pos[a] + 1 > rest_ctx) rest_ctx = pos[a] + 1;
+            }
+        }
+        t = e;
+    }
+    *n_tiles = nt;
+    *n_rest = nr;
+    return rest_ctx;
+}
+
+/* attention of a split batch: the flash kernel over tiles, the split kernel over the rest */
+static int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
+                           const dcu_kv *kv, int layer, const int32_t *pos, const int32_t *seq,
+                           const int32_t *bts, int bt_stride, int T, int nh, int nkv, int hd,
+                           float scale, const int32_t *tiles_d, int n_tiles, const int32_t *rest_d,
+                           int n_rest, int rest_ctx) {
+    int rc = 0;
+    if (n_tiles > 0) {
+        int b = out_dtype == DCU_BF16;
+#define FL(H)                                                                                    \
+    (b ? launch_flash<H, bf16>(c, (bf16 *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,        \
+                               bt_stride, nh, nkv, scale)                                       \
+       : launch_flash<H, float>(c, (float *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,      \
+                                bt_stride, nh, nkv, scale))
+        rc = hd == 16 ? FL(16) : hd == 32 ? FL(32) : hd == 64 ? FL(64) : FL(128);
+#undef FL
+        if (rc) return rc;
+    }
+    if (n_rest > 0) {
+        c->att_list = n_rest == T ? NULL : rest_d;
+        rc = attention_scaled(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, n_rest,
+                              nh, nkv, hd, rest_ctx, scale);
+        c->att_list = NULL;
+    }
+    return rc;
+}
+
+/* The ABI's attention op (tests): reads pos/seq back to split the batch like the forward
+ * does (prefill tiles on tensor cores, the rest split over KV), synchronously. */
+static int attention(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,
+                     int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                     int bt_stride, int T, int nh, int nkv, int hd, int max_ctx) {
+    if (T <= 0) return 0;
+    int32_t *h = (int32_t *)malloc((size_t)T * 4 * 6 + 64);
+    if (!h) return -ENOMEM;
+    int32_t *pos_h = h, *seq_h = h + T, *tiles_h = h + 2 * T, *rest_h = tiles_h + 3 * T;
+    int32_t *dev = NULL;
+    int rc = 0, n_tiles = 0, n_rest = 0;
+    if (cudaMemcpyAsync(pos_h, pos, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
+        cudaMemcpyAsync(seq_h, seq, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
+        cudaStreamSynchronize(c->stream)) {
+        free(h);
+        return -EIO;
+    }
+    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd) && nh % nkv == 0,
+                               tiles_h, &n_tiles, rest_h, &n_rest);
+    if (cudaMalloc((void **)&dev, (size_t)T * 4 * 4) != cudaSuccess) rc = -ENOMEM;
+    if (!rc && n_tiles)
+        rc = cudaMemcpy(dev, tiles_h, (size_t)n_tiles * 12, cudaMemcpyHostToDevice) ? -EIO : 0;
+    if (!rc && n_rest)
+        rc = cudaMemcpy(dev + 3 * T, rest_h, (size_t)n_rest * 4, cudaMemcpyHostToDevice) ? -EIO : 0;
+    if (!rc)
+        rc = attention_mixed(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
+                             nkv, hd, (float)(1.0 / sqrt((double)hd)), dev, n_tiles, dev + 3 * T,
+                             n_rest, rest_ctx);
+    if (!rc && cudaStreamSynchronize(c->stream)) rc = -EIO;
+    cudaFree(dev);
+    free(h);
+    (void)max_ctx;
+    return rc;
+}
+
+/* ---- argmax --------------------------------------------------------------------- */
+
+__global__ void k_argmax(int32_t *out, const float *logits, int vocab) {
+    int r = blockIdx.x;
+    const float *x = logits + (size_t)r * vocab;
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = x[i];
+        if (v > best || (v == best && i < bi)) best = v, bi = i;
+    }
+    __shared__ float sv[1024];
+    __shared__ int si[1024];
+    sv[threadIdx.x] = best;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float v = sv[threadIdx.x + s];
+            int i = si[threadIdx.x + s];
+            if (v > sv[threadIdx.x] || (v == sv[threadIdx.x] && i < si[threadIdx.x]))
+                sv[threadIdx.x] = v, si[threadIdx.x] = i;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[r] = si[0] == 0x7fffffff ? 0 : si[0];
+}
+
+static int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int vocab) {
+    if (rows <= 0) return 0;
+    k_argmax<<<rows, 1024, 0, c->stream>>>(out, logits, vocab);
+    return launch_check("argmax");
+}
+
+/* ---- GEMM (cuBLASLt) -------------------------------------------------------------- */
+
+static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
+    for (int i = 0; i < PLAN_CACHE; i++)
+        if (c->plans[i].valid && c->plans[i].T == T && c->plans[i].N == N && c->plans[i].K == K)
+            return &c->plans[i];
+    gemm_plan *p = &c->plans[c->next_plan];
+    c->next_plan = (c->next_plan + 1) % PLAN_CACHE;
+    if (p->valid) {
+        cublasLtMatmulDescDestroy(p->op);
+        cublasLtMatrixLayoutDestroy(p->a);
+        cublasLtMatrixLayoutDestroy(p->b);
+        cublasLtMatrixLayoutDestroy(p->c);
+        p->valid = 0;
+    }
+    /* column-major view: C (N, T) = W^T-as-stored (op T of a K x N matrix) x X (K x T) */
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    if (cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
+        return NULL;
+    cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, K, N, K);
+    cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, K, T, K);
+    cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, N, T, N);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                         &c->ws_bytes, sizeof c->ws_bytes);
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref,
+                                                      1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
+        fprintf(stderr, "cuda: cuBLASLt has no bf16 GEMM for T=%d N=%d K=%d (status %d)\n", T, N,
+                K, (int)s);
+        cublasLtMatmulDescDestroy(p->op);
+        cublasLtMatrixLayoutDestroy(p->a);
+        cublasLtMatrixLayoutDestroy(p->b);
+        cublasLtMatrixLayoutDestroy(p->c);
+        return NULL;
+    }
+    p->algo = res.algo;
+    p->T = T, p->N = N, p->K = K, p->valid = 1;
+    return p;
+}
+
+/* y (T, N) f32 = x (T, K) bf16 . w (N, K)^T bf16 (+ bias) for small T (decode): one warp per
+ * weight row, 16-byte loads, f32 accumulation; weight-streaming bound. */
+__device__ __forceinline__ float bf_lo(uint32_t v) {
+    return __uint_as_float(v << 16);
+}
+__device__ __forceinline__ float bf_hi(uint32_t v) {
+    return __uint_as_float(v & 0xffff0000u);
+}
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+    return bf_lo(a.x) * bf_lo(b.x) + bf_hi(a.x) * bf_hi(b.x) + bf_lo(a.y) * bf_lo(b.y) +
+           bf_hi(a.y) * bf_hi(b.y) + bf_lo(a.z) * bf_lo(b.z) + bf_hi(a.z) * bf_hi(b.z) +
+           bf_lo(a.w) * bf_lo(b.w) + bf_hi(a.w) * bf_hi(b.w);
+}
+template <int TT>
+__global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4 *__restrict__ x,
+                                              const uint4 *__restrict__ w,
+                                              const float *__restrict__ bias, int N, int K8) {
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const uint4 *wr = w + (size_t)row * K8;
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++)
+        acc[t] = 0.0f;
+#pragma unroll 4
+    for (int i = lane; i < K8; i += 32) {
+        uint4 wv = __ldcs(wr + i); /* streamed once: do not keep in L2 */
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+            acc[t] += dot8(wv, __ldg(x + (size_t)t * K8 + i));
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) y[(size_t)t * N + row] = v + (bias ? bias[row] : 0.0f);
+    }
+}
+
+static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
+                int N, int K) {
+    dim3 g((N + 7) / 8);
+    const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
+    int K8 = K / 8;
+    switch (T) {
+#define G_(n)                                                                          \
+    case n:                                                                            \
+        k_gemv<n><<<g, 256, 0, c->stream>>>(y, xv, wv, bias, N, K8);                   \
+        break;
+        G_(1) G_(2) G_(3) G_(4) G_(5) G_(6) G_(7) G_(8)
+#undef G_
+    default:
+        return -EINVAL;
+    }
+    return launch_check("gemv");
+}
+
+/* measured on the H200 (7B shapes): the GEMV beats cuBLASLt at T = 1 (6.05 vs 6.4 ms a decode
+ * step) and loses at T = 8 (11.5 vs 7.5 ms), where its x loads from L1 dominate */
+#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1; off by default: one GEMM path for every T */
+
+static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
+                  int N, int K) {
+    if (T <= 0) return 0;
+    if (T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
+        return gemv(c, y, x, w, bias, T, N, K);
+    gemm_plan *p = plan_get(c, T, N, K);
+    if (!p) return -EIO;
+    float alpha = 1.0f, beta = 0.0f;
+    cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y,
+                                      p->c, &p->algo, c->ws, c->ws_bytes, c->stream);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cuda: cublasLtMatmul T=%d N=%d K=%d failed (status %d)\n", T, N, K,
+                (int)s);
+        return -EIO;
+    }
+    if (bias) {
+        size_t n = (size_t)T * N;
+        k_bias<<<grid_for(n, 256), 256, 0, c->stream>>>(y, bias, N, n);
+        return launch_check("bias");
+    }
+    return 0;
+}
+
+/* ---- model ----------------------------------------------------------------------- */
+
+typedef struct dlayer {
+    float *attn_norm, *mlp_norm, *bqkv; /* bqkv (h + 2 kvd) */
+    bf16 *wqkv;                         /* (h + 2 kvd, h) */
+    bf16 *wo;                           /* (h, h) */
+    bf16 *wgu;                          /* (2 I, h): gate rows then up rows */
+    bf16 *wdown;                        /* (h, I) */
+} dlayer;
+
+struct dcu_model {
+    dcu_ctx *c;
+    dcu_model_desc d; /* host pointers not kept beyond create */
+    dlayer *L;
+    bf16 *embed, *lm_head;
+    float *final_norm, *inv_freq;
+    size_t bytes;
+    /* workspace */
+    float *x, *y, *q, *qkv, *gu, *logits;
+    bf16 *xb, *att, *hb, *head_in;
+    int32_t *meta_d, *meta_h; /* tokens | pos | seq | out_rows | amax | block tables */
+    size_t meta_cap;          /* int32 entries */
+    void *stage[2];           /* pinned staging */
+    cudaEvent_t stage_ev[2];
+    size_t stage_bytes;
+    int stage_next;
+    void *conv_tmp; /* device buffer of one chunk (f16/f32 conversion) */
+    size_t done_bytes, total_bytes;
+};
+
+static void *model_alloc(dcu_model *m, size_t bytes) {
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    m->bytes += bytes;
+    return p;
+}
+
+/* host matrix -> bf16 at dst (device), through the pinned staging buffers */
+static int upload_mat(dcu_model *m, bf16 *dst, const dcu_host_mat *s, int which) {
+    dcu_ctx *c = m->c;
+    size_t n = (size_t)s->rows * s->cols;
+    size_t esz = s->dtype == DCU_F32 ? 4 : 2;
+    size_t per = m->stage_bytes / esz; /* elements per chunk */
+    for (size_t off = 0; off < n; off += per) {
+        size_t cnt = n - off < per ? n - off : per;
+        int b = m->stage_next++ & 1;
+        CK(cudaEventSynchronize(m->stage_ev[b]));
+        memcpy(m->stage[b], (const char *)s->data + off * esz, cnt * esz);
+        if (s->dtype == DCU_BF16) {
+            CK(cudaMemcpyAsync(dst + off, m->stage[b], cnt * 2, cudaMemcpyHostToDevice,
+                               c->stream));
+        } else {
+            /* f16/f32: the raw chunk goes to a device buffer and is converted there */
+            if (!m->conv_tmp && cudaMalloc(&m->conv_tmp, m->stage_bytes) != cudaSuccess)
+                return -ENOMEM;
+            void *tmp = m->conv_tmp;
+            CK(cudaMemcpyAsync(tmp, m->stage[b], cnt * esz, cudaMemcpyHostToDevice, c->stream));
+            if (s->dtype == DCU_F32)
+                k_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(dst + off, (const float *)tmp,
+                                                                      cnt);
+            else
+                k_f16_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(
+                    dst + off, (const __half *)tmp, cnt);
+        }
+        CK(cudaEventRecord(m->stage_ev[b], c->stream));
+        m->done_bytes += cnt * esz;
+        if (m->d.progress && isatty(2) && (m->done_bytes >> 30) != ((m->done_bytes - cnt * esz) >> 30))
+            fprintf(stderr, "\rcuda: uploading weights %zu / %zu MiB", m->done_bytes >> 20,
+                    m->total_bytes >> 20);
+    }
+    (void)which;
+    if (m->conv_tmp && s->dtype != DCU_BF16) CK(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+
+static int upload_vec(dcu_model *m, float **dst, const float *src, size_t n) {
+    *dst = (float *)model_alloc(m, n * 4);
+    if (!*dst) return -ENOMEM;
+    if (src)
+        CK(cudaMemcpyAsync(*dst, src, n * 4, cudaMemcpyHostToDevice, m->c->stream));
+    else
+        CK(cudaMemsetAsync(*dst, 0, n * 4, m->c->stream));
+    CK(cudaStreamSynchronize(m->c->stream));
+    return 0;
+}
+
+static size_t mat_bytes(const dcu_host_mat *s) {
+    return (size_t)s->rows * s->cols * (s->dtype == DCU_F32 ? 4 : 2);
+}
+
+static void model_free(dcu_model *m);
+
+static dcu_model *model_create(dcu_ctx *c, const dcu_model_desc *d, char *err, size_t errlen) {
+    int h = d->hidden, kvd = d->n_kv_heads * d->head_dim, I = d->inter, V = d->vocab;
+    int nh = d->n_heads;
+    if (d->n_kv_heads <= 0 || nh % d->n_kv_heads || nh / d->n_kv_heads > ATT_MAXG ||
+        d->head_dim > 128 || d->head_dim % 2 || nh * d->head_dim != h || h > 12288) {
+        seterr(err, errlen,
+               "model shape not supported on CUDA: %d heads, %d KV heads, head_dim %d, hidden %d; "
+               "accepted: at most %d query heads per KV head, even head_dim <= 128, heads * "
+               "head_dim == hidden <= 12288",
+               nh, d->n_kv_heads, d->head_dim, h, ATT_MAXG);
+        return NULL;
+    }
+    dcu_model *m = (dcu_model *)calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->c = c;
+    m->d = *d;
+    m->d.layers = NULL;
+    m->L = (dlayer *)calloc((size_t)d->n_layers, sizeof *m->L);
+    m->stage_bytes = 32u << 20;
+    for (int b = 0; b < 2; b++) {
+        if (cudaHostAlloc(&m->stage[b], m->stage_bytes, cudaHostAllocDefault) != cudaSuccess ||
+            cudaEventCreateWithFlags(&m->stage_ev[b], cudaEventDisableTiming) != cudaSuccess) {
+            seterr(err, errlen, "cannot allocate %zu MiB of pinned host memory for staging",
+                   m->stage_bytes >> 20);
+            model_free(m);
+            return NULL;
+        }
+        cudaEventRecord(m->stage_ev[b], c->stream);
+    }
+    m->total_bytes = mat_bytes(&d->embed) + (d->tied ? 0 : mat_bytes(&d->lm_head));
+    for (int l = 0; l < d->n_layers; l++) {
+        const dcu_host_layer *s = &d->layers[l];
+        m->total_bytes += mat_bytes(&s->wq) + mat_bytes(&s->wk) + mat_bytes(&s->wv) +
+                          mat_bytes(&s->wo) + mat_bytes(&s->w_gate) + mat_bytes(&s->w_up) +
+                          mat_bytes(&s->w_down);
+    }
+    size_t free_b = 0, tot_b = 0;
+    cudaMemGetInfo(&free_b, &tot_b);
+#define OOM(what)                                                                               \
+    do {                                                                                        \
+        seterr(err, errlen,                                                                     \
+               "out of GPU memory allocating %s (weights %.2f GB; %.2f GB were free of %.2f GB)", \
+               what, m->total_bytes / 1e9, free_b / 1e9, tot_b / 1e9);                          \
+        model_free(m);                                                                          \
+        return NULL;                                                                            \
+    } while (0)
+    if (!(m->embed = (bf16 *)model_alloc(m, (size_t)V * h * 2))) OOM("embed_tokens");
+    if (upload_mat(m, m->embed, &d->embed, 0)) OOM("embed_tokens");
+    if (d->tied)
+        m->lm_head = m->embed;
+    else {
+        if (!(m->lm_head = (bf16 *)model_alloc(m, (size_t)V * h * 2))) OOM("lm_head");
+        if (upload_mat(m, m->lm_head, &d->lm_head, 0)) OOM("lm_head");
+    }
+    for (int l = 0; l < d->n_layers; l++) {
+        const dcu_host_layer *s = &d->layers[l];
+        dlayer *L = &m->L[l];
+        if (!(L->wqkv = (bf16 *)model_alloc(m, (size_t)(h + 2 * kvd) * h * 2)) ||
+            !(L->wo = (bf16 *)model_alloc(m, (size_t)h * h * 2)) ||
+            !(L->wgu = (bf16 *)model_alloc(m, (size_t)2 * I * h * 2)) ||
+            !(L->wdown = (bf16 *)model_alloc(m, (size_t)h * I * 2)))
+            OOM("a layer's weights");
+        if (upload_mat(m, L->wqkv, &s->wq, 0) ||
+            upload_mat(m, L->wqkv + (size_t)h * h, &s->wk, 0) ||
+            upload_mat(m, L->wqkv + (size_t)(h + kvd) * h, &s->wv, 0) ||
+            upload_mat(m, L->wo, &s->wo, 0) || upload_mat(m, L->wgu, &s->w_gate, 0) ||
+            upload_mat(m, L->wgu + (size_t)I * h, &s->w_up, 0) ||
+            upload_mat(m, L->wdown, &s->w_down, 0)) {
+            seterr(err, errlen, "uploading layer %d's weights failed", l);
+            model_free(m);
+            return NULL;
+        }
+        float *b = NULL;
+        if (!(b = (float *)model_alloc(m, (size_t)(h + 2 * kvd) * 4))) OOM("biases");
+        L->bqkv = b;
+        cudaMemsetAsync(b, 0, (size_t)(h + 2 * kvd) * 4, c->stream);
+        if (s->bq) cudaMemcpyAsync(b, s->bq, (size_t)h * 4, cudaMemcpyHostToDevice, c->stream);
+        if (s->bk)
+            cudaMemcpyAsync(b + h, s->bk, (size_t)kvd * 4, cudaMemcpyHostToDevice, c->stream);
+        if (s->bv)
+            cudaMemcpyAsync(b + h + kvd, s->bv, (size_t)kvd * 4, cudaMemcpyHostToDevice,
+                            c->stream);
+        if (upload_vec(m, &L->attn_norm, s->attn_norm, h) ||
+            upload_vec(m, &L->mlp_norm, s->mlp_norm, h))
+            OOM("norm weights");
+    }
+    if (upload_vec(m, &m->final_norm, d->final_norm, h) ||
+        upload_vec(m, &m->inv_freq, d->rope_inv_freq, d->head_dim / 2))
+        OOM("norm weights");
+    if (m->d.progress && isatty(2)) fprintf(stderr, "\n");
+    size_t T = (size_t)d->max_tokens, W = (size_t)h + 2 * kvd;
+    if (!(m->x = (float *)model_alloc(m, T * h * 4)) || !(m->y = (float *)model_alloc(m, T * h * 4)) ||
+        !(m->q = (float *)model_alloc(m, T * h * 4)) ||
+        !(m->qkv = (float *)model_alloc(m, T * W * 4)) ||
+        !(m->gu = (float *)model_alloc(m, T * 2 * I * 4)) ||
+        !(m->logits = (float *)model_alloc(m, T * V * 4)) ||
+        !(m->xb = (bf16 *)model_alloc(m, T * h * 2)) ||
+        !(m->att = (bf16 *)model_alloc(m, T * h * 2)) ||
+        !(m->hb = (bf16 *)model_alloc(m, T * I * 2)) ||
+        !(m->head_in = (bf16 *)model_alloc(m, T * h * 2)))
+        OOM("activations");
+    m->meta_cap = T * 9 + (size_t)d->max_seqs * (d->max_blocks + 3) + 64;
+    if (!(m->meta_d = (int32_t *)model_alloc(m, m->meta_cap * 4)) ||
+        cudaHostAlloc((void **)&m->meta_h, m->meta_cap * 4, cudaHostAllocDefault) != cudaSuccess)
+        OOM("batch metadata");
+    if (cudaStreamSynchronize(c->stream) != cudaSuccess) {
+        seterr(err, errlen, "uploading the weights failed: %s",
+               cudaGetErrorString(cudaGetLastError()));
+        model_free(m);
+        return NULL;
+    }
+    return m;
+#undef OOM
+}
+
+static void model_free(dcu_model *m) {
+    if (!m) return;
+    cudaStreamSynchronize(m->c->stream);
+    if (m->L)
+        for (int l = 0; l < m->d.n_layers; l++) {
+            cudaFree(m->L[l].wqkv);
+            cudaFree(m->L[l].wo);
+            cudaFree(m->L[l].wgu);
+            cudaFree(m->L[l].wdown);
+            cudaFree(m->L[l].bqkv);
+            cudaFree(m->L[l].attn_norm);
+            cudaFree(m->L[l].mlp_norm);
+        }
+    free(m->L);
+    cudaFree(m->embed);
+    if (m->lm_head != m->embed) cudaFree(m->lm_head);
+    void *bufs[] = {m->final_norm, m->inv_freq, m->x,  m->y,  m->q,  m->qkv,     m->gu,
+                    m->logits,     m->xb,       m->att, m->hb, m->head_in, m->meta_d};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        cudaFree(bufs[i]);
+    if (m->meta_h) cudaFreeHost(m->meta_h);
+    cudaFree(m->conv_tmp);
+    for (int b = 0; b < 2; b++) {
+        if (m->stage[b]) cudaFreeHost(m->stage[b]);
+        if (m->stage_ev[b]) cudaEventDestroy(m->stage_ev[b]);
+    }
+    free(m);
+}
+
+static size_t model_bytes(const dcu_model *m) {
+    return m->bytes;
+}
+
+static int forward(dcu_model *m, const dcu_kv *kv, const dcu_batch *b, char *err, size_t errlen) {
+    dcu_ctx *c = m->c;
+    const dcu_model_desc *d = &m->d;
+    int T = b->n_tokens, h = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim,
+        kvd = nkv * hd, I = d->inter, V = d->vocab, W = h + 2 * kvd;
+    if (T <= 0 || T > d->max_tokens || b->n_seqs <= 0 || b->n_seqs > d->max_seqs ||
+        b->bt_stride <= 0 || b->bt_stride > d->max_blocks || b->n_out < 0 || b->n_out > T) {
+        seterr(err, errlen,
+               "forward batch out of range: %d tokens (max %d), %d sequences (max %d), block "
+               "table stride %d (max %d), %d output rows",
+               T, d->max_tokens, b->n_seqs, d->max_seqs, b->bt_stride, d->max_blocks, b->n_out);
+        return -EINVAL;
+    }
+    if (kv->n_layers != d->n_layers || kv->kv_dim != kvd) {
+        seterr(err, errlen, "KV region shape (layers %d, kv_dim %d) does not match the model (%d, %d)",
+               kv->n_layers, kv->kv_dim, d->n_layers, kvd);
+        return -EINVAL;
+    }
+    /* metadata: one pinned buffer, one copy */
+    int32_t *mh = m->meta_h;
+    size_t nbt = (size_t)b->n_seqs * b->bt_stride;
+    int32_t *tok_h = mh, *pos_h = mh + T, *seq_h = mh + 2 * T, *out_h = mh + 3 * T,
+            *bt_h = mh + 5 * T;
+    /* make sure the previous call's download is finished before reusing meta_h */
+    CK(cudaStreamSynchronize(c->stream));
+    memcpy(tok_h, b->tokens, (size_t)T * 4);
+    memcpy(pos_h, b->pos, (size_t)T * 4);
+    memcpy(seq_h, b->seq, (size_t)T * 4);
+    memcpy(out_h, b->out_rows, (size_t)b->n_out * 4);
+    memcpy(bt_h, b->block_tables, nbt * 4);
+    int32_t *tiles_h = bt_h + nbt, *rest_h = tiles_h + 3 * ((size_t)T + b->n_seqs);
+    int n_tiles = 0, n_rest = 0;
+    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd), tiles_h, &n_tiles,
+                               rest_h, &n_rest);
+    size_t meta_n = (size_t)(rest_h - mh) + n_rest;
+    int32_t *md = m->meta_d;
+    int32_t *tok = md, *pos = md + T, *seq = md + 2 * T, *orow = md + 3 * T, *amax = md + 4 * T,
+            *bt = md + 5 * T, *tiles_d = md + (tiles_h - mh), *rest_d = md + (rest_h - mh);
+    CK(cudaMemcpyAsync(md, mh, meta_n * 4, cudaMemcpyHostToDevice, c->stream));
+    int rc = 0;
+#define R(call)                                                                    \
+    do {                                                                           \
+        if ((rc = (call))) {                                                       \
+            seterr(err, errlen, "CUDA forward: %s failed (%d)", #call, rc);        \
+            return rc;                                                             \
+        }                                                                          \
+    } while (0)
+    R(embed(c, m->x, m->embed, tok, T, h));
+    for (int l = 0; l < d->n_layers; l++) {
+        dlayer *L = &m->L[l];
+        R(rmsnorm(c, m->xb, DCU_BF16, m->x, l ? m->y : NULL, L->attn_norm, NULL, T, h, d->rms_eps,
+                  l ? 1 : 0));
+        R(matmul(c, m->qkv, m->xb, L->wqkv, NULL, T, W, h));
+        if (kv->dtype == DCU_BF16)
+            k_qkv_finish<bf16><<<T, 128, 0, c->stream>>>(
+                m->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, l, m->qkv, L->bqkv, pos, seq,
+                bt, b->bt_stride, m->inv_freq, nh, nkv, hd);
+        else
+            k_qkv_finish<float><<<T, 128, 0, c->stream>>>(
+                m->q, (float *)kv->base, kv->block_size, kv->n_layers, l, m->qkv, L->bqkv, pos,
+                seq, bt, b->bt_stride, m->inv_freq, nh, nkv, hd);
+        R(launch_check("qkv_finish"));
+        R(attention_mixed(c, m->att, DCU_BF16, m->q, kv, l, pos, seq, bt, b->bt_stride, T, nh,
+                          nkv, hd, (float)(1.0 / sqrt((double)hd)), tiles_d, n_tiles, rest_d,
+                          n_rest, rest_ctx));
+        R(matmul(c, m->y, m->att, L->wo, NULL, T, h, h));
+        R(rmsnorm(c, m->xb, DCU_BF16, m->x, m->y, L->mlp_norm, NULL, T, h, d->rms_eps, 1));
+        R(matmul(c, m->gu, m->xb, L->wgu, NULL, T, 2 * I, h));
+        R(swiglu(c, m->hb, DCU_BF16, m->gu, T, I));
+        R(matmul(c, m->y, m->hb, L->wdown, NULL, T, h, I));
+    }
+    if (b->n_out > 0) {
+        R(rmsnorm(c, m->head_in, DCU_BF16, m->x, m->y, m->final_norm, orow, b->n_out, h,
+                  d->rms_eps, 0));
+        R(matmul(c, m->logits, m->head_in, m->lm_head, NULL, b->n_out, V, h));
+        if (b->argmax) {
+            R(argmax(c, amax, m->logits, b->n_out, V));
+            CK(cudaMemcpyAsync(b->argmax, amax, (size_t)b->n_out * 4, cudaMemcpyDeviceToHost,
+                               c->stream));
+        }
+        if (b->logits)
+            CK(cudaMemcpyAsync(b->logits, m->logits, (size_t)b->n_out * V * 4,
+                               cudaMemcpyDeviceToHost, c->stream));
+    }
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        seterr(err, errlen, "CUDA forward: %s", cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+#undef R
+}
+
+/* ---- ceilings ------------------------------------------------------------------- */
+
+__global__ void k_fill_rand(bf16 *p, size_t n, uint32_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t x = (uint32_t)i * 2654435761u ^ seed;
+        x ^= x >> 13;
+        x *= 0x5bd1e995u;
+        x ^= x >> 15;
+        p[i] = __float2bfloat16(((x & 0xffff) / 65536.0f - 0.5f) * 0.1f);
+    }
+}
+
+static int measure(dcu_ctx *c, double *copy_gbs, double *gemm_tflops, int M, int N, int K) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    int rc = 0;
+    /* copy: 2 GiB buffer, D2D, bytes read + written */
+    size_t bytes = (size_t)2 << 30;
+    void *a = NULL, *b = NULL;
+    if (copy_gbs) {
+        *copy_gbs = 0;
+        if (cudaMalloc(&a, bytes) == cudaSuccess && cudaMalloc(&b, bytes) == cudaSuccess) {
+            cudaMemsetAsync(a, 1, bytes, c->stream);
+            for (int i = 0; i < 3; i++)
+                cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, c->stream);
+            cudaEventRecord(e0, c->stream);
+            int reps = 10;
+            for (int i = 0; i < reps; i++)
+                cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, c->stream);
+            cudaEventRecord(e1, c->stream);
+            cudaEventSynchronize(e1);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, e0, e1);
+            *copy_gbs = 2.0 * bytes * reps / (ms / 1e3) / 1e9;
+        } else {
+            cudaGetLastError();
+            rc = -ENOMEM;
+        }
+        cudaFree(a);
+        cudaFree(b);
+    }
+    if (gemm_tflops) {
+        *gemm_tflops = 0;
+        bf16 *x = NULL, *w = NULL;
+        float *y = NULL;
+        if (cudaMalloc((void **)&x, (size_t)M * K * 2) == cudaSuccess &&
+            cudaMalloc((void **)&w, (size_t)N * K * 2) == cudaSuccess &&
+            cudaMalloc((void **)&y, (size_t)M * N * 4) == cudaSuccess) {
+            k_fill_rand<<<1024, 256, 0, c->stream>>>(x, (size_t)M * K, 1);
+            k_fill_rand<<<1024, 256, 0, c->stream>>>(w, (size_t)N * K, 2);
+            for (int i = 0; i < 3 && !rc; i++)
+                rc = matmul(c, y, x, w, NULL, M, N, K);
+            cudaEventRecord(e0, c->stream);
+            int reps = 10;
+            for (int i = 0; i < reps && !rc; i++)
+                rc = matmul(c, y, x, w, NULL, M, N, K);
+            cudaEventRecord(e1, c->stream);
+            cudaEventSynchronize(e1);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, e0, e1);
+            if (!rc) *gemm_tflops = 2.0 * M * N * K * reps / (ms / 1e3) / 1e12;
+        } else {
+            cudaGetLastError();
+            rc = -ENOMEM;
+        }
+        cudaFree(x);
+        cudaFree(w);
+        cudaFree(y);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return rc;
+}
+
+/* ---- the table ------------------------------------------------------------------- */
+
+static const dcu_api API = {
+    DCU_ABI_VERSION, CUDART_VERSION, probe,   ctx_create, ctx_free, ctx_info,    dsync,
+    dalloc,          dfree,          dupload, ddownload,  dmemset0, dcopy,       to_bf16,
+    matmul,          rmsnorm,        rope,    swiglu,     add,      embed,       kv_write,
+    attention,       argmax,         model_create, model_free, model_bytes, forward, measure,
+};
+
+extern "C" __attribute__((visibility("default"))) const dcu_api *disagg_cuda_api_v1(void) {
+    return &API;
+}
+
+/* ---- kernels/backend.h ------------------------------------------------------------- */
+
+#include "kernels/cuda/cuda_backend.cuh"
+

@@ -1,0 +1,64 @@
+"""`disagg serve --device` and `--kv-cache-dtype`: the compute backend is chosen at start-up
+(kernels/backend.h).  Bad values are refused with the accepted list; --device cuda without
+the CUDA module fails naming the module and what to do; auto falls back to the CPU and
+serves; a KV dtype the device lacks is refused naming the device and its default."""
+import os
+import subprocess
+
+import requests
+
+from server_harness import BIN, MODEL, Server
+
+
+def run_cli(*args, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([BIN, "serve", str(MODEL), "--port", "0", "--host", "127.0.0.1",
+                           "--kv-cache-memory", "16M", "--max-model-len", "256", *args],
+                          capture_output=True, text=True, timeout=120, env=e)
+
+
+NO_MODULE = {"DISAGG_CUDA_MODULE": "/nonexistent/libdisagg_cuda.so"}
+
+
+def test_bad_device_and_dtype_values():
+    r = run_cli("--device", "tpu")
+    assert r.returncode == 2 and "'tpu'" in r.stderr and "cuda:N" in r.stderr, r.stderr
+    r = run_cli("--kv-cache-dtype", "int8")
+    assert r.returncode == 2 and "'int8'" in r.stderr and "bfloat16" in r.stderr, r.stderr
+    r = run_cli("--device", "cuda:x", env=NO_MODULE)
+    assert r.returncode != 0 and "cuda:x" in r.stderr, r.stderr
+
+
+def test_cuda_without_module_is_a_clear_error():
+    for dev in ("cuda", "cuda:1"):
+        r = run_cli("--device", dev, env=NO_MODULE)
+        assert r.returncode == 1, r.stderr
+        assert "libdisagg_cuda.so" in r.stderr and "--device cpu" in r.stderr, r.stderr
+
+
+def test_kv_dtype_the_cpu_lacks():
+    r = run_cli("--device", "cpu", "--kv-cache-dtype", "bfloat16")
+    assert r.returncode == 1, r.stderr
+    assert "bfloat16" in r.stderr and "cpu" in r.stderr and "float32" in r.stderr, r.stderr
+
+
+def test_auto_falls_back_to_cpu_and_serves():
+    s = Server("--device", "auto", "--kv-cache-dtype", "auto", "--kv-cache-memory", "16M",
+               "--max-model-len", "256", env=NO_MODULE)
+    try:
+        r = requests.post(s.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "The", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        log = s.logs()
+        assert "using the CPU" in log and " on cpu:" in log and "float32" in log, log
+    finally:
+        assert s.stop() == 0, s.logs()
+    s = Server("--device", "cpu", "--kv-cache-dtype", "float32", "--kv-cache-memory", "16M",
+               "--max-model-len", "256")
+    try:
+        r = requests.post(s.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "The", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        assert s.stop() == 0, s.logs()

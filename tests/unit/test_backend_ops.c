@@ -1,0 +1,713 @@
+/*
+ * test_backend_ops — every operation of kernels/backend.h on every backend this machine
+ * has, against a straightforward double-precision reference written here, on random inputs
+ * of awkward shapes (odd widths, K not a multiple of 8, partial KV blocks, scrambled block
+ * tables, GQA ratios 1..7, prefill, decode and mixed batches), in the style of ggml's
+ * test-backend-ops.  Each operation states its tolerance per activation dtype (tol_f32 for
+ * the CPU's f32, tol_bf16 for a backend computing in bf16).  The CPU backend always runs;
+ * the CUDA backend runs when backend_open("cuda") succeeds (each backend is checked against
+ * the same reference, so CUDA and CPU agree within the sum of their tolerances), else a
+ * loud SKIP line says why.  A further backend is one more entry in g_be.  Also: buffers (zeroed
+ * allocation, upload/download, copy, the KV flag), the plan's checks, and the registry's
+ * errors for unknown devices and a missing CUDA module.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+
+#define MAX_BE 2
+static backend *g_be[MAX_BE]; /* [0] cpu, [1] cuda when available */
+static int g_n_be;
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static double urand(void) { /* [0, 1) */
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (double)(g_rng >> 11) / 9007199254740992.0;
+}
+static float frand(void) { /* [-1, 1) */
+    return (float)(urand() * 2.0 - 1.0);
+}
+static int irand(int n) { /* [0, n) */
+    return (int)(urand() * n);
+}
+
+/* ---- dtype helpers ---------------------------------------------------------------- */
+
+static uint16_t f32_to_bf16(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+static float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* f16 of a multiple of 1/1024 in (-1, 1): exact */
+static uint16_t f32_to_f16_exact(float v) {
+    int k = (int)lrintf(v * 1024.0f);
+    uint16_t sign = k < 0 ? 0x8000 : 0;
+    k = abs(k);
+    if (k == 0) return sign;
+    int e = 0;
+    while ((k >> e) > 1)
+        e++;
+    return (uint16_t)(sign | ((uint32_t)(e - 10 + 15) << 10) | ((uint32_t)(k << (10 - e)) & 0x3ff));
+}
+
+/* Rounds v (n) to what dtype dt can hold, in place: the reference sees the same values. */
+static void round_to(float *v, size_t n, backend_dtype dt) {
+    for (size_t i = 0; i < n; i++) {
+        if (dt == BACKEND_BF16) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+        if (dt == BACKEND_F16) v[i] = roundf(v[i] * 1024.0f) / 1024.0f;
+    }
+}
+static float *rand_vec(size_t n, backend_dtype dt) {
+    float *v = malloc(n * sizeof *v);
+    assert_non_null(v);
+    for (size_t i = 0; i < n; i++)
+        v[i] = frand() * (dt == BACKEND_F16 ? 0.999f : 1.0f);
+    round_to(v, n, dt);
+    return v;
+}
+
+/* a device buffer holding host f32 values (n) as dt */
+static backend_buffer *to_dev(backend_stream *st, const float *v, size_t n, backend_dtype dt) {
+    backend *be = backend_stream_backend(st);
+    backend_buffer *b = backend_buffer_alloc(be, n * backend_dtype_size(dt), 0);
+    assert_non_null(b);
+    void *tmp = malloc(n * backend_dtype_size(dt));
+    assert_non_null(tmp);
+    for (size_t i = 0; i < n; i++) {
+        if (dt == BACKEND_F32) ((float *)tmp)[i] = v[i];
+        if (dt == BACKEND_BF16) ((uint16_t *)tmp)[i] = f32_to_bf16(v[i]);
+        if (dt == BACKEND_F16) ((uint16_t *)tmp)[i] = f32_to_f16_exact(v[i]);
+    }
+    assert_int_equal(backend_upload(st, backend_buffer_ptr(b), tmp, n * backend_dtype_size(dt)), 0);
+    free(tmp);
+    return b;
+}
+/* host f32 copy of n elements of dt at device address dev */
+static float *from_dev(backend_stream *st, const void *dev, size_t n, backend_dtype dt) {
+    assert_int_equal(backend_stream_sync(st), 0);
+    void *tmp = malloc(n * backend_dtype_size(dt));
+    float *out = malloc(n * sizeof *out);
+    assert_non_null(tmp);
+    assert_non_null(out);
+    assert_int_equal(backend_download(st, tmp, dev, n * backend_dtype_size(dt)), 0);
+    for (size_t i = 0; i < n; i++)
+        out[i] = dt == BACKEND_F32 ? ((float *)tmp)[i] : bf16_to_f32(((uint16_t *)tmp)[i]);
+    free(tmp);
+    return out;
+}
+#define DEV(b) backend_buffer_ptr(b)
+
+/* |got - want| <= tol * (1 + |want|) everywhere, else fail naming the op and element */
+static void check_close(const char *what, const backend *be, const float *got, const double *want,
+                        size_t n, double tol) {
+    double worst = 0;
+    size_t wi = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - want[i]) / (1.0 + fabs(want[i]));
+        if (!(e <= worst)) worst = e, wi = i; /* NaN counts as worst */
+    }
+    if (!(worst <= tol))
+        fail_msg("%s on %s: element %zu is %.9g, reference %.9g (error %.3g > tolerance %.3g)",
+                 what, backend_name(be), wi, (double)got[wi], want[wi], worst, tol);
+}
+static double tol_for(const backend *be, double tol_f32, double tol_bf16) {
+    return backend_act_dtype(be) == BACKEND_F32 ? tol_f32 : tol_bf16;
+}
+
+/* ---- the batch ------------------------------------------------------------------------ */
+
+/* S sequences with n_new[s] new tokens after start[s] cached ones, block tables drawn
+ * without repetition from n_blocks blocks. */
+typedef struct test_batch {
+    int S, T, bs, n_blocks;
+    int32_t tokens[512], tok_seq[512], tok_pos[512], out_rows[512];
+    int32_t qo[65], kv_len[64], bt_ptr[65], bt[1024];
+    backend_batch b;
+} test_batch;
+
+static void make_batch(test_batch *tb, int S, const int *start, const int *n_new, int bs,
+                       int n_blocks, int vocab) {
+    memset(tb, 0, sizeof *tb);
+    tb->S = S, tb->bs = bs, tb->n_blocks = n_blocks;
+    int perm[1024];
+    for (int i = 0; i < n_blocks; i++)
+        perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = irand(i + 1), x = perm[i];
+        perm[i] = perm[j], perm[j] = x;
+    }
+    int t = 0, nb = 0;
+    for (int s = 0; s < S; s++) {
+        int end = start[s] + n_new[s], need = (end + bs - 1) / bs;
+        assert_true(nb + need <= n_blocks);
+        for (int j = 0; j < need; j++)
+            tb->bt[nb + j] = perm[nb + j];
+        nb += need;
+        for (int j = 0; j < n_new[s]; j++, t++) {
+            tb->tokens[t] = irand(vocab);
+            tb->tok_seq[t] = s;
+            tb->tok_pos[t] = start[s] + j;
+        }
+        tb->qo[s + 1] = t;
+        tb->kv_len[s] = end;
+        tb->bt_ptr[s + 1] = nb;
+    }
+    tb->T = t;
+    tb->b = (backend_batch){t,          S,          tb->tokens, tb->tok_seq, tb->tok_pos, tb->qo,
+                            tb->kv_len, tb->bt_ptr, tb->bt,     0,           tb->out_rows};
+}
+
+/* ---- operations ------------------------------------------------------------------------ */
+
+static void test_embed(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        for (int dt = 0; dt < 3; dt++) {
+            int vocab = 37, hidden = 13 + 8 * dt;
+            float *table = rand_vec((size_t)vocab * hidden, (backend_dtype)dt);
+            backend_buffer *tb_ = to_dev(st, table, (size_t)vocab * hidden, (backend_dtype)dt);
+            test_batch tb;
+            int start[2] = {0, 5}, n_new[2] = {6, 3};
+            make_batch(&tb, 2, start, n_new, 4, 8, vocab);
+            assert_int_equal(backend_plan(st, &tb.b), 0);
+            backend_buffer *out = backend_buffer_alloc(be, (size_t)tb.T * hidden * 4, 0);
+            assert_int_equal(backend_embed(st, DEV(out), a, DEV(tb_), (backend_dtype)dt, hidden),
+                             0);
+            float *got = from_dev(st, DEV(out), (size_t)tb.T * hidden, a);
+            double *want = malloc(sizeof(double) * tb.T * hidden);
+            for (int t = 0; t < tb.T; t++)
+                for (int i = 0; i < hidden; i++)
+                    want[t * hidden + i] = table[(size_t)tb.tokens[t] * hidden + i];
+            check_close("embed", be, got, want, (size_t)tb.T * hidden, tol_for(be, 0, 4e-3));
+            free(got), free(want), free(table);
+            backend_buffer_free(out), backend_buffer_free(tb_);
+        }
+        backend_stream_free(st);
+    }
+}
+
+static void test_rmsnorm(void **state) {
+    int shapes[][2] = {{1, 1}, {3, 7}, {5, 64}, {2, 129}, {4, 896}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            int rows = shapes[k][0], n = shapes[k][1];
+            float *x = rand_vec((size_t)rows * n, a), *w = rand_vec((size_t)n, BACKEND_F32);
+            backend_buffer *bx = to_dev(st, x, (size_t)rows * n, a),
+                           *bw = to_dev(st, w, (size_t)n, BACKEND_F32),
+                           *bo = backend_buffer_alloc(be, (size_t)rows * n * 4, 0);
+            const float eps = 1e-6f;
+            assert_int_equal(backend_rmsnorm(st, DEV(bo), a, DEV(bx), a, DEV(bw), rows, n, eps), 0);
+            double *want = malloc(sizeof(double) * rows * n);
+            for (int r = 0; r < rows; r++) {
+                double ss = 0;
+                for (int i = 0; i < n; i++)
+                    ss += (double)x[r * n + i] * x[r * n + i];
+                double inv = 1.0 / sqrt(ss / n + eps);
+                for (int i = 0; i < n; i++)
+                    want[r * n + i] = w[i] * (x[r * n + i] * inv);
+            }
+            float *got = from_dev(st, DEV(bo), (size_t)rows * n, a);
+            check_close("rmsnorm", be, got, want, (size_t)rows * n, tol_for(be, 2e-6, 1e-2));
+            free(got);
+            /* in place (out == x) */
+            assert_int_equal(backend_rmsnorm(st, DEV(bx), a, DEV(bx), a, DEV(bw), rows, n, eps), 0);
+            got = from_dev(st, DEV(bx), (size_t)rows * n, a);
+            check_close("rmsnorm in place", be, got, want, (size_t)rows * n,
+                        tol_for(be, 2e-6, 1e-2));
+            free(got), free(want), free(x), free(w);
+            backend_buffer_free(bx), backend_buffer_free(bw), backend_buffer_free(bo);
+        }
+        backend_stream_free(st);
+    }
+}
+
+static void test_matmul(void **state) {
+    int shapes[][3] = {{1, 1, 1}, {1, 5, 7}, {3, 9, 8}, {7, 13, 33}, {2, 64, 100}, {17, 31, 129}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
+            for (int dt = 0; dt < 3; dt++)
+                for (int withb = 0; withb < 2; withb++) {
+                    int T = shapes[k][0], N = shapes[k][1], K = shapes[k][2];
+                    float *x = rand_vec((size_t)T * K, a),
+                          *w = rand_vec((size_t)N * K, (backend_dtype)dt),
+                          *bias = rand_vec((size_t)N, BACKEND_F32);
+                    /* weights as the model loads them: backend_weights_load from host bytes */
+                    backend_stream *cst = backend_stream_create(g_be[0]);
+                    backend_buffer *tmp = to_dev(cst, w, (size_t)N * K, (backend_dtype)dt);
+                    backend_dtype stored;
+                    backend_buffer *bw = backend_weights_load(be, DEV(tmp), (backend_dtype)dt,
+                                                              (size_t)N * K, &stored);
+                    assert_non_null(bw);
+                    backend_buffer *bx = to_dev(st, x, (size_t)T * K, a),
+                                   *bb = to_dev(st, bias, (size_t)N, BACKEND_F32),
+                                   *by = backend_buffer_alloc(be, (size_t)T * N * 4, 0),
+                                   *by2 = backend_buffer_alloc(be, (size_t)T * N * 4, 0);
+                    /* two ops in one dispatch, the second without bias and f32 out */
+                    backend_matmul_op ops[2] = {
+                        {DEV(by), a, DEV(bx), a, DEV(bw), stored, withb ? DEV(bb) : NULL, T, N, K},
+                        {DEV(by2), BACKEND_F32, DEV(bx), a, DEV(bw), stored, NULL, T, N, K}};
+                    assert_int_equal(backend_matmul(st, ops, 2), 0);
+                    double *want = malloc(sizeof(double) * T * N),
+                           *want2 = malloc(sizeof(double) * T * N);
+                    for (int t = 0; t < T; t++)
+                        for (int n = 0; n < N; n++) {
+                            double s = 0;
+                            for (int i = 0; i < K; i++)
+                                s += (double)x[t * K + i] * w[(size_t)n * K + i];
+                            want2[t * N + n] = s;
+                            want[t * N + n] = s + (withb ? bias[n] : 0);
+                        }
+                    float *got = from_dev(st, DEV(by), (size_t)T * N, a),
+                          *got2 = from_dev(st, DEV(by2), (size_t)T * N, BACKEND_F32);
+                    char what[96];
+                    snprintf(what, sizeof what, "matmul T %d N %d K %d %s%s", T, N, K,
+                             backend_dtype_name((backend_dtype)dt), withb ? " +bias" : "");
+                    /* a GPU backend rounds GEMM inputs and weights to bf16 (tensor cores;
+                     * f16 and f32 weights are stored bf16) whatever its activation dtype:
+                     * 2^-9 relative per operand over K <= 129 terms, 4e-2 of 1 + |ref| */
+                    double tol1 = backend_is_cpu(be) ? tol_for(be, 1e-5, 2e-2) : 4e-2,
+                           tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2) : 4e-2;
+                    check_close(what, be, got, want, (size_t)T * N, tol1);
+                    check_close(what, be, got2, want2, (size_t)T * N, tol2);
+                    free(got), free(got2), free(want), free(want2), free(x), free(w), free(bias);
+                    backend_buffer_free(bw), backend_buffer_free(tmp);
+                    backend_buffer_free(bx), backend_buffer_free(bb), backend_buffer_free(by),
+                        backend_buffer_free(by2);
+                    backend_stream_free(cst);
+                }
+        backend_stream_free(st);
+    }
+}
+
+static void test_rope(void **state) {
+    int cases[][3] = {{2, 1, 8}, {7, 7, 6}, {4, 2, 64}, {14, 2, 64}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            int nq = cases[c][0], nk = cases[c][1], hd = cases[c][2], half = hd / 2;
+            test_batch tb;
+            int start[3] = {0, 1000, 4090}, n_new[3] = {5, 1, 3};
+            make_batch(&tb, 3, start, n_new, 512, 16, 100);
+            assert_int_equal(backend_plan(st, &tb.b), 0);
+            float inv[512];
+            for (int i = 0; i < half; i++)
+                inv[i] = 1.0f / powf(1000000.0f, (float)(2 * i) / (float)hd);
+            float *q = rand_vec((size_t)tb.T * nq * hd, a),
+                  *k = rand_vec((size_t)tb.T * nk * hd, a);
+            backend_buffer *bq = to_dev(st, q, (size_t)tb.T * nq * hd, a),
+                           *bk = to_dev(st, k, (size_t)tb.T * nk * hd, a),
+                           *bf = to_dev(st, inv, (size_t)half, BACKEND_F32);
+            assert_int_equal(backend_rope(st, DEV(bq), nq, DEV(bk), nk, a, hd, DEV(bf)), 0);
+            for (int which = 0; which < 2; which++) {
+                int nh = which ? nk : nq;
+                const float *in = which ? k : q;
+                size_t n = (size_t)tb.T * nh * hd;
+                double *want = malloc(sizeof(double) * n);
+                for (int t = 0; t < tb.T; t++)
+                    for (int h = 0; h < nh; h++)
+                        for (int i = 0; i < half; i++) {
+                            double ang = (double)((float)tb.tok_pos[t] * inv[i]);
+                            const float *v = in + ((size_t)t * nh + h) * hd;
+                            double *o = want + ((size_t)t * nh + h) * hd;
+                            o[i] = v[i] * cos(ang) - v[i + half] * sin(ang);
+                            o[i + half] = v[i + half] * cos(ang) + v[i] * sin(ang);
+                        }
+                float *got = from_dev(st, DEV(which ? bk : bq), n, a);
+                check_close(which ? "rope k" : "rope q", be, got, want, n, tol_for(be, 2e-6, 1e-2));
+                free(got), free(want);
+            }
+            free(q), free(k);
+            backend_buffer_free(bq), backend_buffer_free(bk), backend_buffer_free(bf);
+        }
+        backend_stream_free(st);
+    }
+}
+
+/* element offset of K/V of (block, layer, which, slot, head, d) in the region's layout */
+static size_t kv_index(const backend_kv *kv, int blk, int l, int which, int slot, int h, int d) {
+    size_t kvd = (size_t)kv->n_kv_heads * kv->head_dim;
+    size_t per_block = (size_t)kv->n_layers * 2 * kv->block_size * kvd;
+    return (size_t)blk * per_block + (((size_t)l * 2 + which) * kv->block_size + slot) * kvd +
+           (size_t)h * kv->head_dim + d;
+}
+
+static void test_kv_write(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be), kdt = backend_kv_dtype_default(be);
+        backend_kv kv = {NULL, kdt, 12, 5, 3, 2, 6};
+        size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
+        assert_int_equal(backend_kv_block_bytes(&kv),
+                         (size_t)3 * 2 * 5 * 2 * 6 * backend_dtype_size(kdt));
+        backend_buffer *region =
+            backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
+        assert_non_null(region);
+        kv.base = DEV(region);
+        test_batch tb;
+        int start[3] = {0, 7, 3}, n_new[3] = {9, 1, 2};
+        make_batch(&tb, 3, start, n_new, kv.block_size, kv.n_blocks, 10);
+        assert_int_equal(backend_plan(st, &tb.b), 0);
+        int kvd = kv.n_kv_heads * kv.head_dim, layer = 1;
+        float *k = rand_vec((size_t)tb.T * kvd, a), *v = rand_vec((size_t)tb.T * kvd, a);
+        round_to(k, (size_t)tb.T * kvd, kdt), round_to(v, (size_t)tb.T * kvd, kdt);
+        backend_buffer *bk = to_dev(st, k, (size_t)tb.T * kvd, a),
+                       *bv = to_dev(st, v, (size_t)tb.T * kvd, a);
+        assert_int_equal(backend_kv_write(st, &kv, layer, DEV(bk), DEV(bv), a), 0);
+        float *got = from_dev(st, kv.base, n_el, kdt);
+        double *want = calloc(n_el, sizeof(double));
+        for (int t = 0; t < tb.T; t++) {
+            int s = tb.tok_seq[t], p = tb.tok_pos[t];
+            int blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size], slot = p % kv.block_size;
+            for (int h = 0; h < kv.n_kv_heads; h++)
+                for (int d = 0; d < kv.head_dim; d++) {
+                    want[kv_index(&kv, blk, layer, 0, slot, h, d)] =
+                        k[t * kvd + h * kv.head_dim + d];
+                    want[kv_index(&kv, blk, layer, 1, slot, h, d)] =
+                        v[t * kvd + h * kv.head_dim + d];
+                }
+        }
+        check_close("kv_write (every other slot stays zero)", be, got, want, n_el, 0);
+        free(got), free(want), free(k), free(v);
+        backend_buffer_free(bk), backend_buffer_free(bv), backend_buffer_free(region);
+        backend_stream_free(st);
+    }
+}
+
+/* attention of a batch (start, n_new per sequence) with GQA group `group` */
+static void attention_case(backend *be, int S, const int *start, const int *n_new, int n_kv_heads,
+                           int group, int hd, int bs) {
+    backend_stream *st = backend_stream_create(be);
+    backend_dtype a = backend_act_dtype(be), kdt = backend_kv_dtype_default(be);
+    int total_blocks = 0;
+    for (int s = 0; s < S; s++)
+        total_blocks += (start[s] + n_new[s] + bs - 1) / bs;
+    backend_kv kv = {NULL, kdt, total_blocks + 3, bs, 2, n_kv_heads, hd};
+    size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
+    test_batch tb;
+    make_batch(&tb, S, start, n_new, bs, kv.n_blocks, 10);
+    /* every position's K/V (history and this call's), written through the layout */
+    int layer = 1, nh = n_kv_heads * group, kvd = n_kv_heads * hd;
+    float *region = rand_vec(n_el, kdt);
+    backend_buffer *breg = to_dev(st, region, n_el, kdt);
+    kv.base = DEV(breg);
+    float *q = rand_vec((size_t)tb.T * nh * hd, a);
+    for (size_t i = 0; i < (size_t)tb.T * nh * hd; i++)
+        q[i] *= 3.0f; /* peakier softmax */
+    round_to(q, (size_t)tb.T * nh * hd, a);
+    backend_buffer *bq = to_dev(st, q, (size_t)tb.T * nh * hd, a),
+                   *bo = backend_buffer_alloc(be, (size_t)tb.T * nh * hd * 4, 0);
+    assert_int_equal(backend_plan(st, &tb.b), 0);
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    assert_int_equal(backend_attention(st, DEV(bo), DEV(bq), a, &kv, layer, nh, scale), 0);
+    double *want = calloc((size_t)tb.T * nh * hd, sizeof(double));
+    double *sc = malloc(sizeof(double) * 8192);
+    for (int t = 0; t < tb.T; t++) {
+        int s = tb.tok_seq[t], p = tb.tok_pos[t];
+        for (int h = 0; h < nh; h++) {
+            int kh = h / group;
+            const float *qq = q + ((size_t)t * nh + h) * hd;
+            double mx = -INFINITY, sum = 0;
+            for (int j = 0; j <= p; j++) {
+                int blk = tb.bt[tb.bt_ptr[s] + j / bs];
+                double d = 0;
+                for (int i = 0; i < hd; i++)
+                    d += (double)qq[i] * region[kv_index(&kv, blk, layer, 0, j % bs, kh, i)];
+                sc[j] = d * scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            for (int j = 0; j <= p; j++)
+                sum += (sc[j] = exp(sc[j] - mx));
+            double *o = want + ((size_t)t * nh + h) * hd;
+            for (int j = 0; j <= p; j++) {
+                int blk = tb.bt[tb.bt_ptr[s] + j / bs];
+                for (int i = 0; i < hd; i++)
+                    o[i] += sc[j] / sum * region[kv_index(&kv, blk, layer, 1, j % bs, kh, i)];
+            }
+        }
+    }
+    float *got = from_dev(st, DEV(bo), (size_t)tb.T * nh * hd, a);
+    char what[128];
+    snprintf(what, sizeof what, "attention (%d seqs, %d kv heads x group %d, hd %d, bs %d)", S,
+             n_kv_heads, group, hd, bs);
+    (void)kvd;
+    /* a GPU backend's prefill kernel rounds q and the softmax weights to bf16 for the tensor
+     * cores when the KV cache is bf16: the bf16 tolerance applies there */
+    double tol = backend_is_cpu(be) || kdt != BACKEND_BF16 ? tol_for(be, 2e-6, 2e-2) : 2e-2;
+    check_close(what, be, got, want, (size_t)tb.T * nh * hd, tol);
+    free(got), free(want), free(sc), free(q), free(region);
+    backend_buffer_free(bq), backend_buffer_free(bo), backend_buffer_free(breg);
+    backend_stream_free(st);
+}
+
+static void test_attention(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        int s0[1] = {0}, n0[1] = {1}; /* one token, nothing cached */
+        attention_case(be, 1, s0, n0, 1, 1, 8, 16);
+        int s1[1] = {0}, n1[1] = {37}; /* prefill over partial blocks */
+        attention_case(be, 1, s1, n1, 2, 7, 64, 16);
+        int s2[4] = {5, 100, 16, 1}, n2[4] = {1, 1, 1, 1}; /* decode batch */
+        attention_case(be, 4, s2, n2, 2, 2, 32, 16);
+        int s3[3] = {40, 0, 9}, n3[3] = {3, 21, 1}; /* mixed: chunk, prefill, decode */
+        attention_case(be, 3, s3, n3, 3, 4, 12, 5);
+        int s4[2] = {300, 0}, n4[2] = {2, 5}; /* long context, block size 1 */
+        attention_case(be, 2, s4, n4, 1, 3, 6, 1);
+        int s5[3] = {0, 200, 7}, n5[3] = {150, 70, 1}; /* long prefill, chunk, decode: hd 128 */
+        attention_case(be, 3, s5, n5, 4, 7, 128, 16);
+    }
+}
+
+static void test_swiglu_add(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        int rows = 5, n = 77;
+        size_t N = (size_t)rows * n;
+        float *g = rand_vec(N, a), *u = rand_vec(N, a);
+        for (size_t i = 0; i < N; i++)
+            g[i] *= 8.0f; /* both tails of silu */
+        round_to(g, N, a);
+        backend_buffer *bg = to_dev(st, g, N, a), *bu = to_dev(st, u, N, a);
+        assert_int_equal(backend_swiglu(st, DEV(bg), DEV(bu), a, rows, n), 0);
+        double *want = malloc(sizeof(double) * N);
+        for (size_t i = 0; i < N; i++)
+            want[i] = g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+        float *got = from_dev(st, DEV(bg), N, a);
+        check_close("swiglu", be, got, want, N, tol_for(be, 2e-6, 1e-2));
+        free(got);
+        /* residual add: u += (the swiglu result) */
+        assert_int_equal(backend_add(st, DEV(bu), DEV(bg), a, N), 0);
+        for (size_t i = 0; i < N; i++)
+            want[i] += u[i];
+        got = from_dev(st, DEV(bu), N, a);
+        check_close("add", be, got, want, N, tol_for(be, 2e-6, 1e-2));
+        free(got), free(want), free(g), free(u);
+        backend_buffer_free(bg), backend_buffer_free(bu);
+        backend_stream_free(st);
+    }
+}
+
+static void test_gather_argmax(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        test_batch tb;
+        int start[3] = {0, 2, 9}, n_new[3] = {4, 1, 3};
+        make_batch(&tb, 3, start, n_new, 4, 12, 10);
+        int rows[5] = {3, 4, 0, 7, 3}; /* any order, repeats allowed */
+        memcpy(tb.out_rows, rows, sizeof rows);
+        tb.b.n_out = 5;
+        assert_int_equal(backend_plan(st, &tb.b), 0);
+        int w = 19;
+        float *x = rand_vec((size_t)tb.T * w, a);
+        backend_buffer *bx = to_dev(st, x, (size_t)tb.T * w, a),
+                       *bo = backend_buffer_alloc(be, 5 * (size_t)w * 4, 0);
+        assert_int_equal(backend_gather_rows(st, DEV(bo), DEV(bx), a, w), 0);
+        double want[5 * 19];
+        for (int r = 0; r < 5; r++)
+            for (int i = 0; i < w; i++)
+                want[r * w + i] = x[rows[r] * w + i];
+        float *got = from_dev(st, DEV(bo), 5 * (size_t)w, a);
+        check_close("gather_rows", be, got, want, 5 * (size_t)w, 0);
+        free(got), free(x);
+        /* argmax: ties go to the first, NaN never wins */
+        int R = 4, V = 1001;
+        float *lg = rand_vec((size_t)R * V, BACKEND_F32);
+        lg[0 * V + 500] = 5.0f, lg[0 * V + 700] = 5.0f; /* tie: 500 */
+        lg[1 * V + 0] = NAN, lg[1 * V + 3] = 9.0f;      /* 3 */
+        lg[2 * V + 1000] = 2.0f;                        /* last */
+        lg[3 * V + 0] = 7.0f;                           /* first */
+        backend_buffer *bl = to_dev(st, lg, (size_t)R * V, BACKEND_F32),
+                       *bi32 = backend_buffer_alloc(be, (size_t)R * 4, 0);
+        assert_int_equal(backend_argmax(st, DEV(bi32), DEV(bl), R, V), 0);
+        int32_t idx[4];
+        assert_int_equal(backend_stream_sync(st), 0);
+        assert_int_equal(backend_download(st, idx, DEV(bi32), sizeof idx), 0);
+        assert_int_equal(idx[0], 500);
+        assert_int_equal(idx[1], 3);
+        assert_int_equal(idx[2], 1000);
+        assert_int_equal(idx[3], 0);
+        free(lg);
+        backend_buffer_free(bx), backend_buffer_free(bo), backend_buffer_free(bl),
+            backend_buffer_free(bi32);
+        backend_stream_free(st);
+    }
+}
+
+/* ---- buffers, plan checks, registry ------------------------------------------------- */
+
+static void test_buffers(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        assert_non_null(st);
+        assert_ptr_equal(backend_stream_backend(st), be);
+        for (int flags = BACKEND_BUF_ZERO; flags <= BACKEND_BUF_KV; flags++) {
+            size_t n = 3 * 1024 * 1024 + 7; /* odd size */
+            backend_buffer *b = backend_buffer_alloc(be, n, flags);
+            assert_non_null(b);
+            assert_int_equal(backend_buffer_size(b), n);
+            assert_ptr_equal(backend_buffer_backend(b), be);
+            assert_string_equal(backend_buffer_location(b), backend_location(be));
+            unsigned char *h = malloc(n);
+            assert_int_equal(backend_download(st, h, DEV(b), n), 0);
+            for (size_t i = 0; i < n; i += 4093)
+                assert_int_equal(h[i], 0);
+            assert_int_equal(h[n - 1], 0);
+            for (size_t i = 0; i < n; i++)
+                h[i] = (unsigned char)(i * 31 + 7);
+            assert_int_equal(backend_upload(st, DEV(b), h, n), 0);
+            backend_buffer *c = backend_buffer_alloc(be, n, 0);
+            assert_int_equal(backend_copy(st, DEV(c), DEV(b), n), 0);
+            unsigned char *h2 = malloc(n);
+            assert_int_equal(backend_download(st, h2, DEV(c), n), 0);
+            assert_memory_equal(h, h2, n);
+            assert_int_equal(backend_memset_zero(st, (char *)DEV(c) + 1, n - 2), 0);
+            assert_int_equal(backend_download(st, h2, DEV(c), n), 0);
+            assert_int_equal(h2[0], h[0]);
+            assert_int_equal(h2[1], 0);
+            assert_int_equal(h2[n - 2], 0);
+            assert_int_equal(h2[n - 1], h[n - 1]);
+            /* overlapping copies are refused */
+            assert_int_equal(backend_copy(st, (char *)DEV(b) + 1, DEV(b), 16), -EINVAL);
+            free(h), free(h2);
+            backend_buffer_free(b), backend_buffer_free(c);
+        }
+        assert_null(backend_buffer_alloc(be, 0, 0));
+        size_t fr = 0, tot = 0;
+        assert_int_equal(backend_memory(be, &fr, &tot), 0);
+        assert_true(tot > 0 && fr <= tot);
+        backend_stream_free(st);
+    }
+    backend_buffer *hb = backend_buffer_alloc(g_be[0], 1, 0); /* CPU buffers are host memory */
+    assert_true(backend_buffer_is_host(hb));
+    backend_buffer_free(hb);
+}
+
+static void test_plan_checks(void **state) {
+    backend_stream *st = backend_stream_create(g_be[0]);
+    test_batch tb;
+    int start[2] = {0, 3}, n_new[2] = {2, 2};
+    make_batch(&tb, 2, start, n_new, 4, 4, 10);
+    assert_int_equal(backend_plan(st, &tb.b), 0);
+    tb.tok_pos[3] = 9; /* position not what kv_len says */
+    assert_int_equal(backend_plan(st, &tb.b), -EINVAL);
+    tb.tok_pos[3] = 4;
+    tb.qo[2] = 3; /* ranges do not cover T */
+    assert_int_equal(backend_plan(st, &tb.b), -EINVAL);
+    tb.qo[2] = 4;
+    tb.b.n_out = 1, tb.out_rows[0] = 4; /* row outside [0, T) */
+    assert_int_equal(backend_plan(st, &tb.b), -EINVAL);
+    tb.b.n_out = 0;
+    tb.b.n_seqs = 0;
+    assert_int_equal(backend_plan(st, &tb.b), -EINVAL);
+    tb.b.n_seqs = 2;
+    tb.b.bt_indices = NULL;
+    assert_int_equal(backend_plan(st, &tb.b), -EINVAL);
+    /* operations that need a plan refuse a fresh stream */
+    backend_stream *fresh = backend_stream_create(g_be[0]);
+    float x[4] = {0}, table[8] = {0};
+    assert_int_equal(backend_embed(fresh, x, BACKEND_F32, table, BACKEND_F32, 2), -EINVAL);
+    /* the CPU backend computes in f32 only */
+    assert_int_equal(backend_add(st, x, x + 2, BACKEND_BF16, 2), -ENOTSUP);
+    backend_matmul_op bad = {x, BACKEND_F32, table, BACKEND_F32, table, BACKEND_F32, NULL, 0, 1, 1};
+    assert_int_equal(backend_matmul(st, &bad, 1), -EINVAL);
+    assert_int_equal(backend_matmul(st, &bad, 0), -EINVAL);
+    backend_stream_free(fresh);
+    backend_stream_free(st);
+}
+
+static void test_registry(void **state) {
+    char err[512] = "";
+    backend *be = (backend *)1;
+    assert_int_equal(backend_open("tpu", NULL, &be, err, sizeof err), -EINVAL);
+    assert_null(be);
+    assert_non_null(strstr(err, "'tpu'"));
+    assert_non_null(strstr(err, BACKEND_DEVICE_NAMES));
+    assert_int_equal(backend_open("cuda:x", NULL, &be, err, sizeof err), -EINVAL);
+    /* a module path that does not exist: the error names the module and what to do */
+    setenv("DISAGG_CUDA_MODULE", "/nonexistent/libdisagg_cuda.so", 1);
+    assert_int_equal(backend_open("cuda", NULL, &be, err, sizeof err), -ENOENT);
+    assert_non_null(strstr(err, "libdisagg_cuda.so"));
+    assert_non_null(strstr(err, "--device cpu"));
+    /* auto falls back to the CPU */
+    assert_int_equal(backend_open("auto", NULL, &be, err, sizeof err), 0);
+    assert_true(backend_is_cpu(be));
+    assert_string_equal(backend_location(be), "cpu:0");
+    backend_close(be);
+    unsetenv("DISAGG_CUDA_MODULE");
+    assert_int_equal(backend_open("cpu", NULL, &be, err, sizeof err), 0);
+    assert_string_equal(backend_name(be), "cpu");
+    assert_true(backend_kv_dtype_ok(be, BACKEND_F32));
+    assert_false(backend_kv_dtype_ok(be, BACKEND_BF16));
+    backend_close(be);
+    backend_close(backend_cpu_default()); /* a no-op */
+    backend_close(NULL);
+    int dt;
+    assert_int_equal(backend_dtype_parse("bfloat16", &dt), 0);
+    assert_int_equal(dt, BACKEND_BF16);
+    assert_int_equal(backend_dtype_parse("auto", &dt), 0);
+    assert_int_equal(dt, -1);
+    assert_int_equal(backend_dtype_parse("int8", &dt), -EINVAL);
+    assert_string_equal(backend_dtype_name(BACKEND_F16), "float16");
+}
+
+int main(void) {
+    char err[512];
+    if (backend_open("cpu", NULL, &g_be[0], err, sizeof err)) {
+        fprintf(stderr, "test_backend_ops: %s\n", err);
+        return 1;
+    }
+    g_n_be = 1;
+    if (backend_open("cuda", NULL, &g_be[1], err, sizeof err) == 0)
+        g_n_be = 2;
+    else
+        fprintf(stderr,
+                "\n*** SKIP: CUDA backend not tested (it needs a GPU and the CUDA module): %s\n"
+                "*** test_backend_ops checks the CPU backend against the reference only.\n\n",
+                err);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_buffers),       cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_rmsnorm),       cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_rope),          cmocka_unit_test(test_kv_write),
+        cmocka_unit_test(test_attention),     cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_gather_argmax), cmocka_unit_test(test_plan_checks),
+        cmocka_unit_test(test_registry),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    for (int i = g_n_be - 1; i >= 0; i--)
+        backend_close(g_be[i]);
+    return rc;
+}

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""gen_random_qwen2_gpu — a random-weight bf16 Qwen2 checkpoint of a large shape, made with
+torch on the GPU (fast: numpy would take minutes for 7.6 B parameters), for
+`disagg bench model DIR --device cuda`.  Writes DIR/config.json (transformers 4.x
+spelling), generation_config.json and model-0000N-of-0000M.safetensors shards with
+model.safetensors.index.json.  No tokenizer (the model benchmark feeds token ids).
+
+Shapes: 7b = Qwen2.5-7B (hidden 3584, 28 layers, 28 q heads, 4 kv heads, intermediate 18944,
+vocab 152064, untied: 7.62 B parameters, 15.2 GB); 0.5b = Qwen2.5-0.5B.
+Usage: python3 tools/gen_random_qwen2_gpu.py --out /dev/shm/q7b --shape 7b"""
+import argparse, json, os, time
+import torch
+from safetensors.torch import save_file
+
+SHAPES = {
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+}
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--shape", default="7b", choices=SHAPES)
+ap.add_argument("--layers-per-shard", type=int, default=4)
+a = ap.parse_args()
+s = SHAPES[a.shape]
+os.makedirs(a.out, exist_ok=True)
+cfg = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
+           max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+           torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645, use_cache=True, **s)
+json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=1)
+json.dump({"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+          open(os.path.join(a.out, "generation_config.json"), "w"))
+h, L, H, kv, I, V = (s[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "intermediate_size", "vocab_size"))
+kd = kv * h // H
+g = torch.Generator(device="cuda").manual_seed(1234)
+
+
+def rnd(*shape, std=0.02):
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32, generator=g) * std).to(torch.bfloat16).cpu()
+
+
+def ones(n):
+    return (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16).cpu()
+
+
+groups = [list(range(i, min(L, i + a.layers_per_shard))) for i in range(0, L, a.layers_per_shard)]
+n_sh = len(groups) + 1
+wmap, total, t0 = {}, 0, time.time()
+for si in range(n_sh):
+    sd = {}
+    if si == 0:
+        sd["model.embed_tokens.weight"] = rnd(V, h)
+        sd["model.norm.weight"] = ones(h)
+        if not s["tie_word_embeddings"]:
+            sd["lm_head.weight"] = rnd(V, h)
+    else:
+        for l in groups[si - 1]:
+            p = f"model.layers.{l}."
+            sd[p + "input_layernorm.weight"] = ones(h)
+            sd[p + "post_attention_layernorm.weight"] = ones(h)
+            sd[p + "self_attn.q_proj.weight"] = rnd(h, h)
+            sd[p + "self_attn.q_proj.bias"] = rnd(h, std=0.1)
+            sd[p + "self_attn.k_proj.weight"] = rnd(kd, h)
+            sd[p + "self_attn.k_proj.bias"] = rnd(kd, std=0.1)
+            sd[p + "self_attn.v_proj.weight"] = rnd(kd, h)
+            sd[p + "self_attn.v_proj.bias"] = rnd(kd, std=0.1)
+            sd[p + "self_attn.o_proj.weight"] = rnd(h, h)
+            sd[p + "mlp.gate_proj.weight"] = rnd(I, h)
+            sd[p + "mlp.up_proj.weight"] = rnd(I, h)
+            sd[p + "mlp.down_proj.weight"] = rnd(h, I)
+    fn = "model-%05d-of-%05d.safetensors" % (si + 1, n_sh)
+    save_file(sd, os.path.join(a.out, fn), metadata={"format": "pt"})
+    for k, v in sd.items():
+        wmap[k] = fn
+        total += v.numel() * 2
+json.dump({"metadata": {"total_size": total}, "weight_map": wmap},
+          open(os.path.join(a.out, "model.safetensors.index.json"), "w"))
+print("gen_random_qwen2_gpu: %s shape %s, %.2f GB of bf16 in %d shards, %.1f s"
+      % (a.out, a.shape, total / 1e9, n_sh, time.time() - t0))
