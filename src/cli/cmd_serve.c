@@ -605,7 +605,10 @@ static int serve_args(int argc, char **argv) {
             cfg.engine.threads = (int)x;
         } else if (!strcmp(flag, "--device")) {
             if (strcmp(val, "auto") && strcmp(val, "cpu") && strncmp(val, "cuda", 4)) {
-                fprintf(stderr, "disagg serve: --device '%s' is not a device; accepted: %s\n", val,
+                int vllm = !strcmp(val, "tpu") || !strcmp(val, "xpu") || !strcmp(val, "hpu") ||
+                           !strcmp(val, "neuron") || !strcmp(val, "rocm");
+                fprintf(stderr, "disagg serve: --device '%s' is %s; accepted: %s\n", val,
+                        vllm ? "not supported (disagg has CPU and CUDA backends)" : "not a device",
                         BACKEND_DEVICE_NAMES);
                 goto fail;
             }
