@@ -416,6 +416,10 @@ static int config_file_args(const char *path, strv *out) {
                 goto out;
             }
             snprintf(key, sizeof key, "%s", val);
+        } else if (t == YAML_SCALAR_EVENT && ev.data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+                   (!*val || !strcmp(val, "~") || !strcmp(val, "null") || !strcmp(val, "Null") ||
+                    !strcmp(val, "NULL"))) {
+            key[0] = 0; /* null: the flag's default, as vLLM */
         } else if (t == YAML_SCALAR_EVENT) {
             char flag[140];
             snprintf(flag, sizeof flag, "--%s", key);

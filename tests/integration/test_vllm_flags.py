@@ -379,7 +379,9 @@ def test_config_file_and_command_line_override(tmp_path):
                  "tensor-parallel-size: 1\n"
                  "kv-cache-memory: 16M\n"
                  "allowed-origins:\n  - https://a.example\n"
-                 "max-logprobs: 3\n")
+                 "max-logprobs: 3\n"
+                 "tokenizer: null\n"
+                 "revision:\n")
     srv = Server("--config", str(f), "--max-logprobs", "1")  # the harness passes --served-model-name tiny
     try:
         assert max_model_len(srv) == 512  # from the file
