@@ -367,6 +367,51 @@ def test_auto_tool_choice_hermes_with_the_openai_client():
         assert srv.stop() == 0
 
 
+def test_hermes_tool_calls_end_to_end(tmp_path):
+    """A model whose greedy output is  <tool_call>{...}</tool_call>  (tool_call_model.py): the
+    openai client gets OpenAI tool_calls, streaming and not."""
+    import tool_call_model
+    model = tmp_path / "toolcaller"
+    call = tool_call_model.build(model)
+    srv = Server("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--kv-cache-memory", "16M",
+                 model=str(model))
+    try:
+        c = client(srv)
+        msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=16, temperature=0)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        assert len(ch.message.tool_calls) == 1
+        tc = ch.message.tool_calls[0]
+        assert tc.type == "function" and tc.id.startswith("chatcmpl-tool-")
+        assert tc.function.name == "get_weather"
+        assert json.loads(tc.function.arguments) == call["arguments"]
+        assert tc.function.arguments == '{"city": "Paris", "unit": "celsius"}'  # json.dumps spacing
+        # streaming: the call arrives as a tool_calls delta with its index
+        calls, content, reasons = {}, "", []
+        for chunk in c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=16,
+                                               temperature=0, stream=True):
+            if not chunk.choices:
+                continue
+            d = chunk.choices[0].delta
+            content += d.content or ""
+            for t in d.tool_calls or []:
+                e = calls.setdefault(t.index, {"name": "", "arguments": ""})
+                e["name"] += t.function.name or ""
+                e["arguments"] += t.function.arguments or ""
+            if chunk.choices[0].finish_reason:
+                reasons.append(chunk.choices[0].finish_reason)
+        assert content == "" and reasons == ["tool_calls"]
+        assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+        # tool_choice "none": the text as it is
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none",
+                                      max_tokens=16, temperature=0)
+        assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == "<tool_call>" + json.dumps(call) + "</tool_call>"
+    finally:
+        assert srv.stop() == 0
+
+
 # ---- --config FILE ------------------------------------------------------------------------
 
 def test_config_file_and_command_line_override(tmp_path):
