@@ -118,8 +118,9 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
     static const char *const ep_names[EP_COUNT] = {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
     static const char *const err_names[PERR_COUNT] = {
-        "bad_request",    "not_found",     "method_not_allowed", "not_ready",
-        "prefill_failed", "decode_failed", "client_disconnected"};
+        "bad_request",         "not_found",        "method_not_allowed",
+        "not_ready",           "prefill_failed",   "decode_failed",
+        "client_disconnected", "prefill_rejected", "decode_rejected"};
     metrics_header(o, "disagg_proxy_requests_total", "counter", "Client requests by endpoint.");
     for (int i = 0; i < EP_COUNT; i++)
         evbuffer_add_printf(o, "disagg_proxy_requests_total{endpoint=\"%s\"} %llu\n", ep_names[i],

@@ -27,6 +27,7 @@ typedef struct gen_event {
     char finish_reason[16];              /* FINISHED */
     int32_t stop_token;                  /* FINISHED: eos/stop id or -1 */
     char *error;                         /* FINISHED with "error" */
+    int error_status;                    /* its HTTP status (0 = 500) */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
     int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
     engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
@@ -51,6 +52,7 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
                  ev->finish_reason ? ev->finish_reason : "error");
         g->stop_token = ev->stop_token;
         g->error = ev->error ? strdup(ev->error) : NULL;
+        g->error_status = ev->error_status;
         g->n_prompt = ev->n_prompt;
         g->n_cached = ev->n_cached;
         g->n_generated = ev->n_generated;
@@ -254,6 +256,28 @@ static void gen_complete(gen_req *r) {
     gen_free_and_account(r);
 }
 
+/* The HTTP status and OpenAI error type of a choice that ended in error: the
+ * engine's (a KV load names 400 / 502 / 503 / 504), else 500. */
+static int gen_error_status(const gen_choice *c) {
+    int s = c->error_status;
+    return s >= 400 && s <= 599 ? s : 500;
+}
+
+static const char *gen_error_type(const gen_choice *c) {
+    switch (gen_error_status(c)) {
+    case 400:
+        return "BadRequestError";
+    case 502:
+        return "BadGatewayError";
+    case 503:
+        return "ServiceUnavailableError";
+    case 504:
+        return "GatewayTimeoutError";
+    default:
+        return "InternalServerError";
+    }
+}
+
 /* The choice produced its last output. */
 static void gen_choice_done(gen_choice *c, const char *reason) {
     gen_req *r = c->r;
@@ -270,7 +294,7 @@ static void gen_choice_done(gen_choice *c, const char *reason) {
         sbuf_init(&sse, (size_t)1 << 30);
         if (c->error) {
             oai_error e;
-            oai_error_set(&e, 500, "InternalServerError", NULL, "%s", c->error);
+            oai_error_set(&e, gen_error_status(c), gen_error_type(c), NULL, "%s", c->error);
             char *j = oai_error_json(&e);
             if (j) sbuf_appendf(&sse, "data: %s\n\n", j);
             free(j);
@@ -357,9 +381,10 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     if (c->out_done) return;
     if (!strcmp(g->finish_reason, "error")) {
         c->error = strdup(g->error ? g->error : "engine error");
+        c->error_status = g->error_status;
         if (!r->has_err) {
             r->has_err = true;
-            oai_error_set(&r->err, 500, "InternalServerError", NULL, "%s", c->error);
+            oai_error_set(&r->err, gen_error_status(c), gen_error_type(c), NULL, "%s", c->error);
         }
         gen_choice_done(c, "error");
         return;

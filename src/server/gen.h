@@ -48,6 +48,7 @@ typedef struct gen_choice {
     int n_kv_received;         /* of the prompt, tokens whose KV came from a producer */
     int n_prompt_computed;     /* prompt tokens this instance computed */
     char *error;               /* engine error message */
+    int error_status;          /* its HTTP status from the engine (0 = 500) */
     uint64_t t_first, t_last;  /* clock_now_ns of the first / latest token */
     bool role_sent;            /* chat stream: the role chunk went out */
 } gen_choice;
