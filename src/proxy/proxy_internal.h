@@ -31,6 +31,7 @@ typedef enum proxy_error_kind {
     PERR_PREFILL,         /* prefill request failed (502) */
     PERR_DECODE,          /* decode request failed before or during the reply */
     PERR_CLIENT_GONE,     /* client disconnected before the reply ended */
+    PERR_UNAUTHORIZED,    /* --api-key set and the client did not send it */
     PERR_COUNT
 } proxy_error_kind;
 
