@@ -490,26 +490,28 @@ void gen_drop_events(server *s) {
 
 /* ---- start ---------------------------------------------------------------------- */
 
+/* vLLM's wording (its renderer's length check, VLLMValidationError with
+ * parameter input_tokens): clients match "maximum context length is N tokens". */
+static void gen_context_error(gen_req *r, int mml, int np, long long mt) {
+    oai_error_set(&r->err, 400, "BadRequestError", "input_tokens",
+                  "This model's maximum context length is %d tokens. However, you requested %lld "
+                  "output tokens and your prompt contains %d input tokens, for a total of %lld "
+                  "tokens. Please reduce the length of the input prompt or the number of "
+                  "requested output tokens. (parameter=input_tokens, value=%d)",
+                  mml, mt, np, (long long)np + mt, np);
+}
+
 static int gen_check_lengths(gen_req *r, int p, int *max_tokens) {
     int mml = r->s->max_model_len, np = r->n_pids[p];
-    const char *what = r->chat ? "messages" : "prompt";
     int mt = r->o.max_tokens;
     if (mt < 0) {
-        if (np >= mml) {
-            oai_error_set(&r->err, 400, "BadRequestError", what,
-                          "This model's maximum context length is %d tokens. However, your %s "
-                          "contains %d input tokens, leaving no room for the completion. Please "
-                          "reduce the length of the %s.",
-                          mml, what, np, what);
+        if (np >= mml) { /* no room for one output token */
+            gen_context_error(r, mml, np, 0);
             return -EINVAL;
         }
         mt = mml - np;
     } else if ((long long)np + mt > mml) {
-        oai_error_set(&r->err, 400, "BadRequestError", np >= mml ? what : "max_tokens",
-                      "This model's maximum context length is %d tokens. However, you requested "
-                      "%lld tokens (%d in the %s, %d in the completion). Please reduce the "
-                      "length of the %s or completion.",
-                      mml, (long long)np + mt, np, what, mt, what);
+        gen_context_error(r, mml, np, mt);
         return -EINVAL;
     }
     if (r->o.min_tokens > mt) {
