@@ -156,8 +156,7 @@ int cmd_proxy(int argc, char **argv) {
              * --decode URL [URL..]: one or more decode instances. */
             int is_p = a[2] == 'p';
             if (!v || (!inl && !strncmp(v, "--", 2)) || !*v) {
-                fprintf(stderr,
-                        "disagg proxy: %s needs a URL (http://host:port)%s\n", a,
+                fprintf(stderr, "disagg proxy: %s needs a URL (http://host:port)%s\n", a,
                         is_p ? ", then optionally a bootstrap port, 'none' or host:port" : "");
                 return 2;
             }

@@ -120,7 +120,7 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
     static const char *const ep_names[EP_COUNT] = {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
     static const char *const err_names[PERR_COUNT] = {
-        "bad_request",    "not_found",     "method_not_allowed", "not_ready",
+        "bad_request",    "not_found",     "method_not_allowed",  "not_ready",
         "prefill_failed", "decode_failed", "client_disconnected", "unauthorized"};
     metrics_header(o, "disagg_proxy_requests_total", "counter", "Client requests by endpoint.");
     for (int i = 0; i < EP_COUNT; i++)

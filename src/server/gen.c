@@ -406,9 +406,9 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
         }
     }
     if (c->index == 0 && r->n_deferred > 0) /* it ended before its first token */
-        gen_release_deferred(r, false, !strcmp(g->finish_reason, "error")
-                                    ? (g->error ? g->error : "engine error")
-                                    : NULL);
+        gen_release_deferred(
+            r, false,
+            !strcmp(g->finish_reason, "error") ? (g->error ? g->error : "engine error") : NULL);
     if (c->out_done) return;
     if (!strcmp(g->finish_reason, "error")) {
         c->error = strdup(g->error ? g->error : "engine error");
