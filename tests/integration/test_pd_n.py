@@ -23,7 +23,7 @@ OK = 'disagg:kv_transfers_total{side="producer",result="ok"}'
 def colocated():
     s = Server(*COMMON)
     yield s
-    s.stop()
+    assert s.stop() == 0, s.logs()
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +34,9 @@ def stack():
     px.wait_ready(30)
     yield p, d, px
     px.proc.terminate()
-    px.proc.wait(10)
-    d.stop()
-    p.server.stop()
+    assert px.proc.wait(10) == 0, px.output()
+    assert d.stop() == 0, d.logs()  # a clean exit: sanitizer reports fail it
+    assert p.server.stop() == 0, p.server.logs()
 
 
 def client(url):
@@ -123,7 +123,8 @@ def test_chat_n_through_proxy_equal_colocated(stack, colocated):
 def pd():
     x = PD(p_env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "2"})
     yield x
-    x.stop()
+    assert x.d.stop() == 0, x.d.logs()
+    assert x.p.stop() == 0, x.p.logs()
 
 
 def test_n_on_both_sides_directly_one_transfer_id(pd, colocated):
