@@ -56,6 +56,11 @@ def assert_one_transfer_shared(usage, n):
     assert 1 + (n - 1) <= kv["computed_prompt_tokens"] <= 1 + (n - 1) * BLOCK, usage
 
 
+def finished(server):
+    """Choices the server finished (vllm:request_success_total over every reason)."""
+    return sum(v for k, v in server.metrics().items() if k.startswith("vllm:request_success_total"))
+
+
 def texts_by_index(choices):
     return [c.text for c in sorted(choices, key=lambda c: c.index)]
 
@@ -73,7 +78,7 @@ def test_completions_n_through_proxy_equal_colocated(stack, colocated, sampling)
     assert len(want) == n
     if "seed" in sampling:
         assert len(set(want)) > 1, want  # the choices really are different samples
-    m0 = p.server.metrics()
+    m0, f0 = p.server.metrics(), finished(p.server)
     got = client(px.url).completions.create(**kw)
     assert texts_by_index(got.choices) == want
     assert [c.index for c in sorted(got.choices, key=lambda c: c.index)] == list(range(n))
@@ -81,6 +86,7 @@ def test_completions_n_through_proxy_equal_colocated(stack, colocated, sampling)
     assert got.usage.completion_tokens == n * 12
     assert_one_transfer_shared(got.usage.model_dump(), n)
     assert p.server.metrics().get(OK, 0) == m0.get(OK, 0) + 1  # moved once
+    assert finished(p.server) == f0 + 1  # P prefilled once: one request, not n
 
     # streaming: the same n texts, one transfer
     m0 = p.server.metrics()
