@@ -5,6 +5,7 @@
 #include "cli/commands.h"
 
 #include "base/log.h"
+#include "base/text.h"
 #include "proxy/proxy.h"
 
 #include <ctype.h>
@@ -84,6 +85,45 @@ static int parse_long(const char *flag, const char *v, long lo, long hi, long *o
     return 0;
 }
 
+/* The flags (for the "did you mean" hint and the value-taking check). */
+static const char *const KNOWN[] = {"--prefill",
+                                    "--decode",
+                                    "--prefiller-hosts",
+                                    "--prefiller-ports",
+                                    "--decoder-hosts",
+                                    "--decoder-ports",
+                                    "--help",
+                                    "--host",
+                                    "--port",
+                                    "--policy",
+                                    "--api-key",
+                                    "--max-body-bytes",
+                                    "--max-headers",
+                                    "--connect-timeout",
+                                    "--timeout",
+                                    "--health-interval",
+                                    "--client-timeout",
+                                    "--client-header-timeout",
+                                    "--timeout-keep-alive",
+                                    "--upstream-keepalive-timeout",
+                                    "--shutdown-timeout",
+                                    "--log-level"};
+#define NKNOWN       (sizeof KNOWN / sizeof KNOWN[0])
+#define FIRST_VALUED 7 /* KNOWN[FIRST_VALUED..] take one value */
+
+static int unknown_option(const char *a) {
+    const char *best = NULL;
+    int bd = 99;
+    for (size_t k = 0; k < NKNOWN; k++) {
+        int d = text_edit_distance(a, KNOWN[k]);
+        if (d < bd) bd = d, best = KNOWN[k];
+    }
+    fprintf(stderr, "disagg proxy: unknown option '%s'", a);
+    if (best && bd <= 4) fprintf(stderr, "; did you mean %s?", best);
+    fprintf(stderr, " (see disagg proxy --help)\n");
+    return 2;
+}
+
 /* The host/port flags of vLLM's toy_proxy_server.py (0 prefiller hosts,
  * 1 prefiller ports, 2 decoder hosts, 3 decoder ports), or -1. */
 static int alias_kind(const char *a) {
@@ -113,10 +153,7 @@ int cmd_proxy(int argc, char **argv) {
         const char *eq = !strncmp(a, "--", 2) ? strchr(a, '=') : NULL;
         int inl = 0; /* the value is inline: consuming it does not advance i */
         if (eq) {
-            if ((size_t)(eq - a) >= sizeof name) {
-                fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
-                return 2;
-            }
+            if ((size_t)(eq - a) >= sizeof name) return unknown_option(a);
             memcpy(name, a, (size_t)(eq - a));
             name[eq - a] = 0;
             a = name;
@@ -186,28 +223,11 @@ int cmd_proxy(int argc, char **argv) {
             }
             continue;
         }
-        static const char *const known[] = {"--host",
-                                            "--port",
-                                            "--policy",
-                                            "--api-key",
-                                            "--max-body-bytes",
-                                            "--max-headers",
-                                            "--connect-timeout",
-                                            "--timeout",
-                                            "--health-interval",
-                                            "--client-timeout",
-                                            "--client-header-timeout",
-                                            "--timeout-keep-alive",
-                                            "--upstream-keepalive-timeout",
-                                            "--shutdown-timeout",
-                                            "--log-level"};
+
         int is_known = 0;
-        for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
-            is_known |= !strcmp(a, known[k]);
-        if (!is_known) {
-            fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
-            return 2;
-        }
+        for (size_t k = FIRST_VALUED; k < NKNOWN; k++)
+            is_known |= !strcmp(a, KNOWN[k]);
+        if (!is_known) return unknown_option(a);
         if (!v) {
             fprintf(stderr, "disagg proxy: %s needs a value (see disagg proxy --help)\n", a);
             return 2;
@@ -261,8 +281,7 @@ int cmd_proxy(int argc, char **argv) {
             }
             log_set_level((log_level)l);
         } else {
-            fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
-            return 2;
+            return unknown_option(a);
         }
     }
     for (int r = 0; r < 2; r++) { /* pair the toy-proxy host and port lists */

@@ -126,6 +126,10 @@ def test_decode_takes_several_urls(doubles):
     (["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port=x"], "--port 'x'"),
     (["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--nope=1"],
      "unknown option '--nope'"),
+    (["--prefil", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"],
+     "unknown option '--prefil'; did you mean --prefill?"),
+    (["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--api_key=k"],
+     "unknown option '--api_key'; did you mean --api-key?"),
 ])
 def test_bad_forms_exit_2_naming_the_value(args, needle):
     assert needle in run_bad(*args)
