@@ -33,6 +33,7 @@ typedef enum proxy_error_kind {
     PERR_CLIENT_GONE,      /* client disconnected before the reply ended */
     PERR_PREFILL_REJECTED, /* prefill answered 4xx: relayed unchanged */
     PERR_DECODE_REJECTED,  /* decode answered non-2xx (after a 2xx prefill): relayed */
+    PERR_UNAUTHORIZED,     /* --api-key set and the client did not send it */
     PERR_COUNT
 } proxy_error_kind;
 

@@ -32,6 +32,9 @@ typedef struct gen_choice {
     bool submitted;            /* engine_submit succeeded: a FINISHED event will come */
     bool engine_done;          /* FINISHED received */
     bool out_done;             /* no more output: stop string matched or engine finished */
+    bool deferred;             /* n > 1 with kv_transfer_params: submitted after choice 0's
+                                  first token, so that it shares choice 0's prompt blocks */
+    int max_tokens;            /* the engine's max_tokens for it */
     detok_stream ds;           /* tokens → released text */
     sbuf text;                 /* all released text */
     size_t sent;               /* bytes of text already streamed as content */
@@ -83,6 +86,7 @@ struct gen_req {
     gen_choice *ch;                 /* (n_ch) choices */
     int n_ch;                       /* n_prompts * n */
     int n_pending;                  /* submitted engine requests not yet FINISHED */
+    int n_deferred;                 /* choices waiting for choice 0's first token */
     bool streaming;                 /* reply started as SSE */
     bool client_gone;               /* the client left: engine requests aborted */
     bool detached;                  /* libevent closed the connection (http detached) */

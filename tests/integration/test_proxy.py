@@ -89,10 +89,14 @@ def test_max_completion_tokens_absent_stays_absent(doubles, proxy_factory):
     assert "max_tokens" not in json_body(d.completions()[0])
 
 
-def test_api_key_flag_replaces_authorization(doubles, proxy_factory):
+def test_api_key_flag_checked_and_forwarded(doubles, proxy_factory):
     p, d, px = pd(doubles, proxy_factory, extra=["--api-key", "sk-upstream"])
     r = requests.post(px.url + "/v1/completions", json={"prompt": "a"},
                       headers={"Authorization": "Bearer from-client"})
+    assert r.status_code == 401  # test_proxy_args.py covers the check
+    assert not p.completions() and not d.completions()
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "a"},
+                      headers={"Authorization": "Bearer sk-upstream"})
     assert r.status_code == 200
     for rec in (p.completions()[0], d.completions()[0]):
         assert rec["headers"]["authorization"] == "Bearer sk-upstream"
