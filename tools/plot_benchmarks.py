@@ -70,9 +70,9 @@ def from_results(d, previous):
     """The numbers of one scripts/bench_all.sh run (directory d)."""
     data = dict(previous)
     src = "scripts/bench_all.sh"
-    up = os.path.join(d, "uptime.txt")
-    if os.path.exists(up):  # "== load:  09:22:45 up 1:10, ... load average: 1.60, 1.92, 3.27"
-        loads = re.findall(r"(\d\d:\d\d):\d\d .*load average: ([\d.]+)", open(up).read())
+    ups = "".join(open(p).read() for p in sorted(glob.glob(os.path.join(d, "uptime*.txt"))))
+    if ups:  # "== load:  09:22:45 up 1:10, ... load average: 1.60, 1.92, 3.27"
+        loads = sorted(re.findall(r"(\d\d:\d\d):\d\d .*load average: ([\d.]+)", ups))
         if loads:
             src += f", {loads[0][0]}-{loads[-1][0]} UTC, load {loads[0][1]}-{loads[-1][1]}"
     tr = os.path.join(d, "transfer.txt")
@@ -124,7 +124,10 @@ def plot_transfer(data, path):
                         capsize=4, label="Mooncake TCP (quoted, not run here)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("block size (KiB)")
+        ticks = sorted({b / 1024 for k, v in t.items() if isinstance(v, dict) and "block_bytes" in v
+                        for b in v["block_bytes"]})
+        ax.set_xticks(ticks, [f"{k:g} KiB" if k < 1024 else f"{k / 1024:g} MiB" for k in ticks], fontsize=8)
+        ax.set_xlabel("block size")
         ax.set_title(f"{proto}: GB/s against block size")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
@@ -136,17 +139,21 @@ def plot_transfer(data, path):
 
 
 def plot_decode(data, path):
-    panels = [(k, data[k]) for k in ("decode_cpu", "decode_gpu") if data.get(k)]
+    panels = [(k, data[k]) for k in ("decode_cpu", "decode_gpu") if data.get(k, {}).get("batch")]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4), squeeze=False)
     for ax, (key, s) in zip(axes[0], panels):
         ax.plot(s["batch"], s["tok_s"], "o-", label="aggregate decode tok/s")
         base = s["tok_s"][0] / s["batch"][0]
         ax.plot(s["batch"], [base * b for b in s["batch"]], ":", color="grey",
                 label="linear in batch from batch 1")
+        tg = s.get("target")
+        if tg:
+            ax.plot([tg["batch"]], [tg["tok_s"]], "r*", ms=10, label=tg["label"])
         for b, v in zip(s["batch"], s["tok_s"]):
             ax.annotate(f"{v:,.0f}", (b, v), textcoords="offset points", xytext=(4, -10), fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(s["batch"], [str(b) for b in s["batch"]])
         ax.set_xlabel(s.get("batch_label", "batch size"))
         ax.set_ylabel("output tokens/s")
         ax.set_title(s.get("title", key) + "\n" + s.get("source", ""), fontsize=8)
@@ -165,6 +172,8 @@ def plot_ttft(data, path):
         if s:
             ax.plot(s["prompt_tokens"], [v / 1e3 for v in s["ttft_ms"]], style, label=label)
     ax.set_xscale("log", base=2)
+    lens = sorted({x for k in ("colocated", "pd") for x in t.get(k, {}).get("prompt_tokens", [])})
+    ax.set_xticks(lens, [f"{x:g}" for x in lens])
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("mean TTFT (s)")
     ax.set_title(t.get("title", "TTFT against prompt length") + "\n" + t.get("source", ""), fontsize=8)
@@ -192,9 +201,12 @@ def main(argv=None):
         ap.error(f"no --results and no {rec} to redraw from")
     os.makedirs(a.out, exist_ok=True)
     drawn = []
-    for key, fn, name in (("transfer", plot_transfer, "transfer.png"), ("decode_cpu", plot_decode, "decode.png"),
+    has = {"transfer.png": any(k.split()[0] in ("tcp", "shm") for k in data.get("transfer", {})),
+           "decode.png": any(data.get(k, {}).get("batch") for k in ("decode_cpu", "decode_gpu")),
+           "ttft.png": any(k in data.get("ttft", {}) for k in ("colocated", "pd"))}
+    for key, fn, name in (("transfer", plot_transfer, "transfer.png"), ("decode", plot_decode, "decode.png"),
                           ("ttft", plot_ttft, "ttft.png")):
-        if data.get(key) or (key == "decode_cpu" and data.get("decode_gpu")):
+        if has[name]:
             fn(data, os.path.join(a.out, name))
             drawn.append(name)
         else:
