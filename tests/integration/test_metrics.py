@@ -171,7 +171,7 @@ def check_request_histograms(fams, usages, side):
 def colocated():
     s = Server(*COMMON)
     yield s
-    s.stop()
+    assert s.stop() == 0, s.logs()
 
 
 @pytest.fixture(scope="module")
@@ -181,10 +181,9 @@ def stack():
     px = ProxyProc([p], [d])
     px.wait_ready(30)
     yield p, d, px
-    px.proc.terminate()
-    px.proc.wait(10)
-    d.stop()
-    p.server.stop()
+    assert px.stop() == 0, px.output()
+    assert d.stop() == 0, d.logs()
+    assert p.server.stop() == 0, p.server.logs()
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +237,7 @@ def test_label_values_escaped(tmp_path):
         fams = check_text(scrape(s.url))
         assert one(fams, "vllm:num_requests_running", model_name=name) == 0
     finally:
-        s.stop()
+        assert s.stop() == 0, s.logs()
 
 
 def test_grafana_dashboard_uses_exposed_names(scraped):
