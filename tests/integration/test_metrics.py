@@ -270,3 +270,16 @@ def test_grafana_dashboard_uses_exposed_names(scraped):
     assert not missing, f"dashboard names no endpoint exposes: {missing}"
     for role in ("prefill", "decode", "proxy"):  # a row per process kind
         assert any(role in json.dumps(p).lower() for p in dash["panels"]), role
+
+
+def test_proxy_backend_label_escaped():
+    """A backend host with a quote and a backslash (unresolvable, so never in rotation)
+    stays one escaped label value of the proxy's per-backend series."""
+    from types import SimpleNamespace
+    bad = SimpleNamespace(url='http://a"b\\c:1', bootstrap_port=2)
+    px = ProxyProc([bad], [SimpleNamespace(url="http://127.0.0.1:3")])
+    try:
+        fams = check_text(scrape(px.url))
+        assert one(fams, "disagg_proxy_backend_healthy", role="prefill", backend='http://a"b\\c:1') == 0
+    finally:
+        assert px.stop() == 0, px.output()
