@@ -283,3 +283,17 @@ def test_proxy_backend_label_escaped():
         assert one(fams, "disagg_proxy_backend_healthy", role="prefill", backend='http://a"b\\c:1') == 0
     finally:
         assert px.stop() == 0, px.output()
+
+
+def test_connector_engine_id_label_escaped():
+    """kv-transfer-config accepts an engine_id with a quote and a backslash; the
+    connector's disagg:kv_transfer_info keeps it one escaped label value."""
+    from server_harness import free_port
+    eid = 'e"x\\y'
+    s = Server(*COMMON, "--kv-transfer-config", producer_config(engine_id=eid),
+               env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())})
+    try:
+        fams = check_text(scrape(s.url))
+        assert one(fams, "disagg:kv_transfer_info", engine_id=eid, role="kv_producer") == 1
+    finally:
+        assert s.stop() == 0, s.logs()
