@@ -297,3 +297,25 @@ def test_connector_engine_id_label_escaped():
         assert one(fams, "disagg:kv_transfer_info", engine_id=eid, role="kv_producer") == 1
     finally:
         assert s.stop() == 0, s.logs()
+
+
+def test_n_observed_once_per_prompt():
+    """n=3 over two prompts: vllm:request_params_n once per prompt (value 3), the
+    per-request histograms once per choice (6 engine requests), as vLLM's parent and
+    child requests."""
+    s = Server(*COMMON)
+    try:
+        r = client(s.url).completions.create(model="tiny", prompt=PROMPTS[:2], n=3, max_tokens=4,
+                                             temperature=0.8, seed=1)
+        fams = check_text(scrape(s.url))
+        L = dict(model_name="tiny", engine="0")
+        assert one(fams, "vllm:request_params_n", "_count", **L) == 2
+        assert one(fams, "vllm:request_params_n", "_sum", **L) == 6
+        assert one(fams, "vllm:request_params_n", "_bucket", le="2.0", **L) == 0
+        assert one(fams, "vllm:request_params_n", "_bucket", le="5.0", **L) == 2
+        assert one(fams, "vllm:request_prompt_tokens", "_count", **L) == 6
+        assert one(fams, "vllm:request_prompt_tokens", "_sum", **L) == 3 * r.usage.prompt_tokens
+        assert one(fams, "vllm:request_generation_tokens", "_sum", **L) == r.usage.completion_tokens
+        assert one(fams, "vllm:request_params_max_tokens", "_sum", **L) == 6 * 4
+    finally:
+        assert s.stop() == 0, s.logs()
