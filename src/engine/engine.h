@@ -142,10 +142,10 @@ void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_
 /* Producer: free the blocks kept for request id (after request_finished keep). */
 void engine_kv_release(engine *e, uint64_t id);
 
-/* vllm:iteration_tokens_total's bucket bounds (vLLM's with enforce_eager):
+/* vllm:iteration_tokens_total's bucket bounds (vLLM v1's PrometheusStatLogger):
  * tokens (prompt + generated) per engine step. */
-#define ENGINE_STEP_TOKEN_BOUNDS {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192}
-#define ENGINE_STEP_TOKEN_NB 12
+#define ENGINE_STEP_TOKEN_BOUNDS {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+#define ENGINE_STEP_TOKEN_NB 13
 
 typedef struct engine_stats {
     int num_running, num_waiting, num_parked;

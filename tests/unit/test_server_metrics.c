@@ -167,8 +167,8 @@ static void test_request_histograms(void **state) {
     memset(&st, 0, sizeof st);
     st.num_blocks = 10;
     st.step_tokens_buckets[0] = 3;                    /* le 1 */
-    st.step_tokens_buckets[ENGINE_STEP_TOKEN_NB] = 1; /* above 8192 */
-    st.step_tokens_sum = 3 + 9000;
+    st.step_tokens_buckets[ENGINE_STEP_TOKEN_NB] = 1; /* above 16384 */
+    st.step_tokens_sum = 3 + 20000;
     sbuf out;
     sbuf_init(&out, 1 << 20);
     assert_int_equal(metrics_render(&m, &st, 32, "m", &out), 0);
@@ -189,11 +189,11 @@ static void test_request_histograms(void **state) {
     expect_line(t,
                 "vllm:iteration_tokens_total_bucket{model_name=\"m\",engine=\"0\",le=\"1.0\"} 3.0");
     expect_line(
-        t, "vllm:iteration_tokens_total_bucket{model_name=\"m\",engine=\"0\",le=\"8192.0\"} 3.0");
+        t, "vllm:iteration_tokens_total_bucket{model_name=\"m\",engine=\"0\",le=\"16384.0\"} 3.0");
     expect_line(
         t, "vllm:iteration_tokens_total_bucket{model_name=\"m\",engine=\"0\",le=\"+Inf\"} 4.0");
     expect_line(t, "vllm:iteration_tokens_total_count{model_name=\"m\",engine=\"0\"} 4.0");
-    expect_line(t, "vllm:iteration_tokens_total_sum{model_name=\"m\",engine=\"0\"} 9003.0");
+    expect_line(t, "vllm:iteration_tokens_total_sum{model_name=\"m\",engine=\"0\"} 20003.0");
     expect_line(t, "vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\","
                    "enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\","
                    "num_cpu_blocks=\"None\",num_gpu_blocks=\"10\",engine=\"0\"} 1.0");
