@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Reproduces every number of docs/benchmarks.md in one go (about 10 minutes on
+# Reproduces every number of docs/benchmarks.md in one go (about 15 minutes on
 # the 2-core machine; run it on a quiet machine: each table compares with a
-# ceiling or a baseline measured in the same run).  Output: bench-results/.
+# ceiling or a baseline measured in the same run).  Output: bench-results/;
+# at the end it redraws docs/img/*.png and docs/img/benchmarks.json from it
+# (tools/plot_benchmarks.py; the GPU figures are kept from benchmarks.json).
 #   scripts/bench_all.sh [MODEL_0.5B_DIR]     (generated if missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
