@@ -8,8 +8,9 @@ DEBS=(
   libjansson-dev libzmq3-dev libmsgpack-dev libevent-dev libcurl4-openssl-dev
   libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
   libibverbs-dev libssl-dev libyaml-dev iproute2 xz-utils curl
+  prometheus
 )
-PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests)
+PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib)
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -23,10 +24,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # prometheus is here for its promtool (tests/integration/test_metrics.py runs
+  # `promtool check metrics`); the server daemon it ships is not wanted running
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi
 
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import pytest, openai, zmq, msgpack, msgspec, numpy, requests, pytest_timeout' 2>/dev/null; then
+if ! "$PY" -c 'import pytest, openai, zmq, msgpack, msgspec, numpy, requests, pytest_timeout, prometheus_client, matplotlib' 2>/dev/null; then
   echo "setup: installing Python test packages: ${PIPS[*]}"
   "$PY" -m pip install -q --disable-pip-version-check "${PIPS[@]}"
 fi

@@ -38,7 +38,8 @@ typedef struct ereq {
     engine_token *prompt_lp; /* (n_prompt) when prompt_logprobs >= 0 */
     int prompt_lp_done;      /* prompt logprobs filled up to this position */
     uint64_t t_arrival_ns;
-    int kv_role;       /* kv_role_of_request */
+    uint64_t t_scheduled_ns, t_first_token_ns, t_last_token_ns; /* 0 = not yet */
+    int kv_role;                                                /* kv_role_of_request */
     void *kv_handle;   /* the connector's per-request state */
     int loading;       /* consumer: start_load() sent, load_done() not yet */
     int needs_park;    /* consumer: waiting for blocks to park with */
@@ -193,6 +194,10 @@ static void emit_finish(engine *e, ereq *r, const char *reason, int32_t stop_tok
                        .kv_role = r->kv_role,
                        .n_kv_received = r->n_kv_received,
                        .n_prompt_computed = r->n_prompt_computed,
+                       .t_queued_ns = r->t_arrival_ns,
+                       .t_scheduled_ns = r->t_scheduled_ns,
+                       .t_first_token_ns = r->t_first_token_ns,
+                       .t_last_token_ns = r->t_last_token_ns,
                        .prompt_logprobs = r->prompt_lp};
     r->fn(r->ctx, &ev);
     (void)e;
@@ -665,6 +670,7 @@ static void fill_prompt_logprobs(engine *e, ereq *r, const float *rows, int firs
 static void run_step(engine *e) {
     sched_plan *pl = &e->plan;
     if (sched_step(&e->sched, pl) == 0) return;
+    uint64_t t_step = clock_now_ns(); /* the scheduled time of requests first in this plan */
     int n = pl->n_items;
     int k_logits = 0;
     for (int i = 0; i < n; i++) {
@@ -709,6 +715,7 @@ static void run_step(engine *e) {
     for (int i = 0; i < n; i++) {
         const sched_item *it = &pl->items[i];
         ereq *r = it->s->owner;
+        if (!r->t_scheduled_ns) r->t_scheduled_ns = t_step;
         if (it->start < r->s.n_prompt) {
             int np =
                 (it->start + it->count < r->s.n_prompt ? it->start + it->count : r->s.n_prompt) -
@@ -737,6 +744,8 @@ static void run_step(engine *e) {
         seq_append(&r->s, tok.id);
         r->n_generated++;
         gen++;
+        r->t_last_token_ns = clock_now_ns();
+        if (!r->t_first_token_ns) r->t_first_token_ns = r->t_last_token_ns;
         engine_event ev = {.kind = ENGINE_EV_TOKEN, .id = r->s.id, .token = &tok};
         r->fn(r->ctx, &ev);
         if (stop)
@@ -748,6 +757,14 @@ static void run_step(engine *e) {
     e->stats.prompt_tokens += prompt;
     e->stats.generation_tokens += gen;
     e->stats.steps++;
+    {
+        static const double bounds[] = ENGINE_STEP_TOKEN_BOUNDS;
+        int b = 0;
+        while (b < ENGINE_STEP_TOKEN_NB && (double)(prompt + gen) > bounds[b])
+            b++;
+        e->stats.step_tokens_buckets[b]++;
+        e->stats.step_tokens_sum += prompt + gen;
+    }
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -99,6 +99,9 @@ typedef struct engine_event {
     int kv_role;               /* kv_role_of_request: LOCAL, REMOTE_PREFILL or REMOTE_DECODE */
     int n_kv_received;         /* prompt tokens whose KV a producer sent (consumer, load ok) */
     int n_prompt_computed;     /* prompt tokens this instance ran through the model */
+    /* timeline (clock_now_ns; 0 = never happened): submitted, first scheduled,
+     * first and last generated token — vLLM's queue/prefill/decode/inference times */
+    uint64_t t_queued_ns, t_scheduled_ns, t_first_token_ns, t_last_token_ns;
     /* prompt logprobs (if asked): (n_prompt) entries, entry 0 has no logprob */
     const engine_token *prompt_logprobs;
 } engine_event;
@@ -139,6 +142,11 @@ void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_
 /* Producer: free the blocks kept for request id (after request_finished keep). */
 void engine_kv_release(engine *e, uint64_t id);
 
+/* vllm:iteration_tokens_total's bucket bounds (vLLM v1's PrometheusStatLogger):
+ * tokens (prompt + generated) per engine step. */
+#define ENGINE_STEP_TOKEN_BOUNDS {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+#define ENGINE_STEP_TOKEN_NB 13
+
 typedef struct engine_stats {
     int num_running, num_waiting, num_parked;
     int num_blocks, num_blocks_used;      /* KV cache blocks */
@@ -146,6 +154,9 @@ typedef struct engine_stats {
     uint64_t num_preemptions;
     uint64_t prompt_tokens, generation_tokens; /* totals */
     uint64_t steps;
+    /* tokens per step: per-bucket counts (last = above all bounds), their sum */
+    uint64_t step_tokens_buckets[ENGINE_STEP_TOKEN_NB + 1];
+    uint64_t step_tokens_sum;
     int num_kept;    /* producer requests holding blocks for a pull */
     int num_loading; /* consumer requests waiting for remote KV */
 } engine_stats;

@@ -31,6 +31,19 @@ void metrics_hist_format(struct evbuffer *out, const char *name, const char *lab
                         labels, (unsigned long long)h->count);
 }
 
+void metrics_label_value(const char *v, char *out, size_t cap) {
+    size_t o = 0;
+    for (; *v && o + 3 < cap; v++) {
+        if (*v == '\\' || *v == '"' || *v == '\n') {
+            out[o++] = '\\';
+            out[o++] = *v == '\n' ? 'n' : *v;
+        } else {
+            out[o++] = *v;
+        }
+    }
+    out[o] = 0;
+}
+
 void metrics_header(struct evbuffer *out, const char *name, const char *type, const char *help) {
     evbuffer_add_printf(out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }

@@ -6,6 +6,7 @@
 #ifndef DISAGG_PROXY_METRICS_H
 #define DISAGG_PROXY_METRICS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 struct evbuffer;
@@ -23,6 +24,9 @@ void metrics_hist_observe(metrics_hist *h, double seconds);
 /* Writes name_bucket / name_sum / name_count lines; labels: `a="b",c="d"` or "". */
 void metrics_hist_format(struct evbuffer *out, const char *name, const char *labels,
                          const metrics_hist *h);
+/* v as a label value (backslash, double quote and newline escaped), cut to
+ * fit cap (> 0). */
+void metrics_label_value(const char *v, char *out, size_t cap);
 /* # HELP and # TYPE lines. */
 void metrics_header(struct evbuffer *out, const char *name, const char *type, const char *help);
 

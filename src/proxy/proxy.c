@@ -172,8 +172,10 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
                                        : m == 3 ? b->errors
                                                 : (unsigned long long)b->nengines;
                 if (m == 4 && r) continue;
+                char url[2 * sizeof b->url];
+                metrics_label_value(b->url, url, sizeof url);
                 evbuffer_add_printf(o, "%s{role=\"%s\",backend=\"%s\"} %llu\n", per[m].name,
-                                    backend_role_name(b->role), b->url, v);
+                                    backend_role_name(b->role), url, v);
             }
         }
     }
@@ -183,9 +185,10 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
         backend *list = r ? px->decode : px->prefill;
         int cnt = r ? px->ndecode : px->nprefill;
         for (int i = 0; i < cnt; i++) {
-            char labels[400];
+            char labels[800], url[2 * sizeof list[i].url];
+            metrics_label_value(list[i].url, url, sizeof url);
             snprintf(labels, sizeof labels, "role=\"%s\",backend=\"%s\"",
-                     backend_role_name(list[i].role), list[i].url);
+                     backend_role_name(list[i].role), url);
             metrics_hist_format(o, "disagg_proxy_backend_latency_seconds", labels,
                                 &list[i].latency);
         }

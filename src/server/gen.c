@@ -30,6 +30,7 @@ typedef struct gen_event {
     int error_status;                    /* its HTTP status (0 = 500) */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
     int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
+    metrics_request timing;              /* FINISHED: the engine's timeline */
     engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
 } gen_event;
 
@@ -59,6 +60,10 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
         g->kv_role = ev->kv_role;
         g->n_kv_recv = ev->n_kv_received;
         g->n_computed = ev->n_prompt_computed;
+        g->timing.t_queued_ns = ev->t_queued_ns;
+        g->timing.t_scheduled_ns = ev->t_scheduled_ns;
+        g->timing.t_first_token_ns = ev->t_first_token_ns;
+        g->timing.t_last_token_ns = ev->t_last_token_ns;
         if (ev->prompt_logprobs && ev->n_prompt > 0) {
             g->prompt_lp = malloc((size_t)ev->n_prompt * sizeof *g->prompt_lp);
             if (g->prompt_lp)
@@ -414,6 +419,12 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     c->kv_role = g->kv_role;
     c->n_kv_received = g->n_kv_recv;
     c->n_prompt_computed = g->n_computed;
+    metrics_request q = g->timing;
+    q.n_prompt = g->n_prompt;
+    q.n_generated = c->n_tokens; /* as usage.completion_tokens */
+    q.max_tokens_param = r->o.max_tokens;
+    q.n_param = r->o.n > 0 && c->index % r->o.n == 0 ? r->o.n : 0; /* once per prompt */
+    metrics_observe_request(&r->s->metrics, &q);
     if (g->prompt_lp && r->o.sampling.prompt_logprobs >= 0) {
         /* entry 0 has no logprob; its id is the prompt's first token */
         if (g->n_prompt == r->n_pids[c->prompt]) g->prompt_lp[0].id = r->pids[c->prompt][0];

@@ -493,6 +493,7 @@ fail:
 static void on_ready(evutil_socket_t fd, short what, void *arg) {
     server *s = arg;
     if (atomic_load(&s->ready) == 1) {
+        metrics_set_config(&s->metrics, &s->cfg.engine, s->max_model_len);
         LOG_I("server", "ready: model %s served as \"%s\", max_model_len %d", s->cfg.model,
               s->model_name, s->max_model_len);
         if (!s->tmpl) LOG_W("server", "chat completions are unavailable: %s", s->tmpl_error);

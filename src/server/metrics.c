@@ -4,6 +4,8 @@
  */
 #include "server/metrics.h"
 
+#include "kernels/backend.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,12 +27,71 @@ static void metrics_hist_init(metrics_histogram *h, const double *b, int n) {
     h->n_bounds = n;
 }
 
+static const double N_BOUNDS[] = {1, 2, 5, 10, 20}; /* vllm:request_params_n */
+
 void metrics_init(server_metrics *m) {
     memset(m, 0, sizeof *m);
     metrics_hist_init(&m->ttft, TTFT_BOUNDS, NB(TTFT_BOUNDS));
     metrics_hist_init(&m->itl, ITL_BOUNDS, NB(ITL_BOUNDS));
     metrics_hist_init(&m->tpot, ITL_BOUNDS, NB(ITL_BOUNDS));
     metrics_hist_init(&m->e2e, E2E_BOUNDS, NB(E2E_BOUNDS));
+    metrics_hist_init(&m->queue, E2E_BOUNDS, NB(E2E_BOUNDS));
+    metrics_hist_init(&m->inference, E2E_BOUNDS, NB(E2E_BOUNDS));
+    metrics_hist_init(&m->prefill, E2E_BOUNDS, NB(E2E_BOUNDS));
+    metrics_hist_init(&m->decode, E2E_BOUNDS, NB(E2E_BOUNDS));
+    metrics_hist_init(&m->params_n, N_BOUNDS, NB(N_BOUNDS));
+    /* token-count bounds come with metrics_set_config */
+    metrics_hist_init(&m->prompt_tokens, m->token_bounds, 0);
+    metrics_hist_init(&m->generation_tokens, m->token_bounds, 0);
+    metrics_hist_init(&m->params_max_tokens, m->token_bounds, 0);
+    m->block_size = 16;
+    m->gpu_memory_utilization = 0.9;
+    snprintf(m->cache_dtype, sizeof m->cache_dtype, "auto");
+}
+
+int metrics_1_2_5_bounds(double max_value, double *out, int cap) {
+    static const int mant[] = {1, 2, 5};
+    int n = 0;
+    for (double exp = 1;; exp *= 10)
+        for (int i = 0; i < 3; i++) {
+            double v = mant[i] * exp;
+            if (v > max_value || n >= cap) return n;
+            out[n++] = v;
+        }
+}
+
+void metrics_set_config(server_metrics *m, const engine_config *cfg, int max_model_len) {
+    int n = metrics_1_2_5_bounds(max_model_len, m->token_bounds, METRICS_MAX_BUCKETS);
+    metrics_histogram *tok[] = {&m->prompt_tokens, &m->generation_tokens, &m->params_max_tokens};
+    for (int i = 0; i < 3; i++)
+        if (tok[i]->count == 0) metrics_hist_init(tok[i], m->token_bounds, n);
+    m->max_model_len = max_model_len;
+    if (cfg) {
+        m->block_size = cfg->block_size > 0 ? cfg->block_size : 16;
+        m->enable_prefix_caching = cfg->enable_prefix_caching;
+        m->gpu_memory_utilization = cfg->gpu_memory_utilization;
+        snprintf(m->cache_dtype, sizeof m->cache_dtype, "%s",
+                 cfg->kv_cache_dtype < 0 ? "auto"
+                                         : backend_dtype_name((backend_dtype)cfg->kv_cache_dtype));
+    }
+}
+
+static double span_s(uint64_t from, uint64_t to) {
+    return from && to && to > from ? (double)(to - from) / 1e9 : 0.0;
+}
+
+void metrics_observe_request(server_metrics *m, const metrics_request *q) {
+    /* vLLM v1 (IterationStats.update_from_finished_request): queued = scheduled - queued,
+     * prefill = first token - scheduled, decode = last token - first token,
+     * inference = last token - scheduled */
+    metrics_observe(&m->queue, span_s(q->t_queued_ns, q->t_scheduled_ns));
+    metrics_observe(&m->prefill, span_s(q->t_scheduled_ns, q->t_first_token_ns));
+    metrics_observe(&m->decode, span_s(q->t_first_token_ns, q->t_last_token_ns));
+    metrics_observe(&m->inference, span_s(q->t_scheduled_ns, q->t_last_token_ns));
+    metrics_observe(&m->prompt_tokens, q->n_prompt);
+    metrics_observe(&m->generation_tokens, q->n_generated);
+    if (q->max_tokens_param > 0) metrics_observe(&m->params_max_tokens, q->max_tokens_param);
+    if (q->n_param > 0) metrics_observe(&m->params_n, q->n_param);
 }
 
 void metrics_observe(metrics_histogram *h, double v) {
@@ -96,16 +157,17 @@ static void mw_head(metrics_writer *w, const char *name, const char *type, const
         w->rc = sbuf_appendf(w->out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-/* name{extra,model_name="..."} value */
+/* name{model_name="...",engine="0"[,extra]} value — label order as vLLM's
+ * prometheus_client writes it (labelnames, then the family's own, le last). */
 static void mw_sample(metrics_writer *w, const char *name, const char *suffix, const char *extra,
                       double v) {
     char val[32];
     metrics_format_value(v, val, sizeof val);
-    if (!w->rc)
-        w->rc = sbuf_appendf(w->out, "%s%s{%s%smodel_name=\"", name, suffix, extra ? extra : "",
-                             extra ? "," : "");
+    if (!w->rc) w->rc = sbuf_appendf(w->out, "%s%s{model_name=\"", name, suffix);
     if (!w->rc) w->rc = metrics_append_label(w->out, w->model);
-    if (!w->rc) w->rc = sbuf_appendf(w->out, "\"} %s\n", val);
+    if (!w->rc)
+        w->rc = sbuf_appendf(w->out, "\",engine=\"" METRICS_ENGINE_LABEL "\"%s%s} %s\n",
+                             extra ? "," : "", extra ? extra : "", val);
 }
 
 static void mw_gauge(metrics_writer *w, const char *name, const char *help, double v) {
@@ -113,28 +175,41 @@ static void mw_gauge(metrics_writer *w, const char *name, const char *help, doub
     mw_sample(w, name, "", NULL, v);
 }
 
-/* prometheus_client names a counter's family without "_total". */
-static void mw_counter(metrics_writer *w, const char *family, const char *help, double v) {
-    mw_head(w, family, "counter", help);
-    mw_sample(w, family, "_total", NULL, v);
+/* A counter's HELP/TYPE carry the "_total" name, as prometheus_client writes
+ * format 0.0.4 (its parser then names the family without "_total").  name
+ * is the family name, without "_total". */
+static void mw_counter_head(metrics_writer *w, const char *name, const char *help) {
+    if (!w->rc)
+        w->rc =
+            sbuf_appendf(w->out, "# HELP %s_total %s\n# TYPE %s_total counter\n", name, help, name);
 }
 
-static void mw_hist(metrics_writer *w, const char *name, const char *help,
-                    const metrics_histogram *h) {
-    mw_head(w, name, "histogram", help);
+static void mw_counter(metrics_writer *w, const char *name, const char *help, double v) {
+    mw_counter_head(w, name, help);
+    mw_sample(w, name, "_total", NULL, v);
+}
+
+static void mw_hist_buckets(metrics_writer *w, const char *name, const double *bounds, int nb,
+                            const uint64_t *buckets, uint64_t count, double sum) {
     uint64_t cum = 0;
     char le[48], val[32];
-    for (int i = 0; i <= h->n_bounds; i++) {
-        cum += h->buckets[i];
-        if (i < h->n_bounds)
-            metrics_format_value(h->bounds[i], val, sizeof val);
+    for (int i = 0; i <= nb; i++) {
+        cum += buckets[i];
+        if (i < nb)
+            metrics_format_value(bounds[i], val, sizeof val);
         else
             snprintf(val, sizeof val, "+Inf");
         snprintf(le, sizeof le, "le=\"%s\"", val);
         mw_sample(w, name, "_bucket", le, (double)cum);
     }
-    mw_sample(w, name, "_count", NULL, (double)h->count);
-    mw_sample(w, name, "_sum", NULL, h->sum);
+    mw_sample(w, name, "_count", NULL, (double)count);
+    mw_sample(w, name, "_sum", NULL, sum);
+}
+
+static void mw_hist(metrics_writer *w, const char *name, const char *help,
+                    const metrics_histogram *h) {
+    mw_head(w, name, "histogram", help);
+    mw_hist_buckets(w, name, h->bounds, h->n_bounds, h->buckets, h->count, h->sum);
 }
 
 int metrics_render(const server_metrics *m, const engine_stats *st, int block_size,
@@ -152,7 +227,7 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
     mw_gauge(&w, "disagg:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
     mw_gauge(&w, "disagg:kv_blocks_used", "KV-cache blocks in use by requests.",
              st->num_blocks_used);
-    mw_gauge(&w, "disagg:kv_blocks_total", "KV-cache blocks in the region.", st->num_blocks);
+    mw_gauge(&w, "disagg:kv_blocks_capacity", "KV-cache blocks in the region.", st->num_blocks);
     mw_gauge(&w, "disagg:num_requests_parked",
              "Requests parked waiting for something outside the step loop (remote KV).",
              st->num_parked);
@@ -175,7 +250,7 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
     mw_counter(&w, "disagg:engine_steps", "Engine steps executed.", (double)st->steps);
     mw_counter(&w, "disagg:http_requests", "HTTP requests received.", (double)m->http_requests);
     static const char *reasons[METRICS_FINISH_COUNT] = {"stop", "length", "abort", "error"};
-    mw_head(&w, "vllm:request_success", "counter", "Count of finished requests by reason.");
+    mw_counter_head(&w, "vllm:request_success", "Count of successfully processed requests.");
     for (int i = 0; i < METRICS_FINISH_COUNT; i++) {
         char lab[48];
         snprintf(lab, sizeof lab, "finished_reason=\"%s\"", reasons[i]);
@@ -189,5 +264,41 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
             "Histogram of time_per_output_token_seconds per request.", &m->tpot);
     mw_hist(&w, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
             &m->e2e);
+    mw_hist(&w, "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.", &m->queue);
+    mw_hist(&w, "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", &m->inference);
+    mw_hist(&w, "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", &m->prefill);
+    mw_hist(&w, "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", &m->decode);
+    mw_hist(&w, "vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+            &m->prompt_tokens);
+    mw_hist(&w, "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            &m->generation_tokens);
+    mw_hist(&w, "vllm:request_params_n", "Histogram of the n request parameter.", &m->params_n);
+    mw_hist(&w, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            &m->params_max_tokens);
+    static const double step_bounds[] = ENGINE_STEP_TOKEN_BOUNDS;
+    mw_head(&w, "vllm:iteration_tokens_total", "histogram",
+            "Histogram of number of tokens per engine_step.");
+    uint64_t steps = 0;
+    for (int i = 0; i <= ENGINE_STEP_TOKEN_NB; i++)
+        steps += st->step_tokens_buckets[i];
+    mw_hist_buckets(&w, "vllm:iteration_tokens_total", step_bounds, ENGINE_STEP_TOKEN_NB,
+                    st->step_tokens_buckets, steps, (double)st->step_tokens_sum);
+    /* vllm:cache_config_info: CacheConfig.metrics_info() — the fields that mean
+     * something here, as strings */
+    char info[384], gmu[32];
+    metrics_format_value(m->gpu_memory_utilization, gmu, sizeof gmu);
+    snprintf(info, sizeof info,
+             "block_size=\"%d\",cache_dtype=\"%s\",enable_prefix_caching=\"%s\","
+             "gpu_memory_utilization=\"%s\",num_cpu_blocks=\"None\",num_gpu_blocks=\"%d\"",
+             m->block_size, m->cache_dtype, m->enable_prefix_caching ? "True" : "False", gmu,
+             st->num_blocks);
+    mw_head(&w, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
+    if (!w.rc) /* vLLM's labels: the config's keys and engine, no model_name */
+        w.rc = sbuf_appendf(
+            out, "vllm:cache_config_info{%s,engine=\"" METRICS_ENGINE_LABEL "\"} 1.0\n", info);
     return w.rc;
 }

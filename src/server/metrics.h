@@ -17,6 +17,8 @@
 #include <stdint.h>
 
 #define METRICS_MAX_BUCKETS 32
+/* The `engine` label's value: one engine per process, as vLLM's first ("0"). */
+#define METRICS_ENGINE_LABEL "0"
 
 typedef struct metrics_histogram {
     const double *bounds; /* (n_bounds) upper bounds, ascending, without +Inf */
@@ -35,19 +37,49 @@ typedef enum metrics_finish {
 } metrics_finish;
 
 typedef struct server_metrics {
-    metrics_histogram ttft;                  /* vllm:time_to_first_token_seconds */
-    metrics_histogram itl;                   /* vllm:inter_token_latency_seconds */
-    metrics_histogram tpot;                  /* vllm:request_time_per_output_token_seconds */
-    metrics_histogram e2e;                   /* vllm:e2e_request_latency_seconds */
+    metrics_histogram ttft;                   /* vllm:time_to_first_token_seconds */
+    metrics_histogram itl;                    /* vllm:inter_token_latency_seconds */
+    metrics_histogram tpot;                   /* vllm:request_time_per_output_token_seconds */
+    metrics_histogram e2e;                    /* vllm:e2e_request_latency_seconds */
+    metrics_histogram queue;                  /* vllm:request_queue_time_seconds */
+    metrics_histogram inference;              /* vllm:request_inference_time_seconds */
+    metrics_histogram prefill;                /* vllm:request_prefill_time_seconds */
+    metrics_histogram decode;                 /* vllm:request_decode_time_seconds */
+    metrics_histogram prompt_tokens;          /* vllm:request_prompt_tokens */
+    metrics_histogram generation_tokens;      /* vllm:request_generation_tokens */
+    metrics_histogram params_n;               /* vllm:request_params_n */
+    metrics_histogram params_max_tokens;      /* vllm:request_params_max_tokens */
+    double token_bounds[METRICS_MAX_BUCKETS]; /* 1-2-5 up to max_model_len (vLLM's) */
+    /* vllm:cache_config_info (metrics_set_config) */
+    int block_size, enable_prefix_caching, max_model_len;
+    double gpu_memory_utilization;
+    char cache_dtype[16];
     uint64_t finished[METRICS_FINISH_COUNT]; /* vllm:request_success_total by reason */
     uint64_t http_requests;                  /* disagg:http_requests_total */
 } server_metrics;
 
 void metrics_init(server_metrics *m);
+/* Once the engine is loaded (before any request is observed): the token-count
+ * histograms get vLLM's 1-2-5 buckets up to max_model_len, and
+ * vllm:cache_config_info its labels. */
+void metrics_set_config(server_metrics *m, const engine_config *cfg, int max_model_len);
+/* vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... <= max_value; at most
+ * cap bounds.  Returns how many. */
+int metrics_1_2_5_bounds(double max_value, double *out, int cap);
 void metrics_observe(metrics_histogram *h, double v);
 /* Maps an engine / server finish reason ("stop", "length", "tool_calls",
  * "abort", "error") to the counter it belongs to. */
 metrics_finish metrics_finish_of(const char *reason);
+
+/* One engine request finished (the FINISHED event): vLLM's per-request
+ * histograms.  Times are clock_now_ns values, 0 where it never happened;
+ * max_tokens_param <= 0: the request set none (not observed, as vLLM);
+ * n_param > 0: observe vllm:request_params_n (once per parent prompt). */
+typedef struct metrics_request {
+    uint64_t t_queued_ns, t_scheduled_ns, t_first_token_ns, t_last_token_ns;
+    int n_prompt, n_generated, max_tokens_param, n_param;
+} metrics_request;
+void metrics_observe_request(server_metrics *m, const metrics_request *q);
 
 /* Appends the exposition text.  block_size turns the engine's block-granular
  * prefix-cache counters into vLLM's token-granular ones.  Returns 0 or <0. */

@@ -105,7 +105,7 @@ def test_kv_really_moved_and_blocks_return(stack):
     wait_blocks_zero(d)
 
 
-ABORTED = 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}'
+ABORTED = 'vllm:request_success_total{model_name="tiny",engine="0",finished_reason="abort"}'
 
 
 def test_client_cancel_mid_stream_frees_decoder_blocks(stack):

@@ -58,7 +58,7 @@ def test_64_simultaneous_streams(srv):
 
 def test_cancel_mid_stream_frees_blocks(srv):
     assert wait_for(lambda: srv.metric("disagg:kv_blocks_used") == 0)
-    aborted_before = srv.metrics().get('vllm:request_success_total{finished_reason="abort",model_name="tiny"}', 0)
+    aborted_before = srv.metrics().get('vllm:request_success_total{model_name="tiny",engine="0",finished_reason="abort"}', 0)
     r = requests.post(srv.url + "/v1/completions", stream=True,
                       json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
                             "ignore_eos": True, "stream": True})
@@ -73,11 +73,11 @@ def test_cancel_mid_stream_frees_blocks(srv):
     r.close()  # the client goes away mid-stream
     assert wait_for(lambda: srv.metric("disagg:kv_blocks_used") == 0 and srv.metric("vllm:num_requests_running") == 0)
     m = srv.metrics()
-    assert m['vllm:request_success_total{finished_reason="abort",model_name="tiny"}'] == aborted_before + 1
+    assert m['vllm:request_success_total{model_name="tiny",engine="0",finished_reason="abort"}'] == aborted_before + 1
     assert srv.metric("vllm:generation_tokens_total") < 10_000
 
 
-ABORTED = 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}'
+ABORTED = 'vllm:request_success_total{model_name="tiny",engine="0",finished_reason="abort"}'
 
 
 def test_cancel_non_streaming_request():

@@ -59,7 +59,7 @@ static void test_render(void **state) {
     sbuf_init(&out, 1 << 20);
     assert_int_equal(metrics_render(&m, &st, 16, "my \"model\"\\x", &out), 0);
     const char *t = out.data;
-    const char *L = "{model_name=\"my \\\"model\\\"\\\\x\"}";
+    const char *L = "{model_name=\"my \\\"model\\\"\\\\x\",engine=\"0\"}";
     char line[256];
     expect_line(t, "# TYPE vllm:num_requests_running gauge");
     snprintf(line, sizeof line, "vllm:num_requests_running%s 3.0", L);
@@ -72,7 +72,10 @@ static void test_render(void **state) {
     expect_line(t, line);
     snprintf(line, sizeof line, "disagg:kv_blocks_used%s 2.0", L);
     expect_line(t, line);
-    expect_line(t, "# TYPE vllm:prompt_tokens counter");
+    /* counters: HELP/TYPE name the _total sample (prometheus_client's format 0.0.4) */
+    expect_line(t, "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.");
+    expect_line(t, "# TYPE vllm:prompt_tokens_total counter");
+    assert_null(strstr(t, "# TYPE vllm:prompt_tokens counter"));
     snprintf(line, sizeof line, "vllm:prompt_tokens_total%s 100.0", L);
     expect_line(t, line);
     snprintf(line, sizeof line, "vllm:generation_tokens_total%s 40.0", L);
@@ -83,19 +86,19 @@ static void test_render(void **state) {
     expect_line(t, line);
     snprintf(line, sizeof line, "vllm:num_preemptions_total%s 7.0", L);
     expect_line(t, line);
-    expect_line(t, "vllm:request_success_total{finished_reason=\"length\",model_name=\"my "
-                   "\\\"model\\\"\\\\x\"} 2.0");
-    expect_line(t, "vllm:request_success_total{finished_reason=\"stop\",model_name=\"my "
-                   "\\\"model\\\"\\\\x\"} 1.0");
+    expect_line(t, "vllm:request_success_total{model_name=\"my \\\"model\\\"\\\\x\",engine=\"0\","
+                   "finished_reason=\"length\"} 2.0");
+    expect_line(t, "vllm:request_success_total{model_name=\"my \\\"model\\\"\\\\x\",engine=\"0\","
+                   "finished_reason=\"stop\"} 1.0");
     expect_line(t, "# TYPE vllm:time_to_first_token_seconds histogram");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"0.001\",model_name=\"my "
-                   "\\\"model\\\"\\\\x\"} 0.0");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"0.005\",model_name=\"my "
-                   "\\\"model\\\"\\\\x\"} 2.0");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"2560.0\",model_name=\"my "
-                   "\\\"model\\\"\\\\x\"} 2.0");
-    expect_line(t, "vllm:time_to_first_token_seconds_bucket{le=\"+Inf\",model_name=\"my "
-                   "\\\"model\\\"\\\\x\"} 3.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{model_name=\"my \\\"model\\\"\\\\x\","
+                   "engine=\"0\",le=\"0.001\"} 0.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{model_name=\"my \\\"model\\\"\\\\x\","
+                   "engine=\"0\",le=\"0.005\"} 2.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{model_name=\"my \\\"model\\\"\\\\x\","
+                   "engine=\"0\",le=\"2560.0\"} 2.0");
+    expect_line(t, "vllm:time_to_first_token_seconds_bucket{model_name=\"my \\\"model\\\"\\\\x\","
+                   "engine=\"0\",le=\"+Inf\"} 3.0");
     snprintf(line, sizeof line, "vllm:time_to_first_token_seconds_count%s 3.0", L);
     expect_line(t, line);
     snprintf(line, sizeof line, "vllm:time_to_first_token_seconds_sum%s 5000.008", L);
@@ -118,8 +121,88 @@ static void test_render(void **state) {
     sbuf_free(&out);
 }
 
+static void test_1_2_5(void **state) {
+    (void)state;
+    double b[METRICS_MAX_BUCKETS];
+    int n = metrics_1_2_5_bounds(1024, b, METRICS_MAX_BUCKETS);
+    static const double want[] = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000};
+    assert_int_equal(n, 10);
+    for (int i = 0; i < n; i++)
+        assert_true(b[i] == want[i]);
+    assert_int_equal(metrics_1_2_5_bounds(1000, b, METRICS_MAX_BUCKETS), 10); /* <= max */
+    assert_int_equal(metrics_1_2_5_bounds(0.5, b, METRICS_MAX_BUCKETS), 0);
+    assert_int_equal(metrics_1_2_5_bounds(1e30, b, 4), 4); /* capped */
+}
+
+/* vLLM's per-request histograms from one engine timeline, and iteration tokens. */
+static void test_request_histograms(void **state) {
+    (void)state;
+    server_metrics m;
+    metrics_init(&m);
+    engine_config cfg;
+    engine_config_init(&cfg);
+    cfg.block_size = 32;
+    metrics_set_config(&m, &cfg, 100);
+    const uint64_t s = 1000000000ull; /* 1 s in ns */
+    metrics_request q = {.t_queued_ns = 10 * s,
+                         .t_scheduled_ns = 10 * s + s / 2, /* queued 0.5 s */
+                         .t_first_token_ns = 11 * s,       /* prefill 0.5 s */
+                         .t_last_token_ns = 13 * s,        /* decode 2 s */
+                         .n_prompt = 7,
+                         .n_generated = 20,
+                         .max_tokens_param = 0, /* not given: not observed */
+                         .n_param = 2};
+    metrics_observe_request(&m, &q);
+    q.t_first_token_ns = q.t_last_token_ns = 0; /* aborted before any token */
+    q.n_param = 0;                              /* a second child of the same prompt */
+    q.max_tokens_param = 64;
+    metrics_observe_request(&m, &q);
+    assert_int_equal(m.queue.count, 2);
+    assert_true(m.queue.sum == 1.0);
+    assert_true(m.prefill.sum == 0.5 && m.decode.sum == 2.0 && m.inference.sum == 2.5);
+    assert_int_equal(m.params_n.count, 1);
+    assert_int_equal(m.params_max_tokens.count, 1);
+    assert_true(m.prompt_tokens.sum == 14);
+    engine_stats st;
+    memset(&st, 0, sizeof st);
+    st.num_blocks = 10;
+    st.step_tokens_buckets[0] = 3;                    /* le 1 */
+    st.step_tokens_buckets[ENGINE_STEP_TOKEN_NB] = 1; /* above 16384 */
+    st.step_tokens_sum = 3 + 20000;
+    sbuf out;
+    sbuf_init(&out, 1 << 20);
+    assert_int_equal(metrics_render(&m, &st, 32, "m", &out), 0);
+    const char *t = out.data;
+    expect_line(t, "# TYPE vllm:request_queue_time_seconds histogram");
+    expect_line(t, "vllm:request_queue_time_seconds_sum{model_name=\"m\",engine=\"0\"} 1.0");
+    expect_line(t,
+                "vllm:request_prompt_tokens_bucket{model_name=\"m\",engine=\"0\",le=\"5.0\"} 0.0");
+    expect_line(t,
+                "vllm:request_prompt_tokens_bucket{model_name=\"m\",engine=\"0\",le=\"10.0\"} 2.0");
+    expect_line(
+        t, "vllm:request_prompt_tokens_bucket{model_name=\"m\",engine=\"0\",le=\"100.0\"} 2.0");
+    assert_null(
+        strstr(t, "vllm:request_prompt_tokens_bucket{model_name=\"m\",engine=\"0\",le=\"200.0\"}"));
+    expect_line(t, "vllm:request_generation_tokens_sum{model_name=\"m\",engine=\"0\"} 40.0");
+    expect_line(t, "vllm:request_params_n_bucket{model_name=\"m\",engine=\"0\",le=\"2.0\"} 1.0");
+    expect_line(t, "vllm:request_params_max_tokens_count{model_name=\"m\",engine=\"0\"} 1.0");
+    expect_line(t,
+                "vllm:iteration_tokens_total_bucket{model_name=\"m\",engine=\"0\",le=\"1.0\"} 3.0");
+    expect_line(
+        t, "vllm:iteration_tokens_total_bucket{model_name=\"m\",engine=\"0\",le=\"16384.0\"} 3.0");
+    expect_line(
+        t, "vllm:iteration_tokens_total_bucket{model_name=\"m\",engine=\"0\",le=\"+Inf\"} 4.0");
+    expect_line(t, "vllm:iteration_tokens_total_count{model_name=\"m\",engine=\"0\"} 4.0");
+    expect_line(t, "vllm:iteration_tokens_total_sum{model_name=\"m\",engine=\"0\"} 20003.0");
+    expect_line(t, "vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\","
+                   "enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\","
+                   "num_cpu_blocks=\"None\",num_gpu_blocks=\"10\",engine=\"0\"} 1.0");
+    sbuf_free(&out);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_values),
-                                       cmocka_unit_test(test_render)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_values), cmocka_unit_test(test_render),
+                                       cmocka_unit_test(test_1_2_5),
+                                       cmocka_unit_test(test_request_histograms)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

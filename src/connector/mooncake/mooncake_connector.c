@@ -1379,35 +1379,67 @@ void mooncake_connector_get_stats(mooncake_connector *c, mooncake_stats *out) {
     pthread_mutex_unlock(&c->mu);
 }
 
+/* A label value in the text format: backslash, double quote and newline escaped. */
+static void metrics_label_escape(const char *v, char *out, size_t cap) {
+    size_t o = 0;
+    for (const char *p = v ? v : ""; *p && o + 3 < cap; p++) {
+        if (*p == '\\' || *p == '"' || *p == '\n') {
+            out[o++] = '\\';
+            out[o++] = *p == '\n' ? 'n' : *p;
+        } else {
+            out[o++] = *p;
+        }
+    }
+    out[o] = 0;
+}
+
 char *mooncake_connector_metrics_text(mooncake_connector *c) {
     mooncake_stats s;
     mooncake_connector_get_stats(c, &s);
     static const double b[12] = MOONCAKE_LOAD_BUCKETS;
+    char role[64], proto[64], eid[512];
+    metrics_label_escape(s.role, role, sizeof role);
+    metrics_label_escape(s.protocol, proto, sizeof proto);
+    metrics_label_escape(s.engine_id, eid, sizeof eid);
     size_t cap = 8192;
     char *t = malloc(cap);
     if (!t) return NULL;
+    /* Counters: HELP and TYPE name the sample ("_total"), as prometheus_client
+     * writes format 0.0.4, so that parsers read them as counters. */
     int n =
         snprintf(t, cap,
                  "# HELP disagg:kv_transfer_info KV connector role and transport in use.\n"
                  "# TYPE disagg:kv_transfer_info gauge\n"
                  "disagg:kv_transfer_info{role=\"%s\",protocol=\"%s\",engine_id=\"%s\"} 1\n"
+                 "# HELP disagg:kv_transfer_bytes_total Producer: KV bytes written to decoders.\n"
                  "# TYPE disagg:kv_transfer_bytes_total counter\n"
                  "disagg:kv_transfer_bytes_total %" PRIu64 "\n"
+                 "# HELP disagg:kv_transfer_descriptors_total Producer: contiguous KV runs "
+                 "written to decoders.\n"
                  "# TYPE disagg:kv_transfer_descriptors_total counter\n"
                  "disagg:kv_transfer_descriptors_total %" PRIu64 "\n"
+                 "# HELP disagg:kv_transfers_total Per-request KV transfers by side (producer "
+                 "sends, consumer pulls) and result.\n"
                  "# TYPE disagg:kv_transfers_total counter\n"
                  "disagg:kv_transfers_total{side=\"producer\",result=\"ok\"} %" PRIu64 "\n"
                  "disagg:kv_transfers_total{side=\"producer\",result=\"failed\"} %" PRIu64 "\n"
                  "disagg:kv_transfers_total{side=\"consumer\",result=\"ok\"} %" PRIu64 "\n"
                  "disagg:kv_transfers_total{side=\"consumer\",result=\"failed\"} %" PRIu64 "\n"
+                 "# HELP disagg:kv_transfer_expired_total Producer: kept blocks freed by the "
+                 "abort timeout (no decoder pulled them).\n"
                  "# TYPE disagg:kv_transfer_expired_total counter\n"
                  "disagg:kv_transfer_expired_total %" PRIu64 "\n"
+                 "# HELP disagg:kv_transfer_kept_requests Producer: requests holding blocks for "
+                 "a pull.\n"
                  "# TYPE disagg:kv_transfer_kept_requests gauge\n"
                  "disagg:kv_transfer_kept_requests %d\n"
+                 "# HELP disagg:kv_transfer_loading_requests Consumer: pulls in flight.\n"
                  "# TYPE disagg:kv_transfer_loading_requests gauge\n"
                  "disagg:kv_transfer_loading_requests %d\n"
+                 "# HELP disagg:kv_load_seconds Consumer: remote KV load latency (pull sent -> "
+                 "KV in place).\n"
                  "# TYPE disagg:kv_load_seconds histogram\n",
-                 s.role, s.protocol, s.engine_id, s.bytes_sent, s.descriptors_sent, s.transfers_ok,
+                 role, proto, eid, s.bytes_sent, s.descriptors_sent, s.transfers_ok,
                  s.transfers_failed, s.pulls_ok, s.pulls_failed, s.expired, s.kept, s.loading);
     for (int i = 0; i < 12 && n > 0 && (size_t)n < cap; i++)
         n += snprintf(t + n, cap - (size_t)n,
@@ -1471,6 +1503,8 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
              "transfer ids evicted (oldest first) because max_pending_pulls were waiting.\n"
              "# TYPE disagg:kv_pending_pulls_evicted_total counter\n"
              "disagg:kv_pending_pulls_evicted_total %" PRIu64 "\n"
+             "# HELP disagg:kv_pending_unknown_pulls Producer: pulls for transfer ids not "
+             "known yet, waiting.\n"
              "# TYPE disagg:kv_pending_unknown_pulls gauge\n"
              "disagg:kv_pending_unknown_pulls %d\n",
              sc_rej, bs_rej, evicted, unknown);
