@@ -61,6 +61,7 @@ struct dcu_ctx {
     int no_gemv; /* unless DISAGG_CUDA_GEMV=1: every GEMM through cuBLASLt */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
+    unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
 };
 
 #define CK(call)                                                                             \
@@ -429,6 +430,7 @@ __global__ void k_kv_write(KT *kv, int bs, int n_layers, int kvd, int layer, con
                            const float *v, int stride, const int32_t *pos, const int32_t *seq,
                            const int32_t *bts, int bt_stride) {
     int t = blockIdx.x;
+    if (pos[t] < 0) return; /* a padding row of a recorded decode step */
     const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
     size_t ok = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 0);
     size_t ov = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 1);
@@ -701,6 +703,7 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
             cudaFree(c->att_part);
             c->att_part = NULL;
             c->att_part_cap = 0;
+            c->gen++;
             if (cudaMalloc((void **)&c->att_part, need * 4) != cudaSuccess) return -ENOMEM;
             c->att_part_cap = need;
         }
@@ -708,6 +711,7 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
             cudaFree(c->att_ml);
             c->att_ml = NULL;
             c->att_ml_cap = 0;
+            c->gen++;
             if (cudaMalloc((void **)&c->att_ml, need_ml * 4) != cudaSuccess) return -ENOMEM;
             c->att_ml_cap = need_ml;
         }
