@@ -368,8 +368,7 @@ int backend_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx, 
               "graph_plan: sequence %d: kv_len %d, position %d, %d blocks (need position = "
               "kv_len - 1, kv_len <= %d, blocks <= %d)",
               s, b->kv_len[s], b->tok_pos[s], nb, max_ctx, max_blocks);
-        CHECK(b->out_rows[s] == s, "graph_plan: out_rows[%d] = %d (need %d)", s, b->out_rows[s],
-              s);
+        CHECK(b->out_rows[s] == s, "graph_plan: out_rows[%d] = %d (need %d)", s, b->out_rows[s], s);
     }
     return st->be->iface->graph_plan(st, b, max_ctx, max_blocks);
 }

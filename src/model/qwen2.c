@@ -392,8 +392,9 @@ static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
     float *logits = backend_buffer_ptr(s->logits_buf);
     TRY(backend_gather_rows(st, s->xb, s->x, a, h));
     TRY(backend_rmsnorm(st, s->xb, a, s->xb, a, w->final_norm, n_out, h, c->rms_norm_eps));
-    backend_matmul_op head = {logits,           BACKEND_F32, s->xb, a, w->lm_head.data,
-                              w->lm_head.dtype, NULL,        n_out, c->vocab_size, h};
+    backend_matmul_op head = {
+        logits, BACKEND_F32, s->xb,         a, w->lm_head.data, w->lm_head.dtype,
+        NULL,   n_out,       c->vocab_size, h};
     return backend_matmul(st, &head, 1);
 }
 
@@ -409,16 +410,16 @@ static int graph_bucket(const qwen2_state *s, const qwen2_seq *seqs, int n_seqs)
 }
 
 /* A decode step through a recorded graph: the batch padded to B sequences (padding: kv_len
- * 0, position -1, no blocks), positions bucketed to a power of two >= 256 (the attention
- * grid and block-table stride of the graph). */
-static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *kv,
-                         qwen2_seq *seqs, int n_seqs, int B) {
+ * 0, position -1, no blocks), positions bucketed to 256, 384, 512, 768, ... (2^k and
+ * 1.5 * 2^k: the attention grid and block-table stride of the graph). */
+static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
+                         int n_seqs, int B) {
     int rc, V = m->cfg.vocab_size, max_len = 0, nbt = 0;
     for (int i = 0; i < n_seqs; i++)
         if (seqs[i].start_pos + 1 > max_len) max_len = seqs[i].start_pos + 1;
-    int C = 256;
+    int C = 256; /* 256, 384, 512, 768, 1024, ...: at most a third of the grid idle */
     while (C < max_len)
-        C *= 2;
+        C = (C & (C - 1)) == 0 ? C + C / 2 : C / 3 * 4;
     int max_blocks = (C + kv->block_size - 1) / kv->block_size;
     if (kv->base != s->graph_kv) {
         backend_graph_reset(s->st);
@@ -433,13 +434,14 @@ static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *k
         s->bt_indices = p;
         s->bt_cap = nbt;
     }
-    int32_t *tok = s->pad_meta, *seq = tok + B, *pos = seq + B, *orow = pos + B,
-            *qo = orow + B, *kvl = qo + B + 1, *bti = kvl + B;
+    int32_t *tok = s->pad_meta, *seq = tok + B, *pos = seq + B, *orow = pos + B, *qo = orow + B,
+            *kvl = qo + B + 1, *bti = kvl + B;
     int b = 0;
     qo[0] = bti[0] = 0;
     for (int i = 0; i < B; i++) {
         int real = i < n_seqs;
-        int end = real ? seqs[i].start_pos + 1 : 0, nb = (end + kv->block_size - 1) / kv->block_size;
+        int end = real ? seqs[i].start_pos + 1 : 0,
+            nb = (end + kv->block_size - 1) / kv->block_size;
         if (real) memcpy(s->bt_indices + b, seqs[i].block_table, (size_t)nb * sizeof(int32_t));
         b += nb;
         tok[i] = real ? seqs[i].tokens[0] : 0;
@@ -465,7 +467,8 @@ static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *k
     }
     const float *logits = backend_buffer_ptr(s->logits_buf);
     for (int i = 0; i < n_seqs; i++)
-        TRY(backend_download(s->st, seqs[i].logits, logits + (size_t)i * V, (size_t)V * sizeof(float)));
+        TRY(backend_download(s->st, seqs[i].logits, logits + (size_t)i * V,
+                             (size_t)V * sizeof(float)));
     return backend_stream_sync(s->st);
 }
 
