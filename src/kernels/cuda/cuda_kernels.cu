@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -62,6 +63,7 @@ struct dcu_ctx {
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
+    int tune;                /* time cuBLASLt's candidates for decode-sized GEMMs (default on) */
 };
 
 #define CK(call)                                                                             \
@@ -159,6 +161,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->n_sm = info.n_sm;
     c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
+    c->tune = !(getenv("DISAGG_CUDA_GEMM_TUNE") && !strcmp(getenv("DISAGG_CUDA_GEMM_TUNE"), "0"));
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -1020,7 +1023,70 @@ static int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int v
 
 /* ---- GEMM (cuBLASLt) -------------------------------------------------------------- */
 
-static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
+/* Decode-sized GEMMs (T <= GEMM_TUNE_MAX_T) pick the fastest of cuBLASLt's first
+ * GEMM_TUNE_ALGOS heuristic candidates, timed once per (device, T, N, K) in the process and
+ * shared by every context (so every stream computes a shape with the same kernel: results
+ * do not depend on which stream ran them).  DISAGG_CUDA_GEMM_TUNE=0: the first candidate. */
+#define GEMM_TUNE_MAX_T 256
+#define GEMM_TUNE_ALGOS 8
+#define GEMM_TUNED_CAP 1024
+typedef struct gemm_tuned {
+    int dev, T, N, K;
+    cublasLtMatmulAlgo_t algo;
+    float us;
+} gemm_tuned;
+static gemm_tuned g_tuned[GEMM_TUNED_CAP];
+static int g_n_tuned;
+static pthread_mutex_t g_tune_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int tuned_find(int dev, int T, int N, int K, cublasLtMatmulAlgo_t *algo) {
+    int found = 0;
+    pthread_mutex_lock(&g_tune_mu);
+    for (int i = 0; i < g_n_tuned && !found; i++)
+        if (g_tuned[i].dev == dev && g_tuned[i].T == T && g_tuned[i].N == N && g_tuned[i].K == K) {
+            *algo = g_tuned[i].algo;
+            found = 1;
+        }
+    pthread_mutex_unlock(&g_tune_mu);
+    return found;
+}
+
+/* times the candidates on x/w/y (y is overwritten; the caller's GEMM runs after) and returns
+ * the index of the fastest, or 0 */
+static int tune_pick(dcu_ctx *c, gemm_plan *p, const cublasLtMatmulHeuristicResult_t *res, int n,
+                     const void *x, const void *w, void *y, float *best_us) {
+    cudaEvent_t e0, e1;
+    if (cudaEventCreate(&e0) != cudaSuccess) return 0;
+    if (cudaEventCreate(&e1) != cudaSuccess) {
+        cudaEventDestroy(e0);
+        return 0;
+    }
+    float alpha = 1.0f, beta = 0.0f, best = 1e30f;
+    int bi = 0;
+    for (int i = 0; i < n; i++) {
+        cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+        for (int r = 0; r < 4 && st == CUBLAS_STATUS_SUCCESS; r++) {
+            if (r == 1) cudaEventRecord(e0, c->stream);
+            st = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y, p->c,
+                                &res[i].algo, c->ws, c->ws_bytes, c->stream);
+        }
+        cudaEventRecord(e1, c->stream);
+        float ms = 0;
+        if (st != CUBLAS_STATUS_SUCCESS || cudaEventSynchronize(e1) != cudaSuccess ||
+            cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
+            cudaGetLastError();
+            continue;
+        }
+        if (ms < best) best = ms, bi = i;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    *best_us = best * 1e3f / 3;
+    return bi;
+}
+
+static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K, const void *x, const void *w,
+                           void *y) {
     for (int i = 0; i < PLAN_CACHE; i++)
         if (c->plans[i].valid && c->plans[i].T == T && c->plans[i].N == N && c->plans[i].K == K)
             return &c->plans[i];
@@ -1046,11 +1112,30 @@ static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
     cublasLtMatmulPreferenceCreate(&pref);
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                          &c->ws_bytes, sizeof c->ws_bytes);
-    cublasLtMatmulHeuristicResult_t res;
+    cublasLtMatmulHeuristicResult_t res[GEMM_TUNE_ALGOS];
     int found = 0;
+    int cacheable = T <= GEMM_TUNE_MAX_T && c->tune;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(c->stream, &cap);
     cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref,
-                                                      1, &res, &found);
+                                                      cacheable ? GEMM_TUNE_ALGOS : 1, res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
+    if (s == CUBLAS_STATUS_SUCCESS && found > 0 && cacheable) {
+        cublasLtMatmulAlgo_t a;
+        if (tuned_find(c->device, T, N, K, &a)) {
+            res[0].algo = a;
+        } else if (cap == cudaStreamCaptureStatusNone) {
+            float us = 0;
+            int bi = found > 1 ? tune_pick(c, p, res, found, x, w, y, &us) : 0;
+            res[0].algo = res[bi].algo;
+            pthread_mutex_lock(&g_tune_mu);
+            if (g_n_tuned < GEMM_TUNED_CAP) {
+                g_tuned[g_n_tuned] = (gemm_tuned){c->device, T, N, K, res[bi].algo, us};
+                g_n_tuned++;
+            }
+            pthread_mutex_unlock(&g_tune_mu);
+        }
+    }
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
         fprintf(stderr, "cuda: cuBLASLt has no bf16 GEMM for T=%d N=%d K=%d (status %d)\n", T, N,
                 K, (int)s);
@@ -1060,7 +1145,7 @@ static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
         cublasLtMatrixLayoutDestroy(p->c);
         return NULL;
     }
-    p->algo = res.algo;
+    p->algo = res[0].algo;
     p->T = T, p->N = N, p->K = K, p->valid = 1;
     return p;
 }
@@ -1130,7 +1215,7 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
     if (T <= 0) return 0;
     if (T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
         return gemv(c, y, x, w, bias, T, N, K);
-    gemm_plan *p = plan_get(c, T, N, K);
+    gemm_plan *p = plan_get(c, T, N, K, x, w, y);
     if (!p) return -EIO;
     float alpha = 1.0f, beta = 0.0f;
     cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y,
