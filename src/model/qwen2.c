@@ -398,6 +398,30 @@ static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
     return backend_matmul(st, &head, 1);
 }
 
+/* Copies the logits rows (in sequence order from dev) to each sequence's host array; runs of
+ * sequences whose host arrays follow each other (the engine's one logits array) go in one
+ * download. */
+static int download_logits(backend_stream *st, const qwen2_seq *seqs, int n_seqs, const float *dev,
+                           int V) {
+    int rc;
+    size_t r = 0, run_rows = 0, run_dev = 0;
+    float *run_host = NULL;
+    for (int i = 0; i <= n_seqs; i++) {
+        const qwen2_seq *q = i < n_seqs ? &seqs[i] : NULL;
+        if (q && !q->logits) continue;
+        size_t rows = q ? (q->logits_all ? (size_t)q->n_tokens : 1) : 0;
+        if (run_rows && (!q || q->logits != run_host + run_rows * V)) {
+            TRY(backend_download(st, run_host, dev + run_dev * V, run_rows * V * sizeof(float)));
+            run_rows = 0;
+        }
+        if (!q) break;
+        if (!run_rows) run_host = q->logits, run_dev = r;
+        run_rows += rows;
+        r += rows;
+    }
+    return 0;
+}
+
 /* The decode batch's bucket (the smallest recorded batch size >= T), or 0: run it eagerly.
  * Only batches of one new token per sequence, each wanting its logits. */
 static int graph_bucket(const qwen2_state *s, const qwen2_seq *seqs, int n_seqs) {
@@ -465,10 +489,7 @@ static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *k
         if (!rc) rc = e;
         if (rc) return rc;
     }
-    const float *logits = backend_buffer_ptr(s->logits_buf);
-    for (int i = 0; i < n_seqs; i++)
-        TRY(backend_download(s->st, seqs[i].logits, logits + (size_t)i * V,
-                             (size_t)V * sizeof(float)));
+    TRY(download_logits(s->st, seqs, n_seqs, backend_buffer_ptr(s->logits_buf), V));
     return backend_stream_sync(s->st);
 }
 
@@ -496,12 +517,6 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
     TRY(logits_reserve(m, s, n_out));
     float *logits = backend_buffer_ptr(s->logits_buf);
     TRY(run_head(m, s, n_out));
-    for (int i = 0, r = 0; i < n_seqs; i++) {
-        if (!seqs[i].logits) continue;
-        int rows = seqs[i].logits_all ? seqs[i].n_tokens : 1;
-        TRY(backend_download(st, seqs[i].logits, logits + (size_t)r * V,
-                             (size_t)rows * V * sizeof(float)));
-        r += rows;
-    }
+    TRY(download_logits(st, seqs, n_seqs, logits, V));
     return backend_stream_sync(st);
 }

@@ -64,7 +64,7 @@ struct dcu_ctx {
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
     int tune;                /* time cuBLASLt's candidates for decode-sized GEMMs (default on) */
-    int flash2;              /* DISAGG_CUDA_FLASH2=1: the mma.sync prefill kernel (k_flash2) */
+    int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
 };
 
 #define CK(call)                                                                             \
@@ -162,7 +162,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->n_sm = info.n_sm;
     c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
-    c->flash2 = getenv("DISAGG_CUDA_FLASH2") && atoi(getenv("DISAGG_CUDA_FLASH2")) > 0;
+    c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
     c->tune = !(getenv("DISAGG_CUDA_GEMM_TUNE") && !strcmp(getenv("DISAGG_CUDA_GEMM_TUNE"), "0"));
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
@@ -891,7 +891,8 @@ static int launch_flash(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, i
     return launch_check("flash_prefill");
 }
 
-/* The prefill kernel on mma.sync (FlashAttention-2 layout), DISAGG_CUDA_FLASH2=1: the same
+/* The prefill kernel on mma.sync (FlashAttention-2 layout; the default, DISAGG_CUDA_FLASH2=0
+ * goes back to the wmma kernel above, which also serves head_dim 16): the same
  * CTA (64-row tile, query head) and tiles as k_flash_prefill, but Q fragments, S, P and O
  * live in registers (m16n8k16 bf16, f32 accumulate), the softmax runs on the accumulator
  * fragments (each row's 4 owners reduce with two shuffles), K and V tiles (64 keys) are read
