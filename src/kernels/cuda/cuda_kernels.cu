@@ -63,7 +63,7 @@ struct dcu_ctx {
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
-    int tune;                /* time cuBLASLt's candidates for decode-sized GEMMs (default on) */
+    int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */
     int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
 };
 
@@ -163,7 +163,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
-    c->tune = !(getenv("DISAGG_CUDA_GEMM_TUNE") && !strcmp(getenv("DISAGG_CUDA_GEMM_TUNE"), "0"));
+    c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -1239,10 +1239,11 @@ static int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int v
 
 /* ---- GEMM (cuBLASLt) -------------------------------------------------------------- */
 
-/* Decode-sized GEMMs (T <= GEMM_TUNE_MAX_T) pick the fastest of cuBLASLt's first
- * GEMM_TUNE_ALGOS heuristic candidates, timed once per (device, T, N, K) in the process and
- * shared by every context (so every stream computes a shape with the same kernel: results
- * do not depend on which stream ran them).  DISAGG_CUDA_GEMM_TUNE=0: the first candidate. */
+/* DISAGG_CUDA_GEMM_TUNE=1: decode-sized GEMMs (T <= GEMM_TUNE_MAX_T) pick the fastest of
+ * cuBLASLt's first GEMM_TUNE_ALGOS heuristic candidates, timed once per (device, T, N, K) in
+ * the process and shared by every context (so every stream computes a shape with the same
+ * kernel).  Off by default: on the H200 (7B shapes, batch 1..128) it measured no gain over
+ * the first candidate, and a timing-based choice could differ between processes (P and D). */
 #define GEMM_TUNE_MAX_T 256
 #define GEMM_TUNE_ALGOS 8
 #define GEMM_TUNED_CAP 1024
