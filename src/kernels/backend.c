@@ -347,7 +347,6 @@ int backend_graph_supported(const backend *be) {
 }
 
 int backend_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx, int max_blocks) {
-    if (!st->be->iface->graph_plan) return -ENOTSUP;
     CHECK(b && b->n_tokens >= 1 && b->n_seqs == b->n_tokens && b->n_out == b->n_tokens,
           "graph_plan: %d tokens, %d sequences, %d output rows (need one token per sequence, "
           "every row out)",
@@ -370,7 +369,8 @@ int backend_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx, 
               s, b->kv_len[s], b->tok_pos[s], nb, max_ctx, max_blocks);
         CHECK(b->out_rows[s] == s, "graph_plan: out_rows[%d] = %d (need %d)", s, b->out_rows[s], s);
     }
-    return st->be->iface->graph_plan(st, b, max_ctx, max_blocks);
+    return st->be->iface->graph_plan ? st->be->iface->graph_plan(st, b, max_ctx, max_blocks)
+                                     : -ENOTSUP;
 }
 
 int backend_graph_begin(backend_stream *st) {

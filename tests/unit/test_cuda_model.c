@@ -25,6 +25,7 @@
 
 #include <cmocka.h>
 #include <jansson.h>
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -813,6 +814,50 @@ static void test_serving_graphs(void **st) {
     backend_close(be);
 }
 
+/* Without a GPU too: the graph functions on the CPU backend (no graphs: -ENOTSUP, every step
+ * eager) and backend_graph_plan's checks of a padded batch (-EINVAL, before the backend). */
+static void test_graph_api_cpu(void **st) {
+    backend *be = backend_cpu_default();
+    assert_false(backend_graph_supported(be));
+    backend_stream *s = backend_stream_create(be);
+    assert_non_null(s);
+    int32_t tok[2] = {1, 2}, seq[2] = {0, 1}, pos[2] = {4, -1}, qo[3] = {0, 1, 2}, kvl[2] = {5, 0},
+            bti[3] = {0, 1, 1}, bt[1] = {0}, orow[2] = {0, 1};
+    backend_batch b = {2, 2, tok, seq, pos, qo, kvl, bti, bt, 2, orow};
+    assert_int_equal(backend_graph_plan(s, &b, 256, 16), -ENOTSUP); /* valid, but no graphs */
+    assert_int_equal(backend_graph_begin(s), -ENOTSUP);
+    assert_int_equal(backend_graph_end(s, 1), -ENOTSUP);
+    assert_int_equal(backend_graph_count(s), 0);
+    backend_graph_reset(s);
+    backend_batch bad = b;
+    bad.n_out = 1; /* every row must be an output row */
+    assert_int_equal(backend_graph_plan(s, &bad, 256, 16), -EINVAL);
+    bad = b;
+    bad.n_seqs = 1; /* one token per sequence */
+    assert_int_equal(backend_graph_plan(s, &bad, 256, 16), -EINVAL);
+    assert_int_equal(backend_graph_plan(s, &b, 4, 16), -EINVAL);  /* kv_len 5 > max_ctx 4 */
+    assert_int_equal(backend_graph_plan(s, &b, 256, 0), -EINVAL); /* max_blocks < 1 */
+    pos[1] = 0; /* a padding row (kv_len 0) must have position -1 */
+    assert_int_equal(backend_graph_plan(s, &b, 256, 16), -EINVAL);
+    pos[1] = -1;
+    orow[1] = 0; /* rows out in order */
+    assert_int_equal(backend_graph_plan(s, &b, 256, 16), -EINVAL);
+    backend_stream_free(s);
+
+    /* the model on the CPU: qwen2_state_set_graphs says "eager" (0) and the forward is the
+     * eager one (test_model_golden / test_model_batch check it bit for bit) */
+    char dir[1024], err[1024];
+    snprintf(dir, sizeof dir, "%s/models/disagg-sotu-tiny", DISAGG_SOURCE_DIR);
+    qwen2_model m;
+    assert_int_equal(qwen2_load(&m, dir, 0, err, sizeof err), 0);
+    qwen2_state *qs = qwen2_state_init(&m, 16, NULL);
+    assert_non_null(qs);
+    assert_int_equal(qwen2_state_set_graphs(qs, 8), 0);
+    assert_int_equal(qwen2_state_graphs(qs), 0);
+    qwen2_state_free(qs);
+    qwen2_free(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_embed_rmsnorm_swiglu_add),
@@ -823,6 +868,7 @@ int main(void) {
         cmocka_unit_test(test_model_default),
         cmocka_unit_test(test_greedy_golden),
         cmocka_unit_test(test_serving_graphs),
+        cmocka_unit_test(test_graph_api_cpu),
         cmocka_unit_test(test_hf_gpu_reference),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
