@@ -5,6 +5,7 @@
 #include "cli/commands.h"
 
 #include "base/log.h"
+#include "base/text.h"
 #include "proxy/proxy.h"
 
 #include <ctype.h>
@@ -24,8 +25,11 @@ static void proxy_usage(FILE *f) {
         "the same time, to a decode instance, and relays the decode response.\n\n"
         "  --prefill URL [BOOTSTRAP]  prefill instance http://host:port; BOOTSTRAP is its "
         "bootstrap\n"
-        "                             server: a port on the same host (default 8998) or host:port\n"
-        "  --decode URL               decode instance http://host:port (repeatable)\n"
+        "                             server: a port on the same host, 'none' (the default, "
+        "8998)\n"
+        "                             or host:port (repeatable)\n"
+        "  --decode URL [URL..]       decode instance(s) http://host:port (repeatable)\n"
+        "  --flag=value               every flag also takes its value this way\n"
         "  --prefiller-hosts H.. --prefiller-ports P.. --decoder-hosts H.. --decoder-ports P..\n"
         "                             the same in the form of vLLM's toy_proxy_server.py "
         "(bootstrap\n"
@@ -34,9 +38,10 @@ static void proxy_usage(FILE *f) {
         "  --port N                   listen port (default 8000)\n"
         "  --policy P                 least_loaded (default: fewest outstanding requests) or "
         "round_robin\n"
-        "  --api-key KEY              sent upstream as 'Authorization: Bearer KEY' (default: pass "
-        "the\n"
-        "                             client's Authorization header through)\n"
+        "  --api-key KEY              clients must send 'Authorization: Bearer KEY' on /v1 paths\n"
+        "                             (401 otherwise; /health and /metrics stay open) and it is\n"
+        "                             sent upstream (default: no check, the client's\n"
+        "                             Authorization header is passed through)\n"
         "  --max-body-bytes N         client request body limit (default 16777216)\n"
         "  --max-headers N            client request header count limit (default 100)\n"
         "  --connect-timeout S        upstream connect timeout, seconds (default 5)\n"
@@ -80,6 +85,45 @@ static int parse_long(const char *flag, const char *v, long lo, long hi, long *o
     return 0;
 }
 
+/* The flags (for the "did you mean" hint and the value-taking check). */
+static const char *const KNOWN[] = {"--prefill",
+                                    "--decode",
+                                    "--prefiller-hosts",
+                                    "--prefiller-ports",
+                                    "--decoder-hosts",
+                                    "--decoder-ports",
+                                    "--help",
+                                    "--host",
+                                    "--port",
+                                    "--policy",
+                                    "--api-key",
+                                    "--max-body-bytes",
+                                    "--max-headers",
+                                    "--connect-timeout",
+                                    "--timeout",
+                                    "--health-interval",
+                                    "--client-timeout",
+                                    "--client-header-timeout",
+                                    "--timeout-keep-alive",
+                                    "--upstream-keepalive-timeout",
+                                    "--shutdown-timeout",
+                                    "--log-level"};
+#define NKNOWN       (sizeof KNOWN / sizeof KNOWN[0])
+#define FIRST_VALUED 7 /* KNOWN[FIRST_VALUED..] take one value */
+
+static int unknown_option(const char *a) {
+    const char *best = NULL;
+    int bd = 99;
+    for (size_t k = 0; k < NKNOWN; k++) {
+        int d = text_edit_distance(a, KNOWN[k]);
+        if (d < bd) bd = d, best = KNOWN[k];
+    }
+    fprintf(stderr, "disagg proxy: unknown option '%s'", a);
+    if (best && bd <= 4) fprintf(stderr, "; did you mean %s?", best);
+    fprintf(stderr, " (see disagg proxy --help)\n");
+    return 2;
+}
+
 /* The host/port flags of vLLM's toy_proxy_server.py (0 prefiller hosts,
  * 1 prefiller ports, 2 decoder hosts, 3 decoder ports), or -1. */
 static int alias_kind(const char *a) {
@@ -104,6 +148,18 @@ int cmd_proxy(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        /* --flag=value (argparse's form) as well as --flag value */
+        char name[64];
+        const char *eq = !strncmp(a, "--", 2) ? strchr(a, '=') : NULL;
+        int inl = 0; /* the value is inline: consuming it does not advance i */
+        if (eq) {
+            if ((size_t)(eq - a) >= sizeof name) return unknown_option(a);
+            memcpy(name, a, (size_t)(eq - a));
+            name[eq - a] = 0;
+            a = name;
+            v = eq + 1;
+            inl = 1;
+        }
         long n;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             proxy_usage(stdout);
@@ -112,6 +168,10 @@ int cmd_proxy(int argc, char **argv) {
         int alias = alias_kind(a);
         if (alias >= 0) { /* vLLM toy proxy: --prefiller-hosts H... --prefiller-ports P... */
             int got = 0;
+            if (inl) { /* --prefiller-hosts=H: its first value */
+                alias_v[alias][alias_n[alias]++] = v;
+                got++;
+            }
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
                 if (alias_n[alias] >= POLICY_MAX_BACKENDS) {
                     fprintf(stderr, "disagg proxy: at most %d values for %s\n", POLICY_MAX_BACKENDS,
@@ -128,52 +188,51 @@ int cmd_proxy(int argc, char **argv) {
             continue;
         }
         if (!strcmp(a, "--prefill") || !strcmp(a, "--decode")) {
+            /* --prefill URL [BOOTSTRAP]: BOOTSTRAP a port, "none" (the default port 8998,
+             * as vLLM's MooncakeConnector proxy), host:port or http://host:port.
+             * --decode URL [URL..]: one or more decode instances. */
             int is_p = a[2] == 'p';
-            if (!v || !strncmp(v, "--", 2)) {
-                fprintf(stderr, "disagg proxy: %s needs a URL (http://host:port)\n", a);
+            if (!v || (!inl && !strncmp(v, "--", 2)) || !*v) {
+                fprintf(stderr, "disagg proxy: %s needs a URL (http://host:port)%s\n", a,
+                        is_p ? ", then optionally a bootstrap port, 'none' or host:port" : "");
                 return 2;
             }
             int *cnt = is_p ? &cfg.nprefill : &cfg.ndecode;
-            if (*cnt >= POLICY_MAX_BACKENDS) {
-                fprintf(stderr, "disagg proxy: at most %d %s instances\n", POLICY_MAX_BACKENDS,
-                        a + 2);
-                return 2;
+            if (!inl) i++;
+            for (;;) {
+                if (*cnt >= POLICY_MAX_BACKENDS) {
+                    fprintf(stderr, "disagg proxy: at most %d %s instances\n", POLICY_MAX_BACKENDS,
+                            a + 2);
+                    return 2;
+                }
+                proxy_upstream *u = &(is_p ? pre : dec)[(*cnt)++];
+                u->url = v;
+                u->bootstrap = NULL;
+                if (is_p && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
+                    u->bootstrap = argv[++i];
+                if (i + 1 >= argc || !strncmp(argv[i + 1], "--", 2)) break;
+                if (is_p) {
+                    fprintf(stderr,
+                            "disagg proxy: --prefill %s %s: unexpected '%s'; --prefill takes a URL "
+                            "and an optional bootstrap port ('none' or a number, or host:port); "
+                            "give each prefill instance its own --prefill\n",
+                            u->url, u->bootstrap, argv[i + 1]);
+                    return 2;
+                }
+                v = argv[++i]; /* --decode URL URL ... */
             }
-            proxy_upstream *u = &(is_p ? pre : dec)[(*cnt)++];
-            u->url = v;
-            u->bootstrap = NULL;
-            i++;
-            if (is_p && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
-                u->bootstrap = argv[++i];
             continue;
         }
-        static const char *const known[] = {"--host",
-                                            "--port",
-                                            "--policy",
-                                            "--api-key",
-                                            "--max-body-bytes",
-                                            "--max-headers",
-                                            "--connect-timeout",
-                                            "--timeout",
-                                            "--health-interval",
-                                            "--client-timeout",
-                                            "--client-header-timeout",
-                                            "--timeout-keep-alive",
-                                            "--upstream-keepalive-timeout",
-                                            "--shutdown-timeout",
-                                            "--log-level"};
+
         int is_known = 0;
-        for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
-            is_known |= !strcmp(a, known[k]);
-        if (!is_known) {
-            fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
-            return 2;
-        }
+        for (size_t k = FIRST_VALUED; k < NKNOWN; k++)
+            is_known |= !strcmp(a, KNOWN[k]);
+        if (!is_known) return unknown_option(a);
         if (!v) {
             fprintf(stderr, "disagg proxy: %s needs a value (see disagg proxy --help)\n", a);
             return 2;
         }
-        i++;
+        if (!inl) i++;
         if (!strcmp(a, "--host")) {
             cfg.host = v;
         } else if (!strcmp(a, "--port")) {
@@ -222,8 +281,7 @@ int cmd_proxy(int argc, char **argv) {
             }
             log_set_level((log_level)l);
         } else {
-            fprintf(stderr, "disagg proxy: unknown option '%s' (see disagg proxy --help)\n", a);
-            return 2;
+            return unknown_option(a);
         }
     }
     for (int r = 0; r < 2; r++) { /* pair the toy-proxy host and port lists */

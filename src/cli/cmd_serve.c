@@ -16,7 +16,12 @@
 #include "base/log.h"
 #include "connector/kv_transfer_config.h"
 #include "kernels/backend.h"
+#include "model/chat_template.h"
+#include "model/hf_cache.h"
 #include "server/server.h"
+
+#include <jansson.h>
+#include <yaml.h>
 
 #include <errno.h>
 #include <limits.h>
@@ -60,8 +65,41 @@ static void serve_usage(FILE *f) {
         "auto: the device's, float32 on the CPU)\n"
         "  --gpu-memory-utilization F      GPU: fraction of device memory for weights, "
         "activations and KV cache (default 0.9; the KV cache gets what is left)\n"
-        "  --enforce-eager                 GPU: every step eager (default: decode steps of up "
-        "to --max-num-seqs sequences run as CUDA graphs)\n"
+        "  --enforce-eager, --no-enforce-eager   GPU: every step eager (default: decode steps of "
+        "up to --max-num-seqs sequences run as CUDA graphs)\n"
+        "  -tp, --tensor-parallel-size N   1 only (one device per process; scale out with more "
+        "instances behind disagg proxy)\n"
+        "  -pp, --pipeline-parallel-size N 1 only\n"
+        "  -dp, --data-parallel-size N     1 only (run more instances behind disagg proxy)\n"
+        "  --distributed-executor-backend B   uni|mp (one process; ray and external_launcher "
+        "are refused)\n"
+        "  --enable-chunked-prefill, --no-enable-chunked-prefill   accepted: prompts are always "
+        "prefilled in chunks of --max-num-batched-tokens\n"
+        "  -q, --quantization METHOD       refused: weights run unquantized (none is accepted)\n"
+        "  --load-format auto|safetensors  weight format (others, e.g. pt or gguf, are refused)\n"
+        "  --swap-space GiB                accepted (a preempted request is recomputed, nothing is "
+        "swapped)\n"
+        "  --tokenizer DIR|ORG/NAME        load the tokenizer from there (default: MODEL)\n"
+        "  --revision REV                  MODEL's branch, tag or commit in the HF cache "
+        "(default main)\n"
+        "  --chat-template FILE|TEMPLATE   Jinja chat template: a file, or the template itself\n"
+        "  --generation-config auto|vllm|DIR   sampling defaults: MODEL's generation_config.json "
+        "(auto, default), none (vllm), or DIR's\n"
+        "  --max-logprobs N                most logprobs a request may ask, 0..20 (default 20; "
+        "-1: 20)\n"
+        "  --enable-auto-tool-choice       parse tool calls of chats with tools (disagg does by "
+        "default)\n"
+        "  --tool-call-parser hermes       tool-call format (Qwen2.5's <tool_call> JSON)\n"
+        "  --allowed-origins JSON          CORS origins, e.g. '[\"https://a.example\"]' "
+        "(default [\"*\"])\n"
+        "  --allowed-methods JSON          CORS methods (default [\"*\"])\n"
+        "  --allowed-headers JSON          CORS headers (default [\"*\"])\n"
+        "  --allow-credentials             CORS: allow credentials\n"
+        "  --root-path PATH                accepted: the prefix a proxy strips (routes stay at "
+        "/v1/...)\n"
+        "  --disable-log-stats             no periodic stats lines (disagg logs none)\n"
+        "  --config FILE                   YAML file of flags (key: value, e.g. max-model-len: "
+        "1024); the command line wins\n"
         "  --kv-transfer-config JSON       KV connector configuration (P/D disaggregation)\n"
         "  --max-body-bytes N              request body limit (default 32M) -> 413\n"
         "  --client-header-timeout S       a request head must be complete S seconds after its\n"
@@ -150,54 +188,320 @@ static int parse_bytes(const char *flag, const char *v, size_t *out) {
     return 0;
 }
 
-static const char *FLAGS[] = {"--host",
-                              "--port",
-                              "--served-model-name",
-                              "--api-key",
-                              "--max-model-len",
-                              "--max-num-seqs",
-                              "--max-num-batched-tokens",
-                              "--block-size",
-                              "--kv-cache-memory",
-                              "--enable-prefix-caching",
-                              "--no-enable-prefix-caching",
-                              "--seed",
-                              "--dtype",
-                              "--threads",
-                              "--device",
-                              "--kv-cache-dtype",
-                              "--gpu-memory-utilization",
-                              "--enforce-eager",
-                              "--kv-transfer-config",
-                              "--max-body-bytes",
-                              "--client-header-timeout",
-                              "--timeout-keep-alive",
-                              "--uvicorn-log-level",
-                              "--disable-log-requests",
-                              "--enable-log-requests",
-                              "--trust-remote-code",
-                              "--help",
-                              "--model"};
+/* Every flag: V takes a value, T is a switch, B a switch with a --no- form (vLLM's
+ * BooleanOptionalAction). */
+enum { V, T, B };
+static const struct {
+    const char *name;
+    int kind;
+} FLAGS[] = {{"--host", V},
+             {"--port", V},
+             {"--model", V},
+             {"--served-model-name", V},
+             {"--api-key", V},
+             {"--max-model-len", V},
+             {"--max-num-seqs", V},
+             {"--max-num-batched-tokens", V},
+             {"--block-size", V},
+             {"--kv-cache-memory", V},
+             {"--enable-prefix-caching", B},
+             {"--seed", V},
+             {"--dtype", V},
+             {"--threads", V},
+             {"--device", V},
+             {"--kv-cache-dtype", V},
+             {"--gpu-memory-utilization", V},
+             {"--enforce-eager", B},
+             {"--tensor-parallel-size", V},
+             {"--pipeline-parallel-size", V},
+             {"--data-parallel-size", V},
+             {"--distributed-executor-backend", V},
+             {"--enable-chunked-prefill", B},
+             {"--quantization", V},
+             {"--load-format", V},
+             {"--swap-space", V},
+             {"--tokenizer", V},
+             {"--revision", V},
+             {"--chat-template", V},
+             {"--generation-config", V},
+             {"--max-logprobs", V},
+             {"--enable-auto-tool-choice", T},
+             {"--tool-call-parser", V},
+             {"--allowed-origins", V},
+             {"--allowed-methods", V},
+             {"--allowed-headers", V},
+             {"--allow-credentials", T},
+             {"--root-path", V},
+             {"--disable-log-stats", T},
+             {"--config", V},
+             {"--kv-transfer-config", V},
+             {"--max-body-bytes", V},
+             {"--client-header-timeout", V},
+             {"--timeout-keep-alive", V},
+             {"--uvicorn-log-level", V},
+             {"--disable-log-requests", T},
+             {"--enable-log-requests", T},
+             {"--trust-remote-code", T},
+             {"--help", T}};
 #define NFLAGS (sizeof FLAGS / sizeof FLAGS[0])
+
+/* vLLM's short spellings */
+static const char *SHORT[][2] = {{"-tp", "--tensor-parallel-size"},
+                                 {"-pp", "--pipeline-parallel-size"},
+                                 {"-dp", "--data-parallel-size"},
+                                 {"-q", "--quantization"}};
+
+static int flag_kind(const char *f) {
+    for (size_t i = 0; i < NFLAGS; i++)
+        if (!strcmp(f, FLAGS[i].name)) return FLAGS[i].kind;
+    return -1;
+}
 
 static void unknown_flag(const char *f) {
     const char *best = NULL;
-    size_t bd = 99;
+    int bd = INT_MAX;
     for (size_t i = 0; i < NFLAGS; i++) {
-        size_t d = (size_t)text_edit_distance(f, FLAGS[i]);
-        if (d < bd) bd = d, best = FLAGS[i];
+        int d = text_edit_distance(f, FLAGS[i].name);
+        if (d < bd) bd = d, best = FLAGS[i].name;
+        if (FLAGS[i].kind == B) {
+            char no[80];
+            snprintf(no, sizeof no, "--no-%s", FLAGS[i].name + 2);
+            d = text_edit_distance(f, no);
+            if (d < bd) bd = d, best = FLAGS[i].name;
+        }
     }
-    fprintf(stderr, "disagg serve: unknown option '%s'", f);
-    if (best && bd <= 4) fprintf(stderr, "; did you mean %s?", best);
-    fprintf(stderr, " (see disagg serve --help)\n");
+    fprintf(stderr,
+            "disagg serve: unknown option '%s'; did you mean %s? (see disagg serve --help)\n", f,
+            best);
 }
 
+/* --allowed-origins and friends: a JSON list of strings (vLLM parses them with json.loads). */
+static int parse_json_list(const char *flag, const char *v, json_t **out) {
+    json_error_t je;
+    json_t *j = json_loads(v, JSON_DECODE_ANY, &je);
+    int ok = json_is_array(j);
+    size_t i;
+    json_t *x;
+    if (ok) json_array_foreach(j, i, x) ok &= json_is_string(x);
+    if (!ok) {
+        fprintf(stderr,
+                "disagg serve: %s expects a JSON list of strings such as '[\"*\"]' or "
+                "'[\"https://a.example\"]', got '%s'\n",
+                flag, v);
+        json_decref(j);
+        return -EINVAL;
+    }
+    json_decref(*out);
+    *out = j;
+    return 0;
+}
+
+static char *read_text_file(const char *path, size_t cap) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *buf = malloc(cap + 1);
+    size_t n = buf ? fread(buf, 1, cap, f) : 0;
+    fclose(f);
+    if (buf) buf[n] = 0;
+    return buf;
+}
+
+/* ---- --config FILE: vLLM's YAML config, one "flag-name: value" per key ---------------- */
+
+typedef struct {
+    char **v;
+    int n, cap;
+} strv;
+
+static int strv_push(strv *a, const char *s, size_t len) {
+    if (a->n == a->cap) {
+        int nc = a->cap ? a->cap * 2 : 32;
+        char **nv = realloc(a->v, (size_t)nc * sizeof *nv);
+        if (!nv) return -ENOMEM;
+        a->v = nv, a->cap = nc;
+    }
+    char *c = malloc(len + 1);
+    if (!c) return -ENOMEM;
+    memcpy(c, s, len);
+    c[len] = 0;
+    a->v[a->n++] = c;
+    return 0;
+}
+
+static void strv_free(strv *a) {
+    for (int i = 0; i < a->n; i++)
+        free(a->v[i]);
+    free(a->v);
+}
+
+static int yaml_true(const char *v) {
+    return !strcmp(v, "true") || !strcmp(v, "True") || !strcmp(v, "TRUE") || !strcmp(v, "yes") ||
+           !strcmp(v, "on");
+}
+static int yaml_false(const char *v) {
+    return !strcmp(v, "false") || !strcmp(v, "False") || !strcmp(v, "FALSE") || !strcmp(v, "no") ||
+           !strcmp(v, "off");
+}
+
+/* Appends the file's flags to out as command-line words. */
+static int config_file_args(const char *path, strv *out) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "disagg serve: --config %s: cannot open (%s)\n", path, strerror(errno));
+        return -ENOENT;
+    }
+    yaml_parser_t p;
+    yaml_event_t ev;
+    yaml_parser_initialize(&p);
+    yaml_parser_set_input_file(&p, f);
+    int rc = -EINVAL, depth = 0, in_seq = 0, done = 0;
+    char key[128] = "";
+    json_t *seq = NULL;
+    while (!done) {
+        if (!yaml_parser_parse(&p, &ev)) {
+            fprintf(stderr, "disagg serve: --config %s: YAML error at line %zu: %s\n", path,
+                    p.problem_mark.line + 1, p.problem ? p.problem : "syntax");
+            goto out;
+        }
+        int t = ev.type;
+        const char *val = t == YAML_SCALAR_EVENT ? (const char *)ev.data.scalar.value : NULL;
+        size_t line = ev.start_mark.line + 1;
+        if (t == YAML_STREAM_END_EVENT)
+            done = 1;
+        else if (t == YAML_MAPPING_START_EVENT) {
+            if (depth++ || *key) {
+                fprintf(stderr,
+                        "disagg serve: --config %s line %zu: nested mappings are not flag "
+                        "values; write the value as JSON text\n",
+                        path, line);
+                yaml_event_delete(&ev);
+                goto out;
+            }
+        } else if (t == YAML_MAPPING_END_EVENT)
+            depth--;
+        else if (t == YAML_SEQUENCE_START_EVENT) {
+            if (!*key || in_seq) {
+                fprintf(stderr,
+                        "disagg serve: --config %s line %zu: expected a mapping of flag "
+                        "names to values\n",
+                        path, line);
+                yaml_event_delete(&ev);
+                goto out;
+            }
+            in_seq = 1;
+            seq = json_array();
+        } else if (t == YAML_SEQUENCE_END_EVENT) {
+            char *j = json_dumps(seq, JSON_COMPACT);
+            json_decref(seq);
+            seq = NULL;
+            in_seq = 0;
+            char flag[140];
+            snprintf(flag, sizeof flag, "--%s", key);
+            int bad = !j || strv_push(out, flag, strlen(flag)) || strv_push(out, j, strlen(j));
+            free(j);
+            key[0] = 0;
+            if (bad) {
+                yaml_event_delete(&ev);
+                goto out;
+            }
+        } else if (t == YAML_SCALAR_EVENT && in_seq) {
+            json_array_append_new(seq, json_string(val));
+        } else if (t == YAML_SCALAR_EVENT && !*key) {
+            if (depth != 1) {
+                fprintf(stderr,
+                        "disagg serve: --config %s line %zu: expected a mapping of flag "
+                        "names to values\n",
+                        path, line);
+                yaml_event_delete(&ev);
+                goto out;
+            }
+            snprintf(key, sizeof key, "%s", val);
+        } else if (t == YAML_SCALAR_EVENT && ev.data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+                   (!*val || !strcmp(val, "~") || !strcmp(val, "null") || !strcmp(val, "Null") ||
+                    !strcmp(val, "NULL"))) {
+            key[0] = 0; /* null: the flag's default, as vLLM */
+        } else if (t == YAML_SCALAR_EVENT) {
+            char flag[140];
+            snprintf(flag, sizeof flag, "--%s", key);
+            for (char *q = flag; *q; q++)
+                if (*q == '_') *q = '-';
+            int kind = flag_kind(flag);
+            int bad = 0;
+            if (kind == T || kind == B) {
+                if (yaml_true(val))
+                    bad = strv_push(out, flag, strlen(flag));
+                else if (yaml_false(val)) {
+                    if (kind == B) {
+                        snprintf(flag, sizeof flag, "--no-%s", key);
+                        bad = strv_push(out, flag, strlen(flag));
+                    }
+                } else {
+                    fprintf(stderr,
+                            "disagg serve: --config %s line %zu: '%s' is a switch; "
+                            "accepted: true or false, got '%s'\n",
+                            path, line, key, val);
+                    yaml_event_delete(&ev);
+                    goto out;
+                }
+            } else if (!strcmp(flag, "--config")) {
+                fprintf(stderr,
+                        "disagg serve: --config %s line %zu: a config file cannot name "
+                        "another\n",
+                        path, line);
+                yaml_event_delete(&ev);
+                goto out;
+            } else
+                bad = strv_push(out, flag, strlen(flag)) || strv_push(out, val, strlen(val));
+            key[0] = 0;
+            if (bad) {
+                yaml_event_delete(&ev);
+                goto out;
+            }
+        }
+        yaml_event_delete(&ev);
+    }
+    rc = 0;
+out:
+    json_decref(seq);
+    yaml_parser_delete(&p);
+    fclose(f);
+    return rc;
+}
+
+static int serve_args(int argc, char **argv);
+
 int cmd_serve(int argc, char **argv) {
+    /* --config FILE: its flags go first, so the command line overrides them (as vLLM) */
+    const char *config = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--config") && i + 1 < argc)
+            config = argv[++i];
+        else if (!strncmp(argv[i], "--config=", 9))
+            config = argv[i] + 9;
+    }
+    if (!config) return serve_args(argc, argv);
+    strv a = {0};
+    int rc = 2;
+    if (strv_push(&a, argv[0], strlen(argv[0])) || config_file_args(config, &a)) goto out;
+    for (int i = 1; i < argc; i++)
+        if (strv_push(&a, argv[i], strlen(argv[i]))) goto out;
+    rc = serve_args(a.n, a.v);
+out:
+    strv_free(&a);
+    return rc;
+}
+
+static int serve_args(int argc, char **argv) {
     server_config cfg;
     server_config_init(&cfg);
     cfg.engine.device = "auto";
     const char *model = NULL;
     static char default_model[PATH_MAX];
+    static char model_dir[PATH_MAX], tok_dir[PATH_MAX];
+    const char *tokenizer_arg = NULL, *revision = NULL, *chat_template_arg = NULL;
+    const char *tool_parser = NULL;
+    char *template_text = NULL;
+    int auto_tool_choice = 0, rc = 2;
     const char *env_key = getenv("VLLM_API_KEY");
     if (env_key && *env_key) cfg.api_key = env_key;
     for (int i = 1; i < argc; i++) {
@@ -205,12 +509,12 @@ int cmd_serve(int argc, char **argv) {
         if (a[0] != '-' || a[1] == 0) {
             if (model) {
                 fprintf(stderr, "disagg serve: one MODEL expected, got '%s' and '%s'\n", model, a);
-                return 2;
+                goto fail;
             }
             model = a;
             continue;
         }
-        char flag[64];
+        char flag[80];
         const char *val = NULL;
         const char *eq = strchr(a, '=');
         size_t fl = eq ? (size_t)(eq - a) : strlen(a);
@@ -219,33 +523,38 @@ int cmd_serve(int argc, char **argv) {
         flag[fl] = 0;
         for (char *p = flag; *p; p++)
             if (*p == '_') *p = '-'; /* vLLM accepts --max_model_len too */
+        for (size_t k = 0; k < sizeof SHORT / sizeof SHORT[0]; k++)
+            if (!strcmp(flag, SHORT[k][0])) snprintf(flag, sizeof flag, "%s", SHORT[k][1]);
         if (!strcmp(flag, "--help") || !strcmp(flag, "-h")) {
             serve_usage(stdout);
-            return 0;
+            goto done_ok;
         }
-        int takes_value =
-            strcmp(flag, "--enable-prefix-caching") && strcmp(flag, "--no-enable-prefix-caching") &&
-            strcmp(flag, "--disable-log-requests") && strcmp(flag, "--enable-log-requests") &&
-            strcmp(flag, "--trust-remote-code") && strcmp(flag, "--enforce-eager");
-        int known = 0;
-        for (size_t k = 0; k < NFLAGS; k++)
-            known |= !strcmp(flag, FLAGS[k]);
-        if (!known) {
+        int negated = 0;
+        int kind = flag_kind(flag);
+        if (kind < 0 && !strncmp(flag, "--no-", 5)) {
+            char pos[80];
+            snprintf(pos, sizeof pos, "--%s", flag + 5);
+            if (flag_kind(pos) == B) {
+                kind = B, negated = 1;
+                snprintf(flag, sizeof flag, "%s", pos);
+            }
+        }
+        if (kind < 0) {
             unknown_flag(flag);
-            return 2;
+            goto fail;
         }
-        if (takes_value) {
+        if (kind == V) {
             if (eq)
                 val = eq + 1;
             else if (i + 1 < argc)
                 val = argv[++i];
             else {
                 fprintf(stderr, "disagg serve: %s needs a value (see disagg serve --help)\n", flag);
-                return 2;
+                goto fail;
             }
         } else if (eq) {
             fprintf(stderr, "disagg serve: %s takes no value\n", flag);
-            return 2;
+            goto fail;
         }
         long x;
         if (!strcmp(flag, "--host"))
@@ -253,26 +562,26 @@ int cmd_serve(int argc, char **argv) {
         else if (!strcmp(flag, "--model"))
             model = val;
         else if (!strcmp(flag, "--port")) {
-            if (parse_long(flag, val, 0, 65535, &x)) return 2;
+            if (parse_long(flag, val, 0, 65535, &x)) goto fail;
             cfg.port = (int)x;
         } else if (!strcmp(flag, "--served-model-name"))
             cfg.served_model_name = val;
         else if (!strcmp(flag, "--api-key"))
             cfg.api_key = val;
         else if (!strcmp(flag, "--max-model-len")) {
-            if (parse_long(flag, val, 1, 1 << 24, &x)) return 2;
+            if (parse_long(flag, val, 1, 1 << 24, &x)) goto fail;
             cfg.engine.max_model_len = (int)x;
         } else if (!strcmp(flag, "--max-num-seqs")) {
-            if (parse_long(flag, val, 1, 1 << 16, &x)) return 2;
+            if (parse_long(flag, val, 1, 1 << 16, &x)) goto fail;
             cfg.engine.max_num_seqs = (int)x;
         } else if (!strcmp(flag, "--max-num-batched-tokens")) {
-            if (parse_long(flag, val, 1, 1 << 24, &x)) return 2;
+            if (parse_long(flag, val, 1, 1 << 24, &x)) goto fail;
             cfg.engine.max_num_batched_tokens = (int)x;
         } else if (!strcmp(flag, "--block-size")) {
-            if (parse_long(flag, val, 1, 1024, &x)) return 2;
+            if (parse_long(flag, val, 1, 1024, &x)) goto fail;
             cfg.engine.block_size = (int)x;
         } else if (!strcmp(flag, "--kv-cache-memory")) {
-            if (parse_bytes(flag, val, &cfg.engine.kv_cache_bytes)) return 2;
+            if (parse_bytes(flag, val, &cfg.engine.kv_cache_bytes)) goto fail;
         } else if (!strcmp(flag, "--client-header-timeout") ||
                    !strcmp(flag, "--timeout-keep-alive")) {
             char *end;
@@ -282,29 +591,30 @@ int cmd_serve(int argc, char **argv) {
                 fprintf(stderr,
                         "disagg serve: %s expects seconds, a number in (0, 86400], got '%s'\n",
                         flag, val);
-                return 2;
+                goto fail;
             }
             if (flag[2] == 'c')
                 cfg.header_timeout_s = d;
             else
                 cfg.keepalive_timeout_s = d;
         } else if (!strcmp(flag, "--max-body-bytes")) {
-            if (parse_bytes(flag, val, &cfg.max_body_bytes)) return 2;
+            if (parse_bytes(flag, val, &cfg.max_body_bytes)) goto fail;
         } else if (!strcmp(flag, "--enable-prefix-caching"))
-            cfg.engine.enable_prefix_caching = 1;
-        else if (!strcmp(flag, "--no-enable-prefix-caching"))
-            cfg.engine.enable_prefix_caching = 0;
+            cfg.engine.enable_prefix_caching = !negated;
         else if (!strcmp(flag, "--seed")) {
-            if (parse_long(flag, val, 0, LONG_MAX, &x)) return 2;
+            if (parse_long(flag, val, 0, LONG_MAX, &x)) goto fail;
             cfg.engine.seed = (uint64_t)x;
         } else if (!strcmp(flag, "--threads")) {
-            if (parse_long(flag, val, 0, 4096, &x)) return 2;
+            if (parse_long(flag, val, 0, 4096, &x)) goto fail;
             cfg.engine.threads = (int)x;
         } else if (!strcmp(flag, "--device")) {
             if (strcmp(val, "auto") && strcmp(val, "cpu") && strncmp(val, "cuda", 4)) {
-                fprintf(stderr, "disagg serve: --device '%s' is not a device; accepted: %s\n", val,
+                int vllm = !strcmp(val, "tpu") || !strcmp(val, "xpu") || !strcmp(val, "hpu") ||
+                           !strcmp(val, "neuron") || !strcmp(val, "rocm");
+                fprintf(stderr, "disagg serve: --device '%s' is %s; accepted: %s\n", val,
+                        vllm ? "not supported (disagg has CPU and CUDA backends)" : "not a device",
                         BACKEND_DEVICE_NAMES);
-                return 2;
+                goto fail;
             }
             cfg.engine.device = val; /* "cuda:N" is checked when the backend opens */
         } else if (!strcmp(flag, "--gpu-memory-utilization")) {
@@ -315,17 +625,155 @@ int cmd_serve(int argc, char **argv) {
                         "disagg serve: --gpu-memory-utilization '%s' is invalid; accepted: a "
                         "fraction in (0, 1], e.g. 0.9\n",
                         val);
-                return 2;
+                goto fail;
             }
             cfg.engine.gpu_memory_utilization = f;
         } else if (!strcmp(flag, "--enforce-eager")) {
-            cfg.engine.enforce_eager = 1;
+            cfg.engine.enforce_eager = !negated;
+        } else if (!strcmp(flag, "--tensor-parallel-size") ||
+                   !strcmp(flag, "--pipeline-parallel-size") ||
+                   !strcmp(flag, "--data-parallel-size")) {
+            if (parse_long(flag, val, 1, 1 << 20, &x)) goto fail;
+            if (x != 1) {
+                fprintf(stderr,
+                        "disagg serve: %s %ld is not supported yet: one disagg serve process runs "
+                        "the whole model on one device; accepted: 1. Scale out with more "
+                        "instances behind `disagg proxy` instead\n",
+                        flag, x);
+                goto fail;
+            }
+        } else if (!strcmp(flag, "--distributed-executor-backend")) {
+            if (strcmp(val, "uni") && strcmp(val, "mp")) {
+                fprintf(stderr,
+                        "disagg serve: --distributed-executor-backend '%s' is %s; accepted: uni, "
+                        "mp (disagg runs in one process)\n",
+                        val,
+                        !strcmp(val, "ray") || !strcmp(val, "external_launcher")
+                            ? "not supported"
+                            : "not a backend (vLLM's: ray, mp, uni, external_launcher)");
+                goto fail;
+            }
+        } else if (!strcmp(flag, "--enable-chunked-prefill")) {
+            if (negated)
+                LOG_I("serve", "--no-enable-chunked-prefill: accepted; prompts are still "
+                               "prefilled in chunks of --max-num-batched-tokens");
+        } else if (!strcmp(flag, "--quantization")) {
+            static const char *known[] = {
+                "aqlm",       "awq",          "deepspeedfp",        "tpu_int8",     "fp8",
+                "ptpc_fp8",   "fbgemm_fp8",   "modelopt",           "modelopt_fp4", "marlin",
+                "bitblas",    "gguf",         "gptq_marlin_24",     "gptq_marlin",  "gptq_bitblas",
+                "awq_marlin", "gptq",         "compressed-tensors", "bitsandbytes", "qqq",
+                "hqq",        "experts_int8", "neuron_quant",       "ipex",         "quark",
+                "moe_wna16",  "torchao",      "auto-round",         "rtn",          "inc",
+                "mxfp4"};
+            int k = 0;
+            for (size_t j = 0; j < sizeof known / sizeof known[0]; j++)
+                k |= !strcmp(val, known[j]);
+            if (strcmp(val, "none")) {
+                fprintf(stderr,
+                        "disagg serve: --quantization '%s' is %s; disagg runs unquantized "
+                        "weights (bfloat16, float16 or float32 safetensors); accepted: none\n",
+                        val, k ? "not supported" : "not a vLLM quantization method");
+                goto fail;
+            }
+        } else if (!strcmp(flag, "--load-format")) {
+            static const char *known[] = {"pt",
+                                          "npcache",
+                                          "dummy",
+                                          "tensorizer",
+                                          "sharded_state",
+                                          "gguf",
+                                          "bitsandbytes",
+                                          "mistral",
+                                          "runai_streamer",
+                                          "runai_streamer_sharded",
+                                          "fastsafetensors"};
+            int k = 0;
+            for (size_t j = 0; j < sizeof known / sizeof known[0]; j++)
+                k |= !strcmp(val, known[j]);
+            if (strcmp(val, "auto") && strcmp(val, "safetensors")) {
+                fprintf(stderr,
+                        "disagg serve: --load-format '%s' is %s; accepted: auto, safetensors\n",
+                        val, k ? "not supported" : "not a load format");
+                goto fail;
+            }
+        } else if (!strcmp(flag, "--swap-space")) {
+            char *end;
+            double g = strtod(val, &end);
+            if (!*val || *end || !(g >= 0) || g > 1e6) {
+                fprintf(stderr, "disagg serve: --swap-space expects GiB, a number >= 0, got '%s'\n",
+                        val);
+                goto fail;
+            }
+        } else if (!strcmp(flag, "--tokenizer")) {
+            tokenizer_arg = val;
+        } else if (!strcmp(flag, "--revision")) {
+            revision = val;
+        } else if (!strcmp(flag, "--chat-template")) {
+            chat_template_arg = val;
+        } else if (!strcmp(flag, "--generation-config")) {
+            if (strcmp(val, "auto") && strcmp(val, "vllm")) {
+                char g[PATH_MAX + 32];
+                struct stat st;
+                snprintf(g, sizeof g, "%s/generation_config.json", val);
+                if (stat(g, &st)) {
+                    fprintf(stderr,
+                            "disagg serve: --generation-config '%s': no %s (%s); accepted: auto "
+                            "(the model's), vllm (none), or a directory holding "
+                            "generation_config.json\n",
+                            val, g, strerror(errno));
+                    goto fail;
+                }
+            }
+            cfg.generation_config = val;
+        } else if (!strcmp(flag, "--max-logprobs")) {
+            if (parse_long(flag, val, -1, LONG_MAX, &x)) goto fail;
+            if (x > 20) {
+                fprintf(stderr,
+                        "disagg serve: --max-logprobs %ld is not supported: the engine returns at "
+                        "most 20 logprobs per token; accepted: -1 (no cap: 20) .. 20\n",
+                        x);
+                goto fail;
+            }
+            cfg.max_logprobs = x < 0 ? 20 : (int)x;
+        } else if (!strcmp(flag, "--enable-auto-tool-choice")) {
+            auto_tool_choice = 1;
+        } else if (!strcmp(flag, "--tool-call-parser")) {
+            if (strcmp(val, "hermes")) {
+                fprintf(stderr,
+                        "disagg serve: --tool-call-parser '%s' is not supported; accepted: "
+                        "hermes (Qwen2.5's <tool_call>{...}</tool_call>)\n",
+                        val);
+                goto fail;
+            }
+            tool_parser = val;
+        } else if (!strcmp(flag, "--allowed-origins")) {
+            if (parse_json_list(flag, val, &cfg.cors_origins)) goto fail;
+        } else if (!strcmp(flag, "--allowed-methods")) {
+            if (parse_json_list(flag, val, &cfg.cors_methods)) goto fail;
+        } else if (!strcmp(flag, "--allowed-headers")) {
+            if (parse_json_list(flag, val, &cfg.cors_headers)) goto fail;
+        } else if (!strcmp(flag, "--allow-credentials")) {
+            cfg.cors_credentials = 1;
+        } else if (!strcmp(flag, "--root-path")) {
+            cfg.root_path = val;
+        } else if (!strcmp(flag, "--disable-log-stats")) {
+            cfg.log_stats = 0;
+        } else if (!strcmp(flag, "--config")) {
+            /* read before the loop (cmd_serve) */
         } else if (!strcmp(flag, "--kv-cache-dtype")) {
+            if (!strncmp(val, "fp8", 3)) {
+                fprintf(stderr,
+                        "disagg serve: --kv-cache-dtype %s is not supported: no fp8 KV cache "
+                        "kernels; accepted: %s\n",
+                        val, BACKEND_DTYPE_NAMES);
+                goto fail;
+            }
             if (backend_dtype_parse(val, &cfg.engine.kv_cache_dtype)) {
                 fprintf(stderr,
                         "disagg serve: --kv-cache-dtype '%s' is not supported; accepted: %s\n", val,
                         BACKEND_DTYPE_NAMES);
-                return 2;
+                goto fail;
             }
         } else if (!strcmp(flag, "--dtype")) {
             static const char *ok[] = {"auto", "bfloat16", "float16", "half", "float32", "float"};
@@ -337,7 +785,7 @@ int cmd_serve(int argc, char **argv) {
                         "disagg serve: --dtype '%s' is not supported; accepted: auto, bfloat16, "
                         "float16, half, float32, float\n",
                         val);
-                return 2;
+                goto fail;
             }
             if (strcmp(val, "auto"))
                 LOG_I("serve",
@@ -349,7 +797,7 @@ int cmd_serve(int argc, char **argv) {
             char err[512];
             if (kv_transfer_config_parse(val, &kc, err, sizeof err)) {
                 fprintf(stderr, "disagg serve: --kv-transfer-config: %s\n", err);
-                return 2;
+                goto fail;
             }
             cfg.kv_transfer_config = val;
         } else if (!strcmp(flag, "--uvicorn-log-level")) {
@@ -364,7 +812,7 @@ int cmd_serve(int argc, char **argv) {
                         "disagg serve: --uvicorn-log-level '%s'; accepted: critical, error, "
                         "warning, info, debug, trace\n",
                         val);
-                return 2;
+                goto fail;
             }
             log_set_level(map[found]);
         } else if (!strcmp(flag, "--disable-log-requests"))
@@ -375,13 +823,73 @@ int cmd_serve(int argc, char **argv) {
             /* accepted: no remote code exists to run */
         }
     }
+    if (auto_tool_choice && !tool_parser) {
+        fprintf(stderr, "disagg serve: --enable-auto-tool-choice needs --tool-call-parser; "
+                        "accepted: hermes\n");
+        goto fail;
+    }
     if (!model) {
-        if (serve_default_model(default_model, sizeof default_model)) return 2;
+        if (serve_default_model(default_model, sizeof default_model)) goto fail;
         model = default_model;
         if (!cfg.served_model_name) cfg.served_model_name = DEFAULT_MODEL_NAME;
     }
     cfg.model = model;
     cfg.engine.model = model;
+    char err[2048];
+    if (revision) {
+        struct stat st;
+        if (stat(model, &st) == 0 && S_ISDIR(st.st_mode))
+            LOG_I("serve", "--revision %s: MODEL %s is a local directory, used as is", revision,
+                  model);
+        else if (hf_cache_resolve_rev(model, revision, model_dir, sizeof model_dir, err,
+                                      sizeof err)) {
+            fprintf(stderr, "disagg serve: --revision: %s\n", err);
+            goto fail;
+        } else
+            cfg.engine.model = model_dir; /* the snapshot; the API name stays MODEL */
+    }
+    if (tokenizer_arg) {
+        if (hf_cache_resolve(tokenizer_arg, tok_dir, sizeof tok_dir, err, sizeof err)) {
+            fprintf(stderr, "disagg serve: --tokenizer: %s\n", err);
+            goto fail;
+        }
+        cfg.tokenizer_dir = tok_dir;
+    }
+    if (chat_template_arg) {
+        /* vLLM: a file's contents; else, when it holds a template character, the template */
+        template_text = read_text_file(chat_template_arg, 1 << 20);
+        if (!template_text) {
+            if (!strpbrk(chat_template_arg, "{}\n")) {
+                fprintf(stderr,
+                        "disagg serve: --chat-template '%s' looks like a file path, but it "
+                        "cannot be opened (%s); accepted: a Jinja template file or the template "
+                        "text itself\n",
+                        chat_template_arg, strerror(errno));
+                goto fail;
+            }
+            template_text = strdup(chat_template_arg);
+        }
+        chat_template *ct = NULL;
+        if (!template_text || chat_template_init(template_text, &ct, err, sizeof err)) {
+            fprintf(stderr, "disagg serve: --chat-template: %s\n",
+                    template_text ? err : "out of memory");
+            goto fail;
+        }
+        chat_template_free(ct);
+        cfg.chat_template = template_text;
+    }
     cfg.engine.progress = isatty(2);
-    return server_run(&cfg) == 0 ? 0 : 1;
+    rc = server_run(&cfg) == 0 ? 0 : 1;
+    goto out;
+done_ok:
+    rc = 0;
+    goto out;
+fail:
+    rc = 2;
+out:
+    json_decref(cfg.cors_origins);
+    json_decref(cfg.cors_methods);
+    json_decref(cfg.cors_headers);
+    free(template_text);
+    return rc;
 }

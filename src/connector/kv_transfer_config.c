@@ -530,6 +530,7 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
     e.bootstrap_port = KV_ENV_BOOTSTRAP_PORT_DEFAULT;
     e.connector_timeout_s = KV_ENV_CONNECTOR_TIMEOUT_DEFAULT;
     e.abort_request_timeout_s = KV_ENV_ABORT_REQUEST_TIMEOUT_DEFAULT;
+    e.unknown_transfer_timeout_s = KV_ENV_UNKNOWN_TRANSFER_TIMEOUT_DEFAULT;
     e.with_nvidia_peermem = -1;
     if (err && err_cap) err[0] = '\0';
 
@@ -560,6 +561,14 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
         set_err(err, err_cap,
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT='%s' is not accepted; accepted: seconds, a "
                 "number > 0 (default 480)",
+                s);
+        return KV_CONFIG_EINVAL;
+    }
+    s = env_value("DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT");
+    if (s && parse_positive_seconds(s, &e.unknown_transfer_timeout_s)) {
+        set_err(err, err_cap,
+                "DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT='%s' is not accepted; accepted: seconds, a "
+                "number > 0 (default 30)",
                 s);
         return KV_CONFIG_EINVAL;
     }

@@ -96,6 +96,9 @@ typedef struct kv_transfer_env {
     uint16_t bootstrap_port;        /* VLLM_MOONCAKE_BOOTSTRAP_PORT, 1..65535, default 8998 */
     double connector_timeout_s;     /* VLLM_MOONCAKE_CONNECTOR_TIMEOUT, > 0, default 30.0 */
     double abort_request_timeout_s; /* VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, > 0, default 480 */
+    double unknown_transfer_timeout_s; /* DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT, > 0, default 30:
+                                          how long a producer holds a pull for a transfer_id
+                                          no request of its own carries */
     char host_ip[64];               /* VLLM_HOST_IP, a numeric IPv4/IPv6 address, "" = unset */
     int with_nvidia_peermem;        /* WITH_NVIDIA_PEERMEM: 1, 0, or -1 when unset */
 } kv_transfer_env;
@@ -103,6 +106,7 @@ typedef struct kv_transfer_env {
 #define KV_ENV_BOOTSTRAP_PORT_DEFAULT        8998
 #define KV_ENV_CONNECTOR_TIMEOUT_DEFAULT     30.0
 #define KV_ENV_ABORT_REQUEST_TIMEOUT_DEFAULT 480.0
+#define KV_ENV_UNKNOWN_TRANSFER_TIMEOUT_DEFAULT 30.0
 
 /* Read the variables above from the process environment (an empty value counts
  * as unset).  Returns 0, or KV_CONFIG_EINVAL with a message naming the variable,

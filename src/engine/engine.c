@@ -43,6 +43,7 @@ typedef struct ereq {
     int loading;       /* consumer: start_load() sent, load_done() not yet */
     int needs_park;    /* consumer: waiting for blocks to park with */
     int zombie;        /* finished to the client, blocks wait for load_done() */
+    int error_status;  /* HTTP status for an "error" finish (0 = internal, 500) */
     struct ereq *next; /* inbox or live list */
 
     int n_kv_received;     /* usage: prompt tokens whose KV came from the producer */
@@ -62,6 +63,7 @@ typedef struct kv_note { /* a connector's answer, queued for the step thread */
     int kind; /* 0 load done, 1 release */
     int ok, recompute;
     uint64_t hold_ns; /* failure: keep the blocks out of use this long */
+    int http_status;  /* failure: its HTTP status (0 = 500) */
     char error[512];
     struct kv_note *next;
 } kv_note;
@@ -184,6 +186,7 @@ static void emit_finish(engine *e, ereq *r, const char *reason, int32_t stop_tok
                        .finish_reason = reason,
                        .stop_token = stop_token,
                        .error = error,
+                       .error_status = error ? r->error_status : 0,
                        .n_prompt = r->s.n_prompt,
                        .n_cached = r->s.n_cached,
                        .n_generated = r->n_generated,
@@ -402,6 +405,21 @@ void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t
     push_note(e, n);
 }
 
+void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
+                           const char *error) {
+    kv_note *n = calloc(1, sizeof *n);
+    if (!n) {
+        LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);
+        return;
+    }
+    n->id = id;
+    n->recompute = recompute;
+    n->hold_ns = hold_ns;
+    n->http_status = http_status;
+    snprintf(n->error, sizeof n->error, "%s", error ? error : "remote KV load failed");
+    push_note(e, n);
+}
+
 void engine_kv_release(engine *e, uint64_t id) {
     kv_note *n = calloc(1, sizeof *n);
     if (!n) {
@@ -512,6 +530,7 @@ static void handle_note(engine *e, const kv_note *n) {
               (unsigned long long)r->s.id, n->error);
         sched_unpark(&e->sched, &r->s, r->s.n_cached);
     } else {
+        r->error_status = n->http_status;
         finish(e, r, "error", -1, n->error);
     }
 }

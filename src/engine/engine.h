@@ -92,6 +92,7 @@ typedef struct engine_event {
     const char *finish_reason; /* "stop" (eos/stop id), "length", "abort", "error" */
     int32_t stop_token;        /* the eos/stop id that ended it, -1 otherwise */
     const char *error;         /* message when finish_reason is "error" */
+    int error_status;          /* its HTTP status (400, 502...; 0 = internal, 500) */
     int n_prompt;              /* usage: prompt tokens */
     int n_cached;              /* of those, served from the prefix cache */
     int n_generated;           /* usage: completion tokens */
@@ -130,6 +131,11 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out);
  * cannot land in another request's KV.  Exactly once per start_load(). */
 void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t hold_ns,
                          const char *error);
+/* engine_kv_load_done(e, id, 0, recompute, hold_ns, error) that also says
+ * which HTTP status the failure is (400: unusable kv_transfer_params, 502/503:
+ * producer unreachable or failing, 504: no KV in time; 0 = 500). */
+void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
+                           const char *error);
 /* Producer: free the blocks kept for request id (after request_finished keep). */
 void engine_kv_release(engine *e, uint64_t id);
 

@@ -17,11 +17,20 @@ static int is_dir(const char *p) {
 }
 
 /* Looks in one hub directory; 0 and out set when found. */
-static int hf_lookup(const char *hub, const char *repo_dir, char *out, size_t outlen) {
+static int hf_lookup(const char *hub, const char *repo_dir, const char *revision, char *out,
+                     size_t outlen) {
     char base[4096], p[4096 + 512];
     snprintf(base, sizeof base, "%s/%s", hub, repo_dir);
     if (!is_dir(base)) return -ENOENT;
-    snprintf(p, sizeof p, "%s/refs/main", base);
+    if (revision) {
+        /* a commit hash names a snapshot; a branch or tag names a refs/ file holding one */
+        snprintf(p, sizeof p, "%s/snapshots/%s", base, revision);
+        if (is_dir(p)) {
+            snprintf(out, outlen, "%s", p);
+            return 0;
+        }
+    }
+    snprintf(p, sizeof p, "%s/refs/%s", base, revision ? revision : "main");
     FILE *f = fopen(p, "r");
     if (f) {
         char rev[256] = {0};
@@ -36,6 +45,7 @@ static int hf_lookup(const char *hub, const char *repo_dir, char *out, size_t ou
             }
         }
     }
+    if (revision) return -ENOENT; /* an explicit revision never falls back */
     /* no usable refs/main: accept a single snapshot */
     snprintf(p, sizeof p, "%s/snapshots", base);
     DIR *d = opendir(p);
@@ -55,6 +65,18 @@ static int hf_lookup(const char *hub, const char *repo_dir, char *out, size_t ou
 }
 
 int hf_cache_resolve(const char *model, char *out, size_t outlen, char *err, size_t errlen) {
+    return hf_cache_resolve_rev(model, NULL, out, outlen, err, errlen);
+}
+
+int hf_cache_resolve_rev(const char *model, const char *revision, char *out, size_t outlen,
+                         char *err, size_t errlen) {
+    if (revision && (!*revision || strstr(revision, "..") || revision[0] == '/')) {
+        snprintf(err, errlen,
+                 "revision '%s' is not a branch, tag or commit hash (e.g. main or a 40-hex "
+                 "commit)",
+                 revision);
+        return -EINVAL;
+    }
     if (!model || !*model) {
         snprintf(
             err, errlen,
@@ -84,13 +106,21 @@ int hf_cache_resolve(const char *model, char *out, size_t outlen, char *err, siz
     if ((e = getenv("HOME")) && *e)
         snprintf(hubs[nh++], sizeof hubs[0], "%s/.cache/huggingface/hub", e);
     for (int i = 0; i < nh; i++)
-        if (hf_lookup(hubs[i], repo_dir, out, outlen) == 0) return 0;
+        if (hf_lookup(hubs[i], repo_dir, revision, out, outlen) == 0) return 0;
 
-    size_t o = (size_t)snprintf(
-        err, errlen,
-        "model '%s' is not a local directory and not in the Hugging Face cache; looked in:", model);
+    size_t o;
+    if (revision)
+        o = (size_t)snprintf(err, errlen,
+                             "revision '%s' of model '%s' is not in the Hugging Face cache (no "
+                             "snapshots/%s/ or refs/%s); looked in:",
+                             revision, model, revision, revision);
+    else
+        o = (size_t)snprintf(
+            err, errlen,
+            "model '%s' is not a local directory and not in the Hugging Face cache; looked in:",
+            model);
     for (int i = 0; i < nh && o < errlen; i++)
-        o += (size_t)snprintf(err + o, errlen - o, " %s/%s/snapshots/", hubs[i], repo_dir);
+        o += (size_t)snprintf(err + o, errlen - o, " %s/%s/", hubs[i], repo_dir);
     if (o < errlen)
         snprintf(
             err + o, errlen - o,

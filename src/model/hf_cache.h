@@ -14,4 +14,10 @@
  * and how to put the model there. */
 int hf_cache_resolve(const char *model, char *out, size_t outlen, char *err, size_t errlen);
 
+/* As hf_cache_resolve, at a given revision (vLLM's --revision): a commit hash (the
+ * snapshots/<rev>/ directory) or a branch or tag (refs/<rev> holds the commit).  NULL =
+ * refs/main.  A local directory is used as is (a revision applies to hub names only). */
+int hf_cache_resolve_rev(const char *model, const char *revision, char *out, size_t outlen,
+                         char *err, size_t errlen);
+
 #endif

@@ -75,7 +75,8 @@ int backend_parse_bootstrap(const char *url, const char *api_host, const char *b
                             char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap) {
     snprintf(host, host_cap, "%s", api_host);
     *port = BACKEND_DEFAULT_BOOTSTRAP_PORT;
-    if (!bootstrap) return 0;
+    /* vLLM's MooncakeConnector proxy: "none" (any case) = the default port */
+    if (!bootstrap || !strcasecmp(bootstrap, "none")) return 0;
     const char *q = bootstrap;
     while (isdigit((unsigned char)*q))
         q++;
@@ -87,6 +88,13 @@ int backend_parse_bootstrap(const char *url, const char *api_host, const char *b
         }
         *port = (uint16_t)v;
         return 0;
+    }
+    if (!strchr(bootstrap, ':')) {
+        snprintf(err, errcap,
+                 "bootstrap '%s' of %s is not accepted: give a port number, 'none' (the default "
+                 "port %d), host:port or http://host:port",
+                 bootstrap, url, BACKEND_DEFAULT_BOOTSTRAP_PORT);
+        return -EINVAL;
     }
     return backend_parse_url(bootstrap, host, host_cap, port, err, errcap);
 }

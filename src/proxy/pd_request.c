@@ -96,6 +96,8 @@ json_t *pd_prefill_body(const json_t *client, const char *transfer_id) {
      * own proxy drops these for P too); D still gets them. */
     json_object_del(b, "min_tokens");
     json_object_del(b, "min_completion_tokens");
+    /* n > 1: P prefills the prompt once; D decodes the n choices on its KV */
+    if (json_object_get(b, "n")) json_object_set_new(b, "n", json_integer(1));
     json_object_set_new(b, "kv_transfer_params",
                         json_pack("{s:b, s:b, s:s}", "do_remote_decode", 1, "do_remote_prefill", 0,
                                   "transfer_id", transfer_id));

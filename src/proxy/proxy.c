@@ -2,6 +2,7 @@
 #include "proxy/proxy_internal.h"
 
 #include "base/clock.h"
+#include "base/auth.h"
 #include "base/log.h"
 #include "proxy/api_error.h"
 
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/resource.h>
 
 #define MOD "proxy"
@@ -118,8 +120,10 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
     static const char *const ep_names[EP_COUNT] = {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
     static const char *const err_names[PERR_COUNT] = {
-        "bad_request",    "not_found",     "method_not_allowed", "not_ready",
-        "prefill_failed", "decode_failed", "client_disconnected"};
+        "bad_request",         "not_found",        "method_not_allowed",
+        "not_ready",           "prefill_failed",   "decode_failed",
+        "client_disconnected", "prefill_rejected", "decode_rejected",
+        "unauthorized"};
     metrics_header(o, "disagg_proxy_requests_total", "counter", "Client requests by endpoint.");
     for (int i = 0; i < EP_COUNT; i++)
         evbuffer_add_printf(o, "disagg_proxy_requests_total{endpoint=\"%s\"} %llu\n", ep_names[i],
@@ -197,6 +201,18 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
 
 /* ---- routing ---------------------------------------------------------- */
 
+/* --api-key: the client's "Authorization: Bearer <key>" matches (constant time
+ * over the key's bytes).  Without --api-key every client is accepted. */
+static int client_key_ok(proxy *px, hs_req *req) {
+    const char *key = px->cfg.api_key;
+    if (!key || !key[0]) return 1;
+    const char *h = http_head_get(hs_req_head(req), "Authorization");
+    if (!h || strncasecmp(h, "Bearer ", 7) != 0) return 0;
+    h += 7;
+    size_t n = strlen(key);
+    return strlen(h) == n && auth_equal(h, key, n);
+}
+
 static void handle(hs_req *req, void *arg) {
     proxy *px = arg;
     const char *path = hs_req_path(req);
@@ -210,6 +226,13 @@ static void handle(hs_req *req, void *arg) {
                         : !strcmp(path, "/metrics")             ? EP_METRICS
                                                                 : EP_OTHER;
     px->requests[ep]++;
+    /* as vLLM's --api-key: every /v1 path needs the key; /health, /metrics are open */
+    if (!strncmp(path, "/v1", 3) && (!path[3] || path[3] == '/') && !client_key_ok(px, req)) {
+        proxy_reply_error_hdr(px, req, 401, PERR_UNAUTHORIZED, "WWW-Authenticate: Bearer\r\n",
+                              "Unauthorized: send the proxy's API key as 'Authorization: Bearer "
+                              "<key>'");
+        return;
+    }
     if (ep == EP_OTHER) {
         proxy_reply_error(px, req, 404, PERR_NOT_FOUND,
                           "no route for %s %.200s; the proxy serves POST /v1/completions, POST "

@@ -24,13 +24,16 @@ typedef enum proxy_endpoint {
 } proxy_endpoint;
 
 typedef enum proxy_error_kind {
-    PERR_BAD_REQUEST = 0, /* invalid JSON, non-object body */
-    PERR_NOT_FOUND,       /* unknown path */
-    PERR_METHOD,          /* wrong method */
-    PERR_NOT_READY,       /* no ready prefill/decode instance */
-    PERR_PREFILL,         /* prefill request failed (502) */
-    PERR_DECODE,          /* decode request failed before or during the reply */
-    PERR_CLIENT_GONE,     /* client disconnected before the reply ended */
+    PERR_BAD_REQUEST = 0,  /* invalid JSON, non-object body */
+    PERR_NOT_FOUND,        /* unknown path */
+    PERR_METHOD,           /* wrong method */
+    PERR_NOT_READY,        /* no ready prefill/decode instance */
+    PERR_PREFILL,          /* prefill request failed (502) */
+    PERR_DECODE,           /* decode request failed before or during the reply */
+    PERR_CLIENT_GONE,      /* client disconnected before the reply ended */
+    PERR_PREFILL_REJECTED, /* prefill answered 4xx: relayed unchanged */
+    PERR_DECODE_REJECTED,  /* decode answered non-2xx (after a 2xx prefill): relayed */
+    PERR_UNAUTHORIZED,     /* --api-key set and the client did not send it */
     PERR_COUNT
 } proxy_error_kind;
 

@@ -2,11 +2,14 @@
  * relay — one client request through the proxy (PROTOCOL.md §1).  A
  * disaggregated completion sends the prefill body to a prefill instance and,
  * at the same time, the decode body to a decode instance, then relays the
- * decode response to the client as it arrives.  The decode bytes are held
- * (bounded; reading stops beyond RELAY_HOLD_MAX) until the prefill answered
- * 2xx, so a failed prefill still becomes a clear 502 for the client instead
- * of a decode that waits for KV that never comes; a decode error status is
- * relayed at once.  A refused connection (nothing sent) is retried on another
+ * decode response to the client as it arrives.  The decode response (its
+ * status too) is held (bounded; reading stops beyond RELAY_HOLD_MAX) until
+ * the prefill answered, and the prefill's verdict comes first: a prefill 4xx
+ * reaches the client unchanged (status, Content-Type, body), any other
+ * prefill failure becomes a clear 502/504 naming it, and only after a 2xx
+ * prefill is the decode's answer (success or error) relayed.  So when both
+ * reject, the client gets the prefill's status whichever answered first.  A
+ * refused connection (nothing sent) is retried on another
  * instance of that role (for a prefill, the decode request is re-issued too,
  * since it names the prefill's engine).  A client that disconnects cancels
  * both upstream requests (their connections are closed).
@@ -25,7 +28,8 @@
 
 #define MOD               "proxy"
 #define RELAY_HOLD_MAX    (1u << 20) /* decode bytes held while the prefill is pending */
-#define RELAY_ERRBODY_MAX 2048       /* prefill error body kept for the client's message */
+#define RELAY_ERRBODY_MAX 2048       /* prefill error body quoted in a 502 message */
+#define RELAY_4XXBODY_MAX (64u << 10) /* prefill 4xx body relayed unchanged up to this */
 
 typedef enum p_state { P_NONE = 0, P_PENDING, P_OK } p_state;
 
@@ -42,7 +46,8 @@ typedef struct relay {
     hc_req *p_req;                     /* prefill request in flight */
     p_state p_st;                      /* prefill progress */
     int p_status;                      /* its HTTP status */
-    struct evbuffer *p_err;            /* (<= RELAY_ERRBODY_MAX) its error body */
+    struct evbuffer *p_err;            /* (<= RELAY_4XXBODY_MAX + 1) its error body */
+    char p_ctype[128];                 /* its Content-Type */
     uint64_t p_tried;                  /* prefill backends that refused (bit = index) */
     uint64_t p_start_ns;               /* prefill dispatch time */
     char *d_body;                      /* decode body (JSON text), NULL for passthrough GET */
@@ -149,8 +154,9 @@ static void client_drained(hs_req *req, void *arg) {
     }
 }
 
+/* The decode's answer, error or not, waits for the prefill's verdict. */
 static int gate_open(const relay *r) {
-    return r->p_st != P_PENDING || (r->d_status && r->d_status / 100 != 2);
+    return r->p_st != P_PENDING;
 }
 
 /* Relays decode bytes to the client, pausing the decode on backpressure. */
@@ -170,6 +176,7 @@ static void relay_complete(relay *r) {
     if (r->p_done_ns) metrics_hist_observe(&r->px->t_decode, secs(now - r->p_done_ns));
     metrics_hist_observe(&r->px->t_total, secs(now - r->t0_ns));
     proxy_count_status(r->px, r->d_status);
+    if (r->d_status / 100 != 2) r->px->errors[PERR_DECODE_REJECTED]++;
     hs_reply_end(r->client);
     r->client = NULL;
     relay_free(r);
@@ -221,6 +228,24 @@ static char *headers_for(relay *r, int with_rank) {
 
 static int send_decode(relay *r);
 
+/* "no other prefill instance is reachable (http://a:1, http://b:2 refused the
+ * connection)", naming the instances tried, or "no prefill instance is ready". */
+static void tried_message(char *msg, size_t cap, const char *role, const backend *b, int n,
+                          uint64_t tried) {
+    if (!tried) {
+        snprintf(msg, cap, "no %s instance is ready", role);
+        return;
+    }
+    size_t len = (size_t)snprintf(msg, cap, "no other %s instance is reachable (", role);
+    const char *sep = "";
+    for (int i = 0; i < n && i < 64 && len < cap; i++)
+        if (tried & (1ull << i)) {
+            len += (size_t)snprintf(msg + len, cap - len, "%s%s", sep, b[i].url);
+            sep = ", ";
+        }
+    if (len < cap) snprintf(msg + len, cap - len, " refused the connection or is unreachable)");
+}
+
 /* Picks a prefill (not tried yet) and a decode, builds the decode body for
  * that prefill and sends both.  Returns 1 if r was freed. */
 static int send_pd(relay *r) {
@@ -229,10 +254,9 @@ static int send_pd(relay *r) {
     backend *p =
         policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried, &eng);
     if (!p) {
-        relay_fail(r, 503, PERR_NOT_READY,
-                   r->p_tried
-                       ? "no other prefill instance is reachable (all refused the connection)"
-                       : "no prefill instance is ready");
+        char msg[1024];
+        tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);
+        relay_fail(r, 503, PERR_NOT_READY, msg);
         return 1;
     }
     /* Fresh ids for every attempt: a decode instance may still be aborting
@@ -285,9 +309,9 @@ static int send_decode(relay *r) {
     backend *d =
         policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried, NULL);
     if (!d) {
-        relay_fail(r, 503, PERR_NOT_READY,
-                   r->d_tried ? "no other decode instance is reachable (all refused the connection)"
-                              : "no decode instance is ready");
+        char msg[1024];
+        tried_message(msg, sizeof msg, "decode", px->decode, px->ndecode, r->d_tried);
+        relay_fail(r, 503, PERR_NOT_READY, msg);
         return 1;
     }
     r->d = d;
@@ -328,13 +352,34 @@ static void reset_d(relay *r) {
 static void p_head(hc_req *q, const http_head *h, void *arg) {
     relay *r = arg;
     r->p_status = h->status;
+    const char *ct = http_head_get(h, "Content-Type");
+    snprintf(r->p_ctype, sizeof r->p_ctype, "%s", ct && strlen(ct) < sizeof r->p_ctype ? ct : "");
 }
 
 static void p_data(hc_req *q, struct evbuffer *data, void *arg) {
     relay *r = arg;
     if (r->p_status / 100 == 2) return; /* the 1-token answer is discarded */
     size_t have = evbuffer_get_length(r->p_err);
-    if (have < RELAY_ERRBODY_MAX) evbuffer_remove_buffer(data, r->p_err, RELAY_ERRBODY_MAX - have);
+    /* One byte beyond the limit tells "too large to relay" from "exactly the limit". */
+    if (have <= RELAY_4XXBODY_MAX)
+        evbuffer_remove_buffer(data, r->p_err, RELAY_4XXBODY_MAX + 1 - have);
+}
+
+/* The prefill rejected the request (4xx): the client gets that answer as is
+ * (status, Content-Type, body); the decode request is cancelled. */
+static void relay_prefill_rejected(relay *r) {
+    cancel_d(r);
+    size_t n = evbuffer_get_length(r->p_err);
+    LOG_I(MOD, "request %s: prefill %s answered HTTP %d; relaying it", r->request_id, r->p->url,
+          r->p_status);
+    r->px->errors[PERR_PREFILL_REJECTED]++;
+    proxy_count_status(r->px, r->p_status);
+    http_header ct = {"Content-Type", r->p_ctype[0] ? r->p_ctype : "application/json"};
+    hs_reply_start(r->client, r->p_status, &ct, 1, (int64_t)n);
+    if (n) hs_reply_data(r->client, r->p_err);
+    hs_reply_end(r->client);
+    r->client = NULL;
+    relay_free(r);
 }
 
 static void p_done(hc_req *q, int err, void *arg) {
@@ -362,9 +407,15 @@ static void p_done(hc_req *q, int err, void *arg) {
         relay_fail(r, err == HC_ETIMEOUT ? 504 : 502, PERR_PREFILL, msg);
         return;
     }
+    if (r->p_status / 100 == 4 && evbuffer_get_length(r->p_err) <= RELAY_4XXBODY_MAX) {
+        p_finish_metrics(r, 0);
+        relay_prefill_rejected(r);
+        return;
+    }
     if (r->p_status / 100 != 2) {
         p_finish_metrics(r, r->p_status >= 500);
         size_t n = evbuffer_get_length(r->p_err);
+        if (n > RELAY_ERRBODY_MAX) n = RELAY_ERRBODY_MAX;
         snprintf(msg, sizeof msg, "prefill instance %s failed: HTTP %d%s%.*s", p->url, r->p_status,
                  n ? ": " : "", (int)n, n ? (const char *)evbuffer_pullup(r->p_err, -1) : "");
         relay_fail(r, 502, PERR_PREFILL, msg);
@@ -393,14 +444,9 @@ static void d_head(hc_req *q, const http_head *h, void *arg) {
         r->d_hdrs[i].value = strdup(h->headers[i].value);
         r->d_nhdrs++;
     }
-    if (h->status / 100 != 2 && r->p_st == P_PENDING) {
-        /* The decode refused the request: its answer is the client's; the
-         * prefill's KV would never be pulled. */
-        LOG_W(MOD, "request %s: decode %s answered HTTP %d; cancelling the prefill", r->request_id,
-              r->d->url, h->status);
-        cancel_p(r);
-        r->p_st = P_NONE;
-    }
+    if (h->status / 100 != 2 && r->p_st == P_PENDING)
+        LOG_I(MOD, "request %s: decode %s answered HTTP %d; holding it for the prefill's verdict",
+              r->request_id, r->d->url, h->status);
     (void)relay_advance(r);
 }
 

@@ -27,6 +27,7 @@ typedef struct gen_event {
     char finish_reason[16];              /* FINISHED */
     int32_t stop_token;                  /* FINISHED: eos/stop id or -1 */
     char *error;                         /* FINISHED with "error" */
+    int error_status;                    /* its HTTP status (0 = 500) */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
     int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
     engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
@@ -51,6 +52,7 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
                  ev->finish_reason ? ev->finish_reason : "error");
         g->stop_token = ev->stop_token;
         g->error = ev->error ? strdup(ev->error) : NULL;
+        g->error_status = ev->error_status;
         g->n_prompt = ev->n_prompt;
         g->n_cached = ev->n_cached;
         g->n_generated = ev->n_generated;
@@ -254,6 +256,28 @@ static void gen_complete(gen_req *r) {
     gen_free_and_account(r);
 }
 
+/* The HTTP status and OpenAI error type of a choice that ended in error: the
+ * engine's (a KV load names 400 / 502 / 503 / 504), else 500. */
+static int gen_error_status(const gen_choice *c) {
+    int s = c->error_status;
+    return s >= 400 && s <= 599 ? s : 500;
+}
+
+static const char *gen_error_type(const gen_choice *c) {
+    switch (gen_error_status(c)) {
+    case 400:
+        return "BadRequestError";
+    case 502:
+        return "BadGatewayError";
+    case 503:
+        return "ServiceUnavailableError";
+    case 504:
+        return "GatewayTimeoutError";
+    default:
+        return "InternalServerError";
+    }
+}
+
 /* The choice produced its last output. */
 static void gen_choice_done(gen_choice *c, const char *reason) {
     gen_req *r = c->r;
@@ -270,7 +294,7 @@ static void gen_choice_done(gen_choice *c, const char *reason) {
         sbuf_init(&sse, (size_t)1 << 30);
         if (c->error) {
             oai_error e;
-            oai_error_set(&e, 500, "InternalServerError", NULL, "%s", c->error);
+            oai_error_set(&e, gen_error_status(c), gen_error_type(c), NULL, "%s", c->error);
             char *j = oai_error_json(&e);
             if (j) sbuf_appendf(&sse, "data: %s\n\n", j);
             free(j);
@@ -279,6 +303,56 @@ static void gen_choice_done(gen_choice *c, const char *reason) {
         }
         gen_send_chunk(r, &sse);
         sbuf_free(&sse);
+    }
+}
+
+/* Submit choice c to the engine (with the request's kv_transfer_params when
+ * with_kv); on failure r->err is set.  0 or a negative error. */
+static int gen_submit(gen_req *r, gen_choice *c, bool with_kv) {
+    engine_request_params p;
+    memset(&p, 0, sizeof p);
+    p.prompt = r->pids[c->prompt];
+    p.n_prompt = r->n_pids[c->prompt];
+    p.max_tokens = c->max_tokens;
+    p.min_tokens = r->o.min_tokens;
+    p.ignore_eos = r->o.ignore_eos;
+    p.stop_token_ids = r->o.stop_token_ids;
+    p.n_stop_token_ids = r->o.n_stop_token_ids;
+    p.sampling = r->o.sampling;
+    /* choice i of a prompt samples with seed + i, here and on every instance */
+    if (p.sampling.has_seed) p.sampling.seed += (uint64_t)(c->index % r->o.n);
+    p.request_id = r->id;
+    p.kv_transfer_params = with_kv ? r->kv_params_text : NULL;
+    char err[512] = "";
+    int rc = engine_submit(r->s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
+    if (rc) {
+        r->has_err = true;
+        oai_error_set(&r->err, rc == -EINVAL ? 400 : 500,
+                      rc == -EINVAL ? "BadRequestError" : "InternalServerError", NULL, "%s",
+                      err[0] ? err : "the engine refused the request");
+        return rc;
+    }
+    c->submitted = true;
+    r->n_pending++;
+    return 0;
+}
+
+/* Choice 0 produced its first token (its prompt KV is computed or pulled, and
+ * cached): submit the deferred choices; they find its prompt blocks in the
+ * prefix cache.  Or choice 0 ended without one (error set, or abort): end them
+ * the same way. */
+static void gen_release_deferred(gen_req *r, bool submit, const char *error) {
+    if (r->n_deferred == 0) return;
+    r->n_deferred = 0;
+    for (int i = 0; i < r->n_ch; i++) {
+        gen_choice *c = &r->ch[i];
+        if (!c->deferred) continue;
+        c->deferred = false;
+        if (submit && !r->client_gone && !r->has_err && gen_submit(r, c, false) == 0) continue;
+        const char *why = error ? error : r->has_err ? r->err.message : NULL;
+        if (why) c->error = strdup(why);
+        c->engine_done = true;
+        gen_choice_done(c, why ? "error" : "abort");
     }
 }
 
@@ -294,6 +368,7 @@ static void gen_add_logprobs(gen_choice *c, const engine_token *t) {
 
 static void gen_on_token(gen_choice *c, const engine_token *t) {
     gen_req *r = c->r;
+    if (c->index == 0 && r->n_deferred > 0) gen_release_deferred(r, true, NULL);
     if (c->out_done) return;
     uint64_t now = clock_now_ns();
     server_metrics *m = &r->s->metrics;
@@ -354,12 +429,17 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
             c->echo_logprobs = lp;
         }
     }
+    if (c->index == 0 && r->n_deferred > 0) /* it ended before its first token */
+        gen_release_deferred(
+            r, false,
+            !strcmp(g->finish_reason, "error") ? (g->error ? g->error : "engine error") : NULL);
     if (c->out_done) return;
     if (!strcmp(g->finish_reason, "error")) {
         c->error = strdup(g->error ? g->error : "engine error");
+        c->error_status = g->error_status;
         if (!r->has_err) {
             r->has_err = true;
-            oai_error_set(&r->err, 500, "InternalServerError", NULL, "%s", c->error);
+            oai_error_set(&r->err, gen_error_status(c), gen_error_type(c), NULL, "%s", c->error);
         }
         gen_choice_done(c, "error");
         return;
@@ -435,26 +515,28 @@ void gen_drop_events(server *s) {
 
 /* ---- start ---------------------------------------------------------------------- */
 
+/* vLLM's wording (its renderer's length check, VLLMValidationError with
+ * parameter input_tokens): clients match "maximum context length is N tokens". */
+static void gen_context_error(gen_req *r, int mml, int np, long long mt) {
+    oai_error_set(&r->err, 400, "BadRequestError", "input_tokens",
+                  "This model's maximum context length is %d tokens. However, you requested %lld "
+                  "output tokens and your prompt contains %d input tokens, for a total of %lld "
+                  "tokens. Please reduce the length of the input prompt or the number of "
+                  "requested output tokens. (parameter=input_tokens, value=%d)",
+                  mml, mt, np, (long long)np + mt, np);
+}
+
 static int gen_check_lengths(gen_req *r, int p, int *max_tokens) {
     int mml = r->s->max_model_len, np = r->n_pids[p];
-    const char *what = r->chat ? "messages" : "prompt";
     int mt = r->o.max_tokens;
     if (mt < 0) {
-        if (np >= mml) {
-            oai_error_set(&r->err, 400, "BadRequestError", what,
-                          "This model's maximum context length is %d tokens. However, your %s "
-                          "contains %d input tokens, leaving no room for the completion. Please "
-                          "reduce the length of the %s.",
-                          mml, what, np, what);
+        if (np >= mml) { /* no room for one output token */
+            gen_context_error(r, mml, np, 0);
             return -EINVAL;
         }
         mt = mml - np;
     } else if ((long long)np + mt > mml) {
-        oai_error_set(&r->err, 400, "BadRequestError", np >= mml ? what : "max_tokens",
-                      "This model's maximum context length is %d tokens. However, you requested "
-                      "%lld tokens (%d in the %s, %d in the completion). Please reduce the "
-                      "length of the %s or completion.",
-                      mml, (long long)np + mt, np, what, mt, what);
+        gen_context_error(r, mml, np, mt);
         return -EINVAL;
     }
     if (r->o.min_tokens > mt) {
@@ -516,6 +598,7 @@ void gen_start(gen_req *r) {
         c->r = r;
         c->index = i;
         c->prompt = i / r->o.n;
+        c->max_tokens = max_tokens[c->prompt];
         sbuf_init(&c->text, (size_t)1 << 30);
         if (sbuf_append(&c->text, "", 0)) { /* text.data is never NULL from here on */
             oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
@@ -546,34 +629,25 @@ void gen_start(gen_req *r) {
     r->next = s->live;
     if (s->live) s->live->prev = r;
     s->live = r;
+    /* n > 1 with kv_transfer_params: one transfer moves the prompt once.  Choice 0
+     * carries the params (it pulls the KV on a decoder, keeps it for the decoder on a
+     * prefiller); the other choices are submitted without them once choice 0 has
+     * produced its first token — its prompt blocks are then in the prefix cache and
+     * they share them (gen_release_deferred). */
+    int n_now = r->kv_params_text ? 1 : r->n_ch;
     for (int i = 0; i < r->n_ch; i++) {
         gen_choice *c = &r->ch[i];
-        engine_request_params p;
-        memset(&p, 0, sizeof p);
-        p.prompt = r->pids[c->prompt];
-        p.n_prompt = r->n_pids[c->prompt];
-        p.max_tokens = max_tokens[c->prompt];
-        p.min_tokens = r->o.min_tokens;
-        p.ignore_eos = r->o.ignore_eos;
-        p.stop_token_ids = r->o.stop_token_ids;
-        p.n_stop_token_ids = r->o.n_stop_token_ids;
-        p.sampling = r->o.sampling;
-        if (p.sampling.has_seed) p.sampling.seed += (uint64_t)(i % r->o.n);
-        p.request_id = r->id;
-        p.kv_transfer_params = r->kv_params_text;
-        char err[512] = "";
-        int rc = engine_submit(s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
-        if (rc) {
-            r->has_err = true;
-            oai_error_set(&r->err, rc == -EINVAL ? 400 : 500,
-                          rc == -EINVAL ? "BadRequestError" : "InternalServerError", NULL, "%s",
-                          err[0] ? err : "the engine refused the request");
+        if (i >= n_now) {
+            c->deferred = true;
+            r->n_deferred++;
+            continue;
+        }
+        if (gen_submit(r, c, true)) {
             for (int k = 0; k < i; k++)
                 engine_abort(s->eng, r->ch[k].eid);
+            r->n_deferred = 0;
             break;
         }
-        c->submitted = true;
-        r->n_pending++;
     }
     /* Events are handled on this thread, so none is processed before we return:
      * the stream can start after the submissions. */

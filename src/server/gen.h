@@ -32,6 +32,9 @@ typedef struct gen_choice {
     bool submitted;            /* engine_submit succeeded: a FINISHED event will come */
     bool engine_done;          /* FINISHED received */
     bool out_done;             /* no more output: stop string matched or engine finished */
+    bool deferred;             /* n > 1 with kv_transfer_params: submitted after choice 0's
+                                  first token, so that it shares choice 0's prompt blocks */
+    int max_tokens;            /* the engine's max_tokens for it */
     detok_stream ds;           /* tokens → released text */
     sbuf text;                 /* all released text */
     size_t sent;               /* bytes of text already streamed as content */
@@ -48,6 +51,7 @@ typedef struct gen_choice {
     int n_kv_received;         /* of the prompt, tokens whose KV came from a producer */
     int n_prompt_computed;     /* prompt tokens this instance computed */
     char *error;               /* engine error message */
+    int error_status;          /* its HTTP status from the engine (0 = 500) */
     uint64_t t_first, t_last;  /* clock_now_ns of the first / latest token */
     bool role_sent;            /* chat stream: the role chunk went out */
 } gen_choice;
@@ -82,6 +86,7 @@ struct gen_req {
     gen_choice *ch;                 /* (n_ch) choices */
     int n_ch;                       /* n_prompts * n */
     int n_pending;                  /* submitted engine requests not yet FINISHED */
+    int n_deferred;                 /* choices waiting for choice 0's first token */
     bool streaming;                 /* reply started as SSE */
     bool client_gone;               /* the client left: engine requests aborted */
     bool detached;                  /* libevent closed the connection (http detached) */

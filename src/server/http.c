@@ -39,6 +39,9 @@ void server_config_init(server_config *c) {
     c->header_timeout_s = 60;   /* nginx's client_header_timeout */
     c->keepalive_timeout_s = 5; /* uvicorn's and vLLM's */
     c->log_requests = 1;
+    c->log_stats = 1;
+    c->max_logprobs = 20; /* vLLM's default */
+    c->generation_config = "auto";
     engine_config_init(&c->engine);
 }
 
@@ -233,10 +236,126 @@ static int api_key_ok(server *s, struct evhttp_request *req) {
     return diff == 0;
 }
 
+/* ---- CORS (vLLM's CORSMiddleware: --allowed-origins/-methods/-headers, --allow-credentials) ---
+ * As Starlette's middleware: a request with an Origin header gets Access-Control-Allow-Origin
+ * when the origin is allowed ("*" when every origin is and credentials are off, else the origin
+ * itself with Vary: Origin); a preflight (OPTIONS with Access-Control-Request-Method) is
+ * answered here: 200 "OK" with the allowed methods and headers, or 400 naming what was
+ * disallowed. */
+
+/* 1 when list (a JSON array of strings; NULL = ["*"]) holds "*" or item (case-insensitive
+ * when ci). */
+static int cors_list_has(const json_t *list, const char *item, size_t len, int ci) {
+    if (!list) return 1;
+    size_t i;
+    const json_t *v;
+    json_array_foreach(list, i, v) {
+        const char *x = json_string_value(v);
+        if (!x) continue;
+        if (!strcmp(x, "*")) return 1;
+        if (strlen(x) == len && (ci ? !strncasecmp(x, item, len) : !strncmp(x, item, len)))
+            return 1;
+    }
+    return 0;
+}
+
+/* 1 when list is NULL or holds "*" (no entry is "\x01") */
+#define CORS_WILD(list) cors_list_has((list), "\x01", 1, 0)
+
+static void cors_allow_origin(const server *s, struct evkeyvalq *out, const char *origin) {
+    int wild = !s->cfg.cors_origins || CORS_WILD(s->cfg.cors_origins);
+    if (wild && !s->cfg.cors_credentials)
+        evhttp_add_header(out, "Access-Control-Allow-Origin", "*");
+    else {
+        evhttp_add_header(out, "Access-Control-Allow-Origin", origin);
+        evhttp_add_header(out, "Vary", "Origin");
+    }
+    if (s->cfg.cors_credentials) evhttp_add_header(out, "Access-Control-Allow-Credentials", "true");
+}
+
+/* Returns 1 when the request was a preflight and has been answered. */
+static int cors_handle(server *s, struct evhttp_request *req) {
+    struct evkeyvalq *in = evhttp_request_get_input_headers(req);
+    struct evkeyvalq *out = evhttp_request_get_output_headers(req);
+    const char *origin = evhttp_find_header(in, "Origin");
+    if (!origin) return 0;
+    int origin_ok = cors_list_has(s->cfg.cors_origins, origin, strlen(origin), 0);
+    const char *want = evhttp_find_header(in, "Access-Control-Request-Method");
+    if (evhttp_request_get_command(req) != EVHTTP_REQ_OPTIONS || !want) {
+        if (origin_ok) cors_allow_origin(s, out, origin);
+        return 0;
+    }
+    char why[256] = "";
+    if (!origin_ok) snprintf(why, sizeof why, "origin");
+    if (!cors_list_has(s->cfg.cors_methods, want, strlen(want), 1))
+        snprintf(why + strlen(why), sizeof why - strlen(why), "%smethod", *why ? ", " : "");
+    const char *hdrs = evhttp_find_header(in, "Access-Control-Request-Headers");
+    if (hdrs && s->cfg.cors_headers && !CORS_WILD(s->cfg.cors_headers)) {
+        static const char *safe[] = {"accept", "accept-language", "content-language",
+                                     "content-type"};
+        for (const char *p = hdrs; *p;) {
+            while (*p == ' ' || *p == ',')
+                p++;
+            size_t n = strcspn(p, ", ");
+            if (!n) break;
+            int ok = cors_list_has(s->cfg.cors_headers, p, n, 1);
+            for (size_t k = 0; k < 4 && !ok; k++)
+                ok = strlen(safe[k]) == n && !strncasecmp(safe[k], p, n);
+            if (!ok) {
+                snprintf(why + strlen(why), sizeof why - strlen(why), "%sheaders",
+                         *why ? ", " : "");
+                break;
+            }
+            p += n;
+        }
+    }
+    struct evbuffer *b = evbuffer_new();
+    evhttp_add_header(out, "Content-Type", "text/plain; charset=utf-8");
+    if (*why) {
+        evbuffer_add_printf(b, "Disallowed CORS %s", why);
+        evhttp_send_reply(req, 400, "Bad Request", b);
+        evbuffer_free(b);
+        return 1;
+    }
+    cors_allow_origin(s, out, origin);
+    if (!s->cfg.cors_methods || CORS_WILD(s->cfg.cors_methods))
+        evhttp_add_header(out, "Access-Control-Allow-Methods",
+                          "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT");
+    else {
+        char *m = NULL;
+        size_t i, o = 0, cap = 0;
+        const json_t *v;
+        json_array_foreach(s->cfg.cors_methods, i, v) cap += strlen(json_string_value(v)) + 2;
+        m = calloc(1, cap + 1);
+        json_array_foreach(s->cfg.cors_methods, i, v) o +=
+            (size_t)snprintf(m + o, cap + 1 - o, "%s%s", i ? ", " : "", json_string_value(v));
+        if (m) evhttp_add_header(out, "Access-Control-Allow-Methods", m);
+        free(m);
+    }
+    if (hdrs && (!s->cfg.cors_headers || CORS_WILD(s->cfg.cors_headers)))
+        evhttp_add_header(out, "Access-Control-Allow-Headers", hdrs);
+    else if (s->cfg.cors_headers) {
+        char m[2048] = "Accept, Accept-Language, Content-Language, Content-Type";
+        size_t i;
+        const json_t *v;
+        json_array_foreach(s->cfg.cors_headers, i, v) {
+            size_t o = strlen(m);
+            snprintf(m + o, sizeof m - o, ", %s", json_string_value(v));
+        }
+        evhttp_add_header(out, "Access-Control-Allow-Headers", m);
+    }
+    evhttp_add_header(out, "Access-Control-Max-Age", "600");
+    evbuffer_add_printf(b, "OK");
+    evhttp_send_reply(req, 200, "OK", b);
+    evbuffer_free(b);
+    return 1;
+}
+
 static void http_dispatch(struct evhttp_request *req, void *arg) {
     server *s = arg;
     s->metrics.http_requests++;
     http_conn_request_begins(s, req);
+    if (cors_handle(s, req)) return;
     const char *path = evhttp_uri_get_path(evhttp_request_get_evhttp_uri(req));
     if (!path) path = "/";
     int method = evhttp_request_get_command(req);
@@ -279,6 +398,35 @@ static void http_dispatch(struct evhttp_request *req, void *arg) {
 
 /* ---- loading ---------------------------------------------------------------------- */
 
+/* --generation-config DIR: the sampling defaults of DIR/generation_config.json (checked by
+ * the command line before the server starts). */
+static void load_generation_config(server *s, const char *dir) {
+    char p[4096];
+    snprintf(p, sizeof p, "%s/generation_config.json", dir);
+    json_error_t je;
+    json_t *g = json_load_file(p, 0, &je);
+    if (!json_is_object(g)) {
+        LOG_W("server", "--generation-config: %s: %s; using no defaults", p, je.text);
+        json_decref(g);
+        return;
+    }
+    const json_t *v;
+    if ((v = json_object_get(g, "temperature")) && json_is_number(v))
+        s->defaults.temperature = (float)json_number_value(v);
+    if ((v = json_object_get(g, "top_p")) && json_is_number(v))
+        s->defaults.top_p = (float)json_number_value(v);
+    if ((v = json_object_get(g, "top_k")) && json_is_integer(v))
+        s->defaults.top_k = (int)json_integer_value(v);
+    if ((v = json_object_get(g, "repetition_penalty")) && json_is_number(v))
+        s->defaults.repetition_penalty = (float)json_number_value(v);
+    LOG_I("server",
+          "default sampling from %s: temperature %g top_p %g top_k %d repetition_penalty %g (a "
+          "request's own values win)",
+          p, s->defaults.temperature, s->defaults.top_p, s->defaults.top_k,
+          s->defaults.repetition_penalty);
+    json_decref(g);
+}
+
 static void *loader_main(void *arg) {
     server *s = arg;
     char err[1024] = "";
@@ -299,7 +447,8 @@ static void *loader_main(void *arg) {
         }
     }
     tokenizer *tok = NULL;
-    rc = tokenizer_load(engine_model_dir(e), &tok, err, sizeof err);
+    const char *tok_dir = s->cfg.tokenizer_dir ? s->cfg.tokenizer_dir : engine_model_dir(e);
+    rc = tokenizer_load(tok_dir, &tok, err, sizeof err);
     if (rc) {
         snprintf(s->load_error, sizeof s->load_error, "loading the tokenizer failed: %s", err);
         if (s->conn) mooncake_connector_destroy(s->conn);
@@ -307,12 +456,17 @@ static void *loader_main(void *arg) {
         engine_destroy(e);
         goto fail;
     }
-    const char *tt = tokenizer_chat_template(tok);
+    const char *tt = s->cfg.chat_template ? s->cfg.chat_template : tokenizer_chat_template(tok);
     if (!tt)
         snprintf(s->tmpl_error, sizeof s->tmpl_error, "the model has no chat template");
     else if (chat_template_init(tt, &s->tmpl, err, sizeof err))
         snprintf(s->tmpl_error, sizeof s->tmpl_error, "%s", err);
     const model_config *mc = engine_model_config(e);
+    const char *gc = s->cfg.generation_config;
+    if (gc && strcmp(gc, "auto")) {
+        mc = NULL; /* "vllm": no generation_config.json defaults; a directory: its file */
+        if (strcmp(gc, "vllm")) load_generation_config(s, gc);
+    }
     if (mc && mc->has_gen_defaults) {
         s->defaults.temperature = mc->gen_temperature;
         s->defaults.top_p = mc->gen_top_p;
@@ -371,6 +525,12 @@ int server_run(const server_config *cfg) {
     oai_defaults_init(&s->defaults);
     s->defaults.served_model_name = s->model_name;
     s->defaults.model_path = cfg->model;
+    s->defaults.max_logprobs = cfg->max_logprobs;
+    if (cfg->root_path && *cfg->root_path)
+        LOG_I("server",
+              "--root-path %s: routes stay at /v1/... (a proxy in front strips the prefix, as "
+              "with uvicorn)",
+              cfg->root_path);
     metrics_init(&s->metrics);
     pthread_mutex_init(&s->q_lock, NULL);
     signal(SIGPIPE, SIG_IGN);

@@ -42,6 +42,7 @@ void oai_defaults_init(oai_defaults *d) {
     d->top_p = 1.0f;
     d->top_k = 0;
     d->repetition_penalty = 1.0f;
+    d->max_logprobs = -1; /* no cap below OAI_MAX_LOGPROBS */
 }
 
 /* ---- typed getters ------------------------------------------------------
@@ -501,6 +502,17 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
             goto out;
         }
         r->kv_transfer_params = json_incref((json_t *)kv);
+    }
+    if (d->max_logprobs >= 0 &&
+        (r->logprobs > d->max_logprobs || r->prompt_logprobs > d->max_logprobs)) {
+        int asked = r->logprobs > r->prompt_logprobs ? r->logprobs : r->prompt_logprobs;
+        bad(err,
+            r->logprobs > d->max_logprobs ? (kind == OAI_CHAT ? "top_logprobs" : "logprobs")
+                                          : "prompt_logprobs",
+            "Requested sample logprobs of %d, which is greater than max allowed: %d (the server's "
+            "--max-logprobs)",
+            asked, d->max_logprobs);
+        goto out;
     }
     r->sampling.logprobs = r->logprobs;
     int plp = r->prompt_logprobs;

@@ -48,6 +48,7 @@ typedef struct oai_defaults {
     float top_p;                   /* from generation_config.json, else 1 */
     int top_k;                     /* from generation_config.json, else 0 (off) */
     float repetition_penalty;      /* from generation_config.json, else 1 */
+    int max_logprobs;              /* --max-logprobs: most logprobs a request may ask (20) */
 } oai_defaults;
 
 void oai_defaults_init(oai_defaults *d);

@@ -22,16 +22,27 @@
 typedef json_t *(*server_kv_params_fn)(void *ctx, const json_t *request_params, uint64_t engine_id);
 
 typedef struct server_config {
-    const char *host;                 /* listen address (default "0.0.0.0") */
-    int port;                         /* listen port (default 8000) */
-    const char *model;                /* MODEL as given (directory or hub name) */
-    const char *served_model_name;    /* name in /v1/models and responses; NULL = model */
-    const char *api_key;              /* Bearer key required on the /v1 routes; NULL = none */
-    const char *kv_transfer_config;   /* --kv-transfer-config JSON text, kept for the connector */
-    size_t max_body_bytes;            /* request body limit (default 32 MiB) → 413 */
-    double header_timeout_s;          /* head complete this long after its first byte (60) */
-    double keepalive_timeout_s;       /* idle keep-alive connection closed after (5) */
-    int log_requests;                 /* log one line per request (default 1) */
+    const char *host;               /* listen address (default "0.0.0.0") */
+    int port;                       /* listen port (default 8000) */
+    const char *model;              /* MODEL as given (directory or hub name) */
+    const char *served_model_name;  /* name in /v1/models and responses; NULL = model */
+    const char *api_key;            /* Bearer key required on the /v1 routes; NULL = none */
+    const char *kv_transfer_config; /* --kv-transfer-config JSON text, kept for the connector */
+    size_t max_body_bytes;          /* request body limit (default 32 MiB) → 413 */
+    double header_timeout_s;        /* head complete this long after its first byte (60) */
+    double keepalive_timeout_s;     /* idle keep-alive connection closed after (5) */
+    int log_requests;               /* log one line per request (default 1) */
+    int log_stats;                  /* --disable-log-stats clears it (default 1) */
+    const char *tokenizer_dir;      /* --tokenizer, resolved; NULL = the model directory */
+    const char *chat_template;      /* --chat-template text; NULL = the tokenizer's */
+    int max_logprobs;               /* --max-logprobs: most (top_)logprobs a request asks (20) */
+    const char *generation_config;  /* "auto" (default: the model's generation_config.json),
+                                       "vllm" (none), or a directory holding one */
+    const char *root_path;          /* --root-path: proxy prefix, informational (as uvicorn) */
+    /* CORS (vLLM's --allowed-origins/--allowed-methods/--allowed-headers, JSON lists, and
+     * --allow-credentials); NULL lists = ["*"] */
+    json_t *cors_origins, *cors_methods, *cors_headers;
+    int cors_credentials;
     engine_config engine;             /* passed to engine_create */
     server_kv_params_fn kv_params_fn; /* connector hook, NULL = null */
     void *kv_params_ctx;              /* its context */

@@ -448,7 +448,11 @@ int tcp_client_create(struct transfer_engine *e, const tcp_path *paths, int npat
     c->nlanes = npaths * lanes_per_path;
     c->connect_timeout_ns = connect_timeout_ns;
     c->secret = secret && *secret ? secret : NULL;
-    c->max_tries = (uint32_t)(npaths > 1 ? npaths + 1 : 2);
+    /* A connection loss usually breaks every lane of a path at once (a reset
+     * link, a restarted relay), and a retry pushed onto a sibling lane may hit
+     * a connection that has not noticed yet: allow one try per lane of a path
+     * beyond one per path, so a retry always gets to a fresh connection. */
+    c->max_tries = (uint32_t)(npaths + lanes_per_path > 2 ? npaths + lanes_per_path : 2);
     c->lanes = calloc((size_t)c->nlanes, sizeof *c->lanes);
     if (!c->lanes) {
         free(c);

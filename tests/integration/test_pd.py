@@ -265,7 +265,7 @@ def test_abort_timeout_frees_unpulled_blocks():
 
 
 def test_unknown_transfer_fails_decode_within_deadline():
-    x = PD(p_env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "2"})
+    x = PD(p_env={"DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT": "2"})
     try:
         body = dict(BODY, prompt=corpus_prompts()[3], kv_transfer_params={
             "do_remote_prefill": True, "remote_engine_id": x.engine_id,
@@ -284,8 +284,9 @@ def test_unknown_transfer_fails_decode_within_deadline():
 def test_prefill_rejected_fails_decoder_within_abort_timeout():
     """P rejects its request (bad max_tokens), so no request with that transfer_id
     ever reaches P's connector: D's pull is answered with an error when P's
-    abort timeout passes, D's request fails cleanly, no block stays in use."""
-    x = PD(p_env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "2"})
+    DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT passes, D's request fails cleanly, no block
+    stays in use."""
+    x = PD(p_env={"DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT": "2"})
     try:
         def break_p(pb):
             pb["max_tokens"] = -5

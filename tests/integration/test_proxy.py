@@ -7,12 +7,18 @@ import socket
 import threading
 import time
 
+import concurrent.futures
+
 import openai
 import pytest
 import requests
 
 from proxy_fixtures import (UUID4, assert_openai_error, free_port, json_body, proxy_factory,  # noqa: F401
                             doubles, raw_request, sent, split_response, BIN)
+
+
+def cf_pool():
+    return concurrent.futures.ThreadPoolExecutor(1)
 
 
 def pd(doubles, proxy_factory, extra=(), **kw):
@@ -83,10 +89,14 @@ def test_max_completion_tokens_absent_stays_absent(doubles, proxy_factory):
     assert "max_tokens" not in json_body(d.completions()[0])
 
 
-def test_api_key_flag_replaces_authorization(doubles, proxy_factory):
+def test_api_key_flag_checked_and_forwarded(doubles, proxy_factory):
     p, d, px = pd(doubles, proxy_factory, extra=["--api-key", "sk-upstream"])
     r = requests.post(px.url + "/v1/completions", json={"prompt": "a"},
                       headers={"Authorization": "Bearer from-client"})
+    assert r.status_code == 401  # test_proxy_args.py covers the check
+    assert not p.completions() and not d.completions()
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "a"},
+                      headers={"Authorization": "Bearer sk-upstream"})
     assert r.status_code == 200
     for rec in (p.completions()[0], d.completions()[0]):
         assert rec["headers"]["authorization"] == "Bearer sk-upstream"
@@ -168,23 +178,75 @@ def test_openai_client_same_answers_as_the_decode_instance(doubles, proxy_factor
     assert parts == parts_d and "".join(parts)
 
 
-def test_decode_error_status_is_relayed_and_prefill_cancelled(doubles, proxy_factory):
-    p, d, px = pd(doubles, proxy_factory)
-    # warm up: the proxy then holds a keep-alive connection to P, so the prefill request is
-    # on P's socket at once (a request cancelled while still connecting never reaches P)
+def _warm(p, d, px):
+    # warm up: the proxy then holds keep-alive connections to P and D, so each upstream
+    # request is on its socket at once (one cancelled while still connecting never arrives)
     assert requests.post(px.url + "/v1/completions", json={"prompt": "w"}).status_code == 200
     p.clear()
     d.clear()
+
+
+def _wait_done(double, timeout=5):
+    deadline = time.monotonic() + timeout
+    while not double.completions() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec = double.completions()[0]
+    assert rec["done"].wait(timeout)
+    return rec
+
+
+def test_decode_error_waits_for_the_prefill_verdict_then_is_relayed(doubles, proxy_factory):
+    """D rejects while P is still working: the client gets D's answer unchanged, but only
+    once P answered 2xx (P's verdict comes first)."""
+    p, d, px = pd(doubles, proxy_factory)
+    _warm(p, d, px)
     p.hold = True
     d.fail_status = 400
-    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    with cf_pool() as ex:
+        fut = ex.submit(requests.post, px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        _wait_done(d)  # D has answered 400
+        time.sleep(0.3)
+        assert not fut.done(), "the decode's error was relayed before the prefill's verdict"
+        p.release()
+        r = fut.result()
     assert r.status_code == 400
     assert r.content == sent(d.completions()[0])
-    deadline = time.monotonic() + 5
-    while not p.completions() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    rec = p.completions()[0]
-    assert rec["done"].wait(5) and rec["peer_closed"], "the prefill request was not cancelled"
+    assert px.metrics()['disagg_proxy_errors_total{reason="decode_rejected"}'] == 1
+
+
+def test_prefill_4xx_is_relayed_unchanged_and_decode_cancelled(doubles, proxy_factory):
+    p, d, px = pd(doubles, proxy_factory)
+    _warm(p, d, px)
+    d.hold = True  # a decode that would wait for KV that never comes
+    p.fail_status = 422
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 422, r.text
+    assert r.content == sent(p.completions()[0])
+    assert r.headers["Content-Type"] == "application/json"
+    assert "injected failure on p0" in r.json()["error"]["message"]
+    rec = _wait_done(d)
+    assert rec["peer_closed"], "the decode request was not cancelled"
+    m = px.metrics()
+    assert m['disagg_proxy_errors_total{reason="prefill_rejected"}'] == 1
+    assert m['disagg_proxy_responses_total{code="4xx"}'] == 1
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+def test_both_reject_client_gets_the_prefills_status_in_either_order(doubles, proxy_factory, first):
+    p, d, px = pd(doubles, proxy_factory)
+    _warm(p, d, px)
+    p.fail_status, d.fail_status = 400, 422
+    later = d if first == "prefill" else p
+    earlier = p if first == "prefill" else d
+    later.hold = True
+    with cf_pool() as ex:
+        fut = ex.submit(requests.post, px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        _wait_done(earlier)
+        time.sleep(0.2)
+        later.release()
+        r = fut.result()
+    assert r.status_code == 400, r.text
+    assert r.content == sent(p.completions()[0])
 
 
 # --- errors are not lost ------------------------------------------------------------
@@ -427,7 +489,7 @@ def test_all_prefills_refuse_gives_503(doubles, proxy_factory):
     px = proxy_factory([p0], [d0], ["--health-interval", "60"])
     p0.stop()
     r = requests.post(px.url + "/v1/completions", json={"prompt": "x"})
-    assert_openai_error(r, 503, "prefill")
+    assert_openai_error(r, 503, "prefill", p0.url, "refused the connection")  # names it
 
 
 # --- bad input ------------------------------------------------------------------------------------

@@ -209,3 +209,18 @@ def test_prefill_killed_client_gets_error_promptly():
         px.proc.terminate()
         px.proc.wait(10)
         d.stop()
+
+
+def test_request_both_instances_reject_gets_the_prefills_400_unchanged(stack):
+    """P and D both reject the request (a bad sampling value): the client gets a 400 with
+    P's error body, every time (it used to be P's 502 or D's 400, whichever came first)."""
+    p, d, px = stack
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": -1}
+    direct = requests.post(p.url + "/v1/completions", json=dict(body, max_tokens=1), timeout=TIMEOUT)
+    assert direct.status_code == 400, direct.text
+    for _ in range(5):
+        r = requests.post(px.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == direct.json()["error"]["message"]
+    wait_blocks_zero(d)
+    wait_blocks_zero(p.server)

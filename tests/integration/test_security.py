@@ -9,6 +9,8 @@ processes, each refused, and the normal paths with and without a secret.
   the secret, 403 with a wrong MAC) and the table is unchanged;
 - side-channel pulls without a MAC (a vLLM-shaped pyzmq DEALER): answered
   ERROR naming the cause, counted on /metrics;
+- side-channel cancels: the decoder's, MAC'd, frees its blocks at once; one
+  without a MAC or with a forged one is refused, counted, and cancels nothing;
 - one-sided secrets: refused with a message naming the cause on both sides;
 - a flood of thousands of bogus pulls (pyzmq): each costs O(1), real
   requests still complete; the latencies are printed (docs/benchmarks.md).
@@ -28,7 +30,9 @@ import requests
 import zmq
 
 from server_harness import BIN, MODEL, Server, free_port
-from test_pd import BODY, COMMON, PD, completion_ids, consumer_config, corpus_prompts, producer_config
+from test_pd import (BODY, COMMON, PD, blocks_used, completion_ids, consumer_config, corpus_prompts,
+                     producer_config, wait_blocks_zero)
+from test_pd_errors import d_params, metric, raw_post
 
 TIMEOUT = 120
 SECRET = "correct horse battery staple"
@@ -258,6 +262,57 @@ def test_side_channel_pull_without_mac_refused(secret_pd):
     after = secret_pd.p.metrics()
     assert after['disagg:kv_auth_rejected_total{port="side_channel"}'] >= before + 2
     assert after["disagg:kv_pending_unknown_pulls"] == 0  # nothing reached the table
+
+
+def test_cancel_with_secret_frees_blocks_and_forged_cancels_are_refused(secret_pd):
+    """With the shared secret the decoder's cancel (client gone mid-pull) carries its MAC
+    frame: P takes it and acknowledges, D frees its blocks at once.  Cancels from anyone
+    else for that pull -- without a frame, or with a forged one, naming the transfer id and
+    every likely req id -- are answered ERROR naming the refusal, counted, and cancel nothing."""
+    x = secret_pd
+    ep = side_channel_endpoint(x.bootstrap)
+    tid = "xfer-" + str(uuid.uuid4())
+    body = dict(BODY, prompt=corpus_prompts()[8], kv_transfer_params=d_params(x, transfer_id=tid))
+    rejected_key = 'disagg:kv_auth_rejected_total{port="side_channel"}'
+    rejected = x.p.metrics()[rejected_key]
+    cancelled = metric(x.p, "disagg:kv_transfer_failures_total", side="producer", reason="cancelled")
+    acked = metric(x.d, "disagg:kv_cancels_total", acked="yes")
+    s = raw_post(x.d, body)
+    try:
+        deadline = time.time() + 10  # the pull waits at P: its transfer id has not arrived there
+        while x.p.metrics()["disagg:kv_pending_unknown_pulls"] < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert x.p.metrics()["disagg:kv_pending_unknown_pulls"] >= 1, "the pull never reached P"
+        assert blocks_used(x.d) > 0
+        cancel = msgpack.packb({"disagg_cancel": {f"d-{i}": tid for i in range(256)}})
+        reply = pull_once(ep, [cancel])
+        assert len(reply) == 1 and reply[0]["status"] == 2, reply  # ERROR, unauthenticated
+        assert "unauthenticated cancel refused" in reply[0]["err_msg"], reply
+        forged = b"DKA1C" + int(time.time() * 1000).to_bytes(8, "big") + os.urandom(48)
+        reply = pull_once(ep, [cancel, forged])
+        assert "cancel authentication failed: the MAC does not match" in reply[0]["err_msg"], reply
+        m = x.p.metrics()
+        assert m[rejected_key] == rejected + 2
+        assert m['disagg:kv_transfer_failures_total{side="producer",reason="cancelled"}'] == cancelled
+        assert m["disagg:kv_pending_unknown_pulls"] >= 1  # the real pull still waits
+        assert blocks_used(x.d) > 0
+    finally:
+        s.close()
+    t0 = time.time()
+    wait_blocks_zero(x.d, timeout=3)  # generous for "at once"; without the ack: 35 s quarantine
+    print(f"decoder blocks free {time.time() - t0:.3f} s after the disconnect (secret set)")
+    assert metric(x.d, "disagg:kv_cancels_total", acked="yes") == acked + 1
+    assert metric(x.p, "disagg:kv_transfer_failures_total", side="producer",
+                  reason="cancelled") == cancelled + 1
+    assert x.p.metrics()[rejected_key] == rejected + 2  # D's own cancel was accepted
+    # P's request for that transfer arrives late: its KV is released once ready
+    r = requests.post(x.p.url + "/v1/completions", timeout=TIMEOUT, json=dict(
+        body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}))
+    assert r.status_code == 200, r.text
+    wait_blocks_zero(x.p, timeout=5)
+    assert x.p.metrics()["disagg:kv_pending_unknown_pulls"] == 0
+    pr, dr = x.send(dict(BODY, prompt=corpus_prompts()[3]))
+    assert pr.status_code == 200 and dr.status_code == 200 and not failed(dr), dr.text
 
 
 def test_one_sided_secret_refused_on_both_sides():

@@ -52,8 +52,8 @@ BAD = [
     (C, {"prompt": [1, 2, 999999]}, "prompt", "vocabulary"),
     (C, {"prompt": [1, -2]}, "prompt", "non-negative"),
     (C, {}, "prompt", "required"),
-    (C, {"prompt": "x" * 2000, "max_tokens": 10}, "prompt", "256"),
-    (C, {"prompt": "x", "max_tokens": 400}, "max_tokens", "maximum context length is 256"),
+    (C, {"prompt": "x" * 2000, "max_tokens": 10}, "input_tokens", "256"),
+    (C, {"prompt": "x", "max_tokens": 400}, "input_tokens", "maximum context length is 256"),
     (C, {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
     (C, {"prompt": "x", "kv_transfer_params": 3}, "kv_transfer_params", "object"),
     (C, {"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids", "vocabulary"),
@@ -73,6 +73,42 @@ def test_bad_field(srv, path, body, param, needle):
     e = err_of(requests.post(srv.url + path, json=body), 400)
     assert e["param"] == param
     assert needle in e["message"], e["message"]
+
+
+def test_context_length_message_is_vllms(srv):
+    """vLLM's current body and wording for a request beyond max_model_len (its renderer's
+    check: BadRequestError, param input_tokens, the "(parameter=..., value=...)" tail), as
+    the official client raises it; exact because clients parse it (the token counts)."""
+    import openai
+    cl = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as ei:
+        cl.completions.create(model="tiny", prompt=[1] * 200, max_tokens=100)
+    e = ei.value.body
+    assert ei.value.status_code == 400
+    assert e == {"message": "This model's maximum context length is 256 tokens. However, you requested 100 "
+                            "output tokens and your prompt contains 200 input tokens, for a total of 300 "
+                            "tokens. Please reduce the length of the input prompt or the number of requested "
+                            "output tokens. (parameter=input_tokens, value=200)",
+                 "type": "BadRequestError", "param": "input_tokens", "code": 400}
+    # completions' default max_tokens is 16, as vLLM's
+    e = err_of(requests.post(srv.url + C, json={"prompt": [1] * 250}), 400)
+    assert "you requested 16 output tokens and your prompt contains 250 input tokens, for a total of " \
+           "266 tokens" in e["message"]
+    # chat without max_tokens takes the rest of the context: a prompt that fills it asks for 0
+    e = err_of(requests.post(srv.url + CH, json={"messages": [{"role": "user", "content": "x " * 400}]}), 400)
+    assert e["message"].startswith("This model's maximum context length is 256 tokens. However, you "
+                                   "requested 0 output tokens and your prompt contains "), e["message"]
+    # the chat endpoint says the same
+    e = err_of(requests.post(srv.url + CH, json={"messages": MSG, "max_tokens": 300}), 400)
+    assert e["param"] == "input_tokens" and "you requested 300 output tokens" in e["message"]
+
+
+def test_unknown_model_keeps_the_accepted_names(srv):
+    """vLLM's "The model `x` does not exist." (404 NotFoundError, param model), plus the
+    accepted names."""
+    e = err_of(requests.post(srv.url + C, json={"model": "gpt-4", "prompt": "x"}), 404)
+    assert e["type"] == "NotFoundError"
+    assert e["message"].startswith("The model `gpt-4` does not exist.") and '"tiny"' in e["message"]
 
 
 def test_invalid_json_and_non_object(srv):

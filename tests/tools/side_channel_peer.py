@@ -7,6 +7,10 @@ MooncakeConnector uses), driven by tests/unit/test_side_channel.c.
   router            act as vLLM's prefill worker: bind a ROUTER, print its port,
                     receive one pull from our DEALER, check it decodes as vLLM's
                     MooncakeXferMetadata, reply CONTINUE(ok=first) then FINISH(ok=rest)
+  router-cancel     like vLLM's prefill worker facing our cancel message: take one pull,
+                    answer nothing, then decode the next message as vLLM does (a
+                    MooncakeXferMetadata) and answer ERROR(str(exception)) as vLLM's
+                    _sender_worker does; print "cancel answered ERROR: <msg>"
 """
 import sys
 from enum import IntEnum
@@ -86,5 +90,29 @@ def router():
     ctx.term()
 
 
+def router_cancel():
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 1000)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
+    dec = msgspec.msgpack.Decoder(MooncakeXferMetadata)
+    enc = msgspec.msgpack.Encoder()
+    for i in range(2):
+        if s.poll(20000) == 0:
+            sys.exit("no message arrived")
+        ident, payload = s.recv_multipart()
+        try:
+            dec.decode(payload)
+            if i == 1:
+                sys.exit("the second message decoded as a pull")
+        except Exception as e:  # what vLLM's _sender_worker does with any error
+            s.send_multipart([ident, enc.encode(MooncakeXferResponse(Status.ERROR, err_msg=str(e)))])
+            print(f"cancel answered ERROR: {e}", flush=True)
+    s.close()
+    ctx.term()
+
+
 if __name__ == "__main__":
-    dealer(sys.argv[2]) if sys.argv[1] == "dealer" else router()
+    {"dealer": lambda: dealer(sys.argv[2]), "router": router,
+     "router-cancel": router_cancel}[sys.argv[1]]()

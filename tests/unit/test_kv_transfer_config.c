@@ -280,6 +280,7 @@ static void env_clear(void) {
     unsetenv("VLLM_MOONCAKE_BOOTSTRAP_PORT");
     unsetenv("VLLM_MOONCAKE_CONNECTOR_TIMEOUT");
     unsetenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT");
+    unsetenv("DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT");
     unsetenv("VLLM_HOST_IP");
     unsetenv("WITH_NVIDIA_PEERMEM");
 }
@@ -306,18 +307,21 @@ static void test_env_defaults_and_values(void **state) {
     assert_int_equal(e.bootstrap_port, 8998);
     assert_true(e.connector_timeout_s == 30.0);
     assert_true(e.abort_request_timeout_s == 480.0);
+    assert_true(e.unknown_transfer_timeout_s == 30.0); /* issue 11: bounded, <= 30 s */
     assert_string_equal(e.host_ip, "");
     assert_int_equal(e.with_nvidia_peermem, -1);
 
     setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "18998", 1);
     setenv("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", "0.25", 1);
     setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "2", 1);
+    setenv("DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT", "1.5", 1);
     setenv("VLLM_HOST_IP", "fe80::1", 1);
     setenv("WITH_NVIDIA_PEERMEM", "0", 1);
     assert_int_equal(kv_transfer_env_load(&e, err, sizeof err), 0);
     assert_int_equal(e.bootstrap_port, 18998);
     assert_true(e.connector_timeout_s == 0.25);
     assert_true(e.abort_request_timeout_s == 2.0);
+    assert_true(e.unknown_transfer_timeout_s == 1.5);
     assert_string_equal(e.host_ip, "fe80::1");
     assert_int_equal(e.with_nvidia_peermem, 0);
     setenv("VLLM_HOST_IP", "10.0.0.2", 1);
@@ -339,6 +343,7 @@ static void test_env_bad_matrix(void **state) {
     for (size_t i = 0; i < sizeof times / sizeof times[0]; i++) {
         env_bad("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", times[i], "a number > 0");
         env_bad("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", times[i], "a number > 0");
+        env_bad("DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT", times[i], "a number > 0");
     }
     const char *ips[] = {"localhost", "10.0.0", "10.0.0.256", "1.2.3.4:80", "::g"};
     for (size_t i = 0; i < sizeof ips / sizeof ips[0]; i++)

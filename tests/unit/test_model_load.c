@@ -145,7 +145,7 @@ static void test_hf_cache(void **st) {
     assert_non_null(strstr(out, "models--Org--Tiny/snapshots/abc123"));
     /* not cached: the error says where it looked and how to get it */
     assert_int_equal(hf_cache_resolve("Org/Missing", out, sizeof out, err, sizeof err), -ENOENT);
-    assert_non_null(strstr(err, "/nonexistent-hub/models--Org--Missing/snapshots/"));
+    assert_non_null(strstr(err, "/nonexistent-hub/models--Org--Missing/"));
     assert_non_null(strstr(err, "huggingface-cli download Org/Missing"));
     assert_int_equal(hf_cache_resolve("no-such-dir", out, sizeof out, err, sizeof err), -ENOENT);
     assert_non_null(strstr(err, "no-such-dir"));

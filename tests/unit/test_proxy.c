@@ -193,6 +193,15 @@ static void test_prefill_and_decode_bodies(void **state) {
     assert_int_equal(json_integer_value(json_object_get(p2, "max_tokens")), 1);
     json_decref(c2);
     json_decref(p2);
+    /* n > 1: P prefills once (n 1), D gets the client's n */
+    json_t *c3 = J("{\"prompt\":\"x\",\"n\":3}");
+    json_t *p3 = pd_prefill_body(c3, "t");
+    assert_int_equal(json_integer_value(json_object_get(p3, "n")), 1);
+    json_t *d3 = pd_decode_body(c3, "e", "http://h:1", "t");
+    assert_int_equal(json_integer_value(json_object_get(d3, "n")), 3);
+    json_decref(c3);
+    json_decref(p3);
+    json_decref(d3);
     json_decref(client);
     json_decref(p);
     json_decref(want_p);

@@ -1,8 +1,9 @@
 /* Unit tests: the ZeroMQ side channel (PROTOCOL.md §3).  Our ROUTER server and
  * DEALER client together (replies from other threads, CONTINUE...FINISH,
  * release pulls, undecodable and multi-frame pulls answered ERROR, receive
- * timeout, cancel, replies after stop), and each against a vLLM-shaped peer in
- * Python (pyzmq + msgspec, tests/tools/side_channel_peer.py). */
+ * timeout, cancel, replies after stop, auth frames on pulls, replies and
+ * cancels), and each against a vLLM-shaped peer in Python (pyzmq + msgspec,
+ * tests/tools/side_channel_peer.py). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -324,7 +325,9 @@ static void make_frame(unsigned char f[SIDE_CHANNEL_AUTH_LEN], const char *secre
     f[4] = (unsigned char)kind;
     put64(f + 5, ctr);
     memcpy(f + 13, nonce, 16);
-    const char *label = kind == 'P' ? "disagg-sc-pull-v1" : "disagg-sc-reply-v1";
+    const char *label = kind == 'P'   ? "disagg-sc-pull-v1"
+                        : kind == 'C' ? "disagg-sc-cancel-v1"
+                                      : "disagg-sc-reply-v1";
     const void *parts[4] = {label, f + 5, f + 13, payload};
     size_t lens[4] = {strlen(label), 8, 16, len};
     assert_int_equal(auth_hmacv(secret, strlen(secret), parts, lens, 4, f + 29), 0);
@@ -495,6 +498,299 @@ static void test_auth_forged_replies_refused(void **state) {
     }
 }
 
+/* ---- cancel and its acknowledgement --------------------------------------- */
+
+typedef struct cancel_seen {
+    producer *p;
+    int calls;
+    int same_peer;
+    char req[32], xfer[32];
+    int ack; /* answer the held pull's FINISH */
+} cancel_seen;
+
+static cancel_seen g_cancel;
+
+static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_channel_cancel *c) {
+    producer *p = ud;
+    g_cancel.same_peer = side_channel_call_peer_is(p->held, peer, peer_len);
+    if (c->n) {
+        snprintf(g_cancel.req, sizeof g_cancel.req, "%s", c->req_ids[0]);
+        snprintf(g_cancel.xfer, sizeof g_cancel.xfer, "%s", c->transfer_ids[0]);
+    }
+    if (g_cancel.ack && g_cancel.same_peer) {
+        char *err[1] = {c->req_ids[0]};
+        side_channel_reply r = {.status = SIDE_CHANNEL_FINISH,
+                                .err_reqs = err,
+                                .n_err = 1,
+                                .err_msg = "cancelled by the decoder"};
+        side_channel_call_reply(p->held, &r);
+        side_channel_pull_release(p->held_pull);
+        p->held = NULL;
+        p->held_pull = NULL;
+    }
+    __atomic_fetch_add(&g_cancel.calls, 1, __ATOMIC_SEQ_CST); /* last: the tests poll it */
+}
+
+static void test_cancel_acknowledged_by_the_producer(void **state) {
+    (void)state;
+    producer p = {.mode = 1};
+    char ep[64], err[256];
+    side_channel_server *s = start(&p, ep, sizeof ep);
+    side_channel_server_set_cancel_fn(s, on_cancel);
+    memset(&g_cancel, 0, sizeof g_cancel);
+    g_cancel.ack = 1;
+    int64_t ids[] = {3};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks req = {"d-7", "xfer-7", &g, 1};
+    side_channel_pull pull = make_pull(&req, 1);
+    collected c = {0};
+    atomic_int cancel = SIDE_CHANNEL_CANCEL_ASK;
+    int acked = -1;
+    uint64_t t0 = clock_now_ns();
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 1);
+    assert_true((double)(clock_now_ns() - t0) / 1e9 < 2.0);
+    assert_non_null(strstr(err, "the producer acknowledged"));
+    assert_int_equal(g_cancel.calls, 1);
+    assert_int_equal(g_cancel.same_peer, 1);
+    assert_string_equal(g_cancel.req, "d-7");
+    assert_string_equal(g_cancel.xfer, "xfer-7");
+    assert_int_equal(side_channel_server_pending(s), 0);
+    side_channel_server_stop(s);
+}
+
+static void test_cancel_not_acknowledged(void **state) {
+    (void)state;
+    producer p = {.mode = 1};
+    char ep[64], err[256];
+    side_channel_server *s = start(&p, ep, sizeof ep);
+    side_channel_req_blocks req = {"d-8", "xfer-8", NULL, 0};
+    side_channel_pull pull = make_pull(&req, 1);
+    collected c = {0};
+    /* no cancel handler: the server answers ERROR, which is no acknowledgement */
+    atomic_int cancel = SIDE_CHANNEL_CANCEL_ASK;
+    int acked = -1;
+    uint64_t t0 = clock_now_ns();
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 0);
+    assert_true((double)(clock_now_ns() - t0) / 1e9 < 2.0);
+    /* a handler that does not answer: no acknowledgement within the wait */
+    side_channel_server_set_cancel_fn(s, on_cancel);
+    memset(&g_cancel, 0, sizeof g_cancel);
+    side_channel_pull_release(p.held_pull);
+    side_channel_reply fin = {.status = SIDE_CHANNEL_FINISH};
+    side_channel_call_reply(p.held, &fin);
+    t0 = clock_now_ns();
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 0.3, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    double el = (double)(clock_now_ns() - t0) / 1e9;
+    assert_int_equal(acked, 0);
+    assert_true(el >= 0.29 && el < 3.0);
+    assert_int_equal(g_cancel.calls, 1);
+    /* DROP: stop without asking */
+    side_channel_pull_release(p.held_pull);
+    side_channel_call_reply(p.held, &fin);
+    __atomic_store_n(&p.held_pull, NULL, __ATOMIC_SEQ_CST);
+    atomic_store(&cancel, SIDE_CHANNEL_CANCEL_DROP);
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 0);
+    /* the pull may or may not have reached the server (the DEALER closed at once) */
+    for (int i = 0; i < 30 && !__atomic_load_n(&p.held_pull, __ATOMIC_SEQ_CST); i++)
+        usleep(10000);
+    usleep(50000);
+    assert_int_equal(g_cancel.calls, 1); /* no cancel was sent */
+    if (__atomic_load_n(&p.held_pull, __ATOMIC_SEQ_CST)) {
+        side_channel_pull_release(p.held_pull);
+        side_channel_call_reply(p.held, &fin);
+    }
+    side_channel_server_stop(s);
+}
+
+static void test_cancel_against_a_vllm_router_falls_back(void **state) {
+    (void)state;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "python3 %s/tests/tools/side_channel_peer.py router-cancel",
+             DISAGG_SOURCE_DIR);
+    FILE *f = popen(cmd, "r");
+    assert_non_null(f);
+    char line[512];
+    assert_non_null(fgets(line, sizeof line, f));
+    int port = atoi(line);
+    assert_true(port > 0);
+    char ep[64], err[256];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", port);
+    int64_t ids[] = {5};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks req = {"d-9", "xfer-9", &g, 1};
+    side_channel_pull pull = make_pull(&req, 1);
+    collected c = {0};
+    atomic_int cancel = SIDE_CHANNEL_CANCEL_ASK;
+    int acked = -1;
+    assert_int_equal(side_channel_pull_run_ex(ep, &pull, NULL, 10.0, &cancel, 5.0, &acked, collect,
+                                              &c, err, sizeof err),
+                     SIDE_CHANNEL_ECANCELED);
+    assert_int_equal(acked, 0);
+    assert_non_null(fgets(line, sizeof line, f));
+    assert_non_null(strstr(line, "cancel answered ERROR: "));
+    assert_int_equal(pclose(f), 0);
+}
+
+/* ---- a cancel with a shared secret ----------------------------------------- */
+
+typedef struct d_run {
+    const char *ep;
+    side_channel_pull *pull;
+    collected c;
+    atomic_int cancel;
+    int acked, rc;
+    char err[512];
+} d_run;
+
+static void *d_thread(void *arg) {
+    d_run *d = arg;
+    d->rc = side_channel_pull_run_ex(d->ep, d->pull, "s3cret", 10.0, &d->cancel, 5.0, &d->acked,
+                                     collect, &d->c, d->err, sizeof d->err);
+    return NULL;
+}
+
+/* Raw DEALER: send frames and do not wait for an answer. */
+static void raw_send(const char *ep, const void *const *frames, const size_t *lens, int n) {
+    void *ctx = zmq_ctx_new();
+    void *d = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 1000;
+    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+    assert_int_equal(zmq_connect(d, ep), 0);
+    for (int i = 0; i < n; i++)
+        assert_true(zmq_send(d, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
+    zmq_close(d);
+    zmq_ctx_term(ctx);
+}
+
+/* With a secret: CONTINUE heartbeats and the FINISH acknowledging a cancel are
+ * MAC'd in the pull's sequence and accepted; the decoder's cancel carries a
+ * 'C' auth frame and reaches the pull it was made for; a cancel without a
+ * frame, or with a forged one, is refused (ERROR naming why, counted) and
+ * reaches no handler; a valid cancel made for another pull (another nonce)
+ * does not match the pull; a producer without a secret refuses an
+ * authenticated cancel. */
+static void test_auth_cancel(void **state) {
+    (void)state;
+    producer p = {.mode = 1};
+    char ep[64];
+    side_channel_server *s = start_auth(&p, "s3cret", ep, sizeof ep);
+    side_channel_server_set_cancel_fn(s, on_cancel);
+    memset(&g_cancel, 0, sizeof g_cancel);
+    g_cancel.ack = 1;
+    int64_t ids[] = {3};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks req = {"d-7", "xfer-7", &g, 1};
+    side_channel_pull pull = make_pull(&req, 1);
+    d_run d = {.ep = ep, .pull = &pull};
+    pthread_t t;
+    pthread_create(&t, NULL, d_thread, &d);
+    for (int i = 0; i < 500 && !__atomic_load_n(&p.held, __ATOMIC_SEQ_CST); i++)
+        usleep(10000);
+    assert_non_null(__atomic_load_n(&p.held, __ATOMIC_SEQ_CST));
+    /* two heartbeats: MAC'd replies 0 and 1, delivered */
+    side_channel_reply cont = {.status = SIDE_CHANNEL_CONTINUE};
+    assert_int_equal(side_channel_call_reply(p.held, &cont), 0);
+    assert_int_equal(side_channel_call_reply(p.held, &cont), 0);
+    for (int i = 0; i < 500 && __atomic_load_n(&d.c.n, __ATOMIC_SEQ_CST) < 2; i++)
+        usleep(10000);
+    assert_int_equal(__atomic_load_n(&d.c.n, __ATOMIC_SEQ_CST), 2);
+    /* forged cancels for the held pull, from another DEALER */
+    side_channel_cancel cx = {0};
+    char *rid[1] = {"d-7"}, *tid[1] = {"xfer-7"};
+    cx.req_ids = rid;
+    cx.transfer_ids = tid;
+    cx.n = 1;
+    char *buf;
+    size_t len;
+    assert_int_equal(side_channel_cancel_encode(&cx, &buf, &len), 0);
+    side_channel_reply r;
+    const void *f1[1] = {buf};
+    size_t l1[1] = {len};
+    raw_exchange(ep, f1, l1, 1, &r);
+    assert_int_equal(r.status, SIDE_CHANNEL_ERROR);
+    assert_non_null(strstr(r.err_msg, "unauthenticated cancel refused"));
+    side_channel_reply_free(&r);
+    unsigned char nonce[16] = {9}, f[SIDE_CHANNEL_AUTH_LEN];
+    make_frame(f, "s3cret", 'C', now_ms(), nonce, buf, len);
+    f[50] ^= 1;
+    const void *f2[2] = {buf, f};
+    size_t l2[2] = {len, sizeof f};
+    raw_exchange(ep, f2, l2, 2, &r);
+    assert_int_equal(r.status, SIDE_CHANNEL_ERROR);
+    assert_non_null(strstr(r.err_msg, "cancel authentication failed: the MAC does not match"));
+    side_channel_reply_free(&r);
+    make_frame(f, "other secret", 'C', now_ms(), nonce, buf, len);
+    raw_exchange(ep, f2, l2, 2, &r);
+    assert_int_equal(r.status, SIDE_CHANNEL_ERROR);
+    assert_non_null(strstr(r.err_msg, "MAC does not match"));
+    side_channel_reply_free(&r);
+    assert_int_equal(side_channel_server_auth_rejected(s), 3);
+    assert_int_equal(g_cancel.calls, 0); /* none reached the handler */
+    /* an authenticated 'C' frame over a payload that is not a cancel */
+    char *pbuf;
+    size_t plen;
+    assert_int_equal(side_channel_pull_encode(&pull, &pbuf, &plen), 0);
+    make_frame(f, "s3cret", 'C', now_ms(), nonce, pbuf, plen);
+    const void *f3[2] = {pbuf, f};
+    size_t l3[2] = {plen, sizeof f};
+    raw_exchange(ep, f3, l3, 2, &r);
+    assert_int_equal(r.status, SIDE_CHANNEL_ERROR);
+    assert_non_null(strstr(r.err_msg, "has no 'disagg_cancel' key"));
+    side_channel_reply_free(&r);
+    free(pbuf);
+    /* a valid cancel, but MAC'd with another pull's nonce: reaches the
+     * handler, matches no pull (it is not answered) */
+    make_frame(f, "s3cret", 'C', now_ms(), nonce, buf, len);
+    raw_send(ep, f2, l2, 2);
+    for (int i = 0; i < 500 && __atomic_load_n(&g_cancel.calls, __ATOMIC_SEQ_CST) < 1; i++)
+        usleep(10000);
+    assert_int_equal(__atomic_load_n(&g_cancel.calls, __ATOMIC_SEQ_CST), 1);
+    assert_int_equal(g_cancel.same_peer, 0);
+    assert_int_equal(side_channel_server_pending(s), 1); /* the pull still waits */
+    assert_int_equal(side_channel_server_auth_rejected(s), 3);
+    /* the decoder's own cancel: authenticated, matched, acknowledged */
+    uint64_t t0 = clock_now_ns();
+    atomic_store(&d.cancel, SIDE_CHANNEL_CANCEL_ASK);
+    pthread_join(t, NULL);
+    if (d.rc != SIDE_CHANNEL_ECANCELED) fail_msg("rc %d: %s", d.rc, d.err);
+    assert_int_equal(d.acked, 1);
+    assert_true((double)(clock_now_ns() - t0) / 1e9 < 2.0);
+    assert_non_null(strstr(d.err, "the producer acknowledged"));
+    assert_int_equal(g_cancel.calls, 2);
+    assert_int_equal(g_cancel.same_peer, 1);
+    assert_string_equal(g_cancel.req, "d-7");
+    assert_string_equal(g_cancel.xfer, "xfer-7");
+    assert_int_equal(d.c.n, 2); /* the acknowledgement is not a reply to deliver */
+    assert_int_equal(side_channel_server_pending(s), 0);
+    assert_int_equal(side_channel_server_auth_rejected(s), 3);
+    side_channel_server_stop(s);
+    /* a producer without a secret refuses an authenticated cancel, naming why */
+    producer q = {0};
+    s = start_auth(&q, NULL, ep, sizeof ep);
+    side_channel_server_set_cancel_fn(s, on_cancel);
+    make_frame(f, "s3cret", 'C', now_ms(), nonce, buf, len);
+    raw_exchange(ep, f2, l2, 2, &r);
+    assert_int_equal(r.status, SIDE_CHANNEL_ERROR);
+    assert_non_null(strstr(r.err_msg, "the cancel carries an authentication frame but this "
+                                      "producer has no auth_secret"));
+    side_channel_reply_free(&r);
+    assert_int_equal(side_channel_server_auth_rejected(s), 1);
+    assert_int_equal(g_cancel.calls, 2);
+    side_channel_server_stop(s);
+    free(buf);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pull_continue_finish),
@@ -504,6 +800,10 @@ int main(void) {
         cmocka_unit_test(test_our_dealer_against_python_router),
         cmocka_unit_test(test_auth_pulls),
         cmocka_unit_test(test_auth_forged_replies_refused),
+        cmocka_unit_test(test_cancel_acknowledged_by_the_producer),
+        cmocka_unit_test(test_cancel_not_acknowledged),
+        cmocka_unit_test(test_cancel_against_a_vllm_router_falls_back),
+        cmocka_unit_test(test_auth_cancel),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

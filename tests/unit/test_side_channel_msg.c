@@ -626,8 +626,67 @@ static void test_mutation_fuzz(void **state) {
     (void)ok;
 }
 
+/* The cancel extension: round trip, a pull is "not a cancel", malformed cancels named. */
+static void test_cancel_message(void **state) {
+    (void)state;
+    char *rids[2] = {"d-1", "d-2"}, *tids[2] = {"xfer-a", "xfer-b"};
+    side_channel_cancel c = {.req_ids = rids, .transfer_ids = tids, .n = 2};
+    char *buf, err[256];
+    size_t len;
+    assert_int_equal(side_channel_cancel_encode(&c, &buf, &len), 0);
+    side_channel_cancel d;
+    assert_int_equal(side_channel_cancel_decode(buf, len, &d, err, sizeof err), 0);
+    assert_int_equal(d.n, 2);
+    assert_string_equal(d.req_ids[1], "d-2");
+    assert_string_equal(d.transfer_ids[0], "xfer-a");
+    side_channel_cancel_free(&d);
+    /* it does not decode as a pull (what a vLLM producer does with it) */
+    side_channel_pull p;
+    assert_int_not_equal(side_channel_pull_decode(buf, len, &p, err, sizeof err), 0);
+    assert_non_null(strstr(err, "remote_hostname"));
+    free(buf);
+    /* a pull is not a cancel */
+    int64_t ids[] = {7};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks r = {"req", "xfer", &g, 1};
+    uint64_t base[] = {4096};
+    int64_t lens[] = {64};
+    side_channel_pull pl = {.remote_hostname = "h",
+                            .remote_tp_size = 1,
+                            .reqs = &r,
+                            .n_reqs = 1,
+                            .kv_caches_base_addr = base,
+                            .block_lens = lens,
+                            .kv_block_lens = lens,
+                            .n_regions = 1,
+                            .remote_pp_size = 1};
+    assert_int_equal(side_channel_pull_encode(&pl, &buf, &len), 0);
+    assert_int_equal(side_channel_cancel_decode(buf, len, &d, err, sizeof err), 1);
+    free(buf);
+    /* malformed: the value is not a map; a transfer id is not a string */
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 1);
+    msgpack_pack_str_with_body(&pk, "disagg_cancel", 13);
+    msgpack_pack_array(&pk, 0);
+    assert_true(side_channel_cancel_decode(sb.data, sb.size, &d, err, sizeof err) < 0);
+    assert_non_null(strstr(err, "expected a map of req_id to transfer_id, got an array"));
+    msgpack_sbuffer_clear(&sb);
+    msgpack_pack_map(&pk, 1);
+    msgpack_pack_str_with_body(&pk, "disagg_cancel", 13);
+    msgpack_pack_map(&pk, 1);
+    msgpack_pack_str_with_body(&pk, "d-1", 3);
+    msgpack_pack_int(&pk, 5);
+    assert_true(side_channel_cancel_decode(sb.data, sb.size, &d, err, sizeof err) < 0);
+    assert_non_null(strstr(err, "'transfer_id': expected a string, got an integer"));
+    msgpack_sbuffer_destroy(&sb);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_cancel_message),
         cmocka_unit_test(test_decode_golden_pull_min),
         cmocka_unit_test(test_decode_golden_pull_full),
         cmocka_unit_test(test_decode_golden_replies),

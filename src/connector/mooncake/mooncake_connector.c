@@ -5,6 +5,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "base/net.h"
+#include "base/text.h"
 #include "connector/kv_transfer_config.h"
 #include "connector/mooncake/bootstrap_client.h"
 #include "connector/mooncake/bootstrap_server.h"
@@ -29,6 +30,38 @@
 #define MAX_PULL_THREADS 512
 #define PROBE_AFTER_NS   (3 * NS_PER_S) /* a pull waiting longer gets its producer probed */
 #define PROBE_PERIOD_NS  (2 * NS_PER_S)
+#define BEAT_PERIOD_NS   (10 * NS_PER_S) /* CONTINUE to a pull waiting on a live request */
+#define CANCEL_ACK_S     5.0             /* D waits this long for P to acknowledge a cancel */
+
+/* Failure counters (disagg:kv_transfer_failures_total{side,reason}). */
+enum {
+    FP_UNKNOWN_TRANSFER, /* no request with the pulled transfer_id arrived in time */
+    FP_PREFILL_ENDED,    /* the request ended (abort, error) before its KV was ready */
+    FP_WRITE_FAILED,     /* writing into the decoder failed */
+    FP_REFUSED,          /* the pull did not fit (layout, groups, memory) */
+    FP_CANCELLED,        /* the decoder cancelled it */
+    FP_BAD_PARAMS,       /* a request's kv_transfer_params were refused (400) */
+    FP_COUNT
+};
+static const char *const FP_NAMES[FP_COUNT] = {"unknown_transfer", "prefill_ended", "write_failed",
+                                               "refused",          "cancelled",     "bad_params"};
+enum {
+    FC_BAD_PARAMS,            /* kv_transfer_params refused (400) or unknown engine */
+    FC_BOOTSTRAP_UNREACHABLE, /* P's bootstrap server did not answer */
+    FC_PRODUCER_UNREACHABLE,  /* P's side channel closed or P stopped answering */
+    FC_PRODUCER_ERROR,        /* P answered that the transfer failed */
+    FC_TIMEOUT,               /* no KV within the decoder's deadline */
+    FC_CANCELLED,             /* the client went away during the pull */
+    FC_LOCAL,                 /* decoder-side: memory, threads */
+    FC_COUNT
+};
+static const char *const FC_NAMES[FC_COUNT] = {"bad_params",
+                                               "bootstrap_unreachable",
+                                               "producer_unreachable",
+                                               "producer_error",
+                                               "timeout",
+                                               "cancelled",
+                                               "decoder"};
 
 /* ---- state ------------------------------------------------------------------ */
 
@@ -59,6 +92,8 @@ typedef struct prod_req {
     int engine_released;  /* the engine dropped its handle */
     uint64_t deadline_ns; /* P_READY: expiry; P_UNKNOWN/P_PREFILLING with waiters: give up */
     char fail_msg[192];
+    int fail_reason; /* P_FAILED: FP_* */
+    int cancelled;   /* a decoder cancelled its pull: release the blocks once ready */
     pull_part *waiters;
     struct prod_req *next, *prev;   /* c->prods (prev: O(1) unlink) */
     struct prod_req *unext, *uprev; /* c->u_head..u_tail while P_UNKNOWN (oldest last) */
@@ -71,6 +106,7 @@ typedef struct pull_job { /* one pull from a decoder, until its final reply */
     char **ok, **err; /* (n_reqs) borrowed req ids */
     size_t n_ok, n_err;
     char err_msg[256];
+    uint64_t beat_ns; /* last reply (or arrival): a CONTINUE follows every BEAT_PERIOD_NS */
 } pull_job;
 
 typedef struct send_task {
@@ -92,8 +128,9 @@ typedef struct cons_req {
     uint64_t deadline_ns;
     uint64_t started_ns; /* the pull thread started */
     int unreachable;     /* the liveness probe found the producer gone */
-    int loading;  /* a pull thread owns it */
-    int released; /* the engine dropped its handle */
+    int timed_out;       /* the reaper's deadline cancelled the pull */
+    int loading;         /* a pull thread owns it */
+    int released;        /* the engine dropped its handle */
     struct cons_req *next;
 } cons_req;
 
@@ -134,6 +171,8 @@ struct mooncake_connector {
     pthread_t reaper;
     int stop;
     mooncake_stats st;
+    uint64_t fail_p[FP_COUNT], fail_c[FC_COUNT]; /* failure counters */
+    uint64_t cancel_acked, cancel_unacked;       /* consumer: cancels acknowledged or not */
 };
 
 static int is_producer_role(const mooncake_connector *c) {
@@ -258,6 +297,7 @@ static void prod_wake_waiters_locked(mooncake_connector *c, prod_req *p) {
                               : p->state == P_SENDING || p->state == P_DONE
                                   ? "transfer already pulled by another request"
                                   : "no such transfer";
+            c->fail_p[p->state == P_FAILED ? p->fail_reason : FP_REFUSED]++;
             job_req_done_locked(c, w->job, w->req, 0, why);
         }
         free(w);
@@ -269,6 +309,7 @@ static void prod_maybe_free_locked(mooncake_connector *c, prod_req *p) {
     if (!p->engine_released && p->state != P_UNKNOWN) return;
     if (p->waiters || p->state == P_SENDING || p->state == P_READY || p->state == P_PREFILLING)
         return;
+    if (p->state == P_UNKNOWN) unknown_remove_locked(c, p); /* e.g. a cancelled pull's entry */
     id_table_del(&c->prod_index, p->transfer_id);
     if (p->prev)
         p->prev->next = p->next;
@@ -375,6 +416,7 @@ static void *sender_main(void *arg) {
                   bytes, nruns, (double)(clock_now_ns() - t0) / 1e6);
         } else {
             c->st.transfers_failed++;
+            c->fail_p[FP_WRITE_FAILED]++;
             LOG_W(MOD, "transfer %s: %s", p->transfer_id, err);
         }
         p->state = P_DONE;
@@ -398,6 +440,9 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
                  "--block-size are required)",
                  pull->layout, c->region.fingerprint);
         LOG_W(MOD, "refusing a pull: %s", msg);
+        pthread_mutex_lock(&c->mu);
+        c->fail_p[FP_REFUSED]++;
+        pthread_mutex_unlock(&c->mu);
         side_channel_reply r = {.status = SIDE_CHANNEL_ERROR, .err_msg = msg};
         side_channel_call_reply(call, &r);
         side_channel_pull_release(pull);
@@ -409,6 +454,9 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
         snprintf(msg, sizeof msg,
                  "KV block size mismatch: decoder blocks are %" PRId64 " bytes, producer's %zu",
                  pull->block_lens[0], c->region.block_bytes);
+        pthread_mutex_lock(&c->mu);
+        c->fail_p[FP_REFUSED]++;
+        pthread_mutex_unlock(&c->mu);
         side_channel_reply r = {.status = SIDE_CHANNEL_ERROR, .err_msg = msg};
         side_channel_call_reply(call, &r);
         side_channel_pull_release(pull);
@@ -431,7 +479,10 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
     job->err = er;
     job->pending = pull->n_reqs + 1; /* +1 held until the loop is done */
     uint64_t now = clock_now_ns();
-    uint64_t wait_deadline = now + (uint64_t)(c->env.abort_request_timeout_s * 1e9);
+    job->beat_ns = now;
+    /* A transfer_id no request of ours carries yet may still arrive (P and D
+     * get the request at the same time): wait for it, but only so long. */
+    uint64_t wait_deadline = now + (uint64_t)(c->env.unknown_transfer_timeout_s * 1e9);
     pthread_mutex_lock(&c->mu);
     for (size_t i = 0; i < pull->n_reqs; i++) {
         const side_channel_req_blocks *rb = &pull->reqs[i];
@@ -449,6 +500,7 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
             continue;
         }
         if (rb->n_groups != 1) {
+            c->fail_p[FP_REFUSED]++;
             job_req_done_locked(c, job, i, 0,
                                 "this producer has one KV group; the pull names several");
             continue;
@@ -460,6 +512,7 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
             prod_req *old = c->u_tail;
             unknown_remove_locked(c, old);
             old->state = P_FAILED;
+            old->fail_reason = FP_UNKNOWN_TRANSFER;
             snprintf(old->fail_msg, sizeof old->fail_msg,
                      "evicted: %d newer pulls for transfer ids this producer does not know "
                      "arrived first (kv_connector_extra_config.max_pending_pulls)",
@@ -487,8 +540,11 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
         }
         *w = (pull_part){job, i, p->waiters};
         p->waiters = w;
-        if (p->state == P_UNKNOWN || p->state == P_PREFILLING) {
+        if (p->state == P_UNKNOWN) {
             if (!p->deadline_ns || p->deadline_ns > wait_deadline) p->deadline_ns = wait_deadline;
+        } else if (p->state == P_PREFILLING) {
+            /* queued or running here: no deadline (the abort timeout counts
+             * from the end of the prefill); heartbeats keep D waiting */
         } else {
             prod_wake_waiters_locked(c, p);
         }
@@ -500,6 +556,8 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
 /* ---- consumer: pulls ------------------------------------------------------------ */
 
 typedef struct pull_outcome {
+    mooncake_connector *c;
+    cons_req *r;
     const char *my_req;
     int ok;   /* our request was in ok_reqs */
     int done; /* a final reply came */
@@ -521,7 +579,14 @@ static int on_reply(void *ud, const side_channel_reply *r) {
         snprintf(o->err, sizeof o->err, "producer refused the pull: %s",
                  r->err_msg ? r->err_msg : "no reason given");
     }
-    if (r->status != SIDE_CHANNEL_CONTINUE) o->done = 1;
+    if (r->status != SIDE_CHANNEL_CONTINUE) {
+        o->done = 1;
+    } else { /* the producer is alive and still has the request: extend the deadline */
+        pthread_mutex_lock(&o->c->mu);
+        o->r->deadline_ns =
+            clock_now_ns() + (uint64_t)((o->c->env.abort_request_timeout_s + 60) * 1e9);
+        pthread_mutex_unlock(&o->c->mu);
+    }
     return 0;
 }
 
@@ -562,12 +627,19 @@ static void *pull_main(void *arg) {
     mooncake_connector *c = r->c;
     uint64_t t0 = clock_now_ns();
     char ep[256], err[320] = "";
-    pull_outcome o = {0};
+    pull_outcome o = {.c = c, .r = r};
+    int status = 502, reason = FC_PRODUCER_ERROR, acked = 0;
     char my_req[32];
     snprintf(my_req, sizeof my_req, "d-%" PRIu64, r->id);
     o.my_req = my_req;
     uint64_t hold_ns = 0; /* set when a pull went out and its final reply never came */
     int rc = resolve_endpoint(c, r, ep, sizeof ep, err, sizeof err);
+    if (rc == -ENOENT) {
+        status = 400; /* the bootstrap server answered: the engine id is wrong */
+        reason = FC_BAD_PARAMS;
+    } else if (rc) {
+        reason = FC_BOOTSTRAP_UNREACHABLE;
+    }
     if (rc == 0) {
         int bs = c->region.block_size;
         int first =
@@ -598,28 +670,51 @@ static void *pull_main(void *arg) {
         double timeout = c->env.abort_request_timeout_s + 60;
         if (!g.ids) {
             rc = -ENOMEM;
+            status = 500;
+            reason = FC_LOCAL;
             snprintf(err, sizeof err, "decoder out of memory");
         } else {
-            rc = side_channel_pull_run_auth(ep, &pull,
-                                            c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL,
-                                            timeout, &r->cancel, on_reply, &o, err, sizeof err);
-            /* Abandoned without the producer's final reply: its sender may still
-             * be writing into these blocks, for at most its transfer deadline
-             * (30 s + 1 ns per byte, Mooncake's default) — keep them out of use
-             * that long, plus a margin. */
-            if (rc != 0 && !o.done)
+            rc = side_channel_pull_run_ex(
+                ep, &pull, c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL, timeout, &r->cancel,
+                CANCEL_ACK_S, &acked, on_reply, &o, err, sizeof err);
+            /* Abandoned without the producer's final reply (and without its
+             * acknowledgement of our cancel): its sender may still be writing
+             * into these blocks, for at most its transfer deadline (30 s + 1 ns
+             * per byte, Mooncake's default) — keep them out of use that long,
+             * plus a margin.  An acknowledged cancel frees them at once. */
+            if (rc != 0 && !o.done && !acked)
                 hold_ns = 35 * 1000000000ull + (uint64_t)g.n * (uint64_t)c->region.block_bytes;
+            if (rc == SIDE_CHANNEL_ECANCELED) {
+                pthread_mutex_lock(&c->mu);
+                if (atomic_load(&r->cancel) == SIDE_CHANNEL_CANCEL_ASK) {
+                    if (acked)
+                        c->cancel_acked++;
+                    else
+                        c->cancel_unacked++;
+                }
+                pthread_mutex_unlock(&c->mu);
+            }
+            if (rc == SIDE_CHANNEL_ECANCELED)
+                reason = FC_CANCELLED;
+            else if (rc == SIDE_CHANNEL_ETIMEDOUT)
+                status = 504, reason = FC_TIMEOUT;
+            else if (rc != 0)
+                reason = FC_PRODUCER_UNREACHABLE;
         }
         free(g.ids);
         if (rc == 0 && !o.ok && !o.err[0])
             snprintf(o.err, sizeof o.err, "producer's reply did not list this request");
         if (rc == 0 && !o.ok) snprintf(err, sizeof err, "%s", o.err);
-        if (rc == SIDE_CHANNEL_ECANCELED && r->unreachable)
+        if (rc == SIDE_CHANNEL_ECANCELED && r->unreachable) {
             snprintf(err, sizeof err,
                      "producer unreachable: its bootstrap server %s stopped answering",
                      r->bootstrap);
-        else if (rc == SIDE_CHANNEL_ECANCELED && clock_now_ns() >= r->deadline_ns)
+            reason = FC_PRODUCER_UNREACHABLE;
+        } else if (rc == SIDE_CHANNEL_ECANCELED && r->timed_out) {
             snprintf(err, sizeof err, "no KV from producer %s within the decoder's deadline", ep);
+            status = 504;
+            reason = FC_TIMEOUT;
+        }
     }
     int ok = rc == 0 && o.ok;
     double secs = (double)(clock_now_ns() - t0) / 1e9;
@@ -628,15 +723,21 @@ static void *pull_main(void *arg) {
               r->transfer_id, err);
     char msg[400];
     snprintf(msg, sizeof msg, "remote prefill failed (transfer %s): %s", r->transfer_id, err);
-    engine_kv_load_done(c->eng, r->id, ok, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
-                        hold_ns, ok ? NULL : msg);
-    pthread_mutex_lock(&c->mu);
+    int recompute = c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE;
+    pthread_mutex_lock(&c->mu); /* counted before the client can see the outcome */
     if (ok) {
         c->st.pulls_ok++;
         load_observe_locked(c, secs);
     } else {
         c->st.pulls_failed++;
+        c->fail_c[reason]++;
     }
+    pthread_mutex_unlock(&c->mu);
+    if (ok)
+        engine_kv_load_done(c->eng, r->id, 1, recompute, 0, NULL);
+    else
+        engine_kv_load_failed(c->eng, r->id, recompute, hold_ns, status, msg);
+    pthread_mutex_lock(&c->mu);
     c->st.loading--;
     c->n_pull_threads--;
     r->loading = 0;
@@ -661,6 +762,25 @@ static const char *jstr(json_t *o, const char *k) {
     return json_is_string(v) ? json_string_value(v) : NULL;
 }
 
+/* remote_bootstrap_addr as bootstrap_client accepts it: "[http://]host:port[/]". */
+static int bootstrap_addr_ok(const char *s) {
+    if (strlen(s) >= 256) return 0;
+    if (!strncmp(s, "http://", 7)) s += 7;
+    char tmp[256], host[256];
+    snprintf(tmp, sizeof tmp, "%s", s);
+    size_t n = strlen(tmp);
+    if (n && tmp[n - 1] == '/') tmp[n - 1] = '\0';
+    uint16_t port = 0;
+    return net_split_host_port(tmp, host, sizeof host, &port, 0) == 0 && host[0] &&
+           !strchr(host, '/') && !strchr(host, ' ');
+}
+
+/* The JSON kind of o[k] for messages; "nothing" when absent. */
+static const char *kind_of(json_t *o, const char *k) {
+    json_t *v = json_object_get(o, k);
+    return v ? text_json_kind(v) : "nothing";
+}
+
 static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt, void **out,
                     char *err, size_t errlen) {
     mooncake_connector *c = ctx;
@@ -682,7 +802,17 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
     const char *tid = jstr(o, "transfer_id");
     int role = KV_REQ_LOCAL;
     handle *h = NULL;
-    if (remote_decode && remote_prefill) {
+    const char *bad_flag = NULL;
+    static const char *const FLAGS[2] = {"do_remote_decode", "do_remote_prefill"};
+    for (int i = 0; i < 2 && !bad_flag; i++) {
+        json_t *v = json_object_get(o, FLAGS[i]);
+        if (v && !json_is_boolean(v) && !json_is_null(v)) bad_flag = FLAGS[i];
+    }
+    if (bad_flag) {
+        snprintf(err, errlen, "kv_transfer_params.%s must be true or false, got %s", bad_flag,
+                 kind_of(o, bad_flag));
+        role = -1;
+    } else if (remote_decode && remote_prefill) {
         snprintf(err, errlen,
                  "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true");
         role = -1;
@@ -712,6 +842,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
             } else {
                 if (p->state == P_UNKNOWN) unknown_remove_locked(c, p);
                 p->state = P_PREFILLING;
+                p->deadline_ns = 0; /* pulls waiting for it now wait for the prefill */
                 p->id = id;
                 h = malloc(sizeof *h);
                 if (h) *h = (handle){1, p};
@@ -727,11 +858,17 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                      kv_role_name(c->cfg.role));
             role = -1;
         } else if (!eid || !*eid || strlen(eid) >= ID_MAX) {
-            snprintf(err, errlen, "kv_transfer_params.remote_engine_id must be a non-empty string");
-            role = -1;
-        } else if (!boot || !*boot || strlen(boot) >= 256) {
             snprintf(err, errlen,
-                     "kv_transfer_params.remote_bootstrap_addr must be \"http://host:port\"");
+                     "kv_transfer_params.remote_engine_id must be a non-empty string (below %d "
+                     "bytes), got %s",
+                     ID_MAX, kind_of(o, "remote_engine_id"));
+            role = -1;
+        } else if (!boot || !bootstrap_addr_ok(boot)) {
+            snprintf(err, errlen,
+                     "kv_transfer_params.remote_bootstrap_addr %s%.200s%s is not accepted; "
+                     "accepted: \"http://host:port\" or \"host:port\" (port 1..65535)",
+                     boot ? "'" : "", boot ? boot : kind_of(o, "remote_bootstrap_addr"),
+                     boot ? "'" : "");
             role = -1;
         } else {
             cons_req *r = calloc(1, sizeof *r);
@@ -757,6 +894,14 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 role = KV_REQ_REMOTE_PREFILL;
             }
         }
+    }
+    if (role < 0) {
+        pthread_mutex_lock(&c->mu);
+        if (remote_prefill || (bad_flag && !strcmp(bad_flag, "do_remote_prefill")))
+            c->fail_c[FC_BAD_PARAMS]++;
+        else
+            c->fail_p[FP_BAD_PARAMS]++;
+        pthread_mutex_unlock(&c->mu);
     }
     json_decref(o);
     *out = h;
@@ -813,7 +958,7 @@ static void request_finished(void *ctx, void *hp, uint64_t id, const char *reaso
     handle *h = hp;
     if (!h) return;
     if (!h->is_producer) { /* consumer aborted during its load: stop the pull */
-        atomic_store(&((cons_req *)h->p)->cancel, 1);
+        atomic_store(&((cons_req *)h->p)->cancel, SIDE_CHANNEL_CANCEL_ASK);
         return;
     }
     prod_req *p = h->p;
@@ -830,8 +975,13 @@ static void request_finished(void *ctx, void *hp, uint64_t id, const char *reaso
             prod_release_blocks_locked(c, p);
         }
         p->deadline_ns = clock_now_ns() + (uint64_t)(c->env.abort_request_timeout_s * 1e9);
+        if (p->state == P_READY && p->cancelled && !p->waiters) { /* its decoder gave up */
+            p->state = P_DONE;
+            prod_release_blocks_locked(c, p);
+        }
     } else {
         p->state = P_FAILED;
+        p->fail_reason = FP_PREFILL_ENDED;
         snprintf(p->fail_msg, sizeof p->fail_msg,
                  "the prefill request ended with '%s' before its KV was ready", reason);
     }
@@ -875,6 +1025,78 @@ static void request_released(void *ctx, void *hp, uint64_t id) {
 
 /* ---- reaper: expiries and deadlines -------------------------------------------------- */
 
+/* Caller holds mu.  A pull waiting on p (queued or prefilling here) gets an
+ * empty CONTINUE every BEAT_PERIOD_NS, so the decoder's per-reply timeout
+ * (vLLM: ABORT_REQUEST_TIMEOUT + 60 s) does not fail a request that is only
+ * slow to come out of this producer's queue.  vLLM's decoder reads an empty
+ * CONTINUE as "nothing yet". */
+static void beat_waiters_locked(mooncake_connector *c, prod_req *p, uint64_t now) {
+    for (pull_part *w = p->waiters; w; w = w->next) {
+        if (now - w->job->beat_ns < BEAT_PERIOD_NS) continue;
+        w->job->beat_ns = now;
+        side_channel_reply r = {.status = SIDE_CHANNEL_CONTINUE};
+        side_channel_call_reply(w->job->call, &r);
+    }
+}
+
+/* Side-channel thread: a decoder cancels requests of its pull.  Waiting or
+ * queued parts end now; a part being written ends when its write does.  The
+ * pull's final FINISH, sent when its last part ended, is the acknowledgement:
+ * after it nothing more is written into the decoder's blocks. */
+static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_channel_cancel *cx) {
+    mooncake_connector *c = ud;
+    static const char why[] = "cancelled by the decoder";
+    pthread_mutex_lock(&c->mu);
+    for (size_t k = 0; k < cx->n; k++) {
+        const char *rid = cx->req_ids[k], *tid = cx->transfer_ids[k];
+        prod_req *p = prod_find(c, tid);
+        for (pull_part **pw = p ? &p->waiters : NULL; pw && *pw;) {
+            pull_part *w = *pw;
+            if (side_channel_call_peer_is(w->job->call, peer, peer_len) &&
+                !strcmp(w->job->pull->reqs[w->req].req_id, rid)) {
+                *pw = w->next;
+                c->fail_p[FP_CANCELLED]++;
+                job_req_done_locked(c, w->job, w->req, 0, why);
+                free(w);
+                p->cancelled = 1;
+            } else {
+                pw = &w->next;
+            }
+        }
+        for (send_task **pt = &c->q_head, *prev = NULL; *pt;) {
+            send_task *t = *pt;
+            if (side_channel_call_peer_is(t->job->call, peer, peer_len) &&
+                !strcmp(t->job->pull->reqs[t->req].req_id, rid) &&
+                !strcmp(t->p->transfer_id, tid)) {
+                *pt = t->next;
+                if (c->q_tail == t) c->q_tail = prev;
+                prod_req *tp = t->p;
+                tp->state = P_DONE; /* never sent: its decoder gave up, free the blocks */
+                prod_release_blocks_locked(c, tp);
+                c->fail_p[FP_CANCELLED]++;
+                job_req_done_locked(c, t->job, t->req, 0, why);
+                prod_wake_waiters_locked(c, tp);
+                prod_maybe_free_locked(c, tp);
+                free(t);
+            } else {
+                prev = t;
+                pt = &t->next;
+            }
+        }
+        if (p && p->cancelled && p->state == P_READY && !p->waiters) {
+            p->state = P_DONE;
+            prod_release_blocks_locked(c, p);
+            prod_maybe_free_locked(c, p);
+        } else if (p && p->state == P_UNKNOWN && !p->waiters && p->cancelled) {
+            /* Remembered for a while: if the request still arrives, its KV is
+             * released as soon as it is ready instead of waiting for a pull
+             * that will not come (the reaper forgets it after the deadline). */
+            p->deadline_ns = clock_now_ns() + (uint64_t)(c->env.unknown_transfer_timeout_s * 1e9);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
 /* Caller holds mu (dropped while probing).  ZeroMQ does not report a peer
  * that vanished, so a pull to a dead producer would wait for its whole
  * timeout: every PROBE_PERIOD_NS, ask the bootstrap server of each producer
@@ -911,7 +1133,7 @@ static void probe_producers_locked(mooncake_connector *c) {
         for (int i = 0; i < n; i++)
             if (dead[i] && r->loading && !strcmp(addrs[i], r->bootstrap)) {
                 r->unreachable = 1;
-                atomic_store(&r->cancel, 1);
+                atomic_store(&r->cancel, SIDE_CHANNEL_CANCEL_DROP);
             }
 }
 
@@ -934,27 +1156,31 @@ static void *reaper_main(void *arg) {
                 c->st.expired++;
                 prod_release_blocks_locked(c, p);
                 prod_maybe_free_locked(c, p);
-            } else if ((p->state == P_UNKNOWN || p->state == P_PREFILLING) && p->waiters &&
-                       p->deadline_ns && now >= p->deadline_ns) {
-                prod_state was = p->state;
-                if (was == P_UNKNOWN) unknown_remove_locked(c, p);
+            } else if (p->state == P_UNKNOWN && p->waiters && p->deadline_ns &&
+                       now >= p->deadline_ns) {
+                unknown_remove_locked(c, p);
                 p->state = P_FAILED;
-                snprintf(p->fail_msg, sizeof p->fail_msg, "%s within %.0f s",
-                         was == P_UNKNOWN ? "no request with this transfer_id reached the producer"
-                                          : "the prefill did not finish",
-                         c->env.abort_request_timeout_s);
+                p->fail_reason = FP_UNKNOWN_TRANSFER;
+                snprintf(p->fail_msg, sizeof p->fail_msg,
+                         "no request with transfer_id '%.80s' reached the producer within %g s "
+                         "(DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT)",
+                         p->transfer_id, c->env.unknown_transfer_timeout_s);
+                LOG_W(MOD, "%s; failing the pull", p->fail_msg);
                 prod_wake_waiters_locked(c, p);
-                if (was == P_UNKNOWN) {
-                    p->engine_released = 1;
-                    prod_maybe_free_locked(c, p);
-                } else {
-                    p->state = P_PREFILLING; /* the request still runs; its end frees the blocks */
-                    p->deadline_ns = 0;
-                }
+                p->engine_released = 1;
+                prod_maybe_free_locked(c, p);
+            } else if (p->state == P_UNKNOWN && !p->waiters && p->deadline_ns &&
+                       now >= p->deadline_ns) { /* a cancelled pull's entry */
+                prod_maybe_free_locked(c, p);
+            } else if (p->waiters) {
+                beat_waiters_locked(c, p, now);
             }
         }
         for (cons_req *r = c->conss; r; r = r->next)
-            if (r->loading && now >= r->deadline_ns) atomic_store(&r->cancel, 1);
+            if (r->loading && now >= r->deadline_ns) {
+                r->timed_out = 1;
+                atomic_store(&r->cancel, SIDE_CHANNEL_CANCEL_ASK);
+            }
         if (now >= next_probe) {
             probe_producers_locked(c);
             next_probe = clock_now_ns() + PROBE_PERIOD_NS;
@@ -994,6 +1220,7 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
      * the bootstrap table gives decoders. */
     int rc = side_channel_server_start_auth(c->host, 0, secret, on_pull, c, &c->sc, err, errlen);
     if (rc) return rc;
+    side_channel_server_set_cancel_fn(c->sc, on_cancel);
     snprintf(c->sc_addr, sizeof c->sc_addr, strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u",
              c->host, side_channel_server_port(c->sc));
     c->n_senders = c->cfg.num_workers;
@@ -1109,7 +1336,7 @@ void mooncake_connector_destroy(mooncake_connector *c) {
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
     for (cons_req *r = c->conss; r; r = r->next)
-        atomic_store(&r->cancel, 1);
+        atomic_store(&r->cancel, SIDE_CHANNEL_CANCEL_DROP);
     pthread_cond_broadcast(&c->q_cv);
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
@@ -1156,7 +1383,7 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
     mooncake_stats s;
     mooncake_connector_get_stats(c, &s);
     static const double b[12] = MOONCAKE_LOAD_BUCKETS;
-    size_t cap = 4096;
+    size_t cap = 8192;
     char *t = malloc(cap);
     if (!t) return NULL;
     int n =
@@ -1195,6 +1422,37 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
                  "# TYPE disagg:kv_send_seconds summary\n"
                  "disagg:kv_send_seconds_sum %.6f\ndisagg:kv_send_seconds_count %" PRIu64 "\n",
                  s.load_count, s.load_sum_s, s.load_count, s.send_sum_s, s.send_count);
+    n = (int)strlen(t);
+    uint64_t fp[FP_COUNT], fc[FC_COUNT], acked, unacked;
+    pthread_mutex_lock(&c->mu);
+    memcpy(fp, c->fail_p, sizeof fp);
+    memcpy(fc, c->fail_c, sizeof fc);
+    acked = c->cancel_acked;
+    unacked = c->cancel_unacked;
+    pthread_mutex_unlock(&c->mu);
+    if (n > 0 && (size_t)n < cap)
+        n += snprintf(t + n, cap - (size_t)n,
+                      "# HELP disagg:kv_transfer_failures_total Failed KV transfers by side and "
+                      "reason.\n# TYPE disagg:kv_transfer_failures_total counter\n");
+    for (int i = 0; i < FP_COUNT && n > 0 && (size_t)n < cap; i++)
+        n += snprintf(t + n, cap - (size_t)n,
+                      "disagg:kv_transfer_failures_total{side=\"producer\",reason=\"%s\"} %" PRIu64
+                      "\n",
+                      FP_NAMES[i], fp[i]);
+    for (int i = 0; i < FC_COUNT && n > 0 && (size_t)n < cap; i++)
+        n += snprintf(t + n, cap - (size_t)n,
+                      "disagg:kv_transfer_failures_total{side=\"consumer\",reason=\"%s\"} %" PRIu64
+                      "\n",
+                      FC_NAMES[i], fc[i]);
+    if (n > 0 && (size_t)n < cap)
+        n += snprintf(t + n, cap - (size_t)n,
+                      "# HELP disagg:kv_cancels_total Consumer: pulls cancelled (client gone or "
+                      "deadline); acked = the producer confirmed no write can follow, so the "
+                      "blocks were freed at once (else quarantined).\n"
+                      "# TYPE disagg:kv_cancels_total counter\n"
+                      "disagg:kv_cancels_total{acked=\"yes\"} %" PRIu64 "\n"
+                      "disagg:kv_cancels_total{acked=\"no\"} %" PRIu64 "\n",
+                      acked, unacked);
     /* issue 11 section 3: what the KV ports refused */
     pthread_mutex_lock(&c->mu);
     uint64_t evicted = c->pulls_evicted;

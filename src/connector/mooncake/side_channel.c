@@ -50,6 +50,7 @@ _Static_assert(AUTH_OFF_MAC + AUTH_MAC_LEN == SIDE_CHANNEL_AUTH_LEN, "auth frame
 
 static const char PULL_LABEL[] = "disagg-sc-pull-v1";
 static const char REPLY_LABEL[] = "disagg-sc-reply-v1";
+static const char CANCEL_LABEL[] = "disagg-sc-cancel-v1";
 
 static void put_be64(unsigned char *p, uint64_t v) {
     for (int i = 7; i >= 0; i--, v >>= 8)
@@ -70,7 +71,9 @@ static uint64_t wall_ms(void) {
 /* The MAC of an auth frame whose header (kind, counter, nonce) is filled. */
 static int auth_frame_mac(const char *secret, const unsigned char *f, const void *payload,
                           size_t len, unsigned char mac[AUTH_MAC_LEN]) {
-    const char *label = f[AUTH_OFF_KIND] == 'P' ? PULL_LABEL : REPLY_LABEL;
+    const char *label = f[AUTH_OFF_KIND] == 'P'   ? PULL_LABEL
+                        : f[AUTH_OFF_KIND] == 'C' ? CANCEL_LABEL
+                                                  : REPLY_LABEL;
     const void *parts[4] = {label, f + AUTH_OFF_CTR, f + AUTH_OFF_NONCE, payload};
     size_t lens[4] = {strlen(label), 8, AUTH_NONCE, len};
     return auth_hmacv(secret, strlen(secret), parts, lens, 4, mac);
@@ -186,6 +189,13 @@ int side_channel_call_reply(side_channel_call *call, const side_channel_reply *r
     return rc;
 }
 
+int side_channel_call_peer_is(const side_channel_call *call, const void *peer, size_t peer_len) {
+    if (!call) return 0;
+    size_t extra = call->hub->secret[0] ? AUTH_NONCE : 0; /* immutable after start */
+    return peer_len == call->id_len + extra && memcmp(call->id, peer, call->id_len) == 0 &&
+           (!extra || memcmp(call->nonce, (const unsigned char *)peer + call->id_len, extra) == 0);
+}
+
 void side_channel_pull_release(side_channel_pull *pull) {
     if (!pull) return;
     side_channel_pull_free(pull);
@@ -195,16 +205,17 @@ void side_channel_pull_release(side_channel_pull *pull) {
 /* ---- server ---------------------------------------------------------------- */
 
 struct side_channel_server {
-    void *router;                       /* ZMQ_ROUTER, used only by the thread once started */
-    uint16_t port;                      /* bound port */
-    side_channel_pull_fn fn;            /* the producer's handler */
-    void *ud;                           /* its argument */
-    sc_hub *hub;                        /* replies from any thread */
-    atomic_int stop;                    /* set by stop() */
-    pthread_t thread;                   /* the loop */
-    atomic_uint_fast64_t auth_rejected; /* pulls refused for authentication */
-    uint64_t auth_logged_ns;            /* last rejection log line (server thread only) */
-    uint64_t auth_unlogged;             /* rejections since that line */
+    void *router;            /* ZMQ_ROUTER, used only by the thread once started */
+    uint16_t port;           /* bound port */
+    side_channel_pull_fn fn; /* the producer's handler */
+    _Atomic(side_channel_cancel_fn) cancel_fn; /* its cancel handler, or NULL */
+    void *ud;                                  /* its argument */
+    sc_hub *hub;                               /* replies from any thread */
+    atomic_int stop;                           /* set by stop() */
+    pthread_t thread;                          /* the loop */
+    atomic_uint_fast64_t auth_rejected;        /* messages refused for authentication */
+    uint64_t auth_logged_ns;                   /* last rejection log line (server thread only) */
+    uint64_t auth_unlogged;                    /* rejections since that line */
 };
 
 static void send_frames(void *router, const unsigned char *id, size_t id_len, const void *data,
@@ -239,15 +250,17 @@ static void flush_replies(side_channel_server *s) {
     }
 }
 
-/* Refuse a pull for authentication: count it, answer ERROR (unauthenticated:
- * the peer may not share the secret), log at most one line per 10 s. */
+/* Refuse a pull or cancel for authentication: count it, answer ERROR
+ * (unauthenticated: the peer may not share the secret), log at most one line
+ * per 10 s. */
 static void auth_refuse(side_channel_server *s, const unsigned char *id, size_t id_len,
                         const char *why) {
     atomic_fetch_add(&s->auth_rejected, 1);
     s->auth_unlogged++;
     uint64_t now = clock_now_ns();
     if (!s->auth_logged_ns || now - s->auth_logged_ns >= 10 * NS_PER_S) {
-        LOG_W(MOD, "refusing %" PRIu64 " side-channel pull(s) (%" PRIu64 " in all): %s",
+        LOG_W(MOD,
+              "refusing %" PRIu64 " side-channel pull(s) or cancel(s) (%" PRIu64 " in all): %s",
               s->auth_unlogged, (uint64_t)atomic_load(&s->auth_rejected), why);
         s->auth_logged_ns = now;
         s->auth_unlogged = 0;
@@ -255,42 +268,111 @@ static void auth_refuse(side_channel_server *s, const unsigned char *id, size_t 
     send_error(s->router, id, id_len, why);
 }
 
-/* With a secret: NULL when the pull's auth frame is valid, else why not.
- * Without one: NULL unless the peer sent an auth frame. */
-static const char *auth_check_pull(side_channel_server *s, int frames, zmq_msg_t *payload,
-                                   zmq_msg_t *af, char *buf, size_t cap, unsigned char *nonce) {
+/* The payload names the cancel key (cheap; only decoding tells for sure). */
+static int looks_like_cancel(zmq_msg_t *payload) {
+    static const char key[] = SIDE_CHANNEL_CANCEL_KEY;
+    return memmem(zmq_msg_data(payload), zmq_msg_size(payload), key, sizeof key - 1) != NULL;
+}
+
+/* With a secret: NULL when the message's auth frame is valid (*kind = 'P' for
+ * a pull, 'C' for a cancel; *nonce = its nonce), else why not.  Without one:
+ * NULL unless the peer sent an auth frame. */
+static const char *auth_check_msg(side_channel_server *s, int frames, zmq_msg_t *payload,
+                                  zmq_msg_t *af, char *buf, size_t cap, unsigned char *nonce,
+                                  char *kind) {
     const char *secret = s->hub->secret;
-    int shaped = frames == 2 && auth_frame_shaped(zmq_msg_data(af), zmq_msg_size(af), 'P');
-    if (!secret[0])
-        return shaped ? "the pull carries an authentication frame but this producer has no "
-                        "auth_secret: set the same secret (kv_connector_extra_config.auth_secret "
-                        "or DISAGG_KV_SECRET) on both sides, or on neither"
-                      : NULL;
-    if (frames == 1)
-        return "unauthenticated pull refused: this producer requires the shared secret "
-               "(kv_connector_extra_config.auth_secret or DISAGG_KV_SECRET) and the pull "
-               "carried no authentication frame";
-    if (!shaped) {
+    const unsigned char *f = frames == 2 ? zmq_msg_data(af) : NULL;
+    size_t flen = frames == 2 ? zmq_msg_size(af) : 0;
+    int shaped = f && (auth_frame_shaped(f, flen, 'P') || auth_frame_shaped(f, flen, 'C'));
+    const char *what = shaped ? (f[AUTH_OFF_KIND] == 'C' ? "cancel" : "pull")
+                              : (looks_like_cancel(payload) ? "cancel" : "pull");
+    *kind = 0;
+    if (!secret[0]) {
+        if (!shaped) return NULL;
         snprintf(buf, cap,
-                 "pull refused: expected the pull and a %d-byte authentication frame, got %d "
-                 "frame(s)",
-                 SIDE_CHANNEL_AUTH_LEN, frames);
+                 "the %s carries an authentication frame but this producer has no auth_secret: "
+                 "set the same secret (kv_connector_extra_config.auth_secret or "
+                 "DISAGG_KV_SECRET) on both sides, or on neither",
+                 what);
         return buf;
     }
-    const unsigned char *f = zmq_msg_data(af);
+    if (frames == 1) {
+        snprintf(buf, cap,
+                 "unauthenticated %s refused: this producer requires the shared secret "
+                 "(kv_connector_extra_config.auth_secret or DISAGG_KV_SECRET) and the %s carried "
+                 "no authentication frame",
+                 what, what);
+        return buf;
+    }
+    if (!shaped) {
+        snprintf(buf, cap,
+                 "%s refused: expected the %s and a %d-byte authentication frame, got %d frame(s)",
+                 what, what, SIDE_CHANNEL_AUTH_LEN, frames);
+        return buf;
+    }
     int64_t skew = (int64_t)(wall_ms() - get_be64(f + AUTH_OFF_CTR));
     if (skew > SIDE_CHANNEL_AUTH_SKEW_S * 1000LL || skew < -SIDE_CHANNEL_AUTH_SKEW_S * 1000LL) {
         snprintf(buf, cap,
-                 "pull refused: its timestamp is %.0f s off this producer's clock (accepted: "
+                 "%s refused: its timestamp is %.0f s off this producer's clock (accepted: "
                  "within %d s; are the hosts' clocks synchronized?)",
-                 (double)skew / 1000.0, SIDE_CHANNEL_AUTH_SKEW_S);
+                 what, (double)skew / 1000.0, SIDE_CHANNEL_AUTH_SKEW_S);
         return buf;
     }
-    if (!auth_frame_mac_ok(secret, f, zmq_msg_data(payload), zmq_msg_size(payload)))
-        return "pull authentication failed: the MAC does not match (the decoder's auth_secret "
-               "differs from this producer's)";
+    if (!auth_frame_mac_ok(secret, f, zmq_msg_data(payload), zmq_msg_size(payload))) {
+        snprintf(buf, cap,
+                 "%s authentication failed: the MAC does not match (the decoder's auth_secret "
+                 "differs from this producer's)",
+                 what);
+        return buf;
+    }
     memcpy(nonce, f + AUTH_OFF_NONCE, AUTH_NONCE);
+    *kind = (char)f[AUTH_OFF_KIND];
     return NULL;
+}
+
+/* A cancel (side_channel_msg.h) is handed to the cancel handler; returns 0
+ * when the payload is not a cancel (then it is decoded as a pull) — unless
+ * must (its auth frame says cancel): then that is an error too.  The peer
+ * the handler gets is the routing id, followed with a secret by the nonce
+ * the cancel was authenticated with (side_channel_call_peer_is compares
+ * both: a cancel ends only the pull it was MAC'd for). */
+static int handle_cancel(side_channel_server *s, const unsigned char *id, size_t id_len,
+                         zmq_msg_t *payload, const unsigned char *nonce, int must) {
+    const void *buf = zmq_msg_data(payload);
+    size_t len = zmq_msg_size(payload);
+    if (!must && !looks_like_cancel(payload)) return 0; /* pulls never carry the key */
+    side_channel_cancel c;
+    char err[512];
+    int rc = side_channel_cancel_decode(buf, len, &c, err, sizeof err);
+    if (rc == 1 && !must) return 0;
+    if (rc == 1) {
+        snprintf(err, sizeof err,
+                 "side-channel cancel: the message authenticated as a cancel has no '%s' key",
+                 SIDE_CHANNEL_CANCEL_KEY);
+        rc = SIDE_CHANNEL_EINVAL;
+    }
+    side_channel_cancel_fn fn = atomic_load(&s->cancel_fn);
+    if (rc < 0) {
+        LOG_W(MOD, "rejecting a cancel: %s", err);
+        send_error(s->router, id, id_len, err);
+    } else if (!fn) {
+        send_error(s->router, id, id_len, "side-channel cancel: not supported by this producer");
+    } else {
+        unsigned char peer[MAX_IDENTITY + AUTH_NONCE];
+        size_t peer_len = id_len;
+        memcpy(peer, id, id_len);
+        if (s->hub->secret[0]) {
+            memcpy(peer + id_len, nonce, AUTH_NONCE);
+            peer_len += AUTH_NONCE;
+        }
+        fn(s->ud, peer, peer_len, &c);
+    }
+    side_channel_cancel_free(&c);
+    return 1;
+}
+
+void side_channel_server_set_cancel_fn(side_channel_server *s, side_channel_cancel_fn fn) {
+    atomic_store(&s->cancel_fn, fn);
 }
 
 /* Receive one whole multipart message if there is one; 0 = nothing waiting. */
@@ -317,11 +399,11 @@ static int handle_incoming(side_channel_server *s) {
     size_t id_len = zmq_msg_size(&id);
     if (id_len > MAX_IDENTITY) id_len = MAX_IDENTITY;
     const unsigned char *idp = zmq_msg_data(&id);
-    char why_buf[256];
+    char why_buf[320], kind = 0;
     unsigned char nonce[AUTH_NONCE] = {0};
-    const char *why =
-        frames >= 1 ? auth_check_pull(s, frames, &payload, &af, why_buf, sizeof why_buf, nonce)
-                    : NULL;
+    const char *why = frames >= 1 ? auth_check_msg(s, frames, &payload, &af, why_buf,
+                                                   sizeof why_buf, nonce, &kind)
+                                  : NULL;
     if (why) {
         auth_refuse(s, idp, id_len, why);
     } else if (frames != (s->hub->secret[0] ? 2 : 1)) {
@@ -329,6 +411,9 @@ static int handle_incoming(side_channel_server *s) {
         snprintf(msg, sizeof msg, "side-channel pull: expected one frame, got %d", frames);
         LOG_W(MOD, "%s", msg);
         send_error(s->router, idp, id_len, msg);
+    } else if ((!s->hub->secret[0] || kind == 'C') &&
+               handle_cancel(s, idp, id_len, &payload, nonce, kind == 'C')) {
+        /* a cancel: handled */
     } else {
         side_channel_pull *pull = calloc(1, sizeof *pull);
         side_channel_call *call = calloc(1, sizeof *call);
@@ -446,7 +531,8 @@ int side_channel_server_start_auth(const char *bind_host, uint16_t port, const c
         goto zfail;
     }
     LOG_I(MOD, "side channel ROUTER bound on %s (%s)", last,
-          h->secret[0] ? "pulls authenticated with the shared secret" : "no authentication");
+          h->secret[0] ? "pulls and cancels authenticated with the shared secret"
+                       : "no authentication");
     *out = s;
     return 0;
 zfail:
@@ -500,8 +586,15 @@ void side_channel_server_stop(side_channel_server *s) {
 int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
                           double recv_timeout_s, const atomic_int *cancel, side_channel_reply_fn fn,
                           void *ud, char *err, size_t err_cap) {
-    return side_channel_pull_run_auth(endpoint, pull, NULL, recv_timeout_s, cancel, fn, ud, err,
-                                      err_cap);
+    return side_channel_pull_run_ex(endpoint, pull, NULL, recv_timeout_s, cancel, 0, NULL, fn, ud,
+                                    err, err_cap);
+}
+
+int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pull,
+                               const char *secret, double recv_timeout_s, const atomic_int *cancel,
+                               side_channel_reply_fn fn, void *ud, char *err, size_t err_cap) {
+    return side_channel_pull_run_ex(endpoint, pull, secret, recv_timeout_s, cancel, 0, NULL, fn, ud,
+                                    err, err_cap);
 }
 
 /* With a secret: 0 when reply frame m (and auth frame a, when has_a) is
@@ -556,9 +649,129 @@ static int auth_check_reply(const char *secret, const char *endpoint, zmq_msg_t 
     return 0;
 }
 
-int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pull,
-                               const char *secret, double recv_timeout_s, const atomic_int *cancel,
-                               side_channel_reply_fn fn, void *ud, char *err, size_t err_cap) {
+/* Read the reply waiting on d (one frame, and with a secret its auth frame):
+ * 0 with *r decoded and authenticated as reply number *seq of the pull with
+ * this nonce (then *seq advances); 1 = nothing could be read;
+ * SIDE_CHANNEL_EAUTH with the cause in err; another error with the cause in
+ * derr. */
+static int read_reply(void *d, const char *secret, const char *endpoint, uint64_t *seq,
+                      const unsigned char *nonce, side_channel_reply *r, char *derr, size_t dcap,
+                      char *err, size_t err_cap) {
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, d, 0) < 0) {
+        zmq_msg_close(&m);
+        return 1;
+    }
+    int more = zmq_msg_more(&m), has_a = 0, extra = 0;
+    zmq_msg_t a;
+    zmq_msg_init(&a);
+    if (more) { /* the auth frame, then nothing else */
+        has_a = zmq_msg_recv(&a, d, 0) >= 0;
+        for (more = has_a && zmq_msg_more(&a); more; extra++) {
+            zmq_msg_t x;
+            zmq_msg_init(&x);
+            more = zmq_msg_recv(&x, d, 0) >= 0 && zmq_msg_more(&x);
+            zmq_msg_close(&x);
+        }
+    }
+    int rc =
+        extra || (has_a && !secret && !auth_frame_shaped(zmq_msg_data(&a), zmq_msg_size(&a), 'R'))
+            ? (snprintf(derr, dcap, "a multi-frame reply"), SIDE_CHANNEL_EINVAL)
+            : auth_check_reply(secret, endpoint, &m, &a, has_a, *seq, nonce, err, err_cap);
+    if (rc == 0) rc = side_channel_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), r, derr, dcap);
+    zmq_msg_close(&a);
+    zmq_msg_close(&m);
+    if (rc != SIDE_CHANNEL_EAUTH) (*seq)++;
+    return rc;
+}
+
+/* The monitor's next event (frame 1 is u16 event + u32 value, frame 2 the endpoint). */
+static uint16_t monitor_event(void *mon) {
+    zmq_msg_t ev;
+    uint16_t event = 0;
+    zmq_msg_init(&ev);
+    if (zmq_msg_recv(&ev, mon, 0) >= 0 && zmq_msg_size(&ev) >= 2)
+        memcpy(&event, zmq_msg_data(&ev), 2);
+    while (zmq_msg_more(&ev)) {
+        zmq_msg_close(&ev);
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, mon, 0) < 0) break;
+    }
+    zmq_msg_close(&ev);
+    return event;
+}
+
+/* Send a cancel for pull's requests on d (with a secret, MAC'd like the
+ * pull, kind 'C', with the pull's nonce) and wait for the producer's final
+ * reply (authenticated in the pull's sequence, from *seq): 1 = FINISH
+ * (acknowledged), 0 = anything else within ack_timeout_s. */
+static int cancel_and_wait_ack(void *d, void *mon, const side_channel_pull *pull,
+                               const char *secret, const unsigned char *nonce, uint64_t *seq,
+                               double ack_timeout_s, const char *endpoint) {
+    side_channel_cancel c = {0};
+    c.n = pull->n_reqs;
+    c.req_ids = calloc(c.n ? c.n : 1, sizeof *c.req_ids);
+    c.transfer_ids = calloc(c.n ? c.n : 1, sizeof *c.transfer_ids);
+    char *buf = NULL;
+    size_t len = 0;
+    int rc = c.req_ids && c.transfer_ids ? 0 : SIDE_CHANNEL_ENOMEM;
+    for (size_t i = 0; rc == 0 && i < c.n; i++) {
+        c.req_ids[i] = pull->reqs[i].req_id;
+        c.transfer_ids[i] = pull->reqs[i].transfer_id;
+    }
+    if (rc == 0) rc = side_channel_cancel_encode(&c, &buf, &len);
+    free(c.req_ids);
+    free(c.transfer_ids);
+    unsigned char af[SIDE_CHANNEL_AUTH_LEN];
+    if (rc == 0 && secret && auth_frame_make(secret, 'C', wall_ms(), nonce, buf, len, af) != 0)
+        rc = SIDE_CHANNEL_EIO;
+    if (rc || zmq_send(d, buf, len, ZMQ_DONTWAIT | (secret ? ZMQ_SNDMORE : 0)) < 0 ||
+        (secret && zmq_send(d, af, sizeof af, ZMQ_DONTWAIT) < 0)) {
+        free(buf);
+        return 0;
+    }
+    free(buf);
+    uint64_t deadline = clock_now_ns() + (uint64_t)(ack_timeout_s * 1e9);
+    for (;;) {
+        int ms = clock_remaining_ms(deadline);
+        if (ms <= 0) {
+            LOG_W(MOD, "producer %s did not acknowledge a cancel within %.1f s", endpoint,
+                  ack_timeout_s);
+            return 0;
+        }
+        zmq_pollitem_t it[2] = {{d, 0, ZMQ_POLLIN, 0}, {mon, 0, ZMQ_POLLIN, 0}};
+        int n = zmq_poll(it, mon ? 2 : 1, ms);
+        if (n < 0 && zmq_errno() != EINTR) return 0;
+        if (n <= 0) continue;
+        if (mon && (it[1].revents & ZMQ_POLLIN) && monitor_event(mon) == ZMQ_EVENT_DISCONNECTED &&
+            !(it[0].revents & ZMQ_POLLIN))
+            return 0;
+        if (!(it[0].revents & ZMQ_POLLIN)) continue;
+        side_channel_reply r;
+        char derr[256], aerr[512];
+        int drc =
+            read_reply(d, secret, endpoint, seq, nonce, &r, derr, sizeof derr, aerr, sizeof aerr);
+        if (drc == 1) continue;
+        if (drc == SIDE_CHANNEL_EAUTH)
+            LOG_W(MOD, "the answer to a cancel is not accepted: %s; no acknowledgement", aerr);
+        if (drc) return 0;
+        side_channel_status st = r.status;
+        int named_err = r.err_msg != NULL;
+        if (st == SIDE_CHANNEL_ERROR)
+            LOG_I(MOD, "producer %s answered the cancel with an error (%s): no acknowledgement",
+                  endpoint, named_err ? r.err_msg : "no reason given");
+        side_channel_reply_free(&r);
+        if (st == SIDE_CHANNEL_FINISH) return 1;
+        if (st == SIDE_CHANNEL_ERROR) return 0;
+    }
+}
+
+int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull,
+                             const char *secret, double recv_timeout_s, const atomic_int *cancel,
+                             double ack_timeout_s, int *acked, side_channel_reply_fn fn, void *ud,
+                             char *err, size_t err_cap) {
+    if (acked) *acked = 0;
     char *buf = NULL;
     size_t len = 0;
     if (secret && !secret[0]) secret = NULL;
@@ -621,7 +834,11 @@ int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pu
     uint64_t deadline = clock_now_ns() + timeout_ns;
     for (;;) {
         if (cancel && atomic_load(cancel)) {
-            snprintf(err, err_cap, "side channel: pull to %s canceled", endpoint);
+            if (atomic_load(cancel) == SIDE_CHANNEL_CANCEL_ASK && ack_timeout_s > 0 && acked)
+                *acked =
+                    cancel_and_wait_ack(d, mon, pull, secret, nonce, &seq, ack_timeout_s, endpoint);
+            snprintf(err, err_cap, "side channel: pull to %s canceled%s", endpoint,
+                     acked && *acked ? " (the producer acknowledged)" : "");
             rc = SIDE_CHANNEL_ECANCELED;
             break;
         }
@@ -641,18 +858,7 @@ int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pu
         }
         if (n <= 0) continue;
         if (mon && (it[1].revents & ZMQ_POLLIN)) {
-            /* An event: frame 1 is u16 event + u32 value, frame 2 the endpoint. */
-            zmq_msg_t ev;
-            uint16_t event = 0;
-            zmq_msg_init(&ev);
-            if (zmq_msg_recv(&ev, mon, 0) >= 0 && zmq_msg_size(&ev) >= 2)
-                memcpy(&event, zmq_msg_data(&ev), 2);
-            while (zmq_msg_more(&ev)) {
-                zmq_msg_close(&ev);
-                zmq_msg_init(&ev);
-                if (zmq_msg_recv(&ev, mon, 0) < 0) break;
-            }
-            zmq_msg_close(&ev);
+            uint16_t event = monitor_event(mon);
             if (event == ZMQ_EVENT_CONNECTED) connected = 1;
             if (event == ZMQ_EVENT_DISCONNECTED && connected && !(it[0].revents & ZMQ_POLLIN)) {
                 snprintf(err, err_cap,
@@ -665,37 +871,11 @@ int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pu
             if (!(it[0].revents & ZMQ_POLLIN)) continue;
         }
         if (!(it[0].revents & ZMQ_POLLIN)) continue;
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        if (zmq_msg_recv(&m, d, 0) < 0) {
-            zmq_msg_close(&m);
-            continue;
-        }
-        int more = zmq_msg_more(&m), has_a = 0, extra = 0;
-        zmq_msg_t a;
-        zmq_msg_init(&a);
-        if (more) { /* the auth frame, then nothing else */
-            has_a = zmq_msg_recv(&a, d, 0) >= 0;
-            for (more = has_a && zmq_msg_more(&a); more; extra++) {
-                zmq_msg_t x;
-                zmq_msg_init(&x);
-                more = zmq_msg_recv(&x, d, 0) >= 0 && zmq_msg_more(&x);
-                zmq_msg_close(&x);
-            }
-        }
         side_channel_reply r;
         char derr[512];
-        rc = extra || (has_a && !secret &&
-                       !auth_frame_shaped(zmq_msg_data(&a), zmq_msg_size(&a), 'R'))
-                 ? (snprintf(derr, sizeof derr, "a multi-frame reply"), SIDE_CHANNEL_EINVAL)
-                 : auth_check_reply(secret, endpoint, &m, &a, has_a, seq, nonce, err, err_cap);
-        if (rc == 0)
-            rc = side_channel_reply_decode(zmq_msg_data(&m), zmq_msg_size(&m), &r, derr,
-                                           sizeof derr);
-        zmq_msg_close(&a);
-        zmq_msg_close(&m);
+        rc = read_reply(d, secret, endpoint, &seq, nonce, &r, derr, sizeof derr, err, err_cap);
+        if (rc == 1) continue;
         if (rc == SIDE_CHANNEL_EAUTH) break;
-        seq++;
         if (rc) {
             snprintf(err, err_cap, "side channel: bad reply from %s: %s", endpoint, derr);
             break;

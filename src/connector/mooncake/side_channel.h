@@ -21,10 +21,16 @@
  *               mac = HMAC-SHA256(secret, "disagg-sc-pull-v1" ts nonce payload)
  *   reply P->D: "DKA1" 'R' seq(u64 BE, 0,1,2.. per pull) nonce(16, the pull's) mac(32)
  *               mac = HMAC-SHA256(secret, "disagg-sc-reply-v1" seq nonce payload)
- * A producer with a secret drops (answers ERROR, counts, logs rate-limited)
- * any pull without a valid frame, and one whose ts is more than
- * SIDE_CHANNEL_AUTH_SKEW_S off its clock; a consumer with a secret accepts
- * only replies MAC'd for its own pull, in sequence.  Without a secret on both
+ *   cancel D->P: "DKA1" 'C' ts_ms(u64 BE) nonce(16, the pull's) mac(32)
+ *               mac = HMAC-SHA256(secret, "disagg-sc-cancel-v1" ts nonce payload)
+ * Every reply is MAC'd, CONTINUE heartbeats and the FINISH that acknowledges
+ * a cancel included (they continue the pull's sequence).  A producer with a
+ * secret drops (answers ERROR, counts, logs rate-limited) any pull or cancel
+ * without a valid frame, and one whose ts is more than
+ * SIDE_CHANNEL_AUTH_SKEW_S off its clock; the frame's kind, not the payload,
+ * says whether it is a pull or a cancel, and a cancel reaches only the pull
+ * whose nonce it carries (on the same connection).  A consumer with a secret
+ * accepts only replies MAC'd for its own pull, in sequence.  Without a secret on both
  * sides the wire is exactly vLLM's (one frame); a secret on one side only is
  * refused with a message naming the cause on both sides.
  */
@@ -62,8 +68,9 @@ int side_channel_server_start(const char *bind_host, uint16_t port, side_channel
 int side_channel_server_start_auth(const char *bind_host, uint16_t port, const char *secret,
                                    side_channel_pull_fn fn, void *ud, side_channel_server **out,
                                    char *err, size_t err_cap);
-/* Pulls refused before reaching the handler because of authentication (no or
- * a bad auth frame, a stale timestamp, or an auth frame with no secret here). */
+/* Pulls and cancels refused before reaching a handler because of
+ * authentication (no or a bad auth frame, a stale timestamp, or an auth frame
+ * with no secret here). */
 uint64_t side_channel_server_auth_rejected(side_channel_server *s);
 uint16_t side_channel_server_port(const side_channel_server *s);
 /* Stop the thread and close the socket.  Calls still held by the handler stay
@@ -77,6 +84,19 @@ void side_channel_pull_release(side_channel_pull *pull);
 /* Thread-safe.  Queue one reply to the pull behind call.  FINISH or ERROR is
  * the last: call is released and must not be used again. */
 int side_channel_call_reply(side_channel_call *call, const side_channel_reply *r);
+
+/* Called on the server thread for each decoded (and, with a secret,
+ * authenticated) cancel (side_channel_msg.h); peer identifies its sender
+ * opaquely: the DEALER's routing id and, with a secret, the nonce of the
+ * pull it was MAC'd for.  See side_channel_call_peer_is.  Must not block.
+ * Without a handler a cancel is answered ERROR. */
+typedef void (*side_channel_cancel_fn)(void *ud, const void *peer, size_t peer_len,
+                                       const side_channel_cancel *c);
+/* Install the cancel handler (before pulls arrive; ud is the pull handler's). */
+void side_channel_server_set_cancel_fn(side_channel_server *s, side_channel_cancel_fn fn);
+/* 1 when call's pull came from peer (a cancel handler's: same DEALER and,
+ * with a secret, the same authenticated pull). */
+int side_channel_call_peer_is(const side_channel_call *call, const void *peer, size_t peer_len);
 
 /* Number of pulls handed to the handler and not yet finished (for metrics). */
 int side_channel_server_pending(side_channel_server *s);
@@ -100,5 +120,22 @@ int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
 int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pull,
                                const char *secret, double recv_timeout_s, const atomic_int *cancel,
                                side_channel_reply_fn fn, void *ud, char *err, size_t err_cap);
+
+/* Values of the cancel flag for side_channel_pull_run_ex. */
+#define SIDE_CHANNEL_CANCEL_ASK  1 /* tell the producer and wait for its acknowledgement */
+#define SIDE_CHANNEL_CANCEL_DROP 2 /* just stop (the producer is unreachable) */
+
+/* side_channel_pull_run_auth, and when *cancel becomes
+ * SIDE_CHANNEL_CANCEL_ASK: sends a cancel for the pull's requests on the same
+ * connection (with a secret, with its own auth frame) and waits up to
+ * ack_timeout_s for the producer's final FINISH (with a secret, authenticated
+ * in the pull's sequence); *acked = 1 when it came (no write into the pull's
+ * blocks can happen any more), else 0 (no answer, an ERROR — a peer that does
+ * not know the message, or refused it —, an unauthenticated answer, or a
+ * disconnect).  Returns SIDE_CHANNEL_ECANCELED after a cancel either way. */
+int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull,
+                             const char *secret, double recv_timeout_s, const atomic_int *cancel,
+                             double ack_timeout_s, int *acked, side_channel_reply_fn fn, void *ud,
+                             char *err, size_t err_cap);
 
 #endif

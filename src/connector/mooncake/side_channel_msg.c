@@ -786,3 +786,65 @@ int side_channel_reply_encode(const side_channel_reply *r, char **out, size_t *o
     }
     return finish(&sb, rc, out, out_len);
 }
+
+/* ---- cancel -------------------------------------------------------------- */
+
+int side_channel_cancel_encode(const side_channel_cancel *c, char **out, size_t *out_len) {
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    int rc = msgpack_pack_map(&pk, 1);
+    rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_CANCEL_KEY);
+    rc = rc ? rc : msgpack_pack_map(&pk, c->n);
+    for (size_t i = 0; i < c->n && !rc; i++) {
+        rc = pack_cstr(&pk, c->req_ids[i] ? c->req_ids[i] : "");
+        rc = rc ? rc : pack_cstr(&pk, c->transfer_ids[i] ? c->transfer_ids[i] : "");
+    }
+    return finish(&sb, rc, out, out_len);
+}
+
+int side_channel_cancel_decode(const void *buf, size_t len, side_channel_cancel *out, char *err,
+                               size_t err_cap) {
+    static const char *const KEYS[1] = {SIDE_CHANNEL_CANCEL_KEY};
+    memset(out, 0, sizeof *out);
+    if (err && err_cap) err[0] = '\0';
+    msgpack_unpacked u;
+    msgpack_unpacked_init(&u);
+    int rc = unpack_one("cancel", buf, len, &u, err, err_cap);
+    if (rc == 0) {
+        dec_ctx c = {.what = "cancel", .arena = &out->arena, .err = err, .cap = err_cap};
+        const msgpack_object *f[1];
+        rc = index_map(&c, &u.data.via.map, KEYS, 1, f);
+        if (rc == 0 && !f[0]) rc = 1; /* not a cancel */
+        if (rc == 0 && f[0]->type != MSGPACK_OBJECT_MAP)
+            rc = bad_type(&c, SIDE_CHANNEL_CANCEL_KEY, "a map of req_id to transfer_id", f[0]);
+        if (rc == 0 && f[0]->via.map.size > SIDE_CHANNEL_MAX_REQS) {
+            set_err(err, err_cap, "side-channel cancel: %u requests exceed the limit of %u",
+                    f[0]->via.map.size, SIDE_CHANNEL_MAX_REQS);
+            rc = SIDE_CHANNEL_EINVAL;
+        }
+        if (rc == 0) {
+            const msgpack_object_map *m = &f[0]->via.map;
+            size_t n = m->size ? m->size : 1;
+            out->req_ids = arena_alloc(&out->arena, n * sizeof *out->req_ids);
+            out->transfer_ids = arena_alloc(&out->arena, n * sizeof *out->transfer_ids);
+            if (!out->req_ids || !out->transfer_ids) rc = SIDE_CHANNEL_ENOMEM;
+            for (uint32_t i = 0; rc == 0 && i < m->size; i++) {
+                rc = get_str(&c, "req_id", &m->ptr[i].key, &out->req_ids[i]);
+                if (rc == 0) rc = get_str(&c, "transfer_id", &m->ptr[i].val, &out->transfer_ids[i]);
+                if (rc == 0) out->n++;
+            }
+        }
+        if (rc == SIDE_CHANNEL_ENOMEM) set_err(err, err_cap, "side-channel cancel: out of memory");
+    }
+    msgpack_unpacked_destroy(&u);
+    if (rc) side_channel_cancel_free(out);
+    return rc;
+}
+
+void side_channel_cancel_free(side_channel_cancel *c) {
+    if (!c) return;
+    arena_free(c->arena);
+    memset(c, 0, sizeof *c);
+}

@@ -105,4 +105,28 @@ void side_channel_reply_free(side_channel_reply *r);
 
 const char *side_channel_status_name(side_channel_status s);
 
+/* ---- cancel (a disagg extension, D -> P on the pull's own DEALER) --------
+ * {"disagg_cancel": {"<req_id>": "<transfer_id>", ...}}: "stop serving these
+ * requests of my pull".  The producer answers with the pull's final FINISH
+ * (the cancelled requests in err_reqs) once no write into the decoder's
+ * blocks for them can happen any more: that FINISH is the acknowledgement.
+ * A peer that does not know the message (vLLM) answers ERROR (it does not
+ * decode as a pull), which the decoder reads as "no acknowledgement". */
+#define SIDE_CHANNEL_CANCEL_KEY "disagg_cancel"
+
+typedef struct side_channel_cancel {
+    char **req_ids;      /* (n) */
+    char **transfer_ids; /* (n) */
+    size_t n;
+    void *arena; /* decode: owns the pointers above */
+} side_channel_cancel;
+
+int side_channel_cancel_encode(const side_channel_cancel *c, char **out, size_t *out_len);
+/* 0: buf is a cancel, decoded into *out (release with side_channel_cancel_free);
+ * 1: buf is a msgpack map without the cancel key (decode it as a pull);
+ * < 0: a malformed cancel or not a msgpack map, err says why. */
+int side_channel_cancel_decode(const void *buf, size_t len, side_channel_cancel *out, char *err,
+                               size_t err_cap);
+void side_channel_cancel_free(side_channel_cancel *c);
+
 #endif
