@@ -5,11 +5,17 @@
 #      binaries given with PREBUILT=DIR are used and the CUDA module is rebuilt here
 #      from source with nvcc),
 #   2. tests/unit/test_cuda_model (every op CUDA vs CPU, whole model vs CPU, greedy vs the
-#      golden continuations),
-#   3. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
-#      and the random tiny model, then test_cuda_model again against those references,
+#      golden continuations, the serving path with CUDA graphs vs eager) and
+#      test_backend_ops, also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
+#      DISAGG_CUDA_GEMV=1,
+#   3. the serve smoke (tools/gpu_serve_smoke.py: cuda vs cpu, concurrent vs single, CUDA
+#      graphs vs --enforce-eager),
 #   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
-#      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run.
+#      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run,
+#   5. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
+#      and the random tiny model, test_cuda_model again against those references, and
+#      tests/integration/test_device.py.
+# QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,33 +52,29 @@ cuobjdump --list-elf "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 cuobjdump --list-ptx "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 BIN=$BUILD/disagg
 
-step "GPU parity test (ops and whole model vs CPU, greedy vs golden)"
+step "GPU parity test (ops and whole model vs CPU, greedy vs golden, serving path CUDA graphs vs eager)"
 "$BUILD/test_cuda_model"
 check $? test_cuda_model
-
-step "GPU parity test with the small-batch GEMV enabled (DISAGG_CUDA_GEMV=1)"
-DISAGG_CUDA_GEMV=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|OK|FAILED|PASSED|ERROR"
-check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=1"
 
 step "backend parity test (every kernels/backend.h op, CUDA vs reference)"
 "$BUILD/test_backend_ops"
 check $? test_backend_ops
 
-step "Hugging Face transformers references on the GPU"
-TINY=$(ls -d "${TMPDIR:-/tmp}"/disagg-test-models-"$(id -u)"/tiny-bf16-* 2>/dev/null | head -1)
-python3 tools/gpu_hf_reference.py --out "$OUT/ref" --model sotu-tiny=models/disagg-sotu-tiny \
-  ${TINY:+--model tiny-bf16=$TINY}
-check $? gpu_hf_reference
-DISAGG_GPU_REF_DIR=$OUT/ref "$BUILD/test_cuda_model" 2>&1 | grep -v "^  \(attention\|matmul\|rmsnorm\|rope\|swiglu\)"
-check ${PIPESTATUS[0]} "test_cuda_model against HF on the GPU"
+if [ -z "${QUICK:-}" ]; then
+step "both parity tests with the previous (wmma) prefill kernel (DISAGG_CUDA_FLASH2=0)"
+DISAGG_CUDA_FLASH2=0 "$BUILD/test_backend_ops" 2>&1 | grep -iE "attention|OK|FAILED|PASSED|ERROR"
+check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH2=0"
+DISAGG_CUDA_FLASH2=0 "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
+check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_FLASH2=0"
 
-step "serve on the GPU (disagg serve --device cuda vs --device cpu, concurrent batching)"
+step "GPU parity test with the small-batch GEMV enabled (DISAGG_CUDA_GEMV=1)"
+DISAGG_CUDA_GEMV=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|graph|OK|FAILED|PASSED|ERROR"
+check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=1"
+fi
+
+step "serve on the GPU (disagg serve --device cuda vs --device cpu, concurrent batching, CUDA graphs vs --enforce-eager)"
 python3 tools/gpu_serve_smoke.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
 check $? gpu_serve_smoke
-step "integration: tests/integration/test_device.py"
-DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
-check ${PIPESTATUS[0]} test_device.py
-echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
 
 step "bench model: default model on the GPU"
 "$BIN" bench model models/disagg-sotu-tiny --device cuda
@@ -85,9 +87,29 @@ W7=/dev/shm/q7b
 check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
-echo "--- the same, batch 1 and 8 with the small-batch GEMV (DISAGG_CUDA_GEMV=1):"
+if [ -z "${QUICK:-}" ]; then
+echo "--- prefill with the previous (wmma) prefill kernel (DISAGG_CUDA_FLASH2=0):"
+DISAGG_CUDA_FLASH2=0 "$BIN" bench model "$W7" --device cuda --batches 1 2>&1 | sed -n '/^prefill/,/^decode/p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_FLASH2=0"
+echo "--- batch 1 and 8 with the small-batch GEMV (DISAGG_CUDA_GEMV=1), eager and CUDA graphs:"
 DISAGG_CUDA_GEMV=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,$p'
 check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=1"
+fi
+
+if [ -z "${QUICK:-}" ]; then
+step "Hugging Face transformers references on the GPU"
+TINY=$(ls -d "${TMPDIR:-/tmp}"/disagg-test-models-"$(id -u)"/tiny-bf16-* 2>/dev/null | head -1)
+python3 tools/gpu_hf_reference.py --out "$OUT/ref" --model sotu-tiny=models/disagg-sotu-tiny \
+  ${TINY:+--model tiny-bf16=$TINY}
+check $? gpu_hf_reference
+DISAGG_GPU_REF_DIR=$OUT/ref "$BUILD/test_cuda_model" 2>&1 | grep -v "^  \(attention\|matmul\|rmsnorm\|rope\|swiglu\)"
+check ${PIPESTATUS[0]} "test_cuda_model against HF on the GPU"
+fi
+
+step "integration: tests/integration/test_device.py"
+DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
+check ${PIPESTATUS[0]} test_device.py
+echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
 
 step "summary"
 echo "gpu_check: $fails failed step(s)"

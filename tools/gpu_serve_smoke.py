@@ -3,8 +3,11 @@
 server on the GPU and on the CPU (free ports), sends the golden prompts of
 tests/data/sotu-tiny/greedy.json to /v1/completions (temperature 0, 32 tokens), prints both
 continuations and whether they are equal, then sends 32 concurrent requests to the GPU
-server (continuous batching) and checks each equals its single-request answer.  Exit 1 when
-a request fails or a batched answer differs from the unbatched one on the GPU.
+server (continuous batching) and checks each equals its single-request answer.  Then the
+same requests to a GPU server started with --enforce-eager (every step eager; the first
+server ran decode steps as CUDA graphs): every answer must equal the first server's.  Exit 1
+when a request fails, a batched answer differs from the unbatched one on the GPU, or an
+eager answer differs from the CUDA-graph one.
 Usage: python3 tools/gpu_serve_smoke.py BIN MODEL_DIR LOGDIR"""
 import concurrent.futures as cf, json, os, socket, subprocess, sys, time
 import requests
@@ -23,9 +26,9 @@ def free_port():
     return p
 
 
-def start(dev, *extra):
+def start(dev, *extra, name=None):
     port = free_port()
-    log = open(os.path.join(LOGDIR, "serve-%s.log" % dev.replace(":", "")), "w")
+    log = open(os.path.join(LOGDIR, "serve-%s.log" % (name or dev.replace(":", ""))), "w")
     p = subprocess.Popen([BIN, "serve", MODEL, "--host", "127.0.0.1", "--port", str(port), "--device", dev,
                           "--max-model-len", "1024", *extra], stdout=log, stderr=subprocess.STDOUT)
     url = "http://127.0.0.1:%d" % port
@@ -72,6 +75,17 @@ try:
     diff = sum(o != single[i] for o, i in zip(outs, jobs))
     print("serve: 32 concurrent requests on the GPU in %.2f s; %d differ from their single-request answer" % (dt, diff))
     bad += diff > 0
+    gpu.terminate()
+    gpu.wait(timeout=30)
+    gpu, gurl = start("cuda", "--enforce-eager", name="cuda-eager")
+    eager_single = [complete(gurl, p) for p in prompts]
+    with cf.ThreadPoolExecutor(32) as ex:
+        eager_outs = list(ex.map(lambda i: complete(gurl, prompts[i]), jobs))
+    ediff = sum(e != single[i] for i, e in enumerate(eager_single))
+    ediff += sum(e != o for e, o in zip(eager_outs, outs))
+    print("serve: --enforce-eager vs CUDA graphs on the GPU: %d of %d greedy answers differ (single %d, "
+          "concurrent %d)" % (ediff, len(prompts) + len(jobs), len(prompts), len(jobs)))
+    bad += ediff > 0
 except Exception as e:  # noqa
     print("serve smoke FAILED:", e)
     bad += 1
@@ -80,4 +94,6 @@ finally:
         p.terminate()
         p.wait(timeout=30)
 print(open(os.path.join(LOGDIR, "serve-cuda.log")).read()[-1500:])
+if os.path.exists(os.path.join(LOGDIR, "serve-cuda-eager.log")):
+    print(open(os.path.join(LOGDIR, "serve-cuda-eager.log")).read()[-600:])
 sys.exit(1 if bad else 0)

@@ -840,6 +840,17 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     /* activations first: on a GPU the KV cache gets what is left (vLLM's
      * --gpu-memory-utilization: weights + activations + KV <= that fraction of the device) */
     e->state = qwen2_state_create(&e->model, e->cfg.max_num_batched_tokens);
+    if (e->state && !backend_is_cpu(e->be)) {
+        /* decode steps of up to max_num_seqs sequences as CUDA graphs, unless --enforce-eager */
+        int nb = c.enforce_eager ? 0 : qwen2_state_set_graphs(e->state, c.max_num_seqs);
+        if (nb > 0)
+            LOG_I(MOD, "decode steps of 1..%d sequences as CUDA graphs (%d batch-size buckets)",
+                  c.max_num_seqs < e->cfg.max_num_batched_tokens ? c.max_num_seqs
+                                                                 : e->cfg.max_num_batched_tokens,
+                  nb);
+        else
+            LOG_I(MOD, "every step eager%s", c.enforce_eager ? " (--enforce-eager)" : "");
+    }
     backend_memory(e->be, &mem_free, &mem_total);
     size_t want =
         c.kv_cache_bytes ? c.kv_cache_bytes : (size_t)((double)mem_total * c.kv_cache_fraction);

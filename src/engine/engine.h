@@ -35,7 +35,7 @@ typedef struct engine_config {
     const char *device;         /* backend_open device: "cpu" (default), "auto", "cuda[:N]" */
     int kv_cache_dtype;         /* backend_dtype of the KV cache; -1 = the device's default */
     double gpu_memory_utilization; /* GPU: device-memory fraction for everything (0.9) */
-    int enforce_eager;          /* GPU: no CUDA graphs (today every step is eager) */
+    int enforce_eager;          /* GPU: no CUDA graphs (default: decode steps as graphs) */
 } engine_config;
 
 void engine_config_init(engine_config *c);

@@ -340,6 +340,52 @@ int backend_plan(backend_stream *st, const backend_batch *b) {
     return st->be->iface->plan(st, b);
 }
 
+/* ---- recorded decode steps -------------------------------------------------------- */
+
+int backend_graph_supported(const backend *be) {
+    return be && be->iface->graph_plan != NULL;
+}
+
+int backend_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx, int max_blocks) {
+    CHECK(b && b->n_tokens >= 1 && b->n_seqs == b->n_tokens && b->n_out == b->n_tokens,
+          "graph_plan: %d tokens, %d sequences, %d output rows (need one token per sequence, "
+          "every row out)",
+          b ? b->n_tokens : 0, b ? b->n_seqs : 0, b ? b->n_out : 0);
+    CHECK(b->tokens && b->tok_seq && b->tok_pos && b->qo_indptr && b->kv_len && b->bt_indptr &&
+              b->bt_indices && b->out_rows,
+          "graph_plan: a required array is NULL");
+    CHECK(max_ctx >= 1 && max_blocks >= 1, "graph_plan: max_ctx %d, max_blocks %d (need >= 1)",
+          max_ctx, max_blocks);
+    int S = b->n_seqs;
+    CHECK(b->qo_indptr[0] == 0 && b->bt_indptr[0] == 0, "graph_plan: indptr must start at 0");
+    for (int s = 0; s < S; s++) {
+        int nb = b->bt_indptr[s + 1] - b->bt_indptr[s];
+        CHECK(b->qo_indptr[s + 1] == s + 1 && b->tok_seq[s] == s,
+              "graph_plan: token %d is not sequence %d's only token", s, s);
+        CHECK(nb >= 0 && nb <= max_blocks && b->kv_len[s] >= 0 && b->kv_len[s] <= max_ctx &&
+                  b->tok_pos[s] == b->kv_len[s] - 1,
+              "graph_plan: sequence %d: kv_len %d, position %d, %d blocks (need position = "
+              "kv_len - 1, kv_len <= %d, blocks <= %d)",
+              s, b->kv_len[s], b->tok_pos[s], nb, max_ctx, max_blocks);
+        CHECK(b->out_rows[s] == s, "graph_plan: out_rows[%d] = %d (need %d)", s, b->out_rows[s], s);
+    }
+    return st->be->iface->graph_plan ? st->be->iface->graph_plan(st, b, max_ctx, max_blocks)
+                                     : -ENOTSUP;
+}
+
+int backend_graph_begin(backend_stream *st) {
+    return st->be->iface->graph_begin ? st->be->iface->graph_begin(st) : -ENOTSUP;
+}
+int backend_graph_end(backend_stream *st, int ok) {
+    return st->be->iface->graph_end ? st->be->iface->graph_end(st, ok) : -ENOTSUP;
+}
+void backend_graph_reset(backend_stream *st) {
+    if (st && st->be->iface->graph_reset) st->be->iface->graph_reset(st);
+}
+int backend_graph_count(const backend_stream *st) {
+    return st && st->be->iface->graph_count ? st->be->iface->graph_count(st) : 0;
+}
+
 /* ---- operations ------------------------------------------------------------------- */
 
 int backend_embed(backend_stream *st, void *out, backend_dtype out_dt, const void *table,

@@ -267,4 +267,29 @@ int backend_gather_rows(backend_stream *st, void *out, const void *x, backend_dt
  * of each row of logits (rows, vocab) f32 (the first one on ties; NaN never wins). */
 int backend_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab);
 
+/* ---- recorded decode steps (CUDA graphs) ------------------------------------------------ */
+
+/* A backend may record the operations of a decode step once and replay them (CUDA graphs,
+ * bucketed by batch size as vLLM does).  The caller pads its batch to a bucket of T tokens,
+ * one per sequence: a padding sequence has kv_len 0, its token tok_pos -1 and no blocks (its
+ * row is computed but it writes no KV, attends to nothing and its logits are to be ignored).
+ * backend_graph_plan is backend_plan for such a batch, with the metadata at fixed device
+ * addresses of the graph (T, max_ctx, max_blocks): every kv_len <= max_ctx, every block
+ * table <= max_blocks entries, n_out == T.  Then backend_graph_begin() returns 1 when that
+ * graph is recorded (it is launched: the caller enqueues none of the step's operations and
+ * does not call backend_graph_end), or 0: the caller enqueues the step's operations -- the
+ * same sequence every time for one graph, no syncs, downloads or allocations -- and calls
+ * backend_graph_end(st, ok) (ok = 0 after a failed operation: discards the recording).  The
+ * first 0 for a graph runs the operations eagerly (a warm-up that grows the workspaces); the
+ * second records and launches them.  Results equal the eager run of the same padded batch.
+ * backend_graph_reset() drops every graph of the stream (call it when a buffer the recorded
+ * operations use is freed or moved).  backend_graph_supported() is 0 on the CPU backend,
+ * where the other functions return -ENOTSUP. */
+int backend_graph_supported(const backend *be);
+int backend_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx, int max_blocks);
+int backend_graph_begin(backend_stream *st);
+int backend_graph_end(backend_stream *st, int ok);
+void backend_graph_reset(backend_stream *st);
+int backend_graph_count(const backend_stream *st); /* graphs recorded on st (tests, logs) */
+
 #endif

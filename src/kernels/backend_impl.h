@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 1
+#define BACKEND_ABI_VERSION 2
 
 typedef struct backend_iface {
     /* device */
@@ -53,6 +53,12 @@ typedef struct backend_iface {
     int (*add)(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n);
     int (*gather_rows)(backend_stream *st, void *out, const void *x, backend_dtype dt, int width);
     int (*argmax)(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab);
+    /* recorded decode steps (optional: NULL on a backend without them) */
+    int (*graph_plan)(backend_stream *st, const backend_batch *b, int max_ctx, int max_blocks);
+    int (*graph_begin)(backend_stream *st);
+    int (*graph_end)(backend_stream *st, int ok);
+    void (*graph_reset)(backend_stream *st);
+    int (*graph_count)(const backend_stream *st);
 } backend_iface;
 
 struct backend {

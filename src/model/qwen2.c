@@ -132,6 +132,11 @@ struct qwen2_state {
     int32_t *qo_indptr, *kv_len, *bt_indptr;        /* (max_tokens + 1) each */
     int32_t *bt_indices;                            /* (bt_cap) */
     int bt_cap;
+    /* recorded decode steps (qwen2_state_set_graphs): batch-size buckets, 0 = eager */
+    int graph_buckets[QWEN2_MAX_BUCKETS];
+    int n_buckets;
+    const void *graph_kv; /* the KV region the recorded steps use */
+    int32_t *pad_meta;    /* (4 * max bucket + 2) host arrays of a padded batch */
 };
 
 static qwen2_state *state_new(const qwen2_model *m, int max_tokens, backend_stream *st) {
@@ -200,11 +205,32 @@ void qwen2_state_free(qwen2_state *s) {
     free(s->kv_len);
     free(s->bt_indptr);
     free(s->bt_indices);
+    free(s->pad_meta);
     free(s);
 }
 
 int qwen2_state_max_tokens(const qwen2_state *s) {
     return s->max_tokens;
+}
+
+int qwen2_state_set_graphs(qwen2_state *s, int max_batch) {
+    backend_graph_reset(s->st);
+    s->n_buckets = 0;
+    if (max_batch <= 0 || !backend_graph_supported(backend_stream_backend(s->st))) return 0;
+    if (max_batch > s->max_tokens) max_batch = s->max_tokens;
+    free(s->pad_meta);
+    s->pad_meta = malloc(((size_t)max_batch * 9 + 4) * sizeof(int32_t));
+    if (!s->pad_meta) return -ENOMEM;
+    /* vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to max_batch */
+    for (int b = 1; b <= max_batch && s->n_buckets < QWEN2_MAX_BUCKETS; b = b < 8 ? b * 2 : b + 8)
+        s->graph_buckets[s->n_buckets++] = b;
+    if (s->graph_buckets[s->n_buckets - 1] != max_batch && s->n_buckets < QWEN2_MAX_BUCKETS)
+        s->graph_buckets[s->n_buckets++] = max_batch;
+    return s->n_buckets;
+}
+
+int qwen2_state_graphs(const qwen2_state *s) {
+    return backend_graph_count(s->st);
 }
 
 static int check_seqs(const qwen2_model *m, const qwen2_state *s, const kv_store *kv,
@@ -304,21 +330,16 @@ static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs,
         if ((rc = (call)) != 0) return rc;                                                         \
     } while (0)
 
-int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
-                  int n_seqs) {
+/* The planned batch's T tokens through every layer: s->x holds the residual stream after. */
+static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kvp, int T) {
     const model_config *c = &m->cfg;
     const model_weights *w = &m->w;
-    int T, rc = check_seqs(m, s, kv, seqs, n_seqs, &T);
-    if (rc) return rc;
-    int h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size,
-        V = c->vocab_size, nh = c->n_heads;
+    int rc, h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size,
+            nh = c->n_heads;
     const backend_dtype a = s->act; /* activations */
     const float eps = c->rms_norm_eps, scale = (float)(1.0 / sqrt((double)c->head_dim));
-    const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
-                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+    const backend_kv bkv = *kvp;
     backend_stream *st = s->st;
-    int n_out = plan_batch(s, kv, seqs, n_seqs, T);
-    if (n_out < 0) return n_out;
 
     TRY(backend_embed(st, s->x, a, w->embed.data, w->embed.dtype, h));
     for (int l = 0; l < c->n_layers; l++) {
@@ -347,27 +368,155 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
         TRY(backend_matmul(st, &down, 1));
         TRY(backend_add(st, s->x, s->xb, a, (size_t)T * h));
     }
-    if (!n_out) return backend_stream_sync(st);
+    return 0;
+}
 
-    /* head: logits (n_out, vocab) f32 = lm_head · norm(x) of the wanted rows */
-    if (s->logits_cap < n_out) {
-        backend_buffer_free(s->logits_buf);
-        s->logits_buf = backend_buffer_alloc(m->be, (size_t)n_out * V * sizeof(float), 0);
-        s->logits_cap = s->logits_buf ? n_out : 0;
-        if (!s->logits_buf) return -ENOMEM;
-    }
+/* logits_buf holds at least rows rows (a new buffer drops the recorded steps using the old) */
+static int logits_reserve(const qwen2_model *m, qwen2_state *s, int rows) {
+    if (s->logits_cap >= rows) return 0;
+    backend_graph_reset(s->st);
+    backend_buffer_free(s->logits_buf);
+    s->logits_buf =
+        backend_buffer_alloc(m->be, (size_t)rows * m->cfg.vocab_size * sizeof(float), 0);
+    s->logits_cap = s->logits_buf ? rows : 0;
+    return s->logits_buf ? 0 : -ENOMEM;
+}
+
+/* head: logits (n_out, vocab) f32 = lm_head · norm(x) of the wanted rows */
+static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
+    const model_config *c = &m->cfg;
+    const model_weights *w = &m->w;
+    int rc, h = c->hidden_size;
+    const backend_dtype a = s->act;
+    backend_stream *st = s->st;
     float *logits = backend_buffer_ptr(s->logits_buf);
     TRY(backend_gather_rows(st, s->xb, s->x, a, h));
-    TRY(backend_rmsnorm(st, s->xb, a, s->xb, a, w->final_norm, n_out, h, eps));
-    backend_matmul_op head = {logits,           BACKEND_F32, s->xb, a, w->lm_head.data,
-                              w->lm_head.dtype, NULL,        n_out, V, h};
-    TRY(backend_matmul(st, &head, 1));
-    for (int i = 0, r = 0; i < n_seqs; i++) {
-        if (!seqs[i].logits) continue;
-        int rows = seqs[i].logits_all ? seqs[i].n_tokens : 1;
-        TRY(backend_download(st, seqs[i].logits, logits + (size_t)r * V,
-                             (size_t)rows * V * sizeof(float)));
+    TRY(backend_rmsnorm(st, s->xb, a, s->xb, a, w->final_norm, n_out, h, c->rms_norm_eps));
+    backend_matmul_op head = {
+        logits, BACKEND_F32, s->xb,         a, w->lm_head.data, w->lm_head.dtype,
+        NULL,   n_out,       c->vocab_size, h};
+    return backend_matmul(st, &head, 1);
+}
+
+/* Copies the logits rows (in sequence order from dev) to each sequence's host array; runs of
+ * sequences whose host arrays follow each other (the engine's one logits array) go in one
+ * download. */
+static int download_logits(backend_stream *st, const qwen2_seq *seqs, int n_seqs, const float *dev,
+                           int V) {
+    int rc;
+    size_t r = 0, run_rows = 0, run_dev = 0;
+    float *run_host = NULL;
+    for (int i = 0; i <= n_seqs; i++) {
+        const qwen2_seq *q = i < n_seqs ? &seqs[i] : NULL;
+        if (q && !q->logits) continue;
+        size_t rows = q ? (q->logits_all ? (size_t)q->n_tokens : 1) : 0;
+        if (run_rows && (!q || q->logits != run_host + run_rows * V)) {
+            TRY(backend_download(st, run_host, dev + run_dev * V, run_rows * V * sizeof(float)));
+            run_rows = 0;
+        }
+        if (!q) break;
+        if (!run_rows) run_host = q->logits, run_dev = r;
+        run_rows += rows;
         r += rows;
     }
+    return 0;
+}
+
+/* The decode batch's bucket (the smallest recorded batch size >= T), or 0: run it eagerly.
+ * Only batches of one new token per sequence, each wanting its logits. */
+static int graph_bucket(const qwen2_state *s, const qwen2_seq *seqs, int n_seqs) {
+    if (!s->n_buckets || n_seqs > s->graph_buckets[s->n_buckets - 1]) return 0;
+    for (int i = 0; i < n_seqs; i++)
+        if (seqs[i].n_tokens != 1 || !seqs[i].logits) return 0;
+    for (int i = 0; i < s->n_buckets; i++)
+        if (s->graph_buckets[i] >= n_seqs) return s->graph_buckets[i];
+    return 0;
+}
+
+/* A decode step through a recorded graph: the batch padded to B sequences (padding: kv_len
+ * 0, position -1, no blocks), positions bucketed to 256, 384, 512, 768, ... (2^k and
+ * 1.5 * 2^k: the attention grid and block-table stride of the graph). */
+static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
+                         int n_seqs, int B) {
+    int rc, V = m->cfg.vocab_size, max_len = 0, nbt = 0;
+    for (int i = 0; i < n_seqs; i++)
+        if (seqs[i].start_pos + 1 > max_len) max_len = seqs[i].start_pos + 1;
+    int C = 256; /* 256, 384, 512, 768, 1024, ...: at most a third of the grid idle */
+    while (C < max_len)
+        C = (C & (C - 1)) == 0 ? C + C / 2 : C / 3 * 4;
+    int max_blocks = (C + kv->block_size - 1) / kv->block_size;
+    if (kv->base != s->graph_kv) {
+        backend_graph_reset(s->st);
+        s->graph_kv = kv->base;
+    }
+    TRY(logits_reserve(m, s, B));
+    for (int i = 0; i < n_seqs; i++)
+        nbt += (seqs[i].start_pos + 1 + kv->block_size - 1) / kv->block_size;
+    if (nbt > s->bt_cap) {
+        int32_t *p = realloc(s->bt_indices, (size_t)nbt * sizeof *p);
+        if (!p) return -ENOMEM;
+        s->bt_indices = p;
+        s->bt_cap = nbt;
+    }
+    int32_t *tok = s->pad_meta, *seq = tok + B, *pos = seq + B, *orow = pos + B, *qo = orow + B,
+            *kvl = qo + B + 1, *bti = kvl + B;
+    int b = 0;
+    qo[0] = bti[0] = 0;
+    for (int i = 0; i < B; i++) {
+        int real = i < n_seqs;
+        int end = real ? seqs[i].start_pos + 1 : 0,
+            nb = (end + kv->block_size - 1) / kv->block_size;
+        if (real) memcpy(s->bt_indices + b, seqs[i].block_table, (size_t)nb * sizeof(int32_t));
+        b += nb;
+        tok[i] = real ? seqs[i].tokens[0] : 0;
+        seq[i] = i;
+        pos[i] = end - 1;
+        orow[i] = i;
+        qo[i + 1] = i + 1;
+        kvl[i] = end;
+        bti[i + 1] = b;
+    }
+    backend_batch bb = {B, B, tok, seq, pos, qo, kvl, bti, s->bt_indices, B, orow};
+    const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+    TRY(backend_graph_plan(s->st, &bb, C, max_blocks));
+    rc = backend_graph_begin(s->st);
+    if (rc < 0) return rc;
+    if (rc == 0) {
+        rc = run_layers(m, s, &bkv, B);
+        if (!rc) rc = run_head(m, s, B);
+        int e = backend_graph_end(s->st, rc == 0);
+        if (!rc) rc = e;
+        if (rc) return rc;
+    }
+    TRY(download_logits(s->st, seqs, n_seqs, backend_buffer_ptr(s->logits_buf), V));
+    return backend_stream_sync(s->st);
+}
+
+int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
+                  int n_seqs) {
+    const model_config *c = &m->cfg;
+    int T, rc = check_seqs(m, s, kv, seqs, n_seqs, &T);
+    if (rc) return rc;
+    int V = c->vocab_size;
+    const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+    backend_stream *st = s->st;
+    int B = graph_bucket(s, seqs, n_seqs);
+    if (B) {
+        if ((rc = forward_graph(m, s, kv, seqs, n_seqs, B)) != -EIO) return rc;
+        LOG_E("qwen2", "recorded decode step failed: running every step eagerly from now on");
+        backend_stream_sync(st); /* clears nothing, but reports a sticky device error */
+        qwen2_state_set_graphs(s, 0);
+    }
+    int n_out = plan_batch(s, kv, seqs, n_seqs, T);
+    if (n_out < 0) return n_out;
+    TRY(run_layers(m, s, &bkv, T));
+    if (!n_out) return backend_stream_sync(st);
+
+    TRY(logits_reserve(m, s, n_out));
+    float *logits = backend_buffer_ptr(s->logits_buf);
+    TRY(run_head(m, s, n_out));
+    TRY(download_logits(st, seqs, n_seqs, logits, V));
     return backend_stream_sync(st);
 }

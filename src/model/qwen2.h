@@ -94,6 +94,16 @@ qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, cpu_pool *po
 void qwen2_state_free(qwen2_state *s);
 int qwen2_state_max_tokens(const qwen2_state *s);
 
+/* Decode steps (one new token per sequence, each wanting its logits) of up to max_batch
+ * sequences run as recorded graphs on a backend that has them (CUDA graphs): the batch is
+ * padded to a bucket of 1, 2, 4, 8, 16, 24, ... max_batch (vLLM's sizes), each recorded on
+ * its second use and replayed after.  Results equal the eager run of the padded batch.
+ * max_batch 0 (--enforce-eager) or a backend without graphs: every step eager.  Returns the
+ * number of buckets (0: eager) or -ENOMEM. */
+#define QWEN2_MAX_BUCKETS 64
+int qwen2_state_set_graphs(qwen2_state *s, int max_batch);
+int qwen2_state_graphs(const qwen2_state *s); /* graphs recorded so far */
+
 /* Runs the new tokens of n_seqs sequences (sum of n_tokens <= max_tokens): writes their K/V
  * into kv (on the model's backend) and their logits (host memory, f32).  Returns 0 or
  * -EINVAL (bad token id, position beyond max_position_embeddings, block table too short or

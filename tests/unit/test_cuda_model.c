@@ -25,8 +25,12 @@
 
 #include <cmocka.h>
 #include <jansson.h>
+#include <errno.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "kernels/backend.h"
 #include "kernels/cpu/cpu_matmul.h"
 #include "kernels/cuda/cuda_module.h"
 #include "model/qwen2.h"
@@ -679,6 +683,181 @@ static void test_hf_gpu_reference(void **st) {
     hf_case(ref, "tiny-bf16", dir);
 }
 
+/* The serving path (model/qwen2.c over kernels/backend.h on the CUDA backend) with decode
+ * steps as CUDA graphs against the same requests with every step eager (--enforce-eager):
+ * 5 sequences of different prompt lengths decode greedily, finishing one by one (batch
+ * 5, 4, 3, 2, 1: buckets 8, 4, 4, 2, 1; one context crosses the 256-position bucket).
+ * The greedy tokens must be identical.  And a recorded step must equal its own eager
+ * warm-up bit for bit: the first decode step is run three times on the graph state (warm-up
+ * eager with the padded batch, record + launch, replay) with the same inputs. */
+#define GS_N     5
+#define GS_STEPS 40
+typedef struct gs_run {
+    qwen2_state *s;
+    kv_store kv;
+    int32_t toks[GS_N][GS_STEPS + 1];
+    float *logits; /* (GS_N, GS_STEPS, V) */
+} gs_run;
+
+static int gs_argmax(const float *x, int V) {
+    int b = 0;
+    for (int v = 1; v < V; v++)
+        if (x[v] > x[b]) b = v;
+    return b;
+}
+
+static void gs_decode(qwen2_model *m, backend *be, gs_run *r, int graphs, const int *plen,
+                      int32_t (*tables)[64], int nb) {
+    int V = m->cfg.vocab_size;
+    r->s = qwen2_state_create(m, 512);
+    assert_non_null(r->s);
+    if (graphs) assert_true(qwen2_state_set_graphs(r->s, 8) > 0);
+    assert_int_equal(kv_store_init_on(&r->kv, be, &m->cfg, nb, BS, BACKEND_BF16, BACKEND_BUF_KV),
+                     0);
+    r->logits = calloc((size_t)GS_N * GS_STEPS * V, 4);
+    float *lg = malloc((size_t)V * 4);
+    int32_t prompt[300];
+    for (int i = 0; i < GS_N; i++) {
+        for (int t = 0; t < plen[i]; t++)
+            prompt[t] = (int32_t)((t * 104729 + 7 * i + 3) % 4000);
+        qwen2_seq q = {prompt, plen[i], 0, tables[i], 64, lg, 0};
+        assert_int_equal(qwen2_forward(m, r->s, &r->kv, &q, 1), 0);
+        r->toks[i][0] = gs_argmax(lg, V);
+    }
+    qwen2_seq q[GS_N];
+    for (int step = 0; step < GS_STEPS; step++) {
+        int n = 0;
+        for (int i = 0; i < GS_N; i++) {
+            if (step >= GS_STEPS - 6 * i) continue; /* sequence i stops after 40 - 6 i steps */
+            q[n++] = (qwen2_seq){&r->toks[i][step],
+                                 1,
+                                 plen[i] + step,
+                                 tables[i],
+                                 64,
+                                 r->logits + ((size_t)i * GS_STEPS + step) * V,
+                                 0};
+        }
+        int reps = graphs && step == 0 ? 3 : 1;
+        float *first = NULL;
+        for (int k = 0; k < reps; k++) {
+            assert_int_equal(qwen2_forward(m, r->s, &r->kv, q, n), 0);
+            if (reps > 1 && k == 0) {
+                first = malloc((size_t)n * V * 4);
+                for (int j = 0; j < n; j++)
+                    memcpy(first + (size_t)j * V, q[j].logits, (size_t)V * 4);
+            } else if (reps > 1) {
+                for (int j = 0; j < n; j++)
+                    assert_memory_equal(first + (size_t)j * V, q[j].logits, (size_t)V * 4);
+            }
+        }
+        if (first) {
+            fprintf(stderr,
+                    "  graph: warm-up, recorded and replayed step bit-identical (%d "
+                    "sequences, %d graph(s) recorded)\n",
+                    n, qwen2_state_graphs(r->s));
+            assert_true(qwen2_state_graphs(r->s) >= 1);
+            free(first);
+        }
+        for (int i = 0; i < GS_N; i++)
+            if (step < GS_STEPS - 6 * i)
+                r->toks[i][step + 1] = gs_argmax(r->logits + ((size_t)i * GS_STEPS + step) * V, V);
+    }
+    free(lg);
+}
+
+static void test_serving_graphs(void **st) {
+    NEED_GPU();
+    char dir[1024], err[1024];
+    snprintf(dir, sizeof dir, "%s/models/disagg-sotu-tiny", DISAGG_SOURCE_DIR);
+    backend *be = NULL;
+    int rc = backend_open("cuda", NULL, &be, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    assert_int_equal(rc, 0);
+    assert_true(backend_graph_supported(be));
+    qwen2_model m;
+    rc = qwen2_load_on(&m, dir, be, 0, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    assert_int_equal(rc, 0);
+    int V = m.cfg.vocab_size, nb = GS_N * 64;
+    static int32_t tables[GS_N][64];
+    for (int i = 0; i < GS_N; i++)
+        for (int b = 0; b < 64; b++)
+            tables[i][b] = nb - 1 - (b * GS_N + i); /* interleaved, descending */
+    const int plen[GS_N] = {13, 250, 31, 90, 200};
+    static gs_run eager, graph;
+    gs_decode(&m, be, &eager, 0, plen, tables, nb);
+    gs_decode(&m, be, &graph, 1, plen, tables, nb);
+    int differ = 0, total = 0;
+    double worst = 0;
+    for (int i = 0; i < GS_N; i++)
+        for (int step = 0; step < GS_STEPS - 6 * i; step++) {
+            total++;
+            differ += eager.toks[i][step + 1] != graph.toks[i][step + 1];
+            const float *a = eager.logits + ((size_t)i * GS_STEPS + step) * V,
+                        *b = graph.logits + ((size_t)i * GS_STEPS + step) * V;
+            for (int v = 0; v < V; v++)
+                if (fabs(a[v] - b[v]) > worst) worst = fabs(a[v] - b[v]);
+        }
+    fprintf(stderr,
+            "  serving path, CUDA graphs vs eager: %d/%d greedy tokens differ, max |dlogit| "
+            "%.3g, %d graphs recorded\n",
+            differ, total, worst, qwen2_state_graphs(graph.s));
+    assert_int_equal(differ, 0);
+    assert_true(qwen2_state_graphs(graph.s) >= 4);
+    gs_run *runs[2] = {&eager, &graph};
+    for (int k = 0; k < 2; k++) {
+        qwen2_state_free(runs[k]->s);
+        kv_store_free(&runs[k]->kv);
+        free(runs[k]->logits);
+    }
+    qwen2_free(&m);
+    backend_close(be);
+}
+
+/* Without a GPU too: the graph functions on the CPU backend (no graphs: -ENOTSUP, every step
+ * eager) and backend_graph_plan's checks of a padded batch (-EINVAL, before the backend). */
+static void test_graph_api_cpu(void **st) {
+    backend *be = backend_cpu_default();
+    assert_false(backend_graph_supported(be));
+    backend_stream *s = backend_stream_create(be);
+    assert_non_null(s);
+    int32_t tok[2] = {1, 2}, seq[2] = {0, 1}, pos[2] = {4, -1}, qo[3] = {0, 1, 2}, kvl[2] = {5, 0},
+            bti[3] = {0, 1, 1}, bt[1] = {0}, orow[2] = {0, 1};
+    backend_batch b = {2, 2, tok, seq, pos, qo, kvl, bti, bt, 2, orow};
+    assert_int_equal(backend_graph_plan(s, &b, 256, 16), -ENOTSUP); /* valid, but no graphs */
+    assert_int_equal(backend_graph_begin(s), -ENOTSUP);
+    assert_int_equal(backend_graph_end(s, 1), -ENOTSUP);
+    assert_int_equal(backend_graph_count(s), 0);
+    backend_graph_reset(s);
+    backend_batch bad = b;
+    bad.n_out = 1; /* every row must be an output row */
+    assert_int_equal(backend_graph_plan(s, &bad, 256, 16), -EINVAL);
+    bad = b;
+    bad.n_seqs = 1; /* one token per sequence */
+    assert_int_equal(backend_graph_plan(s, &bad, 256, 16), -EINVAL);
+    assert_int_equal(backend_graph_plan(s, &b, 4, 16), -EINVAL);  /* kv_len 5 > max_ctx 4 */
+    assert_int_equal(backend_graph_plan(s, &b, 256, 0), -EINVAL); /* max_blocks < 1 */
+    pos[1] = 0; /* a padding row (kv_len 0) must have position -1 */
+    assert_int_equal(backend_graph_plan(s, &b, 256, 16), -EINVAL);
+    pos[1] = -1;
+    orow[1] = 0; /* rows out in order */
+    assert_int_equal(backend_graph_plan(s, &b, 256, 16), -EINVAL);
+    backend_stream_free(s);
+
+    /* the model on the CPU: qwen2_state_set_graphs says "eager" (0) and the forward is the
+     * eager one (test_model_golden / test_model_batch check it bit for bit) */
+    char dir[1024], err[1024];
+    snprintf(dir, sizeof dir, "%s/models/disagg-sotu-tiny", DISAGG_SOURCE_DIR);
+    qwen2_model m;
+    assert_int_equal(qwen2_load(&m, dir, 0, err, sizeof err), 0);
+    qwen2_state *qs = qwen2_state_init(&m, 16, NULL);
+    assert_non_null(qs);
+    assert_int_equal(qwen2_state_set_graphs(qs, 8), 0);
+    assert_int_equal(qwen2_state_graphs(qs), 0);
+    qwen2_state_free(qs);
+    qwen2_free(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_embed_rmsnorm_swiglu_add),
@@ -688,6 +867,8 @@ int main(void) {
         cmocka_unit_test(test_model_tiny_random),
         cmocka_unit_test(test_model_default),
         cmocka_unit_test(test_greedy_golden),
+        cmocka_unit_test(test_serving_graphs),
+        cmocka_unit_test(test_graph_api_cpu),
         cmocka_unit_test(test_hf_gpu_reference),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -29,6 +29,7 @@ typedef struct cb_dev {
 typedef struct cb_stream {
     dcu_ctx *c;
     int32_t *d_meta;      /* device: tok | seq | pos | out_rows | bt (dense S x stride) */
+    int32_t *d_meta_cur;  /* the metadata the current plan uses (d_meta or a graph's) */
     size_t meta_cap;      /* int32 entries */
     int32_t *h_meta;      /* host staging (pageable) */
     size_t h_cap;
@@ -38,7 +39,21 @@ typedef struct cb_stream {
     int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
     void *xconv;          /* bf16 copy of a matmul input */
     size_t xconv_bytes;
+    /* recorded decode steps (backend_graph_*): one entry per (T, max_ctx, max_blocks) */
+    struct cb_graph *graphs;
+    int n_graphs, cap_graphs;
+    struct cb_graph *cur;  /* the graph backend_graph_plan selected (NULL: eager plan) */
+    int capturing;         /* 1 between a recording graph_begin and graph_end */
 } cb_stream;
+
+typedef struct cb_graph {
+    int T, max_ctx, max_blocks;
+    int32_t *d_meta;       /* this graph's metadata, at the addresses it was recorded with */
+    size_t meta_cap;
+    int uses;              /* graph_begin calls: 0 -> warm-up, 1 -> record, then replay */
+    unsigned gen;          /* the context's scratch generation it was recorded in */
+    cudaGraphExec_t exec;  /* NULL until recorded */
+} cb_graph;
 
 #define CB(st) ((cb_stream *)(st)->impl)
 /* The calling thread's current device must be the stream's (cuda:N with N > 0): set it in
@@ -156,9 +171,13 @@ static int cb_stream_create(backend *be, backend_stream *st) {
     return 0;
 }
 
+static void cb_graph_reset(backend_stream *st);
+
 static void cb_stream_free(backend_stream *st) {
     cb_stream *s = CB(st);
     if (!s) return;
+    cb_graph_reset(st);
+    free(s->graphs);
     cudaFree(s->d_meta);
     cudaFree(s->xconv);
     free(s->h_meta);
@@ -199,30 +218,25 @@ static int cb_memset_zero(backend_stream *st, void *dev, size_t n) {
     return 0;
 }
 
-static int cb_plan(backend_stream *st, const backend_batch *b) {
-    cb_stream *s = CB(st);
-    ON_DEV(st);
-    int T = b->n_tokens, S = b->n_seqs, stride = 1, max_ctx = 0;
-    for (int i = 0; i < S; i++) {
-        int n = b->bt_indptr[i + 1] - b->bt_indptr[i];
-        if (n > stride) stride = n;
-        if (b->kv_len[i] > max_ctx) max_ctx = b->kv_len[i];
-    }
-    size_t need = (size_t)4 * T + (size_t)b->n_out + (size_t)S * stride + 8 +
-                  3 * ((size_t)T + S) + (size_t)T;
+static size_t plan_need(int T, int S, int n_out, int stride) {
+    return (size_t)4 * T + (size_t)n_out + (size_t)S * stride + 8 + 3 * ((size_t)T + S) +
+           (size_t)T;
+}
+
+/* Copies the batch's metadata to d_meta (of at least plan_need entries) with block tables
+ * of `stride` entries (>= every sequence's) and sets the stream's views; max_ctx: the
+ * split-attention kernel's grid covers that many positions. */
+static int plan_into(cb_stream *s, const backend_batch *b, int stride, int max_ctx,
+                     int32_t *d_meta) {
+    int T = b->n_tokens, S = b->n_seqs;
+    size_t need = plan_need(T, S, b->n_out, stride);
     if (need > s->h_cap) {
         free(s->h_meta);
         s->h_meta = (int32_t *)malloc(need * 4);
         s->h_cap = s->h_meta ? need : 0;
         if (!s->h_meta) return -ENOMEM;
     }
-    if (need > s->meta_cap) {
-        cudaFree(s->d_meta); /* synchronises: no enqueued kernel still reads it */
-        s->d_meta = NULL;
-        s->meta_cap = 0;
-        if (cudaMalloc((void **)&s->d_meta, need * 2 * 4) != cudaSuccess) return -ENOMEM;
-        s->meta_cap = need * 2;
-    }
+    s->d_meta_cur = d_meta;
     int32_t *h = s->h_meta;
     memcpy(h, b->tokens, (size_t)T * 4);
     memcpy(h + T, b->tok_seq, (size_t)T * 4);
@@ -242,15 +256,143 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
     size_t n_meta = (size_t)(rest - h) + s->n_rest;
     /* pageable source: the copy is staged before cudaMemcpyAsync returns, and it is ordered
      * after the previous batch's kernels on this stream */
-    CK(cudaMemcpyAsync(s->d_meta, h, n_meta * 4, cudaMemcpyHostToDevice, s->c->stream));
-    s->tiles = s->d_meta + (tiles - h);
-    s->rest = s->d_meta + (rest - h);
-    s->tok = s->d_meta;
-    s->seq = s->d_meta + T;
-    s->pos = s->d_meta + 2 * T;
-    s->orow = s->d_meta + 3 * T;
-    s->bt = s->d_meta + 3 * T + b->n_out;
+    CK(cudaMemcpyAsync(d_meta, h, n_meta * 4, cudaMemcpyHostToDevice, s->c->stream));
+    s->tiles = d_meta + (tiles - h);
+    s->rest = d_meta + (rest - h);
+    s->tok = d_meta;
+    s->seq = d_meta + T;
+    s->pos = d_meta + 2 * T;
+    s->orow = d_meta + 3 * T;
+    s->bt = d_meta + 3 * T + b->n_out;
     s->T = T, s->S = S, s->stride = stride, s->n_out = b->n_out, s->max_ctx = max_ctx;
+    return 0;
+}
+
+static int cb_plan(backend_stream *st, const backend_batch *b) {
+    cb_stream *s = CB(st);
+    ON_DEV(st);
+    if (s->capturing) return -EINVAL;
+    s->cur = NULL;
+    int T = b->n_tokens, S = b->n_seqs, stride = 1, max_ctx = 0;
+    for (int i = 0; i < S; i++) {
+        int n = b->bt_indptr[i + 1] - b->bt_indptr[i];
+        if (n > stride) stride = n;
+        if (b->kv_len[i] > max_ctx) max_ctx = b->kv_len[i];
+    }
+    size_t need = plan_need(T, S, b->n_out, stride);
+    if (need > s->meta_cap) {
+        cudaFree(s->d_meta); /* synchronises: no enqueued kernel still reads it */
+        s->d_meta = NULL;
+        s->meta_cap = 0;
+        if (cudaMalloc((void **)&s->d_meta, need * 2 * 4) != cudaSuccess) return -ENOMEM;
+        s->meta_cap = need * 2;
+    }
+    return plan_into(s, b, stride, max_ctx, s->d_meta);
+}
+
+/* ---- recorded decode steps (CUDA graphs) ----------------------------------------------- */
+
+static void graph_drop(cb_graph *g) {
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    g->exec = NULL;
+    g->uses = 0;
+}
+
+static void cb_graph_reset(backend_stream *st) {
+    cb_stream *s = CB(st);
+    if (!s) return;
+    if (s->n_graphs) cudaStreamSynchronize(s->c->stream);
+    for (int i = 0; i < s->n_graphs; i++) {
+        graph_drop(&s->graphs[i]);
+        cudaFree(s->graphs[i].d_meta);
+    }
+    s->n_graphs = 0;
+    s->cur = NULL;
+}
+
+static int cb_graph_count(const backend_stream *st) {
+    const cb_stream *s = (const cb_stream *)st->impl;
+    int n = 0;
+    for (int i = 0; i < s->n_graphs; i++)
+        n += s->graphs[i].exec != NULL;
+    return n;
+}
+
+static int cb_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx,
+                         int max_blocks) {
+    cb_stream *s = CB(st);
+    ON_DEV(st);
+    if (s->capturing) return -EINVAL;
+    cb_graph *g = NULL;
+    for (int i = 0; i < s->n_graphs && !g; i++)
+        if (s->graphs[i].T == b->n_tokens && s->graphs[i].max_ctx == max_ctx &&
+            s->graphs[i].max_blocks == max_blocks)
+            g = &s->graphs[i];
+    if (!g) {
+        if (s->n_graphs == s->cap_graphs) {
+            int cap = s->cap_graphs ? 2 * s->cap_graphs : 16;
+            cb_graph *p = (cb_graph *)realloc(s->graphs, (size_t)cap * sizeof *p);
+            if (!p) return -ENOMEM;
+            s->graphs = p;
+            s->cap_graphs = cap;
+        }
+        g = &s->graphs[s->n_graphs];
+        memset(g, 0, sizeof *g);
+        g->T = b->n_tokens, g->max_ctx = max_ctx, g->max_blocks = max_blocks;
+        g->meta_cap = plan_need(b->n_tokens, b->n_seqs, b->n_out, max_blocks);
+        if (cudaMalloc((void **)&g->d_meta, g->meta_cap * 4) != cudaSuccess) {
+            cudaGetLastError();
+            return -ENOMEM;
+        }
+        s->n_graphs++;
+    }
+    int rc = plan_into(s, b, max_blocks, max_ctx, g->d_meta);
+    s->cur = rc ? NULL : g;
+    return rc;
+}
+
+static int cb_graph_begin(backend_stream *st) {
+    cb_stream *s = CB(st);
+    cb_graph *g = s->cur;
+    if (!g || s->capturing) return -EINVAL;
+    if (g->exec && g->gen != s->c->gen) graph_drop(g); /* a scratch buffer moved since */
+    if (g->exec) {
+        CK(cudaGraphLaunch(g->exec, s->c->stream));
+        g->uses++;
+        return 1;
+    }
+    if (g->uses++ == 0) return 0; /* warm-up: eager, grows the workspaces to this shape */
+    g->gen = s->c->gen;
+    CK(cudaStreamBeginCapture(s->c->stream, cudaStreamCaptureModeThreadLocal));
+    s->capturing = 1;
+    return 0;
+}
+
+static int cb_graph_end(backend_stream *st, int ok) {
+    cb_stream *s = CB(st);
+    cb_graph *g = s->cur;
+    if (!g) return -EINVAL;
+    if (!s->capturing) return 0; /* the warm-up ran eagerly */
+    s->capturing = 0;
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(s->c->stream, &graph);
+    if (ok && e == cudaSuccess && g->gen == s->c->gen)
+        e = cudaGraphInstantiate(&g->exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    if (!ok) {
+        g->exec = NULL;
+        g->uses = 0;
+        cudaGetLastError();
+        return 0;
+    }
+    if (e != cudaSuccess || !g->exec) {
+        fprintf(stderr, "cuda_backend: recording a decode step (T=%d) failed: %s\n", g->T,
+                e != cudaSuccess ? cudaGetErrorString(e) : "a workspace moved while recording");
+        cudaGetLastError();
+        g->exec = NULL;
+        return -EIO;
+    }
+    CK(cudaGraphLaunch(g->exec, s->c->stream));
     return 0;
 }
 
@@ -319,6 +461,8 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
             size_t n = (size_t)o->T * o->K;
             if (!(o->x == last_x && o->T == last_T && o->K == last_K)) {
                 if (n * 2 > s->xconv_bytes) {
+                    if (s->capturing) return -EINVAL; /* graph_begin's warm-up grew it */
+                    s->c->gen++;
                     cudaFree(s->xconv); /* synchronises */
                     s->xconv = NULL;
                     s->xconv_bytes = 0;
@@ -423,7 +567,8 @@ static const backend_iface CB_IFACE = {
     cb_stream_create, cb_stream_free, cb_stream_sync, cb_upload,      cb_download,
     cb_copy,     cb_memset_zero,    cb_plan,         cb_embed,        cb_rmsnorm,
     cb_matmul,   cb_rope,           cb_kv_write,     cb_attention,    cb_swiglu,
-    cb_add,      cb_gather_rows,    cb_argmax,
+    cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
+    cb_graph_end, cb_graph_reset,   cb_graph_count,
 };
 
 extern "C" __attribute__((visibility("default"))) int

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -61,6 +62,9 @@ struct dcu_ctx {
     int no_gemv; /* unless DISAGG_CUDA_GEMV=1: every GEMM through cuBLASLt */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
+    unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
+    int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */
+    int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
 };
 
 #define CK(call)                                                                             \
@@ -158,6 +162,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->n_sm = info.n_sm;
     c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
+    c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
+    c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -429,6 +435,7 @@ __global__ void k_kv_write(KT *kv, int bs, int n_layers, int kvd, int layer, con
                            const float *v, int stride, const int32_t *pos, const int32_t *seq,
                            const int32_t *bts, int bt_stride) {
     int t = blockIdx.x;
+    if (pos[t] < 0) return; /* a padding row of a recorded decode step */
     const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
     size_t ok = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 0);
     size_t ov = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 1);
@@ -701,6 +708,7 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
             cudaFree(c->att_part);
             c->att_part = NULL;
             c->att_part_cap = 0;
+            c->gen++;
             if (cudaMalloc((void **)&c->att_part, need * 4) != cudaSuccess) return -ENOMEM;
             c->att_part_cap = need;
         }
@@ -708,6 +716,7 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
             cudaFree(c->att_ml);
             c->att_ml = NULL;
             c->att_ml_cap = 0;
+            c->gen++;
             if (cudaMalloc((void **)&c->att_ml, need_ml * 4) != cudaSuccess) return -ENOMEM;
             c->att_ml_cap = need_ml;
         }
@@ -882,6 +891,211 @@ static int launch_flash(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, i
     return launch_check("flash_prefill");
 }
 
+/* The prefill kernel on mma.sync (FlashAttention-2 layout; the default, DISAGG_CUDA_FLASH2=0
+ * goes back to the wmma kernel above, which also serves head_dim 16): the same
+ * CTA (64-row tile, query head) and tiles as k_flash_prefill, but Q fragments, S, P and O
+ * live in registers (m16n8k16 bf16, f32 accumulate), the softmax runs on the accumulator
+ * fragments (each row's 4 owners reduce with two shuffles), K and V tiles (64 keys) are read
+ * from padded shared memory with ldmatrix.  head_dim 32/64/128. */
+#define F2_PAD 8
+__device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+__device__ __forceinline__ void mma_bf16(float *c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t *r, const void *p) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const void *p) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+static size_t flash2_smem(int hd) {
+    return (size_t)2 * FA_BK * (hd + F2_PAD) * 2;
+}
+
+template <int HD, typename OT>
+__global__ void __launch_bounds__(128)
+    k_flash2(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
+             const int32_t *tiles, const int32_t *pos, const int32_t *bts, int bt_stride, int nh,
+             int nkv, float scale) {
+    constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16;
+    int tile = blockIdx.x, h = blockIdx.y, kvh = h / (nh / nkv), kvd = nkv * HD;
+    int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
+    const int32_t *bt = bts + (size_t)sq * bt_stride;
+    int p0 = pos[t0], kmax = p0 + rows;
+    extern __shared__ __align__(16) char smem[];
+    bf16 *Ks = (bf16 *)smem, *Vs = Ks + FA_BK * LD;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 16;
+    int g = lane >> 2, qd = lane & 3;
+    /* Q fragments (rows wr0 + g, wr0 + g + 8), scaled, rounded to bf16 */
+    uint32_t qa[KS][4];
+    int r0 = wr0 + g, r1 = r0 + 8;
+    const float *q0 = q + (size_t)(t0 + r0) * nh * HD + (size_t)h * HD;
+    const float *q1 = q + (size_t)(t0 + r1) * nh * HD + (size_t)h * HD;
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        int c = kk * 16 + 2 * qd;
+        float2 z = make_float2(0.f, 0.f);
+        float2 x00 = r0 < rows ? *(const float2 *)(q0 + c) : z;
+        float2 x10 = r1 < rows ? *(const float2 *)(q1 + c) : z;
+        float2 x01 = r0 < rows ? *(const float2 *)(q0 + c + 8) : z;
+        float2 x11 = r1 < rows ? *(const float2 *)(q1 + c + 8) : z;
+        qa[kk][0] = pack_bf2(x00.x * scale, x00.y * scale);
+        qa[kk][1] = pack_bf2(x10.x * scale, x10.y * scale);
+        qa[kk][2] = pack_bf2(x01.x * scale, x01.y * scale);
+        qa[kk][3] = pack_bf2(x11.x * scale, x11.y * scale);
+    }
+    float o[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; i++)
+        o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    int qp0 = p0 + r0, qp1 = p0 + r1; /* query positions of the two rows */
+    for (int k0 = 0; k0 < kmax; k0 += FA_BK) {
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = k0 + r;
+            uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
+            if (j < kmax) {
+                kz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) +
+                                      (size_t)kvh * HD + c8 * 8);
+                vz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) +
+                                      (size_t)kvh * HD + c8 * 8);
+            }
+            *(uint4 *)(Ks + r * LD + c8 * 8) = kz;
+            *(uint4 *)(Vs + r * LD + c8 * 8) = vz;
+        }
+        __syncthreads();
+        if (wr0 < rows && k0 <= p0 + wr0 + 15) {
+            float s[NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+#pragma unroll
+                for (int kk = 0; kk < KS; kk += 2) {
+                    /* matrices: keys n*8 .. +7, d = kk*16 + m*8 (m = 0..3) */
+                    uint32_t b[4];
+                    ldsm_x4(b, Ks + (n * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8);
+                    mma_bf16(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                    if (kk + 1 < KS)
+                        mma_bf16(s[n], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2],
+                                 qa[kk + 1][3], b[2], b[3]);
+                }
+            }
+            /* causal mask and the online softmax on the fragments */
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                int j = k0 + n * 8 + 2 * qd;
+                if (j > qp0 || r0 >= rows) s[n][0] = -INFINITY;
+                if (j + 1 > qp0 || r0 >= rows) s[n][1] = -INFINITY;
+                if (j > qp1 || r1 >= rows) s[n][2] = -INFINITY;
+                if (j + 1 > qp1 || r1 >= rows) s[n][3] = -INFINITY;
+                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            float c0 = mn0 == -INFINITY ? 1.0f : __expf(m0 - mn0);
+            float c1 = mn1 == -INFINITY ? 1.0f : __expf(m1 - mn1);
+            float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
+            uint32_t pa[NT][2];
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                float e0 = __expf(s[n][0] - b0), e1 = __expf(s[n][1] - b0);
+                float e2 = __expf(s[n][2] - b1), e3 = __expf(s[n][3] - b1);
+                pa[n][0] = pack_bf2(e0, e1);
+                pa[n][1] = pack_bf2(e2, e3);
+                __nv_bfloat162 p01 = *(__nv_bfloat162 *)&pa[n][0],
+                               p23 = *(__nv_bfloat162 *)&pa[n][1];
+                sum0 += __low2float(p01) + __high2float(p01); /* the weights P V uses */
+                sum1 += __low2float(p23) + __high2float(p23);
+            }
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+            l0 = l0 * c0 + sum0;
+            l1 = l1 * c1 + sum1;
+            m0 = mn0, m1 = mn1;
+#pragma unroll
+            for (int dn = 0; dn < DT; dn++) {
+                o[dn][0] *= c0, o[dn][1] *= c0;
+                o[dn][2] *= c1, o[dn][3] *= c1;
+            }
+            /* O += P V: k-steps of 16 keys; V fragments by ldmatrix.trans, two d-tiles a load */
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; kk++) {
+#pragma unroll
+                for (int dn = 0; dn < DT; dn += 2) {
+                    /* matrices: keys kk*16 + (m&1)*8 .. +7, d = dn*8 + (m>>1)*8 */
+                    uint32_t b[4];
+                    int m = lane >> 3;
+                    ldsm_x4_t(b, Vs + (kk * 16 + (m & 1) * 8 + (lane & 7)) * LD + dn * 8 +
+                                     (m >> 1) * 8);
+                    mma_bf16(o[dn], pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0],
+                             pa[2 * kk + 1][1], b[0], b[1]);
+                    mma_bf16(o[dn + 1], pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0],
+                             pa[2 * kk + 1][1], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float i0 = l0 > 0 ? 1.0f / l0 : 0.0f, i1 = l1 > 0 ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int dn = 0; dn < DT; dn++) {
+        int d = dn * 8 + 2 * qd;
+        if (r0 < rows) {
+            OT *p = out + (size_t)(t0 + r0) * nh * HD + (size_t)h * HD + d;
+            store_as(p, o[dn][0] * i0);
+            store_as(p + 1, o[dn][1] * i0);
+        }
+        if (r1 < rows) {
+            OT *p = out + (size_t)(t0 + r1) * nh * HD + (size_t)h * HD + d;
+            store_as(p, o[dn][2] * i1);
+            store_as(p + 1, o[dn][3] * i1);
+        }
+    }
+}
+
+template <int HD, typename OT>
+static int launch_flash2(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                         const int32_t *tiles, int n_tiles, const int32_t *pos,
+                         const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    size_t sh = flash2_smem(HD);
+    static int attr_done[2][8];
+    int oi = sizeof(OT) == 2, hi = HD / 16 - 1;
+    if (!attr_done[oi][hi]) {
+        cudaFuncSetAttribute(k_flash2<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sh);
+        attr_done[oi][hi] = 1;
+    }
+    dim3 grid(n_tiles, nh);
+    k_flash2<HD, OT><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
+                                                   kv->block_size, kv->n_layers, layer, tiles,
+                                                   pos, bts, bt_stride, nh, nkv, scale);
+    return launch_check("flash2_prefill");
+}
+
 /* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
 static int flash_ok(const dcu_ctx *c, int kv_dtype, int hd) {
     return !c->no_flash && kv_dtype == DCU_BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
@@ -932,8 +1146,17 @@ static int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
                                bt_stride, nh, nkv, scale)                                       \
        : launch_flash<H, float>(c, (float *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,      \
                                 bt_stride, nh, nkv, scale))
-        rc = hd == 16 ? FL(16) : hd == 32 ? FL(32) : hd == 64 ? FL(64) : FL(128);
+#define FL2(H)                                                                                   \
+    (b ? launch_flash2<H, bf16>(c, (bf16 *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,       \
+                                bt_stride, nh, nkv, scale)                                      \
+       : launch_flash2<H, float>(c, (float *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,     \
+                                 bt_stride, nh, nkv, scale))
+        if (c->flash2 && hd >= 32)
+            rc = hd == 32 ? FL2(32) : hd == 64 ? FL2(64) : FL2(128);
+        else
+            rc = hd == 16 ? FL(16) : hd == 32 ? FL(32) : hd == 64 ? FL(64) : FL(128);
 #undef FL
+#undef FL2
         if (rc) return rc;
     }
     if (n_rest > 0) {
@@ -1016,7 +1239,71 @@ static int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int v
 
 /* ---- GEMM (cuBLASLt) -------------------------------------------------------------- */
 
-static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
+/* DISAGG_CUDA_GEMM_TUNE=1: decode-sized GEMMs (T <= GEMM_TUNE_MAX_T) pick the fastest of
+ * cuBLASLt's first GEMM_TUNE_ALGOS heuristic candidates, timed once per (device, T, N, K) in
+ * the process and shared by every context (so every stream computes a shape with the same
+ * kernel).  Off by default: on the H200 (7B shapes, batch 1..128) it measured no gain over
+ * the first candidate, and a timing-based choice could differ between processes (P and D). */
+#define GEMM_TUNE_MAX_T 256
+#define GEMM_TUNE_ALGOS 8
+#define GEMM_TUNED_CAP 1024
+typedef struct gemm_tuned {
+    int dev, T, N, K;
+    cublasLtMatmulAlgo_t algo;
+    float us;
+} gemm_tuned;
+static gemm_tuned g_tuned[GEMM_TUNED_CAP];
+static int g_n_tuned;
+static pthread_mutex_t g_tune_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int tuned_find(int dev, int T, int N, int K, cublasLtMatmulAlgo_t *algo) {
+    int found = 0;
+    pthread_mutex_lock(&g_tune_mu);
+    for (int i = 0; i < g_n_tuned && !found; i++)
+        if (g_tuned[i].dev == dev && g_tuned[i].T == T && g_tuned[i].N == N && g_tuned[i].K == K) {
+            *algo = g_tuned[i].algo;
+            found = 1;
+        }
+    pthread_mutex_unlock(&g_tune_mu);
+    return found;
+}
+
+/* times the candidates on x/w/y (y is overwritten; the caller's GEMM runs after) and returns
+ * the index of the fastest, or 0 */
+static int tune_pick(dcu_ctx *c, gemm_plan *p, const cublasLtMatmulHeuristicResult_t *res, int n,
+                     const void *x, const void *w, void *y, float *best_us) {
+    cudaEvent_t e0, e1;
+    if (cudaEventCreate(&e0) != cudaSuccess) return 0;
+    if (cudaEventCreate(&e1) != cudaSuccess) {
+        cudaEventDestroy(e0);
+        return 0;
+    }
+    float alpha = 1.0f, beta = 0.0f, best = 1e30f;
+    int bi = 0;
+    for (int i = 0; i < n; i++) {
+        cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+        for (int r = 0; r < 4 && st == CUBLAS_STATUS_SUCCESS; r++) {
+            if (r == 1) cudaEventRecord(e0, c->stream);
+            st = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y, p->c,
+                                &res[i].algo, c->ws, c->ws_bytes, c->stream);
+        }
+        cudaEventRecord(e1, c->stream);
+        float ms = 0;
+        if (st != CUBLAS_STATUS_SUCCESS || cudaEventSynchronize(e1) != cudaSuccess ||
+            cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
+            cudaGetLastError();
+            continue;
+        }
+        if (ms < best) best = ms, bi = i;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    *best_us = best * 1e3f / 3;
+    return bi;
+}
+
+static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K, const void *x, const void *w,
+                           void *y) {
     for (int i = 0; i < PLAN_CACHE; i++)
         if (c->plans[i].valid && c->plans[i].T == T && c->plans[i].N == N && c->plans[i].K == K)
             return &c->plans[i];
@@ -1042,11 +1329,30 @@ static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
     cublasLtMatmulPreferenceCreate(&pref);
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                          &c->ws_bytes, sizeof c->ws_bytes);
-    cublasLtMatmulHeuristicResult_t res;
+    cublasLtMatmulHeuristicResult_t res[GEMM_TUNE_ALGOS];
     int found = 0;
+    int cacheable = T <= GEMM_TUNE_MAX_T && c->tune;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(c->stream, &cap);
     cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref,
-                                                      1, &res, &found);
+                                                      cacheable ? GEMM_TUNE_ALGOS : 1, res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
+    if (s == CUBLAS_STATUS_SUCCESS && found > 0 && cacheable) {
+        cublasLtMatmulAlgo_t a;
+        if (tuned_find(c->device, T, N, K, &a)) {
+            res[0].algo = a;
+        } else if (cap == cudaStreamCaptureStatusNone) {
+            float us = 0;
+            int bi = found > 1 ? tune_pick(c, p, res, found, x, w, y, &us) : 0;
+            res[0].algo = res[bi].algo;
+            pthread_mutex_lock(&g_tune_mu);
+            if (g_n_tuned < GEMM_TUNED_CAP) {
+                g_tuned[g_n_tuned] = (gemm_tuned){c->device, T, N, K, res[bi].algo, us};
+                g_n_tuned++;
+            }
+            pthread_mutex_unlock(&g_tune_mu);
+        }
+    }
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
         fprintf(stderr, "cuda: cuBLASLt has no bf16 GEMM for T=%d N=%d K=%d (status %d)\n", T, N,
                 K, (int)s);
@@ -1056,7 +1362,7 @@ static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K) {
         cublasLtMatrixLayoutDestroy(p->c);
         return NULL;
     }
-    p->algo = res.algo;
+    p->algo = res[0].algo;
     p->T = T, p->N = N, p->K = K, p->valid = 1;
     return p;
 }
@@ -1126,7 +1432,7 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
     if (T <= 0) return 0;
     if (T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
         return gemv(c, y, x, w, bias, T, N, K);
-    gemm_plan *p = plan_get(c, T, N, K);
+    gemm_plan *p = plan_get(c, T, N, K, x, w, y);
     if (!p) return -EIO;
     float alpha = 1.0f, beta = 0.0f;
     cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y,
