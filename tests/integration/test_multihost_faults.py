@@ -233,10 +233,15 @@ def test_client_disconnects_during_decode(pair, colocated):
 
 def test_prefill_killed_during_prefill(pair, colocated):
     pd = pair(d_cfg=kv_config("kv_consumer", "veth-a,veth-b", kv_load_failure_policy="fail"))
-    pb, db, _ = pd.bodies(dict(BODY, prompt=prompt(900, salt=4)))
+    # 1802 prompt tokens (max-model-len 2048): P's prefill of them takes about
+    # 1 s on an idle 2-core machine, in one engine step (so no gauge shows it
+    # running); P is killed 0.2 s after it got the request. (900 words, 1159
+    # tokens, and a 0.5 s sleep let an idle P finish before the kill.)
+    pb, db, _ = pd.bodies(dict(BODY, prompt=prompt(1400, salt=4)))
     cd = post_raw(pd.d, db)
+    wait_for(lambda: pd.d.metric("disagg:kv_transfer_loading_requests") >= 1, 20, "D's pull started")
     cp = post_raw(pd.p, pb)  # kept open: a dropped connection would abort P's request
-    time.sleep(0.5)  # P prefills 900 tokens (seconds here); D's pull waits at P
+    time.sleep(0.2)
     assert pd.p.proc.poll() is None
     t0 = time.time()
     pd.p.kill()
