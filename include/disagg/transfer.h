@@ -30,6 +30,10 @@
 extern "C" {
 #endif
 
+/* The library is built with -fvisibility=hidden: only what this header
+ * declares is exported (tests/integration/test_transfer_visibility.py). */
+#pragma GCC visibility push(default)
+
 /* ---- errors ------------------------------------------------------------- */
 
 typedef enum transfer_error {
@@ -110,12 +114,48 @@ uint16_t transfer_engine_data_port(const transfer_engine *engine);
 
 /* ---- memory registration ------------------------------------------------ */
 
-/* location: "cpu:N" (NUMA node, or "cpu:0" / "cpu" for any); "cuda:N" is
- * reserved for the GPU backend and rejected by this build.  Zero-length and
- * overlapping registrations are rejected. */
+/* location: "cpu:N" (NUMA node, or "cpu:0" / "cpu" for any) or "cuda:N"
+ * (device memory of GPU N: needs transfer_engine_set_device_ops() first, and
+ * is rejected without it).  The segment descriptor lists each buffer's
+ * location and the transports that reach it.  Zero-length and overlapping
+ * registrations are rejected. */
 int transfer_register(transfer_engine *engine, void *addr, size_t length, const char *location);
 /* addr must be the start of a registration. */
 int transfer_unregister(transfer_engine *engine, void *addr);
+
+/* ---- device memory ------------------------------------------------------- */
+
+/* How the transfer layer touches device memory without linking CUDA: the
+ * layer that owns the GPU (the engine, through the dlopen'ed CUDA module)
+ * installs this table.  tcp moves device memory through pinned host staging
+ * buffers: device->host copy, send / receive, host->device copy, pipelined
+ * over several buffers and streams.  Copies are asynchronous on a stream:
+ * they may happen at any time until sync() on that stream returns.  Every
+ * function returns 0 or a negative value (logged by the caller). */
+typedef struct transfer_device_ops {
+    void *ctx; /* passed to every function */
+    /* A stream (copy queue) on device `device`. */
+    int (*stream_create)(void *ctx, int device, void **stream);
+    void (*stream_destroy)(void *ctx, void *stream);
+    int (*copy_to_host)(void *ctx, void *stream, void *host, const void *dev, size_t len);
+    int (*copy_from_host)(void *ctx, void *stream, void *dev, const void *host, size_t len);
+    /* Wait until every copy queued on stream has completed. */
+    int (*sync)(void *ctx, void *stream);
+    /* Page-locked host memory for staging (NULL on failure). */
+    void *(*alloc_pinned)(void *ctx, size_t len);
+    void (*free_pinned)(void *ctx, void *p);
+} transfer_device_ops;
+
+/* Install (copied) or, with NULL, remove the device-memory table.  Refused
+ * (TRANSFER_EBUSY) while device memory is registered; TRANSFER_EINVAL when a
+ * function is missing. */
+int transfer_engine_set_device_ops(transfer_engine *engine, const transfer_device_ops *ops);
+
+typedef struct transfer_device_stats {
+    uint64_t staged_bytes_out; /* device->host bytes staged (initiator WRITE, target READ) */
+    uint64_t staged_bytes_in;  /* host->device bytes staged (initiator READ, target WRITE) */
+} transfer_device_stats;
+void transfer_engine_get_device_stats(transfer_engine *engine, transfer_device_stats *out);
 
 /* ---- segments ------------------------------------------------------------ */
 
@@ -222,6 +262,8 @@ typedef struct transfer_stats {
 } transfer_stats;
 
 void transfer_engine_get_stats(transfer_engine *engine, transfer_stats *out);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -15,6 +15,7 @@ typedef struct registry_entry {
     uint64_t addr;     /* first byte */
     uint64_t length;   /* bytes, > 0 */
     char location[32]; /* "cpu:0", "cuda:1", ... */
+    unsigned reach;    /* a peer's buffer: transports that reach it (transport.h), 0 = unknown */
 } registry_entry;
 
 typedef struct registry {

@@ -2,12 +2,16 @@
 #include "transfer/segment_desc.h"
 
 #include "disagg/transfer.h"
+#include "transfer/transport.h"
 
 #include <jansson.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+
+/* Bit k of registry_entry.reach is REACH_NAMES[k] (transport.h). */
+static const char *const REACH_NAMES[] = {"tcp", "shm", "rdma"};
 
 void segment_desc_init(segment_desc *d) {
     memset(d, 0, sizeof *d);
@@ -35,6 +39,14 @@ char *segment_desc_encode(const segment_desc *d) {
          * addresses on Linux fit (< 2^63). */
         json_object_set_new(b, "addr", json_integer((json_int_t)e->addr));
         json_object_set_new(b, "length", json_integer((json_int_t)e->length));
+        /* Extension (Mooncake ignores unknown buffer fields): the transports
+         * that reach this buffer. */
+        if (e->reach) {
+            json_t *tr = json_array();
+            for (size_t k = 0; k < sizeof REACH_NAMES / sizeof REACH_NAMES[0]; k++)
+                if (e->reach & (1u << k)) json_array_append_new(tr, json_string(REACH_NAMES[k]));
+            json_object_set_new(b, "transports", tr);
+        }
         json_array_append_new(bufs, b);
     }
     json_object_set_new(o, "buffers", bufs);
@@ -131,7 +143,26 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
         if (get_uint(b, "addr", UINT64_MAX, &addr, 1, err, cap) ||
             get_uint(b, "length", UINT64_MAX, &length, 1, err, cap))
             goto done;
+        unsigned reach = 0;
+        json_t *tr = json_object_get(b, "transports");
+        if (tr && !json_is_array(tr)) {
+            fail(err, cap, "field must be an array:", "buffers[].transports");
+            goto done;
+        }
+        size_t ti;
+        json_t *tn;
+        json_array_foreach(tr, ti, tn) {
+            if (!json_is_string(tn)) {
+                fail(err, cap, "bad entry in", "buffers[].transports");
+                goto done;
+            }
+            for (size_t k = 0; k < sizeof REACH_NAMES / sizeof REACH_NAMES[0]; k++)
+                if (strcmp(json_string_value(tn), REACH_NAMES[k]) == 0) reach |= 1u << k;
+            /* unknown names (a newer peer's transports) are skipped */
+        }
         int r = registry_add(&out->buffers, addr, length, loc);
+        if (r == 0 && reach)
+            ((registry_entry *)registry_find(&out->buffers, addr, 1))->reach = reach;
         if (r == TRANSFER_ENOMEM) {
             rc = r;
             goto done;
