@@ -68,6 +68,11 @@ typedef enum transfer_protocol {
     TRANSFER_PROTO_AUTO = 0, /* shm for same-host peers when permitted, else tcp */
     TRANSFER_PROTO_TCP = 1,
     TRANSFER_PROTO_SHM = 2, /* same host only; opening a remote host's segment fails */
+    /* RDMA (RC queue pairs, one-sided WRITE/READ) over the NICs named by
+     * device_name (all when empty).  No NIC (or an auth_secret, which the
+     * rdma handshake does not carry yet): tcp with a warning.  A peer
+     * without rdma: tcp. */
+    TRANSFER_PROTO_RDMA = 3,
 } transfer_protocol;
 
 typedef struct transfer_config {
@@ -80,7 +85,9 @@ typedef struct transfer_config {
     uint16_t data_port;
     transfer_protocol protocol;
     /* Comma-separated whitelist of local interfaces ("eth0,eth1"); NULL/"" = all
-     * non-loopback interfaces that are up (loopback if nothing else). */
+     * non-loopback interfaces that are up (loopback if nothing else).  With
+     * protocol rdma: the RDMA NICs ("mlx5_0,mlx5_1", as Mooncake), and tcp
+     * uses every interface. */
     const char *device_name;
     /* tcp: connections (lanes) per peer and per path; 0 = default (2). */
     int lanes;
@@ -144,6 +151,11 @@ typedef struct transfer_device_ops {
     /* Page-locked host memory for staging (NULL on failure). */
     void *(*alloc_pinned)(void *ctx, size_t len);
     void (*free_pinned)(void *ctx, void *p);
+    /* Optional (NULL = none): a DMA-BUF file descriptor covering device
+     * memory [dev, +len) and dev's offset in it (the CUDA module wraps
+     * cuMemGetHandleForAddressRange); rdma registers GPU memory with it when
+     * WITH_NVIDIA_PEERMEM=0.  The caller closes *fd. */
+    int (*get_dmabuf)(void *ctx, const void *dev, size_t len, int *fd, uint64_t *offset);
 } transfer_device_ops;
 
 /* Install (copied) or, with NULL, remove the device-memory table.  Refused

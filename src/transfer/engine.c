@@ -15,6 +15,7 @@
 #include "base/net.h"
 #include "transfer/batch.h"
 #include "transfer/handshake.h"
+#include "transfer/rdma.h"
 #include "transfer/registry.h"
 #include "transfer/segment_desc.h"
 #include "transfer/shm.h"
@@ -42,7 +43,7 @@
 
 /* The engine's transports, in the order tried when the preferred one cannot
  * reach a request's memory (tcp reaches everything, last). */
-enum { T_SHM = 0, T_TCP = 1, NTRANSPORTS = 2 };
+enum { T_SHM = 0, T_RDMA = 1, T_TCP = 2, NTRANSPORTS = 3 }; /* tp[T_RDMA] may be NULL */
 
 typedef struct peer {
     transfer_segment handle; /* (generation << 32) | (index + 1) */
@@ -123,9 +124,20 @@ static void op_reroute(void *ctx, xfer_op *op, int err);
 
 /* Which transports reach our buffer at loc (the descriptor's
  * buffers[].transports). */
-static unsigned reach_of(const transfer_engine *e, const char *loc) {
-    (void)e;
-    return location_is_device(loc) ? REACH_TCP : REACH_TCP | REACH_SHM;
+static unsigned reach_of(const transfer_engine *e, const registry_entry *r) {
+    unsigned m = location_is_device(r->location) ? REACH_TCP : REACH_TCP | REACH_SHM;
+    return m | (e->tp[T_RDMA] && r->nkeys ? REACH_RDMA : 0);
+}
+
+/* The handshake's type-0 frame: an rdma peer connecting its queue pair. */
+static char *rdma_connect_cb(void *ctx, const char *body, size_t len, char *err, size_t cap) {
+    transfer_engine *e = ctx;
+    if (!e->tp[T_RDMA]) {
+        snprintf(err, cap, "this engine does not run rdma (protocol %d or no NIC)",
+                 (int)e->cfg.protocol);
+        return NULL;
+    }
+    return rdma_transport_accept(e->tp[T_RDMA], body, len, err, cap);
 }
 
 static char *describe(void *ctx) {
@@ -146,10 +158,13 @@ static char *describe(void *ctx) {
             registry_add(&d.buffers, e->regs.v[i].addr, e->regs.v[i].length, e->regs.v[i].location);
         if (rc == 0) {
             registry_entry *b = (registry_entry *)registry_find(&d.buffers, e->regs.v[i].addr, 1);
-            b->reach = reach_of(e, e->regs.v[i].location);
+            b->reach = reach_of(e, &e->regs.v[i]);
+            b->nkeys = e->regs.v[i].nkeys;
+            memcpy(b->rkey, e->regs.v[i].rkey, sizeof b->rkey);
         }
     }
     pthread_rwlock_unlock(&e->reg_lock);
+    if (e->tp[T_RDMA]) rdma_transport_describe(e->tp[T_RDMA], &d);
     char *json = rc == 0 ? segment_desc_encode(&d) : NULL;
     segment_desc_free(&d);
     return json;
@@ -199,8 +214,8 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     transfer_config_init(&def);
     const transfer_config *cfg = cfg_in ? cfg_in : &def;
     if (cfg->protocol != TRANSFER_PROTO_AUTO && cfg->protocol != TRANSFER_PROTO_TCP &&
-        cfg->protocol != TRANSFER_PROTO_SHM) {
-        LOG_E(MOD, "unknown protocol %d (accepted: auto, tcp, shm)", (int)cfg->protocol);
+        cfg->protocol != TRANSFER_PROTO_SHM && cfg->protocol != TRANSFER_PROTO_RDMA) {
+        LOG_E(MOD, "unknown protocol %d (accepted: auto, tcp, shm, rdma)", (int)cfg->protocol);
         return TRANSFER_EINVAL;
     }
     if (cfg->lanes < 0 || cfg->lanes > 64) {
@@ -228,7 +243,11 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     if (rc) goto fail_early;
 
     const char *bad = NULL;
-    e->nifaces = net_list_iface_addrs(e->device_name, e->ifaces, MAX_IFACES, &bad);
+    /* With rdma, device_name names NICs (as Mooncake's); tcp uses every
+     * interface. */
+    int rdma = cfg->protocol == TRANSFER_PROTO_RDMA;
+    if (rdma) e->whitelisted = 0;
+    e->nifaces = net_list_iface_addrs(rdma ? "" : e->device_name, e->ifaces, MAX_IFACES, &bad);
     if (e->nifaces < 0) {
         LOG_E(MOD, "device_name '%s': no interface named '%s' on this host", e->device_name,
               bad ? bad : "?");
@@ -310,7 +329,8 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                                  .ctx = e,
                                  .self_name = e->segment_name,
                                  .secret = e->secret,
-                                 .auth_refused = &e->auth_refused};
+                                 .auth_refused = &e->auth_refused,
+                                 .connect = rdma_connect_cb};
     if ((rc = handshake_server_start(&hs_addr, &hcfg, &e->hs)) != 0) goto fail;
     e->sink = (xfer_sink){.done = op_done, .reroute = op_reroute, .ctx = e};
     if ((rc = shm_transport_create(&e->sink, SHM_THREADS, SHM_STRIPE, &e->tp[T_SHM])) != 0)
@@ -322,6 +342,24 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                               .dev = &e->devp,
                               .stage_stats = &e->stage};
     if ((rc = tcp_transport_create(&e->sink, &tcfg, &e->tp[T_TCP])) != 0) goto fail;
+    if (rdma && e->secret) {
+        LOG_W(MOD, "protocol rdma: the rdma connection handshake does not carry the auth_secret "
+                   "yet; using tcp (authenticated)");
+    } else if (rdma) {
+        rdma_transport_cfg rcfg = {.verbs = rdma_verbs_current(),
+                                   .device_name = e->device_name,
+                                   .self_name = e->segment_name,
+                                   .connect_timeout_ns = e->cfg.connect_timeout_ns,
+                                   .dev = &e->devp};
+        rc = rdma_transport_create(&e->sink, &rcfg, &e->tp[T_RDMA]);
+        if (rc == TRANSFER_ENOSEG) {
+            LOG_W(MOD, "protocol rdma: no RDMA device found%s%s; using tcp",
+                  e->device_name[0] ? " among " : "", e->device_name);
+            rc = 0;
+        } else if (rc) {
+            goto fail;
+        }
+    }
     LOG_D(MOD, "engine %s up (tcp data port %u, %d interface address(es))", e->segment_name,
           e->data_port, e->nifaces);
     *out = e;
@@ -359,7 +397,7 @@ void transfer_engine_destroy(transfer_engine *e) {
             pthread_mutex_unlock(&p->mu);
             if (c) e->tp[t]->ops->close_peer(e->tp[t], c);
         }
-        e->tp[t]->ops->destroy(e->tp[t]);
+        if (e->tp[t]) e->tp[t]->ops->destroy(e->tp[t]);
     }
     for (size_t i = 0; i < e->npeers; i++) {
         peer *p = e->peers[i];
@@ -415,6 +453,15 @@ int transfer_register(transfer_engine *e, void *addr, size_t length, const char 
         rc = TRANSFER_EINVAL;
     }
     if (rc == 0) rc = registry_add(&e->regs, (uint64_t)(uintptr_t)addr, length, loc);
+    if (rc == 0 && e->tp[T_RDMA]) {
+        registry_entry *r =
+            (registry_entry *)registry_find(&e->regs, (uint64_t)(uintptr_t)addr, length);
+        int rr = rdma_transport_reg(e->tp[T_RDMA], r);
+        if (rr) {
+            registry_remove(&e->regs, (uint64_t)(uintptr_t)addr);
+            rc = rr;
+        }
+    }
     if (rc == 0 && device >= 0) e->ndev_regs++;
     pthread_rwlock_unlock(&e->reg_lock);
     if (rc == TRANSFER_EOVERLAP)
@@ -430,6 +477,7 @@ int transfer_unregister(transfer_engine *e, void *addr) {
     int was_dev = r && r->addr == (uint64_t)(uintptr_t)addr && location_is_device(r->location);
     int rc = registry_remove(&e->regs, (uint64_t)(uintptr_t)addr);
     if (rc == 0 && was_dev) e->ndev_regs--;
+    if (rc == 0 && e->tp[T_RDMA]) rdma_transport_dereg(e->tp[T_RDMA], (uint64_t)(uintptr_t)addr);
     pthread_rwlock_unlock(&e->reg_lock);
     return rc;
 }
@@ -569,6 +617,7 @@ static void peer_view_locked(transfer_engine *e, peer *p, transport_peer *v) {
     v->same_host = p->same_host;
     v->paths = p->paths;
     v->npaths = p->npaths;
+    v->rpc_addr = &p->rpc_addr;
 }
 
 /* Open transport t's state for p if not yet.  Caller holds p->mu. */
@@ -614,7 +663,14 @@ int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment
             LOG_E(MOD, "segment %s is on another host; protocol shm needs the same host", name);
             rc = TRANSFER_ENOSEG;
         }
-        p->pref = (e->cfg.protocol != TRANSFER_PROTO_TCP && p->same_host) ? T_SHM : T_TCP;
+        p->pref = (e->cfg.protocol != TRANSFER_PROTO_TCP && e->cfg.protocol != TRANSFER_PROTO_RDMA &&
+                   p->same_host)
+                      ? T_SHM
+                      : T_TCP;
+        if (e->tp[T_RDMA] && p->desc.num_devices > 0)
+            p->pref = T_RDMA;
+        else if (e->tp[T_RDMA])
+            LOG_W(MOD, "segment %s advertises no RDMA device: using tcp", name);
     }
     if (rc) {
         segment_desc_free(&p->desc);
@@ -790,6 +846,7 @@ typedef struct route {
     void *conn;  /* its state for p */
     size_t stripe;
     int device;  /* local memory on cuda:device, or -1 */
+    uint32_t rkey[REGISTRY_MAX_KEYS], nkeys; /* rdma: the remote buffer's keys */
     int reject;  /* shm range check failed: the request fails with EREMOTEADDR */
 } route;
 
@@ -805,7 +862,7 @@ static int choose_locked(transfer_engine *e, peer *p, const char *local_loc,
         return 0;
     }
     for (int t = 0; t < NTRANSPORTS; t++)
-        if (t != p->pref && e->tp[t]->ops->can_reach(e->tp[t], &v, local_loc, remote)) {
+        if (t != p->pref && e->tp[t] && e->tp[t]->ops->can_reach(e->tp[t], &v, local_loc, remote)) {
             *t_out = t;
             return 0;
         }
@@ -846,10 +903,10 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
          * threads do not check it): a miss re-fetches it once. */
         registry_entry remote;
         pthread_mutex_lock(&p->mu);
-        int pref_shm = p->pref == T_SHM;
+        int pref_shm = p->pref == T_SHM, pref_rdma = p->pref == T_RDMA;
         pthread_mutex_unlock(&p->mu);
-        int have = remote_entry(e, p, r->remote_addr, r->length, pref_shm && rt[i].device < 0,
-                                &refreshed, &remote);
+        int have = remote_entry(e, p, r->remote_addr, r->length,
+                                (pref_shm && rt[i].device < 0) || pref_rdma, &refreshed, &remote);
         pthread_mutex_lock(&p->mu);
         if (pref_shm && !have && rt[i].device < 0)
             rt[i].reject = 1; /* shm's range check: the request fails, the batch goes on */
@@ -864,6 +921,17 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         } else {
             rc = peer_conn_locked(e, p, rt[i].t);
             rt[i].conn = p->conn[rt[i].t];
+            if (rc && rt[i].t == T_RDMA) { /* no queue pair: tcp, as with no NIC */
+                LOG_W(MOD, "segment %s: rdma connection failed; using tcp", p->name);
+                p->pref = T_TCP;
+                rc = choose_locked(e, p, loc, have ? &remote : NULL, &rt[i].t);
+                if (rc == 0) rc = peer_conn_locked(e, p, rt[i].t);
+                rt[i].conn = p->conn[rt[i].t];
+            }
+            if (rt[i].t == T_RDMA) {
+                rt[i].nkeys = remote.nkeys;
+                memcpy(rt[i].rkey, remote.rkey, sizeof rt[i].rkey);
+            }
         }
         pthread_mutex_unlock(&p->mu);
         if (rc) break;
@@ -943,7 +1011,9 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
             op->remote = r->remote_addr + off;
             op->len = r->length - off < stripe ? r->length - off : stripe;
             op->deadline_ns = deadline;
-            if (rt[i].device >= 0) { /* staged: the transport picks the host buffer */
+            op->nkeys = rt[i].nkeys;
+            memcpy(op->rkey, rt[i].rkey, sizeof op->rkey);
+            if (rt[i].device >= 0 && rt[i].t == T_TCP) { /* staged: tcp picks the host buffer */
                 op->dev = (char *)r->local + off;
                 op->device = rt[i].device;
             } else {
@@ -1046,7 +1116,8 @@ int transfer_batch_cancel(transfer_engine *e, transfer_batch h) {
         peer *p = e->peers[i];
         pthread_mutex_lock(&p->mu);
         for (int t = 0; t < NTRANSPORTS; t++)
-            if (p->conn[t] && e->tp[t]->ops->cancel) e->tp[t]->ops->cancel(e->tp[t], p->conn[t], b);
+            if (p->conn[t] && e->tp[t]->ops->cancel)
+                e->tp[t]->ops->cancel(e->tp[t], p->conn[t], b);
         pthread_mutex_unlock(&p->mu);
     }
     pthread_mutex_unlock(&e->peers_mu);

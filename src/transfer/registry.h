@@ -11,11 +11,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define REGISTRY_MAX_KEYS 8
+
 typedef struct registry_entry {
     uint64_t addr;     /* first byte */
     uint64_t length;   /* bytes, > 0 */
     char location[32]; /* "cpu:0", "cuda:1", ... */
     unsigned reach;    /* a peer's buffer: transports that reach it (transport.h), 0 = unknown */
+    /* rdma: the buffer's remote key on each of the owner's NICs (in the
+     * order of its descriptor's "devices"); nkeys = 0 without rdma. */
+    uint32_t rkey[REGISTRY_MAX_KEYS];
+    uint32_t nkeys;
 } registry_entry;
 
 typedef struct registry {

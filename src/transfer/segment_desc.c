@@ -41,6 +41,12 @@ char *segment_desc_encode(const segment_desc *d) {
         json_object_set_new(b, "length", json_integer((json_int_t)e->length));
         /* Extension (Mooncake ignores unknown buffer fields): the transports
          * that reach this buffer. */
+        if (e->nkeys) { /* Mooncake's rdma buffer field: one remote key per NIC */
+            json_t *rk = json_array();
+            for (uint32_t k = 0; k < e->nkeys; k++)
+                json_array_append_new(rk, json_integer(e->rkey[k]));
+            json_object_set_new(b, "rkey", rk);
+        }
         if (e->reach) {
             json_t *tr = json_array();
             for (size_t k = 0; k < sizeof REACH_NAMES / sizeof REACH_NAMES[0]; k++)
@@ -50,6 +56,14 @@ char *segment_desc_encode(const segment_desc *d) {
         json_array_append_new(bufs, b);
     }
     json_object_set_new(o, "buffers", bufs);
+    if (d->num_devices) {
+        json_t *dv = json_array();
+        for (size_t i = 0; i < d->num_devices; i++)
+            json_array_append_new(dv, json_pack("{s:s,s:i,s:s}", "name", d->devices[i].name, "lid",
+                                                (int)d->devices[i].lid, "gid",
+                                                d->devices[i].gid));
+        json_object_set_new(o, "devices", dv);
+    }
     char ts[32];
     time_t now = time(NULL);
     struct tm tm;
@@ -64,6 +78,7 @@ char *segment_desc_encode(const segment_desc *d) {
     for (size_t i = 0; i < d->num_data_addrs; i++)
         json_array_append_new(da, json_string(d->data_addrs[i]));
     json_object_set_new(x, "data_addrs", da);
+    if (d->rdma_mtu) json_object_set_new(x, "rdma_mtu", json_integer(d->rdma_mtu));
     json_object_set_new(o, "disagg", x);
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
@@ -160,9 +175,27 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
                 if (strcmp(json_string_value(tn), REACH_NAMES[k]) == 0) reach |= 1u << k;
             /* unknown names (a newer peer's transports) are skipped */
         }
+        uint32_t rkeys[REGISTRY_MAX_KEYS], nkeys = 0;
+        json_t *rk = json_object_get(b, "rkey");
+        if (rk && !json_is_array(rk)) {
+            fail(err, cap, "field must be an array:", "buffers[].rkey");
+            goto done;
+        }
+        json_array_foreach(rk, ti, tn) {
+            if (!json_is_integer(tn) || json_integer_value(tn) < 0 ||
+                json_integer_value(tn) > UINT32_MAX) {
+                fail(err, cap, "bad entry in", "buffers[].rkey");
+                goto done;
+            }
+            if (nkeys < REGISTRY_MAX_KEYS) rkeys[nkeys++] = (uint32_t)json_integer_value(tn);
+        }
         int r = registry_add(&out->buffers, addr, length, loc);
-        if (r == 0 && reach)
-            ((registry_entry *)registry_find(&out->buffers, addr, 1))->reach = reach;
+        if (r == 0) {
+            registry_entry *re = (registry_entry *)registry_find(&out->buffers, addr, 1);
+            re->reach = reach;
+            re->nkeys = nkeys;
+            memcpy(re->rkey, rkeys, nkeys * sizeof rkeys[0]);
+        }
         if (r == TRANSFER_ENOMEM) {
             rc = r;
             goto done;
@@ -171,6 +204,27 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
             fail(err, cap, "buffers are empty or overlap", NULL);
             goto done;
         }
+    }
+    json_t *devs = json_object_get(o, "devices");
+    if (devs && !json_is_array(devs)) {
+        fail(err, cap, "field must be an array:", "devices");
+        goto done;
+    }
+    json_array_foreach(devs, i, b) {
+        if (out->num_devices == SEGMENT_MAX_DEVICES) break;
+        segment_device *sd = &out->devices[out->num_devices];
+        if (!json_is_object(b)) {
+            fail(err, cap, "device entry is not an object", NULL);
+            goto done;
+        }
+        u = 0;
+        if (get_str(b, "name", sd->name, sizeof sd->name, 1, err, cap) ||
+            get_str(b, "gid", sd->gid, sizeof sd->gid, 0, err, cap) ||
+            get_uint(b, "lid", 65535, &u, 0, err, cap))
+            goto done;
+        sd->lid = (uint16_t)u;
+        u = 0;
+        out->num_devices++;
     }
     json_t *x = json_object_get(o, "disagg");
     if (x && json_is_object(x)) {
@@ -181,6 +235,9 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
         u = 0;
         if (get_uint(x, "pid", INT32_MAX, &u, 0, err, cap)) goto done;
         out->pid = (int)u;
+        u = 0;
+        if (get_uint(x, "rdma_mtu", 1 << 16, &u, 0, err, cap)) goto done;
+        out->rdma_mtu = (int)u;
         json_t *da = json_object_get(x, "data_addrs");
         if (da && !json_is_array(da)) {
             fail(err, cap, "field must be an array:", "disagg.data_addrs");

@@ -35,6 +35,7 @@ typedef struct transport_peer {
     int same_host;             /* same boot id and pid namespace */
     const tcp_path *paths;     /* tcp paths (engine.c computes them from desc) */
     int npaths;
+    const net_addr *rpc_addr;  /* its handshake port (rdma connects its QPs there) */
 } transport_peer;
 
 /* Memory locations as the registry stores them ("cpu", "cpu:N", "cuda:N"). */

@@ -32,6 +32,11 @@ typedef struct xfer_op {
     char *dev;
     int device; /* N of "cuda:N" when dev is set */
     void *conn; /* the transport's per-peer state, for staged ops */
+    /* rdma: the remote buffer's key on each of the peer's NICs, and the
+     * op's position in its queue pair's send queue. */
+    uint32_t rkey[8];
+    uint32_t nkeys;
+    uint64_t seq;
 } xfer_op;
 
 /* True when the op's batch was cancelled (skip it if not yet on the wire). */
