@@ -365,9 +365,9 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     *out = e;
     return 0;
 fail:
+    handshake_server_stop(e->hs); /* first: its callbacks use the transports */
     for (int t = 0; t < NTRANSPORTS; t++)
         if (e->tp[t]) e->tp[t]->ops->destroy(e->tp[t]);
-    handshake_server_stop(e->hs);
     tcp_server_stop(e->ts);
 fail_early:
     free(e->secret);
@@ -386,6 +386,10 @@ void transfer_engine_destroy(transfer_engine *e) {
     for (size_t i = 0; i < e->batches.cap; i++)
         if (e->batches.slots[i]) atomic_store(&e->batches.slots[i]->canceled, 1);
     pthread_mutex_unlock(&e->batches.mu);
+    /* The handshake port first: its callbacks (describe, rdma connect) use
+     * the transports. */
+    handshake_server_stop(e->hs);
+    e->hs = NULL;
     /* Transport by transport, in table order (shm first: the ops its workers
      * drain may be re-routed to tcp, which is still up). */
     for (int t = 0; t < NTRANSPORTS; t++) {
@@ -406,7 +410,6 @@ void transfer_engine_destroy(transfer_engine *e) {
         free(p);
     }
     free(e->peers);
-    handshake_server_stop(e->hs);
     tcp_server_stop(e->ts);
     batch_table_destroy(&e->batches);
     registry_free(&e->regs);
