@@ -52,8 +52,8 @@ typedef struct peer {
     pthread_mutex_t mu;      /* guards desc, pref, conn */
     segment_desc desc;       /* last fetched descriptor */
     int same_host;
-    int pref;                /* preferred transport (index into engine's tp) */
-    void *conn[NTRANSPORTS]; /* each transport's state for it, opened on first use */
+    int pref;                            /* preferred transport (index into engine's tp) */
+    void *conn[NTRANSPORTS];             /* each transport's state for it, opened on first use */
     tcp_path paths[TRANSPORT_MAX_PATHS]; /* tcp paths to it (paths_ok: for this desc) */
     int npaths, paths_ok;
     int closed;
@@ -666,8 +666,8 @@ int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment
             LOG_E(MOD, "segment %s is on another host; protocol shm needs the same host", name);
             rc = TRANSFER_ENOSEG;
         }
-        p->pref = (e->cfg.protocol != TRANSFER_PROTO_TCP && e->cfg.protocol != TRANSFER_PROTO_RDMA &&
-                   p->same_host)
+        p->pref = (e->cfg.protocol != TRANSFER_PROTO_TCP &&
+                   e->cfg.protocol != TRANSFER_PROTO_RDMA && p->same_host)
                       ? T_SHM
                       : T_TCP;
         if (e->tp[T_RDMA] && p->desc.num_devices > 0)
@@ -845,12 +845,12 @@ static int remote_entry(transfer_engine *e, peer *p, uint64_t addr, size_t len, 
 
 typedef struct route {
     peer *p;
-    int t;       /* transport index */
-    void *conn;  /* its state for p */
+    int t;      /* transport index */
+    void *conn; /* its state for p */
     size_t stripe;
-    int device;  /* local memory on cuda:device, or -1 */
+    int device;                              /* local memory on cuda:device, or -1 */
     uint32_t rkey[REGISTRY_MAX_KEYS], nkeys; /* rdma: the remote buffer's keys */
-    int reject;  /* shm range check failed: the request fails with EREMOTEADDR */
+    int reject; /* shm range check failed: the request fails with EREMOTEADDR */
 } route;
 
 /* Pick the transport for one request: the peer's preferred one when it
@@ -940,8 +940,8 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         if (rc) break;
         if (rt[i].reject) continue;
         transport *tp = e->tp[rt[i].t];
-        rt[i].stripe = rt[i].t == T_TCP ? tcp_transport_stripe_for(tp, rt[i].device >= 0)
-                                        : tp->stripe;
+        rt[i].stripe =
+            rt[i].t == T_TCP ? tcp_transport_stripe_for(tp, rt[i].device >= 0) : tp->stripe;
         nops += (r->length + rt[i].stripe - 1) / rt[i].stripe;
     }
     xfer_op **ops = rc == 0 ? calloc(nops ? nops : 1, sizeof *ops) : NULL;
@@ -1119,8 +1119,7 @@ int transfer_batch_cancel(transfer_engine *e, transfer_batch h) {
         peer *p = e->peers[i];
         pthread_mutex_lock(&p->mu);
         for (int t = 0; t < NTRANSPORTS; t++)
-            if (p->conn[t] && e->tp[t]->ops->cancel)
-                e->tp[t]->ops->cancel(e->tp[t], p->conn[t], b);
+            if (p->conn[t] && e->tp[t]->ops->cancel) e->tp[t]->ops->cancel(e->tp[t], p->conn[t], b);
         pthread_mutex_unlock(&p->mu);
     }
     pthread_mutex_unlock(&e->peers_mu);

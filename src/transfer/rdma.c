@@ -384,15 +384,15 @@ static int post_locked(rstate *s, qpc *q, xfer_op *ops, xfer_op **fail) {
                 continue;
             }
             op->seq = q->seq++;
-            wrs[n] = (rdma_wr){.wr_id = op->seq,
-                               .opcode = op->opcode == TRANSFER_WRITE ? RDMA_WR_WRITE
-                                                                      : RDMA_WR_READ,
-                               .local = op->local,
-                               .len = (uint32_t)op->len,
-                               .lkey = m->lkey[q->nic],
-                               .remote = op->remote,
-                               .rkey = op->rkey[q->peer_nic],
-                               .signaled = (q->seq % SIGNAL_EVERY) == 0};
+            wrs[n] =
+                (rdma_wr){.wr_id = op->seq,
+                          .opcode = op->opcode == TRANSFER_WRITE ? RDMA_WR_WRITE : RDMA_WR_READ,
+                          .local = op->local,
+                          .len = (uint32_t)op->len,
+                          .lkey = m->lkey[q->nic],
+                          .remote = op->remote,
+                          .rkey = op->rkey[q->peer_nic],
+                          .signaled = (q->seq % SIGNAL_EVERY) == 0};
             batch[n++] = op;
             continue;
         }
@@ -506,8 +506,7 @@ static int attr_parse(json_t *o, rdma_qp_attr *a, char *err, size_t cap) {
     const char *gid = json_string_value(json_object_get(o, "local_gid"));
     json_t *lid = json_object_get(o, "local_lid"), *mtu = json_object_get(o, "mtu");
     memset(a, 0, sizeof *a);
-    if (!json_is_array(qn) || json_array_size(qn) < 1 ||
-        !json_is_integer(json_array_get(qn, 0))) {
+    if (!json_is_array(qn) || json_array_size(qn) < 1 || !json_is_integer(json_array_get(qn, 0))) {
         snprintf(err, cap, "qp_num must be an array of one or more integers");
         return -1;
     }
@@ -546,8 +545,9 @@ char *rdma_transport_accept(transport *t, const char *body, size_t len, char *er
     rdma_qp_attr remote, mine;
     char *out = NULL;
     if (!o || !lp || !pp || !at) {
-        snprintf(err, cap, "connect request needs local_nic_path and peer_nic_path "
-                           "(\"segment@nic\")");
+        snprintf(err, cap,
+                 "connect request needs local_nic_path and peer_nic_path "
+                 "(\"segment@nic\")");
         goto done;
     }
     if (attr_parse(o, &remote, err, cap) != 0) goto done;
@@ -628,8 +628,7 @@ static int rdma_open_peer(transport *t, const transport_peer *p, void **out) {
         q->nic = k;
         q->peer_nic = k % (int)d->num_devices;
         if ((rc = s->v->create_qp(s->nics[k].h, QP_DEPTH, &q->qp, &q->qpn)) != 0) {
-            LOG_W(MOD, "cannot create a queue pair on %s: %s", s->nics[k].port.name,
-                  strerror(-rc));
+            LOG_W(MOD, "cannot create a queue pair on %s: %s", s->nics[k].port.name, strerror(-rc));
             q->qp = NULL;
             rc = 0;
             continue;
@@ -643,10 +642,10 @@ static int rdma_open_peer(transport *t, const transport_peer *p, void **out) {
         char *body = json_dumps(req, JSON_COMPACT), *reply = NULL;
         json_decref(req);
         size_t rlen = 0;
-        int hr = body ? handshake_connect(p->rpc_addr, body,
-                                          clock_now_ns() + s->cfg.connect_timeout_ns, &reply,
-                                          &rlen, err, sizeof err)
-                      : TRANSFER_ENOMEM;
+        int hr =
+            body ? handshake_connect(p->rpc_addr, body, clock_now_ns() + s->cfg.connect_timeout_ns,
+                                     &reply, &rlen, err, sizeof err)
+                 : TRANSFER_ENOMEM;
         free(body);
         json_t *ro = hr == 0 ? json_loadb(reply, rlen, 0, NULL) : NULL;
         free(reply);

@@ -26,8 +26,8 @@
 
 typedef struct rdma_transport_cfg {
     const rdma_verbs *verbs;
-    const char *device_name;  /* comma-separated NIC whitelist; NULL/"" = all */
-    const char *self_name;    /* this engine's segment name (filled in before use) */
+    const char *device_name; /* comma-separated NIC whitelist; NULL/"" = all */
+    const char *self_name;   /* this engine's segment name (filled in before use) */
     uint64_t connect_timeout_ns;
     const transfer_device_ops *const *dev; /* for DMA-BUF registration */
 } rdma_transport_cfg;

@@ -30,12 +30,18 @@ struct rdma_qp {
 };
 
 static int mtu_bytes(enum ibv_mtu m) {
-    return m == IBV_MTU_256 ? 256 : m == IBV_MTU_512 ? 512 : m == IBV_MTU_1024 ? 1024
-         : m == IBV_MTU_2048 ? 2048 : 4096;
+    return m == IBV_MTU_256    ? 256
+           : m == IBV_MTU_512  ? 512
+           : m == IBV_MTU_1024 ? 1024
+           : m == IBV_MTU_2048 ? 2048
+                               : 4096;
 }
 static enum ibv_mtu mtu_enum(int b) {
-    return b >= 4096 ? IBV_MTU_4096 : b >= 2048 ? IBV_MTU_2048 : b >= 1024 ? IBV_MTU_1024
-         : b >= 512 ? IBV_MTU_512 : IBV_MTU_256;
+    return b >= 4096   ? IBV_MTU_4096
+           : b >= 2048 ? IBV_MTU_2048
+           : b >= 1024 ? IBV_MTU_1024
+           : b >= 512  ? IBV_MTU_512
+                       : IBV_MTU_256;
 }
 
 static int v_list(void *vctx, rdma_port_info *out, int max) {
@@ -166,8 +172,8 @@ static int v_connect_qp(rdma_qp *q, const rdma_qp_attr *l, const rdma_qp_attr *r
     a.qp_state = IBV_QPS_INIT;
     a.port_num = q->nic->port;
     a.qp_access_flags = ACCESS;
-    if (ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                     IBV_QP_ACCESS_FLAGS))
+    if (ibv_modify_qp(q->qp, &a,
+                      IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
         return -errno;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RTR;
@@ -187,9 +193,9 @@ static int v_connect_qp(rdma_qp *q, const rdma_qp_attr *l, const rdma_qp_attr *r
         a.ah_attr.grh.sgid_index = (uint8_t)l->gid_index;
         a.ah_attr.grh.hop_limit = 64;
     }
-    if (ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                     IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                                     IBV_QP_MIN_RNR_TIMER))
+    if (ibv_modify_qp(q->qp, &a,
+                      IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                          IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
         return -errno;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RTS;
@@ -198,8 +204,9 @@ static int v_connect_qp(rdma_qp *q, const rdma_qp_attr *l, const rdma_qp_attr *r
     a.rnr_retry = 7;
     a.sq_psn = 0;
     a.max_rd_atomic = 16;
-    if (ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+    if (ibv_modify_qp(q->qp, &a,
+                      IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                          IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
         return -errno;
     return 0;
 }

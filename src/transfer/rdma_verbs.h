@@ -15,11 +15,11 @@
 #define RDMA_GID_LEN 16
 
 typedef struct rdma_port_info {
-    char name[64];              /* "mlx5_0" */
-    uint16_t lid;               /* 0 on RoCE */
-    uint8_t gid[RDMA_GID_LEN];  /* the GID at the chosen index */
+    char name[64];             /* "mlx5_0" */
+    uint16_t lid;              /* 0 on RoCE */
+    uint8_t gid[RDMA_GID_LEN]; /* the GID at the chosen index */
     int gid_index;
-    int mtu;                    /* active path MTU in bytes */
+    int mtu; /* active path MTU in bytes */
 } rdma_port_info;
 
 /* What each side of an RC connection tells the other (the handshake). */

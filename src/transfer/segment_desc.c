@@ -60,8 +60,7 @@ char *segment_desc_encode(const segment_desc *d) {
         json_t *dv = json_array();
         for (size_t i = 0; i < d->num_devices; i++)
             json_array_append_new(dv, json_pack("{s:s,s:i,s:s}", "name", d->devices[i].name, "lid",
-                                                (int)d->devices[i].lid, "gid",
-                                                d->devices[i].gid));
+                                                (int)d->devices[i].lid, "gid", d->devices[i].gid));
         json_object_set_new(o, "devices", dv);
     }
     char ts[32];

@@ -13,8 +13,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SEGMENT_MAX_DATA_ADDRS    16
-#define SEGMENT_MAX_DEVICES       REGISTRY_MAX_KEYS
+#define SEGMENT_MAX_DATA_ADDRS 16
+#define SEGMENT_MAX_DEVICES    REGISTRY_MAX_KEYS
 
 /* An RDMA NIC as Mooncake's descriptor lists it ("devices"). */
 typedef struct segment_device {

@@ -44,7 +44,7 @@ struct stager {
     xfer_op *done_h, *done_t; /* READs whose bytes are in their slot */
     stage_slot slots[STAGE_SLOTS];
     stage_slot *free_slots;
-    int nslots; /* slots whose buffer could be allocated */
+    int nslots;   /* slots whose buffer could be allocated */
     int inflight; /* ops taken and not yet ended */
     int stop;
     pthread_t thread;

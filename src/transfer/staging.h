@@ -25,9 +25,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define STAGE_SLOT_BYTES   (1u << 20) /* a staged chunk */
-#define STAGE_SLOTS        8          /* initiator chunks in flight per engine */
-#define STAGE_MAX_DEVICES  16
+#define STAGE_SLOT_BYTES  (1u << 20) /* a staged chunk */
+#define STAGE_SLOTS       8          /* initiator chunks in flight per engine */
+#define STAGE_MAX_DEVICES 16
 
 typedef struct stage_slot {
     char *buf;                       /* pinned, STAGE_SLOT_BYTES */

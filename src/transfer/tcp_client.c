@@ -461,9 +461,8 @@ static void *receiver_main(void *arg) {
     return NULL;
 }
 
-int tcp_client_create(const xfer_sink *sink, const tcp_path *paths, int npaths,
-                      int lanes_per_path, uint64_t connect_timeout_ns, const char *secret,
-                      tcp_client **out) {
+int tcp_client_create(const xfer_sink *sink, const tcp_path *paths, int npaths, int lanes_per_path,
+                      uint64_t connect_timeout_ns, const char *secret, tcp_client **out) {
     if (npaths <= 0 || npaths > TCP_CLIENT_MAX_PATHS || lanes_per_path <= 0) return TRANSFER_EINVAL;
     tcp_client *c = calloc(1, sizeof *c);
     if (!c) return TRANSFER_ENOMEM;

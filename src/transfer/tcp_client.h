@@ -25,9 +25,8 @@ typedef struct tcp_client tcp_client;
 /* secret: NULL, or the shared secret (kept by pointer: it must outlive the
  * client) with which every connection authenticates before its first
  * request (tcp_server.h). */
-int tcp_client_create(const xfer_sink *sink, const tcp_path *paths, int npaths,
-                      int lanes_per_path, uint64_t connect_timeout_ns, const char *secret,
-                      tcp_client **out);
+int tcp_client_create(const xfer_sink *sink, const tcp_path *paths, int npaths, int lanes_per_path,
+                      uint64_t connect_timeout_ns, const char *secret, tcp_client **out);
 /* Takes ownership of op; it ends through the sink. */
 void tcp_client_submit(tcp_client *c, xfer_op *op);
 /* End the queued (not yet sent) ops of batch b now, as TRANSFER_ECANCELED. */

@@ -4,8 +4,8 @@
  * in order, so clients may pipeline.  A request is served only when
  * [addr, addr+size) lies inside one registered buffer (registry_find under
  * the engine's registration lock); WRITE payloads are received straight into
- * that memory (device memory: through pinned staging buffers, pipelined).  One thread per connection; replies are batched while more
- * requests are already buffered.
+ * that memory (device memory: through pinned staging buffers, pipelined).  One thread per
+ * connection; replies are batched while more requests are already buffered.
  */
 #ifndef DISAGG_TRANSFER_TCP_SERVER_H
 #define DISAGG_TRANSFER_TCP_SERVER_H

@@ -30,12 +30,12 @@ typedef struct tcp_path {
 
 /* What the engine knows about a peer when a transport opens it. */
 typedef struct transport_peer {
-    const char *name;          /* segment name */
-    const segment_desc *desc;  /* its descriptor (valid during open_peer only) */
-    int same_host;             /* same boot id and pid namespace */
-    const tcp_path *paths;     /* tcp paths (engine.c computes them from desc) */
+    const char *name;         /* segment name */
+    const segment_desc *desc; /* its descriptor (valid during open_peer only) */
+    int same_host;            /* same boot id and pid namespace */
+    const tcp_path *paths;    /* tcp paths (engine.c computes them from desc) */
     int npaths;
-    const net_addr *rpc_addr;  /* its handshake port (rdma connects its QPs there) */
+    const net_addr *rpc_addr; /* its handshake port (rdma connects its QPs there) */
 } transport_peer;
 
 /* Memory locations as the registry stores them ("cpu", "cpu:N", "cuda:N"). */

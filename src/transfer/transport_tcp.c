@@ -20,11 +20,11 @@
 #define MOD "transfer.tcp"
 
 typedef struct tcp_state {
-    xfer_sink inner;         /* what the tcp clients end ops through */
-    xfer_sink final;         /* what the stager ends staged ops through */
-    const xfer_sink *outer;  /* the engine's */
+    xfer_sink inner;        /* what the tcp clients end ops through */
+    xfer_sink final;        /* what the stager ends staged ops through */
+    const xfer_sink *outer; /* the engine's */
     tcp_transport_cfg cfg;
-    pthread_mutex_t mu;      /* guards stg creation */
+    pthread_mutex_t mu; /* guards stg creation */
     stager *stg;
 } tcp_state;
 

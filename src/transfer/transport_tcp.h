@@ -11,9 +11,9 @@
 typedef struct tcp_transport_cfg {
     int lanes; /* per path */
     uint64_t connect_timeout_ns;
-    const char *secret;                      /* NULL = none; must outlive the transport */
-    size_t stripe;                           /* chunk bytes of host-memory requests */
-    const transfer_device_ops *const *dev;   /* the engine's installed table (NULL inside: none) */
+    const char *secret;                    /* NULL = none; must outlive the transport */
+    size_t stripe;                         /* chunk bytes of host-memory requests */
+    const transfer_device_ops *const *dev; /* the engine's installed table (NULL inside: none) */
     stage_stats *stage_stats;
 } tcp_transport_cfg;
 

@@ -56,8 +56,8 @@ typedef struct fv_world {
     rdma_mr *mrs[FV_MAX_OBJ];
     rdma_qp *qps[FV_MAX_OBJ];
     uint32_t next_key, next_qpn;
-    int peermem;                   /* reg_mr accepts device ranges */
-    uint64_t dev_lo, dev_hi;       /* the "device memory" range */
+    int peermem;             /* reg_mr accepts device ranges */
+    uint64_t dev_lo, dev_hi; /* the "device memory" range */
     _Atomic int dmabuf_regs, mr_regs, open_mrs, open_qps, open_nics;
 } fv_world;
 

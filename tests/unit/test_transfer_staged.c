@@ -242,8 +242,8 @@ static void test_roundtrip_all_locations(void **state) {
             for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
                 size_t len = sizes[s], loff = 1 + rnd() % 4096, roff = 3 + rnd() % 4096;
                 fill_random(lbytes(f, ld, loff), len);
-                transfer_request w = {TRANSFER_WRITE, lptr(f, ld, loff), f->seg,
-                                      rptr(f, rd, roff), len};
+                transfer_request w = {TRANSFER_WRITE, lptr(f, ld, loff), f->seg, rptr(f, rd, roff),
+                                      len};
                 assert_int_equal(run(f, &w, 1), 0);
                 assert_memory_equal(rbytes(f, rd, roff), lbytes(f, ld, loff), len);
                 /* read it back into another local place */
@@ -266,8 +266,8 @@ static void test_many_in_flight(void **state) {
     for (int i = 0; i < N; i++) {
         size_t len = 1 + rnd() % (300u << 10);
         if (i % 5 == 0) len += (1u << 20) + 17; /* some span two chunks */
-        reqs[i] = (transfer_request){TRANSFER_WRITE, f->idev.va + off, f->seg,
-                                     rptr(f, 1, off + 11), len};
+        reqs[i] =
+            (transfer_request){TRANSFER_WRITE, f->idev.va + off, f->seg, rptr(f, 1, off + 11), len};
         off += len + 9;
         total += len;
     }
