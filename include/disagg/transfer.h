@@ -73,6 +73,9 @@ typedef enum transfer_protocol {
      * rdma handshake does not carry yet): tcp with a warning.  A peer
      * without rdma: tcp. */
     TRANSFER_PROTO_RDMA = 3,
+    /* Reported by transfer_segment_get_info only: never the preferred
+     * transport of a segment (device memory of a same-host peer uses it). */
+    TRANSFER_PROTO_CUDA_IPC = 4,
 } transfer_protocol;
 
 typedef struct transfer_config {
@@ -156,7 +159,21 @@ typedef struct transfer_device_ops {
      * cuMemGetHandleForAddressRange); rdma registers GPU memory with it when
      * WITH_NVIDIA_PEERMEM=0.  The caller closes *fd. */
     int (*get_dmabuf)(void *ctx, const void *dev, size_t len, int *fd, uint64_t *offset);
+    /* Optional (all four or none), for the cuda_ipc transport (same host,
+     * device memory on both sides): ipc_export gives a handle (CUDA IPC or a
+     * VMM shareable handle, at most TRANSFER_IPC_HANDLE_MAX bytes) for the
+     * allocation holding [dev, +len) and dev's offset from that
+     * allocation's base; ipc_open maps a peer's handle on `device` once
+     * (*base = the allocation's base here); ipc_close unmaps it;
+     * copy_device queues a device-to-device copy on stream. */
+    int (*ipc_export)(void *ctx, const void *dev, size_t len, void *handle, size_t *handle_len,
+                      uint64_t *offset);
+    int (*ipc_open)(void *ctx, int device, const void *handle, size_t handle_len, void **base);
+    void (*ipc_close)(void *ctx, void *base);
+    int (*copy_device)(void *ctx, void *stream, void *dst, const void *src, size_t len);
 } transfer_device_ops;
+
+#define TRANSFER_IPC_HANDLE_MAX 64
 
 /* Install (copied) or, with NULL, remove the device-memory table.  Refused
  * (TRANSFER_EBUSY) while device memory is registered; TRANSFER_EINVAL when a

@@ -15,6 +15,7 @@
 #include "base/net.h"
 #include "transfer/batch.h"
 #include "transfer/handshake.h"
+#include "transfer/cuda_ipc.h"
 #include "transfer/rdma.h"
 #include "transfer/registry.h"
 #include "transfer/segment_desc.h"
@@ -43,7 +44,7 @@
 
 /* The engine's transports, in the order tried when the preferred one cannot
  * reach a request's memory (tcp reaches everything, last). */
-enum { T_SHM = 0, T_RDMA = 1, T_TCP = 2, NTRANSPORTS = 3 }; /* tp[T_RDMA] may be NULL */
+enum { T_SHM = 0, T_IPC = 1, T_RDMA = 2, T_TCP = 3, NTRANSPORTS = 4 }; /* tp[T_RDMA] may be NULL */
 
 typedef struct peer {
     transfer_segment handle; /* (generation << 32) | (index + 1) */
@@ -126,7 +127,7 @@ static void op_reroute(void *ctx, xfer_op *op, int err);
  * buffers[].transports). */
 static unsigned reach_of(const transfer_engine *e, const registry_entry *r) {
     unsigned m = location_is_device(r->location) ? REACH_TCP : REACH_TCP | REACH_SHM;
-    return m | (e->tp[T_RDMA] && r->nkeys ? REACH_RDMA : 0);
+    return m | (e->tp[T_RDMA] && r->nkeys ? REACH_RDMA : 0) | (r->ipc_len ? REACH_IPC : 0);
 }
 
 /* The handshake's type-0 frame: an rdma peer connecting its queue pair. */
@@ -161,6 +162,9 @@ static char *describe(void *ctx) {
             b->reach = reach_of(e, &e->regs.v[i]);
             b->nkeys = e->regs.v[i].nkeys;
             memcpy(b->rkey, e->regs.v[i].rkey, sizeof b->rkey);
+            b->ipc_len = e->regs.v[i].ipc_len;
+            b->ipc_off = e->regs.v[i].ipc_off;
+            memcpy(b->ipc, e->regs.v[i].ipc, sizeof b->ipc);
         }
     }
     pthread_rwlock_unlock(&e->reg_lock);
@@ -342,6 +346,7 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                               .dev = &e->devp,
                               .stage_stats = &e->stage};
     if ((rc = tcp_transport_create(&e->sink, &tcfg, &e->tp[T_TCP])) != 0) goto fail;
+    if ((rc = cuda_ipc_transport_create(&e->sink, &e->devp, &e->tp[T_IPC])) != 0) goto fail;
     if (rdma && e->secret) {
         LOG_W(MOD, "protocol rdma: the rdma connection handshake does not carry the auth_secret "
                    "yet; using tcp (authenticated)");
@@ -465,6 +470,18 @@ int transfer_register(transfer_engine *e, void *addr, size_t length, const char 
             rc = rr;
         }
     }
+    if (rc == 0 && device >= 0 && cuda_ipc_supported(e->devp)) {
+        /* Export once, for same-host peers' cuda_ipc (a failure only
+         * leaves this buffer to the other transports). */
+        registry_entry *r =
+            (registry_entry *)registry_find(&e->regs, (uint64_t)(uintptr_t)addr, length);
+        size_t hl = sizeof r->ipc;
+        if (e->devp->ipc_export(e->devp->ctx, addr, length, r->ipc, &hl, &r->ipc_off) == 0 &&
+            hl > 0 && hl <= sizeof r->ipc)
+            r->ipc_len = (uint32_t)hl;
+        else
+            LOG_W(MOD, "register: cannot export %s memory at %p for cuda_ipc", loc, addr);
+    }
     if (rc == 0 && device >= 0) e->ndev_regs++;
     pthread_rwlock_unlock(&e->reg_lock);
     if (rc == TRANSFER_EOVERLAP)
@@ -541,6 +558,8 @@ static peer *peer_lookup(transfer_engine *e, transfer_segment h) {
 }
 
 /* Fetch (or re-fetch) p's descriptor.  Caller holds p->mu. */
+static void peer_view_locked(transfer_engine *e, peer *p, transport_peer *v);
+
 static int peer_fetch_locked(transfer_engine *e, peer *p) {
     char *mine = describe(e);
     segment_desc d;
@@ -561,6 +580,12 @@ static int peer_fetch_locked(transfer_engine *e, peer *p) {
     segment_desc_free(&p->desc);
     p->desc = d;
     p->paths_ok = 0;
+    for (int t = 0; t < NTRANSPORTS; t++)
+        if (p->conn[t] && e->tp[t]->ops->update_peer) {
+            transport_peer v;
+            peer_view_locked(e, p, &v);
+            e->tp[t]->ops->update_peer(e->tp[t], p->conn[t], &v);
+        }
     return 0;
 }
 
@@ -908,8 +933,8 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         pthread_mutex_lock(&p->mu);
         int pref_shm = p->pref == T_SHM, pref_rdma = p->pref == T_RDMA;
         pthread_mutex_unlock(&p->mu);
-        int have = remote_entry(e, p, r->remote_addr, r->length,
-                                (pref_shm && rt[i].device < 0) || pref_rdma, &refreshed, &remote);
+        int have = remote_entry(e, p, r->remote_addr, r->length, pref_shm || pref_rdma,
+                                &refreshed, &remote);
         pthread_mutex_lock(&p->mu);
         if (pref_shm && !have && rt[i].device < 0)
             rt[i].reject = 1; /* shm's range check: the request fails, the batch goes on */
@@ -1016,12 +1041,11 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
             op->deadline_ns = deadline;
             op->nkeys = rt[i].nkeys;
             memcpy(op->rkey, rt[i].rkey, sizeof op->rkey);
-            if (rt[i].device >= 0 && rt[i].t == T_TCP) { /* staged: tcp picks the host buffer */
+            op->device = rt[i].device;
+            if (rt[i].device >= 0 && rt[i].t == T_TCP) /* staged: tcp picks the host buffer */
                 op->dev = (char *)r->local + off;
-                op->device = rt[i].device;
-            } else {
+            else
                 op->local = (char *)r->local + off;
-            }
             if (tail)
                 tail->next = op;
             else

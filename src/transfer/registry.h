@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #define REGISTRY_MAX_KEYS 8
+#define REGISTRY_IPC_MAX  64
 
 typedef struct registry_entry {
     uint64_t addr;     /* first byte */
@@ -22,6 +23,11 @@ typedef struct registry_entry {
      * order of its descriptor's "devices"); nkeys = 0 without rdma. */
     uint32_t rkey[REGISTRY_MAX_KEYS];
     uint32_t nkeys;
+    /* cuda_ipc: the allocation's handle and the buffer's offset in it
+     * (ipc_len = 0: none). */
+    uint8_t ipc[REGISTRY_IPC_MAX];
+    uint32_t ipc_len;
+    uint64_t ipc_off;
 } registry_entry;
 
 typedef struct registry {

@@ -4,6 +4,7 @@
 #include "disagg/transfer.h"
 #include "transfer/transport.h"
 
+#include <ctype.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <string.h>
@@ -11,7 +12,7 @@
 #include <time.h>
 
 /* Bit k of registry_entry.reach is REACH_NAMES[k] (transport.h). */
-static const char *const REACH_NAMES[] = {"tcp", "shm", "rdma"};
+static const char *const REACH_NAMES[] = {"tcp", "shm", "rdma", "cuda_ipc"};
 
 void segment_desc_init(segment_desc *d) {
     memset(d, 0, sizeof *d);
@@ -46,6 +47,13 @@ char *segment_desc_encode(const segment_desc *d) {
             for (uint32_t k = 0; k < e->nkeys; k++)
                 json_array_append_new(rk, json_integer(e->rkey[k]));
             json_object_set_new(b, "rkey", rk);
+        }
+        if (e->ipc_len) { /* extension: the cuda_ipc handle (hex) and offset */
+            char hx[2 * REGISTRY_IPC_MAX + 1];
+            for (uint32_t k = 0; k < e->ipc_len; k++)
+                snprintf(hx + 2 * k, 3, "%02x", e->ipc[k]);
+            json_object_set_new(b, "ipc_handle", json_string(hx));
+            json_object_set_new(b, "ipc_offset", json_integer((json_int_t)e->ipc_off));
         }
         if (e->reach) {
             json_t *tr = json_array();
@@ -188,11 +196,37 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
             }
             if (nkeys < REGISTRY_MAX_KEYS) rkeys[nkeys++] = (uint32_t)json_integer_value(tn);
         }
+        uint8_t ipc[REGISTRY_IPC_MAX];
+        uint32_t ipc_len = 0;
+        uint64_t ipc_off = 0;
+        json_t *ih = json_object_get(b, "ipc_handle");
+        if (ih) {
+            const char *h = json_string_value(ih);
+            size_t hl = h ? strlen(h) : 0;
+            if (!h || hl % 2 || hl / 2 > REGISTRY_IPC_MAX || hl == 0) {
+                fail(err, cap, "bad hex string in", "buffers[].ipc_handle");
+                goto done;
+            }
+            for (size_t k = 0; k < hl / 2; k++) {
+                unsigned x;
+                if (!isxdigit((unsigned char)h[2 * k]) || !isxdigit((unsigned char)h[2 * k + 1]) ||
+                    sscanf(h + 2 * k, "%2x", &x) != 1) {
+                    fail(err, cap, "bad hex string in", "buffers[].ipc_handle");
+                    goto done;
+                }
+                ipc[k] = (uint8_t)x;
+            }
+            ipc_len = (uint32_t)(hl / 2);
+            if (get_uint(b, "ipc_offset", UINT64_MAX, &ipc_off, 0, err, cap)) goto done;
+        }
         int r = registry_add(&out->buffers, addr, length, loc);
         if (r == 0) {
             registry_entry *re = (registry_entry *)registry_find(&out->buffers, addr, 1);
             re->reach = reach;
             re->nkeys = nkeys;
+            re->ipc_len = ipc_len;
+            re->ipc_off = ipc_off;
+            memcpy(re->ipc, ipc, ipc_len);
             memcpy(re->rkey, rkeys, nkeys * sizeof rkeys[0]);
         }
         if (r == TRANSFER_ENOMEM) {

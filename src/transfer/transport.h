@@ -47,6 +47,7 @@ static inline int location_is_device(const char *loc) {
 #define REACH_TCP  (1u << 0)
 #define REACH_SHM  (1u << 1)
 #define REACH_RDMA (1u << 2)
+#define REACH_IPC  (1u << 3)
 
 /* Whether a peer's buffer says bit is a transport that reaches it (a
  * Mooncake peer lists none: anything may try, the target decides). */
@@ -75,6 +76,9 @@ typedef struct transport_ops {
     /* End the peer's queued (not yet on the wire) ops of batch b now, as
      * TRANSFER_ECANCELED (NULL: the transport checks the flag itself). */
     void (*cancel)(struct transport *t, void *conn, const struct batch *b);
+    /* The peer's descriptor was re-fetched (it may list more buffers):
+     * NULL = the transport keeps nothing from it. */
+    void (*update_peer)(struct transport *t, void *conn, const transport_peer *p);
     /* Ops retried on another path / NIC so far (stats; NULL = none). */
     uint64_t (*retries)(struct transport *t, void *conn);
     /* Stop the peer's state: queued and in-flight ops end CANCELED. */
