@@ -99,8 +99,8 @@ static void ipc_update_peer(transport *t, void *conn, const transport_peer *p) {
 
 /* The peer address `remote` of `len` bytes as a pointer in this process
  * (mapping its buffer on first use), or NULL.  Caller holds c->mu. */
-static char *translate_locked(const transfer_device_ops *d, ipc_conn *c, uint64_t remote, size_t len,
-                              int device) {
+static char *translate_locked(const transfer_device_ops *d, ipc_conn *c, uint64_t remote,
+                              size_t len, int device) {
     for (size_t i = 0; i < c->n; i++) {
         ipc_buf *b = &c->bufs[i];
         if (remote < b->e.addr || remote + len > b->e.addr + b->e.length) continue;

@@ -933,8 +933,8 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         pthread_mutex_lock(&p->mu);
         int pref_shm = p->pref == T_SHM, pref_rdma = p->pref == T_RDMA;
         pthread_mutex_unlock(&p->mu);
-        int have = remote_entry(e, p, r->remote_addr, r->length, pref_shm || pref_rdma,
-                                &refreshed, &remote);
+        int have = remote_entry(e, p, r->remote_addr, r->length, pref_shm || pref_rdma, &refreshed,
+                                &remote);
         pthread_mutex_lock(&p->mu);
         if (pref_shm && !have && rt[i].device < 0)
             rt[i].reject = 1; /* shm's range check: the request fails, the batch goes on */

@@ -24,8 +24,43 @@
 
 /* ---- the fake device ----------------------------------------------------- */
 
+/* Every fake device region and cuda_ipc alias, so that a device-to-device
+ * copy can translate both ends. */
+typedef struct fake_region {
+    char *va, *back;
+    size_t size;
+} fake_region;
+static fake_region regions[8];
+static pthread_mutex_t regions_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void region_add(char *va, char *back, size_t size) {
+    pthread_mutex_lock(&regions_mu);
+    for (int i = 0; i < 8; i++)
+        if (!regions[i].va) {
+            regions[i] = (fake_region){va, back, size};
+            break;
+        }
+    pthread_mutex_unlock(&regions_mu);
+}
+static void region_del(char *va) {
+    pthread_mutex_lock(&regions_mu);
+    for (int i = 0; i < 8; i++)
+        if (regions[i].va == va) regions[i].va = NULL;
+    pthread_mutex_unlock(&regions_mu);
+}
+static char *translate_any(uintptr_t p, size_t len) {
+    char *r = NULL;
+    pthread_mutex_lock(&regions_mu);
+    for (int i = 0; i < 8 && !r; i++)
+        if (regions[i].va && p >= (uintptr_t)regions[i].va &&
+            p + len <= (uintptr_t)regions[i].va + regions[i].size)
+            r = regions[i].back + (p - (uintptr_t)regions[i].va);
+    pthread_mutex_unlock(&regions_mu);
+    return r;
+}
+
 typedef struct copy_job {
-    int to_host;
+    int to_host; /* 1 to host, 0 from host, 2 device to device (host = dst) */
     void *host;
     uintptr_t dev;
     size_t len;
@@ -45,6 +80,8 @@ typedef struct fake_dev {
     atomic_int fail_copies; /* > 0: the next copy fails */
     _Atomic uint64_t to_host, from_host, bytes_to_host, bytes_from_host, syncs;
     atomic_int pinned_live, streams_live, max_queued;
+    _Atomic uint64_t d2d, bytes_d2d;
+    atomic_int exports, opens, closes;
 } fake_dev;
 
 static char *translate(fake_dev *d, uintptr_t dev, size_t len) {
@@ -96,6 +133,14 @@ static int f_sync(void *ctx, void *st) {
     atomic_fetch_add(&d->syncs, 1);
     for (int i = 0; i < s->n; i++) {
         copy_job *j = &s->q[i];
+        if (j->to_host == 2) {
+            char *dst = translate_any((uintptr_t)j->host, j->len);
+            char *src = translate_any(j->dev, j->len);
+            assert_non_null(dst);
+            assert_non_null(src);
+            memcpy(dst, src, j->len);
+            continue;
+        }
         char *b = translate(d, j->dev, j->len);
         if (j->to_host)
             memcpy(j->host, b, j->len);
@@ -118,6 +163,57 @@ static void f_free_pinned(void *ctx, void *p) {
     free(p);
 }
 
+/* cuda_ipc: the handle names the exporting region; opening it maps a new
+ * alias (another PROT_NONE reservation onto the same bytes), so the
+ * transport's base + offset arithmetic is checked for real. */
+typedef struct fake_handle {
+    uint64_t magic;
+    uintptr_t va;
+} fake_handle;
+#define HANDLE_MAGIC 0x4650434849504331ull
+
+static int f_ipc_export(void *ctx, const void *dev, size_t len, void *handle, size_t *hl,
+                        uint64_t *off) {
+    fake_dev *d = ctx;
+    if (!translate(d, (uintptr_t)dev, len) || *hl < sizeof(fake_handle)) return -22;
+    fake_handle h = {HANDLE_MAGIC, (uintptr_t)d->va};
+    memcpy(handle, &h, sizeof h);
+    *hl = sizeof h;
+    *off = (uintptr_t)dev - (uintptr_t)d->va;
+    atomic_fetch_add(&d->exports, 1);
+    return 0;
+}
+static int f_ipc_open(void *ctx, int device, const void *handle, size_t hl, void **base) {
+    fake_dev *d = ctx;
+    fake_handle h;
+    if (hl != sizeof h) return -22;
+    memcpy(&h, handle, sizeof h);
+    char *back = translate_any(h.va, DEVBUF);
+    if (h.magic != HANDLE_MAGIC || !back || device != 0) return -22;
+    char *alias = mmap(NULL, DEVBUF, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (alias == MAP_FAILED) return -12;
+    region_add(alias, back, DEVBUF);
+    atomic_fetch_add(&d->opens, 1);
+    *base = alias;
+    return 0;
+}
+static void f_ipc_close(void *ctx, void *base) {
+    fake_dev *d = ctx;
+    region_del(base);
+    munmap(base, DEVBUF);
+    atomic_fetch_add(&d->closes, 1);
+}
+static int f_copy_device(void *ctx, void *st, void *dst, const void *src, size_t len) {
+    fake_dev *d = ctx;
+    fake_stream *s = st;
+    atomic_fetch_add(&d->d2d, 1);
+    atomic_fetch_add(&d->bytes_d2d, len);
+    if (!translate_any((uintptr_t)dst, len) || !translate_any((uintptr_t)src, len) || s->n == 64)
+        return -22;
+    s->q[s->n++] = (copy_job){2, dst, (uintptr_t)src, len};
+    return 0;
+}
+
 static void fake_init(fake_dev *d, transfer_device_ops *ops) {
     memset(d, 0, sizeof *d);
     d->size = DEVBUF;
@@ -125,6 +221,7 @@ static void fake_init(fake_dev *d, transfer_device_ops *ops) {
     assert_true(d->va != MAP_FAILED);
     d->back = malloc(DEVBUF);
     assert_non_null(d->back);
+    region_add(d->va, d->back, DEVBUF);
     *ops = (transfer_device_ops){.ctx = d,
                                  .stream_create = f_stream_create,
                                  .stream_destroy = f_stream_destroy,
@@ -137,6 +234,8 @@ static void fake_init(fake_dev *d, transfer_device_ops *ops) {
 static void fake_free(fake_dev *d) {
     assert_int_equal(atomic_load(&d->pinned_live), 0);
     assert_int_equal(atomic_load(&d->streams_live), 0);
+    assert_int_equal(atomic_load(&d->opens), atomic_load(&d->closes));
+    region_del(d->va);
     munmap(d->va, DEVBUF);
     free(d->back);
 }
@@ -163,6 +262,15 @@ static void fill_random(uint8_t *p, size_t n) {
         p[i] = (uint8_t)rnd();
 }
 
+static int with_ipc;
+
+static void add_ipc(transfer_device_ops *o) {
+    o->ipc_export = f_ipc_export;
+    o->ipc_open = f_ipc_open;
+    o->ipc_close = f_ipc_close;
+    o->copy_device = f_copy_device;
+}
+
 static int setup_proto(void **state, transfer_protocol proto) {
     fixture *f = calloc(1, sizeof *f);
     transfer_config c;
@@ -174,6 +282,10 @@ static int setup_proto(void **state, transfer_protocol proto) {
     if (transfer_engine_create(&c, &f->target) || transfer_engine_create(&c, &f->init)) return -1;
     fake_init(&f->tdev, &f->tops);
     fake_init(&f->idev, &f->iops);
+    if (with_ipc) {
+        add_ipc(&f->tops);
+        add_ipc(&f->iops);
+    }
     if (transfer_engine_set_device_ops(f->target, &f->tops) ||
         transfer_engine_set_device_ops(f->init, &f->iops))
         return -1;
@@ -191,10 +303,16 @@ static int setup_proto(void **state, transfer_protocol proto) {
     return 0;
 }
 static int setup_auto(void **state) {
+    with_ipc = 0;
     return setup_proto(state, TRANSFER_PROTO_AUTO);
 }
 static int setup_tcp(void **state) {
+    with_ipc = 0;
     return setup_proto(state, TRANSFER_PROTO_TCP);
+}
+static int setup_ipc(void **state) {
+    with_ipc = 1;
+    return setup_proto(state, TRANSFER_PROTO_AUTO);
 }
 
 static int teardown(void **state) {
@@ -400,6 +518,64 @@ static void test_no_local_device_ops(void **state) {
     free(mem);
 }
 
+/* cuda_ipc (same host, device memory on both sides): the target's region is
+ * exported once and mapped once by the initiator; device-to-device copies,
+ * no staging, no tcp; contiguous chunks become one copy. */
+static void test_cuda_ipc(void **state) {
+    fixture *f = *state;
+    assert_int_equal(atomic_load(&f->tdev.exports), 1);
+    transfer_stats t0, t1;
+    transfer_engine_get_stats(f->target, &t0);
+    uint64_t staged = atomic_load(&f->idev.to_host) + atomic_load(&f->idev.from_host);
+    static const size_t sizes[] = {1, 4099, (1u << 20) + 7, (5u << 20) + 3};
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        size_t len = sizes[k], lo = 1 + rnd() % 999, ro = 5 + rnd() % 999;
+        fill_random((uint8_t *)f->idev.back + lo, len);
+        transfer_request w = {TRANSFER_WRITE, lptr(f, 1, lo), f->seg, rptr(f, 1, ro), len};
+        assert_int_equal(run(f, &w, 1), 0);
+        assert_memory_equal(f->tdev.back + ro, f->idev.back + lo, len);
+        transfer_request r = {TRANSFER_READ, lptr(f, 1, (8u << 20) + 1), f->seg, rptr(f, 1, ro),
+                              len};
+        memset(f->idev.back + (8u << 20) + 1, 0, len);
+        assert_int_equal(run(f, &r, 1), 0);
+        assert_memory_equal(f->idev.back + (8u << 20) + 1, f->tdev.back + ro, len);
+    }
+    transfer_engine_get_stats(f->target, &t1);
+    assert_int_equal(t1.bytes_served, t0.bytes_served); /* no tcp */
+    assert_int_equal(atomic_load(&f->idev.to_host) + atomic_load(&f->idev.from_host), staged);
+    assert_int_equal(atomic_load(&f->idev.opens), 1); /* mapped once */
+
+    /* 32 contiguous requests (odd sizes) = one copy; three scattered = three. */
+    enum { N = 32 };
+    transfer_request reqs[N];
+    size_t off = 0;
+    for (int i = 0; i < N; i++) {
+        size_t len = 100 + rnd() % 5000;
+        reqs[i] = (transfer_request){TRANSFER_WRITE, lptr(f, 1, 3 + off), f->seg,
+                                     rptr(f, 1, 11 + off), len};
+        off += len;
+    }
+    fill_random((uint8_t *)f->idev.back + 3, off);
+    uint64_t c0 = atomic_load(&f->idev.d2d);
+    assert_int_equal(run(f, reqs, N), 0);
+    assert_memory_equal(f->tdev.back + 11, f->idev.back + 3, off);
+    assert_int_equal(atomic_load(&f->idev.d2d) - c0, 1);
+    transfer_request scat[3] = {reqs[0], reqs[5], reqs[9]};
+    c0 = atomic_load(&f->idev.d2d);
+    assert_int_equal(run(f, scat, 3), 0);
+    assert_int_equal(atomic_load(&f->idev.d2d) - c0, 3);
+
+    /* Host memory on the initiator: not cuda_ipc (staged tcp on the target). */
+    fill_random(f->ihost, 9000);
+    transfer_request h = {TRANSFER_WRITE, f->ihost, f->seg, rptr(f, 1, 0), 9000};
+    assert_int_equal(run(f, &h, 1), 0);
+    assert_memory_equal(f->tdev.back, f->ihost, 9000);
+
+    /* Closing the segment unmaps. */
+    assert_int_equal(transfer_close_segment(f->init, f->seg), 0);
+    assert_int_equal(atomic_load(&f->idev.closes), 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_roundtrip_all_locations, setup_tcp, teardown),
@@ -409,6 +585,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_copy_failure, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_device_ops_errors, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_no_local_device_ops, setup_auto, teardown),
+        cmocka_unit_test_setup_teardown(test_cuda_ipc, setup_ipc, teardown),
+        cmocka_unit_test_setup_teardown(test_roundtrip_all_locations, setup_ipc, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
