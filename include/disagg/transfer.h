@@ -110,6 +110,12 @@ typedef struct transfer_config {
     const char *auth_secret;
 } transfer_config;
 
+/* How many active RDMA NICs this host has (0 also for a build without
+ * libibverbs): what protocol rdma would use.  For callers that decide the
+ * protocol themselves (the connector's "rdma" default falls back to tcp
+ * when this is 0). */
+int transfer_rdma_device_count(void);
+
 /* Fill *cfg with defaults. */
 void transfer_config_init(transfer_config *cfg);
 

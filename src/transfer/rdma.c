@@ -32,6 +32,13 @@ const rdma_verbs *rdma_verbs_current(void) {
     return v ? v : rdma_verbs_ibv();
 }
 
+int transfer_rdma_device_count(void) {
+    const rdma_verbs *v = rdma_verbs_current();
+    rdma_port_info ports[32];
+    int n = v ? v->list(v->ctx, ports, 32) : 0;
+    return n > 0 ? n : 0;
+}
+
 int rdma_use_dmabuf(void) {
     const char *v = getenv("WITH_NVIDIA_PEERMEM");
     return v && strcmp(v, "0") == 0;

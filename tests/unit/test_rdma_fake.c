@@ -195,6 +195,7 @@ static void test_whitelist(void **state) {
     assert_memory_equal(f->tmem, f->imem, 3u << 20);
     assert_int_equal(atomic_load(&fv.nics[0].wrs), 0);
     assert_true(atomic_load(&fv.nics[1].wrs) > 0);
+    assert_int_equal(transfer_rdma_device_count(), 2);
     transfer_config c;
     cfg_rdma(&c, "fake1,mlx5_9");
     transfer_engine *e = NULL;
@@ -207,6 +208,7 @@ static void test_no_nic_fallback(void **state) {
     fixture *f = calloc(1, sizeof *f);
     *state = f;
     assert_int_equal(make(f, 0, "", "", 1), 0);
+    assert_int_equal(transfer_rdma_device_count(), 0);
     transfer_segment_info info;
     assert_int_equal(transfer_segment_get_info(f->init, f->seg, &info), 0);
     assert_int_equal(info.protocol, TRANSFER_PROTO_TCP);
