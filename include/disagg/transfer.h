@@ -11,9 +11,14 @@
  * whole range lies inside one of its registered buffers.
  *
  * Transports: "tcp" (persistent pipelined connections, striped over lanes and
- * over the interfaces named by device_name) and "shm" (same host: one copy with
- * process_vm_writev/readv, no socket; chosen automatically for same-host peers
- * and falling back to tcp when the kernel refuses it).
+ * over the interfaces named by device_name; device memory through pinned
+ * staging buffers), "shm" (same host: one copy with process_vm_writev/readv,
+ * no socket; chosen automatically for same-host peers and falling back to tcp
+ * when the kernel refuses it), "cuda_ipc" (same host, device memory on both
+ * sides, through the device-memory ops) and "rdma" (RC queue pairs over the
+ * NICs named by device_name; tcp when there is none).  The engine picks one
+ * per peer and, where the memory rules it out, per request
+ * (docs/transfer.md).
  *
  * This library depends on nothing above src/base and never prints to stdout.
  * Every function returns 0 or a negative transfer_error; transfer_strerror()
