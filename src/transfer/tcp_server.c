@@ -257,9 +257,12 @@ static int serve_one(tcp_server *s, conn_io *io) {
             return v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
         }
         rc = v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
+        /* Counted before the bytes go out: the initiator may see them (and
+         * read the stats) before this thread runs again. */
+        atomic_fetch_add(s->env.bytes_served, size);
         if (rc == 0) rc = serve_read_device(s, io, (const char *)(uintptr_t)addr, size, deadline);
         pthread_rwlock_unlock(s->env.reg_lock);
-        if (rc == 0) atomic_fetch_add(s->env.bytes_served, size);
+        if (rc) atomic_fetch_sub(s->env.bytes_served, size);
         return rc;
     }
     if (is_write) {
@@ -271,6 +274,9 @@ static int serve_one(tcp_server *s, conn_io *io) {
     }
     /* READ: statuses so far, then this one's status (v2) and payload in one writev. */
     rc = v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
+    /* Counted before the bytes go out: the initiator may see them (and read
+     * the stats) before this thread runs again. */
+    atomic_fetch_add(s->env.bytes_served, size);
     if (rc == 0) {
         struct iovec iov[2] = {{io->out, io->nout * sizeof io->out[0]},
                                {(void *)(uintptr_t)addr, size}};
@@ -278,7 +284,7 @@ static int serve_one(tcp_server *s, conn_io *io) {
         io->nout = 0;
     }
     pthread_rwlock_unlock(s->env.reg_lock);
-    if (rc == 0) atomic_fetch_add(s->env.bytes_served, size);
+    if (rc) atomic_fetch_sub(s->env.bytes_served, size);
     return rc;
 }
 
