@@ -11,9 +11,14 @@
  * whole range lies inside one of its registered buffers.
  *
  * Transports: "tcp" (persistent pipelined connections, striped over lanes and
- * over the interfaces named by device_name) and "shm" (same host: one copy with
- * process_vm_writev/readv, no socket; chosen automatically for same-host peers
- * and falling back to tcp when the kernel refuses it).
+ * over the interfaces named by device_name; device memory through pinned
+ * staging buffers), "shm" (same host: one copy with process_vm_writev/readv,
+ * no socket; chosen automatically for same-host peers and falling back to tcp
+ * when the kernel refuses it), "cuda_ipc" (same host, device memory on both
+ * sides, through the device-memory ops) and "rdma" (RC queue pairs over the
+ * NICs named by device_name; tcp when there is none).  The engine picks one
+ * per peer and, where the memory rules it out, per request
+ * (docs/transfer.md).
  *
  * This library depends on nothing above src/base and never prints to stdout.
  * Every function returns 0 or a negative transfer_error; transfer_strerror()
@@ -29,6 +34,10 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The library is built with -fvisibility=hidden: only what this header
+ * declares is exported (tests/integration/test_transfer_visibility.py). */
+#pragma GCC visibility push(default)
 
 /* ---- errors ------------------------------------------------------------- */
 
@@ -64,6 +73,14 @@ typedef enum transfer_protocol {
     TRANSFER_PROTO_AUTO = 0, /* shm for same-host peers when permitted, else tcp */
     TRANSFER_PROTO_TCP = 1,
     TRANSFER_PROTO_SHM = 2, /* same host only; opening a remote host's segment fails */
+    /* RDMA (RC queue pairs, one-sided WRITE/READ) over the NICs named by
+     * device_name (all when empty).  No NIC (or an auth_secret, which the
+     * rdma handshake does not carry yet): tcp with a warning.  A peer
+     * without rdma: tcp. */
+    TRANSFER_PROTO_RDMA = 3,
+    /* Reported by transfer_segment_get_info only: never the preferred
+     * transport of a segment (device memory of a same-host peer uses it). */
+    TRANSFER_PROTO_CUDA_IPC = 4,
 } transfer_protocol;
 
 typedef struct transfer_config {
@@ -76,7 +93,9 @@ typedef struct transfer_config {
     uint16_t data_port;
     transfer_protocol protocol;
     /* Comma-separated whitelist of local interfaces ("eth0,eth1"); NULL/"" = all
-     * non-loopback interfaces that are up (loopback if nothing else). */
+     * non-loopback interfaces that are up (loopback if nothing else).  With
+     * protocol rdma: the RDMA NICs ("mlx5_0,mlx5_1", as Mooncake), and tcp
+     * uses every interface. */
     const char *device_name;
     /* tcp: connections (lanes) per peer and per path; 0 = default (2). */
     int lanes;
@@ -96,6 +115,12 @@ typedef struct transfer_config {
     const char *auth_secret;
 } transfer_config;
 
+/* How many active RDMA NICs this host has (0 also for a build without
+ * libibverbs): what protocol rdma would use.  For callers that decide the
+ * protocol themselves (the connector's "rdma" default falls back to tcp
+ * when this is 0). */
+int transfer_rdma_device_count(void);
+
 /* Fill *cfg with defaults. */
 void transfer_config_init(transfer_config *cfg);
 
@@ -110,12 +135,67 @@ uint16_t transfer_engine_data_port(const transfer_engine *engine);
 
 /* ---- memory registration ------------------------------------------------ */
 
-/* location: "cpu:N" (NUMA node, or "cpu:0" / "cpu" for any); "cuda:N" is
- * reserved for the GPU backend and rejected by this build.  Zero-length and
- * overlapping registrations are rejected. */
+/* location: "cpu:N" (NUMA node, or "cpu:0" / "cpu" for any) or "cuda:N"
+ * (device memory of GPU N: needs transfer_engine_set_device_ops() first, and
+ * is rejected without it).  The segment descriptor lists each buffer's
+ * location and the transports that reach it.  Zero-length and overlapping
+ * registrations are rejected. */
 int transfer_register(transfer_engine *engine, void *addr, size_t length, const char *location);
 /* addr must be the start of a registration. */
 int transfer_unregister(transfer_engine *engine, void *addr);
+
+/* ---- device memory ------------------------------------------------------- */
+
+/* How the transfer layer touches device memory without linking CUDA: the
+ * layer that owns the GPU (the engine, through the dlopen'ed CUDA module)
+ * installs this table.  tcp moves device memory through pinned host staging
+ * buffers: device->host copy, send / receive, host->device copy, pipelined
+ * over several buffers and streams.  Copies are asynchronous on a stream:
+ * they may happen at any time until sync() on that stream returns.  Every
+ * function returns 0 or a negative value (logged by the caller). */
+typedef struct transfer_device_ops {
+    void *ctx; /* passed to every function */
+    /* A stream (copy queue) on device `device`. */
+    int (*stream_create)(void *ctx, int device, void **stream);
+    void (*stream_destroy)(void *ctx, void *stream);
+    int (*copy_to_host)(void *ctx, void *stream, void *host, const void *dev, size_t len);
+    int (*copy_from_host)(void *ctx, void *stream, void *dev, const void *host, size_t len);
+    /* Wait until every copy queued on stream has completed. */
+    int (*sync)(void *ctx, void *stream);
+    /* Page-locked host memory for staging (NULL on failure). */
+    void *(*alloc_pinned)(void *ctx, size_t len);
+    void (*free_pinned)(void *ctx, void *p);
+    /* Optional (NULL = none): a DMA-BUF file descriptor covering device
+     * memory [dev, +len) and dev's offset in it (the CUDA module wraps
+     * cuMemGetHandleForAddressRange); rdma registers GPU memory with it when
+     * WITH_NVIDIA_PEERMEM=0.  The caller closes *fd. */
+    int (*get_dmabuf)(void *ctx, const void *dev, size_t len, int *fd, uint64_t *offset);
+    /* Optional (all four or none), for the cuda_ipc transport (same host,
+     * device memory on both sides): ipc_export gives a handle (CUDA IPC or a
+     * VMM shareable handle, at most TRANSFER_IPC_HANDLE_MAX bytes) for the
+     * allocation holding [dev, +len) and dev's offset from that
+     * allocation's base; ipc_open maps a peer's handle on `device` once
+     * (*base = the allocation's base here); ipc_close unmaps it;
+     * copy_device queues a device-to-device copy on stream. */
+    int (*ipc_export)(void *ctx, const void *dev, size_t len, void *handle, size_t *handle_len,
+                      uint64_t *offset);
+    int (*ipc_open)(void *ctx, int device, const void *handle, size_t handle_len, void **base);
+    void (*ipc_close)(void *ctx, void *base);
+    int (*copy_device)(void *ctx, void *stream, void *dst, const void *src, size_t len);
+} transfer_device_ops;
+
+#define TRANSFER_IPC_HANDLE_MAX 64
+
+/* Install (copied) or, with NULL, remove the device-memory table.  Refused
+ * (TRANSFER_EBUSY) while device memory is registered; TRANSFER_EINVAL when a
+ * function is missing. */
+int transfer_engine_set_device_ops(transfer_engine *engine, const transfer_device_ops *ops);
+
+typedef struct transfer_device_stats {
+    uint64_t staged_bytes_out; /* device->host bytes staged (initiator WRITE, target READ) */
+    uint64_t staged_bytes_in;  /* host->device bytes staged (initiator READ, target WRITE) */
+} transfer_device_stats;
+void transfer_engine_get_device_stats(transfer_engine *engine, transfer_device_stats *out);
 
 /* ---- segments ------------------------------------------------------------ */
 
@@ -222,6 +302,8 @@ typedef struct transfer_stats {
 } transfer_stats;
 
 void transfer_engine_get_stats(transfer_engine *engine, transfer_stats *out);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -2,8 +2,10 @@
  * engine — the transfer engine's public API (include/disagg/transfer.h): owns
  * the configuration, this engine's registrations and servers (handshake +
  * tcp data), the table of opened peer segments and the batch table, and routes
- * each request's chunks to a transport (tcp_client or the shm pool).  The
- * transports end every chunk through engine_op_done().
+ * each request's chunks to a transport (transport.h): the peer's preferred
+ * one (chosen when it is opened), or — when the memory on either side rules
+ * that out (device memory and shm) — the next one in the engine's table that
+ * reaches both.  The transports end every chunk through the engine's sink.
  */
 #include "disagg/transfer.h"
 
@@ -13,11 +15,15 @@
 #include "base/net.h"
 #include "transfer/batch.h"
 #include "transfer/handshake.h"
+#include "transfer/cuda_ipc.h"
+#include "transfer/rdma.h"
 #include "transfer/registry.h"
 #include "transfer/segment_desc.h"
 #include "transfer/shm.h"
-#include "transfer/tcp_client.h"
+#include "transfer/staging.h"
 #include "transfer/tcp_server.h"
+#include "transfer/transport.h"
+#include "transfer/transport_tcp.h"
 #include "transfer/xfer_op.h"
 
 #include <errno.h>
@@ -36,14 +42,21 @@
 #define SHM_STRIPE     (4u << 20)
 #define SHM_THREADS    2
 
+/* The engine's transports, in the order tried when the preferred one cannot
+ * reach a request's memory (tcp reaches everything, last). */
+enum { T_SHM = 0, T_IPC = 1, T_RDMA = 2, T_TCP = 3, NTRANSPORTS = 4 }; /* tp[T_RDMA] may be NULL */
+
 typedef struct peer {
     transfer_segment handle; /* (generation << 32) | (index + 1) */
     char name[96];           /* segment name as opened */
     net_addr rpc_addr;       /* its handshake port */
-    pthread_mutex_t mu;      /* guards desc, tcp */
+    pthread_mutex_t mu;      /* guards desc, pref, conn */
     segment_desc desc;       /* last fetched descriptor */
-    transfer_protocol proto; /* transport in use: TCP or SHM */
-    tcp_client *tcp;         /* created on first tcp use */
+    int same_host;
+    int pref;                            /* preferred transport (index into engine's tp) */
+    void *conn[NTRANSPORTS];             /* each transport's state for it, opened on first use */
+    tcp_path paths[TRANSPORT_MAX_PATHS]; /* tcp paths to it (paths_ok: for this desc) */
+    int npaths, paths_ok;
     int closed;
 } peer;
 
@@ -68,7 +81,15 @@ struct transfer_engine {
 
     handshake_server *hs;
     tcp_server *ts;
-    shm_pool *shm;
+    transport *tp[NTRANSPORTS];
+    xfer_sink sink; /* where the transports end ops */
+
+    /* Device memory: the installed table (devp NULL = none) and how many
+     * registrations are device memory. */
+    transfer_device_ops dev;
+    const transfer_device_ops *devp;
+    size_t ndev_regs;
+    stage_stats stage;
 
     pthread_mutex_t peers_mu; /* guards peers array */
     peer **peers;
@@ -99,7 +120,26 @@ static uint64_t request_deadline(const transfer_engine *e, size_t len) {
 
 /* ---- engine lifecycle ---------------------------------------------------- */
 
-static void shm_refused_cb(void *ctx, xfer_op *op);
+static void op_done(void *ctx, xfer_op *op, int err);
+static void op_reroute(void *ctx, xfer_op *op, int err);
+
+/* Which transports reach our buffer at loc (the descriptor's
+ * buffers[].transports). */
+static unsigned reach_of(const transfer_engine *e, const registry_entry *r) {
+    unsigned m = location_is_device(r->location) ? REACH_TCP : REACH_TCP | REACH_SHM;
+    return m | (e->tp[T_RDMA] && r->nkeys ? REACH_RDMA : 0) | (r->ipc_len ? REACH_IPC : 0);
+}
+
+/* The handshake's type-0 frame: an rdma peer connecting its queue pair. */
+static char *rdma_connect_cb(void *ctx, const char *body, size_t len, char *err, size_t cap) {
+    transfer_engine *e = ctx;
+    if (!e->tp[T_RDMA]) {
+        snprintf(err, cap, "this engine does not run rdma (protocol %d or no NIC)",
+                 (int)e->cfg.protocol);
+        return NULL;
+    }
+    return rdma_transport_accept(e->tp[T_RDMA], body, len, err, cap);
+}
 
 static char *describe(void *ctx) {
     transfer_engine *e = ctx;
@@ -114,10 +154,21 @@ static char *describe(void *ctx) {
         snprintf(d.data_addrs[d.num_data_addrs++], sizeof d.data_addrs[0], "%s", e->data_addrs[i]);
     pthread_rwlock_rdlock(&e->reg_lock);
     int rc = 0;
-    for (size_t i = 0; i < e->regs.n && rc == 0; i++)
+    for (size_t i = 0; i < e->regs.n && rc == 0; i++) {
         rc =
             registry_add(&d.buffers, e->regs.v[i].addr, e->regs.v[i].length, e->regs.v[i].location);
+        if (rc == 0) {
+            registry_entry *b = (registry_entry *)registry_find(&d.buffers, e->regs.v[i].addr, 1);
+            b->reach = reach_of(e, &e->regs.v[i]);
+            b->nkeys = e->regs.v[i].nkeys;
+            memcpy(b->rkey, e->regs.v[i].rkey, sizeof b->rkey);
+            b->ipc_len = e->regs.v[i].ipc_len;
+            b->ipc_off = e->regs.v[i].ipc_off;
+            memcpy(b->ipc, e->regs.v[i].ipc, sizeof b->ipc);
+        }
+    }
     pthread_rwlock_unlock(&e->reg_lock);
+    if (e->tp[T_RDMA]) rdma_transport_describe(e->tp[T_RDMA], &d);
     char *json = rc == 0 ? segment_desc_encode(&d) : NULL;
     segment_desc_free(&d);
     return json;
@@ -167,8 +218,8 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     transfer_config_init(&def);
     const transfer_config *cfg = cfg_in ? cfg_in : &def;
     if (cfg->protocol != TRANSFER_PROTO_AUTO && cfg->protocol != TRANSFER_PROTO_TCP &&
-        cfg->protocol != TRANSFER_PROTO_SHM) {
-        LOG_E(MOD, "unknown protocol %d (accepted: auto, tcp, shm)", (int)cfg->protocol);
+        cfg->protocol != TRANSFER_PROTO_SHM && cfg->protocol != TRANSFER_PROTO_RDMA) {
+        LOG_E(MOD, "unknown protocol %d (accepted: auto, tcp, shm, rdma)", (int)cfg->protocol);
         return TRANSFER_EINVAL;
     }
     if (cfg->lanes < 0 || cfg->lanes > 64) {
@@ -196,7 +247,11 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     if (rc) goto fail_early;
 
     const char *bad = NULL;
-    e->nifaces = net_list_iface_addrs(e->device_name, e->ifaces, MAX_IFACES, &bad);
+    /* With rdma, device_name names NICs (as Mooncake's); tcp uses every
+     * interface. */
+    int rdma = cfg->protocol == TRANSFER_PROTO_RDMA;
+    if (rdma) e->whitelisted = 0;
+    e->nifaces = net_list_iface_addrs(rdma ? "" : e->device_name, e->ifaces, MAX_IFACES, &bad);
     if (e->nifaces < 0) {
         LOG_E(MOD, "device_name '%s': no interface named '%s' on this host", e->device_name,
               bad ? bad : "?");
@@ -259,7 +314,9 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                           .bytes_served = &e->bytes_served,
                           .rejected = &e->requests_rejected,
                           .secret = e->secret,
-                          .auth_refused = &e->auth_refused};
+                          .auth_refused = &e->auth_refused,
+                          .dev = &e->devp,
+                          .stage_stats = &e->stage};
     rc = tcp_server_start(binds, nb, &env, &e->ts, &e->data_port, ok);
     if (rc != 0) goto fail_early;
     for (int i = 0; e->whitelisted && i < e->nifaces; i++) {
@@ -276,15 +333,46 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                                  .ctx = e,
                                  .self_name = e->segment_name,
                                  .secret = e->secret,
-                                 .auth_refused = &e->auth_refused};
+                                 .auth_refused = &e->auth_refused,
+                                 .connect = rdma_connect_cb};
     if ((rc = handshake_server_start(&hs_addr, &hcfg, &e->hs)) != 0) goto fail;
-    if ((rc = shm_pool_create(e, SHM_THREADS, shm_refused_cb, e, &e->shm)) != 0) goto fail;
+    e->sink = (xfer_sink){.done = op_done, .reroute = op_reroute, .ctx = e};
+    if ((rc = shm_transport_create(&e->sink, SHM_THREADS, SHM_STRIPE, &e->tp[T_SHM])) != 0)
+        goto fail;
+    tcp_transport_cfg tcfg = {.lanes = e->cfg.lanes,
+                              .connect_timeout_ns = e->cfg.connect_timeout_ns,
+                              .secret = e->secret,
+                              .stripe = e->cfg.stripe_bytes,
+                              .dev = &e->devp,
+                              .stage_stats = &e->stage};
+    if ((rc = tcp_transport_create(&e->sink, &tcfg, &e->tp[T_TCP])) != 0) goto fail;
+    if ((rc = cuda_ipc_transport_create(&e->sink, &e->devp, &e->tp[T_IPC])) != 0) goto fail;
+    if (rdma && e->secret) {
+        LOG_W(MOD, "protocol rdma: the rdma connection handshake does not carry the auth_secret "
+                   "yet; using tcp (authenticated)");
+    } else if (rdma) {
+        rdma_transport_cfg rcfg = {.verbs = rdma_verbs_current(),
+                                   .device_name = e->device_name,
+                                   .self_name = e->segment_name,
+                                   .connect_timeout_ns = e->cfg.connect_timeout_ns,
+                                   .dev = &e->devp};
+        rc = rdma_transport_create(&e->sink, &rcfg, &e->tp[T_RDMA]);
+        if (rc == TRANSFER_ENOSEG) {
+            LOG_W(MOD, "protocol rdma: no RDMA device found%s%s; using tcp",
+                  e->device_name[0] ? " among " : "", e->device_name);
+            rc = 0;
+        } else if (rc) {
+            goto fail;
+        }
+    }
     LOG_D(MOD, "engine %s up (tcp data port %u, %d interface address(es))", e->segment_name,
           e->data_port, e->nifaces);
     *out = e;
     return 0;
 fail:
-    handshake_server_stop(e->hs);
+    handshake_server_stop(e->hs); /* first: its callbacks use the transports */
+    for (int t = 0; t < NTRANSPORTS; t++)
+        if (e->tp[t]) e->tp[t]->ops->destroy(e->tp[t]);
     tcp_server_stop(e->ts);
 fail_early:
     free(e->secret);
@@ -303,16 +391,30 @@ void transfer_engine_destroy(transfer_engine *e) {
     for (size_t i = 0; i < e->batches.cap; i++)
         if (e->batches.slots[i]) atomic_store(&e->batches.slots[i]->canceled, 1);
     pthread_mutex_unlock(&e->batches.mu);
-    shm_pool_destroy(e->shm);
+    /* The handshake port first: its callbacks (describe, rdma connect) use
+     * the transports. */
+    handshake_server_stop(e->hs);
+    e->hs = NULL;
+    /* Transport by transport, in table order (shm first: the ops its workers
+     * drain may be re-routed to tcp, which is still up). */
+    for (int t = 0; t < NTRANSPORTS; t++) {
+        for (size_t i = 0; i < e->npeers; i++) {
+            peer *p = e->peers[i];
+            pthread_mutex_lock(&p->mu);
+            void *c = p->conn[t];
+            p->conn[t] = NULL;
+            pthread_mutex_unlock(&p->mu);
+            if (c) e->tp[t]->ops->close_peer(e->tp[t], c);
+        }
+        if (e->tp[t]) e->tp[t]->ops->destroy(e->tp[t]);
+    }
     for (size_t i = 0; i < e->npeers; i++) {
         peer *p = e->peers[i];
-        tcp_client_destroy(p->tcp);
         segment_desc_free(&p->desc);
         pthread_mutex_destroy(&p->mu);
         free(p);
     }
     free(e->peers);
-    handshake_server_stop(e->hs);
     tcp_server_stop(e->ts);
     batch_table_destroy(&e->batches);
     registry_free(&e->regs);
@@ -338,19 +440,49 @@ int transfer_register(transfer_engine *e, void *addr, size_t length, const char 
         return TRANSFER_EINVAL;
     }
     const char *loc = location && *location ? location : "cpu:0";
+    int device = -1;
     if (strncmp(loc, "cuda", 4) == 0) {
-        LOG_E(MOD,
-              "register: location '%s' needs the CUDA backend, which this build lacks "
-              "(accepted: cpu, cpu:N)",
-              loc);
-        return TRANSFER_EINVAL;
-    }
-    if (strcmp(loc, "cpu") != 0 && strncmp(loc, "cpu:", 4) != 0) {
-        LOG_E(MOD, "register: unknown location '%s' (accepted: cpu, cpu:N; cuda:N reserved)", loc);
+        if (stage_parse_device(loc, &device) != 0) {
+            LOG_E(MOD, "register: bad device location '%s' (accepted: cuda:N, N in 0..%d)", loc,
+                  STAGE_MAX_DEVICES - 1);
+            return TRANSFER_EINVAL;
+        }
+    } else if (strcmp(loc, "cpu") != 0 && strncmp(loc, "cpu:", 4) != 0) {
+        LOG_E(MOD, "register: unknown location '%s' (accepted: cpu, cpu:N, cuda:N)", loc);
         return TRANSFER_EINVAL;
     }
     pthread_rwlock_wrlock(&e->reg_lock);
-    int rc = registry_add(&e->regs, (uint64_t)(uintptr_t)addr, length, loc);
+    int rc = 0;
+    if (device >= 0 && !e->devp) {
+        LOG_E(MOD,
+              "register: location '%s' is device memory, but no device-memory ops are installed "
+              "(transfer_engine_set_device_ops: the CUDA backend does that)",
+              loc);
+        rc = TRANSFER_EINVAL;
+    }
+    if (rc == 0) rc = registry_add(&e->regs, (uint64_t)(uintptr_t)addr, length, loc);
+    if (rc == 0 && e->tp[T_RDMA]) {
+        registry_entry *r =
+            (registry_entry *)registry_find(&e->regs, (uint64_t)(uintptr_t)addr, length);
+        int rr = rdma_transport_reg(e->tp[T_RDMA], r);
+        if (rr) {
+            registry_remove(&e->regs, (uint64_t)(uintptr_t)addr);
+            rc = rr;
+        }
+    }
+    if (rc == 0 && device >= 0 && cuda_ipc_supported(e->devp)) {
+        /* Export once, for same-host peers' cuda_ipc (a failure only
+         * leaves this buffer to the other transports). */
+        registry_entry *r =
+            (registry_entry *)registry_find(&e->regs, (uint64_t)(uintptr_t)addr, length);
+        size_t hl = sizeof r->ipc;
+        if (e->devp->ipc_export(e->devp->ctx, addr, length, r->ipc, &hl, &r->ipc_off) == 0 &&
+            hl > 0 && hl <= sizeof r->ipc)
+            r->ipc_len = (uint32_t)hl;
+        else
+            LOG_W(MOD, "register: cannot export %s memory at %p for cuda_ipc", loc, addr);
+    }
+    if (rc == 0 && device >= 0) e->ndev_regs++;
     pthread_rwlock_unlock(&e->reg_lock);
     if (rc == TRANSFER_EOVERLAP)
         LOG_E(MOD, "register: [%p, +%zu) overlaps an existing registration", addr, length);
@@ -361,16 +493,57 @@ int transfer_unregister(transfer_engine *e, void *addr) {
     if (!e) return TRANSFER_EINVAL;
     /* The write lock waits for tcp server threads copying into this memory. */
     pthread_rwlock_wrlock(&e->reg_lock);
+    const registry_entry *r = registry_find(&e->regs, (uint64_t)(uintptr_t)addr, 1);
+    int was_dev = r && r->addr == (uint64_t)(uintptr_t)addr && location_is_device(r->location);
     int rc = registry_remove(&e->regs, (uint64_t)(uintptr_t)addr);
+    if (rc == 0 && was_dev) e->ndev_regs--;
+    if (rc == 0 && e->tp[T_RDMA]) rdma_transport_dereg(e->tp[T_RDMA], (uint64_t)(uintptr_t)addr);
     pthread_rwlock_unlock(&e->reg_lock);
     return rc;
 }
 
-static int local_registered(transfer_engine *e, const void *addr, size_t len) {
-    pthread_rwlock_rdlock(&e->reg_lock);
-    int ok = registry_find(&e->regs, (uint64_t)(uintptr_t)addr, len) != NULL;
+int transfer_engine_set_device_ops(transfer_engine *e, const transfer_device_ops *ops) {
+    if (!e) return TRANSFER_EINVAL;
+    if (ops && (!ops->stream_create || !ops->stream_destroy || !ops->copy_to_host ||
+                !ops->copy_from_host || !ops->sync || !ops->alloc_pinned || !ops->free_pinned)) {
+        LOG_E(MOD, "set_device_ops: every function of the table is required (one is NULL)");
+        return TRANSFER_EINVAL;
+    }
+    pthread_rwlock_wrlock(&e->reg_lock);
+    int rc = 0;
+    if (e->ndev_regs > 0 || (e->devp && ops)) {
+        /* Staging threads and connections hold the installed table. */
+        LOG_E(MOD, "set_device_ops: %s",
+              e->ndev_regs ? "device memory is registered (unregister it first)"
+                           : "a table is already installed");
+        rc = TRANSFER_EBUSY;
+    } else if (ops) {
+        e->dev = *ops;
+        e->devp = &e->dev;
+    } else {
+        e->devp = NULL;
+    }
     pthread_rwlock_unlock(&e->reg_lock);
-    return ok;
+    return rc;
+}
+
+void transfer_engine_get_device_stats(transfer_engine *e, transfer_device_stats *out) {
+    if (!out) return;
+    memset(out, 0, sizeof *out);
+    if (!e) return;
+    out->staged_bytes_out = atomic_load(&e->stage.out);
+    out->staged_bytes_in = atomic_load(&e->stage.in);
+}
+
+/* The location of the local registration holding [addr, +len) in loc: 1, or
+ * 0 when the range is not registered. */
+static int local_registered(transfer_engine *e, const void *addr, size_t len, char *loc,
+                            size_t cap) {
+    pthread_rwlock_rdlock(&e->reg_lock);
+    const registry_entry *r = registry_find(&e->regs, (uint64_t)(uintptr_t)addr, len);
+    if (r) snprintf(loc, cap, "%s", r->location);
+    pthread_rwlock_unlock(&e->reg_lock);
+    return r != NULL;
 }
 
 /* ---- segments ------------------------------------------------------------ */
@@ -385,6 +558,8 @@ static peer *peer_lookup(transfer_engine *e, transfer_segment h) {
 }
 
 /* Fetch (or re-fetch) p's descriptor.  Caller holds p->mu. */
+static void peer_view_locked(transfer_engine *e, peer *p, transport_peer *v);
+
 static int peer_fetch_locked(transfer_engine *e, peer *p) {
     char *mine = describe(e);
     segment_desc d;
@@ -404,6 +579,13 @@ static int peer_fetch_locked(transfer_engine *e, peer *p) {
     }
     segment_desc_free(&p->desc);
     p->desc = d;
+    p->paths_ok = 0;
+    for (int t = 0; t < NTRANSPORTS; t++)
+        if (p->conn[t] && e->tp[t]->ops->update_peer) {
+            transport_peer v;
+            peer_view_locked(e, p, &v);
+            e->tp[t]->ops->update_peer(e->tp[t], p->conn[t], &v);
+        }
     return 0;
 }
 
@@ -418,7 +600,7 @@ static int peer_paths(transfer_engine *e, peer *p, tcp_path *paths) {
         net_addr_set_port(&paths[0].dst, p->desc.tcp_data_port);
         n = 1;
     }
-    for (size_t i = 0; i < p->desc.num_data_addrs && n < TCP_CLIENT_MAX_PATHS; i++) {
+    for (size_t i = 0; i < p->desc.num_data_addrs && n < TRANSPORT_MAX_PATHS; i++) {
         if (net_split_host_port(p->desc.data_addrs[i], host, sizeof host, &port, 0) != 0 ||
             net_resolve(host, port, &paths[n].dst) != 0) {
             LOG_W(MOD, "segment %s advertises an unusable data address '%s'", p->name,
@@ -452,17 +634,26 @@ static int peer_paths(transfer_engine *e, peer *p, tcp_path *paths) {
     return n;
 }
 
-/* Caller holds p->mu. */
-static int peer_ensure_tcp_locked(transfer_engine *e, peer *p) {
-    if (p->tcp) return 0;
-    tcp_path paths[TCP_CLIENT_MAX_PATHS];
-    int n = peer_paths(e, p, paths);
-    if (n == 0) {
-        LOG_E(MOD, "segment %s has no usable tcp data address", p->name);
-        return TRANSFER_ENOSEG;
+/* What transports see of p.  Caller holds p->mu. */
+static void peer_view_locked(transfer_engine *e, peer *p, transport_peer *v) {
+    if (!p->paths_ok) {
+        p->npaths = peer_paths(e, p, p->paths);
+        p->paths_ok = 1;
     }
-    return tcp_client_create(e, paths, n, e->cfg.lanes, e->cfg.connect_timeout_ns, e->secret,
-                             &p->tcp);
+    v->name = p->name;
+    v->desc = &p->desc;
+    v->same_host = p->same_host;
+    v->paths = p->paths;
+    v->npaths = p->npaths;
+    v->rpc_addr = &p->rpc_addr;
+}
+
+/* Open transport t's state for p if not yet.  Caller holds p->mu. */
+static int peer_conn_locked(transfer_engine *e, peer *p, int t) {
+    if (p->conn[t]) return 0;
+    transport_peer v;
+    peer_view_locked(e, p, &v);
+    return e->tp[t]->ops->open_peer(e->tp[t], &v, &p->conn[t]);
 }
 
 int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment *out) {
@@ -495,13 +686,19 @@ int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment
     }
     int rc = peer_fetch_locked(e, p);
     if (rc == 0) {
-        int same_host = p->desc.disagg_version > 0 && strcmp(p->desc.host_id, e->host_id) == 0;
-        if (e->cfg.protocol == TRANSFER_PROTO_SHM && !same_host) {
+        p->same_host = p->desc.disagg_version > 0 && strcmp(p->desc.host_id, e->host_id) == 0;
+        if (e->cfg.protocol == TRANSFER_PROTO_SHM && !p->same_host) {
             LOG_E(MOD, "segment %s is on another host; protocol shm needs the same host", name);
             rc = TRANSFER_ENOSEG;
         }
-        p->proto = (e->cfg.protocol != TRANSFER_PROTO_TCP && same_host) ? TRANSFER_PROTO_SHM
-                                                                        : TRANSFER_PROTO_TCP;
+        p->pref = (e->cfg.protocol != TRANSFER_PROTO_TCP &&
+                   e->cfg.protocol != TRANSFER_PROTO_RDMA && p->same_host)
+                      ? T_SHM
+                      : T_TCP;
+        if (e->tp[T_RDMA] && p->desc.num_devices > 0)
+            p->pref = T_RDMA;
+        else if (e->tp[T_RDMA])
+            LOG_W(MOD, "segment %s advertises no RDMA device: using tcp", name);
     }
     if (rc) {
         segment_desc_free(&p->desc);
@@ -536,7 +733,7 @@ int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment
     p->handle = (transfer_segment)(((uint64_t)1 << 32) | e->npeers);
     *out = p->handle;
     pthread_mutex_unlock(&e->peers_mu);
-    LOG_D(MOD, "opened segment %s via %s", name, p->proto == TRANSFER_PROTO_SHM ? "shm" : "tcp");
+    LOG_D(MOD, "opened segment %s via %s", name, e->tp[p->pref]->ops->name);
     return 0;
 }
 
@@ -547,11 +744,15 @@ int transfer_close_segment(transfer_engine *e, transfer_segment seg) {
     pthread_mutex_lock(&e->peers_mu);
     p->closed = 1; /* the struct lives until the engine goes: ops may point to it */
     pthread_mutex_unlock(&e->peers_mu);
+    void *conn[NTRANSPORTS];
     pthread_mutex_lock(&p->mu);
-    tcp_client *t = p->tcp;
-    p->tcp = NULL;
+    for (int t = 0; t < NTRANSPORTS; t++) {
+        conn[t] = p->conn[t];
+        p->conn[t] = NULL;
+    }
     pthread_mutex_unlock(&p->mu);
-    tcp_client_destroy(t);
+    for (int t = 0; t < NTRANSPORTS; t++)
+        if (conn[t]) e->tp[t]->ops->close_peer(e->tp[t], conn[t]);
     return 0;
 }
 
@@ -575,7 +776,7 @@ int transfer_segment_get_info(transfer_engine *e, transfer_segment seg,
     snprintf(info->name, sizeof info->name, "%s", p->name);
     snprintf(info->host_id, sizeof info->host_id, "%s", p->desc.host_id);
     info->pid = p->desc.pid;
-    info->protocol = p->proto;
+    info->protocol = e->tp[p->pref]->ops->proto;
     info->tcp_proto_version = p->desc.tcp_proto_version;
     info->num_buffers = p->desc.buffers.n;
     info->num_data_addrs = p->desc.num_data_addrs;
@@ -599,9 +800,10 @@ int transfer_segment_get_buffers(transfer_engine *e, transfer_segment seg,
     return (int)n;
 }
 
-/* ---- op completion (called by transports) -------------------------------- */
+/* ---- op completion (the transports' sink) ---------------------------------- */
 
-void engine_op_done(transfer_engine *e, xfer_op *op, int err) {
+static void op_done(void *ctx, xfer_op *op, int err) {
+    transfer_engine *e = ctx;
     if (err == 0) {
         atomic_fetch_add(op->opcode == TRANSFER_WRITE ? &e->bytes_written : &e->bytes_read,
                          op->len);
@@ -619,32 +821,28 @@ void engine_op_done(transfer_engine *e, xfer_op *op, int err) {
     free(op);
 }
 
-int engine_op_canceled(const xfer_op *op) {
-    return atomic_load(&op->batch->canceled);
-}
-
-/* shm refused by the kernel for this peer: switch it to tcp, re-route op. */
-static void shm_refused(transfer_engine *e, xfer_op *op) {
+/* A transport cannot serve op's peer (shm refused by the kernel): move the
+ * peer to tcp and re-route op there. */
+static void op_reroute(void *ctx, xfer_op *op, int err) {
+    transfer_engine *e = ctx;
     peer *p = op->peer;
     pthread_mutex_lock(&p->mu);
-    if (p->proto == TRANSFER_PROTO_SHM) {
-        p->proto = TRANSFER_PROTO_TCP;
+    if (p->pref == T_SHM) {
+        p->pref = T_TCP;
         atomic_fetch_add(&e->shm_fallbacks, 1);
         LOG_W(MOD,
               "segment %s: the kernel refused process_vm_writev/readv (ptrace policy); using tcp",
               p->name);
     }
-    int rc = peer_ensure_tcp_locked(e, p);
-    tcp_client *t = p->tcp;
+    int rc = peer_conn_locked(e, p, T_TCP);
+    void *conn = p->conn[T_TCP];
     pthread_mutex_unlock(&p->mu);
+    (void)err;
+    op->next = NULL;
     if (rc)
-        engine_op_done(e, op, rc);
+        op_done(e, op, rc);
     else
-        tcp_client_submit(t, op);
-}
-
-static void shm_refused_cb(void *ctx, xfer_op *op) {
-    shm_refused(ctx, op);
+        e->tp[T_TCP]->ops->submit(e->tp[T_TCP], conn, op);
 }
 
 /* ---- batches ------------------------------------------------------------- */
@@ -654,26 +852,50 @@ int transfer_batch_alloc(transfer_engine *e, size_t max_requests, transfer_batch
     return batch_table_alloc(&e->batches, max_requests, out);
 }
 
-/* The shm range check: inside the peer's advertised buffers, re-fetching its
- * descriptor once on a miss (it may have registered more since). */
-static int shm_range_ok(transfer_engine *e, peer *p, uint64_t addr, size_t len, int *refreshed) {
+/* The peer's buffer holding [addr, +len) (copied to *out): 1, or 0 when its
+ * descriptor has none — after re-fetching the descriptor once per submit
+ * (it may have registered more since) when `refetch` is set. */
+static int remote_entry(transfer_engine *e, peer *p, uint64_t addr, size_t len, int refetch,
+                        int *refreshed, registry_entry *out) {
     pthread_mutex_lock(&p->mu);
-    int ok = registry_find(&p->desc.buffers, addr, len) != NULL;
-    if (!ok && !*refreshed) {
+    const registry_entry *r = registry_find(&p->desc.buffers, addr, len);
+    if (!r && refetch && !*refreshed) {
         *refreshed = 1;
-        if (peer_fetch_locked(e, p) == 0) ok = registry_find(&p->desc.buffers, addr, len) != NULL;
+        if (peer_fetch_locked(e, p) == 0) r = registry_find(&p->desc.buffers, addr, len);
     }
+    if (r) *out = *r;
     pthread_mutex_unlock(&p->mu);
-    return ok;
+    return r != NULL;
 }
 
 typedef struct route {
     peer *p;
-    transfer_protocol proto;
-    pid_t pid;
-    tcp_client *tcp;
+    int t;      /* transport index */
+    void *conn; /* its state for p */
+    size_t stripe;
+    int device;                              /* local memory on cuda:device, or -1 */
+    uint32_t rkey[REGISTRY_MAX_KEYS], nkeys; /* rdma: the remote buffer's keys */
     int reject; /* shm range check failed: the request fails with EREMOTEADDR */
 } route;
+
+/* Pick the transport for one request: the peer's preferred one when it
+ * reaches both sides' memory, else the first in table order that does.
+ * Caller holds p->mu.  0, or TRANSFER_EINVAL when none reaches. */
+static int choose_locked(transfer_engine *e, peer *p, const char *local_loc,
+                         const registry_entry *remote, int *t_out) {
+    transport_peer v;
+    peer_view_locked(e, p, &v);
+    if (e->tp[p->pref]->ops->can_reach(e->tp[p->pref], &v, local_loc, remote)) {
+        *t_out = p->pref;
+        return 0;
+    }
+    for (int t = 0; t < NTRANSPORTS; t++)
+        if (t != p->pref && e->tp[t] && e->tp[t]->ops->can_reach(e->tp[t], &v, local_loc, remote)) {
+            *t_out = t;
+            return 0;
+        }
+    return TRANSFER_EINVAL;
+}
 
 int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_request *reqs,
                           size_t n) {
@@ -686,12 +908,13 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
     /* 1. Validate everything before anything is queued. */
     for (size_t i = 0; i < n && rc == 0; i++) {
         const transfer_request *r = &reqs[i];
+        char loc[32] = "";
         if ((r->opcode != TRANSFER_READ && r->opcode != TRANSFER_WRITE) || r->length == 0 ||
             !r->local) {
             LOG_E(MOD, "submit: request %zu is invalid (opcode %d, length %zu)", i, (int)r->opcode,
                   r->length);
             rc = TRANSFER_EINVAL;
-        } else if (!local_registered(e, r->local, r->length)) {
+        } else if (!local_registered(e, r->local, r->length, loc, sizeof loc)) {
             LOG_E(MOD,
                   "submit: request %zu: local range [%p, +%zu) is not inside a registered buffer",
                   i, r->local, r->length);
@@ -702,26 +925,54 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         }
         if (rc) break;
         peer *p = rt[i].p;
+        rt[i].device = -1;
+        if (location_is_device(loc)) stage_parse_device(loc, &rt[i].device);
+        /* shm needs the range in the peer's descriptor (the target's
+         * threads do not check it): a miss re-fetches it once. */
+        registry_entry remote;
         pthread_mutex_lock(&p->mu);
-        rt[i].proto = p->proto;
-        rt[i].pid = p->desc.pid;
-        if (p->proto == TRANSFER_PROTO_TCP) {
-            rc = peer_ensure_tcp_locked(e, p);
-            rt[i].tcp = p->tcp;
+        int pref_shm = p->pref == T_SHM, pref_rdma = p->pref == T_RDMA;
+        pthread_mutex_unlock(&p->mu);
+        int have = remote_entry(e, p, r->remote_addr, r->length, pref_shm || pref_rdma, &refreshed,
+                                &remote);
+        pthread_mutex_lock(&p->mu);
+        if (pref_shm && !have && rt[i].device < 0)
+            rt[i].reject = 1; /* shm's range check: the request fails, the batch goes on */
+        else
+            rc = choose_locked(e, p, loc, have ? &remote : NULL, &rt[i].t);
+        if (rt[i].reject) {
+        } else if (rc) {
+            LOG_E(MOD,
+                  "submit: request %zu: no transport reaches local %s memory and the peer's "
+                  "%s memory (device memory needs the device-memory ops on both sides)",
+                  i, loc, have ? remote.location : "unlisted");
+        } else {
+            rc = peer_conn_locked(e, p, rt[i].t);
+            rt[i].conn = p->conn[rt[i].t];
+            if (rc && rt[i].t == T_RDMA) { /* no queue pair: tcp, as with no NIC */
+                LOG_W(MOD, "segment %s: rdma connection failed; using tcp", p->name);
+                p->pref = T_TCP;
+                rc = choose_locked(e, p, loc, have ? &remote : NULL, &rt[i].t);
+                if (rc == 0) rc = peer_conn_locked(e, p, rt[i].t);
+                rt[i].conn = p->conn[rt[i].t];
+            }
+            if (rt[i].t == T_RDMA) {
+                rt[i].nkeys = remote.nkeys;
+                memcpy(rt[i].rkey, remote.rkey, sizeof rt[i].rkey);
+            }
         }
         pthread_mutex_unlock(&p->mu);
         if (rc) break;
-        size_t stripe = rt[i].proto == TRANSFER_PROTO_SHM ? SHM_STRIPE : e->cfg.stripe_bytes;
-        if (rt[i].proto == TRANSFER_PROTO_SHM &&
-            !shm_range_ok(e, p, r->remote_addr, r->length, &refreshed))
-            rt[i].reject = 1;
-        else
-            nops += (r->length + stripe - 1) / stripe;
+        if (rt[i].reject) continue;
+        transport *tp = e->tp[rt[i].t];
+        rt[i].stripe =
+            rt[i].t == T_TCP ? tcp_transport_stripe_for(tp, rt[i].device >= 0) : tp->stripe;
+        nops += (r->length + rt[i].stripe - 1) / rt[i].stripe;
     }
     xfer_op **ops = rc == 0 ? calloc(nops ? nops : 1, sizeof *ops) : NULL;
     if (rc == 0 && !ops) rc = TRANSFER_ENOMEM;
     for (size_t k = 0; rc == 0 && k < nops; k++)
-        if (!(ops[k] = malloc(sizeof *ops[k]))) rc = TRANSFER_ENOMEM;
+        if (!(ops[k] = calloc(1, sizeof *ops[k]))) rc = TRANSFER_ENOMEM;
     /* 2. Claim request slots. */
     size_t base = 0;
     batch *b = NULL;
@@ -738,8 +989,6 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
             b->ops_inflight += (uint32_t)nops;
             for (size_t i = 0; i < n; i++) {
                 batch_req *q = &b->reqs[base + i];
-                size_t stripe =
-                    rt[i].proto == TRANSFER_PROTO_SHM ? SHM_STRIPE : e->cfg.stripe_bytes;
                 q->transferred = 0;
                 if (rt[i].reject) {
                     q->state = TRANSFER_STATE_FAILED;
@@ -748,7 +997,7 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
                 } else {
                     q->state = TRANSFER_STATE_PENDING;
                     q->error = 0;
-                    q->chunks_left = (uint32_t)((reqs[i].length + stripe - 1) / stripe);
+                    q->chunks_left = (uint32_t)((reqs[i].length + rt[i].stripe - 1) / rt[i].stripe);
                     b->reqs_pending++;
                 }
             }
@@ -763,53 +1012,47 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         free(rt);
         return rc;
     }
-    /* 3. Cut into chunks and hand them to the transports; consecutive shm
-     * chunks for the same peer and opcode travel in groups (one vectored
-     * process_vm_* call each). */
+    /* 3. Cut into chunks; each run of consecutive requests for the same
+     * peer and transport goes to it as one list. */
     size_t k = 0;
-    xfer_op *g_head = NULL, *g_tail = NULL;
-    size_t g_n = 0, g_bytes = 0;
-    pid_t g_pid = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (rt[i].reject) continue;
+    xfer_op *head = NULL, *tail = NULL;
+    int cur = -1;
+    for (size_t i = 0; i <= n; i++) {
+        if (i < n && rt[i].reject) continue;
+        if (head && (i == n || (size_t)cur >= n || rt[i].p != rt[cur].p || rt[i].t != rt[cur].t)) {
+            e->tp[rt[cur].t]->ops->submit(e->tp[rt[cur].t], rt[cur].conn, head);
+            head = tail = NULL;
+        }
+        if (i == n) break;
+        cur = (int)i;
         const transfer_request *r = &reqs[i];
-        size_t stripe = rt[i].proto == TRANSFER_PROTO_SHM ? SHM_STRIPE : e->cfg.stripe_bytes;
+        size_t stripe = rt[i].stripe;
         uint64_t deadline = request_deadline(e, r->length);
         for (size_t off = 0; off < r->length; off += stripe) {
             xfer_op *op = ops[k++];
             op->next = NULL;
             op->batch = b;
+            op->canceled = &b->canceled;
             op->peer = rt[i].p;
             op->req = (uint32_t)(base + i);
             op->opcode = (uint8_t)r->opcode;
-            op->local = (char *)r->local + off;
             op->remote = r->remote_addr + off;
             op->len = r->length - off < stripe ? r->length - off : stripe;
             op->deadline_ns = deadline;
-            op->tries = 0;
-            if (rt[i].proto == TRANSFER_PROTO_SHM) {
-                if (g_head && (g_pid != rt[i].pid || g_head->opcode != op->opcode ||
-                               g_n == SHM_GROUP_OPS || g_bytes + op->len > SHM_GROUP_BYTES)) {
-                    shm_pool_submit(e->shm, g_head, g_bytes, g_pid);
-                    g_head = NULL;
-                }
-                if (!g_head) {
-                    g_head = g_tail = op;
-                    g_n = 0;
-                    g_bytes = 0;
-                    g_pid = rt[i].pid;
-                } else {
-                    g_tail->next = op;
-                    g_tail = op;
-                }
-                g_n++;
-                g_bytes += op->len;
-            } else {
-                tcp_client_submit(rt[i].tcp, op);
-            }
+            op->nkeys = rt[i].nkeys;
+            memcpy(op->rkey, rt[i].rkey, sizeof op->rkey);
+            op->device = rt[i].device;
+            if (rt[i].device >= 0 && rt[i].t == T_TCP) /* staged: tcp picks the host buffer */
+                op->dev = (char *)r->local + off;
+            else
+                op->local = (char *)r->local + off;
+            if (tail)
+                tail->next = op;
+            else
+                head = op;
+            tail = op;
         }
     }
-    if (g_head) shm_pool_submit(e->shm, g_head, g_bytes, g_pid);
     free(ops);
     free(rt);
     return 0;
@@ -892,7 +1135,19 @@ int transfer_batch_cancel(transfer_engine *e, transfer_batch h) {
     batch *b = batch_table_lookup_locked(&e->batches, h);
     if (b) atomic_store(&b->canceled, 1);
     pthread_mutex_unlock(&e->batches.mu);
-    return b ? 0 : TRANSFER_ESTALE;
+    if (!b) return TRANSFER_ESTALE;
+    /* Queued chunks end now where the transport can drop them (the others
+     * see the flag before they go out).  b is only compared, never read. */
+    pthread_mutex_lock(&e->peers_mu);
+    for (size_t i = 0; i < e->npeers; i++) {
+        peer *p = e->peers[i];
+        pthread_mutex_lock(&p->mu);
+        for (int t = 0; t < NTRANSPORTS; t++)
+            if (p->conn[t] && e->tp[t]->ops->cancel) e->tp[t]->ops->cancel(e->tp[t], p->conn[t], b);
+        pthread_mutex_unlock(&p->mu);
+    }
+    pthread_mutex_unlock(&e->peers_mu);
+    return 0;
 }
 
 int transfer_batch_free(transfer_engine *e, transfer_batch h) {
@@ -977,9 +1232,12 @@ void transfer_engine_get_stats(transfer_engine *e, transfer_stats *out) {
     out->auth_refused = atomic_load(&e->auth_refused);
     pthread_mutex_lock(&e->peers_mu);
     for (size_t i = 0; i < e->npeers; i++) {
-        pthread_mutex_lock(&e->peers[i]->mu);
-        if (e->peers[i]->tcp) out->path_retries += tcp_client_retries(e->peers[i]->tcp);
-        pthread_mutex_unlock(&e->peers[i]->mu);
+        peer *p = e->peers[i];
+        pthread_mutex_lock(&p->mu);
+        for (int t = 0; t < NTRANSPORTS; t++)
+            if (p->conn[t] && e->tp[t]->ops->retries)
+                out->path_retries += e->tp[t]->ops->retries(e->tp[t], p->conn[t]);
+        pthread_mutex_unlock(&p->mu);
     }
     pthread_mutex_unlock(&e->peers_mu);
 }

@@ -308,13 +308,24 @@ static void serve_conn(handshake_server *s, hs_conn *c) {
     if (fr != FRAME_OK) return;
     if (type == HANDSHAKE_TYPE_METADATA) {
         serve_metadata(s, c, body, len, deadline);
+    } else if (type == HANDSHAKE_TYPE_CONNECT && s->cfg.connect && !s->cfg.secret) {
+        char why[256] = "";
+        char *reply = s->cfg.connect(s->cfg.ctx, body, len, why, sizeof why);
+        if (reply) {
+            send_frame(fd, type, reply, deadline);
+            free(reply);
+        } else {
+            LOG_W(MOD, "rdma connect from %s refused: %s", c->peer, why);
+            json_t *o = json_pack("{s:s,s:s}", "reply_msg", why, "error", why);
+            send_json(fd, type, o, deadline);
+        }
     } else if (type == HANDSHAKE_TYPE_PROBE) {
         send_frame(fd, type, "{\"status\":\"success\"}", deadline); /* Mooncake's answer */
     } else {
         LOG_W(MOD, "handshake from %s: unsupported frame type %u", c->peer, type);
         send_error(fd, type,
-                   "unsupported frame type (accepted: 1 metadata, 3 probe; this engine "
-                   "speaks tcp only: no RDMA connection handshake, no notify)",
+                   "unsupported frame type (accepted: 1 metadata, 3 probe, and 0 connect when "
+                   "this engine runs rdma without an auth_secret; no notify)",
                    deadline);
     }
     free(body);
@@ -575,4 +586,52 @@ int handshake_fetch(const net_addr *peer, const char *peer_name, const char *sel
     rc = segment_desc_decode(body, len, out, err, cap);
     free(body);
     return rc;
+}
+
+int handshake_connect(const net_addr *peer, const char *body, uint64_t deadline_ns, char **reply,
+                      size_t *reply_len, char *err, size_t cap) {
+    char a[80];
+    net_addr_format(peer, a, sizeof a);
+    *reply = NULL;
+    int fd = net_connect(peer, NULL, deadline_ns);
+    if (fd < 0) {
+        snprintf(err, cap, "cannot connect to handshake port %s: %s", a, strerror(-fd));
+        return io_error(fd);
+    }
+    int rc = send_frame(fd, HANDSHAKE_TYPE_CONNECT, body, deadline_ns);
+    uint8_t type = 0;
+    char *rb = NULL;
+    uint64_t len = 0;
+    int ioerr = 0;
+    if (rc) {
+        snprintf(err, cap, "connect handshake with %s failed: %s", a, strerror(-rc));
+        rc = io_error(rc);
+    } else {
+        int fr = recv_frame(fd, deadline_ns, &type, &rb, &len, &ioerr);
+        if (fr == FRAME_EIO) {
+            snprintf(err, cap, "connect handshake with %s failed: %s", a, strerror(-ioerr));
+            rc = io_error(ioerr);
+        } else if (fr != FRAME_OK || type != HANDSHAKE_TYPE_CONNECT) {
+            snprintf(err, cap, "connect handshake with %s: unexpected reply (type %u)", a, type);
+            rc = TRANSFER_EPROTO;
+        }
+    }
+    close(fd);
+    if (rc == 0) {
+        json_t *o = json_loadb(rb, len, 0, NULL);
+        const char *e = jstr(o, "error");
+        if (!e) e = jstr(o, "reply_msg");
+        if (e && *e) {
+            snprintf(err, cap, "peer %s refused the connection: %s", a, e);
+            rc = TRANSFER_EPROTO;
+        }
+        json_decref(o);
+    }
+    if (rc) {
+        free(rb);
+        return rc;
+    }
+    *reply = rb;
+    *reply_len = (size_t)len;
+    return 0;
 }

@@ -50,6 +50,10 @@ typedef struct handshake_server_cfg {
     const char *self_name;
     const char *secret;
     _Atomic uint64_t *auth_refused; /* stats: handshakes refused (may be NULL) */
+    /* Mooncake's type-0 frame (the rdma transport's queue-pair exchange):
+     * request body in, reply JSON out (malloc'd), or NULL with err filled.
+     * NULL connect = not offered (the frame gets an error). */
+    char *(*connect)(void *ctx, const char *body, size_t len, char *err, size_t cap);
 } handshake_server_cfg;
 
 /* Listen on addr (port 0 = ephemeral) and serve on a thread. */
@@ -73,5 +77,11 @@ int handshake_header_decode(const uint8_t hdr[HANDSHAKE_HEADER_LEN], uint64_t *b
 int handshake_fetch(const net_addr *peer, const char *peer_name, const char *self_name,
                     const char *my_json, const char *secret, uint64_t deadline_ns,
                     segment_desc *out, char *err, size_t cap);
+
+/* Send a type-0 (connect) frame with body to the peer's handshake port and
+ * read its answer (malloc'd in *reply).  TRANSFER_EPROTO with err filled
+ * when the peer answers an error (its reply_msg / error). */
+int handshake_connect(const net_addr *peer, const char *body, uint64_t deadline_ns, char **reply,
+                      size_t *reply_len, char *err, size_t cap);
 
 #endif

@@ -49,6 +49,10 @@ int registry_add(registry *r, uint64_t addr, uint64_t length, const char *locati
     e->addr = addr;
     e->length = length;
     snprintf(e->location, sizeof e->location, "%s", location ? location : "cpu:0");
+    e->reach = 0;
+    e->nkeys = 0;
+    e->ipc_len = 0;
+    e->ipc_off = 0;
     r->n++;
     return 0;
 }

@@ -11,10 +11,23 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define REGISTRY_MAX_KEYS 8
+#define REGISTRY_IPC_MAX  64
+
 typedef struct registry_entry {
     uint64_t addr;     /* first byte */
     uint64_t length;   /* bytes, > 0 */
     char location[32]; /* "cpu:0", "cuda:1", ... */
+    unsigned reach;    /* a peer's buffer: transports that reach it (transport.h), 0 = unknown */
+    /* rdma: the buffer's remote key on each of the owner's NICs (in the
+     * order of its descriptor's "devices"); nkeys = 0 without rdma. */
+    uint32_t rkey[REGISTRY_MAX_KEYS];
+    uint32_t nkeys;
+    /* cuda_ipc: the allocation's handle and the buffer's offset in it
+     * (ipc_len = 0: none). */
+    uint8_t ipc[REGISTRY_IPC_MAX];
+    uint32_t ipc_len;
+    uint64_t ipc_off;
 } registry_entry;
 
 typedef struct registry {

@@ -2,12 +2,17 @@
 #include "transfer/segment_desc.h"
 
 #include "disagg/transfer.h"
+#include "transfer/transport.h"
 
+#include <ctype.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+
+/* Bit k of registry_entry.reach is REACH_NAMES[k] (transport.h). */
+static const char *const REACH_NAMES[] = {"tcp", "shm", "rdma", "cuda_ipc"};
 
 void segment_desc_init(segment_desc *d) {
     memset(d, 0, sizeof *d);
@@ -35,9 +40,37 @@ char *segment_desc_encode(const segment_desc *d) {
          * addresses on Linux fit (< 2^63). */
         json_object_set_new(b, "addr", json_integer((json_int_t)e->addr));
         json_object_set_new(b, "length", json_integer((json_int_t)e->length));
+        /* Extension (Mooncake ignores unknown buffer fields): the transports
+         * that reach this buffer. */
+        if (e->nkeys) { /* Mooncake's rdma buffer field: one remote key per NIC */
+            json_t *rk = json_array();
+            for (uint32_t k = 0; k < e->nkeys; k++)
+                json_array_append_new(rk, json_integer(e->rkey[k]));
+            json_object_set_new(b, "rkey", rk);
+        }
+        if (e->ipc_len) { /* extension: the cuda_ipc handle (hex) and offset */
+            char hx[2 * REGISTRY_IPC_MAX + 1];
+            for (uint32_t k = 0; k < e->ipc_len; k++)
+                snprintf(hx + 2 * k, 3, "%02x", e->ipc[k]);
+            json_object_set_new(b, "ipc_handle", json_string(hx));
+            json_object_set_new(b, "ipc_offset", json_integer((json_int_t)e->ipc_off));
+        }
+        if (e->reach) {
+            json_t *tr = json_array();
+            for (size_t k = 0; k < sizeof REACH_NAMES / sizeof REACH_NAMES[0]; k++)
+                if (e->reach & (1u << k)) json_array_append_new(tr, json_string(REACH_NAMES[k]));
+            json_object_set_new(b, "transports", tr);
+        }
         json_array_append_new(bufs, b);
     }
     json_object_set_new(o, "buffers", bufs);
+    if (d->num_devices) {
+        json_t *dv = json_array();
+        for (size_t i = 0; i < d->num_devices; i++)
+            json_array_append_new(dv, json_pack("{s:s,s:i,s:s}", "name", d->devices[i].name, "lid",
+                                                (int)d->devices[i].lid, "gid", d->devices[i].gid));
+        json_object_set_new(o, "devices", dv);
+    }
     char ts[32];
     time_t now = time(NULL);
     struct tm tm;
@@ -52,6 +85,7 @@ char *segment_desc_encode(const segment_desc *d) {
     for (size_t i = 0; i < d->num_data_addrs; i++)
         json_array_append_new(da, json_string(d->data_addrs[i]));
     json_object_set_new(x, "data_addrs", da);
+    if (d->rdma_mtu) json_object_set_new(x, "rdma_mtu", json_integer(d->rdma_mtu));
     json_object_set_new(o, "disagg", x);
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
@@ -131,7 +165,70 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
         if (get_uint(b, "addr", UINT64_MAX, &addr, 1, err, cap) ||
             get_uint(b, "length", UINT64_MAX, &length, 1, err, cap))
             goto done;
+        unsigned reach = 0;
+        json_t *tr = json_object_get(b, "transports");
+        if (tr && !json_is_array(tr)) {
+            fail(err, cap, "field must be an array:", "buffers[].transports");
+            goto done;
+        }
+        size_t ti;
+        json_t *tn;
+        json_array_foreach(tr, ti, tn) {
+            if (!json_is_string(tn)) {
+                fail(err, cap, "bad entry in", "buffers[].transports");
+                goto done;
+            }
+            for (size_t k = 0; k < sizeof REACH_NAMES / sizeof REACH_NAMES[0]; k++)
+                if (strcmp(json_string_value(tn), REACH_NAMES[k]) == 0) reach |= 1u << k;
+            /* unknown names (a newer peer's transports) are skipped */
+        }
+        uint32_t rkeys[REGISTRY_MAX_KEYS], nkeys = 0;
+        json_t *rk = json_object_get(b, "rkey");
+        if (rk && !json_is_array(rk)) {
+            fail(err, cap, "field must be an array:", "buffers[].rkey");
+            goto done;
+        }
+        json_array_foreach(rk, ti, tn) {
+            if (!json_is_integer(tn) || json_integer_value(tn) < 0 ||
+                json_integer_value(tn) > UINT32_MAX) {
+                fail(err, cap, "bad entry in", "buffers[].rkey");
+                goto done;
+            }
+            if (nkeys < REGISTRY_MAX_KEYS) rkeys[nkeys++] = (uint32_t)json_integer_value(tn);
+        }
+        uint8_t ipc[REGISTRY_IPC_MAX];
+        uint32_t ipc_len = 0;
+        uint64_t ipc_off = 0;
+        json_t *ih = json_object_get(b, "ipc_handle");
+        if (ih) {
+            const char *h = json_string_value(ih);
+            size_t hl = h ? strlen(h) : 0;
+            if (!h || hl % 2 || hl / 2 > REGISTRY_IPC_MAX || hl == 0) {
+                fail(err, cap, "bad hex string in", "buffers[].ipc_handle");
+                goto done;
+            }
+            for (size_t k = 0; k < hl / 2; k++) {
+                unsigned x;
+                if (!isxdigit((unsigned char)h[2 * k]) || !isxdigit((unsigned char)h[2 * k + 1]) ||
+                    sscanf(h + 2 * k, "%2x", &x) != 1) {
+                    fail(err, cap, "bad hex string in", "buffers[].ipc_handle");
+                    goto done;
+                }
+                ipc[k] = (uint8_t)x;
+            }
+            ipc_len = (uint32_t)(hl / 2);
+            if (get_uint(b, "ipc_offset", UINT64_MAX, &ipc_off, 0, err, cap)) goto done;
+        }
         int r = registry_add(&out->buffers, addr, length, loc);
+        if (r == 0) {
+            registry_entry *re = (registry_entry *)registry_find(&out->buffers, addr, 1);
+            re->reach = reach;
+            re->nkeys = nkeys;
+            re->ipc_len = ipc_len;
+            re->ipc_off = ipc_off;
+            memcpy(re->ipc, ipc, ipc_len);
+            memcpy(re->rkey, rkeys, nkeys * sizeof rkeys[0]);
+        }
         if (r == TRANSFER_ENOMEM) {
             rc = r;
             goto done;
@@ -140,6 +237,27 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
             fail(err, cap, "buffers are empty or overlap", NULL);
             goto done;
         }
+    }
+    json_t *devs = json_object_get(o, "devices");
+    if (devs && !json_is_array(devs)) {
+        fail(err, cap, "field must be an array:", "devices");
+        goto done;
+    }
+    json_array_foreach(devs, i, b) {
+        if (out->num_devices == SEGMENT_MAX_DEVICES) break;
+        segment_device *sd = &out->devices[out->num_devices];
+        if (!json_is_object(b)) {
+            fail(err, cap, "device entry is not an object", NULL);
+            goto done;
+        }
+        u = 0;
+        if (get_str(b, "name", sd->name, sizeof sd->name, 1, err, cap) ||
+            get_str(b, "gid", sd->gid, sizeof sd->gid, 0, err, cap) ||
+            get_uint(b, "lid", 65535, &u, 0, err, cap))
+            goto done;
+        sd->lid = (uint16_t)u;
+        u = 0;
+        out->num_devices++;
     }
     json_t *x = json_object_get(o, "disagg");
     if (x && json_is_object(x)) {
@@ -150,6 +268,9 @@ int segment_desc_decode(const char *json, size_t len, segment_desc *out, char *e
         u = 0;
         if (get_uint(x, "pid", INT32_MAX, &u, 0, err, cap)) goto done;
         out->pid = (int)u;
+        u = 0;
+        if (get_uint(x, "rdma_mtu", 1 << 16, &u, 0, err, cap)) goto done;
+        out->rdma_mtu = (int)u;
         json_t *da = json_object_get(x, "data_addrs");
         if (da && !json_is_array(da)) {
             fail(err, cap, "field must be an array:", "disagg.data_addrs");

@@ -13,7 +13,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SEGMENT_MAX_DATA_ADDRS    16
+#define SEGMENT_MAX_DATA_ADDRS 16
+#define SEGMENT_MAX_DEVICES    REGISTRY_MAX_KEYS
+
+/* An RDMA NIC as Mooncake's descriptor lists it ("devices"). */
+typedef struct segment_device {
+    char name[64];
+    uint16_t lid;
+    char gid[48]; /* "xx:xx:...": 16 bytes, hex, colon-separated */
+} segment_device;
 #define SEGMENT_TCP_PROTO_VERSION 2
 #define SEGMENT_DISAGG_VERSION    1
 
@@ -29,6 +37,11 @@ typedef struct segment_desc {
     int pid;
     size_t num_data_addrs;
     char data_addrs[SEGMENT_MAX_DATA_ADDRS][64]; /* "ip:port" / "[ip6]:port" */
+    /* rdma (Mooncake's fields): its NICs; each buffer's rkeys follow this
+     * order (registry_entry.rkey), and "lkey" is published alongside. */
+    size_t num_devices;
+    segment_device devices[SEGMENT_MAX_DEVICES];
+    int rdma_mtu; /* disagg extension: the path MTU it uses (bytes), 0 = unknown */
 } segment_desc;
 
 void segment_desc_init(segment_desc *d);

@@ -44,9 +44,7 @@ typedef struct shm_job {
 } shm_job;
 
 struct shm_pool {
-    struct transfer_engine *e;
-    shm_refused_fn refused;
-    void *ctx;
+    const xfer_sink *sink;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     shm_job *head, *tail;
@@ -65,17 +63,17 @@ static void run_group(shm_pool *p, xfer_op *ops, pid_t pid) {
     while (ops) {
         xfer_op *op = ops;
         ops = op->next;
-        if (engine_op_canceled(op))
-            engine_op_done(p->e, op, TRANSFER_ECANCELED);
+        if (xfer_op_canceled(op))
+            xfer_done(p->sink, op, TRANSFER_ECANCELED);
         else if (now >= op->deadline_ns)
-            engine_op_done(p->e, op, TRANSFER_ETIMEDOUT);
+            xfer_done(p->sink, op, TRANSFER_ETIMEDOUT);
         else if (n < SHM_GROUP_OPS) {
             v[n] = op;
             li[n] = (struct iovec){op->local, op->len};
             ri[n] = (struct iovec){(void *)(uintptr_t)op->remote, op->len};
             n++;
         } else {
-            engine_op_done(p->e, op, shm_copy(pid, op->opcode, op->local, op->remote, op->len));
+            xfer_done(p->sink, op, shm_copy(pid, op->opcode, op->local, op->remote, op->len));
         }
     }
     int i = 0;
@@ -88,18 +86,18 @@ static void run_group(shm_pool *p, xfer_op *ops, pid_t pid) {
         if (got < 0 && errno == EINTR) continue;
         if (got <= 0) { /* the op at i failed (a partial first op returns > 0 instead) */
             int rc = got < 0 ? map_errno(errno) : TRANSFER_EREMOTEADDR;
-            if (rc == TRANSFER_EPERM && p->refused) {
+            if (rc == TRANSFER_EPERM && p->sink->reroute) {
                 for (; i < n; i++)
-                    p->refused(p->ctx, v[i]);
+                    p->sink->reroute(p->sink->ctx, v[i], rc);
                 return;
             }
-            engine_op_done(p->e, v[i++], rc);
+            xfer_done(p->sink, v[i++], rc);
             continue;
         }
         size_t left = (size_t)got;
         while (i < n && left >= li[i].iov_len) {
             left -= li[i].iov_len;
-            engine_op_done(p->e, v[i++], 0);
+            xfer_done(p->sink, v[i++], 0);
         }
         if (left > 0) { /* partial op: continue where it stopped */
             li[i].iov_base = (char *)li[i].iov_base + left;
@@ -129,13 +127,10 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-int shm_pool_create(struct transfer_engine *e, int nthreads, shm_refused_fn refused, void *ctx,
-                    shm_pool **out) {
+int shm_pool_create(const xfer_sink *sink, int nthreads, shm_pool **out) {
     shm_pool *p = calloc(1, sizeof *p);
     if (!p) return TRANSFER_ENOMEM;
-    p->e = e;
-    p->refused = refused;
-    p->ctx = ctx;
+    p->sink = sink;
     p->nthreads = nthreads > 0 ? nthreads : 1;
     p->threads = calloc((size_t)p->nthreads, sizeof *p->threads);
     if (!p->threads) {
@@ -181,4 +176,95 @@ void shm_pool_destroy(shm_pool *p) {
     pthread_mutex_destroy(&p->mu);
     free(p->threads);
     free(p);
+}
+
+/* ---- the transport interface (transport.h) -------------------------------- */
+
+typedef struct shm_conn {
+    pid_t pid;
+} shm_conn;
+
+/* Same host, host memory on both sides (process_vm_* cannot reach device
+ * memory), and the range must be in the peer's descriptor (engine.c checks
+ * that before routing here). */
+static int shm_can_reach(const transport *t, const transport_peer *p, const char *local_loc,
+                         const registry_entry *remote) {
+    (void)t;
+    return p->same_host && p->desc->pid > 0 && !location_is_device(local_loc) && remote &&
+           !location_is_device(remote->location) && remote_reachable(remote, REACH_SHM);
+}
+
+static int shm_open_peer(transport *t, const transport_peer *p, void **conn) {
+    (void)t;
+    shm_conn *c = malloc(sizeof *c);
+    if (!c) return TRANSFER_ENOMEM;
+    c->pid = (pid_t)p->desc->pid;
+    *conn = c;
+    return 0;
+}
+
+/* Consecutive ops of one opcode travel in groups (one vectored
+ * process_vm_* call each). */
+static void shm_submit(transport *t, void *conn, xfer_op *ops) {
+    shm_pool *p = t->state;
+    pid_t pid = ((shm_conn *)conn)->pid;
+    xfer_op *g_head = NULL, *g_tail = NULL;
+    size_t g_n = 0, g_bytes = 0;
+    while (ops) {
+        xfer_op *op = ops;
+        ops = op->next;
+        op->next = NULL;
+        if (g_head && (g_head->opcode != op->opcode || g_n == SHM_GROUP_OPS ||
+                       g_bytes + op->len > SHM_GROUP_BYTES)) {
+            shm_pool_submit(p, g_head, g_bytes, pid);
+            g_head = NULL;
+        }
+        if (!g_head) {
+            g_head = g_tail = op;
+            g_n = 0;
+            g_bytes = 0;
+        } else {
+            g_tail->next = op;
+            g_tail = op;
+        }
+        g_n++;
+        g_bytes += op->len;
+    }
+    if (g_head) shm_pool_submit(p, g_head, g_bytes, pid);
+}
+
+static void shm_close_peer(transport *t, void *conn) {
+    (void)t;
+    free(conn);
+}
+
+static void shm_destroy(transport *t) {
+    if (!t) return;
+    shm_pool_destroy(t->state);
+    free(t);
+}
+
+static const transport_ops SHM_OPS = {
+    .name = "shm",
+    .proto = TRANSFER_PROTO_SHM,
+    .can_reach = shm_can_reach,
+    .open_peer = shm_open_peer,
+    .submit = shm_submit,
+    .close_peer = shm_close_peer,
+    .destroy = shm_destroy,
+};
+
+int shm_transport_create(const xfer_sink *sink, int nthreads, size_t stripe, transport **out) {
+    transport *t = calloc(1, sizeof *t);
+    if (!t) return TRANSFER_ENOMEM;
+    t->ops = &SHM_OPS;
+    t->sink = sink;
+    t->stripe = stripe;
+    int rc = shm_pool_create(sink, nthreads, (shm_pool **)&t->state);
+    if (rc) {
+        free(t);
+        return rc;
+    }
+    *out = t;
+    return 0;
 }

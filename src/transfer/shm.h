@@ -10,6 +10,7 @@
 #ifndef DISAGG_TRANSFER_SHM_H
 #define DISAGG_TRANSFER_SHM_H
 
+#include "transfer/transport.h"
 #include "transfer/xfer_op.h"
 
 #include <stddef.h>
@@ -22,18 +23,21 @@
 int shm_copy(pid_t pid, int opcode, void *local, uint64_t remote, size_t len);
 
 typedef struct shm_pool shm_pool;
-/* refused(ctx, op): the kernel refused shm for op's peer; the callee re-routes op. */
-typedef void (*shm_refused_fn)(void *ctx, xfer_op *op);
 
-int shm_pool_create(struct transfer_engine *e, int nthreads, shm_refused_fn refused, void *ctx,
-                    shm_pool **out);
+/* Ops end through sink->done; when the kernel refuses shm for a peer
+ * (TRANSFER_EPERM) its ops go to sink->reroute instead. */
+int shm_pool_create(const xfer_sink *sink, int nthreads, shm_pool **out);
 #define SHM_GROUP_OPS   256        /* ops moved by one process_vm_* call */
 #define SHM_GROUP_BYTES (1u << 20) /* a group's bytes, so big batches spread over the workers */
 
 /* Run a group of ops (linked by next; same pid and opcode, at most
  * SHM_GROUP_OPS, bytes in all) — inline when small, else on a worker — and
- * end each through engine_op_done. */
+ * end each through the sink. */
 void shm_pool_submit(shm_pool *p, xfer_op *ops, size_t bytes, pid_t pid);
 void shm_pool_destroy(shm_pool *p);
+
+/* The shm transport (transport.h): a pool of nthreads workers; requests are
+ * cut into chunks of stripe bytes. */
+int shm_transport_create(const xfer_sink *sink, int nthreads, size_t stripe, transport **out);
 
 #endif

@@ -42,7 +42,7 @@ typedef struct lane {
 } lane;
 
 struct tcp_client {
-    struct transfer_engine *e;
+    const xfer_sink *sink;
     tcp_path paths[TCP_CLIENT_MAX_PATHS];
     int npaths;
     int lanes_per_path;
@@ -72,7 +72,7 @@ static void lane_push(lane *l, xfer_op *op) {
     pthread_mutex_lock(&l->mu);
     if (l->stop) {
         pthread_mutex_unlock(&l->mu);
-        engine_op_done(l->cl->e, op, TRANSFER_ECANCELED);
+        xfer_done(l->cl->sink, op, TRANSFER_ECANCELED);
         return;
     }
     int idle = !l->q_head && !l->f_head && !l->sending && !l->broken && l->fd >= 0;
@@ -95,18 +95,44 @@ void tcp_client_submit(tcp_client *c, xfer_op *op) {
     lane_push(&c->lanes[i], op);
 }
 
+void tcp_client_cancel(tcp_client *c, const struct batch *b) {
+    for (int i = 0; i < c->nlanes; i++) {
+        lane *l = &c->lanes[i];
+        xfer_op *out = NULL, **pp;
+        pthread_mutex_lock(&l->mu);
+        l->q_tail = NULL;
+        for (pp = &l->q_head; *pp;) {
+            xfer_op *op = *pp;
+            if (op->batch == b) {
+                *pp = op->next;
+                op->next = out;
+                out = op;
+            } else {
+                l->q_tail = op;
+                pp = &op->next;
+            }
+        }
+        pthread_mutex_unlock(&l->mu);
+        while (out) {
+            xfer_op *n = out->next;
+            xfer_done(c->sink, out, TRANSFER_ECANCELED);
+            out = n;
+        }
+    }
+}
+
 /* The op failed on lane `from` with err: try another path, or end it. */
 static void reroute(tcp_client *c, const lane *from, xfer_op *op, int err) {
-    if (engine_op_canceled(op)) {
-        engine_op_done(c->e, op, TRANSFER_ECANCELED);
+    if (xfer_op_canceled(op)) {
+        xfer_done(c->sink, op, TRANSFER_ECANCELED);
         return;
     }
     if (clock_now_ns() >= op->deadline_ns) {
-        engine_op_done(c->e, op, TRANSFER_ETIMEDOUT);
+        xfer_done(c->sink, op, TRANSFER_ETIMEDOUT);
         return;
     }
     if (++op->tries >= c->max_tries || err == TRANSFER_EAUTH) { /* another path won't help */
-        engine_op_done(c->e, op, err);
+        xfer_done(c->sink, op, err);
         return;
     }
     atomic_fetch_add(&c->retries, 1);
@@ -140,7 +166,7 @@ static void lane_flush_locked(lane *l, uint8_t (*hdrs)[TCP_HEADER_LEN], struct i
         xfer_op *op = l->q_head;
         l->q_head = op->next;
         if (!l->q_head) l->q_tail = NULL;
-        if (engine_op_canceled(op)) {
+        if (xfer_op_canceled(op)) {
             op->next = canceled;
             canceled = op;
             continue;
@@ -167,7 +193,7 @@ static void lane_flush_locked(lane *l, uint8_t (*hdrs)[TCP_HEADER_LEN], struct i
     pthread_mutex_unlock(&l->mu);
     while (canceled) {
         xfer_op *nx = canceled->next;
-        engine_op_done(c->e, canceled, TRANSFER_ECANCELED);
+        xfer_done(c->sink, canceled, TRANSFER_ECANCELED);
         canceled = nx;
     }
     int rc = n ? net_writev_all(fd, iov, niov, deadline) : 0;
@@ -361,7 +387,7 @@ static void *receiver_main(void *arg) {
             while (f) {
                 xfer_op *n = f->next;
                 if (stop)
-                    engine_op_done(c->e, f, TRANSFER_ECANCELED);
+                    xfer_done(c->sink, f, TRANSFER_ECANCELED);
                 else
                     reroute(c, l, f, TRANSFER_ECONN);
                 f = n;
@@ -410,7 +436,7 @@ static void *receiver_main(void *arg) {
                 pthread_mutex_unlock(&l->mu);
                 LOG_W(MOD, "request of %zu bytes on %s timed out", op->len,
                       c->paths[l->path].label);
-                engine_op_done(c->e, op, TRANSFER_ETIMEDOUT);
+                xfer_done(c->sink, op, TRANSFER_ETIMEDOUT);
                 pthread_mutex_lock(&l->mu);
             } else if (err == TRANSFER_EPROTO && l->f_head == op && l->epoch == epoch) {
                 l->f_head = op->next;
@@ -418,7 +444,7 @@ static void *receiver_main(void *arg) {
                 pthread_mutex_unlock(&l->mu);
                 LOG_W(MOD, "peer %s answered with an invalid status word 0x%016llx",
                       c->paths[l->path].label, (unsigned long long)st);
-                engine_op_done(c->e, op, TRANSFER_EPROTO);
+                xfer_done(c->sink, op, TRANSFER_EPROTO);
                 pthread_mutex_lock(&l->mu);
             }
             lane_break_locked(l, epoch);
@@ -428,20 +454,19 @@ static void *receiver_main(void *arg) {
         l->f_head = op->next;
         if (!l->f_head) l->f_tail = NULL;
         pthread_mutex_unlock(&l->mu);
-        engine_op_done(c->e, op, err);
+        xfer_done(c->sink, op, err);
         pthread_mutex_lock(&l->mu);
     }
     pthread_mutex_unlock(&l->mu);
     return NULL;
 }
 
-int tcp_client_create(struct transfer_engine *e, const tcp_path *paths, int npaths,
-                      int lanes_per_path, uint64_t connect_timeout_ns, const char *secret,
-                      tcp_client **out) {
+int tcp_client_create(const xfer_sink *sink, const tcp_path *paths, int npaths, int lanes_per_path,
+                      uint64_t connect_timeout_ns, const char *secret, tcp_client **out) {
     if (npaths <= 0 || npaths > TCP_CLIENT_MAX_PATHS || lanes_per_path <= 0) return TRANSFER_EINVAL;
     tcp_client *c = calloc(1, sizeof *c);
     if (!c) return TRANSFER_ENOMEM;
-    c->e = e;
+    c->sink = sink;
     memcpy(c->paths, paths, (size_t)npaths * sizeof *paths);
     c->npaths = npaths;
     c->lanes_per_path = lanes_per_path;
@@ -493,7 +518,7 @@ void tcp_client_destroy(tcp_client *c) {
         for (int k = 0; k < 2; k++)
             for (xfer_op *op = lists[k]; op;) {
                 xfer_op *n = op->next;
-                engine_op_done(c->e, op, TRANSFER_ECANCELED);
+                xfer_done(c->sink, op, TRANSFER_ECANCELED);
                 op = n;
             }
         if (l->fd >= 0) close(l->fd);

@@ -5,6 +5,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "disagg/transfer.h"
+#include "transfer/transport.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -68,6 +69,7 @@ typedef struct conn_io {
     size_t in_off, in_len; /* unread bytes are in[in_off, in_len) */
     uint64_t out[OUTMAX];  /* status words waiting to be sent */
     size_t nout;
+    stage_pair stage; /* device memory staging, set up on first use */
 } conn_io;
 
 static int flush_out(conn_io *io, uint64_t deadline) {
@@ -131,6 +133,66 @@ static int recv_payload(conn_io *io, char *dst, uint64_t size, uint64_t deadline
     return 0;
 }
 
+/* WRITE into device memory: receive chunk k into slot k%2 while the
+ * host->device copy of chunk k-1 runs on the other slot's stream. */
+static int serve_write_device(tcp_server *s, conn_io *io, char *dst, uint64_t size,
+                              uint64_t deadline) {
+    const transfer_device_ops *d = io->stage.dev;
+    int rc = 0, k = 0;
+    for (uint64_t off = 0; off < size; off += STAGE_SLOT_BYTES, k ^= 1) {
+        size_t n = size - off < STAGE_SLOT_BYTES ? (size_t)(size - off) : STAGE_SLOT_BYTES;
+        if (off >= 2 * (uint64_t)STAGE_SLOT_BYTES && d->sync(d->ctx, io->stage.stream[k]) != 0)
+            rc = -EIO;
+        if (rc == 0) rc = recv_payload(io, io->stage.buf[k], n, deadline);
+        if (rc) break;
+        if (d->copy_from_host(d->ctx, io->stage.stream[k], dst + off, io->stage.buf[k], n) != 0) {
+            rc = -EIO;
+            break;
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        if (d->sync(d->ctx, io->stage.stream[i]) != 0 && rc == 0) rc = -EIO;
+    if (rc == -EIO) LOG_E(MOD, "host->device copy into cuda:%d failed", io->stage.device);
+    if (rc == 0) atomic_fetch_add(&s->env.stage_stats->in, size);
+    return rc;
+}
+
+/* READ of device memory: the device->host copy of chunk k+1 runs while
+ * chunk k is sent; the first send carries the batched status words. */
+static int serve_read_device(tcp_server *s, conn_io *io, const char *src, uint64_t size,
+                             uint64_t deadline) {
+    const transfer_device_ops *d = io->stage.dev;
+    size_t n0 = size < STAGE_SLOT_BYTES ? (size_t)size : STAGE_SLOT_BYTES;
+    int rc = d->copy_to_host(d->ctx, io->stage.stream[0], io->stage.buf[0], src, n0) ? -EIO : 0;
+    int k = 0;
+    for (uint64_t off = 0; rc == 0 && off < size; off += STAGE_SLOT_BYTES, k ^= 1) {
+        size_t n = size - off < STAGE_SLOT_BYTES ? (size_t)(size - off) : STAGE_SLOT_BYTES;
+        if (d->sync(d->ctx, io->stage.stream[k]) != 0) {
+            rc = -EIO;
+            break;
+        }
+        uint64_t next = off + n;
+        if (next < size) {
+            size_t nn = size - next < STAGE_SLOT_BYTES ? (size_t)(size - next) : STAGE_SLOT_BYTES;
+            if (d->copy_to_host(d->ctx, io->stage.stream[k ^ 1], io->stage.buf[k ^ 1], src + next,
+                                nn) != 0) {
+                rc = -EIO;
+                break;
+            }
+        }
+        struct iovec iov[2] = {{io->out, io->nout * sizeof io->out[0]}, {io->stage.buf[k], n}};
+        rc = net_writev_all(io->fd, iov, 2, deadline);
+        io->nout = 0;
+    }
+    if (rc == -EIO) {
+        LOG_E(MOD, "device->host copy from cuda:%d failed", io->stage.device);
+        for (int i = 0; i < 2; i++)
+            d->sync(d->ctx, io->stage.stream[i]);
+    }
+    if (rc == 0) atomic_fetch_add(&s->env.stage_stats->out, size);
+    return rc;
+}
+
 static int serve_one(tcp_server *s, conn_io *io) {
     int rc = fill(io, TCP_HEADER_LEN, 0); /* idle connections may wait forever */
     if (rc) return rc;
@@ -171,6 +233,38 @@ static int serve_one(tcp_server *s, conn_io *io) {
         if (is_write && (rc = recv_payload(io, NULL, size, deadline)) != 0) return rc;
         return push_status(io, TCP_STATUS_REJECTED, deadline);
     }
+    int device = -1;
+    if (location_is_device(e->location)) {
+        const transfer_device_ops *d = s->env.dev ? *s->env.dev : NULL;
+        rc = !d || stage_parse_device(e->location, &device) != 0
+                 ? TRANSFER_EINVAL
+                 : stage_pair_ready(&io->stage, d, device);
+        if (rc) {
+            pthread_rwlock_unlock(s->env.reg_lock);
+            LOG_E(MOD, "cannot serve %s of %s memory: no staging (device ops missing or failed)",
+                  is_write ? "WRITE" : "READ", e->location);
+            if (v2) push_status(io, TCP_STATUS_REJECTED, deadline);
+            flush_out(io, deadline);
+            return -EPROTO; /* the payload (WRITE) is not read: the stream goes */
+        }
+    }
+    if (device >= 0) {
+        if (is_write) {
+            rc = serve_write_device(s, io, (char *)(uintptr_t)addr, size, deadline);
+            pthread_rwlock_unlock(s->env.reg_lock);
+            if (rc) return rc;
+            atomic_fetch_add(s->env.bytes_served, size);
+            return v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
+        }
+        rc = v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
+        /* Counted before the bytes go out: the initiator may see them (and
+         * read the stats) before this thread runs again. */
+        atomic_fetch_add(s->env.bytes_served, size);
+        if (rc == 0) rc = serve_read_device(s, io, (const char *)(uintptr_t)addr, size, deadline);
+        pthread_rwlock_unlock(s->env.reg_lock);
+        if (rc) atomic_fetch_sub(s->env.bytes_served, size);
+        return rc;
+    }
     if (is_write) {
         rc = recv_payload(io, (char *)(uintptr_t)addr, size, deadline);
         pthread_rwlock_unlock(s->env.reg_lock);
@@ -180,6 +274,9 @@ static int serve_one(tcp_server *s, conn_io *io) {
     }
     /* READ: statuses so far, then this one's status (v2) and payload in one writev. */
     rc = v2 ? push_status(io, TCP_STATUS_OK, deadline) : 0;
+    /* Counted before the bytes go out: the initiator may see them (and read
+     * the stats) before this thread runs again. */
+    atomic_fetch_add(s->env.bytes_served, size);
     if (rc == 0) {
         struct iovec iov[2] = {{io->out, io->nout * sizeof io->out[0]},
                                {(void *)(uintptr_t)addr, size}};
@@ -187,7 +284,7 @@ static int serve_one(tcp_server *s, conn_io *io) {
         io->nout = 0;
     }
     pthread_rwlock_unlock(s->env.reg_lock);
-    if (rc == 0) atomic_fetch_add(s->env.bytes_served, size);
+    if (rc) atomic_fetch_sub(s->env.bytes_served, size);
     return rc;
 }
 
@@ -275,6 +372,7 @@ static void *conn_main(void *arg) {
     if (io) {
         io->fd = c->fd;
         io->in_off = io->in_len = io->nout = 0;
+        memset(&io->stage, 0, sizeof io->stage);
         int rc;
         while ((rc = serve_one(s, io)) == 0) {
         }
@@ -283,6 +381,7 @@ static void *conn_main(void *arg) {
         flush_out(io, clock_now_ns() + NS_PER_S);
         if (rc != -ECONNRESET && rc != -EPROTO)
             LOG_D(MOD, "data connection closed: %s", strerror(-rc));
+        stage_pair_free(&io->stage);
         free(io);
     }
     conn_unlink(s, c);

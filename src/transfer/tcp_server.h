@@ -4,14 +4,15 @@
  * in order, so clients may pipeline.  A request is served only when
  * [addr, addr+size) lies inside one registered buffer (registry_find under
  * the engine's registration lock); WRITE payloads are received straight into
- * that memory.  One thread per connection; replies are batched while more
- * requests are already buffered.
+ * that memory (device memory: through pinned staging buffers, pipelined).  One thread per
+ * connection; replies are batched while more requests are already buffered.
  */
 #ifndef DISAGG_TRANSFER_TCP_SERVER_H
 #define DISAGG_TRANSFER_TCP_SERVER_H
 
 #include "base/net.h"
 #include "transfer/registry.h"
+#include "transfer/staging.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -42,6 +43,10 @@ typedef struct tcp_server_env {
     _Atomic uint64_t *rejected;
     const char *secret;             /* NULL = no authentication (Mooncake's frames) */
     _Atomic uint64_t *auth_refused; /* stats: data connections refused */
+    /* Device memory (registered "cuda:N"): served through two pinned
+     * staging buffers per connection (staging.h) with the engine's table. */
+    const transfer_device_ops *const *dev;
+    stage_stats *stage_stats;
 } tcp_server_env;
 
 typedef struct tcp_server tcp_server;

@@ -1,34 +1,62 @@
 /*
  * xfer_op — one unit of work on a transport: a chunk of one request of one
- * batch (large requests are striped into several).  Transports own an op from
- * submit until they call engine_op_done(), which frees it.
+ * batch (large requests are striped into several).  A transport owns an op
+ * from submit until it hands it to its sink (transport.h), which frees it.
  */
 #ifndef DISAGG_TRANSFER_XFER_OP_H
 #define DISAGG_TRANSFER_XFER_OP_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
 struct batch;
 struct peer;
-struct transfer_engine;
+struct stage_slot;
 
 typedef struct xfer_op {
-    struct xfer_op *next; /* queue link, owned by whoever holds the op */
-    struct batch *batch;  /* owning batch (kept alive while ops are in flight) */
-    struct peer *peer;    /* target segment */
-    uint32_t req;         /* request index within the batch */
-    uint8_t opcode;       /* TRANSFER_READ / TRANSFER_WRITE */
-    char *local;          /* local bytes: source of WRITE, destination of READ */
-    uint64_t remote;      /* absolute address in the target process */
-    size_t len;           /* bytes, > 0 */
-    uint64_t deadline_ns; /* clock_now_ns() value after which it fails */
-    uint32_t tries;       /* paths tried so far (tcp retry on another path) */
+    struct xfer_op *next;       /* queue link, owned by whoever holds the op */
+    struct batch *batch;        /* owning batch (kept alive while ops are in flight) */
+    const atomic_int *canceled; /* the batch's cancel flag (read without its lock) */
+    struct peer *peer;          /* target segment */
+    uint32_t req;               /* request index within the batch */
+    uint8_t opcode;             /* TRANSFER_READ / TRANSFER_WRITE */
+    char *local;                /* local bytes: source of WRITE, destination of READ */
+    uint64_t remote;            /* absolute address in the target process */
+    size_t len;                 /* bytes, > 0 */
+    uint64_t deadline_ns;       /* clock_now_ns() value after which it fails */
+    uint32_t tries;             /* paths tried so far (retry on another path / NIC) */
+    /* Staged device memory (staging.h): local is the pinned slot; dev is
+     * the device address the bytes come from / go to.  NULL slot = plain. */
+    struct stage_slot *slot;
+    char *dev;
+    int device; /* N of "cuda:N" when dev is set */
+    void *conn; /* the transport's per-peer state, for staged ops */
+    /* rdma: the remote buffer's key on each of the peer's NICs, and the
+     * op's position in its queue pair's send queue. */
+    uint32_t rkey[8];
+    uint32_t nkeys;
+    uint64_t seq;
 } xfer_op;
 
-/* Defined in engine.c: account the op's result to its request, free it. */
-void engine_op_done(struct transfer_engine *e, xfer_op *op, int err);
-/* Defined in engine.c: true when the op's batch was cancelled (skip it). */
-int engine_op_canceled(const xfer_op *op);
+/* True when the op's batch was cancelled (skip it if not yet on the wire). */
+static inline int xfer_op_canceled(const xfer_op *op) {
+    return atomic_load(op->canceled);
+}
+
+/* Where transports hand their ops back (engine.c owns it):
+ * done    — the op ended with err (0 = ok); the sink frees it;
+ * reroute — this transport cannot serve the op's peer after all (e.g. the
+ *           kernel refused shm): the engine moves the peer to another
+ *           transport and resubmits the op there. */
+typedef struct xfer_sink {
+    void (*done)(void *ctx, xfer_op *op, int err);
+    void (*reroute)(void *ctx, xfer_op *op, int err);
+    void *ctx;
+} xfer_sink;
+
+static inline void xfer_done(const xfer_sink *s, xfer_op *op, int err) {
+    s->done(s->ctx, op, err);
+}
 
 #endif
