@@ -30,6 +30,7 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: disagg bootstrap [--host H] [--port N] [--auth-secret S]\n"
+               "                        [--client-header-timeout S]\n"
                "       disagg bootstrap register --server HOST:PORT --engine-id ID --addr "
                "tcp://IP:PORT\n"
                "                        [--dp-rank N] [--tp-rank N] [--pp-rank N] "
@@ -43,7 +44,9 @@ static void usage(FILE *f) {
                "--auth-secret (else $DISAGG_KV_SECRET, which keeps it out of the process list)\n"
                "is the shared secret: the server then refuses a /register without a valid\n"
                "X-Disagg-Auth MAC (401/403), and `register` signs its request\n"
-               "(docs/security.md).  /query needs no secret.\n");
+               "(docs/security.md).  /query needs no secret.  --client-header-timeout: a\n"
+               "request head must be complete S seconds after connecting (or after the previous\n"
+               "response); bytes do not extend it (default 10) -> 408, close.\n");
 }
 
 /* --auth-secret's value, else $DISAGG_KV_SECRET; "" is refused. */
@@ -97,6 +100,7 @@ static int serve(int argc, char **argv) {
         return 2;
     }
     long port = env.bootstrap_port;
+    double header_timeout_s = BOOTSTRAP_HEADER_TIMEOUT_S;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--host") && i + 1 < argc) {
             host = argv[++i];
@@ -104,6 +108,18 @@ static int serve(int argc, char **argv) {
             if (parse_int_flag("--port", argv[++i], 0, 65535, &port)) return 2;
         } else if (!strcmp(argv[i], "--auth-secret") && i + 1 < argc) {
             if (secret_flag("bootstrap", argv[++i], &secret)) return 2;
+        } else if (!strcmp(argv[i], "--client-header-timeout") && i + 1 < argc) {
+            const char *v = argv[++i];
+            char *end;
+            errno = 0;
+            header_timeout_s = strtod(v, &end);
+            if (errno || end == v || *end || !(header_timeout_s > 0) || header_timeout_s > 86400) {
+                fprintf(stderr,
+                        "disagg bootstrap: --client-header-timeout expects seconds, a number in "
+                        "(0, 86400], got '%s'\n",
+                        v);
+                return 2;
+            }
         } else {
             fprintf(stderr, "disagg bootstrap: unknown or incomplete option '%s'\n", argv[i]);
             usage(stderr);
@@ -119,7 +135,8 @@ static int serve(int argc, char **argv) {
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     if (resolve_secret("bootstrap", secret, &secret)) return 2;
     bootstrap_server *s = NULL;
-    if (bootstrap_server_start_auth(host, (uint16_t)port, secret, &s, err, sizeof err) != 0) {
+    if (bootstrap_server_start_opts(host, (uint16_t)port, secret, header_timeout_s, &s, err,
+                                    sizeof err) != 0) {
         fprintf(stderr, "disagg bootstrap: %s\n", err);
         return 1;
     }

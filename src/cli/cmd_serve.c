@@ -105,6 +105,8 @@ static void serve_usage(FILE *f) {
         "  --client-header-timeout S       a request head must be complete S seconds after its\n"
         "                                  first byte (a new connection: after connecting); bytes\n"
         "                                  do not extend it (nginx's; default 60) -> 408, close\n"
+        "  --client-body-timeout S         a request body must be complete S seconds after its\n"
+        "                                  head; bytes do not extend it (default 60) -> 408, close\n"
         "  --timeout-keep-alive S          close a connection idle S seconds after a response\n"
         "                                  (uvicorn's; default 5, as vLLM)\n"
         "  --uvicorn-log-level LEVEL       debug|info|warning|error|critical|trace\n"
@@ -238,6 +240,7 @@ static const struct {
              {"--max-body-bytes", V},
              {"--client-header-timeout", V},
              {"--timeout-keep-alive", V},
+             {"--client-body-timeout", V},
              {"--uvicorn-log-level", V},
              {"--disable-log-requests", T},
              {"--enable-log-requests", T},
@@ -583,6 +586,7 @@ static int serve_args(int argc, char **argv) {
         } else if (!strcmp(flag, "--kv-cache-memory")) {
             if (parse_bytes(flag, val, &cfg.engine.kv_cache_bytes)) goto fail;
         } else if (!strcmp(flag, "--client-header-timeout") ||
+                   !strcmp(flag, "--client-body-timeout") ||
                    !strcmp(flag, "--timeout-keep-alive")) {
             char *end;
             errno = 0;
@@ -593,8 +597,10 @@ static int serve_args(int argc, char **argv) {
                         flag, val);
                 goto fail;
             }
-            if (flag[2] == 'c')
+            if (!strcmp(flag, "--client-header-timeout"))
                 cfg.header_timeout_s = d;
+            else if (!strcmp(flag, "--client-body-timeout"))
+                cfg.body_timeout_s = d;
             else
                 cfg.keepalive_timeout_s = d;
         } else if (!strcmp(flag, "--max-body-bytes")) {

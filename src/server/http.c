@@ -38,6 +38,7 @@ void server_config_init(server_config *c) {
     c->max_body_bytes = (size_t)32 << 20;
     c->header_timeout_s = 60;   /* nginx's client_header_timeout */
     c->keepalive_timeout_s = 5; /* uvicorn's and vLLM's */
+    c->body_timeout_s = 60;     /* nginx's client_body_timeout (there per read; here whole) */
     c->log_requests = 1;
     c->log_stats = 1;
     c->max_logprobs = 20; /* vLLM's default */

@@ -10,8 +10,13 @@
  *   - a keep-alive timeout (--timeout-keep-alive, uvicorn's; vLLM's default
  *     5 s): a connection without a byte of a next request this long after a
  *     response is closed.
- * Once the head is complete (the body is being read, or the request is
- * served) no deadline of ours runs; evhttp's per-read timeout still does.
+ *   - a body deadline (--client-body-timeout; nginx's client_body_timeout is
+ *     per read, this one is not): once the head is complete, the body must be
+ *     in this long after; bytes do not move it.  When it passes, the server
+ *     answers 408 and closes.
+ * Once the request is dispatched (head and body in, being served) no deadline
+ * of ours runs; evhttp's per-read timeout still does.  Each deadline close is
+ * counted in disagg:http_deadline_closes_total{kind}.
  *
  * How: evhttp_set_bevcb makes the connection's bufferevent here, with a
  * callback on its input buffer that sees every arrival before evhttp parses
@@ -38,7 +43,8 @@ typedef enum conn_phase {
     PHASE_NEW = 0,   /* accepted, no byte yet: header deadline from accept */
     PHASE_KEEPALIVE, /* between requests, no byte yet: keep-alive timeout */
     PHASE_HEAD,      /* head bytes arriving: header deadline from the first */
-    PHASE_BUSY       /* head complete: body, handling, reply — no deadline here */
+    PHASE_BODY,      /* head complete, body arriving: body deadline from the head's end */
+    PHASE_BUSY       /* request dispatched: handling, reply — no deadline here */
 } conn_phase;
 
 struct http_conn {
@@ -99,11 +105,14 @@ static void conn_timeout(evutil_socket_t fd, short what, void *arg) {
     if (c->phase == PHASE_KEEPALIVE) {
         LOG_D("server", "fd %d: keep-alive connection idle for %g s: closing", (int)c->fd,
               c->s->cfg.keepalive_timeout_s);
+        c->s->metrics.deadline_closes[METRICS_DEADLINE_KEEPALIVE]++;
     } else {
         static const char r408[] = "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
                                    "Content-Length: 0\r\n\r\n";
-        LOG_D("server", "fd %d: request head not complete within %g s: 408, closing", (int)c->fd,
-              c->s->cfg.header_timeout_s);
+        int body = c->phase == PHASE_BODY;
+        LOG_D("server", "fd %d: request %s not complete within %g s: 408, closing", (int)c->fd,
+              body ? "body" : "head", body ? c->s->cfg.body_timeout_s : c->s->cfg.header_timeout_s);
+        c->s->metrics.deadline_closes[body ? METRICS_DEADLINE_BODY : METRICS_DEADLINE_HEADER]++;
         (void)send(c->fd, r408, sizeof r408 - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
     }
     evhttp_connection_free(c->evc); /* calls conn_closed, which frees c */
@@ -112,7 +121,7 @@ static void conn_timeout(evutil_socket_t fd, short what, void *arg) {
 /* Bytes arrived (or were consumed) in the connection's input buffer. */
 static void conn_input(struct evbuffer *buf, const struct evbuffer_cb_info *info, void *arg) {
     http_conn *c = arg;
-    if (info->n_added == 0 || c->phase == PHASE_BUSY) return;
+    if (info->n_added == 0 || c->phase == PHASE_BUSY || c->phase == PHASE_BODY) return;
     if (c->phase != PHASE_HEAD) {
         if (c->phase == PHASE_KEEPALIVE) conn_arm(c, c->s->cfg.header_timeout_s);
         c->phase = PHASE_HEAD; /* a new connection keeps its deadline from accept */
@@ -131,9 +140,9 @@ static void conn_input(struct evbuffer *buf, const struct evbuffer_cb_info *info
         left -= k;
         for (size_t j = 0; j < k; j++) { /* a blank line (LF LF or LF CR LF) ends the head */
             if (p[j] == '\n') {
-                if (c->eol) {
-                    c->phase = PHASE_BUSY;
-                    event_del(c->timer);
+                if (c->eol) { /* evhttp dispatches it (PHASE_BUSY) once the body is in */
+                    c->phase = PHASE_BODY;
+                    conn_arm(c, c->s->cfg.body_timeout_s);
                     return;
                 }
                 c->eol = 1;

@@ -249,6 +249,14 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
                (double)st->num_preemptions);
     mw_counter(&w, "disagg:engine_steps", "Engine steps executed.", (double)st->steps);
     mw_counter(&w, "disagg:http_requests", "HTTP requests received.", (double)m->http_requests);
+    static const char *dkinds[METRICS_DEADLINE_COUNT] = {"header", "body", "keepalive"};
+    mw_counter_head(&w, "disagg:http_deadline_closes",
+                    "Connections closed on a deadline (header, body: 408; keepalive: idle).");
+    for (int i = 0; i < METRICS_DEADLINE_COUNT; i++) {
+        char lab[32];
+        snprintf(lab, sizeof lab, "kind=\"%s\"", dkinds[i]);
+        mw_sample(&w, "disagg:http_deadline_closes", "_total", lab, (double)m->deadline_closes[i]);
+    }
     static const char *reasons[METRICS_FINISH_COUNT] = {"stop", "length", "abort", "error"};
     mw_counter_head(&w, "vllm:request_success", "Count of successfully processed requests.");
     for (int i = 0; i < METRICS_FINISH_COUNT; i++) {

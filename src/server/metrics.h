@@ -36,6 +36,14 @@ typedef enum metrics_finish {
     METRICS_FINISH_COUNT
 } metrics_finish;
 
+/* Why the server closed a connection on a deadline (http_conn.c). */
+typedef enum metrics_deadline {
+    METRICS_DEADLINE_HEADER = 0, /* head not complete in time: 408 */
+    METRICS_DEADLINE_BODY,       /* body not complete in time: 408 */
+    METRICS_DEADLINE_KEEPALIVE,  /* idle keep-alive connection closed (normal) */
+    METRICS_DEADLINE_COUNT
+} metrics_deadline;
+
 typedef struct server_metrics {
     metrics_histogram ttft;                   /* vllm:time_to_first_token_seconds */
     metrics_histogram itl;                    /* vllm:inter_token_latency_seconds */
@@ -56,6 +64,7 @@ typedef struct server_metrics {
     char cache_dtype[16];
     uint64_t finished[METRICS_FINISH_COUNT]; /* vllm:request_success_total by reason */
     uint64_t http_requests;                  /* disagg:http_requests_total */
+    uint64_t deadline_closes[METRICS_DEADLINE_COUNT]; /* disagg:http_deadline_closes_total by kind (metrics_deadline) */
 } server_metrics;
 
 void metrics_init(server_metrics *m);

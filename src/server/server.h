@@ -31,6 +31,7 @@ typedef struct server_config {
     size_t max_body_bytes;          /* request body limit (default 32 MiB) → 413 */
     double header_timeout_s;        /* head complete this long after its first byte (60) */
     double keepalive_timeout_s;     /* idle keep-alive connection closed after (5) */
+    double body_timeout_s;          /* body complete this long after the head (60) */
     int log_requests;               /* log one line per request (default 1) */
     int log_stats;                  /* --disable-log-stats clears it (default 1) */
     const char *tokenizer_dir;      /* --tokenizer, resolved; NULL = the model directory */

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
@@ -19,6 +20,7 @@
 #include <stdlib.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -56,6 +58,8 @@ struct bootstrap_server {
     char secret[256]; /* /register's shared secret, "" = none */
     atomic_ulong auth_rejected;
     time_t auth_logged; /* last refusal log line (server thread only) */
+    double header_timeout_s; /* header deadline (BOOTSTRAP_HEADER_TIMEOUT_S) */
+    struct bs_conn *conns;   /* connections with a header deadline (server thread) */
 };
 
 #define STR_(x) #x
@@ -375,11 +379,184 @@ static void handle_query(bootstrap_server *s, struct evhttp_request *req) {
     free(text);
 }
 
+/* ---- header deadline ----------------------------------------------------------
+ * evhttp 2.1's only timeout is per read (30 s here), so a client sending a
+ * byte now and then holds a connection forever.  Each connection gets a
+ * header deadline: the head must be complete header_timeout_s after accept,
+ * or after the previous response; bytes do not move it.  A small equivalent
+ * of src/server/http_conn.c's (which the connector may not include, and base/
+ * does not link libevent): evhttp_set_bevcb makes the bufferevent here with
+ * a callback on its input buffer that sees every arrival before evhttp parses
+ * it; a blank line ends the head.  The body (<= BOOTSTRAP_MAX_BODY) is left
+ * to the per-read timeout.  Server thread only. */
+
+typedef struct bs_conn {
+    bootstrap_server *s;
+    struct bufferevent *bev;       /* evhttp owns it */
+    struct evhttp_connection *evc; /* once registered */
+    struct event *init;            /* deferred registration */
+    struct event *timer;           /* the header deadline */
+    int timed;                     /* 1 while the deadline runs */
+    int got_bytes;                 /* a byte arrived since it was armed */
+    int eol;                       /* head scanner: 0 in a line, 1 after LF, 2 after LF CR */
+    struct bs_conn *prev, *next;
+} bs_conn;
+
+static void bs_conn_input(struct evbuffer *buf, const struct evbuffer_cb_info *info, void *arg);
+
+static void bs_conn_free(bs_conn *c) {
+    bootstrap_server *s = c->s;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    if (c->bev) evbuffer_remove_cb(bufferevent_get_input(c->bev), bs_conn_input, c);
+    event_free(c->init);
+    event_free(c->timer);
+    free(c);
+}
+
+static void bs_conn_arm(bs_conn *c) {
+    double t = c->s->header_timeout_s;
+    struct timeval tv = {(time_t)t, (suseconds_t)((t - (double)(time_t)t) * 1e6)};
+    c->timed = 1;
+    c->got_bytes = 0;
+    c->eol = 0;
+    event_add(c->timer, &tv);
+}
+
+static void bs_conn_closed(struct evhttp_connection *evc, void *arg) {
+    (void)evc;
+    bs_conn_free(arg); /* evhttp frees the bufferevent right after this */
+}
+
+static void bs_conn_timeout(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    bs_conn *c = arg;
+    if (!c->evc || !c->timed) return;
+    if (c->got_bytes) {
+        static const char r408[] = "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
+                                   "Content-Length: 0\r\n\r\n";
+        LOG_W(MOD, "a client did not complete its request head within %g s: 408, closing",
+              c->s->header_timeout_s);
+        (void)send(bufferevent_getfd(c->bev), r408, sizeof r408 - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } else {
+        LOG_D(MOD, "connection idle for %g s: closing", c->s->header_timeout_s);
+    }
+    evhttp_connection_free(c->evc); /* calls bs_conn_closed, which frees c */
+}
+
+static void bs_conn_input(struct evbuffer *buf, const struct evbuffer_cb_info *info, void *arg) {
+    bs_conn *c = arg;
+    if (info->n_added == 0 || !c->timed) return;
+    c->got_bytes = 1;
+    size_t len = evbuffer_get_length(buf);
+    if (info->n_added > len) return;
+    struct evbuffer_ptr pos;
+    if (evbuffer_ptr_set(buf, &pos, len - info->n_added, EVBUFFER_PTR_SET) < 0) return;
+    struct evbuffer_iovec v[8];
+    int n = evbuffer_peek(buf, (ev_ssize_t)info->n_added, &pos, v, 8);
+    size_t left = info->n_added;
+    for (int i = 0; i < n && i < 8 && left; i++) {
+        const unsigned char *p = v[i].iov_base;
+        size_t k = v[i].iov_len < left ? v[i].iov_len : left;
+        left -= k;
+        for (size_t j = 0; j < k; j++) { /* a blank line (LF LF or LF CR LF) ends the head */
+            if (p[j] == '\n') {
+                if (c->eol) {
+                    c->timed = 0;
+                    event_del(c->timer);
+                    return;
+                }
+                c->eol = 1;
+            } else {
+                c->eol = p[j] == '\r' && c->eol == 1 ? 2 : 0;
+            }
+        }
+    }
+}
+
+/* Deferred from the bufferevent's creation: evhttp has made the connection
+ * by now (the bufferevent's callback argument) and no I/O has run on it. */
+static void bs_conn_register(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    bs_conn *c = arg;
+    bufferevent_data_cb rd = NULL;
+    void *evc = NULL;
+    bufferevent_getcb(c->bev, &rd, NULL, NULL, &evc);
+    if (!rd || !evc || bufferevent_getfd(c->bev) < 0) { /* evhttp gave up on it already */
+        bs_conn_free(c);
+        return;
+    }
+    c->evc = evc;
+    evhttp_connection_set_closecb(c->evc, bs_conn_closed, c);
+}
+
+static struct bufferevent *bs_conn_new_bev(struct event_base *base, void *arg) {
+    bootstrap_server *s = arg;
+    bs_conn *c = calloc(1, sizeof *c);
+    struct bufferevent *bev = bufferevent_socket_new(base, -1, 0); /* as evhttp's own */
+    if (!c || !bev) {
+        free(c);
+        return bev; /* evhttp makes its own when NULL */
+    }
+    c->s = s;
+    c->bev = bev;
+    c->init = event_new(base, -1, 0, bs_conn_register, c);
+    c->timer = evtimer_new(base, bs_conn_timeout, c);
+    if (!c->init || !c->timer ||
+        evbuffer_add_cb(bufferevent_get_input(bev), bs_conn_input, c) == NULL) {
+        if (c->init) event_free(c->init);
+        if (c->timer) event_free(c->timer);
+        free(c);
+        return bev;
+    }
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    bs_conn_arm(c);
+    event_active(c->init, EV_TIMEOUT, 0);
+    return bev;
+}
+
+static bs_conn *bs_conn_of(bootstrap_server *s, struct evhttp_request *req) {
+    struct evhttp_connection *evc = evhttp_request_get_connection(req);
+    for (bs_conn *c = s->conns; evc && c; c = c->next)
+        if (c->evc == evc) return c;
+    return NULL;
+}
+
+/* The response went out: the next head has a fresh deadline. */
+static void bs_conn_reply_done(struct evhttp_request *req, void *arg) {
+    bs_conn *c = bs_conn_of(arg, req);
+    if (c) bs_conn_arm(c);
+}
+
+/* A request is dispatched (also a pipelined one whose head was buffered). */
+static void bs_conn_request_begins(bootstrap_server *s, struct evhttp_request *req) {
+    bs_conn *c = bs_conn_of(s, req);
+    if (!c) return;
+    c->timed = 0;
+    event_del(c->timer);
+    evhttp_request_set_on_complete_cb(req, bs_conn_reply_done, s);
+}
+
+static void bs_conn_free_all(bootstrap_server *s) {
+    while (s->conns) {
+        s->conns->bev = NULL; /* freed with evhttp */
+        bs_conn_free(s->conns);
+    }
+}
+
 static void on_request(struct evhttp_request *req, void *arg) {
     bootstrap_server *s = arg;
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
+    bs_conn_request_begins(s, req);
     if (!path) path = "";
     if (strcmp(path, "/register") == 0) {
         if (cmd == EVHTTP_REQ_POST) return handle_register(s, req);
@@ -410,6 +587,7 @@ static void *server_main(void *arg) {
 
 static void server_free(bootstrap_server *s) {
     if (s->http) evhttp_free(s->http); /* closes the listener it accepted on */
+    bs_conn_free_all(s);
     if (!s->listen_owned && s->listen_fd >= 0) close(s->listen_fd);
     if (s->stop_ev) event_free(s->stop_ev);
     if (s->base) event_base_free(s->base);
@@ -433,7 +611,20 @@ unsigned long bootstrap_server_auth_rejected(bootstrap_server *s) {
 
 int bootstrap_server_start_auth(const char *host, uint16_t port, const char *secret,
                                 bootstrap_server **out, char *err, size_t err_cap) {
+    return bootstrap_server_start_opts(host, port, secret, BOOTSTRAP_HEADER_TIMEOUT_S, out, err,
+                                       err_cap);
+}
+
+int bootstrap_server_start_opts(const char *host, uint16_t port, const char *secret,
+                                double header_timeout_s, bootstrap_server **out, char *err,
+                                size_t err_cap) {
     *out = NULL;
+    if (!(header_timeout_s > 0) || header_timeout_s > 86400) {
+        snprintf(err, err_cap,
+                 "bootstrap server: the header timeout must be seconds in (0, 86400], got %g",
+                 header_timeout_s);
+        return -EINVAL;
+    }
     if (!host || !host[0]) host = "0.0.0.0";
     if (secret && strlen(secret) >= sizeof((bootstrap_server *)0)->secret) {
         snprintf(err, err_cap, "bootstrap server: the secret is longer than 255 bytes");
@@ -442,6 +633,7 @@ int bootstrap_server_start_auth(const char *host, uint16_t port, const char *sec
     bootstrap_server *s = calloc(1, sizeof *s);
     if (!s) return -ENOMEM;
     if (secret) snprintf(s->secret, sizeof s->secret, "%s", secret);
+    s->header_timeout_s = header_timeout_s;
     s->stop_pipe[0] = s->stop_pipe[1] = -1;
     s->listen_fd = -1;
     pthread_mutex_init(&s->mu, NULL);
@@ -484,6 +676,7 @@ int bootstrap_server_start_auth(const char *host, uint16_t port, const char *sec
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE | EVHTTP_REQ_PATCH |
                                             EVHTTP_REQ_OPTIONS);
     evhttp_set_gencb(s->http, on_request, s);
+    evhttp_set_bevcb(s->http, bs_conn_new_bev, s);
     if (!evhttp_accept_socket_with_handle(s->http, s->listen_fd)) {
         snprintf(err, err_cap, "bootstrap server: evhttp cannot accept on the listener");
         goto fail;

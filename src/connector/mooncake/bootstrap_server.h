@@ -53,6 +53,14 @@ int bootstrap_server_start(const char *host, uint16_t port, bootstrap_server **o
 /* The same with the shared secret /register requires (NULL/"" = none). */
 int bootstrap_server_start_auth(const char *host, uint16_t port, const char *secret,
                                 bootstrap_server **out, char *err, size_t err_cap);
+/* The default header deadline: a request head must be complete this long after
+ * the connection was accepted, or after the previous response (keep-alive);
+ * bytes do not extend it.  Past it: 408 and close (idle: just close). */
+#define BOOTSTRAP_HEADER_TIMEOUT_S 10.0
+/* bootstrap_server_start_auth with the header deadline given (seconds, > 0). */
+int bootstrap_server_start_opts(const char *host, uint16_t port, const char *secret,
+                                double header_timeout_s, bootstrap_server **out, char *err,
+                                size_t err_cap);
 /* /register requests refused for authentication (401 and 403). */
 unsigned long bootstrap_server_auth_rejected(bootstrap_server *s);
 /* The bound port (useful after port 0). */
