@@ -4,6 +4,12 @@ real `disagg serve` and `disagg proxy`:
 * a slow-loris client (one byte a second, never finishing its head) is cut
   off at the header deadline (--client-header-timeout), which its bytes do not
   extend: 408, then the connection closes;
+* a slow-body client (head complete, then the body a byte a second) is cut
+  off at the body deadline (--client-body-timeout), which its bytes do not
+  extend either: 408, then close; disagg:http_deadline_closes_total{kind}
+  counts header, body and keep-alive closes;
+* the bootstrap server (`disagg bootstrap`) cuts off a slow-loris at its
+  header deadline (--client-header-timeout) too;
 * idle keep-alive connections expire (--timeout-keep-alive), on the server,
   on the proxy's client side, and in the proxy's upstream pool
   (--upstream-keepalive-timeout); a connection reused within the timeout works;
@@ -142,6 +148,135 @@ def test_server_body_after_the_head_is_not_cut_by_the_header_deadline(server):
         buf += c
     s.close()
     assert buf.startswith(b"HTTP/1.1 200"), buf[:200]
+
+
+# ---- body deadline and the deadline counter ------------------------------------------
+
+BODY_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def body_server():
+    s = Server("--max-model-len", "1024", "--kv-cache-memory", "64M",
+               "--client-header-timeout", str(HEADER_S), "--timeout-keep-alive", str(KEEPALIVE_S),
+               "--client-body-timeout", str(BODY_S))
+    yield s
+    rc = s.stop()
+    assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()
+
+
+def slow_body(port, limit_s):
+    """Sends a complete head, then its body one byte a second (never the whole
+    of it); returns (seconds from the head until the peer closed, bytes received)."""
+    body = json.dumps({"prompt": "x" * 1000, "max_tokens": 1}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body))
+    t0 = time.monotonic()
+    s.settimeout(1.0)
+    got = b""
+    i = 0
+    try:
+        while time.monotonic() - t0 < limit_s:
+            try:
+                c = s.recv(4096)
+            except socket.timeout:
+                s.sendall(body[i:i + 1])  # a byte a second: a per-read timeout never fires
+                i += 1
+                continue
+            if not c:
+                return time.monotonic() - t0, got
+            got += c
+    except (ConnectionResetError, BrokenPipeError):
+        return time.monotonic() - t0, got
+    finally:
+        s.close()
+    return None, got
+
+
+def deadline_closes(srv):
+    out = {}
+    for k, v in srv.metrics().items():
+        if k.startswith("disagg:http_deadline_closes_total{"):
+            out[k.split('kind="')[1].split('"')[0]] = v
+    assert set(out) == {"header", "body", "keepalive"}, out
+    return out
+
+
+def test_server_cuts_off_a_slow_body_at_the_body_deadline(body_server):
+    before = deadline_closes(body_server)
+    took, got = slow_body(body_server.port, BODY_S + SLACK_S)
+    assert took is not None, f"a 1 byte/s body still connected after {BODY_S + SLACK_S} s"
+    assert took >= BODY_S - 0.5
+    assert got.startswith(b"HTTP/1.1 408"), got
+    after = deadline_closes(body_server)
+    assert after["body"] == before["body"] + 1, (before, after)
+    assert after["header"] == before["header"]
+    r = requests.post(body_server.url + "/v1/completions",
+                      json={"prompt": "Fellow-Citizens", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_deadline_counter_counts_header_and_keepalive_closes(body_server):
+    before = deadline_closes(body_server)
+    took, got = slow_loris(body_server.port, HEADER_S + SLACK_S)
+    assert took is not None and got.startswith(b"HTTP/1.1 408"), got
+    took = closed_after_idle(body_server.port, HEALTH, KEEPALIVE_S + SLACK_S)
+    assert took is not None
+    after = deadline_closes(body_server)
+    assert after["header"] == before["header"] + 1, (before, after)
+    # the /metrics scrapes themselves may leave idle keep-alive connections: at least one
+    assert after["keepalive"] >= before["keepalive"] + 1, (before, after)
+    assert after["body"] == before["body"]
+
+
+def test_server_refuses_a_bad_body_timeout():
+    r = subprocess.run([os.environ.get("DISAGG_BIN", "disagg"), "serve", "x",
+                        "--client-body-timeout", "soon"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert "--client-body-timeout expects seconds" in r.stderr and "'soon'" in r.stderr
+
+
+# ---- bootstrap server header deadline -------------------------------------------
+
+def start_bootstrap(*extra):
+    p = subprocess.Popen([os.environ.get("DISAGG_BIN", "disagg"), "bootstrap", "--host",
+                          "127.0.0.1", "--port", "0", *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if "listening on http://127.0.0.1:" not in line:
+        p.kill()
+        raise RuntimeError(f"bootstrap did not start: {line!r} {p.stderr.read()}")
+    return p, int(line.strip().rsplit(":", 1)[1])
+
+
+def test_bootstrap_cuts_off_a_slow_loris_at_the_header_deadline():
+    p, port = start_bootstrap("--client-header-timeout", str(HEADER_S))
+    try:
+        took, got = slow_loris(port, HEADER_S + SLACK_S)
+        assert took is not None, f"a 1 byte/s client still connected after {HEADER_S + SLACK_S} s"
+        assert took >= HEADER_S - 0.5
+        assert got.startswith(b"HTTP/1.1 408"), got
+        # a silent connection is closed too (no 408: nothing was asked)
+        s = socket.create_connection(("127.0.0.1", port), timeout=HEADER_S + SLACK_S)
+        try:
+            assert s.recv(4096) == b""
+        finally:
+            s.close()
+        # and the server still answers, also twice on one keep-alive connection
+        with requests.Session() as sess:
+            for _ in range(2):
+                assert sess.get(f"http://127.0.0.1:{port}/query", timeout=10).status_code == 200
+    finally:
+        p.send_signal(2)
+        assert p.wait(timeout=10) == 0, p.stderr.read()
+
+
+def test_bootstrap_refuses_a_bad_header_timeout():
+    r = subprocess.run([os.environ.get("DISAGG_BIN", "disagg"), "bootstrap",
+                        "--client-header-timeout", "0"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert "--client-header-timeout expects seconds" in r.stderr
 
 
 # ---- long prompts do not stall the loop -------------------------------------------
