@@ -62,9 +62,9 @@ typedef struct server_metrics {
     int block_size, enable_prefix_caching, max_model_len;
     double gpu_memory_utilization;
     char cache_dtype[16];
-    uint64_t finished[METRICS_FINISH_COUNT]; /* vllm:request_success_total by reason */
-    uint64_t http_requests;                  /* disagg:http_requests_total */
-    uint64_t deadline_closes[METRICS_DEADLINE_COUNT]; /* disagg:http_deadline_closes_total by kind (metrics_deadline) */
+    uint64_t finished[METRICS_FINISH_COUNT];          /* vllm:request_success_total by reason */
+    uint64_t http_requests;                           /* disagg:http_requests_total */
+    uint64_t deadline_closes[METRICS_DEADLINE_COUNT]; /* disagg:http_deadline_closes_total */
 } server_metrics;
 
 void metrics_init(server_metrics *m);

@@ -57,7 +57,7 @@ struct bootstrap_server {
     size_t n_workers; /* total over engines, <= BOOTSTRAP_MAX_WORKERS */
     char secret[256]; /* /register's shared secret, "" = none */
     atomic_ulong auth_rejected;
-    time_t auth_logged; /* last refusal log line (server thread only) */
+    time_t auth_logged;      /* last refusal log line (server thread only) */
     double header_timeout_s; /* header deadline (BOOTSTRAP_HEADER_TIMEOUT_S) */
     struct bs_conn *conns;   /* connections with a header deadline (server thread) */
 };
