@@ -96,13 +96,13 @@ typedef struct rstate {
     mreg *regs;
     size_t nregs, cap;
     pthread_mutex_t mu; /* guards every qpc, conns, accepted */
-    qpc **live; /* initiator QPs (for completions) */
+    qpc **live;         /* initiator QPs (for completions) */
     size_t nlive, live_cap;
     int outstanding; /* work requests outstanding on all QPs */
     accepted *acc;
     atomic_int stop;
-    int wake_fd;              /* eventfd: written by destroy to stop the poller */
-    _Atomic uint64_t sleeps;  /* times the poller went to sleep (debug log) */
+    int wake_fd;             /* eventfd: written by destroy to stop the poller */
+    _Atomic uint64_t sleeps; /* times the poller went to sleep (debug log) */
     pthread_t poller;
 } rstate;
 

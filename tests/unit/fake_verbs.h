@@ -63,7 +63,7 @@ typedef struct fv_world {
         int hold; /* completions wait for fv_release (under mu) */
         _Atomic uint64_t wrs, signaled, bytes;
     } nics[FV_MAX_NICS];
-    rdma_nic *open[4 * FV_MAX_NICS]; /* every open NIC object (under mu) */
+    rdma_nic *open[4 * FV_MAX_NICS];      /* every open NIC object (under mu) */
     _Atomic uint64_t polls, arms, events; /* poll / req_notify / get_event calls */
     rdma_mr *mrs[FV_MAX_OBJ];
     rdma_qp *qps[FV_MAX_OBJ];

@@ -210,8 +210,7 @@ static void test_idle_no_wakeups(void **state) {
     p0 = atomic_load(&fv.polls);
     nanosleep(&sec, NULL);
     uint64_t held_polls = atomic_load(&fv.polls) - p0;
-    print_message("in flight, completions held 1 s: %llu polls\n",
-                  (unsigned long long)held_polls);
+    print_message("in flight, completions held 1 s: %llu polls\n", (unsigned long long)held_polls);
     assert_true(held_polls < 20); /* the worker's own posting polls nothing; ~0 */
     transfer_status st;
     assert_int_equal(transfer_batch_get_status(f->init, b, 0, &st), 0);
