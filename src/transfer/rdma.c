@@ -8,10 +8,13 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -93,12 +96,13 @@ typedef struct rstate {
     mreg *regs;
     size_t nregs, cap;
     pthread_mutex_t mu; /* guards every qpc, conns, accepted */
-    pthread_cond_t cv;
-    qpc **live; /* initiator QPs (for completions) */
+    qpc **live;         /* initiator QPs (for completions) */
     size_t nlive, live_cap;
     int outstanding; /* work requests outstanding on all QPs */
     accepted *acc;
-    int stop;
+    atomic_int stop;
+    int wake_fd;             /* eventfd: written by destroy to stop the poller */
+    _Atomic uint64_t sleeps; /* times the poller went to sleep (debug log) */
     pthread_t poller;
 } rstate;
 
@@ -341,26 +345,66 @@ static int rdma_poll_once(rstate *s) {
             xfer_op *ops = qpc_kill_locked(s, q);
             retry_locked(s, q->conn, ops, &done, TRANSFER_ECONN);
         }
-        pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         end_list(s, done);
     }
     return total;
 }
 
+/* The poller sleeps in poll(2) on every NIC's completion channel and the
+ * wake eventfd (written by destroy): nothing runs while no completion
+ * arrives.  The standard verbs pattern: drain the CQs, arm them, poll once
+ * more (a completion queued between the last empty poll and the arming
+ * raises no event), then sleep; on an event, consume and acknowledge it and
+ * start over (re-arm, drain).  A NIC whose CQ cannot be armed, or whose
+ * channel reports an error, is polled every DEGRADED_MS instead. */
+#define DEGRADED_MS 10
+
 static void *poller_main(void *arg) {
     rstate *s = arg;
-    struct timespec pause = {0, 20000};
+    struct pollfd pf[MAX_NICS + 1];
+    int degraded[MAX_NICS] = {0};
+    for (int k = 0; k < s->nnics; k++)
+        pf[k] = (struct pollfd){.fd = s->v->cq_fd(s->nics[k].h), .events = POLLIN};
+    pf[s->nnics] = (struct pollfd){.fd = s->wake_fd, .events = POLLIN};
     for (;;) {
-        pthread_mutex_lock(&s->mu);
-        while (!s->stop && s->outstanding == 0) {
-            struct timespec ts = clock_to_timespec(clock_now_ns() + NS_PER_S / 10);
-            pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        if (atomic_load(&s->stop)) break;
+        while (rdma_poll_once(s) > 0) {
         }
-        int stop = s->stop;
-        pthread_mutex_unlock(&s->mu);
-        if (stop) break;
-        if (rdma_poll_once(s) == 0) nanosleep(&pause, NULL);
+        int timeout = -1;
+        for (int k = 0; k < s->nnics; k++) {
+            if (!degraded[k]) {
+                int rc = s->v->req_notify(s->nics[k].h);
+                if (rc) {
+                    LOG_W(MOD, "%s: cannot arm the completion queue (%s): polling it every %d ms",
+                          s->nics[k].port.name, strerror(-rc), DEGRADED_MS);
+                    degraded[k] = 1;
+                    pf[k].fd = -1;
+                }
+            }
+            if (degraded[k]) timeout = DEGRADED_MS;
+        }
+        if (rdma_poll_once(s) > 0) continue; /* queued before the arming */
+        atomic_fetch_add(&s->sleeps, 1);
+        int n = poll(pf, (nfds_t)s->nnics + 1, timeout);
+        if (n < 0 && errno != EINTR) {
+            LOG_E(MOD, "poll on the completion channels: %s; polling every %d ms", strerror(errno),
+                  DEGRADED_MS);
+            for (int k = 0; k < s->nnics; k++)
+                degraded[k] = 1, pf[k].fd = -1;
+            continue;
+        }
+        for (int k = 0; n > 0 && k < s->nnics; k++) {
+            if (pf[k].fd < 0 || !pf[k].revents) continue;
+            if (pf[k].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+                LOG_W(MOD, "%s: completion channel failed: polling its CQ every %d ms",
+                      s->nics[k].port.name, DEGRADED_MS);
+                degraded[k] = 1;
+                pf[k].fd = -1;
+                continue;
+            }
+            s->v->get_event(s->nics[k].h); /* consumed and acknowledged (-EAGAIN: none) */
+        }
     }
     return NULL;
 }
@@ -455,7 +499,6 @@ static int post_locked(rstate *s, qpc *q, xfer_op *ops, xfer_op **fail) {
         }
     }
     pthread_rwlock_unlock(&s->reg_mu);
-    pthread_cond_broadcast(&s->cv);
     return 0;
 }
 
@@ -728,11 +771,14 @@ static void rdma_close_peer(transport *t, void *conn) {
 static void rdma_destroy(transport *t) {
     if (!t) return;
     rstate *s = t->state;
-    pthread_mutex_lock(&s->mu);
-    s->stop = 1;
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
+    atomic_store(&s->stop, 1);
+    uint64_t one = 1;
+    if (write(s->wake_fd, &one, sizeof one) != (ssize_t)sizeof one)
+        LOG_E(MOD, "waking the rdma poller: %s", strerror(errno));
     pthread_join(s->poller, NULL);
+    close(s->wake_fd);
+    LOG_D(MOD, "the completion poller slept %llu times",
+          (unsigned long long)atomic_load(&s->sleeps));
     for (accepted *a = s->acc; a;) {
         accepted *n = a->next;
         s->v->destroy_qp(a->qp);
@@ -747,7 +793,6 @@ static void rdma_destroy(transport *t) {
         s->v->close(s->nics[k].h);
     pthread_rwlock_destroy(&s->reg_mu);
     pthread_mutex_destroy(&s->mu);
-    pthread_cond_destroy(&s->cv);
     free(s);
     free(t);
 }
@@ -829,8 +874,12 @@ int rdma_transport_create(const xfer_sink *sink, const rdma_transport_cfg *cfg, 
     }
     pthread_rwlock_init(&s->reg_mu, NULL);
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
-    if (pthread_create(&s->poller, NULL, poller_main, s) != 0) {
+    s->wake_fd = eventfd(0, EFD_CLOEXEC);
+    if (s->wake_fd < 0 || pthread_create(&s->poller, NULL, poller_main, s) != 0) {
+        LOG_E(MOD, "cannot start the completion poller: %s", strerror(errno));
+        if (s->wake_fd >= 0) close(s->wake_fd);
+        pthread_rwlock_destroy(&s->reg_mu);
+        pthread_mutex_destroy(&s->mu);
         for (int k = 0; k < s->nnics; k++)
             v->close(s->nics[k].h);
         free(s);

@@ -1,6 +1,7 @@
 /*
  * rdma_ibv — the verbs table (rdma_verbs.h) over libibverbs: one context,
- * protection domain and completion queue per device; RC queue pairs moved
+ * protection domain, completion channel (non-blocking) and completion queue
+ * on it per device; RC queue pairs moved
  * RESET -> INIT -> RTR -> RTS with the peer's QPN / LID / GID / MTU.
  * Built when CMake finds libibverbs (DISAGG_HAVE_IBVERBS).  No machine here
  * has an RDMA NIC: this file is compiled, not run (docs/transfer.md).
@@ -9,6 +10,7 @@
 
 #ifdef DISAGG_HAVE_IBVERBS
 #include <errno.h>
+#include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +20,7 @@
 struct rdma_nic {
     struct ibv_context *ctx;
     struct ibv_pd *pd;
+    struct ibv_comp_channel *ch;
     struct ibv_cq *cq;
     uint8_t port;
 };
@@ -82,9 +85,14 @@ static int v_open(void *vctx, const rdma_port_info *port, rdma_nic **out) {
     for (int i = 0; nic && i < n; i++) {
         if (strcmp(ibv_get_device_name(l[i]), port->name) != 0) continue;
         nic->port = 1;
+        int fl = -1;
         if (!(nic->ctx = ibv_open_device(l[i])) || !(nic->pd = ibv_alloc_pd(nic->ctx)) ||
-            !(nic->cq = ibv_create_cq(nic->ctx, 4096, NULL, NULL, 0))) {
+            !(nic->ch = ibv_create_comp_channel(nic->ctx)) ||
+            (fl = fcntl(nic->ch->fd, F_GETFL)) < 0 ||
+            fcntl(nic->ch->fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
+            !(nic->cq = ibv_create_cq(nic->ctx, 4096, NULL, nic->ch, 0))) {
             rc = errno ? -errno : -EIO;
+            if (nic->ch) ibv_destroy_comp_channel(nic->ch);
             if (nic->pd) ibv_dealloc_pd(nic->pd);
             if (nic->ctx) ibv_close_device(nic->ctx);
             break;
@@ -102,7 +110,8 @@ static int v_open(void *vctx, const rdma_port_info *port, rdma_nic **out) {
 }
 
 static void v_close(rdma_nic *nic) {
-    ibv_destroy_cq(nic->cq);
+    ibv_destroy_cq(nic->cq); /* every event was acknowledged (v_get_event) */
+    ibv_destroy_comp_channel(nic->ch);
     ibv_dealloc_pd(nic->pd);
     ibv_close_device(nic->ctx);
     free(nic);
@@ -244,6 +253,26 @@ static int v_poll(rdma_nic *nic, rdma_wc *out, int max) {
     return n < 0 ? -EIO : n;
 }
 
+static int v_cq_fd(rdma_nic *nic) {
+    return nic->ch->fd;
+}
+
+static int v_req_notify(rdma_nic *nic) {
+    int rc = ibv_req_notify_cq(nic->cq, 0);
+    return rc ? -rc : 0;
+}
+
+static int v_get_event(rdma_nic *nic) {
+    int got = 0;
+    struct ibv_cq *cq;
+    void *cq_ctx;
+    while (ibv_get_cq_event(nic->ch, &cq, &cq_ctx) == 0) { /* the fd is non-blocking */
+        ibv_ack_cq_events(cq, 1);
+        got = 1;
+    }
+    return got ? 0 : -EAGAIN;
+}
+
 static const rdma_verbs IBV = {
     .name = "libibverbs",
     .list = v_list,
@@ -257,6 +286,9 @@ static const rdma_verbs IBV = {
     .destroy_qp = v_destroy_qp,
     .post = v_post,
     .poll = v_poll,
+    .cq_fd = v_cq_fd,
+    .req_notify = v_req_notify,
+    .get_event = v_get_event,
 };
 
 const rdma_verbs *rdma_verbs_ibv(void) {

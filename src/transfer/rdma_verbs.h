@@ -75,6 +75,15 @@ typedef struct rdma_verbs {
     int (*post)(rdma_qp *qp, const rdma_wr *wrs, int n);
     /* Reap up to max completions of the NIC's CQ without blocking. */
     int (*poll)(rdma_nic *nic, rdma_wc *out, int max);
+    /* Completion events (the CQ is created on a completion channel):
+     * cq_fd: the channel's descriptor, readable while an event is pending
+     * (poll(2) it; it is non-blocking).  req_notify: arm the CQ so that the
+     * next completion queued on it raises one event (completions already in
+     * the CQ may not: poll again after arming).  get_event: consume and
+     * acknowledge the pending events: 0, or -EAGAIN when there was none. */
+    int (*cq_fd)(rdma_nic *nic);
+    int (*req_notify)(rdma_nic *nic);
+    int (*get_event)(rdma_nic *nic);
 } rdma_verbs;
 
 /* libibverbs (NULL when this build has no libibverbs). */

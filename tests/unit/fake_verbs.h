@@ -10,6 +10,11 @@
  * flushed), as on a link loss.  Memory in a "device range" cannot be
  * registered with reg_mr unless peermem is on (it returns -EFAULT, the
  * seed's "Bad address [14]"); reg_dmabuf_mr registers it.
+ * Completion events as in verbs: each CQ's channel is an eventfd, signaled
+ * when a completion is queued on an armed CQ (arming is one-shot, and
+ * completions already queued at arming raise nothing), so a poller that
+ * forgets to re-arm or to poll after arming hangs.  A NIC can be held: its
+ * completions are queued but neither polled nor signaled until fv_release.
  */
 #ifndef DISAGG_TESTS_FAKE_VERBS_H
 #define DISAGG_TESTS_FAKE_VERBS_H
@@ -22,6 +27,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #define FV_MAX_NICS 4
 #define FV_MAX_OBJ  1024
@@ -33,6 +40,8 @@ struct rdma_nic {
     int idx; /* into fv.nics */
     rdma_wc cq[FV_CQ];
     int head, n;
+    int efd;   /* the completion channel */
+    int armed; /* the next completion signals efd */
 };
 struct rdma_mr {
     rdma_nic *nic;
@@ -51,8 +60,11 @@ typedef struct fv_world {
     struct {
         char name[64];
         atomic_int failed;
+        int hold; /* completions wait for fv_release (under mu) */
         _Atomic uint64_t wrs, signaled, bytes;
     } nics[FV_MAX_NICS];
+    rdma_nic *open[4 * FV_MAX_NICS];      /* every open NIC object (under mu) */
+    _Atomic uint64_t polls, arms, events; /* poll / req_notify / get_event calls */
     rdma_mr *mrs[FV_MAX_OBJ];
     rdma_qp *qps[FV_MAX_OBJ];
     uint32_t next_key, next_qpn;
@@ -72,6 +84,7 @@ static void fv_reset(int nnics) {
         atomic_store(&fv.nics[i].wrs, 0);
         atomic_store(&fv.nics[i].signaled, 0);
         atomic_store(&fv.nics[i].bytes, 0);
+        fv.nics[i].hold = 0;
     }
     fv.next_key = fv.next_key ? fv.next_key : 0x100;
     fv.next_qpn = fv.next_qpn ? fv.next_qpn : 0x40;
@@ -103,6 +116,17 @@ static int fv_open(void *ctx, const rdma_port_info *p, rdma_nic **out) {
             rdma_nic *n = calloc(1, sizeof *n);
             if (!n) return -ENOMEM;
             n->idx = i;
+            if ((n->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) {
+                free(n);
+                return -errno;
+            }
+            pthread_mutex_lock(&fv.mu);
+            for (int k = 0; k < 4 * FV_MAX_NICS; k++)
+                if (!fv.open[k]) {
+                    fv.open[k] = n;
+                    break;
+                }
+            pthread_mutex_unlock(&fv.mu);
             atomic_fetch_add(&fv.open_nics, 1);
             *out = n;
             return 0;
@@ -111,6 +135,11 @@ static int fv_open(void *ctx, const rdma_port_info *p, rdma_nic **out) {
 }
 
 static void fv_close(rdma_nic *n) {
+    pthread_mutex_lock(&fv.mu);
+    for (int k = 0; k < 4 * FV_MAX_NICS; k++)
+        if (fv.open[k] == n) fv.open[k] = NULL;
+    pthread_mutex_unlock(&fv.mu);
+    close(n->efd);
     atomic_fetch_sub(&fv.open_nics, 1);
     free(n);
 }
@@ -201,11 +230,29 @@ static void fv_destroy_qp(rdma_qp *q) {
     free(q);
 }
 
+/* Caller holds fv.mu.  An armed CQ's channel fires once. */
+static void fv_signal(rdma_nic *n) {
+    if (!n->armed || fv.nics[n->idx].hold) return;
+    n->armed = 0;
+    uint64_t one = 1;
+    if (write(n->efd, &one, sizeof one) != (ssize_t)sizeof one) abort();
+}
+
 /* Caller holds fv.mu. */
 static void fv_push_wc(rdma_nic *n, uint64_t id, uint32_t qpn, int status) {
     if (n->n == FV_CQ) return; /* overrun: the transport would see a hang (a test failure) */
     n->cq[(n->head + n->n) % FV_CQ] = (rdma_wc){id, qpn, status};
     n->n++;
+    fv_signal(n);
+}
+
+/* Hold / release NIC i's completions (release: armed CQs with completions fire). */
+static void fv_hold(int i, int on) {
+    pthread_mutex_lock(&fv.mu);
+    fv.nics[i].hold = on;
+    for (int k = 0; !on && k < 4 * FV_MAX_NICS; k++)
+        if (fv.open[k] && fv.open[k]->idx == i && fv.open[k]->n > 0) fv_signal(fv.open[k]);
+    pthread_mutex_unlock(&fv.mu);
 }
 
 static rdma_mr *fv_find_mr(rdma_nic *nic_of_idx_owner, int nic_idx, uint32_t key, uint64_t a,
@@ -260,15 +307,34 @@ static int fv_post(rdma_qp *q, const rdma_wr *w, int n) {
 }
 
 static int fv_poll(rdma_nic *nic, rdma_wc *out, int max) {
+    atomic_fetch_add(&fv.polls, 1);
     pthread_mutex_lock(&fv.mu);
     int k = 0;
-    while (k < max && nic->n > 0) {
+    while (k < max && nic->n > 0 && !fv.nics[nic->idx].hold) {
         out[k++] = nic->cq[nic->head];
         nic->head = (nic->head + 1) % FV_CQ;
         nic->n--;
     }
     pthread_mutex_unlock(&fv.mu);
     return k;
+}
+
+static int fv_cq_fd(rdma_nic *nic) {
+    return nic->efd;
+}
+
+static int fv_req_notify(rdma_nic *nic) {
+    atomic_fetch_add(&fv.arms, 1);
+    pthread_mutex_lock(&fv.mu);
+    nic->armed = 1; /* what is queued already raises nothing (as in verbs) */
+    pthread_mutex_unlock(&fv.mu);
+    return 0;
+}
+
+static int fv_get_event(rdma_nic *nic) {
+    atomic_fetch_add(&fv.events, 1);
+    uint64_t v;
+    return read(nic->efd, &v, sizeof v) == (ssize_t)sizeof v ? 0 : -EAGAIN;
 }
 
 static const rdma_verbs FAKE_VERBS = {
@@ -284,6 +350,9 @@ static const rdma_verbs FAKE_VERBS = {
     .destroy_qp = fv_destroy_qp,
     .post = fv_post,
     .poll = fv_poll,
+    .cq_fd = fv_cq_fd,
+    .req_notify = fv_req_notify,
+    .get_event = fv_get_event,
 };
 
 #endif
