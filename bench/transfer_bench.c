@@ -26,6 +26,7 @@
  * target's pattern; WRITE by reading back); a mismatch exits 1.
  */
 #include "base/auth.h"
+#include "base/bytesize.h"
 #include "bench/bench.h"
 #include "bench/transfer_bench.h"
 #include "disagg/transfer.h"
@@ -108,7 +109,7 @@ static void tb_usage(FILE *f) {
         "  --protocol P         tcp, shm, or a list \"tcp,shm\" (default tcp); target: one\n"
         "  --operation O        read, write, or \"read,write\" (default read)\n"
         "  --block-size S       one size or a list \"4K,1M\" (default 4K,16K,64K,256K,1M,4M,\n"
-        "                       16M,64M); sizes take K, M, G suffixes (KiB-based, 1K = 1024)\n"
+        "                       16M,64M); sizes take K, M, G, T suffixes (1K = 1024)\n"
         "  --batch-size N       requests per batch, 1..65536 (default 128); capped per block\n"
         "                       size so that threads x batch x block fits half the buffer\n"
         "  --threads N          submitting threads, 1..64 (default 1)\n"
@@ -166,8 +167,7 @@ static int tb_bad(const char *opt, const char *val, const char *accepted) {
     return 2;
 }
 
-#define TB_SIZE_FORMS                                                                              \
-    "a positive size: digits with an optional K, M or G suffix (KiB-based), e.g. 4096, 64K, 1M"
+#define TB_SIZE_FORMS "sizes of 1..1G bytes: " BYTESIZE_FORMS
 
 /* Parse a comma list with one item parser; returns the count or -1. */
 static int tb_parse_protocols(const char *s, tb_options *o) {
@@ -223,9 +223,8 @@ static int tb_parse_blocks(const char *s, tb_options *o) {
                       TB_SIZE_FORMS " (a list separates sizes by single commas)");
     for (char *save, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
         size_t v;
-        if (tb_parse_size(t, &v)) return tb_bad("--block-size", t, TB_SIZE_FORMS);
-        if (v > (1ull << 30))
-            return tb_bad("--block-size", t, "a size of at most 1G (the tcp protocol's limit)");
+        /* at most 1G: the tcp protocol's limit */
+        if (tb_parse_size("--block-size", t, 1, 1ull << 30, &v)) return 2;
         if (o->nblocks == TB_MAX_BLOCKS)
             return tb_bad("--block-size", s, "a list of at most 32 sizes");
         o->blocks[o->nblocks++] = v;
@@ -372,10 +371,8 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
             o->port = v;
             port_given = true;
         } else if (!strcmp(name, "buffer-size")) {
-            if (tb_parse_size(val, &o->buffer_size) || o->buffer_size < 2 * TB_PAGE)
-                return tb_bad("--buffer-size", val,
-                              "a size of at least 8K: digits with an "
-                              "optional K, M or G suffix, e.g. 512M");
+            if (tb_parse_size("--buffer-size", val, 2 * TB_PAGE, SIZE_MAX, &o->buffer_size))
+                return 2;
         }
     }
     (void)mode_given;

@@ -63,7 +63,7 @@ int tb_socket_ceiling(const char *host, bool is_read, size_t block, void *client
 
 /* "4096", "64K", "1M", "2G" (also "64k", "64KiB", "64KB"): KiB-based.  0 and
  * overflow are errors.  Returns 0 or -1. */
-int tb_parse_size(const char *s, size_t *out);
+int tb_parse_size(const char *opt, const char *s, uint64_t min, uint64_t max, size_t *out);
 /* Seconds: "1", "0.5", "2s", "500ms"; must be > 0 and <= 3600.  Returns 0 or -1. */
 int tb_parse_duration(const char *s, double *out);
 /* Integer in [lo, hi].  Returns 0 or -1. */

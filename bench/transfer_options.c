@@ -1,10 +1,12 @@
 /*
  * transfer_options — parsers for the values of `disagg bench transfer`'s
- * options (sizes with K/M/G suffixes, durations, bounded integers) and the
- * size formatter its tables use.  The callers print the error that names the
- * bad value and the accepted forms; these only say yes or no.
+ * options (sizes by base/bytesize's grammar, durations, bounded integers) and
+ * the size formatter its tables use.  tb_parse_size prints its own error; for
+ * the others the callers print the error that names the bad value and the
+ * accepted forms, these only say yes or no.
  */
 #include "bench/transfer_bench.h"
+#include "base/bytesize.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -14,34 +16,17 @@
 #include <string.h>
 #include <strings.h>
 
-int tb_parse_size(const char *s, size_t *out) {
-    if (!s || !isdigit((unsigned char)s[0])) return -1;
-    errno = 0;
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s) return -1;
-    unsigned long long mul = 1;
-    if (*end) {
-        switch (toupper((unsigned char)*end)) {
-        case 'K':
-            mul = 1ull << 10;
-            break;
-        case 'M':
-            mul = 1ull << 20;
-            break;
-        case 'G':
-            mul = 1ull << 30;
-            break;
-        default:
-            return -1;
-        }
-        end++;
-        /* optional "B" or "iB" after the letter */
-        if (!strcasecmp(end, "ib") || !strcasecmp(end, "b")) end += strlen(end);
-        if (*end) return -1;
+/* A byte size by base/bytesize's grammar, within [min, max]; prints the error
+ * naming opt and returns 2 when it is not accepted. */
+int tb_parse_size(const char *opt, const char *s, uint64_t min, uint64_t max, size_t *out) {
+    char what[64], err[512];
+    uint64_t v;
+    snprintf(what, sizeof what, "disagg bench transfer: %s", opt);
+    if (bytesize_parse_range(what, s, min, max, &v, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
+        return 2;
     }
-    if (v == 0 || v > SIZE_MAX / mul) return -1;
-    *out = (size_t)(v * mul);
+    *out = (size_t)v;
     return 0;
 }
 

@@ -10,6 +10,7 @@
  * <exe dir>/../share/disagg/models/disagg-sotu-tiny (an install prefix), then
  * ./models/disagg-sotu-tiny.
  */
+#include "base/bytesize.h"
 #include "base/text.h"
 #include "cli/commands.h"
 
@@ -163,30 +164,16 @@ static int parse_long(const char *flag, const char *v, long lo, long hi, long *o
     return 0;
 }
 
-/* "123", "64K", "512M", "2G", "1.5G" (binary units). */
+/* A byte size by base/bytesize's grammar ("4294967296", "512M", "1.5G"), 1..1P. */
 static int parse_bytes(const char *flag, const char *v, size_t *out) {
-    char *end;
-    errno = 0;
-    double x = strtod(v, &end);
-    double mult = 1;
-    if (*end == 'K' || *end == 'k')
-        mult = 1024.0, end++;
-    else if (*end == 'M' || *end == 'm')
-        mult = 1024.0 * 1024, end++;
-    else if (*end == 'G' || *end == 'g')
-        mult = 1024.0 * 1024 * 1024, end++;
-    else if (*end == 'T' || *end == 't')
-        mult = 1024.0 * 1024 * 1024 * 1024, end++;
-    if (*end == 'i' || *end == 'B') end++;
-    if (*end == 'B') end++;
-    if (errno || end == v || *end || x <= 0 || x * mult > 1e15) {
-        fprintf(stderr,
-                "disagg serve: %s expects a positive byte count such as 4294967296, 512M or 2G, "
-                "got '%s'\n",
-                flag, v);
+    char what[64], err[512];
+    uint64_t x;
+    snprintf(what, sizeof what, "disagg serve: %s", flag);
+    if (bytesize_parse_range(what, v, 1, 1ull << 50, &x, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
         return -EINVAL;
     }
-    *out = (size_t)(x * mult);
+    *out = (size_t)x;
     return 0;
 }
 

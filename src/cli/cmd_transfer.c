@@ -26,6 +26,7 @@
 #include "cli/commands.h"
 
 #include "base/auth.h"
+#include "base/bytesize.h"
 #include "base/clock.h"
 #include "base/stop_signal.h"
 #include "base/net.h"
@@ -111,7 +112,7 @@ typedef enum opt_kind {
     OPT_STR,   /* const char *, any non-empty string */
     OPT_SEG,   /* const char *, "ip:port" / "[ip6]:port" */
     OPT_UINT,  /* uint64_t, decimal, within [min, max] */
-    OPT_SIZE,  /* uint64_t, bytes with optional K/M/G/T suffix, within [min, max] */
+    OPT_SIZE,  /* uint64_t, a byte size (base/bytesize grammar), within [min, max] */
     OPT_ADDR,  /* uint64_t, decimal or 0x-hex address */
     OPT_PROTO, /* transfer_protocol: auto|tcp|shm */
     OPT_OP,    /* transfer_opcode: read|write */
@@ -150,44 +151,6 @@ static int parse_u64_dec(const char *s, uint64_t *out) {
     unsigned long long v = strtoull(s, &end, 10);
     if (errno || *end) return -1;
     *out = v;
-    return 0;
-}
-
-static int parse_size(const char *s, uint64_t *out) {
-    if (!s || !isdigit((unsigned char)s[0])) return -1;
-    errno = 0;
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno) return -1;
-    uint64_t mul = 1;
-    if (*end) {
-        switch (toupper((unsigned char)*end)) {
-        case 'K':
-            mul = 1ull << 10;
-            break;
-        case 'M':
-            mul = 1ull << 20;
-            break;
-        case 'G':
-            mul = 1ull << 30;
-            break;
-        case 'T':
-            mul = 1ull << 40;
-            break;
-        case 'B':
-            mul = 1;
-            end--;
-            break;
-        default:
-            return -1;
-        }
-        end++;
-        if (*end == 'i' && mul > 1) end++;
-        if (*end == 'B' || *end == 'b') end++;
-        if (*end) return -1;
-    }
-    if (v > UINT64_MAX / mul) return -1;
-    *out = v * mul;
     return 0;
 }
 
@@ -255,17 +218,22 @@ static int opt_assign(const char *sub, const opt_spec *sp, const char *val) {
         *(const char **)sp->dst = val;
         return 0;
     }
+    case OPT_SIZE: {
+        char what[96], err[512];
+        snprintf(what, sizeof what, "disagg transfer %s: %s", sub, sp->name);
+        if (bytesize_parse_range(what, val, sp->min, sp->max, &v, err, sizeof err)) {
+            fprintf(stderr, "%s\n", err);
+            return 2;
+        }
+        *(uint64_t *)sp->dst = v;
+        return 0;
+    }
     case OPT_UINT:
-    case OPT_SIZE:
-        if ((sp->kind == OPT_UINT ? parse_u64_dec(val, &v) : parse_size(val, &v)) < 0 ||
-            v < sp->min || v > sp->max) {
+        if (parse_u64_dec(val, &v) < 0 || v < sp->min || v > sp->max) {
             fprintf(stderr,
-                    "disagg transfer %s: %s '%s' is not accepted; accepted: %s %" PRIu64
-                    "..%" PRIu64 "%s\n",
-                    sub, sp->name, val, sp->kind == OPT_UINT ? "an integer" : "a size in bytes",
-                    sp->min, sp->max,
-                    sp->kind == OPT_SIZE ? " with optional K, M, G, T suffix (e.g. 4096, 64M)"
-                                         : "");
+                    "disagg transfer %s: %s '%s' is not accepted; accepted: an integer %" PRIu64
+                    "..%" PRIu64 "\n",
+                    sub, sp->name, val, sp->min, sp->max);
             return 2;
         }
         *(uint64_t *)sp->dst = v;
