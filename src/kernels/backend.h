@@ -82,6 +82,10 @@ typedef struct backend_options {
     int n_threads;  /* CPU: compute threads of the backend's own pool (0 = one per CPU) */
     int progress;   /* show weight-upload progress on a tty */
     int device_ord; /* filled by backend_open from "cuda:N" (0 for "cuda"); ignored by cpu */
+    /* --batch-invariant: a row's results must not depend on the rest of the batch, the GEMM's
+     * row count or the prompt's chunking (CUDA: kernels/cuda/cuda_invariant.h; the CPU
+     * backend always is, and ignores it) */
+    int batch_invariant;
 } backend_options;
 
 void backend_options_init(backend_options *o); /* zeros: all CPUs, no progress, device 0 */
