@@ -96,7 +96,9 @@ static int usage(FILE *f, int rc) {
            "  --gen-len     tokens decoded one at a time after it (default 32)\n"
            "  --threads     worker threads (default: all online CPUs)\n"
            "  --json        one JSON object instead of the table\n"
-           "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n");
+           "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n"
+           "  --batch-invariant   with --device cuda: the batch-invariant mode against the "
+           "fast mode (docs/gpu.md)\n");
     return rc;
 }
 

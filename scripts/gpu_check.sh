@@ -16,6 +16,12 @@
 #      and the random tiny model, test_cuda_model again against those references, and
 #      tests/integration/test_device.py.
 # QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
+# The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
+# (GEMM rows, attention schedules, the model alone / batched / chunked, also on the 7B-shaped
+# weights), `disagg bench model --batch-invariant` (its cost against the fast mode, 7B) and
+# tools/gpu_invariant_serve.py (serve: concurrent vs single answers).  ONLY=inv runs just
+# those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
+# arguments to that benchmark.
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,8 +41,11 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 step build
 BUILD=${BUILD_DIR:-$SRC/build-gpu}
 if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
-  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops >>"$OUT/cmake.log" 2>&1
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant >>"$OUT/cmake.log" 2>&1
   check $? "cmake build in $BUILD"
+elif [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}" ] && [ -f "$PREBUILT/libdisagg_cuda.so" ]; then
+  echo "ONLY=$ONLY: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
+  BUILD=$PREBUILT
 elif [ -n "${PREBUILT:-}" ]; then
   echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
   echo "using the prebuilt binaries in $PREBUILT and rebuilding the CUDA module from source with nvcc"
@@ -51,6 +60,27 @@ fi
 cuobjdump --list-elf "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 cuobjdump --list-ptx "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 BIN=$BUILD/disagg
+
+W7=/dev/shm/q7b
+[ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
+inv_steps() {
+  step "batch-invariant mode: test_cuda_invariant (GEMM rows, attention schedules, the model alone/batched/chunked; 7B-shaped random weights)"
+  [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+  DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_CUDA_INV_LOG=1 "$BUILD/test_cuda_invariant"
+  check $? test_cuda_invariant
+  step "batch-invariant mode: serve, 32 concurrent vs single (greedy and seeded sampling, mixed prompt lengths, colocated)"
+  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+  check $? gpu_invariant_serve
+  step "batch-invariant mode: its cost against the fast mode (serving path, 7B shape)"
+  "$BIN" bench model "$W7" --device cuda --batch-invariant ${INV_BENCH_ARGS:-}
+  check $? "bench model 7b --device cuda --batch-invariant"
+}
+if [ "${ONLY:-}" = inv ]; then
+  inv_steps
+  step "summary"
+  echo "gpu_check (ONLY=inv): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 
 step "GPU parity test (ops and whole model vs CPU, greedy vs golden, serving path CUDA graphs vs eager)"
 "$BUILD/test_cuda_model"
@@ -81,8 +111,6 @@ step "bench model: default model on the GPU"
 check $? "bench model sotu-tiny --device cuda"
 
 step "bench model: 7B-shaped random bf16 weights"
-W7=/dev/shm/q7b
-[ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
 [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
 check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
@@ -105,6 +133,8 @@ check $? gpu_hf_reference
 DISAGG_GPU_REF_DIR=$OUT/ref "$BUILD/test_cuda_model" 2>&1 | grep -v "^  \(attention\|matmul\|rmsnorm\|rope\|swiglu\)"
 check ${PIPESTATUS[0]} "test_cuda_model against HF on the GPU"
 fi
+
+inv_steps
 
 step "integration: tests/integration/test_device.py"
 DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5

@@ -805,6 +805,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     backend_options_init(&bo);
     bo.n_threads = c.threads;
     bo.progress = c.progress;
+    bo.batch_invariant = c.batch_invariant;
     int rc = backend_open(c.device, &bo, &e->be, err, errlen);
     if (rc) {
         free(e);
@@ -850,6 +851,9 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
                   nb);
         else
             LOG_I(MOD, "every step eager%s", c.enforce_eager ? " (--enforce-eager)" : "");
+        if (c.batch_invariant)
+            LOG_I(MOD, "batch-invariant kernels (--batch-invariant): a request's tokens do not "
+                       "depend on the batch or the prompt's chunking");
     }
     backend_memory(e->be, &mem_free, &mem_total);
     size_t want =
