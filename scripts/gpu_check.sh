@@ -36,16 +36,16 @@ check() { if [ "$1" -ne 0 ]; then echo "*** FAILED: $2 (exit $1)"; fails=$((fail
 step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 nvcc --version | tail -2
-python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' || true
+[ -n "${ONLY:-}" ] || python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' || true
 
 step build
 BUILD=${BUILD_DIR:-$SRC/build-gpu}
-if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
-  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant >>"$OUT/cmake.log" 2>&1
-  check $? "cmake build in $BUILD"
-elif [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}" ] && [ -f "$PREBUILT/libdisagg_cuda.so" ]; then
+if [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}" ] && [ -f "$PREBUILT/libdisagg_cuda.so" ]; then
   echo "ONLY=$ONLY: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
   BUILD=$PREBUILT
+elif cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant >>"$OUT/cmake.log" 2>&1
+  check $? "cmake build in $BUILD"
 elif [ -n "${PREBUILT:-}" ]; then
   echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
   echo "using the prebuilt binaries in $PREBUILT and rebuilding the CUDA module from source with nvcc"
@@ -66,14 +66,14 @@ W7=/dev/shm/q7b
 inv_steps() {
   step "batch-invariant mode: test_cuda_invariant (GEMM rows, attention schedules, the model alone/batched/chunked; 7B-shaped random weights)"
   [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
-  DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_CUDA_INV_LOG=1 "$BUILD/test_cuda_invariant"
+  DISAGG_SRC=$SRC DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_CUDA_INV_LOG=1 "$BUILD/test_cuda_invariant"
   check $? test_cuda_invariant
-  step "batch-invariant mode: serve, 32 concurrent vs single (greedy and seeded sampling, mixed prompt lengths, colocated)"
-  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
-  check $? gpu_invariant_serve
   step "batch-invariant mode: its cost against the fast mode (serving path, 7B shape)"
   "$BIN" bench model "$W7" --device cuda --batch-invariant ${INV_BENCH_ARGS:-}
   check $? "bench model 7b --device cuda --batch-invariant"
+  step "batch-invariant mode: serve, 32 concurrent vs single (greedy and seeded sampling, mixed prompt lengths, colocated)"
+  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+  check $? gpu_invariant_serve
 }
 if [ "${ONLY:-}" = inv ]; then
   inv_steps

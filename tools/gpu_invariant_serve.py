@@ -12,7 +12,7 @@ import concurrent.futures as cf, json, os, random, socket, subprocess, sys, time
 import requests
 
 BIN, MODEL, LOGDIR = sys.argv[1:4]
-R = int(sys.argv[4]) if len(sys.argv) > 4 else 192
+R = int(sys.argv[4]) if len(sys.argv) > 4 else 96
 HERE = os.path.dirname(os.path.abspath(__file__))
 golden = json.load(open(os.path.join(HERE, "..", "tests", "data", "sotu-tiny", "greedy.json")))
 words = " ".join(p["prompt_text"] for p in golden["prompts"]).split()

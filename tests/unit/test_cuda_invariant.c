@@ -33,6 +33,15 @@
 
 #include "kernels/backend.h"
 #include "model/qwen2.h"
+
+/* $DISAGG_SRC: the source tree when the binary runs elsewhere (the GPU machine's bundle) */
+static const char *const src_built = DISAGG_SOURCE_DIR;
+static const char *src_dir(void) {
+    const char *e = getenv("DISAGG_SRC");
+    return e && *e ? e : src_built;
+}
+#undef DISAGG_SOURCE_DIR
+#define DISAGG_SOURCE_DIR src_dir()
 #include "test_model_fixture.h"
 
 static char why[1024];
