@@ -21,7 +21,8 @@
 # weights), `disagg bench model --batch-invariant` (its cost against the fast mode, 7B) and
 # tools/gpu_invariant_serve.py (serve: concurrent vs single answers).  ONLY=inv runs just
 # those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
-# arguments to that benchmark.
+# arguments to that benchmark, INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
+# skips the test's fast-mode comparisons and INV_GEMM_BENCH=1 adds its GEMM timing table.
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,13 +67,13 @@ W7=/dev/shm/q7b
 inv_steps() {
   step "batch-invariant mode: test_cuda_invariant (GEMM rows, attention schedules, the model alone/batched/chunked; 7B-shaped random weights)"
   [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
-  DISAGG_SRC=$SRC DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_CUDA_INV_LOG=1 "$BUILD/test_cuda_invariant"
+  DISAGG_SRC=$SRC DISAGG_INV_NO_FAST=${INV_NO_FAST:-} DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_CUDA_INV_LOG=1 "$BUILD/test_cuda_invariant"
   check $? test_cuda_invariant
   step "batch-invariant mode: its cost against the fast mode (serving path, 7B shape)"
   "$BIN" bench model "$W7" --device cuda --batch-invariant ${INV_BENCH_ARGS:-}
   check $? "bench model 7b --device cuda --batch-invariant"
   step "batch-invariant mode: serve, 32 concurrent vs single (greedy and seeded sampling, mixed prompt lengths, colocated)"
-  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" ${INV_SERVE_ARGS:-}
   check $? gpu_invariant_serve
 }
 if [ "${ONLY:-}" = inv ]; then

@@ -23,17 +23,29 @@ typedef __nv_bfloat16 bf16;
 #define IV_MAX_ROWS 8192 /* rows per cuBLASLt call at most (larger M runs in chunks) */
 #define IV_CANDIDATES 16
 
-typedef struct iv_algo {
-    int dev, N, K, m_ref, splitk;
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t a;
+#define IV_BUCKETS 14 /* row counts 1, 2, 4, .. 8192 */
+
+/* One chosen algorithm and how many rows one call of it may take. */
+typedef struct iv_pick {
     cublasLtMatmulAlgo_t algo;
     int max_rows; /* a power of two: the workspace holds this many rows' split-K partials */
-    int ok;       /* 0: no algorithm (every call fails) */
+} iv_pick;
+
+typedef struct iv_algo {
+    int dev, N, K, m_ref, splitk, buckets;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a;
+    cublasLtMatmulAlgo_t algo; /* the reference: chosen at m_ref, valid for every M */
+    int max_rows;
+    int ok; /* 0: no algorithm (every call fails) */
+    /* per power-of-two row bucket: 0 unresolved, 1 bucket[b] (bit-identical to the reference
+     * on the probe), 2 the reference */
+    int bstate[IV_BUCKETS];
+    iv_pick bucket[IV_BUCKETS];
 } iv_algo;
 
 typedef struct iv_check {
-    const iv_algo *al;
+    const void *al; /* the algorithm checked (its address) */
     int M, state; /* 0 empty, 1 passed, -1 failed */
 } iv_check;
 
@@ -43,14 +55,17 @@ static iv_check g_checks[IV_CHECK_CAP];
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 
 iv_policy iv_policy_default(void) {
-    iv_policy p = {64, 1};
-    const char *m = getenv("DISAGG_CUDA_INV_GEMM_M"), *s = getenv("DISAGG_CUDA_INV_SPLITK");
+    iv_policy p = {64, 1, 1};
+    const char *m = getenv("DISAGG_CUDA_INV_GEMM_M"), *s = getenv("DISAGG_CUDA_INV_SPLITK"),
+               *b = getenv("DISAGG_CUDA_INV_BUCKETS");
     if (m && atoi(m) >= 1 && atoi(m) <= 65536) p.m_ref = atoi(m);
     if (s && (!strcmp(s, "0") || !strcmp(s, "1"))) p.splitk = atoi(s);
+    if (b && (!strcmp(b, "0") || !strcmp(b, "1"))) p.buckets = atoi(b);
     return p;
 }
 
-static int check_m(cublasLtHandle_t lt, const iv_algo *al, int M, size_t ws_bytes) {
+static int check_algo(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatmulAlgo_t *algo,
+                      int M, size_t ws_bytes) {
     cublasLtMatrixLayout_t b = NULL, c = NULL;
     if (cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, al->K, M, al->K) != CUBLAS_STATUS_SUCCESS ||
         cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, al->N, M, al->N) != CUBLAS_STATUS_SUCCESS) {
@@ -59,10 +74,14 @@ static int check_m(cublasLtHandle_t lt, const iv_algo *al, int M, size_t ws_byte
     }
     cublasLtMatmulHeuristicResult_t r;
     memset(&r, 0, sizeof r);
-    cublasStatus_t s = cublasLtMatmulAlgoCheck(lt, al->op, al->a, b, c, c, &al->algo, &r);
+    cublasStatus_t s = cublasLtMatmulAlgoCheck(lt, al->op, al->a, b, c, c, algo, &r);
     cublasLtMatrixLayoutDestroy(b);
     cublasLtMatrixLayoutDestroy(c);
     return s == CUBLAS_STATUS_SUCCESS && r.workspaceSize <= ws_bytes;
+}
+
+static int check_m(cublasLtHandle_t lt, const iv_algo *al, int M, size_t ws_bytes) {
+    return check_algo(lt, al, &al->algo, M, ws_bytes);
 }
 
 static int cfg_attr(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttributes_t at) {
@@ -79,13 +98,14 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
     for (int i = 0; i < g_n_algos; i++) {
         iv_algo *a = &g_algos[i];
         if (a->dev == dev && a->N == N && a->K == K && a->m_ref == pol->m_ref &&
-            a->splitk == pol->splitk)
+            a->splitk == pol->splitk && a->buckets == pol->buckets)
             return a;
     }
     if (g_n_algos == IV_ALGO_CAP) return NULL;
     iv_algo *al = &g_algos[g_n_algos];
     memset(al, 0, sizeof *al);
     al->dev = dev, al->N = N, al->K = K, al->m_ref = pol->m_ref, al->splitk = pol->splitk;
+    al->buckets = pol->buckets;
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     if (cublasLtMatmulDescCreate(&al->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
         return NULL;
@@ -149,19 +169,169 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
     return al;
 }
 
-/* AlgoCheck of (algorithm, M), cached (g_mu held) */
-static int m_ok(cublasLtHandle_t lt, const iv_algo *al, int M, size_t ws_bytes) {
-    unsigned h = ((unsigned)(uintptr_t)al * 2654435761u) ^ ((unsigned)M * 40503u);
+/* AlgoCheck of (algorithm, M), cached by the algorithm's address (g_mu held) */
+static int m_ok(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatmulAlgo_t *algo, int M,
+                size_t ws_bytes) {
+    unsigned h = ((unsigned)(uintptr_t)algo * 2654435761u) ^ ((unsigned)M * 40503u);
     for (int probe = 0; probe < 16; probe++) {
         iv_check *c = &g_checks[(h + probe) % IV_CHECK_CAP];
-        if (c->state && c->al == al && c->M == M) return c->state > 0;
+        if (c->state && c->al == (const void *)algo && c->M == M) return c->state > 0;
         if (!c->state || probe == 15) {
-            c->al = al, c->M = M;
-            c->state = check_m(lt, al, M, ws_bytes) ? 1 : -1;
+            c->al = (const void *)algo, c->M = M;
+            c->state = check_algo(lt, al, algo, M, ws_bytes) ? 1 : -1;
             return c->state > 0;
         }
     }
     return 0;
+}
+
+/* y (T, N) = x . w^T with one algorithm, in calls of at most max_rows rows (g_mu held) */
+static int run_algo(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatmulAlgo_t *algo,
+                    int max_rows, void *ws, size_t ws_bytes, cudaStream_t st, float *y,
+                    const void *x, const void *w, int T) {
+    float alpha = 1.0f, beta = 0.0f;
+    int N = al->N, K = al->K;
+    for (int r0 = 0; r0 < T; r0 += max_rows) {
+        int M = T - r0 < max_rows ? T - r0 : max_rows;
+        if (!m_ok(lt, al, algo, M, ws_bytes)) {
+            fprintf(stderr,
+                    "cuda: batch-invariant GEMM N=%d K=%d: the pinned algorithm does not take "
+                    "M=%d (cublasLtMatmulAlgoCheck)\n",
+                    N, K, M);
+            return -EIO;
+        }
+        cublasLtMatrixLayout_t b = NULL, c = NULL;
+        cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, K, M, K);
+        cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, M, N);
+        const bf16 *xb = (const bf16 *)x + (size_t)r0 * K;
+        float *yc = y + (size_t)r0 * N;
+        cublasStatus_t s = cublasLtMatmul(lt, al->op, &alpha, w, al->a, xb, b, &beta, yc, c, yc, c,
+                                          algo, ws, ws_bytes, st);
+        cublasLtMatrixLayoutDestroy(b);
+        cublasLtMatrixLayoutDestroy(c);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "cuda: batch-invariant cublasLtMatmul M=%d N=%d K=%d failed (%d)\n", M,
+                    N, K, (int)s);
+            return -EIO;
+        }
+    }
+    return 0;
+}
+
+__global__ void k_iv_fill(bf16 *p, size_t n, uint32_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t v = (uint32_t)i * 2654435761u ^ seed;
+        v ^= v >> 13, v *= 0x5bd1e995u, v ^= v >> 15;
+        p[i] = __float2bfloat16((float)(v & 0xffff) / 32768.0f - 1.0f);
+    }
+}
+
+/* The algorithm for row bucket b (rows in (2^(b-1), 2^b]): the first of cuBLASLt's candidates
+ * at 2^b rows (as offered, or with the reference's split-K count and reduction) whose output
+ * on a probe -- P random rows times the call's own weights -- is bit for bit the reference's;
+ * else the reference.  Deterministic (no timing): every process picks the same.  Eager calls
+ * only (it synchronises the stream); g_mu held. */
+static void resolve_bucket(cublasLtHandle_t lt, iv_algo *al, int b, cudaStream_t st, void *ws,
+                           size_t ws_bytes, const void *w) {
+    int Mb = 1 << b, N = al->N, K = al->K, P = Mb < 128 ? Mb : 128;
+    if ((size_t)N * P > (size_t)4 << 20) P = (int)(((size_t)4 << 20) / N) > 0 ? (int)(((size_t)4 << 20) / N) : 1;
+    al->bstate[b] = 2;
+    cublasLtMatrixLayout_t lb = NULL, lc = NULL;
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, K, Mb, K);
+    cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N, Mb, N);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                         sizeof ws_bytes);
+    uint32_t mask = al->splitk ? (CUBLASLT_REDUCTION_SCHEME_NONE |
+                                  CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                                  CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE)
+                               : CUBLASLT_REDUCTION_SCHEME_NONE;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
+                                         sizeof mask);
+    cublasLtMatmulHeuristicResult_t res[IV_CANDIDATES];
+    int found = 0;
+    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt, al->op, al->a, lb, lc, lc, pref,
+                                                       IV_CANDIDATES, res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    if (hs != CUBLAS_STATUS_SUCCESS) found = 0;
+    bf16 *xp = NULL;
+    float *y0 = NULL, *y1 = NULL, *h0 = (float *)malloc((size_t)P * N * 4),
+          *h1 = (float *)malloc((size_t)P * N * 4);
+    int tried = 0, pick = -1, variant = 0;
+    if (!found || !h0 || !h1 || cudaMalloc((void **)&xp, (size_t)P * K * 2) != cudaSuccess ||
+        cudaMalloc((void **)&y0, (size_t)P * N * 4) != cudaSuccess ||
+        cudaMalloc((void **)&y1, (size_t)P * N * 4) != cudaSuccess)
+        goto done;
+    k_iv_fill<<<256, 256, 0, st>>>(xp, (size_t)P * K, 0x15u + (uint32_t)b);
+    if (run_algo(lt, al, &al->algo, al->max_rows, ws, ws_bytes, st, y0, xp, w, P) ||
+        cudaMemcpyAsync(h0, y0, (size_t)P * N * 4, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
+        cudaStreamSynchronize(st) != cudaSuccess)
+        goto done;
+    {
+        int rsplit = cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+        int rred = cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+        for (int i = 0; i < found && pick < 0; i++) {
+            for (int v = 0; v < 2 && pick < 0; v++) {
+                cublasLtMatmulAlgo_t a = res[i].algo;
+                int sp = cfg_attr(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+                if (v == 1) {
+                    if (sp == rsplit) continue;
+                    int32_t s32 = rsplit;
+                    uint32_t r32 = (uint32_t)rred;
+                    if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                             &s32, sizeof s32) ||
+                        cublasLtMatmulAlgoConfigSetAttribute(
+                            &a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &r32, sizeof r32))
+                        continue;
+                    sp = rsplit;
+                }
+                if (cfg_attr(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) ==
+                    CUBLASLT_REDUCTION_SCHEME_INPLACE)
+                    continue;
+                if (!check_algo(lt, al, &a, P, ws_bytes) || !check_algo(lt, al, &a, 1, ws_bytes))
+                    continue;
+                tried++;
+                al->bucket[b].algo = a;
+                int mr = 1;
+                while (mr < Mb && check_algo(lt, al, &a, mr * 2, ws_bytes))
+                    mr *= 2;
+                al->bucket[b].max_rows = mr;
+                if (run_algo(lt, al, &al->bucket[b].algo, mr, ws, ws_bytes, st, y1, xp, w, P) ||
+                    cudaMemcpyAsync(h1, y1, (size_t)P * N * 4, cudaMemcpyDeviceToHost, st) !=
+                        cudaSuccess ||
+                    cudaStreamSynchronize(st) != cudaSuccess) {
+                    cudaGetLastError();
+                    continue;
+                }
+                if (!memcmp(h0, h1, (size_t)P * N * 4)) pick = i, variant = v;
+            }
+        }
+    }
+    if (pick >= 0) al->bstate[b] = 1;
+done:
+    cudaGetLastError();
+    if (getenv("DISAGG_CUDA_INV_LOG")) {
+        if (pick >= 0)
+            fprintf(stderr,
+                    "cuda: batch-invariant GEMM N=%d K=%d rows <= %d: candidate %d%s (tile %d "
+                    "split-K %d) equals the reference bit for bit on a %d-row probe\n",
+                    N, K, Mb, pick, variant ? " with the reference's split-K" : "",
+                    cfg_attr(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                    cfg_attr(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), P);
+        else
+            fprintf(stderr,
+                    "cuda: batch-invariant GEMM N=%d K=%d rows <= %d: the reference (%d "
+                    "candidates tried, none equal on a %d-row probe)\n",
+                    N, K, Mb, tried, P);
+    }
+    if (xp) cudaFree(xp);
+    if (y0) cudaFree(y0);
+    if (y1) cudaFree(y1);
+    free(h0), free(h1);
 }
 
 __global__ void k_iv_bias(float *y, const float *b, int N, size_t n) {
@@ -178,33 +348,22 @@ int iv_matmul(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t
     iv_algo *al = algo_get(lt, device, pol, N, K, ws_bytes);
     pthread_mutex_unlock(&g_mu);
     if (!al || !al->ok) return -EIO;
-    float alpha = 1.0f, beta = 0.0f;
-    for (int r0 = 0; r0 < T; r0 += al->max_rows) {
-        int M = T - r0 < al->max_rows ? T - r0 : al->max_rows;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(st, &cap);
+    for (int r0 = 0; r0 < T; r0 += IV_MAX_ROWS) {
+        int M = T - r0 < IV_MAX_ROWS ? T - r0 : IV_MAX_ROWS, bk = 0;
+        while ((1 << bk) < M)
+            bk++;
         pthread_mutex_lock(&g_mu);
-        int ok = m_ok(lt, al, M, ws_bytes);
+        if (al->buckets && al->bstate[bk] == 0 && cap == cudaStreamCaptureStatusNone)
+            resolve_bucket(lt, al, bk, st, ws, ws_bytes, w);
+        const cublasLtMatmulAlgo_t *algo = &al->algo;
+        int mr = al->max_rows;
+        if (al->buckets && al->bstate[bk] == 1) algo = &al->bucket[bk].algo, mr = al->bucket[bk].max_rows;
+        int rc = run_algo(lt, al, algo, mr, ws, ws_bytes, st, y + (size_t)r0 * N,
+                          (const bf16 *)x + (size_t)r0 * K, w, M);
         pthread_mutex_unlock(&g_mu);
-        if (!ok) {
-            fprintf(stderr,
-                    "cuda: batch-invariant GEMM N=%d K=%d: the pinned algorithm does not take "
-                    "M=%d (cublasLtMatmulAlgoCheck)\n",
-                    N, K, M);
-            return -EIO;
-        }
-        cublasLtMatrixLayout_t b = NULL, c = NULL;
-        cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, K, M, K);
-        cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, M, N);
-        const bf16 *xb = (const bf16 *)x + (size_t)r0 * K;
-        float *yc = y + (size_t)r0 * N;
-        cublasStatus_t s = cublasLtMatmul(lt, al->op, &alpha, w, al->a, xb, b, &beta, yc, c, yc, c,
-                                          &al->algo, ws, ws_bytes, st);
-        cublasLtMatrixLayoutDestroy(b);
-        cublasLtMatrixLayoutDestroy(c);
-        if (s != CUBLAS_STATUS_SUCCESS) {
-            fprintf(stderr, "cuda: batch-invariant cublasLtMatmul M=%d N=%d K=%d failed (%d)\n", M,
-                    N, K, (int)s);
-            return -EIO;
-        }
+        if (rc) return rc;
     }
     if (bias) {
         size_t n = (size_t)T * N, g = (n + 255) / 256;

@@ -41,6 +41,8 @@
 typedef struct iv_policy {
     int m_ref;
     int splitk;
+    int buckets; /* per power-of-two row bucket, an algorithm proven bit-identical to the
+                  * reference on a probe ($DISAGG_CUDA_INV_BUCKETS, default 1) */
 } iv_policy;
 iv_policy iv_policy_default(void);
 
