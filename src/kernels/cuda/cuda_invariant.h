@@ -5,12 +5,17 @@
  * cuda_kernels.cu (a separate translation unit; cuda_backend.cuh calls these when a
  * backend was opened with backend_options.batch_invariant).
  *
- * GEMM.  One cuBLASLt algorithm per (N, K) shape, chosen once per process from the
- * heuristic at a fixed reference row count (not at the call's M), checked with
- * cublasLtMatmulAlgoCheck, and then used for every M: the same tile, split-K count and
- * reduction scheme, so a row's dot products are summed in the same order whatever M is.
- * Calls with more rows than the workspace allows for that algorithm run in chunks of rows
- * (rows are independent, so chunking does not change a row's bits).
+ * GEMM.  Per (N, K) shape, a reference cuBLASLt algorithm chosen once per process from the
+ * heuristic at a fixed reference row count (64, not the call's M), checked with
+ * cublasLtMatmulAlgoCheck: a fixed tile, split-K count and reduction scheme (never in place),
+ * so a row's dot products are summed in one order whatever M is.  For speed at other sizes,
+ * each power-of-two bucket of M (1, 2, 4 .. 8192 rows) may use another algorithm, but only
+ * one proven to compute the reference's bits: the first of cuBLASLt's candidates at that
+ * size (as offered, or with the reference's split-K count and reduction forced on it) whose
+ * output on a probe (up to 128 random rows times the call's own weights) equals the
+ * reference's bit for bit; else the reference.  No timing enters the choice, so every
+ * process (a prefill and a decode instance) picks the same.  Calls with more rows than the
+ * workspace allows run in chunks of rows (rows are independent).
  *
  * Attention.  The KV length is cut into tiles of IV_BK (64) positions, fixed by position.
  * For a (token, query head) row, each tile gives a partial (max m, sum l, unnormalised o)
@@ -35,9 +40,11 @@
 
 #define IV_BK 64 /* KV positions per attention tile (the fold unit) */
 
-/* GEMM policy of one stream: the reference M the algorithm is chosen at and whether
- * split-K (a fixed split count, reduced in a separate deterministic step) is allowed.
- * iv_policy_default(): $DISAGG_CUDA_INV_GEMM_M (default 64), $DISAGG_CUDA_INV_SPLITK (1). */
+/* GEMM policy of one stream: the reference M the algorithm is chosen at, whether split-K (a
+ * fixed split count, reduced in a separate deterministic step) is allowed, and whether the
+ * per-bucket algorithms are used.  iv_policy_default(): $DISAGG_CUDA_INV_GEMM_M (default
+ * 64), $DISAGG_CUDA_INV_SPLITK (1), $DISAGG_CUDA_INV_BUCKETS (1); $DISAGG_CUDA_INV_LOG=1 logs
+ * every choice. */
 typedef struct iv_policy {
     int m_ref;
     int splitk;
