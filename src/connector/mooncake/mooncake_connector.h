@@ -63,7 +63,13 @@ typedef struct mooncake_stats {
     uint64_t load_buckets[12]; /* cumulative counts for MOONCAKE_LOAD_BUCKETS */
     uint64_t send_count; /* producer: requests whose KV was written (blocks ready -> written) */
     double send_sum_s;
+    /* producer: per transport that carried the writes (MOONCAKE_TRANSPORTS order: tcp, shm,
+     * rdma, cuda_ipc), KV bytes and requests (a request over two counts in both) */
+    uint64_t transport_bytes[4];
+    uint64_t transport_requests[4];
 } mooncake_stats;
+
+#define MOONCAKE_TRANSPORTS { "tcp", "shm", "rdma", "cuda_ipc" }
 
 #define MOONCAKE_LOAD_BUCKETS                                                                      \
     { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0 }
