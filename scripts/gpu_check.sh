@@ -15,6 +15,11 @@
 #   5. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
 #      and the random tiny model, test_cuda_model again against those references, and
 #      tests/integration/test_device.py.
+#   6. KV from GPU to GPU (kv_steps below; ONLY=kv runs just the build and these):
+#      test_gpu_transfer (cuda_ipc and staged tcp between two processes on the GPU),
+#      P/D with the KV in HBM behind disagg proxy (tools/gpu_pd_check.py, the official openai
+#      client: carried as wheels in $PREBUILT/whl when the image lacks it) and
+#      `disagg bench transfer --location cuda:0`.
 # QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
@@ -35,7 +40,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 step build
 BUILD=${BUILD_DIR:-$SRC/build-gpu}
 if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
-  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops >>"$OUT/cmake.log" 2>&1
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_gpu_transfer >>"$OUT/cmake.log" 2>&1
   check $? "cmake build in $BUILD"
 elif [ -n "${PREBUILT:-}" ]; then
   echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
@@ -51,6 +56,35 @@ fi
 cuobjdump --list-elf "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 cuobjdump --list-ptx "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 BIN=$BUILD/disagg
+
+kv_steps() {
+  step "KV from GPU to GPU: test_gpu_transfer (cuda_ipc and staged tcp, two processes on the GPU)"
+  DISAGG_BIN=$BIN "$BUILD/test_gpu_transfer"
+  check $? test_gpu_transfer
+
+  step "KV from GPU to GPU: P/D with the KV in HBM behind disagg proxy (openai client; cuda_ipc, then staged tcp)"
+  if ! python3 -c 'import openai' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl && export PYTHONPATH=/tmp/gpu-check-site
+  fi
+  if python3 -c 'import openai' 2>/dev/null; then
+    PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+    check $? gpu_pd_check
+  else
+    echo "******** SKIP gpu_pd_check: the openai package is not importable (bundle wheels with WHEELS=dir scripts/gpu_bundle.sh) ********"
+    fails=$((fails + 1))
+  fi
+
+  step "bench transfer --location cuda:0 (cuda_ipc and staged tcp vs ceilings of the same run)"
+  "$BIN" bench transfer --location cuda:0
+  check $? "bench transfer --location cuda:0"
+}
+if [ "${ONLY:-}" = kv ]; then
+  kv_steps
+  step "summary"
+  echo "gpu_check (ONLY=kv): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 
 step "GPU parity test (ops and whole model vs CPU, greedy vs golden, serving path CUDA graphs vs eager)"
 "$BUILD/test_cuda_model"
@@ -110,6 +144,8 @@ step "integration: tests/integration/test_device.py"
 DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
 check ${PIPESTATUS[0]} test_device.py
 echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
+
+kv_steps
 
 step "summary"
 echo "gpu_check: $fails failed step(s)"

@@ -40,6 +40,8 @@ typedef struct dcu_transfer_api {
     int (*mem_info)(int device, size_t *free_b, size_t *total_b);
     /* Peer mappings this process holds now (ipc_open not yet ipc_close'd). */
     int (*open_mappings)(void);
+    /* copy_device calls so far (how many copies a batch became). */
+    uint64_t (*d2d_copies)(void);
     /* One device-to-device copy of len bytes dst <- src timed with events on a fresh stream
      * (the copy ceiling), reps times after one warm-up; *seconds the mean per copy. */
     int (*time_copy)(int device, void *dst, const void *src, size_t len, int reps,

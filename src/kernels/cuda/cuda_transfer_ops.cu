@@ -35,6 +35,7 @@ pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 own_export g_own[256];
 int g_n_own;
 int g_open_maps; /* cudaIpcOpenMemHandle mappings not yet closed */
+uint64_t g_d2d;  /* copy_device calls */
 
 int fail(const char *what, cudaError_t e) {
     fprintf(stderr, "[cuda transfer] %s: %s (%s)\n", what, cudaGetErrorString(e),
@@ -129,6 +130,7 @@ int op_copy_from_host(void *ctx, void *stream, void *dev, const void *host, size
 
 int op_copy_device(void *ctx, void *stream, void *dst, const void *src, size_t len) {
     (void)ctx;
+    __atomic_add_fetch(&g_d2d, 1, __ATOMIC_RELAXED);
     return copy_async((xstream *)stream, dst, src, len, cudaMemcpyDeviceToDevice,
                       "device-to-device copy");
 }
@@ -363,6 +365,10 @@ int api_open_mappings(void) {
     return __atomic_load_n(&g_open_maps, __ATOMIC_RELAXED);
 }
 
+uint64_t api_d2d_copies(void) {
+    return __atomic_load_n(&g_d2d, __ATOMIC_RELAXED);
+}
+
 int time_memcpy(int device, void *dst, const void *src, size_t len, cudaMemcpyKind kind, int reps,
                 double *seconds) {
     if (set_dev(device)) return -EIO;
@@ -401,7 +407,7 @@ int api_time_pcie(int device, void *host, void *dev, size_t len, int to_host, in
 
 const dcu_transfer_api g_api = {
     DCU_TRANSFER_ABI, api_device_ops, api_alloc,     api_free,
-    api_mem_info,     api_open_mappings, api_time_copy, api_time_pcie,
+    api_mem_info,     api_open_mappings, api_d2d_copies, api_time_copy, api_time_pcie,
 };
 
 } // namespace
