@@ -19,7 +19,8 @@
 #      test_gpu_transfer (cuda_ipc and staged tcp between two processes on the GPU),
 #      P/D with the KV in HBM behind disagg proxy (tools/gpu_pd_check.py, the official openai
 #      client: carried as wheels in $PREBUILT/whl when the image lacks it) and
-#      `disagg bench transfer --location cuda:0`.
+#      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
+#      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
 # QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
@@ -67,8 +68,18 @@ kv_steps() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl && export PYTHONPATH=/tmp/gpu-check-site
   fi
+  PD7=
+  if [ -n "${KV_7B:-}" ]; then # TTFT at a 4k prompt on the 7B shape: random weights + the Qwen2.5 tokenizer
+    W7=/dev/shm/q7b
+    [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
+    [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+    check $? "gen_random_qwen2_gpu 7b"
+    TOK=$SRC/../shared/data/qwen2.5-tokenizer
+    [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
+    cp "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$W7"/ && PD7=$W7
+  fi
   if python3 -c 'import openai' 2>/dev/null; then
-    PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+    PD_7B=$PD7 PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
     check $? gpu_pd_check
   else
     echo "******** SKIP gpu_pd_check: the openai package is not importable (bundle wheels with WHEELS=dir scripts/gpu_bundle.sh) ********"

@@ -11,8 +11,15 @@ chat, greedy, must equal colocated; usage.kv_transfer must say D received the pr
 and computed one token; P's per-transport counters
 (disagg:kv_transfer_transport_requests_total{transport=...}) must show every request on the
 round's transport and none on another, and P's log must name it; 16 concurrent requests
-must equal their single answers.  Then TTFT (streamed, median of 9) at a long prompt, P/D
-vs colocated, printed (not a pass/fail).  Exit 1 on any mismatch or failure.
+must equal colocated.  A greedy answer may differ from colocated only on a golden prompt whose
+reference top-2 margin is a near tie (min_margin < 0.25): D computes the last prompt token in
+a one-token step (the decode kernels and a one-row GEMM) where colocated serving computes it
+in the prefill, so bf16 rounding differs there; any other difference fails.  Then
+`disagg bench serve` (random prompts of 1,024 words, 64 tokens out, --ignore-eos) at
+concurrency 1, 16 and 64 against colocated and each P/D stack: TTFT, TPOT, throughput, printed
+as a table (not pass/fail).  With PD_7B=DIR (a Qwen2.5-7B-shaped checkpoint with a
+tokenizer): TTFT at a ~4k-token prompt, colocated vs P/D over cuda_ipc.
+Exit 1 on any mismatch or failure.
 Usage: python3 tools/gpu_pd_check.py BIN MODEL_DIR LOGDIR"""
 import concurrent.futures as cf
 import json
@@ -31,6 +38,7 @@ BIN, MODEL, LOGDIR = sys.argv[1:4]
 HERE = os.path.dirname(os.path.abspath(__file__))
 golden = json.load(open(os.path.join(HERE, "..", "tests", "data", "sotu-tiny", "greedy.json")))
 PROMPTS = [p["prompt_text"] for p in golden["prompts"]]
+NEAR_TIE = {p["prompt_text"] for p in golden["prompts"] if p.get("min_margin", 1) < 0.25}
 COMMON = ["--device", os.environ.get("DISAGG_PD_DEVICE", "cuda"), "--max-model-len", "2048", "--kv-cache-memory", "256M",
           "--block-size", "16", "--served-model-name", "tiny"]
 bad = 0
@@ -87,8 +95,9 @@ class Proc:
                 self.p.wait()
 
 
-def serve(name, *extra, env=None):
-    return Proc(name, ["serve", MODEL, "--host", "127.0.0.1", "--port", "{port}", *COMMON, *extra], env=env)
+def serve(name, *extra, env=None, model=None, common=None):
+    return Proc(name, ["serve", model or MODEL, "--host", "127.0.0.1", "--port", "{port}",
+                       *(common or COMMON), *extra], env=env)
 
 
 def kv_cfg(role, proto):
@@ -97,24 +106,36 @@ def kv_cfg(role, proto):
                        "kv_connector_extra_config": extra})
 
 
+_clients = {}
+
+
 def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    if url not in _clients:
+        _clients[url] = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    return _clients[url]
 
 
 def complete(url, prompt, n=32, **kw):
     return client(url).completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, **kw)
 
 
-def ttft(url, prompt, n=9):
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        for c in client(url).completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
-                                                stream=True):
-            if c.choices and c.choices[0].text:
-                out.append(time.perf_counter() - t0)
-                break
-    return statistics.median(out) * 1e3
+def bench(url, label, conc, n, in_len=1024, out_len=64):
+    path = os.path.join(LOGDIR, "bench-%s-c%d.json" % (label, conc))
+    r = subprocess.run([BIN, "bench", "serve", "--base-url", url, "--model", "tiny", "--random-input-len",
+                        str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(n),
+                        "--max-concurrency", str(conc), "--ignore-eos", "--disable-tqdm", "--seed",
+                        str(conc), "--json", path], capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        check(False, "bench serve %s c=%d: %s" % (label, conc, (r.stderr or r.stdout)[-500:]))
+        return None
+    return json.load(open(path))
+
+
+def bench_all(url, label, rows):
+    for conc, n in ((1, 16), (16, 64), (64, 128)):
+        j = bench(url, label, conc, n)
+        if j:
+            rows.append((label, conc, j))
 
 
 def check(cond, what):
@@ -132,9 +153,8 @@ want = {p: complete(colo.url, p).choices[0].text for p in PROMPTS}
 chat_kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell the Congress about trade."}],
                max_tokens=24, temperature=0)
 want_chat = client(colo.url).chat.completions.create(**chat_kw).choices[0].message.content
-long_prompt = "The state of the Union is strong, and the Congress " * 150  # ~1.5k tokens
-ttft_colo = ttft(colo.url, long_prompt)
-results = []
+rows = []
+bench_all(colo.url, "colocated", rows)
 for proto, expect in ((None, "cuda_ipc"), ("tcp", "tcp")):
     label = proto or "default"
     print("=== P/D on the GPU, mooncake_protocol %s: KV expected over %s" % (label, expect))
@@ -152,11 +172,16 @@ for proto, expect in ((None, "cuda_ipc"), ("tcp", "tcp")):
             r = complete(X.url, p)
             n_req += 1
             kv = r.usage.model_dump().get("kv_transfer") or {}
-            same += r.choices[0].text == want[p]
+            if r.choices[0].text == want[p]:
+                same += 1
+            else:
+                print("  differs from colocated (%s): %r\n    P/D:        %r\n    colocated:  %r" % (
+                    "a golden near tie" if p in NEAR_TIE else "NOT a near tie", p[:60], r.choices[0].text,
+                    want[p]))
+                check(p in NEAR_TIE, "the differing prompt is a near tie of the reference")
             if not (kv.get("received_prompt_tokens", 0) > 0 and kv.get("computed_prompt_tokens") == 1):
                 check(False, "D received the prompt's KV from P (usage %s)" % kv)
-        check(same == len(PROMPTS), "%d/%d greedy completions through the proxy equal colocated GPU serving"
-              % (same, len(PROMPTS)))
+        print("  %d/%d greedy completions through the proxy equal colocated GPU serving" % (same, len(PROMPTS)))
         got_chat = client(X.url).chat.completions.create(**chat_kw).choices[0].message.content
         n_req += 1
         check(got_chat == want_chat, "chat through the proxy equals colocated")
@@ -170,22 +195,69 @@ for proto, expect in ((None, "cuda_ipc"), ("tcp", "tcp")):
         check(re.search(r"moved over %s\b" % expect, P.text()) is not None,
               "P's log names %s" % expect)
         jobs = [i % len(PROMPTS) for i in range(16)]
+        want16 = {p: complete(X.url, p).choices[0].text for p in PROMPTS}  # P/D's own single answers
         with cf.ThreadPoolExecutor(16) as ex:
             outs = list(ex.map(lambda i: complete(X.url, PROMPTS[i]).choices[0].text, jobs))
-        diff = sum(o != want[PROMPTS[i]] for o, i in zip(outs, jobs))
-        check(diff == 0, "16 concurrent requests through the proxy: %d differ from colocated" % diff)
-        t = ttft(X.url, long_prompt)
-        r = complete(X.url, long_prompt, n=1)
-        results.append((label, expect, t, r.usage.prompt_tokens))
-        print("  TTFT at %d prompt tokens (median of 9, streamed): P/D over %s %.2f ms, colocated %.2f ms"
-              % (r.usage.prompt_tokens, expect, t, ttft_colo))
+        diff = sum(o != want16[PROMPTS[i]] for o, i in zip(outs, jobs))
+        check(diff == 0, "16 concurrent requests through the proxy: %d differ from their single answers" % diff)
+        bench_all(X.url, "P/D " + expect, rows)
     finally:
         X.stop()
         D.stop()
         P.stop()
 colo.stop()
-print("=== TTFT summary (tiny model, GPU): colocated %.2f ms; %s" % (
-    ttft_colo, "; ".join("P/D %s (%s) %.2f ms (+%.2f) at %d tokens" % (l, e, t, t - ttft_colo, n)
-                         for l, e, t, n in results)))
+
+
+def table(rows, title):
+    print("=== %s" % title)
+    print("| stack | concurrency | TTFT mean ms | TTFT median ms | TTFT p99 ms | TPOT mean ms | output tok/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, conc, j in rows:
+        print("| %s | %d | %.2f | %.2f | %.2f | %.3f | %.0f |" % (
+            label, conc, j["mean_ttft_ms"], j["median_ttft_ms"], j["p99_ttft_ms"], j["mean_tpot_ms"],
+            j["output_throughput"]))
+
+
+table(rows, "disagg bench serve, tiny model (%s), 1,024-word prompts, 64 tokens out" % os.path.basename(MODEL))
+
+W7 = os.environ.get("PD_7B")
+if W7:
+    common7 = ["--device", "cuda", "--max-model-len", "8192", "--kv-cache-memory", "2G", "--block-size", "16",
+               "--served-model-name", "tiny"]
+    rows7 = []
+    colo7 = serve("colocated-7b", model=W7, common=common7)
+    try:
+        for _ in range(2):  # warm-up
+            bench(colo7.url, "warm-7b", 1, 2, in_len=4000, out_len=2)
+        j = bench(colo7.url, "colocated-7b", 1, 8, in_len=4000, out_len=4)
+        if j:
+            rows7.append(("colocated", 1, j))
+    finally:
+        colo7.stop()
+    boot = free_port()
+    P7 = serve("P-7b", "--kv-transfer-config", kv_cfg("kv_producer", None), model=W7, common=common7,
+               env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)})
+    D7 = serve("D-7b", "--kv-transfer-config", kv_cfg("kv_consumer", None), model=W7, common=common7)
+    X7 = Proc("proxy-7b", ["proxy", "--port", "{port}", "--prefill", P7.url, str(boot), "--decode", D7.url])
+    try:
+        for _ in range(2):
+            bench(X7.url, "warm-pd-7b", 1, 2, in_len=4000, out_len=2)
+        j = bench(X7.url, "pd-7b", 1, 8, in_len=4000, out_len=4)
+        if j:
+            rows7.append(("P/D cuda_ipc", 1, j))
+        m = P7.metrics()
+        print("  7B P's counters: cuda_ipc requests %d, bytes %d" % (m.get(TREQ % "cuda_ipc", 0),
+                                                                    m.get(TBYTES % "cuda_ipc", 0)))
+    finally:
+        X7.stop()
+        D7.stop()
+        P7.stop()
+    table(rows7, "TTFT at ~4k-token prompts, Qwen2.5-7B shape (random weights), 4 tokens out")
+    if len(rows7) == 2:
+        d = rows7[1][2]["mean_ttft_ms"] - rows7[0][2]["mean_ttft_ms"]
+        print("  P/D TTFT - colocated TTFT at %d input tokens: %+.2f ms (target <= +2 ms): %s" % (
+            rows7[1][2]["total_input_tokens"] // max(1, rows7[1][2]["completed"]), d,
+            "PASS" if d <= 2 else "MISS"))
+
 print("gpu_pd_check: %d failure(s)" % bad)
 sys.exit(1 if bad else 0)
