@@ -347,15 +347,13 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                               .stage_stats = &e->stage};
     if ((rc = tcp_transport_create(&e->sink, &tcfg, &e->tp[T_TCP])) != 0) goto fail;
     if ((rc = cuda_ipc_transport_create(&e->sink, &e->devp, &e->tp[T_IPC])) != 0) goto fail;
-    if (rdma && e->secret) {
-        LOG_W(MOD, "protocol rdma: the rdma connection handshake does not carry the auth_secret "
-                   "yet; using tcp (authenticated)");
-    } else if (rdma) {
+    if (rdma) {
         rdma_transport_cfg rcfg = {.verbs = rdma_verbs_current(),
                                    .device_name = e->device_name,
                                    .self_name = e->segment_name,
                                    .connect_timeout_ns = e->cfg.connect_timeout_ns,
-                                   .dev = &e->devp};
+                                   .dev = &e->devp,
+                                   .secret = e->secret};
         rc = rdma_transport_create(&e->sink, &rcfg, &e->tp[T_RDMA]);
         if (rc == TRANSFER_ENOSEG) {
             LOG_W(MOD, "protocol rdma: no RDMA device found%s%s; using tcp",
