@@ -120,7 +120,7 @@ def complete(url, prompt, n=32, **kw):
 
 
 def bench(url, label, conc, n, in_len=1024, out_len=64):
-    path = os.path.join(LOGDIR, "bench-%s-c%d.json" % (label, conc))
+    path = os.path.join(LOGDIR, "bench-%s-c%d.json" % (re.sub(r"[^A-Za-z0-9_.-]+", "_", label), conc))
     r = subprocess.run([BIN, "bench", "serve", "--base-url", url, "--model", "tiny", "--random-input-len",
                         str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(n),
                         "--max-concurrency", str(conc), "--ignore-eos", "--disable-tqdm", "--seed",

@@ -41,7 +41,7 @@ BAD = [
     (["target", "--buffer-size", "-5"], ["'-5'"]),
     (["target", "--buffers", "0"], ["--buffers", "'0'", "1..64"]),
     (["target", "--buffers", "65"], ["'65'", "1..64"]),
-    (["target", "--protocol", "udp"], ["'udp'", "auto, tcp, shm"]),
+    (["target", "--protocol", "udp"], ["'udp'", "auto, tcp, shm, rdma"]),
     (["target", "--port", "70000"], ["--port", "'70000'", "0..65535"]),
     (["target", "--port"], ["--port", "needs a value"]),
     (["target", "--pattern", "abc"], ["--pattern", "'abc'"]),
@@ -66,7 +66,7 @@ BAD = [
     (["check", "--target", SEG, "--max-length", "2G"], ["--max-length", "'2G'"]),
     (["check", "--target", SEG, "--seed", "1.5"], ["--seed", "'1.5'"]),
     (["check", "--target", "[::1:80", "--iterations", "1"], ["'[::1:80'"]),
-    (["demo", "--protocol", "rdma"], ["'rdma'", "auto, tcp, shm"]),
+    (["demo", "--protocol", "ib"], ["'ib'", "auto, tcp, shm, rdma"]),
     (["demo", "--buffer-size", "1X"], ["'1X'"]),
 ]
 

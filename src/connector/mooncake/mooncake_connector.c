@@ -1373,7 +1373,9 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     uint16_t port;
     net_split_host_port(c->segment, c->host, sizeof c->host, &port, 0);
     c->st.role = kv_role_name(c->cfg.role);
-    c->st.protocol = kv_protocol_name(c->proto);
+    /* HBM without a NIC: the engine picks per peer (cuda_ipc on this host, staged tcp
+     * elsewhere); the per-transport counters say which carried each write. */
+    c->st.protocol = tc.protocol == TRANSFER_PROTO_AUTO ? "auto" : kv_protocol_name(c->proto);
     c->st.engine_id = c->cfg.engine_id;
     if (id_table_init(&c->prod_index) != 0) {
         snprintf(err, errlen, "out of memory");
@@ -1400,7 +1402,11 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
           "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "
           "%.1f MiB "
           "(%d blocks of %zu bytes)",
-          kv_role_name(c->cfg.role), c->cfg.engine_id, kv_protocol_name(c->proto), c->segment,
+          kv_role_name(c->cfg.role), c->cfg.engine_id,
+          tc.protocol == TRANSFER_PROTO_AUTO ? "cuda_ipc to this host's GPUs, staged tcp to others"
+          : on_device && c->proto == KV_PROTOCOL_TCP ? "tcp (device memory staged)"
+                                                     : kv_protocol_name(c->proto),
+          c->segment,
           (double)c->region.bytes / (1 << 20), c->region.n_blocks, c->region.block_bytes);
     *out = c;
     return 0;

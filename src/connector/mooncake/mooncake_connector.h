@@ -48,7 +48,7 @@ void mooncake_connector_destroy(mooncake_connector *c);
 
 typedef struct mooncake_stats {
     const char *role;     /* "kv_producer", "kv_consumer", "kv_both" */
-    const char *protocol; /* transport in use: "tcp" or "shm" */
+    const char *protocol; /* transport in use: "tcp", "shm", "rdma", or "auto" (KV in HBM, no NIC: cuda_ipc on this host, staged tcp elsewhere) */
     const char *engine_id;
     uint64_t bytes_sent;                     /* producer: KV bytes written to decoders */
     uint64_t descriptors_sent;               /* producer: contiguous runs written */
