@@ -74,9 +74,9 @@ typedef enum transfer_protocol {
     TRANSFER_PROTO_TCP = 1,
     TRANSFER_PROTO_SHM = 2, /* same host only; opening a remote host's segment fails */
     /* RDMA (RC queue pairs, one-sided WRITE/READ) over the NICs named by
-     * device_name (all when empty).  No NIC (or an auth_secret, which the
-     * rdma handshake does not carry yet): tcp with a warning.  A peer
-     * without rdma: tcp. */
+     * device_name (all when empty).  No NIC: tcp with a warning.  A peer
+     * without rdma: tcp.  With an auth_secret the queue-pair handshake is
+     * authenticated (docs/transfer.md). */
     TRANSFER_PROTO_RDMA = 3,
     /* Reported by transfer_segment_get_info only: never the preferred
      * transport of a segment (device memory of a same-host peer uses it). */
