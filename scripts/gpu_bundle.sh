@@ -21,8 +21,12 @@ cp -r ../shared/data/qwen2.5-tokenizer "$STAGE/shared/data/" 2>/dev/null ||
 for b in disagg test_cuda_model test_backend_ops test_gpu_transfer libdisagg_cuda.so; do
   cp "$BUILD/$b" "$STAGE/prebuilt/" && strip --strip-debug "$STAGE/prebuilt/$b"
 done
-# WHEELS=dir: Python wheels the GPU image lacks (the openai client and its needs) travel in
+# WHEELS=dir (default: the repo's .whl/ when it exists, the device README's convention):
+# Python wheels the GPU image lacks (the openai client and its needs: openai, pydantic,
+# pydantic-core, annotated-types, typing-inspection, jiter, sniffio, httpx2, httpcore2,
+# truststore, typing-extensions, idna, anyio, h11 for cp312 manylinux) travel in
 # prebuilt/whl; gpu_check.sh installs them when `import openai` fails there.
+[ -z "${WHEELS:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && WHEELS=.whl
 if [ -n "${WHEELS:-}" ]; then mkdir -p "$STAGE/prebuilt/whl" && cp "$WHEELS"/*.whl "$STAGE/prebuilt/whl/"; fi
 ldd "$BUILD/disagg" "$BUILD/test_cuda_model" "$BUILD/test_gpu_transfer" | awk '/=>/{print $3}' | sort -u |
   grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libresolv)\.so' |
