@@ -38,9 +38,9 @@
 
 typedef struct tc_options {
     int device;
-    int target;       /* --mode target */
-    int ipc, tcp;     /* transports to run */
-    long tokens;      /* prompt tokens */
+    int target;   /* --mode target */
+    int ipc, tcp; /* transports to run */
+    long tokens;  /* prompt tokens */
     long block_tokens;
     long layers, kv_heads, head_dim;
     long reps;
@@ -214,8 +214,8 @@ static int tc_engine(const tc_options *o, transfer_protocol proto, const transfe
 }
 
 /* Fill device memory [dev, +len) with the pattern of seed keyed from key. */
-static int tc_fill(const transfer_device_ops *ops, int device, void *dev, size_t len,
-                   uint64_t key, uint64_t seed) {
+static int tc_fill(const transfer_device_ops *ops, int device, void *dev, size_t len, uint64_t key,
+                   uint64_t seed) {
     const size_t chunk = 64u << 20;
     void *h = ops->alloc_pinned(ops->ctx, chunk), *st = NULL;
     int rc = !h || ops->stream_create(ops->ctx, device, &st);
@@ -237,8 +237,7 @@ static long long tc_check(const transfer_device_ops *ops, int device, const void
     long long bad = (!h || ops->stream_create(ops->ctx, device, &st)) ? -1 : 0;
     for (size_t o = 0; bad >= 0 && o < len; o += chunk) {
         size_t n = len - o < chunk ? len - o : chunk;
-        if (ops->copy_to_host(ops->ctx, st, h, (const char *)dev + o, n) ||
-            ops->sync(ops->ctx, st))
+        if (ops->copy_to_host(ops->ctx, st, h, (const char *)dev + o, n) || ops->sync(ops->ctx, st))
             bad = -1;
         else
             bad += (long long)tb_pattern_check(h, key + o, n, seed, NULL);
@@ -286,8 +285,7 @@ static int tc_run_target(const tc_options *o) {
     printf("disagg-bench-cuda-target segment=%s dev=0x%llx host=0x%llx length=%zu pid=%d ipc=%s "
            "ipc_off=%llu\n",
            transfer_engine_segment_name(e), (unsigned long long)(uintptr_t)dev,
-           (unsigned long long)(uintptr_t)host, dlen, (int)getpid(), hex,
-           (unsigned long long)off);
+           (unsigned long long)(uintptr_t)host, dlen, (int)getpid(), hex, (unsigned long long)off);
     fflush(stdout);
     /* Commands: "verify OFF LEN KEY SEED" (device), "verifyhost OFF LEN KEY SEED",
      * "quit".  Each answers one line. */
@@ -335,10 +333,14 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
     snprintf(tokens, sizeof tokens, "%ld", o->tokens);
     snprintf(bt, sizeof bt, "%ld", o->block_tokens);
     snprintf(shape, sizeof shape, "%ld,%ld,%ld", o->layers, o->kv_heads, o->head_dim);
-    const char *args[] = {"disagg",         "bench",   "transfer", "--location",       loc,
-                          "--mode",         "target",  "--tokens", tokens,             "--block-tokens",
-                          bt,               "--kv-shape", shape,   "--local-hostname", o->host,
-                          NULL};
+    const char *args[] = {"disagg",   "bench",
+                          "transfer", "--location",
+                          loc,        "--mode",
+                          "target",   "--tokens",
+                          tokens,     "--block-tokens",
+                          bt,         "--kv-shape",
+                          shape,      "--local-hostname",
+                          o->host,    NULL};
     fflush(stdout);
     fflush(stderr);
     pid_t parent = getpid();
@@ -363,8 +365,9 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
                "disagg-bench-cuda-target segment=%127s dev=0x%llx host=0x%llx length=%zu pid=%d "
                "ipc=%128s ipc_off=%llu",
                c->segment, &c->dev, &c->host, &c->length, &tpid, hex, &c->ipc_off) != 7) {
-        fprintf(stderr, "disagg bench transfer: the forked target (pid %d) printed no segment "
-                        "line (see its error above)\n",
+        fprintf(stderr,
+                "disagg bench transfer: the forked target (pid %d) printed no segment "
+                "line (see its error above)\n",
                 (int)pid);
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
@@ -446,10 +449,14 @@ static void tc_time(transfer_engine *e, const transfer_request *reqs, size_t n, 
 
 static const char *tc_via(unsigned via) {
     switch (via) {
-    case 1u << TRANSFER_PROTO_CUDA_IPC: return "cuda_ipc";
-    case 1u << TRANSFER_PROTO_TCP: return "tcp";
-    case 1u << TRANSFER_PROTO_SHM: return "shm";
-    case 1u << TRANSFER_PROTO_RDMA: return "rdma";
+    case 1u << TRANSFER_PROTO_CUDA_IPC:
+        return "cuda_ipc";
+    case 1u << TRANSFER_PROTO_TCP:
+        return "tcp";
+    case 1u << TRANSFER_PROTO_SHM:
+        return "shm";
+    case 1u << TRANSFER_PROTO_RDMA:
+        return "rdma";
     }
     return via ? "mixed" : "none";
 }
@@ -457,8 +464,7 @@ static const char *tc_via(unsigned via) {
 static void tc_row(const char *what, const char *layout, size_t n, const tc_result *r,
                    size_t bytes) {
     printf("%-22s %-11s %5zu %6" PRIu64 " %-9s %9.3f %9.3f %9.1f\n", what, layout, n, r->copies,
-           tc_via(r->via), r->best_s * 1e3, r->median_s * 1e3,
-           (double)bytes / r->median_s / 1e9);
+           tc_via(r->via), r->best_s * 1e3, r->median_s * 1e3, (double)bytes / r->median_s / 1e9);
 }
 
 static int tc_run(const tc_options *o) {
@@ -605,8 +611,8 @@ static int tc_run(const tc_options *o) {
         tb_ceiling sc;
         if (srv && tb_socket_ceiling(o->host, false, 1u << 20, host, srv, kv >> 20, 1.0, &sc, err,
                                      sizeof err) == 0)
-            printf("%-22s %-11s %5s %6s %-9s %9s %9.3f %9.1f\n", "ceiling: socket loop",
-                   "1 MiB", "-", "-", "-", "-", sc.mean_us / 1e3, sc.gbps);
+            printf("%-22s %-11s %5s %6s %-9s %9s %9.3f %9.1f\n", "ceiling: socket loop", "1 MiB",
+                   "-", "-", "-", "-", sc.mean_us / 1e3, sc.gbps);
         free(srv);
         /* pinned PCIe copies of the whole KV */
         void *pin = ops.alloc_pinned(ops.ctx, kv);

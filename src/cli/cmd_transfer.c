@@ -256,9 +256,10 @@ static int opt_assign(const char *sub, const opt_spec *sp, const char *val) {
         return 0;
     case OPT_PROTO:
         if (parse_protocol(val, (transfer_protocol *)sp->dst) < 0) {
-            fprintf(stderr,
-                    "disagg transfer %s: %s '%s' is not a protocol; accepted: auto, tcp, shm, rdma\n",
-                    sub, sp->name, val);
+            fprintf(
+                stderr,
+                "disagg transfer %s: %s '%s' is not a protocol; accepted: auto, tcp, shm, rdma\n",
+                sub, sp->name, val);
             return 2;
         }
         return 0;

@@ -165,8 +165,9 @@ static void ipc_submit(transport *t, void *conn, xfer_op *ops) {
         unmap_all(d, c);
         for (size_t i = 0; i < c->n; i++)
             c->bufs[i].base = NULL;
-        LOG_W(MOD, "segment %s: the peer process (pid %d) is gone; released its device "
-                   "memory mappings",
+        LOG_W(MOD,
+              "segment %s: the peer process (pid %d) is gone; released its device "
+              "memory mappings",
               c->name, c->pid);
     }
     if (rc == 0 && c->gone) rc = TRANSFER_ECONN;

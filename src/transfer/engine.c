@@ -998,8 +998,7 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
             for (size_t i = 0; i < n; i++) {
                 batch_req *q = &b->reqs[base + i];
                 q->transferred = 0;
-                q->transports =
-                    rt[i].reject ? 0 : 1u << (unsigned)e->tp[rt[i].t]->ops->proto;
+                q->transports = rt[i].reject ? 0 : 1u << (unsigned)e->tp[rt[i].t]->ops->proto;
                 if (rt[i].reject) {
                     q->state = TRANSFER_STATE_FAILED;
                     q->error = TRANSFER_EREMOTEADDR;
@@ -1218,8 +1217,7 @@ static int sync_op(transfer_engine *e, const char *target, transfer_opcode opcod
             }
         }
         transfer_status all;
-        if (transports && transfer_batch_get_overall(e, b, &all) == 0)
-            *transports = all.transports;
+        if (transports && transfer_batch_get_overall(e, b, &all) == 0) *transports = all.transports;
         transfer_batch_free(e, b);
     }
     free(reqs);
@@ -1239,11 +1237,16 @@ int transfer_sync_write_via(transfer_engine *e, const char *target, void *const 
 
 const char *transfer_protocol_name(transfer_protocol p) {
     switch (p) {
-    case TRANSFER_PROTO_AUTO: return "auto";
-    case TRANSFER_PROTO_TCP: return "tcp";
-    case TRANSFER_PROTO_SHM: return "shm";
-    case TRANSFER_PROTO_RDMA: return "rdma";
-    case TRANSFER_PROTO_CUDA_IPC: return "cuda_ipc";
+    case TRANSFER_PROTO_AUTO:
+        return "auto";
+    case TRANSFER_PROTO_TCP:
+        return "tcp";
+    case TRANSFER_PROTO_SHM:
+        return "shm";
+    case TRANSFER_PROTO_RDMA:
+        return "rdma";
+    case TRANSFER_PROTO_CUDA_IPC:
+        return "cuda_ipc";
     }
     return "?";
 }

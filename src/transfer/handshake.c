@@ -361,8 +361,7 @@ static void serve_conn(handshake_server *s, hs_conn *c) {
               "auth_secret)",
               c->peer);
         count_refusal(s);
-        json_t *o = json_pack("{s:s,s:s}", "reply_msg", "authentication required",
-                              "error",
+        json_t *o = json_pack("{s:s,s:s}", "reply_msg", "authentication required", "error",
                               "authentication required: this disagg engine has an auth_secret; "
                               "a connect frame must follow the challenge on the same connection");
         send_json(fd, type, o, deadline);
@@ -613,8 +612,8 @@ int handshake_fetch(const net_addr *peer, const char *peer_name, const char *sel
     uint64_t len = 0;
     int rc;
     if (secret) {
-        rc = client_auth(fd, a, peer_name ? peer_name : a, self_name ? self_name : "", secret,
-                         NULL, deadline_ns, &body, &len, err, cap);
+        rc = client_auth(fd, a, peer_name ? peer_name : a, self_name ? self_name : "", secret, NULL,
+                         deadline_ns, &body, &len, err, cap);
     } else {
         rc = send_frame(fd, HANDSHAKE_TYPE_METADATA, my_json ? my_json : "{}", deadline_ns);
         if (rc) {

@@ -48,8 +48,7 @@ static void pat_fill(void *buf, uint64_t key, size_t len, uint64_t seed) {
         b[i] = (uint8_t)(tb_pattern_word(seed, o / 8) >> (8 * (o % 8)));
     }
 }
-static size_t pat_check(const void *buf, uint64_t key, size_t len, uint64_t seed,
-                               size_t *first) {
+static size_t pat_check(const void *buf, uint64_t key, size_t len, uint64_t seed, size_t *first) {
     const uint8_t *b = buf;
     size_t bad = 0;
     (void)first;
@@ -80,8 +79,8 @@ static int target_start(target *t, int tokens) {
     if (pipe2(to, O_CLOEXEC) || pipe2(from, O_CLOEXEC)) return -1;
     char tok[32];
     snprintf(tok, sizeof tok, "%d", tokens);
-    const char *args[] = {disagg_bin, "bench",    "transfer", "--location", "cuda:0", "--mode",
-                          "target",   "--tokens", tok,        NULL};
+    const char *args[] = {disagg_bin, "bench",  "transfer", "--location", "cuda:0",
+                          "--mode",   "target", "--tokens", tok,          NULL};
     pid_t pid = fork();
     if (pid < 0) return -1;
     if (pid == 0) {
@@ -99,7 +98,8 @@ static int target_start(target *t, int tokens) {
     char line[512];
     int tp;
     if (!fgets(line, sizeof line, t->out) ||
-        sscanf(line, "disagg-bench-cuda-target segment=%127s dev=0x%llx host=0x%llx length=%zu pid=%d",
+        sscanf(line,
+               "disagg-bench-cuda-target segment=%127s dev=0x%llx host=0x%llx length=%zu pid=%d",
                t->segment, &t->dev, &t->host, &t->length, &tp) != 5) {
         fprintf(stderr, "the target printed no segment line\n");
         kill(pid, SIGKILL);
@@ -172,7 +172,8 @@ static int setup_proto(void **state, transfer_protocol proto) {
     c.timeout_base_ns = 10 * NS;
     f->len = LOCAL;
     f->dev = api->alloc(0, f->len);
-    if (!f->dev || transfer_engine_create(&c, &f->e) || transfer_engine_set_device_ops(f->e, &ops) ||
+    if (!f->dev || transfer_engine_create(&c, &f->e) ||
+        transfer_engine_set_device_ops(f->e, &ops) ||
         transfer_register(f->e, f->dev, f->len, "cuda:0") ||
         transfer_open_segment(f->e, f->t.segment, &f->seg))
         return -1;
@@ -243,8 +244,8 @@ static void test_ipc_coalesce(void **state) {
     size_t off = 0;
     for (int i = 0; i < N; i++) {
         size_t len = 1000 + (size_t)i * 7919 % 50000;
-        reqs[i] = (transfer_request){TRANSFER_WRITE, f->dev + 3 + off, f->seg,
-                                     f->t.dev + 11 + off, len};
+        reqs[i] =
+            (transfer_request){TRANSFER_WRITE, f->dev + 3 + off, f->seg, f->t.dev + 11 + off, len};
         off += len;
     }
     dev_fill(f->dev + 3, off, 3, 0x2222);
@@ -331,7 +332,7 @@ static void test_ipc_peer_killed(void **state) {
            "with %s\n",
            w.ok, f->len >> 20, ended_ms, transfer_strerror(w.rc));
     assert_int_equal(w.rc, TRANSFER_ECONN);
-    assert_true(ended_ms < 10000); /* liveness bound, generous */
+    assert_true(ended_ms < 10000);                 /* liveness bound, generous */
     assert_int_equal(api->open_mappings(), maps0); /* the mapping was released */
     /* and the dead target's memory came back (our mapping no longer holds it) */
     for (int i = 0; i < 50; i++) {

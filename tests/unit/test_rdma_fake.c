@@ -398,30 +398,33 @@ static void test_secret_rdma(void **state) {
     void *dst = bm + 7;
     uint64_t src = (uint64_t)(uintptr_t)(am + 3);
     size_t len = 700000;
-    assert_int_equal(transfer_sync_read(b, transfer_engine_segment_name(a), &dst, &src, &len, 1), 0);
+    assert_int_equal(transfer_sync_read(b, transfer_engine_segment_name(a), &dst, &src, &len, 1),
+                     0);
     assert_memory_equal(bm + 7, am + 3, len);
     assert_true(atomic_load(&fv.nics[0].wrs) + atomic_load(&fv.nics[1].wrs) > w0); /* on the NICs */
     unsigned via = 0;
     void *wsrc = bm;
     uint64_t wdst = (uint64_t)(uintptr_t)(am + 100);
     len = 5000;
-    assert_int_equal(transfer_sync_write_via(b, transfer_engine_segment_name(a), &wsrc, &wdst, &len,
-                                             1, &via),
-                     0);
+    assert_int_equal(
+        transfer_sync_write_via(b, transfer_engine_segment_name(a), &wsrc, &wdst, &len, 1, &via),
+        0);
     assert_int_equal(via, 1u << TRANSFER_PROTO_RDMA);
     assert_memory_equal(am + 100, bm, 5000);
 
     /* another secret: refused before any queue pair */
     c.auth_secret = "other";
     assert_int_equal(transfer_engine_create(&c, &x), 0);
-    assert_int_equal(transfer_open_segment(x, transfer_engine_segment_name(a), &seg), TRANSFER_EAUTH);
+    assert_int_equal(transfer_open_segment(x, transfer_engine_segment_name(a), &seg),
+                     TRANSFER_EAUTH);
     transfer_engine_destroy(x);
 
     /* a bare connect frame (no challenge): refused with an authentication error */
     net_addr ha;
     char host[64];
     uint16_t port;
-    assert_int_equal(net_split_host_port(transfer_engine_segment_name(a), host, sizeof host, &port, 0), 0);
+    assert_int_equal(
+        net_split_host_port(transfer_engine_segment_name(a), host, sizeof host, &port, 0), 0);
     assert_int_equal(net_resolve(host, port, &ha), 0);
     char *reply = NULL, err[256] = "";
     size_t rl = 0;

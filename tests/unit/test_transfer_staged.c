@@ -613,8 +613,8 @@ static void test_transports_reported(void **state) {
     uint64_t dst = rptr(f, 1, 0);
     size_t len = 1000;
     unsigned via = 99;
-    assert_int_equal(transfer_sync_write_via(f->init, transfer_engine_segment_name(f->target),
-                                             &src, &dst, &len, 1, &via),
+    assert_int_equal(transfer_sync_write_via(f->init, transfer_engine_segment_name(f->target), &src,
+                                             &dst, &len, 1, &via),
                      0);
     assert_int_equal(via, IPC);
     /* out of the peer's buffer: refused, nothing copied, still says nothing carried it */
@@ -641,8 +641,8 @@ static void test_tcp_asked_stays_tcp(void **state) {
     size_t len = (3u << 20) + 5;
     fill_random((uint8_t *)f->idev.back + 1, len);
     unsigned via = 0;
-    assert_int_equal(transfer_sync_write_via(f->init, transfer_engine_segment_name(f->target),
-                                             &src, &dst, &len, 1, &via),
+    assert_int_equal(transfer_sync_write_via(f->init, transfer_engine_segment_name(f->target), &src,
+                                             &dst, &len, 1, &via),
                      0);
     assert_int_equal(via, 1u << TRANSFER_PROTO_TCP);
     assert_memory_equal(f->tdev.back + 2, f->idev.back + 1, len);

@@ -1342,10 +1342,10 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
      * same-host peer's device memory goes over cuda_ipc and any other over staged tcp;
      * an explicit "tcp" stays tcp (staged for device memory); host memory without a NIC
      * keeps tcp, as before. */
-    tc.protocol = c->proto == KV_PROTOCOL_SHM    ? TRANSFER_PROTO_SHM
-                  : c->proto == KV_PROTOCOL_RDMA ? TRANSFER_PROTO_RDMA
+    tc.protocol = c->proto == KV_PROTOCOL_SHM                        ? TRANSFER_PROTO_SHM
+                  : c->proto == KV_PROTOCOL_RDMA                     ? TRANSFER_PROTO_RDMA
                   : c->cfg.protocol == KV_PROTOCOL_RDMA && on_device ? TRANSFER_PROTO_AUTO
-                                                                      : TRANSFER_PROTO_TCP;
+                                                                     : TRANSFER_PROTO_TCP;
     /* Shared secret of the transfer ports (docs/transfer.md, Security): the
      * auth_secret key, else $DISAGG_KV_SECRET (resolved by the config). */
     tc.auth_secret = c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL;
@@ -1406,8 +1406,8 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
           tc.protocol == TRANSFER_PROTO_AUTO ? "cuda_ipc to this host's GPUs, staged tcp to others"
           : on_device && c->proto == KV_PROTOCOL_TCP ? "tcp (device memory staged)"
                                                      : kv_protocol_name(c->proto),
-          c->segment,
-          (double)c->region.bytes / (1 << 20), c->region.n_blocks, c->region.block_bytes);
+          c->segment, (double)c->region.bytes / (1 << 20), c->region.n_blocks,
+          c->region.block_bytes);
     *out = c;
     return 0;
 }
@@ -1581,10 +1581,10 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
                          "written to decoders, by the transport that carried them.\n"
                          "# TYPE disagg:kv_transfer_transport_bytes_total counter\n");
         for (int i = 0; i < 4 && o > 0 && (size_t)o < sizeof tl; i++)
-            o += snprintf(tl + o, sizeof tl - (size_t)o,
-                          "disagg:kv_transfer_transport_bytes_total{transport=\"%s\"} %" PRIu64
-                          "\n",
-                          tn[i], s.transport_bytes[i]);
+            o +=
+                snprintf(tl + o, sizeof tl - (size_t)o,
+                         "disagg:kv_transfer_transport_bytes_total{transport=\"%s\"} %" PRIu64 "\n",
+                         tn[i], s.transport_bytes[i]);
         if (o > 0 && (size_t)o < sizeof tl)
             o += snprintf(tl + o, sizeof tl - (size_t)o,
                           "# HELP disagg:kv_transfer_transport_requests_total Producer: requests "

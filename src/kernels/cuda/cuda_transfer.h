@@ -44,8 +44,7 @@ typedef struct dcu_transfer_api {
     uint64_t (*d2d_copies)(void);
     /* One device-to-device copy of len bytes dst <- src timed with events on a fresh stream
      * (the copy ceiling), reps times after one warm-up; *seconds the mean per copy. */
-    int (*time_copy)(int device, void *dst, const void *src, size_t len, int reps,
-                     double *seconds);
+    int (*time_copy)(int device, void *dst, const void *src, size_t len, int reps, double *seconds);
     /* The same for host <-> device with pinned host memory (to_host: 1 = D2H). */
     int (*time_pcie)(int device, void *host_pinned, void *dev, size_t len, int to_host, int reps,
                      double *seconds);

@@ -60,8 +60,10 @@ const dcu_transfer_api *cuda_transfer_load(char *err, size_t errlen) {
                 snprintf(why, sizeof why, "the CUDA module has no %s (a module of another build?)",
                          DCU_TRANSFER_SYMBOL);
             else if (a->abi != DCU_TRANSFER_ABI)
-                snprintf(why, sizeof why, "the CUDA module's transfer table has ABI %d; this binary "
-                         "needs %d (rebuild both together)", a->abi, DCU_TRANSFER_ABI);
+                snprintf(why, sizeof why,
+                         "the CUDA module's transfer table has ABI %d; this binary "
+                         "needs %d (rebuild both together)",
+                         a->abi, DCU_TRANSFER_ABI);
             else
                 api = a; /* kept loaded for the life of the process */
         }

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define EXPORT extern "C" __attribute__((visibility("default")))
+#define EXPORT  extern "C" __attribute__((visibility("default")))
 #define MAX_DEV 64
 
 namespace {
@@ -72,8 +72,7 @@ void lookup_driver(void) {
         q == cudaDriverEntryPointSuccess)
         g_get_handle = (get_handle_fn)p;
 #else
-    if (cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &q) ==
-            cudaSuccess &&
+    if (cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &q) == cudaSuccess &&
         q == cudaDriverEntryPointSuccess)
         g_get_range = (get_range_fn)p;
     p = NULL;
@@ -242,8 +241,8 @@ void *own_base(const void *handle) {
 int op_ipc_open(void *ctx, int device, const void *handle, size_t handle_len, void **base) {
     (void)ctx;
     if (handle_len != sizeof(cudaIpcMemHandle_t)) {
-        fprintf(stderr, "[cuda transfer] an IPC handle of %zu bytes (CUDA's are %zu)\n",
-                handle_len, sizeof(cudaIpcMemHandle_t));
+        fprintf(stderr, "[cuda transfer] an IPC handle of %zu bytes (CUDA's are %zu)\n", handle_len,
+                sizeof(cudaIpcMemHandle_t));
         return -EINVAL;
     }
     if (void *own = own_base(handle)) { /* our own export */
@@ -342,7 +341,8 @@ void *api_alloc(int device, size_t bytes) {
         fail("cudaMalloc", e);
         return NULL;
     }
-    if ((e = cudaMemset(p, 0, bytes)) != cudaSuccess || (e = cudaDeviceSynchronize()) != cudaSuccess) {
+    if ((e = cudaMemset(p, 0, bytes)) != cudaSuccess ||
+        (e = cudaDeviceSynchronize()) != cudaSuccess) {
         fail("cudaMemset", e);
         cudaFree(p);
         return NULL;
@@ -406,8 +406,8 @@ int api_time_pcie(int device, void *host, void *dev, size_t len, int to_host, in
 }
 
 const dcu_transfer_api g_api = {
-    DCU_TRANSFER_ABI, api_device_ops, api_alloc,     api_free,
-    api_mem_info,     api_open_mappings, api_d2d_copies, api_time_copy, api_time_pcie,
+    DCU_TRANSFER_ABI,  api_device_ops, api_alloc,     api_free,      api_mem_info,
+    api_open_mappings, api_d2d_copies, api_time_copy, api_time_pcie,
 };
 
 } // namespace
