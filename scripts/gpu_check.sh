@@ -15,6 +15,12 @@
 #   5. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
 #      and the random tiny model, test_cuda_model again against those references, and
 #      tests/integration/test_device.py.
+#   6. KV from GPU to GPU (kv_steps below; ONLY=kv runs just the build and these):
+#      test_gpu_transfer (cuda_ipc and staged tcp between two processes on the GPU),
+#      P/D with the KV in HBM behind disagg proxy (tools/gpu_pd_check.py, the official openai
+#      client: carried as wheels in $PREBUILT/whl when the image lacks it) and
+#      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
+#      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
 # QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
 # The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
 # (GEMM rows, attention schedules, the model alone / batched / chunked, also on the 7B-shaped
@@ -45,7 +51,7 @@ if [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}" ] && [ -f "$PREBUILT/libdisagg_cud
   echo "ONLY=$ONLY: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
   BUILD=$PREBUILT
 elif cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
-  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant >>"$OUT/cmake.log" 2>&1
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer >>"$OUT/cmake.log" 2>&1
   check $? "cmake build in $BUILD"
 elif [ -n "${PREBUILT:-}" ]; then
   echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
@@ -76,10 +82,42 @@ inv_steps() {
   python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" ${INV_SERVE_ARGS:-}
   check $? gpu_invariant_serve
 }
-if [ "${ONLY:-}" = inv ]; then
-  inv_steps
+kv_steps() {
+  step "KV from GPU to GPU: test_gpu_transfer (cuda_ipc and staged tcp, two processes on the GPU)"
+  DISAGG_BIN=$BIN "$BUILD/test_gpu_transfer"
+  check $? test_gpu_transfer
+
+  step "KV from GPU to GPU: P/D with the KV in HBM behind disagg proxy (openai client; cuda_ipc, then staged tcp)"
+  if ! python3 -c 'import openai' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl && export PYTHONPATH=/tmp/gpu-check-site
+  fi
+  PD7=
+  if [ -n "${KV_7B:-}" ]; then # TTFT at a 4k prompt on the 7B shape: random weights + the Qwen2.5 tokenizer
+    W7=/dev/shm/q7b
+    [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
+    [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+    check $? "gen_random_qwen2_gpu 7b"
+    TOK=$SRC/../shared/data/qwen2.5-tokenizer
+    [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
+    cp "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$W7"/ && PD7=$W7
+  fi
+  if python3 -c 'import openai' 2>/dev/null; then
+    PD_7B=$PD7 PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+    check $? gpu_pd_check
+  else
+    echo "******** SKIP gpu_pd_check: the openai package is not importable here (bundle its wheels: WHEELS=dir scripts/gpu_bundle.sh, see docs/transfer.md) ********"
+  fi
+
+  step "bench transfer --location cuda:0 (cuda_ipc and staged tcp vs ceilings of the same run)"
+  "$BIN" bench transfer --location cuda:0
+  check $? "bench transfer --location cuda:0"
+}
+if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ]; then
+  [ "$ONLY" = inv ] && inv_steps
+  [ "$ONLY" = kv ] && kv_steps
   step "summary"
-  echo "gpu_check (ONLY=inv): $fails failed step(s)"
+  echo "gpu_check (ONLY=$ONLY): $fails failed step(s)"
   exit $((fails > 0))
 fi
 
@@ -141,6 +179,8 @@ step "integration: tests/integration/test_device.py"
 DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
 check ${PIPESTATUS[0]} test_device.py
 echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
+
+kv_steps
 
 step "summary"
 echo "gpu_check: $fails failed step(s)"

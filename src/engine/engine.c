@@ -453,6 +453,7 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     out->bytes = e->kv_bytes;
     out->block_bytes = qwen2_kv_block_bytes_dt(c, e->kv.block_size, e->kv.dtype);
     snprintf(out->location, sizeof out->location, "%s", backend_buffer_location(e->kv.buf));
+    out->backend = backend_buffer_backend(e->kv.buf);
     static const char *const short_dt[] = {"f32", "f16", "bf16"};
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;

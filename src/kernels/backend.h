@@ -112,6 +112,11 @@ int backend_is_cpu(const backend *be);              /* 1 for the CPU backend */
 backend_dtype backend_act_dtype(const backend *be); /* activations the model should use */
 backend_dtype backend_kv_dtype_default(const backend *be); /* "auto" KV dtype: f32 cpu, bf16 cuda */
 int backend_kv_dtype_ok(const backend *be, backend_dtype dt); /* 1 if KV of dt is supported */
+/* The address of symbol `name` in the backend's loaded module (libdisagg_cuda.so), NULL on
+ * the CPU backend or when the module has none: how a layer above finds what the module
+ * offers beside the backend, e.g. the transfer engine's device-memory ops
+ * (kernels/cuda/cuda_transfer.h DCU_TRANSFER_SYMBOL) for the KV region. */
+void *backend_module_symbol(const backend *be, const char *name);
 /* Device memory: *free_b bytes free now, *total_b in all (CPU: available and physical RAM). */
 int backend_memory(const backend *be, size_t *free_b, size_t *total_b);
 
