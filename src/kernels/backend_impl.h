@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 2
+#define BACKEND_ABI_VERSION 3
 
 typedef struct backend_iface {
     /* device */
@@ -59,6 +59,19 @@ typedef struct backend_iface {
     int (*graph_end)(backend_stream *st, int ok);
     void (*graph_reset)(backend_stream *st);
     int (*graph_count)(const backend_stream *st);
+    /* fused operations and extras (optional: NULL runs the generic form in backend.c) */
+    int (*weights_load_cat)(backend *be, backend_buffer *b, const void *const *srcs,
+                            const backend_dtype *src_dts, const size_t *ns, int n_parts,
+                            backend_dtype *stored);
+    int (*add_rmsnorm)(backend_stream *st, void *out, backend_dtype out_dt, void *x,
+                       const void *add, backend_dtype x_dt, const float *w, int rows, int n,
+                       float eps);
+    int (*qkv)(backend_stream *st, const backend_qkv_op *op);     /* op->wqkv != NULL */
+    int (*gate_up)(backend_stream *st, const backend_mlp_op *op); /* op->w_gate_up != NULL */
+    int (*attention_to)(backend_stream *st, void *out, backend_dtype out_dt, const void *q,
+                        backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
+                        float scale);
+    int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
 } backend_iface;
 
 struct backend {
@@ -68,6 +81,7 @@ struct backend {
     char location[32];          /* backend_location(): "cpu:0", "cuda:0" */
     int is_cpu;                 /* backend_is_cpu() */
     backend_dtype act_dtype;    /* backend_act_dtype() */
+    backend_dtype mm_dtype;     /* backend_mm_dtype() (0 = F32) */
     backend_dtype kv_dtype;     /* backend_kv_dtype_default() */
     unsigned kv_dtypes;         /* bit (1 << dtype) per KV dtype supported */
     int is_static;              /* 1: backend_close() does nothing (backend_cpu_default) */

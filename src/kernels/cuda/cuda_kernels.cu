@@ -2,8 +2,8 @@
  * cuda_kernels — the CUDA module (see cuda_module.h): device context, buffers, the
  * forward's kernels (embedding gather, RMSNorm with fused residual add, RoPE, SwiGLU,
  * KV write into paged blocks, paged GQA attention split over KV blocks, argmax), GEMMs
- * through cuBLASLt (bf16 in, f32 accumulate and out), and the Qwen2 forward built on
- * them.  Built for sm_90 plus compute_90 PTX; linked against the static CUDA runtime and
+ * through cuBLASLt (bf16 in, f32 accumulate and out); kernels/backend.h on top of them
+ * (cuda_backend.cuh, the module's one entry point).  Built for sm_90 plus compute_90 PTX; linked against the static CUDA runtime and
  * libcublasLt, so the module needs libcuda (the driver) and libcublasLt at load time.
  */
 #include "kernels/cuda/cuda_module.h"
@@ -209,30 +209,6 @@ static void ctx_free(dcu_ctx *c) {
     free(c);
 }
 
-static int ctx_info(dcu_ctx *c, dcu_info *info) {
-    return probe(c->device, info, NULL, 0);
-}
-
-static int dsync(dcu_ctx *c, char *err, size_t errlen) {
-    cudaError_t e = cudaStreamSynchronize(c->stream);
-    if (e != cudaSuccess) {
-        seterr(err, errlen, "CUDA stream: %s", cudaGetErrorString(e));
-        return -EIO;
-    }
-    return 0;
-}
-
-static void *dalloc(dcu_ctx *c, size_t bytes) {
-    void *p = NULL;
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
-        cudaGetLastError();
-        return NULL;
-    }
-    return p;
-}
-static void dfree(dcu_ctx *c, void *p) {
-    if (p) cudaFree(p);
-}
 static int dupload(dcu_ctx *c, void *dst, const void *src, size_t n) {
     CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream));
     CK(cudaStreamSynchronize(c->stream));
@@ -243,15 +219,6 @@ static int ddownload(dcu_ctx *c, void *dst, const void *src, size_t n) {
     CK(cudaStreamSynchronize(c->stream));
     return 0;
 }
-static int dmemset0(dcu_ctx *c, void *dst, size_t n) {
-    CK(cudaMemsetAsync(dst, 0, n, c->stream));
-    return 0;
-}
-static int dcopy(dcu_ctx *c, void *dst, const void *src, size_t n) {
-    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, c->stream));
-    return 0;
-}
-
 /* ---- small kernels ------------------------------------------------------------ */
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -308,19 +275,6 @@ static int grid_for(size_t n, int threads) {
 static int to_bf16(dcu_ctx *c, void *dst, const float *src, size_t n) {
     k_to_bf16<<<grid_for(n, 256), 256, 0, c->stream>>>((bf16 *)dst, src, n);
     return launch_check("to_bf16");
-}
-
-__global__ void k_embed(float *x, const bf16 *table, const int32_t *tok, int h) {
-    int t = blockIdx.x;
-    const bf16 *row = table + (size_t)tok[t] * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x)
-        x[(size_t)t * h + i] = __bfloat162float(row[i]);
-}
-
-static int embed(dcu_ctx *c, float *x, const void *table, const int32_t *tokens, int T, int h) {
-    if (T <= 0) return 0;
-    k_embed<<<T, 256, 0, c->stream>>>(x, (const bf16 *)table, tokens, h);
-    return launch_check("embed");
 }
 
 template <typename OT>
@@ -470,10 +424,10 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
     const float *row = qkv + (size_t)t * W;
     const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
-    int p = pos[t];
-    size_t ok = kv_off(bt, p, bs, n_layers, kvd, layer, 0);
-    size_t ov = kv_off(bt, p, bs, n_layers, kvd, layer, 1);
-    float fp = (float)p;
+    int p = pos[t], pad = p < 0; /* a padding row of a recorded decode step: no KV */
+    size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
+    size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
+    float fp = pad ? 0.0f : (float)p;
     for (int i = threadIdx.x; i < (nh + nkv) * half; i += blockDim.x) {
         int hh = i / half, j = i % half;
         int o = hh * hd + j; /* q heads then k heads: contiguous in row */
@@ -485,12 +439,13 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
         if (hh < nh) {
             qout[(size_t)t * h + o] = r0;
             qout[(size_t)t * h + o + half] = r1;
-        } else {
+        } else if (!pad) {
             int ko = o - h;
             store_as(kv + ok + ko, r0);
             store_as(kv + ok + ko + half, r1);
         }
     }
+    if (pad) return;
     for (int i = threadIdx.x; i < kvd; i += blockDim.x)
         store_as(kv + ov + i, row[h + kvd + i] + (bias ? bias[h + kvd + i] : 0.0f));
 }
@@ -1168,41 +1123,6 @@ static int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
     return rc;
 }
 
-/* The ABI's attention op (tests): reads pos/seq back to split the batch like the forward
- * does (prefill tiles on tensor cores, the rest split over KV), synchronously. */
-static int attention(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,
-                     int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
-                     int bt_stride, int T, int nh, int nkv, int hd, int max_ctx) {
-    if (T <= 0) return 0;
-    int32_t *h = (int32_t *)malloc((size_t)T * 4 * 6 + 64);
-    if (!h) return -ENOMEM;
-    int32_t *pos_h = h, *seq_h = h + T, *tiles_h = h + 2 * T, *rest_h = tiles_h + 3 * T;
-    int32_t *dev = NULL;
-    int rc = 0, n_tiles = 0, n_rest = 0;
-    if (cudaMemcpyAsync(pos_h, pos, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
-        cudaMemcpyAsync(seq_h, seq, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
-        cudaStreamSynchronize(c->stream)) {
-        free(h);
-        return -EIO;
-    }
-    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd) && nh % nkv == 0,
-                               tiles_h, &n_tiles, rest_h, &n_rest);
-    if (cudaMalloc((void **)&dev, (size_t)T * 4 * 4) != cudaSuccess) rc = -ENOMEM;
-    if (!rc && n_tiles)
-        rc = cudaMemcpy(dev, tiles_h, (size_t)n_tiles * 12, cudaMemcpyHostToDevice) ? -EIO : 0;
-    if (!rc && n_rest)
-        rc = cudaMemcpy(dev + 3 * T, rest_h, (size_t)n_rest * 4, cudaMemcpyHostToDevice) ? -EIO : 0;
-    if (!rc)
-        rc = attention_mixed(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
-                             nkv, hd, (float)(1.0 / sqrt((double)hd)), dev, n_tiles, dev + 3 * T,
-                             n_rest, rest_ctx);
-    if (!rc && cudaStreamSynchronize(c->stream)) rc = -EIO;
-    cudaFree(dev);
-    free(h);
-    (void)max_ctx;
-    return rc;
-}
-
 /* ---- argmax --------------------------------------------------------------------- */
 
 __global__ void k_argmax(int32_t *out, const float *logits, int vocab) {
@@ -1450,342 +1370,6 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
     return 0;
 }
 
-/* ---- model ----------------------------------------------------------------------- */
-
-typedef struct dlayer {
-    float *attn_norm, *mlp_norm, *bqkv; /* bqkv (h + 2 kvd) */
-    bf16 *wqkv;                         /* (h + 2 kvd, h) */
-    bf16 *wo;                           /* (h, h) */
-    bf16 *wgu;                          /* (2 I, h): gate rows then up rows */
-    bf16 *wdown;                        /* (h, I) */
-} dlayer;
-
-struct dcu_model {
-    dcu_ctx *c;
-    dcu_model_desc d; /* host pointers not kept beyond create */
-    dlayer *L;
-    bf16 *embed, *lm_head;
-    float *final_norm, *inv_freq;
-    size_t bytes;
-    /* workspace */
-    float *x, *y, *q, *qkv, *gu, *logits;
-    bf16 *xb, *att, *hb, *head_in;
-    int32_t *meta_d, *meta_h; /* tokens | pos | seq | out_rows | amax | block tables */
-    size_t meta_cap;          /* int32 entries */
-    void *stage[2];           /* pinned staging */
-    cudaEvent_t stage_ev[2];
-    size_t stage_bytes;
-    int stage_next;
-    void *conv_tmp; /* device buffer of one chunk (f16/f32 conversion) */
-    size_t done_bytes, total_bytes;
-};
-
-static void *model_alloc(dcu_model *m, size_t bytes) {
-    void *p = NULL;
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
-        cudaGetLastError();
-        return NULL;
-    }
-    m->bytes += bytes;
-    return p;
-}
-
-/* host matrix -> bf16 at dst (device), through the pinned staging buffers */
-static int upload_mat(dcu_model *m, bf16 *dst, const dcu_host_mat *s, int which) {
-    dcu_ctx *c = m->c;
-    size_t n = (size_t)s->rows * s->cols;
-    size_t esz = s->dtype == DCU_F32 ? 4 : 2;
-    size_t per = m->stage_bytes / esz; /* elements per chunk */
-    for (size_t off = 0; off < n; off += per) {
-        size_t cnt = n - off < per ? n - off : per;
-        int b = m->stage_next++ & 1;
-        CK(cudaEventSynchronize(m->stage_ev[b]));
-        memcpy(m->stage[b], (const char *)s->data + off * esz, cnt * esz);
-        if (s->dtype == DCU_BF16) {
-            CK(cudaMemcpyAsync(dst + off, m->stage[b], cnt * 2, cudaMemcpyHostToDevice,
-                               c->stream));
-        } else {
-            /* f16/f32: the raw chunk goes to a device buffer and is converted there */
-            if (!m->conv_tmp && cudaMalloc(&m->conv_tmp, m->stage_bytes) != cudaSuccess)
-                return -ENOMEM;
-            void *tmp = m->conv_tmp;
-            CK(cudaMemcpyAsync(tmp, m->stage[b], cnt * esz, cudaMemcpyHostToDevice, c->stream));
-            if (s->dtype == DCU_F32)
-                k_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(dst + off, (const float *)tmp,
-                                                                      cnt);
-            else
-                k_f16_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(
-                    dst + off, (const __half *)tmp, cnt);
-        }
-        CK(cudaEventRecord(m->stage_ev[b], c->stream));
-        m->done_bytes += cnt * esz;
-        if (m->d.progress && isatty(2) && (m->done_bytes >> 30) != ((m->done_bytes - cnt * esz) >> 30))
-            fprintf(stderr, "\rcuda: uploading weights %zu / %zu MiB", m->done_bytes >> 20,
-                    m->total_bytes >> 20);
-    }
-    (void)which;
-    if (m->conv_tmp && s->dtype != DCU_BF16) CK(cudaStreamSynchronize(c->stream));
-    return 0;
-}
-
-static int upload_vec(dcu_model *m, float **dst, const float *src, size_t n) {
-    *dst = (float *)model_alloc(m, n * 4);
-    if (!*dst) return -ENOMEM;
-    if (src)
-        CK(cudaMemcpyAsync(*dst, src, n * 4, cudaMemcpyHostToDevice, m->c->stream));
-    else
-        CK(cudaMemsetAsync(*dst, 0, n * 4, m->c->stream));
-    CK(cudaStreamSynchronize(m->c->stream));
-    return 0;
-}
-
-static size_t mat_bytes(const dcu_host_mat *s) {
-    return (size_t)s->rows * s->cols * (s->dtype == DCU_F32 ? 4 : 2);
-}
-
-static void model_free(dcu_model *m);
-
-static dcu_model *model_create(dcu_ctx *c, const dcu_model_desc *d, char *err, size_t errlen) {
-    int h = d->hidden, kvd = d->n_kv_heads * d->head_dim, I = d->inter, V = d->vocab;
-    int nh = d->n_heads;
-    if (d->n_kv_heads <= 0 || nh % d->n_kv_heads || nh / d->n_kv_heads > ATT_MAXG ||
-        d->head_dim > 128 || d->head_dim % 2 || nh * d->head_dim != h || h > 12288) {
-        seterr(err, errlen,
-               "model shape not supported on CUDA: %d heads, %d KV heads, head_dim %d, hidden %d; "
-               "accepted: at most %d query heads per KV head, even head_dim <= 128, heads * "
-               "head_dim == hidden <= 12288",
-               nh, d->n_kv_heads, d->head_dim, h, ATT_MAXG);
-        return NULL;
-    }
-    dcu_model *m = (dcu_model *)calloc(1, sizeof *m);
-    if (!m) return NULL;
-    m->c = c;
-    m->d = *d;
-    m->d.layers = NULL;
-    m->L = (dlayer *)calloc((size_t)d->n_layers, sizeof *m->L);
-    m->stage_bytes = 32u << 20;
-    for (int b = 0; b < 2; b++) {
-        if (cudaHostAlloc(&m->stage[b], m->stage_bytes, cudaHostAllocDefault) != cudaSuccess ||
-            cudaEventCreateWithFlags(&m->stage_ev[b], cudaEventDisableTiming) != cudaSuccess) {
-            seterr(err, errlen, "cannot allocate %zu MiB of pinned host memory for staging",
-                   m->stage_bytes >> 20);
-            model_free(m);
-            return NULL;
-        }
-        cudaEventRecord(m->stage_ev[b], c->stream);
-    }
-    m->total_bytes = mat_bytes(&d->embed) + (d->tied ? 0 : mat_bytes(&d->lm_head));
-    for (int l = 0; l < d->n_layers; l++) {
-        const dcu_host_layer *s = &d->layers[l];
-        m->total_bytes += mat_bytes(&s->wq) + mat_bytes(&s->wk) + mat_bytes(&s->wv) +
-                          mat_bytes(&s->wo) + mat_bytes(&s->w_gate) + mat_bytes(&s->w_up) +
-                          mat_bytes(&s->w_down);
-    }
-    size_t free_b = 0, tot_b = 0;
-    cudaMemGetInfo(&free_b, &tot_b);
-#define OOM(what)                                                                               \
-    do {                                                                                        \
-        seterr(err, errlen,                                                                     \
-               "out of GPU memory allocating %s (weights %.2f GB; %.2f GB were free of %.2f GB)", \
-               what, m->total_bytes / 1e9, free_b / 1e9, tot_b / 1e9);                          \
-        model_free(m);                                                                          \
-        return NULL;                                                                            \
-    } while (0)
-    if (!(m->embed = (bf16 *)model_alloc(m, (size_t)V * h * 2))) OOM("embed_tokens");
-    if (upload_mat(m, m->embed, &d->embed, 0)) OOM("embed_tokens");
-    if (d->tied)
-        m->lm_head = m->embed;
-    else {
-        if (!(m->lm_head = (bf16 *)model_alloc(m, (size_t)V * h * 2))) OOM("lm_head");
-        if (upload_mat(m, m->lm_head, &d->lm_head, 0)) OOM("lm_head");
-    }
-    for (int l = 0; l < d->n_layers; l++) {
-        const dcu_host_layer *s = &d->layers[l];
-        dlayer *L = &m->L[l];
-        if (!(L->wqkv = (bf16 *)model_alloc(m, (size_t)(h + 2 * kvd) * h * 2)) ||
-            !(L->wo = (bf16 *)model_alloc(m, (size_t)h * h * 2)) ||
-            !(L->wgu = (bf16 *)model_alloc(m, (size_t)2 * I * h * 2)) ||
-            !(L->wdown = (bf16 *)model_alloc(m, (size_t)h * I * 2)))
-            OOM("a layer's weights");
-        if (upload_mat(m, L->wqkv, &s->wq, 0) ||
-            upload_mat(m, L->wqkv + (size_t)h * h, &s->wk, 0) ||
-            upload_mat(m, L->wqkv + (size_t)(h + kvd) * h, &s->wv, 0) ||
-            upload_mat(m, L->wo, &s->wo, 0) || upload_mat(m, L->wgu, &s->w_gate, 0) ||
-            upload_mat(m, L->wgu + (size_t)I * h, &s->w_up, 0) ||
-            upload_mat(m, L->wdown, &s->w_down, 0)) {
-            seterr(err, errlen, "uploading layer %d's weights failed", l);
-            model_free(m);
-            return NULL;
-        }
-        float *b = NULL;
-        if (!(b = (float *)model_alloc(m, (size_t)(h + 2 * kvd) * 4))) OOM("biases");
-        L->bqkv = b;
-        cudaMemsetAsync(b, 0, (size_t)(h + 2 * kvd) * 4, c->stream);
-        if (s->bq) cudaMemcpyAsync(b, s->bq, (size_t)h * 4, cudaMemcpyHostToDevice, c->stream);
-        if (s->bk)
-            cudaMemcpyAsync(b + h, s->bk, (size_t)kvd * 4, cudaMemcpyHostToDevice, c->stream);
-        if (s->bv)
-            cudaMemcpyAsync(b + h + kvd, s->bv, (size_t)kvd * 4, cudaMemcpyHostToDevice,
-                            c->stream);
-        if (upload_vec(m, &L->attn_norm, s->attn_norm, h) ||
-            upload_vec(m, &L->mlp_norm, s->mlp_norm, h))
-            OOM("norm weights");
-    }
-    if (upload_vec(m, &m->final_norm, d->final_norm, h) ||
-        upload_vec(m, &m->inv_freq, d->rope_inv_freq, d->head_dim / 2))
-        OOM("norm weights");
-    if (m->d.progress && isatty(2)) fprintf(stderr, "\n");
-    size_t T = (size_t)d->max_tokens, W = (size_t)h + 2 * kvd;
-    if (!(m->x = (float *)model_alloc(m, T * h * 4)) || !(m->y = (float *)model_alloc(m, T * h * 4)) ||
-        !(m->q = (float *)model_alloc(m, T * h * 4)) ||
-        !(m->qkv = (float *)model_alloc(m, T * W * 4)) ||
-        !(m->gu = (float *)model_alloc(m, T * 2 * I * 4)) ||
-        !(m->logits = (float *)model_alloc(m, T * V * 4)) ||
-        !(m->xb = (bf16 *)model_alloc(m, T * h * 2)) ||
-        !(m->att = (bf16 *)model_alloc(m, T * h * 2)) ||
-        !(m->hb = (bf16 *)model_alloc(m, T * I * 2)) ||
-        !(m->head_in = (bf16 *)model_alloc(m, T * h * 2)))
-        OOM("activations");
-    m->meta_cap = T * 9 + (size_t)d->max_seqs * (d->max_blocks + 3) + 64;
-    if (!(m->meta_d = (int32_t *)model_alloc(m, m->meta_cap * 4)) ||
-        cudaHostAlloc((void **)&m->meta_h, m->meta_cap * 4, cudaHostAllocDefault) != cudaSuccess)
-        OOM("batch metadata");
-    if (cudaStreamSynchronize(c->stream) != cudaSuccess) {
-        seterr(err, errlen, "uploading the weights failed: %s",
-               cudaGetErrorString(cudaGetLastError()));
-        model_free(m);
-        return NULL;
-    }
-    return m;
-#undef OOM
-}
-
-static void model_free(dcu_model *m) {
-    if (!m) return;
-    cudaStreamSynchronize(m->c->stream);
-    if (m->L)
-        for (int l = 0; l < m->d.n_layers; l++) {
-            cudaFree(m->L[l].wqkv);
-            cudaFree(m->L[l].wo);
-            cudaFree(m->L[l].wgu);
-            cudaFree(m->L[l].wdown);
-            cudaFree(m->L[l].bqkv);
-            cudaFree(m->L[l].attn_norm);
-            cudaFree(m->L[l].mlp_norm);
-        }
-    free(m->L);
-    cudaFree(m->embed);
-    if (m->lm_head != m->embed) cudaFree(m->lm_head);
-    void *bufs[] = {m->final_norm, m->inv_freq, m->x,  m->y,  m->q,  m->qkv,     m->gu,
-                    m->logits,     m->xb,       m->att, m->hb, m->head_in, m->meta_d};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        cudaFree(bufs[i]);
-    if (m->meta_h) cudaFreeHost(m->meta_h);
-    cudaFree(m->conv_tmp);
-    for (int b = 0; b < 2; b++) {
-        if (m->stage[b]) cudaFreeHost(m->stage[b]);
-        if (m->stage_ev[b]) cudaEventDestroy(m->stage_ev[b]);
-    }
-    free(m);
-}
-
-static size_t model_bytes(const dcu_model *m) {
-    return m->bytes;
-}
-
-static int forward(dcu_model *m, const dcu_kv *kv, const dcu_batch *b, char *err, size_t errlen) {
-    dcu_ctx *c = m->c;
-    const dcu_model_desc *d = &m->d;
-    int T = b->n_tokens, h = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim,
-        kvd = nkv * hd, I = d->inter, V = d->vocab, W = h + 2 * kvd;
-    if (T <= 0 || T > d->max_tokens || b->n_seqs <= 0 || b->n_seqs > d->max_seqs ||
-        b->bt_stride <= 0 || b->bt_stride > d->max_blocks || b->n_out < 0 || b->n_out > T) {
-        seterr(err, errlen,
-               "forward batch out of range: %d tokens (max %d), %d sequences (max %d), block "
-               "table stride %d (max %d), %d output rows",
-               T, d->max_tokens, b->n_seqs, d->max_seqs, b->bt_stride, d->max_blocks, b->n_out);
-        return -EINVAL;
-    }
-    if (kv->n_layers != d->n_layers || kv->kv_dim != kvd) {
-        seterr(err, errlen, "KV region shape (layers %d, kv_dim %d) does not match the model (%d, %d)",
-               kv->n_layers, kv->kv_dim, d->n_layers, kvd);
-        return -EINVAL;
-    }
-    /* metadata: one pinned buffer, one copy */
-    int32_t *mh = m->meta_h;
-    size_t nbt = (size_t)b->n_seqs * b->bt_stride;
-    int32_t *tok_h = mh, *pos_h = mh + T, *seq_h = mh + 2 * T, *out_h = mh + 3 * T,
-            *bt_h = mh + 5 * T;
-    /* make sure the previous call's download is finished before reusing meta_h */
-    CK(cudaStreamSynchronize(c->stream));
-    memcpy(tok_h, b->tokens, (size_t)T * 4);
-    memcpy(pos_h, b->pos, (size_t)T * 4);
-    memcpy(seq_h, b->seq, (size_t)T * 4);
-    memcpy(out_h, b->out_rows, (size_t)b->n_out * 4);
-    memcpy(bt_h, b->block_tables, nbt * 4);
-    int32_t *tiles_h = bt_h + nbt, *rest_h = tiles_h + 3 * ((size_t)T + b->n_seqs);
-    int n_tiles = 0, n_rest = 0;
-    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd), tiles_h, &n_tiles,
-                               rest_h, &n_rest);
-    size_t meta_n = (size_t)(rest_h - mh) + n_rest;
-    int32_t *md = m->meta_d;
-    int32_t *tok = md, *pos = md + T, *seq = md + 2 * T, *orow = md + 3 * T, *amax = md + 4 * T,
-            *bt = md + 5 * T, *tiles_d = md + (tiles_h - mh), *rest_d = md + (rest_h - mh);
-    CK(cudaMemcpyAsync(md, mh, meta_n * 4, cudaMemcpyHostToDevice, c->stream));
-    int rc = 0;
-#define R(call)                                                                    \
-    do {                                                                           \
-        if ((rc = (call))) {                                                       \
-            seterr(err, errlen, "CUDA forward: %s failed (%d)", #call, rc);        \
-            return rc;                                                             \
-        }                                                                          \
-    } while (0)
-    R(embed(c, m->x, m->embed, tok, T, h));
-    for (int l = 0; l < d->n_layers; l++) {
-        dlayer *L = &m->L[l];
-        R(rmsnorm(c, m->xb, DCU_BF16, m->x, l ? m->y : NULL, L->attn_norm, NULL, T, h, d->rms_eps,
-                  l ? 1 : 0));
-        R(matmul(c, m->qkv, m->xb, L->wqkv, NULL, T, W, h));
-        if (kv->dtype == DCU_BF16)
-            k_qkv_finish<bf16><<<T, 128, 0, c->stream>>>(
-                m->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, l, m->qkv, L->bqkv, pos, seq,
-                bt, b->bt_stride, m->inv_freq, nh, nkv, hd);
-        else
-            k_qkv_finish<float><<<T, 128, 0, c->stream>>>(
-                m->q, (float *)kv->base, kv->block_size, kv->n_layers, l, m->qkv, L->bqkv, pos,
-                seq, bt, b->bt_stride, m->inv_freq, nh, nkv, hd);
-        R(launch_check("qkv_finish"));
-        R(attention_mixed(c, m->att, DCU_BF16, m->q, kv, l, pos, seq, bt, b->bt_stride, T, nh,
-                          nkv, hd, (float)(1.0 / sqrt((double)hd)), tiles_d, n_tiles, rest_d,
-                          n_rest, rest_ctx));
-        R(matmul(c, m->y, m->att, L->wo, NULL, T, h, h));
-        R(rmsnorm(c, m->xb, DCU_BF16, m->x, m->y, L->mlp_norm, NULL, T, h, d->rms_eps, 1));
-        R(matmul(c, m->gu, m->xb, L->wgu, NULL, T, 2 * I, h));
-        R(swiglu(c, m->hb, DCU_BF16, m->gu, T, I));
-        R(matmul(c, m->y, m->hb, L->wdown, NULL, T, h, I));
-    }
-    if (b->n_out > 0) {
-        R(rmsnorm(c, m->head_in, DCU_BF16, m->x, m->y, m->final_norm, orow, b->n_out, h,
-                  d->rms_eps, 0));
-        R(matmul(c, m->logits, m->head_in, m->lm_head, NULL, b->n_out, V, h));
-        if (b->argmax) {
-            R(argmax(c, amax, m->logits, b->n_out, V));
-            CK(cudaMemcpyAsync(b->argmax, amax, (size_t)b->n_out * 4, cudaMemcpyDeviceToHost,
-                               c->stream));
-        }
-        if (b->logits)
-            CK(cudaMemcpyAsync(b->logits, m->logits, (size_t)b->n_out * V * 4,
-                               cudaMemcpyDeviceToHost, c->stream));
-    }
-    cudaError_t e = cudaStreamSynchronize(c->stream);
-    if (e != cudaSuccess) {
-        seterr(err, errlen, "CUDA forward: %s", cudaGetErrorString(e));
-        return -EIO;
-    }
-    return 0;
-#undef R
-}
-
 /* ---- ceilings ------------------------------------------------------------------- */
 
 __global__ void k_fill_rand(bf16 *p, size_t n, uint32_t seed) {
@@ -1860,19 +1444,6 @@ static int measure(dcu_ctx *c, double *copy_gbs, double *gemm_tflops, int M, int
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     return rc;
-}
-
-/* ---- the table ------------------------------------------------------------------- */
-
-static const dcu_api API = {
-    DCU_ABI_VERSION, CUDART_VERSION, probe,   ctx_create, ctx_free, ctx_info,    dsync,
-    dalloc,          dfree,          dupload, ddownload,  dmemset0, dcopy,       to_bf16,
-    matmul,          rmsnorm,        rope,    swiglu,     add,      embed,       kv_write,
-    attention,       argmax,         model_create, model_free, model_bytes, forward, measure,
-};
-
-extern "C" __attribute__((visibility("default"))) const dcu_api *disagg_cuda_api_v1(void) {
-    return &API;
 }
 
 /* ---- kernels/backend.h ------------------------------------------------------------- */
