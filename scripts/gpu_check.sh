@@ -4,14 +4,17 @@
 #   1. build (cmake + ninja; where the C dependencies' dev packages are missing, the
 #      binaries given with PREBUILT=DIR are used and the CUDA module is rebuilt here
 #      from source with nvcc),
-#   2. tests/unit/test_cuda_model (every op CUDA vs CPU, whole model vs CPU, greedy vs the
-#      golden continuations, the serving path with CUDA graphs vs eager) and
-#      test_backend_ops, also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
+#   2. tests/unit/test_cuda_model (the serving forward on the GPU vs the CPU, greedy vs the
+#      golden continuations, CUDA graphs vs eager) and test_backend_ops (every op CUDA vs
+#      CPU), also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
 #      DISAGG_CUDA_GEMV=1,
 #   3. the serve smoke (tools/gpu_serve_smoke.py: cuda vs cpu, concurrent vs single, CUDA
 #      graphs vs --enforce-eager),
 #   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
-#      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run,
+#      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run
+#      (PERF_VARIANTS=1: decode again with each new kernel switched off), and
+#      `disagg bench serve` against `disagg serve --device cuda` on those weights
+#      (tools/gpu_bench_serve.py: concurrency 1, 16, 64),
 #   5. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
 #      and the random tiny model, test_cuda_model again against those references, and
 #      tests/integration/test_device.py.
@@ -87,6 +90,21 @@ W7=/dev/shm/q7b
 check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
+if [ -n "${PERF_VARIANTS:-}" ]; then
+echo "--- decode with cuBLASLt for every GEMM (DISAGG_CUDA_SKINNY=0):"
+DISAGG_CUDA_SKINNY=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_SKINNY=0"
+echo "--- decode with the previous split-KV attention kernel (DISAGG_CUDA_ATT_MMA=0):"
+DISAGG_CUDA_ATT_MMA=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_ATT_MMA=0"
+echo "--- decode with the small-batch GEMV for 1-2 tokens (DISAGG_CUDA_GEMV=1):"
+DISAGG_CUDA_GEMV=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,/^$/p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=1"
+fi
+
+step "bench serve: disagg serve --device cuda on the 7B-shaped weights (real Qwen2.5 tokenizer), concurrency 1, 16, 64"
+python3 tools/gpu_bench_serve.py "$BIN" "$W7" "${TMPDIR:-/tmp}/gpu-bench-serve"
+check $? "bench serve 7b --device cuda"
 if [ -z "${QUICK:-}" ]; then
 echo "--- prefill with the previous (wmma) prefill kernel (DISAGG_CUDA_FLASH2=0):"
 DISAGG_CUDA_FLASH2=0 "$BIN" bench model "$W7" --device cuda --batches 1 2>&1 | sed -n '/^prefill/,/^decode/p'

@@ -65,6 +65,8 @@ struct dcu_ctx {
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
     int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */
     int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
+    int att_mma;             /* decode attention on tensor cores (DISAGG_CUDA_ATT_MMA=0: off) */
+    int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T, 0: off) */
 };
 
 #define CK(call)                                                                             \
@@ -163,6 +165,9 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
+    c->att_mma = !(getenv("DISAGG_CUDA_ATT_MMA") && !strcmp(getenv("DISAGG_CUDA_ATT_MMA"), "0"));
+    c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 32;
+    if (c->skinny_max > 32) c->skinny_max = 32;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
@@ -640,6 +645,11 @@ static int att_nd(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int lay
     return launch_check("attention");
 }
 
+static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, const dcu_kv *kv,
+                          int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                          int bt_stride, int T, int nh, int nkv, int hd, int splits, int chunk,
+                          float scale);
+
 static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q,
                             const dcu_kv *kv, int layer, const int32_t *pos, const int32_t *seq,
                             const int32_t *bts, int bt_stride, int T, int nh, int nkv, int hd,
@@ -677,6 +687,9 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
         }
     }
     int bf_kv = kv->dtype == DCU_BF16, bf_out = out_dtype == DCU_BF16;
+    if (bf_kv && c->att_mma && (hd == 64 || hd == 128) && nh / nkv <= 8)
+        return launch_att_mma(c, out, bf_out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv,
+                              hd, splits, chunk, scale);
     if (bf_kv && bf_out)
         return att_nd<bf16, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
                                   nkv, hd, splits, chunk, scale);
@@ -1051,6 +1064,200 @@ static int launch_flash2(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, 
     return launch_check("flash2_prefill");
 }
 
+/* ---- decode attention on tensor cores ------------------------------------------------- */
+
+/* The split kernel's work (grid (tokens, KV heads, splits of ATT_CHUNK positions); the same
+ * partials and combine) on mma.sync m16n8k16 for bf16 KV, head_dim 64/128, up to 8 query
+ * heads per KV head: CTA = (token, KV head, split), 4 warps of 32 keys each; K and V read
+ * once for the whole GQA group, straight from global memory into fragments (16-byte loads,
+ * no shared memory until the 4 warps merge).
+ *   S = Q K^T: A = Q (the group's heads as rows 0..G-1 of 16, scaled, bf16), B = K^T; the
+ *   head_dim order inside a 32-wide chunk is permuted alike on both sides (a dot product
+ *   does not care), so each thread's K operand is one 16-byte load: thread (g, qd) reads
+ *   K[key 8j + g][32p + 8qd .. +7] for k-steps 2p (words x, y) and 2p + 1 (words z, w).
+ *   O^T = V^T P^T: A = V^T (16 head_dim rows x 16 keys), B = P^T (keys x heads), which is
+ *   exactly S's accumulator layout, rounded to bf16; thread (g, qd) reads V rows of keys
+ *   2qd, 2qd+1, 2qd+8, 2qd+9 at head_dim 64h + 8g .. +7 and pairs keys with byte_perm.
+ *   Row m of O^T tile mt is element i = 2 mt + (m >= 8) of those loads: d = 64 (i / 8) +
+ *   8 g + i % 8.  Softmax in f32 on the S fragments (the row max over a quad of lanes). */
+#define AM_WARPS 4
+#define AM_KEYS (ATT_CHUNK / AM_WARPS)
+
+__device__ __forceinline__ uint32_t u4_word(const uint4 &u, int i) {
+    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+/* bf16 element e of a and of b (keys k, k + 1) as one register: a's in the low half */
+__device__ __forceinline__ uint32_t pair_bf(const uint4 &a, const uint4 &b, int e) {
+    return __byte_perm(u4_word(a, e >> 1), u4_word(b, e >> 1), (e & 1) ? 0x7632 : 0x5410);
+}
+
+template <int HD, typename OT>
+__global__ void __launch_bounds__(AM_WARPS * 32)
+    k_att_mma(OT *out, float *part, float *ml, const float *q, const bf16 *kv, int bs,
+              int n_layers, int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+              int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list) {
+    constexpr int NP = HD / 32, NU = HD / 64, MT = HD / 16;
+    int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int t = list ? list[ti] : ti;
+    int G = nh / nkv, kvd = nkv * HD;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3;
+    int n = pos[t] + 1;
+    int k0 = sp * chunk + w * AM_KEYS, k1 = min(n, sp * chunk + chunk);
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    __shared__ float sm_m[AM_WARPS][8], sm_l[AM_WARPS][8];
+    __shared__ float sm_o[AM_WARPS][8][HD];
+    /* Q: row g (head kvh * G + g), the 32-wide chunks permuted as the K loads */
+    uint32_t qa[NP][2][2];
+    const float *qr = q + (size_t)t * nh * HD + (size_t)(kvh * G + g) * HD;
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+#pragma unroll
+        for (int s2 = 0; s2 < 2; s2++) {
+            float4 v = g < G ? *(const float4 *)(qr + 32 * p + 8 * qd + 4 * s2)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+            qa[p][s2][0] = pack_bf2(v.x * scale, v.y * scale);
+            qa[p][s2][1] = pack_bf2(v.z * scale, v.w * scale);
+        }
+    /* S (4 tiles of 8 keys): row g, keys 8j + 2qd, +1 in s[j][0], s[j][1] */
+    float s[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        int key = k0 + 8 * j + g;
+        uint4 kr[NP];
+        const bf16 *kp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 0) +
+                                        (size_t)kvh * HD + 8 * qd
+                                  : NULL;
+#pragma unroll
+        for (int p = 0; p < NP; p++)
+            kr[p] = kp ? *(const uint4 *)(kp + 32 * p) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            mma_bf16(s[j], qa[p][0][0], 0u, qa[p][0][1], 0u, kr[p].x, kr[p].y);
+            mma_bf16(s[j], qa[p][1][0], 0u, qa[p][1][1], 0u, kr[p].z, kr[p].w);
+        }
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int kc = k0 + 8 * j + 2 * qd;
+        if (kc >= k1) s[j][0] = -INFINITY;
+        if (kc + 1 >= k1) s[j][1] = -INFINITY;
+        mx = fmaxf(mx, fmaxf(s[j][0], s[j][1]));
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    float base = mx == -INFINITY ? 0.0f : mx, l = 0.0f;
+    uint32_t pb[4]; /* P^T fragments: tile j's keys 2qd, 2qd+1 of head g */
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        pb[j] = pack_bf2(__expf(s[j][0] - base), __expf(s[j][1] - base));
+        __nv_bfloat162 pp = *(__nv_bfloat162 *)&pb[j];
+        l += __low2float(pp) + __high2float(pp); /* the weights P V uses */
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    /* O^T += V^T P^T over two k-steps of 16 keys */
+    float o[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+        o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        uint4 va[4][NU]; /* keys 2qd, 2qd + 1, 2qd + 8, 2qd + 9 of the k-step */
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int key = k0 + 16 * kk + 2 * qd + (r & 1) + (r >> 1) * 8;
+            const bf16 *vp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 1) +
+                                            (size_t)kvh * HD + 8 * g
+                                      : NULL;
+#pragma unroll
+            for (int u = 0; u < NU; u++)
+                va[r][u] = vp ? *(const uint4 *)(vp + 64 * u) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            const int iA = 2 * mt, iB = 2 * mt + 1; /* rows g and g + 8 of the tile */
+            uint32_t a0 = pair_bf(va[0][iA / 8], va[1][iA / 8], iA % 8);
+            uint32_t a1 = pair_bf(va[0][iB / 8], va[1][iB / 8], iB % 8);
+            uint32_t a2 = pair_bf(va[2][iA / 8], va[3][iA / 8], iA % 8);
+            uint32_t a3 = pair_bf(va[2][iB / 8], va[3][iB / 8], iB % 8);
+            mma_bf16(o[mt], a0, a1, a2, a3, pb[2 * kk], pb[2 * kk + 1]);
+        }
+    }
+    /* merge the 4 warps: (m, l) per head, O per head and head_dim element */
+    if (qd == 0) {
+        sm_m[w][g] = mx;
+        sm_l[w][g] = l;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int iA = 2 * mt, iB = 2 * mt + 1;
+        int dA = 64 * (iA / 8) + 8 * g + iA % 8, dB = 64 * (iB / 8) + 8 * g + iB % 8;
+        sm_o[w][2 * qd][dA] = o[mt][0];
+        sm_o[w][2 * qd + 1][dA] = o[mt][1];
+        sm_o[w][2 * qd][dB] = o[mt][2];
+        sm_o[w][2 * qd + 1][dB] = o[mt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        int hg = i / HD, e = i % HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int ww = 0; ww < AM_WARPS; ww++)
+            M = fmaxf(M, sm_m[ww][hg]);
+        float L = 0.0f, A = 0.0f;
+        if (M != -INFINITY)
+#pragma unroll
+            for (int ww = 0; ww < AM_WARPS; ww++) {
+                float f = sm_m[ww][hg] == -INFINITY ? 0.0f : __expf(sm_m[ww][hg] - M);
+                L += sm_l[ww][hg] * f;
+                A += sm_o[ww][hg][e] * f;
+            }
+        int head = kvh * G + hg;
+        if (splits == 1) {
+            store_as(out + (size_t)t * nh * HD + (size_t)head * HD + e, L > 0 ? A / L : 0.0f);
+        } else {
+            size_t pi = ((size_t)ti * nh + head) * splits + sp;
+            part[pi * HD + e] = A;
+            if (e == 0) {
+                ml[pi * 2] = M;
+                ml[pi * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, const dcu_kv *kv,
+                          int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                          int bt_stride, int T, int nh, int nkv, int hd, int splits, int chunk,
+                          float scale) {
+    dim3 grid(T, nkv, splits);
+    const bf16 *kb = (const bf16 *)kv->base;
+#define AMM(H, OT)                                                                                \
+    k_att_mma<H, OT><<<grid, AM_WARPS * 32, 0, c->stream>>>(                                      \
+        (OT *)out, c->att_part, c->att_ml, q, kb, kv->block_size, kv->n_layers, layer, pos, seq, \
+        bts, bt_stride, nh, nkv, chunk, scale, c->att_list)
+    if (hd == 128 && bf_out)
+        AMM(128, bf16);
+    else if (hd == 128)
+        AMM(128, float);
+    else if (bf_out)
+        AMM(64, bf16);
+    else
+        AMM(64, float);
+#undef AMM
+    if (splits > 1) {
+        if (bf_out)
+            k_att_combine<bf16><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
+                (bf16 *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+        else
+            k_att_combine<float><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
+                (float *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+    }
+    return launch_check("attention (tensor cores)");
+}
+
 /* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
 static int flash_ok(const dcu_ctx *c, int kv_dtype, int hd) {
     return !c->no_flash && kv_dtype == DCU_BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
@@ -1343,6 +1550,81 @@ static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float 
     return launch_check("gemv");
 }
 
+/* y (T, N) f32 = x (T, K) bf16 . w (N, K)^T bf16 (+ bias) for decode-sized T <= 32 on
+ * mma.sync m16n8k16: the weights are the M side (16 rows a CTA), the tokens the N side (NT
+ * tiles of 8), so a token's output never depends on the other tokens (the same per-column
+ * sums for any T <= 32).  4 warps split K (whole 32-wide chunks) and add up in shared memory
+ * in a fixed order.  Operands straight from global memory: within a 32-wide chunk the k
+ * order is permuted alike for W and x (thread (g, qd) holds k0 + 8qd .. +7 of its rows as one
+ * 16-byte load: words x, y feed k-step 0, z, w k-step 1), so every load is 16 bytes and the
+ * weights stream once.  Needs K % 32 == 0, N % 16 == 0, 16-byte aligned x and w. */
+#define SK_WARPS 8
+template <int NT>
+__global__ void __launch_bounds__(SK_WARPS * 32)
+    k_skinny(float *__restrict__ y, const bf16 *__restrict__ x, const bf16 *__restrict__ w,
+             const float *__restrict__ bias, int T, int N, int K) {
+    int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3;
+    int m0 = blockIdx.x * 16, chunks = K / 32;
+    int c0 = wp * chunks / SK_WARPS, c1 = (wp + 1) * chunks / SK_WARPS;
+    const bf16 *wa = w + (size_t)(m0 + g) * K + 8 * qd, *wb = wa + (size_t)8 * K;
+    const bf16 *xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int tok = 8 * nt + g;
+        xr[nt] = tok < T ? x + (size_t)tok * K + 8 * qd : NULL;
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll 4
+    for (int ch = c0; ch < c1; ch++) {
+        size_t k = (size_t)ch * 32;
+        uint4 ua = __ldcs((const uint4 *)(wa + k)), ub = __ldcs((const uint4 *)(wb + k));
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            uint4 xv = xr[nt] ? __ldg((const uint4 *)(xr[nt] + k)) : make_uint4(0, 0, 0, 0);
+            mma_bf16(acc[nt], ua.x, ub.x, ua.y, ub.y, xv.x, xv.y);
+            mma_bf16(acc[nt], ua.z, ub.z, ua.w, ub.w, xv.z, xv.w);
+        }
+    }
+    __shared__ float red[SK_WARPS][16][8 * NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int tk = 8 * nt + 2 * qd;
+        red[wp][g][tk] = acc[nt][0];
+        red[wp][g][tk + 1] = acc[nt][1];
+        red[wp][g + 8][tk] = acc[nt][2];
+        red[wp][g + 8][tk + 1] = acc[nt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * T; i += blockDim.x) {
+        int r = i % 16, tk = i / 16;
+        float v = 0.0f;
+#pragma unroll
+        for (int q = 0; q < SK_WARPS; q++)
+            v += red[q][r][tk];
+        y[(size_t)tk * N + m0 + r] = v + (bias ? bias[m0 + r] : 0.0f);
+    }
+}
+
+static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
+                  int N, int K) {
+    dim3 g(N / 16);
+    const bf16 *xb = (const bf16 *)x, *wb = (const bf16 *)w;
+    switch ((T + 7) / 8) {
+#define SK_(n)                                                                                   \
+    case n:                                                                                      \
+        k_skinny<n><<<g, SK_WARPS * 32, 0, c->stream>>>(y, xb, wb, bias, T, N, K);               \
+        break;
+        SK_(1) SK_(2) SK_(3) SK_(4)
+#undef SK_
+    default:
+        return -EINVAL;
+    }
+    return launch_check("skinny");
+}
+
 /* measured on the H200 (7B shapes): the GEMV beats cuBLASLt at T = 1 (6.05 vs 6.4 ms a decode
  * step) and loses at T = 8 (11.5 vs 7.5 ms), where its x loads from L1 dominate */
 #define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1; off by default: one GEMM path for every T */
@@ -1352,6 +1634,8 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
     if (T <= 0) return 0;
     if (T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
         return gemv(c, y, x, w, bias, T, N, K);
+    if (T <= c->skinny_max && K % 32 == 0 && N % 16 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15))
+        return skinny(c, y, x, w, bias, T, N, K);
     gemm_plan *p = plan_get(c, T, N, K, x, w, y);
     if (!p) return -EIO;
     float alpha = 1.0f, beta = 0.0f;
