@@ -91,15 +91,11 @@ check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
 if [ -n "${PERF_VARIANTS:-}" ]; then
-echo "--- decode with cuBLASLt for every GEMM (DISAGG_CUDA_SKINNY=0):"
-DISAGG_CUDA_SKINNY=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
-check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_SKINNY=0"
-echo "--- decode with the previous split-KV attention kernel (DISAGG_CUDA_ATT_MMA=0):"
-DISAGG_CUDA_ATT_MMA=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
-check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_ATT_MMA=0"
-echo "--- decode with the small-batch GEMV for 1-2 tokens (DISAGG_CUDA_GEMV=1):"
-DISAGG_CUDA_GEMV=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,/^$/p'
-check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=1"
+for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
+  echo "--- decode with $v:"
+  env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
+  check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
+done
 fi
 
 step "bench serve: disagg serve --device cuda on the 7B-shaped weights (real Qwen2.5 tokenizer), concurrency 1, 16, 64"

@@ -57,6 +57,11 @@ def ones(n):
     return (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16).cpu()
 
 
+# ids the tokenizer has (151665 for Qwen2.5: the rest of the 152064 rows are padding): the
+# lm_head rows beyond are zero, so a random model never emits an id that cannot be
+# detokenized (its largest logit over 151k random ones is positive)
+tj = json.load(open(os.path.join(tok_dir, "tokenizer.json")))
+n_tok = max([max(tj["model"]["vocab"].values())] + [t["id"] for t in tj.get("added_tokens", [])]) + 1
 groups = [list(range(i, min(L, i + a.layers_per_shard))) for i in range(0, L, a.layers_per_shard)]
 n_sh = len(groups) + 1
 wmap, total, t0 = {}, 0, time.time()
@@ -66,7 +71,9 @@ for si in range(n_sh):
         sd["model.embed_tokens.weight"] = rnd(V, h)
         sd["model.norm.weight"] = ones(h)
         if not s["tie_word_embeddings"]:
-            sd["lm_head.weight"] = rnd(V, h)
+            lm = rnd(V, h)
+            lm[n_tok:] = 0
+            sd["lm_head.weight"] = lm
     else:
         for l in groups[si - 1]:
             p = f"model.layers.{l}."

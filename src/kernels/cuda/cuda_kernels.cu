@@ -59,14 +59,16 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp;
     int last_err;
-    int no_gemv; /* unless DISAGG_CUDA_GEMV=1: every GEMM through cuBLASLt */
+    int no_gemv;    /* DISAGG_CUDA_GEMV=0: 1-2 token GEMMs through cuBLASLt too */
+    int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
     int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */
     int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
     int att_mma;             /* decode attention on tensor cores (DISAGG_CUDA_ATT_MMA=0: off) */
-    int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T, 0: off) */
+    int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T; default 0:
+                                off, measured slower than cuBLASLt on the H200) */
 };
 
 #define CK(call)                                                                             \
@@ -162,11 +164,13 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
-    c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
+    c->no_gemv = getenv("DISAGG_CUDA_GEMV") && !strcmp(getenv("DISAGG_CUDA_GEMV"), "0");
+    c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
+    if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
     c->att_mma = !(getenv("DISAGG_CUDA_ATT_MMA") && !strcmp(getenv("DISAGG_CUDA_ATT_MMA"), "0"));
-    c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 32;
+    c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 0;
     if (c->skinny_max > 32) c->skinny_max = 32;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
     cudaError_t e;
@@ -1511,7 +1515,7 @@ template <int TT>
 __global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4 *__restrict__ x,
                                               const uint4 *__restrict__ w,
                                               const float *__restrict__ bias, int N, int K8) {
-    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const uint4 *wr = w + (size_t)row * K8;
     float acc[TT];
@@ -1534,13 +1538,14 @@ __global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4
 
 static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                 int N, int K) {
-    dim3 g((N + 7) / 8);
+    int nw = c->gemv_warps; /* one weight row per warp */
+    dim3 g((N + nw - 1) / nw);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
     int K8 = K / 8;
     switch (T) {
 #define G_(n)                                                                          \
     case n:                                                                            \
-        k_gemv<n><<<g, 256, 0, c->stream>>>(y, xv, wv, bias, N, K8);                   \
+        k_gemv<n><<<g, 32 * nw, 0, c->stream>>>(y, xv, wv, bias, N, K8);               \
         break;
         G_(1) G_(2) G_(3) G_(4) G_(5) G_(6) G_(7) G_(8)
 #undef G_
@@ -1625,9 +1630,10 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
     return launch_check("skinny");
 }
 
-/* measured on the H200 (7B shapes): the GEMV beats cuBLASLt at T = 1 (6.05 vs 6.4 ms a decode
- * step) and loses at T = 8 (11.5 vs 7.5 ms), where its x loads from L1 dominate */
-#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1; off by default: one GEMM path for every T */
+/* measured on the H200 (7B shapes, serving forward with CUDA graphs): the GEMV beats
+ * cuBLASLt at T = 1 (4.96 vs 5.37 ms a decode step at 4k context) and loses at T = 8, where
+ * its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at T = 1..32 */
+#define GEMV_MAX_T 2 /* DISAGG_CUDA_GEMV=0: cuBLASLt for these too */
 
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                   int N, int K) {
