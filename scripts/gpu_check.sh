@@ -96,6 +96,9 @@ for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DI
   env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
   check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
 done
+echo "--- prefill without the cp.async double buffering (DISAGG_CUDA_FLASH_PIPE=0):"
+DISAGG_CUDA_FLASH_PIPE=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512,4096 --batches 1 2>&1 | sed -n '/^prefill/,/^$/p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_FLASH_PIPE=0"
 fi
 
 step "bench serve: disagg serve --device cuda on the 7B-shaped weights (real Qwen2.5 tokenizer), concurrency 1, 16, 64"

@@ -67,6 +67,7 @@ struct dcu_ctx {
     int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */
     int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
     int att_mma;             /* decode attention on tensor cores (DISAGG_CUDA_ATT_MMA=0: off) */
+    int flash_pipe;          /* k_flash2 with cp.async double buffering (DISAGG_CUDA_FLASH_PIPE=0) */
     int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T; default 0:
                                 off, measured slower than cuBLASLt on the H200) */
 };
@@ -170,6 +171,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
     c->att_mma = !(getenv("DISAGG_CUDA_ATT_MMA") && !strcmp(getenv("DISAGG_CUDA_ATT_MMA"), "0"));
+    c->flash_pipe =
+        !(getenv("DISAGG_CUDA_FLASH_PIPE") && !strcmp(getenv("DISAGG_CUDA_FLASH_PIPE"), "0"));
     c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 0;
     if (c->skinny_max > 32) c->skinny_max = 32;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
@@ -894,11 +897,18 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const void *p) {
                  : "r"(a));
 }
 
-static size_t flash2_smem(int hd) {
-    return (size_t)2 * FA_BK * (hd + F2_PAD) * 2;
+static size_t flash2_smem(int hd, int pipe) {
+    return (size_t)(pipe ? 2 : 1) * 2 * FA_BK * (hd + F2_PAD) * 2;
 }
 
-template <int HD, typename OT>
+__device__ __forceinline__ void cp_async16(void *smem_dst, const void *gsrc) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gsrc));
+}
+
+/* PIPE: K/V tiles through cp.async into two stages, the next tile's copy in flight while
+ * the current one is computed (DISAGG_CUDA_FLASH_PIPE=0: one stage, synchronous loads) */
+template <int HD, typename OT, int PIPE>
 __global__ void __launch_bounds__(128)
     k_flash2(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
              const int32_t *tiles, const int32_t *pos, const int32_t *bts, int bt_stride, int nh,
@@ -911,6 +921,25 @@ __global__ void __launch_bounds__(128)
     extern __shared__ __align__(16) char smem[];
     bf16 *Ks = (bf16 *)smem, *Vs = Ks + FA_BK * LD;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 16;
+    /* tile kt's K and V into stage stg (cp.async, one commit group) */
+    auto load_async = [&](int stg, int kt) {
+        bf16 *K_ = (bf16 *)smem + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
+            bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
+            if (j < kmax) {
+                cp_async16(kd, kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + (size_t)kvh * HD +
+                                   c8 * 8);
+                cp_async16(vd, kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) + (size_t)kvh * HD +
+                                   c8 * 8);
+            } else {
+                *(uint4 *)kd = make_uint4(0, 0, 0, 0);
+                *(uint4 *)vd = make_uint4(0, 0, 0, 0);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    if (PIPE) load_async(0, 0);
     int g = lane >> 2, qd = lane & 3;
     /* Q fragments (rows wr0 + g, wr0 + g + 8), scaled, rounded to bf16 */
     uint32_t qa[KS][4];
@@ -937,17 +966,28 @@ __global__ void __launch_bounds__(128)
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     int qp0 = p0 + r0, qp1 = p0 + r1; /* query positions of the two rows */
     for (int k0 = 0; k0 < kmax; k0 += FA_BK) {
-        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
-            int r = i / (HD / 8), c8 = i % (HD / 8), j = k0 + r;
-            uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
-            if (j < kmax) {
-                kz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) +
-                                      (size_t)kvh * HD + c8 * 8);
-                vz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) +
-                                      (size_t)kvh * HD + c8 * 8);
+        if (PIPE) {
+            int stg = (k0 / FA_BK) & 1;
+            if (k0 + FA_BK < kmax)
+                load_async(stg ^ 1, k0 + FA_BK); /* the stage the previous tile used */
+            else
+                asm volatile("cp.async.commit_group;\n" ::);
+            asm volatile("cp.async.wait_group 1;\n" ::); /* this tile's copy is done */
+            Ks = (bf16 *)smem + (size_t)stg * 2 * FA_BK * LD;
+            Vs = Ks + FA_BK * LD;
+        } else {
+            for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
+                int r = i / (HD / 8), c8 = i % (HD / 8), j = k0 + r;
+                uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
+                if (j < kmax) {
+                    kz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) +
+                                          (size_t)kvh * HD + c8 * 8);
+                    vz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) +
+                                          (size_t)kvh * HD + c8 * 8);
+                }
+                *(uint4 *)(Ks + r * LD + c8 * 8) = kz;
+                *(uint4 *)(Vs + r * LD + c8 * 8) = vz;
             }
-            *(uint4 *)(Ks + r * LD + c8 * 8) = kz;
-            *(uint4 *)(Vs + r * LD + c8 * 8) = vz;
         }
         __syncthreads();
         if (wr0 < rows && k0 <= p0 + wr0 + 15) {
@@ -1053,18 +1093,26 @@ template <int HD, typename OT>
 static int launch_flash2(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
                          const int32_t *tiles, int n_tiles, const int32_t *pos,
                          const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
-    size_t sh = flash2_smem(HD);
-    static int attr_done[2][8];
+    int pipe = c->flash_pipe;
+    size_t sh = flash2_smem(HD, pipe);
+    static int attr_done[2][2][8];
     int oi = sizeof(OT) == 2, hi = HD / 16 - 1;
-    if (!attr_done[oi][hi]) {
-        cudaFuncSetAttribute(k_flash2<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)sh);
-        attr_done[oi][hi] = 1;
+    if (!attr_done[pipe][oi][hi]) {
+        cudaFuncSetAttribute(pipe ? k_flash2<HD, OT, 1> : k_flash2<HD, OT, 0>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sh);
+        attr_done[pipe][oi][hi] = 1;
     }
     dim3 grid(n_tiles, nh);
-    k_flash2<HD, OT><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
-                                                   kv->block_size, kv->n_layers, layer, tiles,
-                                                   pos, bts, bt_stride, nh, nkv, scale);
+    if (pipe)
+        k_flash2<HD, OT, 1><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
+                                                          kv->block_size, kv->n_layers, layer,
+                                                          tiles, pos, bts, bt_stride, nh, nkv,
+                                                          scale);
+    else
+        k_flash2<HD, OT, 0><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
+                                                          kv->block_size, kv->n_layers, layer,
+                                                          tiles, pos, bts, bt_stride, nh, nkv,
+                                                          scale);
     return launch_check("flash2_prefill");
 }
 
