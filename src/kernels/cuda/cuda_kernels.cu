@@ -59,7 +59,7 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp;
     int last_err;
-    int no_gemv;    /* DISAGG_CUDA_GEMV=0: 1-2 token GEMMs through cuBLASLt too */
+    int no_gemv;    /* unless DISAGG_CUDA_GEMV=1: 1-2 token GEMMs through cuBLASLt too */
     int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
@@ -165,7 +165,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
-    c->no_gemv = getenv("DISAGG_CUDA_GEMV") && !strcmp(getenv("DISAGG_CUDA_GEMV"), "0");
+    c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
     c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
     if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
@@ -1679,9 +1679,11 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
 }
 
 /* measured on the H200 (7B shapes, serving forward with CUDA graphs): the GEMV beats
- * cuBLASLt at T = 1 (4.96 vs 5.37 ms a decode step at 4k context) and loses at T = 8, where
- * its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at T = 1..32 */
-#define GEMV_MAX_T 2 /* DISAGG_CUDA_GEMV=0: cuBLASLt for these too */
+ * cuBLASLt at T = 1 (4.94 vs 5.35 ms a decode step at 4k context) and loses at T = 8, where
+ * its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at T = 1..32.  Off
+ * by default: with it a sequence's greedy tokens depended on the batch it ran in (5 of 32
+ * concurrent requests differed from their single-request answers in the serve smoke) */
+#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1 */
 
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                   int N, int K) {
