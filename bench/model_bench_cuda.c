@@ -51,8 +51,8 @@ static double now_s(void) {
 /* n_seqs sequences, one token each at position ctx + step, blocks laid out consecutively;
  * greedy on the device (qwen2_seq.argmax: only the ids come back, as serve does for greedy
  * requests without logprobs) */
-static int decode_run(const qwen2_model *m, qwen2_state *s, const kv_store *kv, int n_seqs,
-                      int ctx, int steps, int32_t *tables, int per_seq, double *sec) {
+static int decode_run(const qwen2_model *m, qwen2_state *s, const kv_store *kv, int n_seqs, int ctx,
+                      int steps, int32_t *tables, int per_seq, double *sec) {
     qwen2_seq *q = calloc((size_t)n_seqs, sizeof *q);
     int32_t *tok = calloc((size_t)n_seqs, 4), *next = calloc((size_t)n_seqs, 4);
     if (!q || !tok || !next) {
@@ -202,12 +202,13 @@ int bench_model_cuda_main(int argc, char **argv) {
     int n_blocks = max_batch * per_ctx > per_long ? max_batch * per_ctx : per_long;
     int max_tokens = max_prompt > max_batch ? max_prompt : max_batch;
     kv_store kv;
-    int rc = kv_store_init_on(&kv, be, c, n_blocks, BS, kv_dtype == DCU_F32 ? BACKEND_F32 : BACKEND_BF16,
-                              BACKEND_BUF_KV);
+    int rc = kv_store_init_on(&kv, be, c, n_blocks, BS,
+                              kv_dtype == DCU_F32 ? BACKEND_F32 : BACKEND_BF16, BACKEND_BUF_KV);
     qwen2_state *s = rc ? NULL : qwen2_state_create(&m, max_tokens);
     if (!s) {
-        fprintf(stderr, "disagg bench model: out of GPU memory for the KV cache (%d blocks) or "
-                        "the workspace (%d tokens)\n",
+        fprintf(stderr,
+                "disagg bench model: out of GPU memory for the KV cache (%d blocks) or "
+                "the workspace (%d tokens)\n",
                 n_blocks, max_tokens);
         if (!rc) kv_store_free(&kv);
         qwen2_free(&m);
@@ -247,7 +248,10 @@ int bench_model_cuda_main(int argc, char **argv) {
         double best = 1e30;
         for (int r = 0; r < 4 && !rc; r++) {
             int32_t next;
-            qwen2_seq q = {.tokens = toks, .n_tokens = L, .block_table = tables, .n_blocks = nb,
+            qwen2_seq q = {.tokens = toks,
+                           .n_tokens = L,
+                           .block_table = tables,
+                           .n_blocks = nb,
                            .argmax = &next};
             double s0 = now_s();
             rc = qwen2_forward(&m, s, &kv, &q, 1);

@@ -244,8 +244,7 @@ backend_buffer *backend_weights_load_cat(backend *be, const void *const *srcs,
         return NULL;
     }
     if (!be->iface->weights_load_cat) {
-        LOG_E(MOD, "weights_load_cat: %s keeps matrices apart (backend_wants_cat is 0)",
-              be->name);
+        LOG_E(MOD, "weights_load_cat: %s keeps matrices apart (backend_wants_cat is 0)", be->name);
         return NULL;
     }
     backend_buffer *b = calloc(1, sizeof *b);
@@ -520,8 +519,8 @@ int backend_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, voi
 }
 
 int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
-    CHECK(o && o->x && o->q && o->inv_freq && kv_ok(o->kv, o->layer) && o->T >= 1 && o->hidden >= 1 &&
-              o->n_heads >= 1 && dt_ok(o->x_dt) && dt_ok(o->w_dt) && dt_ok(o->dt),
+    CHECK(o && o->x && o->q && o->inv_freq && kv_ok(o->kv, o->layer) && o->T >= 1 &&
+              o->hidden >= 1 && o->n_heads >= 1 && dt_ok(o->x_dt) && dt_ok(o->w_dt) && dt_ok(o->dt),
           "qkv: bad arguments");
     CHECK(o->wqkv || (o->wq && o->wk && o->wv && o->k && o->v),
           "qkv: neither the concatenated matrix nor q, k, v weights with k/v scratch");
@@ -530,9 +529,10 @@ int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
           "qkv: %s has no fused form: give wq, wk, wv and k/v scratch", st->be->name);
     const backend_kv *kv = o->kv;
     int T = o->T, kvd = kv->n_kv_heads * kv->head_dim, nq = o->n_heads * kv->head_dim;
-    backend_matmul_op ops[3] = {{o->q, o->dt, o->x, o->x_dt, o->wq, o->w_dt, o->bq, T, nq, o->hidden},
-                                {o->k, o->dt, o->x, o->x_dt, o->wk, o->w_dt, o->bk, T, kvd, o->hidden},
-                                {o->v, o->dt, o->x, o->x_dt, o->wv, o->w_dt, o->bv, T, kvd, o->hidden}};
+    backend_matmul_op ops[3] = {
+        {o->q, o->dt, o->x, o->x_dt, o->wq, o->w_dt, o->bq, T, nq, o->hidden},
+        {o->k, o->dt, o->x, o->x_dt, o->wk, o->w_dt, o->bk, T, kvd, o->hidden},
+        {o->v, o->dt, o->x, o->x_dt, o->wv, o->w_dt, o->bv, T, kvd, o->hidden}};
     int rc = backend_matmul(st, ops, 3);
     if (!rc)
         rc = backend_rope(st, o->q, o->n_heads, o->k, kv->n_kv_heads, o->dt, kv->head_dim,

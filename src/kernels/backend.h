@@ -306,15 +306,15 @@ int backend_qkv(backend_stream *st, const backend_qkv_op *op);
 /* The MLP's first half: h (T, inter) of h_dt = silu(w_gate . x) * (w_up . x).  Generic:
  * backend_matmul of the two (into h and h2, y_dt h_dt), backend_swiglu(h, h2). */
 typedef struct backend_mlp_op {
-    const void *x;               /* (T, hidden) normed input */
-    backend_dtype x_dt;          /* its dtype */
-    int T, hidden, inter;        /* shapes */
-    const void *w_gate, *w_up;   /* (inter, hidden) each */
-    backend_dtype w_dt;          /* their dtype */
-    const void *w_gate_up;       /* the two as one (2 inter, hidden) matrix, or NULL */
-    void *h;                     /* out (T, inter) */
-    void *h2;                    /* (T, inter) scratch of the generic form (NULL with w_gate_up) */
-    backend_dtype h_dt;          /* dtype of h and h2 */
+    const void *x;             /* (T, hidden) normed input */
+    backend_dtype x_dt;        /* its dtype */
+    int T, hidden, inter;      /* shapes */
+    const void *w_gate, *w_up; /* (inter, hidden) each */
+    backend_dtype w_dt;        /* their dtype */
+    const void *w_gate_up;     /* the two as one (2 inter, hidden) matrix, or NULL */
+    void *h;                   /* out (T, inter) */
+    void *h2;                  /* (T, inter) scratch of the generic form (NULL with w_gate_up) */
+    backend_dtype h_dt;        /* dtype of h and h2 */
 } backend_mlp_op;
 int backend_gate_up(backend_stream *st, const backend_mlp_op *op);
 

@@ -398,8 +398,8 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
                               .h2 = s->hb2,
                               .h_dt = mm};
         TRY(backend_gate_up(st, &mlp));
-        backend_matmul_op down = {s->y,            a,    s->hb, mm, L->w_down.data,
-                                  L->w_down.dtype, NULL, T,     h,  I};
+        backend_matmul_op down = {s->y, a, s->hb, mm, L->w_down.data, L->w_down.dtype,
+                                  NULL, T, h,     I};
         TRY(backend_matmul(st, &down, 1));
     }
     return backend_add(st, s->x, s->y, a, (size_t)T * h);
@@ -431,9 +431,8 @@ static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
     float *logits = backend_buffer_ptr(s->logits_buf);
     TRY(backend_gather_rows(st, s->y, s->x, a, h));
     TRY(backend_rmsnorm(st, s->xb, s->mm, s->y, a, w->final_norm, n_out, h, c->rms_norm_eps));
-    backend_matmul_op head = {
-        logits, BACKEND_F32, s->xb,         s->mm, w->lm_head.data, w->lm_head.dtype,
-        NULL,   n_out,       c->vocab_size, h};
+    backend_matmul_op head = {logits,           BACKEND_F32, s->xb, s->mm,         w->lm_head.data,
+                              w->lm_head.dtype, NULL,        n_out, c->vocab_size, h};
     return backend_matmul(st, &head, 1);
 }
 
@@ -441,8 +440,7 @@ static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
  * sequences whose host arrays follow each other (the engine's one logits array) go in one
  * download.  Sequences asking for their greedy token get it from one argmax over the rows
  * on the device (only the ids come back). */
-static int download_outputs(qwen2_state *s, const qwen2_seq *seqs, int n_seqs, int n_rows,
-                            int V) {
+static int download_outputs(qwen2_state *s, const qwen2_seq *seqs, int n_seqs, int n_rows, int V) {
     backend_stream *st = s->st;
     const float *dev = backend_buffer_ptr(s->logits_buf);
     int rc, want_amax = 0;

@@ -174,7 +174,8 @@ static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **
     }
     backend_buffer_free(b);
     free(host);
-    if (rc) snprintf(err, errlen, "cannot place tensor '%s'.. on %s", names[0], backend_name(w->be));
+    if (rc)
+        snprintf(err, errlen, "cannot place tensor '%s'.. on %s", names[0], backend_name(w->be));
     return rc;
 }
 

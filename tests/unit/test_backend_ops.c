@@ -553,12 +553,12 @@ static void test_fused_ops(void **state) {
                        *bnw = to_dev(st, nw, H, BACKEND_F32);
         const float *dbias = DEV(bbias);
         /* x (residual, act) and y (added into it); xb = norm(x + y) in mm */
-        float *x = rand_vec((size_t)T * H, BACKEND_BF16), *y = rand_vec((size_t)T * H, BACKEND_BF16);
+        float *x = rand_vec((size_t)T * H, BACKEND_BF16),
+              *y = rand_vec((size_t)T * H, BACKEND_BF16);
         backend_buffer *bx = to_dev(st, x, (size_t)T * H, a), *by = to_dev(st, y, (size_t)T * H, a),
                        *bxb = backend_buffer_alloc(be, (size_t)T * H * backend_dtype_size(mm), 0);
-        assert_int_equal(backend_add_rmsnorm(st, DEV(bxb), mm, DEV(bx), DEV(by), a, DEV(bnw), T, H,
-                                             1e-6f),
-                         0);
+        assert_int_equal(
+            backend_add_rmsnorm(st, DEV(bxb), mm, DEV(bx), DEV(by), a, DEV(bnw), T, H, 1e-6f), 0);
         float *gx = from_dev(st, DEV(bx), (size_t)T * H, a),
               *gxb = from_dev(st, DEV(bxb), (size_t)T * H, mm);
         double *wx = malloc(sizeof(double) * T * H), *wxb = malloc(sizeof(double) * T * H);
@@ -575,7 +575,8 @@ static void test_fused_ops(void **state) {
         }
         memcpy(xb, gxb, sizeof(float) * T * H);
         check_close("add_rmsnorm: x += add", be, gx, wx, (size_t)T * H, 1e-6);
-        check_close("add_rmsnorm: out", be, gxb, wxb, (size_t)T * H, mm == BACKEND_F32 ? 1e-5 : 8e-3);
+        check_close("add_rmsnorm: out", be, gxb, wxb, (size_t)T * H,
+                    mm == BACKEND_F32 ? 1e-5 : 8e-3);
         /* qkv */
         backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
         size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
@@ -585,19 +586,37 @@ static void test_fused_ops(void **state) {
         backend_buffer *bqo = backend_buffer_alloc(be, (size_t)T * H * backend_dtype_size(a), 0),
                        *bks = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
                        *bvs = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
-        backend_qkv_op op = {.x = DEV(bxb), .x_dt = mm, .T = T, .hidden = H, .n_heads = NH,
-                             .wq = wq, .wk = wk, .wv = wv, .w_dt = sq, .bq = dbias,
-                             .bk = dbias + H, .bv = dbias + H + KVD, .wqkv = wqkv,
-                             .bqkv = wqkv ? dbias : NULL, .q = DEV(bqo), .k = DEV(bks),
-                             .v = DEV(bvs), .dt = a, .inv_freq = DEV(binv), .kv = &kv,
+        backend_qkv_op op = {.x = DEV(bxb),
+                             .x_dt = mm,
+                             .T = T,
+                             .hidden = H,
+                             .n_heads = NH,
+                             .wq = wq,
+                             .wk = wk,
+                             .wv = wv,
+                             .w_dt = sq,
+                             .bq = dbias,
+                             .bk = dbias + H,
+                             .bv = dbias + H + KVD,
+                             .wqkv = wqkv,
+                             .bqkv = wqkv ? dbias : NULL,
+                             .q = DEV(bqo),
+                             .k = DEV(bks),
+                             .v = DEV(bvs),
+                             .dt = a,
+                             .inv_freq = DEV(binv),
+                             .kv = &kv,
                              .layer = LAYER};
         assert_int_equal(backend_qkv(st, &op), 0);
-        float *gq = from_dev(st, DEV(bqo), (size_t)T * H, a), *gkv = from_dev(st, kv.base, n_el, kdt);
+        float *gq = from_dev(st, DEV(bqo), (size_t)T * H, a),
+              *gkv = from_dev(st, kv.base, n_el, kdt);
         double *wq_ = calloc((size_t)T * H, sizeof(double)), *wkv = calloc(n_el, sizeof(double));
         for (int t = 0; t < T; t++) {
             double row[H + 2 * KVD];
             for (int n = 0; n < H + 2 * KVD; n++) {
-                const float *w = n < H ? fq + n * H : n < H + KVD ? fk + (n - H) * H : fv + (n - H - KVD) * H;
+                const float *w = n < H         ? fq + n * H
+                                 : n < H + KVD ? fk + (n - H) * H
+                                               : fv + (n - H - KVD) * H;
                 double acc = bias[n];
                 for (int i = 0; i < H; i++)
                     acc += (double)xb[t * H + i] * w[i];
@@ -607,13 +626,15 @@ static void test_fused_ops(void **state) {
             for (int hh = 0; hh < NH + NKV; hh++) /* rope on q heads then k heads */
                 for (int i = 0; i < HD / 2; i++) {
                     float ang = (float)p * inv[i];
-                    double c = cos(ang), sn = sin(ang), u = row[hh * HD + i], w = row[hh * HD + i + HD / 2];
+                    double c = cos(ang), sn = sin(ang), u = row[hh * HD + i],
+                           w = row[hh * HD + i + HD / 2];
                     row[hh * HD + i] = u * c - w * sn;
                     row[hh * HD + i + HD / 2] = w * c + u * sn;
                 }
             for (int n = 0; n < H; n++)
                 wq_[t * H + n] = row[n];
-            int s = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size], slot = p % kv.block_size;
+            int s = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size],
+                slot = p % kv.block_size;
             for (int hh = 0; hh < NKV; hh++)
                 for (int d = 0; d < HD; d++) {
                     wkv[kv_index(&kv, blk, LAYER, 0, slot, hh, d)] = row[H + hh * HD + d];
@@ -625,10 +646,21 @@ static void test_fused_ops(void **state) {
                     kdt == BACKEND_F32 ? 1e-4 : 8e-3);
         /* gate_up */
         backend_buffer *bh = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0),
-                       *bh2 = cat ? NULL : backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0);
-        backend_mlp_op mo = {.x = DEV(bxb), .x_dt = mm, .T = T, .hidden = H, .inter = I,
-                             .w_gate = wg, .w_up = wu, .w_dt = sg, .w_gate_up = wgu,
-                             .h = DEV(bh), .h2 = bh2 ? DEV(bh2) : NULL, .h_dt = mm};
+                       *bh2 = cat ? NULL
+                                  : backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm),
+                                                         0);
+        backend_mlp_op mo = {.x = DEV(bxb),
+                             .x_dt = mm,
+                             .T = T,
+                             .hidden = H,
+                             .inter = I,
+                             .w_gate = wg,
+                             .w_up = wu,
+                             .w_dt = sg,
+                             .w_gate_up = wgu,
+                             .h = DEV(bh),
+                             .h2 = bh2 ? DEV(bh2) : NULL,
+                             .h_dt = mm};
         assert_int_equal(backend_gate_up(st, &mo), 0);
         float *gh = from_dev(st, DEV(bh), (size_t)T * I, mm);
         double *wh = malloc(sizeof(double) * T * I);
@@ -641,12 +673,13 @@ static void test_fused_ops(void **state) {
                 }
                 wh[t * I + n] = gg / (1.0 + exp(-gg)) * uu;
             }
-        check_close("gate_up: silu(gate) * up", be, gh, wh, (size_t)T * I, mm == BACKEND_F32 ? 1e-4 : 8e-3);
+        check_close("gate_up: silu(gate) * up", be, gh, wh, (size_t)T * I,
+                    mm == BACKEND_F32 ? 1e-4 : 8e-3);
         (void)su, (void)sk, (void)sv;
         free(gx), free(gxb), free(wx), free(wxb), free(xb), free(x), free(y), free(gq), free(gkv);
         free(wq_), free(wkv), free(gh), free(wh);
-        backend_buffer *bufs[] = {bq, bk, bv, bg, bu, bqkv, bgu, bbias, binv, bnw, bx, by, bxb,
-                                  region, bqo, bks, bvs, bh, bh2};
+        backend_buffer *bufs[] = {bq, bk, bv,  bg,     bu,  bqkv, bgu, bbias, binv, bnw,
+                                  bx, by, bxb, region, bqo, bks,  bvs, bh,    bh2};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
             backend_buffer_free(bufs[i]);
         backend_stream_free(st);

@@ -3,9 +3,9 @@
  * CUDA backend against the CPU (every op on its own: test_backend_ops): the whole forward
  * (random tiny bf16 model and the trained default model, with the fused q|k|v and gate|up
  * GEMMs, residual adds fused into RMSNorm, bf16 GEMM inputs; the device argmax of the
- * greedy path against the downloaded logits) against the CPU forward, the greedy continuations of tests/data/sotu-tiny/
- * greedy.json (Hugging Face, f32) and, when DISAGG_GPU_REF_DIR names a folder made by
- * tools/gpu_hf_reference.py, Hugging Face transformers' logits computed on the GPU.
+ * greedy path against the downloaded logits) against the CPU forward, the greedy continuations of
+ * tests/data/sotu-tiny/ greedy.json (Hugging Face, f32) and, when DISAGG_GPU_REF_DIR names a folder
+ * made by tools/gpu_hf_reference.py, Hugging Face transformers' logits computed on the GPU.
  *
  * Tolerances (bf16 GEMM inputs and weights, f32 accumulation; the CPU keeps f32 activations):
  *   embed, kv_write (f32 KV), rope: 1e-6 relative; rmsnorm, swiglu (f32 out): 1e-5;
@@ -37,7 +37,7 @@
 #include "model/qwen2.h"
 #include "test_model_fixture.h"
 
-static backend *G;   /* the CUDA backend, NULL without a GPU */
+static backend *G; /* the CUDA backend, NULL without a GPU */
 static char why[1024];
 
 static int setup(void **st) {
@@ -514,12 +514,9 @@ static void test_graph_api_cpu(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_model_tiny_random),
-        cmocka_unit_test(test_model_default),
-        cmocka_unit_test(test_greedy_golden),
-        cmocka_unit_test(test_serving_graphs),
-        cmocka_unit_test(test_graph_api_cpu),
-        cmocka_unit_test(test_hf_gpu_reference),
+        cmocka_unit_test(test_model_tiny_random), cmocka_unit_test(test_model_default),
+        cmocka_unit_test(test_greedy_golden),     cmocka_unit_test(test_serving_graphs),
+        cmocka_unit_test(test_graph_api_cpu),     cmocka_unit_test(test_hf_gpu_reference),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

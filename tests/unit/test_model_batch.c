@@ -112,19 +112,22 @@ static void test_batched_with_others(void **st) {
     float *la = malloc((size_t)N * V * sizeof(float)), *lb = malloc((size_t)NB * V * sizeof(float));
     float *lc = malloc((size_t)V * sizeof(float));
     /* step 1: A's first 9 tokens beside B's whole prompt and C's 2 tokens */
-    qwen2_seq q1[3] = {
-        {B, NB, 0, tb, 4, lb, 1, NULL}, {A, 9, 0, ta, 5, la, 1, NULL}, {B + 3, 2, 0, tc, 4, lc, 0, NULL}};
+    qwen2_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL},
+                       {A, 9, 0, ta, 5, la, 1, NULL},
+                       {B + 3, 2, 0, tc, 4, lc, 0, NULL}};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, q1, 3), 0);
     assert_rows_equal(ref, la, 0, 9, "batched prefill (with 2 others)");
     /* step 2: A's next 10 tokens beside one decode token of B and of C */
     int32_t bn = 42, cn = 77;
-    qwen2_seq q2[3] = {
-        {&bn, 1, NB, tb, 4, lb, 0, NULL}, {&cn, 1, 2, tc, 4, lc, 0, NULL}, {A + 9, 10, 9, ta, 5, la, 1, NULL}};
+    qwen2_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL},
+                       {&cn, 1, 2, tc, 4, lc, 0, NULL},
+                       {A + 9, 10, 9, ta, 5, la, 1, NULL}};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, q2, 3), 0);
     assert_rows_equal(ref, la, 9, 10, "batched chunk (with 2 decodes)");
     /* step 3: A's last token alone vs. beside 2 decode tokens: both must equal */
-    qwen2_seq q3[3] = {
-        {&bn, 1, NB + 1, tb, 4, lb, 0, NULL}, {A + 19, 1, 19, ta, 5, la, 0, NULL}, {&cn, 1, 3, tc, 4, lc, 0, NULL}};
+    qwen2_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL},
+                       {A + 19, 1, 19, ta, 5, la, 0, NULL},
+                       {&cn, 1, 3, tc, 4, lc, 0, NULL}};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, q3, 3), 0);
     assert_rows_equal(ref, la, 19, 1, "batched decode");
     free(la);
