@@ -18,7 +18,9 @@
 #   5. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
 #      and the random tiny model, test_cuda_model again against those references, and
 #      tests/integration/test_device.py.
-# QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
+# QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run);
+# PERF_VARIANTS=1 re-runs the 7B decode/prefill with each kernel switch flipped;
+# TEST_DEVICE_SUITE=1 adds the server integration tests against --device cuda.
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -126,7 +128,15 @@ fi
 step "integration: tests/integration/test_device.py"
 DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
 check ${PIPESTATUS[0]} test_device.py
-echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
+if [ -n "${TEST_DEVICE_SUITE:-}" ]; then
+step "integration: the server tests against disagg serve --device cuda (DISAGG_TEST_DEVICE=cuda)"
+DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+  tests/integration/test_server_api.py tests/integration/test_server_logprobs.py \
+  tests/integration/test_server_errors.py 2>&1 | tail -15
+check ${PIPESTATUS[0]} "server tests with DISAGG_TEST_DEVICE=cuda"
+else
+echo "DISAGG_TEST_DEVICE=cuda for the server tests: TEST_DEVICE_SUITE=1 runs them (not yet run on a GPU; see docs/gpu.md)"
+fi
 
 step "summary"
 echo "gpu_check: $fails failed step(s)"
