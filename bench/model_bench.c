@@ -193,7 +193,7 @@ int bench_model_main(int argc, char **argv) {
         bw = v > bw ? v : bw;
         v = measure_gemm(threads, 512, c->intermediate_size, c->hidden_size);
         gemm = v > gemm ? v : gemm;
-        qwen2_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0};
+        qwen2_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0, NULL};
         uint64_t t0 = clock_now_ns();
         rc = qwen2_forward(&m, s, &kv, &q, 1);
         double ps = (double)(clock_now_ns() - t0) / 1e9;
@@ -203,7 +203,7 @@ int bench_model_main(int argc, char **argv) {
             int32_t next = 0;
             for (int v2 = 1; v2 < c->vocab_size; v2++)
                 if (logits[v2] > logits[next]) next = v2;
-            qwen2_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0};
+            qwen2_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0, NULL};
             rc = qwen2_forward(&m, s, &kv, &d, 1);
         }
         double ds = (double)(clock_now_ns() - t1) / 1e9;

@@ -97,7 +97,7 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
                 for (int i = 0; i < k; i++)
                     q[i] = (qwen2_seq){toks + (size_t)(s0 + i) * plen, plen, 0,
                                        tables + (size_t)(s0 + i) * per, per,
-                                       logits + (size_t)i * c->vocab_size, 0};
+                                       logits + (size_t)i * c->vocab_size, 0, NULL};
                 rc = qwen2_forward(&m, s, &kv, q, k);
             }
             double el = ib_now() - t0;
@@ -116,7 +116,7 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
                 for (int i = 0; i < n; i++) {
                     toks[i] = (i * 31 + st) % 1000;
                     q[i] = (qwen2_seq){&toks[i], 1, ctx + st, tables + (size_t)i * per, per,
-                                       logits + (size_t)i * c->vocab_size, 0};
+                                       logits + (size_t)i * c->vocab_size, 0, NULL};
                 }
                 rc = qwen2_forward(&m, s, &kv, q, n);
             }

@@ -4,14 +4,17 @@
 #   1. build (cmake + ninja; where the C dependencies' dev packages are missing, the
 #      binaries given with PREBUILT=DIR are used and the CUDA module is rebuilt here
 #      from source with nvcc),
-#   2. tests/unit/test_cuda_model (every op CUDA vs CPU, whole model vs CPU, greedy vs the
-#      golden continuations, the serving path with CUDA graphs vs eager) and
-#      test_backend_ops, also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
+#   2. tests/unit/test_cuda_model (the serving forward on the GPU vs the CPU, greedy vs the
+#      golden continuations, CUDA graphs vs eager) and test_backend_ops (every op CUDA vs
+#      CPU), also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
 #      DISAGG_CUDA_GEMV=1,
 #   3. the serve smoke (tools/gpu_serve_smoke.py: cuda vs cpu, concurrent vs single, CUDA
 #      graphs vs --enforce-eager),
 #   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
-#      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run,
+#      made here (tools/gen_random_qwen2_gpu.py), with the copy/GEMM ceilings of the run
+#      (PERF_VARIANTS=1: decode again with each new kernel switched off), and
+#      `disagg bench serve` against `disagg serve --device cuda` on those weights
+#      (tools/gpu_bench_serve.py: concurrency 1, 16, 64),
 #   5. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
 #      and the random tiny model, test_cuda_model again against those references, and
 #      tests/integration/test_device.py.
@@ -21,7 +24,9 @@
 #      client: carried as wheels in $PREBUILT/whl when the image lacks it) and
 #      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
 #      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
-# QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
+# QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run);
+# PERF_VARIANTS=1 re-runs the 7B decode/prefill with each kernel switch flipped;
+# TEST_DEVICE_SUITE=1 adds the server integration tests against --device cuda.
 # The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
 # (GEMM rows, attention schedules, the model alone / batched / chunked, also on the 7B-shaped
 # weights), `disagg bench model --batch-invariant` (its cost against the fast mode, 7B) and
@@ -154,6 +159,20 @@ step "bench model: 7B-shaped random bf16 weights"
 check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
+if [ -n "${PERF_VARIANTS:-}" ]; then
+for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
+  echo "--- decode with $v:"
+  env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
+  check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
+done
+echo "--- prefill without the cp.async double buffering (DISAGG_CUDA_FLASH_PIPE=0):"
+DISAGG_CUDA_FLASH_PIPE=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512,4096 --batches 1 2>&1 | sed -n '/^prefill/,/^$/p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_FLASH_PIPE=0"
+fi
+
+step "bench serve: disagg serve --device cuda on the 7B-shaped weights (real Qwen2.5 tokenizer), concurrency 1, 16, 64"
+python3 tools/gpu_bench_serve.py "$BIN" "$W7" "${TMPDIR:-/tmp}/gpu-bench-serve"
+check $? "bench serve 7b --device cuda"
 if [ -z "${QUICK:-}" ]; then
 echo "--- prefill with the previous (wmma) prefill kernel (DISAGG_CUDA_FLASH2=0):"
 DISAGG_CUDA_FLASH2=0 "$BIN" bench model "$W7" --device cuda --batches 1 2>&1 | sed -n '/^prefill/,/^decode/p'
@@ -178,7 +197,15 @@ inv_steps
 step "integration: tests/integration/test_device.py"
 DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
 check ${PIPESTATUS[0]} test_device.py
-echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
+if [ -n "${TEST_DEVICE_SUITE:-}" ]; then
+step "integration: the server tests against disagg serve --device cuda (DISAGG_TEST_DEVICE=cuda)"
+DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+  tests/integration/test_server_api.py tests/integration/test_server_logprobs.py \
+  tests/integration/test_server_errors.py 2>&1 | tail -15
+check ${PIPESTATUS[0]} "server tests with DISAGG_TEST_DEVICE=cuda"
+else
+echo "DISAGG_TEST_DEVICE=cuda for the server tests: TEST_DEVICE_SUITE=1 runs them (not yet run on a GPU; see docs/gpu.md)"
+fi
 
 kv_steps
 

@@ -83,6 +83,8 @@ struct engine {
     float *logits;  /* (max_num_seqs, vocab) last-token logits */
     float *plogits; /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
     float *scratch; /* (vocab) the sampler's working copy of a row */
+    int32_t *amax;  /* (max_num_seqs) greedy tokens computed on the device */
+    int dev_greedy; /* 1: plain greedy requests take the device argmax (not on the CPU) */
     int vocab;
     int max_model_len;
 
@@ -684,9 +686,13 @@ static void run_step(engine *e) {
         f->block_table = it->s->blocks;
         f->n_blocks = it->s->n_blocks;
         f->logits_all = r->prompt_lp && it->start < r->s.n_prompt;
+        f->argmax = NULL;
         if (f->logits_all)
             f->logits = e->plogits; /* only one such item per step (see below) */
-        else
+        else if (it->logits && e->dev_greedy && sampler_plain_greedy(r->smp)) {
+            f->logits = NULL; /* greedy, no logprobs, no penalties: only the id comes back */
+            f->argmax = &e->amax[i];
+        } else
             f->logits = it->logits ? e->logits + (size_t)(k_logits++) * (size_t)e->vocab : NULL;
     }
     /* At most one prompt-logprob chunk per forward: the workspace holds one. */
@@ -730,17 +736,22 @@ static void run_step(engine *e) {
             last = e->fwd[i].logits + (size_t)(it->count - 1) * (size_t)e->vocab;
         }
         if (!it->logits) continue;
-        /* Sample the next token (on a scratch copy: logprobs are of the raw row). */
         engine_token tok;
         memset(&tok, 0, sizeof tok);
-        memcpy(e->scratch, last, (size_t)e->vocab * sizeof *e->scratch);
-        sample_result sr;
-        sampler_sample(r->smp, e->scratch, &sr);
-        tok.id = sr.token;
-        tok.logprob = sr.logprob;
-        tok.n_top = sr.n_top;
-        memcpy(tok.top_ids, sr.top_ids, sizeof tok.top_ids);
-        memcpy(tok.top_logprobs, sr.top_logprobs, sizeof tok.top_logprobs);
+        if (e->fwd[i].argmax) { /* the device's greedy pick (no logprobs were asked for) */
+            tok.id = *e->fwd[i].argmax;
+            sampler_accept(r->smp, tok.id);
+        } else {
+            /* Sample the next token (on a scratch copy: logprobs are of the raw row). */
+            memcpy(e->scratch, last, (size_t)e->vocab * sizeof *e->scratch);
+            sample_result sr;
+            sampler_sample(r->smp, e->scratch, &sr);
+            tok.id = sr.token;
+            tok.logprob = sr.logprob;
+            tok.n_top = sr.n_top;
+            memcpy(tok.top_ids, sr.top_ids, sizeof tok.top_ids);
+            memcpy(tok.top_logprobs, sr.top_logprobs, sizeof tok.top_logprobs);
+        }
         int stop = is_stop_token(e, r, tok.id) && r->n_generated + 1 > r->p.min_tokens;
         seq_append(&r->s, tok.id);
         r->n_generated++;
@@ -896,9 +907,12 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
     e->scratch = malloc((size_t)e->vocab * sizeof(float));
+    e->amax = calloc((size_t)c.max_num_seqs, sizeof *e->amax);
+    /* on the CPU the logits are already in host memory: the host sampler's greedy is free */
+    e->dev_greedy = !backend_is_cpu(e->be);
     sched_config sc = {c.block_size, c.max_num_seqs, e->cfg.max_num_batched_tokens,
                        c.enable_prefix_caching};
-    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->scratch ||
+    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->scratch || !e->amax ||
         block_pool_init(&e->bp, (int32_t)nblocks) || sched_init(&e->sched, &sc, &e->bp) ||
         sched_plan_init(&e->plan, &sc)) {
         snprintf(err, errlen, "out of memory setting up the engine");
@@ -931,6 +945,7 @@ fail:
     free(e->logits);
     free(e->plogits);
     free(e->scratch);
+    free(e->amax);
     if (e->state) qwen2_state_free(e->state);
     kv_store_free(&e->kv);
     qwen2_free(&e->model);
@@ -971,6 +986,7 @@ void engine_destroy(engine *e) {
     free(e->logits);
     free(e->plogits);
     free(e->scratch);
+    free(e->amax);
     qwen2_state_free(e->state);
     kv_store_free(&e->kv);
     qwen2_free(&e->model);

@@ -68,10 +68,8 @@ void backend_options_init(backend_options *o) {
     memset(o, 0, sizeof *o);
 }
 
-/* Opens the CUDA module: $DISAGG_CUDA_MODULE, else next to the executable, else the
- * linker's search path.  -ENOENT with err naming every place tried when it is missing. */
-static int open_module(const backend_options *opts, backend **out, char *err, size_t errlen) {
-    char tried[3][PATH_MAX];
+void *backend_module_dlopen(char *why, size_t cap) {
+    char tried[2][PATH_MAX];
     int n_tried = 0;
     void *h = NULL;
     const char *env = getenv("DISAGG_CUDA_MODULE");
@@ -98,20 +96,28 @@ static int open_module(const backend_options *opts, backend **out, char *err, si
             snprintf(last_err, sizeof last_err, "%s", e ? e : "unknown dlopen error");
         }
     }
+    if (!h) snprintf(why, cap, "%s not found: %s", BACKEND_MODULE_NAME, last_err);
+    return h;
+}
+
+/* Opens the CUDA module (backend_module_dlopen) and its backend.  -ENOENT with err naming
+ * what is missing. */
+static int open_module(const backend_options *opts, backend **out, char *err, size_t errlen) {
+    char why[PATH_MAX + 600];
+    void *h = backend_module_dlopen(why, sizeof why);
     if (!h) {
         snprintf(err, errlen,
                  "--device cuda: this disagg was built without CUDA or its CUDA module is "
-                 "missing (%s not found: %s; set DISAGG_CUDA_MODULE to its path, or use "
-                 "--device cpu)",
-                 BACKEND_MODULE_NAME, last_err);
+                 "missing (%s; set DISAGG_CUDA_MODULE to its path, or use --device cpu)",
+                 why);
         return -ENOENT;
     }
     backend_module_open_fn fn =
         (backend_module_open_fn)(uintptr_t)dlsym(h, BACKEND_MODULE_OPEN_SYMBOL);
     if (!fn) {
         snprintf(err, errlen,
-                 "--device cuda: %s has no entry point %s (a module of another build?)", tried[0],
-                 BACKEND_MODULE_OPEN_SYMBOL);
+                 "--device cuda: %s has no entry point %s (a module of another build?)",
+                 BACKEND_MODULE_NAME, BACKEND_MODULE_OPEN_SYMBOL);
         dlclose(h);
         return -ENOENT;
     }
@@ -186,6 +192,12 @@ int backend_is_cpu(const backend *be) {
 backend_dtype backend_act_dtype(const backend *be) {
     return be->act_dtype;
 }
+backend_dtype backend_mm_dtype(const backend *be) {
+    return be->mm_dtype;
+}
+int backend_wants_cat(const backend *be) {
+    return be && be->iface->weights_load_cat != NULL;
+}
 backend_dtype backend_kv_dtype_default(const backend *be) {
     return be->kv_dtype;
 }
@@ -226,6 +238,30 @@ backend_buffer *backend_weights_load(backend *be, const void *src, backend_dtype
     if (!b) return NULL;
     b->be = be;
     if (be->iface->weights_load(be, b, src, src_dtype, n, stored)) {
+        free(b);
+        return NULL;
+    }
+    return b;
+}
+
+backend_buffer *backend_weights_load_cat(backend *be, const void *const *srcs,
+                                         const backend_dtype *src_dts, const size_t *ns,
+                                         int n_parts, backend_dtype *stored) {
+    int ok = be && srcs && src_dts && ns && n_parts >= 1 && n_parts <= 8 && stored;
+    for (int i = 0; ok && i < n_parts; i++)
+        ok = srcs[i] && ns[i] > 0 && dt_ok(src_dts[i]);
+    if (!ok) {
+        LOG_E(MOD, "weights_load_cat: bad arguments (%d parts)", n_parts);
+        return NULL;
+    }
+    if (!be->iface->weights_load_cat) {
+        LOG_E(MOD, "weights_load_cat: %s keeps matrices apart (backend_wants_cat is 0)", be->name);
+        return NULL;
+    }
+    backend_buffer *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->be = be;
+    if (be->iface->weights_load_cat(be, b, srcs, src_dts, ns, n_parts, stored)) {
         free(b);
         return NULL;
     }
@@ -478,4 +514,74 @@ int backend_argmax(backend_stream *st, int32_t *out, const float *logits, int ro
     CHECK(out && logits && rows >= 1 && vocab >= 1, "argmax: bad arguments (rows %d, vocab %d)",
           rows, vocab);
     return st->be->iface->argmax(st, out, logits, rows, vocab);
+}
+
+/* ---- fused operations: the backend's own, else the generic form ----------------------- */
+
+int backend_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, void *x,
+                        const void *add, backend_dtype x_dt, const float *w, int rows, int n,
+                        float eps) {
+    CHECK(out && x && w && rows >= 1 && n >= 1 && dt_ok(out_dt) && dt_ok(x_dt) && add != x,
+          "add_rmsnorm: bad arguments (rows %d, n %d)", rows, n);
+    if (st->be->iface->add_rmsnorm)
+        return st->be->iface->add_rmsnorm(st, out, out_dt, x, add, x_dt, w, rows, n, eps);
+    int rc = add ? backend_add(st, x, add, x_dt, (size_t)rows * n) : 0;
+    return rc ? rc : backend_rmsnorm(st, out, out_dt, x, x_dt, w, rows, n, eps);
+}
+
+int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
+    CHECK(o && o->x && o->q && o->inv_freq && kv_ok(o->kv, o->layer) && o->T >= 1 &&
+              o->hidden >= 1 && o->n_heads >= 1 && dt_ok(o->x_dt) && dt_ok(o->w_dt) && dt_ok(o->dt),
+          "qkv: bad arguments");
+    CHECK(o->wqkv || (o->wq && o->wk && o->wv && o->k && o->v),
+          "qkv: neither the concatenated matrix nor q, k, v weights with k/v scratch");
+    if (o->wqkv && st->be->iface->qkv) return st->be->iface->qkv(st, o);
+    CHECK(o->wq && o->wk && o->wv && o->k && o->v,
+          "qkv: %s has no fused form: give wq, wk, wv and k/v scratch", st->be->name);
+    const backend_kv *kv = o->kv;
+    int T = o->T, kvd = kv->n_kv_heads * kv->head_dim, nq = o->n_heads * kv->head_dim;
+    backend_matmul_op ops[3] = {
+        {o->q, o->dt, o->x, o->x_dt, o->wq, o->w_dt, o->bq, T, nq, o->hidden},
+        {o->k, o->dt, o->x, o->x_dt, o->wk, o->w_dt, o->bk, T, kvd, o->hidden},
+        {o->v, o->dt, o->x, o->x_dt, o->wv, o->w_dt, o->bv, T, kvd, o->hidden}};
+    int rc = backend_matmul(st, ops, 3);
+    if (!rc)
+        rc = backend_rope(st, o->q, o->n_heads, o->k, kv->n_kv_heads, o->dt, kv->head_dim,
+                          o->inv_freq);
+    return rc ? rc : backend_kv_write(st, kv, o->layer, o->k, o->v, o->dt);
+}
+
+int backend_gate_up(backend_stream *st, const backend_mlp_op *o) {
+    CHECK(o && o->x && o->h && o->T >= 1 && o->hidden >= 1 && o->inter >= 1 && dt_ok(o->x_dt) &&
+              dt_ok(o->w_dt) && dt_ok(o->h_dt),
+          "gate_up: bad arguments");
+    if (o->w_gate_up && st->be->iface->gate_up) return st->be->iface->gate_up(st, o);
+    CHECK(o->w_gate && o->w_up && o->h2,
+          "gate_up: %s has no fused form: give w_gate, w_up and the h2 scratch", st->be->name);
+    backend_matmul_op ops[2] = {
+        {o->h, o->h_dt, o->x, o->x_dt, o->w_gate, o->w_dt, NULL, o->T, o->inter, o->hidden},
+        {o->h2, o->h_dt, o->x, o->x_dt, o->w_up, o->w_dt, NULL, o->T, o->inter, o->hidden}};
+    int rc = backend_matmul(st, ops, 2);
+    return rc ? rc : backend_swiglu(st, o->h, o->h2, o->h_dt, o->T, o->inter);
+}
+
+int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, const void *q,
+                         backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
+                         float scale) {
+    if (out_dt == dt || !st->be->iface->attention_to)
+        return out_dt == dt ? backend_attention(st, out, q, dt, kv, layer, n_heads, scale)
+                            : -ENOTSUP;
+    CHECK(kv_ok(kv, layer) && out && q && out != q && dt_ok(dt) && dt_ok(out_dt),
+          "attention: bad arguments (layer %d)", layer);
+    CHECK(n_heads >= kv->n_kv_heads && n_heads % kv->n_kv_heads == 0 &&
+              n_heads / kv->n_kv_heads <= 64,
+          "attention: %d query heads over %d KV heads (need a multiple, at most 64 per KV head)",
+          n_heads, kv->n_kv_heads);
+    return st->be->iface->attention_to(st, out, out_dt, q, dt, kv, layer, n_heads, scale);
+}
+
+int backend_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K) {
+    if (!be || !be->iface->measure) return -ENOTSUP;
+    CHECK(M >= 1 && N >= 1 && K >= 1, "measure: M %d, N %d, K %d (need >= 1)", M, N, K);
+    return be->iface->measure(be, copy_gbs, gemm_tflops, M, N, K);
 }

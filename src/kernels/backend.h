@@ -110,6 +110,14 @@ const char *backend_name(const backend *be);        /* "cpu", "cuda:0 (NVIDIA H2
 const char *backend_location(const backend *be);    /* "cpu:0", "cuda:0": transfer_register() */
 int backend_is_cpu(const backend *be);              /* 1 for the CPU backend */
 backend_dtype backend_act_dtype(const backend *be); /* activations the model should use */
+/* The dtype the model should give matmuls their inputs in (normed rows, attention output,
+ * SwiGLU output: made by backend_add_rmsnorm, backend_attention_to, backend_gate_up):
+ * the activation dtype on the CPU, bf16 on CUDA (no conversion pass before each GEMM). */
+backend_dtype backend_mm_dtype(const backend *be);
+/* 1 when the backend computes q|k|v and gate|up as one GEMM each: the model then loads
+ * them concatenated (backend_weights_load_cat) and gives backend_qkv / backend_gate_up the
+ * concatenated matrices.  0 on the CPU (its weights stay in the safetensors mapping). */
+int backend_wants_cat(const backend *be);
 backend_dtype backend_kv_dtype_default(const backend *be); /* "auto" KV dtype: f32 cpu, bf16 cuda */
 int backend_kv_dtype_ok(const backend *be, backend_dtype dt); /* 1 if KV of dt is supported */
 /* The address of symbol `name` in the backend's loaded module (libdisagg_cuda.so), NULL on
@@ -135,6 +143,13 @@ backend_buffer *backend_buffer_alloc(backend *be, size_t bytes, int flags);
  * copies it to HBM as bf16 (f16/f32 converted).  NULL on failure (logged). */
 backend_buffer *backend_weights_load(backend *be, const void *src, backend_dtype src_dtype,
                                      size_t n, backend_dtype *stored);
+/* Several matrices of the same width as one buffer, rows of srcs[0] first (q|k|v, gate|up):
+ * part i is ns[i] elements of src_dts[i] at host address srcs[i].  Stored as
+ * backend_weights_load stores (one dtype for all parts, in *stored).  NULL on failure
+ * (logged), or when the backend lacks it (backend_wants_cat() is 0). */
+backend_buffer *backend_weights_load_cat(backend *be, const void *const *srcs,
+                                         const backend_dtype *src_dts, const size_t *ns,
+                                         int n_parts, backend_dtype *stored);
 void backend_buffer_free(backend_buffer *b);       /* NULL is fine */
 void *backend_buffer_ptr(const backend_buffer *b); /* device address of byte 0 */
 size_t backend_buffer_size(const backend_buffer *b);
@@ -261,6 +276,67 @@ int backend_kv_write(backend_stream *st, const backend_kv *kv, int layer, const 
  * (fmaf per element). */
 int backend_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
                       const backend_kv *kv, int layer, int n_heads, float scale);
+
+/* ---- fused operations ----------------------------------------------------------------
+ * Each is defined by the plain operations it stands for (its "generic" form, which
+ * backend.c runs on a backend that lacks it: the CPU backend, whose results are therefore
+ * exactly those of the plain sequence); a backend may compute it in fewer passes (CUDA:
+ * one GEMM over the concatenated weights and one kernel after it), same math, rounding of
+ * its own dtypes. */
+
+/* x (rows, n) of x_dt += add (rows, n) of x_dt (add NULL: nothing added), then out (rows,
+ * n) of out_dt = rmsnorm(x) as backend_rmsnorm.  Generic: backend_add, backend_rmsnorm. */
+int backend_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, void *x,
+                        const void *add, backend_dtype x_dt, const float *w, int rows, int n,
+                        float eps);
+
+/* The attention block's input for the planned batch: q = rope(wq . x + bq) to `q`, and
+ * k = rope(wk . x + bk), v = wv . x + bv written into `layer`'s KV slots.  Generic:
+ * backend_matmul of the three (into q, k, v), backend_rope(q, k), backend_kv_write(k, v). */
+typedef struct backend_qkv_op {
+    const void *x;             /* (T, hidden) normed input */
+    backend_dtype x_dt;        /* its dtype */
+    int T;                     /* the planned batch's tokens */
+    int hidden, n_heads;       /* model width, query heads (KV heads, head_dim from kv) */
+    const void *wq, *wk, *wv;  /* (n_heads * head_dim | kv_dim, hidden) */
+    backend_dtype w_dt;        /* their dtype (as stored) */
+    const float *bq, *bk, *bv; /* f32 biases or NULL */
+    const void *wqkv;          /* the three as one matrix (backend_weights_load_cat) or NULL */
+    const float *bqkv;         /* their biases as one f32 vector, or NULL (no biases) */
+    void *q;                   /* out (T, n_heads * head_dim) of dt, RoPE applied */
+    void *k, *v;               /* (T, kv_dim) of dt each: scratch of the generic form */
+    backend_dtype dt;          /* dtype of q, k, v */
+    const float *inv_freq;     /* RoPE, as backend_rope */
+    const backend_kv *kv;      /* the KV region */
+    int layer;                 /* the layer whose slots are written */
+} backend_qkv_op;
+int backend_qkv(backend_stream *st, const backend_qkv_op *op);
+
+/* The MLP's first half: h (T, inter) of h_dt = silu(w_gate . x) * (w_up . x).  Generic:
+ * backend_matmul of the two (into h and h2, y_dt h_dt), backend_swiglu(h, h2). */
+typedef struct backend_mlp_op {
+    const void *x;             /* (T, hidden) normed input */
+    backend_dtype x_dt;        /* its dtype */
+    int T, hidden, inter;      /* shapes */
+    const void *w_gate, *w_up; /* (inter, hidden) each */
+    backend_dtype w_dt;        /* their dtype */
+    const void *w_gate_up;     /* the two as one (2 inter, hidden) matrix, or NULL */
+    void *h;                   /* out (T, inter) */
+    void *h2;                  /* (T, inter) scratch of the generic form (NULL with w_gate_up) */
+    backend_dtype h_dt;        /* dtype of h and h2 */
+} backend_mlp_op;
+int backend_gate_up(backend_stream *st, const backend_mlp_op *op);
+
+/* backend_attention with the output in out_dt (the backend's mm dtype: the o_proj input).
+ * Generic: backend_attention when out_dt == dt, else -ENOTSUP. */
+int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, const void *q,
+                         backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
+                         float scale);
+
+/* Ceilings of the device for benchmarks: copy bandwidth (GB/s, bytes read + written, a
+ * large device-to-device copy) and the bf16 GEMM rate (TFLOP/s) at M x N x K through the
+ * backend's GEMM.  Either pointer may be NULL.  -ENOTSUP on the CPU. */
+int backend_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
 
 /* g (rows, n) = silu(g) * u = g / (1 + exp(-g)) * u elementwise; u (rows, n); both of dt. */
 int backend_swiglu(backend_stream *st, void *g, const void *u, backend_dtype dt, int rows, int n);

@@ -59,6 +59,19 @@ typedef struct backend_iface {
     int (*graph_end)(backend_stream *st, int ok);
     void (*graph_reset)(backend_stream *st);
     int (*graph_count)(const backend_stream *st);
+    /* fused operations and extras (optional: NULL runs the generic form in backend.c) */
+    int (*weights_load_cat)(backend *be, backend_buffer *b, const void *const *srcs,
+                            const backend_dtype *src_dts, const size_t *ns, int n_parts,
+                            backend_dtype *stored);
+    int (*add_rmsnorm)(backend_stream *st, void *out, backend_dtype out_dt, void *x,
+                       const void *add, backend_dtype x_dt, const float *w, int rows, int n,
+                       float eps);
+    int (*qkv)(backend_stream *st, const backend_qkv_op *op);     /* op->wqkv != NULL */
+    int (*gate_up)(backend_stream *st, const backend_mlp_op *op); /* op->w_gate_up != NULL */
+    int (*attention_to)(backend_stream *st, void *out, backend_dtype out_dt, const void *q,
+                        backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
+                        float scale);
+    int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
 } backend_iface;
 
 struct backend {
@@ -68,6 +81,7 @@ struct backend {
     char location[32];          /* backend_location(): "cpu:0", "cuda:0" */
     int is_cpu;                 /* backend_is_cpu() */
     backend_dtype act_dtype;    /* backend_act_dtype() */
+    backend_dtype mm_dtype;     /* backend_mm_dtype() (0 = F32) */
     backend_dtype kv_dtype;     /* backend_kv_dtype_default() */
     unsigned kv_dtypes;         /* bit (1 << dtype) per KV dtype supported */
     int is_static;              /* 1: backend_close() does nothing (backend_cpu_default) */
@@ -93,6 +107,10 @@ struct backend_stream {
  * -errno with err filled (no GPU visible, driver too old: both versions, out of memory). */
 #define BACKEND_MODULE_OPEN_SYMBOL "disagg_backend_module_open"
 #define BACKEND_MODULE_NAME        "libdisagg_cuda.so"
+
+/* dlopen()s the CUDA module: $DISAGG_CUDA_MODULE, else next to the executable, else the
+ * linker's search path.  NULL with why ("<name> not found: <dlerror>") when it is missing. */
+void *backend_module_dlopen(char *why, size_t cap);
 typedef int (*backend_module_open_fn)(int abi_version, const backend_options *opts, backend **out,
                                       char *err, size_t errlen);
 

@@ -110,23 +110,28 @@ void kv_store_free(kv_store *kv) {
 
 /* ---- state ---------------------------------------------------------------- */
 
-enum { B_X, B_XB, B_Q, B_K, B_V, B_ATT, B_HB, B_HB2, B_COUNT };
+enum { B_X, B_Y, B_XB, B_Q, B_K, B_V, B_ATT, B_HB, B_HB2, B_COUNT };
 
 struct qwen2_state {
     int max_tokens;     /* capacity in tokens */
     backend_stream *st; /* the stream all work goes to (owned) */
-    backend_dtype act;  /* activation dtype */
+    backend_dtype act;  /* activation dtype (residual stream, q/k/v) */
+    backend_dtype mm;   /* matmul-input dtype (normed rows, attention out, SwiGLU out) */
     backend_buffer *buf[B_COUNT];
     void *x;                    /* (T, hidden) residual stream */
-    void *xb;                   /* (T, hidden) normed input; rows gathered for lm_head */
+    void *y;                    /* (T, hidden) o_proj / down_proj output, added into x by the
+                                   next add_rmsnorm; rows gathered for lm_head */
+    void *xb;                   /* (T, hidden) of mm: normed input */
     void *q;                    /* (T, hidden) */
     void *k;                    /* (T, kv_dim) */
     void *v;                    /* (T, kv_dim) */
-    void *att;                  /* (T, hidden) attention output */
-    void *hb;                   /* (T, intermediate) gate, then silu(gate) * up */
-    void *hb2;                  /* (T, intermediate) up */
+    void *att;                  /* (T, hidden) of mm: attention output */
+    void *hb;                   /* (T, intermediate) of mm: silu(gate) * up */
+    void *hb2;                  /* (T, intermediate) up (the generic gate_up; NULL when cat) */
     backend_buffer *logits_buf; /* (logits_cap, vocab) f32 lm_head output */
+    backend_buffer *amax_buf;   /* (logits_cap) int32 greedy ids on the device */
     int logits_cap;             /* rows of logits_buf */
+    int32_t *amax_host;         /* (logits_cap) */
     /* the batch's host metadata (backend_batch) */
     int32_t *tokens, *tok_seq, *tok_pos, *out_rows; /* (max_tokens) each */
     int32_t *qo_indptr, *kv_len, *bt_indptr;        /* (max_tokens + 1) each */
@@ -152,15 +157,19 @@ static qwen2_state *state_new(const qwen2_model *m, int max_tokens, backend_stre
     }
     s->st = st;
     s->act = backend_act_dtype(m->be);
+    s->mm = backend_mm_dtype(m->be);
     s->max_tokens = max_tokens;
     size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size,
            kvd = (size_t)(c->n_kv_heads * c->head_dim), I = (size_t)c->intermediate_size,
-           es = backend_dtype_size(s->act);
-    size_t width[B_COUNT] = {h, h, h, kvd, kvd, h, I, I};
-    void **ptr[B_COUNT] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att, &s->hb, &s->hb2};
+           ea = backend_dtype_size(s->act), em = backend_dtype_size(s->mm);
+    int cat = m->w.layers && m->w.layers[0].w_gate_up.data != NULL;
+    size_t width[B_COUNT] = {h, h, h, h, kvd, kvd, h, I, cat ? 0 : I};
+    size_t es[B_COUNT] = {ea, ea, em, ea, ea, ea, em, em, em};
+    void **ptr[B_COUNT] = {&s->x, &s->y, &s->xb, &s->q, &s->k, &s->v, &s->att, &s->hb, &s->hb2};
     int ok = 1;
     for (int i = 0; i < B_COUNT && ok; i++) {
-        s->buf[i] = backend_buffer_alloc(m->be, T * width[i] * es, 0);
+        if (!width[i]) continue; /* hb2: only the generic gate_up needs it */
+        s->buf[i] = backend_buffer_alloc(m->be, T * width[i] * es[i], 0);
         ok = s->buf[i] != NULL;
         if (ok) *ptr[i] = backend_buffer_ptr(s->buf[i]);
     }
@@ -197,6 +206,8 @@ void qwen2_state_free(qwen2_state *s) {
     for (int i = 0; i < B_COUNT; i++)
         backend_buffer_free(s->buf[i]);
     backend_buffer_free(s->logits_buf);
+    backend_buffer_free(s->amax_buf);
+    free(s->amax_host);
     free(s->tokens);
     free(s->tok_seq);
     free(s->tok_pos);
@@ -313,7 +324,8 @@ static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs,
             s->tokens[t] = q->tokens[j];
             s->tok_seq[t] = i;
             s->tok_pos[t] = q->start_pos + j;
-            if (q->logits && (q->logits_all || j == q->n_tokens - 1)) s->out_rows[n_out++] = t;
+            if ((q->logits && q->logits_all) || ((q->logits || q->argmax) && j == q->n_tokens - 1))
+                s->out_rows[n_out++] = t;
         }
         s->qo_indptr[i + 1] = t;
         s->kv_len[i] = end;
@@ -334,9 +346,8 @@ static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs,
 static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kvp, int T) {
     const model_config *c = &m->cfg;
     const model_weights *w = &m->w;
-    int rc, h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size,
-            nh = c->n_heads;
-    const backend_dtype a = s->act; /* activations */
+    int rc, h = c->hidden_size, I = c->intermediate_size, nh = c->n_heads;
+    const backend_dtype a = s->act, mm = s->mm; /* activations, matmul inputs */
     const float eps = c->rms_norm_eps, scale = (float)(1.0 / sqrt((double)c->head_dim));
     const backend_kv bkv = *kvp;
     backend_stream *st = s->st;
@@ -344,31 +355,54 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
     TRY(backend_embed(st, s->x, a, w->embed.data, w->embed.dtype, h));
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
-        /* attention block: x += wo · attention(rope(wq · norm(x)), rope(wk · ..), wv · ..) */
-        TRY(backend_rmsnorm(st, s->xb, a, s->x, a, L->attn_norm, T, h, eps));
-        backend_matmul_op qkv[3] = {{s->q, a, s->xb, a, L->wq.data, L->wq.dtype, L->bq, T, h, h},
-                                    {s->k, a, s->xb, a, L->wk.data, L->wk.dtype, L->bk, T, kvd, h},
-                                    {s->v, a, s->xb, a, L->wv.data, L->wv.dtype, L->bv, T, kvd, h}};
-        TRY(backend_matmul(st, qkv, 3));
-        TRY(backend_rope(st, s->q, nh, s->k, c->n_kv_heads, a, c->head_dim, m->rope_inv_freq));
-        TRY(backend_kv_write(st, &bkv, l, s->k, s->v, a));
-        TRY(backend_attention(st, s->att, s->q, a, &bkv, l, nh, scale));
-        backend_matmul_op o = {s->xb, a, s->att, a, L->wo.data, L->wo.dtype, NULL, T, h, h};
+        /* attention block: x += wo . attention(rope(wq . norm(x)), rope(wk . ..), wv . ..)
+         * (the previous layer's MLP output y joins x here: x += y, then the norm) */
+        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l ? s->y : NULL, a, L->attn_norm, T, h, eps));
+        backend_qkv_op qkv = {.x = s->xb,
+                              .x_dt = mm,
+                              .T = T,
+                              .hidden = h,
+                              .n_heads = nh,
+                              .wq = L->wq.data,
+                              .wk = L->wk.data,
+                              .wv = L->wv.data,
+                              .w_dt = L->wq.dtype,
+                              .bq = L->bq,
+                              .bk = L->bk,
+                              .bv = L->bv,
+                              .wqkv = L->wqkv.data,
+                              .bqkv = L->bqkv,
+                              .q = s->q,
+                              .k = s->k,
+                              .v = s->v,
+                              .dt = a,
+                              .inv_freq = m->rope_inv_freq,
+                              .kv = &bkv,
+                              .layer = l};
+        TRY(backend_qkv(st, &qkv));
+        TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
+        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, h};
         TRY(backend_matmul(st, &o, 1));
-        TRY(backend_add(st, s->x, s->xb, a, (size_t)T * h));
-        /* MLP block: x += w_down · (silu(w_gate · norm(x)) * (w_up · norm(x))) */
-        TRY(backend_rmsnorm(st, s->xb, a, s->x, a, L->mlp_norm, T, h, eps));
-        backend_matmul_op gate_up[2] = {
-            {s->hb, a, s->xb, a, L->w_gate.data, L->w_gate.dtype, NULL, T, I, h},
-            {s->hb2, a, s->xb, a, L->w_up.data, L->w_up.dtype, NULL, T, I, h}};
-        TRY(backend_matmul(st, gate_up, 2));
-        TRY(backend_swiglu(st, s->hb, s->hb2, a, T, I));
-        backend_matmul_op down = {s->xb,           a,    s->hb, a, L->w_down.data,
-                                  L->w_down.dtype, NULL, T,     h, I};
+        /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))) */
+        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, s->y, a, L->mlp_norm, T, h, eps));
+        backend_mlp_op mlp = {.x = s->xb,
+                              .x_dt = mm,
+                              .T = T,
+                              .hidden = h,
+                              .inter = I,
+                              .w_gate = L->w_gate.data,
+                              .w_up = L->w_up.data,
+                              .w_dt = L->w_gate.dtype,
+                              .w_gate_up = L->w_gate_up.data,
+                              .h = s->hb,
+                              .h2 = s->hb2,
+                              .h_dt = mm};
+        TRY(backend_gate_up(st, &mlp));
+        backend_matmul_op down = {s->y, a, s->hb, mm, L->w_down.data, L->w_down.dtype,
+                                  NULL, T, h,     I};
         TRY(backend_matmul(st, &down, 1));
-        TRY(backend_add(st, s->x, s->xb, a, (size_t)T * h));
     }
-    return 0;
+    return backend_add(st, s->x, s->y, a, (size_t)T * h);
 }
 
 /* logits_buf holds at least rows rows (a new buffer drops the recorded steps using the old) */
@@ -376,10 +410,15 @@ static int logits_reserve(const qwen2_model *m, qwen2_state *s, int rows) {
     if (s->logits_cap >= rows) return 0;
     backend_graph_reset(s->st);
     backend_buffer_free(s->logits_buf);
+    backend_buffer_free(s->amax_buf);
+    free(s->amax_host);
     s->logits_buf =
         backend_buffer_alloc(m->be, (size_t)rows * m->cfg.vocab_size * sizeof(float), 0);
-    s->logits_cap = s->logits_buf ? rows : 0;
-    return s->logits_buf ? 0 : -ENOMEM;
+    s->amax_buf = backend_buffer_alloc(m->be, (size_t)rows * sizeof(int32_t), 0);
+    s->amax_host = malloc((size_t)rows * sizeof(int32_t));
+    int ok = s->logits_buf && s->amax_buf && s->amax_host;
+    s->logits_cap = ok ? rows : 0;
+    return ok ? 0 : -ENOMEM;
 }
 
 /* head: logits (n_out, vocab) f32 = lm_head · norm(x) of the wanted rows */
@@ -390,33 +429,44 @@ static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
     const backend_dtype a = s->act;
     backend_stream *st = s->st;
     float *logits = backend_buffer_ptr(s->logits_buf);
-    TRY(backend_gather_rows(st, s->xb, s->x, a, h));
-    TRY(backend_rmsnorm(st, s->xb, a, s->xb, a, w->final_norm, n_out, h, c->rms_norm_eps));
-    backend_matmul_op head = {
-        logits, BACKEND_F32, s->xb,         a, w->lm_head.data, w->lm_head.dtype,
-        NULL,   n_out,       c->vocab_size, h};
+    TRY(backend_gather_rows(st, s->y, s->x, a, h));
+    TRY(backend_rmsnorm(st, s->xb, s->mm, s->y, a, w->final_norm, n_out, h, c->rms_norm_eps));
+    backend_matmul_op head = {logits,           BACKEND_F32, s->xb, s->mm,         w->lm_head.data,
+                              w->lm_head.dtype, NULL,        n_out, c->vocab_size, h};
     return backend_matmul(st, &head, 1);
 }
 
 /* Copies the logits rows (in sequence order from dev) to each sequence's host array; runs of
  * sequences whose host arrays follow each other (the engine's one logits array) go in one
- * download. */
-static int download_logits(backend_stream *st, const qwen2_seq *seqs, int n_seqs, const float *dev,
-                           int V) {
-    int rc;
+ * download.  Sequences asking for their greedy token get it from one argmax over the rows
+ * on the device (only the ids come back). */
+static int download_outputs(qwen2_state *s, const qwen2_seq *seqs, int n_seqs, int n_rows, int V) {
+    backend_stream *st = s->st;
+    const float *dev = backend_buffer_ptr(s->logits_buf);
+    int rc, want_amax = 0;
+    for (int i = 0; i < n_seqs; i++)
+        want_amax |= seqs[i].argmax != NULL;
+    if (want_amax) {
+        int32_t *d = backend_buffer_ptr(s->amax_buf);
+        TRY(backend_argmax(st, d, dev, n_rows, V));
+        TRY(backend_download(st, s->amax_host, d, (size_t)n_rows * sizeof(int32_t)));
+    }
     size_t r = 0, run_rows = 0, run_dev = 0;
     float *run_host = NULL;
     for (int i = 0; i <= n_seqs; i++) {
         const qwen2_seq *q = i < n_seqs ? &seqs[i] : NULL;
-        if (q && !q->logits) continue;
-        size_t rows = q ? (q->logits_all ? (size_t)q->n_tokens : 1) : 0;
-        if (run_rows && (!q || q->logits != run_host + run_rows * V)) {
+        if (q && !q->logits && !q->argmax) continue;
+        size_t rows = q ? (q->logits && q->logits_all ? (size_t)q->n_tokens : 1) : 0;
+        if (q && q->argmax) *q->argmax = s->amax_host[r + rows - 1];
+        if (run_rows && (!q || !q->logits || q->logits != run_host + run_rows * V)) {
             TRY(backend_download(st, run_host, dev + run_dev * V, run_rows * V * sizeof(float)));
             run_rows = 0;
         }
         if (!q) break;
-        if (!run_rows) run_host = q->logits, run_dev = r;
-        run_rows += rows;
+        if (q->logits) {
+            if (!run_rows) run_host = q->logits, run_dev = r;
+            run_rows += rows;
+        }
         r += rows;
     }
     return 0;
@@ -427,7 +477,7 @@ static int download_logits(backend_stream *st, const qwen2_seq *seqs, int n_seqs
 static int graph_bucket(const qwen2_state *s, const qwen2_seq *seqs, int n_seqs) {
     if (!s->n_buckets || n_seqs > s->graph_buckets[s->n_buckets - 1]) return 0;
     for (int i = 0; i < n_seqs; i++)
-        if (seqs[i].n_tokens != 1 || !seqs[i].logits) return 0;
+        if (seqs[i].n_tokens != 1 || (!seqs[i].logits && !seqs[i].argmax)) return 0;
     for (int i = 0; i < s->n_buckets; i++)
         if (s->graph_buckets[i] >= n_seqs) return s->graph_buckets[i];
     return 0;
@@ -489,7 +539,7 @@ static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *k
         if (!rc) rc = e;
         if (rc) return rc;
     }
-    TRY(download_logits(s->st, seqs, n_seqs, backend_buffer_ptr(s->logits_buf), V));
+    TRY(download_outputs(s, seqs, n_seqs, B, V));
     return backend_stream_sync(s->st);
 }
 
@@ -515,8 +565,7 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
     if (!n_out) return backend_stream_sync(st);
 
     TRY(logits_reserve(m, s, n_out));
-    float *logits = backend_buffer_ptr(s->logits_buf);
     TRY(run_head(m, s, n_out));
-    TRY(download_logits(st, seqs, n_seqs, logits, V));
+    TRY(download_outputs(s, seqs, n_seqs, n_out, V));
     return backend_stream_sync(st);
 }

@@ -81,6 +81,9 @@ typedef struct qwen2_seq {
     int n_blocks;               /* entries in block_table */
     float *logits;              /* out: (n_tokens, vocab) if logits_all, else (vocab); NULL: none */
     int logits_all;             /* 1: logits of every new token, 0: of the last one */
+    int32_t *argmax;            /* out: the greedy token of the last new row (the largest
+                                   logit, lowest id on ties, computed on the device: with
+                                   logits NULL nothing else comes back), or NULL */
 } qwen2_seq;
 
 typedef struct qwen2_state qwen2_state;
@@ -105,7 +108,8 @@ int qwen2_state_set_graphs(qwen2_state *s, int max_batch);
 int qwen2_state_graphs(const qwen2_state *s); /* graphs recorded so far */
 
 /* Runs the new tokens of n_seqs sequences (sum of n_tokens <= max_tokens): writes their K/V
- * into kv (on the model's backend) and their logits (host memory, f32).  Returns 0 or
+ * into kv (on the model's backend) and their logits (host memory, f32) and/or greedy
+ * tokens (qwen2_seq.argmax).  Returns 0 or
  * -EINVAL (bad token id, position beyond max_position_embeddings, block table too short or
  * out of range, kv of another shape or backend; logged with the values), or the backend's
  * error (-ENOMEM, -EIO, -ENOTSUP). */

@@ -132,6 +132,12 @@ static tok_count *count_slot(sampler *s, int32_t tok, int insert) {
     return &s->counts[h];
 }
 
+int sampler_plain_greedy(const sampler *s) {
+    const sampler_params *p = &s->p;
+    return (p->temperature == 0.0f || p->top_k == 1) && p->repetition_penalty == 1.0f &&
+           p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && p->logprobs == 0;
+}
+
 void sampler_accept(sampler *s, int32_t token) {
     tok_count *c = count_slot(s, token, 1);
     if (c) c->out++;

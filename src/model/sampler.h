@@ -54,6 +54,10 @@ void sampler_free(sampler *s);
 /* Picks the next token from logits (vocab_size; modified in place) and records it as
  * output for the penalties. */
 int sampler_sample(sampler *s, float *logits, sample_result *out);
+/* 1 when the next token is the plain argmax of the raw logits: greedy (temperature 0 or
+ * top_k 1), no penalties and no logprobs — the device may pick it (backend_argmax: the
+ * largest logit, lowest id on ties, as here) and the logits need not be downloaded. */
+int sampler_plain_greedy(const sampler *s);
 /* Records a token produced elsewhere (e.g. the first token from a prefill instance). */
 void sampler_accept(sampler *s, int32_t token);
 

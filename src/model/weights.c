@@ -87,6 +87,44 @@ static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, in
     return 0;
 }
 
+/* Matrices of the same width as one buffer (rows of names[0] first); parts[i] become views
+ * into it, *cat the whole. */
+static int w_mat_cat(model_weights *w, weight_mat *cat, weight_mat **parts, const char **names,
+                     const int *rows, int n, int cols, char *err, size_t errlen) {
+    const void *srcs[4];
+    backend_dtype dts[4];
+    size_t ns[4], bytes = 0;
+    int total = 0;
+    for (int i = 0; i < n; i++) {
+        const st_tensor *t = w_find(w, names[i], 2, rows[i], cols, err, errlen);
+        if (!t || w_dtype(t->dtype, &dts[i])) return -EINVAL;
+        srcs[i] = t->data;
+        ns[i] = (size_t)rows[i] * (size_t)cols;
+        bytes += t->nbytes;
+        total += rows[i];
+    }
+    backend_buffer *b = backend_weights_load_cat(w->be, srcs, dts, ns, n, &cat->dtype);
+    if (!b || w_keep(w, b)) {
+        backend_buffer_free(b);
+        snprintf(err, errlen, "cannot place tensors '%s'.. (%zu bytes) on %s", names[0], bytes,
+                 backend_name(w->be));
+        return -ENOMEM;
+    }
+    cat->data = backend_buffer_ptr(b);
+    cat->rows = total;
+    cat->cols = cols;
+    size_t off = 0, es = backend_dtype_size(cat->dtype);
+    for (int i = 0; i < n; i++) {
+        parts[i]->data = (const char *)cat->data + off * es;
+        parts[i]->dtype = cat->dtype;
+        parts[i]->rows = rows[i];
+        parts[i]->cols = cols;
+        off += ns[i];
+    }
+    w->matrix_bytes += bytes;
+    return 0;
+}
+
 /* an f32 vector on the device from a tensor of any supported dtype */
 static int w_vec(model_weights *w, backend_stream *st, float **v, const char *name, int n,
                  char *err, size_t errlen) {
@@ -109,6 +147,38 @@ static int w_vec(model_weights *w, backend_stream *st, float **v, const char *na
     return rc;
 }
 
+/* f32 vectors as one buffer: *cat the whole, parts[i] views into it */
+static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **parts,
+                     const char **names, const int *lens, int n, char *err, size_t errlen) {
+    int total = 0;
+    const st_tensor *ts[4];
+    for (int i = 0; i < n; i++) {
+        if (!(ts[i] = w_find(w, names[i], 1, lens[i], 0, err, errlen))) return -EINVAL;
+        total += lens[i];
+    }
+    float *host = malloc((size_t)total * sizeof *host);
+    backend_buffer *b = host ? backend_buffer_alloc(w->be, (size_t)total * sizeof *host, 0) : NULL;
+    int rc = -ENOMEM;
+    if (b && !w_keep(w, b)) {
+        int off = 0;
+        for (int i = 0; i < n; i++) {
+            backend_dtype dt;
+            w_dtype(ts[i]->dtype, &dt); /* w_find accepted it */
+            cpu_ref_row_to_f32(host + off, ts[i]->data, (cpu_dtype)dt, lens[i]);
+            parts[i] = (float *)backend_buffer_ptr(b) + off;
+            off += lens[i];
+        }
+        rc = backend_upload(st, backend_buffer_ptr(b), host, (size_t)total * sizeof *host);
+        *cat = backend_buffer_ptr(b);
+        b = NULL; /* kept */
+    }
+    backend_buffer_free(b);
+    free(host);
+    if (rc)
+        snprintf(err, errlen, "cannot place tensor '%s'.. on %s", names[0], backend_name(w->be));
+    return rc;
+}
+
 int weights_load(model_weights *w, const model_config *c, const char *dir, char *err,
                  size_t errlen) {
     return weights_load_on(w, backend_cpu_default(), c, dir, err, errlen);
@@ -127,6 +197,7 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
         return -ENOMEM;
     }
     int h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size;
+    int cat = backend_wants_cat(be);
     w->layers = calloc((size_t)c->n_layers, sizeof *w->layers);
     if (!w->layers) {
         backend_stream_free(st);
@@ -149,16 +220,43 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
         rc = w_vec(w, st, &L->field, n, len, err, errlen);                                         \
     }
         VEC(attn_norm, "input_layernorm.weight", h);
-        MAT(wq, "self_attn.q_proj.weight", h, h);
-        VEC(bq, "self_attn.q_proj.bias", h);
-        MAT(wk, "self_attn.k_proj.weight", kvd, h);
-        VEC(bk, "self_attn.k_proj.bias", kvd);
-        MAT(wv, "self_attn.v_proj.weight", kvd, h);
-        VEC(bv, "self_attn.v_proj.bias", kvd);
+        if (cat) {
+            char nq[256], nk[256], nv[256];
+            snprintf(nq, sizeof nq, "model.layers.%d.self_attn.q_proj.weight", l);
+            snprintf(nk, sizeof nk, "model.layers.%d.self_attn.k_proj.weight", l);
+            snprintf(nv, sizeof nv, "model.layers.%d.self_attn.v_proj.weight", l);
+            const char *names[3] = {nq, nk, nv};
+            weight_mat *parts[3] = {&L->wq, &L->wk, &L->wv};
+            int rows[3] = {h, kvd, kvd};
+            if (!rc) rc = w_mat_cat(w, &L->wqkv, parts, names, rows, 3, h, err, errlen);
+            snprintf(nq, sizeof nq, "model.layers.%d.self_attn.q_proj.bias", l);
+            snprintf(nk, sizeof nk, "model.layers.%d.self_attn.k_proj.bias", l);
+            snprintf(nv, sizeof nv, "model.layers.%d.self_attn.v_proj.bias", l);
+            float *bparts[3];
+            if (!rc) rc = w_vec_cat(w, st, &L->bqkv, bparts, names, rows, 3, err, errlen);
+            if (!rc) L->bq = bparts[0], L->bk = bparts[1], L->bv = bparts[2];
+        } else {
+            MAT(wq, "self_attn.q_proj.weight", h, h);
+            VEC(bq, "self_attn.q_proj.bias", h);
+            MAT(wk, "self_attn.k_proj.weight", kvd, h);
+            VEC(bk, "self_attn.k_proj.bias", kvd);
+            MAT(wv, "self_attn.v_proj.weight", kvd, h);
+            VEC(bv, "self_attn.v_proj.bias", kvd);
+        }
         MAT(wo, "self_attn.o_proj.weight", h, h);
         VEC(mlp_norm, "post_attention_layernorm.weight", h);
-        MAT(w_gate, "mlp.gate_proj.weight", I, h);
-        MAT(w_up, "mlp.up_proj.weight", I, h);
+        if (cat) {
+            char ng[256], nu[256];
+            snprintf(ng, sizeof ng, "model.layers.%d.mlp.gate_proj.weight", l);
+            snprintf(nu, sizeof nu, "model.layers.%d.mlp.up_proj.weight", l);
+            const char *names[2] = {ng, nu};
+            weight_mat *parts[2] = {&L->w_gate, &L->w_up};
+            int rows[2] = {I, I};
+            if (!rc) rc = w_mat_cat(w, &L->w_gate_up, parts, names, rows, 2, h, err, errlen);
+        } else {
+            MAT(w_gate, "mlp.gate_proj.weight", I, h);
+            MAT(w_up, "mlp.up_proj.weight", I, h);
+        }
         MAT(w_down, "mlp.down_proj.weight", h, I);
 #undef MAT
 #undef VEC

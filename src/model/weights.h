@@ -5,7 +5,9 @@
  * in the dtype it computes with (weight_mat.dtype says which).  Small vectors (norm
  * weights, biases) become f32 buffers.  Every pointer here is a device address of the
  * backend's (host pointers on the CPU).  Loading checks every tensor exists with the shape
- * the config implies and a supported dtype; errors name the file and tensor.
+ * the config implies and a supported dtype; errors name the file and tensor.  On a backend
+ * that computes q|k|v and gate|up as one GEMM each (backend_wants_cat) those matrices are
+ * loaded concatenated, once (the separate weight_mats are views into them).
  */
 #ifndef DISAGG_MODEL_WEIGHTS_H
 #define DISAGG_MODEL_WEIGHTS_H
@@ -28,6 +30,11 @@ typedef struct layer_weights {
     float *mlp_norm;         /* (hidden) post_attention_layernorm */
     weight_mat w_gate, w_up; /* (intermediate, hidden) */
     weight_mat w_down;       /* (hidden, intermediate) */
+    /* backend_wants_cat: q|k|v and gate|up as one matrix each (wq .. w_up then point into
+     * them), the q/k/v biases as one vector (bq, bk, bv point into it); else data NULL */
+    weight_mat wqkv;      /* (hidden + 2 kv_dim, hidden) */
+    weight_mat w_gate_up; /* (2 intermediate, hidden) */
+    float *bqkv;          /* (hidden + 2 kv_dim) */
 } layer_weights;
 
 typedef struct model_weights {

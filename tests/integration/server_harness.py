@@ -1,5 +1,10 @@
 """Starts a real `disagg serve` process for the server integration tests
-(tests/integration/test_server*.py) and stops it afterwards."""
+(tests/integration/test_server*.py) and stops it afterwards.
+
+DISAGG_TEST_DEVICE=cpu|cuda|cuda:N runs every such server on that device (`--device`, unless
+the test gives one itself; on a GPU without `--kv-cache-memory` or
+`--gpu-memory-utilization` in the test's flags, `--kv-cache-memory 1G` so that several
+servers share one GPU).  Unset: the binary's default (auto)."""
 import os
 import signal
 import socket
@@ -21,6 +26,19 @@ def free_port():
         return s.getsockname()[1]
 
 
+def device_args(extra):
+    """The flags DISAGG_TEST_DEVICE adds to a `disagg serve` command line with flags extra."""
+    dev = os.environ.get("DISAGG_TEST_DEVICE", "").strip()
+    if not dev or "--device" in extra:
+        return []
+    if dev not in ("cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
+        raise RuntimeError(f"DISAGG_TEST_DEVICE={dev!r}; accepted: cpu, cuda, cuda:N")
+    out = ["--device", dev]
+    if dev != "cpu" and "--kv-cache-memory" not in extra and "--gpu-memory-utilization" not in extra:
+        out += ["--kv-cache-memory", "1G"]
+    return out
+
+
 class Server:
     """One `disagg serve` process on a free port; .url is http://127.0.0.1:PORT."""
 
@@ -33,6 +51,7 @@ class Server:
         if name:
             args += ["--served-model-name", name]
         args += list(extra)
+        args += device_args(extra)
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"disagg-serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         e = dict(os.environ)

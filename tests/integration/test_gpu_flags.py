@@ -45,4 +45,6 @@ def test_bench_model_device_values():
 
 def test_bench_model_cuda_without_module_or_gpu():
     r = run("bench", "model", str(MODEL), "--device", "cuda", env=NO_MODULE)
-    assert r.returncode == 1 and "--device cuda" in r.stderr and "cannot load" in r.stderr, r.stderr
+    # the same words as serve's (one loader: kernels/backend.c)
+    assert r.returncode == 1 and "--device cuda" in r.stderr, r.stderr
+    assert "libdisagg_cuda.so" in r.stderr and "--device cpu" in r.stderr, r.stderr

@@ -487,6 +487,205 @@ static void test_attention(void **state) {
     }
 }
 
+/* The fused operations (backend_add_rmsnorm, backend_qkv, backend_gate_up) against a double
+ * reference on bf16-exact inputs: the CPU runs their generic forms (the plain ops), CUDA its
+ * own kernels over q|k|v and gate|up concatenated by backend_weights_load_cat. */
+static void bf16_mat(uint16_t *h, float *f, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        f[i] = bf16_to_f32(f32_to_bf16(frand()));
+        h[i] = f32_to_bf16(f[i]);
+    }
+}
+
+static void test_fused_ops(void **state) {
+    enum { H = 64, NH = 4, NKV = 2, HD = 16, KVD = NKV * HD, I = 96, L = 2, LAYER = 1 };
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be), mm = backend_mm_dtype(be),
+                      kdt = backend_kv_dtype_default(be);
+        int cat = backend_wants_cat(be);
+        test_batch tb;
+        int start[2] = {0, 5}, n_new[2] = {7, 1};
+        make_batch(&tb, 2, start, n_new, 4, 8, 10);
+        assert_int_equal(backend_plan(st, &tb.b), 0);
+        int T = tb.T;
+        /* weights (bf16 on the host, kept alive: the CPU backend aliases them) */
+        static uint16_t hq[H * H], hk[KVD * H], hv[KVD * H], hg[I * H], hu[I * H];
+        static float fq[H * H], fk[KVD * H], fv[KVD * H], fg[I * H], fu[I * H];
+        bf16_mat(hq, fq, H * H), bf16_mat(hk, fk, KVD * H), bf16_mat(hv, fv, KVD * H);
+        bf16_mat(hg, fg, I * H), bf16_mat(hu, fu, I * H);
+        float bias[H + 2 * KVD], inv[HD / 2], nw[H];
+        for (int i = 0; i < H + 2 * KVD; i++)
+            bias[i] = frand();
+        for (int i = 0; i < HD / 2; i++)
+            inv[i] = 1.0f / powf(10000.0f, (float)(2 * i) / HD);
+        for (int i = 0; i < H; i++)
+            nw[i] = 1.0f + 0.1f * frand();
+        backend_dtype sq = BACKEND_BF16, sk, sv, sg, su, scat;
+        backend_buffer *bq = NULL, *bk = NULL, *bv = NULL, *bg = NULL, *bu = NULL, *bqkv = NULL,
+                       *bgu = NULL;
+        const void *wq, *wk, *wv, *wg, *wu, *wqkv = NULL, *wgu = NULL;
+        if (cat) {
+            const void *s3[3] = {hq, hk, hv}, *s2[2] = {hg, hu};
+            backend_dtype d3[3] = {BACKEND_BF16, BACKEND_BF16, BACKEND_BF16};
+            size_t n3[3] = {H * H, KVD * H, KVD * H}, n2[2] = {I * H, I * H};
+            assert_non_null(bqkv = backend_weights_load_cat(be, s3, d3, n3, 3, &scat));
+            assert_non_null(bgu = backend_weights_load_cat(be, s2, d3, n2, 2, &scat));
+            size_t es = backend_dtype_size(scat);
+            wqkv = DEV(bqkv), wgu = DEV(bgu);
+            wq = wqkv, wk = (const char *)wqkv + (size_t)H * H * es;
+            wv = (const char *)wk + (size_t)KVD * H * es;
+            wg = wgu, wu = (const char *)wgu + (size_t)I * H * es;
+            sq = sk = sv = sg = su = scat;
+        } else {
+            assert_null(backend_weights_load_cat(be, (const void *const[]){hq}, &sq,
+                                                 (const size_t[]){1}, 1, &scat));
+            assert_non_null(bq = backend_weights_load(be, hq, BACKEND_BF16, H * H, &sq));
+            assert_non_null(bk = backend_weights_load(be, hk, BACKEND_BF16, KVD * H, &sk));
+            assert_non_null(bv = backend_weights_load(be, hv, BACKEND_BF16, KVD * H, &sv));
+            assert_non_null(bg = backend_weights_load(be, hg, BACKEND_BF16, I * H, &sg));
+            assert_non_null(bu = backend_weights_load(be, hu, BACKEND_BF16, I * H, &su));
+            wq = DEV(bq), wk = DEV(bk), wv = DEV(bv), wg = DEV(bg), wu = DEV(bu);
+        }
+        backend_buffer *bbias = to_dev(st, bias, H + 2 * KVD, BACKEND_F32),
+                       *binv = to_dev(st, inv, HD / 2, BACKEND_F32),
+                       *bnw = to_dev(st, nw, H, BACKEND_F32);
+        const float *dbias = DEV(bbias);
+        /* x (residual, act) and y (added into it); xb = norm(x + y) in mm */
+        float *x = rand_vec((size_t)T * H, BACKEND_BF16),
+              *y = rand_vec((size_t)T * H, BACKEND_BF16);
+        backend_buffer *bx = to_dev(st, x, (size_t)T * H, a), *by = to_dev(st, y, (size_t)T * H, a),
+                       *bxb = backend_buffer_alloc(be, (size_t)T * H * backend_dtype_size(mm), 0);
+        assert_int_equal(
+            backend_add_rmsnorm(st, DEV(bxb), mm, DEV(bx), DEV(by), a, DEV(bnw), T, H, 1e-6f), 0);
+        float *gx = from_dev(st, DEV(bx), (size_t)T * H, a),
+              *gxb = from_dev(st, DEV(bxb), (size_t)T * H, mm);
+        double *wx = malloc(sizeof(double) * T * H), *wxb = malloc(sizeof(double) * T * H);
+        float *xb = malloc(sizeof(float) * T * H); /* the normed rows as the device has them */
+        for (int t = 0; t < T; t++) {
+            double ss = 0;
+            for (int i = 0; i < H; i++) {
+                wx[t * H + i] = (double)x[t * H + i] + y[t * H + i];
+                ss += wx[t * H + i] * wx[t * H + i];
+            }
+            double r = 1.0 / sqrt(ss / H + 1e-6);
+            for (int i = 0; i < H; i++)
+                wxb[t * H + i] = nw[i] * wx[t * H + i] * r;
+        }
+        memcpy(xb, gxb, sizeof(float) * T * H);
+        check_close("add_rmsnorm: x += add", be, gx, wx, (size_t)T * H, 1e-6);
+        check_close("add_rmsnorm: out", be, gxb, wxb, (size_t)T * H,
+                    mm == BACKEND_F32 ? 1e-5 : 8e-3);
+        /* qkv */
+        backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+        size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
+        backend_buffer *region =
+            backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
+        kv.base = DEV(region);
+        backend_buffer *bqo = backend_buffer_alloc(be, (size_t)T * H * backend_dtype_size(a), 0),
+                       *bks = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
+                       *bvs = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
+        backend_qkv_op op = {.x = DEV(bxb),
+                             .x_dt = mm,
+                             .T = T,
+                             .hidden = H,
+                             .n_heads = NH,
+                             .wq = wq,
+                             .wk = wk,
+                             .wv = wv,
+                             .w_dt = sq,
+                             .bq = dbias,
+                             .bk = dbias + H,
+                             .bv = dbias + H + KVD,
+                             .wqkv = wqkv,
+                             .bqkv = wqkv ? dbias : NULL,
+                             .q = DEV(bqo),
+                             .k = DEV(bks),
+                             .v = DEV(bvs),
+                             .dt = a,
+                             .inv_freq = DEV(binv),
+                             .kv = &kv,
+                             .layer = LAYER};
+        assert_int_equal(backend_qkv(st, &op), 0);
+        float *gq = from_dev(st, DEV(bqo), (size_t)T * H, a),
+              *gkv = from_dev(st, kv.base, n_el, kdt);
+        double *wq_ = calloc((size_t)T * H, sizeof(double)), *wkv = calloc(n_el, sizeof(double));
+        for (int t = 0; t < T; t++) {
+            double row[H + 2 * KVD];
+            for (int n = 0; n < H + 2 * KVD; n++) {
+                const float *w = n < H         ? fq + n * H
+                                 : n < H + KVD ? fk + (n - H) * H
+                                               : fv + (n - H - KVD) * H;
+                double acc = bias[n];
+                for (int i = 0; i < H; i++)
+                    acc += (double)xb[t * H + i] * w[i];
+                row[n] = acc;
+            }
+            int p = tb.tok_pos[t];
+            for (int hh = 0; hh < NH + NKV; hh++) /* rope on q heads then k heads */
+                for (int i = 0; i < HD / 2; i++) {
+                    float ang = (float)p * inv[i];
+                    double c = cos(ang), sn = sin(ang), u = row[hh * HD + i],
+                           w = row[hh * HD + i + HD / 2];
+                    row[hh * HD + i] = u * c - w * sn;
+                    row[hh * HD + i + HD / 2] = w * c + u * sn;
+                }
+            for (int n = 0; n < H; n++)
+                wq_[t * H + n] = row[n];
+            int s = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size],
+                slot = p % kv.block_size;
+            for (int hh = 0; hh < NKV; hh++)
+                for (int d = 0; d < HD; d++) {
+                    wkv[kv_index(&kv, blk, LAYER, 0, slot, hh, d)] = row[H + hh * HD + d];
+                    wkv[kv_index(&kv, blk, LAYER, 1, slot, hh, d)] = row[H + KVD + hh * HD + d];
+                }
+        }
+        check_close("qkv: q (bias, RoPE)", be, gq, wq_, (size_t)T * H, 1e-4);
+        check_close("qkv: K/V in the cache (every other slot zero)", be, gkv, wkv, n_el,
+                    kdt == BACKEND_F32 ? 1e-4 : 8e-3);
+        /* gate_up */
+        backend_buffer *bh = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0),
+                       *bh2 = cat ? NULL
+                                  : backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm),
+                                                         0);
+        backend_mlp_op mo = {.x = DEV(bxb),
+                             .x_dt = mm,
+                             .T = T,
+                             .hidden = H,
+                             .inter = I,
+                             .w_gate = wg,
+                             .w_up = wu,
+                             .w_dt = sg,
+                             .w_gate_up = wgu,
+                             .h = DEV(bh),
+                             .h2 = bh2 ? DEV(bh2) : NULL,
+                             .h_dt = mm};
+        assert_int_equal(backend_gate_up(st, &mo), 0);
+        float *gh = from_dev(st, DEV(bh), (size_t)T * I, mm);
+        double *wh = malloc(sizeof(double) * T * I);
+        for (int t = 0; t < T; t++)
+            for (int n = 0; n < I; n++) {
+                double gg = 0, uu = 0;
+                for (int i = 0; i < H; i++) {
+                    gg += (double)xb[t * H + i] * fg[n * H + i];
+                    uu += (double)xb[t * H + i] * fu[n * H + i];
+                }
+                wh[t * I + n] = gg / (1.0 + exp(-gg)) * uu;
+            }
+        check_close("gate_up: silu(gate) * up", be, gh, wh, (size_t)T * I,
+                    mm == BACKEND_F32 ? 1e-4 : 8e-3);
+        (void)su, (void)sk, (void)sv;
+        free(gx), free(gxb), free(wx), free(wxb), free(xb), free(x), free(y), free(gq), free(gkv);
+        free(wq_), free(wkv), free(gh), free(wh);
+        backend_buffer *bufs[] = {bq, bk, bv,  bg,     bu,  bqkv, bgu, bbias, binv, bnw,
+                                  bx, by, bxb, region, bqo, bks,  bvs, bh,    bh2};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            backend_buffer_free(bufs[i]);
+        backend_stream_free(st);
+    }
+}
+
 static void test_swiglu_add(void **state) {
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
@@ -704,7 +903,7 @@ int main(void) {
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),     cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_gather_argmax), cmocka_unit_test(test_plan_checks),
-        cmocka_unit_test(test_registry),
+        cmocka_unit_test(test_registry),      cmocka_unit_test(test_fused_ops),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = g_n_be - 1; i >= 0; i--)

@@ -575,7 +575,7 @@ static void m_run(const qwen2_model *m, qwen2_state *st, const kv_store *kv, mse
                                  sq[i].table,
                                  (sq[i].done + c + MB - 1) / MB,
                                  i ? sq[i].logits : sq[i].logits + (size_t)sq[i].done * V,
-                                 i ? 0 : 1};
+                                 i ? 0 : 1, NULL};
             sq[i].done += c;
             T += c;
         }

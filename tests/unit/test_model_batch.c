@@ -56,7 +56,7 @@ static float *run_prefill(cpu_pool *pool) {
     int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
     qwen2_state *s = qwen2_state_init(&g_m, 64, pool);
     float *out = malloc((size_t)N * V * sizeof(float));
-    qwen2_seq q = {A, N, 0, table, 8, out, 1};
+    qwen2_seq q = {A, N, 0, table, 8, out, 1, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
     qwen2_state_free(s);
     kv_store_free(&kv);
@@ -82,7 +82,7 @@ static void test_chunks_and_tokens(void **st) {
     int32_t table[5] = {9, 2, 14, 0, 7};
     int chunks[3] = {7, 8, 5}, pos = 0;
     for (int c = 0; c < 3; c++) {
-        qwen2_seq q = {A + pos, chunks[c], pos, table, 5, out, 1};
+        qwen2_seq q = {A + pos, chunks[c], pos, table, 5, out, 1, NULL};
         assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, pos, chunks[c], "chunked prefill");
         pos += chunks[c];
@@ -90,7 +90,7 @@ static void test_chunks_and_tokens(void **st) {
     /* one token at a time, last-row logits */
     memset(kv.base, 0, (size_t)kv.n_blocks * qwen2_kv_block_bytes(&g_m.cfg, BS));
     for (int p = 0; p < N; p++) {
-        qwen2_seq q = {A + p, 1, p, table, 5, out, 0};
+        qwen2_seq q = {A + p, 1, p, table, 5, out, 0, NULL};
         assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, p, 1, "token-by-token");
     }
@@ -112,19 +112,22 @@ static void test_batched_with_others(void **st) {
     float *la = malloc((size_t)N * V * sizeof(float)), *lb = malloc((size_t)NB * V * sizeof(float));
     float *lc = malloc((size_t)V * sizeof(float));
     /* step 1: A's first 9 tokens beside B's whole prompt and C's 2 tokens */
-    qwen2_seq q1[3] = {
-        {B, NB, 0, tb, 4, lb, 1}, {A, 9, 0, ta, 5, la, 1}, {B + 3, 2, 0, tc, 4, lc, 0}};
+    qwen2_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL},
+                       {A, 9, 0, ta, 5, la, 1, NULL},
+                       {B + 3, 2, 0, tc, 4, lc, 0, NULL}};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, q1, 3), 0);
     assert_rows_equal(ref, la, 0, 9, "batched prefill (with 2 others)");
     /* step 2: A's next 10 tokens beside one decode token of B and of C */
     int32_t bn = 42, cn = 77;
-    qwen2_seq q2[3] = {
-        {&bn, 1, NB, tb, 4, lb, 0}, {&cn, 1, 2, tc, 4, lc, 0}, {A + 9, 10, 9, ta, 5, la, 1}};
+    qwen2_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL},
+                       {&cn, 1, 2, tc, 4, lc, 0, NULL},
+                       {A + 9, 10, 9, ta, 5, la, 1, NULL}};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, q2, 3), 0);
     assert_rows_equal(ref, la, 9, 10, "batched chunk (with 2 decodes)");
     /* step 3: A's last token alone vs. beside 2 decode tokens: both must equal */
-    qwen2_seq q3[3] = {
-        {&bn, 1, NB + 1, tb, 4, lb, 0}, {A + 19, 1, 19, ta, 5, la, 0}, {&cn, 1, 3, tc, 4, lc, 0}};
+    qwen2_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL},
+                       {A + 19, 1, 19, ta, 5, la, 0, NULL},
+                       {&cn, 1, 3, tc, 4, lc, 0, NULL}};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, q3, 3), 0);
     assert_rows_equal(ref, la, 19, 1, "batched decode");
     free(la);
@@ -180,17 +183,17 @@ static void test_bad_inputs(void **st) {
     int32_t table[4] = {0, 1, 2, 3}, bad_table[2] = {0, 4};
     float *out = malloc((size_t)V * sizeof(float));
     int32_t tok_bad = V, ok[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-    qwen2_seq q = {&tok_bad, 1, 0, table, 4, out, 0};
+    qwen2_seq q = {&tok_bad, 1, 0, table, 4, out, 0, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* token id >= vocab */
-    q = (qwen2_seq){ok, 9, 0, table, 4, out, 0};
+    q = (qwen2_seq){ok, 9, 0, table, 4, out, 0, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* more than max_tokens */
-    q = (qwen2_seq){ok, 1, 16, table, 4, out, 0};
+    q = (qwen2_seq){ok, 1, 16, table, 4, out, 0, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* table too short */
-    q = (qwen2_seq){ok, 2, 3, bad_table, 2, out, 0};
+    q = (qwen2_seq){ok, 2, 3, bad_table, 2, out, 0, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* block id out of range */
-    q = (qwen2_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0};
+    q = (qwen2_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* beyond max_position */
-    q = (qwen2_seq){ok, 0, 0, table, 4, out, 0};
+    q = (qwen2_seq){ok, 0, 0, table, 4, out, 0, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* empty */
     free(out);
     kv_store_free(&kv);

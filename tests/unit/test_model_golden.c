@@ -55,7 +55,7 @@ static void check_model(const char *name, double tol) {
         for (int b = 0; b < kv.n_blocks; b++)
             table[b] = kv.n_blocks - 1 - b; /* any order works */
         float *logits = malloc((size_t)n * V * sizeof(float));
-        qwen2_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1};
+        qwen2_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1, NULL};
         assert_int_equal(qwen2_forward(&m, s, &kv, &sq, 1), 0);
         size_t ri;
         json_t *row;
@@ -83,7 +83,7 @@ static void check_model(const char *name, double tol) {
                 fail_msg("%s case %zu greedy step %zu: got %d, transformers %d", name, ci, k, cur,
                          want);
             ids[n + k] = cur;
-            qwen2_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0};
+            qwen2_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0, NULL};
             assert_int_equal(qwen2_forward(&m, s, &kv, &st, 1), 0);
             cur = argmax(logits, V);
         }

@@ -73,7 +73,7 @@ static void test_greedy(void **st) {
         int32_t *table = malloc((size_t)nb * sizeof *table);
         for (int b = 0; b < nb; b++)
             table[b] = b;
-        qwen2_seq q = {ids, n, 0, table, nb, logits, 0};
+        qwen2_seq q = {ids, n, 0, table, nb, logits, 0, NULL};
         assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
         int out = 0;
         for (; out < max_new; out++) {
@@ -94,7 +94,7 @@ static void test_greedy(void **st) {
                 break;
             }
             ids[n + out] = best;
-            qwen2_seq d = {&ids[n + out], 1, n + out, table, nb, logits, 0};
+            qwen2_seq d = {&ids[n + out], 1, n + out, table, nb, logits, 0, NULL};
             assert_int_equal(qwen2_forward(&g_m, s, &kv, &d, 1), 0);
         }
         assert_int_equal(out, (int)json_array_size(jo));
@@ -128,7 +128,7 @@ static void test_heldout_nll(void **st) {
     int w = 0, max_w = getenv("SOTU_WINDOWS") ? atoi(getenv("SOTU_WINDOWS")) : 6;
     for (int start = 0; start < total && w < max_w; start += W, w++) {
         int n = total - start < W ? total - start : W;
-        qwen2_seq q = {ids + start, n, 0, table, nb, logits, 1};
+        qwen2_seq q = {ids + start, n, 0, table, nb, logits, 1, NULL};
         assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
         double wsum = 0;
         for (int t = 1; t < n; t++) {

@@ -156,6 +156,39 @@ static void test_greedy_and_ties(void **st) {
     sampler_free(s);
 }
 
+/* which requests the engine may give the device argmax (no logits downloaded) */
+static void test_plain_greedy(void **st) {
+    (void)st;
+    char err[256];
+    struct {
+        const char *what;
+        float temperature, rep, presence, freq;
+        int top_k, logprobs, want;
+    } cases[] = {
+        {"greedy", 0.0f, 1.0f, 0.0f, 0.0f, 0, 0, 1},
+        {"top_k 1 at temperature 0.8", 0.8f, 1.0f, 0.0f, 0.0f, 1, 0, 1},
+        {"temperature 0.8", 0.8f, 1.0f, 0.0f, 0.0f, 0, 0, 0},
+        {"greedy with logprobs", 0.0f, 1.0f, 0.0f, 0.0f, 0, 2, 0},
+        {"greedy with repetition penalty", 0.0f, 1.1f, 0.0f, 0.0f, 0, 0, 0},
+        {"greedy with presence penalty", 0.0f, 1.0f, 0.5f, 0.0f, 0, 0, 0},
+        {"greedy with frequency penalty", 0.0f, 1.0f, 0.0f, 0.5f, 0, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        sampler_params p;
+        sampler_params_default(&p);
+        p.temperature = cases[i].temperature;
+        p.repetition_penalty = cases[i].rep;
+        p.presence_penalty = cases[i].presence;
+        p.frequency_penalty = cases[i].freq;
+        p.top_k = cases[i].top_k;
+        p.logprobs = cases[i].logprobs;
+        sampler *s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+        assert_non_null(s);
+        if (sampler_plain_greedy(s) != cases[i].want) fail_msg("%s", cases[i].what);
+        sampler_free(s);
+    }
+}
+
 static void test_seed_reproducible(void **st) {
     (void)st;
     sampler_params p;
@@ -294,7 +327,7 @@ int main(void) {
         cmocka_unit_test(test_distributions),   cmocka_unit_test(test_top_p_large_vocab),
         cmocka_unit_test(test_greedy_and_ties), cmocka_unit_test(test_seed_reproducible),
         cmocka_unit_test(test_penalties),       cmocka_unit_test(test_logprobs_and_stop),
-        cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_invalid),         cmocka_unit_test(test_plain_greedy),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -41,6 +41,8 @@ typedef struct cb_stream {
     int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
     void *xconv;          /* bf16 copy of a matmul input */
     size_t xconv_bytes;
+    void *scr[2];         /* fused ops' intermediates: [0] the q|k|v GEMM, [1] gate|up */
+    size_t scr_bytes[2];
     /* recorded decode steps (backend_graph_*): one entry per (T, max_ctx, max_blocks) */
     struct cb_graph *graphs;
     int n_graphs, cap_graphs;
@@ -119,20 +121,13 @@ static void cb_buffer_free(backend *be, backend_buffer *b) {
     b->ptr = NULL;
 }
 
-static int cb_weights_load(backend *be, backend_buffer *b, const void *src, backend_dtype src_dt,
-                           size_t n, backend_dtype *stored) {
-    cb_dev *d = (cb_dev *)be->ctx;
-    if (src_dt != BACKEND_BF16 && src_dt != BACKEND_F16 && src_dt != BACKEND_F32) return -ENOTSUP;
-    int rc = cb_buffer_alloc(be, b, n * 2, 0);
-    if (rc) return rc;
+/* n elements of src_dt at host src -> bf16 at device dst, through the pinned staging */
+static int cb_upload_w(cb_dev *d, bf16 *dst, const void *src, backend_dtype src_dt, size_t n) {
     dcu_ctx *c = d->loader;
     size_t esz = src_dt == BACKEND_F32 ? 4 : 2, per = d->stage_bytes / esz;
-    bf16 *dst = (bf16 *)b->ptr;
     cudaSetDevice(d->ord);
-    if (src_dt != BACKEND_BF16 && !d->conv && cudaMalloc(&d->conv, d->stage_bytes) != cudaSuccess) {
-        cb_buffer_free(be, b);
+    if (src_dt != BACKEND_BF16 && !d->conv && cudaMalloc(&d->conv, d->stage_bytes) != cudaSuccess)
         return -ENOMEM;
-    }
     for (size_t off = 0; off < n; off += per) {
         size_t cnt = n - off < per ? n - off : per;
         int k = d->next++ & 1;
@@ -156,6 +151,48 @@ static int cb_weights_load(backend *be, backend_buffer *b, const void *src, back
     if (d->progress && isatty(2) && d->loaded - d->last_shown >= (1u << 30)) {
         fprintf(stderr, "\rcuda: %.1f GB of weights uploaded to HBM", d->loaded / 1e9);
         d->last_shown = d->loaded;
+    }
+    return 0;
+}
+
+static int dt_w_ok(backend_dtype dt) {
+    return dt == BACKEND_BF16 || dt == BACKEND_F16 || dt == BACKEND_F32;
+}
+
+static int cb_weights_load(backend *be, backend_buffer *b, const void *src, backend_dtype src_dt,
+                           size_t n, backend_dtype *stored) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    if (!dt_w_ok(src_dt)) return -ENOTSUP;
+    int rc = cb_buffer_alloc(be, b, n * 2, 0);
+    if (rc) return rc;
+    if ((rc = cb_upload_w(d, (bf16 *)b->ptr, src, src_dt, n))) {
+        cb_buffer_free(be, b);
+        return rc;
+    }
+    *stored = BACKEND_BF16;
+    return 0;
+}
+
+/* q|k|v, gate|up: the parts one after the other in one bf16 buffer */
+static int cb_weights_load_cat(backend *be, backend_buffer *b, const void *const *srcs,
+                               const backend_dtype *dts, const size_t *ns, int n_parts,
+                               backend_dtype *stored) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    size_t total = 0;
+    for (int i = 0; i < n_parts; i++) {
+        if (!dt_w_ok(dts[i])) return -ENOTSUP;
+        total += ns[i];
+    }
+    int rc = cb_buffer_alloc(be, b, total * 2, 0);
+    if (rc) return rc;
+    size_t off = 0;
+    for (int i = 0; i < n_parts && !rc; i++) {
+        rc = cb_upload_w(d, (bf16 *)b->ptr + off, srcs[i], dts[i], ns[i]);
+        off += ns[i];
+    }
+    if (rc) {
+        cb_buffer_free(be, b);
+        return rc;
     }
     *stored = BACKEND_BF16;
     return 0;
@@ -188,6 +225,8 @@ static void cb_stream_free(backend_stream *st) {
     cudaFree(s->d_meta);
     cudaFree(s->xconv);
     iv_scratch_free(&s->ivs);
+    cudaFree(s->scr[0]);
+    cudaFree(s->scr[1]);
     free(s->h_meta);
     ctx_free(s->c);
     free(s);
@@ -516,25 +555,120 @@ static int cb_kv_write(backend_stream *st, const backend_kv *kv, int layer, cons
                     s->bt, s->stride, s->T);
 }
 
-static int cb_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
-                        const backend_kv *kv, int layer, int n_heads, float scale) {
+static void *cb_scratch(cb_stream *s, int i, size_t bytes);
+
+static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, const void *q,
+                           backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
+                           float scale) {
     cb_stream *s = CB(st);
-    if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
+    if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32) ||
+        (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16))
         return -ENOTSUP;
-    if (s->inv)
-        return iv_attention(s->c->stream, &s->ivs, &s->c->gen, s->capturing, (float *)out,
-                            (const float *)q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
-                            kv->n_layers, layer, s->pos, s->seq, s->bt, s->stride, s->tiles,
-                            s->n_tiles, s->rest, s->n_rest, s->n_tiles ? s->rest_ctx : s->max_ctx,
-                            n_heads, kv->n_kv_heads, kv->head_dim, scale);
+    if (s->inv) { /* f32 partials folded in position order; a bf16 output is rounded after */
+        size_t n = (size_t)s->T * n_heads * kv->head_dim;
+        float *o32 = (float *)out;
+        if (out_dt == BACKEND_BF16) { /* scratch 0 (the q|k|v GEMM's) is dead by now */
+            o32 = (float *)cb_scratch(s, 0, n * 4);
+            if (!o32) return s->capturing ? -EINVAL : -ENOMEM;
+        }
+        int rc = iv_attention(s->c->stream, &s->ivs, &s->c->gen, s->capturing, o32,
+                              (const float *)q, kv->base, kv->dtype == BACKEND_BF16,
+                              kv->block_size, kv->n_layers, layer, s->pos, s->seq, s->bt,
+                              s->stride, s->tiles, s->n_tiles, s->rest, s->n_rest,
+                              s->n_tiles ? s->rest_ctx : s->max_ctx, n_heads, kv->n_kv_heads,
+                              kv->head_dim, scale);
+        return rc || out_dt != BACKEND_BF16 ? rc : to_bf16(s->c, out, o32, n);
+    }
     dcu_kv d = to_dkv(kv);
+    int od = out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32;
     if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
-        return attention_mixed(s->c, out, DCU_F32, (const float *)q, &d, layer, s->pos, s->seq,
-                               s->bt, s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim,
-                               scale, s->tiles, s->n_tiles, s->rest, s->n_rest, s->rest_ctx);
-    return attention_scaled(s->c, out, DCU_F32, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
+        return attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
+                               s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, scale,
+                               s->tiles, s->n_tiles, s->rest, s->n_rest, s->rest_ctx);
+    return attention_scaled(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                             s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, s->max_ctx,
                             scale);
+}
+
+static int cb_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
+                        const backend_kv *kv, int layer, int n_heads, float scale) {
+    return cb_attention_to(st, out, dt, q, dt, kv, layer, n_heads, scale);
+}
+
+/* a scratch buffer of the stream of at least bytes (grown outside recordings only: a decode
+ * step's warm-up grows it to the shape before its recording) */
+static void *cb_scratch(cb_stream *s, int i, size_t bytes) {
+    if (bytes <= s->scr_bytes[i]) return s->scr[i];
+    if (s->capturing) return NULL;
+    s->c->gen++;
+    cudaFree(s->scr[i]); /* synchronises */
+    s->scr[i] = NULL;
+    s->scr_bytes[i] = 0;
+    if (cudaMalloc(&s->scr[i], bytes) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    s->scr_bytes[i] = bytes;
+    return s->scr[i];
+}
+
+static int cb_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, void *x,
+                          const void *add, backend_dtype x_dt, const float *w, int rows, int n,
+                          float eps) {
+    if (x_dt != BACKEND_F32 || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) || n > 12288)
+        return -ENOTSUP;
+    return rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
+                   (const float *)add, w, NULL, rows, n, eps, add != NULL);
+}
+
+static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops);
+
+/* one GEMM over q|k|v into scratch, then bias + RoPE + q out + K/V into the cache */
+static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
+    cb_stream *s = CB(st);
+    const backend_kv *kv = o->kv;
+    if (o->dt != BACKEND_F32 || o->w_dt != BACKEND_BF16 ||
+        (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
+        return -ENOTSUP;
+    int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
+        W = (nh + 2 * nkv) * hd;
+    if (T <= 0) return 0;
+    float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
+    if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
+    backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
+                           o->hidden};
+    int rc = cb_matmul(st, &g, 1);
+    if (rc) return rc;
+    if (kv->dtype == BACKEND_BF16)
+        k_qkv_finish<bf16><<<T, 128, 0, s->c->stream>>>(
+            (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv, o->bqkv,
+            s->pos, s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
+    else
+        k_qkv_finish<float><<<T, 128, 0, s->c->stream>>>(
+            (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv,
+            o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
+    return launch_check("qkv_finish");
+}
+
+/* one GEMM over gate|up into scratch, then h = silu(gate) * up in h_dt */
+static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
+    cb_stream *s = CB(st);
+    if (o->w_dt != BACKEND_BF16 || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
+        return -ENOTSUP;
+    int T = o->T, I = o->inter;
+    float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
+    if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
+    backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, BACKEND_BF16, NULL, T,
+                           2 * I, o->hidden};
+    int rc = cb_matmul(st, &g, 1);
+    if (rc) return rc;
+    return swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I);
+}
+
+static int cb_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    cudaSetDevice(d->ord);
+    return measure(d->loader, copy_gbs, gemm_tflops, M, N, K);
 }
 
 __global__ void k_swiglu2(float *g, const float *u, size_t n) {
@@ -584,7 +718,8 @@ static const backend_iface CB_IFACE = {
     cb_copy,     cb_memset_zero,    cb_plan,         cb_embed,        cb_rmsnorm,
     cb_matmul,   cb_rope,           cb_kv_write,     cb_attention,    cb_swiglu,
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
-    cb_graph_end, cb_graph_reset,   cb_graph_count,
+    cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
+    cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,
 };
 
 extern "C" __attribute__((visibility("default"))) int
@@ -638,6 +773,7 @@ disagg_backend_module_open(int abi_version, const backend_options *opts, backend
     snprintf(be->location, sizeof be->location, "cuda:%d", ord);
     be->is_cpu = 0;
     be->act_dtype = BACKEND_F32;
+    be->mm_dtype = BACKEND_BF16;
     be->kv_dtype = BACKEND_BF16;
     be->kv_dtypes = (1u << BACKEND_F32) | (1u << BACKEND_BF16);
     *out = be;

@@ -2,8 +2,8 @@
  * cuda_kernels — the CUDA module (see cuda_module.h): device context, buffers, the
  * forward's kernels (embedding gather, RMSNorm with fused residual add, RoPE, SwiGLU,
  * KV write into paged blocks, paged GQA attention split over KV blocks, argmax), GEMMs
- * through cuBLASLt (bf16 in, f32 accumulate and out), and the Qwen2 forward built on
- * them.  Built for sm_90 plus compute_90 PTX; linked against the static CUDA runtime and
+ * through cuBLASLt (bf16 in, f32 accumulate and out); kernels/backend.h on top of them
+ * (cuda_backend.cuh, the module's one entry point).  Built for sm_90 plus compute_90 PTX; linked against the static CUDA runtime and
  * libcublasLt, so the module needs libcuda (the driver) and libcublasLt at load time.
  */
 #include "kernels/cuda/cuda_module.h"
@@ -59,12 +59,17 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp;
     int last_err;
-    int no_gemv; /* unless DISAGG_CUDA_GEMV=1: every GEMM through cuBLASLt */
+    int no_gemv;    /* unless DISAGG_CUDA_GEMV=1: 1-2 token GEMMs through cuBLASLt too */
+    int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
     int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */
     int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
+    int att_mma;             /* decode attention on tensor cores (DISAGG_CUDA_ATT_MMA=0: off) */
+    int flash_pipe;          /* k_flash2 with cp.async double buffering (DISAGG_CUDA_FLASH_PIPE=0) */
+    int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T; default 0:
+                                off, measured slower than cuBLASLt on the H200) */
 };
 
 #define CK(call)                                                                             \
@@ -161,8 +166,15 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->device = device;
     c->n_sm = info.n_sm;
     c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
+    c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
+    if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
+    c->att_mma = !(getenv("DISAGG_CUDA_ATT_MMA") && !strcmp(getenv("DISAGG_CUDA_ATT_MMA"), "0"));
+    c->flash_pipe =
+        !(getenv("DISAGG_CUDA_FLASH_PIPE") && !strcmp(getenv("DISAGG_CUDA_FLASH_PIPE"), "0"));
+    c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 0;
+    if (c->skinny_max > 32) c->skinny_max = 32;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
@@ -209,30 +221,6 @@ static void ctx_free(dcu_ctx *c) {
     free(c);
 }
 
-static int ctx_info(dcu_ctx *c, dcu_info *info) {
-    return probe(c->device, info, NULL, 0);
-}
-
-static int dsync(dcu_ctx *c, char *err, size_t errlen) {
-    cudaError_t e = cudaStreamSynchronize(c->stream);
-    if (e != cudaSuccess) {
-        seterr(err, errlen, "CUDA stream: %s", cudaGetErrorString(e));
-        return -EIO;
-    }
-    return 0;
-}
-
-static void *dalloc(dcu_ctx *c, size_t bytes) {
-    void *p = NULL;
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
-        cudaGetLastError();
-        return NULL;
-    }
-    return p;
-}
-static void dfree(dcu_ctx *c, void *p) {
-    if (p) cudaFree(p);
-}
 static int dupload(dcu_ctx *c, void *dst, const void *src, size_t n) {
     CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream));
     CK(cudaStreamSynchronize(c->stream));
@@ -243,15 +231,6 @@ static int ddownload(dcu_ctx *c, void *dst, const void *src, size_t n) {
     CK(cudaStreamSynchronize(c->stream));
     return 0;
 }
-static int dmemset0(dcu_ctx *c, void *dst, size_t n) {
-    CK(cudaMemsetAsync(dst, 0, n, c->stream));
-    return 0;
-}
-static int dcopy(dcu_ctx *c, void *dst, const void *src, size_t n) {
-    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, c->stream));
-    return 0;
-}
-
 /* ---- small kernels ------------------------------------------------------------ */
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -308,19 +287,6 @@ static int grid_for(size_t n, int threads) {
 static int to_bf16(dcu_ctx *c, void *dst, const float *src, size_t n) {
     k_to_bf16<<<grid_for(n, 256), 256, 0, c->stream>>>((bf16 *)dst, src, n);
     return launch_check("to_bf16");
-}
-
-__global__ void k_embed(float *x, const bf16 *table, const int32_t *tok, int h) {
-    int t = blockIdx.x;
-    const bf16 *row = table + (size_t)tok[t] * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x)
-        x[(size_t)t * h + i] = __bfloat162float(row[i]);
-}
-
-static int embed(dcu_ctx *c, float *x, const void *table, const int32_t *tokens, int T, int h) {
-    if (T <= 0) return 0;
-    k_embed<<<T, 256, 0, c->stream>>>(x, (const bf16 *)table, tokens, h);
-    return launch_check("embed");
 }
 
 template <typename OT>
@@ -470,10 +436,10 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
     const float *row = qkv + (size_t)t * W;
     const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
-    int p = pos[t];
-    size_t ok = kv_off(bt, p, bs, n_layers, kvd, layer, 0);
-    size_t ov = kv_off(bt, p, bs, n_layers, kvd, layer, 1);
-    float fp = (float)p;
+    int p = pos[t], pad = p < 0; /* a padding row of a recorded decode step: no KV */
+    size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
+    size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
+    float fp = pad ? 0.0f : (float)p;
     for (int i = threadIdx.x; i < (nh + nkv) * half; i += blockDim.x) {
         int hh = i / half, j = i % half;
         int o = hh * hd + j; /* q heads then k heads: contiguous in row */
@@ -485,12 +451,13 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
         if (hh < nh) {
             qout[(size_t)t * h + o] = r0;
             qout[(size_t)t * h + o + half] = r1;
-        } else {
+        } else if (!pad) {
             int ko = o - h;
             store_as(kv + ok + ko, r0);
             store_as(kv + ok + ko + half, r1);
         }
     }
+    if (pad) return;
     for (int i = threadIdx.x; i < kvd; i += blockDim.x)
         store_as(kv + ov + i, row[h + kvd + i] + (bias ? bias[h + kvd + i] : 0.0f));
 }
@@ -685,6 +652,11 @@ static int att_nd(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int lay
     return launch_check("attention");
 }
 
+static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, const dcu_kv *kv,
+                          int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                          int bt_stride, int T, int nh, int nkv, int hd, int splits, int chunk,
+                          float scale);
+
 static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q,
                             const dcu_kv *kv, int layer, const int32_t *pos, const int32_t *seq,
                             const int32_t *bts, int bt_stride, int T, int nh, int nkv, int hd,
@@ -722,6 +694,9 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
         }
     }
     int bf_kv = kv->dtype == DCU_BF16, bf_out = out_dtype == DCU_BF16;
+    if (bf_kv && c->att_mma && (hd == 64 || hd == 128) && nh / nkv <= 8)
+        return launch_att_mma(c, out, bf_out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv,
+                              hd, splits, chunk, scale);
     if (bf_kv && bf_out)
         return att_nd<bf16, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
                                   nkv, hd, splits, chunk, scale);
@@ -922,11 +897,18 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const void *p) {
                  : "r"(a));
 }
 
-static size_t flash2_smem(int hd) {
-    return (size_t)2 * FA_BK * (hd + F2_PAD) * 2;
+static size_t flash2_smem(int hd, int pipe) {
+    return (size_t)(pipe ? 2 : 1) * 2 * FA_BK * (hd + F2_PAD) * 2;
 }
 
-template <int HD, typename OT>
+__device__ __forceinline__ void cp_async16(void *smem_dst, const void *gsrc) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gsrc));
+}
+
+/* PIPE: K/V tiles through cp.async into two stages, the next tile's copy in flight while
+ * the current one is computed (DISAGG_CUDA_FLASH_PIPE=0: one stage, synchronous loads) */
+template <int HD, typename OT, int PIPE>
 __global__ void __launch_bounds__(128)
     k_flash2(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
              const int32_t *tiles, const int32_t *pos, const int32_t *bts, int bt_stride, int nh,
@@ -939,6 +921,25 @@ __global__ void __launch_bounds__(128)
     extern __shared__ __align__(16) char smem[];
     bf16 *Ks = (bf16 *)smem, *Vs = Ks + FA_BK * LD;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 16;
+    /* tile kt's K and V into stage stg (cp.async, one commit group) */
+    auto load_async = [&](int stg, int kt) {
+        bf16 *K_ = (bf16 *)smem + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
+            bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
+            if (j < kmax) {
+                cp_async16(kd, kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + (size_t)kvh * HD +
+                                   c8 * 8);
+                cp_async16(vd, kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) + (size_t)kvh * HD +
+                                   c8 * 8);
+            } else {
+                *(uint4 *)kd = make_uint4(0, 0, 0, 0);
+                *(uint4 *)vd = make_uint4(0, 0, 0, 0);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    if (PIPE) load_async(0, 0);
     int g = lane >> 2, qd = lane & 3;
     /* Q fragments (rows wr0 + g, wr0 + g + 8), scaled, rounded to bf16 */
     uint32_t qa[KS][4];
@@ -965,17 +966,28 @@ __global__ void __launch_bounds__(128)
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     int qp0 = p0 + r0, qp1 = p0 + r1; /* query positions of the two rows */
     for (int k0 = 0; k0 < kmax; k0 += FA_BK) {
-        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
-            int r = i / (HD / 8), c8 = i % (HD / 8), j = k0 + r;
-            uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
-            if (j < kmax) {
-                kz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) +
-                                      (size_t)kvh * HD + c8 * 8);
-                vz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) +
-                                      (size_t)kvh * HD + c8 * 8);
+        if (PIPE) {
+            int stg = (k0 / FA_BK) & 1;
+            if (k0 + FA_BK < kmax)
+                load_async(stg ^ 1, k0 + FA_BK); /* the stage the previous tile used */
+            else
+                asm volatile("cp.async.commit_group;\n" ::);
+            asm volatile("cp.async.wait_group 1;\n" ::); /* this tile's copy is done */
+            Ks = (bf16 *)smem + (size_t)stg * 2 * FA_BK * LD;
+            Vs = Ks + FA_BK * LD;
+        } else {
+            for (int i = threadIdx.x; i < FA_BK * HD / 8; i += 128) {
+                int r = i / (HD / 8), c8 = i % (HD / 8), j = k0 + r;
+                uint4 kz = make_uint4(0, 0, 0, 0), vz = kz;
+                if (j < kmax) {
+                    kz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) +
+                                          (size_t)kvh * HD + c8 * 8);
+                    vz = *(const uint4 *)(kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) +
+                                          (size_t)kvh * HD + c8 * 8);
+                }
+                *(uint4 *)(Ks + r * LD + c8 * 8) = kz;
+                *(uint4 *)(Vs + r * LD + c8 * 8) = vz;
             }
-            *(uint4 *)(Ks + r * LD + c8 * 8) = kz;
-            *(uint4 *)(Vs + r * LD + c8 * 8) = vz;
         }
         __syncthreads();
         if (wr0 < rows && k0 <= p0 + wr0 + 15) {
@@ -1081,19 +1093,221 @@ template <int HD, typename OT>
 static int launch_flash2(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
                          const int32_t *tiles, int n_tiles, const int32_t *pos,
                          const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
-    size_t sh = flash2_smem(HD);
-    static int attr_done[2][8];
+    int pipe = c->flash_pipe;
+    size_t sh = flash2_smem(HD, pipe);
+    static int attr_done[2][2][8];
     int oi = sizeof(OT) == 2, hi = HD / 16 - 1;
-    if (!attr_done[oi][hi]) {
-        cudaFuncSetAttribute(k_flash2<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)sh);
-        attr_done[oi][hi] = 1;
+    if (!attr_done[pipe][oi][hi]) {
+        cudaFuncSetAttribute(pipe ? k_flash2<HD, OT, 1> : k_flash2<HD, OT, 0>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sh);
+        attr_done[pipe][oi][hi] = 1;
     }
     dim3 grid(n_tiles, nh);
-    k_flash2<HD, OT><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
-                                                   kv->block_size, kv->n_layers, layer, tiles,
-                                                   pos, bts, bt_stride, nh, nkv, scale);
+    if (pipe)
+        k_flash2<HD, OT, 1><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
+                                                          kv->block_size, kv->n_layers, layer,
+                                                          tiles, pos, bts, bt_stride, nh, nkv,
+                                                          scale);
+    else
+        k_flash2<HD, OT, 0><<<grid, 128, sh, c->stream>>>(out, q, (const bf16 *)kv->base,
+                                                          kv->block_size, kv->n_layers, layer,
+                                                          tiles, pos, bts, bt_stride, nh, nkv,
+                                                          scale);
     return launch_check("flash2_prefill");
+}
+
+/* ---- decode attention on tensor cores ------------------------------------------------- */
+
+/* The split kernel's work (grid (tokens, KV heads, splits of ATT_CHUNK positions); the same
+ * partials and combine) on mma.sync m16n8k16 for bf16 KV, head_dim 64/128, up to 8 query
+ * heads per KV head: CTA = (token, KV head, split), 4 warps of 32 keys each; K and V read
+ * once for the whole GQA group, straight from global memory into fragments (16-byte loads,
+ * no shared memory until the 4 warps merge).
+ *   S = Q K^T: A = Q (the group's heads as rows 0..G-1 of 16, scaled, bf16), B = K^T; the
+ *   head_dim order inside a 32-wide chunk is permuted alike on both sides (a dot product
+ *   does not care), so each thread's K operand is one 16-byte load: thread (g, qd) reads
+ *   K[key 8j + g][32p + 8qd .. +7] for k-steps 2p (words x, y) and 2p + 1 (words z, w).
+ *   O^T = V^T P^T: A = V^T (16 head_dim rows x 16 keys), B = P^T (keys x heads), which is
+ *   exactly S's accumulator layout, rounded to bf16; thread (g, qd) reads V rows of keys
+ *   2qd, 2qd+1, 2qd+8, 2qd+9 at head_dim 64h + 8g .. +7 and pairs keys with byte_perm.
+ *   Row m of O^T tile mt is element i = 2 mt + (m >= 8) of those loads: d = 64 (i / 8) +
+ *   8 g + i % 8.  Softmax in f32 on the S fragments (the row max over a quad of lanes). */
+#define AM_WARPS 4
+#define AM_KEYS (ATT_CHUNK / AM_WARPS)
+
+__device__ __forceinline__ uint32_t u4_word(const uint4 &u, int i) {
+    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+/* bf16 element e of a and of b (keys k, k + 1) as one register: a's in the low half */
+__device__ __forceinline__ uint32_t pair_bf(const uint4 &a, const uint4 &b, int e) {
+    return __byte_perm(u4_word(a, e >> 1), u4_word(b, e >> 1), (e & 1) ? 0x7632 : 0x5410);
+}
+
+template <int HD, typename OT>
+__global__ void __launch_bounds__(AM_WARPS * 32)
+    k_att_mma(OT *out, float *part, float *ml, const float *q, const bf16 *kv, int bs,
+              int n_layers, int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+              int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list) {
+    constexpr int NP = HD / 32, NU = HD / 64, MT = HD / 16;
+    int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int t = list ? list[ti] : ti;
+    int G = nh / nkv, kvd = nkv * HD;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3;
+    int n = pos[t] + 1;
+    int k0 = sp * chunk + w * AM_KEYS, k1 = min(n, sp * chunk + chunk);
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    __shared__ float sm_m[AM_WARPS][8], sm_l[AM_WARPS][8];
+    __shared__ float sm_o[AM_WARPS][8][HD];
+    /* Q: row g (head kvh * G + g), the 32-wide chunks permuted as the K loads */
+    uint32_t qa[NP][2][2];
+    const float *qr = q + (size_t)t * nh * HD + (size_t)(kvh * G + g) * HD;
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+#pragma unroll
+        for (int s2 = 0; s2 < 2; s2++) {
+            float4 v = g < G ? *(const float4 *)(qr + 32 * p + 8 * qd + 4 * s2)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+            qa[p][s2][0] = pack_bf2(v.x * scale, v.y * scale);
+            qa[p][s2][1] = pack_bf2(v.z * scale, v.w * scale);
+        }
+    /* S (4 tiles of 8 keys): row g, keys 8j + 2qd, +1 in s[j][0], s[j][1] */
+    float s[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        int key = k0 + 8 * j + g;
+        uint4 kr[NP];
+        const bf16 *kp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 0) +
+                                        (size_t)kvh * HD + 8 * qd
+                                  : NULL;
+#pragma unroll
+        for (int p = 0; p < NP; p++)
+            kr[p] = kp ? *(const uint4 *)(kp + 32 * p) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            mma_bf16(s[j], qa[p][0][0], 0u, qa[p][0][1], 0u, kr[p].x, kr[p].y);
+            mma_bf16(s[j], qa[p][1][0], 0u, qa[p][1][1], 0u, kr[p].z, kr[p].w);
+        }
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int kc = k0 + 8 * j + 2 * qd;
+        if (kc >= k1) s[j][0] = -INFINITY;
+        if (kc + 1 >= k1) s[j][1] = -INFINITY;
+        mx = fmaxf(mx, fmaxf(s[j][0], s[j][1]));
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    float base = mx == -INFINITY ? 0.0f : mx, l = 0.0f;
+    uint32_t pb[4]; /* P^T fragments: tile j's keys 2qd, 2qd+1 of head g */
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        pb[j] = pack_bf2(__expf(s[j][0] - base), __expf(s[j][1] - base));
+        __nv_bfloat162 pp = *(__nv_bfloat162 *)&pb[j];
+        l += __low2float(pp) + __high2float(pp); /* the weights P V uses */
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    /* O^T += V^T P^T over two k-steps of 16 keys */
+    float o[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+        o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        uint4 va[4][NU]; /* keys 2qd, 2qd + 1, 2qd + 8, 2qd + 9 of the k-step */
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int key = k0 + 16 * kk + 2 * qd + (r & 1) + (r >> 1) * 8;
+            const bf16 *vp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 1) +
+                                            (size_t)kvh * HD + 8 * g
+                                      : NULL;
+#pragma unroll
+            for (int u = 0; u < NU; u++)
+                va[r][u] = vp ? *(const uint4 *)(vp + 64 * u) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            const int iA = 2 * mt, iB = 2 * mt + 1; /* rows g and g + 8 of the tile */
+            uint32_t a0 = pair_bf(va[0][iA / 8], va[1][iA / 8], iA % 8);
+            uint32_t a1 = pair_bf(va[0][iB / 8], va[1][iB / 8], iB % 8);
+            uint32_t a2 = pair_bf(va[2][iA / 8], va[3][iA / 8], iA % 8);
+            uint32_t a3 = pair_bf(va[2][iB / 8], va[3][iB / 8], iB % 8);
+            mma_bf16(o[mt], a0, a1, a2, a3, pb[2 * kk], pb[2 * kk + 1]);
+        }
+    }
+    /* merge the 4 warps: (m, l) per head, O per head and head_dim element */
+    if (qd == 0) {
+        sm_m[w][g] = mx;
+        sm_l[w][g] = l;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int iA = 2 * mt, iB = 2 * mt + 1;
+        int dA = 64 * (iA / 8) + 8 * g + iA % 8, dB = 64 * (iB / 8) + 8 * g + iB % 8;
+        sm_o[w][2 * qd][dA] = o[mt][0];
+        sm_o[w][2 * qd + 1][dA] = o[mt][1];
+        sm_o[w][2 * qd][dB] = o[mt][2];
+        sm_o[w][2 * qd + 1][dB] = o[mt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        int hg = i / HD, e = i % HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int ww = 0; ww < AM_WARPS; ww++)
+            M = fmaxf(M, sm_m[ww][hg]);
+        float L = 0.0f, A = 0.0f;
+        if (M != -INFINITY)
+#pragma unroll
+            for (int ww = 0; ww < AM_WARPS; ww++) {
+                float f = sm_m[ww][hg] == -INFINITY ? 0.0f : __expf(sm_m[ww][hg] - M);
+                L += sm_l[ww][hg] * f;
+                A += sm_o[ww][hg][e] * f;
+            }
+        int head = kvh * G + hg;
+        if (splits == 1) {
+            store_as(out + (size_t)t * nh * HD + (size_t)head * HD + e, L > 0 ? A / L : 0.0f);
+        } else {
+            size_t pi = ((size_t)ti * nh + head) * splits + sp;
+            part[pi * HD + e] = A;
+            if (e == 0) {
+                ml[pi * 2] = M;
+                ml[pi * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, const dcu_kv *kv,
+                          int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                          int bt_stride, int T, int nh, int nkv, int hd, int splits, int chunk,
+                          float scale) {
+    dim3 grid(T, nkv, splits);
+    const bf16 *kb = (const bf16 *)kv->base;
+#define AMM(H, OT)                                                                                \
+    k_att_mma<H, OT><<<grid, AM_WARPS * 32, 0, c->stream>>>(                                      \
+        (OT *)out, c->att_part, c->att_ml, q, kb, kv->block_size, kv->n_layers, layer, pos, seq, \
+        bts, bt_stride, nh, nkv, chunk, scale, c->att_list)
+    if (hd == 128 && bf_out)
+        AMM(128, bf16);
+    else if (hd == 128)
+        AMM(128, float);
+    else if (bf_out)
+        AMM(64, bf16);
+    else
+        AMM(64, float);
+#undef AMM
+    if (splits > 1) {
+        if (bf_out)
+            k_att_combine<bf16><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
+                (bf16 *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+        else
+            k_att_combine<float><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
+                (float *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+    }
+    return launch_check("attention (tensor cores)");
 }
 
 /* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
@@ -1165,41 +1379,6 @@ static int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
                               nh, nkv, hd, rest_ctx, scale);
         c->att_list = NULL;
     }
-    return rc;
-}
-
-/* The ABI's attention op (tests): reads pos/seq back to split the batch like the forward
- * does (prefill tiles on tensor cores, the rest split over KV), synchronously. */
-static int attention(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,
-                     int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
-                     int bt_stride, int T, int nh, int nkv, int hd, int max_ctx) {
-    if (T <= 0) return 0;
-    int32_t *h = (int32_t *)malloc((size_t)T * 4 * 6 + 64);
-    if (!h) return -ENOMEM;
-    int32_t *pos_h = h, *seq_h = h + T, *tiles_h = h + 2 * T, *rest_h = tiles_h + 3 * T;
-    int32_t *dev = NULL;
-    int rc = 0, n_tiles = 0, n_rest = 0;
-    if (cudaMemcpyAsync(pos_h, pos, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
-        cudaMemcpyAsync(seq_h, seq, (size_t)T * 4, cudaMemcpyDeviceToHost, c->stream) ||
-        cudaStreamSynchronize(c->stream)) {
-        free(h);
-        return -EIO;
-    }
-    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd) && nh % nkv == 0,
-                               tiles_h, &n_tiles, rest_h, &n_rest);
-    if (cudaMalloc((void **)&dev, (size_t)T * 4 * 4) != cudaSuccess) rc = -ENOMEM;
-    if (!rc && n_tiles)
-        rc = cudaMemcpy(dev, tiles_h, (size_t)n_tiles * 12, cudaMemcpyHostToDevice) ? -EIO : 0;
-    if (!rc && n_rest)
-        rc = cudaMemcpy(dev + 3 * T, rest_h, (size_t)n_rest * 4, cudaMemcpyHostToDevice) ? -EIO : 0;
-    if (!rc)
-        rc = attention_mixed(c, out, out_dtype, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
-                             nkv, hd, (float)(1.0 / sqrt((double)hd)), dev, n_tiles, dev + 3 * T,
-                             n_rest, rest_ctx);
-    if (!rc && cudaStreamSynchronize(c->stream)) rc = -EIO;
-    cudaFree(dev);
-    free(h);
-    (void)max_ctx;
     return rc;
 }
 
@@ -1384,7 +1563,7 @@ template <int TT>
 __global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4 *__restrict__ x,
                                               const uint4 *__restrict__ w,
                                               const float *__restrict__ bias, int N, int K8) {
-    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const uint4 *wr = w + (size_t)row * K8;
     float acc[TT];
@@ -1407,13 +1586,14 @@ __global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4
 
 static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                 int N, int K) {
-    dim3 g((N + 7) / 8);
+    int nw = c->gemv_warps; /* one weight row per warp */
+    dim3 g((N + nw - 1) / nw);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
     int K8 = K / 8;
     switch (T) {
 #define G_(n)                                                                          \
     case n:                                                                            \
-        k_gemv<n><<<g, 256, 0, c->stream>>>(y, xv, wv, bias, N, K8);                   \
+        k_gemv<n><<<g, 32 * nw, 0, c->stream>>>(y, xv, wv, bias, N, K8);               \
         break;
         G_(1) G_(2) G_(3) G_(4) G_(5) G_(6) G_(7) G_(8)
 #undef G_
@@ -1423,15 +1603,95 @@ static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float 
     return launch_check("gemv");
 }
 
-/* measured on the H200 (7B shapes): the GEMV beats cuBLASLt at T = 1 (6.05 vs 6.4 ms a decode
- * step) and loses at T = 8 (11.5 vs 7.5 ms), where its x loads from L1 dominate */
-#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1; off by default: one GEMM path for every T */
+/* y (T, N) f32 = x (T, K) bf16 . w (N, K)^T bf16 (+ bias) for decode-sized T <= 32 on
+ * mma.sync m16n8k16: the weights are the M side (16 rows a CTA), the tokens the N side (NT
+ * tiles of 8), so a token's output never depends on the other tokens (the same per-column
+ * sums for any T <= 32).  4 warps split K (whole 32-wide chunks) and add up in shared memory
+ * in a fixed order.  Operands straight from global memory: within a 32-wide chunk the k
+ * order is permuted alike for W and x (thread (g, qd) holds k0 + 8qd .. +7 of its rows as one
+ * 16-byte load: words x, y feed k-step 0, z, w k-step 1), so every load is 16 bytes and the
+ * weights stream once.  Needs K % 32 == 0, N % 16 == 0, 16-byte aligned x and w. */
+#define SK_WARPS 8
+template <int NT>
+__global__ void __launch_bounds__(SK_WARPS * 32)
+    k_skinny(float *__restrict__ y, const bf16 *__restrict__ x, const bf16 *__restrict__ w,
+             const float *__restrict__ bias, int T, int N, int K) {
+    int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3;
+    int m0 = blockIdx.x * 16, chunks = K / 32;
+    int c0 = wp * chunks / SK_WARPS, c1 = (wp + 1) * chunks / SK_WARPS;
+    const bf16 *wa = w + (size_t)(m0 + g) * K + 8 * qd, *wb = wa + (size_t)8 * K;
+    const bf16 *xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int tok = 8 * nt + g;
+        xr[nt] = tok < T ? x + (size_t)tok * K + 8 * qd : NULL;
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll 4
+    for (int ch = c0; ch < c1; ch++) {
+        size_t k = (size_t)ch * 32;
+        uint4 ua = __ldcs((const uint4 *)(wa + k)), ub = __ldcs((const uint4 *)(wb + k));
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            uint4 xv = xr[nt] ? __ldg((const uint4 *)(xr[nt] + k)) : make_uint4(0, 0, 0, 0);
+            mma_bf16(acc[nt], ua.x, ub.x, ua.y, ub.y, xv.x, xv.y);
+            mma_bf16(acc[nt], ua.z, ub.z, ua.w, ub.w, xv.z, xv.w);
+        }
+    }
+    __shared__ float red[SK_WARPS][16][8 * NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int tk = 8 * nt + 2 * qd;
+        red[wp][g][tk] = acc[nt][0];
+        red[wp][g][tk + 1] = acc[nt][1];
+        red[wp][g + 8][tk] = acc[nt][2];
+        red[wp][g + 8][tk + 1] = acc[nt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * T; i += blockDim.x) {
+        int r = i % 16, tk = i / 16;
+        float v = 0.0f;
+#pragma unroll
+        for (int q = 0; q < SK_WARPS; q++)
+            v += red[q][r][tk];
+        y[(size_t)tk * N + m0 + r] = v + (bias ? bias[m0 + r] : 0.0f);
+    }
+}
+
+static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
+                  int N, int K) {
+    dim3 g(N / 16);
+    const bf16 *xb = (const bf16 *)x, *wb = (const bf16 *)w;
+    switch ((T + 7) / 8) {
+#define SK_(n)                                                                                   \
+    case n:                                                                                      \
+        k_skinny<n><<<g, SK_WARPS * 32, 0, c->stream>>>(y, xb, wb, bias, T, N, K);               \
+        break;
+        SK_(1) SK_(2) SK_(3) SK_(4)
+#undef SK_
+    default:
+        return -EINVAL;
+    }
+    return launch_check("skinny");
+}
+
+/* measured on the H200 (7B shapes, serving forward with CUDA graphs): the GEMV beats
+ * cuBLASLt at T = 1 (4.94 vs 5.35 ms a decode step at 4k context) and loses at T = 8, where
+ * its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at T = 1..32.  Off
+ * by default: with it a sequence's greedy tokens depended on the batch it ran in (5 of 32
+ * concurrent requests differed from their single-request answers in the serve smoke) */
+#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1 */
 
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                   int N, int K) {
     if (T <= 0) return 0;
     if (T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
         return gemv(c, y, x, w, bias, T, N, K);
+    if (T <= c->skinny_max && K % 32 == 0 && N % 16 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15))
+        return skinny(c, y, x, w, bias, T, N, K);
     gemm_plan *p = plan_get(c, T, N, K, x, w, y);
     if (!p) return -EIO;
     float alpha = 1.0f, beta = 0.0f;
@@ -1448,342 +1708,6 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
         return launch_check("bias");
     }
     return 0;
-}
-
-/* ---- model ----------------------------------------------------------------------- */
-
-typedef struct dlayer {
-    float *attn_norm, *mlp_norm, *bqkv; /* bqkv (h + 2 kvd) */
-    bf16 *wqkv;                         /* (h + 2 kvd, h) */
-    bf16 *wo;                           /* (h, h) */
-    bf16 *wgu;                          /* (2 I, h): gate rows then up rows */
-    bf16 *wdown;                        /* (h, I) */
-} dlayer;
-
-struct dcu_model {
-    dcu_ctx *c;
-    dcu_model_desc d; /* host pointers not kept beyond create */
-    dlayer *L;
-    bf16 *embed, *lm_head;
-    float *final_norm, *inv_freq;
-    size_t bytes;
-    /* workspace */
-    float *x, *y, *q, *qkv, *gu, *logits;
-    bf16 *xb, *att, *hb, *head_in;
-    int32_t *meta_d, *meta_h; /* tokens | pos | seq | out_rows | amax | block tables */
-    size_t meta_cap;          /* int32 entries */
-    void *stage[2];           /* pinned staging */
-    cudaEvent_t stage_ev[2];
-    size_t stage_bytes;
-    int stage_next;
-    void *conv_tmp; /* device buffer of one chunk (f16/f32 conversion) */
-    size_t done_bytes, total_bytes;
-};
-
-static void *model_alloc(dcu_model *m, size_t bytes) {
-    void *p = NULL;
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
-        cudaGetLastError();
-        return NULL;
-    }
-    m->bytes += bytes;
-    return p;
-}
-
-/* host matrix -> bf16 at dst (device), through the pinned staging buffers */
-static int upload_mat(dcu_model *m, bf16 *dst, const dcu_host_mat *s, int which) {
-    dcu_ctx *c = m->c;
-    size_t n = (size_t)s->rows * s->cols;
-    size_t esz = s->dtype == DCU_F32 ? 4 : 2;
-    size_t per = m->stage_bytes / esz; /* elements per chunk */
-    for (size_t off = 0; off < n; off += per) {
-        size_t cnt = n - off < per ? n - off : per;
-        int b = m->stage_next++ & 1;
-        CK(cudaEventSynchronize(m->stage_ev[b]));
-        memcpy(m->stage[b], (const char *)s->data + off * esz, cnt * esz);
-        if (s->dtype == DCU_BF16) {
-            CK(cudaMemcpyAsync(dst + off, m->stage[b], cnt * 2, cudaMemcpyHostToDevice,
-                               c->stream));
-        } else {
-            /* f16/f32: the raw chunk goes to a device buffer and is converted there */
-            if (!m->conv_tmp && cudaMalloc(&m->conv_tmp, m->stage_bytes) != cudaSuccess)
-                return -ENOMEM;
-            void *tmp = m->conv_tmp;
-            CK(cudaMemcpyAsync(tmp, m->stage[b], cnt * esz, cudaMemcpyHostToDevice, c->stream));
-            if (s->dtype == DCU_F32)
-                k_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(dst + off, (const float *)tmp,
-                                                                      cnt);
-            else
-                k_f16_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(
-                    dst + off, (const __half *)tmp, cnt);
-        }
-        CK(cudaEventRecord(m->stage_ev[b], c->stream));
-        m->done_bytes += cnt * esz;
-        if (m->d.progress && isatty(2) && (m->done_bytes >> 30) != ((m->done_bytes - cnt * esz) >> 30))
-            fprintf(stderr, "\rcuda: uploading weights %zu / %zu MiB", m->done_bytes >> 20,
-                    m->total_bytes >> 20);
-    }
-    (void)which;
-    if (m->conv_tmp && s->dtype != DCU_BF16) CK(cudaStreamSynchronize(c->stream));
-    return 0;
-}
-
-static int upload_vec(dcu_model *m, float **dst, const float *src, size_t n) {
-    *dst = (float *)model_alloc(m, n * 4);
-    if (!*dst) return -ENOMEM;
-    if (src)
-        CK(cudaMemcpyAsync(*dst, src, n * 4, cudaMemcpyHostToDevice, m->c->stream));
-    else
-        CK(cudaMemsetAsync(*dst, 0, n * 4, m->c->stream));
-    CK(cudaStreamSynchronize(m->c->stream));
-    return 0;
-}
-
-static size_t mat_bytes(const dcu_host_mat *s) {
-    return (size_t)s->rows * s->cols * (s->dtype == DCU_F32 ? 4 : 2);
-}
-
-static void model_free(dcu_model *m);
-
-static dcu_model *model_create(dcu_ctx *c, const dcu_model_desc *d, char *err, size_t errlen) {
-    int h = d->hidden, kvd = d->n_kv_heads * d->head_dim, I = d->inter, V = d->vocab;
-    int nh = d->n_heads;
-    if (d->n_kv_heads <= 0 || nh % d->n_kv_heads || nh / d->n_kv_heads > ATT_MAXG ||
-        d->head_dim > 128 || d->head_dim % 2 || nh * d->head_dim != h || h > 12288) {
-        seterr(err, errlen,
-               "model shape not supported on CUDA: %d heads, %d KV heads, head_dim %d, hidden %d; "
-               "accepted: at most %d query heads per KV head, even head_dim <= 128, heads * "
-               "head_dim == hidden <= 12288",
-               nh, d->n_kv_heads, d->head_dim, h, ATT_MAXG);
-        return NULL;
-    }
-    dcu_model *m = (dcu_model *)calloc(1, sizeof *m);
-    if (!m) return NULL;
-    m->c = c;
-    m->d = *d;
-    m->d.layers = NULL;
-    m->L = (dlayer *)calloc((size_t)d->n_layers, sizeof *m->L);
-    m->stage_bytes = 32u << 20;
-    for (int b = 0; b < 2; b++) {
-        if (cudaHostAlloc(&m->stage[b], m->stage_bytes, cudaHostAllocDefault) != cudaSuccess ||
-            cudaEventCreateWithFlags(&m->stage_ev[b], cudaEventDisableTiming) != cudaSuccess) {
-            seterr(err, errlen, "cannot allocate %zu MiB of pinned host memory for staging",
-                   m->stage_bytes >> 20);
-            model_free(m);
-            return NULL;
-        }
-        cudaEventRecord(m->stage_ev[b], c->stream);
-    }
-    m->total_bytes = mat_bytes(&d->embed) + (d->tied ? 0 : mat_bytes(&d->lm_head));
-    for (int l = 0; l < d->n_layers; l++) {
-        const dcu_host_layer *s = &d->layers[l];
-        m->total_bytes += mat_bytes(&s->wq) + mat_bytes(&s->wk) + mat_bytes(&s->wv) +
-                          mat_bytes(&s->wo) + mat_bytes(&s->w_gate) + mat_bytes(&s->w_up) +
-                          mat_bytes(&s->w_down);
-    }
-    size_t free_b = 0, tot_b = 0;
-    cudaMemGetInfo(&free_b, &tot_b);
-#define OOM(what)                                                                               \
-    do {                                                                                        \
-        seterr(err, errlen,                                                                     \
-               "out of GPU memory allocating %s (weights %.2f GB; %.2f GB were free of %.2f GB)", \
-               what, m->total_bytes / 1e9, free_b / 1e9, tot_b / 1e9);                          \
-        model_free(m);                                                                          \
-        return NULL;                                                                            \
-    } while (0)
-    if (!(m->embed = (bf16 *)model_alloc(m, (size_t)V * h * 2))) OOM("embed_tokens");
-    if (upload_mat(m, m->embed, &d->embed, 0)) OOM("embed_tokens");
-    if (d->tied)
-        m->lm_head = m->embed;
-    else {
-        if (!(m->lm_head = (bf16 *)model_alloc(m, (size_t)V * h * 2))) OOM("lm_head");
-        if (upload_mat(m, m->lm_head, &d->lm_head, 0)) OOM("lm_head");
-    }
-    for (int l = 0; l < d->n_layers; l++) {
-        const dcu_host_layer *s = &d->layers[l];
-        dlayer *L = &m->L[l];
-        if (!(L->wqkv = (bf16 *)model_alloc(m, (size_t)(h + 2 * kvd) * h * 2)) ||
-            !(L->wo = (bf16 *)model_alloc(m, (size_t)h * h * 2)) ||
-            !(L->wgu = (bf16 *)model_alloc(m, (size_t)2 * I * h * 2)) ||
-            !(L->wdown = (bf16 *)model_alloc(m, (size_t)h * I * 2)))
-            OOM("a layer's weights");
-        if (upload_mat(m, L->wqkv, &s->wq, 0) ||
-            upload_mat(m, L->wqkv + (size_t)h * h, &s->wk, 0) ||
-            upload_mat(m, L->wqkv + (size_t)(h + kvd) * h, &s->wv, 0) ||
-            upload_mat(m, L->wo, &s->wo, 0) || upload_mat(m, L->wgu, &s->w_gate, 0) ||
-            upload_mat(m, L->wgu + (size_t)I * h, &s->w_up, 0) ||
-            upload_mat(m, L->wdown, &s->w_down, 0)) {
-            seterr(err, errlen, "uploading layer %d's weights failed", l);
-            model_free(m);
-            return NULL;
-        }
-        float *b = NULL;
-        if (!(b = (float *)model_alloc(m, (size_t)(h + 2 * kvd) * 4))) OOM("biases");
-        L->bqkv = b;
-        cudaMemsetAsync(b, 0, (size_t)(h + 2 * kvd) * 4, c->stream);
-        if (s->bq) cudaMemcpyAsync(b, s->bq, (size_t)h * 4, cudaMemcpyHostToDevice, c->stream);
-        if (s->bk)
-            cudaMemcpyAsync(b + h, s->bk, (size_t)kvd * 4, cudaMemcpyHostToDevice, c->stream);
-        if (s->bv)
-            cudaMemcpyAsync(b + h + kvd, s->bv, (size_t)kvd * 4, cudaMemcpyHostToDevice,
-                            c->stream);
-        if (upload_vec(m, &L->attn_norm, s->attn_norm, h) ||
-            upload_vec(m, &L->mlp_norm, s->mlp_norm, h))
-            OOM("norm weights");
-    }
-    if (upload_vec(m, &m->final_norm, d->final_norm, h) ||
-        upload_vec(m, &m->inv_freq, d->rope_inv_freq, d->head_dim / 2))
-        OOM("norm weights");
-    if (m->d.progress && isatty(2)) fprintf(stderr, "\n");
-    size_t T = (size_t)d->max_tokens, W = (size_t)h + 2 * kvd;
-    if (!(m->x = (float *)model_alloc(m, T * h * 4)) || !(m->y = (float *)model_alloc(m, T * h * 4)) ||
-        !(m->q = (float *)model_alloc(m, T * h * 4)) ||
-        !(m->qkv = (float *)model_alloc(m, T * W * 4)) ||
-        !(m->gu = (float *)model_alloc(m, T * 2 * I * 4)) ||
-        !(m->logits = (float *)model_alloc(m, T * V * 4)) ||
-        !(m->xb = (bf16 *)model_alloc(m, T * h * 2)) ||
-        !(m->att = (bf16 *)model_alloc(m, T * h * 2)) ||
-        !(m->hb = (bf16 *)model_alloc(m, T * I * 2)) ||
-        !(m->head_in = (bf16 *)model_alloc(m, T * h * 2)))
-        OOM("activations");
-    m->meta_cap = T * 9 + (size_t)d->max_seqs * (d->max_blocks + 3) + 64;
-    if (!(m->meta_d = (int32_t *)model_alloc(m, m->meta_cap * 4)) ||
-        cudaHostAlloc((void **)&m->meta_h, m->meta_cap * 4, cudaHostAllocDefault) != cudaSuccess)
-        OOM("batch metadata");
-    if (cudaStreamSynchronize(c->stream) != cudaSuccess) {
-        seterr(err, errlen, "uploading the weights failed: %s",
-               cudaGetErrorString(cudaGetLastError()));
-        model_free(m);
-        return NULL;
-    }
-    return m;
-#undef OOM
-}
-
-static void model_free(dcu_model *m) {
-    if (!m) return;
-    cudaStreamSynchronize(m->c->stream);
-    if (m->L)
-        for (int l = 0; l < m->d.n_layers; l++) {
-            cudaFree(m->L[l].wqkv);
-            cudaFree(m->L[l].wo);
-            cudaFree(m->L[l].wgu);
-            cudaFree(m->L[l].wdown);
-            cudaFree(m->L[l].bqkv);
-            cudaFree(m->L[l].attn_norm);
-            cudaFree(m->L[l].mlp_norm);
-        }
-    free(m->L);
-    cudaFree(m->embed);
-    if (m->lm_head != m->embed) cudaFree(m->lm_head);
-    void *bufs[] = {m->final_norm, m->inv_freq, m->x,  m->y,  m->q,  m->qkv,     m->gu,
-                    m->logits,     m->xb,       m->att, m->hb, m->head_in, m->meta_d};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        cudaFree(bufs[i]);
-    if (m->meta_h) cudaFreeHost(m->meta_h);
-    cudaFree(m->conv_tmp);
-    for (int b = 0; b < 2; b++) {
-        if (m->stage[b]) cudaFreeHost(m->stage[b]);
-        if (m->stage_ev[b]) cudaEventDestroy(m->stage_ev[b]);
-    }
-    free(m);
-}
-
-static size_t model_bytes(const dcu_model *m) {
-    return m->bytes;
-}
-
-static int forward(dcu_model *m, const dcu_kv *kv, const dcu_batch *b, char *err, size_t errlen) {
-    dcu_ctx *c = m->c;
-    const dcu_model_desc *d = &m->d;
-    int T = b->n_tokens, h = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim,
-        kvd = nkv * hd, I = d->inter, V = d->vocab, W = h + 2 * kvd;
-    if (T <= 0 || T > d->max_tokens || b->n_seqs <= 0 || b->n_seqs > d->max_seqs ||
-        b->bt_stride <= 0 || b->bt_stride > d->max_blocks || b->n_out < 0 || b->n_out > T) {
-        seterr(err, errlen,
-               "forward batch out of range: %d tokens (max %d), %d sequences (max %d), block "
-               "table stride %d (max %d), %d output rows",
-               T, d->max_tokens, b->n_seqs, d->max_seqs, b->bt_stride, d->max_blocks, b->n_out);
-        return -EINVAL;
-    }
-    if (kv->n_layers != d->n_layers || kv->kv_dim != kvd) {
-        seterr(err, errlen, "KV region shape (layers %d, kv_dim %d) does not match the model (%d, %d)",
-               kv->n_layers, kv->kv_dim, d->n_layers, kvd);
-        return -EINVAL;
-    }
-    /* metadata: one pinned buffer, one copy */
-    int32_t *mh = m->meta_h;
-    size_t nbt = (size_t)b->n_seqs * b->bt_stride;
-    int32_t *tok_h = mh, *pos_h = mh + T, *seq_h = mh + 2 * T, *out_h = mh + 3 * T,
-            *bt_h = mh + 5 * T;
-    /* make sure the previous call's download is finished before reusing meta_h */
-    CK(cudaStreamSynchronize(c->stream));
-    memcpy(tok_h, b->tokens, (size_t)T * 4);
-    memcpy(pos_h, b->pos, (size_t)T * 4);
-    memcpy(seq_h, b->seq, (size_t)T * 4);
-    memcpy(out_h, b->out_rows, (size_t)b->n_out * 4);
-    memcpy(bt_h, b->block_tables, nbt * 4);
-    int32_t *tiles_h = bt_h + nbt, *rest_h = tiles_h + 3 * ((size_t)T + b->n_seqs);
-    int n_tiles = 0, n_rest = 0;
-    int rest_ctx = split_batch(T, seq_h, pos_h, flash_ok(c, kv->dtype, hd), tiles_h, &n_tiles,
-                               rest_h, &n_rest);
-    size_t meta_n = (size_t)(rest_h - mh) + n_rest;
-    int32_t *md = m->meta_d;
-    int32_t *tok = md, *pos = md + T, *seq = md + 2 * T, *orow = md + 3 * T, *amax = md + 4 * T,
-            *bt = md + 5 * T, *tiles_d = md + (tiles_h - mh), *rest_d = md + (rest_h - mh);
-    CK(cudaMemcpyAsync(md, mh, meta_n * 4, cudaMemcpyHostToDevice, c->stream));
-    int rc = 0;
-#define R(call)                                                                    \
-    do {                                                                           \
-        if ((rc = (call))) {                                                       \
-            seterr(err, errlen, "CUDA forward: %s failed (%d)", #call, rc);        \
-            return rc;                                                             \
-        }                                                                          \
-    } while (0)
-    R(embed(c, m->x, m->embed, tok, T, h));
-    for (int l = 0; l < d->n_layers; l++) {
-        dlayer *L = &m->L[l];
-        R(rmsnorm(c, m->xb, DCU_BF16, m->x, l ? m->y : NULL, L->attn_norm, NULL, T, h, d->rms_eps,
-                  l ? 1 : 0));
-        R(matmul(c, m->qkv, m->xb, L->wqkv, NULL, T, W, h));
-        if (kv->dtype == DCU_BF16)
-            k_qkv_finish<bf16><<<T, 128, 0, c->stream>>>(
-                m->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, l, m->qkv, L->bqkv, pos, seq,
-                bt, b->bt_stride, m->inv_freq, nh, nkv, hd);
-        else
-            k_qkv_finish<float><<<T, 128, 0, c->stream>>>(
-                m->q, (float *)kv->base, kv->block_size, kv->n_layers, l, m->qkv, L->bqkv, pos,
-                seq, bt, b->bt_stride, m->inv_freq, nh, nkv, hd);
-        R(launch_check("qkv_finish"));
-        R(attention_mixed(c, m->att, DCU_BF16, m->q, kv, l, pos, seq, bt, b->bt_stride, T, nh,
-                          nkv, hd, (float)(1.0 / sqrt((double)hd)), tiles_d, n_tiles, rest_d,
-                          n_rest, rest_ctx));
-        R(matmul(c, m->y, m->att, L->wo, NULL, T, h, h));
-        R(rmsnorm(c, m->xb, DCU_BF16, m->x, m->y, L->mlp_norm, NULL, T, h, d->rms_eps, 1));
-        R(matmul(c, m->gu, m->xb, L->wgu, NULL, T, 2 * I, h));
-        R(swiglu(c, m->hb, DCU_BF16, m->gu, T, I));
-        R(matmul(c, m->y, m->hb, L->wdown, NULL, T, h, I));
-    }
-    if (b->n_out > 0) {
-        R(rmsnorm(c, m->head_in, DCU_BF16, m->x, m->y, m->final_norm, orow, b->n_out, h,
-                  d->rms_eps, 0));
-        R(matmul(c, m->logits, m->head_in, m->lm_head, NULL, b->n_out, V, h));
-        if (b->argmax) {
-            R(argmax(c, amax, m->logits, b->n_out, V));
-            CK(cudaMemcpyAsync(b->argmax, amax, (size_t)b->n_out * 4, cudaMemcpyDeviceToHost,
-                               c->stream));
-        }
-        if (b->logits)
-            CK(cudaMemcpyAsync(b->logits, m->logits, (size_t)b->n_out * V * 4,
-                               cudaMemcpyDeviceToHost, c->stream));
-    }
-    cudaError_t e = cudaStreamSynchronize(c->stream);
-    if (e != cudaSuccess) {
-        seterr(err, errlen, "CUDA forward: %s", cudaGetErrorString(e));
-        return -EIO;
-    }
-    return 0;
-#undef R
 }
 
 /* ---- ceilings ------------------------------------------------------------------- */
@@ -1860,19 +1784,6 @@ static int measure(dcu_ctx *c, double *copy_gbs, double *gemm_tflops, int M, int
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     return rc;
-}
-
-/* ---- the table ------------------------------------------------------------------- */
-
-static const dcu_api API = {
-    DCU_ABI_VERSION, CUDART_VERSION, probe,   ctx_create, ctx_free, ctx_info,    dsync,
-    dalloc,          dfree,          dupload, ddownload,  dmemset0, dcopy,       to_bf16,
-    matmul,          rmsnorm,        rope,    swiglu,     add,      embed,       kv_write,
-    attention,       argmax,         model_create, model_free, model_bytes, forward, measure,
-};
-
-extern "C" __attribute__((visibility("default"))) const dcu_api *disagg_cuda_api_v1(void) {
-    return &API;
 }
 
 /* ---- kernels/backend.h ------------------------------------------------------------- */

@@ -2,6 +2,7 @@
  * cuda_transfer_loader — cuda_transfer_load() (cuda_transfer.h): the CUDA module's transfer
  * table for a process without a backend.  Plain C, no CUDA dependency.
  */
+#include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_module.h"
 #include "kernels/cuda/cuda_transfer.h"
 
@@ -20,31 +21,9 @@ static char why[1024];
 static int tried;
 
 static void *open_module(char *err, size_t errlen) {
-    const char *env = getenv("DISAGG_CUDA_MODULE");
-    if (env && *env) {
-        void *h = dlopen(env, RTLD_NOW | RTLD_LOCAL);
-        if (!h) snprintf(err, errlen, "the CUDA module %s cannot load: %s", env, dlerror());
-        return h;
-    }
-    char exe[PATH_MAX], path[PATH_MAX + 64];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n > 0) {
-        exe[n] = 0;
-        char *slash = strrchr(exe, '/');
-        if (slash) *slash = 0;
-        snprintf(path, sizeof path, "%s/%s", exe, DCU_MODULE_NAME);
-        if (access(path, F_OK) == 0) {
-            void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-            if (!h) snprintf(err, errlen, "the CUDA module %s cannot load: %s", path, dlerror());
-            return h;
-        }
-    }
-    void *h = dlopen(DCU_MODULE_NAME, RTLD_NOW | RTLD_LOCAL);
-    if (!h)
-        snprintf(err, errlen,
-                 "the CUDA module %s is not beside this binary nor on the library path (%s; "
-                 "set DISAGG_CUDA_MODULE to its path)",
-                 DCU_MODULE_NAME, dlerror());
+    char w[PATH_MAX + 600];
+    void *h = backend_module_dlopen(w, sizeof w);
+    if (!h) snprintf(err, errlen, "the CUDA module: %s (set DISAGG_CUDA_MODULE to its path)", w);
     return h;
 }
 
