@@ -14,10 +14,10 @@
 #include <string.h>
 #include <unistd.h>
 
-static const char *const FLAGS[] = {"--discovery", "--discovery-ttl", "--etcd-user",
-                                    "--etcd-cacert", "--etcd-cert",   "--etcd-key",
+static const char *const FLAGS[] = {"--discovery", "--etcd-user",     "--etcd-cacert",
+                                    "--etcd-cert", "--etcd-key",      "--discovery-ttl",
                                     "--discovery-advertise"};
-#define NFLAGS 7 /* the last one: serve and bootstrap only */
+#define NFLAGS 7 /* the last two: serve and bootstrap only */
 
 void discovery_cli_init(discovery_cli *d) {
     memset(d, 0, sizeof *d);
@@ -25,7 +25,7 @@ void discovery_cli_init(discovery_cli *d) {
 }
 
 int discovery_cli_is_flag(const char *flag, int with_advertise) {
-    for (int i = 0; i < NFLAGS - !with_advertise; i++)
+    for (int i = 0; i < NFLAGS - (with_advertise ? 0 : 2); i++)
         if (!strcmp(flag, FLAGS[i])) return 1;
     return 0;
 }

@@ -251,8 +251,11 @@ static void tried_message(char *msg, size_t cap, const char *role, const backend
 static int send_pd(relay *r) {
     proxy *px = r->px;
     const pd_engine *eng = NULL;
-    backend *p =
-        policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried, &eng);
+    policy_hint hint = {0, NULL};
+    if (px->cfg.policy == POLICY_PREFIX)
+        hint.prefix_hash = pd_prefix_hash(r->body, (size_t)px->cfg.prefix_bytes);
+    backend *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill,
+                             r->p_tried, &hint, &eng);
     if (!p) {
         char msg[1024];
         tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);
@@ -306,8 +309,10 @@ static int send_pd(relay *r) {
 /* Sends the decode request (body already built) to a decode not tried yet. */
 static int send_decode(relay *r) {
     proxy *px = r->px;
-    backend *d =
-        policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried, NULL);
+    /* a decode pairs with the prefill's group (model and KV layout) */
+    policy_hint hint = {0, r->p ? r->p->group : NULL};
+    backend *d = policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried,
+                             &hint, NULL);
     if (!d) {
         char msg[1024];
         tried_message(msg, sizeof msg, "decode", px->decode, px->ndecode, r->d_tried);
