@@ -1,6 +1,7 @@
 /* discovery_cli — see discovery_cli.h. */
 #include "cli/discovery_cli.h"
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "connector/kv_transfer_config.h"
 #include "model/hf_cache.h"
@@ -10,6 +11,10 @@
 #include <errno.h>
 #include <jansson.h>
 #include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -154,6 +159,9 @@ typedef struct role_ctx {
 struct serve_registration {
     discovery_registrar *reg[2]; /* prefill and/or decode (kv_both registers both) */
     role_ctx ctx[2];             /* their contexts */
+    pthread_t drainer;           /* waits for SIGTERM/SIGINT (see drain_main) */
+    int has_drainer;             /* it runs */
+    atomic_int done;             /* server_run returned: the drainer ends */
 };
 
 static size_t grow(char *p, size_t sz, size_t nm, void *arg) {
@@ -262,6 +270,67 @@ static void kv_layout(const serve_identity *id, char *out, size_t cap) {
                  id->kv_dtype ? id->kv_dtype : "auto", id->block_size > 0 ? id->block_size : 16);
 }
 
+#define DRAIN_GRACE_NS   500000000ull /* proxies see the deletion well within this */
+#define DRAIN_TIMEOUT_NS 30000000000ull
+
+static int stop_signal_wait(atomic_int *done, int timeout_ms) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    for (int waited = 0; !atomic_load(done) && (timeout_ms < 0 || waited < timeout_ms);
+         waited += 50) {
+        struct timespec ts = {0, 50 * 1000000L};
+        int sig = sigtimedwait(&set, NULL, &ts);
+        if (sig > 0) return sig;
+    }
+    return 0;
+}
+
+/* Requests running or waiting on this instance (its /metrics), -1 if unknown. */
+static int local_load(role_ctx *s) {
+    char *body;
+    if (get(s, s->metrics_url, &body)) return -1;
+    double run = metric_value(body, "vllm:num_requests_running");
+    double wait = metric_value(body, "vllm:num_requests_waiting");
+    free(body);
+    return (int)((run > 0 ? run : 0) + (wait > 0 ? wait : 0));
+}
+
+/* A clean stop of a registered instance: SIGTERM/SIGINT (blocked in every
+ * thread, so only this one takes them) first deletes the etcd key, so that
+ * the proxies stop sending; then the requests in flight finish (at most
+ * 30 s; a second signal cuts it short), and only then does the server get
+ * the signal (raised on this thread, whose mask lets it through to the
+ * server's handler). */
+static void *drain_main(void *arg) {
+    serve_registration *g = arg;
+    int sig = stop_signal_wait(&g->done, -1);
+    if (!sig) return NULL;
+    LOG_I("discovery", "signal %d: deregistering, then finishing the requests in flight (again to "
+                       "stop at once)",
+          sig);
+    for (int k = 0; k < 2; k++) {
+        discovery_registrar_stop(g->reg[k]);
+        g->reg[k] = NULL;
+    }
+    uint64_t t0 = clock_now_ns();
+    int again = 0;
+    while (!atomic_load(&g->done) && clock_now_ns() - t0 < DRAIN_TIMEOUT_NS) {
+        if ((again = stop_signal_wait(&g->done, 100))) break;
+        if (clock_now_ns() - t0 < DRAIN_GRACE_NS) continue;
+        int busy = local_load(&g->ctx[0]);
+        if (busy <= 0) break;
+    }
+    if (atomic_load(&g->done)) return NULL;
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, sig);
+    pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+    pthread_kill(pthread_self(), again ? again : sig);
+    return NULL;
+}
+
 int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_registration **out) {
     *out = NULL;
     if (!id->kv_transfer_config) {
@@ -312,12 +381,20 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
     int roles[2], nroles = 0;
     if (kc.role != KV_ROLE_CONSUMER) roles[nroles++] = 0;
     if (kc.role != KV_ROLE_PRODUCER) roles[nroles++] = 1;
+    /* every thread from now on (registrars, the server's) blocks the stop signals: the
+     * drainer takes them */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
     for (int k = 0; k < nroles; k++) {
         g->ctx[k] = *s;
         g->ctx[k].curl = curl_easy_init();
         if (!g->ctx[k].curl) {
             fprintf(stderr, "disagg serve: out of memory\n");
             serve_registration_stop(g);
+            pthread_sigmask(SIG_UNBLOCK, &set, NULL);
             return -1;
         }
         discovery_record rr = r;
@@ -337,15 +414,20 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
                                       sizeof err)) {
             fprintf(stderr, "disagg serve: --discovery %s: %s\n", d->o.url, err);
             serve_registration_stop(g);
+            pthread_sigmask(SIG_UNBLOCK, &set, NULL);
             return -1;
         }
     }
+    g->has_drainer = pthread_create(&g->drainer, NULL, drain_main, g) == 0;
+    if (!g->has_drainer) pthread_sigmask(SIG_UNBLOCK, &set, NULL);
     *out = g;
     return 0;
 }
 
 void serve_registration_stop(serve_registration *s) {
     if (!s) return;
+    atomic_store(&s->done, 1);
+    if (s->has_drainer) pthread_join(s->drainer, NULL);
     for (int k = 0; k < 2; k++) {
         discovery_registrar_stop(s->reg[k]);
         if (s->ctx[k].curl) curl_easy_cleanup(s->ctx[k].curl);
