@@ -169,7 +169,11 @@ int etcd_client_new(const etcd_options *o, etcd_client **out, char *err, size_t 
         if (!c->endpoints[c->n]) break;
         c->n++;
         s += n;
-        if (*s == ',') s++;
+        if (*s == ',' && !*++s) {
+            snprintf(err, errcap, "etcd endpoint list '%s' ends with a comma", o->endpoints);
+            etcd_client_free(c);
+            return -EINVAL;
+        }
     }
     if (c->n == 0) {
         snprintf(err, errcap, "no etcd endpoint given; accepted: host:port[,host:port...]");

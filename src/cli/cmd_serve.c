@@ -898,8 +898,9 @@ static int serve_args(int argc, char **argv) {
                                  : backend_dtype_name((backend_dtype)cfg.engine.kv_cache_dtype),
                              cfg.kv_transfer_config,
                              cfg.api_key};
-        if (serve_registration_start(&disc, &id, &reg)) {
-            rc = 1;
+        int st = serve_registration_start(&disc, &id, &reg);
+        if (st) {
+            rc = st < 0 ? 1 : st;
             goto out;
         }
     }

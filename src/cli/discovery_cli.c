@@ -337,12 +337,12 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
         fprintf(stderr, "disagg serve: --discovery needs --kv-transfer-config: its kv_role says "
                         "whether this is a prefill (kv_producer) or a decode (kv_consumer) "
                         "instance\n");
-        return -1;
+        return 2;
     }
     if (id->port <= 0) {
         fprintf(stderr, "disagg serve: --discovery needs a fixed --port (not 0): the port is "
                         "published in etcd before the server opens it\n");
-        return -1;
+        return 2;
     }
     kv_transfer_config kc;
     kv_transfer_env env;
@@ -350,7 +350,7 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
     if (kv_transfer_config_parse(id->kv_transfer_config, &kc, err, sizeof err) ||
         kv_transfer_env_load(&env, err, sizeof err)) {
         fprintf(stderr, "disagg serve: %s\n", err);
-        return -1;
+        return 2;
     }
     serve_registration *g = calloc(1, sizeof *g);
     if (!g) {

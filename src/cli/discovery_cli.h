@@ -52,7 +52,8 @@ typedef struct serve_identity {
 } serve_identity;
 
 /* Registers (a lease now; the record once /health answers 200).  On
- * failure prints "disagg serve: ..." and returns -1. */
+ * failure prints "disagg serve: ..." and returns the exit status: 2 for a
+ * usage error, 1 when etcd cannot be reached. */
 int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_registration **out);
 void serve_registration_stop(serve_registration *r);
 
