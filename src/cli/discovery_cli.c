@@ -10,7 +10,9 @@
 #include <curl/curl.h>
 #include <errno.h>
 #include <jansson.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -159,6 +161,7 @@ typedef struct role_ctx {
 struct serve_registration {
     discovery_registrar *reg[2]; /* prefill and/or decode (kv_both registers both) */
     role_ctx ctx[2];             /* their contexts */
+    role_ctx dctx;               /* the drainer's (own curl handle) */
     pthread_t drainer;           /* waits for SIGTERM/SIGINT (see drain_main) */
     int has_drainer;             /* it runs */
     atomic_int done;             /* server_run returned: the drainer ends */
@@ -273,39 +276,75 @@ static void kv_layout(const serve_identity *id, char *out, size_t cap) {
 #define DRAIN_GRACE_NS   500000000ull /* proxies see the deletion well within this */
 #define DRAIN_TIMEOUT_NS 30000000000ull
 
+/* The stop signals while the drainer holds them: the handler only writes the
+ * signal number to a pipe (async-signal-safe); the drainer reads it. */
+static int sig_pipe[2] = {-1, -1};
+static struct sigaction saved_int, saved_term; /* the server's (libevent's) handlers */
+
+static void on_stop_signal(int sig) {
+    unsigned char c = (unsigned char)sig;
+    int e = errno;
+    ssize_t n = write(sig_pipe[1], &c, 1);
+    (void)n;
+    errno = e;
+}
+
+/* A stop signal within timeout_ms (0 when none, or when done is set). */
 static int stop_signal_wait(atomic_int *done, int timeout_ms) {
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    for (int waited = 0; !atomic_load(done) && (timeout_ms < 0 || waited < timeout_ms);
-         waited += 50) {
-        struct timespec ts = {0, 50 * 1000000L};
-        int sig = sigtimedwait(&set, NULL, &ts);
-        if (sig > 0) return sig;
+    for (int waited = 0; !atomic_load(done) && waited < timeout_ms; waited += 50) {
+        struct pollfd pfd = {sig_pipe[0], POLLIN, 0};
+        if (poll(&pfd, 1, 50) == 1) {
+            unsigned char c;
+            if (read(sig_pipe[0], &c, 1) == 1) return c;
+        }
     }
     return 0;
 }
 
-/* Requests running or waiting on this instance (its /metrics), -1 if unknown. */
+/* Requests running, waiting or parked (waiting for their KV) on this instance, -1 if unknown. */
 static int local_load(role_ctx *s) {
     char *body;
     if (get(s, s->metrics_url, &body)) return -1;
-    double run = metric_value(body, "vllm:num_requests_running");
-    double wait = metric_value(body, "vllm:num_requests_waiting");
+    double n = 0;
+    static const char *const names[] = {"vllm:num_requests_running", "vllm:num_requests_waiting",
+                                        "disagg:num_requests_parked"};
+    for (int i = 0; i < 3; i++) {
+        double v = metric_value(body, names[i]);
+        n += v > 0 ? v : 0;
+    }
     free(body);
-    return (int)((run > 0 ? run : 0) + (wait > 0 ? wait : 0));
+    return (int)n;
 }
 
-/* A clean stop of a registered instance: SIGTERM/SIGINT (blocked in every
- * thread, so only this one takes them) first deletes the etcd key, so that
- * the proxies stop sending; then the requests in flight finish (at most
- * 30 s; a second signal cuts it short), and only then does the server get
- * the signal (raised on this thread, whose mask lets it through to the
- * server's handler). */
+/* A clean stop of a registered instance.  Once the server answers /health
+ * (its own SIGTERM/SIGINT handlers are installed by then), the drainer puts
+ * its handler in their place; a stop signal then first deletes the etcd key,
+ * so that the proxies stop sending, then waits until no request is running,
+ * waiting or parked (at least DRAIN_GRACE_NS, at most DRAIN_TIMEOUT_NS; a
+ * second signal cuts it short), and only then hands the signal to the
+ * server's handler. */
 static void *drain_main(void *arg) {
     serve_registration *g = arg;
-    int sig = stop_signal_wait(&g->done, -1);
+    role_ctx *c = &g->dctx;
+    while (!atomic_load(&g->done)) { /* the server's handlers are in place once it answers */
+        char *body;
+        if (!get(c, c->health_url, &body)) {
+            free(body);
+            break;
+        }
+        struct timespec ts = {0, 100 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    if (atomic_load(&g->done)) return NULL;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &saved_int);
+    sigaction(SIGTERM, &sa, &saved_term);
+    int sig = 0;
+    while (!sig && !atomic_load(&g->done))
+        sig = stop_signal_wait(&g->done, 1000);
     if (!sig) return NULL;
     LOG_I("discovery", "signal %d: deregistering, then finishing the requests in flight (again to "
                        "stop at once)",
@@ -315,19 +354,16 @@ static void *drain_main(void *arg) {
         g->reg[k] = NULL;
     }
     uint64_t t0 = clock_now_ns();
-    int again = 0;
-    while (!atomic_load(&g->done) && clock_now_ns() - t0 < DRAIN_TIMEOUT_NS) {
+    int again = 0, idle = 0;
+    while (clock_now_ns() - t0 < DRAIN_TIMEOUT_NS) {
         if ((again = stop_signal_wait(&g->done, 100))) break;
         if (clock_now_ns() - t0 < DRAIN_GRACE_NS) continue;
-        int busy = local_load(&g->ctx[0]);
-        if (busy <= 0) break;
+        idle = local_load(c) <= 0 ? idle + 1 : 0;
+        if (idle >= 2) break;
     }
-    if (atomic_load(&g->done)) return NULL;
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, sig);
-    pthread_sigmask(SIG_UNBLOCK, &set, NULL);
-    pthread_kill(pthread_self(), again ? again : sig);
+    sigaction(SIGINT, &saved_int, NULL);
+    sigaction(SIGTERM, &saved_term, NULL);
+    if (!atomic_load(&g->done)) kill(getpid(), again ? again : sig); /* the server stops now */
     return NULL;
 }
 
@@ -381,20 +417,12 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
     int roles[2], nroles = 0;
     if (kc.role != KV_ROLE_CONSUMER) roles[nroles++] = 0;
     if (kc.role != KV_ROLE_PRODUCER) roles[nroles++] = 1;
-    /* every thread from now on (registrars, the server's) blocks the stop signals: the
-     * drainer takes them */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
     for (int k = 0; k < nroles; k++) {
         g->ctx[k] = *s;
         g->ctx[k].curl = curl_easy_init();
         if (!g->ctx[k].curl) {
             fprintf(stderr, "disagg serve: out of memory\n");
             serve_registration_stop(g);
-            pthread_sigmask(SIG_UNBLOCK, &set, NULL);
             return -1;
         }
         discovery_record rr = r;
@@ -414,12 +442,16 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
                                       sizeof err)) {
             fprintf(stderr, "disagg serve: --discovery %s: %s\n", d->o.url, err);
             serve_registration_stop(g);
-            pthread_sigmask(SIG_UNBLOCK, &set, NULL);
             return -1;
         }
     }
-    g->has_drainer = pthread_create(&g->drainer, NULL, drain_main, g) == 0;
-    if (!g->has_drainer) pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+    if (sig_pipe[0] < 0 && pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) != 0) sig_pipe[0] = -1;
+    g->dctx = g->ctx[0];
+    g->dctx.curl = curl_easy_init();
+    g->has_drainer = sig_pipe[0] >= 0 && g->dctx.curl && pthread_create(&g->drainer, NULL, drain_main, g) == 0;
+    if (!g->has_drainer)
+        LOG_W("discovery", "no drainer thread: a stop signal stops the server at once (its key "
+                           "is deleted after)");
     *out = g;
     return 0;
 }
@@ -428,6 +460,7 @@ void serve_registration_stop(serve_registration *s) {
     if (!s) return;
     atomic_store(&s->done, 1);
     if (s->has_drainer) pthread_join(s->drainer, NULL);
+    if (s->dctx.curl) curl_easy_cleanup(s->dctx.curl);
     for (int k = 0; k < 2; k++) {
         discovery_registrar_stop(s->reg[k]);
         if (s->ctx[k].curl) curl_easy_cleanup(s->ctx[k].curl);

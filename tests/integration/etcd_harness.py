@@ -39,6 +39,7 @@ class Etcd:
 
     def __init__(self, root, n=1):
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
         token = "t-" + uuid.uuid4().hex[:8]
         self.members = [{"name": f"m{i}", "client": free_port(), "peer": free_port(),
                          "dir": self.root / f"m{i}", "proc": None} for i in range(n)]
