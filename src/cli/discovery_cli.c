@@ -122,7 +122,8 @@ void discovery_cli_usage(FILE *f, int with_advertise) {
                    "                             host name)\n");
     fprintf(f, "  --etcd-user U              etcd user (password from $DISAGG_ETCD_PASSWORD)\n"
                "  --etcd-cacert F            CA bundle for etcds:// (default: the system's)\n"
-               "  --etcd-cert F --etcd-key F TLS client certificate and key for etcds://\n");
+               "  --etcd-cert F              TLS client certificate for etcds:// (with --etcd-key)\n"
+               "  --etcd-key F               its private key\n");
 }
 
 static int wildcard(const char *h) {
