@@ -539,7 +539,7 @@ uint64_t discovery_watcher_snapshot(discovery_watcher *w, discovery_instance **l
     *list = malloc((size_t)(w->n ? w->n : 1) * sizeof **list);
     *n = 0;
     if (*list) {
-        memcpy(*list, w->set, (size_t)w->n * sizeof **list);
+        if (w->n) memcpy(*list, w->set, (size_t)w->n * sizeof **list);
         *n = w->n;
     }
     uint64_t g = w->st.generation;
