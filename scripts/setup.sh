@@ -7,7 +7,7 @@ DEBS=(
   build-essential cmake ninja-build pkg-config clang clang-format libclang-rt-dev
   libjansson-dev libzmq3-dev libmsgpack-dev libevent-dev libcurl4-openssl-dev
   libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
-  libibverbs-dev libssl-dev libyaml-dev iproute2 xz-utils curl
+  libibverbs-dev libssl-dev openssl libyaml-dev iproute2 xz-utils curl
   prometheus etcd-server etcd-client
 )
 PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib)

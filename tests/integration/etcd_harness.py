@@ -37,7 +37,11 @@ def prefix_end(p):
 class Etcd:
     """n members of one cluster; .endpoints is "127.0.0.1:C1,127.0.0.1:C2,..."."""
 
-    def __init__(self, root, n=1):
+    def __init__(self, root, n=1, tls=None):
+        """tls: {"ca", "cert", "key", "client_cert", "client_key"} PEM paths: https with
+        client certificates required (make_certs writes them)."""
+        self.tls = tls
+        self.scheme = "https" if tls else "http"
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         token = "t-" + uuid.uuid4().hex[:8]
@@ -55,11 +59,21 @@ class Etcd:
         return ",".join(f"127.0.0.1:{m['client']}" for m in self.members)
 
     def url(self, prefix):
-        return f"etcd://{self.endpoints}{prefix}"
+        return f"{'etcds' if self.tls else 'etcd'}://{self.endpoints}{prefix}"
+
+    def _req(self):
+        if not self.tls:
+            return {}
+        return {"verify": str(self.tls["ca"]), "cert": (str(self.tls["client_cert"]),
+                                                        str(self.tls["client_key"]))}
 
     def start(self, i, wait=True):
         m = self.members[i]
-        c, p = f"http://127.0.0.1:{m['client']}", f"http://127.0.0.1:{m['peer']}"
+        c, p = f"{self.scheme}://127.0.0.1:{m['client']}", f"http://127.0.0.1:{m['peer']}"
+        tls = []
+        if self.tls:
+            tls = ["--cert-file", str(self.tls["cert"]), "--key-file", str(self.tls["key"]),
+                   "--trusted-ca-file", str(self.tls["ca"]), "--client-cert-auth"]
         log = open(self.root / f"{m['name']}.log", "a")
         m["proc"] = subprocess.Popen(
             [ETCD, "--name", m["name"], "--data-dir", str(m["dir"]),
@@ -68,7 +82,7 @@ class Etcd:
              "--initial-cluster", self.cluster, "--initial-cluster-token", self.token,
              "--initial-cluster-state", "new",
              "--heartbeat-interval", "50", "--election-timeout", "500",
-             "--logger", "zap", "--log-level", "warn"],
+             "--logger", "zap", "--log-level", "warn"] + tls,
             stdout=log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_healthy(i)
@@ -81,7 +95,8 @@ class Etcd:
                 raise RuntimeError(f"etcd {m['name']} exited: " +
                                    (self.root / f"{m['name']}.log").read_text()[-2000:])
             try:
-                r = requests.get(f"http://127.0.0.1:{m['client']}/health", timeout=1)
+                r = requests.get(f"{self.scheme}://127.0.0.1:{m['client']}/health", timeout=1,
+                                 **self._req())
                 if r.status_code == 200 and r.json().get("health") == "true":
                     return
             except (requests.RequestException, ValueError):
@@ -99,13 +114,14 @@ class Etcd:
         for i in range(len(self.members)):
             self.kill(i)
 
-    def _post(self, path, body):
+    def _post(self, path, body, headers=None):
         last = None
         for m in self.members:
             if m["proc"] is None or m["proc"].poll() is not None:
                 continue
             try:
-                r = requests.post(f"http://127.0.0.1:{m['client']}{path}", json=body, timeout=3)
+                r = requests.post(f"{self.scheme}://127.0.0.1:{m['client']}{path}", json=body,
+                                  timeout=3, headers=headers or {}, **self._req())
                 if r.status_code == 200:
                     return r.json()
                 last = r.text
@@ -133,13 +149,40 @@ class Etcd:
         self._post("/v3/kv/deleterange", {"key": b64(key)})
 
 
+    def enable_auth(self, user, password):
+        """A root user with password; then etcd requires authentication."""
+        self._post("/v3/auth/role/add", {"name": "root"})
+        self._post("/v3/auth/user/add", {"name": user, "password": password})
+        self._post("/v3/auth/user/grant", {"user": user, "role": "root"})
+        self._post("/v3/auth/enable", {})
+
+
+def make_certs(d):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl CLI)."""
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=disagg-test-ca",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, cn in (("server", "127.0.0.1"), ("client", "root")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key",
+            "-out", f"{name}.csr")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "san.ext", "-out", f"{name}.pem")
+    return {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key",
+            "client_cert": d / "client.pem", "client_key": d / "client.key"}
+
+
 @pytest.fixture
 def etcd_factory(tmp_path):
     made = []
 
-    def make(n=1):
+    def make(n=1, tls=None):
         need_etcd()
-        e = Etcd(tmp_path / f"etcd{len(made)}", n)
+        e = Etcd(tmp_path / f"etcd{len(made)}", n, tls=tls)
         made.append(e)
         return e
 

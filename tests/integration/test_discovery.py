@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from etcd_harness import etcd_factory, need_etcd  # noqa: F401 (fixture)
+from etcd_harness import etcd_factory, make_certs, need_etcd  # noqa: F401 (fixture)
 from server_harness import BIN, MODEL, free_port
 
 TTL = "2"
@@ -41,8 +41,10 @@ def wait_for(pred, timeout, what, step=0.05):
 class Instance:
     """`disagg serve` as a prefill or decode instance registered in etcd."""
 
-    def __init__(self, etcd_url, role, port=None, boot=None, extra=(), name="tiny", logdir="/tmp"):
+    def __init__(self, etcd_url, role, port=None, boot=None, extra=(), name="tiny", logdir="/tmp",
+                 env=None):
         self.role, self.etcd_url, self.name, self.extra = role, etcd_url, name, list(extra)
+        self.env = env or {}
         self.port = port or free_port()
         self.boot = boot or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -51,7 +53,8 @@ class Instance:
         self.start()
 
     def start(self):
-        env = dict(os.environ, VLLM_MOONCAKE_BOOTSTRAP_PORT=str(self.boot), VLLM_HOST_IP="127.0.0.1")
+        env = dict(os.environ, VLLM_MOONCAKE_BOOTSTRAP_PORT=str(self.boot), VLLM_HOST_IP="127.0.0.1",
+                   **self.env)
         self.log_path = self.logdir / f"{self.role}-{self.port}.log"
         self.log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
@@ -86,14 +89,15 @@ class Instance:
 
 
 class Proxy:
-    def __init__(self, etcd_url, extra=(), logdir="/tmp"):
+    def __init__(self, etcd_url, extra=(), logdir="/tmp", env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(logdir) / f"proxy-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([BIN, "proxy", "--port", str(self.port), "--discovery", etcd_url,
                                       "--health-interval", "0.2"] + list(extra),
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **(env or {})))
         wait_for(self.up, 30, "proxy listening")
 
     def up(self):
@@ -370,3 +374,44 @@ def test_cluster_member_loss_and_restart_burst(etcd_factory, cluster):
     wait_for(lambda: a.ready_for(ps[0]) and a.ready_for(ds[0]), 10, "restarted ones back")
     for x in (a, b, *ps, *ds, p3):
         assert x.stop() == 0, x.logs()
+
+
+# ---- TLS and user/password -------------------------------------------------------------
+
+def test_tls_and_client_certificates(etcd_factory, cluster, tmp_path):
+    need_etcd()
+    certs = make_certs(tmp_path / "certs")
+    etcd = etcd_factory(1, tls=certs)
+    url = etcd.url(PREFIX)
+    tls = ["--etcd-cacert", str(certs["ca"]), "--etcd-cert", str(certs["client_cert"]),
+           "--etcd-key", str(certs["client_key"])]
+    p = cluster.instance(url, "prefill", extra=tls)
+    a = cluster.proxy(url, extra=tls)
+    wait_for(lambda: a.in_rotation("prefill") == 1, 10, "the prefill over TLS")
+    assert etcd.range(PREFIX + "/instances/")[p.key]["url"] == p.url
+    # without the CA the server certificate is not trusted; without a client certificate
+    # etcd refuses the connection
+    for flags, needle in ((tls[2:], "certificate"), (tls[:2], "no etcd endpoint answered")):
+        r = subprocess.run([BIN, "proxy", "--port", "0", "--discovery", url, *flags],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and "cannot read the instances from etcd" in r.stderr, r.stderr
+        assert needle in r.stderr, r.stderr
+    assert a.stop() == 0 and p.stop() == 0
+
+
+def test_user_password_auth(etcd_factory, cluster):
+    etcd = etcd_factory(1)
+    etcd.enable_auth("root", "s3cret")
+    url = etcd.url(PREFIX)
+    good = {"DISAGG_ETCD_PASSWORD": "s3cret"}
+    d = cluster.instance(url, "decode", extra=["--etcd-user", "root"], env=good)
+    a = cluster.proxy(url, extra=["--etcd-user", "root"], env=good)
+    wait_for(lambda: a.in_rotation("decode") == 1, 10, "the decode with auth")
+    for env, extra, needle in (({"DISAGG_ETCD_PASSWORD": "wrong"}, ["--etcd-user", "root"],
+                                "authentication as user 'root'"),
+                               ({}, [], "user name is empty")):
+        r = subprocess.run([BIN, "proxy", "--port", "0", "--discovery", url, *extra],
+                           capture_output=True, text=True, timeout=30, env=dict(os.environ, **env))
+        assert r.returncode == 1 and needle in r.stderr, r.stderr
+        assert "s3cret" not in r.stderr
+    assert a.stop() == 0 and d.stop() == 0
