@@ -37,17 +37,25 @@ def prefix_end(p):
 class Etcd:
     """n members of one cluster; .endpoints is "127.0.0.1:C1,127.0.0.1:C2,..."."""
 
-    def __init__(self, root, n=1, tls=None):
+    def __init__(self, root, n=1, tls=None, hosts=None):
         """tls: {"ca", "cert", "key", "client_cert", "client_key"} PEM paths: https with
-        client certificates required (make_certs writes them)."""
+        client certificates required (make_certs writes them).  hosts: netns.Host
+        objects, member i runs in hosts[i]'s namespace on its LAN address (ports
+        2379/2380 there: a namespace has no other listener)."""
         self.tls = tls
+        self.hosts = hosts
         self.scheme = "https" if tls else "http"
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         token = "t-" + uuid.uuid4().hex[:8]
-        self.members = [{"name": f"m{i}", "client": free_port(), "peer": free_port(),
-                         "dir": self.root / f"m{i}", "proc": None} for i in range(n)]
-        self.cluster = ",".join(f"{m['name']}=http://127.0.0.1:{m['peer']}" for m in self.members)
+        if hosts:
+            self.members = [{"name": f"m{i}", "ip": hosts[i].lan_ip, "client": 2379, "peer": 2380,
+                             "dir": self.root / f"m{i}", "proc": None} for i in range(n)]
+        else:
+            self.members = [{"name": f"m{i}", "ip": "127.0.0.1", "client": free_port(),
+                             "peer": free_port(), "dir": self.root / f"m{i}", "proc": None}
+                            for i in range(n)]
+        self.cluster = ",".join(f"{m['name']}=http://{m['ip']}:{m['peer']}" for m in self.members)
         self.token = token
         for i in range(n):
             self.start(i, wait=False)
@@ -56,7 +64,7 @@ class Etcd:
 
     @property
     def endpoints(self):
-        return ",".join(f"127.0.0.1:{m['client']}" for m in self.members)
+        return ",".join(f"{m['ip']}:{m['client']}" for m in self.members)
 
     def url(self, prefix):
         return f"{'etcds' if self.tls else 'etcd'}://{self.endpoints}{prefix}"
@@ -69,21 +77,23 @@ class Etcd:
 
     def start(self, i, wait=True):
         m = self.members[i]
-        c, p = f"{self.scheme}://127.0.0.1:{m['client']}", f"http://127.0.0.1:{m['peer']}"
+        c, p = f"{self.scheme}://{m['ip']}:{m['client']}", f"http://{m['ip']}:{m['peer']}"
         tls = []
         if self.tls:
             tls = ["--cert-file", str(self.tls["cert"]), "--key-file", str(self.tls["key"]),
                    "--trusted-ca-file", str(self.tls["ca"]), "--client-cert-auth"]
         log = open(self.root / f"{m['name']}.log", "a")
-        m["proc"] = subprocess.Popen(
-            [ETCD, "--name", m["name"], "--data-dir", str(m["dir"]),
+        args = [ETCD, "--name", m["name"], "--data-dir", str(m["dir"]),
              "--listen-client-urls", c, "--advertise-client-urls", c,
              "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
              "--initial-cluster", self.cluster, "--initial-cluster-token", self.token,
              "--initial-cluster-state", "new",
              "--heartbeat-interval", "50", "--election-timeout", "500",
-             "--logger", "zap", "--log-level", "warn"] + tls,
-            stdout=log, stderr=subprocess.STDOUT)
+             "--logger", "zap", "--log-level", "warn"] + tls
+        if self.hosts:
+            m["proc"] = self.hosts[i].popen(args, stdout=log, stderr=subprocess.STDOUT)
+        else:
+            m["proc"] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_healthy(i)
 
@@ -95,7 +105,7 @@ class Etcd:
                 raise RuntimeError(f"etcd {m['name']} exited: " +
                                    (self.root / f"{m['name']}.log").read_text()[-2000:])
             try:
-                r = requests.get(f"{self.scheme}://127.0.0.1:{m['client']}/health", timeout=1,
+                r = requests.get(f"{self.scheme}://{m['ip']}:{m['client']}/health", timeout=1,
                                  **self._req())
                 if r.status_code == 200 and r.json().get("health") == "true":
                     return
@@ -120,7 +130,7 @@ class Etcd:
             if m["proc"] is None or m["proc"].poll() is not None:
                 continue
             try:
-                r = requests.post(f"{self.scheme}://127.0.0.1:{m['client']}{path}", json=body,
+                r = requests.post(f"{self.scheme}://{m['ip']}:{m['client']}{path}", json=body,
                                   timeout=3, headers=headers or {}, **self._req())
                 if r.status_code == 200:
                     return r.json()
