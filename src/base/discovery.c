@@ -125,11 +125,11 @@ int discovery_record_key(const char *prefix, const discovery_record *r, char *ou
 }
 
 char *discovery_record_json(const discovery_record *r) {
-    json_t *j = json_pack("{s:s,s:s,s:s,s:s,s:s,s:s,s:{s:i,s:i,s:f},s:I,s:s}", "role", r->role,
-                          "url", r->url, "bootstrap", r->bootstrap, "model", r->model, "engine_id",
-                          r->engine_id, "kv_layout", r->kv_layout, "load", "running", r->running,
-                          "waiting", r->waiting, "kv_usage", r->kv_usage, "pid", (json_int_t)r->pid,
-                          "hostname", r->hostname);
+    json_t *j =
+        json_pack("{s:s,s:s,s:s,s:s,s:s,s:s,s:{s:i,s:i,s:f},s:I,s:s}", "role", r->role, "url",
+                  r->url, "bootstrap", r->bootstrap, "model", r->model, "engine_id", r->engine_id,
+                  "kv_layout", r->kv_layout, "load", "running", r->running, "waiting", r->waiting,
+                  "kv_usage", r->kv_usage, "pid", (json_int_t)r->pid, "hostname", r->hostname);
     char *s = j ? json_dumps(j, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
     json_decref(j);
     return s;
@@ -228,7 +228,8 @@ static void reg_failed(discovery_registrar *g, const char *what) {
 }
 
 static void reg_ok(discovery_registrar *g) {
-    if (g->down) LOG_I(MOD, "etcd answers again (%s): %s re-published", etcd_client_endpoint(g->c), g->key);
+    if (g->down)
+        LOG_I(MOD, "etcd answers again (%s): %s re-published", etcd_client_endpoint(g->c), g->key);
     g->down = 0;
 }
 
@@ -246,8 +247,9 @@ static void reg_turn(discovery_registrar *g) {
     } else if (now - g->last_keepalive >= (uint64_t)(g->o.ttl_s / 3 * 1e9)) {
         int rc = etcd_lease_keepalive(g->c, g->lease, NULL);
         if (rc == -ENOENT) {
-            LOG_W(MOD, "the lease of %s expired (etcd was unreachable longer than the TTL, %g s); "
-                       "registering again",
+            LOG_W(MOD,
+                  "the lease of %s expired (etcd was unreachable longer than the TTL, %g s); "
+                  "registering again",
                   g->key, g->o.ttl_s);
             g->lease = 0;
             free(g->published);
@@ -353,16 +355,16 @@ void discovery_registrar_stop(discovery_registrar *g) {
 /* ---- watcher ------------------------------------------------------------------------ */
 
 struct discovery_watcher {
-    discovery_opts o;           /* options */
-    etcd_client *c;             /* its client (thread only after start) */
-    char prefix[300];           /* "PREFIX/instances/" */
-    pthread_mutex_t mu;         /* guards the fields below */
-    discovery_instance *set;    /* (n, cap) current instances */
-    int n, cap;                 /* count and room */
-    discovery_status st;        /* counters and state */
-    int64_t rev;                /* next revision to watch from (thread only) */
-    atomic_int stop;            /* stop asked */
-    pthread_t thread;           /* the loop */
+    discovery_opts o;        /* options */
+    etcd_client *c;          /* its client (thread only after start) */
+    char prefix[300];        /* "PREFIX/instances/" */
+    pthread_mutex_t mu;      /* guards the fields below */
+    discovery_instance *set; /* (n, cap) current instances */
+    int n, cap;              /* count and room */
+    discovery_status st;     /* counters and state */
+    int64_t rev;             /* next revision to watch from (thread only) */
+    atomic_int stop;         /* stop asked */
+    pthread_t thread;        /* the loop */
 };
 
 static int find_key(const discovery_watcher *w, const char *key) {

@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define DISCOVERY_DEFAULT_PREFIX "/disagg"
-#define DISCOVERY_TTL_DEFAULT    5.0  /* lease TTL, seconds */
+#define DISCOVERY_TTL_DEFAULT    5.0 /* lease TTL, seconds */
 #define DISCOVERY_TTL_MIN        1.0
 #define DISCOVERY_TTL_MAX        3600.0
 #define DISCOVERY_UPDATE_DEFAULT 0.25 /* load re-published at most this often, seconds */
@@ -59,17 +59,17 @@ int discovery_parse_ttl(const char *v, double *out, char *err, size_t errcap);
 /* ---- the instance record -------------------------------------------------------- */
 
 typedef struct discovery_record {
-    char role[16];        /* "prefill", "decode" or "bootstrap" */
-    char url[300];        /* "http://host:port" of its API (bootstrap: of the server) */
-    char bootstrap[300];  /* prefill: "http://host:port" of its bootstrap server */
-    char model[256];      /* served model name */
-    char engine_id[256];  /* its engine id(s), "" when not known */
-    char kv_layout[256];  /* KV layout fingerprint: P and D pair only when equal */
-    int running;          /* requests running */
-    int waiting;          /* requests waiting */
-    double kv_usage;      /* KV cache usage, 0..1 */
-    long pid;             /* process id (diagnostics) */
-    char hostname[128];   /* host name (diagnostics) */
+    char role[16];       /* "prefill", "decode" or "bootstrap" */
+    char url[300];       /* "http://host:port" of its API (bootstrap: of the server) */
+    char bootstrap[300]; /* prefill: "http://host:port" of its bootstrap server */
+    char model[256];     /* served model name */
+    char engine_id[256]; /* its engine id(s), "" when not known */
+    char kv_layout[256]; /* KV layout fingerprint: P and D pair only when equal */
+    int running;         /* requests running */
+    int waiting;         /* requests waiting */
+    double kv_usage;     /* KV cache usage, 0..1 */
+    long pid;            /* process id (diagnostics) */
+    char hostname[128];  /* host name (diagnostics) */
 } discovery_record;
 
 /* The key of r under prefix ("PREFIX/instances/ROLE/HOST:PORT"). */

@@ -225,14 +225,14 @@ const char *etcd_client_endpoint(const etcd_client *c) {
 /* ---- one HTTP exchange -------------------------------------------------------------- */
 
 typedef struct xfer {
-    etcd_client *c;      /* owner */
-    char *buf;           /* (len, cap) bytes received and not consumed */
-    size_t len, cap;     /* fill and size */
-    etcd_watch_fn fn;    /* watch: per event */
-    void *arg;           /* its argument */
-    int64_t *next_rev;   /* watch: resume revision */
-    int created;         /* watch: the create answer came */
-    int stop_rc;         /* watch: why the stream was cut (0: not cut) */
+    etcd_client *c;    /* owner */
+    char *buf;         /* (len, cap) bytes received and not consumed */
+    size_t len, cap;   /* fill and size */
+    etcd_watch_fn fn;  /* watch: per event */
+    void *arg;         /* its argument */
+    int64_t *next_rev; /* watch: resume revision */
+    int created;       /* watch: the create answer came */
+    int stop_rc;       /* watch: why the stream was cut (0: not cut) */
 } xfer;
 
 static int xfer_append(xfer *x, const char *p, size_t n) {
@@ -466,9 +466,9 @@ static int call(etcd_client *c, const char *path, json_t *req, json_t **ans) {
             rc = -EAGAIN;
             continue;
         }
-        rc = strstr(c->err, "lease not found") ? -ENOENT
+        rc = strstr(c->err, "lease not found")                                  ? -ENOENT
              : strstr(c->err, "permission") || strstr(c->err, "authentication") ? -EACCES
-                                                                                 : -EPROTO;
+                                                                                : -EPROTO;
         break;
     }
     if (rc == -EIO || rc == -EAGAIN)
@@ -496,10 +496,11 @@ static int authenticate(etcd_client *c, int ep) {
     int rc = 0;
     if (status != 200 || !tok || strlen(tok) >= sizeof c->token) {
         const char *m = json_string_value(json_object_get(j, "message"));
-        rc = set_err(c, status == 200 || (m && strstr(m, "authentication")) || status == 400 ||
-                                status == 401
-                            ? -EACCES
-                            : -EIO,
+        rc = set_err(c,
+                     status == 200 || (m && strstr(m, "authentication")) || status == 400 ||
+                             status == 401
+                         ? -EACCES
+                         : -EIO,
                      "etcd authentication as user '%s' on %s failed: HTTP %ld%s%s", c->user,
                      c->endpoints[ep], status, m ? ": " : "", m ? m : "");
     } else {
@@ -698,10 +699,9 @@ int etcd_watch_prefix(etcd_client *c, const char *prefix, int64_t start_rev, dou
         free(rest);
         if (created) c->cur = ep;
         if (el < sizeof errs)
-            el += (size_t)snprintf(errs + el, sizeof errs - el, "%s%s: %s", el ? "; " : "",
-                                   c->endpoints[ep],
-                                   res == CURLE_OK ? "the watch stream ended"
-                                                   : curl_easy_strerror(res));
+            el += (size_t)snprintf(
+                errs + el, sizeof errs - el, "%s%s: %s", el ? "; " : "", c->endpoints[ep],
+                res == CURLE_OK ? "the watch stream ended" : curl_easy_strerror(res));
         rc = -EIO;
         if (created) break; /* it was watching: the caller ranges again */
     }

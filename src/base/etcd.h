@@ -37,11 +37,11 @@ typedef struct etcd_options {
 } etcd_options;
 
 typedef struct etcd_kv {
-    char *key;             /* NUL-terminated */
-    char *value;           /* (value_len) bytes, NUL-terminated too */
-    size_t value_len;      /* bytes of value */
-    int64_t mod_revision;  /* revision of its last change */
-    int64_t lease;         /* lease id, 0 if none */
+    char *key;            /* NUL-terminated */
+    char *value;          /* (value_len) bytes, NUL-terminated too */
+    size_t value_len;     /* bytes of value */
+    int64_t mod_revision; /* revision of its last change */
+    int64_t lease;        /* lease id, 0 if none */
 } etcd_kv;
 
 typedef struct etcd_client etcd_client;
@@ -71,8 +71,7 @@ int etcd_put(etcd_client *c, const char *key, const char *value, size_t len, int
 int etcd_delete(etcd_client *c, const char *key, int prefix, int64_t *deleted);
 /* Every key under prefix: (*n) entries in *kvs (free with etcd_kvs_free) and
  * the store revision of the answer in *revision (may be NULL). */
-int etcd_range_prefix(etcd_client *c, const char *prefix, etcd_kv **kvs, int *n,
-                      int64_t *revision);
+int etcd_range_prefix(etcd_client *c, const char *prefix, etcd_kv **kvs, int *n, int64_t *revision);
 void etcd_kvs_free(etcd_kv *kvs, int n);
 
 /* Called once per watch event: is_delete 0 for a put.  Nonzero stops the

@@ -159,8 +159,8 @@ static int serve(int argc, char **argv) {
            secret ? " (/register requires the shared secret)" : "");
     fflush(stdout);
     discovery_registrar *reg = NULL;
-    if (disc.set && bootstrap_registration_start(&disc, host, (unsigned)bootstrap_server_port(s),
-                                                 &reg)) {
+    if (disc.set &&
+        bootstrap_registration_start(&disc, host, (unsigned)bootstrap_server_port(s), &reg)) {
         bootstrap_server_stop(s);
         return 1;
     }

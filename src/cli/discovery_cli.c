@@ -21,8 +21,8 @@
 #include <string.h>
 #include <unistd.h>
 
-static const char *const FLAGS[] = {"--discovery", "--etcd-user",     "--etcd-cacert",
-                                    "--etcd-cert", "--etcd-key",      "--discovery-ttl",
+static const char *const FLAGS[] = {"--discovery",          "--etcd-user", "--etcd-cacert",
+                                    "--etcd-cert",          "--etcd-key",  "--discovery-ttl",
                                     "--discovery-advertise"};
 #define NFLAGS 7 /* the last two: serve and bootstrap only */
 
@@ -120,10 +120,11 @@ void discovery_cli_usage(FILE *f, int with_advertise) {
                    "                             VLLM_HOST_IP, else --host unless a wildcard, "
                    "else the\n"
                    "                             host name)\n");
-    fprintf(f, "  --etcd-user U              etcd user (password from $DISAGG_ETCD_PASSWORD)\n"
-               "  --etcd-cacert F            CA bundle for etcds:// (default: the system's)\n"
-               "  --etcd-cert F              TLS client certificate for etcds:// (with --etcd-key)\n"
-               "  --etcd-key F               its private key\n");
+    fprintf(f,
+            "  --etcd-user U              etcd user (password from $DISAGG_ETCD_PASSWORD)\n"
+            "  --etcd-cacert F            CA bundle for etcds:// (default: the system's)\n"
+            "  --etcd-cert F              TLS client certificate for etcds:// (with --etcd-key)\n"
+            "  --etcd-key F               its private key\n");
 }
 
 static int wildcard(const char *h) {
@@ -151,12 +152,12 @@ static void url_of(char *out, size_t cap, const char *host, unsigned port) {
 /* ---- serve: the record and its refresh ------------------------------------------------ */
 
 typedef struct role_ctx {
-    CURL *curl;                  /* its registrar thread's own handle */
-    char health_url[400];        /* http://127.0.0.1:PORT/health */
-    char metrics_url[400];       /* .../metrics */
-    char query_url[400];         /* prefill: bootstrap /query */
-    char auth[600];              /* "Authorization: Bearer KEY" or "" */
-    int ready_once;              /* /health answered 200 at least once */
+    CURL *curl;            /* its registrar thread's own handle */
+    char health_url[400];  /* http://127.0.0.1:PORT/health */
+    char metrics_url[400]; /* .../metrics */
+    char query_url[400];   /* prefill: bootstrap /query */
+    char auth[600];        /* "Authorization: Bearer KEY" or "" */
+    int ready_once;        /* /health answered 200 at least once */
 } role_ctx;
 
 struct serve_registration {
@@ -347,8 +348,9 @@ static void *drain_main(void *arg) {
     while (!sig && !atomic_load(&g->done))
         sig = stop_signal_wait(&g->done, 1000);
     if (!sig) return NULL;
-    LOG_I("discovery", "signal %d: deregistering, then finishing the requests in flight (again to "
-                       "stop at once)",
+    LOG_I("discovery",
+          "signal %d: deregistering, then finishing the requests in flight (again to "
+          "stop at once)",
           sig);
     for (int k = 0; k < 2; k++) {
         discovery_registrar_stop(g->reg[k]);
@@ -430,7 +432,8 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
         snprintf(rr.role, sizeof rr.role, "%s", roles[k] ? "decode" : "prefill");
         if (roles[k]) {
             rr.bootstrap[0] = 0;
-            if (!kc.engine_id_generated) snprintf(rr.engine_id, sizeof rr.engine_id, "%s", kc.engine_id);
+            if (!kc.engine_id_generated)
+                snprintf(rr.engine_id, sizeof rr.engine_id, "%s", kc.engine_id);
         } else {
             char qb[300];
             if (kc.bootstrap_host[0])
@@ -449,7 +452,8 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
     if (sig_pipe[0] < 0 && pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) != 0) sig_pipe[0] = -1;
     g->dctx = g->ctx[0];
     g->dctx.curl = curl_easy_init();
-    g->has_drainer = sig_pipe[0] >= 0 && g->dctx.curl && pthread_create(&g->drainer, NULL, drain_main, g) == 0;
+    g->has_drainer =
+        sig_pipe[0] >= 0 && g->dctx.curl && pthread_create(&g->drainer, NULL, drain_main, g) == 0;
     if (!g->has_drainer)
         LOG_W("discovery", "no drainer thread: a stop signal stops the server at once (its key "
                            "is deleted after)");

@@ -41,14 +41,14 @@ void discovery_cli_advertise(const discovery_cli *d, const char *listen_host, ch
 typedef struct serve_registration serve_registration;
 
 typedef struct serve_identity {
-    const char *listen_host;   /* --host */
-    int port;                  /* --port */
-    const char *model_name;    /* served model name */
-    const char *model_dir;     /* model directory or hub name (for the KV layout) */
-    int block_size;            /* --block-size (0 = 16) */
-    const char *kv_dtype;      /* --kv-cache-dtype name, "auto" */
+    const char *listen_host;        /* --host */
+    int port;                       /* --port */
+    const char *model_name;         /* served model name */
+    const char *model_dir;          /* model directory or hub name (for the KV layout) */
+    int block_size;                 /* --block-size (0 = 16) */
+    const char *kv_dtype;           /* --kv-cache-dtype name, "auto" */
     const char *kv_transfer_config; /* the JSON (role, bootstrap address) */
-    const char *api_key;       /* to read its own /metrics (NULL) */
+    const char *api_key;            /* to read its own /metrics (NULL) */
 } serve_identity;
 
 /* Registers (a lease now; the record once /health answers 200).  On

@@ -60,16 +60,16 @@ typedef struct backend {
     char last_error[1024];       /* why it is out of rotation */
     /* membership (--discovery, membership.c); a --prefill/--decode backend is active,
      * not discovered, with an empty group and no published load */
-    int active;                  /* the slot holds an instance */
-    int discovered;              /* it came from etcd */
-    int retiring;                /* its key is gone: no new requests, freed once idle */
-    char key[512];               /* its etcd key */
-    char group[520];             /* "MODEL|KV_LAYOUT": P and D pair only when equal ("" = any) */
-    char engine_ids[256];        /* prefill: engine id(s) published, to notice a restart */
-    int has_load;                /* the fields below were published */
-    int pub_running;             /* published running requests */
-    int pub_waiting;             /* published waiting requests */
-    double pub_kv_usage;         /* published KV cache usage 0..1 */
+    int active;           /* the slot holds an instance */
+    int discovered;       /* it came from etcd */
+    int retiring;         /* its key is gone: no new requests, freed once idle */
+    char key[512];        /* its etcd key */
+    char group[520];      /* "MODEL|KV_LAYOUT": P and D pair only when equal ("" = any) */
+    char engine_ids[256]; /* prefill: engine id(s) published, to notice a restart */
+    int has_load;         /* the fields below were published */
+    int pub_running;      /* published running requests */
+    int pub_waiting;      /* published waiting requests */
+    double pub_kv_usage;  /* published KV cache usage 0..1 */
 } backend;
 
 /* Parses "http://host[:port][/]" or "host:port" into host/port; -EINVAL with

@@ -191,8 +191,8 @@ void membership_describe(const proxy *px, char *out, size_t cap) {
     discovery_status st;
     discovery_watcher_status(m->w, &st);
     snprintf(out, cap, "discovery %s: %d instances registered%s%s", px->cfg.discovery->url,
-             st.instances, st.connected ? "" : "; etcd unreachable: ",
-             st.connected ? "" : st.last_error);
+             st.instances,
+             st.connected ? "" : "; etcd unreachable: ", st.connected ? "" : st.last_error);
 }
 
 void membership_write_metrics(proxy *px, struct evbuffer *o) {
@@ -241,7 +241,8 @@ void membership_write_metrics(proxy *px, struct evbuffer *o) {
             if (!b->active || !b->has_load) continue;
             char url[2 * sizeof b->url];
             metrics_label_value(b->url, url, sizeof url);
-            evbuffer_add_printf(o, "disagg_proxy_backend_published_load{role=\"%s\",backend=\"%s\"} %d\n",
-                                backend_role_name(b->role), url, b->pub_running + b->pub_waiting);
+            evbuffer_add_printf(
+                o, "disagg_proxy_backend_published_load{role=\"%s\",backend=\"%s\"} %d\n",
+                backend_role_name(b->role), url, b->pub_running + b->pub_waiting);
         }
 }

@@ -44,7 +44,7 @@ typedef struct proxy_config {
     double shutdown_timeout_s; /* on SIGTERM/SIGINT, wait this long for requests in flight (30) */
     int quiet;                 /* no start-up banner on stderr */
     const discovery_opts *discovery; /* --discovery: instances from etcd (NULL: none) */
-    int prefix_bytes;          /* --policy prefix: prompt bytes hashed (256) */
+    int prefix_bytes;                /* --policy prefix: prompt bytes hashed (256) */
 } proxy_config;
 
 typedef struct proxy proxy;

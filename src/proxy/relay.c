@@ -255,8 +255,8 @@ static int send_pd(relay *r) {
     policy_hint hint = {0, NULL};
     if (px->cfg.policy == POLICY_PREFIX)
         hint.prefix_hash = pd_prefix_hash(r->body, (size_t)px->cfg.prefix_bytes);
-    backend *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill,
-                             r->p_tried, &hint, &eng);
+    backend *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
+                             &hint, &eng);
     if (!p) {
         char msg[1024];
         tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);

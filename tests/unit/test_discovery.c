@@ -20,9 +20,8 @@ static void test_url(void **state) {
     discovery_opts o;
     char err[512];
     discovery_opts_default(&o);
-    assert_int_equal(discovery_parse_url("etcd://10.0.0.1:2379,10.0.0.2:2379/prod/", &o, err,
-                                         sizeof err),
-                     0);
+    assert_int_equal(
+        discovery_parse_url("etcd://10.0.0.1:2379,10.0.0.2:2379/prod/", &o, err, sizeof err), 0);
     assert_string_equal(o.endpoints, "10.0.0.1:2379,10.0.0.2:2379");
     assert_string_equal(o.prefix, "/prod");
     assert_int_equal(o.tls, 0);
@@ -100,9 +99,8 @@ static void test_record(void **state) {
         {"{\"role\":\"decode\",\"url\":\"http://h:1\",\"load\":{\"running\":-1}}", "load"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        assert_int_equal(discovery_record_parse(bad[i][0], strlen(bad[i][0]), &back, err,
-                                                sizeof err),
-                         -EINVAL);
+        assert_int_equal(
+            discovery_record_parse(bad[i][0], strlen(bad[i][0]), &back, err, sizeof err), -EINVAL);
         if (!strstr(err, bad[i][1])) fail_msg("%s: '%s' lacks '%s'", bad[i][0], err, bad[i][1]);
     }
 }
@@ -135,8 +133,8 @@ static void test_endpoints(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_url),        cmocka_unit_test(test_ttl),
-        cmocka_unit_test(test_record),     cmocka_unit_test(test_prefix_end),
+        cmocka_unit_test(test_url),       cmocka_unit_test(test_ttl),
+        cmocka_unit_test(test_record),    cmocka_unit_test(test_prefix_end),
         cmocka_unit_test(test_endpoints),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
