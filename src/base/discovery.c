@@ -215,6 +215,7 @@ struct discovery_registrar {
     void *arg;               /* its argument */
     int64_t lease;           /* current lease, 0 when none */
     uint64_t last_keepalive; /* clock_now_ns of the last renewal */
+    uint64_t last_put;       /* clock_now_ns of the last put */
     int down;                /* etcd unreachable (logged once) */
     atomic_int stop;         /* stop asked */
     pthread_t thread;        /* the loop */
@@ -265,7 +266,9 @@ static void reg_turn(discovery_registrar *g) {
     if (g->fn(g->arg, &g->rec) != 0) return; /* not ready: nothing (new) to publish */
     char *v = discovery_record_json(&g->rec);
     if (!v) return;
-    if (g->published && !strcmp(v, g->published)) {
+    /* unchanged: nothing to send, except once a TTL (a key deleted by hand comes back) */
+    if (g->published && !strcmp(v, g->published) &&
+        now - g->last_put < (uint64_t)(g->o.ttl_s * 1e9)) {
         free(v);
         reg_ok(g);
         return;
@@ -280,6 +283,7 @@ static void reg_turn(discovery_registrar *g) {
               (unsigned long long)g->lease, g->o.ttl_s);
     free(g->published);
     g->published = v;
+    g->last_put = now;
     reg_ok(g);
 }
 

@@ -316,8 +316,9 @@ static int watch_message(xfer *x, const char *line, size_t n) {
             goto out;
         }
     }
-    /* progress: nothing under the prefix changed up to hrev */
-    if (x->created && !json_array_size(events) && hrev >= *x->next_rev) *x->next_rev = hrev + 1;
+    /* The created answer's header revision is not a resume point: the events
+     * between start_rev and it follow it, and a cut stream must replay them. */
+    (void)hrev;
 out:
     json_decref(j);
     return rc;

@@ -285,11 +285,15 @@ static void handle(hs_req *req, void *arg) {
     }
     char why[2048];
     if (!strcmp(path, "/healthcheck")) { /* vLLM toy proxy's liveness: 200 while running */
-        int ready = proxy_ready(px) && !px->draining;
+        int ready = proxy_ready(px) && !px->draining, np = 0, nd = 0;
+        for (int i = 0; i < px->nprefill; i++) /* with --discovery some slots are free */
+            np += px->prefill[i].active && !px->prefill[i].retiring;
+        for (int i = 0; i < px->ndecode; i++)
+            nd += px->decode[i].active && !px->decode[i].retiring;
         int n = snprintf(why, sizeof why,
                          "{\"status\":\"ok\",\"ready\":%s,\"prefill_instances\":%d,"
                          "\"decode_instances\":%d}",
-                         ready ? "true" : "false", px->nprefill, px->ndecode);
+                         ready ? "true" : "false", np, nd);
         proxy_count_status(px, 200);
         hs_reply(req, 200, "application/json", NULL, why, (size_t)n);
         return;

@@ -325,6 +325,21 @@ def test_bad_record_is_ignored(etcd_factory, cluster):
     assert "ignoring" in a.logs()
 
 
+def test_deleted_key_is_restored(etcd_factory, cluster):
+    """A record deleted by hand (or lost) is put again within a TTL; meanwhile the
+    proxies take the instance out."""
+    etcd = etcd_factory(1)
+    url = etcd.url(PREFIX)
+    p = cluster.instance(url, "prefill")
+    a = cluster.proxy(url)
+    wait_for(lambda: a.in_rotation("prefill") == 1, 10, "the prefill")
+    etcd.delete(p.key)
+    wait_for(lambda: a.in_rotation("prefill") == 0, 5, "the deletion seen")
+    wait_for(lambda: a.in_rotation("prefill") == 1, int(TTL) + 3, "the record put again")
+    assert p.key in etcd.range(PREFIX + "/instances/")
+    assert a.stop() == 0 and p.stop() == 0
+
+
 # ---- a 3-member cluster ------------------------------------------------------------
 
 def test_cluster_member_loss_and_restart_burst(etcd_factory, cluster):
