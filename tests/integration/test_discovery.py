@@ -325,6 +325,30 @@ def test_bad_record_is_ignored(etcd_factory, cluster):
     assert "ignoring" in a.logs()
 
 
+def test_standalone_bootstrap_registers(etcd_factory, cluster, tmp_path):
+    etcd = etcd_factory(1)
+    url = etcd.url(PREFIX)
+    port = free_port()
+    log = open(tmp_path / "bootstrap.log", "w")
+    b = subprocess.Popen([BIN, "bootstrap", "--host", "127.0.0.1", "--port", str(port), "--discovery", url,
+                          "--discovery-ttl", TTL], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        key = f"{PREFIX}/instances/bootstrap/127.0.0.1:{port}"
+        rec = wait_for(lambda: etcd.range(PREFIX + "/instances/").get(key), 10, "the bootstrap record")
+        assert rec["role"] == "bootstrap" and rec["url"] == f"http://127.0.0.1:{port}"
+        a = cluster.proxy(url)
+        wait_for(lambda: a.in_rotation("bootstrap") == 1, 5, "the proxy counting it")
+        b.send_signal(signal.SIGTERM)
+        assert b.wait(timeout=20) == 0
+        assert key not in etcd.range(PREFIX + "/instances/")
+        wait_for(lambda: a.in_rotation("bootstrap") == 0, 5, "the proxy forgetting it")
+        assert a.stop() == 0
+    finally:
+        if b.poll() is None:
+            b.kill()
+            b.wait()
+
+
 def test_deleted_key_is_restored(etcd_factory, cluster):
     """A record deleted by hand (or lost) is put again within a TTL; meanwhile the
     proxies take the instance out."""
@@ -368,24 +392,32 @@ def test_cluster_member_loss_and_restart_burst(etcd_factory, cluster):
     grew = [u for u, n in before.items() if a.sent_to(next(i for i in ps + [p3] if i.url == u)) > n]
     assert len(grew) == 1, grew
 
-    # a burst over both proxies while one P and one D restart: no errors
+    # a burst of 500 over both proxies while one P and one D restart: no errors
     errors, done = [], []
 
     def one(k):
         px = (a, b)[k % 2]
         r = px.complete(prompt=f"request {k} " + "words " * (k % 7), max_tokens=3)
-        (done if r.status_code == 200 else errors).append((r.status_code, r.text[:200]))
+        (done if r.status_code == 200 else errors).append((time.time(), r.status_code, r.text[:200]))
 
     with cf.ThreadPoolExecutor(6) as ex:
-        futs = [ex.submit(one, k) for k in range(300)]
-        time.sleep(0.5)
+        futs = [ex.submit(one, k) for k in range(500)]
+        time.sleep(0.3)
+        t_restart = time.time()
         for inst in (ps[0], ds[0]):
             assert inst.stop() == 0, inst.logs()
             inst.start()  # same address, new engine
+        t_back = time.time()
         for f in futs:
             f.result()
     assert not errors, errors[:5]
-    assert len(done) == 300
+    assert len(done) == 500
+    finished = sorted(t for t, _, _ in done)
+    # the restarts really happened in the middle of the burst
+    assert finished[0] < t_restart and finished[-1] > t_back, (finished[0], t_restart, t_back,
+                                                                finished[-1])
+    print(f"\n500 requests, {sum(1 for t in finished if t_restart <= t <= t_back)} of them "
+          f"during the {t_back - t_restart:.1f} s of restarts, 0 errors")
     wait_for(lambda: a.ready_for(ps[0]) and a.ready_for(ds[0]), 10, "restarted ones back")
     for x in (a, b, *ps, *ds, p3):
         assert x.stop() == 0, x.logs()

@@ -1,6 +1,7 @@
 """Discovery through etcd across hosts (issue 16 with issue 8's network
-namespaces): four "hosts", a 3-member etcd cluster on three of them, a
-prefill or decode instance on each, two proxies in the root namespace.  An
+namespaces): four "hosts", a 3-member etcd cluster on three of them, two
+prefill and three decode instances (a third prefill joins later), two proxies
+in the root namespace.  An
 instance that joins on another host is used; a host cut off the LAN (its link
 down: its instance and its etcd member unreachable, nothing killed) leaves
 the rotation when its lease expires, while the other two members keep quorum
@@ -33,20 +34,20 @@ def test_hosts_join_partition_and_return(tmp_path):
         etcd = Etcd(tmp_path / "etcd", 3, hosts=h[:3])
         url = etcd.url(PREFIX)
         ps = [serve(h[0], "prefill", url), serve(h[1], "prefill", url)]
-        ds = [serve(h[2], "decode", url), serve(h[3], "decode", url)]
+        ds = [serve(h[2], "decode", url), serve(h[3], "decode", url),
+              serve(h[0], "decode", url, port=8101)]
         a, b = Proxy(url, logdir=tmp_path), Proxy(url, logdir=tmp_path)
         try:
             for px in (a, b):
-                wait_for(lambda: px.in_rotation("prefill") == 2 and px.in_rotation("decode") == 2,
-                         15, "four instances on four hosts")
+                wait_for(lambda: px.in_rotation("prefill") == 2 and px.in_rotation("decode") == 3,
+                         15, "five instances on four hosts")
             recs = etcd.range(PREFIX + "/instances/")
             assert {r["url"] for r in recs.values()} == {s.url for s in ps + ds}
             assert recs[f"{PREFIX}/instances/prefill/{h[1].lan_ip}:8100"]["bootstrap"] == \
                 f"http://{h[1].lan_ip}:8998"
             for px in (a, b):
                 wait_for(lambda: all(px.ready_for(type("I", (), {"role": r, "url": s.url}))
-                                     for r, s in (("prefill", ps[0]), ("prefill", ps[1]),
-                                                  ("decode", ds[0]), ("decode", ds[1]))),
+                                     for r, s in [("prefill", p) for p in ps] + [("decode", d) for d in ds]),
                          15, "all probed ready")
                 for k in range(4):
                     r = px.complete(prompt=f"hello from host test {k}")
