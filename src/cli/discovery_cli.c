@@ -234,9 +234,10 @@ static int serve_refresh(void *arg, discovery_record *r) {
     if (!get(s, s->metrics_url, &body)) {
         double run = metric_value(body, "vllm:num_requests_running");
         double wait = metric_value(body, "vllm:num_requests_waiting");
+        double parked = metric_value(body, "disagg:num_requests_parked"); /* waiting for KV */
         double kv = metric_value(body, "vllm:kv_cache_usage_perc");
         r->running = run > 0 ? (int)run : 0;
-        r->waiting = wait > 0 ? (int)wait : 0;
+        r->waiting = (wait > 0 ? (int)wait : 0) + (parked > 0 ? (int)parked : 0);
         r->kv_usage = kv > 0 ? kv : 0;
         free(body);
     }

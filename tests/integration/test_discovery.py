@@ -349,6 +349,45 @@ def test_standalone_bootstrap_registers(etcd_factory, cluster, tmp_path):
             b.wait()
 
 
+def test_published_load_steers_least_loaded(etcd_factory, cluster):
+    """Load the proxy did not cause (another proxy's, or a direct client's) reaches it
+    through etcd: a decode holding parked requests gets no new ones."""
+    import socket
+    import threading
+    import uuid
+    etcd = etcd_factory(1)
+    url = etcd.url(PREFIX)
+    p = cluster.instance(url, "prefill")
+    d1, d2 = cluster.instance(url, "decode"), cluster.instance(url, "decode")
+    a = cluster.proxy(url)
+    wait_for(lambda: all(a.ready_for(i) for i in (p, d1, d2)), 10, "all ready")
+    silent = socket.socket()  # a "prefill bootstrap server" that never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    boot = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+    def parked():
+        try:
+            requests.post(d1.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "held", "max_tokens": 2,
+                "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                       "remote_engine_id": "nobody", "remote_bootstrap_addr": boot,
+                                       "transfer_id": f"xfer-{uuid.uuid4()}"}})
+        except requests.RequestException:
+            pass
+    for _ in range(3):
+        threading.Thread(target=parked, daemon=True).start()
+    key = f'disagg_proxy_backend_published_load{{role="decode",backend="{d1.url}"}}'
+    wait_for(lambda: a.metrics().get(key, 0) >= 3, 10, "D1's published load")
+    assert etcd.range(PREFIX + "/instances/")[d1.key]["load"]["waiting"] >= 3
+    n1, n2 = a.sent_to(d1), a.sent_to(d2)
+    for _ in range(8):
+        assert a.complete().status_code == 200
+    assert a.sent_to(d1) == n1 and a.sent_to(d2) == n2 + 8
+    d1.kill()  # its parked requests would hold its drain
+    silent.close()
+
+
 def test_deleted_key_is_restored(etcd_factory, cluster):
     """A record deleted by hand (or lost) is put again within a TTL; meanwhile the
     proxies take the instance out."""
