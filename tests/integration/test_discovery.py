@@ -431,31 +431,36 @@ def test_cluster_member_loss_and_restart_burst(etcd_factory, cluster):
     grew = [u for u, n in before.items() if a.sent_to(next(i for i in ps + [p3] if i.url == u)) > n]
     assert len(grew) == 1, grew
 
-    # a burst of 500 over both proxies while one P and one D restart: no errors
+    # a burst of at least 500 requests over both proxies, going on until after one P and
+    # one D have restarted: no errors
     errors, done = [], []
+    state = {"back": None, "k": 0}
 
-    def one(k):
-        px = (a, b)[k % 2]
-        r = px.complete(prompt=f"request {k} " + "words " * (k % 7), max_tokens=3)
-        (done if r.status_code == 200 else errors).append((time.time(), r.status_code, r.text[:200]))
+    def worker(w):
+        while True:
+            k = state["k"] = state["k"] + 1
+            back = state["back"]
+            if back is not None and len(done) + len(errors) >= 500 and time.time() > back + 0.3:
+                return
+            px = (a, b)[k % 2]
+            r = px.complete(prompt=f"request {k} " + "words " * (k % 7), max_tokens=3)
+            (done if r.status_code == 200 else errors).append((time.time(), r.status_code, r.text[:200]))
 
     with cf.ThreadPoolExecutor(6) as ex:
-        futs = [ex.submit(one, k) for k in range(500)]
+        futs = [ex.submit(worker, w) for w in range(6)]
         time.sleep(0.3)
         t_restart = time.time()
         for inst in (ps[0], ds[0]):
             assert inst.stop() == 0, inst.logs()
             inst.start()  # same address, new engine
-        t_back = time.time()
+        t_back = state["back"] = time.time()
         for f in futs:
             f.result()
     assert not errors, errors[:5]
-    assert len(done) == 500
+    assert len(done) >= 500
     finished = sorted(t for t, _, _ in done)
-    # the restarts really happened in the middle of the burst
-    assert finished[0] < t_restart and finished[-1] > t_back, (finished[0], t_restart, t_back,
-                                                                finished[-1])
-    print(f"\n500 requests, {sum(1 for t in finished if t_restart <= t <= t_back)} of them "
+    assert finished[0] < t_restart and finished[-1] > t_back
+    print(f"\n{len(done)} requests, {sum(1 for t in finished if t_restart <= t <= t_back)} of them "
           f"during the {t_back - t_restart:.1f} s of restarts, 0 errors")
     wait_for(lambda: a.ready_for(ps[0]) and a.ready_for(ds[0]), 10, "restarted ones back")
     for x in (a, b, *ps, *ds, p3):
