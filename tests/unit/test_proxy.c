@@ -359,65 +359,6 @@ static void test_policies(void **state) {
     free(p[1].engines);
 }
 
-/* --discovery: published load, --policy prefix (bounded by load), model/KV-layout groups. */
-static void test_policy_discovery(void **state) {
-    (void)state;
-    backend p[4];
-    for (int i = 0; i < 4; i++) {
-        fake(&p[i], BACKEND_PREFILL, i, 1);
-        snprintf(p[i].url, sizeof p[i].url, "http://10.0.0.%d:8100", i + 1);
-        snprintf(p[i].group, sizeof p[i].group, "m|L");
-    }
-    unsigned rr = 0;
-    const pd_engine *e;
-    /* the published count (other proxies' requests) outweighs our own outstanding */
-    p[0].has_load = 1, p[0].pub_running = 5;
-    p[1].outstanding = 2;
-    p[2].has_load = 1, p[2].pub_waiting = 3;
-    p[3].has_load = 1, p[3].pub_running = 1, p[3].pub_kv_usage = 0.5;
-    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 4, &rr, 0, NULL, &e), &p[3]);
-    p[3].pub_running = 2; /* 2.5 vs 2: ours */
-    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 4, &rr, 0, NULL, &e), &p[1]);
-    assert_true(policy_load(&p[0]) == 5 && policy_load(&p[1]) == 2);
-    /* prefix: one prefix always goes to the same prefill while loads are even */
-    for (int i = 0; i < 4; i++)
-        p[i].has_load = 0, p[i].outstanding = 0, p[i].pub_running = 0;
-    int hits[4] = {0};
-    for (int k = 0; k < 64; k++) {
-        char prompt[64];
-        snprintf(prompt, sizeof prompt, "system prompt number %d", k);
-        policy_hint h = {policy_hash(prompt, strlen(prompt)), NULL};
-        backend *a = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
-        backend *b = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
-        assert_ptr_equal(a, b);
-        hits[a->index]++;
-    }
-    for (int i = 0; i < 4; i++) /* and the prefixes spread over all of them */
-        assert_true(hits[i] > 0);
-    /* ...but not beyond the load bound */
-    policy_hint h = {policy_hash("x", 1), NULL};
-    backend *pref = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
-    pref->outstanding = POLICY_PREFIX_SLACK;
-    assert_ptr_equal(policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e), pref);
-    pref->outstanding = POLICY_PREFIX_SLACK + 1;
-    assert_ptr_not_equal(policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e), pref);
-    pref->outstanding = 0;
-    /* groups: only the matching model and KV layout */
-    snprintf(p[0].group, sizeof p[0].group, "m|other");
-    snprintf(p[1].group, sizeof p[1].group, "m|other");
-    snprintf(p[2].group, sizeof p[2].group, "m|other");
-    policy_hint g = {0, "m|L"};
-    for (int k = 0; k < 8; k++)
-        assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 4, &rr, 0, &g, &e), &p[3]);
-    p[3].retiring = 1; /* a retiring instance gets nothing */
-    assert_null(policy_pick(POLICY_ROUND_ROBIN, p, 4, &rr, 0, &g, &e));
-    policy_kind k;
-    assert_int_equal(policy_parse("prefix", &k), 0);
-    assert_int_equal(k, POLICY_PREFIX);
-    for (int i = 0; i < 4; i++)
-        free(p[i].engines);
-}
-
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_request_head),
@@ -428,7 +369,6 @@ int main(void) {
         cmocka_unit_test(test_query_table),
         cmocka_unit_test(test_urls),
         cmocka_unit_test(test_policies),
-        cmocka_unit_test(test_policy_discovery),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
