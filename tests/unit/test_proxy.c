@@ -361,14 +361,10 @@ static void test_policies(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_request_head),
-        cmocka_unit_test(test_status_head),
-        cmocka_unit_test(test_body_framing),
-        cmocka_unit_test(test_prefill_and_decode_bodies),
-        cmocka_unit_test(test_uuid4),
-        cmocka_unit_test(test_query_table),
-        cmocka_unit_test(test_urls),
-        cmocka_unit_test(test_policies),
+        cmocka_unit_test(test_request_head), cmocka_unit_test(test_status_head),
+        cmocka_unit_test(test_body_framing), cmocka_unit_test(test_prefill_and_decode_bodies),
+        cmocka_unit_test(test_uuid4),        cmocka_unit_test(test_query_table),
+        cmocka_unit_test(test_urls),         cmocka_unit_test(test_policies),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
