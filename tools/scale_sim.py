@@ -175,11 +175,14 @@ def main():
     ap.add_argument("--out-mean", type=float, default=200)
     ap.add_argument("--prefixes", type=int, default=200, help="distinct shared prefixes")
     ap.add_argument("--prefix-frac", type=float, default=0.6, help="share of the prompt in the prefix")
-    ap.add_argument("--prefill-rate", type=float, default=20000, help="prefill tokens/s per P")
-    ap.add_argument("--step-s", type=float, default=0.012, help="decode step, batch of 0")
-    ap.add_argument("--step-per-seq-s", type=float, default=0.0002, help="decode step cost per sequence")
+    # defaults: Qwen2.5-7B bf16 on one H200 as docs/benchmarks.md measured disagg's serving
+    # path: prefill ~30k tok/s (512-4096 tokens), decode step 7.0 ms at batch 1, 14.1 ms at 32
+    ap.add_argument("--prefill-rate", type=float, default=30000, help="prefill tokens/s per P")
+    ap.add_argument("--step-s", type=float, default=0.0068, help="decode step, batch of 0")
+    ap.add_argument("--step-per-seq-s", type=float, default=0.00023, help="decode step cost per sequence")
     ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--kv-bytes-per-token", type=float, default=131072, help="e.g. 7B, bf16: 128 KiB")
+    ap.add_argument("--kv-bytes-per-token", type=float, default=57344,
+                    help="Qwen2.5-7B bf16: 2 x 28 layers x 4 KV heads x 128 x 2 bytes")
     ap.add_argument("--link-gbps", type=float, default=100)
     ap.add_argument("--cache-prefixes", type=int, default=16, help="prefixes each P keeps cached")
     ap.add_argument("--publish-s", type=float, default=0.25, help="load publication period (etcd)")
