@@ -17,7 +17,8 @@ The model (deliberately small; every constant is a flag):
 - TTFT = arrival -> end of the KV transfer + one decode step; E2E = arrival
   -> last token.
 
-The proxy's view: least_loaded sees its own outstanding requests exactly and
+The proxies' view (--proxies K, each request to a random one): least_loaded
+sees its own proxy's outstanding requests exactly and
 the instances' published load (running + waiting) only every --publish-s
 (the etcd update period), as disagg proxy --discovery does; prefix is the
 rendezvous hash of the prefix id bounded by load (POLICY_PREFIX_SLACK = 2 plus
@@ -95,6 +96,9 @@ def pick(policy, insts, now, rr, rng, prefix=None, outstanding=None):
         return insts[rr % len(insts)]
     if policy == "random":
         return rng.choice(insts)
+    if policy == "p2c":  # the less loaded of two distinct random instances
+        a, b = rng.sample(insts, 2) if len(insts) > 1 else (insts[0], insts[0])
+        return b if load(b) < load(a) else a
     best = min(insts, key=lambda x: (load(x), rng.random()))
     if policy == "prefix" and prefix is not None:
         pref = max(insts, key=lambda x: hrw(prefix, x.name))
@@ -110,20 +114,25 @@ def simulate(trace, a, policy):
     ds = [Decode(i) for i in range(a.decodes)]
     ttft, e2e, hits = [], [], 0
     next_pub, rr = 0.0, 0
-    own_p, own_d = {}, {}  # the proxy's outstanding requests: name -> count (approximate)
-    ends_p, ends_d = [], []  # (time, name) when an outstanding request leaves
+    # each proxy's outstanding requests: name -> count; requests go to a random proxy
+    own_p = [{} for _ in range(a.proxies)]
+    own_d = [{} for _ in range(a.proxies)]
+    ends_p, ends_d = [], []  # (time, proxy, name) when an outstanding request leaves
     for req in trace:
         now = req["t"]
         while ends_p and ends_p[0][0] <= now:
-            own_p[heapq.heappop(ends_p)[1]] -= 1
+            _, k, name = heapq.heappop(ends_p)
+            own_p[k][name] -= 1
         while ends_d and ends_d[0][0] <= now:
-            own_d[heapq.heappop(ends_d)[1]] -= 1
+            _, k, name = heapq.heappop(ends_d)
+            own_d[k][name] -= 1
+        px = rng.randrange(a.proxies)
         if now >= next_pub:  # the instances publish their load (etcd, every publish_s)
             for x in ps + ds:
                 x.pub = x.load(now)
             next_pub = now + a.publish_s
-        p = pick(policy, ps, now, rr, rng, req["prefix"], own_p)
-        d = pick("least_loaded" if policy == "prefix" else policy, ds, now, rr, rng, None, own_d)
+        p = pick(policy, ps, now, rr, rng, req["prefix"], own_p[px])
+        d = pick("least_loaded" if policy == "prefix" else policy, ds, now, rr, rng, None, own_d[px])
         rr += 1
         cached = 0
         if req["prefix"] in p.cache:
@@ -142,8 +151,8 @@ def simulate(trace, a, policy):
         x_start = max(p.free_at, p.link_free_at)
         p.link_free_at = x_start + xfer
         kv_done = p.link_free_at
-        own_p[p.name] = own_p.get(p.name, 0) + 1
-        heapq.heappush(ends_p, (p.free_at, p.name))
+        own_p[px][p.name] = own_p[px].get(p.name, 0) + 1
+        heapq.heappush(ends_p, (p.free_at, px, p.name))
         # decode: admitted when a slot is free
         b = d.load(kv_done)
         admit = kv_done
@@ -153,8 +162,8 @@ def simulate(trace, a, policy):
         step = a.step_s + a.step_per_seq_s * (b + 1)
         end = admit + req["out"] * step
         heapq.heappush(d.running, end)
-        own_d[d.name] = own_d.get(d.name, 0) + 1
-        heapq.heappush(ends_d, (end, d.name))
+        own_d[px][d.name] = own_d[px].get(d.name, 0) + 1
+        heapq.heappush(ends_d, (end, px, d.name))
         ttft.append(admit + step - now)
         e2e.append(end - now)
     span = max(trace[-1]["t"], 1e-9)
@@ -186,7 +195,8 @@ def main():
     ap.add_argument("--link-gbps", type=float, default=100)
     ap.add_argument("--cache-prefixes", type=int, default=16, help="prefixes each P keeps cached")
     ap.add_argument("--publish-s", type=float, default=0.25, help="load publication period (etcd)")
-    ap.add_argument("--policies", default="random,round_robin,least_loaded,prefix")
+    ap.add_argument("--proxies", type=int, default=1, help="proxies (each request to a random one)")
+    ap.add_argument("--policies", default="random,round_robin,least_loaded,p2c,prefix")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     if a.trace:
@@ -203,7 +213,7 @@ def main():
     print(f"paper model: P busy {lam * lin / a.prefill_rate / a.prefills:.2f} (no cache), "
           f"KV per P link {lam * lin * a.kv_bytes_per_token * 8 / 1e9 / a.prefills:.1f} Gbit/s of {a.link_gbps:g}, "
           f"D slots needed {lam * lout * (a.step_s + a.step_per_seq_s * a.max_batch):.0f} of "
-          f"{a.decodes * a.max_batch}")
+          f"{a.decodes * a.max_batch}; {a.proxies} prox{'y' if a.proxies == 1 else 'ies'}")
     print(f"\n| policy | TTFT p50 s | TTFT p99 s | E2E p50 s | E2E p99 s | P busy | prefix hits |")
     print("|---|---|---|---|---|---|---|")
     for pol in a.policies.split(","):

@@ -21,7 +21,7 @@ static void proxy_usage(FILE *f) {
         "usage: disagg proxy --prefill URL [BOOTSTRAP] [--prefill ...] --decode URL [--decode "
         "...]\n"
         "       disagg proxy --discovery etcd://HOST:PORT[,HOST:PORT..]/PREFIX [options]\n"
-        "                    [--host H] [--port N] [--policy least_loaded|round_robin|prefix]\n"
+        "                    [--host H] [--port N] [--policy least_loaded|round_robin|prefix|p2c]\n"
         "                    [--api-key "
         "KEY]\n\n"
         "P/D router: sends each OpenAI request to a prefill instance (max_tokens 1) and, at\n"
@@ -42,7 +42,9 @@ static void proxy_usage(FILE *f) {
         "  --policy P                 least_loaded (default: the least load, outstanding or\n"
         "                             published), round_robin, or prefix (prefills: prompts\n"
         "                             sharing their first bytes go to one prefill, bounded by\n"
-        "                             load; decodes least_loaded)\n"
+        "                             load; decodes least_loaded), or p2c (the less loaded of\n"
+        "                             two random instances: no herding of several proxies on\n"
+        "                             stale published load)\n"
         "  --prefix-bytes N           prompt bytes --policy prefix hashes (default 256)\n"
         "  --api-key KEY              clients must send 'Authorization: Bearer KEY' on /v1 paths\n"
         "                             (401 otherwise; /health and /metrics stay open) and it is\n"
@@ -262,7 +264,7 @@ int cmd_proxy(int argc, char **argv) {
             if (policy_parse(v, &cfg.policy)) {
                 fprintf(stderr,
                         "disagg proxy: --policy '%s' is not accepted; use least_loaded, "
-                        "round_robin or prefix\n",
+                        "round_robin, prefix or p2c\n",
                         v);
                 return 2;
             }

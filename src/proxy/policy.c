@@ -1,6 +1,8 @@
 /* policy — see policy.h. */
 #include "proxy/policy.h"
 
+#include "base/clock.h"
+
 #include <errno.h>
 #include <string.h>
 
@@ -11,13 +13,18 @@ int policy_parse(const char *s, policy_kind *out) {
         *out = POLICY_ROUND_ROBIN;
     else if (!strcmp(s, "prefix"))
         *out = POLICY_PREFIX;
+    else if (!strcmp(s, "p2c"))
+        *out = POLICY_P2C;
     else
         return -EINVAL;
     return 0;
 }
 
 const char *policy_name(policy_kind k) {
-    return k == POLICY_ROUND_ROBIN ? "round_robin" : k == POLICY_PREFIX ? "prefix" : "least_loaded";
+    return k == POLICY_ROUND_ROBIN ? "round_robin"
+           : k == POLICY_PREFIX    ? "prefix"
+           : k == POLICY_P2C       ? "p2c"
+                                   : "least_loaded";
 }
 
 static int group_ok(const backend *b, const policy_hint *h) {
@@ -60,7 +67,22 @@ backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t
                      const policy_hint *hint, const pd_engine **engine) {
     backend *best = NULL;
     int rank_idx = 0;
-    if (k == POLICY_ROUND_ROBIN) {
+    if (k == POLICY_P2C) {
+        int idx[POLICY_MAX_BACKENDS], m = 0;
+        for (int i = 0; i < n && m < POLICY_MAX_BACKENDS; i++)
+            if (eligible(&list[i], exclude, hint)) idx[m++] = i;
+        if (m == 0) return NULL;
+        /* two distinct draws (one when only one is eligible); the proxy is one thread */
+        static uint64_t state;
+        if (!state) state = clock_now_ns() | 1;
+        uint64_t r = mix64(state += 0x9e3779b97f4a7c15ull);
+        int a = (int)(r % (uint64_t)m), b = m > 1 ? (int)((r >> 32) % (uint64_t)(m - 1)) : a;
+        if (m > 1 && b >= a) b++;
+        best = policy_load(&list[idx[b]]) < policy_load(&list[idx[a]]) ? &list[idx[b]]
+                                                                          : &list[idx[a]];
+        if (best->role == BACKEND_PREFILL)
+            rank_idx = (int)(best->rank_rr++ % (unsigned)best->nengines);
+    } else if (k == POLICY_ROUND_ROBIN) {
         int total = 0;
         for (int i = 0; i < n; i++)
             if (eligible(&list[i], exclude, hint)) total += slots(&list[i]);

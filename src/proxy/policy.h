@@ -7,7 +7,10 @@
  * requests whose prompts share their first bytes to the same prefill — the
  * one with the highest rendezvous hash of (prefix, URL), which every proxy
  * computes alike — unless its load exceeds the least loaded one's by more
- * than POLICY_PREFIX_SLACK requests plus a quarter, then least_loaded.
+ * than POLICY_PREFIX_SLACK requests plus a quarter, then least_loaded; p2c
+ * (power of two choices) takes the less loaded of two ready instances drawn
+ * at random, which keeps several proxies that see the same stale published
+ * load from all sending to the one instance that looks least loaded.
  *
  * Load is the larger of the requests this proxy has outstanding on the
  * backend and the running + waiting requests the instance published in
@@ -27,7 +30,8 @@
 typedef enum policy_kind {
     POLICY_LEAST_LOADED = 0,
     POLICY_ROUND_ROBIN = 1,
-    POLICY_PREFIX = 2
+    POLICY_PREFIX = 2,
+    POLICY_P2C = 3
 } policy_kind;
 
 #define POLICY_MAX_BACKENDS 64 /* per role: the exclusion mask is 64 bits */
@@ -39,7 +43,7 @@ typedef struct policy_hint {
     const char *group;    /* only backends of this group ("" or NULL = any) */
 } policy_hint;
 
-/* "round_robin" | "least_loaded" | "prefix"; -EINVAL otherwise. */
+/* "round_robin" | "least_loaded" | "prefix" | "p2c"; -EINVAL otherwise. */
 int policy_parse(const char *s, policy_kind *out);
 const char *policy_name(policy_kind k);
 

@@ -15,7 +15,7 @@ def rows(out):
     table = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[0] in ("random", "round_robin", "least_loaded", "prefix"):
+        if len(cells) == 7 and cells[0] in ("random", "round_robin", "least_loaded", "p2c", "prefix"):
             table[cells[0]] = {"ttft_p99": float(cells[2]), "busy": float(cells[5]),
                                "hits": float(cells[6].rstrip("%")) / 100}
     return table
@@ -27,7 +27,7 @@ def test_generated_trace_ranks_policies():
     assert r.returncode == 0, r.stderr
     assert "paper model:" in r.stdout
     t = rows(r.stdout)
-    assert set(t) == {"random", "round_robin", "least_loaded", "prefix"}, r.stdout
+    assert set(t) == {"random", "round_robin", "least_loaded", "p2c", "prefix"}, r.stdout
     assert t["prefix"]["hits"] > t["round_robin"]["hits"] + 0.3, r.stdout
     assert t["prefix"]["busy"] < t["round_robin"]["busy"], r.stdout
 

@@ -90,6 +90,27 @@ static void test_policy_discovery(void **state) {
         free(p[i].engines);
 }
 
+/* p2c: the less loaded of two distinct random draws; the most loaded of three
+ * is never chosen, the other two both are; one eligible instance is chosen. */
+static void test_p2c(void **state) {
+    (void)state;
+    backend d[3];
+    for (int i = 0; i < 3; i++)
+        fake(&d[i], BACKEND_DECODE, i, 0);
+    d[2].has_load = 1, d[2].pub_running = 9;
+    unsigned rr = 0;
+    int hits[3] = {0};
+    for (int k = 0; k < 200; k++)
+        hits[policy_pick(POLICY_P2C, d, 3, &rr, 0, NULL, NULL)->index]++;
+    assert_int_equal(hits[2], 0);
+    assert_true(hits[0] > 20 && hits[1] > 20);
+    assert_ptr_equal(policy_pick(POLICY_P2C, d, 3, &rr, 1 | 2, NULL, NULL), &d[2]);
+    assert_null(policy_pick(POLICY_P2C, d, 3, &rr, 7, NULL, NULL));
+    policy_kind k;
+    assert_int_equal(policy_parse("p2c", &k), 0);
+    assert_string_equal(policy_name(k), "p2c");
+}
+
 static void test_prefix_hash(void **state) {
     (void)state;
     json_t *a = json_pack("{s:s}", "prompt", "You are a helpful assistant. Question one");
@@ -113,6 +134,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policy_discovery),
         cmocka_unit_test(test_prefix_hash),
+        cmocka_unit_test(test_p2c),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
