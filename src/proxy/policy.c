@@ -78,8 +78,8 @@ backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t
         uint64_t r = mix64(state += 0x9e3779b97f4a7c15ull);
         int a = (int)(r % (uint64_t)m), b = m > 1 ? (int)((r >> 32) % (uint64_t)(m - 1)) : a;
         if (m > 1 && b >= a) b++;
-        best = policy_load(&list[idx[b]]) < policy_load(&list[idx[a]]) ? &list[idx[b]]
-                                                                          : &list[idx[a]];
+        best =
+            policy_load(&list[idx[b]]) < policy_load(&list[idx[a]]) ? &list[idx[b]] : &list[idx[a]];
         if (best->role == BACKEND_PREFILL)
             rank_idx = (int)(best->rank_rr++ % (unsigned)best->nengines);
     } else if (k == POLICY_ROUND_ROBIN) {
