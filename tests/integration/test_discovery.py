@@ -410,7 +410,7 @@ def test_cluster_member_loss_and_restart_burst(etcd_factory, cluster):
     url = etcd.url(PREFIX)
     ps = [cluster.instance(url, "prefill") for _ in range(2)]
     ds = [cluster.instance(url, "decode") for _ in range(2)]
-    a, b = cluster.proxy(url, extra=["--policy", "prefix"]), cluster.proxy(url)
+    a, b = cluster.proxy(url, extra=["--policy", "prefix"]), cluster.proxy(url, extra=["--policy", "p2c"])
     for px in (a, b):
         wait_for(lambda: px.in_rotation("prefill") == 2 and px.in_rotation("decode") == 2
                  and all(px.ready_for(i) for i in ps + ds), 10, "all in rotation")
