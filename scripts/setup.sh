@@ -7,8 +7,8 @@ DEBS=(
   build-essential cmake ninja-build pkg-config clang clang-format libclang-rt-dev
   libjansson-dev libzmq3-dev libmsgpack-dev libevent-dev libcurl4-openssl-dev
   libopenblas-dev libonig-dev libutf8proc-dev libxxhash-dev libcmocka-dev
-  libibverbs-dev libssl-dev libyaml-dev iproute2 xz-utils curl
-  prometheus
+  libibverbs-dev libssl-dev openssl libyaml-dev iproute2 xz-utils curl
+  prometheus etcd-server etcd-client
 )
 PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib)
 
@@ -28,6 +28,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   # `promtool check metrics`); the server daemon it ships is not wanted running
   if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
     $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+  # etcd-server is here for the discovery tests (tests/integration/test_discovery.py
+  # start their own members on free ports); the packaged daemon is not wanted running
+  if [[ " ${missing[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
   fi
 fi
 

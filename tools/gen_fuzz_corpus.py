@@ -248,3 +248,16 @@ put("server_http", [
     b"\x00POST /v1/completions HTTP/1.1\r\nAuthorization: Bearer x\r\nContent-Length: 2\r\n\r\n{}",
 ])
 print("fuzz corpora written to", OUT)
+
+# ---- discovery: byte0 even = an etcd instance record, odd = a --discovery URL ----
+put("discovery", [
+    b"\0" + js({"role": "prefill", "url": "http://10.0.0.1:8100", "bootstrap": "http://10.0.0.1:8998",
+                "model": "tiny", "engine_id": "8f2d1394-6244-48bb-abf8-5f2cc5796469",
+                "kv_layout": "Qwen2ForCausalLM:layers=6:kv_heads=2:head_dim=32:dtype=auto:block=16",
+                "load": {"running": 1, "waiting": 0, "kv_usage": 0.25}, "pid": 1, "hostname": "p0"}).encode(),
+    b"\0" + js({"role": "decode", "url": "http://[::1]:8200", "load": {}}).encode(),
+    b"\0{\"role\":\"bootstrap\",\"url\":\"http://h:8998\"}",
+    b"\1etcd://127.0.0.1:2379,10.0.0.2:2379/prod",
+    b"\1etcds://[::1]:2379/",
+    b"\1etcd://h:1,,g:2/x y",
+])

@@ -113,6 +113,12 @@ typedef struct transfer_config {
      * (docs/transfer.md, Security); peers without it are refused.  Callers
      * resolve it with auth_secret_resolve() (config, else $DISAGG_KV_SECRET). */
     const char *auth_secret;
+    /* Mooncake's metadata server: "etcd://host:port[,host:port...]" publishes
+     * the segment under mooncake/ram/<name> and mooncake/rpc_meta/<name> (and
+     * deletes them at destroy), so that Mooncake engines configured with the
+     * same etcd find it.  NULL/"" = none (the handshake port only).  etcd
+     * must answer at create. */
+    const char *metadata_server;
 } transfer_config;
 
 /* How many active RDMA NICs this host has (0 also for a build without

@@ -14,6 +14,7 @@
  * (docs/security.md).
  */
 #include "cli/commands.h"
+#include "cli/discovery_cli.h"
 
 #include "base/auth.h"
 #include "connector/kv_transfer_config.h"
@@ -46,7 +47,10 @@ static void usage(FILE *f) {
                "X-Disagg-Auth MAC (401/403), and `register` signs its request\n"
                "(docs/security.md).  /query needs no secret.  --client-header-timeout: a\n"
                "request head must be complete S seconds after connecting (or after the previous\n"
-               "response); bytes do not extend it (default 10) -> 408, close.\n");
+               "response); bytes do not extend it (default 10) -> 408, close.\n"
+               "With --discovery the server registers itself in etcd (role bootstrap) under a\n"
+               "lease, so that proxies list it (docs/scaling.md):\n");
+    discovery_cli_usage(f, 1);
 }
 
 /* --auth-secret's value, else $DISAGG_KV_SECRET; "" is refused. */
@@ -101,8 +105,13 @@ static int serve(int argc, char **argv) {
     }
     long port = env.bootstrap_port;
     double header_timeout_s = BOOTSTRAP_HEADER_TIMEOUT_S;
+    discovery_cli disc;
+    discovery_cli_init(&disc);
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--host") && i + 1 < argc) {
+        if (discovery_cli_is_flag(argv[i], 1) && i + 1 < argc) {
+            if (discovery_cli_flag("bootstrap", &disc, argv[i], argv[i + 1])) return 2;
+            i++;
+        } else if (!strcmp(argv[i], "--host") && i + 1 < argc) {
             host = argv[++i];
         } else if (!strcmp(argv[i], "--port") && i + 1 < argc) {
             if (parse_int_flag("--port", argv[++i], 0, 65535, &port)) return 2;
@@ -134,6 +143,11 @@ static int serve(int argc, char **argv) {
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     if (resolve_secret("bootstrap", secret, &secret)) return 2;
+    if (discovery_cli_finish("bootstrap", &disc)) return 2;
+    if (disc.set && port == 0) {
+        fprintf(stderr, "disagg bootstrap: --discovery needs a fixed --port (not 0)\n");
+        return 2;
+    }
     bootstrap_server *s = NULL;
     if (bootstrap_server_start_opts(host, (uint16_t)port, secret, header_timeout_s, &s, err,
                                     sizeof err) != 0) {
@@ -144,8 +158,15 @@ static int serve(int argc, char **argv) {
            (unsigned)bootstrap_server_port(s),
            secret ? " (/register requires the shared secret)" : "");
     fflush(stdout);
+    discovery_registrar *reg = NULL;
+    if (disc.set &&
+        bootstrap_registration_start(&disc, host, (unsigned)bootstrap_server_port(s), &reg)) {
+        bootstrap_server_stop(s);
+        return 1;
+    }
     int sig = 0;
     sigwait(&set, &sig);
+    discovery_registrar_stop(reg);
     bootstrap_server_stop(s);
     fprintf(stderr, "disagg bootstrap: stopped (%s)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
     return 0;

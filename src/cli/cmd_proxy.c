@@ -6,6 +6,7 @@
 
 #include "base/log.h"
 #include "base/text.h"
+#include "cli/discovery_cli.h"
 #include "proxy/proxy.h"
 
 #include <ctype.h>
@@ -19,7 +20,9 @@ static void proxy_usage(FILE *f) {
         f,
         "usage: disagg proxy --prefill URL [BOOTSTRAP] [--prefill ...] --decode URL [--decode "
         "...]\n"
-        "                    [--host H] [--port N] [--policy least_loaded|round_robin] [--api-key "
+        "       disagg proxy --discovery etcd://HOST:PORT[,HOST:PORT..]/PREFIX [options]\n"
+        "                    [--host H] [--port N] [--policy least_loaded|round_robin|prefix|p2c]\n"
+        "                    [--api-key "
         "KEY]\n\n"
         "P/D router: sends each OpenAI request to a prefill instance (max_tokens 1) and, at\n"
         "the same time, to a decode instance, and relays the decode response.\n\n"
@@ -36,8 +39,13 @@ static void proxy_usage(FILE *f) {
         "                             port 8998 on each prefill host)\n"
         "  --host H                   listen address (default 127.0.0.1)\n"
         "  --port N                   listen port (default 8000)\n"
-        "  --policy P                 least_loaded (default: fewest outstanding requests) or "
-        "round_robin\n"
+        "  --policy P                 least_loaded (default: the least load, outstanding or\n"
+        "                             published), round_robin, or prefix (prefills: prompts\n"
+        "                             sharing their first bytes go to one prefill, bounded by\n"
+        "                             load; decodes least_loaded), or p2c (the less loaded of\n"
+        "                             two random instances: no herding of several proxies on\n"
+        "                             stale published load)\n"
+        "  --prefix-bytes N           prompt bytes --policy prefix hashes (default 256)\n"
         "  --api-key KEY              clients must send 'Authorization: Bearer KEY' on /v1 paths\n"
         "                             (401 otherwise; /health and /metrics stay open) and it is\n"
         "                             sent upstream (default: no check, the client's\n"
@@ -59,6 +67,7 @@ static void proxy_usage(FILE *f) {
         "                             (default 4)\n"
         "  --shutdown-timeout S       on SIGTERM/SIGINT, wait for requests in flight (default 30)\n"
         "  --log-level L              debug|info|warn|error (default info, or DISAGG_LOG_LEVEL)\n");
+    discovery_cli_usage(f, 0);
 }
 
 static int parse_double(const char *flag, const char *v, double lo, double hi, double *out) {
@@ -107,7 +116,13 @@ static const char *const KNOWN[] = {"--prefill",
                                     "--timeout-keep-alive",
                                     "--upstream-keepalive-timeout",
                                     "--shutdown-timeout",
-                                    "--log-level"};
+                                    "--log-level",
+                                    "--prefix-bytes",
+                                    "--discovery",
+                                    "--etcd-user",
+                                    "--etcd-cacert",
+                                    "--etcd-cert",
+                                    "--etcd-key"};
 #define NKNOWN       (sizeof KNOWN / sizeof KNOWN[0])
 #define FIRST_VALUED 7 /* KNOWN[FIRST_VALUED..] take one value */
 
@@ -145,6 +160,8 @@ int cmd_proxy(int argc, char **argv) {
     const char *alias_v[4][POLICY_MAX_BACKENDS]; /* prefiller hosts, ports, decoder hosts, ports */
     int alias_n[4] = {0};
     char alias_urls[2][POLICY_MAX_BACKENDS][300];
+    static discovery_cli disc;
+    discovery_cli_init(&disc);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -233,7 +250,12 @@ int cmd_proxy(int argc, char **argv) {
             return 2;
         }
         if (!inl) i++;
-        if (!strcmp(a, "--host")) {
+        if (discovery_cli_is_flag(a, 0)) {
+            if (discovery_cli_flag("proxy", &disc, a, v)) return 2;
+        } else if (!strcmp(a, "--prefix-bytes")) {
+            if (parse_long(a, v, 1, 1 << 20, &n)) return 2;
+            cfg.prefix_bytes = (int)n;
+        } else if (!strcmp(a, "--host")) {
             cfg.host = v;
         } else if (!strcmp(a, "--port")) {
             if (parse_long(a, v, 0, 65535, &n)) return 2;
@@ -241,8 +263,8 @@ int cmd_proxy(int argc, char **argv) {
         } else if (!strcmp(a, "--policy")) {
             if (policy_parse(v, &cfg.policy)) {
                 fprintf(stderr,
-                        "disagg proxy: --policy '%s' is not accepted; use least_loaded or "
-                        "round_robin\n",
+                        "disagg proxy: --policy '%s' is not accepted; use least_loaded, "
+                        "round_robin, prefix or p2c\n",
                         v);
                 return 2;
             }
@@ -309,8 +331,11 @@ int cmd_proxy(int argc, char **argv) {
             u->bootstrap = NULL;
         }
     }
-    if (cfg.nprefill == 0 || cfg.ndecode == 0) {
-        fprintf(stderr, "disagg proxy: at least one --prefill and one --decode are needed\n");
+    if (discovery_cli_finish("proxy", &disc)) return 2;
+    if (disc.set) cfg.discovery = &disc.o;
+    if (!disc.set && (cfg.nprefill == 0 || cfg.ndecode == 0)) {
+        fprintf(stderr, "disagg proxy: at least one --prefill and one --decode are needed (or "
+                        "--discovery etcd://HOST:PORT/PREFIX)\n");
         proxy_usage(stderr);
         return 2;
     }

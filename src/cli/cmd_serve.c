@@ -13,6 +13,7 @@
 #include "base/bytesize.h"
 #include "base/text.h"
 #include "cli/commands.h"
+#include "cli/discovery_cli.h"
 
 #include "base/log.h"
 #include "connector/kv_transfer_config.h"
@@ -116,6 +117,7 @@ static void serve_usage(FILE *f) {
         "  --disable-log-requests          no per-request log lines\n"
         "  --enable-log-requests           per-request log lines (default)\n"
         "  --trust-remote-code             accepted for compatibility (no remote code is run)\n");
+    discovery_cli_usage(f, 1);
 }
 
 /* Repository default model, resolved relative to the running binary. */
@@ -235,6 +237,13 @@ static const struct {
              {"--disable-log-requests", T},
              {"--enable-log-requests", T},
              {"--trust-remote-code", T},
+             {"--discovery", V},
+             {"--discovery-ttl", V},
+             {"--discovery-advertise", V},
+             {"--etcd-user", V},
+             {"--etcd-cacert", V},
+             {"--etcd-cert", V},
+             {"--etcd-key", V},
              {"--help", T}};
 #define NFLAGS (sizeof FLAGS / sizeof FLAGS[0])
 
@@ -495,6 +504,8 @@ static int serve_args(int argc, char **argv) {
     const char *tool_parser = NULL;
     char *template_text = NULL;
     int auto_tool_choice = 0, rc = 2;
+    discovery_cli disc;
+    discovery_cli_init(&disc);
     const char *env_key = getenv("VLLM_API_KEY");
     if (env_key && *env_key) cfg.api_key = env_key;
     for (int i = 1; i < argc; i++) {
@@ -550,7 +561,9 @@ static int serve_args(int argc, char **argv) {
             goto fail;
         }
         long x;
-        if (!strcmp(flag, "--host"))
+        if (discovery_cli_is_flag(flag, 1)) {
+            if (discovery_cli_flag("serve", &disc, flag, val)) goto fail;
+        } else if (!strcmp(flag, "--host"))
             cfg.host = val;
         else if (!strcmp(flag, "--model"))
             model = val;
@@ -877,7 +890,27 @@ static int serve_args(int argc, char **argv) {
         cfg.chat_template = template_text;
     }
     cfg.engine.progress = isatty(2);
+    if (discovery_cli_finish("serve", &disc)) goto fail;
+    serve_registration *reg = NULL;
+    if (disc.set) {
+        serve_identity id = {cfg.host,
+                             cfg.port,
+                             cfg.served_model_name ? cfg.served_model_name : model,
+                             cfg.engine.model,
+                             cfg.engine.block_size,
+                             cfg.engine.kv_cache_dtype < 0
+                                 ? "auto"
+                                 : backend_dtype_name((backend_dtype)cfg.engine.kv_cache_dtype),
+                             cfg.kv_transfer_config,
+                             cfg.api_key};
+        int st = serve_registration_start(&disc, &id, &reg);
+        if (st) {
+            rc = st < 0 ? 1 : st;
+            goto out;
+        }
+    }
     rc = server_run(&cfg) == 0 ? 0 : 1;
+    serve_registration_stop(reg);
     goto out;
 done_ok:
     rc = 0;

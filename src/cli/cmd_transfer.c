@@ -451,7 +451,7 @@ static int cmp_target_buf(const void *a, const void *b) {
 }
 
 static int cmd_target(int argc, char **argv) {
-    const char *host = NULL, *device = NULL;
+    const char *host = NULL, *device = NULL, *metadata = NULL;
     uint64_t port = 0, data_port = 0, buffer_size = 64ull << 20, nbuf = 1, seed = 1;
     transfer_protocol proto = TRANSFER_PROTO_AUTO;
     bool exit_on_eof = false;
@@ -466,6 +466,7 @@ static int cmd_target(int argc, char **argv) {
         {"--buffers", OPT_UINT, &nbuf, 1, TARGET_MAX_BUFFERS, "K", "number of buffers (default 1)"},
         {"--pattern", OPT_UINT, &seed, 0, UINT64_MAX, "SEED", "pattern seed of the buffer contents (default 1)"},
         {"--exit-on-stdin-eof", OPT_FLAG, &exit_on_eof, 0, 0, NULL, "also exit when stdin reaches EOF"},
+        {"--metadata-server", OPT_STR, &metadata, 0, 0, "etcd://H:P", "also publish the segment in etcd in Mooncake's metadata layout (docs/scaling.md)"},
     };
     // clang-format on
     const sub_usage u = {
@@ -497,6 +498,7 @@ static int cmd_target(int argc, char **argv) {
     cfg.protocol = proto;
     cfg.device_name = device;
     cfg.auth_secret = auth_secret_resolve(NULL); /* $DISAGG_KV_SECRET */
+    cfg.metadata_server = metadata;
     transfer_engine *eng = NULL;
     int rc = transfer_engine_create(&cfg, &eng);
     if (rc) {

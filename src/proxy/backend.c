@@ -110,6 +110,7 @@ int backend_init(backend *b, backend_role role, int index, const char *url, cons
     b->role = role;
     b->index = index;
     b->env = env;
+    b->active = 1;
     int rc = backend_parse_url(url, b->host, sizeof b->host, &b->port, err, errcap);
     if (rc) return rc;
     format_url(b->url, sizeof b->url, b->host, b->port);
@@ -237,5 +238,5 @@ static void probe_start(backend *b, int stage) {
 }
 
 void backend_probe(backend *b) {
-    if (!b->probe) probe_start(b, 0);
+    if (!b->probe && b->active && !b->retiring) probe_start(b, 0);
 }

@@ -58,6 +58,18 @@ typedef struct backend {
     struct evbuffer *probe_body; /* (bytes) /query answer being read */
     int probe_status;            /* HTTP status of the probe */
     char last_error[1024];       /* why it is out of rotation */
+    /* membership (--discovery, membership.c); a --prefill/--decode backend is active,
+     * not discovered, with an empty group and no published load */
+    int active;           /* the slot holds an instance */
+    int discovered;       /* it came from etcd */
+    int retiring;         /* its key is gone: no new requests, freed once idle */
+    char key[512];        /* its etcd key */
+    char group[520];      /* "MODEL|KV_LAYOUT": P and D pair only when equal ("" = any) */
+    char engine_ids[256]; /* prefill: engine id(s) published, to notice a restart */
+    int has_load;         /* the fields below were published */
+    int pub_running;      /* published running requests */
+    int pub_waiting;      /* published waiting requests */
+    double pub_kv_usage;  /* published KV cache usage 0..1 */
 } backend;
 
 /* Parses "http://host[:port][/]" or "host:port" into host/port; -EINVAL with
@@ -73,7 +85,7 @@ int backend_parse_bootstrap(const char *url, const char *api_host, const char *b
 int backend_init(backend *b, backend_role role, int index, const char *url, const char *bootstrap,
                  const backend_env *env, char *err, size_t errcap);
 void backend_free(backend *b);
-/* Starts a probe unless one is in flight. */
+/* Starts a probe unless one is in flight (or the backend is retiring). */
 void backend_probe(backend *b);
 /* A request found it unreachable: take it out of rotation until a probe passes. */
 void backend_mark_down(backend *b, const char *why);

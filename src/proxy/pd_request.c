@@ -1,6 +1,8 @@
 /* pd_request — see pd_request.h. */
 #include "proxy/pd_request.h"
 
+#include "proxy/policy.h"
+
 #include <ctype.h>
 #include <errno.h>
 #include <stdint.h>
@@ -188,4 +190,22 @@ void pd_engines_free(pd_engine *rows, int n) {
     for (int i = 0; i < n; i++)
         free(rows[i].engine_id);
     free(rows);
+}
+
+uint64_t pd_prefix_hash(const json_t *client, size_t nbytes) {
+    const json_t *prompt = json_object_get(client, "prompt");
+    if (json_is_array(prompt) && json_is_string(json_array_get(prompt, 0)))
+        prompt = json_array_get(prompt, 0);
+    if (json_is_string(prompt)) {
+        size_t n = json_string_length(prompt);
+        return policy_hash(json_string_value(prompt), n < nbytes ? n : nbytes);
+    }
+    const json_t *src = prompt ? prompt : json_object_get(client, "messages");
+    if (!src) return 0;
+    char *txt = json_dumps(src, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (!txt) return 0;
+    size_t n = strlen(txt);
+    uint64_t h = policy_hash(txt, n < nbytes ? n : nbytes);
+    free(txt);
+    return h;
 }

@@ -12,6 +12,7 @@
 
 #include <jansson.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #define PD_UUID_LEN 36 /* "xxxxxxxx-xxxx-4xxx-yxxx-xxxxxxxxxxxx" */
 
@@ -41,5 +42,11 @@ typedef struct pd_engine {
  * the bad part.  An empty table is -ENOENT (nothing registered yet). */
 int pd_parse_query(const char *buf, size_t len, pd_engine **rows, int *n, char *err, size_t errcap);
 void pd_engines_free(pd_engine *rows, int n);
+
+/* The routing key of --policy prefix: a hash of the first nbytes of the
+ * prompt ("prompt": a string, the first of a list of strings, or token ids
+ * as JSON; "messages": their compact JSON), never 0; 0 when the body has
+ * neither. */
+uint64_t pd_prefix_hash(const json_t *client, size_t nbytes);
 
 #endif

@@ -1,6 +1,8 @@
 /* policy — see policy.h. */
 #include "proxy/policy.h"
 
+#include "base/clock.h"
+
 #include <errno.h>
 #include <string.h>
 
@@ -9,17 +11,51 @@ int policy_parse(const char *s, policy_kind *out) {
         *out = POLICY_LEAST_LOADED;
     else if (!strcmp(s, "round_robin"))
         *out = POLICY_ROUND_ROBIN;
+    else if (!strcmp(s, "prefix"))
+        *out = POLICY_PREFIX;
+    else if (!strcmp(s, "p2c"))
+        *out = POLICY_P2C;
     else
         return -EINVAL;
     return 0;
 }
 
 const char *policy_name(policy_kind k) {
-    return k == POLICY_ROUND_ROBIN ? "round_robin" : "least_loaded";
+    return k == POLICY_ROUND_ROBIN ? "round_robin"
+           : k == POLICY_PREFIX    ? "prefix"
+           : k == POLICY_P2C       ? "p2c"
+                                   : "least_loaded";
 }
 
-static int eligible(const backend *b, uint64_t exclude) {
-    return b->ready && !(exclude >> b->index & 1) && (b->role == BACKEND_DECODE || b->nengines > 0);
+static int group_ok(const backend *b, const policy_hint *h) {
+    return !h || !h->group || !h->group[0] || !b->group[0] || !strcmp(h->group, b->group);
+}
+
+static int eligible(const backend *b, uint64_t exclude, const policy_hint *h) {
+    return b->active && b->ready && !b->retiring && !(exclude >> b->index & 1) &&
+           (b->role == BACKEND_DECODE || b->nengines > 0) && group_ok(b, h);
+}
+
+double policy_load(const backend *b) {
+    double pub = b->has_load ? (double)b->pub_running + b->pub_waiting : 0;
+    double l = b->outstanding > pub ? b->outstanding : pub;
+    return l + (b->has_load ? b->pub_kv_usage : 0);
+}
+
+uint64_t policy_hash(const void *p, size_t n) {
+    const unsigned char *s = p;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ s[i]) * 1099511628211ull;
+    return h ? h : 1;
+}
+
+static uint64_t mix64(uint64_t x) { /* splitmix64's finaliser */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
 }
 
 /* Slots a backend contributes to round-robin: its dp ranks (1 for decode). */
@@ -28,18 +64,33 @@ static int slots(const backend *b) {
 }
 
 backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t exclude,
-                     const pd_engine **engine) {
+                     const policy_hint *hint, const pd_engine **engine) {
     backend *best = NULL;
     int rank_idx = 0;
-    if (k == POLICY_ROUND_ROBIN) {
+    if (k == POLICY_P2C) {
+        int idx[POLICY_MAX_BACKENDS], m = 0;
+        for (int i = 0; i < n && m < POLICY_MAX_BACKENDS; i++)
+            if (eligible(&list[i], exclude, hint)) idx[m++] = i;
+        if (m == 0) return NULL;
+        /* two distinct draws (one when only one is eligible); the proxy is one thread */
+        static uint64_t state;
+        if (!state) state = clock_now_ns() | 1;
+        uint64_t r = mix64(state += 0x9e3779b97f4a7c15ull);
+        int a = (int)(r % (uint64_t)m), b = m > 1 ? (int)((r >> 32) % (uint64_t)(m - 1)) : a;
+        if (m > 1 && b >= a) b++;
+        best =
+            policy_load(&list[idx[b]]) < policy_load(&list[idx[a]]) ? &list[idx[b]] : &list[idx[a]];
+        if (best->role == BACKEND_PREFILL)
+            rank_idx = (int)(best->rank_rr++ % (unsigned)best->nengines);
+    } else if (k == POLICY_ROUND_ROBIN) {
         int total = 0;
         for (int i = 0; i < n; i++)
-            if (eligible(&list[i], exclude)) total += slots(&list[i]);
+            if (eligible(&list[i], exclude, hint)) total += slots(&list[i]);
         if (total == 0) return NULL;
         int pick = (int)(*rr % (unsigned)total);
         (*rr)++;
         for (int i = 0; i < n && !best; i++) {
-            if (!eligible(&list[i], exclude)) continue;
+            if (!eligible(&list[i], exclude, hint)) continue;
             if (pick < slots(&list[i])) {
                 best = &list[i];
                 rank_idx = pick;
@@ -52,9 +103,22 @@ backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t
         (*rr)++;
         for (int j = 0; j < n; j++) {
             backend *b = &list[(start + (unsigned)j) % (unsigned)n];
-            if (eligible(b, exclude) && (!best || b->outstanding < best->outstanding)) best = b;
+            if (eligible(b, exclude, hint) && (!best || policy_load(b) < policy_load(best)))
+                best = b;
         }
         if (!best) return NULL;
+        if (k == POLICY_PREFIX && hint && hint->prefix_hash && best->role == BACKEND_PREFILL) {
+            backend *pref = NULL; /* rendezvous: the highest hash of (prefix, URL) */
+            uint64_t top = 0;
+            for (int j = 0; j < n; j++) {
+                backend *b = &list[j];
+                if (!eligible(b, exclude, hint)) continue;
+                uint64_t h = mix64(hint->prefix_hash ^ policy_hash(b->url, strlen(b->url)));
+                if (!pref || h > top) pref = b, top = h;
+            }
+            double lo = policy_load(best);
+            if (pref && policy_load(pref) <= lo + POLICY_PREFIX_SLACK + lo / 4) best = pref;
+        }
         if (best->role == BACKEND_PREFILL)
             rank_idx = (int)(best->rank_rr++ % (unsigned)best->nengines);
     }

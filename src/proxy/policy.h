@@ -2,9 +2,23 @@
  * policy — which backend (and for a prefill, which dp rank) serves the next
  * request: round_robin cycles over prefill instances × dp ranks (and over
  * decode instances); least_loaded (the default) takes the ready backend with
- * the fewest outstanding requests, ties broken round-robin, and cycles the
- * dp ranks of the chosen prefill.  Only backends that are ready and not in
- * the exclusion mask (tried already for this request) are chosen.
+ * the least load, ties broken round-robin, and cycles the dp ranks of the
+ * chosen prefill; prefix (for prefills; decodes are least_loaded) sends
+ * requests whose prompts share their first bytes to the same prefill — the
+ * one with the highest rendezvous hash of (prefix, URL), which every proxy
+ * computes alike — unless its load exceeds the least loaded one's by more
+ * than POLICY_PREFIX_SLACK requests plus a quarter, then least_loaded; p2c
+ * (power of two choices) takes the less loaded of two ready instances drawn
+ * at random, which keeps several proxies that see the same stale published
+ * load from all sending to the one instance that looks least loaded.
+ *
+ * Load is the larger of the requests this proxy has outstanding on the
+ * backend and the running + waiting requests the instance published in
+ * etcd (--discovery: that count includes other proxies' requests), plus its
+ * published KV usage (0..1) as a tie-breaker.  Only backends that are ready,
+ * not in the exclusion mask (tried already for this request) and, when the
+ * hint names a group, of that group (model and KV layout; "" = any) are
+ * chosen.
  */
 #ifndef DISAGG_PROXY_POLICY_H
 #define DISAGG_PROXY_POLICY_H
@@ -13,11 +27,23 @@
 
 #include <stdint.h>
 
-typedef enum policy_kind { POLICY_LEAST_LOADED = 0, POLICY_ROUND_ROBIN = 1 } policy_kind;
+typedef enum policy_kind {
+    POLICY_LEAST_LOADED = 0,
+    POLICY_ROUND_ROBIN = 1,
+    POLICY_PREFIX = 2,
+    POLICY_P2C = 3
+} policy_kind;
 
 #define POLICY_MAX_BACKENDS 64 /* per role: the exclusion mask is 64 bits */
+#define POLICY_PREFIX_SLACK 2  /* prefix: extra requests tolerated on the preferred prefill */
+#define POLICY_PREFIX_BYTES 256 /* prefix: prompt bytes hashed (default) */
 
-/* "round_robin" | "least_loaded"; -EINVAL otherwise. */
+typedef struct policy_hint {
+    uint64_t prefix_hash; /* POLICY_PREFIX: hash of the prompt's first bytes (0 = none) */
+    const char *group;    /* only backends of this group ("" or NULL = any) */
+} policy_hint;
+
+/* "round_robin" | "least_loaded" | "prefix" | "p2c"; -EINVAL otherwise. */
 int policy_parse(const char *s, policy_kind *out);
 const char *policy_name(policy_kind k);
 
@@ -25,6 +51,10 @@ const char *policy_name(policy_kind k);
  * round-robin cursor.  For prefill backends *engine (if not NULL) is set to
  * the chosen dp rank's entry. */
 backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t exclude,
-                     const pd_engine **engine);
+                     const policy_hint *hint, const pd_engine **engine);
+/* The load policy_pick compares (see above). */
+double policy_load(const backend *b);
+/* FNV-1a over n bytes (the prefix hash; never 0). */
+uint64_t policy_hash(const void *p, size_t n);
 
 #endif

@@ -5,6 +5,7 @@
 #include "base/auth.h"
 #include "base/log.h"
 #include "proxy/api_error.h"
+#include "proxy/membership.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -35,6 +36,7 @@ void proxy_config_default(proxy_config *c) {
     c->keepalive_timeout_s = 75;
     c->upstream_keepalive_s = 4; /* below the upstreams' own (disagg serve and vLLM: 5 s) */
     c->shutdown_timeout_s = 30;
+    c->prefix_bytes = POLICY_PREFIX_BYTES;
 }
 
 void proxy_count_status(proxy *px, int status) {
@@ -103,14 +105,28 @@ static void not_ready_reason(const proxy *px, char *out, size_t cap) {
     for (int r = 0; r < 2; r++) {
         const backend *list = r ? px->decode : px->prefill;
         int cnt = r ? px->ndecode : px->nprefill, any = 0;
-        for (int i = 0; i < cnt; i++)
+        int known = 0;
+        for (int i = 0; i < cnt; i++) {
             any |= list[i].ready;
+            known += list[i].active;
+        }
         if (any) continue;
+        if (!known && n < cap) {
+            n += (size_t)snprintf(out + n, cap - n, "%sno %s instance is known", sep,
+                                  r ? "decode" : "prefill");
+            sep = "; ";
+        }
         for (int i = 0; i < cnt && n < cap; i++) {
+            if (!list[i].active) continue;
             n += (size_t)snprintf(out + n, cap - n, "%s%s %s: %s", sep,
                                   backend_role_name(list[i].role), list[i].url, list[i].last_error);
             sep = "; ";
         }
+    }
+    if (px->members && n < cap) {
+        char d[900];
+        membership_describe(px, d, sizeof d);
+        snprintf(out + n, cap - n, " (%s)", d);
     }
 }
 
@@ -166,6 +182,7 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
             int cnt = r ? px->ndecode : px->nprefill;
             for (int i = 0; i < cnt; i++) {
                 backend *b = &list[i];
+                if (!b->active) continue;
                 unsigned long long v = m == 0   ? (unsigned long long)b->ready
                                        : m == 1 ? (unsigned long long)b->outstanding
                                        : m == 2 ? b->requests
@@ -185,6 +202,7 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
         backend *list = r ? px->decode : px->prefill;
         int cnt = r ? px->ndecode : px->nprefill;
         for (int i = 0; i < cnt; i++) {
+            if (!list[i].active) continue;
             char labels[800], url[2 * sizeof list[i].url];
             metrics_label_value(list[i].url, url, sizeof url);
             snprintf(labels, sizeof labels, "role=\"%s\",backend=\"%s\"",
@@ -200,6 +218,7 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
     metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"decode\"", &px->t_decode);
     metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"first_byte\"", &px->t_first_byte);
     metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"total\"", &px->t_total);
+    membership_write_metrics(px, o);
 }
 
 /* ---- routing ---------------------------------------------------------- */
@@ -266,11 +285,15 @@ static void handle(hs_req *req, void *arg) {
     }
     char why[2048];
     if (!strcmp(path, "/healthcheck")) { /* vLLM toy proxy's liveness: 200 while running */
-        int ready = proxy_ready(px) && !px->draining;
+        int ready = proxy_ready(px) && !px->draining, np = 0, nd = 0;
+        for (int i = 0; i < px->nprefill; i++) /* with --discovery some slots are free */
+            np += px->prefill[i].active && !px->prefill[i].retiring;
+        for (int i = 0; i < px->ndecode; i++)
+            nd += px->decode[i].active && !px->decode[i].retiring;
         int n = snprintf(why, sizeof why,
                          "{\"status\":\"ok\",\"ready\":%s,\"prefill_instances\":%d,"
                          "\"decode_instances\":%d}",
-                         ready ? "true" : "false", px->nprefill, px->ndecode);
+                         ready ? "true" : "false", np, nd);
         proxy_count_status(px, 200);
         hs_reply(req, 200, "application/json", NULL, why, (size_t)n);
         return;
@@ -321,7 +344,7 @@ static char *server_error_body(int status, const char *message) {
 }
 
 proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, size_t errcap) {
-    if (cfg->nprefill < 1 || cfg->ndecode < 1) {
+    if (!cfg->discovery && (cfg->nprefill < 1 || cfg->ndecode < 1)) {
         snprintf(err, errcap,
                  "at least one --prefill and one --decode instance are needed (got %d and %d)",
                  cfg->nprefill, cfg->ndecode);
@@ -345,8 +368,11 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
     px->env.auth_header = px->auth_header[0] ? px->auth_header : NULL;
     px->env.pool_keepalive_s = cfg->upstream_keepalive_s;
     px->env.probe_timeout_s = cfg->health_interval_s * 2 < 2 ? 2 : cfg->health_interval_s * 2;
-    px->prefill = calloc((size_t)cfg->nprefill, sizeof *px->prefill);
-    px->decode = calloc((size_t)cfg->ndecode, sizeof *px->decode);
+    /* with discovery every slot exists from the start: relays point into these arrays */
+    size_t np = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->nprefill;
+    size_t nd = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->ndecode;
+    px->prefill = calloc(np, sizeof *px->prefill);
+    px->decode = calloc(nd, sizeof *px->decode);
     if (!px->prefill || !px->decode) goto oom;
     for (int i = 0; i < cfg->nprefill; i++) {
         if (backend_init(&px->prefill[i], BACKEND_PREFILL, i, cfg->prefill[i].url,
@@ -378,6 +404,7 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
         (time_t)cfg->health_interval_s,
         (suseconds_t)((cfg->health_interval_s - (double)(time_t)cfg->health_interval_s) * 1e6)};
     event_add(px->probe_timer, &tv);
+    if (cfg->discovery && membership_start(px, err, errcap)) goto fail;
     probe_tick(-1, 0, px);
     return px;
 oom:
@@ -392,6 +419,7 @@ void proxy_free(proxy *px) {
     hs_server_free(px->srv); /* close callbacks cancel the relays */
     if (px->probe_timer) event_free(px->probe_timer);
     if (px->drain_timer) event_free(px->drain_timer);
+    membership_stop(px);
     for (int i = 0; i < px->nprefill; i++)
         backend_free(&px->prefill[i]);
     for (int i = 0; i < px->ndecode; i++)

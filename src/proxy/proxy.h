@@ -8,6 +8,7 @@
 #ifndef DISAGG_PROXY_PROXY_H
 #define DISAGG_PROXY_PROXY_H
 
+#include "base/discovery.h"
 #include "proxy/policy.h"
 
 #include <stddef.h>
@@ -24,9 +25,9 @@ typedef struct proxy_config {
     const char *host;        /* listen address (127.0.0.1) */
     uint16_t port;           /* listen port (8000; 0 = ephemeral) */
     proxy_upstream *prefill; /* (nprefill) prefill instances */
-    int nprefill;            /* 1..POLICY_MAX_BACKENDS */
+    int nprefill;            /* 1..POLICY_MAX_BACKENDS (0 with discovery) */
     proxy_upstream *decode;  /* (ndecode) decode instances */
-    int ndecode;             /* 1..POLICY_MAX_BACKENDS */
+    int ndecode;             /* 1..POLICY_MAX_BACKENDS (0 with discovery) */
     policy_kind policy;      /* backend choice */
     const char
         *api_key; /* sent upstream as "Authorization: Bearer KEY"; NULL passes the client's */
@@ -42,6 +43,8 @@ typedef struct proxy_config {
     double upstream_keepalive_s;    /* pooled upstream connection idle before close (4) */
     double shutdown_timeout_s; /* on SIGTERM/SIGINT, wait this long for requests in flight (30) */
     int quiet;                 /* no start-up banner on stderr */
+    const discovery_opts *discovery; /* --discovery: instances from etcd (NULL: none) */
+    int prefix_bytes;                /* --policy prefix: prompt bytes hashed (256) */
 } proxy_config;
 
 typedef struct proxy proxy;

@@ -37,16 +37,19 @@ typedef enum proxy_error_kind {
     PERR_COUNT
 } proxy_error_kind;
 
+typedef struct membership membership;
+
 struct proxy {
     struct event_base *base;     /* loop */
     proxy_config cfg;            /* settings (strings owned by the caller) */
     hs_server *srv;              /* front end */
     backend_env env;             /* shared backend settings */
     char auth_header[512];       /* "Authorization: Bearer KEY\r\n" or "" */
-    backend *prefill;            /* (nprefill) */
-    int nprefill;                /* count */
+    backend *prefill;            /* (nprefill) slots; with discovery POLICY_MAX_BACKENDS of them */
+    int nprefill;                /* slots in use (with discovery some may be inactive) */
     backend *decode;             /* (ndecode) */
-    int ndecode;                 /* count */
+    int ndecode;                 /* slots in use */
+    membership *members;         /* --discovery (membership.c), or NULL */
     unsigned rr_prefill;         /* round-robin cursor over prefill slots */
     unsigned rr_decode;          /* round-robin cursor over decode instances */
     struct event *probe_timer;   /* periodic health probes */

@@ -42,6 +42,7 @@ typedef struct relay {
     char *p_body;                      /* prefill body (JSON text) */
     backend *p;                        /* chosen prefill */
     char p_engine_id[128];             /* that rank's engine id (copied: tables change) */
+    char p_group[520];                 /* its model + KV layout (copied: a slot may be reused) */
     int p_rank;                        /* that dp rank */
     hc_req *p_req;                     /* prefill request in flight */
     p_state p_st;                      /* prefill progress */
@@ -251,8 +252,11 @@ static void tried_message(char *msg, size_t cap, const char *role, const backend
 static int send_pd(relay *r) {
     proxy *px = r->px;
     const pd_engine *eng = NULL;
-    backend *p =
-        policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried, &eng);
+    policy_hint hint = {0, NULL};
+    if (px->cfg.policy == POLICY_PREFIX)
+        hint.prefix_hash = pd_prefix_hash(r->body, (size_t)px->cfg.prefix_bytes);
+    backend *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
+                             &hint, &eng);
     if (!p) {
         char msg[1024];
         tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);
@@ -275,6 +279,7 @@ static int send_pd(relay *r) {
     }
     r->p = p;
     r->p_rank = eng->dp_rank;
+    snprintf(r->p_group, sizeof r->p_group, "%s", p->group);
     snprintf(r->p_engine_id, sizeof r->p_engine_id, "%s", eng->engine_id);
     json_t *db = pd_decode_body(r->body, r->p_engine_id, p->bootstrap_url, r->transfer_id);
     free(r->d_body);
@@ -306,8 +311,10 @@ static int send_pd(relay *r) {
 /* Sends the decode request (body already built) to a decode not tried yet. */
 static int send_decode(relay *r) {
     proxy *px = r->px;
-    backend *d =
-        policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried, NULL);
+    /* a decode pairs with the prefill's group (model and KV layout) */
+    policy_hint hint = {0, r->body ? r->p_group : NULL};
+    backend *d = policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried,
+                             &hint, NULL);
     if (!d) {
         char msg[1024];
         tried_message(msg, sizeof msg, "decode", px->decode, px->ndecode, r->d_tried);

@@ -15,6 +15,7 @@
 #include "base/net.h"
 #include "transfer/batch.h"
 #include "transfer/handshake.h"
+#include "transfer/metadata_etcd.h"
 #include "transfer/cuda_ipc.h"
 #include "transfer/rdma.h"
 #include "transfer/registry.h"
@@ -99,6 +100,7 @@ struct transfer_engine {
 
     _Atomic uint64_t bytes_written, bytes_read, requests_ok, requests_failed;
     _Atomic uint64_t bytes_served, requests_rejected, shm_fallbacks, auth_refused;
+    metadata_etcd *meta; /* cfg.metadata_server: the segment in etcd, or NULL */
 };
 
 /* ---- configuration ------------------------------------------------------- */
@@ -363,6 +365,20 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
             goto fail;
         }
     }
+    if (cfg->metadata_server && *cfg->metadata_server) {
+        e->meta = metadata_etcd_open(cfg->metadata_server, e->segment_name, e->hostname,
+                                     e->rpc_port);
+        char *d = e->meta ? describe(e) : NULL;
+        if (!d || metadata_etcd_publish(e->meta, d)) {
+            free(d);
+            metadata_etcd_close(e->meta);
+            e->meta = NULL;
+            rc = TRANSFER_EINVAL;
+            goto fail;
+        }
+        free(d);
+    }
+    e->cfg.metadata_server = NULL; /* not kept: the caller's string */
     LOG_D(MOD, "engine %s up (tcp data port %u, %d interface address(es))", e->segment_name,
           e->data_port, e->nifaces);
     *out = e;
@@ -382,8 +398,18 @@ fail_early:
     return rc;
 }
 
+/* The descriptor in etcd follows the registrations. */
+static void republish(transfer_engine *e) {
+    if (!e->meta) return;
+    char *d = describe(e);
+    if (d) metadata_etcd_publish(e->meta, d);
+    free(d);
+}
+
 void transfer_engine_destroy(transfer_engine *e) {
     if (!e) return;
+    metadata_etcd_close(e->meta); /* Mooncake peers stop finding it first */
+    e->meta = NULL;
     /* Cancel every batch so queued chunks end without going out. */
     pthread_mutex_lock(&e->batches.mu);
     for (size_t i = 0; i < e->batches.cap; i++)
@@ -484,6 +510,7 @@ int transfer_register(transfer_engine *e, void *addr, size_t length, const char 
     pthread_rwlock_unlock(&e->reg_lock);
     if (rc == TRANSFER_EOVERLAP)
         LOG_E(MOD, "register: [%p, +%zu) overlaps an existing registration", addr, length);
+    if (rc == 0) republish(e);
     return rc;
 }
 
@@ -497,6 +524,7 @@ int transfer_unregister(transfer_engine *e, void *addr) {
     if (rc == 0 && was_dev) e->ndev_regs--;
     if (rc == 0 && e->tp[T_RDMA]) rdma_transport_dereg(e->tp[T_RDMA], (uint64_t)(uintptr_t)addr);
     pthread_rwlock_unlock(&e->reg_lock);
+    if (rc == 0) republish(e);
     return rc;
 }
 

@@ -3,7 +3,10 @@
 device name) in its own process, driven over JSON lines on stdin/stdout, so
 that a crash or a glog FATAL of the wheel cannot take pytest down.
 
-    python3 mooncake_driver.py HOST BUFFER_BYTES SEED
+    python3 mooncake_driver.py HOST BUFFER_BYTES SEED [METADATA]
+
+(METADATA: the engine's metadata server, default P2PHANDSHAKE; with
+"etcd://HOST:PORT" the segment is named HOST)
 
 registers one buffer of BUFFER_BYTES filled with random.Random(SEED).randbytes
 (guarded by GUARD bytes of 0xA5 on each side, not registered), prints
@@ -29,6 +32,7 @@ GUARD = 4096
 
 def main():
     host, size, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    metadata = sys.argv[4] if len(sys.argv) > 4 else "P2PHANDSHAKE"
     from mooncake.engine import TransferEngine  # ImportError: the caller skips
 
     raw = ctypes.create_string_buffer(size + 2 * GUARD)
@@ -37,7 +41,7 @@ def main():
     ctypes.memmove(base, random.Random(seed).randbytes(size), size)
 
     eng = TransferEngine()
-    rc = eng.initialize(host, "P2PHANDSHAKE", "tcp", "")
+    rc = eng.initialize(host, metadata, "tcp", "")
     if rc != 0:
         print(json.dumps({"error": f"TransferEngine.initialize returned {rc}"}), flush=True)
         return 1
@@ -45,7 +49,8 @@ def main():
     if rc != 0:
         print(json.dumps({"error": f"register_memory returned {rc}"}), flush=True)
         return 1
-    print(json.dumps({"segment": f"{host}:{eng.get_rpc_port()}", "addr": base, "length": size,
+    segment = f"{host}:{eng.get_rpc_port()}" if metadata == "P2PHANDSHAKE" else host
+    print(json.dumps({"segment": segment, "addr": base, "length": size,
                       "guard": GUARD, "pid": os.getpid()}), flush=True)
 
     def peek(off, n):

@@ -304,7 +304,7 @@ static void fake(backend *b, backend_role role, int index, int ranks) {
     memset(b, 0, sizeof *b);
     b->role = role;
     b->index = index;
-    b->ready = b->healthy = 1;
+    b->ready = b->healthy = b->active = 1;
     b->nengines = ranks;
     if (ranks) {
         b->engines = calloc((size_t)ranks, sizeof *b->engines);
@@ -322,7 +322,7 @@ static void test_policies(void **state) {
     int count[2][2] = {{0}};
     for (int i = 0; i < 6; i++) {
         const pd_engine *e;
-        backend *b = policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 0, &e);
+        backend *b = policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 0, NULL, &e);
         count[b->index][e->dp_rank]++;
     }
     assert_int_equal(count[0][0], 2);
@@ -330,25 +330,25 @@ static void test_policies(void **state) {
     assert_int_equal(count[1][0], 2);
     /* exclusion and readiness */
     const pd_engine *e;
-    assert_ptr_equal(policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 1, &e), &p[1]);
+    assert_ptr_equal(policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 1, NULL, &e), &p[1]);
     p[1].ready = 0;
-    assert_null(policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 1, &e));
-    assert_null(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 1, &e));
+    assert_null(policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 1, NULL, &e));
+    assert_null(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 1, NULL, &e));
     p[1].ready = 1;
     /* least loaded: fewest outstanding wins; ties rotate */
     p[0].outstanding = 3;
     p[1].outstanding = 1;
     for (int i = 0; i < 4; i++)
-        assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e), &p[1]);
+        assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e), &p[1]);
     p[0].outstanding = p[1].outstanding = 0;
-    backend *x = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e);
-    backend *y = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e);
+    backend *x = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
+    backend *y = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
     assert_ptr_not_equal(x, y);
     /* dp ranks of the chosen prefill cycle */
     p[1].ready = 0;
-    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e), &p[0]);
+    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e), &p[0]);
     int r0 = e->dp_rank;
-    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, &e), &p[0]);
+    assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e), &p[0]);
     int r1 = e->dp_rank;
     assert_int_not_equal(r0, r1);
     policy_kind k;

@@ -1,0 +1,66 @@
+/*
+ * discovery_cli — the etcd discovery flags shared by `disagg serve`,
+ * `disagg bootstrap` and `disagg proxy` (--discovery, --discovery-ttl,
+ * --discovery-advertise, --etcd-user, --etcd-cacert, --etcd-cert,
+ * --etcd-key; the password from $DISAGG_ETCD_PASSWORD), and the
+ * registration of a serve or bootstrap process (base/discovery's registrar
+ * fed with the instance's own /health, /metrics and bootstrap /query).
+ */
+#ifndef DISAGG_CLI_DISCOVERY_CLI_H
+#define DISAGG_CLI_DISCOVERY_CLI_H
+
+#include "base/discovery.h"
+
+#include <stdio.h>
+
+#define DISCOVERY_PASSWORD_ENV "DISAGG_ETCD_PASSWORD"
+
+typedef struct discovery_cli {
+    discovery_opts o;      /* parsed options */
+    int set;               /* --discovery given */
+    const char *advertise; /* --discovery-advertise, or NULL */
+} discovery_cli;
+
+void discovery_cli_init(discovery_cli *d);
+/* 1 when flag is one of ours: it takes a value (the caller says whether it
+ * is one of ours before fetching the value). */
+int discovery_cli_is_flag(const char *flag, int with_advertise);
+/* Applies flag = val; -1 after printing "disagg CMD: ..." on a bad value. */
+int discovery_cli_flag(const char *cmd, discovery_cli *d, const char *flag, const char *val);
+/* After the flags: the password from the environment, consistency checks. */
+int discovery_cli_finish(const char *cmd, discovery_cli *d);
+/* The usage lines (with_advertise: serve and bootstrap). */
+void discovery_cli_usage(FILE *f, int with_advertise);
+/* The address others reach this process at: --discovery-advertise, else
+ * $VLLM_HOST_IP, else listen_host unless it is a wildcard, else the host name. */
+void discovery_cli_advertise(const discovery_cli *d, const char *listen_host, char *out,
+                             size_t cap);
+
+/* ---- serve ---------------------------------------------------------------------- */
+
+typedef struct serve_registration serve_registration;
+
+typedef struct serve_identity {
+    const char *listen_host;        /* --host */
+    int port;                       /* --port */
+    const char *model_name;         /* served model name */
+    const char *model_dir;          /* model directory or hub name (for the KV layout) */
+    int block_size;                 /* --block-size (0 = 16) */
+    const char *kv_dtype;           /* --kv-cache-dtype name, "auto" */
+    const char *kv_transfer_config; /* the JSON (role, bootstrap address) */
+    const char *api_key;            /* to read its own /metrics (NULL) */
+} serve_identity;
+
+/* Registers (a lease now; the record once /health answers 200).  On
+ * failure prints "disagg serve: ..." and returns the exit status: 2 for a
+ * usage error, 1 when etcd cannot be reached. */
+int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_registration **out);
+void serve_registration_stop(serve_registration *r);
+
+/* ---- bootstrap ------------------------------------------------------------------ */
+
+/* Registers a standalone bootstrap server (role "bootstrap") at host:port. */
+int bootstrap_registration_start(discovery_cli *d, const char *listen_host, unsigned port,
+                                 discovery_registrar **out);
+
+#endif
