@@ -218,18 +218,6 @@ static void test_prefill_and_decode_bodies(void **state) {
     json_decref(out);
 }
 
-static void test_uuid4(void **state) {
-    (void)state;
-    char a[PD_UUID_LEN + 1], b[PD_UUID_LEN + 1];
-    pd_uuid4(a);
-    pd_uuid4(b);
-    assert_int_equal(strlen(a), 36);
-    assert_string_not_equal(a, b);
-    assert_int_equal(a[14], '4');
-    assert_non_null(strchr("89ab", a[19]));
-    assert_true(a[8] == '-' && a[13] == '-' && a[18] == '-' && a[23] == '-');
-}
-
 static void test_query_table(void **state) {
     (void)state;
     const char *q =
@@ -363,7 +351,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_request_head), cmocka_unit_test(test_status_head),
         cmocka_unit_test(test_body_framing), cmocka_unit_test(test_prefill_and_decode_bodies),
-        cmocka_unit_test(test_uuid4),        cmocka_unit_test(test_query_table),
+        cmocka_unit_test(test_query_table),
         cmocka_unit_test(test_urls),         cmocka_unit_test(test_policies),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
