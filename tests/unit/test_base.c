@@ -1,15 +1,22 @@
 /* test_base — base/rng (fixed sequences), base/uuid (format, uniqueness, a
  * new seed after fork) and base/err (formatting, truncation, NULL buffers). */
+#include "base/acceptor.h"
+#include "base/clock.h"
 #include "base/err.h"
+#include "base/net.h"
 #include "base/rng.h"
 #include "base/uuid.h"
 
 #include <errno.h>
+#include <poll.h>
+#include <stdatomic.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -105,11 +112,126 @@ static void test_err(void **state) {
     assert_int_equal(err_fail(NULL, 0, -ENOENT, "x"), -ENOENT);
 }
 
+
+/* ---- acceptor ------------------------------------------------------------ */
+
+typedef struct echo_srv {
+    atomic_int served; /* connections whose serve callback ran */
+    atomic_int active; /* serve callbacks running now */
+    atomic_int peak;   /* most at once */
+} echo_srv;
+
+/* Echoes bytes until the peer closes (or acceptor_stop shuts the socket). */
+static void echo_serve(void *ctx, acceptor_conn *c) {
+    echo_srv *e = ctx;
+    int now = atomic_fetch_add(&e->active, 1) + 1;
+    int p = atomic_load(&e->peak);
+    while (now > p && !atomic_compare_exchange_weak(&e->peak, &p, now)) {
+    }
+    atomic_fetch_add(&e->served, 1);
+    assert_non_null(strchr(c->peer, ':'));
+    for (;;) {
+        char b[64];
+        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
+        if (poll(&pf, 1, 10000) <= 0) break;
+        ssize_t n = read(c->fd, b, sizeof b);
+        if (n <= 0 || net_send_all(c->fd, b, (size_t)n, clock_now_ns() + NS_PER_S)) break;
+    }
+    atomic_fetch_sub(&e->active, 1);
+}
+
+static int listen_any(uint16_t *port) {
+    net_addr a;
+    assert_int_equal(net_resolve("127.0.0.1", 0, &a), 0);
+    int fd = net_listen(&a, 16);
+    assert_true(fd >= 0);
+    net_addr b;
+    net_local_addr(fd, &b);
+    *port = net_addr_port(&b);
+    return fd;
+}
+
+static int dial(uint16_t port) {
+    net_addr a;
+    assert_int_equal(net_resolve("127.0.0.1", port, &a), 0);
+    int fd = net_connect(&a, NULL, clock_now_ns() + NS_PER_S);
+    assert_true(fd >= 0);
+    return fd;
+}
+
+/* 1: the connection echoed "x"; 0: it was closed without an answer. */
+static int echoes(int fd) {
+    char b = 0;
+    if (net_send_all(fd, "x", 1, clock_now_ns() + NS_PER_S)) return 0;
+    return net_recv_all(fd, &b, 1, clock_now_ns() + 2 * NS_PER_S) == 0 && b == 'x';
+}
+
+static void test_acceptor(void **state) {
+    (void)state;
+    echo_srv e = {0};
+    uint16_t port;
+    int lfd = listen_any(&port);
+    acceptor_cfg cfg = {.what = "test connection", .max_conns = 2, .nodelay = 1,
+                        .shutdown_on_stop = 1, .serve = echo_serve, .ctx = &e};
+    acceptor *a = NULL;
+    assert_int_equal(acceptor_start(&lfd, 1, &cfg, &a), 0);
+    int c1 = dial(port), c2 = dial(port);
+    assert_true(echoes(c1));
+    assert_true(echoes(c2));
+    int c3 = dial(port); /* over max_conns, not waiting: closed at once */
+    assert_false(echoes(c3));
+    close(c3);
+    close(c2); /* frees a slot */
+    int c4 = -1;
+    for (int i = 0; i < 100; i++) { /* the slot frees once c2's thread has ended */
+        c4 = dial(port);
+        if (echoes(c4)) break;
+        close(c4);
+        c4 = -1;
+        usleep(10000);
+    }
+    assert_true(c4 >= 0);
+    assert_true(atomic_load(&e.peak) <= 2);
+    acceptor_stop(a); /* shuts c1 and c4 down and waits for their threads */
+    assert_int_equal(atomic_load(&e.active), 0);
+    char b;
+    assert_true(read(c1, &b, 1) <= 0);
+    close(c1);
+    close(c4);
+    int c5 = socket(AF_INET, SOCK_STREAM, 0); /* the listener is closed */
+    net_addr to;
+    net_resolve("127.0.0.1", port, &to);
+    assert_true(connect(c5, (struct sockaddr *)&to.ss, to.len) < 0);
+    close(c5);
+
+    /* wait_when_full: the third connection is served once a slot frees */
+    echo_srv w = {0};
+    lfd = listen_any(&port);
+    cfg = (acceptor_cfg){.max_conns = 1, .wait_when_full = 1, .serve = echo_serve, .ctx = &w};
+    assert_int_equal(acceptor_start(&lfd, 1, &cfg, &a), 0);
+    c1 = dial(port);
+    assert_true(echoes(c1));
+    c2 = dial(port); /* in the backlog */
+    close(c1);
+    assert_true(echoes(c2));
+    close(c2);
+    acceptor_stop(a);
+    assert_int_equal(atomic_load(&w.served), 2);
+    assert_int_equal(atomic_load(&w.peak), 1);
+
+    /* bad arguments: refused, the listener closed */
+    lfd = listen_any(&port);
+    cfg.max_conns = 0;
+    assert_int_equal(acceptor_start(&lfd, 1, &cfg, &a), -EINVAL);
+    assert_true(fcntl(lfd, F_GETFD) < 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rng_sequences),
         cmocka_unit_test(test_uuid4),
         cmocka_unit_test(test_err),
+        cmocka_unit_test(test_acceptor),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
