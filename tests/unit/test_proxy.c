@@ -8,7 +8,7 @@
 #include <cmocka.h>
 
 #include "proxy/backend.h"
-#include "proxy/http_msg.h"
+#include "base/http_msg.h"
 #include "proxy/pd_request.h"
 #include "proxy/policy.h"
 

@@ -1,5 +1,5 @@
 /* http_server — see http_server.h. */
-#include "proxy/http_server.h"
+#include "base/http_server.h"
 
 #include "base/clock.h"
 #include "base/log.h"

@@ -1,18 +1,19 @@
 /*
- * http_server — the proxy's HTTP/1.1 server on libevent bufferevents: accepts
+ * http_server — the HTTP/1.1 server on libevent bufferevents: accepts
  * connections, parses one request at a time per connection (keep-alive,
  * bounded head, header count and body), hands complete requests to a handler,
  * and writes replies either whole or streamed (Content-Length passthrough or
  * chunked).  Unlike evhttp in libevent 2.1 it keeps reading while a request is
  * being served, so a client that disconnects is noticed at once (close
- * callback) and the proxy can cancel the upstream work; and every protocol
- * error is answered with the caller's OpenAI-style error body.
+ * callback) and the caller can cancel its work (the proxy: the upstream
+ * request); and every protocol error is answered with the caller's
+ * OpenAI-style error body.  Used by the proxy (src/proxy).
  * One event loop, no threads.
  */
-#ifndef DISAGG_PROXY_HTTP_SERVER_H
-#define DISAGG_PROXY_HTTP_SERVER_H
+#ifndef DISAGG_BASE_HTTP_SERVER_H
+#define DISAGG_BASE_HTTP_SERVER_H
 
-#include "proxy/http_msg.h"
+#include "base/http_msg.h"
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,13 +1,13 @@
 /*
- * http_msg — incremental HTTP/1.1 message parsing shared by the proxy's
- * server side (http_server.c, client requests) and client side
- * (http_client.c, upstream responses): the head (request or status line plus
+ * http_msg — incremental HTTP/1.1 message parsing shared by the server side
+ * (http_server.c, client requests) and the client side (http_client.c,
+ * upstream responses): the head (request or status line plus
  * headers, bounded in bytes and count) and the body framing (Content-Length,
  * chunked, or until the connection closes), read from a libevent evbuffer.
  * Nothing here owns a socket; values must agree with RFC 9112.
  */
-#ifndef DISAGG_PROXY_HTTP_MSG_H
-#define DISAGG_PROXY_HTTP_MSG_H
+#ifndef DISAGG_BASE_HTTP_MSG_H
+#define DISAGG_BASE_HTTP_MSG_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,5 +1,5 @@
 /* http_msg — see http_msg.h. */
-#include "proxy/http_msg.h"
+#include "base/http_msg.h"
 
 #include <ctype.h>
 #include <errno.h>
