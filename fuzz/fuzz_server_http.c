@@ -1,6 +1,6 @@
 /*
  * fuzz_server_http — bytes from any client to `disagg serve`: a real server
- * (server_run: libevent evhttp, routing, OpenAI handlers, the engine with the
+ * (server_run: base/http_server, routing, OpenAI handlers, the engine with the
  * repository's tiny model) runs on a thread of this process and each input
  * goes to it over a loopback connection.  max_model_len is 64 so that no
  * request can ask for long generations.  Input byte 0: even, the rest is a

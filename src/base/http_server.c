@@ -22,6 +22,11 @@
 #include "base/net.h"
 
 #define MOD "http"
+/* After a protocol error reply the connection reads (and drops) what the client
+ * still sends, up to this long, before closing: closing with unread input would
+ * reset the connection and the client could lose the reply (nginx's
+ * lingering_close). */
+#define LINGER_S 2.0
 
 typedef enum conn_state {
     CONN_READ_HEAD = 0, /* waiting for (more of) a request head */
@@ -41,6 +46,7 @@ struct hs_req {
     void *close_arg;       /* its argument */
     hs_drain_fn drain_cb;  /* output drained below the low watermark */
     void *drain_arg;       /* its argument */
+    struct evbuffer *out_headers; /* "Name: value\r\n" lines for the reply, or NULL */
     int started;           /* reply head sent */
     int chunked;           /* reply uses chunked coding */
     int paused;            /* hs_reply_data reported the high watermark */
@@ -62,6 +68,7 @@ struct hs_conn {
     uint64_t started_ns;      /* clock_now_ns when the request started (see hs_config) */
     int receiving;            /* a request's first byte came and it is not dispatched */
     int armed_early;          /* the head deadline runs from accept / the last reply */
+    int lingering;            /* error sent: draining input until EOF or LINGER_S, then close */
     int in_process;           /* inside process_input (defer frees) */
     int want_free;            /* free when process_input unwinds */
     hs_conn *prev, *next;     /* server's connection list */
@@ -121,6 +128,14 @@ static size_t conn_unsent(hs_conn *c) {
     return evbuffer_get_length(bufferevent_get_output(c->bev));
 }
 
+static void req_free(hs_req *r) {
+    http_head_free(&r->head);
+    evbuffer_free(r->body);
+    if (r->out_headers) evbuffer_free(r->out_headers);
+    free(r->path);
+    free(r);
+}
+
 static void conn_free(hs_conn *c) {
     if (c->in_process) {
         c->want_free = 1;
@@ -131,10 +146,7 @@ static void conn_free(hs_conn *c) {
         hs_req *r = c->req;
         c->req = NULL;
         if (r->close_cb) r->close_cb(r, r->close_arg);
-        http_head_free(&r->head);
-        evbuffer_free(r->body);
-        free(r->path);
-        free(r);
+        req_free(r);
     }
     http_head_free(&c->head);
     if (c->body) evbuffer_free(c->body);
@@ -149,6 +161,14 @@ static void conn_free(hs_conn *c) {
     if (c->next) c->next->prev = c->prev;
     s->nconns--;
     free(c);
+}
+
+/* The error reply is out: stop sending, drain the input until EOF or LINGER_S. */
+static void linger_start(hs_conn *c) {
+    shutdown(bufferevent_getfd(c->bev), SHUT_WR);
+    evbuffer_drain(bufferevent_get_input(c->bev), evbuffer_get_length(bufferevent_get_input(c->bev)));
+    struct timeval tv = tv_of(LINGER_S);
+    event_add(c->deadline, &tv);
 }
 
 /* Sends a protocol error reply and closes the connection after it. */
@@ -171,8 +191,9 @@ static void conn_error(hs_conn *c, int status, const char *message) {
     c->armed_early = 0;
     event_del(c->deadline);
     c->state = CONN_CLOSING;
-    bufferevent_disable(c->bev, EV_READ);
-    if (conn_unsent(c) == 0) conn_free(c);
+    c->lingering = 1;
+    bufferevent_set_timeouts(c->bev, NULL, NULL);
+    if (conn_unsent(c) == 0) linger_start(c);
 }
 
 static int head_status(int rc) {
@@ -230,6 +251,10 @@ static void request_begins(hs_conn *c) {
 static void deadline_cb(evutil_socket_t fd, short what, void *arg) {
     hs_conn *c = arg;
     hs_server *s = c->srv;
+    if (c->lingering) { /* the client did not close in LINGER_S */
+        conn_free(c);
+        return;
+    }
     if (!c->receiving && !c->armed_early) return;
     if (!c->receiving && !s->cfg.idle_408) { /* nothing was asked */
         LOG_D(MOD, "%s: no request within %g s: closing", c->peer, s->cfg.header_timeout_s);
@@ -338,14 +363,22 @@ static void process_input(hs_conn *c) {
 
 static void read_cb(struct bufferevent *bev, void *arg) {
     hs_conn *c = arg;
-    (void)bev;
+    if (c->lingering) {
+        evbuffer_drain(bufferevent_get_input(bev), evbuffer_get_length(bufferevent_get_input(bev)));
+        return;
+    }
     if (c->state == CONN_READ_HEAD || c->state == CONN_READ_BODY) process_input(c);
 }
 
 static void write_cb(struct bufferevent *bev, void *arg) {
     hs_conn *c = arg;
     if (c->state == CONN_CLOSING) {
-        if (evbuffer_get_length(bufferevent_get_output(bev)) == 0) conn_free(c);
+        if (evbuffer_get_length(bufferevent_get_output(bev)) == 0) {
+            if (c->lingering)
+                linger_start(c);
+            else
+                conn_free(c);
+        }
         return;
     }
     if (c->req && c->req->paused) {
@@ -542,15 +575,20 @@ void hs_req_set_drain_cb(hs_req *r, hs_drain_fn cb, void *arg) {
 const char *hs_req_peer(const hs_req *r) {
     return r->conn->peer;
 }
+struct evbuffer *hs_req_body_buffer(hs_req *r) {
+    return r->body;
+}
+int hs_req_add_header(hs_req *r, const char *name, const char *value) {
+    if (strpbrk(name, "\r\n:") || strpbrk(value, "\r\n")) return -EINVAL; /* no injection */
+    if (!r->out_headers && !(r->out_headers = evbuffer_new())) return -ENOMEM;
+    return evbuffer_add_printf(r->out_headers, "%s: %s\r\n", name, value) < 0 ? -ENOMEM : 0;
+}
 
 /* The request is over: free it and get ready for the next one. */
 static void req_finish(hs_req *r) {
     hs_conn *c = r->conn;
     c->req = NULL;
-    http_head_free(&r->head);
-    evbuffer_free(r->body);
-    free(r->path);
-    free(r);
+    req_free(r);
     if (!c->keep_alive) {
         c->state = CONN_CLOSING;
         bufferevent_disable(c->bev, EV_READ);
@@ -575,6 +613,7 @@ int hs_reply(hs_req *r, int status, const char *content_type, const char *extra_
     evbuffer_add_printf(out, "HTTP/1.1 %d %s\r\n", status, http_reason(status));
     if (content_type) evbuffer_add_printf(out, "Content-Type: %s\r\n", content_type);
     if (extra_headers) evbuffer_add(out, extra_headers, strlen(extra_headers));
+    if (r->out_headers) evbuffer_add_buffer(out, r->out_headers);
     evbuffer_add_printf(out, "Content-Length: %zu\r\n", len);
     add_conn_header(r, out);
     evbuffer_add(out, "\r\n", 2);
@@ -601,6 +640,7 @@ int hs_reply_start(hs_req *r, int status, const http_header *headers, int n,
     for (int i = 0; i < n; i++)
         if (!is_hop_by_hop(headers[i].name))
             evbuffer_add_printf(out, "%s: %s\r\n", headers[i].name, headers[i].value);
+    if (r->out_headers) evbuffer_add_buffer(out, r->out_headers);
     if (content_length >= 0) {
         evbuffer_add_printf(out, "Content-Length: %lld\r\n", (long long)content_length);
     } else if (r->head.minor >= 1) {

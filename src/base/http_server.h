@@ -99,6 +99,12 @@ void hs_req_set_close_cb(hs_req *r, hs_close_fn cb, void *arg);
 void hs_req_set_drain_cb(hs_req *r, hs_drain_fn cb, void *arg);
 /* Peer address "ip:port". */
 const char *hs_req_peer(const hs_req *r);
+/* The body as a buffer (to move it elsewhere with evbuffer_add_buffer). */
+struct evbuffer *hs_req_body_buffer(hs_req *r);
+/* Adds a header to the reply (sent by hs_reply / hs_reply_start, after their
+ * own).  Returns 0, -EINVAL for a name or value with CR, LF (or ':' in the
+ * name), -ENOMEM. */
+int hs_req_add_header(hs_req *r, const char *name, const char *value);
 
 /* Whole reply; ends the request. extra_headers: "Name: value\r\n" lines or NULL. */
 int hs_reply(hs_req *r, int status, const char *content_type, const char *extra_headers,

@@ -70,8 +70,7 @@ typedef struct gen_ops {
 struct gen_req {
     server *s;                      /* the server */
     gen_req *prev, *next;           /* s->live list */
-    struct evhttp_request *http;    /* the HTTP request (valid until replied) */
-    struct evhttp_connection *conn; /* its connection, NULL once closed */
+    hs_req *http;                   /* the HTTP request; NULL once replied or the client left */
     const gen_ops *ops;             /* endpoint rendering */
     oai_request o;                  /* the validated request */
     bool chat;                      /* chat endpoint */
@@ -101,7 +100,7 @@ struct gen_req {
 
 /* Allocate a request for http; fills id, x_request_id, created, arrival.
  * NULL on allocation failure. */
-gen_req *gen_req_new(server *s, struct evhttp_request *http, bool chat, const gen_ops *ops);
+gen_req *gen_req_new(server *s, hs_req *http, bool chat, const gen_ops *ops);
 /* Take ownership of prompt i's ids (and text for echo, may be NULL). */
 /* Validate lengths, create the choices, submit them and start the stream.
  * After this call r belongs to gen (it replies and frees); on failure before
