@@ -79,5 +79,10 @@ int http_body_read(http_body_reader *r, struct evbuffer *in, struct evbuffer *ou
 
 /* Reason phrase of a status code ("OK", "Bad Gateway", ...). */
 const char *http_reason(int status);
+/* The OpenAI-style error type of an error status, as the server and the
+ * proxy name it in their bodies: "BadRequestError" (400 and other 4xx),
+ * "AuthenticationError" (401), "NotFoundError" (404), ..., "BadGatewayError"
+ * (502), "InternalServerError" (500 and other 5xx). */
+const char *http_error_type(int status);
 
 #endif

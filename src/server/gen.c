@@ -245,18 +245,7 @@ static int gen_error_status(const gen_choice *c) {
 }
 
 static const char *gen_error_type(const gen_choice *c) {
-    switch (gen_error_status(c)) {
-    case 400:
-        return "BadRequestError";
-    case 502:
-        return "BadGatewayError";
-    case 503:
-        return "ServiceUnavailableError";
-    case 504:
-        return "GatewayTimeoutError";
-    default:
-        return "InternalServerError";
-    }
+    return http_error_type(gen_error_status(c)); /* the engine's: 400, 500, 502, 503, 504 */
 }
 
 /* The choice produced its last output. */

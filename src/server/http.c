@@ -401,12 +401,7 @@ static void on_deadline(void *arg, hs_deadline_kind kind) {
 static char *protocol_error_body(int status, const char *message) {
     if (status == 408) return NULL;
     oai_error e;
-    oai_error_set(&e, status,
-                  status == 413   ? "RequestEntityTooLargeError"
-                  : status == 431 ? "RequestHeaderFieldsTooLargeError"
-                  : status >= 500 ? "InternalServerError"
-                                  : "BadRequestError",
-                  NULL, "%s", message);
+    oai_error_set(&e, status, http_error_type(status), NULL, "%s", message);
     return oai_error_json(&e);
 }
 
