@@ -7,8 +7,8 @@
  * raw HTTP request (half-closed after sending); odd, byte 1 picks the route
  * (completions, chat, tokenize, detokenize) and the rest is the POST body of
  * a well-formed request (not half-closed: the server takes a client's EOF
- * for its leaving and aborts the request, as nginx and uvicorn do).  Checks: every answer is an HTTP status line, and a
- * body — however hostile — never gets a 500 (an internal error) from the
+ * for its leaving and aborts the request, as nginx and uvicorn do).  Checks: every answer is an
+ * HTTP status line, and a body — however hostile — never gets a 500 (an internal error) from the
  * JSON routes.
  */
 #include "fuzz/fuzz_util.h"

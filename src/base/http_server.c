@@ -38,18 +38,18 @@ typedef enum conn_state {
 typedef struct hs_conn hs_conn;
 
 struct hs_req {
-    hs_conn *conn;         /* owning connection */
-    http_head head;        /* the request head (owned) */
-    struct evbuffer *body; /* (body bytes) decoded request body */
-    char *path;            /* target up to '?' (malloc'ed) */
-    hs_close_fn close_cb;  /* client went away before the reply ended */
-    void *close_arg;       /* its argument */
-    hs_drain_fn drain_cb;  /* output drained below the low watermark */
-    void *drain_arg;       /* its argument */
+    hs_conn *conn;                /* owning connection */
+    http_head head;               /* the request head (owned) */
+    struct evbuffer *body;        /* (body bytes) decoded request body */
+    char *path;                   /* target up to '?' (malloc'ed) */
+    hs_close_fn close_cb;         /* client went away before the reply ended */
+    void *close_arg;              /* its argument */
+    hs_drain_fn drain_cb;         /* output drained below the low watermark */
+    void *drain_arg;              /* its argument */
     struct evbuffer *out_headers; /* "Name: value\r\n" lines for the reply, or NULL */
-    int started;           /* reply head sent */
-    int chunked;           /* reply uses chunked coding */
-    int paused;            /* hs_reply_data reported the high watermark */
+    int started;                  /* reply head sent */
+    int chunked;                  /* reply uses chunked coding */
+    int paused;                   /* hs_reply_data reported the high watermark */
 };
 
 struct hs_conn {
@@ -166,7 +166,8 @@ static void conn_free(hs_conn *c) {
 /* The error reply is out: stop sending, drain the input until EOF or LINGER_S. */
 static void linger_start(hs_conn *c) {
     shutdown(bufferevent_getfd(c->bev), SHUT_WR);
-    evbuffer_drain(bufferevent_get_input(c->bev), evbuffer_get_length(bufferevent_get_input(c->bev)));
+    evbuffer_drain(bufferevent_get_input(c->bev),
+                   evbuffer_get_length(bufferevent_get_input(c->bev)));
     struct timeval tv = tv_of(LINGER_S);
     event_add(c->deadline, &tv);
 }
@@ -474,8 +475,8 @@ static void accept_error_cb(struct evconnlistener *l, void *arg) {
     event_add(s->resume_ev, &tv);
 }
 
-static hs_server *server_alloc(struct event_base *base, const hs_config *cfg,
-                               hs_handler_fn handler, void *arg, hs_error_body_fn error_body) {
+static hs_server *server_alloc(struct event_base *base, const hs_config *cfg, hs_handler_fn handler,
+                               void *arg, hs_error_body_fn error_body) {
     hs_server *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->base = base;

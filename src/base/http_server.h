@@ -41,19 +41,19 @@ typedef void (*hs_deadline_fn)(void *arg, hs_deadline_kind kind);
  * head_from_accept) a connection without a byte of a request is closed
  * silently after idle_timeout_s. */
 typedef struct hs_config {
-    http_limits limits;       /* head bytes / header count */
-    size_t max_body_bytes;    /* request body cap (413 beyond) */
-    double header_timeout_s;  /* to receive a request head from its start (deadline) */
-    double request_timeout_s; /* to receive a whole request from its start (deadline; 0: none) */
-    double body_timeout_s;    /* to receive the body from the head's end (deadline; 0: none) */
-    double idle_timeout_s;    /* connection without a request byte (keep-alive) before close */
-    int head_from_accept;     /* 1: a connection's first head starts at accept (no idle wait) */
-    int head_from_reply;      /* 1: a later head starts when the previous reply ended */
-    int idle_408;             /* 1: a head deadline passing before any byte answers 408 too
-                                 (else the connection is closed silently, as idle) */
-    double write_timeout_s;   /* client not reading our output for this long: drop */
-    size_t max_output_bytes;  /* high watermark of unsent reply bytes (backpressure) */
-    int max_connections;      /* accepted connections beyond are closed at once */
+    http_limits limits;         /* head bytes / header count */
+    size_t max_body_bytes;      /* request body cap (413 beyond) */
+    double header_timeout_s;    /* to receive a request head from its start (deadline) */
+    double request_timeout_s;   /* to receive a whole request from its start (deadline; 0: none) */
+    double body_timeout_s;      /* to receive the body from the head's end (deadline; 0: none) */
+    double idle_timeout_s;      /* connection without a request byte (keep-alive) before close */
+    int head_from_accept;       /* 1: a connection's first head starts at accept (no idle wait) */
+    int head_from_reply;        /* 1: a later head starts when the previous reply ended */
+    int idle_408;               /* 1: a head deadline passing before any byte answers 408 too
+                                   (else the connection is closed silently, as idle) */
+    double write_timeout_s;     /* client not reading our output for this long: drop */
+    size_t max_output_bytes;    /* high watermark of unsent reply bytes (backpressure) */
+    int max_connections;        /* accepted connections beyond are closed at once */
     hs_deadline_fn on_deadline; /* told of every deadline close, or NULL */
     void *on_deadline_arg;      /* its argument */
 } hs_config;

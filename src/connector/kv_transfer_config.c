@@ -114,7 +114,6 @@ static const char *did_you_mean(const char *s, const char *const *names, size_t 
     return NULL;
 }
 
-
 /* "a, b, c" of names[] into buf. */
 static const char *join_names(const char *const *names, size_t n, char *buf, size_t cap) {
     size_t off = 0;

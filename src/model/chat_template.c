@@ -91,7 +91,6 @@ static const char QWEN25_TEMPLATE[] =
 static const char QWEN25_DEFAULT_SYSTEM[] =
     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
 
-
 /* ======================================================================
  * string builder
  * ====================================================================== */
@@ -162,8 +161,8 @@ int chat_template_init(const char *text, chat_template **out, char *err, size_t 
     *out = NULL;
     if (!text) {
         err_set(err, err_cap,
-                   "the model has no chat template (no \"chat_template\" in "
-                   "tokenizer_config.json); use the completions API with a raw prompt");
+                "the model has no chat template (no \"chat_template\" in "
+                "tokenizer_config.json); use the completions API with a raw prompt");
         return -EINVAL;
     }
     char *a = ct_normalize(text), *b = ct_normalize(QWEN25_TEMPLATE);
@@ -172,10 +171,10 @@ int chat_template_init(const char *text, chat_template **out, char *err, size_t 
         rc = -ENOMEM;
     } else if (strcmp(a, b) != 0) {
         err_set(err, err_cap,
-                   "unsupported chat template (%zu bytes, starting \"%.60s\"): only the "
-                   "Qwen2.5 Instruct ChatML template is rendered natively; use the completions "
-                   "API with a prompt formatted by the client",
-                   strlen(text), text);
+                "unsupported chat template (%zu bytes, starting \"%.60s\"): only the "
+                "Qwen2.5 Instruct ChatML template is rendered natively; use the completions "
+                "API with a prompt formatted by the client",
+                strlen(text), text);
         rc = -ENOTSUP;
     }
     free(a);
@@ -391,9 +390,9 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
             json_t *t = json_object_get(p, "text");
             if (!type || strcmp(type, "text") != 0 || !json_is_string(t)) {
                 err_set(err, cap,
-                           "messages[%zu].content[%zu]: unsupported content part (type \"%s\"); "
-                           "accepted: {\"type\": \"text\", \"text\": string}",
-                           idx, i, type ? type : "(missing)");
+                        "messages[%zu].content[%zu]: unsupported content part (type \"%s\"); "
+                        "accepted: {\"type\": \"text\", \"text\": string}",
+                        idx, i, type ? type : "(missing)");
                 free(b.v);
                 return -EINVAL;
             }
@@ -402,7 +401,7 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
         }
     } else {
         err_set(err, cap, "messages[%zu].content must be a string, null or a list of text parts",
-                   idx);
+                idx);
         free(b.v);
         return -EINVAL;
     }
@@ -435,9 +434,9 @@ static int ct_collect(const json_t *messages, ct_msg **out, size_t *n_out, char 
         if (!role || (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant") &&
                       strcmp(role, "tool"))) {
             err_set(err, cap,
-                       "messages[%zu].role \"%s\" is not supported; accepted: system, user, "
-                       "assistant, tool",
-                       i, role ? role : "(missing)");
+                    "messages[%zu].role \"%s\" is not supported; accepted: system, user, "
+                    "assistant, tool",
+                    i, role ? role : "(missing)");
             return -EINVAL;
         }
         ms[i].role = role;
@@ -476,13 +475,13 @@ static int ct_tool_calls(ct_buf *b, const json_t *calls, size_t mi, bool parse_a
         if (f) tc = (json_t *)f;
         if (!json_is_object(tc)) {
             err_set(err, cap, "messages[%zu].tool_calls[%zu]%s is not an object", mi, i,
-                       f ? ".function" : "");
+                    f ? ".function" : "");
             return -EINVAL;
         }
         const char *name = json_string_value(json_object_get(tc, "name"));
         if (!name) {
-            err_set(err, cap, "messages[%zu].tool_calls[%zu]: function name must be a string",
-                       mi, i);
+            err_set(err, cap, "messages[%zu].tool_calls[%zu]: function name must be a string", mi,
+                    i);
             return -EINVAL;
         }
         const json_t *args = json_object_get(tc, "arguments");
@@ -497,9 +496,9 @@ static int ct_tool_calls(ct_buf *b, const json_t *calls, size_t mi, bool parse_a
                 json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, &je);
             if (!parsed) {
                 err_set(err, cap,
-                           "messages[%zu].tool_calls[%zu]: arguments is not valid JSON (%s at "
-                           "column %d)",
-                           mi, i, je.text, je.column);
+                        "messages[%zu].tool_calls[%zu]: arguments is not valid JSON (%s at "
+                        "column %d)",
+                        mi, i, je.text, je.column);
                 return -EINVAL;
             }
             args = parsed;

@@ -21,7 +21,6 @@
 
 #define ST_MAX_HEADER (256u << 20)
 
-
 static int st_dtype_size(const char *dt) {
     if (!strcmp(dt, "F32") || !strcmp(dt, "I32") || !strcmp(dt, "U32")) return 4;
     if (!strcmp(dt, "F16") || !strcmp(dt, "BF16") || !strcmp(dt, "I16") || !strcmp(dt, "U16"))
@@ -47,7 +46,7 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
     if (size < 8) {
         close(fd);
         return err_fail(err, errlen, -EINVAL,
-                       "%s: truncated safetensors file (%zu bytes, header needs 8)", path, size);
+                        "%s: truncated safetensors file (%zu bytes, header needs 8)", path, size);
     }
     void *map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
@@ -74,7 +73,7 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
     if (!root || !json_is_object(root)) {
         json_decref(root);
         return err_fail(err, errlen, -EINVAL, "%s: corrupt safetensors header (JSON: %s)", path,
-                       root ? "not an object" : je.text);
+                        root ? "not an object" : je.text);
     }
     const char *data = (const char *)map + 8 + hlen;
     size_t data_size = size - 8 - (size_t)hlen;
@@ -87,8 +86,8 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
                *jo = json_object_get(v, "data_offsets");
         if (!json_is_string(jd) || !json_is_array(js) || !json_is_array(jo) ||
             json_array_size(jo) != 2 || json_array_size(js) > ST_MAX_DIMS) {
-            rc =
-                err_fail(err, errlen, -EINVAL, "%s: tensor '%s': malformed header entry", path, key);
+            rc = err_fail(err, errlen, -EINVAL, "%s: tensor '%s': malformed header entry", path,
+                          key);
             break;
         }
         st_tensor t = {0};
@@ -124,9 +123,9 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
         int es = st_dtype_size(t.dtype);
         if (es && numel * (uint64_t)es != oe - ob) {
             rc = err_fail(err, errlen, -EINVAL,
-                         "%s: tensor '%s': %llu bytes for %llu elements of %s (expected %llu)",
-                         path, key, (unsigned long long)(oe - ob), (unsigned long long)numel,
-                         t.dtype, (unsigned long long)(numel * (uint64_t)es));
+                          "%s: tensor '%s': %llu bytes for %llu elements of %s (expected %llu)",
+                          path, key, (unsigned long long)(oe - ob), (unsigned long long)numel,
+                          t.dtype, (unsigned long long)(numel * (uint64_t)es));
             break;
         }
         t.data = data + ob;
@@ -165,7 +164,7 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         if (!json_is_object(wm)) {
             json_decref(root);
             return err_fail(err, errlen, -EINVAL, "%s: %s", path,
-                           root ? "no \"weight_map\" object" : je.text);
+                            root ? "no \"weight_map\" object" : je.text);
         }
         /* distinct shard names, sorted */
         size_t n = json_object_size(wm), nu = 0;
@@ -176,8 +175,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
             if (!json_is_string(v)) {
                 free(names);
                 rc = err_fail(err, errlen, -EINVAL,
-                             "%s: weight_map[\"%s\"] must be a shard file name (a string)", path,
-                             key);
+                              "%s: weight_map[\"%s\"] must be a shard file name (a string)", path,
+                              key);
                 json_decref(root);
                 return rc;
             }
@@ -188,8 +187,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
             if (i && !strcmp(names[i], names[i - 1])) continue;
             if (strchr(names[i], '/')) {
                 rc = err_fail(err, errlen, -EINVAL,
-                             "%s: shard name '%s' must be a file in the model directory", path,
-                             names[i]);
+                              "%s: shard name '%s' must be a file in the model directory", path,
+                              names[i]);
                 break;
             }
             char sp[4096];
@@ -204,8 +203,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
             json_object_foreach(wm, key, v) {
                 if (!st_set_find(s, key)) {
                     rc = err_fail(err, errlen, -EINVAL,
-                                 "%s: tensor '%s' listed for shard '%s' is not in it", path, key,
-                                 json_string_value(v));
+                                  "%s: tensor '%s' listed for shard '%s' is not in it", path, key,
+                                  json_string_value(v));
                     break;
                 }
             }
@@ -215,7 +214,7 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         DIR *d = opendir(dir);
         if (!d)
             return err_fail(err, errlen, -errno, "%s: cannot open directory: %s", dir,
-                           strerror(errno));
+                            strerror(errno));
         struct dirent *de;
         int found = 0;
         while ((de = readdir(d)) && rc == 0) {
@@ -228,7 +227,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         }
         closedir(d);
         if (rc == 0 && !found)
-            rc = err_fail(err, errlen, -ENOENT,
+            rc =
+                err_fail(err, errlen, -ENOENT,
                          "%s: no *.safetensors weights (and no model.safetensors.index.json)", dir);
         if (rc == 0 && s->n_tensors > 0)
             qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
@@ -237,8 +237,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         for (int i = 1; i < s->n_tensors; i++)
             if (!strcmp(s->tensors[i].name, s->tensors[i - 1].name)) {
                 rc = err_fail(err, errlen, -EINVAL, "tensor '%s' appears twice (%s and %s)",
-                             s->tensors[i].name, s->files[s->tensors[i - 1].file].path,
-                             s->files[s->tensors[i].file].path);
+                              s->tensors[i].name, s->files[s->tensors[i - 1].file].path,
+                              s->files[s->tensors[i].file].path);
                 break;
             }
     if (rc) st_set_free(s);

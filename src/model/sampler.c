@@ -72,7 +72,6 @@ int sampler_params_check(const sampler_params *p, int vocab, char *err, size_t e
 #undef BAD
 }
 
-
 /* ---- counts ------------------------------------------------------------------- */
 
 static tok_count *count_slot(sampler *s, int32_t tok, int insert) {

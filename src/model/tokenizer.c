@@ -33,7 +33,6 @@
  * small helpers: error text, growable buffers, hashing
  * ====================================================================== */
 
-
 typedef struct tok_ids {
     int32_t *v; /* (cap) ids */
     size_t n;   /* used */
@@ -433,7 +432,7 @@ static json_t *tok_load_json(const char *path, char *err, size_t cap, int *rc) {
             fclose(f);
             *rc = -EINVAL;
             err_set(err, cap, "%s: malformed JSON at line %d column %d: %s", path, je.line,
-                        je.column, je.text);
+                    je.column, je.text);
         }
         return NULL;
     }
@@ -468,8 +467,7 @@ static int tok_compile(const char *path, const char *pattern, OnigRegex *re, cha
     if (r != ONIG_NORMAL) {
         char msg[ONIG_MAX_ERROR_MESSAGE_LEN];
         onig_error_code_to_str((OnigUChar *)msg, r, &einfo);
-        err_set(err, cap, "%s: pre_tokenizer regex %s does not compile: %s", path, pattern,
-                    msg);
+        err_set(err, cap, "%s: pre_tokenizer regex %s does not compile: %s", path, pattern, msg);
         *re = NULL;
         return -EINVAL;
     }
@@ -511,9 +509,9 @@ static int tok_parse_normalizer(tokenizer *t, const char *path, json_t *n, char 
         flags = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
     else {
         err_set(err, cap,
-                    "%s: unsupported normalizer type \"%s\" (supported: NFC, NFD, NFKC, NFKD, "
-                    "Sequence of these, null)",
-                    path, type);
+                "%s: unsupported normalizer type \"%s\" (supported: NFC, NFD, NFKC, NFKD, "
+                "Sequence of these, null)",
+                path, type);
         return -ENOTSUP;
     }
     if (t->n_norm == TOK_MAX_NORM) {
@@ -534,8 +532,7 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
     if (strcmp(type, "Sequence") == 0) {
         json_t *list = json_object_get(p, "pretokenizers");
         if (!json_is_array(list)) {
-            err_set(err, cap, "%s: Sequence pre_tokenizer has no \"pretokenizers\" array",
-                        path);
+            err_set(err, cap, "%s: Sequence pre_tokenizer has no \"pretokenizers\" array", path);
             return -EINVAL;
         }
         size_t i;
@@ -555,8 +552,8 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
     if (strcmp(type, "Split") == 0) {
         const char *beh = json_string_value(json_object_get(p, "behavior"));
         if (!beh || strcmp(beh, "Isolated") != 0) {
-            err_set(err, cap, "%s: unsupported Split behavior \"%s\" (supported: Isolated)",
-                        path, beh ? beh : "(missing)");
+            err_set(err, cap, "%s: unsupported Split behavior \"%s\" (supported: Isolated)", path,
+                    beh ? beh : "(missing)");
             return -ENOTSUP;
         }
         if (json_is_true(json_object_get(p, "invert"))) {
@@ -567,9 +564,8 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
         const char *rx = json_string_value(json_object_get(pat, "Regex"));
         const char *lit = json_string_value(json_object_get(pat, "String"));
         if (!rx && !lit) {
-            err_set(err, cap,
-                        "%s: Split pattern is neither {\"Regex\": ...} nor {\"String\": ...}",
-                        path);
+            err_set(err, cap, "%s: Split pattern is neither {\"Regex\": ...} nor {\"String\": ...}",
+                    path);
             return -EINVAL;
         }
         char *esc = NULL;
@@ -592,9 +588,9 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
         }
     } else {
         err_set(err, cap,
-                    "%s: unsupported pre_tokenizer type \"%s\" (supported: Split, ByteLevel, "
-                    "Sequence of these)",
-                    path, type);
+                "%s: unsupported pre_tokenizer type \"%s\" (supported: Split, ByteLevel, "
+                "Sequence of these)",
+                path, type);
         return -ENOTSUP;
     }
     t->n_pre++;
@@ -616,15 +612,14 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
     const char *type = json_string_value(json_object_get(model, "type"));
     if (!type || strcmp(type, "BPE") != 0) {
         err_set(err, cap, "%s: unsupported model type \"%s\" (supported: BPE)", path,
-                    type ? type : "(missing)");
+                type ? type : "(missing)");
         return -ENOTSUP;
     }
     const char *cont = json_string_value(json_object_get(model, "continuing_subword_prefix"));
     const char *eow = json_string_value(json_object_get(model, "end_of_word_suffix"));
     if ((cont && *cont) || (eow && *eow)) {
         err_set(err, cap,
-                    "%s: BPE with continuing_subword_prefix/end_of_word_suffix is not supported",
-                    path);
+                "%s: BPE with continuing_subword_prefix/end_of_word_suffix is not supported", path);
         return -ENOTSUP;
     }
     json_t *dropout = json_object_get(model, "dropout");
@@ -652,7 +647,7 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
         if (!json_is_integer(val) || json_integer_value(val) < 0 ||
             json_integer_value(val) > INT32_MAX - 1) {
             err_set(err, cap, "%s: model.vocab[\"%s\"] is not a non-negative integer id", path,
-                        key);
+                    key);
             return -EINVAL;
         }
         if (json_integer_value(val) > max_id) max_id = json_integer_value(val);
@@ -664,9 +659,9 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
         if (!json_is_integer(id) || json_integer_value(id) < 0 ||
             json_integer_value(id) > INT32_MAX - 1 || !content) {
             err_set(err, cap,
-                        "%s: added_tokens[%zu] needs an integer \"id\" >= 0 and a string "
-                        "\"content\"",
-                        path, i);
+                    "%s: added_tokens[%zu] needs an integer \"id\" >= 0 and a string "
+                    "\"content\"",
+                    path, i);
             return -EINVAL;
         }
         if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
@@ -677,7 +672,7 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
     }
     if (max_id >= TOK_MAX_ID) {
         err_set(err, cap, "%s: token id %lld is too large (ids below %d are supported)", path,
-                    (long long)max_id, TOK_MAX_ID);
+                (long long)max_id, TOK_MAX_ID);
         return -EINVAL;
     }
     t->n_ids = (int32_t)(max_id + 1);
@@ -748,9 +743,9 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
             const char *sp = strchr(s, ' ');
             if (!sp || strchr(sp + 1, ' ')) {
                 err_set(err, cap,
-                            "%s: merges[%zu] \"%s\" is not two tokens separated by one "
-                            "space",
-                            path, i, s);
+                        "%s: merges[%zu] \"%s\" is not two tokens separated by one "
+                        "space",
+                        path, i, s);
                 rc = -EINVAL;
                 break;
             }
@@ -779,11 +774,11 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
         }
         int32_t inew = tok_lookup_piece(t, (const char *)joined.v, joined.n, &scratch);
         if (ia < 0 || ib < 0 || inew < 0) {
-            err_set(err, cap, "%s: merges[%zu] (\"%.*s\", \"%.*s\"): %s is not in the vocab",
-                        path, i, (int)la, a, (int)lb, b,
-                        ia < 0   ? "the first token"
-                        : ib < 0 ? "the second token"
-                                 : "the merged token");
+            err_set(err, cap, "%s: merges[%zu] (\"%.*s\", \"%.*s\"): %s is not in the vocab", path,
+                    i, (int)la, a, (int)lb, b,
+                    ia < 0   ? "the first token"
+                    : ib < 0 ? "the second token"
+                             : "the merged token");
             rc = -EINVAL;
             break;
         }
@@ -863,7 +858,7 @@ static int tok_check_decoder(const char *path, json_t *d, const char *what, char
     const char *type = json_string_value(json_object_get(d, "type"));
     if (type && strcmp(type, "ByteLevel") == 0) return 0;
     err_set(err, cap, "%s: unsupported %s type \"%s\" (supported: ByteLevel, null)", path, what,
-                type ? type : "(missing)");
+            type ? type : "(missing)");
     return -ENOTSUP;
 }
 
@@ -915,14 +910,14 @@ static int tok_parse_config(tokenizer *t, const char *dir, char *err, size_t cap
         const char *s = cfg_token_text(v);
         if (!s) {
             err_set(err, cap, "%s: %s is neither a string nor an object with \"content\"", path,
-                        specs[k].key);
+                    specs[k].key);
             rc = -EINVAL;
             goto out;
         }
         *specs[k].id = tokenizer_token_id(t, s);
         if (*specs[k].id < 0) {
-            err_set(err, cap, "%s: %s \"%s\" is not a token of tokenizer.json", path,
-                        specs[k].key, s);
+            err_set(err, cap, "%s: %s \"%s\" is not a token of tokenizer.json", path, specs[k].key,
+                    s);
             rc = -EINVAL;
             goto out;
         }
@@ -1030,9 +1025,9 @@ int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap) 
         for (int k = 0; k < t->n_pre; k++)
             byte_level |= t->pre[k].kind == PRE_BYTE_LEVEL;
         if (!byte_level) {
-            err_set(
-                err, err_cap,
-                "%s: pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)", path);
+            err_set(err, err_cap,
+                    "%s: pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)",
+                    path);
             rc = -ENOTSUP;
         }
     }
@@ -1554,9 +1549,9 @@ int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_
     size_t bad = tokenizer_utf8_check(text, len);
     if (bad != len) {
         err_set(err, err_cap,
-                    "invalid UTF-8 at byte offset %zu (byte 0x%02X); input must be "
-                    "valid UTF-8",
-                    bad, (unsigned)(uint8_t)text[bad]);
+                "invalid UTF-8 at byte offset %zu (byte 0x%02X); input must be "
+                "valid UTF-8",
+                bad, (unsigned)(uint8_t)text[bad]);
         return -EILSEQ;
     }
     tok_ids out = {0};
@@ -1602,9 +1597,9 @@ int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip
         int32_t id = ids[i];
         if (!tok_id_ok(t, id)) {
             err_set(err, err_cap,
-                        "token id %d at position %zu is not in the vocabulary "
-                        "(ids are 0..%d)",
-                        id, i, t->n_ids - 1);
+                    "token id %d at position %zu is not in the vocabulary "
+                    "(ids are 0..%d)",
+                    id, i, t->n_ids - 1);
             rc = -EINVAL;
             break;
         }

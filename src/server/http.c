@@ -240,8 +240,8 @@ static void http_dispatch(hs_req *req, void *arg) {
     const char *path = hs_req_path(req);
     const char *mname = hs_req_head(req)->method;
     int method = !strcmp(mname, "GET") || !strcmp(mname, "HEAD") ? ROUTE_GET
-                 : !strcmp(mname, "POST")                         ? ROUTE_POST
-                                                                  : 0;
+                 : !strcmp(mname, "POST")                        ? ROUTE_POST
+                                                                 : 0;
     const route *match = NULL;
     for (size_t i = 0; i < NROUTES; i++)
         if (!strcmp(path, ROUTES[i].path)) {
@@ -492,7 +492,7 @@ out:
     s->eng = NULL;                      /* close callbacks below must not abort */
     gen_drop_events(s);                 /* events of requests that are freed next */
     gen_free_live(s);
-    prep_free(s);           /* before hs_server_free: the requests it holds are answered */
+    prep_free(s);            /* before hs_server_free: the requests it holds are answered */
     hs_server_free(s->http); /* closes every connection */
     if (s->tmpl) chat_template_free(s->tmpl);
     if (s->tok) tokenizer_free(s->tok);

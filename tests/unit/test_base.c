@@ -112,7 +112,6 @@ static void test_err(void **state) {
     assert_int_equal(err_fail(NULL, 0, -ENOENT, "x"), -ENOENT);
 }
 
-
 /* ---- acceptor ------------------------------------------------------------ */
 
 typedef struct echo_srv {
@@ -171,8 +170,12 @@ static void test_acceptor(void **state) {
     echo_srv e = {0};
     uint16_t port;
     int lfd = listen_any(&port);
-    acceptor_cfg cfg = {.what = "test connection", .max_conns = 2, .nodelay = 1,
-                        .shutdown_on_stop = 1, .serve = echo_serve, .ctx = &e};
+    acceptor_cfg cfg = {.what = "test connection",
+                        .max_conns = 2,
+                        .nodelay = 1,
+                        .shutdown_on_stop = 1,
+                        .serve = echo_serve,
+                        .ctx = &e};
     acceptor *a = NULL;
     assert_int_equal(acceptor_start(&lfd, 1, &cfg, &a), 0);
     int c1 = dial(port), c2 = dial(port);

@@ -31,8 +31,8 @@ typedef struct fixture {
     struct event *stop_ev;
     int stop_pipe[2]; /* written by stop(): the loop thread breaks */
     pthread_t thread;
-    int counts[3];      /* on_deadline calls by hs_deadline_kind (loop thread; read after join) */
-    int add_header_rc;  /* hs_req_add_header with a CR in the value */
+    int counts[3];     /* on_deadline calls by hs_deadline_kind (loop thread; read after join) */
+    int add_header_rc; /* hs_req_add_header with a CR in the value */
 } fixture;
 
 static void on_deadline(void *arg, hs_deadline_kind kind) {

@@ -211,7 +211,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_and_decode_bodies),
         cmocka_unit_test(test_query_table),
-        cmocka_unit_test(test_urls),         cmocka_unit_test(test_policies),
+        cmocka_unit_test(test_urls),
+        cmocka_unit_test(test_policies),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -50,7 +50,7 @@ struct bootstrap_server {
     size_t n_workers; /* total over engines, <= BOOTSTRAP_MAX_WORKERS */
     char secret[256]; /* /register's shared secret, "" = none */
     atomic_ulong auth_rejected;
-    time_t auth_logged;      /* last refusal log line (server thread only) */
+    time_t auth_logged; /* last refusal log line (server thread only) */
 };
 
 #define STR_(x) #x

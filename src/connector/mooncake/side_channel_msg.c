@@ -47,7 +47,6 @@ static void arena_free(void *arena) {
     }
 }
 
-
 /* ---- pre-scan ------------------------------------------------------------
  * Walks one msgpack object without allocating, so that msgpack-c's unpacker
  * (which allocates a container's elements from its declared count) never sees
