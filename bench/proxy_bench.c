@@ -15,8 +15,8 @@
 
 #include "base/clock.h"
 #include "base/log.h"
-#include "proxy/http_client.h"
-#include "proxy/http_server.h"
+#include "base/http_client.h"
+#include "base/http_server.h"
 #include "proxy/proxy.h"
 
 #include <errno.h>

@@ -1,7 +1,7 @@
 /*
  * fuzz_bootstrap_server — bytes from the network to the Mooncake bootstrap
  * server (PROTOCOL.md §2), which listens for any host: a real
- * bootstrap_server runs in this process (its evhttp thread) and each input
+ * bootstrap_server runs in this process (its event-loop thread) and each input
  * goes to it over a loopback connection.  Input byte 0 picks the shape: even,
  * the rest is a raw HTTP request (libevent's parser and our routing); odd, the
  * rest is the body of a well-formed POST /register (our register-body

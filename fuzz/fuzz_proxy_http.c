@@ -1,6 +1,6 @@
-/* fuzz-requires: src/proxy/http_msg.h
+/* fuzz-requires: src/base/http_msg.h
  *
- * fuzz_proxy_http — the proxy's own HTTP/1.1 parser (src/proxy/http_msg.c),
+ * fuzz_proxy_http — the HTTP/1.1 parser of base/ (src/base/http_msg.c),
  * which reads client requests (the proxy is the front door) and upstream
  * responses: http_head_parse and the body framing (Content-Length, chunked,
  * until close).  Input byte 0: bit 0 request (1) or response (0), bit 1 the
@@ -15,7 +15,7 @@
  */
 #include "fuzz/fuzz_util.h"
 
-#include "proxy/http_msg.h"
+#include "base/http_msg.h"
 
 #include <event2/buffer.h>
 #include <stdio.h>

@@ -84,8 +84,8 @@ void fuzz_remove_file(const char *dir, const char *name) {
     unlink(path);
 }
 
-long fuzz_exchange(uint16_t port, const void *data, size_t len, char *reply, size_t cap,
-                   int timeout_ms) {
+static long exchange(uint16_t port, const void *data, size_t len, char *reply, size_t cap,
+                     int timeout_ms, int half_close) {
     /* Non-blocking from the start: libFuzzer's -timeout alarm (SIGALRM every
      * second) must not be able to interrupt a blocking connect. */
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -116,7 +116,7 @@ long fuzz_exchange(uint16_t port, const void *data, size_t len, char *reply, siz
     char sink[4096];
     for (;;) {
         if (wr_open && sent == len) {
-            shutdown(fd, SHUT_WR);
+            if (half_close) shutdown(fd, SHUT_WR);
             wr_open = 0;
         }
         struct pollfd pfd = {.fd = fd, .events = POLLIN | (wr_open ? POLLOUT : 0)};
@@ -143,6 +143,16 @@ long fuzz_exchange(uint16_t port, const void *data, size_t len, char *reply, siz
     }
     close(fd);
     return got;
+}
+
+long fuzz_exchange(uint16_t port, const void *data, size_t len, char *reply, size_t cap,
+                   int timeout_ms) {
+    return exchange(port, data, len, reply, cap, timeout_ms, 1);
+}
+
+long fuzz_exchange_open(uint16_t port, const void *data, size_t len, char *reply, size_t cap,
+                        int timeout_ms) {
+    return exchange(port, data, len, reply, cap, timeout_ms, 0);
 }
 
 void fuzz_quiet_logs(void) {

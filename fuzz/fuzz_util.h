@@ -37,6 +37,12 @@ void fuzz_remove_file(const char *dir, const char *name);
  * -1 when the connection itself failed (which aborts: the server must be up). */
 long fuzz_exchange(uint16_t port, const void *data, size_t len, char *reply, size_t cap,
                    int timeout_ms);
+/* The same without the half-close (the write side stays open until the
+ * server closes): for a complete request whose answer takes a while, since
+ * an HTTP server takes a client's EOF for its going away (nginx, uvicorn and
+ * base/http_server do) and drops the request. */
+long fuzz_exchange_open(uint16_t port, const void *data, size_t len, char *reply, size_t cap,
+                        int timeout_ms);
 
 /* Quiet logs (errors only) unless DISAGG_LOG_LEVEL is set. */
 void fuzz_quiet_logs(void);

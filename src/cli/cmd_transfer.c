@@ -13,7 +13,7 @@
  * (pattern_bytes) and must agree with it:
  *   buffers are ranked k = 0, 1, ... by ascending address;
  *   byte i of buffer k = (uint8)(splitmix64(seed + (k << 40) + i / 8) >> (8 * (i % 8)))
- *   splitmix64(x): z = x + 0x9E3779B97F4A7C15;
+ *   splitmix64(x) (base/rng.h rng_mix64): z = x + 0x9E3779B97F4A7C15;
  *                  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
  *                  z = (z ^ (z >> 27)) * 0x94D049BB133111EB;  return z ^ (z >> 31)
  * i.e. buffer k, read as little-endian u64 words, holds splitmix64(seed + (k<<40) + w).
@@ -30,6 +30,7 @@
 #include "base/clock.h"
 #include "base/stop_signal.h"
 #include "base/net.h"
+#include "base/rng.h"
 #include "disagg/transfer.h"
 
 #include <ctype.h>
@@ -58,28 +59,21 @@
 
 /* ==== pattern ============================================================= */
 
-static uint64_t splitmix64(uint64_t x) {
-    uint64_t z = x + 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* Writes bytes [offset, offset+len) of buffer k's pattern into dst. */
 static void pattern_fill(uint8_t *dst, uint64_t seed, uint64_t k, uint64_t offset, size_t len) {
     uint64_t base = seed + (k << 40);
     size_t i = 0;
     while (i < len && ((offset + i) & 7)) {
         uint64_t o = offset + i;
-        dst[i++] = (uint8_t)(splitmix64(base + (o >> 3)) >> (8 * (o & 7)));
+        dst[i++] = (uint8_t)(rng_mix64(base + (o >> 3)) >> (8 * (o & 7)));
     }
     for (; i + 8 <= len; i += 8) {
-        uint64_t w = htole64(splitmix64(base + ((offset + i) >> 3)));
+        uint64_t w = htole64(rng_mix64(base + ((offset + i) >> 3)));
         memcpy(dst + i, &w, 8);
     }
     while (i < len) {
         uint64_t o = offset + i;
-        dst[i++] = (uint8_t)(splitmix64(base + (o >> 3)) >> (8 * (o & 7)));
+        dst[i++] = (uint8_t)(rng_mix64(base + (o >> 3)) >> (8 * (o & 7)));
     }
 }
 
@@ -87,22 +81,22 @@ static void pattern_fill(uint8_t *dst, uint64_t seed, uint64_t k, uint64_t offse
 static void random_fill(uint8_t *dst, size_t len, uint64_t *state) {
     size_t i = 0;
     for (; i + 8 <= len; i += 8) {
-        uint64_t w = splitmix64((*state)++);
+        uint64_t w = rng_mix64((*state)++);
         memcpy(dst + i, &w, 8);
     }
     if (i < len) {
-        uint64_t w = splitmix64((*state)++);
+        uint64_t w = rng_mix64((*state)++);
         memcpy(dst + i, &w, len - i);
     }
 }
 
-static uint64_t rng_next(uint64_t *state) {
-    return splitmix64((*state)++);
+static uint64_t pick_next(uint64_t *state) {
+    return rng_mix64((*state)++);
 }
 /* Uniform in [lo, hi] (hi >= lo). */
-static uint64_t rng_range(uint64_t *state, uint64_t lo, uint64_t hi) {
+static uint64_t pick_range(uint64_t *state, uint64_t lo, uint64_t hi) {
     uint64_t span = hi - lo + 1;
-    return span == 0 ? rng_next(state) : lo + rng_next(state) % span;
+    return span == 0 ? pick_next(state) : lo + pick_next(state) % span;
 }
 
 /* ==== option parsing ====================================================== */
@@ -838,17 +832,17 @@ static bool check_compare(check_ctx *c, const check_range *r, const uint8_t *got
 
 static uint64_t check_pick_len(check_ctx *c, uint64_t limit) {
     uint64_t max = c->p->max_length < limit ? c->p->max_length : limit;
-    switch (rng_next(&c->rng) % 4) {
+    switch (pick_next(&c->rng) % 4) {
     case 0:
-        return rng_range(&c->rng, 1, max < 64 ? max : 64);
+        return pick_range(&c->rng, 1, max < 64 ? max : 64);
     case 1:
-        return rng_range(&c->rng, 1, max);
+        return pick_range(&c->rng, 1, max);
     default: { /* log-uniform */
         int bits = 0;
         while (bits < 63 && (1ull << (bits + 1)) <= max)
             bits++;
-        uint64_t hi = 1ull << rng_range(&c->rng, 0, (uint64_t)bits);
-        return rng_range(&c->rng, hi / 2 + 1 > max ? 1 : hi / 2 + 1, hi > max ? max : hi);
+        uint64_t hi = 1ull << pick_range(&c->rng, 0, (uint64_t)bits);
+        return pick_range(&c->rng, hi / 2 + 1 > max ? 1 : hi / 2 + 1, hi > max ? max : hi);
     }
     }
 }
@@ -902,10 +896,10 @@ static bool check_round(check_ctx *c, uint64_t round) {
     size_t want = c->p->batch;
     for (size_t tries = 0; n < want && tries < want * 8; tries++) {
         check_range r;
-        r.k = rng_next(&c->rng) % c->s->buffers;
+        r.k = pick_next(&c->rng) % c->s->buffers;
         uint64_t span = c->span[r.k];
         r.len = check_pick_len(c, span);
-        uint64_t where = rng_next(&c->rng) % 8;
+        uint64_t where = pick_next(&c->rng) % 8;
         if (round == 0 && n == 0)
             r.off = 0; /* the edges on the first round */
         else if (round == 0 && n == 1)
@@ -915,8 +909,8 @@ static bool check_round(check_ctx *c, uint64_t round) {
         else if (where == 1)
             r.off = span - r.len;
         else
-            r.off = rng_range(&c->rng, 0, span - r.len);
-        r.op = (rng_next(&c->rng) & 1) ? TRANSFER_WRITE : TRANSFER_READ;
+            r.off = pick_range(&c->rng, 0, span - r.len);
+        r.op = (pick_next(&c->rng) & 1) ? TRANSFER_WRITE : TRANSFER_READ;
         bool clash = false;
         for (size_t i = 0; i < n && !clash; i++)
             clash = ranges_overlap(&r, &rs[i]);

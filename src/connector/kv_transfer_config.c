@@ -3,7 +3,9 @@
 #include "connector/kv_transfer_config.h"
 
 #include "base/auth.h"
+#include "base/err.h"
 #include "base/text.h"
+#include "base/uuid.h"
 
 #include "base/log.h"
 #include "base/net.h"
@@ -18,7 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 
 #define MOD "kv-config"
 
@@ -113,16 +114,6 @@ static const char *did_you_mean(const char *s, const char *const *names, size_t 
     return NULL;
 }
 
-static void set_err(char *err, size_t cap, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t cap, const char *fmt, ...) {
-    if (!err || cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, cap, fmt, ap);
-    va_end(ap);
-}
-
 /* "a, b, c" of names[] into buf. */
 static const char *join_names(const char *const *names, size_t n, char *buf, size_t cap) {
     size_t off = 0;
@@ -207,7 +198,7 @@ static int parse_enum(const char *key, const json_t *v, const char *const *names
                       int *out, char *err, size_t cap) {
     char list[256], shown[96];
     if (!json_is_string(v)) {
-        set_err(err, cap, "kv-transfer-config: %s: %s is %s, not a string; accepted: %s", key,
+        err_set(err, cap, "kv-transfer-config: %s: %s is %s, not a string; accepted: %s", key,
                 json_short(v, shown, sizeof shown), text_json_kind(v),
                 join_names(names, n, list, sizeof list));
         return KV_CONFIG_EINVAL;
@@ -219,34 +210,10 @@ static int parse_enum(const char *key, const json_t *v, const char *const *names
         return 0;
     }
     const char *hint = did_you_mean(s, names, n);
-    set_err(err, cap, "kv-transfer-config: %s: '%s' is not accepted%s%s%s; accepted: %s", key, s,
+    err_set(err, cap, "kv-transfer-config: %s: '%s' is not accepted%s%s%s; accepted: %s", key, s,
             hint ? " (did you mean '" : "", hint ? hint : "", hint ? "'?)" : "",
             join_names(names, n, list, sizeof list));
     return KV_CONFIG_EINVAL;
-}
-
-int kv_config_uuid4(char buf[37]) {
-    unsigned char b[16];
-    size_t got = 0;
-    while (got < sizeof b) {
-        ssize_t r = getrandom(b + got, sizeof b - got, 0);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        got += (size_t)r;
-    }
-    b[6] = (unsigned char)((b[6] & 0x0f) | 0x40); /* version 4 */
-    b[8] = (unsigned char)((b[8] & 0x3f) | 0x80); /* RFC 4122 variant */
-    static const char hex[] = "0123456789abcdef";
-    int o = 0;
-    for (int i = 0; i < 16; i++) {
-        if (i == 4 || i == 6 || i == 8 || i == 10) buf[o++] = '-';
-        buf[o++] = hex[b[i] >> 4];
-        buf[o++] = hex[b[i] & 15];
-    }
-    buf[o] = '\0';
-    return 0;
 }
 
 /* ---- kv_connector_extra_config ------------------------------------------ */
@@ -259,7 +226,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
         if (strcmp(key, "num_workers") == 0) {
             if (!json_is_integer(v) || json_integer_value(v) < 1 ||
                 json_integer_value(v) > KV_CONFIG_NUM_WORKERS_MAX) {
-                set_err(err, cap,
+                err_set(err, cap,
                         "kv-transfer-config: kv_connector_extra_config.num_workers: %s is not "
                         "accepted; accepted: an integer from 1 to %d (default %d)",
                         json_short(v, shown, sizeof shown), KV_CONFIG_NUM_WORKERS_MAX,
@@ -275,7 +242,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
             c->protocol = (kv_protocol)p;
         } else if (strcmp(key, "device_name") == 0) {
             if (!json_is_string(v) || strlen(json_string_value(v)) >= sizeof c->device_name) {
-                set_err(err, cap,
+                err_set(err, cap,
                         "kv-transfer-config: kv_connector_extra_config.device_name: %s is not "
                         "accepted; accepted: a string of interface/NIC names (comma-separated, "
                         "\"\" = all), shorter than %zu bytes",
@@ -289,7 +256,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
             char host[256];
             uint16_t port = 0;
             if (!s || net_split_host_port(s, host, sizeof host, &port, 0) != 0 || !host[0]) {
-                set_err(err, cap,
+                err_set(err, cap,
                         "kv-transfer-config: kv_connector_extra_config.bootstrap_server_address: "
                         "%s is not accepted; accepted: \"host:port\" (port 1..65535, IPv6 as "
                         "\"[addr]:port\")",
@@ -303,7 +270,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
             const char *sv = json_is_string(v) ? json_string_value(v) : NULL;
             size_t n = sv ? json_string_length(v) : 0;
             if (!sv || n == 0 || n >= sizeof c->auth_secret || strlen(sv) != n) {
-                set_err(err, cap,
+                err_set(err, cap,
                         "kv-transfer-config: kv_connector_extra_config.auth_secret: %s is not "
                         "accepted; accepted: a non-empty string without NUL bytes, shorter than "
                         "%zu bytes (or leave it out: then $%s, else no authentication)",
@@ -317,7 +284,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
         } else if (strcmp(key, "max_pending_pulls") == 0) {
             if (!json_is_integer(v) || json_integer_value(v) < 1 ||
                 json_integer_value(v) > KV_CONFIG_PENDING_PULLS_MAX) {
-                set_err(err, cap,
+                err_set(err, cap,
                         "kv-transfer-config: kv_connector_extra_config.max_pending_pulls: %s is "
                         "not accepted; accepted: an integer from 1 to %d (default %d)",
                         json_short(v, shown, sizeof shown), KV_CONFIG_PENDING_PULLS_MAX,
@@ -342,7 +309,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
 static int parse_connector(const json_t *v, kv_transfer_config *c, char *err, size_t cap) {
     char shown[96];
     if (!v || json_is_null(v)) {
-        set_err(err, cap, "kv-transfer-config: kv_connector is required; accepted: \"%s\"",
+        err_set(err, cap, "kv-transfer-config: kv_connector is required; accepted: \"%s\"",
                 SUPPORTED_CONNECTOR);
         return KV_CONFIG_EINVAL;
     }
@@ -352,7 +319,7 @@ static int parse_connector(const json_t *v, kv_transfer_config *c, char *err, si
         return 0;
     }
     if (find_name(s, OTHER_CONNECTORS, N_OTHER_CONNECTORS) >= 0) {
-        set_err(err, cap,
+        err_set(err, cap,
                 "kv-transfer-config: kv_connector: '%s' is a vLLM connector that disagg does not "
                 "implement; accepted: \"%s\"",
                 s, SUPPORTED_CONNECTOR);
@@ -360,7 +327,7 @@ static int parse_connector(const json_t *v, kv_transfer_config *c, char *err, si
     }
     const char *names[1] = {SUPPORTED_CONNECTOR};
     const char *hint = did_you_mean(s, names, 1);
-    set_err(err, cap,
+    err_set(err, cap,
             "kv-transfer-config: kv_connector: %s is not a known connector%s%s%s; "
             "accepted: \"%s\"",
             json_short(v, shown, sizeof shown), hint ? " (did you mean '" : "", hint ? hint : "",
@@ -370,10 +337,7 @@ static int parse_connector(const json_t *v, kv_transfer_config *c, char *err, si
 
 static int parse_engine_id(const json_t *v, kv_transfer_config *c, char *err, size_t cap) {
     if (!v || json_is_null(v)) {
-        if (kv_config_uuid4(c->engine_id) != 0) {
-            set_err(err, cap, "kv-transfer-config: engine_id: cannot generate a uuid4");
-            return KV_CONFIG_EINVAL;
-        }
+        uuid4(c->engine_id);
         c->engine_id_generated = 1;
         return 0;
     }
@@ -384,7 +348,7 @@ static int parse_engine_id(const json_t *v, kv_transfer_config *c, char *err, si
         if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f) printable = 0;
     if (n == 0 || n >= sizeof c->engine_id || !printable) {
         char shown[96];
-        set_err(err, cap,
+        err_set(err, cap,
                 "kv-transfer-config: engine_id: %s is not accepted; accepted: a non-empty string "
                 "of at most %zu bytes without control characters, or null/absent for a uuid4",
                 json_short(v, shown, sizeof shown), sizeof c->engine_id - 1);
@@ -404,13 +368,13 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     c.max_pending_pulls = KV_CONFIG_PENDING_PULLS_DEFAULT;
     if (err && err_cap) err[0] = '\0';
     if (!json_text) {
-        set_err(err, err_cap, "kv-transfer-config: missing (NULL) text");
+        err_set(err, err_cap, "kv-transfer-config: missing (NULL) text");
         return KV_CONFIG_EINVAL;
     }
     json_error_t jerr;
     json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
     if (!root) {
-        set_err(err, err_cap,
+        err_set(err, err_cap,
                 "kv-transfer-config: not valid JSON (line %d, column %d: %s); accepted: a JSON "
                 "object such as {\"kv_connector\":\"MooncakeConnector\",\"kv_role\":"
                 "\"kv_producer\"}",
@@ -420,7 +384,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     int rc = KV_CONFIG_EINVAL;
     char shown[96];
     if (!json_is_object(root)) {
-        set_err(err, err_cap, "kv-transfer-config: the value is %s; accepted: a JSON object",
+        err_set(err, err_cap, "kv-transfer-config: the value is %s; accepted: a JSON object",
                 text_json_kind(root));
         goto out;
     }
@@ -437,13 +401,13 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
                 names[i] = TOP_KEYS[i].name;
             const char *hint = did_you_mean(key, names, N_TOP_KEYS);
             char list[512];
-            set_err(err, err_cap, "kv-transfer-config: unknown key '%s'%s%s%s; accepted keys: %s",
+            err_set(err, err_cap, "kv-transfer-config: unknown key '%s'%s%s%s; accepted keys: %s",
                     key, hint ? " (did you mean '" : "", hint ? hint : "", hint ? "'?)" : "",
                     join_names(names, N_TOP_KEYS, list, sizeof list));
             goto out;
         }
         if (!type_ok(v, k->type)) {
-            set_err(err, err_cap, "kv-transfer-config: %s: %s is %s; accepted: %s", key,
+            err_set(err, err_cap, "kv-transfer-config: %s: %s is %s; accepted: %s", key,
                     json_short(v, shown, sizeof shown), text_json_kind(v), type_want(k->type));
             goto out;
         }
@@ -453,7 +417,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     if (parse_connector(json_object_get(root, "kv_connector"), &c, err, err_cap)) goto out;
     v = json_object_get(root, "kv_role");
     if (!v || json_is_null(v)) {
-        set_err(err, err_cap,
+        err_set(err, err_cap,
                 "kv-transfer-config: kv_role is required with kv_connector; accepted: "
                 "kv_producer, kv_consumer, kv_both");
         goto out;
@@ -473,7 +437,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     if (!c.auth_secret[0]) { /* the key wins; else the environment */
         const char *env = auth_secret_resolve(NULL);
         if (env && strlen(env) >= sizeof c.auth_secret) {
-            set_err(err, err_cap,
+            err_set(err, err_cap,
                     "%s is not accepted: %zu bytes; accepted: a non-empty secret shorter than %zu "
                     "bytes",
                     AUTH_SECRET_ENV, strlen(env), sizeof c.auth_secret);
@@ -540,7 +504,7 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
         errno = 0;
         long p = strtol(s, &end, 10);
         if (errno || !isdigit((unsigned char)s[0]) || end == s || *end || p < 1 || p > 65535) {
-            set_err(err, err_cap,
+            err_set(err, err_cap,
                     "VLLM_MOONCAKE_BOOTSTRAP_PORT='%s' is not accepted; accepted: a port number "
                     "from 1 to 65535 (default %d)",
                     s, KV_ENV_BOOTSTRAP_PORT_DEFAULT);
@@ -550,7 +514,7 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
     }
     s = env_value("VLLM_MOONCAKE_CONNECTOR_TIMEOUT");
     if (s && parse_positive_seconds(s, &e.connector_timeout_s)) {
-        set_err(err, err_cap,
+        err_set(err, err_cap,
                 "VLLM_MOONCAKE_CONNECTOR_TIMEOUT='%s' is not accepted; accepted: seconds, a "
                 "number > 0 (default 30.0)",
                 s);
@@ -558,7 +522,7 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
     }
     s = env_value("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT");
     if (s && parse_positive_seconds(s, &e.abort_request_timeout_s)) {
-        set_err(err, err_cap,
+        err_set(err, err_cap,
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT='%s' is not accepted; accepted: seconds, a "
                 "number > 0 (default 480)",
                 s);
@@ -566,7 +530,7 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
     }
     s = env_value("DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT");
     if (s && parse_positive_seconds(s, &e.unknown_transfer_timeout_s)) {
-        set_err(err, err_cap,
+        err_set(err, err_cap,
                 "DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT='%s' is not accepted; accepted: seconds, a "
                 "number > 0 (default 30)",
                 s);
@@ -577,7 +541,7 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
         unsigned char buf[sizeof(struct in6_addr)];
         if (strlen(s) >= sizeof e.host_ip ||
             (inet_pton(AF_INET, s, buf) != 1 && inet_pton(AF_INET6, s, buf) != 1)) {
-            set_err(err, err_cap,
+            err_set(err, err_cap,
                     "VLLM_HOST_IP='%s' is not accepted; accepted: a numeric IPv4 or IPv6 address "
                     "of this host (unset = detect)",
                     s);
@@ -588,7 +552,7 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap) {
     s = env_value("WITH_NVIDIA_PEERMEM");
     if (s) {
         if (strcmp(s, "0") != 0 && strcmp(s, "1") != 0) {
-            set_err(err, err_cap,
+            err_set(err, err_cap,
                     "WITH_NVIDIA_PEERMEM='%s' is not accepted; accepted: 1 (ibv_reg_mr through "
                     "nvidia-peermem) or 0 (DMA-BUF)",
                     s);

@@ -116,7 +116,4 @@ int kv_transfer_env_load(kv_transfer_env *out, char *err, size_t err_cap);
 /* Levenshtein distance of a and b (ASCII, bytes); exposed for tests. */
 int kv_config_edit_distance(const char *a, const char *b);
 
-/* Writes a random (version 4) UUID, 36 chars + NUL, into buf[37]. */
-int kv_config_uuid4(char buf[37]);
-
 #endif

@@ -10,6 +10,8 @@
  */
 #include "model/chat_template.h"
 
+#include "base/err.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -89,16 +91,6 @@ static const char QWEN25_TEMPLATE[] =
 static const char QWEN25_DEFAULT_SYSTEM[] =
     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
 
-static void ct_set_err(char *err, size_t cap, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void ct_set_err(char *err, size_t cap, const char *fmt, ...) {
-    if (!err || cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, cap, fmt, ap);
-    va_end(ap);
-}
-
 /* ======================================================================
  * string builder
  * ====================================================================== */
@@ -168,9 +160,9 @@ static char *ct_normalize(const char *s) {
 int chat_template_init(const char *text, chat_template **out, char *err, size_t err_cap) {
     *out = NULL;
     if (!text) {
-        ct_set_err(err, err_cap,
-                   "the model has no chat template (no \"chat_template\" in "
-                   "tokenizer_config.json); use the completions API with a raw prompt");
+        err_set(err, err_cap,
+                "the model has no chat template (no \"chat_template\" in "
+                "tokenizer_config.json); use the completions API with a raw prompt");
         return -EINVAL;
     }
     char *a = ct_normalize(text), *b = ct_normalize(QWEN25_TEMPLATE);
@@ -178,11 +170,11 @@ int chat_template_init(const char *text, chat_template **out, char *err, size_t 
     if (!a || !b) {
         rc = -ENOMEM;
     } else if (strcmp(a, b) != 0) {
-        ct_set_err(err, err_cap,
-                   "unsupported chat template (%zu bytes, starting \"%.60s\"): only the "
-                   "Qwen2.5 Instruct ChatML template is rendered natively; use the completions "
-                   "API with a prompt formatted by the client",
-                   strlen(text), text);
+        err_set(err, err_cap,
+                "unsupported chat template (%zu bytes, starting \"%.60s\"): only the "
+                "Qwen2.5 Instruct ChatML template is rendered natively; use the completions "
+                "API with a prompt formatted by the client",
+                strlen(text), text);
         rc = -ENOTSUP;
     }
     free(a);
@@ -397,10 +389,10 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
             const char *type = json_string_value(json_object_get(p, "type"));
             json_t *t = json_object_get(p, "text");
             if (!type || strcmp(type, "text") != 0 || !json_is_string(t)) {
-                ct_set_err(err, cap,
-                           "messages[%zu].content[%zu]: unsupported content part (type \"%s\"); "
-                           "accepted: {\"type\": \"text\", \"text\": string}",
-                           idx, i, type ? type : "(missing)");
+                err_set(err, cap,
+                        "messages[%zu].content[%zu]: unsupported content part (type \"%s\"); "
+                        "accepted: {\"type\": \"text\", \"text\": string}",
+                        idx, i, type ? type : "(missing)");
                 free(b.v);
                 return -EINVAL;
             }
@@ -408,8 +400,8 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
             ct_put(&b, json_string_value(t), json_string_length(t));
         }
     } else {
-        ct_set_err(err, cap, "messages[%zu].content must be a string, null or a list of text parts",
-                   idx);
+        err_set(err, cap, "messages[%zu].content must be a string, null or a list of text parts",
+                idx);
         free(b.v);
         return -EINVAL;
     }
@@ -424,7 +416,7 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
 
 static int ct_collect(const json_t *messages, ct_msg **out, size_t *n_out, char *err, size_t cap) {
     if (!json_is_array(messages) || json_array_size(messages) == 0) {
-        ct_set_err(err, cap, "messages must be a non-empty array of message objects");
+        err_set(err, cap, "messages must be a non-empty array of message objects");
         return -EINVAL;
     }
     size_t n = json_array_size(messages);
@@ -435,16 +427,16 @@ static int ct_collect(const json_t *messages, ct_msg **out, size_t *n_out, char 
     for (size_t i = 0; i < n; i++) {
         const json_t *m = json_array_get(messages, i);
         if (!json_is_object(m)) {
-            ct_set_err(err, cap, "messages[%zu] is not an object", i);
+            err_set(err, cap, "messages[%zu] is not an object", i);
             return -EINVAL;
         }
         const char *role = json_string_value(json_object_get(m, "role"));
         if (!role || (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant") &&
                       strcmp(role, "tool"))) {
-            ct_set_err(err, cap,
-                       "messages[%zu].role \"%s\" is not supported; accepted: system, user, "
-                       "assistant, tool",
-                       i, role ? role : "(missing)");
+            err_set(err, cap,
+                    "messages[%zu].role \"%s\" is not supported; accepted: system, user, "
+                    "assistant, tool",
+                    i, role ? role : "(missing)");
             return -EINVAL;
         }
         ms[i].role = role;
@@ -452,12 +444,12 @@ static int ct_collect(const json_t *messages, ct_msg **out, size_t *n_out, char 
         if (rc) return rc;
         const json_t *tc = json_object_get(m, "tool_calls");
         if (tc && !json_is_null(tc) && !json_is_array(tc)) {
-            ct_set_err(err, cap, "messages[%zu].tool_calls must be an array", i);
+            err_set(err, cap, "messages[%zu].tool_calls must be an array", i);
             return -EINVAL;
         }
         if (json_array_size(tc) > 0) {
             if (strcmp(role, "assistant") != 0) {
-                ct_set_err(err, cap, "messages[%zu]: only assistant messages have tool_calls", i);
+                err_set(err, cap, "messages[%zu]: only assistant messages have tool_calls", i);
                 return -EINVAL;
             }
             ms[i].tool_calls = tc;
@@ -482,14 +474,14 @@ static int ct_tool_calls(ct_buf *b, const json_t *calls, size_t mi, bool parse_a
         const json_t *f = json_object_get(tc, "function");
         if (f) tc = (json_t *)f;
         if (!json_is_object(tc)) {
-            ct_set_err(err, cap, "messages[%zu].tool_calls[%zu]%s is not an object", mi, i,
-                       f ? ".function" : "");
+            err_set(err, cap, "messages[%zu].tool_calls[%zu]%s is not an object", mi, i,
+                    f ? ".function" : "");
             return -EINVAL;
         }
         const char *name = json_string_value(json_object_get(tc, "name"));
         if (!name) {
-            ct_set_err(err, cap, "messages[%zu].tool_calls[%zu]: function name must be a string",
-                       mi, i);
+            err_set(err, cap, "messages[%zu].tool_calls[%zu]: function name must be a string", mi,
+                    i);
             return -EINVAL;
         }
         const json_t *args = json_object_get(tc, "arguments");
@@ -503,15 +495,15 @@ static int ct_tool_calls(ct_buf *b, const json_t *calls, size_t mi, bool parse_a
             parsed =
                 json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, &je);
             if (!parsed) {
-                ct_set_err(err, cap,
-                           "messages[%zu].tool_calls[%zu]: arguments is not valid JSON (%s at "
-                           "column %d)",
-                           mi, i, je.text, je.column);
+                err_set(err, cap,
+                        "messages[%zu].tool_calls[%zu]: arguments is not valid JSON (%s at "
+                        "column %d)",
+                        mi, i, je.text, je.column);
                 return -EINVAL;
             }
             args = parsed;
         } else if (!args) {
-            ct_set_err(err, cap, "messages[%zu].tool_calls[%zu]: arguments is missing", mi, i);
+            err_set(err, cap, "messages[%zu].tool_calls[%zu]: arguments is missing", mi, i);
             return -EINVAL;
         }
         /* {{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
@@ -529,7 +521,7 @@ static int ct_tool_calls(ct_buf *b, const json_t *calls, size_t mi, bool parse_a
 static int ct_render_qwen25(const json_t *messages, const json_t *tools,
                             const chat_template_opts *o, ct_buf *b, char *err, size_t cap) {
     if (tools && !json_is_null(tools) && !json_is_array(tools)) {
-        ct_set_err(err, cap, "tools must be an array of tool objects or null");
+        err_set(err, cap, "tools must be an array of tool objects or null");
         return -EINVAL;
     }
     ct_msg *ms = NULL;
@@ -611,7 +603,7 @@ int chat_template_render(const chat_template *ct, const json_t *messages, const 
     int rc = ct_render_qwen25(messages, tools, opts, &b, err, err_cap);
     if (!rc && b.oom) rc = -ENOMEM;
     if (rc) {
-        if (rc == -ENOMEM) ct_set_err(err, err_cap, "chat template: out of memory");
+        if (rc == -ENOMEM) err_set(err, err_cap, "chat template: out of memory");
         free(b.v);
         return rc;
     }

@@ -5,6 +5,8 @@
  */
 #include "model/safetensors.h"
 
+#include "base/err.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -18,16 +20,6 @@
 #include <unistd.h>
 
 #define ST_MAX_HEADER (256u << 20)
-
-static int st_fail(char *err, size_t n, int rc, const char *fmt, ...) {
-    if (err && n) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, n, fmt, ap);
-        va_end(ap);
-    }
-    return rc;
-}
 
 static int st_dtype_size(const char *dt) {
     if (!strcmp(dt, "F32") || !strcmp(dt, "I32") || !strcmp(dt, "U32")) return 4;
@@ -43,27 +35,27 @@ static int st_dtype_size(const char *dt) {
 /* Maps one file and appends its tensors. */
 static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return st_fail(err, errlen, -errno, "%s: cannot open: %s", path, strerror(errno));
+    if (fd < 0) return err_fail(err, errlen, -errno, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         int e = errno;
         close(fd);
-        return st_fail(err, errlen, -e, "%s: stat failed: %s", path, strerror(e));
+        return err_fail(err, errlen, -e, "%s: stat failed: %s", path, strerror(e));
     }
     size_t size = (size_t)sb.st_size;
     if (size < 8) {
         close(fd);
-        return st_fail(err, errlen, -EINVAL,
-                       "%s: truncated safetensors file (%zu bytes, header needs 8)", path, size);
+        return err_fail(err, errlen, -EINVAL,
+                        "%s: truncated safetensors file (%zu bytes, header needs 8)", path, size);
     }
     void *map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (map == MAP_FAILED)
-        return st_fail(err, errlen, -errno, "%s: mmap failed: %s", path, strerror(errno));
+        return err_fail(err, errlen, -errno, "%s: mmap failed: %s", path, strerror(errno));
     st_file *nf = realloc(s->files, (size_t)(s->n_files + 1) * sizeof *nf);
     if (!nf) {
         munmap(map, size);
-        return st_fail(err, errlen, -ENOMEM, "out of memory");
+        return err_fail(err, errlen, -ENOMEM, "out of memory");
     }
     s->files = nf;
     int fi = s->n_files++;
@@ -72,7 +64,7 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
     uint64_t hlen;
     memcpy(&hlen, map, 8);
     if (hlen > ST_MAX_HEADER || hlen > size - 8)
-        return st_fail(
+        return err_fail(
             err, errlen, -EINVAL,
             "%s: corrupt or truncated safetensors file: header length %llu, file size %zu", path,
             (unsigned long long)hlen, size);
@@ -80,8 +72,8 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
     json_t *root = json_loadb((const char *)map + 8, (size_t)hlen, 0, &je);
     if (!root || !json_is_object(root)) {
         json_decref(root);
-        return st_fail(err, errlen, -EINVAL, "%s: corrupt safetensors header (JSON: %s)", path,
-                       root ? "not an object" : je.text);
+        return err_fail(err, errlen, -EINVAL, "%s: corrupt safetensors header (JSON: %s)", path,
+                        root ? "not an object" : je.text);
     }
     const char *data = (const char *)map + 8 + hlen;
     size_t data_size = size - 8 - (size_t)hlen;
@@ -94,8 +86,8 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
                *jo = json_object_get(v, "data_offsets");
         if (!json_is_string(jd) || !json_is_array(js) || !json_is_array(jo) ||
             json_array_size(jo) != 2 || json_array_size(js) > ST_MAX_DIMS) {
-            rc =
-                st_fail(err, errlen, -EINVAL, "%s: tensor '%s': malformed header entry", path, key);
+            rc = err_fail(err, errlen, -EINVAL, "%s: tensor '%s': malformed header entry", path,
+                          key);
             break;
         }
         st_tensor t = {0};
@@ -106,7 +98,7 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
         for (int d = 0; d < t.n_dims; d++) {
             json_t *x = json_array_get(js, (size_t)d);
             if (!json_is_integer(x) || json_integer_value(x) < 0) {
-                rc = st_fail(err, errlen, -EINVAL, "%s: tensor '%s': bad shape", path, key);
+                rc = err_fail(err, errlen, -EINVAL, "%s: tensor '%s': bad shape", path, key);
                 break;
             }
             t.shape[d] = json_integer_value(x);
@@ -116,12 +108,12 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
         json_t *b = json_array_get(jo, 0), *e = json_array_get(jo, 1);
         if (!json_is_integer(b) || !json_is_integer(e) || json_integer_value(b) < 0 ||
             json_integer_value(e) < json_integer_value(b)) {
-            rc = st_fail(err, errlen, -EINVAL, "%s: tensor '%s': bad data_offsets", path, key);
+            rc = err_fail(err, errlen, -EINVAL, "%s: tensor '%s': bad data_offsets", path, key);
             break;
         }
         uint64_t ob = (uint64_t)json_integer_value(b), oe = (uint64_t)json_integer_value(e);
         if (oe > data_size) {
-            rc = st_fail(
+            rc = err_fail(
                 err, errlen, -EINVAL,
                 "%s: tensor '%s': data [%llu, %llu) beyond the end of the file (%zu data bytes): "
                 "truncated file?",
@@ -130,10 +122,10 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
         }
         int es = st_dtype_size(t.dtype);
         if (es && numel * (uint64_t)es != oe - ob) {
-            rc = st_fail(err, errlen, -EINVAL,
-                         "%s: tensor '%s': %llu bytes for %llu elements of %s (expected %llu)",
-                         path, key, (unsigned long long)(oe - ob), (unsigned long long)numel,
-                         t.dtype, (unsigned long long)(numel * (uint64_t)es));
+            rc = err_fail(err, errlen, -EINVAL,
+                          "%s: tensor '%s': %llu bytes for %llu elements of %s (expected %llu)",
+                          path, key, (unsigned long long)(oe - ob), (unsigned long long)numel,
+                          t.dtype, (unsigned long long)(numel * (uint64_t)es));
             break;
         }
         t.data = data + ob;
@@ -142,7 +134,7 @@ static int st_add_file(st_set *s, const char *path, char *err, size_t errlen) {
         st_tensor *nt = realloc(s->tensors, (size_t)(s->n_tensors + 1) * sizeof *nt);
         if (!nt || !t.name) {
             free(t.name);
-            rc = st_fail(err, errlen, -ENOMEM, "out of memory");
+            rc = err_fail(err, errlen, -ENOMEM, "out of memory");
             break;
         }
         s->tensors = nt;
@@ -171,8 +163,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         json_t *wm = root ? json_object_get(root, "weight_map") : NULL;
         if (!json_is_object(wm)) {
             json_decref(root);
-            return st_fail(err, errlen, -EINVAL, "%s: %s", path,
-                           root ? "no \"weight_map\" object" : je.text);
+            return err_fail(err, errlen, -EINVAL, "%s: %s", path,
+                            root ? "no \"weight_map\" object" : je.text);
         }
         /* distinct shard names, sorted */
         size_t n = json_object_size(wm), nu = 0;
@@ -182,9 +174,9 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         json_object_foreach(wm, key, v) {
             if (!json_is_string(v)) {
                 free(names);
-                rc = st_fail(err, errlen, -EINVAL,
-                             "%s: weight_map[\"%s\"] must be a shard file name (a string)", path,
-                             key);
+                rc = err_fail(err, errlen, -EINVAL,
+                              "%s: weight_map[\"%s\"] must be a shard file name (a string)", path,
+                              key);
                 json_decref(root);
                 return rc;
             }
@@ -194,9 +186,9 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         for (size_t i = 0; i < nu && rc == 0; i++) {
             if (i && !strcmp(names[i], names[i - 1])) continue;
             if (strchr(names[i], '/')) {
-                rc = st_fail(err, errlen, -EINVAL,
-                             "%s: shard name '%s' must be a file in the model directory", path,
-                             names[i]);
+                rc = err_fail(err, errlen, -EINVAL,
+                              "%s: shard name '%s' must be a file in the model directory", path,
+                              names[i]);
                 break;
             }
             char sp[4096];
@@ -210,9 +202,9 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
                 qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
             json_object_foreach(wm, key, v) {
                 if (!st_set_find(s, key)) {
-                    rc = st_fail(err, errlen, -EINVAL,
-                                 "%s: tensor '%s' listed for shard '%s' is not in it", path, key,
-                                 json_string_value(v));
+                    rc = err_fail(err, errlen, -EINVAL,
+                                  "%s: tensor '%s' listed for shard '%s' is not in it", path, key,
+                                  json_string_value(v));
                     break;
                 }
             }
@@ -221,8 +213,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
     } else {
         DIR *d = opendir(dir);
         if (!d)
-            return st_fail(err, errlen, -errno, "%s: cannot open directory: %s", dir,
-                           strerror(errno));
+            return err_fail(err, errlen, -errno, "%s: cannot open directory: %s", dir,
+                            strerror(errno));
         struct dirent *de;
         int found = 0;
         while ((de = readdir(d)) && rc == 0) {
@@ -235,7 +227,8 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         }
         closedir(d);
         if (rc == 0 && !found)
-            rc = st_fail(err, errlen, -ENOENT,
+            rc =
+                err_fail(err, errlen, -ENOENT,
                          "%s: no *.safetensors weights (and no model.safetensors.index.json)", dir);
         if (rc == 0 && s->n_tensors > 0)
             qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
@@ -243,9 +236,9 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
     if (rc == 0)
         for (int i = 1; i < s->n_tensors; i++)
             if (!strcmp(s->tensors[i].name, s->tensors[i - 1].name)) {
-                rc = st_fail(err, errlen, -EINVAL, "tensor '%s' appears twice (%s and %s)",
-                             s->tensors[i].name, s->files[s->tensors[i - 1].file].path,
-                             s->files[s->tensors[i].file].path);
+                rc = err_fail(err, errlen, -EINVAL, "tensor '%s' appears twice (%s and %s)",
+                              s->tensors[i].name, s->files[s->tensors[i - 1].file].path,
+                              s->files[s->tensors[i].file].path);
                 break;
             }
     if (rc) st_set_free(s);

@@ -5,6 +5,7 @@
 #include "model/sampler.h"
 
 #include "base/clock.h"
+#include "base/rng.h"
 
 #include <errno.h>
 #include <math.h>
@@ -22,7 +23,7 @@ typedef struct tok_count {
 struct sampler {
     sampler_params p;  /* validated parameters */
     int vocab;         /* logits per row */
-    uint64_t rng[4];   /* xoshiro256** state */
+    rng_state rng;     /* xoshiro256** state */
     tok_count *counts; /* (cap) hash map */
     int cap, used;     /* slots, used slots */
     int32_t *idx;      /* (vocab) candidate ids scratch */
@@ -69,35 +70,6 @@ int sampler_params_check(const sampler_params *p, int vocab, char *err, size_t e
             BAD("stop token id %d is outside the vocabulary [0, %d)", p->stop_ids[i], vocab);
     return 0;
 #undef BAD
-}
-
-/* ---- rng ---------------------------------------------------------------------- */
-
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static inline uint64_t rotl(uint64_t x, int k) {
-    return (x << k) | (x >> (64 - k));
-}
-
-static uint64_t rng_next(uint64_t *s) {
-    uint64_t r = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return r;
-}
-
-/* uniform in [0, 1) with 53 bits */
-static double rng_uniform(uint64_t *s) {
-    return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
 }
 
 /* ---- counts ------------------------------------------------------------------- */
@@ -161,8 +133,7 @@ sampler *sampler_init(const sampler_params *p, int vocab, const int32_t *prompt,
     }
     static atomic_uint_fast64_t unseeded;
     uint64_t x = p->has_seed ? p->seed : clock_now_ns() ^ (atomic_fetch_add(&unseeded, 1) << 32);
-    for (int i = 0; i < 4; i++)
-        s->rng[i] = splitmix64(&x);
+    rng_seed(&s->rng, x);
     if (p->repetition_penalty != 1.0f)
         for (int i = 0; i < n_prompt; i++) {
             tok_count *c = count_slot(s, prompt[i], 1);
@@ -313,7 +284,7 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
         double tot = 0;
         for (int i = 0; i < n; i++)
             tot += pr[idx[i]];
-        double u = rng_uniform(s->rng) * tot, acc = 0;
+        double u = rng_uniform(&s->rng) * tot, acc = 0;
         tok = idx[n - 1];
         for (int i = 0; i < n; i++) {
             acc += pr[idx[i]];

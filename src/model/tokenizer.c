@@ -14,6 +14,8 @@
  */
 #include "model/tokenizer.h"
 
+#include "base/err.h"
+
 #include <errno.h>
 #include <oniguruma.h>
 #include <pthread.h>
@@ -30,16 +32,6 @@
 /* ======================================================================
  * small helpers: error text, growable buffers, hashing
  * ====================================================================== */
-
-static void tok_set_err(char *err, size_t cap, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void tok_set_err(char *err, size_t cap, const char *fmt, ...) {
-    if (!err || cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, cap, fmt, ap);
-    va_end(ap);
-}
 
 typedef struct tok_ids {
     int32_t *v; /* (cap) ids */
@@ -435,18 +427,18 @@ static json_t *tok_load_json(const char *path, char *err, size_t cap, int *rc) {
         FILE *f = fopen(path, "rb");
         if (!f) {
             *rc = -ENOENT;
-            tok_set_err(err, cap, "%s: cannot open: %s", path, strerror(errno));
+            err_set(err, cap, "%s: cannot open: %s", path, strerror(errno));
         } else {
             fclose(f);
             *rc = -EINVAL;
-            tok_set_err(err, cap, "%s: malformed JSON at line %d column %d: %s", path, je.line,
-                        je.column, je.text);
+            err_set(err, cap, "%s: malformed JSON at line %d column %d: %s", path, je.line,
+                    je.column, je.text);
         }
         return NULL;
     }
     if (!json_is_object(root)) {
         *rc = -EINVAL;
-        tok_set_err(err, cap, "%s: top level is not a JSON object", path);
+        err_set(err, cap, "%s: top level is not a JSON object", path);
         json_decref(root);
         return NULL;
     }
@@ -475,8 +467,7 @@ static int tok_compile(const char *path, const char *pattern, OnigRegex *re, cha
     if (r != ONIG_NORMAL) {
         char msg[ONIG_MAX_ERROR_MESSAGE_LEN];
         onig_error_code_to_str((OnigUChar *)msg, r, &einfo);
-        tok_set_err(err, cap, "%s: pre_tokenizer regex %s does not compile: %s", path, pattern,
-                    msg);
+        err_set(err, cap, "%s: pre_tokenizer regex %s does not compile: %s", path, pattern, msg);
         *re = NULL;
         return -EINVAL;
     }
@@ -490,13 +481,13 @@ static int tok_parse_normalizer(tokenizer *t, const char *path, json_t *n, char 
     if (!n || json_is_null(n)) return 0;
     const char *type = json_string_value(json_object_get(n, "type"));
     if (!type) {
-        tok_set_err(err, cap, "%s: normalizer has no \"type\"", path);
+        err_set(err, cap, "%s: normalizer has no \"type\"", path);
         return -EINVAL;
     }
     if (strcmp(type, "Sequence") == 0) {
         json_t *list = json_object_get(n, "normalizers");
         if (!json_is_array(list)) {
-            tok_set_err(err, cap, "%s: Sequence normalizer has no \"normalizers\" array", path);
+            err_set(err, cap, "%s: Sequence normalizer has no \"normalizers\" array", path);
             return -EINVAL;
         }
         size_t i;
@@ -517,14 +508,14 @@ static int tok_parse_normalizer(tokenizer *t, const char *path, json_t *n, char 
     else if (strcmp(type, "NFKD") == 0)
         flags = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
     else {
-        tok_set_err(err, cap,
-                    "%s: unsupported normalizer type \"%s\" (supported: NFC, NFD, NFKC, NFKD, "
-                    "Sequence of these, null)",
-                    path, type);
+        err_set(err, cap,
+                "%s: unsupported normalizer type \"%s\" (supported: NFC, NFD, NFKC, NFKD, "
+                "Sequence of these, null)",
+                path, type);
         return -ENOTSUP;
     }
     if (t->n_norm == TOK_MAX_NORM) {
-        tok_set_err(err, cap, "%s: more than %d normalizers", path, TOK_MAX_NORM);
+        err_set(err, cap, "%s: more than %d normalizers", path, TOK_MAX_NORM);
         return -ENOTSUP;
     }
     t->norm_flags[t->n_norm++] = flags;
@@ -535,14 +526,13 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
     if (!p || json_is_null(p)) return 0;
     const char *type = json_string_value(json_object_get(p, "type"));
     if (!type) {
-        tok_set_err(err, cap, "%s: pre_tokenizer has no \"type\"", path);
+        err_set(err, cap, "%s: pre_tokenizer has no \"type\"", path);
         return -EINVAL;
     }
     if (strcmp(type, "Sequence") == 0) {
         json_t *list = json_object_get(p, "pretokenizers");
         if (!json_is_array(list)) {
-            tok_set_err(err, cap, "%s: Sequence pre_tokenizer has no \"pretokenizers\" array",
-                        path);
+            err_set(err, cap, "%s: Sequence pre_tokenizer has no \"pretokenizers\" array", path);
             return -EINVAL;
         }
         size_t i;
@@ -554,7 +544,7 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
         return 0;
     }
     if (t->n_pre == TOK_MAX_PRE) {
-        tok_set_err(err, cap, "%s: more than %d pre_tokenizers", path, TOK_MAX_PRE);
+        err_set(err, cap, "%s: more than %d pre_tokenizers", path, TOK_MAX_PRE);
         return -ENOTSUP;
     }
     tok_pre *s = &t->pre[t->n_pre];
@@ -562,21 +552,20 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
     if (strcmp(type, "Split") == 0) {
         const char *beh = json_string_value(json_object_get(p, "behavior"));
         if (!beh || strcmp(beh, "Isolated") != 0) {
-            tok_set_err(err, cap, "%s: unsupported Split behavior \"%s\" (supported: Isolated)",
-                        path, beh ? beh : "(missing)");
+            err_set(err, cap, "%s: unsupported Split behavior \"%s\" (supported: Isolated)", path,
+                    beh ? beh : "(missing)");
             return -ENOTSUP;
         }
         if (json_is_true(json_object_get(p, "invert"))) {
-            tok_set_err(err, cap, "%s: unsupported Split with invert=true", path);
+            err_set(err, cap, "%s: unsupported Split with invert=true", path);
             return -ENOTSUP;
         }
         json_t *pat = json_object_get(p, "pattern");
         const char *rx = json_string_value(json_object_get(pat, "Regex"));
         const char *lit = json_string_value(json_object_get(pat, "String"));
         if (!rx && !lit) {
-            tok_set_err(err, cap,
-                        "%s: Split pattern is neither {\"Regex\": ...} nor {\"String\": ...}",
-                        path);
+            err_set(err, cap, "%s: Split pattern is neither {\"Regex\": ...} nor {\"String\": ...}",
+                    path);
             return -EINVAL;
         }
         char *esc = NULL;
@@ -598,10 +587,10 @@ static int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, s
             if (rc) return rc;
         }
     } else {
-        tok_set_err(err, cap,
-                    "%s: unsupported pre_tokenizer type \"%s\" (supported: Split, ByteLevel, "
-                    "Sequence of these)",
-                    path, type);
+        err_set(err, cap,
+                "%s: unsupported pre_tokenizer type \"%s\" (supported: Split, ByteLevel, "
+                "Sequence of these)",
+                path, type);
         return -ENOTSUP;
     }
     t->n_pre++;
@@ -622,32 +611,31 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
                            char *err, size_t cap) {
     const char *type = json_string_value(json_object_get(model, "type"));
     if (!type || strcmp(type, "BPE") != 0) {
-        tok_set_err(err, cap, "%s: unsupported model type \"%s\" (supported: BPE)", path,
-                    type ? type : "(missing)");
+        err_set(err, cap, "%s: unsupported model type \"%s\" (supported: BPE)", path,
+                type ? type : "(missing)");
         return -ENOTSUP;
     }
     const char *cont = json_string_value(json_object_get(model, "continuing_subword_prefix"));
     const char *eow = json_string_value(json_object_get(model, "end_of_word_suffix"));
     if ((cont && *cont) || (eow && *eow)) {
-        tok_set_err(err, cap,
-                    "%s: BPE with continuing_subword_prefix/end_of_word_suffix is not supported",
-                    path);
+        err_set(err, cap,
+                "%s: BPE with continuing_subword_prefix/end_of_word_suffix is not supported", path);
         return -ENOTSUP;
     }
     json_t *dropout = json_object_get(model, "dropout");
     if (dropout && !json_is_null(dropout) && json_number_value(dropout) != 0.0) {
-        tok_set_err(err, cap, "%s: BPE dropout is not supported", path);
+        err_set(err, cap, "%s: BPE dropout is not supported", path);
         return -ENOTSUP;
     }
     t->ignore_merges = json_is_true(json_object_get(model, "ignore_merges"));
     json_t *vocab = json_object_get(model, "vocab");
     json_t *merges = json_object_get(model, "merges");
     if (!json_is_object(vocab)) {
-        tok_set_err(err, cap, "%s: model.vocab is missing or not an object", path);
+        err_set(err, cap, "%s: model.vocab is missing or not an object", path);
         return -EINVAL;
     }
     if (!json_is_array(merges)) {
-        tok_set_err(err, cap, "%s: model.merges is missing or not an array", path);
+        err_set(err, cap, "%s: model.merges is missing or not an array", path);
         return -EINVAL;
     }
 
@@ -658,8 +646,8 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
     json_object_foreach(vocab, key, val) {
         if (!json_is_integer(val) || json_integer_value(val) < 0 ||
             json_integer_value(val) > INT32_MAX - 1) {
-            tok_set_err(err, cap, "%s: model.vocab[\"%s\"] is not a non-negative integer id", path,
-                        key);
+            err_set(err, cap, "%s: model.vocab[\"%s\"] is not a non-negative integer id", path,
+                    key);
             return -EINVAL;
         }
         if (json_integer_value(val) > max_id) max_id = json_integer_value(val);
@@ -670,21 +658,21 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
         const char *content = json_string_value(json_object_get(val, "content"));
         if (!json_is_integer(id) || json_integer_value(id) < 0 ||
             json_integer_value(id) > INT32_MAX - 1 || !content) {
-            tok_set_err(err, cap,
-                        "%s: added_tokens[%zu] needs an integer \"id\" >= 0 and a string "
-                        "\"content\"",
-                        path, i);
+            err_set(err, cap,
+                    "%s: added_tokens[%zu] needs an integer \"id\" >= 0 and a string "
+                    "\"content\"",
+                    path, i);
             return -EINVAL;
         }
         if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
     }
     if (max_id < 0) {
-        tok_set_err(err, cap, "%s: model.vocab is empty", path);
+        err_set(err, cap, "%s: model.vocab is empty", path);
         return -EINVAL;
     }
     if (max_id >= TOK_MAX_ID) {
-        tok_set_err(err, cap, "%s: token id %lld is too large (ids below %d are supported)", path,
-                    (long long)max_id, TOK_MAX_ID);
+        err_set(err, cap, "%s: token id %lld is too large (ids below %d are supported)", path,
+                (long long)max_id, TOK_MAX_ID);
         return -EINVAL;
     }
     t->n_ids = (int32_t)(max_id + 1);
@@ -703,7 +691,7 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
     json_object_foreach(vocab, key, val) {
         int32_t id = (int32_t)json_integer_value(val);
         if (t->has_id[id]) {
-            tok_set_err(err, cap, "%s: model.vocab id %d appears twice (\"%s\")", path, id, key);
+            err_set(err, cap, "%s: model.vocab id %d appears twice (\"%s\")", path, id, key);
             free(arena.v);
             return -EINVAL;
         }
@@ -754,10 +742,10 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
             const char *s = json_string_value(val);
             const char *sp = strchr(s, ' ');
             if (!sp || strchr(sp + 1, ' ')) {
-                tok_set_err(err, cap,
-                            "%s: merges[%zu] \"%s\" is not two tokens separated by one "
-                            "space",
-                            path, i, s);
+                err_set(err, cap,
+                        "%s: merges[%zu] \"%s\" is not two tokens separated by one "
+                        "space",
+                        path, i, s);
                 rc = -EINVAL;
                 break;
             }
@@ -773,7 +761,7 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
             la = strlen(a);
             lb = strlen(b);
         } else {
-            tok_set_err(err, cap, "%s: merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", path, i);
+            err_set(err, cap, "%s: merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", path, i);
             rc = -EINVAL;
             break;
         }
@@ -786,11 +774,11 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
         }
         int32_t inew = tok_lookup_piece(t, (const char *)joined.v, joined.n, &scratch);
         if (ia < 0 || ib < 0 || inew < 0) {
-            tok_set_err(err, cap, "%s: merges[%zu] (\"%.*s\", \"%.*s\"): %s is not in the vocab",
-                        path, i, (int)la, a, (int)lb, b,
-                        ia < 0   ? "the first token"
-                        : ib < 0 ? "the second token"
-                                 : "the merged token");
+            err_set(err, cap, "%s: merges[%zu] (\"%.*s\", \"%.*s\"): %s is not in the vocab", path,
+                    i, (int)la, a, (int)lb, b,
+                    ia < 0   ? "the first token"
+                    : ib < 0 ? "the second token"
+                             : "the merged token");
             rc = -EINVAL;
             break;
         }
@@ -833,7 +821,7 @@ static int tok_parse_added(tokenizer *t, const char *path, json_t *list, char *e
         const char *content = json_string_value(json_object_get(v, "content"));
         a->len = strlen(content);
         if (a->len == 0) {
-            tok_set_err(err, cap, "%s: added_tokens[%zu] has empty content", path, i);
+            err_set(err, cap, "%s: added_tokens[%zu] has empty content", path, i);
             return -EINVAL;
         }
         a->id = (int32_t)json_integer_value(json_object_get(v, "id"));
@@ -844,7 +832,7 @@ static int tok_parse_added(tokenizer *t, const char *path, json_t *list, char *e
         if (a->normalized) { /* matched against normalized text: normalize it too */
             int rc = tok_normalize(t, (const uint8_t *)content, a->len, &a->content, &a->len);
             if (rc) {
-                tok_set_err(err, cap, "%s: added_tokens[%zu] content is not valid UTF-8", path, i);
+                err_set(err, cap, "%s: added_tokens[%zu] content is not valid UTF-8", path, i);
                 return rc;
             }
         } else {
@@ -869,8 +857,8 @@ static int tok_check_decoder(const char *path, json_t *d, const char *what, char
     if (!d || json_is_null(d)) return 0;
     const char *type = json_string_value(json_object_get(d, "type"));
     if (type && strcmp(type, "ByteLevel") == 0) return 0;
-    tok_set_err(err, cap, "%s: unsupported %s type \"%s\" (supported: ByteLevel, null)", path, what,
-                type ? type : "(missing)");
+    err_set(err, cap, "%s: unsupported %s type \"%s\" (supported: ByteLevel, null)", path, what,
+            type ? type : "(missing)");
     return -ENOTSUP;
 }
 
@@ -921,15 +909,15 @@ static int tok_parse_config(tokenizer *t, const char *dir, char *err, size_t cap
         if (!v || json_is_null(v)) continue;
         const char *s = cfg_token_text(v);
         if (!s) {
-            tok_set_err(err, cap, "%s: %s is neither a string nor an object with \"content\"", path,
-                        specs[k].key);
+            err_set(err, cap, "%s: %s is neither a string nor an object with \"content\"", path,
+                    specs[k].key);
             rc = -EINVAL;
             goto out;
         }
         *specs[k].id = tokenizer_token_id(t, s);
         if (*specs[k].id < 0) {
-            tok_set_err(err, cap, "%s: %s \"%s\" is not a token of tokenizer.json", path,
-                        specs[k].key, s);
+            err_set(err, cap, "%s: %s \"%s\" is not a token of tokenizer.json", path, specs[k].key,
+                    s);
             rc = -EINVAL;
             goto out;
         }
@@ -962,12 +950,12 @@ static int tok_parse_config(tokenizer *t, const char *dir, char *err, size_t cap
                 tmpl = json_string_value(json_object_get(x, "template"));
         }
         if (!tmpl) {
-            tok_set_err(err, cap, "%s: chat_template list has no entry named \"default\"", path);
+            err_set(err, cap, "%s: chat_template list has no entry named \"default\"", path);
             rc = -EINVAL;
             goto out;
         }
     } else if (ct && !json_is_null(ct)) {
-        tok_set_err(err, cap, "%s: chat_template is neither a string nor a list", path);
+        err_set(err, cap, "%s: chat_template is neither a string nor a list", path);
         rc = -EINVAL;
         goto out;
     }
@@ -988,7 +976,7 @@ int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap) 
     *out = NULL;
     char path[4096];
     if (snprintf(path, sizeof(path), "%s/tokenizer.json", dir) >= (int)sizeof(path)) {
-        tok_set_err(err, err_cap, "tokenizer directory path too long: %s", dir);
+        err_set(err, err_cap, "tokenizer directory path too long: %s", dir);
         return -ENAMETOOLONG;
     }
     int rc = 0;
@@ -1010,12 +998,12 @@ int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap) 
     json_t *model = json_object_get(root, "model");
     json_t *added = json_object_get(root, "added_tokens");
     if (!json_is_object(model)) {
-        tok_set_err(err, err_cap, "%s: \"model\" is missing or not an object", path);
+        err_set(err, err_cap, "%s: \"model\" is missing or not an object", path);
         rc = -EINVAL;
         goto fail;
     }
     if (added && !json_is_array(added) && !json_is_null(added)) {
-        tok_set_err(err, err_cap, "%s: \"added_tokens\" is not an array", path);
+        err_set(err, err_cap, "%s: \"added_tokens\" is not an array", path);
         rc = -EINVAL;
         goto fail;
     }
@@ -1037,9 +1025,9 @@ int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap) 
         for (int k = 0; k < t->n_pre; k++)
             byte_level |= t->pre[k].kind == PRE_BYTE_LEVEL;
         if (!byte_level) {
-            tok_set_err(
-                err, err_cap,
-                "%s: pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)", path);
+            err_set(err, err_cap,
+                    "%s: pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)",
+                    path);
             rc = -ENOTSUP;
         }
     }
@@ -1051,7 +1039,7 @@ int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap) 
     *out = t;
     return 0;
 fail:
-    if (rc == -ENOMEM) tok_set_err(err, err_cap, "%s: out of memory while loading", path);
+    if (rc == -ENOMEM) err_set(err, err_cap, "%s: out of memory while loading", path);
     json_decref(root);
     tokenizer_free(t);
     return rc;
@@ -1339,7 +1327,7 @@ static int enc_regex_split(enc_ctx *c, int step, const tok_pre *p, const uint8_t
         if (r < 0) {
             char msg[ONIG_MAX_ERROR_MESSAGE_LEN];
             onig_error_code_to_str((OnigUChar *)msg, r);
-            tok_set_err(c->err, c->err_cap, "pre-tokenizer regex failed: %s", msg);
+            err_set(c->err, c->err_cap, "pre-tokenizer regex failed: %s", msg);
             return -EIO;
         }
         size_t ms = (size_t)c->region->beg[0], me = (size_t)c->region->end[0];
@@ -1430,7 +1418,7 @@ static int enc_normalized_piece(enc_ctx *c, const uint8_t *s, size_t n) {
         rc = tok_nfc_spans(t, s, n, &b, &changed);
         if (rc) {
             free(b.v);
-            tok_set_err(c->err, c->err_cap, "normalization failed");
+            err_set(c->err, c->err_cap, "normalization failed");
             return rc;
         }
         cur = (char *)b.v;
@@ -1444,7 +1432,7 @@ static int enc_normalized_piece(enc_ctx *c, const uint8_t *s, size_t n) {
         for (size_t i = 0; i < n && ascii; i++)
             ascii = s[i] < 0x80;
         if (!ascii && tok_normalize(t, s, n, &cur, &len)) {
-            tok_set_err(c->err, c->err_cap, "normalization failed");
+            err_set(c->err, c->err_cap, "normalization failed");
             return -EILSEQ;
         }
     }
@@ -1555,15 +1543,15 @@ int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_
     *ids_out = NULL;
     *n_out = 0;
     if (!text && len) {
-        tok_set_err(err, err_cap, "tokenizer_encode: NULL text with length %zu", len);
+        err_set(err, err_cap, "tokenizer_encode: NULL text with length %zu", len);
         return -EINVAL;
     }
     size_t bad = tokenizer_utf8_check(text, len);
     if (bad != len) {
-        tok_set_err(err, err_cap,
-                    "invalid UTF-8 at byte offset %zu (byte 0x%02X); input must be "
-                    "valid UTF-8",
-                    bad, (unsigned)(uint8_t)text[bad]);
+        err_set(err, err_cap,
+                "invalid UTF-8 at byte offset %zu (byte 0x%02X); input must be "
+                "valid UTF-8",
+                bad, (unsigned)(uint8_t)text[bad]);
         return -EILSEQ;
     }
     tok_ids out = {0};
@@ -1580,7 +1568,7 @@ int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_
     for (int k = 0; k < TOK_MAX_PRE; k++)
         free(c.prefix[k].v);
     if (rc) {
-        if (rc == -ENOMEM) tok_set_err(err, err_cap, "tokenizer_encode: out of memory");
+        if (rc == -ENOMEM) err_set(err, err_cap, "tokenizer_encode: out of memory");
         free(out.v);
         return rc;
     }
@@ -1608,10 +1596,10 @@ int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip
     for (size_t i = 0; i < n && !rc; i++) {
         int32_t id = ids[i];
         if (!tok_id_ok(t, id)) {
-            tok_set_err(err, err_cap,
-                        "token id %d at position %zu is not in the vocabulary "
-                        "(ids are 0..%d)",
-                        id, i, t->n_ids - 1);
+            err_set(err, err_cap,
+                    "token id %d at position %zu is not in the vocabulary "
+                    "(ids are 0..%d)",
+                    id, i, t->n_ids - 1);
             rc = -EINVAL;
             break;
         }
@@ -1622,7 +1610,7 @@ int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip
     if (!rc) rc = tok_bytes_append(&txt, "", 1);
     free(raw.v);
     if (rc) {
-        if (rc == -ENOMEM) tok_set_err(err, err_cap, "tokenizer_decode: out of memory");
+        if (rc == -ENOMEM) err_set(err, err_cap, "tokenizer_decode: out of memory");
         free(txt.v);
         return rc;
     }

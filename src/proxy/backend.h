@@ -11,7 +11,7 @@
 #ifndef DISAGG_PROXY_BACKEND_H
 #define DISAGG_PROXY_BACKEND_H
 
-#include "proxy/http_client.h"
+#include "base/http_client.h"
 #include "proxy/metrics.h"
 #include "proxy/pd_request.h"
 

@@ -9,60 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
-#include <pthread.h>
-
-/* xoshiro256** seeded from getrandom once per process (re-seeded after a
- * fork): ids must be unique, not secret, and a syscall per id is avoidable. */
-static uint64_t rng_state[4];
-static int rng_seeded;
-
-static void rng_forget(void) {
-    rng_seeded = 0; /* in a forked child: draw a new seed */
-}
-
-static uint64_t rotl(uint64_t x, int k) {
-    return (x << k) | (x >> (64 - k));
-}
-
-static uint64_t rng_next(void) {
-    if (!rng_seeded) {
-        static int atfork_set;
-        if (!atfork_set) atfork_set = pthread_atfork(NULL, NULL, rng_forget) == 0;
-        size_t got = 0;
-        while (got < sizeof rng_state) {
-            ssize_t n = getrandom((char *)rng_state + got, sizeof rng_state - got, 0);
-            if (n > 0) got += (size_t)n;
-        }
-        rng_seeded = 1;
-    }
-    uint64_t *s = rng_state;
-    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
-
-void pd_uuid4(char out[PD_UUID_LEN + 1]) {
-    uint8_t b[16];
-    uint64_t x = rng_next(), y = rng_next();
-    memcpy(b, &x, 8);
-    memcpy(b + 8, &y, 8);
-    b[6] = (uint8_t)((b[6] & 0x0f) | 0x40); /* version 4 */
-    b[8] = (uint8_t)((b[8] & 0x3f) | 0x80); /* RFC 4122 variant */
-    static const char hex[] = "0123456789abcdef";
-    char *o = out;
-    for (int i = 0; i < 16; i++) {
-        if (i == 4 || i == 6 || i == 8 || i == 10) *o++ = '-';
-        *o++ = hex[b[i] >> 4];
-        *o++ = hex[b[i] & 15];
-    }
-    *o = 0;
-}
 
 int pd_parse_client_body(const char *buf, size_t len, json_t **out, char *err, size_t errcap) {
     json_error_t je;

@@ -3,9 +3,9 @@
  * prefill instance gets (max_tokens 1, stream false, stream_options removed,
  * kv_transfer_params do_remote_decode) and the body the decode instance gets
  * (client's body plus kv_transfer_params do_remote_prefill with P's
- * engine_id, bootstrap address and the shared transfer_id); uuid4 ids; and
- * parsing of a bootstrap server's GET /query table (section 2).  Pure
- * functions on jansson values, no I/O.
+ * engine_id, bootstrap address and the shared transfer_id, ids from
+ * base/uuid.h); and parsing of a bootstrap server's GET /query table
+ * (section 2).  Pure functions on jansson values, no I/O.
  */
 #ifndef DISAGG_PROXY_PD_REQUEST_H
 #define DISAGG_PROXY_PD_REQUEST_H
@@ -14,10 +14,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PD_UUID_LEN 36 /* "xxxxxxxx-xxxx-4xxx-yxxx-xxxxxxxxxxxx" */
+#include "base/uuid.h"
 
-/* Random RFC 4122 version-4 uuid, lower-case hex, NUL-terminated. */
-void pd_uuid4(char out[PD_UUID_LEN + 1]);
+#define PD_UUID_LEN UUID_STR_LEN /* "xxxxxxxx-xxxx-4xxx-yxxx-xxxxxxxxxxxx" */
 
 /* Parses a client body: must be a JSON object.  Returns 0 and a new
  * reference, or -EINVAL with a message for the client in err. */

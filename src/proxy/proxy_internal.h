@@ -7,7 +7,7 @@
 #define DISAGG_PROXY_PROXY_INTERNAL_H
 
 #include "proxy/backend.h"
-#include "proxy/http_server.h"
+#include "base/http_server.h"
 #include "proxy/metrics.h"
 #include "proxy/proxy.h"
 

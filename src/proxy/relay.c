@@ -266,8 +266,8 @@ static int send_pd(relay *r) {
     /* Fresh ids for every attempt: a decode instance may still be aborting
      * the request of a previous attempt. */
     char u[PD_UUID_LEN + 1];
-    pd_uuid4(r->request_id);
-    pd_uuid4(u);
+    uuid4(r->request_id);
+    uuid4(u);
     snprintf(r->transfer_id, sizeof r->transfer_id, "xfer-%s", u);
     json_t *pb = pd_prefill_body(r->body, r->transfer_id);
     free(r->p_body);
@@ -513,7 +513,7 @@ static relay *relay_new(proxy *px, hs_req *req, json_t *body) {
     r->t0_ns = clock_now_ns();
     r->held = evbuffer_new();
     r->p_err = evbuffer_new();
-    pd_uuid4(r->request_id);
+    uuid4(r->request_id);
     px->inflight++;
     hs_req_set_close_cb(req, client_gone, r);
     hs_req_set_drain_cb(req, client_drained, r);

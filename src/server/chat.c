@@ -157,7 +157,7 @@ static int chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
     return 0;
 }
 
-void chat_handle(server *s, struct evhttp_request *req) {
+void chat_handle(server *s, hs_req *req) {
     gen_req *r = gen_req_new(s, req, true, &CHAT_OPS);
     if (!r) {
         server_reply_errorf(req, 500, "InternalServerError", NULL, "out of memory");

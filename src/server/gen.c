@@ -4,18 +4,15 @@
 #include "server/gen.h"
 
 #include "base/clock.h"
+#include "base/http_server.h"
 #include "base/log.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
-#include <event2/bufferevent.h>
 #include <event2/event.h>
-#include <event2/http.h>
-#include <event2/keyvalq_struct.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <time.h>
 
 /* One engine event copied off the engine thread. */
@@ -83,7 +80,7 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
 
 /* ---- request allocation ---------------------------------------------------- */
 
-gen_req *gen_req_new(server *s, struct evhttp_request *http, bool chat, const gen_ops *ops) {
+gen_req *gen_req_new(server *s, hs_req *http, bool chat, const gen_ops *ops) {
     gen_req *r = calloc(1, sizeof *r);
     if (!r) return NULL;
     r->s = s;
@@ -92,7 +89,7 @@ gen_req *gen_req_new(server *s, struct evhttp_request *http, bool chat, const ge
     r->ops = ops;
     r->t_arrival = clock_now_ns();
     r->created = (long long)time(NULL);
-    const char *xr = evhttp_find_header(evhttp_request_get_input_headers(http), "X-Request-Id");
+    const char *xr = http_head_get(hs_req_head(http), "X-Request-Id");
     if (xr && *xr) {
         r->x_request_id = strndup(xr, 120);
         snprintf(r->id, sizeof r->id, "%s-%s", chat ? "chatcmpl" : "cmpl", r->x_request_id);
@@ -135,9 +132,11 @@ static void gen_abort_all(gen_req *r, const char *why);
 
 /* ---- output ------------------------------------------------------------------ */
 
-static void gen_close_cb(struct evhttp_connection *conn, void *arg) {
+/* The client left (base/http_server sees it at once: it keeps reading while
+ * a request is served); the request is freed after this returns. */
+static void gen_close_cb(hs_req *http, void *arg) {
     gen_req *r = arg;
-    r->conn = NULL;
+    r->http = NULL;
     r->detached = true;
     if (r->client_gone) return;
     r->client_gone = true;
@@ -146,11 +145,11 @@ static void gen_close_cb(struct evhttp_connection *conn, void *arg) {
 
 void gen_send_chunk(gen_req *r, sbuf *sse) {
     if (sse->len == 0) return;
-    if (!r->client_gone && r->streaming) {
+    if (!r->client_gone && r->streaming && r->http) {
         struct evbuffer *b = evbuffer_new();
         if (b) {
             evbuffer_add(b, sse->data, sse->len);
-            evhttp_send_reply_chunk(r->http, b);
+            (void)hs_reply_data(r->http, b); /* no backpressure: the stream is bounded */
             evbuffer_free(b);
         }
     }
@@ -199,36 +198,13 @@ static void gen_abort_all(gen_req *r, const char *why) {
     LOG_I("server", "%s: %s, aborted %d engine request(s)", r->id, why, n);
 }
 
-void gen_probe_clients(server *s) {
-    for (gen_req *r = s->live; r; r = r->next) {
-        if (r->client_gone || r->streaming || !r->conn) continue;
-        struct bufferevent *bev = evhttp_connection_get_bufferevent(r->conn);
-        evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
-        if (fd < 0) continue;
-        char c;
-        ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-            /* the reply will still be sent; libevent then notices and frees the connection */
-            r->client_gone = true;
-            gen_abort_all(r, "client closed the connection");
-        }
-    }
-}
-
 /* Every engine request has finished: send what is left and free. */
 static void gen_complete(gen_req *r) {
-    if (r->client_gone) {
-        if (r->conn) http_conn_set_close_cb(r->s, r->conn, NULL, NULL);
-        /* a detached request is freed by these; an attached one is answered and
-         * libevent notices the closed socket */
-        if (r->streaming)
-            evhttp_send_reply_end(r->http);
-        else
-            evhttp_send_reply(r->http, 499, "Client Closed Request", NULL);
+    if (r->client_gone || !r->http) { /* nobody to answer: the HTTP request is freed */
         gen_free_and_account(r);
         return;
     }
-    if (r->conn) http_conn_set_close_cb(r->s, r->conn, NULL, NULL);
+    hs_req_set_close_cb(r->http, NULL, NULL);
     if (r->streaming) {
         sbuf sse;
         sbuf_init(&sse, (size_t)1 << 30);
@@ -240,7 +216,7 @@ static void gen_complete(gen_req *r) {
         oai_sse_done(&sse);
         gen_send_chunk(r, &sse);
         sbuf_free(&sse);
-        evhttp_send_reply_end(r->http);
+        hs_reply_end(r->http);
     } else if (r->has_err) {
         server_reply_error(r->http, &r->err, r->x_request_id);
     } else {
@@ -269,18 +245,7 @@ static int gen_error_status(const gen_choice *c) {
 }
 
 static const char *gen_error_type(const gen_choice *c) {
-    switch (gen_error_status(c)) {
-    case 400:
-        return "BadRequestError";
-    case 502:
-        return "BadGatewayError";
-    case 503:
-        return "ServiceUnavailableError";
-    case 504:
-        return "GatewayTimeoutError";
-    default:
-        return "InternalServerError";
-    }
+    return http_error_type(gen_error_status(c)); /* the engine's: 400, 500, 502, 503, 504 */
 }
 
 /* The choice produced its last output. */
@@ -499,13 +464,8 @@ void gen_drain_events(server *s) {
 void gen_free_live(server *s) {
     while (s->live) {
         gen_req *r = s->live;
-        if (r->conn) http_conn_set_close_cb(r->s, r->conn, NULL, NULL);
-        if (r->detached) { /* libevent no longer owns it: these free it */
-            if (r->streaming)
-                evhttp_send_reply_end(r->http);
-            else
-                evhttp_send_reply(r->http, 503, "Service Unavailable", NULL);
-        }
+        /* its connection is closed by hs_server_free, unanswered */
+        if (r->http) hs_req_set_close_cb(r->http, NULL, NULL);
         gen_free_and_account(r);
     }
 }
@@ -561,11 +521,11 @@ static int gen_check_lengths(gen_req *r, int p, int *max_tokens) {
 }
 
 static void gen_start_stream(gen_req *r) {
-    struct evkeyvalq *h = evhttp_request_get_output_headers(r->http);
-    evhttp_add_header(h, "Content-Type", "text/event-stream; charset=utf-8");
-    evhttp_add_header(h, "Cache-Control", "no-cache");
-    if (r->x_request_id) evhttp_add_header(h, "X-Request-Id", r->x_request_id);
-    evhttp_send_reply_start(r->http, 200, "OK");
+    http_header h[3] = {{"Content-Type", "text/event-stream; charset=utf-8"},
+                        {"Cache-Control", "no-cache"},
+                        {"X-Request-Id", r->x_request_id}};
+    hs_reply_start(r->http, 200, h, r->x_request_id ? 3 : 2, -1); /* chunked */
+    hs_reply_flush(r->http);
     r->streaming = true;
     sbuf sse;
     sbuf_init(&sse, (size_t)1 << 30);
@@ -635,7 +595,6 @@ void gen_start(gen_req *r) {
             goto fail;
         }
     }
-    r->conn = evhttp_request_get_connection(r->http);
     s->n_live++;
     r->next = s->live;
     if (s->live) s->live->prev = r;
@@ -664,7 +623,7 @@ void gen_start(gen_req *r) {
      * the stream can start after the submissions. */
     if (!r->has_err && r->o.stream) gen_start_stream(r);
     if (r->n_pending > 0) {
-        if (r->conn) http_conn_set_close_cb(r->s, r->conn, gen_close_cb, r);
+        hs_req_set_close_cb(r->http, gen_close_cb, r);
         return; /* gen_complete replies (the error, if any) */
     }
     server_reply_error(r->http, &r->err, r->x_request_id);
@@ -684,7 +643,7 @@ static void gen_prep_work(prep_job *j, const char *body, size_t len) {
 
 static void gen_prep_done(prep_job *j) {
     gen_req *r = j->arg;
-    struct evhttp_request *http = j->http;
+    hs_req *http = j->http;
     int rc = j->rc;
     free(j);
     if (!http) { /* the client left (or shutdown answered it) */

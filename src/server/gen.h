@@ -68,40 +68,39 @@ typedef struct gen_ops {
 } gen_ops;
 
 struct gen_req {
-    server *s;                      /* the server */
-    gen_req *prev, *next;           /* s->live list */
-    struct evhttp_request *http;    /* the HTTP request (valid until replied) */
-    struct evhttp_connection *conn; /* its connection, NULL once closed */
-    const gen_ops *ops;             /* endpoint rendering */
-    oai_request o;                  /* the validated request */
-    bool chat;                      /* chat endpoint */
-    char id[160];                   /* "cmpl-..." / "chatcmpl-..." */
-    char *x_request_id;             /* X-Request-Id header value, or NULL */
-    long long created;              /* unix seconds */
-    int n_prompts;                  /* prompts */
-    int32_t **pids;                 /* (n_prompts) token ids of each prompt */
-    int *n_pids;                    /* (n_prompts) their lengths */
-    char **ptext;                   /* (n_prompts) prompt text for echo, or NULL */
-    size_t *ptext_len;              /* (n_prompts) */
-    gen_choice *ch;                 /* (n_ch) choices */
-    int n_ch;                       /* n_prompts * n */
-    int n_pending;                  /* submitted engine requests not yet FINISHED */
-    int n_deferred;                 /* choices waiting for choice 0's first token */
-    bool streaming;                 /* reply started as SSE */
-    bool client_gone;               /* the client left: engine requests aborted */
-    bool detached;                  /* libevent closed the connection (http detached) */
-    bool replied;                   /* the final reply was sent */
-    oai_error err;                  /* a failure to report instead of the response */
-    bool has_err;                   /* err is set */
-    uint64_t t_arrival;             /* clock_now_ns at arrival */
-    oai_namer namer;                /* token strings for logprobs */
-    char *kv_params_text;           /* o.kv_transfer_params as JSON text for the engine, or NULL */
-    gen_prepare_fn prepare;         /* what the preparation thread runs */
+    server *s;              /* the server */
+    gen_req *prev, *next;   /* s->live list */
+    hs_req *http;           /* the HTTP request; NULL once replied or the client left */
+    const gen_ops *ops;     /* endpoint rendering */
+    oai_request o;          /* the validated request */
+    bool chat;              /* chat endpoint */
+    char id[160];           /* "cmpl-..." / "chatcmpl-..." */
+    char *x_request_id;     /* X-Request-Id header value, or NULL */
+    long long created;      /* unix seconds */
+    int n_prompts;          /* prompts */
+    int32_t **pids;         /* (n_prompts) token ids of each prompt */
+    int *n_pids;            /* (n_prompts) their lengths */
+    char **ptext;           /* (n_prompts) prompt text for echo, or NULL */
+    size_t *ptext_len;      /* (n_prompts) */
+    gen_choice *ch;         /* (n_ch) choices */
+    int n_ch;               /* n_prompts * n */
+    int n_pending;          /* submitted engine requests not yet FINISHED */
+    int n_deferred;         /* choices waiting for choice 0's first token */
+    bool streaming;         /* reply started as SSE */
+    bool client_gone;       /* the client left: engine requests aborted */
+    bool detached;          /* the client left: http was freed (NULL) */
+    bool replied;           /* the final reply was sent */
+    oai_error err;          /* a failure to report instead of the response */
+    bool has_err;           /* err is set */
+    uint64_t t_arrival;     /* clock_now_ns at arrival */
+    oai_namer namer;        /* token strings for logprobs */
+    char *kv_params_text;   /* o.kv_transfer_params as JSON text for the engine, or NULL */
+    gen_prepare_fn prepare; /* what the preparation thread runs */
 };
 
 /* Allocate a request for http; fills id, x_request_id, created, arrival.
  * NULL on allocation failure. */
-gen_req *gen_req_new(server *s, struct evhttp_request *http, bool chat, const gen_ops *ops);
+gen_req *gen_req_new(server *s, hs_req *http, bool chat, const gen_ops *ops);
 /* Take ownership of prompt i's ids (and text for echo, may be NULL). */
 /* Validate lengths, create the choices, submit them and start the stream.
  * After this call r belongs to gen (it replies and frees); on failure before

@@ -1,23 +1,24 @@
 /*
- * http — the libevent evhttp glue of `disagg serve`: the event loop, the
- * listener, the router (404 unknown route, 405 wrong method with an Allow
- * header, 413 body over the limit, 401 without the API key, 503 while the
- * model loads), the reply helpers shared by the handlers, the loader thread
- * and the info endpoints (/health, /version, /v1/models, /metrics).
+ * http — the HTTP side of `disagg serve`: the event loop, the listener on
+ * base/http_server (the project's one HTTP/1.1 layer: parsing, limits, 413
+ * for a body over the limit, the header / body / keep-alive deadlines), the
+ * router (404 unknown route, 405 wrong method with an Allow header, 401
+ * without the API key, 503 while the model loads), CORS, the loader thread
+ * and the info endpoints (/health, /version, /v1/models, /metrics).  Replies
+ * go through reply.c; generation requests to completion.c / chat.c, which
+ * use gen.c.
  */
-#include "server/gen.h"
 #include "server/server_ctx.h"
 
 #include "base/clock.h"
-#include "connector/mooncake/mooncake_connector.h"
+#include "base/http_server.h"
 #include "base/log.h"
+#include "base/net.h"
+#include "connector/mooncake/mooncake_connector.h"
 #include "model/model_config.h"
 
 #include <errno.h>
-#include <event2/buffer.h>
 #include <event2/event.h>
-#include <event2/http.h>
-#include <event2/keyvalq_struct.h>
 #include <event2/thread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -46,132 +47,18 @@ void server_config_init(server_config *c) {
     engine_config_init(&c->engine);
 }
 
-/* ---- reply helpers --------------------------------------------------------- */
-
-static const char *status_reason(int status) {
-    switch (status) {
-    case 200:
-        return "OK";
-    case 400:
-        return "Bad Request";
-    case 401:
-        return "Unauthorized";
-    case 404:
-        return "Not Found";
-    case 405:
-        return "Method Not Allowed";
-    case 413:
-        return "Payload Too Large";
-    case 500:
-        return "Internal Server Error";
-    case 503:
-        return "Service Unavailable";
-    default:
-        return "Error";
-    }
-}
-
-void server_reply_json(struct evhttp_request *req, int status, json_t *body, const char *req_id) {
-    char *s = body ? json_dumps(body, JSON_COMPACT) : NULL;
-    json_decref(body);
-    struct evbuffer *b = evbuffer_new();
-    if (s)
-        evbuffer_add(b, s, strlen(s));
-    else
-        evbuffer_add_printf(
-            b, "{\"error\":{\"message\":\"out of "
-               "memory\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}");
-    free(s);
-    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
-    evhttp_add_header(h, "Content-Type", "application/json");
-    if (req_id) evhttp_add_header(h, "X-Request-Id", req_id);
-    evhttp_send_reply(req, status, status_reason(status), b);
-    evbuffer_free(b);
-}
-
-static void free_text(const void *data, size_t len, void *arg) {
-    free(arg);
-}
-
-void server_reply_json_text(struct evhttp_request *req, int status, char *text) {
-    if (!text) {
-        server_reply_json(req, status, NULL, NULL);
-        return;
-    }
-    struct evbuffer *b = evbuffer_new();
-    if (b && evbuffer_add_reference(b, text, strlen(text), free_text, text) == 0) {
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
-                          "application/json");
-        evhttp_send_reply(req, status, status_reason(status), b);
-    } else {
-        free(text);
-        server_reply_json(req, 500, NULL, NULL);
-    }
-    if (b) evbuffer_free(b);
-}
-
-void server_reply_error(struct evhttp_request *req, const oai_error *e, const char *req_id) {
-    char *s = oai_error_json(e);
-    json_t *body = s ? json_loads(s, 0, NULL) : NULL;
-    free(s);
-    server_reply_json(req, e->status, body, req_id);
-}
-
-void server_reply_errorf(struct evhttp_request *req, int status, const char *type,
-                         const char *param, const char *fmt, ...) {
-    oai_error e;
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    oai_error_set(&e, status, type, param, "%s", msg);
-    server_reply_error(req, &e, NULL);
-}
-
-char *server_read_body(struct evhttp_request *req, size_t *len) {
-    struct evbuffer *in = evhttp_request_get_input_buffer(req);
-    size_t n = evbuffer_get_length(in);
-    char *p = malloc(n + 1);
-    if (!p) return NULL;
-    evbuffer_copyout(in, p, n);
-    p[n] = 0;
-    *len = n;
-    return p;
-}
-
-int server_token_namer(void *ctx, int32_t id, sbuf *out) {
-    char *text = NULL;
-    size_t len = 0;
-    int rc = tokenizer_decode(ctx, &id, 1, false, &text, &len, NULL, 0);
-    if (rc) return rc;
-    sbuf_reset(out);
-    rc = sbuf_append(out, text, len);
-    free(text);
-    return rc;
-}
-
-int server_token_namer_ids(void *ctx, int32_t id, sbuf *out) {
-    (void)ctx;
-    sbuf_reset(out);
-    return sbuf_appendf(out, "token_id:%d", id);
-}
-
 /* ---- info endpoints --------------------------------------------------------------- */
 
-static void handle_health(server *s, struct evhttp_request *req) {
-    int ready = atomic_load(&s->ready);
-    struct evbuffer *b = evbuffer_new();
-    evhttp_send_reply(req, ready == 1 ? 200 : 503, ready == 1 ? "OK" : "Service Unavailable", b);
-    evbuffer_free(b);
+static void handle_health(server *s, hs_req *req) {
+    server_reply_text(req, atomic_load(&s->ready) == 1 ? 200 : 503, NULL, "", 0);
 }
 
-static void handle_version(server *s, struct evhttp_request *req) {
+static void handle_version(server *s, hs_req *req) {
     (void)s;
     server_reply_json(req, 200, json_pack("{s:s}", "version", DISAGG_VERSION), NULL);
 }
 
-static void handle_models(server *s, struct evhttp_request *req) {
+static void handle_models(server *s, hs_req *req) {
     json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:n}", "id", s->model_name, "object", "model",
                           "created", (json_int_t)time(NULL), "owned_by", "disagg", "root",
                           s->cfg.model ? s->cfg.model : s->model_name, "parent");
@@ -180,7 +67,7 @@ static void handle_models(server *s, struct evhttp_request *req) {
     server_reply_json(req, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m), NULL);
 }
 
-static void handle_metrics(server *s, struct evhttp_request *req) {
+static void handle_metrics(server *s, hs_req *req) {
     engine_stats st;
     memset(&st, 0, sizeof st);
     if (s->eng) engine_get_stats(s->eng, &st);
@@ -192,42 +79,40 @@ static void handle_metrics(server *s, struct evhttp_request *req) {
         if (kv) rc = sbuf_append(&out, kv, strlen(kv));
         free(kv);
     }
-    struct evbuffer *b = evbuffer_new();
-    if (!rc) evbuffer_add(b, out.data, out.len);
-    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
-                      "text/plain; version=0.0.4; charset=utf-8");
-    evhttp_send_reply(req, rc ? 500 : 200, rc ? "Internal Server Error" : "OK", b);
-    evbuffer_free(b);
+    server_reply_text(req, rc ? 500 : 200, "text/plain; version=0.0.4; charset=utf-8",
+                      rc ? "" : out.data, rc ? 0 : out.len);
     sbuf_free(&out);
 }
 
 /* ---- router ---------------------------------------------------------------------- */
 
-typedef void (*route_fn)(server *s, struct evhttp_request *req);
+typedef void (*route_fn)(server *s, hs_req *req);
 
 typedef struct route {
     const char *path; /* exact path */
-    int method;       /* EVHTTP_REQ_GET or EVHTTP_REQ_POST */
+    int method;       /* ROUTE_GET (HEAD too) or ROUTE_POST */
     int needs_engine; /* 503 until the model is loaded */
     int needs_key;    /* --api-key applies (the /v1 routes, as vLLM) */
     route_fn fn;      /* handler */
 } route;
 
+enum { ROUTE_GET = 1, ROUTE_POST = 2 };
+
 static const route ROUTES[] = {
-    {"/v1/completions", EVHTTP_REQ_POST, 1, 1, completion_handle},
-    {"/v1/chat/completions", EVHTTP_REQ_POST, 1, 1, chat_handle},
-    {"/v1/models", EVHTTP_REQ_GET, 0, 1, handle_models},
-    {"/tokenize", EVHTTP_REQ_POST, 1, 0, tokenize_handle},
-    {"/detokenize", EVHTTP_REQ_POST, 1, 0, detokenize_handle},
-    {"/health", EVHTTP_REQ_GET, 0, 0, handle_health},
-    {"/version", EVHTTP_REQ_GET, 0, 0, handle_version},
-    {"/metrics", EVHTTP_REQ_GET, 0, 0, handle_metrics},
+    {"/v1/completions", ROUTE_POST, 1, 1, completion_handle},
+    {"/v1/chat/completions", ROUTE_POST, 1, 1, chat_handle},
+    {"/v1/models", ROUTE_GET, 0, 1, handle_models},
+    {"/tokenize", ROUTE_POST, 1, 0, tokenize_handle},
+    {"/detokenize", ROUTE_POST, 1, 0, detokenize_handle},
+    {"/health", ROUTE_GET, 0, 0, handle_health},
+    {"/version", ROUTE_GET, 0, 0, handle_version},
+    {"/metrics", ROUTE_GET, 0, 0, handle_metrics},
 };
 #define NROUTES (sizeof ROUTES / sizeof ROUTES[0])
 
-static int api_key_ok(server *s, struct evhttp_request *req) {
+static int api_key_ok(server *s, hs_req *req) {
     if (!s->cfg.api_key || !*s->cfg.api_key) return 1;
-    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    const char *h = http_head_get(hs_req_head(req), "Authorization");
     if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
     h += 7;
     size_t a = strlen(h), b = strlen(s->cfg.api_key);
@@ -263,26 +148,26 @@ static int cors_list_has(const json_t *list, const char *item, size_t len, int c
 /* 1 when list is NULL or holds "*" (no entry is "\x01") */
 #define CORS_WILD(list) cors_list_has((list), "\x01", 1, 0)
 
-static void cors_allow_origin(const server *s, struct evkeyvalq *out, const char *origin) {
+static void cors_allow_origin(const server *s, hs_req *out, const char *origin) {
     int wild = !s->cfg.cors_origins || CORS_WILD(s->cfg.cors_origins);
     if (wild && !s->cfg.cors_credentials)
-        evhttp_add_header(out, "Access-Control-Allow-Origin", "*");
+        hs_req_add_header(out, "Access-Control-Allow-Origin", "*");
     else {
-        evhttp_add_header(out, "Access-Control-Allow-Origin", origin);
-        evhttp_add_header(out, "Vary", "Origin");
+        hs_req_add_header(out, "Access-Control-Allow-Origin", origin);
+        hs_req_add_header(out, "Vary", "Origin");
     }
-    if (s->cfg.cors_credentials) evhttp_add_header(out, "Access-Control-Allow-Credentials", "true");
+    if (s->cfg.cors_credentials) hs_req_add_header(out, "Access-Control-Allow-Credentials", "true");
 }
 
 /* Returns 1 when the request was a preflight and has been answered. */
-static int cors_handle(server *s, struct evhttp_request *req) {
-    struct evkeyvalq *in = evhttp_request_get_input_headers(req);
-    struct evkeyvalq *out = evhttp_request_get_output_headers(req);
-    const char *origin = evhttp_find_header(in, "Origin");
+static int cors_handle(server *s, hs_req *req) {
+    const http_head *in = hs_req_head(req);
+    hs_req *out = req;
+    const char *origin = http_head_get(in, "Origin");
     if (!origin) return 0;
     int origin_ok = cors_list_has(s->cfg.cors_origins, origin, strlen(origin), 0);
-    const char *want = evhttp_find_header(in, "Access-Control-Request-Method");
-    if (evhttp_request_get_command(req) != EVHTTP_REQ_OPTIONS || !want) {
+    const char *want = http_head_get(in, "Access-Control-Request-Method");
+    if (strcmp(in->method, "OPTIONS") || !want) {
         if (origin_ok) cors_allow_origin(s, out, origin);
         return 0;
     }
@@ -290,7 +175,7 @@ static int cors_handle(server *s, struct evhttp_request *req) {
     if (!origin_ok) snprintf(why, sizeof why, "origin");
     if (!cors_list_has(s->cfg.cors_methods, want, strlen(want), 1))
         snprintf(why + strlen(why), sizeof why - strlen(why), "%smethod", *why ? ", " : "");
-    const char *hdrs = evhttp_find_header(in, "Access-Control-Request-Headers");
+    const char *hdrs = http_head_get(in, "Access-Control-Request-Headers");
     if (hdrs && s->cfg.cors_headers && !CORS_WILD(s->cfg.cors_headers)) {
         static const char *safe[] = {"accept", "accept-language", "content-language",
                                      "content-type"};
@@ -310,17 +195,15 @@ static int cors_handle(server *s, struct evhttp_request *req) {
             p += n;
         }
     }
-    struct evbuffer *b = evbuffer_new();
-    evhttp_add_header(out, "Content-Type", "text/plain; charset=utf-8");
     if (*why) {
-        evbuffer_add_printf(b, "Disallowed CORS %s", why);
-        evhttp_send_reply(req, 400, "Bad Request", b);
-        evbuffer_free(b);
+        char msg[300];
+        int n = snprintf(msg, sizeof msg, "Disallowed CORS %s", why);
+        server_reply_text(req, 400, "text/plain; charset=utf-8", msg, (size_t)n);
         return 1;
     }
     cors_allow_origin(s, out, origin);
     if (!s->cfg.cors_methods || CORS_WILD(s->cfg.cors_methods))
-        evhttp_add_header(out, "Access-Control-Allow-Methods",
+        hs_req_add_header(out, "Access-Control-Allow-Methods",
                           "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT");
     else {
         char *m = NULL;
@@ -330,11 +213,11 @@ static int cors_handle(server *s, struct evhttp_request *req) {
         m = calloc(1, cap + 1);
         json_array_foreach(s->cfg.cors_methods, i, v) o +=
             (size_t)snprintf(m + o, cap + 1 - o, "%s%s", i ? ", " : "", json_string_value(v));
-        if (m) evhttp_add_header(out, "Access-Control-Allow-Methods", m);
+        if (m) hs_req_add_header(out, "Access-Control-Allow-Methods", m);
         free(m);
     }
     if (hdrs && (!s->cfg.cors_headers || CORS_WILD(s->cfg.cors_headers)))
-        evhttp_add_header(out, "Access-Control-Allow-Headers", hdrs);
+        hs_req_add_header(out, "Access-Control-Allow-Headers", hdrs);
     else if (s->cfg.cors_headers) {
         char m[2048] = "Accept, Accept-Language, Content-Language, Content-Type";
         size_t i;
@@ -343,23 +226,22 @@ static int cors_handle(server *s, struct evhttp_request *req) {
             size_t o = strlen(m);
             snprintf(m + o, sizeof m - o, ", %s", json_string_value(v));
         }
-        evhttp_add_header(out, "Access-Control-Allow-Headers", m);
+        hs_req_add_header(out, "Access-Control-Allow-Headers", m);
     }
-    evhttp_add_header(out, "Access-Control-Max-Age", "600");
-    evbuffer_add_printf(b, "OK");
-    evhttp_send_reply(req, 200, "OK", b);
-    evbuffer_free(b);
+    hs_req_add_header(out, "Access-Control-Max-Age", "600");
+    server_reply_text(req, 200, "text/plain; charset=utf-8", "OK", 2);
     return 1;
 }
 
-static void http_dispatch(struct evhttp_request *req, void *arg) {
+static void http_dispatch(hs_req *req, void *arg) {
     server *s = arg;
     s->metrics.http_requests++;
-    http_conn_request_begins(s, req);
     if (cors_handle(s, req)) return;
-    const char *path = evhttp_uri_get_path(evhttp_request_get_evhttp_uri(req));
-    if (!path) path = "/";
-    int method = evhttp_request_get_command(req);
+    const char *path = hs_req_path(req);
+    const char *mname = hs_req_head(req)->method;
+    int method = !strcmp(mname, "GET") || !strcmp(mname, "HEAD") ? ROUTE_GET
+                 : !strcmp(mname, "POST")                        ? ROUTE_POST
+                                                                 : 0;
     const route *match = NULL;
     for (size_t i = 0; i < NROUTES; i++)
         if (!strcmp(path, ROUTES[i].path)) {
@@ -374,11 +256,9 @@ static void http_dispatch(struct evhttp_request *req, void *arg) {
                             path);
         return;
     }
-    int allowed =
-        match->method == EVHTTP_REQ_GET ? (EVHTTP_REQ_GET | EVHTTP_REQ_HEAD) : match->method;
-    if (!(method & allowed)) {
-        const char *m = match->method == EVHTTP_REQ_GET ? "GET" : "POST";
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", m);
+    if (method != match->method) {
+        const char *m = match->method == ROUTE_GET ? "GET" : "POST";
+        hs_req_add_header(req, "Allow", m);
         server_reply_errorf(req, 405, "MethodNotAllowed", NULL,
                             "Method not allowed on %s; accepted: %s", path, m);
         return;
@@ -508,8 +388,21 @@ static void on_wake(evutil_socket_t fd, short what, void *arg) {
     gen_drain_events(arg);
 }
 
-static void on_probe(evutil_socket_t fd, short what, void *arg) {
-    gen_probe_clients(arg);
+/* base/http_server closed a connection at a deadline. */
+static void on_deadline(void *arg, hs_deadline_kind kind) {
+    server *s = arg;
+    s->metrics.deadline_closes[kind == HS_DEADLINE_HEADER ? METRICS_DEADLINE_HEADER
+                               : kind == HS_DEADLINE_BODY ? METRICS_DEADLINE_BODY
+                                                          : METRICS_DEADLINE_KEEPALIVE]++;
+}
+
+/* Protocol errors (400 malformed, 413 body over --max-body-bytes, 431): the
+ * OpenAI error shape; 408 (a deadline) has no body. */
+static char *protocol_error_body(int status, const char *message) {
+    if (status == 408) return NULL;
+    oai_error e;
+    oai_error_set(&e, status, http_error_type(status), NULL, "%s", message);
+    return oai_error_json(&e);
 }
 
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
@@ -542,30 +435,41 @@ int server_run(const server_config *cfg) {
         goto out;
     }
     s->base = event_base_new();
-    s->http = s->base ? evhttp_new(s->base) : NULL;
-    if (!s->http) {
+    if (!s->base) {
         LOG_E("server", "cannot create the event loop");
         goto out;
     }
-    evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
-                                            EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
-                                            EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
-    evhttp_set_max_body_size(s->http, (ev_ssize_t)cfg->max_body_bytes);
-    evhttp_set_max_headers_size(s->http, 64 * 1024);
-    evhttp_set_timeout(s->http, 3600); /* idle I/O; a long non-streaming generation is silent */
-    evhttp_set_gencb(s->http, http_dispatch, s);
-    http_conn_install(s);
-    if (!evhttp_bind_socket_with_handle(s->http, cfg->host, (ev_uint16_t)cfg->port)) {
+    /* base/http_server's deadlines, as nginx / uvicorn name them: the first
+     * head within --client-header-timeout of the accept (408 then, even with
+     * no byte), a later one within it of its first byte, after
+     * --timeout-keep-alive idle between requests; the body within
+     * --client-body-timeout of the head's end. */
+    hs_config hc;
+    hs_config_default(&hc);
+    hc.limits.max_head_bytes = 64 * 1024;
+    hc.max_body_bytes = cfg->max_body_bytes;
+    hc.header_timeout_s = cfg->header_timeout_s;
+    hc.request_timeout_s = 0;
+    hc.body_timeout_s = cfg->body_timeout_s;
+    hc.idle_timeout_s = cfg->keepalive_timeout_s;
+    hc.head_from_accept = 1;
+    hc.idle_408 = 1;
+    hc.write_timeout_s = 3600; /* a client not reading a reply */
+    hc.on_deadline = on_deadline;
+    hc.on_deadline_arg = s;
+    net_addr la;
+    int lfd = net_resolve(cfg->host, (uint16_t)cfg->port, &la);
+    if (lfd == 0) lfd = net_listen(&la, 4096);
+    if (lfd < 0) {
         LOG_E("server",
               "cannot listen on %s:%d: %s (is the port in use? choose another with --port)",
-              cfg->host, cfg->port, strerror(errno));
+              cfg->host, cfg->port, strerror(-lfd));
         goto out;
     }
+    s->http = hs_server_new_fd(s->base, lfd, &hc, http_dispatch, s, protocol_error_body);
+    if (!s->http) goto out;
     s->wake = event_new(s->base, -1, 0, on_wake, s);
     s->ready_ev = event_new(s->base, -1, 0, on_ready, s);
-    s->probe = event_new(s->base, -1, EV_PERSIST, on_probe, s);
-    struct timeval probe_every = {0, 200 * 1000};
-    event_add(s->probe, &probe_every);
     s->sig_int = evsignal_new(s->base, SIGINT, on_signal, s);
     s->sig_term = evsignal_new(s->base, SIGTERM, on_signal, s);
     event_add(s->sig_int, NULL);
@@ -588,14 +492,12 @@ out:
     s->eng = NULL;                      /* close callbacks below must not abort */
     gen_drop_events(s);                 /* events of requests that are freed next */
     gen_free_live(s);
-    prep_free(s); /* before evhttp_free: the requests it holds are answered */
-    if (s->http) evhttp_free(s->http);
-    http_conn_free_all(s);
+    prep_free(s);            /* before hs_server_free: the requests it holds are answered */
+    hs_server_free(s->http); /* closes every connection */
     if (s->tmpl) chat_template_free(s->tmpl);
     if (s->tok) tokenizer_free(s->tok);
     if (s->wake) event_free(s->wake);
     if (s->ready_ev) event_free(s->ready_ev);
-    if (s->probe) event_free(s->probe);
     if (s->sig_int) event_free(s->sig_int);
     if (s->sig_term) event_free(s->sig_term);
     if (s->base) event_base_free(s->base);

@@ -36,7 +36,7 @@ typedef enum metrics_finish {
     METRICS_FINISH_COUNT
 } metrics_finish;
 
-/* Why the server closed a connection on a deadline (http_conn.c). */
+/* Why the server closed a connection on a deadline (base/http_server, http.c on_deadline). */
 typedef enum metrics_deadline {
     METRICS_DEADLINE_HEADER = 0, /* head not complete in time: 408 */
     METRICS_DEADLINE_BODY,       /* body not complete in time: 408 */

@@ -7,18 +7,18 @@
  * an event, and carries on (generation, or the error reply).  Smaller bodies
  * are prepared on the loop as before: no thread hop for the common case.
  *
- * While a job is away, the connection's close callback marks it detached;
- * the loop then frees the evhttp request (a reply on a detached request only
- * frees it) and the job's own data.  The tokenizer is thread-safe (its word
+ * While a job is away, the request's close callback marks it detached (the
+ * HTTP request is freed by base/http_server then); the loop frees the job's
+ * own data when it comes back.  The tokenizer is thread-safe (its word
  * cache has a mutex); the chat template and the request parser keep no state.
  */
 #include "server/server_ctx.h"
 
+#include "base/http_server.h"
 #include "base/log.h"
 
 #include <event2/buffer.h>
 #include <event2/event.h>
-#include <event2/http.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,11 +77,7 @@ static void job_forget(prep *p, prep_job *j) {
 /* Back on the loop: the job's done callback replies (or frees a detached request). */
 static void job_finish(prep *p, prep_job *j) {
     job_forget(p, j);
-    if (j->evc) http_conn_set_close_cb(p->s, j->evc, NULL, NULL);
-    if (j->detached) {
-        evhttp_send_reply(j->http, 499, "Client Closed Request", NULL); /* frees it */
-        j->http = NULL;
-    }
+    if (j->http) hs_req_set_close_cb(j->http, NULL, NULL);
     j->done(j);
 }
 
@@ -98,10 +94,10 @@ static void prep_on_done(evutil_socket_t fd, short what, void *arg) {
     }
 }
 
-static void job_closed(struct evhttp_connection *evc, void *arg) {
+static void job_closed(hs_req *http, void *arg) {
     prep_job *j = arg;
     j->detached = 1;
-    j->evc = NULL;
+    j->http = NULL; /* freed after this returns */
 }
 
 int prep_init(server *s) {
@@ -123,17 +119,16 @@ int prep_init(server *s) {
     return 0;
 }
 
-int prep_wants(server *s, struct evhttp_request *req) {
-    return s->prep && evbuffer_get_length(evhttp_request_get_input_buffer(req)) >= PREP_INLINE_MAX;
+int prep_wants(server *s, hs_req *req) {
+    return s->prep && evbuffer_get_length(hs_req_body_buffer(req)) >= PREP_INLINE_MAX;
 }
 
 void prep_submit(server *s, prep_job *j) {
     prep *p = s->prep;
     j->s = s;
     j->body = evbuffer_new();
-    if (j->body) evbuffer_add_buffer(j->body, evhttp_request_get_input_buffer(j->http));
-    j->evc = evhttp_request_get_connection(j->http);
-    if (j->evc) http_conn_set_close_cb(s, j->evc, job_closed, j);
+    if (j->body) evbuffer_add_buffer(j->body, hs_req_body_buffer(j->http));
+    hs_req_set_close_cb(j->http, job_closed, j);
     j->all_next = p->away;
     p->away = j;
     if (!j->body) { /* out of memory: the work sees an empty body and says so */
@@ -163,10 +158,12 @@ void prep_free(server *s) {
     while (p->away) { /* queued, done, or never started: answer 503 and free */
         prep_job *j = p->away;
         p->away = j->all_next;
-        if (j->evc) http_conn_set_close_cb(s, j->evc, NULL, NULL);
         if (j->body) evbuffer_free(j->body);
         j->body = NULL;
-        if (j->http) evhttp_send_reply(j->http, 503, "Service Unavailable", NULL);
+        if (j->http) {
+            hs_req_set_close_cb(j->http, NULL, NULL);
+            server_reply_text(j->http, 503, NULL, "", 0);
+        }
         j->http = NULL;
         j->detached = 1;
         j->done(j);

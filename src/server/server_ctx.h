@@ -22,19 +22,18 @@
 
 struct event_base;
 struct event;
-struct evhttp;
-struct evhttp_request;
+struct evbuffer;
 struct gen_event;
 struct gen_req;
-struct evhttp_connection;
-typedef struct http_conn http_conn;
+typedef struct hs_server hs_server; /* base/http_server.h */
+typedef struct hs_req hs_req;
 typedef struct prep prep;
 
 typedef struct server {
     server_config cfg;                /* copy of the configuration */
     const char *model_name;           /* served model name */
     struct event_base *base;          /* the one event loop */
-    struct evhttp *http;              /* listener and router */
+    hs_server *http;                  /* listener and connections (base/http_server) */
     struct event *wake;               /* activated by the engine thread: drain the queue */
     struct event *ready_ev;           /* activated by the loader thread when it ends */
     struct event *sig_int, *sig_term; /* stop the loop */
@@ -55,54 +54,38 @@ typedef struct server {
     struct gen_event *q_tail;
     int n_live;           /* generation requests in flight */
     struct gen_req *live; /* those requests, a doubly linked list */
-    struct event *probe;  /* periodic: notice clients that left a non-streaming request */
     uint64_t next_id;     /* request id counter */
-    http_conn *conns;     /* connections with deadlines (http_conn.c), a list */
-    http_conn **conn_by_fd; /* (n_conn_by_fd) those connections by socket fd */
-    int n_conn_by_fd;
     prep *prep; /* the request preparation thread (prep.c), or NULL */
 } server;
 
-/* ---- replies (http.c) ---------------------------------------------------- */
+/* ---- replies (reply.c) --------------------------------------------------- */
 /* Send a JSON body (consumes body) with status and the X-Request-Id header
  * when req_id is not NULL. */
-void server_reply_json(struct evhttp_request *req, int status, json_t *body, const char *req_id);
-/* Send JSON text (malloc'ed, consumed, sent without a copy) with status. */
-void server_reply_json_text(struct evhttp_request *req, int status, char *text);
+void server_reply_json(hs_req *req, int status, json_t *body, const char *req_id);
+/* Send JSON text (malloc'ed, consumed) with status. */
+void server_reply_json_text(hs_req *req, int status, char *text);
 /* Send an OpenAI-style error. */
-void server_reply_error(struct evhttp_request *req, const oai_error *e, const char *req_id);
-void server_reply_errorf(struct evhttp_request *req, int status, const char *type,
-                         const char *param, const char *fmt, ...)
-    __attribute__((format(printf, 5, 6)));
+void server_reply_error(hs_req *req, const oai_error *e, const char *req_id);
+void server_reply_errorf(hs_req *req, int status, const char *type, const char *param,
+                         const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+/* Send a body of the given type (NULL: none, as for an empty body). */
+void server_reply_text(hs_req *req, int status, const char *content_type, const char *body,
+                       size_t len);
 /* Copy the request body into a NUL-terminated malloc'ed buffer. */
-char *server_read_body(struct evhttp_request *req, size_t *len);
+char *server_read_body(hs_req *req, size_t *len);
 /* Name a token for logprobs: decoded text or "token_id:N". */
 int server_token_namer(void *ctx, int32_t id, sbuf *out);
 int server_token_namer_ids(void *ctx, int32_t id, sbuf *out);
-
-/* ---- connection deadlines (http_conn.c) ---------------------------------- */
-typedef void (*http_conn_close_fn)(struct evhttp_connection *evc, void *arg);
-/* Every connection accepted from now on gets the header deadline and the
- * keep-alive timeout of s->cfg. */
-void http_conn_install(server *s);
-/* A complete request reached the router: no deadline until its reply ends. */
-void http_conn_request_begins(server *s, struct evhttp_request *req);
-/* The connection's close callback (evhttp's own is this module's). */
-void http_conn_set_close_cb(server *s, struct evhttp_connection *evc, http_conn_close_fn fn,
-                            void *arg);
-/* Shutdown, after evhttp_free. */
-void http_conn_free_all(server *s);
 
 /* ---- preparation off the loop (prep.c) ------------------------------------ */
 /* Bodies this large are parsed and tokenized on the preparation thread. */
 #define PREP_INLINE_MAX ((size_t)256 << 10)
 typedef struct prep_job prep_job;
 struct prep_job {
-    server *s;                     /* set by prep_submit */
-    struct evhttp_request *http;   /* the request; NULL in done() when there is none to answer */
-    struct evhttp_connection *evc; /* its connection while attached */
-    struct evbuffer *body;         /* the body, moved out of evhttp's buffer */
-    int detached;                  /* the client left while the job was away */
+    server *s;             /* set by prep_submit */
+    hs_req *http;          /* the request; NULL once the client left (or shutdown answered) */
+    struct evbuffer *body; /* the body, moved out of the request */
+    int detached;          /* the client left while the job was away */
     /* Preparation thread: body is the whole request body (len bytes). */
     void (*work)(prep_job *j, const char *body, size_t len);
     /* Loop thread: reply on http (NULL: the request is gone or already
@@ -116,28 +99,25 @@ struct prep_job {
 /* Start the thread (0, or -1: requests are then prepared on the loop). */
 int prep_init(server *s);
 /* 1 when req's body is large enough to be prepared off the loop. */
-int prep_wants(server *s, struct evhttp_request *req);
+int prep_wants(server *s, hs_req *req);
 /* Move j->http's body to the thread; j->work runs there, j->done here. */
 void prep_submit(server *s, prep_job *j);
-/* Shutdown, before evhttp_free: stop the thread, answer 503 to the jobs away. */
+/* Shutdown, before hs_server_free: stop the thread, answer 503 to the jobs away. */
 void prep_free(server *s);
 
 /* ---- handlers ------------------------------------------------------------ */
-void completion_handle(server *s, struct evhttp_request *req); /* completion.c */
-void chat_handle(server *s, struct evhttp_request *req);       /* chat.c */
-void tokenize_handle(server *s, struct evhttp_request *req);   /* tokenize.c */
-void detokenize_handle(server *s, struct evhttp_request *req); /* tokenize.c */
+void completion_handle(server *s, hs_req *req); /* completion.c */
+void chat_handle(server *s, hs_req *req);       /* chat.c */
+void tokenize_handle(server *s, hs_req *req);   /* tokenize.c */
+void detokenize_handle(server *s, hs_req *req); /* tokenize.c */
 /* Render messages (+ tools) with the chat template and tokenize (chat.c). */
 int chat_render_ids(server *s, const json_t *messages, const json_t *tools,
                     bool add_generation_prompt, bool add_special, int32_t **ids, size_t *n,
                     oai_error *err);
 /* Drain the engine-event queue (gen.c), on the loop thread. */
 void gen_drain_events(server *s);
-/* Abort the requests whose client closed its connection while waiting for a
- * non-streaming reply (libevent only notices a close when it writes). */
-void gen_probe_clients(server *s);
 /* Shutdown, after engine_destroy: free the requests still in flight (their
- * connections are then closed by evhttp_free). */
+ * connections are then closed by hs_server_free). */
 void gen_free_live(server *s);
 /* Free queued events without handling them (shutdown). */
 void gen_drop_events(server *s);

@@ -181,7 +181,7 @@ static void tokenize_done(prep_job *j) {
     free(t);
 }
 
-void tokenize_handle(server *s, struct evhttp_request *req) {
+void tokenize_handle(server *s, hs_req *req) {
     tokenize_job *t = prep_wants(s, req) ? calloc(1, sizeof *t) : NULL;
     if (t) { /* a long prompt: tokenized off the loop */
         t->job.http = req;
@@ -203,7 +203,7 @@ void tokenize_handle(server *s, struct evhttp_request *req) {
         server_reply_json(req, 200, resp, NULL);
 }
 
-void detokenize_handle(server *s, struct evhttp_request *req) {
+void detokenize_handle(server *s, hs_req *req) {
     oai_error err;
     size_t blen = 0;
     char *body = server_read_body(req, &blen);

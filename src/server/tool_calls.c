@@ -3,6 +3,8 @@
  */
 #include "server/tool_calls.h"
 
+#include "base/rng.h"
+
 #include "model/chat_template.h"
 
 #include <stdatomic.h>
@@ -19,14 +21,7 @@ static void tool_call_id(char *out, size_t cap) {
     clock_gettime(CLOCK_REALTIME, &ts);
     uint64_t a = (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec;
     uint64_t b = atomic_fetch_add(&counter, 1) + 1;
-    /* splitmix64 of both halves */
-    uint64_t h[2] = {a, b ^ 0x9E3779B97F4A7C15ull};
-    for (int i = 0; i < 2; i++) {
-        uint64_t z = h[i] + 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        h[i] = z ^ (z >> 31);
-    }
+    uint64_t h[2] = {rng_mix64(a), rng_mix64(b ^ 0x9E3779B97F4A7C15ull)};
     snprintf(out, cap, "chatcmpl-tool-%016llx%016llx", (unsigned long long)h[0],
              (unsigned long long)h[1]);
 }

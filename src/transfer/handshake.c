@@ -1,6 +1,7 @@
 /* handshake — see handshake.h. */
 #include "transfer/handshake.h"
 
+#include "base/acceptor.h"
 #include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
@@ -13,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -25,20 +25,11 @@
 #define NAME_MAX_LEN      96
 
 struct handshake_server {
-    int listen_fd;
-    int stop_fd; /* eventfd: written by stop() */
     handshake_server_cfg cfg;
-    pthread_t thread;
-    pthread_mutex_t mu; /* guards active */
-    pthread_cond_t idle;
-    int active; /* connection threads running */
+    acceptor *acc; /* the accept loop: a thread per connection */
 };
 
-typedef struct hs_conn {
-    handshake_server *s;
-    int fd;
-    char peer[80]; /* "ip:port" of the client, for logs */
-} hs_conn;
+typedef acceptor_conn hs_conn; /* fd, peer "ip:port" */
 
 void handshake_header_encode(uint8_t hdr[HANDSHAKE_HEADER_LEN], uint64_t body_len, uint8_t type) {
     uint64_t len = body_len + 1; /* Mooncake's writeString counts the type byte */
@@ -384,66 +375,12 @@ static void serve_conn(handshake_server *s, hs_conn *c) {
     }
 }
 
-/* Each connection on its own short-lived thread, so that a silent client
- * (up to SERVE_DEADLINE_NS) never holds up the others. */
-static void *conn_main(void *arg) {
-    hs_conn *c = arg;
-    handshake_server *s = c->s;
+/* Each connection on its own short-lived thread (the acceptor's), so that a
+ * silent client (up to SERVE_DEADLINE_NS) never holds up the others. */
+static void conn_serve(void *ctx, acceptor_conn *c) {
+    handshake_server *s = ctx;
     serve_conn(s, c);
-    close(c->fd);
-    free(c);
     if (s->cfg.secret) auth_thread_stop(); /* before stop() can see this thread done */
-    pthread_mutex_lock(&s->mu);
-    s->active--;
-    pthread_cond_broadcast(&s->idle);
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
-}
-
-static void *server_main(void *arg) {
-    handshake_server *s = arg;
-    for (;;) {
-        struct pollfd p[2] = {{.fd = s->listen_fd, .events = POLLIN},
-                              {.fd = s->stop_fd, .events = POLLIN}};
-        int r = poll(p, 2, -1);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0 || (p[1].revents & POLLIN)) break;
-        if (!(p[0].revents & POLLIN)) continue;
-        net_addr from;
-        socklen_t fl = sizeof from.ss;
-        int fd = accept4(s->listen_fd, (struct sockaddr *)&from.ss, &fl, SOCK_CLOEXEC);
-        if (fd < 0) continue;
-        net_set_nonblock(fd, 1);
-        pthread_mutex_lock(&s->mu);
-        while (s->active >= MAX_ACTIVE)
-            pthread_cond_wait(&s->idle, &s->mu);
-        s->active++;
-        pthread_mutex_unlock(&s->mu);
-        hs_conn *c = malloc(sizeof *c);
-        pthread_t t;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        if (c) {
-            c->s = s;
-            c->fd = fd;
-            from.len = fl;
-            net_addr_format(&from, c->peer, sizeof c->peer);
-        }
-        if (!c || pthread_create(&t, &at, conn_main, c) != 0) {
-            free(c);
-            close(fd);
-            pthread_mutex_lock(&s->mu);
-            s->active--;
-            pthread_mutex_unlock(&s->mu);
-        }
-        pthread_attr_destroy(&at);
-    }
-    pthread_mutex_lock(&s->mu); /* connection threads use s: wait for them */
-    while (s->active > 0)
-        pthread_cond_wait(&s->idle, &s->mu);
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
 }
 
 int handshake_server_start(const net_addr *addr, const handshake_server_cfg *cfg,
@@ -453,23 +390,23 @@ int handshake_server_start(const net_addr *addr, const handshake_server_cfg *cfg
     s->cfg = *cfg;
     if (s->cfg.secret && !*s->cfg.secret) s->cfg.secret = NULL;
     if (!s->cfg.self_name) s->cfg.self_name = "";
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->idle, NULL);
-    s->listen_fd = net_listen(addr, 128);
-    if (s->listen_fd < 0) {
+    int fd = net_listen(addr, 128);
+    if (fd < 0) {
         char a[80];
         net_addr_format(addr, a, sizeof a);
-        LOG_E(MOD, "cannot listen on %s for the handshake port: %s", a, strerror(-s->listen_fd));
+        LOG_E(MOD, "cannot listen on %s for the handshake port: %s", a, strerror(-fd));
         free(s);
         return TRANSFER_ESYS;
     }
-    s->stop_fd = eventfd(0, EFD_CLOEXEC);
     net_addr bound;
-    net_local_addr(s->listen_fd, &bound);
+    net_local_addr(fd, &bound);
     if (s->cfg.bound) s->cfg.bound(s->cfg.ctx, net_addr_port(&bound)); /* before any client */
-    if (s->stop_fd < 0 || pthread_create(&s->thread, NULL, server_main, s) != 0) {
-        close(s->listen_fd);
-        if (s->stop_fd >= 0) close(s->stop_fd);
+    acceptor_cfg ac = {.what = "handshake connection",
+                       .max_conns = MAX_ACTIVE,
+                       .wait_when_full = 1, /* more wait in the backlog */
+                       .serve = conn_serve,
+                       .ctx = s};
+    if (acceptor_start(&fd, 1, &ac, &s->acc) != 0) { /* closes fd */
         free(s);
         return TRANSFER_ESYS;
     }
@@ -479,14 +416,7 @@ int handshake_server_start(const net_addr *addr, const handshake_server_cfg *cfg
 
 void handshake_server_stop(handshake_server *s) {
     if (!s) return;
-    uint64_t one = 1;
-    ssize_t w = write(s->stop_fd, &one, sizeof one);
-    (void)w;
-    pthread_join(s->thread, NULL);
-    close(s->listen_fd);
-    close(s->stop_fd);
-    pthread_mutex_destroy(&s->mu);
-    pthread_cond_destroy(&s->idle);
+    acceptor_stop(s->acc); /* waits for the connection threads */
     free(s);
 }
 

@@ -1,6 +1,7 @@
 /* tcp_server — see tcp_server.h. */
 #include "transfer/tcp_server.h"
 
+#include "base/acceptor.h"
 #include "base/auth.h"
 #include "base/clock.h"
 #include "base/log.h"
@@ -11,34 +12,20 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <unistd.h>
 
 #define MOD              "transfer.tcp"
 #define MAX_CONNS        1024
 #define INBUF            65536
 #define OUTMAX           512 /* status words batched before a flush */
-#define MAX_LISTEN       17
+#define MAX_LISTEN       ACCEPTOR_MAX_LISTEN
 #define AUTH_DEADLINE_NS (2 * NS_PER_S)
 
-typedef struct conn {
-    struct conn *prev, *next; /* server's list */
-    struct tcp_server *srv;
-    int fd;
-    char peer[80]; /* client "ip:port", for logs */
-} conn;
+typedef acceptor_conn conn; /* fd, peer "ip:port" */
 
 struct tcp_server {
     tcp_server_env env;
-    int listen_fd[MAX_LISTEN];
-    int nlisten;
-    int stop_fd;
-    pthread_t accept_thread;
-    pthread_mutex_t mu; /* guards conns, nconns, stopping */
-    pthread_cond_t drained;
-    conn *conns;
-    int nconns;
-    int stopping;
+    acceptor *acc; /* the accept loop: a thread per connection */
 };
 
 void tcp_header_encode(uint8_t h[TCP_HEADER_LEN], uint64_t size, uint64_t addr, uint8_t opcode) {
@@ -351,21 +338,8 @@ static int serve_auth(tcp_server *s, conn *c) {
     return 0;
 }
 
-static void conn_unlink(tcp_server *s, conn *c) {
-    pthread_mutex_lock(&s->mu);
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        s->conns = c->next;
-    if (c->next) c->next->prev = c->prev;
-    s->nconns--;
-    pthread_cond_broadcast(&s->drained);
-    pthread_mutex_unlock(&s->mu);
-}
-
-static void *conn_main(void *arg) {
-    conn *c = arg;
-    tcp_server *s = c->srv;
+static void conn_serve(void *ctx, acceptor_conn *c) {
+    tcp_server *s = ctx;
     int refused = s->env.secret && serve_auth(s, c) != 0;
     if (s->env.secret) auth_thread_stop(); /* before stop() can see this connection gone */
     conn_io *io = refused ? NULL : malloc(sizeof *io);
@@ -384,62 +358,6 @@ static void *conn_main(void *arg) {
         stage_pair_free(&io->stage);
         free(io);
     }
-    conn_unlink(s, c);
-    close(c->fd);
-    free(c);
-    return NULL;
-}
-
-static void *accept_main(void *arg) {
-    tcp_server *s = arg;
-    for (;;) {
-        struct pollfd p[MAX_LISTEN + 1];
-        for (int i = 0; i < s->nlisten; i++)
-            p[i] = (struct pollfd){.fd = s->listen_fd[i], .events = POLLIN};
-        p[s->nlisten] = (struct pollfd){.fd = s->stop_fd, .events = POLLIN};
-        int r = poll(p, (nfds_t)s->nlisten + 1, -1);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0 || (p[s->nlisten].revents & POLLIN)) break;
-        int li = 0;
-        while (li < s->nlisten && !(p[li].revents & POLLIN))
-            li++;
-        if (li == s->nlisten) continue;
-        net_addr from;
-        socklen_t fl = sizeof from.ss;
-        int fd = accept4(s->listen_fd[li], (struct sockaddr *)&from.ss, &fl, SOCK_CLOEXEC);
-        if (fd < 0) continue;
-        from.len = fl;
-        net_set_nodelay(fd);
-        net_set_nonblock(fd, 1);
-        conn *c = calloc(1, sizeof *c);
-        pthread_mutex_lock(&s->mu);
-        if (!c || s->nconns >= MAX_CONNS || s->stopping) {
-            pthread_mutex_unlock(&s->mu);
-            LOG_W(MOD, "refusing data connection (%d open, limit %d)", s->nconns, MAX_CONNS);
-            free(c);
-            close(fd);
-            continue;
-        }
-        c->srv = s;
-        c->fd = fd;
-        net_addr_format(&from, c->peer, sizeof c->peer);
-        c->next = s->conns;
-        if (s->conns) s->conns->prev = c;
-        s->conns = c;
-        s->nconns++;
-        pthread_mutex_unlock(&s->mu);
-        pthread_t t;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&t, &at, conn_main, c) != 0) {
-            conn_unlink(s, c);
-            close(fd);
-            free(c);
-        }
-        pthread_attr_destroy(&at);
-    }
-    return NULL;
 }
 
 int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *env, tcp_server **out,
@@ -449,8 +367,7 @@ int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *en
     if (!s) return TRANSFER_ENOMEM;
     s->env = *env;
     if (s->env.secret && !*s->env.secret) s->env.secret = NULL;
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->drained, NULL);
+    int fds[MAX_LISTEN], nfds = 0;
     uint16_t p = net_addr_port(&addrs[0]);
     for (int i = 0; i < naddrs; i++) {
         net_addr a = addrs[i];
@@ -462,8 +379,6 @@ int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *en
             net_addr_format(&a, as, sizeof as);
             if (i == 0) {
                 LOG_E(MOD, "cannot listen on %s for tcp data: %s", as, strerror(-fd));
-                pthread_mutex_destroy(&s->mu);
-                pthread_cond_destroy(&s->drained);
                 free(s);
                 return TRANSFER_ESYS;
             }
@@ -475,14 +390,16 @@ int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *en
             net_local_addr(fd, &bound);
             p = net_addr_port(&bound);
         }
-        s->listen_fd[s->nlisten++] = fd;
+        fds[nfds++] = fd;
     }
     *port = p;
-    s->stop_fd = eventfd(0, EFD_CLOEXEC);
-    if (s->stop_fd < 0 || pthread_create(&s->accept_thread, NULL, accept_main, s) != 0) {
-        for (int i = 0; i < s->nlisten; i++)
-            close(s->listen_fd[i]);
-        if (s->stop_fd >= 0) close(s->stop_fd);
+    acceptor_cfg ac = {.what = "data connection",
+                       .max_conns = MAX_CONNS,
+                       .nodelay = 1,
+                       .shutdown_on_stop = 1,
+                       .serve = conn_serve,
+                       .ctx = s};
+    if (acceptor_start(fds, nfds, &ac, &s->acc) != 0) { /* closes the fds */
         free(s);
         return TRANSFER_ESYS;
     }
@@ -492,21 +409,6 @@ int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *en
 
 void tcp_server_stop(tcp_server *s) {
     if (!s) return;
-    uint64_t one = 1;
-    ssize_t w = write(s->stop_fd, &one, sizeof one);
-    (void)w;
-    pthread_join(s->accept_thread, NULL);
-    pthread_mutex_lock(&s->mu);
-    s->stopping = 1;
-    for (conn *c = s->conns; c; c = c->next)
-        shutdown(c->fd, SHUT_RDWR);
-    while (s->nconns > 0)
-        pthread_cond_wait(&s->drained, &s->mu);
-    pthread_mutex_unlock(&s->mu);
-    for (int i = 0; i < s->nlisten; i++)
-        close(s->listen_fd[i]);
-    close(s->stop_fd);
-    pthread_cond_destroy(&s->drained);
-    pthread_mutex_destroy(&s->mu);
+    acceptor_stop(s->acc); /* shuts the data connections down and waits for them */
     free(s);
 }

@@ -1,6 +1,6 @@
-/* Unit tests of the proxy's pure parts: HTTP head and body framing
- * (RFC 9112 byte streams), the PROTOCOL.md §1 body rewriting, the §2
- * /query table, URL and bootstrap parsing, and the routing policies. */
+/* Unit tests of the proxy's pure parts: the PROTOCOL.md §1 body rewriting,
+ * the §2 /query table, URL and bootstrap parsing, and the routing policies.
+ * (HTTP heads and body framing, base/http_msg: test_http_msg.c.) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -8,7 +8,6 @@
 #include <cmocka.h>
 
 #include "proxy/backend.h"
-#include "proxy/http_msg.h"
 #include "proxy/pd_request.h"
 #include "proxy/policy.h"
 
@@ -17,145 +16,6 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
-
-static const http_limits LIM = {1024, 8};
-
-static int parse_str(const char *s, int is_request, http_head *h, struct evbuffer **rest) {
-    struct evbuffer *in = evbuffer_new();
-    evbuffer_add(in, s, strlen(s));
-    int rc = http_head_parse(in, is_request, &LIM, h);
-    if (rest)
-        *rest = in;
-    else
-        evbuffer_free(in);
-    return rc;
-}
-
-static void test_request_head(void **state) {
-    (void)state;
-    http_head h;
-    struct evbuffer *rest;
-    assert_int_equal(
-        parse_str("POST /v1/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length:  12 \r\n"
-                  "Connection: close\r\n\r\n{\"a\":1}",
-                  1, &h, &rest),
-        1);
-    assert_string_equal(h.method, "POST");
-    assert_string_equal(h.target, "/v1/completions?x=1");
-    assert_int_equal(h.minor, 1);
-    assert_int_equal(h.nheaders, 3);
-    assert_string_equal(http_head_get(&h, "content-length"), "12");
-    assert_int_equal(h.content_length, 12);
-    assert_int_equal(h.keep_alive, 0);
-    assert_int_equal(evbuffer_get_length(rest), 7); /* body left in the buffer */
-    http_head_free(&h);
-    evbuffer_free(rest);
-
-    /* incomplete, then HTTP/1.0 default close, bare LF line ends */
-    assert_int_equal(parse_str("GET / HTTP/1.1\r\nHost: a\r\n", 1, &h, NULL), 0);
-    assert_int_equal(parse_str("GET / HTTP/1.0\nHost: a\n\n", 1, &h, NULL), 1);
-    assert_int_equal(h.keep_alive, 0);
-    assert_int_equal(h.content_length, -1);
-    http_head_free(&h);
-
-    /* malformed */
-    const char *bad[] = {"NONSENSE\r\n\r\n",
-                         "GET /\r\n\r\n",
-                         "GET / HTTP/2.0\r\n\r\n",
-                         "get / HTTP/1.1\r\n\r\n",
-                         "GET / HTTP/1.1\r\nNoColon\r\n\r\n",
-                         "GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
-                         "GET / HTTP/1.1\r\nA: b\r\n folded\r\n\r\n",
-                         "POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
-                         "POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
-                         "POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n"};
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-        assert_int_equal(parse_str(bad[i], 1, &h, NULL), HTTP_EBAD_MESSAGE);
-
-    /* limits: 9 headers > 8; head over 1024 bytes */
-    char many[512] = "GET / HTTP/1.1\r\n";
-    for (int i = 0; i < 9; i++)
-        strcat(many, "X-A: b\r\n");
-    strcat(many, "\r\n");
-    assert_int_equal(parse_str(many, 1, &h, NULL), HTTP_ETOO_MANY_HEADERS);
-    char *big = malloc(2000);
-    strcpy(big, "GET / HTTP/1.1\r\nX: ");
-    memset(big + strlen(big), 'a', 1500);
-    big[19 + 1500] = 0;
-    assert_int_equal(parse_str(big, 1, &h, NULL), HTTP_EHEAD_TOO_LARGE);
-    free(big);
-}
-
-static void test_status_head(void **state) {
-    (void)state;
-    http_head h;
-    assert_int_equal(parse_str("HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n"
-                               "Content-Length: 5\r\n\r\n",
-                               0, &h, NULL),
-                     1);
-    assert_int_equal(h.status, 503);
-    assert_int_equal(h.chunked, 1);
-    assert_int_equal(h.content_length, -1); /* Transfer-Encoding wins */
-    http_head_free(&h);
-    assert_int_equal(parse_str("HTTP/1.1 200\r\n\r\n", 0, &h, NULL), 1);
-    assert_int_equal(h.status, 200);
-    http_head_free(&h);
-    assert_int_equal(parse_str("HTTP/1.1 2x0 OK\r\n\r\n", 0, &h, NULL), HTTP_EBAD_MESSAGE);
-}
-
-/* Feeds `wire` one byte at a time and returns the decoded body. */
-static char *decode_body(const char *head, const char *wire, int *rc_out) {
-    http_head h;
-    assert_int_equal(parse_str(head, 0, &h, NULL), 1);
-    http_body_reader r;
-    http_body_init(&r, &h, 0);
-    struct evbuffer *in = evbuffer_new(), *out = evbuffer_new();
-    int rc = 0;
-    for (size_t i = 0; wire[i] && rc == 0; i++) {
-        evbuffer_add(in, wire + i, 1);
-        rc = http_body_read(&r, in, out);
-    }
-    *rc_out = rc;
-    size_t n = evbuffer_get_length(out);
-    char *s = calloc(1, n + 1);
-    evbuffer_remove(out, s, n);
-    evbuffer_free(in);
-    evbuffer_free(out);
-    http_head_free(&h);
-    return s;
-}
-
-static void test_body_framing(void **state) {
-    (void)state;
-    int rc;
-    /* RFC 9112 7.1 chunked coding with an extension and a trailer */
-    char *s = decode_body("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
-                          "5;name=v\r\nhello\r\n7\r\n, world\r\n0\r\nX-T: 1\r\n\r\n", &rc);
-    assert_int_equal(rc, 1);
-    assert_string_equal(s, "hello, world");
-    free(s);
-    s = decode_body("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", "5\r\nhelloXX", &rc);
-    assert_int_equal(rc, HTTP_EBAD_MESSAGE);
-    free(s);
-    s = decode_body("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", "zz\r\n", &rc);
-    assert_int_equal(rc, HTTP_EBAD_MESSAGE);
-    free(s);
-    s = decode_body("HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", "abcdEXTRA", &rc);
-    assert_int_equal(rc, 1);
-    assert_string_equal(s, "abcd");
-    free(s);
-    s = decode_body("HTTP/1.1 200 OK\r\n\r\n", "until close", &rc);
-    assert_int_equal(rc, 0); /* ends only at EOF */
-    assert_string_equal(s, "until close");
-    free(s);
-    http_head h;
-    http_body_reader r;
-    assert_int_equal(parse_str("HTTP/1.1 204 No Content\r\nContent-Length: 9\r\n\r\n", 0, &h, NULL),
-                     1);
-    http_body_init(&r, &h, 0);
-    assert_int_equal(r.mode, HTTP_BODY_NONE);
-    http_head_free(&h);
-}
 
 static json_t *J(const char *s) {
     json_error_t e;
@@ -216,18 +76,6 @@ static void test_prefill_and_decode_bodies(void **state) {
     assert_non_null(strstr(err, "not valid JSON"));
     assert_int_equal(pd_parse_client_body("{}", 2, &out, err, sizeof err), 0);
     json_decref(out);
-}
-
-static void test_uuid4(void **state) {
-    (void)state;
-    char a[PD_UUID_LEN + 1], b[PD_UUID_LEN + 1];
-    pd_uuid4(a);
-    pd_uuid4(b);
-    assert_int_equal(strlen(a), 36);
-    assert_string_not_equal(a, b);
-    assert_int_equal(a[14], '4');
-    assert_non_null(strchr("89ab", a[19]));
-    assert_true(a[8] == '-' && a[13] == '-' && a[18] == '-' && a[23] == '-');
 }
 
 static void test_query_table(void **state) {
@@ -361,10 +209,10 @@ static void test_policies(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_request_head), cmocka_unit_test(test_status_head),
-        cmocka_unit_test(test_body_framing), cmocka_unit_test(test_prefill_and_decode_bodies),
-        cmocka_unit_test(test_uuid4),        cmocka_unit_test(test_query_table),
-        cmocka_unit_test(test_urls),         cmocka_unit_test(test_policies),
+        cmocka_unit_test(test_prefill_and_decode_bodies),
+        cmocka_unit_test(test_query_table),
+        cmocka_unit_test(test_urls),
+        cmocka_unit_test(test_policies),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

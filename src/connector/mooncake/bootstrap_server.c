@@ -3,16 +3,12 @@
 #include "connector/mooncake/bootstrap_server.h"
 
 #include "base/auth.h"
+#include "base/http_server.h"
 #include "base/log.h"
 #include "base/net.h"
 
 #include <errno.h>
-#include <event2/buffer.h>
-#include <event2/bufferevent.h>
 #include <event2/event.h>
-#include <event2/http.h>
-#include <event2/keyvalq_struct.h>
-#include <event2/util.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -20,7 +16,6 @@
 #include <stdlib.h>
 #include <stdatomic.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -43,11 +38,9 @@ typedef struct bs_engine {
 
 struct bootstrap_server {
     struct event_base *base; /* the server thread's loop */
-    struct evhttp *http;     /* HTTP server on base */
+    hs_server *http;         /* HTTP server on base (base/http_server) */
     struct event *stop_ev;   /* fires when stop_pipe is written */
     int stop_pipe[2];        /* [0] read by the loop, [1] written by stop() */
-    int listen_fd;           /* listening socket */
-    int listen_owned;        /* 1 once evhttp owns (and will close) listen_fd */
     uint16_t port;           /* bound port */
     pthread_t thread;        /* runs event_base_dispatch */
     int thread_started;      /* 1 once thread is valid */
@@ -57,9 +50,7 @@ struct bootstrap_server {
     size_t n_workers; /* total over engines, <= BOOTSTRAP_MAX_WORKERS */
     char secret[256]; /* /register's shared secret, "" = none */
     atomic_ulong auth_rejected;
-    time_t auth_logged;      /* last refusal log line (server thread only) */
-    double header_timeout_s; /* header deadline (BOOTSTRAP_HEADER_TIMEOUT_S) */
-    struct bs_conn *conns;   /* connections with a header deadline (server thread) */
+    time_t auth_logged; /* last refusal log line (server thread only) */
 };
 
 #define STR_(x) #x
@@ -202,20 +193,20 @@ int bootstrap_server_count_workers(bootstrap_server *s, int dp_rank, const char 
 
 /* ---- HTTP ---------------------------------------------------------------- */
 
-static void send_json(struct evhttp_request *req, int code, const char *reason, json_t *body) {
-    char *text = json_dumps(body, JSON_COMPACT | JSON_PRESERVE_ORDER);
+static void send_json_h(hs_req *req, int code, const char *extra_headers, json_t *body) {
+    char *text = body ? json_dumps(body, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
     json_decref(body);
-    struct evbuffer *buf = evbuffer_new();
-    if (buf && text) evbuffer_add(buf, text, strlen(text));
-    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
-    evhttp_send_reply(req, code, reason, buf);
-    if (buf) evbuffer_free(buf);
+    hs_reply(req, code, "application/json", extra_headers, text ? text : "",
+             text ? strlen(text) : 0);
     free(text);
 }
 
-static void send_detail(struct evhttp_request *req, int code, const char *reason,
-                        const char *detail) {
-    send_json(req, code, reason, json_pack("{s:s}", "detail", detail));
+static void send_json(hs_req *req, int code, json_t *body) {
+    send_json_h(req, code, NULL, body);
+}
+
+static void send_detail(hs_req *req, int code, const char *detail) {
+    send_json(req, code, json_pack("{s:s}", "detail", detail));
 }
 
 /* One FastAPI-style validation error. */
@@ -261,10 +252,9 @@ static void check_rank(json_t *body, const char *key, json_t *errors, int *out) 
 
 /* NULL when the request's X-Disagg-Auth is valid for body, else why not
  * (*status 401: absent, 403: wrong). */
-static const char *check_auth(bootstrap_server *s, struct evhttp_request *req, const char *body,
-                              size_t len, int *status, char *buf, size_t cap) {
-    const char *h =
-        evhttp_find_header(evhttp_request_get_input_headers(req), BOOTSTRAP_AUTH_HEADER);
+static const char *check_auth(bootstrap_server *s, hs_req *req, const char *body, size_t len,
+                              int *status, char *buf, size_t cap) {
+    const char *h = http_head_get(hs_req_head(req), BOOTSTRAP_AUTH_HEADER);
     *status = 401;
     if (!h)
         return "bootstrap /register requires authentication: this server has a shared secret "
@@ -305,10 +295,9 @@ static const char *check_auth(bootstrap_server *s, struct evhttp_request *req, c
     return NULL;
 }
 
-static void handle_register(bootstrap_server *s, struct evhttp_request *req) {
-    struct evbuffer *in = evhttp_request_get_input_buffer(req);
-    size_t len = evbuffer_get_length(in);
-    const char *data = len ? (const char *)evbuffer_pullup(in, -1) : "";
+static void handle_register(bootstrap_server *s, hs_req *req) {
+    size_t len = 0;
+    const char *data = hs_req_body(req, &len);
     if (s->secret[0]) {
         int status;
         char buf[256];
@@ -317,15 +306,11 @@ static void handle_register(bootstrap_server *s, struct evhttp_request *req) {
             unsigned long n = atomic_fetch_add(&s->auth_rejected, 1) + 1;
             time_t now = time(NULL);
             if (now - s->auth_logged >= 10) { /* at most one line per 10 s */
-                char peer[64] = "?";
-                char *ph = NULL;
-                ev_uint16_t pport = 0;
-                evhttp_connection_get_peer(evhttp_request_get_connection(req), &ph, &pport);
-                if (ph) snprintf(peer, sizeof peer, "%s", ph);
-                LOG_W(MOD, "refusing a /register from %s (%lu refused in all): %s", peer, n, why);
+                LOG_W(MOD, "refusing a /register from %s (%lu refused in all): %s",
+                      hs_req_peer(req), n, why);
                 s->auth_logged = now;
             }
-            return send_detail(req, status, status == 401 ? "Unauthorized" : "Forbidden", why);
+            return send_detail(req, status, why);
         }
     }
     json_error_t jerr;
@@ -337,14 +322,14 @@ static void handle_register(bootstrap_server *s, struct evhttp_request *req) {
                  jerr.line, jerr.column);
         json_array_append_new(errors, json_pack("{s:s,s:[s,i],s:s}", "type", "json_invalid", "loc",
                                                 "body", (int)jerr.position, "msg", msg));
-        send_json(req, 422, "Unprocessable Entity", json_pack("{s:o}", "detail", errors));
+        send_json(req, 422, json_pack("{s:o}", "detail", errors));
         return;
     }
     if (!json_is_object(body)) {
         add_error(errors, "model_attributes_type", NULL,
                   "Input should be a valid dictionary or object to extract fields from");
         json_decref(body);
-        send_json(req, 422, "Unprocessable Entity", json_pack("{s:o}", "detail", errors));
+        send_json(req, 422, json_pack("{s:o}", "detail", errors));
         return;
     }
     const char *engine_id, *addr;
@@ -356,7 +341,7 @@ static void handle_register(bootstrap_server *s, struct evhttp_request *req) {
     check_str(body, "addr", errors, &addr);
     if (json_array_size(errors) > 0) {
         json_decref(body);
-        send_json(req, 422, "Unprocessable Entity", json_pack("{s:o}", "detail", errors));
+        send_json(req, 422, json_pack("{s:o}", "detail", errors));
         return;
     }
     json_decref(errors);
@@ -364,211 +349,48 @@ static void handle_register(bootstrap_server *s, struct evhttp_request *req) {
     int code = registry_add(s, engine_id, dp, tp, pp, addr, detail, sizeof detail);
     json_decref(body);
     if (code == 200)
-        send_json(req, 200, "OK", json_pack("{s:s}", "status", "ok"));
+        send_json(req, 200, json_pack("{s:s}", "status", "ok"));
     else
-        send_detail(req, 400, "Bad Request", detail);
+        send_detail(req, 400, detail);
 }
 
-static void handle_query(bootstrap_server *s, struct evhttp_request *req) {
+static void handle_query(bootstrap_server *s, hs_req *req) {
     char *text = bootstrap_server_query_json(s);
-    struct evbuffer *buf = evbuffer_new();
-    if (buf && text) evbuffer_add(buf, text, strlen(text));
-    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
-    evhttp_send_reply(req, 200, "OK", buf);
-    if (buf) evbuffer_free(buf);
+    hs_reply(req, 200, "application/json", NULL, text ? text : "", text ? strlen(text) : 0);
     free(text);
 }
 
-/* ---- header deadline ----------------------------------------------------------
- * evhttp 2.1's only timeout is per read (30 s here), so a client sending a
- * byte now and then holds a connection forever.  Each connection gets a
- * header deadline: the head must be complete header_timeout_s after accept,
- * or after the previous response; bytes do not move it.  A small equivalent
- * of src/server/http_conn.c's (which the connector may not include, and base/
- * does not link libevent): evhttp_set_bevcb makes the bufferevent here with
- * a callback on its input buffer that sees every arrival before evhttp parses
- * it; a blank line ends the head.  The body (<= BOOTSTRAP_MAX_BODY) is left
- * to the per-read timeout.  Server thread only. */
+/* Deadlines (base/http_server): the head must be complete header_timeout_s
+ * after the accept, or after the previous response (keep-alive); bytes do not
+ * move it.  Past it: 408 and close, or just close when nothing was sent.  The
+ * body (<= BOOTSTRAP_MAX_BODY) must follow within BOOTSTRAP_BODY_TIMEOUT_S. */
+#define BOOTSTRAP_BODY_TIMEOUT_S 30.0
 
-typedef struct bs_conn {
-    bootstrap_server *s;
-    struct bufferevent *bev;       /* evhttp owns it */
-    struct evhttp_connection *evc; /* once registered */
-    struct event *init;            /* deferred registration */
-    struct event *timer;           /* the header deadline */
-    int timed;                     /* 1 while the deadline runs */
-    int got_bytes;                 /* a byte arrived since it was armed */
-    int eol;                       /* head scanner: 0 in a line, 1 after LF, 2 after LF CR */
-    struct bs_conn *prev, *next;
-} bs_conn;
-
-static void bs_conn_input(struct evbuffer *buf, const struct evbuffer_cb_info *info, void *arg);
-
-static void bs_conn_free(bs_conn *c) {
-    bootstrap_server *s = c->s;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        s->conns = c->next;
-    if (c->next) c->next->prev = c->prev;
-    if (c->bev) evbuffer_remove_cb(bufferevent_get_input(c->bev), bs_conn_input, c);
-    event_free(c->init);
-    event_free(c->timer);
-    free(c);
-}
-
-static void bs_conn_arm(bs_conn *c) {
-    double t = c->s->header_timeout_s;
-    struct timeval tv = {(time_t)t, (suseconds_t)((t - (double)(time_t)t) * 1e6)};
-    c->timed = 1;
-    c->got_bytes = 0;
-    c->eol = 0;
-    event_add(c->timer, &tv);
-}
-
-static void bs_conn_closed(struct evhttp_connection *evc, void *arg) {
-    (void)evc;
-    bs_conn_free(arg); /* evhttp frees the bufferevent right after this */
-}
-
-static void bs_conn_timeout(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
-    bs_conn *c = arg;
-    if (!c->evc || !c->timed) return;
-    if (c->got_bytes) {
-        static const char r408[] = "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
-                                   "Content-Length: 0\r\n\r\n";
-        LOG_W(MOD, "a client did not complete its request head within %g s: 408, closing",
-              c->s->header_timeout_s);
-        (void)send(bufferevent_getfd(c->bev), r408, sizeof r408 - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } else {
-        LOG_D(MOD, "connection idle for %g s: closing", c->s->header_timeout_s);
-    }
-    evhttp_connection_free(c->evc); /* calls bs_conn_closed, which frees c */
-}
-
-static void bs_conn_input(struct evbuffer *buf, const struct evbuffer_cb_info *info, void *arg) {
-    bs_conn *c = arg;
-    if (info->n_added == 0 || !c->timed) return;
-    c->got_bytes = 1;
-    size_t len = evbuffer_get_length(buf);
-    if (info->n_added > len) return;
-    struct evbuffer_ptr pos;
-    if (evbuffer_ptr_set(buf, &pos, len - info->n_added, EVBUFFER_PTR_SET) < 0) return;
-    struct evbuffer_iovec v[8];
-    int n = evbuffer_peek(buf, (ev_ssize_t)info->n_added, &pos, v, 8);
-    size_t left = info->n_added;
-    for (int i = 0; i < n && i < 8 && left; i++) {
-        const unsigned char *p = v[i].iov_base;
-        size_t k = v[i].iov_len < left ? v[i].iov_len : left;
-        left -= k;
-        for (size_t j = 0; j < k; j++) { /* a blank line (LF LF or LF CR LF) ends the head */
-            if (p[j] == '\n') {
-                if (c->eol) {
-                    c->timed = 0;
-                    event_del(c->timer);
-                    return;
-                }
-                c->eol = 1;
-            } else {
-                c->eol = p[j] == '\r' && c->eol == 1 ? 2 : 0;
-            }
-        }
-    }
-}
-
-/* Deferred from the bufferevent's creation: evhttp has made the connection
- * by now (the bufferevent's callback argument) and no I/O has run on it. */
-static void bs_conn_register(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
-    bs_conn *c = arg;
-    bufferevent_data_cb rd = NULL;
-    void *evc = NULL;
-    bufferevent_getcb(c->bev, &rd, NULL, NULL, &evc);
-    if (!rd || !evc || bufferevent_getfd(c->bev) < 0) { /* evhttp gave up on it already */
-        bs_conn_free(c);
-        return;
-    }
-    c->evc = evc;
-    evhttp_connection_set_closecb(c->evc, bs_conn_closed, c);
-}
-
-static struct bufferevent *bs_conn_new_bev(struct event_base *base, void *arg) {
+static void on_request(hs_req *req, void *arg) {
     bootstrap_server *s = arg;
-    bs_conn *c = calloc(1, sizeof *c);
-    struct bufferevent *bev = bufferevent_socket_new(base, -1, 0); /* as evhttp's own */
-    if (!c || !bev) {
-        free(c);
-        return bev; /* evhttp makes its own when NULL */
-    }
-    c->s = s;
-    c->bev = bev;
-    c->init = event_new(base, -1, 0, bs_conn_register, c);
-    c->timer = evtimer_new(base, bs_conn_timeout, c);
-    if (!c->init || !c->timer ||
-        evbuffer_add_cb(bufferevent_get_input(bev), bs_conn_input, c) == NULL) {
-        if (c->init) event_free(c->init);
-        if (c->timer) event_free(c->timer);
-        free(c);
-        return bev;
-    }
-    c->next = s->conns;
-    if (s->conns) s->conns->prev = c;
-    s->conns = c;
-    bs_conn_arm(c);
-    event_active(c->init, EV_TIMEOUT, 0);
-    return bev;
-}
-
-static bs_conn *bs_conn_of(bootstrap_server *s, struct evhttp_request *req) {
-    struct evhttp_connection *evc = evhttp_request_get_connection(req);
-    for (bs_conn *c = s->conns; evc && c; c = c->next)
-        if (c->evc == evc) return c;
-    return NULL;
-}
-
-/* The response went out: the next head has a fresh deadline. */
-static void bs_conn_reply_done(struct evhttp_request *req, void *arg) {
-    bs_conn *c = bs_conn_of(arg, req);
-    if (c) bs_conn_arm(c);
-}
-
-/* A request is dispatched (also a pipelined one whose head was buffered). */
-static void bs_conn_request_begins(bootstrap_server *s, struct evhttp_request *req) {
-    bs_conn *c = bs_conn_of(s, req);
-    if (!c) return;
-    c->timed = 0;
-    event_del(c->timer);
-    evhttp_request_set_on_complete_cb(req, bs_conn_reply_done, s);
-}
-
-static void bs_conn_free_all(bootstrap_server *s) {
-    while (s->conns) {
-        s->conns->bev = NULL; /* freed with evhttp */
-        bs_conn_free(s->conns);
-    }
-}
-
-static void on_request(struct evhttp_request *req, void *arg) {
-    bootstrap_server *s = arg;
-    const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
-    const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
-    enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
-    bs_conn_request_begins(s, req);
-    if (!path) path = "";
+    const char *path = hs_req_path(req);
+    const char *m = hs_req_head(req)->method;
     if (strcmp(path, "/register") == 0) {
-        if (cmd == EVHTTP_REQ_POST) return handle_register(s, req);
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", "POST");
-        return send_detail(req, 405, "Method Not Allowed", "Method Not Allowed");
+        if (!strcmp(m, "POST")) return handle_register(s, req);
+        return send_json_h(req, 405, "Allow: POST\r\n",
+                           json_pack("{s:s}", "detail", "Method Not Allowed"));
     }
     if (strcmp(path, "/query") == 0) {
-        if (cmd == EVHTTP_REQ_GET || cmd == EVHTTP_REQ_HEAD) return handle_query(s, req);
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", "GET");
-        return send_detail(req, 405, "Method Not Allowed", "Method Not Allowed");
+        if (!strcmp(m, "GET") || !strcmp(m, "HEAD")) return handle_query(s, req);
+        return send_json_h(req, 405, "Allow: GET\r\n",
+                           json_pack("{s:s}", "detail", "Method Not Allowed"));
     }
-    send_detail(req, 404, "Not Found", "Not Found");
+    send_detail(req, 404, "Not Found");
+}
+
+/* Protocol errors (400 malformed, 413, 431): FastAPI's {"detail": ...};
+ * a 408 has no body. */
+static char *error_body(int status, const char *message) {
+    if (status == 408) return NULL;
+    json_t *j = json_pack("{s:s}", "detail", message);
+    char *t = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    return t;
 }
 
 /* ---- lifecycle ------------------------------------------------------------- */
@@ -586,9 +408,7 @@ static void *server_main(void *arg) {
 }
 
 static void server_free(bootstrap_server *s) {
-    if (s->http) evhttp_free(s->http); /* closes the listener it accepted on */
-    bs_conn_free_all(s);
-    if (!s->listen_owned && s->listen_fd >= 0) close(s->listen_fd);
+    hs_server_free(s->http); /* closes the listener and every connection */
     if (s->stop_ev) event_free(s->stop_ev);
     if (s->base) event_base_free(s->base);
     if (s->stop_pipe[0] >= 0) close(s->stop_pipe[0]);
@@ -633,55 +453,51 @@ int bootstrap_server_start_opts(const char *host, uint16_t port, const char *sec
     bootstrap_server *s = calloc(1, sizeof *s);
     if (!s) return -ENOMEM;
     if (secret) snprintf(s->secret, sizeof s->secret, "%s", secret);
-    s->header_timeout_s = header_timeout_s;
     s->stop_pipe[0] = s->stop_pipe[1] = -1;
-    s->listen_fd = -1;
     pthread_mutex_init(&s->mu, NULL);
-    int rc;
-    net_addr addr;
-    if ((rc = net_resolve(host, port, &addr)) != 0) {
-        snprintf(err, err_cap, "bootstrap server: cannot resolve host '%s': %s", host,
-                 strerror(-rc));
-        goto fail;
-    }
-    s->listen_fd = net_listen(&addr, 128);
-    if (s->listen_fd < 0) {
-        rc = s->listen_fd;
-        snprintf(err, err_cap,
-                 "bootstrap server: cannot listen on %s:%u: %s (set VLLM_MOONCAKE_BOOTSTRAP_PORT "
-                 "or --port to a free port)",
-                 host, (unsigned)port, strerror(-rc));
-        goto fail;
-    }
-    net_addr bound;
-    net_local_addr(s->listen_fd, &bound);
-    s->port = net_addr_port(&bound);
-    evutil_make_socket_nonblocking(s->listen_fd);
-    rc = -ENOMEM;
+    int rc = -ENOMEM;
     if (pipe(s->stop_pipe) != 0) {
         rc = -errno;
         snprintf(err, err_cap, "bootstrap server: pipe: %s", strerror(errno));
         goto fail;
     }
     s->base = event_base_new();
-    s->http = s->base ? evhttp_new(s->base) : NULL;
-    if (!s->http) {
+    if (!s->base) {
         snprintf(err, err_cap, "bootstrap server: cannot create the event loop");
         goto fail;
     }
-    evhttp_set_max_body_size(s->http, BOOTSTRAP_MAX_BODY);
-    evhttp_set_max_headers_size(s->http, 16384);
-    evhttp_set_timeout(s->http, 30);
-    evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
-                                            EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE | EVHTTP_REQ_PATCH |
-                                            EVHTTP_REQ_OPTIONS);
-    evhttp_set_gencb(s->http, on_request, s);
-    evhttp_set_bevcb(s->http, bs_conn_new_bev, s);
-    if (!evhttp_accept_socket_with_handle(s->http, s->listen_fd)) {
-        snprintf(err, err_cap, "bootstrap server: evhttp cannot accept on the listener");
+    net_addr addr;
+    if ((rc = net_resolve(host, port, &addr)) != 0) {
+        snprintf(err, err_cap, "bootstrap server: cannot resolve host '%s': %s", host,
+                 strerror(-rc));
         goto fail;
     }
-    s->listen_owned = 1;
+    hs_config hc;
+    hs_config_default(&hc);
+    hc.limits.max_head_bytes = 16384;
+    hc.max_body_bytes = BOOTSTRAP_MAX_BODY;
+    hc.header_timeout_s = header_timeout_s;
+    hc.request_timeout_s = 0;
+    hc.body_timeout_s = BOOTSTRAP_BODY_TIMEOUT_S;
+    hc.head_from_accept = hc.head_from_reply = 1;
+    hc.write_timeout_s = 30;
+    int fd = net_listen(&addr, 128);
+    if (fd < 0) {
+        rc = fd;
+        snprintf(err, err_cap,
+                 "bootstrap server: cannot listen on %s:%u: %s (set VLLM_MOONCAKE_BOOTSTRAP_PORT "
+                 "or --port to a free port)",
+                 host, (unsigned)port, strerror(-rc));
+        goto fail;
+    }
+    s->http = hs_server_new_fd(s->base, fd, &hc, on_request, s, error_body);
+    if (!s->http) {
+        rc = -ENOMEM;
+        snprintf(err, err_cap, "bootstrap server: cannot accept on the listener");
+        goto fail;
+    }
+    s->port = hs_server_port(s->http);
+    rc = -ENOMEM;
     s->stop_ev = event_new(s->base, s->stop_pipe[0], EV_READ, on_stop, s->base);
     if (!s->stop_ev || event_add(s->stop_ev, NULL) != 0) {
         snprintf(err, err_cap, "bootstrap server: cannot add the stop event");

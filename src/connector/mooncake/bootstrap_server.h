@@ -19,11 +19,12 @@
  * the cause.  GET /query stays open (addresses only; the side channel they
  * name authenticates every pull).  Without a secret nothing changes.
  *
- * libevent evhttp on its own thread and event_base, so a prefill instance can
- * embed it (rank 0) and `disagg bootstrap` can run it alone; stop() ends the
- * loop from any thread and joins it.  The table is guarded by a mutex so the
- * embedding process may read it directly.  The process must ignore SIGPIPE
- * (evhttp writes with writev): a client that disconnects early raises it.
+ * base/http_server (the project's one HTTP/1.1 layer) on its own thread and
+ * event_base, so a prefill instance can embed it (rank 0) and `disagg
+ * bootstrap` can run it alone; stop() ends the loop from any thread and joins
+ * it.  The table is guarded by a mutex so the embedding process may read it
+ * directly.  The process must ignore SIGPIPE (bufferevents write with
+ * writev): a client that disconnects early raises it.
  */
 #ifndef DISAGG_CONNECTOR_MOONCAKE_BOOTSTRAP_SERVER_H
 #define DISAGG_CONNECTOR_MOONCAKE_BOOTSTRAP_SERVER_H

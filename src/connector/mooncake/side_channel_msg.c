@@ -2,6 +2,8 @@
  * msgpack, typed getters over msgpack-c objects, pull, reply. */
 #include "connector/mooncake/side_channel_msg.h"
 
+#include "base/err.h"
+
 #include <msgpack.h>
 #include <stdarg.h>
 #include <stdalign.h>
@@ -43,16 +45,6 @@ static void arena_free(void *arena) {
         free(c);
         c = next;
     }
-}
-
-static void set_err(char *err, size_t cap, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t cap, const char *fmt, ...) {
-    if (!err || cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, cap, fmt, ap);
-    va_end(ap);
 }
 
 /* ---- pre-scan ------------------------------------------------------------
@@ -195,38 +187,38 @@ static int scan_object(scan_state *s, int depth) {
 static int unpack_one(const char *what, const void *buf, size_t len, msgpack_unpacked *u, char *err,
                       size_t cap) {
     if (!buf || len == 0) {
-        set_err(err, cap, "side-channel %s: empty message", what);
+        err_set(err, cap, "side-channel %s: empty message", what);
         return SIDE_CHANNEL_EINVAL;
     }
     if (len > SIDE_CHANNEL_MAX_MSG_BYTES) {
-        set_err(err, cap, "side-channel %s: message of %zu bytes exceeds the limit of %u bytes",
+        err_set(err, cap, "side-channel %s: message of %zu bytes exceeds the limit of %u bytes",
                 what, len, SIDE_CHANNEL_MAX_MSG_BYTES);
         return SIDE_CHANNEL_EINVAL;
     }
     scan_state s = {.p = buf, .len = len};
     if (scan_object(&s, 0)) {
-        set_err(err, cap, "side-channel %s: malformed msgpack at byte %zu of %zu: %s", what, s.pos,
+        err_set(err, cap, "side-channel %s: malformed msgpack at byte %zu of %zu: %s", what, s.pos,
                 len, s.why);
         return SIDE_CHANNEL_EINVAL;
     }
     if (s.pos != len) {
-        set_err(err, cap, "side-channel %s: %zu trailing bytes after the message", what,
+        err_set(err, cap, "side-channel %s: %zu trailing bytes after the message", what,
                 len - s.pos);
         return SIDE_CHANNEL_EINVAL;
     }
     size_t off = 0;
     msgpack_unpack_return r = msgpack_unpack_next(u, buf, len, &off);
     if (r == MSGPACK_UNPACK_NOMEM_ERROR) {
-        set_err(err, cap, "side-channel %s: out of memory unpacking %zu bytes", what, len);
+        err_set(err, cap, "side-channel %s: out of memory unpacking %zu bytes", what, len);
         return SIDE_CHANNEL_ENOMEM;
     }
     if (r != MSGPACK_UNPACK_SUCCESS || off != len) {
-        set_err(err, cap, "side-channel %s: msgpack-c rejected the message (code %d)", what,
+        err_set(err, cap, "side-channel %s: msgpack-c rejected the message (code %d)", what,
                 (int)r);
         return SIDE_CHANNEL_EINVAL;
     }
     if (u->data.type != MSGPACK_OBJECT_MAP) {
-        set_err(err, cap, "side-channel %s: expected a msgpack map keyed by field name", what);
+        err_set(err, cap, "side-channel %s: expected a msgpack map keyed by field name", what);
         return SIDE_CHANNEL_EINVAL;
     }
     return 0;
@@ -268,7 +260,7 @@ static const char *obj_type_name(const msgpack_object *o) {
 }
 
 static int bad_type(dec_ctx *c, const char *key, const char *want, const msgpack_object *o) {
-    set_err(c->err, c->cap, "side-channel %s: '%s': expected %s, got %s", c->what, key, want,
+    err_set(c->err, c->cap, "side-channel %s: '%s': expected %s, got %s", c->what, key, want,
             obj_type_name(o));
     return SIDE_CHANNEL_EINVAL;
 }
@@ -277,12 +269,12 @@ static int get_str(dec_ctx *c, const char *key, const msgpack_object *o, char **
     if (o->type != MSGPACK_OBJECT_STR) return bad_type(c, key, "a string", o);
     uint32_t n = o->via.str.size;
     if (n > SIDE_CHANNEL_MAX_STR) {
-        set_err(c->err, c->cap, "side-channel %s: '%s': string of %u bytes exceeds %u", c->what,
+        err_set(c->err, c->cap, "side-channel %s: '%s': string of %u bytes exceeds %u", c->what,
                 key, n, SIDE_CHANNEL_MAX_STR);
         return SIDE_CHANNEL_EINVAL;
     }
     if (n && memchr(o->via.str.ptr, '\0', n)) {
-        set_err(c->err, c->cap, "side-channel %s: '%s': string contains a NUL byte", c->what, key);
+        err_set(c->err, c->cap, "side-channel %s: '%s': string contains a NUL byte", c->what, key);
         return SIDE_CHANNEL_EINVAL;
     }
     char *s = arena_alloc(c->arena, (size_t)n + 1);
@@ -295,7 +287,7 @@ static int get_str(dec_ctx *c, const char *key, const msgpack_object *o, char **
 static int get_i64(dec_ctx *c, const char *key, const msgpack_object *o, int64_t *out) {
     if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
         if (o->via.u64 > (uint64_t)INT64_MAX) {
-            set_err(c->err, c->cap, "side-channel %s: '%s': integer %llu out of range", c->what,
+            err_set(c->err, c->cap, "side-channel %s: '%s': integer %llu out of range", c->what,
                     key, (unsigned long long)o->via.u64);
             return SIDE_CHANNEL_EINVAL;
         }
@@ -314,7 +306,7 @@ static int get_i64_range(dec_ctx *c, const char *key, const msgpack_object *o, i
     int rc = get_i64(c, key, o, out);
     if (rc) return rc;
     if (*out < lo || *out > hi) {
-        set_err(c->err, c->cap, "side-channel %s: '%s': %lld is out of range %lld..%lld", c->what,
+        err_set(c->err, c->cap, "side-channel %s: '%s': %lld is out of range %lld..%lld", c->what,
                 key, (long long)*out, (long long)lo, (long long)hi);
         return SIDE_CHANNEL_EINVAL;
     }
@@ -325,7 +317,7 @@ static int get_array(dec_ctx *c, const char *key, const msgpack_object *o, size_
                      const msgpack_object_array **out) {
     if (o->type != MSGPACK_OBJECT_ARRAY) return bad_type(c, key, "an array", o);
     if (o->via.array.size > max) {
-        set_err(c->err, c->cap, "side-channel %s: '%s': %u elements exceed the limit of %zu",
+        err_set(c->err, c->cap, "side-channel %s: '%s': %u elements exceed the limit of %zu",
                 c->what, key, o->via.array.size, max);
         return SIDE_CHANNEL_EINVAL;
     }
@@ -403,7 +395,7 @@ static int index_map(dec_ctx *c, const msgpack_object_map *m, const char *const 
         int i = key_index(&m->ptr[j].key, names, n);
         if (i < 0) continue; /* unknown keys are ignored, as msgspec does */
         if (found[i]) {
-            set_err(c->err, c->cap, "side-channel %s: key '%s' appears twice", c->what, names[i]);
+            err_set(c->err, c->cap, "side-channel %s: key '%s' appears twice", c->what, names[i]);
             return SIDE_CHANNEL_EINVAL;
         }
         found[i] = &m->ptr[j].val;
@@ -412,7 +404,7 @@ static int index_map(dec_ctx *c, const msgpack_object_map *m, const char *const 
 }
 
 static int missing(dec_ctx *c, const char *key) {
-    set_err(c->err, c->cap, "side-channel %s: missing required key '%s'", c->what, key);
+    err_set(c->err, c->cap, "side-channel %s: missing required key '%s'", c->what, key);
     return SIDE_CHANNEL_EINVAL;
 }
 
@@ -457,7 +449,7 @@ static int decode_req(dec_ctx *c, const msgpack_object_kv *kv, side_channel_req_
     const msgpack_object_array *t = NULL;
     if ((rc = get_array(c, "req_blocks value", &kv->val, 2, &t))) return rc;
     if (t->size != 2) {
-        set_err(c->err, c->cap,
+        err_set(c->err, c->cap,
                 "side-channel pull: req_blocks['%s']: expected [transfer_id, [[block ids], "
                 "...]], got %u elements",
                 r->req_id, t->size);
@@ -470,7 +462,7 @@ static int decode_req(dec_ctx *c, const msgpack_object_kv *kv, side_channel_req_
     int flat = g->size > 0 && g->ptr[0].type != MSGPACK_OBJECT_ARRAY;
     size_t n_groups = flat ? 1 : g->size;
     if (n_groups > SIDE_CHANNEL_MAX_GROUPS) {
-        set_err(c->err, c->cap,
+        err_set(c->err, c->cap,
                 "side-channel pull: req_blocks['%s']: %zu KV groups exceed the limit of %d",
                 r->req_id, n_groups, SIDE_CHANNEL_MAX_GROUPS);
         return SIDE_CHANNEL_EINVAL;
@@ -485,7 +477,7 @@ static int decode_req(dec_ctx *c, const msgpack_object_kv *kv, side_channel_req_
             return rc;
         *ids_total += r->groups[i].n;
         if (*ids_total > SIDE_CHANNEL_MAX_BLOCK_IDS) {
-            set_err(c->err, c->cap, "side-channel pull: more than %u block ids in one pull",
+            err_set(c->err, c->cap, "side-channel pull: more than %u block ids in one pull",
                     SIDE_CHANNEL_MAX_BLOCK_IDS);
             return SIDE_CHANNEL_EINVAL;
         }
@@ -508,7 +500,7 @@ static int check_unique_reqs(dec_ctx *c, const side_channel_pull *p) {
     int rc = 0;
     for (size_t i = 1; i < p->n_reqs && !rc; i++)
         if (strcmp(ids[i - 1], ids[i]) == 0) {
-            set_err(c->err, c->cap, "side-channel pull: req_blocks: request id '%s' twice", ids[i]);
+            err_set(c->err, c->cap, "side-channel pull: req_blocks: request id '%s' twice", ids[i]);
             rc = SIDE_CHANNEL_EINVAL;
         }
     free(ids);
@@ -534,7 +526,7 @@ static int decode_pull(dec_ctx *c, const msgpack_object_map *m, side_channel_pul
                         f[P_REQ_BLOCKS]);
     const msgpack_object_map *rb = &f[P_REQ_BLOCKS]->via.map;
     if (rb->size > SIDE_CHANNEL_MAX_REQS) {
-        set_err(c->err, c->cap, "side-channel pull: %u requests exceed the limit of %d", rb->size,
+        err_set(c->err, c->cap, "side-channel pull: %u requests exceed the limit of %d", rb->size,
                 SIDE_CHANNEL_MAX_REQS);
         return SIDE_CHANNEL_EINVAL;
     }
@@ -557,7 +549,7 @@ static int decode_pull(dec_ctx *c, const msgpack_object_map *m, side_channel_pul
                            SIDE_CHANNEL_MAX_REGIONS, 0, &p->kv_block_lens, &n_kv)))
         return rc;
     if (n_lens != p->n_regions || n_kv != p->n_regions) {
-        set_err(c->err, c->cap,
+        err_set(c->err, c->cap,
                 "side-channel pull: kv_caches_base_addr, block_lens and kv_block_lens must have "
                 "the same length, got %zu, %zu and %zu",
                 p->n_regions, n_lens, n_kv);
@@ -565,7 +557,7 @@ static int decode_pull(dec_ctx *c, const msgpack_object_map *m, side_channel_pul
     }
     for (size_t i = 0; i < p->n_regions; i++)
         if (p->kv_block_lens[i] > p->block_lens[i]) {
-            set_err(c->err, c->cap,
+            err_set(c->err, c->cap,
                     "side-channel pull: region %zu: kv_block_len %lld exceeds block_len %lld", i,
                     (long long)p->kv_block_lens[i], (long long)p->block_lens[i]);
             return SIDE_CHANNEL_EINVAL;
@@ -605,7 +597,7 @@ int side_channel_pull_decode(const void *buf, size_t len, side_channel_pull *out
     if (rc == 0) {
         dec_ctx c = {.what = "pull", .arena = &out->arena, .err = err, .cap = err_cap};
         rc = decode_pull(&c, &u.data.via.map, out);
-        if (rc == SIDE_CHANNEL_ENOMEM) set_err(err, err_cap, "side-channel pull: out of memory");
+        if (rc == SIDE_CHANNEL_ENOMEM) err_set(err, err_cap, "side-channel pull: out of memory");
     }
     msgpack_unpacked_destroy(&u);
     if (rc) side_channel_pull_free(out);
@@ -646,7 +638,7 @@ int side_channel_reply_decode(const void *buf, size_t len, side_channel_reply *o
                               &out->n_err);
         if (rc == 0 && f[R_MSG] && f[R_MSG]->type != MSGPACK_OBJECT_NIL)
             rc = get_str(&c, "err_msg", f[R_MSG], &out->err_msg);
-        if (rc == SIDE_CHANNEL_ENOMEM) set_err(err, err_cap, "side-channel reply: out of memory");
+        if (rc == SIDE_CHANNEL_ENOMEM) err_set(err, err_cap, "side-channel reply: out of memory");
     }
     msgpack_unpacked_destroy(&u);
     if (rc) side_channel_reply_free(out);
@@ -820,7 +812,7 @@ int side_channel_cancel_decode(const void *buf, size_t len, side_channel_cancel 
         if (rc == 0 && f[0]->type != MSGPACK_OBJECT_MAP)
             rc = bad_type(&c, SIDE_CHANNEL_CANCEL_KEY, "a map of req_id to transfer_id", f[0]);
         if (rc == 0 && f[0]->via.map.size > SIDE_CHANNEL_MAX_REQS) {
-            set_err(err, err_cap, "side-channel cancel: %u requests exceed the limit of %u",
+            err_set(err, err_cap, "side-channel cancel: %u requests exceed the limit of %u",
                     f[0]->via.map.size, SIDE_CHANNEL_MAX_REQS);
             rc = SIDE_CHANNEL_EINVAL;
         }
@@ -836,7 +828,7 @@ int side_channel_cancel_decode(const void *buf, size_t len, side_channel_cancel 
                 if (rc == 0) out->n++;
             }
         }
-        if (rc == SIDE_CHANNEL_ENOMEM) set_err(err, err_cap, "side-channel cancel: out of memory");
+        if (rc == SIDE_CHANNEL_ENOMEM) err_set(err, err_cap, "side-channel cancel: out of memory");
     }
     msgpack_unpacked_destroy(&u);
     if (rc) side_channel_cancel_free(out);

@@ -1,5 +1,5 @@
 /* http_msg — see http_msg.h. */
-#include "proxy/http_msg.h"
+#include "base/http_msg.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -341,5 +341,32 @@ const char *http_reason(int status) {
         return "HTTP Version Not Supported";
     default:
         return "Unknown";
+    }
+}
+
+const char *http_error_type(int status) {
+    switch (status) {
+    case 400:
+        return "BadRequestError";
+    case 401:
+        return "AuthenticationError";
+    case 404:
+        return "NotFoundError";
+    case 405:
+        return "MethodNotAllowedError";
+    case 408:
+        return "RequestTimeoutError";
+    case 413:
+        return "RequestEntityTooLargeError";
+    case 431:
+        return "RequestHeaderFieldsTooLargeError";
+    case 502:
+        return "BadGatewayError";
+    case 503:
+        return "ServiceUnavailableError";
+    case 504:
+        return "GatewayTimeoutError";
+    default:
+        return status >= 500 ? "InternalServerError" : "BadRequestError";
     }
 }

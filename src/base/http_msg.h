@@ -1,13 +1,13 @@
 /*
- * http_msg — incremental HTTP/1.1 message parsing shared by the proxy's
- * server side (http_server.c, client requests) and client side
- * (http_client.c, upstream responses): the head (request or status line plus
+ * http_msg — incremental HTTP/1.1 message parsing shared by the server side
+ * (http_server.c, client requests) and the client side (http_client.c,
+ * upstream responses): the head (request or status line plus
  * headers, bounded in bytes and count) and the body framing (Content-Length,
  * chunked, or until the connection closes), read from a libevent evbuffer.
  * Nothing here owns a socket; values must agree with RFC 9112.
  */
-#ifndef DISAGG_PROXY_HTTP_MSG_H
-#define DISAGG_PROXY_HTTP_MSG_H
+#ifndef DISAGG_BASE_HTTP_MSG_H
+#define DISAGG_BASE_HTTP_MSG_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -79,5 +79,10 @@ int http_body_read(http_body_reader *r, struct evbuffer *in, struct evbuffer *ou
 
 /* Reason phrase of a status code ("OK", "Bad Gateway", ...). */
 const char *http_reason(int status);
+/* The OpenAI-style error type of an error status, as the server and the
+ * proxy name it in their bodies: "BadRequestError" (400 and other 4xx),
+ * "AuthenticationError" (401), "NotFoundError" (404), ..., "BadGatewayError"
+ * (502), "InternalServerError" (500 and other 5xx). */
+const char *http_error_type(int status);
 
 #endif

@@ -1,6 +1,6 @@
 /*
- * http_client — HTTP/1.1 requests from the proxy to its upstreams (prefill and
- * decode instances, bootstrap servers) on libevent bufferevents: a pool of
+ * http_client — HTTP/1.1 client requests on libevent bufferevents (the proxy's
+ * to its upstreams: prefill and decode instances, bootstrap servers): a pool of
  * keep-alive connections per upstream address, the response head delivered
  * once, the body delivered as it arrives (de-chunked, bounded: reading stops
  * while the caller pauses), cancellation that closes the connection (so the
@@ -9,10 +9,10 @@
  * Used instead of evhttp's client because evhttp 2.1 cannot tell "connection
  * refused" from "reset after the request was sent" (docs/proxy.md).
  */
-#ifndef DISAGG_PROXY_HTTP_CLIENT_H
-#define DISAGG_PROXY_HTTP_CLIENT_H
+#ifndef DISAGG_BASE_HTTP_CLIENT_H
+#define DISAGG_BASE_HTTP_CLIENT_H
 
-#include "proxy/http_msg.h"
+#include "base/http_msg.h"
 
 #include <stddef.h>
 #include <stdint.h>

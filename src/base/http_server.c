@@ -1,5 +1,5 @@
 /* http_server — see http_server.h. */
-#include "proxy/http_server.h"
+#include "base/http_server.h"
 
 #include "base/clock.h"
 #include "base/log.h"
@@ -17,10 +17,16 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "base/net.h"
 
 #define MOD "http"
+/* After a protocol error reply the connection reads (and drops) what the client
+ * still sends, up to this long, before closing: closing with unread input would
+ * reset the connection and the client could lose the reply (nginx's
+ * lingering_close). */
+#define LINGER_S 2.0
 
 typedef enum conn_state {
     CONN_READ_HEAD = 0, /* waiting for (more of) a request head */
@@ -32,17 +38,18 @@ typedef enum conn_state {
 typedef struct hs_conn hs_conn;
 
 struct hs_req {
-    hs_conn *conn;         /* owning connection */
-    http_head head;        /* the request head (owned) */
-    struct evbuffer *body; /* (body bytes) decoded request body */
-    char *path;            /* target up to '?' (malloc'ed) */
-    hs_close_fn close_cb;  /* client went away before the reply ended */
-    void *close_arg;       /* its argument */
-    hs_drain_fn drain_cb;  /* output drained below the low watermark */
-    void *drain_arg;       /* its argument */
-    int started;           /* reply head sent */
-    int chunked;           /* reply uses chunked coding */
-    int paused;            /* hs_reply_data reported the high watermark */
+    hs_conn *conn;                /* owning connection */
+    http_head head;               /* the request head (owned) */
+    struct evbuffer *body;        /* (body bytes) decoded request body */
+    char *path;                   /* target up to '?' (malloc'ed) */
+    hs_close_fn close_cb;         /* client went away before the reply ended */
+    void *close_arg;              /* its argument */
+    hs_drain_fn drain_cb;         /* output drained below the low watermark */
+    void *drain_arg;              /* its argument */
+    struct evbuffer *out_headers; /* "Name: value\r\n" lines for the reply, or NULL */
+    int started;                  /* reply head sent */
+    int chunked;                  /* reply uses chunked coding */
+    int paused;                   /* hs_reply_data reported the high watermark */
 };
 
 struct hs_conn {
@@ -58,8 +65,10 @@ struct hs_conn {
     struct evbuffer *stage;   /* reply bytes being composed, sent by conn_flush */
     struct event *flush_ev;   /* deferred conn_flush (hs_reply_flush) */
     struct event *deadline;   /* header / request deadline; bytes do not move it */
-    uint64_t started_ns;      /* clock_now_ns when the request's first byte was seen */
-    int receiving;            /* a request began (deadline armed) and is not dispatched */
+    uint64_t started_ns;      /* clock_now_ns when the request started (see hs_config) */
+    int receiving;            /* a request's first byte came and it is not dispatched */
+    int armed_early;          /* the head deadline runs from accept / the last reply */
+    int lingering;            /* error sent: draining input until EOF or LINGER_S, then close */
     int in_process;           /* inside process_input (defer frees) */
     int want_free;            /* free when process_input unwinds */
     hs_conn *prev, *next;     /* server's connection list */
@@ -80,6 +89,7 @@ struct hs_server {
 };
 
 void hs_config_default(hs_config *c) {
+    memset(c, 0, sizeof *c);
     c->limits.max_head_bytes = 64 * 1024;
     c->limits.max_headers = 100;
     c->max_body_bytes = 16u << 20;
@@ -118,6 +128,14 @@ static size_t conn_unsent(hs_conn *c) {
     return evbuffer_get_length(bufferevent_get_output(c->bev));
 }
 
+static void req_free(hs_req *r) {
+    http_head_free(&r->head);
+    evbuffer_free(r->body);
+    if (r->out_headers) evbuffer_free(r->out_headers);
+    free(r->path);
+    free(r);
+}
+
 static void conn_free(hs_conn *c) {
     if (c->in_process) {
         c->want_free = 1;
@@ -128,10 +146,7 @@ static void conn_free(hs_conn *c) {
         hs_req *r = c->req;
         c->req = NULL;
         if (r->close_cb) r->close_cb(r, r->close_arg);
-        http_head_free(&r->head);
-        evbuffer_free(r->body);
-        free(r->path);
-        free(r);
+        req_free(r);
     }
     http_head_free(&c->head);
     if (c->body) evbuffer_free(c->body);
@@ -148,63 +163,116 @@ static void conn_free(hs_conn *c) {
     free(c);
 }
 
+/* The error reply is out: stop sending, drain the input until EOF or LINGER_S. */
+static void linger_start(hs_conn *c) {
+    shutdown(bufferevent_getfd(c->bev), SHUT_WR);
+    evbuffer_drain(bufferevent_get_input(c->bev),
+                   evbuffer_get_length(bufferevent_get_input(c->bev)));
+    struct timeval tv = tv_of(LINGER_S);
+    event_add(c->deadline, &tv);
+}
+
 /* Sends a protocol error reply and closes the connection after it. */
 static void conn_error(hs_conn *c, int status, const char *message) {
     LOG_D(MOD, "%s: %d %s", c->peer, status, message);
     char *body = c->srv->error_body ? c->srv->error_body(status, message) : NULL;
-    const char *b = body ? body : message;
-    evbuffer_add_printf(c->stage,
-                        "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
-                        "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
-                        status, http_reason(status), strlen(b), b);
+    if (body)
+        evbuffer_add_printf(c->stage,
+                            "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+                            "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
+                            status, http_reason(status), strlen(body), body);
+    else
+        evbuffer_add_printf(c->stage,
+                            "HTTP/1.1 %d %s\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+                            status, http_reason(status));
     free(body);
     conn_flush(c);
     http_head_free(&c->head);
     c->receiving = 0;
+    c->armed_early = 0;
     event_del(c->deadline);
     c->state = CONN_CLOSING;
-    bufferevent_disable(c->bev, EV_READ);
-    if (conn_unsent(c) == 0) conn_free(c);
+    c->lingering = 1;
+    bufferevent_set_timeouts(c->bev, NULL, NULL);
+    if (conn_unsent(c) == 0) linger_start(c);
 }
 
 static int head_status(int rc) {
     return rc == HTTP_EHEAD_TOO_LARGE || rc == HTTP_ETOO_MANY_HEADERS ? 431 : 400;
 }
 
-/* Arms the deadline `limit_s` after the request's first byte (0 or less: none). */
-static void deadline_arm(hs_conn *c, double limit_s) {
-    if (limit_s <= 0) {
+/* Arms the deadline at end_ns (0: none). */
+static void deadline_at(hs_conn *c, uint64_t end_ns) {
+    if (!end_ns) {
         event_del(c->deadline);
         return;
     }
-    uint64_t end = c->started_ns + (uint64_t)(limit_s * 1e9), now = clock_now_ns();
-    uint64_t left = end > now ? end - now : 0;
+    uint64_t now = clock_now_ns(), left = end_ns > now ? end_ns - now : 0;
     struct timeval tv = {(time_t)(left / 1000000000u), (suseconds_t)(left % 1000000000u / 1000)};
     event_add(c->deadline, &tv);
 }
 
-/* The first byte of a request: no more idle timeout, the head deadline runs. */
-static void request_begins(hs_conn *c) {
+/* The earlier of two deadlines `a_s` after `a_from` and `b_s` after `b_from`
+ * (a limit of 0 or less: none; both none: 0). */
+static uint64_t deadline_min(uint64_t a_from, double a_s, uint64_t b_from, double b_s) {
+    uint64_t a = a_s > 0 ? a_from + (uint64_t)(a_s * 1e9) : 0;
+    uint64_t b = b_s > 0 ? b_from + (uint64_t)(b_s * 1e9) : 0;
+    return !a ? b : !b ? a : a < b ? a : b;
+}
+
+/* A request's head starts now (its first byte, or the accept / the last
+ * reply with head_from_*): no idle timeout, the head deadline runs. */
+static void head_starts(hs_conn *c) {
     hs_config *cfg = &c->srv->cfg;
-    c->receiving = 1;
     c->started_ns = clock_now_ns();
     bufferevent_set_timeouts(c->bev, NULL, NULL);
-    double h = cfg->header_timeout_s;
-    if (cfg->request_timeout_s > 0 && (h <= 0 || cfg->request_timeout_s < h))
-        h = cfg->request_timeout_s;
-    deadline_arm(c, h);
+    deadline_at(c, deadline_min(c->started_ns, cfg->header_timeout_s, c->started_ns,
+                                cfg->request_timeout_s));
+}
+
+/* Between requests: the next head's deadline now (head_from_*), or the
+ * idle timeout until its first byte. */
+static void wait_next(hs_conn *c, int first) {
+    hs_config *cfg = &c->srv->cfg;
+    if (first ? cfg->head_from_accept : cfg->head_from_reply) {
+        c->armed_early = 1;
+        head_starts(c);
+        return;
+    }
+    struct timeval it = tv_of(cfg->idle_timeout_s);
+    bufferevent_set_timeouts(c->bev, &it, NULL);
+}
+
+/* The first byte of a request. */
+static void request_begins(hs_conn *c) {
+    c->receiving = 1;
+    if (!c->armed_early) head_starts(c);
 }
 
 static void deadline_cb(evutil_socket_t fd, short what, void *arg) {
     hs_conn *c = arg;
-    if (!c->receiving) return;
+    hs_server *s = c->srv;
+    if (c->lingering) { /* the client did not close in LINGER_S */
+        conn_free(c);
+        return;
+    }
+    if (!c->receiving && !c->armed_early) return;
+    if (!c->receiving && !s->cfg.idle_408) { /* nothing was asked */
+        LOG_D(MOD, "%s: no request within %g s: closing", c->peer, s->cfg.header_timeout_s);
+        if (s->cfg.on_deadline) s->cfg.on_deadline(s->cfg.on_deadline_arg, HS_DEADLINE_IDLE);
+        conn_free(c);
+        return;
+    }
+    int head = c->state == CONN_READ_HEAD;
     c->receiving = 0;
-    LOG_D(MOD, "%s: request not received in time (%s): closing", c->peer,
-          c->state == CONN_READ_HEAD ? "head" : "body");
+    c->armed_early = 0;
+    LOG_D(MOD, "%s: request not received in time (%s): 408, closing", c->peer,
+          head ? "head" : "body");
+    if (s->cfg.on_deadline)
+        s->cfg.on_deadline(s->cfg.on_deadline_arg, head ? HS_DEADLINE_HEADER : HS_DEADLINE_BODY);
     conn_error(c, 408,
-               c->state == CONN_READ_HEAD
-                   ? "timed out reading the request head (see --client-header-timeout)"
-                   : "timed out reading the request (see --client-timeout)");
+               head ? "timed out reading the request head (see --client-header-timeout)"
+                    : "timed out reading the request (see --client-timeout)");
 }
 
 static void dispatch(hs_conn *c) {
@@ -224,6 +292,7 @@ static void dispatch(hs_conn *c) {
     c->req = r;
     c->state = CONN_HANDLING;
     c->receiving = 0;
+    c->armed_early = 0;
     event_del(c->deadline);
     /* No read timeout while serving: the client waits for us.  Reading stays
      * on so that EOF (client gone) is seen at once. */
@@ -266,7 +335,8 @@ static void process_input(hs_conn *c) {
             }
             http_body_init(&c->body_rd, &c->head, 0);
             c->body = evbuffer_new();
-            deadline_arm(c, s->cfg.request_timeout_s);
+            deadline_at(c, deadline_min(c->started_ns, s->cfg.request_timeout_s, clock_now_ns(),
+                                        s->cfg.body_timeout_s));
             c->state = CONN_READ_BODY;
         }
         if (c->state == CONN_READ_BODY) {
@@ -294,14 +364,22 @@ static void process_input(hs_conn *c) {
 
 static void read_cb(struct bufferevent *bev, void *arg) {
     hs_conn *c = arg;
-    (void)bev;
+    if (c->lingering) {
+        evbuffer_drain(bufferevent_get_input(bev), evbuffer_get_length(bufferevent_get_input(bev)));
+        return;
+    }
     if (c->state == CONN_READ_HEAD || c->state == CONN_READ_BODY) process_input(c);
 }
 
 static void write_cb(struct bufferevent *bev, void *arg) {
     hs_conn *c = arg;
     if (c->state == CONN_CLOSING) {
-        if (evbuffer_get_length(bufferevent_get_output(bev)) == 0) conn_free(c);
+        if (evbuffer_get_length(bufferevent_get_output(bev)) == 0) {
+            if (c->lingering)
+                linger_start(c);
+            else
+                conn_free(c);
+        }
         return;
     }
     if (c->req && c->req->paused) {
@@ -315,6 +393,9 @@ static void event_cb(struct bufferevent *bev, short what, void *arg) {
     (void)bev;
     /* The only read timeout is the idle one (no byte of a request yet):
      * close silently, as a keep-alive connection's end. */
+    hs_server *s = c->srv;
+    if ((what & BEV_EVENT_TIMEOUT) && (what & BEV_EVENT_READING) && s->cfg.on_deadline)
+        s->cfg.on_deadline(s->cfg.on_deadline_arg, HS_DEADLINE_IDLE);
     LOG_D(MOD, "%s: connection %s", c->peer,
           what & BEV_EVENT_EOF       ? "closed by the client"
           : what & BEV_EVENT_TIMEOUT ? (what & BEV_EVENT_READING ? "idle (keep-alive timeout)"
@@ -368,8 +449,7 @@ static void accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct socka
     bufferevent_set_max_single_write(c->bev, 256 * 1024);
     bufferevent_setwatermark(c->bev, EV_READ, 0, s->cfg.limits.max_head_bytes + (1u << 20));
     bufferevent_setwatermark(c->bev, EV_WRITE, s->cfg.max_output_bytes / 4, 0);
-    struct timeval it = tv_of(s->cfg.idle_timeout_s);
-    bufferevent_set_timeouts(c->bev, &it, NULL);
+    wait_next(c, 1);
     bufferevent_enable(c->bev, EV_READ | EV_WRITE);
     c->next = s->conns;
     if (s->conns) s->conns->prev = c;
@@ -395,6 +475,26 @@ static void accept_error_cb(struct evconnlistener *l, void *arg) {
     event_add(s->resume_ev, &tv);
 }
 
+static hs_server *server_alloc(struct event_base *base, const hs_config *cfg, hs_handler_fn handler,
+                               void *arg, hs_error_body_fn error_body) {
+    hs_server *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->base = base;
+    s->cfg = *cfg;
+    s->handler = handler;
+    s->handler_arg = arg;
+    s->error_body = error_body;
+    return s;
+}
+
+static hs_server *server_listening(hs_server *s) {
+    s->resume_ev = evtimer_new(s->base, resume_cb, s);
+    evconnlistener_set_error_cb(s->lst, accept_error_cb);
+    net_addr bound;
+    if (net_local_addr(evconnlistener_get_fd(s->lst), &bound) == 0) s->port = net_addr_port(&bound);
+    return s;
+}
+
 hs_server *hs_server_new(struct event_base *base, const char *host, uint16_t port,
                          const hs_config *cfg, hs_handler_fn handler, void *arg,
                          hs_error_body_fn error_body) {
@@ -404,13 +504,8 @@ hs_server *hs_server_new(struct event_base *base, const char *host, uint16_t por
         LOG_E(MOD, "cannot resolve listen address '%s': %s", host, strerror(-rc));
         return NULL;
     }
-    hs_server *s = calloc(1, sizeof *s);
+    hs_server *s = server_alloc(base, cfg, handler, arg, error_body);
     if (!s) return NULL;
-    s->base = base;
-    s->cfg = *cfg;
-    s->handler = handler;
-    s->handler_arg = arg;
-    s->error_body = error_body;
     s->lst = evconnlistener_new_bind(base, accept_cb, s, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE,
                                      4096, (struct sockaddr *)&addr.ss, (int)addr.len);
     if (!s->lst) {
@@ -418,11 +513,23 @@ hs_server *hs_server_new(struct event_base *base, const char *host, uint16_t por
         free(s);
         return NULL;
     }
-    s->resume_ev = evtimer_new(base, resume_cb, s);
-    evconnlistener_set_error_cb(s->lst, accept_error_cb);
-    net_addr bound;
-    if (net_local_addr(evconnlistener_get_fd(s->lst), &bound) == 0) s->port = net_addr_port(&bound);
-    return s;
+    return server_listening(s);
+}
+
+hs_server *hs_server_new_fd(struct event_base *base, int listen_fd, const hs_config *cfg,
+                            hs_handler_fn handler, void *arg, hs_error_body_fn error_body) {
+    hs_server *s = server_alloc(base, cfg, handler, arg, error_body);
+    if (s) {
+        evutil_make_socket_nonblocking(listen_fd);
+        s->lst = evconnlistener_new(base, accept_cb, s, LEV_OPT_CLOSE_ON_FREE, -1, listen_fd);
+    }
+    if (!s || !s->lst) {
+        LOG_E(MOD, "cannot accept on a listening socket: out of memory");
+        free(s);
+        close(listen_fd);
+        return NULL;
+    }
+    return server_listening(s);
 }
 
 uint16_t hs_server_port(const hs_server *s) {
@@ -469,15 +576,20 @@ void hs_req_set_drain_cb(hs_req *r, hs_drain_fn cb, void *arg) {
 const char *hs_req_peer(const hs_req *r) {
     return r->conn->peer;
 }
+struct evbuffer *hs_req_body_buffer(hs_req *r) {
+    return r->body;
+}
+int hs_req_add_header(hs_req *r, const char *name, const char *value) {
+    if (strpbrk(name, "\r\n:") || strpbrk(value, "\r\n")) return -EINVAL; /* no injection */
+    if (!r->out_headers && !(r->out_headers = evbuffer_new())) return -ENOMEM;
+    return evbuffer_add_printf(r->out_headers, "%s: %s\r\n", name, value) < 0 ? -ENOMEM : 0;
+}
 
 /* The request is over: free it and get ready for the next one. */
 static void req_finish(hs_req *r) {
     hs_conn *c = r->conn;
     c->req = NULL;
-    http_head_free(&r->head);
-    evbuffer_free(r->body);
-    free(r->path);
-    free(r);
+    req_free(r);
     if (!c->keep_alive) {
         c->state = CONN_CLOSING;
         bufferevent_disable(c->bev, EV_READ);
@@ -485,8 +597,7 @@ static void req_finish(hs_req *r) {
         return;
     }
     c->state = CONN_READ_HEAD;
-    struct timeval it = tv_of(c->srv->cfg.idle_timeout_s);
-    bufferevent_set_timeouts(c->bev, &it, NULL);
+    wait_next(c, 0);
     if (!c->in_process && evbuffer_get_length(bufferevent_get_input(c->bev)) > 0) process_input(c);
 }
 
@@ -503,6 +614,7 @@ int hs_reply(hs_req *r, int status, const char *content_type, const char *extra_
     evbuffer_add_printf(out, "HTTP/1.1 %d %s\r\n", status, http_reason(status));
     if (content_type) evbuffer_add_printf(out, "Content-Type: %s\r\n", content_type);
     if (extra_headers) evbuffer_add(out, extra_headers, strlen(extra_headers));
+    if (r->out_headers) evbuffer_add_buffer(out, r->out_headers);
     evbuffer_add_printf(out, "Content-Length: %zu\r\n", len);
     add_conn_header(r, out);
     evbuffer_add(out, "\r\n", 2);
@@ -529,6 +641,7 @@ int hs_reply_start(hs_req *r, int status, const http_header *headers, int n,
     for (int i = 0; i < n; i++)
         if (!is_hop_by_hop(headers[i].name))
             evbuffer_add_printf(out, "%s: %s\r\n", headers[i].name, headers[i].value);
+    if (r->out_headers) evbuffer_add_buffer(out, r->out_headers);
     if (content_length >= 0) {
         evbuffer_add_printf(out, "Content-Length: %lld\r\n", (long long)content_length);
     } else if (r->head.minor >= 1) {

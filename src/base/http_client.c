@@ -1,5 +1,5 @@
 /* http_client — see http_client.h. */
-#include "proxy/http_client.h"
+#include "base/http_client.h"
 
 #include "base/log.h"
 #include "base/net.h"
