@@ -18,10 +18,10 @@ else
 fi | grep -v '^build' | tar cf - -T - | tar xf - -C "$STAGE/src"
 cp -r ../shared/data/qwen2.5-tokenizer "$STAGE/shared/data/" 2>/dev/null ||
   cp -r /work/shared/data/qwen2.5-tokenizer "$STAGE/shared/data/"
-for b in disagg test_cuda_model test_backend_ops test_cuda_invariant libdisagg_cuda.so; do
+for b in disagg test_cuda_model test_backend_ops test_cuda_invariant test_nccl libdisagg_cuda.so; do
   cp "$BUILD/$b" "$STAGE/prebuilt/" && strip --strip-debug "$STAGE/prebuilt/$b"
 done
-ldd "$BUILD/disagg" "$BUILD/test_cuda_model" "$BUILD/test_cuda_invariant" | awk '/=>/{print $3}' | sort -u |
+ldd "$BUILD/disagg" "$BUILD/test_cuda_model" "$BUILD/test_cuda_invariant" "$BUILD/test_nccl" | awk '/=>/{print $3}' | sort -u |
   grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libresolv)\.so' |
   xargs -I{} cp -L {} "$STAGE/prebuilt/rt/"
 echo "$(git rev-parse HEAD) $(git status --short | wc -l) uncommitted" > "$STAGE/src/.bundle-rev"
