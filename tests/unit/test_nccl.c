@@ -171,8 +171,10 @@ typedef struct rank_job {
 
 #define N_ELEMS ((1u << 20) + 3u)
 
+/* small integers: every partial sum of up to 8 ranks stays below 256 in magnitude, so the
+ * bf16 sums are exact whatever order NCCL adds in */
 static float value(int rank, size_t i) {
-    return (float)((rank + 1) * (int)(i % 13u) - 6);
+    return (float)((rank + 1) * (int)(i % 5u) - 2);
 }
 
 /* One rank: join the group, all-reduce f32 then bf16, check the exact sums. */
@@ -242,7 +244,7 @@ static int child_rank(void *arg) {
             break;
         }
         for (size_t i = 0; i < N_ELEMS && !bad; i++) {
-            float want = sum_k * (float)(i % 13u) - 6.0f * (float)j->n_ranks;
+            float want = sum_k * (float)(i % 5u) - 2.0f * (float)j->n_ranks;
             float got = pass ? from_bf16(hb[i]) : h[i];
             if (got != want) {
                 fprintf(stderr, "test_nccl rank %d of %d: %s element %zu = %g, want %g\n", j->rank,
