@@ -129,14 +129,12 @@ typedef struct tp_case {
     int sparse; /* 1: D's block stride is larger than its payload */
 } tp_case;
 
-static void run_tp_case(const tp_case *tc) {
+static void run_tp_case_ids(const tp_case *tc, const int64_t *p_ids, size_t n_p,
+                            const int64_t *d_ids, size_t n_d) {
     const xfer_kv_shape sh = {
         .n_layers = 3, .block_size = 4, .n_kv_heads = tc->H, .head_dim = 4, .elem_bytes = 2};
     const int rows = sh.n_layers * 2 * sh.block_size, hb = sh.head_dim * sh.elem_bytes;
     const int p_blocks = 10, d_blocks = 12;
-    /* P holds 6 blocks, D had a 1-block prefix hit and asks for 5 (tail pairing) */
-    const int64_t p_ids[] = {2, 9, 3, 4, 5, 0}, d_ids[] = {10, 11, 1, 6, 7};
-    const size_t n_p = 6, n_d = 5;
     uint8_t *p_buf[16], *d_buf[16];
     uint8_t *d_hits[16];
     uint64_t p_bl[16], d_bl[16];
@@ -232,6 +230,68 @@ static void run_tp_case(const tp_case *tc) {
         free(d_buf[r]);
         free(d_hits[r]);
     }
+}
+
+static void run_tp_case(const tp_case *tc) {
+    /* P holds 6 blocks, D had a 1-block prefix hit and asks for 5 (tail pairing): 9->10,
+     * 3->11, 4->1, 5->2 (consecutive on both sides: one run when dense), 0->7 */
+    const int64_t p_ids[] = {2, 9, 3, 4, 5, 0}, d_ids[] = {10, 11, 1, 2, 7};
+    run_tp_case_ids(tc, p_ids, 6, d_ids, 5);
+}
+
+/* vLLM's rules, written independently of xfer_tp_check: each TP size divides the KV heads
+ * or is a multiple of them, and the two sizes divide one another. */
+static int vllm_accepts(int p_tp, int d_tp, int H) {
+    int p_ok = H % p_tp == 0 || p_tp % H == 0, d_ok = H % d_tp == 0 || d_tp % H == 0;
+    int ratio_ok = p_tp >= d_tp ? p_tp % d_tp == 0 : d_tp % p_tp == 0;
+    return p_ok && d_ok && ratio_ok;
+}
+
+/* Random sweep: TP sizes 1..8, KV heads 1..8, random block ids (tail pairing, runs and
+ * breaks), dense and strided decoders: accepted exactly when vLLM accepts, and when
+ * accepted, byte-exact against the reference. */
+static void test_tp_random_sweep(void **state) {
+    (void)state;
+    uint64_t seed = 0x2545F4914F6CDD1Dull;
+#define RND() (seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17, seed)
+    int accepted = 0, refused = 0;
+    for (int iter = 0; iter < 300; iter++) {
+        tp_case tc = {(int)(RND() % 8) + 1, (int)(RND() % 8) + 1, (int)(RND() % 8) + 1,
+                      (int)(RND() % 2)};
+        char err[256];
+        int rc = xfer_tp_check(tc.p_tp, tc.d_tp, tc.H, err, sizeof err);
+        if (!vllm_accepts(tc.p_tp, tc.d_tp, tc.H)) {
+            if (rc != XFER_PLAN_EINVAL) fail_msg("P%d D%d H%d accepted", tc.p_tp, tc.d_tp, tc.H);
+            refused++;
+            continue;
+        }
+        if (rc != 0) fail_msg("P%d D%d H%d refused: %s", tc.p_tp, tc.d_tp, tc.H, err);
+        accepted++;
+        int64_t pool_p[10], pool_d[12];
+        for (int i = 0; i < 10; i++)
+            pool_p[i] = i;
+        for (int i = 0; i < 12; i++)
+            pool_d[i] = i;
+        /* shuffle, but sometimes keep runs of consecutive ids */
+        if (RND() % 3) {
+            for (int i = 9; i > 0; i--) {
+                int j = (int)(RND() % (uint64_t)(i + 1));
+                int64_t t = pool_p[i];
+                pool_p[i] = pool_p[j];
+                pool_p[j] = t;
+            }
+            for (int i = 11; i > 0; i--) {
+                int j = (int)(RND() % (uint64_t)(i + 1));
+                int64_t t = pool_d[i];
+                pool_d[i] = pool_d[j];
+                pool_d[j] = t;
+            }
+        }
+        size_t n_p = (size_t)(RND() % 10) + 1, n_d = (size_t)(RND() % n_p) + 1;
+        run_tp_case_ids(&tc, pool_p, n_p, pool_d + (RND() % (12 - n_d + 1)), n_d);
+    }
+#undef RND
+    assert_true(accepted > 50 && refused > 50);
 }
 
 static void test_tp_against_unsharded_reference(void **state) {
@@ -400,6 +460,7 @@ int main(void) {
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_tp_against_unsharded_reference),
         cmocka_unit_test(test_tp_exact_ranges),
+        cmocka_unit_test(test_tp_random_sweep),
         cmocka_unit_test(test_tp_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
