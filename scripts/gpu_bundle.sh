@@ -18,7 +18,7 @@ else
 fi | grep -v '^build' | tar cf - -T - | tar xf - -C "$STAGE/src"
 cp -r ../shared/data/qwen2.5-tokenizer "$STAGE/shared/data/" 2>/dev/null ||
   cp -r /work/shared/data/qwen2.5-tokenizer "$STAGE/shared/data/"
-for b in disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer libdisagg_cuda.so; do
+for b in disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer test_nccl libdisagg_cuda.so; do
   cp "$BUILD/$b" "$STAGE/prebuilt/" && strip --strip-debug "$STAGE/prebuilt/$b"
 done
 # WHEELS=dir (default: the repo's .whl/ when it exists, the device README's convention):
@@ -28,7 +28,7 @@ done
 # prebuilt/whl; gpu_check.sh installs them when `import openai` fails there.
 [ -z "${WHEELS:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && WHEELS=.whl
 if [ -n "${WHEELS:-}" ]; then mkdir -p "$STAGE/prebuilt/whl" && cp "$WHEELS"/*.whl "$STAGE/prebuilt/whl/"; fi
-ldd "$BUILD/disagg" "$BUILD/test_cuda_model" "$BUILD/test_cuda_invariant" "$BUILD/test_gpu_transfer" | awk '/=>/{print $3}' | sort -u |
+ldd "$BUILD/disagg" "$BUILD/test_cuda_model" "$BUILD/test_cuda_invariant" "$BUILD/test_gpu_transfer" "$BUILD/test_nccl" | awk '/=>/{print $3}' | sort -u |
   grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libresolv)\.so' |
   xargs -I{} cp -L {} "$STAGE/prebuilt/rt/"
 echo "$(git rev-parse HEAD) $(git status --short | wc -l) uncommitted" > "$STAGE/src/.bundle-rev"

@@ -34,6 +34,9 @@
 # those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
 # arguments to that benchmark, INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
 # skips the test's fast-mode comparisons and INV_GEMM_BENCH=1 adds its GEMM timing table.
+# Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
+# N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
+# multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +44,9 @@ SRC=$PWD
 OUT=${OUT:-${TMPDIR:-/tmp}/gpu-check-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+export NCCL_NVLS_ENABLE=0
+# pip's nvidia-nccl package folder (include/, lib/), or nothing
+nccl_py_dir() { python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null; }
 step() { echo; echo "=== $(date -u +%T) $* ==="; }
 fails=0
 check() { if [ "$1" -ne 0 ]; then echo "*** FAILED: $2 (exit $1)"; fails=$((fails + 1)); else echo "--- ok: $2"; fi; }
@@ -56,13 +62,20 @@ if [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}" ] && [ -f "$PREBUILT/libdisagg_cud
   echo "ONLY=$ONLY: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
   BUILD=$PREBUILT
 elif cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
-  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer >>"$OUT/cmake.log" 2>&1
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer test_nccl >>"$OUT/cmake.log" 2>&1
   check $? "cmake build in $BUILD"
 elif [ -n "${PREBUILT:-}" ]; then
   echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
   echo "using the prebuilt binaries in $PREBUILT and rebuilding the CUDA module from source with nvcc"
   BUILD=$PREBUILT
-  nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden --Werror all-warnings \
+  NCCL_INC=
+  for d in /usr/local/cuda/include "$(nccl_py_dir)/include"; do
+    [ -f "$d/nccl.h" ] && NCCL_INC=$d && break
+  done
+  NCCL_FLAGS="-DDISAGG_HAVE_NCCL=0"
+  [ -n "$NCCL_INC" ] && NCCL_FLAGS="-DDISAGG_HAVE_NCCL=1 -I $NCCL_INC"
+  echo "NCCL for the module: $NCCL_FLAGS"
+  nvcc $NCCL_FLAGS -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden --Werror all-warnings \
     -gencode arch=compute_90,code=[sm_90,compute_90] -cudart static -I src -I include \
     -Xlinker -z,nodelete -o "$BUILD/libdisagg_cuda.so" src/kernels/cuda/*.cu -lcublasLt
   check $? "nvcc build of libdisagg_cuda.so (sm_90 + compute_90 PTX)"
@@ -72,6 +85,24 @@ fi
 cuobjdump --list-elf "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 cuobjdump --list-ptx "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 BIN=$BUILD/disagg
+# libnccl for the TP module (dlopen()ed): the loader's path, else the toolkit's, else pip's
+if [ -z "${DISAGG_NCCL_LIB:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so.2 '; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib "$(nccl_py_dir)/lib"; do
+    [ -f "$d/libnccl.so.2" ] && export DISAGG_NCCL_LIB=$d/libnccl.so.2 && break
+  done
+fi
+echo "DISAGG_NCCL_LIB=${DISAGG_NCCL_LIB:-unset: libnccl.so.2 from the library path}"
+tp_steps() {
+  step "tensor parallel: test_nccl (NCCL loads, 1-rank and $(nvidia-smi -L 2>/dev/null | wc -l)-GPU all-reduce, f32 and bf16)"
+  "$BUILD/test_nccl"
+  check $? test_nccl
+}
+if [ "${ONLY:-}" = tp ]; then
+  tp_steps
+  step "summary"
+  echo "gpu_check (ONLY=tp): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 
 W7=/dev/shm/q7b
 [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
@@ -129,6 +160,8 @@ fi
 step "GPU parity test (ops and whole model vs CPU, greedy vs golden, serving path CUDA graphs vs eager)"
 "$BUILD/test_cuda_model"
 check $? test_cuda_model
+
+tp_steps
 
 step "backend parity test (every kernels/backend.h op, CUDA vs reference)"
 "$BUILD/test_backend_ops"

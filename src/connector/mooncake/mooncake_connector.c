@@ -12,6 +12,7 @@
 #include "connector/mooncake/id_table.h"
 #include "connector/mooncake/side_channel.h"
 #include "connector/mooncake/side_channel_msg.h"
+#include "connector/mooncake/tp_pull.h"
 #include "connector/mooncake/xfer_plan.h"
 #include "disagg/transfer.h"
 #include "kernels/backend.h"
@@ -147,6 +148,7 @@ struct mooncake_connector {
     kv_protocol proto; /* effective */
     engine *eng;
     engine_kv_region region;
+    tp_local tp; /* this instance's TP shape (tp_pull.h) */
     transfer_engine *te;
     char segment[128]; /* our transfer-engine segment name */
     char host[64];     /* advertised host */
@@ -350,26 +352,20 @@ static int send_blocks(mooncake_connector *c, const side_channel_pull *pull,
     }
     const side_channel_block_group *g = &rb->groups[0];
     int64_t *pids = malloc((size_t)(p->n_blocks ? p->n_blocks : 1) * sizeof *pids);
-    xfer_run *runs = malloc((g->n ? g->n : 1) * sizeof *runs);
-    if (!pids || !runs) {
-        free(pids);
-        free(runs);
+    if (!pids) {
         snprintf(err, cap, "producer out of memory");
         return -ENOMEM;
     }
     for (int i = 0; i < p->n_blocks; i++)
         pids[i] = p->blocks[i];
-    xfer_region pr = {(uint64_t)(uintptr_t)c->region.base, c->region.block_bytes,
-                      c->region.block_bytes};
-    xfer_region dr = {pull->kv_caches_base_addr[0], (uint64_t)pull->block_lens[0],
-                      (uint64_t)pull->kv_block_lens[0]};
-    int n = xfer_plan_request(pids, (size_t)p->n_blocks, g->ids, g->n, &pr, &dr, 1,
-                              (uint64_t)c->region.n_blocks, runs, g->n ? g->n : 1, err, cap);
+    /* the decoder's TP shape decides which heads go where (tp_pull.h, xfer_plan.h) */
+    xfer_run *runs = NULL;
+    size_t n_runs = 0;
+    int n = tp_send_runs(&c->region, &c->tp, pull, pids, (size_t)p->n_blocks, g->ids, g->n, &runs,
+                         &n_runs, err, cap);
     free(pids);
-    if (n < 0) {
-        free(runs);
-        return n;
-    }
+    if (n < 0) return n;
+    n = (int)n_runs;
     void **src = malloc((size_t)(n ? n : 1) * sizeof *src);
     uint64_t *dst = malloc((size_t)(n ? n : 1) * sizeof *dst);
     size_t *len = malloc((size_t)(n ? n : 1) * sizeof *len);
@@ -635,9 +631,26 @@ static int resolve_endpoint(mooncake_connector *c, const cons_req *r, char *ep, 
     int rc = bootstrap_client_query(r->bootstrap, &retry, &t, err, errcap);
     if (rc) return rc;
     const char *addr = NULL;
-    for (size_t i = 0; i < t.n && !addr; i++)
+    const bootstrap_engine *pe = NULL;
+    for (size_t i = 0; i < t.n && !pe; i++)
         if (t.engines[i].engine_id && !strcmp(t.engines[i].engine_id, r->remote_engine_id))
-            addr = bootstrap_engine_addr(&t.engines[i], 0, 0);
+            pe = &t.engines[i];
+    if (pe) { /* the prefill ranks this decode rank pulls from (tp_pull.h) */
+        xfer_kv_shape sh;
+        tp_pull_peer peers[8];
+        int np = tp_shape_from_fingerprint(c->region.fingerprint, &sh, err, errcap);
+        if (np == 0) np = tp_pull_peers(pe, &c->tp, sh.n_kv_heads, peers, 8, err, errcap);
+        if (np == 1) addr = peers[0].addr;
+        if (np > 1)
+            snprintf(err, errcap,
+                     "prefill engine %s has TP %d: decode tp_rank %d of %d must pull from %d "
+                     "prefill ranks, which this connector does not do yet (docs/parallel.md)",
+                     pe->engine_id, pe->tp_size, c->tp.tp_rank, c->tp.tp_size, np);
+        if (np != 1) {
+            bootstrap_table_free(&t);
+            return -ENOTSUP;
+        }
+    }
     if (!addr) {
         snprintf(err, errcap, "bootstrap server %s knows no engine '%s' (remote_engine_id)",
                  r->bootstrap, r->remote_engine_id);
@@ -672,6 +685,8 @@ static void *pull_main(void *arg) {
     if (rc == -ENOENT) {
         status = 400; /* the bootstrap server answered: the engine id is wrong */
         reason = FC_BAD_PARAMS;
+    } else if (rc == -ENOTSUP) { /* the producer's TP shape cannot be pulled from here */
+        reason = FC_PRODUCER_ERROR;
     } else if (rc) {
         reason = FC_BOOTSTRAP_UNREACHABLE;
     }
@@ -692,8 +707,8 @@ static void *pull_main(void *arg) {
         net_split_host_port(c->segment, host, sizeof host, &port, 0);
         side_channel_pull pull = {.remote_hostname = host,
                                   .remote_port = port,
-                                  .remote_tp_size = 1,
-                                  .remote_tp_rank = 0,
+                                  .remote_tp_size = c->tp.tp_size,
+                                  .remote_tp_rank = c->tp.tp_rank,
                                   .reqs = &rb,
                                   .n_reqs = 1,
                                   .kv_caches_base_addr = &base,
@@ -1265,7 +1280,7 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
         pthread_create(&c->senders[i], NULL, sender_main, c);
     bootstrap_retry retry;
     bootstrap_retry_init(&retry, c->env.connector_timeout_s);
-    bootstrap_registration reg = {c->cfg.engine_id, 0, 0, 0, c->sc_addr};
+    bootstrap_registration reg = {c->cfg.engine_id, 0, c->tp.tp_rank, 0, c->sc_addr};
     rc = bootstrap_client_register_auth(server, &reg, secret, &retry, err, errlen);
     if (rc) {
         if (rc == BOOTSTRAP_EAUTH) LOG_E(MOD, "cannot register with the bootstrap server: %s", err);
@@ -1327,6 +1342,7 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     c->proto = kv_transfer_config_effective_protocol(&c->cfg, n_nics > 0);
     engine_get_kv_region(eng, &c->region);
     int on_device = !strncmp(c->region.location, "cuda", 4);
+    c->tp = tp_local_of(&c->region);
     transfer_config tc;
     transfer_config_init(&tc);
     /* The KV host (advertised, and where the side channel listens):
