@@ -24,6 +24,7 @@
 #      client: carried as wheels in $PREBUILT/whl when the image lacks it) and
 #      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
 #      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
+# NO_REBUILD=1 (with PREBUILT) uses the bundle's prebuilt CUDA module instead of rebuilding it.
 # QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run);
 # PERF_VARIANTS=1 re-runs the 7B decode/prefill with each kernel switch flipped;
 # TEST_DEVICE_SUITE=1 adds the server integration tests against --device cuda.
@@ -58,8 +59,8 @@ nvcc --version | tail -2
 
 step build
 BUILD=${BUILD_DIR:-$SRC/build-gpu}
-if [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}" ] && [ -f "$PREBUILT/libdisagg_cuda.so" ]; then
-  echo "ONLY=$ONLY: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
+if [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}${NO_REBUILD:-}" ] && [ -f "$PREBUILT/libdisagg_cuda.so" ]; then
+  echo "${ONLY:+ONLY=$ONLY}${NO_REBUILD:+NO_REBUILD=1}: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
   BUILD=$PREBUILT
 elif cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
   ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer test_nccl >>"$OUT/cmake.log" 2>&1
