@@ -142,6 +142,11 @@ kv_steps() {
   if python3 -c 'import openai' 2>/dev/null; then
     PD_7B=$PD7 PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
     check $? gpu_pd_check
+    step "KV from GPU to GPU: P/D with --batch-invariant on every instance: P/D must equal colocated token for token"
+    mkdir -p "$OUT/pd-invariant"
+    PD_SERVE_ARGS=--batch-invariant PD_QUICK=1 PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" \
+      "$SRC/models/disagg-sotu-tiny" "$OUT/pd-invariant"
+    check $? "gpu_pd_check --batch-invariant"
   else
     echo "******** SKIP gpu_pd_check: the openai package is not importable here (bundle its wheels: WHEELS=dir scripts/gpu_bundle.sh, see docs/transfer.md) ********"
   fi

@@ -39,9 +39,13 @@ BIN, MODEL, LOGDIR = sys.argv[1:4]
 HERE = os.path.dirname(os.path.abspath(__file__))
 golden = json.load(open(os.path.join(HERE, "..", "tests", "data", "sotu-tiny", "greedy.json")))
 PROMPTS = [p["prompt_text"] for p in golden["prompts"]]
-TIE = 0.25  # a divergence is allowed only where colocated's own top-2 logprobs are this close
+# PD_SERVE_ARGS: more `disagg serve` flags for every instance (colocated, P and D alike).  With
+# --batch-invariant, P/D must equal colocated token for token (no near-tie allowance).
+SERVE_ARGS = os.environ.get("PD_SERVE_ARGS", "").split()
+INVARIANT = "--batch-invariant" in SERVE_ARGS
+TIE = 0.0 if INVARIANT else 0.25  # a divergence is allowed only where colocated's own top-2 logprobs are this close
 COMMON = ["--device", os.environ.get("DISAGG_PD_DEVICE", "cuda"), "--max-model-len", "2048", "--kv-cache-memory", "256M",
-          "--block-size", "16", "--served-model-name", "tiny"]
+          "--block-size", "16", "--served-model-name", "tiny"] + SERVE_ARGS
 bad = 0
 
 
@@ -155,19 +159,34 @@ TBYTES = 'disagg:kv_transfer_transport_bytes_total{transport="%s"}'
 colo = serve("colocated")
 colo_lp = {p: complete(colo.url, p, logprobs=2).choices[0].logprobs for p in PROMPTS}
 want = {p: complete(colo.url, p).choices[0].text for p in PROMPTS}
+# colocated's own greedy answer must not depend on whether logprobs were asked for (device
+# argmax vs the host sampler over downloaded logits)
+lp_text = {p: "".join(colo_lp[p].tokens) for p in PROMPTS}
+n_lp_same = sum(lp_text[p] == want[p] for p in PROMPTS)
+for p in PROMPTS:
+    if lp_text[p] != want[p]:
+        print("  colocated with logprobs differs from without: %r\n    with:    %r\n    without: %r" % (
+            p[:60], lp_text[p], want[p]))
 
 
-def near_tie(p, got_tokens):
-    """(ok, why): the first token where P/D's answer leaves colocated's, and colocated's
-    top-2 margin there (a bf16 near tie allows it)."""
+def near_tie(p, got_text):
+    """(ok, why): the first token of colocated's answer (its logprobs request) that P/D's text
+    leaves, and colocated's top-2 margin there (a bf16 near tie allows it)."""
     ref = colo_lp[p]
-    k = next((i for i, (a, b) in enumerate(zip(got_tokens, ref.tokens)) if a != b), None)
+    acc, k = "", None
+    for i, t in enumerate(ref.tokens):
+        if not got_text.startswith(acc + t):
+            k = i
+            break
+        acc += t
     if k is None:
-        return False, "no differing token (lengths %d vs %d)" % (len(got_tokens), len(ref.tokens))
+        return False, "no differing token (P/D's text extends colocated's %d tokens)" % len(ref.tokens)
     top = sorted(ref.top_logprobs[k].values(), reverse=True)
     margin = top[0] - top[1] if len(top) > 1 else float("inf")
     return margin < TIE, "first differs at token %d, colocated's top-2 margin there %.4f (allowed < %g)" % (
         k, margin, TIE)
+check(n_lp_same == len(PROMPTS), "colocated greedy answers equal with and without logprobs (%d/%d)" % (
+    n_lp_same, len(PROMPTS)))
 chat_kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell the Congress about trade."}],
                max_tokens=24, temperature=0)
 want_chat = client(colo.url).chat.completions.create(**chat_kw).choices[0].message.content
@@ -193,8 +212,7 @@ for proto, expect in ((None, "cuda_ipc"), ("tcp", "tcp")):
             if r.choices[0].text == want[p]:
                 same += 1
             else:
-                got = complete(X.url, p, logprobs=2).choices[0].logprobs.tokens
-                ok, why = near_tie(p, got)
+                ok, why = near_tie(p, r.choices[0].text)
                 print("  differs from colocated: %r\n    P/D:        %r\n    colocated:  %r\n    %s" % (
                     p[:60], r.choices[0].text, want[p], why))
                 check(ok, "the difference starts at a near tie of colocated's own logits")

@@ -39,6 +39,18 @@ def device_args(extra):
     return out
 
 
+def on_gpu():
+    """True when DISAGG_TEST_DEVICE puts the servers on a GPU."""
+    return os.environ.get("DISAGG_TEST_DEVICE", "").strip().startswith("cuda")
+
+
+# The CPU engine is exact against transformers' f32 reference (logprob differences < 0.002,
+# greedy ids equal); the GPU computes in bf16 and is checked against references with bf16
+# tolerances by test_cuda_model and tools/gpu_serve_smoke.py (docs/gpu.md).  Tests that pin
+# the CPU's exactness skip on a GPU with this reason.
+CPU_EXACT = "CPU-exact reference check (f32, tolerance 0.002); on the GPU bf16 tolerances apply (test_cuda_model, docs/gpu.md)"
+
+
 class Server:
     """One `disagg serve` process on a free port; .url is http://127.0.0.1:PORT."""
 
