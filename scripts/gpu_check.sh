@@ -31,7 +31,8 @@
 # The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
 # (GEMM rows, attention schedules, the model alone / batched / chunked, also on the 7B-shaped
 # weights), `disagg bench model --batch-invariant` (its cost against the fast mode, 7B) and
-# tools/gpu_invariant_serve.py (serve: concurrent vs single answers).  ONLY=inv runs just
+# tools/gpu_invariant_serve.py (serve: concurrent vs single answers; P/D through the proxy vs
+# colocated).  ONLY=inv runs just
 # those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
 # arguments to that benchmark, INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
 # skips the test's fast-mode comparisons and INV_GEMM_BENCH=1 adds its GEMM timing table.
@@ -116,7 +117,7 @@ inv_steps() {
   "$BIN" bench model "$W7" --device cuda --batch-invariant ${INV_BENCH_ARGS:-}
   check $? "bench model 7b --device cuda --batch-invariant"
   step "batch-invariant mode: serve, 32 concurrent vs single (greedy and seeded sampling, mixed prompt lengths, colocated)"
-  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" ${INV_SERVE_ARGS:-}
+  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" --pd ${INV_SERVE_ARGS:-}
   check $? gpu_invariant_serve
 }
 kv_steps() {
