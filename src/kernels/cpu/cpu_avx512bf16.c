@@ -1,18 +1,20 @@
 /*
- * cpu_avx512bf16 — the bf16-weight matmul on AVX512_BF16 (`vdpbf16ps`), the "bf16x2 dot" of
+ * cpu_avx512bf16 — the bf16-weight matmul on AVX512_BF16 (`vdpbf16ps`), the "bf16xP dot" of
  * cpu_matmul.h.  Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 (CMakeLists.txt):
- * nothing here runs unless cpu_isa_get() chose CPU_ISA_AVX512BF16 by cpuid.
+ * nothing here runs unless cpu_isa_get() chose an avx512bf16 ISA by cpuid.
  *
- * The activations are split once per matmul call into two bf16 halves, xh = bf16(x) and
- * xl = bf16(x - xh) (round to nearest even), stored per token as [xh (Kp) | xl (Kp)] with
- * Kp = K rounded up to 32 and zeros after K.  Each output is then
- *   16 lane accumulators: for every 32-block b of k, acc = dpbf16(acc, xh_b, w_b), then
- *   acc = dpbf16(acc, xl_b, w_b) (the tail block of w masked to zeros);
+ * The activations are split once per matmul call into P bf16 parts (P = 3 for avx512bf16,
+ * 1 for avx512bf16-fast): x0 = bf16(x), x1 = bf16(x - x0), x2 = bf16(x - x0 - x1) (round to
+ * nearest even), stored per token as [x0 (Kp) | x1 (Kp) | x2 (Kp)] with Kp = K rounded up to
+ * 32 and zeros after K.  Each output is then
+ *   16 lane accumulators: for every 32-block b of k and every part p in order,
+ *   acc = dpbf16(acc, xp_b, w_b) (the tail block of w masked to zeros);
  *   t[i] = acc[i] + acc[i + 8]; s = ((t0+t4)+(t2+t6)) + ((t1+t5)+(t3+t7)); s + bias.
  * Every (row, token) follows that sequence whatever the tile, the batch or the thread, so
- * the results are batch-invariant on this ISA; they differ from the canonical f32 dot of
- * the AVX2 and scalar paths by rounding only (x is carried to about 16 significant bits,
- * every bf16 x bf16 product is exact in f32).
+ * the results are batch-invariant on this ISA; with P = 3 they differ from the canonical f32
+ * dot of the AVX2 and scalar paths by rounding only (x is carried to 24 significant bits,
+ * every bf16 x bf16 product is exact in f32); with P = 1 the activations are rounded to bf16,
+ * as llama.cpp's bf16 path does (relative error up to 2^-9 per product).
  */
 #include "kernels/cpu/cpu_matmul.h"
 
@@ -21,20 +23,20 @@
 
 #define NT_MAX 6 /* tokens per register tile: 4 rows x 6 tokens = 24 accumulators */
 
-size_t cpu_bf16x2_stride(int K) {
-    return CPU_BF16X_PARTS * (((size_t)K + 31) & ~(size_t)31);
+size_t cpu_bf16x_stride(int K, int parts) {
+    return (size_t)parts * (((size_t)K + 31) & ~(size_t)31);
 }
 
-void cpu_bf16x2_split(uint16_t *xs, const float *x, int T, int K) {
-    const size_t kp = cpu_bf16x2_stride(K) / CPU_BF16X_PARTS;
+void cpu_bf16x_split(uint16_t *xs, const float *x, int T, int K, int parts) {
+    const size_t kp = cpu_bf16x_stride(K, 1);
     for (int t = 0; t < T; t++) {
         const float *xr = x + (size_t)t * K;
-        uint16_t *h = xs + (size_t)t * CPU_BF16X_PARTS * kp;
+        uint16_t *h = xs + (size_t)t * parts * kp;
         for (size_t k = 0; k < kp; k += 16) {
             int rem = K - (int)k;
             __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rem > 0 ? rem : 0)) - 1);
             __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
-            for (int part = 0; part < CPU_BF16X_PARTS; part++) {
+            for (int part = 0; part < parts; part++) {
                 __m256bh vh = _mm512_cvtneps_pbh(v);
                 _mm256_storeu_si256((__m256i *)(h + part * kp + k), (__m256i)vh);
                 /* bf16 -> f32 is exact (the high half of the bits); the residual is exact too */
@@ -56,9 +58,9 @@ static inline float reduce16(__m512 a) {
 /* NR rows (n0..) x NT tokens (t0..) of y (stride N); w rows of K bf16, xs tokens of stride
  * xst.  pf: prefetch the rows `pf` ahead (0: none). */
 static inline __attribute__((always_inline)) void
-tile(const int NR, const int NT, float *y, int N, const uint16_t *xs, size_t xst,
+tile(const int NR, const int NT, const int NP, float *y, int N, const uint16_t *xs, size_t xst,
      const uint16_t *w, const float *bias, int n0, int K, int pf) {
-    const size_t kp = xst / CPU_BF16X_PARTS;
+    const size_t kp = xst / NP;
     const uint16_t *wr[4];
     for (int r = 0; r < NR; r++)
         wr[r] = w + (size_t)(n0 + r) * K;
@@ -77,7 +79,7 @@ tile(const int NR, const int NT, float *y, int N, const uint16_t *xs, size_t xst
             wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + k);
         for (int t = 0; t < NT; t++) {
             const uint16_t *xh = xs + (size_t)t * xst + k;
-            for (int part = 0; part < CPU_BF16X_PARTS; part++) {
+            for (int part = 0; part < NP; part++) {
                 __m512bh h = (__m512bh)_mm512_loadu_si512(xh + part * kp);
                 for (int r = 0; r < NR; r++)
                     acc[r][t] = _mm512_dpbf16_ps(acc[r][t], h, wv[r]);
@@ -91,7 +93,7 @@ tile(const int NR, const int NT, float *y, int N, const uint16_t *xs, size_t xst
             wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[r] + k);
         for (int t = 0; t < NT; t++) {
             const uint16_t *xh = xs + (size_t)t * xst + k;
-            for (int part = 0; part < CPU_BF16X_PARTS; part++) {
+            for (int part = 0; part < NP; part++) {
                 __m512bh h = (__m512bh)_mm512_loadu_si512(xh + part * kp);
                 for (int r = 0; r < NR; r++)
                     acc[r][t] = _mm512_dpbf16_ps(acc[r][t], h, wv[r]);
@@ -107,17 +109,18 @@ tile(const int NR, const int NT, float *y, int N, const uint16_t *xs, size_t xst
 
 #define TILE_NT(NR, nt, ...)                                                                       \
     switch (nt) {                                                                                  \
-    case 1: tile(NR, 1, __VA_ARGS__); break;                                                       \
-    case 2: tile(NR, 2, __VA_ARGS__); break;                                                       \
-    case 3: tile(NR, 3, __VA_ARGS__); break;                                                       \
-    case 4: tile(NR, 4, __VA_ARGS__); break;                                                       \
-    case 5: tile(NR, 5, __VA_ARGS__); break;                                                       \
-    default: tile(NR, 6, __VA_ARGS__); break;                                                      \
+    case 1: tile(NR, 1, NP, __VA_ARGS__); break;                                                   \
+    case 2: tile(NR, 2, NP, __VA_ARGS__); break;                                                   \
+    case 3: tile(NR, 3, NP, __VA_ARGS__); break;                                                   \
+    case 4: tile(NR, 4, NP, __VA_ARGS__); break;                                                   \
+    case 5: tile(NR, 5, NP, __VA_ARGS__); break;                                                   \
+    default: tile(NR, 6, NP, __VA_ARGS__); break;                                                  \
     }
 
-void cpu_bf16x2_rows(float *y, int N, const uint16_t *xs, int T, const uint16_t *w,
-                     const float *bias, int n_beg, int n_end, int K, int stream) {
-    const size_t xst = cpu_bf16x2_stride(K);
+static inline __attribute__((always_inline)) void
+rows_np(const int NP, float *y, int N, const uint16_t *xs, int T, const uint16_t *w,
+        const float *bias, int n_beg, int n_end, int K, int stream) {
+    const size_t xst = cpu_bf16x_stride(K, NP);
     /* streaming (decode-sized T): each 4-row group once, every token against it while it is
      * in L1; the rows PF ahead are prefetched.  Larger T: token chunks outer, so one chunk of
      * x and the task's rows stay in L2. */
@@ -145,4 +148,12 @@ void cpu_bf16x2_rows(float *y, int N, const uint16_t *xs, int T, const uint16_t 
         for (; n < n_end; n++)
             TILE_NT(1, nt, y + (size_t)t * N, N, xs + (size_t)t * xst, xst, w, bias, n, K, 0);
     }
+}
+
+void cpu_bf16x_rows(float *y, int N, const uint16_t *xs, int T, const uint16_t *w,
+                    const float *bias, int n_beg, int n_end, int K, int stream, int parts) {
+    if (parts == 1)
+        rows_np(1, y, N, xs, T, w, bias, n_beg, n_end, K, stream);
+    else
+        rows_np(3, y, N, xs, T, w, bias, n_beg, n_end, K, stream);
 }

@@ -55,13 +55,19 @@ int cpu_isa_supported(cpu_isa isa) {
     case CPU_ISA_AVX2:
         return isa_has_avx2();
     case CPU_ISA_AVX512BF16:
+    case CPU_ISA_AVX512BF16_FAST:
         return isa_has_avx512bf16();
     default:
         return 0;
     }
 }
 
-static const char *const ISA_NAMES[CPU_ISA_COUNT] = {"scalar", "avx2", "avx512bf16"};
+static const char *const ISA_NAMES[CPU_ISA_COUNT] = {"scalar", "avx2", "avx512bf16",
+                                                     "avx512bf16-fast"};
+
+int cpu_isa_bf16_parts(cpu_isa isa) {
+    return isa == CPU_ISA_AVX512BF16 ? 3 : isa == CPU_ISA_AVX512BF16_FAST ? 1 : 0;
+}
 
 static void isa_describe_cpu(char *buf, size_t len, const char *how) {
     __builtin_cpu_init();
@@ -81,7 +87,7 @@ static void isa_describe_cpu(char *buf, size_t len, const char *how) {
 cpu_isa cpu_isa_get(void) {
     if (g_isa < 0) {
         int best = CPU_ISA_SCALAR;
-        for (int i = CPU_ISA_COUNT - 1; i > 0; i--)
+        for (int i = CPU_ISA_AVX512BF16; i > 0; i--) /* -fast is never chosen by itself */
             if (cpu_isa_supported((cpu_isa)i)) {
                 best = i;
                 break;
@@ -94,8 +100,8 @@ cpu_isa cpu_isa_get(void) {
                 if (!strcmp(env, ISA_NAMES[i])) want = i;
             if (want < 0)
                 LOG_W("kernels",
-                      "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2, avx512bf16); "
-                      "using %s",
+                      "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2, avx512bf16, "
+                      "avx512bf16-fast); using %s",
                       env, ISA_NAMES[best]);
             else if (!cpu_isa_supported((cpu_isa)want))
                 LOG_W("kernels", "DISAGG_CPU_ISA=%s: this cpu cannot run it; using %s", env,
@@ -298,7 +304,8 @@ typedef struct mm_job {
     int T, N, K;        /* shapes */
     int rows_per_task;  /* weight rows per task (multiple of 4) */
     int row_tasks;      /* ceil(N / rows_per_task) */
-    const uint16_t *xs; /* bf16x2 split of x (avx512bf16 and bf16 weights), else NULL */
+    const uint16_t *xs; /* bf16 parts of x (avx512bf16* and bf16 weights), else NULL */
+    int parts;          /* how many */
 } mm_job;
 
 static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, int task,
@@ -311,8 +318,9 @@ static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, in
     int K = j->K, N = j->N;
     int n = n_beg;
     if (j->xs) {
-        cpu_bf16x2_rows(j->y + (size_t)t_beg * N, N, j->xs + (size_t)t_beg * cpu_bf16x2_stride(K),
-                        t_end - t_beg, j->w, j->bias, n_beg, n_end, K, j->T <= STREAM_T);
+        cpu_bf16x_rows(j->y + (size_t)t_beg * N, N,
+                       j->xs + (size_t)t_beg * cpu_bf16x_stride(K, j->parts), t_end - t_beg, j->w,
+                       j->bias, n_beg, n_end, K, j->T <= STREAM_T, j->parts);
         return;
     }
     if (t_end - t_beg <= 2) {
@@ -389,15 +397,15 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                                ops[i].N, ops[i].K);
         return;
     }
-    const int bf16x2 = cpu_isa_get() == CPU_ISA_AVX512BF16;
+    const int parts = cpu_isa_bf16_parts(cpu_isa_get());
     for (int base = 0; base < n_ops; base += CPU_MATMUL_MAX_OPS) {
         mm_multi m = {.n = 0};
         int total = 0;
         /* avx512bf16: the activations of every bf16 op split once (ops sharing x share it) */
         size_t xs_need = 0;
-        for (int i = base; bf16x2 && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++)
+        for (int i = base; parts && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++)
             if (ops[i].wt == CPU_BF16 && ops[i].T > 0 && ops[i].N > 0)
-                xs_need += (size_t)ops[i].T * cpu_bf16x2_stride(ops[i].K);
+                xs_need += (size_t)ops[i].T * cpu_bf16x_stride(ops[i].K, parts);
         uint16_t *xs_buf = xs_need ? (uint16_t *)cpu_scratch(2, (xs_need + 1) / 2 + 32) : NULL;
         size_t xs_used = 0;
         const uint16_t *xs_of[CPU_MATMUL_MAX_OPS] = {0};
@@ -409,11 +417,11 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                     xs_of[i - base] = xs_of[p - base];
             if (xs_of[i - base]) continue;
             uint16_t *dst = xs_buf + xs_used;
-            cpu_bf16x2_split(dst, op->x, op->T, op->K);
+            cpu_bf16x_split(dst, op->x, op->T, op->K, parts);
             xs_of[i - base] = dst;
-            xs_used += (size_t)op->T * cpu_bf16x2_stride(op->K);
+            xs_used += (size_t)op->T * cpu_bf16x_stride(op->K, parts);
         }
-        if (xs_need && !xs_buf) LOG_W("kernels", "out of memory for the bf16x2 split: avx2 path");
+        if (xs_need && !xs_buf) LOG_W("kernels", "out of memory for the bf16 split: avx2 path");
         for (int i = base; i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
             const cpu_matmul_op *op = &ops[i];
             if (op->T <= 0 || op->N <= 0) continue;
@@ -427,7 +435,7 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
             mm_job *j = &m.jobs[m.n];
             *j = (mm_job){op->y, op->x, op->w, op->wt, op->bias,
                           op->T, op->N, op->K, rpt,    (op->N + rpt - 1) / rpt,
-                          xs_of[i - base]};
+                          xs_of[i - base], parts};
             m.first[m.n++] = total;
             total += j->row_tasks * ((op->T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK);
         }

@@ -89,7 +89,7 @@ void cpu_ref_row_to_f32(float *out, const void *row, cpu_dtype dt, int n) {
         out[i] = ref_load(row, dt, (size_t)i);
 }
 
-/* ---- bf16x2 dot (the AVX512_BF16 path's arithmetic, in scalar code) ---------------- */
+/* ---- bf16xP dot (the AVX512_BF16 path's arithmetic, in scalar code) ---------------- */
 
 static float flush_denormal(float f) {
     uint32_t u;
@@ -108,11 +108,11 @@ uint16_t cpu_ref_f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN 
     return (uint16_t)(u >> 16);
 }
 
-float cpu_ref_bf16x2_dot(const float *x, const uint16_t *w, int K) {
+float cpu_ref_bf16x_dot(const float *x, const uint16_t *w, int K, int parts) {
     float acc[16] = {0};
     int kp = (K + 31) & ~31;
-    for (int half = 0; half < CPU_BF16X_PARTS * (kp / 32); half++) {
-        int b = half / CPU_BF16X_PARTS * 32, part = half % CPU_BF16X_PARTS;
+    for (int half = 0; half < parts * (kp / 32); half++) {
+        int b = half / parts * 32, part = half % parts;
         for (int i = 0; i < 16; i++) {
             float p[2];
             for (int e = 0; e < 2; e++) {
