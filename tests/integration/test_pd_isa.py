@@ -72,3 +72,29 @@ def test_pd_across_isas_moves_kv_and_is_reported():
         assert log.count("P/D pair across kernels") == 1, log  # once, not per request
     finally:
         pd.stop()
+
+
+def test_pd_layout_mismatch_still_refused():
+    """Only the kernels field is left out of the comparison: another block size is refused."""
+    import test_pd
+    pd = PD.__new__(PD)
+    pd.boot_port = test_pd.free_port()
+    pd.p = Server(*COMMON, "--kv-transfer-config", test_pd.producer_config(),
+                  env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(pd.boot_port)})
+    try:
+        pd.d = Server("--max-model-len", "1024", "--kv-cache-memory", "96M", "--block-size", "32",
+                      "--kv-transfer-config", test_pd.consumer_config())
+    except Exception:
+        pd.p.stop()
+        raise
+    try:
+        pd.bootstrap = f"http://127.0.0.1:{pd.boot_port}"
+        pd.engine_id = requests.get(pd.bootstrap + "/query", timeout=10).json()["0"]["engine_id"]
+        pr, dr = pd.send(dict(BODY, prompt=" ".join(["the state of the Union"] * 8)))
+        assert pr.status_code == 200, pr.text
+        assert dr.status_code != 200 or dr.json()["usage"]["kv_transfer"]["received_prompt_tokens"] == 0
+        log = pd.p.logs()
+        assert "refusing a pull: KV layout mismatch" in log and ":bs32:" in log and ":bs16:" in log, log
+        assert "P/D pair across kernels" not in log
+    finally:
+        pd.stop()
