@@ -416,17 +416,26 @@ static void att_task(void *ctx, int task) {
     if (!scores) abort(); /* a worker cannot report; group * (pos + 1) floats */
     const float *q = j->q + (size_t)t * width + (size_t)kvh * group * hd; /* (group, hd) */
     float *out = j->out + (size_t)t * width + (size_t)kvh * group * hd;   /* (group, hd) */
+    /* block by block for all the task's heads, so each block's K (then V) rows are read from
+     * memory once and reused from L1 by every head; per head the order of the arithmetic is
+     * unchanged (scores per position, then the V rows in position order) */
+    for (int p0 = 0; p0 < np; p0 += bs) {
+        const float *kb = kv_block(kv, bt[p0 / bs], j->layer, 0, kvh);
+        int n = np - p0 < bs ? np - p0 : bs;
+        for (int g = g0; g < g1; g++)
+            cpu_dot_rows(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd, n, hd,
+                         j->scale);
+    }
     for (int g = g0; g < g1; g++) {
-        float *sc = scores + (size_t)(g - g0) * np;
-        for (int p0 = 0; p0 < np; p0 += bs)
-            cpu_dot_rows(sc + p0, q + (size_t)g * hd, kv_block(kv, bt[p0 / bs], j->layer, 0, kvh),
-                         kvd, np - p0 < bs ? np - p0 : bs, hd, j->scale);
-        cpu_softmax(sc, np);
-        float *o = out + (size_t)g * hd;
-        memset(o, 0, (size_t)hd * sizeof(float));
-        for (int p0 = 0; p0 < np; p0 += bs)
-            cpu_axpy_rows(o, sc + p0, kv_block(kv, bt[p0 / bs], j->layer, 1, kvh), kvd,
-                          np - p0 < bs ? np - p0 : bs, hd);
+        cpu_softmax(scores + (size_t)(g - g0) * np, np);
+        memset(out + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
+    }
+    for (int p0 = 0; p0 < np; p0 += bs) {
+        const float *vb = kv_block(kv, bt[p0 / bs], j->layer, 1, kvh);
+        int n = np - p0 < bs ? np - p0 : bs;
+        for (int g = g0; g < g1; g++)
+            cpu_axpy_rows(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb, kvd, n,
+                          hd);
     }
 }
 
