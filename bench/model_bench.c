@@ -99,7 +99,9 @@ static int usage(FILE *f, int rc) {
            "  --json        one JSON object instead of the table\n"
            "  --streams S   also: S sequences (32-token prompts) decoded together, aggregate\n"
            "                tok/s beside 1 sequence in the same rounds (default 0: off)\n"
-           "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n");
+           "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n"
+           "  --batch-invariant   with --device cuda: the batch-invariant mode against the "
+           "fast mode (docs/gpu.md)\n");
     return rc;
 }
 

@@ -184,6 +184,8 @@ int bench_model_cuda_main(int argc, char **argv) {
     int prompts[MAXLIST] = {512, 4096}, n_prompts = 2;
     int batches[MAXLIST] = {1, 8, 32, 64, 128}, n_batches = 5;
     int ctx = 1024, long_ctx = 4096, steps = 32, json = 0, kv_dtype = DCU_BF16;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--batch-invariant")) return bench_model_inv_main(argc, argv);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end;

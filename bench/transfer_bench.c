@@ -135,6 +135,8 @@ static void tb_usage(FILE *f) {
         "                       with transparent huge pages (MADV_HUGEPAGE) or 4 KiB pages\n"
         "                       (default on)\n"
         "  --json               print the results as one JSON object on stdout instead of tables\n"
+        "  --location cuda:N    device memory on both sides (cuda_ipc and staged tcp against\n"
+        "                       their ceilings; its own options: --location cuda:0 --help)\n"
         "  --no-ceilings        measure the engine only (no memcpy/socket loops, no ratios):\n"
         "                       for profiling it with perf\n"
         "  -h, --help           this text\n"
@@ -1402,6 +1404,9 @@ out:
 /* ---- entry ---------------------------------------------------------------------------- */
 
 int bench_transfer_main(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) /* device memory on both sides: transfer_bench_cuda.c */
+        if (!strncmp(argv[i], "--location", 10) && (argv[i][10] == 0 || argv[i][10] == '='))
+            return bench_transfer_cuda_main(argc, argv);
     tb_options o;
     int rc = tb_parse_args(argc, argv, &o);
     if (rc >= 0) return rc;

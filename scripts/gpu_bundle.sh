@@ -2,7 +2,7 @@
 # gpu_bundle — packs this tree's sources, the Qwen2.5 tokenizer (for the test models) and a
 # prebuilt disagg + test_cuda_model with the shared libraries they need (the GPU machine
 # has no C dev packages and no network) into DEST/bundle.tar.xz for scripts/gpu_check.sh.
-# BASE=commit: only files that differ from it travel (an overlay on that commit's checkout).
+# (WHEELS=dir: see below.)  BASE=commit: only files that differ from it travel (an overlay on that commit's checkout).
 # On the GPU machine: copy the base checkout to w/src, tar xJf bundle.tar.xz -C w, cd w/src,
 #   LD_LIBRARY_PATH=$PWD/../prebuilt/rt PREBUILT=$PWD/../prebuilt scripts/gpu_check.sh
 set -euo pipefail
@@ -18,10 +18,17 @@ else
 fi | grep -v '^build' | tar cf - -T - | tar xf - -C "$STAGE/src"
 cp -r ../shared/data/qwen2.5-tokenizer "$STAGE/shared/data/" 2>/dev/null ||
   cp -r /work/shared/data/qwen2.5-tokenizer "$STAGE/shared/data/"
-for b in disagg test_cuda_model test_backend_ops libdisagg_cuda.so; do
+for b in disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer libdisagg_cuda.so; do
   cp "$BUILD/$b" "$STAGE/prebuilt/" && strip --strip-debug "$STAGE/prebuilt/$b"
 done
-ldd "$BUILD/disagg" "$BUILD/test_cuda_model" | awk '/=>/{print $3}' | sort -u |
+# WHEELS=dir (default: the repo's .whl/ when it exists, the device README's convention):
+# Python wheels the GPU image lacks (the openai client and its needs: openai, pydantic,
+# pydantic-core, annotated-types, typing-inspection, jiter, sniffio, httpx2, httpcore2,
+# truststore, typing-extensions, idna, anyio, h11 for cp312 manylinux) travel in
+# prebuilt/whl; gpu_check.sh installs them when `import openai` fails there.
+[ -z "${WHEELS:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && WHEELS=.whl
+if [ -n "${WHEELS:-}" ]; then mkdir -p "$STAGE/prebuilt/whl" && cp "$WHEELS"/*.whl "$STAGE/prebuilt/whl/"; fi
+ldd "$BUILD/disagg" "$BUILD/test_cuda_model" "$BUILD/test_cuda_invariant" "$BUILD/test_gpu_transfer" | awk '/=>/{print $3}' | sort -u |
   grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libresolv)\.so' |
   xargs -I{} cp -L {} "$STAGE/prebuilt/rt/"
 echo "$(git rev-parse HEAD) $(git status --short | wc -l) uncommitted" > "$STAGE/src/.bundle-rev"

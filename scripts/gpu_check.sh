@@ -15,7 +15,20 @@
 #   5. Hugging Face transformers on the GPU (tools/gpu_hf_reference.py) for the default model
 #      and the random tiny model, test_cuda_model again against those references, and
 #      tests/integration/test_device.py.
+#   6. KV from GPU to GPU (kv_steps below; ONLY=kv runs just the build and these):
+#      test_gpu_transfer (cuda_ipc and staged tcp between two processes on the GPU),
+#      P/D with the KV in HBM behind disagg proxy (tools/gpu_pd_check.py, the official openai
+#      client: carried as wheels in $PREBUILT/whl when the image lacks it) and
+#      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
+#      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
 # QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run).
+# The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
+# (GEMM rows, attention schedules, the model alone / batched / chunked, also on the 7B-shaped
+# weights), `disagg bench model --batch-invariant` (its cost against the fast mode, 7B) and
+# tools/gpu_invariant_serve.py (serve: concurrent vs single answers).  ONLY=inv runs just
+# those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
+# arguments to that benchmark, INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
+# skips the test's fast-mode comparisons and INV_GEMM_BENCH=1 adds its GEMM timing table.
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,12 +43,15 @@ check() { if [ "$1" -ne 0 ]; then echo "*** FAILED: $2 (exit $1)"; fails=$((fail
 step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 nvcc --version | tail -2
-python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' || true
+[ -n "${ONLY:-}" ] || python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' || true
 
 step build
 BUILD=${BUILD_DIR:-$SRC/build-gpu}
-if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
-  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops >>"$OUT/cmake.log" 2>&1
+if [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}" ] && [ -f "$PREBUILT/libdisagg_cuda.so" ]; then
+  echo "ONLY=$ONLY: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
+  BUILD=$PREBUILT
+elif cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer >>"$OUT/cmake.log" 2>&1
   check $? "cmake build in $BUILD"
 elif [ -n "${PREBUILT:-}" ]; then
   echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
@@ -51,6 +67,59 @@ fi
 cuobjdump --list-elf "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 cuobjdump --list-ptx "$BUILD/libdisagg_cuda.so" 2>/dev/null | head -3
 BIN=$BUILD/disagg
+
+W7=/dev/shm/q7b
+[ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
+inv_steps() {
+  step "batch-invariant mode: test_cuda_invariant (GEMM rows, attention schedules, the model alone/batched/chunked; 7B-shaped random weights)"
+  [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+  DISAGG_SRC=$SRC DISAGG_INV_NO_FAST=${INV_NO_FAST:-} DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_CUDA_INV_LOG=1 "$BUILD/test_cuda_invariant"
+  check $? test_cuda_invariant
+  step "batch-invariant mode: its cost against the fast mode (serving path, 7B shape)"
+  "$BIN" bench model "$W7" --device cuda --batch-invariant ${INV_BENCH_ARGS:-}
+  check $? "bench model 7b --device cuda --batch-invariant"
+  step "batch-invariant mode: serve, 32 concurrent vs single (greedy and seeded sampling, mixed prompt lengths, colocated)"
+  python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" ${INV_SERVE_ARGS:-}
+  check $? gpu_invariant_serve
+}
+kv_steps() {
+  step "KV from GPU to GPU: test_gpu_transfer (cuda_ipc and staged tcp, two processes on the GPU)"
+  DISAGG_BIN=$BIN "$BUILD/test_gpu_transfer"
+  check $? test_gpu_transfer
+
+  step "KV from GPU to GPU: P/D with the KV in HBM behind disagg proxy (openai client; cuda_ipc, then staged tcp)"
+  if ! python3 -c 'import openai' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl && export PYTHONPATH=/tmp/gpu-check-site
+  fi
+  PD7=
+  if [ -n "${KV_7B:-}" ]; then # TTFT at a 4k prompt on the 7B shape: random weights + the Qwen2.5 tokenizer
+    W7=/dev/shm/q7b
+    [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
+    [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+    check $? "gen_random_qwen2_gpu 7b"
+    TOK=$SRC/../shared/data/qwen2.5-tokenizer
+    [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
+    cp "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$W7"/ && PD7=$W7
+  fi
+  if python3 -c 'import openai' 2>/dev/null; then
+    PD_7B=$PD7 PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT"
+    check $? gpu_pd_check
+  else
+    echo "******** SKIP gpu_pd_check: the openai package is not importable here (bundle its wheels: WHEELS=dir scripts/gpu_bundle.sh, see docs/transfer.md) ********"
+  fi
+
+  step "bench transfer --location cuda:0 (cuda_ipc and staged tcp vs ceilings of the same run)"
+  "$BIN" bench transfer --location cuda:0
+  check $? "bench transfer --location cuda:0"
+}
+if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ]; then
+  [ "$ONLY" = inv ] && inv_steps
+  [ "$ONLY" = kv ] && kv_steps
+  step "summary"
+  echo "gpu_check (ONLY=$ONLY): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 
 step "GPU parity test (ops and whole model vs CPU, greedy vs golden, serving path CUDA graphs vs eager)"
 "$BUILD/test_cuda_model"
@@ -81,8 +150,6 @@ step "bench model: default model on the GPU"
 check $? "bench model sotu-tiny --device cuda"
 
 step "bench model: 7B-shaped random bf16 weights"
-W7=/dev/shm/q7b
-[ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
 [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
 check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
@@ -106,10 +173,14 @@ DISAGG_GPU_REF_DIR=$OUT/ref "$BUILD/test_cuda_model" 2>&1 | grep -v "^  \(attent
 check ${PIPESTATUS[0]} "test_cuda_model against HF on the GPU"
 fi
 
+inv_steps
+
 step "integration: tests/integration/test_device.py"
 DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider tests/integration/test_device.py 2>&1 | tail -5
 check ${PIPESTATUS[0]} test_device.py
 echo "DISAGG_TEST_DEVICE=cuda for the rest of the integration suite: not wired (see docs/gpu.md)"
+
+kv_steps
 
 step "summary"
 echo "gpu_check: $fails failed step(s)"

@@ -40,6 +40,7 @@ COMMANDS = [
     ["generate"],
     ["bench"],
     ["bench", "transfer"],
+    ["bench", "transfer", "--location", "cuda:0"],
     ["bench", "model"],
     ["bench", "serve"],
     ["bench", "proxy"],

@@ -74,9 +74,9 @@ typedef enum transfer_protocol {
     TRANSFER_PROTO_TCP = 1,
     TRANSFER_PROTO_SHM = 2, /* same host only; opening a remote host's segment fails */
     /* RDMA (RC queue pairs, one-sided WRITE/READ) over the NICs named by
-     * device_name (all when empty).  No NIC (or an auth_secret, which the
-     * rdma handshake does not carry yet): tcp with a warning.  A peer
-     * without rdma: tcp. */
+     * device_name (all when empty).  No NIC: tcp with a warning.  A peer
+     * without rdma: tcp.  With an auth_secret the queue-pair handshake is
+     * authenticated (docs/transfer.md). */
     TRANSFER_PROTO_RDMA = 3,
     /* Reported by transfer_segment_get_info only: never the preferred
      * transport of a segment (device memory of a same-host peer uses it). */
@@ -257,7 +257,15 @@ typedef struct transfer_status {
     transfer_state state;
     int error;                /* transfer_error when FAILED/TIMEOUT/CANCELED */
     size_t transferred_bytes;
+    /* Which transports carried it: bit (1u << transfer_protocol) per transport
+     * its chunks were given to (TRANSFER_PROTO_TCP, _SHM, _RDMA, _CUDA_IPC);
+     * in the overall status, the union over the batch. */
+    unsigned transports;
 } transfer_status;
+
+/* "tcp", "shm", "rdma", "cuda_ipc" ("auto" for TRANSFER_PROTO_AUTO, "?"
+ * for anything else). */
+const char *transfer_protocol_name(transfer_protocol p);
 
 /* A batch holds up to max_requests requests over its lifetime. */
 int transfer_batch_alloc(transfer_engine *engine, size_t max_requests, transfer_batch *out);
@@ -288,6 +296,12 @@ int transfer_sync_write(transfer_engine *engine, const char *target_name, void *
                         const uint64_t dst[], const size_t len[], size_t n);
 int transfer_sync_read(transfer_engine *engine, const char *target_name, void *const dst[],
                        const uint64_t src[], const size_t len[], size_t n);
+/* transfer_sync_write that also says which transports carried the requests
+ * (*transports: the transfer_status.transports bits of the batch; NULL = not
+ * wanted), whether it succeeded or not. */
+int transfer_sync_write_via(transfer_engine *engine, const char *target_name, void *const src[],
+                            const uint64_t dst[], const size_t len[], size_t n,
+                            unsigned *transports);
 
 /* ---- statistics ------------------------------------------------------------ */
 

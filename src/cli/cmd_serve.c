@@ -68,6 +68,8 @@ static void serve_usage(FILE *f) {
         "activations and KV cache (default 0.9; the KV cache gets what is left)\n"
         "  --enforce-eager, --no-enforce-eager   GPU: every step eager (default: decode steps of "
         "up to --max-num-seqs sequences run as CUDA graphs)\n"
+        "  --batch-invariant, --no-batch-invariant   GPU: kernels whose result for a request "
+        "does not depend on the batch or the prompt's chunking (default off; the CPU always is)\n"
         "  -tp, --tensor-parallel-size N   1 only (one device per process; scale out with more "
         "instances behind disagg proxy)\n"
         "  -pp, --pipeline-parallel-size N 1 only\n"
@@ -201,6 +203,7 @@ static const struct {
              {"--kv-cache-dtype", V},
              {"--gpu-memory-utilization", V},
              {"--enforce-eager", B},
+             {"--batch-invariant", B},
              {"--tensor-parallel-size", V},
              {"--pipeline-parallel-size", V},
              {"--data-parallel-size", V},
@@ -623,6 +626,8 @@ static int serve_args(int argc, char **argv) {
             cfg.engine.gpu_memory_utilization = f;
         } else if (!strcmp(flag, "--enforce-eager")) {
             cfg.engine.enforce_eager = !negated;
+        } else if (!strcmp(flag, "--batch-invariant")) {
+            cfg.engine.batch_invariant = !negated;
         } else if (!strcmp(flag, "--tensor-parallel-size") ||
                    !strcmp(flag, "--pipeline-parallel-size") ||
                    !strcmp(flag, "--data-parallel-size")) {

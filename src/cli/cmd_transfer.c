@@ -114,7 +114,7 @@ typedef enum opt_kind {
     OPT_UINT,  /* uint64_t, decimal, within [min, max] */
     OPT_SIZE,  /* uint64_t, a byte size (base/bytesize grammar), within [min, max] */
     OPT_ADDR,  /* uint64_t, decimal or 0x-hex address */
-    OPT_PROTO, /* transfer_protocol: auto|tcp|shm */
+    OPT_PROTO, /* transfer_protocol: auto|tcp|shm|rdma */
     OPT_OP,    /* transfer_opcode: read|write */
 } opt_kind;
 
@@ -175,6 +175,8 @@ static int parse_protocol(const char *s, transfer_protocol *out) {
         *out = TRANSFER_PROTO_TCP;
     else if (!strcmp(s, "shm"))
         *out = TRANSFER_PROTO_SHM;
+    else if (!strcmp(s, "rdma"))
+        *out = TRANSFER_PROTO_RDMA;
     else
         return -1;
     return 0;
@@ -186,6 +188,10 @@ static const char *protocol_name(transfer_protocol p) {
         return "tcp";
     case TRANSFER_PROTO_SHM:
         return "shm";
+    case TRANSFER_PROTO_RDMA:
+        return "rdma";
+    case TRANSFER_PROTO_CUDA_IPC:
+        return "cuda_ipc";
     default:
         return "auto";
     }
@@ -250,9 +256,10 @@ static int opt_assign(const char *sub, const opt_spec *sp, const char *val) {
         return 0;
     case OPT_PROTO:
         if (parse_protocol(val, (transfer_protocol *)sp->dst) < 0) {
-            fprintf(stderr,
-                    "disagg transfer %s: %s '%s' is not a protocol; accepted: auto, tcp, shm\n",
-                    sub, sp->name, val);
+            fprintf(
+                stderr,
+                "disagg transfer %s: %s '%s' is not a protocol; accepted: auto, tcp, shm, rdma\n",
+                sub, sp->name, val);
             return 2;
         }
         return 0;
@@ -454,7 +461,7 @@ static int cmd_target(int argc, char **argv) {
         {"--port", OPT_UINT, &port, 0, 65535, "N", "handshake (RPC) port, 0 = ephemeral (default 0)"},
         {"--data-port", OPT_UINT, &data_port, 0, 65535, "N", "tcp data port, 0 = ephemeral (default 0)"},
         {"--device-name", OPT_STR, &device, 0, 0, "LIST", "comma-separated interface whitelist (e.g. eth0,eth1)"},
-        {"--protocol", OPT_PROTO, &proto, 0, 0, "auto|tcp|shm", "engine protocol (default auto)"},
+        {"--protocol", OPT_PROTO, &proto, 0, 0, "auto|tcp|shm|rdma", "engine protocol (default auto; rdma: --device-name names the NICs, tcp when none)"},
         {"--buffer-size", OPT_SIZE, &buffer_size, 1, 1ull << 40, "BYTES", "size of each buffer (default 64M)"},
         {"--buffers", OPT_UINT, &nbuf, 1, TARGET_MAX_BUFFERS, "K", "number of buffers (default 1)"},
         {"--pattern", OPT_UINT, &seed, 0, UINT64_MAX, "SEED", "pattern seed of the buffer contents (default 1)"},
@@ -624,7 +631,7 @@ static int cmd_copy(int argc, char **argv) {
         {"--op", OPT_STR, &op_str, 0, 0, "read|write", "operation (required)"},
         {"--remote-addr", OPT_ADDR, &remote, 0, 0, "ADDR", "absolute address in the target, decimal or 0x-hex (required)"},
         {"--length", OPT_SIZE, &length, 1, 1ull << 40, "N", "bytes to move (required)"},
-        {"--protocol", OPT_PROTO, &proto, 0, 0, "auto|tcp|shm", "engine protocol (default auto)"},
+        {"--protocol", OPT_PROTO, &proto, 0, 0, "auto|tcp|shm|rdma", "engine protocol (default auto; rdma: --device-name names the NICs, tcp when none)"},
         {"--device-name", OPT_STR, &device, 0, 0, "LIST", "comma-separated interface whitelist"},
         {"--in", OPT_STR, &in, 0, 0, "FILE", "write: bytes to send (default stdin)"},
         {"--out", OPT_STR, &out, 0, 0, "FILE", "read: where the bytes go (default stdout)"},
@@ -760,7 +767,7 @@ typedef struct check_params {
 typedef struct check_summary {
     bool ok;             /* everything verified */
     char error[600];     /* first failure */
-    char protocol[8];    /* transport the engine used */
+    char protocol[16];   /* transport the engine used */
     size_t buffers;      /* target buffers checked */
     uint64_t span_bytes; /* bytes of target memory covered (sum over buffers) */
     uint64_t requests, reads, writes;
@@ -1138,7 +1145,7 @@ static void check_print_json(const check_params *p, const check_summary *s) {
 /* The check options shared by `check` and `demo`. */
 // clang-format off
 #define CHECK_SPECS(P)                                                                                             \
-    {"--protocol", OPT_PROTO, &(P).protocol, 0, 0, "auto|tcp|shm", "engine protocol (default auto)"},                \
+    {"--protocol", OPT_PROTO, &(P).protocol, 0, 0, "auto|tcp|shm|rdma", "engine protocol (default auto; rdma: --device-name names the NICs, tcp when none)"},                \
     {"--device-name", OPT_STR, &(P).device, 0, 0, "LIST", "comma-separated interface whitelist"},                     \
     {"--iterations", OPT_UINT, &(P).iterations, 0, 100000000, "N", "rounds of random traffic (default 50)"},          \
     {"--seed", OPT_UINT, &(P).seed, 0, UINT64_MAX, "S", "traffic seed (default 1)"},                                   \

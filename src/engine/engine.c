@@ -460,6 +460,7 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     out->bytes = e->kv_bytes;
     out->block_bytes = qwen2_kv_block_bytes_dt(c, e->kv.block_size, e->kv.dtype);
     snprintf(out->location, sizeof out->location, "%s", backend_buffer_location(e->kv.buf));
+    out->backend = backend_buffer_backend(e->kv.buf);
     static const char *const short_dt[] = {"f32", "f16", "bf16"};
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;
@@ -813,6 +814,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     backend_options_init(&bo);
     bo.n_threads = c.threads;
     bo.progress = c.progress;
+    bo.batch_invariant = c.batch_invariant;
     int rc = backend_open(c.device, &bo, &e->be, err, errlen);
     if (rc) {
         free(e);
@@ -858,6 +860,9 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
                   nb);
         else
             LOG_I(MOD, "every step eager%s", c.enforce_eager ? " (--enforce-eager)" : "");
+        if (c.batch_invariant)
+            LOG_I(MOD, "batch-invariant kernels (--batch-invariant): a request's tokens do not "
+                       "depend on the batch or the prompt's chunking");
     }
     backend_memory(e->be, &mem_free, &mem_total);
     size_t want =

@@ -36,6 +36,7 @@ typedef struct engine_config {
     int kv_cache_dtype;         /* backend_dtype of the KV cache; -1 = the device's default */
     double gpu_memory_utilization; /* GPU: device-memory fraction for everything (0.9) */
     int enforce_eager;          /* GPU: no CUDA graphs (default: decode steps as graphs) */
+    int batch_invariant;        /* --batch-invariant: backend_options.batch_invariant */
 } engine_config;
 
 void engine_config_init(engine_config *c);

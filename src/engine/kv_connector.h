@@ -63,6 +63,9 @@ typedef struct engine_kv_region {
     char location[32];     /* where base lives, for transfer_register: "cpu:0", "cuda:0" */
     char fingerprint[160]; /* model shape, dtype, block size and layout, then
                             * ENGINE_KERNELS_TAG and the kernels that computed the KV */
+    /* The device it lives on (kernels/backend.h): device memory needs the module's
+     * transfer ops (backend_module_symbol), which the connector installs. */
+    const struct backend *backend;
 } engine_kv_region;
 
 #endif

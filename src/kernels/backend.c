@@ -172,6 +172,11 @@ void backend_close(backend *be) {
 const char *backend_name(const backend *be) {
     return be->name;
 }
+void *backend_module_symbol(const backend *be, const char *name) {
+    if (!be || !be->module || !name) return NULL;
+    return dlsym(be->module, name);
+}
+
 const char *backend_location(const backend *be) {
     return be->location;
 }

@@ -82,6 +82,10 @@ typedef struct backend_options {
     int n_threads;  /* CPU: compute threads of the backend's own pool (0 = one per CPU) */
     int progress;   /* show weight-upload progress on a tty */
     int device_ord; /* filled by backend_open from "cuda:N" (0 for "cuda"); ignored by cpu */
+    /* --batch-invariant: a row's results must not depend on the rest of the batch, the GEMM's
+     * row count or the prompt's chunking (CUDA: kernels/cuda/cuda_invariant.h; the CPU
+     * backend always is, and ignores it) */
+    int batch_invariant;
 } backend_options;
 
 void backend_options_init(backend_options *o); /* zeros: all CPUs, no progress, device 0 */
@@ -108,6 +112,11 @@ int backend_is_cpu(const backend *be);              /* 1 for the CPU backend */
 backend_dtype backend_act_dtype(const backend *be); /* activations the model should use */
 backend_dtype backend_kv_dtype_default(const backend *be); /* "auto" KV dtype: f32 cpu, bf16 cuda */
 int backend_kv_dtype_ok(const backend *be, backend_dtype dt); /* 1 if KV of dt is supported */
+/* The address of symbol `name` in the backend's loaded module (libdisagg_cuda.so), NULL on
+ * the CPU backend or when the module has none: how a layer above finds what the module
+ * offers beside the backend, e.g. the transfer engine's device-memory ops
+ * (kernels/cuda/cuda_transfer.h DCU_TRANSFER_SYMBOL) for the KV region. */
+void *backend_module_symbol(const backend *be, const char *name);
 /* Device memory: *free_b bytes free now, *total_b in all (CPU: available and physical RAM). */
 int backend_memory(const backend *be, size_t *free_b, size_t *total_b);
 

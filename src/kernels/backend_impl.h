@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 2
+#define BACKEND_ABI_VERSION 3
 
 typedef struct backend_iface {
     /* device */

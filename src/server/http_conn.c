@@ -37,6 +37,8 @@
 #include <event2/http.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 typedef enum conn_phase {
@@ -166,6 +168,11 @@ static void conn_register(evutil_socket_t unused, short what, void *arg) {
         conn_unlink_free(c);
         return;
     }
+    /* Responses go out in several small writes (head, then each chunk of a stream): with
+     * Nagle's algorithm a keep-alive peer's delayed ACK (the proxy's pooled upstream
+     * connections) held the second one ~40 ms, which was most of a P/D TTFT. */
+    int one = 1;
+    setsockopt((int)fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* not TCP (unix): no-op */
     if (fd >= s->n_conn_by_fd) {
         int n = s->n_conn_by_fd ? s->n_conn_by_fd : 64;
         while (n <= fd)

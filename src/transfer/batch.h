@@ -19,6 +19,7 @@ typedef struct batch_req {
     int error;            /* first error of its chunks */
     size_t transferred;   /* bytes of completed chunks */
     uint32_t chunks_left; /* chunks not yet ended */
+    unsigned transports;  /* bit (1u << transfer_protocol) per transport given chunks */
 } batch_req;
 
 typedef struct batch {

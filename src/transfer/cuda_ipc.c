@@ -4,8 +4,11 @@
 #include "base/log.h"
 #include "transfer/staging.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #define MOD "transfer.cuda_ipc"
@@ -17,9 +20,12 @@ typedef struct ipc_buf {
 } ipc_buf;
 
 typedef struct ipc_conn {
-    pthread_mutex_t mu; /* guards bufs */
+    pthread_mutex_t mu; /* guards bufs, gone */
     ipc_buf *bufs;
     size_t n;
+    int pid;  /* the peer process (same host, same pid namespace), 0 = unknown */
+    int gone; /* it exited: its mappings are released, every op fails ECONN */
+    char name[96];
 } ipc_conn;
 
 typedef struct ipc_state {
@@ -41,7 +47,12 @@ static int ipc_can_reach(const transport *t, const transport_peer *p, const char
            remote_reachable(remote, REACH_IPC);
 }
 
-static void copy_bufs(ipc_conn *c, const segment_desc *d) {
+/* Replace c's buffer list with d's ipc buffers, moving over the mappings of buffers that
+ * stay; the old list (its remaining mappings: buffers that went away) is left in *old /
+ * *oldn for the caller to unmap and free.  Out of memory: c keeps its list, *old NULL. */
+static void copy_bufs(ipc_conn *c, const segment_desc *d, ipc_buf **old, size_t *oldn) {
+    *old = NULL;
+    *oldn = 0;
     size_t n = 0;
     for (size_t i = 0; i < d->buffers.n; i++)
         n += d->buffers.v[i].ipc_len > 0;
@@ -62,7 +73,8 @@ static void copy_bufs(ipc_conn *c, const segment_desc *d) {
                 }
             k++;
         }
-    free(c->bufs);
+    *old = c->bufs;
+    *oldn = c->n;
     c->bufs = v;
     c->n = n;
 }
@@ -77,7 +89,12 @@ static int ipc_open_peer(transport *t, const transport_peer *p, void **out) {
     ipc_conn *c = calloc(1, sizeof *c);
     if (!c) return TRANSFER_ENOMEM;
     pthread_mutex_init(&c->mu, NULL);
-    copy_bufs(c, p->desc);
+    c->pid = p->desc->pid;
+    snprintf(c->name, sizeof c->name, "%s", p->name);
+    ipc_buf *none;
+    size_t nnone;
+    copy_bufs(c, p->desc, &none, &nnone);
+    free(none);
     *out = c;
     return 0;
 }
@@ -86,10 +103,14 @@ static void ipc_update_peer(transport *t, void *conn, const transport_peer *p) {
     ipc_state *s = t->state;
     ipc_conn *c = conn;
     pthread_mutex_lock(&c->mu);
-    ipc_buf *old = c->bufs;
-    size_t oldn = c->n;
-    copy_bufs(c, p->desc);
-    if (c->bufs != old) { /* buffers that went away: unmap */
+    ipc_buf *old;
+    size_t oldn;
+    if (p->desc->pid != c->pid) { /* another process now answers for the segment */
+        c->pid = p->desc->pid;
+        c->gone = 0;
+    }
+    copy_bufs(c, p->desc, &old, &oldn);
+    if (old) { /* buffers that went away: unmap */
         ipc_conn gone = {.bufs = old, .n = oldn};
         unmap_all(*s->dev, &gone);
         free(old);
@@ -136,6 +157,20 @@ static void ipc_submit(transport *t, void *conn, xfer_op *ops) {
         memset(s->stream, 0, sizeof s->stream);
     }
     pthread_mutex_lock(&c->mu);
+    /* A peer that died keeps its memory alive through our mapping: no copy would fail, and
+     * nobody would notice.  Like a tcp peer whose connection drops, it fails ECONN, and its
+     * mappings are released (the device memory is freed with the last one). */
+    if (rc == 0 && !c->gone && c->pid > 0 && kill(c->pid, 0) != 0 && errno == ESRCH) {
+        c->gone = 1;
+        unmap_all(d, c);
+        for (size_t i = 0; i < c->n; i++)
+            c->bufs[i].base = NULL;
+        LOG_W(MOD,
+              "segment %s: the peer process (pid %d) is gone; released its device "
+              "memory mappings",
+              c->name, c->pid);
+    }
+    if (rc == 0 && c->gone) rc = TRANSFER_ECONN;
     int used[STAGE_MAX_DEVICES] = {0};
     /* Runs: ops adjacent on both sides with the same direction and device
      * become one copy. */

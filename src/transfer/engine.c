@@ -347,15 +347,13 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                               .stage_stats = &e->stage};
     if ((rc = tcp_transport_create(&e->sink, &tcfg, &e->tp[T_TCP])) != 0) goto fail;
     if ((rc = cuda_ipc_transport_create(&e->sink, &e->devp, &e->tp[T_IPC])) != 0) goto fail;
-    if (rdma && e->secret) {
-        LOG_W(MOD, "protocol rdma: the rdma connection handshake does not carry the auth_secret "
-                   "yet; using tcp (authenticated)");
-    } else if (rdma) {
+    if (rdma) {
         rdma_transport_cfg rcfg = {.verbs = rdma_verbs_current(),
                                    .device_name = e->device_name,
                                    .self_name = e->segment_name,
                                    .connect_timeout_ns = e->cfg.connect_timeout_ns,
-                                   .dev = &e->devp};
+                                   .dev = &e->devp,
+                                   .secret = e->secret};
         rc = rdma_transport_create(&e->sink, &rcfg, &e->tp[T_RDMA]);
         if (rc == TRANSFER_ENOSEG) {
             LOG_W(MOD, "protocol rdma: no RDMA device found%s%s; using tcp",
@@ -839,6 +837,9 @@ static void op_reroute(void *ctx, xfer_op *op, int err) {
     pthread_mutex_unlock(&p->mu);
     (void)err;
     op->next = NULL;
+    pthread_mutex_lock(&e->batches.mu); /* the status says tcp carried it too */
+    op->batch->reqs[op->req].transports |= 1u << (unsigned)TRANSFER_PROTO_TCP;
+    pthread_mutex_unlock(&e->batches.mu);
     if (rc)
         op_done(e, op, rc);
     else
@@ -885,6 +886,13 @@ static int choose_locked(transfer_engine *e, peer *p, const char *local_loc,
                          const registry_entry *remote, int *t_out) {
     transport_peer v;
     peer_view_locked(e, p, &v);
+    /* Device memory on both sides of one host: cuda_ipc before anything
+     * but an explicit tcp (staged, asked for). */
+    if (e->cfg.protocol != TRANSFER_PROTO_TCP && p->pref != T_IPC &&
+        e->tp[T_IPC]->ops->can_reach(e->tp[T_IPC], &v, local_loc, remote)) {
+        *t_out = T_IPC;
+        return 0;
+    }
     if (e->tp[p->pref]->ops->can_reach(e->tp[p->pref], &v, local_loc, remote)) {
         *t_out = p->pref;
         return 0;
@@ -990,6 +998,7 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
             for (size_t i = 0; i < n; i++) {
                 batch_req *q = &b->reqs[base + i];
                 q->transferred = 0;
+                q->transports = rt[i].reject ? 0 : 1u << (unsigned)e->tp[rt[i].t]->ops->proto;
                 if (rt[i].reject) {
                     q->state = TRANSFER_STATE_FAILED;
                     q->error = TRANSFER_EREMOTEADDR;
@@ -1099,6 +1108,7 @@ int transfer_batch_get_status(transfer_engine *e, transfer_batch h, size_t index
         st->state = b->reqs[index].state;
         st->error = b->reqs[index].error;
         st->transferred_bytes = b->reqs[index].transferred;
+        st->transports = b->reqs[index].transports;
     }
     pthread_mutex_unlock(&e->batches.mu);
     return rc;
@@ -1117,6 +1127,7 @@ int transfer_batch_get_overall(transfer_engine *e, transfer_batch h, transfer_st
     for (size_t i = 0; i < b->n; i++) {
         const batch_req *q = &b->reqs[i];
         st->transferred_bytes += q->transferred;
+        st->transports |= q->transports;
         if (q->state == TRANSFER_STATE_PENDING)
             st->state = TRANSFER_STATE_PENDING;
         else if (q->state != TRANSFER_STATE_COMPLETED && st->state != TRANSFER_STATE_PENDING &&
@@ -1170,7 +1181,9 @@ static size_t batch_pending(transfer_engine *e, transfer_batch h) {
 }
 
 static int sync_op(transfer_engine *e, const char *target, transfer_opcode opcode,
-                   void *const local[], const uint64_t remote[], const size_t len[], size_t n) {
+                   void *const local[], const uint64_t remote[], const size_t len[], size_t n,
+                   unsigned *transports) {
+    if (transports) *transports = 0;
     if (!e || !target || (n && (!local || !remote || !len))) return TRANSFER_EINVAL;
     if (n == 0) return 0;
     transfer_segment seg;
@@ -1203,6 +1216,8 @@ static int sync_op(transfer_engine *e, const char *target, transfer_opcode opcod
                 rc = TRANSFER_ETIMEDOUT;
             }
         }
+        transfer_status all;
+        if (transports && transfer_batch_get_overall(e, b, &all) == 0) *transports = all.transports;
         transfer_batch_free(e, b);
     }
     free(reqs);
@@ -1211,12 +1226,34 @@ static int sync_op(transfer_engine *e, const char *target, transfer_opcode opcod
 
 int transfer_sync_write(transfer_engine *e, const char *target, void *const src[],
                         const uint64_t dst[], const size_t len[], size_t n) {
-    return sync_op(e, target, TRANSFER_WRITE, src, dst, len, n);
+    return sync_op(e, target, TRANSFER_WRITE, src, dst, len, n, NULL);
+}
+
+int transfer_sync_write_via(transfer_engine *e, const char *target, void *const src[],
+                            const uint64_t dst[], const size_t len[], size_t n,
+                            unsigned *transports) {
+    return sync_op(e, target, TRANSFER_WRITE, src, dst, len, n, transports);
+}
+
+const char *transfer_protocol_name(transfer_protocol p) {
+    switch (p) {
+    case TRANSFER_PROTO_AUTO:
+        return "auto";
+    case TRANSFER_PROTO_TCP:
+        return "tcp";
+    case TRANSFER_PROTO_SHM:
+        return "shm";
+    case TRANSFER_PROTO_RDMA:
+        return "rdma";
+    case TRANSFER_PROTO_CUDA_IPC:
+        return "cuda_ipc";
+    }
+    return "?";
 }
 
 int transfer_sync_read(transfer_engine *e, const char *target, void *const dst[],
                        const uint64_t src[], const size_t len[], size_t n) {
-    return sync_op(e, target, TRANSFER_READ, dst, src, len, n);
+    return sync_op(e, target, TRANSFER_READ, dst, src, len, n, NULL);
 }
 
 void transfer_engine_get_stats(transfer_engine *e, transfer_stats *out) {

@@ -185,8 +185,37 @@ static void count_refusal(handshake_server *s) {
     if (s->cfg.auth_refused) atomic_fetch_add(s->cfg.auth_refused, 1);
 }
 
+static void serve_connect_frame(handshake_server *s, hs_conn *c, const char *body, uint64_t len,
+                                uint64_t deadline);
+
+/* After a verified challenge with "then":"connect": ok, then the type-0 frame on this
+ * connection (an rdma peer connecting its queue pair, authenticated). */
+static void serve_connect_authed(handshake_server *s, hs_conn *c, uint64_t deadline) {
+    if (!s->cfg.connect) {
+        send_error(c->fd, HANDSHAKE_TYPE_METADATA,
+                   "this engine does not run rdma: no queue pair to connect", deadline);
+        return;
+    }
+    if (send_frame(c->fd, HANDSHAKE_TYPE_METADATA, "{\"disagg_auth\":{\"ok\":true}}", deadline))
+        return;
+    uint8_t type;
+    char *body;
+    uint64_t len;
+    int ioerr = 0;
+    int fr = recv_frame(c->fd, deadline, &type, &body, &len, &ioerr);
+    if (fr != FRAME_OK) return;
+    if (type == HANDSHAKE_TYPE_CONNECT)
+        serve_connect_frame(s, c, body, len, deadline);
+    else
+        send_error(c->fd, type, "expected the connect frame (type 0) after authentication",
+                   deadline);
+    free(body);
+}
+
 static void serve_auth(handshake_server *s, hs_conn *c, json_t *au, uint64_t deadline) {
     int fd = c->fd;
+    const char *then = jstr(au, "then");
+    int then_connect = then && !strcmp(then, "connect");
     uint8_t cn[AUTH_NONCE_LEN], sn[AUTH_NONCE_LEN], mac[AUTH_MAC_LEN], want[AUTH_MAC_LEN];
     const char *cname = jstr(au, "name");
     if (unhex(jstr(au, "nonce"), cn, sizeof cn) != 0 || !cname || strlen(cname) >= NAME_MAX_LEN) {
@@ -243,6 +272,8 @@ static void serve_auth(handshake_server *s, hs_conn *c, json_t *au, uint64_t dea
         send_error(fd, HANDSHAKE_TYPE_METADATA,
                    "authentication failed: the peer's auth_secret differs from this engine's",
                    deadline);
+    } else if (then_connect) {
+        serve_connect_authed(s, c, deadline);
     } else {
         send_descriptor(s, fd, deadline);
     }
@@ -286,6 +317,20 @@ static void serve_metadata(handshake_server *s, hs_conn *c, const char *body, ui
     json_decref(o);
 }
 
+static void serve_connect_frame(handshake_server *s, hs_conn *c, const char *body, uint64_t len,
+                                uint64_t deadline) {
+    char why[256] = "";
+    char *reply = s->cfg.connect(s->cfg.ctx, body, len, why, sizeof why);
+    if (reply) {
+        send_frame(c->fd, HANDSHAKE_TYPE_CONNECT, reply, deadline);
+        free(reply);
+    } else {
+        LOG_W(MOD, "rdma connect from %s refused: %s", c->peer, why);
+        json_t *o = json_pack("{s:s,s:s}", "reply_msg", why, "error", why);
+        send_json(c->fd, HANDSHAKE_TYPE_CONNECT, o, deadline);
+    }
+}
+
 /* Serve one connection: one request frame in, the answer out. */
 static void serve_conn(handshake_server *s, hs_conn *c) {
     int fd = c->fd;
@@ -309,23 +354,24 @@ static void serve_conn(handshake_server *s, hs_conn *c) {
     if (type == HANDSHAKE_TYPE_METADATA) {
         serve_metadata(s, c, body, len, deadline);
     } else if (type == HANDSHAKE_TYPE_CONNECT && s->cfg.connect && !s->cfg.secret) {
-        char why[256] = "";
-        char *reply = s->cfg.connect(s->cfg.ctx, body, len, why, sizeof why);
-        if (reply) {
-            send_frame(fd, type, reply, deadline);
-            free(reply);
-        } else {
-            LOG_W(MOD, "rdma connect from %s refused: %s", c->peer, why);
-            json_t *o = json_pack("{s:s,s:s}", "reply_msg", why, "error", why);
-            send_json(fd, type, o, deadline);
-        }
+        serve_connect_frame(s, c, body, len, deadline);
+    } else if (type == HANDSHAKE_TYPE_CONNECT && s->cfg.connect) {
+        LOG_W(MOD,
+              "refused rdma connect from %s: it did not authenticate first (this engine has an "
+              "auth_secret)",
+              c->peer);
+        count_refusal(s);
+        json_t *o = json_pack("{s:s,s:s}", "reply_msg", "authentication required", "error",
+                              "authentication required: this disagg engine has an auth_secret; "
+                              "a connect frame must follow the challenge on the same connection");
+        send_json(fd, type, o, deadline);
     } else if (type == HANDSHAKE_TYPE_PROBE) {
         send_frame(fd, type, "{\"status\":\"success\"}", deadline); /* Mooncake's answer */
     } else {
         LOG_W(MOD, "handshake from %s: unsupported frame type %u", c->peer, type);
         send_error(fd, type,
                    "unsupported frame type (accepted: 1 metadata, 3 probe, and 0 connect when "
-                   "this engine runs rdma without an auth_secret; no notify)",
+                   "this engine runs rdma; no notify)",
                    deadline);
     }
     free(body);
@@ -493,8 +539,8 @@ static int recv_answer(int fd, const char *a, uint64_t deadline, json_t **o, cha
 
 /* The secret's exchange; on success the descriptor's JSON is in *raw. */
 static int client_auth(int fd, const char *a, const char *peer_name, const char *self_name,
-                       const char *secret, uint64_t deadline, char **raw, uint64_t *rawlen,
-                       char *err, size_t cap) {
+                       const char *secret, const char *then, uint64_t deadline, char **raw,
+                       uint64_t *rawlen, char *err, size_t cap) {
     uint8_t cn[AUTH_NONCE_LEN], sn[AUTH_NONCE_LEN], mac[AUTH_MAC_LEN], want[AUTH_MAC_LEN];
     char hx[2 * AUTH_MAC_LEN + 1];
     if (auth_random(cn, sizeof cn) != 0) {
@@ -502,10 +548,11 @@ static int client_auth(int fd, const char *a, const char *peer_name, const char 
         return TRANSFER_ESYS;
     }
     auth_hex(cn, sizeof cn, hx);
-    int rc = send_json(
-        fd, HANDSHAKE_TYPE_METADATA,
-        json_pack("{s:{s:i,s:s,s:s}}", "disagg_auth", "version", 1, "nonce", hx, "name", self_name),
-        deadline);
+    json_t *req =
+        json_pack("{s:{s:i,s:s,s:s}}", "disagg_auth", "version", 1, "nonce", hx, "name", self_name);
+    if (req && then)
+        json_object_set_new(json_object_get(req, "disagg_auth"), "then", json_string(then));
+    int rc = send_json(fd, HANDSHAKE_TYPE_METADATA, req, deadline);
     if (rc) {
         snprintf(err, cap, "handshake with %s failed: %s", a, strerror(-rc));
         return io_error(rc);
@@ -565,7 +612,7 @@ int handshake_fetch(const net_addr *peer, const char *peer_name, const char *sel
     uint64_t len = 0;
     int rc;
     if (secret) {
-        rc = client_auth(fd, a, peer_name ? peer_name : a, self_name ? self_name : "", secret,
+        rc = client_auth(fd, a, peer_name ? peer_name : a, self_name ? self_name : "", secret, NULL,
                          deadline_ns, &body, &len, err, cap);
     } else {
         rc = send_frame(fd, HANDSHAKE_TYPE_METADATA, my_json ? my_json : "{}", deadline_ns);
@@ -588,7 +635,8 @@ int handshake_fetch(const net_addr *peer, const char *peer_name, const char *sel
     return rc;
 }
 
-int handshake_connect(const net_addr *peer, const char *body, uint64_t deadline_ns, char **reply,
+int handshake_connect(const net_addr *peer, const char *peer_name, const char *self_name,
+                      const char *secret, const char *body, uint64_t deadline_ns, char **reply,
                       size_t *reply_len, char *err, size_t cap) {
     char a[80];
     net_addr_format(peer, a, sizeof a);
@@ -598,7 +646,31 @@ int handshake_connect(const net_addr *peer, const char *body, uint64_t deadline_
         snprintf(err, cap, "cannot connect to handshake port %s: %s", a, strerror(-fd));
         return io_error(fd);
     }
-    int rc = send_frame(fd, HANDSHAKE_TYPE_CONNECT, body, deadline_ns);
+    int rc = 0;
+    if (secret && *secret) { /* authenticate this connection, then connect on it */
+        char *ok = NULL;
+        uint64_t oklen = 0;
+        rc = client_auth(fd, a, peer_name ? peer_name : a, self_name ? self_name : "", secret,
+                         "connect", deadline_ns, &ok, &oklen, err, cap);
+        if (rc == 0) {
+            json_t *o = json_loadb(ok, oklen, 0, NULL);
+            json_t *au = auth_obj(o);
+            if (!au || !json_is_true(json_object_get(au, "ok"))) {
+                snprintf(err, cap,
+                         "peer %s answered the authenticated connect without its ok (an engine "
+                         "without authenticated rdma?)",
+                         a);
+                rc = TRANSFER_EPROTO;
+            }
+            json_decref(o);
+        }
+        free(ok);
+        if (rc) {
+            close(fd);
+            return rc;
+        }
+    }
+    rc = send_frame(fd, HANDSHAKE_TYPE_CONNECT, body, deadline_ns);
     uint8_t type = 0;
     char *rb = NULL;
     uint64_t len = 0;

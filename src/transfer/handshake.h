@@ -80,8 +80,14 @@ int handshake_fetch(const net_addr *peer, const char *peer_name, const char *sel
 
 /* Send a type-0 (connect) frame with body to the peer's handshake port and
  * read its answer (malloc'd in *reply).  TRANSFER_EPROTO with err filled
- * when the peer answers an error (its reply_msg / error). */
-int handshake_connect(const net_addr *peer, const char *body, uint64_t deadline_ns, char **reply,
+ * when the peer answers an error (its reply_msg / error).  With a secret
+ * (non-empty), the connection first runs the metadata challenge-response
+ * (steps 1-3, step 1 saying "then":"connect"), the server answers
+ * {"disagg_auth":{"ok":true}} instead of its descriptor, and only then is
+ * the type-0 frame sent on that same, authenticated connection
+ * (TRANSFER_EAUTH when either side's proof fails). */
+int handshake_connect(const net_addr *peer, const char *peer_name, const char *self_name,
+                      const char *secret, const char *body, uint64_t deadline_ns, char **reply,
                       size_t *reply_len, char *err, size_t cap);
 
 #endif

@@ -692,10 +692,10 @@ static int rdma_open_peer(transport *t, const transport_peer *p, void **out) {
         char *body = json_dumps(req, JSON_COMPACT), *reply = NULL;
         json_decref(req);
         size_t rlen = 0;
-        int hr =
-            body ? handshake_connect(p->rpc_addr, body, clock_now_ns() + s->cfg.connect_timeout_ns,
-                                     &reply, &rlen, err, sizeof err)
-                 : TRANSFER_ENOMEM;
+        int hr = body ? handshake_connect(p->rpc_addr, p->name, s->cfg.self_name, s->cfg.secret,
+                                          body, clock_now_ns() + s->cfg.connect_timeout_ns, &reply,
+                                          &rlen, err, sizeof err)
+                      : TRANSFER_ENOMEM;
         free(body);
         json_t *ro = hr == 0 ? json_loadb(reply, rlen, 0, NULL) : NULL;
         free(reply);

@@ -30,6 +30,7 @@ typedef struct rdma_transport_cfg {
     const char *self_name;   /* this engine's segment name (filled in before use) */
     uint64_t connect_timeout_ns;
     const transfer_device_ops *const *dev; /* for DMA-BUF registration */
+    const char *secret; /* auth_secret: each queue-pair handshake is authenticated (NULL = none) */
 } rdma_transport_cfg;
 
 /* TRANSFER_ENOSEG when no usable NIC is found (the caller falls back to

@@ -101,6 +101,14 @@ def test_kv_really_moved_and_blocks_return(stack):
     m = p.server.metrics()  # this request's transfer, not an earlier test's
     assert m.get(ok, 0) == m0.get(ok, 0) + 1
     assert m.get("disagg:kv_transfer_bytes_total", 0) > m0.get("disagg:kv_transfer_bytes_total", 0)
+    # the transport that carried it (host memory, mooncake_protocol tcp): tcp, nothing else
+    t = 'disagg:kv_transfer_transport_%s_total{transport="%s"}'
+    assert m[t % ("requests", "tcp")] == m0.get(t % ("requests", "tcp"), 0) + 1
+    assert m[t % ("bytes", "tcp")] - m0.get(t % ("bytes", "tcp"), 0) == \
+        m["disagg:kv_transfer_bytes_total"] - m0.get("disagg:kv_transfer_bytes_total", 0)
+    for other in ("shm", "rdma", "cuda_ipc"):
+        assert m[t % ("requests", other)] == 0
+    assert "moved over tcp" in open(p.server.log_path).read()  # P names the transport once
     wait_blocks_zero(p.server)
     wait_blocks_zero(d)
 

@@ -41,7 +41,7 @@ BAD = [
     (["target", "--buffer-size", "-5"], ["'-5'"]),
     (["target", "--buffers", "0"], ["--buffers", "'0'", "1..64"]),
     (["target", "--buffers", "65"], ["'65'", "1..64"]),
-    (["target", "--protocol", "udp"], ["'udp'", "auto, tcp, shm"]),
+    (["target", "--protocol", "udp"], ["'udp'", "auto, tcp, shm, rdma"]),
     (["target", "--port", "70000"], ["--port", "'70000'", "0..65535"]),
     (["target", "--port"], ["--port", "needs a value"]),
     (["target", "--pattern", "abc"], ["--pattern", "'abc'"]),
@@ -66,7 +66,7 @@ BAD = [
     (["check", "--target", SEG, "--max-length", "2G"], ["--max-length", "'2G'"]),
     (["check", "--target", SEG, "--seed", "1.5"], ["--seed", "'1.5'"]),
     (["check", "--target", "[::1:80", "--iterations", "1"], ["'[::1:80'"]),
-    (["demo", "--protocol", "rdma"], ["'rdma'", "auto, tcp, shm"]),
+    (["demo", "--protocol", "ib"], ["'ib'", "auto, tcp, shm, rdma"]),
     (["demo", "--buffer-size", "1X"], ["'1X'"]),
 ]
 
@@ -102,3 +102,35 @@ def test_target_stops_on_sigterm(disagg_bin, reaper):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=10) == 0
     assert json.loads(p.stdout.read().decode().strip().splitlines()[-1])["event"] == "stats"
+
+
+# `disagg bench transfer --location cuda:N` (device memory on both sides): bad values exit 2
+# naming the value and what is accepted; without a GPU (CI) it exits 1 saying why.
+BENCH_BAD = [
+    (["--location", "cpu"], ["--location", "'cpu'", "cuda:N"]),
+    (["--location", "cuda:x"], ["'cuda:x'", "cuda:N"]),
+    (["--location", "cuda:0", "--tokens", "0"], ["--tokens", "'0'", "1.."]),
+    (["--location", "cuda:0", "--kv-shape", "28,4"], ["--kv-shape", "'28,4'", "L,H,D"]),
+    (["--location", "cuda:0", "--protocol", "nvlink"], ["'nvlink'", "cuda_ipc, tcp"]),
+    (["--location", "cuda:0", "--reps", "0"], ["--reps", "'0'"]),
+    (["--location", "cuda:0", "--mode", "initiator"], ["--mode", "'initiator'", "target"]),
+    (["--location", "cuda:0", "--frob", "1"], ["'--frob'", "--tokens"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", BENCH_BAD, ids=[" ".join(a) for a, _ in BENCH_BAD])
+def test_bench_transfer_location_bad_input(disagg_bin, args, needles):
+    p = run_cli(disagg_bin, "bench", "transfer", *args, timeout=10)
+    err = p.stderr.decode()
+    assert p.returncode == 2, f"rc {p.returncode}: {err}"
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+
+
+def test_bench_transfer_location_without_gpu_says_why(disagg_bin):
+    p = run_cli(disagg_bin, "bench", "transfer", "--location", "cuda:0", timeout=30)
+    if p.returncode == 0:
+        pytest.skip("a GPU is here: the benchmark ran (scripts/gpu_check.sh covers it)")
+    err = p.stderr.decode()
+    assert p.returncode == 1, err
+    assert "--location cuda:0" in err and ("CUDA" in err or "module" in err), err

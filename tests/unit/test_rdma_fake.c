@@ -14,7 +14,9 @@
 
 #include "base/clock.h"
 #include "disagg/transfer.h"
+#include "base/net.h"
 #include "fake_verbs.h"
+#include "transfer/handshake.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -369,25 +371,77 @@ static void test_gpu_registration(void **state) {
     free(gpu);
 }
 
-/* A secret: the rdma handshake does not carry it yet, so rdma is not
- * offered (tcp, authenticated). */
-static void test_secret_uses_tcp(void **state) {
+/* A secret: the queue-pair handshake (type 0) runs after the challenge-response on the
+ * same connection, so an authenticated pair uses rdma; a peer with another secret is
+ * refused (EAUTH), and a bare type-0 frame (no challenge) gets an authentication error and
+ * no queue pair. */
+static void test_secret_rdma(void **state) {
     (void)state;
     fv_reset(2);
     rdma_verbs_override(&FAKE_VERBS);
     transfer_config c;
     cfg_rdma(&c, "");
     c.auth_secret = "s3cret";
-    transfer_engine *a, *b;
+    transfer_engine *a, *b, *x;
     assert_int_equal(transfer_engine_create(&c, &a), 0);
     assert_int_equal(transfer_engine_create(&c, &b), 0);
+    uint8_t *am = aligned_alloc(4096, 1 << 20), *bm = aligned_alloc(4096, 1 << 20);
+    fill(am, 1 << 20);
+    assert_int_equal(transfer_register(a, am, 1 << 20, "cpu"), 0);
+    assert_int_equal(transfer_register(b, bm, 1 << 20, "cpu"), 0);
     transfer_segment seg;
     assert_int_equal(transfer_open_segment(b, transfer_engine_segment_name(a), &seg), 0);
     transfer_segment_info info;
     assert_int_equal(transfer_segment_get_info(b, seg, &info), 0);
-    assert_int_equal(info.protocol, TRANSFER_PROTO_TCP);
+    assert_int_equal(info.protocol, TRANSFER_PROTO_RDMA);
+    uint64_t w0 = atomic_load(&fv.nics[0].wrs) + atomic_load(&fv.nics[1].wrs);
+    void *dst = bm + 7;
+    uint64_t src = (uint64_t)(uintptr_t)(am + 3);
+    size_t len = 700000;
+    assert_int_equal(transfer_sync_read(b, transfer_engine_segment_name(a), &dst, &src, &len, 1),
+                     0);
+    assert_memory_equal(bm + 7, am + 3, len);
+    assert_true(atomic_load(&fv.nics[0].wrs) + atomic_load(&fv.nics[1].wrs) > w0); /* on the NICs */
+    unsigned via = 0;
+    void *wsrc = bm;
+    uint64_t wdst = (uint64_t)(uintptr_t)(am + 100);
+    len = 5000;
+    assert_int_equal(
+        transfer_sync_write_via(b, transfer_engine_segment_name(a), &wsrc, &wdst, &len, 1, &via),
+        0);
+    assert_int_equal(via, 1u << TRANSFER_PROTO_RDMA);
+    assert_memory_equal(am + 100, bm, 5000);
+
+    /* another secret: refused before any queue pair */
+    c.auth_secret = "other";
+    assert_int_equal(transfer_engine_create(&c, &x), 0);
+    assert_int_equal(transfer_open_segment(x, transfer_engine_segment_name(a), &seg),
+                     TRANSFER_EAUTH);
+    transfer_engine_destroy(x);
+
+    /* a bare connect frame (no challenge): refused with an authentication error */
+    net_addr ha;
+    char host[64];
+    uint16_t port;
+    assert_int_equal(
+        net_split_host_port(transfer_engine_segment_name(a), host, sizeof host, &port, 0), 0);
+    assert_int_equal(net_resolve(host, port, &ha), 0);
+    char *reply = NULL, err[256] = "";
+    size_t rl = 0;
+    int qps = atomic_load(&fv.open_qps);
+    int rc = handshake_connect(&ha, NULL, NULL, NULL,
+                               "{\"local_nic_path\":\"x@fake0\",\"peer_nic_path\":\"y@fake0\","
+                               "\"qp_num\":[1],\"reply_msg\":\"\"}",
+                               clock_now_ns() + NS_PER_S, &reply, &rl, err, sizeof err);
+    assert_int_not_equal(rc, 0);
+    assert_non_null(strstr(err, "authentication required"));
+    assert_int_equal(atomic_load(&fv.open_qps), qps);
+    free(reply);
+
     transfer_engine_destroy(b);
     transfer_engine_destroy(a);
+    free(am);
+    free(bm);
     assert_int_equal(atomic_load(&fv.open_nics), 0);
     rdma_verbs_override(NULL);
 }
@@ -404,7 +458,7 @@ int main(void) {
         cmocka_unit_test_teardown(test_no_nic_fallback, teardown),
         cmocka_unit_test_teardown(test_tcp_only_peer, teardown),
         cmocka_unit_test_setup_teardown(test_gpu_registration, setup2, teardown),
-        cmocka_unit_test(test_secret_uses_tcp),
+        cmocka_unit_test(test_secret_rdma),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -315,6 +315,11 @@ static int setup_ipc(void **state) {
     return setup_proto(state, TRANSFER_PROTO_AUTO);
 }
 
+static int setup_ipc_tcp(void **state) {
+    with_ipc = 1;
+    return setup_proto(state, TRANSFER_PROTO_TCP);
+}
+
 static int teardown(void **state) {
     fixture *f = *state;
     transfer_engine_destroy(f->init);
@@ -576,8 +581,80 @@ static void test_cuda_ipc(void **state) {
     assert_int_equal(atomic_load(&f->idev.closes), 1);
 }
 
+/* transfer_status.transports and transfer_sync_write_via say which transport carried
+ * each request: same host, auto: device memory over cuda_ipc, host memory over shm, a
+ * mixed batch both. */
+static void test_transports_reported(void **state) {
+    fixture *f = *state;
+    const unsigned IPC = 1u << TRANSFER_PROTO_CUDA_IPC, SHM = 1u << TRANSFER_PROTO_SHM,
+                   TCP = 1u << TRANSFER_PROTO_TCP;
+    transfer_request reqs[2] = {
+        {TRANSFER_WRITE, lptr(f, 1, 3), f->seg, rptr(f, 1, 5), 7777},
+        {TRANSFER_WRITE, f->ihost + 9, f->seg, rptr(f, 0, 1), 4444},
+    };
+    fill_random((uint8_t *)f->idev.back + 3, 7777);
+    fill_random(f->ihost + 9, 4444);
+    transfer_batch b;
+    assert_int_equal(transfer_batch_alloc(f->init, 2, &b), 0);
+    assert_int_equal(transfer_batch_submit(f->init, b, reqs, 2), 0);
+    assert_int_equal(transfer_batch_wait(f->init, b, 5 * NS_PER_S), 0);
+    transfer_status st;
+    assert_int_equal(transfer_batch_get_status(f->init, b, 0, &st), 0);
+    assert_int_equal(st.transports, IPC);
+    assert_int_equal(transfer_batch_get_status(f->init, b, 1, &st), 0);
+    assert_int_equal(st.transports, SHM);
+    assert_int_equal(transfer_batch_get_overall(f->init, b, &st), 0);
+    assert_int_equal(st.transports, IPC | SHM);
+    assert_int_equal(transfer_batch_free(f->init, b), 0);
+    assert_memory_equal(f->tdev.back + 5, f->idev.back + 3, 7777);
+    assert_memory_equal(f->thost + 1, f->ihost + 9, 4444);
+
+    void *src = lptr(f, 1, 0);
+    uint64_t dst = rptr(f, 1, 0);
+    size_t len = 1000;
+    unsigned via = 99;
+    assert_int_equal(transfer_sync_write_via(f->init, transfer_engine_segment_name(f->target), &src,
+                                             &dst, &len, 1, &via),
+                     0);
+    assert_int_equal(via, IPC);
+    /* out of the peer's buffer: refused, nothing copied, still says nothing carried it */
+    uint64_t d2d = atomic_load(&f->idev.d2d);
+    dst = rptr(f, 1, DEVBUF - 10);
+    assert_int_not_equal(transfer_sync_write_via(f->init, transfer_engine_segment_name(f->target),
+                                                 &src, &dst, &len, 1, &via),
+                         0);
+    assert_int_equal(atomic_load(&f->idev.d2d), d2d);
+    assert_int_equal(strcmp(transfer_protocol_name(TRANSFER_PROTO_CUDA_IPC), "cuda_ipc"), 0);
+    assert_int_equal(strcmp(transfer_protocol_name(TRANSFER_PROTO_TCP), "tcp"), 0);
+    (void)TCP;
+}
+
+/* protocol tcp asked for: device memory is staged over tcp even where cuda_ipc could
+ * reach it (the connector's mooncake_protocol "tcp"). */
+static void test_tcp_asked_stays_tcp(void **state) {
+    fixture *f = *state;
+    uint64_t d2d = atomic_load(&f->idev.d2d);
+    transfer_device_stats is0, is1;
+    transfer_engine_get_device_stats(f->init, &is0);
+    void *src = lptr(f, 1, 1);
+    uint64_t dst = rptr(f, 1, 2);
+    size_t len = (3u << 20) + 5;
+    fill_random((uint8_t *)f->idev.back + 1, len);
+    unsigned via = 0;
+    assert_int_equal(transfer_sync_write_via(f->init, transfer_engine_segment_name(f->target), &src,
+                                             &dst, &len, 1, &via),
+                     0);
+    assert_int_equal(via, 1u << TRANSFER_PROTO_TCP);
+    assert_memory_equal(f->tdev.back + 2, f->idev.back + 1, len);
+    assert_int_equal(atomic_load(&f->idev.d2d), d2d);
+    transfer_engine_get_device_stats(f->init, &is1);
+    assert_int_equal(is1.staged_bytes_out - is0.staged_bytes_out, len);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_transports_reported, setup_ipc, teardown),
+        cmocka_unit_test_setup_teardown(test_tcp_asked_stays_tcp, setup_ipc_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_roundtrip_all_locations, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_roundtrip_all_locations, setup_auto, teardown),
         cmocka_unit_test_setup_teardown(test_many_in_flight, setup_tcp, teardown),

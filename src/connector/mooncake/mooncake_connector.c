@@ -14,6 +14,8 @@
 #include "connector/mooncake/side_channel_msg.h"
 #include "connector/mooncake/xfer_plan.h"
 #include "disagg/transfer.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_transfer.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -321,9 +323,24 @@ static void prod_maybe_free_locked(mooncake_connector *c, prod_req *p) {
 }
 
 /* Write p's blocks (the tail D asked for) into D's region. */
+/* The transfer_status.transports bits of a write as "cuda_ipc", "tcp+shm", ... */
+static const char *transports_str(unsigned via, char *buf, size_t cap) {
+    static const transfer_protocol order[4] = {TRANSFER_PROTO_TCP, TRANSFER_PROTO_SHM,
+                                               TRANSFER_PROTO_RDMA, TRANSFER_PROTO_CUDA_IPC};
+    size_t o = 0;
+    buf[0] = 0;
+    for (int i = 0; i < 4; i++)
+        if (via & (1u << (unsigned)order[i]) && o < cap)
+            o += (size_t)snprintf(buf + o, cap - o, "%s%s", o ? "+" : "",
+                                  transfer_protocol_name(order[i]));
+    return buf[0] ? buf : "no transport";
+}
+
 static int send_blocks(mooncake_connector *c, const side_channel_pull *pull,
                        const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
-                       size_t *nruns, char *err, size_t cap) {
+                       size_t *nruns, unsigned *via, char *err, size_t cap) {
+    char viabuf[64];
+    *via = 0;
     if (pull->n_regions != 1) {
         snprintf(err, cap,
                  "decoder registered %zu KV regions; this producer has one block-major region "
@@ -372,10 +389,11 @@ static int send_blocks(mooncake_connector *c, const side_channel_pull *pull,
         else
             snprintf(target, sizeof target, "%s:%" PRId64, pull->remote_hostname,
                      pull->remote_port);
-        rc = transfer_sync_write(c->te, target, src, dst, len, (size_t)n);
+        rc = transfer_sync_write_via(c->te, target, src, dst, len, (size_t)n, via);
         if (rc)
-            snprintf(err, cap, "writing %zu KV bytes to decoder %s failed: %s", (size_t)*bytes,
-                     target, transfer_strerror(rc));
+            snprintf(err, cap, "writing %zu KV bytes to decoder %s over %s failed: %s",
+                     (size_t)*bytes, target, transports_str(*via, viabuf, sizeof viabuf),
+                     transfer_strerror(rc));
         *nruns = (size_t)n;
     } else {
         snprintf(err, cap, "producer out of memory");
@@ -401,19 +419,36 @@ static void *sender_main(void *arg) {
         char err[320] = "";
         uint64_t bytes = 0;
         size_t nruns = 0;
+        unsigned via = 0;
+        char viabuf[64];
         uint64_t t0 = clock_now_ns();
         int rc = send_blocks(c, t->job->pull, &t->job->pull->reqs[t->req], t->p, &bytes, &nruns,
-                             err, sizeof err);
+                             &via, err, sizeof err);
         pthread_mutex_lock(&c->mu);
         prod_req *p = t->p;
         if (rc == 0) {
+            static const transfer_protocol order[4] = {TRANSFER_PROTO_TCP, TRANSFER_PROTO_SHM,
+                                                       TRANSFER_PROTO_RDMA,
+                                                       TRANSFER_PROTO_CUDA_IPC};
+            int first = 1;
+            for (int i = 0; i < 4; i++)
+                if (via & (1u << (unsigned)order[i])) {
+                    first &= c->st.transport_requests[i] == 0;
+                    c->st.transport_requests[i]++;
+                    c->st.transport_bytes[i] += bytes; /* a mixed write counts in each */
+                }
             c->st.send_count++;
             c->st.send_sum_s += (double)(clock_now_ns() - t0) / 1e9;
             c->st.bytes_sent += bytes;
             c->st.descriptors_sent += nruns;
             c->st.transfers_ok++;
-            LOG_D(MOD, "transfer %s: %" PRIu64 " bytes in %zu descriptors, %.2f ms", p->transfer_id,
-                  bytes, nruns, (double)(clock_now_ns() - t0) / 1e6);
+            if (first) /* once per transport: which one the KV moves over */
+                LOG_I(MOD, "KV of transfer %s (%" PRIu64 " bytes, %s memory) moved over %s",
+                      p->transfer_id, bytes, c->region.location,
+                      transports_str(via, viabuf, sizeof viabuf));
+            LOG_D(MOD, "transfer %s: %" PRIu64 " bytes in %zu descriptors over %s, %.2f ms",
+                  p->transfer_id, bytes, nruns, transports_str(via, viabuf, sizeof viabuf),
+                  (double)(clock_now_ns() - t0) / 1e6);
         } else {
             c->st.transfers_failed++;
             c->fail_p[FP_WRITE_FAILED]++;
@@ -1264,6 +1299,33 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
     return 0;
 }
 
+/* A KV region in HBM: the CUDA module's device-memory ops go into the transfer engine
+ * (the engine's backend loaded the module; kernels/cuda/cuda_transfer.h). */
+static int install_device_ops(mooncake_connector *c, char *err, size_t errlen) {
+    int dev = 0;
+    if (c->region.location[4] == ':') dev = atoi(c->region.location + 5);
+    dcu_transfer_api_fn fn = (dcu_transfer_api_fn)(uintptr_t)backend_module_symbol(
+        c->region.backend, DCU_TRANSFER_SYMBOL);
+    const dcu_transfer_api *api = fn ? fn() : NULL;
+    if (!api || api->abi != DCU_TRANSFER_ABI) {
+        snprintf(err, errlen,
+                 "the KV cache is in %s memory but the CUDA module has no transfer ops (%s%s): "
+                 "rebuild disagg and libdisagg_cuda.so together",
+                 c->region.location, DCU_TRANSFER_SYMBOL, api ? " of another ABI" : " missing");
+        return -EINVAL;
+    }
+    transfer_device_ops ops;
+    char why[256] = "";
+    int rc = api->device_ops(dev, &ops, why, sizeof why);
+    if (rc == 0) rc = transfer_engine_set_device_ops(c->te, &ops);
+    if (rc) {
+        snprintf(err, errlen, "cannot give the transfer engine the %s memory ops: %s",
+                 c->region.location, why[0] ? why : transfer_strerror(rc));
+        return -EINVAL;
+    }
+    return 0;
+}
+
 int mooncake_connector_create(const char *json, engine *eng, mooncake_connector **out, char *err,
                               size_t errlen) {
     return mooncake_connector_create_on(json, NULL, eng, out, err, errlen);
@@ -1284,8 +1346,10 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         free(c);
         return rc;
     }
-    c->proto = kv_transfer_config_effective_protocol(&c->cfg, 0 /* no RDMA in this build */);
+    int n_nics = transfer_rdma_device_count();
+    c->proto = kv_transfer_config_effective_protocol(&c->cfg, n_nics > 0);
     engine_get_kv_region(eng, &c->region);
+    int on_device = !strncmp(c->region.location, "cuda", 4);
     transfer_config tc;
     transfer_config_init(&tc);
     /* The KV host (advertised, and where the side channel listens):
@@ -1296,7 +1360,15 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
                             ? c->listen_host
                             : NULL;
     tc.device_name = c->cfg.device_name;
-    tc.protocol = c->proto == KV_PROTOCOL_SHM ? TRANSFER_PROTO_SHM : TRANSFER_PROTO_TCP;
+    /* The best transport both sides support: rdma where this host has a NIC (and the
+     * peer lists one); "rdma" without a NIC and the KV in HBM: auto, so that a
+     * same-host peer's device memory goes over cuda_ipc and any other over staged tcp;
+     * an explicit "tcp" stays tcp (staged for device memory); host memory without a NIC
+     * keeps tcp, as before. */
+    tc.protocol = c->proto == KV_PROTOCOL_SHM                        ? TRANSFER_PROTO_SHM
+                  : c->proto == KV_PROTOCOL_RDMA                     ? TRANSFER_PROTO_RDMA
+                  : c->cfg.protocol == KV_PROTOCOL_RDMA && on_device ? TRANSFER_PROTO_AUTO
+                                                                     : TRANSFER_PROTO_TCP;
     /* Shared secret of the transfer ports (docs/transfer.md, Security): the
      * auth_secret key, else $DISAGG_KV_SECRET (resolved by the config). */
     tc.auth_secret = c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL;
@@ -1306,6 +1378,11 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
                  c->cfg.device_name, transfer_strerror(rc));
         free(c);
         return -EINVAL;
+    }
+    if (on_device && (rc = install_device_ops(c, err, errlen)) != 0) {
+        transfer_engine_destroy(c->te);
+        free(c);
+        return rc;
     }
     rc = transfer_register(c->te, c->region.base, c->region.bytes, c->region.location);
     if (rc) {
@@ -1319,7 +1396,9 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     uint16_t port;
     net_split_host_port(c->segment, c->host, sizeof c->host, &port, 0);
     c->st.role = kv_role_name(c->cfg.role);
-    c->st.protocol = kv_protocol_name(c->proto);
+    /* HBM without a NIC: the engine picks per peer (cuda_ipc on this host, staged tcp
+     * elsewhere); the per-transport counters say which carried each write. */
+    c->st.protocol = tc.protocol == TRANSFER_PROTO_AUTO ? "auto" : kv_protocol_name(c->proto);
     c->st.engine_id = c->cfg.engine_id;
     if (id_table_init(&c->prod_index) != 0) {
         snprintf(err, errlen, "out of memory");
@@ -1346,8 +1425,12 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
           "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "
           "%.1f MiB "
           "(%d blocks of %zu bytes)",
-          kv_role_name(c->cfg.role), c->cfg.engine_id, kv_protocol_name(c->proto), c->segment,
-          (double)c->region.bytes / (1 << 20), c->region.n_blocks, c->region.block_bytes);
+          kv_role_name(c->cfg.role), c->cfg.engine_id,
+          tc.protocol == TRANSFER_PROTO_AUTO ? "cuda_ipc to this host's GPUs, staged tcp to others"
+          : on_device && c->proto == KV_PROTOCOL_TCP ? "tcp (device memory staged)"
+                                                     : kv_protocol_name(c->proto),
+          c->segment, (double)c->region.bytes / (1 << 20), c->region.n_blocks,
+          c->region.block_bytes);
     *out = c;
     return 0;
 }
@@ -1513,6 +1596,34 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
     uint64_t evicted = c->pulls_evicted;
     int unknown = c->n_unknown;
     pthread_mutex_unlock(&c->mu);
+    {
+        static const char *const tn[4] = MOONCAKE_TRANSPORTS;
+        char tl[1024];
+        int o = snprintf(tl, sizeof tl,
+                         "# HELP disagg:kv_transfer_transport_bytes_total Producer: KV bytes "
+                         "written to decoders, by the transport that carried them.\n"
+                         "# TYPE disagg:kv_transfer_transport_bytes_total counter\n");
+        for (int i = 0; i < 4 && o > 0 && (size_t)o < sizeof tl; i++)
+            o +=
+                snprintf(tl + o, sizeof tl - (size_t)o,
+                         "disagg:kv_transfer_transport_bytes_total{transport=\"%s\"} %" PRIu64 "\n",
+                         tn[i], s.transport_bytes[i]);
+        if (o > 0 && (size_t)o < sizeof tl)
+            o += snprintf(tl + o, sizeof tl - (size_t)o,
+                          "# HELP disagg:kv_transfer_transport_requests_total Producer: requests "
+                          "whose KV was written, by transport.\n"
+                          "# TYPE disagg:kv_transfer_transport_requests_total counter\n");
+        for (int i = 0; i < 4 && o > 0 && (size_t)o < sizeof tl; i++)
+            o += snprintf(tl + o, sizeof tl - (size_t)o,
+                          "disagg:kv_transfer_transport_requests_total{transport=\"%s\"} %" PRIu64
+                          "\n",
+                          tn[i], s.transport_requests[i]);
+        size_t used0 = strlen(t), add0 = strlen(tl);
+        char *nt0 = realloc(t, used0 + add0 + 1);
+        if (!nt0) return t;
+        t = nt0;
+        memcpy(t + used0, tl, add0 + 1);
+    }
     uint64_t sc_rej = c->sc ? side_channel_server_auth_rejected(c->sc) : 0;
     uint64_t bs_rej = c->bs ? bootstrap_server_auth_rejected(c->bs) : 0;
     char more[1024];

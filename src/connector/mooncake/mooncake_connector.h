@@ -48,7 +48,8 @@ void mooncake_connector_destroy(mooncake_connector *c);
 
 typedef struct mooncake_stats {
     const char *role;     /* "kv_producer", "kv_consumer", "kv_both" */
-    const char *protocol; /* transport in use: "tcp" or "shm" */
+    const char *protocol; /* transport in use: "tcp", "shm", "rdma", or "auto" (KV in HBM, no NIC:
+                             cuda_ipc on this host, staged tcp elsewhere) */
     const char *engine_id;
     uint64_t bytes_sent;                     /* producer: KV bytes written to decoders */
     uint64_t descriptors_sent;               /* producer: contiguous runs written */
@@ -63,7 +64,14 @@ typedef struct mooncake_stats {
     uint64_t load_buckets[12]; /* cumulative counts for MOONCAKE_LOAD_BUCKETS */
     uint64_t send_count; /* producer: requests whose KV was written (blocks ready -> written) */
     double send_sum_s;
+    /* producer: per transport that carried the writes (MOONCAKE_TRANSPORTS order: tcp, shm,
+     * rdma, cuda_ipc), KV bytes and requests (a request over two counts in both) */
+    uint64_t transport_bytes[4];
+    uint64_t transport_requests[4];
 } mooncake_stats;
+
+#define MOONCAKE_TRANSPORTS                                                                        \
+    { "tcp", "shm", "rdma", "cuda_ipc" }
 
 #define MOONCAKE_LOAD_BUCKETS                                                                      \
     { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0 }

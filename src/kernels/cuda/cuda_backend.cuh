@@ -11,6 +11,7 @@
  * own cuBLASLt workspace, split-attention scratch and copy of the plan's metadata.
  */
 #include "kernels/backend_impl.h"
+#include "kernels/cuda/cuda_invariant.h"
 
 typedef struct cb_dev {
     int ord;
@@ -24,6 +25,7 @@ typedef struct cb_dev {
     void *conv;           /* device chunk for f16/f32 conversion */
     size_t loaded;        /* bytes of weights loaded (progress) */
     size_t last_shown;
+    int inv;              /* backend_options.batch_invariant: cuda_invariant's GEMM/attention */
 } cb_dev;
 
 typedef struct cb_stream {
@@ -44,6 +46,9 @@ typedef struct cb_stream {
     int n_graphs, cap_graphs;
     struct cb_graph *cur;  /* the graph backend_graph_plan selected (NULL: eager plan) */
     int capturing;         /* 1 between a recording graph_begin and graph_end */
+    int inv;               /* batch-invariant mode (cuda_invariant.h) */
+    iv_policy pol;         /* its GEMM policy */
+    iv_scratch ivs;        /* its attention partials */
 } cb_stream;
 
 typedef struct cb_graph {
@@ -167,6 +172,8 @@ static int cb_stream_create(backend *be, backend_stream *st) {
         free(s);
         return -EIO;
     }
+    s->inv = d->inv;
+    s->pol = iv_policy_default();
     st->impl = s;
     return 0;
 }
@@ -180,6 +187,7 @@ static void cb_stream_free(backend_stream *st) {
     free(s->graphs);
     cudaFree(s->d_meta);
     cudaFree(s->xconv);
+    iv_scratch_free(&s->ivs);
     free(s->h_meta);
     ctx_free(s->c);
     free(s);
@@ -251,7 +259,7 @@ static int plan_into(cb_stream *s, const backend_batch *b, int stride, int max_c
     }
     /* prefill tiles for the tensor-core kernel (used when the KV is bf16, see cb_attention) */
     int32_t *tiles = bt + (size_t)S * stride, *rest = tiles + 3 * ((size_t)T + S);
-    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, !s->c->no_flash, tiles, &s->n_tiles,
+    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, !s->c->no_flash || s->inv, tiles, &s->n_tiles,
                               rest, &s->n_rest);
     size_t n_meta = (size_t)(rest - h) + s->n_rest;
     /* pageable source: the copy is staged before cudaMemcpyAsync returns, and it is ordered
@@ -475,7 +483,9 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
             }
             xb = s->xconv;
         }
-        int rc = matmul(s->c, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K);
+        int rc = s->inv ? iv_matmul(s->c->lt, s->c->device, s->c->stream, s->c->ws, s->c->ws_bytes,
+                                    &s->pol, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K)
+                        : matmul(s->c, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K);
         if (rc) return rc;
     }
     return 0;
@@ -511,6 +521,12 @@ static int cb_attention(backend_stream *st, void *out, const void *q, backend_dt
     cb_stream *s = CB(st);
     if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
         return -ENOTSUP;
+    if (s->inv)
+        return iv_attention(s->c->stream, &s->ivs, &s->c->gen, s->capturing, (float *)out,
+                            (const float *)q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
+                            kv->n_layers, layer, s->pos, s->seq, s->bt, s->stride, s->tiles,
+                            s->n_tiles, s->rest, s->n_rest, s->n_tiles ? s->rest_ctx : s->max_ctx,
+                            n_heads, kv->n_kv_heads, kv->head_dim, scale);
     dcu_kv d = to_dkv(kv);
     if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
         return attention_mixed(s->c, out, DCU_F32, (const float *)q, &d, layer, s->pos, s->seq,
@@ -594,6 +610,7 @@ disagg_backend_module_open(int abi_version, const backend_options *opts, backend
     be->ctx = d;
     d->ord = ord;
     d->progress = opts ? opts->progress : 0;
+    d->inv = opts ? opts->batch_invariant : 0;
     char why[512];
     if (probe(ord, &d->info, why, sizeof why)) {
         seterr(err, errlen, "--device cuda:%d: %s", ord, why);

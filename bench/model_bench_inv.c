@@ -1,0 +1,221 @@
+/*
+ * model_bench_inv — `disagg bench model MODEL --device cuda --batch-invariant`: what the
+ * batch-invariant mode (kernels/cuda/cuda_invariant.h) costs on the serving path
+ * (model/qwen2.c over kernels/backend.h, as `disagg serve --device cuda` runs it), against
+ * the fast mode in the same run: prefill of --batches sequences of --prompt-len tokens (in
+ * forward calls of at most --max-tokens tokens, like --max-num-batched-tokens) and decode
+ * steps of --batches sequences at --context cached tokens (CUDA graphs, serve's default).
+ * --inv-gemm-m M1,M2..: one invariant run per reference row count of the GEMM algorithm
+ * choice ($DISAGG_CUDA_INV_GEMM_M; default: the module's).
+ */
+#include "bench/bench.h"
+
+#include "base/clock.h"
+#include "kernels/backend.h"
+#include "model/qwen2.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define IB_BS   16
+#define IB_MAXL 16
+
+static double ib_now(void) {
+    return (double)clock_now_ns() / 1e9;
+}
+
+static int ib_list(const char *flag, const char *v, int *out, int *n) {
+    *n = 0;
+    const char *p = v ? v : "";
+    while (*p && *n < IB_MAXL) {
+        char *end;
+        long x = strtol(p, &end, 10);
+        if (end == p || x < 1 || x > 1 << 20 || (*end && *end != ',')) break;
+        out[(*n)++] = (int)x;
+        p = *end ? end + 1 : end;
+        if (!*p) return 0;
+    }
+    fprintf(stderr,
+            "disagg bench model: %s '%s' is invalid; accepted: comma-separated integers in "
+            "[1, 1048576] (at most %d)\n",
+            flag, v ? v : "", IB_MAXL);
+    return -1;
+}
+
+typedef struct ib_result {
+    double prefill_tps[IB_MAXL]; /* tokens/s per batch */
+    double decode_ms[IB_MAXL];   /* ms per step per batch */
+} ib_result;
+
+static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, int plen, int ctx,
+                  int steps, int max_tokens, ib_result *res) {
+    char err[4096];
+    backend *be = NULL;
+    backend_options o;
+    backend_options_init(&o);
+    o.batch_invariant = inv;
+    if (backend_open("cuda", &o, &be, err, sizeof err)) {
+        fprintf(stderr, "disagg bench model: %s\n", err);
+        return -ENODEV;
+    }
+    qwen2_model m;
+    if (qwen2_load_on(&m, model_arg, be, 0, err, sizeof err)) {
+        fprintf(stderr, "disagg bench model: %s\n", err);
+        backend_close(be);
+        return -EIO;
+    }
+    const model_config *c = &m.cfg;
+    int B = 1;
+    for (int i = 0; i < n_b; i++)
+        B = batches[i] > B ? batches[i] : B;
+    int len = plen > ctx + steps + 2 ? plen : ctx + steps + 2;
+    int per = (len + IB_BS - 1) / IB_BS, nb = B * per;
+    kv_store kv;
+    qwen2_state *s = qwen2_state_create(&m, max_tokens);
+    int32_t *tables = calloc((size_t)nb, 4), *toks = calloc((size_t)B * plen + B, 4);
+    float *logits = malloc((size_t)B * c->vocab_size * 4);
+    qwen2_seq *q = calloc((size_t)B, sizeof *q);
+    int rc = kv_store_init_on(&kv, be, c, nb, IB_BS, BACKEND_BF16, BACKEND_BUF_KV);
+    if (rc || !s || !tables || !toks || !logits || !q) {
+        fprintf(stderr, "disagg bench model: --batch-invariant: out of memory\n");
+        rc = rc ? rc : -ENOMEM;
+        goto out;
+    }
+    for (int b = 0; b < nb; b++)
+        tables[b] = b;
+    for (size_t t = 0; t < (size_t)B * plen + B; t++)
+        toks[t] = (int32_t)((t * 7919 + 1) % (c->vocab_size < 100000 ? c->vocab_size : 100000));
+    for (int bi = 0; bi < n_b && !rc; bi++) {
+        int n = batches[bi], per_call = max_tokens / plen < 1 ? 1 : max_tokens / plen;
+        double best = 1e30;
+        for (int r = 0; r < 3 && !rc; r++) {
+            double t0 = ib_now();
+            for (int s0 = 0; s0 < n && !rc; s0 += per_call) {
+                int k = n - s0 < per_call ? n - s0 : per_call;
+                for (int i = 0; i < k; i++)
+                    q[i] = (qwen2_seq){toks + (size_t)(s0 + i) * plen, plen, 0,
+                                       tables + (size_t)(s0 + i) * per, per,
+                                       logits + (size_t)i * c->vocab_size, 0};
+                rc = qwen2_forward(&m, s, &kv, q, k);
+            }
+            double el = ib_now() - t0;
+            if (r && el < best) best = el; /* the first round warms up */
+        }
+        res->prefill_tps[bi] = (double)n * plen / best;
+    }
+    if (!rc && qwen2_state_set_graphs(s, B) < 0) rc = -ENOMEM;
+    for (int bi = 0; bi < n_b && !rc; bi++) {
+        int n = batches[bi];
+        double best = 1e30;
+        for (int round = 0; round < 2 && !rc; round++) {
+            double t0 = 0;
+            for (int st = 0; st < steps + 2 && !rc; st++) {
+                if (st == 2) t0 = ib_now();
+                for (int i = 0; i < n; i++) {
+                    toks[i] = (i * 31 + st) % 1000;
+                    q[i] = (qwen2_seq){&toks[i], 1, ctx + st, tables + (size_t)i * per, per,
+                                       logits + (size_t)i * c->vocab_size, 0};
+                }
+                rc = qwen2_forward(&m, s, &kv, q, n);
+            }
+            double el = (ib_now() - t0) / steps;
+            if (el < best) best = el;
+        }
+        res->decode_ms[bi] = best * 1e3;
+    }
+    if (rc) fprintf(stderr, "disagg bench model: --batch-invariant: forward failed (%d)\n", rc);
+out:
+    free(tables), free(toks), free(logits), free(q);
+    qwen2_state_free(s);
+    kv_store_free(&kv);
+    qwen2_free(&m);
+    backend_close(be);
+    return rc;
+}
+
+int bench_model_inv_main(int argc, char **argv) {
+    const char *model_arg = NULL;
+    int batches[IB_MAXL] = {1, 8, 32, 64}, n_b = 4, mrefs[IB_MAXL] = {0}, n_m = 1;
+    int plen = 512, ctx = 1024, steps = 32, max_tokens = 8192;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int one[IB_MAXL], n1 = 0;
+        if (!strcmp(a, "--device")) {
+            i++;
+        } else if (!strcmp(a, "--batch-invariant")) {
+        } else if (!strcmp(a, "--batches")) {
+            if (ib_list(a, v, batches, &n_b)) return 2;
+            i++;
+        } else if (!strcmp(a, "--inv-gemm-m")) {
+            if (ib_list(a, v, mrefs, &n_m)) return 2;
+            i++;
+        } else if (!strcmp(a, "--prompt-len") || !strcmp(a, "--context") ||
+                   !strcmp(a, "--gen-len") || !strcmp(a, "--max-tokens")) {
+            if (ib_list(a, v, one, &n1) || n1 != 1) {
+                if (n1 > 1) fprintf(stderr, "disagg bench model: %s takes one integer\n", a);
+                return 2;
+            }
+            *(!strcmp(a, "--prompt-len") ? &plen
+              : !strcmp(a, "--context")  ? &ctx
+              : !strcmp(a, "--gen-len")  ? &steps
+                                         : &max_tokens) = one[0];
+            i++;
+        } else if (a[0] == '-') {
+            fprintf(stderr,
+                    "disagg bench model --device cuda --batch-invariant: unknown option '%s'; "
+                    "accepted: --batches, --prompt-len, --context, --gen-len, --max-tokens, "
+                    "--inv-gemm-m\n",
+                    a);
+            return 2;
+        } else if (!model_arg) {
+            model_arg = a;
+        } else {
+            fprintf(stderr, "disagg bench model: unexpected argument '%s'\n", a);
+            return 2;
+        }
+    }
+    if (!model_arg) {
+        fprintf(stderr, "usage: disagg bench model MODEL --device cuda --batch-invariant "
+                        "[--batches 1,8,32,64] [--prompt-len 512] [--context 1024] "
+                        "[--gen-len 32] [--max-tokens 8192] [--inv-gemm-m M,...]\n");
+        return 2;
+    }
+    if (max_tokens < plen) max_tokens = plen;
+    ib_result fast, inv[IB_MAXL];
+    memset(&fast, 0, sizeof fast);
+    memset(inv, 0, sizeof inv);
+    printf("batch-invariant mode vs fast mode, serving path (model/qwen2.c over kernels/backend.h, "
+           "CUDA graphs for decode), one process\n");
+    int rc = ib_run(model_arg, 0, batches, n_b, plen, ctx, steps, max_tokens, &fast);
+    for (int k = 0; k < n_m && !rc; k++) {
+        if (mrefs[k] > 0) {
+            char b[32];
+            snprintf(b, sizeof b, "%d", mrefs[k]);
+            setenv("DISAGG_CUDA_INV_GEMM_M", b, 1);
+        }
+        rc = ib_run(model_arg, 1, batches, n_b, plen, ctx, steps, max_tokens, &inv[k]);
+    }
+    if (rc) return 1;
+    for (int k = 0; k < n_m; k++) {
+        if (mrefs[k] > 0)
+            printf("\ninvariant GEMM algorithms chosen at M = %d (DISAGG_CUDA_INV_GEMM_M)\n",
+                   mrefs[k]);
+        printf("%-6s %14s %14s %8s   %12s %12s %8s\n", "batch", "prefill fast", "invariant",
+               "slower", "decode fast", "invariant", "slower");
+        printf("%-6s %14s %14s %8s   %12s %12s %8s\n", "", "tok/s", "tok/s", "", "ms/step",
+               "ms/step", "");
+        for (int i = 0; i < n_b; i++)
+            printf("%-6d %14.0f %14.0f %7.1f%%   %12.3f %12.3f %7.1f%%\n", batches[i],
+                   fast.prefill_tps[i], inv[k].prefill_tps[i],
+                   100.0 * (fast.prefill_tps[i] / inv[k].prefill_tps[i] - 1.0),
+                   fast.decode_ms[i], inv[k].decode_ms[i],
+                   100.0 * (inv[k].decode_ms[i] / fast.decode_ms[i] - 1.0));
+    }
+    printf("(prefill: --batches sequences of %d tokens from an empty cache, forward calls of <= "
+           "%d tokens, best of 2 after a warm-up; decode: %d steps at context %d after 2 "
+           "warm-ups, best of 2 rounds; bf16 KV)\n",
+           plen, max_tokens, steps, ctx);
+    return 0;
+}

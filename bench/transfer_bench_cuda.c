@@ -1,0 +1,672 @@
+/*
+ * transfer_bench_cuda — `disagg bench transfer --location cuda:N`: the transfer engine with
+ * device memory on both sides, for every transport that can run on one host (cuda_ipc and
+ * staged tcp), moving the KV cache of one prompt in the engine's block layout (a Qwen2.5-7B
+ * shape by default: 28 layers x K,V x 16 tokens x 4 KV heads x 128 x bf16 = 917,504-byte
+ * blocks, 4,096 tokens = 256 blocks = 235 MB), with the ceilings measured in the same run:
+ *   cuda_ipc   one device-to-device copy of the whole KV through an IPC mapping of the
+ *              target's memory (cudaMemcpyAsync, timed with events);
+ *   staged tcp the engine's tcp with host memory on both sides (the same requests), a plain
+ *              loopback socket loop, and the pinned PCIe copies each way.
+ * The target is this binary forked with --mode target (device buffer of 2 x KV, a host
+ * buffer of 1 x KV); it prints one line and then answers "verify" commands on stdin, so
+ * every byte written is checked where it landed.  Layouts: contiguous (one request per
+ * block, adjacent on both sides: cuda_ipc makes them one copy) and scattered (every other
+ * block of the target's region: one copy per block).
+ */
+#include "base/bytesize.h"
+#include "bench/bench.h"
+#include "bench/transfer_bench.h"
+#include "disagg/transfer.h"
+#include "kernels/cuda/cuda_transfer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TC_SLACK 4096 /* room for the unaligned offsets */
+
+typedef struct tc_options {
+    int device;
+    int target;   /* --mode target */
+    int ipc, tcp; /* transports to run */
+    long tokens;  /* prompt tokens */
+    long block_tokens;
+    long layers, kv_heads, head_dim;
+    long reps;
+    const char *host;
+} tc_options;
+
+static uint64_t tc_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static size_t tc_block_bytes(const tc_options *o) {
+    return (size_t)o->layers * 2 * (size_t)o->block_tokens * (size_t)o->kv_heads *
+           (size_t)o->head_dim * 2;
+}
+static size_t tc_blocks(const tc_options *o) {
+    return (size_t)((o->tokens + o->block_tokens - 1) / o->block_tokens);
+}
+
+static void tc_usage(FILE *f) {
+    fprintf(f,
+            "usage: disagg bench transfer --location cuda:N [options]\n"
+            "\n"
+            "The transfer engine with device memory on both sides (a forked target on the same\n"
+            "GPU), moving one prompt's KV cache in the engine's block layout, for every transport\n"
+            "that runs on one host, against ceilings measured in the same run: cuda_ipc vs one\n"
+            "device-to-device copy through an IPC mapping; staged tcp vs the engine's tcp with\n"
+            "host memory, a plain loopback socket loop and the pinned PCIe copies.\n"
+            "\n"
+            "options:\n"
+            "  --location cuda:N    device memory of GPU N on both sides (required here)\n"
+            "  --protocol P         cuda_ipc, tcp or \"cuda_ipc,tcp\" (default both)\n"
+            "  --tokens N           prompt tokens (default 4096)\n"
+            "  --kv-shape L,H,D     layers, KV heads, head_dim (default 28,4,128: Qwen2.5-7B),\n"
+            "                       bf16, blocks of --block-tokens (default 16)\n"
+            "  --reps N             timed repetitions per row, 1..1000 (default 20; tcp rows 5)\n"
+            "  --local-hostname IP  address the engines use (default 127.0.0.1)\n"
+            "  -h, --help           this text\n"
+            "\n"
+            "exit status: 0 done (targets missed are reported), 1 engine error, verification\n"
+            "mismatch or no GPU, 2 bad options.\n");
+}
+
+static int tc_bad(const char *opt, const char *val, const char *accepted) {
+    fprintf(stderr, "disagg bench transfer: %s '%s' is not accepted; accepted: %s\n", opt, val,
+            accepted);
+    return 2;
+}
+
+static int tc_long(const char *opt, const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) {
+        char acc[64];
+        snprintf(acc, sizeof acc, "an integer in %ld..%ld", lo, hi);
+        return tc_bad(opt, s, acc);
+    }
+    *out = v;
+    return 0;
+}
+
+/* -1 = go on, else the exit status. */
+static int tc_parse(int argc, char **argv, tc_options *o) {
+    memset(o, 0, sizeof *o);
+    o->device = -1;
+    o->ipc = o->tcp = 1;
+    o->tokens = 4096;
+    o->block_tokens = 16;
+    o->layers = 28;
+    o->kv_heads = 4;
+    o->head_dim = 128;
+    o->reps = 20;
+    o->host = "127.0.0.1";
+    for (int i = 1; i < argc; i++) {
+        char name[64];
+        const char *a = argv[i], *val = NULL;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            tc_usage(stdout);
+            return 0;
+        }
+        if (strncmp(a, "--", 2) != 0) return tc_bad("argument", a, "options starting with --");
+        const char *eq = strchr(a, '=');
+        size_t n = eq ? (size_t)(eq - a) : strlen(a);
+        if (n >= sizeof name) return tc_bad("option", a, "see --help");
+        memcpy(name, a, n);
+        name[n] = 0;
+        for (char *p = name; *p; p++)
+            if (*p == '_') *p = '-';
+        if (eq)
+            val = eq + 1;
+        else if (i + 1 < argc)
+            val = argv[++i];
+        else
+            return tc_bad(name, "(missing value)", "see --help");
+        int rc = 0;
+        if (!strcmp(name, "--location")) {
+            char *end;
+            long d = -1;
+            if (!strncmp(val, "cuda:", 5) && val[5]) d = strtol(val + 5, &end, 10);
+            if (d < 0 || d > 63 || *end) return tc_bad(name, val, "cuda:N (N in 0..63)");
+            o->device = (int)d;
+        } else if (!strcmp(name, "--mode")) {
+            if (strcmp(val, "target")) return tc_bad(name, val, "target (else: both ends)");
+            o->target = 1;
+        } else if (!strcmp(name, "--protocol")) {
+            o->ipc = o->tcp = 0;
+            char buf[64];
+            snprintf(buf, sizeof buf, "%s", val);
+            for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+                if (!strcmp(t, "cuda_ipc"))
+                    o->ipc = 1;
+                else if (!strcmp(t, "tcp"))
+                    o->tcp = 1;
+                else
+                    return tc_bad(name, val, "cuda_ipc, tcp, \"cuda_ipc,tcp\"");
+            }
+            if (!o->ipc && !o->tcp) return tc_bad(name, val, "cuda_ipc, tcp, \"cuda_ipc,tcp\"");
+        } else if (!strcmp(name, "--tokens")) {
+            rc = tc_long(name, val, 1, 1 << 20, &o->tokens);
+        } else if (!strcmp(name, "--block-tokens")) {
+            rc = tc_long(name, val, 1, 1024, &o->block_tokens);
+        } else if (!strcmp(name, "--kv-shape")) {
+            if (sscanf(val, "%ld,%ld,%ld", &o->layers, &o->kv_heads, &o->head_dim) != 3 ||
+                o->layers < 1 || o->layers > 1024 || o->kv_heads < 1 || o->kv_heads > 1024 ||
+                o->head_dim < 1 || o->head_dim > 1024)
+                return tc_bad(name, val, "L,H,D: layers, KV heads, head_dim, each 1..1024");
+        } else if (!strcmp(name, "--reps")) {
+            rc = tc_long(name, val, 1, 1000, &o->reps);
+        } else if (!strcmp(name, "--local-hostname")) {
+            o->host = val;
+        } else {
+            return tc_bad("option", name,
+                          "--location, --mode, --protocol, --tokens, --block-tokens, --kv-shape, "
+                          "--reps, --local-hostname (see --help)");
+        }
+        if (rc) return rc;
+    }
+    if (o->device < 0) return tc_bad("--location", "(missing)", "cuda:N");
+    if ((double)tc_block_bytes(o) * (double)tc_blocks(o) > 64e9)
+        return tc_bad("--tokens", "(KV above 64 GB)", "a KV of at most 64 GB");
+    return -1;
+}
+
+/* The CUDA module's table and the engine's device ops for o->device. */
+static int tc_device(const tc_options *o, const dcu_transfer_api **api, transfer_device_ops *ops) {
+    char err[512] = "";
+    *api = cuda_transfer_load(err, sizeof err);
+    if (!*api) {
+        fprintf(stderr, "disagg bench transfer --location cuda:%d: %s\n", o->device, err);
+        return 1;
+    }
+    if ((*api)->device_ops(o->device, ops, err, sizeof err)) {
+        fprintf(stderr, "disagg bench transfer --location cuda:%d: %s\n", o->device, err);
+        return 1;
+    }
+    return 0;
+}
+
+static int tc_engine(const tc_options *o, transfer_protocol proto, const transfer_device_ops *ops,
+                     transfer_engine **out) {
+    transfer_config c;
+    transfer_config_init(&c);
+    c.local_hostname = o->host;
+    c.protocol = proto;
+    int rc = transfer_engine_create(&c, out);
+    if (rc == 0) rc = transfer_engine_set_device_ops(*out, ops);
+    if (rc) fprintf(stderr, "disagg bench transfer: engine: %s\n", transfer_strerror(rc));
+    return rc ? 1 : 0;
+}
+
+/* Fill device memory [dev, +len) with the pattern of seed keyed from key. */
+static int tc_fill(const transfer_device_ops *ops, int device, void *dev, size_t len, uint64_t key,
+                   uint64_t seed) {
+    const size_t chunk = 64u << 20;
+    void *h = ops->alloc_pinned(ops->ctx, chunk), *st = NULL;
+    int rc = !h || ops->stream_create(ops->ctx, device, &st);
+    for (size_t o = 0; rc == 0 && o < len; o += chunk) {
+        size_t n = len - o < chunk ? len - o : chunk;
+        tb_pattern_fill(h, key + o, n, seed);
+        rc = ops->copy_from_host(ops->ctx, st, (char *)dev + o, h, n) || ops->sync(ops->ctx, st);
+    }
+    if (st) ops->stream_destroy(ops->ctx, st);
+    if (h) ops->free_pinned(ops->ctx, h);
+    return rc;
+}
+
+/* Bytes of device memory [dev, +len) that differ from the pattern; -1 on a copy failure. */
+static long long tc_check(const transfer_device_ops *ops, int device, const void *dev, size_t len,
+                          uint64_t key, uint64_t seed) {
+    const size_t chunk = 64u << 20;
+    void *h = ops->alloc_pinned(ops->ctx, chunk), *st = NULL;
+    long long bad = (!h || ops->stream_create(ops->ctx, device, &st)) ? -1 : 0;
+    for (size_t o = 0; bad >= 0 && o < len; o += chunk) {
+        size_t n = len - o < chunk ? len - o : chunk;
+        if (ops->copy_to_host(ops->ctx, st, h, (const char *)dev + o, n) || ops->sync(ops->ctx, st))
+            bad = -1;
+        else
+            bad += (long long)tb_pattern_check(h, key + o, n, seed, NULL);
+    }
+    if (st) ops->stream_destroy(ops->ctx, st);
+    if (h) ops->free_pinned(ops->ctx, h);
+    return bad;
+}
+
+static void tc_hex(const uint8_t *b, size_t n, char *out) {
+    for (size_t i = 0; i < n; i++)
+        sprintf(out + 2 * i, "%02x", b[i]);
+    out[2 * n] = 0;
+}
+
+/* ---- target -------------------------------------------------------------------------- */
+
+static int tc_run_target(const tc_options *o) {
+    const dcu_transfer_api *api;
+    transfer_device_ops ops;
+    if (tc_device(o, &api, &ops)) return 1;
+    size_t kv = tc_block_bytes(o) * tc_blocks(o), dlen = 2 * kv + TC_SLACK;
+    char *dev = api->alloc(o->device, dlen);
+    char *host = malloc(kv + TC_SLACK);
+    transfer_engine *e = NULL;
+    if (!dev || !host || tc_engine(o, TRANSFER_PROTO_AUTO, &ops, &e)) {
+        fprintf(stderr, "disagg bench transfer target: cannot allocate %zu bytes on cuda:%d\n",
+                dlen, o->device);
+        return 1;
+    }
+    char loc[16];
+    snprintf(loc, sizeof loc, "cuda:%d", o->device);
+    uint8_t handle[TRANSFER_IPC_HANDLE_MAX];
+    size_t hl = 0;
+    uint64_t off = 0;
+    char hex[2 * TRANSFER_IPC_HANDLE_MAX + 1];
+    int rc = transfer_register(e, dev, dlen, loc);
+    if (rc == 0) rc = transfer_register(e, host, kv + TC_SLACK, "cpu");
+    if (rc == 0) rc = ops.ipc_export(ops.ctx, dev, dlen, handle, &hl, &off) ? TRANSFER_ESYS : 0;
+    if (rc) {
+        fprintf(stderr, "disagg bench transfer target: register: %s\n", transfer_strerror(rc));
+        return 1;
+    }
+    tc_hex(handle, hl, hex);
+    printf("disagg-bench-cuda-target segment=%s dev=0x%llx host=0x%llx length=%zu pid=%d ipc=%s "
+           "ipc_off=%llu\n",
+           transfer_engine_segment_name(e), (unsigned long long)(uintptr_t)dev,
+           (unsigned long long)(uintptr_t)host, dlen, (int)getpid(), hex, (unsigned long long)off);
+    fflush(stdout);
+    /* Commands: "verify OFF LEN KEY SEED" (device), "verifyhost OFF LEN KEY SEED",
+     * "quit".  Each answers one line. */
+    char line[256];
+    while (fgets(line, sizeof line, stdin)) {
+        unsigned long long a, l, k, s;
+        if (sscanf(line, "verify %llu %llu %llu %llu", &a, &l, &k, &s) == 4 && a + l <= dlen) {
+            printf("bad %lld\n", tc_check(&ops, o->device, dev + a, l, k, s));
+        } else if (sscanf(line, "verifyhost %llu %llu %llu %llu", &a, &l, &k, &s) == 4 &&
+                   a + l <= kv + TC_SLACK) {
+            printf("bad %lld\n", (long long)tb_pattern_check(host + a, k, l, s, NULL));
+        } else if (!strncmp(line, "quit", 4)) {
+            break;
+        } else {
+            printf("error unknown command\n");
+        }
+        fflush(stdout);
+    }
+    transfer_engine_destroy(e);
+    api->free(o->device, dev);
+    free(host);
+    return 0;
+}
+
+/* ---- initiator -------------------------------------------------------------------------- */
+
+typedef struct tc_child {
+    pid_t pid;
+    FILE *in, *out; /* its stdin, its stdout */
+    char segment[128];
+    unsigned long long dev, host, ipc_off;
+    size_t length;
+    uint8_t ipc[TRANSFER_IPC_HANDLE_MAX];
+    size_t ipc_len;
+} tc_child;
+
+static int tc_spawn(const tc_options *o, tc_child *c) {
+    int to[2], from[2];
+    if (pipe2(to, O_CLOEXEC) || pipe2(from, O_CLOEXEC)) {
+        fprintf(stderr, "disagg bench transfer: pipe: %s\n", strerror(errno));
+        return 1;
+    }
+    char loc[16], tokens[32], bt[32], shape[64];
+    snprintf(loc, sizeof loc, "cuda:%d", o->device);
+    snprintf(tokens, sizeof tokens, "%ld", o->tokens);
+    snprintf(bt, sizeof bt, "%ld", o->block_tokens);
+    snprintf(shape, sizeof shape, "%ld,%ld,%ld", o->layers, o->kv_heads, o->head_dim);
+    const char *args[] = {"disagg",   "bench",
+                          "transfer", "--location",
+                          loc,        "--mode",
+                          "target",   "--tokens",
+                          tokens,     "--block-tokens",
+                          bt,         "--kv-shape",
+                          shape,      "--local-hostname",
+                          o->host,    NULL};
+    fflush(stdout);
+    fflush(stderr);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) return 1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) _exit(1);
+        if (dup2(to[0], STDIN_FILENO) < 0 || dup2(from[1], STDOUT_FILENO) < 0) _exit(1);
+        execv("/proc/self/exe", (char *const *)args);
+        _exit(127);
+    }
+    close(to[0]);
+    close(from[1]);
+    c->pid = pid;
+    c->in = fdopen(to[1], "w");
+    c->out = fdopen(from[0], "r");
+    char line[512], hex[2 * TRANSFER_IPC_HANDLE_MAX + 1];
+    int tpid;
+    if (!c->in || !c->out || !fgets(line, sizeof line, c->out) ||
+        sscanf(line,
+               "disagg-bench-cuda-target segment=%127s dev=0x%llx host=0x%llx length=%zu pid=%d "
+               "ipc=%128s ipc_off=%llu",
+               c->segment, &c->dev, &c->host, &c->length, &tpid, hex, &c->ipc_off) != 7) {
+        fprintf(stderr,
+                "disagg bench transfer: the forked target (pid %d) printed no segment "
+                "line (see its error above)\n",
+                (int)pid);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        c->pid = 0;
+        return 1;
+    }
+    c->ipc_len = strlen(hex) / 2;
+    for (size_t i = 0; i < c->ipc_len; i++) {
+        unsigned v;
+        sscanf(hex + 2 * i, "%2x", &v);
+        c->ipc[i] = (uint8_t)v;
+    }
+    return 0;
+}
+
+static long long tc_remote_check(tc_child *c, const char *cmd, uint64_t off, size_t len,
+                                 uint64_t key, uint64_t seed) {
+    fprintf(c->in, "%s %llu %zu %llu %llu\n", cmd, (unsigned long long)off, len,
+            (unsigned long long)key, (unsigned long long)seed);
+    fflush(c->in);
+    char line[128];
+    long long bad = -1;
+    if (!fgets(line, sizeof line, c->out) || sscanf(line, "bad %lld", &bad) != 1) return -1;
+    return bad;
+}
+
+static void tc_stop(tc_child *c) {
+    if (c->pid <= 0) return;
+    fprintf(c->in, "quit\n");
+    fclose(c->in);
+    fclose(c->out);
+    int st;
+    for (int i = 0; i < 100 && waitpid(c->pid, &st, WNOHANG) == 0; i++)
+        usleep(100000);
+    if (waitpid(c->pid, &st, WNOHANG) == 0) {
+        kill(c->pid, SIGKILL);
+        waitpid(c->pid, &st, 0);
+    }
+}
+
+static int tc_cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct tc_result {
+    double best_s, median_s;
+    uint64_t copies; /* d2d copies per batch (cuda_ipc) */
+    unsigned via;
+    int rc;
+} tc_result;
+
+/* reps x (alloc, submit n requests, wait, free) */
+static void tc_time(transfer_engine *e, const transfer_request *reqs, size_t n, long reps,
+                    const dcu_transfer_api *api, tc_result *r) {
+    double *t = calloc((size_t)reps, sizeof *t);
+    memset(r, 0, sizeof *r);
+    for (long i = 0; i < reps + 1 && r->rc == 0; i++) { /* +1: a warm-up */
+        transfer_batch b;
+        uint64_t c0 = api->d2d_copies(), t0 = tc_now();
+        r->rc = transfer_batch_alloc(e, n, &b);
+        if (r->rc) break;
+        r->rc = transfer_batch_submit(e, b, reqs, n);
+        if (r->rc == 0) r->rc = transfer_batch_wait(e, b, 60ull * 1000000000ull);
+        double s = (double)(tc_now() - t0) / 1e9;
+        transfer_status st;
+        if (transfer_batch_get_overall(e, b, &st) == 0) r->via = st.transports;
+        transfer_batch_free(e, b);
+        r->copies = api->d2d_copies() - c0;
+        if (i > 0) t[i - 1] = s;
+    }
+    if (r->rc == 0) {
+        qsort(t, (size_t)reps, sizeof *t, tc_cmp);
+        r->best_s = t[0];
+        r->median_s = t[reps / 2];
+    }
+    free(t);
+}
+
+static const char *tc_via(unsigned via) {
+    switch (via) {
+    case 1u << TRANSFER_PROTO_CUDA_IPC:
+        return "cuda_ipc";
+    case 1u << TRANSFER_PROTO_TCP:
+        return "tcp";
+    case 1u << TRANSFER_PROTO_SHM:
+        return "shm";
+    case 1u << TRANSFER_PROTO_RDMA:
+        return "rdma";
+    }
+    return via ? "mixed" : "none";
+}
+
+static void tc_row(const char *what, const char *layout, size_t n, const tc_result *r,
+                   size_t bytes) {
+    printf("%-22s %-11s %5zu %6" PRIu64 " %-9s %9.3f %9.3f %9.1f\n", what, layout, n, r->copies,
+           tc_via(r->via), r->best_s * 1e3, r->median_s * 1e3, (double)bytes / r->median_s / 1e9);
+}
+
+static int tc_run(const tc_options *o) {
+    const dcu_transfer_api *api;
+    transfer_device_ops ops;
+    tc_child c = {0};
+    if (tc_device(o, &api, &ops)) return 1;
+    if (tc_spawn(o, &c)) return 1; /* fork + exec: the target starts its own CUDA context */
+    size_t bb = tc_block_bytes(o), nb = tc_blocks(o), kv = bb * nb;
+    char loc[16];
+    snprintf(loc, sizeof loc, "cuda:%d", o->device);
+    char *dev = api->alloc(o->device, kv + TC_SLACK);
+    char *host = malloc(kv + TC_SLACK);
+    transfer_engine *ea = NULL, *et = NULL;
+    transfer_segment sa = 0, st = 0;
+    transfer_request *cont = NULL, *scat = NULL, *hostr = NULL;
+    int status = 0;
+    if (!dev || !host || tc_engine(o, TRANSFER_PROTO_AUTO, &ops, &ea) ||
+        tc_engine(o, TRANSFER_PROTO_TCP, &ops, &et)) {
+        fprintf(stderr, "disagg bench transfer: cannot allocate %zu bytes on cuda:%d\n", kv,
+                o->device);
+        status = 1;
+        goto out;
+    }
+    if (transfer_register(ea, dev, kv + TC_SLACK, loc) ||
+        transfer_register(et, dev, kv + TC_SLACK, loc) ||
+        transfer_register(et, host, kv + TC_SLACK, "cpu") ||
+        transfer_open_segment(ea, c.segment, &sa) || transfer_open_segment(et, c.segment, &st)) {
+        fprintf(stderr, "disagg bench transfer: cannot register or open the target %s\n",
+                c.segment);
+        status = 1;
+        goto out;
+    }
+    size_t free_b = 0, total_b = 0;
+    api->mem_info(o->device, &free_b, &total_b);
+    printf("disagg bench transfer --location %s: KV of %ld tokens, %ld layers x K,V x %ld tokens "
+           "x %ld KV heads x %ld x bf16 = %zu-byte blocks, %zu blocks, %.1f MB; target pid %d "
+           "on the same GPU (%.1f of %.1f GB free)\n",
+           loc, o->tokens, o->layers, o->block_tokens, o->kv_heads, o->head_dim, bb, nb,
+           (double)kv / 1e6, (int)c.pid, (double)free_b / 1e9, (double)total_b / 1e9);
+
+    /* Requests: local block i -> remote block i (contiguous) or 2i (scattered, every other
+     * block of the target's 2 x KV region). */
+    cont = calloc(nb, sizeof *cont);
+    scat = calloc(nb, sizeof *scat);
+    hostr = calloc(nb, sizeof *hostr);
+    if (!cont || !scat || !hostr) {
+        status = 1;
+        goto out;
+    }
+    for (size_t i = 0; i < nb; i++) {
+        cont[i] = (transfer_request){TRANSFER_WRITE, dev + i * bb, sa, c.dev + i * bb, bb};
+        scat[i] = (transfer_request){TRANSFER_WRITE, dev + i * bb, sa, c.dev + 2 * i * bb, bb};
+        hostr[i] = (transfer_request){TRANSFER_WRITE, host + i * bb, st, c.host + i * bb, bb};
+    }
+    const uint64_t seed = TB_SEED_WRITE ^ 0x6b76;
+    if (tc_fill(&ops, o->device, dev, kv, 0, seed)) {
+        fprintf(stderr, "disagg bench transfer: cannot fill the local device buffer\n");
+        status = 1;
+        goto out;
+    }
+    tb_pattern_fill(host, 0, kv, seed);
+
+    printf("\n%-22s %-11s %5s %6s %-9s %9s %9s %9s\n", "transport", "layout", "reqs", "copies",
+           "carried", "best ms", "median ms", "GB/s");
+    double ceil_ipc = 0, ipc_cont = 0, tcp_dev = 0, tcp_host = 0;
+    if (o->ipc) {
+        /* ceiling: one copy of the whole KV through an IPC mapping of the target's memory */
+        void *base = NULL;
+        double s = 0;
+        if (ops.ipc_open(ops.ctx, o->device, c.ipc, c.ipc_len, &base) == 0) {
+            if (api->time_copy(o->device, (char *)base + c.ipc_off, dev, kv, (int)o->reps, &s) ==
+                0) {
+                ceil_ipc = (double)kv / s / 1e9;
+                printf("%-22s %-11s %5d %6d %-9s %9s %9.3f %9.1f\n", "ceiling: d2d via IPC",
+                       "one copy", 1, 1, "-", "-", s * 1e3, ceil_ipc);
+            }
+            ops.ipc_close(ops.ctx, base);
+        }
+        tc_result r;
+        tc_time(ea, cont, nb, o->reps, api, &r);
+        if (r.rc) {
+            fprintf(stderr, "cuda_ipc contiguous: %s\n", transfer_strerror(r.rc));
+            status = 1;
+        } else {
+            tc_row("cuda_ipc", "contiguous", nb, &r, kv);
+            ipc_cont = r.median_s;
+            long long bad = tc_remote_check(&c, "verify", 0, kv, 0, seed);
+            if (bad != 0) {
+                fprintf(stderr, "cuda_ipc contiguous: %lld bytes differ at the target\n", bad);
+                status = 1;
+            }
+        }
+        tc_time(ea, scat, nb, o->reps, api, &r);
+        if (r.rc) {
+            fprintf(stderr, "cuda_ipc scattered: %s\n", transfer_strerror(r.rc));
+            status = 1;
+        } else {
+            tc_row("cuda_ipc", "scattered", nb, &r, kv);
+            long long bad = 0;
+            for (size_t i = 0; i < nb && bad == 0; i++)
+                bad = tc_remote_check(&c, "verify", 2 * i * bb, bb, i * bb, seed);
+            if (bad != 0) {
+                fprintf(stderr, "cuda_ipc scattered: %lld bytes differ at the target\n", bad);
+                status = 1;
+            }
+        }
+    }
+    if (o->tcp) {
+        long reps = o->reps < 5 ? o->reps : 5;
+        const uint64_t seed2 = seed ^ 0x7463;
+        if (tc_fill(&ops, o->device, dev, kv, 0, seed2)) status = 1;
+        for (size_t i = 0; i < nb; i++)
+            cont[i].target = st;
+        tc_result r;
+        tc_time(et, cont, nb, reps, api, &r);
+        if (r.rc) {
+            fprintf(stderr, "staged tcp: %s\n", transfer_strerror(r.rc));
+            status = 1;
+        } else {
+            tc_row("tcp (staged, d->d)", "contiguous", nb, &r, kv);
+            tcp_dev = (double)kv / r.median_s / 1e9;
+            long long bad = tc_remote_check(&c, "verify", 0, kv, 0, seed2);
+            if (bad != 0) {
+                fprintf(stderr, "staged tcp: %lld bytes differ at the target\n", bad);
+                status = 1;
+            }
+        }
+        tc_time(et, hostr, nb, reps, api, &r);
+        if (r.rc) {
+            fprintf(stderr, "host tcp: %s\n", transfer_strerror(r.rc));
+            status = 1;
+        } else {
+            tc_row("ceiling: tcp host mem", "contiguous", nb, &r, kv);
+            tcp_host = (double)kv / r.median_s / 1e9;
+            long long bad = tc_remote_check(&c, "verifyhost", 0, kv, 0, seed);
+            if (bad != 0) {
+                fprintf(stderr, "host tcp: %lld bytes differ at the target\n", bad);
+                status = 1;
+            }
+        }
+        /* plain loopback socket loop, 1 MiB blocks over the same footprint */
+        char *srv = malloc(kv + TC_SLACK), err[256];
+        tb_ceiling sc;
+        if (srv && tb_socket_ceiling(o->host, false, 1u << 20, host, srv, kv >> 20, 1.0, &sc, err,
+                                     sizeof err) == 0)
+            printf("%-22s %-11s %5s %6s %-9s %9s %9.3f %9.1f\n", "ceiling: socket loop", "1 MiB",
+                   "-", "-", "-", "-", sc.mean_us / 1e3, sc.gbps);
+        free(srv);
+        /* pinned PCIe copies of the whole KV */
+        void *pin = ops.alloc_pinned(ops.ctx, kv);
+        double s;
+        if (pin && api->time_pcie(o->device, pin, dev, kv, 1, (int)reps, &s) == 0)
+            printf("%-22s %-11s %5d %6s %-9s %9s %9.3f %9.1f\n", "ceiling: pinned D2H", "one copy",
+                   1, "-", "-", "-", s * 1e3, (double)kv / s / 1e9);
+        if (pin && api->time_pcie(o->device, pin, dev, kv, 0, (int)reps, &s) == 0)
+            printf("%-22s %-11s %5d %6s %-9s %9s %9.3f %9.1f\n", "ceiling: pinned H2D", "one copy",
+                   1, "-", "-", "-", s * 1e3, (double)kv / s / 1e9);
+        if (pin) ops.free_pinned(ops.ctx, pin);
+    }
+    /* DMA-BUF export of the device buffer (what rdma registers with WITH_NVIDIA_PEERMEM=0) */
+    {
+        int fd = -1;
+        uint64_t doff = 0;
+        int rc = ops.get_dmabuf(ops.ctx, dev, kv, &fd, &doff);
+        if (rc == 0) {
+            off_t sz = lseek(fd, 0, SEEK_END);
+            printf("\ndma-buf export (cuMemGetHandleForAddressRange) of %.1f MB of cuda:%d: fd %d, "
+                   "%lld bytes, offset %llu\n",
+                   (double)kv / 1e6, o->device, fd, (long long)sz, (unsigned long long)doff);
+            close(fd);
+        } else {
+            printf("\ndma-buf export (cuMemGetHandleForAddressRange) of cuda:%d: failed (%d)\n",
+                   o->device, rc);
+        }
+    }
+    printf("\ntargets:\n");
+    if (o->ipc && ipc_cont > 0 && ceil_ipc > 0) {
+        double gbs = (double)kv / ipc_cont / 1e9;
+        int pass = ipc_cont <= 0.25e-3 && gbs >= 0.45 * ceil_ipc;
+        printf("  cuda_ipc KV of %ld tokens in <= 0.25 ms and >= 45%% of the IPC copy: %.3f ms, "
+               "%.0f%% of %.0f GB/s  %s\n",
+               o->tokens, ipc_cont * 1e3, 100 * gbs / ceil_ipc, ceil_ipc, pass ? "PASS" : "MISS");
+    }
+    if (o->tcp && tcp_dev > 0 && tcp_host > 0)
+        printf("  staged tcp >= 80%% of host-memory tcp: %.2f vs %.2f GB/s = %.0f%%  %s\n", tcp_dev,
+               tcp_host, 100 * tcp_dev / tcp_host, tcp_dev >= 0.8 * tcp_host ? "PASS" : "MISS");
+out:
+    free(cont);
+    free(scat);
+    free(hostr);
+    transfer_engine_destroy(ea);
+    transfer_engine_destroy(et);
+    if (dev) api->free(o->device, dev);
+    free(host);
+    tc_stop(&c);
+    return status;
+}
+
+int bench_transfer_cuda_main(int argc, char **argv) {
+    tc_options o;
+    int rc = tc_parse(argc, argv, &o);
+    if (rc >= 0) return rc;
+    return o.target ? tc_run_target(&o) : tc_run(&o);
+}
