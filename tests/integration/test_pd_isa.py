@@ -48,8 +48,8 @@ def test_forced_isa_is_reported(isa):
 def test_unknown_isa_warns_and_runs_the_best():
     s = Server(*COMMON, env={"DISAGG_CPU_ISA": "avx9000"})
     try:
-        assert "DISAGG_CPU_ISA='avx9000' not recognised (accepted: scalar, avx2, avx512bf16, "
-                "avx512bf16-fast)" in s.logs()
+        assert ("DISAGG_CPU_ISA='avx9000' not recognised (accepted: scalar, avx2, avx512bf16, "
+                "avx512bf16-fast)") in s.logs()
         assert kernels_of(s) == ("avx512bf16" if HAVE_BF16 else "avx2" if HAVE_AVX2 else "scalar")
     finally:
         s.stop()
