@@ -142,7 +142,7 @@ static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen
     for (int i = 0; i < n * nb; i++)
         table[i] = i;
     for (int i = 0; i < n; i++) /* prompts differ: rotated */
-        q[i] = (qwen2_seq){toks + i % (ntoks - plen + 1), plen, 0, table + (size_t)i * nb, nb,
+        q[i] = (qwen2_seq){toks + i % (ntoks - plen + 1),      plen, 0, table + (size_t)i * nb, nb,
                            logits + (size_t)i * c->vocab_size, 0};
     if (qwen2_forward(m, s, &kv, q, n)) goto out_kv;
     uint64_t t0 = clock_now_ns();
@@ -153,8 +153,10 @@ static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen
             for (int v = 1; v < c->vocab_size; v++)
                 if (l[v] > l[best]) best = v;
             next[i] = best;
-            q[i] = (qwen2_seq){next + i, 1, plen + g, table + (size_t)i * nb, nb,
-                               logits + (size_t)i * c->vocab_size, 0};
+            q[i] = (qwen2_seq){next + i, 1,
+                               plen + g, table + (size_t)i * nb,
+                               nb,       logits + (size_t)i * c->vocab_size,
+                               0};
         }
         if (qwen2_forward(m, s, &kv, q, n)) goto out_kv;
     }

@@ -929,9 +929,8 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
           "model %s on %s (%s kernels): %d layers, hidden %d, vocab %d; KV cache %zu blocks x %d "
           "tokens (%zu tokens, %.1f MiB, %s)",
           e->model.dir, backend_name(e->be), engine_kernels(e), mc->n_layers, mc->hidden_size,
-          e->vocab, nblocks,
-          c.block_size, nblocks * (size_t)c.block_size, (double)e->kv_bytes / (1 << 20),
-          backend_dtype_name(kv_dt));
+          e->vocab, nblocks, c.block_size, nblocks * (size_t)c.block_size,
+          (double)e->kv_bytes / (1 << 20), backend_dtype_name(kv_dt));
     *out = e;
     return 0;
 fail:

@@ -94,11 +94,11 @@ static float canon_dot(const float *x, const void *w, cpu_dtype dt, size_t w_off
 }
 
 /* The bf16xP dot of the avx512bf16 paths (cpu_avx512bf16.c), from its specification: x split
- * into P bf16 parts (3; 1 for avx512bf16-fast) (round to nearest even, each the rest of the previous), k padded with
- * zeros to a multiple of 32, 16 lanes; for each 32-block and each part in order, lane i adds
- * the products of elements 2i+1 then 2i (vdpbf16ps: products exact, each add rounded to
- * nearest, denormal inputs and results flushed to zero); then lanes i + 8 folded onto i and
- * the canonical tree. */
+ * into P bf16 parts (3; 1 for avx512bf16-fast) (round to nearest even, each the rest of the
+ * previous), k padded with zeros to a multiple of 32, 16 lanes; for each 32-block and each part in
+ * order, lane i adds the products of elements 2i+1 then 2i (vdpbf16ps: products exact, each add
+ * rounded to nearest, denormal inputs and results flushed to zero); then lanes i + 8 folded onto i
+ * and the canonical tree. */
 static float daz(float f) {
     return f != 0 && fabsf(f) < 0x1p-126f ? copysignf(0.0f, f) : f;
 }
@@ -179,9 +179,9 @@ static void check_matmul(cpu_pool *pool, cpu_dtype dt, int T, int N, int K) {
         for (int t = 0; t < T; t++)
             for (int n = 0; n < N; n++) {
                 int parts = dt == CPU_BF16 ? cpu_isa_bf16_parts(cpu_isa_get()) : 0;
-                float want =
-                    parts ? bf16x_dot(x + (size_t)t * K, (const uint16_t *)w + (size_t)n * K, K, parts)
-                          : canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
+                float want = parts ? bf16x_dot(x + (size_t)t * K,
+                                               (const uint16_t *)w + (size_t)n * K, K, parts)
+                                   : canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
                 if (bias) want = want + bias[n];
                 float got = y[(size_t)t * N + n];
                 if (memcmp(&got, &want, 4))
@@ -372,8 +372,8 @@ static void test_exp(void **st) {
     for (int i = 0; i <= N; i++) {
         float s = cpu_ref_expf(x[i]);
         if (memcmp(&s, &y[i], 4))
-            fail_msg("%s cpu_expf_vec(%.9g) = %.9g, scalar %.9g", cpu_isa_name(cpu_isa_get()),
-                     x[i], y[i], s);
+            fail_msg("%s cpu_expf_vec(%.9g) = %.9g, scalar %.9g", cpu_isa_name(cpu_isa_get()), x[i],
+                     y[i], s);
         double e = exp((double)x[i]), err = fabs((double)y[i] - e) / ulp_of(e);
         if (err > worst) worst = err, worst_x = x[i];
     }
@@ -483,8 +483,8 @@ static void test_pool(void **st) {
 #define ISA_TEST(fn, isa, name)                                                                    \
     { #fn "_" name, fn, NULL, NULL, (void *)&isa }
 #define PER_ISA(fn)                                                                                \
-    ISA_TEST(fn, ISA_SCALAR, "scalar"), ISA_TEST(fn, ISA_AVX2, "avx2"),                           \
-        ISA_TEST(fn, ISA_AVX512BF16, "avx512bf16"),                                               \
+    ISA_TEST(fn, ISA_SCALAR, "scalar"), ISA_TEST(fn, ISA_AVX2, "avx2"),                            \
+        ISA_TEST(fn, ISA_AVX512BF16, "avx512bf16"),                                                \
         ISA_TEST(fn, ISA_AVX512BF16_FAST, "avx512bf16_fast")
 
 int main(void) {

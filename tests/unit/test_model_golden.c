@@ -134,8 +134,10 @@ static void test_golden_f32_scalar(void **st) {
 static int isa_from_env(void) {
     const char *want = getenv("DISAGG_CPU_ISA");
     if (want && *want && strcmp(cpu_isa_name(cpu_isa_get()), want)) {
-        fprintf(stderr, "SKIPPED: DISAGG_CPU_ISA=%s but this CPU cannot run it (running %s): "
-                        "NOT tested on %s\n", want, cpu_isa_name(cpu_isa_get()), want);
+        fprintf(stderr,
+                "SKIPPED: DISAGG_CPU_ISA=%s but this CPU cannot run it (running %s): "
+                "NOT tested on %s\n",
+                want, cpu_isa_name(cpu_isa_get()), want);
         return 77;
     }
     fprintf(stderr, "kernels: %s\n", cpu_isa_describe());

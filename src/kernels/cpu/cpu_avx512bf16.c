@@ -34,7 +34,8 @@ void cpu_bf16x_split(uint16_t *xs, const float *x, int T, int K, int parts) {
         uint16_t *h = xs + (size_t)t * parts * kp;
         for (size_t k = 0; k < kp; k += 16) {
             int rem = K - (int)k;
-            __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rem > 0 ? rem : 0)) - 1);
+            __mmask16 m =
+                rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rem > 0 ? rem : 0)) - 1);
             __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
             for (int part = 0; part < parts; part++) {
                 __m256bh vh = _mm512_cvtneps_pbh(v);
@@ -57,9 +58,10 @@ static inline float reduce16(__m512 a) {
 
 /* NR rows (n0..) x NT tokens (t0..) of y (stride N); w rows of K bf16, xs tokens of stride
  * xst.  pf: prefetch the rows `pf` ahead (0: none). */
-static inline __attribute__((always_inline)) void
-tile(const int NR, const int NT, const int NP, float *y, int N, const uint16_t *xs, size_t xst,
-     const uint16_t *w, const float *bias, int n0, int K, int pf) {
+static inline __attribute__((always_inline)) void tile(const int NR, const int NT, const int NP,
+                                                       float *y, int N, const uint16_t *xs,
+                                                       size_t xst, const uint16_t *w,
+                                                       const float *bias, int n0, int K, int pf) {
     const size_t kp = xst / NP;
     const uint16_t *wr[4];
     for (int r = 0; r < NR; r++)
@@ -109,17 +111,30 @@ tile(const int NR, const int NT, const int NP, float *y, int N, const uint16_t *
 
 #define TILE_NT(NR, nt, ...)                                                                       \
     switch (nt) {                                                                                  \
-    case 1: tile(NR, 1, NP, __VA_ARGS__); break;                                                   \
-    case 2: tile(NR, 2, NP, __VA_ARGS__); break;                                                   \
-    case 3: tile(NR, 3, NP, __VA_ARGS__); break;                                                   \
-    case 4: tile(NR, 4, NP, __VA_ARGS__); break;                                                   \
-    case 5: tile(NR, 5, NP, __VA_ARGS__); break;                                                   \
-    default: tile(NR, 6, NP, __VA_ARGS__); break;                                                  \
+    case 1:                                                                                        \
+        tile(NR, 1, NP, __VA_ARGS__);                                                              \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        tile(NR, 2, NP, __VA_ARGS__);                                                              \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        tile(NR, 3, NP, __VA_ARGS__);                                                              \
+        break;                                                                                     \
+    case 4:                                                                                        \
+        tile(NR, 4, NP, __VA_ARGS__);                                                              \
+        break;                                                                                     \
+    case 5:                                                                                        \
+        tile(NR, 5, NP, __VA_ARGS__);                                                              \
+        break;                                                                                     \
+    default:                                                                                       \
+        tile(NR, 6, NP, __VA_ARGS__);                                                              \
+        break;                                                                                     \
     }
 
-static inline __attribute__((always_inline)) void
-rows_np(const int NP, float *y, int N, const uint16_t *xs, int T, const uint16_t *w,
-        const float *bias, int n_beg, int n_end, int K, int stream) {
+static inline __attribute__((always_inline)) void rows_np(const int NP, float *y, int N,
+                                                          const uint16_t *xs, int T,
+                                                          const uint16_t *w, const float *bias,
+                                                          int n_beg, int n_end, int K, int stream) {
     const size_t xst = cpu_bf16x_stride(K, NP);
     /* streaming (decode-sized T): each 4-row group once, every token against it while it is
      * in L1; the rows PF ahead are prefetched.  Larger T: token chunks outer, so one chunk of

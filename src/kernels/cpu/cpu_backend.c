@@ -19,7 +19,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#define MOD           "cpu_backend"
+#define MOD "cpu_backend"
 
 /* ---- device ------------------------------------------------------------------------ */
 

@@ -72,16 +72,15 @@ int cpu_isa_bf16_parts(cpu_isa isa) {
 static void isa_describe_cpu(char *buf, size_t len, const char *how) {
     __builtin_cpu_init();
     unsigned a = 0, b, c, d;
-    int bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1),
-        avxvnni = (a >> 4) & 1;
+    int bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1), avxvnni = (a >> 4) & 1;
     snprintf(buf, len, "%s (cpu has%s%s%s%s%s%s%s%s%s; %s)", ISA_NAMES[g_isa],
              __builtin_cpu_supports("avx2") ? " avx2" : "",
              __builtin_cpu_supports("fma") ? " fma" : "", isa_has_f16c() ? " f16c" : "",
              __builtin_cpu_supports("avx512f") ? " avx512f" : "",
              __builtin_cpu_supports("avx512bw") ? " avx512bw" : "",
              __builtin_cpu_supports("avx512vl") ? " avx512vl" : "", bf16 ? " avx512_bf16" : "",
-             __builtin_cpu_supports("avx512vnni") ? " avx512_vnni" : "",
-             avxvnni ? " avx_vnni" : "", how);
+             __builtin_cpu_supports("avx512vnni") ? " avx512_vnni" : "", avxvnni ? " avx_vnni" : "",
+             how);
 }
 
 cpu_isa cpu_isa_get(void) {
@@ -248,9 +247,8 @@ static void k_3x4_panel(float *y, int N, const float *x, int K, const float *p, 
  * of each 8-block are converted once in registers and used by every token; 2 x 6 = 12
  * accumulators.  Decode batches of 3..8 tokens stream each weight row once this way. */
 static inline __attribute__((always_inline)) void k_2xT(const int NT, float *y, int N,
-                                                        const float *x, const void *w,
-                                                        cpu_dtype dt, const float *bias, int n0,
-                                                        int K, int pf) {
+                                                        const float *x, const void *w, cpu_dtype dt,
+                                                        const float *bias, int n0, int K, int pf) {
     size_t o0 = (size_t)n0 * K, o1 = o0 + K;
     __m256 a0[6], a1[6];
     for (int t = 0; t < NT; t++)
@@ -277,17 +275,29 @@ static inline __attribute__((always_inline)) void k_2xT(const int NT, float *y, 
     }
 }
 
-static inline __attribute__((always_inline)) void k_2xT_any(int nt, float *y, int N,
-                                                            const float *x, const void *w,
-                                                            cpu_dtype dt, const float *bias,
-                                                            int n0, int K, int pf) {
+static inline __attribute__((always_inline)) void k_2xT_any(int nt, float *y, int N, const float *x,
+                                                            const void *w, cpu_dtype dt,
+                                                            const float *bias, int n0, int K,
+                                                            int pf) {
     switch (nt) {
-    case 1: k_2xT(1, y, N, x, w, dt, bias, n0, K, pf); break;
-    case 2: k_2xT(2, y, N, x, w, dt, bias, n0, K, pf); break;
-    case 3: k_2xT(3, y, N, x, w, dt, bias, n0, K, pf); break;
-    case 4: k_2xT(4, y, N, x, w, dt, bias, n0, K, pf); break;
-    case 5: k_2xT(5, y, N, x, w, dt, bias, n0, K, pf); break;
-    default: k_2xT(6, y, N, x, w, dt, bias, n0, K, pf); break;
+    case 1:
+        k_2xT(1, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 2:
+        k_2xT(2, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 3:
+        k_2xT(3, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 4:
+        k_2xT(4, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 5:
+        k_2xT(5, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    default:
+        k_2xT(6, y, N, x, w, dt, bias, n0, K, pf);
+        break;
     }
 }
 
@@ -332,8 +342,8 @@ static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, in
         for (; n + 2 <= n_end; n += 2)
             for (int t = t_beg; t < t_end; t += 6) {
                 int nt = t_end - t < 6 ? t_end - t : 6;
-                k_2xT_any(nt, j->y + (size_t)t * N, N, j->x + (size_t)t * K, j->w, dt, j->bias,
-                          n, K, t == t_beg && n + 2 + pf <= N ? pf : 0);
+                k_2xT_any(nt, j->y + (size_t)t * N, N, j->x + (size_t)t * K, j->w, dt, j->bias, n,
+                          K, t == t_beg && n + 2 + pf <= N ? pf : 0);
             }
     } else {
         float *panel = cpu_scratch(0, 4 * (size_t)K); /* (4, K) f32 panel */
@@ -433,8 +443,8 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                 rpt = per > rpt ? (per + 3) & ~3 : rpt;
             }
             mm_job *j = &m.jobs[m.n];
-            *j = (mm_job){op->y, op->x, op->w, op->wt, op->bias,
-                          op->T, op->N, op->K, rpt,    (op->N + rpt - 1) / rpt,
+            *j = (mm_job){op->y,           op->x, op->w, op->wt, op->bias,
+                          op->T,           op->N, op->K, rpt,    (op->N + rpt - 1) / rpt,
                           xs_of[i - base], parts};
             m.first[m.n++] = total;
             total += j->row_tasks * ((op->T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK);
@@ -543,8 +553,8 @@ static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
     __m256 rr = _mm256_mul_ps(r, r);
     __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, rr, r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)),
-                                  23);
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     /* out of range (x > HI: +inf, x < LO: 0); NaN: both compares false, NaN * scale = NaN */
     y = _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()),

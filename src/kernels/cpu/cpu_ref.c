@@ -138,17 +138,17 @@ float cpu_ref_bf16x_dot(const float *x, const uint16_t *w, int K, int parts) {
 
 /* ---- exp and the attention pieces (the AVX2 code does the same per lane) -------------- */
 
-#define EXP_HI     88.3762626647949f /* above: +inf (2^n would leave the exponent range) */
-#define EXP_LO     -87.3365402221680f /* below: 0 */
-#define EXP_LOG2E  1.44269504088896341f
-#define EXP_C1     0.693359375f
-#define EXP_C2     -2.12194440e-4f
-#define EXP_P0     1.9875691500E-4f
-#define EXP_P1     1.3981999507E-3f
-#define EXP_P2     8.3334519073E-3f
-#define EXP_P3     4.1665795894E-2f
-#define EXP_P4     1.6666665459E-1f
-#define EXP_P5     5.0000001201E-1f
+#define EXP_HI    88.3762626647949f  /* above: +inf (2^n would leave the exponent range) */
+#define EXP_LO    -87.3365402221680f /* below: 0 */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1    0.693359375f
+#define EXP_C2    -2.12194440e-4f
+#define EXP_P0    1.9875691500E-4f
+#define EXP_P1    1.3981999507E-3f
+#define EXP_P2    8.3334519073E-3f
+#define EXP_P3    4.1665795894E-2f
+#define EXP_P4    1.6666665459E-1f
+#define EXP_P5    5.0000001201E-1f
 
 float cpu_ref_expf(float x) {
     if (x != x) return x;
