@@ -13,6 +13,11 @@ Fetches nothing.  llama.cpp is not vendored here: build it yourself (docs/benchm
   tools/bench_llamacpp.py compare MODEL_DIR OUT.gguf --disagg build/disagg \
       --llama-bin LLAMA_CPP/build-native/bin --threads 2 --rounds 3
 
+  # 3. serving: `disagg serve` and `llama-server` (8 slots) each under `disagg bench serve`
+  #    (8 clients, 64-word prompts, 64 tokens out, --ignore-eos), alternated rounds
+  tools/bench_llamacpp.py serve MODEL_DIR OUT.gguf --disagg build/disagg \
+      --llama-bin LLAMA_CPP/build-native/bin --threads 2 --rounds 3
+
 Figures: prefill pp512; decode at an empty context (tg64 after no prompt); decode after
 512 tokens (llama-bench -d 512 / disagg --prompt-len 512); aggregate decode of 8 streams
 against 1 stream (llama-batched-bench -npp 32 -ntg 16 -npl 1,8 / disagg --streams 8 with
@@ -211,6 +216,83 @@ def compare(args):
           + json.dumps(rows) + ")")
 
 
+def free_port():
+    import socket
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def wait_ready(url, proc, what):
+    import time
+    import urllib.request
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    sys.exit(f"{what} did not become ready")
+
+
+def bench_serve(args, url, model_name):
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        run([args.disagg, "bench", "serve", "--base-url", url, "--model", model_name,
+             "--random-input-len", "64", "--random-output-len", "64", "--num-prompts",
+             str(args.prompts), "--max-concurrency", str(args.clients), "--ignore-eos",
+             "--disable-tqdm", "--json", f.name])
+        return json.load(open(f.name))["output_throughput"]
+
+
+def serve(args):
+    isas = args.isa.split(",") if args.isa else [None]
+    res = {}
+    for r in range(args.rounds):
+        for isa in isas:
+            env = dict(os.environ)
+            if isa:
+                env["DISAGG_CPU_ISA"] = isa
+            port = free_port()
+            p = subprocess.Popen([args.disagg, "serve", args.model, "--host", "127.0.0.1", "--port",
+                                  str(port), "--threads", str(args.threads), "--served-model-name",
+                                  "q", "--max-model-len", "1024"], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_ready(f"http://127.0.0.1:{port}", p, "disagg serve")
+                res.setdefault(f"disagg {isa or 'auto'}", []).append(
+                    bench_serve(args, f"http://127.0.0.1:{port}", "q"))
+            finally:
+                p.terminate()
+                p.wait()
+        port = free_port()
+        p = subprocess.Popen([os.path.join(args.llama_bin, "llama-server"), "-m", args.gguf,
+                              "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
+                              "-np", str(args.clients), "-c", str(1024 * args.clients),
+                              "--no-webui", "-a", "q"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", p, "llama-server")
+            res.setdefault("llama.cpp", []).append(bench_serve(args, f"http://127.0.0.1:{port}", "q"))
+        finally:
+            p.terminate()
+            p.wait()
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    print(f"| server ({args.clients} clients, 64 tokens out) | output tok/s (median) | "
+          "/ llama.cpp (median of per-round ratios) |")
+    print("|---|---|---|")
+    for k, v in res.items():
+        rat = statistics.median([a / b for a, b in zip(v, res["llama.cpp"])])
+        print(f"| {k} | {statistics.median(v):.1f} | {rat:.2f} |")
+    print(f"\n(per-round values: {json.dumps(res)})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -226,8 +308,18 @@ def main():
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--isa", default="", help="comma-separated DISAGG_CPU_ISA values (default: auto)")
+    v = sub.add_parser("serve", help="alternated rounds of disagg serve and llama-server")
+    v.add_argument("model")
+    v.add_argument("gguf")
+    v.add_argument("--disagg", default="build/disagg")
+    v.add_argument("--llama-bin", required=True)
+    v.add_argument("--threads", type=int, default=2)
+    v.add_argument("--rounds", type=int, default=3)
+    v.add_argument("--clients", type=int, default=8)
+    v.add_argument("--prompts", type=int, default=16)
+    v.add_argument("--isa", default="")
     args = ap.parse_args()
-    convert(args) if args.cmd == "convert" else compare(args)
+    {"convert": convert, "compare": compare, "serve": serve}[args.cmd](args)
 
 
 if __name__ == "__main__":
