@@ -63,10 +63,10 @@ static inline __attribute__((always_inline)) void tile(const int NR, const int N
                                                        size_t xst, const uint16_t *w,
                                                        const float *bias, int n0, int K, int pf) {
     const size_t kp = xst / NP;
-    const uint16_t *wr[4];
+    const uint16_t *wr[8];
     for (int r = 0; r < NR; r++)
         wr[r] = w + (size_t)(n0 + r) * K;
-    __m512 acc[4][NT_MAX];
+    __m512 acc[8][NT_MAX];
     for (int r = 0; r < NR; r++)
         for (int t = 0; t < NT; t++)
             acc[r][t] = _mm512_setzero_ps();
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void tile(const int NR, const int N
         if (pf)
             for (int r = 0; r < NR; r++)
                 _mm_prefetch(next + ((size_t)r * K + k) * 2, _MM_HINT_T0);
-        __m512bh wv[4];
+        __m512bh wv[8];
         for (int r = 0; r < NR; r++)
             wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + k);
         for (int t = 0; t < NT; t++) {
@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void tile(const int NR, const int N
     }
     if (k < K) { /* tail block: w masked to zeros, x is zero-padded */
         __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-        __m512bh wv[4];
+        __m512bh wv[8];
         for (int r = 0; r < NR; r++)
             wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[r] + k);
         for (int t = 0; t < NT; t++) {
@@ -142,6 +142,10 @@ static inline __attribute__((always_inline)) void rows_np(const int NP, float *y
     const int pf = stream ? 4 * 3 : 0;
     if (stream) {
         int n = n_beg;
+        /* one token: 8 rows at a time, 8 independent chains of dependent vdpbf16ps (NP per
+         * 32-k block each) to hide their latency; the per-row arithmetic is the same */
+        for (; T == 1 && n + 8 <= n_end; n += 8)
+            tile(8, 1, NP, y, N, xs, xst, w, bias, n, K, n + 8 + 16 <= N ? 16 : 0);
         for (; n + 4 <= n_end; n += 4)
             for (int t = 0; t < T; t += NT_MAX) {
                 int nt = T - t < NT_MAX ? T - t : NT_MAX;
