@@ -13,6 +13,7 @@
 #include "engine/block_pool.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_matmul.h"
 #include "model/qwen2.h"
 #include "model/sampler.h"
 
@@ -448,6 +449,12 @@ void engine_set_kv_connector(engine *e, const engine_kv_connector *c) {
     pthread_mutex_unlock(&e->mu);
 }
 
+/* Which kernels compute: the CPU's ISA (chosen by cpuid or DISAGG_CPU_ISA) or the GPU's.
+ * Results are bit-exact only between engines with the same kernels (docs/architecture.md). */
+static const char *engine_kernels(const engine *e) {
+    return backend_is_cpu(e->be) ? cpu_isa_name(cpu_isa_get()) : "cuda";
+}
+
 void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     const model_config *c = &e->model.cfg;
     memset(out, 0, sizeof *out);
@@ -460,8 +467,9 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;
     snprintf(out->fingerprint, sizeof out->fingerprint,
-             "qwen2:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d", c->n_layers, c->n_kv_heads,
-             c->head_dim, e->kv.block_size, short_dt[e->kv.dtype], c->vocab_size);
+             "qwen2:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d" ENGINE_KERNELS_TAG "%s",
+             c->n_layers, c->n_kv_heads, c->head_dim, e->kv.block_size, short_dt[e->kv.dtype],
+             c->vocab_size, engine_kernels(e));
 }
 
 static ereq *find_live(engine *e, uint64_t id) {
@@ -930,12 +938,13 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -ENOMEM;
         goto fail;
     }
+    if (backend_is_cpu(e->be)) LOG_I(MOD, "cpu kernels: %s", cpu_isa_describe());
     LOG_I(MOD,
-          "model %s on %s: %d layers, hidden %d, vocab %d; KV cache %zu blocks x %d tokens (%zu "
-          "tokens, %.1f MiB, %s)",
-          e->model.dir, backend_name(e->be), mc->n_layers, mc->hidden_size, e->vocab, nblocks,
-          c.block_size, nblocks * (size_t)c.block_size, (double)e->kv_bytes / (1 << 20),
-          backend_dtype_name(kv_dt));
+          "model %s on %s (%s kernels): %d layers, hidden %d, vocab %d; KV cache %zu blocks x %d "
+          "tokens (%zu tokens, %.1f MiB, %s)",
+          e->model.dir, backend_name(e->be), engine_kernels(e), mc->n_layers, mc->hidden_size,
+          e->vocab, nblocks, c.block_size, nblocks * (size_t)c.block_size,
+          (double)e->kv_bytes / (1 << 20), backend_dtype_name(kv_dt));
     *out = e;
     return 0;
 fail:
@@ -1000,6 +1009,7 @@ void engine_get_stats(engine *e, engine_stats *out) {
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
+    snprintf(out->kernels, sizeof out->kernels, "%s", engine_kernels(e));
 }
 
 const struct model_config *engine_model_config(const engine *e) {

@@ -160,6 +160,7 @@ typedef struct engine_stats {
     uint64_t step_tokens_sum;
     int num_kept;    /* producer requests holding blocks for a pull */
     int num_loading; /* consumer requests waiting for remote KV */
+    char kernels[32]; /* the compute kernels: the CPU ISA ("avx2", "avx512bf16", ...) or "cuda" */
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);

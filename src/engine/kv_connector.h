@@ -50,6 +50,10 @@ typedef struct engine_kv_connector {
 
 /* The KV region, for registration with the transfer engine and the layout
  * fingerprint both sides compare before moving bytes. */
+/* The fingerprint's last field: ":kernels-avx2", ":kernels-avx512bf16", ":kernels-cuda".
+ * Peers compare the fingerprint without it (the bytes are the same layout); a difference in
+ * it only means the decode will not be bit-identical to a colocated run (it is reported). */
+#define ENGINE_KERNELS_TAG ":kernels-"
 typedef struct engine_kv_region {
     void *base;
     size_t bytes;
@@ -57,7 +61,8 @@ typedef struct engine_kv_region {
     int n_blocks;
     int block_size;
     char location[32];     /* where base lives, for transfer_register: "cpu:0", "cuda:0" */
-    char fingerprint[160]; /* model shape, dtype, block size and layout */
+    char fingerprint[160]; /* model shape, dtype, block size and layout, then
+                            * ENGINE_KERNELS_TAG and the kernels that computed the KV */
     /* The device it lives on (kernels/backend.h): device memory needs the module's
      * transfer ops (backend_module_symbol), which the connector installs. */
     const struct backend *backend;

@@ -84,6 +84,9 @@ int detok_stream_push_token(detok_stream *d, int32_t id, sbuf *out) {
     if (d->stop_index >= 0) return 1;
     if (!d->tok) return -EINVAL;
     size_t n = 0;
+    /* an id the model can emit but the tokenizer lacks (the padded tail of the embedding:
+     * 151665..151935 for Qwen2.5) decodes to nothing, as in Hugging Face tokenizers and vLLM */
+    if (id >= 0 && !tokenizer_token_bytes(d->tok, id, &n)) return 0;
     int rc = tokenizer_stream_push(d->tok, &d->ts, id, d->scratch, d->scratch_cap, &n);
     if (rc) return rc;
     return detok_stream_push_text(d, d->scratch, n, out);

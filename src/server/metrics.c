@@ -304,6 +304,15 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
              "gpu_memory_utilization=\"%s\",num_cpu_blocks=\"None\",num_gpu_blocks=\"%d\"",
              m->block_size, m->cache_dtype, m->enable_prefix_caching ? "True" : "False", gmu,
              st->num_blocks);
+    /* disagg:kernels_info: which compute kernels this engine runs (the CPU ISA chosen by
+     * cpuid or DISAGG_CPU_ISA, or "cuda") */
+    if (st->kernels[0]) {
+        char lab[64];
+        snprintf(lab, sizeof lab, "kernels=\"%s\"", st->kernels);
+        mw_head(&w, "disagg:kernels_info", "gauge",
+                "The compute kernels in use (label kernels: avx2, avx512bf16, scalar, cuda).");
+        mw_sample(&w, "disagg:kernels_info", "", lab, 1.0);
+    }
     mw_head(&w, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
     if (!w.rc) /* vLLM's labels: the config's keys and engine, no model_name */
         w.rc = sbuf_appendf(

@@ -75,6 +75,10 @@ char *server_read_body(hs_req *req, size_t *len) {
 int server_token_namer(void *ctx, int32_t id, sbuf *out) {
     char *text = NULL;
     size_t len = 0;
+    if (id >= 0 && !tokenizer_token_bytes(ctx, id, &len)) { /* padded vocabulary tail: "" */
+        sbuf_reset(out);
+        return sbuf_append(out, "", 0);
+    }
     int rc = tokenizer_decode(ctx, &id, 1, false, &text, &len, NULL, 0);
     if (rc) return rc;
     sbuf_reset(out);

@@ -30,7 +30,9 @@
 #include "kernels/cpu/cpu_matmul.h"
 #include "kernels/cpu/cpu_pool.h"
 
-static const cpu_isa ISA_SCALAR = CPU_ISA_SCALAR, ISA_AVX2 = CPU_ISA_AVX2;
+static const cpu_isa ISA_SCALAR = CPU_ISA_SCALAR, ISA_AVX2 = CPU_ISA_AVX2,
+                     ISA_AVX512BF16 = CPU_ISA_AVX512BF16,
+                     ISA_AVX512BF16_FAST = CPU_ISA_AVX512BF16_FAST;
 static int g_skipped; /* tests skipped for a missing ISA */
 
 /* Run the current test on the ISA in *state; skip loudly if the CPU lacks it. */
@@ -38,8 +40,8 @@ static cpu_isa use_isa(void **state) {
     cpu_isa isa = *(const cpu_isa *)*state;
     if (cpu_isa_force(isa) != 0) {
         fprintf(stderr,
-                "SKIPPED: this CPU lacks %s (needs avx2, fma and f16c): the %s kernels are NOT "
-                "tested here\n",
+                "SKIPPED: this CPU lacks %s (avx2: avx2, fma and f16c; avx512bf16: also avx512f, "
+                "avx512bw, avx512vl and avx512_bf16): the %s kernels are NOT tested here\n",
                 cpu_isa_name(isa), cpu_isa_name(isa));
         g_skipped++;
         skip();
@@ -91,6 +93,42 @@ static float canon_dot(const float *x, const void *w, cpu_dtype dt, size_t w_off
     return s;
 }
 
+/* The bf16xP dot of the avx512bf16 paths (cpu_avx512bf16.c), from its specification: x split
+ * into P bf16 parts (3; 1 for avx512bf16-fast) (round to nearest even, each the rest of the
+ * previous), k padded with zeros to a multiple of 32, 16 lanes; for each 32-block and each part in
+ * order, lane i adds the products of elements 2i+1 then 2i (vdpbf16ps: products exact, each add
+ * rounded to nearest, denormal inputs and results flushed to zero); then lanes i + 8 folded onto i
+ * and the canonical tree. */
+static float daz(float f) {
+    return f != 0 && fabsf(f) < 0x1p-126f ? copysignf(0.0f, f) : f;
+}
+static float bf16_rne(float f) { /* as a float */
+    f = daz(f);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static float bf16x_dot(const float *x, const uint16_t *w, int K, int parts) {
+    float acc[16] = {0};
+    for (int b = 0; b < K; b += 32)
+        for (int part = 0; part < parts; part++)
+            for (int i = 0; i < 16; i++)
+                for (int e = 1; e >= 0; e--) {
+                    int k = b + 2 * i + e;
+                    if (k >= K) continue; /* a zero product: adding it changes nothing */
+                    float xp = x[k];
+                    for (int q = 0; q < part; q++)
+                        xp = xp - bf16_rne(xp);
+                    acc[i] = daz(acc[i] + daz(bf16_rne(xp)) * daz(my_bf16(w[k])));
+                }
+    float t[8];
+    for (int i = 0; i < 8; i++)
+        t[i] = acc[i] + acc[i + 8];
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
 /* w as dtype from f32 values (bf16 by truncation; f16 of values k/1024, |k| < 1024: exact). */
 static void *make_weights(cpu_dtype dt, const float *f, size_t n) {
     if (dt == CPU_F32) {
@@ -140,11 +178,14 @@ static void check_matmul(cpu_pool *pool, cpu_dtype dt, int T, int N, int K) {
         cpu_matmul(pool, y, x, w, dt, bias, T, N, K);
         for (int t = 0; t < T; t++)
             for (int n = 0; n < N; n++) {
-                float want = canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
+                int parts = dt == CPU_BF16 ? cpu_isa_bf16_parts(cpu_isa_get()) : 0;
+                float want = parts ? bf16x_dot(x + (size_t)t * K,
+                                               (const uint16_t *)w + (size_t)n * K, K, parts)
+                                   : canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
                 if (bias) want = want + bias[n];
                 float got = y[(size_t)t * N + n];
                 if (memcmp(&got, &want, 4))
-                    fail_msg("%s matmul != canonical dot: dtype %s T %d N %d K %d bias %d at "
+                    fail_msg("%s matmul != its specified dot: dtype %s T %d N %d K %d bias %d at "
                              "(%d, %d): %.9g vs %.9g",
                              cpu_isa_name(cpu_isa_get()), cpu_dtype_name(dt), T, N, K, withb, t, n,
                              got, want);
@@ -154,7 +195,9 @@ static void check_matmul(cpu_pool *pool, cpu_dtype dt, int T, int N, int K) {
                     s += p;
                     mag += fabs(p);
                 }
-                if (fabs(got - s) > 1e-6 * mag + 1e-7)
+                /* stated error: f32-class; avx512bf16-fast rounds x to bf16 (2^-9 relative) */
+                double tol = parts == 1 ? 1.0 / 256 : 1e-6;
+                if (fabs(got - s) > tol * mag + 1e-7)
                     fail_msg("dtype %s T %d N %d K %d: %g vs exact %g", cpu_dtype_name(dt), T, N, K,
                              got, s);
             }
@@ -305,6 +348,112 @@ static void test_conversions(void **st) {
     }
 }
 
+/* ---- exp, softmax, SiLU and the attention pieces ---------------------------------- */
+
+static float ulp_of(double v) { /* the float spacing at |v| */
+    int e;
+    frexp(v, &e);
+    return (float)ldexp(1.0, (e - 24 < -149 ? -149 : e - 24));
+}
+
+/* cpu_expf: stated error (cpu_matmul.h) <= 2 ulp against exp() in double on [-87.3, 88.3],
+ * over 2^22 + 1 points; the AVX2 lanes equal the scalar function bit for bit; the edges. */
+static void test_exp(void **st) {
+    use_isa(st);
+    enum { N = 1 << 22 };
+    float *x = malloc((N + 1) * sizeof *x), *y = malloc((N + 1) * sizeof *y);
+    assert_non_null(x);
+    assert_non_null(y);
+    const double lo = -87.33, hi = 88.37;
+    for (int i = 0; i <= N; i++)
+        x[i] = (float)(lo + (hi - lo) * i / N);
+    cpu_expf_vec(y, x, N + 1);
+    double worst = 0, worst_x = 0;
+    for (int i = 0; i <= N; i++) {
+        float s = cpu_ref_expf(x[i]);
+        if (memcmp(&s, &y[i], 4))
+            fail_msg("%s cpu_expf_vec(%.9g) = %.9g, scalar %.9g", cpu_isa_name(cpu_isa_get()), x[i],
+                     y[i], s);
+        double e = exp((double)x[i]), err = fabs((double)y[i] - e) / ulp_of(e);
+        if (err > worst) worst = err, worst_x = x[i];
+    }
+    fprintf(stderr, "cpu_expf: worst error %.2f ulp at x = %.9g (%s)\n", worst, worst_x,
+            cpu_isa_name(cpu_isa_get()));
+    if (worst > 2.0) fail_msg("cpu_expf error %.2f ulp > the stated 2 ulp", worst);
+    /* edges: below the range 0, above it +inf, NaN stays NaN, -inf -> 0, 0 -> 1 */
+    float edge[8] = {-INFINITY, -1000.0f, -87.34f, 0.0f, -0.0f, 88.4f, INFINITY, NAN}, ye[8];
+    cpu_expf_vec(ye, edge, 8);
+    assert_true(ye[0] == 0 && ye[1] == 0 && ye[2] == 0 && ye[3] == 1 && ye[4] == 1);
+    assert_true(isinf(ye[5]) && ye[5] > 0 && isinf(ye[6]) && isnan(ye[7]));
+    for (int i = 0; i < 8; i++) {
+        float s = cpu_ref_expf(edge[i]);
+        assert_true(memcmp(&s, &ye[i], 4) == 0 || (isnan(s) && isnan(ye[i])));
+    }
+    free(x);
+    free(y);
+}
+
+/* Softmax and SiLU from their specification (cpu_matmul.h), with cpu_ref_expf (checked
+ * above); the dot/axpy row helpers from the canonical dot and fmaf.  All bit for bit. */
+static void test_attention_pieces(void **st) {
+    use_isa(st);
+    enum { HD = 64, M = 45 };
+    static float q[HD + 3], kv[M * 80], out[M], y[HD + 3], yr[HD + 3], a[M];
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        kv[i] = frand();
+    for (int i = 0; i < HD + 3; i++)
+        q[i] = frand();
+    for (int n = 61; n <= HD + 3; n++) /* head dims with and without a tail */
+        for (int m = 1; m <= M; m += 11) {
+            cpu_dot_rows(out, q, kv, 80, m, n, 0.125f);
+            for (int i = 0; i < m; i++) {
+                float want = canon_dot(q, kv + (size_t)i * 80, CPU_F32, 0, n) * 0.125f;
+                if (memcmp(&want, &out[i], 4))
+                    fail_msg("cpu_dot_rows m %d n %d row %d: %.9g vs %.9g", m, n, i, out[i], want);
+            }
+            for (int i = 0; i < m; i++)
+                a[i] = frand();
+            for (int i = 0; i < n; i++)
+                y[i] = yr[i] = frand();
+            cpu_axpy_rows(y, a, kv, 80, m, n);
+            for (int i = 0; i < m; i++)
+                for (int c = 0; c < n; c++)
+                    yr[c] = fmaf(a[i], kv[(size_t)i * 80 + c], yr[c]);
+            assert_memory_equal(y, yr, (size_t)n * 4);
+        }
+    for (int n = 1; n <= 70; n += 3) {
+        float s[70], r[70], l[8] = {0};
+        for (int i = 0; i < n; i++)
+            s[i] = r[i] = frand() * 20;
+        cpu_softmax(s, n);
+        float mx = -INFINITY;
+        for (int i = 0; i < n; i++)
+            mx = r[i] > mx ? r[i] : mx;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; j++)
+                l[j] += r[i + j] = cpu_ref_expf(r[i + j] - mx);
+        float sum = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+        for (; i < n; i++)
+            sum += r[i] = cpu_ref_expf(r[i] - mx);
+        double tot = 0;
+        for (i = 0; i < n; i++) {
+            r[i] = r[i] / sum;
+            tot += s[i];
+        }
+        assert_memory_equal(s, r, (size_t)n * 4);
+        assert_true(fabs(tot - 1.0) < 1e-5);
+    }
+    float g[37], u[37], gr[37];
+    for (int i = 0; i < 37; i++)
+        g[i] = gr[i] = frand() * 30, u[i] = frand();
+    cpu_silu_mul(g, u, 37);
+    for (int i = 0; i < 37; i++) {
+        float want = gr[i] / (1.0f + cpu_ref_expf(-gr[i])) * u[i];
+        assert_memory_equal(&g[i], &want, 4);
+    }
+}
+
 /* ---- pool ------------------------------------------------------------------------ */
 
 static atomic_int g_hits[1000];
@@ -333,7 +482,10 @@ static void test_pool(void **st) {
 /* each test once per ISA, named for it */
 #define ISA_TEST(fn, isa, name)                                                                    \
     { #fn "_" name, fn, NULL, NULL, (void *)&isa }
-#define PER_ISA(fn) ISA_TEST(fn, ISA_SCALAR, "scalar"), ISA_TEST(fn, ISA_AVX2, "avx2")
+#define PER_ISA(fn)                                                                                \
+    ISA_TEST(fn, ISA_SCALAR, "scalar"), ISA_TEST(fn, ISA_AVX2, "avx2"),                            \
+        ISA_TEST(fn, ISA_AVX512BF16, "avx512bf16"),                                                \
+        ISA_TEST(fn, ISA_AVX512BF16_FAST, "avx512bf16_fast")
 
 int main(void) {
     /* clang-format off */
@@ -343,6 +495,8 @@ int main(void) {
         PER_ISA(test_matmul_batch),
         PER_ISA(test_vector_ops),
         PER_ISA(test_conversions),
+        PER_ISA(test_exp),
+        PER_ISA(test_attention_pieces),
         cmocka_unit_test(test_pool),
     };
     /* clang-format on */

@@ -200,7 +200,23 @@ static void test_bad_inputs(void **st) {
     qwen2_state_free(s);
 }
 
+/* DISAGG_CPU_ISA=NAME (the ctest entries unit.NAME.ISA): run on that ISA, or say loudly that
+ * this CPU cannot and skip (77), rather than quietly testing another one. */
+static int isa_from_env(void) {
+    const char *want = getenv("DISAGG_CPU_ISA");
+    if (want && *want && strcmp(cpu_isa_name(cpu_isa_get()), want)) {
+        fprintf(stderr,
+                "SKIPPED: DISAGG_CPU_ISA=%s but this CPU cannot run it (running %s): "
+                "NOT tested on %s\n",
+                want, cpu_isa_name(cpu_isa_get()), want);
+        return 77;
+    }
+    fprintf(stderr, "kernels: %s\n", cpu_isa_describe());
+    return 0;
+}
+
 int main(void) {
+    if (isa_from_env()) return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunks_and_tokens), cmocka_unit_test(test_batched_with_others),
         cmocka_unit_test(test_threads),           cmocka_unit_test(test_scalar_equals_avx2),

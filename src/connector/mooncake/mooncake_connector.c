@@ -461,10 +461,33 @@ static void *sender_main(void *arg) {
     return NULL;
 }
 
+/* Length of a layout fingerprint without its kernels field (engine/kv_connector.h). */
+static size_t layout_len(const char *fp) {
+    const char *k = strstr(fp, ENGINE_KERNELS_TAG);
+    return k ? (size_t)(k - fp) : strlen(fp);
+}
+
+/* Same layout?  A peer whose KV was computed by other kernels (another CPU ISA, or a GPU)
+ * is accepted -- the bytes mean the same -- and reported once: the decode is then not
+ * bit-identical to a colocated run on either machine. */
+static int layout_compatible(const char *peer, const char *mine) {
+    size_t n = layout_len(peer);
+    if (n != layout_len(mine) || strncmp(peer, mine, n) != 0) return 0;
+    static atomic_int warned;
+    if (strcmp(peer + n, mine + n) != 0 && !atomic_exchange(&warned, 1))
+        LOG_W(MOD,
+              "P/D pair across kernels: decoder %s, producer %s (%s vs %s); the KV layout is "
+              "the same, but results are not bit-identical to a colocated run (exactness across "
+              "ISAs is not promised)",
+              peer + n + (peer[n] ? strlen(ENGINE_KERNELS_TAG) : 0),
+              mine + n + (mine[n] ? strlen(ENGINE_KERNELS_TAG) : 0), peer, mine);
+    return 1;
+}
+
 /* Side-channel thread: a decoder's pull.  Must not block. */
 static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
     mooncake_connector *c = ud;
-    if (pull->layout && strcmp(pull->layout, c->region.fingerprint) != 0) {
+    if (pull->layout && !layout_compatible(pull->layout, c->region.fingerprint)) {
         char msg[400];
         snprintf(msg, sizeof msg,
                  "KV layout mismatch: decoder has %s, producer has %s (same model, dtype and "

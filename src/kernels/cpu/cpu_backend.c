@@ -19,8 +19,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#define MOD           "cpu_backend"
-#define CPU_MAX_GROUP 64 /* query heads per KV head (backend_attention's limit) */
+#define MOD "cpu_backend"
 
 /* ---- device ------------------------------------------------------------------------ */
 
@@ -387,46 +386,56 @@ typedef struct att_job {
     float *out;              /* (T, n_heads, hd) */
     int layer, n_heads;      /* which layer; query heads */
     float scale;             /* score scale */
+    int split;               /* tasks per (token, KV head): query heads split this many ways */
 } att_job;
 
-/* One token and one KV head: the `group` query heads sharing it read each K/V row once.
- * Per head: scores = q.k * scale over positions 0..pos in order, softmax, out = sum p_i v_i
- * in order -- the same arithmetic whatever the batch or chunking. */
+/* First float of K (which = 0) or V (1) of block slot 0 of KV head kvh: slots are kv_dim apart */
+static inline const float *kv_block(const backend_kv *kv, int blk, int l, int which, int kvh) {
+    size_t kv_dim = (size_t)kv->n_kv_heads * kv->head_dim;
+    size_t per_block = (size_t)kv->n_layers * 2 * kv->block_size * kv_dim;
+    return (const float *)kv->base + (size_t)blk * per_block +
+           ((size_t)l * 2 + which) * kv->block_size * kv_dim + (size_t)kvh * kv->head_dim;
+}
+
+/* One token, one KV head and a share of the query heads sharing it (GQA).  Per head:
+ * scores = q.k * scale over positions 0..pos (cpu_dot_rows: 8 key positions of a block at a
+ * time), softmax (cpu_softmax: vectorised exp, canonical sum), out = sum p_i v_i in position
+ * order (cpu_axpy_rows: the output row in registers) -- the same arithmetic whatever the
+ * batch, the split or the thread. */
 static void att_task(void *ctx, int task) {
     const att_job *j = ctx;
     const backend_kv *kv = j->kv;
     int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv, width = j->n_heads * hd;
-    int t = task / nkv, kvh = task % nkv;
+    int bs = kv->block_size;
+    size_t kvd = (size_t)nkv * hd;
+    int t = task / (nkv * j->split), kvh = task / j->split % nkv, part = task % j->split;
+    int g0 = group * part / j->split, g1 = group * (part + 1) / j->split;
     int seq = j->pb->tok_seq[t], pos = j->pb->tok_pos[t], np = pos + 1;
-    float *scores = cpu_scratch(1, (size_t)group * np); /* (group, pos + 1) */
+    const int32_t *bt = j->pb->bt_indices + j->pb->bt_indptr[seq];
+    float *scores = cpu_scratch(1, (size_t)(g1 - g0) * np); /* (g1 - g0, pos + 1) */
     if (!scores) abort(); /* a worker cannot report; group * (pos + 1) floats */
     const float *q = j->q + (size_t)t * width + (size_t)kvh * group * hd; /* (group, hd) */
     float *out = j->out + (size_t)t * width + (size_t)kvh * group * hd;   /* (group, hd) */
-    const float scale = j->scale;
-    float mx[CPU_MAX_GROUP], sum[CPU_MAX_GROUP], w[CPU_MAX_GROUP];
-    for (int g = 0; g < group; g++)
-        mx[g] = -INFINITY, sum[g] = 0.0f;
-    for (int p = 0; p < np; p++) {
-        const float *k = kv_at(kv, j->pb, seq, p, j->layer, 0) + (size_t)kvh * hd;
-        cpu_dot_heads(w, q, k, group, hd);
-        for (int g = 0; g < group; g++) {
-            float sc = w[g] * scale;
-            scores[(size_t)g * np + p] = sc;
-            if (sc > mx[g]) mx[g] = sc;
-        }
+    /* block by block for all the task's heads, so each block's K (then V) rows are read from
+     * memory once and reused from L1 by every head; per head the order of the arithmetic is
+     * unchanged (scores per position, then the V rows in position order) */
+    for (int p0 = 0; p0 < np; p0 += bs) {
+        const float *kb = kv_block(kv, bt[p0 / bs], j->layer, 0, kvh);
+        int n = np - p0 < bs ? np - p0 : bs;
+        for (int g = g0; g < g1; g++)
+            cpu_dot_rows(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd, n, hd,
+                         j->scale);
     }
-    for (int g = 0; g < group; g++)
-        for (int p = 0; p < np; p++) {
-            float e = expf(scores[(size_t)g * np + p] - mx[g]);
-            scores[(size_t)g * np + p] = e;
-            sum[g] += e;
-        }
-    memset(out, 0, (size_t)group * hd * sizeof(float));
-    for (int p = 0; p < np; p++) {
-        const float *v = kv_at(kv, j->pb, seq, p, j->layer, 1) + (size_t)kvh * hd;
-        for (int g = 0; g < group; g++)
-            w[g] = scores[(size_t)g * np + p] / sum[g];
-        cpu_axpy_heads(out, w, v, group, hd);
+    for (int g = g0; g < g1; g++) {
+        cpu_softmax(scores + (size_t)(g - g0) * np, np);
+        memset(out + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
+    }
+    for (int p0 = 0; p0 < np; p0 += bs) {
+        const float *vb = kv_block(kv, bt[p0 / bs], j->layer, 1, kvh);
+        int n = np - p0 < bs ? np - p0 : bs;
+        for (int g = g0; g < g1; g++)
+            cpu_axpy_rows(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb, kvd, n,
+                          hd);
     }
 }
 
@@ -434,8 +443,15 @@ static int cpu_attention(backend_stream *st, void *out, const void *q, backend_d
                          const backend_kv *kv, int layer, int n_heads, float scale) {
     NEED_PLAN("attention");
     NEED_F32("attention", dt == BACKEND_F32 && kv->dtype == BACKEND_F32);
-    att_job j = {pb, kv, q, out, layer, n_heads, scale};
-    cpu_pool_run(((cpu_stream *)st->impl)->pool, pb->n_tokens * kv->n_kv_heads, att_task, &j);
+    cpu_pool *pool = ((cpu_stream *)st->impl)->pool;
+    /* enough tasks for every thread (2 per thread) when few tokens: split the query heads of
+     * a KV head (each share reads the KV rows again, from cache) */
+    int group = n_heads / kv->n_kv_heads, pairs = pb->n_tokens * kv->n_kv_heads;
+    int want = 2 * cpu_pool_threads(pool), split = (want + pairs - 1) / pairs;
+    if (split > group) split = group;
+    if (split < 1) split = 1;
+    att_job j = {pb, kv, q, out, layer, n_heads, scale, split};
+    cpu_pool_run(pool, pairs * split, att_task, &j);
     return 0;
 }
 
@@ -451,8 +467,7 @@ static void act_task(void *ctx, int t) {
     const act_job *j = ctx;
     float *g = j->g + (size_t)t * j->n;
     const float *u = j->u + (size_t)t * j->n;
-    for (int i = 0; i < j->n; i++)
-        g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    cpu_silu_mul(g, u, j->n);
 }
 
 static int cpu_swiglu(backend_stream *st, void *g, const void *u, backend_dtype dt, int rows,

@@ -11,6 +11,7 @@
 
 #include <cpuid.h>
 #include <immintrin.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,6 +24,7 @@
 /* ---- ISA selection ------------------------------------------------------ */
 
 static int g_isa = -1; /* cpu_isa, -1 until detected */
+static char g_isa_why[256];
 
 /* F16C through cpuid: clang before 15 does not know __builtin_cpu_supports("f16c"). */
 static int isa_has_f16c(void) {
@@ -35,27 +37,97 @@ static int isa_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && isa_has_f16c();
 }
 
+/* AVX512_BF16 is CPUID.(EAX=7,ECX=1):EAX[5]; __builtin_cpu_supports checks that the OS saves
+ * the zmm state (XCR0) for the avx512 features. */
+static int isa_has_avx512bf16(void) {
+    unsigned a, b, c, d;
+    if (!isa_has_avx2() || !__builtin_cpu_supports("avx512f") ||
+        !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl"))
+        return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
+    return (a >> 5) & 1;
+}
+
+int cpu_isa_supported(cpu_isa isa) {
+    switch (isa) {
+    case CPU_ISA_SCALAR:
+        return 1;
+    case CPU_ISA_AVX2:
+        return isa_has_avx2();
+    case CPU_ISA_AVX512BF16:
+    case CPU_ISA_AVX512BF16_FAST:
+        return isa_has_avx512bf16();
+    default:
+        return 0;
+    }
+}
+
+static const char *const ISA_NAMES[CPU_ISA_COUNT] = {"scalar", "avx2", "avx512bf16",
+                                                     "avx512bf16-fast"};
+
+int cpu_isa_bf16_parts(cpu_isa isa) {
+    return isa == CPU_ISA_AVX512BF16 ? 3 : isa == CPU_ISA_AVX512BF16_FAST ? 1 : 0;
+}
+
+static void isa_describe_cpu(char *buf, size_t len, const char *how) {
+    __builtin_cpu_init();
+    unsigned a = 0, b, c, d;
+    int bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1), avxvnni = (a >> 4) & 1;
+    snprintf(buf, len, "%s (cpu has%s%s%s%s%s%s%s%s%s; %s)", ISA_NAMES[g_isa],
+             __builtin_cpu_supports("avx2") ? " avx2" : "",
+             __builtin_cpu_supports("fma") ? " fma" : "", isa_has_f16c() ? " f16c" : "",
+             __builtin_cpu_supports("avx512f") ? " avx512f" : "",
+             __builtin_cpu_supports("avx512bw") ? " avx512bw" : "",
+             __builtin_cpu_supports("avx512vl") ? " avx512vl" : "", bf16 ? " avx512_bf16" : "",
+             __builtin_cpu_supports("avx512vnni") ? " avx512_vnni" : "", avxvnni ? " avx_vnni" : "",
+             how);
+}
+
 cpu_isa cpu_isa_get(void) {
     if (g_isa < 0) {
-        int avx2 = isa_has_avx2();
-        const char *env = getenv("DISAGG_CPU_ISA");
-        g_isa = avx2 ? CPU_ISA_AVX2 : CPU_ISA_SCALAR;
-        if (env && !strcmp(env, "scalar"))
-            g_isa = CPU_ISA_SCALAR;
-        else if (env && strcmp(env, "avx2"))
-            LOG_W("kernels", "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2)", env);
+        int best = CPU_ISA_SCALAR;
+        for (int i = CPU_ISA_AVX512BF16; i > 0; i--) /* -fast is never chosen by itself */
+            if (cpu_isa_supported((cpu_isa)i)) {
+                best = i;
+                break;
+            }
+        const char *env = getenv("DISAGG_CPU_ISA"), *how = "the best this cpu runs";
+        g_isa = best;
+        if (env && *env) {
+            int want = -1;
+            for (int i = 0; i < CPU_ISA_COUNT; i++)
+                if (!strcmp(env, ISA_NAMES[i])) want = i;
+            if (want < 0)
+                LOG_W("kernels",
+                      "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2, avx512bf16, "
+                      "avx512bf16-fast); using %s",
+                      env, ISA_NAMES[best]);
+            else if (!cpu_isa_supported((cpu_isa)want))
+                LOG_W("kernels", "DISAGG_CPU_ISA=%s: this cpu cannot run it; using %s", env,
+                      ISA_NAMES[best]);
+            else
+                g_isa = want, how = "forced by DISAGG_CPU_ISA";
+        }
+        isa_describe_cpu(g_isa_why, sizeof g_isa_why, how);
     }
     return (cpu_isa)g_isa;
 }
 
+const char *cpu_isa_describe(void) {
+    cpu_isa_get();
+    return g_isa_why;
+}
+
 int cpu_isa_force(cpu_isa isa) {
-    if (isa == CPU_ISA_AVX2 && !isa_has_avx2()) return -1;
+    if ((unsigned)isa >= CPU_ISA_COUNT || !cpu_isa_supported(isa)) return -1;
+    cpu_isa_get(); /* detect first, so a later cpu_isa_get() does not undo the force */
     g_isa = isa;
+    isa_describe_cpu(g_isa_why, sizeof g_isa_why, "forced");
     return 0;
 }
 
 const char *cpu_isa_name(cpu_isa isa) {
-    return isa == CPU_ISA_AVX2 ? "avx2" : "scalar";
+    return (unsigned)isa < CPU_ISA_COUNT ? ISA_NAMES[isa] : "unknown";
 }
 
 size_t cpu_dtype_size(cpu_dtype dt) {
@@ -171,17 +243,79 @@ static void k_3x4_panel(float *y, int N, const float *x, int K, const float *p, 
                 finish(acc[t][j], xs[t], p, CPU_F32, (size_t)j * K, k, K, bias, n0 + j);
 }
 
+/* NT tokens (stride K, out stride N) against 2 weight rows (raw dtype) n0, n0+1: the weights
+ * of each 8-block are converted once in registers and used by every token; 2 x 6 = 12
+ * accumulators.  Decode batches of 3..8 tokens stream each weight row once this way. */
+static inline __attribute__((always_inline)) void k_2xT(const int NT, float *y, int N,
+                                                        const float *x, const void *w, cpu_dtype dt,
+                                                        const float *bias, int n0, int K, int pf) {
+    size_t o0 = (size_t)n0 * K, o1 = o0 + K;
+    __m256 a0[6], a1[6];
+    for (int t = 0; t < NT; t++)
+        a0[t] = a1[t] = _mm256_setzero_ps();
+    const size_t es = cpu_dtype_size(dt);
+    const char *next = (const char *)w + (o0 + (size_t)pf * K) * es;
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        if (pf) {
+            _mm_prefetch(next + (size_t)k * es, _MM_HINT_T0);
+            _mm_prefetch(next + ((size_t)K + k) * es, _MM_HINT_T0);
+        }
+        __m256 w0 = load8(w, dt, o0 + k), w1 = load8(w, dt, o1 + k);
+        for (int t = 0; t < NT; t++) {
+            __m256 xv = _mm256_loadu_ps(x + (size_t)t * K + k);
+            a0[t] = _mm256_fmadd_ps(xv, w0, a0[t]);
+            a1[t] = _mm256_fmadd_ps(xv, w1, a1[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        const float *xt = x + (size_t)t * K;
+        y[(size_t)t * N + n0] = finish(a0[t], xt, w, dt, o0, k, K, bias, n0);
+        y[(size_t)t * N + n0 + 1] = finish(a1[t], xt, w, dt, o1, k, K, bias, n0 + 1);
+    }
+}
+
+static inline __attribute__((always_inline)) void k_2xT_any(int nt, float *y, int N, const float *x,
+                                                            const void *w, cpu_dtype dt,
+                                                            const float *bias, int n0, int K,
+                                                            int pf) {
+    switch (nt) {
+    case 1:
+        k_2xT(1, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 2:
+        k_2xT(2, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 3:
+        k_2xT(3, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 4:
+        k_2xT(4, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    case 5:
+        k_2xT(5, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    default:
+        k_2xT(6, y, N, x, w, dt, bias, n0, K, pf);
+        break;
+    }
+}
+
 /* ---- matmul ------------------------------------------------------------- */
 
+#define STREAM_T 8 /* batches up to this many tokens stream the weights (decode) */
+
 typedef struct mm_job {
-    float *y;          /* (T, N) */
-    const float *x;    /* (T, K) */
-    const void *w;     /* (N, K) of wt */
-    cpu_dtype wt;      /* weight dtype */
-    const float *bias; /* (N) or NULL */
-    int T, N, K;       /* shapes */
-    int rows_per_task; /* weight rows per task (multiple of 4) */
-    int row_tasks;     /* ceil(N / rows_per_task) */
+    float *y;           /* (T, N) */
+    const float *x;     /* (T, K) */
+    const void *w;      /* (N, K) of wt */
+    cpu_dtype wt;       /* weight dtype */
+    const float *bias;  /* (N) or NULL */
+    int T, N, K;        /* shapes */
+    int rows_per_task;  /* weight rows per task (multiple of 4) */
+    int row_tasks;      /* ceil(N / rows_per_task) */
+    const uint16_t *xs; /* bf16 parts of x (avx512bf16* and bf16 weights), else NULL */
+    int parts;          /* how many */
 } mm_job;
 
 static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, int task,
@@ -193,10 +327,24 @@ static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, in
     if (t_end > j->T) t_end = j->T;
     int K = j->K, N = j->N;
     int n = n_beg;
+    if (j->xs) {
+        cpu_bf16x_rows(j->y + (size_t)t_beg * N, N,
+                       j->xs + (size_t)t_beg * cpu_bf16x_stride(K, j->parts), t_end - t_beg, j->w,
+                       j->bias, n_beg, n_end, K, j->T <= STREAM_T, j->parts);
+        return;
+    }
     if (t_end - t_beg <= 2) {
         for (; n + 4 <= n_end; n += 4)
             for (int t = t_beg; t < t_end; t++)
                 k_1x4(j->y + (size_t)t * N, j->x + (size_t)t * K, j->w, dt, j->bias, n, K);
+    } else if (j->T <= STREAM_T) {
+        const int pf = 2 * (1 + PREFETCH_GROUPS);
+        for (; n + 2 <= n_end; n += 2)
+            for (int t = t_beg; t < t_end; t += 6) {
+                int nt = t_end - t < 6 ? t_end - t : 6;
+                k_2xT_any(nt, j->y + (size_t)t * N, N, j->x + (size_t)t * K, j->w, dt, j->bias, n,
+                          K, t == t_beg && n + 2 + pf <= N ? pf : 0);
+            }
     } else {
         float *panel = cpu_scratch(0, 4 * (size_t)K); /* (4, K) f32 panel */
         for (; panel && n + 4 <= n_end; n += 4) {
@@ -259,22 +407,45 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                                ops[i].N, ops[i].K);
         return;
     }
+    const int parts = cpu_isa_bf16_parts(cpu_isa_get());
     for (int base = 0; base < n_ops; base += CPU_MATMUL_MAX_OPS) {
         mm_multi m = {.n = 0};
         int total = 0;
+        /* avx512bf16: the activations of every bf16 op split once (ops sharing x share it) */
+        size_t xs_need = 0;
+        for (int i = base; parts && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++)
+            if (ops[i].wt == CPU_BF16 && ops[i].T > 0 && ops[i].N > 0)
+                xs_need += (size_t)ops[i].T * cpu_bf16x_stride(ops[i].K, parts);
+        uint16_t *xs_buf = xs_need ? (uint16_t *)cpu_scratch(2, (xs_need + 1) / 2 + 32) : NULL;
+        size_t xs_used = 0;
+        const uint16_t *xs_of[CPU_MATMUL_MAX_OPS] = {0};
+        for (int i = base; xs_buf && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
+            const cpu_matmul_op *op = &ops[i];
+            if (op->wt != CPU_BF16 || op->T <= 0 || op->N <= 0) continue;
+            for (int p = base; p < i && !xs_of[i - base]; p++)
+                if (xs_of[p - base] && ops[p].x == op->x && ops[p].T == op->T && ops[p].K == op->K)
+                    xs_of[i - base] = xs_of[p - base];
+            if (xs_of[i - base]) continue;
+            uint16_t *dst = xs_buf + xs_used;
+            cpu_bf16x_split(dst, op->x, op->T, op->K, parts);
+            xs_of[i - base] = dst;
+            xs_used += (size_t)op->T * cpu_bf16x_stride(op->K, parts);
+        }
+        if (xs_need && !xs_buf) LOG_W("kernels", "out of memory for the bf16 split: avx2 path");
         for (int i = base; i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
             const cpu_matmul_op *op = &ops[i];
             if (op->T <= 0 || op->N <= 0) continue;
             /* decode-sized batches stream weights: few long contiguous row ranges per thread
              * keep the hardware prefetchers busy; larger batches use short panels (reuse) */
             int rpt = ROWS_PER_TASK;
-            if (op->T <= 2) {
+            if (op->T <= STREAM_T) {
                 int per = (op->N + cpu_pool_threads(pool) * 8 - 1) / (cpu_pool_threads(pool) * 8);
                 rpt = per > rpt ? (per + 3) & ~3 : rpt;
             }
             mm_job *j = &m.jobs[m.n];
-            *j = (mm_job){op->y, op->x, op->w, op->wt, op->bias,
-                          op->T, op->N, op->K, rpt,    (op->N + rpt - 1) / rpt};
+            *j = (mm_job){op->y,           op->x, op->w, op->wt, op->bias,
+                          op->T,           op->N, op->K, rpt,    (op->N + rpt - 1) / rpt,
+                          xs_of[i - base], parts};
             m.first[m.n++] = total;
             total += j->row_tasks * ((op->T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK);
         }
@@ -358,4 +529,189 @@ void cpu_row_to_f32(float *out, const void *row, cpu_dtype dt, int n) {
         _mm256_storeu_ps(out + i, load8(row, dt, (size_t)i));
     for (; i < n; i++)
         out[i] = load1(row, dt, (size_t)i);
+}
+
+/* ---- exp, softmax, SiLU and the attention pieces (AVX2 twins of cpu_ref.c) ------------ */
+
+#define EXP_HI    88.3762626647949f
+#define EXP_LO    -87.3365402221680f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1    0.693359375f
+#define EXP_C2    -2.12194440e-4f
+
+/* cpu_ref_expf on 8 lanes: the same operations in the same order */
+static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_C1), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_C2), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 rr = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, rr, r), _mm256_set1_ps(1.0f));
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    /* out of range (x > HI: +inf, x < LO: 0); NaN: both compares false, NaN * scale = NaN */
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()),
+                         _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ));
+    y = _mm256_blendv_ps(y, _mm256_setzero_ps(),
+                         _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+float cpu_expf(float x) {
+    return cpu_ref_expf(x);
+}
+
+void cpu_expf_vec(float *y, const float *x, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        for (int i = 0; i < n; i++)
+            y[i] = cpu_ref_expf(x[i]);
+        return;
+    }
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+    for (; i < n; i++)
+        y[i] = cpu_ref_expf(x[i]);
+}
+
+void cpu_silu_mul(float *g, const float *u, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_silu_mul(g, u, n);
+        return;
+    }
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 d = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, neg)));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, d), _mm256_loadu_ps(u + i)));
+    }
+    if (i < n) cpu_ref_silu_mul(g + i, u + i, n - i);
+}
+
+/* 8 canonical dots at once, one per accumulator: lane p of the result is
+ * ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) of A[p], the tree of hsum8. */
+static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 *A) {
+    __m256 x04 = _mm256_add_ps(_mm256_permute2f128_ps(A[0], A[4], 0x20),
+                               _mm256_permute2f128_ps(A[0], A[4], 0x31));
+    __m256 x15 = _mm256_add_ps(_mm256_permute2f128_ps(A[1], A[5], 0x20),
+                               _mm256_permute2f128_ps(A[1], A[5], 0x31));
+    __m256 x26 = _mm256_add_ps(_mm256_permute2f128_ps(A[2], A[6], 0x20),
+                               _mm256_permute2f128_ps(A[2], A[6], 0x31));
+    __m256 x37 = _mm256_add_ps(_mm256_permute2f128_ps(A[3], A[7], 0x20),
+                               _mm256_permute2f128_ps(A[3], A[7], 0x31));
+    /* [c0 c1 c2 c3] per position -> [c0+c2, c1+c3] */
+    __m256 y01 = _mm256_add_ps(_mm256_shuffle_ps(x04, x15, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm256_shuffle_ps(x04, x15, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 y23 = _mm256_add_ps(_mm256_shuffle_ps(x26, x37, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm256_shuffle_ps(x26, x37, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
+                  float scale) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_dot_rows(out, q, k, stride, m, n, scale);
+        return;
+    }
+    const int n8 = n & ~7;
+    const __m256 sc = _mm256_set1_ps(scale);
+    int i = 0;
+    for (; i + 8 <= m; i += 8) {
+        const float *kb = k + (size_t)i * stride;
+        __m256 A[8];
+        for (int p = 0; p < 8; p++)
+            A[p] = _mm256_setzero_ps();
+        for (int d = 0; d < n8; d += 8) {
+            __m256 qv = _mm256_loadu_ps(q + d);
+            for (int p = 0; p < 8; p++)
+                A[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (size_t)p * stride + d), A[p]);
+        }
+        __m256 s = hsum8x8(A);
+        if (n8 < n) { /* the tail of each dot, in order, before the scale */
+            float t[8];
+            _mm256_storeu_ps(t, s);
+            for (int p = 0; p < 8; p++)
+                for (int d = n8; d < n; d++)
+                    t[p] = __builtin_fmaf(q[d], kb[(size_t)p * stride + d], t[p]);
+            s = _mm256_loadu_ps(t);
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, sc));
+    }
+    for (; i < m; i++)
+        out[i] = cpu_dot(q, k + (size_t)i * stride, n) * scale;
+}
+
+void cpu_softmax(float *s, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_softmax(s, n);
+        return;
+    }
+    float mx = -__builtin_inff();
+    int i = 0;
+    __m256 mv = _mm256_set1_ps(mx);
+    for (; i + 8 <= n; i += 8)
+        mv = _mm256_max_ps(_mm256_loadu_ps(s + i), mv);
+    float mm[8];
+    _mm256_storeu_ps(mm, mv);
+    for (int l = 0; l < 8; l++)
+        mx = mm[l] > mx ? mm[l] : mx;
+    for (; i < n; i++)
+        mx = s[i] > mx ? s[i] : mx;
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mxv));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    for (; i < n; i++) {
+        s[i] = cpu_ref_expf(s[i] - mx);
+        sum += s[i];
+    }
+    const __m256 sv = _mm256_set1_ps(sum);
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(s + i, _mm256_div_ps(_mm256_loadu_ps(s + i), sv));
+    for (; i < n; i++)
+        s[i] = s[i] / sum;
+}
+
+void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_axpy_rows(y, a, v, stride, m, n);
+        return;
+    }
+    int c = 0;
+    for (; c + 64 <= n; c += 64) { /* 64 columns of y stay in registers over all rows */
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++)
+            acc[r] = _mm256_loadu_ps(y + c + 8 * r);
+        for (int i = 0; i < m; i++) {
+            const float *vi = v + (size_t)i * stride + c;
+            __m256 av = _mm256_set1_ps(a[i]);
+            for (int r = 0; r < 8; r++)
+                acc[r] = _mm256_fmadd_ps(av, _mm256_loadu_ps(vi + 8 * r), acc[r]);
+        }
+        for (int r = 0; r < 8; r++)
+            _mm256_storeu_ps(y + c + 8 * r, acc[r]);
+    }
+    for (; c + 8 <= n; c += 8) {
+        __m256 acc = _mm256_loadu_ps(y + c);
+        for (int i = 0; i < m; i++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i]), _mm256_loadu_ps(v + (size_t)i * stride + c),
+                                  acc);
+        _mm256_storeu_ps(y + c, acc);
+    }
+    for (; c < n; c++)
+        for (int i = 0; i < m; i++)
+            y[c] = __builtin_fmaf(a[i], v[(size_t)i * stride + c], y[c]);
 }

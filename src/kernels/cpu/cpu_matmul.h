@@ -10,7 +10,18 @@
  *   tail, then s + bias.
  * The AVX2/FMA kernels and the scalar reference (cpu_ref.c, compiled without AVX) give
  * bit-identical results; the ISA is chosen at run time (__builtin_cpu_supports), or forced
- * with DISAGG_CPU_ISA=scalar|avx2 or cpu_isa_force().
+ * with DISAGG_CPU_ISA=scalar|avx2|avx512bf16|avx512bf16-fast or cpu_isa_force().
+ *
+ * CPU_ISA_AVX512BF16 (AVX-512F/BW/VL + AVX512_BF16): bf16-weight matmuls use `vdpbf16ps`
+ * with the "bf16x3 dot" (cpu_avx512bf16.c: x split into three bf16 parts, 16 lanes of 32-k
+ * blocks, a fixed reduction tree); f32/f16 weights and every vector helper below keep the
+ * canonical dot above.  So batch invariance holds within each ISA, but bf16 models give
+ * different (not worse: x keeps 24 significant bits) roundings on avx512bf16 than on
+ * avx2/scalar: exactness across ISAs is not promised.  CPU_ISA_AVX512BF16_FAST (never chosen
+ * by itself, only by DISAGG_CPU_ISA=avx512bf16-fast): the same with one part, i.e. the
+ * activations rounded to bf16 as llama.cpp does -- about 3x the matmul throughput, relative
+ * error up to 2^-9 per product.  AVX-512F without BF16, AVX-VNNI and
+ * AMX have no kernels of their own yet (AVX-512F-only CPUs run the avx2 kernels).
  */
 #ifndef DISAGG_KERNELS_CPU_MATMUL_H
 #define DISAGG_KERNELS_CPU_MATMUL_H
@@ -21,7 +32,15 @@
 #include <stdint.h>
 
 typedef enum cpu_dtype { CPU_F32 = 0, CPU_F16 = 1, CPU_BF16 = 2 } cpu_dtype;
-typedef enum cpu_isa { CPU_ISA_SCALAR = 0, CPU_ISA_AVX2 = 1 } cpu_isa;
+typedef enum cpu_isa {
+    CPU_ISA_SCALAR = 0,
+    CPU_ISA_AVX2 = 1,
+    CPU_ISA_AVX512BF16 = 2,
+    CPU_ISA_AVX512BF16_FAST = 3, /* opt-in only: bf16 activations */
+} cpu_isa;
+#define CPU_ISA_COUNT 4
+/* bf16 parts per activation of the bf16-weight matmul on isa: 3, 1, or 0 (not vdpbf16ps) */
+int cpu_isa_bf16_parts(cpu_isa isa);
 
 size_t cpu_dtype_size(cpu_dtype dt);
 const char *cpu_dtype_name(cpu_dtype dt);
@@ -31,6 +50,12 @@ cpu_isa cpu_isa_get(void);
 const char *cpu_isa_name(cpu_isa isa);
 /* Forces an ISA (tests); returns -1 if the machine lacks it. */
 int cpu_isa_force(cpu_isa isa);
+/* 1 if this machine can run isa's kernels. */
+int cpu_isa_supported(cpu_isa isa);
+/* What the CPU offers and what was chosen, for the startup log: "avx512bf16 (cpu has
+ * avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx_vnni; forced by
+ * DISAGG_CPU_ISA)". */
+const char *cpu_isa_describe(void);
 
 /* y (T, N) = x (T, K) · w (N, K)^T + bias (N, may be NULL).  Rows of y are disjoint per
  * task; pool may be NULL. */
@@ -60,6 +85,35 @@ void cpu_axpy_heads(float *y, const float *a, const float *x, int m, int n);
 /* out (n) = row (n) of dtype dt converted to f32. */
 void cpu_row_to_f32(float *out, const void *row, cpu_dtype dt, int n);
 
+/* Softmax/SiLU exponential: a vectorised approximation (the AVX2 path evaluates the same
+ * operations on 8 lanes, so results are bit-identical between scalar and AVX2).  Maximum
+ * relative error against exp() in double precision: 2 ulp (2.4e-7) on [-87.3, 88.7]; 0
+ * below -87.3 (including -inf), +inf above 88.7, NaN for NaN (tested in test_kernels). */
+float cpu_expf(float x);
+/* y[i] = cpu_expf(x[i]) */
+void cpu_expf_vec(float *y, const float *x, int n);
+/* g[i] = g[i] / (1 + cpu_expf(-g[i])) * u[i]  (SwiGLU's SiLU(gate) * up) */
+void cpu_silu_mul(float *g, const float *u, int n);
+/* Attention pieces (each the same bit for bit on scalar and AVX2; the AVX2 code vectorises
+ * across key positions):
+ * out[i] = canonical dot(q, k + i * stride) * scale, i < m;
+ * softmax in place: e_i = cpu_expf(s_i - max), sum = the canonical sum (8 lanes over full
+ *   8-blocks, the dot's tree, the tail in order), s_i = e_i / sum;
+ * y (n) = fma(a[i], v_i, y) for i = 0 .. m-1 in order, v_i = v + i * stride. */
+void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
+                  float scale);
+void cpu_softmax(float *s, int n);
+void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
+
+/* The vdpbf16ps path (cpu_avx512bf16.c; call only when cpu_isa_bf16_parts() > 0), with
+ * parts = 3 or 1: elements per token of the split activations; the split (T tokens of K f32
+ * -> xs); and rows [n_beg, n_end) of y (T, N) = x . w^T (+ bias) for bf16 w (stream:
+ * decode-sized T, prefetch ahead, rows outer). */
+size_t cpu_bf16x_stride(int K, int parts);
+void cpu_bf16x_split(uint16_t *xs, const float *x, int T, int K, int parts);
+void cpu_bf16x_rows(float *y, int N, const uint16_t *xs, int T, const uint16_t *w,
+                    const float *bias, int n_beg, int n_end, int K, int stream, int parts);
+
 /* Scalar reference implementations (cpu_ref.c); same results bit for bit. */
 void cpu_ref_matmul(float *y, const float *x, const void *w, cpu_dtype wt, const float *bias, int T,
                     int N, int K);
@@ -68,5 +122,15 @@ void cpu_ref_axpy(float *y, float a, const float *x, int n);
 void cpu_ref_row_to_f32(float *out, const void *row, cpu_dtype dt, int n);
 float cpu_ref_f16_to_f32(uint16_t h);
 float cpu_ref_bf16_to_f32(uint16_t h);
+/* The bf16xP dot written out in scalar code (emulating vdpbf16ps: each bf16 x bf16 product
+ * exact, added odd element then even, round to nearest even, denormals flushed). */
+uint16_t cpu_ref_f32_to_bf16(float f);
+float cpu_ref_bf16x_dot(const float *x, const uint16_t *w, int K, int parts);
+float cpu_ref_expf(float x);
+void cpu_ref_silu_mul(float *g, const float *u, int n);
+void cpu_ref_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
+                      float scale);
+void cpu_ref_softmax(float *s, int n);
+void cpu_ref_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
 
 #endif

@@ -1,0 +1,101 @@
+"""CPU kernel ISAs end to end (issue 18): each `disagg serve` says which kernels it runs
+(start-up log, /metrics disagg:kernels_info); a P/D pair whose CPUs run different kernels
+(forced here with DISAGG_CPU_ISA: P avx2, D avx512bf16) still moves the KV -- the layout is
+the same -- and the producer reports the pair once, since the result is not promised to be
+bit-identical to a colocated run.  On a CPU without AVX512_BF16 the cross-ISA test is
+skipped, saying so."""
+import pytest
+import requests
+
+from server_harness import Server
+from test_pd import BODY, COMMON, PD, TIMEOUT, assert_kv_pulled, completion_ids
+
+
+def cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+HAVE_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
+HAVE_AVX2 = {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+def kernels_of(server):
+    for k, v in server.metrics().items():
+        if k.startswith("disagg:kernels_info{") and v == 1:
+            return k.split('kernels="', 1)[1].split('"', 1)[0]
+    raise AssertionError("no disagg:kernels_info in /metrics")
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512bf16"])
+def test_forced_isa_is_reported(isa):
+    if isa == "avx2" and not HAVE_AVX2 or isa == "avx512bf16" and not HAVE_BF16:
+        pytest.skip(f"SKIPPED: this CPU lacks {isa}: its kernels are NOT tested here")
+    s = Server(*COMMON, env={"DISAGG_CPU_ISA": isa})
+    try:
+        assert kernels_of(s) == isa
+        assert f"cpu kernels: {isa} (cpu has" in s.logs()
+        r = requests.post(s.url + "/v1/completions", json=dict(BODY, prompt="the state of the Union"),
+                          timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
+
+
+def test_unknown_isa_warns_and_runs_the_best():
+    s = Server(*COMMON, env={"DISAGG_CPU_ISA": "avx9000"})
+    try:
+        assert ("DISAGG_CPU_ISA='avx9000' not recognised (accepted: scalar, avx2, avx512bf16, "
+                "avx512bf16-fast)") in s.logs()
+        assert kernels_of(s) == ("avx512bf16" if HAVE_BF16 else "avx2" if HAVE_AVX2 else "scalar")
+    finally:
+        s.stop()
+
+
+def test_pd_across_isas_moves_kv_and_is_reported():
+    if not (HAVE_BF16 and HAVE_AVX2):
+        pytest.skip("SKIPPED: this CPU lacks avx512bf16 or avx2: a P/D pair across ISAs is NOT tested")
+    pd = PD(p_env={"DISAGG_CPU_ISA": "avx2"}, d_env={"DISAGG_CPU_ISA": "avx512bf16"})
+    try:
+        assert kernels_of(pd.p) == "avx2" and kernels_of(pd.d) == "avx512bf16"
+        body = dict(BODY, prompt=" ".join(["the state of the Union is strong"] * 6))
+        for _ in range(2):
+            pr, dr = pd.send(body)
+            assert pr.status_code == 200, pr.text
+            ids, text, finish = completion_ids(dr)
+            assert len(ids) == BODY["max_tokens"] or finish == "stop"
+            assert_kv_pulled(dr.json()["usage"])
+        log = pd.p.logs()
+        assert "P/D pair across kernels: decoder avx512bf16, producer avx2" in log, log
+        assert log.count("P/D pair across kernels") == 1, log  # once, not per request
+    finally:
+        pd.stop()
+
+
+def test_pd_layout_mismatch_still_refused():
+    """Only the kernels field is left out of the comparison: another block size is refused."""
+    import test_pd
+    pd = PD.__new__(PD)
+    pd.boot_port = test_pd.free_port()
+    pd.p = Server(*COMMON, "--kv-transfer-config", test_pd.producer_config(),
+                  env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(pd.boot_port)})
+    try:
+        pd.d = Server("--max-model-len", "1024", "--kv-cache-memory", "96M", "--block-size", "32",
+                      "--kv-transfer-config", test_pd.consumer_config())
+    except Exception:
+        pd.p.stop()
+        raise
+    try:
+        pd.bootstrap = f"http://127.0.0.1:{pd.boot_port}"
+        pd.engine_id = requests.get(pd.bootstrap + "/query", timeout=10).json()["0"]["engine_id"]
+        pr, dr = pd.send(dict(BODY, prompt=" ".join(["the state of the Union"] * 8)))
+        assert pr.status_code == 200, pr.text
+        assert dr.status_code != 200 or dr.json()["usage"]["kv_transfer"]["received_prompt_tokens"] == 0
+        log = pd.p.logs()
+        assert "refusing a pull: KV layout mismatch" in log and ":bs32:" in log and ":bs16:" in log, log
+        assert "P/D pair across kernels" not in log
+    finally:
+        pd.stop()
