@@ -29,7 +29,13 @@ REFUSED = 'disagg:kv_first_token_handoffs_total{outcome="refused"}'
 PROMPTS = ["Fellow-Citizens of the Senate",
            "Fellow-Citizens of the Senate and House of Representatives: the state of the Union "
            "is strong, and our commerce with foreign nations has grown",
-           " ".join(["the state of the Union is strong"] * 12)]
+           " ".join(["the state of the Union is strong"] * 12),
+           list(range(300, 316)),   # token ids: exactly one block (16), P's token opens the next
+           list(range(400, 432))]   # exactly two blocks
+
+
+def pid(p):
+    return f"{len(p)}ids" if isinstance(p, list) else f"{len(p)}c"
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,7 @@ SEEDED = {"model": "tiny", "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, 
           "repetition_penalty": 1.1}
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"{len(p)}c")
+@pytest.mark.parametrize("prompt", PROMPTS, ids=pid)
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_handoff_equals_colocated(pd, colocated, prompt, sampling):
     body = dict(sampling, prompt=prompt)
@@ -91,6 +97,8 @@ def test_handoff_equals_colocated(pd, colocated, prompt, sampling):
     assert used == 1
     # D's first output token is the one P answered with
     assert dr.json()["choices"][0]["text"].startswith(pr.json()["choices"][0]["text"])
+    if isinstance(prompt, list):
+        assert dr.json()["usage"]["prompt_tokens"] == len(prompt)
 
 
 def sse_texts(r):
