@@ -42,7 +42,8 @@ def pid(p):
 def pd():
     x = PD()
     yield x
-    x.stop()
+    rd, rp = x.d.stop(), x.p.stop()
+    assert rd == 0 and rp == 0, x.d.logs() + x.p.logs()  # a clean exit: sanitizer reports fail it
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,8 @@ def test_switched_off(colocated, side):
         assert outcome(dr.json()) == outcome(ref)
         assert kv_usage(dr.json()) == 1 and used == 0
     finally:
-        x.stop()
+        rd, rp = x.d.stop(), x.p.stop()
+    assert rd == 0 and rp == 0, x.d.logs() + x.p.logs()
 
 
 def test_bad_switch_value_refused():
