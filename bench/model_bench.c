@@ -143,7 +143,7 @@ static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen
         table[i] = i;
     for (int i = 0; i < n; i++) /* prompts differ: rotated */
         q[i] = (qwen2_seq){toks + i % (ntoks - plen + 1),      plen, 0, table + (size_t)i * nb, nb,
-                           logits + (size_t)i * c->vocab_size, 0};
+                           logits + (size_t)i * c->vocab_size, 0, NULL};
     if (qwen2_forward(m, s, &kv, q, n)) goto out_kv;
     uint64_t t0 = clock_now_ns();
     for (int g = 0; g < gen; g++) {
@@ -156,7 +156,7 @@ static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen
             q[i] = (qwen2_seq){next + i, 1,
                                plen + g, table + (size_t)i * nb,
                                nb,       logits + (size_t)i * c->vocab_size,
-                               0};
+                               0,        NULL};
         }
         if (qwen2_forward(m, s, &kv, q, n)) goto out_kv;
     }

@@ -43,6 +43,7 @@ PROMPTS = [p["prompt_text"] for p in golden["prompts"]]
 # --batch-invariant, P/D must equal colocated token for token (no near-tie allowance).
 SERVE_ARGS = os.environ.get("PD_SERVE_ARGS", "").split()
 INVARIANT = "--batch-invariant" in SERVE_ARGS
+HANDOFF_USED = 'disagg:kv_first_token_handoffs_total{outcome="used"}'
 TIE = 0.0 if INVARIANT else 0.25  # a divergence is allowed only where colocated's own top-2 logprobs are this close
 COMMON = ["--device", os.environ.get("DISAGG_PD_DEVICE", "cuda"), "--max-model-len", "2048", "--kv-cache-memory", "256M",
           "--block-size", "16", "--served-model-name", "tiny"] + SERVE_ARGS
@@ -203,6 +204,7 @@ for proto, expect in ((None, "cuda_ipc"), ("tcp", "tcp")):
              health="/health")
     try:
         m0 = P.metrics()
+        used0 = D.metrics().get(HANDOFF_USED, 0)
         n_req = 0
         same = 0
         for p in PROMPTS:
@@ -216,9 +218,14 @@ for proto, expect in ((None, "cuda_ipc"), ("tcp", "tcp")):
                 print("  differs from colocated: %r\n    P/D:        %r\n    colocated:  %r\n    %s" % (
                     p[:60], r.choices[0].text, want[p], why))
                 check(ok, "the difference starts at a near tie of colocated's own logits")
-            if not (kv.get("received_prompt_tokens", 0) > 0 and kv.get("computed_prompt_tokens") == 1):
-                check(False, "D received the prompt's KV from P (usage %s)" % kv)
+            # n 1, no logprobs: P's first token comes with the KV (the first-token handoff,
+            # docs/connector.md) and D computes no prompt position (1 without the handoff)
+            if not (kv.get("received_prompt_tokens", 0) > 0 and kv.get("computed_prompt_tokens") == 0):
+                check(False, "D received the prompt's KV and P's first token from P (usage %s)" % kv)
         print("  %d/%d greedy completions through the proxy equal colocated GPU serving" % (same, len(PROMPTS)))
+        used = D.metrics().get(HANDOFF_USED, 0) - used0
+        check(used == len(PROMPTS), "D took P's first token for %d/%d requests (%s)" % (
+            used, len(PROMPTS), HANDOFF_USED))
         got_chat = client(X.url).chat.completions.create(**chat_kw).choices[0].message.content
         n_req += 1
         check(got_chat == want_chat, "chat through the proxy equals colocated")

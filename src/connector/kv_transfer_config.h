@@ -69,6 +69,11 @@ typedef struct kv_transfer_config {
      * that may wait at once; one more evicts the oldest (its pull fails at
      * once): a flood of bogus pulls costs O(1) each.  1..1048576, default 4096. */
     int max_pending_pulls;
+    /* first_token_handoff (default true): a producer sends the first output token
+     * its prefill sampled with the KV ("disagg_first_tokens" in the pull's reply),
+     * a consumer uses such a token instead of recomputing the last prompt position
+     * (docs/connector.md).  false: neither. */
+    int first_token_handoff;
     /* what was accepted but means nothing here (comma-separated, for logs/tests) */
     char ignored_keys[KV_CONFIG_KEYS_MAX];       /* vLLM KVTransferConfig fields unused here */
     char unknown_extra_keys[KV_CONFIG_KEYS_MAX]; /* kv_connector_extra_config keys unknown */
@@ -93,19 +98,19 @@ const char *kv_load_failure_policy_name(kv_load_failure_policy p);
 
 /* Environment of the Mooncake connector (vLLM's names and defaults). */
 typedef struct kv_transfer_env {
-    uint16_t bootstrap_port;        /* VLLM_MOONCAKE_BOOTSTRAP_PORT, 1..65535, default 8998 */
-    double connector_timeout_s;     /* VLLM_MOONCAKE_CONNECTOR_TIMEOUT, > 0, default 30.0 */
-    double abort_request_timeout_s; /* VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, > 0, default 480 */
+    uint16_t bootstrap_port;           /* VLLM_MOONCAKE_BOOTSTRAP_PORT, 1..65535, default 8998 */
+    double connector_timeout_s;        /* VLLM_MOONCAKE_CONNECTOR_TIMEOUT, > 0, default 30.0 */
+    double abort_request_timeout_s;    /* VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, > 0, default 480 */
     double unknown_transfer_timeout_s; /* DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT, > 0, default 30:
                                           how long a producer holds a pull for a transfer_id
                                           no request of its own carries */
-    char host_ip[64];               /* VLLM_HOST_IP, a numeric IPv4/IPv6 address, "" = unset */
-    int with_nvidia_peermem;        /* WITH_NVIDIA_PEERMEM: 1, 0, or -1 when unset */
+    char host_ip[64];                  /* VLLM_HOST_IP, a numeric IPv4/IPv6 address, "" = unset */
+    int with_nvidia_peermem;           /* WITH_NVIDIA_PEERMEM: 1, 0, or -1 when unset */
 } kv_transfer_env;
 
-#define KV_ENV_BOOTSTRAP_PORT_DEFAULT        8998
-#define KV_ENV_CONNECTOR_TIMEOUT_DEFAULT     30.0
-#define KV_ENV_ABORT_REQUEST_TIMEOUT_DEFAULT 480.0
+#define KV_ENV_BOOTSTRAP_PORT_DEFAULT           8998
+#define KV_ENV_CONNECTOR_TIMEOUT_DEFAULT        30.0
+#define KV_ENV_ABORT_REQUEST_TIMEOUT_DEFAULT    480.0
 #define KV_ENV_UNKNOWN_TRANSFER_TIMEOUT_DEFAULT 30.0
 
 /* Read the variables above from the process environment (an empty value counts

@@ -64,8 +64,10 @@ typedef struct kv_note { /* a connector's answer, queued for the step thread */
     uint64_t id;
     int kind; /* 0 load done, 1 release */
     int ok, recompute;
-    uint64_t hold_ns; /* failure: keep the blocks out of use this long */
-    int http_status;  /* failure: its HTTP status (0 = 500) */
+    uint64_t hold_ns;    /* failure: keep the blocks out of use this long */
+    int http_status;     /* failure: its HTTP status (0 = 500) */
+    int has_first;       /* ok: the producer's first output token came with the KV */
+    int32_t first_token; /* that token */
     char error[512];
     struct kv_note *next;
 } kv_note;
@@ -413,6 +415,19 @@ void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t
     push_note(e, n);
 }
 
+void engine_kv_load_done_first_token(engine *e, uint64_t id, int32_t token) {
+    kv_note *n = calloc(1, sizeof *n);
+    if (!n) {
+        LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);
+        return;
+    }
+    n->id = id;
+    n->ok = 1;
+    n->has_first = 1;
+    n->first_token = token;
+    push_note(e, n);
+}
+
 void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
                            const char *error) {
     kv_note *n = calloc(1, sizeof *n);
@@ -513,6 +528,55 @@ static uint64_t expire_quarantine(engine *e) {
     return next;
 }
 
+static int is_stop_token(const engine *e, const ereq *r, int32_t t);
+static void deliver_token(engine *e, ereq *r, const engine_token *tok, int stop);
+
+/* The first-token handoff (engine_kv_load_done_first_token): 1 when r takes the
+ * producer's token instead of recomputing its last prompt position. */
+static int first_token_handoff(engine *e, ereq *r, int32_t token) {
+    const char *why = NULL;
+    if (token < 0 || token >= e->vocab)
+        why = "the token is outside the vocabulary";
+    else if (!r->p.first_token_handoff_ok)
+        why = "the request has several output sequences (n > 1)";
+    else if (r->p.sampling.logprobs >= 0 || r->p.sampling.prompt_logprobs >= 0)
+        why = "the request asks for logprobs";
+    else if (r->n_generated || r->s.n_tokens != r->s.n_prompt)
+        why = "the request already has output";
+    if (why) {
+        if (token < 0 || token >= e->vocab)
+            LOG_W(MOD,
+                  "request %llu: the producer's first token %d is not used (%s, %d ids); "
+                  "recomputing the last prompt position",
+                  (unsigned long long)r->s.id, token, why, e->vocab);
+        else
+            LOG_D(MOD, "request %llu: the producer's first token is not used (%s)",
+                  (unsigned long long)r->s.id, why);
+        pthread_mutex_lock(&e->mu);
+        e->stats.first_token_refused++;
+        pthread_mutex_unlock(&e->mu);
+        return 0;
+    }
+    /* The producer's prefill sampled it from the same logits a colocated prefill
+     * computes, with the same sampler: record it and skip the draw it cost. */
+    int stop = is_stop_token(e, r, token) && 1 > r->p.min_tokens;
+    sampler_accept_drawn(r->smp, token);
+    seq_append(&r->s, token);
+    sched_unpark(&e->sched, &r->s, r->s.n_prompt); /* no prompt position is computed here */
+    if (!r->t_scheduled_ns) r->t_scheduled_ns = clock_now_ns();
+    pthread_mutex_lock(&e->mu);
+    e->stats.first_token_handoffs++;
+    e->stats.generation_tokens++;
+    pthread_mutex_unlock(&e->mu);
+    LOG_D(MOD, "request %llu: first token %d from the producer (no recompute)",
+          (unsigned long long)r->s.id, token);
+    engine_token tok;
+    memset(&tok, 0, sizeof tok);
+    tok.id = token;
+    deliver_token(e, r, &tok, stop);
+    return 1;
+}
+
 static void handle_note(engine *e, const kv_note *n) {
     if (n->kind == 1) {
         for (kept_blocks **pp = &e->kept; *pp; pp = &(*pp)->next)
@@ -539,7 +603,8 @@ static void handle_note(engine *e, const kv_note *n) {
     if (n->ok) {
         /* the KV start_load() asked for: the prompt less the local prefix-cache hits */
         r->n_kv_received = r->s.n_prompt - r->s.n_cached;
-        sched_unpark(&e->sched, &r->s, r->s.n_prompt - 1); /* recompute the last prompt token */
+        if (!n->has_first || !first_token_handoff(e, r, n->first_token))
+            sched_unpark(&e->sched, &r->s, r->s.n_prompt - 1); /* recompute the last prompt token */
     } else if (n->recompute) {
         LOG_W(MOD,
               "request %llu: %s; computing its prompt locally (kv_load_failure_policy recompute)",
@@ -678,6 +743,20 @@ static void fill_prompt_logprobs(engine *e, ereq *r, const float *rows, int firs
     }
 }
 
+/* tok (already appended to r's tokens) is r's next output: count it, send it,
+ * end r on a stop id (stop) or at its length. */
+static void deliver_token(engine *e, ereq *r, const engine_token *tok, int stop) {
+    r->n_generated++;
+    r->t_last_token_ns = clock_now_ns();
+    if (!r->t_first_token_ns) r->t_first_token_ns = r->t_last_token_ns;
+    engine_event ev = {.kind = ENGINE_EV_TOKEN, .id = r->s.id, .token = tok};
+    r->fn(r->ctx, &ev);
+    if (stop)
+        finish(e, r, "stop", tok->id, NULL);
+    else if (r->n_generated >= r->p.max_tokens || r->s.n_tokens >= e->max_model_len)
+        finish(e, r, "length", -1, NULL);
+}
+
 static void run_step(engine *e) {
     sched_plan *pl = &e->plan;
     if (sched_step(&e->sched, pl) == 0) return;
@@ -761,17 +840,11 @@ static void run_step(engine *e) {
             memcpy(tok.top_logprobs, sr.top_logprobs, sizeof tok.top_logprobs);
         }
         int stop = is_stop_token(e, r, tok.id) && r->n_generated + 1 > r->p.min_tokens;
+        if (r->kv_role == KV_REQ_REMOTE_DECODE && r->n_generated == 0 && e->conn.first_token)
+            e->conn.first_token(e->conn.ctx, r->kv_handle, r->s.id, tok.id); /* for the decoder */
         seq_append(&r->s, tok.id);
-        r->n_generated++;
         gen++;
-        r->t_last_token_ns = clock_now_ns();
-        if (!r->t_first_token_ns) r->t_first_token_ns = r->t_last_token_ns;
-        engine_event ev = {.kind = ENGINE_EV_TOKEN, .id = r->s.id, .token = &tok};
-        r->fn(r->ctx, &ev);
-        if (stop)
-            finish(e, r, "stop", tok.id, NULL);
-        else if (r->n_generated >= r->p.max_tokens || r->s.n_tokens >= e->max_model_len)
-            finish(e, r, "length", -1, NULL);
+        deliver_token(e, r, &tok, stop);
     }
     pthread_mutex_lock(&e->mu);
     e->stats.prompt_tokens += prompt;

@@ -21,22 +21,22 @@ typedef struct engine engine;
 struct model_config;
 
 typedef struct engine_config {
-    const char *model;          /* directory or hub name in the HF cache */
-    int block_size;             /* tokens per KV block (default 16) */
-    size_t kv_cache_bytes;      /* KV region size; 0 = kv_cache_fraction of RAM */
-    double kv_cache_fraction;   /* default 0.25 */
-    int max_num_seqs;           /* default 64 */
-    int max_num_batched_tokens; /* default 2048 */
-    int max_model_len;          /* 0 = the model's max_position_embeddings */
-    int enable_prefix_caching;  /* default 1 */
-    uint64_t seed;              /* engine-wide seed for unseeded sampling */
-    int threads;                /* compute threads, 0 = all cores */
-    int progress;               /* show model-loading progress on a tty */
-    const char *device;         /* backend_open device: "cpu" (default), "auto", "cuda[:N]" */
-    int kv_cache_dtype;         /* backend_dtype of the KV cache; -1 = the device's default */
+    const char *model;             /* directory or hub name in the HF cache */
+    int block_size;                /* tokens per KV block (default 16) */
+    size_t kv_cache_bytes;         /* KV region size; 0 = kv_cache_fraction of RAM */
+    double kv_cache_fraction;      /* default 0.25 */
+    int max_num_seqs;              /* default 64 */
+    int max_num_batched_tokens;    /* default 2048 */
+    int max_model_len;             /* 0 = the model's max_position_embeddings */
+    int enable_prefix_caching;     /* default 1 */
+    uint64_t seed;                 /* engine-wide seed for unseeded sampling */
+    int threads;                   /* compute threads, 0 = all cores */
+    int progress;                  /* show model-loading progress on a tty */
+    const char *device;            /* backend_open device: "cpu" (default), "auto", "cuda[:N]" */
+    int kv_cache_dtype;            /* backend_dtype of the KV cache; -1 = the device's default */
     double gpu_memory_utilization; /* GPU: device-memory fraction for everything (0.9) */
-    int enforce_eager;          /* GPU: no CUDA graphs (default: decode steps as graphs) */
-    int batch_invariant;        /* --batch-invariant: backend_options.batch_invariant */
+    int enforce_eager;             /* GPU: no CUDA graphs (default: decode steps as graphs) */
+    int batch_invariant;           /* --batch-invariant: backend_options.batch_invariant */
 } engine_config;
 
 void engine_config_init(engine_config *c);
@@ -68,6 +68,10 @@ typedef struct engine_request_params {
     engine_sampling sampling;
     const char *request_id;         /* for logs */
     const char *kv_transfer_params; /* JSON text for the KV connector, or NULL */
+    /* Consumer: the producer's first token may replace recomputing the last prompt
+     * position (engine_kv_load_done_first_token) — the caller says the request is one
+     * output sequence (n == 1); the engine also requires no logprobs / prompt_logprobs. */
+    int first_token_handoff_ok;
 } engine_request_params;
 
 #define ENGINE_MAX_TOP_LOGPROBS 20
@@ -135,6 +139,16 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out);
  * cannot land in another request's KV.  Exactly once per start_load(). */
 void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t hold_ns,
                          const char *error);
+/* Consumer: the whole prompt's KV of request id has arrived, and the producer's
+ * prefill sampled token as the first output token (the first-token handoff).
+ * When the request allows it (first_token_handoff_ok, no logprobs or
+ * prompt_logprobs) and token is in the vocabulary, the engine emits token as
+ * the request's first output (stop ids, min_tokens and max_tokens apply), advances
+ * the request's sampler past the one draw the producer made (a seeded request's
+ * later draws equal a colocated run's) and decodes on from it: no prompt position
+ * is computed here.  Otherwise it is engine_kv_load_done(e, id, 1, 0, 0, NULL):
+ * the last prompt position is recomputed (an out-of-vocabulary token is logged). */
+void engine_kv_load_done_first_token(engine *e, uint64_t id, int32_t token);
 /* engine_kv_load_done(e, id, 0, recompute, hold_ns, error) that also says
  * which HTTP status the failure is (400: unusable kv_transfer_params, 502/503:
  * producer unreachable or failing, 504: no KV in time; 0 = 500). */
@@ -145,7 +159,8 @@ void engine_kv_release(engine *e, uint64_t id);
 
 /* vllm:iteration_tokens_total's bucket bounds (vLLM v1's PrometheusStatLogger):
  * tokens (prompt + generated) per engine step. */
-#define ENGINE_STEP_TOKEN_BOUNDS {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+#define ENGINE_STEP_TOKEN_BOUNDS                                                                   \
+    { 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384 }
 #define ENGINE_STEP_TOKEN_NB 13
 
 typedef struct engine_stats {
@@ -158,8 +173,10 @@ typedef struct engine_stats {
     /* tokens per step: per-bucket counts (last = above all bounds), their sum */
     uint64_t step_tokens_buckets[ENGINE_STEP_TOKEN_NB + 1];
     uint64_t step_tokens_sum;
-    int num_kept;    /* producer requests holding blocks for a pull */
-    int num_loading; /* consumer requests waiting for remote KV */
+    int num_kept;                  /* producer requests holding blocks for a pull */
+    int num_loading;               /* consumer requests waiting for remote KV */
+    uint64_t first_token_handoffs; /* consumer: first tokens taken from the producer */
+    uint64_t first_token_refused;  /* consumer: handed-off tokens not used (recomputed) */
     char kernels[32]; /* the compute kernels: the CPU ISA ("avx2", "avx512bf16", ...) or "cuda" */
 } engine_stats;
 

@@ -10,6 +10,7 @@
  *                       remote decode (producer: keep the blocks at the end).
  *   start_load()        consumer: blocks are allocated; pull the remote KV into
  *                       them, then engine_kv_load_done().
+ *   first_token()       producer: the prefill's sampled token (optional hook).
  *   request_finished()  producer: the request ended; if keep, its blocks stay
  *                       referenced until engine_kv_release(id).  Consumer: the
  *                       request was aborted while loading (cancel the pull;
@@ -44,6 +45,10 @@ typedef struct engine_kv_connector {
      * engine_kv_release(id).  Consumer: aborted during its load (blocks NULL). */
     void (*request_finished)(void *ctx, void *handle, uint64_t id, const char *finish_reason,
                              const int32_t *blocks, int n_blocks, int n_prompt, int keep);
+    /* Producer (optional, may be NULL): the prefill of a remote-decode request
+     * sampled its first output token (before request_finished).  The connector
+     * may hand it to the consumer with the KV (engine_kv_load_done_first_token). */
+    void (*first_token)(void *ctx, void *handle, uint64_t id, int32_t token);
     /* The engine forgets the request (after finish or abort); free handle. */
     void (*request_released)(void *ctx, void *handle, uint64_t id);
 } engine_kv_connector;

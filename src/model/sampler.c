@@ -115,6 +115,12 @@ void sampler_accept(sampler *s, int32_t token) {
     if (c) c->out++;
 }
 
+void sampler_accept_drawn(sampler *s, int32_t token) {
+    if (!(s->p.temperature == 0.0f || s->p.top_k == 1))
+        (void)rng_uniform(&s->rng); /* sampler_sample's one draw per sampled token */
+    sampler_accept(s, token);
+}
+
 /* ---- lifecycle ---------------------------------------------------------------- */
 
 sampler *sampler_init(const sampler_params *p, int vocab, const int32_t *prompt, int n_prompt,

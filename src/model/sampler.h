@@ -60,5 +60,10 @@ int sampler_sample(sampler *s, float *logits, sample_result *out);
 int sampler_plain_greedy(const sampler *s);
 /* Records a token produced elsewhere (e.g. the first token from a prefill instance). */
 void sampler_accept(sampler *s, int32_t token);
+/* Records token as sampler_sample would have chosen it elsewhere with the same
+ * parameters, seed and logits (a prefill instance's first token): the generator
+ * advances past the one draw sampler_sample makes when it samples (none when
+ * greedy), so the next sampler_sample continues that sampler's stream exactly. */
+void sampler_accept_drawn(sampler *s, int32_t token);
 
 #endif

@@ -293,6 +293,8 @@ static int gen_submit(gen_req *r, gen_choice *c, bool with_kv) {
     if (p.sampling.has_seed) p.sampling.seed += (uint64_t)(c->index % r->o.n);
     p.request_id = r->id;
     p.kv_transfer_params = with_kv ? r->kv_params_text : NULL;
+    p.first_token_handoff_ok =
+        r->o.n == 1; /* n > 1: choice 0 recomputes (its siblings share its blocks) */
     char err[512] = "";
     int rc = engine_submit(r->s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
     if (rc) {

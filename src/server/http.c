@@ -78,6 +78,18 @@ static void handle_metrics(server *s, hs_req *req) {
         char *kv = mooncake_connector_metrics_text(s->conn);
         if (kv) rc = sbuf_append(&out, kv, strlen(kv));
         free(kv);
+        char ft[512]; /* the first-token handoff (docs/connector.md) */
+        int n =
+            snprintf(ft, sizeof ft,
+                     "# HELP disagg:kv_first_token_handoffs_total Remote-prefill requests whose "
+                     "first output token came from the producer (no prompt position "
+                     "recomputed), by outcome.\n"
+                     "# TYPE disagg:kv_first_token_handoffs_total counter\n"
+                     "disagg:kv_first_token_handoffs_total{outcome=\"used\"} %llu\n"
+                     "disagg:kv_first_token_handoffs_total{outcome=\"refused\"} %llu\n",
+                     (unsigned long long)st.first_token_handoffs,
+                     (unsigned long long)st.first_token_refused);
+        if (!rc && n > 0 && (size_t)n < sizeof ft) rc = sbuf_append(&out, ft, (size_t)n);
     }
     server_reply_text(req, rc ? 500 : 200, "text/plain; version=0.0.4; charset=utf-8",
                       rc ? "" : out.data, rc ? 0 : out.len);

@@ -151,9 +151,15 @@ def check_request_histograms(fams, usages, side):
     les = [float(s.labels["le"]) for s in fams["vllm:request_queue_time_seconds"].samples
            if s.name.endswith("_bucket")]
     assert les == LATENCY_BUCKETS + [float("inf")]
-    # tokens per engine step add up to the token counters, one observation per step
+    # tokens per engine step add up to the token counters, one observation per step; on D a
+    # first token handed over by P (docs/connector.md) is generated without a step
+    handed = sum(x.value for x in fams.get("disagg:kv_first_token_handoffs", type("", (), {"samples": []})).samples
+                 if x.name == "disagg:kv_first_token_handoffs_total" and x.labels.get("outcome") == "used")
+    if side == "D":
+        assert handed == n, (side, handed)
     assert one(fams, "vllm:iteration_tokens_total", "_sum", **L) == (
-        one(fams, "vllm:prompt_tokens", "_total", **L) + one(fams, "vllm:generation_tokens", "_total", **L))
+        one(fams, "vllm:prompt_tokens", "_total", **L) + one(fams, "vllm:generation_tokens", "_total", **L)
+        - handed)
     assert one(fams, "vllm:iteration_tokens_total", "_count", **L) == one(fams, "disagg:engine_steps", "_total", **L)
     assert one(fams, "vllm:request_success", "_total", finished_reason="length", **L) + one(
         fams, "vllm:request_success", "_total", finished_reason="stop", **L) == n

@@ -69,11 +69,13 @@ def test_completions_through_proxy_equal_colocated(stack, colocated, prompt):
     want = client(colocated.url).completions.create(**kw).choices[0].text
     got = client(px.url).completions.create(**kw)
     assert got.choices[0].text == want
-    assert_kv_pulled(got.usage.model_dump())  # D's KV came from P, D did not recompute it
+    # D's KV came from P, and P's first token with it (the first-token handoff): D computed
+    # no prompt position
+    assert_kv_pulled(got.usage.model_dump(), computed=0)
     chunks = list(client(px.url).completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == want
-    assert_kv_pulled(chunks[-1].usage.model_dump())
+    assert_kv_pulled(chunks[-1].usage.model_dump(), computed=0)
 
 
 def test_chat_through_proxy_equal_colocated(stack, colocated):
@@ -83,7 +85,7 @@ def test_chat_through_proxy_equal_colocated(stack, colocated):
     want = client(colocated.url).chat.completions.create(**kw).choices[0].message.content
     got = client(px.url).chat.completions.create(**kw)
     assert got.choices[0].message.content == want
-    assert_kv_pulled(got.usage.model_dump())
+    assert_kv_pulled(got.usage.model_dump(), computed=0)
     parts = []
     for c in client(px.url).chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         if c.choices and c.choices[0].delta.content:
@@ -97,7 +99,7 @@ def test_kv_really_moved_and_blocks_return(stack):
     m0 = p.server.metrics()
     got = client(px.url).completions.create(model="tiny", prompt=PROMPTS[1] + " again", max_tokens=4,
                                             temperature=0)
-    assert_kv_pulled(got.usage.model_dump())
+    assert_kv_pulled(got.usage.model_dump(), computed=0)
     m = p.server.metrics()  # this request's transfer, not an earlier test's
     assert m.get(ok, 0) == m0.get(ok, 0) + 1
     assert m.get("disagg:kv_transfer_bytes_total", 0) > m0.get("disagg:kv_transfer_bytes_total", 0)
@@ -151,7 +153,7 @@ def test_two_prefills_two_decodes_both_policies(colocated):
                     want = client(colocated.url).completions.create(**kw).choices[0].text
                     got = client(px.url).completions.create(**kw)
                     assert got.choices[0].text == want
-                    assert_kv_pulled(got.usage.model_dump())
+                    assert_kv_pulled(got.usage.model_dump(), computed=0)
             finally:
                 px.proc.terminate()
                 px.proc.wait(10)

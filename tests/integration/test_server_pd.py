@@ -57,8 +57,11 @@ def test_disaggregated_request_equals_colocated(pd):
         colocated = requests.post(p.url + "/v1/completions", json=body, timeout=120).json()
         assert rd.json()["choices"][0]["text"] == colocated["choices"][0]["text"]
         assert rd.json()["usage"]["completion_tokens"] == 16
-        kv = rd.json()["usage"]["kv_transfer"]  # the prompt's KV came over the wire, D ran 1 token
+        # the prompt's KV came over the wire and P's first token with it (the first-token
+        # handoff, docs/connector.md): D ran no prompt position
+        kv = rd.json()["usage"]["kv_transfer"]
         cached = rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert kv == {"received_prompt_tokens": rd.json()["usage"]["prompt_tokens"] - cached,
-                      "computed_prompt_tokens": 1}, rd.json()["usage"]
+                      "computed_prompt_tokens": 0}, rd.json()["usage"]
     assert p.metric("disagg:kv_transfer_bytes_total") > 0
+    assert d.metrics()['disagg:kv_first_token_handoffs_total{outcome="used"}'] == 3

@@ -405,8 +405,30 @@ static void test_auth_secret_and_pending_cap(void **state) {
     }
 }
 
+/* first_token_handoff: on by default, false switches it off, anything but a boolean
+ * is refused naming the key and the accepted values. */
+static void test_first_token_handoff_switch(void **state) {
+    (void)state;
+    const char *base = "{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_consumer\"";
+    char j[512];
+    snprintf(j, sizeof j, "%s}", base);
+    assert_int_equal(parse_ok(j).first_token_handoff, 1);
+    snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"first_token_handoff\":false}}",
+             base);
+    kv_transfer_config c = parse_ok(j);
+    assert_int_equal(c.first_token_handoff, 0);
+    assert_string_equal(c.unknown_extra_keys, "");
+    static const char *const bad[] = {"0", "\"false\"", "null", "[]"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"first_token_handoff\":%s}}",
+                 base, bad[i]);
+        parse_bad(j, "kv_connector_extra_config.first_token_handoff", "true (default) or false");
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_first_token_handoff_switch),
         cmocka_unit_test(test_minimal_producer_defaults),
         cmocka_unit_test(test_full_config),
         cmocka_unit_test(test_vllm_fields_accepted_and_ignored),

@@ -216,6 +216,49 @@ static void test_seed_reproducible(void **st) {
     assert_false(same);
 }
 
+/* sampler_accept_drawn: a sampler told the first token another sampler with the same
+ * parameters and seed drew (a prefill instance's) continues that sampler's stream
+ * exactly — the seeded first-token handoff; penalties see the token too.  A sampler
+ * that only sampler_accept()s it (no skipped draw) drifts off the stream. */
+static void test_accept_drawn_continues_stream(void **st) {
+    (void)st;
+    for (int greedy = 0; greedy < 2; greedy++) {
+        sampler_params p;
+        sampler_params_default(&p);
+        p.temperature = greedy ? 0.0f : 1.0f;
+        p.frequency_penalty = 0.3f;
+        p.has_seed = 1;
+        p.seed = 777;
+        char err[256];
+        sampler *a = sampler_init(&p, V, NULL, 0, err, sizeof err);
+        sampler *b = sampler_init(&p, V, NULL, 0, err, sizeof err);
+        sampler *c = sampler_init(&p, V, NULL, 0, err, sizeof err);
+        assert_true(a && b && c);
+        float l[V];
+        sample_result r;
+        fill(l);
+        sampler_sample(a, l, &r); /* the producer's draw */
+        sampler_accept_drawn(b, r.token);
+        sampler_accept(c, r.token);
+        int same_c = 1;
+        for (int i = 0; i < 64; i++) {
+            sample_result ra, rb, rc;
+            fill(l);
+            sampler_sample(a, l, &ra);
+            fill(l);
+            sampler_sample(b, l, &rb);
+            fill(l);
+            sampler_sample(c, l, &rc);
+            assert_int_equal(ra.token, rb.token);
+            same_c &= ra.token == rc.token;
+        }
+        if (!greedy) assert_false(same_c); /* the skipped draw matters */
+        sampler_free(a);
+        sampler_free(b);
+        sampler_free(c);
+    }
+}
+
 static void test_penalties(void **st) {
     (void)st;
     sampler_params p;
@@ -324,10 +367,15 @@ static void test_invalid(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_distributions),   cmocka_unit_test(test_top_p_large_vocab),
-        cmocka_unit_test(test_greedy_and_ties), cmocka_unit_test(test_seed_reproducible),
-        cmocka_unit_test(test_penalties),       cmocka_unit_test(test_logprobs_and_stop),
-        cmocka_unit_test(test_invalid),         cmocka_unit_test(test_plain_greedy),
+        cmocka_unit_test(test_distributions),
+        cmocka_unit_test(test_top_p_large_vocab),
+        cmocka_unit_test(test_greedy_and_ties),
+        cmocka_unit_test(test_seed_reproducible),
+        cmocka_unit_test(test_penalties),
+        cmocka_unit_test(test_logprobs_and_stop),
+        cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_plain_greedy),
+        cmocka_unit_test(test_accept_drawn_continues_stream),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

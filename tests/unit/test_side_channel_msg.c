@@ -594,6 +594,57 @@ static void test_reply_bad(void **state) {
     msgpack_sbuffer_destroy(&sb);
 }
 
+/* The "disagg_first_tokens" reply extension: encoded only when present (vLLM's
+ * bytes unchanged otherwise, test_encode_matches_msgspec), round-trips, and
+ * entries of another shape are dropped without failing the reply. */
+static void test_first_tokens_extension(void **state) {
+    (void)state;
+    char *ok[2] = {"d-1", "d-2"};
+    char *ft_reqs[2] = {"d-1", "d-2"};
+    int32_t ft_tokens[2] = {7, 151643};
+    side_channel_reply r = {.status = SIDE_CHANNEL_FINISH,
+                            .ok_reqs = ok,
+                            .n_ok = 2,
+                            .ft_reqs = ft_reqs,
+                            .ft_tokens = ft_tokens,
+                            .n_ft = 2};
+    char *buf;
+    size_t len;
+    assert_int_equal(side_channel_reply_encode(&r, &buf, &len), 0);
+    side_channel_reply d;
+    char err[256];
+    assert_int_equal(side_channel_reply_decode(buf, len, &d, err, sizeof err), 0);
+    assert_int_equal(d.n_ok, 2);
+    assert_int_equal(d.n_ft, 2);
+    assert_string_equal(d.ft_reqs[0], "d-1");
+    assert_int_equal(d.ft_tokens[0], 7);
+    assert_string_equal(d.ft_reqs[1], "d-2");
+    assert_int_equal(d.ft_tokens[1], 151643);
+    side_channel_reply_free(&d);
+    free(buf);
+    /* {"status": 0, "disagg_first_tokens": {"a": [5], "b": "x", "c": [1, 2], "d": [-1],
+     *  "e": [2^32], 1: [3], "f": [], "g": 5}}: only "a" survives */
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    pack_hex(&sb, "82a673746174757300b36469736167675f66697273745f746f6b656e73"
+                  "88a1619105a162a178a163920102a16491ffa16591cf0000000100000000"
+                  "019103a16690a16705");
+    assert_int_equal(side_channel_reply_decode(sb.data, sb.size, &d, err, sizeof err), 0);
+    assert_int_equal(d.status, SIDE_CHANNEL_FINISH);
+    assert_int_equal(d.n_ft, 1);
+    assert_string_equal(d.ft_reqs[0], "a");
+    assert_int_equal(d.ft_tokens[0], 5);
+    side_channel_reply_free(&d);
+    msgpack_sbuffer_destroy(&sb);
+    /* not a map: ignored */
+    msgpack_sbuffer_init(&sb);
+    pack_hex(&sb, "82a673746174757300b36469736167675f66697273745f746f6b656e7305");
+    assert_int_equal(side_channel_reply_decode(sb.data, sb.size, &d, err, sizeof err), 0);
+    assert_int_equal(d.n_ft, 0);
+    side_channel_reply_free(&d);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 /* Deterministic mutation fuzz: flip bytes of the golden messages; decoding must
  * either succeed or fail cleanly (ASan/UBSan builds check the "cleanly"). */
 static void test_mutation_fuzz(void **state) {
@@ -699,6 +750,7 @@ int main(void) {
         cmocka_unit_test(test_hostile_counts_depth_size),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_reply_bad),
+        cmocka_unit_test(test_first_tokens_extension),
         cmocka_unit_test(test_mutation_fuzz),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -95,8 +95,9 @@ typedef struct prod_req {
     int engine_released;  /* the engine dropped its handle */
     uint64_t deadline_ns; /* P_READY: expiry; P_UNKNOWN/P_PREFILLING with waiters: give up */
     char fail_msg[192];
-    int fail_reason; /* P_FAILED: FP_* */
-    int cancelled;   /* a decoder cancelled its pull: release the blocks once ready */
+    int fail_reason;     /* P_FAILED: FP_* */
+    int cancelled;       /* a decoder cancelled its pull: release the blocks once ready */
+    int32_t first_token; /* the first output token the prefill sampled, -1 = none yet */
     pull_part *waiters;
     struct prod_req *next, *prev;   /* c->prods (prev: O(1) unlink) */
     struct prod_req *unext, *uprev; /* c->u_head..u_tail while P_UNKNOWN (oldest last) */
@@ -108,6 +109,9 @@ typedef struct pull_job { /* one pull from a decoder, until its final reply */
     size_t pending;   /* requests not yet done */
     char **ok, **err; /* (n_reqs) borrowed req ids */
     size_t n_ok, n_err;
+    char **ft_reqs;     /* (n_reqs) ok requests with P's first token ... */
+    int32_t *ft_tokens; /* ... and that token ("disagg_first_tokens") */
+    size_t n_ft;
     char err_msg[256];
     uint64_t beat_ns; /* last reply (or arrival): a CONTINUE follows every BEAT_PERIOD_NS */
 } pull_job;
@@ -203,6 +207,7 @@ static prod_req *prod_new(mooncake_connector *c, const char *transfer_id, prod_s
         return NULL;
     }
     p->state = st;
+    p->first_token = -1;
     p->next = c->prods;
     if (c->prods) c->prods->prev = p;
     c->prods = p;
@@ -240,11 +245,16 @@ static void job_finish_locked(mooncake_connector *c, pull_job *job) {
                             .n_ok = job->n_ok,
                             .err_reqs = job->err,
                             .n_err = job->n_err,
-                            .err_msg = job->n_err ? job->err_msg : NULL};
+                            .err_msg = job->n_err ? job->err_msg : NULL,
+                            .ft_reqs = job->ft_reqs,
+                            .ft_tokens = job->ft_tokens,
+                            .n_ft = job->n_ft};
     side_channel_call_reply(job->call, &r);
     side_channel_pull_release(job->pull);
     free(job->ok);
     free(job->err);
+    free(job->ft_reqs);
+    free(job->ft_tokens);
     free(job);
     (void)c;
 }
@@ -452,6 +462,11 @@ static void *sender_main(void *arg) {
         }
         p->state = P_DONE;
         prod_release_blocks_locked(c, p); /* one decoder rank: pulled once */
+        if (rc == 0 && p->first_token >= 0 && c->cfg.first_token_handoff && t->job->ft_reqs &&
+            t->job->ft_tokens) { /* the first-token handoff: D need not recompute it */
+            t->job->ft_reqs[t->job->n_ft] = t->job->pull->reqs[t->req].req_id;
+            t->job->ft_tokens[t->job->n_ft++] = p->first_token;
+        }
         job_req_done_locked(c, t->job, t->req, rc == 0, rc ? err : NULL);
         prod_wake_waiters_locked(c, p); /* any second pull of the same id */
         prod_maybe_free_locked(c, p);
@@ -531,6 +546,8 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
     job->pull = pull;
     job->ok = ok;
     job->err = er;
+    job->ft_reqs = calloc(pull->n_reqs + 1, sizeof *job->ft_reqs); /* NULL: no handoff */
+    job->ft_tokens = calloc(pull->n_reqs + 1, sizeof *job->ft_tokens);
     job->pending = pull->n_reqs + 1; /* +1 held until the loop is done */
     uint64_t now = clock_now_ns();
     job->beat_ns = now;
@@ -613,8 +630,9 @@ typedef struct pull_outcome {
     mooncake_connector *c;
     cons_req *r;
     const char *my_req;
-    int ok;   /* our request was in ok_reqs */
-    int done; /* a final reply came */
+    int ok;              /* our request was in ok_reqs */
+    int done;            /* a final reply came */
+    int32_t first_token; /* P's first output token for our request ("disagg_first_tokens"), -1 */
     char err[320];
 } pull_outcome;
 
@@ -633,6 +651,8 @@ static int on_reply(void *ud, const side_channel_reply *r) {
         snprintf(o->err, sizeof o->err, "producer refused the pull: %s",
                  r->err_msg ? r->err_msg : "no reason given");
     }
+    for (size_t i = 0; i < r->n_ft; i++)
+        if (!strcmp(r->ft_reqs[i], o->my_req)) o->first_token = r->ft_tokens[i];
     if (r->status != SIDE_CHANNEL_CONTINUE) {
         o->done = 1;
     } else { /* the producer is alive and still has the request: extend the deadline */
@@ -698,7 +718,7 @@ static void *pull_main(void *arg) {
     mooncake_connector *c = r->c;
     uint64_t t0 = clock_now_ns();
     char ep[256], err[320] = "";
-    pull_outcome o = {.c = c, .r = r};
+    pull_outcome o = {.c = c, .r = r, .first_token = -1};
     int status = 502, reason = FC_PRODUCER_ERROR, acked = 0;
     char my_req[32];
     snprintf(my_req, sizeof my_req, "d-%" PRIu64, r->id);
@@ -806,7 +826,9 @@ static void *pull_main(void *arg) {
         c->fail_c[reason]++;
     }
     pthread_mutex_unlock(&c->mu);
-    if (ok)
+    if (ok && o.first_token >= 0 && c->cfg.first_token_handoff)
+        engine_kv_load_done_first_token(c->eng, r->id, o.first_token);
+    else if (ok)
         engine_kv_load_done(c->eng, r->id, 1, recompute, 0, NULL);
     else
         engine_kv_load_failed(c->eng, r->id, recompute, hold_ns, status, msg);
@@ -1062,6 +1084,17 @@ static void request_finished(void *ctx, void *hp, uint64_t id, const char *reaso
     (void)id;
     prod_wake_waiters_locked(c, p);
     pthread_mutex_unlock(&c->mu);
+}
+
+/* Producer: the prefill sampled its first output token (sent with the KV). */
+static void first_token(void *ctx, void *hp, uint64_t id, int32_t token) {
+    mooncake_connector *c = ctx;
+    handle *h = hp;
+    if (!h || !h->is_producer) return;
+    pthread_mutex_lock(&c->mu);
+    ((prod_req *)h->p)->first_token = token;
+    pthread_mutex_unlock(&c->mu);
+    (void)id;
 }
 
 static void request_released(void *ctx, void *hp, uint64_t id) {
@@ -1435,6 +1468,7 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
                                  .classify = classify,
                                  .start_load = start_load,
                                  .request_finished = request_finished,
+                                 .first_token = first_token,
                                  .request_released = request_released};
     engine_set_kv_connector(eng, &hooks);
     LOG_I(MOD,

@@ -16,9 +16,11 @@
  * do_remote_prefill is parked with blocks for its prompt; a pull thread finds
  * the producer's side channel through its bootstrap server (cached), sends the
  * pull (our KV region, block ids not already in the local prefix cache, the
- * layout fingerprint) and reports the outcome to the engine, which recomputes
- * the last prompt token and decodes — or fails the request / prefills locally
- * per kv_load_failure_policy.  Every wait has a deadline.
+ * layout fingerprint) and reports the outcome to the engine, which emits the
+ * producer's first token when the reply carried one ("disagg_first_tokens", the
+ * first-token handoff; first_token_handoff: false turns it off on either side) or
+ * recomputes the last prompt token, and decodes — or fails the request /
+ * prefills locally per kv_load_failure_policy.  Every wait has a deadline.
  */
 #ifndef DISAGG_CONNECTOR_MOONCAKE_CONNECTOR_H
 #define DISAGG_CONNECTOR_MOONCAKE_CONNECTOR_H

@@ -612,8 +612,35 @@ void side_channel_pull_free(side_channel_pull *p) {
 
 /* ---- reply --------------------------------------------------------------- */
 
-enum { R_STATUS, R_OK, R_ERR, R_MSG, R_NKEYS };
-static const char *const REPLY_KEYS[R_NKEYS] = {"status", "ok_reqs", "err_reqs", "err_msg"};
+enum { R_STATUS, R_OK, R_ERR, R_MSG, R_FT, R_NKEYS };
+static const char *const REPLY_KEYS[R_NKEYS] = {"status", "ok_reqs", "err_reqs", "err_msg",
+                                                SIDE_CHANNEL_FIRST_TOKENS_KEY};
+
+/* "disagg_first_tokens": {"<req id>": [token]}; entries of another shape are
+ * dropped (an extension must never fail a pull: D then recomputes the token). */
+static int get_first_tokens(dec_ctx *c, const msgpack_object *o, side_channel_reply *out) {
+    if (o->type != MSGPACK_OBJECT_MAP || o->via.map.size == 0) return 0;
+    size_t n = o->via.map.size;
+    if (n > SIDE_CHANNEL_MAX_REQS) return 0;
+    out->ft_reqs = arena_alloc(c->arena, n * sizeof *out->ft_reqs);
+    out->ft_tokens = arena_alloc(c->arena, n * sizeof *out->ft_tokens);
+    if (!out->ft_reqs || !out->ft_tokens) return SIDE_CHANNEL_ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        const msgpack_object_kv *kv = &o->via.map.ptr[i];
+        if (kv->key.type != MSGPACK_OBJECT_STR || kv->key.via.str.size == 0 ||
+            kv->key.via.str.size > SIDE_CHANNEL_MAX_STR || kv->val.type != MSGPACK_OBJECT_ARRAY ||
+            kv->val.via.array.size != 1 ||
+            kv->val.via.array.ptr[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER ||
+            kv->val.via.array.ptr[0].via.u64 > INT32_MAX)
+            continue;
+        char *id = arena_alloc(c->arena, kv->key.via.str.size + 1);
+        if (!id) return SIDE_CHANNEL_ENOMEM;
+        memcpy(id, kv->key.via.str.ptr, kv->key.via.str.size);
+        out->ft_reqs[out->n_ft] = id;
+        out->ft_tokens[out->n_ft++] = (int32_t)kv->val.via.array.ptr[0].via.u64;
+    }
+    return 0;
+}
 
 int side_channel_reply_decode(const void *buf, size_t len, side_channel_reply *out, char *err,
                               size_t err_cap) {
@@ -638,6 +665,7 @@ int side_channel_reply_decode(const void *buf, size_t len, side_channel_reply *o
                               &out->n_err);
         if (rc == 0 && f[R_MSG] && f[R_MSG]->type != MSGPACK_OBJECT_NIL)
             rc = get_str(&c, "err_msg", f[R_MSG], &out->err_msg);
+        if (rc == 0 && f[R_FT]) rc = get_first_tokens(&c, f[R_FT], out);
         if (rc == SIDE_CHANNEL_ENOMEM) err_set(err, err_cap, "side-channel reply: out of memory");
     }
     msgpack_unpacked_destroy(&u);
@@ -760,7 +788,7 @@ int side_channel_reply_encode(const side_channel_reply *r, char **out, size_t *o
     msgpack_sbuffer_init(&sb);
     msgpack_packer pk;
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    size_t nkeys = 1 + (r->n_ok > 0) + (r->n_err > 0) + (r->err_msg != NULL);
+    size_t nkeys = 1 + (r->n_ok > 0) + (r->n_err > 0) + (r->err_msg != NULL) + (r->n_ft > 0);
     int rc = msgpack_pack_map(&pk, nkeys);
     rc = rc ? rc : pack_cstr(&pk, "status");
     rc = rc ? rc : msgpack_pack_int(&pk, (int)r->status);
@@ -775,6 +803,15 @@ int side_channel_reply_encode(const side_channel_reply *r, char **out, size_t *o
     if (r->err_msg) {
         rc = rc ? rc : pack_cstr(&pk, "err_msg");
         rc = rc ? rc : pack_cstr(&pk, r->err_msg);
+    }
+    if (r->n_ft) {
+        rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_FIRST_TOKENS_KEY);
+        rc = rc ? rc : msgpack_pack_map(&pk, r->n_ft);
+        for (size_t i = 0; i < r->n_ft && !rc; i++) {
+            rc = pack_cstr(&pk, r->ft_reqs[i] ? r->ft_reqs[i] : "");
+            rc = rc ? rc : msgpack_pack_array(&pk, 1);
+            rc = rc ? rc : msgpack_pack_int64(&pk, r->ft_tokens[i]);
+        }
     }
     return finish(&sb, rc, out, out_len);
 }

@@ -33,6 +33,10 @@
 
 /* Key of our layout-fingerprint extension. */
 #define SIDE_CHANNEL_LAYOUT_KEY "disagg_layout"
+/* Key of the first-token extension of a reply: {"<D req id>": [token id]} for the
+ * requests in ok_reqs whose first output token P sampled in its prefill (the
+ * first-token handoff, docs/connector.md).  vLLM's decoder ignores it. */
+#define SIDE_CHANNEL_FIRST_TOKENS_KEY "disagg_first_tokens"
 
 /* One KV group's newly allocated block ids on D. */
 typedef struct side_channel_block_group {
@@ -85,7 +89,13 @@ typedef struct side_channel_reply {
     char **err_reqs; /* (n_err) D request ids that failed */
     size_t n_err;
     char *err_msg; /* NULL = absent */
-    void *arena;   /* decode: owns the pointers above */
+    /* "disagg_first_tokens": P's first output token of request ft_reqs[i] is
+     * ft_tokens[i] (n_ft = 0: absent, a vLLM peer).  Decoding keeps only entries
+     * of the form "<req id>": [one integer 0..INT32_MAX] and drops others. */
+    char **ft_reqs;
+    int32_t *ft_tokens;
+    size_t n_ft;
+    void *arena; /* decode: owns the pointers above */
 } side_channel_reply;
 
 /* Encode into a malloc'd buffer (*out, *out_len; free() it).  Defaults are
