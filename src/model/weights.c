@@ -162,7 +162,7 @@ static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **
     if (b && !w_keep(w, b)) {
         int off = 0;
         for (int i = 0; i < n; i++) {
-            backend_dtype dt;
+            backend_dtype dt = BACKEND_F32;
             w_dtype(ts[i]->dtype, &dt); /* w_find accepted it */
             cpu_ref_row_to_f32(host + off, ts[i]->data, (cpu_dtype)dt, lens[i]);
             parts[i] = (float *)backend_buffer_ptr(b) + off;
