@@ -10,6 +10,7 @@
 #include "proxy/backend.h"
 #include "proxy/pd_request.h"
 #include "proxy/policy.h"
+#include "tests/unit/fake_backend.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -145,20 +146,6 @@ static void test_urls(void **state) {
     assert_int_equal(
         backend_parse_bootstrap("u", "h", "70000", host, sizeof host, &port, err, sizeof err),
         -EINVAL);
-}
-
-/* Fake ready backends for the policies. */
-static void fake(backend *b, backend_role role, int index, int ranks) {
-    memset(b, 0, sizeof *b);
-    b->role = role;
-    b->index = index;
-    b->ready = b->healthy = b->active = 1;
-    b->nengines = ranks;
-    if (ranks) {
-        b->engines = calloc((size_t)ranks, sizeof *b->engines);
-        for (int i = 0; i < ranks; i++)
-            b->engines[i].dp_rank = i;
-    }
 }
 
 static void test_policies(void **state) {

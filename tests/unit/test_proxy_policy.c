@@ -11,25 +11,12 @@
 #include "proxy/backend.h"
 #include "proxy/pd_request.h"
 #include "proxy/policy.h"
+#include "tests/unit/fake_backend.h"
 
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* A ready backend with ranks dp ranks. */
-static void fake(backend *b, backend_role role, int index, int ranks) {
-    memset(b, 0, sizeof *b);
-    b->role = role;
-    b->index = index;
-    b->ready = b->healthy = b->active = 1;
-    b->nengines = ranks;
-    if (ranks) {
-        b->engines = calloc((size_t)ranks, sizeof *b->engines);
-        for (int i = 0; i < ranks; i++)
-            b->engines[i].dp_rank = i;
-    }
-}
 
 /* --discovery: published load, --policy prefix (bounded by load), model/KV-layout groups. */
 static void test_policy_discovery(void **state) {
