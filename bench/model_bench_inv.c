@@ -45,12 +45,37 @@ static int ib_list(const char *flag, const char *v, int *out, int *n) {
 }
 
 typedef struct ib_result {
-    double prefill_tps[IB_MAXL]; /* tokens/s per batch */
-    double decode_ms[IB_MAXL];   /* ms per step per batch */
+    double prefill_tps[IB_MAXL];         /* tokens/s per batch */
+    double long_tps;                     /* one --long-prompt prompt */
+    double decode_ms[IB_MAXL][IB_MAXL];  /* ms per step per context, batch */
 } ib_result;
 
-static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, int plen, int ctx,
-                  int steps, int max_tokens, ib_result *res) {
+/* best tokens/s of n prompts of plen tokens (toks: n * plen) from an empty cache */
+static int ib_prefill(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *q,
+                      int32_t *toks, int32_t *tables, int per, float *logits, int n, int plen,
+                      int max_tokens, double *tps) {
+    int rc = 0, per_call = max_tokens / plen < 1 ? 1 : max_tokens / plen, V = m->cfg.vocab_size;
+    double best = 1e30;
+    for (int r = 0; r < 3 && !rc; r++) {
+        double t0 = ib_now();
+        for (int s0 = 0; s0 < n && !rc; s0 += per_call) {
+            int k = n - s0 < per_call ? n - s0 : per_call;
+            for (int i = 0; i < k; i++)
+                q[i] = (qwen2_seq){toks + (size_t)(s0 + i) * plen, plen, 0,
+                                   tables + (size_t)(s0 + i) * per, per,
+                                   logits + (size_t)i * V, 0, NULL};
+            rc = qwen2_forward(m, s, kv, q, k);
+        }
+        double el = ib_now() - t0;
+        if (r && el < best) best = el; /* the first round warms up */
+    }
+    *tps = (double)n * plen / best;
+    return rc;
+}
+
+static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, int plen,
+                  int long_plen, const int *ctxs, int n_c, int steps, int max_tokens,
+                  ib_result *res) {
     char err[4096];
     backend *be = NULL;
     backend_options o;
@@ -67,14 +92,19 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
         return -EIO;
     }
     const model_config *c = &m.cfg;
-    int B = 1;
+    int B = 1, ctx = 0;
     for (int i = 0; i < n_b; i++)
         B = batches[i] > B ? batches[i] : B;
+    for (int i = 0; i < n_c; i++)
+        ctx = ctxs[i] > ctx ? ctxs[i] : ctx;
+    if (long_plen > max_tokens) max_tokens = long_plen;
     int len = plen > ctx + steps + 2 ? plen : ctx + steps + 2;
+    if (long_plen > len) len = long_plen;
     int per = (len + IB_BS - 1) / IB_BS, nb = B * per;
     kv_store kv;
     qwen2_state *s = qwen2_state_create(&m, max_tokens);
-    int32_t *tables = calloc((size_t)nb, 4), *toks = calloc((size_t)B * plen + B, 4);
+    size_t ntok = (size_t)B * plen + B > (size_t)long_plen ? (size_t)B * plen + B : (size_t)long_plen;
+    int32_t *tables = calloc((size_t)nb, 4), *toks = calloc(ntok, 4);
     float *logits = malloc((size_t)B * c->vocab_size * 4);
     qwen2_seq *q = calloc((size_t)B, sizeof *q);
     int rc = kv_store_init_on(&kv, be, c, nb, IB_BS, BACKEND_BF16, BACKEND_BUF_KV);
@@ -85,28 +115,18 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
     }
     for (int b = 0; b < nb; b++)
         tables[b] = b;
-    for (size_t t = 0; t < (size_t)B * plen + B; t++)
+    for (size_t t = 0; t < ntok; t++)
         toks[t] = (int32_t)((t * 7919 + 1) % (c->vocab_size < 100000 ? c->vocab_size : 100000));
-    for (int bi = 0; bi < n_b && !rc; bi++) {
-        int n = batches[bi], per_call = max_tokens / plen < 1 ? 1 : max_tokens / plen;
-        double best = 1e30;
-        for (int r = 0; r < 3 && !rc; r++) {
-            double t0 = ib_now();
-            for (int s0 = 0; s0 < n && !rc; s0 += per_call) {
-                int k = n - s0 < per_call ? n - s0 : per_call;
-                for (int i = 0; i < k; i++)
-                    q[i] = (qwen2_seq){toks + (size_t)(s0 + i) * plen, plen, 0,
-                                       tables + (size_t)(s0 + i) * per, per,
-                                       logits + (size_t)i * c->vocab_size, 0, NULL};
-                rc = qwen2_forward(&m, s, &kv, q, k);
-            }
-            double el = ib_now() - t0;
-            if (r && el < best) best = el; /* the first round warms up */
-        }
-        res->prefill_tps[bi] = (double)n * plen / best;
-    }
+    for (int bi = 0; bi < n_b && !rc; bi++)
+        rc = ib_prefill(&m, s, &kv, q, toks, tables, per, logits, batches[bi], plen, max_tokens,
+                        &res->prefill_tps[bi]);
+    if (!rc && long_plen > 0)
+        rc = ib_prefill(&m, s, &kv, q, toks, tables, per, logits, 1, long_plen, max_tokens,
+                        &res->long_tps);
     if (!rc && qwen2_state_set_graphs(s, B) < 0) rc = -ENOMEM;
+    for (int ci = 0; ci < n_c && !rc; ci++)
     for (int bi = 0; bi < n_b && !rc; bi++) {
+        int ctx = ctxs[ci];
         int n = batches[bi];
         double best = 1e30;
         for (int round = 0; round < 2 && !rc; round++) {
@@ -123,7 +143,7 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
             double el = (ib_now() - t0) / steps;
             if (el < best) best = el;
         }
-        res->decode_ms[bi] = best * 1e3;
+        res->decode_ms[ci][bi] = best * 1e3;
     }
     if (rc) fprintf(stderr, "disagg bench model: --batch-invariant: forward failed (%d)\n", rc);
 out:
@@ -138,7 +158,7 @@ out:
 int bench_model_inv_main(int argc, char **argv) {
     const char *model_arg = NULL;
     int batches[IB_MAXL] = {1, 8, 32, 64}, n_b = 4, mrefs[IB_MAXL] = {0}, n_m = 1;
-    int plen = 512, ctx = 1024, steps = 32, max_tokens = 8192;
+    int plen = 512, ctxs[IB_MAXL] = {1024}, n_c = 1, long_plen = 0, steps = 32, max_tokens = 8192;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int one[IB_MAXL], n1 = 0;
@@ -148,25 +168,28 @@ int bench_model_inv_main(int argc, char **argv) {
         } else if (!strcmp(a, "--batches")) {
             if (ib_list(a, v, batches, &n_b)) return 2;
             i++;
+        } else if (!strcmp(a, "--context")) {
+            if (ib_list(a, v, ctxs, &n_c)) return 2;
+            i++;
         } else if (!strcmp(a, "--inv-gemm-m")) {
             if (ib_list(a, v, mrefs, &n_m)) return 2;
             i++;
-        } else if (!strcmp(a, "--prompt-len") || !strcmp(a, "--context") ||
+        } else if (!strcmp(a, "--prompt-len") || !strcmp(a, "--long-prompt") ||
                    !strcmp(a, "--gen-len") || !strcmp(a, "--max-tokens")) {
             if (ib_list(a, v, one, &n1) || n1 != 1) {
                 if (n1 > 1) fprintf(stderr, "disagg bench model: %s takes one integer\n", a);
                 return 2;
             }
-            *(!strcmp(a, "--prompt-len") ? &plen
-              : !strcmp(a, "--context")  ? &ctx
-              : !strcmp(a, "--gen-len")  ? &steps
-                                         : &max_tokens) = one[0];
+            *(!strcmp(a, "--prompt-len")    ? &plen
+              : !strcmp(a, "--long-prompt") ? &long_plen
+              : !strcmp(a, "--gen-len")     ? &steps
+                                            : &max_tokens) = one[0];
             i++;
         } else if (a[0] == '-') {
             fprintf(stderr,
                     "disagg bench model --device cuda --batch-invariant: unknown option '%s'; "
-                    "accepted: --batches, --prompt-len, --context, --gen-len, --max-tokens, "
-                    "--inv-gemm-m\n",
+                    "accepted: --batches, --prompt-len, --long-prompt, --context, --gen-len, "
+                    "--max-tokens, --inv-gemm-m\n",
                     a);
             return 2;
         } else if (!model_arg) {
@@ -178,8 +201,9 @@ int bench_model_inv_main(int argc, char **argv) {
     }
     if (!model_arg) {
         fprintf(stderr, "usage: disagg bench model MODEL --device cuda --batch-invariant "
-                        "[--batches 1,8,32,64] [--prompt-len 512] [--context 1024] "
-                        "[--gen-len 32] [--max-tokens 8192] [--inv-gemm-m M,...]\n");
+                        "[--batches 1,8,32,64] [--prompt-len 512] [--long-prompt N] "
+                        "[--context 1024[,4096..]] [--gen-len 32] [--max-tokens 8192] "
+                        "[--inv-gemm-m M,...]\n");
         return 2;
     }
     if (max_tokens < plen) max_tokens = plen;
@@ -188,34 +212,41 @@ int bench_model_inv_main(int argc, char **argv) {
     memset(inv, 0, sizeof inv);
     printf("batch-invariant mode vs fast mode, serving path (model/qwen2.c over kernels/backend.h, "
            "CUDA graphs for decode), one process\n");
-    int rc = ib_run(model_arg, 0, batches, n_b, plen, ctx, steps, max_tokens, &fast);
+    int rc = ib_run(model_arg, 0, batches, n_b, plen, long_plen, ctxs, n_c, steps, max_tokens, &fast);
     for (int k = 0; k < n_m && !rc; k++) {
         if (mrefs[k] > 0) {
             char b[32];
             snprintf(b, sizeof b, "%d", mrefs[k]);
             setenv("DISAGG_CUDA_INV_GEMM_M", b, 1);
         }
-        rc = ib_run(model_arg, 1, batches, n_b, plen, ctx, steps, max_tokens, &inv[k]);
+        rc = ib_run(model_arg, 1, batches, n_b, plen, long_plen, ctxs, n_c, steps, max_tokens,
+                    &inv[k]);
     }
     if (rc) return 1;
     for (int k = 0; k < n_m; k++) {
         if (mrefs[k] > 0)
             printf("\ninvariant GEMM algorithms chosen at M = %d (DISAGG_CUDA_INV_GEMM_M)\n",
                    mrefs[k]);
-        printf("%-6s %14s %14s %8s   %12s %12s %8s\n", "batch", "prefill fast", "invariant",
-               "slower", "decode fast", "invariant", "slower");
-        printf("%-6s %14s %14s %8s   %12s %12s %8s\n", "", "tok/s", "tok/s", "", "ms/step",
-               "ms/step", "");
+        printf("prefill (tokens/s)\n%-12s %14s %14s %8s\n", "batch", "fast", "invariant",
+               "slower");
         for (int i = 0; i < n_b; i++)
-            printf("%-6d %14.0f %14.0f %7.1f%%   %12.3f %12.3f %7.1f%%\n", batches[i],
+            printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", batches[i], plen,
                    fast.prefill_tps[i], inv[k].prefill_tps[i],
-                   100.0 * (fast.prefill_tps[i] / inv[k].prefill_tps[i] - 1.0),
-                   fast.decode_ms[i], inv[k].decode_ms[i],
-                   100.0 * (inv[k].decode_ms[i] / fast.decode_ms[i] - 1.0));
+                   100.0 * (fast.prefill_tps[i] / inv[k].prefill_tps[i] - 1.0));
+        if (long_plen > 0)
+            printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", 1, long_plen, fast.long_tps,
+                   inv[k].long_tps, 100.0 * (fast.long_tps / inv[k].long_tps - 1.0));
+        printf("decode (ms per step)\n%-6s %-8s %12s %12s %8s\n", "batch", "context", "fast",
+               "invariant", "slower");
+        for (int ci = 0; ci < n_c; ci++)
+            for (int i = 0; i < n_b; i++)
+                printf("%-6d %-8d %12.3f %12.3f %7.1f%%\n", batches[i], ctxs[ci],
+                       fast.decode_ms[ci][i], inv[k].decode_ms[ci][i],
+                       100.0 * (inv[k].decode_ms[ci][i] / fast.decode_ms[ci][i] - 1.0));
     }
-    printf("(prefill: --batches sequences of %d tokens from an empty cache, forward calls of <= "
-           "%d tokens, best of 2 after a warm-up; decode: %d steps at context %d after 2 "
-           "warm-ups, best of 2 rounds; bf16 KV)\n",
-           plen, max_tokens, steps, ctx);
+    printf("(prefill: --batches sequences of %d tokens (and one of --long-prompt %d) from an "
+           "empty cache, forward calls of <= %d tokens, best of 2 after a warm-up; decode: %d "
+           "steps at each --context after 2 warm-ups, best of 2 rounds; bf16 KV)\n",
+           plen, long_plen, max_tokens > long_plen ? max_tokens : long_plen, steps);
     return 0;
 }

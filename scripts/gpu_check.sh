@@ -35,7 +35,9 @@
 # colocated).  ONLY=inv runs just
 # those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
 # arguments to that benchmark, INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
-# skips the test's fast-mode comparisons and INV_GEMM_BENCH=1 adds its GEMM timing table.
+# skips the test's fast-mode comparisons, INV_GEMM_BENCH=1 adds its GEMM timing table,
+# INV_DECODE_BENCH=1 its decode-step parts (GEMMs, attention per kernel variant) and INV_LOG=
+# (empty) silences the per-shape algorithm log.
 # Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
@@ -111,7 +113,7 @@ W7=/dev/shm/q7b
 inv_steps() {
   step "batch-invariant mode: test_cuda_invariant (GEMM rows, attention schedules, the model alone/batched/chunked; 7B-shaped random weights)"
   [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
-  DISAGG_SRC=$SRC DISAGG_INV_NO_FAST=${INV_NO_FAST:-} DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_CUDA_INV_LOG=1 "$BUILD/test_cuda_invariant"
+  DISAGG_SRC=$SRC DISAGG_INV_NO_FAST=${INV_NO_FAST:-} DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_INV_DECODE_BENCH=${INV_DECODE_BENCH:-} DISAGG_CUDA_INV_LOG=${INV_LOG-1} "$BUILD/test_cuda_invariant"
   check $? test_cuda_invariant
   step "batch-invariant mode: its cost against the fast mode (serving path, 7B shape)"
   "$BIN" bench model "$W7" --device cuda --batch-invariant ${INV_BENCH_ARGS:-}

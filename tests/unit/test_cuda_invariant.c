@@ -513,6 +513,18 @@ static void test_attention_invariant(void **st) {
                 "positions differ across 6 schedules (fast mode: %d/%d)\n",
                 c->nh, c->nkv, c->hd, c->kv_dt == BACKEND_BF16 ? "bf16" : "f32", d, n, fd, fn);
         assert_int_equal(d, 0);
+        /* head_dim 64/128: the decode kernel's other shapes (DISAGG_CUDA_INV_ATT: 0 the
+         * one-warp kernel, N key tiles per CTA) give the bits of the prefill at once too */
+        static const char *vars[] = {"0", "1", "2", "8"};
+        for (size_t v = 0; c->hd >= 64 && v < sizeof vars / sizeof vars[0]; v++) {
+            setenv("DISAGG_CUDA_INV_ATT", vars[v], 1);
+            rs = save;
+            int dv = at_case_run(inv, c, &n);
+            fprintf(stderr, "    DISAGG_CUDA_INV_ATT=%s: %d/%d positions differ\n", vars[v], dv,
+                    n);
+            assert_int_equal(dv, 0);
+        }
+        unsetenv("DISAGG_CUDA_INV_ATT");
     }
     backend_close(inv);
     backend_close(fast);
@@ -739,6 +751,170 @@ static void test_harness_cpu(void **st) {
     on_cpu = 0;
 }
 
+/* ---- the parts of a decode step (DISAGG_INV_DECODE_BENCH=1) ------------------------------ */
+
+/* device buffer of n bytes filled with random bf16 in [-1, 1) (f32: random floats) */
+static backend_buffer *rand_buffer(backend *be, backend_stream *s, size_t n, int f32) {
+    backend_buffer *b = backend_buffer_alloc(be, n, 0);
+    assert_non_null(b);
+    size_t chunk = (size_t)64 << 20;
+    uint16_t *h = malloc(chunk);
+    assert_non_null(h);
+    for (size_t i = 0; i < chunk / 2; i++) {
+        float f = frand();
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        h[i] = (uint16_t)(u >> 16);
+    }
+    if (f32)
+        for (size_t i = 0; i < chunk / 4; i++) {
+            float f = frand();
+            memcpy((char *)h + i * 4, &f, 4);
+        }
+    for (size_t o = 0; o < n; o += chunk)
+        assert_int_equal(backend_upload(s, (char *)backend_buffer_ptr(b) + o, h,
+                                        n - o < chunk ? n - o : chunk),
+                         0);
+    assert_int_equal(backend_stream_sync(s), 0);
+    free(h);
+    return b;
+}
+
+/* The GEMMs of one 7B decode step (28 x q|k|v, o, gate|up, down, then lm_head; x bf16, y f32)
+ * and its attention (28 layers, a recorded graph as serve runs it; bf16 KV, 16-token blocks,
+ * bf16 output), each timed alone, fast mode against invariant mode (and the invariant decode
+ * attention kernels forced by DISAGG_CUDA_INV_ATT), at batch 1, 8, 32, 64 and context 1,024 /
+ * 4,096.  Milliseconds per step: what each part contributes to `disagg bench model`. */
+static void test_decode_bench(void **st) {
+    NEED_GPU();
+    const char *want = getenv("DISAGG_INV_DECODE_BENCH");
+    if (!want || !*want || !strcmp(want, "0")) {
+        fprintf(stderr, "SKIP %s: set DISAGG_INV_DECODE_BENCH=1\n", __func__);
+        skip();
+    }
+    enum { NL = 28, NH = 28, NKV = 4, HD = 128, H = 3584, I = 18944, V = 152064, BS = 16 };
+    static const int Bs[] = {1, 8, 32, 64}, ctxs[] = {1024, 4096};
+    const int nB = 4, nC = 2;
+    backend *be[2] = {open_cuda(0), open_cuda(1)};
+    static const int shp[5][2] = {{(NH + 2 * NKV) * HD, H}, {H, H}, {2 * I, H}, {H, I}, {V, H}};
+    for (int mode = 0; mode < 2; mode++) {
+        backend_stream *s = backend_stream_create(be[mode]);
+        backend_buffer *w[5], *x = rand_buffer(be[mode], s, (size_t)64 * I * 2, 0),
+                              *y = backend_buffer_alloc(be[mode], (size_t)64 * V * 4, 0);
+        for (int k = 0; k < 5; k++)
+            w[k] = rand_buffer(be[mode], s, (size_t)shp[k][0] * shp[k][1] * 2, 0);
+        fprintf(stderr, "  decode-step GEMMs, %s mode, ms per step (28 layers + lm_head):",
+                mode ? "invariant" : "fast");
+        for (int bi = 0; bi < nB; bi++) {
+            int M = Bs[bi];
+            double best = 1e30;
+            for (int r = 0; r < 4; r++) {
+                double t0 = now_s();
+                for (int l = 0; l <= NL; l++)
+                    for (int k = l < NL ? 0 : 4; k < (l < NL ? 4 : 5); k++) {
+                        backend_matmul_op op = {backend_buffer_ptr(y), BACKEND_F32,
+                                                backend_buffer_ptr(x), BACKEND_BF16,
+                                                backend_buffer_ptr(w[k]), BACKEND_BF16,
+                                                NULL, M, shp[k][0], shp[k][1]};
+                        assert_int_equal(backend_matmul(s, &op, 1), 0);
+                    }
+                assert_int_equal(backend_stream_sync(s), 0);
+                double el = now_s() - t0;
+                if (r && el < best) best = el; /* round 0: the bucket probes */
+            }
+            fprintf(stderr, "  B=%d %.3f", M, best * 1e3);
+        }
+        fprintf(stderr, "\n");
+        for (int k = 0; k < 5; k++)
+            backend_buffer_free(w[k]);
+        backend_buffer_free(x), backend_buffer_free(y);
+        backend_stream_free(s);
+    }
+    /* attention: KV for 64 sequences of 4,096 + 16 positions, 28 layers */
+    int per = (4096 + 16 + BS - 1) / BS, nb = 64 * per;
+    const char *vars[] = {"fast", "inv", "inv old (k_iv_part)", "inv tps 1", "inv tps 2",
+                          "inv tps 4", "inv tps 8"};
+    const char *env[] = {NULL, NULL, "0", "1", "2", "4", "8"};
+    const int nV = 7;
+    double ms[7][2][4];
+    memset(ms, 0, sizeof ms);
+    for (int mode = 0; mode < 2; mode++) {
+        backend_stream *s = backend_stream_create(be[mode]);
+        backend_kv kv = {NULL, BACKEND_BF16, nb, BS, NL, NKV, HD};
+        size_t kvbytes = backend_kv_block_bytes(&kv) * nb;
+        backend_buffer *kvb = rand_buffer(be[mode], s, kvbytes, 0);
+        kv.base = backend_buffer_ptr(kvb);
+        backend_buffer *qb = rand_buffer(be[mode], s, (size_t)64 * NH * HD * 4, 1),
+                       *ob = backend_buffer_alloc(be[mode], (size_t)64 * NH * HD * 4, 0);
+        int32_t *bt = malloc((size_t)nb * 4), tok[64], tseq[64], tpos[64], qo[65], kvl[64],
+                bti[65], orow[64];
+        for (int i = 0; i < nb; i++)
+            bt[i] = (int32_t)(((size_t)i * 7919) % (size_t)nb); /* scattered blocks */
+        for (int v = mode ? 1 : 0; v < (mode ? nV : 1); v++) {
+            if (env[v]) setenv("DISAGG_CUDA_INV_ATT", env[v], 1);
+            else unsetenv("DISAGG_CUDA_INV_ATT");
+            for (int ci = 0; ci < nC; ci++)
+                for (int bi = 0; bi < nB; bi++) {
+                    int B = Bs[bi], ctx = ctxs[ci] + 8, nbs = (ctx + BS - 1) / BS;
+                    int C = 256;
+                    while (C < ctx)
+                        C = (C & (C - 1)) == 0 ? C + C / 2 : C / 3 * 4;
+                    qo[0] = bti[0] = 0;
+                    for (int i = 0; i < B; i++) {
+                        tok[i] = 0, tseq[i] = i, tpos[i] = ctx - 1, qo[i + 1] = i + 1;
+                        kvl[i] = ctx, bti[i + 1] = (i + 1) * nbs, orow[i] = i;
+                    }
+                    int32_t *bti_bt = malloc((size_t)B * nbs * 4);
+                    for (int i = 0; i < B; i++)
+                        memcpy(bti_bt + (size_t)i * nbs, bt + (size_t)i * per, (size_t)nbs * 4);
+                    backend_batch b = {B, B, tok, tseq, tpos, qo, kvl, bti, bti_bt, B, orow};
+                    backend_graph_reset(s);
+                    assert_int_equal(backend_graph_plan(s, &b, C, (C + BS - 1) / BS), 0);
+                    double best = 1e30;
+                    for (int r = 0; r < 8; r++) {
+                        double t0 = now_s();
+                        int g = backend_graph_begin(s);
+                        assert_true(g >= 0);
+                        if (g == 0) {
+                            int rc = 0;
+                            for (int l = 0; l < NL && !rc; l++)
+                                rc = backend_attention_to(s, backend_buffer_ptr(ob), BACKEND_BF16,
+                                                          backend_buffer_ptr(qb), BACKEND_F32,
+                                                          &kv, l, NH, 0.0884f);
+                            assert_int_equal(rc, 0);
+                            assert_int_equal(backend_graph_end(s, 1), 0);
+                        }
+                        assert_int_equal(backend_stream_sync(s), 0);
+                        double el = now_s() - t0;
+                        if (r >= 3 && el < best) best = el; /* 0, 1: warm-up, recording */
+                    }
+                    ms[v][ci][bi] = best * 1e3;
+                    free(bti_bt);
+                }
+        }
+        unsetenv("DISAGG_CUDA_INV_ATT");
+        backend_graph_reset(s);
+        free(bt);
+        backend_buffer_free(qb), backend_buffer_free(ob), backend_buffer_free(kvb);
+        backend_stream_free(s);
+    }
+    fprintf(stderr, "  decode-step attention (28 layers, one recorded graph, bf16 KV and output), "
+                    "ms per step\n  %-22s", "variant \\ B");
+    for (int ci = 0; ci < nC; ci++)
+        for (int bi = 0; bi < nB; bi++)
+            fprintf(stderr, " %5s%-4d", ci ? "4k:" : "1k:", Bs[bi]);
+    fprintf(stderr, "\n");
+    for (int v = 0; v < nV; v++) {
+        fprintf(stderr, "  %-22s", vars[v]);
+        for (int ci = 0; ci < nC; ci++)
+            for (int bi = 0; bi < nB; bi++)
+                fprintf(stderr, " %9.3f", ms[v][ci][bi]);
+        fprintf(stderr, "\n");
+    }
+    backend_close(be[0]);
+    backend_close(be[1]);
+}
+
 /* Without a GPU too: the CPU backend accepts the option (it is always batch-invariant). */
 static void test_cpu_accepts(void **st) {
     backend *be = NULL;
@@ -761,6 +937,7 @@ int main(void) {
         cmocka_unit_test(test_model_default),
         cmocka_unit_test(test_model_7b),
         cmocka_unit_test(test_matmul_bench),
+        cmocka_unit_test(test_decode_bench),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -64,6 +64,12 @@ iv_policy iv_policy_default(void) {
     return p;
 }
 
+/* $DISAGG_CUDA_INV_LOG set, not empty, not 0: log every algorithm choice */
+static int iv_log(void) {
+    const char *e = getenv("DISAGG_CUDA_INV_LOG");
+    return e && *e && strcmp(e, "0");
+}
+
 static int check_algo(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatmulAlgo_t *algo,
                       int M, size_t ws_bytes) {
     cublasLtMatrixLayout_t b = NULL, c = NULL;
@@ -156,7 +162,7 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
     while (al->max_rows < IV_MAX_ROWS && check_m(lt, al, al->max_rows * 2, ws_bytes))
         al->max_rows *= 2;
     al->ok = 1;
-    if (getenv("DISAGG_CUDA_INV_LOG"))
+    if (iv_log())
         fprintf(stderr,
                 "cuda: batch-invariant GEMM N=%d K=%d: algo %d tile %d stages %d split-K %d "
                 "reduction %d (chosen at M=%d, candidate %d), rows per call <= %d\n",
@@ -314,7 +320,7 @@ static void resolve_bucket(cublasLtHandle_t lt, iv_algo *al, int b, cudaStream_t
     if (pick >= 0) al->bstate[b] = 1;
 done:
     cudaGetLastError();
-    if (getenv("DISAGG_CUDA_INV_LOG")) {
+    if (iv_log()) {
         if (pick >= 0)
             fprintf(stderr,
                     "cuda: batch-invariant GEMM N=%d K=%d rows <= %d: candidate %d%s (tile %d "
@@ -417,11 +423,19 @@ __device__ __forceinline__ void iv_cp_wait(void) {
     asm volatile("cp.async.wait_all;\n" ::);
 }
 
-/* K and V of keys k0 .. k0 + IV_BK - 1 (zero from kend on) into shared memory, bf16 */
+__device__ __forceinline__ void iv_cp_commit(void) {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> __device__ __forceinline__ void iv_cp_wait_group(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* K and V of keys k0 .. k0 + IV_BK - 1 (zero from kend on) into shared memory, bf16; the bf16
+ * copies are issued (cp.async), not waited for */
 template <int HD, typename KT, int NTH>
-__device__ __forceinline__ void iv_load(bf16 *Ks, bf16 *Vs, const KT *kv, const int32_t *bt,
-                                        int k0, int kend, int bs, int n_layers, int kvd,
-                                        int layer, int kvh) {
+__device__ __forceinline__ void iv_load_issue(bf16 *Ks, bf16 *Vs, const KT *kv, const int32_t *bt,
+                                              int k0, int kend, int bs, int n_layers, int kvd,
+                                              int layer, int kvh) {
     constexpr int LD = HD + IV_PAD, C8 = HD / 8;
     for (int i = threadIdx.x; i < IV_BK * C8; i += NTH) {
         int r = i / C8, c8 = i % C8, j = k0 + r;
@@ -445,6 +459,13 @@ __device__ __forceinline__ void iv_load(bf16 *Ks, bf16 *Vs, const KT *kv, const 
                                       iv_pack(d.z, d.w));
         }
     }
+}
+/* the same, waited for */
+template <int HD, typename KT, int NTH>
+__device__ __forceinline__ void iv_load(bf16 *Ks, bf16 *Vs, const KT *kv, const int32_t *bt,
+                                        int k0, int kend, int bs, int n_layers, int kvd,
+                                        int layer, int kvh) {
+    iv_load_issue<HD, KT, NTH>(Ks, Vs, kv, bt, k0, kend, bs, n_layers, kvd, layer, kvh);
     iv_cp_wait();
 }
 
@@ -469,13 +490,17 @@ __device__ __forceinline__ void iv_load_q(uint32_t (&qa)[HD / 16][4], const floa
 }
 
 /* One tile's partial for the warp's two rows per lane (positions qp0, qp1; -1 = none): the
- * row max m (-inf when every key is masked), l = sum of the bf16 weights, o = P V.  The one
- * place a tile's partial is computed, for both paths. */
-template <int HD>
+ * row max m (-inf when every key is masked), l = sum of the bf16 weights, o = P V for the DW
+ * head_dim tiles of 8 from tile dn0 on (all HD / 8 of them: dn0 = 0, DW = HD / 8; each output
+ * column is its own accumulation, so a slice is bit for bit that part of the whole).  The one
+ * place a tile's partial is computed, for every path. */
+template <int HD, int DW = HD / 8>
 __device__ __forceinline__ void iv_tile(const uint32_t (&qa)[HD / 16][4], const bf16 *Ks,
                                         const bf16 *Vs, int k0, int qp0, int qp1, float &m0,
-                                        float &m1, float &l0, float &l1, float (&o)[HD / 8][4]) {
-    constexpr int LD = HD + IV_PAD, NT = IV_BK / 8, DT = HD / 8, KS = HD / 16;
+                                        float &m1, float &l0, float &l1, float (&o)[DW][4],
+                                        int dn0 = 0) {
+    constexpr int LD = HD + IV_PAD, NT = IV_BK / 8, KS = HD / 16;
+    static_assert(DW % 2 == 0 && DW <= HD / 8, "iv_tile: DW even, at most HD / 8");
     int lane = threadIdx.x & 31, qd = lane & 3;
     float s[NT][4];
 #pragma unroll
@@ -523,18 +548,18 @@ __device__ __forceinline__ void iv_tile(const uint32_t (&qa)[HD / 16][4], const 
     sum1 = __fadd_rn(sum1, __shfl_xor_sync(0xffffffffu, sum1, 2));
     m0 = mx0, m1 = mx1, l0 = sum0, l1 = sum1;
 #pragma unroll
-    for (int dn = 0; dn < DT; dn++)
-        o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    for (int j = 0; j < DW; j++)
+        o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < IV_BK / 16; kk++) {
         uint32_t a[4] = {pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0], pa[2 * kk + 1][1]};
 #pragma unroll
-        for (int dn = 0; dn < DT; dn += 2) {
+        for (int j = 0; j < DW; j += 2) {
             uint32_t b[4];
-            int m = lane >> 3;
+            int m = lane >> 3, dn = dn0 + j;
             iv_ldsm_t(b, Vs + (kk * 16 + (m & 1) * 8 + (lane & 7)) * LD + dn * 8 + (m >> 1) * 8);
-            iv_mma(o[dn], a, b[0], b[1]);
-            iv_mma(o[dn + 1], a, b[2], b[3]);
+            iv_mma(o[j], a, b[0], b[1]);
+            iv_mma(o[j + 1], a, b[2], b[3]);
         }
     }
 }
@@ -665,6 +690,70 @@ __global__ void __launch_bounds__(32)
     }
 }
 
+/* The other tokens, 4 warps a CTA: CTA = (token, 16 of its group's heads, KV head, split of
+ * tps consecutive key tiles).  The 128 threads copy each tile's K/V once (cp.async, the next
+ * tile's copy in flight while this one is computed); every warp computes the tile's S, max
+ * and sum for its rows (the same code and operands as k_iv_part and the prefill kernel, so
+ * the same bits), and the P V of a quarter of head_dim.  The partials go to the same place
+ * as k_iv_part's, tile by tile: how many tiles a CTA takes (tps) changes no bit.  head_dim
+ * 64 and 128. */
+#define IV_DEC_WARPS 4
+template <int HD, typename KT>
+__global__ void __launch_bounds__(IV_DEC_WARPS * 32)
+    k_iv_dec(float *part, const float *q, const KT *kv, int bs, int n_layers, int layer,
+             const int32_t *rest, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+             int bt_stride, int nh, int nkv, int nkt, int tps, int nsp, float scale) {
+    constexpr int LD = HD + IV_PAD, DW = HD / 8 / IV_DEC_WARPS, STAGE = 2 * IV_BK * LD;
+    static_assert(DW >= 2, "k_iv_dec: head_dim 64 or 128");
+    extern __shared__ __align__(16) bf16 iv_dsm[];
+    int ti = blockIdx.x, kvh = blockIdx.z / nsp, sp = blockIdx.z % nsp;
+    int t = rest[ti], p = pos[t], kt0 = sp * tps;
+    if (p < kt0 * IV_BK) return; /* also padding rows (p = -1) */
+    int kt1 = min(kt0 + tps, p / IV_BK + 1);
+    int G = nh / nkv, kvd = nkv * HD, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, qd = lane & 3;
+    int r0 = blockIdx.y * 16 + g, r1 = r0 + 8, h0 = kvh * G + r0, h1 = kvh * G + r1;
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    uint32_t qa[HD / 16][4];
+    iv_load_q<HD>(qa, r0 < G ? q + (size_t)t * nh * HD + (size_t)h0 * HD : NULL,
+                  r1 < G ? q + (size_t)t * nh * HD + (size_t)h1 * HD : NULL, scale);
+    iv_load_issue<HD, KT, IV_DEC_WARPS * 32>(iv_dsm, iv_dsm + IV_BK * LD, kv, bt, kt0 * IV_BK,
+                                             p + 1, bs, n_layers, kvd, layer, kvh);
+    iv_cp_commit();
+    const size_t W = HD + 2;
+    for (int kt = kt0; kt < kt1; kt++) {
+        bf16 *Ks = iv_dsm + ((kt - kt0) & 1) * STAGE, *Vs = Ks + IV_BK * LD;
+        if (kt + 1 < kt1) {
+            bf16 *Kn = iv_dsm + ((kt - kt0 + 1) & 1) * STAGE;
+            iv_load_issue<HD, KT, IV_DEC_WARPS * 32>(Kn, Kn + IV_BK * LD, kv, bt,
+                                                     (kt + 1) * IV_BK, p + 1, bs, n_layers,
+                                                     kvd, layer, kvh);
+            iv_cp_commit();
+            iv_cp_wait_group<1>();
+        } else {
+            iv_cp_wait_group<0>();
+        }
+        __syncthreads();
+        float ms0, ms1, ls0, ls1, os[DW][4];
+        iv_tile<HD, DW>(qa, Ks, Vs, kt * IV_BK, r0 < G ? p : -1, r1 < G ? p : -1, ms0, ms1, ls0,
+                        ls1, os, w * DW);
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int r = half ? r1 : r0, h = half ? h1 : h0;
+            if (r >= G) continue;
+            float *dst = part + (((size_t)ti * nh + h) * nkt + kt) * W;
+#pragma unroll
+            for (int j = 0; j < DW; j++) {
+                int d = (w * DW + j) * 8 + 2 * qd;
+                *(float2 *)(dst + d) = make_float2(os[j][half * 2], os[j][half * 2 + 1]);
+            }
+            if (w == 0 && qd == 0) *(float2 *)(dst + HD) = half ? make_float2(ms1, ls1)
+                                                                : make_float2(ms0, ls0);
+        }
+        __syncthreads(); /* the stage is refilled next */
+    }
+}
+
 /* folds the tiles 0 .. pos / IV_BK of each (token, head) in order */
 template <int HD>
 __global__ void k_iv_combine(float *out, const float *part, const int32_t *rest,
@@ -676,13 +765,23 @@ __global__ void k_iv_combine(float *out, const float *part, const int32_t *rest,
     const size_t W = HD + 2;
     const float *src = part + ((size_t)ti * nh + h) * nkt * W;
     float M = -INFINITY, L = 0.0f, O = 0.0f;
-    for (int kt = 0; kt < n; kt++) {
-        const float *pp = src + (size_t)kt * W;
-        float mn, a, b;
-        iv_coef(M, pp[HD], mn, a, b);
-        L = iv_mix(L, a, pp[HD + 1], b);
-        O = iv_mix(O, a, pp[d], b);
-        M = mn;
+    /* 8 tiles' loads in flight at a time; the fold itself strictly in tile order */
+    for (int k0 = 0; k0 < n; k0 += 8) {
+        float pm[8], pl[8], po[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const float *pp = src + (size_t)(k0 + u < n ? k0 + u : k0) * W;
+            pm[u] = pp[HD], pl[u] = pp[HD + 1], po[u] = pp[d];
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            if (k0 + u >= n) break;
+            float mn, a, b;
+            iv_coef(M, pm[u], mn, a, b);
+            L = iv_mix(L, a, pl[u], b);
+            O = iv_mix(O, a, po[u], b);
+            M = mn;
+        }
     }
     out[(size_t)t * nh * HD + (size_t)h * HD + d] = iv_final(O, L);
 }
@@ -691,6 +790,24 @@ void iv_scratch_free(iv_scratch *sc) {
     if (sc->part) cudaFree(sc->part);
     sc->part = NULL;
     sc->cap = 0;
+}
+
+/* Key tiles per CTA of the decode kernel k_iv_dec (0: the one-warp k_iv_part): a function
+ * of the grid's shape only -- every choice computes the same partials, bit for bit.
+ * $DISAGG_CUDA_INV_ATT=N forces N (0: k_iv_part; 1, 2, 4, 8, 16); default: the most tiles
+ * per CTA (at most 8) that still leave >= 1024 CTAs. */
+static int iv_dec_tps(int n_rest, int heads_kv, int nkt, int hd) {
+    if (hd != 64 && hd != 128) return 0;
+    const char *e = getenv("DISAGG_CUDA_INV_ATT");
+    if (e && *e) {
+        int v = atoi(e);
+        if (v == 0 || v == 1 || v == 2 || v == 4 || v == 8 || v == 16) return v;
+    }
+    long base = (long)n_rest * heads_kv;
+    int tps = 1;
+    while (tps < 8 && base * ((nkt + 2 * tps - 1) / (2 * tps)) >= 1024)
+        tps *= 2;
+    return tps;
 }
 
 template <int HD, typename KT>
@@ -705,9 +822,29 @@ static int iv_launch(cudaStream_t st, iv_scratch *sc, float *out, const float *q
                                                    bts, bt_stride, nh, nkv, scale);
     }
     if (n_rest > 0) {
-        dim3 grid(n_rest, (G + 15) / 16, nkv * nkt);
-        k_iv_part<HD, KT><<<grid, 32, 0, st>>>(sc->part, q, kv, bs, n_layers, layer, rest, pos,
-                                               seq, bts, bt_stride, nh, nkv, nkt, scale);
+        int tps = iv_dec_tps(n_rest, (G + 15) / 16 * nkv, nkt, HD); /* 0 unless HD 64/128 */
+        if constexpr (HD >= 64) {
+            if (tps > 0) {
+                int nsp = (nkt + tps - 1) / tps;
+                size_t stage = (size_t)2 * IV_BK * (HD + IV_PAD) * sizeof(bf16);
+                static int attr_done; /* per instantiation */
+                if (!attr_done) {
+                    cudaFuncSetAttribute(k_iv_dec<HD, KT>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)(2 * stage));
+                    attr_done = 1;
+                }
+                dim3 grid(n_rest, (G + 15) / 16, nkv * nsp);
+                k_iv_dec<HD, KT><<<grid, IV_DEC_WARPS * 32, (tps > 1 ? 2 : 1) * stage, st>>>(
+                    sc->part, q, kv, bs, n_layers, layer, rest, pos, seq, bts, bt_stride, nh,
+                    nkv, nkt, tps, nsp, scale);
+            }
+        }
+        if (tps == 0) {
+            dim3 grid(n_rest, (G + 15) / 16, nkv * nkt);
+            k_iv_part<HD, KT><<<grid, 32, 0, st>>>(sc->part, q, kv, bs, n_layers, layer, rest,
+                                                   pos, seq, bts, bt_stride, nh, nkv, nkt, scale);
+        }
         k_iv_combine<HD><<<n_rest * nh, HD < 32 ? 32 : HD, 0, st>>>(out, sc->part, rest, pos, nh,
                                                                    nkt);
     }
