@@ -103,7 +103,8 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
     int per = (len + IB_BS - 1) / IB_BS, nb = B * per;
     kv_store kv;
     qwen2_state *s = qwen2_state_create(&m, max_tokens);
-    size_t ntok = (size_t)B * plen + B > (size_t)long_plen ? (size_t)B * plen + B : (size_t)long_plen;
+    size_t ntok = (size_t)B * plen + B;
+    if (ntok < (size_t)long_plen) ntok = (size_t)long_plen;
     int32_t *tables = calloc((size_t)nb, 4), *toks = calloc(ntok, 4);
     float *logits = malloc((size_t)B * c->vocab_size * 4);
     qwen2_seq *q = calloc((size_t)B, sizeof *q);
@@ -124,9 +125,8 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
         rc = ib_prefill(&m, s, &kv, q, toks, tables, per, logits, 1, long_plen, max_tokens,
                         &res->long_tps);
     if (!rc && qwen2_state_set_graphs(s, B) < 0) rc = -ENOMEM;
-    for (int ci = 0; ci < n_c && !rc; ci++)
-    for (int bi = 0; bi < n_b && !rc; bi++) {
-        int ctx = ctxs[ci];
+    for (int cb = 0; cb < n_c * n_b && !rc; cb++) {
+        int ci = cb / n_b, bi = cb % n_b, ctx = ctxs[ci];
         int n = batches[bi];
         double best = 1e30;
         for (int round = 0; round < 2 && !rc; round++) {
@@ -212,7 +212,8 @@ int bench_model_inv_main(int argc, char **argv) {
     memset(inv, 0, sizeof inv);
     printf("batch-invariant mode vs fast mode, serving path (model/qwen2.c over kernels/backend.h, "
            "CUDA graphs for decode), one process\n");
-    int rc = ib_run(model_arg, 0, batches, n_b, plen, long_plen, ctxs, n_c, steps, max_tokens, &fast);
+    int rc =
+        ib_run(model_arg, 0, batches, n_b, plen, long_plen, ctxs, n_c, steps, max_tokens, &fast);
     for (int k = 0; k < n_m && !rc; k++) {
         if (mrefs[k] > 0) {
             char b[32];

@@ -4,6 +4,7 @@
  * batch).
  */
 #include "kernels/cuda/cuda_invariant.h"
+#include "kernels/cuda/cuda_mma.cuh"
 
 #include <cuda_bf16.h>
 
@@ -387,49 +388,6 @@ int iv_matmul(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t
 
 #define IV_PAD 8 /* bf16 elements of padding per shared-memory row (ldmatrix bank spread) */
 
-__device__ __forceinline__ size_t iv_kv_off(const int32_t *bt, int pos, int bs, int n_layers,
-                                            int kvd, int layer, int which) {
-    size_t blk = (size_t)bt[pos / bs], slot = (size_t)(pos % bs);
-    size_t per_block = (size_t)n_layers * 2 * bs * kvd;
-    return blk * per_block + (((size_t)layer * 2 + which) * bs + slot) * kvd;
-}
-__device__ __forceinline__ uint32_t iv_pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-__device__ __forceinline__ void iv_mma(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void iv_ldsm(uint32_t *r, const void *p) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void iv_ldsm_t(uint32_t *r, const void *p) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void iv_cp16(void *smem, const void *g) {
-    uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g));
-}
-__device__ __forceinline__ void iv_cp_wait(void) {
-    asm volatile("cp.async.wait_all;\n" ::);
-}
-
-__device__ __forceinline__ void iv_cp_commit(void) {
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N> __device__ __forceinline__ void iv_cp_wait_group(void) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 /* K and V of keys k0 .. k0 + IV_BK - 1 (zero from kend on) into shared memory, bf16; the bf16
  * copies are issued (cp.async), not waited for */
 template <int HD, typename KT, int NTH>
@@ -445,18 +403,18 @@ __device__ __forceinline__ void iv_load_issue(bf16 *Ks, bf16 *Vs, const KT *kv, 
             *(uint4 *)vd = make_uint4(0, 0, 0, 0);
             continue;
         }
-        const KT *kp = kv + iv_kv_off(bt, j, bs, n_layers, kvd, layer, 0) + (size_t)kvh * HD + c8 * 8;
-        const KT *vp = kv + iv_kv_off(bt, j, bs, n_layers, kvd, layer, 1) + (size_t)kvh * HD + c8 * 8;
+        const KT *kp = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + (size_t)kvh * HD + c8 * 8;
+        const KT *vp = kv + kv_off(bt, j, bs, n_layers, kvd, layer, 1) + (size_t)kvh * HD + c8 * 8;
         if constexpr (sizeof(KT) == 2) {
-            iv_cp16(kd, kp);
-            iv_cp16(vd, vp);
+            cp_async16(kd, kp);
+            cp_async16(vd, vp);
         } else {
             const float4 *k4 = (const float4 *)kp, *v4 = (const float4 *)vp;
             float4 a = k4[0], b = k4[1], c = v4[0], d = v4[1];
-            *(uint4 *)kd = make_uint4(iv_pack(a.x, a.y), iv_pack(a.z, a.w), iv_pack(b.x, b.y),
-                                      iv_pack(b.z, b.w));
-            *(uint4 *)vd = make_uint4(iv_pack(c.x, c.y), iv_pack(c.z, c.w), iv_pack(d.x, d.y),
-                                      iv_pack(d.z, d.w));
+            *(uint4 *)kd = make_uint4(pack_bf2(a.x, a.y), pack_bf2(a.z, a.w), pack_bf2(b.x, b.y),
+                                      pack_bf2(b.z, b.w));
+            *(uint4 *)vd = make_uint4(pack_bf2(c.x, c.y), pack_bf2(c.z, c.w), pack_bf2(d.x, d.y),
+                                      pack_bf2(d.z, d.w));
         }
     }
 }
@@ -466,7 +424,7 @@ __device__ __forceinline__ void iv_load(bf16 *Ks, bf16 *Vs, const KT *kv, const 
                                         int k0, int kend, int bs, int n_layers, int kvd,
                                         int layer, int kvh) {
     iv_load_issue<HD, KT, NTH>(Ks, Vs, kv, bt, k0, kend, bs, n_layers, kvd, layer, kvh);
-    iv_cp_wait();
+    cp_async_wait_all();
 }
 
 /* Q fragments of the warp's rows (row a: qrow0, row b: qrow1; NULL = padding), scaled and
@@ -482,10 +440,10 @@ __device__ __forceinline__ void iv_load_q(uint32_t (&qa)[HD / 16][4], const floa
         float2 x00 = q0 ? *(const float2 *)(q0 + c) : z, x10 = q1 ? *(const float2 *)(q1 + c) : z;
         float2 x01 = q0 ? *(const float2 *)(q0 + c + 8) : z;
         float2 x11 = q1 ? *(const float2 *)(q1 + c + 8) : z;
-        qa[kk][0] = iv_pack(__fmul_rn(x00.x, scale), __fmul_rn(x00.y, scale));
-        qa[kk][1] = iv_pack(__fmul_rn(x10.x, scale), __fmul_rn(x10.y, scale));
-        qa[kk][2] = iv_pack(__fmul_rn(x01.x, scale), __fmul_rn(x01.y, scale));
-        qa[kk][3] = iv_pack(__fmul_rn(x11.x, scale), __fmul_rn(x11.y, scale));
+        qa[kk][0] = pack_bf2(__fmul_rn(x00.x, scale), __fmul_rn(x00.y, scale));
+        qa[kk][1] = pack_bf2(__fmul_rn(x10.x, scale), __fmul_rn(x10.y, scale));
+        qa[kk][2] = pack_bf2(__fmul_rn(x01.x, scale), __fmul_rn(x01.y, scale));
+        qa[kk][3] = pack_bf2(__fmul_rn(x11.x, scale), __fmul_rn(x11.y, scale));
     }
 }
 
@@ -509,9 +467,11 @@ __device__ __forceinline__ void iv_tile(const uint32_t (&qa)[HD / 16][4], const 
 #pragma unroll
         for (int kk = 0; kk < KS; kk += 2) {
             uint32_t b[4];
-            iv_ldsm(b, Ks + (n * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8);
-            iv_mma(s[n], qa[kk], b[0], b[1]);
-            if (kk + 1 < KS) iv_mma(s[n], qa[kk + 1], b[2], b[3]);
+            ldsm_x4(b, Ks + (n * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8);
+            mma_bf16(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+            if (kk + 1 < KS)
+                mma_bf16(s[n], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2],
+                         b[3]);
         }
     }
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -536,8 +496,8 @@ __device__ __forceinline__ void iv_tile(const uint32_t (&qa)[HD / 16][4], const 
     for (int n = 0; n < NT; n++) {
         float e0 = __expf(__fsub_rn(s[n][0], b0)), e1 = __expf(__fsub_rn(s[n][1], b0));
         float e2 = __expf(__fsub_rn(s[n][2], b1)), e3 = __expf(__fsub_rn(s[n][3], b1));
-        pa[n][0] = iv_pack(e0, e1);
-        pa[n][1] = iv_pack(e2, e3);
+        pa[n][0] = pack_bf2(e0, e1);
+        pa[n][1] = pack_bf2(e2, e3);
         __nv_bfloat162 p01 = *(__nv_bfloat162 *)&pa[n][0], p23 = *(__nv_bfloat162 *)&pa[n][1];
         sum0 = __fadd_rn(sum0, __fadd_rn(__low2float(p01), __high2float(p01)));
         sum1 = __fadd_rn(sum1, __fadd_rn(__low2float(p23), __high2float(p23)));
@@ -557,9 +517,9 @@ __device__ __forceinline__ void iv_tile(const uint32_t (&qa)[HD / 16][4], const 
         for (int j = 0; j < DW; j += 2) {
             uint32_t b[4];
             int m = lane >> 3, dn = dn0 + j;
-            iv_ldsm_t(b, Vs + (kk * 16 + (m & 1) * 8 + (lane & 7)) * LD + dn * 8 + (m >> 1) * 8);
-            iv_mma(o[j], a, b[0], b[1]);
-            iv_mma(o[j + 1], a, b[2], b[3]);
+            ldsm_x4_t(b, Vs + (kk * 16 + (m & 1) * 8 + (lane & 7)) * LD + dn * 8 + (m >> 1) * 8);
+            mma_bf16(o[j], a[0], a[1], a[2], a[3], b[0], b[1]);
+            mma_bf16(o[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
         }
     }
 }
@@ -719,7 +679,7 @@ __global__ void __launch_bounds__(IV_DEC_WARPS * 32)
                   r1 < G ? q + (size_t)t * nh * HD + (size_t)h1 * HD : NULL, scale);
     iv_load_issue<HD, KT, IV_DEC_WARPS * 32>(iv_dsm, iv_dsm + IV_BK * LD, kv, bt, kt0 * IV_BK,
                                              p + 1, bs, n_layers, kvd, layer, kvh);
-    iv_cp_commit();
+    cp_async_commit();
     const size_t W = HD + 2;
     for (int kt = kt0; kt < kt1; kt++) {
         bf16 *Ks = iv_dsm + ((kt - kt0) & 1) * STAGE, *Vs = Ks + IV_BK * LD;
@@ -728,10 +688,10 @@ __global__ void __launch_bounds__(IV_DEC_WARPS * 32)
             iv_load_issue<HD, KT, IV_DEC_WARPS * 32>(Kn, Kn + IV_BK * LD, kv, bt,
                                                      (kt + 1) * IV_BK, p + 1, bs, n_layers,
                                                      kvd, layer, kvh);
-            iv_cp_commit();
-            iv_cp_wait_group<1>();
+            cp_async_commit();
+            cp_async_wait_group<1>();
         } else {
-            iv_cp_wait_group<0>();
+            cp_async_wait_group<0>();
         }
         __syncthreads();
         float ms0, ms1, ls0, ls1, os[DW][4];

@@ -7,6 +7,7 @@
  * libcublasLt, so the module needs libcuda (the driver) and libcublasLt at load time.
  */
 #include "kernels/cuda/cuda_module.h"
+#include "kernels/cuda/cuda_mma.cuh" /* pack_bf2, mma_bf16, ldsm_x4(_t), cp_async16, kv_off */
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -386,14 +387,6 @@ __global__ void k_bias(float *y, const float *b, int N, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         y[i] += b[i % N];
-}
-
-/* element offset of (block of pos, layer, which, slot) in the KV region */
-__device__ __forceinline__ size_t kv_off(const int32_t *bt, int pos, int bs, int n_layers, int kvd,
-                                         int layer, int which) {
-    size_t blk = (size_t)bt[pos / bs], slot = (size_t)(pos % bs);
-    size_t per_block = (size_t)n_layers * 2 * bs * kvd;
-    return blk * per_block + (((size_t)layer * 2 + which) * bs + slot) * kvd;
 }
 
 template <typename KT>
@@ -873,37 +866,9 @@ static int launch_flash(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, i
  * fragments (each row's 4 owners reduce with two shuffles), K and V tiles (64 keys) are read
  * from padded shared memory with ldmatrix.  head_dim 32/64/128. */
 #define F2_PAD 8
-__device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-__device__ __forceinline__ void mma_bf16(float *c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t *r, const void *p) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t *r, const void *p) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
 
 static size_t flash2_smem(int hd, int pipe) {
     return (size_t)(pipe ? 2 : 1) * 2 * FA_BK * (hd + F2_PAD) * 2;
-}
-
-__device__ __forceinline__ void cp_async16(void *smem_dst, const void *gsrc) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gsrc));
 }
 
 /* PIPE: K/V tiles through cp.async into two stages, the next tile's copy in flight while
