@@ -33,8 +33,9 @@
 # weights), `disagg bench model --batch-invariant` (its cost against the fast mode, 7B) and
 # tools/gpu_invariant_serve.py (serve: concurrent vs single answers; P/D through the proxy vs
 # colocated).  ONLY=inv runs just
-# those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
-# arguments to that benchmark, INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
+# those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS replaces
+# that benchmark's arguments (default: 256-token prompts and one of 4,096, decode at 1k and
+# 4k context, 8 steps: the table of docs/benchmarks.md), INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
 # skips the test's fast-mode comparisons, INV_GEMM_BENCH=1 adds its GEMM timing table,
 # INV_DECODE_BENCH=1 its decode-step parts (GEMMs, attention per kernel variant) and INV_LOG=
 # (empty) silences the per-shape algorithm log.
@@ -116,7 +117,8 @@ inv_steps() {
   DISAGG_SRC=$SRC DISAGG_INV_NO_FAST=${INV_NO_FAST:-} DISAGG_INV_7B=$W7 DISAGG_INV_GEMM_BENCH=${INV_GEMM_BENCH:-} DISAGG_INV_DECODE_BENCH=${INV_DECODE_BENCH:-} DISAGG_CUDA_INV_LOG=${INV_LOG-1} "$BUILD/test_cuda_invariant"
   check $? test_cuda_invariant
   step "batch-invariant mode: its cost against the fast mode (serving path, 7B shape)"
-  "$BIN" bench model "$W7" --device cuda --batch-invariant ${INV_BENCH_ARGS:-}
+  "$BIN" bench model "$W7" --device cuda --batch-invariant \
+    ${INV_BENCH_ARGS:---prompt-len 256 --long-prompt 4096 --context 1024,4096 --gen-len 8}
   check $? "bench model 7b --device cuda --batch-invariant"
   step "batch-invariant mode: serve, 32 concurrent vs single (greedy and seeded sampling, mixed prompt lengths, colocated)"
   python3 tools/gpu_invariant_serve.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" --pd ${INV_SERVE_ARGS:-}

@@ -24,8 +24,13 @@
  * in registers; the other tokens (decode, short chunks) compute every tile in parallel,
  * write the partials and fold them in a combine kernel, in the same order with the same
  * formula: the same bits whether a token was prefilled at once, in chunks or one by one,
- * alone or in a batch.  KV bf16 (or f32, rounded to bf16 as it is read), head_dim
- * 16/32/64/128, any number of query heads per KV head.
+ * alone or in a batch.  The decode partials (head_dim 64/128) come from k_iv_dec: 4 warps a
+ * (token, KV head, split of consecutive tiles), the GQA group's heads as the rows of one MMA
+ * tile, each tile copied once into shared memory with the next one's copy in flight; the
+ * tiles per CTA follow the grid's shape and change no bit ($DISAGG_CUDA_INV_ATT forces them;
+ * 0: the one-warp-per-tile k_iv_part, also used for head_dim 16/32).  KV bf16 (or f32,
+ * rounded to bf16 as it is read), head_dim 16/32/64/128, any number of query heads per KV
+ * head.
  *
  * RMSNorm, RoPE, SwiGLU, the KV write, argmax and the gathers of cuda_kernels.cu are
  * already per-row computations with a fixed order and are used unchanged.
