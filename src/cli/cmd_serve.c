@@ -901,13 +901,14 @@ static int serve_args(int argc, char **argv) {
                              cfg.engine.kv_cache_dtype < 0
                                  ? "auto"
                                  : backend_dtype_name((backend_dtype)cfg.engine.kv_cache_dtype),
-                             cfg.kv_transfer_config,
-                             cfg.api_key};
+                             cfg.kv_transfer_config};
         int st = serve_registration_start(&disc, &id, &reg);
         if (st) {
             rc = st < 0 ? 1 : st;
             goto out;
         }
+        cfg.on_engine = serve_registration_set_engine;
+        cfg.on_engine_arg = reg;
     }
     rc = server_run(&cfg) == 0 ? 0 : 1;
     serve_registration_stop(reg);
