@@ -10,6 +10,7 @@
  * decode bound = copy bandwidth / (weight bytes + KV bytes read per step).
  */
 #include "bench/bench.h"
+#include "bench/model_bench_args.h"
 
 #include "base/clock.h"
 #include "kernels/backend.h"
@@ -21,28 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BS      16
-#define MAXLIST 16
-
-static int parse_list(const char *flag, const char *v, int *out, int *n) {
-    *n = 0;
-    if (!v) goto bad;
-    const char *p = v;
-    while (*p && *n < MAXLIST) {
-        char *end;
-        long x = strtol(p, &end, 10);
-        if (end == p || x < 1 || x > 1 << 20 || (*end && *end != ',')) goto bad;
-        out[(*n)++] = (int)x;
-        p = *end ? end + 1 : end;
-    }
-    if (*n) return 0;
-bad:
-    fprintf(stderr,
-            "disagg bench model: %s '%s' is invalid; accepted: comma-separated integers in [1, "
-            "1048576], at most %d\n",
-            flag, v ? v : "", MAXLIST);
-    return -1;
-}
+#define BS 16
 
 static double now_s(void) {
     return (double)clock_now_ns() / 1e9;
@@ -91,69 +71,35 @@ static int decode_run(const qwen2_model *m, qwen2_state *s, const kv_store *kv, 
 
 int bench_model_cuda_main(int argc, char **argv) {
     const char *model_arg = NULL;
-    int prompts[MAXLIST] = {512, 4096}, n_prompts = 2;
-    int batches[MAXLIST] = {1, 8, 32, 64, 128}, n_batches = 5;
+    int prompts[MB_MAXLIST] = {512, 4096}, n_prompts = 2;
+    int batches[MB_MAXLIST] = {1, 8, 32, 64, 128}, n_batches = 5;
     int ctx = 1024, long_ctx = 4096, steps = 32, json = 0, kv_dtype = DCU_BF16;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--batch-invariant")) return bench_model_inv_main(argc, argv);
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        char *end;
-        if (!strcmp(a, "--device")) {
-            i++;
-        } else if (!strcmp(a, "--json")) {
-            json = 1;
-        } else if (!strcmp(a, "--prompt-lens")) {
-            if (parse_list(a, v, prompts, &n_prompts)) return 2;
-            i++;
-        } else if (!strcmp(a, "--batches")) {
-            if (parse_list(a, v, batches, &n_batches)) return 2;
-            i++;
-        } else if (!strcmp(a, "--context") || !strcmp(a, "--long-context") ||
-                   !strcmp(a, "--gen-len")) {
-            long x = v ? strtol(v, &end, 10) : 0;
-            if (!v || *end || x < 1 || x > 1 << 20) {
-                fprintf(stderr,
-                        "disagg bench model: %s '%s' is invalid; accepted: an integer in "
-                        "[1, 1048576]\n",
-                        a, v ? v : "");
-                return 2;
-            }
-            *(!strcmp(a, "--context")   ? &ctx
-              : !strcmp(a, "--gen-len") ? &steps
-                                        : &long_ctx) = (int)x;
-            i++;
-        } else if (!strcmp(a, "--kv-cache-dtype")) {
-            if (v && (!strcmp(v, "auto") || !strcmp(v, "bfloat16")))
-                kv_dtype = DCU_BF16;
-            else if (v && !strcmp(v, "float32"))
-                kv_dtype = DCU_F32;
-            else {
-                fprintf(stderr,
-                        "disagg bench model: --kv-cache-dtype '%s' is invalid; accepted: "
-                        "auto, bfloat16, float32\n",
-                        v ? v : "");
-                return 2;
-            }
-            i++;
-        } else if (a[0] == '-') {
-            fprintf(stderr,
-                    "disagg bench model --device cuda: unknown option '%s'; accepted: "
-                    "--prompt-lens, --batches, --context, --long-context, --gen-len, "
-                    "--kv-cache-dtype, --json\n",
-                    a);
-            return 2;
-        } else if (!model_arg) {
-            model_arg = a;
-        } else {
-            fprintf(stderr, "disagg bench model: unexpected argument '%s'\n", a);
-            return 2;
-        }
-    }
-    if (!model_arg) {
-        fprintf(stderr, "usage: disagg bench model MODEL --device cuda [--prompt-lens 512,4096] "
-                        "[--batches 1,8,32,64,128] [--context 1024] [--long-context 4096] "
-                        "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] [--json]\n");
+    const char *kv_arg = NULL;
+    const mb_opt opts[] = {
+        {"--prompt-lens", MB_LIST, prompts, &n_prompts},
+        {"--batches", MB_LIST, batches, &n_batches},
+        {"--context", MB_INT, &ctx, NULL},
+        {"--long-context", MB_INT, &long_ctx, NULL},
+        {"--gen-len", MB_INT, &steps, NULL},
+        {"--kv-cache-dtype", MB_WORD, &kv_arg, NULL},
+        {"--json", MB_FLAG, &json, NULL},
+    };
+    int rc = mb_parse_args(argc, argv, "disagg bench model --device cuda", opts,
+                           (int)(sizeof opts / sizeof opts[0]),
+                           "usage: disagg bench model MODEL --device cuda [--prompt-lens 512,4096] "
+                           "[--batches 1,8,32,64,128] [--context 1024] [--long-context 4096] "
+                           "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] [--json]",
+                           &model_arg);
+    if (rc) return rc;
+    if (kv_arg && !strcmp(kv_arg, "float32")) {
+        kv_dtype = DCU_F32;
+    } else if (kv_arg && strcmp(kv_arg, "auto") && strcmp(kv_arg, "bfloat16")) {
+        fprintf(stderr,
+                "disagg bench model: --kv-cache-dtype '%s' is invalid; accepted: auto, bfloat16, "
+                "float32\n",
+                kv_arg);
         return 2;
     }
     char err[4096];
@@ -204,8 +150,8 @@ int bench_model_cuda_main(int argc, char **argv) {
     int n_blocks = max_batch * per_ctx > per_long ? max_batch * per_ctx : per_long;
     int max_tokens = max_prompt > max_batch ? max_prompt : max_batch;
     kv_store kv;
-    int rc = kv_store_init_on(&kv, be, c, n_blocks, BS,
-                              kv_dtype == DCU_F32 ? BACKEND_F32 : BACKEND_BF16, BACKEND_BUF_KV);
+    rc = kv_store_init_on(&kv, be, c, n_blocks, BS,
+                          kv_dtype == DCU_F32 ? BACKEND_F32 : BACKEND_BF16, BACKEND_BUF_KV);
     qwen2_state *s = rc ? NULL : qwen2_state_create(&m, max_tokens);
     if (!s) {
         fprintf(stderr,
@@ -264,7 +210,7 @@ int bench_model_cuda_main(int argc, char **argv) {
                        c->n_layers * 2.0 * 2.0 * h * (double)L * (L + 1) / 2.0;
         printf("%-28d %12.2f %14.0f %12.1f\n", L, best * 1e3, L / best, flops / best / 1e12);
     }
-    int cases[MAXLIST + 1][2], n_cases = 0;
+    int cases[MB_MAXLIST + 1][2], n_cases = 0;
     cases[n_cases][0] = 1, cases[n_cases++][1] = long_ctx;
     for (int i = 0; i < n_batches; i++)
         cases[n_cases][0] = batches[i], cases[n_cases++][1] = ctx;

@@ -9,6 +9,7 @@
  * choice ($DISAGG_CUDA_INV_GEMM_M; default: the module's).
  */
 #include "bench/bench.h"
+#include "bench/model_bench_args.h"
 
 #include "base/clock.h"
 #include "kernels/backend.h"
@@ -20,28 +21,10 @@
 #include <string.h>
 
 #define IB_BS   16
-#define IB_MAXL 16
+#define IB_MAXL MB_MAXLIST
 
 static double ib_now(void) {
     return (double)clock_now_ns() / 1e9;
-}
-
-static int ib_list(const char *flag, const char *v, int *out, int *n) {
-    *n = 0;
-    const char *p = v ? v : "";
-    while (*p && *n < IB_MAXL) {
-        char *end;
-        long x = strtol(p, &end, 10);
-        if (end == p || x < 1 || x > 1 << 20 || (*end && *end != ',')) break;
-        out[(*n)++] = (int)x;
-        p = *end ? end + 1 : end;
-        if (!*p) return 0;
-    }
-    fprintf(stderr,
-            "disagg bench model: %s '%s' is invalid; accepted: comma-separated integers in "
-            "[1, 1048576] (at most %d)\n",
-            flag, v ? v : "", IB_MAXL);
-    return -1;
 }
 
 typedef struct ib_result {
@@ -159,61 +142,32 @@ int bench_model_inv_main(int argc, char **argv) {
     const char *model_arg = NULL;
     int batches[IB_MAXL] = {1, 8, 32, 64}, n_b = 4, mrefs[IB_MAXL] = {0}, n_m = 1;
     int plen = 512, ctxs[IB_MAXL] = {1024}, n_c = 1, long_plen = 0, steps = 32, max_tokens = 8192;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int one[IB_MAXL], n1 = 0;
-        if (!strcmp(a, "--device")) {
-            i++;
-        } else if (!strcmp(a, "--batch-invariant")) {
-        } else if (!strcmp(a, "--batches")) {
-            if (ib_list(a, v, batches, &n_b)) return 2;
-            i++;
-        } else if (!strcmp(a, "--context")) {
-            if (ib_list(a, v, ctxs, &n_c)) return 2;
-            i++;
-        } else if (!strcmp(a, "--inv-gemm-m")) {
-            if (ib_list(a, v, mrefs, &n_m)) return 2;
-            i++;
-        } else if (!strcmp(a, "--prompt-len") || !strcmp(a, "--long-prompt") ||
-                   !strcmp(a, "--gen-len") || !strcmp(a, "--max-tokens")) {
-            if (ib_list(a, v, one, &n1) || n1 != 1) {
-                if (n1 > 1) fprintf(stderr, "disagg bench model: %s takes one integer\n", a);
-                return 2;
-            }
-            *(!strcmp(a, "--prompt-len")    ? &plen
-              : !strcmp(a, "--long-prompt") ? &long_plen
-              : !strcmp(a, "--gen-len")     ? &steps
-                                            : &max_tokens) = one[0];
-            i++;
-        } else if (a[0] == '-') {
-            fprintf(stderr,
-                    "disagg bench model --device cuda --batch-invariant: unknown option '%s'; "
-                    "accepted: --batches, --prompt-len, --long-prompt, --context, --gen-len, "
-                    "--max-tokens, --inv-gemm-m\n",
-                    a);
-            return 2;
-        } else if (!model_arg) {
-            model_arg = a;
-        } else {
-            fprintf(stderr, "disagg bench model: unexpected argument '%s'\n", a);
-            return 2;
-        }
-    }
-    if (!model_arg) {
-        fprintf(stderr, "usage: disagg bench model MODEL --device cuda --batch-invariant "
-                        "[--batches 1,8,32,64] [--prompt-len 512] [--long-prompt N] "
-                        "[--context 1024[,4096..]] [--gen-len 32] [--max-tokens 8192] "
-                        "[--inv-gemm-m M,...]\n");
-        return 2;
-    }
+    int inv_flag = 0; /* --batch-invariant: how the caller got here */
+    const mb_opt opts[] = {
+        {"--batch-invariant", MB_FLAG, &inv_flag, NULL},
+        {"--batches", MB_LIST, batches, &n_b},
+        {"--prompt-len", MB_INT, &plen, NULL},
+        {"--long-prompt", MB_INT, &long_plen, NULL},
+        {"--context", MB_LIST, ctxs, &n_c},
+        {"--gen-len", MB_INT, &steps, NULL},
+        {"--max-tokens", MB_INT, &max_tokens, NULL},
+        {"--inv-gemm-m", MB_LIST, mrefs, &n_m},
+    };
+    int rc = mb_parse_args(argc, argv, "disagg bench model --device cuda --batch-invariant", opts,
+                           (int)(sizeof opts / sizeof opts[0]),
+                           "usage: disagg bench model MODEL --device cuda --batch-invariant "
+                           "[--batches 1,8,32,64] [--prompt-len 512] [--long-prompt N] "
+                           "[--context 1024[,4096..]] [--gen-len 32] [--max-tokens 8192] "
+                           "[--inv-gemm-m M,...]",
+                           &model_arg);
+    if (rc) return rc;
     if (max_tokens < plen) max_tokens = plen;
     ib_result fast, inv[IB_MAXL];
     memset(&fast, 0, sizeof fast);
     memset(inv, 0, sizeof inv);
     printf("batch-invariant mode vs fast mode, serving path (model/qwen2.c over kernels/backend.h, "
            "CUDA graphs for decode), one process\n");
-    int rc =
-        ib_run(model_arg, 0, batches, n_b, plen, long_plen, ctxs, n_c, steps, max_tokens, &fast);
+    rc = ib_run(model_arg, 0, batches, n_b, plen, long_plen, ctxs, n_c, steps, max_tokens, &fast);
     for (int k = 0; k < n_m && !rc; k++) {
         if (mrefs[k] > 0) {
             char b[32];

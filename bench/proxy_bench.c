@@ -122,6 +122,14 @@ static void on_term(evutil_socket_t sig, short what, void *arg) {
 }
 
 /* Child: serves until SIGTERM; writes its port to fd. */
+/* A child's loop: runs until SIGTERM. */
+static void serve_until_sigterm(struct event_base *base) {
+    struct event *t = evsignal_new(base, SIGTERM, on_term, base);
+    event_add(t, NULL);
+    event_base_dispatch(base);
+    event_free(t);
+}
+
 static int run_upstream(int fd) {
     struct event_base *base = proxy_event_base_new();
     hs_config c;
@@ -132,10 +140,7 @@ static int run_upstream(int fd) {
     uint16_t port = hs_server_port(s);
     if (write(fd, &port, sizeof port) != sizeof port) return 1;
     close(fd);
-    struct event *t = evsignal_new(base, SIGTERM, on_term, base);
-    event_add(t, NULL);
-    event_base_dispatch(base);
-    event_free(t);
+    serve_until_sigterm(base);
     hs_server_free(s);
     event_base_free(base);
     return 0;
@@ -164,10 +169,7 @@ static int run_proxy(int fd, uint16_t up_port) {
     uint16_t port = proxy_port(px);
     if (write(fd, &port, sizeof port) != sizeof port) return 1;
     close(fd);
-    struct event *t = evsignal_new(base, SIGTERM, on_term, base);
-    event_add(t, NULL);
-    event_base_dispatch(base);
-    event_free(t);
+    serve_until_sigterm(base);
     proxy_free(px);
     event_base_free(base);
     return 0;

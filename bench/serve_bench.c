@@ -5,17 +5,18 @@
  * counts reported are the server's usage numbers, not the word counts), requests sent at
  * --request-rate (Poisson, or gamma with --burstiness) and/or under --max-concurrency,
  * each streamed (SSE, stream_options.include_usage) on its own connection from one
- * libevent loop.  Measures TTFT (first content chunk), ITL (between content chunks),
- * TPOT ((e2e - ttft) / (output tokens - 1)) and end-to-end latency; prints mean, median,
- * p90, p99, throughput and goodput, and writes them as JSON with --json FILE.
+ * libevent loop (base/http_client: the body is parsed as each read brings it in).  Measures TTFT
+ * (first content chunk), ITL (between content chunks), TPOT ((e2e - ttft) / (output tokens - 1))
+ * and end-to-end latency; prints mean, median, p90, p99, throughput and goodput, and writes them as
+ * JSON with --json FILE.
  */
 #include "bench/bench.h"
+
+#include "base/http_client.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/event.h>
-#include <event2/http.h>
-#include <event2/keyvalq_struct.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdint.h>
@@ -56,16 +57,17 @@ typedef struct sb_opts {
 } sb_opts;
 
 typedef struct sb_req {
-    struct sb_run *run;             /* owner */
-    int index;                      /* request number */
-    char *body;                     /* JSON request body */
-    int in_len, out_len;            /* requested lengths (words / max_tokens) */
-    struct evhttp_connection *conn; /* its connection */
-    double t_start;                 /* seconds, monotonic */
-    double t_first;                 /* first content chunk, 0 = none yet */
-    double t_last;                  /* latest content chunk */
-    double t_end;                   /* completion */
-    double *itl;                    /* (n_itl) inter-chunk gaps */
+    struct sb_run *run;  /* owner */
+    int index;           /* request number */
+    char *body;          /* JSON request body */
+    int in_len, out_len; /* requested lengths (words / max_tokens) */
+    hc_req *req;         /* the decode (or colocated) request, NULL when over */
+    int status;          /* its HTTP status, 0 = no head (yet) */
+    double t_start;      /* seconds, monotonic */
+    double t_first;      /* first content chunk, 0 = none yet */
+    double t_last;       /* latest content chunk */
+    double t_end;        /* completion */
+    double *itl;         /* (n_itl) inter-chunk gaps */
     int n_itl, cap_itl;
     int prompt_tokens, output_tokens; /* from usage */
     int ok;                           /* finished with [DONE] and HTTP 200 */
@@ -73,8 +75,8 @@ typedef struct sb_req {
     char *sse;                        /* unparsed SSE bytes */
     size_t sse_len;
     /* P/D mode */
-    char *p_body; /* the prefill request */
-    struct evhttp_connection *p_conn;
+    char *p_body;   /* the prefill request */
+    hc_req *p_req;  /* the prefill request, NULL when over */
     double t_p_end; /* the prefill answered */
     int p_status;   /* its HTTP status, 0 = no answer */
 } sb_req;
@@ -82,8 +84,10 @@ typedef struct sb_req {
 typedef struct sb_run {
     sb_opts *o;
     struct event_base *base;
-    sb_req *reqs; /* (num_prompts) */
-    int next;     /* next request to send */
+    hc_pool *pool;   /* connections to --base-url (one per request: none kept idle) */
+    hc_pool *p_pool; /* P/D: to --pd-prefill */
+    sb_req *reqs;    /* (num_prompts) */
+    int next;        /* next request to send */
     int in_flight, done;
     double t0;           /* benchmark start */
     struct event *timer; /* next arrival */
@@ -234,11 +238,22 @@ static void sb_on_event(sb_req *q, const char *data, size_t n) {
     json_decref(j);
 }
 
-static void sb_on_chunk(struct evhttp_request *req, void *arg) {
+/* SSE bytes as they arrive: each complete event ("data: ...\n\n") is handled now, so its
+ * arrival time is the time of the read that completed it. */
+static void sb_on_data(hc_req *r, struct evbuffer *in, void *arg) {
     sb_req *q = arg;
-    struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t n = evbuffer_get_length(in);
-    q->sse = realloc(q->sse, q->sse_len + n + 1);
+    if (q->status != 200) { /* an error body: the failure is reported as HTTP <status> */
+        evbuffer_drain(in, n);
+        return;
+    }
+    char *grown = realloc(q->sse, q->sse_len + n + 1);
+    if (!grown) {
+        snprintf(q->err, sizeof q->err, "out of memory buffering the stream");
+        evbuffer_drain(in, n);
+        return;
+    }
+    q->sse = grown;
     evbuffer_remove(in, q->sse + q->sse_len, n);
     q->sse_len += n;
     size_t start = 0;
@@ -254,6 +269,11 @@ static void sb_on_chunk(struct evhttp_request *req, void *arg) {
     q->sse_len -= start;
 }
 
+static void sb_on_head(hc_req *r, const http_head *h, void *arg) {
+    sb_req *q = arg;
+    q->status = h->status;
+}
+
 static void sb_progress(sb_run *run) {
     if (!run->o->progress) return;
     int w = 40, done = run->done, n = run->o->num_prompts;
@@ -263,24 +283,21 @@ static void sb_progress(sb_run *run) {
     if (done == n) fputc('\n', stderr);
 }
 
-static void sb_on_done(struct evhttp_request *req, void *arg) {
+static void sb_on_done(hc_req *r, int err, void *arg) {
     sb_req *q = arg;
     sb_run *run = q->run;
+    q->req = NULL; /* freed by http_client when this returns */
     q->t_end = now_s();
-    if (!req) {
-        snprintf(q->err, sizeof q->err, "connection failed");
+    if (err) {
+        snprintf(q->err, sizeof q->err, "%s", hc_strerror(err));
         q->ok = 0;
-    } else if (evhttp_request_get_response_code(req) != 200) {
-        if (!q->err[0])
-            snprintf(q->err, sizeof q->err, "HTTP %d", evhttp_request_get_response_code(req));
+    } else if (q->status != 200) {
+        if (!q->err[0]) snprintf(q->err, sizeof q->err, "HTTP %d", q->status);
         q->ok = 0;
-    } else {
-        sb_on_chunk(req, q); /* anything left */
-        if (q->err[0])
-            q->ok = 0;
-        else if (!q->ok)
-            snprintf(q->err, sizeof q->err, "stream ended without [DONE]");
-    }
+    } else if (q->err[0])
+        q->ok = 0;
+    else if (!q->ok)
+        snprintf(q->err, sizeof q->err, "stream ended without [DONE]");
     run->in_flight--;
     run->done++;
     sb_progress(run);
@@ -290,48 +307,54 @@ static void sb_on_done(struct evhttp_request *req, void *arg) {
         sb_send_due(run);
 }
 
-static void sb_on_p_done(struct evhttp_request *req, void *arg) {
+static void sb_on_p_head(hc_req *r, const http_head *h, void *arg) {
     sb_req *q = arg;
-    q->t_p_end = now_s();
-    q->p_status = req ? evhttp_request_get_response_code(req) : 0;
+    q->p_status = h->status;
 }
 
-/* P/D: the prefill request, sent together with the decode request. */
+static void sb_on_p_done(hc_req *r, int err, void *arg) {
+    sb_req *q = arg;
+    q->p_req = NULL;
+    q->t_p_end = now_s();
+    if (err) q->p_status = 0; /* no (whole) answer */
+}
+
+/* Every request may take an hour (a long run at a high rate queues on the server). */
+static const hc_timeouts SB_TIMEOUTS = {3600, 3600};
+
+/* "Content-Type: application/json\r\n" and the Bearer key when OPENAI_API_KEY is set. */
+static void sb_headers(const sb_opts *o, char *out, size_t cap) {
+    int n = snprintf(out, cap, "Content-Type: application/json\r\n");
+    if (o->api_key) snprintf(out + n, cap - (size_t)n, "Authorization: Bearer %s\r\n", o->api_key);
+}
+
+/* P/D: the prefill request, sent together with the decode request (no key: the instances
+ * of a P/D pair are reached the way the proxy reaches them). */
 static void sb_send_prefill(sb_run *run, sb_req *q) {
-    const sb_opts *o = run->o;
-    q->p_conn = evhttp_connection_base_new(run->base, NULL, o->p_host, (unsigned short)o->p_port);
-    evhttp_connection_set_timeout(q->p_conn, 3600);
-    struct evhttp_request *req = evhttp_request_new(sb_on_p_done, q);
-    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
-    char hostport[300];
-    snprintf(hostport, sizeof hostport, "%s:%d", o->p_host, o->p_port);
-    evhttp_add_header(h, "Host", hostport);
-    evhttp_add_header(h, "Content-Type", "application/json");
-    evbuffer_add(evhttp_request_get_output_buffer(req), q->p_body, strlen(q->p_body));
-    evhttp_make_request(q->p_conn, req, EVHTTP_REQ_POST, o->endpoint);
+    static const hc_callbacks cb = {sb_on_p_head, NULL, sb_on_p_done};
+    q->p_req =
+        hc_request(run->p_pool, "POST", run->o->endpoint, "Content-Type: application/json\r\n",
+                   q->p_body, strlen(q->p_body), &SB_TIMEOUTS, &cb, q);
+    if (!q->p_req) q->t_p_end = now_s(); /* out of memory: p_status stays 0, a failure */
 }
 
 static void sb_send(sb_run *run, sb_req *q) {
+    static const hc_callbacks cb = {sb_on_head, sb_on_data, sb_on_done};
     const sb_opts *o = run->o;
     if (o->pd_prefill) sb_send_prefill(run, q);
-    q->conn = evhttp_connection_base_new(run->base, NULL, o->host, (unsigned short)o->port);
-    evhttp_connection_set_timeout(q->conn, 3600);
-    struct evhttp_request *req = evhttp_request_new(sb_on_done, q);
-    evhttp_request_set_chunked_cb(req, sb_on_chunk);
-    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
-    char hostport[300];
-    snprintf(hostport, sizeof hostport, "%s:%d", o->host, o->port);
-    evhttp_add_header(h, "Host", hostport);
-    evhttp_add_header(h, "Content-Type", "application/json");
-    if (o->api_key) {
-        char auth[512];
-        snprintf(auth, sizeof auth, "Bearer %s", o->api_key);
-        evhttp_add_header(h, "Authorization", auth);
-    }
-    evbuffer_add(evhttp_request_get_output_buffer(req), q->body, strlen(q->body));
+    char hdr[600];
+    sb_headers(o, hdr, sizeof hdr);
     q->t_start = now_s();
     run->in_flight++;
-    evhttp_make_request(q->conn, req, EVHTTP_REQ_POST, o->endpoint);
+    q->req = hc_request(run->pool, "POST", o->endpoint, hdr, q->body, strlen(q->body), &SB_TIMEOUTS,
+                        &cb, q);
+    if (!q->req) { /* out of memory: counted as a failed request */
+        run->in_flight--;
+        q->t_end = now_s();
+        snprintf(q->err, sizeof q->err, "out of memory starting the request");
+        run->done++;
+        if (run->done == o->num_prompts) event_base_loopexit(run->base, NULL);
+    }
 }
 
 /* Arrival times are precomputed offsets; send every request whose time has come. */
@@ -593,45 +616,53 @@ static int sb_parse_url(sb_opts *o) {
     return sb_url("--pd-bootstrap", o->pd_bootstrap, o->b_host, sizeof o->b_host, &o->b_port);
 }
 
-/* A blocking GET (its own event loop): the status, the body in *out (malloc'd). */
+/* A blocking GET (its own event loop, 30 s at most): the HTTP status (0: no answer) and the
+ * body in *out (malloc'ed, NUL-terminated; NULL without an answer). */
 typedef struct sb_get_ctx {
-    struct event_base *b;
-    int status;
-    char *body;
+    struct event_base *b; /* the loop */
+    int status;           /* from the head */
+    struct evbuffer *body;
+    int err; /* HC_E* from on_done */
 } sb_get_ctx;
 
-static void sb_get_cb(struct evhttp_request *req, void *arg) {
+static void sb_get_head(hc_req *r, const http_head *h, void *arg) {
+    ((sb_get_ctx *)arg)->status = h->status;
+}
+
+static void sb_get_data(hc_req *r, struct evbuffer *in, void *arg) {
+    evbuffer_add_buffer(((sb_get_ctx *)arg)->body, in);
+}
+
+static void sb_get_done(hc_req *r, int err, void *arg) {
     sb_get_ctx *g = arg;
-    if (req) {
-        g->status = evhttp_request_get_response_code(req);
-        struct evbuffer *in = evhttp_request_get_input_buffer(req);
-        size_t n = evbuffer_get_length(in);
-        g->body = malloc(n + 1);
-        if (g->body) {
-            evbuffer_remove(in, g->body, n);
-            g->body[n] = 0;
-        }
-    }
+    g->err = err;
     event_base_loopexit(g->b, NULL);
 }
 
 static int sb_get(const char *host, int port, const char *path, const char *api_key, char **out) {
-    sb_get_ctx g = {event_base_new(), 0, NULL};
-    struct evhttp_connection *c = evhttp_connection_base_new(g.b, NULL, host, (unsigned short)port);
-    evhttp_connection_set_timeout(c, 30);
-    struct evhttp_request *r = evhttp_request_new(sb_get_cb, &g);
-    evhttp_add_header(evhttp_request_get_output_headers(r), "Host", host);
-    if (api_key) {
-        char auth[512];
-        snprintf(auth, sizeof auth, "Bearer %s", api_key);
-        evhttp_add_header(evhttp_request_get_output_headers(r), "Authorization", auth);
+    static const hc_callbacks cb = {sb_get_head, sb_get_data, sb_get_done};
+    static const hc_timeouts t = {30, 30};
+    sb_get_ctx g = {event_base_new(), 0, evbuffer_new(), 0};
+    hc_pool *p = g.b ? hc_pool_new(g.b, host, (uint16_t)port, 0) : NULL;
+    char hdr[600] = "";
+    if (api_key) snprintf(hdr, sizeof hdr, "Authorization: Bearer %s\r\n", api_key);
+    *out = NULL;
+    if (p && g.body && hc_request(p, "GET", path, hdr, NULL, 0, &t, &cb, &g))
+        event_base_dispatch(g.b);
+    else
+        g.err = HC_ECONNECT; /* out of memory */
+    if (!g.err) {
+        size_t n = evbuffer_get_length(g.body);
+        *out = malloc(n + 1);
+        if (*out) {
+            evbuffer_remove(g.body, *out, n);
+            (*out)[n] = 0;
+        }
     }
-    evhttp_make_request(c, r, EVHTTP_REQ_GET, path);
-    event_base_dispatch(g.b);
-    evhttp_connection_free(c);
-    event_base_free(g.b);
-    *out = g.body;
-    return g.status;
+    if (p) hc_pool_free(p);
+    if (g.body) evbuffer_free(g.body);
+    if (g.b) event_base_free(g.b);
+    return g.err ? 0 : g.status;
 }
 
 /* P/D: P's engine id for dp rank 0, from its bootstrap server. */
@@ -677,41 +708,17 @@ static void sb_kv_load(const sb_opts *o, double v[4]) {
     sb_metric_pair(o->p_host, o->p_port, o->api_key, "disagg:kv_send_seconds", &v[2], &v[3]);
 }
 
-/* GET /v1/models synchronously (before the run). */
+/* GET /v1/models synchronously (before the run): the first model's id. */
 static char g_model[256];
-static void sb_models_cb(struct evhttp_request *req, void *arg) {
-    if (req && evhttp_request_get_response_code(req) == 200) {
-        struct evbuffer *in = evhttp_request_get_input_buffer(req);
-        size_t n = evbuffer_get_length(in);
-        char *s = malloc(n + 1);
-        evbuffer_remove(in, s, n);
-        s[n] = 0;
-        json_t *j = json_loads(s, 0, NULL);
-        const char *id =
-            json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id"));
-        if (id) snprintf(g_model, sizeof g_model, "%s", id);
-        json_decref(j);
-        free(s);
-    }
-    event_base_loopexit(arg, NULL);
-}
-
 static int sb_fetch_model(const sb_opts *o) {
-    struct event_base *b = event_base_new();
-    struct evhttp_connection *c =
-        evhttp_connection_base_new(b, NULL, o->host, (unsigned short)o->port);
-    evhttp_connection_set_timeout(c, 30);
-    struct evhttp_request *r = evhttp_request_new(sb_models_cb, b);
-    evhttp_add_header(evhttp_request_get_output_headers(r), "Host", o->host);
-    if (o->api_key) {
-        char auth[512];
-        snprintf(auth, sizeof auth, "Bearer %s", o->api_key);
-        evhttp_add_header(evhttp_request_get_output_headers(r), "Authorization", auth);
-    }
-    evhttp_make_request(c, r, EVHTTP_REQ_GET, "/v1/models");
-    event_base_dispatch(b);
-    evhttp_connection_free(c);
-    event_base_free(b);
+    char *body = NULL;
+    int st = sb_get(o->host, o->port, "/v1/models", o->api_key, &body);
+    json_t *j = st == 200 && body ? json_loads(body, 0, NULL) : NULL;
+    const char *id =
+        json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id"));
+    if (id) snprintf(g_model, sizeof g_model, "%s", id);
+    json_decref(j);
+    free(body);
     if (!g_model[0]) {
         fprintf(
             stderr,
@@ -904,7 +911,15 @@ int bench_serve_main(int argc, char **argv) {
            o.num_prompts, o.base_url, o.endpoint, o.model, o.input_len, o.output_len,
            isinf(o.rate) ? "inf" : "Poisson", o.max_concurrency ? "set" : "unlimited");
     run.base = event_base_new();
-    run.timer = evtimer_new(run.base, sb_on_timer, &run);
+    run.timer = run.base ? evtimer_new(run.base, sb_on_timer, &run) : NULL;
+    /* max_idle 0: each request opens its own connection, as vLLM's bench does */
+    run.pool = run.base ? hc_pool_new(run.base, o.host, (uint16_t)o.port, 0) : NULL;
+    run.p_pool =
+        run.base && o.pd_prefill ? hc_pool_new(run.base, o.p_host, (uint16_t)o.p_port, 0) : NULL;
+    if (!run.timer || !run.pool || (o.pd_prefill && !run.p_pool)) {
+        fprintf(stderr, "disagg bench serve: out of memory\n");
+        return 1;
+    }
     run.t0 = now_s();
     sb_send_due(&run);
     event_base_dispatch(run.base);
@@ -916,13 +931,15 @@ int bench_serve_main(int argc, char **argv) {
     }
     int rc = sb_report(&run, duration);
     for (int i = 0; i < o.num_prompts; i++) {
-        if (run.reqs[i].conn) evhttp_connection_free(run.reqs[i].conn);
-        if (run.reqs[i].p_conn) evhttp_connection_free(run.reqs[i].p_conn);
+        hc_cancel(run.reqs[i].req); /* a prefill that never answered, say */
+        hc_cancel(run.reqs[i].p_req);
         free(run.reqs[i].p_body);
         free(run.reqs[i].body);
         free(run.reqs[i].itl);
         free(run.reqs[i].sse);
     }
+    hc_pool_free(run.pool);
+    hc_pool_free(run.p_pool);
     event_free(run.timer);
     event_base_free(run.base);
     free(run.reqs);

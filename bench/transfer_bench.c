@@ -87,9 +87,6 @@ typedef struct tb_options {
     bool hugepages;                 /* MADV_HUGEPAGE on every buffer (target, local, ceilings) */
 } tb_options;
 
-static const char *tb_protocol_name(transfer_protocol p) {
-    return p == TRANSFER_PROTO_SHM ? "shm" : p == TRANSFER_PROTO_TCP ? "tcp" : "auto";
-}
 static const char *tb_op_name(transfer_opcode op) {
     return op == TRANSFER_READ ? "read" : "write";
 }
@@ -464,7 +461,7 @@ static int tb_engine_create(const tb_options *o, transfer_protocol proto, uint16
     if (rc)
         fprintf(stderr,
                 "disagg bench transfer: transfer_engine_create (%s, host %s, devices %s): %s\n",
-                tb_protocol_name(proto), o->local_hostname ? o->local_hostname : "(default)",
+                transfer_protocol_name(proto), o->local_hostname ? o->local_hostname : "(default)",
                 o->device_name ? o->device_name : "(default)", transfer_strerror(rc));
     return rc;
 }
@@ -501,7 +498,7 @@ static int tb_run_target(const tb_options *o) {
     }
     printf("disagg-bench-target segment=%s addr=0x%" PRIxPTR " length=%zu pid=%d protocol=%s\n",
            transfer_engine_segment_name(eng), (uintptr_t)buf, o->buffer_size, (int)getpid(),
-           tb_protocol_name(o->protocols[0]));
+           transfer_protocol_name(o->protocols[0]));
     fflush(stdout);
     fprintf(stderr,
             "disagg bench transfer: target %s serving %zu bytes at %p (SIGINT/SIGTERM stops)\n",
@@ -545,7 +542,7 @@ static int tb_child_spawn(const tb_options *o, transfer_protocol proto, tb_child
     args[n++] = "--mode";
     args[n++] = "target";
     args[n++] = "--protocol";
-    args[n++] = tb_protocol_name(proto);
+    args[n++] = transfer_protocol_name(proto);
     args[n++] = "--buffer-size";
     args[n++] = bufsz;
     args[n++] = "--local-hostname";
@@ -1008,7 +1005,7 @@ static int tb_targets(const tb_sweep *s, tb_target *t, int max) {
         double ceil = shm ? r->mem.gbps : r->sock.gbps;
         if (ceil > 0 && (shm ? r->block >= (64u << 10) : r->block >= (1u << 20))) {
             snprintf(t[n].what, sizeof t[n].what, "%s %s %s: GB/s vs %s",
-                     tb_protocol_name(s->proto), tb_op_name(s->op),
+                     transfer_protocol_name(s->proto), tb_op_name(s->op),
                      tb_format_size(r->block, sz, sizeof sz), shm ? "memcpy" : "socket loop");
             t[n].measured = 100 * r->ratio;
             t[n].limit = 80;
@@ -1022,7 +1019,7 @@ static int tb_targets(const tb_sweep *s, tb_target *t, int max) {
         }
         if (r->block == 4096 && n < max) {
             snprintf(t[n].what, sizeof t[n].what, "%s %s 4 KiB requests/s (batch %zu, %d thread%s)",
-                     tb_protocol_name(s->proto), tb_op_name(s->op), r->batch, r->threads,
+                     transfer_protocol_name(s->proto), tb_op_name(s->op), r->batch, r->threads,
                      r->threads > 1 ? "s" : "");
             t[n].measured = r->ops_per_s;
             t[n].limit = shm ? 200000 : 60000;
@@ -1053,7 +1050,7 @@ static void tb_print_header(const tb_options *o, const tb_sweep *s, const char *
                             const char *how) {
     printf("\n== %s %s  target %s%s  threads %ld  batch <= %ld  %.2f s per size in %ld "
            "rounds%s ==\n",
-           tb_protocol_name(s->proto), tb_op_name(s->op), segment, how, o->threads, o->batch,
+           transfer_protocol_name(s->proto), tb_op_name(s->op), segment, how, o->threads, o->batch,
            o->duration, o->rounds, o->verify ? "  (verify: timing includes checks)" : "");
     printf("%9s %5s %9s %10s %9s %9s | %11s %11s | %s\n", "block", "batch", "GB/s", "ops/s",
            "p50 us", "p99 us", "memcpy GB/s", "socket GB/s", "ratio");
@@ -1147,11 +1144,11 @@ static json_t *tb_sweep_json(const tb_options *o, const tb_sweep *s, const char 
                                         t[i].measured, "unit", t[i].unit,
                                         t[i].at_most ? "at_most" : "at_least", t[i].limit, "result",
                                         tb_target_pass(&t[i]) ? "pass" : "miss"));
-    return json_pack("{s:s,s:s,s:s,s:s,s:o,s:o,s:o,s:o}", "protocol", tb_protocol_name(s->proto),
-                     "operation", tb_op_name(s->op), "segment", segment, "ratio_vs",
-                     s->proto == TRANSFER_PROTO_SHM ? "memcpy" : "socket", "rows", rows,
-                     "single_request", rtt, "memcpy_streaming", tb_ceiling_json(&s->stream),
-                     "targets", targets);
+    return json_pack("{s:s,s:s,s:s,s:s,s:o,s:o,s:o,s:o}", "protocol",
+                     transfer_protocol_name(s->proto), "operation", tb_op_name(s->op), "segment",
+                     segment, "ratio_vs", s->proto == TRANSFER_PROTO_SHM ? "memcpy" : "socket",
+                     "rows", rows, "single_request", rtt, "memcpy_streaming",
+                     tb_ceiling_json(&s->stream), "targets", targets);
 }
 
 /* ---- initiator ----------------------------------------------------------------------- */
@@ -1176,7 +1173,7 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
     transfer_segment seg;
     if ((rc = transfer_open_segment(eng, segment, &seg))) {
         fprintf(stderr, "disagg bench transfer: cannot open segment %s over %s: %s\n", segment,
-                tb_protocol_name(proto), transfer_strerror(rc));
+                transfer_protocol_name(proto), transfer_strerror(rc));
         transfer_engine_destroy(eng);
         return 1;
     }
@@ -1195,8 +1192,8 @@ static int tb_run_initiator(const tb_options *o, transfer_protocol proto, const 
         fprintf(stderr,
                 "disagg bench transfer: asked for %s but the engine uses %s for %s (shm needs the "
                 "same host and ptrace permission); not measuring it as %s\n",
-                tb_protocol_name(proto), tb_protocol_name(info.protocol), segment,
-                tb_protocol_name(proto));
+                transfer_protocol_name(proto), transfer_protocol_name(info.protocol), segment,
+                transfer_protocol_name(proto));
         status = 1;
         goto out;
     }

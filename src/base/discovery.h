@@ -19,7 +19,7 @@
  *    half second and ranging again once it answers.
  *
  * The record format is the contract between `disagg serve --discovery`
- * (src/cli/serve_discovery.c) and `disagg proxy --discovery`
+ * (src/cli/discovery_cli.c) and `disagg proxy --discovery`
  * (src/proxy/membership.c); docs/scaling.md documents it.
  */
 #ifndef DISAGG_BASE_DISCOVERY_H

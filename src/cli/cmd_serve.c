@@ -11,6 +11,7 @@
  * ./models/disagg-sotu-tiny.
  */
 #include "base/bytesize.h"
+#include "base/file.h"
 #include "base/text.h"
 #include "cli/commands.h"
 #include "cli/discovery_cli.h"
@@ -296,16 +297,6 @@ static int parse_json_list(const char *flag, const char *v, json_t **out) {
     json_decref(*out);
     *out = j;
     return 0;
-}
-
-static char *read_text_file(const char *path, size_t cap) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = malloc(cap + 1);
-    size_t n = buf ? fread(buf, 1, cap, f) : 0;
-    fclose(f);
-    if (buf) buf[n] = 0;
-    return buf;
 }
 
 /* ---- --config FILE: vLLM's YAML config, one "flag-name: value" per key ---------------- */
@@ -868,7 +859,7 @@ static int serve_args(int argc, char **argv) {
     }
     if (chat_template_arg) {
         /* vLLM: a file's contents; else, when it holds a template character, the template */
-        template_text = read_text_file(chat_template_arg, 1 << 20);
+        template_text = file_read_text(chat_template_arg, 1 << 20);
         if (!template_text) {
             if (!strpbrk(chat_template_arg, "{}\n")) {
                 fprintf(stderr,
@@ -901,13 +892,14 @@ static int serve_args(int argc, char **argv) {
                              cfg.engine.kv_cache_dtype < 0
                                  ? "auto"
                                  : backend_dtype_name((backend_dtype)cfg.engine.kv_cache_dtype),
-                             cfg.kv_transfer_config,
-                             cfg.api_key};
+                             cfg.kv_transfer_config};
         int st = serve_registration_start(&disc, &id, &reg);
         if (st) {
             rc = st < 0 ? 1 : st;
             goto out;
         }
+        cfg.on_engine = serve_registration_set_engine;
+        cfg.on_engine_arg = reg;
     }
     rc = server_run(&cfg) == 0 ? 0 : 1;
     serve_registration_stop(reg);

@@ -176,21 +176,6 @@ static int parse_protocol(const char *s, transfer_protocol *out) {
     return 0;
 }
 
-static const char *protocol_name(transfer_protocol p) {
-    switch (p) {
-    case TRANSFER_PROTO_TCP:
-        return "tcp";
-    case TRANSFER_PROTO_SHM:
-        return "shm";
-    case TRANSFER_PROTO_RDMA:
-        return "rdma";
-    case TRANSFER_PROTO_CUDA_IPC:
-        return "cuda_ipc";
-    default:
-        return "auto";
-    }
-}
-
 /* Parses one value into spec->dst; prints the error and returns 2 if bad. */
 static int opt_assign(const char *sub, const opt_spec *sp, const char *val) {
     uint64_t v = 0;
@@ -542,11 +527,12 @@ static int cmd_target(int argc, char **argv) {
             json_array_append_new(arr, json_pack("{s:I,s:I,s:s}", "addr",
                                                  (json_int_t)(uintptr_t)bufs[k].data, "length",
                                                  (json_int_t)bufs[k].length, "location", "cpu:0"));
-        json_t *line = json_pack(
-            "{s:s,s:i,s:i,s:b,s:s,s:I,s:i,s:i,s:o}", "segment", transfer_engine_segment_name(eng),
-            "tcp_data_port", (int)transfer_engine_data_port(eng), "pid", (int)getpid(), "auth",
-            cfg.auth_secret != NULL, "protocol", protocol_name(proto), "pattern", (json_int_t)seed,
-            "guard_bytes", TARGET_GUARD_BYTES, "guard_value", TARGET_GUARD_VALUE, "buffers", arr);
+        json_t *line = json_pack("{s:s,s:i,s:i,s:b,s:s,s:I,s:i,s:i,s:o}", "segment",
+                                 transfer_engine_segment_name(eng), "tcp_data_port",
+                                 (int)transfer_engine_data_port(eng), "pid", (int)getpid(), "auth",
+                                 cfg.auth_secret != NULL, "protocol", transfer_protocol_name(proto),
+                                 "pattern", (json_int_t)seed, "guard_bytes", TARGET_GUARD_BYTES,
+                                 "guard_value", TARGET_GUARD_VALUE, "buffers", arr);
         char *s = json_dumps(line, JSON_COMPACT);
         printf("%s\n", s);
         fflush(stdout);
@@ -1037,7 +1023,7 @@ static bool check_final(check_ctx *c) {
 static int check_run(const check_params *p, check_summary *s) {
     memset(s, 0, sizeof *s);
     s->ok = true;
-    snprintf(s->protocol, sizeof s->protocol, "%s", protocol_name(p->protocol));
+    snprintf(s->protocol, sizeof s->protocol, "%s", transfer_protocol_name(p->protocol));
     uint64_t t0 = clock_now_ns();
     check_ctx c = {.p = p, .s = s, .rng = p->seed * 0x2545F4914F6CDD1Dull + 7};
     transfer_buffer_info bufs[TARGET_MAX_BUFFERS];
@@ -1061,7 +1047,7 @@ static int check_run(const check_params *p, check_summary *s) {
         check_fail(&c, "transfer_segment_get_info(%s): %s", p->target, transfer_strerror(rc));
         goto out;
     }
-    snprintf(s->protocol, sizeof s->protocol, "%s", protocol_name(info.protocol));
+    snprintf(s->protocol, sizeof s->protocol, "%s", transfer_protocol_name(info.protocol));
     int nb = transfer_segment_get_buffers(c.eng, c.seg, bufs, TARGET_MAX_BUFFERS);
     if (nb <= 0) {
         check_fail(&c, "segment %s advertises no buffers%s%s", p->target, nb < 0 ? ": " : "",
@@ -1261,7 +1247,7 @@ static int transfer_demo(int argc, char **argv) {
                                 "--pattern",
                                 pattern_arg,
                                 "--protocol",
-                                (char *)protocol_name(p.protocol),
+                                (char *)transfer_protocol_name(p.protocol),
                                 "--exit-on-stdin-eof",
                                 NULL};
     pid_t pid = fork();

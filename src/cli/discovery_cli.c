@@ -4,6 +4,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "connector/kv_transfer_config.h"
+#include "engine/engine.h"
 #include "model/hf_cache.h"
 #include "model/model_config.h"
 
@@ -152,11 +153,10 @@ static void url_of(char *out, size_t cap, const char *host, unsigned port) {
 /* ---- serve: the record and its refresh ------------------------------------------------ */
 
 typedef struct role_ctx {
+    serve_registration *g; /* owner (the engine's load) */
     CURL *curl;            /* its registrar thread's own handle */
     char health_url[400];  /* http://127.0.0.1:PORT/health */
-    char metrics_url[400]; /* .../metrics */
     char query_url[400];   /* prefill: bootstrap /query */
-    char auth[600];        /* "Authorization: Bearer KEY" or "" */
     int ready_once;        /* /health answered 200 at least once */
 } role_ctx;
 
@@ -167,7 +167,25 @@ struct serve_registration {
     pthread_t drainer;           /* waits for SIGTERM/SIGINT (see drain_main) */
     int has_drainer;             /* it runs */
     atomic_int done;             /* server_run returned: the drainer ends */
+    pthread_mutex_t eng_mu;      /* guards eng: the server clears it before destroying it */
+    engine *eng;                 /* the server's engine while it runs, else NULL */
 };
+
+void serve_registration_set_engine(void *arg, engine *e) {
+    serve_registration *g = arg;
+    pthread_mutex_lock(&g->eng_mu);
+    g->eng = e;
+    pthread_mutex_unlock(&g->eng_mu);
+}
+
+/* The engine's counters: 0, or -EAGAIN while there is no engine (loading, or stopping). */
+static int engine_load(serve_registration *g, engine_stats *st) {
+    pthread_mutex_lock(&g->eng_mu);
+    int rc = g->eng ? 0 : -EAGAIN;
+    if (g->eng) engine_get_stats(g->eng, st);
+    pthread_mutex_unlock(&g->eng_mu);
+    return rc;
+}
 
 static size_t grow(char *p, size_t sz, size_t nm, void *arg) {
     struct {
@@ -198,12 +216,9 @@ static int get(role_ctx *s, const char *url, char **body) {
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 2000L);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, grow);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &b);
-    struct curl_slist *hdr = s->auth[0] ? curl_slist_append(NULL, s->auth) : NULL;
-    if (hdr) curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
     long status = 0;
     CURLcode rc = curl_easy_perform(h);
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
-    curl_slist_free_all(hdr);
     if (rc != CURLE_OK || status != 200) {
         free(b.buf);
         return -EIO;
@@ -212,35 +227,22 @@ static int get(role_ctx *s, const char *url, char **body) {
     return *body ? 0 : -ENOMEM;
 }
 
-/* The value of the first sample of metric name in Prometheus text, or -1. */
-static double metric_value(const char *text, const char *name) {
-    size_t n = strlen(name);
-    for (const char *l = text; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL) {
-        if (strncmp(l, name, n) || (l[n] != ' ' && l[n] != '{')) continue;
-        const char *e = strchr(l, '\n');
-        const char *sp = e ? e : l + strlen(l);
-        while (sp > l && sp[-1] != ' ')
-            sp--;
-        return strtod(sp, NULL);
-    }
-    return -1;
-}
-
+/* The record's load from the engine's counters (no request to the server: the registrar
+ * refreshes every DISCOVERY_UPDATE_DEFAULT seconds).  The record is first published once
+ * /health answers 200 (the advertised port serves); after that the engine's presence says
+ * the server runs. */
 static int serve_refresh(void *arg, discovery_record *r) {
     role_ctx *s = arg;
     char *body = NULL;
-    if (get(s, s->health_url, &body)) return 1; /* loading, or stopping */
-    free(body);
-    if (!get(s, s->metrics_url, &body)) {
-        double run = metric_value(body, "vllm:num_requests_running");
-        double wait = metric_value(body, "vllm:num_requests_waiting");
-        double parked = metric_value(body, "disagg:num_requests_parked"); /* waiting for KV */
-        double kv = metric_value(body, "vllm:kv_cache_usage_perc");
-        r->running = run > 0 ? (int)run : 0;
-        r->waiting = (wait > 0 ? (int)wait : 0) + (parked > 0 ? (int)parked : 0);
-        r->kv_usage = kv > 0 ? kv : 0;
+    if (!s->ready_once) {
+        if (get(s, s->health_url, &body)) return 1; /* loading */
         free(body);
     }
+    engine_stats st;
+    if (engine_load(s->g, &st)) return 1; /* not loaded yet, or stopping */
+    r->running = st.num_running;
+    r->waiting = st.num_waiting + st.num_parked; /* parked: waiting for their KV */
+    r->kv_usage = engine_stats_kv_usage(&st);
     if (s->query_url[0] && !get(s, s->query_url, &body)) { /* the engine id(s) by dp rank */
         json_t *j = json_loads(body, 0, NULL);
         free(body);
@@ -305,18 +307,10 @@ static int stop_signal_wait(atomic_int *done, int timeout_ms) {
 }
 
 /* Requests running, waiting or parked (waiting for their KV) on this instance, -1 if unknown. */
-static int local_load(role_ctx *s) {
-    char *body;
-    if (get(s, s->metrics_url, &body)) return -1;
-    double n = 0;
-    static const char *const names[] = {"vllm:num_requests_running", "vllm:num_requests_waiting",
-                                        "disagg:num_requests_parked"};
-    for (int i = 0; i < 3; i++) {
-        double v = metric_value(body, names[i]);
-        n += v > 0 ? v : 0;
-    }
-    free(body);
-    return (int)n;
+static int local_load(serve_registration *g) {
+    engine_stats st;
+    if (engine_load(g, &st)) return -1;
+    return st.num_running + st.num_waiting + st.num_parked;
 }
 
 /* A clean stop of a registered instance.  Once the server answers /health
@@ -362,7 +356,7 @@ static void *drain_main(void *arg) {
     while (clock_now_ns() - t0 < DRAIN_TIMEOUT_NS) {
         if ((again = stop_signal_wait(&g->done, 100))) break;
         if (clock_now_ns() - t0 < DRAIN_GRACE_NS) continue;
-        idle = local_load(c) <= 0 ? idle + 1 : 0;
+        idle = local_load(g) <= 0 ? idle + 1 : 0;
         if (idle >= 2) break;
     }
     sigaction(SIGINT, &saved_int, NULL);
@@ -397,15 +391,15 @@ int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_r
         fprintf(stderr, "disagg serve: out of memory\n");
         return -1;
     }
+    pthread_mutex_init(&g->eng_mu, NULL);
     role_ctx *s = &g->ctx[0];
+    s->g = g;
     char host[256];
     discovery_cli_advertise(d, id->listen_host, host, sizeof host);
     const char *local = wildcard(id->listen_host) ? "127.0.0.1" : id->listen_host;
     char base[300];
     url_of(base, sizeof base, local, (unsigned)id->port);
     snprintf(s->health_url, sizeof s->health_url, "%s/health", base);
-    snprintf(s->metrics_url, sizeof s->metrics_url, "%s/metrics", base);
-    if (id->api_key) snprintf(s->auth, sizeof s->auth, "Authorization: Bearer %s", id->api_key);
 
     discovery_record r;
     memset(&r, 0, sizeof r);
@@ -471,6 +465,7 @@ void serve_registration_stop(serve_registration *s) {
         discovery_registrar_stop(s->reg[k]);
         if (s->ctx[k].curl) curl_easy_cleanup(s->ctx[k].curl);
     }
+    pthread_mutex_destroy(&s->eng_mu);
     free(s);
 }
 

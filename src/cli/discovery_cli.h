@@ -4,12 +4,14 @@
  * --discovery-advertise, --etcd-user, --etcd-cacert, --etcd-cert,
  * --etcd-key; the password from $DISAGG_ETCD_PASSWORD), and the
  * registration of a serve or bootstrap process (base/discovery's registrar
- * fed with the instance's own /health, /metrics and bootstrap /query).
+ * fed with the instance's own /health until it first answers, its engine's
+ * counters and its bootstrap /query).
  */
 #ifndef DISAGG_CLI_DISCOVERY_CLI_H
 #define DISAGG_CLI_DISCOVERY_CLI_H
 
 #include "base/discovery.h"
+#include "engine/engine.h"
 
 #include <stdio.h>
 
@@ -48,7 +50,6 @@ typedef struct serve_identity {
     int block_size;                 /* --block-size (0 = 16) */
     const char *kv_dtype;           /* --kv-cache-dtype name, "auto" */
     const char *kv_transfer_config; /* the JSON (role, bootstrap address) */
-    const char *api_key;            /* to read its own /metrics (NULL) */
 } serve_identity;
 
 /* Registers (a lease now; the record once /health answers 200).  On
@@ -56,6 +57,10 @@ typedef struct serve_identity {
  * usage error, 1 when etcd cannot be reached. */
 int serve_registration_start(discovery_cli *d, const serve_identity *id, serve_registration **out);
 void serve_registration_stop(serve_registration *r);
+/* server_config.on_engine (arg: the serve_registration): the engine whose counters
+ * (engine_get_stats) give the published load and the drain's "idle"; NULL before the engine
+ * is destroyed.  Thread-safe. */
+void serve_registration_set_engine(void *arg, engine *e);
 
 /* ---- bootstrap ------------------------------------------------------------------ */
 

@@ -399,15 +399,23 @@ static void push_note(engine *e, kv_note *n) {
     pthread_mutex_unlock(&e->mu);
 }
 
-void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t hold_ns,
-                         const char *error) {
+/* A note about request id for the step thread (kind 0: load done, 1: release), or NULL after
+ * logging what could not be reported. */
+static kv_note *note_new(uint64_t id, int kind, const char *what) {
     kv_note *n = calloc(1, sizeof *n);
     if (!n) {
-        LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);
-        return;
+        LOG_E(MOD, "out of memory %s of request %llu", what, (unsigned long long)id);
+        return NULL;
     }
     n->id = id;
-    n->kind = 0;
+    n->kind = kind;
+    return n;
+}
+
+void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t hold_ns,
+                         const char *error) {
+    kv_note *n = note_new(id, 0, "reporting the KV load");
+    if (!n) return;
     n->ok = ok;
     n->recompute = recompute;
     n->hold_ns = ok ? 0 : hold_ns;
@@ -416,12 +424,8 @@ void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t
 }
 
 void engine_kv_load_done_first_token(engine *e, uint64_t id, int32_t token) {
-    kv_note *n = calloc(1, sizeof *n);
-    if (!n) {
-        LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);
-        return;
-    }
-    n->id = id;
+    kv_note *n = note_new(id, 0, "reporting the KV load");
+    if (!n) return;
     n->ok = 1;
     n->has_first = 1;
     n->first_token = token;
@@ -430,12 +434,8 @@ void engine_kv_load_done_first_token(engine *e, uint64_t id, int32_t token) {
 
 void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
                            const char *error) {
-    kv_note *n = calloc(1, sizeof *n);
-    if (!n) {
-        LOG_E(MOD, "out of memory reporting the KV load of request %llu", (unsigned long long)id);
-        return;
-    }
-    n->id = id;
+    kv_note *n = note_new(id, 0, "reporting the KV load");
+    if (!n) return;
     n->recompute = recompute;
     n->hold_ns = hold_ns;
     n->http_status = http_status;
@@ -444,14 +444,8 @@ void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_
 }
 
 void engine_kv_release(engine *e, uint64_t id) {
-    kv_note *n = calloc(1, sizeof *n);
-    if (!n) {
-        LOG_E(MOD, "out of memory releasing the kept blocks of request %llu",
-              (unsigned long long)id);
-        return;
-    }
-    n->id = id;
-    n->kind = 1;
+    kv_note *n = note_new(id, 1, "releasing the kept blocks");
+    if (!n) return;
     push_note(e, n);
 }
 

@@ -181,6 +181,11 @@ typedef struct engine_stats {
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);
+/* KV cache usage, 0..1: blocks in use over the blocks of the cache (vllm:kv_cache_usage_perc,
+ * and the kv_usage `disagg serve --discovery` publishes). */
+static inline double engine_stats_kv_usage(const engine_stats *st) {
+    return st->num_blocks > 0 ? (double)st->num_blocks_used / st->num_blocks : 0.0;
+}
 const struct model_config *engine_model_config(const engine *e);
 /* The resolved model directory (tokenizer files live there). */
 const char *engine_model_dir(const engine *e);

@@ -100,6 +100,22 @@ void *backend_module_dlopen(char *why, size_t cap) {
     return h;
 }
 
+void *backend_module_entry(const char *symbol, const char *what, char *err, size_t errlen) {
+    char why[PATH_MAX + 600];
+    void *h = backend_module_dlopen(why, sizeof why); /* never closed: see the header */
+    if (!h) {
+        snprintf(err, errlen, "the CUDA module: %s (set DISAGG_CUDA_MODULE to its path)", why);
+        return NULL;
+    }
+    void *fn = dlsym(h, symbol);
+    if (!fn)
+        snprintf(err, errlen,
+                 "the CUDA module %s has no %s (%s): a module of another build? (rebuild both "
+                 "together)",
+                 BACKEND_MODULE_NAME, what, symbol);
+    return fn;
+}
+
 /* Opens the CUDA module (backend_module_dlopen) and its backend.  -ENOENT with err naming
  * what is missing. */
 static int open_module(const backend_options *opts, backend **out, char *err, size_t errlen) {

@@ -111,6 +111,13 @@ struct backend_stream {
 /* dlopen()s the CUDA module: $DISAGG_CUDA_MODULE, else next to the executable, else the
  * linker's search path.  NULL with why ("<name> not found: <dlerror>") when it is missing. */
 void *backend_module_dlopen(char *why, size_t cap);
+/* The address of the module's exported `symbol` (another table's getter, beside the
+ * backend's: kernels/cuda/cuda_loader.c), for a process that may have no backend open.  The
+ * module is opened as backend_open opens it (backend_module_dlopen) and stays loaded for the
+ * life of the process.  NULL with err saying why: the module missing ("the CUDA module:
+ * <why> (set DISAGG_CUDA_MODULE to its path)"), or the symbol (what: the table's name, e.g.
+ * "transfer table"; a module of another build). */
+void *backend_module_entry(const char *symbol, const char *what, char *err, size_t errlen);
 typedef int (*backend_module_open_fn)(int abi_version, const backend_options *opts, backend **out,
                                       char *err, size_t errlen);
 

@@ -6,6 +6,8 @@
  */
 #include "model/model_config.h"
 
+#include "base/file.h"
+
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -158,27 +160,17 @@ out:
     return rc;
 }
 
-static char *read_file(const char *path, size_t cap) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = malloc(cap + 1);
-    size_t n = buf ? fread(buf, 1, cap, f) : 0;
-    fclose(f);
-    if (buf) buf[n] = 0;
-    return buf;
-}
-
 int model_config_load(model_config *c, const char *dir, char *err, size_t errlen) {
     char p[4096], g[4096];
     snprintf(p, sizeof p, "%s/config.json", dir);
     snprintf(g, sizeof g, "%s/generation_config.json", dir);
-    char *cj = read_file(p, 1 << 20);
+    char *cj = file_read_text(p, 1 << 20);
     if (!cj) {
         snprintf(err, errlen, "%s: cannot read (%s); a model directory needs config.json", p,
                  strerror(errno));
         return -ENOENT;
     }
-    char *gj = read_file(g, 1 << 20);
+    char *gj = file_read_text(g, 1 << 20);
     int rc = model_config_parse(c, cj, gj, p, err, errlen);
     free(cj);
     free(gj);

@@ -441,11 +441,23 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     gen_choice_done(c, reason);
 }
 
-void gen_drain_events(server *s) {
+/* The queued engine events (FIFO), taken off the queue. */
+static gen_event *gen_take_events(server *s) {
     pthread_mutex_lock(&s->q_lock);
     gen_event *g = s->q_head;
     s->q_head = s->q_tail = NULL;
     pthread_mutex_unlock(&s->q_lock);
+    return g;
+}
+
+static void gen_event_free(gen_event *g) {
+    free(g->error);
+    free(g->prompt_lp);
+    free(g);
+}
+
+void gen_drain_events(server *s) {
+    gen_event *g = gen_take_events(s);
     while (g) {
         gen_event *next = g->next;
         gen_choice *c = g->c;
@@ -456,9 +468,7 @@ void gen_drain_events(server *s) {
             gen_on_finished(c, g);
             if (r->n_pending == 0) gen_complete(r);
         }
-        free(g->error);
-        free(g->prompt_lp);
-        free(g);
+        gen_event_free(g);
         g = next;
     }
 }
@@ -473,15 +483,10 @@ void gen_free_live(server *s) {
 }
 
 void gen_drop_events(server *s) {
-    pthread_mutex_lock(&s->q_lock);
-    gen_event *g = s->q_head;
-    s->q_head = s->q_tail = NULL;
-    pthread_mutex_unlock(&s->q_lock);
+    gen_event *g = gen_take_events(s);
     while (g) {
         gen_event *next = g->next;
-        free(g->error);
-        free(g->prompt_lp);
-        free(g);
+        gen_event_free(g);
         g = next;
     }
 }

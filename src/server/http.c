@@ -374,6 +374,7 @@ static void *loader_main(void *arg) {
     s->max_model_len = engine_max_model_len(e);
     s->tok = tok;
     s->eng = e;
+    if (s->cfg.on_engine) s->cfg.on_engine(s->cfg.on_engine_arg, e);
     atomic_store(&s->ready, 1);
     event_active(s->ready_ev, EV_READ, 0);
     return NULL;
@@ -497,6 +498,7 @@ int server_run(const server_config *cfg) {
     pthread_join(s->loader, NULL);
     rc = atomic_load(&s->ready) == 1 ? 0 : -1;
 out:
+    if (s->eng && s->cfg.on_engine) s->cfg.on_engine(s->cfg.on_engine_arg, NULL);
     /* the connector detaches itself from the engine, so it goes first */
     if (s->conn) mooncake_connector_destroy(s->conn);
     s->conn = NULL;

@@ -215,7 +215,7 @@ static void mw_hist(metrics_writer *w, const char *name, const char *help,
 int metrics_render(const server_metrics *m, const engine_stats *st, int block_size,
                    const char *model_name, sbuf *out) {
     metrics_writer w = {out, model_name ? model_name : "", 0};
-    double usage = st->num_blocks > 0 ? (double)st->num_blocks_used / st->num_blocks : 0.0;
+    double usage = engine_stats_kv_usage(st);
     mw_gauge(&w, "vllm:num_requests_running", "Number of requests in model execution batches.",
              st->num_running);
     mw_gauge(&w, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",

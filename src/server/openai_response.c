@@ -196,16 +196,25 @@ json_t *oai_prompt_logprobs_json(const engine_token *pl, int n, int n_top, const
     return a;
 }
 
-json_t *oai_completion_choice(int index, const char *text, size_t len, json_t *logprobs,
-                              const char *finish_reason, json_t *stop_reason,
-                              json_t *prompt_logprobs) {
+/* The keys every choice has, in vLLM's order: index, then key (the text, message or delta,
+ * taken), logprobs, finish_reason and stop_reason (NULL: null). */
+static json_t *choice_new(int index, const char *key, json_t *value, json_t *logprobs,
+                          const char *finish_reason, json_t *stop_reason) {
     json_t *c = json_object();
     json_object_set_new(c, "index", json_integer(index));
-    json_object_set_new(c, "text", json_stringn(text ? text : "", text ? len : 0));
+    json_object_set_new(c, key, value);
     json_object_set_new(c, "logprobs", nullable(logprobs));
     json_object_set_new(c, "finish_reason",
                         finish_reason ? json_string(finish_reason) : json_null());
     json_object_set_new(c, "stop_reason", nullable(stop_reason));
+    return c;
+}
+
+json_t *oai_completion_choice(int index, const char *text, size_t len, json_t *logprobs,
+                              const char *finish_reason, json_t *stop_reason,
+                              json_t *prompt_logprobs) {
+    json_t *c = choice_new(index, "text", json_stringn(text ? text : "", text ? len : 0), logprobs,
+                           finish_reason, stop_reason);
     json_object_set_new(c, "prompt_logprobs", nullable(prompt_logprobs));
     return c;
 }
@@ -219,14 +228,7 @@ json_t *oai_chat_choice(int index, const char *content, size_t len, bool content
                         content_null ? json_null()
                                      : json_stringn(content ? content : "", content ? len : 0));
     json_object_set_new(msg, "tool_calls", tool_calls ? tool_calls : json_array());
-    json_t *c = json_object();
-    json_object_set_new(c, "index", json_integer(index));
-    json_object_set_new(c, "message", msg);
-    json_object_set_new(c, "logprobs", nullable(logprobs));
-    json_object_set_new(c, "finish_reason",
-                        finish_reason ? json_string(finish_reason) : json_null());
-    json_object_set_new(c, "stop_reason", nullable(stop_reason));
-    return c;
+    return choice_new(index, "message", msg, logprobs, finish_reason, stop_reason);
 }
 
 static json_t *envelope(const char *object, const char *id, long long created, const char *model) {
@@ -260,13 +262,8 @@ json_t *oai_completion_chunk(const char *id, long long created, const char *mode
                              const char *finish_reason, json_t *stop_reason, const oai_usage *usage,
                              bool usage_null) {
     json_t *o = envelope("text_completion", id, created, model);
-    json_t *c = json_object();
-    json_object_set_new(c, "index", json_integer(index));
-    json_object_set_new(c, "text", json_stringn(text ? text : "", text ? len : 0));
-    json_object_set_new(c, "logprobs", nullable(logprobs));
-    json_object_set_new(c, "finish_reason",
-                        finish_reason ? json_string(finish_reason) : json_null());
-    json_object_set_new(c, "stop_reason", nullable(stop_reason));
+    json_t *c = choice_new(index, "text", json_stringn(text ? text : "", text ? len : 0), logprobs,
+                           finish_reason, stop_reason);
     json_object_set_new(o, "choices", json_pack("[o]", c));
     set_usage(o, usage, usage_null);
     return o;
@@ -276,13 +273,8 @@ json_t *oai_chat_chunk(const char *id, long long created, const char *model, int
                        json_t *delta, json_t *logprobs, const char *finish_reason,
                        json_t *stop_reason, const oai_usage *usage, bool usage_null) {
     json_t *o = envelope("chat.completion.chunk", id, created, model);
-    json_t *c = json_object();
-    json_object_set_new(c, "index", json_integer(index));
-    json_object_set_new(c, "delta", delta ? delta : json_object());
-    json_object_set_new(c, "logprobs", nullable(logprobs));
-    json_object_set_new(c, "finish_reason",
-                        finish_reason ? json_string(finish_reason) : json_null());
-    json_object_set_new(c, "stop_reason", nullable(stop_reason));
+    json_t *c = choice_new(index, "delta", delta ? delta : json_object(), logprobs, finish_reason,
+                           stop_reason);
     json_object_set_new(o, "choices", json_pack("[o]", c));
     set_usage(o, usage, usage_null);
     return o;

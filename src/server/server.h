@@ -47,6 +47,12 @@ typedef struct server_config {
     engine_config engine;             /* passed to engine_create */
     server_kv_params_fn kv_params_fn; /* connector hook, NULL = null */
     void *kv_params_ctx;              /* its context */
+    /* Called (on the loader thread) with the engine once it is loaded, before /health turns
+     * 200, and with NULL before it is destroyed, when server_run is returning; between the
+     * two the callee may call the engine's thread-safe functions (engine_get_stats) from any
+     * thread.  `disagg serve --discovery` publishes the engine's load this way.  NULL = none. */
+    void (*on_engine)(void *arg, engine *e);
+    void *on_engine_arg; /* its argument */
 } server_config;
 
 void server_config_init(server_config *c);

@@ -119,9 +119,8 @@ static void v_close(rdma_nic *nic) {
 
 #define ACCESS (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ)
 
-static int v_reg_mr(rdma_nic *nic, void *addr, size_t len, rdma_mr **mr, uint32_t *lkey,
-                    uint32_t *rkey) {
-    struct ibv_mr *m = ibv_reg_mr(nic->pd, addr, len, ACCESS);
+/* A registration's handle and keys (m NULL: the registration failed, errno says why). */
+static int v_wrap_mr(struct ibv_mr *m, rdma_mr **mr, uint32_t *lkey, uint32_t *rkey) {
     if (!m) return errno ? -errno : -EIO;
     if (!(*mr = malloc(sizeof **mr))) {
         ibv_dereg_mr(m);
@@ -133,18 +132,14 @@ static int v_reg_mr(rdma_nic *nic, void *addr, size_t len, rdma_mr **mr, uint32_
     return 0;
 }
 
+static int v_reg_mr(rdma_nic *nic, void *addr, size_t len, rdma_mr **mr, uint32_t *lkey,
+                    uint32_t *rkey) {
+    return v_wrap_mr(ibv_reg_mr(nic->pd, addr, len, ACCESS), mr, lkey, rkey);
+}
+
 static int v_reg_dmabuf_mr(rdma_nic *nic, uint64_t off, size_t len, uint64_t iova, int fd,
                            rdma_mr **mr, uint32_t *lkey, uint32_t *rkey) {
-    struct ibv_mr *m = ibv_reg_dmabuf_mr(nic->pd, off, len, iova, fd, ACCESS);
-    if (!m) return errno ? -errno : -EIO;
-    if (!(*mr = malloc(sizeof **mr))) {
-        ibv_dereg_mr(m);
-        return -ENOMEM;
-    }
-    (*mr)->mr = m;
-    *lkey = m->lkey;
-    *rkey = m->rkey;
-    return 0;
+    return v_wrap_mr(ibv_reg_dmabuf_mr(nic->pd, off, len, iova, fd, ACCESS), mr, lkey, rkey);
 }
 
 static void v_dereg_mr(rdma_mr *mr) {

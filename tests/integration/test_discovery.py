@@ -388,6 +388,52 @@ def test_published_load_steers_least_loaded(etcd_factory, cluster):
     silent.close()
 
 
+def test_load_is_read_from_the_engine(etcd_factory, cluster):
+    """The registrar publishes the engine's counters without asking the instance over HTTP:
+    once registered, the instance's request counter moves only with the test's own requests
+    (it used to GET /health and /metrics over loopback at every refresh, 4 times a second)."""
+    etcd = etcd_factory(1)
+    url = etcd.url(PREFIX)
+    d = cluster.instance(url, "decode")
+    wait_for(lambda: d.key in etcd.range(PREFIX + "/instances/"), 10, "the record")
+    time.sleep(0.5)  # the drainer's /health polls end with the first 200 too
+
+    def http_requests():
+        for line in requests.get(d.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("disagg:http_requests_total"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no disagg:http_requests_total in /metrics")
+    a = http_requests()
+    time.sleep(1.5)  # 6 refreshes
+    b = http_requests()
+    assert b - a == 1, f"{b - a - 1:.0f} requests from the instance itself in 1.5 s"
+    rec = etcd.range(PREFIX + "/instances/")[d.key]
+    assert rec["load"] == {"running": 0, "waiting": 0, "kv_usage": 0}, rec
+    # the load still follows the engine: a request held on its KV counts as waiting
+    import socket
+    import threading
+    import uuid
+    silent = socket.socket()  # a "prefill bootstrap server" that never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+
+    def parked():
+        try:
+            requests.post(d.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": "held", "max_tokens": 2,
+                "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                       "remote_engine_id": "nobody",
+                                       "remote_bootstrap_addr": f"http://127.0.0.1:{silent.getsockname()[1]}",
+                                       "transfer_id": f"xfer-{uuid.uuid4()}"}})
+        except requests.RequestException:
+            pass
+    threading.Thread(target=parked, daemon=True).start()
+    wait_for(lambda: etcd.range(PREFIX + "/instances/")[d.key]["load"]["waiting"] == 1, 10,
+             "the parked request in the record")
+    d.kill()
+    silent.close()
+
+
 def test_deleted_key_is_restored(etcd_factory, cluster):
     """A record deleted by hand (or lost) is put again within a TTL; meanwhile the
     proxies take the instance out."""

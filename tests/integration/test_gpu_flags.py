@@ -4,6 +4,8 @@ the CUDA module (or a GPU) fail naming what is missing -- never a crash or a han
 import os
 import subprocess
 
+import pytest
+
 from server_harness import BIN, MODEL
 
 NO_MODULE = {"DISAGG_CUDA_MODULE": "/nonexistent/libdisagg_cuda.so"}
@@ -43,8 +45,36 @@ def test_bench_model_device_values():
     assert r.returncode == 2 and "bfloat16" in r.stderr, r.stderr
 
 
+# `bench model --device cuda` and its --batch-invariant form share one argument loop
+# (bench/model_bench_args.c): the same errors, each naming the value and what is accepted
+@pytest.mark.parametrize("extra,needles", [
+    (["--batches", ",".join(["1"] * 17)], ["--batches", "at most 16"]),  # was cut to 16 silently
+    (["--batches", "1,8,"], ["'1,8,'", "comma-separated integers"]),
+    (["--context", "2,3"], ["--context '2,3'", "an integer in [1, 1048576]"]),
+    (["--kv-cache-dtype"], ["--kv-cache-dtype needs a value"]),
+    (["--frob"], ["--device cuda: unknown option '--frob'", "--kv-cache-dtype, --json"]),
+    (["--batch-invariant", "--prompt-len", "1,2"], ["--prompt-len '1,2'", "an integer"]),
+    (["--batch-invariant", "--inv-gemm-m", "x"], ["--inv-gemm-m 'x'"]),
+    (["--batch-invariant", "--json"], ["--batch-invariant: unknown option '--json'", "--inv-gemm-m"]),
+])
+def test_bench_model_cuda_bad_arguments(extra, needles):
+    r = run("bench", "model", str(MODEL), "--device", "cuda", *extra, env=NO_MODULE)
+    assert r.returncode == 2, r.stderr
+    for n in needles:
+        assert n in r.stderr, (n, r.stderr)
+
+
+def test_bench_model_cuda_needs_a_model():
+    for extra in ([], ["--batch-invariant"]):
+        r = run("bench", "model", "--device", "cuda", *extra)
+        assert r.returncode == 2 and r.stderr.startswith("usage: disagg bench model MODEL"), r.stderr
+
+
 def test_bench_model_cuda_without_module_or_gpu():
     r = run("bench", "model", str(MODEL), "--device", "cuda", env=NO_MODULE)
     # the same words as serve's (one loader: kernels/backend.c)
     assert r.returncode == 1 and "--device cuda" in r.stderr, r.stderr
     assert "libdisagg_cuda.so" in r.stderr and "--device cpu" in r.stderr, r.stderr
+    r = run("bench", "model", str(MODEL), "--device", "cuda", "--batch-invariant", "--batches", "1,8",
+            env=NO_MODULE)
+    assert r.returncode == 1 and "libdisagg_cuda.so" in r.stderr, r.stderr

@@ -334,6 +334,18 @@ static void prod_maybe_free_locked(mooncake_connector *c, prod_req *p) {
     free(p);
 }
 
+/* A consumer request goes once the engine released it and no pull thread owns it. */
+static void cons_maybe_free_locked(mooncake_connector *c, cons_req *r) {
+    if (!r->released || r->loading) return;
+    for (cons_req **pp = &c->conss; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    free(r->blocks);
+    free(r);
+}
+
 /* Write p's blocks (the tail D asked for) into D's region. */
 /* The transfer_status.transports bits of a write as "cuda_ipc", "tcp+shm", ... */
 static const char *transports_str(unsigned via, char *buf, size_t cap) {
@@ -836,15 +848,7 @@ static void *pull_main(void *arg) {
     c->st.loading--;
     c->n_pull_threads--;
     r->loading = 0;
-    if (r->released) {
-        for (cons_req **pp = &c->conss; *pp; pp = &(*pp)->next)
-            if (*pp == r) {
-                *pp = r->next;
-                break;
-            }
-        free(r->blocks);
-        free(r);
-    }
+    cons_maybe_free_locked(c, r);
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -1114,15 +1118,7 @@ static void request_released(void *ctx, void *hp, uint64_t id) {
     } else {
         cons_req *r = h->p;
         r->released = 1;
-        if (!r->loading) {
-            for (cons_req **pp = &c->conss; *pp; pp = &(*pp)->next)
-                if (*pp == r) {
-                    *pp = r->next;
-                    break;
-                }
-            free(r->blocks);
-            free(r);
-        }
+        cons_maybe_free_locked(c, r);
     }
     pthread_mutex_unlock(&c->mu);
     free(h);

@@ -10,16 +10,31 @@ static int mul_add(uint64_t a, uint64_t b, uint64_t c, uint64_t *out) {
     return 0;
 }
 
+/* Both planners' checks of the block ids (d asks for n_d of p's n_p; P's tail goes). */
+static int too_few(size_t n_p, size_t n_d, char *err, size_t err_cap) {
+    snprintf(err, err_cap, "the decode side asked for %zu blocks but the prefill side holds %zu",
+             n_d, n_p);
+    return XFER_PLAN_ETOOFEW;
+}
+
+static int ids_ok(const int64_t *src_ids, const int64_t *d_ids, size_t n_d, uint64_t p_num_blocks,
+                  char *err, size_t err_cap) {
+    for (size_t i = 0; i < n_d; i++) {
+        if (src_ids[i] < 0 || (uint64_t)src_ids[i] >= p_num_blocks || d_ids[i] < 0) {
+            snprintf(err, err_cap, "block id out of range: prefill %lld (of %llu), decode %lld",
+                     (long long)src_ids[i], (unsigned long long)p_num_blocks, (long long)d_ids[i]);
+            return XFER_PLAN_EINVAL;
+        }
+    }
+    return 0;
+}
+
 int xfer_plan_request(const int64_t *p_ids, size_t n_p, const int64_t *d_ids, size_t n_d,
                       const xfer_region *p_regions, const xfer_region *d_regions, size_t n_regions,
                       uint64_t p_num_blocks, xfer_run *runs, size_t max_runs, char *err,
                       size_t err_cap) {
     if (n_d == 0) return 0;
-    if (n_p < n_d) {
-        snprintf(err, err_cap,
-                 "the decode side asked for %zu blocks but the prefill side holds %zu", n_d, n_p);
-        return XFER_PLAN_ETOOFEW;
-    }
+    if (n_p < n_d) return too_few(n_p, n_d, err, err_cap);
     for (size_t r = 0; r < n_regions; r++) {
         const xfer_region *p = &p_regions[r], *d = &d_regions[r];
         if (p->kv_block_len != d->kv_block_len || p->kv_block_len == 0 ||
@@ -33,13 +48,8 @@ int xfer_plan_request(const int64_t *p_ids, size_t n_p, const int64_t *d_ids, si
         }
     }
     const int64_t *src_ids = p_ids + (n_p - n_d); /* the tail */
-    for (size_t i = 0; i < n_d; i++) {
-        if (src_ids[i] < 0 || (uint64_t)src_ids[i] >= p_num_blocks || d_ids[i] < 0) {
-            snprintf(err, err_cap, "block id out of range: prefill %lld (of %llu), decode %lld",
-                     (long long)src_ids[i], (unsigned long long)p_num_blocks, (long long)d_ids[i]);
-            return XFER_PLAN_EINVAL;
-        }
-    }
+    int rc = ids_ok(src_ids, d_ids, n_d, p_num_blocks, err, err_cap);
+    if (rc) return rc;
     size_t n = 0;
     for (size_t r = 0; r < n_regions; r++) {
         const xfer_region *p = &p_regions[r], *d = &d_regions[r];
@@ -203,11 +213,7 @@ int xfer_plan_tp_request(const int64_t *p_ids, size_t n_p, const int64_t *d_ids,
                               &sl, err, err_cap);
     if (rc) return rc;
     if (n_d == 0 || sl.n_heads == 0) return 0;
-    if (n_p < n_d) {
-        snprintf(err, err_cap,
-                 "the decode side asked for %zu blocks but the prefill side holds %zu", n_d, n_p);
-        return XFER_PLAN_ETOOFEW;
-    }
+    if (n_p < n_d) return too_few(n_p, n_d, err, err_cap);
     uint64_t head_bytes = (uint64_t)shape->head_dim * (uint64_t)shape->elem_bytes;
     uint64_t rows = (uint64_t)shape->n_layers * 2u * (uint64_t)shape->block_size;
     uint64_t p_bb = xfer_tp_block_bytes(shape, p->tp_size, p->tp_rank);
@@ -222,13 +228,8 @@ int xfer_plan_tp_request(const int64_t *p_ids, size_t n_p, const int64_t *d_ids,
         return XFER_PLAN_EINVAL;
     }
     const int64_t *src_ids = p_ids + (n_p - n_d); /* the tail */
-    for (size_t i = 0; i < n_d; i++) {
-        if (src_ids[i] < 0 || (uint64_t)src_ids[i] >= p_num_blocks || d_ids[i] < 0) {
-            snprintf(err, err_cap, "block id out of range: prefill %lld (of %llu), decode %lld",
-                     (long long)src_ids[i], (unsigned long long)p_num_blocks, (long long)d_ids[i]);
-            return XFER_PLAN_EINVAL;
-        }
-    }
+    rc = ids_ok(src_ids, d_ids, n_d, p_num_blocks, err, err_cap);
+    if (rc) return rc;
     int whole = len == p_row && len == d_row; /* same heads on both sides */
     int dense = p->block_len == p_bb && d->block_len == d_bb;
     uint64_t src_off = (uint64_t)sl.p_off * head_bytes, dst_off = (uint64_t)sl.d_off * head_bytes;

@@ -28,6 +28,9 @@
 #define DTP_ABI_VERSION 1
 #define DTP_ID_BYTES    128 /* sizeof(ncclUniqueId) */
 
+/* The table's getter (a dtp_api_fn) the module exports. */
+#define DTP_SYMBOL "disagg_cuda_tp_api_v1"
+
 typedef struct dtp_comm dtp_comm; /* one rank's communicator + its own stream */
 
 typedef struct dtp_api {
@@ -54,8 +57,9 @@ typedef struct dtp_api {
 
 typedef const dtp_api *(*dtp_api_fn)(void);
 
-/* Host side (cuda_tp_loader.c): loads the CUDA module (backend_module_dlopen) and returns its TP
- * table; NULL with err saying why (no module, a module without TP: rebuild). */
+/* Host side (cuda_loader.c): loads the CUDA module (backend_module_entry) and returns its TP
+ * table; NULL with err saying why (no module, a module without TP or of another TP ABI:
+ * rebuild). */
 const dtp_api *cuda_tp_load(char *err, size_t errlen);
 
 #endif

@@ -53,9 +53,9 @@ typedef struct dcu_transfer_api {
 typedef const dcu_transfer_api *(*dcu_transfer_api_fn)(void);
 
 /* For a process that has no backend open (the GPU tests, `disagg bench transfer`): loads
- * the module as kernels/cuda/cuda_loader.c does ($DISAGG_CUDA_MODULE, else beside the
- * executable, else the loader's path) and returns its table, or NULL with err saying why.
- * (cuda_transfer_loader.c; plain C, no CUDA dependency.) */
+ * the module as backend_open does ($DISAGG_CUDA_MODULE, else beside the executable, else
+ * the loader's path) and returns its table, or NULL with err saying why (no module, no
+ * table, another ABI).  (cuda_loader.c; plain C, no CUDA dependency.) */
 const dcu_transfer_api *cuda_transfer_load(char *err, size_t errlen);
 
 #endif
