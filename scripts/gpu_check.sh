@@ -179,7 +179,7 @@ prefill_steps() {
   check $? "bench model 7b --device cuda"
   P="--prompt-lens 512,4096 --batches 1 --gen-len 4"
   for v in "DISAGG_CUDA_PROF=1" "DISAGG_CUDA_PROF=1 DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" \
-           "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_GU_BF16=0" \
+           "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" "DISAGG_CUDA_FLASH_BQ=64" \
            ${PREFILL_VARIANTS:-}; do
     echo "--- prefill with $v:"
     env $v "$BIN" bench model "$W7" --device cuda $P > "${TMPDIR:-/tmp}/prefill-variant.log" 2>&1
