@@ -36,9 +36,9 @@
 # those (with PREBUILT: the bundle's prebuilt module, no nvcc rebuild); INV_BENCH_ARGS adds
 # arguments to that benchmark, INV_SERVE_ARGS to the serve check (--inv-only), INV_NO_FAST=1
 # skips the test's fast-mode comparisons and INV_GEMM_BENCH=1 adds its GEMM timing table.
-# ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with 64-row tiles
-# and with k_flash2 + the f32 gate|up), test_cuda_model, bench model 7B, then the prefill with
-# per-op times (DISAGG_CUDA_PROF=1) and with each new prefill path switched off in turn
+# ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with k_flash3's
+# 128- and 64-row tiles and with k_flash2 + the f32 gate|up), test_cuda_model, bench model 7B,
+# then the prefill with per-op times (DISAGG_CUDA_PROF=1) and with the previous kernels
 # (PREFILL_VARIANTS adds env settings to that list).
 # Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
@@ -164,9 +164,11 @@ prefill_steps() {
   step "prefill: 7B-shaped random bf16 weights"
   [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
   check $? "gen_random_qwen2_gpu 7b"
-  step "prefill: test_backend_ops (k_flash3 128-row tiles, bf16 gate|up), then 64-row tiles and k_flash2"
+  step "prefill: test_backend_ops (k_flash4 128-row tiles, bf16 gate|up), then k_flash3 (128 and 64 rows) and k_flash2"
   "$BUILD/test_backend_ops" 2>&1 | grep -E "attention|gate_up|OK|FAILED|PASSED|ERROR|SKIP"
   check ${PIPESTATUS[0]} test_backend_ops
+  DISAGG_CUDA_FLASH_MT=1 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_MT=1"
   DISAGG_CUDA_FLASH_BQ=64 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_BQ=64"
   DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
@@ -174,12 +176,14 @@ prefill_steps() {
   step "prefill: test_cuda_model"
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
   check ${PIPESTATUS[0]} test_cuda_model
+  DISAGG_CUDA_FLASH_MT=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "FAILED|PASSED|ERROR"
+  check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_FLASH_MT=1"
   step "prefill: bench model 7b (prefill 512 and 4096; decode batch 1 and 32)"
   "$BIN" bench model "$W7" --device cuda --batches 1,32 ${BENCH_ARGS:-}
   check $? "bench model 7b --device cuda"
   P="--prompt-lens 512,4096 --batches 1 --gen-len 4"
-  for v in "DISAGG_CUDA_PROF=1" "DISAGG_CUDA_PROF=1 DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" \
-           "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" "DISAGG_CUDA_FLASH_BQ=64" \
+  for v in "DISAGG_CUDA_PROF=1" "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" \
+           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_PROF=1 DISAGG_CUDA_FLASH_MT=1" \
            ${PREFILL_VARIANTS:-}; do
     echo "--- prefill with $v:"
     env $v "$BIN" bench model "$W7" --device cuda $P > "${TMPDIR:-/tmp}/prefill-variant.log" 2>&1

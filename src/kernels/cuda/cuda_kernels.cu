@@ -76,6 +76,8 @@ struct dcu_ctx {
     int flash3;              /* prefill on k_flash3 (DISAGG_CUDA_FLASH3=0: k_flash2) */
     int flash_bq;            /* k_flash3's query rows a CTA: 128 (default) or 64
                                 (DISAGG_CUDA_FLASH_BQ=64) */
+    int flash_mt;            /* 128-row tiles: 2 = k_flash4 (32 rows a warp), 1 = k_flash3
+                                (16; DISAGG_CUDA_FLASH_MT=1|2) */
     int gu_bf16_min_t;       /* gate|up GEMMs of T >= this write bf16 (DISAGG_CUDA_GU_BF16=T;
                                 0: always f32) */
     int prof;                /* DISAGG_CUDA_PROF=1: per-op times of forwards of >= 256 tokens */
@@ -188,6 +190,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->flash_bq = getenv("DISAGG_CUDA_FLASH_BQ") && atoi(getenv("DISAGG_CUDA_FLASH_BQ")) == FA_BQ
                       ? FA_BQ
                       : FA_BQ3;
+    c->flash_mt = getenv("DISAGG_CUDA_FLASH_MT") && atoi(getenv("DISAGG_CUDA_FLASH_MT")) == 1 ? 1 : 2;
     c->gu_bf16_min_t = getenv("DISAGG_CUDA_GU_BF16") ? atoi(getenv("DISAGG_CUDA_GU_BF16")) : 64;
     c->prof = getenv("DISAGG_CUDA_PROF") && atoi(getenv("DISAGG_CUDA_PROF")) > 0;
     c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 0;
@@ -396,10 +399,21 @@ __global__ void k_swiglu16(OT *out, const bf16 *gu, int I) {
              i += gridDim.x * blockDim.x * 8) {
             uint4 gv = *(const uint4 *)(g + i), uv = *(const uint4 *)(u + i);
             const bf16 *gp = (const bf16 *)&gv, *up = (const bf16 *)&uv;
+            float hv[8];
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 float x = __bfloat162float(gp[e]);
-                store_as(o + i + e, x / (1.0f + expf(-x)) * __bfloat162float(up[e]));
+                hv[e] = x / (1.0f + expf(-x)) * __bfloat162float(up[e]);
+            }
+            if constexpr (sizeof(OT) == 2) { /* one 16-byte store */
+                __nv_bfloat162 w[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    w[e] = __floats2bfloat162_rn(hv[2 * e], hv[2 * e + 1]);
+                *(uint4 *)(o + i) = *(const uint4 *)w;
+            } else {
+                *(float4 *)(o + i) = make_float4(hv[0], hv[1], hv[2], hv[3]);
+                *(float4 *)(o + i + 4) = make_float4(hv[4], hv[5], hv[6], hv[7]);
             }
         }
     } else {
@@ -1195,7 +1209,7 @@ static size_t flash3_smem(int hd) {
 }
 
 template <int HD, typename OT, int NW>
-__global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 1)
+__global__ void __launch_bounds__(NW * 32, NW == 4 ? 2 : 1)
     k_flash3(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
              const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
              int bt_stride, int nh, int nkv, float qscale) {
@@ -1320,10 +1334,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 1)
                 sum0 += __low2float(p01) + __high2float(p01); /* the weights P V uses */
                 sum1 += __low2float(p23) + __high2float(p23);
             }
-            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
-            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
-            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
-            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+            /* l: this thread's columns only (the row max, hence c, is the quad's); the quad
+             * adds its four partial sums once, after the last tile */
             l0 = l0 * c0 + sum0;
             l1 = l1 * c1 + sum1;
             m0 = mn0, m1 = mn1;
@@ -1350,6 +1362,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 3 : 1)
         }
         __syncthreads(); /* every warp is done with this stage before it is refilled */
     }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     float i0 = l0 > 0 ? 1.0f / l0 : 0.0f, i1 = l1 > 0 ? 1.0f / l1 : 0.0f;
 #pragma unroll
     for (int dn = 0; dn < DT; dn++) {
@@ -1385,11 +1401,235 @@ static int launch_flash3_nw(dcu_ctx *c, OT *out, const float *q, const dcu_kv *k
     return launch_check("flash3_prefill");
 }
 
-/* tiles: of FA_BQ3 rows for NW = 8 (c->flash_bq == 128), of FA_BQ for NW = 4 */
+/* k_flash4 — k_flash3 with 32 query rows a warp (DISAGG_CUDA_FLASH_MT=2): 4 warps, 128-row
+ * tiles, each warp two m16 tiles, so every K and V fragment read from shared memory by
+ * ldmatrix feeds two mma instead of one (ldmatrix traffic per FLOP 0.6x of k_flash3's; the
+ * FlashAttention-2 layout).  Q (scaled by scale * log2(e), bf16) lives in shared memory and
+ * is read by ldmatrix each k-step, which leaves the registers for O (2 x head_dim / 2) and S. */
+#define F4_NW 4
+
+static size_t flash4_smem(int hd) {
+    return (size_t)(FA_BQ3 + 2 * 2 * FA_BK) * (hd + F2_PAD) * 2;
+}
+
+template <int HD, typename OT>
+__global__ void __launch_bounds__(F4_NW * 32, 2)
+    k_flash4(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
+             const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
+             int bt_stride, int nh, int nkv, float qscale) {
+    constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16, NTH = F4_NW * 32;
+    int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
+    int kvh = h / (nh / nkv), kvd = nkv * HD;
+    int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
+    const int32_t *bt = bts + (size_t)sq * bt_stride;
+    int p0 = pos[t0], kmax = p0 + rows;
+    extern __shared__ __align__(16) char smem[];
+    bf16 *Qs = (bf16 *)smem, *KV0 = Qs + FA_BQ3 * LD;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 32;
+    const bf16 *kvh_base = kv + (size_t)kvh * HD;
+    const size_t vgap = (size_t)bs * kvd;
+    auto load_async = [&](int stg, int kt) {
+        bf16 *K_ = KV0 + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
+#pragma unroll
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += NTH) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
+            bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
+            if (j < kmax) {
+                const bf16 *src = kvh_base + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + c8 * 8;
+                cp_async16(kd, src);
+                cp_async16(vd, src + vgap);
+            } else {
+                *(uint4 *)kd = make_uint4(0, 0, 0, 0);
+                *(uint4 *)vd = make_uint4(0, 0, 0, 0);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    load_async(0, 0);
+    /* Q into shared memory: scaled, bf16, rows past the tile zero */
+    for (int i = threadIdx.x; i < FA_BQ3 * HD / 4; i += NTH) {
+        int r = i / (HD / 4), c4 = i % (HD / 4);
+        float4 v = r < rows ? *(const float4 *)(q + (size_t)(t0 + r) * nh * HD + (size_t)h * HD +
+                                                c4 * 4)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+        uint2 pk = make_uint2(pack_bf2(v.x * qscale, v.y * qscale),
+                              pack_bf2(v.z * qscale, v.w * qscale));
+        *(uint2 *)(Qs + r * LD + c4 * 4) = pk;
+    }
+    int g = lane >> 2, qd = lane & 3;
+    float o[2][DT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int i = 0; i < DT; i++)
+            o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+    float m[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+    float l[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    int wlast = p0 + wr0 + 31;
+    for (int k0 = 0, it = 0; k0 < kmax; k0 += FA_BK, it++) {
+        int stg = it & 1;
+        if (k0 + FA_BK < kmax)
+            load_async(stg ^ 1, k0 + FA_BK);
+        else
+            asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads(); /* this tile's K/V (and, the first time, Q) are visible */
+        const bf16 *Ks = KV0 + (size_t)stg * 2 * FA_BK * LD, *Vs = Ks + FA_BK * LD;
+        if (wr0 < rows && k0 <= wlast) {
+            float s[2][NT][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk += 2) {
+                /* A fragments of k-steps kk, kk + 1 for both m16 tiles */
+                uint32_t qa[2][2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int sub = 0; sub < 2; sub++)
+                        if (kk + sub < KS)
+                            ldsm_x4(qa[mt][sub], Qs + (wr0 + mt * 16 + (lane & 15)) * LD +
+                                                     (kk + sub) * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    uint32_t b[4];
+                    ldsm_x4(b, Ks + (n * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma_bf16(s[mt][n], qa[mt][0][0], qa[mt][0][1], qa[mt][0][2],
+                                 qa[mt][0][3], b[0], b[1]);
+                        if (kk + 1 < KS)
+                            mma_bf16(s[mt][n], qa[mt][1][0], qa[mt][1][1], qa[mt][1][2],
+                                     qa[mt][1][3], b[2], b[3]);
+                    }
+                }
+            }
+            uint32_t pa[2][NT][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                int mfirst = p0 + wr0 + mt * 16, qp0 = mfirst + g, qp1 = qp0 + 8;
+                if (k0 + FA_BK - 1 > mfirst) { /* the tile crosses this m16 tile's diagonal */
+#pragma unroll
+                    for (int n = 0; n < NT; n++) {
+                        int j = k0 + n * 8 + 2 * qd;
+                        if (j > qp0) s[mt][n][0] = -INFINITY;
+                        if (j + 1 > qp0) s[mt][n][1] = -INFINITY;
+                        if (j > qp1) s[mt][n][2] = -INFINITY;
+                        if (j + 1 > qp1) s[mt][n][3] = -INFINITY;
+                    }
+                }
+                float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    mx0 = fmaxf(mx0, fmaxf(s[mt][n][0], s[mt][n][1]));
+                    mx1 = fmaxf(mx1, fmaxf(s[mt][n][2], s[mt][n][3]));
+                }
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+                /* a row whose keys are all masked in this tile keeps its (finite) max */
+                float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+                float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
+                float c0 = ex2f(m[mt][0] - b0), c1 = ex2f(m[mt][1] - b1);
+                float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    float e0 = ex2f(s[mt][n][0] - b0), e1 = ex2f(s[mt][n][1] - b0);
+                    float e2 = ex2f(s[mt][n][2] - b1), e3 = ex2f(s[mt][n][3] - b1);
+                    pa[mt][n][0] = pack_bf2(e0, e1);
+                    pa[mt][n][1] = pack_bf2(e2, e3);
+                    __nv_bfloat162 p01 = *(__nv_bfloat162 *)&pa[mt][n][0],
+                                   p23 = *(__nv_bfloat162 *)&pa[mt][n][1];
+                    sum0 += __low2float(p01) + __high2float(p01); /* the weights P V uses */
+                    sum1 += __low2float(p23) + __high2float(p23);
+                }
+                l[mt][0] = l[mt][0] * c0 + sum0; /* this thread's columns; the quad adds up last */
+                l[mt][1] = l[mt][1] * c1 + sum1;
+                m[mt][0] = mn0, m[mt][1] = mn1;
+#pragma unroll
+                for (int dn = 0; dn < DT; dn++) {
+                    o[mt][dn][0] *= c0, o[mt][dn][1] *= c0;
+                    o[mt][dn][2] *= c1, o[mt][dn][3] *= c1;
+                }
+            }
+            /* O += P V: each V fragment (ldmatrix.trans, two d-tiles) feeds both m16 tiles */
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; kk++) {
+#pragma unroll
+                for (int dn = 0; dn < DT; dn += 2) {
+                    uint32_t b[4];
+                    int mm = lane >> 3;
+                    ldsm_x4_t(b, Vs + (kk * 16 + (mm & 1) * 8 + (lane & 7)) * LD + dn * 8 +
+                                     (mm >> 1) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma_bf16(o[mt][dn], pa[mt][2 * kk][0], pa[mt][2 * kk][1],
+                                 pa[mt][2 * kk + 1][0], pa[mt][2 * kk + 1][1], b[0], b[1]);
+                        mma_bf16(o[mt][dn + 1], pa[mt][2 * kk][0], pa[mt][2 * kk][1],
+                                 pa[mt][2 * kk + 1][0], pa[mt][2 * kk + 1][1], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* every warp is done with this stage before it is refilled */
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        float l0 = l[mt][0], l1 = l[mt][1];
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        float i0 = l0 > 0 ? 1.0f / l0 : 0.0f, i1 = l1 > 0 ? 1.0f / l1 : 0.0f;
+        int r0 = wr0 + mt * 16 + g, r1 = r0 + 8;
+#pragma unroll
+        for (int dn = 0; dn < DT; dn++) {
+            int d = dn * 8 + 2 * qd;
+            if (r0 < rows) {
+                OT *p = out + (size_t)(t0 + r0) * nh * HD + (size_t)h * HD + d;
+                store_as(p, o[mt][dn][0] * i0);
+                store_as(p + 1, o[mt][dn][1] * i0);
+            }
+            if (r1 < rows) {
+                OT *p = out + (size_t)(t0 + r1) * nh * HD + (size_t)h * HD + d;
+                store_as(p, o[mt][dn][2] * i1);
+                store_as(p + 1, o[mt][dn][3] * i1);
+            }
+        }
+    }
+}
+
+template <int HD, typename OT>
+static int launch_flash4(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                         const int32_t *tiles, int n_tiles, const int32_t *pos,
+                         const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    size_t sh = flash4_smem(HD);
+    static int attr_done;
+    if (!attr_done) {
+        cudaFuncSetAttribute(k_flash4<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sh);
+        attr_done = 1;
+    }
+    dim3 grid(nh, n_tiles);
+    k_flash4<HD, OT><<<grid, F4_NW * 32, sh, c->stream>>>(
+        out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
+    return launch_check("flash4_prefill");
+}
+
+/* tiles: of FA_BQ3 rows (c->flash_bq == 128): k_flash4 (c->flash_mt == 2) or k_flash3 with
+ * 8 warps; of FA_BQ rows: k_flash3 with 4 warps */
 template <int HD, typename OT>
 static int launch_flash3(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
                          const int32_t *tiles, int n_tiles, const int32_t *pos,
                          const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    if (c->flash_bq == FA_BQ3 && c->flash_mt == 2)
+        return launch_flash4<HD, OT>(c, out, q, kv, layer, tiles, n_tiles, pos, bts, bt_stride,
+                                     nh, nkv, scale);
     if (c->flash_bq == FA_BQ3)
         return launch_flash3_nw<HD, OT, FA_BQ3 / 16>(c, out, q, kv, layer, tiles, n_tiles, pos,
                                                      bts, bt_stride, nh, nkv, scale);
