@@ -985,12 +985,18 @@ int main(void) {
                 "*** test_backend_ops checks the CPU backend against the reference only.\n\n",
                 err);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_buffers),       cmocka_unit_test(test_embed),
-        cmocka_unit_test(test_rmsnorm),       cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_kv_write),
-        cmocka_unit_test(test_attention),     cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_gather_argmax), cmocka_unit_test(test_plan_checks),
-        cmocka_unit_test(test_registry),      cmocka_unit_test(test_fused_ops),
+        cmocka_unit_test(test_buffers),
+        cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_kv_write),
+        cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_gather_argmax),
+        cmocka_unit_test(test_plan_checks),
+        cmocka_unit_test(test_registry),
+        cmocka_unit_test(test_fused_ops),
         cmocka_unit_test(test_gate_up_prefill),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
