@@ -39,6 +39,10 @@
 # skips the test's fast-mode comparisons, INV_GEMM_BENCH=1 adds its GEMM timing table,
 # INV_DECODE_BENCH=1 its decode-step parts (GEMMs, attention per kernel variant) and INV_LOG=
 # (empty) silences the per-shape algorithm log.
+# ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with k_flash3's
+# 128- and 64-row tiles and with k_flash2 + the f32 gate|up), test_cuda_model, bench model 7B,
+# then the prefill with per-op times (DISAGG_CUDA_PROF=1) and with the previous kernels
+# (PREFILL_VARIANTS adds env settings to that list).
 # Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
@@ -160,9 +164,44 @@ kv_steps() {
   "$BIN" bench transfer --location cuda:0
   check $? "bench transfer --location cuda:0"
 }
-if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ]; then
+prefill_steps() {
+  step "prefill: 7B-shaped random bf16 weights"
+  [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+  check $? "gen_random_qwen2_gpu 7b"
+  step "prefill: test_backend_ops (k_flash4 128-row tiles, bf16 gate|up), then k_flash3 (128 and 64 rows) and k_flash2"
+  "$BUILD/test_backend_ops" 2>&1 | grep -E "attention|gate_up|OK|FAILED|PASSED|ERROR|SKIP"
+  check ${PIPESTATUS[0]} test_backend_ops
+  DISAGG_CUDA_FLASH_MT=1 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_MT=1"
+  DISAGG_CUDA_FLASH_BQ=64 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_BQ=64"
+  DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0"
+  step "prefill: test_cuda_model"
+  "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
+  check ${PIPESTATUS[0]} test_cuda_model
+  DISAGG_CUDA_FLASH_MT=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "FAILED|PASSED|ERROR"
+  check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_FLASH_MT=1"
+  step "prefill: bench model 7b (prefill 512 and 4096; decode batch 1 and 32)"
+  "$BIN" bench model "$W7" --device cuda --batches 1,32 ${BENCH_ARGS:-}
+  check $? "bench model 7b --device cuda"
+  P="--prompt-lens 512,4096 --batches 1 --gen-len 4"
+  for v in "DISAGG_CUDA_PROF=1" "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" \
+           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_PROF=1 DISAGG_CUDA_FLASH_MT=1" \
+           ${PREFILL_VARIANTS:-}; do
+    echo "--- prefill with $v:"
+    env $v "$BIN" bench model "$W7" --device cuda $P > "${TMPDIR:-/tmp}/prefill-variant.log" 2>&1
+    check $? "bench model 7b, $v"
+    grep -E "^ceilings|^512 |^4096 " "${TMPDIR:-/tmp}/prefill-variant.log"
+    # the last per-op table of each forward length
+    awk '/cuda prof: forward of/ { n = $5; b[n] = $0 "\n"; next } /cuda prof:  / { b[n] = b[n] $0 "\n" }
+         END { for (k in b) printf "%s", b[k] }' "${TMPDIR:-/tmp}/prefill-variant.log"
+  done
+}
+if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ]; then
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps
+  [ "$ONLY" = prefill ] && prefill_steps
   step "summary"
   echo "gpu_check (ONLY=$ONLY): $fails failed step(s)"
   exit $((fails > 0))

@@ -484,6 +484,17 @@ static void test_attention(void **state) {
         attention_case(be, 2, s4, n4, 1, 3, 6, 1);
         int s5[3] = {0, 200, 7}, n5[3] = {150, 70, 1}; /* long prefill, chunk, decode: hd 128 */
         attention_case(be, 3, s5, n5, 4, 7, 128, 16);
+        /* the CUDA prefill kernel's 128-row tiles: three tiles, the last partial (333 = 2 x 128
+         * + 77), and a chunk whose first query sits mid-block (77 % 16) with a partial tile
+         * over the diagonal; GQA 7 as Qwen2.5-7B, hd 128 */
+        int s6[2] = {0, 77}, n6[2] = {333, 170};
+        attention_case(be, 2, s6, n6, 2, 7, 128, 16);
+        /* hd 64, GQA 2, block size 32: a chunk after 130 cached tokens (tiles of 128 + 2) */
+        int s7[1] = {130}, n7[1] = {130};
+        attention_case(be, 1, s7, n7, 4, 2, 64, 32);
+        /* hd 32, one KV head for 4 query heads, tiles of 128 + 12 from position 5 */
+        int s8[2] = {5, 3}, n8[2] = {140, 1};
+        attention_case(be, 2, s8, n8, 1, 4, 32, 16);
     }
 }
 
@@ -680,6 +691,82 @@ static void test_fused_ops(void **state) {
         free(wq_), free(wkv), free(gh), free(wh);
         backend_buffer *bufs[] = {bq, bk, bv,  bg,     bu,  bqkv, bgu, bbias, binv, bnw,
                                   bx, by, bxb, region, bqo, bks,  bvs, bh,    bh2};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            backend_buffer_free(bufs[i]);
+        backend_stream_free(st);
+    }
+}
+
+/* backend_gate_up on a prefill-sized batch (T = 130: the CUDA backend's gate|up GEMM then
+ * writes bf16 and SwiGLU reads that, see cb_gate_up; under 64 tokens it stays f32, which
+ * test_fused_ops covers).  Tolerance: a GPU backend rounds gate and up to bf16 before
+ * silu(gate) * up (as a bf16 model run by transformers does) and h to bf16 after, three
+ * roundings of 2^-8: 2e-2; the CPU as in test_fused_ops. */
+static void test_gate_up_prefill(void **state) {
+    enum { H = 72, I = 200, T = 130 };
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype mm = backend_mm_dtype(be);
+        int cat = backend_wants_cat(be);
+        test_batch tb;
+        int start[1] = {0}, n_new[1] = {T};
+        make_batch(&tb, 1, start, n_new, 16, 16, 10);
+        assert_int_equal(backend_plan(st, &tb.b), 0);
+        uint16_t *hg = malloc(sizeof(uint16_t) * I * H), *hu = malloc(sizeof(uint16_t) * I * H);
+        float *fg = malloc(sizeof(float) * I * H), *fu = malloc(sizeof(float) * I * H);
+        assert_non_null(hg), assert_non_null(hu), assert_non_null(fg), assert_non_null(fu);
+        bf16_mat(hg, fg, (size_t)I * H), bf16_mat(hu, fu, (size_t)I * H);
+        backend_dtype sg = BACKEND_BF16, scat, d2[2] = {BACKEND_BF16, BACKEND_BF16};
+        backend_buffer *bg = NULL, *bu = NULL, *bgu = NULL;
+        const void *wg, *wu, *wgu = NULL;
+        if (cat) {
+            const void *s2[2] = {hg, hu};
+            size_t n2[2] = {(size_t)I * H, (size_t)I * H};
+            assert_non_null(bgu = backend_weights_load_cat(be, s2, d2, n2, 2, &scat));
+            wgu = DEV(bgu);
+            wg = wgu, wu = (const char *)wgu + (size_t)I * H * backend_dtype_size(scat);
+            sg = scat;
+        } else {
+            assert_non_null(bg = backend_weights_load(be, hg, BACKEND_BF16, (size_t)I * H, &sg));
+            assert_non_null(bu = backend_weights_load(be, hu, BACKEND_BF16, (size_t)I * H, &sg));
+            wg = DEV(bg), wu = DEV(bu);
+        }
+        float *x = rand_vec((size_t)T * H, mm);
+        backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
+                       *bh = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0),
+                       *bh2 = cat ? NULL
+                                  : backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm),
+                                                         0);
+        backend_mlp_op mo = {.x = DEV(bx),
+                             .x_dt = mm,
+                             .T = T,
+                             .hidden = H,
+                             .inter = I,
+                             .w_gate = wg,
+                             .w_up = wu,
+                             .w_dt = sg,
+                             .w_gate_up = wgu,
+                             .h = DEV(bh),
+                             .h2 = bh2 ? DEV(bh2) : NULL,
+                             .h_dt = mm};
+        assert_int_equal(backend_gate_up(st, &mo), 0);
+        float *gh = from_dev(st, DEV(bh), (size_t)T * I, mm);
+        double *wh = malloc(sizeof(double) * T * I);
+        assert_non_null(wh);
+        for (int t = 0; t < T; t++)
+            for (int n = 0; n < I; n++) {
+                double gg = 0, uu = 0;
+                for (int i = 0; i < H; i++) {
+                    gg += (double)x[t * H + i] * fg[n * H + i];
+                    uu += (double)x[t * H + i] * fu[n * H + i];
+                }
+                wh[t * I + n] = gg / (1.0 + exp(-gg)) * uu;
+            }
+        double tol = backend_is_cpu(be) ? (mm == BACKEND_F32 ? 1e-4 : 8e-3) : 2e-2;
+        check_close("gate_up (130 tokens): silu(gate) * up", be, gh, wh, (size_t)T * I, tol);
+        free(gh), free(wh), free(x), free(hg), free(hu), free(fg), free(fu);
+        backend_buffer *bufs[] = {bg, bu, bgu, bx, bh, bh2};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
             backend_buffer_free(bufs[i]);
         backend_stream_free(st);
@@ -898,12 +985,19 @@ int main(void) {
                 "*** test_backend_ops checks the CPU backend against the reference only.\n\n",
                 err);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_buffers),       cmocka_unit_test(test_embed),
-        cmocka_unit_test(test_rmsnorm),       cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_kv_write),
-        cmocka_unit_test(test_attention),     cmocka_unit_test(test_swiglu_add),
-        cmocka_unit_test(test_gather_argmax), cmocka_unit_test(test_plan_checks),
-        cmocka_unit_test(test_registry),      cmocka_unit_test(test_fused_ops),
+        cmocka_unit_test(test_buffers),
+        cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_kv_write),
+        cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_swiglu_add),
+        cmocka_unit_test(test_gather_argmax),
+        cmocka_unit_test(test_plan_checks),
+        cmocka_unit_test(test_registry),
+        cmocka_unit_test(test_fused_ops),
+        cmocka_unit_test(test_gate_up_prefill),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = g_n_be - 1; i >= 0; i--)

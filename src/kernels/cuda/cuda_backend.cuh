@@ -38,6 +38,8 @@ typedef struct cb_stream {
     int T, S, stride, n_out, max_ctx;
     int32_t *tok, *seq, *pos, *orow, *bt; /* into d_meta */
     int32_t *tiles, *rest;                /* prefill tiles (3 each) and the other tokens */
+    int32_t *tiles3;                      /* the same tiles of c->flash_bq rows (k_flash3) */
+    int n_tiles3;
     int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
     void *xconv;          /* bf16 copy of a matmul input */
     size_t xconv_bytes;
@@ -51,7 +53,22 @@ typedef struct cb_stream {
     int inv;               /* batch-invariant mode (cuda_invariant.h) */
     iv_policy pol;         /* its GEMM policy */
     iv_scratch ivs;        /* its attention partials */
+    struct cb_prof *prof;  /* DISAGG_CUDA_PROF=1: per-op times of the current forward */
 } cb_stream;
+
+/* DISAGG_CUDA_PROF=1 (c->prof): each op of an eager forward of >= PROF_MIN_T tokens is
+ * timed with a pair of cudaEvents and a synchronisation (so the sum is a little above the
+ * forward's time without it); the table is printed to stderr when the next forward is
+ * planned and when the stream is freed. */
+#define PROF_MIN_T 256
+#define PROF_OPS 24
+typedef struct cb_prof {
+    cudaEvent_t e0, e1;
+    int T, n;
+    char name[PROF_OPS][40];
+    double ms[PROF_OPS];
+    int calls[PROF_OPS];
+} cb_prof;
 
 typedef struct cb_graph {
     int T, max_ctx, max_blocks;
@@ -217,9 +234,64 @@ static int cb_stream_create(backend *be, backend_stream *st) {
 
 static void cb_graph_reset(backend_stream *st);
 
+static int prof_on(cb_stream *s) {
+    if (!s->c->prof || s->capturing || s->cur || s->T < PROF_MIN_T) return 0;
+    if (!s->prof) {
+        s->prof = (cb_prof *)calloc(1, sizeof *s->prof);
+        if (!s->prof) return 0;
+        if (cudaEventCreate(&s->prof->e0) != cudaSuccess ||
+            cudaEventCreate(&s->prof->e1) != cudaSuccess) {
+            free(s->prof);
+            s->prof = NULL;
+            return 0;
+        }
+    }
+    return 1;
+}
+static void prof_begin(cb_stream *s) {
+    if (prof_on(s)) cudaEventRecord(s->prof->e0, s->c->stream);
+}
+static void prof_end(cb_stream *s, const char *name) {
+    if (!prof_on(s)) return;
+    cb_prof *p = s->prof;
+    float ms = 0;
+    cudaEventRecord(p->e1, s->c->stream);
+    cudaEventSynchronize(p->e1);
+    cudaEventElapsedTime(&ms, p->e0, p->e1);
+    p->T = s->T;
+    int i = 0;
+    while (i < p->n && strcmp(p->name[i], name))
+        i++;
+    if (i == p->n) {
+        if (p->n == PROF_OPS) return;
+        snprintf(p->name[p->n++], sizeof p->name[0], "%s", name);
+        p->ms[i] = 0, p->calls[i] = 0;
+    }
+    p->ms[i] += ms;
+    p->calls[i]++;
+}
+static void prof_flush(cb_stream *s) {
+    cb_prof *p = s->prof;
+    if (!p || !p->n) return;
+    double tot = 0;
+    for (int i = 0; i < p->n; i++)
+        tot += p->ms[i];
+    fprintf(stderr, "cuda prof: forward of %d tokens, %.2f ms in the timed ops:\n", p->T, tot);
+    for (int i = 0; i < p->n; i++)
+        fprintf(stderr, "cuda prof:   %-34s %8.2f ms %5.1f%% (%d calls)\n", p->name[i], p->ms[i],
+                100 * p->ms[i] / tot, p->calls[i]);
+    p->n = 0;
+}
+
 static void cb_stream_free(backend_stream *st) {
     cb_stream *s = CB(st);
     if (!s) return;
+    prof_flush(s);
+    if (s->prof) {
+        cudaEventDestroy(s->prof->e0);
+        cudaEventDestroy(s->prof->e1);
+        free(s->prof);
+    }
     cb_graph_reset(st);
     free(s->graphs);
     cudaFree(s->d_meta);
@@ -266,7 +338,7 @@ static int cb_memset_zero(backend_stream *st, void *dev, size_t n) {
 }
 
 static size_t plan_need(int T, int S, int n_out, int stride) {
-    return (size_t)4 * T + (size_t)n_out + (size_t)S * stride + 8 + 3 * ((size_t)T + S) +
+    return (size_t)4 * T + (size_t)n_out + (size_t)S * stride + 8 + 6 * ((size_t)T + S) +
            (size_t)T;
 }
 
@@ -298,14 +370,39 @@ static int plan_into(cb_stream *s, const backend_batch *b, int stride, int max_c
     }
     /* prefill tiles for the tensor-core kernel (used when the KV is bf16, see cb_attention) */
     int32_t *tiles = bt + (size_t)S * stride, *rest = tiles + 3 * ((size_t)T + S);
-    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, !s->c->no_flash || s->inv, tiles, &s->n_tiles,
-                              rest, &s->n_rest);
-    size_t n_meta = (size_t)(rest - h) + s->n_rest;
+    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, !s->c->no_flash || s->inv, FA_BQ, tiles,
+                              &s->n_tiles, rest, &s->n_rest);
+    /* k_flash3's tiles (c->flash_bq rows; the batch-invariant mode keeps its 64) after rest */
+    int32_t *tiles3 = rest + s->n_rest;
+    s->n_tiles3 = 0;
+    if (s->n_tiles && !s->inv) {
+        if (s->c->flash_bq == FA_BQ) {
+            memcpy(tiles3, tiles, (size_t)s->n_tiles * 3 * 4);
+            s->n_tiles3 = s->n_tiles;
+        } else { /* the same sequences (>= 16 new tokens) as split_batch's tiles */
+            for (int t = 0; t < T;) {
+                int e = t;
+                while (e < T && b->tok_seq[e] == b->tok_seq[t])
+                    e++;
+                if (e - t >= 16)
+                    for (int a = t; a < e; a += s->c->flash_bq) {
+                        tiles3[3 * s->n_tiles3] = a;
+                        tiles3[3 * s->n_tiles3 + 1] =
+                            e - a < s->c->flash_bq ? e - a : s->c->flash_bq;
+                        tiles3[3 * s->n_tiles3 + 2] = b->tok_seq[t];
+                        s->n_tiles3++;
+                    }
+                t = e;
+            }
+        }
+    }
+    size_t n_meta = (size_t)(tiles3 - h) + 3 * (size_t)s->n_tiles3;
     /* pageable source: the copy is staged before cudaMemcpyAsync returns, and it is ordered
      * after the previous batch's kernels on this stream */
     CK(cudaMemcpyAsync(d_meta, h, n_meta * 4, cudaMemcpyHostToDevice, s->c->stream));
     s->tiles = d_meta + (tiles - h);
     s->rest = d_meta + (rest - h);
+    s->tiles3 = s->n_tiles3 ? d_meta + (tiles3 - h) : NULL;
     s->tok = d_meta;
     s->seq = d_meta + T;
     s->pos = d_meta + 2 * T;
@@ -319,6 +416,7 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
     cb_stream *s = CB(st);
     ON_DEV(st);
     if (s->capturing) return -EINVAL;
+    prof_flush(s);
     s->cur = NULL;
     int T = b->n_tokens, S = b->n_seqs, stride = 1, max_ctx = 0;
     for (int i = 0; i < S; i++) {
@@ -530,6 +628,19 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
     return 0;
 }
 
+/* backend_matmul (the o and down projections, the logits): cb_matmul, timed under
+ * DISAGG_CUDA_PROF (cb_qkv and cb_gate_up time their own GEMMs) */
+static int cb_matmul_api(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
+    cb_stream *s = CB(st);
+    if (!prof_on(s) || n_ops < 1) return cb_matmul(st, ops, n_ops);
+    char name[40];
+    snprintf(name, sizeof name, "GEMM N=%d K=%d (f32 out)", ops[0].N, ops[0].K);
+    prof_begin(s);
+    int rc = cb_matmul(st, ops, n_ops);
+    prof_end(s, name);
+    return rc;
+}
+
 static int cb_rope(backend_stream *st, void *q, int nq, void *k, int nk, backend_dtype dt, int hd,
                    const float *inv_freq) {
     cb_stream *s = CB(st);
@@ -581,10 +692,25 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
     }
     dcu_kv d = to_dkv(kv);
     int od = out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32;
+    if (s->c->prof && prof_on(s)) { /* timed: the same call once more with profiling off */
+        prof_begin(s);
+        s->c->prof = 0;
+        int rc = cb_attention_to(st, out, out_dt, q, dt, kv, layer, n_heads, scale);
+        s->c->prof = 1;
+        prof_end(s, s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim)
+                        ? (s->c->flash3 && s->c->flash2 && kv->head_dim >= 32
+                               ? (s->c->flash_bq == FA_BQ ? "attention (k_flash3, 64 rows)"
+                                  : s->c->flash_mt == 2   ? "attention (k_flash4, 128 rows)"
+                                                          : "attention (k_flash3, 128 rows)")
+                               : "attention (k_flash2)")
+                        : "attention (split kernel)");
+        return rc;
+    }
     if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
         return attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                                s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, scale,
-                               s->tiles, s->n_tiles, s->rest, s->n_rest, s->rest_ctx);
+                               s->tiles, s->n_tiles, s->tiles3, s->n_tiles3, s->rest, s->n_rest,
+                               s->rest_ctx);
     return attention_scaled(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                             s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, s->max_ctx,
                             scale);
@@ -617,8 +743,11 @@ static int cb_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, v
                           float eps) {
     if (x_dt != BACKEND_F32 || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) || n > 12288)
         return -ENOTSUP;
-    return rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
-                   (const float *)add, w, NULL, rows, n, eps, add != NULL);
+    prof_begin(CB(st));
+    int rc = rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
+                     (const float *)add, w, NULL, rows, n, eps, add != NULL);
+    prof_end(CB(st), "add + rmsnorm");
+    return rc;
 }
 
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops);
@@ -637,8 +766,11 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
                            o->hidden};
+    prof_begin(s);
     int rc = cb_matmul(st, &g, 1);
+    prof_end(s, "q|k|v GEMM (f32 out)");
     if (rc) return rc;
+    prof_begin(s);
     if (kv->dtype == BACKEND_BF16)
         k_qkv_finish<bf16><<<T, 128, 0, s->c->stream>>>(
             (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv, o->bqkv,
@@ -647,6 +779,7 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
         k_qkv_finish<float><<<T, 128, 0, s->c->stream>>>(
             (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv,
             o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
+    prof_end(s, "q|k|v bias, RoPE, KV write");
     return launch_check("qkv_finish");
 }
 
@@ -656,13 +789,34 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     if (o->w_dt != BACKEND_BF16 || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
         return -ENOTSUP;
     int T = o->T, I = o->inter;
+    /* prefill-sized batches (T >= c->gu_bf16_min_t, fast mode, bf16 x): the GEMM writes
+     * gate|up in bf16 and SwiGLU reads that (the f32 intermediate was 4 bytes x T x 2I
+     * written and read back: 620 MB a layer at 4,096 tokens of the 7B shape) */
+    if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->gu_bf16_min_t > 0 &&
+        T >= s->c->gu_bf16_min_t) {
+        bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
+        if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
+        prof_begin(s);
+        int rc = matmul_bf16out(s->c, gu16, o->x, o->w_gate_up, T, 2 * I, o->hidden);
+        prof_end(s, "gate|up GEMM (bf16 out)");
+        if (rc) return rc;
+        prof_begin(s);
+        rc = swiglu16(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu16, T, I);
+        prof_end(s, "SwiGLU (bf16 gate|up)");
+        return rc;
+    }
     float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
     if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, BACKEND_BF16, NULL, T,
                            2 * I, o->hidden};
+    prof_begin(s);
     int rc = cb_matmul(st, &g, 1);
+    prof_end(s, "gate|up GEMM (f32 out)");
     if (rc) return rc;
-    return swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I);
+    prof_begin(s);
+    rc = swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I);
+    prof_end(s, "SwiGLU (f32 gate|up)");
+    return rc;
 }
 
 static int cb_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K) {
@@ -716,7 +870,7 @@ static const backend_iface CB_IFACE = {
     cb_free,     cb_memory,         cb_buffer_alloc, cb_weights_load, cb_buffer_free,
     cb_stream_create, cb_stream_free, cb_stream_sync, cb_upload,      cb_download,
     cb_copy,     cb_memset_zero,    cb_plan,         cb_embed,        cb_rmsnorm,
-    cb_matmul,   cb_rope,           cb_kv_write,     cb_attention,    cb_swiglu,
+    cb_matmul_api, cb_rope,         cb_kv_write,     cb_attention,    cb_swiglu,
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,

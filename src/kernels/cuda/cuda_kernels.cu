@@ -38,6 +38,9 @@ static void seterr(char *err, size_t errlen, const char *fmt, ...) {
 /* ---- context ---------------------------------------------------------------- */
 
 #define PLAN_CACHE 256
+#define FA_BQ 64   /* prefill query rows per CTA: 4 warps x 16 */
+#define FA_BQ3 128 /* k_flash3's default: 8 warps x 16 */
+#define PLAN16_CACHE 32
 
 typedef struct gemm_plan {
     int T, N, K, valid;
@@ -54,6 +57,8 @@ struct dcu_ctx {
     size_t ws_bytes;
     gemm_plan plans[PLAN_CACHE];
     int next_plan;
+    gemm_plan plans16[PLAN16_CACHE]; /* GEMMs with a bf16 output (matmul_bf16out) */
+    int next_plan16;
     int n_sm;
     float *att_part; /* split-attention partials */
     float *att_ml;   /* (m, l) per partial */
@@ -69,6 +74,14 @@ struct dcu_ctx {
     int flash2;              /* the mma.sync prefill kernel k_flash2 (DISAGG_CUDA_FLASH2=0: wmma) */
     int att_mma;             /* decode attention on tensor cores (DISAGG_CUDA_ATT_MMA=0: off) */
     int flash_pipe;          /* k_flash2 with cp.async double buffering (DISAGG_CUDA_FLASH_PIPE=0) */
+    int flash3;              /* prefill on k_flash3 (DISAGG_CUDA_FLASH3=0: k_flash2) */
+    int flash_bq;            /* k_flash3's query rows a CTA: 128 (default) or 64
+                                (DISAGG_CUDA_FLASH_BQ=64) */
+    int flash_mt;            /* 128-row tiles: 2 = k_flash4 (32 rows a warp), 1 = k_flash3
+                                (16; DISAGG_CUDA_FLASH_MT=1|2) */
+    int gu_bf16_min_t;       /* gate|up GEMMs of T >= this write bf16 (DISAGG_CUDA_GU_BF16=T;
+                                0: always f32) */
+    int prof;                /* DISAGG_CUDA_PROF=1: per-op times of forwards of >= 256 tokens */
     int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T; default 0:
                                 off, measured slower than cuBLASLt on the H200) */
 };
@@ -174,6 +187,13 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->att_mma = !(getenv("DISAGG_CUDA_ATT_MMA") && !strcmp(getenv("DISAGG_CUDA_ATT_MMA"), "0"));
     c->flash_pipe =
         !(getenv("DISAGG_CUDA_FLASH_PIPE") && !strcmp(getenv("DISAGG_CUDA_FLASH_PIPE"), "0"));
+    c->flash3 = !(getenv("DISAGG_CUDA_FLASH3") && !strcmp(getenv("DISAGG_CUDA_FLASH3"), "0"));
+    c->flash_bq = getenv("DISAGG_CUDA_FLASH_BQ") && atoi(getenv("DISAGG_CUDA_FLASH_BQ")) == FA_BQ
+                      ? FA_BQ
+                      : FA_BQ3;
+    c->flash_mt = getenv("DISAGG_CUDA_FLASH_MT") && atoi(getenv("DISAGG_CUDA_FLASH_MT")) == 1 ? 1 : 2;
+    c->gu_bf16_min_t = getenv("DISAGG_CUDA_GU_BF16") ? atoi(getenv("DISAGG_CUDA_GU_BF16")) : 64;
+    c->prof = getenv("DISAGG_CUDA_PROF") && atoi(getenv("DISAGG_CUDA_PROF")) > 0;
     c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 0;
     if (c->skinny_max > 32) c->skinny_max = 32;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
@@ -212,6 +232,13 @@ static void ctx_free(dcu_ctx *c) {
             cublasLtMatrixLayoutDestroy(c->plans[i].a);
             cublasLtMatrixLayoutDestroy(c->plans[i].b);
             cublasLtMatrixLayoutDestroy(c->plans[i].c);
+        }
+    for (int i = 0; i < PLAN16_CACHE; i++)
+        if (c->plans16[i].valid) {
+            cublasLtMatmulDescDestroy(c->plans16[i].op);
+            cublasLtMatrixLayoutDestroy(c->plans16[i].a);
+            cublasLtMatrixLayoutDestroy(c->plans16[i].b);
+            cublasLtMatrixLayoutDestroy(c->plans16[i].c);
         }
     cudaFree(c->ws);
     cudaFree(c->att_part);
@@ -359,6 +386,54 @@ __global__ void k_swiglu(OT *out, const float *gu, int I) {
         float g = gu[(size_t)t * 2 * I + i], u = gu[(size_t)t * 2 * I + I + i];
         store_as(out + (size_t)t * I + i, g / (1.0f + expf(-g)) * u);
     }
+}
+
+/* h = silu(g) * u from a bf16 gate|up row (the GEMM's bf16 output): 8 elements a thread,
+ * 16-byte loads (I % 8 == 0), else one */
+template <typename OT>
+__global__ void k_swiglu16(OT *out, const bf16 *gu, int I) {
+    int t = blockIdx.y;
+    const bf16 *g = gu + (size_t)t * 2 * I, *u = g + I;
+    OT *o = out + (size_t)t * I;
+    if (I % 8 == 0) {
+        for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8; i < I;
+             i += gridDim.x * blockDim.x * 8) {
+            uint4 gv = *(const uint4 *)(g + i), uv = *(const uint4 *)(u + i);
+            const bf16 *gp = (const bf16 *)&gv, *up = (const bf16 *)&uv;
+            float hv[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float x = __bfloat162float(gp[e]);
+                hv[e] = x / (1.0f + expf(-x)) * __bfloat162float(up[e]);
+            }
+            if constexpr (sizeof(OT) == 2) { /* one 16-byte store */
+                __nv_bfloat162 w[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    w[e] = __floats2bfloat162_rn(hv[2 * e], hv[2 * e + 1]);
+                *(uint4 *)(o + i) = *(const uint4 *)w;
+            } else {
+                *(float4 *)(o + i) = make_float4(hv[0], hv[1], hv[2], hv[3]);
+                *(float4 *)(o + i + 4) = make_float4(hv[4], hv[5], hv[6], hv[7]);
+            }
+        }
+    } else {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
+            float x = __bfloat162float(g[i]);
+            store_as(o + i, x / (1.0f + expf(-x)) * __bfloat162float(u[i]));
+        }
+    }
+}
+
+static int swiglu16(dcu_ctx *c, void *out, int out_dtype, const bf16 *gu, int T, int I) {
+    if (T <= 0) return 0;
+    int per = I % 8 == 0 ? 8 * 256 : 256;
+    dim3 g((I + per - 1) / per, T);
+    if (out_dtype == DCU_BF16)
+        k_swiglu16<bf16><<<g, 256, 0, c->stream>>>((bf16 *)out, gu, I);
+    else
+        k_swiglu16<float><<<g, 256, 0, c->stream>>>((float *)out, gu, I);
+    return launch_check("swiglu (bf16 gate|up)");
 }
 
 static int swiglu(dcu_ctx *c, void *out, int out_dtype, const float *gu, int T, int I) {
@@ -710,7 +785,6 @@ static int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q
 
 #include <mma.h>
 
-#define FA_BQ 64 /* query rows per CTA: 4 warps x 16 */
 #define FA_BK 64 /* keys per tile */
 
 static size_t flash_smem(int hd) {
@@ -1081,6 +1155,453 @@ static int launch_flash2(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, 
     return launch_check("flash2_prefill");
 }
 
+/* k_flash3 — the default prefill kernel (DISAGG_CUDA_FLASH3=0 goes back to k_flash2): the
+ * k_flash2 layout (mma.sync m16n8k16, Q/S/P/O in registers, ldmatrix from padded shared
+ * memory, cp.async double buffering of 64-key K/V tiles) with 16 * NW query rows a CTA
+ * (NW = 8: 128-row tiles, DISAGG_CUDA_FLASH_BQ=64 for NW = 4), so each K/V tile read from L2
+ * serves twice the rows; Q scaled by scale * log2(e) so the softmax is one ex2 an element;
+ * the causal mask only on the tiles that cross a warp's diagonal; grid (query head, tile)
+ * with the heads fastest (a GQA group's CTAs run together and share K/V in L2) and the last
+ * (longest) tiles of the batch first. */
+__device__ __forceinline__ float ex2f(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+static size_t flash3_smem(int hd) {
+    return (size_t)2 * 2 * FA_BK * (hd + F2_PAD) * 2;
+}
+
+template <int HD, typename OT, int NW>
+__global__ void __launch_bounds__(NW * 32, NW == 4 ? 2 : 1)
+    k_flash3(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
+             const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
+             int bt_stride, int nh, int nkv, float qscale) {
+    constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16, NTH = NW * 32;
+    int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
+    int kvh = h / (nh / nkv), kvd = nkv * HD;
+    int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
+    const int32_t *bt = bts + (size_t)sq * bt_stride;
+    int p0 = pos[t0], kmax = p0 + rows;
+    extern __shared__ __align__(16) char smem[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 16;
+    const bf16 *kvh_base = kv + (size_t)kvh * HD;
+    const size_t vgap = (size_t)bs * kvd; /* V of a slot is one (block size x kv_dim) after K */
+    /* tile kt's K and V into stage stg (cp.async, one commit group) */
+    auto load_async = [&](int stg, int kt) {
+        bf16 *K_ = (bf16 *)smem + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
+#pragma unroll
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += NTH) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
+            bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
+            if (j < kmax) {
+                const bf16 *src = kvh_base + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + c8 * 8;
+                cp_async16(kd, src);
+                cp_async16(vd, src + vgap);
+            } else {
+                *(uint4 *)kd = make_uint4(0, 0, 0, 0);
+                *(uint4 *)vd = make_uint4(0, 0, 0, 0);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    load_async(0, 0);
+    int g = lane >> 2, qd = lane & 3;
+    /* Q fragments (rows wr0 + g, wr0 + g + 8), scaled by scale * log2(e), rounded to bf16;
+     * rows past the tile are zero (their scores are 0: finite, never stored) */
+    uint32_t qa[KS][4];
+    int r0 = wr0 + g, r1 = r0 + 8;
+    const float *q0 = q + (size_t)(t0 + r0) * nh * HD + (size_t)h * HD;
+    const float *q1 = q + (size_t)(t0 + r1) * nh * HD + (size_t)h * HD;
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        int c = kk * 16 + 2 * qd;
+        float2 z = make_float2(0.f, 0.f);
+        float2 x00 = r0 < rows ? *(const float2 *)(q0 + c) : z;
+        float2 x10 = r1 < rows ? *(const float2 *)(q1 + c) : z;
+        float2 x01 = r0 < rows ? *(const float2 *)(q0 + c + 8) : z;
+        float2 x11 = r1 < rows ? *(const float2 *)(q1 + c + 8) : z;
+        qa[kk][0] = pack_bf2(x00.x * qscale, x00.y * qscale);
+        qa[kk][1] = pack_bf2(x10.x * qscale, x10.y * qscale);
+        qa[kk][2] = pack_bf2(x01.x * qscale, x01.y * qscale);
+        qa[kk][3] = pack_bf2(x11.x * qscale, x11.y * qscale);
+    }
+    float o[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; i++)
+        o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    int qp0 = p0 + r0, qp1 = p0 + r1; /* query positions of the two rows */
+    int wfirst = p0 + wr0, wlast = wfirst + 15; /* the warp's first and last query positions */
+    for (int k0 = 0, it = 0; k0 < kmax; k0 += FA_BK, it++) {
+        int stg = it & 1;
+        if (k0 + FA_BK < kmax)
+            load_async(stg ^ 1, k0 + FA_BK); /* the stage the previous tile used */
+        else
+            asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::); /* this tile's copy is done */
+        __syncthreads();
+        const bf16 *Ks = (const bf16 *)smem + (size_t)stg * 2 * FA_BK * LD, *Vs = Ks + FA_BK * LD;
+        if (wr0 < rows && k0 <= wlast) {
+            float s[NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+#pragma unroll
+                for (int kk = 0; kk < KS; kk += 2) {
+                    /* matrices: keys n*8 .. +7, d = kk*16 + m*8 (m = 0..3) */
+                    uint32_t b[4];
+                    ldsm_x4(b, Ks + (n * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8);
+                    mma_bf16(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                    if (kk + 1 < KS)
+                        mma_bf16(s[n], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2],
+                                 qa[kk + 1][3], b[2], b[3]);
+                }
+            }
+            if (k0 + FA_BK - 1 > wfirst) { /* the tile crosses the warp's diagonal */
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    int j = k0 + n * 8 + 2 * qd;
+                    if (j > qp0) s[n][0] = -INFINITY;
+                    if (j + 1 > qp0) s[n][1] = -INFINITY;
+                    if (j > qp1) s[n][2] = -INFINITY;
+                    if (j + 1 > qp1) s[n][3] = -INFINITY;
+                }
+            }
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            /* every row sees key 0 in the first tile (its position >= 0), so the running max
+             * is finite from then on; the guards only cover a row masked whole */
+            float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
+            float c0 = ex2f(m0 - b0), c1 = ex2f(m1 - b1); /* ex2(-inf) = 0 */
+            uint32_t pa[NT][2];
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                float e0 = ex2f(s[n][0] - b0), e1 = ex2f(s[n][1] - b0);
+                float e2 = ex2f(s[n][2] - b1), e3 = ex2f(s[n][3] - b1);
+                pa[n][0] = pack_bf2(e0, e1);
+                pa[n][1] = pack_bf2(e2, e3);
+                __nv_bfloat162 p01 = *(__nv_bfloat162 *)&pa[n][0],
+                               p23 = *(__nv_bfloat162 *)&pa[n][1];
+                sum0 += __low2float(p01) + __high2float(p01); /* the weights P V uses */
+                sum1 += __low2float(p23) + __high2float(p23);
+            }
+            /* l: this thread's columns only (the row max, hence c, is the quad's); the quad
+             * adds its four partial sums once, after the last tile */
+            l0 = l0 * c0 + sum0;
+            l1 = l1 * c1 + sum1;
+            m0 = mn0, m1 = mn1;
+#pragma unroll
+            for (int dn = 0; dn < DT; dn++) {
+                o[dn][0] *= c0, o[dn][1] *= c0;
+                o[dn][2] *= c1, o[dn][3] *= c1;
+            }
+            /* O += P V: k-steps of 16 keys; V fragments by ldmatrix.trans, two d-tiles a load */
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; kk++) {
+#pragma unroll
+                for (int dn = 0; dn < DT; dn += 2) {
+                    uint32_t b[4];
+                    int m = lane >> 3;
+                    ldsm_x4_t(b, Vs + (kk * 16 + (m & 1) * 8 + (lane & 7)) * LD + dn * 8 +
+                                     (m >> 1) * 8);
+                    mma_bf16(o[dn], pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0],
+                             pa[2 * kk + 1][1], b[0], b[1]);
+                    mma_bf16(o[dn + 1], pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0],
+                             pa[2 * kk + 1][1], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads(); /* every warp is done with this stage before it is refilled */
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    float i0 = l0 > 0 ? 1.0f / l0 : 0.0f, i1 = l1 > 0 ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int dn = 0; dn < DT; dn++) {
+        int d = dn * 8 + 2 * qd;
+        if (r0 < rows) {
+            OT *p = out + (size_t)(t0 + r0) * nh * HD + (size_t)h * HD + d;
+            store_as(p, o[dn][0] * i0);
+            store_as(p + 1, o[dn][1] * i0);
+        }
+        if (r1 < rows) {
+            OT *p = out + (size_t)(t0 + r1) * nh * HD + (size_t)h * HD + d;
+            store_as(p, o[dn][2] * i1);
+            store_as(p + 1, o[dn][3] * i1);
+        }
+    }
+}
+
+template <int HD, typename OT, int NW>
+static int launch_flash3_nw(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                            const int32_t *tiles, int n_tiles, const int32_t *pos,
+                            const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    size_t sh = flash3_smem(HD);
+    static int attr_done;
+    if (!attr_done) {
+        cudaFuncSetAttribute(k_flash3<HD, OT, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sh);
+        attr_done = 1;
+    }
+    dim3 grid(nh, n_tiles);
+    k_flash3<HD, OT, NW><<<grid, NW * 32, sh, c->stream>>>(
+        out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
+    return launch_check("flash3_prefill");
+}
+
+/* k_flash4 — k_flash3 with 32 query rows a warp (DISAGG_CUDA_FLASH_MT=2): 4 warps, 128-row
+ * tiles, each warp two m16 tiles, so every K and V fragment read from shared memory by
+ * ldmatrix feeds two mma instead of one (ldmatrix traffic per FLOP 0.6x of k_flash3's; the
+ * FlashAttention-2 layout).  Q (scaled by scale * log2(e), bf16) lives in shared memory and
+ * is read by ldmatrix each k-step, which leaves the registers for O (2 x head_dim / 2) and S. */
+#define F4_NW 4
+
+static size_t flash4_smem(int hd) {
+    return (size_t)(FA_BQ3 + 2 * 2 * FA_BK) * (hd + F2_PAD) * 2;
+}
+
+template <int HD, typename OT>
+__global__ void __launch_bounds__(F4_NW * 32, 2)
+    k_flash4(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
+             const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
+             int bt_stride, int nh, int nkv, float qscale) {
+    constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16, NTH = F4_NW * 32;
+    int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
+    int kvh = h / (nh / nkv), kvd = nkv * HD;
+    int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
+    const int32_t *bt = bts + (size_t)sq * bt_stride;
+    int p0 = pos[t0], kmax = p0 + rows;
+    extern __shared__ __align__(16) char smem[];
+    bf16 *Qs = (bf16 *)smem, *KV0 = Qs + FA_BQ3 * LD;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 32;
+    const bf16 *kvh_base = kv + (size_t)kvh * HD;
+    const size_t vgap = (size_t)bs * kvd;
+    auto load_async = [&](int stg, int kt) {
+        bf16 *K_ = KV0 + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
+#pragma unroll
+        for (int i = threadIdx.x; i < FA_BK * HD / 8; i += NTH) {
+            int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
+            bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
+            if (j < kmax) {
+                const bf16 *src = kvh_base + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + c8 * 8;
+                cp_async16(kd, src);
+                cp_async16(vd, src + vgap);
+            } else {
+                *(uint4 *)kd = make_uint4(0, 0, 0, 0);
+                *(uint4 *)vd = make_uint4(0, 0, 0, 0);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    load_async(0, 0);
+    /* Q into shared memory: scaled, bf16, rows past the tile zero */
+    for (int i = threadIdx.x; i < FA_BQ3 * HD / 4; i += NTH) {
+        int r = i / (HD / 4), c4 = i % (HD / 4);
+        float4 v = r < rows ? *(const float4 *)(q + (size_t)(t0 + r) * nh * HD + (size_t)h * HD +
+                                                c4 * 4)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+        uint2 pk = make_uint2(pack_bf2(v.x * qscale, v.y * qscale),
+                              pack_bf2(v.z * qscale, v.w * qscale));
+        *(uint2 *)(Qs + r * LD + c4 * 4) = pk;
+    }
+    int g = lane >> 2, qd = lane & 3;
+    float o[2][DT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int i = 0; i < DT; i++)
+            o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+    float m[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+    float l[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    int wlast = p0 + wr0 + 31;
+    for (int k0 = 0, it = 0; k0 < kmax; k0 += FA_BK, it++) {
+        int stg = it & 1;
+        if (k0 + FA_BK < kmax)
+            load_async(stg ^ 1, k0 + FA_BK);
+        else
+            asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads(); /* this tile's K/V (and, the first time, Q) are visible */
+        const bf16 *Ks = KV0 + (size_t)stg * 2 * FA_BK * LD, *Vs = Ks + FA_BK * LD;
+        if (wr0 < rows && k0 <= wlast) {
+            float s[2][NT][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk += 2) {
+                /* A fragments of k-steps kk, kk + 1 for both m16 tiles */
+                uint32_t qa[2][2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int sub = 0; sub < 2; sub++)
+                        if (kk + sub < KS)
+                            ldsm_x4(qa[mt][sub], Qs + (wr0 + mt * 16 + (lane & 15)) * LD +
+                                                     (kk + sub) * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    uint32_t b[4];
+                    ldsm_x4(b, Ks + (n * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma_bf16(s[mt][n], qa[mt][0][0], qa[mt][0][1], qa[mt][0][2],
+                                 qa[mt][0][3], b[0], b[1]);
+                        if (kk + 1 < KS)
+                            mma_bf16(s[mt][n], qa[mt][1][0], qa[mt][1][1], qa[mt][1][2],
+                                     qa[mt][1][3], b[2], b[3]);
+                    }
+                }
+            }
+            uint32_t pa[2][NT][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                int mfirst = p0 + wr0 + mt * 16, qp0 = mfirst + g, qp1 = qp0 + 8;
+                if (k0 + FA_BK - 1 > mfirst) { /* the tile crosses this m16 tile's diagonal */
+#pragma unroll
+                    for (int n = 0; n < NT; n++) {
+                        int j = k0 + n * 8 + 2 * qd;
+                        if (j > qp0) s[mt][n][0] = -INFINITY;
+                        if (j + 1 > qp0) s[mt][n][1] = -INFINITY;
+                        if (j > qp1) s[mt][n][2] = -INFINITY;
+                        if (j + 1 > qp1) s[mt][n][3] = -INFINITY;
+                    }
+                }
+                float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    mx0 = fmaxf(mx0, fmaxf(s[mt][n][0], s[mt][n][1]));
+                    mx1 = fmaxf(mx1, fmaxf(s[mt][n][2], s[mt][n][3]));
+                }
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+                /* a row whose keys are all masked in this tile keeps its (finite) max */
+                float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+                float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
+                float c0 = ex2f(m[mt][0] - b0), c1 = ex2f(m[mt][1] - b1);
+                float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    float e0 = ex2f(s[mt][n][0] - b0), e1 = ex2f(s[mt][n][1] - b0);
+                    float e2 = ex2f(s[mt][n][2] - b1), e3 = ex2f(s[mt][n][3] - b1);
+                    pa[mt][n][0] = pack_bf2(e0, e1);
+                    pa[mt][n][1] = pack_bf2(e2, e3);
+                    __nv_bfloat162 p01 = *(__nv_bfloat162 *)&pa[mt][n][0],
+                                   p23 = *(__nv_bfloat162 *)&pa[mt][n][1];
+                    sum0 += __low2float(p01) + __high2float(p01); /* the weights P V uses */
+                    sum1 += __low2float(p23) + __high2float(p23);
+                }
+                l[mt][0] = l[mt][0] * c0 + sum0; /* this thread's columns; the quad adds up last */
+                l[mt][1] = l[mt][1] * c1 + sum1;
+                m[mt][0] = mn0, m[mt][1] = mn1;
+#pragma unroll
+                for (int dn = 0; dn < DT; dn++) {
+                    o[mt][dn][0] *= c0, o[mt][dn][1] *= c0;
+                    o[mt][dn][2] *= c1, o[mt][dn][3] *= c1;
+                }
+            }
+            /* O += P V: each V fragment (ldmatrix.trans, two d-tiles) feeds both m16 tiles */
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; kk++) {
+#pragma unroll
+                for (int dn = 0; dn < DT; dn += 2) {
+                    uint32_t b[4];
+                    int mm = lane >> 3;
+                    ldsm_x4_t(b, Vs + (kk * 16 + (mm & 1) * 8 + (lane & 7)) * LD + dn * 8 +
+                                     (mm >> 1) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma_bf16(o[mt][dn], pa[mt][2 * kk][0], pa[mt][2 * kk][1],
+                                 pa[mt][2 * kk + 1][0], pa[mt][2 * kk + 1][1], b[0], b[1]);
+                        mma_bf16(o[mt][dn + 1], pa[mt][2 * kk][0], pa[mt][2 * kk][1],
+                                 pa[mt][2 * kk + 1][0], pa[mt][2 * kk + 1][1], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* every warp is done with this stage before it is refilled */
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        float l0 = l[mt][0], l1 = l[mt][1];
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        float i0 = l0 > 0 ? 1.0f / l0 : 0.0f, i1 = l1 > 0 ? 1.0f / l1 : 0.0f;
+        int r0 = wr0 + mt * 16 + g, r1 = r0 + 8;
+#pragma unroll
+        for (int dn = 0; dn < DT; dn++) {
+            int d = dn * 8 + 2 * qd;
+            if (r0 < rows) {
+                OT *p = out + (size_t)(t0 + r0) * nh * HD + (size_t)h * HD + d;
+                store_as(p, o[mt][dn][0] * i0);
+                store_as(p + 1, o[mt][dn][1] * i0);
+            }
+            if (r1 < rows) {
+                OT *p = out + (size_t)(t0 + r1) * nh * HD + (size_t)h * HD + d;
+                store_as(p, o[mt][dn][2] * i1);
+                store_as(p + 1, o[mt][dn][3] * i1);
+            }
+        }
+    }
+}
+
+template <int HD, typename OT>
+static int launch_flash4(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                         const int32_t *tiles, int n_tiles, const int32_t *pos,
+                         const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    size_t sh = flash4_smem(HD);
+    static int attr_done;
+    if (!attr_done) {
+        cudaFuncSetAttribute(k_flash4<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sh);
+        attr_done = 1;
+    }
+    dim3 grid(nh, n_tiles);
+    k_flash4<HD, OT><<<grid, F4_NW * 32, sh, c->stream>>>(
+        out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
+    return launch_check("flash4_prefill");
+}
+
+/* tiles: of FA_BQ3 rows (c->flash_bq == 128): k_flash4 (c->flash_mt == 2) or k_flash3 with
+ * 8 warps; of FA_BQ rows: k_flash3 with 4 warps */
+template <int HD, typename OT>
+static int launch_flash3(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                         const int32_t *tiles, int n_tiles, const int32_t *pos,
+                         const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    if (c->flash_bq == FA_BQ3 && c->flash_mt == 2)
+        return launch_flash4<HD, OT>(c, out, q, kv, layer, tiles, n_tiles, pos, bts, bt_stride,
+                                     nh, nkv, scale);
+    if (c->flash_bq == FA_BQ3)
+        return launch_flash3_nw<HD, OT, FA_BQ3 / 16>(c, out, q, kv, layer, tiles, n_tiles, pos,
+                                                     bts, bt_stride, nh, nkv, scale);
+    return launch_flash3_nw<HD, OT, FA_BQ / 16>(c, out, q, kv, layer, tiles, n_tiles, pos, bts,
+                                                bt_stride, nh, nkv, scale);
+}
+
 /* ---- decode attention on tensor cores ------------------------------------------------- */
 
 /* The split kernel's work (grid (tokens, KV heads, splits of ATT_CHUNK positions); the same
@@ -1280,21 +1801,21 @@ static int flash_ok(const dcu_ctx *c, int kv_dtype, int hd) {
     return !c->no_flash && kv_dtype == DCU_BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
 }
 
-/* Host side: splits a batch into prefill tiles (sequences with >= 16 new tokens, chunks of 64)
+/* Host side: splits a batch into prefill tiles (sequences with >= 16 new tokens, chunks of bq)
  * and the rest (one list entry per token).  seq_of(t) / pos are the per-token host arrays;
  * tokens of a sequence are contiguous.  tiles: (3 * n_tiles), rest: (n_rest).  Returns the
  * largest pos + 1 among the rest. */
-static int split_batch(int T, const int32_t *seq, const int32_t *pos, int flash, int32_t *tiles,
-                       int *n_tiles, int32_t *rest, int *n_rest) {
+static int split_batch(int T, const int32_t *seq, const int32_t *pos, int flash, int bq,
+                       int32_t *tiles, int *n_tiles, int32_t *rest, int *n_rest) {
     int nt = 0, nr = 0, rest_ctx = 0;
     for (int t = 0; t < T;) {
         int e = t;
         while (e < T && seq[e] == seq[t])
             e++;
         if (flash && e - t >= 16) {
-            for (int a = t; a < e; a += FA_BQ) {
+            for (int a = t; a < e; a += bq) {
                 tiles[3 * nt] = a;
-                tiles[3 * nt + 1] = e - a < FA_BQ ? e - a : FA_BQ;
+                tiles[3 * nt + 1] = e - a < bq ? e - a : bq;
                 tiles[3 * nt + 2] = seq[t];
                 nt++;
             }
@@ -1315,7 +1836,8 @@ static int split_batch(int T, const int32_t *seq, const int32_t *pos, int flash,
 static int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
                            const dcu_kv *kv, int layer, const int32_t *pos, const int32_t *seq,
                            const int32_t *bts, int bt_stride, int T, int nh, int nkv, int hd,
-                           float scale, const int32_t *tiles_d, int n_tiles, const int32_t *rest_d,
+                           float scale, const int32_t *tiles_d, int n_tiles,
+                           const int32_t *tiles3_d, int n_tiles3, const int32_t *rest_d,
                            int n_rest, int rest_ctx) {
     int rc = 0;
     if (n_tiles > 0) {
@@ -1330,12 +1852,20 @@ static int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
                                 bt_stride, nh, nkv, scale)                                      \
        : launch_flash2<H, float>(c, (float *)out, q, kv, layer, tiles_d, n_tiles, pos, bts,     \
                                  bt_stride, nh, nkv, scale))
-        if (c->flash2 && hd >= 32)
+#define FL3(H)                                                                                   \
+    (b ? launch_flash3<H, bf16>(c, (bf16 *)out, q, kv, layer, tiles3_d, n_tiles3, pos, bts,     \
+                                bt_stride, nh, nkv, scale)                                      \
+       : launch_flash3<H, float>(c, (float *)out, q, kv, layer, tiles3_d, n_tiles3, pos, bts,   \
+                                 bt_stride, nh, nkv, scale))
+        if (c->flash3 && c->flash2 && hd >= 32 && tiles3_d)
+            rc = hd == 32 ? FL3(32) : hd == 64 ? FL3(64) : FL3(128);
+        else if (c->flash2 && hd >= 32)
             rc = hd == 32 ? FL2(32) : hd == 64 ? FL2(64) : FL2(128);
         else
             rc = hd == 16 ? FL(16) : hd == 32 ? FL(32) : hd == 64 ? FL(64) : FL(128);
 #undef FL
 #undef FL2
+#undef FL3
         if (rc) return rc;
     }
     if (n_rest > 0) {
@@ -1671,6 +2201,71 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
         size_t n = (size_t)T * N;
         k_bias<<<grid_for(n, 256), 256, 0, c->stream>>>(y, bias, N, n);
         return launch_check("bias");
+    }
+    return 0;
+}
+
+/* y (T, N) bf16 = x (T, K) bf16 . w (N, K)^T bf16 through cuBLASLt, f32 accumulate, the
+ * output rounded to bf16 by the GEMM's epilogue (the prefill gate|up: half the bytes of
+ * the f32 output written and read back by SwiGLU).  Its own plan cache (c->plans16). */
+static gemm_plan *plan16_get(dcu_ctx *c, int T, int N, int K) {
+    for (int i = 0; i < PLAN16_CACHE; i++)
+        if (c->plans16[i].valid && c->plans16[i].T == T && c->plans16[i].N == N &&
+            c->plans16[i].K == K)
+            return &c->plans16[i];
+    gemm_plan *p = &c->plans16[c->next_plan16];
+    c->next_plan16 = (c->next_plan16 + 1) % PLAN16_CACHE;
+    if (p->valid) {
+        cublasLtMatmulDescDestroy(p->op);
+        cublasLtMatrixLayoutDestroy(p->a);
+        cublasLtMatrixLayoutDestroy(p->b);
+        cublasLtMatrixLayoutDestroy(p->c);
+        p->valid = 0;
+    }
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    if (cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
+        return NULL;
+    cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, K, N, K);
+    cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, K, T, K);
+    cublasLtMatrixLayoutCreate(&p->c, CUDA_R_16BF, N, T, N);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                         &c->ws_bytes, sizeof c->ws_bytes);
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    cublasStatus_t s =
+        cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
+        fprintf(stderr,
+                "cuda: cuBLASLt has no bf16-output GEMM for T=%d N=%d K=%d (status %d)\n", T, N,
+                K, (int)s);
+        cublasLtMatmulDescDestroy(p->op);
+        cublasLtMatrixLayoutDestroy(p->a);
+        cublasLtMatrixLayoutDestroy(p->b);
+        cublasLtMatrixLayoutDestroy(p->c);
+        return NULL;
+    }
+    p->algo = res.algo;
+    p->T = T, p->N = N, p->K = K, p->valid = 1;
+    return p;
+}
+
+static int matmul_bf16out(dcu_ctx *c, bf16 *y, const void *x, const void *w, int T, int N,
+                          int K) {
+    if (T <= 0) return 0;
+    gemm_plan *p = plan16_get(c, T, N, K);
+    if (!p) return -EIO;
+    float alpha = 1.0f, beta = 0.0f;
+    cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y,
+                                      p->c, &p->algo, c->ws, c->ws_bytes, c->stream);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cuda: cublasLtMatmul (bf16 out) T=%d N=%d K=%d failed (status %d)\n", T,
+                N, K, (int)s);
+        return -EIO;
     }
     return 0;
 }
