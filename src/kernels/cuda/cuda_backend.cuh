@@ -51,7 +51,126 @@ typedef struct cb_stream {
     int inv;               /* batch-invariant mode (cuda_invariant.h) */
     iv_policy pol;         /* its GEMM policy */
     iv_scratch ivs;        /* its attention partials */
+    struct cb_prof *prof;  /* DISAGG_CUDA_PROF=T: per-op timing of eager steps of <= T tokens */
 } cb_stream;
+
+/* ---- per-op timing (DISAGG_CUDA_PROF=T) --------------------------------------------------
+ * An eager step (backend_plan, not a recorded graph) of at most T tokens gets a cudaEvent
+ * after its plan and after every op; at the next plan the deltas are added up per op name.
+ * When the step shape (tokens, context) changes, and when the stream is freed, a table goes
+ * to stderr: per op, calls a step, microseconds a step and the GB/s of the bytes it must read
+ * (weights, KV).  Eager timing: a delta also holds the launch gap before the op when the GPU
+ * ran dry (CUDA graphs hide most of those). */
+#define PROF_EV 1024
+#define PROF_OPS 32
+typedef struct cb_prof {
+    int max_T, on, n;          /* on: this step is timed; n: events recorded after ev[0] */
+    cudaEvent_t ev[PROF_EV + 1];
+    int op_of[PROF_EV];        /* index into name/us/bytes */
+    char name[PROF_OPS][40];
+    double us[PROF_OPS], bytes[PROF_OPS];
+    long calls[PROF_OPS];
+    int n_ops;
+    long steps;
+    int T, ctx;                /* the shape being summed */
+} cb_prof;
+
+static void prof_print(cb_prof *p) {
+    if (!p->steps) return;
+    double tot = 0;
+    for (int i = 0; i < p->n_ops; i++)
+        tot += p->us[i];
+    fprintf(stderr, "prof: eager step, %d token(s), context %d: %.1f us a step (%ld steps)\n", p->T,
+            p->ctx, tot / p->steps, p->steps);
+    fprintf(stderr, "prof:   %-28s %8s %10s %8s %9s\n", "op", "calls", "us/step", "us/call",
+            "GB/s");
+    for (int i = 0; i < p->n_ops; i++) {
+        double us = p->us[i] / p->steps, per = p->calls[i] ? p->us[i] / p->calls[i] : 0;
+        double gbs = p->bytes[i] > 0 && p->us[i] > 0 ? p->bytes[i] / (p->us[i] * 1e3) : 0;
+        fprintf(stderr, "prof:   %-28s %8.1f %10.1f %8.2f %9.0f\n", p->name[i],
+                (double)p->calls[i] / p->steps, us, per, gbs);
+    }
+    p->n_ops = 0;
+    p->steps = 0;
+}
+
+/* the previous timed step into the sums (waits for it) */
+static void prof_flush(cb_stream *s) {
+    cb_prof *p = s->prof;
+    if (!p || !p->on) return;
+    p->on = 0;
+    if (!p->n) return;
+    cudaEventSynchronize(p->ev[p->n]);
+    for (int i = 0; i < p->n; i++) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, p->ev[i], p->ev[i + 1]);
+        p->us[p->op_of[i]] += ms * 1e3;
+    }
+    p->steps++;
+}
+
+static void prof_plan(cb_stream *s, int T, int ctx, int eager) {
+    cb_prof *p = s->prof;
+    if (!p) return;
+    prof_flush(s);
+    if (!eager || T > p->max_T) return;
+    if (p->steps && (T != p->T || ctx != p->ctx)) prof_print(p);
+    p->T = T, p->ctx = ctx;
+    p->n = 0;
+    p->on = 1;
+    cudaEventRecord(p->ev[0], s->c->stream);
+}
+
+static void prof_mark(cb_stream *s, const char *name, double bytes) {
+    cb_prof *p = s->prof;
+    if (!p || !p->on || s->capturing || p->n >= PROF_EV) return;
+    int k = 0;
+    while (k < p->n_ops && strcmp(p->name[k], name))
+        k++;
+    if (k == p->n_ops) {
+        if (k == PROF_OPS) return;
+        snprintf(p->name[k], sizeof p->name[k], "%s", name);
+        p->us[k] = p->bytes[k] = 0;
+        p->calls[k] = 0;
+        p->n_ops++;
+    }
+    p->calls[k]++;
+    p->bytes[k] += bytes;
+    p->op_of[p->n] = k;
+    cudaEventRecord(p->ev[++p->n], s->c->stream);
+}
+
+static int pm(cb_stream *s, int rc, const char *name, double bytes) {
+    if (!rc) prof_mark(s, name, bytes);
+    return rc;
+}
+
+static cb_prof *prof_new(void) {
+    const char *e = getenv("DISAGG_CUDA_PROF");
+    if (!e || atoi(e) <= 0) return NULL;
+    cb_prof *p = (cb_prof *)calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->max_T = atoi(e);
+    for (int i = 0; i <= PROF_EV; i++)
+        if (cudaEventCreate(&p->ev[i]) != cudaSuccess) {
+            for (int j = 0; j < i; j++)
+                cudaEventDestroy(p->ev[j]);
+            free(p);
+            return NULL;
+        }
+    return p;
+}
+
+static void prof_free(cb_stream *s) {
+    cb_prof *p = s->prof;
+    if (!p) return;
+    prof_flush(s);
+    prof_print(p);
+    for (int i = 0; i <= PROF_EV; i++)
+        cudaEventDestroy(p->ev[i]);
+    free(p);
+    s->prof = NULL;
+}
 
 typedef struct cb_graph {
     int T, max_ctx, max_blocks;
@@ -211,6 +330,7 @@ static int cb_stream_create(backend *be, backend_stream *st) {
     }
     s->inv = d->inv;
     s->pol = iv_policy_default();
+    s->prof = prof_new();
     st->impl = s;
     return 0;
 }
@@ -220,6 +340,7 @@ static void cb_graph_reset(backend_stream *st);
 static void cb_stream_free(backend_stream *st) {
     cb_stream *s = CB(st);
     if (!s) return;
+    prof_free(s);
     cb_graph_reset(st);
     free(s->graphs);
     cudaFree(s->d_meta);
@@ -334,7 +455,9 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
         if (cudaMalloc((void **)&s->d_meta, need * 2 * 4) != cudaSuccess) return -ENOMEM;
         s->meta_cap = need * 2;
     }
-    return plan_into(s, b, stride, max_ctx, s->d_meta);
+    int rc = plan_into(s, b, stride, max_ctx, s->d_meta);
+    if (!rc) prof_plan(s, T, max_ctx, 1);
+    return rc;
 }
 
 /* ---- recorded decode steps (CUDA graphs) ----------------------------------------------- */
@@ -393,6 +516,7 @@ static int cb_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx
         }
         s->n_graphs++;
     }
+    prof_plan(s, b->n_tokens, max_ctx, 0);
     int rc = plan_into(s, b, max_blocks, max_ctx, g->d_meta);
     s->cur = rc ? NULL : g;
     return rc;
@@ -483,15 +607,17 @@ static int cb_embed(backend_stream *st, void *out, backend_dtype out_dt, const v
     else
         return -ENOTSUP;
 #undef EMB
-    return launch_check("embed");
+    return pm(s, launch_check("embed"), "embed", 0);
 }
 
 static int cb_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
                       backend_dtype x_dt, const float *w, int rows, int n, float eps) {
     if (x_dt != BACKEND_F32 || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) || n > 12288)
         return -ENOTSUP;
-    return rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x, NULL,
-                   w, NULL, rows, n, eps, 0);
+    return pm(CB(st),
+              rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
+                      NULL, w, NULL, rows, n, eps, 0),
+              "rmsnorm", 0);
 }
 
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
@@ -526,6 +652,11 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
                                     &s->pol, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K)
                         : matmul(s->c, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K);
         if (rc) return rc;
+        if (s->prof && s->prof->on) {
+            char nm[40];
+            snprintf(nm, sizeof nm, "matmul %dx%d", o->N, o->K);
+            prof_mark(s, nm, (double)o->N * o->K * 2);
+        }
     }
     return 0;
 }
@@ -581,13 +712,18 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
     }
     dcu_kv d = to_dkv(kv);
     int od = out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32;
+    double kvb = (double)s->max_ctx * 2 * kv->n_kv_heads * kv->head_dim *
+                 (kv->dtype == BACKEND_BF16 ? 2 : 4) * (s->S > 0 ? s->S : 1);
     if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
-        return attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
+        return pm(s, attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                                s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, scale,
-                               s->tiles, s->n_tiles, s->rest, s->n_rest, s->rest_ctx);
-    return attention_scaled(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
-                            s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, s->max_ctx,
-                            scale);
+                               s->tiles, s->n_tiles, s->rest, s->n_rest, s->rest_ctx),
+                  "attention (prefill)", 0);
+    return pm(s,
+              attention_scaled(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
+                               s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim,
+                               s->max_ctx, scale),
+              "attention (decode)", kvb);
 }
 
 static int cb_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
@@ -617,8 +753,10 @@ static int cb_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, v
                           float eps) {
     if (x_dt != BACKEND_F32 || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) || n > 12288)
         return -ENOTSUP;
-    return rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
-                   (const float *)add, w, NULL, rows, n, eps, add != NULL);
+    return pm(CB(st),
+              rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
+                      (const float *)add, w, NULL, rows, n, eps, add != NULL),
+              "add_rmsnorm", 0);
 }
 
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops);
@@ -639,15 +777,22 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                            o->hidden};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
+    /* blocks per token: enough to fill the GPU at batch 1 (one item per thread), one at
+     * large T */
+    int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
+    if (by > 1 && T > 1) by = (by + T - 1) / T;
+    dim3 grid(T, by < 1 ? 1 : by);
     if (kv->dtype == BACKEND_BF16)
-        k_qkv_finish<bf16><<<T, 128, 0, s->c->stream>>>(
-            (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv, o->bqkv,
-            s->pos, s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
+        rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<bf16>, grid, dim3(128), 0,
+                        (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                        (const float *)qkv, o->bqkv, s->pos, s->seq, s->bt, s->stride,
+                        o->inv_freq, nh, nkv, hd);
     else
-        k_qkv_finish<float><<<T, 128, 0, s->c->stream>>>(
-            (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv,
-            o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
-    return launch_check("qkv_finish");
+        rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<float>, grid, dim3(128), 0,
+                        (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                        (const float *)qkv, o->bqkv, s->pos, s->seq, s->bt, s->stride,
+                        o->inv_freq, nh, nkv, hd);
+    return pm(s, rc, "qkv_finish (bias, rope, kv)", 0);
 }
 
 /* one GEMM over gate|up into scratch, then h = silu(gate) * up in h_dt */
@@ -656,13 +801,24 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     if (o->w_dt != BACKEND_BF16 || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
         return -ENOTSUP;
     int T = o->T, I = o->inter;
+    if (!s->inv && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
+        gemv_ok(s->c, T, o->hidden, o->x, o->w_gate_up))
+        /* decode: one GEMV over gate|up with the SwiGLU in its epilogue (no f32 gate|up) */
+        return pm(s,
+                  o->h_dt == BACKEND_BF16
+                      ? gemv_launch<1, bf16>(s->c, (bf16 *)o->h, o->x, o->w_gate_up, NULL, T, I,
+                                             o->hidden)
+                      : gemv_launch<1, float>(s->c, (float *)o->h, o->x, o->w_gate_up, NULL, T,
+                                              I, o->hidden),
+                  "gate_up+swiglu gemv", 2.0 * I * o->hidden * 2);
     float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
     if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, BACKEND_BF16, NULL, T,
                            2 * I, o->hidden};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
-    return swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I);
+    return pm(s, swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I),
+              "swiglu", 0);
 }
 
 static int cb_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K) {
@@ -690,7 +846,7 @@ static int cb_swiglu(backend_stream *st, void *g, const void *u, backend_dtype d
 
 static int cb_add(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n) {
     if (dt != BACKEND_F32) return -ENOTSUP;
-    return add(CB(st)->c, (float *)y, (const float *)x, n);
+    return pm(CB(st), add(CB(st)->c, (float *)y, (const float *)x, n), "add", 0);
 }
 
 __global__ void k_gather(float *out, const float *x, const int32_t *rows, int width) {
@@ -705,11 +861,11 @@ static int cb_gather_rows(backend_stream *st, void *out, const void *x, backend_
     if (dt != BACKEND_F32) return -ENOTSUP;
     if (!s->n_out) return 0;
     k_gather<<<s->n_out, 256, 0, s->c->stream>>>((float *)out, (const float *)x, s->orow, width);
-    return launch_check("gather_rows");
+    return pm(s, launch_check("gather_rows"), "gather_rows", 0);
 }
 
 static int cb_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab) {
-    return argmax(CB(st)->c, out, logits, rows, vocab);
+    return pm(CB(st), argmax(CB(st)->c, out, logits, rows, vocab), "argmax", 0);
 }
 
 static const backend_iface CB_IFACE = {

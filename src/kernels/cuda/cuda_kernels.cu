@@ -59,7 +59,8 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp;
     int last_err;
-    int no_gemv;    /* unless DISAGG_CUDA_GEMV=1: 1-2 token GEMMs through cuBLASLt too */
+    int no_gemv;    /* DISAGG_CUDA_GEMV=0: 1-2 token GEMMs through cuBLASLt too (default: the GEMV) */
+    int pdl;        /* programmatic dependent launch of the decode kernels (DISAGG_CUDA_PDL=0: off) */
     int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
@@ -84,6 +85,39 @@ struct dcu_ctx {
 
 static int launch_check(const char *what) {
     cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        fprintf(stderr, "cuda: kernel %s failed to launch: %s\n", what, cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+/* Programmatic dependent launch (Hopper): a kernel launched with launch_pdl() may start while
+ * the previous kernel of the stream still runs; it must call pdl_wait() before it reads or
+ * writes anything that kernel touches (only constant inputs, the weights, before).
+ * pdl_trigger() lets the next such kernel start once every CTA of this one has started.
+ * Both are no-ops for a kernel launched the ordinary way.  Recorded into CUDA graphs as
+ * programmatic edges. */
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_trigger() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+template <typename... KArgs, typename... Args>
+static int launch_pdl(dcu_ctx *c, const char *what, void (*k)(KArgs...), dim3 grid, dim3 block,
+                      size_t smem, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1] = {};
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = at;
+    cfg.numAttrs = c->pdl ? 1 : 0;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, k, ((KArgs)args)...);
     if (e != cudaSuccess) {
         fprintf(stderr, "cuda: kernel %s failed to launch: %s\n", what, cudaGetErrorString(e));
         return -EIO;
@@ -165,7 +199,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
-    c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
+    c->no_gemv = getenv("DISAGG_CUDA_GEMV") && !strcmp(getenv("DISAGG_CUDA_GEMV"), "0");
+    c->pdl = !(getenv("DISAGG_CUDA_PDL") && !strcmp(getenv("DISAGG_CUDA_PDL"), "0"));
     c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
     if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
@@ -292,6 +327,8 @@ static int to_bf16(dcu_ctx *c, void *dst, const float *src, size_t n) {
 template <typename OT>
 __global__ void k_rmsnorm(OT *out, float *x, const float *add, const float *w, const int32_t *rows,
                           int n, float eps, int write_back) {
+    pdl_trigger();
+    pdl_wait();
     int r = blockIdx.x;
     int src = rows ? rows[r] : r;
     float *xr = x + (size_t)src * n;
@@ -321,12 +358,10 @@ static int rmsnorm(dcu_ctx *c, void *out, int out_dtype, float *x, const float *
     size_t sh = (size_t)n * sizeof(float);
     if (sh > 48 * 1024) return -EINVAL;
     if (out_dtype == DCU_BF16)
-        k_rmsnorm<bf16><<<n_rows, th, sh, c->stream>>>((bf16 *)out, x, add, w, rows, n, eps,
-                                                       write_back);
-    else
-        k_rmsnorm<float><<<n_rows, th, sh, c->stream>>>((float *)out, x, add, w, rows, n, eps,
-                                                        write_back);
-    return launch_check("rmsnorm");
+        return launch_pdl(c, "rmsnorm", k_rmsnorm<bf16>, dim3(n_rows), dim3(th), sh, (bf16 *)out,
+                          x, add, w, rows, n, eps, write_back);
+    return launch_pdl(c, "rmsnorm", k_rmsnorm<float>, dim3(n_rows), dim3(th), sh, (float *)out, x,
+                      add, w, rows, n, eps, write_back);
 }
 
 __global__ void k_rope(float *x, int stride, const int32_t *pos, const float *inv_freq,
@@ -433,14 +468,20 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
                              const float *qkv, const float *bias, const int32_t *pos,
                              const int32_t *seq, const int32_t *bts, int bt_stride,
                              const float *inv_freq, int nh, int nkv, int hd) {
+    pdl_trigger();
+    pdl_wait();
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
     const float *row = qkv + (size_t)t * W;
+    /* grid (T, blocks): the rope items (q and k heads, hd / 2 each) and the v elements,
+     * each spread over the blocks of the token (one block took ~2,600 items alone at batch 1) */
+    int n_rope = (nh + nkv) * half;
+    int i0 = blockIdx.y * blockDim.x + threadIdx.x, istep = gridDim.y * blockDim.x;
     const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
     int p = pos[t], pad = p < 0; /* a padding row of a recorded decode step: no KV */
     size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
     size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
     float fp = pad ? 0.0f : (float)p;
-    for (int i = threadIdx.x; i < (nh + nkv) * half; i += blockDim.x) {
+    for (int i = i0; i < n_rope; i += istep) {
         int hh = i / half, j = i % half;
         int o = hh * hd + j; /* q heads then k heads: contiguous in row */
         float u = row[o] + (bias ? bias[o] : 0.0f);
@@ -458,8 +499,8 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
         }
     }
     if (pad) return;
-    for (int i = threadIdx.x; i < kvd; i += blockDim.x)
-        store_as(kv + ov + i, row[h + kvd + i] + (bias ? bias[h + kvd + i] : 0.0f));
+    for (int vi = i0; vi < kvd; vi += istep)
+        store_as(kv + ov + vi, row[h + kvd + vi] + (bias ? bias[h + kvd + vi] : 0.0f));
 }
 
 /* ---- attention ------------------------------------------------------------------ */
@@ -598,26 +639,100 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
     }
 }
 
+/* one block per (token, head), CB_THREADS threads: the split weights exp(m_s - M) into shared
+ * memory first (every split's (m, l) read in parallel), then groups of threads sum disjoint
+ * splits of each output element with independent loads in flight, and the groups add up in
+ * a fixed order.  (It was one thread per element walking the splits one dependent load
+ * after another: ~10 us a layer at 32 splits, a 4k context.)  Dynamic shared memory:
+ * splits floats. */
+#define CB_THREADS 256
+/* an empty split (weight 0) adds an exact zero, whatever its partial holds */
+__device__ __forceinline__ float wpart(float p, float f) {
+    return f == 0.0f ? 0.0f : p * f;
+}
 template <typename OT>
-__global__ void k_att_combine(OT *out, const float *part, const float *ml, int nh, int hd,
-                              int splits, const int32_t *list) {
+__global__ void __launch_bounds__(CB_THREADS)
+    k_att_combine(OT *out, const float *part, const float *ml, int nh, int hd, int splits,
+                  const int32_t *list) {
+    pdl_trigger();
+    pdl_wait();
+    extern __shared__ float cf[]; /* splits */
+    __shared__ float red[CB_THREADS];
+    __shared__ float sM, sL;
     int th = blockIdx.x; /* ti * nh + head */
     int ti = th / nh, head = th % nh;
     size_t orow = ((size_t)(list ? list[ti] : ti) * nh + head) * hd;
+    const float *mlh = ml + (size_t)th * splits * 2;
     float M = -INFINITY;
-    for (int s = 0; s < splits; s++)
-        M = fmaxf(M, ml[((size_t)th * splits + s) * 2]);
-    for (int e = threadIdx.x; e < hd; e += blockDim.x) {
-        float L = 0.0f, A = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float ms = ml[((size_t)th * splits + s) * 2];
-            if (ms == -INFINITY) continue;
-            float f = __expf(ms - M);
-            L += ml[((size_t)th * splits + s) * 2 + 1] * f;
-            A += part[((size_t)th * splits + s) * hd + e] * f;
-        }
-        store_as(out + orow + e, L > 0 ? A / L : 0.0f);
+    for (int s = threadIdx.x; s < splits; s += blockDim.x)
+        M = fmaxf(M, mlh[2 * s]);
+    red[threadIdx.x] = M;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        for (int i = threadIdx.x; i < blockDim.x; i += 32)
+            m = fmaxf(m, red[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (threadIdx.x == 0) sM = m;
     }
+    __syncthreads();
+    M = sM;
+    float L = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        float ms = mlh[2 * s];
+        float f = ms == -INFINITY ? 0.0f : __expf(ms - M);
+        cf[s] = f;
+        L += mlh[2 * s + 1] * f;
+    }
+    __syncthreads(); /* red[] is reused */
+    red[threadIdx.x] = L;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float l = 0.0f;
+        for (int i = threadIdx.x; i < blockDim.x; i += 32)
+            l += red[i];
+        l = warp_sum(l);
+        if (threadIdx.x == 0) sL = l;
+    }
+    __syncthreads();
+    L = sL;
+    int ng = blockDim.x / hd; /* groups over the splits (hd <= blockDim) */
+    if (ng < 1) ng = 1;
+    int grp = threadIdx.x / hd, e = threadIdx.x % hd;
+    const float *ph = part + (size_t)th * splits * hd;
+    float A = 0.0f;
+    if (grp < ng) {
+        int s = grp;
+        for (; s + 3 * ng < splits; s += 4 * ng) {
+            float p0 = ph[(size_t)s * hd + e], p1 = ph[(size_t)(s + ng) * hd + e];
+            float p2 = ph[(size_t)(s + 2 * ng) * hd + e], p3 = ph[(size_t)(s + 3 * ng) * hd + e];
+            A += wpart(p0, cf[s]) + wpart(p1, cf[s + ng]) + wpart(p2, cf[s + 2 * ng]) +
+                 wpart(p3, cf[s + 3 * ng]);
+        }
+        for (; s < splits; s += ng)
+            A += wpart(ph[(size_t)s * hd + e], cf[s]);
+    }
+    __syncthreads();
+    red[threadIdx.x] = A;
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.0f;
+        for (int g = 0; g < ng; g++)
+            a += red[g * hd + i];
+        store_as(out + orow + i, L > 0 ? a / L : 0.0f);
+    }
+}
+
+/* the combine launch: splits floats of dynamic shared memory (at most 48 KiB: 12,288 splits,
+ * a context of 1.5 M positions) */
+template <typename OT>
+static int att_combine(dcu_ctx *c, OT *out, int T, int nh, int hd, int splits) {
+    if ((size_t)splits * 4 > 48 * 1024 || hd > CB_THREADS) return -EINVAL;
+    return launch_pdl(c, "att_combine", k_att_combine<OT>, dim3(T * nh), dim3(CB_THREADS),
+                      (size_t)splits * 4, out, (const float *)c->att_part,
+                      (const float *)c->att_ml, nh, hd, splits, c->att_list);
 }
 
 template <typename KT, typename OT, int ND>
@@ -628,9 +743,7 @@ static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, in
     k_attention<KT, OT, ND><<<grid, ATT_WARPS * 32, 0, c->stream>>>(
         out, c->att_part, c->att_ml, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer,
         pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale, c->att_list);
-    if (splits > 1)
-        k_att_combine<OT><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
-            out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+    if (splits > 1) att_combine<OT>(c, out, T, nh, hd, splits);
 }
 
 template <typename KT, typename OT>
@@ -1148,6 +1261,8 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
     k_att_mma(OT *out, float *part, float *ml, const float *q, const bf16 *kv, int bs,
               int n_layers, int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
               int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list) {
+    pdl_trigger();
+    pdl_wait();
     constexpr int NP = HD / 32, NU = HD / 64, MT = HD / 16;
     int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int t = list ? list[ti] : ti;
@@ -1287,9 +1402,9 @@ static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, con
     dim3 grid(T, nkv, splits);
     const bf16 *kb = (const bf16 *)kv->base;
 #define AMM(H, OT)                                                                                \
-    k_att_mma<H, OT><<<grid, AM_WARPS * 32, 0, c->stream>>>(                                      \
-        (OT *)out, c->att_part, c->att_ml, q, kb, kv->block_size, kv->n_layers, layer, pos, seq, \
-        bts, bt_stride, nh, nkv, chunk, scale, c->att_list)
+    launch_pdl(c, "attention (tensor cores)", k_att_mma<H, OT>, grid, dim3(AM_WARPS * 32), 0,     \
+               (OT *)out, c->att_part, c->att_ml, q, kb, kv->block_size, kv->n_layers, layer,    \
+               pos, seq, bts, bt_stride, nh, nkv, chunk, scale, c->att_list)
     if (hd == 128 && bf_out)
         AMM(128, bf16);
     else if (hd == 128)
@@ -1299,15 +1414,11 @@ static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, con
     else
         AMM(64, float);
 #undef AMM
-    if (splits > 1) {
-        if (bf_out)
-            k_att_combine<bf16><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
-                (bf16 *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
-        else
-            k_att_combine<float><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
-                (float *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
-    }
-    return launch_check("attention (tensor cores)");
+    int rc = launch_check("attention (tensor cores)");
+    if (!rc && splits > 1)
+        rc = bf_out ? att_combine<bf16>(c, (bf16 *)out, T, nh, hd, splits)
+                    : att_combine<float>(c, (float *)out, T, nh, hd, splits);
+    return rc;
 }
 
 /* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
@@ -1559,48 +1670,113 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
            bf_hi(a.y) * bf_hi(b.y) + bf_lo(a.z) * bf_lo(b.z) + bf_hi(a.z) * bf_hi(b.z) +
            bf_lo(a.w) * bf_lo(b.w) + bf_hi(a.w) * bf_hi(b.w);
 }
-template <int TT>
-__global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4 *__restrict__ x,
-                                              const uint4 *__restrict__ w,
-                                              const float *__restrict__ bias, int N, int K8) {
+/* weights: read once, never again this step: no L1 allocation, first out of L2 (pol: an
+ * L2::evict_first policy from l2_evict_first()) */
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p, uint64_t pol) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(pol));
+    return v;
+}
+
+/* The decode GEMV for T = 1..2 tokens: NR weight rows per warp (1, or gate row i with up row
+ * I + i for the fused gate|up + SwiGLU), lanes stride K in 16-byte loads, GV_U loads of each
+ * row in flight per lane before any is used.  The first batch of weight loads is issued
+ * before pdl_wait(): with programmatic dependent launch it overlaps the previous kernel's
+ * tail (the weights never depend on it).  x (T, K) bf16 read through L1 (it is small and
+ * every warp reads it).  MODE 0: y (T, N) f32 = x w^T (+ bias); MODE 1 (NR 2): h (T, I) =
+ * silu(x wg^T) * (x wu^T) in OT, wg = rows 0..I-1 of w, wu = rows I..2I-1. */
+#define GV_U 8
+template <int TT, int MODE, typename OT>
+__global__ void __launch_bounds__(256)
+    k_gemv2(OT *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
+            const float *__restrict__ bias, int N, int K8) {
+    constexpr int NR = MODE == 1 ? 2 : 1;
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const uint4 *wr = w + (size_t)row * K8;
-    float acc[TT];
+    pdl_trigger();
+    if (row >= N) { /* N: rows of the output (I for MODE 1) */
+        pdl_wait();
+        return;
+    }
+    const uint4 *wr[NR];
+    wr[0] = w + (size_t)row * K8;
+    if (NR == 2) wr[NR - 1] = w + (size_t)(row + N) * K8;
+    float acc[NR][TT];
 #pragma unroll
-    for (int t = 0; t < TT; t++)
-        acc[t] = 0.0f;
-#pragma unroll 4
-    for (int i = lane; i < K8; i += 32) {
-        uint4 wv = __ldcs(wr + i); /* streamed once: do not keep in L2 */
+    for (int r = 0; r < NR; r++)
 #pragma unroll
         for (int t = 0; t < TT; t++)
-            acc[t] += dot8(wv, __ldg(x + (size_t)t * K8 + i));
+            acc[r][t] = 0.0f;
+    uint4 wv[NR][GV_U];
+    uint64_t pol = l2_evict_first();
+    int i0 = lane;
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int u = 0; u < GV_U; u++) {
+            int i = i0 + 32 * u;
+            wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
+        }
+    pdl_wait();
+    for (;;) {
+#pragma unroll
+        for (int u = 0; u < GV_U; u++) {
+            int i = i0 + 32 * u;
+            if (i < K8) {
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    uint4 xv = __ldg(x + (size_t)t * K8 + i);
+#pragma unroll
+                    for (int r = 0; r < NR; r++)
+                        acc[r][t] += dot8(wv[r][u], xv);
+                }
+            }
+        }
+        i0 += 32 * GV_U;
+        if (i0 >= K8) break;
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+#pragma unroll
+            for (int u = 0; u < GV_U; u++) {
+                int i = i0 + 32 * u;
+                wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
+            }
     }
 #pragma unroll
     for (int t = 0; t < TT; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0) y[(size_t)t * N + row] = v + (bias ? bias[row] : 0.0f);
+        float v0 = warp_sum(acc[0][t]);
+        if (MODE == 1) {
+            float v1 = warp_sum(acc[NR - 1][t]);
+            if (lane == 0) store_as(y + (size_t)t * N + row, v0 / (1.0f + expf(-v0)) * v1);
+        } else if (lane == 0) {
+            store_as(y + (size_t)t * N + row, v0 + (bias ? bias[row] : 0.0f));
+        }
     }
+}
+
+template <int MODE, typename OT>
+static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const float *bias, int T,
+                       int N, int K) {
+    int nw = c->gemv_warps; /* warps (output rows) per CTA */
+    dim3 g((N + nw - 1) / nw), b(32 * nw);
+    const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
+    int K8 = K / 8;
+    if (T == 1)
+        return launch_pdl(c, "gemv", k_gemv2<1, MODE, OT>, g, b, 0, y, xv, wv, bias, N, K8);
+    if (T == 2)
+        return launch_pdl(c, "gemv", k_gemv2<2, MODE, OT>, g, b, 0, y, xv, wv, bias, N, K8);
+    return -EINVAL;
 }
 
 static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                 int N, int K) {
-    int nw = c->gemv_warps; /* one weight row per warp */
-    dim3 g((N + nw - 1) / nw);
-    const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
-    int K8 = K / 8;
-    switch (T) {
-#define G_(n)                                                                          \
-    case n:                                                                            \
-        k_gemv<n><<<g, 32 * nw, 0, c->stream>>>(y, xv, wv, bias, N, K8);               \
-        break;
-        G_(1) G_(2) G_(3) G_(4) G_(5) G_(6) G_(7) G_(8)
-#undef G_
-    default:
-        return -EINVAL;
-    }
-    return launch_check("gemv");
+    return gemv_launch<0, float>(c, y, x, w, bias, T, N, K);
 }
 
 /* y (T, N) f32 = x (T, K) bf16 . w (N, K)^T bf16 (+ bias) for decode-sized T <= 32 on
@@ -1679,17 +1855,23 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
 }
 
 /* measured on the H200 (7B shapes, serving forward with CUDA graphs): the GEMV beats
- * cuBLASLt at T = 1 (4.94 vs 5.35 ms a decode step at 4k context) and loses at T = 8, where
- * its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at T = 1..32.  Off
- * by default: with it a sequence's greedy tokens depended on the batch it ran in (5 of 32
- * concurrent requests differed from their single-request answers in the serve smoke) */
-#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1 */
+ * cuBLASLt at T = 1 (4.94 vs 5.35 ms a decode step at 4k context, the first GEMV) and loses
+ * at T = 8, where its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at
+ * T = 1..32.  On by default for T <= GEMV_MAX_T (DISAGG_CUDA_GEMV=0: cuBLASLt for every T).
+ * The fast mode is not batch-invariant either way (cuBLASLt changes kernels with T too): a
+ * sequence's tokens may depend on its batch; --batch-invariant (cuda_invariant.cu) is the
+ * mode that makes them not. */
+#define GEMV_MAX_T 2
+
+static int gemv_ok(const dcu_ctx *c, int T, int K, const void *x, const void *w) {
+    return T >= 1 && T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) &&
+           !c->no_gemv;
+}
 
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                   int N, int K) {
     if (T <= 0) return 0;
-    if (T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
-        return gemv(c, y, x, w, bias, T, N, K);
+    if (gemv_ok(c, T, K, x, w)) return gemv(c, y, x, w, bias, T, N, K);
     if (T <= c->skinny_max && K % 32 == 0 && N % 16 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15))
         return skinny(c, y, x, w, bias, T, N, K);
     gemm_plan *p = plan_get(c, T, N, K, x, w, y);
