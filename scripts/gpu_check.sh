@@ -170,10 +170,18 @@ decode_steps() {
     python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b > /tmp/gen7b.log 2>&1 &
     gen_pid=$!
   fi
-  "$BUILD/test_backend_ops" 2>&1 | tail -25
-  check ${PIPESTATUS[0]} test_backend_ops
+  "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
+  check $? test_backend_ops
+  grep -E "FAILED|ERROR|error|PASSED" /tmp/tbo.log | head -20
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu|attention)"
   check ${PIPESTATUS[0]} test_cuda_model
+  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1}; do
+    env "$v" "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
+    check $? "test_backend_ops with $v"
+    grep -E "FAILED|ERROR|error" /tmp/tbo.log | head -10
+    env "$v" "$BUILD/test_cuda_model" 2>&1 | grep -E "graph|FAILED|ERROR|PASSED"
+    check ${PIPESTATUS[0]} "test_cuda_model with $v"
+  done
   if [ -n "$gen_pid" ]; then wait "$gen_pid"; check $? "gen_random_qwen2_gpu 7b"; cat /tmp/gen7b.log; fi
   step "decode: bench model 7b (this build)"
   "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
@@ -183,9 +191,9 @@ decode_steps() {
     DISAGG_CUDA_MODULE=$DECODE_BASE_MODULE "$BIN" bench model "$W7" --device cuda --prompt-lens 512 2>&1 | sed -n '/^ceilings/p;/^decode/,/^$/p'
     check ${PIPESTATUS[0]} "bench model 7b, previous module"
   fi
-  for v in ${DECODE_VARIANTS-DISAGG_CUDA_PDL=0 DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV_WARPS=8}; do
+  for v in ${DECODE_VARIANTS-DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=0 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=1 DISAGG_CUDA_GEMV=0}; do
     echo "--- decode with $v:"
-    env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1,2,8 2>&1 | sed -n '/^decode/,/^$/p'
+    env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1,2,8 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
     check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
   done
   step "decode: per-op timing of eager 1-token steps (DISAGG_CUDA_PROF=1)"
@@ -247,7 +255,7 @@ check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
 if [ -n "${PERF_VARIANTS:-}" ]; then
-for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_PDL=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
+for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=1 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=0 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
   echo "--- decode with $v:"
   env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
   check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"

@@ -45,6 +45,10 @@ typedef struct gemm_plan {
     cublasLtMatmulAlgo_t algo;
 } gemm_plan;
 
+#define GEMV_MAX_T 2   /* the GEMV's largest T (its kernels exist for T = 1, 2) */
+#define AMX_ROWS 4096 /* argmax rows that take the two-stage kernel (more: one block a row) */
+#define AMX_PARTS 32  /* blocks a row in its first stage */
+
 struct dcu_ctx {
     int device;
     cudaStream_t stream;
@@ -57,10 +61,15 @@ struct dcu_ctx {
     float *att_part; /* split-attention partials */
     float *att_ml;   /* (m, l) per partial */
     size_t att_part_cap, att_ml_cap;
-    int32_t *amax_tmp;
+    int32_t *amax_tmp; /* argmax partials: AMX_ROWS x AMX_PARTS (value, index) pairs */
     int last_err;
-    int no_gemv;    /* DISAGG_CUDA_GEMV=0: 1-2 token GEMMs through cuBLASLt too (default: the GEMV) */
-    int pdl;        /* programmatic dependent launch of the decode kernels (DISAGG_CUDA_PDL=0: off) */
+    int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 2; 0: every
+                       T through cuBLASLt) */
+    int pdl;        /* programmatic dependent launch of the decode kernels (DISAGG_CUDA_PDL=1; off by
+                       default: measured slower with CUDA graphs on the H200) */
+    int gemv_db;    /* the GEMV's loads double-buffered (DISAGG_CUDA_GEMV_DB=0: off) */
+    int qkv_fuse;   /* the q|k|v GEMV with bias, RoPE and the KV write in its epilogue
+                       (DISAGG_CUDA_QKV_FUSE=0: the GEMV, then k_qkv_finish) */
     int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
@@ -199,8 +208,12 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
-    c->no_gemv = getenv("DISAGG_CUDA_GEMV") && !strcmp(getenv("DISAGG_CUDA_GEMV"), "0");
-    c->pdl = !(getenv("DISAGG_CUDA_PDL") && !strcmp(getenv("DISAGG_CUDA_PDL"), "0"));
+    c->gemv_max_t = getenv("DISAGG_CUDA_GEMV") ? atoi(getenv("DISAGG_CUDA_GEMV")) : GEMV_MAX_T;
+    if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
+    c->pdl = getenv("DISAGG_CUDA_PDL") && atoi(getenv("DISAGG_CUDA_PDL")) > 0;
+    c->gemv_db = !(getenv("DISAGG_CUDA_GEMV_DB") && !strcmp(getenv("DISAGG_CUDA_GEMV_DB"), "0"));
+    c->qkv_fuse =
+        !(getenv("DISAGG_CUDA_QKV_FUSE") && !strcmp(getenv("DISAGG_CUDA_QKV_FUSE"), "0"));
     c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
     if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
@@ -227,7 +240,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     }
     c->ws_bytes = 64u << 20;
     if (cudaMalloc(&c->ws, c->ws_bytes) != cudaSuccess ||
-        cudaMalloc((void **)&c->amax_tmp, 4096 * sizeof(int32_t)) != cudaSuccess) {
+        cudaMalloc((void **)&c->amax_tmp, (size_t)AMX_ROWS * AMX_PARTS * 2 * sizeof(int32_t)) !=
+            cudaSuccess) {
         seterr(err, errlen, "out of GPU memory for the cuBLASLt workspace (64 MiB)");
         cublasLtDestroy(c->lt);
         cudaStreamDestroy(c->stream);
@@ -1521,9 +1535,64 @@ __global__ void k_argmax(int32_t *out, const float *logits, int vocab) {
     if (threadIdx.x == 0) out[r] = si[0] == 0x7fffffff ? 0 : si[0];
 }
 
+/* the two-stage argmax: grid (rows, AMX_PARTS) blocks of 256 each take a slice of the row
+ * (the lowest id wins ties, as k_argmax), then one warp a row reduces the parts.  One block
+ * walking a 152k vocabulary took ~40 us; the slices read the row in parallel. */
+__device__ __forceinline__ void amx_better(float &bv, int &bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+}
+__global__ void __launch_bounds__(256) k_argmax_part(int32_t *part, const float *logits,
+                                                     int vocab) {
+    int r = blockIdx.x, p = blockIdx.y, np = gridDim.y;
+    const float *x = logits + (size_t)r * vocab;
+    int per = (vocab + np - 1) / np, i0 = p * per, i1 = min(vocab, i0 + per);
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x)
+        amx_better(best, bi, x[i], i);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, best, o);
+        int j = __shfl_xor_sync(0xffffffffu, bi, o);
+        amx_better(best, bi, v, j);
+    }
+    __shared__ float sv[8];
+    __shared__ int si[8];
+    int w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) sv[w] = best, si[w] = bi;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < (int)(blockDim.x >> 5); k++)
+            amx_better(best, bi, sv[k], si[k]);
+        size_t o = ((size_t)r * np + p) * 2;
+        part[o] = __float_as_int(best);
+        part[o + 1] = bi;
+    }
+}
+__global__ void k_argmax_final(int32_t *out, const int32_t *part, int np) {
+    int r = blockIdx.x, lane = threadIdx.x;
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int p = lane; p < np; p += 32)
+        amx_better(best, bi, __int_as_float(part[((size_t)r * np + p) * 2]),
+                   part[((size_t)r * np + p) * 2 + 1]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, best, o);
+        int j = __shfl_xor_sync(0xffffffffu, bi, o);
+        amx_better(best, bi, v, j);
+    }
+    if (lane == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
+}
+
 static int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int vocab) {
     if (rows <= 0) return 0;
-    k_argmax<<<rows, 1024, 0, c->stream>>>(out, logits, vocab);
+    if (rows > AMX_ROWS || vocab < 64 * AMX_PARTS) {
+        k_argmax<<<rows, 1024, 0, c->stream>>>(out, logits, vocab);
+        return launch_check("argmax");
+    }
+    k_argmax_part<<<dim3(rows, AMX_PARTS), 256, 0, c->stream>>>(c->amax_tmp, logits, vocab);
+    k_argmax_final<<<rows, 32, 0, c->stream>>>(out, c->amax_tmp, AMX_PARTS);
     return launch_check("argmax");
 }
 
@@ -1685,15 +1754,84 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p, uint64_t pol) {
     return v;
 }
 
-/* The decode GEMV for T = 1..2 tokens: NR weight rows per warp (1, or gate row i with up row
- * I + i for the fused gate|up + SwiGLU), lanes stride K in 16-byte loads, GV_U loads of each
- * row in flight per lane before any is used.  The first batch of weight loads is issued
- * before pdl_wait(): with programmatic dependent launch it overlaps the previous kernel's
- * tail (the weights never depend on it).  x (T, K) bf16 read through L1 (it is small and
- * every warp reads it).  MODE 0: y (T, N) f32 = x w^T (+ bias); MODE 1 (NR 2): h (T, I) =
- * silu(x wg^T) * (x wu^T) in OT, wg = rows 0..I-1 of w, wu = rows I..2I-1. */
+/* The decode GEMV for T = 1..2 tokens: NR weight rows per warp (1; or gate row i with up
+ * row I + i for the fused gate|up + SwiGLU; or a RoPE pair / two v rows for the fused q|k|v),
+ * lanes stride K in 16-byte loads, GV_U loads of each row in flight per lane before any is
+ * used (DB: and the next GV_U issued before the current ones are used: double-buffered).  The
+ * loop runs over warp-uniform batches of 32 x GV_U uint4.  The first batch of weight loads is
+ * issued before pdl_wait(): with programmatic dependent launch it overlaps the previous
+ * kernel's tail (the weights never depend on it).  x (T, K) bf16 through L1 (small, every
+ * warp reads it). */
 #define GV_U 8
-template <int TT, int MODE, typename OT>
+#define GV_S (32 * GV_U)
+template <int NR>
+__device__ __forceinline__ void gv_load(uint4 (&wv)[NR][GV_U], const uint4 *const *wr, int i0,
+                                        int K8, uint64_t pol) {
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int u = 0; u < GV_U; u++) {
+            int i = i0 + 32 * u;
+            wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
+        }
+}
+template <int TT, int NR>
+__device__ __forceinline__ void gv_fma(float (&acc)[NR][TT], const uint4 (&wv)[NR][GV_U],
+                                       const uint4 *__restrict__ x, int i0, int K8) {
+#pragma unroll
+    for (int u = 0; u < GV_U; u++) {
+        int i = i0 + 32 * u;
+        if (i < K8) {
+#pragma unroll
+            for (int t = 0; t < TT; t++) {
+                uint4 xv = __ldg(x + (size_t)t * K8 + i);
+#pragma unroll
+                for (int r = 0; r < NR; r++)
+                    acc[r][t] += dot8(wv[r][u], xv);
+            }
+        }
+    }
+}
+/* acc[r][t] = this lane's part of row r . token t (warp_sum it); calls pdl_wait() */
+template <int TT, int NR, bool DB>
+__device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const *wr,
+                                        const uint4 *__restrict__ x, int K8, int lane) {
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+            acc[r][t] = 0.0f;
+    uint64_t pol = l2_evict_first();
+    uint4 wa[NR][GV_U];
+    int base = 0;
+    gv_load<NR>(wa, wr, base + lane, K8, pol);
+    pdl_wait();
+    if (!DB) {
+        for (;;) {
+            gv_fma<TT, NR>(acc, wa, x, base + lane, K8);
+            base += GV_S;
+            if (base >= K8) break;
+            gv_load<NR>(wa, wr, base + lane, K8, pol);
+        }
+    } else {
+        uint4 wb[NR][GV_U];
+        for (;;) {
+            int b1 = base + GV_S;
+            if (b1 < K8) gv_load<NR>(wb, wr, b1 + lane, K8, pol);
+            gv_fma<TT, NR>(acc, wa, x, base + lane, K8);
+            if (b1 >= K8) break;
+            int b2 = b1 + GV_S;
+            if (b2 < K8) gv_load<NR>(wa, wr, b2 + lane, K8, pol);
+            gv_fma<TT, NR>(acc, wb, x, b1 + lane, K8);
+            if (b2 >= K8) break;
+            base = b2;
+        }
+    }
+}
+
+/* MODE 0: y (T, N) f32 = x w^T (+ bias), one row a warp; MODE 1: h (T, I) =
+ * silu(x wg^T) * (x wu^T) in OT, wg = rows 0..I-1 of w, wu = rows I..2I-1 (N = I). */
+template <int TT, int MODE, typename OT, bool DB>
 __global__ void __launch_bounds__(256)
     k_gemv2(OT *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
             const float *__restrict__ bias, int N, int K8) {
@@ -1708,46 +1846,7 @@ __global__ void __launch_bounds__(256)
     wr[0] = w + (size_t)row * K8;
     if (NR == 2) wr[NR - 1] = w + (size_t)(row + N) * K8;
     float acc[NR][TT];
-#pragma unroll
-    for (int r = 0; r < NR; r++)
-#pragma unroll
-        for (int t = 0; t < TT; t++)
-            acc[r][t] = 0.0f;
-    uint4 wv[NR][GV_U];
-    uint64_t pol = l2_evict_first();
-    int i0 = lane;
-#pragma unroll
-    for (int r = 0; r < NR; r++)
-#pragma unroll
-        for (int u = 0; u < GV_U; u++) {
-            int i = i0 + 32 * u;
-            wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
-        }
-    pdl_wait();
-    for (;;) {
-#pragma unroll
-        for (int u = 0; u < GV_U; u++) {
-            int i = i0 + 32 * u;
-            if (i < K8) {
-#pragma unroll
-                for (int t = 0; t < TT; t++) {
-                    uint4 xv = __ldg(x + (size_t)t * K8 + i);
-#pragma unroll
-                    for (int r = 0; r < NR; r++)
-                        acc[r][t] += dot8(wv[r][u], xv);
-                }
-            }
-        }
-        i0 += 32 * GV_U;
-        if (i0 >= K8) break;
-#pragma unroll
-        for (int r = 0; r < NR; r++)
-#pragma unroll
-            for (int u = 0; u < GV_U; u++) {
-                int i = i0 + 32 * u;
-                wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
-            }
-    }
+    gv_rows<TT, NR, DB>(acc, wr, x, K8, lane);
 #pragma unroll
     for (int t = 0; t < TT; t++) {
         float v0 = warp_sum(acc[0][t]);
@@ -1760,6 +1859,56 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* The q|k|v GEMV with k_qkv_finish in its epilogue: warp pi takes a RoPE pair (rows
+ * hh hd + j and + hd/2 of q head or k head hh, j < hd/2) or two adjacent v rows, adds the
+ * bias, rotates, and writes q to qout (T, nh hd) and k, v into the cache (no KV for a
+ * padding row, pos < 0) — the same arithmetic as k_qkv_finish on the GEMV's output. */
+template <int TT, typename KT>
+__global__ void __launch_bounds__(256)
+    k_gemv_qkv(float *__restrict__ qout, KT *kv, const uint4 *__restrict__ x,
+               const uint4 *__restrict__ w, const float *__restrict__ bias, int K8, int bs,
+               int n_layers, int layer, const int32_t *pos, const int32_t *seq,
+               const int32_t *bts, int bt_stride, const float *inv_freq, int nh, int nkv, int hd) {
+    int pi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int half = hd / 2, h = nh * hd, kvd = nkv * hd, n_rope = (nh + nkv) * half;
+    pdl_trigger();
+    if (pi >= n_rope + kvd / 2) {
+        pdl_wait();
+        return;
+    }
+    int rope = pi < n_rope, hh = rope ? pi / half : 0, j = rope ? pi % half : 0;
+    int r0 = rope ? hh * hd + j : h + kvd + 2 * (pi - n_rope), r1 = rope ? r0 + half : r0 + 1;
+    const uint4 *wr[2] = {w + (size_t)r0 * K8, w + (size_t)r1 * K8};
+    float acc[2][TT];
+    gv_rows<TT, 2, false>(acc, wr, x, K8, lane);
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float u = warp_sum(acc[0][t]) + 0.0f, v = warp_sum(acc[1][t]) + 0.0f;
+        if (lane) continue;
+        u = u + (bias ? bias[r0] : 0.0f);
+        v = v + (bias ? bias[r1] : 0.0f);
+        int p = pos[t], pad = p < 0;
+        const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+        if (rope) {
+            float a = (pad ? 0.0f : (float)p) * inv_freq[j];
+            float cs = cosf(a), sn = sinf(a);
+            float o0 = u * cs - v * sn, o1 = v * cs + u * sn;
+            if (hh < nh) {
+                qout[(size_t)t * h + r0] = o0;
+                qout[(size_t)t * h + r1] = o1;
+            } else if (!pad) {
+                size_t ok = kv_off(bt, p, bs, n_layers, kvd, layer, 0);
+                store_as(kv + ok + (r0 - h), o0);
+                store_as(kv + ok + (r1 - h), o1);
+            }
+        } else if (!pad) {
+            size_t ov = kv_off(bt, p, bs, n_layers, kvd, layer, 1);
+            store_as(kv + ov + (r0 - h - kvd), u);
+            store_as(kv + ov + (r1 - h - kvd), v);
+        }
+    }
+}
+
 template <int MODE, typename OT>
 static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const float *bias, int T,
                        int N, int K) {
@@ -1767,16 +1916,48 @@ static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const fl
     dim3 g((N + nw - 1) / nw), b(32 * nw);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
     int K8 = K / 8;
+    /* double-buffered loads for one row a warp (MODE 0); the two-row forms hold 16 loads
+     * already */
+    constexpr bool DB = MODE == 0;
+    if (MODE == 0 && !c->gemv_db) {
+        if (T == 1)
+            return launch_pdl(c, "gemv", k_gemv2<1, MODE, OT, false>, g, b, 0, y, xv, wv, bias,
+                              N, K8);
+        if (T == 2)
+            return launch_pdl(c, "gemv", k_gemv2<2, MODE, OT, false>, g, b, 0, y, xv, wv, bias,
+                              N, K8);
+        return -EINVAL;
+    }
     if (T == 1)
-        return launch_pdl(c, "gemv", k_gemv2<1, MODE, OT>, g, b, 0, y, xv, wv, bias, N, K8);
+        return launch_pdl(c, "gemv", k_gemv2<1, MODE, OT, DB>, g, b, 0, y, xv, wv, bias, N, K8);
     if (T == 2)
-        return launch_pdl(c, "gemv", k_gemv2<2, MODE, OT>, g, b, 0, y, xv, wv, bias, N, K8);
+        return launch_pdl(c, "gemv", k_gemv2<2, MODE, OT, DB>, g, b, 0, y, xv, wv, bias, N, K8);
     return -EINVAL;
 }
 
 static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                 int N, int K) {
     return gemv_launch<0, float>(c, y, x, w, bias, T, N, K);
+}
+
+/* the fused q|k|v GEMV (k_gemv_qkv) for T = 1..2 */
+template <typename KT>
+static int gemv_qkv(dcu_ctx *c, float *qout, KT *kv, const void *x, const void *w,
+                    const float *bias, int T, int K, int bs, int n_layers, int layer,
+                    const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
+                    const float *inv_freq, int nh, int nkv, int hd) {
+    int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2;
+    dim3 g((pairs + nw - 1) / nw), b(32 * nw);
+    const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
+    if (T == 1)
+        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<1, KT>, g, b, 0, qout, kv, xv, wv, bias,
+                          K / 8, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv,
+                          hd);
+    if (T == 2)
+        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<2, KT>, g, b, 0, qout, kv, xv, wv, bias,
+                          K / 8, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv,
+                          hd);
+    return -EINVAL;
 }
 
 /* y (T, N) f32 = x (T, K) bf16 . w (N, K)^T bf16 (+ bias) for decode-sized T <= 32 on
@@ -1861,11 +2042,8 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
  * The fast mode is not batch-invariant either way (cuBLASLt changes kernels with T too): a
  * sequence's tokens may depend on its batch; --batch-invariant (cuda_invariant.cu) is the
  * mode that makes them not. */
-#define GEMV_MAX_T 2
-
 static int gemv_ok(const dcu_ctx *c, int T, int K, const void *x, const void *w) {
-    return T >= 1 && T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) &&
-           !c->no_gemv;
+    return T >= 1 && T <= c->gemv_max_t && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15);
 }
 
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
