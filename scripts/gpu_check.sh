@@ -7,7 +7,7 @@
 #   2. tests/unit/test_cuda_model (the serving forward on the GPU vs the CPU, greedy vs the
 #      golden continuations, CUDA graphs vs eager) and test_backend_ops (every op CUDA vs
 #      CPU), also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
-#      DISAGG_CUDA_GEMV=0 (cuBLASLt for 1-2 token GEMMs too),
+#      DISAGG_CUDA_GEMV=0 (cuBLASLt for 1-token GEMMs too),
 #   3. the serve smoke (tools/gpu_serve_smoke.py: cuda vs cpu, concurrent vs single, CUDA
 #      graphs vs --enforce-eager),
 #   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
@@ -175,7 +175,7 @@ decode_steps() {
   grep -E "FAILED|ERROR|error|PASSED" /tmp/tbo.log | head -20
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu|attention)"
   check ${PIPESTATUS[0]} test_cuda_model
-  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1}; do
+  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1}; do
     env "$v" "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
     check $? "test_backend_ops with $v"
     grep -E "FAILED|ERROR|error" /tmp/tbo.log | head -10
@@ -191,7 +191,7 @@ decode_steps() {
     DISAGG_CUDA_MODULE=$DECODE_BASE_MODULE "$BIN" bench model "$W7" --device cuda --prompt-lens 512 2>&1 | sed -n '/^ceilings/p;/^decode/,/^$/p'
     check ${PIPESTATUS[0]} "bench model 7b, previous module"
   fi
-  for v in ${DECODE_VARIANTS-DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=0 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=1 DISAGG_CUDA_GEMV=0}; do
+  for v in ${DECODE_VARIANTS-DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
     echo "--- decode with $v:"
     env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1,2,8 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
     check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
@@ -236,7 +236,7 @@ check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH2=0"
 DISAGG_CUDA_FLASH2=0 "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
 check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_FLASH2=0"
 
-step "GPU parity test with the small-batch GEMV off (DISAGG_CUDA_GEMV=0: cuBLASLt for 1-2 tokens)"
+step "GPU parity test with the small-batch GEMV off (DISAGG_CUDA_GEMV=0: cuBLASLt for 1 token too)"
 DISAGG_CUDA_GEMV=0 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|graph|OK|FAILED|PASSED|ERROR"
 check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=0"
 fi
@@ -255,7 +255,7 @@ check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
 if [ -n "${PERF_VARIANTS:-}" ]; then
-for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=1 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=0 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
+for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
   echo "--- decode with $v:"
   env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
   check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"

@@ -246,9 +246,10 @@ static void test_rmsnorm(void **state) {
 }
 
 static void test_matmul(void **state) {
-    /* the last five take the CUDA decode GEMV (T <= 2, K % 8 == 0): a row shorter than a
-     * warp's 16-byte loads, N not a multiple of the rows of a CTA, K past one batch of loads
-     * in flight (256 x 8) with a partial batch after it */
+    /* the last five take the CUDA decode GEMV (K % 8 == 0; T = 1 by default, T <= 2 with
+     * DISAGG_CUDA_GEMV=2): a row shorter than a warp's 16-byte loads, N not a multiple of the
+     * rows of a CTA, K past one batch of loads in flight (256 x 8) with a partial batch after
+     * it */
     int shapes[][3] = {{1, 1, 1},    {1, 5, 7},     {3, 9, 8},    {7, 13, 33},
                        {2, 64, 100}, {17, 31, 129}, {1, 1, 8},    {1, 37, 264},
                        {2, 13, 520}, {1, 7, 4104},  {2, 5, 2056}};
@@ -697,7 +698,8 @@ static void test_fused_ops(void **state) {
 }
 
 /* backend_gate_up at the decode sizes (1 and 2 tokens) with the gate|up matrix as one
- * (backend_wants_cat): the CUDA backend runs it as one GEMV with the SwiGLU in its epilogue.
+ * (backend_wants_cat): the CUDA backend runs it as one GEMV with the SwiGLU in its epilogue
+ * (T = 1; T = 2 too with DISAGG_CUDA_GEMV=2; else the GEMM and k_swiglu).
  * Awkward sizes: I not a multiple of the rows of a CTA, K = 8 (one load of a lane), 264 and
  * 2056 (a partial batch of loads, one past a full batch of 256 x 8). */
 static void test_gate_up_gemv(void **state) {

@@ -63,11 +63,13 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp; /* argmax partials: AMX_ROWS x AMX_PARTS (value, index) pairs */
     int last_err;
-    int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 2; 0: every
-                       T through cuBLASLt) */
+    int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
+                       T through cuBLASLt; at T = 2 cuBLASLt measured faster) */
     int pdl;        /* programmatic dependent launch of the decode kernels (DISAGG_CUDA_PDL=1; off by
-                       default: measured slower with CUDA graphs on the H200) */
-    int gemv_db;    /* the GEMV's loads double-buffered (DISAGG_CUDA_GEMV_DB=0: off) */
+                       default: measured slower with CUDA graphs on the H200, 5.02 vs 4.72 ms a
+                       batch-1 step at 4k) */
+    int gemv_db;    /* the GEMV's loads double-buffered (DISAGG_CUDA_GEMV_DB=1; off by default:
+                       twice the registers, half the warps, measured slower) */
     int qkv_fuse;   /* the q|k|v GEMV with bias, RoPE and the KV write in its epilogue
                        (DISAGG_CUDA_QKV_FUSE=0: the GEMV, then k_qkv_finish) */
     int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
@@ -208,10 +210,10 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
-    c->gemv_max_t = getenv("DISAGG_CUDA_GEMV") ? atoi(getenv("DISAGG_CUDA_GEMV")) : GEMV_MAX_T;
+    c->gemv_max_t = getenv("DISAGG_CUDA_GEMV") ? atoi(getenv("DISAGG_CUDA_GEMV")) : 1;
     if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
     c->pdl = getenv("DISAGG_CUDA_PDL") && atoi(getenv("DISAGG_CUDA_PDL")) > 0;
-    c->gemv_db = !(getenv("DISAGG_CUDA_GEMV_DB") && !strcmp(getenv("DISAGG_CUDA_GEMV_DB"), "0"));
+    c->gemv_db = getenv("DISAGG_CUDA_GEMV_DB") && atoi(getenv("DISAGG_CUDA_GEMV_DB")) > 0;
     c->qkv_fuse =
         !(getenv("DISAGG_CUDA_QKV_FUSE") && !strcmp(getenv("DISAGG_CUDA_QKV_FUSE"), "0"));
     c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
@@ -1916,8 +1918,8 @@ static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const fl
     dim3 g((N + nw - 1) / nw), b(32 * nw);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
     int K8 = K / 8;
-    /* double-buffered loads for one row a warp (MODE 0); the two-row forms hold 16 loads
-     * already */
+    /* double-buffered loads (DISAGG_CUDA_GEMV_DB=1) for one row a warp (MODE 0) only; the
+     * two-row forms hold 16 loads in flight already */
     constexpr bool DB = MODE == 0;
     if (MODE == 0 && !c->gemv_db) {
         if (T == 1)
@@ -2035,13 +2037,14 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
     return launch_check("skinny");
 }
 
-/* measured on the H200 (7B shapes, serving forward with CUDA graphs): the GEMV beats
- * cuBLASLt at T = 1 (4.94 vs 5.35 ms a decode step at 4k context, the first GEMV) and loses
- * at T = 8, where its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at
- * T = 1..32.  On by default for T <= GEMV_MAX_T (DISAGG_CUDA_GEMV=0: cuBLASLt for every T).
- * The fast mode is not batch-invariant either way (cuBLASLt changes kernels with T too): a
- * sequence's tokens may depend on its batch; --batch-invariant (cuda_invariant.cu) is the
- * mode that makes them not. */
+/* measured on the H200 (7B shapes, serving forward with CUDA graphs, gpu_check ONLY=decode
+ * of 2026-12-01 14:51): the GEMV (single-buffered, gate|up + SwiGLU and q|k|v + RoPE/KV
+ * fused) takes batch 1 at 4k to 4.75 ms a step against 4.88 with cuBLASLt for every GEMM
+ * (5.37 before this GEMV); at T = 2 cuBLASLt is faster (4.87 vs 5.02 ms), so the default is
+ * T = 1 only (DISAGG_CUDA_GEMV=2: T <= 2 too; 0: cuBLASLt for every T).  k_skinny (tensor
+ * cores) lost to cuBLASLt at T = 1..32.  The fast mode is not batch-invariant either way
+ * (cuBLASLt changes kernels with T as well): a sequence's tokens may depend on its batch;
+ * --batch-invariant (cuda_invariant.cu) is the mode that makes them not. */
 static int gemv_ok(const dcu_ctx *c, int T, int K, const void *x, const void *w) {
     return T >= 1 && T <= c->gemv_max_t && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15);
 }
