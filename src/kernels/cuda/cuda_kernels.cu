@@ -777,7 +777,13 @@ static int att_combine(dcu_ctx *c, OT *out, int T, int nh, int hd, int splits) {
             out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
         return launch_check("att_combine");
     }
-    if ((size_t)splits * 4 > 48 * 1024 || hd > CB_THREADS) return -EINVAL;
+    if ((size_t)splits * 4 > 48 * 1024 || hd > CB_THREADS) {
+        fprintf(stderr,
+                "cuda: attention combine of %d splits, head_dim %d: accepted at most 12288 "
+                "splits (a context of %d positions) and head_dim <= %d\n",
+                splits, hd, 12288 * ATT_CHUNK, CB_THREADS);
+        return -EINVAL;
+    }
     return launch_pdl(c, "att_combine", k_att_combine<OT>, dim3(T * nh), dim3(CB_THREADS),
                       (size_t)splits * 4, out, (const float *)c->att_part,
                       (const float *)c->att_ml, nh, hd, splits, c->att_list);
