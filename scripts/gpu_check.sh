@@ -7,7 +7,7 @@
 #   2. tests/unit/test_cuda_model (the serving forward on the GPU vs the CPU, greedy vs the
 #      golden continuations, CUDA graphs vs eager) and test_backend_ops (every op CUDA vs
 #      CPU), also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
-#      DISAGG_CUDA_GEMV=1,
+#      DISAGG_CUDA_GEMV=0 (cuBLASLt for 1-token GEMMs too),
 #   3. the serve smoke (tools/gpu_serve_smoke.py: cuda vs cpu, concurrent vs single, CUDA
 #      graphs vs --enforce-eager),
 #   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
@@ -25,7 +25,7 @@
 #      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
 #      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
 # NO_REBUILD=1 (with PREBUILT) uses the bundle's prebuilt CUDA module instead of rebuilding it.
-# QUICK=1 skips the variants (FLASH2=0, GEMV=1) and the HF references (a short re-run);
+# QUICK=1 skips the variants (FLASH2=0, GEMV=0) and the HF references (a short re-run);
 # PERF_VARIANTS=1 re-runs the 7B decode/prefill with each kernel switch flipped;
 # TEST_DEVICE_SUITE=1 adds the server integration tests against --device cuda.
 # The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
@@ -41,8 +41,12 @@
 # (empty) silences the per-shape algorithm log.
 # ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with k_flash3's
 # 128- and 64-row tiles and with k_flash2 + the f32 gate|up), test_cuda_model, bench model 7B,
-# then the prefill with per-op times (DISAGG_CUDA_PROF=1) and with the previous kernels
+# then the prefill with per-op times (DISAGG_CUDA_PROF=8192) and with the previous kernels
 # (PREFILL_VARIANTS adds env settings to that list).
+# ONLY=decode (issue 12's batch-1 decode): test_backend_ops, test_cuda_model, the 7B decode
+# table (DECODE_BASE_MODULE=an older libdisagg_cuda.so: its table too, the same run), decode
+# with each switch in DECODE_VARIANTS flipped, the per-op timing of an eager 1-token step
+# (DISAGG_CUDA_PROF=1) and the serve smoke (DECODE_NO_SMOKE=1 skips it).
 # Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
@@ -186,18 +190,69 @@ prefill_steps() {
   "$BIN" bench model "$W7" --device cuda --batches 1,32 ${BENCH_ARGS:-}
   check $? "bench model 7b --device cuda"
   P="--prompt-lens 512,4096 --batches 1 --gen-len 4"
-  for v in "DISAGG_CUDA_PROF=1" "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" \
-           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_PROF=1 DISAGG_CUDA_FLASH_MT=1" \
+  for v in "DISAGG_CUDA_PROF=8192" "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" \
+           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_PROF=8192 DISAGG_CUDA_FLASH_MT=1" \
            ${PREFILL_VARIANTS:-}; do
     echo "--- prefill with $v:"
     env $v "$BIN" bench model "$W7" --device cuda $P > "${TMPDIR:-/tmp}/prefill-variant.log" 2>&1
     check $? "bench model 7b, $v"
     grep -E "^ceilings|^512 |^4096 " "${TMPDIR:-/tmp}/prefill-variant.log"
     # the last per-op table of each forward length
-    awk '/cuda prof: forward of/ { n = $5; b[n] = $0 "\n"; next } /cuda prof:  / { b[n] = b[n] $0 "\n" }
+    awk '/^prof: eager step/ { n = $4; b[n] = $0 "\n"; next } /^prof:  / { b[n] = b[n] $0 "\n" }
          END { for (k in b) printf "%s", b[k] }' "${TMPDIR:-/tmp}/prefill-variant.log"
   done
 }
+decode_steps() {
+  # issue 12's batch-1 decode: the parity tests, the 7B decode table (after and, with
+  # DECODE_BASE_MODULE=path/libdisagg_cuda.so of the previous commit, before in the same run),
+  # the kernel switches and the per-op timing of an eager step (DISAGG_CUDA_PROF=1)
+  step "decode: 7B-shaped random weights (in the background), test_backend_ops, test_cuda_model"
+  gen_pid=
+  if [ ! -f "$W7/model.safetensors.index.json" ]; then
+    python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b > /tmp/gen7b.log 2>&1 &
+    gen_pid=$!
+  fi
+  "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
+  check $? test_backend_ops
+  grep -E "FAILED|ERROR|error|PASSED" /tmp/tbo.log | head -20
+  "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu|attention)"
+  check ${PIPESTATUS[0]} test_cuda_model
+  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1}; do
+    env "$v" "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
+    check $? "test_backend_ops with $v"
+    grep -E "FAILED|ERROR|error" /tmp/tbo.log | head -10
+    env "$v" "$BUILD/test_cuda_model" 2>&1 | grep -E "graph|FAILED|ERROR|PASSED"
+    check ${PIPESTATUS[0]} "test_cuda_model with $v"
+  done
+  if [ -n "$gen_pid" ]; then wait "$gen_pid"; check $? "gen_random_qwen2_gpu 7b"; cat /tmp/gen7b.log; fi
+  step "decode: bench model 7b (this build)"
+  "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
+  check $? "bench model 7b --device cuda"
+  if [ -n "${DECODE_BASE_MODULE:-}" ] && [ -f "$DECODE_BASE_MODULE" ]; then
+    step "decode: bench model 7b with the previous CUDA module ($DECODE_BASE_MODULE)"
+    DISAGG_CUDA_MODULE=$DECODE_BASE_MODULE "$BIN" bench model "$W7" --device cuda --prompt-lens 512 2>&1 | sed -n '/^ceilings/p;/^decode/,/^$/p'
+    check ${PIPESTATUS[0]} "bench model 7b, previous module"
+  fi
+  for v in ${DECODE_VARIANTS-DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
+    echo "--- decode with $v:"
+    env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1,2,8 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
+    check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
+  done
+  step "decode: per-op timing of eager 1-token steps (DISAGG_CUDA_PROF=1)"
+  DISAGG_CUDA_PROF=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof|^1 "
+  check ${PIPESTATUS[0]} "bench model 7b, DISAGG_CUDA_PROF=1"
+  if [ -z "${DECODE_NO_SMOKE:-}" ]; then
+    step "decode: serve smoke (fast mode counted; single eager vs graphs and --batch-invariant concurrent vs single checked)"
+    python3 tools/gpu_serve_smoke.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" 2>&1 | grep -E "^serve|FAILED|Error"
+    check ${PIPESTATUS[0]} gpu_serve_smoke
+  fi
+}
+if [ "${ONLY:-}" = decode ]; then
+  decode_steps
+  step "summary"
+  echo "gpu_check (ONLY=decode): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ]; then
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps
@@ -224,9 +279,9 @@ check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH2=0"
 DISAGG_CUDA_FLASH2=0 "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
 check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_FLASH2=0"
 
-step "GPU parity test with the small-batch GEMV enabled (DISAGG_CUDA_GEMV=1)"
-DISAGG_CUDA_GEMV=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|graph|OK|FAILED|PASSED|ERROR"
-check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=1"
+step "GPU parity test with the small-batch GEMV off (DISAGG_CUDA_GEMV=0: cuBLASLt for 1 token too)"
+DISAGG_CUDA_GEMV=0 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|graph|OK|FAILED|PASSED|ERROR"
+check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=0"
 fi
 
 step "serve on the GPU (disagg serve --device cuda vs --device cpu, concurrent batching, CUDA graphs vs --enforce-eager)"
@@ -243,7 +298,7 @@ check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
 if [ -n "${PERF_VARIANTS:-}" ]; then
-for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
+for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
   echo "--- decode with $v:"
   env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
   check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
@@ -260,9 +315,9 @@ if [ -z "${QUICK:-}" ]; then
 echo "--- prefill with the previous (wmma) prefill kernel (DISAGG_CUDA_FLASH2=0):"
 DISAGG_CUDA_FLASH2=0 "$BIN" bench model "$W7" --device cuda --batches 1 2>&1 | sed -n '/^prefill/,/^decode/p'
 check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_FLASH2=0"
-echo "--- batch 1 and 8 with the small-batch GEMV (DISAGG_CUDA_GEMV=1), eager and CUDA graphs:"
-DISAGG_CUDA_GEMV=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,$p'
-check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=1"
+echo "--- batch 1 and 8 without the small-batch GEMV (DISAGG_CUDA_GEMV=0), eager and CUDA graphs:"
+DISAGG_CUDA_GEMV=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,$p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=0"
 fi
 
 if [ -z "${QUICK:-}" ]; then

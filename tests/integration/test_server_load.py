@@ -11,6 +11,7 @@ import openai
 import pytest
 import requests
 
+import server_harness
 from server_harness import DATA, Server
 
 GREEDY = json.loads((DATA / "sotu-tiny" / "greedy.json").read_text())
@@ -19,7 +20,11 @@ PROMPTS = [p["prompt"] for p in GREEDY["prompts"] if p["kind"] == "text"]
 
 @pytest.fixture(scope="module")
 def srv():
-    s = Server("--max-model-len", "512", "--kv-cache-memory", "64M", "--max-num-seqs", "64")
+    # "the same text as when run alone" compares batch compositions: exact on the CPU; on a
+    # GPU (DISAGG_TEST_DEVICE=cuda) only with --batch-invariant (the fast mode's kernels
+    # change with the batch size, docs/gpu.md)
+    inv = ("--batch-invariant",) if server_harness.on_gpu() else ()
+    s = Server("--max-model-len", "512", "--kv-cache-memory", "64M", "--max-num-seqs", "64", *inv)
     yield s
     rc = s.stop()
     assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()

@@ -246,7 +246,13 @@ static void test_rmsnorm(void **state) {
 }
 
 static void test_matmul(void **state) {
-    int shapes[][3] = {{1, 1, 1}, {1, 5, 7}, {3, 9, 8}, {7, 13, 33}, {2, 64, 100}, {17, 31, 129}};
+    /* the last five take the CUDA decode GEMV (K % 8 == 0; T = 1 by default, T <= 2 with
+     * DISAGG_CUDA_GEMV=2): a row shorter than a warp's 16-byte loads, N not a multiple of the
+     * rows of a CTA, K past one batch of loads in flight (256 x 8) with a partial batch after
+     * it */
+    int shapes[][3] = {{1, 1, 1},    {1, 5, 7},     {3, 9, 8},    {7, 13, 33},
+                       {2, 64, 100}, {17, 31, 129}, {1, 1, 8},    {1, 37, 264},
+                       {2, 13, 520}, {1, 7, 4104},  {2, 5, 2056}};
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
         backend_stream *st = backend_stream_create(be);
@@ -255,8 +261,13 @@ static void test_matmul(void **state) {
             for (int dt = 0; dt < 3; dt++)
                 for (int withb = 0; withb < 2; withb++) {
                     int T = shapes[k][0], N = shapes[k][1], K = shapes[k][2];
-                    float *x = rand_vec((size_t)T * K, a),
-                          *w = rand_vec((size_t)N * K, (backend_dtype)dt),
+                    /* K > 129: bf16-exact x and w (f16 weights skipped), so that the GPU's
+                     * rounding to bf16 is exact and only the f32 sums differ (over 4k terms
+                     * the operands' rounding alone would pass 4e-2 of 1 + |ref|) */
+                    int exact = K > 129;
+                    if (exact && dt == BACKEND_F16) continue;
+                    float *x = rand_vec((size_t)T * K, exact ? BACKEND_BF16 : a),
+                          *w = rand_vec((size_t)N * K, exact ? BACKEND_BF16 : (backend_dtype)dt),
                           *bias = rand_vec((size_t)N, BACKEND_F32);
                     /* weights as the model loads them: backend_weights_load from host bytes */
                     backend_stream *cst = backend_stream_create(g_be[0]);
@@ -292,8 +303,8 @@ static void test_matmul(void **state) {
                     /* a GPU backend rounds GEMM inputs and weights to bf16 (tensor cores;
                      * f16 and f32 weights are stored bf16) whatever its activation dtype:
                      * 2^-9 relative per operand over K <= 129 terms, 4e-2 of 1 + |ref| */
-                    double tol1 = backend_is_cpu(be) ? tol_for(be, 1e-5, 2e-2) : 4e-2,
-                           tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2) : 4e-2;
+                    double tol1 = backend_is_cpu(be) ? tol_for(be, 1e-5, 2e-2) : exact ? 1e-4 : 4e-2,
+                           tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2) : exact ? 1e-4 : 4e-2;
                     check_close(what, be, got, want, (size_t)T * N, tol1);
                     check_close(what, be, got2, want2, (size_t)T * N, tol2);
                     free(got), free(got2), free(want), free(want2), free(x), free(w), free(bias);
@@ -773,6 +784,73 @@ static void test_gate_up_prefill(void **state) {
     }
 }
 
+/* backend_gate_up at the decode sizes (1 and 2 tokens) with the gate|up matrix as one
+ * (backend_wants_cat): the CUDA backend runs it as one GEMV with the SwiGLU in its epilogue
+ * (T = 1; T = 2 too with DISAGG_CUDA_GEMV=2; else the GEMM and k_swiglu).
+ * Awkward sizes: I not a multiple of the rows of a CTA, K = 8 (one load of a lane), 264 and
+ * 2056 (a partial batch of loads, one past a full batch of 256 x 8). */
+static void test_gate_up_gemv(void **state) {
+    int shapes[][3] = {{1, 37, 264}, {2, 37, 264}, {1, 5, 8}, {2, 3, 2056}, {1, 130, 2056}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        if (!backend_wants_cat(be)) continue;
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype mm = backend_mm_dtype(be);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            int T = shapes[k][0], I = shapes[k][1], H = shapes[k][2];
+            test_batch tb;
+            int start[1] = {3}, n_new[1] = {T};
+            make_batch(&tb, 1, start, n_new, 4, 8, 10);
+            assert_int_equal(backend_plan(st, &tb.b), 0);
+            uint16_t *hgu = malloc(sizeof(uint16_t) * 2 * I * H);
+            float *fgu = malloc(sizeof(float) * 2 * I * H);
+            bf16_mat(hgu, fgu, (size_t)2 * I * H);
+            const void *s2[2] = {hgu, hgu + (size_t)I * H};
+            backend_dtype d2[2] = {BACKEND_BF16, BACKEND_BF16}, scat;
+            size_t n2[2] = {(size_t)I * H, (size_t)I * H};
+            backend_buffer *bgu = backend_weights_load_cat(be, s2, d2, n2, 2, &scat);
+            assert_non_null(bgu);
+            float *x = rand_vec((size_t)T * H, BACKEND_BF16);
+            backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
+                           *bh = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm),
+                                                      0);
+            backend_mlp_op mo = {.x = DEV(bx),
+                                 .x_dt = mm,
+                                 .T = T,
+                                 .hidden = H,
+                                 .inter = I,
+                                 .w_gate = DEV(bgu),
+                                 .w_up = (const char *)DEV(bgu) +
+                                         (size_t)I * H * backend_dtype_size(scat),
+                                 .w_dt = scat,
+                                 .w_gate_up = DEV(bgu),
+                                 .h = DEV(bh),
+                                 .h2 = NULL,
+                                 .h_dt = mm};
+            assert_int_equal(backend_gate_up(st, &mo), 0);
+            float *gh = from_dev(st, DEV(bh), (size_t)T * I, mm);
+            double *wh = malloc(sizeof(double) * T * I);
+            for (int t = 0; t < T; t++)
+                for (int n = 0; n < I; n++) {
+                    double gg = 0, uu = 0;
+                    for (int i = 0; i < H; i++) {
+                        gg += (double)x[t * H + i] * fgu[(size_t)n * H + i];
+                        uu += (double)x[t * H + i] * fgu[(size_t)(I + n) * H + i];
+                    }
+                    wh[t * I + n] = gg / (1.0 + exp(-gg)) * uu;
+                }
+            char what[80];
+            snprintf(what, sizeof what, "gate_up gemv T %d I %d K %d", T, I, H);
+            /* bf16 h (8e-3 of 1 + |ref|, as test_fused_ops) on top of the dot products' f32
+             * accumulation over K <= 2056 */
+            check_close(what, be, gh, wh, (size_t)T * I, mm == BACKEND_F32 ? 1e-4 : 1e-2);
+            free(gh), free(wh), free(x), free(hgu), free(fgu);
+            backend_buffer_free(bgu), backend_buffer_free(bx), backend_buffer_free(bh);
+        }
+        backend_stream_free(st);
+    }
+}
+
 static void test_swiglu_add(void **state) {
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
@@ -998,6 +1076,7 @@ int main(void) {
         cmocka_unit_test(test_registry),
         cmocka_unit_test(test_fused_ops),
         cmocka_unit_test(test_gate_up_prefill),
+        cmocka_unit_test(test_gate_up_gemv),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = g_n_be - 1; i >= 0; i--)

@@ -344,7 +344,7 @@ static void test_hf_gpu_reference(void **st) {
  * steps as CUDA graphs against the same requests with every step eager (--enforce-eager):
  * 5 sequences of different prompt lengths decode greedily, finishing one by one (batch
  * 5, 4, 3, 2, 1: buckets 8, 4, 4, 2, 1; one context crosses the 256-position bucket).
- * The greedy tokens must be identical.  And a recorded step must equal its own eager
+ * The greedy tokens must agree (up to near ties: see below).  And a recorded step must equal its own eager
  * warm-up bit for bit: the first decode step is run three times on the graph state (warm-up
  * eager with the padded batch, record + launch, replay) with the same inputs. */
 #define GS_N     5
@@ -442,22 +442,41 @@ static void test_serving_graphs(void **st) {
     static gs_run eager, graph;
     gs_decode(&m, be, &eager, 0, plen, tables, nb);
     gs_decode(&m, be, &graph, 1, plen, tables, nb);
-    int differ = 0, total = 0;
+    /* A recorded step runs the batch padded to its bucket (5 -> 8, 3 -> 4), an eager one
+     * unpadded: different GEMM shapes, and the fast mode is not batch-invariant (cuBLASLt
+     * picks kernels by shape), so the two may differ by bf16 rounding.  A greedy token may
+     * differ only at a near tie of the eager logits (top-2 margin < 0.25, as the golden
+     * tests); that sequence is not compared after it. */
+    int differ = 0, ties = 0, total = 0;
     double worst = 0;
     for (int i = 0; i < GS_N; i++)
         for (int step = 0; step < GS_STEPS - 6 * i; step++) {
             total++;
-            differ += eager.toks[i][step + 1] != graph.toks[i][step + 1];
             const float *a = eager.logits + ((size_t)i * GS_STEPS + step) * V,
                         *b = graph.logits + ((size_t)i * GS_STEPS + step) * V;
+            if (eager.toks[i][step + 1] != graph.toks[i][step + 1]) {
+                int t1 = gs_argmax(a, V);
+                float m2 = -INFINITY;
+                for (int v = 0; v < V; v++)
+                    if (v != t1 && a[v] > m2) m2 = a[v];
+                if (a[t1] - m2 < 0.25f) {
+                    ties++;
+                    fprintf(stderr, "  sequence %d step %d: graphs and eager differ at a near tie "
+                                    "(margin %.4f)\n", i, step, a[t1] - m2);
+                } else {
+                    differ++;
+                }
+                break;
+            }
             for (int v = 0; v < V; v++)
                 if (fabs(a[v] - b[v]) > worst) worst = fabs(a[v] - b[v]);
         }
     fprintf(stderr,
-            "  serving path, CUDA graphs vs eager: %d/%d greedy tokens differ, max |dlogit| "
-            "%.3g, %d graphs recorded\n",
-            differ, total, worst, qwen2_state_graphs(graph.s));
+            "  serving path, CUDA graphs vs eager: %d/%d greedy tokens differ (+%d at near ties), "
+            "max |dlogit| %.3g, %d graphs recorded\n",
+            differ, total, ties, worst, qwen2_state_graphs(graph.s));
     assert_int_equal(differ, 0);
+    assert_true(worst < 0.5); /* bf16 rounding of the activations, not a wrong kernel */
     assert_true(qwen2_state_graphs(graph.s) >= 4);
     gs_run *runs[2] = {&eager, &graph};
     for (int k = 0; k < 2; k++) {

@@ -53,22 +53,126 @@ typedef struct cb_stream {
     int inv;               /* batch-invariant mode (cuda_invariant.h) */
     iv_policy pol;         /* its GEMM policy */
     iv_scratch ivs;        /* its attention partials */
-    struct cb_prof *prof;  /* DISAGG_CUDA_PROF=1: per-op times of the current forward */
+    struct cb_prof *prof;  /* DISAGG_CUDA_PROF=T: per-op timing of eager steps of <= T tokens */
 } cb_stream;
 
-/* DISAGG_CUDA_PROF=1 (c->prof): each op of an eager forward of >= PROF_MIN_T tokens is
- * timed with a pair of cudaEvents and a synchronisation (so the sum is a little above the
- * forward's time without it); the table is printed to stderr when the next forward is
- * planned and when the stream is freed. */
-#define PROF_MIN_T 256
-#define PROF_OPS 24
+/* ---- per-op timing (DISAGG_CUDA_PROF=T) --------------------------------------------------
+ * An eager step (backend_plan, not a recorded graph) of at most T tokens gets a cudaEvent
+ * after its plan and after every op; at the next plan the deltas are added up per op name.
+ * When the step shape (tokens, context) changes, and when the stream is freed, a table goes
+ * to stderr: per op, calls a step, microseconds a step and the GB/s of the bytes it must read
+ * (weights, KV).  Eager timing: a delta also holds the launch gap before the op when the GPU
+ * ran dry (CUDA graphs hide most of those). */
+#define PROF_EV 1024
+#define PROF_OPS 32
 typedef struct cb_prof {
-    cudaEvent_t e0, e1;
-    int T, n;
+    int max_T, on, n;          /* on: this step is timed; n: events recorded after ev[0] */
+    cudaEvent_t ev[PROF_EV + 1];
+    int op_of[PROF_EV];        /* index into name/us/bytes */
     char name[PROF_OPS][40];
-    double ms[PROF_OPS];
-    int calls[PROF_OPS];
+    double us[PROF_OPS], bytes[PROF_OPS];
+    long calls[PROF_OPS];
+    int n_ops;
+    long steps;
+    int T, ctx;                /* the shape being summed */
 } cb_prof;
+
+static void prof_print(cb_prof *p) {
+    if (!p->steps) return;
+    double tot = 0;
+    for (int i = 0; i < p->n_ops; i++)
+        tot += p->us[i];
+    fprintf(stderr, "prof: eager step, %d token(s), context %d+: %.1f us a step (%ld steps)\n", p->T,
+            p->ctx, tot / p->steps, p->steps);
+    fprintf(stderr, "prof:   %-28s %8s %10s %8s %9s\n", "op", "calls", "us/step", "us/call",
+            "GB/s");
+    for (int i = 0; i < p->n_ops; i++) {
+        double us = p->us[i] / p->steps, per = p->calls[i] ? p->us[i] / p->calls[i] : 0;
+        double gbs = p->bytes[i] > 0 && p->us[i] > 0 ? p->bytes[i] / (p->us[i] * 1e3) : 0;
+        fprintf(stderr, "prof:   %-28s %8.1f %10.1f %8.2f %9.0f\n", p->name[i],
+                (double)p->calls[i] / p->steps, us, per, gbs);
+    }
+    p->n_ops = 0;
+    p->steps = 0;
+}
+
+/* the previous timed step into the sums (waits for it) */
+static void prof_flush(cb_stream *s) {
+    cb_prof *p = s->prof;
+    if (!p || !p->on) return;
+    p->on = 0;
+    if (!p->n) return;
+    cudaEventSynchronize(p->ev[p->n]);
+    for (int i = 0; i < p->n; i++) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, p->ev[i], p->ev[i + 1]);
+        p->us[p->op_of[i]] += ms * 1e3;
+    }
+    p->steps++;
+}
+
+static void prof_plan(cb_stream *s, int T, int ctx, int eager) {
+    cb_prof *p = s->prof;
+    if (!p) return;
+    prof_flush(s);
+    if (!eager || T > p->max_T) return;
+    if (p->steps && (T != p->T || ctx < p->ctx || ctx > p->ctx + 256)) prof_print(p);
+    if (!p->steps) p->T = T, p->ctx = ctx; /* a decode run: the context of its first step */
+    p->n = 0;
+    p->on = 1;
+    cudaEventRecord(p->ev[0], s->c->stream);
+}
+
+static void prof_mark(cb_stream *s, const char *name, double bytes) {
+    cb_prof *p = s->prof;
+    if (!p || !p->on || s->capturing || p->n >= PROF_EV) return;
+    int k = 0;
+    while (k < p->n_ops && strcmp(p->name[k], name))
+        k++;
+    if (k == p->n_ops) {
+        if (k == PROF_OPS) return;
+        snprintf(p->name[k], sizeof p->name[k], "%s", name);
+        p->us[k] = p->bytes[k] = 0;
+        p->calls[k] = 0;
+        p->n_ops++;
+    }
+    p->calls[k]++;
+    p->bytes[k] += bytes;
+    p->op_of[p->n] = k;
+    cudaEventRecord(p->ev[++p->n], s->c->stream);
+}
+
+static int pm(cb_stream *s, int rc, const char *name, double bytes) {
+    if (!rc) prof_mark(s, name, bytes);
+    return rc;
+}
+
+static cb_prof *prof_new(void) {
+    const char *e = getenv("DISAGG_CUDA_PROF");
+    if (!e || atoi(e) <= 0) return NULL;
+    cb_prof *p = (cb_prof *)calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->max_T = atoi(e);
+    for (int i = 0; i <= PROF_EV; i++)
+        if (cudaEventCreate(&p->ev[i]) != cudaSuccess) {
+            for (int j = 0; j < i; j++)
+                cudaEventDestroy(p->ev[j]);
+            free(p);
+            return NULL;
+        }
+    return p;
+}
+
+static void prof_free(cb_stream *s) {
+    cb_prof *p = s->prof;
+    if (!p) return;
+    prof_flush(s);
+    prof_print(p);
+    for (int i = 0; i <= PROF_EV; i++)
+        cudaEventDestroy(p->ev[i]);
+    free(p);
+    s->prof = NULL;
+}
 
 typedef struct cb_graph {
     int T, max_ctx, max_blocks;
@@ -228,70 +332,17 @@ static int cb_stream_create(backend *be, backend_stream *st) {
     }
     s->inv = d->inv;
     s->pol = iv_policy_default();
+    s->prof = prof_new();
     st->impl = s;
     return 0;
 }
 
 static void cb_graph_reset(backend_stream *st);
 
-static int prof_on(cb_stream *s) {
-    if (!s->c->prof || s->capturing || s->cur || s->T < PROF_MIN_T) return 0;
-    if (!s->prof) {
-        s->prof = (cb_prof *)calloc(1, sizeof *s->prof);
-        if (!s->prof) return 0;
-        if (cudaEventCreate(&s->prof->e0) != cudaSuccess ||
-            cudaEventCreate(&s->prof->e1) != cudaSuccess) {
-            free(s->prof);
-            s->prof = NULL;
-            return 0;
-        }
-    }
-    return 1;
-}
-static void prof_begin(cb_stream *s) {
-    if (prof_on(s)) cudaEventRecord(s->prof->e0, s->c->stream);
-}
-static void prof_end(cb_stream *s, const char *name) {
-    if (!prof_on(s)) return;
-    cb_prof *p = s->prof;
-    float ms = 0;
-    cudaEventRecord(p->e1, s->c->stream);
-    cudaEventSynchronize(p->e1);
-    cudaEventElapsedTime(&ms, p->e0, p->e1);
-    p->T = s->T;
-    int i = 0;
-    while (i < p->n && strcmp(p->name[i], name))
-        i++;
-    if (i == p->n) {
-        if (p->n == PROF_OPS) return;
-        snprintf(p->name[p->n++], sizeof p->name[0], "%s", name);
-        p->ms[i] = 0, p->calls[i] = 0;
-    }
-    p->ms[i] += ms;
-    p->calls[i]++;
-}
-static void prof_flush(cb_stream *s) {
-    cb_prof *p = s->prof;
-    if (!p || !p->n) return;
-    double tot = 0;
-    for (int i = 0; i < p->n; i++)
-        tot += p->ms[i];
-    fprintf(stderr, "cuda prof: forward of %d tokens, %.2f ms in the timed ops:\n", p->T, tot);
-    for (int i = 0; i < p->n; i++)
-        fprintf(stderr, "cuda prof:   %-34s %8.2f ms %5.1f%% (%d calls)\n", p->name[i], p->ms[i],
-                100 * p->ms[i] / tot, p->calls[i]);
-    p->n = 0;
-}
-
 static void cb_stream_free(backend_stream *st) {
     cb_stream *s = CB(st);
     if (!s) return;
-    prof_flush(s);
-    if (s->prof) {
-        cudaEventDestroy(s->prof->e0);
-        cudaEventDestroy(s->prof->e1);
-        free(s->prof);
-    }
+    prof_free(s);
     cb_graph_reset(st);
     free(s->graphs);
     cudaFree(s->d_meta);
@@ -416,7 +467,6 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
     cb_stream *s = CB(st);
     ON_DEV(st);
     if (s->capturing) return -EINVAL;
-    prof_flush(s);
     s->cur = NULL;
     int T = b->n_tokens, S = b->n_seqs, stride = 1, max_ctx = 0;
     for (int i = 0; i < S; i++) {
@@ -432,7 +482,9 @@ static int cb_plan(backend_stream *st, const backend_batch *b) {
         if (cudaMalloc((void **)&s->d_meta, need * 2 * 4) != cudaSuccess) return -ENOMEM;
         s->meta_cap = need * 2;
     }
-    return plan_into(s, b, stride, max_ctx, s->d_meta);
+    int rc = plan_into(s, b, stride, max_ctx, s->d_meta);
+    if (!rc) prof_plan(s, T, max_ctx, 1);
+    return rc;
 }
 
 /* ---- recorded decode steps (CUDA graphs) ----------------------------------------------- */
@@ -491,6 +543,7 @@ static int cb_graph_plan(backend_stream *st, const backend_batch *b, int max_ctx
         }
         s->n_graphs++;
     }
+    prof_plan(s, b->n_tokens, max_ctx, 0);
     int rc = plan_into(s, b, max_blocks, max_ctx, g->d_meta);
     s->cur = rc ? NULL : g;
     return rc;
@@ -548,7 +601,8 @@ template <typename TT, typename OT>
 __global__ void k_embed_any(OT *out, const TT *table, const int32_t *tok, int h) {
     int t = blockIdx.x;
     const TT *row = table + (size_t)tok[t] * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    /* grid (T, blocks): one block walking a 3584-wide row took ~20 us at batch 1 */
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < h; i += gridDim.y * blockDim.x) {
         float v;
         if constexpr (sizeof(TT) == 4)
             v = load_f((const float *)row + i);
@@ -566,12 +620,14 @@ static int cb_embed(backend_stream *st, void *out, backend_dtype out_dt, const v
     if (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) return -ENOTSUP;
     if (s->T <= 0) return 0;
     cudaStream_t cs = s->c->stream;
-#define EMB(TT)                                                                                   \
-    (out_dt == BACKEND_F32                                                                       \
-         ? k_embed_any<TT, float><<<s->T, 256, 0, cs>>>((float *)out, (const TT *)table, s->tok, \
-                                                         hidden)                                 \
-         : k_embed_any<TT, bf16><<<s->T, 256, 0, cs>>>((bf16 *)out, (const TT *)table, s->tok,   \
-                                                        hidden))
+    int by = (hidden + 255) / 256;
+    dim3 eg(s->T, by > 16 ? 16 : by);
+#define EMB(TT)                                                                                  \
+    (out_dt == BACKEND_F32                                                                      \
+         ? k_embed_any<TT, float><<<eg, 256, 0, cs>>>((float *)out, (const TT *)table, s->tok,  \
+                                                       hidden)                                  \
+         : k_embed_any<TT, bf16><<<eg, 256, 0, cs>>>((bf16 *)out, (const TT *)table, s->tok,    \
+                                                      hidden))
     if (table_dt == BACKEND_BF16)
         EMB(bf16);
     else if (table_dt == BACKEND_F16)
@@ -581,15 +637,17 @@ static int cb_embed(backend_stream *st, void *out, backend_dtype out_dt, const v
     else
         return -ENOTSUP;
 #undef EMB
-    return launch_check("embed");
+    return pm(s, launch_check("embed"), "embed", 0);
 }
 
 static int cb_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
                       backend_dtype x_dt, const float *w, int rows, int n, float eps) {
     if (x_dt != BACKEND_F32 || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) || n > 12288)
         return -ENOTSUP;
-    return rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x, NULL,
-                   w, NULL, rows, n, eps, 0);
+    return pm(CB(st),
+              rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
+                      NULL, w, NULL, rows, n, eps, 0),
+              "rmsnorm", 0);
 }
 
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
@@ -624,21 +682,13 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
                                     &s->pol, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K)
                         : matmul(s->c, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K);
         if (rc) return rc;
+        if (s->prof && s->prof->on) {
+            char nm[40];
+            snprintf(nm, sizeof nm, "matmul %dx%d", o->N, o->K);
+            prof_mark(s, nm, (double)o->N * o->K * 2);
+        }
     }
     return 0;
-}
-
-/* backend_matmul (the o and down projections, the logits): cb_matmul, timed under
- * DISAGG_CUDA_PROF (cb_qkv and cb_gate_up time their own GEMMs) */
-static int cb_matmul_api(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
-    cb_stream *s = CB(st);
-    if (!prof_on(s) || n_ops < 1) return cb_matmul(st, ops, n_ops);
-    char name[40];
-    snprintf(name, sizeof name, "GEMM N=%d K=%d (f32 out)", ops[0].N, ops[0].K);
-    prof_begin(s);
-    int rc = cb_matmul(st, ops, n_ops);
-    prof_end(s, name);
-    return rc;
 }
 
 static int cb_rope(backend_stream *st, void *q, int nq, void *k, int nk, backend_dtype dt, int hd,
@@ -692,28 +742,24 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
     }
     dcu_kv d = to_dkv(kv);
     int od = out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32;
-    if (s->c->prof && prof_on(s)) { /* timed: the same call once more with profiling off */
-        prof_begin(s);
-        s->c->prof = 0;
-        int rc = cb_attention_to(st, out, out_dt, q, dt, kv, layer, n_heads, scale);
-        s->c->prof = 1;
-        prof_end(s, s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim)
-                        ? (s->c->flash3 && s->c->flash2 && kv->head_dim >= 32
-                               ? (s->c->flash_bq == FA_BQ ? "attention (k_flash3, 64 rows)"
-                                  : s->c->flash_mt == 2   ? "attention (k_flash4, 128 rows)"
-                                                          : "attention (k_flash3, 128 rows)")
-                               : "attention (k_flash2)")
-                        : "attention (split kernel)");
-        return rc;
-    }
+    double kvb = (double)s->max_ctx * 2 * kv->n_kv_heads * kv->head_dim *
+                 (kv->dtype == BACKEND_BF16 ? 2 : 4) * (s->S > 0 ? s->S : 1);
     if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
-        return attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
+        return pm(s, attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                                s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, scale,
                                s->tiles, s->n_tiles, s->tiles3, s->n_tiles3, s->rest, s->n_rest,
-                               s->rest_ctx);
-    return attention_scaled(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
-                            s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, s->max_ctx,
-                            scale);
+                               s->rest_ctx),
+                  s->c->flash3 && s->c->flash2 && kv->head_dim >= 32
+                      ? (s->c->flash_bq == FA_BQ ? "attention (prefill, k_flash3, 64 rows)"
+                         : s->c->flash_mt == 2   ? "attention (prefill, k_flash4, 128 rows)"
+                                                 : "attention (prefill, k_flash3, 128 rows)")
+                      : "attention (prefill, k_flash2)",
+                  0);
+    return pm(s,
+              attention_scaled(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
+                               s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim,
+                               s->max_ctx, scale),
+              "attention (decode)", kvb);
 }
 
 static int cb_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
@@ -743,11 +789,10 @@ static int cb_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, v
                           float eps) {
     if (x_dt != BACKEND_F32 || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16) || n > 12288)
         return -ENOTSUP;
-    prof_begin(CB(st));
-    int rc = rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
-                     (const float *)add, w, NULL, rows, n, eps, add != NULL);
-    prof_end(CB(st), "add + rmsnorm");
-    return rc;
+    return pm(CB(st),
+              rmsnorm(CB(st)->c, out, out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, (float *)x,
+                      (const float *)add, w, NULL, rows, n, eps, add != NULL),
+              "add_rmsnorm", 0);
 }
 
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops);
@@ -762,25 +807,42 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
         W = (nh + 2 * nkv) * hd;
     if (T <= 0) return 0;
+    if (!s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
+        gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
+        /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
+        int rc = kv->dtype == BACKEND_BF16
+                     ? gemv_qkv<bf16>(s->c, (float *)o->q, (bf16 *)kv->base, o->x, o->wqkv,
+                                      o->bqkv, T, o->hidden, kv->block_size, kv->n_layers,
+                                      o->layer, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
+                                      nh, nkv, hd)
+                     : gemv_qkv<float>(s->c, (float *)o->q, (float *)kv->base, o->x, o->wqkv,
+                                       o->bqkv, T, o->hidden, kv->block_size, kv->n_layers,
+                                       o->layer, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
+                                       nh, nkv, hd);
+        return pm(s, rc, "qkv gemv (bias, rope, kv)", (double)W * o->hidden * 2);
+    }
     float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
     if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
                            o->hidden};
-    prof_begin(s);
     int rc = cb_matmul(st, &g, 1);
-    prof_end(s, "q|k|v GEMM (f32 out)");
     if (rc) return rc;
-    prof_begin(s);
+    /* blocks per token: enough to fill the GPU at batch 1 (one item per thread), one at
+     * large T */
+    int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
+    if (by > 1 && T > 1) by = (by + T - 1) / T;
+    dim3 grid(T, by < 1 ? 1 : by);
     if (kv->dtype == BACKEND_BF16)
-        k_qkv_finish<bf16><<<T, 128, 0, s->c->stream>>>(
-            (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv, o->bqkv,
-            s->pos, s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
+        rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<bf16>, grid, dim3(128), 0,
+                        (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                        (const float *)qkv, o->bqkv, s->pos, s->seq, s->bt, s->stride,
+                        o->inv_freq, nh, nkv, hd);
     else
-        k_qkv_finish<float><<<T, 128, 0, s->c->stream>>>(
-            (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer, qkv,
-            o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
-    prof_end(s, "q|k|v bias, RoPE, KV write");
-    return launch_check("qkv_finish");
+        rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<float>, grid, dim3(128), 0,
+                        (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                        (const float *)qkv, o->bqkv, s->pos, s->seq, s->bt, s->stride,
+                        o->inv_freq, nh, nkv, hd);
+    return pm(s, rc, "qkv_finish (bias, rope, kv)", 0);
 }
 
 /* one GEMM over gate|up into scratch, then h = silu(gate) * up in h_dt */
@@ -789,6 +851,16 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     if (o->w_dt != BACKEND_BF16 || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
         return -ENOTSUP;
     int T = o->T, I = o->inter;
+    if (!s->inv && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
+        gemv_ok(s->c, T, o->hidden, o->x, o->w_gate_up))
+        /* decode: one GEMV over gate|up with the SwiGLU in its epilogue (no f32 gate|up) */
+        return pm(s,
+                  o->h_dt == BACKEND_BF16
+                      ? gemv_launch<1, bf16>(s->c, (bf16 *)o->h, o->x, o->w_gate_up, NULL, T, I,
+                                             o->hidden)
+                      : gemv_launch<1, float>(s->c, (float *)o->h, o->x, o->w_gate_up, NULL, T,
+                                              I, o->hidden),
+                  "gate_up+swiglu gemv", 2.0 * I * o->hidden * 2);
     /* prefill-sized batches (T >= c->gu_bf16_min_t, fast mode, bf16 x): the GEMM writes
      * gate|up in bf16 and SwiGLU reads that (the f32 intermediate was 4 bytes x T x 2I
      * written and read back: 620 MB a layer at 4,096 tokens of the 7B shape) */
@@ -796,27 +868,21 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
         T >= s->c->gu_bf16_min_t) {
         bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
-        prof_begin(s);
-        int rc = matmul_bf16out(s->c, gu16, o->x, o->w_gate_up, T, 2 * I, o->hidden);
-        prof_end(s, "gate|up GEMM (bf16 out)");
+        int rc = pm(s, matmul_bf16out(s->c, gu16, o->x, o->w_gate_up, T, 2 * I, o->hidden),
+                    "gate|up GEMM (bf16 out)", 2.0 * 2 * I * o->hidden);
         if (rc) return rc;
-        prof_begin(s);
-        rc = swiglu16(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu16, T, I);
-        prof_end(s, "SwiGLU (bf16 gate|up)");
-        return rc;
+        return pm(s,
+                  swiglu16(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu16, T, I),
+                  "swiglu (bf16 gate|up)", 0);
     }
     float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
     if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, BACKEND_BF16, NULL, T,
                            2 * I, o->hidden};
-    prof_begin(s);
     int rc = cb_matmul(st, &g, 1);
-    prof_end(s, "gate|up GEMM (f32 out)");
     if (rc) return rc;
-    prof_begin(s);
-    rc = swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I);
-    prof_end(s, "SwiGLU (f32 gate|up)");
-    return rc;
+    return pm(s, swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I),
+              "swiglu", 0);
 }
 
 static int cb_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K) {
@@ -844,7 +910,7 @@ static int cb_swiglu(backend_stream *st, void *g, const void *u, backend_dtype d
 
 static int cb_add(backend_stream *st, void *y, const void *x, backend_dtype dt, size_t n) {
     if (dt != BACKEND_F32) return -ENOTSUP;
-    return add(CB(st)->c, (float *)y, (const float *)x, n);
+    return pm(CB(st), add(CB(st)->c, (float *)y, (const float *)x, n), "add", 0);
 }
 
 __global__ void k_gather(float *out, const float *x, const int32_t *rows, int width) {
@@ -859,18 +925,18 @@ static int cb_gather_rows(backend_stream *st, void *out, const void *x, backend_
     if (dt != BACKEND_F32) return -ENOTSUP;
     if (!s->n_out) return 0;
     k_gather<<<s->n_out, 256, 0, s->c->stream>>>((float *)out, (const float *)x, s->orow, width);
-    return launch_check("gather_rows");
+    return pm(s, launch_check("gather_rows"), "gather_rows", 0);
 }
 
 static int cb_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab) {
-    return argmax(CB(st)->c, out, logits, rows, vocab);
+    return pm(CB(st), argmax(CB(st)->c, out, logits, rows, vocab), "argmax", 0);
 }
 
 static const backend_iface CB_IFACE = {
     cb_free,     cb_memory,         cb_buffer_alloc, cb_weights_load, cb_buffer_free,
     cb_stream_create, cb_stream_free, cb_stream_sync, cb_upload,      cb_download,
     cb_copy,     cb_memset_zero,    cb_plan,         cb_embed,        cb_rmsnorm,
-    cb_matmul_api, cb_rope,         cb_kv_write,     cb_attention,    cb_swiglu,
+    cb_matmul,     cb_rope,         cb_kv_write,     cb_attention,    cb_swiglu,
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,

@@ -49,6 +49,10 @@ typedef struct gemm_plan {
     cublasLtMatmulAlgo_t algo;
 } gemm_plan;
 
+#define GEMV_MAX_T 2   /* the GEMV's largest T (its kernels exist for T = 1, 2) */
+#define AMX_ROWS 4096 /* argmax rows that take the two-stage kernel (more: one block a row) */
+#define AMX_PARTS 32  /* blocks a row in its first stage */
+
 struct dcu_ctx {
     int device;
     cudaStream_t stream;
@@ -63,9 +67,17 @@ struct dcu_ctx {
     float *att_part; /* split-attention partials */
     float *att_ml;   /* (m, l) per partial */
     size_t att_part_cap, att_ml_cap;
-    int32_t *amax_tmp;
+    int32_t *amax_tmp; /* argmax partials: AMX_ROWS x AMX_PARTS (value, index) pairs */
     int last_err;
-    int no_gemv;    /* unless DISAGG_CUDA_GEMV=1: 1-2 token GEMMs through cuBLASLt too */
+    int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
+                       T through cuBLASLt; at T = 2 cuBLASLt measured faster) */
+    int pdl;        /* programmatic dependent launch of the decode kernels (DISAGG_CUDA_PDL=1; off by
+                       default: measured slower with CUDA graphs on the H200, 5.02 vs 4.72 ms a
+                       batch-1 step at 4k) */
+    int gemv_db;    /* the GEMV's loads double-buffered (DISAGG_CUDA_GEMV_DB=1; off by default:
+                       twice the registers, half the warps, measured slower) */
+    int qkv_fuse;   /* the q|k|v GEMV with bias, RoPE and the KV write in its epilogue
+                       (DISAGG_CUDA_QKV_FUSE=0: the GEMV, then k_qkv_finish) */
     int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
@@ -81,7 +93,6 @@ struct dcu_ctx {
                                 (16; DISAGG_CUDA_FLASH_MT=1|2) */
     int gu_bf16_min_t;       /* gate|up GEMMs of T >= this write bf16 (DISAGG_CUDA_GU_BF16=T;
                                 0: always f32) */
-    int prof;                /* DISAGG_CUDA_PROF=1: per-op times of forwards of >= 256 tokens */
     int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T; default 0:
                                 off, measured slower than cuBLASLt on the H200) */
 };
@@ -98,6 +109,39 @@ struct dcu_ctx {
 
 static int launch_check(const char *what) {
     cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        fprintf(stderr, "cuda: kernel %s failed to launch: %s\n", what, cudaGetErrorString(e));
+        return -EIO;
+    }
+    return 0;
+}
+
+/* Programmatic dependent launch (Hopper): a kernel launched with launch_pdl() may start while
+ * the previous kernel of the stream still runs; it must call pdl_wait() before it reads or
+ * writes anything that kernel touches (only constant inputs, the weights, before).
+ * pdl_trigger() lets the next such kernel start once every CTA of this one has started.
+ * Both are no-ops for a kernel launched the ordinary way.  Recorded into CUDA graphs as
+ * programmatic edges. */
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_trigger() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+template <typename... KArgs, typename... Args>
+static int launch_pdl(dcu_ctx *c, const char *what, void (*k)(KArgs...), dim3 grid, dim3 block,
+                      size_t smem, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1] = {};
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = at;
+    cfg.numAttrs = c->pdl ? 1 : 0;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, k, ((KArgs)args)...);
     if (e != cudaSuccess) {
         fprintf(stderr, "cuda: kernel %s failed to launch: %s\n", what, cudaGetErrorString(e));
         return -EIO;
@@ -179,7 +223,12 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     if (!c) return NULL;
     c->device = device;
     c->n_sm = info.n_sm;
-    c->no_gemv = !(getenv("DISAGG_CUDA_GEMV") && atoi(getenv("DISAGG_CUDA_GEMV")) > 0);
+    c->gemv_max_t = getenv("DISAGG_CUDA_GEMV") ? atoi(getenv("DISAGG_CUDA_GEMV")) : 1;
+    if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
+    c->pdl = getenv("DISAGG_CUDA_PDL") && atoi(getenv("DISAGG_CUDA_PDL")) > 0;
+    c->gemv_db = getenv("DISAGG_CUDA_GEMV_DB") && atoi(getenv("DISAGG_CUDA_GEMV_DB")) > 0;
+    c->qkv_fuse =
+        !(getenv("DISAGG_CUDA_QKV_FUSE") && !strcmp(getenv("DISAGG_CUDA_QKV_FUSE"), "0"));
     c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
     if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
@@ -193,7 +242,6 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
                       : FA_BQ3;
     c->flash_mt = getenv("DISAGG_CUDA_FLASH_MT") && atoi(getenv("DISAGG_CUDA_FLASH_MT")) == 1 ? 1 : 2;
     c->gu_bf16_min_t = getenv("DISAGG_CUDA_GU_BF16") ? atoi(getenv("DISAGG_CUDA_GU_BF16")) : 64;
-    c->prof = getenv("DISAGG_CUDA_PROF") && atoi(getenv("DISAGG_CUDA_PROF")) > 0;
     c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 0;
     if (c->skinny_max > 32) c->skinny_max = 32;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
@@ -213,7 +261,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     }
     c->ws_bytes = 64u << 20;
     if (cudaMalloc(&c->ws, c->ws_bytes) != cudaSuccess ||
-        cudaMalloc((void **)&c->amax_tmp, 4096 * sizeof(int32_t)) != cudaSuccess) {
+        cudaMalloc((void **)&c->amax_tmp, (size_t)AMX_ROWS * AMX_PARTS * 2 * sizeof(int32_t)) !=
+            cudaSuccess) {
         seterr(err, errlen, "out of GPU memory for the cuBLASLt workspace (64 MiB)");
         cublasLtDestroy(c->lt);
         cudaStreamDestroy(c->stream);
@@ -320,6 +369,8 @@ static int to_bf16(dcu_ctx *c, void *dst, const float *src, size_t n) {
 template <typename OT>
 __global__ void k_rmsnorm(OT *out, float *x, const float *add, const float *w, const int32_t *rows,
                           int n, float eps, int write_back) {
+    pdl_trigger();
+    pdl_wait();
     int r = blockIdx.x;
     int src = rows ? rows[r] : r;
     float *xr = x + (size_t)src * n;
@@ -349,12 +400,10 @@ static int rmsnorm(dcu_ctx *c, void *out, int out_dtype, float *x, const float *
     size_t sh = (size_t)n * sizeof(float);
     if (sh > 48 * 1024) return -EINVAL;
     if (out_dtype == DCU_BF16)
-        k_rmsnorm<bf16><<<n_rows, th, sh, c->stream>>>((bf16 *)out, x, add, w, rows, n, eps,
-                                                       write_back);
-    else
-        k_rmsnorm<float><<<n_rows, th, sh, c->stream>>>((float *)out, x, add, w, rows, n, eps,
-                                                        write_back);
-    return launch_check("rmsnorm");
+        return launch_pdl(c, "rmsnorm", k_rmsnorm<bf16>, dim3(n_rows), dim3(th), sh, (bf16 *)out,
+                          x, add, w, rows, n, eps, write_back);
+    return launch_pdl(c, "rmsnorm", k_rmsnorm<float>, dim3(n_rows), dim3(th), sh, (float *)out, x,
+                      add, w, rows, n, eps, write_back);
 }
 
 __global__ void k_rope(float *x, int stride, const int32_t *pos, const float *inv_freq,
@@ -501,14 +550,20 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
                              const float *qkv, const float *bias, const int32_t *pos,
                              const int32_t *seq, const int32_t *bts, int bt_stride,
                              const float *inv_freq, int nh, int nkv, int hd) {
+    pdl_trigger();
+    pdl_wait();
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
     const float *row = qkv + (size_t)t * W;
+    /* grid (T, blocks): the rope items (q and k heads, hd / 2 each) and the v elements,
+     * each spread over the blocks of the token (one block took ~2,600 items alone at batch 1) */
+    int n_rope = (nh + nkv) * half;
+    int i0 = blockIdx.y * blockDim.x + threadIdx.x, istep = gridDim.y * blockDim.x;
     const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
     int p = pos[t], pad = p < 0; /* a padding row of a recorded decode step: no KV */
     size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
     size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
     float fp = pad ? 0.0f : (float)p;
-    for (int i = threadIdx.x; i < (nh + nkv) * half; i += blockDim.x) {
+    for (int i = i0; i < n_rope; i += istep) {
         int hh = i / half, j = i % half;
         int o = hh * hd + j; /* q heads then k heads: contiguous in row */
         float u = row[o] + (bias ? bias[o] : 0.0f);
@@ -526,8 +581,8 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
         }
     }
     if (pad) return;
-    for (int i = threadIdx.x; i < kvd; i += blockDim.x)
-        store_as(kv + ov + i, row[h + kvd + i] + (bias ? bias[h + kvd + i] : 0.0f));
+    for (int vi = i0; vi < kvd; vi += istep)
+        store_as(kv + ov + vi, row[h + kvd + vi] + (bias ? bias[h + kvd + vi] : 0.0f));
 }
 
 /* ---- attention ------------------------------------------------------------------ */
@@ -666,9 +721,99 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
     }
 }
 
+/* one block per (token, head), CB_THREADS threads: the split weights exp(m_s - M) into shared
+ * memory first (every split's (m, l) read in parallel), then groups of threads sum disjoint
+ * splits of each output element with independent loads in flight, and the groups add up in
+ * a fixed order.  (It was one thread per element walking the splits one dependent load
+ * after another: ~10 us a layer at 32 splits, a 4k context.)  Dynamic shared memory:
+ * splits floats. */
+#define CB_THREADS 256
+/* an empty split (weight 0) adds an exact zero, whatever its partial holds */
+__device__ __forceinline__ float wpart(float p, float f) {
+    return f == 0.0f ? 0.0f : p * f;
+}
 template <typename OT>
-__global__ void k_att_combine(OT *out, const float *part, const float *ml, int nh, int hd,
-                              int splits, const int32_t *list) {
+__global__ void __launch_bounds__(CB_THREADS)
+    k_att_combine(OT *out, const float *part, const float *ml, int nh, int hd, int splits,
+                  const int32_t *list) {
+    pdl_trigger();
+    pdl_wait();
+    extern __shared__ float cf[]; /* splits */
+    __shared__ float red[CB_THREADS];
+    __shared__ float sM, sL;
+    int th = blockIdx.x; /* ti * nh + head */
+    int ti = th / nh, head = th % nh;
+    size_t orow = ((size_t)(list ? list[ti] : ti) * nh + head) * hd;
+    const float *mlh = ml + (size_t)th * splits * 2;
+    float M = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x)
+        M = fmaxf(M, mlh[2 * s]);
+    red[threadIdx.x] = M;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        for (int i = threadIdx.x; i < blockDim.x; i += 32)
+            m = fmaxf(m, red[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (threadIdx.x == 0) sM = m;
+    }
+    __syncthreads();
+    M = sM;
+    float L = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        float ms = mlh[2 * s];
+        float f = ms == -INFINITY ? 0.0f : __expf(ms - M);
+        cf[s] = f;
+        L += mlh[2 * s + 1] * f;
+    }
+    __syncthreads(); /* red[] is reused */
+    red[threadIdx.x] = L;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float l = 0.0f;
+        for (int i = threadIdx.x; i < blockDim.x; i += 32)
+            l += red[i];
+        l = warp_sum(l);
+        if (threadIdx.x == 0) sL = l;
+    }
+    __syncthreads();
+    L = sL;
+    int ng = blockDim.x / hd; /* groups over the splits (hd <= blockDim) */
+    if (ng < 1) ng = 1;
+    int grp = threadIdx.x / hd, e = threadIdx.x % hd;
+    const float *ph = part + (size_t)th * splits * hd;
+    float A = 0.0f;
+    if (grp < ng) {
+        int s = grp;
+        for (; s + 3 * ng < splits; s += 4 * ng) {
+            float p0 = ph[(size_t)s * hd + e], p1 = ph[(size_t)(s + ng) * hd + e];
+            float p2 = ph[(size_t)(s + 2 * ng) * hd + e], p3 = ph[(size_t)(s + 3 * ng) * hd + e];
+            A += wpart(p0, cf[s]) + wpart(p1, cf[s + ng]) + wpart(p2, cf[s + 2 * ng]) +
+                 wpart(p3, cf[s + 3 * ng]);
+        }
+        for (; s < splits; s += ng)
+            A += wpart(ph[(size_t)s * hd + e], cf[s]);
+    }
+    __syncthreads();
+    red[threadIdx.x] = A;
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.0f;
+        for (int g = 0; g < ng; g++)
+            a += red[g * hd + i];
+        store_as(out + orow + i, L > 0 ? a / L : 0.0f);
+    }
+}
+
+/* the previous combine: one thread per output element walks the splits in order; kept for
+ * large batches (T > CB_SEQ_T), where the blocks are many and fill the GPU anyway (with the
+ * parallel form for every T, decode steps at batch 64 and 128 measured 0.1-0.6 % slower than
+ * before it; this split itself was not measured on the device) */
+template <typename OT>
+__global__ void k_att_combine_seq(OT *out, const float *part, const float *ml, int nh, int hd,
+                                  int splits, const int32_t *list) {
     int th = blockIdx.x; /* ti * nh + head */
     int ti = th / nh, head = th % nh;
     size_t orow = ((size_t)(list ? list[ti] : ti) * nh + head) * hd;
@@ -687,6 +832,28 @@ __global__ void k_att_combine(OT *out, const float *part, const float *ml, int n
         store_as(out + orow + e, L > 0 ? A / L : 0.0f);
     }
 }
+#define CB_SEQ_T 8
+
+/* the combine launch: splits floats of dynamic shared memory (at most 48 KiB: 12,288 splits,
+ * a context of 1.5 M positions) */
+template <typename OT>
+static int att_combine(dcu_ctx *c, OT *out, int T, int nh, int hd, int splits) {
+    if (T > CB_SEQ_T) {
+        k_att_combine_seq<OT><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
+            out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+        return launch_check("att_combine");
+    }
+    if ((size_t)splits * 4 > 48 * 1024 || hd > CB_THREADS) {
+        fprintf(stderr,
+                "cuda: attention combine of %d splits, head_dim %d: accepted at most 12288 "
+                "splits (a context of %d positions) and head_dim <= %d\n",
+                splits, hd, 12288 * ATT_CHUNK, CB_THREADS);
+        return -EINVAL;
+    }
+    return launch_pdl(c, "att_combine", k_att_combine<OT>, dim3(T * nh), dim3(CB_THREADS),
+                      (size_t)splits * 4, out, (const float *)c->att_part,
+                      (const float *)c->att_ml, nh, hd, splits, c->att_list);
+}
 
 template <typename KT, typename OT, int ND>
 static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
@@ -696,9 +863,7 @@ static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, in
     k_attention<KT, OT, ND><<<grid, ATT_WARPS * 32, 0, c->stream>>>(
         out, c->att_part, c->att_ml, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer,
         pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale, c->att_list);
-    if (splits > 1)
-        k_att_combine<OT><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
-            out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
+    if (splits > 1) att_combine<OT>(c, out, T, nh, hd, splits);
 }
 
 template <typename KT, typename OT>
@@ -1634,6 +1799,8 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
     k_att_mma(OT *out, float *part, float *ml, const float *q, const bf16 *kv, int bs,
               int n_layers, int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
               int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list) {
+    pdl_trigger();
+    pdl_wait();
     constexpr int NP = HD / 32, NU = HD / 64, MT = HD / 16;
     int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int t = list ? list[ti] : ti;
@@ -1773,9 +1940,9 @@ static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, con
     dim3 grid(T, nkv, splits);
     const bf16 *kb = (const bf16 *)kv->base;
 #define AMM(H, OT)                                                                                \
-    k_att_mma<H, OT><<<grid, AM_WARPS * 32, 0, c->stream>>>(                                      \
-        (OT *)out, c->att_part, c->att_ml, q, kb, kv->block_size, kv->n_layers, layer, pos, seq, \
-        bts, bt_stride, nh, nkv, chunk, scale, c->att_list)
+    launch_pdl(c, "attention (tensor cores)", k_att_mma<H, OT>, grid, dim3(AM_WARPS * 32), 0,     \
+               (OT *)out, c->att_part, c->att_ml, q, kb, kv->block_size, kv->n_layers, layer,    \
+               pos, seq, bts, bt_stride, nh, nkv, chunk, scale, c->att_list)
     if (hd == 128 && bf_out)
         AMM(128, bf16);
     else if (hd == 128)
@@ -1785,15 +1952,11 @@ static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, con
     else
         AMM(64, float);
 #undef AMM
-    if (splits > 1) {
-        if (bf_out)
-            k_att_combine<bf16><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
-                (bf16 *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
-        else
-            k_att_combine<float><<<T * nh, hd < 128 ? 128 : hd, 0, c->stream>>>(
-                (float *)out, c->att_part, c->att_ml, nh, hd, splits, c->att_list);
-    }
-    return launch_check("attention (tensor cores)");
+    int rc = launch_check("attention (tensor cores)");
+    if (!rc && splits > 1)
+        rc = bf_out ? att_combine<bf16>(c, (bf16 *)out, T, nh, hd, splits)
+                    : att_combine<float>(c, (float *)out, T, nh, hd, splits);
+    return rc;
 }
 
 /* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
@@ -1905,9 +2068,64 @@ __global__ void k_argmax(int32_t *out, const float *logits, int vocab) {
     if (threadIdx.x == 0) out[r] = si[0] == 0x7fffffff ? 0 : si[0];
 }
 
+/* the two-stage argmax: grid (rows, AMX_PARTS) blocks of 256 each take a slice of the row
+ * (the lowest id wins ties, as k_argmax), then one warp a row reduces the parts.  One block
+ * walking a 152k vocabulary took ~40 us; the slices read the row in parallel. */
+__device__ __forceinline__ void amx_better(float &bv, int &bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+}
+__global__ void __launch_bounds__(256) k_argmax_part(int32_t *part, const float *logits,
+                                                     int vocab) {
+    int r = blockIdx.x, p = blockIdx.y, np = gridDim.y;
+    const float *x = logits + (size_t)r * vocab;
+    int per = (vocab + np - 1) / np, i0 = p * per, i1 = min(vocab, i0 + per);
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x)
+        amx_better(best, bi, x[i], i);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, best, o);
+        int j = __shfl_xor_sync(0xffffffffu, bi, o);
+        amx_better(best, bi, v, j);
+    }
+    __shared__ float sv[8];
+    __shared__ int si[8];
+    int w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) sv[w] = best, si[w] = bi;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < (int)(blockDim.x >> 5); k++)
+            amx_better(best, bi, sv[k], si[k]);
+        size_t o = ((size_t)r * np + p) * 2;
+        part[o] = __float_as_int(best);
+        part[o + 1] = bi;
+    }
+}
+__global__ void k_argmax_final(int32_t *out, const int32_t *part, int np) {
+    int r = blockIdx.x, lane = threadIdx.x;
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int p = lane; p < np; p += 32)
+        amx_better(best, bi, __int_as_float(part[((size_t)r * np + p) * 2]),
+                   part[((size_t)r * np + p) * 2 + 1]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, best, o);
+        int j = __shfl_xor_sync(0xffffffffu, bi, o);
+        amx_better(best, bi, v, j);
+    }
+    if (lane == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
+}
+
 static int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int vocab) {
     if (rows <= 0) return 0;
-    k_argmax<<<rows, 1024, 0, c->stream>>>(out, logits, vocab);
+    if (rows > AMX_ROWS || vocab < 64 * AMX_PARTS) {
+        k_argmax<<<rows, 1024, 0, c->stream>>>(out, logits, vocab);
+        return launch_check("argmax");
+    }
+    k_argmax_part<<<dim3(rows, AMX_PARTS), 256, 0, c->stream>>>(c->amax_tmp, logits, vocab);
+    k_argmax_final<<<rows, 32, 0, c->stream>>>(out, c->amax_tmp, AMX_PARTS);
     return launch_check("argmax");
 }
 
@@ -2054,48 +2272,225 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
            bf_hi(a.y) * bf_hi(b.y) + bf_lo(a.z) * bf_lo(b.z) + bf_hi(a.z) * bf_hi(b.z) +
            bf_lo(a.w) * bf_lo(b.w) + bf_hi(a.w) * bf_hi(b.w);
 }
-template <int TT>
-__global__ void __launch_bounds__(256) k_gemv(float *__restrict__ y, const uint4 *__restrict__ x,
-                                              const uint4 *__restrict__ w,
-                                              const float *__restrict__ bias, int N, int K8) {
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const uint4 *wr = w + (size_t)row * K8;
-    float acc[TT];
+/* weights: read once, never again this step: no L1 allocation, first out of L2 (pol: an
+ * L2::evict_first policy from l2_evict_first()) */
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p, uint64_t pol) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(pol));
+    return v;
+}
+
+/* The decode GEMV for T = 1..2 tokens: NR weight rows per warp (1; or gate row i with up
+ * row I + i for the fused gate|up + SwiGLU; or a RoPE pair / two v rows for the fused q|k|v),
+ * lanes stride K in 16-byte loads, GV_U loads of each row in flight per lane before any is
+ * used (DB: and the next GV_U issued before the current ones are used: double-buffered).  The
+ * loop runs over warp-uniform batches of 32 x GV_U uint4.  The first batch of weight loads is
+ * issued before pdl_wait(): with programmatic dependent launch it overlaps the previous
+ * kernel's tail (the weights never depend on it).  x (T, K) bf16 through L1 (small, every
+ * warp reads it). */
+#define GV_U 8
+#define GV_S (32 * GV_U)
+template <int NR>
+__device__ __forceinline__ void gv_load(uint4 (&wv)[NR][GV_U], const uint4 *const *wr, int i0,
+                                        int K8, uint64_t pol) {
 #pragma unroll
-    for (int t = 0; t < TT; t++)
-        acc[t] = 0.0f;
-#pragma unroll 4
-    for (int i = lane; i < K8; i += 32) {
-        uint4 wv = __ldcs(wr + i); /* streamed once: do not keep in L2 */
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int u = 0; u < GV_U; u++) {
+            int i = i0 + 32 * u;
+            wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
+        }
+}
+template <int TT, int NR>
+__device__ __forceinline__ void gv_fma(float (&acc)[NR][TT], const uint4 (&wv)[NR][GV_U],
+                                       const uint4 *__restrict__ x, int i0, int K8) {
+#pragma unroll
+    for (int u = 0; u < GV_U; u++) {
+        int i = i0 + 32 * u;
+        if (i < K8) {
+#pragma unroll
+            for (int t = 0; t < TT; t++) {
+                uint4 xv = __ldg(x + (size_t)t * K8 + i);
+#pragma unroll
+                for (int r = 0; r < NR; r++)
+                    acc[r][t] += dot8(wv[r][u], xv);
+            }
+        }
+    }
+}
+/* acc[r][t] = this lane's part of row r . token t (warp_sum it); calls pdl_wait() */
+template <int TT, int NR, bool DB>
+__device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const *wr,
+                                        const uint4 *__restrict__ x, int K8, int lane) {
+#pragma unroll
+    for (int r = 0; r < NR; r++)
 #pragma unroll
         for (int t = 0; t < TT; t++)
-            acc[t] += dot8(wv, __ldg(x + (size_t)t * K8 + i));
+            acc[r][t] = 0.0f;
+    uint64_t pol = l2_evict_first();
+    uint4 wa[NR][GV_U];
+    int base = 0;
+    gv_load<NR>(wa, wr, base + lane, K8, pol);
+    pdl_wait();
+    if (!DB) {
+        for (;;) {
+            gv_fma<TT, NR>(acc, wa, x, base + lane, K8);
+            base += GV_S;
+            if (base >= K8) break;
+            gv_load<NR>(wa, wr, base + lane, K8, pol);
+        }
+    } else {
+        uint4 wb[NR][GV_U];
+        for (;;) {
+            int b1 = base + GV_S;
+            if (b1 < K8) gv_load<NR>(wb, wr, b1 + lane, K8, pol);
+            gv_fma<TT, NR>(acc, wa, x, base + lane, K8);
+            if (b1 >= K8) break;
+            int b2 = b1 + GV_S;
+            if (b2 < K8) gv_load<NR>(wa, wr, b2 + lane, K8, pol);
+            gv_fma<TT, NR>(acc, wb, x, b1 + lane, K8);
+            if (b2 >= K8) break;
+            base = b2;
+        }
     }
+}
+
+/* MODE 0: y (T, N) f32 = x w^T (+ bias), one row a warp; MODE 1: h (T, I) =
+ * silu(x wg^T) * (x wu^T) in OT, wg = rows 0..I-1 of w, wu = rows I..2I-1 (N = I). */
+template <int TT, int MODE, typename OT, bool DB>
+__global__ void __launch_bounds__(256)
+    k_gemv2(OT *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
+            const float *__restrict__ bias, int N, int K8) {
+    constexpr int NR = MODE == 1 ? 2 : 1;
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    pdl_trigger();
+    if (row >= N) { /* N: rows of the output (I for MODE 1) */
+        pdl_wait();
+        return;
+    }
+    const uint4 *wr[NR];
+    wr[0] = w + (size_t)row * K8;
+    if (NR == 2) wr[NR - 1] = w + (size_t)(row + N) * K8;
+    float acc[NR][TT];
+    gv_rows<TT, NR, DB>(acc, wr, x, K8, lane);
 #pragma unroll
     for (int t = 0; t < TT; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0) y[(size_t)t * N + row] = v + (bias ? bias[row] : 0.0f);
+        float v0 = warp_sum(acc[0][t]);
+        if (MODE == 1) {
+            float v1 = warp_sum(acc[NR - 1][t]);
+            if (lane == 0) store_as(y + (size_t)t * N + row, v0 / (1.0f + expf(-v0)) * v1);
+        } else if (lane == 0) {
+            store_as(y + (size_t)t * N + row, v0 + (bias ? bias[row] : 0.0f));
+        }
     }
+}
+
+/* The q|k|v GEMV with k_qkv_finish in its epilogue: warp pi takes a RoPE pair (rows
+ * hh hd + j and + hd/2 of q head or k head hh, j < hd/2) or two adjacent v rows, adds the
+ * bias, rotates, and writes q to qout (T, nh hd) and k, v into the cache (no KV for a
+ * padding row, pos < 0) — the same arithmetic as k_qkv_finish on the GEMV's output. */
+template <int TT, typename KT>
+__global__ void __launch_bounds__(256)
+    k_gemv_qkv(float *__restrict__ qout, KT *kv, const uint4 *__restrict__ x,
+               const uint4 *__restrict__ w, const float *__restrict__ bias, int K8, int bs,
+               int n_layers, int layer, const int32_t *pos, const int32_t *seq,
+               const int32_t *bts, int bt_stride, const float *inv_freq, int nh, int nkv, int hd) {
+    int pi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int half = hd / 2, h = nh * hd, kvd = nkv * hd, n_rope = (nh + nkv) * half;
+    pdl_trigger();
+    if (pi >= n_rope + kvd / 2) {
+        pdl_wait();
+        return;
+    }
+    int rope = pi < n_rope, hh = rope ? pi / half : 0, j = rope ? pi % half : 0;
+    int r0 = rope ? hh * hd + j : h + kvd + 2 * (pi - n_rope), r1 = rope ? r0 + half : r0 + 1;
+    const uint4 *wr[2] = {w + (size_t)r0 * K8, w + (size_t)r1 * K8};
+    float acc[2][TT];
+    gv_rows<TT, 2, false>(acc, wr, x, K8, lane);
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float u = warp_sum(acc[0][t]) + 0.0f, v = warp_sum(acc[1][t]) + 0.0f;
+        if (lane) continue;
+        u = u + (bias ? bias[r0] : 0.0f);
+        v = v + (bias ? bias[r1] : 0.0f);
+        int p = pos[t], pad = p < 0;
+        const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+        if (rope) {
+            float a = (pad ? 0.0f : (float)p) * inv_freq[j];
+            float cs = cosf(a), sn = sinf(a);
+            float o0 = u * cs - v * sn, o1 = v * cs + u * sn;
+            if (hh < nh) {
+                qout[(size_t)t * h + r0] = o0;
+                qout[(size_t)t * h + r1] = o1;
+            } else if (!pad) {
+                size_t ok = kv_off(bt, p, bs, n_layers, kvd, layer, 0);
+                store_as(kv + ok + (r0 - h), o0);
+                store_as(kv + ok + (r1 - h), o1);
+            }
+        } else if (!pad) {
+            size_t ov = kv_off(bt, p, bs, n_layers, kvd, layer, 1);
+            store_as(kv + ov + (r0 - h - kvd), u);
+            store_as(kv + ov + (r1 - h - kvd), v);
+        }
+    }
+}
+
+template <int MODE, typename OT>
+static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const float *bias, int T,
+                       int N, int K) {
+    int nw = c->gemv_warps; /* warps (output rows) per CTA */
+    dim3 g((N + nw - 1) / nw), b(32 * nw);
+    const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
+    int K8 = K / 8;
+    /* double-buffered loads (DISAGG_CUDA_GEMV_DB=1) for one row a warp (MODE 0) only; the
+     * two-row forms hold 16 loads in flight already */
+    constexpr bool DB = MODE == 0;
+    if (MODE == 0 && !c->gemv_db) {
+        if (T == 1)
+            return launch_pdl(c, "gemv", k_gemv2<1, MODE, OT, false>, g, b, 0, y, xv, wv, bias,
+                              N, K8);
+        if (T == 2)
+            return launch_pdl(c, "gemv", k_gemv2<2, MODE, OT, false>, g, b, 0, y, xv, wv, bias,
+                              N, K8);
+        return -EINVAL;
+    }
+    if (T == 1)
+        return launch_pdl(c, "gemv", k_gemv2<1, MODE, OT, DB>, g, b, 0, y, xv, wv, bias, N, K8);
+    if (T == 2)
+        return launch_pdl(c, "gemv", k_gemv2<2, MODE, OT, DB>, g, b, 0, y, xv, wv, bias, N, K8);
+    return -EINVAL;
 }
 
 static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                 int N, int K) {
-    int nw = c->gemv_warps; /* one weight row per warp */
-    dim3 g((N + nw - 1) / nw);
+    return gemv_launch<0, float>(c, y, x, w, bias, T, N, K);
+}
+
+/* the fused q|k|v GEMV (k_gemv_qkv) for T = 1..2 */
+template <typename KT>
+static int gemv_qkv(dcu_ctx *c, float *qout, KT *kv, const void *x, const void *w,
+                    const float *bias, int T, int K, int bs, int n_layers, int layer,
+                    const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
+                    const float *inv_freq, int nh, int nkv, int hd) {
+    int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2;
+    dim3 g((pairs + nw - 1) / nw), b(32 * nw);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
-    int K8 = K / 8;
-    switch (T) {
-#define G_(n)                                                                          \
-    case n:                                                                            \
-        k_gemv<n><<<g, 32 * nw, 0, c->stream>>>(y, xv, wv, bias, N, K8);               \
-        break;
-        G_(1) G_(2) G_(3) G_(4) G_(5) G_(6) G_(7) G_(8)
-#undef G_
-    default:
-        return -EINVAL;
-    }
-    return launch_check("gemv");
+    if (T == 1)
+        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<1, KT>, g, b, 0, qout, kv, xv, wv, bias,
+                          K / 8, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv,
+                          hd);
+    if (T == 2)
+        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<2, KT>, g, b, 0, qout, kv, xv, wv, bias,
+                          K / 8, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv,
+                          hd);
+    return -EINVAL;
 }
 
 /* y (T, N) f32 = x (T, K) bf16 . w (N, K)^T bf16 (+ bias) for decode-sized T <= 32 on
@@ -2173,18 +2568,22 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
     return launch_check("skinny");
 }
 
-/* measured on the H200 (7B shapes, serving forward with CUDA graphs): the GEMV beats
- * cuBLASLt at T = 1 (4.94 vs 5.35 ms a decode step at 4k context) and loses at T = 8, where
- * its x loads from L1 dominate; k_skinny (tensor cores) lost to cuBLASLt at T = 1..32.  Off
- * by default: with it a sequence's greedy tokens depended on the batch it ran in (5 of 32
- * concurrent requests differed from their single-request answers in the serve smoke) */
-#define GEMV_MAX_T 2 /* with DISAGG_CUDA_GEMV=1 */
+/* measured on the H200 (7B shapes, serving forward with CUDA graphs, gpu_check ONLY=decode
+ * of 2026-12-01 14:51): the GEMV (single-buffered, gate|up + SwiGLU and q|k|v + RoPE/KV
+ * fused) takes batch 1 at 4k to 4.75 ms a step against 4.88 with cuBLASLt for every GEMM
+ * (5.37 before this GEMV); at T = 2 cuBLASLt is faster (4.87 vs 5.02 ms), so the default is
+ * T = 1 only (DISAGG_CUDA_GEMV=2: T <= 2 too; 0: cuBLASLt for every T).  k_skinny (tensor
+ * cores) lost to cuBLASLt at T = 1..32.  The fast mode is not batch-invariant either way
+ * (cuBLASLt changes kernels with T as well): a sequence's tokens may depend on its batch;
+ * --batch-invariant (cuda_invariant.cu) is the mode that makes them not. */
+static int gemv_ok(const dcu_ctx *c, int T, int K, const void *x, const void *w) {
+    return T >= 1 && T <= c->gemv_max_t && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15);
+}
 
 static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T,
                   int N, int K) {
     if (T <= 0) return 0;
-    if (T <= GEMV_MAX_T && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15) && !c->no_gemv)
-        return gemv(c, y, x, w, bias, T, N, K);
+    if (gemv_ok(c, T, K, x, w)) return gemv(c, y, x, w, bias, T, N, K);
     if (T <= c->skinny_max && K % 32 == 0 && N % 16 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15))
         return skinny(c, y, x, w, bias, T, N, K);
     gemm_plan *p = plan_get(c, T, N, K, x, w, y);
