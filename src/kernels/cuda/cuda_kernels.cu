@@ -90,8 +90,8 @@ struct dcu_ctx {
     int gemm_sweep;          /* DISAGG_CUDA_GEMM_SWEEP=1: time cuBLASLt's candidates of every
                                 prefill GEMM (T >= PF_GEMM_MIN_T) and print them; 2: also use
                                 the fastest (a timing-based choice: for measuring only) */
-    int gemm_algo;           /* DISAGG_CUDA_GEMM_ALGO=i: prefill GEMMs on candidate i (-1: the
-                                fixed rule, pf_rule) */
+    int gemm_algo;           /* DISAGG_CUDA_GEMM_ALGO=i: prefill GEMMs on candidate i (default
+                                -1: the fixed rule, pf_rule) */
 };
 
 #define CK(call)                                                                             \
@@ -2062,18 +2062,13 @@ static int tune_pick(dcu_ctx *c, gemm_plan *p, const cublasLtMatmulHeuristicResu
 
 /* Prefill GEMMs (T >= PF_GEMM_MIN_T, fast mode: the batch-invariant mode's GEMMs are
  * iv_matmul's own): cuBLASLt's first PF_ALGOS heuristic candidates, and candidate
- * pf_rule(T, N, K) of them — a fixed rule from the H200 measurements (docs/gpu.md), so the
+ * pf_rule() of them — a fixed rule from the H200 measurements (docs/gpu.md), so the
  * same shape runs the same kernel in every process (no timing decides).  DISAGG_CUDA_GEMM_ALGO=i
- * forces candidate i; DISAGG_CUDA_GEMM_SWEEP=1 times every candidate once per plan and prints
+ * forces candidate i (0: the heuristic's first, the code before the rule); DISAGG_CUDA_GEMM_SWEEP=1 times every candidate once per plan and prints
  * them (stderr), =2 also takes the fastest (measuring only: that choice can differ between
  * processes). */
 #define PF_GEMM_MIN_T 256
 #define PF_ALGOS 16
-
-static int pf_rule(int T, int N, int K, int out16) {
-    (void)T, (void)N, (void)K, (void)out16;
-    return 0;
-}
 
 static int cfg_get(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttributes_t at) {
     uint32_t v = 0;
@@ -2081,6 +2076,31 @@ static int cfg_get(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttrib
     if (cublasLtMatmulAlgoConfigGetAttribute(a, at, &v, sizeof v, &wr) != CUBLAS_STATUS_SUCCESS)
         return -1;
     return (int)v;
+}
+
+/* The fixed rule (H200, cuBLASLt 13.0, Qwen2.5-7B shapes, T = 512 / 2048 / 4096 timed by
+ * DISAGG_CUDA_GEMM_SWEEP, docs/benchmarks.md): for T >= 512 the f32-output GEMMs of N = 3584
+ * rows (o: K = 3584, down: K = 18944) run the first candidate of tile 112x128, else of tile
+ * 128x128, and those of N = 4608 (q|k|v) the first of tile 144x128 (no split-K either way);
+ * where the list has none, and for every other shape (the bf16 gate|up too), the heuristic's
+ * first.  The heuristic's first at T >= 2048 were 320x128 / 256x128 / 192x192 tiles, 7-13 %
+ * slower on these N.  The candidate list is the same for a shape in every process, so is
+ * the choice. */
+static int pf_rule(const cublasLtMatmulHeuristicResult_t *res, int found, int T, int N,
+                   int out16) {
+    static const int t3584[] = {CUBLASLT_MATMUL_TILE_112x128, CUBLASLT_MATMUL_TILE_128x128};
+    static const int t4608[] = {CUBLASLT_MATMUL_TILE_144x128};
+    const int *pref = NULL;
+    int n_pref = 0;
+    if (out16 || T < 512) return 0;
+    if (N == 3584) pref = t3584, n_pref = 2;
+    if (N == 4608) pref = t4608, n_pref = 1;
+    for (int j = 0; j < n_pref; j++)
+        for (int i = 0; i < found; i++)
+            if (cfg_get(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == pref[j] &&
+                cfg_get(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) <= 1)
+                return i;
+    return 0;
 }
 
 static int pf_pick(dcu_ctx *c, gemm_plan *p, cublasLtMatmulPreference_t pref, const void *x,
@@ -2091,7 +2111,7 @@ static int pf_pick(dcu_ctx *c, gemm_plan *p, cublasLtMatmulPreference_t pref, co
     cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref,
                                                       PF_ALGOS, res, &found);
     if (s != CUBLAS_STATUS_SUCCESS || found <= 0) return -1;
-    int pick = c->gemm_algo >= 0 ? c->gemm_algo : pf_rule(T, N, K, out16);
+    int pick = c->gemm_algo >= 0 ? c->gemm_algo : pf_rule(res, found, T, N, out16);
     if (pick >= found) pick = 0;
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     cudaStreamIsCapturing(c->stream, &cap);
