@@ -177,10 +177,16 @@ prefill_steps() {
   check ${PIPESTATUS[0]} test_backend_ops
   DISAGG_CUDA_FLASH_MT=1 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_MT=1"
+  DISAGG_CUDA_FLASH_AUTO=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_AUTO=0 (k_flash4 also for small grids)"
+  DISAGG_CUDA_NORM4=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_NORM4=0"
+  [ -n "${PREFILL_QUICK_TESTS:-}" ] || {
   DISAGG_CUDA_FLASH_BQ=64 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_BQ=64"
   DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0"
+  }
   step "prefill: test_cuda_model"
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
   check ${PIPESTATUS[0]} test_cuda_model
@@ -189,14 +195,26 @@ prefill_steps() {
   step "prefill: bench model 7b (prefill 512 and 4096; decode batch 1 and 32)"
   "$BIN" bench model "$W7" --device cuda --batches 1,32 ${BENCH_ARGS:-}
   check $? "bench model 7b --device cuda"
-  P="--prompt-lens 512,4096 --batches 1 --gen-len 4"
-  for v in "DISAGG_CUDA_PROF=8192" "DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0" \
-           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_PROF=8192 DISAGG_CUDA_FLASH_MT=1" \
+  P="--prompt-lens ${PREFILL_LENS:-512,4096} --batches 1 --gen-len 4"
+  # PREFILL_LIST replaces the default list of variants (space-separated; a variant's settings
+  # joined by commas), PREFILL_VARIANTS adds to it
+  for v in ${PREFILL_LIST:-"DISAGG_CUDA_PROF=8192" "DISAGG_CUDA_FLASH3=0,DISAGG_CUDA_GU_BF16=0" \
+           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_PROF=8192,DISAGG_CUDA_FLASH_MT=1"} \
            ${PREFILL_VARIANTS:-}; do
+    v=${v//,/ }
     echo "--- prefill with $v:"
     env $v "$BIN" bench model "$W7" --device cuda $P > "${TMPDIR:-/tmp}/prefill-variant.log" 2>&1
     check $? "bench model 7b, $v"
-    grep -E "^ceilings|^512 |^4096 " "${TMPDIR:-/tmp}/prefill-variant.log"
+    grep -E "^ceilings|^[0-9]+ " "${TMPDIR:-/tmp}/prefill-variant.log"
+    # DISAGG_CUDA_GEMM_SWEEP: every candidate into $OUT/gemm-sweep.log, the fastest and the
+    # rule's here
+    if grep -q "cuda gemm sweep" "${TMPDIR:-/tmp}/prefill-variant.log"; then
+      { echo "--- $v"; grep "cuda gemm sweep" "${TMPDIR:-/tmp}/prefill-variant.log"; } >> "${OUT:-/tmp}/gemm-sweep.log"
+      awk '/cuda gemm sweep: .*#[0-9]+: / { split($0, a, "#"); split(a[2], b, ":"); k = a[1]; t[k "#" b[1]] = $0 }
+           /fastest #/ { k = $0; sub(/: fastest.*/, "", k); split($0, f, "fastest #"); split(f[2], g, ","); i = g[1];
+                         print t[k " #0"]; if (i != "0") print t[k " #" i]; print }' \
+        "${TMPDIR:-/tmp}/prefill-variant.log" | sed 's/cuda gemm sweep: //'
+    fi
     # the last per-op table of each forward length
     awk '/^prof: eager step/ { n = $4; b[n] = $0 "\n"; next } /^prof:  / { b[n] = b[n] $0 "\n" }
          END { for (k in b) printf "%s", b[k] }' "${TMPDIR:-/tmp}/prefill-variant.log"

@@ -751,7 +751,8 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
                                s->rest_ctx),
                   s->c->flash3 && s->c->flash2 && kv->head_dim >= 32
                       ? (s->c->flash_bq == FA_BQ ? "attention (prefill, k_flash3, 64 rows)"
-                         : s->c->flash_mt == 2   ? "attention (prefill, k_flash4, 128 rows)"
+                         : flash_mt_for(s->c, s->n_tiles3, n_heads) == 2
+                             ? "attention (prefill, k_flash4, 128 rows)"
                                                  : "attention (prefill, k_flash3, 128 rows)")
                       : "attention (prefill, k_flash2)",
                   0);

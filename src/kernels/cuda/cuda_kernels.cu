@@ -95,6 +95,14 @@ struct dcu_ctx {
                                 0: always f32) */
     int skinny_max;          /* GEMMs of T <= this on k_skinny (DISAGG_CUDA_SKINNY=T; default 0:
                                 off, measured slower than cuBLASLt on the H200) */
+    int norm4;               /* (add +) RMSNorm on k_rmsnorm4 (DISAGG_CUDA_NORM4=0: k_rmsnorm) */
+    int flash_auto;          /* k_flash3 (8 warps) instead of k_flash4 when the 128-row tiles
+                                leave SMs idle (DISAGG_CUDA_FLASH_AUTO=0: always k_flash4) */
+    int gemm_sweep;          /* DISAGG_CUDA_GEMM_SWEEP=1: time cuBLASLt's candidates of every
+                                prefill GEMM (T >= PF_GEMM_MIN_T) and print them; 2: also use
+                                the fastest (a timing-based choice: for measuring only) */
+    int gemm_algo;           /* DISAGG_CUDA_GEMM_ALGO=i: prefill GEMMs on candidate i (default
+                                -1: the fixed rule, pf_rule) */
 };
 
 #define CK(call)                                                                             \
@@ -245,6 +253,11 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->skinny_max = getenv("DISAGG_CUDA_SKINNY") ? atoi(getenv("DISAGG_CUDA_SKINNY")) : 0;
     if (c->skinny_max > 32) c->skinny_max = 32;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
+    c->norm4 = !(getenv("DISAGG_CUDA_NORM4") && !strcmp(getenv("DISAGG_CUDA_NORM4"), "0"));
+    c->flash_auto =
+        !(getenv("DISAGG_CUDA_FLASH_AUTO") && !strcmp(getenv("DISAGG_CUDA_FLASH_AUTO"), "0"));
+    c->gemm_sweep = getenv("DISAGG_CUDA_GEMM_SWEEP") ? atoi(getenv("DISAGG_CUDA_GEMM_SWEEP")) : 0;
+    c->gemm_algo = getenv("DISAGG_CUDA_GEMM_ALGO") ? atoi(getenv("DISAGG_CUDA_GEMM_ALGO")) : -1;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -392,10 +405,73 @@ __global__ void k_rmsnorm(OT *out, float *x, const float *add, const float *w, c
     }
 }
 
+/* k_rmsnorm with 16-byte accesses, the row in registers (no shared-memory copy): thread i
+ * holds float4s i, i + blockDim, ... (at most RN_VPT; blockDim = n / 4 / RN_VPT rounded up to
+ * a warp); the residual written back and the added rows streamed (__stcs / __ldcs: neither is
+ * read again before the next norm, while the bf16 out feeds the next GEMM from L2).  Needs
+ * n % 4 == 0, n <= 4 * RN_VPT * 1024 and 16-byte aligned x, add, w (8-byte for a bf16 out). */
+#define RN_VPT 8
+template <typename OT>
+__global__ void __launch_bounds__(1024)
+    k_rmsnorm4(OT *out, float *x, const float *add, const float *w, const int32_t *rows, int n,
+               float eps, int write_back) {
+    int r = blockIdx.x, n4 = n >> 2;
+    int src = rows ? rows[r] : r;
+    float4 *xr = (float4 *)(x + (size_t)src * n);
+    const float4 *ar = add ? (const float4 *)(add + (size_t)src * n) : NULL;
+    float4 v[RN_VPT];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RN_VPT; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            float4 a = xr[i];
+            if (ar) {
+                float4 b = __ldcs(ar + i);
+                a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+            }
+            v[k] = a;
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+        }
+    }
+    ss = block_sum(ss);
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    const float4 *w4 = (const float4 *)w;
+#pragma unroll
+    for (int k = 0; k < RN_VPT; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            float4 a = v[k], g = __ldg(w4 + i);
+            if (write_back) __stcs(xr + i, a);
+            float o0 = g.x * (a.x * inv), o1 = g.y * (a.y * inv), o2 = g.z * (a.z * inv),
+                  o3 = g.w * (a.w * inv);
+            if constexpr (sizeof(OT) == 2) {
+                __nv_bfloat162 h[2] = {__floats2bfloat162_rn(o0, o1), __floats2bfloat162_rn(o2, o3)};
+                *(uint2 *)(out + (size_t)r * n + 4 * (size_t)i) = *(const uint2 *)h;
+            } else {
+                *(float4 *)(out + (size_t)r * n + 4 * (size_t)i) = make_float4(o0, o1, o2, o3);
+            }
+        }
+    }
+}
+
 static int rmsnorm(dcu_ctx *c, void *out, int out_dtype, float *x, const float *add,
                    const float *w, const int32_t *rows, int n_rows, int n, float eps,
                    int write_back) {
     if (n_rows <= 0) return 0;
+    if (c->norm4 && n % 4 == 0 && n <= 4 * RN_VPT * 1024 &&
+        !(((uintptr_t)x | (uintptr_t)add | (uintptr_t)w) & 15) &&
+        !((uintptr_t)out & (out_dtype == DCU_BF16 ? 7 : 15))) {
+        int th = (n / 4 + RN_VPT - 1) / RN_VPT;
+        th = (th + 31) / 32 * 32;
+        if (out_dtype == DCU_BF16)
+            k_rmsnorm4<bf16><<<n_rows, th, 0, c->stream>>>((bf16 *)out, x, add, w, rows, n, eps,
+                                                           write_back);
+        else
+            k_rmsnorm4<float><<<n_rows, th, 0, c->stream>>>((float *)out, x, add, w, rows, n,
+                                                            eps, write_back);
+        return launch_check("rmsnorm (16-byte)");
+    }
     int th = n >= 1024 ? 1024 : (n >= 256 ? 256 : 128);
     size_t sh = (size_t)n * sizeof(float);
     if (sh > 48 * 1024) return -EINVAL;
@@ -1751,13 +1827,21 @@ static int launch_flash4(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, 
     return launch_check("flash4_prefill");
 }
 
+/* k_flash4's CTAs are 4 warps: when the grid leaves SMs without a CTA (a 512-token prompt
+ * of 28 heads: 112 CTAs for 132 SMs) k_flash3's 8-warp CTAs keep twice the warps busy, so
+ * such launches take k_flash3 (c->flash_auto) */
+static int flash_mt_for(const dcu_ctx *c, int n_tiles, int nh) {
+    if (c->flash_mt == 2 && c->flash_auto && (long)n_tiles * nh < c->n_sm) return 1;
+    return c->flash_mt;
+}
+
 /* tiles: of FA_BQ3 rows (c->flash_bq == 128): k_flash4 (c->flash_mt == 2) or k_flash3 with
  * 8 warps; of FA_BQ rows: k_flash3 with 4 warps */
 template <int HD, typename OT>
 static int launch_flash3(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
                          const int32_t *tiles, int n_tiles, const int32_t *pos,
                          const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
-    if (c->flash_bq == FA_BQ3 && c->flash_mt == 2)
+    if (c->flash_bq == FA_BQ3 && flash_mt_for(c, n_tiles, nh) == 2)
         return launch_flash4<HD, OT>(c, out, q, kv, layer, tiles, n_tiles, pos, bts, bt_stride,
                                      nh, nkv, scale);
     if (c->flash_bq == FA_BQ3)
@@ -2194,6 +2278,108 @@ static int tune_pick(dcu_ctx *c, gemm_plan *p, const cublasLtMatmulHeuristicResu
     return bi;
 }
 
+/* Prefill GEMMs (T >= PF_GEMM_MIN_T, fast mode: the batch-invariant mode's GEMMs are
+ * iv_matmul's own): cuBLASLt's first PF_ALGOS heuristic candidates, and candidate
+ * pf_rule() of them — a fixed rule from the H200 measurements (docs/gpu.md), so the
+ * same shape runs the same kernel in every process (no timing decides).  DISAGG_CUDA_GEMM_ALGO=i
+ * forces candidate i (0: the heuristic's first, the code before the rule); DISAGG_CUDA_GEMM_SWEEP=1 times every candidate once per plan and prints
+ * them (stderr), =2 also takes the fastest (measuring only: that choice can differ between
+ * processes). */
+#define PF_GEMM_MIN_T 256
+#define PF_ALGOS 16
+
+static int cfg_get(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttributes_t at) {
+    uint32_t v = 0;
+    size_t wr = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(a, at, &v, sizeof v, &wr) != CUBLAS_STATUS_SUCCESS)
+        return -1;
+    return (int)v;
+}
+
+/* The fixed rule (H200, cuBLASLt 13.0, Qwen2.5-7B shapes, T = 512 / 2048 / 4096 timed by
+ * DISAGG_CUDA_GEMM_SWEEP, docs/benchmarks.md): for T >= 512 the f32-output GEMMs of N = 3584
+ * rows (o: K = 3584, down: K = 18944) run the first candidate of tile 112x128, else of tile
+ * 128x128, and those of N = 4608 (q|k|v) the first of tile 144x128 (no split-K either way);
+ * where the list has none, and for every other shape (the bf16 gate|up too), the heuristic's
+ * first.  The heuristic's first at T >= 2048 were 320x128 / 256x128 / 192x192 tiles, 7-13 %
+ * slower on these N.  The candidate list is the same for a shape in every process, so is
+ * the choice. */
+static int pf_rule(const cublasLtMatmulHeuristicResult_t *res, int found, int T, int N,
+                   int out16) {
+    static const int t3584[] = {CUBLASLT_MATMUL_TILE_112x128, CUBLASLT_MATMUL_TILE_128x128};
+    static const int t4608[] = {CUBLASLT_MATMUL_TILE_144x128};
+    const int *pref = NULL;
+    int n_pref = 0;
+    if (out16 || T < 512) return 0;
+    if (N == 3584) pref = t3584, n_pref = 2;
+    if (N == 4608) pref = t4608, n_pref = 1;
+    for (int j = 0; j < n_pref; j++)
+        for (int i = 0; i < found; i++)
+            if (cfg_get(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == pref[j] &&
+                cfg_get(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) <= 1)
+                return i;
+    return 0;
+}
+
+static int pf_pick(dcu_ctx *c, gemm_plan *p, cublasLtMatmulPreference_t pref, const void *x,
+                   const void *w, void *y, int T, int N, int K, int out16,
+                   cublasLtMatmulAlgo_t *algo) {
+    cublasLtMatmulHeuristicResult_t res[PF_ALGOS];
+    int found = 0;
+    cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref,
+                                                      PF_ALGOS, res, &found);
+    if (s != CUBLAS_STATUS_SUCCESS || found <= 0) return -1;
+    int pick = c->gemm_algo >= 0 ? c->gemm_algo : pf_rule(res, found, T, N, out16);
+    if (pick >= found) pick = 0;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(c->stream, &cap);
+    if (c->gemm_sweep > 0 && cap == cudaStreamCaptureStatusNone && x && w && y) {
+        cudaEvent_t e0, e1;
+        if (cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
+            float alpha = 1.0f, beta = 0.0f, best = 1e30f;
+            int bi = pick;
+            for (int i = 0; i < found; i++) {
+                cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+                for (int r = 0; r < 7 && st == CUBLAS_STATUS_SUCCESS; r++) {
+                    if (r == 2) cudaEventRecord(e0, c->stream);
+                    st = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y,
+                                        p->c, &res[i].algo, c->ws, c->ws_bytes, c->stream);
+                }
+                cudaEventRecord(e1, c->stream);
+                float ms = 0;
+                if (st != CUBLAS_STATUS_SUCCESS || cudaEventSynchronize(e1) != cudaSuccess ||
+                    cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
+                    cudaGetLastError();
+                    fprintf(stderr, "cuda gemm sweep: T=%d N=%d K=%d%s #%d: failed\n", T, N, K,
+                            out16 ? " bf16" : "", i);
+                    continue;
+                }
+                float us = ms * 1e3f / 5;
+                if (us < best) best = us, bi = i;
+                const cublasLtMatmulAlgo_t *a = &res[i].algo;
+                fprintf(stderr,
+                        "cuda gemm sweep: T=%d N=%d K=%d%s #%d: %8.1f us %4.0f TFLOP/s (id %d tile "
+                        "%d stages %d splitk %d red %d swizzle %d cluster %d ws %zu)%s\n",
+                        T, N, K, out16 ? " bf16" : "", i, us, 2.0 * T * N * K / us * 1e-6,
+                        cfg_get(a, CUBLASLT_ALGO_CONFIG_ID), cfg_get(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                        cfg_get(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                        cfg_get(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                        cfg_get(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                        cfg_get(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                        cfg_get(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), res[i].workspaceSize,
+                        i == pick ? " <- rule" : "");
+            }
+            if (c->gemm_sweep >= 2) pick = bi;
+            fprintf(stderr, "cuda gemm sweep: T=%d N=%d K=%d%s: fastest #%d, using #%d\n", T, N,
+                    K, out16 ? " bf16" : "", bi, pick);
+        }
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+    }
+    *algo = res[pick].algo;
+    return 0;
+}
+
 static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K, const void *x, const void *w,
                            void *y) {
     for (int i = 0; i < PLAN_CACHE; i++)
@@ -2224,6 +2410,13 @@ static gemm_plan *plan_get(dcu_ctx *c, int T, int N, int K, const void *x, const
     cublasLtMatmulHeuristicResult_t res[GEMM_TUNE_ALGOS];
     int found = 0;
     int cacheable = T <= GEMM_TUNE_MAX_T && c->tune;
+    if (!cacheable && T >= PF_GEMM_MIN_T &&
+        pf_pick(c, p, pref, x, w, y, T, N, K, 0, &res[0].algo) == 0) {
+        cublasLtMatmulPreferenceDestroy(pref);
+        p->algo = res[0].algo;
+        p->T = T, p->N = N, p->K = K, p->valid = 1;
+        return p;
+    }
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     cudaStreamIsCapturing(c->stream, &cap);
     cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref,
@@ -2607,7 +2800,8 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
 /* y (T, N) bf16 = x (T, K) bf16 . w (N, K)^T bf16 through cuBLASLt, f32 accumulate, the
  * output rounded to bf16 by the GEMM's epilogue (the prefill gate|up: half the bytes of
  * the f32 output written and read back by SwiGLU).  Its own plan cache (c->plans16). */
-static gemm_plan *plan16_get(dcu_ctx *c, int T, int N, int K) {
+static gemm_plan *plan16_get(dcu_ctx *c, int T, int N, int K, const void *x, const void *w,
+                             void *y) {
     for (int i = 0; i < PLAN16_CACHE; i++)
         if (c->plans16[i].valid && c->plans16[i].T == T && c->plans16[i].N == N &&
             c->plans16[i].K == K)
@@ -2635,6 +2829,12 @@ static gemm_plan *plan16_get(dcu_ctx *c, int T, int N, int K) {
                                          &c->ws_bytes, sizeof c->ws_bytes);
     cublasLtMatmulHeuristicResult_t res;
     int found = 0;
+    if (T >= PF_GEMM_MIN_T && pf_pick(c, p, pref, x, w, y, T, N, K, 1, &res.algo) == 0) {
+        cublasLtMatmulPreferenceDestroy(pref);
+        p->algo = res.algo;
+        p->T = T, p->N = N, p->K = K, p->valid = 1;
+        return p;
+    }
     cublasStatus_t s =
         cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
@@ -2656,7 +2856,7 @@ static gemm_plan *plan16_get(dcu_ctx *c, int T, int N, int K) {
 static int matmul_bf16out(dcu_ctx *c, bf16 *y, const void *x, const void *w, int T, int N,
                           int K) {
     if (T <= 0) return 0;
-    gemm_plan *p = plan16_get(c, T, N, K);
+    gemm_plan *p = plan16_get(c, T, N, K, x, w, y);
     if (!p) return -EIO;
     float alpha = 1.0f, beta = 0.0f;
     cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->c, y,
