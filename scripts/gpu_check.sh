@@ -64,6 +64,14 @@ step() { echo; echo "=== $(date -u +%T) $* ==="; }
 fails=0
 check() { if [ "$1" -ne 0 ]; then echo "*** FAILED: $2 (exit $1)"; fails=$((fails + 1)); else echo "--- ok: $2"; fi; }
 
+# the openai client (and its needs) from the bundle's wheels when the image lacks it: the P/D
+# check and the DISAGG_TEST_DEVICE server tests use it
+if ! python3 -c 'import openai' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl &&
+    export PYTHONPATH=/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 nvcc --version | tail -2
@@ -138,10 +146,6 @@ kv_steps() {
   check $? test_gpu_transfer
 
   step "KV from GPU to GPU: P/D with the KV in HBM behind disagg proxy (openai client; cuda_ipc, then staged tcp)"
-  if ! python3 -c 'import openai' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl && export PYTHONPATH=/tmp/gpu-check-site
-  fi
   PD7=
   if [ -n "${KV_7B:-}" ]; then # TTFT at a 4k prompt on the 7B shape: random weights + the Qwen2.5 tokenizer
     W7=/dev/shm/q7b
