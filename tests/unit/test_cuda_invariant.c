@@ -232,6 +232,97 @@ static void test_matmul_invariant(void **st) {
     backend_close(fast);
 }
 
+/* gate|up + SwiGLU (backend_gate_up over the concatenated weights, bf16 x and h: the
+ * invariant mode's bf16-output GEMM at every row count): sampled rows of h for M = 1 .. 9000
+ * against the row alone */
+static int gate_up_differ(backend *be, int I, int H, const int *Ms, int nM, int *checked) {
+    backend_stream *s = backend_stream_create(be);
+    assert_non_null(s);
+    int maxM = 0;
+    for (int i = 0; i < nM; i++)
+        maxM = Ms[i] > maxM ? Ms[i] : maxM;
+    uint16_t *hx = malloc((size_t)maxM * H * 2), *hw = malloc((size_t)2 * I * H * 2);
+    assert_non_null(hx);
+    assert_non_null(hw);
+    for (size_t i = 0; i < (size_t)maxM * H; i++) {
+        float f = frand();
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        hx[i] = (uint16_t)(u >> 16);
+    }
+    for (size_t i = 0; i < (size_t)2 * I * H; i++) {
+        float f = frand() * 0.05f;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        hw[i] = (uint16_t)(u >> 16);
+    }
+    backend_dtype stored;
+    backend_buffer *w = backend_weights_load(be, hw, BACKEND_BF16, (size_t)2 * I * H, &stored),
+                   *x = backend_buffer_alloc(be, (size_t)maxM * H * 2, 0),
+                   *h = backend_buffer_alloc(be, (size_t)maxM * I * 2, 0);
+    assert_non_null(w);
+    assert_non_null(x);
+    assert_non_null(h);
+    assert_int_equal(backend_upload(s, backend_buffer_ptr(x), hx, (size_t)maxM * H * 2), 0);
+    enum { NS = 12 };
+    int rows[NS] = {0, 1, 2, 3, 7, 15, 16, 31, 63, 64, 100, maxM - 1};
+    uint16_t *ref = malloc((size_t)NS * I * 2), *got = malloc((size_t)I * 2);
+    for (int i = 0; i < NS; i++) {
+        if (rows[i] >= maxM) rows[i] = maxM - 1;
+        backend_mlp_op o = {(char *)backend_buffer_ptr(x) + (size_t)rows[i] * H * 2,
+                            BACKEND_BF16, 1, H, I, NULL, NULL, BACKEND_BF16,
+                            backend_buffer_ptr(w), backend_buffer_ptr(h), NULL, BACKEND_BF16};
+        assert_int_equal(backend_gate_up(s, &o), 0);
+        assert_int_equal(backend_download(s, ref + (size_t)i * I, backend_buffer_ptr(h),
+                                          (size_t)I * 2),
+                         0);
+    }
+    int differ = 0;
+    *checked = 0;
+    for (int mi = 0; mi < nM; mi++) {
+        int M = Ms[mi];
+        backend_mlp_op o = {backend_buffer_ptr(x), BACKEND_BF16, M, H, I, NULL, NULL,
+                            BACKEND_BF16, backend_buffer_ptr(w), backend_buffer_ptr(h), NULL,
+                            BACKEND_BF16};
+        assert_int_equal(backend_gate_up(s, &o), 0);
+        for (int i = 0; i < NS; i++) {
+            if (rows[i] >= M) continue;
+            assert_int_equal(backend_download(s, got,
+                                              (char *)backend_buffer_ptr(h) +
+                                                  (size_t)rows[i] * I * 2,
+                                              (size_t)I * 2),
+                             0);
+            (*checked)++;
+            if (memcmp(got, ref + (size_t)i * I, (size_t)I * 2)) differ++;
+        }
+    }
+    free(ref), free(got), free(hx), free(hw);
+    backend_buffer_free(w), backend_buffer_free(x), backend_buffer_free(h);
+    backend_stream_free(s);
+    return differ;
+}
+
+static void test_gate_up_invariant(void **st) {
+    NEED_GPU();
+    static const int shapes[][2] = {{256, 256}, {1024, 512}, {4864, 896}, {18944, 3584}};
+    static const int Ms[] = {1, 2, 3, 8, 16, 31, 63, 64, 65, 100, 128, 257, 512, 1000, 2048,
+                             4100, 9000};
+    int nM = (int)(sizeof Ms / sizeof Ms[0]);
+    backend *inv = open_cuda(1), *fast = open_cuda(0);
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        int I = shapes[k][0], H = shapes[k][1], checked = 0, fchecked = 0;
+        int d = gate_up_differ(inv, I, H, Ms, nM, &checked);
+        int fd = with_fast() ? gate_up_differ(fast, I, H, Ms, nM, &fchecked) : -1;
+        fprintf(stderr,
+                "  gate_up inter=%-6d hidden=%-5d M 1..%d: invariant mode %d/%d sampled rows "
+                "differ from the row alone (fast mode: %d/%d)\n",
+                I, H, Ms[nM - 1], d, checked, fd, fchecked);
+        assert_int_equal(d, 0);
+    }
+    backend_close(inv);
+    backend_close(fast);
+}
+
 /* timing of the 7B GEMM shapes (DISAGG_INV_GEMM_BENCH=1): fast mode and invariant mode with
  * the algorithm chosen at several reference row counts */
 static void test_matmul_bench(void **st) {
@@ -932,6 +1023,7 @@ int main(void) {
         cmocka_unit_test(test_cpu_accepts),
         cmocka_unit_test(test_harness_cpu),
         cmocka_unit_test(test_matmul_invariant),
+        cmocka_unit_test(test_gate_up_invariant),
         cmocka_unit_test(test_attention_invariant),
         cmocka_unit_test(test_model_tiny),
         cmocka_unit_test(test_model_default),

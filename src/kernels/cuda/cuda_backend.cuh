@@ -876,6 +876,22 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
                   swiglu16(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu16, T, I),
                   "swiglu (bf16 gate|up)", 0);
     }
+    /* the batch-invariant mode (bf16 x): gate|up in bf16 at EVERY row count, decode included,
+     * so a row's rounding never depends on the batch (iv_matmul_bf16out's pinned and
+     * probe-verified algorithms), then the same SwiGLU */
+    if (s->inv && s->pol.gu16 && o->x_dt == BACKEND_BF16) {
+        bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
+        if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
+        int rc = pm(s,
+                    iv_matmul_bf16out(s->c->lt, s->c->device, s->c->stream, s->c->ws,
+                                      s->c->ws_bytes, &s->pol, gu16, o->x, o->w_gate_up, T, 2 * I,
+                                      o->hidden),
+                    "gate|up GEMM (invariant, bf16 out)", 2.0 * 2 * I * o->hidden);
+        if (rc) return rc;
+        return pm(s,
+                  swiglu16(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu16, T, I),
+                  "swiglu (bf16 gate|up)", 0);
+    }
     float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
     if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, BACKEND_BF16, NULL, T,

@@ -33,7 +33,7 @@ typedef struct iv_pick {
 } iv_pick;
 
 typedef struct iv_algo {
-    int dev, N, K, m_ref, splitk, buckets;
+    int dev, N, K, m_ref, splitk, buckets, out16, order;
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a;
     cublasLtMatmulAlgo_t algo; /* the reference: chosen at m_ref, valid for every M */
@@ -56,9 +56,12 @@ static iv_check g_checks[IV_CHECK_CAP];
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 
 iv_policy iv_policy_default(void) {
-    iv_policy p = {64, 1, 1};
+    iv_policy p = {64, 1, 1, 1, 1};
     const char *m = getenv("DISAGG_CUDA_INV_GEMM_M"), *s = getenv("DISAGG_CUDA_INV_SPLITK"),
-               *b = getenv("DISAGG_CUDA_INV_BUCKETS");
+               *b = getenv("DISAGG_CUDA_INV_BUCKETS"), *g = getenv("DISAGG_CUDA_INV_GU16"),
+               *o = getenv("DISAGG_CUDA_INV_ORDER");
+    if (g && (!strcmp(g, "0") || !strcmp(g, "1"))) p.gu16 = atoi(g);
+    if (o && (!strcmp(o, "0") || !strcmp(o, "1"))) p.order = atoi(o);
     if (m && atoi(m) >= 1 && atoi(m) <= 65536) p.m_ref = atoi(m);
     if (s && (!strcmp(s, "0") || !strcmp(s, "1"))) p.splitk = atoi(s);
     if (b && (!strcmp(b, "0") || !strcmp(b, "1"))) p.buckets = atoi(b);
@@ -75,7 +78,8 @@ static int check_algo(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatm
                       int M, size_t ws_bytes) {
     cublasLtMatrixLayout_t b = NULL, c = NULL;
     if (cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, al->K, M, al->K) != CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, al->N, M, al->N) != CUBLAS_STATUS_SUCCESS) {
+        cublasLtMatrixLayoutCreate(&c, al->out16 ? CUDA_R_16BF : CUDA_R_32F, al->N, M, al->N) !=
+            CUBLAS_STATUS_SUCCESS) {
         if (b) cublasLtMatrixLayoutDestroy(b);
         return 0;
     }
@@ -101,18 +105,19 @@ static int cfg_attr(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttri
 
 /* the shape's algorithm (chosen on first use; g_mu held) */
 static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int N, int K,
-                         size_t ws_bytes) {
+                         int out16, size_t ws_bytes) {
     for (int i = 0; i < g_n_algos; i++) {
         iv_algo *a = &g_algos[i];
         if (a->dev == dev && a->N == N && a->K == K && a->m_ref == pol->m_ref &&
-            a->splitk == pol->splitk && a->buckets == pol->buckets)
+            a->splitk == pol->splitk && a->buckets == pol->buckets && a->out16 == out16 &&
+            a->order == pol->order)
             return a;
     }
     if (g_n_algos == IV_ALGO_CAP) return NULL;
     iv_algo *al = &g_algos[g_n_algos];
     memset(al, 0, sizeof *al);
     al->dev = dev, al->N = N, al->K = K, al->m_ref = pol->m_ref, al->splitk = pol->splitk;
-    al->buckets = pol->buckets;
+    al->buckets = pol->buckets, al->out16 = out16, al->order = pol->order;
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     if (cublasLtMatmulDescCreate(&al->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
         return NULL;
@@ -122,7 +127,7 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
     g_n_algos++;
     cublasLtMatrixLayout_t b = NULL, c = NULL;
     cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, K, pol->m_ref, K);
-    cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, pol->m_ref, N);
+    cublasLtMatrixLayoutCreate(&c, out16 ? CUDA_R_16BF : CUDA_R_32F, N, pol->m_ref, N);
     cublasLtMatmulPreference_t pref;
     cublasLtMatmulPreferenceCreate(&pref);
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
@@ -165,9 +170,9 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
     al->ok = 1;
     if (iv_log())
         fprintf(stderr,
-                "cuda: batch-invariant GEMM N=%d K=%d: algo %d tile %d stages %d split-K %d "
+                "cuda: batch-invariant GEMM N=%d K=%d%s: algo %d tile %d stages %d split-K %d "
                 "reduction %d (chosen at M=%d, candidate %d), rows per call <= %d\n",
-                N, K, cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_ID),
+                N, K, out16 ? " bf16 out" : "", cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_ID),
                 cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
                 cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
                 cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
@@ -194,7 +199,7 @@ static int m_ok(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatmulAlgo
 
 /* y (T, N) = x . w^T with one algorithm, in calls of at most max_rows rows (g_mu held) */
 static int run_algo(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatmulAlgo_t *algo,
-                    int max_rows, void *ws, size_t ws_bytes, cudaStream_t st, float *y,
+                    int max_rows, void *ws, size_t ws_bytes, cudaStream_t st, void *y,
                     const void *x, const void *w, int T) {
     float alpha = 1.0f, beta = 0.0f;
     int N = al->N, K = al->K;
@@ -209,9 +214,9 @@ static int run_algo(cublasLtHandle_t lt, const iv_algo *al, const cublasLtMatmul
         }
         cublasLtMatrixLayout_t b = NULL, c = NULL;
         cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, K, M, K);
-        cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, M, N);
+        cublasLtMatrixLayoutCreate(&c, al->out16 ? CUDA_R_16BF : CUDA_R_32F, N, M, N);
         const bf16 *xb = (const bf16 *)x + (size_t)r0 * K;
-        float *yc = y + (size_t)r0 * N;
+        char *yc = (char *)y + (size_t)r0 * N * (al->out16 ? 2 : 4);
         cublasStatus_t s = cublasLtMatmul(lt, al->op, &alpha, w, al->a, xb, b, &beta, yc, c, yc, c,
                                           algo, ws, ws_bytes, st);
         cublasLtMatrixLayoutDestroy(b);
@@ -234,6 +239,29 @@ __global__ void k_iv_fill(bf16 *p, size_t n, uint32_t seed) {
     }
 }
 
+/* The order resolve_bucket tries cuBLASLt's candidates in (ord: a permutation of 0 .. found-1):
+ * as offered, or (prefer, f32 output) for buckets of >= 512 rows first those whose tile is the
+ * fast mode's prefill rule's (pf_rule in cuda_kernels.cu: N = 3584 the 112x128 then 128x128
+ * tiles, N = 4608 the 144x128 tile, split-K 1) -- the heuristic's first at these sizes were
+ * 7-13 % slower on the H200.  Any order is exact: whichever candidate is taken was proven equal
+ * to the reference on the probe; the order only decides which of the equal ones runs. */
+static void iv_order(const cublasLtMatmulHeuristicResult_t *res, int found, int N, int Mb,
+                     int prefer, int *ord) {
+    static const int t3584[] = {CUBLASLT_MATMUL_TILE_112x128, CUBLASLT_MATMUL_TILE_128x128};
+    static const int t4608[] = {CUBLASLT_MATMUL_TILE_144x128};
+    const int *pt = NULL;
+    int npt = 0, n = 0, used[IV_CANDIDATES] = {0};
+    if (prefer && Mb >= 512 && N == 3584) pt = t3584, npt = 2;
+    if (prefer && Mb >= 512 && N == 4608) pt = t4608, npt = 1;
+    for (int j = 0; j < npt; j++)
+        for (int i = 0; i < found; i++)
+            if (!used[i] && cfg_attr(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == pt[j] &&
+                cfg_attr(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) <= 1)
+                used[i] = 1, ord[n++] = i;
+    for (int i = 0; i < found; i++)
+        if (!used[i]) ord[n++] = i;
+}
+
 /* The algorithm for row bucket b (rows in (2^(b-1), 2^b]): the first of cuBLASLt's candidates
  * at 2^b rows (as offered, or with the reference's split-K count and reduction) whose output
  * on a probe -- P random rows times the call's own weights -- is bit for bit the reference's;
@@ -242,11 +270,12 @@ __global__ void k_iv_fill(bf16 *p, size_t n, uint32_t seed) {
 static void resolve_bucket(cublasLtHandle_t lt, iv_algo *al, int b, cudaStream_t st, void *ws,
                            size_t ws_bytes, const void *w) {
     int Mb = 1 << b, N = al->N, K = al->K, P = Mb < 128 ? Mb : 128;
+    size_t es = al->out16 ? 2 : 4; /* bytes per output element */
     if ((size_t)N * P > (size_t)4 << 20) P = (int)(((size_t)4 << 20) / N) > 0 ? (int)(((size_t)4 << 20) / N) : 1;
     al->bstate[b] = 2;
     cublasLtMatrixLayout_t lb = NULL, lc = NULL;
     cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, K, Mb, K);
-    cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N, Mb, N);
+    cublasLtMatrixLayoutCreate(&lc, al->out16 ? CUDA_R_16BF : CUDA_R_32F, N, Mb, N);
     cublasLtMatmulPreference_t pref;
     cublasLtMatmulPreferenceCreate(&pref);
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
@@ -266,22 +295,23 @@ static void resolve_bucket(cublasLtHandle_t lt, iv_algo *al, int b, cudaStream_t
     cublasLtMatrixLayoutDestroy(lc);
     if (hs != CUBLAS_STATUS_SUCCESS) found = 0;
     bf16 *xp = NULL;
-    float *y0 = NULL, *y1 = NULL, *h0 = (float *)malloc((size_t)P * N * 4),
-          *h1 = (float *)malloc((size_t)P * N * 4);
-    int tried = 0, pick = -1, variant = 0;
+    void *y0 = NULL, *y1 = NULL, *h0 = malloc((size_t)P * N * es), *h1 = malloc((size_t)P * N * es);
+    int tried = 0, pick = -1, variant = 0, ord[IV_CANDIDATES];
+    iv_order(res, found, N, Mb, al->order && !al->out16, ord);
     if (!found || !h0 || !h1 || cudaMalloc((void **)&xp, (size_t)P * K * 2) != cudaSuccess ||
-        cudaMalloc((void **)&y0, (size_t)P * N * 4) != cudaSuccess ||
-        cudaMalloc((void **)&y1, (size_t)P * N * 4) != cudaSuccess)
+        cudaMalloc(&y0, (size_t)P * N * es) != cudaSuccess ||
+        cudaMalloc(&y1, (size_t)P * N * es) != cudaSuccess)
         goto done;
     k_iv_fill<<<256, 256, 0, st>>>(xp, (size_t)P * K, 0x15u + (uint32_t)b);
     if (run_algo(lt, al, &al->algo, al->max_rows, ws, ws_bytes, st, y0, xp, w, P) ||
-        cudaMemcpyAsync(h0, y0, (size_t)P * N * 4, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
+        cudaMemcpyAsync(h0, y0, (size_t)P * N * es, cudaMemcpyDeviceToHost, st) != cudaSuccess ||
         cudaStreamSynchronize(st) != cudaSuccess)
         goto done;
     {
         int rsplit = cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
         int rred = cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
-        for (int i = 0; i < found && pick < 0; i++) {
+        for (int oi = 0; oi < found && pick < 0; oi++) {
+            int i = ord[oi];
             for (int v = 0; v < 2 && pick < 0; v++) {
                 cublasLtMatmulAlgo_t a = res[i].algo;
                 int sp = cfg_attr(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
@@ -308,13 +338,13 @@ static void resolve_bucket(cublasLtHandle_t lt, iv_algo *al, int b, cudaStream_t
                     mr *= 2;
                 al->bucket[b].max_rows = mr;
                 if (run_algo(lt, al, &al->bucket[b].algo, mr, ws, ws_bytes, st, y1, xp, w, P) ||
-                    cudaMemcpyAsync(h1, y1, (size_t)P * N * 4, cudaMemcpyDeviceToHost, st) !=
+                    cudaMemcpyAsync(h1, y1, (size_t)P * N * es, cudaMemcpyDeviceToHost, st) !=
                         cudaSuccess ||
                     cudaStreamSynchronize(st) != cudaSuccess) {
                     cudaGetLastError();
                     continue;
                 }
-                if (!memcmp(h0, h1, (size_t)P * N * 4)) pick = i, variant = v;
+                if (!memcmp(h0, h1, (size_t)P * N * es)) pick = i, variant = v;
             }
         }
     }
@@ -324,16 +354,16 @@ done:
     if (iv_log()) {
         if (pick >= 0)
             fprintf(stderr,
-                    "cuda: batch-invariant GEMM N=%d K=%d rows <= %d: candidate %d%s (tile %d "
+                    "cuda: batch-invariant GEMM N=%d K=%d%s rows <= %d: candidate %d%s (tile %d "
                     "split-K %d) equals the reference bit for bit on a %d-row probe\n",
-                    N, K, Mb, pick, variant ? " with the reference's split-K" : "",
+                    N, K, al->out16 ? " bf16 out" : "", Mb, pick, variant ? " with the reference's split-K" : "",
                     cfg_attr(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
                     cfg_attr(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), P);
         else
             fprintf(stderr,
-                    "cuda: batch-invariant GEMM N=%d K=%d rows <= %d: the reference (%d "
+                    "cuda: batch-invariant GEMM N=%d K=%d%s rows <= %d: the reference (%d "
                     "candidates tried, none equal on a %d-row probe)\n",
-                    N, K, Mb, tried, P);
+                    N, K, al->out16 ? " bf16 out" : "", Mb, tried, P);
     }
     if (xp) cudaFree(xp);
     if (y0) cudaFree(y0);
@@ -347,12 +377,13 @@ __global__ void k_iv_bias(float *y, const float *b, int N, size_t n) {
         y[i] += b[i % N];
 }
 
-int iv_matmul(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t ws_bytes,
-              const iv_policy *pol, float *y, const void *x, const void *w, const float *bias,
-              int T, int N, int K) {
+static int iv_gemm(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t ws_bytes,
+                   const iv_policy *pol, void *y, int out16, const void *x, const void *w,
+                   const float *bias, int T, int N, int K) {
     if (T <= 0) return 0;
+    size_t es = out16 ? 2 : 4;
     pthread_mutex_lock(&g_mu);
-    iv_algo *al = algo_get(lt, device, pol, N, K, ws_bytes);
+    iv_algo *al = algo_get(lt, device, pol, N, K, out16, ws_bytes);
     pthread_mutex_unlock(&g_mu);
     if (!al || !al->ok) return -EIO;
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
@@ -367,14 +398,14 @@ int iv_matmul(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t
         const cublasLtMatmulAlgo_t *algo = &al->algo;
         int mr = al->max_rows;
         if (al->buckets && al->bstate[bk] == 1) algo = &al->bucket[bk].algo, mr = al->bucket[bk].max_rows;
-        int rc = run_algo(lt, al, algo, mr, ws, ws_bytes, st, y + (size_t)r0 * N,
+        int rc = run_algo(lt, al, algo, mr, ws, ws_bytes, st, (char *)y + (size_t)r0 * N * es,
                           (const bf16 *)x + (size_t)r0 * K, w, M);
         pthread_mutex_unlock(&g_mu);
         if (rc) return rc;
     }
     if (bias) {
         size_t n = (size_t)T * N, g = (n + 255) / 256;
-        k_iv_bias<<<(int)(g > 4096 ? 4096 : g), 256, 0, st>>>(y, bias, N, n);
+        k_iv_bias<<<(int)(g > 4096 ? 4096 : g), 256, 0, st>>>((float *)y, bias, N, n);
     }
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
@@ -382,6 +413,18 @@ int iv_matmul(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t
         return -EIO;
     }
     return 0;
+}
+
+int iv_matmul(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t ws_bytes,
+              const iv_policy *pol, float *y, const void *x, const void *w, const float *bias,
+              int T, int N, int K) {
+    return iv_gemm(lt, device, st, ws, ws_bytes, pol, y, 0, x, w, bias, T, N, K);
+}
+
+int iv_matmul_bf16out(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws,
+                      size_t ws_bytes, const iv_policy *pol, void *y, const void *x,
+                      const void *w, int T, int N, int K) {
+    return iv_gemm(lt, device, st, ws, ws_bytes, pol, y, 1, x, w, NULL, T, N, K);
 }
 
 /* ---- attention ------------------------------------------------------------------------- */
@@ -607,6 +650,122 @@ __global__ void __launch_bounds__(128)
     }
 }
 
+/* Prefill tiles, the wider form (default; $DISAGG_CUDA_INV_PF_ROWS=64 for k_iv_prefill): CTA
+ * = 16 * NW of a tile's token-major (token, group head) rows of one KV head, NW warps of 16
+ * rows sharing each K/V tile, which is copied once per CTA (cp.async) into one of two
+ * shared-memory stages while the other is computed.  Every warp runs the same iv_load_q,
+ * iv_tile and fold as k_iv_prefill on the same rows (a warp's rows start at a multiple of 16
+ * of the tile), so the bits are k_iv_prefill's: the CTA's wider key range only adds keys
+ * past a row's position, which iv_tile masks (weight 0) as it masks the CTA's later rows'
+ * keys in k_iv_prefill, and a tile past all of a warp's rows is skipped (its fold would be the
+ * identity). */
+template <int HD, typename KT, int NW>
+__global__ void __launch_bounds__(NW * 32)
+    k_iv_prefill2(float *out, const float *q, const KT *kv, int bs, int n_layers, int layer,
+                  const int32_t *tiles, const int32_t *pos, const int32_t *bts, int bt_stride,
+                  int nh, int nkv, float scale) {
+    constexpr int LD = HD + IV_PAD, DT = HD / 8, ROWS = 16 * NW, STAGE = 2 * IV_BK * LD + 16;
+    extern __shared__ __align__(16) bf16 iv_psm[];
+    int tile = blockIdx.x, kvh = blockIdx.z, G = nh / nkv, kvd = nkv * HD;
+    int t0 = tiles[3 * tile], ntok = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
+    int rows = ntok * G, rb = blockIdx.y * ROWS;
+    if (rb >= rows) return;
+    const int32_t *bt = bts + (size_t)sq * bt_stride;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, qd = lane & 3;
+    int wr = rb + warp * 16, r0 = wr + g, r1 = r0 + 8;
+    int last = (rows < rb + ROWS ? rows : rb + ROWS) - 1;
+    int kend = pos[t0 + last / G] + 1;
+    int wlast = (rows < wr + 16 ? rows : wr + 16) - 1;
+    int wmax = wr < rows ? pos[t0 + wlast / G] : -1;
+    int tk0 = t0 + r0 / G, tk1 = t0 + r1 / G, h0 = kvh * G + r0 % G, h1 = kvh * G + r1 % G;
+    int qp0 = r0 < rows ? pos[tk0] : -1, qp1 = r1 < rows ? pos[tk1] : -1;
+    uint32_t qa[HD / 16][4];
+    iv_load_q<HD>(qa, r0 < rows ? q + (size_t)tk0 * nh * HD + (size_t)h0 * HD : NULL,
+                  r1 < rows ? q + (size_t)tk1 * nh * HD + (size_t)h1 * HD : NULL, scale);
+    float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f, O[DT][4], os[DT][4];
+#pragma unroll
+    for (int dn = 0; dn < DT; dn++)
+        O[dn][0] = O[dn][1] = O[dn][2] = O[dn][3] = 0.0f;
+    iv_load_issue<HD, KT, NW * 32>(iv_psm, iv_psm + IV_BK * LD, kv, bt, 0, kend, bs, n_layers,
+                                   kvd, layer, kvh);
+    cp_async_commit();
+    for (int k0 = 0, st = 0; k0 < kend; k0 += IV_BK, st ^= 1) {
+        bf16 *Ks = iv_psm + st * STAGE, *Vs = Ks + IV_BK * LD;
+        if (k0 + IV_BK < kend) {
+            bf16 *Kn = iv_psm + (st ^ 1) * STAGE;
+            iv_load_issue<HD, KT, NW * 32>(Kn, Kn + IV_BK * LD, kv, bt, k0 + IV_BK, kend, bs,
+                                           n_layers, kvd, layer, kvh);
+            cp_async_commit();
+            cp_async_wait_group<1>();
+        } else {
+            cp_async_wait_group<0>();
+        }
+        __syncthreads();
+        if (k0 <= wmax) {
+            float ms0, ms1, ls0, ls1, mn0, mn1, a0, a1, b0, b1;
+            iv_tile<HD>(qa, Ks, Vs, k0, qp0, qp1, ms0, ms1, ls0, ls1, os);
+            iv_coef(M0, ms0, mn0, a0, b0);
+            iv_coef(M1, ms1, mn1, a1, b1);
+            L0 = iv_mix(L0, a0, ls0, b0);
+            L1 = iv_mix(L1, a1, ls1, b1);
+            M0 = mn0, M1 = mn1;
+#pragma unroll
+            for (int dn = 0; dn < DT; dn++) {
+                O[dn][0] = iv_mix(O[dn][0], a0, os[dn][0], b0);
+                O[dn][1] = iv_mix(O[dn][1], a0, os[dn][1], b0);
+                O[dn][2] = iv_mix(O[dn][2], a1, os[dn][2], b1);
+                O[dn][3] = iv_mix(O[dn][3], a1, os[dn][3], b1);
+            }
+        }
+        __syncthreads(); /* the stage is refilled next */
+    }
+#pragma unroll
+    for (int dn = 0; dn < DT; dn++) {
+        int d = dn * 8 + 2 * qd;
+        if (r0 < rows) {
+            float *p = out + (size_t)tk0 * nh * HD + (size_t)h0 * HD + d;
+            p[0] = iv_final(O[dn][0], L0);
+            p[1] = iv_final(O[dn][1], L0);
+        }
+        if (r1 < rows) {
+            float *p = out + (size_t)tk1 * nh * HD + (size_t)h1 * HD + d;
+            p[0] = iv_final(O[dn][2], L1);
+            p[1] = iv_final(O[dn][3], L1);
+        }
+    }
+}
+
+/* rows per prefill CTA: $DISAGG_CUDA_INV_PF_ROWS = 64 (k_iv_prefill) or 128 (default,
+ * k_iv_prefill2 with 8 warps); the same bits by construction (the same per-row arithmetic;
+ * test_cuda_invariant checks schedules within one setting, not the two against each other) */
+static int iv_pf_rows(void) {
+    static int v;
+    if (!v) {
+        const char *e = getenv("DISAGG_CUDA_INV_PF_ROWS");
+        int r = e ? atoi(e) : 128;
+        v = r == 64 ? 64 : 128;
+    }
+    return v;
+}
+
+template <int HD, typename KT, int NW>
+static void iv_prefill2_launch(cudaStream_t st, float *out, const float *q, const KT *kv, int bs,
+                               int n_layers, int layer, const int32_t *tiles, int n_tiles,
+                               const int32_t *pos, const int32_t *bts, int bt_stride, int nh,
+                               int nkv, float scale) {
+    int G = nh / nkv;
+    size_t smem = (size_t)2 * (2 * IV_BK * (HD + IV_PAD) + 16) * sizeof(bf16);
+    static int attr_done; /* per instantiation */
+    if (!attr_done) {
+        cudaFuncSetAttribute(k_iv_prefill2<HD, KT, NW>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        attr_done = 1;
+    }
+    dim3 grid(n_tiles, (64 * G + 16 * NW - 1) / (16 * NW), nkv); /* tiles of <= 64 tokens */
+    k_iv_prefill2<HD, KT, NW><<<grid, NW * 32, smem, st>>>(out, q, kv, bs, n_layers, layer, tiles,
+                                                          pos, bts, bt_stride, nh, nkv, scale);
+}
+
 /* The other tokens: CTA = one warp = (token, 16 of its group's heads, KV head, key tile):
  * the tile's partial to part[((ti * nh + head) * nkt + kt) * (HD + 2)] (o, then m, l). */
 template <int HD, typename KT>
@@ -776,10 +935,13 @@ static int iv_launch(cudaStream_t st, iv_scratch *sc, float *out, const float *q
                      const int32_t *bts, int bt_stride, const int32_t *tiles, int n_tiles,
                      const int32_t *rest, int n_rest, int nkt, int nh, int nkv, float scale) {
     int G = nh / nkv;
-    if (n_tiles > 0) {
+    if (n_tiles > 0 && iv_pf_rows() == 64) {
         dim3 grid(n_tiles, G, nkv); /* 64 tokens x G rows per tile, 64 rows per CTA */
         k_iv_prefill<HD, KT><<<grid, 128, 0, st>>>(out, q, kv, bs, n_layers, layer, tiles, pos,
                                                    bts, bt_stride, nh, nkv, scale);
+    } else if (n_tiles > 0) {
+        iv_prefill2_launch<HD, KT, 8>(st, out, q, kv, bs, n_layers, layer, tiles, n_tiles, pos,
+                                      bts, bt_stride, nh, nkv, scale);
     }
     if (n_rest > 0) {
         int tps = iv_dec_tps(n_rest, (G + 15) / 16 * nkv, nkt, HD); /* 0 unless HD 64/128 */

@@ -55,6 +55,10 @@ typedef struct iv_policy {
     int splitk;
     int buckets; /* per power-of-two row bucket, an algorithm proven bit-identical to the
                   * reference on a probe ($DISAGG_CUDA_INV_BUCKETS, default 1) */
+    int gu16;    /* the gate|up GEMM writes bf16 at every row count, SwiGLU reads that
+                  * ($DISAGG_CUDA_INV_GU16, default 1; cuda_backend.cuh's cb_gate_up) */
+    int order;   /* buckets of >= 512 rows try the fast mode's prefill tiles first
+                  * ($DISAGG_CUDA_INV_ORDER, default 1; the pick is still probe-verified) */
 } iv_policy;
 iv_policy iv_policy_default(void);
 
@@ -63,6 +67,12 @@ iv_policy iv_policy_default(void);
 int iv_matmul(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws, size_t ws_bytes,
               const iv_policy *pol, float *y, const void *x, const void *w, const float *bias,
               int T, int N, int K);
+
+/* The same with y (T, N) bf16: the epilogue rounds each f32 sum to bf16 (no bias); its own
+ * reference and buckets, verified on the probe's bf16 output. */
+int iv_matmul_bf16out(cublasLtHandle_t lt, int device, cudaStream_t st, void *ws,
+                      size_t ws_bytes, const iv_policy *pol, void *y, const void *x,
+                      const void *w, int T, int N, int K);
 
 /* Scratch for the partials of the split path (one per stream). */
 typedef struct iv_scratch {
