@@ -32,7 +32,7 @@
 
 static const cpu_isa ISA_SCALAR = CPU_ISA_SCALAR, ISA_AVX2 = CPU_ISA_AVX2,
                      ISA_AVX512BF16 = CPU_ISA_AVX512BF16,
-                     ISA_AVX512BF16_FAST = CPU_ISA_AVX512BF16_FAST;
+                     ISA_AVX512BF16_FAST = CPU_ISA_AVX512BF16_FAST, ISA_AVX512F = CPU_ISA_AVX512F;
 static int g_skipped; /* tests skipped for a missing ISA */
 
 /* Run the current test on the ISA in *state; skip loudly if the CPU lacks it. */
@@ -40,8 +40,9 @@ static cpu_isa use_isa(void **state) {
     cpu_isa isa = *(const cpu_isa *)*state;
     if (cpu_isa_force(isa) != 0) {
         fprintf(stderr,
-                "SKIPPED: this CPU lacks %s (avx2: avx2, fma and f16c; avx512bf16: also avx512f, "
-                "avx512bw, avx512vl and avx512_bf16): the %s kernels are NOT tested here\n",
+                "SKIPPED: this CPU lacks %s (avx2: avx2, fma and f16c; avx512f: also avx512f; "
+                "avx512bf16: also avx512f, avx512bw, avx512vl and avx512_bf16): the %s kernels "
+                "are NOT tested here\n",
                 cpu_isa_name(isa), cpu_isa_name(isa));
         g_skipped++;
         skip();
@@ -129,6 +130,26 @@ static float bf16x_dot(const float *x, const uint16_t *w, int K, int parts) {
     return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
+/* The f32x16 dot of the avx512f path (cpu_avx512f.c), from its specification: k padded with
+ * zeros to a multiple of 32, 16 lanes; for each 32-block, lane i = fma(x, w, lane i) for element
+ * 2i, then for element 2i + 1; then lanes i + 8 folded onto i and the canonical tree. */
+static float f32x_dot(const float *x, const uint16_t *w, int K) {
+    float acc[16] = {0};
+    for (int b = 0; b < K; b += 32)
+        for (int e = 0; e < 2; e++)
+            for (int i = 0; i < 16; i++) {
+                int k = b + 2 * i + e;
+                if (k < K)
+                    acc[i] = fmaf(x[k], my_bf16(w[k]), acc[i]);
+                else
+                    acc[i] = fmaf(0.0f, 0.0f, acc[i]); /* what the zero padding adds */
+            }
+    float t[8];
+    for (int i = 0; i < 8; i++)
+        t[i] = acc[i] + acc[i + 8];
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
 /* w as dtype from f32 values (bf16 by truncation; f16 of values k/1024, |k| < 1024: exact). */
 static void *make_weights(cpu_dtype dt, const float *f, size_t n) {
     if (dt == CPU_F32) {
@@ -179,9 +200,15 @@ static void check_matmul(cpu_pool *pool, cpu_dtype dt, int T, int N, int K) {
         for (int t = 0; t < T; t++)
             for (int n = 0; n < N; n++) {
                 int parts = dt == CPU_BF16 ? cpu_isa_bf16_parts(cpu_isa_get()) : 0;
-                float want = parts ? bf16x_dot(x + (size_t)t * K,
-                                               (const uint16_t *)w + (size_t)n * K, K, parts)
-                                   : canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
+                const uint16_t *wn = (const uint16_t *)w + (size_t)n * K;
+                float want = parts ? bf16x_dot(x + (size_t)t * K, wn, K, parts)
+                             : dt == CPU_BF16 && cpu_isa_get() == CPU_ISA_AVX512F
+                                 ? f32x_dot(x + (size_t)t * K, wn, K)
+                                 : canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
+                if (dt == CPU_BF16 && cpu_isa_get() == CPU_ISA_AVX512F) {
+                    float r = cpu_ref_f32x_dot(x + (size_t)t * K, wn, K); /* cpu_ref.c agrees */
+                    if (memcmp(&r, &want, 4)) fail_msg("cpu_ref_f32x_dot %.9g vs %.9g", r, want);
+                }
                 if (bias) want = want + bias[n];
                 float got = y[(size_t)t * N + n];
                 if (memcmp(&got, &want, 4))
@@ -484,7 +511,7 @@ static void test_pool(void **st) {
     { #fn "_" name, fn, NULL, NULL, (void *)&isa }
 #define PER_ISA(fn)                                                                                \
     ISA_TEST(fn, ISA_SCALAR, "scalar"), ISA_TEST(fn, ISA_AVX2, "avx2"),                            \
-        ISA_TEST(fn, ISA_AVX512BF16, "avx512bf16"),                                                \
+        ISA_TEST(fn, ISA_AVX512F, "avx512f"), ISA_TEST(fn, ISA_AVX512BF16, "avx512bf16"),          \
         ISA_TEST(fn, ISA_AVX512BF16_FAST, "avx512bf16_fast")
 
 int main(void) {

@@ -48,6 +48,11 @@ static int isa_has_avx512bf16(void) {
     return (a >> 5) & 1;
 }
 
+/* AVX-512F (and the AVX2/FMA/F16C the rest of the kernels use) */
+static int isa_has_avx512f(void) {
+    return isa_has_avx2() && __builtin_cpu_supports("avx512f");
+}
+
 int cpu_isa_supported(cpu_isa isa) {
     switch (isa) {
     case CPU_ISA_SCALAR:
@@ -57,13 +62,17 @@ int cpu_isa_supported(cpu_isa isa) {
     case CPU_ISA_AVX512BF16:
     case CPU_ISA_AVX512BF16_FAST:
         return isa_has_avx512bf16();
+    case CPU_ISA_AVX512F:
+        return isa_has_avx512f();
     default:
         return 0;
     }
 }
 
 static const char *const ISA_NAMES[CPU_ISA_COUNT] = {"scalar", "avx2", "avx512bf16",
-                                                     "avx512bf16-fast"};
+                                                     "avx512bf16-fast", "avx512f"};
+/* The order cpu_isa_get() prefers (avx512bf16-fast is never chosen by itself). */
+static const cpu_isa ISA_PREFERRED[] = {CPU_ISA_AVX512F, CPU_ISA_AVX512BF16, CPU_ISA_AVX2};
 
 int cpu_isa_bf16_parts(cpu_isa isa) {
     return isa == CPU_ISA_AVX512BF16 ? 3 : isa == CPU_ISA_AVX512BF16_FAST ? 1 : 0;
@@ -86,9 +95,9 @@ static void isa_describe_cpu(char *buf, size_t len, const char *how) {
 cpu_isa cpu_isa_get(void) {
     if (g_isa < 0) {
         int best = CPU_ISA_SCALAR;
-        for (int i = CPU_ISA_AVX512BF16; i > 0; i--) /* -fast is never chosen by itself */
-            if (cpu_isa_supported((cpu_isa)i)) {
-                best = i;
+        for (size_t i = 0; i < sizeof ISA_PREFERRED / sizeof ISA_PREFERRED[0]; i++)
+            if (cpu_isa_supported(ISA_PREFERRED[i])) {
+                best = ISA_PREFERRED[i];
                 break;
             }
         const char *env = getenv("DISAGG_CPU_ISA"), *how = "the best this cpu runs";
@@ -99,8 +108,8 @@ cpu_isa cpu_isa_get(void) {
                 if (!strcmp(env, ISA_NAMES[i])) want = i;
             if (want < 0)
                 LOG_W("kernels",
-                      "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2, avx512bf16, "
-                      "avx512bf16-fast); using %s",
+                      "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2, avx512f, "
+                      "avx512bf16, avx512bf16-fast); using %s",
                       env, ISA_NAMES[best]);
             else if (!cpu_isa_supported((cpu_isa)want))
                 LOG_W("kernels", "DISAGG_CPU_ISA=%s: this cpu cannot run it; using %s", env,
@@ -316,6 +325,7 @@ typedef struct mm_job {
     int row_tasks;      /* ceil(N / rows_per_task) */
     const uint16_t *xs; /* bf16 parts of x (avx512bf16* and bf16 weights), else NULL */
     int parts;          /* how many */
+    const float *xp;    /* x rearranged for cpu_f32x_rows (avx512f, bf16 weights), else NULL */
 } mm_job;
 
 static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, int task,
@@ -331,6 +341,11 @@ static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, in
         cpu_bf16x_rows(j->y + (size_t)t_beg * N, N,
                        j->xs + (size_t)t_beg * cpu_bf16x_stride(K, j->parts), t_end - t_beg, j->w,
                        j->bias, n_beg, n_end, K, j->T <= STREAM_T, j->parts);
+        return;
+    }
+    if (j->xp) {
+        cpu_f32x_rows(j->y + (size_t)t_beg * N, N, j->xp + (size_t)t_beg * cpu_f32x_stride(K),
+                      t_end - t_beg, j->w, j->bias, n_beg, n_end, K, j->T <= STREAM_T);
         return;
     }
     if (t_end - t_beg <= 2) {
@@ -408,6 +423,7 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
         return;
     }
     const int parts = cpu_isa_bf16_parts(cpu_isa_get());
+    const int perm = cpu_isa_get() == CPU_ISA_AVX512F;
     for (int base = 0; base < n_ops; base += CPU_MATMUL_MAX_OPS) {
         mm_multi m = {.n = 0};
         int total = 0;
@@ -432,6 +448,28 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
             xs_used += (size_t)op->T * cpu_bf16x_stride(op->K, parts);
         }
         if (xs_need && !xs_buf) LOG_W("kernels", "out of memory for the bf16 split: avx2 path");
+        /* avx512f: the activations of every bf16 op rearranged once (shared likewise) */
+        size_t xp_need = 0;
+        for (int i = base; perm && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++)
+            if (ops[i].wt == CPU_BF16 && ops[i].T > 0 && ops[i].N > 0)
+                xp_need += (size_t)ops[i].T * cpu_f32x_stride(ops[i].K);
+        float *xp_buf = xp_need ? cpu_scratch(2, xp_need + 16) : NULL;
+        size_t xp_used = 0;
+        const float *xp_of[CPU_MATMUL_MAX_OPS] = {0};
+        for (int i = base; xp_buf && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
+            const cpu_matmul_op *op = &ops[i];
+            if (op->wt != CPU_BF16 || op->T <= 0 || op->N <= 0) continue;
+            for (int p = base; p < i && !xp_of[i - base]; p++)
+                if (xp_of[p - base] && ops[p].x == op->x && ops[p].T == op->T && ops[p].K == op->K)
+                    xp_of[i - base] = xp_of[p - base];
+            if (xp_of[i - base]) continue;
+            float *dst = xp_buf + xp_used;
+            cpu_f32x_perm(dst, op->x, op->T, op->K);
+            xp_of[i - base] = dst;
+            xp_used += (size_t)op->T * cpu_f32x_stride(op->K);
+        }
+        if (xp_need && !xp_buf)
+            LOG_W("kernels", "out of memory for the f32x rearrangement: avx2 path");
         for (int i = base; i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
             const cpu_matmul_op *op = &ops[i];
             if (op->T <= 0 || op->N <= 0) continue;
@@ -443,9 +481,9 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                 rpt = per > rpt ? (per + 3) & ~3 : rpt;
             }
             mm_job *j = &m.jobs[m.n];
-            *j = (mm_job){op->y,           op->x, op->w, op->wt, op->bias,
-                          op->T,           op->N, op->K, rpt,    (op->N + rpt - 1) / rpt,
-                          xs_of[i - base], parts};
+            *j = (mm_job){op->y,           op->x, op->w,          op->wt, op->bias,
+                          op->T,           op->N, op->K,          rpt,    (op->N + rpt - 1) / rpt,
+                          xs_of[i - base], parts, xp_of[i - base]};
             m.first[m.n++] = total;
             total += j->row_tasks * ((op->T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK);
         }

@@ -89,6 +89,23 @@ void cpu_ref_row_to_f32(float *out, const void *row, cpu_dtype dt, int n) {
         out[i] = ref_load(row, dt, (size_t)i);
 }
 
+/* ---- f32x16 dot (the avx512f path's arithmetic, in scalar code) ------------------- */
+
+float cpu_ref_f32x_dot(const float *x, const uint16_t *w, int K) {
+    float acc[16] = {0};
+    for (int b = 0; b < K; b += 32)
+        for (int e = 0; e < 2; e++) /* the even elements of the block, then the odd ones */
+            for (int i = 0; i < 16; i++) {
+                int k = b + 2 * i + e;
+                float xv = k < K ? x[k] : 0.0f, wv = k < K ? cpu_ref_bf16_to_f32(w[k]) : 0.0f;
+                acc[i] = fmaf(xv, wv, acc[i]);
+            }
+    float t[8];
+    for (int i = 0; i < 8; i++)
+        t[i] = acc[i] + acc[i + 8];
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
 /* ---- bf16xP dot (the AVX512_BF16 path's arithmetic, in scalar code) ---------------- */
 
 static float flush_denormal(float f) {
