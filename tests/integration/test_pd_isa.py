@@ -3,7 +3,8 @@
 (forced here with DISAGG_CPU_ISA: P avx2, D avx512bf16; P avx512f, D avx2) still moves the KV -- the layout is
 the same -- and the producer reports the pair once, since the result is not promised to be
 bit-identical to a colocated run.  On a CPU without AVX512_BF16 the cross-ISA test is
-skipped, saying so."""
+skipped, saying so.  A bf16 KV cache on the CPU (--kv-cache-dtype bfloat16) moves from P to D
+and decodes as a colocated bf16 server does."""
 import pytest
 import requests
 
@@ -101,5 +102,38 @@ def test_pd_layout_mismatch_still_refused():
         log = pd.p.logs()
         assert "refusing a pull: KV layout mismatch" in log and ":bs32:" in log and ":bs16:" in log, log
         assert "P/D pair across kernels" not in log
+    finally:
+        pd.stop()
+
+
+def test_pd_bf16_kv_cache_equals_colocated():
+    """--kv-cache-dtype bfloat16 on the CPU (issue 18, opt-in): the bf16 KV bytes move from P
+    to D and D's greedy tokens equal a colocated bf16-KV server's, token for token."""
+    import test_pd
+    bf16 = ("--kv-cache-dtype", "bfloat16")
+    ref_srv = Server(*COMMON, *bf16)
+    try:
+        body = dict(BODY, prompt=" ".join(["the state of the Union is strong"] * 6))
+        ref = completion_ids(requests.post(ref_srv.url + "/v1/completions", json=body,
+                                           timeout=TIMEOUT))
+    finally:
+        ref_srv.stop()
+    pd = PD.__new__(PD)
+    pd.boot_port = test_pd.free_port()
+    pd.p = Server(*COMMON, *bf16, "--kv-transfer-config", test_pd.producer_config(),
+                  env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(pd.boot_port)})
+    try:
+        pd.d = Server(*COMMON, *bf16, "--kv-transfer-config", test_pd.consumer_config())
+    except Exception:
+        pd.p.stop()
+        raise
+    try:
+        pd.bootstrap = f"http://127.0.0.1:{pd.boot_port}"
+        pd.engine_id = requests.get(pd.bootstrap + "/query", timeout=10).json()["0"]["engine_id"]
+        pr, dr = pd.send(body)
+        assert pr.status_code == 200, pr.text
+        assert_kv_pulled(dr.json()["usage"])
+        assert completion_ids(dr) == ref
+        assert ":bf16:" in pd.p.logs() or "bfloat16" in pd.p.logs(), pd.p.logs()
     finally:
         pd.stop()

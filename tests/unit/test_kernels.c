@@ -447,7 +447,40 @@ static void test_attention_pieces(void **st) {
                 for (int c = 0; c < n; c++)
                     yr[c] = fmaf(a[i], kv[(size_t)i * 80 + c], yr[c]);
             assert_memory_equal(y, yr, (size_t)n * 4);
+            /* bf16 K/V rows (a bf16 KV cache): the same arithmetic on the widened values */
+            static uint16_t kb[M * 80];
+            static float kf[M * 80];
+            cpu_f32_to_bf16_row(kb, kv, M * 80);
+            for (int i = 0; i < M * 80; i++) {
+                kf[i] = my_bf16(kb[i]);
+                float d = fabsf(kf[i] - kv[i]); /* round to nearest: within half a bf16 ulp */
+                if (d > fabsf(kv[i]) * 0x1p-8f)
+                    fail_msg("cpu_f32_to_bf16_row(%.9g) = %.9g", kv[i], kf[i]);
+            }
+            cpu_dot_rows_bf16(out, q, kb, 80, m, n, 0.125f);
+            for (int i = 0; i < m; i++) {
+                float want = canon_dot(q, kf + (size_t)i * 80, CPU_F32, 0, n) * 0.125f;
+                if (memcmp(&want, &out[i], 4))
+                    fail_msg("cpu_dot_rows_bf16 m %d n %d row %d: %.9g vs %.9g", m, n, i, out[i],
+                             want);
+            }
+            for (int i = 0; i < n; i++)
+                y[i] = yr[i] = frand();
+            cpu_axpy_rows_bf16(y, a, kb, 80, m, n);
+            for (int i = 0; i < m; i++)
+                for (int c = 0; c < n; c++)
+                    yr[c] = fmaf(a[i], kf[(size_t)i * 80 + c], yr[c]);
+            assert_memory_equal(y, yr, (size_t)n * 4);
         }
+    { /* round to nearest even, NaN stays NaN */
+        float f[4] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.5f, NAN};
+        uint16_t h[4];
+        cpu_f32_to_bf16_row(h, f, 4);
+        assert_int_equal(h[0], 0x3f80); /* tie: to even (down) */
+        assert_int_equal(h[1], 0x3f82); /* tie: to even (up) */
+        assert_int_equal(h[2], 0xc020);
+        assert_true(isnan(my_bf16(h[3])));
+    }
     for (int n = 1; n <= 70; n += 3) {
         float s[70], r[70], l[8] = {0};
         for (int i = 0; i < n; i++)

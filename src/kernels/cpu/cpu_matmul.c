@@ -654,24 +654,22 @@ static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 *A) {
                          _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
-                  float scale) {
-    if (cpu_isa_get() == CPU_ISA_SCALAR) {
-        cpu_ref_dot_rows(out, q, k, stride, m, n, scale);
-        return;
-    }
+static inline __attribute__((always_inline)) void dot_rows_dt(float *out, const float *q,
+                                                              const void *k, cpu_dtype dt,
+                                                              size_t stride, int m, int n,
+                                                              float scale) {
     const int n8 = n & ~7;
     const __m256 sc = _mm256_set1_ps(scale);
     int i = 0;
     for (; i + 8 <= m; i += 8) {
-        const float *kb = k + (size_t)i * stride;
+        const size_t kb = (size_t)i * stride;
         __m256 A[8];
         for (int p = 0; p < 8; p++)
             A[p] = _mm256_setzero_ps();
         for (int d = 0; d < n8; d += 8) {
             __m256 qv = _mm256_loadu_ps(q + d);
             for (int p = 0; p < 8; p++)
-                A[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (size_t)p * stride + d), A[p]);
+                A[p] = _mm256_fmadd_ps(qv, load8(k, dt, kb + (size_t)p * stride + d), A[p]);
         }
         __m256 s = hsum8x8(A);
         if (n8 < n) { /* the tail of each dot, in order, before the scale */
@@ -679,13 +677,37 @@ void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int
             _mm256_storeu_ps(t, s);
             for (int p = 0; p < 8; p++)
                 for (int d = n8; d < n; d++)
-                    t[p] = __builtin_fmaf(q[d], kb[(size_t)p * stride + d], t[p]);
+                    t[p] = __builtin_fmaf(q[d], load1(k, dt, kb + (size_t)p * stride + d), t[p]);
             s = _mm256_loadu_ps(t);
         }
         _mm256_storeu_ps(out + i, _mm256_mul_ps(s, sc));
     }
-    for (; i < m; i++)
-        out[i] = cpu_dot(q, k + (size_t)i * stride, n) * scale;
+    for (; i < m; i++) {
+        const size_t o = (size_t)i * stride;
+        __m256 acc = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= n; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k, dt, o + d), acc);
+        out[i] = finish(acc, q, k, dt, o, d, n, NULL, 0) * scale;
+    }
+}
+
+void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
+                  float scale) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_dot_rows(out, q, k, stride, m, n, scale);
+        return;
+    }
+    dot_rows_dt(out, q, k, CPU_F32, stride, m, n, scale);
+}
+
+void cpu_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m, int n,
+                       float scale) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_dot_rows_bf16(out, q, k, stride, m, n, scale);
+        return;
+    }
+    dot_rows_dt(out, q, k, CPU_BF16, stride, m, n, scale);
 }
 
 void cpu_softmax(float *s, int n) {
@@ -723,21 +745,18 @@ void cpu_softmax(float *s, int n) {
         s[i] = s[i] / sum;
 }
 
-void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n) {
-    if (cpu_isa_get() == CPU_ISA_SCALAR) {
-        cpu_ref_axpy_rows(y, a, v, stride, m, n);
-        return;
-    }
+static inline __attribute__((always_inline)) void
+axpy_rows_dt(float *y, const float *a, const void *v, cpu_dtype dt, size_t stride, int m, int n) {
     int c = 0;
     for (; c + 64 <= n; c += 64) { /* 64 columns of y stay in registers over all rows */
         __m256 acc[8];
         for (int r = 0; r < 8; r++)
             acc[r] = _mm256_loadu_ps(y + c + 8 * r);
         for (int i = 0; i < m; i++) {
-            const float *vi = v + (size_t)i * stride + c;
+            const size_t vi = (size_t)i * stride + c;
             __m256 av = _mm256_set1_ps(a[i]);
             for (int r = 0; r < 8; r++)
-                acc[r] = _mm256_fmadd_ps(av, _mm256_loadu_ps(vi + 8 * r), acc[r]);
+                acc[r] = _mm256_fmadd_ps(av, load8(v, dt, vi + 8 * r), acc[r]);
         }
         for (int r = 0; r < 8; r++)
             _mm256_storeu_ps(y + c + 8 * r, acc[r]);
@@ -745,11 +764,31 @@ void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int 
     for (; c + 8 <= n; c += 8) {
         __m256 acc = _mm256_loadu_ps(y + c);
         for (int i = 0; i < m; i++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i]), _mm256_loadu_ps(v + (size_t)i * stride + c),
-                                  acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i]), load8(v, dt, (size_t)i * stride + c), acc);
         _mm256_storeu_ps(y + c, acc);
     }
     for (; c < n; c++)
         for (int i = 0; i < m; i++)
-            y[c] = __builtin_fmaf(a[i], v[(size_t)i * stride + c], y[c]);
+            y[c] = __builtin_fmaf(a[i], load1(v, dt, (size_t)i * stride + c), y[c]);
+}
+
+void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_axpy_rows(y, a, v, stride, m, n);
+        return;
+    }
+    axpy_rows_dt(y, a, v, CPU_F32, stride, m, n);
+}
+
+void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_axpy_rows_bf16(y, a, v, stride, m, n);
+        return;
+    }
+    axpy_rows_dt(y, a, v, CPU_BF16, stride, m, n);
+}
+
+void cpu_f32_to_bf16_row(uint16_t *out, const float *x, int n) {
+    for (int i = 0; i < n; i++)
+        out[i] = cpu_ref_f32_to_bf16(x[i]);
 }

@@ -112,6 +112,13 @@ void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int
                   float scale);
 void cpu_softmax(float *s, int n);
 void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
+/* The same with bf16 key / value rows (a bf16 KV cache; stride in elements): each element
+ * widened to f32 exactly, then the same arithmetic as the f32 versions. */
+void cpu_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m, int n,
+                       float scale);
+void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m, int n);
+/* f32 -> bf16, round to nearest even (NaN stays NaN), n elements */
+void cpu_f32_to_bf16_row(uint16_t *out, const float *x, int n);
 
 /* The vdpbf16ps path (cpu_avx512bf16.c; call only when cpu_isa_bf16_parts() > 0), with
  * parts = 3 or 1: elements per token of the split activations; the split (T tokens of K f32
@@ -150,5 +157,9 @@ void cpu_ref_dot_rows(float *out, const float *q, const float *k, size_t stride,
                       float scale);
 void cpu_ref_softmax(float *s, int n);
 void cpu_ref_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
+void cpu_ref_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m,
+                           int n, float scale);
+void cpu_ref_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m,
+                            int n);
 
 #endif

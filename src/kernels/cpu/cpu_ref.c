@@ -224,6 +224,29 @@ void cpu_ref_axpy_rows(float *y, const float *a, const float *v, size_t stride, 
         cpu_ref_axpy(y, a[i], v + (size_t)i * stride, n);
 }
 
+void cpu_ref_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m,
+                           int n, float scale) {
+    for (int i = 0; i < m; i++) {
+        const uint16_t *ki = k + (size_t)i * stride;
+        float a[8] = {0};
+        int d = 0;
+        for (; d + 8 <= n; d += 8)
+            for (int l = 0; l < 8; l++)
+                a[l] = fmaf(q[d + l], cpu_ref_bf16_to_f32(ki[d + l]), a[l]);
+        float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        for (; d < n; d++)
+            s = fmaf(q[d], cpu_ref_bf16_to_f32(ki[d]), s);
+        out[i] = s * scale;
+    }
+}
+
+void cpu_ref_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m,
+                            int n) {
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < n; c++)
+            y[c] = fmaf(a[i], cpu_ref_bf16_to_f32(v[(size_t)i * stride + c]), y[c]);
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
