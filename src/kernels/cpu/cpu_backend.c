@@ -406,23 +406,6 @@ static inline const void *kv_block(const backend_kv *kv, int blk, int l, int whi
                backend_dtype_size(kv->dtype);
 }
 
-/* Prefetch the K (which = 0) or V (1) rows of KV head kvh in the block ATT_PF_BLOCKS after
- * the one at p0: blocks lie far apart in memory (each holds every layer), so the hardware
- * prefetchers restart at every block and a long context waits on memory latency instead. */
-#define ATT_PF_BLOCKS 2
-static inline void att_prefetch(const backend_kv *kv, const int32_t *bt, int p0, int np, int l,
-                                int which, int kvh) {
-    int bs = kv->block_size, p = p0 + ATT_PF_BLOCKS * bs;
-    if (p >= np) return;
-    const char *b = (const char *)kv_block(kv, bt[p / bs], l, which, kvh);
-    size_t es = backend_dtype_size(kv->dtype);
-    size_t kvd = (size_t)kv->n_kv_heads * kv->head_dim * es, row = (size_t)kv->head_dim * es;
-    int n = np - p < bs ? np - p : bs;
-    for (int r = 0; r < n; r++)
-        for (size_t o = 0; o < row; o += 64)
-            __builtin_prefetch(b + (size_t)r * kvd + o, 0, 3);
-}
-
 /* One token, one KV head and a share of the query heads sharing it (GQA).  Per head:
  * scores = q.k * scale over positions 0..pos (cpu_dot_rows: 8 key positions of a block at a
  * time), softmax (cpu_softmax: vectorised exp, canonical sum), out = sum p_i v_i in position
@@ -448,13 +431,7 @@ static void att_task(void *ctx, int task) {
     for (int p0 = 0; p0 < np; p0 += bs) {
         const void *kb = kv_block(kv, bt[p0 / bs], j->layer, 0, kvh);
         int n = np - p0 < bs ? np - p0 : bs;
-        att_prefetch(kv, bt, p0, np, j->layer, 0, kvh);
-        int g = g0;
-        for (; g + 2 <= g1; g += 2) /* two heads at a time: the same results, more ILP */
-            cpu_dot_rows2(scores + (size_t)(g - g0) * np + p0,
-                          scores + (size_t)(g + 1 - g0) * np + p0, q + (size_t)g * hd,
-                          q + (size_t)(g + 1) * hd, kb, bf16, kvd, n, hd, j->scale);
-        for (; g < g1; g++)
+        for (int g = g0; g < g1; g++)
             if (bf16)
                 cpu_dot_rows_bf16(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd,
                                   n, hd, j->scale);
@@ -469,13 +446,7 @@ static void att_task(void *ctx, int task) {
     for (int p0 = 0; p0 < np; p0 += bs) {
         const void *vb = kv_block(kv, bt[p0 / bs], j->layer, 1, kvh);
         int n = np - p0 < bs ? np - p0 : bs;
-        att_prefetch(kv, bt, p0, np, j->layer, 1, kvh);
-        int g = g0;
-        for (; g + 2 <= g1; g += 2)
-            cpu_axpy_rows2(out + (size_t)g * hd, out + (size_t)(g + 1) * hd,
-                           scores + (size_t)(g - g0) * np + p0,
-                           scores + (size_t)(g + 1 - g0) * np + p0, vb, bf16, kvd, n, hd);
-        for (; g < g1; g++)
+        for (int g = g0; g < g1; g++)
             if (bf16)
                 cpu_axpy_rows_bf16(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb,
                                    kvd, n, hd);
