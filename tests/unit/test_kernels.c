@@ -472,6 +472,36 @@ static void test_attention_pieces(void **st) {
                     yr[c] = fmaf(a[i], kf[(size_t)i * 80 + c], yr[c]);
             assert_memory_equal(y, yr, (size_t)n * 4);
         }
+    /* two heads at once (cpu_dot_rows2 / cpu_axpy_rows2): each equal to its one-head call */
+    for (int bf = 0; bf < 2; bf++)
+        for (int n = 57; n <= 72; n += 5)
+            for (int m = 1; m <= M; m += 4) {
+                static uint16_t kb[M * 80];
+                static float q2[2][80], o2[2][M], r2[2][M], y2[2][80], w2[2][80], a2[2][M];
+                cpu_f32_to_bf16_row(kb, kv, M * 80);
+                const void *rows = bf ? (const void *)kb : (const void *)kv;
+                for (int h = 0; h < 2; h++) {
+                    for (int i = 0; i < n; i++)
+                        q2[h][i] = frand(), y2[h][i] = w2[h][i] = frand();
+                    for (int i = 0; i < m; i++)
+                        a2[h][i] = frand();
+                }
+                cpu_dot_rows2(o2[0], o2[1], q2[0], q2[1], rows, bf, 80, m, n, 0.125f);
+                cpu_axpy_rows2(y2[0], y2[1], a2[0], a2[1], rows, bf, 80, m, n);
+                for (int h = 0; h < 2; h++) {
+                    if (bf) {
+                        cpu_dot_rows_bf16(r2[h], q2[h], kb, 80, m, n, 0.125f);
+                        cpu_axpy_rows_bf16(w2[h], a2[h], kb, 80, m, n);
+                    } else {
+                        cpu_dot_rows(r2[h], q2[h], kv, 80, m, n, 0.125f);
+                        cpu_axpy_rows(w2[h], a2[h], kv, 80, m, n);
+                    }
+                    if (memcmp(o2[h], r2[h], (size_t)m * 4))
+                        fail_msg("cpu_dot_rows2 head %d bf16 %d m %d n %d differs", h, bf, m, n);
+                    if (memcmp(y2[h], w2[h], (size_t)n * 4))
+                        fail_msg("cpu_axpy_rows2 head %d bf16 %d m %d n %d differs", h, bf, m, n);
+                }
+            }
     { /* round to nearest even, NaN stays NaN */
         float f[4] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.5f, NAN};
         uint16_t h[4];

@@ -177,3 +177,140 @@ void cpu_f32x_rows(float *y, int N, const float *xp, int T, const uint16_t *w, c
             TILE_NT(1, nt, y + (size_t)t * N, N, xp + (size_t)t * xst, xst, w, bias, n, K, 0);
     }
 }
+
+/* ---- attention for two query heads that share the key / value rows (GQA) --------------
+ * The same arithmetic as cpu_dot_rows / cpu_axpy_rows for each head, bit for bit (the
+ * canonical dot's 8 lanes, the hsum8x8 tree; the value rows in position order), with twice
+ * the independent accumulator chains and each key / value row loaded once for both heads. */
+
+/* 8 elements of row r (f32 or bf16) at column d, in both 256-bit halves */
+static inline __attribute__((always_inline)) __m512 kv_bcast8(const void *k, int bf16, size_t o) {
+    if (bf16) {
+        __m256i h = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)k + o)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_castpd_ps(
+        _mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)((const float *)k + o))));
+}
+
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *k, int bf16, size_t o) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + o))),
+            16));
+    return _mm512_loadu_ps((const float *)k + o);
+}
+
+static inline __attribute__((always_inline)) __m512 cat2(const float *a, const float *b) {
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)a)),
+                           _mm256_loadu_pd((const double *)b), 1));
+}
+
+/* the canonical tree of 8 accumulators at once (cpu_matmul.c's hsum8x8) */
+static inline __attribute__((always_inline)) __m256 hsum8x8_(const __m256 *A) {
+    __m256 x04 = _mm256_add_ps(_mm256_permute2f128_ps(A[0], A[4], 0x20),
+                               _mm256_permute2f128_ps(A[0], A[4], 0x31));
+    __m256 x15 = _mm256_add_ps(_mm256_permute2f128_ps(A[1], A[5], 0x20),
+                               _mm256_permute2f128_ps(A[1], A[5], 0x31));
+    __m256 x26 = _mm256_add_ps(_mm256_permute2f128_ps(A[2], A[6], 0x20),
+                               _mm256_permute2f128_ps(A[2], A[6], 0x31));
+    __m256 x37 = _mm256_add_ps(_mm256_permute2f128_ps(A[3], A[7], 0x20),
+                               _mm256_permute2f128_ps(A[3], A[7], 0x31));
+    __m256 y01 = _mm256_add_ps(_mm256_shuffle_ps(x04, x15, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm256_shuffle_ps(x04, x15, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 y23 = _mm256_add_ps(_mm256_shuffle_ps(x26, x37, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm256_shuffle_ps(x26, x37, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Positions [0, m & ~7) of cpu_dot_rows for heads q0 and q1 (n <= 128); returns how many. */
+static inline __attribute__((always_inline)) int
+dot_rows2_dt(float *out0, float *out1, const float *q0, const float *q1, const void *k, int bf16,
+             size_t stride, int m, int n, float scale) {
+    const int n8 = n & ~7;
+    __m512 qz[16]; /* [q0 d..d+7 | q1 d..d+7] */
+    for (int d = 0; d < n8; d += 8)
+        qz[d / 8] = cat2(q0 + d, q1 + d);
+    const __m256 sc = _mm256_set1_ps(scale);
+    int i = 0;
+    for (; i + 8 <= m; i += 8) {
+        const size_t kb = (size_t)i * stride;
+        __m512 A[8];
+        for (int p = 0; p < 8; p++)
+            A[p] = _mm512_setzero_ps();
+        for (int d = 0; d < n8; d += 8)
+            for (int p = 0; p < 8; p++)
+                A[p] = _mm512_fmadd_ps(qz[d / 8], kv_bcast8(k, bf16, kb + (size_t)p * stride + d),
+                                       A[p]);
+        __m256 lo[8], hi[8];
+        for (int p = 0; p < 8; p++) {
+            lo[p] = _mm512_castps512_ps256(A[p]);
+            hi[p] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(A[p]), 1));
+        }
+        __m256 s0 = hsum8x8_(lo), s1 = hsum8x8_(hi);
+        if (n8 < n) { /* the tail of each dot, in order, before the scale */
+            float t0[8], t1[8];
+            _mm256_storeu_ps(t0, s0);
+            _mm256_storeu_ps(t1, s1);
+            for (int p = 0; p < 8; p++)
+                for (int d = n8; d < n; d++) {
+                    size_t o = kb + (size_t)p * stride + d;
+                    float kv = bf16 ? cpu_ref_bf16_to_f32(((const uint16_t *)k)[o])
+                                    : ((const float *)k)[o];
+                    t0[p] = __builtin_fmaf(q0[d], kv, t0[p]);
+                    t1[p] = __builtin_fmaf(q1[d], kv, t1[p]);
+                }
+            s0 = _mm256_loadu_ps(t0);
+            s1 = _mm256_loadu_ps(t1);
+        }
+        _mm256_storeu_ps(out0 + i, _mm256_mul_ps(s0, sc));
+        _mm256_storeu_ps(out1 + i, _mm256_mul_ps(s1, sc));
+    }
+    return i;
+}
+
+int cpu_x512_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
+                       int bf16, size_t stride, int m, int n, float scale) {
+    if (n > 128) return 0;
+    return bf16 ? dot_rows2_dt(out0, out1, q0, q1, k, 1, stride, m, n, scale)
+                : dot_rows2_dt(out0, out1, q0, q1, k, 0, stride, m, n, scale);
+}
+
+/* Columns [0, n & ~63) of cpu_axpy_rows for heads y0 (weights a0) and y1 (a1); returns how
+ * many. */
+static inline __attribute__((always_inline)) int axpy_rows2_dt(float *y0, float *y1,
+                                                               const float *a0, const float *a1,
+                                                               const void *v, int bf16,
+                                                               size_t stride, int m, int n) {
+    int c = 0;
+    for (; c + 64 <= n; c += 64) {
+        __m512 c0[4], c1[4];
+        for (int r = 0; r < 4; r++) {
+            c0[r] = _mm512_loadu_ps(y0 + c + 16 * r);
+            c1[r] = _mm512_loadu_ps(y1 + c + 16 * r);
+        }
+        for (int i = 0; i < m; i++) {
+            const size_t vi = (size_t)i * stride + c;
+            __m512 b0 = _mm512_set1_ps(a0[i]), b1 = _mm512_set1_ps(a1[i]);
+            for (int r = 0; r < 4; r++) {
+                __m512 vv = kv_load16(v, bf16, vi + 16 * r);
+                c0[r] = _mm512_fmadd_ps(b0, vv, c0[r]);
+                c1[r] = _mm512_fmadd_ps(b1, vv, c1[r]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            _mm512_storeu_ps(y0 + c + 16 * r, c0[r]);
+            _mm512_storeu_ps(y1 + c + 16 * r, c1[r]);
+        }
+    }
+    return c;
+}
+
+int cpu_x512_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v,
+                        int bf16, size_t stride, int m, int n) {
+    return bf16 ? axpy_rows2_dt(y0, y1, a0, a1, v, 1, stride, m, n)
+                : axpy_rows2_dt(y0, y1, a0, a1, v, 0, stride, m, n);
+}

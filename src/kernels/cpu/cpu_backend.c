@@ -431,7 +431,12 @@ static void att_task(void *ctx, int task) {
     for (int p0 = 0; p0 < np; p0 += bs) {
         const void *kb = kv_block(kv, bt[p0 / bs], j->layer, 0, kvh);
         int n = np - p0 < bs ? np - p0 : bs;
-        for (int g = g0; g < g1; g++)
+        int g = g0;
+        for (; g + 2 <= g1; g += 2) /* two heads at a time: the same results, fewer loads */
+            cpu_dot_rows2(scores + (size_t)(g - g0) * np + p0,
+                          scores + (size_t)(g + 1 - g0) * np + p0, q + (size_t)g * hd,
+                          q + (size_t)(g + 1) * hd, kb, bf16, kvd, n, hd, j->scale);
+        for (; g < g1; g++)
             if (bf16)
                 cpu_dot_rows_bf16(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd,
                                   n, hd, j->scale);
@@ -446,7 +451,12 @@ static void att_task(void *ctx, int task) {
     for (int p0 = 0; p0 < np; p0 += bs) {
         const void *vb = kv_block(kv, bt[p0 / bs], j->layer, 1, kvh);
         int n = np - p0 < bs ? np - p0 : bs;
-        for (int g = g0; g < g1; g++)
+        int g = g0;
+        for (; g + 2 <= g1; g += 2)
+            cpu_axpy_rows2(out + (size_t)g * hd, out + (size_t)(g + 1) * hd,
+                           scores + (size_t)(g - g0) * np + p0,
+                           scores + (size_t)(g + 1 - g0) * np + p0, vb, bf16, kvd, n, hd);
+        for (; g < g1; g++)
             if (bf16)
                 cpu_axpy_rows_bf16(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb,
                                    kvd, n, hd);

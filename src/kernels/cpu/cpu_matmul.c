@@ -3,7 +3,8 @@
  * dot every path follows).  Matmul work is split in tasks of (16 weight rows) x (64
  * tokens).  Decode-sized batches (T <= 2) convert weights in registers as they stream;
  * larger batches convert a 4-row panel to f32 once per task and run a 3-token x 4-row
- * register tile over it.  Both give the same canonical dots.
+ * register tile over it.  Both give the same canonical dots.  bf16-weight matmuls go to
+ * cpu_avx512f.c (avx512f) or cpu_avx512bf16.c (avx512bf16*) when that ISA is in use.
  */
 #include "kernels/cpu/cpu_matmul.h"
 
@@ -791,4 +792,45 @@ void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stri
 void cpu_f32_to_bf16_row(uint16_t *out, const float *x, int n) {
     for (int i = 0; i < n; i++)
         out[i] = cpu_ref_f32_to_bf16(x[i]);
+}
+
+static int isa_is_avx512(cpu_isa isa) {
+    return isa == CPU_ISA_AVX512F || isa == CPU_ISA_AVX512BF16 || isa == CPU_ISA_AVX512BF16_FAST;
+}
+
+static const void *kv_row(const void *k, int bf16, size_t off) {
+    return bf16 ? (const void *)((const uint16_t *)k + off)
+                : (const void *)((const float *)k + off);
+}
+
+void cpu_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
+                   int bf16, size_t stride, int m, int n, float scale) {
+    int i = isa_is_avx512(cpu_isa_get())
+                ? cpu_x512_dot_rows2(out0, out1, q0, q1, k, bf16, stride, m, n, scale)
+                : 0;
+    if (i >= m) return;
+    const void *kr = kv_row(k, bf16, (size_t)i * stride);
+    if (bf16) {
+        cpu_dot_rows_bf16(out0 + i, q0, kr, stride, m - i, n, scale);
+        cpu_dot_rows_bf16(out1 + i, q1, kr, stride, m - i, n, scale);
+    } else {
+        cpu_dot_rows(out0 + i, q0, kr, stride, m - i, n, scale);
+        cpu_dot_rows(out1 + i, q1, kr, stride, m - i, n, scale);
+    }
+}
+
+void cpu_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v, int bf16,
+                    size_t stride, int m, int n) {
+    int c = isa_is_avx512(cpu_isa_get())
+                ? cpu_x512_axpy_rows2(y0, y1, a0, a1, v, bf16, stride, m, n)
+                : 0;
+    if (c >= n) return;
+    const void *vc = kv_row(v, bf16, (size_t)c);
+    if (bf16) {
+        cpu_axpy_rows_bf16(y0 + c, a0, vc, stride, m, n - c);
+        cpu_axpy_rows_bf16(y1 + c, a1, vc, stride, m, n - c);
+    } else {
+        cpu_axpy_rows(y0 + c, a0, vc, stride, m, n - c);
+        cpu_axpy_rows(y1 + c, a1, vc, stride, m, n - c);
+    }
 }

@@ -117,6 +117,19 @@ void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int 
 void cpu_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m, int n,
                        float scale);
 void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m, int n);
+/* Two query heads (q0 -> out0 / a0 -> y0, q1 -> out1 / a1 -> y1) against the same key /
+ * value rows k / v (f32, or bf16 when bf16 != 0; stride in elements): each result equal bit
+ * for bit to cpu_dot_rows(_bf16) / cpu_axpy_rows(_bf16) on its own head; on the AVX-512 ISAs
+ * both heads run together (twice the independent FMA chains, each row loaded once). */
+void cpu_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
+                   int bf16, size_t stride, int m, int n, float scale);
+void cpu_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v, int bf16,
+                    size_t stride, int m, int n);
+/* their AVX-512 parts (cpu_avx512f.c): how many positions / columns they did */
+int cpu_x512_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
+                       int bf16, size_t stride, int m, int n, float scale);
+int cpu_x512_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v,
+                        int bf16, size_t stride, int m, int n);
 /* f32 -> bf16, round to nearest even (NaN stays NaN), n elements */
 void cpu_f32_to_bf16_row(uint16_t *out, const float *x, int n);
 
