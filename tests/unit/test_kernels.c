@@ -254,6 +254,7 @@ static void test_matmul(void **st) {
                 for (int T = 1; T <= 8; T += (T < 4 ? 1 : 4))
                     check_matmul(pool, (cpu_dtype)dt, T, Ns[ni], Ks[ki]);
         check_matmul(pool, (cpu_dtype)dt, 100, 37, 72); /* several token tasks (96 each) */
+        check_matmul(pool, (cpu_dtype)dt, 20, 37, 1100); /* long rows, a prefill-sized batch */
     }
     cpu_pool_free(pool);
 }
