@@ -99,6 +99,7 @@ static int usage(FILE *f, int rc) {
            "  --json        one JSON object instead of the table\n"
            "  --streams S   also: S sequences (32-token prompts) decoded together, aggregate\n"
            "                tok/s beside 1 sequence in the same rounds (default 0: off)\n"
+           "  --kv-cache-dtype float32|bfloat16   CPU KV-cache element type (default float32)\n"
            "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n"
            "  --batch-invariant   with --device cuda: the batch-invariant mode against the "
            "fast mode (docs/gpu.md)\n");
@@ -142,8 +143,9 @@ static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen
     for (int i = 0; i < n * nb; i++)
         table[i] = i;
     for (int i = 0; i < n; i++) /* prompts differ: rotated */
-        q[i] = (qwen2_seq){toks + i % (ntoks - plen + 1),      plen, 0, table + (size_t)i * nb, nb,
-                           logits + (size_t)i * c->vocab_size, 0, NULL};
+        q[i] =
+            (qwen2_seq){toks + i % (ntoks - plen + 1),      plen, 0,   table + (size_t)i * nb, nb,
+                        logits + (size_t)i * c->vocab_size, 0,    NULL};
     if (qwen2_forward(m, s, &kv, q, n)) goto out_kv;
     uint64_t t0 = clock_now_ns();
     for (int g = 0; g < gen; g++) {
@@ -188,6 +190,7 @@ static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen,
 int bench_model_main(int argc, char **argv) {
     const char *model_arg = NULL;
     int prompt_len = 512, gen_len = 32, threads = 0, json = 0, repeat = 2, streams = 0;
+    const char *kv_dt_arg = NULL; /* checked after the loop: --device cuda parses its own */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout, 0);
@@ -211,6 +214,8 @@ int bench_model_main(int argc, char **argv) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 0, 64, &streams)) return 2;
         } else if (!strcmp(a, "--threads")) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &threads)) return 2;
+        } else if (!strcmp(a, "--kv-cache-dtype")) {
+            kv_dt_arg = i + 1 < argc ? argv[++i] : "";
         } else if (a[0] == '-') {
             fprintf(stderr, "disagg bench model: unknown option '%s'\n", a);
             return usage(stderr, 2);
@@ -222,6 +227,15 @@ int bench_model_main(int argc, char **argv) {
         }
     }
     if (!model_arg) return usage(stderr, 2);
+    int kv_dt = BACKEND_F32;
+    if (kv_dt_arg && (backend_dtype_parse(kv_dt_arg, &kv_dt) ||
+                      !backend_kv_dtype_ok(backend_cpu_default(), (backend_dtype)kv_dt))) {
+        fprintf(stderr,
+                "disagg bench model: --kv-cache-dtype '%s' is invalid on the CPU; accepted: "
+                "float32, bfloat16\n",
+                kv_dt_arg);
+        return 2;
+    }
     qwen2_model m;
     char err[4096];
     if (qwen2_load(&m, model_arg, 1, err, sizeof err)) {
@@ -245,7 +259,9 @@ int bench_model_main(int argc, char **argv) {
     int32_t *table = malloc((size_t)n_blocks * sizeof *table),
             *toks = malloc((size_t)prompt_len * 4);
     float *logits = malloc((size_t)c->vocab_size * 4);
-    if (!s || !table || !toks || !logits || kv_store_init(&kv, c, n_blocks, bs)) {
+    if (!s || !table || !toks || !logits ||
+        kv_store_init_on(&kv, backend_cpu_default(), c, n_blocks, bs, (backend_dtype)kv_dt,
+                         BACKEND_BUF_ZERO)) {
         fprintf(stderr, "disagg bench model: out of memory\n");
         return 1;
     }
@@ -258,7 +274,8 @@ int bench_model_main(int argc, char **argv) {
     }
     /* each round: ceilings, prefill (fresh KV), greedy decode; best of the rounds, so that a
      * busy machine penalises the model and the ceilings alike */
-    double bw = 0, gemm = 0, prefill_s = 1e30, decode_s = 1e30, decode_cpu = 1e30;
+    double bw = 0, gemm = 0, prefill_s = 1e30, decode_s = 1e30, decode_cpu = 1e30,
+           prefill_cpu = 1e30;
     int rc = 0;
     for (int r = 0; r < repeat && rc == 0; r++) {
         double v = measure_read_bw(pool);
@@ -267,9 +284,11 @@ int bench_model_main(int argc, char **argv) {
         gemm = v > gemm ? v : gemm;
         qwen2_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0, NULL};
         uint64_t t0 = clock_now_ns();
+        double c0 = process_cpu_s();
         rc = qwen2_forward(&m, s, &kv, &q, 1);
-        double ps = (double)(clock_now_ns() - t0) / 1e9;
+        double ps = (double)(clock_now_ns() - t0) / 1e9, pc = process_cpu_s() - c0;
         prefill_s = ps < prefill_s ? ps : prefill_s;
+        prefill_cpu = pc < prefill_cpu ? pc : prefill_cpu;
         uint64_t t1 = clock_now_ns();
         double c1 = process_cpu_s();
         for (int i = 0; i < gen_len && rc == 0; i++) {
@@ -306,7 +325,8 @@ int bench_model_main(int argc, char **argv) {
     double prefill_gflops = prefill_flops / prefill_s / 1e9;
     double decode_gbs = bytes_tok * decode_tps / 1e9, bound_tps = bw * 1e9 / bytes_tok;
     if (json) {
-        printf("{\"model\":\"%s\",\"dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%d,\"prompt_len\":%d,"
+        printf("{\"model\":\"%s\",\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%"
+               "d,\"prompt_len\":%d,"
                "\"gen_len\":%d,"
                "\"prefill_tok_s\":%.2f,\"prefill_gflop_s\":%.2f,\"gemm_gflop_s\":%.2f,\"prefill_vs_"
                "gemm\":%.3f,"
@@ -314,15 +334,17 @@ int bench_model_main(int argc, char **argv) {
                "bound_tok_s\":%.2f,"
                "\"decode_vs_bound\":%.3f,\"weight_bytes_per_token\":%.0f,\"repeat\":%d,"
                "\"streams\":%d,\"decode_1stream_tok_s\":%.2f,\"decode_streams_tok_s\":%.2f,"
-               "\"decode_cpu_ms_per_token\":%.3f}\n",
-               m.dir, cpu_dtype_name((cpu_dtype)m.w.dtype), cpu_isa_name(cpu_isa_get()), threads,
+               "\"decode_cpu_ms_per_token\":%.3f,\"prefill_cpu_ms_per_token\":%.3f}\n",
+               m.dir, cpu_dtype_name((cpu_dtype)m.w.dtype),
+               backend_dtype_name((backend_dtype)kv_dt), cpu_isa_name(cpu_isa_get()), threads,
                prompt_len, gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm,
                decode_tps, decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok, repeat,
-               streams, one_tps, many_tps, 1e3 * decode_cpu / gen_len);
+               streams, one_tps, many_tps, 1e3 * decode_cpu / gen_len,
+               1e3 * prefill_cpu / prompt_len);
     } else {
-        printf("model %s (%s weights, %d layers, hidden %d), %d threads, kernels %s\n", m.dir,
-               cpu_dtype_name((cpu_dtype)m.w.dtype), c->n_layers, c->hidden_size, threads,
-               cpu_isa_describe());
+        printf("model %s (%s weights, %d layers, hidden %d, %s KV), %d threads, kernels %s\n",
+               m.dir, cpu_dtype_name((cpu_dtype)m.w.dtype), c->n_layers, c->hidden_size,
+               backend_dtype_name((backend_dtype)kv_dt), threads, cpu_isa_describe());
         printf("%-34s %12s %14s %10s\n", "measurement", "value", "ceiling", "of ceiling");
         printf("%-34s %10.1f/s %14s %10s\n", "prefill tokens (one forward)", prefill_tps, "", "");
         printf("%-34s %8.1f GF/s %9.1f GF/s %9.0f%%\n", "prefill matmul+attention FLOP rate",
@@ -331,6 +353,8 @@ int bench_model_main(int argc, char **argv) {
                bound_tps, 100 * decode_tps / bound_tps);
         printf("%-34s %8.2f GB/s %9.2f GB/s %9.0f%%\n", "decode weight streaming", decode_gbs, bw,
                100 * decode_gbs / bw);
+        printf("%-34s %7.2f ms/tok\n", "prefill CPU time (all threads)",
+               1e3 * prefill_cpu / prompt_len);
         printf("%-34s %7.2f ms/tok\n", "decode CPU time (all threads)", 1e3 * decode_cpu / gen_len);
         printf("(weights per token %.0f MB, tied lm_head counted once; ceilings: %d-thread memory "
                "read "

@@ -177,7 +177,7 @@ typedef struct engine_stats {
     int num_loading;               /* consumer requests waiting for remote KV */
     uint64_t first_token_handoffs; /* consumer: first tokens taken from the producer */
     uint64_t first_token_refused;  /* consumer: handed-off tokens not used (recomputed) */
-    char kernels[32]; /* the compute kernels: the CPU ISA ("avx2", "avx512bf16", ...) or "cuda" */
+    char kernels[32]; /* the compute kernels: the CPU ISA ("avx512f", "avx2", ...) or "cuda" */
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);

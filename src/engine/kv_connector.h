@@ -55,7 +55,7 @@ typedef struct engine_kv_connector {
 
 /* The KV region, for registration with the transfer engine and the layout
  * fingerprint both sides compare before moving bytes. */
-/* The fingerprint's last field: ":kernels-avx2", ":kernels-avx512bf16", ":kernels-cuda".
+/* The fingerprint's last field: ":kernels-avx2", ":kernels-avx512f", ":kernels-cuda".
  * Peers compare the fingerprint without it (the bytes are the same layout); a difference in
  * it only means the decode will not be bit-identical to a colocated run (it is reported). */
 #define ENGINE_KERNELS_TAG ":kernels-"

@@ -310,7 +310,7 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
         char lab[64];
         snprintf(lab, sizeof lab, "kernels=\"%s\"", st->kernels);
         mw_head(&w, "disagg:kernels_info", "gauge",
-                "The compute kernels in use (label kernels: avx2, avx512bf16, scalar, cuda).");
+                "The compute kernels in use (label kernels: avx512f, avx512bf16, avx2, scalar, cuda).");
         mw_sample(&w, "disagg:kernels_info", "", lab, 1.0);
     }
     mw_head(&w, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");

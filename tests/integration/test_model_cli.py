@@ -91,6 +91,14 @@ def test_bench_model_json(model):
         assert d[k] > 0, k
     r = run("bench", "model", model, "--prompt-len", "600")  # tiny model: 512 positions
     assert r.returncode == 2 and "max_position_embeddings" in r.stderr
+    # a bf16 KV cache on the CPU (opt-in); a dtype the CPU lacks is refused with the list
+    r = run("bench", "model", model, "--prompt-len", "32", "--gen-len", "4", "--threads", "2",
+            "--repeat", "1", "--kv-cache-dtype", "bfloat16", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kv_dtype"] == "bfloat16" and d["decode_tok_s"] > 0, d
+    r = run("bench", "model", model, "--kv-cache-dtype", "float16")
+    assert r.returncode == 2 and "'float16'" in r.stderr and "float32, bfloat16" in r.stderr, r.stderr
 
 
 SOTU = os.path.join(ROOT, "models", "disagg-sotu-tiny")

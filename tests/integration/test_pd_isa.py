@@ -1,9 +1,10 @@
 """CPU kernel ISAs end to end (issue 18): each `disagg serve` says which kernels it runs
 (start-up log, /metrics disagg:kernels_info); a P/D pair whose CPUs run different kernels
-(forced here with DISAGG_CPU_ISA: P avx2, D avx512bf16) still moves the KV -- the layout is
+(forced here with DISAGG_CPU_ISA: P avx2, D avx512bf16; P avx512f, D avx2) still moves the KV -- the layout is
 the same -- and the producer reports the pair once, since the result is not promised to be
 bit-identical to a colocated run.  On a CPU without AVX512_BF16 the cross-ISA test is
-skipped, saying so."""
+skipped, saying so.  A bf16 KV cache on the CPU (--kv-cache-dtype bfloat16) moves from P to D
+and decodes as a colocated bf16 server does."""
 import pytest
 import requests
 
@@ -21,6 +22,9 @@ def cpu_flags():
 
 HAVE_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 HAVE_AVX2 = {"avx2", "fma", "f16c"} <= cpu_flags()
+HAVE_AVX512F = HAVE_AVX2 and "avx512f" in cpu_flags()
+HAVE = {"scalar": True, "avx2": HAVE_AVX2, "avx512f": HAVE_AVX512F, "avx512bf16": HAVE_BF16,
+        "avx512bf16-fast": HAVE_BF16}
 
 
 def kernels_of(server):
@@ -30,9 +34,9 @@ def kernels_of(server):
     raise AssertionError("no disagg:kernels_info in /metrics")
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512bf16"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512f", "avx512bf16"])
 def test_forced_isa_is_reported(isa):
-    if isa == "avx2" and not HAVE_AVX2 or isa == "avx512bf16" and not HAVE_BF16:
+    if not HAVE[isa]:
         pytest.skip(f"SKIPPED: this CPU lacks {isa}: its kernels are NOT tested here")
     s = Server(*COMMON, env={"DISAGG_CPU_ISA": isa})
     try:
@@ -48,19 +52,20 @@ def test_forced_isa_is_reported(isa):
 def test_unknown_isa_warns_and_runs_the_best():
     s = Server(*COMMON, env={"DISAGG_CPU_ISA": "avx9000"})
     try:
-        assert ("DISAGG_CPU_ISA='avx9000' not recognised (accepted: scalar, avx2, avx512bf16, "
-                "avx512bf16-fast)") in s.logs()
-        assert kernels_of(s) == ("avx512bf16" if HAVE_BF16 else "avx2" if HAVE_AVX2 else "scalar")
+        assert ("DISAGG_CPU_ISA='avx9000' not recognised (accepted: scalar, avx2, avx512f, "
+                "avx512bf16, avx512bf16-fast)") in s.logs()
+        assert kernels_of(s) == ("avx512f" if HAVE_AVX512F else "avx2" if HAVE_AVX2 else "scalar")
     finally:
         s.stop()
 
 
-def test_pd_across_isas_moves_kv_and_is_reported():
-    if not (HAVE_BF16 and HAVE_AVX2):
-        pytest.skip("SKIPPED: this CPU lacks avx512bf16 or avx2: a P/D pair across ISAs is NOT tested")
-    pd = PD(p_env={"DISAGG_CPU_ISA": "avx2"}, d_env={"DISAGG_CPU_ISA": "avx512bf16"})
+@pytest.mark.parametrize("p_isa,d_isa", [("avx2", "avx512bf16"), ("avx512f", "avx2")])
+def test_pd_across_isas_moves_kv_and_is_reported(p_isa, d_isa):
+    if not (HAVE[p_isa] and HAVE[d_isa]):
+        pytest.skip(f"SKIPPED: this CPU lacks {p_isa} or {d_isa}: a P/D pair across them is NOT tested")
+    pd = PD(p_env={"DISAGG_CPU_ISA": p_isa}, d_env={"DISAGG_CPU_ISA": d_isa})
     try:
-        assert kernels_of(pd.p) == "avx2" and kernels_of(pd.d) == "avx512bf16"
+        assert kernels_of(pd.p) == p_isa and kernels_of(pd.d) == d_isa
         body = dict(BODY, prompt=" ".join(["the state of the Union is strong"] * 6))
         for _ in range(2):
             pr, dr = pd.send(body)
@@ -69,7 +74,7 @@ def test_pd_across_isas_moves_kv_and_is_reported():
             assert len(ids) == BODY["max_tokens"] or finish == "stop"
             assert_kv_pulled(dr.json()["usage"])
         log = pd.p.logs()
-        assert "P/D pair across kernels: decoder avx512bf16, producer avx2" in log, log
+        assert f"P/D pair across kernels: decoder {d_isa}, producer {p_isa}" in log, log
         assert log.count("P/D pair across kernels") == 1, log  # once, not per request
     finally:
         pd.stop()
@@ -97,5 +102,38 @@ def test_pd_layout_mismatch_still_refused():
         log = pd.p.logs()
         assert "refusing a pull: KV layout mismatch" in log and ":bs32:" in log and ":bs16:" in log, log
         assert "P/D pair across kernels" not in log
+    finally:
+        pd.stop()
+
+
+def test_pd_bf16_kv_cache_equals_colocated():
+    """--kv-cache-dtype bfloat16 on the CPU (issue 18, opt-in): the bf16 KV bytes move from P
+    to D and D's greedy tokens equal a colocated bf16-KV server's, token for token."""
+    import test_pd
+    bf16 = ("--kv-cache-dtype", "bfloat16")
+    ref_srv = Server(*COMMON, *bf16)
+    try:
+        body = dict(BODY, prompt=" ".join(["the state of the Union is strong"] * 6))
+        ref = completion_ids(requests.post(ref_srv.url + "/v1/completions", json=body,
+                                           timeout=TIMEOUT))
+    finally:
+        ref_srv.stop()
+    pd = PD.__new__(PD)
+    pd.boot_port = test_pd.free_port()
+    pd.p = Server(*COMMON, *bf16, "--kv-transfer-config", test_pd.producer_config(),
+                  env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(pd.boot_port)})
+    try:
+        pd.d = Server(*COMMON, *bf16, "--kv-transfer-config", test_pd.consumer_config())
+    except Exception:
+        pd.p.stop()
+        raise
+    try:
+        pd.bootstrap = f"http://127.0.0.1:{pd.boot_port}"
+        pd.engine_id = requests.get(pd.bootstrap + "/query", timeout=10).json()["0"]["engine_id"]
+        pr, dr = pd.send(body)
+        assert pr.status_code == 200, pr.text
+        assert_kv_pulled(dr.json()["usage"])
+        assert completion_ids(dr) == ref
+        assert ":bf16:" in pd.p.logs() or "bfloat16" in pd.p.logs(), pd.p.logs()
     finally:
         pd.stop()

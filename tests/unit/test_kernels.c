@@ -32,7 +32,7 @@
 
 static const cpu_isa ISA_SCALAR = CPU_ISA_SCALAR, ISA_AVX2 = CPU_ISA_AVX2,
                      ISA_AVX512BF16 = CPU_ISA_AVX512BF16,
-                     ISA_AVX512BF16_FAST = CPU_ISA_AVX512BF16_FAST;
+                     ISA_AVX512BF16_FAST = CPU_ISA_AVX512BF16_FAST, ISA_AVX512F = CPU_ISA_AVX512F;
 static int g_skipped; /* tests skipped for a missing ISA */
 
 /* Run the current test on the ISA in *state; skip loudly if the CPU lacks it. */
@@ -40,8 +40,9 @@ static cpu_isa use_isa(void **state) {
     cpu_isa isa = *(const cpu_isa *)*state;
     if (cpu_isa_force(isa) != 0) {
         fprintf(stderr,
-                "SKIPPED: this CPU lacks %s (avx2: avx2, fma and f16c; avx512bf16: also avx512f, "
-                "avx512bw, avx512vl and avx512_bf16): the %s kernels are NOT tested here\n",
+                "SKIPPED: this CPU lacks %s (avx2: avx2, fma and f16c; avx512f: also avx512f; "
+                "avx512bf16: also avx512f, avx512bw, avx512vl and avx512_bf16): the %s kernels "
+                "are NOT tested here\n",
                 cpu_isa_name(isa), cpu_isa_name(isa));
         g_skipped++;
         skip();
@@ -129,6 +130,26 @@ static float bf16x_dot(const float *x, const uint16_t *w, int K, int parts) {
     return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
+/* The f32x16 dot of the avx512f path (cpu_avx512f.c), from its specification: k padded with
+ * zeros to a multiple of 32, 16 lanes; for each 32-block, lane i = fma(x, w, lane i) for element
+ * 2i, then for element 2i + 1; then lanes i + 8 folded onto i and the canonical tree. */
+static float f32x_dot(const float *x, const uint16_t *w, int K) {
+    float acc[16] = {0};
+    for (int b = 0; b < K; b += 32)
+        for (int e = 0; e < 2; e++)
+            for (int i = 0; i < 16; i++) {
+                int k = b + 2 * i + e;
+                if (k < K)
+                    acc[i] = fmaf(x[k], my_bf16(w[k]), acc[i]);
+                else
+                    acc[i] = fmaf(0.0f, 0.0f, acc[i]); /* what the zero padding adds */
+            }
+    float t[8];
+    for (int i = 0; i < 8; i++)
+        t[i] = acc[i] + acc[i + 8];
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
 /* w as dtype from f32 values (bf16 by truncation; f16 of values k/1024, |k| < 1024: exact). */
 static void *make_weights(cpu_dtype dt, const float *f, size_t n) {
     if (dt == CPU_F32) {
@@ -179,9 +200,15 @@ static void check_matmul(cpu_pool *pool, cpu_dtype dt, int T, int N, int K) {
         for (int t = 0; t < T; t++)
             for (int n = 0; n < N; n++) {
                 int parts = dt == CPU_BF16 ? cpu_isa_bf16_parts(cpu_isa_get()) : 0;
-                float want = parts ? bf16x_dot(x + (size_t)t * K,
-                                               (const uint16_t *)w + (size_t)n * K, K, parts)
-                                   : canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
+                const uint16_t *wn = (const uint16_t *)w + (size_t)n * K;
+                float want = parts ? bf16x_dot(x + (size_t)t * K, wn, K, parts)
+                             : dt == CPU_BF16 && cpu_isa_get() == CPU_ISA_AVX512F
+                                 ? f32x_dot(x + (size_t)t * K, wn, K)
+                                 : canon_dot(x + (size_t)t * K, w, dt, (size_t)n * K, K);
+                if (dt == CPU_BF16 && cpu_isa_get() == CPU_ISA_AVX512F) {
+                    float r = cpu_ref_f32x_dot(x + (size_t)t * K, wn, K); /* cpu_ref.c agrees */
+                    if (memcmp(&r, &want, 4)) fail_msg("cpu_ref_f32x_dot %.9g vs %.9g", r, want);
+                }
                 if (bias) want = want + bias[n];
                 float got = y[(size_t)t * N + n];
                 if (memcmp(&got, &want, 4))
@@ -227,6 +254,7 @@ static void test_matmul(void **st) {
                 for (int T = 1; T <= 8; T += (T < 4 ? 1 : 4))
                     check_matmul(pool, (cpu_dtype)dt, T, Ns[ni], Ks[ki]);
         check_matmul(pool, (cpu_dtype)dt, 100, 37, 72); /* several token tasks (96 each) */
+        check_matmul(pool, (cpu_dtype)dt, 20, 37, 1100); /* long rows, a prefill-sized batch */
     }
     cpu_pool_free(pool);
 }
@@ -420,7 +448,70 @@ static void test_attention_pieces(void **st) {
                 for (int c = 0; c < n; c++)
                     yr[c] = fmaf(a[i], kv[(size_t)i * 80 + c], yr[c]);
             assert_memory_equal(y, yr, (size_t)n * 4);
+            /* bf16 K/V rows (a bf16 KV cache): the same arithmetic on the widened values */
+            static uint16_t kb[M * 80];
+            static float kf[M * 80];
+            cpu_f32_to_bf16_row(kb, kv, M * 80);
+            for (int i = 0; i < M * 80; i++) {
+                kf[i] = my_bf16(kb[i]);
+                float d = fabsf(kf[i] - kv[i]); /* round to nearest: within half a bf16 ulp */
+                if (d > fabsf(kv[i]) * 0x1p-8f)
+                    fail_msg("cpu_f32_to_bf16_row(%.9g) = %.9g", kv[i], kf[i]);
+            }
+            cpu_dot_rows_bf16(out, q, kb, 80, m, n, 0.125f);
+            for (int i = 0; i < m; i++) {
+                float want = canon_dot(q, kf + (size_t)i * 80, CPU_F32, 0, n) * 0.125f;
+                if (memcmp(&want, &out[i], 4))
+                    fail_msg("cpu_dot_rows_bf16 m %d n %d row %d: %.9g vs %.9g", m, n, i, out[i],
+                             want);
+            }
+            for (int i = 0; i < n; i++)
+                y[i] = yr[i] = frand();
+            cpu_axpy_rows_bf16(y, a, kb, 80, m, n);
+            for (int i = 0; i < m; i++)
+                for (int c = 0; c < n; c++)
+                    yr[c] = fmaf(a[i], kf[(size_t)i * 80 + c], yr[c]);
+            assert_memory_equal(y, yr, (size_t)n * 4);
         }
+    /* two heads at once (cpu_dot_rows2 / cpu_axpy_rows2): each equal to its one-head call */
+    for (int bf = 0; bf < 2; bf++)
+        for (int n = 57; n <= 72; n += 5)
+            for (int m = 1; m <= M; m += 4) {
+                static uint16_t kb[M * 80];
+                static float q2[2][80], o2[2][M], r2[2][M], y2[2][80], w2[2][80], a2[2][M];
+                cpu_f32_to_bf16_row(kb, kv, M * 80);
+                const void *rows = bf ? (const void *)kb : (const void *)kv;
+                for (int h = 0; h < 2; h++) {
+                    for (int i = 0; i < n; i++)
+                        q2[h][i] = frand(), y2[h][i] = w2[h][i] = frand();
+                    for (int i = 0; i < m; i++)
+                        a2[h][i] = frand();
+                }
+                cpu_dot_rows2(o2[0], o2[1], q2[0], q2[1], rows, bf, 80, m, n, 0.125f);
+                cpu_axpy_rows2(y2[0], y2[1], a2[0], a2[1], rows, bf, 80, m, n);
+                for (int h = 0; h < 2; h++) {
+                    if (bf) {
+                        cpu_dot_rows_bf16(r2[h], q2[h], kb, 80, m, n, 0.125f);
+                        cpu_axpy_rows_bf16(w2[h], a2[h], kb, 80, m, n);
+                    } else {
+                        cpu_dot_rows(r2[h], q2[h], kv, 80, m, n, 0.125f);
+                        cpu_axpy_rows(w2[h], a2[h], kv, 80, m, n);
+                    }
+                    if (memcmp(o2[h], r2[h], (size_t)m * 4))
+                        fail_msg("cpu_dot_rows2 head %d bf16 %d m %d n %d differs", h, bf, m, n);
+                    if (memcmp(y2[h], w2[h], (size_t)n * 4))
+                        fail_msg("cpu_axpy_rows2 head %d bf16 %d m %d n %d differs", h, bf, m, n);
+                }
+            }
+    { /* round to nearest even, NaN stays NaN */
+        float f[4] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.5f, NAN};
+        uint16_t h[4];
+        cpu_f32_to_bf16_row(h, f, 4);
+        assert_int_equal(h[0], 0x3f80); /* tie: to even (down) */
+        assert_int_equal(h[1], 0x3f82); /* tie: to even (up) */
+        assert_int_equal(h[2], 0xc020);
+        assert_true(isnan(my_bf16(h[3])));
+    }
     for (int n = 1; n <= 70; n += 3) {
         float s[70], r[70], l[8] = {0};
         for (int i = 0; i < n; i++)
@@ -484,7 +575,7 @@ static void test_pool(void **st) {
     { #fn "_" name, fn, NULL, NULL, (void *)&isa }
 #define PER_ISA(fn)                                                                                \
     ISA_TEST(fn, ISA_SCALAR, "scalar"), ISA_TEST(fn, ISA_AVX2, "avx2"),                            \
-        ISA_TEST(fn, ISA_AVX512BF16, "avx512bf16"),                                                \
+        ISA_TEST(fn, ISA_AVX512F, "avx512f"), ISA_TEST(fn, ISA_AVX512BF16, "avx512bf16"),          \
         ISA_TEST(fn, ISA_AVX512BF16_FAST, "avx512bf16_fast")
 
 int main(void) {

@@ -36,7 +36,7 @@ static void cpu_fill(backend *be) {
     be->is_cpu = 1;
     be->act_dtype = BACKEND_F32;
     be->kv_dtype = BACKEND_F32;
-    be->kv_dtypes = 1u << BACKEND_F32;
+    be->kv_dtypes = 1u << BACKEND_F32 | 1u << BACKEND_BF16; /* bf16: opt-in (half the bytes) */
 }
 
 int cpu_backend_open(const backend_options *opts, backend **out, char *err, size_t errlen) {
@@ -352,28 +352,34 @@ static int cpu_rope(backend_stream *st, void *q, int n_q_heads, void *k, int n_k
     return 0;
 }
 
-/* K (which = 0) or V (which = 1) of position pos of sequence seq, layer l: (kv_dim) */
-static inline float *kv_at(const backend_kv *kv, const backend_batch *pb, int seq, int pos, int l,
-                           int which) {
+/* K (which = 0) or V (which = 1) of position pos of sequence seq, layer l: (kv_dim) elements
+ * of the KV dtype (f32 or bf16) */
+static inline void *kv_at(const backend_kv *kv, const backend_batch *pb, int seq, int pos, int l,
+                          int which) {
     size_t kv_dim = (size_t)kv->n_kv_heads * kv->head_dim;
     size_t blk = (size_t)pb->bt_indices[pb->bt_indptr[seq] + pos / kv->block_size],
            slot = (size_t)(pos % kv->block_size);
     size_t per_block = (size_t)kv->n_layers * 2 * kv->block_size * kv_dim;
-    return (float *)kv->base + blk * per_block +
-           (((size_t)l * 2 + which) * kv->block_size + slot) * kv_dim;
+    return (char *)kv->base +
+           (blk * per_block + (((size_t)l * 2 + which) * kv->block_size + slot) * kv_dim) *
+               backend_dtype_size(kv->dtype);
 }
 
 static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
                         const void *v, backend_dtype dt) {
     NEED_PLAN("kv_write");
-    NEED_F32("kv_write", dt == BACKEND_F32 && kv->dtype == BACKEND_F32);
+    NEED_F32("kv_write",
+             dt == BACKEND_F32 && (kv->dtype == BACKEND_F32 || kv->dtype == BACKEND_BF16));
     size_t kvd = (size_t)kv->n_kv_heads * kv->head_dim;
-    for (int t = 0; t < pb->n_tokens; t++) {
-        memcpy(kv_at(kv, pb, pb->tok_seq[t], pb->tok_pos[t], layer, 0),
-               (const float *)k + (size_t)t * kvd, kvd * 4);
-        memcpy(kv_at(kv, pb, pb->tok_seq[t], pb->tok_pos[t], layer, 1),
-               (const float *)v + (size_t)t * kvd, kvd * 4);
-    }
+    for (int t = 0; t < pb->n_tokens; t++)
+        for (int which = 0; which < 2; which++) {
+            void *dst = kv_at(kv, pb, pb->tok_seq[t], pb->tok_pos[t], layer, which);
+            const float *src = (const float *)(which ? v : k) + (size_t)t * kvd;
+            if (kv->dtype == BACKEND_BF16)
+                cpu_f32_to_bf16_row(dst, src, (int)kvd); /* round to nearest even */
+            else
+                memcpy(dst, src, kvd * 4);
+        }
     return 0;
 }
 
@@ -389,12 +395,15 @@ typedef struct att_job {
     int split;               /* tasks per (token, KV head): query heads split this many ways */
 } att_job;
 
-/* First float of K (which = 0) or V (1) of block slot 0 of KV head kvh: slots are kv_dim apart */
-static inline const float *kv_block(const backend_kv *kv, int blk, int l, int which, int kvh) {
+/* First element of K (which = 0) or V (1) of block slot 0 of KV head kvh: slots are kv_dim
+ * elements apart */
+static inline const void *kv_block(const backend_kv *kv, int blk, int l, int which, int kvh) {
     size_t kv_dim = (size_t)kv->n_kv_heads * kv->head_dim;
     size_t per_block = (size_t)kv->n_layers * 2 * kv->block_size * kv_dim;
-    return (const float *)kv->base + (size_t)blk * per_block +
-           ((size_t)l * 2 + which) * kv->block_size * kv_dim + (size_t)kvh * kv->head_dim;
+    return (const char *)kv->base +
+           ((size_t)blk * per_block + ((size_t)l * 2 + which) * kv->block_size * kv_dim +
+            (size_t)kvh * kv->head_dim) *
+               backend_dtype_size(kv->dtype);
 }
 
 /* One token, one KV head and a share of the query heads sharing it (GQA).  Per head:
@@ -406,7 +415,7 @@ static void att_task(void *ctx, int task) {
     const att_job *j = ctx;
     const backend_kv *kv = j->kv;
     int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv, width = j->n_heads * hd;
-    int bs = kv->block_size;
+    int bs = kv->block_size, bf16 = kv->dtype == BACKEND_BF16;
     size_t kvd = (size_t)nkv * hd;
     int t = task / (nkv * j->split), kvh = task / j->split % nkv, part = task % j->split;
     int g0 = group * part / j->split, g1 = group * (part + 1) / j->split;
@@ -420,29 +429,48 @@ static void att_task(void *ctx, int task) {
      * memory once and reused from L1 by every head; per head the order of the arithmetic is
      * unchanged (scores per position, then the V rows in position order) */
     for (int p0 = 0; p0 < np; p0 += bs) {
-        const float *kb = kv_block(kv, bt[p0 / bs], j->layer, 0, kvh);
+        const void *kb = kv_block(kv, bt[p0 / bs], j->layer, 0, kvh);
         int n = np - p0 < bs ? np - p0 : bs;
-        for (int g = g0; g < g1; g++)
-            cpu_dot_rows(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd, n, hd,
-                         j->scale);
+        int g = g0;
+        for (; g + 2 <= g1; g += 2) /* two heads at a time: the same results, fewer loads */
+            cpu_dot_rows2(scores + (size_t)(g - g0) * np + p0,
+                          scores + (size_t)(g + 1 - g0) * np + p0, q + (size_t)g * hd,
+                          q + (size_t)(g + 1) * hd, kb, bf16, kvd, n, hd, j->scale);
+        for (; g < g1; g++)
+            if (bf16)
+                cpu_dot_rows_bf16(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd,
+                                  n, hd, j->scale);
+            else
+                cpu_dot_rows(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd, n,
+                             hd, j->scale);
     }
     for (int g = g0; g < g1; g++) {
         cpu_softmax(scores + (size_t)(g - g0) * np, np);
         memset(out + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
     }
     for (int p0 = 0; p0 < np; p0 += bs) {
-        const float *vb = kv_block(kv, bt[p0 / bs], j->layer, 1, kvh);
+        const void *vb = kv_block(kv, bt[p0 / bs], j->layer, 1, kvh);
         int n = np - p0 < bs ? np - p0 : bs;
-        for (int g = g0; g < g1; g++)
-            cpu_axpy_rows(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb, kvd, n,
-                          hd);
+        int g = g0;
+        for (; g + 2 <= g1; g += 2)
+            cpu_axpy_rows2(out + (size_t)g * hd, out + (size_t)(g + 1) * hd,
+                           scores + (size_t)(g - g0) * np + p0,
+                           scores + (size_t)(g + 1 - g0) * np + p0, vb, bf16, kvd, n, hd);
+        for (; g < g1; g++)
+            if (bf16)
+                cpu_axpy_rows_bf16(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb,
+                                   kvd, n, hd);
+            else
+                cpu_axpy_rows(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb, kvd, n,
+                              hd);
     }
 }
 
 static int cpu_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
                          const backend_kv *kv, int layer, int n_heads, float scale) {
     NEED_PLAN("attention");
-    NEED_F32("attention", dt == BACKEND_F32 && kv->dtype == BACKEND_F32);
+    NEED_F32("attention",
+             dt == BACKEND_F32 && (kv->dtype == BACKEND_F32 || kv->dtype == BACKEND_BF16));
     cpu_pool *pool = ((cpu_stream *)st->impl)->pool;
     /* enough tasks for every thread (2 per thread) when few tokens: split the query heads of
      * a KV head (each share reads the KV rows again, from cache) */

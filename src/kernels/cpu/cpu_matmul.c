@@ -3,7 +3,8 @@
  * dot every path follows).  Matmul work is split in tasks of (16 weight rows) x (64
  * tokens).  Decode-sized batches (T <= 2) convert weights in registers as they stream;
  * larger batches convert a 4-row panel to f32 once per task and run a 3-token x 4-row
- * register tile over it.  Both give the same canonical dots.
+ * register tile over it.  Both give the same canonical dots.  bf16-weight matmuls go to
+ * cpu_avx512f.c (avx512f) or cpu_avx512bf16.c (avx512bf16*) when that ISA is in use.
  */
 #include "kernels/cpu/cpu_matmul.h"
 
@@ -48,6 +49,11 @@ static int isa_has_avx512bf16(void) {
     return (a >> 5) & 1;
 }
 
+/* AVX-512F (and the AVX2/FMA/F16C the rest of the kernels use) */
+static int isa_has_avx512f(void) {
+    return isa_has_avx2() && __builtin_cpu_supports("avx512f");
+}
+
 int cpu_isa_supported(cpu_isa isa) {
     switch (isa) {
     case CPU_ISA_SCALAR:
@@ -57,13 +63,17 @@ int cpu_isa_supported(cpu_isa isa) {
     case CPU_ISA_AVX512BF16:
     case CPU_ISA_AVX512BF16_FAST:
         return isa_has_avx512bf16();
+    case CPU_ISA_AVX512F:
+        return isa_has_avx512f();
     default:
         return 0;
     }
 }
 
 static const char *const ISA_NAMES[CPU_ISA_COUNT] = {"scalar", "avx2", "avx512bf16",
-                                                     "avx512bf16-fast"};
+                                                     "avx512bf16-fast", "avx512f"};
+/* The order cpu_isa_get() prefers (avx512bf16-fast is never chosen by itself). */
+static const cpu_isa ISA_PREFERRED[] = {CPU_ISA_AVX512F, CPU_ISA_AVX512BF16, CPU_ISA_AVX2};
 
 int cpu_isa_bf16_parts(cpu_isa isa) {
     return isa == CPU_ISA_AVX512BF16 ? 3 : isa == CPU_ISA_AVX512BF16_FAST ? 1 : 0;
@@ -86,9 +96,9 @@ static void isa_describe_cpu(char *buf, size_t len, const char *how) {
 cpu_isa cpu_isa_get(void) {
     if (g_isa < 0) {
         int best = CPU_ISA_SCALAR;
-        for (int i = CPU_ISA_AVX512BF16; i > 0; i--) /* -fast is never chosen by itself */
-            if (cpu_isa_supported((cpu_isa)i)) {
-                best = i;
+        for (size_t i = 0; i < sizeof ISA_PREFERRED / sizeof ISA_PREFERRED[0]; i++)
+            if (cpu_isa_supported(ISA_PREFERRED[i])) {
+                best = ISA_PREFERRED[i];
                 break;
             }
         const char *env = getenv("DISAGG_CPU_ISA"), *how = "the best this cpu runs";
@@ -99,8 +109,8 @@ cpu_isa cpu_isa_get(void) {
                 if (!strcmp(env, ISA_NAMES[i])) want = i;
             if (want < 0)
                 LOG_W("kernels",
-                      "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2, avx512bf16, "
-                      "avx512bf16-fast); using %s",
+                      "DISAGG_CPU_ISA='%s' not recognised (accepted: scalar, avx2, avx512f, "
+                      "avx512bf16, avx512bf16-fast); using %s",
                       env, ISA_NAMES[best]);
             else if (!cpu_isa_supported((cpu_isa)want))
                 LOG_W("kernels", "DISAGG_CPU_ISA=%s: this cpu cannot run it; using %s", env,
@@ -316,6 +326,7 @@ typedef struct mm_job {
     int row_tasks;      /* ceil(N / rows_per_task) */
     const uint16_t *xs; /* bf16 parts of x (avx512bf16* and bf16 weights), else NULL */
     int parts;          /* how many */
+    const float *xp;    /* x rearranged for cpu_f32x_rows (avx512f, bf16 weights), else NULL */
 } mm_job;
 
 static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, int task,
@@ -331,6 +342,11 @@ static inline __attribute__((always_inline)) void mm_task_dt(const mm_job *j, in
         cpu_bf16x_rows(j->y + (size_t)t_beg * N, N,
                        j->xs + (size_t)t_beg * cpu_bf16x_stride(K, j->parts), t_end - t_beg, j->w,
                        j->bias, n_beg, n_end, K, j->T <= STREAM_T, j->parts);
+        return;
+    }
+    if (j->xp) {
+        cpu_f32x_rows(j->y + (size_t)t_beg * N, N, j->xp + (size_t)t_beg * cpu_f32x_stride(K),
+                      t_end - t_beg, j->w, j->bias, n_beg, n_end, K, j->T <= STREAM_T);
         return;
     }
     if (t_end - t_beg <= 2) {
@@ -408,6 +424,7 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
         return;
     }
     const int parts = cpu_isa_bf16_parts(cpu_isa_get());
+    const int perm = cpu_isa_get() == CPU_ISA_AVX512F;
     for (int base = 0; base < n_ops; base += CPU_MATMUL_MAX_OPS) {
         mm_multi m = {.n = 0};
         int total = 0;
@@ -432,6 +449,28 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
             xs_used += (size_t)op->T * cpu_bf16x_stride(op->K, parts);
         }
         if (xs_need && !xs_buf) LOG_W("kernels", "out of memory for the bf16 split: avx2 path");
+        /* avx512f: the activations of every bf16 op rearranged once (shared likewise) */
+        size_t xp_need = 0;
+        for (int i = base; perm && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++)
+            if (ops[i].wt == CPU_BF16 && ops[i].T > 0 && ops[i].N > 0)
+                xp_need += (size_t)ops[i].T * cpu_f32x_stride(ops[i].K);
+        float *xp_buf = xp_need ? cpu_scratch(2, xp_need + 16) : NULL;
+        size_t xp_used = 0;
+        const float *xp_of[CPU_MATMUL_MAX_OPS] = {0};
+        for (int i = base; xp_buf && i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
+            const cpu_matmul_op *op = &ops[i];
+            if (op->wt != CPU_BF16 || op->T <= 0 || op->N <= 0) continue;
+            for (int p = base; p < i && !xp_of[i - base]; p++)
+                if (xp_of[p - base] && ops[p].x == op->x && ops[p].T == op->T && ops[p].K == op->K)
+                    xp_of[i - base] = xp_of[p - base];
+            if (xp_of[i - base]) continue;
+            float *dst = xp_buf + xp_used;
+            cpu_f32x_perm(dst, op->x, op->T, op->K);
+            xp_of[i - base] = dst;
+            xp_used += (size_t)op->T * cpu_f32x_stride(op->K);
+        }
+        if (xp_need && !xp_buf)
+            LOG_W("kernels", "out of memory for the f32x rearrangement: avx2 path");
         for (int i = base; i < n_ops && i < base + CPU_MATMUL_MAX_OPS; i++) {
             const cpu_matmul_op *op = &ops[i];
             if (op->T <= 0 || op->N <= 0) continue;
@@ -443,9 +482,9 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                 rpt = per > rpt ? (per + 3) & ~3 : rpt;
             }
             mm_job *j = &m.jobs[m.n];
-            *j = (mm_job){op->y,           op->x, op->w, op->wt, op->bias,
-                          op->T,           op->N, op->K, rpt,    (op->N + rpt - 1) / rpt,
-                          xs_of[i - base], parts};
+            *j = (mm_job){op->y,           op->x, op->w,          op->wt, op->bias,
+                          op->T,           op->N, op->K,          rpt,    (op->N + rpt - 1) / rpt,
+                          xs_of[i - base], parts, xp_of[i - base]};
             m.first[m.n++] = total;
             total += j->row_tasks * ((op->T + TOKENS_PER_TASK - 1) / TOKENS_PER_TASK);
         }
@@ -616,24 +655,22 @@ static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 *A) {
                          _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
-                  float scale) {
-    if (cpu_isa_get() == CPU_ISA_SCALAR) {
-        cpu_ref_dot_rows(out, q, k, stride, m, n, scale);
-        return;
-    }
+static inline __attribute__((always_inline)) void dot_rows_dt(float *out, const float *q,
+                                                              const void *k, cpu_dtype dt,
+                                                              size_t stride, int m, int n,
+                                                              float scale) {
     const int n8 = n & ~7;
     const __m256 sc = _mm256_set1_ps(scale);
     int i = 0;
     for (; i + 8 <= m; i += 8) {
-        const float *kb = k + (size_t)i * stride;
+        const size_t kb = (size_t)i * stride;
         __m256 A[8];
         for (int p = 0; p < 8; p++)
             A[p] = _mm256_setzero_ps();
         for (int d = 0; d < n8; d += 8) {
             __m256 qv = _mm256_loadu_ps(q + d);
             for (int p = 0; p < 8; p++)
-                A[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (size_t)p * stride + d), A[p]);
+                A[p] = _mm256_fmadd_ps(qv, load8(k, dt, kb + (size_t)p * stride + d), A[p]);
         }
         __m256 s = hsum8x8(A);
         if (n8 < n) { /* the tail of each dot, in order, before the scale */
@@ -641,13 +678,37 @@ void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int
             _mm256_storeu_ps(t, s);
             for (int p = 0; p < 8; p++)
                 for (int d = n8; d < n; d++)
-                    t[p] = __builtin_fmaf(q[d], kb[(size_t)p * stride + d], t[p]);
+                    t[p] = __builtin_fmaf(q[d], load1(k, dt, kb + (size_t)p * stride + d), t[p]);
             s = _mm256_loadu_ps(t);
         }
         _mm256_storeu_ps(out + i, _mm256_mul_ps(s, sc));
     }
-    for (; i < m; i++)
-        out[i] = cpu_dot(q, k + (size_t)i * stride, n) * scale;
+    for (; i < m; i++) {
+        const size_t o = (size_t)i * stride;
+        __m256 acc = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= n; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k, dt, o + d), acc);
+        out[i] = finish(acc, q, k, dt, o, d, n, NULL, 0) * scale;
+    }
+}
+
+void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
+                  float scale) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_dot_rows(out, q, k, stride, m, n, scale);
+        return;
+    }
+    dot_rows_dt(out, q, k, CPU_F32, stride, m, n, scale);
+}
+
+void cpu_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m, int n,
+                       float scale) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_dot_rows_bf16(out, q, k, stride, m, n, scale);
+        return;
+    }
+    dot_rows_dt(out, q, k, CPU_BF16, stride, m, n, scale);
 }
 
 void cpu_softmax(float *s, int n) {
@@ -685,21 +746,18 @@ void cpu_softmax(float *s, int n) {
         s[i] = s[i] / sum;
 }
 
-void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n) {
-    if (cpu_isa_get() == CPU_ISA_SCALAR) {
-        cpu_ref_axpy_rows(y, a, v, stride, m, n);
-        return;
-    }
+static inline __attribute__((always_inline)) void
+axpy_rows_dt(float *y, const float *a, const void *v, cpu_dtype dt, size_t stride, int m, int n) {
     int c = 0;
     for (; c + 64 <= n; c += 64) { /* 64 columns of y stay in registers over all rows */
         __m256 acc[8];
         for (int r = 0; r < 8; r++)
             acc[r] = _mm256_loadu_ps(y + c + 8 * r);
         for (int i = 0; i < m; i++) {
-            const float *vi = v + (size_t)i * stride + c;
+            const size_t vi = (size_t)i * stride + c;
             __m256 av = _mm256_set1_ps(a[i]);
             for (int r = 0; r < 8; r++)
-                acc[r] = _mm256_fmadd_ps(av, _mm256_loadu_ps(vi + 8 * r), acc[r]);
+                acc[r] = _mm256_fmadd_ps(av, load8(v, dt, vi + 8 * r), acc[r]);
         }
         for (int r = 0; r < 8; r++)
             _mm256_storeu_ps(y + c + 8 * r, acc[r]);
@@ -707,11 +765,72 @@ void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int 
     for (; c + 8 <= n; c += 8) {
         __m256 acc = _mm256_loadu_ps(y + c);
         for (int i = 0; i < m; i++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i]), _mm256_loadu_ps(v + (size_t)i * stride + c),
-                                  acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i]), load8(v, dt, (size_t)i * stride + c), acc);
         _mm256_storeu_ps(y + c, acc);
     }
     for (; c < n; c++)
         for (int i = 0; i < m; i++)
-            y[c] = __builtin_fmaf(a[i], v[(size_t)i * stride + c], y[c]);
+            y[c] = __builtin_fmaf(a[i], load1(v, dt, (size_t)i * stride + c), y[c]);
+}
+
+void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_axpy_rows(y, a, v, stride, m, n);
+        return;
+    }
+    axpy_rows_dt(y, a, v, CPU_F32, stride, m, n);
+}
+
+void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m, int n) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) {
+        cpu_ref_axpy_rows_bf16(y, a, v, stride, m, n);
+        return;
+    }
+    axpy_rows_dt(y, a, v, CPU_BF16, stride, m, n);
+}
+
+void cpu_f32_to_bf16_row(uint16_t *out, const float *x, int n) {
+    for (int i = 0; i < n; i++)
+        out[i] = cpu_ref_f32_to_bf16(x[i]);
+}
+
+static int isa_is_avx512(cpu_isa isa) {
+    return isa == CPU_ISA_AVX512F || isa == CPU_ISA_AVX512BF16 || isa == CPU_ISA_AVX512BF16_FAST;
+}
+
+static const void *kv_row(const void *k, int bf16, size_t off) {
+    return bf16 ? (const void *)((const uint16_t *)k + off)
+                : (const void *)((const float *)k + off);
+}
+
+void cpu_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
+                   int bf16, size_t stride, int m, int n, float scale) {
+    int i = isa_is_avx512(cpu_isa_get())
+                ? cpu_x512_dot_rows2(out0, out1, q0, q1, k, bf16, stride, m, n, scale)
+                : 0;
+    if (i >= m) return;
+    const void *kr = kv_row(k, bf16, (size_t)i * stride);
+    if (bf16) {
+        cpu_dot_rows_bf16(out0 + i, q0, kr, stride, m - i, n, scale);
+        cpu_dot_rows_bf16(out1 + i, q1, kr, stride, m - i, n, scale);
+    } else {
+        cpu_dot_rows(out0 + i, q0, kr, stride, m - i, n, scale);
+        cpu_dot_rows(out1 + i, q1, kr, stride, m - i, n, scale);
+    }
+}
+
+void cpu_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v, int bf16,
+                    size_t stride, int m, int n) {
+    int c = isa_is_avx512(cpu_isa_get())
+                ? cpu_x512_axpy_rows2(y0, y1, a0, a1, v, bf16, stride, m, n)
+                : 0;
+    if (c >= n) return;
+    const void *vc = kv_row(v, bf16, (size_t)c);
+    if (bf16) {
+        cpu_axpy_rows_bf16(y0 + c, a0, vc, stride, m, n - c);
+        cpu_axpy_rows_bf16(y1 + c, a1, vc, stride, m, n - c);
+    } else {
+        cpu_axpy_rows(y0 + c, a0, vc, stride, m, n - c);
+        cpu_axpy_rows(y1 + c, a1, vc, stride, m, n - c);
+    }
 }

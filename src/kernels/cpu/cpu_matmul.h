@@ -10,7 +10,15 @@
  *   tail, then s + bias.
  * The AVX2/FMA kernels and the scalar reference (cpu_ref.c, compiled without AVX) give
  * bit-identical results; the ISA is chosen at run time (__builtin_cpu_supports), or forced
- * with DISAGG_CPU_ISA=scalar|avx2|avx512bf16|avx512bf16-fast or cpu_isa_force().
+ * with DISAGG_CPU_ISA=scalar|avx2|avx512f|avx512bf16|avx512bf16-fast or cpu_isa_force().
+ *
+ * CPU_ISA_AVX512F (AVX-512F; the default wherever the CPU has it): bf16-weight matmuls widen
+ * the weights to f32 in registers (one instruction per 16 weights) and use f32 FMAs with the
+ * f32 activations: the "f32x16 dot" (cpu_avx512f.c: 16 lanes over the even then the odd
+ * elements of each 32-k block, a fixed reduction tree).  Exact f32 products and fused adds
+ * as in the canonical dot, a different summation order, so bf16 models give different
+ * roundings than on avx2/scalar (not worse).  f32/f16 weights and the vector helpers keep
+ * the canonical dot.
  *
  * CPU_ISA_AVX512BF16 (AVX-512F/BW/VL + AVX512_BF16): bf16-weight matmuls use `vdpbf16ps`
  * with the "bf16x3 dot" (cpu_avx512bf16.c: x split into three bf16 parts, 16 lanes of 32-k
@@ -20,8 +28,7 @@
  * avx2/scalar: exactness across ISAs is not promised.  CPU_ISA_AVX512BF16_FAST (never chosen
  * by itself, only by DISAGG_CPU_ISA=avx512bf16-fast): the same with one part, i.e. the
  * activations rounded to bf16 as llama.cpp does -- about 3x the matmul throughput, relative
- * error up to 2^-9 per product.  AVX-512F without BF16, AVX-VNNI and
- * AMX have no kernels of their own yet (AVX-512F-only CPUs run the avx2 kernels).
+ * error up to 2^-9 per product.  AVX-VNNI and AMX have no kernels of their own yet.
  */
 #ifndef DISAGG_KERNELS_CPU_MATMUL_H
 #define DISAGG_KERNELS_CPU_MATMUL_H
@@ -37,8 +44,9 @@ typedef enum cpu_isa {
     CPU_ISA_AVX2 = 1,
     CPU_ISA_AVX512BF16 = 2,
     CPU_ISA_AVX512BF16_FAST = 3, /* opt-in only: bf16 activations */
+    CPU_ISA_AVX512F = 4,         /* bf16 weights widened to f32, f32 FMAs (cpu_avx512f.c) */
 } cpu_isa;
-#define CPU_ISA_COUNT 4
+#define CPU_ISA_COUNT 5
 /* bf16 parts per activation of the bf16-weight matmul on isa: 3, 1, or 0 (not vdpbf16ps) */
 int cpu_isa_bf16_parts(cpu_isa isa);
 
@@ -104,6 +112,26 @@ void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int
                   float scale);
 void cpu_softmax(float *s, int n);
 void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
+/* The same with bf16 key / value rows (a bf16 KV cache; stride in elements): each element
+ * widened to f32 exactly, then the same arithmetic as the f32 versions. */
+void cpu_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m, int n,
+                       float scale);
+void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m, int n);
+/* Two query heads (q0 -> out0 / a0 -> y0, q1 -> out1 / a1 -> y1) against the same key /
+ * value rows k / v (f32, or bf16 when bf16 != 0; stride in elements): each result equal bit
+ * for bit to cpu_dot_rows(_bf16) / cpu_axpy_rows(_bf16) on its own head; on the AVX-512 ISAs
+ * both heads run together (twice the independent FMA chains, each row loaded once). */
+void cpu_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
+                   int bf16, size_t stride, int m, int n, float scale);
+void cpu_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v, int bf16,
+                    size_t stride, int m, int n);
+/* their AVX-512 parts (cpu_avx512f.c): how many positions / columns they did */
+int cpu_x512_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
+                       int bf16, size_t stride, int m, int n, float scale);
+int cpu_x512_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v,
+                        int bf16, size_t stride, int m, int n);
+/* f32 -> bf16, round to nearest even (NaN stays NaN), n elements */
+void cpu_f32_to_bf16_row(uint16_t *out, const float *x, int n);
 
 /* The vdpbf16ps path (cpu_avx512bf16.c; call only when cpu_isa_bf16_parts() > 0), with
  * parts = 3 or 1: elements per token of the split activations; the split (T tokens of K f32
@@ -113,6 +141,14 @@ size_t cpu_bf16x_stride(int K, int parts);
 void cpu_bf16x_split(uint16_t *xs, const float *x, int T, int K, int parts);
 void cpu_bf16x_rows(float *y, int N, const uint16_t *xs, int T, const uint16_t *w,
                     const float *bias, int n_beg, int n_end, int K, int stream, int parts);
+/* The f32x16 path (cpu_avx512f.c; call only on CPU_ISA_AVX512F): elements per token of the
+ * rearranged activations (K rounded up to 32); the rearrangement (T tokens of K f32 -> xp:
+ * per 32-block the 16 even then the 16 odd elements, zeros after K); rows [n_beg, n_end) of
+ * y (T, N) = x . w^T (+ bias) for bf16 w. */
+size_t cpu_f32x_stride(int K);
+void cpu_f32x_perm(float *xp, const float *x, int T, int K);
+void cpu_f32x_rows(float *y, int N, const float *xp, int T, const uint16_t *w, const float *bias,
+                   int n_beg, int n_end, int K, int stream);
 
 /* Scalar reference implementations (cpu_ref.c); same results bit for bit. */
 void cpu_ref_matmul(float *y, const float *x, const void *w, cpu_dtype wt, const float *bias, int T,
@@ -126,11 +162,17 @@ float cpu_ref_bf16_to_f32(uint16_t h);
  * exact, added odd element then even, round to nearest even, denormals flushed). */
 uint16_t cpu_ref_f32_to_bf16(float f);
 float cpu_ref_bf16x_dot(const float *x, const uint16_t *w, int K, int parts);
+/* The f32x16 dot of the avx512f path written out in scalar code. */
+float cpu_ref_f32x_dot(const float *x, const uint16_t *w, int K);
 float cpu_ref_expf(float x);
 void cpu_ref_silu_mul(float *g, const float *u, int n);
 void cpu_ref_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
                       float scale);
 void cpu_ref_softmax(float *s, int n);
 void cpu_ref_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
+void cpu_ref_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m,
+                           int n, float scale);
+void cpu_ref_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m,
+                            int n);
 
 #endif

@@ -5,7 +5,8 @@
  * done, not for every worker to show up: a worker descheduled by a busy machine that
  * wakes after the job finished finds no job and goes back to sleep, so it never delays
  * the caller.  Workers spin briefly before sleeping so back-to-back jobs (one per matmul
- * in a decode step) do not pay a futex wake-up each.
+ * in a decode step) do not pay a futex wake-up each; the caller likewise polls for the
+ * last tasks, and for the workers inside the job to leave it, before sleeping.
  */
 #include "kernels/cpu/cpu_pool.h"
 
@@ -25,7 +26,7 @@ typedef struct pool_job {
     int n_tasks;     /* task count */
     atomic_int next; /* next task to claim */
     atomic_int done; /* tasks finished */
-    int refs;        /* workers inside the job (under mu) */
+    atomic_int refs; /* workers inside the job (raised under mu while job is published) */
 } pool_job;
 
 struct cpu_pool {
@@ -113,12 +114,15 @@ static void *pool_worker(void *arg) {
             pthread_mutex_unlock(&p->mu);
             continue;
         }
-        j->refs++;
+        atomic_fetch_add(&j->refs, 1);
         pthread_mutex_unlock(&p->mu);
         pool_drain(p, j);
-        pthread_mutex_lock(&p->mu);
-        if (--j->refs == 0) pthread_cond_broadcast(&p->done);
-        pthread_mutex_unlock(&p->mu);
+        /* j may be gone as soon as refs reaches 0 (the caller spins on it): no access after */
+        if (atomic_fetch_sub(&j->refs, 1) == 1) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_broadcast(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
 }
 
@@ -178,17 +182,28 @@ void cpu_pool_run(cpu_pool *p, int n_tasks, cpu_pool_fn fn, void *ctx) {
     pool_job j = {.fn = fn, .ctx = ctx, .n_tasks = n_tasks};
     atomic_init(&j.next, 0);
     atomic_init(&j.done, 0);
+    atomic_init(&j.refs, 0);
     pthread_mutex_lock(&p->mu);
     p->job = &j;
     atomic_fetch_add(&p->gen, 1);
     if (p->sleepers) pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     pool_drain(p, &j);
+    /* the other tasks usually end within microseconds: poll before sleeping (a futex sleep
+     * and wake-up per pool run costs more, and a decode step has a few per layer) */
+    for (int i = 0; i < POOL_SPIN && atomic_load(&j.done) < n_tasks; i++)
+        __builtin_ia32_pause();
     pthread_mutex_lock(&p->mu);
     while (atomic_load(&j.done) < n_tasks)
         pthread_cond_wait(&p->done, &p->mu);
-    p->job = NULL; /* late workers find no job */
-    while (j.refs > 0)
-        pthread_cond_wait(&p->done, &p->mu);
+    p->job = NULL; /* late workers find no job (refs rises only under mu with a job) */
     pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < POOL_SPIN && atomic_load(&j.refs) > 0; i++)
+        __builtin_ia32_pause();
+    if (atomic_load(&j.refs) > 0) {
+        pthread_mutex_lock(&p->mu);
+        while (atomic_load(&j.refs) > 0)
+            pthread_cond_wait(&p->done, &p->mu);
+        pthread_mutex_unlock(&p->mu);
+    }
 }

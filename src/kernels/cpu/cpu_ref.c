@@ -89,6 +89,23 @@ void cpu_ref_row_to_f32(float *out, const void *row, cpu_dtype dt, int n) {
         out[i] = ref_load(row, dt, (size_t)i);
 }
 
+/* ---- f32x16 dot (the avx512f path's arithmetic, in scalar code) ------------------- */
+
+float cpu_ref_f32x_dot(const float *x, const uint16_t *w, int K) {
+    float acc[16] = {0};
+    for (int b = 0; b < K; b += 32)
+        for (int e = 0; e < 2; e++) /* the even elements of the block, then the odd ones */
+            for (int i = 0; i < 16; i++) {
+                int k = b + 2 * i + e;
+                float xv = k < K ? x[k] : 0.0f, wv = k < K ? cpu_ref_bf16_to_f32(w[k]) : 0.0f;
+                acc[i] = fmaf(xv, wv, acc[i]);
+            }
+    float t[8];
+    for (int i = 0; i < 8; i++)
+        t[i] = acc[i] + acc[i + 8];
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
 /* ---- bf16xP dot (the AVX512_BF16 path's arithmetic, in scalar code) ---------------- */
 
 static float flush_denormal(float f) {
@@ -205,6 +222,29 @@ void cpu_ref_softmax(float *s, int n) {
 void cpu_ref_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n) {
     for (int i = 0; i < m; i++)
         cpu_ref_axpy(y, a[i], v + (size_t)i * stride, n);
+}
+
+void cpu_ref_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m,
+                           int n, float scale) {
+    for (int i = 0; i < m; i++) {
+        const uint16_t *ki = k + (size_t)i * stride;
+        float a[8] = {0};
+        int d = 0;
+        for (; d + 8 <= n; d += 8)
+            for (int l = 0; l < 8; l++)
+                a[l] = fmaf(q[d + l], cpu_ref_bf16_to_f32(ki[d + l]), a[l]);
+        float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        for (; d < n; d++)
+            s = fmaf(q[d], cpu_ref_bf16_to_f32(ki[d]), s);
+        out[i] = s * scale;
+    }
+}
+
+void cpu_ref_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m,
+                            int n) {
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < n; c++)
+            y[c] = fmaf(a[i], cpu_ref_bf16_to_f32(v[(size_t)i * stride + c]), y[c]);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
