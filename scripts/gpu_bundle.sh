@@ -24,7 +24,8 @@ done
 # WHEELS=dir (default: the repo's .whl/ when it exists, the device README's convention):
 # Python wheels the GPU image lacks (the openai client and its needs: openai, pydantic,
 # pydantic-core, annotated-types, typing-inspection, jiter, sniffio, httpx2, httpcore2,
-# truststore, typing-extensions, idna, anyio, h11 for cp312 manylinux) travel in
+# truststore, typing-extensions, idna, anyio, h11, and requests, urllib3, certifi,
+# charset-normalizer for the server tests, cp312 manylinux) travel in
 # prebuilt/whl; gpu_check.sh installs them when `import openai` fails there.
 [ -z "${WHEELS:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && WHEELS=.whl
 if [ -n "${WHEELS:-}" ]; then mkdir -p "$STAGE/prebuilt/whl" && cp "$WHEELS"/*.whl "$STAGE/prebuilt/whl/"; fi
