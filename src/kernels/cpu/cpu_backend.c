@@ -1,8 +1,9 @@
 /*
  * cpu_backend — kernels/backend.h on the CPU (see cpu_backend.h).  Threading as the
  * original forward had it: matmuls split weight rows (cpu_matmul.c), attention splits
- * (token, KV head) pairs, SwiGLU splits tokens; embeddings, norms, RoPE, KV writes and
- * residual adds run on the calling thread.  None of these splits changes any value.
+ * (token, KV head) pairs or, for a decode step, (token, key chunk) pairs, SwiGLU splits
+ * tokens; embeddings, norms, RoPE, KV writes and residual adds run on the calling thread.
+ * None of these splits changes any value.
  */
 #include "kernels/cpu/cpu_backend.h"
 
@@ -158,10 +159,10 @@ typedef struct cpu_stream {
     int seq_cap;
     int32_t *bt; /* bt_indices (bt_cap) */
     int bt_cap;
-    int *att_c0;          /* attention's chunk split: chunk offsets per token */
+    int *att_c0; /* attention's chunk split: chunk offsets per token */
     size_t att_c0_cap;
-    float *att_part;      /* and its partials */
-    size_t att_part_cap;  /* floats */
+    float *att_part;     /* and its partials */
+    size_t att_part_cap; /* floats */
 } cpu_stream;
 
 static int stream_init(backend_stream *st, cpu_pool *pool) {
@@ -395,7 +396,7 @@ static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, con
  * block size), so a token's result is the same whoever computes which chunk. */
 #define ATT_CHUNK 256
 /* up to this many tokens the keys are split into chunks over the threads */
-#define ATT_SPLIT_TOKENS 8
+#define ATT_SPLIT_TOKENS     8
 #define ATT_SPLIT_MAX_FLOATS ((size_t)16 << 20) /* 64 MiB of partials at most */
 
 typedef struct att_job {
@@ -409,9 +410,9 @@ typedef struct att_job {
      * of (token, chunk, head) at part + ((chunk0[t] + c) * n_heads + h) * (hd + 2); else
      * task = (token, KV head), its chunks one after another in the task's own scratch */
     int by_chunk;
-    int kv_parts;         /* by_chunk: the KV heads split this many ways */
-    const int *chunk0;    /* by_chunk: (T + 1) prefix sums of the tokens' chunk counts */
-    float *part;          /* by_chunk: the partials */
+    int kv_parts;      /* by_chunk: the KV heads split this many ways */
+    const int *chunk0; /* by_chunk: (T + 1) prefix sums of the tokens' chunk counts */
+    float *part;       /* by_chunk: the partials */
 } att_job;
 
 /* First element of K (which = 0) or V (1) of block slot 0 of KV head kvh: slots are kv_dim
@@ -431,8 +432,7 @@ static inline int att_chunks(int np) {
 
 /* The rows of positions [p, p + n) (within one block) of K (which 0) or V (1), all KV heads,
  * when kvh < 0; else those of KV head kvh */
-static inline const void *att_rows(const att_job *j, const int32_t *bt, int which, int kvh,
-                                   int p) {
+static inline const void *att_rows(const att_job *j, const int32_t *bt, int which, int kvh, int p) {
     const backend_kv *kv = j->kv;
     int bs = kv->block_size;
     return (const char *)kv_block(kv, bt[p / bs], j->layer, which, kvh < 0 ? 0 : kvh) +
@@ -454,7 +454,7 @@ static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *p
     int seq = j->pb->tok_seq[t], np = j->pb->tok_pos[t] + 1;
     int cs = c * ATT_CHUNK, ce = np - cs < ATT_CHUNK ? np : cs + ATT_CHUNK, nc = ce - cs;
     const int32_t *bt = j->pb->bt_indices + j->pb->bt_indptr[seq];
-    int g0 = kh0 * group, g1 = kh1 * group; /* the query heads */
+    int g0 = kh0 * group, g1 = kh1 * group;                        /* the query heads */
     float *scores = cpu_scratch(1, (size_t)(g1 - g0) * ATT_CHUNK); /* (g1 - g0, ATT_CHUNK) */
     if (!scores) abort(); /* a worker cannot report; a few KiB */
     const float *q = j->q + (size_t)t * width;
@@ -507,7 +507,8 @@ static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *p
                                      n, hd, j->scale);
             } else {
                 for (; g + 2 <= b; g += 2)
-                    cpu_axpy_rows2(pa + (size_t)(g - a) * pstride, pa + (size_t)(g + 1 - a) * pstride,
+                    cpu_axpy_rows2(pa + (size_t)(g - a) * pstride,
+                                   pa + (size_t)(g + 1 - a) * pstride,
                                    sa + (size_t)(g - a) * ATT_CHUNK,
                                    sa + (size_t)(g + 1 - a) * ATT_CHUNK, kb, bf16, kvd, n, hd);
                 for (; g < b; g++)
