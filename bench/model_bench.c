@@ -261,7 +261,7 @@ int bench_model_main(int argc, char **argv) {
     float *logits = malloc((size_t)c->vocab_size * 4);
     if (!s || !table || !toks || !logits ||
         kv_store_init_on(&kv, backend_cpu_default(), c, n_blocks, bs, (backend_dtype)kv_dt,
-                         BACKEND_BUF_ZERO)) {
+                         BACKEND_BUF_KV)) {
         fprintf(stderr, "disagg bench model: out of memory\n");
         return 1;
     }

@@ -480,6 +480,70 @@ static void attention_case(backend *be, int S, const int *start, const int *n_ne
     backend_stream_free(st);
 }
 
+/* The CPU backend: a token's attention output is the same, bit for bit, whether it comes
+ * alone (a decode step: its keys split in chunks over the threads) or as the last of a batch
+ * of n_new > 8 tokens (one task per token and KV head, its chunks in turn) -- across several
+ * key chunks of 256 positions, and with a block size (24) that does not divide them. */
+static void attention_alone_case(backend *be, int start, int n_new, int n_kv_heads, int group,
+                                 int hd, int bs, backend_dtype kdt) {
+    backend_stream *st = backend_stream_create(be);
+    int nb = (start + n_new + bs - 1) / bs;
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd};
+    size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
+    test_batch tb;
+    make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
+    int layer = 1, nh = n_kv_heads * group, T = tb.T;
+    float *region = rand_vec(n_el, kdt);
+    backend_buffer *breg = to_dev(st, region, n_el, kdt);
+    kv.base = DEV(breg);
+    float *q = rand_vec((size_t)T * nh * hd, BACKEND_F32);
+    for (size_t i = 0; i < (size_t)T * nh * hd; i++)
+        q[i] *= 3.0f;
+    backend_buffer *bq = to_dev(st, q, (size_t)T * nh * hd, BACKEND_F32),
+                   *bo = backend_buffer_alloc(be, (size_t)T * nh * hd * 4, 0),
+                   *bo1 = backend_buffer_alloc(be, (size_t)nh * hd * 4, 0);
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    assert_int_equal(backend_plan(st, &tb.b), 0);
+    assert_int_equal(backend_attention(st, DEV(bo), DEV(bq), BACKEND_F32, &kv, layer, nh, scale),
+                     0);
+    int32_t qo1[2] = {0, 1};
+    backend_batch one = tb.b;
+    one.n_tokens = 1;
+    one.tokens = tb.tokens + T - 1, one.tok_seq = tb.tok_seq + T - 1;
+    one.tok_pos = tb.tok_pos + T - 1, one.qo_indptr = qo1;
+    assert_int_equal(backend_plan(st, &one), 0);
+    assert_int_equal(backend_attention(st, DEV(bo1),
+                                       (const float *)DEV(bq) + (size_t)(T - 1) * nh * hd,
+                                       BACKEND_F32, &kv, layer, nh, scale),
+                     0);
+    float *all = from_dev(st, DEV(bo), (size_t)T * nh * hd, BACKEND_F32),
+          *alone = from_dev(st, DEV(bo1), (size_t)nh * hd, BACKEND_F32);
+    int diff = 0;
+    for (int i = 0; i < nh * hd; i++)
+        diff += memcmp(&all[(size_t)(T - 1) * nh * hd + i], &alone[i], sizeof(float)) != 0;
+    if (diff)
+        fail_msg("attention at position %d (bs %d, %s KV): %d of %d outputs differ between the "
+                 "token alone and the token in a batch of %d",
+                 start + n_new - 1, bs, kdt == BACKEND_BF16 ? "bf16" : "f32", diff, nh * hd, T);
+    free(all), free(alone), free(q), free(region);
+    backend_buffer_free(bq), backend_buffer_free(bo), backend_buffer_free(bo1);
+    backend_buffer_free(breg);
+    backend_stream_free(st);
+}
+
+static void test_attention_alone_vs_batch(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        if (!backend_is_cpu(be)) continue; /* the CUDA kernels: test_cuda_invariant */
+        for (int kd = 0; kd < 2; kd++) {
+            backend_dtype kdt = kd ? BACKEND_BF16 : BACKEND_F32;
+            attention_alone_case(be, 1000, 12, 2, 7, 64, 16, kdt); /* 4 chunks, Qwen2.5-0.5B */
+            attention_alone_case(be, 600, 20, 2, 3, 32, 24, kdt);  /* blocks across chunks */
+            attention_alone_case(be, 240, 17, 1, 2, 12, 5, kdt);   /* hd 12: the tails */
+        }
+    }
+}
+
 static void test_attention(void **state) {
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
@@ -506,6 +570,10 @@ static void test_attention(void **state) {
         /* hd 32, one KV head for 4 query heads, tiles of 128 + 12 from position 5 */
         int s8[2] = {5, 3}, n8[2] = {140, 1};
         attention_case(be, 2, s8, n8, 1, 4, 32, 16);
+        /* decode after 1000 and 700 tokens (the CPU splits their keys in chunks of 256), and
+         * a block size (24) that does not divide the chunks */
+        int s9[2] = {1000, 700}, n9[2] = {1, 1};
+        attention_case(be, 2, s9, n9, 2, 7, 64, 24);
     }
 }
 
@@ -1072,6 +1140,7 @@ int main(void) {
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_attention_alone_vs_batch),
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_gather_argmax),
         cmocka_unit_test(test_plan_checks),

@@ -1,8 +1,9 @@
 /*
  * cpu_backend — kernels/backend.h on the CPU (see cpu_backend.h).  Threading as the
  * original forward had it: matmuls split weight rows (cpu_matmul.c), attention splits
- * (token, KV head) pairs, SwiGLU splits tokens; embeddings, norms, RoPE, KV writes and
- * residual adds run on the calling thread.  None of these splits changes any value.
+ * (token, KV head) pairs or, for a decode step, (token, key chunk) pairs, SwiGLU splits
+ * tokens; embeddings, norms, RoPE, KV writes and residual adds run on the calling thread.
+ * None of these splits changes any value.
  */
 #include "kernels/cpu/cpu_backend.h"
 
@@ -158,6 +159,10 @@ typedef struct cpu_stream {
     int seq_cap;
     int32_t *bt; /* bt_indices (bt_cap) */
     int bt_cap;
+    int *att_c0; /* attention's chunk split: chunk offsets per token */
+    size_t att_c0_cap;
+    float *att_part;     /* and its partials */
+    size_t att_part_cap; /* floats */
 } cpu_stream;
 
 static int stream_init(backend_stream *st, cpu_pool *pool) {
@@ -193,6 +198,8 @@ static void cpu_stream_free(backend_stream *st) {
     free(s->tok_arrays);
     free(s->seq_arrays);
     free(s->bt);
+    free(s->att_c0);
+    free(s->att_part);
     free(s);
 }
 
@@ -385,6 +392,13 @@ static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, con
 
 /* ---- attention ------------------------------------------------------------------------ */
 
+/* Key positions per partial softmax.  Fixed (not derived from the batch, the threads or the
+ * block size), so a token's result is the same whoever computes which chunk. */
+#define ATT_CHUNK 256
+/* up to this many tokens the keys are split into chunks over the threads */
+#define ATT_SPLIT_TOKENS     8
+#define ATT_SPLIT_MAX_FLOATS ((size_t)16 << 20) /* 64 MiB of partials at most */
+
 typedef struct att_job {
     const backend_batch *pb; /* the plan */
     const backend_kv *kv;    /* the region */
@@ -392,7 +406,13 @@ typedef struct att_job {
     float *out;              /* (T, n_heads, hd) */
     int layer, n_heads;      /* which layer; query heads */
     float scale;             /* score scale */
-    int split;               /* tasks per (token, KV head): query heads split this many ways */
+    /* split over key chunks (few tokens): task = (token, chunk, KV-head part), the partials
+     * of (token, chunk, head) at part + ((chunk0[t] + c) * n_heads + h) * (hd + 2); else
+     * task = (token, KV head), its chunks one after another in the task's own scratch */
+    int by_chunk;
+    int kv_parts;      /* by_chunk: the KV heads split this many ways */
+    const int *chunk0; /* by_chunk: (T + 1) prefix sums of the tokens' chunk counts */
+    float *part;       /* by_chunk: the partials */
 } att_job;
 
 /* First element of K (which = 0) or V (1) of block slot 0 of KV head kvh: slots are kv_dim
@@ -406,64 +426,149 @@ static inline const void *kv_block(const backend_kv *kv, int blk, int l, int whi
                backend_dtype_size(kv->dtype);
 }
 
-/* One token, one KV head and a share of the query heads sharing it (GQA).  Per head:
- * scores = q.k * scale over positions 0..pos (cpu_dot_rows: 8 key positions of a block at a
- * time), softmax (cpu_softmax: vectorised exp, canonical sum), out = sum p_i v_i in position
- * order (cpu_axpy_rows: the output row in registers) -- the same arithmetic whatever the
- * batch, the split or the thread. */
+static inline int att_chunks(int np) {
+    return (np + ATT_CHUNK - 1) / ATT_CHUNK;
+}
+
+/* The rows of positions [p, p + n) (within one block) of K (which 0) or V (1), all KV heads,
+ * when kvh < 0; else those of KV head kvh */
+static inline const void *att_rows(const att_job *j, const int32_t *bt, int which, int kvh, int p) {
+    const backend_kv *kv = j->kv;
+    int bs = kv->block_size;
+    return (const char *)kv_block(kv, bt[p / bs], j->layer, which, kvh < 0 ? 0 : kvh) +
+           (size_t)(p % bs) * kv->n_kv_heads * kv->head_dim * backend_dtype_size(kv->dtype);
+}
+
+/* Chunk c of token t for the query heads of KV heads [kh0, kh1): per head, over the chunk's
+ * positions [c * ATT_CHUNK, min(np, (c + 1) * ATT_CHUNK)): s_i = q.k_i * scale (cpu_dot_rows:
+ * 8 key positions at a time), m = max s_i, e_i = cpu_expf(s_i - m), l = the canonical sum of
+ * e_i (cpu_softmax_exp), o = sum e_i v_i in position order (cpu_axpy_rows); writes
+ * (m, l, o[hd]) for query head g at part + (g - kh0 * group) * pstride.  The same arithmetic
+ * whatever the batch, the chunk split or the thread. */
+static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *part,
+                      size_t pstride) {
+    const backend_kv *kv = j->kv;
+    int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv, width = j->n_heads * hd;
+    int bf16 = kv->dtype == BACKEND_BF16, bs = kv->block_size;
+    size_t kvd = (size_t)nkv * hd, es = backend_dtype_size(kv->dtype);
+    int seq = j->pb->tok_seq[t], np = j->pb->tok_pos[t] + 1;
+    int cs = c * ATT_CHUNK, ce = np - cs < ATT_CHUNK ? np : cs + ATT_CHUNK, nc = ce - cs;
+    const int32_t *bt = j->pb->bt_indices + j->pb->bt_indptr[seq];
+    int g0 = kh0 * group, g1 = kh1 * group;                        /* the query heads */
+    float *scores = cpu_scratch(1, (size_t)(g1 - g0) * ATT_CHUNK); /* (g1 - g0, ATT_CHUNK) */
+    if (!scores) abort(); /* a worker cannot report; a few KiB */
+    const float *q = j->q + (size_t)t * width;
+    /* the chunk cut at block boundaries: piece i = positions [ps[i], ps[i + 1]) */
+    int ps[ATT_CHUNK + 1], npc = 0;
+    for (int p = cs; p < ce; p += bs - p % bs < ce - p ? bs - p % bs : ce - p)
+        ps[npc++] = p;
+    ps[npc] = ce;
+    /* the K pieces, then the V pieces; each piece's rows read from memory once for all the
+     * heads, the rows of the piece two steps ahead prefetched */
+    size_t rowb = kvd * es * (size_t)(kh1 - kh0) / (size_t)nkv, skip = kvd * es * (size_t)kh0 / nkv;
+    for (int s = 0; s < 2 && s < 2 * npc; s++) {
+        int which = s >= npc, i = which ? s - npc : s, n = ps[i + 1] - ps[i];
+        const char *a = (const char *)att_rows(j, bt, which, -1, ps[i]) + skip;
+        for (int r = 0; r < n; r++)
+            for (size_t o = 0; o < rowb; o += 64)
+                __builtin_prefetch(a + r * kvd * es + o, 0, 3);
+    }
+    for (int s = 0; s < 2 * npc; s++) {
+        if (s + 2 < 2 * npc) {
+            int which = s + 2 >= npc, i = which ? s + 2 - npc : s + 2, n = ps[i + 1] - ps[i];
+            const char *a = (const char *)att_rows(j, bt, which, -1, ps[i]) + skip;
+            for (int r = 0; r < n; r++)
+                for (size_t o = 0; o < rowb; o += 64)
+                    __builtin_prefetch(a + r * kvd * es + o, 0, 3);
+        }
+        if (s == npc) /* the scores complete: the exps, the partial sums, o = 0 */
+            for (int g = g0; g < g1; g++) {
+                float *pg = part + (size_t)(g - g0) * pstride;
+                pg[1] = cpu_softmax_exp(scores + (size_t)(g - g0) * ATT_CHUNK, nc, &pg[0]);
+                memset(pg + 2, 0, (size_t)hd * sizeof(float));
+            }
+        int which = s >= npc, i = which ? s - npc : s, p = ps[i], n = ps[i + 1] - p;
+        for (int kvh = kh0; kvh < kh1; kvh++) {
+            const void *kb = att_rows(j, bt, which, kvh, p);
+            int a = kvh * group, b = a + group, g = a;
+            float *sa = scores + (size_t)(a - g0) * ATT_CHUNK + (p - cs);
+            float *pa = part + (size_t)(a - g0) * pstride + 2;
+            if (!which) {
+                for (; g + 2 <= b; g += 2) /* two heads at a time: the same results */
+                    cpu_dot_rows2(sa + (size_t)(g - a) * ATT_CHUNK,
+                                  sa + (size_t)(g + 1 - a) * ATT_CHUNK, q + (size_t)g * hd,
+                                  q + (size_t)(g + 1) * hd, kb, bf16, kvd, n, hd, j->scale);
+                for (; g < b; g++)
+                    if (bf16)
+                        cpu_dot_rows_bf16(sa + (size_t)(g - a) * ATT_CHUNK, q + (size_t)g * hd, kb,
+                                          kvd, n, hd, j->scale);
+                    else
+                        cpu_dot_rows(sa + (size_t)(g - a) * ATT_CHUNK, q + (size_t)g * hd, kb, kvd,
+                                     n, hd, j->scale);
+            } else {
+                for (; g + 2 <= b; g += 2)
+                    cpu_axpy_rows2(pa + (size_t)(g - a) * pstride,
+                                   pa + (size_t)(g + 1 - a) * pstride,
+                                   sa + (size_t)(g - a) * ATT_CHUNK,
+                                   sa + (size_t)(g + 1 - a) * ATT_CHUNK, kb, bf16, kvd, n, hd);
+                for (; g < b; g++)
+                    if (bf16)
+                        cpu_axpy_rows_bf16(pa + (size_t)(g - a) * pstride,
+                                           sa + (size_t)(g - a) * ATT_CHUNK, kb, kvd, n, hd);
+                    else
+                        cpu_axpy_rows(pa + (size_t)(g - a) * pstride,
+                                      sa + (size_t)(g - a) * ATT_CHUNK, kb, kvd, n, hd);
+            }
+        }
+    }
+}
+
+/* out (hd) = sum_c w_c o_c / sum_c w_c l_c, w_c = exp(m_c - max m), over the chunks in
+ * order (partial c at p + c * cstride): scalar, the same on every ISA */
+static void att_combine(float *out, const float *p, size_t cstride, int nch, int hd) {
+    float mx = p[0];
+    for (int c = 1; c < nch; c++)
+        mx = p[c * cstride] > mx ? p[c * cstride] : mx;
+    float l = 0;
+    for (int d = 0; d < hd; d++)
+        out[d] = 0;
+    for (int c = 0; c < nch; c++) {
+        const float *pc = p + c * cstride;
+        float w = pc[0] == mx ? 1.0f : cpu_ref_expf(pc[0] - mx);
+        l = __builtin_fmaf(w, pc[1], l);
+        for (int d = 0; d < hd; d++)
+            out[d] = __builtin_fmaf(w, pc[2 + d], out[d]);
+    }
+    for (int d = 0; d < hd; d++)
+        out[d] = out[d] / l;
+}
+
+/* One token, one KV head (the (token, KV head) split): its chunks in order, then the combine */
 static void att_task(void *ctx, int task) {
     const att_job *j = ctx;
     const backend_kv *kv = j->kv;
-    int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv, width = j->n_heads * hd;
-    int bs = kv->block_size, bf16 = kv->dtype == BACKEND_BF16;
-    size_t kvd = (size_t)nkv * hd;
-    int t = task / (nkv * j->split), kvh = task / j->split % nkv, part = task % j->split;
-    int g0 = group * part / j->split, g1 = group * (part + 1) / j->split;
-    int seq = j->pb->tok_seq[t], pos = j->pb->tok_pos[t], np = pos + 1;
-    const int32_t *bt = j->pb->bt_indices + j->pb->bt_indptr[seq];
-    float *scores = cpu_scratch(1, (size_t)(g1 - g0) * np); /* (g1 - g0, pos + 1) */
-    if (!scores) abort(); /* a worker cannot report; group * (pos + 1) floats */
-    const float *q = j->q + (size_t)t * width + (size_t)kvh * group * hd; /* (group, hd) */
-    float *out = j->out + (size_t)t * width + (size_t)kvh * group * hd;   /* (group, hd) */
-    /* block by block for all the task's heads, so each block's K (then V) rows are read from
-     * memory once and reused from L1 by every head; per head the order of the arithmetic is
-     * unchanged (scores per position, then the V rows in position order) */
-    for (int p0 = 0; p0 < np; p0 += bs) {
-        const void *kb = kv_block(kv, bt[p0 / bs], j->layer, 0, kvh);
-        int n = np - p0 < bs ? np - p0 : bs;
-        int g = g0;
-        for (; g + 2 <= g1; g += 2) /* two heads at a time: the same results, fewer loads */
-            cpu_dot_rows2(scores + (size_t)(g - g0) * np + p0,
-                          scores + (size_t)(g + 1 - g0) * np + p0, q + (size_t)g * hd,
-                          q + (size_t)(g + 1) * hd, kb, bf16, kvd, n, hd, j->scale);
-        for (; g < g1; g++)
-            if (bf16)
-                cpu_dot_rows_bf16(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd,
-                                  n, hd, j->scale);
-            else
-                cpu_dot_rows(scores + (size_t)(g - g0) * np + p0, q + (size_t)g * hd, kb, kvd, n,
-                             hd, j->scale);
-    }
-    for (int g = g0; g < g1; g++) {
-        cpu_softmax(scores + (size_t)(g - g0) * np, np);
-        memset(out + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
-    }
-    for (int p0 = 0; p0 < np; p0 += bs) {
-        const void *vb = kv_block(kv, bt[p0 / bs], j->layer, 1, kvh);
-        int n = np - p0 < bs ? np - p0 : bs;
-        int g = g0;
-        for (; g + 2 <= g1; g += 2)
-            cpu_axpy_rows2(out + (size_t)g * hd, out + (size_t)(g + 1) * hd,
-                           scores + (size_t)(g - g0) * np + p0,
-                           scores + (size_t)(g + 1 - g0) * np + p0, vb, bf16, kvd, n, hd);
-        for (; g < g1; g++)
-            if (bf16)
-                cpu_axpy_rows_bf16(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb,
-                                   kvd, n, hd);
-            else
-                cpu_axpy_rows(out + (size_t)g * hd, scores + (size_t)(g - g0) * np + p0, vb, kvd, n,
-                              hd);
-    }
+    int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv;
+    int t = task / nkv, kvh = task % nkv, nch = att_chunks(j->pb->tok_pos[t] + 1);
+    size_t ps = (size_t)hd + 2; /* partial (c, g) at (c * group + g) * ps */
+    float *part = cpu_scratch(3, (size_t)nch * group * ps);
+    if (!part) abort(); /* a worker cannot report */
+    for (int c = 0; c < nch; c++)
+        att_chunk(j, t, c, kvh, kvh + 1, part + (size_t)c * group * ps, ps);
+    float *out = j->out + ((size_t)t * j->n_heads + (size_t)kvh * group) * hd;
+    for (int g = 0; g < group; g++)
+        att_combine(out + (size_t)g * hd, part + (size_t)g * ps, (size_t)group * ps, nch, hd);
+}
+
+/* One chunk of one token for a share of the KV heads (the chunk split) */
+static void att_chunk_task(void *ctx, int task) {
+    const att_job *j = ctx;
+    int nkv = j->kv->n_kv_heads, kp = task % j->kv_parts, ct = task / j->kv_parts, t = 0;
+    while (j->chunk0[t + 1] <= ct)
+        t++;
+    size_t ps = (size_t)j->kv->head_dim + 2;
+    int kh0 = nkv * kp / j->kv_parts, kh1 = nkv * (kp + 1) / j->kv_parts;
+    att_chunk(j, t, ct - j->chunk0[t], kh0, kh1,
+              j->part + ((size_t)ct * j->n_heads + (size_t)kh0 * (j->n_heads / nkv)) * ps, ps);
 }
 
 static int cpu_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
@@ -471,15 +576,49 @@ static int cpu_attention(backend_stream *st, void *out, const void *q, backend_d
     NEED_PLAN("attention");
     NEED_F32("attention",
              dt == BACKEND_F32 && (kv->dtype == BACKEND_F32 || kv->dtype == BACKEND_BF16));
-    cpu_pool *pool = ((cpu_stream *)st->impl)->pool;
-    /* enough tasks for every thread (2 per thread) when few tokens: split the query heads of
-     * a KV head (each share reads the KV rows again, from cache) */
-    int group = n_heads / kv->n_kv_heads, pairs = pb->n_tokens * kv->n_kv_heads;
-    int want = 2 * cpu_pool_threads(pool), split = (want + pairs - 1) / pairs;
-    if (split > group) split = group;
-    if (split < 1) split = 1;
-    att_job j = {pb, kv, q, out, layer, n_heads, scale, split};
-    cpu_pool_run(pool, pairs * split, att_task, &j);
+    cpu_stream *cs = st->impl;
+    cpu_pool *pool = cs->pool;
+    int T = pb->n_tokens, nkv = kv->n_kv_heads, hd = kv->head_dim;
+    int want = 2 * cpu_pool_threads(pool);
+    att_job j = {pb, kv, q, out, layer, n_heads, scale, 0, 1, NULL, NULL};
+    /* few tokens: split their keys into chunks over the threads (each thread reads its own
+     * key range, once for all the heads), the partials combined here in chunk order */
+    if (T * nkv < want || T <= ATT_SPLIT_TOKENS) {
+        size_t total = 0;
+        if ((size_t)T + 1 > cs->att_c0_cap) {
+            int *c0 = realloc(cs->att_c0, ((size_t)T + 1) * sizeof *c0);
+            if (!c0) return -ENOMEM;
+            cs->att_c0 = c0;
+            cs->att_c0_cap = (size_t)T + 1;
+        }
+        cs->att_c0[0] = 0;
+        for (int t = 0; t < T; t++)
+            cs->att_c0[t + 1] = cs->att_c0[t] + att_chunks(pb->tok_pos[t] + 1);
+        total = (size_t)cs->att_c0[T];
+        size_t ps = (size_t)hd + 2, need = total * n_heads * ps;
+        if (need <= ATT_SPLIT_MAX_FLOATS) {
+            if (need > cs->att_part_cap) {
+                free(cs->att_part);
+                cs->att_part = malloc(need * sizeof(float));
+                cs->att_part_cap = cs->att_part ? need : 0;
+                if (!cs->att_part) return -ENOMEM;
+            }
+            j.by_chunk = 1;
+            j.chunk0 = cs->att_c0;
+            j.part = cs->att_part;
+            j.kv_parts = total * 2 < (size_t)want ? nkv : 1; /* few chunks: split the heads too */
+            cpu_pool_run(pool, (int)total * j.kv_parts, att_chunk_task, &j);
+            for (int t = 0; t < T; t++) {
+                int nch = cs->att_c0[t + 1] - cs->att_c0[t];
+                const float *pt = cs->att_part + (size_t)cs->att_c0[t] * n_heads * ps;
+                for (int h = 0; h < n_heads; h++)
+                    att_combine((float *)out + ((size_t)t * n_heads + h) * hd, pt + (size_t)h * ps,
+                                (size_t)n_heads * ps, nch, hd);
+            }
+            return 0;
+        }
+    }
+    cpu_pool_run(pool, T * nkv, att_task, &j);
     return 0;
 }
 

@@ -746,6 +746,35 @@ void cpu_softmax(float *s, int n) {
         s[i] = s[i] / sum;
 }
 
+float cpu_softmax_exp(float *s, int n, float *max_out) {
+    if (cpu_isa_get() == CPU_ISA_SCALAR) return cpu_ref_softmax_exp(s, n, max_out);
+    float mx = -__builtin_inff();
+    int i = 0;
+    __m256 mv = _mm256_set1_ps(mx);
+    for (; i + 8 <= n; i += 8)
+        mv = _mm256_max_ps(_mm256_loadu_ps(s + i), mv);
+    float mm[8];
+    _mm256_storeu_ps(mm, mv);
+    for (int l = 0; l < 8; l++)
+        mx = mm[l] > mx ? mm[l] : mx;
+    for (; i < n; i++)
+        mx = s[i] > mx ? s[i] : mx;
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mxv));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    for (; i < n; i++) {
+        s[i] = cpu_ref_expf(s[i] - mx);
+        sum += s[i];
+    }
+    *max_out = mx;
+    return sum;
+}
+
 static inline __attribute__((always_inline)) void
 axpy_rows_dt(float *y, const float *a, const void *v, cpu_dtype dt, size_t stride, int m, int n) {
     int c = 0;

@@ -111,6 +111,9 @@ void cpu_silu_mul(float *g, const float *u, int n);
 void cpu_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
                   float scale);
 void cpu_softmax(float *s, int n);
+/* cpu_softmax without the division: s_i = cpu_expf(s_i - max) in place, *max_out = max, and
+ * returns the canonical sum (attention's partial softmax over one chunk of key positions) */
+float cpu_softmax_exp(float *s, int n, float *max_out);
 void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
 /* The same with bf16 key / value rows (a bf16 KV cache; stride in elements): each element
  * widened to f32 exactly, then the same arithmetic as the f32 versions. */
@@ -169,6 +172,7 @@ void cpu_ref_silu_mul(float *g, const float *u, int n);
 void cpu_ref_dot_rows(float *out, const float *q, const float *k, size_t stride, int m, int n,
                       float scale);
 void cpu_ref_softmax(float *s, int n);
+float cpu_ref_softmax_exp(float *s, int n, float *max_out);
 void cpu_ref_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n);
 void cpu_ref_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m,
                            int n, float scale);

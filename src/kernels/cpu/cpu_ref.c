@@ -219,6 +219,26 @@ void cpu_ref_softmax(float *s, int n) {
         s[i] = s[i] / sum;
 }
 
+float cpu_ref_softmax_exp(float *s, int n, float *max_out) {
+    float mx = -INFINITY;
+    for (int i = 0; i < n; i++)
+        mx = s[i] > mx ? s[i] : mx;
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) {
+            s[i + l] = cpu_ref_expf(s[i + l] - mx);
+            a[l] += s[i + l];
+        }
+    float sum = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    for (; i < n; i++) {
+        s[i] = cpu_ref_expf(s[i] - mx);
+        sum += s[i];
+    }
+    *max_out = mx;
+    return sum;
+}
+
 void cpu_ref_axpy_rows(float *y, const float *a, const float *v, size_t stride, int m, int n) {
     for (int i = 0; i < m; i++)
         cpu_ref_axpy(y, a[i], v + (size_t)i * stride, n);
