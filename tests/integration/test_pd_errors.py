@@ -176,7 +176,10 @@ def one_at_a_time_pd(p_env=None):
     return x
 
 
-HOGS = 4  # long generations queued ahead on a one-at-a-time P (each well under 1 s alone)
+# long generations queued ahead on a one-at-a-time P (each well under 1 s alone; 4 of them took
+# only ~0.75 s with the avx512f kernels and the chunked attention, too short for the tests below
+# to queue behind them, so 12: ~2-5 s on the machines seen)
+HOGS = 12
 
 
 def submit_hogs(ex, x):
