@@ -716,29 +716,9 @@ void cpu_softmax(float *s, int n) {
         cpu_ref_softmax(s, n);
         return;
     }
-    float mx = -__builtin_inff();
-    int i = 0;
-    __m256 mv = _mm256_set1_ps(mx);
-    for (; i + 8 <= n; i += 8)
-        mv = _mm256_max_ps(_mm256_loadu_ps(s + i), mv);
-    float mm[8];
-    _mm256_storeu_ps(mm, mv);
-    for (int l = 0; l < 8; l++)
-        mx = mm[l] > mx ? mm[l] : mx;
-    for (; i < n; i++)
-        mx = s[i] > mx ? s[i] : mx;
-    const __m256 mxv = _mm256_set1_ps(mx);
-    __m256 acc = _mm256_setzero_ps();
-    for (i = 0; i + 8 <= n; i += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mxv));
-        _mm256_storeu_ps(s + i, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    float sum = hsum8(acc);
-    for (; i < n; i++) {
-        s[i] = cpu_ref_expf(s[i] - mx);
-        sum += s[i];
-    }
+    float mx;
+    float sum = cpu_softmax_exp(s, n, &mx);
+    int i;
     const __m256 sv = _mm256_set1_ps(sum);
     for (i = 0; i + 8 <= n; i += 8)
         _mm256_storeu_ps(s + i, _mm256_div_ps(_mm256_loadu_ps(s + i), sv));

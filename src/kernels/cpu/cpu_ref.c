@@ -200,21 +200,9 @@ void cpu_ref_dot_rows(float *out, const float *q, const float *k, size_t stride,
 }
 
 void cpu_ref_softmax(float *s, int n) {
-    float mx = -INFINITY;
-    for (int i = 0; i < n; i++)
-        mx = s[i] > mx ? s[i] : mx;
-    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) {
-            s[i + l] = cpu_ref_expf(s[i + l] - mx);
-            a[l] += s[i + l];
-        }
-    float sum = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-    for (; i < n; i++) {
-        s[i] = cpu_ref_expf(s[i] - mx);
-        sum += s[i];
-    }
+    float mx;
+    float sum = cpu_ref_softmax_exp(s, n, &mx);
+    int i;
     for (i = 0; i < n; i++)
         s[i] = s[i] / sum;
 }
