@@ -71,7 +71,8 @@ static void serve_usage(FILE *f) {
         "  --enforce-eager, --no-enforce-eager   GPU: every step eager (default: decode steps of "
         "up to --max-num-seqs sequences run as CUDA graphs)\n"
         "  --batch-invariant, --no-batch-invariant   GPU: kernels whose result for a request "
-        "does not depend on the batch or the prompt's chunking (default off; the CPU always is)\n"
+        "does not depend on the batch or the prompt's chunking (default off, or "
+        "VLLM_BATCH_INVARIANT=1; the CPU always is)\n"
         "  -tp, --tensor-parallel-size N   1 only (one device per process; scale out with more "
         "instances behind disagg proxy)\n"
         "  -pp, --pipeline-parallel-size N 1 only\n"
@@ -499,6 +500,22 @@ static int serve_args(int argc, char **argv) {
     discovery_cli_init(&disc);
     const char *env_key = getenv("VLLM_API_KEY");
     if (env_key && *env_key) cfg.api_key = env_key;
+    /* vLLM's switch for the same thing (int(os.getenv("VLLM_BATCH_INVARIANT", "0"))); the
+     * flags below override it */
+    const char *env_bi = getenv("VLLM_BATCH_INVARIANT");
+    if (env_bi && *env_bi) {
+        char *end;
+        errno = 0;
+        long v = strtol(env_bi, &end, 10);
+        if (end == env_bi || *end || errno) {
+            fprintf(stderr,
+                    "disagg serve: VLLM_BATCH_INVARIANT='%s' is not an integer (accepted: 0 = "
+                    "off, 1 = on, as vLLM reads it; or --batch-invariant / --no-batch-invariant)\n",
+                    env_bi);
+            goto fail;
+        }
+        cfg.engine.batch_invariant = v != 0;
+    }
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (a[0] != '-' || a[1] == 0) {

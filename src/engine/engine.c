@@ -942,6 +942,8 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
             LOG_I(MOD, "batch-invariant kernels (--batch-invariant): a request's tokens do not "
                        "depend on the batch or the prompt's chunking");
     }
+    if (e->state && backend_is_cpu(e->be) && c.batch_invariant)
+        LOG_I(MOD, "batch-invariant requested: the CPU kernels always are (nothing to switch)");
     backend_memory(e->be, &mem_free, &mem_total);
     size_t want =
         c.kv_cache_bytes ? c.kv_cache_bytes : (size_t)((double)mem_total * c.kv_cache_fraction);
