@@ -241,7 +241,7 @@ decode_steps() {
   grep -E "FAILED|ERROR|error|PASSED" /tmp/tbo.log | head -20
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu|attention)"
   check ${PIPESTATUS[0]} test_cuda_model
-  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1,DISAGG_CUDA_NORM_FUSE=0 DISAGG_CUDA_GEMV_SPLIT=8,DISAGG_CUDA_QKV_SPLIT=8,DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT_ROWS=1}; do
+  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT=8,DISAGG_CUDA_QKV_SPLIT=8,DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT_ROWS=1}; do
     env ${v//,/ } "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
     check $? "test_backend_ops with $v"
     grep -E "FAILED|ERROR|error" /tmp/tbo.log | head -10
@@ -259,7 +259,7 @@ decode_steps() {
   fi
   # a variant's settings joined by commas; list a variant twice, alternated with another, to
   # see the machine's drift within the run; DECODE_VARIANT_BATCHES: their batch sizes
-  for v in ${DECODE_VARIANTS-DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1,DISAGG_CUDA_NORM_FUSE=0 DISAGG_CUDA_NORM_FUSE=0 DISAGG_CUDA_GEMV_SPLIT_ROWS=1 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
+  for v in ${DECODE_VARIANTS-DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT_ROWS=1 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
     echo "--- decode with $v:"
     env ${v//,/ } "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches ${DECODE_VARIANT_BATCHES:-1,2,8} 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
     check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"

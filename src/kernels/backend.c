@@ -545,18 +545,6 @@ int backend_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, voi
     return rc ? rc : backend_rmsnorm(st, out, out_dt, x, x_dt, w, rows, n, eps);
 }
 
-int backend_matmul_add_rmsnorm(backend_stream *st, const backend_matmul_op *op, void *out,
-                               backend_dtype out_dt, void *x, backend_dtype x_dt, const float *w,
-                               float eps) {
-    CHECK(op && out && x && w && op->y && op->y != x && op->y_dt == x_dt && op->T >= 1 &&
-              op->N >= 1 && dt_ok(out_dt) && dt_ok(x_dt),
-          "matmul_add_rmsnorm: bad arguments");
-    if (st->be->iface->matmul_add_rmsnorm)
-        return st->be->iface->matmul_add_rmsnorm(st, op, out, out_dt, x, x_dt, w, eps);
-    int rc = backend_matmul(st, op, 1);
-    return rc ? rc : backend_add_rmsnorm(st, out, out_dt, x, op->y, x_dt, w, op->T, op->N, eps);
-}
-
 int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
     CHECK(o && o->x && o->q && o->inv_freq && kv_ok(o->kv, o->layer) && o->T >= 1 &&
               o->hidden >= 1 && o->n_heads >= 1 && dt_ok(o->x_dt) && dt_ok(o->w_dt) && dt_ok(o->dt),

@@ -290,14 +290,6 @@ int backend_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, voi
                         const void *add, backend_dtype x_dt, const float *w, int rows, int n,
                         float eps);
 
-/* op (one backend_matmul_op; op->y_dt == x_dt), then backend_add_rmsnorm(out, out_dt, x,
- * op->y, x_dt, w, op->T, op->N, eps): x += y, out = rmsnorm(x) (y is written too).  Generic:
- * backend_matmul, backend_add_rmsnorm.  (CUDA: for decode-sized T, the norm in the GEMV's
- * last CTA, the same bits as the two ops.) */
-int backend_matmul_add_rmsnorm(backend_stream *st, const backend_matmul_op *op, void *out,
-                               backend_dtype out_dt, void *x, backend_dtype x_dt, const float *w,
-                               float eps);
-
 /* The attention block's input for the planned batch: q = rope(wq . x + bq) to `q`, and
  * k = rope(wk . x + bk), v = wv . x + bv written into `layer`'s KV slots.  Generic:
  * backend_matmul of the three (into q, k, v), backend_rope(q, k), backend_kv_write(k, v). */

@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 4
+#define BACKEND_ABI_VERSION 3
 
 typedef struct backend_iface {
     /* device */
@@ -72,9 +72,6 @@ typedef struct backend_iface {
                         backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
                         float scale);
     int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
-    int (*matmul_add_rmsnorm)(backend_stream *st, const backend_matmul_op *op, void *out,
-                              backend_dtype out_dt, void *x, backend_dtype x_dt, const float *w,
-                              float eps);
 } backend_iface;
 
 struct backend {

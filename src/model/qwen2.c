@@ -356,9 +356,8 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
         /* attention block: x += wo . attention(rope(wq . norm(x)), rope(wk . ..), wv . ..)
-         * (the previous layer's MLP output y joined x after its down_proj: x += y, then the
-         * norm, backend_matmul_add_rmsnorm) */
-        if (l == 0) TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, NULL, a, L->attn_norm, T, h, eps));
+         * (the previous layer's MLP output y joins x here: x += y, then the norm) */
+        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l ? s->y : NULL, a, L->attn_norm, T, h, eps));
         backend_qkv_op qkv = {.x = s->xb,
                               .x_dt = mm,
                               .T = T,
@@ -383,8 +382,9 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
         TRY(backend_qkv(st, &qkv));
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
         backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, h};
+        TRY(backend_matmul(st, &o, 1));
         /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))) */
-        TRY(backend_matmul_add_rmsnorm(st, &o, s->xb, mm, s->x, a, L->mlp_norm, eps));
+        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, s->y, a, L->mlp_norm, T, h, eps));
         backend_mlp_op mlp = {.x = s->xb,
                               .x_dt = mm,
                               .T = T,
@@ -400,11 +400,7 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
         TRY(backend_gate_up(st, &mlp));
         backend_matmul_op down = {s->y, a, s->hb, mm, L->w_down.data, L->w_down.dtype,
                                   NULL, T, h,     I};
-        if (l + 1 < c->n_layers)
-            TRY(backend_matmul_add_rmsnorm(st, &down, s->xb, mm, s->x, a,
-                                           w->layers[l + 1].attn_norm, eps));
-        else
-            TRY(backend_matmul(st, &down, 1));
+        TRY(backend_matmul(st, &down, 1));
     }
     return backend_add(st, s->x, s->y, a, (size_t)T * h);
 }

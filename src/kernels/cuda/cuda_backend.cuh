@@ -798,38 +798,6 @@ static int cb_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, v
 
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops);
 
-/* decode (T <= the GEMV's tokens, fast mode, bf16 input, the split-K GEMV's shape): one
- * k_gemv_sk with the add + RMSNorm in its last CTA (the same bits as the GEMV and
- * k_rmsnorm4); else the two ops */
-static int cb_matmul_add_rmsnorm(backend_stream *st, const backend_matmul_op *op, void *out,
-                                 backend_dtype out_dt, void *x, backend_dtype x_dt,
-                                 const float *w, float eps) {
-    cb_stream *s = CB(st);
-    dcu_ctx *c = s->c;
-    int T = op->T, N = op->N, K = op->K;
-    int th = ((N / 4 + RN_VPT - 1) / RN_VPT + 31) / 32 * 32, wc = c->gemv_warps;
-    int S = gemv_split_for(c, c->gemv_split, N, K / 8, GV_MIN_LEN);
-    if (S > wc) wc = S;
-    if (!s->inv && c->norm_fuse && c->norm4 && !c->gemv_db && S > 1 && T <= 2 &&
-        x_dt == BACKEND_F32 && op->y_dt == BACKEND_F32 && op->x_dt == BACKEND_BF16 &&
-        op->w_dt == BACKEND_BF16 && (out_dt == BACKEND_F32 || out_dt == BACKEND_BF16) &&
-        gemv_ok(c, T, K, op->x, op->w) && N % 4 == 0 && th <= 32 * wc &&
-        !(((uintptr_t)x | (uintptr_t)op->y | (uintptr_t)w) & 15) &&
-        !((uintptr_t)out & (out_dt == BACKEND_BF16 ? 7 : 15))) {
-        gemv_norm_ep ep = {(float *)x, w, out, out_dt == BACKEND_BF16, th, eps, c->gemv_count};
-        int rc = gemv_sk_launch(c, (float *)op->y, (const uint4 *)op->x, (const uint4 *)op->w,
-                                op->bias, T, N, K / 8, S, &ep);
-        if (s->prof && s->prof->on && !rc) {
-            char nm[48];
-            snprintf(nm, sizeof nm, "matmul %dx%d + add_rmsnorm", N, K);
-            prof_mark(s, nm, (double)N * K * 2);
-        }
-        return rc;
-    }
-    int rc = cb_matmul(st, op, 1);
-    return rc ? rc : cb_add_rmsnorm(st, out, out_dt, x, op->y, x_dt, w, T, N, eps);
-}
-
 /* one GEMM over q|k|v into scratch, then bias + RoPE + q out + K/V into the cache */
 static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     cb_stream *s = CB(st);
@@ -988,7 +956,7 @@ static const backend_iface CB_IFACE = {
     cb_matmul,     cb_rope,         cb_kv_write,     cb_attention,    cb_swiglu,
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
-    cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,       cb_matmul_add_rmsnorm,
+    cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,
 };
 
 extern "C" __attribute__((visibility("default"))) int

@@ -83,11 +83,8 @@ struct dcu_ctx {
                        q|k|v): 0 = auto (default; gemv_split_for), 1 = off, 2|4|8 = that factor
                        (DISAGG_CUDA_GEMV_SPLIT=auto|1|2|4|8) */
     int qkv_split;  /* the same for the fused q|k|v GEMV (DISAGG_CUDA_QKV_SPLIT=auto|1|2|4|8) */
-    int gemv_split_rows; /* rows a warp of the split-K GEMV (DISAGG_CUDA_GEMV_SPLIT_ROWS=1|2) */
-    int norm_fuse;  /* backend_matmul_add_rmsnorm of T <= 2 on the split-K GEMV with the add +
-                       RMSNorm in its last CTA (DISAGG_CUDA_NORM_FUSE=0: the GEMV, then
-                       k_rmsnorm4) */
-    unsigned *gemv_count; /* gemv_norm_ep.count (device, zero between launches) */
+    int gemv_split_rows; /* rows a warp of the split-K GEMV (DISAGG_CUDA_GEMV_SPLIT_ROWS=1|2,
+                            default 2) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
@@ -263,7 +260,6 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
                                  atoi(getenv("DISAGG_CUDA_GEMV_SPLIT_ROWS")) == 1
                              ? 1
                              : 2;
-    c->norm_fuse = !(getenv("DISAGG_CUDA_NORM_FUSE") && !strcmp(getenv("DISAGG_CUDA_NORM_FUSE"), "0"));
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
     c->att_mma = !(getenv("DISAGG_CUDA_ATT_MMA") && !strcmp(getenv("DISAGG_CUDA_ATT_MMA"), "0"));
@@ -300,9 +296,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->ws_bytes = 64u << 20;
     if (cudaMalloc(&c->ws, c->ws_bytes) != cudaSuccess ||
         cudaMalloc((void **)&c->amax_tmp, (size_t)AMX_ROWS * AMX_PARTS * 2 * sizeof(int32_t)) !=
-            cudaSuccess ||
-        cudaMalloc((void **)&c->gemv_count, 64 * sizeof(unsigned)) != cudaSuccess ||
-        cudaMemset(c->gemv_count, 0, 64 * sizeof(unsigned)) != cudaSuccess) {
+            cudaSuccess) {
         seterr(err, errlen, "out of GPU memory for the cuBLASLt workspace (64 MiB)");
         cublasLtDestroy(c->lt);
         cudaStreamDestroy(c->stream);
@@ -333,7 +327,6 @@ static void ctx_free(dcu_ctx *c) {
     cudaFree(c->att_part);
     cudaFree(c->att_ml);
     cudaFree(c->amax_tmp);
-    cudaFree(c->gemv_count);
     cublasLtDestroy(c->lt);
     cudaStreamDestroy(c->stream);
     free(c);
@@ -2623,86 +2616,14 @@ __global__ void __launch_bounds__(256)
  * min(K8, (s + 1) len)) of each, so a GEMV of few long rows (the 7B down_proj: 3,584 rows of
  * 37 KB, a partial second wave of warps) has S times the warps in flight.  The S partial sums
  * meet in shared memory and the rows' first warp adds them in split order (fixed: the same
- * bits every run), then the bias.  ep (optional, T <= 2): the add + RMSNorm of the next
- * operation in the epilogue of the CTA that finishes last (gemv_norm_ep). */
-struct gemv_norm_ep {
-    float *x;         /* residual (T, N) f32: x += y */
-    const float *w;   /* norm weight (N) */
-    void *out;        /* (T, N) rmsnorm(x) * w, bf16 (out_bf16) or f32 */
-    int out_bf16, th; /* th: the threads k_rmsnorm4 would run a row with (the same bits) */
-    float eps;
-    unsigned *count;  /* CTAs done; the last one resets it to 0 */
-};
-/* the body of k_rmsnorm4 for one row, by threads 0 .. th - 1 of the CTA (the others hold no
- * elements and add zeros: block_sum then adds the same partial sums in the same order as
- * k_rmsnorm4 with blockDim th, so the bits are the same); y read with ld.global.cg (written
- * by other CTAs of this grid) */
-template <typename OT>
-__device__ void norm_row(OT *out, float *x, const float *add, const float *w, int n, int th,
-                         float eps) {
-    int n4 = n >> 2;
-    float4 *xr = (float4 *)x;
-    const float4 *ar = (const float4 *)add;
-    float4 v[RN_VPT];
-    float ss = 0.0f;
-    bool mine = threadIdx.x < th;
-#pragma unroll
-    for (int k = 0; k < RN_VPT; k++) {
-        int i = threadIdx.x + k * th;
-        if (mine && i < n4) {
-            float4 a = __ldcg(xr + i), b = __ldcg(ar + i);
-            a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
-            v[k] = a;
-            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-        }
-    }
-    ss = block_sum(ss);
-    float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    const float4 *w4 = (const float4 *)w;
-#pragma unroll
-    for (int k = 0; k < RN_VPT; k++) {
-        int i = threadIdx.x + k * th;
-        if (mine && i < n4) {
-            float4 a = v[k], g = __ldg(w4 + i);
-            __stcs(xr + i, a);
-            float o0 = g.x * (a.x * inv), o1 = g.y * (a.y * inv), o2 = g.z * (a.z * inv),
-                  o3 = g.w * (a.w * inv);
-            if constexpr (sizeof(OT) == 2) {
-                __nv_bfloat162 h[2] = {__floats2bfloat162_rn(o0, o1), __floats2bfloat162_rn(o2, o3)};
-                *(uint2 *)(out + 4 * (size_t)i) = *(const uint2 *)h;
-            } else {
-                *(float4 *)(out + 4 * (size_t)i) = make_float4(o0, o1, o2, o3);
-            }
-        }
-    }
-}
-/* after every CTA wrote its part of y (T, N): the last CTA to finish runs the norm of each
- * row (the usual threadfence-and-count pattern; the count is an integer, no float atomics) */
-template <int TT>
-__device__ void gemv_norm_tail(const gemv_norm_ep &ep, const float *y, int N) {
-    __shared__ unsigned s_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(ep.count, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    if (threadIdx.x == 0) *ep.count = 0;
-#pragma unroll
-    for (int t = 0; t < TT; t++) {
-        if (ep.out_bf16)
-            norm_row<bf16>((bf16 *)ep.out + (size_t)t * N, ep.x + (size_t)t * N, y + (size_t)t * N,
-                           ep.w, N, ep.th, ep.eps);
-        else
-            norm_row<float>((float *)ep.out + (size_t)t * N, ep.x + (size_t)t * N,
-                            y + (size_t)t * N, ep.w, N, ep.th, ep.eps);
-    }
-}
-
-template <int TT, int S, int NR, bool EP>
+ * bits every run), then the bias.  (The add + RMSNorm of the next operation in the
+ * epilogue of the CTA that finishes last — threadfence, an integer count, k_rmsnorm4's
+ * arithmetic, the same bits — measured 0.35 ms a step slower than the separate k_rmsnorm4 on
+ * the H200 with CUDA graphs, 4.97 vs 4.62 ms at batch 1, 4k: removed.) */
+template <int TT, int S, int NR>
 __global__ void __launch_bounds__(256)
     k_gemv_sk(float *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
-              const float *__restrict__ bias, int N, int K8, int len, gemv_norm_ep ep) {
+              const float *__restrict__ bias, int N, int K8, int len) {
     __shared__ float red[GV_MAXW][NR][TT];
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row = (blockIdx.x * ((blockDim.x >> 5) / S) + wi / S) * NR, sp = wi % S;
@@ -2741,7 +2662,6 @@ __global__ void __launch_bounds__(256)
             y[(size_t)t * N + row + r] = v + (bias ? bias[row + r] : 0.0f);
         }
     }
-    if constexpr (EP) gemv_norm_tail<TT>(ep, y, N);
 }
 
 /* The q|k|v GEMV with k_qkv_finish in its epilogue: warp pi takes a RoPE pair (rows
@@ -2858,23 +2778,18 @@ static int gemv_split_len(int K8, int S) {
     return S == 1 ? K8 : ((K8 + S - 1) / S + 7) / 8 * 8;
 }
 
-/* the split-K GEMV (k_gemv_sk) with S splits, c->gemv_split_rows rows a warp; ep: the fused
- * add + RMSNorm epilogue (NULL: none) */
+/* the split-K GEMV (k_gemv_sk) with S splits, c->gemv_split_rows rows a warp */
 static int gemv_sk_launch(dcu_ctx *c, float *y, const uint4 *xv, const uint4 *wv,
-                          const float *bias, int T, int N, int K8, int S, const gemv_norm_ep *ep) {
+                          const float *bias, int T, int N, int K8, int S) {
     int nw = c->gemv_warps, wc = nw > S ? nw : S, len = gemv_split_len(K8, S), nr = c->gemv_split_rows;
     int rpc = wc / S * nr; /* rows a CTA */
     dim3 gs((N + rpc - 1) / rpc), bs(32 * wc);
-    gemv_norm_ep e = ep ? *ep : gemv_norm_ep{};
-    if (T < 1 || T > 2 || (ep && (ep->th > 32 * wc || N % 4 || N > 4 * RN_VPT * ep->th)))
-        return -EINVAL;
-#define GSK_(TT, SS, NR, EP)                                                                     \
-    if (T == TT && S == SS && nr == NR && (ep != NULL) == EP)                                    \
-        return launch_pdl(c, "gemv (split-K)", k_gemv_sk<TT, SS, NR, EP>, gs, bs, 0, y, xv, wv,   \
-                          bias, N, K8, len, e);
-#define GSK_S(TT, NR, EP) GSK_(TT, 2, NR, EP) GSK_(TT, 4, NR, EP) GSK_(TT, 8, NR, EP)
-    GSK_S(1, 1, false) GSK_S(2, 1, false) GSK_S(1, 2, false) GSK_S(2, 2, false)
-    GSK_S(1, 1, true) GSK_S(2, 1, true) GSK_S(1, 2, true) GSK_S(2, 2, true)
+#define GSK_(TT, SS, NR)                                                                         \
+    if (T == TT && S == SS && nr == NR)                                                          \
+        return launch_pdl(c, "gemv (split-K)", k_gemv_sk<TT, SS, NR>, gs, bs, 0, y, xv, wv, bias, \
+                          N, K8, len);
+#define GSK_S(TT, NR) GSK_(TT, 2, NR) GSK_(TT, 4, NR) GSK_(TT, 8, NR)
+    GSK_S(1, 1) GSK_S(2, 1) GSK_S(1, 2) GSK_S(2, 2)
 #undef GSK_S
 #undef GSK_
     return -EINVAL;
@@ -2892,7 +2807,7 @@ static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const fl
     constexpr bool DB = MODE == 0;
     if constexpr (MODE == 0 && sizeof(OT) == 4) {
         int S = c->gemv_db ? 1 : gemv_split_for(c, c->gemv_split, N, K8, GV_MIN_LEN);
-        if (S > 1) return gemv_sk_launch(c, y, xv, wv, bias, T, N, K8, S, NULL);
+        if (S > 1) return gemv_sk_launch(c, y, xv, wv, bias, T, N, K8, S);
     }
     if (MODE == 0 && !c->gemv_db) {
         if (T == 1)
