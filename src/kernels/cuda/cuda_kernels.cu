@@ -2931,7 +2931,9 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
  * of 2026-12-01 14:51): the GEMV (single-buffered, gate|up + SwiGLU and q|k|v + RoPE/KV
  * fused) takes batch 1 at 4k to 4.75 ms a step against 4.88 with cuBLASLt for every GEMM
  * (5.37 before this GEMV); at T = 2 cuBLASLt is faster (4.87 vs 5.02 ms), so the default is
- * T = 1 only (DISAGG_CUDA_GEMV=2: T <= 2 too; 0: cuBLASLt for every T).  k_skinny (tensor
+ * T = 1 only (DISAGG_CUDA_GEMV=2: T <= 2 too; 0: cuBLASLt for every T).  Split over K for
+ * the GEMVs of few rows (gemv_split_for; the 18:11 run of 1 December: batch 1 at 4k 4.61 ms
+ * against 4.85 unsplit in the same run).  k_skinny (tensor
  * cores) lost to cuBLASLt at T = 1..32.  The fast mode is not batch-invariant either way
  * (cuBLASLt changes kernels with T as well): a sequence's tokens may depend on its batch;
  * --batch-invariant (cuda_invariant.cu) is the mode that makes them not. */
