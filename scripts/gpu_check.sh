@@ -45,8 +45,10 @@
 # (PREFILL_VARIANTS adds env settings to that list).
 # ONLY=decode (issue 12's batch-1 decode): test_backend_ops, test_cuda_model, the 7B decode
 # table (DECODE_BASE_MODULE=an older libdisagg_cuda.so: its table too, the same run), decode
-# with each switch in DECODE_VARIANTS flipped, the per-op timing of an eager 1-token step
-# (DISAGG_CUDA_PROF=1) and the serve smoke (DECODE_NO_SMOKE=1 skips it).
+# with each switch in DECODE_VARIANTS flipped (a variant's settings joined by commas; at the
+# batch sizes DECODE_VARIANT_BATCHES, default 1,2,8), the per-op timing of an eager 1-token
+# step (DISAGG_CUDA_PROF=1; again with each of DECODE_PROF_VARIANTS) and the serve smoke
+# (DECODE_NO_SMOKE=1 skips it).  DECODE_TEST_VARIANTS: the settings the two tests run again with.
 # Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
@@ -239,11 +241,11 @@ decode_steps() {
   grep -E "FAILED|ERROR|error|PASSED" /tmp/tbo.log | head -20
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu|attention)"
   check ${PIPESTATUS[0]} test_cuda_model
-  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1}; do
-    env "$v" "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
+  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT=8,DISAGG_CUDA_QKV_SPLIT=8,DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT_ROWS=1}; do
+    env ${v//,/ } "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
     check $? "test_backend_ops with $v"
     grep -E "FAILED|ERROR|error" /tmp/tbo.log | head -10
-    env "$v" "$BUILD/test_cuda_model" 2>&1 | grep -E "graph|FAILED|ERROR|PASSED"
+    env ${v//,/ } "$BUILD/test_cuda_model" 2>&1 | grep -E "graph|FAILED|ERROR|PASSED"
     check ${PIPESTATUS[0]} "test_cuda_model with $v"
   done
   if [ -n "$gen_pid" ]; then wait "$gen_pid"; check $? "gen_random_qwen2_gpu 7b"; cat /tmp/gen7b.log; fi
@@ -255,14 +257,19 @@ decode_steps() {
     DISAGG_CUDA_MODULE=$DECODE_BASE_MODULE "$BIN" bench model "$W7" --device cuda --prompt-lens 512 2>&1 | sed -n '/^ceilings/p;/^decode/,/^$/p'
     check ${PIPESTATUS[0]} "bench model 7b, previous module"
   fi
-  for v in ${DECODE_VARIANTS-DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
+  # a variant's settings joined by commas; list a variant twice, alternated with another, to
+  # see the machine's drift within the run; DECODE_VARIANT_BATCHES: their batch sizes
+  for v in ${DECODE_VARIANTS-DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT_ROWS=1 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
     echo "--- decode with $v:"
-    env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1,2,8 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
+    env ${v//,/ } "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches ${DECODE_VARIANT_BATCHES:-1,2,8} 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
     check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
   done
-  step "decode: per-op timing of eager 1-token steps (DISAGG_CUDA_PROF=1)"
-  DISAGG_CUDA_PROF=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof|^1 "
-  check ${PIPESTATUS[0]} "bench model 7b, DISAGG_CUDA_PROF=1"
+  # the per-op table, also with each of DECODE_PROF_VARIANTS (settings joined by commas)
+  for v in "" ${DECODE_PROF_VARIANTS:-}; do
+    step "decode: per-op timing of eager 1-token steps (DISAGG_CUDA_PROF=1${v:+ $v})"
+    env DISAGG_CUDA_PROF=1 ${v//,/ } "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof|^1 "
+    check ${PIPESTATUS[0]} "bench model 7b, DISAGG_CUDA_PROF=1${v:+ $v}"
+  done
   if [ -z "${DECODE_NO_SMOKE:-}" ]; then
     step "decode: serve smoke (fast mode counted; single eager vs graphs and --batch-invariant concurrent vs single checked)"
     python3 tools/gpu_serve_smoke.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT" 2>&1 | grep -E "^serve|FAILED|Error"

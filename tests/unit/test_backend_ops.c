@@ -250,9 +250,14 @@ static void test_matmul(void **state) {
      * DISAGG_CUDA_GEMV=2): a row shorter than a warp's 16-byte loads, N not a multiple of the
      * rows of a CTA, K past one batch of loads in flight (256 x 8) with a partial batch after
      * it */
-    int shapes[][3] = {{1, 1, 1},    {1, 5, 7},     {3, 9, 8},    {7, 13, 33},
-                       {2, 64, 100}, {17, 31, 129}, {1, 1, 8},    {1, 37, 264},
-                       {2, 13, 520}, {1, 7, 4104},  {2, 5, 2056}};
+    /* ... and those of K 2056 and more its split-K form (DISAGG_CUDA_GEMV_SPLIT: few rows,
+     * long K; by default K 2056 takes 4 splits of 72 uint4s, the last 41, K 4104 and 8200 8;
+     * with =8 forced the last split of K 2056 is empty; odd N leaves dead rows in the last CTA
+     * at 2 rows a warp, DISAGG_CUDA_GEMV_SPLIT_ROWS) */
+    int shapes[][3] = {{1, 1, 1},     {1, 5, 7},     {3, 9, 8},    {7, 13, 33},
+                       {2, 64, 100},  {17, 31, 129}, {1, 1, 8},    {1, 37, 264},
+                       {2, 13, 520},  {1, 7, 4104},  {2, 5, 2056}, {1, 9, 8200},
+                       {2, 3, 8200},  {1, 301, 4104}};
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
         backend_stream *st = backend_stream_create(be);
@@ -307,6 +312,11 @@ static void test_matmul(void **state) {
                            tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2) : exact ? 1e-4 : 4e-2;
                     check_close(what, be, got, want, (size_t)T * N, tol1);
                     check_close(what, be, got2, want2, (size_t)T * N, tol2);
+                    /* run to run the same bits (split-K partials add in a fixed order) */
+                    assert_int_equal(backend_matmul(st, &ops[1], 1), 0);
+                    float *got3 = from_dev(st, DEV(by2), (size_t)T * N, BACKEND_F32);
+                    assert_memory_equal(got2, got3, sizeof(float) * T * N);
+                    free(got3);
                     free(got), free(got2), free(want), free(want2), free(x), free(w), free(bias);
                     backend_buffer_free(bw), backend_buffer_free(tmp);
                     backend_buffer_free(bx), backend_buffer_free(bb), backend_buffer_free(by),
@@ -919,6 +929,125 @@ static void test_gate_up_gemv(void **state) {
     }
 }
 
+/* backend_qkv at the decode sizes (1 and 2 tokens) over the concatenated q|k|v matrix: the
+ * CUDA backend's fused GEMV (bias, RoPE and the KV write in its epilogue), split-K for long
+ * rows (DISAGG_CUDA_QKV_SPLIT; by default hidden 2056 takes 2 splits, 4104 4), GQA 3.  Run
+ * twice: the second q and cache must be the same bits (the splits add in a fixed order). */
+static void test_qkv_gemv(void **state) {
+    enum { NH = 6, NKV = 2, HD = 16, KVD = NKV * HD, W = NH * HD + 2 * KVD, L = 2, LAYER = 1 };
+    int shapes[][2] = {{1, 2056}, {2, 2056}, {1, 4104}, {2, 4104}, {1, 264}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        if (!backend_wants_cat(be)) continue;
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be), mm = backend_mm_dtype(be),
+                      kdt = backend_kv_dtype_default(be);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            int T = shapes[k][0], H = shapes[k][1], Q = NH * HD;
+            test_batch tb;
+            int start[2] = {5, 37}, n_new[2] = {1, 1};
+            make_batch(&tb, T, start, n_new, 8, 12, 10);
+            assert_int_equal(backend_plan(st, &tb.b), 0);
+            uint16_t *hw = malloc(sizeof(uint16_t) * W * H);
+            float *fw = malloc(sizeof(float) * W * H), bias[W], inv[HD / 2];
+            bf16_mat(hw, fw, (size_t)W * H);
+            for (int i = 0; i < W; i++)
+                bias[i] = frand();
+            for (int i = 0; i < HD / 2; i++)
+                inv[i] = 1.0f / powf(10000.0f, (float)(2 * i) / HD);
+            const void *s3[3] = {hw, hw + (size_t)Q * H, hw + (size_t)(Q + KVD) * H};
+            backend_dtype d3[3] = {BACKEND_BF16, BACKEND_BF16, BACKEND_BF16}, scat;
+            size_t n3[3] = {(size_t)Q * H, (size_t)KVD * H, (size_t)KVD * H};
+            backend_buffer *bw = backend_weights_load_cat(be, s3, d3, n3, 3, &scat);
+            assert_non_null(bw);
+            size_t es = backend_dtype_size(scat);
+            const char *w0 = DEV(bw);
+            float *x = rand_vec((size_t)T * H, BACKEND_BF16);
+            backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
+                           *bb = to_dev(st, bias, W, BACKEND_F32),
+                           *binv = to_dev(st, inv, HD / 2, BACKEND_F32);
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+            size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
+            backend_buffer *region =
+                backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
+            kv.base = DEV(region);
+            backend_buffer *bq = backend_buffer_alloc(be, (size_t)T * Q * backend_dtype_size(a), 0),
+                           *bk = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
+                           *bv = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
+            const float *db = DEV(bb);
+            backend_qkv_op op = {.x = DEV(bx),
+                                 .x_dt = mm,
+                                 .T = T,
+                                 .hidden = H,
+                                 .n_heads = NH,
+                                 .wq = w0,
+                                 .wk = w0 + (size_t)Q * H * es,
+                                 .wv = w0 + (size_t)(Q + KVD) * H * es,
+                                 .w_dt = scat,
+                                 .bq = db,
+                                 .bk = db + Q,
+                                 .bv = db + Q + KVD,
+                                 .wqkv = w0,
+                                 .bqkv = db,
+                                 .q = DEV(bq),
+                                 .k = DEV(bk),
+                                 .v = DEV(bv),
+                                 .dt = a,
+                                 .inv_freq = DEV(binv),
+                                 .kv = &kv,
+                                 .layer = LAYER};
+            float *gq[2], *gkv[2];
+            for (int rep = 0; rep < 2; rep++) {
+                assert_int_equal(backend_qkv(st, &op), 0);
+                gq[rep] = from_dev(st, DEV(bq), (size_t)T * Q, a);
+                gkv[rep] = from_dev(st, kv.base, n_el, kdt);
+            }
+            double *wq = calloc((size_t)T * Q, sizeof(double)), *wkv = calloc(n_el, sizeof(double));
+            for (int t = 0; t < T; t++) {
+                double row[W];
+                for (int n = 0; n < W; n++) {
+                    double acc = bias[n];
+                    for (int i = 0; i < H; i++)
+                        acc += (double)x[(size_t)t * H + i] * fw[(size_t)n * H + i];
+                    row[n] = acc;
+                }
+                int p = tb.tok_pos[t];
+                for (int hh = 0; hh < NH + NKV; hh++)
+                    for (int i = 0; i < HD / 2; i++) {
+                        float ang = (float)p * inv[i];
+                        double c = cos(ang), sn = sin(ang), u = row[hh * HD + i],
+                               w = row[hh * HD + i + HD / 2];
+                        row[hh * HD + i] = u * c - w * sn;
+                        row[hh * HD + i + HD / 2] = w * c + u * sn;
+                    }
+                for (int n = 0; n < Q; n++)
+                    wq[t * Q + n] = row[n];
+                int s = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size],
+                    slot = p % kv.block_size;
+                for (int hh = 0; hh < NKV; hh++)
+                    for (int d = 0; d < HD; d++) {
+                        wkv[kv_index(&kv, blk, LAYER, 0, slot, hh, d)] = row[Q + hh * HD + d];
+                        wkv[kv_index(&kv, blk, LAYER, 1, slot, hh, d)] = row[Q + KVD + hh * HD + d];
+                    }
+            }
+            char what[96];
+            snprintf(what, sizeof what, "qkv gemv T %d hidden %d: q (bias, RoPE)", T, H);
+            check_close(what, be, gq[0], wq, (size_t)T * Q, 1e-4);
+            snprintf(what, sizeof what, "qkv gemv T %d hidden %d: K/V in the cache", T, H);
+            check_close(what, be, gkv[0], wkv, n_el, kdt == BACKEND_F32 ? 1e-4 : 8e-3);
+            assert_memory_equal(gq[0], gq[1], sizeof(float) * T * Q);
+            assert_memory_equal(gkv[0], gkv[1], sizeof(float) * n_el);
+            for (int rep = 0; rep < 2; rep++)
+                free(gq[rep]), free(gkv[rep]);
+            free(wq), free(wkv), free(x), free(hw), free(fw);
+            backend_buffer *bufs[] = {bw, bx, bb, binv, region, bq, bk, bv};
+            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                backend_buffer_free(bufs[i]);
+        }
+        backend_stream_free(st);
+    }
+}
+
 static void test_swiglu_add(void **state) {
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
@@ -1148,6 +1277,7 @@ int main(void) {
         cmocka_unit_test(test_fused_ops),
         cmocka_unit_test(test_gate_up_prefill),
         cmocka_unit_test(test_gate_up_gemv),
+        cmocka_unit_test(test_qkv_gemv),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = g_n_be - 1; i >= 0; i--)

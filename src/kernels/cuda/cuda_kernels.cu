@@ -79,6 +79,12 @@ struct dcu_ctx {
     int qkv_fuse;   /* the q|k|v GEMV with bias, RoPE and the KV write in its epilogue
                        (DISAGG_CUDA_QKV_FUSE=0: the GEMV, then k_qkv_finish) */
     int gemv_warps; /* rows (warps) per CTA of the GEMV (DISAGG_CUDA_GEMV_WARPS=2|4|8, default 4) */
+    int gemv_split; /* split-K of the GEMVs with fewer rows than the GPU has warp slots (o, down,
+                       q|k|v): 0 = auto (default; gemv_split_for), 1 = off, 2|4|8 = that factor
+                       (DISAGG_CUDA_GEMV_SPLIT=auto|1|2|4|8) */
+    int qkv_split;  /* the same for the fused q|k|v GEMV (DISAGG_CUDA_QKV_SPLIT=auto|1|2|4|8) */
+    int gemv_split_rows; /* rows a warp of the split-K GEMV (DISAGG_CUDA_GEMV_SPLIT_ROWS=1|2,
+                            default 2) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
@@ -224,6 +230,15 @@ static int probe(int device, dcu_info *info, char *err, size_t errlen) {
     return 0;
 }
 
+/* DISAGG_CUDA_GEMV_SPLIT / _QKV_SPLIT: unset or "auto" 0 (auto), "0" or "1" 1 (off), 2|4|8;
+ * anything else auto */
+static int split_env(const char *name) {
+    const char *e = getenv(name);
+    if (!e || !strcmp(e, "auto")) return 0;
+    int v = atoi(e);
+    return v == 0 && !strcmp(e, "0") ? 1 : v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
+}
+
 static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     dcu_info info;
     if (probe(device, &info, err, errlen)) return NULL;
@@ -239,6 +254,12 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
         !(getenv("DISAGG_CUDA_QKV_FUSE") && !strcmp(getenv("DISAGG_CUDA_QKV_FUSE"), "0"));
     c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
     if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
+    c->gemv_split = split_env("DISAGG_CUDA_GEMV_SPLIT");
+    c->qkv_split = split_env("DISAGG_CUDA_QKV_SPLIT");
+    c->gemv_split_rows = getenv("DISAGG_CUDA_GEMV_SPLIT_ROWS") &&
+                                 atoi(getenv("DISAGG_CUDA_GEMV_SPLIT_ROWS")) == 1
+                             ? 1
+                             : 2;
     c->no_flash = getenv("DISAGG_CUDA_NO_FLASH") && atoi(getenv("DISAGG_CUDA_NO_FLASH")) > 0;
     c->flash2 = !(getenv("DISAGG_CUDA_FLASH2") && !strcmp(getenv("DISAGG_CUDA_FLASH2"), "0"));
     c->att_mma = !(getenv("DISAGG_CUDA_ATT_MMA") && !strcmp(getenv("DISAGG_CUDA_ATT_MMA"), "0"));
@@ -2490,6 +2511,8 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p, uint64_t pol) {
  * warp reads it). */
 #define GV_U 8
 #define GV_S (32 * GV_U)
+#define GV_MAXW 8 /* warps a CTA at most (DISAGG_CUDA_GEMV_WARPS) */
+#define GV_MAXS 8 /* split-K factor at most (DISAGG_CUDA_GEMV_SPLIT) */
 template <int NR>
 __device__ __forceinline__ void gv_load(uint4 (&wv)[NR][GV_U], const uint4 *const *wr, int i0,
                                         int K8, uint64_t pol) {
@@ -2503,14 +2526,14 @@ __device__ __forceinline__ void gv_load(uint4 (&wv)[NR][GV_U], const uint4 *cons
 }
 template <int TT, int NR>
 __device__ __forceinline__ void gv_fma(float (&acc)[NR][TT], const uint4 (&wv)[NR][GV_U],
-                                       const uint4 *__restrict__ x, int i0, int K8) {
+                                       const uint4 *__restrict__ x, int xs, int i0, int K8) {
 #pragma unroll
     for (int u = 0; u < GV_U; u++) {
         int i = i0 + 32 * u;
         if (i < K8) {
 #pragma unroll
             for (int t = 0; t < TT; t++) {
-                uint4 xv = __ldg(x + (size_t)t * K8 + i);
+                uint4 xv = __ldg(x + (size_t)t * xs + i);
 #pragma unroll
                 for (int r = 0; r < NR; r++)
                     acc[r][t] += dot8(wv[r][u], xv);
@@ -2518,10 +2541,12 @@ __device__ __forceinline__ void gv_fma(float (&acc)[NR][TT], const uint4 (&wv)[N
         }
     }
 }
-/* acc[r][t] = this lane's part of row r . token t (warp_sum it); calls pdl_wait() */
+/* acc[r][t] = this lane's part of row r . token t (warp_sum it) over uint4s 0 .. K8 - 1 of
+ * wr[r] and of x (token t at x + t xs: xs = K8 of the whole row; a split-K warp passes its
+ * range's start in wr and x and its length as K8); calls pdl_wait() */
 template <int TT, int NR, bool DB>
 __device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const *wr,
-                                        const uint4 *__restrict__ x, int K8, int lane) {
+                                        const uint4 *__restrict__ x, int xs, int K8, int lane) {
 #pragma unroll
     for (int r = 0; r < NR; r++)
 #pragma unroll
@@ -2534,7 +2559,7 @@ __device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const
     pdl_wait();
     if (!DB) {
         for (;;) {
-            gv_fma<TT, NR>(acc, wa, x, base + lane, K8);
+            gv_fma<TT, NR>(acc, wa, x, xs, base + lane, K8);
             base += GV_S;
             if (base >= K8) break;
             gv_load<NR>(wa, wr, base + lane, K8, pol);
@@ -2544,11 +2569,11 @@ __device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const
         for (;;) {
             int b1 = base + GV_S;
             if (b1 < K8) gv_load<NR>(wb, wr, b1 + lane, K8, pol);
-            gv_fma<TT, NR>(acc, wa, x, base + lane, K8);
+            gv_fma<TT, NR>(acc, wa, x, xs, base + lane, K8);
             if (b1 >= K8) break;
             int b2 = b1 + GV_S;
             if (b2 < K8) gv_load<NR>(wa, wr, b2 + lane, K8, pol);
-            gv_fma<TT, NR>(acc, wb, x, b1 + lane, K8);
+            gv_fma<TT, NR>(acc, wb, x, xs, b1 + lane, K8);
             if (b2 >= K8) break;
             base = b2;
         }
@@ -2572,7 +2597,7 @@ __global__ void __launch_bounds__(256)
     wr[0] = w + (size_t)row * K8;
     if (NR == 2) wr[NR - 1] = w + (size_t)(row + N) * K8;
     float acc[NR][TT];
-    gv_rows<TT, NR, DB>(acc, wr, x, K8, lane);
+    gv_rows<TT, NR, DB>(acc, wr, x, K8, K8, lane);
 #pragma unroll
     for (int t = 0; t < TT; t++) {
         float v0 = warp_sum(acc[0][t]);
@@ -2585,31 +2610,120 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* Split-K form of k_gemv2 MODE 0 (DISAGG_CUDA_GEMV_SPLIT): S consecutive warps of a CTA share
+ * NR output rows (DISAGG_CUDA_GEMV_SPLIT_ROWS=1|2: a warp streams NR rows at once, NR x GV_U
+ * loads in flight a lane, as the gate|up GEMV), warp s of them taking the uint4s [s len,
+ * min(K8, (s + 1) len)) of each, so a GEMV of few long rows (the 7B down_proj: 3,584 rows of
+ * 37 KB, a partial second wave of warps) has S times the warps in flight.  The S partial sums
+ * meet in shared memory and the rows' first warp adds them in split order (fixed: the same
+ * bits every run), then the bias.  (The add + RMSNorm of the next operation in the
+ * epilogue of the CTA that finishes last — threadfence, an integer count, k_rmsnorm4's
+ * arithmetic, the same bits — measured 0.35 ms a step slower than the separate k_rmsnorm4 on
+ * the H200 with CUDA graphs, 4.97 vs 4.62 ms at batch 1, 4k: removed.) */
+template <int TT, int S, int NR>
+__global__ void __launch_bounds__(256)
+    k_gemv_sk(float *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
+              const float *__restrict__ bias, int N, int K8, int len) {
+    __shared__ float red[GV_MAXW][NR][TT];
+    int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int row = (blockIdx.x * ((blockDim.x >> 5) / S) + wi / S) * NR, sp = wi % S;
+    pdl_trigger();
+    int lo = sp * len, n = min(K8 - lo, len);
+    float acc[NR][TT];
+    if (row < N && n > 0) {
+        const uint4 *wr[NR];
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            wr[r] = w + (size_t)min(row + r, N - 1) * K8 + lo; /* a dead row re-reads the last */
+        gv_rows<TT, NR, false>(acc, wr, x + lo, K8, n, lane);
+    } else {
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+#pragma unroll
+            for (int t = 0; t < TT; t++)
+                acc[r][t] = 0.0f;
+        pdl_wait();
+    }
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            float v = warp_sum(acc[r][t]);
+            if (lane == 0) red[wi][r][t] = v;
+        }
+    __syncthreads();
+    if (sp == 0 && lane < NR * TT) {
+        int r = lane / TT, t = lane % TT;
+        if (row + r < N) {
+            float v = 0.0f;
+#pragma unroll
+            for (int q = 0; q < S; q++)
+                v += red[wi + q][r][t];
+            y[(size_t)t * N + row + r] = v + (bias ? bias[row + r] : 0.0f);
+        }
+    }
+}
+
 /* The q|k|v GEMV with k_qkv_finish in its epilogue: warp pi takes a RoPE pair (rows
  * hh hd + j and + hd/2 of q head or k head hh, j < hd/2) or two adjacent v rows, adds the
  * bias, rotates, and writes q to qout (T, nh hd) and k, v into the cache (no KV for a
- * padding row, pos < 0) — the same arithmetic as k_qkv_finish on the GEMV's output. */
-template <int TT, typename KT>
+ * padding row, pos < 0) — the same arithmetic as k_qkv_finish on the GEMV's output.  S > 1:
+ * split-K as k_gemv_sk (S warps a pair, uint4s [s len, (s + 1) len) each, the partial sums
+ * added in split order by the pair's first warp, which runs the epilogue). */
+template <int TT, typename KT, int S>
 __global__ void __launch_bounds__(256)
     k_gemv_qkv(float *__restrict__ qout, KT *kv, const uint4 *__restrict__ x,
-               const uint4 *__restrict__ w, const float *__restrict__ bias, int K8, int bs,
-               int n_layers, int layer, const int32_t *pos, const int32_t *seq,
+               const uint4 *__restrict__ w, const float *__restrict__ bias, int K8, int len,
+               int bs, int n_layers, int layer, const int32_t *pos, const int32_t *seq,
                const int32_t *bts, int bt_stride, const float *inv_freq, int nh, int nkv, int hd) {
-    int pi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int pi = blockIdx.x * ((blockDim.x >> 5) / S) + wi / S, sp = wi % S;
     int half = hd / 2, h = nh * hd, kvd = nkv * hd, n_rope = (nh + nkv) * half;
+    int live = pi < n_rope + kvd / 2;
     pdl_trigger();
-    if (pi >= n_rope + kvd / 2) {
+    if (S == 1 && !live) {
         pdl_wait();
         return;
     }
     int rope = pi < n_rope, hh = rope ? pi / half : 0, j = rope ? pi % half : 0;
     int r0 = rope ? hh * hd + j : h + kvd + 2 * (pi - n_rope), r1 = rope ? r0 + half : r0 + 1;
-    const uint4 *wr[2] = {w + (size_t)r0 * K8, w + (size_t)r1 * K8};
+    int lo = sp * len, n = min(K8 - lo, len);
     float acc[2][TT];
-    gv_rows<TT, 2, false>(acc, wr, x, K8, lane);
+    if (live && n > 0) {
+        const uint4 *wr[2] = {w + (size_t)r0 * K8 + lo, w + (size_t)r1 * K8 + lo};
+        gv_rows<TT, 2, false>(acc, wr, x + lo, K8, n, lane);
+    } else {
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+            acc[0][t] = acc[1][t] = 0.0f;
+        pdl_wait();
+    }
+    float us[TT], vs[TT];
 #pragma unroll
     for (int t = 0; t < TT; t++) {
-        float u = warp_sum(acc[0][t]) + 0.0f, v = warp_sum(acc[1][t]) + 0.0f;
+        us[t] = warp_sum(acc[0][t]) + 0.0f;
+        vs[t] = warp_sum(acc[1][t]) + 0.0f;
+    }
+    if constexpr (S > 1) {
+        __shared__ float red[GV_MAXW][2][TT];
+        if (lane == 0)
+#pragma unroll
+            for (int t = 0; t < TT; t++)
+                red[wi][0][t] = us[t], red[wi][1][t] = vs[t];
+        __syncthreads();
+        if (sp || !live) return;
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            float u = 0.0f, v = 0.0f;
+#pragma unroll
+            for (int q = 0; q < S; q++)
+                u += red[wi + q][0][t], v += red[wi + q][1][t];
+            us[t] = u, vs[t] = v;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float u = us[t], v = vs[t];
         if (lane) continue;
         u = u + (bias ? bias[r0] : 0.0f);
         v = v + (bias ? bias[r1] : 0.0f);
@@ -2635,6 +2749,52 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* Split-K factor for a GEMV of `rows` warps (rows, or q|k|v pairs) over K8 uint4s; setting =
+ * c->gemv_split (o, down: DISAGG_CUDA_GEMV_SPLIT) or c->qkv_split (DISAGG_CUDA_QKV_SPLIT): 1
+ * (none) when the rows alone fill the GPU's warp slots (n_sm x 64) or the setting is 1; 2|4|8
+ * that factor (halved while a split would be under 32 uint4s);
+ * by default (auto) doubled while the warps are fewer than the slots and each split keeps
+ * at least min_len uint4s (GV_MIN_LEN, 1 KB of a row, for o/down; GV_MIN_LEN_QKV, 2 KB, for
+ * q|k|v): the 7B down_proj and o_proj 4, q|k|v 2 (the 17:57 run of 1 December: o at 4
+ * splits 0.01-0.04 ms a step faster than at 2, q|k|v at 4 no faster than at 2, at 8 0.2 ms
+ * slower). */
+#define GV_MIN_LEN 64
+#define GV_MIN_LEN_QKV 128
+static int gemv_split_for(const dcu_ctx *c, int setting, int rows, int K8, int min_len) {
+    int slots = c->n_sm * 64, s = 1;
+    if (setting == 1 || rows >= slots) return 1;
+    if (setting > 1) {
+        s = setting;
+        while (s > 1 && K8 / s < 32)
+            s >>= 1;
+        return s;
+    }
+    while (s < GV_MAXS && rows * s < slots && K8 / (2 * s) >= min_len)
+        s *= 2;
+    return s;
+}
+/* a split's length in uint4s: K8 / S rounded up to whole 128-byte lines */
+static int gemv_split_len(int K8, int S) {
+    return S == 1 ? K8 : ((K8 + S - 1) / S + 7) / 8 * 8;
+}
+
+/* the split-K GEMV (k_gemv_sk) with S splits, c->gemv_split_rows rows a warp */
+static int gemv_sk_launch(dcu_ctx *c, float *y, const uint4 *xv, const uint4 *wv,
+                          const float *bias, int T, int N, int K8, int S) {
+    int nw = c->gemv_warps, wc = nw > S ? nw : S, len = gemv_split_len(K8, S), nr = c->gemv_split_rows;
+    int rpc = wc / S * nr; /* rows a CTA */
+    dim3 gs((N + rpc - 1) / rpc), bs(32 * wc);
+#define GSK_(TT, SS, NR)                                                                         \
+    if (T == TT && S == SS && nr == NR)                                                          \
+        return launch_pdl(c, "gemv (split-K)", k_gemv_sk<TT, SS, NR>, gs, bs, 0, y, xv, wv, bias, \
+                          N, K8, len);
+#define GSK_S(TT, NR) GSK_(TT, 2, NR) GSK_(TT, 4, NR) GSK_(TT, 8, NR)
+    GSK_S(1, 1) GSK_S(2, 1) GSK_S(1, 2) GSK_S(2, 2)
+#undef GSK_S
+#undef GSK_
+    return -EINVAL;
+}
+
 template <int MODE, typename OT>
 static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const float *bias, int T,
                        int N, int K) {
@@ -2645,6 +2805,10 @@ static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const fl
     /* double-buffered loads (DISAGG_CUDA_GEMV_DB=1) for one row a warp (MODE 0) only; the
      * two-row forms hold 16 loads in flight already */
     constexpr bool DB = MODE == 0;
+    if constexpr (MODE == 0 && sizeof(OT) == 4) {
+        int S = c->gemv_db ? 1 : gemv_split_for(c, c->gemv_split, N, K8, GV_MIN_LEN);
+        if (S > 1) return gemv_sk_launch(c, y, xv, wv, bias, T, N, K8, S);
+    }
     if (MODE == 0 && !c->gemv_db) {
         if (T == 1)
             return launch_pdl(c, "gemv", k_gemv2<1, MODE, OT, false>, g, b, 0, y, xv, wv, bias,
@@ -2666,23 +2830,25 @@ static int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float 
     return gemv_launch<0, float>(c, y, x, w, bias, T, N, K);
 }
 
-/* the fused q|k|v GEMV (k_gemv_qkv) for T = 1..2 */
+/* the fused q|k|v GEMV (k_gemv_qkv) for T = 1..2, split-K by gemv_split_for */
 template <typename KT>
 static int gemv_qkv(dcu_ctx *c, float *qout, KT *kv, const void *x, const void *w,
                     const float *bias, int T, int K, int bs, int n_layers, int layer,
                     const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
                     const float *inv_freq, int nh, int nkv, int hd) {
-    int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2;
-    dim3 g((pairs + nw - 1) / nw), b(32 * nw);
+    int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2, K8 = K / 8;
+    int S = gemv_split_for(c, c->qkv_split, pairs, K8, GV_MIN_LEN_QKV), wc = nw > S ? nw : S, rpc = wc / S;
+    int len = gemv_split_len(K8, S);
+    dim3 g((pairs + rpc - 1) / rpc), b(32 * wc);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
-    if (T == 1)
-        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<1, KT>, g, b, 0, qout, kv, xv, wv, bias,
-                          K / 8, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv,
-                          hd);
-    if (T == 2)
-        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<2, KT>, g, b, 0, qout, kv, xv, wv, bias,
-                          K / 8, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv,
-                          hd);
+    if (T < 1 || T > 2) return -EINVAL;
+#define GQ_(TT, SS)                                                                              \
+    if (T == TT && S == SS)                                                                      \
+        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<TT, KT, SS>, g, b, 0, qout, kv, xv, wv, bias, \
+                          K8, len, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh,   \
+                          nkv, hd);
+    GQ_(1, 1) GQ_(1, 2) GQ_(1, 4) GQ_(1, 8) GQ_(2, 1) GQ_(2, 2) GQ_(2, 4) GQ_(2, 8)
+#undef GQ_
     return -EINVAL;
 }
 
@@ -2765,7 +2931,9 @@ static int skinny(dcu_ctx *c, float *y, const void *x, const void *w, const floa
  * of 2026-12-01 14:51): the GEMV (single-buffered, gate|up + SwiGLU and q|k|v + RoPE/KV
  * fused) takes batch 1 at 4k to 4.75 ms a step against 4.88 with cuBLASLt for every GEMM
  * (5.37 before this GEMV); at T = 2 cuBLASLt is faster (4.87 vs 5.02 ms), so the default is
- * T = 1 only (DISAGG_CUDA_GEMV=2: T <= 2 too; 0: cuBLASLt for every T).  k_skinny (tensor
+ * T = 1 only (DISAGG_CUDA_GEMV=2: T <= 2 too; 0: cuBLASLt for every T).  Split over K for
+ * the GEMVs of few rows (gemv_split_for; the 18:11 run of 1 December: batch 1 at 4k 4.61 ms
+ * against 4.85 unsplit in the same run).  k_skinny (tensor
  * cores) lost to cuBLASLt at T = 1..32.  The fast mode is not batch-invariant either way
  * (cuBLASLt changes kernels with T as well): a sequence's tokens may depend on its batch;
  * --batch-invariant (cuda_invariant.cu) is the mode that makes them not. */
