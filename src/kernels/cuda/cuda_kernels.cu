@@ -103,6 +103,13 @@ struct dcu_ctx {
                                 the fastest (a timing-based choice: for measuring only) */
     int gemm_algo;           /* DISAGG_CUDA_GEMM_ALGO=i: prefill GEMMs on candidate i (default
                                 -1: the fixed rule, pf_rule) */
+    int qkv_bf16_min_t;      /* q|k|v GEMMs of T >= this write bf16 for k_qkv_finish
+                                (DISAGG_CUDA_QKV_BF16=T, default 64; 0: always f32) */
+    int flash_sub;           /* k_flash4's 64-key stages in 2 softmax steps of 32 keys
+                                (DISAGG_CUDA_FLASH_SUB=2; default 1) */
+    int resid_min_t;         /* backend_matmul_residual folds the add into the GEMM (cuBLASLt
+                                beta = 1) for T >= this (DISAGG_CUDA_RESID_GEMM=T, default 64;
+                                0: never, the model keeps the add in the norm) */
 };
 
 #define CK(call)                                                                             \
@@ -258,6 +265,10 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
         !(getenv("DISAGG_CUDA_FLASH_AUTO") && !strcmp(getenv("DISAGG_CUDA_FLASH_AUTO"), "0"));
     c->gemm_sweep = getenv("DISAGG_CUDA_GEMM_SWEEP") ? atoi(getenv("DISAGG_CUDA_GEMM_SWEEP")) : 0;
     c->gemm_algo = getenv("DISAGG_CUDA_GEMM_ALGO") ? atoi(getenv("DISAGG_CUDA_GEMM_ALGO")) : -1;
+    c->qkv_bf16_min_t =
+        getenv("DISAGG_CUDA_QKV_BF16") ? atoi(getenv("DISAGG_CUDA_QKV_BF16")) : 64;
+    c->flash_sub = getenv("DISAGG_CUDA_FLASH_SUB") && atoi(getenv("DISAGG_CUDA_FLASH_SUB")) == 2 ? 2 : 1;
+    c->resid_min_t = getenv("DISAGG_CUDA_RESID_GEMM") ? atoi(getenv("DISAGG_CUDA_RESID_GEMM")) : 64;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -620,16 +631,23 @@ static int kv_write(dcu_ctx *c, const dcu_kv *kv, int layer, const float *k, con
 }
 
 /* The forward's fused step after the QKV GEMM: bias, RoPE on q and k, q to qout (T, nh*hd),
- * k and v into the KV cache. qkv (T, (nh + 2 nkv) hd). */
-template <typename KT>
+ * k and v into the KV cache. qkv (T, (nh + 2 nkv) hd) of IT: f32, or bf16 (the GEMM's output
+ * rounded by its epilogue, prefill-sized T: half the bytes written and read back). */
+__device__ __forceinline__ float ld_f(const float *p) {
+    return *p;
+}
+__device__ __forceinline__ float ld_f(const bf16 *p) {
+    return __bfloat162float(*p);
+}
+template <typename KT, typename IT = float>
 __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int layer,
-                             const float *qkv, const float *bias, const int32_t *pos,
+                             const IT *qkv, const float *bias, const int32_t *pos,
                              const int32_t *seq, const int32_t *bts, int bt_stride,
                              const float *inv_freq, int nh, int nkv, int hd) {
     pdl_trigger();
     pdl_wait();
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
-    const float *row = qkv + (size_t)t * W;
+    const IT *row = qkv + (size_t)t * W;
     /* grid (T, blocks): the rope items (q and k heads, hd / 2 each) and the v elements,
      * each spread over the blocks of the token (one block took ~2,600 items alone at batch 1) */
     int n_rope = (nh + nkv) * half;
@@ -639,13 +657,24 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
     size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
     size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
     float fp = pad ? 0.0f : (float)p;
+    /* a stride of whole heads (istep % half == 0: 128 threads, head_dim 64 / 128 / 256)
+     * keeps j fixed for the thread: its cos / sin once, not once a head (the same values) */
+    const int fixed_j = istep % half == 0 && i0 < n_rope;
+    float cs0 = 0.0f, sn0 = 0.0f;
+    if (fixed_j) {
+        float a = fp * inv_freq[i0 % half];
+        cs0 = cosf(a), sn0 = sinf(a);
+    }
     for (int i = i0; i < n_rope; i += istep) {
         int hh = i / half, j = i % half;
         int o = hh * hd + j; /* q heads then k heads: contiguous in row */
-        float u = row[o] + (bias ? bias[o] : 0.0f);
-        float w = row[o + half] + (bias ? bias[o + half] : 0.0f);
-        float a = fp * inv_freq[j];
-        float cs = cosf(a), sn = sinf(a);
+        float u = ld_f(row + o) + (bias ? bias[o] : 0.0f);
+        float w = ld_f(row + o + half) + (bias ? bias[o + half] : 0.0f);
+        float cs = cs0, sn = sn0;
+        if (!fixed_j) {
+            float a = fp * inv_freq[j];
+            cs = cosf(a), sn = sinf(a);
+        }
         float r0 = u * cs - w * sn, r1 = w * cs + u * sn;
         if (hh < nh) {
             qout[(size_t)t * h + o] = r0;
@@ -658,7 +687,7 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
     }
     if (pad) return;
     for (int vi = i0; vi < kvd; vi += istep)
-        store_as(kv + ov + vi, row[h + kvd + vi] + (bias ? bias[h + kvd + vi] : 0.0f));
+        store_as(kv + ov + vi, ld_f(row + h + kvd + vi) + (bias ? bias[h + kvd + vi] : 0.0f));
 }
 
 /* ---- attention ------------------------------------------------------------------ */
@@ -1618,12 +1647,13 @@ static size_t flash4_smem(int hd) {
     return (size_t)(FA_BQ3 + 2 * 2 * FA_BK) * (hd + F2_PAD) * 2;
 }
 
-template <int HD, typename OT>
+template <int HD, typename OT, int SUB>
 __global__ void __launch_bounds__(F4_NW * 32, 2)
     k_flash4(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
              const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
              int bt_stride, int nh, int nkv, float qscale) {
-    constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16, NTH = F4_NW * 32;
+    constexpr int LD = HD + F2_PAD, KB = FA_BK / SUB, NT = KB / 8, DT = HD / 8, KS = HD / 16,
+                  NTH = F4_NW * 32;
     int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
     int kvh = h / (nh / nkv), kvd = nkv * HD;
     int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
@@ -1634,6 +1664,10 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 32;
     const bf16 *kvh_base = kv + (size_t)kvh * HD;
     const size_t vgap = (size_t)bs * kvd;
+    /* kv_off's address with the loop-invariant parts hoisted and, for a power-of-two block
+     * size, a shift and a mask for the division (the same address) */
+    const size_t per_block = (size_t)n_layers * 2 * bs * kvd, lay_off = (size_t)layer * 2 * bs * kvd;
+    const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
     auto load_async = [&](int stg, int kt) {
         bf16 *K_ = KV0 + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
 #pragma unroll
@@ -1641,7 +1675,9 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
             int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
             bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
             if (j < kmax) {
-                const bf16 *src = kvh_base + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + c8 * 8;
+                int bi = bs_sh >= 0 ? j >> bs_sh : j / bs, slot = bs_sh >= 0 ? j & (bs - 1) : j % bs;
+                const bf16 *src = kvh_base + (size_t)bt[bi] * per_block + lay_off +
+                                  (size_t)slot * kvd + c8 * 8;
                 cp_async16(kd, src);
                 cp_async16(vd, src + vgap);
             } else {
@@ -1680,8 +1716,14 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
             asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads(); /* this tile's K/V (and, the first time, Q) are visible */
-        const bf16 *Ks = KV0 + (size_t)stg * 2 * FA_BK * LD, *Vs = Ks + FA_BK * LD;
-        if (wr0 < rows && k0 <= wlast) {
+#pragma unroll
+        for (int sb = 0; sb < SUB; sb++) {
+        /* SUB = 2: the stage's keys as two sub-tiles of KB, each with its own online-softmax
+         * step (S and P of 32 keys: fewer registers live, Q read twice a stage) */
+        const int kb0 = k0 + sb * KB;
+        const bf16 *Ks = KV0 + (size_t)stg * 2 * FA_BK * LD + (size_t)sb * KB * LD,
+                   *Vs = Ks + FA_BK * LD;
+        if (wr0 < rows && kb0 <= wlast) {
             float s[2][NT][4];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
@@ -1717,10 +1759,10 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
                 int mfirst = p0 + wr0 + mt * 16, qp0 = mfirst + g, qp1 = qp0 + 8;
-                if (k0 + FA_BK - 1 > mfirst) { /* the tile crosses this m16 tile's diagonal */
+                if (kb0 + KB - 1 > mfirst) { /* the tile crosses this m16 tile's diagonal */
 #pragma unroll
                     for (int n = 0; n < NT; n++) {
-                        int j = k0 + n * 8 + 2 * qd;
+                        int j = kb0 + n * 8 + 2 * qd;
                         if (j > qp0) s[mt][n][0] = -INFINITY;
                         if (j + 1 > qp0) s[mt][n][1] = -INFINITY;
                         if (j > qp1) s[mt][n][2] = -INFINITY;
@@ -1764,7 +1806,7 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
             }
             /* O += P V: each V fragment (ldmatrix.trans, two d-tiles) feeds both m16 tiles */
 #pragma unroll
-            for (int kk = 0; kk < FA_BK / 16; kk++) {
+            for (int kk = 0; kk < KB / 16; kk++) {
 #pragma unroll
                 for (int dn = 0; dn < DT; dn += 2) {
                     uint32_t b[4];
@@ -1780,6 +1822,7 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
                     }
                 }
             }
+        }
         }
         __syncthreads(); /* every warp is done with this stage before it is refilled */
     }
@@ -1809,22 +1852,33 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
     }
 }
 
-template <int HD, typename OT>
-static int launch_flash4(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
-                         const int32_t *tiles, int n_tiles, const int32_t *pos,
-                         const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+template <int HD, typename OT, int SUB>
+static int launch_flash4_sub(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                             const int32_t *tiles, int n_tiles, const int32_t *pos,
+                             const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
     size_t sh = flash4_smem(HD);
     static int attr_done;
     if (!attr_done) {
-        cudaFuncSetAttribute(k_flash4<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaFuncSetAttribute(k_flash4<HD, OT, SUB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)sh);
         attr_done = 1;
     }
     dim3 grid(nh, n_tiles);
-    k_flash4<HD, OT><<<grid, F4_NW * 32, sh, c->stream>>>(
+    k_flash4<HD, OT, SUB><<<grid, F4_NW * 32, sh, c->stream>>>(
         out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
         bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
     return launch_check("flash4_prefill");
+}
+/* c->flash_sub: the 64-key stages in 1 (default) or 2 softmax steps (DISAGG_CUDA_FLASH_SUB=2) */
+template <int HD, typename OT>
+static int launch_flash4(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                         const int32_t *tiles, int n_tiles, const int32_t *pos,
+                         const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    if (c->flash_sub == 2)
+        return launch_flash4_sub<HD, OT, 2>(c, out, q, kv, layer, tiles, n_tiles, pos, bts,
+                                            bt_stride, nh, nkv, scale);
+    return launch_flash4_sub<HD, OT, 1>(c, out, q, kv, layer, tiles, n_tiles, pos, bts,
+                                        bt_stride, nh, nkv, scale);
 }
 
 /* k_flash4's CTAs are 4 warps: when the grid leaves SMs without a CTA (a 512-token prompt
@@ -2793,6 +2847,28 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
         size_t n = (size_t)T * N;
         k_bias<<<grid_for(n, 256), 256, 0, c->stream>>>(y, bias, N, n);
         return launch_check("bias");
+    }
+    return 0;
+}
+
+/* resid (T, N) f32 += x (T, K) bf16 . w (N, K)^T bf16 through cuBLASLt with beta = 1
+ * and C = D = resid (in place, one layout): the GEMM's epilogue adds its f32 accumulator onto
+ * the residual stream, alpha * acc + beta * C rounded once as x + y was (backend_matmul_residual
+ * at prefill-sized T; decode keeps the add in the norm).  The plan is matmul's for the shape;
+ * tmp (T, N) f32 takes the candidate timings of DISAGG_CUDA_GEMM_TUNE / _SWEEP when the plan is
+ * new (never resid). */
+static int matmul_acc(dcu_ctx *c, float *resid, float *tmp, const void *x, const void *w, int T,
+                      int N, int K) {
+    if (T <= 0) return 0;
+    gemm_plan *p = plan_get(c, T, N, K, x, w, tmp);
+    if (!p) return -EIO;
+    float alpha = 1.0f, beta = 1.0f;
+    cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, resid, p->c,
+                                      resid, p->c, &p->algo, c->ws, c->ws_bytes, c->stream);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cuda: cublasLtMatmul (beta 1) T=%d N=%d K=%d failed (status %d)\n", T,
+                N, K, (int)s);
+        return -EIO;
     }
     return 0;
 }
