@@ -211,7 +211,8 @@ prefill_steps() {
   done
   if [ -n "${PREFILL_INV:-}" ]; then # the batch-invariant mode still exact (0 differing rows)
     step "prefill: test_cuda_invariant"
-    DISAGG_SRC=$SRC DISAGG_INV_7B=$W7 DISAGG_CUDA_INV_LOG= "$BUILD/test_cuda_invariant" > /tmp/tci.log 2>&1
+    DISAGG_SRC=$SRC DISAGG_INV_7B=$W7 DISAGG_INV_NO_FAST=${INV_NO_FAST-1} DISAGG_CUDA_INV_LOG= \
+      timeout ${PREFILL_INV_TIMEOUT:-150} "$BUILD/test_cuda_invariant" > /tmp/tci.log 2>&1
     check $? test_cuda_invariant
     grep -E "differ|FAILED|PASSED|ERROR|SKIP" /tmp/tci.log | tail -25
   fi
