@@ -833,6 +833,23 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
         int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, o->wqkv, T, W, o->hidden),
                     "q|k|v GEMM (bf16 out)", (double)W * o->hidden * 2);
         if (rc) return rc;
+        if (hd % 4 == 0 && 128 % (hd / 4) == 0) { /* two elements a thread */
+            int items = (nh + nkv) * (hd / 4), by = (items + 127) / 128;
+            if (by > 1 && T > 1) by = (by + T - 1) / T;
+            dim3 grid(T, by < 1 ? 1 : by);
+            if (kv->dtype == BACKEND_BF16)
+                k_qkv_finish2<bf16><<<grid, 128, 0, s->c->stream>>>(
+                    (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                    (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
+                    nh, nkv, hd);
+            else
+                k_qkv_finish2<float><<<grid, 128, 0, s->c->stream>>>(
+                    (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                    (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
+                    nh, nkv, hd);
+            return pm(s, launch_check("qkv_finish2"), "qkv_finish2 (bf16 q|k|v; bias, rope, kv)",
+                      0);
+        }
         int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
         if (by > 1 && T > 1) by = (by + T - 1) / T;
         dim3 grid(T, by < 1 ? 1 : by);

@@ -105,6 +105,8 @@ struct dcu_ctx {
                                 -1: the fixed rule, pf_rule) */
     int qkv_bf16_min_t;      /* q|k|v GEMMs of T >= this write bf16 for k_qkv_finish
                                 (DISAGG_CUDA_QKV_BF16=T, default 64; 0: always f32) */
+    int flash_lazy;          /* k_flash4 skips O's rescale when no row of an m16 tile has a
+                                new max (exact; DISAGG_CUDA_FLASH_LAZY=0: always rescales) */
     int flash_sub;           /* k_flash4's 64-key stages in 2 softmax steps of 32 keys
                                 (DISAGG_CUDA_FLASH_SUB=2; default 1) */
     int resid_min_t;         /* backend_matmul_residual folds the add into the GEMM (cuBLASLt
@@ -267,6 +269,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->gemm_algo = getenv("DISAGG_CUDA_GEMM_ALGO") ? atoi(getenv("DISAGG_CUDA_GEMM_ALGO")) : -1;
     c->qkv_bf16_min_t =
         getenv("DISAGG_CUDA_QKV_BF16") ? atoi(getenv("DISAGG_CUDA_QKV_BF16")) : 64;
+    c->flash_lazy =
+        !(getenv("DISAGG_CUDA_FLASH_LAZY") && !strcmp(getenv("DISAGG_CUDA_FLASH_LAZY"), "0"));
     c->flash_sub = getenv("DISAGG_CUDA_FLASH_SUB") && atoi(getenv("DISAGG_CUDA_FLASH_SUB")) == 2 ? 2 : 1;
     c->resid_min_t = getenv("DISAGG_CUDA_RESID_GEMM") ? atoi(getenv("DISAGG_CUDA_RESID_GEMM")) : 64;
     cudaError_t e;
@@ -688,6 +692,64 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
     if (pad) return;
     for (int vi = i0; vi < kvd; vi += istep)
         store_as(kv + ov + vi, ld_f(row + h + kvd + vi) + (bias ? bias[h + kvd + vi] : 0.0f));
+}
+
+/* k_qkv_finish for a bf16 q|k|v (the prefill path, cb_qkv) with two adjacent elements a
+ * thread: bf16x2 loads, float2 / paired stores, the cos / sin of its two angles once (the
+ * block's stride is whole heads).  Each element's arithmetic is k_qkv_finish's, so the
+ * results are bit-identical; needs head_dim % 4 == 0 and blockDim % (head_dim / 4) == 0. */
+template <typename KT>
+__device__ __forceinline__ void store2_as(KT *p, float a, float b);
+template <> __device__ __forceinline__ void store2_as<float>(float *p, float a, float b) {
+    *(float2 *)p = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store2_as<bf16>(bf16 *p, float a, float b) {
+    *(__nv_bfloat162 *)p = __floats2bfloat162_rn(a, b);
+}
+template <typename KT>
+__global__ void k_qkv_finish2(float *qout, KT *kv, int bs, int n_layers, int layer,
+                              const bf16 *qkv, const float *bias, const int32_t *pos,
+                              const int32_t *seq, const int32_t *bts, int bt_stride,
+                              const float *inv_freq, int nh, int nkv, int hd) {
+    int t = blockIdx.x, half = hd / 2, hp = half / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
+    const bf16 *row = qkv + (size_t)t * W;
+    int n_pairs = (nh + nkv) * hp;
+    int i0 = blockIdx.y * blockDim.x + threadIdx.x, istep = gridDim.y * blockDim.x;
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    int p = pos[t], pad = p < 0;
+    size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
+    size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
+    float fp = pad ? 0.0f : (float)p;
+    int j = 2 * (i0 % hp); /* the same for every item of the thread (istep % hp == 0) */
+    float a0 = fp * inv_freq[j], a1 = fp * inv_freq[j + 1];
+    float c0 = cosf(a0), s0 = sinf(a0), c1 = cosf(a1), s1 = sinf(a1);
+    for (int i = i0; i < n_pairs; i += istep) {
+        int hh = i / hp, o = hh * hd + j;
+        float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(row + o)),
+               w = __bfloat1622float2(*(const __nv_bfloat162 *)(row + o + half));
+        if (bias) {
+            u.x += bias[o], u.y += bias[o + 1];
+            w.x += bias[o + half], w.y += bias[o + half + 1];
+        } else {
+            u.x += 0.0f, u.y += 0.0f, w.x += 0.0f, w.y += 0.0f;
+        }
+        float r00 = u.x * c0 - w.x * s0, r10 = w.x * c0 + u.x * s0;
+        float r01 = u.y * c1 - w.y * s1, r11 = w.y * c1 + u.y * s1;
+        if (hh < nh) {
+            *(float2 *)(qout + (size_t)t * h + o) = make_float2(r00, r01);
+            *(float2 *)(qout + (size_t)t * h + o + half) = make_float2(r10, r11);
+        } else if (!pad) {
+            int ko = o - h;
+            store2_as(kv + ok + ko, r00, r01);
+            store2_as(kv + ok + ko + half, r10, r11);
+        }
+    }
+    if (pad) return;
+    for (int vi = 2 * i0; vi < kvd; vi += 2 * istep) {
+        float2 v = __bfloat1622float2(*(const __nv_bfloat162 *)(row + h + kvd + vi));
+        store2_as(kv + ov + vi, v.x + (bias ? bias[h + kvd + vi] : 0.0f),
+                  v.y + (bias ? bias[h + kvd + vi + 1] : 0.0f));
+    }
 }
 
 /* ---- attention ------------------------------------------------------------------ */
@@ -1651,7 +1713,7 @@ template <int HD, typename OT, int SUB>
 __global__ void __launch_bounds__(F4_NW * 32, 2)
     k_flash4(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
              const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
-             int bt_stride, int nh, int nkv, float qscale) {
+             int bt_stride, int nh, int nkv, float qscale, int lazy) {
     constexpr int LD = HD + F2_PAD, KB = FA_BK / SUB, NT = KB / 8, DT = HD / 8, KS = HD / 16,
                   NTH = F4_NW * 32;
     int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
@@ -1798,10 +1860,14 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
                 l[mt][0] = l[mt][0] * c0 + sum0; /* this thread's columns; the quad adds up last */
                 l[mt][1] = l[mt][1] * c1 + sum1;
                 m[mt][0] = mn0, m[mt][1] = mn1;
+                /* no row of the m16 tile has a new max: O * 1 is O, skip it (lazy: the
+                 * warp-uniform vote; DISAGG_CUDA_FLASH_LAZY=0 always multiplies) */
+                if (!lazy || __any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {
 #pragma unroll
-                for (int dn = 0; dn < DT; dn++) {
-                    o[mt][dn][0] *= c0, o[mt][dn][1] *= c0;
-                    o[mt][dn][2] *= c1, o[mt][dn][3] *= c1;
+                    for (int dn = 0; dn < DT; dn++) {
+                        o[mt][dn][0] *= c0, o[mt][dn][1] *= c0;
+                        o[mt][dn][2] *= c1, o[mt][dn][3] *= c1;
+                    }
                 }
             }
             /* O += P V: each V fragment (ldmatrix.trans, two d-tiles) feeds both m16 tiles */
@@ -1866,7 +1932,7 @@ static int launch_flash4_sub(dcu_ctx *c, OT *out, const float *q, const dcu_kv *
     dim3 grid(nh, n_tiles);
     k_flash4<HD, OT, SUB><<<grid, F4_NW * 32, sh, c->stream>>>(
         out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
-        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f, c->flash_lazy);
     return launch_check("flash4_prefill");
 }
 /* c->flash_sub: the 64-key stages in 1 (default) or 2 softmax steps (DISAGG_CUDA_FLASH_SUB=2) */
