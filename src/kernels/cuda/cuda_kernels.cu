@@ -107,10 +107,6 @@ struct dcu_ctx {
                                 (DISAGG_CUDA_QKV_BF16=T, default 64; 0: always f32) */
     int flash_lazy;          /* k_flash4 skips O's rescale when no row of an m16 tile has a
                                 new max (exact; DISAGG_CUDA_FLASH_LAZY=0: always rescales) */
-    int flash_lsum32;        /* k_flash4's softmax sums of the f32 weights, not of their bf16
-                                roundings that P V uses (DISAGG_CUDA_FLASH_LSUM=32; default 16) */
-    int qkv16_rule;          /* the bf16-output q|k|v GEMM (N = 4608) on pf_rule's 144x128 tile
-                                (DISAGG_CUDA_QKV16_RULE=1; default 0: the heuristic's first) */
     int flash_sub;           /* k_flash4's 64-key stages in 2 softmax steps of 32 keys
                                 (DISAGG_CUDA_FLASH_SUB=2; default 1) */
     int resid_min_t;         /* backend_matmul_residual folds the add into the GEMM (cuBLASLt
@@ -275,8 +271,6 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
         getenv("DISAGG_CUDA_QKV_BF16") ? atoi(getenv("DISAGG_CUDA_QKV_BF16")) : 64;
     c->flash_lazy =
         !(getenv("DISAGG_CUDA_FLASH_LAZY") && !strcmp(getenv("DISAGG_CUDA_FLASH_LAZY"), "0"));
-    c->flash_lsum32 = getenv("DISAGG_CUDA_FLASH_LSUM") && atoi(getenv("DISAGG_CUDA_FLASH_LSUM")) == 32;
-    c->qkv16_rule = getenv("DISAGG_CUDA_QKV16_RULE") && atoi(getenv("DISAGG_CUDA_QKV16_RULE")) == 1;
     c->flash_sub = getenv("DISAGG_CUDA_FLASH_SUB") && atoi(getenv("DISAGG_CUDA_FLASH_SUB")) == 2 ? 2 : 1;
     c->resid_min_t = getenv("DISAGG_CUDA_RESID_GEMM") ? atoi(getenv("DISAGG_CUDA_RESID_GEMM")) : 64;
     cudaError_t e;
@@ -1719,7 +1713,7 @@ template <int HD, typename OT, int SUB>
 __global__ void __launch_bounds__(F4_NW * 32, 2)
     k_flash4(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
              const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
-             int bt_stride, int nh, int nkv, float qscale, int lazy, int lsum32) {
+             int bt_stride, int nh, int nkv, float qscale, int lazy) {
     constexpr int LD = HD + F2_PAD, KB = FA_BK / SUB, NT = KB / 8, DT = HD / 8, KS = HD / 16,
                   NTH = F4_NW * 32;
     int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
@@ -1858,15 +1852,10 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
                     float e2 = ex2f(s[mt][n][2] - b1), e3 = ex2f(s[mt][n][3] - b1);
                     pa[mt][n][0] = pack_bf2(e0, e1);
                     pa[mt][n][1] = pack_bf2(e2, e3);
-                    if (lsum32) { /* DISAGG_CUDA_FLASH_LSUM=32: the f32 weights (FA2's way) */
-                        sum0 += e0 + e1;
-                        sum1 += e2 + e3;
-                    } else {
-                        __nv_bfloat162 p01 = *(__nv_bfloat162 *)&pa[mt][n][0],
-                                       p23 = *(__nv_bfloat162 *)&pa[mt][n][1];
-                        sum0 += __low2float(p01) + __high2float(p01); /* the weights P V uses */
-                        sum1 += __low2float(p23) + __high2float(p23);
-                    }
+                    __nv_bfloat162 p01 = *(__nv_bfloat162 *)&pa[mt][n][0],
+                                   p23 = *(__nv_bfloat162 *)&pa[mt][n][1];
+                    sum0 += __low2float(p01) + __high2float(p01); /* the weights P V uses */
+                    sum1 += __low2float(p23) + __high2float(p23);
                 }
                 l[mt][0] = l[mt][0] * c0 + sum0; /* this thread's columns; the quad adds up last */
                 l[mt][1] = l[mt][1] * c1 + sum1;
@@ -1943,7 +1932,7 @@ static int launch_flash4_sub(dcu_ctx *c, OT *out, const float *q, const dcu_kv *
     dim3 grid(nh, n_tiles);
     k_flash4<HD, OT, SUB><<<grid, F4_NW * 32, sh, c->stream>>>(
         out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
-        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f, c->flash_lazy, c->flash_lsum32);
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f, c->flash_lazy);
     return launch_check("flash4_prefill");
 }
 /* c->flash_sub: the 64-key stages in 1 (default) or 2 softmax steps (DISAGG_CUDA_FLASH_SUB=2) */
@@ -2436,12 +2425,12 @@ static int cfg_get(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttrib
  * slower on these N.  The candidate list is the same for a shape in every process, so is
  * the choice. */
 static int pf_rule(const cublasLtMatmulHeuristicResult_t *res, int found, int T, int N,
-                   int out16, int qkv16_rule) {
+                   int out16) {
     static const int t3584[] = {CUBLASLT_MATMUL_TILE_112x128, CUBLASLT_MATMUL_TILE_128x128};
     static const int t4608[] = {CUBLASLT_MATMUL_TILE_144x128};
     const int *pref = NULL;
     int n_pref = 0;
-    if ((out16 && !(qkv16_rule && N == 4608)) || T < 512) return 0;
+    if (out16 || T < 512) return 0;
     if (N == 3584) pref = t3584, n_pref = 2;
     if (N == 4608) pref = t4608, n_pref = 1;
     for (int j = 0; j < n_pref; j++)
@@ -2460,7 +2449,7 @@ static int pf_pick(dcu_ctx *c, gemm_plan *p, cublasLtMatmulPreference_t pref, co
     cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref,
                                                       PF_ALGOS, res, &found);
     if (s != CUBLAS_STATUS_SUCCESS || found <= 0) return -1;
-    int pick = c->gemm_algo >= 0 ? c->gemm_algo : pf_rule(res, found, T, N, out16, c->qkv16_rule);
+    int pick = c->gemm_algo >= 0 ? c->gemm_algo : pf_rule(res, found, T, N, out16);
     if (pick >= found) pick = 0;
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     cudaStreamIsCapturing(c->stream, &cap);
