@@ -847,8 +847,7 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                     (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer,
                     (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
                     nh, nkv, hd);
-            return pm(s, launch_check("qkv_finish2"), "qkv_finish2 (bf16 q|k|v; bias, rope, kv)",
-                      0);
+            return pm(s, launch_check("qkv_finish2"), "qkv_finish2 (bf16 in; bias, rope, kv)", 0);
         }
         int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
         if (by > 1 && T > 1) by = (by + T - 1) / T;

@@ -105,10 +105,6 @@ struct dcu_ctx {
                                 -1: the fixed rule, pf_rule) */
     int qkv_bf16_min_t;      /* q|k|v GEMMs of T >= this write bf16 for k_qkv_finish
                                 (DISAGG_CUDA_QKV_BF16=T, default 64; 0: always f32) */
-    int flash_lazy;          /* k_flash4 skips O's rescale when no row of an m16 tile has a
-                                new max (exact; DISAGG_CUDA_FLASH_LAZY=0: always rescales) */
-    int flash_sub;           /* k_flash4's 64-key stages in 2 softmax steps of 32 keys
-                                (DISAGG_CUDA_FLASH_SUB=2; default 1) */
     int resid_min_t;         /* backend_matmul_residual folds the add into the GEMM (cuBLASLt
                                 beta = 1) for T >= this (DISAGG_CUDA_RESID_GEMM=T, default 64;
                                 0: never, the model keeps the add in the norm) */
@@ -269,9 +265,6 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->gemm_algo = getenv("DISAGG_CUDA_GEMM_ALGO") ? atoi(getenv("DISAGG_CUDA_GEMM_ALGO")) : -1;
     c->qkv_bf16_min_t =
         getenv("DISAGG_CUDA_QKV_BF16") ? atoi(getenv("DISAGG_CUDA_QKV_BF16")) : 64;
-    c->flash_lazy =
-        !(getenv("DISAGG_CUDA_FLASH_LAZY") && !strcmp(getenv("DISAGG_CUDA_FLASH_LAZY"), "0"));
-    c->flash_sub = getenv("DISAGG_CUDA_FLASH_SUB") && atoi(getenv("DISAGG_CUDA_FLASH_SUB")) == 2 ? 2 : 1;
     c->resid_min_t = getenv("DISAGG_CUDA_RESID_GEMM") ? atoi(getenv("DISAGG_CUDA_RESID_GEMM")) : 64;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
@@ -1709,13 +1702,12 @@ static size_t flash4_smem(int hd) {
     return (size_t)(FA_BQ3 + 2 * 2 * FA_BK) * (hd + F2_PAD) * 2;
 }
 
-template <int HD, typename OT, int SUB>
+template <int HD, typename OT>
 __global__ void __launch_bounds__(F4_NW * 32, 2)
     k_flash4(OT *out, const float *q, const bf16 *kv, int bs, int n_layers, int layer,
              const int32_t *tiles, int n_tiles, const int32_t *pos, const int32_t *bts,
-             int bt_stride, int nh, int nkv, float qscale, int lazy) {
-    constexpr int LD = HD + F2_PAD, KB = FA_BK / SUB, NT = KB / 8, DT = HD / 8, KS = HD / 16,
-                  NTH = F4_NW * 32;
+             int bt_stride, int nh, int nkv, float qscale) {
+    constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16, NTH = F4_NW * 32;
     int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
     int kvh = h / (nh / nkv), kvd = nkv * HD;
     int t0 = tiles[3 * tile], rows = tiles[3 * tile + 1], sq = tiles[3 * tile + 2];
@@ -1778,14 +1770,8 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
             asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads(); /* this tile's K/V (and, the first time, Q) are visible */
-#pragma unroll
-        for (int sb = 0; sb < SUB; sb++) {
-        /* SUB = 2: the stage's keys as two sub-tiles of KB, each with its own online-softmax
-         * step (S and P of 32 keys: fewer registers live, Q read twice a stage) */
-        const int kb0 = k0 + sb * KB;
-        const bf16 *Ks = KV0 + (size_t)stg * 2 * FA_BK * LD + (size_t)sb * KB * LD,
-                   *Vs = Ks + FA_BK * LD;
-        if (wr0 < rows && kb0 <= wlast) {
+        const bf16 *Ks = KV0 + (size_t)stg * 2 * FA_BK * LD, *Vs = Ks + FA_BK * LD;
+        if (wr0 < rows && k0 <= wlast) {
             float s[2][NT][4];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
@@ -1821,10 +1807,10 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
                 int mfirst = p0 + wr0 + mt * 16, qp0 = mfirst + g, qp1 = qp0 + 8;
-                if (kb0 + KB - 1 > mfirst) { /* the tile crosses this m16 tile's diagonal */
+                if (k0 + FA_BK - 1 > mfirst) { /* the tile crosses this m16 tile's diagonal */
 #pragma unroll
                     for (int n = 0; n < NT; n++) {
-                        int j = kb0 + n * 8 + 2 * qd;
+                        int j = k0 + n * 8 + 2 * qd;
                         if (j > qp0) s[mt][n][0] = -INFINITY;
                         if (j + 1 > qp0) s[mt][n][1] = -INFINITY;
                         if (j > qp1) s[mt][n][2] = -INFINITY;
@@ -1860,19 +1846,15 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
                 l[mt][0] = l[mt][0] * c0 + sum0; /* this thread's columns; the quad adds up last */
                 l[mt][1] = l[mt][1] * c1 + sum1;
                 m[mt][0] = mn0, m[mt][1] = mn1;
-                /* no row of the m16 tile has a new max: O * 1 is O, skip it (lazy: the
-                 * warp-uniform vote; DISAGG_CUDA_FLASH_LAZY=0 always multiplies) */
-                if (!lazy || __any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {
 #pragma unroll
-                    for (int dn = 0; dn < DT; dn++) {
-                        o[mt][dn][0] *= c0, o[mt][dn][1] *= c0;
-                        o[mt][dn][2] *= c1, o[mt][dn][3] *= c1;
-                    }
+                for (int dn = 0; dn < DT; dn++) {
+                    o[mt][dn][0] *= c0, o[mt][dn][1] *= c0;
+                    o[mt][dn][2] *= c1, o[mt][dn][3] *= c1;
                 }
             }
             /* O += P V: each V fragment (ldmatrix.trans, two d-tiles) feeds both m16 tiles */
 #pragma unroll
-            for (int kk = 0; kk < KB / 16; kk++) {
+            for (int kk = 0; kk < FA_BK / 16; kk++) {
 #pragma unroll
                 for (int dn = 0; dn < DT; dn += 2) {
                     uint32_t b[4];
@@ -1888,7 +1870,6 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
                     }
                 }
             }
-        }
         }
         __syncthreads(); /* every warp is done with this stage before it is refilled */
     }
@@ -1918,33 +1899,22 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
     }
 }
 
-template <int HD, typename OT, int SUB>
-static int launch_flash4_sub(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
-                             const int32_t *tiles, int n_tiles, const int32_t *pos,
-                             const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
-    size_t sh = flash4_smem(HD);
-    static int attr_done;
-    if (!attr_done) {
-        cudaFuncSetAttribute(k_flash4<HD, OT, SUB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)sh);
-        attr_done = 1;
-    }
-    dim3 grid(nh, n_tiles);
-    k_flash4<HD, OT, SUB><<<grid, F4_NW * 32, sh, c->stream>>>(
-        out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
-        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f, c->flash_lazy);
-    return launch_check("flash4_prefill");
-}
-/* c->flash_sub: the 64-key stages in 1 (default) or 2 softmax steps (DISAGG_CUDA_FLASH_SUB=2) */
 template <int HD, typename OT>
 static int launch_flash4(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
                          const int32_t *tiles, int n_tiles, const int32_t *pos,
                          const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
-    if (c->flash_sub == 2)
-        return launch_flash4_sub<HD, OT, 2>(c, out, q, kv, layer, tiles, n_tiles, pos, bts,
-                                            bt_stride, nh, nkv, scale);
-    return launch_flash4_sub<HD, OT, 1>(c, out, q, kv, layer, tiles, n_tiles, pos, bts,
-                                        bt_stride, nh, nkv, scale);
+    size_t sh = flash4_smem(HD);
+    static int attr_done;
+    if (!attr_done) {
+        cudaFuncSetAttribute(k_flash4<HD, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)sh);
+        attr_done = 1;
+    }
+    dim3 grid(nh, n_tiles);
+    k_flash4<HD, OT><<<grid, F4_NW * 32, sh, c->stream>>>(
+        out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
+    return launch_check("flash4_prefill");
 }
 
 /* k_flash4's CTAs are 4 warps: when the grid leaves SMs without a CTA (a 512-token prompt
