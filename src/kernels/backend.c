@@ -595,8 +595,7 @@ int backend_matmul_residual(backend_stream *st, const backend_matmul_op *op, voi
 }
 
 int backend_residual_fused(backend_stream *st, int T) {
-    return st && T >= 1 && st->be->iface->residual_fused ? st->be->iface->residual_fused(st, T)
-                                                          : 0;
+    return st && T >= 1 && st->be->iface->residual_fused ? st->be->iface->residual_fused(st, T) : 0;
 }
 
 int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, const void *q,

@@ -361,8 +361,8 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
         const layer_weights *L = &w->layers[l];
         /* attention block: x += wo . attention(rope(wq . norm(x)), rope(wk . ..), wv . ..)
          * (the previous layer's MLP output y joins x here: x += y, then the norm) */
-        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l && !fused ? s->y : NULL, a, L->attn_norm,
-                                T, h, eps));
+        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l && !fused ? s->y : NULL, a, L->attn_norm, T,
+                                h, eps));
         backend_qkv_op qkv = {.x = s->xb,
                               .x_dt = mm,
                               .T = T,

@@ -1216,7 +1216,8 @@ static void test_qkv_prefill(void **state) {
                 wq = wqkv, wk = (const char *)wqkv + (size_t)NQ * H * es;
                 wv = (const char *)wk + (size_t)KVD * H * es;
             } else {
-                assert_non_null(bqw = backend_weights_load(be, hw, BACKEND_BF16, (size_t)NQ * H, &sw));
+                assert_non_null(
+                    bqw = backend_weights_load(be, hw, BACKEND_BF16, (size_t)NQ * H, &sw));
                 assert_non_null(bkw = backend_weights_load(be, hw + (size_t)NQ * H, BACKEND_BF16,
                                                            (size_t)KVD * H, &sw));
                 assert_non_null(bvw = backend_weights_load(be, hw + (size_t)(NQ + KVD) * H,
@@ -1233,9 +1234,12 @@ static void test_qkv_prefill(void **state) {
             backend_buffer *region =
                 backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
             kv.base = DEV(region);
-            backend_buffer *bqo = backend_buffer_alloc(be, (size_t)T * NQ * backend_dtype_size(a), 0),
-                           *bks = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
-                           *bvs = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
+            backend_buffer *bqo =
+                               backend_buffer_alloc(be, (size_t)T * NQ * backend_dtype_size(a), 0),
+                           *bks =
+                               backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
+                           *bvs =
+                               backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
             backend_qkv_op op = {.x = DEV(bx),
                                  .x_dt = mm,
                                  .T = T,
@@ -1260,7 +1264,8 @@ static void test_qkv_prefill(void **state) {
             assert_int_equal(backend_qkv(st, &op), 0);
             float *gq = from_dev(st, DEV(bqo), (size_t)T * NQ, a),
                   *gkv = from_dev(st, kv.base, n_el, kdt);
-            double *wq_ = calloc((size_t)T * NQ, sizeof(double)), *wkv = calloc(n_el, sizeof(double));
+            double *wq_ = calloc((size_t)T * NQ, sizeof(double)),
+                   *wkv = calloc(n_el, sizeof(double));
             double *row = malloc(sizeof(double) * W);
             assert_non_null(wq_), assert_non_null(wkv), assert_non_null(row);
             for (int t = 0; t < T; t++) {

@@ -263,8 +263,7 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
         !(getenv("DISAGG_CUDA_FLASH_AUTO") && !strcmp(getenv("DISAGG_CUDA_FLASH_AUTO"), "0"));
     c->gemm_sweep = getenv("DISAGG_CUDA_GEMM_SWEEP") ? atoi(getenv("DISAGG_CUDA_GEMM_SWEEP")) : 0;
     c->gemm_algo = getenv("DISAGG_CUDA_GEMM_ALGO") ? atoi(getenv("DISAGG_CUDA_GEMM_ALGO")) : -1;
-    c->qkv_bf16_min_t =
-        getenv("DISAGG_CUDA_QKV_BF16") ? atoi(getenv("DISAGG_CUDA_QKV_BF16")) : 64;
+    c->qkv_bf16_min_t = getenv("DISAGG_CUDA_QKV_BF16") ? atoi(getenv("DISAGG_CUDA_QKV_BF16")) : 64;
     c->resid_min_t = getenv("DISAGG_CUDA_RESID_GEMM") ? atoi(getenv("DISAGG_CUDA_RESID_GEMM")) : 64;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
@@ -637,10 +636,10 @@ __device__ __forceinline__ float ld_f(const bf16 *p) {
     return __bfloat162float(*p);
 }
 template <typename KT, typename IT = float>
-__global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int layer,
-                             const IT *qkv, const float *bias, const int32_t *pos,
-                             const int32_t *seq, const int32_t *bts, int bt_stride,
-                             const float *inv_freq, int nh, int nkv, int hd) {
+__global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int layer, const IT *qkv,
+                             const float *bias, const int32_t *pos, const int32_t *seq,
+                             const int32_t *bts, int bt_stride, const float *inv_freq, int nh,
+                             int nkv, int hd) {
     pdl_trigger();
     pdl_wait();
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
@@ -691,8 +690,7 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
  * thread: bf16x2 loads, float2 / paired stores, the cos / sin of its two angles once (the
  * block's stride is whole heads).  Each element's arithmetic is k_qkv_finish's, so the
  * results are bit-identical; needs head_dim % 4 == 0 and blockDim % (head_dim / 4) == 0. */
-template <typename KT>
-__device__ __forceinline__ void store2_as(KT *p, float a, float b);
+template <typename KT> __device__ __forceinline__ void store2_as(KT *p, float a, float b);
 template <> __device__ __forceinline__ void store2_as<float>(float *p, float a, float b) {
     *(float2 *)p = make_float2(a, b);
 }
@@ -700,10 +698,10 @@ template <> __device__ __forceinline__ void store2_as<bf16>(bf16 *p, float a, fl
     *(__nv_bfloat162 *)p = __floats2bfloat162_rn(a, b);
 }
 template <typename KT>
-__global__ void k_qkv_finish2(float *qout, KT *kv, int bs, int n_layers, int layer,
-                              const bf16 *qkv, const float *bias, const int32_t *pos,
-                              const int32_t *seq, const int32_t *bts, int bt_stride,
-                              const float *inv_freq, int nh, int nkv, int hd) {
+__global__ void k_qkv_finish2(float *qout, KT *kv, int bs, int n_layers, int layer, const bf16 *qkv,
+                              const float *bias, const int32_t *pos, const int32_t *seq,
+                              const int32_t *bts, int bt_stride, const float *inv_freq, int nh,
+                              int nkv, int hd) {
     int t = blockIdx.x, half = hd / 2, hp = half / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
     const bf16 *row = qkv + (size_t)t * W;
     int n_pairs = (nh + nkv) * hp;
@@ -1720,7 +1718,8 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
     const size_t vgap = (size_t)bs * kvd;
     /* kv_off's address with the loop-invariant parts hoisted and, for a power-of-two block
      * size, a shift and a mask for the division (the same address) */
-    const size_t per_block = (size_t)n_layers * 2 * bs * kvd, lay_off = (size_t)layer * 2 * bs * kvd;
+    const size_t per_block = (size_t)n_layers * 2 * bs * kvd,
+                 lay_off = (size_t)layer * 2 * bs * kvd;
     const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
     auto load_async = [&](int stg, int kt) {
         bf16 *K_ = KV0 + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
@@ -1729,9 +1728,10 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
             int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
             bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
             if (j < kmax) {
-                int bi = bs_sh >= 0 ? j >> bs_sh : j / bs, slot = bs_sh >= 0 ? j & (bs - 1) : j % bs;
-                const bf16 *src = kvh_base + (size_t)bt[bi] * per_block + lay_off +
-                                  (size_t)slot * kvd + c8 * 8;
+                int bi = bs_sh >= 0 ? j >> bs_sh : j / bs,
+                    slot = bs_sh >= 0 ? j & (bs - 1) : j % bs;
+                const bf16 *src =
+                    kvh_base + (size_t)bt[bi] * per_block + lay_off + (size_t)slot * kvd + c8 * 8;
                 cp_async16(kd, src);
                 cp_async16(vd, src + vgap);
             } else {
@@ -2902,8 +2902,8 @@ static int matmul_acc(dcu_ctx *c, float *resid, float *tmp, const void *x, const
     cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, resid, p->c,
                                       resid, p->c, &p->algo, c->ws, c->ws_bytes, c->stream);
     if (s != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "cuda: cublasLtMatmul (beta 1) T=%d N=%d K=%d failed (status %d)\n", T,
-                N, K, (int)s);
+        fprintf(stderr, "cuda: cublasLtMatmul (beta 1) T=%d N=%d K=%d failed (status %d)\n", T, N,
+                K, (int)s);
         return -EIO;
     }
     return 0;
