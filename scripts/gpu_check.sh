@@ -42,7 +42,10 @@
 # ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with k_flash3's
 # 128- and 64-row tiles and with k_flash2 + the f32 gate|up), test_cuda_model, bench model 7B,
 # then the prefill with per-op times (DISAGG_CUDA_PROF=8192) and with the previous kernels
-# (PREFILL_VARIANTS adds env settings to that list).
+# (PREFILL_VARIANTS adds env settings to that list; PREFILL_LIST replaces it).  PREFILL_QUICK_TESTS=1
+# skips the older kernels' parity runs, PREFILL_TEST_VARIANTS / PREFILL_MODEL_VARIANTS add
+# test_backend_ops / test_cuda_model runs (settings joined by commas), PREFILL_INV=1 adds
+# test_cuda_invariant, PREFILL_LENS the prompt lengths.
 # ONLY=decode (issue 12's batch-1 decode): test_backend_ops, test_cuda_model, the 7B decode
 # table (DECODE_BASE_MODULE=an older libdisagg_cuda.so: its table too, the same run), decode
 # with each switch in DECODE_VARIANTS flipped (a variant's settings joined by commas; at the
@@ -187,6 +190,12 @@ prefill_steps() {
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_AUTO=0 (k_flash4 also for small grids)"
   DISAGG_CUDA_NORM4=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_NORM4=0"
+  DISAGG_CUDA_RESID_GEMM=0 DISAGG_CUDA_QKV_BF16=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_RESID_GEMM=0 DISAGG_CUDA_QKV_BF16=0"
+  for v in ${PREFILL_TEST_VARIANTS:-}; do
+    env ${v//,/ } "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+    check ${PIPESTATUS[0]} "test_backend_ops with ${v//,/ }"
+  done
   [ -n "${PREFILL_QUICK_TESTS:-}" ] || {
   DISAGG_CUDA_FLASH_BQ=64 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_BQ=64"
@@ -198,6 +207,17 @@ prefill_steps() {
   check ${PIPESTATUS[0]} test_cuda_model
   DISAGG_CUDA_FLASH_MT=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "FAILED|PASSED|ERROR"
   check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_FLASH_MT=1"
+  for v in ${PREFILL_MODEL_VARIANTS:-}; do
+    env ${v//,/ } "$BUILD/test_cuda_model" 2>&1 | grep -E "FAILED|PASSED|ERROR"
+    check ${PIPESTATUS[0]} "test_cuda_model with ${v//,/ }"
+  done
+  if [ -n "${PREFILL_INV:-}" ]; then # the batch-invariant mode still exact (0 differing rows)
+    step "prefill: test_cuda_invariant"
+    DISAGG_SRC=$SRC DISAGG_INV_7B=$W7 DISAGG_INV_NO_FAST=${INV_NO_FAST-1} DISAGG_CUDA_INV_LOG= \
+      timeout ${PREFILL_INV_TIMEOUT:-150} "$BUILD/test_cuda_invariant" > /tmp/tci.log 2>&1
+    check $? test_cuda_invariant
+    grep -E "differ|FAILED|PASSED|ERROR|SKIP" /tmp/tci.log | tail -25
+  fi
   step "prefill: bench model 7b (prefill 512 and 4096; decode batch 1 and 32)"
   "$BIN" bench model "$W7" --device cuda --batches 1,32 ${BENCH_ARGS:-}
   check $? "bench model 7b --device cuda"

@@ -581,6 +581,23 @@ int backend_gate_up(backend_stream *st, const backend_mlp_op *o) {
     return rc ? rc : backend_swiglu(st, o->h, o->h2, o->h_dt, o->T, o->inter);
 }
 
+int backend_matmul_residual(backend_stream *st, const backend_matmul_op *op, void *resid) {
+    CHECK(op && resid && resid != op->y && resid != op->x,
+          "matmul_residual: bad arguments (the residual must be neither y nor x)");
+    if (st->be->iface->matmul_residual) {
+        CHECK(op->y && op->x && op->w && op->T >= 1 && op->N >= 1 && op->K >= 1 &&
+                  dt_ok(op->y_dt) && dt_ok(op->x_dt) && dt_ok(op->w_dt),
+              "matmul_residual: bad arguments (T %d, N %d, K %d)", op->T, op->N, op->K);
+        return st->be->iface->matmul_residual(st, op, resid);
+    }
+    int rc = backend_matmul(st, op, 1);
+    return rc ? rc : backend_add(st, resid, op->y, op->y_dt, (size_t)op->T * op->N);
+}
+
+int backend_residual_fused(backend_stream *st, int T) {
+    return st && T >= 1 && st->be->iface->residual_fused ? st->be->iface->residual_fused(st, T) : 0;
+}
+
 int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, const void *q,
                          backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
                          float scale) {

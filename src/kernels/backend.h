@@ -327,6 +327,17 @@ typedef struct backend_mlp_op {
 } backend_mlp_op;
 int backend_gate_up(backend_stream *st, const backend_mlp_op *op);
 
+/* The residual add folded into a GEMM: resid (T, N) of op->y_dt += op->x . op->w^T (+ op->bias),
+ * op->y (T, N) of op->y_dt being the generic form's scratch, which must overlap neither resid
+ * nor x.  Generic: backend_matmul(op) into op->y, then backend_add(resid, op->y) -- exactly
+ * the sum the model's backend_add_rmsnorm(x += y) computes.  backend_residual_fused(st, T) is
+ * 1 when the backend computes it in one pass for a batch of T tokens (CUDA's fast mode, T >= 64
+ * by default: cuBLASLt's epilogue adds the f32 accumulator onto resid, beta = 1), else 0 (the
+ * CPU; decode-sized T; --batch-invariant): the model uses the op only then and otherwise keeps
+ * the add in backend_add_rmsnorm (one pass fewer where it is not fused). */
+int backend_matmul_residual(backend_stream *st, const backend_matmul_op *op, void *resid);
+int backend_residual_fused(backend_stream *st, int T);
+
 /* backend_attention with the output in out_dt (the backend's mm dtype: the o_proj input).
  * Generic: backend_attention when out_dt == dt, else -ENOTSUP. */
 int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, const void *q,

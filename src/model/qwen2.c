@@ -351,13 +351,18 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
     const float eps = c->rms_norm_eps, scale = (float)(1.0 / sqrt((double)c->head_dim));
     const backend_kv bkv = *kvp;
     backend_stream *st = s->st;
+    /* where the backend folds the residual add into the o / down GEMMs (CUDA prefill), x += the
+     * GEMM's output there and the norms add nothing; else the GEMMs write y and the norm after
+     * each adds it (the CPU, decode, --batch-invariant: the same sums either way) */
+    const int fused = backend_residual_fused(st, T);
 
     TRY(backend_embed(st, s->x, a, w->embed.data, w->embed.dtype, h));
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
         /* attention block: x += wo . attention(rope(wq . norm(x)), rope(wk . ..), wv . ..)
          * (the previous layer's MLP output y joins x here: x += y, then the norm) */
-        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l ? s->y : NULL, a, L->attn_norm, T, h, eps));
+        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l && !fused ? s->y : NULL, a, L->attn_norm, T,
+                                h, eps));
         backend_qkv_op qkv = {.x = s->xb,
                               .x_dt = mm,
                               .T = T,
@@ -384,9 +389,10 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
         TRY(backend_prefetch(st, L->wo.data, (size_t)h * h * backend_dtype_size(L->wo.dtype)));
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
         backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, h};
-        TRY(backend_matmul(st, &o, 1));
+        TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
         /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))) */
-        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, s->y, a, L->mlp_norm, T, h, eps));
+        TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, fused ? NULL : s->y, a, L->mlp_norm, T, h,
+                                eps));
         backend_mlp_op mlp = {.x = s->xb,
                               .x_dt = mm,
                               .T = T,
@@ -402,9 +408,9 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
         TRY(backend_gate_up(st, &mlp));
         backend_matmul_op down = {s->y, a, s->hb, mm, L->w_down.data, L->w_down.dtype,
                                   NULL, T, h,     I};
-        TRY(backend_matmul(st, &down, 1));
+        TRY(fused ? backend_matmul_residual(st, &down, s->x) : backend_matmul(st, &down, 1));
     }
-    return backend_add(st, s->x, s->y, a, (size_t)T * h);
+    return fused ? 0 : backend_add(st, s->x, s->y, a, (size_t)T * h);
 }
 
 /* logits_buf holds at least rows rows (a new buffer drops the recorded steps using the old) */

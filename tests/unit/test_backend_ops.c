@@ -1290,6 +1290,197 @@ static void test_registry(void **state) {
     assert_string_equal(backend_dtype_name(BACKEND_F16), "float16");
 }
 
+/* backend_matmul_residual: resid += x . w^T against a double reference, at a prefill-sized T
+ * (130: CUDA's fast mode folds the add into cuBLASLt's epilogue, beta = 1, when
+ * backend_residual_fused says so) and a decode-sized one (3: the generic form, GEMM into the
+ * scratch y then add), awkward N and K; the CPU always runs the generic form and says it is
+ * not fused.  Tolerance: the f32 accumulation of K bf16-exact products, 1e-4 relative (as
+ * matmul's); bad arguments (resid == y or x) are refused. */
+static void test_matmul_residual(void **state) {
+    int shapes[][3] = {{130, 200, 72}, {3, 200, 72}, {97, 52, 136}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype mm = backend_mm_dtype(be), a = backend_act_dtype(be);
+        test_batch tb;
+        int start[1] = {0}, n_new[1] = {130};
+        make_batch(&tb, 1, start, n_new, 16, 16, 10);
+        assert_int_equal(backend_plan(st, &tb.b), 0);
+        if (backend_is_cpu(be)) assert_int_equal(backend_residual_fused(st, 130), 0);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            int T = shapes[k][0], N = shapes[k][1], K = shapes[k][2];
+            uint16_t *hw = malloc(sizeof(uint16_t) * N * K);
+            float *fw = malloc(sizeof(float) * N * K);
+            assert_non_null(hw), assert_non_null(fw);
+            bf16_mat(hw, fw, (size_t)N * K);
+            backend_dtype sw;
+            backend_buffer *bw = backend_weights_load(be, hw, BACKEND_BF16, (size_t)N * K, &sw);
+            assert_non_null(bw);
+            float *x = rand_vec((size_t)T * K, BACKEND_BF16), *r = rand_vec((size_t)T * N, a);
+            backend_buffer *bx = to_dev(st, x, (size_t)T * K, mm),
+                           *br = to_dev(st, r, (size_t)T * N, a),
+                           *by = backend_buffer_alloc(be, (size_t)T * N * backend_dtype_size(a), 0);
+            backend_matmul_op op = {DEV(by), a, DEV(bx), mm, DEV(bw), sw, NULL, T, N, K};
+            assert_int_equal(backend_matmul_residual(st, &op, DEV(br)), 0);
+            float *got = from_dev(st, DEV(br), (size_t)T * N, a);
+            double *want = malloc(sizeof(double) * T * N);
+            for (int t = 0; t < T; t++)
+                for (int n = 0; n < N; n++) {
+                    double acc = 0;
+                    for (int i = 0; i < K; i++)
+                        acc += (double)x[(size_t)t * K + i] * fw[(size_t)n * K + i];
+                    want[(size_t)t * N + n] = r[(size_t)t * N + n] + acc;
+                }
+            char what[96];
+            snprintf(what, sizeof what, "matmul_residual T %d N %d K %d (fused %d)", T, N, K,
+                     backend_residual_fused(st, T));
+            check_close(what, be, got, want, (size_t)T * N, 1e-4);
+            assert_int_equal(backend_matmul_residual(st, &op, DEV(by)), -EINVAL);
+            assert_int_equal(backend_matmul_residual(st, &op, DEV(bx)), -EINVAL);
+            backend_buffer_free(bx), backend_buffer_free(br), backend_buffer_free(by);
+            backend_buffer_free(bw); /* before hw: the CPU backend aliases it */
+            free(got), free(want), free(x), free(r), free(hw), free(fw);
+        }
+        backend_stream_free(st);
+    }
+}
+
+/* backend_qkv on prefill-sized batches (T = 140 over two sequences, one with cached tokens: the
+ * CUDA backend's q|k|v GEMM then writes bf16 and k_qkv_finish reads it, see cb_qkv), GQA 3:1,
+ * head_dim 16 (a thread's RoPE pair fixed across heads: one cos / sin) and 24 (not), against
+ * the double reference of test_fused_ops.  Tolerance: a GPU backend rounds the GEMM output to
+ * bf16 before bias and RoPE (2^-8 of |q| ~ 4) and K/V again in the cache: 2e-2; the CPU 1e-4. */
+static void test_qkv_prefill(void **state) {
+    enum { H = 48, NH = 6, NKV = 2, L = 2, LAYER = 1, MAXHD = 24 };
+    int hds[2] = {16, 24};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be), mm = backend_mm_dtype(be),
+                      kdt = backend_kv_dtype_default(be);
+        int cat = backend_wants_cat(be);
+        for (int hi = 0; hi < 2; hi++) {
+            int HD = hds[hi], KVD = NKV * HD, NQ = NH * HD, W = NQ + 2 * KVD;
+            test_batch tb;
+            int start[2] = {0, 20}, n_new[2] = {100, 40};
+            make_batch(&tb, 2, start, n_new, 16, 16, 10);
+            assert_int_equal(backend_plan(st, &tb.b), 0);
+            int T = tb.T;
+            uint16_t *hw = malloc(sizeof(uint16_t) * W * H);
+            float *fw = malloc(sizeof(float) * W * H);
+            assert_non_null(hw), assert_non_null(fw);
+            bf16_mat(hw, fw, (size_t)W * H);
+            float bias[NH * MAXHD + 2 * NKV * MAXHD], inv[MAXHD / 2];
+            for (int i = 0; i < W; i++)
+                bias[i] = frand();
+            for (int i = 0; i < HD / 2; i++)
+                inv[i] = 1.0f / powf(10000.0f, (float)(2 * i) / HD);
+            backend_dtype sw = BACKEND_BF16;
+            backend_buffer *bw = NULL, *bqw = NULL, *bkw = NULL, *bvw = NULL;
+            const void *wq, *wk, *wv, *wqkv = NULL;
+            if (cat) {
+                const void *s3[3] = {hw, hw + (size_t)NQ * H, hw + (size_t)(NQ + KVD) * H};
+                backend_dtype d3[3] = {BACKEND_BF16, BACKEND_BF16, BACKEND_BF16};
+                size_t n3[3] = {(size_t)NQ * H, (size_t)KVD * H, (size_t)KVD * H};
+                assert_non_null(bw = backend_weights_load_cat(be, s3, d3, n3, 3, &sw));
+                wqkv = DEV(bw);
+                size_t es = backend_dtype_size(sw);
+                wq = wqkv, wk = (const char *)wqkv + (size_t)NQ * H * es;
+                wv = (const char *)wk + (size_t)KVD * H * es;
+            } else {
+                assert_non_null(
+                    bqw = backend_weights_load(be, hw, BACKEND_BF16, (size_t)NQ * H, &sw));
+                assert_non_null(bkw = backend_weights_load(be, hw + (size_t)NQ * H, BACKEND_BF16,
+                                                           (size_t)KVD * H, &sw));
+                assert_non_null(bvw = backend_weights_load(be, hw + (size_t)(NQ + KVD) * H,
+                                                           BACKEND_BF16, (size_t)KVD * H, &sw));
+                wq = DEV(bqw), wk = DEV(bkw), wv = DEV(bvw);
+            }
+            backend_buffer *bbias = to_dev(st, bias, W, BACKEND_F32),
+                           *binv = to_dev(st, inv, HD / 2, BACKEND_F32);
+            const float *dbias = DEV(bbias);
+            float *xb = rand_vec((size_t)T * H, BACKEND_BF16);
+            backend_buffer *bx = to_dev(st, xb, (size_t)T * H, mm);
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+            size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
+            backend_buffer *region =
+                backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
+            kv.base = DEV(region);
+            backend_buffer *bqo =
+                               backend_buffer_alloc(be, (size_t)T * NQ * backend_dtype_size(a), 0),
+                           *bks =
+                               backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
+                           *bvs =
+                               backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
+            backend_qkv_op op = {.x = DEV(bx),
+                                 .x_dt = mm,
+                                 .T = T,
+                                 .hidden = H,
+                                 .n_heads = NH,
+                                 .wq = wq,
+                                 .wk = wk,
+                                 .wv = wv,
+                                 .w_dt = sw,
+                                 .bq = dbias,
+                                 .bk = dbias + NQ,
+                                 .bv = dbias + NQ + KVD,
+                                 .wqkv = wqkv,
+                                 .bqkv = wqkv ? dbias : NULL,
+                                 .q = DEV(bqo),
+                                 .k = DEV(bks),
+                                 .v = DEV(bvs),
+                                 .dt = a,
+                                 .inv_freq = DEV(binv),
+                                 .kv = &kv,
+                                 .layer = LAYER};
+            assert_int_equal(backend_qkv(st, &op), 0);
+            float *gq = from_dev(st, DEV(bqo), (size_t)T * NQ, a),
+                  *gkv = from_dev(st, kv.base, n_el, kdt);
+            double *wq_ = calloc((size_t)T * NQ, sizeof(double)),
+                   *wkv = calloc(n_el, sizeof(double));
+            double *row = malloc(sizeof(double) * W);
+            assert_non_null(wq_), assert_non_null(wkv), assert_non_null(row);
+            for (int t = 0; t < T; t++) {
+                for (int n = 0; n < W; n++) {
+                    double acc = bias[n];
+                    for (int i = 0; i < H; i++)
+                        acc += (double)xb[(size_t)t * H + i] * fw[(size_t)n * H + i];
+                    row[n] = acc;
+                }
+                int p = tb.tok_pos[t];
+                for (int hh = 0; hh < NH + NKV; hh++)
+                    for (int i = 0; i < HD / 2; i++) {
+                        float ang = (float)p * inv[i];
+                        double c = cos(ang), sn = sin(ang), u = row[hh * HD + i],
+                               w = row[hh * HD + i + HD / 2];
+                        row[hh * HD + i] = u * c - w * sn;
+                        row[hh * HD + i + HD / 2] = w * c + u * sn;
+                    }
+                for (int n = 0; n < NQ; n++)
+                    wq_[(size_t)t * NQ + n] = row[n];
+                int s = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size],
+                    slot = p % kv.block_size;
+                for (int hh = 0; hh < NKV; hh++)
+                    for (int d = 0; d < HD; d++) {
+                        wkv[kv_index(&kv, blk, LAYER, 0, slot, hh, d)] = row[NQ + hh * HD + d];
+                        wkv[kv_index(&kv, blk, LAYER, 1, slot, hh, d)] =
+                            row[NQ + KVD + hh * HD + d];
+                    }
+            }
+            char what[96];
+            snprintf(what, sizeof what, "qkv prefill (head_dim %d): q (bias, RoPE)", HD);
+            check_close(what, be, gq, wq_, (size_t)T * NQ, backend_is_cpu(be) ? 1e-4 : 2e-2);
+            snprintf(what, sizeof what, "qkv prefill (head_dim %d): K/V in the cache", HD);
+            check_close(what, be, gkv, wkv, n_el, backend_is_cpu(be) ? 1e-4 : 2e-2);
+            backend_buffer *bufs[] = {bw, bqw, bkw, bvw, bbias, binv, bx, region, bqo, bks, bvs};
+            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                backend_buffer_free(bufs[i]);
+            free(gq), free(gkv), free(wq_), free(wkv), free(row), free(xb), free(hw), free(fw);
+        }
+        backend_stream_free(st);
+    }
+}
+
 int main(void) {
     char err[512];
     if (backend_open("cpu", NULL, &g_be[0], err, sizeof err)) {
@@ -1322,6 +1513,8 @@ int main(void) {
         cmocka_unit_test(test_gate_up_gemv),
         cmocka_unit_test(test_qkv_gemv),
         cmocka_unit_test(test_prefetch),
+        cmocka_unit_test(test_matmul_residual),
+        cmocka_unit_test(test_qkv_prefill),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = g_n_be - 1; i >= 0; i--)

@@ -822,6 +822,48 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                                        nh, nkv, hd);
         return pm(s, rc, "qkv gemv (bias, rope, kv)", (double)W * o->hidden * 2);
     }
+    /* prefill-sized batches (T >= c->qkv_bf16_min_t, fast mode, bf16 x): the GEMM writes
+     * q|k|v in bf16 (its epilogue rounds the f32 accumulator; the bias is added after, in
+     * f32, then RoPE in f32) and k_qkv_finish reads that: 2 instead of 4 bytes of T x W
+     * written and read back */
+    if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->qkv_bf16_min_t > 0 &&
+        T >= s->c->qkv_bf16_min_t) {
+        bf16 *qkv16 = (bf16 *)cb_scratch(s, 0, (size_t)T * W * 2);
+        if (!qkv16) return s->capturing ? -EINVAL : -ENOMEM;
+        int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, o->wqkv, T, W, o->hidden),
+                    "q|k|v GEMM (bf16 out)", (double)W * o->hidden * 2);
+        if (rc) return rc;
+        if (hd % 4 == 0 && 128 % (hd / 4) == 0) { /* two elements a thread */
+            int items = (nh + nkv) * (hd / 4), by = (items + 127) / 128;
+            if (by > 1 && T > 1) by = (by + T - 1) / T;
+            dim3 grid(T, by < 1 ? 1 : by);
+            if (kv->dtype == BACKEND_BF16)
+                k_qkv_finish2<bf16><<<grid, 128, 0, s->c->stream>>>(
+                    (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                    (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
+                    nh, nkv, hd);
+            else
+                k_qkv_finish2<float><<<grid, 128, 0, s->c->stream>>>(
+                    (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer,
+                    (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
+                    nh, nkv, hd);
+            return pm(s, launch_check("qkv_finish2"), "qkv_finish2 (bf16 in; bias, rope, kv)", 0);
+        }
+        int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
+        if (by > 1 && T > 1) by = (by + T - 1) / T;
+        dim3 grid(T, by < 1 ? 1 : by);
+        if (kv->dtype == BACKEND_BF16)
+            rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<bf16, bf16>, grid, dim3(128), 0,
+                            (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers,
+                            o->layer, (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt,
+                            s->stride, o->inv_freq, nh, nkv, hd);
+        else
+            rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<float, bf16>, grid, dim3(128), 0,
+                            (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers,
+                            o->layer, (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt,
+                            s->stride, o->inv_freq, nh, nkv, hd);
+        return pm(s, rc, "qkv_finish (bf16 q|k|v; bias, rope, kv)", 0);
+    }
     float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
     if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
@@ -958,6 +1000,35 @@ static int cb_argmax(backend_stream *st, int32_t *out, const float *logits, int 
     return pm(CB(st), argmax(CB(st)->c, out, logits, rows, vocab), "argmax", 0);
 }
 
+/* backend_residual_fused: the fast mode at T >= c->resid_min_t (DISAGG_CUDA_RESID_GEMM); never
+ * in the batch-invariant mode, whose op sequence stays the plain one at every T */
+static int cb_residual_fused(backend_stream *st, int T) {
+    cb_stream *s = CB(st);
+    return !s->inv && s->c->resid_min_t > 0 && T >= s->c->resid_min_t;
+}
+
+/* resid += x . w^T: cuBLASLt with beta = 1 onto resid where the GEMM would be cuBLASLt's (bf16
+ * x, no bias, neither the GEMV's nor k_skinny's T), else the generic form (GEMM into op->y,
+ * then add) */
+static int cb_matmul_residual(backend_stream *st, const backend_matmul_op *o, void *resid) {
+    cb_stream *s = CB(st);
+    dcu_ctx *c = s->c;
+    if (cb_residual_fused(st, o->T) && o->y_dt == BACKEND_F32 && o->x_dt == BACKEND_BF16 &&
+        o->w_dt == BACKEND_BF16 && !o->bias && !gemv_ok(c, o->T, o->K, o->x, o->w) &&
+        o->T > c->skinny_max) {
+        int rc = matmul_acc(c, (float *)resid, (float *)o->y, o->x, o->w, o->T, o->N, o->K);
+        if (rc) return rc;
+        if (s->prof && s->prof->on) {
+            char nm[48];
+            snprintf(nm, sizeof nm, "matmul %dx%d (+= residual)", o->N, o->K);
+            prof_mark(s, nm, (double)o->N * o->K * 2);
+        }
+        return 0;
+    }
+    int rc = cb_matmul(st, o, 1);
+    return rc ? rc : cb_add(st, resid, o->y, o->y_dt, (size_t)o->T * o->N);
+}
+
 static const backend_iface CB_IFACE = {
     cb_free,     cb_memory,         cb_buffer_alloc, cb_weights_load, cb_buffer_free,
     cb_stream_create, cb_stream_free, cb_stream_sync, cb_upload,      cb_download,
@@ -965,7 +1036,8 @@ static const backend_iface CB_IFACE = {
     cb_matmul,     cb_rope,         cb_kv_write,     cb_attention,    cb_swiglu,
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
-    cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,       cb_prefetch,
+    cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,     cb_matmul_residual,
+    cb_residual_fused, cb_prefetch,
 };
 
 extern "C" __attribute__((visibility("default"))) int

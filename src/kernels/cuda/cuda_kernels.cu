@@ -111,6 +111,11 @@ struct dcu_ctx {
                                 the fastest (a timing-based choice: for measuring only) */
     int gemm_algo;           /* DISAGG_CUDA_GEMM_ALGO=i: prefill GEMMs on candidate i (default
                                 -1: the fixed rule, pf_rule) */
+    int qkv_bf16_min_t;      /* q|k|v GEMMs of T >= this write bf16 for k_qkv_finish
+                                (DISAGG_CUDA_QKV_BF16=T, default 64; 0: always f32) */
+    int resid_min_t;         /* backend_matmul_residual folds the add into the GEMM (cuBLASLt
+                                beta = 1) for T >= this (DISAGG_CUDA_RESID_GEMM=T, default 64;
+                                0: never, the model keeps the add in the norm) */
 };
 
 #define CK(call)                                                                             \
@@ -282,6 +287,8 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
         !(getenv("DISAGG_CUDA_FLASH_AUTO") && !strcmp(getenv("DISAGG_CUDA_FLASH_AUTO"), "0"));
     c->gemm_sweep = getenv("DISAGG_CUDA_GEMM_SWEEP") ? atoi(getenv("DISAGG_CUDA_GEMM_SWEEP")) : 0;
     c->gemm_algo = getenv("DISAGG_CUDA_GEMM_ALGO") ? atoi(getenv("DISAGG_CUDA_GEMM_ALGO")) : -1;
+    c->qkv_bf16_min_t = getenv("DISAGG_CUDA_QKV_BF16") ? atoi(getenv("DISAGG_CUDA_QKV_BF16")) : 64;
+    c->resid_min_t = getenv("DISAGG_CUDA_RESID_GEMM") ? atoi(getenv("DISAGG_CUDA_RESID_GEMM")) : 64;
     cudaError_t e;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -644,16 +651,23 @@ static int kv_write(dcu_ctx *c, const dcu_kv *kv, int layer, const float *k, con
 }
 
 /* The forward's fused step after the QKV GEMM: bias, RoPE on q and k, q to qout (T, nh*hd),
- * k and v into the KV cache. qkv (T, (nh + 2 nkv) hd). */
-template <typename KT>
-__global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int layer,
-                             const float *qkv, const float *bias, const int32_t *pos,
-                             const int32_t *seq, const int32_t *bts, int bt_stride,
-                             const float *inv_freq, int nh, int nkv, int hd) {
+ * k and v into the KV cache. qkv (T, (nh + 2 nkv) hd) of IT: f32, or bf16 (the GEMM's output
+ * rounded by its epilogue, prefill-sized T: half the bytes written and read back). */
+__device__ __forceinline__ float ld_f(const float *p) {
+    return *p;
+}
+__device__ __forceinline__ float ld_f(const bf16 *p) {
+    return __bfloat162float(*p);
+}
+template <typename KT, typename IT = float>
+__global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int layer, const IT *qkv,
+                             const float *bias, const int32_t *pos, const int32_t *seq,
+                             const int32_t *bts, int bt_stride, const float *inv_freq, int nh,
+                             int nkv, int hd) {
     pdl_trigger();
     pdl_wait();
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
-    const float *row = qkv + (size_t)t * W;
+    const IT *row = qkv + (size_t)t * W;
     /* grid (T, blocks): the rope items (q and k heads, hd / 2 each) and the v elements,
      * each spread over the blocks of the token (one block took ~2,600 items alone at batch 1) */
     int n_rope = (nh + nkv) * half;
@@ -663,13 +677,24 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
     size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
     size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
     float fp = pad ? 0.0f : (float)p;
+    /* a stride of whole heads (istep % half == 0: 128 threads, head_dim 64 / 128 / 256)
+     * keeps j fixed for the thread: its cos / sin once, not once a head (the same values) */
+    const int fixed_j = istep % half == 0 && i0 < n_rope;
+    float cs0 = 0.0f, sn0 = 0.0f;
+    if (fixed_j) {
+        float a = fp * inv_freq[i0 % half];
+        cs0 = cosf(a), sn0 = sinf(a);
+    }
     for (int i = i0; i < n_rope; i += istep) {
         int hh = i / half, j = i % half;
         int o = hh * hd + j; /* q heads then k heads: contiguous in row */
-        float u = row[o] + (bias ? bias[o] : 0.0f);
-        float w = row[o + half] + (bias ? bias[o + half] : 0.0f);
-        float a = fp * inv_freq[j];
-        float cs = cosf(a), sn = sinf(a);
+        float u = ld_f(row + o) + (bias ? bias[o] : 0.0f);
+        float w = ld_f(row + o + half) + (bias ? bias[o + half] : 0.0f);
+        float cs = cs0, sn = sn0;
+        if (!fixed_j) {
+            float a = fp * inv_freq[j];
+            cs = cosf(a), sn = sinf(a);
+        }
         float r0 = u * cs - w * sn, r1 = w * cs + u * sn;
         if (hh < nh) {
             qout[(size_t)t * h + o] = r0;
@@ -682,7 +707,64 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
     }
     if (pad) return;
     for (int vi = i0; vi < kvd; vi += istep)
-        store_as(kv + ov + vi, row[h + kvd + vi] + (bias ? bias[h + kvd + vi] : 0.0f));
+        store_as(kv + ov + vi, ld_f(row + h + kvd + vi) + (bias ? bias[h + kvd + vi] : 0.0f));
+}
+
+/* k_qkv_finish for a bf16 q|k|v (the prefill path, cb_qkv) with two adjacent elements a
+ * thread: bf16x2 loads, float2 / paired stores, the cos / sin of its two angles once (the
+ * block's stride is whole heads).  Each element's arithmetic is k_qkv_finish's, so the
+ * results are bit-identical; needs head_dim % 4 == 0 and blockDim % (head_dim / 4) == 0. */
+template <typename KT> __device__ __forceinline__ void store2_as(KT *p, float a, float b);
+template <> __device__ __forceinline__ void store2_as<float>(float *p, float a, float b) {
+    *(float2 *)p = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store2_as<bf16>(bf16 *p, float a, float b) {
+    *(__nv_bfloat162 *)p = __floats2bfloat162_rn(a, b);
+}
+template <typename KT>
+__global__ void k_qkv_finish2(float *qout, KT *kv, int bs, int n_layers, int layer, const bf16 *qkv,
+                              const float *bias, const int32_t *pos, const int32_t *seq,
+                              const int32_t *bts, int bt_stride, const float *inv_freq, int nh,
+                              int nkv, int hd) {
+    int t = blockIdx.x, half = hd / 2, hp = half / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
+    const bf16 *row = qkv + (size_t)t * W;
+    int n_pairs = (nh + nkv) * hp;
+    int i0 = blockIdx.y * blockDim.x + threadIdx.x, istep = gridDim.y * blockDim.x;
+    const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
+    int p = pos[t], pad = p < 0;
+    size_t ok = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 0);
+    size_t ov = pad ? 0 : kv_off(bt, p, bs, n_layers, kvd, layer, 1);
+    float fp = pad ? 0.0f : (float)p;
+    int j = 2 * (i0 % hp); /* the same for every item of the thread (istep % hp == 0) */
+    float a0 = fp * inv_freq[j], a1 = fp * inv_freq[j + 1];
+    float c0 = cosf(a0), s0 = sinf(a0), c1 = cosf(a1), s1 = sinf(a1);
+    for (int i = i0; i < n_pairs; i += istep) {
+        int hh = i / hp, o = hh * hd + j;
+        float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(row + o)),
+               w = __bfloat1622float2(*(const __nv_bfloat162 *)(row + o + half));
+        if (bias) {
+            u.x += bias[o], u.y += bias[o + 1];
+            w.x += bias[o + half], w.y += bias[o + half + 1];
+        } else {
+            u.x += 0.0f, u.y += 0.0f, w.x += 0.0f, w.y += 0.0f;
+        }
+        float r00 = u.x * c0 - w.x * s0, r10 = w.x * c0 + u.x * s0;
+        float r01 = u.y * c1 - w.y * s1, r11 = w.y * c1 + u.y * s1;
+        if (hh < nh) {
+            *(float2 *)(qout + (size_t)t * h + o) = make_float2(r00, r01);
+            *(float2 *)(qout + (size_t)t * h + o + half) = make_float2(r10, r11);
+        } else if (!pad) {
+            int ko = o - h;
+            store2_as(kv + ok + ko, r00, r01);
+            store2_as(kv + ok + ko + half, r10, r11);
+        }
+    }
+    if (pad) return;
+    for (int vi = 2 * i0; vi < kvd; vi += 2 * istep) {
+        float2 v = __bfloat1622float2(*(const __nv_bfloat162 *)(row + h + kvd + vi));
+        store2_as(kv + ov + vi, v.x + (bias ? bias[h + kvd + vi] : 0.0f),
+                  v.y + (bias ? bias[h + kvd + vi + 1] : 0.0f));
+    }
 }
 
 /* ---- attention ------------------------------------------------------------------ */
@@ -1658,6 +1740,11 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 32;
     const bf16 *kvh_base = kv + (size_t)kvh * HD;
     const size_t vgap = (size_t)bs * kvd;
+    /* kv_off's address with the loop-invariant parts hoisted and, for a power-of-two block
+     * size, a shift and a mask for the division (the same address) */
+    const size_t per_block = (size_t)n_layers * 2 * bs * kvd,
+                 lay_off = (size_t)layer * 2 * bs * kvd;
+    const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
     auto load_async = [&](int stg, int kt) {
         bf16 *K_ = KV0 + (size_t)stg * 2 * FA_BK * LD, *V_ = K_ + FA_BK * LD;
 #pragma unroll
@@ -1665,7 +1752,10 @@ __global__ void __launch_bounds__(F4_NW * 32, 2)
             int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
             bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
             if (j < kmax) {
-                const bf16 *src = kvh_base + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + c8 * 8;
+                int bi = bs_sh >= 0 ? j >> bs_sh : j / bs,
+                    slot = bs_sh >= 0 ? j & (bs - 1) : j % bs;
+                const bf16 *src =
+                    kvh_base + (size_t)bt[bi] * per_block + lay_off + (size_t)slot * kvd + c8 * 8;
                 cp_async16(kd, src);
                 cp_async16(vd, src + vgap);
             } else {
@@ -2989,6 +3079,28 @@ static int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const floa
         size_t n = (size_t)T * N;
         k_bias<<<grid_for(n, 256), 256, 0, c->stream>>>(y, bias, N, n);
         return launch_check("bias");
+    }
+    return 0;
+}
+
+/* resid (T, N) f32 += x (T, K) bf16 . w (N, K)^T bf16 through cuBLASLt with beta = 1
+ * and C = D = resid (in place, one layout): the GEMM's epilogue adds its f32 accumulator onto
+ * the residual stream, alpha * acc + beta * C rounded once as x + y was (backend_matmul_residual
+ * at prefill-sized T; decode keeps the add in the norm).  The plan is matmul's for the shape;
+ * tmp (T, N) f32 takes the candidate timings of DISAGG_CUDA_GEMM_TUNE / _SWEEP when the plan is
+ * new (never resid). */
+static int matmul_acc(dcu_ctx *c, float *resid, float *tmp, const void *x, const void *w, int T,
+                      int N, int K) {
+    if (T <= 0) return 0;
+    gemm_plan *p = plan_get(c, T, N, K, x, w, tmp);
+    if (!p) return -EIO;
+    float alpha = 1.0f, beta = 1.0f;
+    cublasStatus_t s = cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, x, p->b, &beta, resid, p->c,
+                                      resid, p->c, &p->algo, c->ws, c->ws_bytes, c->stream);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cuda: cublasLtMatmul (beta 1) T=%d N=%d K=%d failed (status %d)\n", T, N,
+                K, (int)s);
+        return -EIO;
     }
     return 0;
 }
