@@ -613,12 +613,6 @@ int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, co
     return st->be->iface->attention_to(st, out, out_dt, q, dt, kv, layer, n_heads, scale);
 }
 
-int backend_prefetch(backend_stream *st, const void *p, size_t bytes) {
-    if (!bytes) return 0;
-    CHECK(st && p, "prefetch: NULL address for %zu bytes", bytes);
-    return st->be->iface->prefetch ? st->be->iface->prefetch(st, p, bytes) : 0;
-}
-
 int backend_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K) {
     if (!be || !be->iface->measure) return -ENOTSUP;
     CHECK(M >= 1 && N >= 1 && K >= 1, "measure: M %d, N %d, K %d (need >= 1)", M, N, K);

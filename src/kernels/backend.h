@@ -344,14 +344,6 @@ int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, co
                          backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
                          float scale);
 
-/* A hint that the next operations on st read the bytes [p, p + bytes) (a device address:
- * weights): the backend may start moving them towards its compute units now, or do nothing.
- * It never changes a result.  The CUDA backend, for decode-sized batches (those its GEMV
- * serves), issues bulk L2 prefetches so that the HBM streams them while a latency-bound
- * kernel (the decode attention) runs; the CPU backend does nothing.  p may be NULL only with
- * bytes 0. */
-int backend_prefetch(backend_stream *st, const void *p, size_t bytes);
-
 /* Ceilings of the device for benchmarks: copy bandwidth (GB/s, bytes read + written, a
  * large device-to-device copy) and the bf16 GEMM rate (TFLOP/s) at M x N x K through the
  * backend's GEMM.  Either pointer may be NULL.  -ENOTSUP on the CPU. */

@@ -74,7 +74,6 @@ typedef struct backend_iface {
     int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
     int (*matmul_residual)(backend_stream *st, const backend_matmul_op *op, void *resid);
     int (*residual_fused)(backend_stream *st, int T); /* NULL: 0 */
-    int (*prefetch)(backend_stream *st, const void *p, size_t bytes); /* a hint (NULL: none) */
 } backend_iface;
 
 struct backend {

@@ -385,8 +385,6 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
                               .kv = &bkv,
                               .layer = l};
         TRY(backend_qkv(st, &qkv));
-        /* o_proj's weights towards the cache while the (latency-bound) decode attention runs */
-        TRY(backend_prefetch(st, L->wo.data, (size_t)h * h * backend_dtype_size(L->wo.dtype)));
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
         backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, h};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));

@@ -1048,49 +1048,6 @@ static void test_qkv_gemv(void **state) {
     }
 }
 
-/* backend_prefetch is a hint: it never changes a result.  On CUDA a 1-token batch (the
- * GEMV's) takes the bulk L2 prefetch: an unaligned, ragged range of the weights (its
- * 16-byte-aligned part) and one smaller than a 16-byte line (nothing to ask for), then the
- * GEMV over those weights gives the bits it gave before; a NULL address with bytes is refused. */
-static void test_prefetch(void **state) {
-    enum { N = 37, K = 4104 };
-    for (int bi = 0; bi < g_n_be; bi++) {
-        backend *be = g_be[bi];
-        backend_stream *st = backend_stream_create(be);
-        backend_dtype a = backend_act_dtype(be);
-        test_batch tb;
-        int start[1] = {9}, n_new[1] = {1};
-        make_batch(&tb, 1, start, n_new, 8, 4, 10);
-        assert_int_equal(backend_plan(st, &tb.b), 0);
-        float *x = rand_vec(K, BACKEND_BF16), *w = rand_vec((size_t)N * K, BACKEND_BF16);
-        backend_stream *cst = backend_stream_create(g_be[0]);
-        backend_buffer *tmp = to_dev(cst, w, (size_t)N * K, BACKEND_BF16);
-        backend_dtype stored;
-        backend_buffer *bw =
-            backend_weights_load(be, DEV(tmp), BACKEND_BF16, (size_t)N * K, &stored);
-        assert_non_null(bw);
-        backend_buffer *bx = to_dev(st, x, K, a), *by = backend_buffer_alloc(be, N * 4, 0);
-        backend_matmul_op op = {DEV(by), BACKEND_F32, DEV(bx), a, DEV(bw), stored, NULL, 1, N, K};
-        assert_int_equal(backend_matmul(st, &op, 1), 0);
-        float *before = from_dev(st, DEV(by), N, BACKEND_F32);
-        size_t wbytes = (size_t)N * K * backend_dtype_size(stored);
-        assert_int_equal(backend_prefetch(st, (const char *)DEV(bw) + 3, wbytes - 8), 0);
-        assert_int_equal(backend_prefetch(st, (const char *)DEV(bw) + 1, 9), 0);
-        assert_int_equal(backend_prefetch(st, DEV(bw), wbytes), 0);
-        assert_int_equal(backend_prefetch(st, NULL, 0), 0);
-        assert_int_equal(backend_prefetch(st, NULL, 64), -EINVAL);
-        assert_int_equal(backend_matmul(st, &op, 1), 0);
-        float *after = from_dev(st, DEV(by), N, BACKEND_F32);
-        assert_int_equal(backend_stream_sync(st), 0);
-        assert_memory_equal(before, after, sizeof(float) * N);
-        free(before), free(after), free(x), free(w);
-        backend_buffer_free(bw), backend_buffer_free(tmp), backend_buffer_free(bx),
-            backend_buffer_free(by);
-        backend_stream_free(cst);
-        backend_stream_free(st);
-    }
-}
-
 static void test_swiglu_add(void **state) {
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
@@ -1512,7 +1469,6 @@ int main(void) {
         cmocka_unit_test(test_gate_up_prefill),
         cmocka_unit_test(test_gate_up_gemv),
         cmocka_unit_test(test_qkv_gemv),
-        cmocka_unit_test(test_prefetch),
         cmocka_unit_test(test_matmul_residual),
         cmocka_unit_test(test_qkv_prefill),
     };

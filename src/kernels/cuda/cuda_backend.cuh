@@ -950,15 +950,6 @@ static int cb_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M,
     return measure(d->loader, copy_gbs, gemm_tflops, M, N, K);
 }
 
-/* backend_prefetch: only where the GEMV serves the batch (T <= DISAGG_CUDA_GEMV; the fast
- * mode): there the kernels before the weights' GEMV (the decode attention and its combine)
- * leave the HBM idle, and the GEMV then reads its rows from L2 */
-static int cb_prefetch(backend_stream *st, const void *p, size_t bytes) {
-    cb_stream *s = CB(st);
-    if (!s->c->prefetch || s->inv || s->T < 1 || s->T > s->c->gemv_max_t) return 0;
-    return pm(s, prefetch_l2(s->c, p, bytes), "prefetch", 0);
-}
-
 __global__ void k_swiglu2(float *g, const float *u, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -1037,7 +1028,7 @@ static const backend_iface CB_IFACE = {
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,     cb_matmul_residual,
-    cb_residual_fused, cb_prefetch,
+    cb_residual_fused,
 };
 
 extern "C" __attribute__((visibility("default"))) int

@@ -85,8 +85,6 @@ struct dcu_ctx {
     int qkv_split;  /* the same for the fused q|k|v GEMV (DISAGG_CUDA_QKV_SPLIT=auto|1|2|4|8) */
     int gemv_split_rows; /* rows a warp of the split-K GEMV (DISAGG_CUDA_GEMV_SPLIT_ROWS=1|2,
                             default 2) */
-    int prefetch;   /* backend_prefetch issues bulk L2 prefetches for GEMV-sized batches
-                       (DISAGG_CUDA_PREFETCH=0: a no-op) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     int no_flash;            /* DISAGG_CUDA_NO_FLASH=1: prefill through the split kernel too */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
@@ -262,7 +260,6 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->gemv_warps = getenv("DISAGG_CUDA_GEMV_WARPS") ? atoi(getenv("DISAGG_CUDA_GEMV_WARPS")) : 4;
     if (c->gemv_warps != 2 && c->gemv_warps != 4 && c->gemv_warps != 8) c->gemv_warps = 4;
     c->gemv_split = split_env("DISAGG_CUDA_GEMV_SPLIT");
-    c->prefetch = !(getenv("DISAGG_CUDA_PREFETCH") && !strcmp(getenv("DISAGG_CUDA_PREFETCH"), "0"));
     c->qkv_split = split_env("DISAGG_CUDA_QKV_SPLIT");
     c->gemv_split_rows = getenv("DISAGG_CUDA_GEMV_SPLIT_ROWS") &&
                                  atoi(getenv("DISAGG_CUDA_GEMV_SPLIT_ROWS")) == 1
@@ -2592,31 +2589,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p, uint64_t pol) {
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p), "l"(pol));
     return v;
-}
-
-/* Bulk L2 prefetch (sm_90 cp.async.bulk.prefetch.L2): thread i asks for bytes [i PF_CHUNK,
- * (i + 1) PF_CHUNK) of the 16-byte-aligned range [p, p + n).  Fire and forget: the kernel
- * ends at once and the HBM streams the lines into L2 (normal priority) while the next,
- * latency-bound kernels run.  No register or shared-memory footprint, no result. */
-#define PF_CHUNK (64u << 10)
-__global__ void k_prefetch_l2(const char *p, size_t n) {
-    size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * PF_CHUNK;
-    if (i >= n) return;
-    unsigned len = (unsigned)(n - i < PF_CHUNK ? n - i : PF_CHUNK);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + i), "r"(len) : "memory");
-#else
-    for (unsigned o = 0; o < len; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i + o));
-#endif
-}
-
-/* the bytes [p, p + n) towards L2: the 16-byte-aligned part (a hint: the ragged ends are left) */
-static int prefetch_l2(dcu_ctx *c, const void *p, size_t n) {
-    uintptr_t a = ((uintptr_t)p + 15) & ~(uintptr_t)15, e = ((uintptr_t)p + n) & ~(uintptr_t)15;
-    if (e <= a) return 0;
-    size_t len = e - a, chunks = (len + PF_CHUNK - 1) / PF_CHUNK;
-    k_prefetch_l2<<<(unsigned)((chunks + 127) / 128), 128, 0, c->stream>>>((const char *)a, len);
-    return launch_check("prefetch_l2");
 }
 
 /* The decode GEMV for T = 1..2 tokens: NR weight rows per warp (1; or gate row i with up
