@@ -71,9 +71,14 @@ struct dcu_ctx {
     int last_err;
     int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
                        T through cuBLASLt; at T = 2 cuBLASLt measured faster) */
-    int pdl;        /* programmatic dependent launch of the decode kernels (DISAGG_CUDA_PDL=1; off by
-                       default: measured slower with CUDA graphs on the H200, 5.02 vs 4.72 ms a
-                       batch-1 step at 4k) */
+    int pdl;        /* programmatic dependent launch of the decode kernels (default on;
+                       DISAGG_CUDA_PDL=0: off).  With the triggers late (after the loads) it
+                       measured 4.52-4.56 against 4.58-4.59 ms a batch-1 step at 4k with CUDA
+                       graphs on the H200 (1 December, 18:33); with entry triggers it had been
+                       slower (4.66 against 4.61) */
+    int norm_pdl;   /* k_rmsnorm4 launched with PDL, its trigger at entry, so the next GEMV's
+                       CTAs start streaming weights while it runs (DISAGG_CUDA_NORM_PDL=0: an
+                       ordinary launch) */
     int gemv_db;    /* the GEMV's loads double-buffered (DISAGG_CUDA_GEMV_DB=1; off by default:
                        twice the registers, half the warps, measured slower) */
     int qkv_fuse;   /* the q|k|v GEMV with bias, RoPE and the KV write in its epilogue
@@ -138,7 +143,11 @@ static int launch_check(const char *what) {
 /* Programmatic dependent launch (Hopper): a kernel launched with launch_pdl() may start while
  * the previous kernel of the stream still runs; it must call pdl_wait() before it reads or
  * writes anything that kernel touches (only constant inputs, the weights, before).
- * pdl_trigger() lets the next such kernel start once every CTA of this one has started.
+ * pdl_trigger() lets the next such kernel start once every CTA of this one has called it (or
+ * exited).  The decode kernels call it late — after their weight/KV loads — not at entry
+ * (the entry form measured 0.1-0.3 ms a step slower than no PDL with graphs on 1 December;
+ * likely because single-wave kernels such as the attention and its combine then launched
+ * their dependents at once, and several kernels' CTAs sat resident, waiting).
  * Both are no-ops for a kernel launched the ordinary way.  Recorded into CUDA graphs as
  * programmatic edges. */
 __device__ __forceinline__ void pdl_wait() {
@@ -253,7 +262,9 @@ static dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->n_sm = info.n_sm;
     c->gemv_max_t = getenv("DISAGG_CUDA_GEMV") ? atoi(getenv("DISAGG_CUDA_GEMV")) : 1;
     if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
-    c->pdl = getenv("DISAGG_CUDA_PDL") && atoi(getenv("DISAGG_CUDA_PDL")) > 0;
+    c->pdl = !(getenv("DISAGG_CUDA_PDL") && !strcmp(getenv("DISAGG_CUDA_PDL"), "0"));
+    c->norm_pdl =
+        !(getenv("DISAGG_CUDA_NORM_PDL") && !strcmp(getenv("DISAGG_CUDA_NORM_PDL"), "0"));
     c->gemv_db = getenv("DISAGG_CUDA_GEMV_DB") && atoi(getenv("DISAGG_CUDA_GEMV_DB")) > 0;
     c->qkv_fuse =
         !(getenv("DISAGG_CUDA_QKV_FUSE") && !strcmp(getenv("DISAGG_CUDA_QKV_FUSE"), "0"));
@@ -443,6 +454,9 @@ template <typename OT>
 __global__ void __launch_bounds__(1024)
     k_rmsnorm4(OT *out, float *x, const float *add, const float *w, const int32_t *rows, int n,
                float eps, int write_back) {
+    pdl_trigger(); /* a one-wave kernel at decode: the next GEMV's CTAs may start streaming
+                      their weights while it runs (launched with launch_pdl, c->norm_pdl) */
+    pdl_wait();
     int r = blockIdx.x, n4 = n >> 2;
     int src = rows ? rows[r] : r;
     float4 *xr = (float4 *)(x + (size_t)src * n);
@@ -492,6 +506,13 @@ static int rmsnorm(dcu_ctx *c, void *out, int out_dtype, float *x, const float *
         !((uintptr_t)out & (out_dtype == DCU_BF16 ? 7 : 15))) {
         int th = (n / 4 + RN_VPT - 1) / RN_VPT;
         th = (th + 31) / 32 * 32;
+        if (c->norm_pdl)
+            return out_dtype == DCU_BF16
+                       ? launch_pdl(c, "rmsnorm (16-byte)", k_rmsnorm4<bf16>, dim3(n_rows),
+                                    dim3(th), 0, (bf16 *)out, x, add, w, rows, n, eps, write_back)
+                       : launch_pdl(c, "rmsnorm (16-byte)", k_rmsnorm4<float>, dim3(n_rows),
+                                    dim3(th), 0, (float *)out, x, add, w, rows, n, eps,
+                                    write_back);
         if (out_dtype == DCU_BF16)
             k_rmsnorm4<bf16><<<n_rows, th, 0, c->stream>>>((bf16 *)out, x, add, w, rows, n, eps,
                                                            write_back);
@@ -915,7 +936,6 @@ template <typename OT>
 __global__ void __launch_bounds__(CB_THREADS)
     k_att_combine(OT *out, const float *part, const float *ml, int nh, int hd, int splits,
                   const int32_t *list) {
-    pdl_trigger();
     pdl_wait();
     extern __shared__ float cf[]; /* splits */
     __shared__ float red[CB_THREADS];
@@ -975,6 +995,7 @@ __global__ void __launch_bounds__(CB_THREADS)
         for (; s < splits; s += ng)
             A += wpart(ph[(size_t)s * hd + e], cf[s]);
     }
+    pdl_trigger(); /* late: the partials are read */
     __syncthreads();
     red[threadIdx.x] = A;
     __syncthreads();
@@ -1994,7 +2015,6 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
     k_att_mma(OT *out, float *part, float *ml, const float *q, const bf16 *kv, int bs,
               int n_layers, int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
               int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list) {
-    pdl_trigger();
     pdl_wait();
     constexpr int NP = HD / 32, NU = HD / 64, MT = HD / 16;
     int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
@@ -2017,6 +2037,22 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
                              : make_float4(0.f, 0.f, 0.f, 0.f);
             qa[p][s2][0] = pack_bf2(v.x * scale, v.y * scale);
             qa[p][s2][1] = pack_bf2(v.z * scale, v.w * scale);
+        }
+    /* V first: its loads do not depend on the softmax, so they are in flight with K's (one
+     * round trip to memory for the warp's 32 keys instead of two): keys 2qd, 2qd + 1,
+     * 2qd + 8, 2qd + 9 of each k-step of 16 keys */
+    uint4 va[2][4][NU];
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int key = k0 + 16 * kk + 2 * qd + (r & 1) + (r >> 1) * 8;
+            const bf16 *vp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 1) +
+                                            (size_t)kvh * HD + 8 * g
+                                      : NULL;
+#pragma unroll
+            for (int u = 0; u < NU; u++)
+                va[kk][r][u] = vp ? *(const uint4 *)(vp + 64 * u) : make_uint4(0, 0, 0, 0);
         }
     /* S (4 tiles of 8 keys): row g, keys 8j + 2qd, +1 in s[j][0], s[j][1] */
     float s[4][4];
@@ -2064,27 +2100,17 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
         o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
-        uint4 va[4][NU]; /* keys 2qd, 2qd + 1, 2qd + 8, 2qd + 9 of the k-step */
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            int key = k0 + 16 * kk + 2 * qd + (r & 1) + (r >> 1) * 8;
-            const bf16 *vp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 1) +
-                                            (size_t)kvh * HD + 8 * g
-                                      : NULL;
-#pragma unroll
-            for (int u = 0; u < NU; u++)
-                va[r][u] = vp ? *(const uint4 *)(vp + 64 * u) : make_uint4(0, 0, 0, 0);
-        }
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             const int iA = 2 * mt, iB = 2 * mt + 1; /* rows g and g + 8 of the tile */
-            uint32_t a0 = pair_bf(va[0][iA / 8], va[1][iA / 8], iA % 8);
-            uint32_t a1 = pair_bf(va[0][iB / 8], va[1][iB / 8], iB % 8);
-            uint32_t a2 = pair_bf(va[2][iA / 8], va[3][iA / 8], iA % 8);
-            uint32_t a3 = pair_bf(va[2][iB / 8], va[3][iB / 8], iB % 8);
+            uint32_t a0 = pair_bf(va[kk][0][iA / 8], va[kk][1][iA / 8], iA % 8);
+            uint32_t a1 = pair_bf(va[kk][0][iB / 8], va[kk][1][iB / 8], iB % 8);
+            uint32_t a2 = pair_bf(va[kk][2][iA / 8], va[kk][3][iA / 8], iA % 8);
+            uint32_t a3 = pair_bf(va[kk][2][iB / 8], va[kk][3][iB / 8], iB % 8);
             mma_bf16(o[mt], a0, a1, a2, a3, pb[2 * kk], pb[2 * kk + 1]);
         }
     }
+    pdl_trigger(); /* late: the loads and MMAs are done */
     /* merge the 4 warps: (m, l) per head, O per head and head_dim element */
     if (qd == 0) {
         sm_m[w][g] = mx;
@@ -2678,7 +2704,6 @@ __global__ void __launch_bounds__(256)
             const float *__restrict__ bias, int N, int K8) {
     constexpr int NR = MODE == 1 ? 2 : 1;
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    pdl_trigger();
     if (row >= N) { /* N: rows of the output (I for MODE 1) */
         pdl_wait();
         return;
@@ -2688,6 +2713,7 @@ __global__ void __launch_bounds__(256)
     if (NR == 2) wr[NR - 1] = w + (size_t)(row + N) * K8;
     float acc[NR][TT];
     gv_rows<TT, NR, DB>(acc, wr, x, K8, K8, lane);
+    pdl_trigger(); /* late: the next kernel's CTAs start once this grid's loads are done */
 #pragma unroll
     for (int t = 0; t < TT; t++) {
         float v0 = warp_sum(acc[0][t]);
@@ -2717,7 +2743,6 @@ __global__ void __launch_bounds__(256)
     __shared__ float red[GV_MAXW][NR][TT];
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row = (blockIdx.x * ((blockDim.x >> 5) / S) + wi / S) * NR, sp = wi % S;
-    pdl_trigger();
     int lo = sp * len, n = min(K8 - lo, len);
     float acc[NR][TT];
     if (row < N && n > 0) {
@@ -2734,6 +2759,7 @@ __global__ void __launch_bounds__(256)
                 acc[r][t] = 0.0f;
         pdl_wait();
     }
+    pdl_trigger(); /* late, as k_gemv2 */
 #pragma unroll
     for (int r = 0; r < NR; r++)
 #pragma unroll
@@ -2770,7 +2796,6 @@ __global__ void __launch_bounds__(256)
     int pi = blockIdx.x * ((blockDim.x >> 5) / S) + wi / S, sp = wi % S;
     int half = hd / 2, h = nh * hd, kvd = nkv * hd, n_rope = (nh + nkv) * half;
     int live = pi < n_rope + kvd / 2;
-    pdl_trigger();
     if (S == 1 && !live) {
         pdl_wait();
         return;
@@ -2788,6 +2813,7 @@ __global__ void __launch_bounds__(256)
             acc[0][t] = acc[1][t] = 0.0f;
         pdl_wait();
     }
+    pdl_trigger(); /* late, as k_gemv2 */
     float us[TT], vs[TT];
 #pragma unroll
     for (int t = 0; t < TT; t++) {
