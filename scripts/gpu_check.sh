@@ -261,7 +261,7 @@ decode_steps() {
   grep -E "FAILED|ERROR|error|PASSED" /tmp/tbo.log | head -20
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu|attention)"
   check ${PIPESTATUS[0]} test_cuda_model
-  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT=8,DISAGG_CUDA_QKV_SPLIT=8,DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT_ROWS=1}; do
+  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT=8,DISAGG_CUDA_QKV_SPLIT=8,DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT_ROWS=1}; do
     env ${v//,/ } "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
     check $? "test_backend_ops with $v"
     grep -E "FAILED|ERROR|error" /tmp/tbo.log | head -10
@@ -279,7 +279,7 @@ decode_steps() {
   fi
   # a variant's settings joined by commas; list a variant twice, alternated with another, to
   # see the machine's drift within the run; DECODE_VARIANT_BATCHES: their batch sizes
-  for v in ${DECODE_VARIANTS-DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT_ROWS=1 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
+  for v in ${DECODE_VARIANTS-DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT_ROWS=1 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
     echo "--- decode with $v:"
     env ${v//,/ } "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches ${DECODE_VARIANT_BATCHES:-1,2,8} 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
     check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
@@ -346,8 +346,15 @@ step "bench model: 7B-shaped random bf16 weights"
 check $? "gen_random_qwen2_gpu 7b"
 "$BIN" bench model "$W7" --device cuda ${BENCH_ARGS:-}
 check $? "bench model 7b --device cuda"
+# MAIN_DECODE_VARIANTS: decode at batch 1 and 8 with each listed setting (commas join several),
+# in the same run as the table above (an A/B of a default without PERF_VARIANTS' full list)
+for v in ${MAIN_DECODE_VARIANTS:-}; do
+  echo "--- decode with $v:"
+  env ${v//,/ } "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches 1,8 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
+  check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
+done
 if [ -n "${PERF_VARIANTS:-}" ]; then
-for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_PDL=1 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
+for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
   echo "--- decode with $v:"
   env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
   check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
