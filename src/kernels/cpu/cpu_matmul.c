@@ -465,7 +465,7 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                     xp_of[i - base] = xp_of[p - base];
             if (xp_of[i - base]) continue;
             float *dst = xp_buf + xp_used;
-            cpu_f32x_perm(dst, op->x, op->T, op->K);
+            cpu_f32x_perm(dst, op->x, op->T, op->K, op->T <= STREAM_T);
             xp_of[i - base] = dst;
             xp_used += (size_t)op->T * cpu_f32x_stride(op->K);
         }
@@ -841,5 +841,35 @@ void cpu_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, cons
     } else {
         cpu_axpy_rows(y0 + c, a0, vc, stride, m, n - c);
         cpu_axpy_rows(y1 + c, a1, vc, stride, m, n - c);
+    }
+}
+
+void cpu_dot_rows_heads(float *const *out, const float *const *q, const void *const *k, int nh,
+                        int bf16, size_t stride, int m, int n, float scale) {
+    int i = isa_is_avx512(cpu_isa_get())
+                ? cpu_x512_dot_rows_heads(out, q, k, nh, bf16, stride, m, n, scale)
+                : 0;
+    if (i >= m) return;
+    for (int h = 0; h < nh; h++) {
+        const void *kr = kv_row(k[h], bf16, (size_t)i * stride);
+        if (bf16)
+            cpu_dot_rows_bf16(out[h] + i, q[h], kr, stride, m - i, n, scale);
+        else
+            cpu_dot_rows(out[h] + i, q[h], kr, stride, m - i, n, scale);
+    }
+}
+
+void cpu_axpy_rows_heads(float *const *y, const float *const *a, const void *const *v, int nh,
+                         int bf16, size_t stride, int m, int n) {
+    int c = isa_is_avx512(cpu_isa_get())
+                ? cpu_x512_axpy_rows_heads(y, a, v, nh, bf16, stride, m, n)
+                : 0;
+    if (c >= n) return;
+    for (int h = 0; h < nh; h++) {
+        const void *vc = kv_row(v[h], bf16, (size_t)c);
+        if (bf16)
+            cpu_axpy_rows_bf16(y[h] + c, a[h], vc, stride, m, n - c);
+        else
+            cpu_axpy_rows(y[h] + c, a[h], vc, stride, m, n - c);
     }
 }
