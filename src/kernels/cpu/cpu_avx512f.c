@@ -184,7 +184,8 @@ static inline __attribute__((always_inline)) void tile_s(const int NR, const int
 }
 
 /* rows [n, n_end) of the streaming path for T (2..8) tokens: NR-row tiles of all T tokens
- * (NR * T <= 24 accumulators), then one row at a time */
+ * (NR * T <= 24 accumulators), then one row at a time; 7 and 8 tokens in two tiles over the
+ * same 4 rows (a 3 x 8 tile measured slower: its x stream per row is a third longer) */
 static void rows_stream(float *y, int N, const float *xp, int T, const uint16_t *w,
                         const float *bias, int n, int n_end, int K) {
 #define TS_CASE(NR_, T_)                                                                           \
@@ -200,12 +201,21 @@ static void rows_stream(float *y, int N, const float *xp, int T, const uint16_t 
         TS_CASE(4, 4)
         TS_CASE(4, 5)
         TS_CASE(4, 6)
-        TS_CASE(3, 7)
-    default:
-        for (; n + 3 <= n_end; n += 3)
-            tile_s(3, 8, y, N, xp, T, w, bias, n, K, n + 3 + 12 <= N ? 12 : 0);
-        for (; n < n_end; n++)
-            tile_s(1, 8, y, N, xp, T, w, bias, n, K, 0);
+    default: /* 7, 8: 4 rows x 6 tokens, then the same rows (in L1) for the other 1-2 tokens */
+        for (; n + 4 <= n_end; n += 4) {
+            tile_s(4, 6, y, N, xp, T, w, bias, n, K, n + 4 + 12 <= N ? 12 : 0);
+            if (T == 7)
+                tile_s(4, 1, y + 6 * (size_t)N, N, xp + 6 * 32, T, w, bias, n, K, 0);
+            else
+                tile_s(4, 2, y + 6 * (size_t)N, N, xp + 6 * 32, T, w, bias, n, K, 0);
+        }
+        for (; n < n_end; n++) {
+            tile_s(1, 6, y, N, xp, T, w, bias, n, K, 0);
+            if (T == 7)
+                tile_s(1, 1, y + 6 * (size_t)N, N, xp + 6 * 32, T, w, bias, n, K, 0);
+            else
+                tile_s(1, 2, y + 6 * (size_t)N, N, xp + 6 * 32, T, w, bias, n, K, 0);
+        }
         break;
     }
 #undef TS_CASE
@@ -264,10 +274,10 @@ void cpu_f32x_rows(float *y, int N, const float *xp, int T, const uint16_t *w, c
     }
 }
 
-/* ---- attention for two query heads that share the key / value rows (GQA) --------------
+/* ---- attention: query heads that share the key / value rows (GQA) ----------------------
  * The same arithmetic as cpu_dot_rows / cpu_axpy_rows for each head, bit for bit (the
- * canonical dot's 8 lanes, the hsum8x8 tree; the value rows in position order), with twice
- * the independent accumulator chains and each key / value row loaded once for both heads. */
+ * canonical dot's 8 lanes, its tree; the value rows in position order), with more
+ * independent accumulator chains and each key / value row loaded once for several heads. */
 
 /* 8 elements of row r (f32 or bf16) at column d, in both 256-bit halves */
 static inline __attribute__((always_inline)) __m512 kv_bcast8(const void *k, int bf16, size_t o) {
@@ -310,95 +320,6 @@ static inline __attribute__((always_inline)) __m256 hsum8x8_(const __m256 *A) {
                                _mm256_shuffle_ps(x26, x37, _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm256_add_ps(_mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* Positions [0, m & ~7) of cpu_dot_rows for heads q0 and q1 (n <= 128); returns how many. */
-static inline __attribute__((always_inline)) int
-dot_rows2_dt(float *out0, float *out1, const float *q0, const float *q1, const void *k, int bf16,
-             size_t stride, int m, int n, float scale) {
-    const int n8 = n & ~7;
-    __m512 qz[16]; /* [q0 d..d+7 | q1 d..d+7] */
-    for (int d = 0; d < n8; d += 8)
-        qz[d / 8] = cat2(q0 + d, q1 + d);
-    const __m256 sc = _mm256_set1_ps(scale);
-    int i = 0;
-    for (; i + 8 <= m; i += 8) {
-        const size_t kb = (size_t)i * stride;
-        __m512 A[8];
-        for (int p = 0; p < 8; p++)
-            A[p] = _mm512_setzero_ps();
-        for (int d = 0; d < n8; d += 8)
-            for (int p = 0; p < 8; p++)
-                A[p] = _mm512_fmadd_ps(qz[d / 8], kv_bcast8(k, bf16, kb + (size_t)p * stride + d),
-                                       A[p]);
-        __m256 lo[8], hi[8];
-        for (int p = 0; p < 8; p++) {
-            lo[p] = _mm512_castps512_ps256(A[p]);
-            hi[p] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(A[p]), 1));
-        }
-        __m256 s0 = hsum8x8_(lo), s1 = hsum8x8_(hi);
-        if (n8 < n) { /* the tail of each dot, in order, before the scale */
-            float t0[8], t1[8];
-            _mm256_storeu_ps(t0, s0);
-            _mm256_storeu_ps(t1, s1);
-            for (int p = 0; p < 8; p++)
-                for (int d = n8; d < n; d++) {
-                    size_t o = kb + (size_t)p * stride + d;
-                    float kv = bf16 ? cpu_ref_bf16_to_f32(((const uint16_t *)k)[o])
-                                    : ((const float *)k)[o];
-                    t0[p] = __builtin_fmaf(q0[d], kv, t0[p]);
-                    t1[p] = __builtin_fmaf(q1[d], kv, t1[p]);
-                }
-            s0 = _mm256_loadu_ps(t0);
-            s1 = _mm256_loadu_ps(t1);
-        }
-        _mm256_storeu_ps(out0 + i, _mm256_mul_ps(s0, sc));
-        _mm256_storeu_ps(out1 + i, _mm256_mul_ps(s1, sc));
-    }
-    return i;
-}
-
-int cpu_x512_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
-                       int bf16, size_t stride, int m, int n, float scale) {
-    if (n > 128) return 0;
-    return bf16 ? dot_rows2_dt(out0, out1, q0, q1, k, 1, stride, m, n, scale)
-                : dot_rows2_dt(out0, out1, q0, q1, k, 0, stride, m, n, scale);
-}
-
-/* Columns [0, n & ~63) of cpu_axpy_rows for heads y0 (weights a0) and y1 (a1); returns how
- * many. */
-static inline __attribute__((always_inline)) int axpy_rows2_dt(float *y0, float *y1,
-                                                               const float *a0, const float *a1,
-                                                               const void *v, int bf16,
-                                                               size_t stride, int m, int n) {
-    int c = 0;
-    for (; c + 64 <= n; c += 64) {
-        __m512 c0[4], c1[4];
-        for (int r = 0; r < 4; r++) {
-            c0[r] = _mm512_loadu_ps(y0 + c + 16 * r);
-            c1[r] = _mm512_loadu_ps(y1 + c + 16 * r);
-        }
-        for (int i = 0; i < m; i++) {
-            const size_t vi = (size_t)i * stride + c;
-            __m512 b0 = _mm512_set1_ps(a0[i]), b1 = _mm512_set1_ps(a1[i]);
-            for (int r = 0; r < 4; r++) {
-                __m512 vv = kv_load16(v, bf16, vi + 16 * r);
-                c0[r] = _mm512_fmadd_ps(b0, vv, c0[r]);
-                c1[r] = _mm512_fmadd_ps(b1, vv, c1[r]);
-            }
-        }
-        for (int r = 0; r < 4; r++) {
-            _mm512_storeu_ps(y0 + c + 16 * r, c0[r]);
-            _mm512_storeu_ps(y1 + c + 16 * r, c1[r]);
-        }
-    }
-    return c;
-}
-
-int cpu_x512_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v,
-                        int bf16, size_t stride, int m, int n) {
-    return bf16 ? axpy_rows2_dt(y0, y1, a0, a1, v, 1, stride, m, n)
-                : axpy_rows2_dt(y0, y1, a0, a1, v, 0, stride, m, n);
 }
 
 /* ---- attention for many query heads (cpu_dot_rows_heads / cpu_axpy_rows_heads) ---------
@@ -603,4 +524,45 @@ int cpu_x512_axpy_rows_heads(float *const *y, const float *const *a, const void 
         }
     }
     return n & ~63;
+}
+
+/* ---- the exponentials of a chunk's partial softmax (cpu_softmax_exp) --------------------
+ * cpu_ref_expf / exp8 (cpu_matmul.c) on 16 lanes: the same operations in the same order, so
+ * the same bits (the approximation's error is cpu_expf's: <= 2 ulp, test_exp), and the same
+ * 8-lane sum: the low then the high 8 of each 16 added in position order. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 rr = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, rr, r), _mm512_set1_ps(1.0f));
+    __m512i e =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3762626647949f), _CMP_GT_OQ),
+                             y, _mm512_set1_ps(__builtin_inff()));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365402221680f), _CMP_LT_OQ),
+                             y, _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
+int cpu_x512_softmax_exps(float *s, int n, float mx, float acc8[8]) {
+    const __m512 mxv = _mm512_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mxv));
+        _mm512_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+        acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+    _mm256_storeu_ps(acc8, acc);
+    return i;
 }
