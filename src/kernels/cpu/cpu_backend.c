@@ -398,6 +398,9 @@ static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, con
 /* up to this many tokens the keys are split into chunks over the threads */
 #define ATT_SPLIT_TOKENS     8
 #define ATT_SPLIT_MAX_FLOATS ((size_t)16 << 20) /* 64 MiB of partials at most */
+/* att_chunk hands cpu_*_rows_heads whole KV-head groups of at most CPU_ATT_MAX_HEADS heads;
+ * backend_attention admits at most 64 query heads per KV head */
+_Static_assert(CPU_ATT_MAX_HEADS >= 64, "a GQA group must fit one cpu_dot_rows_heads call");
 
 typedef struct att_job {
     const backend_batch *pb; /* the plan */
@@ -569,12 +572,6 @@ static int cpu_attention(backend_stream *st, void *out, const void *q, backend_d
     cpu_stream *cs = st->impl;
     cpu_pool *pool = cs->pool;
     int T = pb->n_tokens, nkv = kv->n_kv_heads, hd = kv->head_dim;
-    if (nkv <= 0 || n_heads % nkv || n_heads / nkv > CPU_ATT_MAX_HEADS) {
-        LOG_E("cpu", "attention: %d query heads over %d KV heads; a whole multiple of at most "
-                     "%d per KV head is supported",
-              n_heads, nkv, CPU_ATT_MAX_HEADS);
-        return -EINVAL;
-    }
     int want = 2 * cpu_pool_threads(pool);
     att_job j = {pb, kv, q, out, layer, n_heads, scale, 0, 1, NULL, NULL};
     /* few tokens: split their keys into chunks over the threads (each thread reads its own
