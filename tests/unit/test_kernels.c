@@ -478,12 +478,13 @@ static void test_attention_pieces(void **st) {
      * one-head call, whatever the grouping (pairs sharing a load, odd heads paired across
      * runs, the last odd one alone, the tails of m and n) */
     static const int runs[][5] = {{1}, {2}, {3}, {5}, {6}, {7}, {7, 7}, {7, 7, 7, 7}, {1, 1, 1},
-                                  {3, 5}, {2, 1, 4}, {8, 8}, {13}};
+                                  {3, 5}, {2, 1, 4}, {8, 8}, {13},
+                                  {14, 14, 14, 14, 14}}; /* 70: more than one call's worth */
     for (size_t ri = 0; ri < sizeof runs / sizeof runs[0]; ri++)
         for (int bf = 0; bf < 2; bf++)
             for (int n = 57; n <= 72; n += 5)
                 for (int m = 1; m <= M; m += 4) {
-                    enum { MH = 28, ST = 80 + 4 * 16 };
+                    enum { MH = 70, ST = 80 + 4 * 16 };
                     static uint16_t kb[M * ST];
                     static float kf[M * ST], qh[MH][80], oh[MH][M], rh[MH][M], yh[MH][80],
                         wh[MH][80], ah[MH][M];

@@ -822,6 +822,9 @@ static const void *kv_row(const void *k, int bf16, size_t off) {
 
 void cpu_dot_rows_heads(float *const *out, const float *const *q, const void *const *k, int nh,
                         int bf16, size_t stride, int m, int n, float scale) {
+    for (; nh > CPU_ATT_MAX_HEADS; out += CPU_ATT_MAX_HEADS, q += CPU_ATT_MAX_HEADS,
+                                   k += CPU_ATT_MAX_HEADS, nh -= CPU_ATT_MAX_HEADS)
+        cpu_dot_rows_heads(out, q, k, CPU_ATT_MAX_HEADS, bf16, stride, m, n, scale);
     int i = isa_is_avx512(cpu_isa_get())
                 ? cpu_x512_dot_rows_heads(out, q, k, nh, bf16, stride, m, n, scale)
                 : 0;
@@ -837,6 +840,9 @@ void cpu_dot_rows_heads(float *const *out, const float *const *q, const void *co
 
 void cpu_axpy_rows_heads(float *const *y, const float *const *a, const void *const *v, int nh,
                          int bf16, size_t stride, int m, int n) {
+    for (; nh > CPU_ATT_MAX_HEADS; y += CPU_ATT_MAX_HEADS, a += CPU_ATT_MAX_HEADS,
+                                   v += CPU_ATT_MAX_HEADS, nh -= CPU_ATT_MAX_HEADS)
+        cpu_axpy_rows_heads(y, a, v, CPU_ATT_MAX_HEADS, bf16, stride, m, n);
     int c = isa_is_avx512(cpu_isa_get())
                 ? cpu_x512_axpy_rows_heads(y, a, v, nh, bf16, stride, m, n)
                 : 0;

@@ -120,7 +120,7 @@ void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int 
 void cpu_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m, int n,
                        float scale);
 void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m, int n);
-/* nh query heads at once (nh <= CPU_ATT_MAX_HEADS): head h's scores out[h] (m) from its
+/* nh query heads at once (in calls of CPU_ATT_MAX_HEADS): head h's scores out[h] (m) from its
  * query q[h] (n) against the key rows k[h] / its values y[h] (n) += a[h] (m) . the value rows
  * v[h] (f32, or bf16 when bf16 != 0; stride in elements; heads of one KV head pass the same
  * rows, next to each other).  Each head's result equal bit for bit to cpu_dot_rows(_bf16) /
@@ -131,7 +131,8 @@ void cpu_dot_rows_heads(float *const *out, const float *const *q, const void *co
                         int bf16, size_t stride, int m, int n, float scale);
 void cpu_axpy_rows_heads(float *const *y, const float *const *a, const void *const *v, int nh,
                          int bf16, size_t stride, int m, int n);
-/* their AVX-512 parts (cpu_avx512f.c): how many positions / columns they did for every head */
+/* their AVX-512 parts (cpu_avx512f.c; nh <= CPU_ATT_MAX_HEADS): how many positions / columns
+ * they did for every head */
 int cpu_x512_dot_rows_heads(float *const *out, const float *const *q, const void *const *k,
                             int nh, int bf16, size_t stride, int m, int n, float scale);
 int cpu_x512_axpy_rows_heads(float *const *y, const float *const *a, const void *const *v, int nh,
