@@ -251,7 +251,7 @@ static void test_matmul(void **st) {
     for (int dt = 0; dt < 3; dt++) {
         for (size_t ki = 0; ki < 5; ki++)
             for (size_t ni = 0; ni < 5; ni++)
-                for (int T = 1; T <= 8; T += (T < 4 ? 1 : 4))
+                for (int T = 1; T <= 9; T++) /* every decode-sized batch (<= 8), one above */
                     check_matmul(pool, (cpu_dtype)dt, T, Ns[ni], Ks[ki]);
         check_matmul(pool, (cpu_dtype)dt, 100, 37, 72); /* several token tasks (96 each) */
         check_matmul(pool, (cpu_dtype)dt, 20, 37, 1100); /* long rows, a prefill-sized batch */
@@ -473,36 +473,60 @@ static void test_attention_pieces(void **st) {
                     yr[c] = fmaf(a[i], kf[(size_t)i * 80 + c], yr[c]);
             assert_memory_equal(y, yr, (size_t)n * 4);
         }
-    /* two heads at once (cpu_dot_rows2 / cpu_axpy_rows2): each equal to its one-head call */
-    for (int bf = 0; bf < 2; bf++)
-        for (int n = 57; n <= 72; n += 5)
-            for (int m = 1; m <= M; m += 4) {
-                static uint16_t kb[M * 80];
-                static float q2[2][80], o2[2][M], r2[2][M], y2[2][80], w2[2][80], a2[2][M];
-                cpu_f32_to_bf16_row(kb, kv, M * 80);
-                const void *rows = bf ? (const void *)kb : (const void *)kv;
-                for (int h = 0; h < 2; h++) {
-                    for (int i = 0; i < n; i++)
-                        q2[h][i] = frand(), y2[h][i] = w2[h][i] = frand();
-                    for (int i = 0; i < m; i++)
-                        a2[h][i] = frand();
-                }
-                cpu_dot_rows2(o2[0], o2[1], q2[0], q2[1], rows, bf, 80, m, n, 0.125f);
-                cpu_axpy_rows2(y2[0], y2[1], a2[0], a2[1], rows, bf, 80, m, n);
-                for (int h = 0; h < 2; h++) {
-                    if (bf) {
-                        cpu_dot_rows_bf16(r2[h], q2[h], kb, 80, m, n, 0.125f);
-                        cpu_axpy_rows_bf16(w2[h], a2[h], kb, 80, m, n);
-                    } else {
-                        cpu_dot_rows(r2[h], q2[h], kv, 80, m, n, 0.125f);
-                        cpu_axpy_rows(w2[h], a2[h], kv, 80, m, n);
+    /* many heads at once (cpu_dot_rows_heads / cpu_axpy_rows_heads), in runs sharing K/V rows
+     * (a GQA group each: 7 + 7 is Qwen2.5-0.5B's, 7 x 4 the 7B's): each head equal to its
+     * one-head call, whatever the grouping (pairs sharing a load, odd heads paired across
+     * runs, the last odd one alone, the tails of m and n) */
+    static const int runs[][5] = {{1}, {2}, {3}, {5}, {6}, {7}, {7, 7}, {7, 7, 7, 7}, {1, 1, 1},
+                                  {3, 5}, {2, 1, 4}, {8, 8}, {13},
+                                  {14, 14, 14, 14, 14}}; /* 70: more than one call's worth */
+    for (size_t ri = 0; ri < sizeof runs / sizeof runs[0]; ri++)
+        for (int bf = 0; bf < 2; bf++)
+            for (int n = 57; n <= 72; n += 5)
+                for (int m = 1; m <= M; m += 4) {
+                    enum { MH = 70, ST = 80 + 4 * 16 };
+                    static uint16_t kb[M * ST];
+                    static float kf[M * ST], qh[MH][80], oh[MH][M], rh[MH][M], yh[MH][80],
+                        wh[MH][80], ah[MH][M];
+                    for (int i = 0; i < M * ST; i++)
+                        kf[i] = frand();
+                    cpu_f32_to_bf16_row(kb, kf, M * ST);
+                    float *out_p[MH], *y_p[MH];
+                    const float *q_p[MH], *a_p[MH];
+                    const void *rows_p[MH];
+                    int nh = 0;
+                    for (int r = 0; r < 5 && runs[ri][r]; r++)
+                        for (int g = 0; g < runs[ri][r]; g++, nh++) {
+                            rows_p[nh] = bf ? (const void *)(kb + 16 * r) : (const void *)(kf + 16 * r);
+                            for (int i = 0; i < n; i++)
+                                qh[nh][i] = frand(), yh[nh][i] = wh[nh][i] = frand();
+                            for (int i = 0; i < m; i++)
+                                ah[nh][i] = frand();
+                            out_p[nh] = oh[nh];
+                            y_p[nh] = yh[nh];
+                            q_p[nh] = qh[nh];
+                            a_p[nh] = ah[nh];
+                        }
+                    cpu_dot_rows_heads(out_p, q_p, rows_p, nh, bf, ST, m, n, 0.125f);
+                    cpu_axpy_rows_heads(y_p, a_p, rows_p, nh, bf, ST, m, n);
+                    for (int h = 0; h < nh; h++) {
+                        if (bf) {
+                            cpu_dot_rows_bf16(rh[h], qh[h], rows_p[h], ST, m, n, 0.125f);
+                            cpu_axpy_rows_bf16(wh[h], ah[h], rows_p[h], ST, m, n);
+                        } else {
+                            cpu_dot_rows(rh[h], qh[h], rows_p[h], ST, m, n, 0.125f);
+                            cpu_axpy_rows(wh[h], ah[h], rows_p[h], ST, m, n);
+                        }
+                        if (memcmp(oh[h], rh[h], (size_t)m * 4))
+                            fail_msg("cpu_dot_rows_heads run set %zu head %d of %d bf16 %d m %d "
+                                     "n %d differs",
+                                     ri, h, nh, bf, m, n);
+                        if (memcmp(yh[h], wh[h], (size_t)n * 4))
+                            fail_msg("cpu_axpy_rows_heads run set %zu head %d of %d bf16 %d m %d "
+                                     "n %d differs",
+                                     ri, h, nh, bf, m, n);
                     }
-                    if (memcmp(o2[h], r2[h], (size_t)m * 4))
-                        fail_msg("cpu_dot_rows2 head %d bf16 %d m %d n %d differs", h, bf, m, n);
-                    if (memcmp(y2[h], w2[h], (size_t)n * 4))
-                        fail_msg("cpu_axpy_rows2 head %d bf16 %d m %d n %d differs", h, bf, m, n);
                 }
-            }
     { /* round to nearest even, NaN stays NaN */
         float f[4] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.5f, NAN};
         uint16_t h[4];
@@ -534,6 +558,17 @@ static void test_attention_pieces(void **st) {
         }
         assert_memory_equal(s, r, (size_t)n * 4);
         assert_true(fabs(tot - 1.0) < 1e-5);
+    }
+    /* cpu_softmax_exp (the chunk softmax, 16 lanes at a time on AVX-512) equals its scalar
+     * reference bit for bit, out-of-range inputs included: exp(-inf) = 0, below -87.3 -> 0 */
+    for (int n = 1; n <= 70; n += 5) {
+        float s[70], r[70], ms, mr;
+        for (int i = 0; i < n; i++)
+            s[i] = r[i] = i % 7 == 3 ? -INFINITY : i % 5 == 1 ? -150.0f : frand() * 60;
+        float ls = cpu_softmax_exp(s, n, &ms), lr = cpu_ref_softmax_exp(r, n, &mr);
+        assert_memory_equal(&ms, &mr, 4);
+        assert_memory_equal(&ls, &lr, 4);
+        assert_memory_equal(s, r, (size_t)n * 4);
     }
     float g[37], u[37], gr[37];
     for (int i = 0; i < 37; i++)

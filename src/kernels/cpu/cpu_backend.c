@@ -398,6 +398,9 @@ static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, con
 /* up to this many tokens the keys are split into chunks over the threads */
 #define ATT_SPLIT_TOKENS     8
 #define ATT_SPLIT_MAX_FLOATS ((size_t)16 << 20) /* 64 MiB of partials at most */
+/* att_chunk hands cpu_*_rows_heads whole KV-head groups of at most CPU_ATT_MAX_HEADS heads;
+ * backend_attention admits at most 64 query heads per KV head */
+_Static_assert(CPU_ATT_MAX_HEADS >= 64, "a GQA group must fit one cpu_dot_rows_heads call");
 
 typedef struct att_job {
     const backend_batch *pb; /* the plan */
@@ -488,37 +491,27 @@ static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *p
                 memset(pg + 2, 0, (size_t)hd * sizeof(float));
             }
         int which = s >= npc, i = which ? s - npc : s, p = ps[i], n = ps[i + 1] - p;
-        for (int kvh = kh0; kvh < kh1; kvh++) {
-            const void *kb = att_rows(j, bt, which, kvh, p);
-            int a = kvh * group, b = a + group, g = a;
-            float *sa = scores + (size_t)(a - g0) * ATT_CHUNK + (p - cs);
-            float *pa = part + (size_t)(a - g0) * pstride + 2;
-            if (!which) {
-                for (; g + 2 <= b; g += 2) /* two heads at a time: the same results */
-                    cpu_dot_rows2(sa + (size_t)(g - a) * ATT_CHUNK,
-                                  sa + (size_t)(g + 1 - a) * ATT_CHUNK, q + (size_t)g * hd,
-                                  q + (size_t)(g + 1) * hd, kb, bf16, kvd, n, hd, j->scale);
-                for (; g < b; g++)
-                    if (bf16)
-                        cpu_dot_rows_bf16(sa + (size_t)(g - a) * ATT_CHUNK, q + (size_t)g * hd, kb,
-                                          kvd, n, hd, j->scale);
-                    else
-                        cpu_dot_rows(sa + (size_t)(g - a) * ATT_CHUNK, q + (size_t)g * hd, kb, kvd,
-                                     n, hd, j->scale);
-            } else {
-                for (; g + 2 <= b; g += 2)
-                    cpu_axpy_rows2(pa + (size_t)(g - a) * pstride,
-                                   pa + (size_t)(g + 1 - a) * pstride,
-                                   sa + (size_t)(g - a) * ATT_CHUNK,
-                                   sa + (size_t)(g + 1 - a) * ATT_CHUNK, kb, bf16, kvd, n, hd);
-                for (; g < b; g++)
-                    if (bf16)
-                        cpu_axpy_rows_bf16(pa + (size_t)(g - a) * pstride,
-                                           sa + (size_t)(g - a) * ATT_CHUNK, kb, kvd, n, hd);
-                    else
-                        cpu_axpy_rows(pa + (size_t)(g - a) * pstride,
-                                      sa + (size_t)(g - a) * ATT_CHUNK, kb, kvd, n, hd);
+        /* every query head of the task at once (the heads of a KV head next to each other):
+         * each K / V row loaded once for several heads, the same results as one by one */
+        float *dst[CPU_ATT_MAX_HEADS];
+        const float *src[CPU_ATT_MAX_HEADS];
+        const void *rows[CPU_ATT_MAX_HEADS];
+        const int kstep = CPU_ATT_MAX_HEADS / group; /* KV heads per call (cpu_attention: >= 1) */
+        for (int ka = kh0; ka < kh1; ka += kstep) {
+            int kb_end = ka + kstep < kh1 ? ka + kstep : kh1, nh = 0;
+            for (int kvh = ka; kvh < kb_end; kvh++) {
+                const void *kb = att_rows(j, bt, which, kvh, p);
+                for (int g = kvh * group; g < (kvh + 1) * group; g++, nh++) {
+                    float *sg = scores + (size_t)(g - g0) * ATT_CHUNK + (p - cs);
+                    rows[nh] = kb;
+                    dst[nh] = which ? part + (size_t)(g - g0) * pstride + 2 : sg;
+                    src[nh] = which ? sg : q + (size_t)g * hd;
+                }
             }
+            if (!which)
+                cpu_dot_rows_heads(dst, src, rows, nh, bf16, kvd, n, hd, j->scale);
+            else
+                cpu_axpy_rows_heads(dst, src, rows, nh, bf16, kvd, n, hd);
         }
     }
 }

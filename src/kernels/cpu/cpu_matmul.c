@@ -465,7 +465,7 @@ void cpu_matmul_batch(cpu_pool *pool, const cpu_matmul_op *ops, int n_ops) {
                     xp_of[i - base] = xp_of[p - base];
             if (xp_of[i - base]) continue;
             float *dst = xp_buf + xp_used;
-            cpu_f32x_perm(dst, op->x, op->T, op->K);
+            cpu_f32x_perm(dst, op->x, op->T, op->K, op->T <= STREAM_T);
             xp_of[i - base] = dst;
             xp_used += (size_t)op->T * cpu_f32x_stride(op->K);
         }
@@ -726,6 +726,8 @@ void cpu_softmax(float *s, int n) {
         s[i] = s[i] / sum;
 }
 
+static int isa_is_avx512(cpu_isa isa);
+
 float cpu_softmax_exp(float *s, int n, float *max_out) {
     if (cpu_isa_get() == CPU_ISA_SCALAR) return cpu_ref_softmax_exp(s, n, max_out);
     float mx = -__builtin_inff();
@@ -741,7 +743,13 @@ float cpu_softmax_exp(float *s, int n, float *max_out) {
         mx = s[i] > mx ? s[i] : mx;
     const __m256 mxv = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
-    for (i = 0; i + 8 <= n; i += 8) {
+    i = 0;
+    if (isa_is_avx512(cpu_isa_get())) { /* 16 lanes at a time, the same operations */
+        float a8[8];
+        i = cpu_x512_softmax_exps(s, n, mx, a8);
+        acc = _mm256_loadu_ps(a8);
+    }
+    for (; i + 8 <= n; i += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mxv));
         _mm256_storeu_ps(s + i, e);
         acc = _mm256_add_ps(acc, e);
@@ -812,34 +820,38 @@ static const void *kv_row(const void *k, int bf16, size_t off) {
                 : (const void *)((const float *)k + off);
 }
 
-void cpu_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
-                   int bf16, size_t stride, int m, int n, float scale) {
+void cpu_dot_rows_heads(float *const *out, const float *const *q, const void *const *k, int nh,
+                        int bf16, size_t stride, int m, int n, float scale) {
+    for (; nh > CPU_ATT_MAX_HEADS; out += CPU_ATT_MAX_HEADS, q += CPU_ATT_MAX_HEADS,
+                                   k += CPU_ATT_MAX_HEADS, nh -= CPU_ATT_MAX_HEADS)
+        cpu_dot_rows_heads(out, q, k, CPU_ATT_MAX_HEADS, bf16, stride, m, n, scale);
     int i = isa_is_avx512(cpu_isa_get())
-                ? cpu_x512_dot_rows2(out0, out1, q0, q1, k, bf16, stride, m, n, scale)
+                ? cpu_x512_dot_rows_heads(out, q, k, nh, bf16, stride, m, n, scale)
                 : 0;
     if (i >= m) return;
-    const void *kr = kv_row(k, bf16, (size_t)i * stride);
-    if (bf16) {
-        cpu_dot_rows_bf16(out0 + i, q0, kr, stride, m - i, n, scale);
-        cpu_dot_rows_bf16(out1 + i, q1, kr, stride, m - i, n, scale);
-    } else {
-        cpu_dot_rows(out0 + i, q0, kr, stride, m - i, n, scale);
-        cpu_dot_rows(out1 + i, q1, kr, stride, m - i, n, scale);
+    for (int h = 0; h < nh; h++) {
+        const void *kr = kv_row(k[h], bf16, (size_t)i * stride);
+        if (bf16)
+            cpu_dot_rows_bf16(out[h] + i, q[h], kr, stride, m - i, n, scale);
+        else
+            cpu_dot_rows(out[h] + i, q[h], kr, stride, m - i, n, scale);
     }
 }
 
-void cpu_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v, int bf16,
-                    size_t stride, int m, int n) {
+void cpu_axpy_rows_heads(float *const *y, const float *const *a, const void *const *v, int nh,
+                         int bf16, size_t stride, int m, int n) {
+    for (; nh > CPU_ATT_MAX_HEADS; y += CPU_ATT_MAX_HEADS, a += CPU_ATT_MAX_HEADS,
+                                   v += CPU_ATT_MAX_HEADS, nh -= CPU_ATT_MAX_HEADS)
+        cpu_axpy_rows_heads(y, a, v, CPU_ATT_MAX_HEADS, bf16, stride, m, n);
     int c = isa_is_avx512(cpu_isa_get())
-                ? cpu_x512_axpy_rows2(y0, y1, a0, a1, v, bf16, stride, m, n)
+                ? cpu_x512_axpy_rows_heads(y, a, v, nh, bf16, stride, m, n)
                 : 0;
     if (c >= n) return;
-    const void *vc = kv_row(v, bf16, (size_t)c);
-    if (bf16) {
-        cpu_axpy_rows_bf16(y0 + c, a0, vc, stride, m, n - c);
-        cpu_axpy_rows_bf16(y1 + c, a1, vc, stride, m, n - c);
-    } else {
-        cpu_axpy_rows(y0 + c, a0, vc, stride, m, n - c);
-        cpu_axpy_rows(y1 + c, a1, vc, stride, m, n - c);
+    for (int h = 0; h < nh; h++) {
+        const void *vc = kv_row(v[h], bf16, (size_t)c);
+        if (bf16)
+            cpu_axpy_rows_bf16(y[h] + c, a[h], vc, stride, m, n - c);
+        else
+            cpu_axpy_rows(y[h] + c, a[h], vc, stride, m, n - c);
     }
 }

@@ -120,19 +120,27 @@ void cpu_axpy_rows(float *y, const float *a, const float *v, size_t stride, int 
 void cpu_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t stride, int m, int n,
                        float scale);
 void cpu_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m, int n);
-/* Two query heads (q0 -> out0 / a0 -> y0, q1 -> out1 / a1 -> y1) against the same key /
- * value rows k / v (f32, or bf16 when bf16 != 0; stride in elements): each result equal bit
- * for bit to cpu_dot_rows(_bf16) / cpu_axpy_rows(_bf16) on its own head; on the AVX-512 ISAs
- * both heads run together (twice the independent FMA chains, each row loaded once). */
-void cpu_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
-                   int bf16, size_t stride, int m, int n, float scale);
-void cpu_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v, int bf16,
-                    size_t stride, int m, int n);
-/* their AVX-512 parts (cpu_avx512f.c): how many positions / columns they did */
-int cpu_x512_dot_rows2(float *out0, float *out1, const float *q0, const float *q1, const void *k,
-                       int bf16, size_t stride, int m, int n, float scale);
-int cpu_x512_axpy_rows2(float *y0, float *y1, const float *a0, const float *a1, const void *v,
-                        int bf16, size_t stride, int m, int n);
+/* nh query heads at once (in calls of CPU_ATT_MAX_HEADS): head h's scores out[h] (m) from its
+ * query q[h] (n) against the key rows k[h] / its values y[h] (n) += a[h] (m) . the value rows
+ * v[h] (f32, or bf16 when bf16 != 0; stride in elements; heads of one KV head pass the same
+ * rows, next to each other).  Each head's result equal bit for bit to cpu_dot_rows(_bf16) /
+ * cpu_axpy_rows(_bf16) on its own; on the AVX-512 ISAs the heads sharing rows load each row
+ * once for up to 6 (scores) / 4 (values) heads, and odd heads of different rows pair up. */
+#define CPU_ATT_MAX_HEADS 64
+void cpu_dot_rows_heads(float *const *out, const float *const *q, const void *const *k, int nh,
+                        int bf16, size_t stride, int m, int n, float scale);
+void cpu_axpy_rows_heads(float *const *y, const float *const *a, const void *const *v, int nh,
+                         int bf16, size_t stride, int m, int n);
+/* their AVX-512 parts (cpu_avx512f.c; nh <= CPU_ATT_MAX_HEADS): how many positions / columns
+ * they did for every head */
+int cpu_x512_dot_rows_heads(float *const *out, const float *const *q, const void *const *k,
+                            int nh, int bf16, size_t stride, int m, int n, float scale);
+int cpu_x512_axpy_rows_heads(float *const *y, const float *const *a, const void *const *v, int nh,
+                             int bf16, size_t stride, int m, int n);
+/* cpu_softmax_exp's exponentials on AVX-512 (cpu_avx512f.c): s[i] = cpu_expf(s[i] - mx) for
+ * i < the returned count (n rounded down to 16), acc8 = their 8-lane sum in position order,
+ * bit for bit what the 8-lane loop gives */
+int cpu_x512_softmax_exps(float *s, int n, float mx, float acc8[8]);
 /* f32 -> bf16, round to nearest even (NaN stays NaN), n elements */
 void cpu_f32_to_bf16_row(uint16_t *out, const float *x, int n);
 
@@ -146,10 +154,12 @@ void cpu_bf16x_rows(float *y, int N, const uint16_t *xs, int T, const uint16_t *
                     const float *bias, int n_beg, int n_end, int K, int stream, int parts);
 /* The f32x16 path (cpu_avx512f.c; call only on CPU_ISA_AVX512F): elements per token of the
  * rearranged activations (K rounded up to 32); the rearrangement (T tokens of K f32 -> xp:
- * per 32-block the 16 even then the 16 odd elements, zeros after K); rows [n_beg, n_end) of
- * y (T, N) = x . w^T (+ bias) for bf16 w. */
+ * per 32-block the 16 even then the 16 odd elements, zeros after K; token by token, or with
+ * interleave != 0 block by block, block b of token t at (b * T + t) * 32, which `stream`
+ * below reads); rows [n_beg, n_end) of y (T, N) = x . w^T (+ bias) for bf16 w (stream:
+ * decode-sized T <= 8, xp interleaved, all T tokens). */
 size_t cpu_f32x_stride(int K);
-void cpu_f32x_perm(float *xp, const float *x, int T, int K);
+void cpu_f32x_perm(float *xp, const float *x, int T, int K, int interleave);
 void cpu_f32x_rows(float *y, int N, const float *xp, int T, const uint16_t *w, const float *bias,
                    int n_beg, int n_end, int K, int stream);
 
