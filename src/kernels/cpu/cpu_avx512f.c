@@ -304,24 +304,6 @@ static inline __attribute__((always_inline)) __m512 cat2(const float *a, const f
                            _mm256_loadu_pd((const double *)b), 1));
 }
 
-/* the canonical tree of 8 accumulators at once (cpu_matmul.c's hsum8x8) */
-static inline __attribute__((always_inline)) __m256 hsum8x8_(const __m256 *A) {
-    __m256 x04 = _mm256_add_ps(_mm256_permute2f128_ps(A[0], A[4], 0x20),
-                               _mm256_permute2f128_ps(A[0], A[4], 0x31));
-    __m256 x15 = _mm256_add_ps(_mm256_permute2f128_ps(A[1], A[5], 0x20),
-                               _mm256_permute2f128_ps(A[1], A[5], 0x31));
-    __m256 x26 = _mm256_add_ps(_mm256_permute2f128_ps(A[2], A[6], 0x20),
-                               _mm256_permute2f128_ps(A[2], A[6], 0x31));
-    __m256 x37 = _mm256_add_ps(_mm256_permute2f128_ps(A[3], A[7], 0x20),
-                               _mm256_permute2f128_ps(A[3], A[7], 0x31));
-    __m256 y01 = _mm256_add_ps(_mm256_shuffle_ps(x04, x15, _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm256_shuffle_ps(x04, x15, _MM_SHUFFLE(3, 2, 3, 2)));
-    __m256 y23 = _mm256_add_ps(_mm256_shuffle_ps(x26, x37, _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm256_shuffle_ps(x26, x37, _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm256_add_ps(_mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* ---- attention for many query heads (cpu_dot_rows_heads / cpu_axpy_rows_heads) ---------
  * The same arithmetic again, bit for bit, with more sharing: the heads of one KV head go in
  * pairs, up to three pairs against one broadcast of each key row (three FMAs per load
@@ -341,7 +323,7 @@ static inline __attribute__((always_inline)) __m512 kv_cat8(const void *k, const
     return cat2((const float *)k + o, (const float *)k2 + o);
 }
 
-/* hsum8x8_ on both 256-bit halves of 8 accumulators at once: A[p] = [head a | head b] of
+/* cpu_matmul.c's hsum8x8 tree on both 256-bit halves of 8 accumulators at once: A[p] = [head a | head b] of
  * position p; returns [a p0..7 | b p0..7], each the canonical tree of its 8 lanes */
 static inline __attribute__((always_inline)) __m512 hsum8x8_512(const __m512 *A) {
     __m512 x04 = _mm512_add_ps(_mm512_shuffle_f32x4(A[0], A[4], _MM_SHUFFLE(2, 0, 2, 0)),
