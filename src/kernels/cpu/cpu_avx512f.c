@@ -513,10 +513,10 @@ int cpu_x512_axpy_rows_heads(float *const *y, const float *const *a, const void 
  * the same bits (the approximation's error is cpu_expf's: <= 2 ulp, test_exp), and the same
  * 8-lane sum: the low then the high 8 of each 16 added in position order. */
 static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_C1), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_C2), r);
     __m512 p = _mm512_set1_ps(1.9875691500E-4f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
@@ -528,9 +528,9 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     __m512i e =
         _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3762626647949f), _CMP_GT_OQ),
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HI), _CMP_GT_OQ),
                              y, _mm512_set1_ps(__builtin_inff()));
-    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365402221680f), _CMP_LT_OQ),
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ),
                              y, _mm512_setzero_ps());
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
 }

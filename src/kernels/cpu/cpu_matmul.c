@@ -572,12 +572,6 @@ void cpu_row_to_f32(float *out, const void *row, cpu_dtype dt, int n) {
 
 /* ---- exp, softmax, SiLU and the attention pieces (AVX2 twins of cpu_ref.c) ------------ */
 
-#define EXP_HI    88.3762626647949f
-#define EXP_LO    -87.3365402221680f
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_C1    0.693359375f
-#define EXP_C2    -2.12194440e-4f
-
 /* cpu_ref_expf on 8 lanes: the same operations in the same order */
 static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),

@@ -189,4 +189,12 @@ void cpu_ref_dot_rows_bf16(float *out, const float *q, const uint16_t *k, size_t
 void cpu_ref_axpy_rows_bf16(float *y, const float *a, const uint16_t *v, size_t stride, int m,
                             int n);
 
+/* cpu_ref_expf's constants, shared by its vector twins (exp8 in cpu_matmul.c, exp16 in
+ * cpu_avx512f.c) so that they cannot drift apart */
+#define EXP_HI    88.3762626647949f
+#define EXP_LO    -87.3365402221680f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1    0.693359375f
+#define EXP_C2    -2.12194440e-4f
+
 #endif
