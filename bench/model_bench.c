@@ -100,6 +100,8 @@ static int usage(FILE *f, int rc) {
            "  --streams S   also: S sequences (32-token prompts) decoded together, aggregate\n"
            "                tok/s beside 1 sequence in the same rounds (default 0: off)\n"
            "  --kv-cache-dtype float32|bfloat16   CPU KV-cache element type (default float32)\n"
+           "  --block-size N   tokens per KV block, 1..1024 (default: disagg serve's on the CPU, "
+           "128)\n"
            "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n"
            "  --batch-invariant   with --device cuda: the batch-invariant mode against the "
            "fast mode (docs/gpu.md)\n");
@@ -129,10 +131,10 @@ static double process_cpu_s(void) {
 
 /* Decode of n sequences together (each with its own 32-token prompt, prefilled first),
  * gen tokens each: aggregate tok/s.  Best of `repeat` rounds of (1 sequence, n sequences). */
-static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen,
+static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen, int bs,
                             const int32_t *toks, int ntoks, double *cpu_s) {
     const model_config *c = &m->cfg;
-    const int plen = 32 < ntoks ? 32 : ntoks, bs = 16, nb = (plen + gen + bs - 1) / bs;
+    const int plen = 32 < ntoks ? 32 : ntoks, nb = (plen + gen + bs - 1) / bs;
     kv_store kv;
     qwen2_state *s = qwen2_state_init(m, n * plen > n ? n * plen : n, pool);
     int32_t *table = malloc((size_t)n * nb * sizeof *table), *next = malloc((size_t)n * 4);
@@ -178,14 +180,14 @@ out:
 
 /* ... and the CPU seconds (all threads) per decode step of each, least over the rounds */
 static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen, int repeat,
-                           const int32_t *toks, int ntoks, double *one, double *many,
+                           int bs, const int32_t *toks, int ntoks, double *one, double *many,
                            double *one_cpu, double *many_cpu) {
     *one = *many = 0;
     *one_cpu = *many_cpu = 1e30;
     for (int r = 0; r < repeat; r++) { /* alternated, so both see the same minutes */
         double ca = 0, cb = 0;
-        double a = streams_round(m, pool, 1, gen, toks, ntoks, &ca);
-        double b = streams_round(m, pool, n, gen, toks, ntoks, &cb);
+        double a = streams_round(m, pool, 1, gen, bs, toks, ntoks, &ca);
+        double b = streams_round(m, pool, n, gen, bs, toks, ntoks, &cb);
         if (a < 0 || b < 0) return -1;
         *one = a > *one ? a : *one;
         *many = b > *many ? b : *many;
@@ -197,7 +199,8 @@ static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen,
 
 int bench_model_main(int argc, char **argv) {
     const char *model_arg = NULL;
-    int prompt_len = 512, gen_len = 32, threads = 0, json = 0, repeat = 2, streams = 0;
+    int prompt_len = 512, gen_len = 32, threads = 0, json = 0, repeat = 2, streams = 0,
+        block_size = 0;
     const char *kv_dt_arg = NULL; /* checked after the loop: --device cuda parses its own */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -220,6 +223,8 @@ int bench_model_main(int argc, char **argv) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 100, &repeat)) return 2;
         } else if (!strcmp(a, "--streams")) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 0, 64, &streams)) return 2;
+        } else if (!strcmp(a, "--block-size")) {
+            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &block_size)) return 2;
         } else if (!strcmp(a, "--threads")) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &threads)) return 2;
         } else if (!strcmp(a, "--kv-cache-dtype")) {
@@ -261,7 +266,8 @@ int bench_model_main(int argc, char **argv) {
     }
     cpu_pool *pool = cpu_pool_init(threads);
     threads = cpu_pool_threads(pool);
-    int bs = 16, n_blocks = (prompt_len + gen_len + bs - 1) / bs;
+    int bs = block_size > 0 ? block_size : backend_block_size_default(backend_cpu_default()),
+        n_blocks = (prompt_len + gen_len + bs - 1) / bs;
     kv_store kv;
     qwen2_state *s = qwen2_state_init(&m, prompt_len, pool);
     int32_t *table = malloc((size_t)n_blocks * sizeof *table),
@@ -315,7 +321,7 @@ int bench_model_main(int argc, char **argv) {
         return 1;
     }
     double one_tps = 0, many_tps = 0, one_cpu = 0, many_cpu = 0;
-    if (streams > 0 && measure_streams(&m, pool, streams, gen_len, repeat, toks, prompt_len,
+    if (streams > 0 && measure_streams(&m, pool, streams, gen_len, repeat, bs, toks, prompt_len,
                                        &one_tps, &many_tps, &one_cpu, &many_cpu)) {
         fprintf(stderr, "disagg bench model: the --streams measurement failed\n");
         return 1;
@@ -335,7 +341,7 @@ int bench_model_main(int argc, char **argv) {
     if (json) {
         printf("{\"model\":\"%s\",\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"isa\":\"%s\",\"threads\":%"
                "d,\"prompt_len\":%d,"
-               "\"gen_len\":%d,"
+               "\"gen_len\":%d,\"block_size\":%d,"
                "\"prefill_tok_s\":%.2f,\"prefill_gflop_s\":%.2f,\"gemm_gflop_s\":%.2f,\"prefill_vs_"
                "gemm\":%.3f,"
                "\"decode_tok_s\":%.2f,\"decode_weight_gb_s\":%.2f,\"read_bw_gb_s\":%.2f,\"decode_"
@@ -346,14 +352,15 @@ int bench_model_main(int argc, char **argv) {
                "\"decode_1stream_cpu_ms_per_step\":%.3f,\"decode_streams_cpu_ms_per_step\":%.3f}\n",
                m.dir, cpu_dtype_name((cpu_dtype)m.w.dtype),
                backend_dtype_name((backend_dtype)kv_dt), cpu_isa_name(cpu_isa_get()), threads,
-               prompt_len, gen_len, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm,
+               prompt_len, gen_len, bs, prefill_tps, prefill_gflops, gemm, prefill_gflops / gemm,
                decode_tps, decode_gbs, bw, bound_tps, decode_tps / bound_tps, bytes_tok, repeat,
                streams, one_tps, many_tps, 1e3 * decode_cpu / gen_len,
                1e3 * prefill_cpu / prompt_len, 1e3 * one_cpu, 1e3 * many_cpu);
     } else {
-        printf("model %s (%s weights, %d layers, hidden %d, %s KV), %d threads, kernels %s\n",
+        printf("model %s (%s weights, %d layers, hidden %d, %s KV in blocks of %d), %d threads, "
+               "kernels %s\n",
                m.dir, cpu_dtype_name((cpu_dtype)m.w.dtype), c->n_layers, c->hidden_size,
-               backend_dtype_name((backend_dtype)kv_dt), threads, cpu_isa_describe());
+               backend_dtype_name((backend_dtype)kv_dt), bs, threads, cpu_isa_describe());
         printf("%-34s %12s %14s %10s\n", "measurement", "value", "ceiling", "of ceiling");
         printf("%-34s %10.1f/s %14s %10s\n", "prefill tokens (one forward)", prefill_tps, "", "");
         printf("%-34s %8.1f GF/s %9.1f GF/s %9.0f%%\n", "prefill matmul+attention FLOP rate",

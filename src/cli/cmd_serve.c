@@ -54,7 +54,7 @@ static void serve_usage(FILE *f) {
         "  --max-model-len N               context length (default: the model's)\n"
         "  --max-num-seqs N                most running requests (default 64)\n"
         "  --max-num-batched-tokens N      token budget per engine step (default 2048)\n"
-        "  --block-size N                  tokens per KV-cache block (default 16)\n"
+        "  --block-size N                  tokens per KV-cache block (default: 128 on the CPU, 16 on CUDA)\n"
         "  --kv-cache-memory BYTES         KV-cache size, e.g. 2G or 512M (default: 25%% of RAM)\n"
         "  --enable-prefix-caching         reuse cached prompt blocks (default)\n"
         "  --no-enable-prefix-caching      disable prefix caching\n"

@@ -268,14 +268,16 @@ static void kv_layout(const serve_identity *id, char *out, size_t cap) {
     char dir[PATH_MAX], err[512];
     model_config mc;
     const char *d = id->model_dir;
+    char blk[16] = "auto"; /* as the dtype: "auto" is the device's (128 cpu, 16 cuda) */
+    if (id->block_size > 0) snprintf(blk, sizeof blk, "%d", id->block_size);
     if (hf_cache_resolve(id->model_dir, dir, sizeof dir, err, sizeof err) == 0) d = dir;
     if (model_config_load(&mc, d, err, sizeof err) == 0)
-        snprintf(out, cap, "%s:layers=%d:kv_heads=%d:head_dim=%d:dtype=%s:block=%d", mc.arch,
+        snprintf(out, cap, "%s:layers=%d:kv_heads=%d:head_dim=%d:dtype=%s:block=%s", mc.arch,
                  mc.n_layers, mc.n_kv_heads, mc.head_dim, id->kv_dtype ? id->kv_dtype : "auto",
-                 id->block_size > 0 ? id->block_size : 16);
+                 blk);
     else
-        snprintf(out, cap, "model=%s:dtype=%s:block=%d", id->model_name,
-                 id->kv_dtype ? id->kv_dtype : "auto", id->block_size > 0 ? id->block_size : 16);
+        snprintf(out, cap, "model=%s:dtype=%s:block=%s", id->model_name,
+                 id->kv_dtype ? id->kv_dtype : "auto", blk);
 }
 
 #define DRAIN_GRACE_NS   500000000ull /* proxies see the deletion well within this */

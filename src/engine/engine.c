@@ -112,7 +112,7 @@ struct engine {
 
 void engine_config_init(engine_config *c) {
     memset(c, 0, sizeof *c);
-    c->block_size = 16;
+    c->block_size = 0; /* auto: backend_block_size_default() */
     c->kv_cache_fraction = 0.25;
     c->gpu_memory_utilization = 0.9;
     c->max_num_seqs = 64;
@@ -876,8 +876,10 @@ static void *step_main(void *arg) {
 
 int engine_create(const engine_config *cfg, engine **out, char *err, size_t errlen) {
     engine_config c = *cfg;
-    if (c.block_size <= 0 || c.block_size > 1024) {
-        snprintf(err, errlen, "block size %d is out of range (accepted: 1..1024, default 16)",
+    if (c.block_size < 0 || c.block_size > 1024) {
+        snprintf(err, errlen,
+                 "block size %d is out of range (accepted: 1..1024, or 0 for auto: 128 on the "
+                 "CPU, 16 on CUDA)",
                  c.block_size);
         return -EINVAL;
     }
@@ -898,6 +900,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         free(e);
         return rc;
     }
+    if (c.block_size == 0) e->cfg.block_size = c.block_size = backend_block_size_default(e->be);
     rc = qwen2_load_on(&e->model, c.model, e->be, c.progress, err, errlen);
     if (rc) {
         backend_close(e->be);
@@ -1089,4 +1092,8 @@ const char *engine_model_dir(const engine *e) {
 }
 int engine_max_model_len(const engine *e) {
     return e->max_model_len;
+}
+
+int engine_block_size(const engine *e) {
+    return e->cfg.block_size;
 }

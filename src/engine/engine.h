@@ -22,7 +22,7 @@ struct model_config;
 
 typedef struct engine_config {
     const char *model;             /* directory or hub name in the HF cache */
-    int block_size;                /* tokens per KV block (default 16) */
+    int block_size;                /* tokens per KV block (0, the default: auto, 128 cpu / 16 cuda) */
     size_t kv_cache_bytes;         /* KV region size; 0 = kv_cache_fraction of RAM */
     double kv_cache_fraction;      /* default 0.25 */
     int max_num_seqs;              /* default 64 */
@@ -190,5 +190,6 @@ const struct model_config *engine_model_config(const engine *e);
 /* The resolved model directory (tokenizer files live there). */
 const char *engine_model_dir(const engine *e);
 int engine_max_model_len(const engine *e);
+int engine_block_size(const engine *e); /* tokens per KV block (auto resolved) */
 
 #endif

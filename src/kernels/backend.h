@@ -120,6 +120,7 @@ backend_dtype backend_mm_dtype(const backend *be);
 int backend_wants_cat(const backend *be);
 backend_dtype backend_kv_dtype_default(const backend *be); /* "auto" KV dtype: f32 cpu, bf16 cuda */
 int backend_kv_dtype_ok(const backend *be, backend_dtype dt); /* 1 if KV of dt is supported */
+int backend_block_size_default(const backend *be); /* "auto" block size: 128 cpu, 16 cuda */
 /* The address of symbol `name` in the backend's loaded module (libdisagg_cuda.so), NULL on
  * the CPU backend or when the module has none: how a layer above finds what the module
  * offers beside the backend, e.g. the transfer engine's device-memory ops

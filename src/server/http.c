@@ -387,6 +387,8 @@ fail:
 static void on_ready(evutil_socket_t fd, short what, void *arg) {
     server *s = arg;
     if (atomic_load(&s->ready) == 1) {
+        /* the engine resolved --block-size auto (128 cpu, 16 cuda) */
+        s->block_size = s->cfg.engine.block_size = engine_block_size(s->eng);
         metrics_set_config(&s->metrics, &s->cfg.engine, s->max_model_len);
         LOG_I("server", "ready: model %s served as \"%s\", max_model_len %d", s->cfg.model,
               s->model_name, s->max_model_len);
@@ -429,7 +431,7 @@ int server_run(const server_config *cfg) {
     if (!s) return -ENOMEM;
     s->cfg = *cfg;
     s->model_name = cfg->served_model_name ? cfg->served_model_name : cfg->model;
-    s->block_size = cfg->engine.block_size > 0 ? cfg->engine.block_size : 16;
+    s->block_size = cfg->engine.block_size; /* 0 (auto) until the engine is up: on_ready */
     oai_defaults_init(&s->defaults);
     s->defaults.served_model_name = s->model_name;
     s->defaults.model_path = cfg->model;

@@ -24,7 +24,9 @@ def srv():
     # GPU (DISAGG_TEST_DEVICE=cuda) only with --batch-invariant (the fast mode's kernels
     # change with the batch size, docs/gpu.md)
     inv = ("--batch-invariant",) if server_harness.on_gpu() else ()
-    s = Server("--max-model-len", "512", "--kv-cache-memory", "64M", "--max-num-seqs", "64", *inv)
+    # 16-token blocks (the CPU's default is 128): the prefix-cache tests below use short prompts
+    s = Server("--max-model-len", "512", "--kv-cache-memory", "64M", "--max-num-seqs", "64",
+               "--block-size", "16", *inv)
     yield s
     rc = s.stop()
     assert rc == 0, "disagg serve did not exit cleanly on SIGTERM: " + s.logs()
@@ -124,3 +126,23 @@ def test_prefix_cache_hit_in_usage(srv):
     b = requests.post(srv.url + "/v1/completions", json=body).json()
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * ((a["usage"]["prompt_tokens"] - 1) // 16)
+
+
+def test_default_block_size_prefix_cache():
+    """--block-size left out: the device's default (128 tokens on the CPU, 16 on a GPU) shows in
+    vllm:cache_config_info, and a repeated long prompt reuses its whole blocks of that size."""
+    s = Server("--max-model-len", "1024", "--kv-cache-memory", "64M")
+    try:
+        info = [k for k in s.metrics() if k.startswith("vllm:cache_config_info{")]
+        want = 16 if server_harness.on_gpu() else 128
+        assert len(info) == 1 and f'block_size="{want}"' in info[0], info
+        prompt = " ".join(PROMPTS) * 6  # several 128-token blocks
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        a = requests.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        b = requests.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        n = a["usage"]["prompt_tokens"]
+        assert n > 2 * want and a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == want * ((n - 1) // want)
+    finally:
+        assert s.stop() == 0, s.logs()

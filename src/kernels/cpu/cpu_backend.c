@@ -395,6 +395,12 @@ static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, con
 /* Key positions per partial softmax.  Fixed (not derived from the batch, the threads or the
  * block size), so a token's result is the same whoever computes which chunk. */
 #define ATT_CHUNK 256
+/* Positions per kernel call at most (a piece): a block's rows of a layer are one run in
+ * memory, and within a long run (the CPU's block size is 128) the prefetch of the piece two
+ * ahead goes out 32 KiB at a time, not a whole block's 64 KiB in one burst that stalls the
+ * loads behind it (docs/benchmarks.md, issue 18).  Any cut gives the same bits: scores are
+ * per position, and the values accumulate in position order across calls. */
+#define ATT_PIECE 64
 /* up to this many tokens the keys are split into chunks over the threads */
 #define ATT_SPLIT_TOKENS     8
 #define ATT_SPLIT_MAX_FLOATS ((size_t)16 << 20) /* 64 MiB of partials at most */
@@ -461,10 +467,14 @@ static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *p
     float *scores = cpu_scratch(1, (size_t)(g1 - g0) * ATT_CHUNK); /* (g1 - g0, ATT_CHUNK) */
     if (!scores) abort(); /* a worker cannot report; a few KiB */
     const float *q = j->q + (size_t)t * width;
-    /* the chunk cut at block boundaries: piece i = positions [ps[i], ps[i + 1]) */
+    /* the chunk cut at block boundaries and every ATT_PIECE positions within a block: piece i =
+     * positions [ps[i], ps[i + 1]) */
     int ps[ATT_CHUNK + 1], npc = 0;
-    for (int p = cs; p < ce; p += bs - p % bs < ce - p ? bs - p % bs : ce - p)
+    for (int p = cs; p < ce;) {
+        int n = bs - p % bs < ce - p ? bs - p % bs : ce - p;
         ps[npc++] = p;
+        p += n < ATT_PIECE ? n : ATT_PIECE;
+    }
     ps[npc] = ce;
     /* the K pieces, then the V pieces; each piece's rows read from memory once for all the
      * heads, the rows of the piece two steps ahead prefetched */
