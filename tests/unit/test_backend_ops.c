@@ -541,6 +541,76 @@ static void attention_alone_case(backend *be, int start, int n_new, int n_kv_hea
     backend_stream_free(st);
 }
 
+/* The CPU backend: the same keys and values give the same attention output, bit for bit,
+ * whatever the block size (the CPU default 128 is cut into 64-position pieces per kernel
+ * call; 16 was the default before; 24 and 5 do not divide the 256-position chunks) -- for a
+ * decode token alone and for the tokens of a prefill chunk. */
+static float *block_size_run(backend *be, int start, int n_new, int n_kv_heads, int group, int hd,
+                             int bs, backend_dtype kdt, const float *kk, const float *vv,
+                             const float *q) {
+    backend_stream *st = backend_stream_create(be);
+    int np = start + n_new, nb = (np + bs - 1) / bs, layer = 1, nh = n_kv_heads * group;
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd};
+    size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
+    test_batch tb;
+    make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
+    float *region = calloc(n_el, sizeof(float));
+    for (int j = 0; j < np; j++) /* position j of the sequence, through its block table */
+        for (int h = 0; h < n_kv_heads; h++)
+            for (int d = 0; d < hd; d++) {
+                size_t e = ((size_t)j * n_kv_heads + h) * hd + d;
+                region[kv_index(&kv, tb.bt[j / bs], layer, 0, j % bs, h, d)] = kk[e];
+                region[kv_index(&kv, tb.bt[j / bs], layer, 1, j % bs, h, d)] = vv[e];
+            }
+    backend_buffer *breg = to_dev(st, region, n_el, kdt);
+    kv.base = DEV(breg);
+    size_t nq = (size_t)n_new * nh * hd;
+    backend_buffer *bq = to_dev(st, q, nq, BACKEND_F32),
+                   *bo = backend_buffer_alloc(be, nq * 4, 0);
+    assert_int_equal(backend_plan(st, &tb.b), 0);
+    assert_int_equal(backend_attention(st, DEV(bo), DEV(bq), BACKEND_F32, &kv, layer, nh,
+                                       (float)(1.0 / sqrt((double)hd))),
+                     0);
+    float *out = from_dev(st, DEV(bo), nq, BACKEND_F32);
+    free(region);
+    backend_buffer_free(bq), backend_buffer_free(bo), backend_buffer_free(breg);
+    backend_stream_free(st);
+    return out;
+}
+
+static void test_attention_block_sizes(void **state) {
+    const int bss[] = {128, 16, 24, 5, 64};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        if (!backend_is_cpu(be)) continue; /* the CUDA kernels: test_cuda_invariant */
+        for (int kd = 0; kd < 2; kd++)
+            for (int c = 0; c < 2; c++) {
+                backend_dtype kdt = kd ? BACKEND_BF16 : BACKEND_F32;
+                int nkv = 2, group = 7, hd = 64, n_new = c ? 12 : 1, start = c ? 700 : 1000;
+                int np = start + n_new, nh = nkv * group;
+                size_t nkvel = (size_t)np * nkv * hd, nq = (size_t)n_new * nh * hd;
+                float *kk = rand_vec(nkvel, kdt), *vv = rand_vec(nkvel, kdt);
+                float *q = rand_vec(nq, BACKEND_F32);
+                for (size_t i = 0; i < nq; i++)
+                    q[i] *= 3.0f;
+                float *ref = block_size_run(be, start, n_new, nkv, group, hd, bss[0], kdt, kk, vv, q);
+                for (int b = 1; b < (int)(sizeof bss / sizeof bss[0]); b++) {
+                    float *got =
+                        block_size_run(be, start, n_new, nkv, group, hd, bss[b], kdt, kk, vv, q);
+                    int diff = 0;
+                    for (size_t i = 0; i < nq; i++)
+                        diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+                    if (diff)
+                        fail_msg("attention of %d token(s) after %d (%s KV): %d of %zu outputs "
+                                 "differ between block sizes %d and %d",
+                                 n_new, start, kd ? "bf16" : "f32", diff, nq, bss[0], bss[b]);
+                    free(got);
+                }
+                free(ref), free(kk), free(vv), free(q);
+            }
+    }
+}
+
 static void test_attention_alone_vs_batch(void **state) {
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
@@ -1461,6 +1531,7 @@ int main(void) {
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_alone_vs_batch),
+        cmocka_unit_test(test_attention_block_sizes),
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_gather_argmax),
         cmocka_unit_test(test_plan_checks),
