@@ -204,6 +204,14 @@ static void emit_finish(engine *e, ereq *r, const char *reason, int32_t stop_tok
                        .t_first_token_ns = r->t_first_token_ns,
                        .t_last_token_ns = r->t_last_token_ns,
                        .prompt_logprobs = r->prompt_lp};
+    /* Never an unfilled entry: a prompt whose positions were not all computed here
+     * (a path that skipped them) reports no prompt logprobs rather than zeros. */
+    if (r->prompt_lp && r->prompt_lp_done < r->s.n_prompt) {
+        if (!error)
+            LOG_E(MOD, "request %llu: prompt logprobs cover %d of %d positions; not reported",
+                  (unsigned long long)r->s.id, r->prompt_lp_done, r->s.n_prompt);
+        ev.prompt_logprobs = NULL;
+    }
     r->fn(r->ctx, &ev);
     (void)e;
 }
@@ -597,7 +605,14 @@ static void handle_note(engine *e, const kv_note *n) {
     if (n->ok) {
         /* the KV start_load() asked for: the prompt less the local prefix-cache hits */
         r->n_kv_received = r->s.n_prompt - r->s.n_cached;
-        if (!n->has_first || !first_token_handoff(e, r, n->first_token))
+        if (r->prompt_lp && r->prompt_lp_done < r->s.n_prompt) {
+            /* Prompt logprobs need every prompt position's logits, which the received
+             * KV does not carry: compute the prompt here (the same positions, the same
+             * values a colocated instance computes; the KV is rewritten identically). */
+            LOG_D(MOD, "request %llu: computing its %d prompt positions for prompt_logprobs",
+                  (unsigned long long)r->s.id, r->s.n_prompt);
+            sched_unpark(&e->sched, &r->s, r->prompt_lp_done - 1);
+        } else if (!n->has_first || !first_token_handoff(e, r, n->first_token))
             sched_unpark(&e->sched, &r->s, r->s.n_prompt - 1); /* recompute the last prompt token */
     } else if (n->recompute) {
         LOG_W(MOD,

@@ -304,3 +304,33 @@ def test_producer_token_validated(lone_d, value, used):
             assert "is not used (the token is outside the vocabulary" in lone_d.logs()
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[1], PROMPTS[2]], ids=pid)
+def test_prompt_logprobs_computed_on_d(pd, colocated, prompt):
+    """prompt_logprobs and echo + logprobs through P/D: D received the prompt's KV but
+    no logits for its positions, so it computes the prompt itself -- the values equal
+    a colocated instance's, never made-up zeros (every prompt position computed on D)."""
+    for extra in ({"prompt_logprobs": 3}, {"echo": True, "logprobs": 2},
+                  {"prompt_logprobs": 0, "echo": True, "logprobs": 0}):
+        body = dict(GREEDY, prompt=prompt, max_tokens=4, **extra)
+        ref = post(colocated, body)
+        _, dr, used = send_pd(pd, body)
+        got = dr.json()
+        assert used == 0
+        assert got["usage"]["kv_transfer"]["computed_prompt_tokens"] == got["usage"]["prompt_tokens"]
+        for c, rc in zip(got["choices"], ref["choices"]):
+            assert c["text"] == rc["text"]
+            assert c.get("prompt_logprobs") == rc.get("prompt_logprobs"), extra
+            assert c["logprobs"] == rc["logprobs"], extra
+        if "prompt_logprobs" in extra:
+            plp = got["choices"][0]["prompt_logprobs"]
+            assert plp[0] is None and len(plp) == got["usage"]["prompt_tokens"]
+            assert all(e and max(v["logprob"] for v in e.values()) <= 0 for e in plp[1:])
+            assert any(v["logprob"] < 0 for e in plp[1:] for v in e.values())
+    # chat: prompt_logprobs sits beside the choices
+    body = dict(GREEDY, max_tokens=4, prompt_logprobs=1,
+                messages=[{"role": "user", "content": prompt}])
+    ref = post(colocated, body, "/v1/chat/completions")
+    _, dr, _ = send_pd(pd, body, "/v1/chat/completions")
+    assert dr.json()["prompt_logprobs"] == ref["prompt_logprobs"] and ref["prompt_logprobs"]
