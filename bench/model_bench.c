@@ -136,7 +136,7 @@ static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen
     const model_config *c = &m->cfg;
     const int plen = 32 < ntoks ? 32 : ntoks, nb = (plen + gen + bs - 1) / bs;
     kv_store kv;
-    qwen2_state *s = qwen2_state_init(m, n * plen > n ? n * plen : n, pool);
+    qwen2_state *s = qwen2_state_init(m, n * plen > n ? n * plen : n, cpu_pool_threads(pool));
     int32_t *table = malloc((size_t)n * nb * sizeof *table), *next = malloc((size_t)n * 4);
     float *logits = malloc((size_t)n * c->vocab_size * 4);
     qwen2_seq *q = calloc((size_t)n, sizeof *q);
@@ -269,7 +269,7 @@ int bench_model_main(int argc, char **argv) {
     int bs = block_size > 0 ? block_size : backend_block_size_default(backend_cpu_default()),
         n_blocks = (prompt_len + gen_len + bs - 1) / bs;
     kv_store kv;
-    qwen2_state *s = qwen2_state_init(&m, prompt_len, pool);
+    qwen2_state *s = qwen2_state_init(&m, prompt_len, threads);
     int32_t *table = malloc((size_t)n_blocks * sizeof *table),
             *toks = malloc((size_t)prompt_len * 4);
     float *logits = malloc((size_t)c->vocab_size * 4);

@@ -9,7 +9,6 @@
 
 #include "base/clock.h"
 #include "base/log.h"
-#include "kernels/cpu/cpu_pool.h"
 #include "model/chat_template.h"
 #include "model/qwen2.h"
 #include "model/sampler.h"
@@ -239,7 +238,6 @@ int cmd_generate(int argc, char **argv) {
     }
     int32_t *ids = NULL;
     int n = 0, exit_rc = 2; /* bad input until the prompt and parameters are accepted */
-    cpu_pool *pool = NULL;
     qwen2_state *s = NULL;
     sampler *smp = NULL;
     float *logits = NULL;
@@ -285,11 +283,10 @@ int cmd_generate(int argc, char **argv) {
     exit_rc = 1; /* runtime failures from here */
     int total = n + o.max_tokens < max_len ? n + o.max_tokens : max_len;
     int n_blocks = (total + GEN_BLOCK - 1) / GEN_BLOCK;
-    pool = cpu_pool_init(o.threads);
-    s = qwen2_state_init(&m, GEN_CHUNK, pool);
+    s = qwen2_state_init(&m, GEN_CHUNK, o.threads);
     logits = malloc((size_t)c->vocab_size * sizeof *logits);
     table = malloc((size_t)n_blocks * sizeof *table);
-    if (!pool || !s || !logits || !table || kv_store_init(&kv, c, n_blocks, GEN_BLOCK)) {
+    if (!s || !logits || !table || kv_store_init(&kv, c, n_blocks, GEN_BLOCK)) {
         fprintf(stderr, "disagg generate: out of memory\n");
         goto out;
     }
@@ -349,7 +346,6 @@ out:
     free(logits);
     sampler_free(smp);
     qwen2_state_free(s);
-    cpu_pool_free(pool);
     free(ids);
     tokenizer_free(tok);
     qwen2_free(&m);

@@ -13,7 +13,6 @@
 #include "engine/block_pool.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
-#include "kernels/cpu/cpu_matmul.h"
 #include "model/qwen2.h"
 #include "model/sampler.h"
 
@@ -469,7 +468,7 @@ void engine_set_kv_connector(engine *e, const engine_kv_connector *c) {
 /* Which kernels compute: the CPU's ISA (chosen by cpuid or DISAGG_CPU_ISA) or the GPU's.
  * Results are bit-exact only between engines with the same kernels (docs/architecture.md). */
 static const char *engine_kernels(const engine *e) {
-    return backend_is_cpu(e->be) ? cpu_isa_name(cpu_isa_get()) : "cuda";
+    return backend_kernels_name(e->be);
 }
 
 void engine_get_kv_region(const engine *e, engine_kv_region *out) {
@@ -1025,7 +1024,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -ENOMEM;
         goto fail;
     }
-    if (backend_is_cpu(e->be)) LOG_I(MOD, "cpu kernels: %s", cpu_isa_describe());
+    if (backend_is_cpu(e->be)) LOG_I(MOD, "cpu kernels: %s", backend_kernels_describe(e->be));
     LOG_I(MOD,
           "model %s on %s (%s kernels): %d layers, hidden %d, vocab %d; KV cache %zu blocks x %d "
           "tokens (%zu tokens, %.1f MiB, %s)",

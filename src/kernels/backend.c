@@ -4,6 +4,9 @@
  * check their arguments once here and call the backend's table (backend_impl.h).
  */
 #include "kernels/backend_impl.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/cpu_matmul.h"
+#include "kernels/cuda/cuda_transfer.h"
 
 #include "base/log.h"
 
@@ -199,11 +202,42 @@ void *backend_module_symbol(const backend *be, const char *name) {
     return dlsym(be->module, name);
 }
 
+int backend_transfer_device_ops(const backend *be, int device, struct transfer_device_ops *out,
+                                char *err, size_t errlen) {
+    dcu_transfer_api_fn fn =
+        (dcu_transfer_api_fn)(uintptr_t)backend_module_symbol(be, DCU_TRANSFER_SYMBOL);
+    const dcu_transfer_api *api = fn ? fn() : NULL;
+    if (!api || api->abi != DCU_TRANSFER_ABI) {
+        snprintf(err, errlen,
+                 "the KV cache is in %s memory but %s has no transfer ops (%s%s): "
+                 "rebuild disagg and libdisagg_cuda.so together",
+                 be->location, be->module ? "the CUDA module" : "its backend", DCU_TRANSFER_SYMBOL,
+                 api ? " of another ABI" : " missing");
+        return -EINVAL;
+    }
+    char why[256] = "";
+    if (api->device_ops(device, out, why, sizeof why)) {
+        snprintf(err, errlen, "cannot get the %s memory ops: %s", be->location,
+                 why[0] ? why : "unknown error");
+        return -EINVAL;
+    }
+    return 0;
+}
+
 const char *backend_location(const backend *be) {
     return be->location;
 }
 int backend_is_cpu(const backend *be) {
     return be->is_cpu;
+}
+const char *backend_kernels_name(const backend *be) {
+    return backend_is_cpu(be) ? cpu_isa_name(cpu_isa_get()) : "cuda";
+}
+const char *backend_kernels_describe(const backend *be) {
+    return backend_is_cpu(be) ? cpu_isa_describe() : be->name;
+}
+void backend_row_to_f32(float *out, const void *row, backend_dtype dt, int n) {
+    cpu_ref_row_to_f32(out, row, (cpu_dtype)dt, n); /* backend_dtype and cpu_dtype agree */
 }
 backend_dtype backend_act_dtype(const backend *be) {
     return be->act_dtype;
@@ -324,6 +358,10 @@ backend_stream *backend_stream_create(backend *be) {
         return NULL;
     }
     return st;
+}
+
+backend_stream *backend_stream_create_threads(backend *be, int n_threads) {
+    return be->is_cpu ? cpu_backend_stream_create(be, n_threads) : backend_stream_create(be);
 }
 
 void backend_stream_free(backend_stream *st) {

@@ -106,9 +106,17 @@ void backend_close(backend *be); /* NULL is fine; every buffer and stream must b
  * kernels/cpu/cpu_backend.h).  Never freed; backend_close() on it does nothing. */
 backend *backend_cpu_default(void);
 
-const char *backend_name(const backend *be);        /* "cpu", "cuda:0 (NVIDIA H200)", ... */
-const char *backend_location(const backend *be);    /* "cpu:0", "cuda:0": transfer_register() */
-int backend_is_cpu(const backend *be);              /* 1 for the CPU backend */
+const char *backend_name(const backend *be);     /* "cpu", "cuda:0 (NVIDIA H200)", ... */
+const char *backend_location(const backend *be); /* "cpu:0", "cuda:0": transfer_register() */
+int backend_is_cpu(const backend *be);           /* 1 for the CPU backend */
+/* Which kernels compute: the CPU's ISA ("avx2", "avx512f", ... chosen by cpuid or
+ * DISAGG_CPU_ISA) or "cuda".  Results are bit-exact only between equal names. */
+const char *backend_kernels_name(const backend *be);
+/* A line for the start-up log: the CPU's ISA choice and why (cpuid, the override), or
+ * the backend's name. */
+const char *backend_kernels_describe(const backend *be);
+/* n elements of a host row of dtype dt (f32, f16, bf16) widened to f32 (host memory). */
+void backend_row_to_f32(float *out, const void *row, backend_dtype dt, int n);
 backend_dtype backend_act_dtype(const backend *be); /* activations the model should use */
 /* The dtype the model should give matmuls their inputs in (normed rows, attention output,
  * SwiGLU output: made by backend_add_rmsnorm, backend_attention_to, backend_gate_up):
@@ -128,6 +136,13 @@ int backend_block_size_default(const backend *be); /* "auto" block size: 128 cpu
 void *backend_module_symbol(const backend *be, const char *name);
 /* Device memory: *free_b bytes free now, *total_b in all (CPU: available and physical RAM). */
 int backend_memory(const backend *be, size_t *free_b, size_t *total_b);
+/* The transfer engine's device-memory ops (include/disagg/transfer.h) for device memory of
+ * be's GPU `device` (the CUDA module's table), for a KV region the transfer engine moves.
+ * 0, or -EINVAL with err saying why (the CPU backend: host memory needs none; a module
+ * without the table or of another ABI). */
+struct transfer_device_ops;
+int backend_transfer_device_ops(const backend *be, int device, struct transfer_device_ops *out,
+                                char *err, size_t errlen);
 
 /* ---- buffers ---------------------------------------------------------------------- */
 
@@ -163,6 +178,11 @@ backend *backend_buffer_backend(const backend_buffer *b);
 /* A stream on the backend's own resources (CPU: the backend's pool, or none for
  * backend_cpu_default(), which runs inline).  NULL on failure (logged). */
 backend_stream *backend_stream_create(backend *be);
+/* A stream whose work runs on n_threads host threads of its own (the CPU backend:
+ * 1 = the calling thread alone, 0 = one per online CPU, N = N threads; freed with the
+ * stream) instead of the backend's pool.  Backends without host compute threads (CUDA)
+ * ignore n_threads: backend_stream_create().  NULL on failure (logged). */
+backend_stream *backend_stream_create_threads(backend *be, int n_threads);
 void backend_stream_free(backend_stream *st); /* syncs first; NULL is fine */
 int backend_stream_sync(backend_stream *st);
 backend *backend_stream_backend(const backend_stream *st);

@@ -6,7 +6,6 @@
 #include "model/qwen2.h"
 
 #include "base/log.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "model/hf_cache.h"
 
 #include <errno.h>
@@ -188,16 +187,8 @@ qwen2_state *qwen2_state_create(const qwen2_model *m, int max_tokens) {
     return state_new(m, max_tokens, backend_stream_create(m->be));
 }
 
-qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, cpu_pool *pool) {
-    if (!backend_is_cpu(m->be)) {
-        if (pool) {
-            LOG_E("qwen2", "qwen2_state_init: a CPU thread pool given for a model on %s",
-                  backend_name(m->be));
-            return NULL;
-        }
-        return qwen2_state_create(m, max_tokens);
-    }
-    return state_new(m, max_tokens, cpu_backend_stream_create(m->be, pool));
+qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, int n_threads) {
+    return state_new(m, max_tokens, backend_stream_create_threads(m->be, n_threads));
 }
 
 void qwen2_state_free(qwen2_state *s) {

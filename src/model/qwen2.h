@@ -26,7 +26,6 @@
 #define DISAGG_MODEL_QWEN2_H
 
 #include "kernels/backend.h"
-#include "kernels/cpu/cpu_matmul.h" /* CPU conveniences: cpu_pool, cpu_dtype */
 #include "model/model_config.h"
 #include "model/weights.h"
 
@@ -91,9 +90,10 @@ typedef struct qwen2_state qwen2_state;
 /* Workspace for up to max_tokens tokens per forward call, with its own stream on the
  * model's backend (the backend's threads).  NULL on failure (logged). */
 qwen2_state *qwen2_state_create(const qwen2_model *m, int max_tokens);
-/* CPU convenience: on the CPU backend, the work runs on pool (NULL: one thread); on another
- * backend pool must be NULL and this is qwen2_state_create. */
-qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, cpu_pool *pool);
+/* CPU convenience: on the CPU backend, the work runs on n_threads threads of the state's
+ * own (1: the calling thread alone, 0: one per online CPU); on another backend n_threads
+ * is ignored and this is qwen2_state_create. */
+qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, int n_threads);
 void qwen2_state_free(qwen2_state *s);
 int qwen2_state_max_tokens(const qwen2_state *s);
 

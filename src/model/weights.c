@@ -4,8 +4,6 @@
  */
 #include "model/weights.h"
 
-#include "kernels/cpu/cpu_matmul.h" /* host-side conversion of the small vectors to f32 */
-
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -136,7 +134,7 @@ static int w_vec(model_weights *w, backend_stream *st, float **v, const char *na
     backend_buffer *b = host ? backend_buffer_alloc(w->be, (size_t)n * sizeof *host, 0) : NULL;
     int rc = -ENOMEM;
     if (b && !w_keep(w, b)) {
-        cpu_ref_row_to_f32(host, t->data, (cpu_dtype)dt, n);
+        backend_row_to_f32(host, t->data, dt, n);
         rc = backend_upload(st, backend_buffer_ptr(b), host, (size_t)n * sizeof *host);
         *v = backend_buffer_ptr(b);
         b = NULL; /* kept */
@@ -164,7 +162,7 @@ static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **
         for (int i = 0; i < n; i++) {
             backend_dtype dt = BACKEND_F32;
             w_dtype(ts[i]->dtype, &dt); /* w_find accepted it */
-            cpu_ref_row_to_f32(host + off, ts[i]->data, (cpu_dtype)dt, lens[i]);
+            backend_row_to_f32(host + off, ts[i]->data, dt, lens[i]);
             parts[i] = (float *)backend_buffer_ptr(b) + off;
             off += lens[i];
         }

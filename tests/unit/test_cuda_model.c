@@ -104,7 +104,7 @@ static double compare_model(const char *dir, const int32_t *ids, int n, int kv_d
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
     int V = m.cfg.vocab_size, nb = (n + BS - 1) / BS + 1;
-    qwen2_state *s = qwen2_state_init(&m, n, NULL);
+    qwen2_state *s = qwen2_state_init(&m, n, 1);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &m.cfg, nb, BS), 0);
     int32_t table[512];
@@ -523,7 +523,7 @@ static void test_graph_api_cpu(void **st) {
     snprintf(dir, sizeof dir, "%s/models/disagg-sotu-tiny", DISAGG_SOURCE_DIR);
     qwen2_model m;
     assert_int_equal(qwen2_load(&m, dir, 0, err, sizeof err), 0);
-    qwen2_state *qs = qwen2_state_init(&m, 16, NULL);
+    qwen2_state *qs = qwen2_state_init(&m, 16, 1);
     assert_non_null(qs);
     assert_int_equal(qwen2_state_set_graphs(qs, 8), 0);
     assert_int_equal(qwen2_state_graphs(qs), 0);

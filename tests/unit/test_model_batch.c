@@ -50,11 +50,11 @@ static int teardown(void **st) {
 }
 
 /* Reference: A in one prefill, logits of every position: (N, V). */
-static float *run_prefill(cpu_pool *pool) {
+static float *run_prefill(int threads) {
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &g_m.cfg, 8, BS), 0);
     int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    qwen2_state *s = qwen2_state_init(&g_m, 64, pool);
+    qwen2_state *s = qwen2_state_init(&g_m, 64, threads);
     float *out = malloc((size_t)N * V * sizeof(float));
     qwen2_seq q = {A, N, 0, table, 8, out, 1, NULL};
     assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
@@ -72,9 +72,9 @@ static void assert_rows_equal(const float *want, const float *got, int row0, int
 
 static void test_chunks_and_tokens(void **st) {
     (void)st;
-    cpu_pool *pool = cpu_pool_init(0);
-    float *ref = run_prefill(pool);
-    qwen2_state *s = qwen2_state_init(&g_m, 64, pool);
+    int threads = 0;
+    float *ref = run_prefill(threads);
+    qwen2_state *s = qwen2_state_init(&g_m, 64, threads);
     float *out = malloc((size_t)N * V * sizeof(float));
     /* chunks 7 + 8 + 5, blocks in a scattered table */
     kv_store kv;
@@ -98,14 +98,13 @@ static void test_chunks_and_tokens(void **st) {
     free(out);
     free(ref);
     qwen2_state_free(s);
-    cpu_pool_free(pool);
 }
 
 static void test_batched_with_others(void **st) {
     (void)st;
-    cpu_pool *pool = cpu_pool_init(0);
-    float *ref = run_prefill(pool);
-    qwen2_state *s = qwen2_state_init(&g_m, 64, pool);
+    int threads = 0;
+    float *ref = run_prefill(threads);
+    qwen2_state *s = qwen2_state_init(&g_m, 64, threads);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &g_m.cfg, 24, BS), 0);
     int32_t ta[5] = {3, 11, 20, 6, 1}, tb[4] = {0, 23, 5, 17}, tc[4] = {8, 9, 10, 12};
@@ -136,20 +135,17 @@ static void test_batched_with_others(void **st) {
     free(ref);
     kv_store_free(&kv);
     qwen2_state_free(s);
-    cpu_pool_free(pool);
 }
 
 static int g_skipped; /* tests skipped for a missing ISA */
 
 static void test_threads(void **st) {
     (void)st;
-    cpu_pool *p1 = cpu_pool_init(1), *p3 = cpu_pool_init(3);
+    int p1 = 1, p3 = 3;
     float *r1 = run_prefill(p1), *r3 = run_prefill(p3);
     assert_memory_equal(r1, r3, (size_t)N * V * sizeof(float));
     free(r1);
     free(r3);
-    cpu_pool_free(p1);
-    cpu_pool_free(p3);
 }
 
 /* The whole forward gives the same logits on the scalar and the AVX2 kernels (the AVX2 path
@@ -163,7 +159,7 @@ static void test_scalar_equals_avx2(void **st) {
         g_skipped++;
         skip();
     }
-    cpu_pool *p3 = cpu_pool_init(3);
+    int p3 = 3;
     float *ra = run_prefill(p3);
     cpu_isa_force(CPU_ISA_SCALAR);
     float *rs = run_prefill(p3);
@@ -172,12 +168,11 @@ static void test_scalar_equals_avx2(void **st) {
         fail_msg("scalar reference and AVX2 logits differ");
     free(ra);
     free(rs);
-    cpu_pool_free(p3);
 }
 
 static void test_bad_inputs(void **st) {
     (void)st;
-    qwen2_state *s = qwen2_state_init(&g_m, 8, NULL);
+    qwen2_state *s = qwen2_state_init(&g_m, 8, 1);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &g_m.cfg, 4, BS), 0);
     int32_t table[4] = {0, 1, 2, 3}, bad_table[2] = {0, 4};

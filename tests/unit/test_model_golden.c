@@ -35,8 +35,7 @@ static void check_model(const char *name, double tol) {
     int rc = qwen2_load(&m, dir, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
-    cpu_pool *pool = cpu_pool_init(0);
-    qwen2_state *s = qwen2_state_init(&m, 256, pool);
+    qwen2_state *s = qwen2_state_init(&m, 256, 0);
     assert_non_null(s);
     int V = m.cfg.vocab_size;
     json_t *cases = json_object_get(g, "cases");
@@ -94,7 +93,6 @@ static void check_model(const char *name, double tol) {
     fprintf(stderr, "%s: worst relative error vs transformers %.3g (tolerance %.0e), isa %s\n",
             name, worst, tol, cpu_isa_name(cpu_isa_get()));
     qwen2_state_free(s);
-    cpu_pool_free(pool);
     qwen2_free(&m);
     json_decref(g);
 }

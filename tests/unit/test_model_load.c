@@ -14,6 +14,7 @@
 
 #include "model/hf_cache.h"
 #include "model/model_config.h"
+#include "kernels/cpu/cpu_matmul.h"
 #include "model/qwen2.h"
 #include "test_model_fixture.h"
 

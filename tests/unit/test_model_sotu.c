@@ -18,11 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cpu/cpu_pool.h"
 #include "model/qwen2.h"
 
 static qwen2_model g_m;
-static cpu_pool *g_pool;
 
 static int setup(void **st) {
     (void)st;
@@ -31,13 +29,11 @@ static int setup(void **st) {
         fprintf(stderr, "%s\n", err);
         return -1;
     }
-    g_pool = cpu_pool_init(0);
     return 0;
 }
 
 static int teardown(void **st) {
     (void)st;
-    cpu_pool_free(g_pool);
     qwen2_free(&g_m);
     return 0;
 }
@@ -57,7 +53,7 @@ static void test_greedy(void **st) {
     int V = g_m.cfg.vocab_size,
         max_new = (int)json_integer_value(json_object_get(g, "max_new_tokens"));
     json_t *eos = json_object_get(g, "eos_token_ids");
-    qwen2_state *s = qwen2_state_init(&g_m, 512, g_pool);
+    qwen2_state *s = qwen2_state_init(&g_m, 512, 0);
     float *logits = malloc((size_t)V * sizeof(float));
     size_t pi;
     json_t *pr;
@@ -116,7 +112,7 @@ static void test_heldout_nll(void **st) {
     int32_t *ids = malloc((size_t)total * sizeof *ids);
     for (int i = 0; i < total; i++)
         ids[i] = (int32_t)json_integer_value(json_array_get(jids, (size_t)i));
-    qwen2_state *s = qwen2_state_init(&g_m, W, g_pool);
+    qwen2_state *s = qwen2_state_init(&g_m, W, 0);
     float *logits = malloc((size_t)W * V * sizeof(float));
     kv_store kv;
     int nb = W / 16 + 1;

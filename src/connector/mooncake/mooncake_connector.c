@@ -16,7 +16,6 @@
 #include "connector/mooncake/xfer_plan.h"
 #include "disagg/transfer.h"
 #include "kernels/backend.h"
-#include "kernels/cuda/cuda_transfer.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -1343,28 +1342,17 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
     return 0;
 }
 
-/* A KV region in HBM: the CUDA module's device-memory ops go into the transfer engine
- * (the engine's backend loaded the module; kernels/cuda/cuda_transfer.h). */
+/* A KV region in HBM: the backend's device-memory ops go into the transfer engine. */
 static int install_device_ops(mooncake_connector *c, char *err, size_t errlen) {
     int dev = 0;
     if (c->region.location[4] == ':') dev = atoi(c->region.location + 5);
-    dcu_transfer_api_fn fn = (dcu_transfer_api_fn)(uintptr_t)backend_module_symbol(
-        c->region.backend, DCU_TRANSFER_SYMBOL);
-    const dcu_transfer_api *api = fn ? fn() : NULL;
-    if (!api || api->abi != DCU_TRANSFER_ABI) {
-        snprintf(err, errlen,
-                 "the KV cache is in %s memory but the CUDA module has no transfer ops (%s%s): "
-                 "rebuild disagg and libdisagg_cuda.so together",
-                 c->region.location, DCU_TRANSFER_SYMBOL, api ? " of another ABI" : " missing");
-        return -EINVAL;
-    }
     transfer_device_ops ops;
-    char why[256] = "";
-    int rc = api->device_ops(dev, &ops, why, sizeof why);
-    if (rc == 0) rc = transfer_engine_set_device_ops(c->te, &ops);
+    int rc = backend_transfer_device_ops(c->region.backend, dev, &ops, err, errlen);
+    if (rc) return rc;
+    rc = transfer_engine_set_device_ops(c->te, &ops);
     if (rc) {
         snprintf(err, errlen, "cannot give the transfer engine the %s memory ops: %s",
-                 c->region.location, why[0] ? why : transfer_strerror(rc));
+                 c->region.location, transfer_strerror(rc));
         return -EINVAL;
     }
     return 0;

@@ -151,7 +151,8 @@ static void cpu_buffer_free(backend *be, backend_buffer *b) {
 /* ---- streams and the plan ------------------------------------------------------------ */
 
 typedef struct cpu_stream {
-    cpu_pool *pool;      /* threads for the work (not owned; NULL = inline) */
+    cpu_pool *pool;      /* threads for the work (NULL = inline) */
+    cpu_pool *owned;     /* pool, when the stream made it (cpu_backend_stream_create) */
     backend_batch b;     /* the current plan; arrays point into the copies below */
     int32_t *tok_arrays; /* tokens, tok_seq, tok_pos, out_rows: 4 * tok_cap */
     int tok_cap;
@@ -177,24 +178,28 @@ static int cpu_stream_create(backend *be, backend_stream *st) {
     return stream_init(st, ((cpu_ctx *)be->ctx)->pool);
 }
 
-backend_stream *cpu_backend_stream_create(backend *be, cpu_pool *pool) {
+backend_stream *cpu_backend_stream_create(backend *be, int n_threads) {
     if (!be || be->iface != &cpu_iface) {
         LOG_E(MOD, "cpu_backend_stream_create: %s is not the CPU backend",
               be ? be->name : "(null)");
         return NULL;
     }
+    cpu_pool *pool = NULL;
+    if (n_threads != 1 && !(pool = cpu_pool_init(n_threads))) return NULL;
     backend_stream *st = calloc(1, sizeof *st);
-    if (!st) return NULL;
-    st->be = be;
-    if (stream_init(st, pool)) {
+    if (st) st->be = be;
+    if (!st || stream_init(st, pool)) {
         free(st);
+        cpu_pool_free(pool);
         return NULL;
     }
+    ((cpu_stream *)st->impl)->owned = pool;
     return st;
 }
 
 static void cpu_stream_free(backend_stream *st) {
     cpu_stream *s = st->impl;
+    cpu_pool_free(s->owned);
     free(s->tok_arrays);
     free(s->seq_arrays);
     free(s->bt);

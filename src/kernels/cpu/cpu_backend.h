@@ -14,9 +14,9 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_pool.h"
 
-/* A stream of the CPU backend be that runs its work on pool (borrowed: it must outlive
- * the stream; NULL: on the calling thread alone), instead of the backend's own pool.
+/* backend_stream_create_threads on the CPU backend be: a stream with a pool of its own
+ * (n_threads 1: none, the calling thread alone; 0: one per online CPU), freed with it.
  * NULL if be is not the CPU backend or on allocation failure (logged). */
-backend_stream *cpu_backend_stream_create(backend *be, cpu_pool *pool);
+backend_stream *cpu_backend_stream_create(backend *be, int n_threads);
 
 #endif
