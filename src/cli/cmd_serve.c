@@ -581,8 +581,13 @@ int cmd_serve(int argc, char **argv) {
     if (!config) return serve_args(argc, argv);
     strv a = {0};
     int rc = 2;
-    if (strv_push(&a, argv[0], strlen(argv[0])) || config_file_args(config, &a)) goto out;
-    for (int i = 1; i < argc; i++)
+    /* as vLLM: after a leading positional MODEL (so that a file's multi-word flag such as
+     * --served-model-name does not take MODEL as one more word) */
+    int first = argc > 1 && argv[1][0] != '-' ? 2 : 1;
+    for (int i = 0; i < first; i++)
+        if (strv_push(&a, argv[i], strlen(argv[i]))) goto out;
+    if (config_file_args(config, &a)) goto out;
+    for (int i = first; i < argc; i++)
         if (strv_push(&a, argv[i], strlen(argv[i]))) goto out;
     rc = serve_args(a.n, a.v);
 out:
@@ -714,9 +719,10 @@ static int serve_args(int argc, char **argv) {
                 }
             } else
                 names[n_names++] = val;
-            while (!eq && i + 1 < argc && argv[i + 1][0] != '-' && n_names < MAX_NAMES)
+            int more = !eq && !names_json; /* a JSON list is the whole list */
+            while (more && i + 1 < argc && argv[i + 1][0] != '-' && n_names < MAX_NAMES)
                 names[n_names++] = argv[++i];
-            if (!eq && i + 1 < argc && argv[i + 1][0] != '-') {
+            if (more && i + 1 < argc && argv[i + 1][0] != '-') {
                 fprintf(stderr, "disagg serve: --served-model-name: at most %d names\n", MAX_NAMES);
                 goto fail;
             }
