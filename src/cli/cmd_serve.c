@@ -42,7 +42,8 @@ static void serve_usage(FILE *f) {
         f,
         "usage: disagg serve [MODEL] [options]\n\n"
         "OpenAI-compatible server (POST /v1/completions, /v1/chat/completions, /tokenize,\n"
-        "/detokenize; GET /v1/models, /health, /version, /metrics), flags as `vllm serve`.\n"
+        "/detokenize; GET /v1/models, /health, /ping, /load, /version, /metrics), flags as `vllm "
+        "serve`.\n"
         "MODEL: a Hugging Face model directory or a hub name in the HF cache (default: the\n"
         "repository's models/" DEFAULT_MODEL_NAME ").\n\n"
         "options:\n"
@@ -129,13 +130,14 @@ static void serve_usage(FILE *f) {
         "  --disable-log-requests          no per-request log lines\n"
         "  --enable-log-requests           per-request log lines (default)\n"
         "  --trust-remote-code             accepted for compatibility (no remote code is run)\n"
-        "  -O0..-O3, -O LEVEL, --compilation-config JSON, --async-scheduling,\n"
-        "  --disable-uvicorn-access-log, --enable-prompt-tokens-details\n"
-        "                                  accepted with no effect (logged): vLLM's compilation "
-        "and front-end tuning\n"
-        "  vLLM flags for features disagg lacks (--speculative-config, --enable-lora,\n"
-        "  --reasoning-parser, --structured-outputs-config, ...) are refused, naming the "
-        "feature.\n");
+        "  -O0..-O3, -O LEVEL              accepted, no effect (logged): vLLM's compilation level\n"
+        "  --compilation-config JSON       accepted, no effect (logged)\n"
+        "  --async-scheduling, --no-async-scheduling   accepted, no effect (logged)\n"
+        "  --disable-uvicorn-access-log    accepted, no effect (logged)\n"
+        "  --enable-prompt-tokens-details  accepted, no effect (logged): usage always has "
+        "prompt_tokens_details\n"
+        "  --speculative-config, --enable-lora, --reasoning-parser, --structured-outputs-config, "
+        "...   refused, naming the vLLM feature disagg lacks\n");
     discovery_cli_usage(f, 1);
 }
 
