@@ -26,6 +26,17 @@ int text_edit_distance(const char *a, const char *b) {
     return row[lb];
 }
 
+int text_close_name(const char *a, const char *b, int *dist) {
+    while (*a == '-')
+        a++;
+    while (*b == '-')
+        b++;
+    size_t la = strlen(a), lb = strlen(b), m = la > lb ? la : lb;
+    int d = text_edit_distance(a, b);
+    *dist = d;
+    return m > 0 && (size_t)d * 5 <= m * 2;
+}
+
 const char *text_json_kind(const json_t *v) {
     switch (json_typeof(v)) {
     case JSON_OBJECT:

@@ -128,13 +128,11 @@ static const char *const KNOWN[] = {"--prefill",
 
 static int unknown_option(const char *a) {
     const char *best = NULL;
-    int bd = 99;
-    for (size_t k = 0; k < NKNOWN; k++) {
-        int d = text_edit_distance(a, KNOWN[k]);
-        if (d < bd) bd = d, best = KNOWN[k];
-    }
+    int bd = 99, d;
+    for (size_t k = 0; k < NKNOWN; k++)
+        if (text_close_name(a, KNOWN[k], &d) && d < bd) bd = d, best = KNOWN[k];
     fprintf(stderr, "disagg proxy: unknown option '%s'", a);
-    if (best && bd <= 4) fprintf(stderr, "; did you mean %s?", best);
+    if (best) fprintf(stderr, "; did you mean %s?", best);
     fprintf(stderr, " (see disagg proxy --help)\n");
     return 2;
 }

@@ -21,6 +21,7 @@
 #include "kernels/backend.h"
 #include "model/chat_template.h"
 #include "model/hf_cache.h"
+#include "server/openai_request.h"
 #include "server/server.h"
 
 #include <jansson.h>
@@ -41,21 +42,26 @@ static void serve_usage(FILE *f) {
         f,
         "usage: disagg serve [MODEL] [options]\n\n"
         "OpenAI-compatible server (POST /v1/completions, /v1/chat/completions, /tokenize,\n"
-        "/detokenize; GET /v1/models, /health, /version, /metrics), flags as `vllm serve`.\n"
+        "/detokenize; GET /v1/models, /health, /ping, /load, /version, /metrics), flags as `vllm "
+        "serve`.\n"
         "MODEL: a Hugging Face model directory or a hub name in the HF cache (default: the\n"
         "repository's models/" DEFAULT_MODEL_NAME ").\n\n"
         "options:\n"
         "  --host HOST                     listen address (default 0.0.0.0)\n"
         "  --port PORT                     listen port (default 8000)\n"
         "  --model MODEL                   the model, as the positional MODEL (vllm accepts both)\n"
-        "  --served-model-name NAME        model name in the API (default: MODEL)\n"
+        "  --served-model-name NAME [NAME ...]   model names in the API, all served; responses "
+        "report the first (default: MODEL)\n"
         "  --api-key KEY                   require 'Authorization: Bearer KEY' on /v1 (also "
         "VLLM_API_KEY)\n"
         "  --max-model-len N               context length (default: the model's)\n"
         "  --max-num-seqs N                most running requests (default 64)\n"
         "  --max-num-batched-tokens N      token budget per engine step (default 2048)\n"
-        "  --block-size N                  tokens per KV-cache block (default: 128 on the CPU, 16 on CUDA)\n"
-        "  --kv-cache-memory BYTES         KV-cache size, e.g. 2G or 512M (default: 25%% of RAM)\n"
+        "  --block-size N                  tokens per KV-cache block (default: 128 on the CPU, 16 "
+        "on CUDA)\n"
+        "  --kv-cache-memory BYTES         KV-cache size, e.g. 2G or 512M (default on the CPU: "
+        "25%% of RAM per instance, so two instances started with defaults on one host reserve "
+        "half of it; give each its own size)\n"
         "  --enable-prefix-caching         reuse cached prompt blocks (default)\n"
         "  --no-enable-prefix-caching      disable prefix caching\n"
         "  --seed N                        engine seed for unseeded sampling (default 0)\n"
@@ -66,8 +72,10 @@ static void serve_usage(FILE *f) {
         "loads and a GPU is visible, else cpu)\n"
         "  --kv-cache-dtype auto|bfloat16|float16|float32   KV-cache element type (default "
         "auto: the device's, float32 on the CPU)\n"
-        "  --gpu-memory-utilization F      GPU: fraction of device memory for weights, "
-        "activations and KV cache (default 0.9; the KV cache gets what is left)\n"
+        "  --gpu-memory-utilization F      GPU: this instance's budget, a fraction of the device's "
+        "total memory, for its weights, activations and KV cache (default 0.9; the KV cache "
+        "gets what is left; memory of other processes is not counted: two instances on one "
+        "GPU: 0.45 each)\n"
         "  --enforce-eager, --no-enforce-eager   GPU: every step eager (default: decode steps of "
         "up to --max-num-seqs sequences run as CUDA graphs)\n"
         "  --batch-invariant, --no-batch-invariant   GPU: kernels whose result for a request "
@@ -91,6 +99,9 @@ static void serve_usage(FILE *f) {
         "  --chat-template FILE|TEMPLATE   Jinja chat template: a file, or the template itself\n"
         "  --generation-config auto|vllm|DIR   sampling defaults: MODEL's generation_config.json "
         "(auto, default), none (vllm), or DIR's\n"
+        "  --override-generation-config JSON   replace those defaults, e.g. '{\"temperature\": "
+        "0.5}'; keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens (caps "
+        "every request's max_tokens, as vLLM)\n"
         "  --max-logprobs N                most logprobs a request may ask, 0..20 (default 20; "
         "-1: 20)\n"
         "  --enable-auto-tool-choice       parse tool calls of chats with tools (disagg does by "
@@ -118,7 +129,15 @@ static void serve_usage(FILE *f) {
         "  --uvicorn-log-level LEVEL       debug|info|warning|error|critical|trace\n"
         "  --disable-log-requests          no per-request log lines\n"
         "  --enable-log-requests           per-request log lines (default)\n"
-        "  --trust-remote-code             accepted for compatibility (no remote code is run)\n");
+        "  --trust-remote-code             accepted for compatibility (no remote code is run)\n"
+        "  -O0..-O3, -O LEVEL              accepted, no effect (logged): vLLM's compilation level\n"
+        "  --compilation-config JSON       accepted, no effect (logged)\n"
+        "  --async-scheduling, --no-async-scheduling   accepted, no effect (logged)\n"
+        "  --disable-uvicorn-access-log    accepted, no effect (logged)\n"
+        "  --enable-prompt-tokens-details  accepted, no effect (logged): usage always has "
+        "prompt_tokens_details\n"
+        "  --speculative-config, --enable-lora, --reasoning-parser, --structured-outputs-config, "
+        "...   refused, naming the vLLM feature disagg lacks\n");
     discovery_cli_usage(f, 1);
 }
 
@@ -220,6 +239,7 @@ static const struct {
              {"--revision", V},
              {"--chat-template", V},
              {"--generation-config", V},
+             {"--override-generation-config", V},
              {"--max-logprobs", V},
              {"--enable-auto-tool-choice", T},
              {"--tool-call-parser", V},
@@ -261,22 +281,109 @@ static int flag_kind(const char *f) {
     return -1;
 }
 
+/* vLLM serve flags for features disagg does not have: refused, naming the feature. */
+static const struct {
+    const char *name, *why;
+} UNSUPPORTED[] = {
+    {"--reasoning-parser", "reasoning output parsing (reasoning_content) is not supported yet"},
+    {"--reasoning-parser-plugin", "reasoning output parsing is not supported yet"},
+    {"--structured-outputs-config",
+     "structured outputs (json_schema, regex, grammar, choice) are not supported"},
+    {"--guided-decoding-backend", "structured outputs (guided decoding) are not supported"},
+    {"--speculative-config", "speculative decoding is not supported"},
+    {"--enable-lora", "LoRA adapters are not supported"},
+    {"--lora-modules", "LoRA adapters are not supported"},
+    {"--max-loras", "LoRA adapters are not supported"},
+    {"--max-lora-rank", "LoRA adapters are not supported"},
+    {"--max-cpu-loras", "LoRA adapters are not supported"},
+    {"--enable-expert-parallel",
+     "expert parallelism is not supported (one process runs the whole model on one device)"},
+    {"--enable-eplb", "expert-parallel load balancing is not supported"},
+    {"--cpu-offload-gb", "offloading weights to host memory is not supported"},
+    {"--limit-mm-per-prompt", "multimodal inputs are not supported (text models only)"},
+    {"--mm-processor-kwargs", "multimodal inputs are not supported (text models only)"},
+    {"--enable-prompt-embeds", "prompt embeddings as input are not supported"},
+    {"--hf-overrides",
+     "overriding config.json is not supported (edit a copy of the model directory)"},
+    {"--logits-processors", "custom logits processors are not supported"},
+    {"--enable-sleep-mode", "sleep mode is not supported"},
+    {"--kv-events-config", "KV cache events are not published"},
+    {"--otlp-traces-endpoint", "OpenTelemetry tracing is not supported (use GET /metrics)"},
+    {"--ssl-keyfile", "TLS is not supported: terminate TLS in a reverse proxy in front"},
+    {"--ssl-certfile", "TLS is not supported: terminate TLS in a reverse proxy in front"},
+    {"--ssl-ca-certs", "TLS is not supported: terminate TLS in a reverse proxy in front"},
+    {"--uds", "listening on a Unix socket is not supported (use --host and --port)"},
+    {"--headless", "multi-node data parallelism is not supported"},
+    {"--data-parallel-address", "data parallelism is not supported (run more instances behind "
+                                "disagg proxy)"},
+    {"--api-server-count", "one HTTP front end per process (run more instances behind disagg "
+                           "proxy)"},
+};
+
+/* vLLM flags that tune what disagg does not have (compilation, uvicorn): accepted, no effect.
+ * takes: 1 when the flag takes a value. */
+static const struct {
+    const char *name;
+    int takes;
+} NO_EFFECT[] = {{"--compilation-config", 1},         {"-O", 1},
+                 {"--async-scheduling", 0},           {"--no-async-scheduling", 0},
+                 {"--disable-uvicorn-access-log", 0}, {"--enable-prompt-tokens-details", 0}};
+
 static void unknown_flag(const char *f) {
+    for (size_t i = 0; i < sizeof UNSUPPORTED / sizeof UNSUPPORTED[0]; i++)
+        if (!strcmp(f, UNSUPPORTED[i].name)) {
+            fprintf(stderr, "disagg serve: %s: %s (see disagg serve --help)\n", f,
+                    UNSUPPORTED[i].why);
+            return;
+        }
     const char *best = NULL;
-    int bd = INT_MAX;
+    int bd = INT_MAX, d;
     for (size_t i = 0; i < NFLAGS; i++) {
-        int d = text_edit_distance(f, FLAGS[i].name);
-        if (d < bd) bd = d, best = FLAGS[i].name;
+        if (text_close_name(f, FLAGS[i].name, &d) && d < bd) bd = d, best = FLAGS[i].name;
         if (FLAGS[i].kind == B) {
             char no[80];
             snprintf(no, sizeof no, "--no-%s", FLAGS[i].name + 2);
-            d = text_edit_distance(f, no);
-            if (d < bd) bd = d, best = FLAGS[i].name;
+            if (text_close_name(f, no, &d) && d < bd) bd = d, best = FLAGS[i].name;
         }
     }
-    fprintf(stderr,
-            "disagg serve: unknown option '%s'; did you mean %s? (see disagg serve --help)\n", f,
-            best);
+    for (size_t i = 0; i < sizeof UNSUPPORTED / sizeof UNSUPPORTED[0]; i++)
+        if (text_close_name(f, UNSUPPORTED[i].name, &d) && d < bd)
+            bd = d, best = UNSUPPORTED[i].name;
+    fprintf(stderr, "disagg serve: unknown option '%s'", f);
+    if (best) fprintf(stderr, "; did you mean %s?", best);
+    fprintf(stderr, " (see disagg serve --help)\n");
+}
+
+/* -O0..-O3 / -O LEVEL / --compilation-config JSON and the like: 1 when f is one (its value,
+ * if any, consumed from argv), logged as having no effect; -1 on a missing value. */
+static int no_effect_flag(const char *f, const char *eq, int argc, char **argv, int *i) {
+    if (f[0] == '-' && f[1] == 'O' && f[2] >= '0' && f[2] <= '3' && !f[3]) {
+        LOG_I("serve",
+              "%s: accepted, no effect (vLLM's compilation level; disagg compiles "
+              "nothing at run time)",
+              f);
+        return 1;
+    }
+    for (size_t k = 0; k < sizeof NO_EFFECT / sizeof NO_EFFECT[0]; k++) {
+        if (strcmp(f, NO_EFFECT[k].name)) continue;
+        const char *val = NULL;
+        if (NO_EFFECT[k].takes) {
+            if (eq)
+                val = eq + 1;
+            else if (*i + 1 < argc)
+                val = argv[++*i];
+            else {
+                fprintf(stderr, "disagg serve: %s needs a value\n", f);
+                return -1;
+            }
+        }
+        LOG_I("serve",
+              "%s%s%s: accepted, no effect (vLLM tuning that disagg has no counterpart "
+              "for)",
+              f, val ? " " : "", val ? val : "");
+        return 1;
+    }
+    return 0;
 }
 
 /* --allowed-origins and friends: a JSON list of strings (vLLM parses them with json.loads). */
@@ -476,8 +583,13 @@ int cmd_serve(int argc, char **argv) {
     if (!config) return serve_args(argc, argv);
     strv a = {0};
     int rc = 2;
-    if (strv_push(&a, argv[0], strlen(argv[0])) || config_file_args(config, &a)) goto out;
-    for (int i = 1; i < argc; i++)
+    /* as vLLM: after a leading positional MODEL (so that a file's multi-word flag such as
+     * --served-model-name does not take MODEL as one more word) */
+    int first = argc > 1 && argv[1][0] != '-' ? 2 : 1;
+    for (int i = 0; i < first; i++)
+        if (strv_push(&a, argv[i], strlen(argv[i]))) goto out;
+    if (config_file_args(config, &a)) goto out;
+    for (int i = first; i < argc; i++)
         if (strv_push(&a, argv[i], strlen(argv[i]))) goto out;
     rc = serve_args(a.n, a.v);
 out:
@@ -496,6 +608,10 @@ static int serve_args(int argc, char **argv) {
     const char *tool_parser = NULL;
     char *template_text = NULL;
     int auto_tool_choice = 0, rc = 2;
+    enum { MAX_NAMES = 32 };
+    static const char *names[MAX_NAMES];
+    int n_names = 0;
+    json_t *names_json = NULL; /* owns names[] when they came as a JSON list */
     discovery_cli disc;
     discovery_cli_init(&disc);
     const char *env_key = getenv("VLLM_API_KEY");
@@ -552,7 +668,9 @@ static int serve_args(int argc, char **argv) {
             }
         }
         if (kind < 0) {
-            unknown_flag(flag);
+            int ne = no_effect_flag(flag, eq, argc, argv, &i);
+            if (ne > 0) continue;
+            if (ne == 0) unknown_flag(flag);
             goto fail;
         }
         if (kind == V) {
@@ -578,9 +696,47 @@ static int serve_args(int argc, char **argv) {
         else if (!strcmp(flag, "--port")) {
             if (parse_long(flag, val, 0, 65535, &x)) goto fail;
             cfg.port = (int)x;
-        } else if (!strcmp(flag, "--served-model-name"))
-            cfg.served_model_name = val;
-        else if (!strcmp(flag, "--api-key"))
+        } else if (!strcmp(flag, "--served-model-name")) {
+            /* vLLM's nargs="+": every following word up to the next flag (the last
+             * --served-model-name wins); a --config list arrives as a JSON list */
+            n_names = 0;
+            json_decref(names_json);
+            names_json = NULL;
+            if (val[0] == '[') {
+                names_json = json_loads(val, 0, NULL);
+                size_t k;
+                json_t *x;
+                int ok = json_is_array(names_json) && json_array_size(names_json) > 0;
+                if (ok) json_array_foreach(names_json, k, x) ok &= json_is_string(x);
+                if (!ok) {
+                    fprintf(stderr,
+                            "disagg serve: --served-model-name '%s': a list must be a non-empty "
+                            "JSON list of strings\n",
+                            val);
+                    goto fail;
+                }
+                json_array_foreach(names_json, k, x) {
+                    if (n_names == MAX_NAMES) break;
+                    names[n_names++] = json_string_value(x);
+                }
+            } else
+                names[n_names++] = val;
+            int more = !eq && !names_json; /* a JSON list is the whole list */
+            while (more && i + 1 < argc && argv[i + 1][0] != '-' && n_names < MAX_NAMES)
+                names[n_names++] = argv[++i];
+            if (more && i + 1 < argc && argv[i + 1][0] != '-') {
+                fprintf(stderr, "disagg serve: --served-model-name: at most %d names\n", MAX_NAMES);
+                goto fail;
+            }
+            for (int k = 0; k < n_names; k++)
+                if (!*names[k]) {
+                    fprintf(stderr, "disagg serve: --served-model-name: a name is empty\n");
+                    goto fail;
+                }
+            cfg.served_model_name = names[0];
+            cfg.more_model_names = names + 1;
+            cfg.n_more_model_names = n_names - 1;
+        } else if (!strcmp(flag, "--api-key"))
             cfg.api_key = val;
         else if (!strcmp(flag, "--max-model-len")) {
             if (parse_long(flag, val, 1, 1 << 24, &x)) goto fail;
@@ -745,6 +901,15 @@ static int serve_args(int argc, char **argv) {
                 }
             }
             cfg.generation_config = val;
+        } else if (!strcmp(flag, "--override-generation-config")) {
+            oai_defaults d;
+            oai_defaults_init(&d);
+            char oerr[512];
+            if (oai_defaults_override(&d, val, oerr, sizeof oerr)) {
+                fprintf(stderr, "disagg serve: --override-generation-config '%s': %s\n", val, oerr);
+                goto fail;
+            }
+            cfg.override_generation_config = val;
         } else if (!strcmp(flag, "--max-logprobs")) {
             if (parse_long(flag, val, -1, LONG_MAX, &x)) goto fail;
             if (x > 20) {
@@ -927,6 +1092,7 @@ done_ok:
 fail:
     rc = 2;
 out:
+    json_decref(names_json);
     json_decref(cfg.cors_origins);
     json_decref(cfg.cors_methods);
     json_decref(cfg.cors_headers);

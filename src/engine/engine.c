@@ -7,6 +7,7 @@
  * num_blocks blocks (block-major, model/qwen2.h's kv_store).
  */
 #include "engine/engine.h"
+#include "engine/gpu_budget.h"
 
 #include "base/clock.h"
 #include "base/log.h"
@@ -915,6 +916,10 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         return rc;
     }
     if (c.block_size == 0) e->cfg.block_size = c.block_size = backend_block_size_default(e->be);
+    /* what the device has free before this instance loads anything: what it uses later is
+     * measured against it (--gpu-memory-utilization is this instance's budget) */
+    size_t free_before = 0, total_before = 0;
+    backend_memory(e->be, &free_before, &total_before);
     rc = qwen2_load_on(&e->model, c.model, e->be, c.progress, err, errlen);
     if (rc) {
         backend_close(e->be);
@@ -965,14 +970,25 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     size_t want =
         c.kv_cache_bytes ? c.kv_cache_bytes : (size_t)((double)mem_total * c.kv_cache_fraction);
     if (!backend_is_cpu(e->be) && !c.kv_cache_bytes) {
-        double budget = (double)mem_total * c.gpu_memory_utilization;
-        double used = (double)(mem_total - mem_free);
-        double reserve = 512.0 * (1 << 20); /* cuBLASLt workspaces, attention scratch, logits */
-        want = budget > used + reserve ? (size_t)(budget - used - reserve) : 0;
+        gpu_budget_in bi = {.total = mem_total,
+                            .free_before = free_before,
+                            .free_now = mem_free,
+                            .utilization = c.gpu_memory_utilization,
+                            .reserve = (size_t)512 << 20}; /* cuBLASLt, attention scratch, logits */
+        gpu_budget_out bo2;
+        char berr[768];
+        if (gpu_budget_kv(&bi, &bo2, berr, sizeof berr)) {
+            snprintf(err, errlen, "%s: %s", backend_name(e->be), berr);
+            rc = -EINVAL;
+            goto fail;
+        }
+        want = bo2.kv_bytes;
         LOG_I(MOD,
-              "%s: %.2f GB of %.2f GB in use after weights and activations; "
-              "--gpu-memory-utilization %.2f leaves %.2f GB for the KV cache",
-              backend_name(e->be), used / 1e9, (double)mem_total / 1e9, c.gpu_memory_utilization,
+              "%s: this instance uses %.2f GB for weights and activations (other processes "
+              "%.2f GB, %.2f GB free of %.2f GB); --gpu-memory-utilization %.2f leaves %.2f GB "
+              "for its KV cache",
+              backend_name(e->be), (double)bo2.own / 1e9, (double)bo2.others / 1e9,
+              (double)mem_free / 1e9, (double)mem_total / 1e9, c.gpu_memory_utilization,
               (double)want / 1e9);
     }
     size_t nblocks = want / block_bytes;

@@ -250,9 +250,12 @@ static void handle(hs_req *req, void *arg) {
     px->requests[ep]++;
     /* as vLLM's --api-key: every /v1 path needs the key; /health, /metrics are open */
     if (!strncmp(path, "/v1", 3) && (!path[3] || path[3] == '/') && !client_key_ok(px, req)) {
-        proxy_reply_error_hdr(px, req, 401, PERR_UNAUTHORIZED, "WWW-Authenticate: Bearer\r\n",
-                              "Unauthorized: send the proxy's API key as 'Authorization: Bearer "
-                              "<key>'");
+        /* vLLM's AuthenticationMiddleware body, byte for byte */
+        static const char body[] = "{\"error\":\"Unauthorized\"}";
+        px->errors[PERR_UNAUTHORIZED]++;
+        proxy_count_status(px, 401);
+        hs_reply(req, 401, "application/json", "WWW-Authenticate: Bearer\r\n", body,
+                 sizeof body - 1);
         return;
     }
     if (ep == EP_OTHER) {

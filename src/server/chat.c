@@ -88,7 +88,10 @@ static json_t *chat_build(gen_req *r) {
         json_t *calls = NULL;
         const char *reason = c->finish_reason;
         bool content_null = false;
-        if (r->o.parse_tool_calls && tool_calls_parse(text, len, &calls, &len) > 0) {
+        size_t content_len = 0;
+        if (r->o.parse_tool_calls && tool_calls_parse(text, len, &calls, &content_len) > 0) {
+            /* a call: the text before it is the content; no call: all of it (hermes) */
+            len = content_len;
             content_null = len == 0;
             if (!strcmp(reason, "stop")) reason = "tool_calls";
         }

@@ -3,6 +3,8 @@
  */
 #include "server/gen.h"
 
+#include "engine/kv_connector.h"
+
 #include "base/clock.h"
 #include "base/http_server.h"
 #include "base/log.h"
@@ -391,6 +393,9 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     q.n_generated = c->n_tokens; /* as usage.completion_tokens */
     q.max_tokens_param = r->o.max_tokens;
     q.n_param = r->o.n > 0 && c->index % r->o.n == 0 ? r->o.n : 0; /* once per prompt */
+    q.n_cached = g->n_cached;
+    q.n_kv_received = g->n_kv_recv;
+    q.remote_prefill = g->kv_role == KV_REQ_REMOTE_PREFILL;
     metrics_observe_request(&r->s->metrics, &q);
     if (g->prompt_lp && r->o.sampling.prompt_logprobs >= 0) {
         /* entry 0 has no logprob; its id is the prompt's first token */
@@ -517,6 +522,10 @@ static int gen_check_lengths(gen_req *r, int p, int *max_tokens) {
         gen_context_error(r, mml, np, mt);
         return -EINVAL;
     }
+    /* --override-generation-config's max_new_tokens caps every request, as vLLM's
+     * get_max_tokens (the min of what fits, the request's and the default's) */
+    if (r->s->defaults.max_tokens > 0 && r->s->defaults.max_tokens < mt)
+        mt = r->s->defaults.max_tokens;
     if (r->o.min_tokens > mt) {
         oai_error_set(&r->err, 400, "BadRequestError", "min_tokens",
                       "'min_tokens' (%d) is more than the %d tokens that fit after the prompt",

@@ -53,18 +53,35 @@ static void handle_health(server *s, hs_req *req) {
     server_reply_text(req, atomic_load(&s->ready) == 1 ? 200 : 503, NULL, "", 0);
 }
 
+/* vLLM's /load: {"server_load": requests in flight}; here the engine's running, waiting
+ * and parked (waiting for remote KV) requests, 0 while the model loads -- what
+ * vllm-router's power_of_two policy reads. */
+static void handle_load(server *s, hs_req *req) {
+    engine_stats st;
+    memset(&st, 0, sizeof st);
+    if (s->eng) engine_get_stats(s->eng, &st);
+    json_int_t load = (json_int_t)st.num_running + st.num_waiting + st.num_parked;
+    server_reply_json(req, 200, json_pack("{s:I}", "server_load", load), NULL);
+}
+
 static void handle_version(server *s, hs_req *req) {
     (void)s;
     server_reply_json(req, 200, json_pack("{s:s}", "version", DISAGG_VERSION), NULL);
 }
 
+/* One entry per served name, the first the one responses report (vLLM's list). */
 static void handle_models(server *s, hs_req *req) {
-    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:n}", "id", s->model_name, "object", "model",
-                          "created", (json_int_t)time(NULL), "owned_by", "disagg", "root",
-                          s->cfg.model ? s->cfg.model : s->model_name, "parent");
-    if (m && s->max_model_len > 0)
-        json_object_set_new(m, "max_model_len", json_integer(s->max_model_len));
-    server_reply_json(req, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m), NULL);
+    json_t *data = json_array();
+    for (int i = -1; data && i < s->cfg.n_more_model_names; i++) {
+        const char *name = i < 0 ? s->model_name : s->cfg.more_model_names[i];
+        json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:n}", "id", name, "object", "model", "created",
+                              (json_int_t)time(NULL), "owned_by", "disagg", "root",
+                              s->cfg.model ? s->cfg.model : s->model_name, "parent");
+        if (m && s->max_model_len > 0)
+            json_object_set_new(m, "max_model_len", json_integer(s->max_model_len));
+        json_array_append_new(data, m);
+    }
+    server_reply_json(req, 200, json_pack("{s:s,s:o}", "object", "list", "data", data), NULL);
 }
 
 static void handle_metrics(server *s, hs_req *req) {
@@ -117,6 +134,8 @@ static const route ROUTES[] = {
     {"/tokenize", ROUTE_POST, 1, 0, tokenize_handle},
     {"/detokenize", ROUTE_POST, 1, 0, detokenize_handle},
     {"/health", ROUTE_GET, 0, 0, handle_health},
+    {"/ping", ROUTE_GET | ROUTE_POST, 0, 0, handle_health},
+    {"/load", ROUTE_GET, 0, 0, handle_load},
     {"/version", ROUTE_GET, 0, 0, handle_version},
     {"/metrics", ROUTE_GET, 0, 0, handle_metrics},
 };
@@ -261,24 +280,27 @@ static void http_dispatch(hs_req *req, void *arg) {
             break;
         }
     if (!match) {
-        server_reply_errorf(req, 404, "NotFoundError", NULL,
-                            "No route for %s; accepted: POST /v1/completions, POST "
-                            "/v1/chat/completions, GET /v1/models, POST /tokenize, POST "
-                            "/detokenize, GET /health, GET /version, GET /metrics",
-                            path);
+        server_reply_errorf(
+            req, 404, "NotFoundError", NULL,
+            "No route for %s; accepted: POST /v1/completions, POST "
+            "/v1/chat/completions, GET /v1/models, POST /tokenize, POST "
+            "/detokenize, GET /health, GET|POST /ping, GET /load, GET /version, GET "
+            "/metrics",
+            path);
         return;
     }
-    if (method != match->method) {
-        const char *m = match->method == ROUTE_GET ? "GET" : "POST";
+    if (!(method & match->method)) {
+        const char *m = match->method == ROUTE_GET    ? "GET"
+                        : match->method == ROUTE_POST ? "POST"
+                                                      : "GET, POST";
         hs_req_add_header(req, "Allow", m);
         server_reply_errorf(req, 405, "MethodNotAllowed", NULL,
                             "Method not allowed on %s; accepted: %s", path, m);
         return;
     }
     if (match->needs_key && !api_key_ok(s, req)) {
-        server_reply_errorf(
-            req, 401, "AuthenticationError", NULL,
-            "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'");
+        /* vLLM's AuthenticationMiddleware body, byte for byte */
+        server_reply_json(req, 401, json_pack("{s:s}", "error", "Unauthorized"), NULL);
         return;
     }
     if (match->needs_engine && atomic_load(&s->ready) != 1) {
@@ -370,6 +392,20 @@ static void *loader_main(void *arg) {
               "top_k %d repetition_penalty %g (a request's own values win)",
               mc->gen_temperature, mc->gen_top_p, mc->gen_top_k, mc->gen_repetition_penalty);
     }
+    if (s->cfg.override_generation_config) {
+        char oerr[512];
+        if (oai_defaults_override(&s->defaults, s->cfg.override_generation_config, oerr,
+                                  sizeof oerr))
+            LOG_W("server", "--override-generation-config: %s (ignored)", oerr); /* checked */
+        else
+            LOG_I("server",
+                  "--override-generation-config %s: default sampling now temperature %g top_p %g "
+                  "top_k %d min_p %g repetition_penalty %g max_tokens %d (-1: as many as fit; a "
+                  "request's own values win)",
+                  s->cfg.override_generation_config, s->defaults.temperature, s->defaults.top_p,
+                  s->defaults.top_k, s->defaults.min_p, s->defaults.repetition_penalty,
+                  s->defaults.max_tokens);
+    }
     s->defaults.model_path = s->cfg.model;
     s->max_model_len = engine_max_model_len(e);
     s->tok = tok;
@@ -434,6 +470,8 @@ int server_run(const server_config *cfg) {
     s->block_size = cfg->engine.block_size; /* 0 (auto) until the engine is up: on_ready */
     oai_defaults_init(&s->defaults);
     s->defaults.served_model_name = s->model_name;
+    s->defaults.model_aliases = cfg->more_model_names;
+    s->defaults.n_model_aliases = cfg->n_more_model_names;
     s->defaults.model_path = cfg->model;
     s->defaults.max_logprobs = cfg->max_logprobs;
     if (cfg->root_path && *cfg->root_path)

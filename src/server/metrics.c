@@ -44,6 +44,7 @@ void metrics_init(server_metrics *m) {
     metrics_hist_init(&m->prompt_tokens, m->token_bounds, 0);
     metrics_hist_init(&m->generation_tokens, m->token_bounds, 0);
     metrics_hist_init(&m->params_max_tokens, m->token_bounds, 0);
+    metrics_hist_init(&m->prefill_kv_computed, m->token_bounds, 0);
     m->block_size = 16;
     m->gpu_memory_utilization = 0.9;
     snprintf(m->cache_dtype, sizeof m->cache_dtype, "auto");
@@ -62,8 +63,9 @@ int metrics_1_2_5_bounds(double max_value, double *out, int cap) {
 
 void metrics_set_config(server_metrics *m, const engine_config *cfg, int max_model_len) {
     int n = metrics_1_2_5_bounds(max_model_len, m->token_bounds, METRICS_MAX_BUCKETS);
-    metrics_histogram *tok[] = {&m->prompt_tokens, &m->generation_tokens, &m->params_max_tokens};
-    for (int i = 0; i < 3; i++)
+    metrics_histogram *tok[] = {&m->prompt_tokens, &m->generation_tokens, &m->params_max_tokens,
+                                &m->prefill_kv_computed};
+    for (int i = 0; i < 4; i++)
         if (tok[i]->count == 0) metrics_hist_init(tok[i], m->token_bounds, n);
     m->max_model_len = max_model_len;
     if (cfg) {
@@ -92,6 +94,24 @@ void metrics_observe_request(server_metrics *m, const metrics_request *q) {
     metrics_observe(&m->generation_tokens, q->n_generated);
     if (q->max_tokens_param > 0) metrics_observe(&m->params_max_tokens, q->max_tokens_param);
     if (q->n_param > 0) metrics_observe(&m->params_n, q->n_param);
+    metrics_observe_prompt_sources(m, q);
+}
+
+void metrics_observe_prompt_sources(server_metrics *m, const metrics_request *q) {
+    if (q->remote_prefill) { /* the connector was asked for the prompt (vLLM: at scheduling) */
+        m->external_queries += (uint64_t)(q->n_prompt > 0 ? q->n_prompt : 0);
+        m->external_hits += (uint64_t)(q->n_kv_received > 0 ? q->n_kv_received : 0);
+    }
+    if (!q->t_first_token_ns || q->n_prompt <= 0) return; /* never prefilled */
+    long long cached = q->n_cached > 0 ? q->n_cached : 0;
+    long long ext = q->n_kv_received > 0 ? q->n_kv_received : 0;
+    if (cached > q->n_prompt) cached = q->n_prompt;
+    if (ext > q->n_prompt - cached) ext = q->n_prompt - cached;
+    long long computed = q->n_prompt - cached - ext;
+    m->prompt_by_source[METRICS_SOURCE_LOCAL_COMPUTE] += (uint64_t)computed;
+    m->prompt_by_source[METRICS_SOURCE_LOCAL_CACHE_HIT] += (uint64_t)cached;
+    m->prompt_by_source[METRICS_SOURCE_EXTERNAL] += (uint64_t)ext;
+    metrics_observe(&m->prefill_kv_computed, (double)computed);
 }
 
 void metrics_observe(metrics_histogram *h, double v) {
@@ -241,6 +261,27 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
     mw_counter(&w, "vllm:prefix_cache_hits",
                "Prefix cache hits, in terms of number of cached tokens (full blocks).",
                (double)st->prefix_hits * block_size);
+    mw_counter(&w, "vllm:external_prefix_cache_queries",
+               "External prefix cache queries from KV connector cross-instance cache sharing, in "
+               "terms of number of queried tokens.",
+               (double)m->external_queries);
+    mw_counter(&w, "vllm:external_prefix_cache_hits",
+               "External prefix cache hits from KV connector cross-instance cache sharing, in "
+               "terms of number of cached tokens.",
+               (double)m->external_hits);
+    static const char *sources[METRICS_SOURCE_COUNT] = {"local_compute", "local_cache_hit",
+                                                        "external_kv_transfer"};
+    mw_counter_head(&w, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.");
+    for (int i = 0; i < METRICS_SOURCE_COUNT; i++) {
+        char lab[48];
+        snprintf(lab, sizeof lab, "source=\"%s\"", sources[i]);
+        mw_sample(&w, "vllm:prompt_tokens_by_source", "_total", lab,
+                  (double)m->prompt_by_source[i]);
+    }
+    mw_counter(&w, "vllm:prompt_tokens_cached",
+               "Number of cached prompt tokens (local + external).",
+               (double)(m->prompt_by_source[METRICS_SOURCE_LOCAL_CACHE_HIT] +
+                        m->prompt_by_source[METRICS_SOURCE_EXTERNAL]));
     mw_counter(&w, "disagg:prefix_cache_queries_blocks", "Prefix cache queries, in blocks.",
                (double)st->prefix_queries);
     mw_counter(&w, "disagg:prefix_cache_hits_blocks", "Prefix cache hits, in blocks.",
@@ -284,6 +325,9 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
             &m->prompt_tokens);
     mw_hist(&w, "vllm:request_generation_tokens", "Number of generation tokens processed.",
             &m->generation_tokens);
+    mw_hist(&w, "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            &m->prefill_kv_computed);
     mw_hist(&w, "vllm:request_params_n", "Histogram of the n request parameter.", &m->params_n);
     mw_hist(&w, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
             &m->params_max_tokens);

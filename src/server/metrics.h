@@ -44,6 +44,14 @@ typedef enum metrics_deadline {
     METRICS_DEADLINE_COUNT
 } metrics_deadline;
 
+/* vllm:prompt_tokens_by_source's source label */
+typedef enum metrics_source {
+    METRICS_SOURCE_LOCAL_COMPUTE = 0, /* "local_compute": run through the model here */
+    METRICS_SOURCE_LOCAL_CACHE_HIT,   /* "local_cache_hit": this instance's prefix cache */
+    METRICS_SOURCE_EXTERNAL,          /* "external_kv_transfer": received from a producer */
+    METRICS_SOURCE_COUNT
+} metrics_source;
+
 typedef struct server_metrics {
     metrics_histogram ttft;                   /* vllm:time_to_first_token_seconds */
     metrics_histogram itl;                    /* vllm:inter_token_latency_seconds */
@@ -57,12 +65,19 @@ typedef struct server_metrics {
     metrics_histogram generation_tokens;      /* vllm:request_generation_tokens */
     metrics_histogram params_n;               /* vllm:request_params_n */
     metrics_histogram params_max_tokens;      /* vllm:request_params_max_tokens */
+    metrics_histogram prefill_kv_computed;    /* vllm:request_prefill_kv_computed_tokens */
     double token_bounds[METRICS_MAX_BUCKETS]; /* 1-2-5 up to max_model_len (vLLM's) */
     /* vllm:cache_config_info (metrics_set_config) */
     int block_size, enable_prefix_caching, max_model_len;
     double gpu_memory_utilization;
     char cache_dtype[16];
     uint64_t finished[METRICS_FINISH_COUNT];          /* vllm:request_success_total by reason */
+    /* vllm:prompt_tokens_by_source_total: prompt tokens of prefilled requests by where their
+     * KV came from (vLLM's PromptTokenStats sources) */
+    uint64_t prompt_by_source[METRICS_SOURCE_COUNT];
+    /* vllm:external_prefix_cache_queries/_hits_total (tokens): the KV connector's external
+     * cache -- here D's remote-prefill requests: their prompt tokens / those received from P */
+    uint64_t external_queries, external_hits;
     uint64_t http_requests;                           /* disagg:http_requests_total */
     uint64_t deadline_closes[METRICS_DEADLINE_COUNT]; /* disagg:http_deadline_closes_total */
 } server_metrics;
@@ -87,8 +102,17 @@ metrics_finish metrics_finish_of(const char *reason);
 typedef struct metrics_request {
     uint64_t t_queued_ns, t_scheduled_ns, t_first_token_ns, t_last_token_ns;
     int n_prompt, n_generated, max_tokens_param, n_param;
+    /* where the prompt's KV came from: n_cached from the prefix cache, n_kv_received from a
+     * producer (remote_prefill: the request asked for it); the rest was computed here.
+     * Counted (prompt_tokens_by_source, prefill_kv_computed) once the prompt was prefilled
+     * (t_first_token_ns != 0), as vLLM counts at the first output. */
+    int n_cached, n_kv_received, remote_prefill;
 } metrics_request;
 void metrics_observe_request(server_metrics *m, const metrics_request *q);
+/* The part of it about where the prompt's KV came from (prompt_tokens_by_source,
+ * prompt_tokens_cached, external_prefix_cache_*, request_prefill_kv_computed_tokens):
+ * local_compute = n_prompt - cached - received, so the three sources sum to the prompt. */
+void metrics_observe_prompt_sources(server_metrics *m, const metrics_request *q);
 
 /* Appends the exposition text.  block_size turns the engine's block-granular
  * prefix-cache counters into vLLM's token-granular ones.  Returns 0 or <0. */

@@ -43,6 +43,77 @@ void oai_defaults_init(oai_defaults *d) {
     d->top_k = 0;
     d->repetition_penalty = 1.0f;
     d->max_logprobs = -1; /* no cap below OAI_MAX_LOGPROBS */
+    d->max_tokens = -1;
+}
+
+#define OVERRIDE_KEYS "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens"
+
+int oai_defaults_override(oai_defaults *d, const char *text, char *err, size_t errlen) {
+    if (!text || !*text) return 0;
+    json_error_t je;
+    json_t *o = json_loads(text, JSON_REJECT_DUPLICATES, &je);
+    if (!json_is_object(o)) {
+        snprintf(err, errlen,
+                 "expected a JSON object such as '{\"temperature\": 0.5}' (%s); accepted keys: "
+                 "" OVERRIDE_KEYS,
+                 o ? "got another JSON value" : je.text);
+        json_decref(o);
+        return -EINVAL;
+    }
+    oai_defaults n = *d;
+    const char *k;
+    json_t *v;
+    int rc = 0;
+    json_object_foreach(o, k, v) {
+        double x = json_number_value(v);
+        int num = json_is_number(v), integer = json_is_integer(v);
+        const char *want = NULL;
+        if (!strcmp(k, "temperature")) {
+            if (num && x >= 0 && x <= 1e6)
+                n.temperature = x < 1e-5 ? 0.0f : (float)x;
+            else
+                want = "a number >= 0";
+        } else if (!strcmp(k, "top_p")) {
+            if (num && x > 0 && x <= 1)
+                n.top_p = (float)x;
+            else
+                want = "a number in (0, 1]";
+        } else if (!strcmp(k, "top_k")) {
+            if (integer && x >= -1 && x <= INT32_MAX)
+                n.top_k = x < 0 ? 0 : (int)x;
+            else
+                want = "an integer >= -1 (-1 or 0: disabled)";
+        } else if (!strcmp(k, "min_p")) {
+            if (num && x >= 0 && x <= 1)
+                n.min_p = (float)x;
+            else
+                want = "a number in [0, 1]";
+        } else if (!strcmp(k, "repetition_penalty")) {
+            if (num && x > 0 && x <= 1e6)
+                n.repetition_penalty = (float)x;
+            else
+                want = "a number > 0";
+        } else if (!strcmp(k, "max_new_tokens")) {
+            if (integer && x >= 1 && x <= INT32_MAX)
+                n.max_tokens = (int)x;
+            else
+                want = "an integer >= 1";
+        } else {
+            snprintf(err, errlen, "unknown key '%s'; accepted keys: " OVERRIDE_KEYS, k);
+            rc = -EINVAL;
+            break;
+        }
+        if (want) {
+            char *vs = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+            snprintf(err, errlen, "'%s' must be %s, got %s", k, want, vs ? vs : "?");
+            free(vs);
+            rc = -EINVAL;
+            break;
+        }
+    }
+    json_decref(o);
+    if (!rc) *d = n;
+    return rc;
 }
 
 /* ---- typed getters ------------------------------------------------------
@@ -282,7 +353,7 @@ static int parse_sampling(oai_request *r, const json_t *body, const oai_defaults
     s->temperature = d->temperature;
     s->top_p = d->top_p;
     s->top_k = d->top_k;
-    s->min_p = 0.0f;
+    s->min_p = d->min_p;
     s->repetition_penalty = d->repetition_penalty;
     s->presence_penalty = 0.0f;
     s->frequency_penalty = 0.0f;
@@ -334,18 +405,37 @@ static int parse_stream(oai_request *r, const json_t *body, oai_error *err) {
     return 0;
 }
 
+int oai_model_name_ok(const oai_defaults *d, const char *m) {
+    if (d->served_model_name && !strcmp(m, d->served_model_name)) return 1;
+    if (d->model_path && !strcmp(m, d->model_path)) return 1;
+    for (int i = 0; i < d->n_model_aliases; i++)
+        if (d->model_aliases[i] && !strcmp(m, d->model_aliases[i])) return 1;
+    return 0;
+}
+
+void oai_model_names_list(const oai_defaults *d, char *out, size_t cap) {
+    size_t o = 0;
+    if (cap) out[0] = 0;
+    for (int i = -1; i < d->n_model_aliases && o < cap; i++) {
+        const char *n = i < 0 ? d->served_model_name : d->model_aliases[i];
+        if (!n) continue;
+        int w = snprintf(out + o, cap - o, "%s\"%s\"", o ? ", " : "", n);
+        if (w < 0) break;
+        o += (size_t)w;
+    }
+}
+
 static int parse_model(oai_request *r, const json_t *body, const oai_defaults *d, oai_error *err) {
     const char *m = NULL;
     if (get_string(body, "model", &m, err) < 0) return -EINVAL;
     if (!m) return 0;
     r->model = strdup(m);
     if (!r->model) return bad(err, "model", "out of memory");
-    if ((d->served_model_name && !strcmp(m, d->served_model_name)) ||
-        (d->model_path && !strcmp(m, d->model_path)))
-        return 0;
+    if (oai_model_name_ok(d, m)) return 0;
+    char names[512];
+    oai_model_names_list(d, names, sizeof names);
     oai_error_set(err, 404, "NotFoundError", "model",
-                  "The model `%s` does not exist. Accepted: \"%s\" (see GET /v1/models)", m,
-                  d->served_model_name ? d->served_model_name : "");
+                  "The model `%s` does not exist. Accepted: %s (see GET /v1/models)", m, names);
     return -EINVAL;
 }
 

@@ -42,16 +42,32 @@ char *oai_error_json(const oai_error *e);
 
 /* Server-side defaults the request is completed with. */
 typedef struct oai_defaults {
-    const char *served_model_name; /* the only accepted "model" (besides absent) */
+    const char *served_model_name;    /* the name responses report; accepted as "model" */
+    const char *const *model_aliases; /* (n_model_aliases) further --served-model-name names, */
+    int n_model_aliases;              /* also accepted (vLLM serves every name) */
     const char *model_path;        /* also accepted as "model" (vLLM accepts the path) */
     float temperature;             /* from generation_config.json, else 1 */
     float top_p;                   /* from generation_config.json, else 1 */
     int top_k;                     /* from generation_config.json, else 0 (off) */
     float repetition_penalty;      /* from generation_config.json, else 1 */
+    float min_p;                   /* --override-generation-config, else 0 */
+    int max_tokens;                /* max_new_tokens of --override-generation-config: caps every
+                                      request's max_tokens, as vLLM's get_max_tokens; -1: none */
     int max_logprobs;              /* --max-logprobs: most logprobs a request may ask (20) */
 } oai_defaults;
 
 void oai_defaults_init(oai_defaults *d);
+
+/* vLLM's --override-generation-config: a JSON object whose keys (temperature, top_p, top_k,
+ * min_p, repetition_penalty, max_new_tokens) replace the generation_config.json defaults of
+ * requests that omit them.  Returns 0, or -EINVAL with err naming the bad key or value and
+ * what is accepted (d unchanged then).  json NULL or "": nothing. */
+int oai_defaults_override(oai_defaults *d, const char *json, char *err, size_t errlen);
+
+/* 1 when m names the served model: a served name or the model path. */
+int oai_model_name_ok(const oai_defaults *d, const char *m);
+/* Writes the accepted names, quoted and comma-separated, for error messages. */
+void oai_model_names_list(const oai_defaults *d, char *out, size_t cap);
 
 typedef struct oai_prompt {
     char *text;      /* UTF-8 prompt when given as text, else NULL */

@@ -26,6 +26,8 @@ typedef struct server_config {
     int port;                       /* listen port (default 8000) */
     const char *model;              /* MODEL as given (directory or hub name) */
     const char *served_model_name;  /* name in /v1/models and responses; NULL = model */
+    const char *const *more_model_names; /* (n_more_model_names) further --served-model-name */
+    int n_more_model_names;              /* names, served too (listed, accepted as "model") */
     const char *api_key;            /* Bearer key required on the /v1 routes; NULL = none */
     const char *kv_transfer_config; /* --kv-transfer-config JSON text, kept for the connector */
     size_t max_body_bytes;          /* request body limit (default 32 MiB) → 413 */
@@ -39,6 +41,9 @@ typedef struct server_config {
     int max_logprobs;               /* --max-logprobs: most (top_)logprobs a request asks (20) */
     const char *generation_config;  /* "auto" (default: the model's generation_config.json),
                                        "vllm" (none), or a directory holding one */
+    const char *override_generation_config; /* --override-generation-config JSON (checked by
+                                               oai_defaults_override), applied over the
+                                               generation config's defaults; NULL = none */
     const char *root_path;          /* --root-path: proxy prefix, informational (as uvicorn) */
     /* CORS (vLLM's --allowed-origins/--allowed-methods/--allowed-headers, JSON lists, and
      * --allow-credentials); NULL lists = ["*"] */

@@ -66,11 +66,12 @@ static json_t *parse_body(server *s, const char *body, size_t len, oai_error *er
     json_t *m = json_object_get(root, "model");
     if (m && !json_is_null(m) &&
         (!json_is_string(m) || strlen(json_string_value(m)) != json_string_length(m) ||
-         (strcmp(json_string_value(m), s->model_name) &&
-          (!s->cfg.model || strcmp(json_string_value(m), s->cfg.model))))) {
+         !oai_model_name_ok(&s->defaults, json_string_value(m)))) {
+        char names[512];
+        oai_model_names_list(&s->defaults, names, sizeof names);
         oai_error_set(err, 404, "NotFoundError", "model",
-                      "The model `%s` does not exist. Accepted: \"%s\"",
-                      json_is_string(m) ? json_string_value(m) : "(not a string)", s->model_name);
+                      "The model `%s` does not exist. Accepted: %s",
+                      json_is_string(m) ? json_string_value(m) : "(not a string)", names);
         json_decref(root);
         return NULL;
     }

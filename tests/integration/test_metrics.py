@@ -235,6 +235,50 @@ def test_request_histograms_pd(scraped):
     assert one(px, "disagg_proxy_phase_seconds", "_count", phase="total") == len(u_pd)
 
 
+def check_prompt_sources(fams, usages, side):
+    """issue 25 item 9: vLLM's P/D series, with vLLM's names, labels and types:
+    vllm:prompt_tokens_by_source_total{source=local_compute|local_cache_hit|external_kv_transfer}
+    adds up to the prompts; vllm:external_prefix_cache_queries/_hits_total count D's
+    remote-prefill prompt tokens asked of / received from P; the histogram
+    vllm:request_prefill_kv_computed_tokens observes each request's computed prompt tokens."""
+    L = dict(model_name="tiny", engine="0")
+    prompt = sum(u.prompt_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    src = {s.labels["source"]: s.value for s in fams["vllm:prompt_tokens_by_source"].samples}
+    assert set(src) == {"local_compute", "local_cache_hit", "external_kv_transfer"}, src
+    for f, t in (("vllm:prompt_tokens_by_source", "counter"), ("vllm:prompt_tokens_cached", "counter"),
+                 ("vllm:external_prefix_cache_queries", "counter"),
+                 ("vllm:external_prefix_cache_hits", "counter"),
+                 ("vllm:request_prefill_kv_computed_tokens", "histogram")):
+        assert fams[f].type == t, (f, fams[f].type)
+    assert sum(src.values()) == prompt, (side, src, prompt)
+    computed = one(fams, "vllm:request_prefill_kv_computed_tokens", "_sum", **L)
+    assert one(fams, "vllm:request_prefill_kv_computed_tokens", "_count", **L) == len(usages)
+    assert computed == src["local_compute"]
+    queries = one(fams, "vllm:external_prefix_cache_queries", "_total", **L)
+    hits = one(fams, "vllm:external_prefix_cache_hits", "_total", **L)
+    if side == "D":  # every prompt token came from P or D's own prefix cache; none computed
+        assert src["external_kv_transfer"] == prompt - cached > 0, (src, prompt, cached)
+        assert src["local_cache_hit"] == cached and src["local_compute"] == 0, src
+        assert queries == prompt and hits == src["external_kv_transfer"], (queries, hits)
+        assert one(fams, "vllm:request_prefill_kv_computed_tokens", "_bucket", le="1.0", **L) == len(usages)
+    else:
+        assert src["external_kv_transfer"] == 0 and queries == 0 and hits == 0, (side, src)
+        assert src["local_compute"] == prompt - cached > 0 and src["local_cache_hit"] == cached, src
+    assert one(fams, "vllm:prompt_tokens_cached", "_total", **L) == (
+        src["local_cache_hit"] + src["external_kv_transfer"])
+    les = [float(s.labels["le"]) for s in fams["vllm:request_prefill_kv_computed_tokens"].samples
+           if s.name.endswith("_bucket")]
+    assert les == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, float("inf")]
+
+
+def test_prompt_token_sources(scraped):
+    texts, u_col, u_pd = scraped
+    check_prompt_sources(check_text(texts["colocated"]), u_col, "colocated")
+    check_prompt_sources(check_text(texts["P"]), u_pd, "P")
+    check_prompt_sources(check_text(texts["D"]), u_pd, "D")
+
+
 def test_label_values_escaped(tmp_path):
     """A served model name with a quote, a backslash and a newline stays one label value."""
     name = 'ti"ny\\x\ny'

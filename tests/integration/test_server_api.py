@@ -279,6 +279,55 @@ def test_tools_rendered_through_template(srv):
     assert msg["tool_calls"] == [] and isinstance(msg["content"], str)
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("extra", [{}, {"stop": ["zzz-never"]}])
+def test_tools_without_a_call_return_the_text(client, extra):
+    """issue 25 item 1: with tools and tool_choice auto (the default) an output without
+    <tool_call> is the message content (vLLM's hermes parser), as with tool_choice none and as
+    streamed -- not "" with 16 completion tokens."""
+    msgs = [{"role": "user", "content": "Tell me about the economy."}]
+    kw = dict(model="tiny", messages=msgs, max_tokens=16, temperature=0, **extra)
+    auto = client.chat.completions.create(tools=TOOLS, **kw)
+    none = client.chat.completions.create(tools=TOOLS, tool_choice="none", **kw)
+    text = none.choices[0].message.content
+    assert text and "<tool_call>" not in text
+    msg = auto.choices[0].message
+    assert msg.content == text, (msg.content, text)
+    assert not msg.tool_calls and auto.choices[0].finish_reason == "length"
+    assert auto.usage.completion_tokens == 16
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(tools=TOOLS, stream=True, **kw) if c.choices)
+    assert streamed == text
+
+
+def test_load_and_ping(srv):
+    """issue 25 item 8: vllm-router's power_of_two probes GET /load; /ping is vLLM's (GET and
+    POST, 200 as /health)."""
+    r = requests.get(srv.url + "/load")
+    assert r.status_code == 200 and r.json() == {"server_load": 0}, r.text
+    for m in ("GET", "POST"):
+        assert requests.request(m, srv.url + "/ping").status_code == 200
+    assert requests.put(srv.url + "/ping").status_code == 405
+    # a request in flight counts: a long generation, /load read while it runs
+    import threading
+    t = threading.Thread(target=requests.post, args=(srv.url + "/v1/completions",),
+                         kwargs={"json": {"model": "tiny", "prompt": "a", "max_tokens": 400,
+                                          "ignore_eos": True}})
+    t.start()
+    try:
+        import time
+        deadline, seen = time.time() + 30, 0
+        while time.time() < deadline and not seen:
+            seen = requests.get(srv.url + "/load").json()["server_load"]
+        assert seen == 1
+    finally:
+        t.join(120)
+    assert requests.get(srv.url + "/load").json() == {"server_load": 0}
+
+
 def test_metrics_names(srv):
     text = requests.get(srv.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc",

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import time
 
+import openai
 import pytest
 import requests
 
@@ -153,9 +154,15 @@ def test_truncated_and_garbage_requests_do_not_hang(srv):
 def test_api_key():
     s = Server("--api-key", "sekret", "--max-model-len", "128", "--kv-cache-memory", "16M")
     try:
-        e = err_of(requests.post(s.url + C, json={"prompt": "x", "max_tokens": 1}), 401)
-        assert "Authorization" in e["message"]
-        err_of(requests.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        # vLLM's AuthenticationMiddleware answers exactly {"error": "Unauthorized"}
+        for r in (requests.post(s.url + C, json={"prompt": "x", "max_tokens": 1}),
+                  requests.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"})):
+            assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, r.text
+            assert r.headers["Content-Type"].startswith("application/json")
+        cl = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as ei:
+            cl.completions.create(model="disagg-sotu-tiny", prompt="x", max_tokens=1)
+        assert ei.value.status_code == 401 and ei.value.body == "Unauthorized"
         ok = requests.post(s.url + C, json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
         assert requests.get(s.url + "/health").status_code == 200  # not behind the key, as vLLM
@@ -166,7 +173,8 @@ def test_api_key():
 def test_api_key_from_env():
     s = Server("--max-model-len", "128", "--kv-cache-memory", "16M", env={"VLLM_API_KEY": "envkey"})
     try:
-        err_of(requests.get(s.url + "/v1/models"), 401)
+        r = requests.get(s.url + "/v1/models")
+        assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
         assert requests.get(s.url + "/v1/models", headers={"Authorization": "Bearer envkey"}).status_code == 200
     finally:
         assert s.stop() == 0, s.logs()

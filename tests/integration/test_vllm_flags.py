@@ -125,13 +125,138 @@ def test_refused_with_a_clear_message(args, words, tmp_path):
     ("--max_num_seq", "--max-num-seqs"),
     ("--no-enforce-eagr", "--enforce-eager"),
     ("--allowed-origin", "--allowed-origins"),
-    ("--frobnicate-the-widgets-now", "--"),  # far from everything: a suggestion anyway
-    ("-tpx", "--"),
+    ("--max-num-batched-token", "--max-num-batched-tokens"),
 ])
 def test_unknown_flag_names_the_nearest(flag, nearest):
     err = refused(flag, "1")
     assert f"unknown option '{flag.replace('_', '-')}'" in err, err
     assert "did you mean " + nearest in err, err
+
+
+@pytest.mark.parametrize("flag", ["--frobnicate-the-widgets-now", "-tpx", "--zz", "--port-numberx",
+                                  "--max"])
+def test_unknown_flag_far_from_every_name_gets_no_hint(flag):
+    """issue 25 item 6: only close names are suggested (the dash-less names differ in at most
+    40 % of their characters, about difflib's ratio >= 0.6)."""
+    err = refused(flag, "1")
+    assert f"unknown option '{flag}'" in err and "did you mean" not in err, err
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--reasoning-parser", "qwen3"), ["--reasoning-parser", "reasoning", "not supported"]),
+    (("--structured-outputs-config", "{}"), ["structured outputs", "not supported"]),
+    (("--speculative-config", "{}"), ["--speculative-config: speculative decoding is not supported"]),
+    (("--enable-lora",), ["LoRA adapters are not supported"]),
+    (("--lora-modules", "a=b"), ["LoRA adapters are not supported"]),
+    (("--enable-expert-parallel",), ["expert parallelism is not supported"]),
+    (("--ssl-keyfile", "k.pem"), ["TLS is not supported", "reverse proxy"]),
+    (("--cpu-offload-gb", "4"), ["offloading weights", "not supported"]),
+    (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2 is not supported", "accepted: 1"]),
+    (("--quantization", "awq"), ["'awq' is not supported", "accepted: none"]),
+])
+def test_vllm_flags_disagg_lacks_say_so(args, words):
+    """issue 25 item 6: vLLM's flags for features disagg lacks name the feature, not a wrong
+    flag ("--reasoning-parser" once suggested --tool-call-parser)."""
+    err = refused(*args)
+    for w in words:
+        assert w in err, (args, w, err)
+    assert "did you mean" not in err and "unknown option" not in err, err
+
+
+def test_no_effect_flags_are_accepted_and_logged():
+    """issue 25 item 6: vLLM's compilation / uvicorn tuning flags start the server, each logged
+    as having no effect."""
+    flags = ["-O0", "-O", "3", "--compilation-config", '{"level": 3}', "--async-scheduling",
+             "--no-async-scheduling", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details"]
+    srv = Server(*flags, "--kv-cache-memory", "16M", "--max-model-len", "256")
+    try:
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        logs = srv.logs()
+        for f in ("-O0", "-O 3", '--compilation-config {"level": 3}', "--async-scheduling",
+                  "--no-async-scheduling", "--disable-uvicorn-access-log",
+                  "--enable-prompt-tokens-details"):
+            assert f + ": accepted, no effect" in logs, (f, logs[-3000:])
+    finally:
+        assert srv.stop() == 0
+    assert "needs a value" in refused("--compilation-config")
+
+
+def test_served_model_names_all_served():
+    """issue 25 item 4: --served-model-name a b (vLLM's nargs +) serves both names; responses
+    report the first; /v1/models lists both (once read `b` as MODEL and exited)."""
+    srv = Server("--served-model-name", "alpha", "beta", "--kv-cache-memory", "16M",
+                 "--max-model-len", "256", name=None)
+    try:
+        c = client(srv)
+        assert [m.id for m in c.models.list().data] == ["alpha", "beta"]
+        for name in ("alpha", "beta"):
+            r = c.completions.create(model=name, prompt="a", max_tokens=2)
+            assert r.model == "alpha"
+            ch = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2)
+            assert ch.model == "alpha"
+            t = requests.post(srv.url + "/tokenize", json={"model": name, "prompt": "a b"})
+            assert t.status_code == 200, t.text
+        with pytest.raises(openai.NotFoundError) as ei:
+            c.completions.create(model="gamma", prompt="a", max_tokens=2)
+        assert '"alpha", "beta"' in str(ei.value)
+        m = requests.get(srv.url + "/metrics").text
+        assert 'vllm:prompt_tokens_total{model_name="alpha",engine="0"}' in m
+    finally:
+        assert srv.stop() == 0
+
+
+def test_served_model_names_from_config_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("served-model-name:\n  - one\n  - two\n")
+    srv = Server("--config", str(f), "--kv-cache-memory", "16M", "--max-model-len", "256", name=None)
+    try:
+        assert [m["id"] for m in requests.get(srv.url + "/v1/models").json()["data"]] == ["one", "two"]
+    finally:
+        assert srv.stop() == 0
+    assert "a name is empty" in refused("--served-model-name", "")
+
+
+def test_override_generation_config_applies():
+    """issue 25 item 6: --override-generation-config (vLLM's) replaces the generation config's
+    defaults for requests that omit them; max_new_tokens caps max_tokens as vLLM's
+    get_max_tokens does."""
+    srv = Server("--override-generation-config", '{"temperature": 0, "max_new_tokens": 5}',
+                 "--kv-cache-memory", "16M", "--max-model-len", "256")
+    try:
+        c = client(srv)
+        prompt = "the state of the Union is"
+        a = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, seed=1)
+        b = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, seed=2)
+        greedy = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+        assert a.choices[0].text == b.choices[0].text == greedy.choices[0].text  # temperature 0
+        hot = {c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=1.5,
+                                    seed=s).choices[0].text for s in range(4)}
+        assert len(hot) > 1  # the request's own temperature wins
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=50,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5
+        assert "--override-generation-config" in srv.logs()
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("value,words", [
+    ('{"temprature": 0.5}', ["unknown key 'temprature'", "accepted keys: temperature, top_p"]),
+    ('{"top_p": 2}', ["'top_p' must be a number in (0, 1], got 2"]),
+    ('{"max_new_tokens": 0}', ["'max_new_tokens' must be an integer >= 1"]),
+    ('{"top_k": 1.5}', ["'top_k' must be an integer >= -1"]),
+    ('[1]', ["expected a JSON object"]),
+    ('{"temperature": ', ["expected a JSON object"]),
+])
+def test_override_generation_config_refused(value, words):
+    err = refused("--override-generation-config", value)
+    for w in words:
+        assert w in err, (value, w, err)
 
 
 # ---- honoured --------------------------------------------------------------------------
