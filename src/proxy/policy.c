@@ -2,6 +2,7 @@
 #include "proxy/policy.h"
 
 #include "base/clock.h"
+#include "base/rng.h"
 
 #include <errno.h>
 #include <string.h>
@@ -50,14 +51,6 @@ uint64_t policy_hash(const void *p, size_t n) {
     return h ? h : 1;
 }
 
-static uint64_t mix64(uint64_t x) { /* splitmix64's finaliser */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 /* Slots a backend contributes to round-robin: its dp ranks (1 for decode). */
 static int slots(const backend *b) {
     return b->role == BACKEND_PREFILL ? b->nengines : 1;
@@ -75,7 +68,7 @@ backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t
         /* two distinct draws (one when only one is eligible); the proxy is one thread */
         static uint64_t state;
         if (!state) state = clock_now_ns() | 1;
-        uint64_t r = mix64(state += 0x9e3779b97f4a7c15ull);
+        uint64_t r = rng_splitmix64(&state);
         int a = (int)(r % (uint64_t)m), b = m > 1 ? (int)((r >> 32) % (uint64_t)(m - 1)) : a;
         if (m > 1 && b >= a) b++;
         best =
@@ -113,7 +106,7 @@ backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t
             for (int j = 0; j < n; j++) {
                 backend *b = &list[j];
                 if (!eligible(b, exclude, hint)) continue;
-                uint64_t h = mix64(hint->prefix_hash ^ policy_hash(b->url, strlen(b->url)));
+                uint64_t h = rng_mix64(hint->prefix_hash ^ policy_hash(b->url, strlen(b->url)));
                 if (!pref || h > top) pref = b, top = h;
             }
             double lo = policy_load(best);
