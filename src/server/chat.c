@@ -101,8 +101,7 @@ static json_t *chat_build(gen_req *r) {
     }
     oai_usage u;
     gen_usage(r, &u);
-    json_t *resp = oai_response(true, r->id, r->created, r->s->model_name, choices, &u,
-                                gen_kv_transfer_params(r));
+    json_t *resp = oai_response(true, r->id, r->created, r->s->model_name, choices, &u);
     json_t *plp = r->n_ch > 0 ? r->ch[0].prompt_logprobs : NULL;
     json_object_set_new(resp, "prompt_logprobs", plp ? json_incref(plp) : json_null());
     return resp;

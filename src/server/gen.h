@@ -116,7 +116,5 @@ void gen_req_free(gen_req *r);
 void gen_send_chunk(gen_req *r, sbuf *sse);
 /* Usage totals over all choices so far. */
 void gen_usage(const gen_req *r, oai_usage *u);
-/* Response-side kv_transfer_params (the connector hook, or NULL). */
-json_t *gen_kv_transfer_params(gen_req *r);
 
 #endif
