@@ -249,8 +249,8 @@ static void send_client(relay *r, struct evbuffer *data, int final) {
             if (!end) return;
             evbuffer_remove_buffer(r->sse_tail, data, end);
         }
-    } else if (r->sse && evbuffer_get_length(r->sse_tail)) {
-        evbuffer_prepend_buffer(data, r->sse_tail);
+    } else if (r->sse && data != r->sse_tail && evbuffer_get_length(r->sse_tail)) {
+        evbuffer_prepend_buffer(data, r->sse_tail); /* final: what was held goes first */
     }
     if (evbuffer_get_length(data) && !r->first_byte) {
         r->first_byte = 1;

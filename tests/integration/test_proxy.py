@@ -723,6 +723,26 @@ def test_decode_stalling_mid_stream_ends_with_an_error_event(doubles, proxy_fact
     assert m['disagg_proxy_errors_total{reason="decode_failed"}'] == 1
 
 
+def test_split_events_and_a_trailing_partial_event_relayed_unchanged(doubles, proxy_factory):
+    """The proxy holds a partial SSE event until its end (issue 25 item 15): events D writes in
+    two pieces reach the client whole and unchanged, and bytes after the last event end are
+    still relayed when D's answer ends."""
+    p, d, px = pd(doubles, proxy_factory)
+    d.split_events = True
+    d.stream_trailer = b": a comment without an event end"
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 4},
+                      stream=True, timeout=10)
+    reads = []
+    for chunk in r.raw.stream(65536, decode_content=False):
+        reads.append(chunk)
+    raw = b"".join(reads)
+    assert raw == sent(d.completions()[0])
+    assert raw.endswith(b"data: [DONE]\n\n: a comment without an event end")
+    # every read but the last ended at an event end (no half event reached the client)
+    for chunk in reads[:-1]:
+        assert chunk.endswith(b"\n\n"), reads
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_decode_dying_mid_stream_gives_the_client_a_clean_error(doubles, proxy_factory, chat):
     """issue 25 item 15: D's connection ends mid-event: the client gets the whole events before

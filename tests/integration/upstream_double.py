@@ -198,9 +198,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True
                 return
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(ev), ev))
-            self.wfile.flush()
+            parts = [ev[:7], ev[7:]] if d.split_events else [ev]  # two TCP writes per event
+            for part in parts:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.flush()
+                if d.split_events:
+                    time.sleep(0.02)
             sent.append(ev)
+        if d.stream_trailer:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(d.stream_trailer), d.stream_trailer))
+            sent.append(d.stream_trailer)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
         rec["response_body"] = b"".join(sent)
@@ -231,6 +238,8 @@ class UpstreamDouble:
         self.stream_events = 5
         self.stream_interval = 0.0
         self.die_after_events = None  # stream: after this many events, half an event and a reset
+        self.split_events = False  # stream: each event in two writes 20 ms apart
+        self.stream_trailer = b""  # stream: raw bytes after the last event (no event end)
         self.event_pad = 0  # bytes of padding added to every SSE event (large-stream tests)
         self._port = port
         self._bport = bootstrap_port
