@@ -212,16 +212,32 @@ static int gate_open(relay *r) {
     return 1;
 }
 
-/* Offset just past the last "\n\n" (an SSE event's end) in b, 0 if none. */
+/* Offset just past the last "\n\n" (an SSE event's end) in b, 0 if none;
+ * scanned backwards from the end (it is within the last event). */
 static size_t last_event_end(struct evbuffer *b) {
-    size_t end = 0;
-    struct evbuffer_ptr pos = evbuffer_search(b, "\n\n", 2, NULL);
-    while (pos.pos != -1) {
-        end = (size_t)pos.pos + 2;
-        if (evbuffer_ptr_set(b, &pos, 1, EVBUFFER_PTR_ADD) < 0) break;
-        pos = evbuffer_search(b, "\n\n", 2, &pos);
+    int n = evbuffer_peek(b, -1, NULL, NULL, 0);
+    if (n <= 0) return 0;
+    struct evbuffer_iovec stackv[16], *v = stackv;
+    if (n > 16 && !(v = malloc((size_t)n * sizeof *v))) return evbuffer_get_length(b);
+    evbuffer_peek(b, -1, NULL, v, n);
+    size_t off = evbuffer_get_length(b), found = 0;
+    int next_nl = 0; /* the byte after the one at off is '\n' */
+    for (int i = n - 1; i >= 0 && !found; i--) {
+        const char *p = v[i].iov_base;
+        for (size_t j = v[i].iov_len; j-- > 0;) {
+            off--;
+            if (p[j] != '\n') {
+                next_nl = 0;
+            } else if (next_nl) {
+                found = off + 2;
+                break;
+            } else {
+                next_nl = 1;
+            }
+        }
     }
-    return end;
+    if (v != stackv) free(v);
+    return found;
 }
 
 /* Whether b ends with "\n\n". */
