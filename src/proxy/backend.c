@@ -190,8 +190,19 @@ static void probe_done(hc_req *r, int err, void *arg) {
         snprintf(why, sizeof why, "%s%s: %s", where, b->probe_stage ? "/query" : "/health",
                  hc_strerror(err));
         backend_mark_down(b, why);
+        if (b->probe_stage == 0 && ++b->misses >= BACKEND_HUNG_MISSES) {
+            char w[1100];
+            snprintf(w, sizeof w, "%d health probes in a row unanswered, the last: %s", b->misses,
+                     why);
+            if (b->env->on_unresponsive) b->env->on_unresponsive(b, w, b->env->cb_arg);
+        }
+        /* a probe that timed out is repeated at once (a refused one waits
+         * for the next tick: nothing to wait for, no spinning) */
+        if (err == HC_ETIMEOUT && b->probe_stage == 0 && b->active && !b->retiring)
+            probe_start(b, 0);
         return;
     }
+    if (b->probe_stage == 0) b->misses = 0;
     if (b->probe_status != 200) {
         snprintf(why, sizeof why, "%s on %s answered HTTP %d", what, where, b->probe_status);
         backend_mark_down(b, why);

@@ -18,16 +18,27 @@
 #include <stdint.h>
 
 struct event_base;
+struct backend;
 
 typedef enum backend_role { BACKEND_PREFILL = 0, BACKEND_DECODE = 1 } backend_role;
 
 #define BACKEND_DEFAULT_BOOTSTRAP_PORT 8998
+/* Health probes in a row that got no HTTP answer (timeout, reset, refused)
+ * before the requests waiting for a prefill stop waiting: with the probe
+ * timeout of 2 s and a timed-out probe repeated at once, a stopped prefill
+ * is given up ~4-5 s after it stopped (one miss only takes it out of
+ * rotation for new requests). */
+#define BACKEND_HUNG_MISSES 2
 
 typedef struct backend_env {
     struct event_base *base; /* loop */
     const char *auth_header; /* "Authorization: Bearer KEY\r\n" for probes, or NULL */
     double probe_timeout_s;  /* per probe request */
     double pool_keepalive_s; /* idle pooled connection lifetime (hc_pool_set_keepalive) */
+    /* called (why: the last probe's failure) each time a backend's probes
+     * have got no answer BACKEND_HUNG_MISSES times or more in a row */
+    void (*on_unresponsive)(struct backend *b, const char *why, void *arg);
+    void *cb_arg; /* its argument */
 } backend_env;
 
 typedef struct backend {
@@ -57,6 +68,7 @@ typedef struct backend {
     int probe_stage;             /* 0: /health, 1: /query */
     struct evbuffer *probe_body; /* (bytes) /query answer being read */
     int probe_status;            /* HTTP status of the probe */
+    int misses;                  /* probes in a row that got no HTTP answer */
     char last_error[1024];       /* why it is out of rotation */
     /* membership (--discovery, membership.c); a --prefill/--decode backend is active,
      * not discovered, with an empty group and no published load */

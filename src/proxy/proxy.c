@@ -329,6 +329,19 @@ static void handle(hs_req *req, void *arg) {
         proxy_reply_error(px, req, 400, PERR_BAD_REQUEST, "%s", why);
         return;
     }
+    /* what P's copy rewrites is checked here: P cannot refuse it, and once P
+     * accepted, a D that refuses it would leave P holding the KV */
+    char param[64];
+    if (pd_check_client_body(j, ep == EP_CHAT, param, sizeof param, why, sizeof why)) {
+        json_decref(j);
+        LOG_D(MOD, "refused before contacting an instance: %s", why);
+        char *eb = api_error_json_param(400, param, why);
+        px->errors[PERR_BAD_REQUEST]++;
+        proxy_count_status(px, 400);
+        hs_reply(req, 400, "application/json", NULL, eb ? eb : why, strlen(eb ? eb : why));
+        free(eb);
+        return;
+    }
     relay_start_pd(px, req, j);
 }
 
@@ -340,6 +353,10 @@ static void probe_tick(evutil_socket_t fd, short what, void *arg) {
         backend_probe(&px->prefill[i]);
     for (int i = 0; i < px->ndecode; i++)
         backend_probe(&px->decode[i]);
+}
+
+static void on_backend_unresponsive(backend *b, const char *why, void *arg) {
+    if (b->role == BACKEND_PREFILL) relay_backend_unresponsive(arg, b, why);
 }
 
 static char *server_error_body(int status, const char *message) {
@@ -371,6 +388,8 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
     px->env.auth_header = px->auth_header[0] ? px->auth_header : NULL;
     px->env.pool_keepalive_s = cfg->upstream_keepalive_s;
     px->env.probe_timeout_s = cfg->health_interval_s * 2 < 2 ? 2 : cfg->health_interval_s * 2;
+    px->env.on_unresponsive = on_backend_unresponsive;
+    px->env.cb_arg = px;
     /* with discovery every slot exists from the start: relays point into these arrays */
     size_t np = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->nprefill;
     size_t nd = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->ndecode;

@@ -38,6 +38,7 @@ typedef enum proxy_error_kind {
 } proxy_error_kind;
 
 typedef struct membership membership;
+struct relay;
 
 struct proxy {
     struct event_base *base;     /* loop */
@@ -57,6 +58,7 @@ struct proxy {
     uint64_t drain_deadline_ns;  /* when draining gives up on requests still running */
     struct event *drain_timer;   /* checks whether the drain is over */
     int inflight;                /* client requests being relayed */
+    struct relay *relays;        /* (inflight) those requests, a list (relay.c) */
     uint64_t requests[EP_COUNT]; /* client requests by endpoint */
     uint64_t responses[6];       /* client responses by status class (index = status/100) */
     uint64_t errors[PERR_COUNT]; /* failures by kind */
@@ -78,5 +80,8 @@ void proxy_count_status(proxy *px, int status);
 void relay_start_pd(proxy *px, hs_req *req, json_t *body);
 /* relay.c: a request forwarded as is to one decode instance (GET /v1/models). */
 void relay_start_passthrough(proxy *px, hs_req *req);
+/* relay.c: prefill b stopped answering (why): the requests still waiting
+ * for it stop waiting (D's complete answer is relayed, else a 502). */
+void relay_backend_unresponsive(proxy *px, backend *b, const char *why);
 
 #endif

@@ -13,11 +13,21 @@
  * instance of that role (for a prefill, the decode request is re-issued too,
  * since it names the prefill's engine).  A client that disconnects cancels
  * both upstream requests (their connections are closed).
+ *
+ * The wait for P ends early when D has failed (its 5xx is relayed at once,
+ * P's request cancelled) or when P stops answering its health probes
+ * (BACKEND_HUNG_MISSES probe timeouts in a row): a relay still waiting for
+ * that P answers D's complete answer if there is one, else a 502 naming P.
+ * A streamed (SSE) decode answer is relayed whole events at a time, so that
+ * when D fails mid-stream the client gets a final `data: {"error": ...}`
+ * event, `data: [DONE]` and a properly ended stream, as vLLM's server sends
+ * on an error mid-stream (the openai client raises APIError on it).
  */
 #include "proxy/proxy_internal.h"
 
 #include "base/clock.h"
 #include "base/log.h"
+#include "proxy/api_error.h"
 #include "proxy/pd_request.h"
 
 #include <errno.h>
@@ -25,16 +35,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
-#define MOD               "proxy"
-#define RELAY_HOLD_MAX    (1u << 20) /* decode bytes held while the prefill is pending */
-#define RELAY_ERRBODY_MAX 2048       /* prefill error body quoted in a 502 message */
-#define RELAY_4XXBODY_MAX (64u << 10) /* prefill 4xx body relayed unchanged up to this */
+#define MOD                "proxy"
+#define RELAY_HOLD_MAX     (1u << 20)  /* decode bytes held while the prefill is pending */
+#define RELAY_ERRBODY_MAX  2048        /* prefill error body quoted in a 502 message */
+#define RELAY_4XXBODY_MAX  (64u << 10) /* prefill 4xx body relayed unchanged up to this */
+#define RELAY_SSE_TAIL_MAX (64u << 10) /* partial SSE event held back; beyond it sent as is */
 
-typedef enum p_state { P_NONE = 0, P_PENDING, P_OK } p_state;
+/* P_GONE: P's request was abandoned (D failed, or P stopped answering). */
+typedef enum p_state { P_NONE = 0, P_PENDING, P_OK, P_GONE } p_state;
 
 typedef struct relay {
     proxy *px;                         /* owner */
+    struct relay *prev, *next;         /* px->relays list */
     hs_req *client;                    /* the client request; NULL once replied/gone */
     json_t *body;                      /* parsed client body (NULL for passthrough) */
     char request_id[PD_UUID_LEN + 1];  /* X-Request-Id sent upstream */
@@ -67,12 +81,20 @@ typedef struct relay {
     uint64_t t0_ns;        /* client request complete */
     uint64_t p_done_ns;    /* prefill response end */
     int first_byte;        /* first body byte relayed */
+    int sse;               /* D's answer is an event stream without a Content-Length */
+    struct evbuffer *sse_tail; /* (< RELAY_SSE_TAIL_MAX) bytes after the last relayed event */
 } relay;
 
 static const hc_callbacks P_CB, D_CB;
 
 static void relay_free(relay *r) {
     r->px->inflight--;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        r->px->relays = r->next;
+    if (r->next) r->next->prev = r->prev;
+    if (r->sse_tail) evbuffer_free(r->sse_tail);
     json_decref(r->body);
     free(r->p_body);
     free(r->d_body);
@@ -118,12 +140,34 @@ static void cancel_d(relay *r) {
     d_finish_metrics(r, 0);
 }
 
+/* D failed after an event stream was started: the partial event held back
+ * is dropped, the client gets a final error event (vLLM's streaming error
+ * shape: {"error": {"message", "type", "param", "code"}}) and [DONE], and
+ * the stream ends properly (terminating chunk). */
+static void end_stream_with_error(relay *r, int status, const char *msg) {
+    evbuffer_drain(r->sse_tail, evbuffer_get_length(r->sse_tail));
+    char *e = api_error_json(status, msg);
+    struct evbuffer *o = evbuffer_new();
+    if (o) {
+        evbuffer_add_printf(o, "data: %s\n\ndata: [DONE]\n\n", e ? e : "{\"error\":{}}");
+        hs_reply_data(r->client, o);
+        evbuffer_free(o);
+    }
+    free(e);
+    hs_reply_end(r->client);
+}
+
 /* Error reply to the client (if it is still there) and the end of the relay. */
 static void relay_fail(relay *r, int status, proxy_error_kind kind, const char *msg) {
     cancel_p(r);
     cancel_d(r);
     if (r->client) {
-        if (r->started) {
+        if (r->started && r->sse) {
+            LOG_W(MOD, "request %s: %s; ending the event stream with an error event", r->request_id,
+                  msg);
+            r->px->errors[kind]++;
+            end_stream_with_error(r, status, msg);
+        } else if (r->started) {
             LOG_W(MOD, "request %s: %s; closing the client connection mid-reply", r->request_id,
                   msg);
             r->px->errors[kind]++;
@@ -155,17 +199,80 @@ static void client_drained(hs_req *req, void *arg) {
     }
 }
 
-/* The decode's answer, error or not, waits for the prefill's verdict. */
-static int gate_open(const relay *r) {
-    return r->p_st != P_PENDING;
+/* The decode's answer, error or not, waits for the prefill's verdict; a
+ * decode that failed (5xx, complete) does not: P's request is then
+ * cancelled (there is no transfer left to prefill for). */
+static int gate_open(relay *r) {
+    if (r->p_st != P_PENDING) return 1;
+    if (!r->d_done || r->d_status < 500) return 0;
+    LOG_I(MOD, "request %s: decode %s answered HTTP %d; relaying it without waiting for prefill %s",
+          r->request_id, r->d->url, r->d_status, r->p->url);
+    cancel_p(r);
+    r->p_st = P_GONE;
+    return 1;
 }
 
-/* Relays decode bytes to the client, pausing the decode on backpressure. */
-static void send_client(relay *r, struct evbuffer *data) {
+/* Offset just past the last "\n\n" (an SSE event's end) in b, 0 if none;
+ * scanned backwards from the end (it is within the last event). */
+static size_t last_event_end(struct evbuffer *b) {
+    int n = evbuffer_peek(b, -1, NULL, NULL, 0);
+    if (n <= 0) return 0;
+    struct evbuffer_iovec stackv[16], *v = stackv;
+    if (n > 16 && !(v = malloc((size_t)n * sizeof *v))) return evbuffer_get_length(b);
+    evbuffer_peek(b, -1, NULL, v, n);
+    size_t off = evbuffer_get_length(b), found = 0;
+    int next_nl = 0; /* the byte after the one at off is '\n' */
+    for (int i = n - 1; i >= 0 && !found; i--) {
+        const char *p = v[i].iov_base;
+        for (size_t j = v[i].iov_len; j-- > 0;) {
+            off--;
+            if (p[j] != '\n') {
+                next_nl = 0;
+            } else if (next_nl) {
+                found = off + 2;
+                break;
+            } else {
+                next_nl = 1;
+            }
+        }
+    }
+    if (v != stackv) free(v);
+    return found;
+}
+
+/* Whether b ends with "\n\n". */
+static int ends_event(struct evbuffer *b) {
+    size_t n = evbuffer_get_length(b);
+    char two[2];
+    if (n < 2) return 0;
+    struct evbuffer_ptr p;
+    if (evbuffer_ptr_set(b, &p, n - 2, EVBUFFER_PTR_SET) < 0) return 0;
+    return evbuffer_copyout_from(b, &p, two, 2) == 2 && two[0] == '\n' && two[1] == '\n';
+}
+
+/* Relays decode bytes to the client, pausing the decode on backpressure.
+ * An event stream goes out whole events at a time (a partial one waits in
+ * sse_tail), unless final (the decode's answer ended) or the tail is large. */
+static void send_client(relay *r, struct evbuffer *data, int final) {
+    if (r->sse && !final) {
+        if (!evbuffer_get_length(r->sse_tail) && ends_event(data)) {
+            /* the usual case: whole events */
+        } else {
+            evbuffer_add_buffer(r->sse_tail, data);
+            size_t end = evbuffer_get_length(r->sse_tail) >= RELAY_SSE_TAIL_MAX
+                             ? evbuffer_get_length(r->sse_tail)
+                             : last_event_end(r->sse_tail);
+            if (!end) return;
+            evbuffer_remove_buffer(r->sse_tail, data, end);
+        }
+    } else if (r->sse && data != r->sse_tail && evbuffer_get_length(r->sse_tail)) {
+        evbuffer_prepend_buffer(data, r->sse_tail); /* final: what was held goes first */
+    }
     if (evbuffer_get_length(data) && !r->first_byte) {
         r->first_byte = 1;
         metrics_hist_observe(&r->px->t_first_byte, secs(clock_now_ns() - r->t0_ns));
     }
+    if (!evbuffer_get_length(data)) return;
     if (hs_reply_data(r->client, data) == 1 && r->d_req && !r->d_paused) {
         r->d_paused = 1;
         hc_pause(r->d_req, 1);
@@ -178,6 +285,7 @@ static void relay_complete(relay *r) {
     metrics_hist_observe(&r->px->t_total, secs(now - r->t0_ns));
     proxy_count_status(r->px, r->d_status);
     if (r->d_status / 100 != 2) r->px->errors[PERR_DECODE_REJECTED]++;
+    if (r->sse && evbuffer_get_length(r->sse_tail)) send_client(r, r->sse_tail, 1);
     hs_reply_end(r->client);
     r->client = NULL;
     relay_free(r);
@@ -191,7 +299,7 @@ static int relay_advance(relay *r) {
         hs_reply_start(r->client, r->d_status, r->d_hdrs, r->d_nhdrs, r->d_clen);
         r->started = 1;
         if (evbuffer_get_length(r->held))
-            send_client(r, r->held);
+            send_client(r, r->held, r->d_done);
         else if (!r->d_done)
             hs_reply_flush(r->client); /* headers now, body as it comes */
     }
@@ -351,7 +459,9 @@ static void reset_d(relay *r) {
     r->d_clen = -1;
     r->d_done = 0;
     r->d_paused = 0;
+    r->sse = 0;
     evbuffer_drain(r->held, evbuffer_get_length(r->held));
+    evbuffer_drain(r->sse_tail, evbuffer_get_length(r->sse_tail));
 }
 
 /* ---- prefill callbacks -------------------------------------------------- */
@@ -445,6 +555,8 @@ static void d_head(hc_req *q, const http_head *h, void *arg) {
     relay *r = arg;
     r->d_status = h->status;
     r->d_clen = h->chunked ? -1 : h->content_length;
+    const char *ct = http_head_get(h, "Content-Type");
+    r->sse = r->d_clen < 0 && ct && !strncasecmp(ct, "text/event-stream", 17);
     r->d_hdrs = calloc((size_t)h->nheaders + 1, sizeof *r->d_hdrs);
     for (int i = 0; r->d_hdrs && i < h->nheaders; i++) {
         r->d_hdrs[i].name = strdup(h->headers[i].name);
@@ -460,7 +572,7 @@ static void d_head(hc_req *q, const http_head *h, void *arg) {
 static void d_data(hc_req *q, struct evbuffer *data, void *arg) {
     relay *r = arg;
     if (r->started) {
-        send_client(r, data);
+        send_client(r, data, 0);
         return;
     }
     evbuffer_add_buffer(r->held, data);
@@ -513,8 +625,19 @@ static relay *relay_new(proxy *px, hs_req *req, json_t *body) {
     r->t0_ns = clock_now_ns();
     r->held = evbuffer_new();
     r->p_err = evbuffer_new();
+    r->sse_tail = evbuffer_new();
+    if (!r->held || !r->p_err || !r->sse_tail) {
+        if (r->held) evbuffer_free(r->held);
+        if (r->p_err) evbuffer_free(r->p_err);
+        if (r->sse_tail) evbuffer_free(r->sse_tail);
+        free(r);
+        return NULL;
+    }
     uuid4(r->request_id);
     px->inflight++;
+    r->next = px->relays;
+    if (r->next) r->next->prev = r;
+    px->relays = r;
     hs_req_set_close_cb(req, client_gone, r);
     hs_req_set_drain_cb(req, client_drained, r);
     return r;
@@ -538,4 +661,29 @@ void relay_start_passthrough(proxy *px, hs_req *req) {
     }
     r->p_st = P_NONE;
     (void)send_decode(r);
+}
+
+void relay_backend_unresponsive(proxy *px, backend *b, const char *why) {
+    relay *next;
+    for (relay *r = px->relays; r; r = next) {
+        next = r->next;
+        if (r->p != b || r->p_st != P_PENDING || !r->body) continue;
+        if (r->p_req) {
+            hc_cancel(r->p_req);
+            r->p_req = NULL;
+            p_finish_metrics(r, 1);
+        }
+        r->p_st = P_GONE;
+        if (r->d_done) { /* D's whole answer is here: it is the client's */
+            LOG_W(MOD, "request %s: prefill %s stopped answering (%s); relaying decode's answer",
+                  r->request_id, b->url, why);
+            (void)relay_advance(r);
+            continue;
+        }
+        char msg[1400];
+        snprintf(msg, sizeof msg,
+                 "prefill instance %s stopped answering (%s); the request was abandoned", b->url,
+                 why);
+        relay_fail(r, 502, PERR_PREFILL, msg);
+    }
 }

@@ -55,11 +55,13 @@ static void test_prefill_and_decode_bodies(void **state) {
     json_decref(c2);
     json_decref(p2);
     /* n > 1: P prefills once (n 1), D gets the client's n */
-    json_t *c3 = J("{\"prompt\":\"x\",\"n\":3}");
+    json_t *c3 = J("{\"prompt\":\"x\",\"n\":3,\"best_of\":3}");
     json_t *p3 = pd_prefill_body(c3, "t");
     assert_int_equal(json_integer_value(json_object_get(p3, "n")), 1);
+    assert_null(json_object_get(p3, "best_of")); /* best_of follows n: dropped for P */
     json_t *d3 = pd_decode_body(c3, "e", "http://h:1", "t");
     assert_int_equal(json_integer_value(json_object_get(d3, "n")), 3);
+    assert_int_equal(json_integer_value(json_object_get(d3, "best_of")), 3);
     json_decref(c3);
     json_decref(p3);
     json_decref(d3);
@@ -77,6 +79,69 @@ static void test_prefill_and_decode_bodies(void **state) {
     assert_non_null(strstr(err, "not valid JSON"));
     assert_int_equal(pd_parse_client_body("{}", 2, &out, err, sizeof err), 0);
     json_decref(out);
+}
+
+/* What the proxy refuses before contacting an instance: param names the field. */
+static void expect_refused(const char *body, int chat, const char *param, const char *needle) {
+    json_t *j = J(body);
+    char prm[64], msg[512];
+    assert_int_equal(pd_check_client_body(j, chat, prm, sizeof prm, msg, sizeof msg), -EINVAL);
+    assert_string_equal(prm, param);
+    if (!strstr(msg, needle)) fail_msg("'%s' not in '%s' (body %s)", needle, msg, body);
+    json_decref(j);
+}
+
+static void expect_accepted(const char *body, int chat) {
+    json_t *j = J(body);
+    char prm[64], msg[512];
+    if (pd_check_client_body(j, chat, prm, sizeof prm, msg, sizeof msg))
+        fail_msg("%s refused: %s: %s", body, prm, msg);
+    json_decref(j);
+}
+
+static void test_client_body_checks(void **state) {
+    (void)state;
+    expect_refused("{\"prompt\":\"x\",\"n\":0}", 0, "n", "'n' must be an integer");
+    expect_refused("{\"prompt\":\"x\",\"n\":true}", 0, "n", "got a boolean");
+    expect_refused("{\"prompt\":\"x\",\"n\":2.5}", 0, "n", "got a number");
+    expect_refused("{\"prompt\":\"x\",\"n\":2,\"best_of\":1}", 0, "best_of",
+                   "'best_of' must equal 'n' (2)");
+    expect_refused("{\"prompt\":\"x\",\"best_of\":0}", 0, "best_of", "got 0");
+    expect_refused("{\"prompt\":\"x\",\"max_tokens\":0}", 0, "max_tokens", "between 1 and");
+    expect_refused("{\"prompt\":\"x\",\"max_tokens\":\"5\"}", 0, "max_tokens", "got a string");
+    expect_refused("{\"prompt\":\"x\",\"min_tokens\":-1}", 0, "min_tokens", "got -1");
+    expect_refused("{\"prompt\":\"x\",\"max_tokens\":2,\"min_tokens\":3}", 0, "min_tokens",
+                   "'min_tokens' (3) must be at most max_tokens (2)");
+    expect_refused("{\"prompt\":\"x\",\"stream\":1}", 0, "stream", "boolean");
+    expect_refused("{\"prompt\":\"x\",\"stream_options\":{}}", 0, "stream_options",
+                   "only be set when 'stream' is true");
+    expect_refused("{\"prompt\":\"x\",\"stream\":true,\"stream_options\":[]}", 0, "stream_options",
+                   "must be an object");
+    expect_refused("{\"prompt\":\"x\",\"stream\":true,\"prompt_logprobs\":0}", 0, "prompt_logprobs",
+                   "not available when 'stream' is true");
+    expect_refused("{}", 0, "prompt", "'prompt' is required");
+    expect_refused("{\"prompt\":{}}", 0, "prompt", "got an object");
+    expect_refused("{\"prompt\":\"x\"}", 1, "messages", "'messages' is required");
+    expect_refused("{\"messages\":{}}", 1, "messages", "got an object");
+    expect_refused("{\"messages\":[],\"n\":0}", 1, "messages", "an empty list");
+    expect_refused("{\"messages\":[{}],\"max_completion_tokens\":0}", 1, "max_completion_tokens",
+                   "got 0");
+    /* chat: max_completion_tokens wins over max_tokens */
+    expect_refused("{\"messages\":[{}],\"max_tokens\":9,\"max_completion_tokens\":2,"
+                   "\"min_tokens\":3}",
+                   1, "min_tokens", "at most max_tokens (2)");
+    expect_accepted("{\"messages\":[{}],\"max_tokens\":2,\"max_completion_tokens\":9,"
+                    "\"min_tokens\":3}",
+                    1);
+    /* completions: max_completion_tokens is not its field (left to the instances) */
+    expect_accepted("{\"prompt\":\"x\",\"max_completion_tokens\":0}", 0);
+    expect_accepted("{\"prompt\":[1,2],\"n\":3.0,\"best_of\":3,\"max_tokens\":null,"
+                    "\"stream\":null,\"stream_options\":null,\"min_tokens\":0}",
+                    0);
+    expect_accepted("{\"prompt\":\"x\",\"stream\":true,\"stream_options\":{\"include_usage\":"
+                    "true},\"prompt_logprobs\":null,\"temperature\":\"left to the server\"}",
+                    0);
+    expect_accepted("{\"prompt\":\"x\",\"prompt_logprobs\":2}", 0);
 }
 
 static void test_query_table(void **state) {
@@ -197,6 +262,7 @@ static void test_policies(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_and_decode_bodies),
+        cmocka_unit_test(test_client_body_checks),
         cmocka_unit_test(test_query_table),
         cmocka_unit_test(test_urls),
         cmocka_unit_test(test_policies),
