@@ -103,11 +103,11 @@ static void log_pressure(acceptor *a, const char *host, const char *why, int cou
     a->logged_ns = now;
     int cap = strcmp(why, "per-peer limit") == 0 ? a->cfg.max_per_peer : a->cfg.max_conns;
     LOG_W("acceptor",
-          "%s from %s: %d open (%s %d%s); in the last %.0f s %lu idle connection(s) closed to make "
-          "room, %lu new one(s) refused",
+          "%s from %s: %d open (%s %d%s); since the previous such line %lu idle connection(s) "
+          "closed to make room, %lu new one(s) refused (at most one line per %.0f s)",
           a->cfg.what, host, count, why, cap,
           strcmp(why, "per-peer limit") == 0 && a->cfg.per_peer_hint ? a->cfg.per_peer_hint : "",
-          (double)LOG_EVERY_NS / NS_PER_S, a->evicted, a->refused);
+          a->evicted, a->refused, (double)LOG_EVERY_NS / NS_PER_S);
     a->refused = a->evicted = 0;
 }
 
