@@ -32,16 +32,16 @@ struct tcp_server {
     _Atomic uint64_t silent_closed, silent_logged_ns;
 };
 
-static void log_silent(tcp_server *s, const char *peer) {
+static void log_silent(tcp_server *s, const char *peer, const char *what) {
     uint64_t n = atomic_fetch_add(&s->silent_closed, 1) + 1;
     uint64_t now = clock_now_ns(), last = atomic_load(&s->silent_logged_ns);
     if (last && now - last < LOG_EVERY_NS) return;
     if (!atomic_compare_exchange_strong(&s->silent_logged_ns, &last, now)) return;
     atomic_fetch_sub(&s->silent_closed, n);
     LOG_W(MOD,
-          "closed %llu data connection(s) (the latest from %s) that sent no request within %.0f s "
-          "of connecting",
-          (unsigned long long)n, peer, (double)TCP_FIRST_MSG_NS / NS_PER_S);
+          "closed %llu data connection(s) (the latest from %s) that sent no %s within %.0f s of "
+          "connecting",
+          (unsigned long long)n, peer, what, (double)TCP_FIRST_MSG_NS / NS_PER_S);
 }
 
 void tcp_header_encode(uint8_t h[TCP_HEADER_LEN], uint64_t size, uint64_t addr, uint8_t opcode) {
@@ -206,7 +206,7 @@ static int serve_one(tcp_server *s, conn_io *io) {
         acceptor_conn_idle(io->c);
         rc = fill(io, TCP_HEADER_LEN, io->first_deadline);
         if (acceptor_conn_busy(io->c) != 0) return -ECONNRESET; /* evicted */
-        if (rc == -ETIMEDOUT && io->first_deadline) log_silent(s, io->c->peer);
+        if (rc == -ETIMEDOUT && io->first_deadline) log_silent(s, io->c->peer, "request");
         if (rc) return rc;
     }
     io->first_deadline = 0;
@@ -333,9 +333,14 @@ static int serve_auth(tcp_server *s, conn *c) {
     }
     if (rc == 0) rc = net_recv_all(c->fd, cn, sizeof cn, deadline);
     if (rc) {
-        LOG_W(MOD, "refused data connection from %s: no authentication within %.0f s (%s)", c->peer,
-              (double)AUTH_DEADLINE_NS / NS_PER_S, strerror(-rc));
+        /* Silent (a flood of idle sockets: one line per 10 s), evicted to
+         * make room (the acceptor logs those), or closed by the peer. */
         atomic_fetch_add(s->env.auth_refused, 1);
+        if (rc == -ETIMEDOUT)
+            log_silent(s, c->peer, "authentication");
+        else if (acceptor_conn_busy(c) == 0)
+            LOG_D(MOD, "data connection from %s closed before authenticating (%s)", c->peer,
+                  strerror(-rc));
         return -EACCES;
     }
     if (auth_random(sn, sizeof sn) != 0 || tcp_auth_mac(s->env.secret, 1, cn, sn, mac) != 0)
