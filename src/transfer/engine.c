@@ -229,9 +229,28 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
               DEFAULT_LANES);
         return TRANSFER_EINVAL;
     }
+    int per_peer = cfg->max_conns_per_peer;
+    const char *pp_env = getenv("DISAGG_KV_MAX_CONNS_PER_PEER");
+    if (per_peer == 0 && pp_env && *pp_env) {
+        char *end;
+        errno = 0;
+        long v = strtol(pp_env, &end, 10);
+        if (errno || *end || v < 1 || v > TCP_MAX_CONNS) {
+            LOG_E(MOD, "DISAGG_KV_MAX_CONNS_PER_PEER='%s' is not an integer in 1..%d", pp_env,
+                  TCP_MAX_CONNS);
+            return TRANSFER_EINVAL;
+        }
+        per_peer = (int)v;
+    }
+    if (per_peer < 0 || per_peer > TCP_MAX_CONNS) {
+        LOG_E(MOD, "max_conns_per_peer %d out of range (accepted: 1..%d, 0 = default %d)", per_peer,
+              TCP_MAX_CONNS, TCP_MAX_PER_PEER);
+        return TRANSFER_EINVAL;
+    }
     transfer_engine *e = calloc(1, sizeof *e);
     if (!e) return TRANSFER_ENOMEM;
     e->cfg = *cfg;
+    e->cfg.max_conns_per_peer = per_peer ? per_peer : TCP_MAX_PER_PEER;
     if (!e->cfg.lanes) e->cfg.lanes = DEFAULT_LANES;
     if (!e->cfg.stripe_bytes) e->cfg.stripe_bytes = DEFAULT_STRIPE;
     if (!e->cfg.timeout_base_ns) e->cfg.timeout_base_ns = def.timeout_base_ns;
@@ -318,7 +337,8 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                           .secret = e->secret,
                           .auth_refused = &e->auth_refused,
                           .dev = &e->devp,
-                          .stage_stats = &e->stage};
+                          .stage_stats = &e->stage,
+                          .max_conns_per_peer = e->cfg.max_conns_per_peer};
     rc = tcp_server_start(binds, nb, &env, &e->ts, &e->data_port, ok);
     if (rc != 0) goto fail_early;
     for (int i = 0; e->whitelisted && i < e->nifaces; i++) {
