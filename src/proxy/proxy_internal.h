@@ -6,7 +6,7 @@
 #ifndef DISAGG_PROXY_PROXY_INTERNAL_H
 #define DISAGG_PROXY_PROXY_INTERNAL_H
 
-#include "proxy/backend.h"
+#include "proxy/upstream.h"
 #include "base/http_server.h"
 #include "proxy/metrics.h"
 #include "proxy/proxy.h"
@@ -44,11 +44,11 @@ struct proxy {
     struct event_base *base;     /* loop */
     proxy_config cfg;            /* settings (strings owned by the caller) */
     hs_server *srv;              /* front end */
-    backend_env env;             /* shared backend settings */
+    upstream_env env;            /* shared upstream settings */
     char auth_header[512];       /* "Authorization: Bearer KEY\r\n" or "" */
-    backend *prefill;            /* (nprefill) slots; with discovery POLICY_MAX_BACKENDS of them */
+    upstream *prefill;           /* (nprefill) slots; with discovery POLICY_MAX_BACKENDS of them */
     int nprefill;                /* slots in use (with discovery some may be inactive) */
-    backend *decode;             /* (ndecode) */
+    upstream *decode;            /* (ndecode) */
     int ndecode;                 /* slots in use */
     membership *members;         /* --discovery (membership.c), or NULL */
     unsigned rr_prefill;         /* round-robin cursor over prefill slots */
@@ -62,7 +62,7 @@ struct proxy {
     uint64_t requests[EP_COUNT]; /* client requests by endpoint */
     uint64_t responses[6];       /* client responses by status class (index = status/100) */
     uint64_t errors[PERR_COUNT]; /* failures by kind */
-    uint64_t retries[2]; /* requests resent to another backend after a refused connect, by role */
+    uint64_t retries[2]; /* requests resent to another upstream after a refused connect, by role */
     metrics_hist t_prefill;    /* P dispatch -> P response end */
     metrics_hist t_decode;     /* P response end -> D response end (the decode part) */
     metrics_hist t_first_byte; /* client request -> first byte relayed */
@@ -82,6 +82,6 @@ void relay_start_pd(proxy *px, hs_req *req, json_t *body);
 void relay_start_passthrough(proxy *px, hs_req *req);
 /* relay.c: prefill b stopped answering (why): the requests still waiting
  * for it stop waiting (D's complete answer is relayed, else a 502). */
-void relay_backend_unresponsive(proxy *px, backend *b, const char *why);
+void relay_upstream_unresponsive(proxy *px, upstream *b, const char *why);
 
 #endif

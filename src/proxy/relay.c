@@ -16,7 +16,7 @@
  *
  * The wait for P ends early when D has failed (its 5xx is relayed at once,
  * P's request cancelled) or when P stops answering its health probes
- * (BACKEND_HUNG_MISSES probe timeouts in a row): a relay still waiting for
+ * (UPSTREAM_HUNG_MISSES probe timeouts in a row): a relay still waiting for
  * that P answers D's complete answer if there is one, else a 502 naming P.
  * A streamed (SSE) decode answer is relayed whole events at a time, so that
  * when D fails mid-stream the client gets a final `data: {"error": ...}`
@@ -54,7 +54,7 @@ typedef struct relay {
     char request_id[PD_UUID_LEN + 1];  /* X-Request-Id sent upstream */
     char transfer_id[PD_UUID_LEN + 6]; /* "xfer-<uuid4>" */
     char *p_body;                      /* prefill body (JSON text) */
-    backend *p;                        /* chosen prefill */
+    upstream *p;                       /* chosen prefill */
     char p_engine_id[128];             /* that rank's engine id (copied: tables change) */
     char p_group[520];                 /* its model + KV layout (copied: a slot may be reused) */
     int p_rank;                        /* that dp rank */
@@ -63,12 +63,12 @@ typedef struct relay {
     int p_status;                      /* its HTTP status */
     struct evbuffer *p_err;            /* (<= RELAY_4XXBODY_MAX + 1) its error body */
     char p_ctype[128];                 /* its Content-Type */
-    uint64_t p_tried;                  /* prefill backends that refused (bit = index) */
+    uint64_t p_tried;                  /* prefill upstreams that refused (bit = index) */
     uint64_t p_start_ns;               /* prefill dispatch time */
     char *d_body;                      /* decode body (JSON text), NULL for passthrough GET */
-    backend *d;                        /* chosen decode */
+    upstream *d;                       /* chosen decode */
     hc_req *d_req;                     /* decode request in flight */
-    uint64_t d_tried;                  /* decode backends that refused */
+    uint64_t d_tried;                  /* decode upstreams that refused */
     uint64_t d_start_ns;               /* decode dispatch time */
     int d_status;                      /* decode HTTP status (0 before its head) */
     http_header *d_hdrs;               /* (d_nhdrs) copied decode response headers */
@@ -113,14 +113,14 @@ static double secs(uint64_t ns) {
 }
 
 static void p_finish_metrics(relay *r, int failed) {
-    backend *p = r->p;
+    upstream *p = r->p;
     p->outstanding--;
     metrics_hist_observe(&p->latency, secs(clock_now_ns() - r->p_start_ns));
     if (failed) p->errors++;
 }
 
 static void d_finish_metrics(relay *r, int failed) {
-    backend *d = r->d;
+    upstream *d = r->d;
     d->outstanding--;
     metrics_hist_observe(&d->latency, secs(clock_now_ns() - r->d_start_ns));
     if (failed) d->errors++;
@@ -339,7 +339,7 @@ static int send_decode(relay *r);
 
 /* "no other prefill instance is reachable (http://a:1, http://b:2 refused the
  * connection)", naming the instances tried, or "no prefill instance is ready". */
-static void tried_message(char *msg, size_t cap, const char *role, const backend *b, int n,
+static void tried_message(char *msg, size_t cap, const char *role, const upstream *b, int n,
                           uint64_t tried) {
     if (!tried) {
         snprintf(msg, cap, "no %s instance is ready", role);
@@ -363,8 +363,8 @@ static int send_pd(relay *r) {
     policy_hint hint = {0, NULL};
     if (px->cfg.policy == POLICY_PREFIX)
         hint.prefix_hash = pd_prefix_hash(r->body, (size_t)px->cfg.prefix_bytes);
-    backend *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
-                             &hint, &eng);
+    upstream *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill,
+                              r->p_tried, &hint, &eng);
     if (!p) {
         char msg[1024];
         tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);
@@ -421,8 +421,8 @@ static int send_decode(relay *r) {
     proxy *px = r->px;
     /* a decode pairs with the prefill's group (model and KV layout) */
     policy_hint hint = {0, r->body ? r->p_group : NULL};
-    backend *d = policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried,
-                             &hint, NULL);
+    upstream *d = policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried,
+                              &hint, NULL);
     if (!d) {
         char msg[1024];
         tried_message(msg, sizeof msg, "decode", px->decode, px->ndecode, r->d_tried);
@@ -502,13 +502,13 @@ static void relay_prefill_rejected(relay *r) {
 static void p_done(hc_req *q, int err, void *arg) {
     relay *r = arg;
     r->p_req = NULL;
-    backend *p = r->p;
+    upstream *p = r->p;
     if (err == HC_ECONNECT || err == HC_ERESOLVE) {
         p_finish_metrics(r, 1);
         char why[160];
         snprintf(why, sizeof why, "connection refused or unreachable (%s)", hc_strerror(err));
-        backend_mark_down(p, why);
-        r->px->retries[BACKEND_PREFILL]++;
+        upstream_mark_down(p, why);
+        r->px->retries[UPSTREAM_PREFILL]++;
         r->p_tried |= 1ull << p->index;
         LOG_W(MOD, "request %s: prefill %s unreachable; retrying on another prefill", r->request_id,
               p->url);
@@ -585,13 +585,13 @@ static void d_data(hc_req *q, struct evbuffer *data, void *arg) {
 static void d_done(hc_req *q, int err, void *arg) {
     relay *r = arg;
     r->d_req = NULL;
-    backend *d = r->d;
+    upstream *d = r->d;
     if ((err == HC_ECONNECT || err == HC_ERESOLVE) && !r->started) {
         d_finish_metrics(r, 1);
         char why[160];
         snprintf(why, sizeof why, "connection refused or unreachable (%s)", hc_strerror(err));
-        backend_mark_down(d, why);
-        r->px->retries[BACKEND_DECODE]++;
+        upstream_mark_down(d, why);
+        r->px->retries[UPSTREAM_DECODE]++;
         r->d_tried |= 1ull << d->index;
         LOG_W(MOD, "request %s: decode %s unreachable; retrying on another decode", r->request_id,
               d->url);
@@ -663,7 +663,7 @@ void relay_start_passthrough(proxy *px, hs_req *req) {
     (void)send_decode(r);
 }
 
-void relay_backend_unresponsive(proxy *px, backend *b, const char *why) {
+void relay_upstream_unresponsive(proxy *px, upstream *b, const char *why) {
     relay *next;
     for (relay *r = px->relays; r; r = next) {
         next = r->next;

@@ -7,10 +7,10 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "proxy/backend.h"
+#include "proxy/upstream.h"
 #include "proxy/pd_request.h"
 #include "proxy/policy.h"
-#include "tests/unit/fake_backend.h"
+#include "tests/unit/fake_upstream.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -172,57 +172,58 @@ static void test_urls(void **state) {
     char host[256], err[300];
     uint16_t port;
     assert_int_equal(
-        backend_parse_url("http://192.168.0.2:8010", host, sizeof host, &port, err, sizeof err), 0);
+        upstream_parse_url("http://192.168.0.2:8010", host, sizeof host, &port, err, sizeof err),
+        0);
     assert_string_equal(host, "192.168.0.2");
     assert_int_equal(port, 8010);
-    assert_int_equal(backend_parse_url("localhost:9/", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("localhost:9/", host, sizeof host, &port, err, sizeof err),
                      0);
     assert_int_equal(port, 9);
     assert_int_equal(
-        backend_parse_url("http://[::1]:8020", host, sizeof host, &port, err, sizeof err), 0);
+        upstream_parse_url("http://[::1]:8020", host, sizeof host, &port, err, sizeof err), 0);
     assert_string_equal(host, "::1");
-    assert_int_equal(backend_parse_url("http://h", host, sizeof host, &port, err, sizeof err), 0);
+    assert_int_equal(upstream_parse_url("http://h", host, sizeof host, &port, err, sizeof err), 0);
     assert_int_equal(port, 80);
-    assert_int_equal(backend_parse_url("http://h:0", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("http://h:0", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
-    assert_int_equal(backend_parse_url("http://h:1/v1", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("http://h:1/v1", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
-    assert_int_equal(backend_parse_url("https://h:1", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("https://h:1", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
-    assert_int_equal(backend_parse_url("http://", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("http://", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
 
     /* bootstrap: default 8998 on the prefill host, a port, or a full address */
     assert_int_equal(
-        backend_parse_bootstrap("u", "10.0.0.2", NULL, host, sizeof host, &port, err, sizeof err),
+        upstream_parse_bootstrap("u", "10.0.0.2", NULL, host, sizeof host, &port, err, sizeof err),
         0);
     assert_string_equal(host, "10.0.0.2");
     assert_int_equal(port, 8998);
-    assert_int_equal(
-        backend_parse_bootstrap("u", "10.0.0.2", "9000", host, sizeof host, &port, err, sizeof err),
-        0);
+    assert_int_equal(upstream_parse_bootstrap("u", "10.0.0.2", "9000", host, sizeof host, &port,
+                                              err, sizeof err),
+                     0);
     assert_int_equal(port, 9000);
     assert_string_equal(host, "10.0.0.2");
-    assert_int_equal(backend_parse_bootstrap("u", "10.0.0.2", "10.0.0.9:7000", host, sizeof host,
-                                             &port, err, sizeof err),
+    assert_int_equal(upstream_parse_bootstrap("u", "10.0.0.2", "10.0.0.9:7000", host, sizeof host,
+                                              &port, err, sizeof err),
                      0);
     assert_string_equal(host, "10.0.0.9");
     assert_int_equal(port, 7000);
     assert_int_equal(
-        backend_parse_bootstrap("u", "h", "70000", host, sizeof host, &port, err, sizeof err),
+        upstream_parse_bootstrap("u", "h", "70000", host, sizeof host, &port, err, sizeof err),
         -EINVAL);
 }
 
 static void test_policies(void **state) {
     (void)state;
-    backend p[2];
-    fake(&p[0], BACKEND_PREFILL, 0, 2);
-    fake(&p[1], BACKEND_PREFILL, 1, 1);
+    upstream p[2];
+    fake(&p[0], UPSTREAM_PREFILL, 0, 2);
+    fake(&p[1], UPSTREAM_PREFILL, 1, 1);
     unsigned rr = 0;
     int count[2][2] = {{0}};
     for (int i = 0; i < 6; i++) {
         const pd_engine *e;
-        backend *b = policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 0, NULL, &e);
+        upstream *b = policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 0, NULL, &e);
         count[b->index][e->dp_rank]++;
     }
     assert_int_equal(count[0][0], 2);
@@ -241,8 +242,8 @@ static void test_policies(void **state) {
     for (int i = 0; i < 4; i++)
         assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e), &p[1]);
     p[0].outstanding = p[1].outstanding = 0;
-    backend *x = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
-    backend *y = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
+    upstream *x = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
+    upstream *y = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
     assert_ptr_not_equal(x, y);
     /* dp ranks of the chosen prefill cycle */
     p[1].ready = 0;
