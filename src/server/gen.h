@@ -38,6 +38,7 @@ typedef struct gen_choice {
     detok_stream ds;           /* tokens → released text */
     sbuf text;                 /* all released text */
     size_t sent;               /* bytes of text already streamed as content */
+    size_t r_sent;             /* bytes of reasoning already streamed (--reasoning-parser) */
     json_t *logprobs;          /* accumulated logprobs (stream: since the last chunk) */
     size_t text_offset;        /* completions logprobs text_offset, in characters */
     int n_tokens;              /* generated tokens that count (up to the stop) */

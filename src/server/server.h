@@ -32,6 +32,8 @@ typedef struct server_config {
     int log_stats;                  /* --disable-log-stats clears it (default 1) */
     const char *tokenizer_dir;      /* --tokenizer, resolved; NULL = the model directory */
     const char *chat_template;      /* --chat-template text; NULL = the tokenizer's */
+    int reasoning_parser;           /* --reasoning-parser: a reasoning_kind (server/reasoning.h),
+                                       0 = none: <think> text stays in content */
     int max_logprobs;               /* --max-logprobs: most (top_)logprobs a request asks (20) */
     const char *generation_config;  /* "auto" (default: the model's generation_config.json),
                                        "vllm" (none), or a directory holding one */
