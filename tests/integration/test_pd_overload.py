@@ -20,12 +20,14 @@ import os
 import signal
 import socket
 import time
+import types
 import uuid
 
 import pytest
 import requests
 import zmq
 
+from proxy_fixtures import ProxyProc
 from server_harness import Server, free_port
 from test_pd import BODY, COMMON, PD, TIMEOUT, blocks_used, consumer_config, wait_blocks_zero
 from test_pd_errors import d_params, metric, raw_post
@@ -81,7 +83,7 @@ def pd():
 
 # ---- item 10: many concurrent pulls, the cap, eviction of bogus pulls -----------------------
 
-def test_600_bogus_pulls_sent_to_d_do_not_starve_real_requests(pd):
+def test_600_bogus_pulls_sent_to_d_do_not_starve_real_requests():
     """The issue's attack: 600 requests with bogus transfer ids sent straight to D, each making
     D pull from the real P.  Before, D failed every pull from ~340 on ("zmq_socket: Too many
     open files": 3 ZeroMQ sockets per pull, libzmq's default limit of 1,023) and real requests
@@ -90,6 +92,7 @@ def test_600_bogus_pulls_sent_to_d_do_not_starve_real_requests(pd):
     succeed.  When the attacker leaves, D cancels them all and frees every block."""
     n = 600
     socks = []
+    pd = PD(p_env={"DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT": "60"})
     try:
         t0 = time.time()
         for i in range(n):
@@ -116,11 +119,15 @@ def test_600_bogus_pulls_sent_to_d_do_not_starve_real_requests(pd):
             assert pr.status_code == 200 and dr.status_code == 200, dr.text
             assert dr.json()["choices"][0]["finish_reason"] != "error", dr.text
         assert metric(pd.d, "disagg:kv_transfer_failures_total", side="consumer", reason="evicted") >= 5
+        for s in socks:
+            s.close()
+        socks = []
+        poll(lambda: pd.d.metric("disagg:kv_transfer_loading_requests") == 0, 30, "D's loads cancelled")
+        wait_blocks_zero(pd.d, timeout=10)
     finally:
         for s in socks:
             s.close()
-    poll(lambda: pd.d.metric("disagg:kv_transfer_loading_requests") == 0, 30, "D's loads cancelled")
-    wait_blocks_zero(pd.d, timeout=10)
+        pd.stop()
 
 
 def silent_producer(pd, engine_id):
@@ -239,16 +246,40 @@ def test_request_d_rejects_frees_p_blocks(pd, edit, needle):
     assert metric(pd.p, "disagg:kv_transfer_expired_total") == 0
 
 
+def test_request_d_rejects_through_the_proxy_frees_p_blocks(pd):
+    """The same through `disagg proxy`: a request over the context gets its 400 and P holds no
+    blocks afterwards (whether the proxy refused it first or D did and told P)."""
+    px = ProxyProc([types.SimpleNamespace(url=pd.p.url, bootstrap_port=pd.boot_port)], [pd.d])
+    try:
+        px.wait_ready(30)
+        wait_blocks_zero(pd.p, timeout=10)
+        for k in range(3):
+            r = requests.post(px.url + "/v1/completions", timeout=TIMEOUT, json=dict(
+                BODY, prompt=f"Fellow-Citizens of the Senate and House {k}", max_tokens=100000))
+            assert r.status_code == 400, r.text
+            assert "maximum context length" in r.json()["error"]["message"], r.text
+        t0 = time.time()
+        wait_blocks_zero(pd.p, timeout=5)
+        print(f"P's blocks free {time.time() - t0:.3f} s after the proxy's 400s")
+        r = requests.post(px.url + "/v1/completions", timeout=TIMEOUT, json=dict(BODY, prompt="Commerce"))
+        assert r.status_code == 200, r.text
+    finally:
+        px.proc.terminate()
+        px.proc.wait(10)
+
+
 def test_request_d_rejects_before_p_has_it_frees_p_blocks_when_ready(pd):
     """D's refusal reaches P before P's copy of the request: P remembers the transfer and frees
     its KV as soon as the prefill ends."""
     wait_blocks_zero(pd.p, timeout=10)
     tid = "xfer-" + str(uuid.uuid4())
     body = dict(BODY, prompt="Fellow-Citizens of the Senate and House of Representatives")
+    before = pd.p.metric("disagg:kv_pending_unknown_pulls")
     r = requests.post(pd.d.url + "/v1/completions", timeout=TIMEOUT,
                       json=dict(body, n=0, kv_transfer_params=d_params(pd, transfer_id=tid)))
     assert r.status_code == 400, r.text
-    poll(lambda: pd.p.metric("disagg:kv_pending_unknown_pulls") >= 1, 10, "the release reached P")
+    poll(lambda: pd.p.metric("disagg:kv_pending_unknown_pulls") == before + 1, 10,
+         "the release reached P")  # remembered until the request comes
     r = requests.post(pd.p.url + "/v1/completions", timeout=TIMEOUT, json=dict(
         body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}))
     assert r.status_code == 200, r.text
