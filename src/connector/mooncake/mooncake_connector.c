@@ -146,6 +146,7 @@ typedef struct cons_req {
     int evicted;         /* cancelled to make room at max_remote_loads */
     int loading;         /* a pull thread owns it */
     int released;        /* the engine dropped its handle */
+    void *h;             /* that handle (freed at destroy when the engine never released it) */
     struct cons_req *next;
 } cons_req;
 
@@ -1145,6 +1146,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 snprintf(r->remote_engine_id, sizeof r->remote_engine_id, "%s", eid);
                 snprintf(r->bootstrap, sizeof r->bootstrap, "%s", boot);
                 *h = (handle){0, r};
+                r->h = h;
                 pthread_mutex_lock(&c->mu);
                 r->next = c->conss;
                 c->conss = r;
@@ -1769,9 +1771,10 @@ void mooncake_connector_destroy(mooncake_connector *c) {
         free(p->blocks);
         free(p);
     }
-    while (c->conss) {
+    while (c->conss) { /* requests still live in the engine (its hooks are gone) */
         cons_req *r = c->conss;
         c->conss = r->next;
+        if (!r->released) free(r->h);
         free(r->blocks);
         free(r);
     }
