@@ -13,6 +13,7 @@
 #include "bench/bench.h"
 
 #include "base/http_client.h"
+#include "base/rng.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -101,14 +102,11 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-/* ---- random numbers (splitmix64) ------------------------------------------------- */
+/* ---- random numbers (base/rng.h splitmix64) ------------------------------------------------- */
 
 static uint64_t g_rng;
 static uint64_t rng_u64(void) {
-    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+    return rng_splitmix64(&g_rng);
 }
 static double rng_unit(void) {
     return ((rng_u64() >> 11) + 0.5) / 9007199254740992.0;

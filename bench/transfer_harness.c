@@ -98,7 +98,7 @@ static int cmp_target_buf(const void *a, const void *b) {
 
 int transfer_harness_target(int argc, char **argv) {
     const char *host = NULL, *device = NULL, *metadata = NULL;
-    uint64_t port = 0, data_port = 0, buffer_size = 64ull << 20, nbuf = 1, seed = 1;
+    uint64_t port = 0, data_port = 0, buffer_size = 64ull << 20, nbuf = 1, seed = 1, per_peer = 0;
     transfer_protocol proto = TRANSFER_PROTO_AUTO;
     bool exit_on_eof = false;
     // clang-format off
@@ -113,6 +113,7 @@ int transfer_harness_target(int argc, char **argv) {
         {"--pattern", OPT_UINT, &seed, 0, UINT64_MAX, "SEED", "pattern seed of the buffer contents (default 1)"},
         {"--exit-on-stdin-eof", OPT_FLAG, &exit_on_eof, 0, 0, NULL, "also exit when stdin reaches EOF"},
         {"--metadata-server", OPT_STR, &metadata, 0, 0, "etcd://H:P", "also publish the segment in etcd in Mooncake's metadata layout (docs/scaling.md)"},
+        {"--max-conns-per-peer", OPT_UINT, &per_peer, 0, 1024, "N", "open data connections from one address, 0 = $DISAGG_KV_MAX_CONNS_PER_PEER or 64 (docs/security.md)"},
     };
     // clang-format on
     const sub_usage u = {
@@ -145,6 +146,7 @@ int transfer_harness_target(int argc, char **argv) {
     cfg.device_name = device;
     cfg.auth_secret = auth_secret_resolve(NULL); /* $DISAGG_KV_SECRET */
     cfg.metadata_server = metadata;
+    cfg.max_conns_per_peer = (int)per_peer;
     transfer_engine *eng = NULL;
     int rc = transfer_engine_create(&cfg, &eng);
     if (rc) {

@@ -107,6 +107,12 @@ typedef struct transfer_config {
     double timeout_per_byte_ns;
     /* Deadline of connect and handshake; 0 = 5 s. */
     uint64_t connect_timeout_ns;
+    /* tcp data port: open connections accepted from one peer address at
+     * once (1..1024); 0 = $DISAGG_KV_MAX_CONNS_PER_PEER, else 64.  Beyond it
+     * the peer's longest-idle connection is closed to make room (a new one is
+     * refused only when all of them are busy), and a connection that sends
+     * no request within 2 s of connecting is closed (docs/security.md). */
+    int max_conns_per_peer;
     /* Shared secret (copied).  NULL/"" = none: the handshake and data ports
      * speak Mooncake's frames unchanged.  Set: every handshake and every data
      * connection, in both directions, is an HMAC-SHA256 challenge-response

@@ -1,6 +1,7 @@
 /* acceptor — see acceptor.h. */
 #include "base/acceptor.h"
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "base/net.h"
 
@@ -9,6 +10,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -23,7 +25,91 @@ struct acceptor {
     pthread_cond_t cond; /* a connection thread ended */
     acceptor_conn *conns;
     int nconns;
+    /* Refusals and evictions: logged at most once per LOG_EVERY_NS (accept thread only). */
+    uint64_t logged_ns;
+    unsigned long refused, evicted; /* since the last line */
 };
+
+#define EVICTED      UINT64_MAX
+#define LOG_EVERY_NS (10 * NS_PER_S)
+
+void acceptor_conn_idle(acceptor_conn *c) {
+    uint64_t now = clock_now_ns(), want = 0;
+    atomic_compare_exchange_strong(&c->idle_since, &want, now ? now : 1);
+}
+
+int acceptor_conn_busy(acceptor_conn *c) {
+    uint64_t cur = atomic_load(&c->idle_since);
+    while (cur != 0 && cur != EVICTED)
+        if (atomic_compare_exchange_weak(&c->idle_since, &cur, 0)) return 0;
+    return cur == EVICTED ? -1 : 0;
+}
+
+/* Caller holds a->mu: shut down the longest-idle connection (of host, when
+ * not NULL); 1 when one was evicted. */
+static int evict_idle_locked(acceptor *a, const char *host) {
+    for (int tries = 0; tries < 4; tries++) {
+        acceptor_conn *victim = NULL;
+        uint64_t oldest = EVICTED;
+        for (acceptor_conn *c = a->conns; c; c = c->next) {
+            uint64_t t = atomic_load(&c->idle_since);
+            if (t != 0 && t < oldest && (!host || strcmp(c->host, host) == 0)) {
+                oldest = t;
+                victim = c;
+            }
+        }
+        if (!victim) return 0;
+        /* Lost to the connection becoming busy: look again. */
+        if (!atomic_compare_exchange_strong(&victim->idle_since, &oldest, EVICTED)) continue;
+        shutdown(victim->fd, SHUT_RDWR); /* its thread unlinks it (under mu) before closing */
+        return 1;
+    }
+    return 0;
+}
+
+/* Caller holds a->mu: room for one more connection from host?  Evicts idle
+ * connections when allowed; 0 = refuse.  *why names the cap that was hit. */
+static int make_room_locked(acceptor *a, const char *host, const char **why, int *count) {
+    if (a->cfg.max_per_peer > 0) {
+        int n = 0;
+        for (acceptor_conn *c = a->conns; c; c = c->next)
+            if (strcmp(c->host, host) == 0 && atomic_load(&c->idle_since) != EVICTED) n++;
+        if (n >= a->cfg.max_per_peer) {
+            *why = "per-peer limit";
+            *count = n;
+            if (!a->cfg.evict_idle || !evict_idle_locked(a, host)) return 0;
+            a->evicted++;
+        }
+    }
+    int live = 0;
+    for (acceptor_conn *c = a->conns; c; c = c->next)
+        if (atomic_load(&c->idle_since) != EVICTED) live++;
+    if (live >= a->cfg.max_conns) {
+        *why = "limit";
+        *count = live;
+        if (!a->cfg.evict_idle || !evict_idle_locked(a, NULL)) return 0;
+        a->evicted++;
+    }
+    /* Evicted connections still hold a thread until they notice; never more
+     * than twice the limit at once. */
+    return a->nconns < 2 * a->cfg.max_conns;
+}
+
+/* Accept thread: the periodic line about refusals and evictions. */
+static void log_pressure(acceptor *a, const char *host, const char *why, int count) {
+    uint64_t now = clock_now_ns();
+    if (a->logged_ns && now - a->logged_ns < LOG_EVERY_NS) return;
+    if (!a->refused && !a->evicted) return;
+    a->logged_ns = now;
+    int cap = strcmp(why, "per-peer limit") == 0 ? a->cfg.max_per_peer : a->cfg.max_conns;
+    LOG_W("acceptor",
+          "%s from %s: %d open (%s %d%s); since the previous such line %lu idle connection(s) "
+          "closed to make room, %lu new one(s) refused (at most one line per %.0f s)",
+          a->cfg.what, host, count, why, cap,
+          strcmp(why, "per-peer limit") == 0 && a->cfg.per_peer_hint ? a->cfg.per_peer_hint : "",
+          a->evicted, a->refused, (double)LOG_EVERY_NS / NS_PER_S);
+    a->refused = a->evicted = 0;
+}
 
 static void conn_unlink(acceptor *a, acceptor_conn *c) {
     pthread_mutex_lock(&a->mu);
@@ -68,27 +154,43 @@ static void *accept_main(void *arg) {
         from.len = fl;
         if (a->cfg.nodelay) net_set_nodelay(fd);
         net_set_nonblock(fd, 1);
+        acceptor_conn *c = calloc(1, sizeof *c);
+        if (c) {
+            net_addr_format(&from, c->peer, sizeof c->peer);
+            net_addr_host(&from, c->host, sizeof c->host);
+            c->accepted_ns = clock_now_ns();
+            atomic_init(&c->idle_since, a->cfg.evict_idle ? c->accepted_ns : 0);
+        }
         pthread_mutex_lock(&a->mu);
         if (a->cfg.wait_when_full)
             while (a->nconns >= a->cfg.max_conns)
                 pthread_cond_wait(&a->cond, &a->mu);
-        acceptor_conn *c = calloc(1, sizeof *c);
-        if (!c || a->nconns >= a->cfg.max_conns) {
+        const char *why = NULL;
+        int count = 0;
+        int room = a->cfg.evict_idle || a->cfg.max_per_peer > 0
+                       ? make_room_locked(a, c ? c->host : "", &why, &count)
+                       : a->nconns < a->cfg.max_conns;
+        if (!c || !room) {
             int n = a->nconns;
+            a->refused++;
             pthread_mutex_unlock(&a->mu);
-            LOG_W("acceptor", "refusing %s (%d open, limit %d)", a->cfg.what, n, a->cfg.max_conns);
+            if (why)
+                log_pressure(a, c ? c->host : "?", why, count);
+            else
+                LOG_W("acceptor", "refusing %s (%d open, limit %d)", a->cfg.what, n,
+                      a->cfg.max_conns);
             free(c);
             close(fd);
             continue;
         }
         c->fd = fd;
-        net_addr_format(&from, c->peer, sizeof c->peer);
         c->owner = a;
         c->next = a->conns;
         if (a->conns) a->conns->prev = c;
         a->conns = c;
         a->nconns++;
         pthread_mutex_unlock(&a->mu);
+        if (why) log_pressure(a, c->host, why, count);
         pthread_t t;
         pthread_attr_t at;
         pthread_attr_init(&at);

@@ -2,6 +2,7 @@
 #include "base/etcd.h"
 
 #include "base/clock.h"
+#include "base/curl_glue.h"
 
 #include <ctype.h>
 #include <curl/curl.h>
@@ -115,11 +116,6 @@ void etcd_prefix_end(const char *prefix, char *out) {
 
 /* ---- client ------------------------------------------------------------------------- */
 
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
-static void curl_init_once(void) {
-    curl_global_init(CURL_GLOBAL_DEFAULT);
-}
-
 static char *dup_opt(const char *s) {
     return s && *s ? strdup(s) : NULL;
 }
@@ -145,7 +141,7 @@ static int valid_endpoint(const char *e, size_t n) {
 
 int etcd_client_new(const etcd_options *o, etcd_client **out, char *err, size_t errcap) {
     *out = NULL;
-    pthread_once(&curl_once, curl_init_once);
+    curl_glue_init();
     etcd_client *c = calloc(1, sizeof *c);
     if (!c) {
         snprintf(err, errcap, "out of memory");

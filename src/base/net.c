@@ -64,6 +64,17 @@ int net_resolve(const char *host, uint16_t port, net_addr *out) {
     return 0;
 }
 
+int net_host_is_loopback(const char *host) {
+    net_addr a;
+    if (!host || !*host || net_resolve(host, 0, &a) != 0) return 0;
+    if (a.ss.ss_family == AF_INET)
+        return (ntohl(((const struct sockaddr_in *)&a.ss)->sin_addr.s_addr) >> 24) == 127;
+    if (a.ss.ss_family != AF_INET6) return 0;
+    const struct in6_addr *a6 = &((const struct sockaddr_in6 *)&a.ss)->sin6_addr;
+    if (IN6_IS_ADDR_LOOPBACK(a6)) return 1;
+    return IN6_IS_ADDR_V4MAPPED(a6) && a6->s6_addr[12] == 127;
+}
+
 void net_addr_host(const net_addr *a, char *buf, size_t cap) {
     if (a->ss.ss_family == AF_INET6)
         inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)&a->ss)->sin6_addr, buf, (socklen_t)cap);

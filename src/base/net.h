@@ -26,6 +26,10 @@ int net_split_host_port(const char *s, char *host, size_t host_cap, uint16_t *po
                         int allow_zero_port);
 /* Resolve numeric or named host + port (getaddrinfo, first result). */
 int net_resolve(const char *host, uint16_t port, net_addr *out);
+/* 1 when a listener on host is reachable from this machine only: host
+ * resolves to a loopback address (127.0.0.0/8, ::1, ::ffff:127.x).  0 for a
+ * wildcard (NULL, "", 0.0.0.0, ::) and for anything that does not resolve. */
+int net_host_is_loopback(const char *host);
 /* Format as "ip:port" or "[ip6]:port". */
 void net_addr_format(const net_addr *a, char *buf, size_t cap);
 /* Numeric host part only ("10.0.0.1" / "fe80::1"). */

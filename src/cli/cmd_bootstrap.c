@@ -17,12 +17,15 @@
 #include "cli/discovery_cli.h"
 
 #include "base/auth.h"
+#include "base/net.h"
+#include "base/stop_signal.h"
 #include "connector/kv_transfer_config.h"
 #include "connector/mooncake/bootstrap_client.h"
 #include "connector/mooncake/bootstrap_server.h"
 
 #include <errno.h>
 #include <jansson.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -136,12 +139,14 @@ static int serve(int argc, char **argv) {
         }
     }
     signal(SIGPIPE, SIG_IGN); /* a client closing early must not kill the server */
-    /* block the stop signals before the server thread exists, then wait for one */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    /* A process-wide handler, not a signal mask: OpenBLAS starts a thread
+     * before main() that would otherwise take SIGTERM's default action
+     * (base/stop_signal.h). */
+    int sfd = stop_signal_fd();
+    if (sfd < 0) {
+        fprintf(stderr, "disagg bootstrap: cannot install signal handlers: %s\n", strerror(-sfd));
+        return 1;
+    }
     if (resolve_secret("bootstrap", secret, &secret)) return 2;
     if (discovery_cli_finish("bootstrap", &disc)) return 2;
     if (disc.set && port == 0) {
@@ -154,6 +159,14 @@ static int serve(int argc, char **argv) {
         fprintf(stderr, "disagg bootstrap: %s\n", err);
         return 1;
     }
+    if (!secret && !net_host_is_loopback(host))
+        fprintf(stderr,
+                "disagg bootstrap: SECURITY WARNING: no shared secret (--auth-secret / "
+                "DISAGG_KV_SECRET) and the server listens beyond loopback (%s): anyone who can "
+                "reach it can register fake prefill ranks. Set the same DISAGG_KV_SECRET here and "
+                "on every prefill and decode instance, or keep the port on a private network "
+                "behind a firewall (docs/security.md)\n",
+                host);
     printf("bootstrap server listening on http://%s:%u%s\n", host,
            (unsigned)bootstrap_server_port(s),
            secret ? " (/register requires the shared secret)" : "");
@@ -164,8 +177,10 @@ static int serve(int argc, char **argv) {
         bootstrap_server_stop(s);
         return 1;
     }
-    int sig = 0;
-    sigwait(&set, &sig);
+    struct pollfd pfd = {.fd = sfd, .events = POLLIN};
+    while (poll(&pfd, 1, -1) < 0 && errno == EINTR) {
+    }
+    int sig = stop_signal_received();
     discovery_registrar_stop(reg);
     bootstrap_server_stop(s);
     fprintf(stderr, "disagg bootstrap: stopped (%s)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");

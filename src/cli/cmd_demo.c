@@ -6,10 +6,10 @@
  * (bytes, time, protocol) and where each part ran, and shuts everything down
  * (also on Ctrl-C).  --keep leaves them running and prints commands to try.
  */
+#include "base/curl_glue.h"
 #include "base/stop_signal.h"
 #include "cli/commands.h"
 
-#include <curl/curl.h>
 #include <errno.h>
 #include <jansson.h>
 #include <netinet/in.h>
@@ -67,14 +67,11 @@ static size_t sink(char *p, size_t s, size_t n, void *ud) {
 }
 
 static long http_get(const char *url, char **body) {
-    CURL *c = curl_easy_init();
+    CURL *c = curl_glue_easy(url, 0, 5000);
     if (!c) return -1;
     char *buf = NULL;
     size_t len = 0;
     FILE *mem = body ? open_memstream(&buf, &len) : NULL;
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 5L);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
     if (mem)
         curl_easy_setopt(c, CURLOPT_WRITEDATA, mem);
     else
@@ -225,7 +222,7 @@ int cmd_demo(int argc, char **argv) {
         }
     }
     if (stop_signal_fd() < 0) return 1;
-    curl_global_init(CURL_GLOBAL_DEFAULT);
+    curl_glue_init();
     demo_proc ps[3] = {{.role = "prefill"}, {.role = "decode"}, {.role = "proxy"}};
     int boot = free_port();
     for (int i = 0; i < 3; i++) {
@@ -288,18 +285,15 @@ int cmd_demo(int argc, char **argv) {
     json_decref(req);
     char url[128];
     snprintf(url, sizeof url, "%s/v1/chat/completions", ps[2].url);
-    CURL *c = curl_easy_init();
+    CURL *c = curl_glue_easy(url, 0, 300000);
     struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
     stream_ctx sc = {.n = 0};
-    curl_easy_setopt(c, CURLOPT_URL, url);
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_stream);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &sc);
     curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
     curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, on_progress);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 300L);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     CURLcode cr = curl_easy_perform(c);
@@ -358,12 +352,10 @@ int cmd_demo(int argc, char **argv) {
                "print(c.completions.create(model='demo', prompt='The Congress', "
                "max_tokens=20).choices[0].text)\"\n",
                ps[2].url);
-        curl_global_cleanup();
         return 0;
     }
 out:
     stop_all(ps, 3);
-    curl_global_cleanup();
     if (rc == 0) printf("disagg demo: done; prefill, decode and proxy stopped\n");
     return rc;
 }

@@ -345,9 +345,9 @@ int cmd_proxy(int argc, char **argv) {
             const proxy_upstream *u = r ? &dec[i] : &pre[i];
             char bhost[256];
             uint16_t bport;
-            if (backend_parse_url(u->url, host, sizeof host, &port, err, sizeof err) ||
-                (!r && backend_parse_bootstrap(u->url, host, u->bootstrap, bhost, sizeof bhost,
-                                               &bport, err, sizeof err))) {
+            if (upstream_parse_url(u->url, host, sizeof host, &port, err, sizeof err) ||
+                (!r && upstream_parse_bootstrap(u->url, host, u->bootstrap, bhost, sizeof bhost,
+                                                &bport, err, sizeof err))) {
                 fprintf(stderr, "disagg proxy: --%s %s\n", r ? "decode" : "prefill", err);
                 return 2;
             }

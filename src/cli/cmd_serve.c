@@ -22,6 +22,7 @@
 #include "model/chat_template.h"
 #include "model/hf_cache.h"
 #include "server/openai_request.h"
+#include "server/reasoning.h"
 #include "server/server.h"
 
 #include <jansson.h>
@@ -107,6 +108,8 @@ static void serve_usage(FILE *f) {
         "  --enable-auto-tool-choice       parse tool calls of chats with tools (disagg does by "
         "default)\n"
         "  --tool-call-parser hermes       tool-call format (Qwen2.5's <tool_call> JSON)\n"
+        "  --reasoning-parser qwen3|deepseek_r1   <think>...</think> text of chat output goes to "
+        "reasoning_content\n"
         "  --allowed-origins JSON          CORS origins, e.g. '[\"https://a.example\"]' "
         "(default [\"*\"])\n"
         "  --allowed-methods JSON          CORS methods (default [\"*\"])\n"
@@ -136,7 +139,7 @@ static void serve_usage(FILE *f) {
         "  --disable-uvicorn-access-log    accepted, no effect (logged)\n"
         "  --enable-prompt-tokens-details  accepted, no effect (logged): usage always has "
         "prompt_tokens_details\n"
-        "  --speculative-config, --enable-lora, --reasoning-parser, --structured-outputs-config, "
+        "  --speculative-config, --enable-lora, --structured-outputs-config, "
         "...   refused, naming the vLLM feature disagg lacks\n");
     discovery_cli_usage(f, 1);
 }
@@ -243,6 +246,7 @@ static const struct {
              {"--max-logprobs", V},
              {"--enable-auto-tool-choice", T},
              {"--tool-call-parser", V},
+             {"--reasoning-parser", V},
              {"--allowed-origins", V},
              {"--allowed-methods", V},
              {"--allowed-headers", V},
@@ -285,7 +289,6 @@ static int flag_kind(const char *f) {
 static const struct {
     const char *name, *why;
 } UNSUPPORTED[] = {
-    {"--reasoning-parser", "reasoning output parsing (reasoning_content) is not supported yet"},
     {"--reasoning-parser-plugin", "reasoning output parsing is not supported yet"},
     {"--structured-outputs-config",
      "structured outputs (json_schema, regex, grammar, choice) are not supported"},
@@ -922,6 +925,17 @@ static int serve_args(int argc, char **argv) {
             cfg.max_logprobs = x < 0 ? 20 : (int)x;
         } else if (!strcmp(flag, "--enable-auto-tool-choice")) {
             auto_tool_choice = 1;
+        } else if (!strcmp(flag, "--reasoning-parser")) {
+            reasoning_kind rk;
+            if (reasoning_kind_from_name(val, &rk)) {
+                fprintf(stderr,
+                        "disagg serve: --reasoning-parser '%s' is not supported; "
+                        "accepted: " REASONING_PARSERS
+                        " (<think>...</think> text goes to reasoning_content)\n",
+                        val);
+                goto fail;
+            }
+            cfg.reasoning_parser = (int)rk;
         } else if (!strcmp(flag, "--tool-call-parser")) {
             if (strcmp(val, "hermes")) {
                 fprintf(stderr,

@@ -1,14 +1,19 @@
 /*
  * chat_template — native rendering of known chat templates (see
- * chat_template.h).  Recognition compares the template text with the known
- * Qwen2.5 Instruct template after removing whitespace outside string
- * literals: every tag of that template strips the whitespace before it
- * ({%- / {{-), so such whitespace cannot change the output, while any change
- * to a literal, an expression or a whitespace-control dash is refused.
- * Rendering follows the template's Jinja statement by statement; the comments
- * quote the statement each block implements.
+ * chat_template.h).  Recognition fingerprints the template text after
+ * removing what cannot change Jinja's output (with transformers' settings
+ * trim_blocks and lstrip_blocks): comments; whitespace between tags that a
+ * "-" of the tag beside it, trim_blocks (one newline after a block tag) or
+ * lstrip_blocks (indentation before a block tag) removes; inside tags,
+ * whitespace except one space between two name characters.  String literals
+ * and any text that reaches the output are kept verbatim, so a change to a
+ * literal, an expression, a whitespace-control dash or printed text gives a
+ * different fingerprint and is refused.  Qwen2.5 is rendered here, the other
+ * families in chat_template_families.c; each renderer follows its template
+ * statement by statement.
  */
 #include "model/chat_template.h"
+#include "model/chat_template_internal.h"
 
 #include "base/err.h"
 
@@ -22,71 +27,25 @@
 
 struct chat_template {
     chat_template_kind kind; /* which known template this is */
+    const char *name;        /* its short name */
 };
 
-/* The chat_template of Qwen2.5-*-Instruct's tokenizer_config.json. */
-static const char QWEN25_TEMPLATE[] =
-    "{%- if tools %}\n"
-    "    {{- '<|im_start|>system\\n' }}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n"
-    "    {%- else %}\n"
-    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
-    "    {%- endif %}\n"
-    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user "
-    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML "
-    "tags:\\n<tools>\" }}\n"
-    "    {%- for tool in tools %}\n"
-    "        {{- \"\\n\" }}\n"
-    "        {{- tool | tojson }}\n"
-    "    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
-    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
-    "{%- else %}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
-    "    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
-    "assistant.<|im_end|>\\n' }}\n"
-    "    {%- endif %}\n"
-    "{%- endif %}\n"
-    "{%- for message in messages %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
-    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' "
-    "}}\n"
-    "    {%- elif message.role == \"assistant\" %}\n"
-    "        {{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}\n"
-    "            {{- '\\n' + message.content }}\n"
-    "        {%- endif %}\n"
-    "        {%- for tool_call in message.tool_calls %}\n"
-    "            {%- if tool_call.function is defined %}\n"
-    "                {%- set tool_call = tool_call.function %}\n"
-    "            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
-    "            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n"
-    "            {{- tool_call.arguments | tojson }}\n"
-    "            {{- '}\\n</tool_call>' }}\n"
-    "        {%- endfor %}\n"
-    "        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
-    "            {{- '<|im_start|>user' }}\n"
-    "        {%- endif %}\n"
-    "        {{- '\\n<tool_response>\\n' }}\n"
-    "        {{- message.content }}\n"
-    "        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
-    "            {{- '<|im_end|>\\n' }}\n"
-    "        {%- endif %}\n"
-    "    {%- endif %}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n";
+/* Fingerprints of the official templates (tests/data/chat_templates/). */
+static const struct {
+    uint64_t fp;
+    chat_template_kind kind;
+    const char *name;
+} KNOWN[] = {
+    {0x459bcd63a3a39c83ULL, CHAT_TEMPLATE_QWEN25, "qwen2.5"},   /* Qwen2.5-*-Instruct */
+    {0x0cb9ec50d781dc91ULL, CHAT_TEMPLATE_QWEN3, "qwen3"},      /* Qwen3 (current revision) */
+    {0xb0ecc192d1c41426ULL, CHAT_TEMPLATE_QWEN3, "qwen3"},      /* Qwen3 (first release) */
+    {0x1d40505d9ab6f24eULL, CHAT_TEMPLATE_LLAMA31, "llama3.1"}, /* Llama 3.1 and 3.3 Instruct */
+    {0xd58690cd89bada39ULL, CHAT_TEMPLATE_LLAMA32, "llama3.2"}, /* Llama 3.2 Instruct */
+    {0xac42841821ca0ebdULL, CHAT_TEMPLATE_MISTRAL_V3,
+     "mistral-v0.3"}, /* Mistral-7B-Instruct-v0.3 */
+    {0xe3ef5b5e324fbd8fULL, CHAT_TEMPLATE_MISTRAL_NEMO,
+     "mistral-nemo"} /* Mistral-Nemo-Instruct-2407 */
+};
 
 static const char QWEN25_DEFAULT_SYSTEM[] =
     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
@@ -95,14 +54,7 @@ static const char QWEN25_DEFAULT_SYSTEM[] =
  * string builder
  * ====================================================================== */
 
-typedef struct ct_buf {
-    char *v;    /* (cap) bytes, NUL-terminated when v != NULL */
-    size_t n;   /* used, without the NUL */
-    size_t cap; /* allocated */
-    int oom;    /* set once an allocation failed */
-} ct_buf;
-
-static void ct_put(ct_buf *b, const char *s, size_t n) {
+void ct_put(ct_buf *b, const char *s, size_t n) {
     if (b->oom) return;
     if (b->n + n + 1 > b->cap) {
         size_t nc = b->cap ? b->cap : 1024;
@@ -121,7 +73,7 @@ static void ct_put(ct_buf *b, const char *s, size_t n) {
     b->v[b->n] = 0;
 }
 
-static void ct_puts(ct_buf *b, const char *s) {
+void ct_puts(ct_buf *b, const char *s) {
     ct_put(b, s, strlen(s));
 }
 
@@ -129,32 +81,127 @@ static void ct_puts(ct_buf *b, const char *s) {
  * recognition
  * ====================================================================== */
 
-/* Copy of s without whitespace outside '...' / "..." literals (a literal may
- * hold backslash escapes). */
-static char *ct_normalize(const char *s) {
-    size_t n = strlen(s);
-    char *o = malloc(n + 1);
-    if (!o) return NULL;
-    size_t j = 0;
+static bool ct_ws(char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
+static bool ct_name_char(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+/* End of the tag opened at s[i] ("{{", "{%" or "{#"): the index just past
+ * its closing "}}", "%}" or "#}", or n when unterminated. */
+static size_t ct_tag_end(const char *s, size_t n, size_t i) {
+    char close = s[i + 1] == '{' ? '}' : s[i + 1];
     char quote = 0;
-    for (size_t i = 0; i < n; i++) {
-        char c = s[i];
-        if (quote) {
-            o[j++] = c;
-            if (c == '\\' && i + 1 < n) {
-                o[j++] = s[++i];
-            } else if (c == quote) {
+    for (size_t k = i + 2; k < n; k++) {
+        char c = s[k];
+        if (close == '#') {
+            if (c == '#' && k + 1 < n && s[k + 1] == '}') return k + 2;
+        } else if (quote) {
+            if (c == '\\' && k + 1 < n)
+                k++;
+            else if (c == quote)
                 quote = 0;
-            }
-        } else if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v') {
-            continue;
-        } else {
-            if (c == '\'' || c == '"') quote = c;
-            o[j++] = c;
+        } else if (c == '\'' || c == '"') {
+            quote = c;
+        } else if (c == close && k + 1 < n && s[k + 1] == '}') {
+            return k + 2;
         }
     }
-    o[j] = 0;
-    return o;
+    return n;
+}
+
+/* The normalised text described at the top of this file. */
+static char *ct_normalize(const char *s) {
+    size_t n = strlen(s);
+    ct_buf o = {0};
+    ct_put(&o, "", 0);
+    size_t i = 0;
+    bool prev_dash = false, prev_block = false, at_start = true;
+    while (i < n) {
+        /* data up to the next tag */
+        size_t j = i;
+        while (j < n && !(s[j] == '{' && j + 1 < n &&
+                          (s[j + 1] == '{' || s[j + 1] == '%' || s[j + 1] == '#')))
+            j++;
+        size_t a = i, e = j;
+        bool next_tag = j < n;
+        bool next_dash = next_tag && j + 2 < n && s[j + 2] == '-';
+        bool next_plus = next_tag && j + 2 < n && s[j + 2] == '+';
+        bool next_block = next_tag && s[j + 1] != '{';
+        if (prev_dash) {
+            while (a < e && ct_ws(s[a]))
+                a++;
+        } else if (prev_block && a < e && s[a] == '\n') {
+            a++;
+        }
+        if (next_dash) {
+            while (e > a && ct_ws(s[e - 1]))
+                e--;
+        } else if (next_block && !next_plus) {
+            size_t k = e;
+            while (k > a && (s[k - 1] == ' ' || s[k - 1] == '\t'))
+                k--;
+            if ((k > a && s[k - 1] == '\n') || (k == a && (a > i || at_start))) e = k;
+        }
+        if (e > a) { /* printed text: kept verbatim, between markers */
+            ct_put(&o, "\x01", 1);
+            ct_put(&o, s + a, e - a);
+            ct_put(&o, "\x01", 1);
+        }
+        at_start = false;
+        if (!next_tag) break;
+        size_t te = ct_tag_end(s, n, j);
+        char kind = s[j + 1];
+        prev_block = kind != '{';
+        prev_dash = te - j >= 5 && s[te - 3] == '-';
+        if (kind == '#') { /* a comment prints nothing */
+            i = te;
+            continue;
+        }
+        char quote = 0;
+        char last = 0;
+        for (size_t k = j; k < te; k++) {
+            char c = s[k];
+            if (quote) {
+                ct_put(&o, &c, 1);
+                if (c == '\\' && k + 1 < te) {
+                    ct_put(&o, &s[++k], 1);
+                } else if (c == quote) {
+                    quote = 0;
+                    last = c;
+                }
+            } else if (ct_ws(c)) {
+                size_t m = k;
+                while (m + 1 < te && ct_ws(s[m + 1]))
+                    m++;
+                if (ct_name_char(last) && m + 1 < te && ct_name_char(s[m + 1])) ct_put(&o, " ", 1);
+                k = m;
+            } else {
+                if (c == '\'' || c == '"') quote = c;
+                ct_put(&o, &c, 1);
+                last = c;
+            }
+        }
+        i = te;
+    }
+    if (o.oom) {
+        free(o.v);
+        return NULL;
+    }
+    return o.v;
+}
+
+uint64_t chat_template_fingerprint(const char *text) {
+    char *t = ct_normalize(text);
+    if (!t) return 0;
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (const unsigned char *p = (const unsigned char *)t; *p; p++) {
+        h ^= *p;
+        h *= 0x100000001b3ULL;
+    }
+    free(t);
+    return h;
 }
 
 int chat_template_init(const char *text, chat_template **out, char *err, size_t err_cap) {
@@ -165,24 +212,24 @@ int chat_template_init(const char *text, chat_template **out, char *err, size_t 
                 "tokenizer_config.json); use the completions API with a raw prompt");
         return -EINVAL;
     }
-    char *a = ct_normalize(text), *b = ct_normalize(QWEN25_TEMPLATE);
-    int rc = 0;
-    if (!a || !b) {
-        rc = -ENOMEM;
-    } else if (strcmp(a, b) != 0) {
+    uint64_t fp = chat_template_fingerprint(text);
+    if (fp == 0) return -ENOMEM;
+    size_t k = 0;
+    while (k < sizeof(KNOWN) / sizeof(KNOWN[0]) && KNOWN[k].fp != fp)
+        k++;
+    if (k == sizeof(KNOWN) / sizeof(KNOWN[0])) {
         err_set(err, err_cap,
-                "unsupported chat template (%zu bytes, starting \"%.60s\"): only the "
-                "Qwen2.5 Instruct ChatML template is rendered natively; use the completions "
-                "API with a prompt formatted by the client",
-                strlen(text), text);
-        rc = -ENOTSUP;
+                "unsupported chat template (%zu bytes, fingerprint %016llx, starting \"%.60s\"): "
+                "the official templates of Qwen2.5, Qwen3, Llama 3.1/3.2/3.3 Instruct, "
+                "Mistral 7B Instruct v0.3 and Mistral Nemo are rendered natively; use the "
+                "completions API with a prompt formatted by the client",
+                strlen(text), (unsigned long long)fp, text);
+        return -ENOTSUP;
     }
-    free(a);
-    free(b);
-    if (rc) return rc;
     chat_template *ct = calloc(1, sizeof(*ct));
     if (!ct) return -ENOMEM;
-    ct->kind = CHAT_TEMPLATE_QWEN25;
+    ct->kind = KNOWN[k].kind;
+    ct->name = KNOWN[k].name;
     *out = ct;
     return 0;
 }
@@ -192,6 +239,9 @@ void chat_template_free(chat_template *ct) {
 }
 chat_template_kind chat_template_get_kind(const chat_template *ct) {
     return ct->kind;
+}
+const char *chat_template_name(const chat_template *ct) {
+    return ct->name;
 }
 
 /* ======================================================================
@@ -294,7 +344,15 @@ static void ct_json_real(ct_buf *b, double v) {
     ct_puts(b, out);
 }
 
-static void ct_json(ct_buf *b, const json_t *x) {
+static void ct_indent(ct_buf *b, int indent, int depth) {
+    ct_put(b, "\n", 1);
+    for (int k = 0; k < indent * depth; k++)
+        ct_put(b, " ", 1);
+}
+
+/* json.dumps: separators ", " / ": " without indent; "," + newline and
+ * indentation with it (empty containers stay "[]" / "{}"). */
+static void ct_json_at(ct_buf *b, const json_t *x, int indent, int depth) {
     char tmp[32];
     switch (json_typeof(x)) {
     case JSON_NULL:
@@ -317,17 +375,27 @@ static void ct_json(ct_buf *b, const json_t *x) {
         ct_json_string(b, json_string_value(x), json_string_length(x));
         break;
     case JSON_ARRAY: {
+        if (json_array_size(x) == 0) {
+            ct_puts(b, "[]");
+            break;
+        }
         ct_put(b, "[", 1);
         size_t i;
         json_t *v;
         json_array_foreach(x, i, v) {
-            if (i) ct_put(b, ", ", 2);
-            ct_json(b, v);
+            if (i) ct_puts(b, indent >= 0 ? "," : ", ");
+            if (indent >= 0) ct_indent(b, indent, depth + 1);
+            ct_json_at(b, v, indent, depth + 1);
         }
+        if (indent >= 0) ct_indent(b, indent, depth);
         ct_put(b, "]", 1);
         break;
     }
     case JSON_OBJECT: {
+        if (json_object_size(x) == 0) {
+            ct_puts(b, "{}");
+            break;
+        }
         ct_put(b, "{", 1);
         const char *k;
         size_t klen;
@@ -335,21 +403,27 @@ static void ct_json(ct_buf *b, const json_t *x) {
         bool first = true;
         void *tmpit;
         json_object_keylen_foreach_safe((json_t *)x, tmpit, k, klen, v) {
-            if (!first) ct_put(b, ", ", 2);
+            if (!first) ct_puts(b, indent >= 0 ? "," : ", ");
             first = false;
+            if (indent >= 0) ct_indent(b, indent, depth + 1);
             ct_json_string(b, k, klen);
             ct_put(b, ": ", 2);
-            ct_json(b, v);
+            ct_json_at(b, v, indent, depth + 1);
         }
+        if (indent >= 0) ct_indent(b, indent, depth);
         ct_put(b, "}", 1);
         break;
     }
     }
 }
 
+void ct_json(ct_buf *b, const json_t *x, int indent) {
+    ct_json_at(b, x, indent, 0);
+}
+
 int chat_template_tojson(const json_t *x, char **text_out, size_t *len_out) {
     ct_buf b = {0};
-    ct_json(&b, x);
+    ct_json(&b, x, -1);
     ct_put(&b, "", 0);
     if (b.oom) {
         free(b.v);
@@ -363,13 +437,6 @@ int chat_template_tojson(const json_t *x, char **text_out, size_t *len_out) {
 /* ======================================================================
  * Qwen2.5 rendering
  * ====================================================================== */
-
-typedef struct ct_msg {
-    const char *role; /* "system", "user", "assistant" or "tool" */
-    char *content;    /* text content (parts joined), malloc'ed */
-    size_t content_len;
-    const json_t *tool_calls; /* non-empty array or NULL */
-} ct_msg;
 
 /* Content as text: string, null / missing (""), or a list of text parts
  * joined with "\n". */
@@ -414,6 +481,18 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
     return 0;
 }
 
+static const char *ct_opt_string(const json_t *m, const char *key, size_t idx, char *err,
+                                 size_t cap, int *rc) {
+    const json_t *v = json_object_get(m, key);
+    if (!v || json_is_null(v)) return NULL;
+    if (!json_is_string(v)) {
+        err_set(err, cap, "messages[%zu].%s must be a string", idx, key);
+        *rc = -EINVAL;
+        return NULL;
+    }
+    return json_string_value(v);
+}
+
 static int ct_collect(const json_t *messages, ct_msg **out, size_t *n_out, char *err, size_t cap) {
     if (!json_is_array(messages) || json_array_size(messages) == 0) {
         err_set(err, cap, "messages must be a non-empty array of message objects");
@@ -447,12 +526,24 @@ static int ct_collect(const json_t *messages, ct_msg **out, size_t *n_out, char 
             err_set(err, cap, "messages[%zu].tool_calls must be an array", i);
             return -EINVAL;
         }
-        if (json_array_size(tc) > 0) {
+        if (json_is_array(tc)) {
             if (strcmp(role, "assistant") != 0) {
                 err_set(err, cap, "messages[%zu]: only assistant messages have tool_calls", i);
                 return -EINVAL;
             }
             ms[i].tool_calls = tc;
+        }
+        ms[i].tool_call_id = ct_opt_string(m, "tool_call_id", i, err, cap, &rc);
+        if (!rc) ms[i].name = ct_opt_string(m, "name", i, err, cap, &rc);
+        const json_t *rcj = json_object_get(m, "reasoning_content");
+        if (!rc && rcj && !json_is_null(rcj) && !json_is_string(rcj)) {
+            err_set(err, cap, "messages[%zu].reasoning_content must be a string or null", i);
+            rc = -EINVAL;
+        }
+        if (rc) return rc;
+        if (json_is_string(rcj) && !strcmp(role, "assistant")) {
+            ms[i].reasoning = json_string_value(rcj);
+            ms[i].reasoning_len = json_string_length(rcj);
         }
     }
     return 0;
@@ -462,6 +553,33 @@ static void ct_free_msgs(ct_msg *ms, size_t n) {
     for (size_t i = 0; ms && i < n; i++)
         free(ms[i].content);
     free(ms);
+}
+
+int ct_tool_args(const json_t *fn, bool parse_args, size_t mi, size_t ci, const json_t **args,
+                 json_t **owned, char *err, size_t cap) {
+    *owned = NULL;
+    const json_t *a = json_object_get(fn, "arguments");
+    if (parse_args &&
+        (!a || json_is_null(a) || (json_is_string(a) && json_string_length(a) == 0))) {
+        *owned = json_object();
+        if (!*owned) return -ENOMEM;
+        a = *owned;
+    } else if (parse_args && json_is_string(a)) {
+        json_error_t je;
+        *owned = json_loadb(json_string_value(a), json_string_length(a), JSON_DECODE_ANY, &je);
+        if (!*owned) {
+            err_set(err, cap,
+                    "messages[%zu].tool_calls[%zu]: arguments is not valid JSON (%s at column %d)",
+                    mi, ci, je.text, je.column);
+            return -EINVAL;
+        }
+        a = *owned;
+    } else if (!a) {
+        err_set(err, cap, "messages[%zu].tool_calls[%zu]: arguments is missing", mi, ci);
+        return -EINVAL;
+    }
+    *args = a;
+    return 0;
 }
 
 /* {%- for tool_call in message.tool_calls %} ... {%- endfor %} */
@@ -484,53 +602,25 @@ static int ct_tool_calls(ct_buf *b, const json_t *calls, size_t mi, bool parse_a
                     i);
             return -EINVAL;
         }
-        const json_t *args = json_object_get(tc, "arguments");
+        const json_t *args = NULL;
         json_t *parsed = NULL;
-        if (parse_args && (!args || json_is_null(args) ||
-                           (json_is_string(args) && json_string_length(args) == 0))) {
-            parsed = json_object();
-            args = parsed;
-        } else if (parse_args && json_is_string(args)) {
-            json_error_t je;
-            parsed =
-                json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, &je);
-            if (!parsed) {
-                err_set(err, cap,
-                        "messages[%zu].tool_calls[%zu]: arguments is not valid JSON (%s at "
-                        "column %d)",
-                        mi, i, je.text, je.column);
-                return -EINVAL;
-            }
-            args = parsed;
-        } else if (!args) {
-            err_set(err, cap, "messages[%zu].tool_calls[%zu]: arguments is missing", mi, i);
-            return -EINVAL;
-        }
+        int rc = ct_tool_args(tc, parse_args, mi, i, &args, &parsed, err, cap);
+        if (rc) return rc;
         /* {{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
          * {{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }} */
         ct_puts(b, "\n<tool_call>\n{\"name\": \"");
         ct_puts(b, name);
         ct_puts(b, "\", \"arguments\": ");
-        ct_json(b, args);
+        ct_json(b, args, -1);
         ct_puts(b, "}\n</tool_call>");
         json_decref(parsed);
     }
     return 0;
 }
 
-static int ct_render_qwen25(const json_t *messages, const json_t *tools,
+static int ct_render_qwen25(const ct_msg *ms, size_t n, const json_t *tools,
                             const chat_template_opts *o, ct_buf *b, char *err, size_t cap) {
-    if (tools && !json_is_null(tools) && !json_is_array(tools)) {
-        err_set(err, cap, "tools must be an array of tool objects or null");
-        return -EINVAL;
-    }
-    ct_msg *ms = NULL;
-    size_t n = 0;
-    int rc = ct_collect(messages, &ms, &n, err, cap);
-    if (rc) {
-        ct_free_msgs(ms, n);
-        return rc;
-    }
+    int rc = 0;
     bool first_system = strcmp(ms[0].role, "system") == 0;
     if (json_array_size(tools) > 0) { /* {%- if tools %} */
         ct_puts(b, "<|im_start|>system\n");
@@ -545,7 +635,7 @@ static int ct_render_qwen25(const json_t *messages, const json_t *tools,
         json_t *t;
         json_array_foreach(tools, i, t) {
             ct_puts(b, "\n");
-            ct_json(b, t); /* {{- tool | tojson }} */
+            ct_json(b, t, -1); /* {{- tool | tojson }} */
         }
         ct_puts(b, "\n</tools>\n\nFor each function call, return a json object with function "
                    "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
@@ -564,7 +654,8 @@ static int ct_render_qwen25(const json_t *messages, const json_t *tools,
         const ct_msg *m = &ms[i];
         bool is_user = !strcmp(m->role, "user"), is_sys = !strcmp(m->role, "system"),
              is_asst = !strcmp(m->role, "assistant"), is_tool = !strcmp(m->role, "tool");
-        if (is_user || (is_sys && i > 0) || (is_asst && !m->tool_calls)) {
+        bool calls = json_array_size(m->tool_calls) > 0;
+        if (is_user || (is_sys && i > 0) || (is_asst && !calls)) {
             ct_puts(b, "<|im_start|>");
             ct_puts(b, m->role);
             ct_puts(b, "\n");
@@ -587,7 +678,6 @@ static int ct_render_qwen25(const json_t *messages, const json_t *tools,
         }
     }
     if (!rc && o->add_generation_prompt) ct_puts(b, "<|im_start|>assistant\n");
-    ct_free_msgs(ms, n);
     return rc;
 }
 
@@ -598,9 +688,41 @@ int chat_template_render(const chat_template *ct, const json_t *messages, const 
     if (len_out) *len_out = 0;
     chat_template_opts def = {.add_generation_prompt = true};
     if (!opts) opts = &def;
+    if (tools && json_is_null(tools)) tools = NULL;
+    if (tools && !json_is_array(tools)) {
+        err_set(err, err_cap, "tools must be an array of tool objects or null");
+        return -EINVAL;
+    }
+    if (opts->kwargs && !json_is_null(opts->kwargs) && !json_is_object(opts->kwargs)) {
+        err_set(err, err_cap, "chat_template_kwargs must be an object");
+        return -EINVAL;
+    }
+    ct_msg *ms = NULL;
+    size_t n = 0;
+    int rc = ct_collect(messages, &ms, &n, err, err_cap);
     ct_buf b = {0};
     ct_put(&b, "", 0);
-    int rc = ct_render_qwen25(messages, tools, opts, &b, err, err_cap);
+    if (!rc) {
+        switch (ct->kind) {
+        case CHAT_TEMPLATE_QWEN25:
+            rc = ct_render_qwen25(ms, n, tools, opts, &b, err, err_cap);
+            break;
+        case CHAT_TEMPLATE_QWEN3:
+            rc = ct_render_qwen3(ms, n, tools, opts, &b, err, err_cap);
+            break;
+        case CHAT_TEMPLATE_LLAMA31:
+        case CHAT_TEMPLATE_LLAMA32:
+            rc = ct_render_llama3(ms, n, tools, ct->kind == CHAT_TEMPLATE_LLAMA31, opts, &b, err,
+                                  err_cap);
+            break;
+        case CHAT_TEMPLATE_MISTRAL_V3:
+        case CHAT_TEMPLATE_MISTRAL_NEMO:
+            rc = ct_render_mistral(ms, n, tools, ct->kind == CHAT_TEMPLATE_MISTRAL_V3, opts, &b,
+                                   err, err_cap);
+            break;
+        }
+    }
+    ct_free_msgs(ms, n);
     if (!rc && b.oom) rc = -ENOMEM;
     if (rc) {
         if (rc == -ENOMEM) err_set(err, err_cap, "chat template: out of memory");

@@ -23,7 +23,7 @@ struct membership {
     int bootstraps;                               /* standalone bootstrap servers registered */
 };
 
-static backend *slots(proxy *px, int role) {
+static upstream *slots(proxy *px, int role) {
     return role ? px->decode : px->prefill;
 }
 
@@ -37,22 +37,22 @@ static const discovery_instance *find(const discovery_instance *l, int n, const 
     return NULL;
 }
 
-static void take_load(backend *b, const discovery_record *r) {
+static void take_load(upstream *b, const discovery_record *r) {
     b->has_load = 1;
     b->pub_running = r->running;
     b->pub_waiting = r->waiting;
     b->pub_kv_usage = r->kv_usage;
 }
 
-static void retire(membership *m, backend *b, const char *why) {
-    LOG_I(MOD, "%s %s leaves the rotation: %s", backend_role_name(b->role), b->url, why);
-    backend_mark_down(b, why);
+static void retire(membership *m, upstream *b, const char *why) {
+    LOG_I(MOD, "%s %s leaves the rotation: %s", upstream_role_name(b->role), b->url, why);
+    upstream_mark_down(b, why);
     b->retiring = 1;
     m->removed++;
 }
 
 static void add(proxy *px, membership *m, int role, const discovery_instance *e) {
-    backend *list = slots(px, role);
+    upstream *list = slots(px, role);
     int i = 0;
     while (i < POLICY_MAX_BACKENDS && list[i].active)
         i++;
@@ -62,13 +62,13 @@ static void add(proxy *px, membership *m, int role, const discovery_instance *e)
                   POLICY_MAX_BACKENDS, role ? "decode" : "prefill");
         return;
     }
-    backend *b = &list[i];
+    upstream *b = &list[i];
     char err[512];
-    if (backend_init(b, role ? BACKEND_DECODE : BACKEND_PREFILL, i, e->rec.url,
-                     role ? NULL : (e->rec.bootstrap[0] ? e->rec.bootstrap : NULL), &px->env, err,
-                     sizeof err)) {
+    if (upstream_init(b, role ? UPSTREAM_DECODE : UPSTREAM_PREFILL, i, e->rec.url,
+                      role ? NULL : (e->rec.bootstrap[0] ? e->rec.bootstrap : NULL), &px->env, err,
+                      sizeof err)) {
         LOG_W(MOD, "ignoring %s: %s", e->key, err);
-        backend_free(b);
+        upstream_free(b);
         return;
     }
     b->discovered = 1;
@@ -79,9 +79,9 @@ static void add(proxy *px, membership *m, int role, const discovery_instance *e)
     m->rec[role][i] = e->rec;
     if (i + 1 > *count(px, role)) *count(px, role) = i + 1;
     m->added++;
-    LOG_I(MOD, "%s %s joins (%s; model %s, KV layout %s)", backend_role_name(b->role), b->url,
+    LOG_I(MOD, "%s %s joins (%s; model %s, KV layout %s)", upstream_role_name(b->role), b->url,
           e->key, e->rec.model, e->rec.kv_layout);
-    backend_probe(b);
+    upstream_probe(b);
 }
 
 static void reconcile(proxy *px, membership *m) {
@@ -93,10 +93,10 @@ static void reconcile(proxy *px, membership *m) {
     for (int i = 0; i < n; i++)
         m->bootstraps += !strcmp(l[i].rec.role, "bootstrap");
     for (int role = 0; role < 2; role++) {
-        backend *list = slots(px, role);
+        upstream *list = slots(px, role);
         const char *rname = role ? "decode" : "prefill";
         for (int i = 0; i < *count(px, role); i++) { /* the slots we have */
-            backend *b = &list[i];
+            upstream *b = &list[i];
             if (!b->active || !b->discovered || b->retiring) continue;
             const discovery_instance *e = find(l, n, b->key);
             if (!e) {
@@ -112,8 +112,8 @@ static void reconcile(proxy *px, membership *m) {
                 if (b->engine_ids[0] && e->rec.engine_id[0] && role == 0) {
                     LOG_I(MOD, "prefill %s has a new engine id (restarted): re-reading its table",
                           b->url);
-                    backend_mark_down(b, "its engine id changed (restarted)");
-                    backend_probe(b);
+                    upstream_mark_down(b, "its engine id changed (restarted)");
+                    upstream_probe(b);
                 }
                 snprintf(b->engine_ids, sizeof b->engine_ids, "%s", e->rec.engine_id);
             }
@@ -133,10 +133,10 @@ static void reconcile(proxy *px, membership *m) {
 /* Frees retired slots nobody uses any more. */
 static void sweep(proxy *px) {
     for (int role = 0; role < 2; role++) {
-        backend *list = slots(px, role);
+        upstream *list = slots(px, role);
         for (int i = 0; i < *count(px, role); i++)
             if (list[i].active && list[i].retiring && list[i].outstanding == 0)
-                backend_free(&list[i]);
+                upstream_free(&list[i]);
         while (*count(px, role) > 0 && !list[*count(px, role) - 1].active)
             (*count(px, role))--;
     }
@@ -237,12 +237,12 @@ void membership_write_metrics(proxy *px, struct evbuffer *o) {
                    "Running + waiting requests an instance published in etcd.");
     for (int role = 0; role < 2; role++)
         for (int i = 0; i < *count(px, role); i++) {
-            backend *b = &slots(px, role)[i];
+            upstream *b = &slots(px, role)[i];
             if (!b->active || !b->has_load) continue;
             char url[2 * sizeof b->url];
             metrics_label_value(b->url, url, sizeof url);
             evbuffer_add_printf(
-                o, "disagg_proxy_backend_published_load{role=\"%s\",backend=\"%s\"} %d\n",
-                backend_role_name(b->role), url, b->pub_running + b->pub_waiting);
+                o, "disagg_proxy_backend_published_load{role=\"%s\",upstream=\"%s\"} %d\n",
+                upstream_role_name(b->role), url, b->pub_running + b->pub_waiting);
         }
 }

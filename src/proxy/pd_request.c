@@ -1,10 +1,13 @@
 /* pd_request — see pd_request.h. */
 #include "proxy/pd_request.h"
 
+#include "base/text.h"
 #include "proxy/policy.h"
 
 #include <ctype.h>
 #include <errno.h>
+#include <math.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,12 +47,113 @@ json_t *pd_prefill_body(const json_t *client, const char *transfer_id) {
      * own proxy drops these for P too); D still gets them. */
     json_object_del(b, "min_tokens");
     json_object_del(b, "min_completion_tokens");
-    /* n > 1: P prefills the prompt once; D decodes the n choices on its KV */
+    /* n > 1: P prefills the prompt once; D decodes the n choices on its KV.
+     * best_of follows n (a server refuses best_of != n): P's copy drops it. */
     if (json_object_get(b, "n")) json_object_set_new(b, "n", json_integer(1));
+    json_object_del(b, "best_of");
     json_object_set_new(b, "kv_transfer_params",
                         json_pack("{s:b, s:b, s:s}", "do_remote_decode", 1, "do_remote_prefill", 0,
                                   "transfer_id", transfer_id));
     return b;
+}
+
+/* ---- the checks of pd_check_client_body -------------------------------- */
+
+static int refuse(char *param, size_t pcap, char *msg, size_t mcap, const char *key,
+                  const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static int refuse(char *param, size_t pcap, char *msg, size_t mcap, const char *key,
+                  const char *fmt, ...) {
+    snprintf(param, pcap, "%s", key);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, mcap, fmt, ap);
+    va_end(ap);
+    return -EINVAL;
+}
+
+/* An integer in [lo, hi] as `disagg serve` reads it (an integral float is
+ * accepted, as pydantic does): 1 and *out when present, 0 when absent or
+ * null, -EINVAL with the server's wording otherwise. */
+static int check_int(const json_t *o, const char *key, long long lo, long long hi, long long *out,
+                     char *param, size_t pcap, char *msg, size_t mcap) {
+    const json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v)) return 0;
+    long long x;
+    if (json_is_integer(v))
+        x = json_integer_value(v);
+    else if (json_is_real(v) && json_real_value(v) == floor(json_real_value(v)) &&
+             fabs(json_real_value(v)) < 9e15)
+        x = (long long)json_real_value(v);
+    else
+        return refuse(param, pcap, msg, mcap, key,
+                      "'%s' must be an integer between %lld and %lld, got %s", key, lo, hi,
+                      text_json_kind(v));
+    if (x < lo || x > hi)
+        return refuse(param, pcap, msg, mcap, key,
+                      "'%s' must be an integer between %lld and %lld, got %lld", key, lo, hi, x);
+    *out = x;
+    return 1;
+}
+
+int pd_check_client_body(const json_t *b, int chat, char *param, size_t pcap, char *msg,
+                         size_t mcap) {
+    param[0] = msg[0] = 0;
+#define CHECK_INT(key, lo, hi, out)                                                                \
+    if ((rc = check_int(b, key, lo, hi, out, param, pcap, msg, mcap)) < 0) return rc
+    int rc;
+    if (chat) {
+        const json_t *m = json_object_get(b, "messages");
+        if (!m || json_is_null(m))
+            return refuse(param, pcap, msg, mcap, "messages",
+                          "'messages' is required: a non-empty list of messages");
+        if (!json_is_array(m) || json_array_size(m) == 0)
+            return refuse(param, pcap, msg, mcap, "messages",
+                          "'messages' must be a non-empty list of message objects, got %s",
+                          json_is_array(m) ? "an empty list" : text_json_kind(m));
+    } else {
+        const json_t *p = json_object_get(b, "prompt");
+        const char *accepted = "a string, a list of strings, a list of token ids or a list of "
+                               "lists of token ids";
+        if (!p || json_is_null(p))
+            return refuse(param, pcap, msg, mcap, "prompt", "'prompt' is required: %s", accepted);
+        if (!json_is_string(p) && !json_is_array(p))
+            return refuse(param, pcap, msg, mcap, "prompt", "'prompt' must be %s, got %s", accepted,
+                          text_json_kind(p));
+    }
+    long long n = 1, best_of = 0, max_tokens = -1, min_tokens = 0;
+    CHECK_INT("n", 1, INT32_MAX, &n);
+    rc = check_int(b, "best_of", 1, INT32_MAX, &best_of, param, pcap, msg, mcap);
+    if (rc < 0) return rc;
+    if (rc == 1 && best_of != n) /* P's copy drops it, D would refuse it */
+        return refuse(param, pcap, msg, mcap, "best_of",
+                      "'best_of' must equal 'n' (%lld); best-of sampling is not supported", n);
+    CHECK_INT("max_tokens", 1, INT32_MAX, &max_tokens);
+    if (chat) CHECK_INT("max_completion_tokens", 1, INT32_MAX, &max_tokens); /* it wins */
+    CHECK_INT("min_tokens", 0, INT32_MAX, &min_tokens);
+    if (max_tokens > 0 && min_tokens > max_tokens)
+        return refuse(param, pcap, msg, mcap, "min_tokens",
+                      "'min_tokens' (%lld) must be at most max_tokens (%lld)", min_tokens,
+                      max_tokens);
+#undef CHECK_INT
+    const json_t *st = json_object_get(b, "stream");
+    if (st && !json_is_null(st) && !json_is_boolean(st))
+        return refuse(param, pcap, msg, mcap, "stream",
+                      "'stream' must be a boolean (true or false), got %s", text_json_kind(st));
+    int stream = json_is_true(st);
+    const json_t *so = json_object_get(b, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so))
+            return refuse(param, pcap, msg, mcap, "stream_options",
+                          "'stream_options' must be an object, got %s", text_json_kind(so));
+        if (!stream)
+            return refuse(param, pcap, msg, mcap, "stream_options",
+                          "'stream_options' can only be set when 'stream' is true");
+    }
+    const json_t *plp = json_object_get(b, "prompt_logprobs");
+    if (stream && plp && !json_is_null(plp))
+        return refuse(param, pcap, msg, mcap, "prompt_logprobs",
+                      "'prompt_logprobs' is not available when 'stream' is true");
+    return 0;
 }
 
 json_t *pd_decode_body(const json_t *client, const char *remote_engine_id,

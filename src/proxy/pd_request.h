@@ -22,8 +22,20 @@
  * reference, or -EINVAL with a message for the client in err. */
 int pd_parse_client_body(const char *buf, size_t len, json_t **out, char *err, size_t errcap);
 
-/* The prefill body (new reference) for client body `client`: also without
- * min_tokens / min_completion_tokens, which a 1-token request cannot honour. */
+/* The checks the proxy makes before contacting any instance: the fields that
+ * P's copy rewrites (n, best_of, max_tokens, max_completion_tokens,
+ * min_tokens, stream, stream_options), so that P could not reject them while
+ * D does and P would then hold the request's KV for nothing; and the prompt
+ * (completions) or messages (chat) being there.  The rules and wording are
+ * `disagg serve`'s (src/server/openai_request.c) for these fields only; all
+ * other fields are left to the instances.  Returns 0, or -EINVAL with the
+ * offending field in param and a message for the client in msg. */
+int pd_check_client_body(const json_t *body, int chat, char *param, size_t pcap, char *msg,
+                         size_t mcap);
+
+/* The prefill body (new reference) for client body `client`: n 1 and no
+ * best_of (P prefills once), also without min_tokens /
+ * min_completion_tokens, which a 1-token request cannot honour. */
 json_t *pd_prefill_body(const json_t *client, const char *transfer_id);
 /* The decode body (new reference). */
 json_t *pd_decode_body(const json_t *client, const char *remote_engine_id,

@@ -2,6 +2,7 @@
 #include "proxy/policy.h"
 
 #include "base/clock.h"
+#include "base/rng.h"
 
 #include <errno.h>
 #include <string.h>
@@ -27,16 +28,16 @@ const char *policy_name(policy_kind k) {
                                    : "least_loaded";
 }
 
-static int group_ok(const backend *b, const policy_hint *h) {
+static int group_ok(const upstream *b, const policy_hint *h) {
     return !h || !h->group || !h->group[0] || !b->group[0] || !strcmp(h->group, b->group);
 }
 
-static int eligible(const backend *b, uint64_t exclude, const policy_hint *h) {
+static int eligible(const upstream *b, uint64_t exclude, const policy_hint *h) {
     return b->active && b->ready && !b->retiring && !(exclude >> b->index & 1) &&
-           (b->role == BACKEND_DECODE || b->nengines > 0) && group_ok(b, h);
+           (b->role == UPSTREAM_DECODE || b->nengines > 0) && group_ok(b, h);
 }
 
-double policy_load(const backend *b) {
+double policy_load(const upstream *b) {
     double pub = b->has_load ? (double)b->pub_running + b->pub_waiting : 0;
     double l = b->outstanding > pub ? b->outstanding : pub;
     return l + (b->has_load ? b->pub_kv_usage : 0);
@@ -50,22 +51,14 @@ uint64_t policy_hash(const void *p, size_t n) {
     return h ? h : 1;
 }
 
-static uint64_t mix64(uint64_t x) { /* splitmix64's finaliser */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
+/* Slots a upstream contributes to round-robin: its dp ranks (1 for decode). */
+static int slots(const upstream *b) {
+    return b->role == UPSTREAM_PREFILL ? b->nengines : 1;
 }
 
-/* Slots a backend contributes to round-robin: its dp ranks (1 for decode). */
-static int slots(const backend *b) {
-    return b->role == BACKEND_PREFILL ? b->nengines : 1;
-}
-
-backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t exclude,
-                     const policy_hint *hint, const pd_engine **engine) {
-    backend *best = NULL;
+upstream *policy_pick(policy_kind k, upstream *list, int n, unsigned *rr, uint64_t exclude,
+                      const policy_hint *hint, const pd_engine **engine) {
+    upstream *best = NULL;
     int rank_idx = 0;
     if (k == POLICY_P2C) {
         int idx[POLICY_MAX_BACKENDS], m = 0;
@@ -75,12 +68,12 @@ backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t
         /* two distinct draws (one when only one is eligible); the proxy is one thread */
         static uint64_t state;
         if (!state) state = clock_now_ns() | 1;
-        uint64_t r = mix64(state += 0x9e3779b97f4a7c15ull);
+        uint64_t r = rng_splitmix64(&state);
         int a = (int)(r % (uint64_t)m), b = m > 1 ? (int)((r >> 32) % (uint64_t)(m - 1)) : a;
         if (m > 1 && b >= a) b++;
         best =
             policy_load(&list[idx[b]]) < policy_load(&list[idx[a]]) ? &list[idx[b]] : &list[idx[a]];
-        if (best->role == BACKEND_PREFILL)
+        if (best->role == UPSTREAM_PREFILL)
             rank_idx = (int)(best->rank_rr++ % (unsigned)best->nengines);
     } else if (k == POLICY_ROUND_ROBIN) {
         int total = 0;
@@ -102,26 +95,26 @@ backend *policy_pick(policy_kind k, backend *list, int n, unsigned *rr, uint64_t
         unsigned start = *rr;
         (*rr)++;
         for (int j = 0; j < n; j++) {
-            backend *b = &list[(start + (unsigned)j) % (unsigned)n];
+            upstream *b = &list[(start + (unsigned)j) % (unsigned)n];
             if (eligible(b, exclude, hint) && (!best || policy_load(b) < policy_load(best)))
                 best = b;
         }
         if (!best) return NULL;
-        if (k == POLICY_PREFIX && hint && hint->prefix_hash && best->role == BACKEND_PREFILL) {
-            backend *pref = NULL; /* rendezvous: the highest hash of (prefix, URL) */
+        if (k == POLICY_PREFIX && hint && hint->prefix_hash && best->role == UPSTREAM_PREFILL) {
+            upstream *pref = NULL; /* rendezvous: the highest hash of (prefix, URL) */
             uint64_t top = 0;
             for (int j = 0; j < n; j++) {
-                backend *b = &list[j];
+                upstream *b = &list[j];
                 if (!eligible(b, exclude, hint)) continue;
-                uint64_t h = mix64(hint->prefix_hash ^ policy_hash(b->url, strlen(b->url)));
+                uint64_t h = rng_mix64(hint->prefix_hash ^ policy_hash(b->url, strlen(b->url)));
                 if (!pref || h > top) pref = b, top = h;
             }
             double lo = policy_load(best);
             if (pref && policy_load(pref) <= lo + POLICY_PREFIX_SLACK + lo / 4) best = pref;
         }
-        if (best->role == BACKEND_PREFILL)
+        if (best->role == UPSTREAM_PREFILL)
             rank_idx = (int)(best->rank_rr++ % (unsigned)best->nengines);
     }
-    if (engine) *engine = best->role == BACKEND_PREFILL ? &best->engines[rank_idx] : NULL;
+    if (engine) *engine = best->role == UPSTREAM_PREFILL ? &best->engines[rank_idx] : NULL;
     return best;
 }

@@ -103,7 +103,7 @@ static void not_ready_reason(const proxy *px, char *out, size_t cap) {
     size_t n = (size_t)snprintf(out, cap, "the proxy is not ready: ");
     const char *sep = "";
     for (int r = 0; r < 2; r++) {
-        const backend *list = r ? px->decode : px->prefill;
+        const upstream *list = r ? px->decode : px->prefill;
         int cnt = r ? px->ndecode : px->nprefill, any = 0;
         int known = 0;
         for (int i = 0; i < cnt; i++) {
@@ -118,8 +118,9 @@ static void not_ready_reason(const proxy *px, char *out, size_t cap) {
         }
         for (int i = 0; i < cnt && n < cap; i++) {
             if (!list[i].active) continue;
-            n += (size_t)snprintf(out + n, cap - n, "%s%s %s: %s", sep,
-                                  backend_role_name(list[i].role), list[i].url, list[i].last_error);
+            n +=
+                (size_t)snprintf(out + n, cap - n, "%s%s %s: %s", sep,
+                                 upstream_role_name(list[i].role), list[i].url, list[i].last_error);
             sep = "; ";
         }
     }
@@ -136,10 +137,9 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
     static const char *const ep_names[EP_COUNT] = {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
     static const char *const err_names[PERR_COUNT] = {
-        "bad_request",         "not_found",        "method_not_allowed",
-        "not_ready",           "prefill_failed",   "decode_failed",
-        "client_disconnected", "prefill_rejected", "decode_rejected",
-        "unauthorized"};
+        "bad_request",     "not_found",     "method_not_allowed",  "not_ready",
+        "prefill_failed",  "decode_failed", "client_disconnected", "prefill_rejected",
+        "decode_rejected", "unauthorized"};
     metrics_header(o, "disagg_proxy_requests_total", "counter", "Client requests by endpoint.");
     for (int i = 0; i < EP_COUNT; i++)
         evbuffer_add_printf(o, "disagg_proxy_requests_total{endpoint=\"%s\"} %llu\n", ep_names[i],
@@ -157,7 +157,8 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
                    "Requests resent to another instance after a refused connection.");
     for (int r = 0; r < 2; r++)
         evbuffer_add_printf(o, "disagg_proxy_retries_total{role=\"%s\"} %llu\n",
-                            backend_role_name((backend_role)r), (unsigned long long)px->retries[r]);
+                            upstream_role_name((upstream_role)r),
+                            (unsigned long long)px->retries[r]);
     metrics_header(o, "disagg_proxy_inflight_requests", "gauge", "Client requests being relayed.");
     evbuffer_add_printf(o, "disagg_proxy_inflight_requests %d\n", px->inflight);
     metrics_header(o, "disagg_proxy_ready", "gauge",
@@ -178,10 +179,10 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
     for (size_t m = 0; m < sizeof per / sizeof per[0]; m++) {
         metrics_header(o, per[m].name, per[m].type, per[m].help);
         for (int r = 0; r < 2; r++) {
-            backend *list = r ? px->decode : px->prefill;
+            upstream *list = r ? px->decode : px->prefill;
             int cnt = r ? px->ndecode : px->nprefill;
             for (int i = 0; i < cnt; i++) {
-                backend *b = &list[i];
+                upstream *b = &list[i];
                 if (!b->active) continue;
                 unsigned long long v = m == 0   ? (unsigned long long)b->ready
                                        : m == 1 ? (unsigned long long)b->outstanding
@@ -192,21 +193,21 @@ static void write_metrics(proxy *px, struct evbuffer *o) {
                 char url[2 * sizeof b->url];
                 metrics_label_value(b->url, url, sizeof url);
                 evbuffer_add_printf(o, "%s{role=\"%s\",backend=\"%s\"} %llu\n", per[m].name,
-                                    backend_role_name(b->role), url, v);
+                                    upstream_role_name(b->role), url, v);
             }
         }
     }
     metrics_header(o, "disagg_proxy_backend_latency_seconds", "histogram",
                    "Request start to response end per instance.");
     for (int r = 0; r < 2; r++) {
-        backend *list = r ? px->decode : px->prefill;
+        upstream *list = r ? px->decode : px->prefill;
         int cnt = r ? px->ndecode : px->nprefill;
         for (int i = 0; i < cnt; i++) {
             if (!list[i].active) continue;
             char labels[800], url[2 * sizeof list[i].url];
             metrics_label_value(list[i].url, url, sizeof url);
             snprintf(labels, sizeof labels, "role=\"%s\",backend=\"%s\"",
-                     backend_role_name(list[i].role), url);
+                     upstream_role_name(list[i].role), url);
             metrics_hist_format(o, "disagg_proxy_backend_latency_seconds", labels,
                                 &list[i].latency);
         }
@@ -329,6 +330,19 @@ static void handle(hs_req *req, void *arg) {
         proxy_reply_error(px, req, 400, PERR_BAD_REQUEST, "%s", why);
         return;
     }
+    /* what P's copy rewrites is checked here: P cannot refuse it, and once P
+     * accepted, a D that refuses it would leave P holding the KV */
+    char param[64];
+    if (pd_check_client_body(j, ep == EP_CHAT, param, sizeof param, why, sizeof why)) {
+        json_decref(j);
+        LOG_D(MOD, "refused before contacting an instance: %s", why);
+        char *eb = api_error_json_param(400, param, why);
+        px->errors[PERR_BAD_REQUEST]++;
+        proxy_count_status(px, 400);
+        hs_reply(req, 400, "application/json", NULL, eb ? eb : why, strlen(eb ? eb : why));
+        free(eb);
+        return;
+    }
     relay_start_pd(px, req, j);
 }
 
@@ -337,9 +351,13 @@ static void handle(hs_req *req, void *arg) {
 static void probe_tick(evutil_socket_t fd, short what, void *arg) {
     proxy *px = arg;
     for (int i = 0; i < px->nprefill; i++)
-        backend_probe(&px->prefill[i]);
+        upstream_probe(&px->prefill[i]);
     for (int i = 0; i < px->ndecode; i++)
-        backend_probe(&px->decode[i]);
+        upstream_probe(&px->decode[i]);
+}
+
+static void on_upstream_unresponsive(upstream *b, const char *why, void *arg) {
+    if (b->role == UPSTREAM_PREFILL) relay_upstream_unresponsive(arg, b, why);
 }
 
 static char *server_error_body(int status, const char *message) {
@@ -371,6 +389,8 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
     px->env.auth_header = px->auth_header[0] ? px->auth_header : NULL;
     px->env.pool_keepalive_s = cfg->upstream_keepalive_s;
     px->env.probe_timeout_s = cfg->health_interval_s * 2 < 2 ? 2 : cfg->health_interval_s * 2;
+    px->env.on_unresponsive = on_upstream_unresponsive;
+    px->env.cb_arg = px;
     /* with discovery every slot exists from the start: relays point into these arrays */
     size_t np = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->nprefill;
     size_t nd = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->ndecode;
@@ -378,14 +398,14 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
     px->decode = calloc(nd, sizeof *px->decode);
     if (!px->prefill || !px->decode) goto oom;
     for (int i = 0; i < cfg->nprefill; i++) {
-        if (backend_init(&px->prefill[i], BACKEND_PREFILL, i, cfg->prefill[i].url,
-                         cfg->prefill[i].bootstrap, &px->env, err, errcap))
+        if (upstream_init(&px->prefill[i], UPSTREAM_PREFILL, i, cfg->prefill[i].url,
+                          cfg->prefill[i].bootstrap, &px->env, err, errcap))
             goto fail;
         px->nprefill++;
     }
     for (int i = 0; i < cfg->ndecode; i++) {
-        if (backend_init(&px->decode[i], BACKEND_DECODE, i, cfg->decode[i].url, NULL, &px->env, err,
-                         errcap))
+        if (upstream_init(&px->decode[i], UPSTREAM_DECODE, i, cfg->decode[i].url, NULL, &px->env,
+                          err, errcap))
             goto fail;
         px->ndecode++;
     }
@@ -424,9 +444,9 @@ void proxy_free(proxy *px) {
     if (px->drain_timer) event_free(px->drain_timer);
     membership_stop(px);
     for (int i = 0; i < px->nprefill; i++)
-        backend_free(&px->prefill[i]);
+        upstream_free(&px->prefill[i]);
     for (int i = 0; i < px->ndecode; i++)
-        backend_free(&px->decode[i]);
+        upstream_free(&px->decode[i]);
     free(px->prefill);
     free(px->decode);
     free(px);

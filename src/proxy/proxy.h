@@ -1,7 +1,7 @@
 /*
  * proxy — `disagg proxy`, the P/D router (PROTOCOL.md §1): configuration,
  * the HTTP front end on one libevent loop (routes /v1/completions,
- * /v1/chat/completions, /v1/models, /health, /metrics), the backends of both
+ * /v1/chat/completions, /v1/models, /health, /metrics), the upstreams of both
  * roles with their periodic health probes, and the Prometheus metrics.  The
  * per-request P/D dispatch and relay live in relay.c.
  */
@@ -28,7 +28,7 @@ typedef struct proxy_config {
     int nprefill;            /* 1..POLICY_MAX_BACKENDS (0 with discovery) */
     proxy_upstream *decode;  /* (ndecode) decode instances */
     int ndecode;             /* 1..POLICY_MAX_BACKENDS (0 with discovery) */
-    policy_kind policy;      /* backend choice */
+    policy_kind policy;      /* upstream choice */
     const char
         *api_key; /* sent upstream as "Authorization: Bearer KEY"; NULL passes the client's */
     size_t max_body_bytes;     /* client request body cap (16 MiB) */

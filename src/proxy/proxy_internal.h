@@ -6,7 +6,7 @@
 #ifndef DISAGG_PROXY_PROXY_INTERNAL_H
 #define DISAGG_PROXY_PROXY_INTERNAL_H
 
-#include "proxy/backend.h"
+#include "proxy/upstream.h"
 #include "base/http_server.h"
 #include "proxy/metrics.h"
 #include "proxy/proxy.h"
@@ -38,16 +38,17 @@ typedef enum proxy_error_kind {
 } proxy_error_kind;
 
 typedef struct membership membership;
+struct relay;
 
 struct proxy {
     struct event_base *base;     /* loop */
     proxy_config cfg;            /* settings (strings owned by the caller) */
     hs_server *srv;              /* front end */
-    backend_env env;             /* shared backend settings */
+    upstream_env env;            /* shared upstream settings */
     char auth_header[512];       /* "Authorization: Bearer KEY\r\n" or "" */
-    backend *prefill;            /* (nprefill) slots; with discovery POLICY_MAX_BACKENDS of them */
+    upstream *prefill;           /* (nprefill) slots; with discovery POLICY_MAX_BACKENDS of them */
     int nprefill;                /* slots in use (with discovery some may be inactive) */
-    backend *decode;             /* (ndecode) */
+    upstream *decode;            /* (ndecode) */
     int ndecode;                 /* slots in use */
     membership *members;         /* --discovery (membership.c), or NULL */
     unsigned rr_prefill;         /* round-robin cursor over prefill slots */
@@ -57,10 +58,11 @@ struct proxy {
     uint64_t drain_deadline_ns;  /* when draining gives up on requests still running */
     struct event *drain_timer;   /* checks whether the drain is over */
     int inflight;                /* client requests being relayed */
+    struct relay *relays;        /* (inflight) those requests, a list (relay.c) */
     uint64_t requests[EP_COUNT]; /* client requests by endpoint */
     uint64_t responses[6];       /* client responses by status class (index = status/100) */
     uint64_t errors[PERR_COUNT]; /* failures by kind */
-    uint64_t retries[2]; /* requests resent to another backend after a refused connect, by role */
+    uint64_t retries[2]; /* requests resent to another upstream after a refused connect, by role */
     metrics_hist t_prefill;    /* P dispatch -> P response end */
     metrics_hist t_decode;     /* P response end -> D response end (the decode part) */
     metrics_hist t_first_byte; /* client request -> first byte relayed */
@@ -78,5 +80,8 @@ void proxy_count_status(proxy *px, int status);
 void relay_start_pd(proxy *px, hs_req *req, json_t *body);
 /* relay.c: a request forwarded as is to one decode instance (GET /v1/models). */
 void relay_start_passthrough(proxy *px, hs_req *req);
+/* relay.c: prefill b stopped answering (why): the requests still waiting
+ * for it stop waiting (D's complete answer is relayed, else a 502). */
+void relay_upstream_unresponsive(proxy *px, upstream *b, const char *why);
 
 #endif

@@ -13,11 +13,21 @@
  * instance of that role (for a prefill, the decode request is re-issued too,
  * since it names the prefill's engine).  A client that disconnects cancels
  * both upstream requests (their connections are closed).
+ *
+ * The wait for P ends early when D has failed (its 5xx is relayed at once,
+ * P's request cancelled) or when P stops answering its health probes
+ * (UPSTREAM_HUNG_MISSES probe timeouts in a row): a relay still waiting for
+ * that P answers D's complete answer if there is one, else a 502 naming P.
+ * A streamed (SSE) decode answer is relayed whole events at a time, so that
+ * when D fails mid-stream the client gets a final `data: {"error": ...}`
+ * event, `data: [DONE]` and a properly ended stream, as vLLM's server sends
+ * on an error mid-stream (the openai client raises APIError on it).
  */
 #include "proxy/proxy_internal.h"
 
 #include "base/clock.h"
 #include "base/log.h"
+#include "proxy/api_error.h"
 #include "proxy/pd_request.h"
 
 #include <errno.h>
@@ -25,22 +35,26 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
-#define MOD               "proxy"
-#define RELAY_HOLD_MAX    (1u << 20) /* decode bytes held while the prefill is pending */
-#define RELAY_ERRBODY_MAX 2048       /* prefill error body quoted in a 502 message */
-#define RELAY_4XXBODY_MAX (64u << 10) /* prefill 4xx body relayed unchanged up to this */
+#define MOD                "proxy"
+#define RELAY_HOLD_MAX     (1u << 20)  /* decode bytes held while the prefill is pending */
+#define RELAY_ERRBODY_MAX  2048        /* prefill error body quoted in a 502 message */
+#define RELAY_4XXBODY_MAX  (64u << 10) /* prefill 4xx body relayed unchanged up to this */
+#define RELAY_SSE_TAIL_MAX (64u << 10) /* partial SSE event held back; beyond it sent as is */
 
-typedef enum p_state { P_NONE = 0, P_PENDING, P_OK } p_state;
+/* P_GONE: P's request was abandoned (D failed, or P stopped answering). */
+typedef enum p_state { P_NONE = 0, P_PENDING, P_OK, P_GONE } p_state;
 
 typedef struct relay {
     proxy *px;                         /* owner */
+    struct relay *prev, *next;         /* px->relays list */
     hs_req *client;                    /* the client request; NULL once replied/gone */
     json_t *body;                      /* parsed client body (NULL for passthrough) */
     char request_id[PD_UUID_LEN + 1];  /* X-Request-Id sent upstream */
     char transfer_id[PD_UUID_LEN + 6]; /* "xfer-<uuid4>" */
     char *p_body;                      /* prefill body (JSON text) */
-    backend *p;                        /* chosen prefill */
+    upstream *p;                       /* chosen prefill */
     char p_engine_id[128];             /* that rank's engine id (copied: tables change) */
     char p_group[520];                 /* its model + KV layout (copied: a slot may be reused) */
     int p_rank;                        /* that dp rank */
@@ -49,12 +63,12 @@ typedef struct relay {
     int p_status;                      /* its HTTP status */
     struct evbuffer *p_err;            /* (<= RELAY_4XXBODY_MAX + 1) its error body */
     char p_ctype[128];                 /* its Content-Type */
-    uint64_t p_tried;                  /* prefill backends that refused (bit = index) */
+    uint64_t p_tried;                  /* prefill upstreams that refused (bit = index) */
     uint64_t p_start_ns;               /* prefill dispatch time */
     char *d_body;                      /* decode body (JSON text), NULL for passthrough GET */
-    backend *d;                        /* chosen decode */
+    upstream *d;                       /* chosen decode */
     hc_req *d_req;                     /* decode request in flight */
-    uint64_t d_tried;                  /* decode backends that refused */
+    uint64_t d_tried;                  /* decode upstreams that refused */
     uint64_t d_start_ns;               /* decode dispatch time */
     int d_status;                      /* decode HTTP status (0 before its head) */
     http_header *d_hdrs;               /* (d_nhdrs) copied decode response headers */
@@ -67,12 +81,20 @@ typedef struct relay {
     uint64_t t0_ns;        /* client request complete */
     uint64_t p_done_ns;    /* prefill response end */
     int first_byte;        /* first body byte relayed */
+    int sse;               /* D's answer is an event stream without a Content-Length */
+    struct evbuffer *sse_tail; /* (< RELAY_SSE_TAIL_MAX) bytes after the last relayed event */
 } relay;
 
 static const hc_callbacks P_CB, D_CB;
 
 static void relay_free(relay *r) {
     r->px->inflight--;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        r->px->relays = r->next;
+    if (r->next) r->next->prev = r->prev;
+    if (r->sse_tail) evbuffer_free(r->sse_tail);
     json_decref(r->body);
     free(r->p_body);
     free(r->d_body);
@@ -91,14 +113,14 @@ static double secs(uint64_t ns) {
 }
 
 static void p_finish_metrics(relay *r, int failed) {
-    backend *p = r->p;
+    upstream *p = r->p;
     p->outstanding--;
     metrics_hist_observe(&p->latency, secs(clock_now_ns() - r->p_start_ns));
     if (failed) p->errors++;
 }
 
 static void d_finish_metrics(relay *r, int failed) {
-    backend *d = r->d;
+    upstream *d = r->d;
     d->outstanding--;
     metrics_hist_observe(&d->latency, secs(clock_now_ns() - r->d_start_ns));
     if (failed) d->errors++;
@@ -118,12 +140,34 @@ static void cancel_d(relay *r) {
     d_finish_metrics(r, 0);
 }
 
+/* D failed after an event stream was started: the partial event held back
+ * is dropped, the client gets a final error event (vLLM's streaming error
+ * shape: {"error": {"message", "type", "param", "code"}}) and [DONE], and
+ * the stream ends properly (terminating chunk). */
+static void end_stream_with_error(relay *r, int status, const char *msg) {
+    evbuffer_drain(r->sse_tail, evbuffer_get_length(r->sse_tail));
+    char *e = api_error_json(status, msg);
+    struct evbuffer *o = evbuffer_new();
+    if (o) {
+        evbuffer_add_printf(o, "data: %s\n\ndata: [DONE]\n\n", e ? e : "{\"error\":{}}");
+        hs_reply_data(r->client, o);
+        evbuffer_free(o);
+    }
+    free(e);
+    hs_reply_end(r->client);
+}
+
 /* Error reply to the client (if it is still there) and the end of the relay. */
 static void relay_fail(relay *r, int status, proxy_error_kind kind, const char *msg) {
     cancel_p(r);
     cancel_d(r);
     if (r->client) {
-        if (r->started) {
+        if (r->started && r->sse) {
+            LOG_W(MOD, "request %s: %s; ending the event stream with an error event", r->request_id,
+                  msg);
+            r->px->errors[kind]++;
+            end_stream_with_error(r, status, msg);
+        } else if (r->started) {
             LOG_W(MOD, "request %s: %s; closing the client connection mid-reply", r->request_id,
                   msg);
             r->px->errors[kind]++;
@@ -155,17 +199,80 @@ static void client_drained(hs_req *req, void *arg) {
     }
 }
 
-/* The decode's answer, error or not, waits for the prefill's verdict. */
-static int gate_open(const relay *r) {
-    return r->p_st != P_PENDING;
+/* The decode's answer, error or not, waits for the prefill's verdict; a
+ * decode that failed (5xx, complete) does not: P's request is then
+ * cancelled (there is no transfer left to prefill for). */
+static int gate_open(relay *r) {
+    if (r->p_st != P_PENDING) return 1;
+    if (!r->d_done || r->d_status < 500) return 0;
+    LOG_I(MOD, "request %s: decode %s answered HTTP %d; relaying it without waiting for prefill %s",
+          r->request_id, r->d->url, r->d_status, r->p->url);
+    cancel_p(r);
+    r->p_st = P_GONE;
+    return 1;
 }
 
-/* Relays decode bytes to the client, pausing the decode on backpressure. */
-static void send_client(relay *r, struct evbuffer *data) {
+/* Offset just past the last "\n\n" (an SSE event's end) in b, 0 if none;
+ * scanned backwards from the end (it is within the last event). */
+static size_t last_event_end(struct evbuffer *b) {
+    int n = evbuffer_peek(b, -1, NULL, NULL, 0);
+    if (n <= 0) return 0;
+    struct evbuffer_iovec stackv[16], *v = stackv;
+    if (n > 16 && !(v = malloc((size_t)n * sizeof *v))) return evbuffer_get_length(b);
+    evbuffer_peek(b, -1, NULL, v, n);
+    size_t off = evbuffer_get_length(b), found = 0;
+    int next_nl = 0; /* the byte after the one at off is '\n' */
+    for (int i = n - 1; i >= 0 && !found; i--) {
+        const char *p = v[i].iov_base;
+        for (size_t j = v[i].iov_len; j-- > 0;) {
+            off--;
+            if (p[j] != '\n') {
+                next_nl = 0;
+            } else if (next_nl) {
+                found = off + 2;
+                break;
+            } else {
+                next_nl = 1;
+            }
+        }
+    }
+    if (v != stackv) free(v);
+    return found;
+}
+
+/* Whether b ends with "\n\n". */
+static int ends_event(struct evbuffer *b) {
+    size_t n = evbuffer_get_length(b);
+    char two[2];
+    if (n < 2) return 0;
+    struct evbuffer_ptr p;
+    if (evbuffer_ptr_set(b, &p, n - 2, EVBUFFER_PTR_SET) < 0) return 0;
+    return evbuffer_copyout_from(b, &p, two, 2) == 2 && two[0] == '\n' && two[1] == '\n';
+}
+
+/* Relays decode bytes to the client, pausing the decode on backpressure.
+ * An event stream goes out whole events at a time (a partial one waits in
+ * sse_tail), unless final (the decode's answer ended) or the tail is large. */
+static void send_client(relay *r, struct evbuffer *data, int final) {
+    if (r->sse && !final) {
+        if (!evbuffer_get_length(r->sse_tail) && ends_event(data)) {
+            /* the usual case: whole events */
+        } else {
+            evbuffer_add_buffer(r->sse_tail, data);
+            size_t end = evbuffer_get_length(r->sse_tail) >= RELAY_SSE_TAIL_MAX
+                             ? evbuffer_get_length(r->sse_tail)
+                             : last_event_end(r->sse_tail);
+            if (!end) return;
+            evbuffer_remove_buffer(r->sse_tail, data, end);
+        }
+    } else if (r->sse && data != r->sse_tail && evbuffer_get_length(r->sse_tail)) {
+        evbuffer_prepend_buffer(data, r->sse_tail); /* final: what was held goes first */
+    }
     if (evbuffer_get_length(data) && !r->first_byte) {
         r->first_byte = 1;
         metrics_hist_observe(&r->px->t_first_byte, secs(clock_now_ns() - r->t0_ns));
     }
+    if (!evbuffer_get_length(data)) return;
     if (hs_reply_data(r->client, data) == 1 && r->d_req && !r->d_paused) {
         r->d_paused = 1;
         hc_pause(r->d_req, 1);
@@ -178,6 +285,7 @@ static void relay_complete(relay *r) {
     metrics_hist_observe(&r->px->t_total, secs(now - r->t0_ns));
     proxy_count_status(r->px, r->d_status);
     if (r->d_status / 100 != 2) r->px->errors[PERR_DECODE_REJECTED]++;
+    if (r->sse && evbuffer_get_length(r->sse_tail)) send_client(r, r->sse_tail, 1);
     hs_reply_end(r->client);
     r->client = NULL;
     relay_free(r);
@@ -191,7 +299,7 @@ static int relay_advance(relay *r) {
         hs_reply_start(r->client, r->d_status, r->d_hdrs, r->d_nhdrs, r->d_clen);
         r->started = 1;
         if (evbuffer_get_length(r->held))
-            send_client(r, r->held);
+            send_client(r, r->held, r->d_done);
         else if (!r->d_done)
             hs_reply_flush(r->client); /* headers now, body as it comes */
     }
@@ -231,7 +339,7 @@ static int send_decode(relay *r);
 
 /* "no other prefill instance is reachable (http://a:1, http://b:2 refused the
  * connection)", naming the instances tried, or "no prefill instance is ready". */
-static void tried_message(char *msg, size_t cap, const char *role, const backend *b, int n,
+static void tried_message(char *msg, size_t cap, const char *role, const upstream *b, int n,
                           uint64_t tried) {
     if (!tried) {
         snprintf(msg, cap, "no %s instance is ready", role);
@@ -255,8 +363,8 @@ static int send_pd(relay *r) {
     policy_hint hint = {0, NULL};
     if (px->cfg.policy == POLICY_PREFIX)
         hint.prefix_hash = pd_prefix_hash(r->body, (size_t)px->cfg.prefix_bytes);
-    backend *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
-                             &hint, &eng);
+    upstream *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill,
+                              r->p_tried, &hint, &eng);
     if (!p) {
         char msg[1024];
         tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);
@@ -313,8 +421,8 @@ static int send_decode(relay *r) {
     proxy *px = r->px;
     /* a decode pairs with the prefill's group (model and KV layout) */
     policy_hint hint = {0, r->body ? r->p_group : NULL};
-    backend *d = policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried,
-                             &hint, NULL);
+    upstream *d = policy_pick(px->cfg.policy, px->decode, px->ndecode, &px->rr_decode, r->d_tried,
+                              &hint, NULL);
     if (!d) {
         char msg[1024];
         tried_message(msg, sizeof msg, "decode", px->decode, px->ndecode, r->d_tried);
@@ -351,7 +459,9 @@ static void reset_d(relay *r) {
     r->d_clen = -1;
     r->d_done = 0;
     r->d_paused = 0;
+    r->sse = 0;
     evbuffer_drain(r->held, evbuffer_get_length(r->held));
+    evbuffer_drain(r->sse_tail, evbuffer_get_length(r->sse_tail));
 }
 
 /* ---- prefill callbacks -------------------------------------------------- */
@@ -392,13 +502,13 @@ static void relay_prefill_rejected(relay *r) {
 static void p_done(hc_req *q, int err, void *arg) {
     relay *r = arg;
     r->p_req = NULL;
-    backend *p = r->p;
+    upstream *p = r->p;
     if (err == HC_ECONNECT || err == HC_ERESOLVE) {
         p_finish_metrics(r, 1);
         char why[160];
         snprintf(why, sizeof why, "connection refused or unreachable (%s)", hc_strerror(err));
-        backend_mark_down(p, why);
-        r->px->retries[BACKEND_PREFILL]++;
+        upstream_mark_down(p, why);
+        r->px->retries[UPSTREAM_PREFILL]++;
         r->p_tried |= 1ull << p->index;
         LOG_W(MOD, "request %s: prefill %s unreachable; retrying on another prefill", r->request_id,
               p->url);
@@ -445,6 +555,8 @@ static void d_head(hc_req *q, const http_head *h, void *arg) {
     relay *r = arg;
     r->d_status = h->status;
     r->d_clen = h->chunked ? -1 : h->content_length;
+    const char *ct = http_head_get(h, "Content-Type");
+    r->sse = r->d_clen < 0 && ct && !strncasecmp(ct, "text/event-stream", 17);
     r->d_hdrs = calloc((size_t)h->nheaders + 1, sizeof *r->d_hdrs);
     for (int i = 0; r->d_hdrs && i < h->nheaders; i++) {
         r->d_hdrs[i].name = strdup(h->headers[i].name);
@@ -460,7 +572,7 @@ static void d_head(hc_req *q, const http_head *h, void *arg) {
 static void d_data(hc_req *q, struct evbuffer *data, void *arg) {
     relay *r = arg;
     if (r->started) {
-        send_client(r, data);
+        send_client(r, data, 0);
         return;
     }
     evbuffer_add_buffer(r->held, data);
@@ -473,13 +585,13 @@ static void d_data(hc_req *q, struct evbuffer *data, void *arg) {
 static void d_done(hc_req *q, int err, void *arg) {
     relay *r = arg;
     r->d_req = NULL;
-    backend *d = r->d;
+    upstream *d = r->d;
     if ((err == HC_ECONNECT || err == HC_ERESOLVE) && !r->started) {
         d_finish_metrics(r, 1);
         char why[160];
         snprintf(why, sizeof why, "connection refused or unreachable (%s)", hc_strerror(err));
-        backend_mark_down(d, why);
-        r->px->retries[BACKEND_DECODE]++;
+        upstream_mark_down(d, why);
+        r->px->retries[UPSTREAM_DECODE]++;
         r->d_tried |= 1ull << d->index;
         LOG_W(MOD, "request %s: decode %s unreachable; retrying on another decode", r->request_id,
               d->url);
@@ -513,8 +625,19 @@ static relay *relay_new(proxy *px, hs_req *req, json_t *body) {
     r->t0_ns = clock_now_ns();
     r->held = evbuffer_new();
     r->p_err = evbuffer_new();
+    r->sse_tail = evbuffer_new();
+    if (!r->held || !r->p_err || !r->sse_tail) {
+        if (r->held) evbuffer_free(r->held);
+        if (r->p_err) evbuffer_free(r->p_err);
+        if (r->sse_tail) evbuffer_free(r->sse_tail);
+        free(r);
+        return NULL;
+    }
     uuid4(r->request_id);
     px->inflight++;
+    r->next = px->relays;
+    if (r->next) r->next->prev = r;
+    px->relays = r;
     hs_req_set_close_cb(req, client_gone, r);
     hs_req_set_drain_cb(req, client_drained, r);
     return r;
@@ -538,4 +661,29 @@ void relay_start_passthrough(proxy *px, hs_req *req) {
     }
     r->p_st = P_NONE;
     (void)send_decode(r);
+}
+
+void relay_upstream_unresponsive(proxy *px, upstream *b, const char *why) {
+    relay *next;
+    for (relay *r = px->relays; r; r = next) {
+        next = r->next;
+        if (r->p != b || r->p_st != P_PENDING || !r->body) continue;
+        if (r->p_req) {
+            hc_cancel(r->p_req);
+            r->p_req = NULL;
+            p_finish_metrics(r, 1);
+        }
+        r->p_st = P_GONE;
+        if (r->d_done) { /* D's whole answer is here: it is the client's */
+            LOG_W(MOD, "request %s: prefill %s stopped answering (%s); relaying decode's answer",
+                  r->request_id, b->url, why);
+            (void)relay_advance(r);
+            continue;
+        }
+        char msg[1400];
+        snprintf(msg, sizeof msg,
+                 "prefill instance %s stopped answering (%s); the request was abandoned", b->url,
+                 why);
+        relay_fail(r, 502, PERR_PREFILL, msg);
+    }
 }

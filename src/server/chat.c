@@ -3,9 +3,12 @@
  * model's chat template (model/chat_template) and tokenized, then the gen
  * lifecycle with the chat rendering ("chat.completion" objects, role and
  * content deltas, chat-format logprobs) and Hermes <tool_call> parsing into
- * tool_calls when the request has tools (tool_calls.c).
+ * tool_calls when the request has tools (tool_calls.c).  With
+ * --reasoning-parser the <think> part goes to reasoning_content (message and
+ * stream deltas) and tool calls are parsed from the rest (reasoning.c).
  */
 #include "server/gen.h"
+#include "server/reasoning.h"
 #include "server/tool_calls.h"
 
 #include <stdlib.h>
@@ -29,20 +32,46 @@ static int chat_stream_start(gen_req *r, sbuf *sse) {
     return rc;
 }
 
-/* Bytes of text that may be shown as content now. */
-static size_t chat_content_end(gen_req *r, gen_choice *c) {
-    if (!r->o.parse_tool_calls) return c->text.len;
-    return tool_calls_safe_prefix(c->text.data ? c->text.data : "", c->text.len);
+/* The streaming split of the text released so far (no reasoning parser:
+ * all content). */
+static void chat_split(gen_req *r, gen_choice *c, bool final, reasoning_split *sp) {
+    reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser,
+                           c->text.data ? c->text.data : "", c->text.len, final, sp);
+}
+
+/* End (in text) of the content that may be shown now: tool-call text held. */
+static size_t chat_content_end(gen_req *r, gen_choice *c, const reasoning_split *sp) {
+    if (!r->o.parse_tool_calls) return sp->c_end;
+    return sp->c_start +
+           tool_calls_safe_prefix(c->text.data + sp->c_start, sp->c_end - sp->c_start);
+}
+
+/* Sets delta.reasoning_content to the reasoning not sent yet, if any. */
+static void chat_reasoning_delta(gen_choice *c, const reasoning_split *sp, json_t *delta) {
+    if (!sp->has_reasoning || sp->r_end - sp->r_start <= c->r_sent) return;
+    json_object_set_new(
+        delta, "reasoning_content",
+        json_stringn(c->text.data + sp->r_start + c->r_sent, sp->r_end - sp->r_start - c->r_sent));
+    c->r_sent = sp->r_end - sp->r_start;
 }
 
 static int chat_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t len, sbuf *sse) {
     (void)text;
     (void)len;
-    size_t end = chat_content_end(r, c);
+    reasoning_split sp;
+    chat_split(r, c, false, &sp);
+    if (c->sent < sp.c_start) c->sent = sp.c_start;
+    size_t end = chat_content_end(r, c, &sp);
     if (end < c->sent) end = c->sent;
-    if (end == c->sent && !c->logprobs) return 0;
     json_t *delta = json_object();
-    json_object_set_new(delta, "content", json_stringn(c->text.data + c->sent, end - c->sent));
+    chat_reasoning_delta(c, &sp, delta);
+    if (end > c->sent)
+        json_object_set_new(delta, "content", json_stringn(c->text.data + c->sent, end - c->sent));
+    if (json_object_size(delta) == 0 && !c->logprobs) {
+        json_decref(delta);
+        return 0;
+    }
+    if (json_object_size(delta) == 0) json_object_set_new(delta, "content", json_string(""));
     oai_usage u;
     json_t *chunk =
         oai_chat_chunk(r->id, r->created, r->s->model_name, c->index, delta, c->logprobs, NULL,
@@ -57,18 +86,24 @@ static int chat_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     const char *reason = c->finish_reason;
     json_t *calls = NULL;
     size_t content_len = 0;
-    if (r->o.parse_tool_calls &&
-        tool_calls_parse(c->text.data ? c->text.data : "", c->text.len, &calls, &content_len) > 0) {
-        if (content_len > c->sent)
-            json_object_set_new(delta, "content",
-                                json_stringn(c->text.data + c->sent, content_len - c->sent));
+    reasoning_split sp;
+    chat_split(r, c, true, &sp);
+    chat_reasoning_delta(c, &sp, delta);
+    if (c->sent < sp.c_start) c->sent = sp.c_start;
+    const char *ct = c->text.data ? c->text.data + sp.c_start : "";
+    size_t clen = sp.c_end - sp.c_start;
+    if (r->o.parse_tool_calls && tool_calls_parse(ct, clen, &calls, &content_len) > 0) {
+        if (sp.c_start + content_len > c->sent)
+            json_object_set_new(
+                delta, "content",
+                json_stringn(c->text.data + c->sent, sp.c_start + content_len - c->sent));
         for (size_t i = 0; i < json_array_size(calls); i++)
             json_object_set_new(json_array_get(calls, i), "index", json_integer((json_int_t)i));
         json_object_set_new(delta, "tool_calls", calls);
         if (!strcmp(reason, "stop")) reason = "tool_calls";
-    } else if (c->text.len > c->sent) {
+    } else if (sp.c_end > c->sent) {
         json_object_set_new(delta, "content",
-                            json_stringn(c->text.data + c->sent, c->text.len - c->sent));
+                            json_stringn(c->text.data + c->sent, sp.c_end - c->sent));
     }
     c->sent = c->text.len;
     oai_usage u;
@@ -81,13 +116,18 @@ static int chat_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
 
 static json_t *chat_build(gen_req *r) {
     json_t *choices = json_array();
+    reasoning_kind rk = (reasoning_kind)r->s->cfg.reasoning_parser;
     for (int i = 0; i < r->n_ch; i++) {
         gen_choice *c = &r->ch[i];
-        const char *text = c->text.data ? c->text.data : "";
-        size_t len = c->text.len;
+        const char *all = c->text.data ? c->text.data : "";
+        reasoning_split sp;
+        reasoning_split_final(rk, all, c->text.len, &sp);
+        const char *text = all + sp.c_start;
+        size_t len = sp.c_end - sp.c_start;
         json_t *calls = NULL;
         const char *reason = c->finish_reason;
-        bool content_null = false;
+        /* with a reasoning parser, empty content is null (vLLM's `content or None`) */
+        bool content_null = rk != REASONING_NONE && len == 0;
         size_t content_len = 0;
         if (r->o.parse_tool_calls && tool_calls_parse(text, len, &calls, &content_len) > 0) {
             /* a call: the text before it is the content; no call: all of it (hermes) */
@@ -95,14 +135,20 @@ static json_t *chat_build(gen_req *r) {
             content_null = len == 0;
             if (!strcmp(reason, "stop")) reason = "tool_calls";
         }
-        json_array_append_new(choices, oai_chat_choice(c->index, text, len, content_null, calls,
-                                                       json_incref(c->logprobs), reason,
-                                                       json_incref(c->stop_reason)));
+        json_t *ch = oai_chat_choice(c->index, text, len, content_null, calls,
+                                     json_incref(c->logprobs), reason, json_incref(c->stop_reason));
+        if (rk != REASONING_NONE) {
+            json_t *msg = json_object_get(ch, "message");
+            json_object_set_new(msg, "reasoning_content",
+                                sp.has_reasoning
+                                    ? json_stringn(all + sp.r_start, sp.r_end - sp.r_start)
+                                    : json_null());
+        }
+        json_array_append_new(choices, ch);
     }
     oai_usage u;
     gen_usage(r, &u);
-    json_t *resp = oai_response(true, r->id, r->created, r->s->model_name, choices, &u,
-                                gen_kv_transfer_params(r));
+    json_t *resp = oai_response(true, r->id, r->created, r->s->model_name, choices, &u);
     json_t *plp = r->n_ch > 0 ? r->ch[0].prompt_logprobs : NULL;
     json_object_set_new(resp, "prompt_logprobs", plp ? json_incref(plp) : json_null());
     return resp;
@@ -112,7 +158,7 @@ static const gen_ops CHAT_OPS = {chat_stream_start, chat_stream_delta, chat_stre
                                  chat_build};
 
 /* Render and tokenize the conversation (shared with /tokenize). */
-int chat_render_ids(server *s, const json_t *messages, const json_t *tools,
+int chat_render_ids(server *s, const json_t *messages, const json_t *tools, const json_t *kwargs,
                     bool add_generation_prompt, bool add_special, int32_t **ids, size_t *n,
                     oai_error *err) {
     if (!s->tmpl) {
@@ -120,11 +166,23 @@ int chat_render_ids(server *s, const json_t *messages, const json_t *tools,
                       "chat is unavailable for this model: %s; use /v1/completions", s->tmpl_error);
         return -1;
     }
+    /* bos_token / eos_token as the tokenizer names them (Llama 3 and Mistral print them) */
+    char *bos = NULL;
+    int32_t bos_id = tokenizer_bos_id(s->tok);
+    char msg[512] = "";
+    size_t bos_len = 0;
+    if (bos_id >= 0 && tokenizer_decode(s->tok, &bos_id, 1, false, &bos, &bos_len, msg, sizeof msg))
+        bos = NULL;
     chat_template_opts opts = {.add_generation_prompt = add_generation_prompt,
-                               .parse_tool_arguments = true};
-    char *text = NULL, msg[512] = "";
+                               .parse_tool_arguments = true,
+                               .kwargs = kwargs,
+                               .bos_token = bos,
+                               .eos_token = tokenizer_eos_token(s->tok)};
+    char *text = NULL;
     size_t len = 0;
-    if (chat_template_render(s->tmpl, messages, tools, &opts, &text, &len, msg, sizeof msg)) {
+    int rrc = chat_template_render(s->tmpl, messages, tools, &opts, &text, &len, msg, sizeof msg);
+    free(bos);
+    if (rrc) {
         oai_error_set(err, 400, "BadRequestError", "messages", "%s", msg);
         return -1;
     }
@@ -148,8 +206,9 @@ static int chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
     }
     r->n_prompts = 1;
     size_t n = 0;
-    if (chat_render_ids(s, r->o.messages, r->o.tools, r->o.add_generation_prompt,
-                        r->o.add_special_tokens, &r->pids[0], &n, &r->err))
+    if (chat_render_ids(s, r->o.messages, r->o.tools, r->o.chat_template_kwargs,
+                        r->o.add_generation_prompt, r->o.add_special_tokens, &r->pids[0], &n,
+                        &r->err))
         return -1;
     r->n_pids[0] = (int)n;
     if (n == 0) {

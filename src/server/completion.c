@@ -65,8 +65,7 @@ static json_t *cmpl_build(gen_req *r) {
     }
     oai_usage u;
     gen_usage(r, &u);
-    return oai_response(false, r->id, r->created, r->s->model_name, choices, &u,
-                        gen_kv_transfer_params(r));
+    return oai_response(false, r->id, r->created, r->s->model_name, choices, &u);
 }
 
 static const gen_ops CMPL_OPS = {NULL, cmpl_stream_delta, cmpl_stream_finish, cmpl_build};

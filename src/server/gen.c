@@ -172,13 +172,6 @@ void gen_usage(const gen_req *r, oai_usage *u) {
     }
 }
 
-json_t *gen_kv_transfer_params(gen_req *r) {
-    const server_config *cfg = &r->s->cfg;
-    if (!cfg->kv_params_fn) return NULL;
-    return cfg->kv_params_fn(cfg->kv_params_ctx, r->o.kv_transfer_params,
-                             r->n_ch > 0 ? r->ch[0].eid : 0);
-}
-
 static void gen_free_and_account(gen_req *r) {
     server *s = r->s;
     s->n_live--;

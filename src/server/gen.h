@@ -38,6 +38,7 @@ typedef struct gen_choice {
     detok_stream ds;           /* tokens → released text */
     sbuf text;                 /* all released text */
     size_t sent;               /* bytes of text already streamed as content */
+    size_t r_sent;             /* bytes of reasoning already streamed (--reasoning-parser) */
     json_t *logprobs;          /* accumulated logprobs (stream: since the last chunk) */
     size_t text_offset;        /* completions logprobs text_offset, in characters */
     int n_tokens;              /* generated tokens that count (up to the stop) */
@@ -116,7 +117,5 @@ void gen_req_free(gen_req *r);
 void gen_send_chunk(gen_req *r, sbuf *sse);
 /* Usage totals over all choices so far. */
 void gen_usage(const gen_req *r, oai_usage *u);
-/* Response-side kv_transfer_params (the connector hook, or NULL). */
-json_t *gen_kv_transfer_params(gen_req *r);
 
 #endif

@@ -491,6 +491,13 @@ static int parse_chat(oai_request *r, const json_t *body, oai_error *err) {
     if (cont)
         return bad(err, "continue_final_message",
                    "'continue_final_message' is not supported; accepted: false");
+    const json_t *ctk = json_object_get(body, "chat_template_kwargs");
+    if (ctk && !json_is_null(ctk) && !json_is_object(ctk))
+        return bad(err, "chat_template_kwargs",
+                   "'chat_template_kwargs' must be an object of template variables (e.g. "
+                   "{\"enable_thinking\": false}), got %s",
+                   text_json_kind(ctk));
+    if (json_is_object(ctk)) r->chat_template_kwargs = json_incref((json_t *)ctk);
     const char *tmpl = NULL;
     if (get_string(body, "chat_template", &tmpl, err) < 0) return -EINVAL;
     if (tmpl)
@@ -624,6 +631,7 @@ void oai_request_free(oai_request *r) {
     free(r->prompts);
     json_decref(r->messages);
     json_decref(r->tools);
+    json_decref(r->chat_template_kwargs);
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
     free(r->stop);

@@ -45,15 +45,15 @@ typedef struct oai_defaults {
     const char *served_model_name;    /* the name responses report; accepted as "model" */
     const char *const *model_aliases; /* (n_model_aliases) further --served-model-name names, */
     int n_model_aliases;              /* also accepted (vLLM serves every name) */
-    const char *model_path;        /* also accepted as "model" (vLLM accepts the path) */
-    float temperature;             /* from generation_config.json, else 1 */
-    float top_p;                   /* from generation_config.json, else 1 */
-    int top_k;                     /* from generation_config.json, else 0 (off) */
-    float repetition_penalty;      /* from generation_config.json, else 1 */
-    float min_p;                   /* --override-generation-config, else 0 */
-    int max_tokens;                /* max_new_tokens of --override-generation-config: caps every
-                                      request's max_tokens, as vLLM's get_max_tokens; -1: none */
-    int max_logprobs;              /* --max-logprobs: most logprobs a request may ask (20) */
+    const char *model_path;           /* also accepted as "model" (vLLM accepts the path) */
+    float temperature;                /* from generation_config.json, else 1 */
+    float top_p;                      /* from generation_config.json, else 1 */
+    int top_k;                        /* from generation_config.json, else 0 (off) */
+    float repetition_penalty;         /* from generation_config.json, else 1 */
+    float min_p;                      /* --override-generation-config, else 0 */
+    int max_tokens;                   /* max_new_tokens of --override-generation-config: caps every
+                                         request's max_tokens, as vLLM's get_max_tokens; -1: none */
+    int max_logprobs;                 /* --max-logprobs: most logprobs a request may ask (20) */
 } oai_defaults;
 
 void oai_defaults_init(oai_defaults *d);
@@ -84,6 +84,7 @@ typedef struct oai_request {
     json_t *messages;                /* chat: the messages array (own reference) */
     json_t *tools;                   /* chat: tools array or NULL (own reference) */
     bool add_generation_prompt;      /* chat: end the prompt with the assistant header */
+    json_t *chat_template_kwargs;    /* chat: vLLM's chat_template_kwargs object, or NULL */
     bool parse_tool_calls;           /* chat: tools given and tool_choice is "auto" */
     bool add_special_tokens;         /* tokenizer's bos/eos (completions: true, chat: false) */
     int n;                           /* choices per prompt */

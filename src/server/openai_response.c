@@ -241,12 +241,12 @@ static json_t *envelope(const char *object, const char *id, long long created, c
 }
 
 json_t *oai_response(bool chat, const char *id, long long created, const char *model,
-                     json_t *choices, const oai_usage *usage, json_t *kv_transfer_params) {
+                     json_t *choices, const oai_usage *usage) {
     json_t *o = envelope(chat ? "chat.completion" : "text_completion", id, created, model);
     json_object_set_new(o, "choices", choices);
     json_object_set_new(o, "usage", oai_usage_json(usage));
     json_object_set_new(o, "system_fingerprint", json_null());
-    json_object_set_new(o, "kv_transfer_params", nullable(kv_transfer_params));
+    json_object_set_new(o, "kv_transfer_params", json_null());
     return o;
 }
 

@@ -76,9 +76,10 @@ json_t *oai_chat_choice(int index, const char *content, size_t len, bool content
                         json_t *tool_calls, json_t *logprobs, const char *finish_reason,
                         json_t *stop_reason);
 /* {"id","object","created","model","choices","usage", [prompt_logprobs,] "kv_transfer_params"}:
- * object is "text_completion" or "chat.completion". */
+ * object is "text_completion" or "chat.completion"; kv_transfer_params is null (the
+ * MooncakeConnector's contract: the proxy, not the producer's answer, names the transfer). */
 json_t *oai_response(bool chat, const char *id, long long created, const char *model,
-                     json_t *choices, const oai_usage *usage, json_t *kv_transfer_params);
+                     json_t *choices, const oai_usage *usage);
 
 /* Streaming chunks.  usage: NULL omits the key, else it is written (a json null
  * when usage_null, as OpenAI does on the content chunks when include_usage). */

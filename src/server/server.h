@@ -15,20 +15,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Hook for the KV connector: the value of "kv_transfer_params" in a response,
- * given the request's kv_transfer_params object (NULL when absent) and the
- * engine id of the request's first choice.  Returns a new reference, or NULL
- * for null.  Without a hook responses carry "kv_transfer_params": null. */
-typedef json_t *(*server_kv_params_fn)(void *ctx, const json_t *request_params, uint64_t engine_id);
-
 typedef struct server_config {
-    const char *host;               /* listen address (default "0.0.0.0") */
-    int port;                       /* listen port (default 8000) */
-    const char *model;              /* MODEL as given (directory or hub name) */
-    const char *served_model_name;  /* name in /v1/models and responses; NULL = model */
+    const char *host;                    /* listen address (default "0.0.0.0") */
+    int port;                            /* listen port (default 8000) */
+    const char *model;                   /* MODEL as given (directory or hub name) */
+    const char *served_model_name;       /* name in /v1/models and responses; NULL = model */
     const char *const *more_model_names; /* (n_more_model_names) further --served-model-name */
     int n_more_model_names;              /* names, served too (listed, accepted as "model") */
-    const char *api_key;            /* Bearer key required on the /v1 routes; NULL = none */
+    const char *api_key;                 /* Bearer key required on the /v1 routes; NULL = none */
     const char *kv_transfer_config; /* --kv-transfer-config JSON text, kept for the connector */
     size_t max_body_bytes;          /* request body limit (default 32 MiB) → 413 */
     double header_timeout_s;        /* head complete this long after its first byte (60) */
@@ -38,20 +32,20 @@ typedef struct server_config {
     int log_stats;                  /* --disable-log-stats clears it (default 1) */
     const char *tokenizer_dir;      /* --tokenizer, resolved; NULL = the model directory */
     const char *chat_template;      /* --chat-template text; NULL = the tokenizer's */
+    int reasoning_parser;           /* --reasoning-parser: a reasoning_kind (server/reasoning.h),
+                                       0 = none: <think> text stays in content */
     int max_logprobs;               /* --max-logprobs: most (top_)logprobs a request asks (20) */
     const char *generation_config;  /* "auto" (default: the model's generation_config.json),
                                        "vllm" (none), or a directory holding one */
     const char *override_generation_config; /* --override-generation-config JSON (checked by
                                                oai_defaults_override), applied over the
                                                generation config's defaults; NULL = none */
-    const char *root_path;          /* --root-path: proxy prefix, informational (as uvicorn) */
+    const char *root_path; /* --root-path: proxy prefix, informational (as uvicorn) */
     /* CORS (vLLM's --allowed-origins/--allowed-methods/--allowed-headers, JSON lists, and
      * --allow-credentials); NULL lists = ["*"] */
     json_t *cors_origins, *cors_methods, *cors_headers;
     int cors_credentials;
-    engine_config engine;             /* passed to engine_create */
-    server_kv_params_fn kv_params_fn; /* connector hook, NULL = null */
-    void *kv_params_ctx;              /* its context */
+    engine_config engine; /* passed to engine_create */
     /* Called (on the loader thread) with the engine once it is loaded, before /health turns
      * 200, and with NULL before it is destroyed, when server_run is returning; between the
      * two the callee may call the engine's thread-safe functions (engine_get_stats) from any

@@ -55,7 +55,7 @@ typedef struct server {
     int n_live;           /* generation requests in flight */
     struct gen_req *live; /* those requests, a doubly linked list */
     uint64_t next_id;     /* request id counter */
-    prep *prep; /* the request preparation thread (prep.c), or NULL */
+    prep *prep;           /* the request preparation thread (prep.c), or NULL */
 } server;
 
 /* ---- replies (reply.c) --------------------------------------------------- */
@@ -110,8 +110,9 @@ void completion_handle(server *s, hs_req *req); /* completion.c */
 void chat_handle(server *s, hs_req *req);       /* chat.c */
 void tokenize_handle(server *s, hs_req *req);   /* tokenize.c */
 void detokenize_handle(server *s, hs_req *req); /* tokenize.c */
-/* Render messages (+ tools) with the chat template and tokenize (chat.c). */
-int chat_render_ids(server *s, const json_t *messages, const json_t *tools,
+/* Render messages (+ tools, + chat_template_kwargs or NULL) with the chat
+ * template and tokenize (chat.c). */
+int chat_render_ids(server *s, const json_t *messages, const json_t *tools, const json_t *kwargs,
                     bool add_generation_prompt, bool add_special, int32_t **ids, size_t *n,
                     oai_error *err);
 /* Drain the engine-event queue (gen.c), on the loop thread. */

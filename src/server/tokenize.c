@@ -121,8 +121,14 @@ static int tokenize_run(server *s, const char *body, size_t len, json_t **resp,
         if (get_flag(root, "add_generation_prompt", true, &add_gen, &err) ||
             get_flag(root, "add_special_tokens", false, &add_special, &err))
             goto fail;
-        if (chat_render_ids(s, messages, json_is_array(tools) ? tools : NULL, add_gen, add_special,
-                            &ids, &n, &err))
+        json_t *kw = json_object_get(root, "chat_template_kwargs");
+        if (kw && !json_is_null(kw) && !json_is_object(kw)) {
+            oai_error_set(&err, 400, "BadRequestError", "chat_template_kwargs",
+                          "'chat_template_kwargs' must be an object of template variables");
+            goto fail;
+        }
+        if (chat_render_ids(s, messages, json_is_array(tools) ? tools : NULL,
+                            json_is_object(kw) ? kw : NULL, add_gen, add_special, &ids, &n, &err))
             goto fail;
     } else if (json_is_string(prompt)) {
         char msg[512] = "";

@@ -15,18 +15,34 @@
 #include <unistd.h>
 
 #define MOD              "transfer.tcp"
-#define MAX_CONNS        1024
+#define MAX_CONNS        TCP_MAX_CONNS
 #define INBUF            65536
 #define OUTMAX           512 /* status words batched before a flush */
 #define MAX_LISTEN       ACCEPTOR_MAX_LISTEN
-#define AUTH_DEADLINE_NS (2 * NS_PER_S)
+#define AUTH_DEADLINE_NS TCP_FIRST_MSG_NS
+#define LOG_EVERY_NS     (10 * NS_PER_S)
 
 typedef acceptor_conn conn; /* fd, peer "ip:port" */
 
 struct tcp_server {
     tcp_server_env env;
     acceptor *acc; /* the accept loop: a thread per connection */
+    /* Connections closed for sending nothing within TCP_FIRST_MSG_NS: one
+     * log line per LOG_EVERY_NS with the count. */
+    _Atomic uint64_t silent_closed, silent_logged_ns;
 };
+
+static void log_silent(tcp_server *s, const char *peer, const char *what) {
+    uint64_t n = atomic_fetch_add(&s->silent_closed, 1) + 1;
+    uint64_t now = clock_now_ns(), last = atomic_load(&s->silent_logged_ns);
+    if (last && now - last < LOG_EVERY_NS) return;
+    if (!atomic_compare_exchange_strong(&s->silent_logged_ns, &last, now)) return;
+    atomic_fetch_sub(&s->silent_closed, n);
+    LOG_W(MOD,
+          "closed %llu data connection(s) (the latest from %s) that sent no %s within %.0f s of "
+          "connecting",
+          (unsigned long long)n, peer, what, (double)TCP_FIRST_MSG_NS / NS_PER_S);
+}
 
 void tcp_header_encode(uint8_t h[TCP_HEADER_LEN], uint64_t size, uint64_t addr, uint8_t opcode) {
     for (int i = 0; i < 8; i++) {
@@ -52,6 +68,8 @@ void tcp_header_decode(const uint8_t h[TCP_HEADER_LEN], uint64_t *size, uint64_t
 /* Per-connection state: buffered input and batched status replies. */
 typedef struct conn_io {
     int fd;
+    acceptor_conn *c;
+    uint64_t first_deadline; /* the first request's header is due by then; 0 after it */
     uint8_t in[INBUF];
     size_t in_off, in_len; /* unread bytes are in[in_off, in_len) */
     uint64_t out[OUTMAX];  /* status words waiting to be sent */
@@ -181,8 +199,17 @@ static int serve_read_device(tcp_server *s, conn_io *io, const char *src, uint64
 }
 
 static int serve_one(tcp_server *s, conn_io *io) {
-    int rc = fill(io, TCP_HEADER_LEN, 0); /* idle connections may wait forever */
-    if (rc) return rc;
+    int rc = 0;
+    if (io->in_len - io->in_off < TCP_HEADER_LEN) {
+        /* Waiting for the peer: evictable (acceptor.h).  A pooled connection
+         * may idle as long as it likes; a new one must speak first. */
+        acceptor_conn_idle(io->c);
+        rc = fill(io, TCP_HEADER_LEN, io->first_deadline);
+        if (acceptor_conn_busy(io->c) != 0) return -ECONNRESET; /* evicted */
+        if (rc == -ETIMEDOUT && io->first_deadline) log_silent(s, io->c->peer, "request");
+        if (rc) return rc;
+    }
+    io->first_deadline = 0;
     uint64_t size, addr;
     uint8_t opcode;
     tcp_header_decode(io->in + io->in_off, &size, &addr, &opcode);
@@ -306,9 +333,14 @@ static int serve_auth(tcp_server *s, conn *c) {
     }
     if (rc == 0) rc = net_recv_all(c->fd, cn, sizeof cn, deadline);
     if (rc) {
-        LOG_W(MOD, "refused data connection from %s: no authentication within 2 s (%s)", c->peer,
-              strerror(-rc));
+        /* Silent (a flood of idle sockets: one line per 10 s), evicted to
+         * make room (the acceptor logs those), or closed by the peer. */
         atomic_fetch_add(s->env.auth_refused, 1);
+        if (rc == -ETIMEDOUT)
+            log_silent(s, c->peer, "authentication");
+        else if (acceptor_conn_busy(c) == 0)
+            LOG_D(MOD, "data connection from %s closed before authenticating (%s)", c->peer,
+                  strerror(-rc));
         return -EACCES;
     }
     if (auth_random(sn, sizeof sn) != 0 || tcp_auth_mac(s->env.secret, 1, cn, sn, mac) != 0)
@@ -342,9 +374,13 @@ static void conn_serve(void *ctx, acceptor_conn *c) {
     tcp_server *s = ctx;
     int refused = s->env.secret && serve_auth(s, c) != 0;
     if (s->env.secret) auth_thread_stop(); /* before stop() can see this connection gone */
+    if (acceptor_conn_busy(c) != 0) refused = 1; /* evicted while authenticating */
     conn_io *io = refused ? NULL : malloc(sizeof *io);
     if (io) {
         io->fd = c->fd;
+        io->c = c;
+        /* With a secret the clock restarts after the authentication. */
+        io->first_deadline = (s->env.secret ? clock_now_ns() : c->accepted_ns) + TCP_FIRST_MSG_NS;
         io->in_off = io->in_len = io->nout = 0;
         memset(&io->stage, 0, sizeof io->stage);
         int rc;
@@ -393,8 +429,13 @@ int tcp_server_start(const net_addr *addrs, int naddrs, const tcp_server_env *en
         fds[nfds++] = fd;
     }
     *port = p;
+    if (s->env.max_conns_per_peer <= 0) s->env.max_conns_per_peer = TCP_MAX_PER_PEER;
     acceptor_cfg ac = {.what = "data connection",
                        .max_conns = MAX_CONNS,
+                       .max_per_peer = s->env.max_conns_per_peer,
+                       .evict_idle = 1,
+                       .per_peer_hint =
+                           ", transfer max_conns_per_peer / DISAGG_KV_MAX_CONNS_PER_PEER",
                        .nodelay = 1,
                        .shutdown_on_stop = 1,
                        .serve = conn_serve,

@@ -33,6 +33,15 @@
 #define TCP_AUTH_MAGIC_LEN 8
 #define TCP_OP_V2          0x80
 #define TCP_MAX_REQUEST    (1ull << 30) /* larger rejected WRITEs close the connection */
+/* Data connections: the first request (or, with a secret, the authentication)
+ * must arrive within TCP_FIRST_MSG_NS of accept, else the connection is
+ * closed; at most max_conns_per_peer (default TCP_MAX_PER_PEER) from one
+ * address at once, and TCP_MAX_CONNS in all -- beyond either, the longest-idle
+ * connection (of that address) is closed to make room, and the new one is
+ * refused only when none is idle (docs/security.md). */
+#define TCP_FIRST_MSG_NS (2ull * 1000000000ull)
+#define TCP_MAX_PER_PEER 64
+#define TCP_MAX_CONNS    1024
 
 typedef struct tcp_server_env {
     pthread_rwlock_t *reg_lock; /* guards regs; held (read) while bytes move */
@@ -47,6 +56,7 @@ typedef struct tcp_server_env {
      * staging buffers per connection (staging.h) with the engine's table. */
     const transfer_device_ops *const *dev;
     stage_stats *stage_stats;
+    int max_conns_per_peer; /* open data connections from one address; 0 = TCP_MAX_PER_PEER */
 } tcp_server_env;
 
 typedef struct tcp_server tcp_server;

@@ -290,6 +290,7 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                              .hostname = e->hostname,
                              .bind_host = &e->bind_host,
                              .data_port = cfg->data_port,
+                             .max_conns_per_peer = cfg->max_conns_per_peer,
                              .ifaces = e->ifaces,
                              .nifaces = e->nifaces,
                              .whitelisted = e->whitelisted,

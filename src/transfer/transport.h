@@ -92,6 +92,7 @@ typedef struct transport_env {
     const char *hostname;         /* advertised host (numeric) */
     const net_addr *bind_host;    /* where listeners bind (port ignored) */
     uint16_t data_port;           /* the configured tcp data port (0 = ephemeral) */
+    int max_conns_per_peer;       /* as configured (0 = $DISAGG_KV_MAX_CONNS_PER_PEER or default) */
     const net_iface_addr *ifaces; /* allowed local interface addresses */
     int nifaces;
     int whitelisted;                                          /* device_name names interfaces */

@@ -18,6 +18,7 @@
 #include "transfer/tcp_server.h"
 
 #include <pthread.h>
+#include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -287,11 +288,40 @@ int tcp_transport_create(const xfer_sink *sink, const tcp_transport_cfg *cfg, tr
     return 0;
 }
 
+/* The data connections one peer address may hold: the configured value,
+ * else $DISAGG_KV_MAX_CONNS_PER_PEER, else TCP_MAX_PER_PEER.  0 or
+ * TRANSFER_EINVAL (logged). */
+static int conns_per_peer(const transport_env *env, int *out) {
+    int per_peer = env->max_conns_per_peer;
+    const char *pp_env = getenv("DISAGG_KV_MAX_CONNS_PER_PEER");
+    if (per_peer == 0 && pp_env && *pp_env) {
+        char *end;
+        errno = 0;
+        long v = strtol(pp_env, &end, 10);
+        if (errno || *end || v < 1 || v > TCP_MAX_CONNS) {
+            LOG_E("transfer", "DISAGG_KV_MAX_CONNS_PER_PEER='%s' is not an integer in 1..%d",
+                  pp_env, TCP_MAX_CONNS);
+            return TRANSFER_EINVAL;
+        }
+        per_peer = (int)v;
+    }
+    if (per_peer < 0 || per_peer > TCP_MAX_CONNS) {
+        LOG_E("transfer", "max_conns_per_peer %d out of range (accepted: 1..%d, 0 = default %d)",
+              per_peer, TCP_MAX_CONNS, TCP_MAX_PER_PEER);
+        return TRANSFER_EINVAL;
+    }
+    *out = per_peer ? per_peer : TCP_MAX_PER_PEER;
+    return 0;
+}
+
 /* Start the data server: on the bind host with the configured port, and
  * with that same port on each whitelisted interface address that the host's
  * listener does not already cover (docs/transfer.md, Security). */
 static int data_server_start(tcp_state *s) {
     const transport_env *env = s->env;
+    int per_peer;
+    int rc = conns_per_peer(env, &per_peer);
+    if (rc) return rc;
     net_addr binds[1 + TRANSPORT_MAX_IFACES];
     int ok[1 + TRANSPORT_MAX_IFACES], nb = 0, listener_of[TRANSPORT_MAX_IFACES];
     binds[nb] = *env->bind_host;
@@ -319,8 +349,9 @@ static int data_server_start(tcp_state *s) {
                            .secret = env->secret,
                            .auth_refused = env->auth_refused,
                            .dev = env->dev,
-                           .stage_stats = env->stage};
-    int rc = tcp_server_start(binds, nb, &senv, &s->ts, &s->data_port, ok);
+                           .stage_stats = env->stage,
+                           .max_conns_per_peer = per_peer};
+    rc = tcp_server_start(binds, nb, &senv, &s->ts, &s->data_port, ok);
     if (rc != 0) return rc;
     for (int i = 0; env->whitelisted && i < nifaces; i++) {
         /* Advertise every whitelisted interface address whose listener is up. */

@@ -48,7 +48,10 @@ def stop_server(p):
 
 @pytest.fixture
 def server():
-    p, port = start_server()
+    # Liveness checks off: these tests register addresses nothing listens on (here,
+    # or behind a REJECT firewall, refused: they would be dropped or replaced, which
+    # is what the liveness tests below check).
+    p, port = start_server(DISAGG_BOOTSTRAP_PROBE_INTERVAL="0")
     yield f"http://127.0.0.1:{port}"
     assert stop_server(p) == 0
 
@@ -283,3 +286,136 @@ def test_env_port_default():
         assert requests.get(f"http://127.0.0.1:{port}/query", timeout=10).json() == {}
     finally:
         assert stop_server(p) == 0
+
+
+# ---- addr validation and liveness (issue 25 item 14) -------------------------------------
+
+ACCEPTED = "accepted: tcp://HOST:PORT with HOST a hostname, an IPv4 address or a bracketed IPv6"
+
+
+@pytest.mark.parametrize("addr,why", [
+    ("not a url", "does not start with tcp://"),
+    ("http://10.0.0.2:5000", "does not start with tcp://"),
+    ("tcp://10.0.0.2", "there is no :PORT"),
+    ("tcp://:5000", "the host is empty"),
+    ("tcp://10.0.0.2:0", "the port is not a number in 1-65535"),
+    ("tcp://10.0.0.2:65536", "the port is not a number in 1-65535"),
+    ("tcp://10.0.0.2:-1", "the port is not a number in 1-65535"),
+    ("tcp://10.0.0.2:80x", "the port is not a number in 1-65535"),
+    ("tcp://999.1.1.1:5000", "the host is not an IPv4 address"),
+    ("tcp://a b:5000", "the host has a character other than"),
+    ("tcp://-bad-.example:5000", "the host is not a valid hostname"),
+    ("tcp://::1:5000", "an IPv6 host must be in brackets"),
+    ("tcp://[::1:5000", "no closing ']'"),
+    ("tcp://[not-v6]:5000", "not an IPv6 address"),
+    ("tcp://[::1]5000", "no :PORT after the IPv6 address"),
+])
+def test_register_rejects_addresses_that_are_not_tcp_host_port(server, addr, why):
+    r = reg(server, addr=addr)
+    assert r.status_code == 400, r.text
+    detail = r.json()["detail"]
+    assert f"addr '{addr}' is not a side-channel address" in detail, detail
+    assert why in detail and ACCEPTED in detail, detail
+    assert requests.get(server + "/query", timeout=10).json() == {}
+
+
+@pytest.mark.parametrize("addr", ["tcp://10.0.0.2:1", "tcp://[fe80::1]:65535",
+                                  "tcp://prefill-0.example.com:5557", "tcp://localhost:5557"])
+def test_register_accepts_hostnames_ipv4_and_bracketed_ipv6(server, addr):
+    assert reg(server, addr=addr).status_code == 200
+    assert requests.get(server + "/query", timeout=10).json()["0"]["worker_addr"]["0"]["0"] == addr
+
+
+def _listener():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    return s
+
+
+def _wait(pred, timeout, what):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def test_entries_whose_side_channel_refuses_are_dropped():
+    """A worker whose side channel refuses connections (nothing listens: the instance
+    is gone) leaves the table after 3 refused probes; a live one stays."""
+    live = _listener()
+    dead_port = _free_port()
+    p, port = start_server(DISAGG_BOOTSTRAP_PROBE_INTERVAL="0.2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        live_addr = f"tcp://127.0.0.1:{live.getsockname()[1]}"
+        assert reg(url, tp=0, addr=live_addr).status_code == 200
+        assert reg(url, tp=1, addr=f"tcp://127.0.0.1:{dead_port}").status_code == 200
+        t0 = time.monotonic()
+        _wait(lambda: sorted(requests.get(url + "/query", timeout=10).json()["0"]["worker_addr"])
+              == ["0"], 5.0, "the dead tp_rank 1 dropped")
+        print(f"\ndead entry dropped {time.monotonic() - t0:.2f} s after registration "
+              "(probe interval 0.2 s)")
+        # the live one survives several more rounds
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert requests.get(url + "/query", timeout=10).json()["0"]["worker_addr"]["0"]["0"] \
+                == live_addr
+            time.sleep(0.1)
+        live.close()  # now it is gone too: the engine leaves the table
+        _wait(lambda: requests.get(url + "/query", timeout=10).json() == {}, 5.0,
+              "the engine dropped once its last worker is gone")
+    finally:
+        live.close()
+        assert stop_server(p) == 0
+    err = p.stderr.read()
+    assert f"dropping engine_id=eng-A dp_rank=0 tp_rank=1 pp_rank=0 at tcp://127.0.0.1:{dead_port}: " \
+           "its side channel refused 3 connections in a row (the instance is gone)" in err, err
+
+
+def test_a_restarted_prefill_replaces_its_dead_entry():
+    """Periodic probes out of the way (1 h): a registration that conflicts with a dead
+    entry (another engine_id on the dp_rank, or the same rank at another address)
+    replaces it at once instead of 400; a conflict with a live entry stays 400."""
+    p, port = start_server(DISAGG_BOOTSTRAP_PROBE_INTERVAL="3600")
+    url = f"http://127.0.0.1:{port}"
+    live = _listener()
+    try:
+        assert reg(url, engine_id="old", addr=f"tcp://127.0.0.1:{_free_port()}").status_code == 200
+        new_addr = f"tcp://127.0.0.1:{live.getsockname()[1]}"
+        r = reg(url, engine_id="new", addr=new_addr)  # a restart with a new random engine id
+        assert r.status_code == 200, r.text
+        assert requests.get(url + "/query", timeout=10).json() == {
+            "0": {"engine_id": "new", "worker_addr": {"0": {"0": new_addr}}}}
+        # the same rank at another (live) address: the live one stands
+        r = reg(url, engine_id="new", addr=f"tcp://127.0.0.1:{_free_port()}")
+        assert r.status_code == 400 and "already registered at" in r.json()["detail"]
+        r = reg(url, engine_id="other", addr=new_addr)
+        assert r.status_code == 400 and "Engine ID mismatch" in r.json()["detail"]
+    finally:
+        live.close()
+        assert stop_server(p) == 0
+    assert "replacing engine_id=old dp_rank=0 tp_rank=0 pp_rank=0" in p.stderr.read()
+
+
+def test_probe_interval_env_is_validated():
+    r = subprocess.run([BIN, "bootstrap", "--host", "127.0.0.1", "--port", "0"],
+                       capture_output=True, text=True, timeout=30,
+                       env=_env(DISAGG_BOOTSTRAP_PROBE_INTERVAL="soon"))
+    assert r.returncode == 1
+    assert "DISAGG_BOOTSTRAP_PROBE_INTERVAL='soon' is not seconds in [0, 3600]" in r.stderr
+
+
+def test_warns_when_listening_beyond_loopback_without_a_secret():
+    p = subprocess.Popen([BIN, "bootstrap", "--host", "0.0.0.0", "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(DISAGG_KV_SECRET=""))
+    try:
+        assert "listening on" in p.stdout.readline()
+    finally:
+        stop_server(p)
+    err = p.stderr.read()
+    assert "SECURITY WARNING: no shared secret" in err and "(0.0.0.0)" in err, err
+    p, _ = start_server()  # 127.0.0.1: no warning
+    stop_server(p)
+    assert "SECURITY WARNING" not in p.stderr.read()

@@ -249,7 +249,153 @@ def test_both_reject_client_gets_the_prefills_status_in_either_order(doubles, pr
     assert r.content == sent(p.completions()[0])
 
 
+def test_n_and_best_of_prefill_copy_drops_best_of(doubles, proxy_factory):
+    """issue 25 item 3: P's copy has n 1, so best_of (which a server wants equal to n) goes
+    too; D gets both unchanged."""
+    p, d, px = pd(doubles, proxy_factory)
+    body = {"model": "m", "prompt": "x", "max_tokens": 3, "n": 2, "best_of": 2}
+    r = requests.post(px.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    pb, db = json_body(p.completions()[0]), json_body(d.completions()[0])
+    assert pb["n"] == 1 and "best_of" not in pb, pb
+    db.pop("kv_transfer_params")
+    assert db == body
+
+
+BAD_BODIES = [  # (path, body, param, words in the message): what P's copy rewrites, and the prompt
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n", ["'n'", "got 0"]),
+    ("/v1/completions", {"prompt": "x", "n": -3}, "n", ["'n'", "got -3"]),
+    ("/v1/completions", {"prompt": "x", "n": 1.5}, "n", ["'n'", "a number"]),
+    ("/v1/completions", {"prompt": "x", "n": "2"}, "n", ["'n'", "a string"]),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of", ["'best_of'", "(2)"]),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of", ["'best_of'", "(2)"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ["'max_tokens'", "got 0"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens", ["'max_tokens'", "got -1"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, "max_tokens", ["'max_tokens'", "a number"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": [4]}, "max_tokens", ["'max_tokens'", "an array"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens",
+     ["'min_tokens' (5)", "max_tokens (3)"]),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", ["'stream'", "boolean"]),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     ["'stream_options'", "'stream' is true"]),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": 1}, "stream_options",
+     ["'stream_options'", "object"]),
+    ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs",
+     ["'prompt_logprobs'", "'stream'"]),
+    ("/v1/completions", {"max_tokens": 3}, "prompt", ["'prompt' is required"]),
+    ("/v1/completions", {"prompt": None}, "prompt", ["'prompt' is required"]),
+    ("/v1/completions", {"prompt": 5}, "prompt", ["'prompt' must be", "an integer"]),
+    ("/v1/chat/completions", {"prompt": "x"}, "messages", ["'messages' is required"]),
+    ("/v1/chat/completions", {"messages": []}, "messages", ["'messages'", "an empty list"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
+                              "max_completion_tokens": 0}, "max_completion_tokens",
+     ["'max_completion_tokens'", "got 0"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens",
+     ["'min_tokens' (3)", "max_tokens (2)"]),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", BAD_BODIES,
+                         ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD_BODIES)])
+def test_invalid_fields_refused_before_contacting_any_instance(doubles, proxy_factory, path, body,
+                                                               param, words):
+    """issue 25 item 11: what P's copy rewrites cannot be refused by P; a D refusing it left P
+    holding the KV.  The proxy refuses it itself, with disagg serve's 400 body shape."""
+    p, d, px = pd(doubles, proxy_factory)
+    r = requests.post(px.url + path, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err["message"]
+    assert not p.completions() and not d.completions(), "an instance was contacted"
+    m = px.metrics()
+    assert m['disagg_proxy_errors_total{reason="bad_request"}'] == 1
+    assert m[f'disagg_proxy_backend_requests_total{{role="prefill",backend="{p.url}"}}'] == 0
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "n": 2, "best_of": 2, "max_tokens": 2, "min_tokens": 2},
+    {"prompt": [1, 2, 3], "n": 2.0, "max_tokens": 4.0, "stream": True, "stream_options": None},
+    {"prompt": "x", "stream": False, "stream_options": None, "prompt_logprobs": 1, "n": None},
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "max_completion_tokens": 5,
+     "min_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+], ids=["n-best_of-min", "floats-null-options", "prompt_logprobs-no-stream", "chat-mct-wins"])
+def test_valid_fields_pass_the_proxys_checks(doubles, proxy_factory, body):
+    p, d, px = pd(doubles, proxy_factory)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = requests.post(px.url + path, json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    assert len(p.completions()) == len(d.completions()) == 1
+
+
 # --- errors are not lost ------------------------------------------------------------
+
+
+def test_decode_5xx_is_relayed_at_once_and_prefill_cancelled(doubles, proxy_factory):
+    """issue 25 item 12: D failed (5xx): the client need not wait for a P that may never
+    answer; P's request is cancelled."""
+    p, d, px = pd(doubles, proxy_factory)
+    _warm(p, d, px)
+    p.hold = True
+    d.fail_status = 500
+    t0 = time.monotonic()
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    took = time.monotonic() - t0
+    assert r.status_code == 500, r.text
+    assert r.content == sent(d.completions()[0])
+    assert took < 3, took
+    rec = _wait_done(p)
+    assert rec["peer_closed"], "the prefill request was not cancelled"
+    m = px.metrics()
+    assert m['disagg_proxy_errors_total{reason="decode_rejected"}'] == 1
+    assert m[f'disagg_proxy_backend_outstanding_requests{{role="prefill",backend="{p.url}"}}'] == 0
+
+
+@pytest.mark.parametrize("decode_answered", [False, True])
+def test_prefill_that_stops_answering_ends_the_wait(doubles, proxy_factory, decode_answered):
+    """issue 25 item 12: a prefill whose health probes go unanswered (a stopped process) is
+    given up: the requests waiting for it get D's complete answer (D rejected) or a 502 naming
+    it within seconds, not at the upstream timeout."""
+    p, d, px = pd(doubles, proxy_factory)
+    _warm(p, d, px)
+    p.hold = True
+    if decode_answered:
+        d.fail_status = 400
+    else:
+        d.hold = True  # D waits for KV that never comes
+    with cf_pool() as ex:
+        fut = ex.submit(requests.post, px.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+        deadline = time.monotonic() + 5
+        while not (p.completions() and d.completions()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        p.health_hang = True
+        r = fut.result()
+        took = time.monotonic() - t0
+    p.health_hang = False
+    print(f"client answered {took:.2f} s after the prefill stopped answering")
+    assert took < 10, took
+    if decode_answered:
+        assert r.status_code == 400 and r.content == sent(d.completions()[0])
+    else:
+        err = assert_openai_error(r, 502, "prefill", p.url, "stopped answering")
+        assert "health probes" in err["message"]
+        rec = _wait_done(d)
+        assert rec["peer_closed"], "the decode request was not cancelled"
+    assert _wait_done(p)["peer_closed"], "the prefill request was not cancelled"
+    # the proxy stays up, and serves again once the prefill answers again
+    p.hold = d.hold = False
+    p.fail_status = d.fail_status = 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        r = requests.post(px.url + "/v1/completions", json={"prompt": "y"}, timeout=10)
+        if r.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("fault", ["http500", "close"])
@@ -554,7 +700,11 @@ def test_slow_client_request_times_out_with_408(doubles, proxy_factory):
     assert not p.completions()
 
 
-def test_decode_stalling_mid_stream_truncates_the_reply(doubles, proxy_factory):
+def _sse_events(raw):
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+def test_decode_stalling_mid_stream_ends_with_an_error_event(doubles, proxy_factory):
     p, d, px = pd(doubles, proxy_factory, extra=["--timeout", "0.5"])
     d.stream_events = 3
     d.stream_interval = 0.2
@@ -564,10 +714,70 @@ def test_decode_stalling_mid_stream_truncates_the_reply(doubles, proxy_factory):
     d.stream_interval = 1.0  # 1 s of silence before each event: over the 0.5 s upstream timeout
     r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True}, stream=True)
     assert r.status_code == 200
-    with pytest.raises(requests.exceptions.ChunkedEncodingError):
-        b"".join(r.iter_content(None))
+    raw = b"".join(r.iter_content(None))  # a proper end of the chunked body: no exception
+    *_, err_ev, done = _sse_events(raw)
+    assert done == b"data: [DONE]"
+    err = json.loads(err_ev[len(b"data: "):])["error"]
+    assert err["code"] == 504 and "decode" in err["message"] and d.url in err["message"], err
     m = px.metrics()
     assert m['disagg_proxy_errors_total{reason="decode_failed"}'] == 1
+
+
+def test_split_events_and_a_trailing_partial_event_relayed_unchanged(doubles, proxy_factory):
+    """The proxy holds a partial SSE event until its end (issue 25 item 15): events D writes in
+    two pieces reach the client whole and unchanged, and bytes after the last event end are
+    still relayed when D's answer ends."""
+    p, d, px = pd(doubles, proxy_factory)
+    d.split_events = True
+    d.stream_trailer = b": a comment without an event end"
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 4},
+                      stream=True, timeout=10)
+    reads = []
+    for chunk in r.raw.stream(65536, decode_content=False):
+        reads.append(chunk)
+    raw = b"".join(reads)
+    assert raw == sent(d.completions()[0])
+    assert raw.endswith(b"data: [DONE]\n\n: a comment without an event end")
+    # every read but the last ended at an event end (no half event reached the client)
+    for chunk in reads[:-1]:
+        assert chunk.endswith(b"\n\n"), reads
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_decode_dying_mid_stream_gives_the_client_a_clean_error(doubles, proxy_factory, chat):
+    """issue 25 item 15: D's connection ends mid-event: the client gets the whole events before
+    it, then an error event and [DONE], and a properly ended chunked body; the official openai
+    client raises APIError naming the decode (not a protocol error)."""
+    p, d, px = pd(doubles, proxy_factory)
+    d.stream_events = 6
+    d.die_after_events = 3
+    d.stream_interval = 0.1  # P's 1-token answer comes first: the stream has started
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "m", "stream": True, "max_tokens": 6}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})
+    r = requests.post(px.url + path, json=body, stream=True, timeout=10)
+    raw = b"".join(r.iter_content(None))
+    events = _sse_events(raw)
+    whole = sent(d.completions()[0])
+    assert raw.startswith(whole[:whole.rindex(b"\n\n") + 2])  # every whole event, unchanged
+    assert len(events) == 3 + 2 and events[-1] == b"data: [DONE]", raw
+    err = json.loads(events[-2][len(b"data: "):])["error"]
+    assert err["code"] == 502 and err["type"] == "BadGatewayError" and d.url in err["message"], err
+    # the connection is still usable (the reply ended properly), and the openai client
+    c = openai.OpenAI(base_url=px.url + "/v1", api_key="x", max_retries=0, timeout=10)
+    got = []
+    with pytest.raises(openai.APIError) as ei:
+        if chat:
+            for ch in c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=6, stream=True):
+                got.append(ch.choices[0].delta.content)
+        else:
+            for ch in c.completions.create(model="m", prompt="x", max_tokens=6, stream=True):
+                got.append(ch.choices[0].text)
+    assert not isinstance(ei.value, openai.APIConnectionError), ei.value
+    assert "decode instance" in str(ei.value) and d.url in str(ei.value)
+    assert len(got) == 3
+    assert px.metrics()['disagg_proxy_errors_total{reason="decode_failed"}'] == 2
 
 
 # --- metrics --------------------------------------------------------------------------------------

@@ -234,3 +234,113 @@ def test_request_both_instances_reject_gets_the_prefills_400_unchanged(stack):
         assert r.json()["error"]["message"] == direct.json()["error"]["message"]
     wait_blocks_zero(d)
     wait_blocks_zero(p.server)
+
+
+# --- issue 25: items 3, 11, 12, 15 -------------------------------------------------------------
+
+
+def test_n_and_best_of_through_the_proxy(stack, colocated):
+    """issue 25 item 3: `n: 2, best_of: 2` works on serve and now through the proxy too."""
+    _, _, px = stack
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, n=2, extra_body={"best_of": 2})
+    want = client(colocated.url).completions.create(**kw)
+    got = client(px.url).completions.create(**kw)
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    assert len(got.choices) == 2
+
+
+def test_request_d_would_refuse_never_reaches_p(stack):
+    """issue 25 item 11: fields P's copy rewrites (n, max_tokens, ...) are refused by the proxy
+    with the server's 400 body shape and param, and P never gets the request (so it holds no
+    KV for it)."""
+    p, d, px = stack
+    key = f'disagg_proxy_backend_requests_total{{role="prefill",backend="{p.url}"}}'
+    before = px.metrics()[key]
+    for field, value in (("n", 0), ("max_tokens", 0), ("best_of", 3)):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, field: value}
+        direct = requests.post(d.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        r = requests.post(px.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == direct.status_code == 400, (r.text, direct.text)
+        e, de = r.json()["error"], direct.json()["error"]
+        assert (e["type"], e["param"], e["code"]) == (de["type"], de["param"], de["code"]) == \
+            ("BadRequestError", field, 400)
+        assert e["message"].split(" between")[0] == de["message"].split(" between")[0], (e, de)
+    assert px.metrics()[key] == before, "the prefill instance was contacted"
+    wait_blocks_zero(p.server)
+
+
+def test_stopped_prefill_gives_the_client_an_error_within_seconds():
+    """issue 25 item 12: P is SIGSTOPped (its sockets still accept): the client's request
+    through the proxy ends in a 5xx within seconds — the proxy gives P up after its health
+    probes go unanswered, without waiting for D — and the proxy stays up and serves again
+    once P resumes."""
+    p = Prefill()
+    d = decode()
+    px = ProxyProc([p], [d])
+    stopped = False
+    try:
+        px.wait_ready(30)
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        assert requests.post(px.url + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+        os.kill(p.server.proc.pid, signal.SIGSTOP)
+        stopped = True
+        t0 = time.monotonic()
+        r = requests.post(px.url + "/v1/completions", json=body, timeout=60)
+        took = time.monotonic() - t0
+        print(f"client's error {took:.2f} s after P was stopped: {r.status_code} {r.text[:200]}")
+        assert 500 <= r.status_code < 600, r.text
+        assert took <= 10, took
+        assert "prefill" in r.text.lower()
+        hc = requests.get(px.url + "/healthcheck", timeout=5)
+        assert hc.status_code == 200 and hc.json()["status"] == "ok"
+        os.kill(p.server.proc.pid, signal.SIGCONT)
+        stopped = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = requests.post(px.url + "/v1/completions", json=body, timeout=TIMEOUT)
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+    finally:
+        if stopped:
+            os.kill(p.server.proc.pid, signal.SIGCONT)
+        px.proc.terminate()
+        px.proc.wait(10)
+        d.stop()
+        p.server.stop()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_decode_killed_mid_stream_gives_the_openai_client_an_api_error(chat):
+    """issue 25 item 15: D is killed (SIGKILL) during a streamed answer: the official openai
+    client gets APIError naming the decode instance (the proxy's final error event), not a
+    broken chunked encoding."""
+    p = Prefill()
+    d = decode()
+    px = ProxyProc([p], [d])
+    try:
+        px.wait_ready(30)
+        c = client(px.url)
+        kw = dict(model="tiny", max_tokens=900, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        got = 0
+        with pytest.raises(openai.APIError) as ei:
+            if chat:
+                it = c.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[0]}], **kw)
+            else:
+                it = c.completions.create(prompt=PROMPTS[0], **kw)
+            for _ in it:
+                got += 1
+                if got == 3:
+                    d.proc.send_signal(signal.SIGKILL)
+                    d.proc.wait(10)
+        assert not isinstance(ei.value, openai.APIConnectionError), repr(ei.value)
+        assert "decode instance" in str(ei.value) and d.url in str(ei.value), str(ei.value)
+        assert 3 <= got < 900
+        assert requests.get(px.url + "/healthcheck", timeout=5).status_code == 200
+    finally:
+        px.proc.terminate()
+        px.proc.wait(10)
+        if d.proc.poll() is None:
+            d.stop()
+        p.server.stop()

@@ -149,8 +149,45 @@ def test_listeners_bound_to_the_selected_host():
             assert bound == {"127.0.0.1"}, f"P's {what} port {port} listens on {bound}: {socks}"
         bound = {ip for ip, p in listening(x.d.proc.pid) if p == x.d.port}
         assert bound == {"127.0.0.1"}, bound
+        for s in (x.p, x.d):  # everything on loopback: no warning
+            assert "SECURITY WARNING" not in s.log_path.read_text()
     finally:
         x.stop()
+
+
+def _non_loopback_address():
+    """An address of this host that is not loopback (the route to a TEST-NET address;
+    no packet is sent), or None."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+        try:
+            u.connect(("192.0.2.123", 9))
+            ip = u.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_start_warns_when_kv_ports_listen_beyond_loopback_without_a_secret(secret):
+    """A decoder whose KV host (VLLM_HOST_IP) is a LAN address: without a secret its
+    start-up log says loudly that the transfer ports are open to anyone; with one, not."""
+    ip = _non_loopback_address()
+    if ip is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    no_secret_env()
+    env = {"VLLM_HOST_IP": ip, **({"DISAGG_KV_SECRET": secret} if secret else {})}
+    d = Server(*COMMON, "--kv-transfer-config", consumer_config(), env=env)
+    try:
+        log = d.log_path.read_text()
+    finally:
+        d.stop()
+    if secret:
+        assert "SECURITY WARNING" not in log
+    else:
+        assert "SECURITY WARNING: no shared secret (DISAGG_KV_SECRET / " \
+               "kv_connector_extra_config.auth_secret) and KV ports listen beyond loopback " \
+               f"(transfer handshake and data ports on {ip})" in log, log[-3000:]
 
 
 def test_standalone_bootstrap_binds_its_host():

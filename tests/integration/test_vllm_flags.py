@@ -143,7 +143,8 @@ def test_unknown_flag_far_from_every_name_gets_no_hint(flag):
 
 
 @pytest.mark.parametrize("args,words", [
-    (("--reasoning-parser", "qwen3"), ["--reasoning-parser", "reasoning", "not supported"]),
+    (("--reasoning-parser", "granite"), ["--reasoning-parser 'granite' is not supported",
+                                         "accepted: qwen3, deepseek_r1"]),
     (("--structured-outputs-config", "{}"), ["structured outputs", "not supported"]),
     (("--speculative-config", "{}"), ["--speculative-config: speculative decoding is not supported"]),
     (("--enable-lora",), ["LoRA adapters are not supported"]),

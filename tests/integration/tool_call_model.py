@@ -35,13 +35,14 @@ def write_safetensors(path, tensors):
             f.write(b)
 
 
-def build(out):
-    """Writes the model into directory out (a pathlib.Path); returns the call it emits."""
+def build(out, chain=None):
+    """Writes the model into directory out (a pathlib.Path); returns the call it emits.  chain:
+    other texts to emit instead, one added token each (e.g. ["<think>", "...", "</think>", ...])."""
     out.mkdir(parents=True, exist_ok=True)
     tok = json.loads((MODEL / "tokenizer.json").read_text())
     base = max(t["id"] for t in tok["added_tokens"]) + 1  # 4096
     eos = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|im_end|>")
-    chain = ["<tool_call>", json.dumps(CALL), "</tool_call>"]
+    chain = chain or ["<tool_call>", json.dumps(CALL), "</tool_call>"]
     for i, content in enumerate(chain):
         tok["added_tokens"].append({"id": base + i, "content": content, "single_word": False,
                                     "lstrip": False, "rstrip": False, "normalized": False,

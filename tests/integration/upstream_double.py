@@ -14,7 +14,8 @@ response ended) so tests can assert what the proxy sent.  Fault switches:
 health_status, query_status / query_table, fail_status (completions answer
 that HTTP status), close_connection (completions: close the socket without
 answering), delay (seconds before answering), hold (the response waits until
-release() or until the peer disconnects), stream_events / stream_interval.
+release() or until the peer disconnects), stream_events / stream_interval,
+health_hang (/health never answered), die_after_events (a stream cut mid-event).
 stop() closes the listener and every open connection (like a killed
 process); start() serves again on the same port.
 
@@ -120,6 +121,10 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     self._send(rec, 404, "application/json", b'{"detail":"Not Found"}')
             elif self.path == "/health":
+                while d.health_hang:  # a stopped process: connection accepted, no answer
+                    if self._peer_closed(0.02):
+                        rec["peer_closed"] = True
+                        return
                 self._send(rec, d.health_status, "application/json", b"")
             elif self.path == "/v1/models":
                 body = json.dumps({"object": "list", "data": [
@@ -178,14 +183,31 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         rec["response_status"] = 200
         sent = []
-        for ev in d.stream_events_for(req, chat):
+        for i, ev in enumerate(d.stream_events_for(req, chat)):
             if d.stream_interval and self._peer_closed(d.stream_interval):
                 rec["peer_closed"] = True
                 rec["response_body"] = b"".join(sent)
                 return
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(ev), ev))
-            self.wfile.flush()
+            if d.die_after_events is not None and i == d.die_after_events:
+                # like a killed process mid-stream: half an event, then the connection closes
+                half = ev[:len(ev) // 2]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(half), half))
+                self.wfile.flush()
+                sent.append(half)
+                rec["response_body"] = b"".join(sent)
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                return
+            parts = [ev[:7], ev[7:]] if d.split_events else [ev]  # two TCP writes per event
+            for part in parts:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.flush()
+                if d.split_events:
+                    time.sleep(0.02)
             sent.append(ev)
+        if d.stream_trailer:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(d.stream_trailer), d.stream_trailer))
+            sent.append(d.stream_trailer)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
         rec["response_body"] = b"".join(sent)
@@ -205,6 +227,7 @@ class UpstreamDouble:
         self.dp_ranks = dp_ranks
         self.engine_generation = 0
         self.health_status = 200
+        self.health_hang = False  # GET /health is accepted and never answered (a stopped process)
         self.query_status = 200
         self.query_empty = False
         self.fail_status = 0
@@ -214,6 +237,9 @@ class UpstreamDouble:
         self.released = threading.Event()
         self.stream_events = 5
         self.stream_interval = 0.0
+        self.die_after_events = None  # stream: after this many events, half an event and a reset
+        self.split_events = False  # stream: each event in two writes 20 ms apart
+        self.stream_trailer = b""  # stream: raw bytes after the last event (no event end)
         self.event_pad = 0  # bytes of padding added to every SSE event (large-stream tests)
         self._port = port
         self._bport = bootstrap_port

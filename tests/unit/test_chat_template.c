@@ -2,7 +2,11 @@
  * test_chat_template — src/model/chat_template against transformers'
  * apply_chat_template (tests/data/tokenizer/chat.jsonl, written by
  * tools/gen_tokenizer_golden.py), the README's 31-token chat from HF, the
- * recognition of the template text, and errors for bad messages.
+ * recognition of the template text, and errors for bad messages; and the
+ * official Qwen3, Llama 3.1/3.2/3.3 and Mistral v0.3/Nemo templates
+ * (the .jinja files of tests/data/chat_templates) against the renderings in
+ * tests/data/chat_templates/golden.jsonl (tests/tools/gen_chat_golden.py:
+ * transformers' render_jinja_template over many conversations).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -150,13 +154,14 @@ static void test_recognition(void **state) {
     const char *orig = tokenizer_chat_template(g_tok);
     char err[512];
     chat_template *ct = NULL;
-    /* re-indented (whitespace outside literals only): still recognised */
+    /* re-indented (whitespace outside literals that Jinja strips): still
+     * recognised; a tab after the final newline would be printed */
     size_t n = strlen(orig);
     char *reindent = malloc(2 * n + 1);
     size_t j = 0;
     for (size_t i = 0; i < n; i++) {
         reindent[j++] = orig[i];
-        if (orig[i] == '\n') reindent[j++] = '\t';
+        if (orig[i] == '\n' && i + 1 < n) reindent[j++] = '\t';
     }
     reindent[j] = 0;
     assert_int_equal(chat_template_init(reindent, &ct, err, sizeof(err)), 0);
@@ -254,6 +259,178 @@ static void test_tojson(void **state) {
     }
 }
 
+static char *read_text(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) fail_msg("cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    rewind(f);
+    char *s = malloc((size_t)n + 1);
+    if (fread(s, 1, (size_t)n, f) != (size_t)n) fail_msg("short read of %s", path);
+    s[n] = 0;
+    fclose(f);
+    return s;
+}
+
+static const struct {
+    const char *file;
+    chat_template_kind kind;
+    const char *name;
+} FAMILY[] = {
+    {"qwen2.5.jinja", CHAT_TEMPLATE_QWEN25, "qwen2.5"},
+    {"qwen3.jinja", CHAT_TEMPLATE_QWEN3, "qwen3"},
+    {"qwen3-initial.jinja", CHAT_TEMPLATE_QWEN3, "qwen3"},
+    {"llama3.1.jinja", CHAT_TEMPLATE_LLAMA31, "llama3.1"},
+    {"llama3.2.jinja", CHAT_TEMPLATE_LLAMA32, "llama3.2"},
+    {"mistral-v0.3.jinja", CHAT_TEMPLATE_MISTRAL_V3, "mistral-v0.3"},
+    {"mistral-nemo.jinja", CHAT_TEMPLATE_MISTRAL_NEMO, "mistral-nemo"},
+};
+#define N_FAMILY (sizeof(FAMILY) / sizeof(FAMILY[0]))
+
+/* Each official template is recognised as its family; whitespace Jinja
+ * strips does not matter; a changed literal or printed whitespace does. */
+static void test_family_recognition(void **state) {
+    (void)state;
+    char path[4400], err[512];
+    for (size_t i = 0; i < N_FAMILY; i++) {
+        snprintf(path, sizeof path, "%s/tests/data/chat_templates/%s", DISAGG_SOURCE_DIR,
+                 FAMILY[i].file);
+        char *t = read_text(path);
+        chat_template *ct = NULL;
+        if (chat_template_init(t, &ct, err, sizeof err)) fail_msg("%s: %s", FAMILY[i].file, err);
+        assert_int_equal(chat_template_get_kind(ct), FAMILY[i].kind);
+        assert_string_equal(chat_template_name(ct), FAMILY[i].name);
+        chat_template_free(ct);
+        size_t n = strlen(t);
+        /* a printed newline after the last tag: refused */
+        char *more = malloc(n + 3);
+        memcpy(more, t, n);
+        memcpy(more + n, "\n\n", 3);
+        assert_int_equal(chat_template_init(more, &ct, err, sizeof err), -ENOTSUP);
+        /* indentation and newlines before each dashed tag: still recognised */
+        char *re = malloc(3 * n + 1);
+        size_t j = 0;
+        for (size_t k = 0; k < n; k++) {
+            if (t[k] == '{' && k + 2 < n && (t[k + 1] == '%' || t[k + 1] == '{') &&
+                t[k + 2] == '-') {
+                re[j++] = '\n';
+                re[j++] = ' ';
+            }
+            re[j++] = t[k];
+        }
+        re[j] = 0;
+        if (chat_template_init(re, &ct, err, sizeof err))
+            fail_msg("%s re-indented: %s", FAMILY[i].file, err);
+        chat_template_free(ct);
+        /* one character of a string literal changed: refused */
+        char *lit = strdup(t);
+        char *q = strstr(lit, "<|");
+        if (!q) q = strstr(lit, "[INST");
+        assert_non_null(q);
+        q[1] = '?';
+        assert_int_equal(chat_template_init(lit, &ct, err, sizeof err), -ENOTSUP);
+        assert_non_null(strstr(err, "unsupported chat template"));
+        /* a dash removed (whitespace control changes): refused */
+        char *dash = strdup(t);
+        char *d = strstr(dash, "{%- endfor %}");
+        assert_non_null(d);
+        d[2] = ' ';
+        assert_int_equal(chat_template_init(dash, &ct, err, sizeof err), -ENOTSUP);
+        free(dash);
+        free(lit);
+        free(re);
+        free(more);
+        free(t);
+    }
+}
+
+/* golden.jsonl: every case renders as transformers' render_jinja_template
+ * did, or fails where the template raised. */
+static void test_family_goldens(void **state) {
+    (void)state;
+    char path[4400], err[512];
+    chat_template *cts[N_FAMILY] = {0};
+    for (size_t i = 0; i < N_FAMILY; i++) {
+        snprintf(path, sizeof path, "%s/tests/data/chat_templates/%s", DISAGG_SOURCE_DIR,
+                 FAMILY[i].file);
+        char *t = read_text(path);
+        if (chat_template_init(t, &cts[i], err, sizeof err)) fail_msg("%s: %s", path, err);
+        free(t);
+    }
+    snprintf(path, sizeof path, "%s/tests/data/chat_templates/conversations.json",
+             DISAGG_SOURCE_DIR);
+    json_error_t je;
+    json_t *cv = json_load_file(path, 0, &je);
+    if (!cv) fail_msg("%s: %s", path, je.text);
+    snprintf(path, sizeof path, "%s/tests/data/chat_templates/golden.jsonl", DISAGG_SOURCE_DIR);
+    FILE *f = fopen(path, "rb");
+    if (!f) fail_msg("cannot open %s", path);
+    char *line = NULL;
+    size_t cap = 0, n = 0, bad = 0, errors = 0, per[N_FAMILY] = {0};
+    ssize_t k;
+    while ((k = getline(&line, &cap, f)) > 0) {
+        n++;
+        json_t *o = json_loadb(line, (size_t)k, 0, &je);
+        if (!o) fail_msg("%s:%zu: %s", path, n, je.text);
+        const char *file = json_string_value(json_object_get(o, "template"));
+        size_t fi = 0;
+        while (fi < N_FAMILY && strcmp(FAMILY[fi].file, file))
+            fi++;
+        assert_true(fi < N_FAMILY);
+        per[fi]++;
+        const char *name = json_string_value(json_object_get(o, "name"));
+        json_t *msgs = json_object_get(json_object_get(cv, "conversations"), name);
+        json_t *tools =
+            json_is_true(json_object_get(o, "tools")) ? json_object_get(cv, "tools") : NULL;
+        chat_template_opts opts = {
+            .add_generation_prompt = json_is_true(json_object_get(o, "add_generation_prompt")),
+            .parse_tool_arguments = true,
+            .kwargs = json_object_get(o, "kwargs"),
+        };
+        char *got = NULL;
+        size_t len = 0;
+        err[0] = 0;
+        int rc = chat_template_render(cts[fi], msgs, tools, &opts, &got, &len, err, sizeof err);
+        json_t *want = json_object_get(o, "text");
+        const char *want_err = json_string_value(json_object_get(o, "error"));
+        bool ok;
+        if (want_err) {
+            errors++;
+            /* the template's own message (raise_exception) is in ours */
+            char head[40];
+            snprintf(head, sizeof head, "%s", want_err);
+            ok = rc == -EINVAL && !got &&
+                 (strstr(want_err, "can only concatenate") || strstr(err, head));
+        } else {
+            ok = rc == 0 && len == json_string_length(want) &&
+                 !memcmp(got, json_string_value(want), len);
+        }
+        if (!ok) {
+            char *kw = json_dumps(opts.kwargs, JSON_COMPACT);
+            fprintf(stderr,
+                    "MISMATCH golden.jsonl:%zu %s %s tools=%d agp=%d kwargs=%s rc=%d err=%s\n"
+                    "--- want\n%s\n--- got\n%s\n",
+                    n, file, name, tools != NULL, opts.add_generation_prompt, kw, rc, err,
+                    want_err ? want_err : json_string_value(want), got ? got : "");
+            free(kw);
+            bad++;
+        }
+        free(got);
+        json_decref(o);
+    }
+    free(line);
+    fclose(f);
+    json_decref(cv);
+    for (size_t i = 0; i < N_FAMILY; i++) {
+        chat_template_free(cts[i]);
+        assert_true(per[i] >= 40);
+    }
+    fprintf(stderr, "golden.jsonl: %zu cases (%zu where the template raises), %zu mismatches\n", n,
+            errors, bad);
+    assert_true(n >= 1000);
+    assert_int_equal(bad, 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_renderings),
@@ -261,6 +438,8 @@ int main(void) {
         cmocka_unit_test(test_recognition),
         cmocka_unit_test(test_bad_messages),
         cmocka_unit_test(test_tojson),
+        cmocka_unit_test(test_family_recognition),
+        cmocka_unit_test(test_family_goldens),
     };
     return cmocka_run_group_tests(tests, setup_all, teardown_all);
 }

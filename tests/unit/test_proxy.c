@@ -7,10 +7,10 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "proxy/backend.h"
+#include "proxy/upstream.h"
 #include "proxy/pd_request.h"
 #include "proxy/policy.h"
-#include "tests/unit/fake_backend.h"
+#include "tests/unit/fake_upstream.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -55,11 +55,13 @@ static void test_prefill_and_decode_bodies(void **state) {
     json_decref(c2);
     json_decref(p2);
     /* n > 1: P prefills once (n 1), D gets the client's n */
-    json_t *c3 = J("{\"prompt\":\"x\",\"n\":3}");
+    json_t *c3 = J("{\"prompt\":\"x\",\"n\":3,\"best_of\":3}");
     json_t *p3 = pd_prefill_body(c3, "t");
     assert_int_equal(json_integer_value(json_object_get(p3, "n")), 1);
+    assert_null(json_object_get(p3, "best_of")); /* best_of follows n: dropped for P */
     json_t *d3 = pd_decode_body(c3, "e", "http://h:1", "t");
     assert_int_equal(json_integer_value(json_object_get(d3, "n")), 3);
+    assert_int_equal(json_integer_value(json_object_get(d3, "best_of")), 3);
     json_decref(c3);
     json_decref(p3);
     json_decref(d3);
@@ -77,6 +79,69 @@ static void test_prefill_and_decode_bodies(void **state) {
     assert_non_null(strstr(err, "not valid JSON"));
     assert_int_equal(pd_parse_client_body("{}", 2, &out, err, sizeof err), 0);
     json_decref(out);
+}
+
+/* What the proxy refuses before contacting an instance: param names the field. */
+static void expect_refused(const char *body, int chat, const char *param, const char *needle) {
+    json_t *j = J(body);
+    char prm[64], msg[512];
+    assert_int_equal(pd_check_client_body(j, chat, prm, sizeof prm, msg, sizeof msg), -EINVAL);
+    assert_string_equal(prm, param);
+    if (!strstr(msg, needle)) fail_msg("'%s' not in '%s' (body %s)", needle, msg, body);
+    json_decref(j);
+}
+
+static void expect_accepted(const char *body, int chat) {
+    json_t *j = J(body);
+    char prm[64], msg[512];
+    if (pd_check_client_body(j, chat, prm, sizeof prm, msg, sizeof msg))
+        fail_msg("%s refused: %s: %s", body, prm, msg);
+    json_decref(j);
+}
+
+static void test_client_body_checks(void **state) {
+    (void)state;
+    expect_refused("{\"prompt\":\"x\",\"n\":0}", 0, "n", "'n' must be an integer");
+    expect_refused("{\"prompt\":\"x\",\"n\":true}", 0, "n", "got a boolean");
+    expect_refused("{\"prompt\":\"x\",\"n\":2.5}", 0, "n", "got a number");
+    expect_refused("{\"prompt\":\"x\",\"n\":2,\"best_of\":1}", 0, "best_of",
+                   "'best_of' must equal 'n' (2)");
+    expect_refused("{\"prompt\":\"x\",\"best_of\":0}", 0, "best_of", "got 0");
+    expect_refused("{\"prompt\":\"x\",\"max_tokens\":0}", 0, "max_tokens", "between 1 and");
+    expect_refused("{\"prompt\":\"x\",\"max_tokens\":\"5\"}", 0, "max_tokens", "got a string");
+    expect_refused("{\"prompt\":\"x\",\"min_tokens\":-1}", 0, "min_tokens", "got -1");
+    expect_refused("{\"prompt\":\"x\",\"max_tokens\":2,\"min_tokens\":3}", 0, "min_tokens",
+                   "'min_tokens' (3) must be at most max_tokens (2)");
+    expect_refused("{\"prompt\":\"x\",\"stream\":1}", 0, "stream", "boolean");
+    expect_refused("{\"prompt\":\"x\",\"stream_options\":{}}", 0, "stream_options",
+                   "only be set when 'stream' is true");
+    expect_refused("{\"prompt\":\"x\",\"stream\":true,\"stream_options\":[]}", 0, "stream_options",
+                   "must be an object");
+    expect_refused("{\"prompt\":\"x\",\"stream\":true,\"prompt_logprobs\":0}", 0, "prompt_logprobs",
+                   "not available when 'stream' is true");
+    expect_refused("{}", 0, "prompt", "'prompt' is required");
+    expect_refused("{\"prompt\":{}}", 0, "prompt", "got an object");
+    expect_refused("{\"prompt\":\"x\"}", 1, "messages", "'messages' is required");
+    expect_refused("{\"messages\":{}}", 1, "messages", "got an object");
+    expect_refused("{\"messages\":[],\"n\":0}", 1, "messages", "an empty list");
+    expect_refused("{\"messages\":[{}],\"max_completion_tokens\":0}", 1, "max_completion_tokens",
+                   "got 0");
+    /* chat: max_completion_tokens wins over max_tokens */
+    expect_refused("{\"messages\":[{}],\"max_tokens\":9,\"max_completion_tokens\":2,"
+                   "\"min_tokens\":3}",
+                   1, "min_tokens", "at most max_tokens (2)");
+    expect_accepted("{\"messages\":[{}],\"max_tokens\":2,\"max_completion_tokens\":9,"
+                    "\"min_tokens\":3}",
+                    1);
+    /* completions: max_completion_tokens is not its field (left to the instances) */
+    expect_accepted("{\"prompt\":\"x\",\"max_completion_tokens\":0}", 0);
+    expect_accepted("{\"prompt\":[1,2],\"n\":3.0,\"best_of\":3,\"max_tokens\":null,"
+                    "\"stream\":null,\"stream_options\":null,\"min_tokens\":0}",
+                    0);
+    expect_accepted("{\"prompt\":\"x\",\"stream\":true,\"stream_options\":{\"include_usage\":"
+                    "true},\"prompt_logprobs\":null,\"temperature\":\"left to the server\"}",
+                    0);
+    expect_accepted("{\"prompt\":\"x\",\"prompt_logprobs\":2}", 0);
 }
 
 static void test_query_table(void **state) {
@@ -107,57 +172,58 @@ static void test_urls(void **state) {
     char host[256], err[300];
     uint16_t port;
     assert_int_equal(
-        backend_parse_url("http://192.168.0.2:8010", host, sizeof host, &port, err, sizeof err), 0);
+        upstream_parse_url("http://192.168.0.2:8010", host, sizeof host, &port, err, sizeof err),
+        0);
     assert_string_equal(host, "192.168.0.2");
     assert_int_equal(port, 8010);
-    assert_int_equal(backend_parse_url("localhost:9/", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("localhost:9/", host, sizeof host, &port, err, sizeof err),
                      0);
     assert_int_equal(port, 9);
     assert_int_equal(
-        backend_parse_url("http://[::1]:8020", host, sizeof host, &port, err, sizeof err), 0);
+        upstream_parse_url("http://[::1]:8020", host, sizeof host, &port, err, sizeof err), 0);
     assert_string_equal(host, "::1");
-    assert_int_equal(backend_parse_url("http://h", host, sizeof host, &port, err, sizeof err), 0);
+    assert_int_equal(upstream_parse_url("http://h", host, sizeof host, &port, err, sizeof err), 0);
     assert_int_equal(port, 80);
-    assert_int_equal(backend_parse_url("http://h:0", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("http://h:0", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
-    assert_int_equal(backend_parse_url("http://h:1/v1", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("http://h:1/v1", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
-    assert_int_equal(backend_parse_url("https://h:1", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("https://h:1", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
-    assert_int_equal(backend_parse_url("http://", host, sizeof host, &port, err, sizeof err),
+    assert_int_equal(upstream_parse_url("http://", host, sizeof host, &port, err, sizeof err),
                      -EINVAL);
 
     /* bootstrap: default 8998 on the prefill host, a port, or a full address */
     assert_int_equal(
-        backend_parse_bootstrap("u", "10.0.0.2", NULL, host, sizeof host, &port, err, sizeof err),
+        upstream_parse_bootstrap("u", "10.0.0.2", NULL, host, sizeof host, &port, err, sizeof err),
         0);
     assert_string_equal(host, "10.0.0.2");
     assert_int_equal(port, 8998);
-    assert_int_equal(
-        backend_parse_bootstrap("u", "10.0.0.2", "9000", host, sizeof host, &port, err, sizeof err),
-        0);
+    assert_int_equal(upstream_parse_bootstrap("u", "10.0.0.2", "9000", host, sizeof host, &port,
+                                              err, sizeof err),
+                     0);
     assert_int_equal(port, 9000);
     assert_string_equal(host, "10.0.0.2");
-    assert_int_equal(backend_parse_bootstrap("u", "10.0.0.2", "10.0.0.9:7000", host, sizeof host,
-                                             &port, err, sizeof err),
+    assert_int_equal(upstream_parse_bootstrap("u", "10.0.0.2", "10.0.0.9:7000", host, sizeof host,
+                                              &port, err, sizeof err),
                      0);
     assert_string_equal(host, "10.0.0.9");
     assert_int_equal(port, 7000);
     assert_int_equal(
-        backend_parse_bootstrap("u", "h", "70000", host, sizeof host, &port, err, sizeof err),
+        upstream_parse_bootstrap("u", "h", "70000", host, sizeof host, &port, err, sizeof err),
         -EINVAL);
 }
 
 static void test_policies(void **state) {
     (void)state;
-    backend p[2];
-    fake(&p[0], BACKEND_PREFILL, 0, 2);
-    fake(&p[1], BACKEND_PREFILL, 1, 1);
+    upstream p[2];
+    fake(&p[0], UPSTREAM_PREFILL, 0, 2);
+    fake(&p[1], UPSTREAM_PREFILL, 1, 1);
     unsigned rr = 0;
     int count[2][2] = {{0}};
     for (int i = 0; i < 6; i++) {
         const pd_engine *e;
-        backend *b = policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 0, NULL, &e);
+        upstream *b = policy_pick(POLICY_ROUND_ROBIN, p, 2, &rr, 0, NULL, &e);
         count[b->index][e->dp_rank]++;
     }
     assert_int_equal(count[0][0], 2);
@@ -176,8 +242,8 @@ static void test_policies(void **state) {
     for (int i = 0; i < 4; i++)
         assert_ptr_equal(policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e), &p[1]);
     p[0].outstanding = p[1].outstanding = 0;
-    backend *x = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
-    backend *y = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
+    upstream *x = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
+    upstream *y = policy_pick(POLICY_LEAST_LOADED, p, 2, &rr, 0, NULL, &e);
     assert_ptr_not_equal(x, y);
     /* dp ranks of the chosen prefill cycle */
     p[1].ready = 0;
@@ -197,6 +263,7 @@ static void test_policies(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_and_decode_bodies),
+        cmocka_unit_test(test_client_body_checks),
         cmocka_unit_test(test_query_table),
         cmocka_unit_test(test_urls),
         cmocka_unit_test(test_policies),

@@ -1,6 +1,6 @@
 /* Unit tests of the proxy's routing with --discovery (policy.c): the
  * published load in least_loaded, --policy prefix (rendezvous hash bounded by
- * load), model/KV-layout groups and retiring backends; and the prompt prefix
+ * load), model/KV-layout groups and retiring upstreams; and the prompt prefix
  * hash of pd_request.c. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -8,10 +8,10 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "proxy/backend.h"
+#include "proxy/upstream.h"
 #include "proxy/pd_request.h"
 #include "proxy/policy.h"
-#include "tests/unit/fake_backend.h"
+#include "tests/unit/fake_upstream.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -21,9 +21,9 @@
 /* --discovery: published load, --policy prefix (bounded by load), model/KV-layout groups. */
 static void test_policy_discovery(void **state) {
     (void)state;
-    backend p[4];
+    upstream p[4];
     for (int i = 0; i < 4; i++) {
-        fake(&p[i], BACKEND_PREFILL, i, 1);
+        fake(&p[i], UPSTREAM_PREFILL, i, 1);
         snprintf(p[i].url, sizeof p[i].url, "http://10.0.0.%d:8100", i + 1);
         snprintf(p[i].group, sizeof p[i].group, "m|L");
     }
@@ -46,8 +46,8 @@ static void test_policy_discovery(void **state) {
         char prompt[64];
         snprintf(prompt, sizeof prompt, "system prompt number %d", k);
         policy_hint h = {policy_hash(prompt, strlen(prompt)), NULL};
-        backend *a = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
-        backend *b = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
+        upstream *a = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
+        upstream *b = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
         assert_ptr_equal(a, b);
         hits[a->index]++;
     }
@@ -55,7 +55,7 @@ static void test_policy_discovery(void **state) {
         assert_true(hits[i] > 0);
     /* ...but not beyond the load bound */
     policy_hint h = {policy_hash("x", 1), NULL};
-    backend *pref = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
+    upstream *pref = policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e);
     pref->outstanding = POLICY_PREFIX_SLACK;
     assert_ptr_equal(policy_pick(POLICY_PREFIX, p, 4, &rr, 0, &h, &e), pref);
     pref->outstanding = POLICY_PREFIX_SLACK + 1;
@@ -81,9 +81,9 @@ static void test_policy_discovery(void **state) {
  * is never chosen, the other two both are; one eligible instance is chosen. */
 static void test_p2c(void **state) {
     (void)state;
-    backend d[3];
+    upstream d[3];
     for (int i = 0; i < 3; i++)
-        fake(&d[i], BACKEND_DECODE, i, 0);
+        fake(&d[i], UPSTREAM_DECODE, i, 0);
     d[2].has_load = 1, d[2].pub_running = 9;
     unsigned rr = 0;
     int hits[3] = {0};

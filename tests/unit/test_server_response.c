@@ -109,7 +109,7 @@ static void test_chat_response_golden(void **state) {
     json_t *choices = json_array();
     json_array_append_new(choices, oai_chat_choice(0, "Hi!", 3, false, NULL, NULL, "stop", NULL));
     oai_usage u = {.prompt_tokens = 10, .completion_tokens = 2, .cached_tokens = 8};
-    json_t *r = oai_response(true, "chatcmpl-x2", 1700000002, "tiny", choices, &u, NULL);
+    json_t *r = oai_response(true, "chatcmpl-x2", 1700000002, "tiny", choices, &u);
     char *s = json_dumps(r, JSON_COMPACT);
     json_decref(r);
     char *want = read_golden("chat_response.json");

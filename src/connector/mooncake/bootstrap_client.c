@@ -4,6 +4,7 @@
 #include "connector/mooncake/bootstrap_server.h"
 
 #include "base/auth.h"
+#include "base/curl_glue.h"
 #include "base/log.h"
 #include "base/net.h"
 
@@ -27,11 +28,6 @@ void bootstrap_retry_init(bootstrap_retry *r, double timeout_s) {
     r->timeout_s = timeout_s > 0 ? timeout_s : 30.0;
     r->backoff_s = 1.0;
     r->backoff_max_s = 10.0;
-}
-
-static pthread_once_t g_curl_once = PTHREAD_ONCE_INIT;
-static void curl_init_once(void) {
-    curl_global_init(CURL_GLOBAL_DEFAULT);
 }
 
 /* "http://host:port" + path into url; server may already be a URL. */
@@ -156,7 +152,7 @@ static int request(const char *what, const char *server, const char *path, const
                    const char *secret, const bootstrap_retry *retry, resp_buf *body, char *err,
                    size_t err_cap) {
     memset(body, 0, sizeof *body);
-    pthread_once(&g_curl_once, curl_init_once);
+    curl_glue_init();
     bootstrap_retry def;
     if (!retry) {
         bootstrap_retry_init(&def, 30.0);

@@ -3,10 +3,13 @@
 #include "connector/mooncake/bootstrap_server.h"
 
 #include "base/auth.h"
+#include "base/clock.h"
 #include "base/http_server.h"
 #include "base/log.h"
 #include "base/net.h"
 
+#include <arpa/inet.h>
+#include <ctype.h>
 #include <errno.h>
 #include <event2/event.h>
 #include <jansson.h>
@@ -27,6 +30,7 @@ typedef struct bs_worker {
     int tp_rank;                  /* tensor-parallel rank */
     int pp_rank;                  /* pipeline-parallel rank */
     char addr[BOOTSTRAP_MAX_STR]; /* side-channel endpoint "tcp://ip:port" */
+    int refused;                  /* consecutive liveness probes refused */
 } bs_worker;
 
 typedef struct bs_engine {
@@ -51,6 +55,14 @@ struct bootstrap_server {
     char secret[256]; /* /register's shared secret, "" = none */
     atomic_ulong auth_rejected;
     time_t auth_logged; /* last refusal log line (server thread only) */
+    /* Liveness prober (its own thread): every probe_ns, a TCP connect to each
+     * registered side channel; BOOTSTRAP_PROBE_DROP refusals in a row drop
+     * the worker.  probe_ns 0 = off (and conflicts are never replaced). */
+    uint64_t probe_ns;
+    pthread_t prober;
+    int prober_started, prober_stop; /* prober_stop guarded by mu */
+    pthread_cond_t prober_cv;        /* on CLOCK_MONOTONIC; signalled by stop */
+    atomic_ulong dropped;
 };
 
 #define STR_(x) #x
@@ -65,6 +77,198 @@ static bs_engine *find_engine(bootstrap_server *s, int dp) {
 static bs_worker *find_worker(bs_engine *e, int tp, int pp) {
     for (size_t i = 0; i < e->n; i++)
         if (e->workers[i].tp_rank == tp && e->workers[i].pp_rank == pp) return &e->workers[i];
+    return NULL;
+}
+
+/* ---- side-channel addresses -------------------------------------------------- */
+
+/* Parses "tcp://HOST:PORT" (HOST a hostname, an IPv4 address or [IPv6]; PORT
+ * 1..65535) into host (without brackets) and port; NULL, or why not. */
+static const char *parse_sc_addr(const char *addr, char *host, size_t host_cap, uint16_t *port) {
+    if (strncmp(addr, "tcp://", 6) != 0) return "it does not start with tcp://";
+    const char *h = addr + 6, *colon;
+    size_t hl;
+    if (*h == '[') {
+        const char *end = strchr(h, ']');
+        if (!end) return "the IPv6 address has no closing ']'";
+        hl = (size_t)(end - h - 1);
+        if (hl == 0 || hl >= host_cap) return "the IPv6 address is empty or too long";
+        memcpy(host, h + 1, hl);
+        host[hl] = '\0';
+        struct in6_addr a6;
+        if (inet_pton(AF_INET6, host, &a6) != 1) return "the bracketed host is not an IPv6 address";
+        if (end[1] != ':') return "no :PORT after the IPv6 address";
+        colon = end + 1;
+    } else {
+        colon = strrchr(h, ':');
+        if (!colon || colon == h) return colon ? "the host is empty" : "there is no :PORT";
+        hl = (size_t)(colon - h);
+        if (hl >= host_cap || hl > 253) return "the host is longer than 253 characters";
+        memcpy(host, h, hl);
+        host[hl] = '\0';
+        int all_num = 1;
+        for (const char *p = host; *p; p++) {
+            if (!isalnum((unsigned char)*p) && *p != '-' && *p != '.')
+                return strchr(host, ':') ? "an IPv6 host must be in brackets ([::1])"
+                                         : "the host has a character other than letters, digits, "
+                                           "'-' and '.'";
+            if (!isdigit((unsigned char)*p) && *p != '.') all_num = 0;
+        }
+        struct in_addr a4;
+        if (all_num && inet_pton(AF_INET, host, &a4) != 1) return "the host is not an IPv4 address";
+        for (const char *l = host; *l;) { /* hostname labels: 1..63, no '-' at the ends */
+            size_t n = strcspn(l, ".");
+            if (n == 0 || n > 63 || l[0] == '-' || l[n - 1] == '-')
+                return "the host is not a valid hostname";
+            l += n + (l[n] == '.');
+            if (l[-1] == '.' && !*l) return "the host is not a valid hostname";
+        }
+    }
+    const char *ps = colon + 1;
+    if (!*ps || strlen(ps) > 5 || strspn(ps, "0123456789") != strlen(ps))
+        return "the port is not a number in 1-65535";
+    long pn = strtol(ps, NULL, 10);
+    if (pn < 1 || pn > 65535) return "the port is not a number in 1-65535";
+    *port = (uint16_t)pn;
+    return NULL;
+}
+
+/* Probe outcome of a side-channel address. */
+enum { PROBE_ALIVE, PROBE_REFUSED, PROBE_UNKNOWN };
+
+static int probe_addr(const char *addr, uint64_t timeout_ns) {
+    char host[BOOTSTRAP_MAX_STR];
+    uint16_t port;
+    net_addr a;
+    if (parse_sc_addr(addr, host, sizeof host, &port) || net_resolve(host, port, &a) != 0)
+        return PROBE_UNKNOWN;
+    int fd = net_connect(&a, NULL, clock_now_ns() + timeout_ns);
+    if (fd >= 0) {
+        close(fd);
+        return PROBE_ALIVE;
+    }
+    /* Only "nothing listens there" counts: a timeout or an unreachable network
+     * may be this server's view only (a firewall), not the decoders'. */
+    return fd == -ECONNREFUSED ? PROBE_REFUSED : PROBE_UNKNOWN;
+}
+
+/* Caller holds mu: remove worker w of engine index ei (and the engine when it
+ * was its last worker). */
+static void remove_worker_locked(bootstrap_server *s, size_t ei, bs_worker *w) {
+    bs_engine *e = &s->engines[ei];
+    size_t wi = (size_t)(w - e->workers);
+    memmove(&e->workers[wi], &e->workers[wi + 1], (e->n - wi - 1) * sizeof *e->workers);
+    e->n--;
+    s->n_workers--;
+    if (e->n == 0) {
+        free(e->workers);
+        memmove(&s->engines[ei], &s->engines[ei + 1], (s->n_engines - ei - 1) * sizeof *e);
+        s->n_engines--;
+    }
+}
+
+/* Before a registration: the entries it conflicts with (another engine_id on
+ * its dp_rank, or its (dp,tp,pp) at another address) are dropped when their
+ * side channels refuse connections -- a restarted prefill instance replaces
+ * its dead predecessor instead of getting 400 until the entry expires. */
+static void drop_dead_conflicts(bootstrap_server *s, const char *engine_id, int dp, int tp, int pp,
+                                const char *addr) {
+    enum { MAXC = 64 };
+    typedef char addr_buf[BOOTSTRAP_MAX_STR];
+    addr_buf *old = NULL;
+    size_t n = 0;
+    pthread_mutex_lock(&s->mu);
+    bs_engine *e = find_engine(s, dp);
+    int whole = e && strcmp(e->engine_id, engine_id) != 0;
+    bs_worker *w = e && !whole ? find_worker(e, tp, pp) : NULL;
+    size_t want = whole ? e->n : (w && strcmp(w->addr, addr) != 0);
+    if (want > 0 && want <= MAXC && (old = malloc(want * sizeof *old))) {
+        for (size_t i = 0; i < e->n && n < want; i++)
+            if (whole || &e->workers[i] == w) memcpy(old[n++], e->workers[i].addr, sizeof *old);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (n == 0) return;
+    for (size_t i = 0; i < n; i++)
+        if (probe_addr(old[i], 300 * NS_PER_MS) != PROBE_REFUSED) {
+            free(old);
+            return; /* one is alive (or unknown): the conflict stands */
+        }
+    pthread_mutex_lock(&s->mu);
+    e = find_engine(s, dp);
+    for (size_t i = 0; e && i < n; i++) {
+        size_t ei = (size_t)(e - s->engines);
+        for (size_t j = 0; j < e->n; j++) {
+            if (strcmp(e->workers[j].addr, old[i]) != 0) continue;
+            LOG_W(MOD,
+                  "replacing engine_id=%s dp_rank=%d tp_rank=%d pp_rank=%d at %s: its side "
+                  "channel refuses connections (the instance is gone)",
+                  e->engine_id, dp, e->workers[j].tp_rank, e->workers[j].pp_rank, old[i]);
+            atomic_fetch_add(&s->dropped, 1);
+            int last = e->n == 1;
+            remove_worker_locked(s, ei, &e->workers[j]);
+            if (last) e = NULL;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    free(old);
+}
+
+/* One liveness round over the table. */
+static void probe_round(bootstrap_server *s) {
+    typedef struct {
+        int dp, tp, pp;
+        char addr[BOOTSTRAP_MAX_STR];
+    } probe_item;
+    pthread_mutex_lock(&s->mu);
+    size_t n = s->n_workers, k = 0;
+    probe_item *items = n ? malloc(n * sizeof *items) : NULL;
+    for (size_t i = 0; items && i < s->n_engines; i++)
+        for (size_t j = 0; j < s->engines[i].n && k < n; j++, k++) {
+            items[k].dp = s->engines[i].dp_rank;
+            items[k].tp = s->engines[i].workers[j].tp_rank;
+            items[k].pp = s->engines[i].workers[j].pp_rank;
+            memcpy(items[k].addr, s->engines[i].workers[j].addr, sizeof items[k].addr);
+        }
+    pthread_mutex_unlock(&s->mu);
+    for (size_t i = 0; i < k; i++) {
+        pthread_mutex_lock(&s->mu);
+        int stop = s->prober_stop;
+        pthread_mutex_unlock(&s->mu);
+        if (stop) break;
+        int r = probe_addr(items[i].addr, 500 * NS_PER_MS);
+        pthread_mutex_lock(&s->mu);
+        bs_engine *e = find_engine(s, items[i].dp);
+        bs_worker *w = e ? find_worker(e, items[i].tp, items[i].pp) : NULL;
+        if (w && strcmp(w->addr, items[i].addr) == 0) { /* still the one probed */
+            if (r == PROBE_ALIVE) w->refused = 0;
+            if (r == PROBE_REFUSED && ++w->refused >= BOOTSTRAP_PROBE_DROP) {
+                LOG_W(MOD,
+                      "dropping engine_id=%s dp_rank=%d tp_rank=%d pp_rank=%d at %s: its side "
+                      "channel refused %d connections in a row (the instance is gone)",
+                      e->engine_id, items[i].dp, items[i].tp, items[i].pp, items[i].addr,
+                      w->refused);
+                atomic_fetch_add(&s->dropped, 1);
+                remove_worker_locked(s, (size_t)(e - s->engines), w);
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    free(items);
+}
+
+static void *prober_main(void *arg) {
+    bootstrap_server *s = arg;
+    pthread_mutex_lock(&s->mu);
+    while (!s->prober_stop) {
+        struct timespec ts = clock_to_timespec(clock_now_ns() + s->probe_ns);
+        pthread_cond_timedwait(&s->prober_cv, &s->mu, &ts);
+        if (s->prober_stop) break;
+        pthread_mutex_unlock(&s->mu);
+        probe_round(s);
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
@@ -83,6 +287,7 @@ static int registry_add(bootstrap_server *s, const char *engine_id, int dp, int 
     if (w) {
         if (strcmp(w->addr, addr) == 0) {
             code = 200; /* a retry after a client timeout: not an error */
+            w->refused = 0;
         } else {
             snprintf(detail, cap,
                      "Worker with dp_rank=%d, tp_rank=%d, pp_rank=%d is already registered at "
@@ -139,6 +344,7 @@ static int registry_add(bootstrap_server *s, const char *engine_id, int dp, int 
     memmove(&e->workers[at + 1], &e->workers[at], (e->n - at) * sizeof *e->workers);
     e->workers[at].tp_rank = tp;
     e->workers[at].pp_rank = pp;
+    e->workers[at].refused = 0;
     snprintf(e->workers[at].addr, sizeof e->workers[at].addr, "%s", addr);
     e->n++;
     s->n_workers++;
@@ -346,6 +552,19 @@ static void handle_register(bootstrap_server *s, hs_req *req) {
     }
     json_decref(errors);
     char detail[3 * BOOTSTRAP_MAX_STR];
+    char host[BOOTSTRAP_MAX_STR];
+    uint16_t port;
+    const char *bad = parse_sc_addr(addr, host, sizeof host, &port);
+    if (bad) {
+        snprintf(detail, sizeof detail,
+                 "addr '%s' is not a side-channel address (%s); accepted: tcp://HOST:PORT with "
+                 "HOST a hostname, an IPv4 address or a bracketed IPv6 address ([::1]) and PORT "
+                 "1-65535",
+                 addr, bad);
+        json_decref(body);
+        return send_detail(req, 400, detail);
+    }
+    if (s->probe_ns) drop_dead_conflicts(s, engine_id, dp, tp, pp, addr);
     int code = registry_add(s, engine_id, dp, tp, pp, addr, detail, sizeof detail);
     json_decref(body);
     if (code == 200)
@@ -416,6 +635,7 @@ static void server_free(bootstrap_server *s) {
     for (size_t i = 0; i < s->n_engines; i++)
         free(s->engines[i].workers);
     free(s->engines);
+    pthread_cond_destroy(&s->prober_cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -455,7 +675,23 @@ int bootstrap_server_start_opts(const char *host, uint16_t port, const char *sec
     if (secret) snprintf(s->secret, sizeof s->secret, "%s", secret);
     s->stop_pipe[0] = s->stop_pipe[1] = -1;
     pthread_mutex_init(&s->mu, NULL);
+    clock_cond_init(&s->prober_cv);
     int rc = -ENOMEM;
+    const char *pe = getenv("DISAGG_BOOTSTRAP_PROBE_INTERVAL");
+    double probe_s = BOOTSTRAP_PROBE_INTERVAL_S;
+    if (pe && *pe) {
+        char *end;
+        probe_s = strtod(pe, &end);
+        if (*end || !(probe_s >= 0) || probe_s > 3600) {
+            snprintf(err, err_cap,
+                     "bootstrap server: DISAGG_BOOTSTRAP_PROBE_INTERVAL='%s' is not seconds in "
+                     "[0, 3600] (0 = no liveness checks)",
+                     pe);
+            rc = -EINVAL;
+            goto fail;
+        }
+    }
+    s->probe_ns = (uint64_t)(probe_s * 1e9);
     if (pipe(s->stop_pipe) != 0) {
         rc = -errno;
         snprintf(err, err_cap, "bootstrap server: pipe: %s", strerror(errno));
@@ -508,6 +744,7 @@ int bootstrap_server_start_opts(const char *host, uint16_t port, const char *sec
         goto fail;
     }
     s->thread_started = 1;
+    if (s->probe_ns && pthread_create(&s->prober, NULL, prober_main, s) == 0) s->prober_started = 1;
     LOG_I(MOD, "bootstrap server listening on %s:%u (%s)", host, (unsigned)s->port,
           s->secret[0] ? "/register requires the shared secret" : "no authentication");
     *out = s;
@@ -521,8 +758,19 @@ uint16_t bootstrap_server_port(const bootstrap_server *s) {
     return s->port;
 }
 
+unsigned long bootstrap_server_dropped(bootstrap_server *s) {
+    return atomic_load(&s->dropped);
+}
+
 void bootstrap_server_stop(bootstrap_server *s) {
     if (!s) return;
+    if (s->prober_started) {
+        pthread_mutex_lock(&s->mu);
+        s->prober_stop = 1;
+        pthread_cond_signal(&s->prober_cv);
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(s->prober, NULL);
+    }
     if (s->thread_started) {
         char b = 1;
         while (write(s->stop_pipe[1], &b, 1) < 0 && errno == EINTR) {

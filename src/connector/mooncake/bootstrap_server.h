@@ -5,8 +5,11 @@
  *
  *   POST /register {"engine_id","dp_rank","tp_rank","pp_rank","addr"}
  *        200 {"status":"ok"} (an identical repeat is also 200);
- *        400 {"detail": "..."} when the dp_rank belongs to another engine_id or
- *        that (dp,tp,pp) is registered at another address;
+ *        400 {"detail": "..."} when addr is not tcp://HOST:PORT (HOST a hostname,
+ *        IPv4 or [IPv6], PORT 1-65535), or the dp_rank belongs to another
+ *        engine_id or that (dp,tp,pp) is registered at another address -- unless
+ *        the side channels of those entries refuse connections, in which case
+ *        they are replaced;
  *        422 {"detail": [{"type","loc","msg"}, ...]} (FastAPI's shape) for a
  *        body that is not JSON, not an object, or has missing/ill-typed fields.
  *   GET  /query -> {"<dp>": {"engine_id": "...", "worker_addr": {"<tp>": {"<pp>": "tcp://..."}}}}
@@ -18,6 +21,15 @@
  * header the answer is 401, with a bad one 403, both {"detail": "..."} naming
  * the cause.  GET /query stays open (addresses only; the side channel they
  * name authenticates every pull).  Without a secret nothing changes.
+ *
+ * Liveness (vLLM's prefill registers once, at start, so there is no heartbeat
+ * to expire entries by): every BOOTSTRAP_PROBE_INTERVAL_S
+ * ($DISAGG_BOOTSTRAP_PROBE_INTERVAL seconds; 0 = no liveness checks at all,
+ * neither these probes nor the replacement of dead conflicting entries
+ * above) a thread TCP-connects
+ * to each registered side channel; a worker whose address refused
+ * BOOTSTRAP_PROBE_DROP probes in a row is dropped (logged).  Timeouts and
+ * unreachable networks do not count: they may be this server's view only.
  *
  * base/http_server (the project's one HTTP/1.1 layer) on its own thread and
  * event_base, so a prefill instance can embed it (rank 0) and `disagg
@@ -43,6 +55,8 @@
 #define BOOTSTRAP_AUTH_HEADER "X-Disagg-Auth"
 #define BOOTSTRAP_AUTH_LABEL  "disagg-bootstrap-register-v1"
 #define BOOTSTRAP_AUTH_SKEW_S 300
+#define BOOTSTRAP_PROBE_INTERVAL_S 2.0
+#define BOOTSTRAP_PROBE_DROP       3
 
 typedef struct bootstrap_server bootstrap_server; /* opaque */
 
@@ -64,6 +78,8 @@ int bootstrap_server_start_opts(const char *host, uint16_t port, const char *sec
                                 size_t err_cap);
 /* /register requests refused for authentication (401 and 403). */
 unsigned long bootstrap_server_auth_rejected(bootstrap_server *s);
+/* Workers dropped because their side channel refused connections. */
+unsigned long bootstrap_server_dropped(bootstrap_server *s);
 /* The bound port (useful after port 0). */
 uint16_t bootstrap_server_port(const bootstrap_server *s);
 /* Stop the loop, join the thread, free everything.  NULL is a no-op. */

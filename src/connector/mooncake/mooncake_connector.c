@@ -1298,6 +1298,34 @@ static int is_wildcard_host(const char *h) {
     return !h || !h[0] || !strcmp(h, "0.0.0.0") || !strcmp(h, "::") || !strcmp(h, "[::]");
 }
 
+/* Without a secret, KV ports reachable from other hosts are open to anyone
+ * who can connect (docs/security.md): say so loudly, once, at start. */
+static void warn_if_exposed(const mooncake_connector *c) {
+    if (c->cfg.auth_secret[0]) return;
+    char what[600];
+    int n = 0;
+    if (!net_host_is_loopback(c->host) || c->cfg.device_name[0])
+        n += snprintf(what + n, sizeof what - (size_t)n,
+                      "transfer handshake and data ports on %s%s%s", c->host,
+                      c->cfg.device_name[0] ? " and the device_name interfaces " : "",
+                      c->cfg.device_name);
+    if (c->sc && !net_host_is_loopback(c->host))
+        n += snprintf(what + n, sizeof what - (size_t)n, "%sside channel on %s", n ? ", " : "",
+                      c->host);
+    if (c->bs && !net_host_is_loopback(c->listen_host))
+        n += snprintf(what + n, sizeof what - (size_t)n, "%sbootstrap server on %s:%u",
+                      n ? ", " : "", is_wildcard_host(c->listen_host) ? "0.0.0.0" : c->listen_host,
+                      (unsigned)bootstrap_server_port(c->bs));
+    if (n == 0) return;
+    LOG_W(MOD,
+          "SECURITY WARNING: no shared secret (DISAGG_KV_SECRET / "
+          "kv_connector_extra_config.auth_secret) and KV ports listen beyond loopback (%s): "
+          "anyone who can reach them can read or overwrite this instance's KV cache%s. Set the "
+          "same DISAGG_KV_SECRET on every prefill, decode and bootstrap server, or keep these "
+          "ports on a private network behind a firewall (docs/security.md)",
+          what, c->bs ? " and register fake prefill ranks" : "");
+}
+
 static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
     char server[300];
     const char *secret = c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL;
@@ -1448,6 +1476,7 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         mooncake_connector_destroy(c);
         return rc < 0 ? rc : -EINVAL;
     }
+    warn_if_exposed(c);
     engine_kv_connector hooks = {.ctx = c,
                                  .classify = classify,
                                  .start_load = start_load,

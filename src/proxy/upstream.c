@@ -1,5 +1,5 @@
-/* backend — see backend.h. */
-#include "proxy/backend.h"
+/* upstream — see upstream.h. */
+#include "proxy/upstream.h"
 
 #include "base/log.h"
 
@@ -13,12 +13,12 @@
 
 #define MOD "proxy"
 
-const char *backend_role_name(backend_role r) {
-    return r == BACKEND_PREFILL ? "prefill" : "decode";
+const char *upstream_role_name(upstream_role r) {
+    return r == UPSTREAM_PREFILL ? "prefill" : "decode";
 }
 
-int backend_parse_url(const char *url, char *host, size_t host_cap, uint16_t *port, char *err,
-                      size_t errcap) {
+int upstream_parse_url(const char *url, char *host, size_t host_cap, uint16_t *port, char *err,
+                       size_t errcap) {
     const char *p = url;
     if (!strncasecmp(p, "https://", 8)) {
         snprintf(err, errcap, "'%s': https is not supported; use http://host:port", url);
@@ -71,10 +71,11 @@ int backend_parse_url(const char *url, char *host, size_t host_cap, uint16_t *po
     return 0;
 }
 
-int backend_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
-                            char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap) {
+int upstream_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
+                             char *host, size_t host_cap, uint16_t *port, char *err,
+                             size_t errcap) {
     snprintf(host, host_cap, "%s", api_host);
-    *port = BACKEND_DEFAULT_BOOTSTRAP_PORT;
+    *port = UPSTREAM_DEFAULT_BOOTSTRAP_PORT;
     /* vLLM's MooncakeConnector proxy: "none" (any case) = the default port */
     if (!bootstrap || !strcasecmp(bootstrap, "none")) return 0;
     const char *q = bootstrap;
@@ -93,10 +94,10 @@ int backend_parse_bootstrap(const char *url, const char *api_host, const char *b
         snprintf(err, errcap,
                  "bootstrap '%s' of %s is not accepted: give a port number, 'none' (the default "
                  "port %d), host:port or http://host:port",
-                 bootstrap, url, BACKEND_DEFAULT_BOOTSTRAP_PORT);
+                 bootstrap, url, UPSTREAM_DEFAULT_BOOTSTRAP_PORT);
         return -EINVAL;
     }
-    return backend_parse_url(bootstrap, host, host_cap, port, err, errcap);
+    return upstream_parse_url(bootstrap, host, host_cap, port, err, errcap);
 }
 
 static void format_url(char *out, size_t cap, const char *host, uint16_t port) {
@@ -104,19 +105,19 @@ static void format_url(char *out, size_t cap, const char *host, uint16_t port) {
     snprintf(out, cap, "http://%s%s%s:%u", v6 ? "[" : "", host, v6 ? "]" : "", port);
 }
 
-int backend_init(backend *b, backend_role role, int index, const char *url, const char *bootstrap,
-                 const backend_env *env, char *err, size_t errcap) {
+int upstream_init(upstream *b, upstream_role role, int index, const char *url,
+                  const char *bootstrap, const upstream_env *env, char *err, size_t errcap) {
     memset(b, 0, sizeof *b);
     b->role = role;
     b->index = index;
     b->env = env;
     b->active = 1;
-    int rc = backend_parse_url(url, b->host, sizeof b->host, &b->port, err, errcap);
+    int rc = upstream_parse_url(url, b->host, sizeof b->host, &b->port, err, errcap);
     if (rc) return rc;
     format_url(b->url, sizeof b->url, b->host, b->port);
-    if (role == BACKEND_PREFILL) {
-        rc = backend_parse_bootstrap(url, b->host, bootstrap, b->bootstrap_host,
-                                     sizeof b->bootstrap_host, &b->bootstrap_port, err, errcap);
+    if (role == UPSTREAM_PREFILL) {
+        rc = upstream_parse_bootstrap(url, b->host, bootstrap, b->bootstrap_host,
+                                      sizeof b->bootstrap_host, &b->bootstrap_port, err, errcap);
         if (rc) return rc;
         format_url(b->bootstrap_url, sizeof b->bootstrap_url, b->bootstrap_host, b->bootstrap_port);
         b->bootstrap_pool = hc_pool_new(env->base, b->bootstrap_host, b->bootstrap_port, 2);
@@ -125,7 +126,7 @@ int backend_init(backend *b, backend_role role, int index, const char *url, cons
     b->pool = hc_pool_new(env->base, b->host, b->port, 1024);
     if (b->pool) hc_pool_set_keepalive(b->pool, env->pool_keepalive_s);
     b->probe_body = evbuffer_new();
-    if (!b->pool || !b->probe_body || (role == BACKEND_PREFILL && !b->bootstrap_pool)) {
+    if (!b->pool || !b->probe_body || (role == UPSTREAM_PREFILL && !b->bootstrap_pool)) {
         snprintf(err, errcap, "out of memory");
         return -ENOMEM;
     }
@@ -133,7 +134,7 @@ int backend_init(backend *b, backend_role role, int index, const char *url, cons
     return 0;
 }
 
-void backend_free(backend *b) {
+void upstream_free(upstream *b) {
     hc_cancel(b->probe);
     b->probe = NULL;
     hc_pool_free(b->pool);
@@ -143,15 +144,15 @@ void backend_free(backend *b) {
     memset(b, 0, sizeof *b);
 }
 
-static void set_state(backend *b, int healthy, int ready, const char *why) {
+static void set_state(upstream *b, int healthy, int ready, const char *why) {
     if (why) snprintf(b->last_error, sizeof b->last_error, "%s", why);
     if (b->ready != ready) {
         b->transitions++;
         if (ready)
-            LOG_I(MOD, "%s %s is ready%s", backend_role_name(b->role), b->url,
+            LOG_I(MOD, "%s %s is ready%s", upstream_role_name(b->role), b->url,
                   b->ever_ready ? " again: back in rotation" : "");
         else
-            LOG_W(MOD, "%s %s taken out of rotation: %s", backend_role_name(b->role), b->url,
+            LOG_W(MOD, "%s %s taken out of rotation: %s", upstream_role_name(b->role), b->url,
                   b->last_error);
     }
     b->healthy = healthy;
@@ -159,8 +160,8 @@ static void set_state(backend *b, int healthy, int ready, const char *why) {
     if (ready) b->ever_ready = 1;
 }
 
-void backend_mark_down(backend *b, const char *why) {
-    if (b->role == BACKEND_PREFILL) {
+void upstream_mark_down(upstream *b, const char *why) {
+    if (b->role == UPSTREAM_PREFILL) {
         pd_engines_free(b->engines, b->nengines);
         b->engines = NULL;
         b->nengines = 0;
@@ -169,19 +170,19 @@ void backend_mark_down(backend *b, const char *why) {
 }
 
 static void probe_head(hc_req *r, const http_head *h, void *arg) {
-    backend *b = arg;
+    upstream *b = arg;
     b->probe_status = h->status;
 }
 
 static void probe_data(hc_req *r, struct evbuffer *data, void *arg) {
-    backend *b = arg;
+    upstream *b = arg;
     if (evbuffer_get_length(b->probe_body) < (1u << 20)) evbuffer_add_buffer(b->probe_body, data);
 }
 
-static void probe_start(backend *b, int stage);
+static void probe_start(upstream *b, int stage);
 
 static void probe_done(hc_req *r, int err, void *arg) {
-    backend *b = arg;
+    upstream *b = arg;
     b->probe = NULL;
     char why[1024];
     const char *what = b->probe_stage == 0 ? "GET /health" : "GET /query";
@@ -189,16 +190,27 @@ static void probe_done(hc_req *r, int err, void *arg) {
     if (err) {
         snprintf(why, sizeof why, "%s%s: %s", where, b->probe_stage ? "/query" : "/health",
                  hc_strerror(err));
-        backend_mark_down(b, why);
+        upstream_mark_down(b, why);
+        if (b->probe_stage == 0 && ++b->misses >= UPSTREAM_HUNG_MISSES) {
+            char w[1100];
+            snprintf(w, sizeof w, "%d health probes in a row unanswered, the last: %s", b->misses,
+                     why);
+            if (b->env->on_unresponsive) b->env->on_unresponsive(b, w, b->env->cb_arg);
+        }
+        /* a probe that timed out is repeated at once (a refused one waits
+         * for the next tick: nothing to wait for, no spinning) */
+        if (err == HC_ETIMEOUT && b->probe_stage == 0 && b->active && !b->retiring)
+            probe_start(b, 0);
         return;
     }
+    if (b->probe_stage == 0) b->misses = 0;
     if (b->probe_status != 200) {
         snprintf(why, sizeof why, "%s on %s answered HTTP %d", what, where, b->probe_status);
-        backend_mark_down(b, why);
+        upstream_mark_down(b, why);
         return;
     }
     if (b->probe_stage == 0) {
-        if (b->role == BACKEND_DECODE || b->nengines > 0) {
+        if (b->role == UPSTREAM_DECODE || b->nengines > 0) {
             set_state(b, 1, 1, NULL);
             return;
         }
@@ -214,7 +226,7 @@ static void probe_done(hc_req *r, int err, void *arg) {
     int rc = pd_parse_query(txt ? txt : "", len, &rows, &n, perr, sizeof perr);
     if (rc) {
         snprintf(why, sizeof why, "%s/query: %s", b->bootstrap_url, perr);
-        backend_mark_down(b, why);
+        upstream_mark_down(b, why);
         return;
     }
     pd_engines_free(b->engines, b->nengines);
@@ -226,7 +238,7 @@ static void probe_done(hc_req *r, int err, void *arg) {
     set_state(b, 1, 1, NULL);
 }
 
-static void probe_start(backend *b, int stage) {
+static void probe_start(upstream *b, int stage) {
     static const hc_callbacks cb = {probe_head, probe_data, probe_done};
     hc_timeouts t = {b->env->probe_timeout_s, b->env->probe_timeout_s};
     b->probe_stage = stage;
@@ -237,6 +249,6 @@ static void probe_start(backend *b, int stage) {
                    stage == 0 ? "/health" : "/query", b->env->auth_header, NULL, 0, &t, &cb, b);
 }
 
-void backend_probe(backend *b) {
+void upstream_probe(upstream *b) {
     if (!b->probe && b->active && !b->retiring) probe_start(b, 0);
 }

@@ -1,14 +1,15 @@
-/* fake_backend — ready proxy backends for the policy tests (test_proxy.c, test_proxy_policy.c). */
+/* fake_upstream — ready proxy upstreams for the policy tests (test_proxy.c, test_proxy_policy.c).
+ */
 #ifndef DISAGG_TESTS_FAKE_BACKEND_H
 #define DISAGG_TESTS_FAKE_BACKEND_H
 
-#include "proxy/backend.h"
+#include "proxy/upstream.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-/* A ready, healthy, active backend of role at index with ranks dp ranks (0: none). */
-static inline void fake(backend *b, backend_role role, int index, int ranks) {
+/* A ready, healthy, active upstream of role at index with ranks dp ranks (0: none). */
+static inline void fake(upstream *b, upstream_role role, int index, int ranks) {
     memset(b, 0, sizeof *b);
     b->role = role;
     b->index = index;

@@ -1,10 +1,10 @@
 /*
- * backend — one upstream instance of the proxy (a prefill or a decode
+ * upstream — one upstream instance of the proxy (a prefill or a decode
  * server): its address and bootstrap address (from `--prefill URL
  * [BOOTSTRAP_PORT]` / `--decode URL`), connection pools, health state and
  * discovery (GET /health until 200, then for a prefill GET {bootstrap}/query
- * for dp_rank -> engine_id, PROTOCOL.md §1-2), and per-backend load and
- * latency counters.  A backend that fails a probe or refuses a connection is
+ * for dp_rank -> engine_id, PROTOCOL.md §1-2), and per-upstream load and
+ * latency counters.  A upstream that fails a probe or refuses a connection is
  * taken out of rotation; the periodic probe puts it back (re-reading its
  * engine table: a restarted prefill has new engine ids).
  */
@@ -18,20 +18,31 @@
 #include <stdint.h>
 
 struct event_base;
+struct upstream;
 
-typedef enum backend_role { BACKEND_PREFILL = 0, BACKEND_DECODE = 1 } backend_role;
+typedef enum upstream_role { UPSTREAM_PREFILL = 0, UPSTREAM_DECODE = 1 } upstream_role;
 
-#define BACKEND_DEFAULT_BOOTSTRAP_PORT 8998
+#define UPSTREAM_DEFAULT_BOOTSTRAP_PORT 8998
+/* Health probes in a row that got no HTTP answer (timeout, reset, refused)
+ * before the requests waiting for a prefill stop waiting: with the probe
+ * timeout of 2 s and a timed-out probe repeated at once, a stopped prefill
+ * is given up ~4-5 s after it stopped (one miss only takes it out of
+ * rotation for new requests). */
+#define UPSTREAM_HUNG_MISSES 2
 
-typedef struct backend_env {
+typedef struct upstream_env {
     struct event_base *base; /* loop */
     const char *auth_header; /* "Authorization: Bearer KEY\r\n" for probes, or NULL */
     double probe_timeout_s;  /* per probe request */
     double pool_keepalive_s; /* idle pooled connection lifetime (hc_pool_set_keepalive) */
-} backend_env;
+    /* called (why: the last probe's failure) each time a upstream's probes
+     * have got no answer UPSTREAM_HUNG_MISSES times or more in a row */
+    void (*on_unresponsive)(struct upstream *b, const char *why, void *arg);
+    void *cb_arg; /* its argument */
+} upstream_env;
 
-typedef struct backend {
-    backend_role role;           /* prefill or decode */
+typedef struct upstream {
+    upstream_role role;          /* prefill or decode */
     int index;                   /* position in its role's list (exclusion bit) */
     char url[300];               /* "http://host:port" (label in logs and metrics) */
     char host[256];              /* API host */
@@ -41,13 +52,13 @@ typedef struct backend {
     uint16_t bootstrap_port;     /* prefill: bootstrap port */
     hc_pool *pool;               /* keep-alive connections to the API */
     hc_pool *bootstrap_pool;     /* prefill: connections to the bootstrap server */
-    const backend_env *env;      /* shared settings */
+    const upstream_env *env;     /* shared settings */
     int healthy;                 /* last probe passed and no connection refused since */
     int ready;                   /* usable: healthy and (decode, or engine table known) */
     int ever_ready;              /* was ready at least once */
     pd_engine *engines;          /* prefill: (nengines) dp rank -> engine_id, by rank */
     int nengines;                /* number of dp ranks */
-    unsigned rank_rr;            /* next dp rank (index into engines) for this backend */
+    unsigned rank_rr;            /* next dp rank (index into engines) for this upstream */
     int outstanding;             /* requests in flight on it */
     uint64_t requests;           /* requests sent */
     uint64_t errors;             /* requests that failed (connection, timeout, HTTP >= 500) */
@@ -57,8 +68,9 @@ typedef struct backend {
     int probe_stage;             /* 0: /health, 1: /query */
     struct evbuffer *probe_body; /* (bytes) /query answer being read */
     int probe_status;            /* HTTP status of the probe */
+    int misses;                  /* probes in a row that got no HTTP answer */
     char last_error[1024];       /* why it is out of rotation */
-    /* membership (--discovery, membership.c); a --prefill/--decode backend is active,
+    /* membership (--discovery, membership.c); a --prefill/--decode upstream is active,
      * not discovered, with an empty group and no published load */
     int active;           /* the slot holds an instance */
     int discovered;       /* it came from etcd */
@@ -70,25 +82,25 @@ typedef struct backend {
     int pub_running;      /* published running requests */
     int pub_waiting;      /* published waiting requests */
     double pub_kv_usage;  /* published KV cache usage 0..1 */
-} backend;
+} upstream;
 
 /* Parses "http://host[:port][/]" or "host:port" into host/port; -EINVAL with
  * a message in err naming the bad part. */
-int backend_parse_url(const char *url, char *host, size_t host_cap, uint16_t *port, char *err,
-                      size_t errcap);
+int upstream_parse_url(const char *url, char *host, size_t host_cap, uint16_t *port, char *err,
+                       size_t errcap);
 /* The bootstrap address of a prefill at url (API host api_host): bootstrap
  * NULL (port 8998 on the API host), "PORT", "host:port" or "http://host:port". */
-int backend_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
-                            char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap);
+int upstream_parse_bootstrap(const char *url, const char *api_host, const char *bootstrap,
+                             char *host, size_t host_cap, uint16_t *port, char *err, size_t errcap);
 /* bootstrap: NULL (port 8998 on the API host), "PORT", "host:port" or
  * "http://host:port". */
-int backend_init(backend *b, backend_role role, int index, const char *url, const char *bootstrap,
-                 const backend_env *env, char *err, size_t errcap);
-void backend_free(backend *b);
-/* Starts a probe unless one is in flight (or the backend is retiring). */
-void backend_probe(backend *b);
+int upstream_init(upstream *b, upstream_role role, int index, const char *url,
+                  const char *bootstrap, const upstream_env *env, char *err, size_t errcap);
+void upstream_free(upstream *b);
+/* Starts a probe unless one is in flight (or the upstream is retiring). */
+void upstream_probe(upstream *b);
 /* A request found it unreachable: take it out of rotation until a probe passes. */
-void backend_mark_down(backend *b, const char *why);
-const char *backend_role_name(backend_role r);
+void upstream_mark_down(upstream *b, const char *why);
+const char *upstream_role_name(upstream_role r);
 
 #endif

@@ -1,0 +1,21 @@
+/*
+ * curl_glue — the one libcurl setup of the program: curl_global_init once per process
+ * (thread-safe, on first use) and an easy handle with the options every caller wants
+ * (no signals, http/https only, the two timeouts).  The etcd client, the bootstrap
+ * client and `disagg demo` take their handles here.
+ */
+#ifndef DISAGG_BASE_CURL_GLUE_H
+#define DISAGG_BASE_CURL_GLUE_H
+
+#include <curl/curl.h>
+
+/* curl_global_init(CURL_GLOBAL_DEFAULT), once; every other call returns at once.  The
+ * process never calls curl_global_cleanup (libcurl's advice for libraries: the OS frees). */
+void curl_glue_init(void);
+
+/* curl_glue_init(), then a fresh easy handle on url with CURLOPT_NOSIGNAL, http and https
+ * only, the connect timeout and the whole-transfer timeout (ms; 0 = libcurl's default /
+ * none).  NULL when libcurl is out of memory. */
+CURL *curl_glue_easy(const char *url, long connect_timeout_ms, long timeout_ms);
+
+#endif
