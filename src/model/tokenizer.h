@@ -63,6 +63,9 @@ int tokenizer_decode(const tokenizer *tok, const int32_t *ids, size_t n, bool sk
 /* Id of a token given as its vocabulary string (added token content such as
  * "<|im_end|>", or a byte-level vocab key such as "Ġhello"); -1 if none. */
 int32_t tokenizer_token_id(const tokenizer *tok, const char *token);
+/* The id's vocabulary string (not NUL-terminated) as convert_ids_to_tokens
+ * gives it ("Ġhello", "▁hello", "<0x0A>", "<|eot_id|>"); NULL if out of range. */
+const char *tokenizer_token_str(const tokenizer *tok, int32_t id, size_t *len);
 /* The raw bytes an id decodes to (not NUL-terminated); NULL if out of range. */
 const uint8_t *tokenizer_token_bytes(const tokenizer *tok, int32_t id, size_t *len);
 /* True if id is an added token marked special. */

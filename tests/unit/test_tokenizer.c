@@ -608,8 +608,22 @@ static void test_load_errors(void **state) {
                "\"merges\": []}}");
     expect_load_error(dir, "tokenizer.json", "does not compile");
     write_text(dir, "tokenizer.json",
-               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}");
-    expect_load_error(dir, "tokenizer.json", "no ByteLevel");
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+               "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, \"decoder\": {\"type\": "
+               "\"Metaspace\"}}");
+    expect_load_error(dir, "tokenizer.json", "ByteLevel tokenizer with a Replace");
+    write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [], "
+               "\"unk_token\": \"<unk>\"}}");
+    expect_load_error(dir, "tokenizer.json", "unk_token \"<unk>\" is not in the vocab");
+    write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+               "\"post_processor\": {\"type\": \"RobertaProcessing\"}}");
+    expect_load_error(dir, "tokenizer.json", "unsupported post_processor type \"RobertaProcessing\"");
+    write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+               "\"pre_tokenizer\": {\"type\": \"Metaspace\", \"prepend_scheme\": \"sometimes\"}}");
+    expect_load_error(dir, "tokenizer.json", "prepend_scheme");
     /* a valid tokenizer.json with a broken tokenizer_config.json */
     json_t *tj = load_qwen_json();
     write_json(dir, "tokenizer.json", tj);
