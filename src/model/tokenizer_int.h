@@ -253,8 +253,4 @@ int tok_parse_decoder(tokenizer *t, const char *path, json_t *d, char *err, size
  * *is_byte set for a ByteFallback <0xXX> token. */
 int tok_decode_key(const tokenizer *t, const char *s, size_t n, tok_bytes *out, bool *is_byte);
 
-/* ---- loading helpers (tokenizer_load.c) ---- */
-
-json_t *tok_load_json(const char *path, char *err, size_t cap, int *rc);
-
 #endif

@@ -19,9 +19,9 @@
  * loading
  * ====================================================================== */
 
-json_t *tok_load_json(const char *path, char *err, size_t cap, int *rc) {
+static json_t *tok_load_json(const char *path, size_t flags, char *err, size_t cap, int *rc) {
     json_error_t je;
-    json_t *root = json_load_file(path, JSON_DECODE_ANY, &je);
+    json_t *root = json_load_file(path, JSON_DECODE_ANY | flags, &je);
     if (!root) {
         FILE *f = fopen(path, "rb");
         if (!f) {
@@ -443,7 +443,8 @@ static int tok_parse_config(tokenizer *t, const char *dir, char *err, size_t cap
     if (!probe) return 0; /* optional */
     fclose(probe);
     int rc = 0;
-    json_t *cfg = tok_load_json(path, err, cap, &rc);
+    /* transformers writes model_max_length 1e30 as an integer: read numbers as reals */
+    json_t *cfg = tok_load_json(path, JSON_DECODE_INT_AS_REAL, err, cap, &rc);
     if (!cfg) return rc;
     struct {
         const char *key;
@@ -525,7 +526,7 @@ int tokenizer_load(const char *dir, tokenizer **out, char *err, size_t err_cap) 
         return -ENAMETOOLONG;
     }
     int rc = 0;
-    json_t *root = tok_load_json(path, err, err_cap, &rc);
+    json_t *root = tok_load_json(path, 0, err, err_cap, &rc);
     if (!root) return rc;
     tokenizer *t = calloc(1, sizeof(*t));
     if (!t) {

@@ -668,6 +668,16 @@ static void test_load_errors(void **state) {
     assert_string_equal(tokenizer_chat_template(tok), "{{ messages }}");
     assert_int_equal(tokenizer_eos_id(tok), -1);
     tokenizer_free(tok);
+    /* transformers' "no limit" model_max_length (1e30 written as an integer) */
+    write_text(dir, "tokenizer_config.json",
+               "{\"model_max_length\": 1000000000000000019884624838656}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_int_equal(tokenizer_model_max_length(tok), 0);
+    tokenizer_free(tok);
+    write_text(dir, "tokenizer_config.json", "{\"model_max_length\": 131072}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_int_equal(tokenizer_model_max_length(tok), 131072);
+    tokenizer_free(tok);
     remove_temp_dir(dir);
 }
 
