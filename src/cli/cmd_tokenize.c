@@ -73,10 +73,10 @@ static json_t *tok_line(const tokenizer *tok, const char *line, size_t len, doub
         json_t *x;
         bool ok = v != NULL;
         json_array_foreach(ids, i, x) {
-            if (!ok) break;
-            ok = json_is_integer(x) && json_integer_value(x) >= INT32_MIN &&
+            ok = ok && json_is_integer(x) && json_integer_value(x) >= INT32_MIN &&
                  json_integer_value(x) <= INT32_MAX;
-            if (ok) v[i] = (int32_t)json_integer_value(x);
+            if (!ok) break;
+            v[i] = (int32_t)json_integer_value(x);
         }
         if (!ok) {
             snprintf(err, sizeof err, "ids[%zu] is not a 32-bit integer", i);

@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 import tokenizer_refs  # noqa: E402
 
 MISSING = tokenizer_refs.missing_packages()
-pytestmark = pytest.mark.skipif(
+needs_refs = pytest.mark.skipif(
     bool(MISSING), reason=f"reference packages not installed: {', '.join(MISSING)} "
                           "(scripts/setup.sh installs them)")
 
@@ -98,6 +98,7 @@ def short(s):
     return repr(s if len(s) < 120 else s[:120] + "...")
 
 
+@needs_refs
 @pytest.mark.parametrize("family", sorted(tokenizer_refs.FAMILIES))
 def test_family_matches_references(family, base_inputs, disagg_bin, tmp_path):
     from tokenizers import Tokenizer
@@ -162,3 +163,32 @@ def test_family_matches_references(family, base_inputs, disagg_bin, tmp_path):
     # the original's decode of the round trips (valid UTF-8 text) agrees too
     odiff = sum(1 for q in hf_ids[:1500] if fam.orig_decode(q) != hf.decode(q))
     print(f"{family}: the original's decode differs from HF's on {odiff} of 1500 round trips")
+
+
+QWEN_DIR = os.path.join(ROOT, "..", "shared", "data", "qwen2.5-tokenizer")
+
+
+def test_tokenize_cli_errors(disagg_bin, tmp_path):
+    """Bad lines get an error answer naming the problem (exit 1), good lines
+    still get theirs; bad arguments are usage errors naming what is accepted."""
+    lines = ['{"text": "Hello world"}', "{not json", '{"ids": [9707, "x"]}',
+             '{"ids": [9707, 99999999]}', '{"other": 1}', '{"ids": [9707, 1879]}']
+    p = subprocess.run([disagg_bin, "tokenize", QWEN_DIR], input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    out = [json.loads(line) for line in p.stdout.splitlines()]
+    assert out[0] == {"ids": [9707, 1879]}
+    assert "malformed JSON" in out[1]["error"]
+    assert "ids[1]" in out[2]["error"]
+    assert "99999999" in out[3]["error"] and "not in the vocabulary" in out[3]["error"]
+    assert "neither" in out[4]["error"]
+    assert out[5] == {"text": "Hello world"}
+    assert "6 lines" in p.stderr and "MB/s" in p.stderr
+    p = subprocess.run([disagg_bin, "tokenize", str(tmp_path / "nope")], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1 and "nope" in p.stderr
+    p = subprocess.run([disagg_bin, "tokenize", QWEN_DIR, "--frobnicate"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "--frobnicate" in p.stderr and "--input" in p.stderr
+    p = subprocess.run([disagg_bin, "tokenize"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "usage: disagg tokenize" in p.stderr
