@@ -8,7 +8,7 @@ figures).
 Each family's tokenizer.json is built as tests/integration/tokenizer_refs.py
 builds it (plus Qwen2.5's from ../shared/data/qwen2.5-tokenizer).  The text is
 the public-domain sotu corpus (../shared/data/sotu/sotu.txt.xz, 10.8 MB) cut
-into its paragraphs.  disagg: `disagg tokenize` reports the seconds spent in
+into its lines (or --chunk pieces).  disagg: `disagg tokenize` reports the seconds spent in
 tokenizer_encode (one thread).  HF: Tokenizer.encode on each paragraph in one
 Python thread (its per-call overhead included), and encode_batch over all of
 them with RAYON_NUM_THREADS threads (default 1).  Ids are checked equal.
@@ -32,6 +32,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--disagg", default=os.path.join(ROOT, "build", "disagg"))
     ap.add_argument("--families", default="qwen2.5,llama3,mistral_v3,mistral_v1,tekken")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="cut the text into pieces of about this many characters (0: lines)")
     ap.add_argument("--corpus", default=os.path.join(ROOT, "..", "shared", "data", "sotu",
                                                      "sotu.txt.xz"))
     args = ap.parse_args()
@@ -41,8 +43,15 @@ def main():
 
     text = lzma.open(args.corpus, "rt", encoding="utf-8").read()
     paras = [p for p in text.split("\n") if p.strip()]
+    if args.chunk:  # prompt-sized pieces, cut after a space
+        paras, i = [], 0
+        while i < len(text):
+            j = text.find(" ", i + args.chunk)
+            j = len(text) if j < 0 else j + 1
+            paras.append(text[i:j])
+            i = j
     mb = sum(len(p.encode()) for p in paras) / 1e6
-    print(f"corpus: {len(paras)} paragraphs, {mb:.2f} MB; HF tokenizers "
+    print(f"corpus: {len(paras)} pieces, {mb:.2f} MB; HF tokenizers "
           f"{__import__('tokenizers').__version__}, RAYON_NUM_THREADS="
           f"{os.environ['RAYON_NUM_THREADS']}")
     print("| tokenizer | tokens | disagg MB/s | HF encode MB/s | HF encode_batch MB/s |")
