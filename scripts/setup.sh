@@ -10,7 +10,12 @@ DEBS=(
   libibverbs-dev libssl-dev openssl libyaml-dev iproute2 xz-utils curl
   prometheus etcd-server etcd-client
 )
-PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib)
+PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib
+      tokenizers transformers sentencepiece protobuf llama-models mistral-common)
+# The last six are the tokenizer references (tests/integration/tokenizer_refs.py):
+# HF tokenizers and transformers' converters (no torch), the SentencePiece
+# library, and the packages that ship Llama 3's and Mistral's tokenizer files
+# (they bring tiktoken).
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -37,7 +42,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import pytest, openai, zmq, msgpack, msgspec, numpy, requests, pytest_timeout, prometheus_client, matplotlib' 2>/dev/null; then
+if ! "$PY" -c 'import pytest, openai, zmq, msgpack, msgspec, numpy, requests, pytest_timeout, prometheus_client, matplotlib, tokenizers, transformers, sentencepiece, google.protobuf, llama_models, mistral_common' 2>/dev/null; then
   echo "setup: installing Python test packages: ${PIPS[*]}"
   "$PY" -m pip install -q --disable-pip-version-check "${PIPS[@]}"
 fi

@@ -38,6 +38,7 @@ COMMANDS = [
     ["bootstrap"],
     ["demo"],
     ["generate"],
+    ["tokenize"],
     ["bench"],
     ["bench", "transfer"],
     ["bench", "transfer", "--location", "cuda:0"],

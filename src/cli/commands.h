@@ -13,5 +13,6 @@ int cmd_bootstrap(int argc, char **argv); /* cmd_bootstrap.c: bootstrap server, 
 int cmd_serve(int argc, char **argv);     /* cmd_serve.c: the OpenAI-compatible server */
 int cmd_demo(int argc, char **argv);      /* cmd_demo.c: P + D + proxy, one request */
 int cmd_proxy(int argc, char **argv);     /* cmd_proxy.c: the P/D router */
+int cmd_tokenize(int argc, char **argv);  /* cmd_tokenize.c: encode/decode JSON lines */
 
 #endif

@@ -24,6 +24,7 @@ static const command COMMANDS[] = {
     {"bootstrap", cmd_bootstrap, "Mooncake bootstrap server alone; register/query helpers"},
     {"serve", cmd_serve, "OpenAI-compatible server: disagg serve [MODEL] --port 8000"},
     {"proxy", cmd_proxy, "P/D router: --prefill URL --decode URL, serves :8000"},
+    {"tokenize", cmd_tokenize, "encode/decode JSON lines with a model's tokenizer.json"},
 };
 #define NCOMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
 

@@ -1,31 +1,39 @@
 /*
- * tokenizer — Hugging Face `tokenizer.json` byte-level BPE (the Qwen2/Qwen2.5
- * family) plus the parts of `tokenizer_config.json` the server needs (eos, pad,
- * bos tokens, model_max_length, chat_template text).
+ * tokenizer — Hugging Face `tokenizer.json` BPE (Qwen2/2.5/3, Llama 3, Mistral's
+ * SentencePiece BPE and Tekken as the hub ships them) plus the parts of
+ * `tokenizer_config.json` the server needs (eos, pad, bos tokens,
+ * model_max_length, chat_template text).
  *
  * Encoding follows Hugging Face `tokenizers` step by step, and must agree with
- * it id for id (tests/unit/test_tokenizer.c checks thousands of strings whose
- * ids HF produced, see tools/gen_tokenizer_golden.py):
+ * it id for id (tests/unit/test_tokenizer.c checks thousands of Qwen strings
+ * whose ids HF produced, see tools/gen_tokenizer_golden.py;
+ * tests/integration/test_tokenizer_families.py the other families against HF
+ * and the original tiktoken / sentencepiece implementations):
  *   1. added tokens whose `normalized` flag is false are split out of the raw
  *      text first (leftmost-longest match, honouring single_word, lstrip,
- *      rstrip); the remaining pieces are normalized (NFC via utf8proc), then
- *      added tokens with `normalized` true are split out of those;
- *   2. pre-tokenizers: Split (Oniguruma regex, behavior Isolated) and
- *      ByteLevel (bytes -> printable unicode, optional GPT-2 regex); the
- *      Qwen2 split pattern has an ASCII fast path whose character classes
- *      come from Oniguruma (test_split_fast_path compares it with Oniguruma);
- *   3. BPE with merge ranks (lowest rank first, leftmost on ties), with a
- *      cache of recently seen words.
- * Decoding maps ids to bytes (ByteLevel decoder) and replaces invalid UTF-8 as
- * Rust's String::from_utf8_lossy does (one U+FFFD per maximal invalid
- * subpart); the stream decoder gives the same text piece by piece and never
- * emits half a character.
+ *      rstrip); each remaining piece is normalized (NFC/NFD/NFKC/NFKD via
+ *      utf8proc, Prepend, Replace with a string or regex, Strip), then added
+ *      tokens with `normalized` true are split out of it;
+ *   2. pre-tokenizers: Split (Oniguruma regex, behavior Isolated; the Qwen2
+ *      and Llama 3 patterns have an ASCII fast path whose character classes
+ *      come from Oniguruma), ByteLevel (optional GPT-2 regex and prefix
+ *      space) and Metaspace (' ' -> U+2581, prepend_scheme always / first /
+ *      never, optional split);
+ *   3. BPE with merge ranks (lowest rank first, leftmost on ties) over bytes
+ *      (byte-level files) or characters (SentencePiece files: byte_fallback
+ *      to <0xXX> tokens, unk_token with fuse_unk), ignore_merges, with a
+ *      cache of recently seen words;
+ *   4. with add_special, the post-processor's TemplateProcessing ids around
+ *      the text (else tokenizer_config.json's add_bos_token/add_eos_token).
+ * Decoding follows the decoder: ByteLevel (ids -> bytes), or Replace +
+ * ByteFallback + Fuse + Strip / Metaspace (U+2581 -> ' ', a run of <0xXX>
+ * tokens that is not UTF-8 becomes one U+FFFD per token, the first leading
+ * space of the text is stripped); invalid UTF-8 is replaced as Rust's
+ * String::from_utf8_lossy does (one U+FFFD per maximal invalid subpart).
  *
  * Not supported (load fails with a message naming the field): models other
- * than BPE, normalizers other than NFC/NFD/NFKC/NFKD, pre-tokenizers other
- * than Split(Isolated)/ByteLevel, post-processors other than ByteLevel (so no
- * TemplateProcessing: add_special only honours add_bos_token/add_eos_token of
- * tokenizer_config.json), decoders other than ByteLevel.
+ * than BPE, other normalizers, pre-tokenizers, decoders and post-processors,
+ * TemplateProcessing with more than $A (pairs are never encoded here).
  *
  * A loaded tokenizer is read-only and may be shared by threads (the word
  * cache has its own lock).  Functions return 0 or a negative errno; errors
@@ -63,6 +71,9 @@ int tokenizer_decode(const tokenizer *tok, const int32_t *ids, size_t n, bool sk
 /* Id of a token given as its vocabulary string (added token content such as
  * "<|im_end|>", or a byte-level vocab key such as "Ġhello"); -1 if none. */
 int32_t tokenizer_token_id(const tokenizer *tok, const char *token);
+/* The id's vocabulary string (not NUL-terminated) as convert_ids_to_tokens
+ * gives it ("Ġhello", "▁hello", "<0x0A>", "<|eot_id|>"); NULL if out of range. */
+const char *tokenizer_token_str(const tokenizer *tok, int32_t id, size_t *len);
 /* The raw bytes an id decodes to (not NUL-terminated); NULL if out of range. */
 const uint8_t *tokenizer_token_bytes(const tokenizer *tok, int32_t id, size_t *len);
 /* True if id is an added token marked special. */
@@ -85,9 +96,13 @@ const char *tokenizer_chat_template(const tokenizer *tok);
 /* ---- streaming decode --------------------------------------------------
  * Feed ids one at a time; each push writes the text that is complete so far.
  * Bytes of an unfinished UTF-8 character are held until the next push; an
- * invalid sequence becomes U+FFFD exactly as tokenizer_decode would.  The
+ * invalid sequence becomes U+FFFD as Rust's from_utf8_lossy does.  The
  * concatenation of all pushes plus the flush equals tokenizer_decode of the
- * same ids. */
+ * same ids, except for SentencePiece decoders: the stream decodes a
+ * continuation (as vLLM's incremental detokenizer, which has the prompt
+ * before it), so it keeps the leading space that decode's Strip removes, and
+ * an invalid run of <0xXX> tokens follows the lossy rule rather than one
+ * U+FFFD per token. */
 typedef struct tokenizer_stream {
     uint8_t pending[4]; /* bytes of an incomplete character */
     int n_pending;      /* how many of pending[] are used */

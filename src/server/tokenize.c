@@ -6,7 +6,7 @@
  *              "add_special_tokens": false, "return_token_strs": false}
  *     → {"count": N, "max_model_len": M, "tokens": [...], "token_strs": null | [...]}
  *   /detokenize {"tokens": [ids]} → {"prompt": text}
- * token_strs are the vocabulary strings (byte-level, "Ġhello"), as
+ * token_strs are the vocabulary strings ("Ġhello", "▁hello", "<0x0A>"), as
  * convert_ids_to_tokens gives them.
  */
 #include "server/gen.h"
@@ -14,40 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* GPT-2 bytes_to_unicode: printable bytes map to themselves, the others to
- * U+0100 upwards in byte order. */
-static int byte_level_char(unsigned b) {
-    if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255)) return (int)b;
-    int n = 0;
-    for (unsigned x = 0; x < b; x++)
-        if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255))) n++;
-    return 256 + n;
-}
-
-static void utf8_put(sbuf *out, int cp) {
-    char b[4];
-    if (cp < 0x80) {
-        b[0] = (char)cp;
-        sbuf_append(out, b, 1);
-    } else {
-        b[0] = (char)(0xC0 | (cp >> 6));
-        b[1] = (char)(0x80 | (cp & 0x3F));
-        sbuf_append(out, b, 2);
-    }
-}
-
 static json_t *token_str(const tokenizer *tok, int32_t id) {
     size_t n = 0;
-    const uint8_t *bytes = tokenizer_token_bytes(tok, id, &n);
-    if (!bytes) return json_null();
-    if (tokenizer_is_special(tok, id)) return json_stringn((const char *)bytes, n);
-    sbuf s;
-    sbuf_init(&s, 1 << 16);
-    for (size_t i = 0; i < n; i++)
-        utf8_put(&s, byte_level_char(bytes[i]));
-    json_t *j = json_stringn(s.data ? s.data : "", s.len);
-    sbuf_free(&s);
-    return j;
+    const char *str = tokenizer_token_str(tok, id, &n);
+    return str ? json_stringn(str, n) : json_null();
 }
 
 static json_t *parse_body(server *s, const char *body, size_t len, oai_error *err) {

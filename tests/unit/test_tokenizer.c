@@ -608,8 +608,23 @@ static void test_load_errors(void **state) {
                "\"merges\": []}}");
     expect_load_error(dir, "tokenizer.json", "does not compile");
     write_text(dir, "tokenizer.json",
-               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}");
-    expect_load_error(dir, "tokenizer.json", "no ByteLevel");
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+               "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, \"decoder\": {\"type\": "
+               "\"Metaspace\"}}");
+    expect_load_error(dir, "tokenizer.json", "ByteLevel tokenizer with a Replace");
+    write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [], "
+               "\"unk_token\": \"<unk>\"}}");
+    expect_load_error(dir, "tokenizer.json", "unk_token \"<unk>\" is not in the vocab");
+    write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+               "\"post_processor\": {\"type\": \"RobertaProcessing\"}}");
+    expect_load_error(dir, "tokenizer.json",
+                      "unsupported post_processor type \"RobertaProcessing\"");
+    write_text(dir, "tokenizer.json",
+               "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+               "\"pre_tokenizer\": {\"type\": \"Metaspace\", \"prepend_scheme\": \"sometimes\"}}");
+    expect_load_error(dir, "tokenizer.json", "prepend_scheme");
     /* a valid tokenizer.json with a broken tokenizer_config.json */
     json_t *tj = load_qwen_json();
     write_json(dir, "tokenizer.json", tj);
@@ -653,6 +668,120 @@ static void test_load_errors(void **state) {
     if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
     assert_string_equal(tokenizer_chat_template(tok), "{{ messages }}");
     assert_int_equal(tokenizer_eos_id(tok), -1);
+    tokenizer_free(tok);
+    /* transformers' "no limit" model_max_length (1e30 written as an integer) */
+    write_text(dir, "tokenizer_config.json",
+               "{\"model_max_length\": 1000000000000000019884624838656}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_int_equal(tokenizer_model_max_length(tok), 0);
+    tokenizer_free(tok);
+    write_text(dir, "tokenizer_config.json", "{\"model_max_length\": 131072}");
+    if (tokenizer_load(dir, &tok, err, sizeof(err))) fail_msg("%s", err);
+    assert_int_equal(tokenizer_model_max_length(tok), 131072);
+    tokenizer_free(tok);
+    remove_temp_dir(dir);
+}
+
+/* A SentencePiece-style tokenizer.json made by hand (the real Mistral files are
+ * checked against HF in tests/integration/test_tokenizer_families.py): BPE over
+ * characters with Metaspace, unk with and without fuse_unk, byte_fallback, the
+ * Replace+ByteFallback+Fuse+Strip decoder, TemplateProcessing; expected ids and
+ * texts are what HF tokenizers 0.23 gives for the same JSON. */
+static void write_spm_json(const char *dir, bool fuse_unk, bool byte_fallback) {
+    char buf[2048];
+    snprintf(buf, sizeof buf,
+             "{\"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"\u2581\", "
+             "\"prepend_scheme\": \"always\", \"split\": false}, "
+             "\"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": "
+             "[{\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}}, {\"Sequence\": {\"id\": "
+             "\"A\", \"type_id\": 0}}], \"special_tokens\": {\"<s>\": {\"id\": \"<s>\", \"ids\": "
+             "[8], \"tokens\": [\"<s>\"]}}}, "
+             "\"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"Replace\", "
+             "\"pattern\": {\"String\": \"\u2581\"}, \"content\": \" \"}, {\"type\": "
+             "\"ByteFallback\"}, {\"type\": \"Fuse\"}, {\"type\": \"Strip\", \"content\": \" \", "
+             "\"start\": 1, \"stop\": 0}]}, "
+             "\"added_tokens\": [{\"id\": 8, \"content\": \"<s>\", \"special\": true, "
+             "\"normalized\": false}], "
+             "\"model\": {\"type\": \"BPE\", \"unk_token\": \"<unk>\", \"fuse_unk\": %s, "
+             "\"byte_fallback\": %s, \"vocab\": {\"<unk>\": 0, \"\u2581\": 1, \"a\": 2, \"b\": 3, "
+             "\"\u2581a\": 4, \"ab\": 5, \"<0xE4>\": 6, \"<0xBD>\": 7, \"<s>\": 8}, "
+             "\"merges\": [[\"\u2581\", \"a\"], [\"a\", \"b\"]]}}",
+             fuse_unk ? "true" : "false", byte_fallback ? "true" : "false");
+    write_text(dir, "tokenizer.json", buf);
+}
+
+static void expect_ids(const tokenizer *tok, const char *text, bool add, const int32_t *want,
+                       size_t n_want) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    char err[256] = "";
+    if (tokenizer_encode(tok, text, strlen(text), add, &ids, &n, err, sizeof err))
+        fail_msg("encode(%s): %s", text, err);
+    bool same = n == n_want;
+    for (size_t i = 0; same && i < n; i++)
+        same = ids[i] == want[i];
+    if (!same) {
+        char got[256] = "";
+        for (size_t i = 0; i < n && strlen(got) < 200; i++)
+            snprintf(got + strlen(got), sizeof got - strlen(got), "%d ", ids[i]);
+        fail_msg("encode(\"%s\") = [%s]", text, got);
+    }
+    free(ids);
+}
+
+static void expect_decode(const tokenizer *tok, const int32_t *ids, size_t n, bool skip,
+                          const char *want) {
+    char *txt = NULL;
+    size_t len = 0;
+    assert_int_equal(tokenizer_decode(tok, ids, n, skip, &txt, &len, NULL, 0), 0);
+    assert_string_equal(txt, want);
+    free(txt);
+}
+
+static void test_sentencepiece_style(void **state) {
+    (void)state;
+    char *dir = make_temp_dir();
+    char err[512] = "";
+    tokenizer *tok = NULL;
+    write_spm_json(dir, true, false);
+    if (tokenizer_load(dir, &tok, err, sizeof err)) fail_msg("%s", err);
+    expect_ids(tok, "a xyz b", false, (const int32_t[]){4, 1, 0, 1, 3}, 5);
+    expect_ids(tok, " ab", false, (const int32_t[]){4, 3}, 2); /* starts with ▁: no prepend */
+    expect_ids(tok, "a", true, (const int32_t[]){8, 4}, 2);    /* the template's <s> */
+    expect_ids(tok, "<s>a", false, (const int32_t[]){8, 4}, 2);
+    expect_decode(tok, (const int32_t[]){4, 1, 0, 1, 3}, 5, false, "a <unk> b");
+    expect_decode(tok, (const int32_t[]){8, 4, 3}, 3, true, "ab");
+    expect_decode(tok, (const int32_t[]){8, 4, 3}, 3, false, "<s> ab");
+    size_t n;
+    const char *str = tokenizer_token_str(tok, 4, &n);
+    assert_int_equal(n, 4);
+    assert_memory_equal(str, "\u2581a", 4);
+    assert_int_equal(tokenizer_token_id(tok, "\u2581a"), 4);
+    /* the stream decodes a continuation: the leading space stays */
+    tokenizer_stream st;
+    tokenizer_stream_init(&st, true);
+    char out[256], all[256] = "";
+    size_t k;
+    const int32_t seq[] = {8, 4, 1, 0, 1, 3};
+    for (size_t i = 0; i < 6; i++) {
+        assert_int_equal(tokenizer_stream_push(tok, &st, seq[i], out, sizeof out, &k), 0);
+        strncat(all, out, k);
+    }
+    assert_string_equal(all, " a <unk> b");
+    tokenizer_free(tok);
+
+    write_spm_json(dir, false, false); /* one unk per unknown character */
+    if (tokenizer_load(dir, &tok, err, sizeof err)) fail_msg("%s", err);
+    expect_ids(tok, "a xyz b", false, (const int32_t[]){4, 1, 0, 0, 0, 1, 3}, 7);
+    tokenizer_free(tok);
+
+    write_spm_json(dir, true, true); /* byte fallback: 你 is E4 BD A0, A0 has no token */
+    if (tokenizer_load(dir, &tok, err, sizeof err)) fail_msg("%s", err);
+    expect_ids(tok, "\xe4\xbd\xa0", false, (const int32_t[]){1, 0}, 2); /* not all bytes: unk */
+    /* a run of byte tokens that is not UTF-8: one U+FFFD per token */
+    expect_decode(tok, (const int32_t[]){6, 7, 2}, 3, false,
+                  "\xef\xbf\xbd\xef\xbf\xbd"
+                  "a");
     tokenizer_free(tok);
     remove_temp_dir(dir);
 }
@@ -930,6 +1059,7 @@ int main(void) {
         cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_decode_errors),
         cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_sentencepiece_style),
         cmocka_unit_test(test_random_strings),
         cmocka_unit_test(test_split_fast_path),
         cmocka_unit_test(test_threads),
