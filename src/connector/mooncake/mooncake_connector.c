@@ -29,11 +29,13 @@
 #define MOD              "connector.mooncake"
 #define ID_MAX           128
 #define REAPER_PERIOD_NS (50 * NS_PER_MS)
-#define MAX_PULL_THREADS 512
+#define MAX_RELEASES      64 /* consumer: "release your blocks" messages in flight */
+#define RELEASE_TIMEOUT_S 5.0
 #define PROBE_AFTER_NS   (3 * NS_PER_S) /* a pull waiting longer gets its producer probed */
 #define PROBE_PERIOD_NS  (2 * NS_PER_S)
 #define BEAT_PERIOD_NS   (10 * NS_PER_S) /* CONTINUE to a pull waiting on a live request */
 #define CANCEL_ACK_S     5.0             /* D waits this long for P to acknowledge a cancel */
+#define LOOKUP_ANSWER_S   2.0 /* D's bootstrap lookup: connect + answer deadline per attempt */
 
 /* Failure counters (disagg:kv_transfer_failures_total{side,reason}). */
 enum {
@@ -55,6 +57,8 @@ enum {
     FC_TIMEOUT,               /* no KV within the decoder's deadline */
     FC_CANCELLED,             /* the client went away during the pull */
     FC_LOCAL,                 /* decoder-side: memory, threads */
+    FC_EVICTED,               /* evicted at max_remote_loads: P did not know its transfer */
+    FC_BUSY,                  /* refused at max_remote_loads */
     FC_COUNT
 };
 static const char *const FC_NAMES[FC_COUNT] = {"bad_params",
@@ -63,7 +67,9 @@ static const char *const FC_NAMES[FC_COUNT] = {"bad_params",
                                                "producer_error",
                                                "timeout",
                                                "cancelled",
-                                               "decoder"};
+                                               "decoder",
+                                               "evicted",
+                                               "too_many_loads"};
 
 /* ---- state ------------------------------------------------------------------ */
 
@@ -135,8 +141,11 @@ typedef struct cons_req {
     uint64_t started_ns; /* the pull thread started */
     int unreachable;     /* the liveness probe found the producer gone */
     int timed_out;       /* the reaper's deadline cancelled the pull */
+    int p_unknown;       /* the producer said it does not know the transfer id (yet) */
+    int evicted;         /* cancelled to make room at max_remote_loads */
     int loading;         /* a pull thread owns it */
     int released;        /* the engine dropped its handle */
+    void *h;             /* that handle (freed at destroy when the engine never released it) */
     struct cons_req *next;
 } cons_req;
 
@@ -172,6 +181,10 @@ struct mooncake_connector {
     /* consumer */
     cons_req *conss;
     int n_pull_threads;
+    int n_evicting;            /* pull threads of evicted loads, still ending */
+    int n_releases;            /* release threads (release_remote) */
+    uint64_t releases_dropped; /* releases not sent: MAX_RELEASES were in flight */
+    atomic_int release_cancel; /* raised at destroy */
     /* shared */
     pthread_mutex_t mu; /* guards everything mutable above and the stats */
     pthread_cond_t cv;  /* reaper wake-up / pull threads drained */
@@ -565,6 +578,8 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
     /* A transfer_id no request of ours carries yet may still arrive (P and D
      * get the request at the same time): wait for it, but only so long. */
     uint64_t wait_deadline = now + (uint64_t)(c->env.unknown_transfer_timeout_s * 1e9);
+    char **unk = calloc(pull->n_reqs + 1, sizeof *unk); /* parts waiting for unknown ids */
+    size_t n_unk = 0;
     pthread_mutex_lock(&c->mu);
     for (size_t i = 0; i < pull->n_reqs; i++) {
         const side_channel_req_blocks *rb = &pull->reqs[i];
@@ -572,16 +587,24 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
         size_t nids = 0;
         for (size_t g = 0; g < rb->n_groups; g++)
             nids += rb->groups[g].n;
-        if (nids == 0) { /* "nothing to send, release your blocks" */
-            if (p && (p->state == P_READY)) {
+        /* No block ids: "nothing to send, release your blocks" -- what vLLM's
+         * decoder sends for a request it will not load (and ours for one it
+         * rejected, or dropped before its pull).  Blocks kept now are freed;
+         * a request still prefilling, or not here yet, is released as soon as
+         * it is ready. */
+        if (nids == 0 && p) {
+            if (p->state == P_READY) {
                 p->state = P_DONE;
                 prod_release_blocks_locked(c, p);
                 prod_maybe_free_locked(c, p);
+            } else if (p->state == P_PREFILLING || p->state == P_UNKNOWN) {
+                p->cancelled = 1;
+                if (p->state == P_UNKNOWN && !p->waiters) p->deadline_ns = wait_deadline;
             }
             job_req_done_locked(c, job, i, 1, NULL);
             continue;
         }
-        if (rb->n_groups != 1) {
+        if (nids != 0 && rb->n_groups != 1) {
             c->fail_p[FP_REFUSED]++;
             job_req_done_locked(c, job, i, 0,
                                 "this producer has one KV group; the pull names several");
@@ -615,6 +638,12 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
             }
             unknown_push_locked(c, p);
         }
+        if (nids == 0) { /* a release ahead of its request: remembered (capped, timed) */
+            p->cancelled = 1;
+            p->deadline_ns = wait_deadline;
+            job_req_done_locked(c, job, i, 1, NULL);
+            continue;
+        }
         pull_part *w = malloc(sizeof *w);
         if (!w) {
             job_req_done_locked(c, job, i, 0, "producer out of memory");
@@ -624,6 +653,7 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
         p->waiters = w;
         if (p->state == P_UNKNOWN) {
             if (!p->deadline_ns || p->deadline_ns > wait_deadline) p->deadline_ns = wait_deadline;
+            if (unk) unk[n_unk++] = rb->req_id;
         } else if (p->state == P_PREFILLING) {
             /* queued or running here: no deadline (the abort timeout counts
              * from the end of the prefill); heartbeats keep D waiting */
@@ -631,6 +661,16 @@ static void on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) 
             prod_wake_waiters_locked(c, p);
         }
     }
+    if (n_unk && job->pending > 1) {
+        /* Tell the decoder at once which of its requests wait for a transfer id
+         * this producer does not know (yet): at its max_remote_loads it evicts
+         * such a pull first, so bogus pulls cannot starve real ones. */
+        side_channel_reply r = {
+            .status = SIDE_CHANNEL_CONTINUE, .unknown_reqs = unk, .n_unknown = n_unk};
+        side_channel_call_reply(job->call, &r);
+        job->beat_ns = now;
+    }
+    free(unk);
     job_drop_hold_locked(c, job);
     pthread_mutex_unlock(&c->mu);
 }
@@ -667,7 +707,11 @@ static int on_reply(void *ud, const side_channel_reply *r) {
     if (r->status != SIDE_CHANNEL_CONTINUE) {
         o->done = 1;
     } else { /* the producer is alive and still has the request: extend the deadline */
+        int unknown = 0;
+        for (size_t i = 0; i < r->n_unknown; i++)
+            if (!strcmp(r->unknown_reqs[i], o->my_req)) unknown = 1;
         pthread_mutex_lock(&o->c->mu);
+        o->r->p_unknown = unknown;
         o->r->deadline_ns =
             clock_now_ns() + (uint64_t)((o->c->env.abort_request_timeout_s + 60) * 1e9);
         pthread_mutex_unlock(&o->c->mu);
@@ -676,18 +720,26 @@ static int on_reply(void *ud, const side_channel_reply *r) {
 }
 
 /* Find the producer's side-channel endpoint for engine_id via its bootstrap server. */
-static int resolve_endpoint(mooncake_connector *c, const cons_req *r, char *ep, size_t cap,
-                            char *err, size_t errcap) {
+static int resolve_endpoint(mooncake_connector *c, const char *bootstrap, const char *engine_id,
+                            char *ep, size_t cap, char *err, size_t errcap) {
+    /* A bootstrap server answers /query from its own thread in microseconds:
+     * one that accepts but does not answer (a hung or stopped producer, a
+     * wrong address) is gone.  Each attempt gets LOOKUP_ANSWER_S (or the
+     * connector timeout when shorter), two attempts 0.5 s apart: the request
+     * fails within about 5 s, not 2 x VLLM_MOONCAKE_CONNECTOR_TIMEOUT. */
     bootstrap_retry retry;
-    bootstrap_retry_init(&retry, c->env.connector_timeout_s);
+    bootstrap_retry_init(&retry, c->env.connector_timeout_s < LOOKUP_ANSWER_S
+                                     ? c->env.connector_timeout_s
+                                     : LOOKUP_ANSWER_S);
     retry.attempts = 2;
+    retry.backoff_s = 0.5;
     bootstrap_table t;
-    int rc = bootstrap_client_query(r->bootstrap, &retry, &t, err, errcap);
+    int rc = bootstrap_client_query(bootstrap, &retry, &t, err, errcap);
     if (rc) return rc;
     const char *addr = NULL;
     const bootstrap_engine *pe = NULL;
     for (size_t i = 0; i < t.n && !pe; i++)
-        if (t.engines[i].engine_id && !strcmp(t.engines[i].engine_id, r->remote_engine_id))
+        if (t.engines[i].engine_id && !strcmp(t.engines[i].engine_id, engine_id))
             pe = &t.engines[i];
     if (pe) { /* the prefill ranks this decode rank pulls from (tp_pull.h) */
         xfer_kv_shape sh;
@@ -707,7 +759,7 @@ static int resolve_endpoint(mooncake_connector *c, const cons_req *r, char *ep, 
     }
     if (!addr) {
         snprintf(err, errcap, "bootstrap server %s knows no engine '%s' (remote_engine_id)",
-                 r->bootstrap, r->remote_engine_id);
+                 bootstrap, engine_id);
         bootstrap_table_free(&t);
         return -ENOENT;
     }
@@ -735,7 +787,7 @@ static void *pull_main(void *arg) {
     snprintf(my_req, sizeof my_req, "d-%" PRIu64, r->id);
     o.my_req = my_req;
     uint64_t hold_ns = 0; /* set when a pull went out and its final reply never came */
-    int rc = resolve_endpoint(c, r, ep, sizeof ep, err, sizeof err);
+    int rc = resolve_endpoint(c, r->bootstrap, r->remote_engine_id, ep, sizeof ep, err, sizeof err);
     if (rc == -ENOENT) {
         status = 400; /* the bootstrap server answered: the engine id is wrong */
         reason = FC_BAD_PARAMS;
@@ -786,7 +838,7 @@ static void *pull_main(void *arg) {
              * into these blocks, for at most its transfer deadline (30 s + 1 ns
              * per byte, Mooncake's default) — keep them out of use that long,
              * plus a margin.  An acknowledged cancel frees them at once. */
-            if (rc != 0 && !o.done && !acked)
+            if (rc != 0 && rc != SIDE_CHANNEL_EREFUSED && !o.done && !acked)
                 hold_ns = 35 * 1000000000ull + (uint64_t)g.n * (uint64_t)c->region.block_bytes;
             if (rc == SIDE_CHANNEL_ECANCELED) {
                 pthread_mutex_lock(&c->mu);
@@ -814,6 +866,14 @@ static void *pull_main(void *arg) {
                      "producer unreachable: its bootstrap server %s stopped answering",
                      r->bootstrap);
             reason = FC_PRODUCER_UNREACHABLE;
+        } else if (rc == SIDE_CHANNEL_ECANCELED && r->evicted) {
+            snprintf(err, sizeof err,
+                     "too many remote KV loads in flight: evicted to make room "
+                     "(kv_connector_extra_config.max_remote_loads %d) -- the producer %s did not "
+                     "know this transfer id",
+                     c->cfg.max_remote_loads, ep);
+            status = 503;
+            reason = FC_EVICTED;
         } else if (rc == SIDE_CHANNEL_ECANCELED && r->timed_out) {
             snprintf(err, sizeof err, "no KV from producer %s within the decoder's deadline", ep);
             status = 504;
@@ -846,11 +906,105 @@ static void *pull_main(void *arg) {
     pthread_mutex_lock(&c->mu);
     c->st.loading--;
     c->n_pull_threads--;
+    if (r->evicted) c->n_evicting--;
     r->loading = 0;
     cons_maybe_free_locked(c, r);
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     return NULL;
+}
+
+/* ---- consumer: "release your blocks" ----------------------------------------------- */
+
+typedef struct release_job {
+    mooncake_connector *c;
+    char transfer_id[ID_MAX], engine_id[ID_MAX], bootstrap[256];
+} release_job;
+
+/* Tell the producer that its KV for transfer_id will not be pulled: a pull
+ * whose request has no block ids, as vLLM's decoder sends for a request it
+ * will not load (so a vLLM producer frees them too).  Bounded: the lookup
+ * (about 5 s) and RELEASE_TIMEOUT_S for the answer. */
+static void *release_main(void *arg) {
+    release_job *j = arg;
+    mooncake_connector *c = j->c;
+    char ep[256], err[320] = "", host[64];
+    int rc = resolve_endpoint(c, j->bootstrap, j->engine_id, ep, sizeof ep, err, sizeof err);
+    if (rc == 0) {
+        static atomic_uint seq;
+        char req[48];
+        snprintf(req, sizeof req, "d-release-%u", atomic_fetch_add(&seq, 1));
+        side_channel_block_group g = {0};
+        side_channel_req_blocks rb = {req, j->transfer_id, &g, 1};
+        uint64_t base = (uint64_t)(uintptr_t)c->region.base;
+        int64_t blen = (int64_t)c->region.block_bytes;
+        uint16_t port = 0;
+        net_split_host_port(c->segment, host, sizeof host, &port, 0);
+        side_channel_pull pull = {.remote_hostname = host,
+                                  .remote_port = port,
+                                  .remote_tp_size = c->tp.tp_size,
+                                  .remote_tp_rank = c->tp.tp_rank,
+                                  .reqs = &rb,
+                                  .n_reqs = 1,
+                                  .kv_caches_base_addr = &base,
+                                  .block_lens = &blen,
+                                  .kv_block_lens = &blen,
+                                  .n_regions = 1,
+                                  .remote_pp_size = 1,
+                                  .layout = c->region.fingerprint};
+        rc = side_channel_pull_run_ex(ep, &pull, c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL,
+                                      RELEASE_TIMEOUT_S, &c->release_cancel, 0, NULL, NULL, NULL,
+                                      err, sizeof err);
+    }
+    if (rc)
+        LOG_W(MOD, "transfer %s: telling the producer to release its KV failed: %s", j->transfer_id,
+              err);
+    else
+        LOG_D(MOD, "transfer %s: the producer was told to release its KV", j->transfer_id);
+    pthread_mutex_lock(&c->mu);
+    c->n_releases--;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    free(j);
+    return NULL;
+}
+
+/* Start telling the producer (at most MAX_RELEASES at once; beyond, its abort
+ * timeout frees the blocks).  Caller does not hold mu. */
+static void release_remote(mooncake_connector *c, const char *bootstrap, const char *engine_id,
+                           const char *transfer_id) {
+    release_job *j = calloc(1, sizeof *j);
+    pthread_mutex_lock(&c->mu);
+    int ok = j && !c->stop && c->n_releases < MAX_RELEASES;
+    if (ok)
+        c->n_releases++;
+    else if (c->releases_dropped++ % 100 == 0)
+        LOG_W(MOD,
+              "transfer %s: %d releases already in flight: the producer keeps this KV until "
+              "its abort timeout (%" PRIu64 " releases not sent so far)",
+              transfer_id, MAX_RELEASES, c->releases_dropped);
+    pthread_mutex_unlock(&c->mu);
+    if (!ok) {
+        free(j);
+        return;
+    }
+    j->c = c;
+    snprintf(j->transfer_id, sizeof j->transfer_id, "%s", transfer_id);
+    snprintf(j->engine_id, sizeof j->engine_id, "%s", engine_id);
+    snprintf(j->bootstrap, sizeof j->bootstrap, "%s", bootstrap);
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &at, release_main, j);
+    pthread_attr_destroy(&at);
+    if (rc != 0) {
+        free(j);
+        pthread_mutex_lock(&c->mu);
+        c->n_releases--;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+    }
 }
 
 /* ---- engine hooks ---------------------------------------------------------------- */
@@ -941,6 +1095,12 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 if (p->state == P_UNKNOWN) unknown_remove_locked(c, p);
                 p->state = P_PREFILLING;
                 p->deadline_ns = 0; /* pulls waiting for it now wait for the prefill */
+                uint64_t now = clock_now_ns();
+                for (pull_part *w = p->waiters; w; w = w->next) { /* "known now" */
+                    side_channel_reply cr = {.status = SIDE_CHANNEL_CONTINUE};
+                    side_channel_call_reply(w->job->call, &cr);
+                    w->job->beat_ns = now;
+                }
                 p->id = id;
                 h = malloc(sizeof *h);
                 if (h) *h = (handle){1, p};
@@ -985,6 +1145,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 snprintf(r->remote_engine_id, sizeof r->remote_engine_id, "%s", eid);
                 snprintf(r->bootstrap, sizeof r->bootstrap, "%s", boot);
                 *h = (handle){0, r};
+                r->h = h;
                 pthread_mutex_lock(&c->mu);
                 r->next = c->conss;
                 c->conss = r;
@@ -1023,10 +1184,36 @@ static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, 
     r->started_ns = clock_now_ns();
     r->deadline_ns = r->started_ns + (uint64_t)((c->env.abort_request_timeout_s + 60) * 1e9);
     pthread_mutex_lock(&c->mu);
-    if (c->n_pull_threads >= MAX_PULL_THREADS || c->stop) {
+    int cap = c->cfg.max_remote_loads;
+    if (!c->stop && c->n_pull_threads - c->n_evicting >= cap && c->n_pull_threads < 2 * cap) {
+        /* Full: evict the oldest load whose producer said it does not know
+         * the transfer id (a bogus pull, or one far ahead of its request);
+         * its thread ends within the cancel's acknowledgement (5 s), so at
+         * most 2 x max_remote_loads pull threads exist. */
+        cons_req *old = NULL;
+        for (cons_req *q = c->conss; q; q = q->next)
+            if (q->loading && q->p_unknown && !q->evicted &&
+                (!old || q->started_ns < old->started_ns))
+                old = q;
+        if (old) {
+            old->evicted = 1;
+            c->n_evicting++;
+            atomic_store(&old->cancel, SIDE_CHANNEL_CANCEL_ASK);
+        }
+    }
+    if (c->n_pull_threads - c->n_evicting >= cap || c->n_pull_threads >= 2 * cap || c->stop) {
+        c->fail_c[FC_BUSY]++;
+        c->st.pulls_failed++;
         pthread_mutex_unlock(&c->mu);
-        engine_kv_load_done(c->eng, id, 0, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
-                            0, "too many remote KV loads in flight");
+        char msg[300];
+        snprintf(msg, sizeof msg,
+                 "too many remote KV loads in flight: %d loads wait for their producers "
+                 "(kv_connector_extra_config.max_remote_loads %d); retry later or add decode "
+                 "instances",
+                 cap, cap);
+        release_remote(c, r->bootstrap, r->remote_engine_id, r->transfer_id);
+        engine_kv_load_failed(c->eng, id, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
+                              0, 503, msg);
         return;
     }
     r->loading = 1;
@@ -1117,11 +1304,35 @@ static void request_released(void *ctx, void *hp, uint64_t id) {
     } else {
         cons_req *r = h->p;
         r->released = 1;
+        if (!r->started_ns) { /* dropped before its pull (aborted while queued) */
+            release_job tmp;
+            snprintf(tmp.bootstrap, sizeof tmp.bootstrap, "%s", r->bootstrap);
+            snprintf(tmp.engine_id, sizeof tmp.engine_id, "%s", r->remote_engine_id);
+            snprintf(tmp.transfer_id, sizeof tmp.transfer_id, "%s", r->transfer_id);
+            cons_maybe_free_locked(c, r);
+            pthread_mutex_unlock(&c->mu);
+            release_remote(c, tmp.bootstrap, tmp.engine_id, tmp.transfer_id);
+            free(h);
+            return;
+        }
         cons_maybe_free_locked(c, r);
     }
     pthread_mutex_unlock(&c->mu);
     free(h);
     (void)id;
+}
+
+void mooncake_connector_release_unused(mooncake_connector *c, const char *kv_params) {
+    if (!c || !kv_params || !is_consumer_role(c)) return;
+    json_t *o = json_loads(kv_params, 0, NULL);
+    if (json_is_object(o) && json_is_true(json_object_get(o, "do_remote_prefill"))) {
+        const char *tid = jstr(o, "transfer_id"), *eid = jstr(o, "remote_engine_id"),
+                   *boot = jstr(o, "remote_bootstrap_addr");
+        if (tid && *tid && strlen(tid) < ID_MAX && eid && *eid && strlen(eid) < ID_MAX && boot &&
+            bootstrap_addr_ok(boot))
+            release_remote(c, boot, eid, tid);
+    }
+    json_decref(o);
 }
 
 /* ---- reaper: expiries and deadlines -------------------------------------------------- */
@@ -1135,7 +1346,10 @@ static void beat_waiters_locked(mooncake_connector *c, prod_req *p, uint64_t now
     for (pull_part *w = p->waiters; w; w = w->next) {
         if (now - w->job->beat_ns < BEAT_PERIOD_NS) continue;
         w->job->beat_ns = now;
+        char *rid = w->job->pull->reqs[w->req].req_id;
         side_channel_reply r = {.status = SIDE_CHANNEL_CONTINUE};
+        if (p->state == P_UNKNOWN) /* still unknown: say so again */
+            r.unknown_reqs = &rid, r.n_unknown = 1;
         side_channel_call_reply(w->job->call, &r);
     }
 }
@@ -1196,6 +1410,51 @@ static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_ch
         }
     }
     pthread_mutex_unlock(&c->mu);
+}
+
+/* Side-channel thread: the connection conn of a decoder closed (it stopped,
+ * crashed or was killed).  Its waiting pulls end, and the transfers they
+ * waited for are released as soon as they are ready (or at once) instead of
+ * being kept for the abort timeout: nobody is left to pull them. */
+static void on_gone(void *ud, uint64_t conn) {
+    mooncake_connector *c = ud;
+    static const char why[] = "the decoder's side-channel connection closed";
+    uint64_t now = clock_now_ns();
+    int n = 0;
+    pthread_mutex_lock(&c->mu);
+    for (prod_req *p = c->prods, *next; p; p = next) {
+        next = p->next;
+        int hit = 0;
+        for (pull_part **pw = &p->waiters; *pw;) {
+            pull_part *w = *pw;
+            if (side_channel_call_conn(w->job->call) == conn) {
+                *pw = w->next;
+                c->fail_p[FP_CANCELLED]++;
+                job_req_done_locked(c, w->job, w->req, 0, why);
+                free(w);
+                hit = 1;
+            } else {
+                pw = &w->next;
+            }
+        }
+        if (!hit) continue;
+        n++;
+        p->cancelled = 1;
+        if (p->waiters) continue; /* another pull still wants it */
+        if (p->state == P_READY) {
+            p->state = P_DONE;
+            prod_release_blocks_locked(c, p);
+            prod_maybe_free_locked(c, p);
+        } else if (p->state == P_UNKNOWN) { /* remembered: a late request is released */
+            p->deadline_ns = now + (uint64_t)(c->env.unknown_transfer_timeout_s * 1e9);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (n)
+        LOG_W(MOD,
+              "a decoder's side-channel connection closed with %d pull(s) waiting: their KV is "
+              "released when ready",
+              n);
 }
 
 /* Caller holds mu (dropped while probing).  ZeroMQ does not report a peer
@@ -1350,6 +1609,7 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
     int rc = side_channel_server_start_auth(c->host, 0, secret, on_pull, c, &c->sc, err, errlen);
     if (rc) return rc;
     side_channel_server_set_cancel_fn(c->sc, on_cancel);
+    side_channel_server_set_gone_fn(c->sc, on_gone);
     snprintf(c->sc_addr, sizeof c->sc_addr, strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u",
              c->host, side_channel_server_port(c->sc));
     c->n_senders = c->cfg.num_workers;
@@ -1512,8 +1772,9 @@ void mooncake_connector_destroy(mooncake_connector *c) {
     for (int i = 0; i < c->n_senders; i++)
         pthread_join(c->senders[i], NULL);
     pthread_join(c->reaper, NULL);
+    atomic_store(&c->release_cancel, SIDE_CHANNEL_CANCEL_DROP);
     pthread_mutex_lock(&c->mu); /* pull threads end within 100 ms of their cancel */
-    while (c->n_pull_threads > 0)
+    while (c->n_pull_threads > 0 || c->n_releases > 0)
         pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
     if (c->bs) bootstrap_server_stop(c->bs);
@@ -1527,9 +1788,10 @@ void mooncake_connector_destroy(mooncake_connector *c) {
         free(p->blocks);
         free(p);
     }
-    while (c->conss) {
+    while (c->conss) { /* requests still live in the engine (its hooks are gone) */
         cons_req *r = c->conss;
         c->conss = r->next;
+        if (!r->released) free(r->h);
         free(r->blocks);
         free(r);
     }
@@ -1657,7 +1919,9 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
     /* issue 11 section 3: what the KV ports refused */
     pthread_mutex_lock(&c->mu);
     uint64_t evicted = c->pulls_evicted;
-    int unknown = c->n_unknown;
+    int unknown = c->n_unknown, loads_unknown = 0;
+    for (cons_req *r = c->conss; r; r = r->next)
+        loads_unknown += r->loading && r->p_unknown && !r->evicted;
     pthread_mutex_unlock(&c->mu);
     {
         static const char *const tn[4] = MOONCAKE_TRANSPORTS;
@@ -1689,7 +1953,7 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
     }
     uint64_t sc_rej = c->sc ? side_channel_server_auth_rejected(c->sc) : 0;
     uint64_t bs_rej = c->bs ? bootstrap_server_auth_rejected(c->bs) : 0;
-    char more[1024];
+    char more[1536];
     snprintf(more, sizeof more,
              "# HELP disagg:kv_auth_rejected_total Messages refused for authentication "
              "(auth_secret / DISAGG_KV_SECRET), by port.\n"
@@ -1703,8 +1967,12 @@ char *mooncake_connector_metrics_text(mooncake_connector *c) {
              "# HELP disagg:kv_pending_unknown_pulls Producer: pulls for transfer ids not "
              "known yet, waiting.\n"
              "# TYPE disagg:kv_pending_unknown_pulls gauge\n"
-             "disagg:kv_pending_unknown_pulls %d\n",
-             sc_rej, bs_rej, evicted, unknown);
+             "disagg:kv_pending_unknown_pulls %d\n"
+             "# HELP disagg:kv_loads_unknown_transfer Consumer: remote KV loads whose producer "
+             "said it does not know the transfer id (yet); evicted first at max_remote_loads.\n"
+             "# TYPE disagg:kv_loads_unknown_transfer gauge\n"
+             "disagg:kv_loads_unknown_transfer %d\n",
+             sc_rej, bs_rej, evicted, unknown, loads_unknown);
     size_t used = strlen(t), add = strlen(more);
     char *nt = realloc(t, used + add + 1);
     if (!nt) return t;
