@@ -84,21 +84,6 @@ static void handle_models(server *s, hs_req *req) {
     server_reply_json(req, 200, json_pack("{s:s,s:o}", "object", "list", "data", data), NULL);
 }
 
-/* disagg:kv_first_token_handoffs_total (docs/connector.md), after the connector's families. */
-static int first_token_metrics(const engine_stats *st, sbuf *out) {
-    prom p;
-    prom_init(&p, 4096, PROM_STYLE_INT);
-    prom_family(&p, "disagg:kv_first_token_handoffs", PROM_COUNTER,
-                "Remote-prefill requests whose first output token came from the producer (no "
-                "prompt position recomputed), by outcome.");
-    prom_sample_u64(&p, st->first_token_handoffs, "outcome", "used", NULL);
-    prom_sample_u64(&p, st->first_token_refused, "outcome", "refused", NULL);
-    int rc = prom_error(&p);
-    if (!rc) rc = sbuf_append(out, prom_text(&p), p.len);
-    prom_free(&p);
-    return rc;
-}
-
 static void handle_metrics(server *s, hs_req *req) {
     engine_stats st;
     memset(&st, 0, sizeof st);
@@ -106,19 +91,21 @@ static void handle_metrics(server *s, hs_req *req) {
     prom p;
     prom_init(&p, (size_t)16 << 20, PROM_STYLE_FLOAT);
     int rc = metrics_render(&s->metrics, &st, s->block_size, s->model_name, &p);
-    sbuf out;
-    sbuf_init(&out, (size_t)16 << 20);
-    if (!rc) rc = sbuf_append(&out, prom_text(&p), p.len);
-    prom_free(&p);
-    if (!rc && s->conn) { /* disagg:kv_transfer_* */
-        char *kv = mooncake_connector_metrics_text(s->conn);
-        if (kv) rc = sbuf_append(&out, kv, strlen(kv));
-        free(kv);
-        if (!rc) rc = first_token_metrics(&st, &out);
+    if (!rc && s->conn) { /* disagg:kv_* */
+        rc = mooncake_connector_metrics(s->conn, &p);
+        /* the first-token handoff (docs/connector.md) */
+        prom_set_style(&p, PROM_STYLE_INT);
+        prom_family(&p, "disagg:kv_first_token_handoffs", PROM_COUNTER,
+                    "Remote-prefill requests whose first output token came from the producer (no "
+                    "prompt position recomputed), by outcome.");
+        prom_sample_u64(&p, st.first_token_handoffs, "outcome", "used", NULL);
+        prom_sample_u64(&p, st.first_token_refused, "outcome", "refused", NULL);
+        rc = prom_error(&p);
     }
+    if (rc) LOG_E("server", "/metrics: %s", strerror(-rc));
     server_reply_text(req, rc ? 500 : 200, "text/plain; version=0.0.4; charset=utf-8",
-                      rc ? "" : out.data, rc ? 0 : out.len);
-    sbuf_free(&out);
+                      rc ? "" : prom_text(&p), rc ? 0 : p.len);
+    prom_free(&p);
 }
 
 /* ---- router ---------------------------------------------------------------------- */
