@@ -6,7 +6,6 @@
 #include "proxy/proxy_internal.h"
 
 #include <errno.h>
-#include <event2/buffer.h>
 #include <event2/event.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -195,54 +194,44 @@ void membership_describe(const proxy *px, char *out, size_t cap) {
              st.connected ? "" : "; etcd unreachable: ", st.connected ? "" : st.last_error);
 }
 
-void membership_write_metrics(proxy *px, struct evbuffer *o) {
+void membership_write_metrics(proxy *px, prom *o) {
     membership *m = px->members;
     if (!m) return;
     discovery_status st;
     discovery_watcher_status(m->w, &st);
-    metrics_header(o, "disagg_proxy_discovery_connected", "gauge",
-                   "1 while etcd answers; 0: routing on the last known instances.");
-    evbuffer_add_printf(o, "disagg_proxy_discovery_connected %d\n", st.connected);
-    metrics_header(o, "disagg_proxy_discovery_instances", "gauge",
-                   "Instances in rotation from etcd, by role (bootstrap: standalone servers).");
+    prom_family(o, "disagg_proxy_discovery_connected", PROM_GAUGE,
+                "1 while etcd answers; 0: routing on the last known instances.");
+    prom_sample(o, st.connected, NULL);
+    prom_family(o, "disagg_proxy_discovery_instances", PROM_GAUGE,
+                "Instances in rotation from etcd, by role (bootstrap: standalone servers).");
     for (int role = 0; role < 2; role++) {
         int c = 0;
         for (int i = 0; i < *count(px, role); i++)
             c += slots(px, role)[i].active && slots(px, role)[i].discovered &&
                  !slots(px, role)[i].retiring;
-        evbuffer_add_printf(o, "disagg_proxy_discovery_instances{role=\"%s\"} %d\n",
-                            role ? "decode" : "prefill", c);
+        prom_sample(o, c, "role", role ? "decode" : "prefill", NULL);
     }
-    evbuffer_add_printf(o, "disagg_proxy_discovery_instances{role=\"bootstrap\"} %d\n",
-                        m->bootstraps);
-    metrics_header(o, "disagg_proxy_discovery_changes_total", "counter",
-                   "Instances that joined or left the rotation through etcd.");
-    evbuffer_add_printf(o, "disagg_proxy_discovery_changes_total{change=\"joined\"} %llu\n",
-                        (unsigned long long)m->added);
-    evbuffer_add_printf(o, "disagg_proxy_discovery_changes_total{change=\"left\"} %llu\n",
-                        (unsigned long long)m->removed);
-    metrics_header(o, "disagg_proxy_discovery_events_total", "counter",
-                   "etcd watch events received.");
-    evbuffer_add_printf(o, "disagg_proxy_discovery_events_total %llu\n",
-                        (unsigned long long)st.events);
-    metrics_header(o, "disagg_proxy_discovery_errors_total", "counter",
-                   "Failed etcd requests (each loss of contact).");
-    evbuffer_add_printf(o, "disagg_proxy_discovery_errors_total %llu\n",
-                        (unsigned long long)st.errors);
-    metrics_header(o, "disagg_proxy_discovery_bad_records_total", "counter",
-                   "etcd values under the prefix that were not a valid instance record.");
-    evbuffer_add_printf(o, "disagg_proxy_discovery_bad_records_total %llu\n",
-                        (unsigned long long)st.bad_records);
-    metrics_header(o, "disagg_proxy_backend_published_load", "gauge",
-                   "Running + waiting requests an instance published in etcd.");
+    prom_sample(o, m->bootstraps, "role", "bootstrap", NULL);
+    prom_family(o, "disagg_proxy_discovery_changes", PROM_COUNTER,
+                "Instances that joined or left the rotation through etcd.");
+    prom_sample_u64(o, m->added, "change", "joined", NULL);
+    prom_sample_u64(o, m->removed, "change", "left", NULL);
+    prom_family(o, "disagg_proxy_discovery_events", PROM_COUNTER, "etcd watch events received.");
+    prom_sample_u64(o, st.events, NULL);
+    prom_family(o, "disagg_proxy_discovery_errors", PROM_COUNTER,
+                "Failed etcd requests (each loss of contact).");
+    prom_sample_u64(o, st.errors, NULL);
+    prom_family(o, "disagg_proxy_discovery_bad_records", PROM_COUNTER,
+                "etcd values under the prefix that were not a valid instance record.");
+    prom_sample_u64(o, st.bad_records, NULL);
+    /* the label keeps its published name, backend (as the other per-instance series) */
+    prom_family(o, "disagg_proxy_backend_published_load", PROM_GAUGE,
+                "Running + waiting requests an instance published in etcd.");
     for (int role = 0; role < 2; role++)
         for (int i = 0; i < *count(px, role); i++) {
             upstream *b = &slots(px, role)[i];
             if (!b->active || !b->has_load) continue;
-            char url[2 * sizeof b->url];
-            metrics_label_value(b->url, url, sizeof url);
-            evbuffer_add_printf(
-                o, "disagg_proxy_backend_published_load{role=\"%s\",upstream=\"%s\"} %d\n",
-                upstream_role_name(b->role), url, b->pub_running + b->pub_waiting);
+            prom_sample(o, b->pub_running + b->pub_waiting, "role", upstream_role_name(b->role),
+                        "backend", b->url, NULL);
         }
 }

@@ -17,16 +17,17 @@
 #ifndef DISAGG_PROXY_MEMBERSHIP_H
 #define DISAGG_PROXY_MEMBERSHIP_H
 
+#include "base/prom.h"
+
 #include <stddef.h>
 
 struct proxy;
-struct evbuffer;
 
 /* Reads the initial set (etcd must answer) and starts watching. */
 int membership_start(struct proxy *px, char *err, size_t errcap);
 void membership_stop(struct proxy *px);
 /* The disagg_proxy_discovery_* series (nothing without --discovery). */
-void membership_write_metrics(struct proxy *px, struct evbuffer *o);
+void membership_write_metrics(struct proxy *px, prom *o);
 /* "; discovery: ..." for a 503 when no instance is known (nothing without). */
 void membership_describe(const struct proxy *px, char *out, size_t cap);
 

@@ -8,7 +8,6 @@
 #include "proxy/membership.h"
 
 #include <errno.h>
-#include <event2/buffer.h>
 #include <event2/event.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -133,92 +132,88 @@ static void not_ready_reason(const proxy *px, char *out, size_t cap) {
 
 /* ---- metrics ---------------------------------------------------------- */
 
-static void write_metrics(proxy *px, struct evbuffer *o) {
+static void write_metrics(proxy *px, prom *o) {
     static const char *const ep_names[EP_COUNT] = {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
     static const char *const err_names[PERR_COUNT] = {
         "bad_request",     "not_found",     "method_not_allowed",  "not_ready",
         "prefill_failed",  "decode_failed", "client_disconnected", "prefill_rejected",
         "decode_rejected", "unauthorized"};
-    metrics_header(o, "disagg_proxy_requests_total", "counter", "Client requests by endpoint.");
+    prom_family(o, "disagg_proxy_requests", PROM_COUNTER, "Client requests by endpoint.");
     for (int i = 0; i < EP_COUNT; i++)
-        evbuffer_add_printf(o, "disagg_proxy_requests_total{endpoint=\"%s\"} %llu\n", ep_names[i],
-                            (unsigned long long)px->requests[i]);
-    metrics_header(o, "disagg_proxy_responses_total", "counter",
-                   "Client responses by status class.");
-    for (int i = 1; i <= 5; i++)
-        evbuffer_add_printf(o, "disagg_proxy_responses_total{code=\"%dxx\"} %llu\n", i,
-                            (unsigned long long)px->responses[i]);
-    metrics_header(o, "disagg_proxy_errors_total", "counter", "Failed client requests by reason.");
+        prom_sample_u64(o, px->requests[i], "endpoint", ep_names[i], NULL);
+    prom_family(o, "disagg_proxy_responses", PROM_COUNTER, "Client responses by status class.");
+    for (int i = 1; i <= 5; i++) {
+        char code[8];
+        snprintf(code, sizeof code, "%dxx", i);
+        prom_sample_u64(o, px->responses[i], "code", code, NULL);
+    }
+    prom_family(o, "disagg_proxy_errors", PROM_COUNTER, "Failed client requests by reason.");
     for (int i = 0; i < PERR_COUNT; i++)
-        evbuffer_add_printf(o, "disagg_proxy_errors_total{reason=\"%s\"} %llu\n", err_names[i],
-                            (unsigned long long)px->errors[i]);
-    metrics_header(o, "disagg_proxy_retries_total", "counter",
-                   "Requests resent to another instance after a refused connection.");
+        prom_sample_u64(o, px->errors[i], "reason", err_names[i], NULL);
+    prom_family(o, "disagg_proxy_retries", PROM_COUNTER,
+                "Requests resent to another instance after a refused connection.");
     for (int r = 0; r < 2; r++)
-        evbuffer_add_printf(o, "disagg_proxy_retries_total{role=\"%s\"} %llu\n",
-                            upstream_role_name((upstream_role)r),
-                            (unsigned long long)px->retries[r]);
-    metrics_header(o, "disagg_proxy_inflight_requests", "gauge", "Client requests being relayed.");
-    evbuffer_add_printf(o, "disagg_proxy_inflight_requests %d\n", px->inflight);
-    metrics_header(o, "disagg_proxy_ready", "gauge",
-                   "1 when a prefill and a decode instance are ready.");
-    evbuffer_add_printf(o, "disagg_proxy_ready %d\n", proxy_ready(px));
+        prom_sample_u64(o, px->retries[r], "role", upstream_role_name((upstream_role)r), NULL);
+    prom_family(o, "disagg_proxy_inflight_requests", PROM_GAUGE, "Client requests being relayed.");
+    prom_sample(o, px->inflight, NULL);
+    prom_family(o, "disagg_proxy_ready", PROM_GAUGE,
+                "1 when a prefill and a decode instance are ready.");
+    prom_sample(o, proxy_ready(px), NULL);
 
+    /* per upstream instance; the label keeps its published name, backend */
     static const struct {
-        const char *name, *type, *help;
+        const char *name;
+        prom_type type;
+        const char *help;
     } per[] = {
-        {"disagg_proxy_backend_healthy", "gauge", "1 when the instance is in rotation."},
-        {"disagg_proxy_backend_outstanding_requests", "gauge",
+        {"disagg_proxy_backend_healthy", PROM_GAUGE, "1 when the instance is in rotation."},
+        {"disagg_proxy_backend_outstanding_requests", PROM_GAUGE,
          "Requests in flight on the instance."},
-        {"disagg_proxy_backend_requests_total", "counter", "Requests sent to the instance."},
-        {"disagg_proxy_backend_errors_total", "counter",
+        {"disagg_proxy_backend_requests", PROM_COUNTER, "Requests sent to the instance."},
+        {"disagg_proxy_backend_errors", PROM_COUNTER,
          "Requests to the instance that failed (connection, timeout, HTTP 5xx)."},
-        {"disagg_proxy_backend_dp_ranks", "gauge", "Data-parallel ranks discovered (prefill)."},
+        {"disagg_proxy_backend_dp_ranks", PROM_GAUGE, "Data-parallel ranks discovered (prefill)."},
     };
     for (size_t m = 0; m < sizeof per / sizeof per[0]; m++) {
-        metrics_header(o, per[m].name, per[m].type, per[m].help);
+        prom_family(o, per[m].name, per[m].type, per[m].help);
         for (int r = 0; r < 2; r++) {
             upstream *list = r ? px->decode : px->prefill;
             int cnt = r ? px->ndecode : px->nprefill;
             for (int i = 0; i < cnt; i++) {
                 upstream *b = &list[i];
                 if (!b->active) continue;
-                unsigned long long v = m == 0   ? (unsigned long long)b->ready
-                                       : m == 1 ? (unsigned long long)b->outstanding
-                                       : m == 2 ? b->requests
-                                       : m == 3 ? b->errors
-                                                : (unsigned long long)b->nengines;
+                uint64_t v = m == 0   ? (uint64_t)b->ready
+                             : m == 1 ? (uint64_t)b->outstanding
+                             : m == 2 ? b->requests
+                             : m == 3 ? b->errors
+                                      : (uint64_t)b->nengines;
                 if (m == 4 && r) continue;
-                char url[2 * sizeof b->url];
-                metrics_label_value(b->url, url, sizeof url);
-                evbuffer_add_printf(o, "%s{role=\"%s\",backend=\"%s\"} %llu\n", per[m].name,
-                                    upstream_role_name(b->role), url, v);
+                prom_sample_u64(o, v, "role", upstream_role_name(b->role), "backend", b->url, NULL);
             }
         }
     }
-    metrics_header(o, "disagg_proxy_backend_latency_seconds", "histogram",
-                   "Request start to response end per instance.");
+    prom_family(o, "disagg_proxy_backend_latency_seconds", PROM_HISTOGRAM,
+                "Request start to response end per instance.");
     for (int r = 0; r < 2; r++) {
         upstream *list = r ? px->decode : px->prefill;
         int cnt = r ? px->ndecode : px->nprefill;
         for (int i = 0; i < cnt; i++) {
             if (!list[i].active) continue;
-            char labels[800], url[2 * sizeof list[i].url];
-            metrics_label_value(list[i].url, url, sizeof url);
-            snprintf(labels, sizeof labels, "role=\"%s\",backend=\"%s\"",
-                     upstream_role_name(list[i].role), url);
-            metrics_hist_format(o, "disagg_proxy_backend_latency_seconds", labels,
-                                &list[i].latency);
+            prom_hist h = metrics_hist_view(&list[i].latency);
+            prom_histogram(o, &h, "role", upstream_role_name(list[i].role), "backend", list[i].url,
+                           NULL);
         }
     }
-    metrics_header(o, "disagg_proxy_phase_seconds", "histogram",
-                   "Time split of disaggregated requests: prefill (P dispatch to P answer), "
-                   "decode (P answer to D end), first_byte and total (from the client request).");
-    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"prefill\"", &px->t_prefill);
-    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"decode\"", &px->t_decode);
-    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"first_byte\"", &px->t_first_byte);
-    metrics_hist_format(o, "disagg_proxy_phase_seconds", "phase=\"total\"", &px->t_total);
+    prom_family(o, "disagg_proxy_phase_seconds", PROM_HISTOGRAM,
+                "Time split of disaggregated requests: prefill (P dispatch to P answer), "
+                "decode (P answer to D end), first_byte and total (from the client request).");
+    static const char *const phases[] = {"prefill", "decode", "first_byte", "total"};
+    const metrics_hist *ph[] = {&px->t_prefill, &px->t_decode, &px->t_first_byte, &px->t_total};
+    for (int i = 0; i < 4; i++) {
+        prom_hist h = metrics_hist_view(ph[i]);
+        prom_histogram(o, &h, "phase", phases[i], NULL);
+    }
     membership_write_metrics(px, o);
 }
 
@@ -279,12 +274,15 @@ static void handle(hs_req *req, void *arg) {
         return;
     }
     if (ep == EP_METRICS) {
-        struct evbuffer *o = evbuffer_new();
-        write_metrics(px, o);
-        proxy_count_status(px, 200);
-        hs_reply(req, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, evbuffer_pullup(o, -1),
-                 evbuffer_get_length(o));
-        evbuffer_free(o);
+        prom o;
+        prom_init(&o, (size_t)16 << 20, PROM_STYLE_INT);
+        write_metrics(px, &o);
+        int bad = prom_error(&o) != 0;
+        if (bad) LOG_E(MOD, "/metrics: %s", strerror(-prom_error(&o)));
+        proxy_count_status(px, bad ? 500 : 200);
+        hs_reply(req, bad ? 500 : 200, "text/plain; version=0.0.4; charset=utf-8", NULL,
+                 bad ? "" : prom_text(&o), bad ? 0 : o.len);
+        prom_free(&o);
         return;
     }
     char why[2048];

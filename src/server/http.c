@@ -88,29 +88,24 @@ static void handle_metrics(server *s, hs_req *req) {
     engine_stats st;
     memset(&st, 0, sizeof st);
     if (s->eng) engine_get_stats(s->eng, &st);
-    sbuf out;
-    sbuf_init(&out, (size_t)16 << 20);
-    int rc = metrics_render(&s->metrics, &st, s->block_size, s->model_name, &out);
-    if (!rc && s->conn) { /* disagg:kv_transfer_* */
-        char *kv = mooncake_connector_metrics_text(s->conn);
-        if (kv) rc = sbuf_append(&out, kv, strlen(kv));
-        free(kv);
-        char ft[512]; /* the first-token handoff (docs/connector.md) */
-        int n =
-            snprintf(ft, sizeof ft,
-                     "# HELP disagg:kv_first_token_handoffs_total Remote-prefill requests whose "
-                     "first output token came from the producer (no prompt position "
-                     "recomputed), by outcome.\n"
-                     "# TYPE disagg:kv_first_token_handoffs_total counter\n"
-                     "disagg:kv_first_token_handoffs_total{outcome=\"used\"} %llu\n"
-                     "disagg:kv_first_token_handoffs_total{outcome=\"refused\"} %llu\n",
-                     (unsigned long long)st.first_token_handoffs,
-                     (unsigned long long)st.first_token_refused);
-        if (!rc && n > 0 && (size_t)n < sizeof ft) rc = sbuf_append(&out, ft, (size_t)n);
+    prom p;
+    prom_init(&p, (size_t)16 << 20, PROM_STYLE_FLOAT);
+    int rc = metrics_render(&s->metrics, &st, s->block_size, s->model_name, &p);
+    if (!rc && s->conn) { /* disagg:kv_* */
+        rc = mooncake_connector_metrics(s->conn, &p);
+        /* the first-token handoff (docs/connector.md) */
+        prom_set_style(&p, PROM_STYLE_INT);
+        prom_family(&p, "disagg:kv_first_token_handoffs", PROM_COUNTER,
+                    "Remote-prefill requests whose first output token came from the producer (no "
+                    "prompt position recomputed), by outcome.");
+        prom_sample_u64(&p, st.first_token_handoffs, "outcome", "used", NULL);
+        prom_sample_u64(&p, st.first_token_refused, "outcome", "refused", NULL);
+        rc = prom_error(&p);
     }
+    if (rc) LOG_E("server", "/metrics: %s", strerror(-rc));
     server_reply_text(req, rc ? 500 : 200, "text/plain; version=0.0.4; charset=utf-8",
-                      rc ? "" : out.data, rc ? 0 : out.len);
-    sbuf_free(&out);
+                      rc ? "" : prom_text(&p), rc ? 0 : p.len);
+    prom_free(&p);
 }
 
 /* ---- router ---------------------------------------------------------------------- */

@@ -131,235 +131,148 @@ metrics_finish metrics_finish_of(const char *reason) {
     return METRICS_FINISH_ERROR;
 }
 
-void metrics_format_value(double v, char *buf, size_t cap) {
-    if (isnan(v)) {
-        snprintf(buf, cap, "NaN");
-        return;
-    }
-    if (isinf(v)) {
-        snprintf(buf, cap, v > 0 ? "+Inf" : "-Inf");
-        return;
-    }
-    if (v == floor(v) && fabs(v) < 1e16) {
-        snprintf(buf, cap, "%.1f", v);
-        return;
-    }
-    for (int prec = 1; prec <= 17; prec++) { /* shortest round-trip, as Python's repr */
-        snprintf(buf, cap, "%.*g", prec, v);
-        if (strtod(buf, NULL) == v) return;
-    }
+static void gauge(prom *p, const char *name, const char *help, double v) {
+    prom_family(p, name, PROM_GAUGE, help);
+    prom_sample(p, v, NULL);
 }
 
-/* Label value escaping of the text format: backslash, double quote, newline. */
-static int metrics_append_label(sbuf *out, const char *v) {
-    int rc = 0;
-    for (const char *p = v; *p && !rc; p++) {
-        if (*p == '\\')
-            rc = sbuf_append(out, "\\\\", 2);
-        else if (*p == '"')
-            rc = sbuf_append(out, "\\\"", 2);
-        else if (*p == '\n')
-            rc = sbuf_append(out, "\\n", 2);
-        else
-            rc = sbuf_append(out, p, 1);
-    }
-    return rc;
+static void counter(prom *p, const char *name, const char *help, double v) {
+    prom_family(p, name, PROM_COUNTER, help);
+    prom_sample(p, v, NULL);
 }
 
-typedef struct metrics_writer {
-    sbuf *out;
-    const char *model; /* model_name label value */
-    int rc;            /* first error */
-} metrics_writer;
-
-static void mw_head(metrics_writer *w, const char *name, const char *type, const char *help) {
-    if (!w->rc)
-        w->rc = sbuf_appendf(w->out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
-}
-
-/* name{model_name="...",engine="0"[,extra]} value — label order as vLLM's
- * prometheus_client writes it (labelnames, then the family's own, le last). */
-static void mw_sample(metrics_writer *w, const char *name, const char *suffix, const char *extra,
-                      double v) {
-    char val[32];
-    metrics_format_value(v, val, sizeof val);
-    if (!w->rc) w->rc = sbuf_appendf(w->out, "%s%s{model_name=\"", name, suffix);
-    if (!w->rc) w->rc = metrics_append_label(w->out, w->model);
-    if (!w->rc)
-        w->rc = sbuf_appendf(w->out, "\",engine=\"" METRICS_ENGINE_LABEL "\"%s%s} %s\n",
-                             extra ? "," : "", extra ? extra : "", val);
-}
-
-static void mw_gauge(metrics_writer *w, const char *name, const char *help, double v) {
-    mw_head(w, name, "gauge", help);
-    mw_sample(w, name, "", NULL, v);
-}
-
-/* A counter's HELP/TYPE carry the "_total" name, as prometheus_client writes
- * format 0.0.4 (its parser then names the family without "_total").  name
- * is the family name, without "_total". */
-static void mw_counter_head(metrics_writer *w, const char *name, const char *help) {
-    if (!w->rc)
-        w->rc =
-            sbuf_appendf(w->out, "# HELP %s_total %s\n# TYPE %s_total counter\n", name, help, name);
-}
-
-static void mw_counter(metrics_writer *w, const char *name, const char *help, double v) {
-    mw_counter_head(w, name, help);
-    mw_sample(w, name, "_total", NULL, v);
-}
-
-static void mw_hist_buckets(metrics_writer *w, const char *name, const double *bounds, int nb,
-                            const uint64_t *buckets, uint64_t count, double sum) {
-    uint64_t cum = 0;
-    char le[48], val[32];
-    for (int i = 0; i <= nb; i++) {
-        cum += buckets[i];
-        if (i < nb)
-            metrics_format_value(bounds[i], val, sizeof val);
-        else
-            snprintf(val, sizeof val, "+Inf");
-        snprintf(le, sizeof le, "le=\"%s\"", val);
-        mw_sample(w, name, "_bucket", le, (double)cum);
-    }
-    mw_sample(w, name, "_count", NULL, (double)count);
-    mw_sample(w, name, "_sum", NULL, sum);
-}
-
-static void mw_hist(metrics_writer *w, const char *name, const char *help,
-                    const metrics_histogram *h) {
-    mw_head(w, name, "histogram", help);
-    mw_hist_buckets(w, name, h->bounds, h->n_bounds, h->buckets, h->count, h->sum);
+static void hist(prom *p, const char *name, const char *help, const metrics_histogram *h) {
+    /* buckets[n_bounds] (above every bound) is only in count, the +Inf bucket */
+    prom_hist v = {h->bounds, h->n_bounds, h->buckets, 0, h->count, h->sum};
+    prom_family(p, name, PROM_HISTOGRAM, help);
+    prom_histogram(p, &v, NULL);
 }
 
 int metrics_render(const server_metrics *m, const engine_stats *st, int block_size,
-                   const char *model_name, sbuf *out) {
-    metrics_writer w = {out, model_name ? model_name : "", 0};
+                   const char *model_name, prom *p) {
+    /* every sample's first labels, as vLLM's prometheus_client writes them (labelnames,
+     * then the family's own, le last) */
+    const char *const L[] = {"model_name", model_name ? model_name : "", "engine",
+                             METRICS_ENGINE_LABEL};
+    prom_style style0 = p->style;
+    const char *const *kv0 = p->const_kv;
+    int n0 = p->n_const;
+    prom_set_style(p, PROM_STYLE_FLOAT);
+    prom_const_labels(p, L, 2);
     double usage = engine_stats_kv_usage(st);
-    mw_gauge(&w, "vllm:num_requests_running", "Number of requests in model execution batches.",
-             st->num_running);
-    mw_gauge(&w, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             st->num_waiting);
-    mw_gauge(&w, "vllm:gpu_cache_usage_perc",
-             "KV-cache usage. 1 means 100 percent usage (the KV cache lives in host memory here).",
-             usage);
-    mw_gauge(&w, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
-    mw_gauge(&w, "disagg:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
-    mw_gauge(&w, "disagg:kv_blocks_used", "KV-cache blocks in use by requests.",
-             st->num_blocks_used);
-    mw_gauge(&w, "disagg:kv_blocks_capacity", "KV-cache blocks in the region.", st->num_blocks);
-    mw_gauge(&w, "disagg:num_requests_parked",
-             "Requests parked waiting for something outside the step loop (remote KV).",
-             st->num_parked);
-    mw_counter(&w, "vllm:prompt_tokens", "Number of prefill tokens processed.",
-               (double)st->prompt_tokens);
-    mw_counter(&w, "vllm:generation_tokens", "Number of generation tokens processed.",
-               (double)st->generation_tokens);
-    mw_counter(&w, "vllm:prefix_cache_queries",
-               "Prefix cache queries, in terms of number of queried tokens (full blocks).",
-               (double)st->prefix_queries * block_size);
-    mw_counter(&w, "vllm:prefix_cache_hits",
-               "Prefix cache hits, in terms of number of cached tokens (full blocks).",
-               (double)st->prefix_hits * block_size);
-    mw_counter(&w, "vllm:external_prefix_cache_queries",
-               "External prefix cache queries from KV connector cross-instance cache sharing, in "
-               "terms of number of queried tokens.",
-               (double)m->external_queries);
-    mw_counter(&w, "vllm:external_prefix_cache_hits",
-               "External prefix cache hits from KV connector cross-instance cache sharing, in "
-               "terms of number of cached tokens.",
-               (double)m->external_hits);
+    gauge(p, "vllm:num_requests_running", "Number of requests in model execution batches.",
+          st->num_running);
+    gauge(p, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+          st->num_waiting);
+    gauge(p, "vllm:gpu_cache_usage_perc",
+          "KV-cache usage. 1 means 100 percent usage (the KV cache lives in host memory here).",
+          usage);
+    gauge(p, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
+    gauge(p, "disagg:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage);
+    gauge(p, "disagg:kv_blocks_used", "KV-cache blocks in use by requests.", st->num_blocks_used);
+    gauge(p, "disagg:kv_blocks_capacity", "KV-cache blocks in the region.", st->num_blocks);
+    gauge(p, "disagg:num_requests_parked",
+          "Requests parked waiting for something outside the step loop (remote KV).",
+          st->num_parked);
+    counter(p, "vllm:prompt_tokens", "Number of prefill tokens processed.",
+            (double)st->prompt_tokens);
+    counter(p, "vllm:generation_tokens", "Number of generation tokens processed.",
+            (double)st->generation_tokens);
+    counter(p, "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens (full blocks).",
+            (double)st->prefix_queries * block_size);
+    counter(p, "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens (full blocks).",
+            (double)st->prefix_hits * block_size);
+    counter(p, "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in "
+            "terms of number of queried tokens.",
+            (double)m->external_queries);
+    counter(p, "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.",
+            (double)m->external_hits);
     static const char *sources[METRICS_SOURCE_COUNT] = {"local_compute", "local_cache_hit",
                                                         "external_kv_transfer"};
-    mw_counter_head(&w, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.");
-    for (int i = 0; i < METRICS_SOURCE_COUNT; i++) {
-        char lab[48];
-        snprintf(lab, sizeof lab, "source=\"%s\"", sources[i]);
-        mw_sample(&w, "vllm:prompt_tokens_by_source", "_total", lab,
-                  (double)m->prompt_by_source[i]);
-    }
-    mw_counter(&w, "vllm:prompt_tokens_cached",
-               "Number of cached prompt tokens (local + external).",
-               (double)(m->prompt_by_source[METRICS_SOURCE_LOCAL_CACHE_HIT] +
-                        m->prompt_by_source[METRICS_SOURCE_EXTERNAL]));
-    mw_counter(&w, "disagg:prefix_cache_queries_blocks", "Prefix cache queries, in blocks.",
-               (double)st->prefix_queries);
-    mw_counter(&w, "disagg:prefix_cache_hits_blocks", "Prefix cache hits, in blocks.",
-               (double)st->prefix_hits);
-    mw_counter(&w, "vllm:num_preemptions", "Cumulative number of preemptions.",
-               (double)st->num_preemptions);
-    mw_counter(&w, "disagg:engine_steps", "Engine steps executed.", (double)st->steps);
-    mw_counter(&w, "disagg:http_requests", "HTTP requests received.", (double)m->http_requests);
+    prom_family(p, "vllm:prompt_tokens_by_source", PROM_COUNTER,
+                "Number of prompt tokens by source.");
+    for (int i = 0; i < METRICS_SOURCE_COUNT; i++)
+        prom_sample(p, (double)m->prompt_by_source[i], "source", sources[i], NULL);
+    counter(p, "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+            (double)(m->prompt_by_source[METRICS_SOURCE_LOCAL_CACHE_HIT] +
+                     m->prompt_by_source[METRICS_SOURCE_EXTERNAL]));
+    counter(p, "disagg:prefix_cache_queries_blocks", "Prefix cache queries, in blocks.",
+            (double)st->prefix_queries);
+    counter(p, "disagg:prefix_cache_hits_blocks", "Prefix cache hits, in blocks.",
+            (double)st->prefix_hits);
+    counter(p, "vllm:num_preemptions", "Cumulative number of preemptions.",
+            (double)st->num_preemptions);
+    counter(p, "disagg:engine_steps", "Engine steps executed.", (double)st->steps);
+    counter(p, "disagg:http_requests", "HTTP requests received.", (double)m->http_requests);
     static const char *dkinds[METRICS_DEADLINE_COUNT] = {"header", "body", "keepalive"};
-    mw_counter_head(&w, "disagg:http_deadline_closes",
-                    "Connections closed on a deadline (header, body: 408; keepalive: idle).");
-    for (int i = 0; i < METRICS_DEADLINE_COUNT; i++) {
-        char lab[32];
-        snprintf(lab, sizeof lab, "kind=\"%s\"", dkinds[i]);
-        mw_sample(&w, "disagg:http_deadline_closes", "_total", lab, (double)m->deadline_closes[i]);
-    }
+    prom_family(p, "disagg:http_deadline_closes", PROM_COUNTER,
+                "Connections closed on a deadline (header, body: 408; keepalive: idle).");
+    for (int i = 0; i < METRICS_DEADLINE_COUNT; i++)
+        prom_sample(p, (double)m->deadline_closes[i], "kind", dkinds[i], NULL);
     static const char *reasons[METRICS_FINISH_COUNT] = {"stop", "length", "abort", "error"};
-    mw_counter_head(&w, "vllm:request_success", "Count of successfully processed requests.");
-    for (int i = 0; i < METRICS_FINISH_COUNT; i++) {
-        char lab[48];
-        snprintf(lab, sizeof lab, "finished_reason=\"%s\"", reasons[i]);
-        mw_sample(&w, "vllm:request_success", "_total", lab, (double)m->finished[i]);
-    }
-    mw_hist(&w, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            &m->ttft);
-    mw_hist(&w, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            &m->itl);
-    mw_hist(&w, "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", &m->tpot);
-    mw_hist(&w, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            &m->e2e);
-    mw_hist(&w, "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.", &m->queue);
-    mw_hist(&w, "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.", &m->inference);
-    mw_hist(&w, "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.", &m->prefill);
-    mw_hist(&w, "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.", &m->decode);
-    mw_hist(&w, "vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-            &m->prompt_tokens);
-    mw_hist(&w, "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            &m->generation_tokens);
-    mw_hist(&w, "vllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            &m->prefill_kv_computed);
-    mw_hist(&w, "vllm:request_params_n", "Histogram of the n request parameter.", &m->params_n);
-    mw_hist(&w, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-            &m->params_max_tokens);
+    prom_family(p, "vllm:request_success", PROM_COUNTER,
+                "Count of successfully processed requests.");
+    for (int i = 0; i < METRICS_FINISH_COUNT; i++)
+        prom_sample(p, (double)m->finished[i], "finished_reason", reasons[i], NULL);
+    hist(p, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+         &m->ttft);
+    hist(p, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+         &m->itl);
+    hist(p, "vllm:request_time_per_output_token_seconds",
+         "Histogram of time_per_output_token_seconds per request.", &m->tpot);
+    hist(p, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+         &m->e2e);
+    hist(p, "vllm:request_queue_time_seconds",
+         "Histogram of time spent in WAITING phase for request.", &m->queue);
+    hist(p, "vllm:request_inference_time_seconds",
+         "Histogram of time spent in RUNNING phase for request.", &m->inference);
+    hist(p, "vllm:request_prefill_time_seconds",
+         "Histogram of time spent in PREFILL phase for request.", &m->prefill);
+    hist(p, "vllm:request_decode_time_seconds",
+         "Histogram of time spent in DECODE phase for request.", &m->decode);
+    hist(p, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", &m->prompt_tokens);
+    hist(p, "vllm:request_generation_tokens", "Number of generation tokens processed.",
+         &m->generation_tokens);
+    hist(p, "vllm:request_prefill_kv_computed_tokens",
+         "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+         &m->prefill_kv_computed);
+    hist(p, "vllm:request_params_n", "Histogram of the n request parameter.", &m->params_n);
+    hist(p, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+         &m->params_max_tokens);
     static const double step_bounds[] = ENGINE_STEP_TOKEN_BOUNDS;
-    mw_head(&w, "vllm:iteration_tokens_total", "histogram",
-            "Histogram of number of tokens per engine_step.");
     uint64_t steps = 0;
     for (int i = 0; i <= ENGINE_STEP_TOKEN_NB; i++)
         steps += st->step_tokens_buckets[i];
-    mw_hist_buckets(&w, "vllm:iteration_tokens_total", step_bounds, ENGINE_STEP_TOKEN_NB,
-                    st->step_tokens_buckets, steps, (double)st->step_tokens_sum);
-    /* vllm:cache_config_info: CacheConfig.metrics_info() — the fields that mean
-     * something here, as strings */
-    char info[384], gmu[32];
-    metrics_format_value(m->gpu_memory_utilization, gmu, sizeof gmu);
-    snprintf(info, sizeof info,
-             "block_size=\"%d\",cache_dtype=\"%s\",enable_prefix_caching=\"%s\","
-             "gpu_memory_utilization=\"%s\",num_cpu_blocks=\"None\",num_gpu_blocks=\"%d\"",
-             m->block_size, m->cache_dtype, m->enable_prefix_caching ? "True" : "False", gmu,
-             st->num_blocks);
+    prom_hist it = {step_bounds, ENGINE_STEP_TOKEN_NB,       st->step_tokens_buckets, 0,
+                    steps,       (double)st->step_tokens_sum};
+    prom_family(p, "vllm:iteration_tokens_total", PROM_HISTOGRAM,
+                "Histogram of number of tokens per engine_step.");
+    prom_histogram(p, &it, NULL);
     /* disagg:kernels_info: which compute kernels this engine runs (the CPU ISA chosen by
      * cpuid or DISAGG_CPU_ISA, or "cuda") */
-    if (st->kernels[0]) {
-        char lab[64];
-        snprintf(lab, sizeof lab, "kernels=\"%s\"", st->kernels);
-        mw_head(&w, "disagg:kernels_info", "gauge",
-                "The compute kernels in use (label kernels: avx512f, avx512bf16, avx2, scalar, cuda).");
-        mw_sample(&w, "disagg:kernels_info", "", lab, 1.0);
-    }
-    mw_head(&w, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
-    if (!w.rc) /* vLLM's labels: the config's keys and engine, no model_name */
-        w.rc = sbuf_appendf(
-            out, "vllm:cache_config_info{%s,engine=\"" METRICS_ENGINE_LABEL "\"} 1.0\n", info);
-    return w.rc;
+    if (st->kernels[0])
+        prom_info(p, "disagg:kernels_info",
+                  "The compute kernels in use (label kernels: avx512f, avx512bf16, avx2, scalar, "
+                  "cuda).",
+                  "kernels", st->kernels, NULL);
+    /* vllm:cache_config_info: CacheConfig.metrics_info() — the fields that mean something
+     * here, as strings; vLLM's labels: the config's keys and engine, no model_name */
+    char bs[16], gmu[32], nblocks[16];
+    snprintf(bs, sizeof bs, "%d", m->block_size);
+    prom_format_value(m->gpu_memory_utilization, PROM_STYLE_FLOAT, gmu, sizeof gmu);
+    snprintf(nblocks, sizeof nblocks, "%d", st->num_blocks);
+    prom_const_labels(p, NULL, 0);
+    prom_info(p, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "block_size",
+              bs, "cache_dtype", m->cache_dtype, "enable_prefix_caching",
+              m->enable_prefix_caching ? "True" : "False", "gpu_memory_utilization", gmu,
+              "num_cpu_blocks", "None", "num_gpu_blocks", nblocks, "engine", METRICS_ENGINE_LABEL,
+              NULL);
+    prom_set_style(p, style0);
+    prom_const_labels(p, kv0, n0);
+    return prom_error(p);
 }

@@ -12,7 +12,7 @@
 #define DISAGG_SERVER_METRICS_H
 
 #include "engine/engine.h"
-#include "server/sbuf.h"
+#include "base/prom.h"
 
 #include <stdint.h>
 
@@ -71,7 +71,7 @@ typedef struct server_metrics {
     int block_size, enable_prefix_caching, max_model_len;
     double gpu_memory_utilization;
     char cache_dtype[16];
-    uint64_t finished[METRICS_FINISH_COUNT];          /* vllm:request_success_total by reason */
+    uint64_t finished[METRICS_FINISH_COUNT]; /* vllm:request_success_total by reason */
     /* vllm:prompt_tokens_by_source_total: prompt tokens of prefilled requests by where their
      * KV came from (vLLM's PromptTokenStats sources) */
     uint64_t prompt_by_source[METRICS_SOURCE_COUNT];
@@ -114,13 +114,11 @@ void metrics_observe_request(server_metrics *m, const metrics_request *q);
  * local_compute = n_prompt - cached - received, so the three sources sum to the prompt. */
 void metrics_observe_prompt_sources(server_metrics *m, const metrics_request *q);
 
-/* Appends the exposition text.  block_size turns the engine's block-granular
- * prefix-cache counters into vLLM's token-granular ones.  Returns 0 or <0. */
+/* Writes the server's families to out (base/prom, values as prometheus_client
+ * writes them; out's style and constant labels are left as they were).
+ * block_size turns the engine's block-granular prefix-cache counters into
+ * vLLM's token-granular ones.  Returns 0 or out's error (<0). */
 int metrics_render(const server_metrics *m, const engine_stats *st, int block_size,
-                   const char *model_name, sbuf *out);
-
-/* A sample value as Python's prometheus_client writes it ("1.0", "0.25",
- * "+Inf", "NaN").  buf needs 32 bytes. */
-void metrics_format_value(double v, char *buf, size_t cap);
+                   const char *model_name, prom *out);
 
 #endif

@@ -19,6 +19,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from etcd_harness import etcd_factory  # noqa: F401 (fixture)
 from proxy_fixtures import ProxyProc
 from server_harness import Server
 from test_pd import COMMON, consumer_config, producer_config
@@ -56,8 +57,40 @@ def scrape(url):
     return r.text
 
 
+SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+FAMILY_SAMPLES = {"counter": [""], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"],
+                  "summary": ["", "_count", "_sum"]}
+
+
+def check_grouping(text):
+    """The exposition's shape, line by line: each family's # HELP then # TYPE once, its samples
+    right after them and nowhere else (a family split in two, or a sample under another
+    family's TYPE, fails); histograms end each series with _count and _sum."""
+    seen, fam, help_name = set(), None, None
+    for n, line in enumerate(text.splitlines(), 1):
+        where = f"line {n}: {line!r}"
+        if line.startswith("# HELP "):
+            help_name = line.split(" ", 3)[2]
+            assert help_name not in seen, f"{where}: second HELP for {help_name}"
+        elif line.startswith("# TYPE "):
+            _, _, name, typ = line.split(" ")
+            assert name == help_name, f"{where}: TYPE without its HELP right before"
+            assert name not in seen, f"{where}: family {name} written twice (not grouped)"
+            assert typ in FAMILY_SAMPLES, where
+            seen.add(name)
+            fam, help_name = (name, typ), None
+        else:
+            assert line and not line.startswith("#"), where
+            assert fam, f"{where}: a sample before any TYPE"
+            name = SAMPLE_NAME.match(line).group(0)
+            assert name in [fam[0] + sfx for sfx in FAMILY_SAMPLES[fam[1]]], \
+                f"{where}: not a sample of the family above it ({fam[0]} {fam[1]})"
+    assert text.endswith("\n") and seen, "empty or unterminated exposition"
+
+
 def check_text(text):
     """promtool and prometheus_client over one exposition; returns {family name: family}."""
+    check_grouping(text)
     pt = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True,
                         timeout=60)
     problems = [l for l in (pt.stdout + pt.stderr).splitlines() if l.strip()]
@@ -347,6 +380,40 @@ def test_connector_engine_id_label_escaped():
         assert one(fams, "disagg:kv_transfer_info", engine_id=eid, role="kv_producer") == 1
     finally:
         assert s.stop() == 0, s.logs()
+
+
+def test_discovery_proxy_metrics(etcd_factory, tmp_path):
+    """`disagg proxy --discovery`'s own families (disagg_proxy_discovery_*, the published load
+    of each instance) pass the same checks; the per-instance label is backend, as on every
+    other disagg_proxy_backend_* series."""
+    from test_discovery import PREFIX, Instance, Proxy, wait_for
+    url = etcd_factory(1).url(PREFIX)
+    p = Instance(url, "prefill", logdir=tmp_path)
+    d = Instance(url, "decode", logdir=tmp_path)
+    px = Proxy(url, logdir=tmp_path)
+    try:
+        keys = [f'disagg_proxy_backend_published_load{{role="{i.role}",backend="{i.url}"}}'
+                for i in (p, d)]
+        wait_for(lambda: all(k in px.metrics() for k in keys), 10, "the published loads")
+        fams = check_text(scrape(px.url))
+        for f, t in (("disagg_proxy_discovery_connected", "gauge"),
+                     ("disagg_proxy_discovery_instances", "gauge"),
+                     ("disagg_proxy_discovery_changes", "counter"),
+                     ("disagg_proxy_discovery_events", "counter"),
+                     ("disagg_proxy_discovery_errors", "counter"),
+                     ("disagg_proxy_discovery_bad_records", "counter"),
+                     ("disagg_proxy_backend_published_load", "gauge")):
+            assert fams[f].type == t, (f, fams[f].type)
+        assert one(fams, "disagg_proxy_discovery_connected") == 1
+        assert one(fams, "disagg_proxy_discovery_instances", role="decode") == 1
+        assert one(fams, "disagg_proxy_discovery_changes", "_total", change="joined") == 2
+        load = fams["disagg_proxy_backend_published_load"].samples
+        assert [s.labels for s in load] == [{"role": "prefill", "backend": p.url},
+                                            {"role": "decode", "backend": d.url}], load
+    finally:
+        assert px.stop() == 0, px.logs()
+        assert d.stop() == 0, d.logs()
+        assert p.stop() == 0, p.logs()
 
 
 def test_n_observed_once_per_prompt():

@@ -1,7 +1,7 @@
 /* Unit tests: server/metrics — Prometheus text exposition (format 0.0.4):
  * HELP/TYPE lines, vLLM metric names, counters with _total, cumulative
- * histogram buckets with le labels, label escaping, value formatting as
- * Python's prometheus_client writes it. */
+ * histogram buckets with le labels, label escaping, values as Python's
+ * prometheus_client writes them (the renderer itself: test_prom.c). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -18,21 +18,6 @@ static void expect_line(const char *text, const char *line) {
     for (const char *p = text; (p = strstr(p, line)); p++)
         if ((p == text || p[-1] == '\n') && (p[n] == '\n')) return;
     fail_msg("line not found: %s", line);
-}
-
-static void test_values(void **state) {
-    (void)state;
-    char b[32];
-    metrics_format_value(3, b, sizeof b);
-    assert_string_equal(b, "3.0");
-    metrics_format_value(0.25, b, sizeof b);
-    assert_string_equal(b, "0.25");
-    metrics_format_value(0.1, b, sizeof b);
-    assert_string_equal(b, "0.1");
-    metrics_format_value(1.0 / 0.0, b, sizeof b);
-    assert_string_equal(b, "+Inf");
-    metrics_format_value(1e-7, b, sizeof b);
-    assert_string_equal(b, "1e-07");
 }
 
 static void test_render(void **state) {
@@ -55,10 +40,10 @@ static void test_render(void **state) {
     st.prompt_tokens = 100;
     st.generation_tokens = 40;
     st.num_preemptions = 7;
-    sbuf out;
-    sbuf_init(&out, 1 << 20);
+    prom out;
+    prom_init(&out, 1 << 20, PROM_STYLE_FLOAT);
     assert_int_equal(metrics_render(&m, &st, 16, "my \"model\"\\x", &out), 0);
-    const char *t = out.data;
+    const char *t = prom_text(&out);
     const char *L = "{model_name=\"my \\\"model\\\"\\\\x\",engine=\"0\"}";
     char line[256];
     expect_line(t, "# TYPE vllm:num_requests_running gauge");
@@ -118,7 +103,7 @@ static void test_render(void **state) {
         }
         p = e + 1;
     }
-    sbuf_free(&out);
+    prom_free(&out);
 }
 
 static void test_1_2_5(void **state) {
@@ -169,10 +154,10 @@ static void test_request_histograms(void **state) {
     st.step_tokens_buckets[0] = 3;                    /* le 1 */
     st.step_tokens_buckets[ENGINE_STEP_TOKEN_NB] = 1; /* above 16384 */
     st.step_tokens_sum = 3 + 20000;
-    sbuf out;
-    sbuf_init(&out, 1 << 20);
+    prom out;
+    prom_init(&out, 1 << 20, PROM_STYLE_FLOAT);
     assert_int_equal(metrics_render(&m, &st, 32, "m", &out), 0);
-    const char *t = out.data;
+    const char *t = prom_text(&out);
     expect_line(t, "# TYPE vllm:request_queue_time_seconds histogram");
     expect_line(t, "vllm:request_queue_time_seconds_sum{model_name=\"m\",engine=\"0\"} 1.0");
     expect_line(t,
@@ -197,12 +182,11 @@ static void test_request_histograms(void **state) {
     expect_line(t, "vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\","
                    "enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\","
                    "num_cpu_blocks=\"None\",num_gpu_blocks=\"10\",engine=\"0\"} 1.0");
-    sbuf_free(&out);
+    prom_free(&out);
 }
 
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_values), cmocka_unit_test(test_render),
-                                       cmocka_unit_test(test_1_2_5),
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_render), cmocka_unit_test(test_1_2_5),
                                        cmocka_unit_test(test_request_histograms)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

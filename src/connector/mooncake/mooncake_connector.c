@@ -818,172 +818,98 @@ void mooncake_connector_get_stats(mooncake_connector *c, mooncake_stats *out) {
     pthread_mutex_unlock(&c->mu);
 }
 
-/* A label value in the text format: backslash, double quote and newline escaped. */
-static void metrics_label_escape(const char *v, char *out, size_t cap) {
-    size_t o = 0;
-    for (const char *p = v ? v : ""; *p && o + 3 < cap; p++) {
-        if (*p == '\\' || *p == '"' || *p == '\n') {
-            out[o++] = '\\';
-            out[o++] = *p == '\n' ? 'n' : *p;
-        } else {
-            out[o++] = *p;
-        }
-    }
-    out[o] = 0;
-}
-
-char *mooncake_connector_metrics_text(mooncake_connector *c) {
+int mooncake_connector_metrics(mooncake_connector *c, prom *p) {
     mooncake_stats s;
     mooncake_connector_get_stats(c, &s);
-    static const double b[12] = MOONCAKE_LOAD_BUCKETS;
-    char role[64], proto[64], eid[512];
-    metrics_label_escape(s.role, role, sizeof role);
-    metrics_label_escape(s.protocol, proto, sizeof proto);
-    metrics_label_escape(s.engine_id, eid, sizeof eid);
-    size_t cap = 8192;
-    char *t = malloc(cap);
-    if (!t) return NULL;
-    /* Counters: HELP and TYPE name the sample ("_total"), as prometheus_client
-     * writes format 0.0.4, so that parsers read them as counters. */
-    int n =
-        snprintf(t, cap,
-                 "# HELP disagg:kv_transfer_info KV connector role and transport in use.\n"
-                 "# TYPE disagg:kv_transfer_info gauge\n"
-                 "disagg:kv_transfer_info{role=\"%s\",protocol=\"%s\",engine_id=\"%s\"} 1\n"
-                 "# HELP disagg:kv_transfer_bytes_total Producer: KV bytes written to decoders.\n"
-                 "# TYPE disagg:kv_transfer_bytes_total counter\n"
-                 "disagg:kv_transfer_bytes_total %" PRIu64 "\n"
-                 "# HELP disagg:kv_transfer_descriptors_total Producer: contiguous KV runs "
-                 "written to decoders.\n"
-                 "# TYPE disagg:kv_transfer_descriptors_total counter\n"
-                 "disagg:kv_transfer_descriptors_total %" PRIu64 "\n"
-                 "# HELP disagg:kv_transfers_total Per-request KV transfers by side (producer "
-                 "sends, consumer pulls) and result.\n"
-                 "# TYPE disagg:kv_transfers_total counter\n"
-                 "disagg:kv_transfers_total{side=\"producer\",result=\"ok\"} %" PRIu64 "\n"
-                 "disagg:kv_transfers_total{side=\"producer\",result=\"failed\"} %" PRIu64 "\n"
-                 "disagg:kv_transfers_total{side=\"consumer\",result=\"ok\"} %" PRIu64 "\n"
-                 "disagg:kv_transfers_total{side=\"consumer\",result=\"failed\"} %" PRIu64 "\n"
-                 "# HELP disagg:kv_transfer_expired_total Producer: kept blocks freed by the "
-                 "abort timeout (no decoder pulled them).\n"
-                 "# TYPE disagg:kv_transfer_expired_total counter\n"
-                 "disagg:kv_transfer_expired_total %" PRIu64 "\n"
-                 "# HELP disagg:kv_transfer_kept_requests Producer: requests holding blocks for "
-                 "a pull.\n"
-                 "# TYPE disagg:kv_transfer_kept_requests gauge\n"
-                 "disagg:kv_transfer_kept_requests %d\n"
-                 "# HELP disagg:kv_transfer_loading_requests Consumer: pulls in flight.\n"
-                 "# TYPE disagg:kv_transfer_loading_requests gauge\n"
-                 "disagg:kv_transfer_loading_requests %d\n"
-                 "# HELP disagg:kv_load_seconds Consumer: remote KV load latency (pull sent -> "
-                 "KV in place).\n"
-                 "# TYPE disagg:kv_load_seconds histogram\n",
-                 role, proto, eid, s.bytes_sent, s.descriptors_sent, s.transfers_ok,
-                 s.transfers_failed, s.pulls_ok, s.pulls_failed, s.expired, s.kept, s.loading);
-    for (int i = 0; i < 12 && n > 0 && (size_t)n < cap; i++)
-        n += snprintf(t + n, cap - (size_t)n,
-                      "disagg:kv_load_seconds_bucket{le=\"%g\"} %" PRIu64 "\n", b[i],
-                      s.load_buckets[i]);
-    if (n > 0 && (size_t)n < cap)
-        snprintf(t + n, cap - (size_t)n,
-                 "disagg:kv_load_seconds_bucket{le=\"+Inf\"} %" PRIu64 "\n"
-                 "disagg:kv_load_seconds_sum %.6f\ndisagg:kv_load_seconds_count %" PRIu64 "\n"
-                 "# HELP disagg:kv_send_seconds Producer: time to write one request's KV into the "
-                 "decoder (blocks ready -> written).\n"
-                 "# TYPE disagg:kv_send_seconds summary\n"
-                 "disagg:kv_send_seconds_sum %.6f\ndisagg:kv_send_seconds_count %" PRIu64 "\n",
-                 s.load_count, s.load_sum_s, s.load_count, s.send_sum_s, s.send_count);
-    n = (int)strlen(t);
-    uint64_t fp[FP_COUNT], fc[FC_COUNT], acked, unacked;
+    uint64_t fp[FP_COUNT], fc[FC_COUNT], acked, unacked, evicted;
+    int unknown, loads_unknown = 0;
     pthread_mutex_lock(&c->mu);
     memcpy(fp, c->fail_p, sizeof fp);
     memcpy(fc, c->fail_c, sizeof fc);
     acked = c->cancel_acked;
     unacked = c->cancel_unacked;
-    pthread_mutex_unlock(&c->mu);
-    if (n > 0 && (size_t)n < cap)
-        n += snprintf(t + n, cap - (size_t)n,
-                      "# HELP disagg:kv_transfer_failures_total Failed KV transfers by side and "
-                      "reason.\n# TYPE disagg:kv_transfer_failures_total counter\n");
-    for (int i = 0; i < FP_COUNT && n > 0 && (size_t)n < cap; i++)
-        n += snprintf(t + n, cap - (size_t)n,
-                      "disagg:kv_transfer_failures_total{side=\"producer\",reason=\"%s\"} %" PRIu64
-                      "\n",
-                      FP_NAMES[i], fp[i]);
-    for (int i = 0; i < FC_COUNT && n > 0 && (size_t)n < cap; i++)
-        n += snprintf(t + n, cap - (size_t)n,
-                      "disagg:kv_transfer_failures_total{side=\"consumer\",reason=\"%s\"} %" PRIu64
-                      "\n",
-                      FC_NAMES[i], fc[i]);
-    if (n > 0 && (size_t)n < cap)
-        n += snprintf(t + n, cap - (size_t)n,
-                      "# HELP disagg:kv_cancels_total Consumer: pulls cancelled (client gone or "
-                      "deadline); acked = the producer confirmed no write can follow, so the "
-                      "blocks were freed at once (else quarantined).\n"
-                      "# TYPE disagg:kv_cancels_total counter\n"
-                      "disagg:kv_cancels_total{acked=\"yes\"} %" PRIu64 "\n"
-                      "disagg:kv_cancels_total{acked=\"no\"} %" PRIu64 "\n",
-                      acked, unacked);
-    /* issue 11 section 3: what the KV ports refused */
-    pthread_mutex_lock(&c->mu);
-    uint64_t evicted = c->pulls_evicted;
-    int unknown = c->n_unknown, loads_unknown = 0;
+    evicted = c->pulls_evicted; /* issue 11 section 3: what the KV ports refused */
+    unknown = c->n_unknown;
     for (cons_req *r = c->conss; r; r = r->next)
         loads_unknown += r->loading && r->p_unknown && !r->evicted;
     pthread_mutex_unlock(&c->mu);
-    {
-        static const char *const tn[4] = MOONCAKE_TRANSPORTS;
-        char tl[1024];
-        int o = snprintf(tl, sizeof tl,
-                         "# HELP disagg:kv_transfer_transport_bytes_total Producer: KV bytes "
-                         "written to decoders, by the transport that carried them.\n"
-                         "# TYPE disagg:kv_transfer_transport_bytes_total counter\n");
-        for (int i = 0; i < 4 && o > 0 && (size_t)o < sizeof tl; i++)
-            o +=
-                snprintf(tl + o, sizeof tl - (size_t)o,
-                         "disagg:kv_transfer_transport_bytes_total{transport=\"%s\"} %" PRIu64 "\n",
-                         tn[i], s.transport_bytes[i]);
-        if (o > 0 && (size_t)o < sizeof tl)
-            o += snprintf(tl + o, sizeof tl - (size_t)o,
-                          "# HELP disagg:kv_transfer_transport_requests_total Producer: requests "
-                          "whose KV was written, by transport.\n"
-                          "# TYPE disagg:kv_transfer_transport_requests_total counter\n");
-        for (int i = 0; i < 4 && o > 0 && (size_t)o < sizeof tl; i++)
-            o += snprintf(tl + o, sizeof tl - (size_t)o,
-                          "disagg:kv_transfer_transport_requests_total{transport=\"%s\"} %" PRIu64
-                          "\n",
-                          tn[i], s.transport_requests[i]);
-        size_t used0 = strlen(t), add0 = strlen(tl);
-        char *nt0 = realloc(t, used0 + add0 + 1);
-        if (!nt0) return t;
-        t = nt0;
-        memcpy(t + used0, tl, add0 + 1);
-    }
     uint64_t sc_rej = c->sc ? side_channel_server_auth_rejected(c->sc) : 0;
     uint64_t bs_rej = c->bs ? bootstrap_server_auth_rejected(c->bs) : 0;
-    char more[1536];
-    snprintf(more, sizeof more,
-             "# HELP disagg:kv_auth_rejected_total Messages refused for authentication "
-             "(auth_secret / DISAGG_KV_SECRET), by port.\n"
-             "# TYPE disagg:kv_auth_rejected_total counter\n"
-             "disagg:kv_auth_rejected_total{port=\"side_channel\"} %" PRIu64 "\n"
-             "disagg:kv_auth_rejected_total{port=\"bootstrap\"} %" PRIu64 "\n"
-             "# HELP disagg:kv_pending_pulls_evicted_total Producer: pulls for unknown "
-             "transfer ids evicted (oldest first) because max_pending_pulls were waiting.\n"
-             "# TYPE disagg:kv_pending_pulls_evicted_total counter\n"
-             "disagg:kv_pending_pulls_evicted_total %" PRIu64 "\n"
-             "# HELP disagg:kv_pending_unknown_pulls Producer: pulls for transfer ids not "
-             "known yet, waiting.\n"
-             "# TYPE disagg:kv_pending_unknown_pulls gauge\n"
-             "disagg:kv_pending_unknown_pulls %d\n"
-             "# HELP disagg:kv_loads_unknown_transfer Consumer: remote KV loads whose producer "
-             "said it does not know the transfer id (yet); evicted first at max_remote_loads.\n"
-             "# TYPE disagg:kv_loads_unknown_transfer gauge\n"
-             "disagg:kv_loads_unknown_transfer %d\n",
-             sc_rej, bs_rej, evicted, unknown, loads_unknown);
-    size_t used = strlen(t), add = strlen(more);
-    char *nt = realloc(t, used + add + 1);
-    if (!nt) return t;
-    memcpy(nt + used, more, add + 1);
-    return nt;
+
+    prom_style style0 = p->style;
+    const char *const *kv0 = p->const_kv;
+    int n0 = p->n_const;
+    prom_set_style(p, PROM_STYLE_INT); /* counts as integers */
+    prom_const_labels(p, NULL, 0);
+    prom_info(p, "disagg:kv_transfer_info", "KV connector role and transport in use.", "role",
+              s.role ? s.role : "", "protocol", s.protocol ? s.protocol : "", "engine_id",
+              s.engine_id ? s.engine_id : "", NULL);
+    prom_family(p, "disagg:kv_transfer_bytes", PROM_COUNTER,
+                "Producer: KV bytes written to decoders.");
+    prom_sample_u64(p, s.bytes_sent, NULL);
+    prom_family(p, "disagg:kv_transfer_descriptors", PROM_COUNTER,
+                "Producer: contiguous KV runs written to decoders.");
+    prom_sample_u64(p, s.descriptors_sent, NULL);
+    prom_family(p, "disagg:kv_transfers", PROM_COUNTER,
+                "Per-request KV transfers by side (producer sends, consumer pulls) and result.");
+    prom_sample_u64(p, s.transfers_ok, "side", "producer", "result", "ok", NULL);
+    prom_sample_u64(p, s.transfers_failed, "side", "producer", "result", "failed", NULL);
+    prom_sample_u64(p, s.pulls_ok, "side", "consumer", "result", "ok", NULL);
+    prom_sample_u64(p, s.pulls_failed, "side", "consumer", "result", "failed", NULL);
+    prom_family(p, "disagg:kv_transfer_expired", PROM_COUNTER,
+                "Producer: kept blocks freed by the abort timeout (no decoder pulled them).");
+    prom_sample_u64(p, s.expired, NULL);
+    prom_family(p, "disagg:kv_transfer_kept_requests", PROM_GAUGE,
+                "Producer: requests holding blocks for a pull.");
+    prom_sample(p, s.kept, NULL);
+    prom_family(p, "disagg:kv_transfer_loading_requests", PROM_GAUGE, "Consumer: pulls in flight.");
+    prom_sample(p, s.loading, NULL);
+    static const double b[12] = MOONCAKE_LOAD_BUCKETS;
+    prom_hist load = {b, 12, s.load_buckets, 1, s.load_count, s.load_sum_s};
+    prom_family(p, "disagg:kv_load_seconds", PROM_HISTOGRAM,
+                "Consumer: remote KV load latency (pull sent -> KV in place).");
+    prom_histogram(p, &load, NULL);
+    prom_family(p, "disagg:kv_send_seconds", PROM_SUMMARY,
+                "Producer: time to write one request's KV into the decoder (blocks ready -> "
+                "written).");
+    prom_summary(p, s.send_count, s.send_sum_s, NULL);
+    prom_family(p, "disagg:kv_transfer_failures", PROM_COUNTER,
+                "Failed KV transfers by side and reason.");
+    for (int i = 0; i < FP_COUNT; i++)
+        prom_sample_u64(p, fp[i], "side", "producer", "reason", FP_NAMES[i], NULL);
+    for (int i = 0; i < FC_COUNT; i++)
+        prom_sample_u64(p, fc[i], "side", "consumer", "reason", FC_NAMES[i], NULL);
+    prom_family(p, "disagg:kv_cancels", PROM_COUNTER,
+                "Consumer: pulls cancelled (client gone or deadline); acked = the producer "
+                "confirmed no write can follow, so the blocks were freed at once (else "
+                "quarantined).");
+    prom_sample_u64(p, acked, "acked", "yes", NULL);
+    prom_sample_u64(p, unacked, "acked", "no", NULL);
+    static const char *const tn[4] = MOONCAKE_TRANSPORTS;
+    prom_family(p, "disagg:kv_transfer_transport_bytes", PROM_COUNTER,
+                "Producer: KV bytes written to decoders, by the transport that carried them.");
+    for (int i = 0; i < 4; i++)
+        prom_sample_u64(p, s.transport_bytes[i], "transport", tn[i], NULL);
+    prom_family(p, "disagg:kv_transfer_transport_requests", PROM_COUNTER,
+                "Producer: requests whose KV was written, by transport.");
+    for (int i = 0; i < 4; i++)
+        prom_sample_u64(p, s.transport_requests[i], "transport", tn[i], NULL);
+    prom_family(p, "disagg:kv_auth_rejected", PROM_COUNTER,
+                "Messages refused for authentication (auth_secret / DISAGG_KV_SECRET), by port.");
+    prom_sample_u64(p, sc_rej, "port", "side_channel", NULL);
+    prom_sample_u64(p, bs_rej, "port", "bootstrap", NULL);
+    prom_family(p, "disagg:kv_pending_pulls_evicted", PROM_COUNTER,
+                "Producer: pulls for unknown transfer ids evicted (oldest first) because "
+                "max_pending_pulls were waiting.");
+    prom_sample_u64(p, evicted, NULL);
+    prom_family(p, "disagg:kv_pending_unknown_pulls", PROM_GAUGE,
+                "Producer: pulls for transfer ids not known yet, waiting.");
+    prom_sample(p, unknown, NULL);
+    prom_family(p, "disagg:kv_loads_unknown_transfer", PROM_GAUGE,
+                "Consumer: remote KV loads whose producer said it does not know the transfer id "
+                "(yet); evicted first at max_remote_loads.");
+    prom_sample(p, loads_unknown, NULL);
+    prom_set_style(p, style0);
+    prom_const_labels(p, kv0, n0);
+    return prom_error(p);
 }

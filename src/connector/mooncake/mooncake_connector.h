@@ -25,6 +25,7 @@
 #ifndef DISAGG_CONNECTOR_MOONCAKE_CONNECTOR_H
 #define DISAGG_CONNECTOR_MOONCAKE_CONNECTOR_H
 
+#include "base/prom.h"
 #include "engine/engine.h"
 
 #include <stddef.h>
@@ -84,7 +85,8 @@ typedef struct mooncake_stats {
     { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0 }
 
 void mooncake_connector_get_stats(mooncake_connector *c, mooncake_stats *out);
-/* Prometheus text lines (disagg:kv_transfer_*), appended to a malloc'd string. */
-char *mooncake_connector_metrics_text(mooncake_connector *c);
+/* Writes the connector's families (disagg:kv_*) to p (base/prom; counts as integers, no
+ * constant labels; p's style and constant labels are left as they were).  0 or p's error. */
+int mooncake_connector_metrics(mooncake_connector *c, prom *p);
 
 #endif
