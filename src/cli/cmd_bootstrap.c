@@ -34,11 +34,11 @@
 #include <string.h>
 
 #define BOOTSTRAP_USAGE                                                                            \
-    "usage: disagg bootstrap [--host H] [--port N] [--auth-secret S]\n"                             \
-    "                        [--client-header-timeout S]\n"                                         \
-    "       disagg bootstrap register --server HOST:PORT --engine-id ID --addr tcp://IP:PORT\n"     \
-    "                        [--dp-rank N] [--tp-rank N] [--pp-rank N] [--auth-secret S]\n"         \
-    "       disagg bootstrap query --server HOST:PORT\n\n"                                          \
+    "usage: disagg bootstrap [--host H] [--port N] [--auth-secret S]\n"                            \
+    "                        [--client-header-timeout S]\n"                                        \
+    "       disagg bootstrap register --server HOST:PORT --engine-id ID --addr tcp://IP:PORT\n"    \
+    "                        [--dp-rank N] [--tp-rank N] [--pp-rank N] [--auth-secret S]\n"        \
+    "       disagg bootstrap query --server HOST:PORT\n\n"                                         \
     "Runs the Mooncake bootstrap server (POST /register, GET /query) alone, or\n"                  \
     "registers with / queries one.  --port defaults to VLLM_MOONCAKE_BOOTSTRAP_PORT\n"             \
     "(8998); --host to 0.0.0.0 (give the one address the prefill and decode\n"                     \
@@ -99,8 +99,8 @@ static int serve(int argc, char **argv) {
          .help = "listen port (default VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998; 0: a free one)"},
         {FLAG_STRING_("--auth-secret", &secret), .fn = secret_flag, .metavar = "S",
          .help = "shared secret /register requires (default $DISAGG_KV_SECRET)"},
-        {FLAG_DOUBLE_("--client-header-timeout", &header_timeout_s, 0, 86400),
-         .opts = FLAG_OPEN_LO, .unit = "seconds", .metavar = "S",
+        {FLAG_DOUBLE_("--client-header-timeout", &header_timeout_s, 0, 86400), .opts = FLAG_OPEN_LO,
+         .unit = "seconds", .metavar = "S",
          .help = "a request head must be complete S seconds after connecting (default 10)"},
         {0}};
     const flag_def *tables[] = {defs, dflags, NULL};

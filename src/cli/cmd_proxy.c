@@ -107,29 +107,29 @@ static int log_level_flag(flags_parser *p, const flag_def *d, const char *v) {
 static const int TOY[4] = {0, 1, 2, 3};
 
 static const flag_def PROXY_FLAGS[] = {
-    {.name = "--prefill", .type = FLAG_CUSTOM, .opts = FLAG_VARARGS, .fn = upstream_flag,
+    {FLAG_CUSTOM_("--prefill", NULL, upstream_flag), .opts = FLAG_VARARGS,
      .metavar = "URL [BOOTSTRAP]",
      .help = "prefill instance http://host:port; BOOTSTRAP is its bootstrap server: a port on the "
              "same host, 'none' (the default, 8998) or host:port (repeatable)"},
-    {.name = "--decode", .type = FLAG_CUSTOM, .opts = FLAG_VARARGS, .fn = upstream_flag,
-     .metavar = "URL [URL..]", .help = "decode instance(s) http://host:port (repeatable)"},
+    {FLAG_CUSTOM_("--decode", NULL, upstream_flag), .opts = FLAG_VARARGS, .metavar = "URL [URL..]",
+     .help = "decode instance(s) http://host:port (repeatable)"},
     {FLAG_TEXT_("--flag=value", "every flag also takes its value this way")},
-    {.name = "--prefiller-hosts", .aliases = "--prefiller-host", .type = FLAG_CUSTOM,
-     .opts = FLAG_VARARGS, .dst = (void *)&TOY[0], .fn = toy_flag,
+    {FLAG_CUSTOM_("--prefiller-hosts", (void *)&TOY[0], toy_flag), .aliases = "--prefiller-host",
+     .opts = FLAG_VARARGS,
      .synopsis = "--prefiller-hosts H.. --prefiller-ports P.. --decoder-hosts H.. --decoder-ports "
                  "P..",
      .help = "the same in the form of vLLM's toy_proxy_server.py (bootstrap port 8998 on each "
              "prefill host)"},
-    {.name = "--prefiller-ports", .aliases = "--prefiller-port", .type = FLAG_CUSTOM,
-     .opts = FLAG_VARARGS | FLAG_HIDDEN, .dst = (void *)&TOY[1], .fn = toy_flag},
-    {.name = "--decoder-hosts", .aliases = "--decoder-host", .type = FLAG_CUSTOM,
-     .opts = FLAG_VARARGS | FLAG_HIDDEN, .dst = (void *)&TOY[2], .fn = toy_flag},
-    {.name = "--decoder-ports", .aliases = "--decoder-port", .type = FLAG_CUSTOM,
-     .opts = FLAG_VARARGS | FLAG_HIDDEN, .dst = (void *)&TOY[3], .fn = toy_flag},
+    {FLAG_CUSTOM_("--prefiller-ports", (void *)&TOY[1], toy_flag), .aliases = "--prefiller-port",
+     .opts = FLAG_VARARGS | FLAG_HIDDEN},
+    {FLAG_CUSTOM_("--decoder-hosts", (void *)&TOY[2], toy_flag), .aliases = "--decoder-host",
+     .opts = FLAG_VARARGS | FLAG_HIDDEN},
+    {FLAG_CUSTOM_("--decoder-ports", (void *)&TOY[3], toy_flag), .aliases = "--decoder-port",
+     .opts = FLAG_VARARGS | FLAG_HIDDEN},
     {FLAG_STRING_("--host", &A.cfg.host), .metavar = "H",
      .help = "listen address (default 127.0.0.1)"},
     {FLAG_INT_("--port", &A.cfg.port, 0, 65535), .help = "listen port (default 8000)"},
-    {.name = "--policy", .type = FLAG_CUSTOM, .fn = policy_flag, .metavar = "P",
+    {FLAG_CUSTOM_("--policy", NULL, policy_flag), .metavar = "P",
      .help = "least_loaded (default: the least load, outstanding or published), round_robin, or "
              "prefix (prefills: prompts sharing their first bytes go to one prefill, bounded by "
              "load; decodes least_loaded), or p2c (the less loaded of two random instances: no "
@@ -167,7 +167,7 @@ static const flag_def PROXY_FLAGS[] = {
              "disagg serve and vLLM) (default 4)"},
     {FLAG_DOUBLE_("--shutdown-timeout", &A.cfg.shutdown_timeout_s, 0, 86400), .unit = "seconds",
      .metavar = "S", .help = "on SIGTERM/SIGINT, wait for requests in flight (default 30)"},
-    {.name = "--log-level", .type = FLAG_CUSTOM, .fn = log_level_flag, .metavar = "L",
+    {FLAG_CUSTOM_("--log-level", NULL, log_level_flag), .metavar = "L",
      .help = "debug|info|warn|error (default info, or DISAGG_LOG_LEVEL)"},
     {0}};
 

@@ -121,14 +121,38 @@ static int chunked_prefill(flags_parser *p, const flag_def *d, const char *v) {
     return 0;
 }
 
-static const char *const QUANTIZATIONS[] = {
-    "aqlm",       "awq",          "deepspeedfp",        "tpu_int8",     "fp8",
-    "ptpc_fp8",   "fbgemm_fp8",   "modelopt",           "modelopt_fp4", "marlin",
-    "bitblas",    "gguf",         "gptq_marlin_24",     "gptq_marlin",  "gptq_bitblas",
-    "awq_marlin", "gptq",         "compressed-tensors", "bitsandbytes", "qqq",
-    "hqq",        "experts_int8", "neuron_quant",       "ipex",         "quark",
-    "moe_wna16",  "torchao",      "auto-round",         "rtn",          "inc",
-    "mxfp4",      NULL};
+static const char *const QUANTIZATIONS[] = {"aqlm",
+                                            "awq",
+                                            "deepspeedfp",
+                                            "tpu_int8",
+                                            "fp8",
+                                            "ptpc_fp8",
+                                            "fbgemm_fp8",
+                                            "modelopt",
+                                            "modelopt_fp4",
+                                            "marlin",
+                                            "bitblas",
+                                            "gguf",
+                                            "gptq_marlin_24",
+                                            "gptq_marlin",
+                                            "gptq_bitblas",
+                                            "awq_marlin",
+                                            "gptq",
+                                            "compressed-tensors",
+                                            "bitsandbytes",
+                                            "qqq",
+                                            "hqq",
+                                            "experts_int8",
+                                            "neuron_quant",
+                                            "ipex",
+                                            "quark",
+                                            "moe_wna16",
+                                            "torchao",
+                                            "auto-round",
+                                            "rtn",
+                                            "inc",
+                                            "mxfp4",
+                                            NULL};
 
 static int quantization(flags_parser *p, const flag_def *d, const char *v) {
     if (!strcmp(v, "none")) return 0;
@@ -136,7 +160,8 @@ static int quantization(flags_parser *p, const flag_def *d, const char *v) {
                 "%s '%s' is %s; disagg runs unquantized weights (bfloat16, float16 or float32 "
                 "safetensors); accepted: none",
                 d->name, v,
-                flags_one_of(v, QUANTIZATIONS) ? "not supported" : "not a vLLM quantization method");
+                flags_one_of(v, QUANTIZATIONS) ? "not supported"
+                                               : "not a vLLM quantization method");
     return -1;
 }
 
@@ -276,7 +301,7 @@ static int uvicorn_log_level(flags_parser *p, const flag_def *d, const char *v) 
 
 static int uvicorn_level; /* --uvicorn-log-level's index */
 
-#define SECONDS "seconds"
+#define SECONDS   "seconds"
 #define NO_TUNING "vLLM tuning that disagg has no counterpart for"
 
 static const flag_def SERVE_FLAGS[] = {
@@ -309,15 +334,14 @@ static const flag_def SERVE_FLAGS[] = {
              "caching"},
     {FLAG_INT_("--seed", &S.cfg.engine.seed, 0, LLONG_MAX),
      .help = "engine seed for unseeded sampling (default 0)"},
-    {.name = "--dtype", .type = FLAG_CUSTOM, .fn = weight_dtype,
-     .metavar = "auto|bfloat16|float16|float32",
+    {FLAG_CUSTOM_("--dtype", NULL, weight_dtype), .metavar = "auto|bfloat16|float16|float32",
      .help = "weight dtype check; the CPU computes in float32"},
     {FLAG_INT_("--threads", &S.cfg.engine.threads, 0, 4096),
      .help = "compute threads (default: all cores)"},
-    {.name = "--device", .type = FLAG_CUSTOM, .fn = device, .metavar = "auto|cpu|cuda|cuda:N",
+    {FLAG_CUSTOM_("--device", NULL, device), .metavar = "auto|cpu|cuda|cuda:N",
      .help = "compute device (default auto: cuda when its module loads and a GPU is visible, else "
              "cpu)"},
-    {.name = "--kv-cache-dtype", .type = FLAG_CUSTOM, .fn = kv_cache_dtype,
+    {FLAG_CUSTOM_("--kv-cache-dtype", NULL, kv_cache_dtype),
      .metavar = "auto|bfloat16|float16|float32",
      .help = "KV-cache element type (default auto: the device's, float32 on the CPU)"},
     {FLAG_DOUBLE_("--gpu-memory-utilization", &S.cfg.engine.gpu_memory_utilization, 0, 1),
@@ -332,24 +356,23 @@ static const flag_def SERVE_FLAGS[] = {
      .env = "VLLM_BATCH_INVARIANT",
      .help = "GPU: kernels whose result for a request does not depend on the batch or the "
              "prompt's chunking (default off, or VLLM_BATCH_INVARIANT=1; the CPU always is)"},
-    {FLAG_INT_("--tensor-parallel-size", (int *)NULL, 1, 1 << 20),
-     .aliases = "-tp", .fn = one_device,
+    {FLAG_INT_("--tensor-parallel-size", (int *)NULL, 1, 1 << 20), .aliases = "-tp",
+     .fn = one_device,
      .help = "1 only (one device per process; scale out with more instances behind disagg "
              "proxy)"},
-    {FLAG_INT_("--pipeline-parallel-size", (int *)NULL, 1, 1 << 20),
-     .aliases = "-pp", .fn = one_device, .help = "1 only"},
-    {FLAG_INT_("--data-parallel-size", (int *)NULL, 1, 1 << 20),
-     .aliases = "-dp", .fn = one_device,
+    {FLAG_INT_("--pipeline-parallel-size", (int *)NULL, 1, 1 << 20), .aliases = "-pp",
+     .fn = one_device, .help = "1 only"},
+    {FLAG_INT_("--data-parallel-size", (int *)NULL, 1, 1 << 20), .aliases = "-dp", .fn = one_device,
      .help = "1 only (run more instances behind disagg proxy)"},
-    {.name = "--distributed-executor-backend", .type = FLAG_CUSTOM, .fn = executor_backend,
-     .metavar = "B", .help = "uni|mp (one process; ray and external_launcher are refused)"},
-    {.name = "--enable-chunked-prefill", .type = FLAG_CUSTOM, .fn = chunked_prefill,
+    {FLAG_CUSTOM_("--distributed-executor-backend", NULL, executor_backend), .metavar = "B",
+     .help = "uni|mp (one process; ray and external_launcher are refused)"},
+    {FLAG_CUSTOM_("--enable-chunked-prefill", NULL, chunked_prefill),
      .opts = FLAG_SWITCH | FLAG_NEGATABLE,
      .help = "accepted: prompts are always prefilled in chunks of --max-num-batched-tokens"},
-    {.name = "--quantization", .aliases = "-q", .type = FLAG_CUSTOM, .fn = quantization,
-     .metavar = "METHOD", .help = "refused: weights run unquantized (none is accepted)"},
-    {.name = "--load-format", .type = FLAG_CUSTOM, .fn = load_format,
-     .metavar = "auto|safetensors", .help = "weight format (others, e.g. pt or gguf, are refused)"},
+    {FLAG_CUSTOM_("--quantization", NULL, quantization), .aliases = "-q", .metavar = "METHOD",
+     .help = "refused: weights run unquantized (none is accepted)"},
+    {FLAG_CUSTOM_("--load-format", NULL, load_format), .metavar = "auto|safetensors",
+     .help = "weight format (others, e.g. pt or gguf, are refused)"},
     {FLAG_DOUBLE_("--swap-space", (double *)NULL, 0, 1e6), .unit = "GiB", .metavar = "GiB",
      .help = "accepted (a preempted request is recomputed, nothing is swapped)"},
     {FLAG_STRING_("--tokenizer", &S.tokenizer), .metavar = "DIR|ORG/NAME",
@@ -373,8 +396,7 @@ static const flag_def SERVE_FLAGS[] = {
      .help = "parse tool calls of chats with tools (disagg does by default)"},
     {FLAG_STRING_("--tool-call-parser", &S.tool_parser), .fn = tool_call_parser,
      .metavar = "hermes", .help = "tool-call format (Qwen2.5's <tool_call> JSON)"},
-    {.name = "--reasoning-parser", .type = FLAG_CUSTOM, .fn = reasoning_parser,
-     .metavar = "qwen3|deepseek_r1",
+    {FLAG_CUSTOM_("--reasoning-parser", NULL, reasoning_parser), .metavar = "qwen3|deepseek_r1",
      .help = "<think>...</think> text of chat output goes to reasoning_content"},
     {FLAG_JSON_("--allowed-origins", &S.cfg.cors_origins, JSON_ARRAY), .opts = FLAG_STRINGS,
      .help = "CORS origins, e.g. '[\"https://a.example\"]' (default [\"*\"])"},
@@ -382,16 +404,16 @@ static const flag_def SERVE_FLAGS[] = {
      .help = "CORS methods (default [\"*\"])"},
     {FLAG_JSON_("--allowed-headers", &S.cfg.cors_headers, JSON_ARRAY), .opts = FLAG_STRINGS,
      .help = "CORS headers (default [\"*\"])"},
-    {FLAG_BOOL_("--allow-credentials", &S.cfg.cors_credentials),
-     .help = "CORS: allow credentials"},
+    {FLAG_BOOL_("--allow-credentials", &S.cfg.cors_credentials), .help = "CORS: allow credentials"},
     {FLAG_STRING_("--root-path", &S.cfg.root_path), .metavar = "PATH",
      .help = "accepted: the prefix a proxy strips (routes stay at /v1/...)"},
     {FLAG_BOOL_("--disable-log-stats", &S.cfg.log_stats), .opts = FLAG_STORE_FALSE,
      .help = "no periodic stats lines (disagg logs none)"},
     {FLAG_STRING_("--config", &S.config), .metavar = "FILE",
      .help = "YAML file of flags (key: value, e.g. max-model-len: 1024); the command line wins"},
-    {FLAG_STRING_("--kv-transfer-config", &S.cfg.kv_transfer_config), .fn = check_kv_transfer_config,
-     .metavar = "JSON", .help = "KV connector configuration (P/D disaggregation)"},
+    {FLAG_STRING_("--kv-transfer-config", &S.cfg.kv_transfer_config),
+     .fn = check_kv_transfer_config, .metavar = "JSON",
+     .help = "KV connector configuration (P/D disaggregation)"},
     {FLAG_BYTES_("--max-body-bytes", &S.cfg.max_body_bytes, 1, 1ull << 50), .metavar = "N",
      .help = "request body limit (default 32M) -> 413"},
     {FLAG_DOUBLE_("--client-header-timeout", &S.cfg.header_timeout_s, 0, 86400),
