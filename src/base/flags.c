@@ -389,6 +389,14 @@ static void unknown(flags_parser *p, const char *f) {
     FILE *e = errf(p);
     fprintf(e, "disagg %s: unknown option '%s'", p->s->cmd, f);
     if (best) fprintf(e, "; did you mean %s?", best);
+    if (p->s->list_on_unknown) {
+        int k = 0;
+        fprintf(e, "; accepted:");
+        for (const flag_def *const *t = p->s->tables; t && *t; t++)
+            for (const flag_def *d = *t; d->type != FLAG_END; d++)
+                if (d->name && !(d->opts & FLAG_HIDDEN) && d->type != FLAG_REFUSED)
+                    fprintf(e, "%s %s", k++ ? "," : "", d->name);
+    }
     fprintf(e, " (see disagg %s --help)\n", p->s->cmd);
 }
 

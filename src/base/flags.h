@@ -122,6 +122,7 @@ typedef struct flags_spec {
     const flag_def *const *tables; /* NULL-ended list of {0}-ended tables (help order) */
     int help_col;                  /* column of the help text (default 30) */
     int underscores;               /* --max_model_len means --max-model-len (vLLM) */
+    int list_on_unknown;           /* an unknown flag's error lists every accepted one */
     /* a word that is not a flag (or any word after "--"); NULL: refused as unexpected */
     int (*positional)(flags_parser *p, const char *word);
     void *arg; /* flags_arg() for fn and positional */
