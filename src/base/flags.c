@@ -84,10 +84,17 @@ static void who(const flags_parser *p, const flag_def *d, char *out, size_t cap)
         snprintf(out, cap, "%s", d->name);
 }
 
-static const char *unit_of(const flag_def *d, char *buf, size_t cap) {
-    if (!d->unit) return "";
-    snprintf(buf, cap, "%s, ", d->unit);
-    return buf;
+/* A range error: "FLAG 'V' is not accepted; accepted: KIND", or with a unit "FLAG expects UNIT,
+ * KIND, got 'V'" (the environment variable named when the value came from it). */
+static void range_error(flags_parser *p, const flag_def *d, const char *v, const char *kind) {
+    if (d->unit) {
+        char w[NAME_MAX_LEN + 64];
+        who(p, d, w, sizeof w);
+        flags_error(p, "%s expects %s, %s, got '%s'", w, d->unit, kind, v);
+    } else if (p->env)
+        flags_error(p, "%s='%s' (for %s) is not accepted; accepted: %s", p->env, v, d->name, kind);
+    else
+        flags_error(p, "%s '%s' is not accepted; accepted: %s", d->name, v, kind);
 }
 
 int flags_int(flags_parser *p, const flag_def *d, const char *v, long long *out) {
@@ -95,10 +102,9 @@ int flags_int(flags_parser *p, const flag_def *d, const char *v, long long *out)
     errno = 0;
     long long x = strtoll(v, &end, 10);
     if (errno || end == v || *end || x < d->min || x > d->max) {
-        char w[NAME_MAX_LEN + 64], u[64];
-        who(p, d, w, sizeof w);
-        flags_error(p, "%s expects %san integer in [%lld, %lld], got '%s'", w,
-                    unit_of(d, u, sizeof u), d->min, d->max, v);
+        char kind[96];
+        snprintf(kind, sizeof kind, "an integer in [%lld, %lld]", d->min, d->max);
+        range_error(p, d, v, kind);
         return -1;
     }
     *out = x;
@@ -111,10 +117,10 @@ int flags_double(flags_parser *p, const flag_def *d, const char *v, double *out)
     double x = strtod(v, &end);
     int lo_ok = (d->opts & FLAG_OPEN_LO) ? x > d->lo : x >= d->lo;
     if (errno || end == v || *end || isnan(x) || !lo_ok || x > d->hi) {
-        char w[NAME_MAX_LEN + 64], u[64];
-        who(p, d, w, sizeof w);
-        flags_error(p, "%s expects %sa number in %c%g, %g], got '%s'", w, unit_of(d, u, sizeof u),
-                    (d->opts & FLAG_OPEN_LO) ? '(' : '[', d->lo, d->hi, v);
+        char kind[96];
+        snprintf(kind, sizeof kind, "a number in %c%g, %g]", (d->opts & FLAG_OPEN_LO) ? '(' : '[',
+                 d->lo, d->hi);
+        range_error(p, d, v, kind);
         return -1;
     }
     *out = x;

@@ -98,7 +98,8 @@ static int seed(flags_parser *p, const flag_def *d, const char *v) {
     errno = 0;
     unsigned long long x = strtoull(v, &end, 10);
     if (errno || end == v || *end || v[0] == '-') {
-        flags_error(p, "%s expects an integer in [0, %llu], got '%s'", d->name, ULLONG_MAX, v);
+        flags_error(p, "%s '%s' is not accepted; accepted: an integer in [0, %llu]", d->name, v,
+                    ULLONG_MAX);
         return -1;
     }
     o->sp.seed = (uint64_t)x, o->sp.has_seed = 1;

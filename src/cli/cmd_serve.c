@@ -12,7 +12,6 @@
  */
 #include "base/file.h"
 #include "base/flags.h"
-#include "base/text.h"
 #include "cli/commands.h"
 #include "cli/discovery_cli.h"
 

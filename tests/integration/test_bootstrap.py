@@ -266,7 +266,7 @@ def test_port_in_use_and_bad_env():
     assert "VLLM_MOONCAKE_BOOTSTRAP_PORT='http'" in r.stderr and "1 to 65535" in r.stderr
     r = subprocess.run([BIN, "bootstrap", "--port", "70000"], capture_output=True, text=True,
                        timeout=30, env=_env())
-    assert r.returncode == 2 and "--port expects an integer in [0, 65535], got '70000'" in r.stderr
+    assert r.returncode == 2 and "--port '70000'" in r.stderr
     r = subprocess.run([BIN, "bootstrap", "register", "--server", "nohostport", "--engine-id",
                         "e", "--addr", "a"], capture_output=True, text=True, timeout=30, env=_env())
     assert r.returncode == 1 and "'nohostport' is not accepted" in r.stderr

@@ -175,12 +175,14 @@ static void test_int(void **st) {
     assert_int_equal(parse("-p", "0", "--big", "-5", NULL), 0);
     assert_int_equal(V.port, 0);
     assert_true(V.big == -5);
-    refused("--port expects an integer in [0, 65535], got '65536'", "--port", "65536", NULL);
-    refused("--port expects an integer in [0, 65535], got 'x'", "--port=x", NULL);
-    refused("--port expects an integer in [0, 65535], got '1.5'", "-p", "1.5", NULL);
-    refused("--port expects an integer in [0, 65535], got ''", "--port=", NULL);
-    refused("--big expects an integer in [-5, 1099511627776], got '-6'", "--big", "-6", NULL);
-    refused("got '99999999999999999999'", "--big", "99999999999999999999", NULL);
+    refused("--port '65536' is not accepted; accepted: an integer in [0, 65535]", "--port", "65536",
+            NULL);
+    refused("--port 'x' is not accepted; accepted: an integer in [0, 65535]", "--port=x", NULL);
+    refused("--port '1.5' is not accepted", "-p", "1.5", NULL);
+    refused("--port '' is not accepted", "--port=", NULL);
+    refused("--big '-6' is not accepted; accepted: an integer in [-5, 1099511627776]", "--big",
+            "-6", NULL);
+    refused("--big '99999999999999999999' is not accepted", "--big", "99999999999999999999", NULL);
 }
 
 static void test_double(void **st) {
@@ -194,7 +196,7 @@ static void test_double(void **st) {
             NULL);
     refused("--timeout expects seconds, a number in [0, 60], got 'soon'", "--timeout", "soon",
             NULL);
-    refused("got 'nan'", "--timeout", "nan", NULL);
+    refused("--timeout expects seconds, a number in [0, 60], got 'nan'", "--timeout", "nan", NULL);
 }
 
 static void test_string_bytes_choice(void **st) {
@@ -351,7 +353,8 @@ static void test_env_fallback(void **st) {
     assert_int_equal(V.eager, 0);
     /* a bad environment value names the variable and the flag */
     setenv("TF_PORT", "lots", 1);
-    refused("TF_PORT (for --port) expects an integer in [0, 65535], got 'lots'", NULL);
+    refused("TF_PORT='lots' (for --port) is not accepted; accepted: an integer in [0, 65535]",
+            NULL);
     setenv("TF_PORT", "", 1); /* empty: not set */
     setenv("TF_EAGER", "yes", 1);
     refused("TF_EAGER='yes' is not an integer (accepted: 0 = off, 1 = on", NULL);
