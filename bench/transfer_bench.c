@@ -520,18 +520,14 @@ static int tb_run_target(const tb_options *o) {
 
 /* A target forked by the single-command mode. */
 typedef struct tb_child {
-    pid_t pid;         /* target process */
+    tb_proc proc;      /* the target process (transfer_spawn.c) */
+    pid_t pid;         /* its pid */
     char segment[128]; /* its segment name */
     uint64_t addr;     /* its buffer's address */
     size_t length;     /* its buffer's length */
 } tb_child;
 
 static int tb_child_spawn(const tb_options *o, transfer_protocol proto, tb_child *c) {
-    int pfd[2];
-    if (pipe2(pfd, O_CLOEXEC)) {
-        fprintf(stderr, "disagg bench transfer: pipe: %s\n", strerror(errno));
-        return 1;
-    }
     char bufsz[32];
     snprintf(bufsz, sizeof bufsz, "%zu", o->buffer_size);
     const char *args[24];
@@ -554,107 +550,38 @@ static int tb_child_spawn(const tb_options *o, transfer_protocol proto, tb_child
         args[n++] = o->device_name;
     }
     args[n] = NULL;
-    fflush(stdout);
-    fflush(stderr);
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0) {
-        fprintf(stderr, "disagg bench transfer: fork: %s\n", strerror(errno));
-        close(pfd[0]);
-        close(pfd[1]);
+    /* The one line, within 30 s (the target fills its buffer first). */
+    char line[512];
+    if (tb_spawn("disagg bench transfer", args, 30ull * 1000000000ull, &c->proc, line, sizeof line))
+        return 1;
+    c->pid = c->proc.pid;
+    unsigned long long addr = 0;
+    size_t length = 0;
+    int tpid = 0;
+    if (sscanf(line, "disagg-bench-target segment=%127s addr=0x%llx length=%zu pid=%d", c->segment,
+               &addr, &length, &tpid) != 4) {
+        fprintf(stderr, "disagg bench transfer: unexpected line from the target: %s\n", line);
+        kill(c->pid, SIGKILL);
+        tb_proc_stop(&c->proc, 0, 10ull * 1000000000ull);
+        c->pid = 0;
         return 1;
     }
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        if (getppid() != parent) _exit(1);
-        if (dup2(pfd[1], STDOUT_FILENO) < 0) _exit(1);
-        execv("/proc/self/exe", (char *const *)args);
-        fprintf(stderr, "disagg bench transfer: exec /proc/self/exe: %s\n", strerror(errno));
-        _exit(127);
-    }
-    close(pfd[1]);
-    c->pid = pid;
-    /* Read the one line, within 30 s (the target fills its buffer first). */
-    char line[512];
-    size_t len = 0;
-    uint64_t deadline = tb_now_ns() + 30ull * 1000000000ull;
-    int rc = 1;
-    for (;;) {
-        uint64_t now = tb_now_ns();
-        if (now >= deadline) {
-            fprintf(stderr,
-                    "disagg bench transfer: the forked target (pid %d) printed no segment "
-                    "line within 30 s\n",
-                    (int)pid);
-            break;
-        }
-        struct pollfd p = {.fd = pfd[0], .events = POLLIN};
-        int pr = poll(&p, 1, (int)((deadline - now) / 1000000ull) + 1);
-        if (pr < 0 && errno == EINTR) continue;
-        if (pr <= 0) continue;
-        ssize_t r = read(pfd[0], line + len, sizeof line - 1 - len);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-            fprintf(stderr,
-                    "disagg bench transfer: the forked target (pid %d) exited before "
-                    "printing its segment line\n",
-                    (int)pid);
-            break;
-        }
-        len += (size_t)r;
-        line[len] = 0;
-        if (strchr(line, '\n')) {
-            unsigned long long addr = 0;
-            size_t length = 0;
-            int tpid = 0;
-            if (sscanf(line, "disagg-bench-target segment=%127s addr=0x%llx length=%zu pid=%d",
-                       c->segment, &addr, &length, &tpid) == 4) {
-                c->addr = addr;
-                c->length = length;
-                rc = 0;
-            } else {
-                fprintf(stderr, "disagg bench transfer: unexpected line from the target: %s", line);
-            }
-            break;
-        }
-        if (len == sizeof line - 1) {
-            fprintf(stderr, "disagg bench transfer: the target's line is too long\n");
-            break;
-        }
-    }
-    close(pfd[0]);
-    if (rc) {
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
-        c->pid = 0;
-    }
-    return rc;
+    c->addr = addr;
+    c->length = length;
+    return 0;
 }
 
 static void tb_child_stop(tb_child *c) {
     if (c->pid <= 0) return;
-    kill(c->pid, SIGTERM);
-    int status = 0;
-    uint64_t deadline = tb_now_ns() + 10ull * 1000000000ull;
-    for (;;) {
-        pid_t r = waitpid(c->pid, &status, WNOHANG);
-        if (r == c->pid) break;
-        if (r < 0 && errno != EINTR) break;
-        if (tb_now_ns() > deadline) {
-            fprintf(stderr,
-                    "disagg bench transfer: target pid %d ignored SIGTERM for 10 s; killing it\n",
-                    (int)c->pid);
-            kill(c->pid, SIGKILL);
-            waitpid(c->pid, &status, 0);
-            break;
-        }
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
-    if (WIFEXITED(status) && WEXITSTATUS(status))
+    int status = tb_proc_stop(&c->proc, SIGTERM, 10ull * 1000000000ull);
+    if (status == -2)
+        fprintf(stderr,
+                "disagg bench transfer: target pid %d ignored SIGTERM for 10 s; killing it\n",
+                (int)c->pid);
+    else if (status >= 0 && WIFEXITED(status) && WEXITSTATUS(status))
         fprintf(stderr, "disagg bench transfer: target pid %d exited with status %d\n", (int)c->pid,
                 WEXITSTATUS(status));
-    else if (WIFSIGNALED(status) && WTERMSIG(status) != SIGKILL)
+    else if (status >= 0 && WIFSIGNALED(status) && WTERMSIG(status) != SIGKILL)
         fprintf(stderr, "disagg bench transfer: target pid %d died of signal %d\n", (int)c->pid,
                 WTERMSIG(status));
     c->pid = 0;

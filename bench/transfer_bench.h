@@ -9,22 +9,27 @@
 #ifndef DISAGG_BENCH_TRANSFER_BENCH_H
 #define DISAGG_BENCH_TRANSFER_BENCH_H
 
+#include "base/rng.h"
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 /* ---- verification pattern ------------------------------------------------ */
 
-/* The byte at offset o of a patterned buffer is byte (o % 8) (little-endian)
- * of the 64-bit word tb_pattern_word(seed, o / 8): every byte depends on its
- * offset, so a block landing at the wrong address or shifted by a byte fails
- * the check.  The target fills its buffer with TB_SEED_TARGET keyed by the
- * offset from the buffer's start; both ends know the function. */
+/* The one byte pattern of the transfer bench and harness (the harness's
+ * buffer k uses seed + (k << 40); tests/integration/conftest.py pattern_bytes
+ * is the independent reference): the byte at offset o of a patterned buffer
+ * is byte (o % 8) (little-endian) of the 64-bit word tb_pattern_word(seed,
+ * o / 8) = splitmix64(seed + o / 8): every byte depends on its offset, so a
+ * block landing at the wrong address or shifted by a byte fails the check.  The target fills its
+ * buffer with TB_SEED_TARGET keyed by the offset from the buffer's start; both ends know the
+ * function. */
 #define TB_SEED_TARGET 0x7472616e73666572ull /* "transfer" */
 #define TB_SEED_WRITE  0x6469736167675772ull /* base seed of WRITE payloads */
 
 static inline uint64_t tb_pattern_word(uint64_t seed, uint64_t k) {
-    return ((k + 1) * 0x9E3779B97F4A7C15ull) ^ seed;
+    return rng_mix64(seed + k); /* splitmix64 (base/rng.h) */
 }
 /* Fill buf[0, len) with the pattern of seed for offsets [offset, offset+len). */
 void tb_pattern_fill(void *buf, uint64_t offset, size_t len, uint64_t seed);
@@ -33,6 +38,28 @@ void tb_pattern_fill(void *buf, uint64_t offset, size_t len, uint64_t seed);
 size_t tb_pattern_check(const void *buf, uint64_t offset, size_t len, uint64_t seed, size_t *first);
 /* The expected byte at offset. */
 uint8_t tb_pattern_byte(uint64_t seed, uint64_t offset);
+
+/* ---- a forked target (transfer_spawn.c) ------------------------------------ */
+
+typedef struct tb_proc {
+    int pid; /* 0 = none */
+    int in;  /* its stdin (write end), -1 = closed */
+    int out; /* its stdout (read end), -1 = closed */
+} tb_proc;
+
+/* The one spawner of the transfer bench and harness: fork this binary
+ * (/proc/self/exe) with argv (a target's arguments), its stdin and stdout
+ * piped to us, SIGTERM when we die, and read its "target ready" line (the
+ * first line it prints, without the newline) into line within timeout_ns.
+ * 0, or 1 with a message prefixed `who` (the child killed and reaped). */
+int tb_spawn(const char *who, const char *const argv[], uint64_t timeout_ns, tb_proc *c, char *line,
+             size_t cap);
+/* Its next stdout line within timeout_ns: 0 or -1. */
+int tb_proc_read_line(tb_proc *c, char *line, size_t cap, uint64_t timeout_ns);
+/* Close its stdin, send sig (0 = none), wait up to timeout_ns for it to
+ * exit (then SIGKILL), close its stdout.  The wait status; -2 when it had to
+ * be killed, -1 when there was none. */
+int tb_proc_stop(tb_proc *c, int sig, uint64_t timeout_ns);
 
 /* ---- ceilings --------------------------------------------------------------- */
 

@@ -313,8 +313,9 @@ static int tc_run_target(const tc_options *o) {
 /* ---- initiator -------------------------------------------------------------------------- */
 
 typedef struct tc_child {
+    tb_proc proc; /* the target process (transfer_spawn.c) */
     pid_t pid;
-    FILE *in, *out; /* its stdin, its stdout */
+    FILE *in, *out; /* its stdin, its stdout (proc's fds) */
     char segment[128];
     unsigned long long dev, host, ipc_off;
     size_t length;
@@ -323,11 +324,6 @@ typedef struct tc_child {
 } tc_child;
 
 static int tc_spawn(const tc_options *o, tc_child *c) {
-    int to[2], from[2];
-    if (pipe2(to, O_CLOEXEC) || pipe2(from, O_CLOEXEC)) {
-        fprintf(stderr, "disagg bench transfer: pipe: %s\n", strerror(errno));
-        return 1;
-    }
     char loc[16], tokens[32], bt[32], shape[64];
     snprintf(loc, sizeof loc, "cuda:%d", o->device);
     snprintf(tokens, sizeof tokens, "%ld", o->tokens);
@@ -341,26 +337,17 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
                           bt,         "--kv-shape",
                           shape,      "--local-hostname",
                           o->host,    NULL};
-    fflush(stdout);
-    fflush(stderr);
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0) return 1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent) _exit(1);
-        if (dup2(to[0], STDIN_FILENO) < 0 || dup2(from[1], STDOUT_FILENO) < 0) _exit(1);
-        execv("/proc/self/exe", (char *const *)args);
-        _exit(127);
-    }
-    close(to[0]);
-    close(from[1]);
-    c->pid = pid;
-    c->in = fdopen(to[1], "w");
-    c->out = fdopen(from[0], "r");
+    /* The target allocates and fills its device buffer first. */
     char line[512], hex[2 * TRANSFER_IPC_HANDLE_MAX + 1];
+    if (tb_spawn("disagg bench transfer", args, 120ull * 1000000000ull, &c->proc, line,
+                 sizeof line))
+        return 1;
+    pid_t pid = c->proc.pid;
+    c->pid = pid;
     int tpid;
-    if (!c->in || !c->out || !fgets(line, sizeof line, c->out) ||
+    c->in = fdopen(c->proc.in, "w");
+    c->out = fdopen(c->proc.out, "r");
+    if (!c->in || !c->out ||
         sscanf(line,
                "disagg-bench-cuda-target segment=%127s dev=0x%llx host=0x%llx length=%zu pid=%d "
                "ipc=%128s ipc_off=%llu",
@@ -371,6 +358,15 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
                 (int)pid);
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
+        if (c->in)
+            fclose(c->in);
+        else
+            close(c->proc.in);
+        if (c->out)
+            fclose(c->out);
+        else
+            close(c->proc.out);
+        c->in = c->out = NULL;
         c->pid = 0;
         return 1;
     }

@@ -1,6 +1,7 @@
 /*
- * transfer_pattern — the byte pattern `disagg bench transfer --verify` fills
- * and checks (see transfer_bench.h): byte o of a buffer is byte o % 8 of
+ * transfer_pattern — the one byte pattern of the transfer bench (`disagg
+ * bench transfer --verify`) and harness (`disagg transfer target|check|demo`)
+ * (see transfer_bench.h): byte o of a buffer is byte o % 8 of
  * tb_pattern_word(seed, o / 8).  The target side and the initiator side must
  * agree on it; it is independent of the engine.
  */

@@ -5,6 +5,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <net/if.h>
@@ -14,7 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <limits.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 int net_split_host_port(const char *s, char *host, size_t host_cap, uint16_t *port,
@@ -348,4 +349,14 @@ int net_same_subnet(const net_addr *a, const net_addr *b, int prefix_len) {
     if (rem == 0) return 1;
     unsigned char m = (unsigned char)(0xFF << (8 - rem));
     return (x[full] & m) == (y[full] & m);
+}
+
+long net_raise_nofile_limit(void) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return -1;
+    if (rl.rlim_cur < rl.rlim_max) {
+        struct rlimit want = {rl.rlim_max, rl.rlim_max};
+        if (setrlimit(RLIMIT_NOFILE, &want) == 0) rl.rlim_cur = rl.rlim_max;
+    }
+    return rl.rlim_cur == RLIM_INFINITY ? LONG_MAX : (long)rl.rlim_cur;
 }

@@ -53,6 +53,10 @@ int net_writev_all(int fd, struct iovec *iov, int iovcnt, uint64_t deadline_ns);
 int net_set_nodelay(int fd);
 int net_set_nonblock(int fd, int on);
 int net_set_bufsize(int fd, int bytes);
+/* Raise RLIMIT_NOFILE's soft limit to the hard limit (servers hold a descriptor
+ * per connection and ZeroMQ socket; a soft limit of 1,024 is common).  Returns
+ * the soft limit in effect afterwards, or -1. */
+long net_raise_nofile_limit(void);
 
 typedef struct net_iface_addr {
     char ifname[32];

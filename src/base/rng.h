@@ -4,8 +4,8 @@
  * state, plus a process-wide generator seeded from getrandom (re-seeded in a
  * forked child) for ids that must be unique but not secret.  Nothing here is
  * for secrets: base/auth.h draws nonces from OpenSSL.
- * The sampler's seeded streams (model/sampler.c) and cli transfer's check
- * pattern (cli/cmd_transfer.c) depend on these exact sequences.
+ * The sampler's seeded streams (model/sampler.c) and the transfer harness's
+ * pattern (bench/transfer_pattern.c) depend on these exact sequences.
  */
 #ifndef DISAGG_BASE_RNG_H
 #define DISAGG_BASE_RNG_H

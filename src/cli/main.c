@@ -18,7 +18,7 @@ typedef struct command {
 
 static const command COMMANDS[] = {
     {"demo", cmd_demo, "P + D + proxy on localhost, one chat request, on the default model"},
-    {"transfer", cmd_transfer, "transfer-engine helpers: target, copy, demo"},
+    {"transfer", cmd_transfer, "transfer engine: copy; its test harness: target, check, demo"},
     {"bench", cmd_bench, "measurements: bench transfer, bench model, bench serve, bench proxy"},
     {"generate", cmd_generate, "generate text from a model on the CPU (streams to stdout)"},
     {"bootstrap", cmd_bootstrap, "Mooncake bootstrap server alone; register/query helpers"},

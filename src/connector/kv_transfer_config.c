@@ -73,8 +73,8 @@ static const top_key TOP_KEYS[] = {
 #define N_TOP_KEYS (sizeof TOP_KEYS / sizeof TOP_KEYS[0])
 
 static const char *const EXTRA_KEYS[] = {
-    "num_workers", "mooncake_protocol", "device_name",        "bootstrap_server_address",
-    "auth_secret", "max_pending_pulls", "first_token_handoff"};
+    "num_workers", "mooncake_protocol", "device_name",         "bootstrap_server_address",
+    "auth_secret", "max_pending_pulls", "first_token_handoff", "max_remote_loads"};
 #define N_EXTRA_KEYS (sizeof EXTRA_KEYS / sizeof EXTRA_KEYS[0])
 
 static const char *const ROLE_NAMES[] = {"kv_producer", "kv_consumer", "kv_both"};
@@ -292,6 +292,17 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
                 return KV_CONFIG_EINVAL;
             }
             c->max_pending_pulls = (int)json_integer_value(v);
+        } else if (strcmp(key, "max_remote_loads") == 0) {
+            if (!json_is_integer(v) || json_integer_value(v) < 1 ||
+                json_integer_value(v) > KV_CONFIG_REMOTE_LOADS_MAX) {
+                err_set(err, cap,
+                        "kv-transfer-config: kv_connector_extra_config.max_remote_loads: %s is "
+                        "not accepted; accepted: an integer from 1 to %d (default %d)",
+                        json_short(v, shown, sizeof shown), KV_CONFIG_REMOTE_LOADS_MAX,
+                        KV_CONFIG_REMOTE_LOADS_DEFAULT);
+                return KV_CONFIG_EINVAL;
+            }
+            c->max_remote_loads = (int)json_integer_value(v);
         } else if (strcmp(key, "first_token_handoff") == 0) {
             if (!json_is_boolean(v)) {
                 err_set(err, cap,
@@ -375,6 +386,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     c.num_workers = KV_CONFIG_NUM_WORKERS_DEFAULT;
     c.protocol = KV_PROTOCOL_RDMA;
     c.max_pending_pulls = KV_CONFIG_PENDING_PULLS_DEFAULT;
+    c.max_remote_loads = KV_CONFIG_REMOTE_LOADS_DEFAULT;
     c.first_token_handoff = 1;
     if (err && err_cap) err[0] = '\0';
     if (!json_text) {

@@ -44,6 +44,8 @@ typedef enum kv_protocol {
 #define KV_CONFIG_SECRET_MAX            256  /* bytes of auth_secret incl. NUL */
 #define KV_CONFIG_PENDING_PULLS_DEFAULT 4096 /* max_pending_pulls */
 #define KV_CONFIG_PENDING_PULLS_MAX     1048576
+#define KV_CONFIG_REMOTE_LOADS_DEFAULT  512 /* max_remote_loads */
+#define KV_CONFIG_REMOTE_LOADS_MAX      4096
 
 typedef struct kv_transfer_config {
     char kv_connector[64];                      /* always "MooncakeConnector" after a parse */
@@ -69,6 +71,10 @@ typedef struct kv_transfer_config {
      * that may wait at once; one more evicts the oldest (its pull fails at
      * once): a flood of bogus pulls costs O(1) each.  1..1048576, default 4096. */
     int max_pending_pulls;
+    /* consumer: remote KV loads (pulls) in flight at once; one more evicts the
+     * oldest load its producer said it does not know the transfer of, else is
+     * refused with 503 "too many remote KV loads in flight".  1..4096, default 512. */
+    int max_remote_loads;
     /* first_token_handoff (default true): a producer sends the first output token
      * its prefill sampled with the KV ("disagg_first_tokens" in the pull's reply),
      * a consumer uses such a token instead of recomputing the last prompt position

@@ -8,6 +8,7 @@
 #include "base/clock.h"
 #include "base/http_server.h"
 #include "base/log.h"
+#include "connector/mooncake/mooncake_connector.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -543,6 +544,16 @@ static void gen_start_stream(gen_req *r) {
     sbuf_free(&sse);
 }
 
+/* A request refused before the engine took it: a decoder tells the producer
+ * that the KV it keeps for the request's transfer will not be pulled
+ * (issue 25 item 11).  No-op for other requests. */
+static void gen_release_unused_kv(gen_req *r) {
+    if (!r->s->conn || !r->o.kv_transfer_params) return;
+    char *t = json_dumps(r->o.kv_transfer_params, JSON_COMPACT);
+    mooncake_connector_release_unused(r->s->conn, t);
+    free(t);
+}
+
 void gen_start(gen_req *r) {
     server *s = r->s;
     r->namer.fn = r->o.return_tokens_as_token_ids ? server_token_namer_ids : server_token_namer;
@@ -639,6 +650,7 @@ void gen_start(gen_req *r) {
     gen_free_and_account(r);
     return;
 fail:
+    gen_release_unused_kv(r);
     server_reply_error(r->http, &r->err, r->x_request_id);
     gen_req_free(r);
 }
@@ -656,10 +668,12 @@ static void gen_prep_done(prep_job *j) {
     int rc = j->rc;
     free(j);
     if (!http) { /* the client left (or shutdown answered it) */
+        gen_release_unused_kv(r);
         gen_req_free(r);
         return;
     }
     if (rc) {
+        gen_release_unused_kv(r);
         server_reply_error(http, &r->err, r->x_request_id);
         gen_req_free(r);
         return;
@@ -688,6 +702,7 @@ void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare) {
         oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
     free(body);
     if (rc) {
+        gen_release_unused_kv(r);
         server_reply_error(r->http, &r->err, r->x_request_id);
         gen_req_free(r);
         return;

@@ -482,6 +482,13 @@ int server_run(const server_config *cfg) {
     metrics_init(&s->metrics);
     pthread_mutex_init(&s->q_lock, NULL);
     signal(SIGPIPE, SIG_IGN);
+    /* a descriptor per client connection, remote KV load (ZeroMQ) and transfer peer */
+    long nofile = net_raise_nofile_limit();
+    if (nofile >= 0 && nofile < 4096)
+        LOG_W("server",
+              "the open-file limit is %ld (ulimit -n; hard limit reached): a decoder at its cap "
+              "of remote KV loads needs about 4 descriptors per load; raise it",
+              nofile);
     int rc = -1;
     if (evthread_use_pthreads()) {
         LOG_E("server", "libevent has no pthreads support");

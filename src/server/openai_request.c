@@ -558,6 +558,17 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
         bad(err, NULL, "The request body must be a JSON object, got %s", text_json_kind(root));
         goto out;
     }
+    /* First: a request refused below still names its transfer, so that a
+     * decoder can tell the producer to free the KV kept for it. */
+    const json_t *kv = json_object_get(root, "kv_transfer_params");
+    if (kv && !json_is_null(kv)) {
+        if (!json_is_object(kv)) {
+            bad(err, "kv_transfer_params", "'kv_transfer_params' must be an object or null, got %s",
+                text_json_kind(kv));
+            goto out;
+        }
+        r->kv_transfer_params = json_incref((json_t *)kv);
+    }
     if (parse_model(r, root, d, err)) goto out;
     if (refuse_unsupported(root, err)) goto out;
     if ((kind == OAI_CHAT ? parse_chat(r, root, err) : parse_completions(r, root, err))) goto out;
@@ -591,15 +602,6 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
         bad(err, "prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true");
         goto out;
     }
-    const json_t *kv = json_object_get(root, "kv_transfer_params");
-    if (kv && !json_is_null(kv)) {
-        if (!json_is_object(kv)) {
-            bad(err, "kv_transfer_params", "'kv_transfer_params' must be an object or null, got %s",
-                text_json_kind(kv));
-            goto out;
-        }
-        r->kv_transfer_params = json_incref((json_t *)kv);
-    }
     if (d->max_logprobs >= 0 &&
         (r->logprobs > d->max_logprobs || r->prompt_logprobs > d->max_logprobs)) {
         int asked = r->logprobs > r->prompt_logprobs ? r->logprobs : r->prompt_logprobs;
@@ -618,7 +620,11 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     rc = 0;
 out:
     json_decref(root);
-    if (rc) oai_request_free(r);
+    if (rc) {
+        json_t *keep = json_incref(r->kv_transfer_params);
+        oai_request_free(r);
+        r->kv_transfer_params = keep;
+    }
     return rc;
 }
 

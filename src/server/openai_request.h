@@ -110,7 +110,9 @@ typedef struct oai_request {
 } oai_request;
 
 /* Parse body (len bytes).  Returns 0, or -EINVAL with err filled (the
- * request is then already freed).  On success free with oai_request_free. */
+ * request is then already freed, except kv_transfer_params when the body had
+ * an object there: the caller may still act on it).  Free with
+ * oai_request_free either way. */
 int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t len,
                       const oai_defaults *d, oai_error *err);
 void oai_request_free(oai_request *r);

@@ -237,9 +237,43 @@ static void ipc_destroy(transport *t) {
     free(t);
 }
 
-static const transport_ops IPC_OPS = {
+static int ipc_create(const transport_env *env, transport **out);
+
+/* Export device memory once, for same-host peers (a failure only leaves
+ * this buffer to the other transports). */
+static int ipc_register_mem(transport *t, registry_entry *r) {
+    ipc_state *s = t->state;
+    const transfer_device_ops *d = *s->dev;
+    if (!location_is_device(r->location) || !cuda_ipc_supported(d)) return 0;
+    void *addr = (void *)(uintptr_t)r->addr;
+    size_t hl = sizeof r->ipc;
+    if (d->ipc_export(d->ctx, addr, r->length, r->ipc, &hl, &r->ipc_off) == 0 && hl > 0 &&
+        hl <= sizeof r->ipc)
+        r->ipc_len = (uint32_t)hl;
+    else
+        LOG_W("transfer", "register: cannot export %s memory at %p for cuda_ipc", r->location,
+              addr);
+    return 0;
+}
+
+/* Each exported buffer's handle and offset. */
+static void ipc_describe(transport *t, const registry *regs, segment_desc *d) {
+    (void)t;
+    for (size_t i = 0; i < d->buffers.n && i < regs->n; i++) {
+        registry_entry *b = &d->buffers.v[i];
+        b->ipc_len = regs->v[i].ipc_len;
+        b->ipc_off = regs->v[i].ipc_off;
+        memcpy(b->ipc, regs->v[i].ipc, sizeof b->ipc);
+        if (b->ipc_len) b->reach |= REACH_IPC;
+    }
+}
+
+const transport_ops cuda_ipc_transport_ops = {
     .name = "cuda_ipc",
     .proto = TRANSFER_PROTO_CUDA_IPC,
+    .create = ipc_create,
+    .register_mem = ipc_register_mem,
+    .describe = ipc_describe,
     .can_reach = ipc_can_reach,
     .open_peer = ipc_open_peer,
     .submit = ipc_submit,
@@ -259,10 +293,21 @@ int cuda_ipc_transport_create(const xfer_sink *sink, const transfer_device_ops *
     }
     s->dev = dev;
     pthread_mutex_init(&s->mu, NULL);
-    t->ops = &IPC_OPS;
+    t->ops = &cuda_ipc_transport_ops;
     t->sink = sink;
     t->stripe = (size_t)1 << 30; /* one copy per request (and runs of them) */
     t->state = s;
     *out = t;
     return 0;
+}
+
+/* The table's entry: device memory on both sides of one host goes here
+ * before the peer's preferred transport, unless tcp was asked for. */
+static int ipc_create(const transport_env *env, transport **out) {
+    int rc = cuda_ipc_transport_create(env->sink, env->dev, out);
+    if (rc == 0) {
+        (*out)->env = env;
+        (*out)->flags = env->protocol != TRANSFER_PROTO_TCP ? TRANSPORT_FIRST : 0;
+    }
+    return rc;
 }

@@ -17,6 +17,8 @@
 /* dev: the engine's installed table (NULL inside: none). */
 int cuda_ipc_transport_create(const xfer_sink *sink, const transfer_device_ops *const *dev,
                               transport **out);
+/* The table's entry (transports.c). */
+extern const transport_ops cuda_ipc_transport_ops;
 /* Whether the table offers the four ipc functions. */
 int cuda_ipc_supported(const transfer_device_ops *d);
 

@@ -47,6 +47,20 @@ int rdma_use_dmabuf(void) {
     return v && strcmp(v, "0") == 0;
 }
 
+/* An op's rdma state (xfer_op.priv): the remote buffer's key on each of the
+ * peer's NICs, and the op's position in its queue pair's send queue (the
+ * error it ends with once off the queue). */
+typedef struct rdma_op {
+    uint32_t rkey[MAX_NICS];
+    uint32_t nkeys;
+    uint64_t seq;
+} rdma_op;
+_Static_assert(sizeof(rdma_op) <= XFER_OP_PRIV, "rdma_op must fit in xfer_op.priv");
+
+static inline rdma_op *R(xfer_op *op) {
+    return (rdma_op *)(void *)op->priv;
+}
+
 typedef struct nic {
     rdma_port_info port;
     rdma_nic *h;
@@ -120,7 +134,7 @@ static void mreg_release(rstate *s, mreg *m) {
         if (m->mr[k]) s->v->dereg_mr(m->mr[k]);
 }
 
-int rdma_transport_reg(transport *t, registry_entry *e) {
+static int rdma_register_mem(transport *t, registry_entry *e) {
     rstate *s = t->state;
     mreg m = {.addr = e->addr, .len = e->length};
     int dev = location_is_device(e->location), use_dmabuf = dev && rdma_use_dmabuf();
@@ -189,8 +203,9 @@ int rdma_transport_reg(transport *t, registry_entry *e) {
     return 0;
 }
 
-void rdma_transport_dereg(transport *t, uint64_t addr) {
+static void rdma_deregister_mem(transport *t, const registry_entry *r) {
     rstate *s = t->state;
+    uint64_t addr = r->addr;
     pthread_rwlock_wrlock(&s->reg_mu);
     for (size_t i = 0; i < s->nregs; i++)
         if (s->regs[i].addr == addr) {
@@ -218,8 +233,15 @@ static int gid_parse(const char *s, uint8_t *g) {
     return *s ? -1 : 0;
 }
 
-void rdma_transport_describe(transport *t, segment_desc *d) {
+/* The NICs ("devices", rdma_mtu) and each buffer's keys on them. */
+static void rdma_describe(transport *t, const registry *regs, segment_desc *d) {
     rstate *s = t->state;
+    for (size_t i = 0; i < d->buffers.n && i < regs->n; i++) {
+        registry_entry *b = &d->buffers.v[i];
+        b->nkeys = regs->v[i].nkeys;
+        memcpy(b->rkey, regs->v[i].rkey, sizeof b->rkey);
+        if (b->nkeys) b->reach |= REACH_RDMA;
+    }
     d->num_devices = 0;
     int mtu = 0;
     for (int k = 0; k < s->nnics && k < SEGMENT_MAX_DEVICES; k++) {
@@ -275,7 +297,7 @@ static void retry_locked(rstate *s, rconn *c, xfer_op *ops, xfer_op **done, int 
         }
         qpc *q = ++op->tries <= (uint32_t)c->nq ? pick_locked(c, NULL) : NULL;
         if (!q || xfer_op_canceled(op)) {
-            op->seq = (uint64_t)(int64_t)(q ? TRANSFER_ECANCELED : err);
+            R(op)->seq = (uint64_t)(int64_t)(q ? TRANSFER_ECANCELED : err);
             op->next = *done;
             *done = op;
             continue;
@@ -295,7 +317,7 @@ static void retry_locked(rstate *s, rconn *c, xfer_op *ops, xfer_op **done, int 
 static void end_list(rstate *s, xfer_op *l) {
     while (l) {
         xfer_op *n = l->next;
-        xfer_done(s->sink, l, (int)(int64_t)l->seq);
+        xfer_done(s->sink, l, (int)(int64_t)R(l)->seq);
         l = n;
     }
 }
@@ -321,13 +343,13 @@ static int rdma_poll_once(rstate *s) {
             if (!q || q->dead) continue; /* closed, or already failed over */
             if (wc[i].status == 0) {
                 /* Retire every op up to the signaled one (RC: in order). */
-                while (q->f_head && q->f_head->seq <= wc[i].wr_id) {
+                while (q->f_head && R(q->f_head)->seq <= wc[i].wr_id) {
                     xfer_op *op = q->f_head;
                     q->f_head = op->next;
                     if (!q->f_head) q->f_tail = NULL;
                     q->posted--;
                     s->outstanding--;
-                    op->seq = 0;
+                    R(op)->seq = 0;
                     op->next = done;
                     done = op;
                 }
@@ -426,23 +448,23 @@ static int post_locked(rstate *s, qpc *q, xfer_op *ops, xfer_op **fail) {
             ops = op->next;
             op->next = NULL;
             const mreg *m = mreg_find(s, (uint64_t)(uintptr_t)op->local, op->len);
-            if (xfer_op_canceled(op) || !m || (uint32_t)q->peer_nic >= op->nkeys) {
-                op->seq = (uint64_t)(int64_t)(xfer_op_canceled(op) ? TRANSFER_ECANCELED
-                                                                   : TRANSFER_EREMOTEADDR);
+            if (xfer_op_canceled(op) || !m || (uint32_t)q->peer_nic >= R(op)->nkeys) {
+                R(op)->seq = (uint64_t)(int64_t)(xfer_op_canceled(op) ? TRANSFER_ECANCELED
+                                                                      : TRANSFER_EREMOTEADDR);
                 op->tries = UINT32_MAX; /* not retried */
                 op->next = *fail;
                 *fail = op;
                 continue;
             }
-            op->seq = q->seq++;
+            R(op)->seq = q->seq++;
             wrs[n] =
-                (rdma_wr){.wr_id = op->seq,
+                (rdma_wr){.wr_id = R(op)->seq,
                           .opcode = op->opcode == TRANSFER_WRITE ? RDMA_WR_WRITE : RDMA_WR_READ,
                           .local = op->local,
                           .len = (uint32_t)op->len,
                           .lkey = m->lkey[q->nic],
                           .remote = op->remote,
-                          .rkey = op->rkey[q->peer_nic],
+                          .rkey = R(op)->rkey[q->peer_nic],
                           .signaled = (q->seq % SIGNAL_EVERY) == 0};
             batch[n++] = op;
             continue;
@@ -514,7 +536,7 @@ static void rdma_submit(transport *t, void *conn, xfer_op *ops) {
         op->next = NULL;
         qpc *q = pick_locked(c, NULL);
         if (!q) {
-            op->seq = (uint64_t)(int64_t)TRANSFER_ECONN;
+            R(op)->seq = (uint64_t)(int64_t)TRANSFER_ECONN;
             op->next = done;
             done = op;
             continue;
@@ -585,7 +607,7 @@ static void local_attr(rstate *s, int k, uint32_t qpn, rdma_qp_attr *a) {
     a->mtu = s->nics[k].port.mtu;
 }
 
-char *rdma_transport_accept(transport *t, const char *body, size_t len, char *err, size_t cap) {
+static char *rdma_accept(transport *t, const char *body, size_t len, char *err, size_t cap) {
     rstate *s = t->state;
     json_error_t je;
     json_t *o = json_loadb(body, len, 0, &je);
@@ -757,7 +779,7 @@ static void rdma_close_peer(transport *t, void *conn) {
         xfer_op *l = qpc_kill_locked(s, &c->q[i]);
         while (l) {
             xfer_op *n = l->next;
-            l->seq = (uint64_t)(int64_t)TRANSFER_ECANCELED;
+            R(l)->seq = (uint64_t)(int64_t)TRANSFER_ECANCELED;
             l->next = all;
             all = l;
             l = n;
@@ -797,9 +819,32 @@ static void rdma_destroy(transport *t) {
     free(t);
 }
 
-static const transport_ops RDMA_OPS = {
+static int rdma_create(const transport_env *env, transport **out);
+
+/* Preferred for a peer that advertises NICs. */
+static int rdma_prefer(const transport *t, const transport_peer *p) {
+    (void)t;
+    if (p->desc->num_devices > 0) return 1;
+    LOG_W(MOD, "segment %s advertises no RDMA device: using tcp", p->name);
+    return 0;
+}
+
+static void rdma_prepare(transport *t, xfer_op *op, const registry_entry *remote) {
+    (void)t;
+    R(op)->nkeys = remote ? remote->nkeys : 0;
+    if (remote) memcpy(R(op)->rkey, remote->rkey, sizeof R(op)->rkey);
+}
+
+const transport_ops rdma_transport_ops = {
     .name = "rdma",
     .proto = TRANSFER_PROTO_RDMA,
+    .create = rdma_create,
+    .prefer = rdma_prefer,
+    .register_mem = rdma_register_mem,
+    .deregister_mem = rdma_deregister_mem,
+    .describe = rdma_describe,
+    .accept = rdma_accept,
+    .prepare = rdma_prepare,
     .can_reach = rdma_can_reach,
     .open_peer = rdma_open_peer,
     .submit = rdma_submit,
@@ -886,11 +931,33 @@ int rdma_transport_create(const xfer_sink *sink, const rdma_transport_cfg *cfg, 
         free(t);
         return TRANSFER_ESYS;
     }
-    t->ops = &RDMA_OPS;
+    t->ops = &rdma_transport_ops;
     t->sink = sink;
     t->stripe = 256u << 10;
     t->state = s;
     LOG_I(MOD, "rdma over %d NIC(s) (%s), verbs: %s", s->nnics, s->nics[0].port.name, v->name);
     *out = t;
     return 0;
+}
+
+/* The table's entry: only under protocol rdma, and without a usable NIC the
+ * engine goes on with tcp. */
+static int rdma_create(const transport_env *env, transport **out) {
+    if (env->protocol != TRANSFER_PROTO_RDMA) return TRANSFER_ENOSEG;
+    rdma_transport_cfg rcfg = {.verbs = rdma_verbs_current(),
+                               .device_name = env->device_name,
+                               .self_name = env->self_name,
+                               .connect_timeout_ns = env->connect_timeout_ns,
+                               .dev = env->dev,
+                               .secret = env->secret};
+    int rc = rdma_transport_create(env->sink, &rcfg, out);
+    if (rc == TRANSFER_ENOSEG)
+        LOG_W("transfer", "protocol rdma: no RDMA device found%s%s; using tcp",
+              env->device_name && env->device_name[0] ? " among " : "",
+              env->device_name ? env->device_name : "");
+    if (rc == 0) {
+        (*out)->env = env;
+        (*out)->flags = TRANSPORT_REFETCH | TRANSPORT_OPEN_FALLBACK;
+    }
+    return rc;
 }

@@ -37,14 +37,8 @@ typedef struct rdma_transport_cfg {
  * tcp), TRANSFER_EINVAL when a whitelisted NIC does not exist. */
 int rdma_transport_create(const xfer_sink *sink, const rdma_transport_cfg *cfg, transport **out);
 
-/* Register [addr, +len) at loc on every NIC; the rkeys into e->rkey. */
-int rdma_transport_reg(transport *t, registry_entry *e);
-void rdma_transport_dereg(transport *t, uint64_t addr);
-/* Fill d->devices and d->rdma_mtu. */
-void rdma_transport_describe(transport *t, segment_desc *d);
-/* The target side of the connect handshake: a request body in, a reply
- * (malloc'd JSON) out, or NULL with err filled. */
-char *rdma_transport_accept(transport *t, const char *body, size_t len, char *err, size_t cap);
+/* The table's entry (transports.c). */
+extern const transport_ops rdma_transport_ops;
 /* Whether registering GPU memory goes through DMA-BUF (WITH_NVIDIA_PEERMEM=0). */
 int rdma_use_dmabuf(void);
 

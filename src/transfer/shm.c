@@ -2,6 +2,7 @@
 #include "transfer/shm.h"
 
 #include "base/clock.h"
+#include "base/log.h"
 #include "disagg/transfer.h"
 
 #include <errno.h>
@@ -9,7 +10,9 @@
 #include <stdlib.h>
 #include <sys/uio.h>
 
-#define INLINE_MAX (64u << 10) /* ops up to this size run in the submitting thread */
+#define INLINE_MAX  (64u << 10) /* ops up to this size run in the submitting thread */
+#define SHM_STRIPE  (4u << 20)  /* chunk bytes */
+#define SHM_THREADS 2           /* workers */
 
 static int map_errno(int e) {
     if (e == EPERM || e == ENOSYS) return TRANSFER_EPERM;
@@ -185,7 +188,7 @@ typedef struct shm_conn {
 } shm_conn;
 
 /* Same host, host memory on both sides (process_vm_* cannot reach device
- * memory), and the range must be in the peer's descriptor (engine.c checks
+ * memory), and the range must be in the peer's descriptor (the transfer engine checks
  * that before routing here). */
 static int shm_can_reach(const transport *t, const transport_peer *p, const char *local_loc,
                          const registry_entry *remote) {
@@ -244,9 +247,35 @@ static void shm_destroy(transport *t) {
     free(t);
 }
 
-static const transport_ops SHM_OPS = {
+static int shm_create(const transport_env *env, transport **out);
+
+/* Preferred on the same host unless tcp or rdma was asked for; protocol
+ * shm refuses a peer on another host. */
+static int shm_prefer(const transport *t, const transport_peer *p) {
+    transfer_protocol proto = t->env->protocol;
+    if (proto == TRANSFER_PROTO_SHM && !p->same_host) {
+        LOG_E("transfer", "segment %s is on another host; protocol shm needs the same host",
+              p->name);
+        return TRANSFER_ENOSEG;
+    }
+    return proto != TRANSFER_PROTO_TCP && proto != TRANSFER_PROTO_RDMA && p->same_host;
+}
+
+/* Every host-memory buffer is reachable by process_vm_*. */
+static void shm_describe(transport *t, const registry *regs, segment_desc *d) {
+    (void)t;
+    (void)regs;
+    for (size_t i = 0; i < d->buffers.n; i++)
+        if (!location_is_device(d->buffers.v[i].location)) d->buffers.v[i].reach |= REACH_SHM;
+}
+
+const transport_ops shm_transport_ops = {
     .name = "shm",
     .proto = TRANSFER_PROTO_SHM,
+    .create = shm_create,
+    .prefer = shm_prefer,
+    .describe = shm_describe,
+    .reroute_why = "the kernel refused process_vm_writev/readv (ptrace policy)",
     .can_reach = shm_can_reach,
     .open_peer = shm_open_peer,
     .submit = shm_submit,
@@ -257,7 +286,7 @@ static const transport_ops SHM_OPS = {
 int shm_transport_create(const xfer_sink *sink, int nthreads, size_t stripe, transport **out) {
     transport *t = calloc(1, sizeof *t);
     if (!t) return TRANSFER_ENOMEM;
-    t->ops = &SHM_OPS;
+    t->ops = &shm_transport_ops;
     t->sink = sink;
     t->stripe = stripe;
     int rc = shm_pool_create(sink, nthreads, (shm_pool **)&t->state);
@@ -267,4 +296,15 @@ int shm_transport_create(const xfer_sink *sink, int nthreads, size_t stripe, tra
     }
     *out = t;
     return 0;
+}
+
+/* The table's entry: the peer's descriptor must list a request's range
+ * (the target's threads are not involved, so nothing else checks it). */
+static int shm_create(const transport_env *env, transport **out) {
+    int rc = shm_transport_create(env->sink, SHM_THREADS, SHM_STRIPE, out);
+    if (rc == 0) {
+        (*out)->env = env;
+        (*out)->flags = TRANSPORT_REFETCH | TRANSPORT_RANGE_CHECK;
+    }
+    return rc;
 }

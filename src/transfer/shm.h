@@ -2,7 +2,7 @@
  * shm — the same-host transport: the initiator copies bytes straight between
  * its memory and the target process's with process_vm_writev/readv (one copy,
  * no socket, the target's threads not involved).  Ranges were checked against
- * the target's registered buffers before an op gets here (engine.c).  The
+ * the target's registered buffers before an op gets here (transfer_engine.c).  The
  * engine hands over groups of ops (one vectored call each); small groups run
  * inline in the submitting thread, larger ones on a worker pool so that
  * submit returns at once and big batches use every core.
@@ -39,5 +39,7 @@ void shm_pool_destroy(shm_pool *p);
 /* The shm transport (transport.h): a pool of nthreads workers; requests are
  * cut into chunks of stripe bytes. */
 int shm_transport_create(const xfer_sink *sink, int nthreads, size_t stripe, transport **out);
+/* The table's entry (transports.c). */
+extern const transport_ops shm_transport_ops;
 
 #endif

@@ -11,12 +11,7 @@
 #define MOD "transfer.staging"
 
 int stage_parse_device(const char *loc, int *device) {
-    if (!loc || strncmp(loc, "cuda:", 5) != 0) return TRANSFER_EINVAL;
-    char *end = NULL;
-    long n = strtol(loc + 5, &end, 10);
-    if (end == loc + 5 || *end || n < 0 || n >= STAGE_MAX_DEVICES) return TRANSFER_EINVAL;
-    *device = (int)n;
-    return 0;
+    return location_parse_device(loc, device);
 }
 
 static int slot_stream(const transfer_device_ops *dev, stage_slot *sl, int device, void **out) {

@@ -19,6 +19,7 @@
 #define DISAGG_TRANSFER_STAGING_H
 
 #include "disagg/transfer.h"
+#include "transfer/transport.h"
 #include "transfer/xfer_op.h"
 
 #include <stdatomic.h>
@@ -27,7 +28,7 @@
 
 #define STAGE_SLOT_BYTES  (1u << 20) /* a staged chunk */
 #define STAGE_SLOTS       8          /* initiator chunks in flight per engine */
-#define STAGE_MAX_DEVICES 16
+#define STAGE_MAX_DEVICES TRANSPORT_MAX_DEVICES
 
 typedef struct stage_slot {
     char *buf;                       /* pinned, STAGE_SLOT_BYTES */
@@ -38,10 +39,7 @@ typedef struct stage_slot {
 /* Parse "cuda:N" into N (0..STAGE_MAX_DEVICES-1): 0 or TRANSFER_EINVAL. */
 int stage_parse_device(const char *loc, int *device);
 
-/* The counters an engine keeps (transfer_device_stats). */
-typedef struct stage_stats {
-    _Atomic uint64_t out, in;
-} stage_stats;
+/* The counters an engine keeps: stage_stats (transport.h). */
 
 typedef struct stager stager;
 /* submit(ctx, op): send a staged op (op->local is the slot) over tcp. */

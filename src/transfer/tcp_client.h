@@ -18,7 +18,15 @@
 
 #include <stdint.h>
 
-#define TCP_CLIENT_MAX_PATHS TRANSPORT_MAX_PATHS
+#define TCP_CLIENT_MAX_PATHS 16
+
+/* A tcp path: local source address -> peer data address. */
+typedef struct tcp_path {
+    net_addr dst; /* peer data endpoint */
+    net_addr src; /* local source address (has_src) */
+    int has_src;
+    char label[160]; /* "src -> dst", for logs */
+} tcp_path;
 
 typedef struct tcp_client tcp_client;
 

@@ -1,6 +1,7 @@
 /*
- * transport_tcp — the tcp transport (transport.h) over tcp_client, with
- * device memory staged through pinned host buffers (staging.h).
+ * transport_tcp — the tcp transport (transport.h): the data server
+ * (tcp_server) and tcp_client, with device memory staged through pinned host
+ * buffers (staging.h).
  */
 #ifndef DISAGG_TRANSFER_TRANSPORT_TCP_H
 #define DISAGG_TRANSFER_TRANSPORT_TCP_H
@@ -17,8 +18,9 @@ typedef struct tcp_transport_cfg {
     stage_stats *stage_stats;
 } tcp_transport_cfg;
 
+/* The initiator side alone (no data server). */
 int tcp_transport_create(const xfer_sink *sink, const tcp_transport_cfg *cfg, transport **out);
-/* Chunk size for a request (staged: at most one staging slot). */
-size_t tcp_transport_stripe_for(const transport *t, int staged);
+/* The table's entry (transports.c): create also starts the data server. */
+extern const transport_ops tcp_transport_ops;
 
 #endif

@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define XFER_OP_PRIV 48 /* bytes of transport-private state per op */
+
 struct batch;
 struct peer;
 struct stage_slot;
@@ -32,11 +34,9 @@ typedef struct xfer_op {
     char *dev;
     int device; /* N of "cuda:N" when dev is set */
     void *conn; /* the transport's per-peer state, for staged ops */
-    /* rdma: the remote buffer's key on each of the peer's NICs, and the
-     * op's position in its queue pair's send queue. */
-    uint32_t rkey[8];
-    uint32_t nkeys;
-    uint64_t seq;
+    /* The transport's own per-op state (transport_ops.prepare fills it;
+     * e.g. rdma's remote keys and send-queue position). */
+    _Alignas(8) unsigned char priv[XFER_OP_PRIV];
 } xfer_op;
 
 /* True when the op's batch was cancelled (skip it if not yet on the wire). */
@@ -44,7 +44,7 @@ static inline int xfer_op_canceled(const xfer_op *op) {
     return atomic_load(op->canceled);
 }
 
-/* Where transports hand their ops back (engine.c owns it):
+/* Where transports hand their ops back (transfer_engine.c owns it):
  * done    — the op ended with err (0 = ok); the sink frees it;
  * reroute — this transport cannot serve the op's peer after all (e.g. the
  *           kernel refused shm): the engine moves the peer to another

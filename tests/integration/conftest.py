@@ -3,7 +3,7 @@ are always killed at teardown, the `disagg transfer target` helper process,
 the buffer pattern (numpy, independent of the C code), and reading another
 process's memory through /proc/<pid>/mem.
 
-The pattern must agree with src/cli/cmd_transfer.c:
+The pattern must agree with bench/transfer_harness.c (bench/transfer_pattern.c):
   buffers ranked k = 0, 1, ... by ascending address; buffer k read as
   little-endian u64 words holds splitmix64(seed + (k << 40) + w).
 """

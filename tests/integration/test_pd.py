@@ -60,7 +60,7 @@ class PD:
             if s.proc.poll() is None:
                 s.stop()
 
-    def send(self, body, endpoint="/v1/completions", p_body_edit=None):
+    def send(self, body, endpoint="/v1/completions", p_body_edit=None, d_body_edit=None):
         """Send to P and D at the same time, as the proxy does; returns (P response, D response)."""
         tid = "xfer-" + str(uuid.uuid4())
         pb = dict(body, max_tokens=1, stream=False)
@@ -74,6 +74,8 @@ class PD:
         db["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
                                     "remote_engine_id": self.engine_id,
                                     "remote_bootstrap_addr": self.bootstrap, "transfer_id": tid}
+        if d_body_edit:
+            d_body_edit(db)
         with cf.ThreadPoolExecutor(2) as ex:
             fp = ex.submit(requests.post, self.p.url + endpoint, json=pb,
                            headers={"X-Request-Id": str(uuid.uuid4())}, timeout=TIMEOUT)

@@ -373,6 +373,21 @@ def test_one_sided_secret_refused_on_both_sides():
 
 # ---- 4. a flood of bogus pulls -------------------------------------------------------------
 
+def final_reply(sock, timeout):
+    """The pull's final reply (FINISH or ERROR) within timeout seconds, else None.  CONTINUEs
+    are skipped as vLLM's decoder skips them (P sends one at once naming requests whose
+    transfer id it does not know yet, "disagg_unknown_reqs")."""
+    deadline = time.time() + timeout
+    while True:
+        left = deadline - time.time()
+        if left <= 0 or not sock.poll(int(left * 1000)):
+            return None
+        r = msgpack.unpackb(sock.recv())
+        if r["status"] != 1:
+            return r
+        assert r.get("disagg_unknown_reqs") in (None, ["d-evil"]), r
+
+
 def test_pending_pull_cap_evicts_the_oldest(colocated):
     """max_pending_pulls 2: a third pull for an unknown transfer id evicts the
     first (answered at once, naming the key); the two newer ones keep waiting;
@@ -391,11 +406,11 @@ def test_pending_pull_cap_evicts_the_oldest(colocated):
             s.send(vllm_pull(f"xfer-wait-{i}-{uuid.uuid4()}", block_len=blen))
             socks.append(s)
             time.sleep(0.2)  # arrival order = eviction order
-        assert socks[0].poll(5000), "the oldest pull was not answered"
-        r = msgpack.unpackb(socks[0].recv())
+        r = final_reply(socks[0], 5)
+        assert r is not None, "the oldest pull was not answered"
         assert r["status"] == 0 and r.get("err_reqs") == ["d-evil"], r  # FINISH, request failed
         assert "evicted" in r["err_msg"] and "max_pending_pulls" in r["err_msg"], r
-        assert not socks[1].poll(300) and not socks[2].poll(300)  # still waiting
+        assert final_reply(socks[1], 0.3) is None and final_reply(socks[2], 0.3) is None  # waiting
         m = x.p.metrics()
         assert m["disagg:kv_pending_pulls_evicted_total"] == 1
         assert m["disagg:kv_pending_unknown_pulls"] == 2

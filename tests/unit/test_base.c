@@ -24,7 +24,7 @@
 
 /* splitmix64 and xoshiro256** reference values (Vigna's C code, seed 0 /
  * state seeded from splitmix64(0)); the sampler's seeded streams and
- * cmd_transfer's check pattern rely on these exact sequences. */
+ * the transfer harness's pattern (bench/transfer_pattern.c) rely on these exact sequences. */
 static void test_rng_sequences(void **state) {
     (void)state;
     assert_true(rng_mix64(0) == 0xe220a8397b1dcdafull);

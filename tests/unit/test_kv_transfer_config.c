@@ -403,6 +403,18 @@ static void test_auth_secret_and_pending_cap(void **state) {
                  badcap[i]);
         parse_bad(j, "kv_connector_extra_config.max_pending_pulls", "an integer from 1 to 1048576");
     }
+    /* max_remote_loads (issue 25): default 512, 1..4096 */
+    snprintf(j, sizeof j, "%s}", base);
+    assert_int_equal(parse_ok(j).max_remote_loads, KV_CONFIG_REMOTE_LOADS_DEFAULT);
+    assert_int_equal(KV_CONFIG_REMOTE_LOADS_DEFAULT, 512);
+    snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"max_remote_loads\":4096}}", base);
+    assert_int_equal(parse_ok(j).max_remote_loads, 4096);
+    static const char *const badloads[] = {"0", "4097", "\"8\"", "2.5", "null"};
+    for (size_t i = 0; i < sizeof badloads / sizeof badloads[0]; i++) {
+        snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"max_remote_loads\":%s}}", base,
+                 badloads[i]);
+        parse_bad(j, "kv_connector_extra_config.max_remote_loads", "an integer from 1 to 4096");
+    }
 }
 
 /* first_token_handoff: on by default, false switches it off, anything but a boolean

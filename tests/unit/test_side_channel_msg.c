@@ -597,6 +597,44 @@ static void test_reply_bad(void **state) {
 /* The "disagg_first_tokens" reply extension: encoded only when present (vLLM's
  * bytes unchanged otherwise, test_encode_matches_msgspec), round-trips, and
  * entries of another shape are dropped without failing the reply. */
+/* "disagg_unknown_reqs" (issue 25): round trip in a CONTINUE; non-string entries are
+ * dropped, a value that is not an array is ignored, and neither fails the reply. */
+static void test_unknown_reqs_extension(void **state) {
+    (void)state;
+    char *unk[2] = {"d-1", "d-9"};
+    side_channel_reply r = {.status = SIDE_CHANNEL_CONTINUE, .unknown_reqs = unk, .n_unknown = 2};
+    char *buf;
+    size_t len;
+    assert_int_equal(side_channel_reply_encode(&r, &buf, &len), 0);
+    side_channel_reply d;
+    char err[256];
+    assert_int_equal(side_channel_reply_decode(buf, len, &d, err, sizeof err), 0);
+    assert_int_equal(d.status, SIDE_CHANNEL_CONTINUE);
+    assert_int_equal(d.n_unknown, 2);
+    assert_string_equal(d.unknown_reqs[0], "d-1");
+    assert_string_equal(d.unknown_reqs[1], "d-9");
+    assert_int_equal(d.n_ok + d.n_err + d.n_ft, 0);
+    side_channel_reply_free(&d);
+    free(buf);
+    /* {"status": 1, "disagg_unknown_reqs": ["a", 7, "", ["x"], "b"]}: "a" and "b" */
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    pack_hex(&sb, "82a673746174757301b36469736167675f756e6b6e6f776e5f7265717395a16107a091a178a162");
+    assert_int_equal(side_channel_reply_decode(sb.data, sb.size, &d, err, sizeof err), 0);
+    assert_int_equal(d.n_unknown, 2);
+    assert_string_equal(d.unknown_reqs[0], "a");
+    assert_string_equal(d.unknown_reqs[1], "b");
+    side_channel_reply_free(&d);
+    msgpack_sbuffer_destroy(&sb);
+    /* {"status": 1, "disagg_unknown_reqs": {"a": 1}}: ignored */
+    msgpack_sbuffer_init(&sb);
+    pack_hex(&sb, "82a673746174757301b36469736167675f756e6b6e6f776e5f7265717381a16101");
+    assert_int_equal(side_channel_reply_decode(sb.data, sb.size, &d, err, sizeof err), 0);
+    assert_int_equal(d.n_unknown, 0);
+    side_channel_reply_free(&d);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 static void test_first_tokens_extension(void **state) {
     (void)state;
     char *ok[2] = {"d-1", "d-2"};
@@ -751,6 +789,7 @@ int main(void) {
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_reply_bad),
         cmocka_unit_test(test_first_tokens_extension),
+        cmocka_unit_test(test_unknown_reqs_extension),
         cmocka_unit_test(test_mutation_fuzz),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -47,6 +47,11 @@ int mooncake_connector_create_on(const char *kv_transfer_config_json, const char
                                  engine *eng, mooncake_connector **out, char *err, size_t errlen);
 /* Detaches from the engine: call it before engine_destroy. */
 void mooncake_connector_destroy(mooncake_connector *c);
+/* Consumer: a request carrying kv_transfer_params (JSON text) was refused
+ * before it reached the engine (a 400 at validation): when they ask for a
+ * remote prefill, tell the producer in the background to free the KV it keeps
+ * for the transfer (an empty pull, as vLLM's decoder sends).  Thread-safe. */
+void mooncake_connector_release_unused(mooncake_connector *c, const char *kv_params);
 
 typedef struct mooncake_stats {
     const char *role;     /* "kv_producer", "kv_consumer", "kv_both" */

@@ -28,8 +28,19 @@
 
 static void *g_ctx;
 static pthread_once_t g_ctx_once = PTHREAD_ONCE_INIT;
+/* libzmq's default of 1,023 sockets per context is below what a decoder at its
+ * cap of remote loads needs (a pull has its DEALER and two monitor sockets): a
+ * decoder at ~340 pulls got "zmq_socket: Too many open files".  Every socket
+ * also takes file descriptors (its mailbox, its connection): the process raises
+ * RLIMIT_NOFILE to its hard limit at start (net_raise_nofile_limit). */
 static void ctx_init(void) {
     g_ctx = zmq_ctx_new();
+    if (!g_ctx) return;
+    int limit = zmq_ctx_get(g_ctx, ZMQ_SOCKET_LIMIT);
+    int want = SIDE_CHANNEL_MAX_SOCKETS;
+    if (limit > 0 && want > limit) want = limit;
+    if (zmq_ctx_set(g_ctx, ZMQ_MAX_SOCKETS, want) != 0)
+        LOG_W(MOD, "cannot raise ZeroMQ's socket limit to %d: %s", want, zmq_strerror(zmq_errno()));
 }
 static void *zctx(void) {
     pthread_once(&g_ctx_once, ctx_init);
@@ -131,6 +142,7 @@ struct side_channel_call {
     unsigned char id[MAX_IDENTITY];  /* (id_len) */
     unsigned char nonce[AUTH_NONCE]; /* the authenticated pull's nonce (secret set) */
     uint64_t seq;                    /* next reply's sequence number (under hub->mu) */
+    uint64_t conn;                   /* the connection it came on (0 = not known) */
 };
 
 static void hub_unref_locked_and_unlock(sc_hub *h) {
@@ -189,6 +201,10 @@ int side_channel_call_reply(side_channel_call *call, const side_channel_reply *r
     return rc;
 }
 
+uint64_t side_channel_call_conn(const side_channel_call *call) {
+    return call ? call->conn : 0;
+}
+
 int side_channel_call_peer_is(const side_channel_call *call, const void *peer, size_t peer_len) {
     if (!call) return 0;
     size_t extra = call->hub->secret[0] ? AUTH_NONCE : 0; /* immutable after start */
@@ -216,6 +232,15 @@ struct side_channel_server {
     atomic_uint_fast64_t auth_rejected;        /* messages refused for authentication */
     uint64_t auth_logged_ns;                   /* last rejection log line (server thread only) */
     uint64_t auth_unlogged;                    /* rejections since that line */
+    /* Connections (server thread only): a monitor reports accepts and
+     * disconnects by file descriptor; conn_of[fd] is the accepted
+     * connection's number (0 = none), so that a decoder that goes away
+     * (crash, kill -9) is reported with the pulls it left (gone_fn). */
+    void *mon;         /* PAIR reading the ROUTER's monitor, or NULL */
+    uint64_t *conn_of; /* (n_conn_of) by fd */
+    size_t n_conn_of;
+    uint64_t next_conn;
+    _Atomic(side_channel_gone_fn) gone_fn; /* the producer's handler, or NULL */
 };
 
 static void send_frames(void *router, const unsigned char *id, size_t id_len, const void *data,
@@ -375,6 +400,64 @@ void side_channel_server_set_cancel_fn(side_channel_server *s, side_channel_canc
     atomic_store(&s->cancel_fn, fn);
 }
 
+void side_channel_server_set_gone_fn(side_channel_server *s, side_channel_gone_fn fn) {
+    atomic_store(&s->gone_fn, fn);
+}
+
+/* Read the ROUTER monitor's waiting events: an accept numbers its connection,
+ * a disconnect reports it gone. */
+static void drain_monitor(side_channel_server *s) {
+    for (int k = 0; s->mon && k < 1024; k++) {
+        zmq_msg_t ev;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, s->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return;
+        }
+        uint16_t event = 0;
+        uint32_t value = 0;
+        if (zmq_msg_size(&ev) >= 6) {
+            memcpy(&event, zmq_msg_data(&ev), 2);
+            memcpy(&value, (char *)zmq_msg_data(&ev) + 2, 4);
+        }
+        while (zmq_msg_more(&ev)) { /* the endpoint frame */
+            zmq_msg_close(&ev);
+            zmq_msg_init(&ev);
+            if (zmq_msg_recv(&ev, s->mon, 0) < 0) break;
+        }
+        zmq_msg_close(&ev);
+        size_t fd = value;
+        if (fd >= (1u << 22)) continue;
+        if (event == ZMQ_EVENT_ACCEPTED) {
+            if (fd >= s->n_conn_of) {
+                size_t n = s->n_conn_of ? s->n_conn_of : 256;
+                while (n <= fd)
+                    n *= 2;
+                uint64_t *t = realloc(s->conn_of, n * sizeof *t);
+                if (!t) continue;
+                memset(t + s->n_conn_of, 0, (n - s->n_conn_of) * sizeof *t);
+                s->conn_of = t;
+                s->n_conn_of = n;
+            }
+            s->conn_of[fd] = ++s->next_conn;
+        } else if (event == ZMQ_EVENT_DISCONNECTED && fd < s->n_conn_of && s->conn_of[fd]) {
+            uint64_t conn = s->conn_of[fd];
+            s->conn_of[fd] = 0;
+            side_channel_gone_fn fn = atomic_load(&s->gone_fn);
+            if (fn) fn(s->ud, conn);
+        }
+    }
+}
+
+/* The connection number of the message's connection (after the monitor's
+ * events that precede it: its accept is reported before its first message). */
+static uint64_t msg_conn(side_channel_server *s, zmq_msg_t *m) {
+    if (!s->mon) return 0;
+    drain_monitor(s);
+    int fd = zmq_msg_get(m, ZMQ_SRCFD);
+    return fd >= 0 && (size_t)fd < s->n_conn_of ? s->conn_of[fd] : 0;
+}
+
 /* Receive one whole multipart message if there is one; 0 = nothing waiting. */
 static int handle_incoming(side_channel_server *s) {
     zmq_msg_t id, part;
@@ -429,6 +512,7 @@ static int handle_incoming(side_channel_server *s) {
             free(call);
         } else {
             call->hub = s->hub;
+            call->conn = msg_conn(s, &payload);
             call->id_len = id_len;
             memcpy(call->id, idp, id_len);
             memcpy(call->nonce, nonce, AUTH_NONCE);
@@ -447,10 +531,11 @@ static int handle_incoming(side_channel_server *s) {
 
 static void *server_main(void *arg) {
     side_channel_server *s = arg;
-    zmq_pollitem_t items[2] = {{s->router, 0, ZMQ_POLLIN, 0},
-                               {NULL, s->hub->wake[0], ZMQ_POLLIN, 0}};
+    zmq_pollitem_t items[3] = {{s->router, 0, ZMQ_POLLIN, 0},
+                               {NULL, s->hub->wake[0], ZMQ_POLLIN, 0},
+                               {s->mon, 0, ZMQ_POLLIN, 0}};
     while (!atomic_load(&s->stop)) {
-        if (zmq_poll(items, 2, 1000) < 0) {
+        if (zmq_poll(items, s->mon ? 3 : 2, 1000) < 0) {
             if (zmq_errno() == EINTR) continue;
             LOG_E(MOD, "zmq_poll: %s", zmq_strerror(zmq_errno()));
             break;
@@ -463,6 +548,7 @@ static void *server_main(void *arg) {
         flush_replies(s);
         for (int i = 0; i < 64 && handle_incoming(s); i++) {
         }
+        drain_monitor(s);
         flush_replies(s);
     }
     return NULL;
@@ -518,8 +604,20 @@ int side_channel_server_start_auth(const char *bind_host, uint16_t port, const c
     if (!s->router) goto zfail;
     zmq_setsockopt(s->router, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(s->router, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    int backlog = 1024; /* a burst of decoders' pulls connects at once (default 100) */
+    zmq_setsockopt(s->router, ZMQ_BACKLOG, &backlog, sizeof backlog);
     if (v6) zmq_setsockopt(s->router, ZMQ_IPV6, &one, sizeof one);
     if (zmq_bind(s->router, ep) != 0) goto zfail;
+    char mon_ep[64];
+    snprintf(mon_ep, sizeof mon_ep, "inproc://side-channel-router-%p", (void *)s);
+    if (zmq_socket_monitor(s->router, mon_ep, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) == 0) {
+        s->mon = zmq_socket(zctx(), ZMQ_PAIR);
+        if (s->mon && zmq_connect(s->mon, mon_ep) != 0) {
+            zmq_close(s->mon);
+            s->mon = NULL;
+        }
+        if (!s->mon) zmq_socket_monitor(s->router, NULL, 0);
+    }
     char last[300];
     size_t last_len = sizeof last;
     zmq_getsockopt(s->router, ZMQ_LAST_ENDPOINT, last, &last_len);
@@ -538,6 +636,10 @@ int side_channel_server_start_auth(const char *bind_host, uint16_t port, const c
 zfail:
     snprintf(err, err_cap, "side channel: cannot bind ROUTER on %s: %s", ep,
              zmq_strerror(zmq_errno()));
+    if (s->mon) {
+        zmq_socket_monitor(s->router, NULL, 0);
+        zmq_close(s->mon);
+    }
     if (s->router) zmq_close(s->router);
     pthread_mutex_lock(&h->mu);
     hub_unref_locked_and_unlock(h);
@@ -567,6 +669,11 @@ void side_channel_server_stop(side_channel_server *s) {
     if (write(s->hub->wake[1], &b, 1) < 0) { /* the loop wakes within 1 s anyway */
     }
     pthread_join(s->thread, NULL);
+    if (s->mon) {
+        zmq_socket_monitor(s->router, NULL, 0);
+        zmq_close(s->mon);
+    }
+    free(s->conn_of);
     zmq_close(s->router);
     sc_hub *h = s->hub;
     pthread_mutex_lock(&h->mu);
@@ -800,6 +907,8 @@ int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull
     zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
     zmq_setsockopt(d, ZMQ_SNDTIMEO, &snd_ms, sizeof snd_ms);
+    int conn_ms = 10000; /* a connect that hangs (dropped SYNs) ends in a retry: see below */
+    zmq_setsockopt(d, ZMQ_CONNECT_TIMEOUT, &conn_ms, sizeof conn_ms);
     if (endpoint && strchr(endpoint, '[')) zmq_setsockopt(d, ZMQ_IPV6, &one, sizeof one);
     /* Watch the connection: a producer that dies (or drops the connection)
      * after taking the pull can never answer it (its ROUTER forgot this
@@ -808,7 +917,9 @@ int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull
     char mon_ep[64];
     snprintf(mon_ep, sizeof mon_ep, "inproc://side-channel-pull-%u", atomic_fetch_add(&mon_seq, 1));
     void *mon = NULL;
-    if (zmq_socket_monitor(d, mon_ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) == 0) {
+    if (zmq_socket_monitor(d, mon_ep,
+                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED |
+                               ZMQ_EVENT_CONNECT_RETRIED) == 0) {
         mon = zmq_socket(zctx(), ZMQ_PAIR);
         if (mon && zmq_connect(mon, mon_ep) != 0) {
             zmq_close(mon);
@@ -860,6 +971,17 @@ int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull
         if (mon && (it[1].revents & ZMQ_POLLIN)) {
             uint16_t event = monitor_event(mon);
             if (event == ZMQ_EVENT_CONNECTED) connected = 1;
+            /* ZeroMQ retries a refused (or timed-out) connect forever and
+             * silently: the first retry before any connection means nothing
+             * accepts at that address -- fail now, naming it. */
+            if (event == ZMQ_EVENT_CONNECT_RETRIED && !connected) {
+                snprintf(err, err_cap,
+                         "side channel: producer unreachable: the connection to %s was refused "
+                         "or timed out (nothing accepts there; a stale or wrong bootstrap entry?)",
+                         endpoint);
+                rc = SIDE_CHANNEL_EREFUSED;
+                break;
+            }
             if (event == ZMQ_EVENT_DISCONNECTED && connected && !(it[0].revents & ZMQ_POLLIN)) {
                 snprintf(err, err_cap,
                          "side channel: producer unreachable: the producer at %s closed the "

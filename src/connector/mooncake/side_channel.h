@@ -12,7 +12,15 @@
  *
  * Consumer (D): side_channel_pull_run() opens a DEALER, sends one pull and
  * reads single-frame replies until FINISH or ERROR, each within the receive
- * timeout (vLLM: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s).
+ * timeout (vLLM: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s).  A connection
+ * that is refused (or whose connect times out, 10 s) before it was ever made
+ * fails the pull at once (SIDE_CHANNEL_EREFUSED: the pull never left); one the
+ * producer closes after connecting fails it too (SIDE_CHANNEL_EIO).
+ *
+ * The server numbers the connections it accepts (a socket monitor) and reports
+ * one that closes to side_channel_gone_fn with that number, which
+ * side_channel_call_conn gives for each of its pulls: a decoder that dies is
+ * noticed.
  *
  * Authentication (docs/security.md, issue 11 section 3): with a shared secret
  * every message gets a second ZeroMQ frame, the auth frame
@@ -47,6 +55,12 @@
 #define SIDE_CHANNEL_ECANCELED (-125) /* the caller's cancel flag was raised */
 #define SIDE_CHANNEL_EIO       (-5)   /* ZeroMQ failure */
 #define SIDE_CHANNEL_EAUTH     (-13)  /* a reply failed authentication (EACCES) */
+#define SIDE_CHANNEL_EREFUSED  (-111) /* nothing accepts at the endpoint: the pull never left */
+
+/* Sockets of the process-wide ZeroMQ context (libzmq's default is 1,023):
+ * a consumer pull holds three (its DEALER and its connection monitor's two),
+ * so this covers 2 x 4096 pulls, the server and a margin. */
+#define SIDE_CHANNEL_MAX_SOCKETS (3 * 2 * 4096 + 64)
 
 #define SIDE_CHANNEL_AUTH_LEN    61 /* bytes of the auth frame */
 #define SIDE_CHANNEL_AUTH_SKEW_S 60 /* accepted |pull ts - producer clock| */
@@ -98,6 +112,15 @@ void side_channel_server_set_cancel_fn(side_channel_server *s, side_channel_canc
  * with a secret, the same authenticated pull). */
 int side_channel_call_peer_is(const side_channel_call *call, const void *peer, size_t peer_len);
 
+/* Called on the server thread when a decoder's connection closed (it
+ * stopped, crashed or was killed): conn is what side_channel_call_conn
+ * returns for the pulls that came on it; their replies can no longer reach
+ * anyone.  Must not block. */
+typedef void (*side_channel_gone_fn)(void *ud, uint64_t conn);
+void side_channel_server_set_gone_fn(side_channel_server *s, side_channel_gone_fn fn);
+/* The number of the connection call's pull came on (0 = not known). */
+uint64_t side_channel_call_conn(const side_channel_call *call);
+
 /* Number of pulls handed to the handler and not yet finished (for metrics). */
 int side_channel_server_pending(side_channel_server *s);
 
@@ -109,8 +132,9 @@ typedef int (*side_channel_reply_fn)(void *ud, const side_channel_reply *r);
  * until FINISH or ERROR.  Each reply must arrive within recv_timeout_s.  cancel
  * (optional) is polled every 100 ms.  Returns 0 once a FINISH or ERROR reply
  * was delivered (or fn asked to stop), else SIDE_CHANNEL_ETIMEDOUT,
- * SIDE_CHANNEL_ECANCELED, SIDE_CHANNEL_EINVAL (undecodable reply) or
- * SIDE_CHANNEL_EIO, with a message in err. */
+ * SIDE_CHANNEL_ECANCELED, SIDE_CHANNEL_EINVAL (undecodable reply),
+ * SIDE_CHANNEL_EREFUSED (nothing accepts at endpoint) or SIDE_CHANNEL_EIO, with a
+ * message naming the endpoint in err. */
 int side_channel_pull_run(const char *endpoint, const side_channel_pull *pull,
                           double recv_timeout_s, const atomic_int *cancel, side_channel_reply_fn fn,
                           void *ud, char *err, size_t err_cap);

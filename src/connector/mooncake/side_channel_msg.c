@@ -612,9 +612,34 @@ void side_channel_pull_free(side_channel_pull *p) {
 
 /* ---- reply --------------------------------------------------------------- */
 
-enum { R_STATUS, R_OK, R_ERR, R_MSG, R_FT, R_NKEYS };
-static const char *const REPLY_KEYS[R_NKEYS] = {"status", "ok_reqs", "err_reqs", "err_msg",
-                                                SIDE_CHANNEL_FIRST_TOKENS_KEY};
+enum { R_STATUS, R_OK, R_ERR, R_MSG, R_FT, R_UNK, R_NKEYS };
+static const char *const REPLY_KEYS[R_NKEYS] = {"status",
+                                                "ok_reqs",
+                                                "err_reqs",
+                                                "err_msg",
+                                                SIDE_CHANNEL_FIRST_TOKENS_KEY,
+                                                SIDE_CHANNEL_UNKNOWN_KEY};
+
+/* "disagg_unknown_reqs": ["<req id>", ...]; anything else is dropped (an
+ * extension must never fail a pull). */
+static int get_unknown_reqs(dec_ctx *c, const msgpack_object *o, side_channel_reply *out) {
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size == 0) return 0;
+    size_t n = o->via.array.size;
+    if (n > SIDE_CHANNEL_MAX_REQS) return 0;
+    out->unknown_reqs = arena_alloc(c->arena, n * sizeof *out->unknown_reqs);
+    if (!out->unknown_reqs) return SIDE_CHANNEL_ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        const msgpack_object *e = &o->via.array.ptr[i];
+        if (e->type != MSGPACK_OBJECT_STR || e->via.str.size == 0 ||
+            e->via.str.size > SIDE_CHANNEL_MAX_STR)
+            continue;
+        char *id = arena_alloc(c->arena, e->via.str.size + 1);
+        if (!id) return SIDE_CHANNEL_ENOMEM;
+        memcpy(id, e->via.str.ptr, e->via.str.size);
+        out->unknown_reqs[out->n_unknown++] = id;
+    }
+    return 0;
+}
 
 /* "disagg_first_tokens": {"<req id>": [token]}; entries of another shape are
  * dropped (an extension must never fail a pull: D then recomputes the token). */
@@ -666,6 +691,7 @@ int side_channel_reply_decode(const void *buf, size_t len, side_channel_reply *o
         if (rc == 0 && f[R_MSG] && f[R_MSG]->type != MSGPACK_OBJECT_NIL)
             rc = get_str(&c, "err_msg", f[R_MSG], &out->err_msg);
         if (rc == 0 && f[R_FT]) rc = get_first_tokens(&c, f[R_FT], out);
+        if (rc == 0 && f[R_UNK]) rc = get_unknown_reqs(&c, f[R_UNK], out);
         if (rc == SIDE_CHANNEL_ENOMEM) err_set(err, err_cap, "side-channel reply: out of memory");
     }
     msgpack_unpacked_destroy(&u);
@@ -788,7 +814,8 @@ int side_channel_reply_encode(const side_channel_reply *r, char **out, size_t *o
     msgpack_sbuffer_init(&sb);
     msgpack_packer pk;
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    size_t nkeys = 1 + (r->n_ok > 0) + (r->n_err > 0) + (r->err_msg != NULL) + (r->n_ft > 0);
+    size_t nkeys = 1 + (r->n_ok > 0) + (r->n_err > 0) + (r->err_msg != NULL) + (r->n_ft > 0) +
+                   (r->n_unknown > 0);
     int rc = msgpack_pack_map(&pk, nkeys);
     rc = rc ? rc : pack_cstr(&pk, "status");
     rc = rc ? rc : msgpack_pack_int(&pk, (int)r->status);
@@ -812,6 +839,10 @@ int side_channel_reply_encode(const side_channel_reply *r, char **out, size_t *o
             rc = rc ? rc : msgpack_pack_array(&pk, 1);
             rc = rc ? rc : msgpack_pack_int64(&pk, r->ft_tokens[i]);
         }
+    }
+    if (r->n_unknown) {
+        rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_UNKNOWN_KEY);
+        rc = rc ? rc : pack_strs(&pk, r->unknown_reqs, r->n_unknown);
     }
     return finish(&sb, rc, out, out_len);
 }

@@ -37,6 +37,12 @@
  * requests in ok_reqs whose first output token P sampled in its prefill (the
  * first-token handoff, docs/connector.md).  vLLM's decoder ignores it. */
 #define SIDE_CHANNEL_FIRST_TOKENS_KEY "disagg_first_tokens"
+/* Reply extension (a CONTINUE): the producer has no request with the transfer
+ * id of these D requests yet (their pulls wait at most
+ * DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT); a later CONTINUE without a request in it
+ * means the request arrived.  A consumer at its cap of loads evicts such a pull
+ * first.  msgspec ignores the key: a vLLM decoder reads an empty CONTINUE. */
+#define SIDE_CHANNEL_UNKNOWN_KEY "disagg_unknown_reqs"
 
 /* One KV group's newly allocated block ids on D. */
 typedef struct side_channel_block_group {
@@ -95,6 +101,11 @@ typedef struct side_channel_reply {
     char **ft_reqs;
     int32_t *ft_tokens;
     size_t n_ft;
+    /* "disagg_unknown_reqs" (SIDE_CHANNEL_UNKNOWN_KEY): D request ids whose
+     * transfer id the producer does not know yet.  Lenient: a malformed value
+     * is dropped (n_unknown 0). */
+    char **unknown_reqs;
+    size_t n_unknown;
     void *arena; /* decode: owns the pointers above */
 } side_channel_reply;
 

@@ -1,11 +1,15 @@
 /*
- * engine — the transfer engine's public API (include/disagg/transfer.h): owns
- * the configuration, this engine's registrations and servers (handshake +
- * tcp data), the table of opened peer segments and the batch table, and routes
- * each request's chunks to a transport (transport.h): the peer's preferred
- * one (chosen when it is opened), or — when the memory on either side rules
- * that out (device memory and shm) — the next one in the engine's table that
- * reaches both.  The transports end every chunk through the engine's sink.
+ * transfer_engine — the transfer engine's public API
+ * (include/disagg/transfer.h): owns the configuration, this engine's
+ * registrations, its handshake server, the table of opened peer segments and
+ * the batch table, and routes each request's chunks to a transport
+ * (transport.h), known only through the transport table (transports.c): the
+ * peer's preferred one (the first whose prefer() says so when it is opened),
+ * or — when the memory on either side rules that out (device memory and
+ * shm) — the next one in the table that reaches both.  Everything a
+ * transport needs of the engine's side — registering memory, describing the
+ * segment, a listener, a peer's first contact — goes through its ops.  The
+ * transports end every chunk through the engine's sink.
  */
 #include "disagg/transfer.h"
 
@@ -16,15 +20,9 @@
 #include "transfer/batch.h"
 #include "transfer/handshake.h"
 #include "transfer/metadata_etcd.h"
-#include "transfer/cuda_ipc.h"
-#include "transfer/rdma.h"
 #include "transfer/registry.h"
 #include "transfer/segment_desc.h"
-#include "transfer/shm.h"
-#include "transfer/staging.h"
-#include "transfer/tcp_server.h"
 #include "transfer/transport.h"
-#include "transfer/transport_tcp.h"
 #include "transfer/xfer_op.h"
 
 #include <errno.h>
@@ -37,15 +35,9 @@
 #include <unistd.h>
 
 #define MOD            "transfer"
-#define MAX_IFACES     16
+#define MAX_IFACES     TRANSPORT_MAX_IFACES
 #define DEFAULT_LANES  2
 #define DEFAULT_STRIPE (1u << 20)
-#define SHM_STRIPE     (4u << 20)
-#define SHM_THREADS    2
-
-/* The engine's transports, in the order tried when the preferred one cannot
- * reach a request's memory (tcp reaches everything, last). */
-enum { T_SHM = 0, T_IPC = 1, T_RDMA = 2, T_TCP = 3, NTRANSPORTS = 4 }; /* tp[T_RDMA] may be NULL */
 
 typedef struct peer {
     transfer_segment handle; /* (generation << 32) | (index + 1) */
@@ -54,10 +46,8 @@ typedef struct peer {
     pthread_mutex_t mu;      /* guards desc, pref, conn */
     segment_desc desc;       /* last fetched descriptor */
     int same_host;
-    int pref;                            /* preferred transport (index into engine's tp) */
-    void *conn[NTRANSPORTS];             /* each transport's state for it, opened on first use */
-    tcp_path paths[TRANSPORT_MAX_PATHS]; /* tcp paths to it (paths_ok: for this desc) */
-    int npaths, paths_ok;
+    int pref;                  /* preferred transport (index into the engine's tp) */
+    void *conn[TRANSPORT_MAX]; /* each transport's state for it, opened on first use */
     int closed;
 } peer;
 
@@ -71,19 +61,19 @@ struct transfer_engine {
     int nifaces;
     int whitelisted; /* device_name was given */
     uint16_t rpc_port, data_port;
-    char *secret; /* shared secret, NULL = none */
-    /* Data endpoints advertised in the descriptor (whitelisted interfaces that
-     * could be bound), "ip:port". */
-    char data_addrs[SEGMENT_MAX_DATA_ADDRS][64];
-    int ndata_addrs;
+    char *secret;       /* shared secret, NULL = none */
+    net_addr bind_host; /* where the listeners bind */
 
     pthread_rwlock_t reg_lock; /* guards regs; servers hold it (read) while copying */
     registry regs;
 
     handshake_server *hs;
-    tcp_server *ts;
-    transport *tp[NTRANSPORTS];
-    xfer_sink sink; /* where the transports end ops */
+    /* The transport table's instances (tp[t] NULL: not in use here), in
+     * table order; fb: the fallback's index. */
+    transport *tp[TRANSPORT_MAX];
+    int ntp, fb;
+    transport_env env; /* what the transports were created with */
+    xfer_sink sink;    /* where the transports end ops */
 
     /* Device memory: the installed table (devp NULL = none) and how many
      * registrations are device memory. */
@@ -125,52 +115,41 @@ static uint64_t request_deadline(const transfer_engine *e, size_t len) {
 static void op_done(void *ctx, xfer_op *op, int err);
 static void op_reroute(void *ctx, xfer_op *op, int err);
 
-/* Which transports reach our buffer at loc (the descriptor's
- * buffers[].transports). */
-static unsigned reach_of(const transfer_engine *e, const registry_entry *r) {
-    unsigned m = location_is_device(r->location) ? REACH_TCP : REACH_TCP | REACH_SHM;
-    return m | (e->tp[T_RDMA] && r->nkeys ? REACH_RDMA : 0) | (r->ipc_len ? REACH_IPC : 0);
+/* The handshake's type-0 frame: a peer's first contact for a transport
+ * (rdma connecting its queue pair). */
+static char *accept_cb(void *ctx, const char *body, size_t len, char *err, size_t cap) {
+    transfer_engine *e = ctx;
+    for (int t = 0; t < e->ntp; t++)
+        if (e->tp[t] && e->tp[t]->ops->accept)
+            return e->tp[t]->ops->accept(e->tp[t], body, len, err, cap);
+    snprintf(err, cap, "this engine does not run rdma (protocol %d or no NIC)",
+             (int)e->cfg.protocol);
+    return NULL;
 }
 
-/* The handshake's type-0 frame: an rdma peer connecting its queue pair. */
-static char *rdma_connect_cb(void *ctx, const char *body, size_t len, char *err, size_t cap) {
-    transfer_engine *e = ctx;
-    if (!e->tp[T_RDMA]) {
-        snprintf(err, cap, "this engine does not run rdma (protocol %d or no NIC)",
-                 (int)e->cfg.protocol);
-        return NULL;
-    }
-    return rdma_transport_accept(e->tp[T_RDMA], body, len, err, cap);
+/* This engine's segment descriptor: the engine's fields and its buffers,
+ * then what each transport adds (keys, reach, data endpoints, NICs). */
+static void describe_into(transfer_engine *e, segment_desc *d, int *rc) {
+    snprintf(d->name, sizeof d->name, "%s", e->segment_name);
+    d->disagg_version = SEGMENT_DISAGG_VERSION;
+    snprintf(d->host_id, sizeof d->host_id, "%s", e->host_id);
+    d->pid = (int)getpid();
+    pthread_rwlock_rdlock(&e->reg_lock);
+    *rc = 0;
+    for (size_t i = 0; i < e->regs.n && *rc == 0; i++)
+        *rc = registry_add(&d->buffers, e->regs.v[i].addr, e->regs.v[i].length,
+                           e->regs.v[i].location);
+    for (int t = 0; *rc == 0 && t < e->ntp; t++)
+        if (e->tp[t] && e->tp[t]->ops->describe) e->tp[t]->ops->describe(e->tp[t], &e->regs, d);
+    pthread_rwlock_unlock(&e->reg_lock);
 }
 
 static char *describe(void *ctx) {
     transfer_engine *e = ctx;
     segment_desc d;
     segment_desc_init(&d);
-    snprintf(d.name, sizeof d.name, "%s", e->segment_name);
-    d.tcp_data_port = e->data_port;
-    d.disagg_version = SEGMENT_DISAGG_VERSION;
-    snprintf(d.host_id, sizeof d.host_id, "%s", e->host_id);
-    d.pid = (int)getpid();
-    for (int i = 0; i < e->ndata_addrs && d.num_data_addrs < SEGMENT_MAX_DATA_ADDRS; i++)
-        snprintf(d.data_addrs[d.num_data_addrs++], sizeof d.data_addrs[0], "%s", e->data_addrs[i]);
-    pthread_rwlock_rdlock(&e->reg_lock);
-    int rc = 0;
-    for (size_t i = 0; i < e->regs.n && rc == 0; i++) {
-        rc =
-            registry_add(&d.buffers, e->regs.v[i].addr, e->regs.v[i].length, e->regs.v[i].location);
-        if (rc == 0) {
-            registry_entry *b = (registry_entry *)registry_find(&d.buffers, e->regs.v[i].addr, 1);
-            b->reach = reach_of(e, &e->regs.v[i]);
-            b->nkeys = e->regs.v[i].nkeys;
-            memcpy(b->rkey, e->regs.v[i].rkey, sizeof b->rkey);
-            b->ipc_len = e->regs.v[i].ipc_len;
-            b->ipc_off = e->regs.v[i].ipc_off;
-            memcpy(b->ipc, e->regs.v[i].ipc, sizeof b->ipc);
-        }
-    }
-    pthread_rwlock_unlock(&e->reg_lock);
-    if (e->tp[T_RDMA]) rdma_transport_describe(e->tp[T_RDMA], &d);
+    int rc;
+    describe_into(e, &d, &rc);
     char *json = rc == 0 ? segment_desc_encode(&d) : NULL;
     segment_desc_free(&d);
     return json;
@@ -229,28 +208,9 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
               DEFAULT_LANES);
         return TRANSFER_EINVAL;
     }
-    int per_peer = cfg->max_conns_per_peer;
-    const char *pp_env = getenv("DISAGG_KV_MAX_CONNS_PER_PEER");
-    if (per_peer == 0 && pp_env && *pp_env) {
-        char *end;
-        errno = 0;
-        long v = strtol(pp_env, &end, 10);
-        if (errno || *end || v < 1 || v > TCP_MAX_CONNS) {
-            LOG_E(MOD, "DISAGG_KV_MAX_CONNS_PER_PEER='%s' is not an integer in 1..%d", pp_env,
-                  TCP_MAX_CONNS);
-            return TRANSFER_EINVAL;
-        }
-        per_peer = (int)v;
-    }
-    if (per_peer < 0 || per_peer > TCP_MAX_CONNS) {
-        LOG_E(MOD, "max_conns_per_peer %d out of range (accepted: 1..%d, 0 = default %d)", per_peer,
-              TCP_MAX_CONNS, TCP_MAX_PER_PEER);
-        return TRANSFER_EINVAL;
-    }
     transfer_engine *e = calloc(1, sizeof *e);
     if (!e) return TRANSFER_ENOMEM;
     e->cfg = *cfg;
-    e->cfg.max_conns_per_peer = per_peer ? per_peer : TCP_MAX_PER_PEER;
     if (!e->cfg.lanes) e->cfg.lanes = DEFAULT_LANES;
     if (!e->cfg.stripe_bytes) e->cfg.stripe_bytes = DEFAULT_STRIPE;
     if (!e->cfg.timeout_base_ns) e->cfg.timeout_base_ns = def.timeout_base_ns;
@@ -311,42 +271,61 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
               e->hostname);
         net_resolve(host.ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0, &host);
     }
-    net_addr binds[1 + MAX_IFACES];
-    int ok[1 + MAX_IFACES], nb = 0, listener_of[MAX_IFACES];
-    binds[nb] = host;
-    net_addr_set_port(&binds[nb++], cfg->data_port);
-    char bound_host[64];
-    net_addr_host(&host, bound_host, sizeof bound_host);
-    int wildcard = !strcmp(bound_host, "0.0.0.0") || !strcmp(bound_host, "::");
-    for (int i = 0; e->whitelisted && i < e->nifaces; i++) {
-        char h[64];
-        net_addr_host(&e->ifaces[i].addr, h, sizeof h);
-        if (wildcard || strcmp(h, e->hostname) == 0) {
-            listener_of[i] = 0; /* served by the host's listener */
-        } else {
-            listener_of[i] = nb;
-            binds[nb++] = e->ifaces[i].addr;
+    e->bind_host = host;
+    e->sink = (xfer_sink){.done = op_done, .reroute = op_reroute, .ctx = e};
+    e->env = (transport_env){.sink = &e->sink,
+                             .protocol = e->cfg.protocol,
+                             .lanes = e->cfg.lanes,
+                             .stripe = e->cfg.stripe_bytes,
+                             .connect_timeout_ns = e->cfg.connect_timeout_ns,
+                             .timeout_base_ns = e->cfg.timeout_base_ns,
+                             .timeout_per_byte_ns = e->cfg.timeout_per_byte_ns,
+                             .secret = e->secret,
+                             .device_name = e->device_name,
+                             .self_name = e->segment_name,
+                             .dev = &e->devp,
+                             .stage = &e->stage,
+                             .reg_lock = &e->reg_lock,
+                             .regs = &e->regs,
+                             .hostname = e->hostname,
+                             .bind_host = &e->bind_host,
+                             .data_port = cfg->data_port,
+                             .max_conns_per_peer = cfg->max_conns_per_peer,
+                             .ifaces = e->ifaces,
+                             .nifaces = e->nifaces,
+                             .whitelisted = e->whitelisted,
+                             .bytes_served = &e->bytes_served,
+                             .rejected = &e->requests_rejected,
+                             .auth_refused = &e->auth_refused};
+    /* The transports (and their listeners) before the handshake port: its
+     * callbacks use them.  The fallback (the table's last) must come up. */
+    e->ntp = transport_table_len;
+    e->fb = -1;
+    for (int t = 0; t < e->ntp; t++) {
+        rc = transport_table[t]->create(&e->env, &e->tp[t]);
+        if (rc == TRANSFER_ENOSEG && !(t == e->ntp - 1)) {
+            e->tp[t] = NULL; /* not in use here */
+            rc = 0;
+        } else if (rc) {
+            e->tp[t] = NULL;
+            goto fail;
+        } else if (e->tp[t]->flags & TRANSPORT_FALLBACK) {
+            e->fb = t;
         }
     }
-    tcp_server_env env = {.reg_lock = &e->reg_lock,
-                          .regs = &e->regs,
-                          .timeout_base_ns = e->cfg.timeout_base_ns,
-                          .timeout_per_byte_ns = e->cfg.timeout_per_byte_ns,
-                          .bytes_served = &e->bytes_served,
-                          .rejected = &e->requests_rejected,
-                          .secret = e->secret,
-                          .auth_refused = &e->auth_refused,
-                          .dev = &e->devp,
-                          .stage_stats = &e->stage,
-                          .max_conns_per_peer = e->cfg.max_conns_per_peer};
-    rc = tcp_server_start(binds, nb, &env, &e->ts, &e->data_port, ok);
-    if (rc != 0) goto fail_early;
-    for (int i = 0; e->whitelisted && i < e->nifaces; i++) {
-        /* Advertise every whitelisted interface address whose listener is up. */
-        if (!ok[listener_of[i]] || e->ndata_addrs == SEGMENT_MAX_DATA_ADDRS) continue;
-        net_addr a = e->ifaces[i].addr;
-        net_addr_set_port(&a, e->data_port);
-        net_addr_format(&a, e->data_addrs[e->ndata_addrs++], sizeof e->data_addrs[0]);
+    if (e->fb < 0) {
+        LOG_E(MOD, "the transport table has no fallback transport");
+        rc = TRANSFER_EINVAL;
+        goto fail;
+    }
+    {
+        /* The data port the descriptor advertises. */
+        segment_desc d;
+        segment_desc_init(&d);
+        int drc;
+        describe_into(e, &d, &drc);
+        e->data_port = d.tcp_data_port;
+        segment_desc_free(&d);
     }
     net_addr hs_addr = host;
     net_addr_set_port(&hs_addr, cfg->rpc_port);
@@ -356,38 +335,11 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
                                  .self_name = e->segment_name,
                                  .secret = e->secret,
                                  .auth_refused = &e->auth_refused,
-                                 .connect = rdma_connect_cb};
+                                 .connect = accept_cb};
     if ((rc = handshake_server_start(&hs_addr, &hcfg, &e->hs)) != 0) goto fail;
-    e->sink = (xfer_sink){.done = op_done, .reroute = op_reroute, .ctx = e};
-    if ((rc = shm_transport_create(&e->sink, SHM_THREADS, SHM_STRIPE, &e->tp[T_SHM])) != 0)
-        goto fail;
-    tcp_transport_cfg tcfg = {.lanes = e->cfg.lanes,
-                              .connect_timeout_ns = e->cfg.connect_timeout_ns,
-                              .secret = e->secret,
-                              .stripe = e->cfg.stripe_bytes,
-                              .dev = &e->devp,
-                              .stage_stats = &e->stage};
-    if ((rc = tcp_transport_create(&e->sink, &tcfg, &e->tp[T_TCP])) != 0) goto fail;
-    if ((rc = cuda_ipc_transport_create(&e->sink, &e->devp, &e->tp[T_IPC])) != 0) goto fail;
-    if (rdma) {
-        rdma_transport_cfg rcfg = {.verbs = rdma_verbs_current(),
-                                   .device_name = e->device_name,
-                                   .self_name = e->segment_name,
-                                   .connect_timeout_ns = e->cfg.connect_timeout_ns,
-                                   .dev = &e->devp,
-                                   .secret = e->secret};
-        rc = rdma_transport_create(&e->sink, &rcfg, &e->tp[T_RDMA]);
-        if (rc == TRANSFER_ENOSEG) {
-            LOG_W(MOD, "protocol rdma: no RDMA device found%s%s; using tcp",
-                  e->device_name[0] ? " among " : "", e->device_name);
-            rc = 0;
-        } else if (rc) {
-            goto fail;
-        }
-    }
     if (cfg->metadata_server && *cfg->metadata_server) {
-        e->meta = metadata_etcd_open(cfg->metadata_server, e->segment_name, e->hostname,
-                                     e->rpc_port);
+        e->meta =
+            metadata_etcd_open(cfg->metadata_server, e->segment_name, e->hostname, e->rpc_port);
         char *d = e->meta ? describe(e) : NULL;
         if (!d || metadata_etcd_publish(e->meta, d)) {
             free(d);
@@ -405,9 +357,8 @@ int transfer_engine_create(const transfer_config *cfg_in, transfer_engine **out)
     return 0;
 fail:
     handshake_server_stop(e->hs); /* first: its callbacks use the transports */
-    for (int t = 0; t < NTRANSPORTS; t++)
+    for (int t = 0; t < e->ntp; t++)
         if (e->tp[t]) e->tp[t]->ops->destroy(e->tp[t]);
-    tcp_server_stop(e->ts);
 fail_early:
     free(e->secret);
     batch_table_destroy(&e->batches);
@@ -435,13 +386,13 @@ void transfer_engine_destroy(transfer_engine *e) {
     for (size_t i = 0; i < e->batches.cap; i++)
         if (e->batches.slots[i]) atomic_store(&e->batches.slots[i]->canceled, 1);
     pthread_mutex_unlock(&e->batches.mu);
-    /* The handshake port first: its callbacks (describe, rdma connect) use
-     * the transports. */
+    /* The handshake port first: its callbacks (describe, accept) use the
+     * transports. */
     handshake_server_stop(e->hs);
     e->hs = NULL;
-    /* Transport by transport, in table order (shm first: the ops its workers
-     * drain may be re-routed to tcp, which is still up). */
-    for (int t = 0; t < NTRANSPORTS; t++) {
+    /* Transport by transport, in table order (the fallback last: the ops
+     * the others drain may be re-routed to it, which is still up). */
+    for (int t = 0; t < e->ntp; t++) {
         for (size_t i = 0; i < e->npeers; i++) {
             peer *p = e->peers[i];
             pthread_mutex_lock(&p->mu);
@@ -459,7 +410,6 @@ void transfer_engine_destroy(transfer_engine *e) {
         free(p);
     }
     free(e->peers);
-    tcp_server_stop(e->ts);
     batch_table_destroy(&e->batches);
     registry_free(&e->regs);
     pthread_rwlock_destroy(&e->reg_lock);
@@ -486,9 +436,9 @@ int transfer_register(transfer_engine *e, void *addr, size_t length, const char 
     const char *loc = location && *location ? location : "cpu:0";
     int device = -1;
     if (strncmp(loc, "cuda", 4) == 0) {
-        if (stage_parse_device(loc, &device) != 0) {
+        if (location_parse_device(loc, &device) != 0) {
             LOG_E(MOD, "register: bad device location '%s' (accepted: cuda:N, N in 0..%d)", loc,
-                  STAGE_MAX_DEVICES - 1);
+                  TRANSPORT_MAX_DEVICES - 1);
             return TRANSFER_EINVAL;
         }
     } else if (strcmp(loc, "cpu") != 0 && strncmp(loc, "cpu:", 4) != 0) {
@@ -505,26 +455,21 @@ int transfer_register(transfer_engine *e, void *addr, size_t length, const char 
         rc = TRANSFER_EINVAL;
     }
     if (rc == 0) rc = registry_add(&e->regs, (uint64_t)(uintptr_t)addr, length, loc);
-    if (rc == 0 && e->tp[T_RDMA]) {
+    if (rc == 0) {
+        /* Each transport keeps what peers need (NIC keys, IPC handles); a
+         * failure undoes the others and the registration. */
         registry_entry *r =
             (registry_entry *)registry_find(&e->regs, (uint64_t)(uintptr_t)addr, length);
-        int rr = rdma_transport_reg(e->tp[T_RDMA], r);
-        if (rr) {
+        int t = 0;
+        for (; t < e->ntp && rc == 0; t++)
+            if (e->tp[t] && e->tp[t]->ops->register_mem)
+                rc = e->tp[t]->ops->register_mem(e->tp[t], r);
+        if (rc) {
+            for (int u = 0; u < t - 1; u++)
+                if (e->tp[u] && e->tp[u]->ops->deregister_mem)
+                    e->tp[u]->ops->deregister_mem(e->tp[u], r);
             registry_remove(&e->regs, (uint64_t)(uintptr_t)addr);
-            rc = rr;
         }
-    }
-    if (rc == 0 && device >= 0 && cuda_ipc_supported(e->devp)) {
-        /* Export once, for same-host peers' cuda_ipc (a failure only
-         * leaves this buffer to the other transports). */
-        registry_entry *r =
-            (registry_entry *)registry_find(&e->regs, (uint64_t)(uintptr_t)addr, length);
-        size_t hl = sizeof r->ipc;
-        if (e->devp->ipc_export(e->devp->ctx, addr, length, r->ipc, &hl, &r->ipc_off) == 0 &&
-            hl > 0 && hl <= sizeof r->ipc)
-            r->ipc_len = (uint32_t)hl;
-        else
-            LOG_W(MOD, "register: cannot export %s memory at %p for cuda_ipc", loc, addr);
     }
     if (rc == 0 && device >= 0) e->ndev_regs++;
     pthread_rwlock_unlock(&e->reg_lock);
@@ -539,10 +484,12 @@ int transfer_unregister(transfer_engine *e, void *addr) {
     /* The write lock waits for tcp server threads copying into this memory. */
     pthread_rwlock_wrlock(&e->reg_lock);
     const registry_entry *r = registry_find(&e->regs, (uint64_t)(uintptr_t)addr, 1);
-    int was_dev = r && r->addr == (uint64_t)(uintptr_t)addr && location_is_device(r->location);
+    int exact = r && r->addr == (uint64_t)(uintptr_t)addr;
+    int was_dev = exact && location_is_device(r->location);
+    for (int t = 0; exact && t < e->ntp; t++)
+        if (e->tp[t] && e->tp[t]->ops->deregister_mem) e->tp[t]->ops->deregister_mem(e->tp[t], r);
     int rc = registry_remove(&e->regs, (uint64_t)(uintptr_t)addr);
     if (rc == 0 && was_dev) e->ndev_regs--;
-    if (rc == 0 && e->tp[T_RDMA]) rdma_transport_dereg(e->tp[T_RDMA], (uint64_t)(uintptr_t)addr);
     pthread_rwlock_unlock(&e->reg_lock);
     if (rc == 0) republish(e);
     return rc;
@@ -625,8 +572,7 @@ static int peer_fetch_locked(transfer_engine *e, peer *p) {
     }
     segment_desc_free(&p->desc);
     p->desc = d;
-    p->paths_ok = 0;
-    for (int t = 0; t < NTRANSPORTS; t++)
+    for (int t = 0; t < e->ntp; t++)
         if (p->conn[t] && e->tp[t]->ops->update_peer) {
             transport_peer v;
             peer_view_locked(e, p, &v);
@@ -635,62 +581,12 @@ static int peer_fetch_locked(transfer_engine *e, peer *p) {
     return 0;
 }
 
-/* Paths to p: one per advertised data endpoint, with a local source address
- * on the same subnet when a device_name whitelist is in force. */
-static int peer_paths(transfer_engine *e, peer *p, tcp_path *paths) {
-    int n = 0;
-    char host[64];
-    uint16_t port;
-    if (p->desc.num_data_addrs == 0) { /* a Mooncake peer, or no whitelist there */
-        paths[0].dst = p->rpc_addr;
-        net_addr_set_port(&paths[0].dst, p->desc.tcp_data_port);
-        n = 1;
-    }
-    for (size_t i = 0; i < p->desc.num_data_addrs && n < TRANSPORT_MAX_PATHS; i++) {
-        if (net_split_host_port(p->desc.data_addrs[i], host, sizeof host, &port, 0) != 0 ||
-            net_resolve(host, port, &paths[n].dst) != 0) {
-            LOG_W(MOD, "segment %s advertises an unusable data address '%s'", p->name,
-                  p->desc.data_addrs[i]);
-            continue;
-        }
-        n++;
-    }
-    for (int i = 0; i < n; i++) {
-        paths[i].has_src = 0;
-        if (e->whitelisted) {
-            int best = -1;
-            for (int k = 0; k < e->nifaces; k++) {
-                if (e->ifaces[k].addr.ss.ss_family != paths[i].dst.ss.ss_family) continue;
-                if (net_same_subnet(&e->ifaces[k].addr, &paths[i].dst, e->ifaces[k].prefix_len)) {
-                    best = k;
-                    break;
-                }
-                if (best < 0) best = k;
-            }
-            if (best >= 0) {
-                paths[i].src = e->ifaces[best].addr;
-                paths[i].has_src = 1;
-            }
-        }
-        char d[80], s[80] = "any";
-        net_addr_format(&paths[i].dst, d, sizeof d);
-        if (paths[i].has_src) net_addr_host(&paths[i].src, s, sizeof s);
-        snprintf(paths[i].label, sizeof paths[i].label, "%s -> %s", s, d);
-    }
-    return n;
-}
-
 /* What transports see of p.  Caller holds p->mu. */
 static void peer_view_locked(transfer_engine *e, peer *p, transport_peer *v) {
-    if (!p->paths_ok) {
-        p->npaths = peer_paths(e, p, p->paths);
-        p->paths_ok = 1;
-    }
+    (void)e;
     v->name = p->name;
     v->desc = &p->desc;
     v->same_host = p->same_host;
-    v->paths = p->paths;
-    v->npaths = p->npaths;
     v->rpc_addr = &p->rpc_addr;
 }
 
@@ -733,18 +629,18 @@ int transfer_open_segment(transfer_engine *e, const char *name, transfer_segment
     int rc = peer_fetch_locked(e, p);
     if (rc == 0) {
         p->same_host = p->desc.disagg_version > 0 && strcmp(p->desc.host_id, e->host_id) == 0;
-        if (e->cfg.protocol == TRANSFER_PROTO_SHM && !p->same_host) {
-            LOG_E(MOD, "segment %s is on another host; protocol shm needs the same host", name);
-            rc = TRANSFER_ENOSEG;
+        /* The preferred transport: the first in table order that says so. */
+        transport_peer v;
+        peer_view_locked(e, p, &v);
+        p->pref = -1;
+        for (int t = 0; t < e->ntp && p->pref < 0 && rc == 0; t++) {
+            int want = e->tp[t] && e->tp[t]->ops->prefer ? e->tp[t]->ops->prefer(e->tp[t], &v) : 0;
+            if (want < 0)
+                rc = want;
+            else if (want)
+                p->pref = t;
         }
-        p->pref = (e->cfg.protocol != TRANSFER_PROTO_TCP &&
-                   e->cfg.protocol != TRANSFER_PROTO_RDMA && p->same_host)
-                      ? T_SHM
-                      : T_TCP;
-        if (e->tp[T_RDMA] && p->desc.num_devices > 0)
-            p->pref = T_RDMA;
-        else if (e->tp[T_RDMA])
-            LOG_W(MOD, "segment %s advertises no RDMA device: using tcp", name);
+        if (rc == 0 && p->pref < 0) p->pref = e->fb;
     }
     if (rc) {
         segment_desc_free(&p->desc);
@@ -790,14 +686,14 @@ int transfer_close_segment(transfer_engine *e, transfer_segment seg) {
     pthread_mutex_lock(&e->peers_mu);
     p->closed = 1; /* the struct lives until the engine goes: ops may point to it */
     pthread_mutex_unlock(&e->peers_mu);
-    void *conn[NTRANSPORTS];
+    void *conn[TRANSPORT_MAX];
     pthread_mutex_lock(&p->mu);
-    for (int t = 0; t < NTRANSPORTS; t++) {
+    for (int t = 0; t < e->ntp; t++) {
         conn[t] = p->conn[t];
         p->conn[t] = NULL;
     }
     pthread_mutex_unlock(&p->mu);
-    for (int t = 0; t < NTRANSPORTS; t++)
+    for (int t = 0; t < e->ntp; t++)
         if (conn[t]) e->tp[t]->ops->close_peer(e->tp[t], conn[t]);
     return 0;
 }
@@ -868,30 +764,31 @@ static void op_done(void *ctx, xfer_op *op, int err) {
 }
 
 /* A transport cannot serve op's peer (shm refused by the kernel): move the
- * peer to tcp and re-route op there. */
+ * peer to the fallback and re-route op there. */
 static void op_reroute(void *ctx, xfer_op *op, int err) {
     transfer_engine *e = ctx;
     peer *p = op->peer;
+    int fb = e->fb;
     pthread_mutex_lock(&p->mu);
-    if (p->pref == T_SHM) {
-        p->pref = T_TCP;
+    if (p->pref != fb) {
+        const transport_ops *from = e->tp[p->pref]->ops;
+        p->pref = fb;
         atomic_fetch_add(&e->shm_fallbacks, 1);
-        LOG_W(MOD,
-              "segment %s: the kernel refused process_vm_writev/readv (ptrace policy); using tcp",
-              p->name);
+        LOG_W(MOD, "segment %s: %s; using %s", p->name,
+              from->reroute_why ? from->reroute_why : from->name, e->tp[fb]->ops->name);
     }
-    int rc = peer_conn_locked(e, p, T_TCP);
-    void *conn = p->conn[T_TCP];
+    int rc = peer_conn_locked(e, p, fb);
+    void *conn = p->conn[fb];
     pthread_mutex_unlock(&p->mu);
     (void)err;
     op->next = NULL;
-    pthread_mutex_lock(&e->batches.mu); /* the status says tcp carried it too */
-    op->batch->reqs[op->req].transports |= 1u << (unsigned)TRANSFER_PROTO_TCP;
+    pthread_mutex_lock(&e->batches.mu); /* the status says the fallback carried it too */
+    op->batch->reqs[op->req].transports |= 1u << (unsigned)e->tp[fb]->ops->proto;
     pthread_mutex_unlock(&e->batches.mu);
     if (rc)
         op_done(e, op, rc);
     else
-        e->tp[T_TCP]->ops->submit(e->tp[T_TCP], conn, op);
+        e->tp[fb]->ops->submit(e->tp[fb], conn, op);
 }
 
 /* ---- batches ------------------------------------------------------------- */
@@ -922,9 +819,10 @@ typedef struct route {
     int t;      /* transport index */
     void *conn; /* its state for p */
     size_t stripe;
-    int device;                              /* local memory on cuda:device, or -1 */
-    uint32_t rkey[REGISTRY_MAX_KEYS], nkeys; /* rdma: the remote buffer's keys */
-    int reject; /* shm range check failed: the request fails with EREMOTEADDR */
+    int device;            /* local memory on cuda:device, or -1 */
+    int have;              /* remote is the peer's buffer holding the range */
+    registry_entry remote; /* (have) for the transport's prepare */
+    int reject;            /* the preferred transport's range check failed: EREMOTEADDR */
 } route;
 
 /* Pick the transport for one request: the peer's preferred one when it
@@ -934,18 +832,19 @@ static int choose_locked(transfer_engine *e, peer *p, const char *local_loc,
                          const registry_entry *remote, int *t_out) {
     transport_peer v;
     peer_view_locked(e, p, &v);
-    /* Device memory on both sides of one host: cuda_ipc before anything
-     * but an explicit tcp (staged, asked for). */
-    if (e->cfg.protocol != TRANSFER_PROTO_TCP && p->pref != T_IPC &&
-        e->tp[T_IPC]->ops->can_reach(e->tp[T_IPC], &v, local_loc, remote)) {
-        *t_out = T_IPC;
-        return 0;
-    }
+    /* Those tried first (device memory on both sides of one host: cuda_ipc
+     * before anything but an explicit tcp). */
+    for (int t = 0; t < e->ntp; t++)
+        if (t != p->pref && e->tp[t] && (e->tp[t]->flags & TRANSPORT_FIRST) &&
+            e->tp[t]->ops->can_reach(e->tp[t], &v, local_loc, remote)) {
+            *t_out = t;
+            return 0;
+        }
     if (e->tp[p->pref]->ops->can_reach(e->tp[p->pref], &v, local_loc, remote)) {
         *t_out = p->pref;
         return 0;
     }
-    for (int t = 0; t < NTRANSPORTS; t++)
+    for (int t = 0; t < e->ntp; t++)
         if (t != p->pref && e->tp[t] && e->tp[t]->ops->can_reach(e->tp[t], &v, local_loc, remote)) {
             *t_out = t;
             return 0;
@@ -982,39 +881,38 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         if (rc) break;
         peer *p = rt[i].p;
         rt[i].device = -1;
-        if (location_is_device(loc)) stage_parse_device(loc, &rt[i].device);
+        if (location_is_device(loc)) location_parse_device(loc, &rt[i].device);
         /* shm needs the range in the peer's descriptor (the target's
-         * threads do not check it): a miss re-fetches it once. */
-        registry_entry remote;
+         * threads do not check it), rdma its keys: a miss re-fetches it once. */
+        registry_entry *remote = &rt[i].remote;
         pthread_mutex_lock(&p->mu);
-        int pref_shm = p->pref == T_SHM, pref_rdma = p->pref == T_RDMA;
+        unsigned pflags = e->tp[p->pref]->flags;
         pthread_mutex_unlock(&p->mu);
-        int have = remote_entry(e, p, r->remote_addr, r->length, pref_shm || pref_rdma, &refreshed,
-                                &remote);
+        int have = remote_entry(e, p, r->remote_addr, r->length, (pflags & TRANSPORT_REFETCH) != 0,
+                                &refreshed, remote);
+        rt[i].have = have;
         pthread_mutex_lock(&p->mu);
-        if (pref_shm && !have && rt[i].device < 0)
-            rt[i].reject = 1; /* shm's range check: the request fails, the batch goes on */
+        if ((pflags & TRANSPORT_RANGE_CHECK) && !have && rt[i].device < 0)
+            rt[i].reject = 1; /* the range check: the request fails, the batch goes on */
         else
-            rc = choose_locked(e, p, loc, have ? &remote : NULL, &rt[i].t);
+            rc = choose_locked(e, p, loc, have ? remote : NULL, &rt[i].t);
         if (rt[i].reject) {
         } else if (rc) {
             LOG_E(MOD,
                   "submit: request %zu: no transport reaches local %s memory and the peer's "
                   "%s memory (device memory needs the device-memory ops on both sides)",
-                  i, loc, have ? remote.location : "unlisted");
+                  i, loc, have ? remote->location : "unlisted");
         } else {
             rc = peer_conn_locked(e, p, rt[i].t);
             rt[i].conn = p->conn[rt[i].t];
-            if (rc && rt[i].t == T_RDMA) { /* no queue pair: tcp, as with no NIC */
-                LOG_W(MOD, "segment %s: rdma connection failed; using tcp", p->name);
-                p->pref = T_TCP;
-                rc = choose_locked(e, p, loc, have ? &remote : NULL, &rt[i].t);
+            if (rc && rt[i].t != e->fb && (e->tp[rt[i].t]->flags & TRANSPORT_OPEN_FALLBACK)) {
+                /* e.g. no rdma queue pair: the fallback, as with no NIC */
+                LOG_W(MOD, "segment %s: %s connection failed; using %s", p->name,
+                      e->tp[rt[i].t]->ops->name, e->tp[e->fb]->ops->name);
+                p->pref = e->fb;
+                rc = choose_locked(e, p, loc, have ? remote : NULL, &rt[i].t);
                 if (rc == 0) rc = peer_conn_locked(e, p, rt[i].t);
                 rt[i].conn = p->conn[rt[i].t];
-            }
-            if (rt[i].t == T_RDMA) {
-                rt[i].nkeys = remote.nkeys;
-                memcpy(rt[i].rkey, remote.rkey, sizeof rt[i].rkey);
             }
         }
         pthread_mutex_unlock(&p->mu);
@@ -1022,7 +920,7 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         if (rt[i].reject) continue;
         transport *tp = e->tp[rt[i].t];
         rt[i].stripe =
-            rt[i].t == T_TCP ? tcp_transport_stripe_for(tp, rt[i].device >= 0) : tp->stripe;
+            tp->ops->stripe_for ? tp->ops->stripe_for(tp, rt[i].device >= 0) : tp->stripe;
         nops += (r->length + rt[i].stripe - 1) / rt[i].stripe;
     }
     xfer_op **ops = rc == 0 ? calloc(nops ? nops : 1, sizeof *ops) : NULL;
@@ -1096,13 +994,10 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
             op->remote = r->remote_addr + off;
             op->len = r->length - off < stripe ? r->length - off : stripe;
             op->deadline_ns = deadline;
-            op->nkeys = rt[i].nkeys;
-            memcpy(op->rkey, rt[i].rkey, sizeof op->rkey);
             op->device = rt[i].device;
-            if (rt[i].device >= 0 && rt[i].t == T_TCP) /* staged: tcp picks the host buffer */
-                op->dev = (char *)r->local + off;
-            else
-                op->local = (char *)r->local + off;
+            op->local = (char *)r->local + off;
+            transport *tp = e->tp[rt[i].t];
+            if (tp->ops->prepare) tp->ops->prepare(tp, op, rt[i].have ? &rt[i].remote : NULL);
             if (tail)
                 tail->next = op;
             else
@@ -1201,7 +1096,7 @@ int transfer_batch_cancel(transfer_engine *e, transfer_batch h) {
     for (size_t i = 0; i < e->npeers; i++) {
         peer *p = e->peers[i];
         pthread_mutex_lock(&p->mu);
-        for (int t = 0; t < NTRANSPORTS; t++)
+        for (int t = 0; t < e->ntp; t++)
             if (p->conn[t] && e->tp[t]->ops->cancel) e->tp[t]->ops->cancel(e->tp[t], p->conn[t], b);
         pthread_mutex_unlock(&p->mu);
     }
@@ -1319,7 +1214,7 @@ void transfer_engine_get_stats(transfer_engine *e, transfer_stats *out) {
     for (size_t i = 0; i < e->npeers; i++) {
         peer *p = e->peers[i];
         pthread_mutex_lock(&p->mu);
-        for (int t = 0; t < NTRANSPORTS; t++)
+        for (int t = 0; t < e->ntp; t++)
             if (p->conn[t] && e->tp[t]->ops->retries)
                 out->path_retries += e->tp[t]->ops->retries(e->tp[t], p->conn[t]);
         pthread_mutex_unlock(&p->mu);
