@@ -470,7 +470,7 @@ int flags_parse(const flags_spec *s, int argc, char **argv) {
             v = eq ? eq + 1 : NULL;
         } else if (flags_is_switch(d) || p.negated) {
             if (eq) {
-                flags_error(&p, "%s takes no value", p.spelled);
+                flags_error(&p, "%s takes no value (got '%s')", p.spelled, eq + 1);
                 return -1;
             }
         } else if (eq)

@@ -160,7 +160,7 @@ static void test_bool(void **st) {
     assert_int_equal(V.quiet, 1);
     assert_int_equal(parse("--disable-chatter", NULL), 0);
     assert_int_equal(V.quiet, 0);
-    refused("--on takes no value", "--on=1", NULL);
+    refused("--on takes no value (got '1')", "--on=1", NULL);
     refused("--no-enforce-eager takes no value", "--no-enforce-eager=0", NULL);
     /* --no- only where the row says so */
     refused("unknown option '--no-on'", "--no-on", NULL);
