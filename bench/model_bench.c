@@ -9,6 +9,7 @@
 #include "bench/bench.h"
 
 #include "base/clock.h"
+#include "base/flags.h"
 #include "kernels/cpu/cpu_matmul.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/qwen2.h"
@@ -89,36 +90,21 @@ static double measure_gemm(int threads, int M, int N, int K) {
 
 /* ---- the benchmark ------------------------------------------------------------ */
 
-static int usage(FILE *f, int rc) {
-    fprintf(
-        f, "usage: disagg bench model MODEL [--prompt-len N] [--gen-len M] [--threads T] [--json]\n"
-           "  MODEL         model directory or hub name in the Hugging Face cache\n"
-           "  --prompt-len  prompt tokens prefilled in one forward (default 512)\n"
-           "  --gen-len     tokens decoded one at a time after it (default 32)\n"
-           "  --threads     worker threads (default: all online CPUs)\n"
-           "  --json        one JSON object instead of the table\n"
-           "  --streams S   also: S sequences (32-token prompts) decoded together, aggregate\n"
-           "                tok/s beside 1 sequence in the same rounds (default 0: off)\n"
-           "  --kv-cache-dtype float32|bfloat16   CPU KV-cache element type (default float32)\n"
-           "  --block-size N   tokens per KV block, 1..1024 (default: disagg serve's on the CPU, "
-           "128)\n"
-           "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n"
-           "  --batch-invariant   with --device cuda: the batch-invariant mode against the "
-           "fast mode (docs/gpu.md)\n");
-    return rc;
-}
+static const char *bm_model;
 
-static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
-    char *end;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || *end || x < lo || x > hi) {
-        fprintf(stderr,
-                "disagg bench model: %s '%s' is invalid; accepted: an integer in [%d, %d]\n", flag,
-                v ? v : "", lo, hi);
+static int bm_positional(flags_parser *p, const char *word) {
+    if (bm_model) {
+        flags_error(p, "unexpected argument '%s'", word);
         return -1;
     }
-    *out = (int)x;
+    bm_model = word;
     return 0;
+}
+
+static int bm_device(flags_parser *p, const flag_def *d, const char *v) {
+    if (!strcmp(v, "cpu")) return 0; /* cuda: chosen before the parse */
+    flags_error(p, "%s '%s' is invalid; accepted: cpu, cuda", d->name, v);
+    return -1;
 }
 
 /* CPU seconds this process used (all threads): on a shared machine, a decode's CPU time per
@@ -179,8 +165,8 @@ out:
 }
 
 /* ... and the CPU seconds (all threads) per decode step of each, least over the rounds */
-static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen, int repeat,
-                           int bs, const int32_t *toks, int ntoks, double *one, double *many,
+static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen, int repeat, int bs,
+                           const int32_t *toks, int ntoks, double *one, double *many,
                            double *one_cpu, double *many_cpu) {
     *one = *many = 0;
     *one_cpu = *many_cpu = 1e30;
@@ -201,45 +187,50 @@ int bench_model_main(int argc, char **argv) {
     const char *model_arg = NULL;
     int prompt_len = 512, gen_len = 32, threads = 0, json = 0, repeat = 2, streams = 0,
         block_size = 0;
-    const char *kv_dt_arg = NULL; /* checked after the loop: --device cuda parses its own */
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout, 0);
-        if (!strcmp(a, "--device")) {
-            const char *v = i + 1 < argc ? argv[++i] : "";
-            if (!strcmp(v, "cuda")) return bench_model_cuda_main(argc, argv);
-            if (strcmp(v, "cpu")) {
-                fprintf(stderr,
-                        "disagg bench model: --device '%s' is invalid; accepted: cpu, cuda\n", v);
-                return 2;
-            }
-        } else if (!strcmp(a, "--json"))
-            json = 1;
-        else if (!strcmp(a, "--prompt-len")) {
-            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &prompt_len)) return 2;
-        } else if (!strcmp(a, "--gen-len")) {
-            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1 << 20, &gen_len)) return 2;
-        } else if (!strcmp(a, "--repeat")) {
-            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 100, &repeat)) return 2;
-        } else if (!strcmp(a, "--streams")) {
-            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 0, 64, &streams)) return 2;
-        } else if (!strcmp(a, "--block-size")) {
-            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &block_size)) return 2;
-        } else if (!strcmp(a, "--threads")) {
-            if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &threads)) return 2;
-        } else if (!strcmp(a, "--kv-cache-dtype")) {
-            kv_dt_arg = i + 1 < argc ? argv[++i] : "";
-        } else if (a[0] == '-') {
-            fprintf(stderr, "disagg bench model: unknown option '%s'\n", a);
-            return usage(stderr, 2);
-        } else if (!model_arg)
-            model_arg = a;
-        else {
-            fprintf(stderr, "disagg bench model: unexpected argument '%s'\n", a);
-            return 2;
-        }
+    const char *kv_dt_arg = NULL;  /* checked after the parse: --device cuda parses its own */
+    for (int i = 1; i < argc; i++) /* --device cuda: the GPU benchmark, its own options */
+        if ((!strcmp(argv[i], "--device") && i + 1 < argc && !strcmp(argv[i + 1], "cuda")) ||
+            !strcmp(argv[i], "--device=cuda"))
+            return bench_model_cuda_main(argc, argv);
+    const flag_def defs[] = {
+        {FLAG_INT_("--prompt-len", &prompt_len, 1, 1 << 20),
+         .help = "prompt tokens prefilled in one forward (default 512)"},
+        {FLAG_INT_("--gen-len", &gen_len, 1, 1 << 20),
+         .help = "tokens decoded one at a time after it (default 32)"},
+        {FLAG_INT_("--threads", &threads, 1, 1024),
+         .help = "worker threads (default: all online CPUs)"},
+        {FLAG_BOOL_("--json", &json), .help = "one JSON object instead of the table"},
+        {FLAG_INT_("--repeat", &repeat, 1, 100), .help = "measurement rounds, the best kept "
+                                                         "(default 2)"},
+        {FLAG_INT_("--streams", &streams, 0, 64), .metavar = "S",
+         .help = "also: S sequences (32-token prompts) decoded together, aggregate tok/s beside 1 "
+                 "sequence in the same rounds (default 0: off)"},
+        {FLAG_STRING_("--kv-cache-dtype", &kv_dt_arg), .metavar = "float32|bfloat16",
+         .help = "CPU KV-cache element type (default float32)"},
+        {FLAG_INT_("--block-size", &block_size, 1, 1024),
+         .help = "tokens per KV block, 1..1024 (default: disagg serve's on the CPU, 128)"},
+        {FLAG_CUSTOM_("--device", NULL, bm_device), .metavar = "cpu|cuda",
+         .help = "cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)"},
+        {FLAG_TEXT_("--batch-invariant", "with --device cuda: the batch-invariant mode against the "
+                                         "fast mode (docs/gpu.md)")},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {
+        .cmd = "bench model",
+        .usage = "usage: disagg bench model MODEL [--prompt-len N] [--gen-len M] [--threads T] "
+                 "[--json]\n"
+                 "  MODEL               model directory or hub name in the Hugging Face cache\n",
+        .tables = tables,
+        .help_col = 22,
+        .positional = bm_positional};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
+    model_arg = bm_model;
+    if (!model_arg) {
+        fprintf(stderr, "disagg bench model: MODEL is missing\n");
+        flags_help(&spec, stderr);
+        return 2;
     }
-    if (!model_arg) return usage(stderr, 2);
     int kv_dt = BACKEND_F32;
     if (kv_dt_arg && (backend_dtype_parse(kv_dt_arg, &kv_dt) ||
                       !backend_kv_dtype_ok(backend_cpu_default(), (backend_dtype)kv_dt))) {

@@ -1,6 +1,8 @@
 /* model_bench_args — see model_bench_args.h. */
 #include "bench/model_bench_args.h"
 
+#include "base/flags.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,50 +31,57 @@ static int mb_list(const char *flag, const char *v, int *out, int *n, int max) {
     return -1;
 }
 
-static void mb_unknown(const char *cmd, const char *a, const mb_opt *opts, int n_opts) {
-    fprintf(stderr, "%s: unknown option '%s'; accepted:", cmd, a);
-    for (int k = 0; k < n_opts; k++)
-        fprintf(stderr, "%s %s", k ? "," : "", opts[k].flag);
-    fputc('\n', stderr);
+/* One row of the caller's table (d->dst: its mb_opt). */
+static int mb_value(flags_parser *p, const flag_def *d, const char *v) {
+    const mb_opt *o = d->dst;
+    int one, n1;
+    if (o->kind == MB_INT) {
+        if (mb_list(d->name, v, &one, &n1, 1)) return -1;
+        *(int *)o->out = one;
+    } else if (mb_list(d->name, v, o->out, o->n, MB_MAXLIST))
+        return -1;
+    return 0;
+}
+
+static int mb_model(flags_parser *p, const char *word) {
+    const char **model = flags_arg(p);
+    if (*model) {
+        fprintf(stderr, "disagg bench model: unexpected argument '%s'\n", word);
+        return -1;
+    }
+    *model = word;
+    return 0;
 }
 
 int mb_parse_args(int argc, char **argv, const char *cmd, const mb_opt *opts, int n_opts,
                   const char *usage, const char **model) {
     *model = NULL;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        const mb_opt *o = NULL;
-        for (int k = 0; k < n_opts && !o; k++)
-            if (!strcmp(a, opts[k].flag)) o = &opts[k];
-        if (!strcmp(a, "--device")) {
-            i++;
-        } else if (o && o->kind == MB_FLAG) {
-            *(int *)o->out = 1;
-        } else if (o) {
-            int one, n1;
-            if (o->kind == MB_WORD) {
-                if (!v) {
-                    fprintf(stderr, "disagg bench model: %s needs a value\n", a);
-                    return 2;
-                }
-                *(const char **)o->out = v;
-            } else if (o->kind == MB_INT ? mb_list(a, v, &one, &n1, 1)
-                                         : mb_list(a, v, o->out, o->n, MB_MAXLIST)) {
-                return 2;
-            } else if (o->kind == MB_INT) {
-                *(int *)o->out = one;
-            }
-            i++;
-        } else if (a[0] == '-') {
-            mb_unknown(cmd, a, opts, n_opts);
-            return 2;
-        } else if (!*model) {
-            *model = a;
-        } else {
-            fprintf(stderr, "disagg bench model: unexpected argument '%s'\n", a);
-            return 2;
-        }
+    flag_def rows[MB_MAXOPTS + 2];
+    int n = 0;
+    /* "--device X": passed over (the caller chose by it) */
+    rows[n++] = (flag_def){FLAG_STRING_("--device", (const char **)NULL), .opts = FLAG_HIDDEN};
+    for (int k = 0; k < n_opts && k < MB_MAXOPTS; k++) {
+        const mb_opt *o = &opts[k];
+        if (o->kind == MB_FLAG)
+            rows[n++] = (flag_def){FLAG_BOOL_(o->flag, (int *)o->out)};
+        else if (o->kind == MB_WORD)
+            rows[n++] = (flag_def){FLAG_STRING_(o->flag, (const char **)o->out)};
+        else
+            rows[n++] = (flag_def){FLAG_CUSTOM_(o->flag, (void *)o, mb_value),
+                                   .metavar = o->kind == MB_LIST ? "N[,N..]" : "N"};
     }
+    memset(&rows[n], 0, sizeof rows[n]);
+    const flag_def *tables[] = {rows, NULL};
+    char usage_nl[1024];
+    snprintf(usage_nl, sizeof usage_nl, "%s\n\n", usage);
+    const flags_spec spec = {.cmd = !strncmp(cmd, "disagg ", 7) ? cmd + 7 : cmd,
+                             .usage = usage_nl,
+                             .tables = tables,
+                             .list_on_unknown = 1,
+                             .positional = mb_model,
+                             .arg = (void *)model};
+    int rc = flags_parse(&spec, argc, argv);
+    if (rc) return rc == FLAGS_HELP ? -1 : 2;
     if (!*model) {
         fprintf(stderr, "%s\n", usage);
         return 2;

@@ -9,6 +9,7 @@
 #define DISAGG_BENCH_MODEL_BENCH_ARGS_H
 
 #define MB_MAXLIST 16        /* values of a list option */
+#define MB_MAXOPTS 32        /* options of one table */
 #define MB_INT_MAX (1 << 20) /* integers are in [1, MB_INT_MAX] */
 
 typedef enum mb_kind {
@@ -27,8 +28,8 @@ typedef struct mb_opt {
 
 /* Parses argv[1..argc): MODEL into *model and the options of opts; "--device X" is passed
  * over (the caller chose by it).  cmd names the command in the unknown-option error
- * ("disagg bench model --device cuda"), usage is printed when MODEL is missing.  0, or 2
- * (the exit status) after printing what was wrong. */
+ * ("disagg bench model --device cuda"), usage is printed when MODEL is missing.  0, 2
+ * (the exit status) after printing what was wrong, or -1 after printing --help (exit 0). */
 int mb_parse_args(int argc, char **argv, const char *cmd, const mb_opt *opts, int n_opts,
                   const char *usage, const char **model);
 

@@ -92,7 +92,7 @@ int bench_model_cuda_main(int argc, char **argv) {
                            "[--batches 1,8,32,64,128] [--context 1024] [--long-context 4096] "
                            "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] [--json]",
                            &model_arg);
-    if (rc) return rc;
+    if (rc) return rc < 0 ? 0 : rc;
     if (kv_arg && !strcmp(kv_arg, "float32")) {
         kv_dtype = DCU_F32;
     } else if (kv_arg && strcmp(kv_arg, "auto") && strcmp(kv_arg, "bfloat16")) {

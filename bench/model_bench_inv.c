@@ -160,7 +160,7 @@ int bench_model_inv_main(int argc, char **argv) {
                            "[--context 1024[,4096..]] [--gen-len 32] [--max-tokens 8192] "
                            "[--inv-gemm-m M,...]",
                            &model_arg);
-    if (rc) return rc;
+    if (rc) return rc < 0 ? 0 : rc;
     if (max_tokens < plen) max_tokens = plen;
     ib_result fast, inv[IB_MAXL];
     memset(&fast, 0, sizeof fast);

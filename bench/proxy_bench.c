@@ -14,6 +14,7 @@
 #include "bench/bench.h"
 
 #include "base/clock.h"
+#include "base/flags.h"
 #include "base/log.h"
 #include "base/http_client.h"
 #include "base/http_server.h"
@@ -345,31 +346,24 @@ static double proc_cpu_s(pid_t pid) {
 
 /* ---- main ------------------------------------------------------------------------- */
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: disagg bench proxy [--requests N] [--streams N] [--stream-events N]\n\n"
-            "  --requests N       requests per latency measurement (default 5000)\n"
-            "  --streams N        concurrent streaming clients in the last test (default 1000)\n"
-            "  --stream-events N  SSE events per response in the relay-rate test (default 4000)\n");
-}
-
 int bench_proxy_main(int argc, char **argv) {
     int requests = 5000, streams = 1000, events = 4000;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage(stdout);
-            return 0;
-        }
-        int *dst = !strcmp(argv[i], "--requests")        ? &requests
-                   : !strcmp(argv[i], "--streams")       ? &streams
-                   : !strcmp(argv[i], "--stream-events") ? &events
-                                                         : NULL;
-        if (!dst || i + 1 >= argc || atoi(argv[i + 1]) < 1) {
-            fprintf(stderr, "disagg bench proxy: bad option '%s' (see --help)\n", argv[i]);
-            return 2;
-        }
-        *dst = atoi(argv[++i]);
-    }
+    const flag_def defs[] = {
+        {FLAG_INT_("--requests", &requests, 1, 1 << 24), .metavar = "N",
+         .help = "requests per latency measurement (default 5000)"},
+        {FLAG_INT_("--streams", &streams, 1, 1 << 20), .metavar = "N",
+         .help = "concurrent streaming clients in the last test (default 1000)"},
+        {FLAG_INT_("--stream-events", &events, 1, 1 << 24), .metavar = "N",
+         .help = "SSE events per response in the relay-rate test (default 4000)"},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {
+        .cmd = "bench proxy",
+        .usage = "usage: disagg bench proxy [--requests N] [--streams N] [--stream-events N]\n\n",
+        .tables = tables,
+        .help_col = 21};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
     signal(SIGPIPE, SIG_IGN);
     struct rlimit rl;
     getrlimit(RLIMIT_NOFILE, &rl);

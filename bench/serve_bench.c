@@ -12,6 +12,7 @@
  */
 #include "bench/bench.h"
 
+#include "base/flags.h"
 #include "base/http_client.h"
 #include "base/rng.h"
 
@@ -19,6 +20,7 @@
 #include <event2/buffer.h>
 #include <event2/event.h>
 #include <jansson.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -549,34 +551,6 @@ static int sb_report(sb_run *run, double duration) {
 
 /* ---- setup --------------------------------------------------------------------------- */
 
-static void sb_usage(FILE *f) {
-    fprintf(
-        f,
-        "usage: disagg bench serve [options]   (the `vllm bench serve` equivalent)\n\n"
-        "  --base-url URL              server (default http://127.0.0.1:8000)\n"
-        "  --endpoint PATH             /v1/completions (default) or /v1/chat/completions\n"
-        "  --model NAME                model name (default: the first of GET /v1/models)\n"
-        "  --dataset-name random       the only dataset: random words\n"
-        "  --random-input-len N        prompt length in words, ~tokens (default 1024)\n"
-        "  --random-output-len N       max_tokens (default 128)\n"
-        "  --random-range-ratio R      lengths uniform in [L(1-R), L(1+R)] (default 0)\n"
-        "  --num-prompts N             requests (default 1000)\n"
-        "  --request-rate R            requests/s, Poisson arrivals (default inf: all at once)\n"
-        "  --burstiness B              gamma arrivals of shape B (default 1 = Poisson)\n"
-        "  --max-concurrency N         most requests in flight (default unlimited)\n"
-        "  --ignore-eos                generate exactly --random-output-len tokens\n"
-        "  --goodput KEY:MS ...        SLOs: ttft:MS tpot:MS e2el:MS\n"
-        "  --seed N                    dataset and arrival seed (default 0)\n"
-        "  --json FILE                 write the results as JSON\n"
-        "  --disable-tqdm              no progress bar\n"
-        "  --pd-prefill URL            P/D: --base-url is a kv_consumer; each request also goes\n"
-        "                              to this kv_producer at the same time, as the proxy sends\n"
-        "                              them (PROTOCOL.md 1); reports prefill latency and the\n"
-        "                              decoder's mean KV load time\n"
-        "  --pd-bootstrap URL          P's bootstrap server (default http://<P host>:8998)\n"
-        "OPENAI_API_KEY, when set, is sent as the Bearer key.\n");
-}
-
 /* "http://host[:port][/...]" -> host, port. */
 static int sb_url(const char *flag, const char *url, char *host, size_t cap, int *port) {
     const char *u = url;
@@ -727,14 +701,51 @@ static int sb_fetch_model(const sb_opts *o) {
     return 0;
 }
 
-static int sb_num(const char *flag, const char *v, double lo, double *out) {
-    char *end;
-    double x = strtod(v, &end);
-    if (end == v || *end || !(x >= lo)) {
-        fprintf(stderr, "disagg bench serve: %s expects a number >= %g, got '%s'\n", flag, lo, v);
+static int sb_range_ratio(flags_parser *p, const flag_def *d, const char *v) {
+    if (*(double *)d->dst < 1) return 0;
+    flags_error(p, "%s must be in [0, 1), got '%s'", d->name, v);
+    return -1;
+}
+
+static int sb_rate(flags_parser *p, const flag_def *d, const char *v) {
+    double *rate = d->dst;
+    if (!strcmp(v, "inf")) {
+        *rate = INFINITY;
+        return 0;
+    }
+    return flags_double(p, d, v, rate);
+}
+
+static int sb_goodput(flags_parser *p, const flag_def *d, const char *v) {
+    sb_opts *o = d->dst;
+    int any = 0;
+    for (const char *g = v ? v : flags_peek(p); g && g[0] != '-'; g = flags_peek(p)) {
+        if (g != v) flags_take(p);
+        const char *c = strchr(g, ':');
+        char *end = NULL;
+        double ms = c ? strtod(c + 1, &end) : -1;
+        if (!c || end == c + 1 || *end || !(ms >= 0)) {
+            flags_error(p, "--goodput '%s'; accepted: ttft:MS tpot:MS e2el:MS (MS a number >= 0)",
+                        g);
+            return -1;
+        }
+        if (!strncmp(g, "ttft:", 5))
+            o->goodput_ttft_ms = ms;
+        else if (!strncmp(g, "tpot:", 5))
+            o->goodput_tpot_ms = ms;
+        else if (!strncmp(g, "e2el:", 5))
+            o->goodput_e2el_ms = ms;
+        else {
+            flags_error(p, "--goodput '%s'; accepted keys: ttft, tpot, e2el", g);
+            return -1;
+        }
+        any = 1;
+        v = NULL;
+    }
+    if (!any) {
+        flags_error(p, "--goodput needs KEY:MS values (ttft:MS tpot:MS e2el:MS)");
         return -1;
     }
-    *out = x;
     return 0;
 }
 
@@ -742,7 +753,6 @@ int bench_serve_main(int argc, char **argv) {
     sb_opts o;
     memset(&o, 0, sizeof o);
     o.base_url = "http://127.0.0.1:8000";
-    o.endpoint = "/v1/completions";
     o.input_len = 1024;
     o.output_len = 128;
     o.num_prompts = 1000;
@@ -750,129 +760,56 @@ int bench_serve_main(int argc, char **argv) {
     o.burstiness = 1.0;
     o.progress = isatty(2);
     o.api_key = getenv("OPENAI_API_KEY");
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        double x = 0;
-#define NEED_V()                                                                                   \
-    do {                                                                                           \
-        if (!v) {                                                                                  \
-            fprintf(stderr, "disagg bench serve: %s needs a value\n", a);                          \
-            return 2;                                                                              \
-        }                                                                                          \
-        i++;                                                                                       \
-    } while (0)
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            sb_usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--base-url")) {
-            NEED_V();
-            o.base_url = v;
-        } else if (!strcmp(a, "--endpoint")) {
-            NEED_V();
-            if (strcmp(v, "/v1/completions") && strcmp(v, "/v1/chat/completions")) {
-                fprintf(stderr,
-                        "disagg bench serve: --endpoint '%s'; accepted: /v1/completions, "
-                        "/v1/chat/completions\n",
-                        v);
-                return 2;
-            }
-            o.endpoint = v;
-        } else if (!strcmp(a, "--model")) {
-            NEED_V();
-            o.model = v;
-        } else if (!strcmp(a, "--dataset-name")) {
-            NEED_V();
-            if (strcmp(v, "random")) {
-                fprintf(stderr, "disagg bench serve: --dataset-name '%s'; accepted: random\n", v);
-                return 2;
-            }
-        } else if (!strcmp(a, "--random-input-len") || !strcmp(a, "--random-output-len") ||
-                   !strcmp(a, "--num-prompts") || !strcmp(a, "--max-concurrency") ||
-                   !strcmp(a, "--seed")) {
-            NEED_V();
-            if (sb_num(a, v, 1, &x) || x != floor(x)) {
-                if (x != floor(x))
-                    fprintf(stderr, "disagg bench serve: %s expects an integer, got '%s'\n", a, v);
-                return 2;
-            }
-            if (!strcmp(a, "--random-input-len"))
-                o.input_len = (int)x;
-            else if (!strcmp(a, "--random-output-len"))
-                o.output_len = (int)x;
-            else if (!strcmp(a, "--num-prompts"))
-                o.num_prompts = (int)x;
-            else if (!strcmp(a, "--max-concurrency"))
-                o.max_concurrency = (int)x;
-            else
-                o.seed = (uint64_t)x;
-        } else if (!strcmp(a, "--random-range-ratio")) {
-            NEED_V();
-            if (sb_num(a, v, 0, &o.range_ratio) || o.range_ratio >= 1) {
-                fprintf(stderr, "disagg bench serve: --random-range-ratio must be in [0, 1)\n");
-                return 2;
-            }
-        } else if (!strcmp(a, "--request-rate")) {
-            NEED_V();
-            if (!strcmp(v, "inf"))
-                o.rate = INFINITY;
-            else if (sb_num(a, v, 1e-9, &o.rate))
-                return 2;
-        } else if (!strcmp(a, "--burstiness")) {
-            NEED_V();
-            if (sb_num(a, v, 1e-9, &o.burstiness)) return 2;
-        } else if (!strcmp(a, "--ignore-eos")) {
-            o.ignore_eos = 1;
-        } else if (!strcmp(a, "--pd-prefill")) {
-            NEED_V();
-            o.pd_prefill = v;
-        } else if (!strcmp(a, "--pd-bootstrap")) {
-            NEED_V();
-            o.pd_bootstrap = v;
-        } else if (!strcmp(a, "--disable-tqdm")) {
-            o.progress = 0;
-        } else if (!strcmp(a, "--json")) {
-            NEED_V();
-            o.json_path = v;
-        } else if (!strcmp(a, "--goodput")) {
-            int any = 0;
-            while (i + 1 < argc && argv[i + 1][0] != '-') {
-                const char *g = argv[++i];
-                const char *c = strchr(g, ':');
-                double ms;
-                if (!c || sb_num("--goodput", c + 1, 0, &ms)) {
-                    fprintf(
-                        stderr,
-                        "disagg bench serve: --goodput '%s'; accepted: ttft:MS tpot:MS e2el:MS\n",
-                        g);
-                    return 2;
-                }
-                if (!strncmp(g, "ttft:", 5))
-                    o.goodput_ttft_ms = ms;
-                else if (!strncmp(g, "tpot:", 5))
-                    o.goodput_tpot_ms = ms;
-                else if (!strncmp(g, "e2el:", 5))
-                    o.goodput_e2el_ms = ms;
-                else {
-                    fprintf(stderr,
-                            "disagg bench serve: --goodput '%s'; accepted keys: ttft, tpot, e2el\n",
-                            g);
-                    return 2;
-                }
-                any = 1;
-            }
-            if (!any) {
-                fprintf(stderr, "disagg bench serve: --goodput needs KEY:MS values (ttft:MS "
-                                "tpot:MS e2el:MS)\n");
-                return 2;
-            }
-        } else {
-            fprintf(stderr,
-                    "disagg bench serve: unknown option '%s' (see disagg bench serve --help)\n", a);
-            return 2;
-        }
-#undef NEED_V
-    }
+    int endpoint = 0, dataset = 0;
+    const flag_def defs[] = {
+        {FLAG_STRING_("--base-url", &o.base_url), .metavar = "URL",
+         .help = "server (default http://127.0.0.1:8000)"},
+        {FLAG_CHOICE_("--endpoint", &endpoint, "/v1/completions", "/v1/chat/completions"),
+         .metavar = "PATH", .help = "/v1/completions (default) or /v1/chat/completions"},
+        {FLAG_STRING_("--model", &o.model), .metavar = "NAME",
+         .help = "model name (default: the first of GET /v1/models)"},
+        {FLAG_CHOICE_("--dataset-name", &dataset, "random"), .metavar = "random",
+         .help = "the only dataset: random words"},
+        {FLAG_INT_("--random-input-len", &o.input_len, 1, 1 << 30),
+         .help = "prompt length in words, ~tokens (default 1024)"},
+        {FLAG_INT_("--random-output-len", &o.output_len, 1, 1 << 30),
+         .help = "max_tokens (default 128)"},
+        {FLAG_DOUBLE_("--random-range-ratio", &o.range_ratio, 0, 1), .fn = sb_range_ratio,
+         .metavar = "R", .help = "lengths uniform in [L(1-R), L(1+R)] (default 0)"},
+        {FLAG_INT_("--num-prompts", &o.num_prompts, 1, 1 << 30), .help = "requests (default 1000)"},
+        {FLAG_CUSTOM_("--request-rate", &o.rate, sb_rate), .lo = 1e-9, .hi = INFINITY,
+         .metavar = "R", .help = "requests/s, Poisson arrivals (default inf: all at once)"},
+        {FLAG_DOUBLE_("--burstiness", &o.burstiness, 1e-9, INFINITY), .metavar = "B",
+         .help = "gamma arrivals of shape B (default 1 = Poisson)"},
+        {FLAG_INT_("--max-concurrency", &o.max_concurrency, 1, 1 << 30),
+         .help = "most requests in flight (default unlimited)"},
+        {FLAG_BOOL_("--ignore-eos", &o.ignore_eos),
+         .help = "generate exactly --random-output-len tokens"},
+        {FLAG_CUSTOM_("--goodput", &o, sb_goodput), .opts = FLAG_VARARGS, .metavar = "KEY:MS ...",
+         .help = "SLOs: ttft:MS tpot:MS e2el:MS"},
+        {FLAG_INT_("--seed", &o.seed, 1, LLONG_MAX),
+         .help = "dataset and arrival seed (default 0)"},
+        {FLAG_STRING_("--json", &o.json_path), .metavar = "FILE",
+         .help = "write the results as JSON"},
+        {FLAG_BOOL_("--disable-tqdm", &o.progress), .opts = FLAG_STORE_FALSE,
+         .help = "no progress bar"},
+        {FLAG_STRING_("--pd-prefill", &o.pd_prefill), .metavar = "URL",
+         .help = "P/D: --base-url is a kv_consumer; each request also goes to this kv_producer at "
+                 "the same time, as the proxy sends them (PROTOCOL.md 1); reports prefill latency "
+                 "and the decoder's mean KV load time"},
+        {FLAG_STRING_("--pd-bootstrap", &o.pd_bootstrap), .metavar = "URL",
+         .help = "P's bootstrap server (default http://<P host>:8998)"},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {
+        .cmd = "bench serve",
+        .usage = "usage: disagg bench serve [options]   (the `vllm bench serve` equivalent)\n\n",
+        .epilog = "OPENAI_API_KEY, when set, is sent as the Bearer key.\n",
+        .tables = tables,
+        .help_col = 30};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
+    o.endpoint = endpoint ? "/v1/chat/completions" : "/v1/completions";
     if (sb_parse_url(&o)) return 2;
     if (o.pd_bootstrap && !o.pd_prefill) {
         fprintf(stderr, "disagg bench serve: --pd-bootstrap needs --pd-prefill\n");

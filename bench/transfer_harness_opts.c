@@ -7,6 +7,7 @@
 #include "base/auth.h"
 #include "base/bytesize.h"
 #include "base/clock.h"
+#include "base/flags.h"
 #include "base/net.h"
 
 #include <ctype.h>
@@ -18,17 +19,6 @@
 #include <sys/mman.h>
 
 /* ==== option parsing ====================================================== */
-
-static void print_sub_usage(FILE *f, const sub_usage *u, const opt_spec *specs, size_t n) {
-    fprintf(f, "usage: disagg transfer %s %s\n\n%s\n\noptions:\n", u->name, u->synopsis, u->about);
-    for (size_t i = 0; i < n; i++) {
-        char left[64];
-        snprintf(left, sizeof left, "%s%s%s", specs[i].name, specs[i].metavar ? " " : "",
-                 specs[i].metavar ? specs[i].metavar : "");
-        fprintf(f, "  %-26s %s\n", left, specs[i].help);
-    }
-    fprintf(f, "  %-26s %s\n", "--help", "show this help");
-}
 
 static int parse_u64_dec(const char *s, uint64_t *out) {
     if (!s || !isdigit((unsigned char)s[0])) return -1;
@@ -150,60 +140,47 @@ int th_opt_assign(const char *sub, const opt_spec *sp, const char *val) {
     return 2;
 }
 
-/* Parses argv[1..] ("--name value" or "--name=value").  Returns 0, 2 on a
+/* One opt_spec row (d->dst) through th_opt_assign, which prints the error. */
+static int assign_row(flags_parser *p, const flag_def *d, const char *val) {
+    const char *sub = flags_cmd(p) + strlen("transfer ");
+    return th_opt_assign(sub, d->dst, val ? val : "") ? -1 : 0;
+}
+
+static int no_positional(flags_parser *p, const char *word) {
+    const char *sub = flags_cmd(p) + strlen("transfer ");
+    fprintf(stderr,
+            "disagg transfer %s: unexpected argument '%s'; options start with -- (see disagg "
+            "transfer %s --help)\n",
+            sub, word, sub);
+    return -1;
+}
+
+#define TH_MAX_OPTS 40
+
+/* Parses argv[1..] ("--name value" or "--name=value") with base/flags.  Returns 0, 2 on a
  * usage error (printed), or -1 when --help was given (usage printed). */
 int th_opts_parse(const sub_usage *u, const opt_spec *specs, size_t n, int argc, char **argv) {
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            print_sub_usage(stdout, u, specs, n);
-            return -1;
-        }
-    }
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (strncmp(arg, "--", 2) != 0) {
-            fprintf(stderr,
-                    "disagg transfer %s: unexpected argument '%s'; options start with -- "
-                    "(see disagg transfer %s --help)\n",
-                    u->name, arg, u->name);
-            return 2;
-        }
-        const char *eq = strchr(arg, '=');
-        size_t name_len = eq ? (size_t)(eq - arg) : strlen(arg);
-        const opt_spec *sp = NULL;
-        for (size_t j = 0; j < n; j++)
-            if (strlen(specs[j].name) == name_len && !strncmp(specs[j].name, arg, name_len))
-                sp = &specs[j];
-        if (!sp) {
-            fprintf(stderr, "disagg transfer %s: unknown option '%.*s'; accepted:", u->name,
-                    (int)name_len, arg);
-            for (size_t j = 0; j < n; j++)
-                fprintf(stderr, " %s", specs[j].name);
-            fprintf(stderr, " --help\n");
-            return 2;
-        }
-        const char *val;
-        if (sp->kind == OPT_FLAG) {
-            if (eq) {
-                fprintf(stderr, "disagg transfer %s: %s takes no value (got '%s')\n", u->name,
-                        sp->name, eq + 1);
-                return 2;
-            }
-            val = "";
-        } else if (eq) {
-            val = eq + 1;
-        } else if (i + 1 < argc) {
-            val = argv[++i];
-        } else {
-            fprintf(stderr, "disagg transfer %s: %s needs a value (%s)\n", u->name, sp->name,
-                    sp->metavar ? sp->metavar : "value");
-            return 2;
-        }
-        int rc = th_opt_assign(u->name, sp, val);
-        if (rc) return rc;
-    }
-    return 0;
+    flag_def rows[TH_MAX_OPTS + 1];
+    size_t k = 0;
+    for (; k < n && k < TH_MAX_OPTS; k++)
+        rows[k] = (flag_def){FLAG_CUSTOM_(specs[k].name, (void *)&specs[k], assign_row),
+                             .opts = specs[k].kind == OPT_FLAG ? FLAG_SWITCH : 0,
+                             .metavar = specs[k].metavar, .help = specs[k].help};
+    memset(&rows[k], 0, sizeof rows[k]);
+    const flag_def *tables[] = {rows, NULL};
+    char cmd[64], usage[2048];
+    snprintf(cmd, sizeof cmd, "transfer %s", u->name);
+    snprintf(usage, sizeof usage, "usage: disagg transfer %s %s\n\n%s\n\noptions:\n", u->name,
+             u->synopsis, u->about);
+    const flags_spec spec = {.cmd = cmd,
+                             .usage = usage,
+                             .epilog = "  --help                     show this help\n",
+                             .tables = tables,
+                             .help_col = 29,
+                             .list_on_unknown = 1,
+                             .positional = no_positional};
+    int rc = flags_parse(&spec, argc, argv);
+    return rc == FLAGS_HELP ? -1 : rc ? 2 : 0;
 }
 
 /* ==== shared helpers ====================================================== */

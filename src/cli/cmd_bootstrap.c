@@ -17,6 +17,7 @@
 #include "cli/discovery_cli.h"
 
 #include "base/auth.h"
+#include "base/flags.h"
 #include "base/net.h"
 #include "base/stop_signal.h"
 #include "connector/kv_transfer_config.h"
@@ -32,40 +33,36 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void usage(FILE *f) {
-    fprintf(f, "usage: disagg bootstrap [--host H] [--port N] [--auth-secret S]\n"
-               "                        [--client-header-timeout S]\n"
-               "       disagg bootstrap register --server HOST:PORT --engine-id ID --addr "
-               "tcp://IP:PORT\n"
-               "                        [--dp-rank N] [--tp-rank N] [--pp-rank N] "
-               "[--auth-secret S]\n"
-               "       disagg bootstrap query --server HOST:PORT\n\n"
-               "Runs the Mooncake bootstrap server (POST /register, GET /query) alone, or\n"
-               "registers with / queries one.  --port defaults to VLLM_MOONCAKE_BOOTSTRAP_PORT\n"
-               "(8998); --host to 0.0.0.0 (give the one address the prefill and decode\n"
-               "instances and the proxy reach); 0 picks a free port.  Client commands retry 3\n"
-               "times (per-attempt timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, default 30 s).\n"
-               "--auth-secret (else $DISAGG_KV_SECRET, which keeps it out of the process list)\n"
-               "is the shared secret: the server then refuses a /register without a valid\n"
-               "X-Disagg-Auth MAC (401/403), and `register` signs its request\n"
-               "(docs/security.md).  /query needs no secret.  --client-header-timeout: a\n"
-               "request head must be complete S seconds after connecting (or after the previous\n"
-               "response); bytes do not extend it (default 10) -> 408, close.\n"
-               "With --discovery the server registers itself in etcd (role bootstrap) under a\n"
-               "lease, so that proxies list it (docs/scaling.md):\n");
-    discovery_cli_usage(f, 1);
-}
+#define BOOTSTRAP_USAGE                                                                            \
+    "usage: disagg bootstrap [--host H] [--port N] [--auth-secret S]\n"                            \
+    "                        [--client-header-timeout S]\n"                                        \
+    "       disagg bootstrap register --server HOST:PORT --engine-id ID --addr tcp://IP:PORT\n"    \
+    "                        [--dp-rank N] [--tp-rank N] [--pp-rank N] [--auth-secret S]\n"        \
+    "       disagg bootstrap query --server HOST:PORT\n\n"                                         \
+    "Runs the Mooncake bootstrap server (POST /register, GET /query) alone, or\n"                  \
+    "registers with / queries one.  --port defaults to VLLM_MOONCAKE_BOOTSTRAP_PORT\n"             \
+    "(8998); --host to 0.0.0.0 (give the one address the prefill and decode\n"                     \
+    "instances and the proxy reach); 0 picks a free port.  Client commands retry 3\n"              \
+    "times (per-attempt timeout VLLM_MOONCAKE_CONNECTOR_TIMEOUT, default 30 s).\n"                 \
+    "--auth-secret (else $DISAGG_KV_SECRET, which keeps it out of the process list)\n"             \
+    "is the shared secret: the server then refuses a /register without a valid\n"                  \
+    "X-Disagg-Auth MAC (401/403), and `register` signs its request\n"                              \
+    "(docs/security.md).  /query needs no secret.  --client-header-timeout: a\n"                   \
+    "request head must be complete S seconds after connecting (or after the previous\n"            \
+    "response); bytes do not extend it (default 10) -> 408, close.\n"                              \
+    "With --discovery the server registers itself in etcd (role bootstrap) under a\n"              \
+    "lease, so that proxies list it (docs/scaling.md).\n\n"                                        \
+    "options:\n"
 
-/* --auth-secret's value, else $DISAGG_KV_SECRET; "" is refused. */
-static int secret_flag(const char *cmd, const char *v, const char **out) {
-    if (!v || !v[0] || strlen(v) > 255) {
-        fprintf(stderr,
-                "disagg %s: --auth-secret is not accepted: %s; accepted: a non-empty secret of "
-                "at most 255 bytes (or set %s instead)\n",
-                cmd, !v || !v[0] ? "empty" : "longer than 255 bytes", AUTH_SECRET_ENV);
+/* --auth-secret's value (else $DISAGG_KV_SECRET, resolve_secret); "" is refused. */
+static int secret_flag(flags_parser *p, const flag_def *d, const char *v) {
+    if (!v[0] || strlen(v) > 255) {
+        flags_error(p,
+                    "%s is not accepted: %s; accepted: a non-empty secret of at most 255 bytes (or "
+                    "set %s instead)",
+                    d->name, !v[0] ? "empty" : "longer than 255 bytes", AUTH_SECRET_ENV);
         return -1;
     }
-    *out = v;
     return 0;
 }
 
@@ -82,22 +79,6 @@ static int resolve_secret(const char *cmd, const char *flag, const char **out) {
     return 0;
 }
 
-/* Strict integer in [lo, hi]; prints the error itself. */
-static int parse_int_flag(const char *flag, const char *s, long lo, long hi, long *out) {
-    char *end = NULL;
-    errno = 0;
-    long v = s ? strtol(s, &end, 10) : 0;
-    if (!s || errno || end == s || *end || v < lo || v > hi) {
-        fprintf(stderr,
-                "disagg bootstrap: %s '%s' is not accepted; accepted: an integer from %ld "
-                "to %ld\n",
-                flag, s ? s : "", lo, hi);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
 static int serve(int argc, char **argv) {
     const char *host = "0.0.0.0", *secret = NULL;
     char err[512];
@@ -108,36 +89,25 @@ static int serve(int argc, char **argv) {
     }
     long port = env.bootstrap_port;
     double header_timeout_s = BOOTSTRAP_HEADER_TIMEOUT_S;
-    discovery_cli disc;
+    static discovery_cli disc;
     discovery_cli_init(&disc);
-    for (int i = 1; i < argc; i++) {
-        if (discovery_cli_is_flag(argv[i], 1) && i + 1 < argc) {
-            if (discovery_cli_flag("bootstrap", &disc, argv[i], argv[i + 1])) return 2;
-            i++;
-        } else if (!strcmp(argv[i], "--host") && i + 1 < argc) {
-            host = argv[++i];
-        } else if (!strcmp(argv[i], "--port") && i + 1 < argc) {
-            if (parse_int_flag("--port", argv[++i], 0, 65535, &port)) return 2;
-        } else if (!strcmp(argv[i], "--auth-secret") && i + 1 < argc) {
-            if (secret_flag("bootstrap", argv[++i], &secret)) return 2;
-        } else if (!strcmp(argv[i], "--client-header-timeout") && i + 1 < argc) {
-            const char *v = argv[++i];
-            char *end;
-            errno = 0;
-            header_timeout_s = strtod(v, &end);
-            if (errno || end == v || *end || !(header_timeout_s > 0) || header_timeout_s > 86400) {
-                fprintf(stderr,
-                        "disagg bootstrap: --client-header-timeout expects seconds, a number in "
-                        "(0, 86400], got '%s'\n",
-                        v);
-                return 2;
-            }
-        } else {
-            fprintf(stderr, "disagg bootstrap: unknown or incomplete option '%s'\n", argv[i]);
-            usage(stderr);
-            return 2;
-        }
-    }
+    flag_def dflags[DISCOVERY_CLI_NFLAGS + 1];
+    discovery_cli_flags(&disc, 1, dflags);
+    const flag_def defs[] = {
+        {FLAG_STRING_("--host", &host), .metavar = "H", .help = "listen address (default 0.0.0.0)"},
+        {FLAG_INT_("--port", &port, 0, 65535),
+         .help = "listen port (default VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998; 0: a free one)"},
+        {FLAG_STRING_("--auth-secret", &secret), .fn = secret_flag, .metavar = "S",
+         .help = "shared secret /register requires (default $DISAGG_KV_SECRET)"},
+        {FLAG_DOUBLE_("--client-header-timeout", &header_timeout_s, 0, 86400), .opts = FLAG_OPEN_LO,
+         .unit = "seconds", .metavar = "S",
+         .help = "a request head must be complete S seconds after connecting (default 10)"},
+        {0}};
+    const flag_def *tables[] = {defs, dflags, NULL};
+    const flags_spec spec = {
+        .cmd = "bootstrap", .usage = BOOTSTRAP_USAGE, .tables = tables, .help_col = 29};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
     signal(SIGPIPE, SIG_IGN); /* a client closing early must not kill the server */
     /* A process-wide handler, not a signal mask: OpenBLAS starts a thread
      * before main() that would otherwise take SIGTERM's default action
@@ -201,29 +171,28 @@ static int client_retry(bootstrap_retry *r) {
 static int do_register(int argc, char **argv) {
     const char *server = NULL, *engine_id = NULL, *addr = NULL, *secret = NULL;
     long dp = 0, tp = 0, pp = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(argv[i], "--server") && v)
-            server = argv[++i];
-        else if (!strcmp(argv[i], "--engine-id") && v)
-            engine_id = argv[++i];
-        else if (!strcmp(argv[i], "--addr") && v)
-            addr = argv[++i];
-        else if (!strcmp(argv[i], "--dp-rank") && v) {
-            if (parse_int_flag("--dp-rank", argv[++i], 0, 1000000, &dp)) return 2;
-        } else if (!strcmp(argv[i], "--tp-rank") && v) {
-            if (parse_int_flag("--tp-rank", argv[++i], 0, 1000000, &tp)) return 2;
-        } else if (!strcmp(argv[i], "--pp-rank") && v) {
-            if (parse_int_flag("--pp-rank", argv[++i], 0, 1000000, &pp)) return 2;
-        } else if (!strcmp(argv[i], "--auth-secret") && v) {
-            if (secret_flag("bootstrap register", argv[++i], &secret)) return 2;
-        } else {
-            fprintf(stderr, "disagg bootstrap register: unknown or incomplete option '%s'\n",
-                    argv[i]);
-            usage(stderr);
-            return 2;
-        }
-    }
+    const flag_def defs[] = {
+        {FLAG_STRING_("--server", &server), .metavar = "HOST:PORT",
+         .help = "the bootstrap server (required)"},
+        {FLAG_STRING_("--engine-id", &engine_id), .metavar = "ID",
+         .help = "the prefill engine's id (required)"},
+        {FLAG_STRING_("--addr", &addr), .metavar = "tcp://IP:PORT",
+         .help = "its side-channel address (required)"},
+        {FLAG_INT_("--dp-rank", &dp, 0, 1000000), .help = "data-parallel rank (default 0)"},
+        {FLAG_INT_("--tp-rank", &tp, 0, 1000000), .help = "tensor-parallel rank (default 0)"},
+        {FLAG_INT_("--pp-rank", &pp, 0, 1000000), .help = "pipeline-parallel rank (default 0)"},
+        {FLAG_STRING_("--auth-secret", &secret), .fn = secret_flag, .metavar = "S",
+         .help = "sign the request with this shared secret (default $DISAGG_KV_SECRET)"},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {
+        .cmd = "bootstrap register",
+        .usage = "usage: disagg bootstrap register --server HOST:PORT --engine-id ID --addr "
+                 "tcp://IP:PORT [options]\n\noptions:\n",
+        .tables = tables,
+        .help_col = 29};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
     if (!server || !engine_id || !addr) {
         fprintf(stderr,
                 "disagg bootstrap register: --server, --engine-id and --addr are required\n");
@@ -244,14 +213,18 @@ static int do_register(int argc, char **argv) {
 
 static int do_query(int argc, char **argv) {
     const char *server = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--server") && i + 1 < argc) {
-            server = argv[++i];
-        } else {
-            fprintf(stderr, "disagg bootstrap query: unknown or incomplete option '%s'\n", argv[i]);
-            return 2;
-        }
-    }
+    const flag_def defs[] = {{FLAG_STRING_("--server", &server), .metavar = "HOST:PORT",
+                              .help = "the bootstrap server (required)"},
+                             {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {.cmd = "bootstrap query",
+                             .usage = "usage: disagg bootstrap query --server HOST:PORT\n\n"
+                                      "Prints the bootstrap server's table (GET /query), one "
+                                      "line a worker.\n\noptions:\n",
+                             .tables = tables,
+                             .help_col = 29};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
     if (!server) {
         fprintf(stderr, "disagg bootstrap query: --server is required\n");
         return 2;
@@ -280,15 +253,6 @@ static int do_query(int argc, char **argv) {
 }
 
 int cmd_bootstrap(int argc, char **argv) {
-    if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
-        usage(stdout);
-        return 0;
-    }
-    int sub = argc >= 2 && (!strcmp(argv[1], "register") || !strcmp(argv[1], "query"));
-    if (sub && argc >= 3 && (!strcmp(argv[2], "--help") || !strcmp(argv[2], "-h"))) {
-        usage(stdout);
-        return 0;
-    }
     if (argc >= 2 && !strcmp(argv[1], "register")) return do_register(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "query")) return do_query(argc - 1, argv + 1);
     return serve(argc, argv);

@@ -10,6 +10,8 @@
 #include "base/stop_signal.h"
 #include "cli/commands.h"
 
+#include "base/flags.h"
+
 #include <errno.h>
 #include <jansson.h>
 #include <netinet/in.h>
@@ -180,47 +182,44 @@ static double metric(const char *body, const char *name, char *labels, size_t ca
     return 0;
 }
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: disagg demo [--keep] [--prompt TEXT] [--max-tokens N] [MODEL]\n\n"
-            "Starts a prefill instance, a decode instance and the proxy on free localhost\n"
-            "ports (default model: models/disagg-sotu-tiny), sends one chat request through\n"
-            "the proxy, streams the answer, reports the KV transfer it caused, and stops\n"
-            "everything (also on Ctrl-C).\n\n"
-            "  --keep          leave the three processes running and print commands to try\n"
-            "  --prompt TEXT   the user message (default: a question for the State of the Union)\n"
-            "  --max-tokens N  answer length, 1..4096 (default 64)\n");
+static const char *demo_model;
+
+static int on_model(flags_parser *p, const char *word) {
+    if (demo_model) {
+        flags_error(p, "one MODEL expected, got '%s' and '%s' (see disagg demo --help)", demo_model,
+                    word);
+        return -1;
+    }
+    demo_model = word;
+    return 0;
 }
 
 int cmd_demo(int argc, char **argv) {
     int keep = 0, max_tokens = 64;
     const char *prompt = "Fellow-Citizens of the Senate and House of Representatives, what is the "
                          "state of the Union?";
-    const char *model = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(argv[i], "--keep")) {
-            keep = 1;
-        } else if (!strcmp(argv[i], "--prompt") && i + 1 < argc) {
-            prompt = argv[++i];
-        } else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc) {
-            char *end;
-            long v = strtol(argv[++i], &end, 10);
-            if (*end || v < 1 || v > 4096) {
-                fprintf(stderr, "disagg demo: --max-tokens '%s'; accepted: an integer 1..4096\n",
-                        argv[i]);
-                return 2;
-            }
-            max_tokens = (int)v;
-        } else if (argv[i][0] != '-' && !model) {
-            model = argv[i];
-        } else {
-            fprintf(stderr, "disagg demo: unknown option '%s' (see disagg demo --help)\n", argv[i]);
-            return 2;
-        }
-    }
+    const flag_def defs[] = {
+        {FLAG_BOOL_("--keep", &keep),
+         .help = "leave the three processes running and print commands to try"},
+        {FLAG_STRING_("--prompt", &prompt), .metavar = "TEXT",
+         .help = "the user message (default: a question for the State of the Union)"},
+        {FLAG_INT_("--max-tokens", &max_tokens, 1, 4096),
+         .help = "answer length, 1..4096 (default 64)"},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {
+        .cmd = "demo",
+        .usage = "usage: disagg demo [--keep] [--prompt TEXT] [--max-tokens N] [MODEL]\n\n"
+                 "Starts a prefill instance, a decode instance and the proxy on free localhost\n"
+                 "ports (default model: models/disagg-sotu-tiny), sends one chat request through\n"
+                 "the proxy, streams the answer, reports the KV transfer it caused, and stops\n"
+                 "everything (also on Ctrl-C).\n\n",
+        .tables = tables,
+        .help_col = 18,
+        .positional = on_model};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
+    const char *model = demo_model;
     if (stop_signal_fd() < 0) return 1;
     curl_glue_init();
     demo_proc ps[3] = {{.role = "prefill"}, {.role = "decode"}, {.role = "proxy"}};

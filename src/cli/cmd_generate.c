@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 
 #include "base/clock.h"
+#include "base/flags.h"
 #include "base/log.h"
 #include "model/chat_template.h"
 #include "model/qwen2.h"
@@ -15,6 +16,7 @@
 #include "model/tokenizer.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -24,37 +26,6 @@
 
 #define GEN_CHUNK 256 /* prefill tokens per forward call */
 #define GEN_BLOCK 16  /* KV block size */
-
-static int gen_usage(FILE *f, int rc) {
-    fprintf(f, "usage: disagg generate MODEL (--prompt TEXT | --prompt-ids ID,ID,...) [options]\n"
-               "  MODEL                   model directory or hub name in the Hugging Face cache\n"
-               "  --prompt TEXT           prompt text (tokenized with the model's tokenizer.json)\n"
-               "  --prompt-ids IDS        prompt as comma-separated token ids instead of text\n"
-               "  --chat                  wrap the prompt as a user message in the chat template\n"
-               "  --system TEXT           system message for --chat (default: the template's)\n"
-               "  --max-tokens N          tokens to generate (default 128)\n"
-               "  --max-model-len N       context limit (default max_position_embeddings)\n"
-               "  --temperature T         0 = greedy (default: generation_config.json, else 0)\n"
-               "  --top-k K  --top-p P  --min-p P\n"
-               "  --repetition-penalty R  --presence-penalty P  --frequency-penalty F\n"
-               "  --seed S                reproducible sampling\n"
-               "  --ignore-eos            do not stop at end-of-sequence tokens\n"
-               "  --ids                   print token ids (one per line) instead of text\n"
-               "  --threads N             CPU threads (default: all)\n");
-    return rc;
-}
-
-static int arg_num(const char *flag, const char *v, double lo, double hi, double *out) {
-    char *end;
-    double x = v ? strtod(v, &end) : 0;
-    if (!v || !*v || *end || !(x >= lo && x <= hi)) {
-        fprintf(stderr, "disagg generate: %s '%s' is invalid; accepted: a number in [%g, %g]\n",
-                flag, v ? v : "", lo, hi);
-        return -1;
-    }
-    *out = x;
-    return 0;
-}
 
 static int parse_ids(const char *s, int32_t **out, int *n) {
     int cap = 16, k = 0;
@@ -88,71 +59,102 @@ typedef struct gen_opts {
     sampler_params sp;
 } gen_opts;
 
+static int on_model(flags_parser *p, const char *word) {
+    gen_opts *o = flags_arg(p);
+    if (o->model) {
+        flags_error(p, "unexpected argument '%s' (MODEL is '%s')", word, o->model);
+        return -1;
+    }
+    o->model = word;
+    return 0;
+}
+
+/* The sampling flags: a number each (the sampler checks its range), marking it given. */
+static int sampling(flags_parser *p, const flag_def *d, const char *v) {
+    gen_opts *o = flags_arg(p);
+    double x;
+    if (flags_double(p, d, v, &x)) return -1;
+    const char *n = d->name + 2;
+    if (!strcmp(n, "temperature"))
+        o->sp.temperature = (float)x, o->set_temp = 1;
+    else if (!strcmp(n, "top-k"))
+        o->sp.top_k = (int)x, o->set_top_k = 1;
+    else if (!strcmp(n, "top-p"))
+        o->sp.top_p = (float)x, o->set_top_p = 1;
+    else if (!strcmp(n, "min-p"))
+        o->sp.min_p = (float)x;
+    else if (!strcmp(n, "repetition-penalty"))
+        o->sp.repetition_penalty = (float)x, o->set_rep = 1;
+    else if (!strcmp(n, "presence-penalty"))
+        o->sp.presence_penalty = (float)x;
+    else if (!strcmp(n, "frequency-penalty"))
+        o->sp.frequency_penalty = (float)x;
+    return 0;
+}
+
+static int seed(flags_parser *p, const flag_def *d, const char *v) {
+    gen_opts *o = flags_arg(p);
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (errno || end == v || *end || v[0] == '-') {
+        flags_error(p, "%s '%s' is not accepted; accepted: an integer in [0, %llu]", d->name, v,
+                    ULLONG_MAX);
+        return -1;
+    }
+    o->sp.seed = (uint64_t)x, o->sp.has_seed = 1;
+    return 0;
+}
+
+#define SAMPLING(nm, mv, text)                                                                     \
+    { FLAG_CUSTOM_(nm, NULL, sampling), .lo = -1e30, .hi = 1e30, .metavar = mv, .help = text }
+
 static int gen_parse(int argc, char **argv, gen_opts *o) {
     memset(o, 0, sizeof *o);
     sampler_params_default(&o->sp);
     o->max_tokens = 128;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        double x;
-#define NUM(flag, lo, hi, dst)                                                                     \
-    if (!strcmp(a, flag)) {                                                                        \
-        if (arg_num(flag, v, lo, hi, &x)) return 2;                                                \
-        dst;                                                                                       \
-        i++;                                                                                       \
-        continue;                                                                                  \
-    }
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return gen_usage(stdout, 0) - 1;
-        if (!strcmp(a, "--chat")) {
-            o->chat = 1;
-            continue;
-        }
-        if (!strcmp(a, "--ids")) {
-            o->ids_out = 1;
-            continue;
-        }
-        if (!strcmp(a, "--ignore-eos")) {
-            o->ignore_eos = 1;
-            continue;
-        }
-        if (!strcmp(a, "--prompt") || !strcmp(a, "--prompt-ids") || !strcmp(a, "--system")) {
-            if (!v) {
-                fprintf(stderr, "disagg generate: %s needs a value\n", a);
-                return 2;
-            }
-            *(!strcmp(a, "--prompt")   ? &o->prompt
-              : !strcmp(a, "--system") ? &o->system
-                                       : &o->prompt_ids) = v;
-            i++;
-            continue;
-        }
-        NUM("--max-tokens", 1, 1 << 24, o->max_tokens = (int)x);
-        NUM("--max-model-len", 1, 1 << 24, o->max_model_len = (int)x);
-        NUM("--threads", 1, 1024, o->threads = (int)x);
-        NUM("--temperature", -1e30, 1e30, (o->sp.temperature = (float)x, o->set_temp = 1));
-        NUM("--top-k", -1e30, 1e30, (o->sp.top_k = (int)x, o->set_top_k = 1));
-        NUM("--top-p", -1e30, 1e30, (o->sp.top_p = (float)x, o->set_top_p = 1));
-        NUM("--min-p", -1e30, 1e30, o->sp.min_p = (float)x);
-        NUM("--repetition-penalty", -1e30, 1e30,
-            (o->sp.repetition_penalty = (float)x, o->set_rep = 1));
-        NUM("--presence-penalty", -1e30, 1e30, o->sp.presence_penalty = (float)x);
-        NUM("--frequency-penalty", -1e30, 1e30, o->sp.frequency_penalty = (float)x);
-        NUM("--seed", 0, 18446744073709551615.0, (o->sp.seed = (uint64_t)x, o->sp.has_seed = 1));
-#undef NUM
-        if (a[0] == '-') {
-            fprintf(stderr, "disagg generate: unknown option '%s'\n", a);
-            return gen_usage(stderr, 2);
-        }
-        if (o->model) {
-            fprintf(stderr, "disagg generate: unexpected argument '%s' (MODEL is '%s')\n", a,
-                    o->model);
-            return 2;
-        }
-        o->model = a;
-    }
+    const flag_def defs[] = {
+        {FLAG_STRING_("--prompt", &o->prompt), .metavar = "TEXT",
+         .help = "prompt text (tokenized with the model's tokenizer.json)"},
+        {FLAG_STRING_("--prompt-ids", &o->prompt_ids), .metavar = "IDS",
+         .help = "prompt as comma-separated token ids instead of text"},
+        {FLAG_BOOL_("--chat", &o->chat),
+         .help = "wrap the prompt as a user message in the chat template"},
+        {FLAG_STRING_("--system", &o->system), .metavar = "TEXT",
+         .help = "system message for --chat (default: the template's)"},
+        {FLAG_INT_("--max-tokens", &o->max_tokens, 1, 1 << 24),
+         .help = "tokens to generate (default 128)"},
+        {FLAG_INT_("--max-model-len", &o->max_model_len, 1, 1 << 24),
+         .help = "context limit (default max_position_embeddings)"},
+        SAMPLING("--temperature", "T", "0 = greedy (default: generation_config.json, else 0)"),
+        SAMPLING("--top-k", "K", "keep the K most likely tokens (default: generation_config.json)"),
+        SAMPLING("--top-p", "P", "nucleus sampling mass (default: generation_config.json)"),
+        SAMPLING("--min-p", "P", "drop tokens below P times the top probability"),
+        SAMPLING("--repetition-penalty", "R", "penalize tokens seen in prompt or output"),
+        SAMPLING("--presence-penalty", "P", "penalize tokens present in the output"),
+        SAMPLING("--frequency-penalty", "F", "penalize tokens by their output count"),
+        {FLAG_CUSTOM_("--seed", NULL, seed), .metavar = "S", .help = "reproducible sampling"},
+        {FLAG_BOOL_("--ignore-eos", &o->ignore_eos),
+         .help = "do not stop at end-of-sequence tokens"},
+        {FLAG_BOOL_("--ids", &o->ids_out),
+         .help = "print token ids (one per line) instead of text"},
+        {FLAG_INT_("--threads", &o->threads, 1, 1024), .help = "CPU threads (default: all)"},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {
+        .cmd = "generate",
+        .usage =
+            "usage: disagg generate MODEL (--prompt TEXT | --prompt-ids ID,ID,...) [options]\n"
+            "  MODEL                   model directory or hub name in the Hugging Face cache\n",
+        .tables = tables,
+        .help_col = 26,
+        .positional = on_model,
+        .arg = o};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? -1 : 2;
     if (!o->model) {
-        fprintf(stderr, "disagg generate: MODEL is missing\n");
-        return gen_usage(stderr, 2);
+        fprintf(stderr, "disagg generate: MODEL is missing (see disagg generate --help)\n");
+        return 2;
     }
     if (!o->prompt == !o->prompt_ids) {
         fprintf(stderr,

@@ -22,20 +22,41 @@
 #include <string.h>
 #include <unistd.h>
 
-static const char *const FLAGS[] = {"--discovery",          "--etcd-user", "--etcd-cacert",
-                                    "--etcd-cert",          "--etcd-key",  "--discovery-ttl",
-                                    "--discovery-advertise"};
-#define NFLAGS 7 /* the last two: serve and bootstrap only */
-
 void discovery_cli_init(discovery_cli *d) {
     memset(d, 0, sizeof *d);
     discovery_opts_default(&d->o);
 }
 
-int discovery_cli_is_flag(const char *flag, int with_advertise) {
-    for (int i = 0; i < NFLAGS - (with_advertise ? 0 : 2); i++)
-        if (!strcmp(flag, FLAGS[i])) return 1;
-    return 0;
+static int on_flag(flags_parser *p, const flag_def *def, const char *val) {
+    return discovery_cli_flag(flags_cmd(p), def->dst, def->name, val) ? -1 : 0;
+}
+
+void discovery_cli_flags(discovery_cli *d, int with_advertise,
+                         flag_def out[DISCOVERY_CLI_NFLAGS + 1]) {
+    const flag_def all[] = {
+        {FLAG_CUSTOM_("--discovery", d, on_flag), .metavar = "etcd://H:P[,H:P..][/PREFIX]",
+         .help = "discover instances through etcd (etcds:// for TLS; PREFIX default /disagg; "
+                 "docs/scaling.md)"},
+        {FLAG_CUSTOM_("--discovery-ttl", d, on_flag), .metavar = "S",
+         .help = "lease TTL of the registration, seconds (default 5): a killed instance "
+                 "disappears after it"},
+        {FLAG_CUSTOM_("--discovery-advertise", d, on_flag), .metavar = "H",
+         .help = "the host others reach this instance at (default VLLM_HOST_IP, else --host "
+                 "unless a wildcard, else the host name)"},
+        {FLAG_CUSTOM_("--etcd-user", d, on_flag), .metavar = "U",
+         .help = "etcd user (password from $DISAGG_ETCD_PASSWORD)"},
+        {FLAG_CUSTOM_("--etcd-cacert", d, on_flag), .metavar = "F",
+         .help = "CA bundle for etcds:// (default: the system's)"},
+        {FLAG_CUSTOM_("--etcd-cert", d, on_flag), .metavar = "F",
+         .help = "TLS client certificate for etcds:// (with --etcd-key)"},
+        {FLAG_CUSTOM_("--etcd-key", d, on_flag), .metavar = "F", .help = "its private key"},
+    };
+    int n = 0;
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (with_advertise || (strcmp(all[i].name, "--discovery-ttl") &&
+                               strcmp(all[i].name, "--discovery-advertise")))
+            out[n++] = all[i];
+    memset(&out[n], 0, sizeof out[n]);
 }
 
 int discovery_cli_flag(const char *cmd, discovery_cli *d, const char *flag, const char *val) {
@@ -106,26 +127,6 @@ int discovery_cli_finish(const char *cmd, discovery_cli *d) {
         return -1;
     }
     return 0;
-}
-
-void discovery_cli_usage(FILE *f, int with_advertise) {
-    fprintf(f,
-            "  --discovery etcd://H:P[,H:P..][/PREFIX]  discover instances through etcd (etcds:// "
-            "for\n"
-            "                             TLS; PREFIX default /disagg; docs/scaling.md)\n");
-    if (with_advertise)
-        fprintf(f, "  --discovery-ttl S          lease TTL of the registration, seconds (default "
-                   "5):\n"
-                   "                             a killed instance disappears after it\n"
-                   "  --discovery-advertise H    the host others reach this instance at (default\n"
-                   "                             VLLM_HOST_IP, else --host unless a wildcard, "
-                   "else the\n"
-                   "                             host name)\n");
-    fprintf(f,
-            "  --etcd-user U              etcd user (password from $DISAGG_ETCD_PASSWORD)\n"
-            "  --etcd-cacert F            CA bundle for etcds:// (default: the system's)\n"
-            "  --etcd-cert F              TLS client certificate for etcds:// (with --etcd-key)\n"
-            "  --etcd-key F               its private key\n");
 }
 
 static int wildcard(const char *h) {

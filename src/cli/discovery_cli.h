@@ -11,6 +11,7 @@
 #define DISAGG_CLI_DISCOVERY_CLI_H
 
 #include "base/discovery.h"
+#include "base/flags.h"
 #include "engine/engine.h"
 
 #include <stdio.h>
@@ -24,15 +25,15 @@ typedef struct discovery_cli {
 } discovery_cli;
 
 void discovery_cli_init(discovery_cli *d);
-/* 1 when flag is one of ours: it takes a value (the caller says whether it
- * is one of ours before fetching the value). */
-int discovery_cli_is_flag(const char *flag, int with_advertise);
+/* The flags as rows of a base/flags table (with_advertise: serve and bootstrap also have
+ * --discovery-ttl and --discovery-advertise), ended by {0}; each applies to d. */
+#define DISCOVERY_CLI_NFLAGS 7
+void discovery_cli_flags(discovery_cli *d, int with_advertise,
+                         flag_def out[DISCOVERY_CLI_NFLAGS + 1]);
 /* Applies flag = val; -1 after printing "disagg CMD: ..." on a bad value. */
 int discovery_cli_flag(const char *cmd, discovery_cli *d, const char *flag, const char *val);
 /* After the flags: the password from the environment, consistency checks. */
 int discovery_cli_finish(const char *cmd, discovery_cli *d);
-/* The usage lines (with_advertise: serve and bootstrap). */
-void discovery_cli_usage(FILE *f, int with_advertise);
 /* The address others reach this process at: --discovery-advertise, else
  * $VLLM_HOST_IP, else listen_host unless it is a wildcard, else the host name. */
 void discovery_cli_advertise(const discovery_cli *d, const char *listen_host, char *out,
