@@ -352,10 +352,9 @@ static int gemv_qkv_t(dcu_ctx *c, float *qout, KT *kv, const void *x, const void
         return launch_pdl(c, "gemv_qkv", k_gemv_qkv<TT, KT, SS>, g, b, 0, qout, kv, xv, wv, bias,  \
                           K8, len, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh,    \
                           nkv, hd);
-    GQ_(1, 1)
-    GQ_(1, 2) GQ_(1, 4) GQ_(1, 8) GQ_(2, 1) GQ_(2, 2) GQ_(2, 4) GQ_(2, 8)
+    GQ_(1, 1) GQ_(1, 2) GQ_(1, 4) GQ_(1, 8) GQ_(2, 1) GQ_(2, 2) GQ_(2, 4) GQ_(2, 8)
 #undef GQ_
-        return -EINVAL;
+    return -EINVAL;
 }
 
 /* measured on the H200 (7B shapes, serving forward with CUDA graphs, gpu_check ONLY=decode
