@@ -6,8 +6,7 @@
 #      from source with nvcc),
 #   2. tests/unit/test_cuda_model (the serving forward on the GPU vs the CPU, greedy vs the
 #      golden continuations, CUDA graphs vs eager) and test_backend_ops (every op CUDA vs
-#      CPU), also with DISAGG_CUDA_FLASH2=0 (the wmma prefill kernel) and
-#      DISAGG_CUDA_GEMV=0 (cuBLASLt for 1-token GEMMs too),
+#      CPU), also with DISAGG_CUDA_GEMV=0 (cuBLASLt for 1-token GEMMs too),
 #   3. the serve smoke (tools/gpu_serve_smoke.py: cuda vs cpu, concurrent vs single, CUDA
 #      graphs vs --enforce-eager),
 #   4. `disagg bench model` on the default model and on 7B-shaped random bf16 weights
@@ -25,7 +24,7 @@
 #      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
 #      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
 # NO_REBUILD=1 (with PREBUILT) uses the bundle's prebuilt CUDA module instead of rebuilding it.
-# QUICK=1 skips the variants (FLASH2=0, GEMV=0) and the HF references (a short re-run);
+# QUICK=1 skips the variant (GEMV=0) and the HF references (a short re-run);
 # PERF_VARIANTS=1 re-runs the 7B decode/prefill with each kernel switch flipped;
 # TEST_DEVICE_SUITE=1 adds the server integration tests against --device cuda.
 # The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
@@ -39,11 +38,11 @@
 # skips the test's fast-mode comparisons, INV_GEMM_BENCH=1 adds its GEMM timing table,
 # INV_DECODE_BENCH=1 its decode-step parts (GEMMs, attention per kernel variant) and INV_LOG=
 # (empty) silences the per-shape algorithm log.
-# ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with k_flash3's
-# 128- and 64-row tiles and with k_flash2 + the f32 gate|up), test_cuda_model, bench model 7B,
-# then the prefill with per-op times (DISAGG_CUDA_PROF=8192) and with the previous kernels
+# ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with the 8-warp
+# k_prefill_attention_mma8w for every grid, the f32 gate|up), test_cuda_model, bench model 7B,
+# then the prefill with per-op times (DISAGG_CUDA_PROF=8192) and with the 8-warp kernel
 # (PREFILL_VARIANTS adds env settings to that list; PREFILL_LIST replaces it).  PREFILL_QUICK_TESTS=1
-# skips the older kernels' parity runs, PREFILL_TEST_VARIANTS / PREFILL_MODEL_VARIANTS add
+# skips the f32 gate|up parity run, PREFILL_TEST_VARIANTS / PREFILL_MODEL_VARIANTS add
 # test_backend_ops / test_cuda_model runs (settings joined by commas), PREFILL_INV=1 adds
 # test_cuda_invariant, PREFILL_LENS the prompt lengths.
 # ONLY=decode (issue 12's batch-1 decode): test_backend_ops, test_cuda_model, the 7B decode
@@ -181,15 +180,13 @@ prefill_steps() {
   step "prefill: 7B-shaped random bf16 weights"
   [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
   check $? "gen_random_qwen2_gpu 7b"
-  step "prefill: test_backend_ops (k_flash4 128-row tiles, bf16 gate|up), then k_flash3 (128 and 64 rows) and k_flash2"
+  step "prefill: test_backend_ops (k_prefill_attention_mma, bf16 gate|up), then k_prefill_attention_mma8w"
   "$BUILD/test_backend_ops" 2>&1 | grep -E "attention|gate_up|OK|FAILED|PASSED|ERROR|SKIP"
   check ${PIPESTATUS[0]} test_backend_ops
   DISAGG_CUDA_FLASH_MT=1 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_MT=1"
   DISAGG_CUDA_FLASH_AUTO=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
-  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_AUTO=0 (k_flash4 also for small grids)"
-  DISAGG_CUDA_NORM4=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
-  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_NORM4=0"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_AUTO=0 (k_prefill_attention_mma also for small grids)"
   DISAGG_CUDA_RESID_GEMM=0 DISAGG_CUDA_QKV_BF16=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
   check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_RESID_GEMM=0 DISAGG_CUDA_QKV_BF16=0"
   for v in ${PREFILL_TEST_VARIANTS:-}; do
@@ -197,10 +194,8 @@ prefill_steps() {
     check ${PIPESTATUS[0]} "test_backend_ops with ${v//,/ }"
   done
   [ -n "${PREFILL_QUICK_TESTS:-}" ] || {
-  DISAGG_CUDA_FLASH_BQ=64 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
-  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH_BQ=64"
-  DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
-  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH3=0 DISAGG_CUDA_GU_BF16=0"
+  DISAGG_CUDA_GU_BF16=0 "$BUILD/test_backend_ops" 2>&1 | grep -E "FAILED|PASSED|ERROR|SKIP|tolerance"
+  check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_GU_BF16=0"
   }
   step "prefill: test_cuda_model"
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
@@ -224,8 +219,8 @@ prefill_steps() {
   P="--prompt-lens ${PREFILL_LENS:-512,4096} --batches 1 --gen-len 4"
   # PREFILL_LIST replaces the default list of variants (space-separated; a variant's settings
   # joined by commas), PREFILL_VARIANTS adds to it
-  for v in ${PREFILL_LIST:-"DISAGG_CUDA_PROF=8192" "DISAGG_CUDA_FLASH3=0,DISAGG_CUDA_GU_BF16=0" \
-           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_FLASH_BQ=64" "DISAGG_CUDA_PROF=8192,DISAGG_CUDA_FLASH_MT=1"} \
+  for v in ${PREFILL_LIST:-"DISAGG_CUDA_PROF=8192" "DISAGG_CUDA_GU_BF16=0" \
+           "DISAGG_CUDA_FLASH_MT=1" "DISAGG_CUDA_PROF=8192,DISAGG_CUDA_FLASH_MT=1"} \
            ${PREFILL_VARIANTS:-}; do
     v=${v//,/ }
     echo "--- prefill with $v:"
@@ -261,7 +256,7 @@ decode_steps() {
   grep -E "FAILED|ERROR|error|PASSED" /tmp/tbo.log | head -20
   "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu|attention)"
   check ${PIPESTATUS[0]} test_cuda_model
-  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT=8,DISAGG_CUDA_QKV_SPLIT=8,DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT_ROWS=1}; do
+  for v in ${DECODE_TEST_VARIANTS-DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT=8,DISAGG_CUDA_QKV_SPLIT=8,DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV_SPLIT_ROWS=1}; do
     env ${v//,/ } "$BUILD/test_backend_ops" > /tmp/tbo.log 2>&1
     check $? "test_backend_ops with $v"
     grep -E "FAILED|ERROR|error" /tmp/tbo.log | head -10
@@ -279,7 +274,7 @@ decode_steps() {
   fi
   # a variant's settings joined by commas; list a variant twice, alternated with another, to
   # see the machine's drift within the run; DECODE_VARIANT_BATCHES: their batch sizes
-  for v in ${DECODE_VARIANTS-DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT_ROWS=1 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
+  for v in ${DECODE_VARIANTS-DISAGG_CUDA_GEMV_SPLIT=1,DISAGG_CUDA_QKV_SPLIT=1 DISAGG_CUDA_GEMV_SPLIT_ROWS=1 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_GEMV=0}; do
     echo "--- decode with $v:"
     env ${v//,/ } "$BIN" bench model "$W7" --device cuda --prompt-lens 16 --batches ${DECODE_VARIANT_BATCHES:-1,2,8} 2>&1 | sed -n '/^decode/,/^$/p' | grep -v '^$'
     check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
@@ -322,12 +317,6 @@ step "backend parity test (every kernels/backend.h op, CUDA vs reference)"
 check $? test_backend_ops
 
 if [ -z "${QUICK:-}" ]; then
-step "both parity tests with the previous (wmma) prefill kernel (DISAGG_CUDA_FLASH2=0)"
-DISAGG_CUDA_FLASH2=0 "$BUILD/test_backend_ops" 2>&1 | grep -iE "attention|OK|FAILED|PASSED|ERROR"
-check ${PIPESTATUS[0]} "test_backend_ops with DISAGG_CUDA_FLASH2=0"
-DISAGG_CUDA_FLASH2=0 "$BUILD/test_cuda_model" 2>&1 | grep -vE "^  (matmul|rmsnorm|rope|swiglu)"
-check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_FLASH2=0"
-
 step "GPU parity test with the small-batch GEMV off (DISAGG_CUDA_GEMV=0: cuBLASLt for 1 token too)"
 DISAGG_CUDA_GEMV=0 "$BUILD/test_cuda_model" 2>&1 | grep -E "matmul|graph|OK|FAILED|PASSED|ERROR"
 check ${PIPESTATUS[0]} "test_cuda_model with DISAGG_CUDA_GEMV=0"
@@ -354,23 +343,20 @@ for v in ${MAIN_DECODE_VARIANTS:-}; do
   check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
 done
 if [ -n "${PERF_VARIANTS:-}" ]; then
-for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2 DISAGG_CUDA_SKINNY=32 DISAGG_CUDA_ATT_MMA=0; do
+for v in DISAGG_CUDA_GEMV=0 DISAGG_CUDA_GEMV=2 DISAGG_CUDA_PDL=0 DISAGG_CUDA_NORM_PDL=0 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV_WARPS=8 DISAGG_CUDA_GEMV_WARPS=2; do
   echo "--- decode with $v:"
   env "$v" "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8,32 2>&1 | sed -n '/^decode/,/^$/p'
   check ${PIPESTATUS[0]} "bench model 7b --device cuda, $v"
 done
-echo "--- prefill without the cp.async double buffering (DISAGG_CUDA_FLASH_PIPE=0):"
-DISAGG_CUDA_FLASH_PIPE=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512,4096 --batches 1 2>&1 | sed -n '/^prefill/,/^$/p'
-check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_FLASH_PIPE=0"
+echo "--- prefill on the 8-warp kernel for every grid (DISAGG_CUDA_FLASH_MT=1):"
+DISAGG_CUDA_FLASH_MT=1 "$BIN" bench model "$W7" --device cuda --prompt-lens 512,4096 --batches 1 2>&1 | sed -n '/^prefill/,/^$/p'
+check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_FLASH_MT=1"
 fi
 
 step "bench serve: disagg serve --device cuda on the 7B-shaped weights (real Qwen2.5 tokenizer), concurrency 1, 16, 64"
 python3 tools/gpu_bench_serve.py "$BIN" "$W7" "${TMPDIR:-/tmp}/gpu-bench-serve"
 check $? "bench serve 7b --device cuda"
 if [ -z "${QUICK:-}" ]; then
-echo "--- prefill with the previous (wmma) prefill kernel (DISAGG_CUDA_FLASH2=0):"
-DISAGG_CUDA_FLASH2=0 "$BIN" bench model "$W7" --device cuda --batches 1 2>&1 | sed -n '/^prefill/,/^decode/p'
-check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_FLASH2=0"
 echo "--- batch 1 and 8 without the small-batch GEMV (DISAGG_CUDA_GEMV=0), eager and CUDA graphs:"
 DISAGG_CUDA_GEMV=0 "$BIN" bench model "$W7" --device cuda --prompt-lens 512 --batches 1,8 2>&1 | sed -n '/^decode/,$p'
 check ${PIPESTATUS[0]} "bench model 7b --device cuda, DISAGG_CUDA_GEMV=0"

@@ -4,18 +4,7 @@
  * batch).
  */
 #include "kernels/cuda/cuda_invariant.h"
-#include "kernels/cuda/cuda_mma.cuh"
-
-#include <cuda_bf16.h>
-
-#include <errno.h>
-#include <math.h>
-#include <pthread.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef __nv_bfloat16 bf16;
+#include "kernels/cuda/cuda_common.cuh" /* bf16, lt_desc_nt, lt_cfg; cuda_mma.cuh */
 
 /* ---- GEMM: one pinned cuBLASLt algorithm per (N, K) ------------------------------------ */
 
@@ -95,14 +84,6 @@ static int check_m(cublasLtHandle_t lt, const iv_algo *al, int M, size_t ws_byte
     return check_algo(lt, al, &al->algo, M, ws_bytes);
 }
 
-static int cfg_attr(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttributes_t at) {
-    uint32_t v = 0;
-    size_t w = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(a, at, &v, sizeof v, &w) != CUBLAS_STATUS_SUCCESS)
-        return -1;
-    return (int)v;
-}
-
 /* the shape's algorithm (chosen on first use; g_mu held) */
 static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int N, int K,
                          int out16, size_t ws_bytes) {
@@ -118,11 +99,7 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
     memset(al, 0, sizeof *al);
     al->dev = dev, al->N = N, al->K = K, al->m_ref = pol->m_ref, al->splitk = pol->splitk;
     al->buckets = pol->buckets, al->out16 = out16, al->order = pol->order;
-    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    if (cublasLtMatmulDescCreate(&al->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
-        return NULL;
-    cublasLtMatmulDescSetAttribute(al->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-    cublasLtMatmulDescSetAttribute(al->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    if (lt_desc_nt(&al->op) != CUBLAS_STATUS_SUCCESS) return NULL;
     cublasLtMatrixLayoutCreate(&al->a, CUDA_R_16BF, K, N, K);
     g_n_algos++;
     cublasLtMatrixLayout_t b = NULL, c = NULL;
@@ -149,9 +126,9 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
     cublasLtMatrixLayoutDestroy(c);
     int pick = -1;
     for (int i = 0; s == CUBLAS_STATUS_SUCCESS && i < found && pick < 0; i++) {
-        if (pol->splitk == 0 && cfg_attr(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1)
+        if (pol->splitk == 0 && lt_cfg(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1)
             continue;
-        if (cfg_attr(&res[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) ==
+        if (lt_cfg(&res[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) ==
             CUBLASLT_REDUCTION_SCHEME_INPLACE)
             continue;
         al->algo = res[i].algo;
@@ -172,11 +149,11 @@ static iv_algo *algo_get(cublasLtHandle_t lt, int dev, const iv_policy *pol, int
         fprintf(stderr,
                 "cuda: batch-invariant GEMM N=%d K=%d%s: algo %d tile %d stages %d split-K %d "
                 "reduction %d (chosen at M=%d, candidate %d), rows per call <= %d\n",
-                N, K, out16 ? " bf16 out" : "", cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_ID),
-                cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
-                cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-                cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), pol->m_ref, pick,
+                N, K, out16 ? " bf16 out" : "", lt_cfg(&al->algo, CUBLASLT_ALGO_CONFIG_ID),
+                lt_cfg(&al->algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                lt_cfg(&al->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                lt_cfg(&al->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                lt_cfg(&al->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), pol->m_ref, pick,
                 al->max_rows);
     return al;
 }
@@ -241,7 +218,7 @@ __global__ void k_iv_fill(bf16 *p, size_t n, uint32_t seed) {
 
 /* The order resolve_bucket tries cuBLASLt's candidates in (ord: a permutation of 0 .. found-1):
  * as offered, or (prefer, f32 output) for buckets of >= 512 rows first those whose tile is the
- * fast mode's prefill rule's (pf_rule in cuda_kernels.cu: N = 3584 the 112x128 then 128x128
+ * fast mode's prefill rule's (pf_rule in cuda_gemm.cu: N = 3584 the 112x128 then 128x128
  * tiles, N = 4608 the 144x128 tile, split-K 1) -- the heuristic's first at these sizes were
  * 7-13 % slower on the H200.  Any order is exact: whichever candidate is taken was proven equal
  * to the reference on the probe; the order only decides which of the equal ones runs. */
@@ -255,8 +232,8 @@ static void iv_order(const cublasLtMatmulHeuristicResult_t *res, int found, int 
     if (prefer && Mb >= 512 && N == 4608) pt = t4608, npt = 1;
     for (int j = 0; j < npt; j++)
         for (int i = 0; i < found; i++)
-            if (!used[i] && cfg_attr(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == pt[j] &&
-                cfg_attr(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) <= 1)
+            if (!used[i] && lt_cfg(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == pt[j] &&
+                lt_cfg(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) <= 1)
                 used[i] = 1, ord[n++] = i;
     for (int i = 0; i < found; i++)
         if (!used[i]) ord[n++] = i;
@@ -308,13 +285,13 @@ static void resolve_bucket(cublasLtHandle_t lt, iv_algo *al, int b, cudaStream_t
         cudaStreamSynchronize(st) != cudaSuccess)
         goto done;
     {
-        int rsplit = cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
-        int rred = cfg_attr(&al->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+        int rsplit = lt_cfg(&al->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+        int rred = lt_cfg(&al->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
         for (int oi = 0; oi < found && pick < 0; oi++) {
             int i = ord[oi];
             for (int v = 0; v < 2 && pick < 0; v++) {
                 cublasLtMatmulAlgo_t a = res[i].algo;
-                int sp = cfg_attr(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+                int sp = lt_cfg(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
                 if (v == 1) {
                     if (sp == rsplit) continue;
                     int32_t s32 = rsplit;
@@ -326,7 +303,7 @@ static void resolve_bucket(cublasLtHandle_t lt, iv_algo *al, int b, cudaStream_t
                         continue;
                     sp = rsplit;
                 }
-                if (cfg_attr(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) ==
+                if (lt_cfg(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) ==
                     CUBLASLT_REDUCTION_SCHEME_INPLACE)
                     continue;
                 if (!check_algo(lt, al, &a, P, ws_bytes) || !check_algo(lt, al, &a, 1, ws_bytes))
@@ -357,8 +334,8 @@ done:
                     "cuda: batch-invariant GEMM N=%d K=%d%s rows <= %d: candidate %d%s (tile %d "
                     "split-K %d) equals the reference bit for bit on a %d-row probe\n",
                     N, K, al->out16 ? " bf16 out" : "", Mb, pick, variant ? " with the reference's split-K" : "",
-                    cfg_attr(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
-                    cfg_attr(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), P);
+                    lt_cfg(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                    lt_cfg(&al->bucket[b].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), P);
         else
             fprintf(stderr,
                     "cuda: batch-invariant GEMM N=%d K=%d%s rows <= %d: the reference (%d "

@@ -2,7 +2,7 @@
  * cuda_invariant — the CUDA backend's batch-invariant mode (`--batch-invariant`, issue 15):
  * kernels whose result for one token does not depend on what else is in the batch, how
  * many rows a GEMM has, or how the prompt was chunked.  Built into libdisagg_cuda.so beside
- * cuda_kernels.cu (a separate translation unit; cuda_backend.cuh calls these when a
+ * the fast mode's op families (cuda_common.cuh; cuda_backend.cu calls these when a
  * backend was opened with backend_options.batch_invariant).
  *
  * GEMM.  Per (N, K) shape, a reference cuBLASLt algorithm chosen once per process from the
@@ -32,7 +32,7 @@
  * rounded to bf16 as it is read), head_dim 16/32/64/128, any number of query heads per KV
  * head.
  *
- * RMSNorm, RoPE, SwiGLU, the KV write, argmax and the gathers of cuda_kernels.cu are
+ * RMSNorm, RoPE, SwiGLU, the KV write, argmax and the gathers of the fast mode are
  * already per-row computations with a fixed order and are used unchanged.
  */
 #ifndef DISAGG_KERNELS_CUDA_INVARIANT_H
@@ -56,7 +56,7 @@ typedef struct iv_policy {
     int buckets; /* per power-of-two row bucket, an algorithm proven bit-identical to the
                   * reference on a probe ($DISAGG_CUDA_INV_BUCKETS, default 1) */
     int gu16;    /* the gate|up GEMM writes bf16 at every row count, SwiGLU reads that
-                  * ($DISAGG_CUDA_INV_GU16, default 1; cuda_backend.cuh's cb_gate_up) */
+                  * ($DISAGG_CUDA_INV_GU16, default 1; cuda_backend.cu's cb_gate_up) */
     int order;   /* buckets of >= 512 rows try the fast mode's prefill tiles first
                   * ($DISAGG_CUDA_INV_ORDER, default 1; the pick is still probe-verified) */
 } iv_policy;

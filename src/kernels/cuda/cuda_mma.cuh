@@ -1,7 +1,8 @@
 /*
- * cuda_mma — the device helpers the CUDA module's tensor-core kernels share (cuda_kernels.cu:
- * the fast mode's prefill, decode attention and skinny GEMM; cuda_invariant.cu: the
- * batch-invariant attention): bf16 packing, mma.sync m16n8k16 (bf16 in, f32 accumulate),
+ * cuda_mma — the device helpers the CUDA module's tensor-core kernels share (the fast mode's
+ * prefill and decode attention, cuda_attention_prefill.cu / cuda_attention_decode.cu;
+ * cuda_invariant.cu: the batch-invariant attention): bf16 packing, mma.sync m16n8k16 (bf16
+ * in, f32 accumulate),
  * ldmatrix x4 (plain and transposed), cp.async 16-byte copies with their commit/wait, and the
  * element offset of a position in the paged KV region.  Header-only (static inline device
  * functions): each translation unit gets its own copy, as before they were shared.

@@ -3,7 +3,7 @@
  * the .cu files of src/kernels/cuda when nvcc is found).  The `disagg` binary never links
  * CUDA: kernels/backend.c dlopen()s the module for `--device cuda` and calls its one entry
  * point, disagg_backend_module_open (kernels/backend_impl.h), which gives the
- * kernels/backend.h table (cuda_backend.cuh).  Every function of the module returns 0 or a
+ * kernels/backend.h table (cuda_backend.cu; the module's files: cuda_common.cuh).  Every function of the module returns 0 or a
  * negative errno value and, where it takes err/errlen, writes one sentence saying what
  * failed and what to do.
  *

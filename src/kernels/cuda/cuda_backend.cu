@@ -1,7 +1,8 @@
 /*
  * cuda_backend — kernels/backend.h on the GPU: the backend_iface table the registry
- * (kernels/backend.c) gets from disagg_backend_module_open().  Included at the end of
- * cuda_kernels.cu (one translation unit, so it reuses that file's kernels).
+ * (kernels/backend.c) gets from disagg_backend_module_open(), on top of the op families of
+ * cuda_common.cuh (the module's other files); the embedding gather and the SwiGLU / gather
+ * of the generic ops are here.
  *
  * Device memory: every buffer is one cudaMalloc (the KV region too, zeroed).  Weights are
  * stored bf16 (f16/f32 converted on the device) after a copy through pinned staging.
@@ -11,6 +12,7 @@
  * own cuBLASLt workspace, split-attention scratch and copy of the plan's metadata.
  */
 #include "kernels/backend_impl.h"
+#include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_invariant.h"
 
 typedef struct cb_dev {
@@ -38,7 +40,7 @@ typedef struct cb_stream {
     int T, S, stride, n_out, max_ctx;
     int32_t *tok, *seq, *pos, *orow, *bt; /* into d_meta */
     int32_t *tiles, *rest;                /* prefill tiles (3 each) and the other tokens */
-    int32_t *tiles3;                      /* the same tiles of c->flash_bq rows (k_flash3) */
+    int32_t *tiles3;                      /* the same sequences in tiles of FA_BQ3 rows */
     int n_tiles3;
     int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
     void *xconv;          /* bf16 copy of a matmul input */
@@ -259,11 +261,9 @@ static int cb_upload_w(cb_dev *d, bf16 *dst, const void *src, backend_dtype src_
         } else {
             CK(cudaMemcpyAsync(d->conv, d->stage[k], cnt * esz, cudaMemcpyHostToDevice, c->stream));
             if (src_dt == BACKEND_F32)
-                k_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(dst + off,
-                                                                      (const float *)d->conv, cnt);
+                to_bf16_async(c, dst + off, (const float *)d->conv, cnt);
             else
-                k_f16_to_bf16<<<grid_for(cnt, 256), 256, 0, c->stream>>>(
-                    dst + off, (const __half *)d->conv, cnt);
+                f16_to_bf16_async(c, dst + off, (const __half *)d->conv, cnt);
         }
         CK(cudaEventRecord(d->ev[k], c->stream));
         d->loaded += cnt * esz;
@@ -421,30 +421,25 @@ static int plan_into(cb_stream *s, const backend_batch *b, int stride, int max_c
     }
     /* prefill tiles for the tensor-core kernel (used when the KV is bf16, see cb_attention) */
     int32_t *tiles = bt + (size_t)S * stride, *rest = tiles + 3 * ((size_t)T + S);
-    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, !s->c->no_flash || s->inv, FA_BQ, tiles,
+    s->rest_ctx = split_batch(T, b->tok_seq, b->tok_pos, 1, FA_BQ, tiles,
                               &s->n_tiles, rest, &s->n_rest);
-    /* k_flash3's tiles (c->flash_bq rows; the batch-invariant mode keeps its 64) after rest */
+    /* the tiles of FA_BQ3 rows (k_prefill_attention_mma; the batch-invariant mode keeps its
+     * FA_BQ) after rest */
     int32_t *tiles3 = rest + s->n_rest;
     s->n_tiles3 = 0;
-    if (s->n_tiles && !s->inv) {
-        if (s->c->flash_bq == FA_BQ) {
-            memcpy(tiles3, tiles, (size_t)s->n_tiles * 3 * 4);
-            s->n_tiles3 = s->n_tiles;
-        } else { /* the same sequences (>= 16 new tokens) as split_batch's tiles */
-            for (int t = 0; t < T;) {
-                int e = t;
-                while (e < T && b->tok_seq[e] == b->tok_seq[t])
-                    e++;
-                if (e - t >= 16)
-                    for (int a = t; a < e; a += s->c->flash_bq) {
-                        tiles3[3 * s->n_tiles3] = a;
-                        tiles3[3 * s->n_tiles3 + 1] =
-                            e - a < s->c->flash_bq ? e - a : s->c->flash_bq;
-                        tiles3[3 * s->n_tiles3 + 2] = b->tok_seq[t];
-                        s->n_tiles3++;
-                    }
-                t = e;
-            }
+    if (s->n_tiles && !s->inv) { /* the same sequences (>= 16 new tokens) as split_batch's */
+        for (int t = 0; t < T;) {
+            int e = t;
+            while (e < T && b->tok_seq[e] == b->tok_seq[t])
+                e++;
+            if (e - t >= 16)
+                for (int a = t; a < e; a += FA_BQ3) {
+                    tiles3[3 * s->n_tiles3] = a;
+                    tiles3[3 * s->n_tiles3 + 1] = e - a < FA_BQ3 ? e - a : FA_BQ3;
+                    tiles3[3 * s->n_tiles3 + 2] = b->tok_seq[t];
+                    s->n_tiles3++;
+                }
+            t = e;
         }
     }
     size_t n_meta = (size_t)(tiles3 - h) + 3 * (size_t)s->n_tiles3;
@@ -749,12 +744,10 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
                                s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, scale,
                                s->tiles, s->n_tiles, s->tiles3, s->n_tiles3, s->rest, s->n_rest,
                                s->rest_ctx),
-                  s->c->flash3 && s->c->flash2 && kv->head_dim >= 32
-                      ? (s->c->flash_bq == FA_BQ ? "attention (prefill, k_flash3, 64 rows)"
-                         : flash_mt_for(s->c, s->n_tiles3, n_heads) == 2
-                             ? "attention (prefill, k_flash4, 128 rows)"
-                                                 : "attention (prefill, k_flash3, 128 rows)")
-                      : "attention (prefill, k_flash2)",
+                  kv->head_dim < 32 ? "attention (prefill, k_prefill_attention_wmma)"
+                  : prefill_mma8_for(s->c, s->n_tiles3, n_heads)
+                      ? "attention (prefill, k_prefill_attention_mma8w)"
+                      : "attention (prefill, k_prefill_attention_mma)",
                   0);
     return pm(s,
               attention_scaled(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
@@ -811,15 +804,9 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     if (!s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
         /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
-        int rc = kv->dtype == BACKEND_BF16
-                     ? gemv_qkv<bf16>(s->c, (float *)o->q, (bf16 *)kv->base, o->x, o->wqkv,
-                                      o->bqkv, T, o->hidden, kv->block_size, kv->n_layers,
-                                      o->layer, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
-                                      nh, nkv, hd)
-                     : gemv_qkv<float>(s->c, (float *)o->q, (float *)kv->base, o->x, o->wqkv,
-                                       o->bqkv, T, o->hidden, kv->block_size, kv->n_layers,
-                                       o->layer, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
-                                       nh, nkv, hd);
+        int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, o->x, o->wqkv,
+                          o->bqkv, T, o->hidden, kv->block_size, kv->n_layers, o->layer, s->pos,
+                          s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
         return pm(s, rc, "qkv gemv (bias, rope, kv)", (double)W * o->hidden * 2);
     }
     /* prefill-sized batches (T >= c->qkv_bf16_min_t, fast mode, bf16 x): the GEMM writes
@@ -833,36 +820,13 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
         int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, o->wqkv, T, W, o->hidden),
                     "q|k|v GEMM (bf16 out)", (double)W * o->hidden * 2);
         if (rc) return rc;
-        if (hd % 4 == 0 && 128 % (hd / 4) == 0) { /* two elements a thread */
-            int items = (nh + nkv) * (hd / 4), by = (items + 127) / 128;
-            if (by > 1 && T > 1) by = (by + T - 1) / T;
-            dim3 grid(T, by < 1 ? 1 : by);
-            if (kv->dtype == BACKEND_BF16)
-                k_qkv_finish2<bf16><<<grid, 128, 0, s->c->stream>>>(
-                    (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer,
-                    (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
-                    nh, nkv, hd);
-            else
-                k_qkv_finish2<float><<<grid, 128, 0, s->c->stream>>>(
-                    (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer,
-                    (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq,
-                    nh, nkv, hd);
-            return pm(s, launch_check("qkv_finish2"), "qkv_finish2 (bf16 in; bias, rope, kv)", 0);
-        }
-        int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
-        if (by > 1 && T > 1) by = (by + T - 1) / T;
-        dim3 grid(T, by < 1 ? 1 : by);
-        if (kv->dtype == BACKEND_BF16)
-            rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<bf16, bf16>, grid, dim3(128), 0,
-                            (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers,
-                            o->layer, (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt,
-                            s->stride, o->inv_freq, nh, nkv, hd);
-        else
-            rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<float, bf16>, grid, dim3(128), 0,
-                            (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers,
-                            o->layer, (const bf16 *)qkv16, o->bqkv, s->pos, s->seq, s->bt,
-                            s->stride, o->inv_freq, nh, nkv, hd);
-        return pm(s, rc, "qkv_finish (bf16 q|k|v; bias, rope, kv)", 0);
+        rc = qkv_finish(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
+                        kv->n_layers, o->layer, qkv16, DCU_BF16, o->bqkv, s->pos, s->seq, s->bt,
+                        s->stride, o->inv_freq, T, nh, nkv, hd);
+        return pm(s, rc,
+                  qkv_finish_vec2(hd) ? "qkv_finish2 (bf16 in; bias, rope, kv)"
+                                      : "qkv_finish (bf16 q|k|v; bias, rope, kv)",
+                  0);
     }
     float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
     if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
@@ -870,21 +834,9 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                            o->hidden};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
-    /* blocks per token: enough to fill the GPU at batch 1 (one item per thread), one at
-     * large T */
-    int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
-    if (by > 1 && T > 1) by = (by + T - 1) / T;
-    dim3 grid(T, by < 1 ? 1 : by);
-    if (kv->dtype == BACKEND_BF16)
-        rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<bf16>, grid, dim3(128), 0,
-                        (float *)o->q, (bf16 *)kv->base, kv->block_size, kv->n_layers, o->layer,
-                        (const float *)qkv, o->bqkv, s->pos, s->seq, s->bt, s->stride,
-                        o->inv_freq, nh, nkv, hd);
-    else
-        rc = launch_pdl(s->c, "qkv_finish", k_qkv_finish<float>, grid, dim3(128), 0,
-                        (float *)o->q, (float *)kv->base, kv->block_size, kv->n_layers, o->layer,
-                        (const float *)qkv, o->bqkv, s->pos, s->seq, s->bt, s->stride,
-                        o->inv_freq, nh, nkv, hd);
+    rc = qkv_finish(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
+                    kv->n_layers, o->layer, qkv, DCU_F32, o->bqkv, s->pos, s->seq, s->bt,
+                    s->stride, o->inv_freq, T, nh, nkv, hd);
     return pm(s, rc, "qkv_finish (bias, rope, kv)", 0);
 }
 
@@ -898,11 +850,8 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
         gemv_ok(s->c, T, o->hidden, o->x, o->w_gate_up))
         /* decode: one GEMV over gate|up with the SwiGLU in its epilogue (no f32 gate|up) */
         return pm(s,
-                  o->h_dt == BACKEND_BF16
-                      ? gemv_launch<1, bf16>(s->c, (bf16 *)o->h, o->x, o->w_gate_up, NULL, T, I,
-                                             o->hidden)
-                      : gemv_launch<1, float>(s->c, (float *)o->h, o->x, o->w_gate_up, NULL, T,
-                                              I, o->hidden),
+                  gemv_gate_up(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, o->x,
+                               o->w_gate_up, T, I, o->hidden),
                   "gate_up+swiglu gemv", 2.0 * I * o->hidden * 2);
     /* prefill-sized batches (T >= c->gu_bf16_min_t, fast mode, bf16 x): the GEMM writes
      * gate|up in bf16 and SwiGLU reads that (the f32 intermediate was 4 bytes x T x 2I
@@ -999,14 +948,13 @@ static int cb_residual_fused(backend_stream *st, int T) {
 }
 
 /* resid += x . w^T: cuBLASLt with beta = 1 onto resid where the GEMM would be cuBLASLt's (bf16
- * x, no bias, neither the GEMV's nor k_skinny's T), else the generic form (GEMM into op->y,
+ * x, no bias, not the GEMV's T), else the generic form (GEMM into op->y,
  * then add) */
 static int cb_matmul_residual(backend_stream *st, const backend_matmul_op *o, void *resid) {
     cb_stream *s = CB(st);
     dcu_ctx *c = s->c;
     if (cb_residual_fused(st, o->T) && o->y_dt == BACKEND_F32 && o->x_dt == BACKEND_BF16 &&
-        o->w_dt == BACKEND_BF16 && !o->bias && !gemv_ok(c, o->T, o->K, o->x, o->w) &&
-        o->T > c->skinny_max) {
+        o->w_dt == BACKEND_BF16 && !o->bias && !gemv_ok(c, o->T, o->K, o->x, o->w)) {
         int rc = matmul_acc(c, (float *)resid, (float *)o->y, o->x, o->w, o->T, o->N, o->K);
         if (rc) return rc;
         if (s->prof && s->prof->on) {
