@@ -14,6 +14,7 @@
 #include "engine/block_pool.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
+#include "model/arch.h"
 #include "model/qwen2.h"
 #include "model/sampler.h"
 
@@ -483,10 +484,12 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     static const char *const short_dt[] = {"f32", "f16", "bf16"};
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;
+    char quirks[48] = ""; /* what else makes the KV differ: the family and its window */
+    if (c->sliding_window) snprintf(quirks, sizeof quirks, ":swa%d", c->sliding_window);
     snprintf(out->fingerprint, sizeof out->fingerprint,
-             "qwen2:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d" ENGINE_KERNELS_TAG "%s",
-             c->n_layers, c->n_kv_heads, c->head_dim, e->kv.block_size, short_dt[e->kv.dtype],
-             c->vocab_size, engine_kernels(e));
+             "%s:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d%s" ENGINE_KERNELS_TAG "%s",
+             arch_family(c), c->n_layers, c->n_kv_heads, c->head_dim, e->kv.block_size,
+             short_dt[e->kv.dtype], c->vocab_size, quirks, engine_kernels(e));
 }
 
 static ereq *find_live(engine *e, uint64_t id) {

@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 4
+#define BACKEND_ABI_VERSION 5
 
 typedef struct backend_iface {
     /* device */

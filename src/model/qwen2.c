@@ -6,6 +6,7 @@
 #include "model/qwen2.h"
 
 #include "base/log.h"
+#include "model/arch.h"
 #include "model/hf_cache.h"
 
 #include <errno.h>
@@ -24,6 +25,11 @@ int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, s
 
 int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progress, char *err,
                   size_t errlen) {
+    return qwen2_load_ex(m, model_arg, be, progress, 0, err, errlen);
+}
+
+int qwen2_load_ex(qwen2_model *m, const char *model_arg, backend *be, int progress, int dummy,
+                  char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
     m->be = be;
     int rc = hf_cache_resolve(model_arg, m->dir, sizeof m->dir, err, errlen);
@@ -36,16 +42,23 @@ int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progre
                  m->dir, m->cfg.n_heads / m->cfg.n_kv_heads, m->cfg.head_dim, QWEN2_MAX_GROUP);
         return -EINVAL;
     }
-    if ((rc = weights_load_on(&m->w, be, &m->cfg, m->dir, err, errlen))) return rc;
+    if (m->cfg.sliding_window && !backend_is_cpu(be)) {
+        snprintf(err, errlen,
+                 "%s/config.json: sliding_window %d (shorter than max_position_embeddings %d) is "
+                 "implemented on the CPU backend only; run with --device cpu",
+                 m->dir, m->cfg.sliding_window, m->cfg.max_position);
+        return -ENOTSUP;
+    }
+    if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, dummy ? 0x5eed : 0, err, errlen)))
+        return rc;
     int half = m->cfg.head_dim / 2;
     float *inv = malloc((size_t)half * sizeof(float));
     m->rope_buf = inv ? backend_buffer_alloc(be, (size_t)half * sizeof(float), 0) : NULL;
     backend_stream *st = m->rope_buf ? backend_stream_create(be) : NULL;
     rc = st ? 0 : -ENOMEM;
     if (!rc) {
-        /* as transformers: 1 / theta ** (arange(0, d, 2) / d), in f32 */
-        for (int i = 0; i < half; i++)
-            inv[i] = 1.0f / powf(m->cfg.rope_theta, (float)(2 * i) / (float)m->cfg.head_dim);
+        /* as transformers computes it for the config's rope variant (model/arch.c) */
+        arch_rope_table(&m->cfg, inv, &m->rope_attn);
         rc = backend_upload(st, backend_buffer_ptr(m->rope_buf), inv, (size_t)half * sizeof(float));
         m->rope_inv_freq = backend_buffer_ptr(m->rope_buf);
     }
@@ -56,7 +69,7 @@ int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progre
         qwen2_free(m);
         return rc;
     }
-    if (progress) st_set_prefault(&m->w.st, m->dir);
+    if (progress && !dummy) st_set_prefault(&m->w.st, m->dir);
     return 0;
 }
 
@@ -121,10 +134,10 @@ struct qwen2_state {
     void *y;                    /* (T, hidden) o_proj / down_proj output, added into x by the
                                    next add_rmsnorm; rows gathered for lm_head */
     void *xb;                   /* (T, hidden) of mm: normed input */
-    void *q;                    /* (T, hidden) */
+    void *q;                    /* (T, q_dim) */
     void *k;                    /* (T, kv_dim) */
     void *v;                    /* (T, kv_dim) */
-    void *att;                  /* (T, hidden) of mm: attention output */
+    void *att;                  /* (T, q_dim) of mm: attention output */
     void *hb;                   /* (T, intermediate) of mm: silu(gate) * up */
     void *hb2;                  /* (T, intermediate) up (the generic gate_up; NULL when cat) */
     backend_buffer *logits_buf; /* (logits_cap, vocab) f32 lm_head output */
@@ -158,11 +171,11 @@ static qwen2_state *state_new(const qwen2_model *m, int max_tokens, backend_stre
     s->act = backend_act_dtype(m->be);
     s->mm = backend_mm_dtype(m->be);
     s->max_tokens = max_tokens;
-    size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size,
+    size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size, qd = (size_t)c->q_dim,
            kvd = (size_t)(c->n_kv_heads * c->head_dim), I = (size_t)c->intermediate_size,
            ea = backend_dtype_size(s->act), em = backend_dtype_size(s->mm);
     int cat = m->w.layers && m->w.layers[0].w_gate_up.data != NULL;
-    size_t width[B_COUNT] = {h, h, h, h, kvd, kvd, h, I, cat ? 0 : I};
+    size_t width[B_COUNT] = {h, h, h, qd, kvd, kvd, qd, I, cat ? 0 : I};
     size_t es[B_COUNT] = {ea, ea, em, ea, ea, ea, em, em, em};
     void **ptr[B_COUNT] = {&s->x, &s->y, &s->xb, &s->q, &s->k, &s->v, &s->att, &s->hb, &s->hb2};
     int ok = 1;
@@ -337,9 +350,12 @@ static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs,
 static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kvp, int T) {
     const model_config *c = &m->cfg;
     const model_weights *w = &m->w;
-    int rc, h = c->hidden_size, I = c->intermediate_size, nh = c->n_heads;
+    int rc, h = c->hidden_size, I = c->intermediate_size, nh = c->n_heads, qd = c->q_dim;
     const backend_dtype a = s->act, mm = s->mm; /* activations, matmul inputs */
-    const float eps = c->rms_norm_eps, scale = (float)(1.0 / sqrt((double)c->head_dim));
+    /* transformers scales cos and sin by the rope's attention factor (yarn): q.k by its
+     * square, folded into the softmax scale */
+    const float eps = c->rms_norm_eps,
+                scale = (float)(1.0 / sqrt((double)c->head_dim)) * m->rope_attn * m->rope_attn;
     const backend_kv bkv = *kvp;
     backend_stream *st = s->st;
     /* where the backend folds the residual add into the o / down GEMMs (CUDA prefill), x += the
@@ -351,6 +367,7 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
         /* attention block: x += wo . attention(rope(wq . norm(x)), rope(wk . ..), wv . ..)
+         * (Qwen3: rope(qk_norm(wq . norm(x))) per head; Mistral: over the window's keys)
          * (the previous layer's MLP output y joins x here: x += y, then the norm) */
         TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l && !fused ? s->y : NULL, a, L->attn_norm, T,
                                 h, eps));
@@ -374,10 +391,13 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
                               .dt = a,
                               .inv_freq = m->rope_inv_freq,
                               .kv = &bkv,
-                              .layer = l};
+                              .layer = l,
+                              .q_norm = L->q_norm,
+                              .k_norm = L->k_norm,
+                              .qk_eps = eps};
         TRY(backend_qkv(st, &qkv));
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
-        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, h};
+        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, qd};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
         /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))) */
         TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, fused ? NULL : s->y, a, L->mlp_norm, T, h,
@@ -525,7 +545,7 @@ static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *k
     }
     backend_batch bb = {B, B, tok, seq, pos, qo, kvl, bti, s->bt_indices, B, orow};
     const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
-                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window};
     TRY(backend_graph_plan(s->st, &bb, C, max_blocks));
     rc = backend_graph_begin(s->st);
     if (rc < 0) return rc;
@@ -547,7 +567,7 @@ int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen
     if (rc) return rc;
     int V = c->vocab_size;
     const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
-                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window};
     backend_stream *st = s->st;
     int B = graph_bucket(s, seqs, n_seqs);
     if (B) {

@@ -39,6 +39,7 @@ typedef struct qwen2_model {
     backend *be;                /* where weights and work live (not owned) */
     backend_buffer *rope_buf;   /* rope_inv_freq's buffer */
     const float *rope_inv_freq; /* (head_dim / 2) f32, device address */
+    float rope_attn;            /* the rope's cos/sin factor (yarn), folded into the scale */
 } qwen2_model;
 
 /* model_arg: a directory or a hub name in the HF cache.  progress: warm the page cache
@@ -46,6 +47,9 @@ typedef struct qwen2_model {
 int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, size_t errlen);
 int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progress, char *err,
                   size_t errlen);
+/* dummy: --load-format dummy (config.json alone, random weights: model/weights.h). */
+int qwen2_load_ex(qwen2_model *m, const char *model_arg, backend *be, int progress, int dummy,
+                  char *err, size_t errlen);
 void qwen2_free(qwen2_model *m);
 
 typedef struct kv_store {

@@ -386,7 +386,7 @@ static void test_kv_write(void **state) {
         backend *be = g_be[bi];
         backend_stream *st = backend_stream_create(be);
         backend_dtype a = backend_act_dtype(be), kdt = backend_kv_dtype_default(be);
-        backend_kv kv = {NULL, kdt, 12, 5, 3, 2, 6};
+        backend_kv kv = {NULL, kdt, 12, 5, 3, 2, 6, 0};
         size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
         assert_int_equal(backend_kv_block_bytes(&kv),
                          (size_t)3 * 2 * 5 * 2 * 6 * backend_dtype_size(kdt));
@@ -432,7 +432,7 @@ static void attention_case(backend *be, int S, const int *start, const int *n_ne
     int total_blocks = 0;
     for (int s = 0; s < S; s++)
         total_blocks += (start[s] + n_new[s] + bs - 1) / bs;
-    backend_kv kv = {NULL, kdt, total_blocks + 3, bs, 2, n_kv_heads, hd};
+    backend_kv kv = {NULL, kdt, total_blocks + 3, bs, 2, n_kv_heads, hd, 0};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, S, start, n_new, bs, kv.n_blocks, 10);
@@ -498,7 +498,7 @@ static void attention_alone_case(backend *be, int start, int n_new, int n_kv_hea
                                  int hd, int bs, backend_dtype kdt) {
     backend_stream *st = backend_stream_create(be);
     int nb = (start + n_new + bs - 1) / bs;
-    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd};
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, 0};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
@@ -550,7 +550,7 @@ static float *block_size_run(backend *be, int start, int n_new, int n_kv_heads, 
                              const float *q) {
     backend_stream *st = backend_stream_create(be);
     int np = start + n_new, nb = (np + bs - 1) / bs, layer = 1, nh = n_kv_heads * group;
-    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd};
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, 0};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
@@ -748,7 +748,7 @@ static void test_fused_ops(void **state) {
         check_close("add_rmsnorm: out", be, gxb, wxb, (size_t)T * H,
                     mm == BACKEND_F32 ? 1e-5 : 8e-3);
         /* qkv */
-        backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+        backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
         size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
         backend_buffer *region =
             backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
@@ -1036,7 +1036,7 @@ static void test_qkv_gemv(void **state) {
             backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
                            *bb = to_dev(st, bias, W, BACKEND_F32),
                            *binv = to_dev(st, inv, HD / 2, BACKEND_F32);
-            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
             size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
             backend_buffer *region =
                 backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
@@ -1428,7 +1428,7 @@ static void test_qkv_prefill(void **state) {
             const float *dbias = DEV(bbias);
             float *xb = rand_vec((size_t)T * H, BACKEND_BF16);
             backend_buffer *bx = to_dev(st, xb, (size_t)T * H, mm);
-            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
             size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
             backend_buffer *region =
                 backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
