@@ -7,6 +7,7 @@
  * GEMM rate through the matmul FLOPs it performs.
  */
 #include "bench/bench.h"
+#include "bench/model_bench_args.h"
 
 #include "base/clock.h"
 #include "kernels/cpu/cpu_matmul.h"
@@ -102,6 +103,8 @@ static int usage(FILE *f, int rc) {
            "  --kv-cache-dtype float32|bfloat16   CPU KV-cache element type (default float32)\n"
            "  --block-size N   tokens per KV block, 1..1024 (default: disagg serve's on the CPU, "
            "128)\n"
+           "  --load-format auto|safetensors|dummy   dummy: MODEL's config.json alone, random "
+           "weights of its shapes (no safetensors; bench/shapes/ has the common ones)\n"
            "  --device      cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)\n"
            "  --batch-invariant   with --device cuda: the batch-invariant mode against the "
            "fast mode (docs/gpu.md)\n");
@@ -179,8 +182,8 @@ out:
 }
 
 /* ... and the CPU seconds (all threads) per decode step of each, least over the rounds */
-static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen, int repeat,
-                           int bs, const int32_t *toks, int ntoks, double *one, double *many,
+static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen, int repeat, int bs,
+                           const int32_t *toks, int ntoks, double *one, double *many,
                            double *one_cpu, double *many_cpu) {
     *one = *many = 0;
     *one_cpu = *many_cpu = 1e30;
@@ -202,6 +205,7 @@ int bench_model_main(int argc, char **argv) {
     int prompt_len = 512, gen_len = 32, threads = 0, json = 0, repeat = 2, streams = 0,
         block_size = 0;
     const char *kv_dt_arg = NULL; /* checked after the loop: --device cuda parses its own */
+    int dummy = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(stdout, 0);
@@ -229,6 +233,8 @@ int bench_model_main(int argc, char **argv) {
             if (parse_int(a, i + 1 < argc ? argv[++i] : NULL, 1, 1024, &threads)) return 2;
         } else if (!strcmp(a, "--kv-cache-dtype")) {
             kv_dt_arg = i + 1 < argc ? argv[++i] : "";
+        } else if (!strcmp(a, "--load-format")) {
+            if (mb_load_format(i + 1 < argc ? argv[++i] : "", &dummy)) return 2;
         } else if (a[0] == '-') {
             fprintf(stderr, "disagg bench model: unknown option '%s'\n", a);
             return usage(stderr, 2);
@@ -251,7 +257,7 @@ int bench_model_main(int argc, char **argv) {
     }
     qwen2_model m;
     char err[4096];
-    if (qwen2_load(&m, model_arg, 1, err, sizeof err)) {
+    if (qwen2_load_ex(&m, model_arg, backend_cpu_default(), !dummy, dummy, err, sizeof err)) {
         fprintf(stderr, "disagg bench model: %s\n", err);
         return 1;
     }

@@ -76,8 +76,10 @@ int bench_model_cuda_main(int argc, char **argv) {
     int ctx = 1024, long_ctx = 4096, steps = 32, json = 0, kv_dtype = DCU_BF16;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--batch-invariant")) return bench_model_inv_main(argc, argv);
-    const char *kv_arg = NULL;
+    const char *kv_arg = NULL, *lf_arg = NULL;
+    int dummy = 0;
     const mb_opt opts[] = {
+        {"--load-format", MB_WORD, &lf_arg, NULL},
         {"--prompt-lens", MB_LIST, prompts, &n_prompts},
         {"--batches", MB_LIST, batches, &n_batches},
         {"--context", MB_INT, &ctx, NULL},
@@ -90,9 +92,11 @@ int bench_model_cuda_main(int argc, char **argv) {
                            (int)(sizeof opts / sizeof opts[0]),
                            "usage: disagg bench model MODEL --device cuda [--prompt-lens 512,4096] "
                            "[--batches 1,8,32,64,128] [--context 1024] [--long-context 4096] "
-                           "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] [--json]",
+                           "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] "
+                           "[--load-format auto|safetensors|dummy] [--json]",
                            &model_arg);
     if (rc) return rc;
+    if (lf_arg && mb_load_format(lf_arg, &dummy)) return 2;
     if (kv_arg && !strcmp(kv_arg, "float32")) {
         kv_dtype = DCU_F32;
     } else if (kv_arg && strcmp(kv_arg, "auto") && strcmp(kv_arg, "bfloat16")) {
@@ -113,7 +117,7 @@ int bench_model_cuda_main(int argc, char **argv) {
     }
     qwen2_model m;
     double t0 = now_s();
-    if (qwen2_load_on(&m, model_arg, be, 1, err, sizeof err)) {
+    if (qwen2_load_ex(&m, model_arg, be, 1, dummy, err, sizeof err)) {
         fprintf(stderr, "disagg bench model: %s\n", err);
         backend_close(be);
         return 1;

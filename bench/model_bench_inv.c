@@ -28,9 +28,9 @@ static double ib_now(void) {
 }
 
 typedef struct ib_result {
-    double prefill_tps[IB_MAXL];         /* tokens/s per batch */
-    double long_tps;                     /* one --long-prompt prompt */
-    double decode_ms[IB_MAXL][IB_MAXL];  /* ms per step per context, batch */
+    double prefill_tps[IB_MAXL];        /* tokens/s per batch */
+    double long_tps;                    /* one --long-prompt prompt */
+    double decode_ms[IB_MAXL][IB_MAXL]; /* ms per step per context, batch */
 } ib_result;
 
 /* best tokens/s of n prompts of plen tokens (toks: n * plen) from an empty cache */
@@ -44,9 +44,9 @@ static int ib_prefill(const qwen2_model *m, qwen2_state *s, const kv_store *kv, 
         for (int s0 = 0; s0 < n && !rc; s0 += per_call) {
             int k = n - s0 < per_call ? n - s0 : per_call;
             for (int i = 0; i < k; i++)
-                q[i] = (qwen2_seq){toks + (size_t)(s0 + i) * plen, plen, 0,
-                                   tables + (size_t)(s0 + i) * per, per,
-                                   logits + (size_t)i * V, 0, NULL};
+                q[i] = (qwen2_seq){
+                    toks + (size_t)(s0 + i) * plen, plen, 0,   tables + (size_t)(s0 + i) * per, per,
+                    logits + (size_t)i * V,         0,    NULL};
             rc = qwen2_forward(m, s, kv, q, k);
         }
         double el = ib_now() - t0;
@@ -118,8 +118,10 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
                 if (st == 2) t0 = ib_now();
                 for (int i = 0; i < n; i++) {
                     toks[i] = (i * 31 + st) % 1000;
-                    q[i] = (qwen2_seq){&toks[i], 1, ctx + st, tables + (size_t)i * per, per,
-                                       logits + (size_t)i * c->vocab_size, 0, NULL};
+                    q[i] = (qwen2_seq){&toks[i], 1,
+                                       ctx + st, tables + (size_t)i * per,
+                                       per,      logits + (size_t)i * c->vocab_size,
+                                       0,        NULL};
                 }
                 rc = qwen2_forward(&m, s, &kv, q, n);
             }
@@ -182,11 +184,10 @@ int bench_model_inv_main(int argc, char **argv) {
         if (mrefs[k] > 0)
             printf("\ninvariant GEMM algorithms chosen at M = %d (DISAGG_CUDA_INV_GEMM_M)\n",
                    mrefs[k]);
-        printf("prefill (tokens/s)\n%-12s %14s %14s %8s\n", "batch", "fast", "invariant",
-               "slower");
+        printf("prefill (tokens/s)\n%-12s %14s %14s %8s\n", "batch", "fast", "invariant", "slower");
         for (int i = 0; i < n_b; i++)
-            printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", batches[i], plen,
-                   fast.prefill_tps[i], inv[k].prefill_tps[i],
+            printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", batches[i], plen, fast.prefill_tps[i],
+                   inv[k].prefill_tps[i],
                    100.0 * (fast.prefill_tps[i] / inv[k].prefill_tps[i] - 1.0));
         if (long_plen > 0)
             printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", 1, long_plen, fast.long_tps,

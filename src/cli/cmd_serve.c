@@ -90,7 +90,9 @@ static void serve_usage(FILE *f) {
         "  --enable-chunked-prefill, --no-enable-chunked-prefill   accepted: prompts are always "
         "prefilled in chunks of --max-num-batched-tokens\n"
         "  -q, --quantization METHOD       refused: weights run unquantized (none is accepted)\n"
-        "  --load-format auto|safetensors  weight format (others, e.g. pt or gguf, are refused)\n"
+        "  --load-format auto|safetensors|dummy   weight format; dummy: config.json alone, random "
+        "weights of its shapes made at load (benchmarks; the tokenizer files are still read); "
+        "others, e.g. pt or gguf, are refused\n"
         "  --swap-space GiB                accepted (a preempted request is recomputed, nothing is "
         "swapped)\n"
         "  --tokenizer DIR|ORG/NAME        load the tokenizer from there (default: MODEL)\n"
@@ -866,9 +868,11 @@ static int serve_args(int argc, char **argv) {
             int k = 0;
             for (size_t j = 0; j < sizeof known / sizeof known[0]; j++)
                 k |= !strcmp(val, known[j]);
-            if (strcmp(val, "auto") && strcmp(val, "safetensors")) {
+            cfg.engine.load_dummy = !strcmp(val, "dummy");
+            if (strcmp(val, "auto") && strcmp(val, "safetensors") && strcmp(val, "dummy")) {
                 fprintf(stderr,
-                        "disagg serve: --load-format '%s' is %s; accepted: auto, safetensors\n",
+                        "disagg serve: --load-format '%s' is %s; accepted: auto, safetensors, "
+                        "dummy\n",
                         val, k ? "not supported" : "not a load format");
                 goto fail;
             }

@@ -923,7 +923,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
      * measured against it (--gpu-memory-utilization is this instance's budget) */
     size_t free_before = 0, total_before = 0;
     backend_memory(e->be, &free_before, &total_before);
-    rc = qwen2_load_on(&e->model, c.model, e->be, c.progress, err, errlen);
+    rc = qwen2_load_ex(&e->model, c.model, e->be, c.progress, c.load_dummy, err, errlen);
     if (rc) {
         backend_close(e->be);
         free(e);
