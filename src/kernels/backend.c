@@ -536,9 +536,13 @@ static int kv_ok(const backend_kv *kv, int layer) {
            layer < kv->n_layers && kv->window >= 0;
 }
 
-/* a sliding window: only the CPU backend's attention implements it (docs/models.md) */
+int backend_attention_window(const backend *be) {
+    return be && be->attention_window;
+}
+
+/* a sliding window on a backend whose attention has none: refused, never ignored */
 static int window_ok(backend_stream *st, const backend_kv *kv) {
-    if (!kv->window || st->be->is_cpu) return 1;
+    if (!kv->window || st->be->attention_window) return 1;
     LOG_E(MOD, "attention: sliding window %d is not implemented on %s", kv->window, st->be->name);
     return 0;
 }

@@ -109,6 +109,8 @@ backend *backend_cpu_default(void);
 const char *backend_name(const backend *be);     /* "cpu", "cuda:0 (NVIDIA H200)", ... */
 const char *backend_location(const backend *be); /* "cpu:0", "cuda:0": transfer_register() */
 int backend_is_cpu(const backend *be);           /* 1 for the CPU backend */
+/* 1 when backend_attention honours backend_kv.window (the CPU and CUDA backends) */
+int backend_attention_window(const backend *be);
 /* Which kernels compute: the CPU's ISA ("avx2", "avx512f", ... chosen by cpuid or
  * DISAGG_CPU_ISA) or "cuda".  Results are bit-exact only between equal names. */
 const char *backend_kernels_name(const backend *be);
@@ -276,7 +278,7 @@ typedef struct backend_kv {
     int head_dim;        /* elements per head */
     /* sliding-window attention (Mistral's sliding_window): a query at position p attends to
      * keys p - window + 1 .. p only; 0 = every key 0..p.  Only backend_attention reads it
-     * (the CPU backend implements it; others return -ENOTSUP for a nonzero window) */
+     * (a backend without backend_attention_window returns -ENOTSUP for a nonzero window) */
     int window;
 } backend_kv;
 size_t backend_kv_block_bytes(const backend_kv *kv);

@@ -42,11 +42,11 @@ int qwen2_load_ex(qwen2_model *m, const char *model_arg, backend *be, int progre
                  m->dir, m->cfg.n_heads / m->cfg.n_kv_heads, m->cfg.head_dim, QWEN2_MAX_GROUP);
         return -EINVAL;
     }
-    if (m->cfg.sliding_window && !backend_is_cpu(be)) {
+    if (m->cfg.sliding_window && !backend_attention_window(be)) {
         snprintf(err, errlen,
                  "%s/config.json: sliding_window %d (shorter than max_position_embeddings %d) is "
-                 "implemented on the CPU backend only; run with --device cpu",
-                 m->dir, m->cfg.sliding_window, m->cfg.max_position);
+                 "not implemented on %s; accepted devices: cpu, cuda",
+                 m->dir, m->cfg.sliding_window, m->cfg.max_position, backend_name(be));
         return -ENOTSUP;
     }
     if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, dummy ? 0x5eed : 0, err, errlen)))

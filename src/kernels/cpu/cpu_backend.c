@@ -35,6 +35,7 @@ static void cpu_fill(backend *be) {
     snprintf(be->name, sizeof be->name, "cpu");
     snprintf(be->location, sizeof be->location, "cpu:0");
     be->is_cpu = 1;
+    be->attention_window = 1;
     be->act_dtype = BACKEND_F32;
     be->kv_dtype = BACKEND_F32;
     be->kv_dtypes = 1u << BACKEND_F32 | 1u << BACKEND_BF16; /* bf16: opt-in (half the bytes) */

@@ -12,6 +12,7 @@
  */
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_invariant.h"
+#include "kernels/cuda/cuda_window.h"
 
 typedef struct cb_dev {
     int ord;
@@ -725,6 +726,13 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
     if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32) ||
         (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16))
         return -ENOTSUP;
+    if (kv->window > 0) /* Mistral's sliding window: every call of the model (cuda_window.h) */
+        return pm(s,
+                  cw_attention(s->c->stream, out, out_dt == BACKEND_BF16, (const float *)q,
+                               kv->base, kv->dtype == BACKEND_BF16, kv->block_size, kv->n_layers,
+                               layer, s->pos, s->seq, s->bt, s->stride, s->T, n_heads,
+                               kv->n_kv_heads, kv->head_dim, scale, kv->window),
+                  "attention (sliding window)", 0);
     if (s->inv) { /* f32 partials folded in position order; a bf16 output is rounded after */
         size_t n = (size_t)s->T * n_heads * kv->head_dim;
         float *o32 = (float *)out;
@@ -1081,6 +1089,7 @@ disagg_backend_module_open(int abi_version, const backend_options *opts, backend
     snprintf(be->name, sizeof be->name, "cuda:%d (%.60s)", ord, d->info.name);
     snprintf(be->location, sizeof be->location, "cuda:%d", ord);
     be->is_cpu = 0;
+    be->attention_window = 1;
     be->act_dtype = BACKEND_F32;
     be->mm_dtype = BACKEND_BF16;
     be->kv_dtype = BACKEND_BF16;
