@@ -1,7 +1,7 @@
 /*
  * backend — the compute device behind the model, in the spirit of ggml-backend: an opaque
  * device handle, buffers in the device's memory, in-order streams of operations, and the
- * operations the Qwen2 forward needs.  model/qwen2.c calls only this header; the CPU
+ * operations the Qwen2 forward needs.  model/decoder.c calls only this header; the CPU
  * backend (kernels/cpu/cpu_backend.c) is the original CPU code behind it, the CUDA backend
  * (kernels/cuda/, loaded as the module libdisagg_cuda.so so the binary needs no CUDA
  * library until --device cuda) implements the same contract in HBM.

@@ -1,7 +1,7 @@
 /*
  * arch — the architecture description from config.json (see arch.h).  One table of the
  * families; the per-family quirks are fields of model_config that the forward
- * (model/qwen2.c) and the weight loader read.  The RoPE tables follow transformers'
+ * (model/decoder.c) and the weight loader read.  The RoPE tables follow transformers'
  * modeling_rope_utils.py step by step, in f32 where it computes in f32 (torch tensors)
  * and in double where it computes on Python floats.
  */
@@ -135,8 +135,7 @@ bad_factor:
     return -EINVAL;
 }
 
-int arch_check(const model_config *c, const char *mt, const char *where, char *err,
-               size_t errlen) {
+int arch_check(const model_config *c, const char *mt, const char *where, char *err, size_t errlen) {
     if (find_family(c, mt)) return 0;
     snprintf(err, errlen, "%s: unsupported architecture '%s' (model_type '%s'); accepted: %s",
              where, c->arch[0] ? c->arch : "(none)", mt ? mt : "(none)", ACCEPTED_ARCHS);

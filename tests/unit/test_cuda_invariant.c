@@ -7,7 +7,7 @@
  *   - backend_attention: a sequence's outputs are the same prefilled at once, in chunks
  *     (>= 16 tokens: the prefill tiles; < 16: the split path), token by token and in a batch
  *     of other sequences, with bf16 and f32 KV, head_dim 16/32/128, GQA 2..7;
- *   - the model (model/qwen2.c over kernels/backend.h, CUDA graphs on, as serve runs it): a
+ *   - the model (model/decoder.c over kernels/backend.h, CUDA graphs on, as serve runs it): a
  *     prompt's logits (every position, its greedy continuation included) are the same
  *     prefilled at once, then decoded, token by token, in chunks, and in a batch of 1..63
  *     other sequences of mixed lengths and schedules -- on the random tiny model, the
@@ -32,7 +32,7 @@
 #include <time.h>
 
 #include "kernels/backend.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 /* $DISAGG_SRC: the source tree when the binary runs elsewhere (the GPU machine's bundle) */
 static const char *const src_built = DISAGG_SOURCE_DIR;
@@ -180,9 +180,8 @@ static int gemm_differ(backend *be, int N, int K, const int *Ms, int nM, int *ch
     for (int i = 0; i < NS; i++) {
         if (rows[i] >= maxM) rows[i] = maxM - 1;
         assert_int_equal(gemm_run(s, &g, rows[i], 1, i & 1), 0);
-        assert_int_equal(backend_download(s, ref + (size_t)i * N, backend_buffer_ptr(g.y),
-                                          (size_t)N * 4),
-                         0);
+        assert_int_equal(
+            backend_download(s, ref + (size_t)i * N, backend_buffer_ptr(g.y), (size_t)N * 4), 0);
     }
     int differ = 0;
     *checked = 0;
@@ -192,11 +191,11 @@ static int gemm_differ(backend *be, int N, int K, const int *Ms, int nM, int *ch
             assert_int_equal(gemm_run(s, &g, 0, M, bias), 0);
             for (int i = 0; i < NS; i++) {
                 if (rows[i] >= M || (i & 1) != bias) continue;
-                assert_int_equal(backend_download(s, got,
-                                                  (char *)backend_buffer_ptr(g.y) +
-                                                      (size_t)rows[i] * N * 4,
-                                                  (size_t)N * 4),
-                                 0);
+                assert_int_equal(
+                    backend_download(s, got,
+                                     (char *)backend_buffer_ptr(g.y) + (size_t)rows[i] * N * 4,
+                                     (size_t)N * 4),
+                    0);
                 (*checked)++;
                 if (memcmp(got, ref + (size_t)i * N, (size_t)N * 4)) differ++;
             }
@@ -210,11 +209,11 @@ static int gemm_differ(backend *be, int N, int K, const int *Ms, int nM, int *ch
 
 static void test_matmul_invariant(void **st) {
     NEED_GPU();
-    static const int shapes[][2] = {{256, 256},   {1024, 256},  {256, 1024},  {4096, 256},
-                                    {64, 64},     {160, 64},    {3584, 3584}, {512, 3584},
+    static const int shapes[][2] = {{256, 256},    {1024, 256},   {256, 1024},   {4096, 256},
+                                    {64, 64},      {160, 64},     {3584, 3584},  {512, 3584},
                                     {18944, 3584}, {3584, 18944}, {152064, 3584}};
-    static const int Ms[] = {1, 2, 3, 5, 8, 13, 16, 24, 31, 32, 33, 64, 100, 128, 257, 512, 1000,
-                             2048, 4100, 9000};
+    static const int Ms[] = {1,  2,  3,   5,   8,   13,  16,   24,   31,   32,
+                             33, 64, 100, 128, 257, 512, 1000, 2048, 4100, 9000};
     int nM = (int)(sizeof Ms / sizeof Ms[0]);
     backend *inv = open_cuda(1), *fast = open_cuda(0);
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
@@ -270,28 +269,44 @@ static int gate_up_differ(backend *be, int I, int H, const int *Ms, int nM, int 
     for (int i = 0; i < NS; i++) {
         if (rows[i] >= maxM) rows[i] = maxM - 1;
         backend_mlp_op o = {(char *)backend_buffer_ptr(x) + (size_t)rows[i] * H * 2,
-                            BACKEND_BF16, 1, H, I, NULL, NULL, BACKEND_BF16,
-                            backend_buffer_ptr(w), backend_buffer_ptr(h), NULL, BACKEND_BF16};
+                            BACKEND_BF16,
+                            1,
+                            H,
+                            I,
+                            NULL,
+                            NULL,
+                            BACKEND_BF16,
+                            backend_buffer_ptr(w),
+                            backend_buffer_ptr(h),
+                            NULL,
+                            BACKEND_BF16};
         assert_int_equal(backend_gate_up(s, &o), 0);
-        assert_int_equal(backend_download(s, ref + (size_t)i * I, backend_buffer_ptr(h),
-                                          (size_t)I * 2),
-                         0);
+        assert_int_equal(
+            backend_download(s, ref + (size_t)i * I, backend_buffer_ptr(h), (size_t)I * 2), 0);
     }
     int differ = 0;
     *checked = 0;
     for (int mi = 0; mi < nM; mi++) {
         int M = Ms[mi];
-        backend_mlp_op o = {backend_buffer_ptr(x), BACKEND_BF16, M, H, I, NULL, NULL,
-                            BACKEND_BF16, backend_buffer_ptr(w), backend_buffer_ptr(h), NULL,
+        backend_mlp_op o = {backend_buffer_ptr(x),
+                            BACKEND_BF16,
+                            M,
+                            H,
+                            I,
+                            NULL,
+                            NULL,
+                            BACKEND_BF16,
+                            backend_buffer_ptr(w),
+                            backend_buffer_ptr(h),
+                            NULL,
                             BACKEND_BF16};
         assert_int_equal(backend_gate_up(s, &o), 0);
         for (int i = 0; i < NS; i++) {
             if (rows[i] >= M) continue;
-            assert_int_equal(backend_download(s, got,
-                                              (char *)backend_buffer_ptr(h) +
-                                                  (size_t)rows[i] * I * 2,
-                                              (size_t)I * 2),
-                             0);
+            assert_int_equal(
+                backend_download(s, got, (char *)backend_buffer_ptr(h) + (size_t)rows[i] * I * 2,
+                                 (size_t)I * 2),
+                0);
             (*checked)++;
             if (memcmp(got, ref + (size_t)i * I, (size_t)I * 2)) differ++;
         }
@@ -305,8 +320,8 @@ static int gate_up_differ(backend *be, int I, int H, const int *Ms, int nM, int 
 static void test_gate_up_invariant(void **st) {
     NEED_GPU();
     static const int shapes[][2] = {{256, 256}, {1024, 512}, {4864, 896}, {18944, 3584}};
-    static const int Ms[] = {1, 2, 3, 8, 16, 31, 63, 64, 65, 100, 128, 257, 512, 1000, 2048,
-                             4100, 9000};
+    static const int Ms[] = {1,   2,   3,   8,   16,   31,   63,   64,  65,
+                             100, 128, 257, 512, 1000, 2048, 4100, 9000};
     int nM = (int)(sizeof Ms / sizeof Ms[0]);
     backend *inv = open_cuda(1), *fast = open_cuda(0);
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
@@ -332,8 +347,8 @@ static void test_matmul_bench(void **st) {
         fprintf(stderr, "SKIP %s: set DISAGG_INV_GEMM_BENCH=1\n", __func__);
         skip();
     }
-    static const int shapes[][2] = {{3584, 3584}, {512, 3584}, {18944, 3584}, {3584, 18944},
-                                    {152064, 3584}};
+    static const int shapes[][2] = {
+        {3584, 3584}, {512, 3584}, {18944, 3584}, {3584, 18944}, {152064, 3584}};
     static const int Ms[] = {1, 8, 32, 64, 512, 4096};
     static const char *pols[] = {"fast", "1", "8", "64", "256", "1024", "64 nosplitk"};
     int nP = (int)(sizeof pols / sizeof pols[0]), nM = (int)(sizeof Ms / sizeof Ms[0]);
@@ -372,19 +387,26 @@ static void test_matmul_bench(void **st) {
                 int reps = M >= 512 ? 10 : 50;
                 double t0 = now_s();
                 for (int r = 0; r < reps; r++) {
-                    backend_matmul_op op = {backend_buffer_ptr(g.y), BACKEND_F32,
-                                            backend_buffer_ptr(g.x), BACKEND_F32,
-                                            backend_buffer_ptr(g.w), BACKEND_BF16,
-                                            NULL,                    M,
-                                            N,                       K};
+                    backend_matmul_op op = {backend_buffer_ptr(g.y),
+                                            BACKEND_F32,
+                                            backend_buffer_ptr(g.x),
+                                            BACKEND_F32,
+                                            backend_buffer_ptr(g.w),
+                                            BACKEND_BF16,
+                                            NULL,
+                                            M,
+                                            N,
+                                            K};
                     assert_int_equal(backend_matmul(s, &op, 1), 0);
                 }
                 assert_int_equal(backend_stream_sync(s), 0);
                 double us = (now_s() - t0) / reps * 1e6;
                 /* row 0 of this M against row 0 alone (same algorithm): '*' if it differs */
-                assert_int_equal(backend_download(s, rowM, backend_buffer_ptr(g.y), (size_t)N * 4), 0);
+                assert_int_equal(backend_download(s, rowM, backend_buffer_ptr(g.y), (size_t)N * 4),
+                                 0);
                 assert_int_equal(gemm_run(s, &g, 0, 1, 0), 0);
-                assert_int_equal(backend_download(s, row1, backend_buffer_ptr(g.y), (size_t)N * 4), 0);
+                assert_int_equal(backend_download(s, row1, backend_buffer_ptr(g.y), (size_t)N * 4),
+                                 0);
                 int same = !memcmp(rowM, row1, (size_t)N * 4);
                 if (p && !same) bench_differ++;
                 fprintf(stderr, " %8.1f%s", us, same ? " " : "*");
@@ -396,7 +418,8 @@ static void test_matmul_bench(void **st) {
     }
     unsetenv("DISAGG_CUDA_INV_GEMM_M");
     unsetenv("DISAGG_CUDA_INV_SPLITK");
-    fprintf(stderr, "  (*: row 0 of the M-row GEMM differs from row 0 alone; invariant policies: %d)\n",
+    fprintf(stderr,
+            "  (*: row 0 of the M-row GEMM differs from row 0 alone; invariant policies: %d)\n",
             bench_differ);
     free(rowM), free(row1);
     assert_int_equal(bench_differ, 0);
@@ -512,7 +535,8 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
     assert_non_null(s);
     int W = c->nh * c->hd, kvd = c->nkv * c->hd, nlayers = 2, nb = NSEQ * 24;
     backend_kv kv = {NULL, c->kv_dt, nb, AT_BS, nlayers, c->nkv, c->hd, 0};
-    backend_buffer *kvb = backend_buffer_alloc(be, backend_kv_block_bytes(&kv) * nb, BACKEND_BUF_KV);
+    backend_buffer *kvb =
+        backend_buffer_alloc(be, backend_kv_block_bytes(&kv) * nb, BACKEND_BUF_KV);
     assert_non_null(kvb);
     kv.base = backend_buffer_ptr(kvb);
     static int32_t tables[NSEQ][64];
@@ -537,14 +561,14 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
             tok[p] = 0, tseq[p] = 0, tpos[p] = p;
         backend_batch b = {L, 1, tok, tseq, tpos, qo, kvl, bti, tables[i], 0, NULL};
         assert_int_equal(backend_plan(s, &b), 0);
-        assert_int_equal(backend_upload(s, backend_buffer_ptr(kb), k + (size_t)i * L * kvd,
-                                        (size_t)L * kvd * 4),
-                         0);
-        assert_int_equal(backend_upload(s, backend_buffer_ptr(vb), v + (size_t)i * L * kvd,
-                                        (size_t)L * kvd * 4),
-                         0);
-        assert_int_equal(backend_kv_write(s, &kv, 1, backend_buffer_ptr(kb),
-                                          backend_buffer_ptr(vb), BACKEND_F32),
+        assert_int_equal(
+            backend_upload(s, backend_buffer_ptr(kb), k + (size_t)i * L * kvd, (size_t)L * kvd * 4),
+            0);
+        assert_int_equal(
+            backend_upload(s, backend_buffer_ptr(vb), v + (size_t)i * L * kvd, (size_t)L * kvd * 4),
+            0);
+        assert_int_equal(backend_kv_write(s, &kv, 1, backend_buffer_ptr(kb), backend_buffer_ptr(vb),
+                                          BACKEND_F32),
                          0);
     }
     float *ref = calloc(qn, 4), *got = calloc(qn, 4);
@@ -588,9 +612,9 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
 
 static void test_attention_invariant(void **st) {
     NEED_GPU();
-    static const at_case cases[] = {{4, 2, 16, BACKEND_BF16},  {8, 2, 32, BACKEND_BF16},
+    static const at_case cases[] = {{4, 2, 16, BACKEND_BF16},   {8, 2, 32, BACKEND_BF16},
                                     {28, 4, 128, BACKEND_BF16}, {8, 8, 64, BACKEND_BF16},
-                                    {8, 2, 32, BACKEND_F32},   {28, 4, 128, BACKEND_F32}};
+                                    {8, 2, 32, BACKEND_F32},    {28, 4, 128, BACKEND_F32}};
     backend *inv = open_cuda(1), *fast = open_cuda(0);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const at_case *c = &cases[i];
@@ -611,8 +635,7 @@ static void test_attention_invariant(void **st) {
             setenv("DISAGG_CUDA_INV_ATT", vars[v], 1);
             rs = save;
             int dv = at_case_run(inv, c, &n);
-            fprintf(stderr, "    DISAGG_CUDA_INV_ATT=%s: %d/%d positions differ\n", vars[v], dv,
-                    n);
+            fprintf(stderr, "    DISAGG_CUDA_INV_ATT=%s: %d/%d positions differ\n", vars[v], dv, n);
             assert_int_equal(dv, 0);
         }
         unsetenv("DISAGG_CUDA_INV_ATT");
@@ -657,10 +680,10 @@ static int ch_random(int seq, int done, int call) {
     return r == 0 ? 1 + irand(15) : r == 1 ? 16 + irand(100) : 1;
 }
 
-static void m_run(const qwen2_model *m, qwen2_state *st, const kv_store *kv, mseq *sq, int n,
+static void m_run(const decoder_model *m, decoder_state *st, const kv_store *kv, mseq *sq, int n,
                   chunk_fn fn, int max_tokens) {
     int V = m->cfg.vocab_size;
-    qwen2_seq *q = calloc((size_t)n, sizeof *q);
+    decoder_seq *q = calloc((size_t)n, sizeof *q);
     for (int i = 0; i < n; i++)
         sq[i].done = 0;
     for (int call = 0;; call++) {
@@ -672,18 +695,19 @@ static void m_run(const qwen2_model *m, qwen2_state *st, const kv_store *kv, mse
             if (T + c > max_tokens) c = max_tokens - T;
             if (c <= 0) continue;
             /* the target keeps every token's logits; the others only their last one's */
-            q[k++] = (qwen2_seq){sq[i].toks + sq[i].done,
-                                 c,
-                                 sq[i].done,
-                                 sq[i].table,
-                                 (sq[i].done + c + MB - 1) / MB,
-                                 i ? sq[i].logits : sq[i].logits + (size_t)sq[i].done * V,
-                                 i ? 0 : 1, NULL};
+            q[k++] = (decoder_seq){sq[i].toks + sq[i].done,
+                                   c,
+                                   sq[i].done,
+                                   sq[i].table,
+                                   (sq[i].done + c + MB - 1) / MB,
+                                   i ? sq[i].logits : sq[i].logits + (size_t)sq[i].done * V,
+                                   i ? 0 : 1,
+                                   NULL};
             sq[i].done += c;
             T += c;
         }
         if (!k) break;
-        assert_int_equal(qwen2_forward(m, st, kv, q, k), 0);
+        assert_int_equal(decoder_forward(m, st, kv, q, k), 0);
     }
     free(q);
 }
@@ -699,9 +723,9 @@ static int argmax_row(const float *x, int V) {
  * schedule; returns differing rows (of the target's P + G) against the prefill at once. */
 static int model_case(const char *dir, int inv, int P, int G, int *rows, const char *label) {
     backend *be = open_cuda(inv);
-    qwen2_model m;
+    decoder_model m;
     char err[1024];
-    int rc = qwen2_load_on(&m, dir, be, 0, err, sizeof err);
+    int rc = decoder_load_on(&m, dir, be, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
     int V = m.cfg.vocab_size, L = P + G, NS = 64, max_tokens = 2048;
@@ -711,9 +735,9 @@ static int model_case(const char *dir, int inv, int P, int G, int *rows, const c
     assert_int_equal(kv_store_init_on(&kv, be, &m.cfg, nb, MB, on_cpu ? BACKEND_F32 : BACKEND_BF16,
                                       BACKEND_BUF_KV),
                      0);
-    qwen2_state *st = qwen2_state_create(&m, max_tokens);
+    decoder_state *st = decoder_state_create(&m, max_tokens);
     assert_non_null(st);
-    assert_true(qwen2_state_set_graphs(st, NS) > 0 || on_cpu);
+    assert_true(decoder_state_set_graphs(st, NS) > 0 || on_cpu);
     mseq *sq = calloc((size_t)NS, sizeof *sq);
     int vmax = V < 30000 ? V : 30000;
     for (int i = 0; i < NS; i++) {
@@ -770,13 +794,13 @@ static int model_case(const char *dir, int inv, int P, int G, int *rows, const c
                 inv ? "inv" : "fast", sc[k].name, d, L, worst);
     }
     fprintf(stderr, "    %s %s: %d graph(s) recorded\n", label, inv ? "inv" : "fast",
-            qwen2_state_graphs(st));
+            decoder_state_graphs(st));
     for (int i = 0; i < NS; i++)
         free(sq[i].toks), free(sq[i].logits);
     free(sq), free(ref);
-    qwen2_state_free(st);
+    decoder_state_free(st);
     kv_store_free(&kv);
-    qwen2_free(&m);
+    decoder_free(&m);
     backend_close(be);
     return differ;
 }
@@ -814,8 +838,9 @@ static void test_model_7b(void **st) {
     NEED_GPU();
     const char *dir = getenv("DISAGG_INV_7B");
     if (!dir || !*dir) {
-        fprintf(stderr, "SKIP %s: set DISAGG_INV_7B to a directory made by "
-                        "tools/gen_random_qwen2_gpu.py --shape 7b\n",
+        fprintf(stderr,
+                "SKIP %s: set DISAGG_INV_7B to a directory made by "
+                "tools/gen_random_qwen2_gpu.py --shape 7b\n",
                 __func__);
         skip();
     }
@@ -863,9 +888,9 @@ static backend_buffer *rand_buffer(backend *be, backend_stream *s, size_t n, int
             memcpy((char *)h + i * 4, &f, 4);
         }
     for (size_t o = 0; o < n; o += chunk)
-        assert_int_equal(backend_upload(s, (char *)backend_buffer_ptr(b) + o, h,
-                                        n - o < chunk ? n - o : chunk),
-                         0);
+        assert_int_equal(
+            backend_upload(s, (char *)backend_buffer_ptr(b) + o, h, n - o < chunk ? n - o : chunk),
+            0);
     assert_int_equal(backend_stream_sync(s), 0);
     free(h);
     return b;
@@ -903,10 +928,16 @@ static void test_decode_bench(void **st) {
                 double t0 = now_s();
                 for (int l = 0; l <= NL; l++)
                     for (int k = l < NL ? 0 : 4; k < (l < NL ? 4 : 5); k++) {
-                        backend_matmul_op op = {backend_buffer_ptr(y), BACKEND_F32,
-                                                backend_buffer_ptr(x), BACKEND_BF16,
-                                                backend_buffer_ptr(w[k]), BACKEND_BF16,
-                                                NULL, M, shp[k][0], shp[k][1]};
+                        backend_matmul_op op = {backend_buffer_ptr(y),
+                                                BACKEND_F32,
+                                                backend_buffer_ptr(x),
+                                                BACKEND_BF16,
+                                                backend_buffer_ptr(w[k]),
+                                                BACKEND_BF16,
+                                                NULL,
+                                                M,
+                                                shp[k][0],
+                                                shp[k][1]};
                         assert_int_equal(backend_matmul(s, &op, 1), 0);
                     }
                 assert_int_equal(backend_stream_sync(s), 0);
@@ -923,7 +954,7 @@ static void test_decode_bench(void **st) {
     }
     /* attention: KV for 64 sequences of 4,096 + 16 positions, 28 layers */
     int per = (4096 + 16 + BS - 1) / BS, nb = 64 * per;
-    const char *vars[] = {"fast", "inv", "inv old (k_iv_part)", "inv tps 1", "inv tps 2",
+    const char *vars[] = {"fast",      "inv",      "inv old (k_iv_part)", "inv tps 1", "inv tps 2",
                           "inv tps 4", "inv tps 8"};
     const char *env[] = {NULL, NULL, "0", "1", "2", "4", "8"};
     const int nV = 7;
@@ -937,13 +968,15 @@ static void test_decode_bench(void **st) {
         kv.base = backend_buffer_ptr(kvb);
         backend_buffer *qb = rand_buffer(be[mode], s, (size_t)64 * NH * HD * 4, 1),
                        *ob = backend_buffer_alloc(be[mode], (size_t)64 * NH * HD * 4, 0);
-        int32_t *bt = malloc((size_t)nb * 4), tok[64], tseq[64], tpos[64], qo[65], kvl[64],
-                bti[65], orow[64];
+        int32_t *bt = malloc((size_t)nb * 4), tok[64], tseq[64], tpos[64], qo[65], kvl[64], bti[65],
+                orow[64];
         for (int i = 0; i < nb; i++)
             bt[i] = (int32_t)(((size_t)i * 7919) % (size_t)nb); /* scattered blocks */
         for (int v = mode ? 1 : 0; v < (mode ? nV : 1); v++) {
-            if (env[v]) setenv("DISAGG_CUDA_INV_ATT", env[v], 1);
-            else unsetenv("DISAGG_CUDA_INV_ATT");
+            if (env[v])
+                setenv("DISAGG_CUDA_INV_ATT", env[v], 1);
+            else
+                unsetenv("DISAGG_CUDA_INV_ATT");
             for (int ci = 0; ci < nC; ci++)
                 for (int bi = 0; bi < nB; bi++) {
                     int B = Bs[bi], ctx = ctxs[ci] + 8, nbs = (ctx + BS - 1) / BS;
@@ -970,8 +1003,8 @@ static void test_decode_bench(void **st) {
                             int rc = 0;
                             for (int l = 0; l < NL && !rc; l++)
                                 rc = backend_attention_to(s, backend_buffer_ptr(ob), BACKEND_BF16,
-                                                          backend_buffer_ptr(qb), BACKEND_F32,
-                                                          &kv, l, NH, 0.0884f);
+                                                          backend_buffer_ptr(qb), BACKEND_F32, &kv,
+                                                          l, NH, 0.0884f);
                             assert_int_equal(rc, 0);
                             assert_int_equal(backend_graph_end(s, 1), 0);
                         }
@@ -989,8 +1022,10 @@ static void test_decode_bench(void **st) {
         backend_buffer_free(qb), backend_buffer_free(ob), backend_buffer_free(kvb);
         backend_stream_free(s);
     }
-    fprintf(stderr, "  decode-step attention (28 layers, one recorded graph, bf16 KV and output), "
-                    "ms per step\n  %-22s", "variant \\ B");
+    fprintf(stderr,
+            "  decode-step attention (28 layers, one recorded graph, bf16 KV and output), "
+            "ms per step\n  %-22s",
+            "variant \\ B");
     for (int ci = 0; ci < nC; ci++)
         for (int bi = 0; bi < nB; bi++)
             fprintf(stderr, " %5s%-4d", ci ? "4k:" : "1k:", Bs[bi]);
@@ -1020,16 +1055,11 @@ static void test_cpu_accepts(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_cpu_accepts),
-        cmocka_unit_test(test_harness_cpu),
-        cmocka_unit_test(test_matmul_invariant),
-        cmocka_unit_test(test_gate_up_invariant),
-        cmocka_unit_test(test_attention_invariant),
-        cmocka_unit_test(test_model_tiny),
-        cmocka_unit_test(test_model_default),
-        cmocka_unit_test(test_model_7b),
-        cmocka_unit_test(test_matmul_bench),
-        cmocka_unit_test(test_decode_bench),
+        cmocka_unit_test(test_cpu_accepts),         cmocka_unit_test(test_harness_cpu),
+        cmocka_unit_test(test_matmul_invariant),    cmocka_unit_test(test_gate_up_invariant),
+        cmocka_unit_test(test_attention_invariant), cmocka_unit_test(test_model_tiny),
+        cmocka_unit_test(test_model_default),       cmocka_unit_test(test_model_7b),
+        cmocka_unit_test(test_matmul_bench),        cmocka_unit_test(test_decode_bench),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -19,7 +19,7 @@
 
 #include "kernels/cpu/cpu_matmul.h"
 #include "model/arch.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "test_model_fixture.h"
 
 #define BLOCK 16
@@ -35,11 +35,11 @@ static void check_model(const char *name, double tol) {
     char dir[1024], err[1024];
     json_t *g = fixture_model(name, dir, sizeof dir);
     assert_non_null(g);
-    qwen2_model m;
-    int rc = qwen2_load(&m, dir, 0, err, sizeof err);
+    decoder_model m;
+    int rc = decoder_load(&m, dir, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
-    qwen2_state *s = qwen2_state_init(&m, 256, 0);
+    decoder_state *s = decoder_state_init(&m, 256, 0);
     assert_non_null(s);
     int V = m.cfg.vocab_size;
     json_t *cases = json_object_get(g, "cases");
@@ -58,8 +58,8 @@ static void check_model(const char *name, double tol) {
         for (int b = 0; b < kv.n_blocks; b++)
             table[b] = kv.n_blocks - 1 - b; /* any order works */
         float *logits = malloc((size_t)n * V * sizeof(float));
-        qwen2_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1, NULL};
-        assert_int_equal(qwen2_forward(&m, s, &kv, &sq, 1), 0);
+        decoder_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1, NULL};
+        assert_int_equal(decoder_forward(&m, s, &kv, &sq, 1), 0);
         size_t ri;
         json_t *row;
         json_array_foreach(json_object_get(cs, "rows"), ri, row) {
@@ -86,8 +86,8 @@ static void check_model(const char *name, double tol) {
                 fail_msg("%s case %zu greedy step %zu: got %d, transformers %d", name, ci, k, cur,
                          want);
             ids[n + k] = cur;
-            qwen2_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0, NULL};
-            assert_int_equal(qwen2_forward(&m, s, &kv, &st, 1), 0);
+            decoder_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0, NULL};
+            assert_int_equal(decoder_forward(&m, s, &kv, &st, 1), 0);
             cur = argmax(logits, V);
         }
         free(logits);
@@ -96,8 +96,8 @@ static void check_model(const char *name, double tol) {
     }
     fprintf(stderr, "%s: worst relative error vs transformers %.3g (tolerance %.0e), isa %s\n",
             name, worst, tol, cpu_isa_name(cpu_isa_get()));
-    qwen2_state_free(s);
-    qwen2_free(&m);
+    decoder_state_free(s);
+    decoder_free(&m);
     json_decref(g);
 }
 
@@ -131,8 +131,8 @@ static void check_arch(const char *name) {
     char dir[1024], err[1024];
     json_t *g = fixture_model(name, dir, sizeof dir);
     assert_non_null(g);
-    qwen2_model m;
-    int rc = qwen2_load(&m, dir, 0, err, sizeof err);
+    decoder_model m;
+    int rc = decoder_load(&m, dir, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
     json_t *inv = json_object_get(g, "rope_inv_freq");
@@ -148,7 +148,7 @@ static void check_arch(const char *name) {
     double ref_af = json_real_value(json_object_get(g, "rope_attention_scaling"));
     if (fabs(af - ref_af) > 1e-6)
         fail_msg("%s attention factor %.9g, transformers %.9g", name, af, ref_af);
-    qwen2_free(&m);
+    decoder_free(&m);
     json_decref(g);
     check_model(name, 1e-4);
 }

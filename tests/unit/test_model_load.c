@@ -17,7 +17,7 @@
 #include <math.h>
 #include "model/model_config.h"
 #include "kernels/cpu/cpu_matmul.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "test_model_fixture.h"
 
 static char g_src[1024]; /* the generated tiny bf16 model */
@@ -53,11 +53,11 @@ static void sh(const char *fmt, ...) {
 
 /* Loads dir, expects failure whose message contains each of the NULL-terminated needles. */
 static void expect_load_error(const char *dir, ...) {
-    qwen2_model m;
+    decoder_model m;
     char err[2048] = "";
-    int rc = qwen2_load(&m, dir, 0, err, sizeof err);
+    int rc = decoder_load(&m, dir, 0, err, sizeof err);
     if (rc == 0) {
-        qwen2_free(&m);
+        decoder_free(&m);
         fail_msg("loading %s succeeded; expected an error", dir);
     }
     va_list ap;
@@ -241,21 +241,21 @@ static void test_dummy_load(void **st) {
        "--out "
        "%s/full >/dev/null && cp %s/full/config.json %s/",
        d, d, DISAGG_SOURCE_DIR, d, d, d);
-    qwen2_model m, m2;
+    decoder_model m, m2;
     expect_load_error(d, "no *.safetensors", NULL); /* without dummy: the weights are needed */
-    assert_int_equal(qwen2_load_ex(&m, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
-    assert_int_equal(qwen2_load_ex(&m2, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
+    assert_int_equal(decoder_load_ex(&m, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
+    assert_int_equal(decoder_load_ex(&m2, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
     assert_int_equal(m.w.st.n_files, 0);
     assert_non_null(m.w.layers[1].q_norm);
     assert_memory_equal(m.w.layers[1].wo.data, m2.w.layers[1].wo.data,
                         (size_t)m.cfg.hidden_size * m.cfg.q_dim * 2);
-    qwen2_state *s = qwen2_state_init(&m, 8, 1);
+    decoder_state *s = decoder_state_init(&m, 8, 1);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &m.cfg, 1, 16), 0);
     int32_t toks[4] = {1, 2, 3, 4}, table[1] = {0};
     float *lg = malloc((size_t)m.cfg.vocab_size * sizeof *lg);
-    qwen2_seq q = {toks, 4, 0, table, 1, lg, 0, NULL};
-    assert_int_equal(qwen2_forward(&m, s, &kv, &q, 1), 0);
+    decoder_seq q = {toks, 4, 0, table, 1, lg, 0, NULL};
+    assert_int_equal(decoder_forward(&m, s, &kv, &q, 1), 0);
     double sum = 0;
     for (int i = 0; i < m.cfg.vocab_size; i++) {
         assert_true(isfinite(lg[i]));
@@ -264,9 +264,9 @@ static void test_dummy_load(void **st) {
     assert_true(sum > 0);
     free(lg);
     kv_store_free(&kv);
-    qwen2_state_free(s);
-    qwen2_free(&m);
-    qwen2_free(&m2);
+    decoder_state_free(s);
+    decoder_free(&m);
+    decoder_free(&m2);
 }
 
 static void test_hf_cache(void **st) {
@@ -291,11 +291,11 @@ static void test_hf_cache(void **st) {
     /* a full model found through the cache loads */
     sh("cp %s/config.json %s/model.safetensors %s/hub/models--Org--Tiny/snapshots/abc123/", g_src,
        g_src, g_tmp);
-    qwen2_model m;
-    assert_int_equal(qwen2_load(&m, "Org/Tiny", 0, err, sizeof err), 0);
+    decoder_model m;
+    assert_int_equal(decoder_load(&m, "Org/Tiny", 0, err, sizeof err), 0);
     assert_int_equal(m.cfg.n_layers, 2);
     assert_int_equal(m.w.embed.dtype, CPU_BF16);
-    qwen2_free(&m);
+    decoder_free(&m);
     unsetenv("HF_HOME");
     unsetenv("HF_HUB_CACHE");
 }
@@ -308,16 +308,16 @@ static void test_sharded_matches_single(void **st) {
        "--shard-mb 2 "
        "--config-style 5 >/dev/null",
        DISAGG_SOURCE_DIR, d);
-    qwen2_model a, b;
-    assert_int_equal(qwen2_load(&a, g_src, 0, err, sizeof err), 0);
-    assert_int_equal(qwen2_load(&b, d, 0, err, sizeof err), 0);
+    decoder_model a, b;
+    assert_int_equal(decoder_load(&a, g_src, 0, err, sizeof err), 0);
+    assert_int_equal(decoder_load(&b, d, 0, err, sizeof err), 0);
     assert_true(b.w.st.n_files > 1);
     assert_int_equal(a.w.matrix_bytes, b.w.matrix_bytes);
     assert_memory_equal(a.w.layers[1].w_down.data, b.w.layers[1].w_down.data,
                         (size_t)a.cfg.hidden_size * a.cfg.intermediate_size * 2);
     assert_true(a.cfg.rope_theta == b.cfg.rope_theta);
-    qwen2_free(&a);
-    qwen2_free(&b);
+    decoder_free(&a);
+    decoder_free(&b);
 }
 
 static void test_load_errors(void **st) {
