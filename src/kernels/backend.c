@@ -609,7 +609,7 @@ int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
     CHECK(o->wqkv || (o->wq && o->wk && o->wv && o->k && o->v),
           "qkv: neither the concatenated matrix nor q, k, v weights with k/v scratch");
     CHECK(!o->q_norm == !o->k_norm, "qkv: q_norm and k_norm go together");
-    if (o->wqkv && st->be->iface->qkv && !o->q_norm) return st->be->iface->qkv(st, o);
+    if (o->wqkv && st->be->iface->qkv) return st->be->iface->qkv(st, o);
     CHECK(o->wq && o->wk && o->wv && o->k && o->v,
           "qkv: %s has no fused form: give wq, wk, wv and k/v scratch", st->be->name);
     const backend_kv *kv = o->kv;

@@ -321,8 +321,7 @@ int backend_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, voi
  * k = rope(wk . x + bk), v = wv . x + bv written into `layer`'s KV slots (with q_norm /
  * k_norm: rope(norm(..)) per head).  Generic: backend_matmul of the three (into q, k, v),
  * [backend_rmsnorm per head of q and k,] backend_rope(q, k), backend_kv_write(k, v).  A
- * backend's fused form is used only without q/k norms (then the generic form runs on it,
- * over the concatenated matrix's q/k/v views). */
+ * backend's fused form takes the q/k norms too (CUDA: kernels/cuda/cuda_qknorm.h). */
 typedef struct backend_qkv_op {
     const void *x;             /* (T, hidden) normed input */
     backend_dtype x_dt;        /* its dtype */

@@ -865,8 +865,8 @@ static void test_fused_ops(void **state) {
         check_close("qkv: q (bias, RoPE)", be, gq, wq_, (size_t)T * H, 1e-4);
         check_close("qkv: K/V in the cache (every other slot zero)", be, gkv, wkv, n_el,
                     kdt == BACKEND_F32 ? 1e-4 : 8e-3);
-        /* qkv with Qwen3's per-head q/k RMSNorm before RoPE, no biases (every backend: the
-         * generic form over the concatenated matrix's views where it has a fused one) */
+        /* qkv with Qwen3's per-head q/k RMSNorm before RoPE, no biases (the CPU: the generic
+         * form; CUDA: the q|k|v GEMM and kernels/cuda/cuda_qknorm.cu) */
         float qn[HD], kn[HD];
         for (int i = 0; i < HD; i++)
             qn[i] = 1.0f + 0.3f * frand(), kn[i] = 1.0f + 0.3f * frand();

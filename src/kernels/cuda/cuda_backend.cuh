@@ -12,6 +12,7 @@
  */
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_invariant.h"
+#include "kernels/cuda/cuda_qknorm.h"
 #include "kernels/cuda/cuda_window.h"
 
 typedef struct cb_dev {
@@ -816,6 +817,20 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
         W = (nh + 2 * nkv) * hd;
     if (T <= 0) return 0;
+    if (o->q_norm) { /* Qwen3: the q|k|v GEMM in f32, then norm, RoPE, KV (cuda_qknorm.h) */
+        float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
+        if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
+        backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
+                               o->hidden};
+        int rc = cb_matmul(st, &g, 1);
+        if (rc) return rc;
+        return pm(s,
+                  cq_qknorm_finish(s->c->stream, (float *)o->q, kv->base,
+                                   kv->dtype == BACKEND_BF16, kv->block_size, kv->n_layers,
+                                   o->layer, qkv, o->bqkv, o->q_norm, o->k_norm, o->qk_eps, s->pos,
+                                   s->seq, s->bt, s->stride, o->inv_freq, T, nh, nkv, hd),
+                  "qk norm finish (bias, q/k norm, rope, kv)", 0);
+    }
     if (!s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
         /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
