@@ -21,19 +21,19 @@ typedef struct engine engine;
 struct model_config;
 
 typedef struct engine_config {
-    const char *model;          /* directory or hub name in the HF cache */
-    int block_size;             /* tokens per KV block (0, the default: auto, 128 cpu / 16 cuda) */
-    size_t kv_cache_bytes;      /* KV region size; 0 = kv_cache_fraction of RAM */
-    double kv_cache_fraction;   /* default 0.25 */
-    int max_num_seqs;           /* default 64 */
-    int max_num_batched_tokens; /* default 2048 */
-    int max_model_len;          /* 0 = the model's max_position_embeddings */
-    int enable_prefix_caching;  /* default 1 */
-    uint64_t seed;              /* engine-wide seed for unseeded sampling */
-    int threads;                /* compute threads, 0 = all cores */
-    int progress;               /* show model-loading progress on a tty */
-    const char *device;         /* backend_open device: "cpu" (default), "auto", "cuda[:N]" */
-    int kv_cache_dtype;         /* backend_dtype of the KV cache; -1 = the device's default */
+    const char *model;             /* directory or hub name in the HF cache */
+    int block_size;                /* tokens per KV block (0, the default: auto, 128 cpu / 16 cuda) */
+    size_t kv_cache_bytes;         /* KV region size; 0 = kv_cache_fraction of RAM */
+    double kv_cache_fraction;      /* default 0.25 */
+    int max_num_seqs;              /* default 64 */
+    int max_num_batched_tokens;    /* default 2048 */
+    int max_model_len;             /* 0 = the model's max_position_embeddings */
+    int enable_prefix_caching;     /* default 1 */
+    uint64_t seed;                 /* engine-wide seed for unseeded sampling */
+    int threads;                   /* compute threads, 0 = all cores */
+    int progress;                  /* show model-loading progress on a tty */
+    const char *device;            /* backend_open device: "cpu" (default), "auto", "cuda[:N]" */
+    int kv_cache_dtype;            /* backend_dtype of the KV cache; -1 = the device's default */
     double gpu_memory_utilization; /* GPU: device-memory fraction for everything (0.9) */
     int enforce_eager;             /* GPU: no CUDA graphs (default: decode steps as graphs) */
     int batch_invariant;           /* --batch-invariant: backend_options.batch_invariant */

@@ -180,8 +180,9 @@ static int gemm_differ(backend *be, int N, int K, const int *Ms, int nM, int *ch
     for (int i = 0; i < NS; i++) {
         if (rows[i] >= maxM) rows[i] = maxM - 1;
         assert_int_equal(gemm_run(s, &g, rows[i], 1, i & 1), 0);
-        assert_int_equal(
-            backend_download(s, ref + (size_t)i * N, backend_buffer_ptr(g.y), (size_t)N * 4), 0);
+        assert_int_equal(backend_download(s, ref + (size_t)i * N, backend_buffer_ptr(g.y),
+                                          (size_t)N * 4),
+                         0);
     }
     int differ = 0;
     *checked = 0;
@@ -191,11 +192,11 @@ static int gemm_differ(backend *be, int N, int K, const int *Ms, int nM, int *ch
             assert_int_equal(gemm_run(s, &g, 0, M, bias), 0);
             for (int i = 0; i < NS; i++) {
                 if (rows[i] >= M || (i & 1) != bias) continue;
-                assert_int_equal(
-                    backend_download(s, got,
-                                     (char *)backend_buffer_ptr(g.y) + (size_t)rows[i] * N * 4,
-                                     (size_t)N * 4),
-                    0);
+                assert_int_equal(backend_download(s, got,
+                                                  (char *)backend_buffer_ptr(g.y) +
+                                                      (size_t)rows[i] * N * 4,
+                                                  (size_t)N * 4),
+                                 0);
                 (*checked)++;
                 if (memcmp(got, ref + (size_t)i * N, (size_t)N * 4)) differ++;
             }
@@ -209,11 +210,11 @@ static int gemm_differ(backend *be, int N, int K, const int *Ms, int nM, int *ch
 
 static void test_matmul_invariant(void **st) {
     NEED_GPU();
-    static const int shapes[][2] = {{256, 256},    {1024, 256},   {256, 1024},   {4096, 256},
-                                    {64, 64},      {160, 64},     {3584, 3584},  {512, 3584},
+    static const int shapes[][2] = {{256, 256},   {1024, 256},  {256, 1024},  {4096, 256},
+                                    {64, 64},     {160, 64},    {3584, 3584}, {512, 3584},
                                     {18944, 3584}, {3584, 18944}, {152064, 3584}};
-    static const int Ms[] = {1,  2,  3,   5,   8,   13,  16,   24,   31,   32,
-                             33, 64, 100, 128, 257, 512, 1000, 2048, 4100, 9000};
+    static const int Ms[] = {1, 2, 3, 5, 8, 13, 16, 24, 31, 32, 33, 64, 100, 128, 257, 512, 1000,
+                             2048, 4100, 9000};
     int nM = (int)(sizeof Ms / sizeof Ms[0]);
     backend *inv = open_cuda(1), *fast = open_cuda(0);
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
@@ -269,44 +270,28 @@ static int gate_up_differ(backend *be, int I, int H, const int *Ms, int nM, int 
     for (int i = 0; i < NS; i++) {
         if (rows[i] >= maxM) rows[i] = maxM - 1;
         backend_mlp_op o = {(char *)backend_buffer_ptr(x) + (size_t)rows[i] * H * 2,
-                            BACKEND_BF16,
-                            1,
-                            H,
-                            I,
-                            NULL,
-                            NULL,
-                            BACKEND_BF16,
-                            backend_buffer_ptr(w),
-                            backend_buffer_ptr(h),
-                            NULL,
-                            BACKEND_BF16};
+                            BACKEND_BF16, 1, H, I, NULL, NULL, BACKEND_BF16,
+                            backend_buffer_ptr(w), backend_buffer_ptr(h), NULL, BACKEND_BF16};
         assert_int_equal(backend_gate_up(s, &o), 0);
-        assert_int_equal(
-            backend_download(s, ref + (size_t)i * I, backend_buffer_ptr(h), (size_t)I * 2), 0);
+        assert_int_equal(backend_download(s, ref + (size_t)i * I, backend_buffer_ptr(h),
+                                          (size_t)I * 2),
+                         0);
     }
     int differ = 0;
     *checked = 0;
     for (int mi = 0; mi < nM; mi++) {
         int M = Ms[mi];
-        backend_mlp_op o = {backend_buffer_ptr(x),
-                            BACKEND_BF16,
-                            M,
-                            H,
-                            I,
-                            NULL,
-                            NULL,
-                            BACKEND_BF16,
-                            backend_buffer_ptr(w),
-                            backend_buffer_ptr(h),
-                            NULL,
+        backend_mlp_op o = {backend_buffer_ptr(x), BACKEND_BF16, M, H, I, NULL, NULL,
+                            BACKEND_BF16, backend_buffer_ptr(w), backend_buffer_ptr(h), NULL,
                             BACKEND_BF16};
         assert_int_equal(backend_gate_up(s, &o), 0);
         for (int i = 0; i < NS; i++) {
             if (rows[i] >= M) continue;
-            assert_int_equal(
-                backend_download(s, got, (char *)backend_buffer_ptr(h) + (size_t)rows[i] * I * 2,
-                                 (size_t)I * 2),
-                0);
+            assert_int_equal(backend_download(s, got,
+                                              (char *)backend_buffer_ptr(h) +
+                                                  (size_t)rows[i] * I * 2,
+                                              (size_t)I * 2),
+                             0);
             (*checked)++;
             if (memcmp(got, ref + (size_t)i * I, (size_t)I * 2)) differ++;
         }
@@ -320,8 +305,8 @@ static int gate_up_differ(backend *be, int I, int H, const int *Ms, int nM, int 
 static void test_gate_up_invariant(void **st) {
     NEED_GPU();
     static const int shapes[][2] = {{256, 256}, {1024, 512}, {4864, 896}, {18944, 3584}};
-    static const int Ms[] = {1,   2,   3,   8,   16,   31,   63,   64,  65,
-                             100, 128, 257, 512, 1000, 2048, 4100, 9000};
+    static const int Ms[] = {1, 2, 3, 8, 16, 31, 63, 64, 65, 100, 128, 257, 512, 1000, 2048,
+                             4100, 9000};
     int nM = (int)(sizeof Ms / sizeof Ms[0]);
     backend *inv = open_cuda(1), *fast = open_cuda(0);
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
@@ -347,8 +332,8 @@ static void test_matmul_bench(void **st) {
         fprintf(stderr, "SKIP %s: set DISAGG_INV_GEMM_BENCH=1\n", __func__);
         skip();
     }
-    static const int shapes[][2] = {
-        {3584, 3584}, {512, 3584}, {18944, 3584}, {3584, 18944}, {152064, 3584}};
+    static const int shapes[][2] = {{3584, 3584}, {512, 3584}, {18944, 3584}, {3584, 18944},
+                                    {152064, 3584}};
     static const int Ms[] = {1, 8, 32, 64, 512, 4096};
     static const char *pols[] = {"fast", "1", "8", "64", "256", "1024", "64 nosplitk"};
     int nP = (int)(sizeof pols / sizeof pols[0]), nM = (int)(sizeof Ms / sizeof Ms[0]);
@@ -387,26 +372,19 @@ static void test_matmul_bench(void **st) {
                 int reps = M >= 512 ? 10 : 50;
                 double t0 = now_s();
                 for (int r = 0; r < reps; r++) {
-                    backend_matmul_op op = {backend_buffer_ptr(g.y),
-                                            BACKEND_F32,
-                                            backend_buffer_ptr(g.x),
-                                            BACKEND_F32,
-                                            backend_buffer_ptr(g.w),
-                                            BACKEND_BF16,
-                                            NULL,
-                                            M,
-                                            N,
-                                            K};
+                    backend_matmul_op op = {backend_buffer_ptr(g.y), BACKEND_F32,
+                                            backend_buffer_ptr(g.x), BACKEND_F32,
+                                            backend_buffer_ptr(g.w), BACKEND_BF16,
+                                            NULL,                    M,
+                                            N,                       K};
                     assert_int_equal(backend_matmul(s, &op, 1), 0);
                 }
                 assert_int_equal(backend_stream_sync(s), 0);
                 double us = (now_s() - t0) / reps * 1e6;
                 /* row 0 of this M against row 0 alone (same algorithm): '*' if it differs */
-                assert_int_equal(backend_download(s, rowM, backend_buffer_ptr(g.y), (size_t)N * 4),
-                                 0);
+                assert_int_equal(backend_download(s, rowM, backend_buffer_ptr(g.y), (size_t)N * 4), 0);
                 assert_int_equal(gemm_run(s, &g, 0, 1, 0), 0);
-                assert_int_equal(backend_download(s, row1, backend_buffer_ptr(g.y), (size_t)N * 4),
-                                 0);
+                assert_int_equal(backend_download(s, row1, backend_buffer_ptr(g.y), (size_t)N * 4), 0);
                 int same = !memcmp(rowM, row1, (size_t)N * 4);
                 if (p && !same) bench_differ++;
                 fprintf(stderr, " %8.1f%s", us, same ? " " : "*");
@@ -418,8 +396,7 @@ static void test_matmul_bench(void **st) {
     }
     unsetenv("DISAGG_CUDA_INV_GEMM_M");
     unsetenv("DISAGG_CUDA_INV_SPLITK");
-    fprintf(stderr,
-            "  (*: row 0 of the M-row GEMM differs from row 0 alone; invariant policies: %d)\n",
+    fprintf(stderr, "  (*: row 0 of the M-row GEMM differs from row 0 alone; invariant policies: %d)\n",
             bench_differ);
     free(rowM), free(row1);
     assert_int_equal(bench_differ, 0);
@@ -535,8 +512,7 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
     assert_non_null(s);
     int W = c->nh * c->hd, kvd = c->nkv * c->hd, nlayers = 2, nb = NSEQ * 24;
     backend_kv kv = {NULL, c->kv_dt, nb, AT_BS, nlayers, c->nkv, c->hd, 0};
-    backend_buffer *kvb =
-        backend_buffer_alloc(be, backend_kv_block_bytes(&kv) * nb, BACKEND_BUF_KV);
+    backend_buffer *kvb = backend_buffer_alloc(be, backend_kv_block_bytes(&kv) * nb, BACKEND_BUF_KV);
     assert_non_null(kvb);
     kv.base = backend_buffer_ptr(kvb);
     static int32_t tables[NSEQ][64];
@@ -561,14 +537,14 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
             tok[p] = 0, tseq[p] = 0, tpos[p] = p;
         backend_batch b = {L, 1, tok, tseq, tpos, qo, kvl, bti, tables[i], 0, NULL};
         assert_int_equal(backend_plan(s, &b), 0);
-        assert_int_equal(
-            backend_upload(s, backend_buffer_ptr(kb), k + (size_t)i * L * kvd, (size_t)L * kvd * 4),
-            0);
-        assert_int_equal(
-            backend_upload(s, backend_buffer_ptr(vb), v + (size_t)i * L * kvd, (size_t)L * kvd * 4),
-            0);
-        assert_int_equal(backend_kv_write(s, &kv, 1, backend_buffer_ptr(kb), backend_buffer_ptr(vb),
-                                          BACKEND_F32),
+        assert_int_equal(backend_upload(s, backend_buffer_ptr(kb), k + (size_t)i * L * kvd,
+                                        (size_t)L * kvd * 4),
+                         0);
+        assert_int_equal(backend_upload(s, backend_buffer_ptr(vb), v + (size_t)i * L * kvd,
+                                        (size_t)L * kvd * 4),
+                         0);
+        assert_int_equal(backend_kv_write(s, &kv, 1, backend_buffer_ptr(kb),
+                                          backend_buffer_ptr(vb), BACKEND_F32),
                          0);
     }
     float *ref = calloc(qn, 4), *got = calloc(qn, 4);
@@ -612,9 +588,9 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
 
 static void test_attention_invariant(void **st) {
     NEED_GPU();
-    static const at_case cases[] = {{4, 2, 16, BACKEND_BF16},   {8, 2, 32, BACKEND_BF16},
+    static const at_case cases[] = {{4, 2, 16, BACKEND_BF16},  {8, 2, 32, BACKEND_BF16},
                                     {28, 4, 128, BACKEND_BF16}, {8, 8, 64, BACKEND_BF16},
-                                    {8, 2, 32, BACKEND_F32},    {28, 4, 128, BACKEND_F32}};
+                                    {8, 2, 32, BACKEND_F32},   {28, 4, 128, BACKEND_F32}};
     backend *inv = open_cuda(1), *fast = open_cuda(0);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const at_case *c = &cases[i];
@@ -635,7 +611,8 @@ static void test_attention_invariant(void **st) {
             setenv("DISAGG_CUDA_INV_ATT", vars[v], 1);
             rs = save;
             int dv = at_case_run(inv, c, &n);
-            fprintf(stderr, "    DISAGG_CUDA_INV_ATT=%s: %d/%d positions differ\n", vars[v], dv, n);
+            fprintf(stderr, "    DISAGG_CUDA_INV_ATT=%s: %d/%d positions differ\n", vars[v], dv,
+                    n);
             assert_int_equal(dv, 0);
         }
         unsetenv("DISAGG_CUDA_INV_ATT");
@@ -696,13 +673,12 @@ static void m_run(const decoder_model *m, decoder_state *st, const kv_store *kv,
             if (c <= 0) continue;
             /* the target keeps every token's logits; the others only their last one's */
             q[k++] = (decoder_seq){sq[i].toks + sq[i].done,
-                                   c,
-                                   sq[i].done,
-                                   sq[i].table,
-                                   (sq[i].done + c + MB - 1) / MB,
-                                   i ? sq[i].logits : sq[i].logits + (size_t)sq[i].done * V,
-                                   i ? 0 : 1,
-                                   NULL};
+                                 c,
+                                 sq[i].done,
+                                 sq[i].table,
+                                 (sq[i].done + c + MB - 1) / MB,
+                                 i ? sq[i].logits : sq[i].logits + (size_t)sq[i].done * V,
+                                 i ? 0 : 1, NULL};
             sq[i].done += c;
             T += c;
         }
@@ -838,9 +814,8 @@ static void test_model_7b(void **st) {
     NEED_GPU();
     const char *dir = getenv("DISAGG_INV_7B");
     if (!dir || !*dir) {
-        fprintf(stderr,
-                "SKIP %s: set DISAGG_INV_7B to a directory made by "
-                "tools/gen_random_qwen2_gpu.py --shape 7b\n",
+        fprintf(stderr, "SKIP %s: set DISAGG_INV_7B to a directory made by "
+                        "tools/gen_random_qwen2_gpu.py --shape 7b\n",
                 __func__);
         skip();
     }
@@ -888,9 +863,9 @@ static backend_buffer *rand_buffer(backend *be, backend_stream *s, size_t n, int
             memcpy((char *)h + i * 4, &f, 4);
         }
     for (size_t o = 0; o < n; o += chunk)
-        assert_int_equal(
-            backend_upload(s, (char *)backend_buffer_ptr(b) + o, h, n - o < chunk ? n - o : chunk),
-            0);
+        assert_int_equal(backend_upload(s, (char *)backend_buffer_ptr(b) + o, h,
+                                        n - o < chunk ? n - o : chunk),
+                         0);
     assert_int_equal(backend_stream_sync(s), 0);
     free(h);
     return b;
@@ -928,16 +903,10 @@ static void test_decode_bench(void **st) {
                 double t0 = now_s();
                 for (int l = 0; l <= NL; l++)
                     for (int k = l < NL ? 0 : 4; k < (l < NL ? 4 : 5); k++) {
-                        backend_matmul_op op = {backend_buffer_ptr(y),
-                                                BACKEND_F32,
-                                                backend_buffer_ptr(x),
-                                                BACKEND_BF16,
-                                                backend_buffer_ptr(w[k]),
-                                                BACKEND_BF16,
-                                                NULL,
-                                                M,
-                                                shp[k][0],
-                                                shp[k][1]};
+                        backend_matmul_op op = {backend_buffer_ptr(y), BACKEND_F32,
+                                                backend_buffer_ptr(x), BACKEND_BF16,
+                                                backend_buffer_ptr(w[k]), BACKEND_BF16,
+                                                NULL, M, shp[k][0], shp[k][1]};
                         assert_int_equal(backend_matmul(s, &op, 1), 0);
                     }
                 assert_int_equal(backend_stream_sync(s), 0);
@@ -954,7 +923,7 @@ static void test_decode_bench(void **st) {
     }
     /* attention: KV for 64 sequences of 4,096 + 16 positions, 28 layers */
     int per = (4096 + 16 + BS - 1) / BS, nb = 64 * per;
-    const char *vars[] = {"fast",      "inv",      "inv old (k_iv_part)", "inv tps 1", "inv tps 2",
+    const char *vars[] = {"fast", "inv", "inv old (k_iv_part)", "inv tps 1", "inv tps 2",
                           "inv tps 4", "inv tps 8"};
     const char *env[] = {NULL, NULL, "0", "1", "2", "4", "8"};
     const int nV = 7;
@@ -968,15 +937,13 @@ static void test_decode_bench(void **st) {
         kv.base = backend_buffer_ptr(kvb);
         backend_buffer *qb = rand_buffer(be[mode], s, (size_t)64 * NH * HD * 4, 1),
                        *ob = backend_buffer_alloc(be[mode], (size_t)64 * NH * HD * 4, 0);
-        int32_t *bt = malloc((size_t)nb * 4), tok[64], tseq[64], tpos[64], qo[65], kvl[64], bti[65],
-                orow[64];
+        int32_t *bt = malloc((size_t)nb * 4), tok[64], tseq[64], tpos[64], qo[65], kvl[64],
+                bti[65], orow[64];
         for (int i = 0; i < nb; i++)
             bt[i] = (int32_t)(((size_t)i * 7919) % (size_t)nb); /* scattered blocks */
         for (int v = mode ? 1 : 0; v < (mode ? nV : 1); v++) {
-            if (env[v])
-                setenv("DISAGG_CUDA_INV_ATT", env[v], 1);
-            else
-                unsetenv("DISAGG_CUDA_INV_ATT");
+            if (env[v]) setenv("DISAGG_CUDA_INV_ATT", env[v], 1);
+            else unsetenv("DISAGG_CUDA_INV_ATT");
             for (int ci = 0; ci < nC; ci++)
                 for (int bi = 0; bi < nB; bi++) {
                     int B = Bs[bi], ctx = ctxs[ci] + 8, nbs = (ctx + BS - 1) / BS;
@@ -1003,8 +970,8 @@ static void test_decode_bench(void **st) {
                             int rc = 0;
                             for (int l = 0; l < NL && !rc; l++)
                                 rc = backend_attention_to(s, backend_buffer_ptr(ob), BACKEND_BF16,
-                                                          backend_buffer_ptr(qb), BACKEND_F32, &kv,
-                                                          l, NH, 0.0884f);
+                                                          backend_buffer_ptr(qb), BACKEND_F32,
+                                                          &kv, l, NH, 0.0884f);
                             assert_int_equal(rc, 0);
                             assert_int_equal(backend_graph_end(s, 1), 0);
                         }
@@ -1022,10 +989,8 @@ static void test_decode_bench(void **st) {
         backend_buffer_free(qb), backend_buffer_free(ob), backend_buffer_free(kvb);
         backend_stream_free(s);
     }
-    fprintf(stderr,
-            "  decode-step attention (28 layers, one recorded graph, bf16 KV and output), "
-            "ms per step\n  %-22s",
-            "variant \\ B");
+    fprintf(stderr, "  decode-step attention (28 layers, one recorded graph, bf16 KV and output), "
+                    "ms per step\n  %-22s", "variant \\ B");
     for (int ci = 0; ci < nC; ci++)
         for (int bi = 0; bi < nB; bi++)
             fprintf(stderr, " %5s%-4d", ci ? "4k:" : "1k:", Bs[bi]);
@@ -1055,11 +1020,16 @@ static void test_cpu_accepts(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_cpu_accepts),         cmocka_unit_test(test_harness_cpu),
-        cmocka_unit_test(test_matmul_invariant),    cmocka_unit_test(test_gate_up_invariant),
-        cmocka_unit_test(test_attention_invariant), cmocka_unit_test(test_model_tiny),
-        cmocka_unit_test(test_model_default),       cmocka_unit_test(test_model_7b),
-        cmocka_unit_test(test_matmul_bench),        cmocka_unit_test(test_decode_bench),
+        cmocka_unit_test(test_cpu_accepts),
+        cmocka_unit_test(test_harness_cpu),
+        cmocka_unit_test(test_matmul_invariant),
+        cmocka_unit_test(test_gate_up_invariant),
+        cmocka_unit_test(test_attention_invariant),
+        cmocka_unit_test(test_model_tiny),
+        cmocka_unit_test(test_model_default),
+        cmocka_unit_test(test_model_7b),
+        cmocka_unit_test(test_matmul_bench),
+        cmocka_unit_test(test_decode_bench),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

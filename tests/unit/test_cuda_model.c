@@ -1,7 +1,7 @@
 /*
  * test_cuda_model — the serving Qwen2 forward (model/decoder.c over kernels/backend.h) on the
  * CUDA backend against the CPU (every op on its own: test_backend_ops): the whole forward
- * (random tiny bf16 model, the Llama 3 / Qwen3 / Mistral tiny models, and the trained default
+ * (random tiny bf16 model, the Llama 3 / Qwen3 / Mistral tiny models and the trained default
  * model, with the fused q|k|v and gate|up
  * GEMMs, residual adds fused into RMSNorm, bf16 GEMM inputs; the device argmax of the
  * greedy path against the downloaded logits) against the CPU forward, the greedy continuations of
@@ -173,9 +173,9 @@ static void test_model_tiny_random(void **st) {
 }
 
 /* The architectures beside Qwen2 (issue 27): Llama 3 (llama3 rope, tied, no biases), Qwen3
- * (q/k norm through backend_qkv's generic form, head_dim 32 != 64/4, yarn) and Mistral
- * (sliding window 8 < the 300 tokens: kernels/cuda/cuda_window.cu, head_dim 24) -- the
- * f32 checkpoints, bf16 on the GPU -- against the CPU forward, f32 and bf16 KV. */
+ * (q/k norm: kernels/cuda/cuda_qknorm.cu, head_dim 32 != 64/4, yarn) and Mistral (sliding
+ * window 8 < the 300 tokens: kernels/cuda/cuda_window.cu, head_dim 24) -- the f32
+ * checkpoints, bf16 on the GPU -- against the CPU forward, f32 and bf16 KV. */
 static void test_model_arch(void **st) {
     NEED_GPU();
     const char *names[] = {"llama-tiny", "qwen3-tiny", "mistral-tiny"};
@@ -365,9 +365,9 @@ static void test_hf_gpu_reference(void **st) {
  * steps as CUDA graphs against the same requests with every step eager (--enforce-eager):
  * 5 sequences of different prompt lengths decode greedily, finishing one by one (batch
  * 5, 4, 3, 2, 1: buckets 8, 4, 4, 2, 1; one context crosses the 256-position bucket).
- * The greedy tokens must agree (up to near ties: see below).  And a recorded step must equal its
- * own eager warm-up bit for bit: the first decode step is run three times on the graph state
- * (warm-up eager with the padded batch, record + launch, replay) with the same inputs. */
+ * The greedy tokens must agree (up to near ties: see below).  And a recorded step must equal its own eager
+ * warm-up bit for bit: the first decode step is run three times on the graph state (warm-up
+ * eager with the padded batch, record + launch, replay) with the same inputs. */
 #define GS_N     5
 #define GS_STEPS 40
 typedef struct gs_run {
@@ -408,13 +408,13 @@ static void gs_decode(decoder_model *m, backend *be, gs_run *r, int graphs, cons
         for (int i = 0; i < GS_N; i++) {
             if (step >= GS_STEPS - 6 * i) continue; /* sequence i stops after 40 - 6 i steps */
             q[n++] = (decoder_seq){&r->toks[i][step],
-                                   1,
-                                   plen[i] + step,
-                                   tables[i],
-                                   64,
-                                   r->logits + ((size_t)i * GS_STEPS + step) * V,
-                                   0,
-                                   NULL};
+                                 1,
+                                 plen[i] + step,
+                                 tables[i],
+                                 64,
+                                 r->logits + ((size_t)i * GS_STEPS + step) * V,
+                                 0,
+                                 NULL};
         }
         int reps = graphs && step == 0 ? 3 : 1;
         float *first = NULL;
@@ -482,10 +482,8 @@ static void test_serving_graphs(void **st) {
                     if (v != t1 && a[v] > m2) m2 = a[v];
                 if (a[t1] - m2 < 0.25f) {
                     ties++;
-                    fprintf(stderr,
-                            "  sequence %d step %d: graphs and eager differ at a near tie "
-                            "(margin %.4f)\n",
-                            i, step, a[t1] - m2);
+                    fprintf(stderr, "  sequence %d step %d: graphs and eager differ at a near tie "
+                                    "(margin %.4f)\n", i, step, a[t1] - m2);
                 } else {
                     differ++;
                 }
@@ -557,9 +555,9 @@ static void test_graph_api_cpu(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_model_tiny_random), cmocka_unit_test(test_model_default),
-        cmocka_unit_test(test_model_arch),        cmocka_unit_test(test_greedy_golden),
-        cmocka_unit_test(test_serving_graphs),    cmocka_unit_test(test_graph_api_cpu),
-        cmocka_unit_test(test_hf_gpu_reference),
+        cmocka_unit_test(test_model_arch),
+        cmocka_unit_test(test_greedy_golden),     cmocka_unit_test(test_serving_graphs),
+        cmocka_unit_test(test_graph_api_cpu),     cmocka_unit_test(test_hf_gpu_reference),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
