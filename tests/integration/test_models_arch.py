@@ -106,11 +106,15 @@ def test_pd_equals_colocated(models, colocated, variant):
         for i, prompt in enumerate(prompts):  # the last shares 120 tokens with the third: D's prefix cache
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0,
                     "ignore_eos": True, "return_tokens_as_token_ids": True}
-            ref = ids_of(requests.post(colocated[variant].url + "/v1/completions", json=body, timeout=TIMEOUT))
+            cr = requests.post(colocated[variant].url + "/v1/completions", json=body, timeout=TIMEOUT)
+            ref = ids_of(cr)
             pr, dr = pd.send(body)
             assert pr.status_code == 200, pr.text
             assert ids_of(dr) == ref, (variant, len(prompt))
             assert_kv_pulled(dr.json()["usage"])
+            if i == 3:  # 7 blocks of 16 of its first 120 tokens came from the prefix caches
+                for u in (cr.json()["usage"], dr.json()["usage"]):
+                    assert (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) >= 112, u
     finally:
         pd.stop()
 
