@@ -7,12 +7,13 @@
  * GEMM rate through the matmul FLOPs it performs.
  */
 #include "bench/bench.h"
+#include "bench/model_bench_args.h"
 
 #include "base/clock.h"
 #include "base/flags.h"
 #include "kernels/cpu/cpu_matmul.h"
 #include "kernels/cpu/cpu_pool.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 #include <cblas.h>
 #include <errno.h>
@@ -91,6 +92,11 @@ static double measure_gemm(int threads, int M, int N, int K) {
 /* ---- the benchmark ------------------------------------------------------------ */
 
 static const char *bm_model;
+static int bm_dummy;
+
+static int bm_load_format(flags_parser *p, const flag_def *d, const char *v) {
+    return mb_load_format(v, &bm_dummy) ? -1 : 0;
+}
 
 static int bm_positional(flags_parser *p, const char *word) {
     if (bm_model) {
@@ -117,24 +123,24 @@ static double process_cpu_s(void) {
 
 /* Decode of n sequences together (each with its own 32-token prompt, prefilled first),
  * gen tokens each: aggregate tok/s.  Best of `repeat` rounds of (1 sequence, n sequences). */
-static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen, int bs,
+static double streams_round(const decoder_model *m, cpu_pool *pool, int n, int gen, int bs,
                             const int32_t *toks, int ntoks, double *cpu_s) {
     const model_config *c = &m->cfg;
     const int plen = 32 < ntoks ? 32 : ntoks, nb = (plen + gen + bs - 1) / bs;
     kv_store kv;
-    qwen2_state *s = qwen2_state_init(m, n * plen > n ? n * plen : n, cpu_pool_threads(pool));
+    decoder_state *s = decoder_state_init(m, n * plen > n ? n * plen : n, cpu_pool_threads(pool));
     int32_t *table = malloc((size_t)n * nb * sizeof *table), *next = malloc((size_t)n * 4);
     float *logits = malloc((size_t)n * c->vocab_size * 4);
-    qwen2_seq *q = calloc((size_t)n, sizeof *q);
+    decoder_seq *q = calloc((size_t)n, sizeof *q);
     double tps = -1;
     if (!s || !table || !next || !logits || !q || kv_store_init(&kv, c, n * nb, bs)) goto out;
     for (int i = 0; i < n * nb; i++)
         table[i] = i;
     for (int i = 0; i < n; i++) /* prompts differ: rotated */
         q[i] =
-            (qwen2_seq){toks + i % (ntoks - plen + 1),      plen, 0,   table + (size_t)i * nb, nb,
-                        logits + (size_t)i * c->vocab_size, 0,    NULL};
-    if (qwen2_forward(m, s, &kv, q, n)) goto out_kv;
+            (decoder_seq){toks + i % (ntoks - plen + 1),      plen, 0,   table + (size_t)i * nb, nb,
+                          logits + (size_t)i * c->vocab_size, 0,    NULL};
+    if (decoder_forward(m, s, &kv, q, n)) goto out_kv;
     uint64_t t0 = clock_now_ns();
     double c0 = process_cpu_s();
     for (int g = 0; g < gen; g++) {
@@ -144,19 +150,19 @@ static double streams_round(const qwen2_model *m, cpu_pool *pool, int n, int gen
             for (int v = 1; v < c->vocab_size; v++)
                 if (l[v] > l[best]) best = v;
             next[i] = best;
-            q[i] = (qwen2_seq){next + i, 1,
-                               plen + g, table + (size_t)i * nb,
-                               nb,       logits + (size_t)i * c->vocab_size,
-                               0,        NULL};
+            q[i] = (decoder_seq){next + i, 1,
+                                 plen + g, table + (size_t)i * nb,
+                                 nb,       logits + (size_t)i * c->vocab_size,
+                                 0,        NULL};
         }
-        if (qwen2_forward(m, s, &kv, q, n)) goto out_kv;
+        if (decoder_forward(m, s, &kv, q, n)) goto out_kv;
     }
     tps = (double)n * gen / ((double)(clock_now_ns() - t0) / 1e9);
     *cpu_s = process_cpu_s() - c0;
 out_kv:
     kv_store_free(&kv);
 out:
-    qwen2_state_free(s);
+    decoder_state_free(s);
     free(table);
     free(next);
     free(logits);
@@ -165,8 +171,8 @@ out:
 }
 
 /* ... and the CPU seconds (all threads) per decode step of each, least over the rounds */
-static int measure_streams(const qwen2_model *m, cpu_pool *pool, int n, int gen, int repeat, int bs,
-                           const int32_t *toks, int ntoks, double *one, double *many,
+static int measure_streams(const decoder_model *m, cpu_pool *pool, int n, int gen, int repeat,
+                           int bs, const int32_t *toks, int ntoks, double *one, double *many,
                            double *one_cpu, double *many_cpu) {
     *one = *many = 0;
     *one_cpu = *many_cpu = 1e30;
@@ -209,6 +215,9 @@ int bench_model_main(int argc, char **argv) {
          .help = "CPU KV-cache element type (default float32)"},
         {FLAG_INT_("--block-size", &block_size, 1, 1024),
          .help = "tokens per KV block, 1..1024 (default: disagg serve's on the CPU, 128)"},
+        {FLAG_CUSTOM_("--load-format", NULL, bm_load_format), .metavar = "auto|safetensors|dummy",
+         .help = "dummy: MODEL's config.json alone, random weights of its shapes (no safetensors; "
+                 "bench/shapes/ has the common ones)"},
         {FLAG_CUSTOM_("--device", NULL, bm_device), .metavar = "cpu|cuda",
          .help = "cpu (default) or cuda: the GPU benchmark (options in docs/gpu.md)"},
         {FLAG_TEXT_("--batch-invariant", "with --device cuda: the batch-invariant mode against the "
@@ -240,9 +249,9 @@ int bench_model_main(int argc, char **argv) {
                 kv_dt_arg);
         return 2;
     }
-    qwen2_model m;
+    decoder_model m;
     char err[4096];
-    if (qwen2_load(&m, model_arg, 1, err, sizeof err)) {
+    if (decoder_load_ex(&m, model_arg, backend_cpu_default(), !bm_dummy, bm_dummy, err, sizeof err)) {
         fprintf(stderr, "disagg bench model: %s\n", err);
         return 1;
     }
@@ -252,7 +261,7 @@ int bench_model_main(int argc, char **argv) {
                 "disagg bench model: --prompt-len %d + --gen-len %d exceeds "
                 "max_position_embeddings %d\n",
                 prompt_len, gen_len, c->max_position);
-        qwen2_free(&m);
+        decoder_free(&m);
         return 2;
     }
     cpu_pool *pool = cpu_pool_init(threads);
@@ -260,7 +269,7 @@ int bench_model_main(int argc, char **argv) {
     int bs = block_size > 0 ? block_size : backend_block_size_default(backend_cpu_default()),
         n_blocks = (prompt_len + gen_len + bs - 1) / bs;
     kv_store kv;
-    qwen2_state *s = qwen2_state_init(&m, prompt_len, threads);
+    decoder_state *s = decoder_state_init(&m, prompt_len, threads);
     int32_t *table = malloc((size_t)n_blocks * sizeof *table),
             *toks = malloc((size_t)prompt_len * 4);
     float *logits = malloc((size_t)c->vocab_size * 4);
@@ -287,10 +296,10 @@ int bench_model_main(int argc, char **argv) {
         bw = v > bw ? v : bw;
         v = measure_gemm(threads, 512, c->intermediate_size, c->hidden_size);
         gemm = v > gemm ? v : gemm;
-        qwen2_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0, NULL};
+        decoder_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0, NULL};
         uint64_t t0 = clock_now_ns();
         double c0 = process_cpu_s();
-        rc = qwen2_forward(&m, s, &kv, &q, 1);
+        rc = decoder_forward(&m, s, &kv, &q, 1);
         double ps = (double)(clock_now_ns() - t0) / 1e9, pc = process_cpu_s() - c0;
         prefill_s = ps < prefill_s ? ps : prefill_s;
         prefill_cpu = pc < prefill_cpu ? pc : prefill_cpu;
@@ -300,8 +309,8 @@ int bench_model_main(int argc, char **argv) {
             int32_t next = 0;
             for (int v2 = 1; v2 < c->vocab_size; v2++)
                 if (logits[v2] > logits[next]) next = v2;
-            qwen2_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0, NULL};
-            rc = qwen2_forward(&m, s, &kv, &d, 1);
+            decoder_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0, NULL};
+            rc = decoder_forward(&m, s, &kv, &d, 1);
         }
         double ds = (double)(clock_now_ns() - t1) / 1e9, dc = process_cpu_s() - c1;
         decode_s = ds < decode_s ? ds : decode_s;
@@ -381,8 +390,8 @@ int bench_model_main(int argc, char **argv) {
     free(toks);
     free(logits);
     kv_store_free(&kv);
-    qwen2_state_free(s);
+    decoder_state_free(s);
     cpu_pool_free(pool);
-    qwen2_free(&m);
+    decoder_free(&m);
     return 0;
 }

@@ -88,3 +88,15 @@ int mb_parse_args(int argc, char **argv, const char *cmd, const mb_opt *opts, in
     }
     return 0;
 }
+
+int mb_load_format(const char *v, int *dummy) {
+    if (!strcmp(v, "auto") || !strcmp(v, "safetensors") || !strcmp(v, "dummy")) {
+        *dummy = !strcmp(v, "dummy");
+        return 0;
+    }
+    fprintf(stderr,
+            "disagg bench model: --load-format '%s' is invalid; accepted: auto, safetensors, "
+            "dummy\n",
+            v);
+    return 2;
+}

@@ -33,4 +33,8 @@ typedef struct mb_opt {
 int mb_parse_args(int argc, char **argv, const char *cmd, const mb_opt *opts, int n_opts,
                   const char *usage, const char **model);
 
+/* --load-format: "auto"/"safetensors" (*dummy = 0) or "dummy" (1, vLLM's: config.json alone,
+ * random weights); 0, or 2 after printing what is accepted. */
+int mb_load_format(const char *v, int *dummy);
+
 #endif

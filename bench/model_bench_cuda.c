@@ -1,6 +1,6 @@
 /*
  * model_bench_cuda — `disagg bench model MODEL --device cuda`: the serving Qwen2 forward
- * (model/qwen2.c over kernels/backend.h on the CUDA backend) beside the ceilings measured in
+ * (model/decoder.c over kernels/backend.h on the CUDA backend) beside the ceilings measured in
  * the same run: HBM copy bandwidth
  * (cudaMemcpy device to device, bytes read + written) and the cuBLASLt bf16 GEMM rate
  * (8192^3 and the model's MLP shape at 4096 tokens).
@@ -15,7 +15,7 @@
 #include "base/clock.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_module.h" /* DCU_F32 / DCU_BF16 */
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -29,11 +29,11 @@ static double now_s(void) {
 }
 
 /* n_seqs sequences, one token each at position ctx + step, blocks laid out consecutively;
- * greedy on the device (qwen2_seq.argmax: only the ids come back, as serve does for greedy
+ * greedy on the device (decoder_seq.argmax: only the ids come back, as serve does for greedy
  * requests without logprobs) */
-static int decode_run(const qwen2_model *m, qwen2_state *s, const kv_store *kv, int n_seqs, int ctx,
-                      int steps, int32_t *tables, int per_seq, double *sec) {
-    qwen2_seq *q = calloc((size_t)n_seqs, sizeof *q);
+static int decode_run(const decoder_model *m, decoder_state *s, const kv_store *kv, int n_seqs,
+                      int ctx, int steps, int32_t *tables, int per_seq, double *sec) {
+    decoder_seq *q = calloc((size_t)n_seqs, sizeof *q);
     int32_t *tok = calloc((size_t)n_seqs, 4), *next = calloc((size_t)n_seqs, 4);
     if (!q || !tok || !next) {
         free(q), free(tok), free(next);
@@ -51,13 +51,13 @@ static int decode_run(const qwen2_model *m, qwen2_state *s, const kv_store *kv, 
         for (int st = 0; st < steps + 2 && !rc; st++) {
             if (st == 2) t0 = now_s(); /* two warm-up steps (the graph's warm-up and recording) */
             for (int i = 0; i < n_seqs; i++)
-                q[i] = (qwen2_seq){.tokens = &tok[i],
-                                   .n_tokens = 1,
-                                   .start_pos = ctx + st,
-                                   .block_table = &tables[(size_t)i * per_seq],
-                                   .n_blocks = per_seq,
-                                   .argmax = &next[i]};
-            rc = qwen2_forward(m, s, kv, q, n_seqs);
+                q[i] = (decoder_seq){.tokens = &tok[i],
+                                     .n_tokens = 1,
+                                     .start_pos = ctx + st,
+                                     .block_table = &tables[(size_t)i * per_seq],
+                                     .n_blocks = per_seq,
+                                     .argmax = &next[i]};
+            rc = decoder_forward(m, s, kv, q, n_seqs);
             for (int i = 0; i < n_seqs; i++)
                 tok[i] = next[i];
         }
@@ -76,8 +76,10 @@ int bench_model_cuda_main(int argc, char **argv) {
     int ctx = 1024, long_ctx = 4096, steps = 32, json = 0, kv_dtype = DCU_BF16;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--batch-invariant")) return bench_model_inv_main(argc, argv);
-    const char *kv_arg = NULL;
+    const char *kv_arg = NULL, *lf_arg = NULL;
+    int dummy = 0;
     const mb_opt opts[] = {
+        {"--load-format", MB_WORD, &lf_arg, NULL},
         {"--prompt-lens", MB_LIST, prompts, &n_prompts},
         {"--batches", MB_LIST, batches, &n_batches},
         {"--context", MB_INT, &ctx, NULL},
@@ -90,9 +92,11 @@ int bench_model_cuda_main(int argc, char **argv) {
                            (int)(sizeof opts / sizeof opts[0]),
                            "usage: disagg bench model MODEL --device cuda [--prompt-lens 512,4096] "
                            "[--batches 1,8,32,64,128] [--context 1024] [--long-context 4096] "
-                           "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] [--json]",
+                           "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] "
+                           "[--load-format auto|safetensors|dummy] [--json]",
                            &model_arg);
     if (rc) return rc < 0 ? 0 : rc;
+    if (lf_arg && mb_load_format(lf_arg, &dummy)) return 2;
     if (kv_arg && !strcmp(kv_arg, "float32")) {
         kv_dtype = DCU_F32;
     } else if (kv_arg && strcmp(kv_arg, "auto") && strcmp(kv_arg, "bfloat16")) {
@@ -111,9 +115,9 @@ int bench_model_cuda_main(int argc, char **argv) {
         fprintf(stderr, "disagg bench model: %s\n", err);
         return 1;
     }
-    qwen2_model m;
+    decoder_model m;
     double t0 = now_s();
-    if (qwen2_load_on(&m, model_arg, be, 1, err, sizeof err)) {
+    if (decoder_load_ex(&m, model_arg, be, 1, dummy, err, sizeof err)) {
         fprintf(stderr, "disagg bench model: %s\n", err);
         backend_close(be);
         return 1;
@@ -142,7 +146,7 @@ int bench_model_cuda_main(int argc, char **argv) {
     if (longest > c->max_position || ctx + steps + 2 > c->max_position) {
         fprintf(stderr, "disagg bench model: %d positions exceed max_position_embeddings %d\n",
                 longest, c->max_position);
-        qwen2_free(&m);
+        decoder_free(&m);
         backend_close(be);
         return 2;
     }
@@ -152,14 +156,14 @@ int bench_model_cuda_main(int argc, char **argv) {
     kv_store kv;
     rc = kv_store_init_on(&kv, be, c, n_blocks, BS,
                           kv_dtype == DCU_F32 ? BACKEND_F32 : BACKEND_BF16, BACKEND_BUF_KV);
-    qwen2_state *s = rc ? NULL : qwen2_state_create(&m, max_tokens);
+    decoder_state *s = rc ? NULL : decoder_state_create(&m, max_tokens);
     if (!s) {
         fprintf(stderr,
                 "disagg bench model: out of GPU memory for the KV cache (%d blocks) or "
                 "the workspace (%d tokens)\n",
                 n_blocks, max_tokens);
         if (!rc) kv_store_free(&kv);
-        qwen2_free(&m);
+        decoder_free(&m);
         backend_close(be);
         return 1;
     }
@@ -183,7 +187,8 @@ int bench_model_cuda_main(int argc, char **argv) {
            "GEMM %.0f TFLOP/s at 8192^3, %.0f TFLOP/s at %dx%dx%d\n",
            copy, gemm, gemm_mlp, 4096, 2 * c->intermediate_size, c->hidden_size);
     printf("weights page cache -> HBM: %.2f s (%.1f GB/s)\n", upload_s, wbytes / upload_s / 1e9);
-    printf("the serving forward (model/qwen2.c over kernels/backend.h, as disagg serve runs it)\n");
+    printf(
+        "the serving forward (model/decoder.c over kernels/backend.h, as disagg serve runs it)\n");
     int32_t *tables = calloc((size_t)n_blocks, 4), *toks = calloc((size_t)max_tokens, 4);
     if (!tables || !toks) rc = -ENOMEM;
     printf("\n%-28s %12s %14s %12s\n", "prefill (one sequence)", "ms", "tok/s", "TFLOP/s");
@@ -196,13 +201,13 @@ int bench_model_cuda_main(int argc, char **argv) {
         double best = 1e30;
         for (int r = 0; r < 4 && !rc; r++) {
             int32_t next;
-            qwen2_seq q = {.tokens = toks,
-                           .n_tokens = L,
-                           .block_table = tables,
-                           .n_blocks = nb,
-                           .argmax = &next};
+            decoder_seq q = {.tokens = toks,
+                             .n_tokens = L,
+                             .block_table = tables,
+                             .n_blocks = nb,
+                             .argmax = &next};
             double s0 = now_s();
-            rc = qwen2_forward(&m, s, &kv, &q, 1);
+            rc = decoder_forward(&m, s, &kv, &q, 1);
             double el = now_s() - s0;
             if (r && el < best) best = el; /* first one warms up */
         }
@@ -216,7 +221,7 @@ int bench_model_cuda_main(int argc, char **argv) {
         cases[n_cases][0] = batches[i], cases[n_cases++][1] = ctx;
     for (int mode = 1; mode >= 0 && !rc; mode--) {
         /* mode 1: decode steps as CUDA graphs (serve's default); 0: --enforce-eager */
-        if (qwen2_state_set_graphs(s, mode ? max_batch : 0) < 0) rc = -ENOMEM;
+        if (decoder_state_set_graphs(s, mode ? max_batch : 0) < 0) rc = -ENOMEM;
         printf("\n%-10s %8s %12s %12s %14s %12s   %s\n", "decode", "context", "ms/step", "tok/s",
                "GB/s read", "of copy bw", mode ? "CUDA graphs" : "eager (--enforce-eager)");
         for (int i = 0; i < n_cases && !rc; i++) {
@@ -237,9 +242,9 @@ int bench_model_cuda_main(int argc, char **argv) {
     if (rc) fprintf(stderr, "disagg bench model: CUDA forward failed (%d)\n", rc);
     (void)json;
     free(tables), free(toks);
-    qwen2_state_free(s);
+    decoder_state_free(s);
     kv_store_free(&kv);
-    qwen2_free(&m);
+    decoder_free(&m);
     backend_close(be);
     return rc ? 1 : 0;
 }

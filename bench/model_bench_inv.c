@@ -1,7 +1,7 @@
 /*
  * model_bench_inv — `disagg bench model MODEL --device cuda --batch-invariant`: what the
  * batch-invariant mode (kernels/cuda/cuda_invariant.h) costs on the serving path
- * (model/qwen2.c over kernels/backend.h, as `disagg serve --device cuda` runs it), against
+ * (model/decoder.c over kernels/backend.h, as `disagg serve --device cuda` runs it), against
  * the fast mode in the same run: prefill of --batches sequences of --prompt-len tokens (in
  * forward calls of at most --max-tokens tokens, like --max-num-batched-tokens) and decode
  * steps of --batches sequences at --context cached tokens (CUDA graphs, serve's default).
@@ -13,7 +13,7 @@
 
 #include "base/clock.h"
 #include "kernels/backend.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -28,13 +28,13 @@ static double ib_now(void) {
 }
 
 typedef struct ib_result {
-    double prefill_tps[IB_MAXL];         /* tokens/s per batch */
-    double long_tps;                     /* one --long-prompt prompt */
-    double decode_ms[IB_MAXL][IB_MAXL];  /* ms per step per context, batch */
+    double prefill_tps[IB_MAXL];        /* tokens/s per batch */
+    double long_tps;                    /* one --long-prompt prompt */
+    double decode_ms[IB_MAXL][IB_MAXL]; /* ms per step per context, batch */
 } ib_result;
 
 /* best tokens/s of n prompts of plen tokens (toks: n * plen) from an empty cache */
-static int ib_prefill(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *q,
+static int ib_prefill(const decoder_model *m, decoder_state *s, const kv_store *kv, decoder_seq *q,
                       int32_t *toks, int32_t *tables, int per, float *logits, int n, int plen,
                       int max_tokens, double *tps) {
     int rc = 0, per_call = max_tokens / plen < 1 ? 1 : max_tokens / plen, V = m->cfg.vocab_size;
@@ -44,10 +44,10 @@ static int ib_prefill(const qwen2_model *m, qwen2_state *s, const kv_store *kv, 
         for (int s0 = 0; s0 < n && !rc; s0 += per_call) {
             int k = n - s0 < per_call ? n - s0 : per_call;
             for (int i = 0; i < k; i++)
-                q[i] = (qwen2_seq){toks + (size_t)(s0 + i) * plen, plen, 0,
-                                   tables + (size_t)(s0 + i) * per, per,
-                                   logits + (size_t)i * V, 0, NULL};
-            rc = qwen2_forward(m, s, kv, q, k);
+                q[i] = (decoder_seq){
+                    toks + (size_t)(s0 + i) * plen, plen, 0,   tables + (size_t)(s0 + i) * per, per,
+                    logits + (size_t)i * V,         0,    NULL};
+            rc = decoder_forward(m, s, kv, q, k);
         }
         double el = ib_now() - t0;
         if (r && el < best) best = el; /* the first round warms up */
@@ -68,8 +68,8 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
         fprintf(stderr, "disagg bench model: %s\n", err);
         return -ENODEV;
     }
-    qwen2_model m;
-    if (qwen2_load_on(&m, model_arg, be, 0, err, sizeof err)) {
+    decoder_model m;
+    if (decoder_load_on(&m, model_arg, be, 0, err, sizeof err)) {
         fprintf(stderr, "disagg bench model: %s\n", err);
         backend_close(be);
         return -EIO;
@@ -85,12 +85,12 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
     if (long_plen > len) len = long_plen;
     int per = (len + IB_BS - 1) / IB_BS, nb = B * per;
     kv_store kv;
-    qwen2_state *s = qwen2_state_create(&m, max_tokens);
+    decoder_state *s = decoder_state_create(&m, max_tokens);
     size_t ntok = (size_t)B * plen + B;
     if (ntok < (size_t)long_plen) ntok = (size_t)long_plen;
     int32_t *tables = calloc((size_t)nb, 4), *toks = calloc(ntok, 4);
     float *logits = malloc((size_t)B * c->vocab_size * 4);
-    qwen2_seq *q = calloc((size_t)B, sizeof *q);
+    decoder_seq *q = calloc((size_t)B, sizeof *q);
     int rc = kv_store_init_on(&kv, be, c, nb, IB_BS, BACKEND_BF16, BACKEND_BUF_KV);
     if (rc || !s || !tables || !toks || !logits || !q) {
         fprintf(stderr, "disagg bench model: --batch-invariant: out of memory\n");
@@ -107,7 +107,7 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
     if (!rc && long_plen > 0)
         rc = ib_prefill(&m, s, &kv, q, toks, tables, per, logits, 1, long_plen, max_tokens,
                         &res->long_tps);
-    if (!rc && qwen2_state_set_graphs(s, B) < 0) rc = -ENOMEM;
+    if (!rc && decoder_state_set_graphs(s, B) < 0) rc = -ENOMEM;
     for (int cb = 0; cb < n_c * n_b && !rc; cb++) {
         int ci = cb / n_b, bi = cb % n_b, ctx = ctxs[ci];
         int n = batches[bi];
@@ -118,10 +118,12 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
                 if (st == 2) t0 = ib_now();
                 for (int i = 0; i < n; i++) {
                     toks[i] = (i * 31 + st) % 1000;
-                    q[i] = (qwen2_seq){&toks[i], 1, ctx + st, tables + (size_t)i * per, per,
-                                       logits + (size_t)i * c->vocab_size, 0, NULL};
+                    q[i] = (decoder_seq){&toks[i], 1,
+                                         ctx + st, tables + (size_t)i * per,
+                                         per,      logits + (size_t)i * c->vocab_size,
+                                         0,        NULL};
                 }
-                rc = qwen2_forward(&m, s, &kv, q, n);
+                rc = decoder_forward(&m, s, &kv, q, n);
             }
             double el = (ib_now() - t0) / steps;
             if (el < best) best = el;
@@ -131,9 +133,9 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
     if (rc) fprintf(stderr, "disagg bench model: --batch-invariant: forward failed (%d)\n", rc);
 out:
     free(tables), free(toks), free(logits), free(q);
-    qwen2_state_free(s);
+    decoder_state_free(s);
     kv_store_free(&kv);
-    qwen2_free(&m);
+    decoder_free(&m);
     backend_close(be);
     return rc;
 }
@@ -165,8 +167,9 @@ int bench_model_inv_main(int argc, char **argv) {
     ib_result fast, inv[IB_MAXL];
     memset(&fast, 0, sizeof fast);
     memset(inv, 0, sizeof inv);
-    printf("batch-invariant mode vs fast mode, serving path (model/qwen2.c over kernels/backend.h, "
-           "CUDA graphs for decode), one process\n");
+    printf(
+        "batch-invariant mode vs fast mode, serving path (model/decoder.c over kernels/backend.h, "
+        "CUDA graphs for decode), one process\n");
     rc = ib_run(model_arg, 0, batches, n_b, plen, long_plen, ctxs, n_c, steps, max_tokens, &fast);
     for (int k = 0; k < n_m && !rc; k++) {
         if (mrefs[k] > 0) {
@@ -182,11 +185,10 @@ int bench_model_inv_main(int argc, char **argv) {
         if (mrefs[k] > 0)
             printf("\ninvariant GEMM algorithms chosen at M = %d (DISAGG_CUDA_INV_GEMM_M)\n",
                    mrefs[k]);
-        printf("prefill (tokens/s)\n%-12s %14s %14s %8s\n", "batch", "fast", "invariant",
-               "slower");
+        printf("prefill (tokens/s)\n%-12s %14s %14s %8s\n", "batch", "fast", "invariant", "slower");
         for (int i = 0; i < n_b; i++)
-            printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", batches[i], plen,
-                   fast.prefill_tps[i], inv[k].prefill_tps[i],
+            printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", batches[i], plen, fast.prefill_tps[i],
+                   inv[k].prefill_tps[i],
                    100.0 * (fast.prefill_tps[i] / inv[k].prefill_tps[i] - 1.0));
         if (long_plen > 0)
             printf("%-4d x %-5d %14.0f %14.0f %7.1f%%\n", 1, long_plen, fast.long_tps,

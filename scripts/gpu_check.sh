@@ -297,7 +297,29 @@ if [ "${ONLY:-}" = decode ]; then
   echo "gpu_check (ONLY=decode): $fails failed step(s)"
   exit $((fails > 0))
 fi
-if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ]; then
+# ONLY=arch (issue 27): the ops the Llama 3 / Qwen3 / Mistral forward adds (q/k per-head norm,
+# sliding-window attention: kernels/cuda/cuda_window.cu) and the three tiny architectures'
+# forward vs the CPU, then `bench model --load-format dummy` on the Llama-3.1-8B and Qwen3-8B
+# shapes (bench/shapes/: random bf16 weights made in HBM at load, no files); ARCH_BENCH_ARGS
+# replaces the benchmark's arguments (default: prefill of 4,096 tokens, decode at batch 1, 32
+# and 64 at 4k context).
+arch_steps() {
+  step "arch: test_backend_ops (q/k norm, sliding window: CUDA vs reference)"
+  "$BUILD/test_backend_ops"
+  check $? "test_backend_ops (arch ops)"
+  step "arch: test_cuda_model (Llama 3, Qwen3, Mistral tiny models vs CPU)"
+  "$BUILD/test_cuda_model"
+  check $? "test_cuda_model (arch)"
+  for s in llama-3.1-8b qwen3-8b; do
+    step "arch: bench model $s --load-format dummy"
+    # shellcheck disable=SC2086
+    "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy \
+      ${ARCH_BENCH_ARGS:---prompt-lens 4096 --batches 1,32,64 --long-context 4096}
+    check $? "bench model $s (dummy weights)"
+  done
+}
+if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ]; then
+  [ "$ONLY" = arch ] && arch_steps
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps
   [ "$ONLY" = prefill ] && prefill_steps

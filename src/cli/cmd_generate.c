@@ -11,7 +11,7 @@
 #include "base/flags.h"
 #include "base/log.h"
 #include "model/chat_template.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 
@@ -216,9 +216,9 @@ int cmd_generate(int argc, char **argv) {
     gen_opts o;
     int rc = gen_parse(argc, argv, &o);
     if (rc) return rc < 0 ? 0 : rc;
-    qwen2_model m;
+    decoder_model m;
     char err[4096];
-    if (qwen2_load(&m, o.model, 1, err, sizeof err)) {
+    if (decoder_load(&m, o.model, 1, err, sizeof err)) {
         fprintf(stderr, "disagg generate: %s\n", err);
         return 1;
     }
@@ -235,12 +235,12 @@ int cmd_generate(int argc, char **argv) {
     if (tok_rc && (o.prompt || !o.ids_out)) {
         fprintf(stderr,
                 "disagg generate: %s (with --prompt-ids and --ids no tokenizer is needed)\n", err);
-        qwen2_free(&m);
+        decoder_free(&m);
         return 1;
     }
     int32_t *ids = NULL;
     int n = 0, exit_rc = 2; /* bad input until the prompt and parameters are accepted */
-    qwen2_state *s = NULL;
+    decoder_state *s = NULL;
     sampler *smp = NULL;
     float *logits = NULL;
     int32_t *table = NULL;
@@ -285,7 +285,7 @@ int cmd_generate(int argc, char **argv) {
     exit_rc = 1; /* runtime failures from here */
     int total = n + o.max_tokens < max_len ? n + o.max_tokens : max_len;
     int n_blocks = (total + GEN_BLOCK - 1) / GEN_BLOCK;
-    s = qwen2_state_init(&m, GEN_CHUNK, o.threads);
+    s = decoder_state_init(&m, GEN_CHUNK, o.threads);
     logits = malloc((size_t)c->vocab_size * sizeof *logits);
     table = malloc((size_t)n_blocks * sizeof *table);
     if (!s || !logits || !table || kv_store_init(&kv, c, n_blocks, GEN_BLOCK)) {
@@ -297,8 +297,8 @@ int cmd_generate(int argc, char **argv) {
     uint64_t t0 = clock_now_ns();
     for (int p = 0; p < n; p += GEN_CHUNK) {
         int len = n - p < GEN_CHUNK ? n - p : GEN_CHUNK;
-        qwen2_seq q = {ids + p, len, p, table, n_blocks, logits, 0, NULL};
-        if (qwen2_forward(&m, s, &kv, &q, 1)) goto out;
+        decoder_seq q = {ids + p, len, p, table, n_blocks, logits, 0, NULL};
+        if (decoder_forward(&m, s, &kv, &q, 1)) goto out;
     }
     uint64_t t1 = clock_now_ns();
     tokenizer_stream ts;
@@ -327,8 +327,8 @@ int cmd_generate(int argc, char **argv) {
             why = "max_model_len";
             break;
         }
-        qwen2_seq q = {&r.token, 1, pos++, table, n_blocks, logits, 0, NULL};
-        if (qwen2_forward(&m, s, &kv, &q, 1)) goto out;
+        decoder_seq q = {&r.token, 1, pos++, table, n_blocks, logits, 0, NULL};
+        if (decoder_forward(&m, s, &kv, &q, 1)) goto out;
     }
     if (buf && !o.ids_out &&
         tokenizer_stream_flush(&ts, buf, TOKENIZER_STREAM_OUT_CAP(tok), &blen) == 0)
@@ -347,9 +347,9 @@ out:
     free(table);
     free(logits);
     sampler_free(smp);
-    qwen2_state_free(s);
+    decoder_state_free(s);
     free(ids);
     tokenizer_free(tok);
-    qwen2_free(&m);
+    decoder_free(&m);
     return exit_rc;
 }

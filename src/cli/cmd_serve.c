@@ -178,8 +178,9 @@ static const char *const LOAD_FORMATS[] = {"pt",
                                            NULL};
 
 static int load_format(flags_parser *p, const flag_def *d, const char *v) {
-    if (!strcmp(v, "auto") || !strcmp(v, "safetensors")) return 0;
-    flags_error(p, "%s '%s' is %s; accepted: auto, safetensors", d->name, v,
+    S.cfg.engine.load_dummy = !strcmp(v, "dummy");
+    if (!strcmp(v, "auto") || !strcmp(v, "safetensors") || !strcmp(v, "dummy")) return 0;
+    flags_error(p, "%s '%s' is %s; accepted: auto, safetensors, dummy", d->name, v,
                 flags_one_of(v, LOAD_FORMATS) ? "not supported" : "not a load format");
     return -1;
 }
@@ -370,8 +371,10 @@ static const flag_def SERVE_FLAGS[] = {
      .help = "accepted: prompts are always prefilled in chunks of --max-num-batched-tokens"},
     {FLAG_CUSTOM_("--quantization", NULL, quantization), .aliases = "-q", .metavar = "METHOD",
      .help = "refused: weights run unquantized (none is accepted)"},
-    {FLAG_CUSTOM_("--load-format", NULL, load_format), .metavar = "auto|safetensors",
-     .help = "weight format (others, e.g. pt or gguf, are refused)"},
+    {FLAG_CUSTOM_("--load-format", NULL, load_format), .metavar = "auto|safetensors|dummy",
+     .help = "weight format; dummy: config.json alone, random weights of its shapes made at load "
+             "(benchmarks; the tokenizer files are still read); others, e.g. pt or gguf, are "
+             "refused"},
     {FLAG_DOUBLE_("--swap-space", (double *)NULL, 0, 1e6), .unit = "GiB", .metavar = "GiB",
      .help = "accepted (a preempted request is recomputed, nothing is swapped)"},
     {FLAG_STRING_("--tokenizer", &S.tokenizer), .metavar = "DIR|ORG/NAME",

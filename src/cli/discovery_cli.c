@@ -272,11 +272,13 @@ static void kv_layout(const serve_identity *id, char *out, size_t cap) {
     char blk[16] = "auto"; /* as the dtype: "auto" is the device's (128 cpu, 16 cuda) */
     if (id->block_size > 0) snprintf(blk, sizeof blk, "%d", id->block_size);
     if (hf_cache_resolve(id->model_dir, dir, sizeof dir, err, sizeof err) == 0) d = dir;
-    if (model_config_load(&mc, d, err, sizeof err) == 0)
-        snprintf(out, cap, "%s:layers=%d:kv_heads=%d:head_dim=%d:dtype=%s:block=%s", mc.arch,
-                 mc.n_layers, mc.n_kv_heads, mc.head_dim, id->kv_dtype ? id->kv_dtype : "auto",
+    char win[32] = ""; /* a sliding window makes the KV of later layers differ */
+    if (model_config_load(&mc, d, err, sizeof err) == 0) {
+        if (mc.sliding_window) snprintf(win, sizeof win, ":window=%d", mc.sliding_window);
+        snprintf(out, cap, "%s:layers=%d:kv_heads=%d:head_dim=%d%s:dtype=%s:block=%s", mc.arch,
+                 mc.n_layers, mc.n_kv_heads, mc.head_dim, win, id->kv_dtype ? id->kv_dtype : "auto",
                  blk);
-    else
+    } else
         snprintf(out, cap, "model=%s:dtype=%s:block=%s", id->model_name,
                  id->kv_dtype ? id->kv_dtype : "auto", blk);
 }

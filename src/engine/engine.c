@@ -4,7 +4,7 @@
  *   commit -> sample the items that reached their end -> emit events,
  * so every request's tokens come from the same batch-invariant forward
  * whatever else is running.  The KV region is one anonymous mapping of
- * num_blocks blocks (block-major, model/qwen2.h's kv_store).
+ * num_blocks blocks (block-major, model/decoder.h's kv_store).
  */
 #include "engine/engine.h"
 #include "engine/gpu_budget.h"
@@ -14,7 +14,8 @@
 #include "engine/block_pool.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
-#include "model/qwen2.h"
+#include "model/arch.h"
+#include "model/decoder.h"
 #include "model/sampler.h"
 
 #include <errno.h>
@@ -74,20 +75,20 @@ typedef struct kv_note { /* a connector's answer, queued for the step thread */
 
 struct engine {
     engine_config cfg;
-    qwen2_model model;
+    decoder_model model;
     backend *be; /* the compute device: weights, KV region, work */
-    qwen2_state *state;
+    decoder_state *state;
     kv_store kv;     /* the KV region (a buffer of be) */
     size_t kv_bytes; /* its length */
     block_pool bp;
     scheduler sched;
     sched_plan plan;
-    qwen2_seq *fwd; /* (max_num_seqs) forward descriptors */
-    float *logits;  /* (max_num_seqs, vocab) last-token logits */
-    float *plogits; /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
-    float *scratch; /* (vocab) the sampler's working copy of a row */
-    int32_t *amax;  /* (max_num_seqs) greedy tokens computed on the device */
-    int dev_greedy; /* 1: plain greedy requests take the device argmax (not on the CPU) */
+    decoder_seq *fwd; /* (max_num_seqs) forward descriptors */
+    float *logits;    /* (max_num_seqs, vocab) last-token logits */
+    float *plogits;   /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
+    float *scratch;   /* (vocab) the sampler's working copy of a row */
+    int32_t *amax;    /* (max_num_seqs) greedy tokens computed on the device */
+    int dev_greedy;   /* 1: plain greedy requests take the device argmax (not on the CPU) */
     int vocab;
     int max_model_len;
 
@@ -477,16 +478,18 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     memset(out, 0, sizeof *out);
     out->base = e->kv.base;
     out->bytes = e->kv_bytes;
-    out->block_bytes = qwen2_kv_block_bytes_dt(c, e->kv.block_size, e->kv.dtype);
+    out->block_bytes = decoder_kv_block_bytes_dt(c, e->kv.block_size, e->kv.dtype);
     snprintf(out->location, sizeof out->location, "%s", backend_buffer_location(e->kv.buf));
     out->backend = backend_buffer_backend(e->kv.buf);
     static const char *const short_dt[] = {"f32", "f16", "bf16"};
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;
+    char quirks[48] = ""; /* what else makes the KV differ: the family and its window */
+    if (c->sliding_window) snprintf(quirks, sizeof quirks, ":swa%d", c->sliding_window);
     snprintf(out->fingerprint, sizeof out->fingerprint,
-             "qwen2:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d" ENGINE_KERNELS_TAG "%s",
-             c->n_layers, c->n_kv_heads, c->head_dim, e->kv.block_size, short_dt[e->kv.dtype],
-             c->vocab_size, engine_kernels(e));
+             "%s:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d%s" ENGINE_KERNELS_TAG "%s",
+             arch_family(c), c->n_layers, c->n_kv_heads, c->head_dim, e->kv.block_size,
+             short_dt[e->kv.dtype], c->vocab_size, quirks, engine_kernels(e));
 }
 
 static ereq *find_live(engine *e, uint64_t id) {
@@ -775,7 +778,7 @@ static void run_step(engine *e) {
     for (int i = 0; i < n; i++) {
         const sched_item *it = &pl->items[i];
         ereq *r = it->s->owner;
-        qwen2_seq *f = &e->fwd[i];
+        decoder_seq *f = &e->fwd[i];
         f->tokens = it->s->tokens + it->start;
         f->n_tokens = it->count;
         f->start_pos = it->start;
@@ -807,7 +810,7 @@ static void run_step(engine *e) {
         m++;
     }
     pl->n_items = n = m;
-    int rc = qwen2_forward(&e->model, e->state, &e->kv, e->fwd, n);
+    int rc = decoder_forward(&e->model, e->state, &e->kv, e->fwd, n);
     if (rc != 0) {
         for (int i = 0; i < n; i++)
             finish(e, pl->items[i].s->owner, "error", -1, "model forward failed");
@@ -920,7 +923,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
      * measured against it (--gpu-memory-utilization is this instance's budget) */
     size_t free_before = 0, total_before = 0;
     backend_memory(e->be, &free_before, &total_before);
-    rc = qwen2_load_on(&e->model, c.model, e->be, c.progress, err, errlen);
+    rc = decoder_load_ex(&e->model, c.model, e->be, c.progress, c.load_dummy, err, errlen);
     if (rc) {
         backend_close(e->be);
         free(e);
@@ -945,14 +948,14 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -EINVAL;
         goto fail;
     }
-    size_t block_bytes = qwen2_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0,
+    size_t block_bytes = decoder_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0,
            mem_free = 0;
     /* activations first: on a GPU the KV cache gets what is left (vLLM's
      * --gpu-memory-utilization: weights + activations + KV <= that fraction of the device) */
-    e->state = qwen2_state_create(&e->model, e->cfg.max_num_batched_tokens);
+    e->state = decoder_state_create(&e->model, e->cfg.max_num_batched_tokens);
     if (e->state && !backend_is_cpu(e->be)) {
         /* decode steps of up to max_num_seqs sequences as CUDA graphs, unless --enforce-eager */
-        int nb = c.enforce_eager ? 0 : qwen2_state_set_graphs(e->state, c.max_num_seqs);
+        int nb = c.enforce_eager ? 0 : decoder_state_set_graphs(e->state, c.max_num_seqs);
         if (nb > 0)
             LOG_I(MOD, "decode steps of 1..%d sequences as CUDA graphs (%d batch-size buckets)",
                   c.max_num_seqs < e->cfg.max_num_batched_tokens ? c.max_num_seqs
@@ -1057,9 +1060,9 @@ fail:
     free(e->plogits);
     free(e->scratch);
     free(e->amax);
-    if (e->state) qwen2_state_free(e->state);
+    if (e->state) decoder_state_free(e->state);
     kv_store_free(&e->kv);
-    qwen2_free(&e->model);
+    decoder_free(&e->model);
     backend_close(e->be);
     free(e);
     return rc;
@@ -1098,9 +1101,9 @@ void engine_destroy(engine *e) {
     free(e->plogits);
     free(e->scratch);
     free(e->amax);
-    qwen2_state_free(e->state);
+    decoder_state_free(e->state);
     kv_store_free(&e->kv);
-    qwen2_free(&e->model);
+    decoder_free(&e->model);
     backend_close(e->be);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);

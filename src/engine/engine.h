@@ -37,6 +37,7 @@ typedef struct engine_config {
     double gpu_memory_utilization; /* GPU: device-memory fraction for everything (0.9) */
     int enforce_eager;             /* GPU: no CUDA graphs (default: decode steps as graphs) */
     int batch_invariant;           /* --batch-invariant: backend_options.batch_invariant */
+    int load_dummy;                /* --load-format dummy: random weights, config.json alone */
 } engine_config;
 
 void engine_config_init(engine_config *c);

@@ -533,7 +533,18 @@ size_t backend_kv_block_bytes(const backend_kv *kv) {
 static int kv_ok(const backend_kv *kv, int layer) {
     return kv && kv->base && kv->n_blocks >= 1 && kv->block_size >= 1 && kv->n_layers >= 1 &&
            kv->n_kv_heads >= 1 && kv->head_dim >= 1 && dt_ok(kv->dtype) && layer >= 0 &&
-           layer < kv->n_layers;
+           layer < kv->n_layers && kv->window >= 0;
+}
+
+int backend_attention_window(const backend *be) {
+    return be && be->attention_window;
+}
+
+/* a sliding window on a backend whose attention has none: refused, never ignored */
+static int window_ok(backend_stream *st, const backend_kv *kv) {
+    if (!kv->window || st->be->attention_window) return 1;
+    LOG_E(MOD, "attention: sliding window %d is not implemented on %s", kv->window, st->be->name);
+    return 0;
 }
 
 int backend_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
@@ -550,6 +561,7 @@ int backend_attention(backend_stream *st, void *out, const void *q, backend_dtyp
               n_heads / kv->n_kv_heads <= 64,
           "attention: %d query heads over %d KV heads (need a multiple, at most 64 per KV head)",
           n_heads, kv->n_kv_heads);
+    if (!window_ok(st, kv)) return -ENOTSUP;
     return st->be->iface->attention(st, out, q, dt, kv, layer, n_heads, scale);
 }
 
@@ -596,6 +608,7 @@ int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
           "qkv: bad arguments");
     CHECK(o->wqkv || (o->wq && o->wk && o->wv && o->k && o->v),
           "qkv: neither the concatenated matrix nor q, k, v weights with k/v scratch");
+    CHECK(!o->q_norm == !o->k_norm, "qkv: q_norm and k_norm go together");
     if (o->wqkv && st->be->iface->qkv) return st->be->iface->qkv(st, o);
     CHECK(o->wq && o->wk && o->wv && o->k && o->v,
           "qkv: %s has no fused form: give wq, wk, wv and k/v scratch", st->be->name);
@@ -606,6 +619,12 @@ int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
         {o->k, o->dt, o->x, o->x_dt, o->wk, o->w_dt, o->bk, T, kvd, o->hidden},
         {o->v, o->dt, o->x, o->x_dt, o->wv, o->w_dt, o->bv, T, kvd, o->hidden}};
     int rc = backend_matmul(st, ops, 3);
+    if (!rc && o->q_norm)
+        rc = backend_rmsnorm(st, o->q, o->dt, o->q, o->dt, o->q_norm, T * o->n_heads, kv->head_dim,
+                             o->qk_eps);
+    if (!rc && o->k_norm)
+        rc = backend_rmsnorm(st, o->k, o->dt, o->k, o->dt, o->k_norm, T * kv->n_kv_heads,
+                             kv->head_dim, o->qk_eps);
     if (!rc)
         rc = backend_rope(st, o->q, o->n_heads, o->k, kv->n_kv_heads, o->dt, kv->head_dim,
                           o->inv_freq);
@@ -655,6 +674,7 @@ int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, co
               n_heads / kv->n_kv_heads <= 64,
           "attention: %d query heads over %d KV heads (need a multiple, at most 64 per KV head)",
           n_heads, kv->n_kv_heads);
+    if (!window_ok(st, kv)) return -ENOTSUP;
     return st->be->iface->attention_to(st, out, out_dt, q, dt, kv, layer, n_heads, scale);
 }
 

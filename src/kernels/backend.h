@@ -1,7 +1,7 @@
 /*
  * backend — the compute device behind the model, in the spirit of ggml-backend: an opaque
  * device handle, buffers in the device's memory, in-order streams of operations, and the
- * operations the Qwen2 forward needs.  model/qwen2.c calls only this header; the CPU
+ * operations the Qwen2 forward needs.  model/decoder.c calls only this header; the CPU
  * backend (kernels/cpu/cpu_backend.c) is the original CPU code behind it, the CUDA backend
  * (kernels/cuda/, loaded as the module libdisagg_cuda.so so the binary needs no CUDA
  * library until --device cuda) implements the same contract in HBM.
@@ -109,6 +109,8 @@ backend *backend_cpu_default(void);
 const char *backend_name(const backend *be);     /* "cpu", "cuda:0 (NVIDIA H200)", ... */
 const char *backend_location(const backend *be); /* "cpu:0", "cuda:0": transfer_register() */
 int backend_is_cpu(const backend *be);           /* 1 for the CPU backend */
+/* 1 when backend_attention honours backend_kv.window (the CPU and CUDA backends) */
+int backend_attention_window(const backend *be);
 /* Which kernels compute: the CPU's ISA ("avx2", "avx512f", ... chosen by cpuid or
  * DISAGG_CPU_ISA) or "cuda".  Results are bit-exact only between equal names. */
 const char *backend_kernels_name(const backend *be);
@@ -274,6 +276,10 @@ typedef struct backend_kv {
     int n_layers;        /* layers per block */
     int n_kv_heads;      /* KV heads */
     int head_dim;        /* elements per head */
+    /* sliding-window attention (Mistral's sliding_window): a query at position p attends to
+     * keys p - window + 1 .. p only; 0 = every key 0..p.  Only backend_attention reads it
+     * (a backend without backend_attention_window returns -ENOTSUP for a nonzero window) */
+    int window;
 } backend_kv;
 size_t backend_kv_block_bytes(const backend_kv *kv);
 
@@ -287,14 +293,14 @@ int backend_kv_write(backend_stream *st, const backend_kv *kv, int layer, const 
  * for token t of sequence s at position p (from the plan) and query head h (KV head
  * h / (n_heads / n_kv_heads)):
  *   out[t, h] = sum_{j <= p} softmax_j(scale * q[t, h] . K[s, j, kvh]) V[s, j, kvh]
- * over positions 0..p of s read through its block table -- the KV of earlier calls and of
- * this call's tokens (written by backend_kv_write for this layer before this call).
- * q, out: (T, n_heads, head_dim) of dt; out must not overlap q.  n_heads a multiple of
- * kv->n_kv_heads, at most 64 query heads per KV head.  The backend picks its kernels per
- * sequence (e.g. a prefill kernel for sequences with many new tokens, a split-KV decode
- * kernel for one); the result is the same math either way.  CPU: scores in f32 in position
- * order, max-subtracted expf, sum in order, out = sum_j (e_j / sum) v_j in position order
- * (fmaf per element). */
+ * over positions 0..p of s (kv->window w > 0: p - w + 1..p) read through its block table --
+ * the KV of earlier calls and of this call's tokens (written by backend_kv_write for this layer
+ * before this call). q, out: (T, n_heads, head_dim) of dt; out must not overlap q.  n_heads a
+ * multiple of kv->n_kv_heads, at most 64 query heads per KV head.  The backend picks its kernels
+ * per sequence (e.g. a prefill kernel for sequences with many new tokens, a split-KV decode kernel
+ * for one); the result is the same math either way.  CPU: scores in f32 in position order,
+ * max-subtracted expf, sum in order, out = sum_j (e_j / sum) v_j in position order (fmaf per
+ * element). */
 int backend_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
                       const backend_kv *kv, int layer, int n_heads, float scale);
 
@@ -312,8 +318,10 @@ int backend_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, voi
                         float eps);
 
 /* The attention block's input for the planned batch: q = rope(wq . x + bq) to `q`, and
- * k = rope(wk . x + bk), v = wv . x + bv written into `layer`'s KV slots.  Generic:
- * backend_matmul of the three (into q, k, v), backend_rope(q, k), backend_kv_write(k, v). */
+ * k = rope(wk . x + bk), v = wv . x + bv written into `layer`'s KV slots (with q_norm /
+ * k_norm: rope(norm(..)) per head).  Generic: backend_matmul of the three (into q, k, v),
+ * [backend_rmsnorm per head of q and k,] backend_rope(q, k), backend_kv_write(k, v).  A
+ * backend's fused form takes the q/k norms too (CUDA: kernels/cuda/cuda_qknorm.h). */
 typedef struct backend_qkv_op {
     const void *x;             /* (T, hidden) normed input */
     backend_dtype x_dt;        /* its dtype */
@@ -330,6 +338,12 @@ typedef struct backend_qkv_op {
     const float *inv_freq;     /* RoPE, as backend_rope */
     const backend_kv *kv;      /* the KV region */
     int layer;                 /* the layer whose slots are written */
+    /* Qwen3's per-head RMSNorm of q and k before RoPE (q_norm, k_norm: (head_dim) f32 each,
+     * or both NULL): each head's head_dim elements normed as backend_rmsnorm with eps
+     * qk_eps.  Generic form with them: the three matmuls, backend_rmsnorm of q as
+     * (T * n_heads, head_dim) rows and of k as (T * n_kv_heads, head_dim), rope, kv_write */
+    const float *q_norm, *k_norm;
+    float qk_eps;
 } backend_qkv_op;
 int backend_qkv(backend_stream *st, const backend_qkv_op *op);
 

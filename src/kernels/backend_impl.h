@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 4
+#define BACKEND_ABI_VERSION 5
 
 typedef struct backend_iface {
     /* device */
@@ -82,6 +82,7 @@ struct backend {
     char name[96];              /* backend_name(): "cpu", "cuda:0 (NVIDIA H200)" */
     char location[32];          /* backend_location(): "cpu:0", "cuda:0" */
     int is_cpu;                 /* backend_is_cpu() */
+    int attention_window;       /* backend_attention_window(): backend_kv.window honoured */
     backend_dtype act_dtype;    /* backend_act_dtype() */
     backend_dtype mm_dtype;     /* backend_mm_dtype() (0 = F32) */
     backend_dtype kv_dtype;     /* backend_kv_dtype_default() */

@@ -1,10 +1,11 @@
 /*
- * model_config — config.json / generation_config.json reader.  Accepts Qwen2ForCausalLM
- * (model_type qwen2); rope_theta at top level (transformers 4.x) or in
- * rope_parameters (5.x); torch_dtype (4.x) or dtype (5.x).  Rope scaling other than
- * "default" and sliding-window attention are refused rather than silently ignored.
+ * model_config — config.json / generation_config.json reader.  The shape here, the family
+ * and its quirks (and every refusal) in model/arch.c; rope_theta at top level
+ * (transformers 4.x) or in rope_parameters (5.x); torch_dtype (4.x) or dtype (5.x).
  */
 #include "model/model_config.h"
+
+#include "model/arch.h"
 
 #include "base/file.h"
 
@@ -60,12 +61,7 @@ int model_config_parse(model_config *c, const char *config_json, const char *gen
     json_t *arch = json_array_get(json_object_get(o, "architectures"), 0);
     const char *mt = json_string_value(json_object_get(o, "model_type"));
     snprintf(c->arch, sizeof c->arch, "%s", json_is_string(arch) ? json_string_value(arch) : "");
-    if (strcmp(c->arch, "Qwen2ForCausalLM") && !(c->arch[0] == 0 && mt && !strcmp(mt, "qwen2"))) {
-        snprintf(err, errlen,
-                 "%s: unsupported architecture '%s' (model_type '%s'); accepted: Qwen2ForCausalLM",
-                 where, c->arch[0] ? c->arch : "(none)", mt ? mt : "(none)");
-        goto out;
-    }
+    if (arch_check(c, mt, where, err, errlen)) goto out;
     if (get_int(o, "vocab_size", &c->vocab_size, 1, where, err, errlen) < 0 ||
         get_int(o, "hidden_size", &c->hidden_size, 1, where, err, errlen) < 0 ||
         get_int(o, "num_hidden_layers", &c->n_layers, 1, where, err, errlen) < 0 ||
@@ -77,48 +73,24 @@ int model_config_parse(model_config *c, const char *config_json, const char *gen
     if (get_int(o, "num_key_value_heads", &c->n_kv_heads, 0, where, err, errlen) < 0 ||
         get_int(o, "max_position_embeddings", &c->max_position, 0, where, err, errlen) < 0)
         goto out;
-    c->head_dim = c->hidden_size / c->n_heads;
+    c->head_dim = 0;
     if (get_int(o, "head_dim", &c->head_dim, 0, where, err, errlen) < 0) goto out;
-    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim * c->n_heads != c->hidden_size ||
-        c->head_dim % 2 != 0) {
-        snprintf(err, errlen,
-                 "%s: inconsistent attention shape: hidden_size %d, num_attention_heads %d, "
-                 "num_key_value_heads %d, head_dim %d (need heads*head_dim == hidden, heads %% "
-                 "kv_heads == 0, even head_dim)",
-                 where, c->hidden_size, c->n_heads, c->n_kv_heads, c->head_dim);
-        goto out;
-    }
     json_t *eps = json_object_get(o, "rms_norm_eps");
     c->rms_norm_eps = json_is_number(eps) ? (float)json_number_value(eps) : 1e-6f;
     json_t *rp = json_object_get(o, "rope_parameters");
     json_t *theta = json_object_get(o, "rope_theta");
-    if (json_is_object(rp)) {
-        if (!json_is_number(theta)) theta = json_object_get(rp, "rope_theta");
-        const char *rt = json_string_value(json_object_get(rp, "rope_type"));
-        if (rt && strcmp(rt, "default")) {
-            snprintf(err, errlen,
-                     "%s: rope_parameters.rope_type '%s' is not supported (accepted: default)",
-                     where, rt);
-            goto out;
-        }
-    }
-    json_t *rs = json_object_get(o, "rope_scaling");
-    if (json_is_object(rs)) {
-        const char *rt = json_string_value(json_object_get(rs, "rope_type"));
-        if (!rt) rt = json_string_value(json_object_get(rs, "type"));
-        if (!rt || strcmp(rt, "default")) {
-            snprintf(err, errlen, "%s: rope_scaling '%s' is not supported (accepted: none/default)",
-                     where, rt ? rt : "?");
-            goto out;
-        }
-    }
+    if (json_is_object(rp) && !json_is_number(theta)) theta = json_object_get(rp, "rope_theta");
     c->rope_theta = json_is_number(theta) ? (float)json_number_value(theta) : 10000.0f;
     if (!(c->rope_theta > 0) || !(c->rms_norm_eps > 0)) {
         snprintf(err, errlen, "%s: rope_theta and rms_norm_eps must be positive", where);
         goto out;
     }
-    if (json_is_true(json_object_get(o, "use_sliding_window"))) {
-        snprintf(err, errlen, "%s: use_sliding_window=true is not supported", where);
+    if (arch_describe(c, o, where, err, errlen)) goto out;
+    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0) {
+        snprintf(err, errlen,
+                 "%s: inconsistent attention shape: num_attention_heads %d, num_key_value_heads "
+                 "%d, head_dim %d (need heads %% kv_heads == 0, even head_dim)",
+                 where, c->n_heads, c->n_kv_heads, c->head_dim);
         goto out;
     }
     json_t *tie = json_object_get(o, "tie_word_embeddings");

@@ -1,6 +1,7 @@
 /*
- * model_config — a Qwen2 model's hyper-parameters from config.json (transformers 4.x and
- * 5.x spellings) and the sampling defaults of generation_config.json.  The KV layout
+ * model_config — a decoder's hyper-parameters and architecture description from
+ * config.json (transformers 4.x and 5.x spellings; the families and their quirks:
+ * model/arch.h) and the sampling defaults of generation_config.json.  The KV layout
  * (layers, kv heads, head dim) derived from it must agree between prefill and decode.
  */
 #ifndef DISAGG_MODEL_CONFIG_H
@@ -10,6 +11,18 @@
 
 #define MODEL_MAX_EOS 8
 
+/* RoPE scaling as transformers reads rope_scaling / rope_parameters (model/arch.c) */
+typedef struct model_rope {
+    char type[16];               /* default, linear, dynamic, yarn, llama3 */
+    double factor;               /* linear, dynamic, yarn, llama3 */
+    double low_freq_factor;      /* llama3 */
+    double high_freq_factor;     /* llama3 */
+    int original_max_position;   /* llama3, yarn */
+    double beta_fast, beta_slow; /* yarn (32, 1 when absent) */
+    int truncate;                /* yarn: truncate the correction range (default 1) */
+    double attention_factor;     /* yarn: cos/sin scale (given or from mscale); else 1 */
+} model_rope;
+
 typedef struct model_config {
     char arch[64];              /* architectures[0], e.g. Qwen2ForCausalLM */
     int vocab_size;             /* embedding rows */
@@ -17,7 +30,12 @@ typedef struct model_config {
     int n_layers;               /* num_hidden_layers */
     int n_heads;                /* num_attention_heads */
     int n_kv_heads;             /* num_key_value_heads (GQA) */
-    int head_dim;               /* hidden_size / n_heads (or head_dim) */
+    int head_dim;               /* head_dim, else the family's default (hidden / heads) */
+    int q_dim;                  /* n_heads * head_dim: q and attention width (may != hidden) */
+    int qkv_bias;               /* q/k/v projections have biases (Qwen2) */
+    int qk_norm;                /* per-head RMSNorm of q and k before RoPE (Qwen3) */
+    int sliding_window;         /* attention sees the last sliding_window keys (Mistral); 0 all */
+    model_rope rope;            /* RoPE variant (arch_rope_table computes its table) */
     int intermediate_size;      /* MLP width */
     int max_position;           /* max_position_embeddings */
     float rms_norm_eps;         /* RMSNorm epsilon */

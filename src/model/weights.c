@@ -1,10 +1,15 @@
 /*
- * weights — binds Hugging Face Qwen2 tensor names to the forward's weight structs, in
- * buffers of the model's backend.
+ * weights — binds Hugging Face decoder tensor names (Qwen2/Qwen3/Llama/Mistral: the
+ * same names, the description says which exist) to the forward's weight structs, in
+ * buffers of the model's backend; or, with --load-format dummy, random weights of the
+ * same shapes and no files.
  */
 #include "model/weights.h"
 
+#include "base/rng.h"
+
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +57,79 @@ static const st_tensor *w_find(model_weights *w, const char *name, int n_dims, i
     return t;
 }
 
+/* A tensor's bytes: from the safetensors, or (dummy) made up here -- bf16 uniform in
+ * [-1/sqrt(cols), 1/sqrt(cols)) for matrices, f32 `fill` for vectors (norms 1, biases 0).
+ * Made-up bytes live in w->dummy until w_release (the CPU backend aliases them: until
+ * weights_free). */
+typedef struct w_src {
+    const void *data;
+    backend_dtype dt;
+    size_t nbytes;
+} w_src;
+
+static int w_get(model_weights *w, w_src *out, const char *name, int n_dims, int64_t d0, int64_t d1,
+                 float fill, char *err, size_t errlen) {
+    if (!w->dummy_seed) {
+        const st_tensor *t = w_find(w, name, n_dims, d0, d1, err, errlen);
+        if (!t || w_dtype(t->dtype, &out->dt)) return -EINVAL;
+        if (w->st_used) w->st_used[t - w->st.tensors] = 1;
+        out->data = t->data;
+        out->nbytes = t->nbytes;
+        return 0;
+    }
+    size_t n = (size_t)d0 * (size_t)(n_dims == 2 ? d1 : 1);
+    size_t es = n_dims == 2 ? 2 : 4;
+    if (w->n_dummy == w->cap_dummy) {
+        int cap = w->cap_dummy ? 2 * w->cap_dummy : 64;
+        void **p = realloc(w->dummy, (size_t)cap * sizeof *p);
+        if (!p) return -ENOMEM;
+        w->dummy = p;
+        w->cap_dummy = cap;
+    }
+    void *buf = malloc(n * es);
+    if (!buf) {
+        snprintf(err, errlen, "cannot allocate %zu bytes of dummy weights for '%s'", n * es, name);
+        return -ENOMEM;
+    }
+    w->dummy[w->n_dummy++] = buf;
+    if (n_dims == 2) {
+        /* one generator per tensor, seeded from its name: the same weights every load */
+        uint64_t h = w->dummy_seed;
+        for (const char *c = name; *c; c++)
+            h = rng_mix64(h ^ (unsigned char)*c);
+        rng_state rs;
+        rng_seed(&rs, h);
+        float a = 1.0f / sqrtf((float)d1) / 32768.0f;
+        uint16_t *b = buf;
+        for (size_t i = 0; i < n; i += 4) {
+            uint64_t r = rng_next(&rs);
+            for (size_t k = 0; k < 4 && i + k < n; k++) {
+                float f = (float)(int16_t)(r >> (16 * k)) * a;
+                uint32_t u;
+                memcpy(&u, &f, 4);
+                b[i + k] = (uint16_t)(u >> 16);
+            }
+        }
+        out->dt = BACKEND_BF16;
+    } else {
+        float *f = buf;
+        for (size_t i = 0; i < n; i++)
+            f[i] = fill;
+        out->dt = BACKEND_F32;
+    }
+    out->data = buf;
+    out->nbytes = n * es;
+    return 0;
+}
+
+/* made-up bytes the backend has copied: freed (not on the CPU, which aliases them) */
+static void w_release(model_weights *w) {
+    if (!w->dummy_seed || backend_is_cpu(w->be)) return;
+    for (int i = 0; i < w->n_dummy; i++)
+        free(w->dummy[i]);
+    w->n_dummy = 0;
+}
+
 static int w_keep(model_weights *w, backend_buffer *b) {
     if (w->n_bufs == w->cap_bufs) {
         int cap = w->cap_bufs ? 2 * w->cap_bufs : 64;
@@ -66,22 +144,22 @@ static int w_keep(model_weights *w, backend_buffer *b) {
 
 static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, int cols, char *err,
                  size_t errlen) {
-    const st_tensor *t = w_find(w, name, 2, rows, cols, err, errlen);
-    if (!t) return -EINVAL;
-    backend_dtype src;
-    if (w_dtype(t->dtype, &src)) return -EINVAL; /* w_find accepted it */
+    w_src t;
+    int rc = w_get(w, &t, name, 2, rows, cols, 0, err, errlen);
+    if (rc) return rc;
     backend_buffer *b =
-        backend_weights_load(w->be, t->data, src, (size_t)rows * (size_t)cols, &m->dtype);
+        backend_weights_load(w->be, t.data, t.dt, (size_t)rows * (size_t)cols, &m->dtype);
+    w_release(w);
     if (!b || w_keep(w, b)) {
         backend_buffer_free(b);
-        snprintf(err, errlen, "cannot place tensor '%s' (%zu bytes) on %s", name, t->nbytes,
+        snprintf(err, errlen, "cannot place tensor '%s' (%zu bytes) on %s", name, t.nbytes,
                  backend_name(w->be));
         return -ENOMEM;
     }
     m->data = backend_buffer_ptr(b);
     m->rows = rows;
     m->cols = cols;
-    w->matrix_bytes += t->nbytes;
+    w->matrix_bytes += t.nbytes;
     return 0;
 }
 
@@ -94,14 +172,17 @@ static int w_mat_cat(model_weights *w, weight_mat *cat, weight_mat **parts, cons
     size_t ns[4], bytes = 0;
     int total = 0;
     for (int i = 0; i < n; i++) {
-        const st_tensor *t = w_find(w, names[i], 2, rows[i], cols, err, errlen);
-        if (!t || w_dtype(t->dtype, &dts[i])) return -EINVAL;
-        srcs[i] = t->data;
+        w_src t;
+        int rc = w_get(w, &t, names[i], 2, rows[i], cols, 0, err, errlen);
+        if (rc) return rc;
+        srcs[i] = t.data;
+        dts[i] = t.dt;
         ns[i] = (size_t)rows[i] * (size_t)cols;
-        bytes += t->nbytes;
+        bytes += t.nbytes;
         total += rows[i];
     }
     backend_buffer *b = backend_weights_load_cat(w->be, srcs, dts, ns, n, &cat->dtype);
+    w_release(w);
     if (!b || w_keep(w, b)) {
         backend_buffer_free(b);
         snprintf(err, errlen, "cannot place tensors '%s'.. (%zu bytes) on %s", names[0], bytes,
@@ -125,22 +206,23 @@ static int w_mat_cat(model_weights *w, weight_mat *cat, weight_mat **parts, cons
 
 /* an f32 vector on the device from a tensor of any supported dtype */
 static int w_vec(model_weights *w, backend_stream *st, float **v, const char *name, int n,
-                 char *err, size_t errlen) {
-    const st_tensor *t = w_find(w, name, 1, n, 0, err, errlen);
-    if (!t) return -EINVAL;
-    backend_dtype dt;
-    if (w_dtype(t->dtype, &dt)) return -EINVAL; /* w_find accepted it */
+                 float fill, char *err, size_t errlen) {
+    w_src t;
+    int rc = w_get(w, &t, name, 1, n, 0, fill, err, errlen);
+    if (rc) return rc;
+    backend_dtype dt = t.dt;
     float *host = malloc((size_t)n * sizeof *host);
     backend_buffer *b = host ? backend_buffer_alloc(w->be, (size_t)n * sizeof *host, 0) : NULL;
-    int rc = -ENOMEM;
+    rc = -ENOMEM;
     if (b && !w_keep(w, b)) {
-        backend_row_to_f32(host, t->data, dt, n);
+        backend_row_to_f32(host, t.data, dt, n);
         rc = backend_upload(st, backend_buffer_ptr(b), host, (size_t)n * sizeof *host);
         *v = backend_buffer_ptr(b);
         b = NULL; /* kept */
     }
     backend_buffer_free(b);
     free(host);
+    w_release(w);
     if (rc) snprintf(err, errlen, "cannot place tensor '%s' on %s", name, backend_name(w->be));
     return rc;
 }
@@ -148,21 +230,19 @@ static int w_vec(model_weights *w, backend_stream *st, float **v, const char *na
 /* f32 vectors as one buffer: *cat the whole, parts[i] views into it */
 static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **parts,
                      const char **names, const int *lens, int n, char *err, size_t errlen) {
-    int total = 0;
-    const st_tensor *ts[4];
+    int total = 0, rc;
+    w_src ts[4];
     for (int i = 0; i < n; i++) {
-        if (!(ts[i] = w_find(w, names[i], 1, lens[i], 0, err, errlen))) return -EINVAL;
+        if ((rc = w_get(w, &ts[i], names[i], 1, lens[i], 0, 0.0f, err, errlen))) return rc;
         total += lens[i];
     }
     float *host = malloc((size_t)total * sizeof *host);
     backend_buffer *b = host ? backend_buffer_alloc(w->be, (size_t)total * sizeof *host, 0) : NULL;
-    int rc = -ENOMEM;
+    rc = -ENOMEM;
     if (b && !w_keep(w, b)) {
         int off = 0;
         for (int i = 0; i < n; i++) {
-            backend_dtype dt = BACKEND_F32;
-            w_dtype(ts[i]->dtype, &dt); /* w_find accepted it */
-            backend_row_to_f32(host + off, ts[i]->data, dt, lens[i]);
+            backend_row_to_f32(host + off, ts[i].data, ts[i].dt, lens[i]);
             parts[i] = (float *)backend_buffer_ptr(b) + off;
             off += lens[i];
         }
@@ -172,6 +252,7 @@ static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **
     }
     backend_buffer_free(b);
     free(host);
+    w_release(w);
     if (rc)
         snprintf(err, errlen, "cannot place tensor '%s'.. on %s", names[0], backend_name(w->be));
     return rc;
@@ -184,17 +265,28 @@ int weights_load(model_weights *w, const model_config *c, const char *dir, char 
 
 int weights_load_on(model_weights *w, backend *be, const model_config *c, const char *dir,
                     char *err, size_t errlen) {
+    return weights_load_ex(w, be, c, dir, 0, err, errlen);
+}
+
+int weights_load_ex(model_weights *w, backend *be, const model_config *c, const char *dir,
+                    uint64_t dummy_seed, char *err, size_t errlen) {
     memset(w, 0, sizeof *w);
     w->be = be;
-    int rc = st_set_open(&w->st, dir, err, errlen);
+    w->dummy_seed = dummy_seed;
+    int rc = dummy_seed ? 0 : st_set_open(&w->st, dir, err, errlen);
     if (rc) return rc;
+    if (!dummy_seed && !(w->st_used = calloc((size_t)w->st.n_tensors + 1, 1))) {
+        weights_free(w);
+        return -ENOMEM;
+    }
     backend_stream *st = backend_stream_create(be);
     if (!st) {
         snprintf(err, errlen, "cannot create a stream on %s", backend_name(be));
         weights_free(w);
         return -ENOMEM;
     }
-    int h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size;
+    int h = c->hidden_size, kvd = c->n_kv_heads * c->head_dim, I = c->intermediate_size,
+        qd = c->q_dim, hd = c->head_dim;
     int cat = backend_wants_cat(be);
     w->layers = calloc((size_t)c->n_layers, sizeof *w->layers);
     if (!w->layers) {
@@ -212,12 +304,12 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
         snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                                    \
         rc = w_mat(w, &L->field, n, r, cc, err, errlen);                                           \
     }
-#define VEC(field, suffix, len)                                                                    \
+#define VEC(field, suffix, len, fill)                                                              \
     if (!rc) {                                                                                     \
         snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                                    \
-        rc = w_vec(w, st, &L->field, n, len, err, errlen);                                         \
+        rc = w_vec(w, st, &L->field, n, len, fill, err, errlen);                                   \
     }
-        VEC(attn_norm, "input_layernorm.weight", h);
+        VEC(attn_norm, "input_layernorm.weight", h, 1.0f);
         if (cat) {
             char nq[256], nk[256], nv[256];
             snprintf(nq, sizeof nq, "model.layers.%d.self_attn.q_proj.weight", l);
@@ -225,24 +317,31 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
             snprintf(nv, sizeof nv, "model.layers.%d.self_attn.v_proj.weight", l);
             const char *names[3] = {nq, nk, nv};
             weight_mat *parts[3] = {&L->wq, &L->wk, &L->wv};
-            int rows[3] = {h, kvd, kvd};
+            int rows[3] = {qd, kvd, kvd};
             if (!rc) rc = w_mat_cat(w, &L->wqkv, parts, names, rows, 3, h, err, errlen);
             snprintf(nq, sizeof nq, "model.layers.%d.self_attn.q_proj.bias", l);
             snprintf(nk, sizeof nk, "model.layers.%d.self_attn.k_proj.bias", l);
             snprintf(nv, sizeof nv, "model.layers.%d.self_attn.v_proj.bias", l);
             float *bparts[3];
-            if (!rc) rc = w_vec_cat(w, st, &L->bqkv, bparts, names, rows, 3, err, errlen);
-            if (!rc) L->bq = bparts[0], L->bk = bparts[1], L->bv = bparts[2];
+            if (!rc && c->qkv_bias)
+                rc = w_vec_cat(w, st, &L->bqkv, bparts, names, rows, 3, err, errlen);
+            if (!rc && c->qkv_bias) L->bq = bparts[0], L->bk = bparts[1], L->bv = bparts[2];
         } else {
-            MAT(wq, "self_attn.q_proj.weight", h, h);
-            VEC(bq, "self_attn.q_proj.bias", h);
+            MAT(wq, "self_attn.q_proj.weight", qd, h);
             MAT(wk, "self_attn.k_proj.weight", kvd, h);
-            VEC(bk, "self_attn.k_proj.bias", kvd);
             MAT(wv, "self_attn.v_proj.weight", kvd, h);
-            VEC(bv, "self_attn.v_proj.bias", kvd);
+            if (c->qkv_bias) {
+                VEC(bq, "self_attn.q_proj.bias", qd, 0.0f);
+                VEC(bk, "self_attn.k_proj.bias", kvd, 0.0f);
+                VEC(bv, "self_attn.v_proj.bias", kvd, 0.0f);
+            }
         }
-        MAT(wo, "self_attn.o_proj.weight", h, h);
-        VEC(mlp_norm, "post_attention_layernorm.weight", h);
+        if (c->qk_norm) {
+            VEC(q_norm, "self_attn.q_norm.weight", hd, 1.0f);
+            VEC(k_norm, "self_attn.k_norm.weight", hd, 1.0f);
+        }
+        MAT(wo, "self_attn.o_proj.weight", h, qd);
+        VEC(mlp_norm, "post_attention_layernorm.weight", h, 1.0f);
         if (cat) {
             char ng[256], nu[256];
             snprintf(ng, sizeof ng, "model.layers.%d.mlp.gate_proj.weight", l);
@@ -259,7 +358,7 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
 #undef MAT
 #undef VEC
     }
-    if (!rc) rc = w_vec(w, st, &w->final_norm, "model.norm.weight", h, err, errlen);
+    if (!rc) rc = w_vec(w, st, &w->final_norm, "model.norm.weight", h, 1.0f, err, errlen);
     if (!rc) {
         if (c->tie_embeddings)
             w->lm_head = w->embed;
@@ -268,7 +367,23 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
     }
     if (!rc) rc = backend_stream_sync(st);
     backend_stream_free(st);
-    if (!rc) { /* mixed dtypes work: each matrix carries its own */
+    /* a tensor the description has no place for means the description is wrong (a bias the
+     * family has not, q_norm in a Llama): refused, never silently left out */
+    for (int i = 0; !rc && w->st_used && i < w->st.n_tensors; i++) {
+        const char *tn = w->st.tensors[i].name;
+        size_t len = strlen(tn);
+        if (w->st_used[i] || (c->tie_embeddings && !strcmp(tn, "lm_head.weight")) ||
+            (len >= 19 && !strcmp(tn + len - 19, "rotary_emb.inv_freq")))
+            continue;
+        snprintf(err, errlen,
+                 "%s: tensor '%s' has no place in %s as config.json describes it (%s, "
+                 "attention_bias, qk norms, tying): refusing rather than ignoring it",
+                 st_set_file_of(&w->st, &w->st.tensors[i]), tn, c->arch[0] ? c->arch : "the model",
+                 c->qkv_bias ? "q/k/v biases" : "no q/k/v biases");
+        rc = -EINVAL;
+    }
+    if (!rc && dummy_seed) w->dtype = BACKEND_BF16;
+    if (!rc && !dummy_seed) { /* mixed dtypes work: each matrix carries its own */
         const st_tensor *e = st_set_find(&w->st, "model.embed_tokens.weight");
         w_dtype(e->dtype, &w->dtype);
     }
@@ -280,6 +395,10 @@ void weights_free(model_weights *w) {
     for (int i = 0; i < w->n_bufs; i++)
         backend_buffer_free(w->bufs[i]);
     free(w->bufs);
+    free(w->st_used);
+    for (int i = 0; i < w->n_dummy; i++)
+        free(w->dummy[i]);
+    free(w->dummy);
     st_set_free(&w->st);
     free(w->layers);
     memset(w, 0, sizeof *w);

@@ -1,5 +1,5 @@
 /*
- * weights — the Qwen2 weight tensors as buffers of a backend (kernels/backend.h).  The
+ * weights — the decoder's weight tensors as buffers of a backend (kernels/backend.h).  The
  * matrices go through backend_weights_load: the CPU backend uses them in place from the
  * safetensors mapping (bf16, f16 or f32; no copy), a GPU backend copies them to its memory
  * in the dtype it computes with (weight_mat.dtype says which).  Small vectors (norm
@@ -24,17 +24,18 @@ typedef struct weight_mat {
 
 typedef struct layer_weights {
     float *attn_norm;        /* (hidden) input_layernorm */
-    weight_mat wq, wk, wv;   /* (hidden | kv_dim, hidden) */
-    float *bq, *bk, *bv;     /* (hidden), (kv_dim), (kv_dim) */
-    weight_mat wo;           /* (hidden, hidden) */
+    weight_mat wq, wk, wv;   /* (q_dim | kv_dim, hidden) */
+    float *bq, *bk, *bv;     /* (q_dim), (kv_dim), (kv_dim); NULL without qkv_bias */
+    float *q_norm, *k_norm;  /* (head_dim) each (Qwen3's qk_norm), else NULL */
+    weight_mat wo;           /* (hidden, q_dim) */
     float *mlp_norm;         /* (hidden) post_attention_layernorm */
     weight_mat w_gate, w_up; /* (intermediate, hidden) */
     weight_mat w_down;       /* (hidden, intermediate) */
     /* backend_wants_cat: q|k|v and gate|up as one matrix each (wq .. w_up then point into
      * them), the q/k/v biases as one vector (bq, bk, bv point into it); else data NULL */
-    weight_mat wqkv;      /* (hidden + 2 kv_dim, hidden) */
+    weight_mat wqkv;      /* (q_dim + 2 kv_dim, hidden) */
     weight_mat w_gate_up; /* (2 intermediate, hidden) */
-    float *bqkv;          /* (hidden + 2 kv_dim) */
+    float *bqkv;          /* (q_dim + 2 kv_dim), NULL without qkv_bias */
 } layer_weights;
 
 typedef struct model_weights {
@@ -49,6 +50,10 @@ typedef struct model_weights {
     backend *be;           /* where the buffers live (not owned) */
     backend_buffer **bufs; /* (n_bufs) every buffer made, freed by weights_free */
     int n_bufs, cap_bufs;
+    unsigned char *st_used; /* (st.n_tensors) 1: bound (the rest is refused) */
+    uint64_t dummy_seed;    /* nonzero: --load-format dummy (random weights, no files) */
+    void **dummy;           /* (n_dummy) host bytes of made-up tensors the backend aliases */
+    int n_dummy, cap_dummy;
 } model_weights;
 
 /* On the CPU backend (backend_cpu_default). */
@@ -56,6 +61,12 @@ int weights_load(model_weights *w, const model_config *c, const char *dir, char 
                  size_t errlen);
 int weights_load_on(model_weights *w, backend *be, const model_config *c, const char *dir,
                     char *err, size_t errlen);
+/* dummy_seed nonzero: --load-format dummy as vLLM has it -- no safetensors read, every
+ * tensor of the shapes config.json implies made up (matrices bf16 uniform in +-1/sqrt(cols),
+ * deterministic in the seed and the tensor's name; norm weights 1, biases 0) and placed
+ * on be as a checkpoint's would be. */
+int weights_load_ex(model_weights *w, backend *be, const model_config *c, const char *dir,
+                    uint64_t dummy_seed, char *err, size_t errlen);
 void weights_free(model_weights *w);
 
 #endif

@@ -254,10 +254,9 @@ static void test_matmul(void **state) {
      * long K; by default K 2056 takes 4 splits of 72 uint4s, the last 41, K 4104 and 8200 8;
      * with =8 forced the last split of K 2056 is empty; odd N leaves dead rows in the last CTA
      * at 2 rows a warp, DISAGG_CUDA_GEMV_SPLIT_ROWS) */
-    int shapes[][3] = {{1, 1, 1},     {1, 5, 7},     {3, 9, 8},    {7, 13, 33},
-                       {2, 64, 100},  {17, 31, 129}, {1, 1, 8},    {1, 37, 264},
-                       {2, 13, 520},  {1, 7, 4104},  {2, 5, 2056}, {1, 9, 8200},
-                       {2, 3, 8200},  {1, 301, 4104}};
+    int shapes[][3] = {{1, 1, 1},     {1, 5, 7},    {3, 9, 8},    {7, 13, 33},   {2, 64, 100},
+                       {17, 31, 129}, {1, 1, 8},    {1, 37, 264}, {2, 13, 520},  {1, 7, 4104},
+                       {2, 5, 2056},  {1, 9, 8200}, {2, 3, 8200}, {1, 301, 4104}};
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
         backend_stream *st = backend_stream_create(be);
@@ -308,8 +307,12 @@ static void test_matmul(void **state) {
                     /* a GPU backend rounds GEMM inputs and weights to bf16 (tensor cores;
                      * f16 and f32 weights are stored bf16) whatever its activation dtype:
                      * 2^-9 relative per operand over K <= 129 terms, 4e-2 of 1 + |ref| */
-                    double tol1 = backend_is_cpu(be) ? tol_for(be, 1e-5, 2e-2) : exact ? 1e-4 : 4e-2,
-                           tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2) : exact ? 1e-4 : 4e-2;
+                    double tol1 = backend_is_cpu(be) ? tol_for(be, 1e-5, 2e-2)
+                                  : exact            ? 1e-4
+                                                     : 4e-2,
+                           tol2 = backend_is_cpu(be) ? tol_for(be, 1e-5, 1e-2)
+                                  : exact            ? 1e-4
+                                                     : 4e-2;
                     check_close(what, be, got, want, (size_t)T * N, tol1);
                     check_close(what, be, got2, want2, (size_t)T * N, tol2);
                     /* run to run the same bits (split-K partials add in a fixed order) */
@@ -386,7 +389,7 @@ static void test_kv_write(void **state) {
         backend *be = g_be[bi];
         backend_stream *st = backend_stream_create(be);
         backend_dtype a = backend_act_dtype(be), kdt = backend_kv_dtype_default(be);
-        backend_kv kv = {NULL, kdt, 12, 5, 3, 2, 6};
+        backend_kv kv = {NULL, kdt, 12, 5, 3, 2, 6, 0};
         size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
         assert_int_equal(backend_kv_block_bytes(&kv),
                          (size_t)3 * 2 * 5 * 2 * 6 * backend_dtype_size(kdt));
@@ -424,6 +427,8 @@ static void test_kv_write(void **state) {
     }
 }
 
+static int g_window; /* attention_case's sliding window (0: none) */
+
 /* attention of a batch (start, n_new per sequence) with GQA group `group` */
 static void attention_case(backend *be, int S, const int *start, const int *n_new, int n_kv_heads,
                            int group, int hd, int bs) {
@@ -432,7 +437,7 @@ static void attention_case(backend *be, int S, const int *start, const int *n_ne
     int total_blocks = 0;
     for (int s = 0; s < S; s++)
         total_blocks += (start[s] + n_new[s] + bs - 1) / bs;
-    backend_kv kv = {NULL, kdt, total_blocks + 3, bs, 2, n_kv_heads, hd};
+    backend_kv kv = {NULL, kdt, total_blocks + 3, bs, 2, n_kv_heads, hd, g_window};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, S, start, n_new, bs, kv.n_blocks, 10);
@@ -449,16 +454,28 @@ static void attention_case(backend *be, int S, const int *start, const int *n_ne
                    *bo = backend_buffer_alloc(be, (size_t)tb.T * nh * hd * 4, 0);
     assert_int_equal(backend_plan(st, &tb.b), 0);
     const float scale = (float)(1.0 / sqrt((double)hd));
+    if (g_window && !backend_attention_window(be)) { /* refused, not ignored */
+        assert_int_equal(backend_attention(st, DEV(bo), DEV(bq), a, &kv, layer, nh, scale),
+                         -ENOTSUP);
+        free(q), free(region);
+        backend_buffer_free(bq), backend_buffer_free(bo), backend_buffer_free(breg);
+        backend_stream_free(st);
+        return;
+    }
     assert_int_equal(backend_attention(st, DEV(bo), DEV(bq), a, &kv, layer, nh, scale), 0);
     double *want = calloc((size_t)tb.T * nh * hd, sizeof(double));
     double *sc = malloc(sizeof(double) * 8192);
     for (int t = 0; t < tb.T; t++) {
         int s = tb.tok_seq[t], p = tb.tok_pos[t];
+        /* keys lo..p: p - window + 1.. with a window (the others contribute nothing) */
+        int lo = g_window && p + 1 > g_window ? p + 1 - g_window : 0;
         for (int h = 0; h < nh; h++) {
             int kh = h / group;
             const float *qq = q + ((size_t)t * nh + h) * hd;
             double mx = -INFINITY, sum = 0;
-            for (int j = 0; j <= p; j++) {
+            for (int j = 0; j < lo; j++)
+                sc[j] = -INFINITY;
+            for (int j = lo; j <= p; j++) {
                 int blk = tb.bt[tb.bt_ptr[s] + j / bs];
                 double d = 0;
                 for (int i = 0; i < hd; i++)
@@ -478,12 +495,14 @@ static void attention_case(backend *be, int S, const int *start, const int *n_ne
     }
     float *got = from_dev(st, DEV(bo), (size_t)tb.T * nh * hd, a);
     char what[128];
-    snprintf(what, sizeof what, "attention (%d seqs, %d kv heads x group %d, hd %d, bs %d)", S,
-             n_kv_heads, group, hd, bs);
+    snprintf(what, sizeof what,
+             "attention (%d seqs, %d kv heads x group %d, hd %d, bs %d, window %d)", S, n_kv_heads,
+             group, hd, bs, g_window);
     (void)kvd;
     /* a GPU backend's prefill kernel rounds q and the softmax weights to bf16 for the tensor
      * cores when the KV cache is bf16: the bf16 tolerance applies there */
     double tol = backend_is_cpu(be) || kdt != BACKEND_BF16 ? tol_for(be, 2e-6, 2e-2) : 2e-2;
+    if (g_window && !backend_is_cpu(be)) tol = 1e-5; /* cuda_window.cu: f32 throughout */
     check_close(what, be, got, want, (size_t)tb.T * nh * hd, tol);
     free(got), free(want), free(sc), free(q), free(region);
     backend_buffer_free(bq), backend_buffer_free(bo), backend_buffer_free(breg);
@@ -498,7 +517,7 @@ static void attention_alone_case(backend *be, int start, int n_new, int n_kv_hea
                                  int hd, int bs, backend_dtype kdt) {
     backend_stream *st = backend_stream_create(be);
     int nb = (start + n_new + bs - 1) / bs;
-    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd};
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, g_window};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
@@ -550,7 +569,7 @@ static float *block_size_run(backend *be, int start, int n_new, int n_kv_heads, 
                              const float *q) {
     backend_stream *st = backend_stream_create(be);
     int np = start + n_new, nb = (np + bs - 1) / bs, layer = 1, nh = n_kv_heads * group;
-    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd};
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, 0};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
@@ -565,8 +584,7 @@ static float *block_size_run(backend *be, int start, int n_new, int n_kv_heads, 
     backend_buffer *breg = to_dev(st, region, n_el, kdt);
     kv.base = DEV(breg);
     size_t nq = (size_t)n_new * nh * hd;
-    backend_buffer *bq = to_dev(st, q, nq, BACKEND_F32),
-                   *bo = backend_buffer_alloc(be, nq * 4, 0);
+    backend_buffer *bq = to_dev(st, q, nq, BACKEND_F32), *bo = backend_buffer_alloc(be, nq * 4, 0);
     assert_int_equal(backend_plan(st, &tb.b), 0);
     assert_int_equal(backend_attention(st, DEV(bo), DEV(bq), BACKEND_F32, &kv, layer, nh,
                                        (float)(1.0 / sqrt((double)hd))),
@@ -593,7 +611,8 @@ static void test_attention_block_sizes(void **state) {
                 float *q = rand_vec(nq, BACKEND_F32);
                 for (size_t i = 0; i < nq; i++)
                     q[i] *= 3.0f;
-                float *ref = block_size_run(be, start, n_new, nkv, group, hd, bss[0], kdt, kk, vv, q);
+                float *ref =
+                    block_size_run(be, start, n_new, nkv, group, hd, bss[0], kdt, kk, vv, q);
                 for (int b = 1; b < (int)(sizeof bss / sizeof bss[0]); b++) {
                     float *got =
                         block_size_run(be, start, n_new, nkv, group, hd, bss[b], kdt, kk, vv, q);
@@ -621,6 +640,38 @@ static void test_attention_alone_vs_batch(void **state) {
             attention_alone_case(be, 600, 20, 2, 3, 32, 24, kdt);  /* blocks across chunks */
             attention_alone_case(be, 240, 17, 1, 2, 12, 5, kdt);   /* hd 12: the tails */
         }
+    }
+}
+
+/* Mistral's sliding window: a query at p attends to keys p - W + 1..p.  The CPU against the
+ * reference (windows shorter than, across and longer than its 256-key chunks; decode, chunk
+ * and prefill; the chunk split of few tokens and the per-token split of many), and a token's
+ * output the same bits alone and in a batch; CUDA (kernels/cuda/cuda_window.cu) against the
+ * same reference; a backend without windows refuses (-ENOTSUP). */
+static void test_attention_window(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        g_window = 8;
+        int s1[1] = {0}, n1[1] = {37}; /* prefill longer than the window */
+        attention_case(be, 1, s1, n1, 2, 3, 16, 16);
+        int s2[3] = {40, 0, 300}, n2[3] = {3, 21, 1}; /* chunk, prefill, decode */
+        attention_case(be, 3, s2, n2, 2, 2, 32, 5);
+        g_window = 300; /* a window across the chunks of 256 */
+        int s3[2] = {1000, 250}, n3[2] = {1, 12};
+        attention_case(be, 2, s3, n3, 2, 7, 64, 24);
+        int s4[1] = {700}, n4[1] = {20}; /* many tokens: one task per token and KV head */
+        attention_case(be, 1, s4, n4, 2, 2, 32, 16);
+        g_window = 5000; /* longer than every context: as no window */
+        int s5[1] = {100}, n5[1] = {2};
+        attention_case(be, 1, s5, n5, 1, 4, 16, 16);
+        if (backend_is_cpu(be))
+            for (int w = 0; w < 2; w++) {
+                g_window = w ? 300 : 7;
+                backend_dtype kdt = w ? BACKEND_BF16 : BACKEND_F32;
+                attention_alone_case(be, 1000, 12, 2, 7, 64, 16, kdt);
+                attention_alone_case(be, 600, 20, 2, 3, 32, 24, kdt);
+            }
+        g_window = 0;
     }
 }
 
@@ -748,7 +799,7 @@ static void test_fused_ops(void **state) {
         check_close("add_rmsnorm: out", be, gxb, wxb, (size_t)T * H,
                     mm == BACKEND_F32 ? 1e-5 : 8e-3);
         /* qkv */
-        backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+        backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
         size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
         backend_buffer *region =
             backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
@@ -814,6 +865,64 @@ static void test_fused_ops(void **state) {
         check_close("qkv: q (bias, RoPE)", be, gq, wq_, (size_t)T * H, 1e-4);
         check_close("qkv: K/V in the cache (every other slot zero)", be, gkv, wkv, n_el,
                     kdt == BACKEND_F32 ? 1e-4 : 8e-3);
+        /* qkv with Qwen3's per-head q/k RMSNorm before RoPE, no biases (the CPU: the generic
+         * form; CUDA: the q|k|v GEMM and kernels/cuda/cuda_qknorm.cu) */
+        float qn[HD], kn[HD];
+        for (int i = 0; i < HD; i++)
+            qn[i] = 1.0f + 0.3f * frand(), kn[i] = 1.0f + 0.3f * frand();
+        backend_buffer *bqn = to_dev(st, qn, HD, BACKEND_F32),
+                       *bkn = to_dev(st, kn, HD, BACKEND_F32);
+        backend_qkv_op opn = op;
+        opn.bq = opn.bk = opn.bv = opn.bqkv = NULL;
+        opn.q_norm = DEV(bqn), opn.k_norm = DEV(bkn), opn.qk_eps = 1e-6f;
+        assert_int_equal(backend_qkv(st, &opn), 0);
+        float *gqn = from_dev(st, DEV(bqo), (size_t)T * H, a),
+              *gkvn = from_dev(st, kv.base, n_el, kdt);
+        for (int t = 0; t < T; t++) {
+            double row[H + 2 * KVD];
+            for (int n = 0; n < H + 2 * KVD; n++) {
+                const float *w = n < H         ? fq + n * H
+                                 : n < H + KVD ? fk + (n - H) * H
+                                               : fv + (n - H - KVD) * H;
+                double acc = 0;
+                for (int i = 0; i < H; i++)
+                    acc += (double)xb[t * H + i] * w[i];
+                row[n] = acc;
+            }
+            for (int hh = 0; hh < NH + NKV; hh++) { /* the per-head norm, then rope */
+                double ss = 0, *v = row + hh * HD;
+                for (int i = 0; i < HD; i++)
+                    ss += v[i] * v[i];
+                double r = 1.0 / sqrt(ss / HD + 1e-6);
+                for (int i = 0; i < HD; i++)
+                    v[i] = (hh < NH ? qn[i] : kn[i]) * v[i] * r;
+            }
+            int p = tb.tok_pos[t];
+            for (int hh = 0; hh < NH + NKV; hh++)
+                for (int i = 0; i < HD / 2; i++) {
+                    float ang = (float)p * inv[i];
+                    double c = cos(ang), sn = sin(ang), u = row[hh * HD + i],
+                           w = row[hh * HD + i + HD / 2];
+                    row[hh * HD + i] = u * c - w * sn;
+                    row[hh * HD + i + HD / 2] = w * c + u * sn;
+                }
+            for (int n = 0; n < H; n++)
+                wq_[t * H + n] = row[n];
+            int s = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size],
+                slot = p % kv.block_size;
+            for (int hh = 0; hh < NKV; hh++)
+                for (int d = 0; d < HD; d++) {
+                    wkv[kv_index(&kv, blk, LAYER, 0, slot, hh, d)] = row[H + hh * HD + d];
+                    wkv[kv_index(&kv, blk, LAYER, 1, slot, hh, d)] = row[H + KVD + hh * HD + d];
+                }
+        }
+        /* bf16 activations: the normed q/k round once more than the plain path */
+        check_close("qkv + q/k norm: q", be, gqn, wq_, (size_t)T * H,
+                    a == BACKEND_F32 ? 1e-4 : 2e-2);
+        check_close("qkv + q/k norm: K/V in the cache", be, gkvn, wkv, n_el,
+                    kdt == BACKEND_F32 && a == BACKEND_F32 ? 1e-4 : 2e-2);
+        free(gqn), free(gkvn);
+        backend_buffer_free(bqn), backend_buffer_free(bkn);
         /* gate_up */
         backend_buffer *bh = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0),
                        *bh2 = cat ? NULL
@@ -960,8 +1069,8 @@ static void test_gate_up_gemv(void **state) {
             assert_non_null(bgu);
             float *x = rand_vec((size_t)T * H, BACKEND_BF16);
             backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
-                           *bh = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm),
-                                                      0);
+                           *bh =
+                               backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0);
             backend_mlp_op mo = {.x = DEV(bx),
                                  .x_dt = mm,
                                  .T = T,
@@ -1036,14 +1145,16 @@ static void test_qkv_gemv(void **state) {
             backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
                            *bb = to_dev(st, bias, W, BACKEND_F32),
                            *binv = to_dev(st, inv, HD / 2, BACKEND_F32);
-            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
             size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
             backend_buffer *region =
                 backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
             kv.base = DEV(region);
             backend_buffer *bq = backend_buffer_alloc(be, (size_t)T * Q * backend_dtype_size(a), 0),
-                           *bk = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
-                           *bv = backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
+                           *bk =
+                               backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0),
+                           *bv =
+                               backend_buffer_alloc(be, (size_t)T * KVD * backend_dtype_size(a), 0);
             const float *db = DEV(bb);
             backend_qkv_op op = {.x = DEV(bx),
                                  .x_dt = mm,
@@ -1428,7 +1539,7 @@ static void test_qkv_prefill(void **state) {
             const float *dbias = DEV(bbias);
             float *xb = rand_vec((size_t)T * H, BACKEND_BF16);
             backend_buffer *bx = to_dev(st, xb, (size_t)T * H, mm);
-            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD};
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
             size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
             backend_buffer *region =
                 backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
@@ -1531,6 +1642,7 @@ int main(void) {
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_alone_vs_batch),
+        cmocka_unit_test(test_attention_window),
         cmocka_unit_test(test_attention_block_sizes),
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_gather_argmax),

@@ -7,7 +7,7 @@
  *   - backend_attention: a sequence's outputs are the same prefilled at once, in chunks
  *     (>= 16 tokens: the prefill tiles; < 16: the split path), token by token and in a batch
  *     of other sequences, with bf16 and f32 KV, head_dim 16/32/128, GQA 2..7;
- *   - the model (model/qwen2.c over kernels/backend.h, CUDA graphs on, as serve runs it): a
+ *   - the model (model/decoder.c over kernels/backend.h, CUDA graphs on, as serve runs it): a
  *     prompt's logits (every position, its greedy continuation included) are the same
  *     prefilled at once, then decoded, token by token, in chunks, and in a batch of 1..63
  *     other sequences of mixed lengths and schedules -- on the random tiny model, the
@@ -32,7 +32,7 @@
 #include <time.h>
 
 #include "kernels/backend.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 /* $DISAGG_SRC: the source tree when the binary runs elsewhere (the GPU machine's bundle) */
 static const char *const src_built = DISAGG_SOURCE_DIR;
@@ -511,7 +511,7 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
     backend_stream *s = backend_stream_create(be);
     assert_non_null(s);
     int W = c->nh * c->hd, kvd = c->nkv * c->hd, nlayers = 2, nb = NSEQ * 24;
-    backend_kv kv = {NULL, c->kv_dt, nb, AT_BS, nlayers, c->nkv, c->hd};
+    backend_kv kv = {NULL, c->kv_dt, nb, AT_BS, nlayers, c->nkv, c->hd, 0};
     backend_buffer *kvb = backend_buffer_alloc(be, backend_kv_block_bytes(&kv) * nb, BACKEND_BUF_KV);
     assert_non_null(kvb);
     kv.base = backend_buffer_ptr(kvb);
@@ -657,10 +657,10 @@ static int ch_random(int seq, int done, int call) {
     return r == 0 ? 1 + irand(15) : r == 1 ? 16 + irand(100) : 1;
 }
 
-static void m_run(const qwen2_model *m, qwen2_state *st, const kv_store *kv, mseq *sq, int n,
+static void m_run(const decoder_model *m, decoder_state *st, const kv_store *kv, mseq *sq, int n,
                   chunk_fn fn, int max_tokens) {
     int V = m->cfg.vocab_size;
-    qwen2_seq *q = calloc((size_t)n, sizeof *q);
+    decoder_seq *q = calloc((size_t)n, sizeof *q);
     for (int i = 0; i < n; i++)
         sq[i].done = 0;
     for (int call = 0;; call++) {
@@ -672,7 +672,7 @@ static void m_run(const qwen2_model *m, qwen2_state *st, const kv_store *kv, mse
             if (T + c > max_tokens) c = max_tokens - T;
             if (c <= 0) continue;
             /* the target keeps every token's logits; the others only their last one's */
-            q[k++] = (qwen2_seq){sq[i].toks + sq[i].done,
+            q[k++] = (decoder_seq){sq[i].toks + sq[i].done,
                                  c,
                                  sq[i].done,
                                  sq[i].table,
@@ -683,7 +683,7 @@ static void m_run(const qwen2_model *m, qwen2_state *st, const kv_store *kv, mse
             T += c;
         }
         if (!k) break;
-        assert_int_equal(qwen2_forward(m, st, kv, q, k), 0);
+        assert_int_equal(decoder_forward(m, st, kv, q, k), 0);
     }
     free(q);
 }
@@ -699,9 +699,9 @@ static int argmax_row(const float *x, int V) {
  * schedule; returns differing rows (of the target's P + G) against the prefill at once. */
 static int model_case(const char *dir, int inv, int P, int G, int *rows, const char *label) {
     backend *be = open_cuda(inv);
-    qwen2_model m;
+    decoder_model m;
     char err[1024];
-    int rc = qwen2_load_on(&m, dir, be, 0, err, sizeof err);
+    int rc = decoder_load_on(&m, dir, be, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
     int V = m.cfg.vocab_size, L = P + G, NS = 64, max_tokens = 2048;
@@ -711,9 +711,9 @@ static int model_case(const char *dir, int inv, int P, int G, int *rows, const c
     assert_int_equal(kv_store_init_on(&kv, be, &m.cfg, nb, MB, on_cpu ? BACKEND_F32 : BACKEND_BF16,
                                       BACKEND_BUF_KV),
                      0);
-    qwen2_state *st = qwen2_state_create(&m, max_tokens);
+    decoder_state *st = decoder_state_create(&m, max_tokens);
     assert_non_null(st);
-    assert_true(qwen2_state_set_graphs(st, NS) > 0 || on_cpu);
+    assert_true(decoder_state_set_graphs(st, NS) > 0 || on_cpu);
     mseq *sq = calloc((size_t)NS, sizeof *sq);
     int vmax = V < 30000 ? V : 30000;
     for (int i = 0; i < NS; i++) {
@@ -770,13 +770,13 @@ static int model_case(const char *dir, int inv, int P, int G, int *rows, const c
                 inv ? "inv" : "fast", sc[k].name, d, L, worst);
     }
     fprintf(stderr, "    %s %s: %d graph(s) recorded\n", label, inv ? "inv" : "fast",
-            qwen2_state_graphs(st));
+            decoder_state_graphs(st));
     for (int i = 0; i < NS; i++)
         free(sq[i].toks), free(sq[i].logits);
     free(sq), free(ref);
-    qwen2_state_free(st);
+    decoder_state_free(st);
     kv_store_free(&kv);
-    qwen2_free(&m);
+    decoder_free(&m);
     backend_close(be);
     return differ;
 }
@@ -931,7 +931,7 @@ static void test_decode_bench(void **st) {
     memset(ms, 0, sizeof ms);
     for (int mode = 0; mode < 2; mode++) {
         backend_stream *s = backend_stream_create(be[mode]);
-        backend_kv kv = {NULL, BACKEND_BF16, nb, BS, NL, NKV, HD};
+        backend_kv kv = {NULL, BACKEND_BF16, nb, BS, NL, NKV, HD, 0};
         size_t kvbytes = backend_kv_block_bytes(&kv) * nb;
         backend_buffer *kvb = rand_buffer(be[mode], s, kvbytes, 0);
         kv.base = backend_buffer_ptr(kvb);

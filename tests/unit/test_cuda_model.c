@@ -1,7 +1,8 @@
 /*
- * test_cuda_model — the serving Qwen2 forward (model/qwen2.c over kernels/backend.h) on the
+ * test_cuda_model — the serving Qwen2 forward (model/decoder.c over kernels/backend.h) on the
  * CUDA backend against the CPU (every op on its own: test_backend_ops): the whole forward
- * (random tiny bf16 model and the trained default model, with the fused q|k|v and gate|up
+ * (random tiny bf16 model, the Llama 3 / Qwen3 / Mistral tiny models and the trained default
+ * model, with the fused q|k|v and gate|up
  * GEMMs, residual adds fused into RMSNorm, bf16 GEMM inputs; the device argmax of the
  * greedy path against the downloaded logits) against the CPU forward, the greedy continuations of
  * tests/data/sotu-tiny/ greedy.json (Hugging Face, f32) and, when DISAGG_GPU_REF_DIR names a folder
@@ -34,7 +35,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_matmul.h"
 #include "kernels/cuda/cuda_module.h" /* DCU_F32 / DCU_BF16 (= BACKEND_F32 / _BF16) */
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "test_model_fixture.h"
 
 static backend *G; /* the CUDA backend, NULL without a GPU */
@@ -66,31 +67,31 @@ static int teardown(void **st) {
 
 /* The serving forward on the GPU: model, workspace, KV region. */
 typedef struct gpu_model {
-    qwen2_model m;
-    qwen2_state *s;
+    decoder_model m;
+    decoder_state *s;
     kv_store kv;
 } gpu_model;
 
 static void gpu_open(gpu_model *g, const char *dir, int max_tokens, int n_blocks, int bs,
                      backend_dtype kv_dt) {
     char err[1024];
-    int rc = qwen2_load_on(&g->m, dir, G, 0, err, sizeof err);
+    int rc = decoder_load_on(&g->m, dir, G, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
-    g->s = qwen2_state_create(&g->m, max_tokens);
+    g->s = decoder_state_create(&g->m, max_tokens);
     assert_non_null(g->s);
     assert_int_equal(kv_store_init_on(&g->kv, G, &g->m.cfg, n_blocks, bs, kv_dt, BACKEND_BUF_KV),
                      0);
 }
 
 static void gpu_close(gpu_model *g) {
-    qwen2_state_free(g->s);
+    decoder_state_free(g->s);
     kv_store_free(&g->kv);
-    qwen2_free(&g->m);
+    decoder_free(&g->m);
 }
 
-static int gpu_fwd(gpu_model *g, qwen2_seq *q) {
-    return qwen2_forward(&g->m, g->s, &g->kv, q, 1);
+static int gpu_fwd(gpu_model *g, decoder_seq *q) {
+    return decoder_forward(&g->m, g->s, &g->kv, q, 1);
 }
 
 /* ---- whole model -------------------------------------------------------------- */
@@ -99,30 +100,30 @@ static int gpu_fwd(gpu_model *g, qwen2_seq *q) {
 
 static double compare_model(const char *dir, const int32_t *ids, int n, int kv_dtype, double tol) {
     char err[1024];
-    qwen2_model m;
-    int rc = qwen2_load(&m, dir, 0, err, sizeof err);
+    decoder_model m;
+    int rc = decoder_load(&m, dir, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
     int V = m.cfg.vocab_size, nb = (n + BS - 1) / BS + 1;
-    qwen2_state *s = qwen2_state_init(&m, n, 1);
+    decoder_state *s = decoder_state_init(&m, n, 1);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &m.cfg, nb, BS), 0);
     int32_t table[512];
     for (int b = 0; b < nb; b++)
         table[b] = nb - 1 - b;
     float *cpu = malloc((size_t)n * V * 4), *gpu = malloc((size_t)n * V * 4);
-    qwen2_seq sq = {ids, n, 0, table, nb, cpu, 1, NULL};
-    assert_int_equal(qwen2_forward(&m, s, &kv, &sq, 1), 0);
+    decoder_seq sq = {ids, n, 0, table, nb, cpu, 1, NULL};
+    assert_int_equal(decoder_forward(&m, s, &kv, &sq, 1), 0);
     gpu_model g;
     gpu_open(&g, dir, n, nb, BS, (backend_dtype)kv_dtype);
     /* prefill in two chunks: the first n/2 tokens, then the rest (chunked prefill path);
      * the device argmax of the last row rides along */
     int half = n / 2 > 0 ? n / 2 : 1;
     int32_t amax = -1;
-    qwen2_seq g1 = {ids, half, 0, table, nb, gpu, 1, NULL};
+    decoder_seq g1 = {ids, half, 0, table, nb, gpu, 1, NULL};
     assert_int_equal(gpu_fwd(&g, &g1), 0);
     if (n > half) {
-        qwen2_seq g2 = {ids + half, n - half, half, table, nb, gpu + (size_t)half * V, 1, &amax};
+        decoder_seq g2 = {ids + half, n - half, half, table, nb, gpu + (size_t)half * V, 1, &amax};
         assert_int_equal(gpu_fwd(&g, &g2), 0);
         int hb = 0;
         const float *last = gpu + (size_t)(n - 1) * V;
@@ -152,8 +153,8 @@ static double compare_model(const char *dir, const int32_t *ids, int n, int kv_d
     assert_true(worst <= tol);
     gpu_close(&g);
     kv_store_free(&kv);
-    qwen2_state_free(s);
-    qwen2_free(&m);
+    decoder_state_free(s);
+    decoder_free(&m);
     free(cpu), free(gpu);
     return worst;
 }
@@ -169,6 +170,26 @@ static void test_model_tiny_random(void **st) {
     compare_model(dir, ids, 300, DCU_F32, 0.03);
     compare_model(dir, ids, 300, DCU_BF16, 0.03);
     json_decref(g);
+}
+
+/* The architectures beside Qwen2 (issue 27): Llama 3 (llama3 rope, tied, no biases), Qwen3
+ * (q/k norm: kernels/cuda/cuda_qknorm.cu, head_dim 32 != 64/4, yarn) and Mistral (sliding
+ * window 8 < the 300 tokens: kernels/cuda/cuda_window.cu, head_dim 24) -- the f32
+ * checkpoints, bf16 on the GPU -- against the CPU forward, f32 and bf16 KV. */
+static void test_model_arch(void **st) {
+    NEED_GPU();
+    const char *names[] = {"llama-tiny", "qwen3-tiny", "mistral-tiny"};
+    for (int i = 0; i < 3; i++) {
+        char dir[1024];
+        json_t *g = fixture_model(names[i], dir, sizeof dir);
+        assert_non_null(g);
+        int32_t ids[300];
+        for (int k = 0; k < 300; k++)
+            ids[k] = (int32_t)((k * 7919 + 13 * i) % 150000);
+        compare_model(dir, ids, 300, DCU_F32, 0.03);
+        compare_model(dir, ids, 300, DCU_BF16, 0.03);
+        json_decref(g);
+    }
 }
 
 static void test_model_default(void **st) {
@@ -208,7 +229,7 @@ static void test_greedy_golden(void **st) {
         for (int i = 0; i < n; i++)
             ids[i] = (int32_t)json_integer_value(json_array_get(jp, (size_t)i));
         int32_t next;
-        qwen2_seq q = {ids, n, 0, table, nb, NULL, 0, &next};
+        decoder_seq q = {ids, n, 0, table, nb, NULL, 0, &next};
         assert_int_equal(gpu_fwd(&gc, &q), 0);
         json_t *jm = json_object_get(p, "top2_logit_margins");
         int k = 0;
@@ -216,7 +237,7 @@ static void test_greedy_golden(void **st) {
             int want = (int)json_integer_value(json_array_get(jo, (size_t)k));
             if (next != want) break;
             ids[n + k] = next;
-            qwen2_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next};
+            decoder_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next};
             assert_int_equal(gpu_fwd(&gc, &d), 0);
         }
         all++;
@@ -271,7 +292,7 @@ static void hf_case(const char *refdir, const char *name, const char *model_dir)
         for (int i = 0; i < n; i++)
             ids[i] = (int32_t)json_integer_value(json_array_get(jp, (size_t)i));
         float *lg = malloc((size_t)n * V * 4);
-        qwen2_seq q = {ids, n, 0, table, nb, lg, 1, NULL};
+        decoder_seq q = {ids, n, 0, table, nb, lg, 1, NULL};
         assert_int_equal(gpu_fwd(&gc, &q), 0);
         const char *kinds[] = {"bf16", "f32"};
         for (int k = 0; k < 2; k++) {
@@ -302,12 +323,12 @@ static void hf_case(const char *refdir, const char *name, const char *model_dir)
         json_t *jo = json_object_get(cs, "greedy_bf16");
         int no = (int)json_array_size(jo), k = 0;
         int32_t next = 0;
-        qwen2_seq q2 = {ids, n, 0, table, nb, NULL, 0, &next};
+        decoder_seq q2 = {ids, n, 0, table, nb, NULL, 0, &next};
         assert_int_equal(gpu_fwd(&gc, &q2), 0);
         for (; k < no && k < 64; k++) {
             if (next != (int)json_integer_value(json_array_get(jo, (size_t)k))) break;
             ids[n + k] = next;
-            qwen2_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next};
+            decoder_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next};
             assert_int_equal(gpu_fwd(&gc, &d), 0);
         }
         fprintf(stderr, "  HF %s case %zu: greedy %d/%d tokens equal to HF bf16 on the GPU\n", name,
@@ -340,7 +361,7 @@ static void test_hf_gpu_reference(void **st) {
     hf_case(ref, "tiny-bf16", dir);
 }
 
-/* The serving path (model/qwen2.c over kernels/backend.h on the CUDA backend) with decode
+/* The serving path (model/decoder.c over kernels/backend.h on the CUDA backend) with decode
  * steps as CUDA graphs against the same requests with every step eager (--enforce-eager):
  * 5 sequences of different prompt lengths decode greedily, finishing one by one (batch
  * 5, 4, 3, 2, 1: buckets 8, 4, 4, 2, 1; one context crosses the 256-position bucket).
@@ -350,7 +371,7 @@ static void test_hf_gpu_reference(void **st) {
 #define GS_N     5
 #define GS_STEPS 40
 typedef struct gs_run {
-    qwen2_state *s;
+    decoder_state *s;
     kv_store kv;
     int32_t toks[GS_N][GS_STEPS + 1];
     float *logits; /* (GS_N, GS_STEPS, V) */
@@ -363,12 +384,12 @@ static int gs_argmax(const float *x, int V) {
     return b;
 }
 
-static void gs_decode(qwen2_model *m, backend *be, gs_run *r, int graphs, const int *plen,
+static void gs_decode(decoder_model *m, backend *be, gs_run *r, int graphs, const int *plen,
                       int32_t (*tables)[64], int nb) {
     int V = m->cfg.vocab_size;
-    r->s = qwen2_state_create(m, 512);
+    r->s = decoder_state_create(m, 512);
     assert_non_null(r->s);
-    if (graphs) assert_true(qwen2_state_set_graphs(r->s, 8) > 0);
+    if (graphs) assert_true(decoder_state_set_graphs(r->s, 8) > 0);
     assert_int_equal(kv_store_init_on(&r->kv, be, &m->cfg, nb, BS, BACKEND_BF16, BACKEND_BUF_KV),
                      0);
     r->logits = calloc((size_t)GS_N * GS_STEPS * V, 4);
@@ -377,16 +398,16 @@ static void gs_decode(qwen2_model *m, backend *be, gs_run *r, int graphs, const 
     for (int i = 0; i < GS_N; i++) {
         for (int t = 0; t < plen[i]; t++)
             prompt[t] = (int32_t)((t * 104729 + 7 * i + 3) % 4000);
-        qwen2_seq q = {prompt, plen[i], 0, tables[i], 64, lg, 0, NULL};
-        assert_int_equal(qwen2_forward(m, r->s, &r->kv, &q, 1), 0);
+        decoder_seq q = {prompt, plen[i], 0, tables[i], 64, lg, 0, NULL};
+        assert_int_equal(decoder_forward(m, r->s, &r->kv, &q, 1), 0);
         r->toks[i][0] = gs_argmax(lg, V);
     }
-    qwen2_seq q[GS_N];
+    decoder_seq q[GS_N];
     for (int step = 0; step < GS_STEPS; step++) {
         int n = 0;
         for (int i = 0; i < GS_N; i++) {
             if (step >= GS_STEPS - 6 * i) continue; /* sequence i stops after 40 - 6 i steps */
-            q[n++] = (qwen2_seq){&r->toks[i][step],
+            q[n++] = (decoder_seq){&r->toks[i][step],
                                  1,
                                  plen[i] + step,
                                  tables[i],
@@ -398,7 +419,7 @@ static void gs_decode(qwen2_model *m, backend *be, gs_run *r, int graphs, const 
         int reps = graphs && step == 0 ? 3 : 1;
         float *first = NULL;
         for (int k = 0; k < reps; k++) {
-            assert_int_equal(qwen2_forward(m, r->s, &r->kv, q, n), 0);
+            assert_int_equal(decoder_forward(m, r->s, &r->kv, q, n), 0);
             if (reps > 1 && k == 0) {
                 first = malloc((size_t)n * V * 4);
                 for (int j = 0; j < n; j++)
@@ -412,8 +433,8 @@ static void gs_decode(qwen2_model *m, backend *be, gs_run *r, int graphs, const 
             fprintf(stderr,
                     "  graph: warm-up, recorded and replayed step bit-identical (%d "
                     "sequences, %d graph(s) recorded)\n",
-                    n, qwen2_state_graphs(r->s));
-            assert_true(qwen2_state_graphs(r->s) >= 1);
+                    n, decoder_state_graphs(r->s));
+            assert_true(decoder_state_graphs(r->s) >= 1);
             free(first);
         }
         for (int i = 0; i < GS_N; i++)
@@ -429,8 +450,8 @@ static void test_serving_graphs(void **st) {
     snprintf(dir, sizeof dir, "%s/models/disagg-sotu-tiny", DISAGG_SOURCE_DIR);
     backend *be = G;
     assert_true(backend_graph_supported(be));
-    qwen2_model m;
-    int rc = qwen2_load_on(&m, dir, be, 0, err, sizeof err);
+    decoder_model m;
+    int rc = decoder_load_on(&m, dir, be, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
     int V = m.cfg.vocab_size, nb = GS_N * 64;
@@ -474,17 +495,17 @@ static void test_serving_graphs(void **st) {
     fprintf(stderr,
             "  serving path, CUDA graphs vs eager: %d/%d greedy tokens differ (+%d at near ties), "
             "max |dlogit| %.3g, %d graphs recorded\n",
-            differ, total, ties, worst, qwen2_state_graphs(graph.s));
+            differ, total, ties, worst, decoder_state_graphs(graph.s));
     assert_int_equal(differ, 0);
     assert_true(worst < 0.5); /* bf16 rounding of the activations, not a wrong kernel */
-    assert_true(qwen2_state_graphs(graph.s) >= 4);
+    assert_true(decoder_state_graphs(graph.s) >= 4);
     gs_run *runs[2] = {&eager, &graph};
     for (int k = 0; k < 2; k++) {
-        qwen2_state_free(runs[k]->s);
+        decoder_state_free(runs[k]->s);
         kv_store_free(&runs[k]->kv);
         free(runs[k]->logits);
     }
-    qwen2_free(&m);
+    decoder_free(&m);
 }
 
 /* Without a GPU too: the graph functions on the CPU backend (no graphs: -ENOTSUP, every step
@@ -517,23 +538,24 @@ static void test_graph_api_cpu(void **st) {
     assert_int_equal(backend_graph_plan(s, &b, 256, 16), -EINVAL);
     backend_stream_free(s);
 
-    /* the model on the CPU: qwen2_state_set_graphs says "eager" (0) and the forward is the
+    /* the model on the CPU: decoder_state_set_graphs says "eager" (0) and the forward is the
      * eager one (test_model_golden / test_model_batch check it bit for bit) */
     char dir[1024], err[1024];
     snprintf(dir, sizeof dir, "%s/models/disagg-sotu-tiny", DISAGG_SOURCE_DIR);
-    qwen2_model m;
-    assert_int_equal(qwen2_load(&m, dir, 0, err, sizeof err), 0);
-    qwen2_state *qs = qwen2_state_init(&m, 16, 1);
+    decoder_model m;
+    assert_int_equal(decoder_load(&m, dir, 0, err, sizeof err), 0);
+    decoder_state *qs = decoder_state_init(&m, 16, 1);
     assert_non_null(qs);
-    assert_int_equal(qwen2_state_set_graphs(qs, 8), 0);
-    assert_int_equal(qwen2_state_graphs(qs), 0);
-    qwen2_state_free(qs);
-    qwen2_free(&m);
+    assert_int_equal(decoder_state_set_graphs(qs, 8), 0);
+    assert_int_equal(decoder_state_graphs(qs), 0);
+    decoder_state_free(qs);
+    decoder_free(&m);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_model_tiny_random), cmocka_unit_test(test_model_default),
+        cmocka_unit_test(test_model_arch),
         cmocka_unit_test(test_greedy_golden),     cmocka_unit_test(test_serving_graphs),
         cmocka_unit_test(test_graph_api_cpu),     cmocka_unit_test(test_hf_gpu_reference),
     };

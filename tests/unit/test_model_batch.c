@@ -14,14 +14,14 @@
 #include <cmocka.h>
 
 #include "kernels/cpu/cpu_matmul.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "test_model_fixture.h"
 
 #define BS 4  /* small blocks: a 20-token prompt spans 5 */
 #define N  20 /* prompt A */
 #define NB 13 /* prompt B */
 
-static qwen2_model g_m;
+static decoder_model g_m;
 static int V;
 static int32_t A[N], B[NB];
 
@@ -31,7 +31,7 @@ static int setup(void **st) {
     json_t *g = fixture_model("tiny-bf16", dir, sizeof dir);
     if (!g) return -1;
     json_decref(g);
-    if (qwen2_load(&g_m, dir, 0, err, sizeof err)) {
+    if (decoder_load(&g_m, dir, 0, err, sizeof err)) {
         fprintf(stderr, "%s\n", err);
         return -1;
     }
@@ -45,7 +45,7 @@ static int setup(void **st) {
 
 static int teardown(void **st) {
     (void)st;
-    qwen2_free(&g_m);
+    decoder_free(&g_m);
     return 0;
 }
 
@@ -54,11 +54,11 @@ static float *run_prefill(int threads) {
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &g_m.cfg, 8, BS), 0);
     int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    qwen2_state *s = qwen2_state_init(&g_m, 64, threads);
+    decoder_state *s = decoder_state_init(&g_m, 64, threads);
     float *out = malloc((size_t)N * V * sizeof(float));
-    qwen2_seq q = {A, N, 0, table, 8, out, 1, NULL};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
-    qwen2_state_free(s);
+    decoder_seq q = {A, N, 0, table, 8, out, 1, NULL};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
+    decoder_state_free(s);
     kv_store_free(&kv);
     return out;
 }
@@ -74,7 +74,7 @@ static void test_chunks_and_tokens(void **st) {
     (void)st;
     int threads = 0;
     float *ref = run_prefill(threads);
-    qwen2_state *s = qwen2_state_init(&g_m, 64, threads);
+    decoder_state *s = decoder_state_init(&g_m, 64, threads);
     float *out = malloc((size_t)N * V * sizeof(float));
     /* chunks 7 + 8 + 5, blocks in a scattered table */
     kv_store kv;
@@ -82,59 +82,59 @@ static void test_chunks_and_tokens(void **st) {
     int32_t table[5] = {9, 2, 14, 0, 7};
     int chunks[3] = {7, 8, 5}, pos = 0;
     for (int c = 0; c < 3; c++) {
-        qwen2_seq q = {A + pos, chunks[c], pos, table, 5, out, 1, NULL};
-        assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
+        decoder_seq q = {A + pos, chunks[c], pos, table, 5, out, 1, NULL};
+        assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, pos, chunks[c], "chunked prefill");
         pos += chunks[c];
     }
     /* one token at a time, last-row logits */
-    memset(kv.base, 0, (size_t)kv.n_blocks * qwen2_kv_block_bytes(&g_m.cfg, BS));
+    memset(kv.base, 0, (size_t)kv.n_blocks * decoder_kv_block_bytes(&g_m.cfg, BS));
     for (int p = 0; p < N; p++) {
-        qwen2_seq q = {A + p, 1, p, table, 5, out, 0, NULL};
-        assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
+        decoder_seq q = {A + p, 1, p, table, 5, out, 0, NULL};
+        assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, p, 1, "token-by-token");
     }
     kv_store_free(&kv);
     free(out);
     free(ref);
-    qwen2_state_free(s);
+    decoder_state_free(s);
 }
 
 static void test_batched_with_others(void **st) {
     (void)st;
     int threads = 0;
     float *ref = run_prefill(threads);
-    qwen2_state *s = qwen2_state_init(&g_m, 64, threads);
+    decoder_state *s = decoder_state_init(&g_m, 64, threads);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &g_m.cfg, 24, BS), 0);
     int32_t ta[5] = {3, 11, 20, 6, 1}, tb[4] = {0, 23, 5, 17}, tc[4] = {8, 9, 10, 12};
     float *la = malloc((size_t)N * V * sizeof(float)), *lb = malloc((size_t)NB * V * sizeof(float));
     float *lc = malloc((size_t)V * sizeof(float));
     /* step 1: A's first 9 tokens beside B's whole prompt and C's 2 tokens */
-    qwen2_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL},
-                       {A, 9, 0, ta, 5, la, 1, NULL},
-                       {B + 3, 2, 0, tc, 4, lc, 0, NULL}};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, q1, 3), 0);
+    decoder_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL},
+                         {A, 9, 0, ta, 5, la, 1, NULL},
+                         {B + 3, 2, 0, tc, 4, lc, 0, NULL}};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, q1, 3), 0);
     assert_rows_equal(ref, la, 0, 9, "batched prefill (with 2 others)");
     /* step 2: A's next 10 tokens beside one decode token of B and of C */
     int32_t bn = 42, cn = 77;
-    qwen2_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL},
-                       {&cn, 1, 2, tc, 4, lc, 0, NULL},
-                       {A + 9, 10, 9, ta, 5, la, 1, NULL}};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, q2, 3), 0);
+    decoder_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL},
+                         {&cn, 1, 2, tc, 4, lc, 0, NULL},
+                         {A + 9, 10, 9, ta, 5, la, 1, NULL}};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, q2, 3), 0);
     assert_rows_equal(ref, la, 9, 10, "batched chunk (with 2 decodes)");
     /* step 3: A's last token alone vs. beside 2 decode tokens: both must equal */
-    qwen2_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL},
-                       {A + 19, 1, 19, ta, 5, la, 0, NULL},
-                       {&cn, 1, 3, tc, 4, lc, 0, NULL}};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, q3, 3), 0);
+    decoder_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL},
+                         {A + 19, 1, 19, ta, 5, la, 0, NULL},
+                         {&cn, 1, 3, tc, 4, lc, 0, NULL}};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, q3, 3), 0);
     assert_rows_equal(ref, la, 19, 1, "batched decode");
     free(la);
     free(lb);
     free(lc);
     free(ref);
     kv_store_free(&kv);
-    qwen2_state_free(s);
+    decoder_state_free(s);
 }
 
 static int g_skipped; /* tests skipped for a missing ISA */
@@ -172,27 +172,27 @@ static void test_scalar_equals_avx2(void **st) {
 
 static void test_bad_inputs(void **st) {
     (void)st;
-    qwen2_state *s = qwen2_state_init(&g_m, 8, 1);
+    decoder_state *s = decoder_state_init(&g_m, 8, 1);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &g_m.cfg, 4, BS), 0);
     int32_t table[4] = {0, 1, 2, 3}, bad_table[2] = {0, 4};
     float *out = malloc((size_t)V * sizeof(float));
     int32_t tok_bad = V, ok[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-    qwen2_seq q = {&tok_bad, 1, 0, table, 4, out, 0, NULL};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* token id >= vocab */
-    q = (qwen2_seq){ok, 9, 0, table, 4, out, 0, NULL};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* more than max_tokens */
-    q = (qwen2_seq){ok, 1, 16, table, 4, out, 0, NULL};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* table too short */
-    q = (qwen2_seq){ok, 2, 3, bad_table, 2, out, 0, NULL};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* block id out of range */
-    q = (qwen2_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0, NULL};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* beyond max_position */
-    q = (qwen2_seq){ok, 0, 0, table, 4, out, 0, NULL};
-    assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* empty */
+    decoder_seq q = {&tok_bad, 1, 0, table, 4, out, 0, NULL};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* token id >= vocab */
+    q = (decoder_seq){ok, 9, 0, table, 4, out, 0, NULL};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* more than max_tokens */
+    q = (decoder_seq){ok, 1, 16, table, 4, out, 0, NULL};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* table too short */
+    q = (decoder_seq){ok, 2, 3, bad_table, 2, out, 0, NULL};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* block id out of range */
+    q = (decoder_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0, NULL};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* beyond max_position */
+    q = (decoder_seq){ok, 0, 0, table, 4, out, 0, NULL};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* empty */
     free(out);
     kv_store_free(&kv);
-    qwen2_state_free(s);
+    decoder_state_free(s);
 }
 
 /* DISAGG_CPU_ISA=NAME (the ctest entries unit.NAME.ISA): run on that ISA, or say loudly that

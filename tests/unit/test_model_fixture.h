@@ -1,6 +1,8 @@
 /*
- * test_model_fixture — shared by the model unit tests: makes the random tiny Qwen2 test
- * models with tools/gen_random_qwen2.py (numpy only) in a per-user temp directory, checks
+ * test_model_fixture — shared by the model unit tests: makes the random tiny test models
+ * with tools/gen_random_qwen2.py (Qwen2: "tiny-f32", "tiny-bf16") or
+ * tools/gen_random_model.py (the other architectures: "llama-tiny", "qwen3-tiny",
+ * "mistral-tiny"; numpy only) in a per-user temp directory, checks
  * their weights digest against the golden file's, and reads the golden JSON.
  */
 #ifndef DISAGG_TEST_MODEL_FIXTURE_H
@@ -26,8 +28,15 @@ static json_t *fixture_model(const char *name, char *dir, size_t dirlen) {
     }
     const char *want = json_string_value(json_object_get(g, "weights_sha256"));
     int seed = (int)json_integer_value(json_object_get(g, "seed"));
-    const char *args = !strcmp(name, "tiny-f32") ? "--shape tiny --dtype f32 --untied"
-                                                 : "--shape tiny --dtype bf16";
+    int qwen2 = !strncmp(name, "tiny-", 5);
+    char args[128];
+    if (qwen2)
+        snprintf(args, sizeof args, "%s --seed %d",
+                 !strcmp(name, "tiny-f32") ? "--shape tiny --dtype f32 --untied"
+                                           : "--shape tiny --dtype bf16",
+                 seed);
+    else
+        snprintf(args, sizeof args, "--variant %s", name);
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     snprintf(dir, dirlen, "%s/disagg-test-models-%d/%s-%d", tmp, (int)getuid(), name, seed);
     char marker[1200], line[256] = {0};
@@ -41,9 +50,10 @@ static json_t *fixture_model(const char *name, char *dir, size_t dirlen) {
     if (strcmp(line, want)) {
         char cmd[4096];
         snprintf(cmd, sizeof cmd,
-                 "mkdir -p %s && python3 %s/tools/gen_random_qwen2.py --out %s %s --seed %d | sed "
+                 "mkdir -p %s && python3 %s/tools/%s --out %s %s | sed "
                  "-n 's/^weights_sha256 //p' > %s",
-                 dir, DISAGG_SOURCE_DIR, dir, args, seed, marker);
+                 dir, DISAGG_SOURCE_DIR, qwen2 ? "gen_random_qwen2.py" : "gen_random_model.py", dir,
+                 args, marker);
         if (system(cmd) != 0) {
             fprintf(stderr, "fixture: generator failed: %s\n", cmd);
             json_decref(g);

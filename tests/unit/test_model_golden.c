@@ -1,9 +1,12 @@
 /*
- * test_model_golden — the CPU Qwen2 forward against Hugging Face transformers (float32,
- * eager attention) logits for the random tiny models (tests/data/model/golden-*.json,
- * made by tools/gen_golden_logits.py): relative error <= 1e-4 (f32 weights) / 1e-2 (bf16
- * weights) on the reference's top-16 and 32 fixed vocabulary ids at every stored
- * position, and the 16-token greedy continuation agrees.
+ * test_model_golden — the CPU forward against Hugging Face transformers (float32, eager
+ * attention) logits for the random tiny models (tests/data/model/golden-*.json, made by
+ * tools/gen_golden_logits.py for Qwen2 and tools/gen_golden_arch.py for Llama 3 (llama3
+ * rope, tied), Qwen3 (q/k norm, head_dim 32 != 64/4, yarn rope, tied) and Mistral (sliding
+ * window 8 < the prompts, head_dim 24, linear rope)): relative error <= 1e-4 (f32 weights) /
+ * 1e-2 (bf16 weights) on the reference's top-16 and 32 fixed vocabulary ids at every stored
+ * position, and the 16-token greedy continuation agrees.  The RoPE tables equal
+ * transformers' inv_freq and attention scaling.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -15,7 +18,8 @@
 #include <stdio.h>
 
 #include "kernels/cpu/cpu_matmul.h"
-#include "model/qwen2.h"
+#include "model/arch.h"
+#include "model/decoder.h"
 #include "test_model_fixture.h"
 
 #define BLOCK 16
@@ -31,11 +35,11 @@ static void check_model(const char *name, double tol) {
     char dir[1024], err[1024];
     json_t *g = fixture_model(name, dir, sizeof dir);
     assert_non_null(g);
-    qwen2_model m;
-    int rc = qwen2_load(&m, dir, 0, err, sizeof err);
+    decoder_model m;
+    int rc = decoder_load(&m, dir, 0, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
-    qwen2_state *s = qwen2_state_init(&m, 256, 0);
+    decoder_state *s = decoder_state_init(&m, 256, 0);
     assert_non_null(s);
     int V = m.cfg.vocab_size;
     json_t *cases = json_object_get(g, "cases");
@@ -54,8 +58,8 @@ static void check_model(const char *name, double tol) {
         for (int b = 0; b < kv.n_blocks; b++)
             table[b] = kv.n_blocks - 1 - b; /* any order works */
         float *logits = malloc((size_t)n * V * sizeof(float));
-        qwen2_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1, NULL};
-        assert_int_equal(qwen2_forward(&m, s, &kv, &sq, 1), 0);
+        decoder_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1, NULL};
+        assert_int_equal(decoder_forward(&m, s, &kv, &sq, 1), 0);
         size_t ri;
         json_t *row;
         json_array_foreach(json_object_get(cs, "rows"), ri, row) {
@@ -82,8 +86,8 @@ static void check_model(const char *name, double tol) {
                 fail_msg("%s case %zu greedy step %zu: got %d, transformers %d", name, ci, k, cur,
                          want);
             ids[n + k] = cur;
-            qwen2_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0, NULL};
-            assert_int_equal(qwen2_forward(&m, s, &kv, &st, 1), 0);
+            decoder_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0, NULL};
+            assert_int_equal(decoder_forward(&m, s, &kv, &st, 1), 0);
             cur = argmax(logits, V);
         }
         free(logits);
@@ -92,8 +96,8 @@ static void check_model(const char *name, double tol) {
     }
     fprintf(stderr, "%s: worst relative error vs transformers %.3g (tolerance %.0e), isa %s\n",
             name, worst, tol, cpu_isa_name(cpu_isa_get()));
-    qwen2_state_free(s);
-    qwen2_free(&m);
+    decoder_state_free(s);
+    decoder_free(&m);
     json_decref(g);
 }
 
@@ -122,6 +126,48 @@ static void test_golden_bf16(void **st) {
     with_isa(cpu_isa_get(), "tiny-bf16", 1e-2); /* the detected ISA (f32 runs on both) */
 }
 
+/* the architectures beside Qwen2: f32 weights, the detected ISA, and the RoPE table */
+static void check_arch(const char *name) {
+    char dir[1024], err[1024];
+    json_t *g = fixture_model(name, dir, sizeof dir);
+    assert_non_null(g);
+    decoder_model m;
+    int rc = decoder_load(&m, dir, 0, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    assert_int_equal(rc, 0);
+    json_t *inv = json_object_get(g, "rope_inv_freq");
+    int half = m.cfg.head_dim / 2;
+    assert_int_equal((int)json_array_size(inv), half);
+    float tab[512], af;
+    arch_rope_table(&m.cfg, tab, &af);
+    for (int i = 0; i < half; i++) {
+        double ref = json_real_value(json_array_get(inv, (size_t)i));
+        if (fabs(tab[i] - ref) > 1e-6 * fabs(ref))
+            fail_msg("%s inv_freq[%d]: %.9g, transformers %.9g", name, i, tab[i], ref);
+    }
+    double ref_af = json_real_value(json_object_get(g, "rope_attention_scaling"));
+    if (fabs(af - ref_af) > 1e-6)
+        fail_msg("%s attention factor %.9g, transformers %.9g", name, af, ref_af);
+    decoder_free(&m);
+    json_decref(g);
+    check_model(name, 1e-4);
+}
+
+static void test_golden_llama3(void **st) {
+    (void)st;
+    check_arch("llama-tiny");
+}
+
+static void test_golden_qwen3(void **st) {
+    (void)st;
+    check_arch("qwen3-tiny");
+}
+
+static void test_golden_mistral_window(void **st) {
+    (void)st;
+    check_arch("mistral-tiny");
+}
+
 static void test_golden_f32_scalar(void **st) {
     (void)st;
     with_isa(CPU_ISA_SCALAR, "tiny-f32", 1e-4);
@@ -145,9 +191,9 @@ static int isa_from_env(void) {
 int main(void) {
     if (isa_from_env()) return 77;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_golden_f32_avx2),
-        cmocka_unit_test(test_golden_bf16),
-        cmocka_unit_test(test_golden_f32_scalar),
+        cmocka_unit_test(test_golden_f32_avx2),   cmocka_unit_test(test_golden_bf16),
+        cmocka_unit_test(test_golden_f32_scalar), cmocka_unit_test(test_golden_llama3),
+        cmocka_unit_test(test_golden_qwen3),      cmocka_unit_test(test_golden_mistral_window),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
     return failed == 0 && g_skipped ? 77 : failed; /* 77: ctest reports Skipped */

@@ -12,10 +12,12 @@
 #include <cmocka.h>
 #include <errno.h>
 
+#include "model/arch.h"
 #include "model/hf_cache.h"
+#include <math.h>
 #include "model/model_config.h"
 #include "kernels/cpu/cpu_matmul.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "test_model_fixture.h"
 
 static char g_src[1024]; /* the generated tiny bf16 model */
@@ -51,11 +53,11 @@ static void sh(const char *fmt, ...) {
 
 /* Loads dir, expects failure whose message contains each of the NULL-terminated needles. */
 static void expect_load_error(const char *dir, ...) {
-    qwen2_model m;
+    decoder_model m;
     char err[2048] = "";
-    int rc = qwen2_load(&m, dir, 0, err, sizeof err);
+    int rc = decoder_load(&m, dir, 0, err, sizeof err);
     if (rc == 0) {
-        qwen2_free(&m);
+        decoder_free(&m);
         fail_msg("loading %s succeeded; expected an error", dir);
     }
     va_list ap;
@@ -112,9 +114,10 @@ static void test_config_errors(void **st) {
     (void)st;
     model_config c;
     char err[512];
-    assert_int_equal(model_config_parse(&c, "{\"architectures\":[\"LlamaForCausalLM\"]}", NULL, "x",
+    assert_int_equal(model_config_parse(&c, "{\"architectures\":[\"GPT2LMHeadModel\"]}", NULL, "x",
                                         err, sizeof err),
                      -EINVAL);
+    assert_non_null(strstr(err, "GPT2LMHeadModel"));
     assert_non_null(strstr(err, "LlamaForCausalLM"));
     assert_int_equal(model_config_parse(&c, "{not json", NULL, "x", err, sizeof err), -EINVAL);
     assert_int_equal(
@@ -123,12 +126,147 @@ static void test_config_errors(void **st) {
         -EINVAL);
     assert_non_null(strstr(err, "hidden_size"));
     char buf[2048];
-    snprintf(buf, sizeof buf, "%.*s,\"rope_scaling\":{\"type\":\"yarn\",\"factor\":4}}",
+    snprintf(buf, sizeof buf, "%.*s,\"rope_scaling\":{\"type\":\"longrope\",\"factor\":4}}",
              (int)strlen(CFG4) - 1, CFG4);
     assert_int_equal(model_config_parse(&c, buf, NULL, "x", err, sizeof err), -EINVAL);
-    assert_non_null(strstr(err, "yarn"));
+    assert_non_null(strstr(err, "longrope"));
+    assert_non_null(strstr(err, "default, linear, dynamic, yarn, llama3"));
     snprintf(buf, sizeof buf, "%.*s,\"num_key_value_heads\":3}", (int)strlen(CFG4) - 1, CFG4);
     assert_int_equal(model_config_parse(&c, buf, NULL, "x", err, sizeof err), -EINVAL);
+}
+
+/* CFG4 with the architecture replaced and `extra` members added */
+static int parse_arch(model_config *c, const char *arch, const char *mt, const char *extra,
+                      char *err, size_t errlen) {
+    char buf[4096];
+    const char *body = strstr(CFG4, "\"vocab_size\"");
+    snprintf(buf, sizeof buf, "{\"architectures\":[\"%s\"],\"model_type\":\"%s\",%.*s%s%s}", arch,
+             mt, (int)strlen(body) - 1, body, extra[0] ? "," : "", extra);
+    return model_config_parse(c, buf, NULL, arch, err, errlen);
+}
+
+/* Every family's description and every refusal names the field and what is accepted */
+static void test_arch_descriptions(void **st) {
+    (void)st;
+    model_config c;
+    char err[1024];
+    assert_int_equal(parse_arch(&c, "Qwen2ForCausalLM", "qwen2", "", err, sizeof err), 0);
+    assert_int_equal(c.qkv_bias, 1);
+    assert_int_equal(c.qk_norm, 0);
+    assert_int_equal(c.q_dim, 64);
+    assert_int_equal(parse_arch(&c, "Qwen3ForCausalLM", "qwen3", "", err, sizeof err), 0);
+    assert_int_equal(c.qkv_bias, 0);
+    assert_int_equal(c.qk_norm, 1);
+    assert_int_equal(c.head_dim, 128); /* transformers' Qwen3Config default */
+    assert_int_equal(c.q_dim, 512);
+    assert_int_equal(
+        parse_arch(&c, "LlamaForCausalLM", "llama",
+                   "\"head_dim\":32,\"rope_scaling\":{\"rope_type\":\"llama3\",\"factor\":"
+                   "32.0,\"low_freq_factor\":1.0,\"high_freq_factor\":4.0,\"original_"
+                   "max_position_embeddings\":8192}",
+                   err, sizeof err),
+        0);
+    assert_int_equal(c.head_dim, 32);
+    assert_string_equal(c.rope.type, "llama3");
+    assert_int_equal(c.rope.original_max_position, 8192);
+    assert_int_equal(
+        parse_arch(&c, "MistralForCausalLM", "mistral", "\"sliding_window\":1024", err, sizeof err),
+        0);
+    assert_int_equal(c.sliding_window, 1024);
+    /* a window no shorter than the context changes nothing */
+    assert_int_equal(
+        parse_arch(&c, "MistralForCausalLM", "mistral", "\"sliding_window\":4096", err, sizeof err),
+        0);
+    assert_int_equal(c.sliding_window, 0);
+    assert_int_equal(
+        parse_arch(&c, "MistralForCausalLM", "mistral", "\"sliding_window\":null", err, sizeof err),
+        0);
+    assert_int_equal(c.sliding_window, 0);
+    /* dynamic: the default table within max_position_embeddings */
+    assert_int_equal(parse_arch(&c, "LlamaForCausalLM", "llama",
+                                "\"rope_scaling\":{\"type\":\"dynamic\",\"factor\":2.0}", err,
+                                sizeof err),
+                     0);
+    float a[8], b[8], fa, fb;
+    arch_rope_table(&c, a, &fa);
+    assert_int_equal(parse_arch(&c, "LlamaForCausalLM", "llama", "", err, sizeof err), 0);
+    arch_rope_table(&c, b, &fb);
+    assert_memory_equal(a, b, sizeof a);
+    assert_true(fa == 1.0f && fb == 1.0f);
+    /* refusals */
+    static const struct {
+        const char *arch, *mt, *extra, *needle1, *needle2;
+    } bad[] = {
+        {"LlamaForCausalLM", "llama", "\"attention_bias\":true", "attention_bias", "false"},
+        {"LlamaForCausalLM", "llama", "\"mlp_bias\":true", "mlp_bias", "false"},
+        {"Qwen3ForCausalLM", "qwen3", "\"attention_bias\":true", "attention_bias", "false"},
+        {"LlamaForCausalLM", "llama", "\"hidden_act\":\"gelu\"", "hidden_act 'gelu'", "silu"},
+        {"LlamaForCausalLM", "llama", "\"quantization_config\":{\"quant_method\":\"fp8\"}",
+         "quantization_config", "issue 29"},
+        {"LlamaForCausalLM", "llama", "\"attention_sink\":true", "attention_sink", "absent"},
+        {"Qwen3ForCausalLM", "qwen3", "\"use_sliding_window\":true", "use_sliding_window",
+         "MistralForCausalLM"},
+        {"Qwen2ForCausalLM", "qwen2", "\"use_sliding_window\":true", "use_sliding_window", "false"},
+        {"Qwen3ForCausalLM", "qwen3", "\"layer_types\":[\"full_attention\",\"sliding_attention\"]",
+         "layer_types[1] 'sliding_attention'", "full_attention"},
+        {"LlamaForCausalLM", "llama", "\"rope_scaling\":{\"rope_type\":\"llama3\",\"factor\":8.0}",
+         "llama3", "low_freq_factor"},
+        {"LlamaForCausalLM", "llama", "\"rope_scaling\":{\"rope_type\":\"su\",\"factor\":8.0}",
+         "rope_type 'su'", "default, linear, dynamic, yarn, llama3"},
+        {"LlamaForCausalLM", "llama",
+         "\"rope_parameters\":{\"rope_type\":\"mrope\",\"rope_theta\":1e4}",
+         "rope_parameters.rope_type 'mrope'", "accepted"},
+        {"LlamaForCausalLM", "llama", "\"partial_rotary_factor\":0.5", "partial_rotary_factor",
+         "1.0"},
+        {"LlamaForCausalLM", "llama",
+         "\"rope_scaling\":{\"type\":\"linear\",\"factor\":2,\"partial_rotary_factor\":0.5}",
+         "partial_rotary_factor", "1.0"},
+        {"MistralForCausalLM", "mistral", "\"sliding_window\":-3", "sliding_window", "null"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        err[0] = 0;
+        int rc = parse_arch(&c, bad[i].arch, bad[i].mt, bad[i].extra, err, sizeof err);
+        if (rc != -EINVAL || !strstr(err, bad[i].needle1) || !strstr(err, bad[i].needle2))
+            fail_msg("case %zu (%s): rc %d, error '%s' (want '%s' and '%s')", i, bad[i].extra, rc,
+                     err, bad[i].needle1, bad[i].needle2);
+    }
+}
+
+/* --load-format dummy: config.json alone; the same random weights every load */
+static void test_dummy_load(void **st) {
+    (void)st;
+    char d[1200], err[1024];
+    snprintf(d, sizeof d, "%s/dummy", g_tmp);
+    sh("rm -rf %s && mkdir -p %s && python3 %s/tools/gen_random_model.py --variant qwen3-tiny "
+       "--out "
+       "%s/full >/dev/null && cp %s/full/config.json %s/",
+       d, d, DISAGG_SOURCE_DIR, d, d, d);
+    decoder_model m, m2;
+    expect_load_error(d, "no *.safetensors", NULL); /* without dummy: the weights are needed */
+    assert_int_equal(decoder_load_ex(&m, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
+    assert_int_equal(decoder_load_ex(&m2, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
+    assert_int_equal(m.w.st.n_files, 0);
+    assert_non_null(m.w.layers[1].q_norm);
+    assert_memory_equal(m.w.layers[1].wo.data, m2.w.layers[1].wo.data,
+                        (size_t)m.cfg.hidden_size * m.cfg.q_dim * 2);
+    decoder_state *s = decoder_state_init(&m, 8, 1);
+    kv_store kv;
+    assert_int_equal(kv_store_init(&kv, &m.cfg, 1, 16), 0);
+    int32_t toks[4] = {1, 2, 3, 4}, table[1] = {0};
+    float *lg = malloc((size_t)m.cfg.vocab_size * sizeof *lg);
+    decoder_seq q = {toks, 4, 0, table, 1, lg, 0, NULL};
+    assert_int_equal(decoder_forward(&m, s, &kv, &q, 1), 0);
+    double sum = 0;
+    for (int i = 0; i < m.cfg.vocab_size; i++) {
+        assert_true(isfinite(lg[i]));
+        sum += fabs(lg[i]);
+    }
+    assert_true(sum > 0);
+    free(lg);
+    kv_store_free(&kv);
+    decoder_state_free(s);
+    decoder_free(&m);
+    decoder_free(&m2);
 }
 
 static void test_hf_cache(void **st) {
@@ -153,11 +291,11 @@ static void test_hf_cache(void **st) {
     /* a full model found through the cache loads */
     sh("cp %s/config.json %s/model.safetensors %s/hub/models--Org--Tiny/snapshots/abc123/", g_src,
        g_src, g_tmp);
-    qwen2_model m;
-    assert_int_equal(qwen2_load(&m, "Org/Tiny", 0, err, sizeof err), 0);
+    decoder_model m;
+    assert_int_equal(decoder_load(&m, "Org/Tiny", 0, err, sizeof err), 0);
     assert_int_equal(m.cfg.n_layers, 2);
     assert_int_equal(m.w.embed.dtype, CPU_BF16);
-    qwen2_free(&m);
+    decoder_free(&m);
     unsetenv("HF_HOME");
     unsetenv("HF_HUB_CACHE");
 }
@@ -170,16 +308,16 @@ static void test_sharded_matches_single(void **st) {
        "--shard-mb 2 "
        "--config-style 5 >/dev/null",
        DISAGG_SOURCE_DIR, d);
-    qwen2_model a, b;
-    assert_int_equal(qwen2_load(&a, g_src, 0, err, sizeof err), 0);
-    assert_int_equal(qwen2_load(&b, d, 0, err, sizeof err), 0);
+    decoder_model a, b;
+    assert_int_equal(decoder_load(&a, g_src, 0, err, sizeof err), 0);
+    assert_int_equal(decoder_load(&b, d, 0, err, sizeof err), 0);
     assert_true(b.w.st.n_files > 1);
     assert_int_equal(a.w.matrix_bytes, b.w.matrix_bytes);
     assert_memory_equal(a.w.layers[1].w_down.data, b.w.layers[1].w_down.data,
                         (size_t)a.cfg.hidden_size * a.cfg.intermediate_size * 2);
     assert_true(a.cfg.rope_theta == b.cfg.rope_theta);
-    qwen2_free(&a);
-    qwen2_free(&b);
+    decoder_free(&a);
+    decoder_free(&b);
 }
 
 static void test_load_errors(void **st) {
@@ -213,9 +351,14 @@ static void test_load_errors(void **st) {
     expect_load_error(d, "model.layers.0.mlp.gate_proj.weight", "shape [160, 64]", "[128, 64]",
                       NULL);
     /* unsupported architecture */
+    sh("cp %s/config.json %s/ && sed -i 's/Qwen2ForCausalLM/GPTNeoXForCausalLM/' %s/config.json",
+       g_src, d, d);
+    expect_load_error(d, "GPTNeoXForCausalLM", "Qwen2ForCausalLM", NULL);
+    /* a checkpoint with tensors the description has no place for: Qwen2's q/k/v biases under
+     * a Mistral config */
     sh("cp %s/config.json %s/ && sed -i 's/Qwen2ForCausalLM/MistralForCausalLM/' %s/config.json",
        g_src, d, d);
-    expect_load_error(d, "MistralForCausalLM", "Qwen2ForCausalLM", NULL);
+    expect_load_error(d, "self_attn.", "bias", "no place in MistralForCausalLM", NULL);
     /* unsupported dtype: an F64 embedding */
     sh("python3 -c \"import json,struct,sys; "
        "h=json.dumps({'model.embed_tokens.weight':{'dtype':'F64','shape':[151936,64],"
@@ -230,7 +373,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config_spellings), cmocka_unit_test(test_config_errors),
         cmocka_unit_test(test_hf_cache),         cmocka_unit_test(test_sharded_matches_single),
-        cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_load_errors),      cmocka_unit_test(test_arch_descriptions),
+        cmocka_unit_test(test_dummy_load),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -18,14 +18,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
-static qwen2_model g_m;
+static decoder_model g_m;
 
 static int setup(void **st) {
     (void)st;
     char err[1024];
-    if (qwen2_load(&g_m, DISAGG_SOURCE_DIR "/models/disagg-sotu-tiny", 0, err, sizeof err)) {
+    if (decoder_load(&g_m, DISAGG_SOURCE_DIR "/models/disagg-sotu-tiny", 0, err, sizeof err)) {
         fprintf(stderr, "%s\n", err);
         return -1;
     }
@@ -34,7 +34,7 @@ static int setup(void **st) {
 
 static int teardown(void **st) {
     (void)st;
-    qwen2_free(&g_m);
+    decoder_free(&g_m);
     return 0;
 }
 
@@ -53,7 +53,7 @@ static void test_greedy(void **st) {
     int V = g_m.cfg.vocab_size,
         max_new = (int)json_integer_value(json_object_get(g, "max_new_tokens"));
     json_t *eos = json_object_get(g, "eos_token_ids");
-    qwen2_state *s = qwen2_state_init(&g_m, 512, 0);
+    decoder_state *s = decoder_state_init(&g_m, 512, 0);
     float *logits = malloc((size_t)V * sizeof(float));
     size_t pi;
     json_t *pr;
@@ -69,8 +69,8 @@ static void test_greedy(void **st) {
         int32_t *table = malloc((size_t)nb * sizeof *table);
         for (int b = 0; b < nb; b++)
             table[b] = b;
-        qwen2_seq q = {ids, n, 0, table, nb, logits, 0, NULL};
-        assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
+        decoder_seq q = {ids, n, 0, table, nb, logits, 0, NULL};
+        assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         int out = 0;
         for (; out < max_new; out++) {
             int best = 0;
@@ -90,8 +90,8 @@ static void test_greedy(void **st) {
                 break;
             }
             ids[n + out] = best;
-            qwen2_seq d = {&ids[n + out], 1, n + out, table, nb, logits, 0, NULL};
-            assert_int_equal(qwen2_forward(&g_m, s, &kv, &d, 1), 0);
+            decoder_seq d = {&ids[n + out], 1, n + out, table, nb, logits, 0, NULL};
+            assert_int_equal(decoder_forward(&g_m, s, &kv, &d, 1), 0);
         }
         assert_int_equal(out, (int)json_array_size(jo));
         kv_store_free(&kv);
@@ -99,7 +99,7 @@ static void test_greedy(void **st) {
         free(ids);
     }
     free(logits);
-    qwen2_state_free(s);
+    decoder_state_free(s);
     json_decref(g);
 }
 
@@ -112,7 +112,7 @@ static void test_heldout_nll(void **st) {
     int32_t *ids = malloc((size_t)total * sizeof *ids);
     for (int i = 0; i < total; i++)
         ids[i] = (int32_t)json_integer_value(json_array_get(jids, (size_t)i));
-    qwen2_state *s = qwen2_state_init(&g_m, W, 0);
+    decoder_state *s = decoder_state_init(&g_m, W, 0);
     float *logits = malloc((size_t)W * V * sizeof(float));
     kv_store kv;
     int nb = W / 16 + 1;
@@ -124,8 +124,8 @@ static void test_heldout_nll(void **st) {
     int w = 0, max_w = getenv("SOTU_WINDOWS") ? atoi(getenv("SOTU_WINDOWS")) : 6;
     for (int start = 0; start < total && w < max_w; start += W, w++) {
         int n = total - start < W ? total - start : W;
-        qwen2_seq q = {ids + start, n, 0, table, nb, logits, 1, NULL};
-        assert_int_equal(qwen2_forward(&g_m, s, &kv, &q, 1), 0);
+        decoder_seq q = {ids + start, n, 0, table, nb, logits, 1, NULL};
+        assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         double wsum = 0;
         for (int t = 1; t < n; t++) {
             const float *row = logits + (size_t)(t - 1) * V;
@@ -154,7 +154,7 @@ static void test_heldout_nll(void **st) {
     free(table);
     free(logits);
     free(ids);
-    qwen2_state_free(s);
+    decoder_state_free(s);
     json_decref(h);
     json_decref(hi);
 }

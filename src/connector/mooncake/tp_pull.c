@@ -13,13 +13,14 @@ tp_local tp_local_of(const engine_kv_region *region) {
 
 int tp_shape_from_fingerprint(const char *fp, xfer_kv_shape *out, char *err, size_t err_cap) {
     int L = 0, H = 0, hd = 0, bs = 0, used = 0;
-    char dt[8] = "";
+    char dt[8] = "", fam[16] = "";
     if (!fp ||
-        sscanf(fp, "qwen2:L%d:kvh%d:hd%d:bs%d:%7[a-z0-9]:%n", &L, &H, &hd, &bs, dt, &used) != 5 ||
+        sscanf(fp, "%15[a-z0-9]:L%d:kvh%d:hd%d:bs%d:%7[a-z0-9]:%n", fam, &L, &H, &hd, &bs, dt,
+               &used) != 6 ||
         !used || strncmp(fp + used, "layer-kv-token-major", 20) != 0) {
         snprintf(err, err_cap,
-                 "KV layout '%.80s' is not qwen2:L<layers>:kvh<heads>:hd<dim>:bs<tokens>:<dtype>:"
-                 "layer-kv-token-major",
+                 "KV layout '%.80s' is not <family>:L<layers>:kvh<heads>:hd<dim>:bs<tokens>:"
+                 "<dtype>:layer-kv-token-major",
                  fp ? fp : "(none)");
         return XFER_PLAN_EINVAL;
     }

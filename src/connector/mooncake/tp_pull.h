@@ -29,7 +29,7 @@ typedef struct tp_local {
  * built: docs/parallel.md), so {1, 0}; this is the one place that will read it. */
 tp_local tp_local_of(const engine_kv_region *region);
 
-/* The KV shape from a layout fingerprint "qwen2:L<layers>:kvh<heads>:hd<dim>:bs<tokens>:
+/* The KV shape from a layout fingerprint "<family>:L<layers>:kvh<heads>:hd<dim>:bs<tokens>:
  * <f32|f16|bf16>:layer-kv-token-major:..."; XFER_PLAN_EINVAL with a message otherwise. */
 int tp_shape_from_fingerprint(const char *fp, xfer_kv_shape *out, char *err, size_t err_cap);
 

@@ -35,6 +35,7 @@ static void cpu_fill(backend *be) {
     snprintf(be->name, sizeof be->name, "cpu");
     snprintf(be->location, sizeof be->location, "cpu:0");
     be->is_cpu = 1;
+    be->attention_window = 1;
     be->act_dtype = BACKEND_F32;
     be->kv_dtype = BACKEND_F32;
     be->kv_dtypes = 1u << BACKEND_F32 | 1u << BACKEND_BF16; /* bf16: opt-in (half the bytes) */
@@ -444,6 +445,17 @@ static inline int att_chunks(int np) {
     return (np + ATT_CHUNK - 1) / ATT_CHUNK;
 }
 
+/* The first key position a query at position pos attends to: 0, or pos - window + 1 with a
+ * sliding window.  The chunks of a token start there: chunk c covers [lo + c * ATT_CHUNK, ..) */
+static inline int att_lo(const backend_kv *kv, int pos) {
+    return kv->window > 0 && pos + 1 > kv->window ? pos + 1 - kv->window : 0;
+}
+
+/* the token's chunk count: its keys lo..pos */
+static inline int att_tok_chunks(const backend_kv *kv, int pos) {
+    return att_chunks(pos + 1 - att_lo(kv, pos));
+}
+
 /* The rows of positions [p, p + n) (within one block) of K (which 0) or V (1), all KV heads,
  * when kvh < 0; else those of KV head kvh */
 static inline const void *att_rows(const att_job *j, const int32_t *bt, int which, int kvh, int p) {
@@ -466,7 +478,8 @@ static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *p
     int bf16 = kv->dtype == BACKEND_BF16, bs = kv->block_size;
     size_t kvd = (size_t)nkv * hd, es = backend_dtype_size(kv->dtype);
     int seq = j->pb->tok_seq[t], np = j->pb->tok_pos[t] + 1;
-    int cs = c * ATT_CHUNK, ce = np - cs < ATT_CHUNK ? np : cs + ATT_CHUNK, nc = ce - cs;
+    int cs = att_lo(kv, np - 1) + c * ATT_CHUNK, ce = np - cs < ATT_CHUNK ? np : cs + ATT_CHUNK,
+        nc = ce - cs;
     const int32_t *bt = j->pb->bt_indices + j->pb->bt_indptr[seq];
     int g0 = kh0 * group, g1 = kh1 * group;                        /* the query heads */
     float *scores = cpu_scratch(1, (size_t)(g1 - g0) * ATT_CHUNK); /* (g1 - g0, ATT_CHUNK) */
@@ -556,7 +569,7 @@ static void att_task(void *ctx, int task) {
     const att_job *j = ctx;
     const backend_kv *kv = j->kv;
     int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv;
-    int t = task / nkv, kvh = task % nkv, nch = att_chunks(j->pb->tok_pos[t] + 1);
+    int t = task / nkv, kvh = task % nkv, nch = att_tok_chunks(kv, j->pb->tok_pos[t]);
     size_t ps = (size_t)hd + 2; /* partial (c, g) at (c * group + g) * ps */
     float *part = cpu_scratch(3, (size_t)nch * group * ps);
     if (!part) abort(); /* a worker cannot report */
@@ -601,7 +614,7 @@ static int cpu_attention(backend_stream *st, void *out, const void *q, backend_d
         }
         cs->att_c0[0] = 0;
         for (int t = 0; t < T; t++)
-            cs->att_c0[t + 1] = cs->att_c0[t] + att_chunks(pb->tok_pos[t] + 1);
+            cs->att_c0[t + 1] = cs->att_c0[t] + att_tok_chunks(kv, pb->tok_pos[t]);
         total = (size_t)cs->att_c0[T];
         size_t ps = (size_t)hd + 2, need = total * n_heads * ps;
         if (need <= ATT_SPLIT_MAX_FLOATS) {

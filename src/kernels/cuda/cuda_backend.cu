@@ -14,6 +14,8 @@
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_invariant.h"
+#include "kernels/cuda/cuda_qknorm.h"
+#include "kernels/cuda/cuda_window.h"
 
 typedef struct cb_dev {
     int ord;
@@ -720,6 +722,13 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
     if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32) ||
         (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16))
         return -ENOTSUP;
+    if (kv->window > 0) /* Mistral's sliding window: every call of the model (cuda_window.h) */
+        return pm(s,
+                  cw_attention(s->c->stream, out, out_dt == BACKEND_BF16, (const float *)q,
+                               kv->base, kv->dtype == BACKEND_BF16, kv->block_size, kv->n_layers,
+                               layer, s->pos, s->seq, s->bt, s->stride, s->T, n_heads,
+                               kv->n_kv_heads, kv->head_dim, scale, kv->window),
+                  "attention (sliding window)", 0);
     if (s->inv) { /* f32 partials folded in position order; a bf16 output is rounded after */
         size_t n = (size_t)s->T * n_heads * kv->head_dim;
         float *o32 = (float *)out;
@@ -801,6 +810,20 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
         W = (nh + 2 * nkv) * hd;
     if (T <= 0) return 0;
+    if (o->q_norm) { /* Qwen3: the q|k|v GEMM in f32, then norm, RoPE, KV (cuda_qknorm.h) */
+        float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
+        if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
+        backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
+                               o->hidden};
+        int rc = cb_matmul(st, &g, 1);
+        if (rc) return rc;
+        return pm(s,
+                  cq_qknorm_finish(s->c->stream, (float *)o->q, kv->base,
+                                   kv->dtype == BACKEND_BF16, kv->block_size, kv->n_layers,
+                                   o->layer, qkv, o->bqkv, o->q_norm, o->k_norm, o->qk_eps, s->pos,
+                                   s->seq, s->bt, s->stride, o->inv_freq, T, nh, nkv, hd),
+                  "qk norm finish (bias, q/k norm, rope, kv)", 0);
+    }
     if (!s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
         /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
@@ -1029,6 +1052,7 @@ disagg_backend_module_open(int abi_version, const backend_options *opts, backend
     snprintf(be->name, sizeof be->name, "cuda:%d (%.60s)", ord, d->info.name);
     snprintf(be->location, sizeof be->location, "cuda:%d", ord);
     be->is_cpu = 0;
+    be->attention_window = 1;
     be->act_dtype = BACKEND_F32;
     be->mm_dtype = BACKEND_BF16;
     be->kv_dtype = BACKEND_BF16;

@@ -10,7 +10,7 @@
  * Shapes (all row-major):
  *   activations x (T, n) f32; GEMM inputs bf16 (T, K); weights w (N, K) bf16 in HBM;
  *   KV region (n_blocks, n_layers, 2 [K, V], block_size, kv_dim) of kv_dtype — exactly
- *   the CPU engine's kv_store layout (model/qwen2.h), so P/D and the layout fingerprint
+ *   the CPU engine's kv_store layout (model/decoder.h), so P/D and the layout fingerprint
  *   agree given the same dtype.
  */
 #ifndef DISAGG_KERNELS_CUDA_MODULE_H

@@ -1,9 +1,11 @@
 /*
- * qwen2 — the Qwen2 decoder forward, on any compute backend (kernels/backend.h):
- * embeddings, per layer RMSNorm -> q/k/v (with biases) -> RoPE (rotate-half) -> GQA
- * causal attention over the paged KV store -> o_proj -> residual -> RMSNorm -> SwiGLU MLP
- * -> residual, final RMSNorm and lm_head (tied or not).  On the CPU backend: f32 compute
- * from bf16/f16/f32 weights, exactly the original CPU code's arithmetic.
+ * decoder — the decoder-only transformer forward of every architecture model/arch.c
+ * describes (Qwen2, Qwen3, Llama 3.x, Mistral: docs/models.md), on any compute backend
+ * (kernels/backend.h): embeddings, per layer RMSNorm -> q/k/v (biases when the description
+ * has them) -> [per-head RMSNorm of q and k] -> RoPE (rotate-half, the variant's frequency
+ * table) -> GQA causal attention over the paged KV store [within the sliding window] ->
+ * o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm and lm_head (tied
+ * or not).  On the CPU backend: f32 compute from bf16/f16/f32 weights.
  *
  * The KV cache is a kv_store: one backend buffer of blocks, block-major as DESIGN.md "The
  * KV region" says — block b holds, for block_size tokens, every layer's K and V:
@@ -18,12 +20,12 @@
  * time), because every backend operation computes each output element in one fixed order
  * (backend.h "Determinism") and attention for position p reads keys 0..p in order.
  *
- * CPU conveniences: qwen2_load, kv_store_init and qwen2_state_init keep their original
- * CPU-only signatures (tests, generate, bench); the *_on / qwen2_state_create variants
+ * CPU conveniences: decoder_load, kv_store_init and decoder_state_init keep their original
+ * CPU-only signatures (tests, generate, bench); the *_on / decoder_state_create variants
  * take the backend.
  */
-#ifndef DISAGG_MODEL_QWEN2_H
-#define DISAGG_MODEL_QWEN2_H
+#ifndef DISAGG_MODEL_DECODER_H
+#define DISAGG_MODEL_DECODER_H
 
 #include "kernels/backend.h"
 #include "model/model_config.h"
@@ -32,21 +34,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef struct qwen2_model {
+typedef struct decoder_model {
     model_config cfg;           /* hyper-parameters */
     model_weights w;            /* weights, in buffers of be */
     char dir[4096];             /* resolved model directory */
     backend *be;                /* where weights and work live (not owned) */
     backend_buffer *rope_buf;   /* rope_inv_freq's buffer */
     const float *rope_inv_freq; /* (head_dim / 2) f32, device address */
-} qwen2_model;
+    float rope_attn;            /* the rope's cos/sin factor (yarn), folded into the scale */
+} decoder_model;
 
 /* model_arg: a directory or a hub name in the HF cache.  progress: warm the page cache
- * showing progress on a tty.  qwen2_load: on the CPU backend (backend_cpu_default). */
-int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, size_t errlen);
-int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progress, char *err,
-                  size_t errlen);
-void qwen2_free(qwen2_model *m);
+ * showing progress on a tty.  decoder_load: on the CPU backend (backend_cpu_default). */
+int decoder_load(decoder_model *m, const char *model_arg, int progress, char *err, size_t errlen);
+int decoder_load_on(decoder_model *m, const char *model_arg, backend *be, int progress, char *err,
+                    size_t errlen);
+/* dummy: --load-format dummy (config.json alone, random weights: model/weights.h). */
+int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
+                    char *err, size_t errlen);
+void decoder_free(decoder_model *m);
 
 typedef struct kv_store {
     void *base;          /* (n_blocks, n_layers, 2, block_size, kv_dim) device address */
@@ -60,9 +66,9 @@ typedef struct kv_store {
     backend_buffer *buf; /* the region (backend_buffer_location says where it lives) */
 } kv_store;
 
-/* Bytes of one block of f32 KV (qwen2_kv_block_bytes_dt: of KV dtype dt). */
-size_t qwen2_kv_block_bytes(const model_config *c, int block_size);
-size_t qwen2_kv_block_bytes_dt(const model_config *c, int block_size, backend_dtype dt);
+/* Bytes of one block of f32 KV (decoder_kv_block_bytes_dt: of KV dtype dt). */
+size_t decoder_kv_block_bytes(const model_config *c, int block_size);
+size_t decoder_kv_block_bytes_dt(const model_config *c, int block_size, backend_dtype dt);
 /* Allocates a zeroed f32 region for n_blocks on the CPU (tests, generate, bench). */
 int kv_store_init(kv_store *kv, const model_config *c, int n_blocks, int block_size);
 /* The same on backend be, of KV dtype dt (backend_kv_dtype_ok), with buffer flags
@@ -72,7 +78,7 @@ int kv_store_init_on(kv_store *kv, backend *be, const model_config *c, int n_blo
                      backend_dtype dt, int flags);
 void kv_store_free(kv_store *kv);
 
-typedef struct qwen2_seq {
+typedef struct decoder_seq {
     const int32_t *tokens;      /* (n_tokens) tokens at positions start_pos.. */
     int n_tokens;               /* new tokens this call (>= 1) */
     int start_pos;              /* tokens already in the KV cache for this sequence */
@@ -83,19 +89,19 @@ typedef struct qwen2_seq {
     int32_t *argmax;            /* out: the greedy token of the last new row (the largest
                                    logit, lowest id on ties, computed on the device: with
                                    logits NULL nothing else comes back), or NULL */
-} qwen2_seq;
+} decoder_seq;
 
-typedef struct qwen2_state qwen2_state;
+typedef struct decoder_state decoder_state;
 
 /* Workspace for up to max_tokens tokens per forward call, with its own stream on the
  * model's backend (the backend's threads).  NULL on failure (logged). */
-qwen2_state *qwen2_state_create(const qwen2_model *m, int max_tokens);
+decoder_state *decoder_state_create(const decoder_model *m, int max_tokens);
 /* CPU convenience: on the CPU backend, the work runs on n_threads threads of the state's
  * own (1: the calling thread alone, 0: one per online CPU); on another backend n_threads
- * is ignored and this is qwen2_state_create. */
-qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, int n_threads);
-void qwen2_state_free(qwen2_state *s);
-int qwen2_state_max_tokens(const qwen2_state *s);
+ * is ignored and this is decoder_state_create. */
+decoder_state *decoder_state_init(const decoder_model *m, int max_tokens, int n_threads);
+void decoder_state_free(decoder_state *s);
+int decoder_state_max_tokens(const decoder_state *s);
 
 /* Decode steps (one new token per sequence, each wanting its logits) of up to max_batch
  * sequences run as recorded graphs on a backend that has them (CUDA graphs): the batch is
@@ -103,17 +109,17 @@ int qwen2_state_max_tokens(const qwen2_state *s);
  * its second use and replayed after.  Results equal the eager run of the padded batch.
  * max_batch 0 (--enforce-eager) or a backend without graphs: every step eager.  Returns the
  * number of buckets (0: eager) or -ENOMEM. */
-#define QWEN2_MAX_BUCKETS 64
-int qwen2_state_set_graphs(qwen2_state *s, int max_batch);
-int qwen2_state_graphs(const qwen2_state *s); /* graphs recorded so far */
+#define DECODER_MAX_BUCKETS 64
+int decoder_state_set_graphs(decoder_state *s, int max_batch);
+int decoder_state_graphs(const decoder_state *s); /* graphs recorded so far */
 
 /* Runs the new tokens of n_seqs sequences (sum of n_tokens <= max_tokens): writes their K/V
  * into kv (on the model's backend) and their logits (host memory, f32) and/or greedy
- * tokens (qwen2_seq.argmax).  Returns 0 or
+ * tokens (decoder_seq.argmax).  Returns 0 or
  * -EINVAL (bad token id, position beyond max_position_embeddings, block table too short or
  * out of range, kv of another shape or backend; logged with the values), or the backend's
  * error (-ENOMEM, -EIO, -ENOTSUP). */
-int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
-                  int n_seqs);
+int decoder_forward(const decoder_model *m, decoder_state *s, const kv_store *kv, decoder_seq *seqs,
+                    int n_seqs);
 
 #endif

@@ -1,11 +1,13 @@
 /*
- * qwen2 — Qwen2 forward pass (see qwen2.h).  Reads top-down like the math: embed, then
- * per layer attention block and MLP block, then the head.  Every step is one operation of
+ * decoder — the decoder forward of every architecture model/arch.c describes (see
+ * decoder.h).  Reads top-down like the math: embed, then per layer attention block and
+ * MLP block, then the head.  Every step is one operation of
  * kernels/backend.h on the state's stream; nothing here touches device memory directly.
  */
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 #include "base/log.h"
+#include "model/arch.h"
 #include "model/hf_cache.h"
 
 #include <errno.h>
@@ -14,38 +16,50 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QWEN2_MAX_GROUP 64 /* query heads per KV head */
+#define DECODER_MAX_GROUP 64 /* query heads per KV head */
 
 /* ---- model ---------------------------------------------------------------- */
 
-int qwen2_load(qwen2_model *m, const char *model_arg, int progress, char *err, size_t errlen) {
-    return qwen2_load_on(m, model_arg, backend_cpu_default(), progress, err, errlen);
+int decoder_load(decoder_model *m, const char *model_arg, int progress, char *err, size_t errlen) {
+    return decoder_load_on(m, model_arg, backend_cpu_default(), progress, err, errlen);
 }
 
-int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progress, char *err,
-                  size_t errlen) {
+int decoder_load_on(decoder_model *m, const char *model_arg, backend *be, int progress, char *err,
+                    size_t errlen) {
+    return decoder_load_ex(m, model_arg, be, progress, 0, err, errlen);
+}
+
+int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
+                    char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
     m->be = be;
     int rc = hf_cache_resolve(model_arg, m->dir, sizeof m->dir, err, errlen);
     if (rc) return rc;
     if ((rc = model_config_load(&m->cfg, m->dir, err, errlen))) return rc;
-    if (m->cfg.n_heads / m->cfg.n_kv_heads > QWEN2_MAX_GROUP || m->cfg.head_dim > 1024) {
+    if (m->cfg.n_heads / m->cfg.n_kv_heads > DECODER_MAX_GROUP || m->cfg.head_dim > 1024) {
         snprintf(err, errlen,
                  "%s/config.json: %d query heads per KV head and head_dim %d; supported: at most "
                  "%d and 1024",
-                 m->dir, m->cfg.n_heads / m->cfg.n_kv_heads, m->cfg.head_dim, QWEN2_MAX_GROUP);
+                 m->dir, m->cfg.n_heads / m->cfg.n_kv_heads, m->cfg.head_dim, DECODER_MAX_GROUP);
         return -EINVAL;
     }
-    if ((rc = weights_load_on(&m->w, be, &m->cfg, m->dir, err, errlen))) return rc;
+    if (m->cfg.sliding_window && !backend_attention_window(be)) {
+        snprintf(err, errlen,
+                 "%s/config.json: sliding_window %d (shorter than max_position_embeddings %d) is "
+                 "not implemented on %s; accepted devices: cpu, cuda",
+                 m->dir, m->cfg.sliding_window, m->cfg.max_position, backend_name(be));
+        return -ENOTSUP;
+    }
+    if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, dummy ? 0x5eed : 0, err, errlen)))
+        return rc;
     int half = m->cfg.head_dim / 2;
     float *inv = malloc((size_t)half * sizeof(float));
     m->rope_buf = inv ? backend_buffer_alloc(be, (size_t)half * sizeof(float), 0) : NULL;
     backend_stream *st = m->rope_buf ? backend_stream_create(be) : NULL;
     rc = st ? 0 : -ENOMEM;
     if (!rc) {
-        /* as transformers: 1 / theta ** (arange(0, d, 2) / d), in f32 */
-        for (int i = 0; i < half; i++)
-            inv[i] = 1.0f / powf(m->cfg.rope_theta, (float)(2 * i) / (float)m->cfg.head_dim);
+        /* as transformers computes it for the config's rope variant (model/arch.c) */
+        arch_rope_table(&m->cfg, inv, &m->rope_attn);
         rc = backend_upload(st, backend_buffer_ptr(m->rope_buf), inv, (size_t)half * sizeof(float));
         m->rope_inv_freq = backend_buffer_ptr(m->rope_buf);
     }
@@ -53,14 +67,14 @@ int qwen2_load_on(qwen2_model *m, const char *model_arg, backend *be, int progre
     free(inv);
     if (rc) {
         snprintf(err, errlen, "cannot place the RoPE table on %s", backend_name(be));
-        qwen2_free(m);
+        decoder_free(m);
         return rc;
     }
-    if (progress) st_set_prefault(&m->w.st, m->dir);
+    if (progress && !dummy) st_set_prefault(&m->w.st, m->dir);
     return 0;
 }
 
-void qwen2_free(qwen2_model *m) {
+void decoder_free(decoder_model *m) {
     weights_free(&m->w);
     backend_buffer_free(m->rope_buf);
     memset(m, 0, sizeof *m);
@@ -68,13 +82,13 @@ void qwen2_free(qwen2_model *m) {
 
 /* ---- KV store ----------------------------------------------------------- */
 
-size_t qwen2_kv_block_bytes_dt(const model_config *c, int block_size, backend_dtype dt) {
+size_t decoder_kv_block_bytes_dt(const model_config *c, int block_size, backend_dtype dt) {
     return (size_t)c->n_layers * 2 * (size_t)block_size * (size_t)(c->n_kv_heads * c->head_dim) *
            backend_dtype_size(dt);
 }
 
-size_t qwen2_kv_block_bytes(const model_config *c, int block_size) {
-    return qwen2_kv_block_bytes_dt(c, block_size, BACKEND_F32);
+size_t decoder_kv_block_bytes(const model_config *c, int block_size) {
+    return decoder_kv_block_bytes_dt(c, block_size, BACKEND_F32);
 }
 
 int kv_store_init(kv_store *kv, const model_config *c, int n_blocks, int block_size) {
@@ -88,7 +102,7 @@ int kv_store_init_on(kv_store *kv, backend *be, const model_config *c, int n_blo
     if (n_blocks <= 0 || block_size <= 0) return -EINVAL;
     if (!backend_kv_dtype_ok(be, dt)) return -ENOTSUP;
     kv->buf =
-        backend_buffer_alloc(be, (size_t)n_blocks * qwen2_kv_block_bytes_dt(c, block_size, dt),
+        backend_buffer_alloc(be, (size_t)n_blocks * decoder_kv_block_bytes_dt(c, block_size, dt),
                              flags | BACKEND_BUF_ZERO);
     if (!kv->buf) return -ENOMEM;
     kv->base = backend_buffer_ptr(kv->buf);
@@ -111,7 +125,7 @@ void kv_store_free(kv_store *kv) {
 
 enum { B_X, B_Y, B_XB, B_Q, B_K, B_V, B_ATT, B_HB, B_HB2, B_COUNT };
 
-struct qwen2_state {
+struct decoder_state {
     int max_tokens;     /* capacity in tokens */
     backend_stream *st; /* the stream all work goes to (owned) */
     backend_dtype act;  /* activation dtype (residual stream, q/k/v) */
@@ -121,10 +135,10 @@ struct qwen2_state {
     void *y;                    /* (T, hidden) o_proj / down_proj output, added into x by the
                                    next add_rmsnorm; rows gathered for lm_head */
     void *xb;                   /* (T, hidden) of mm: normed input */
-    void *q;                    /* (T, hidden) */
+    void *q;                    /* (T, q_dim) */
     void *k;                    /* (T, kv_dim) */
     void *v;                    /* (T, kv_dim) */
-    void *att;                  /* (T, hidden) of mm: attention output */
+    void *att;                  /* (T, q_dim) of mm: attention output */
     void *hb;                   /* (T, intermediate) of mm: silu(gate) * up */
     void *hb2;                  /* (T, intermediate) up (the generic gate_up; NULL when cat) */
     backend_buffer *logits_buf; /* (logits_cap, vocab) f32 lm_head output */
@@ -136,20 +150,20 @@ struct qwen2_state {
     int32_t *qo_indptr, *kv_len, *bt_indptr;        /* (max_tokens + 1) each */
     int32_t *bt_indices;                            /* (bt_cap) */
     int bt_cap;
-    /* recorded decode steps (qwen2_state_set_graphs): batch-size buckets, 0 = eager */
-    int graph_buckets[QWEN2_MAX_BUCKETS];
+    /* recorded decode steps (decoder_state_set_graphs): batch-size buckets, 0 = eager */
+    int graph_buckets[DECODER_MAX_BUCKETS];
     int n_buckets;
     const void *graph_kv; /* the KV region the recorded steps use */
     int32_t *pad_meta;    /* (4 * max bucket + 2) host arrays of a padded batch */
 };
 
-static qwen2_state *state_new(const qwen2_model *m, int max_tokens, backend_stream *st) {
+static decoder_state *state_new(const decoder_model *m, int max_tokens, backend_stream *st) {
     const model_config *c = &m->cfg;
     if (max_tokens <= 0 || !st) {
         backend_stream_free(st);
         return NULL;
     }
-    qwen2_state *s = calloc(1, sizeof *s);
+    decoder_state *s = calloc(1, sizeof *s);
     if (!s) {
         backend_stream_free(st);
         return NULL;
@@ -158,11 +172,11 @@ static qwen2_state *state_new(const qwen2_model *m, int max_tokens, backend_stre
     s->act = backend_act_dtype(m->be);
     s->mm = backend_mm_dtype(m->be);
     s->max_tokens = max_tokens;
-    size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size,
+    size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size, qd = (size_t)c->q_dim,
            kvd = (size_t)(c->n_kv_heads * c->head_dim), I = (size_t)c->intermediate_size,
            ea = backend_dtype_size(s->act), em = backend_dtype_size(s->mm);
     int cat = m->w.layers && m->w.layers[0].w_gate_up.data != NULL;
-    size_t width[B_COUNT] = {h, h, h, h, kvd, kvd, h, I, cat ? 0 : I};
+    size_t width[B_COUNT] = {h, h, h, qd, kvd, kvd, qd, I, cat ? 0 : I};
     size_t es[B_COUNT] = {ea, ea, em, ea, ea, ea, em, em, em};
     void **ptr[B_COUNT] = {&s->x, &s->y, &s->xb, &s->q, &s->k, &s->v, &s->att, &s->hb, &s->hb2};
     int ok = 1;
@@ -177,21 +191,21 @@ static qwen2_state *state_new(const qwen2_model *m, int max_tokens, backend_stre
     for (int i = 0; i < 7 && ok; i++)
         ok = (*arr[i] = malloc((T + 1) * sizeof(int32_t))) != NULL;
     if (!ok) {
-        qwen2_state_free(s);
+        decoder_state_free(s);
         return NULL;
     }
     return s;
 }
 
-qwen2_state *qwen2_state_create(const qwen2_model *m, int max_tokens) {
+decoder_state *decoder_state_create(const decoder_model *m, int max_tokens) {
     return state_new(m, max_tokens, backend_stream_create(m->be));
 }
 
-qwen2_state *qwen2_state_init(const qwen2_model *m, int max_tokens, int n_threads) {
+decoder_state *decoder_state_init(const decoder_model *m, int max_tokens, int n_threads) {
     return state_new(m, max_tokens, backend_stream_create_threads(m->be, n_threads));
 }
 
-void qwen2_state_free(qwen2_state *s) {
+void decoder_state_free(decoder_state *s) {
     if (!s) return;
     backend_stream_free(s->st);
     for (int i = 0; i < B_COUNT; i++)
@@ -211,11 +225,11 @@ void qwen2_state_free(qwen2_state *s) {
     free(s);
 }
 
-int qwen2_state_max_tokens(const qwen2_state *s) {
+int decoder_state_max_tokens(const decoder_state *s) {
     return s->max_tokens;
 }
 
-int qwen2_state_set_graphs(qwen2_state *s, int max_batch) {
+int decoder_state_set_graphs(decoder_state *s, int max_batch) {
     backend_graph_reset(s->st);
     s->n_buckets = 0;
     if (max_batch <= 0 || !backend_graph_supported(backend_stream_backend(s->st))) return 0;
@@ -224,66 +238,66 @@ int qwen2_state_set_graphs(qwen2_state *s, int max_batch) {
     s->pad_meta = malloc(((size_t)max_batch * 9 + 4) * sizeof(int32_t));
     if (!s->pad_meta) return -ENOMEM;
     /* vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to max_batch */
-    for (int b = 1; b <= max_batch && s->n_buckets < QWEN2_MAX_BUCKETS; b = b < 8 ? b * 2 : b + 8)
+    for (int b = 1; b <= max_batch && s->n_buckets < DECODER_MAX_BUCKETS; b = b < 8 ? b * 2 : b + 8)
         s->graph_buckets[s->n_buckets++] = b;
-    if (s->graph_buckets[s->n_buckets - 1] != max_batch && s->n_buckets < QWEN2_MAX_BUCKETS)
+    if (s->graph_buckets[s->n_buckets - 1] != max_batch && s->n_buckets < DECODER_MAX_BUCKETS)
         s->graph_buckets[s->n_buckets++] = max_batch;
     return s->n_buckets;
 }
 
-int qwen2_state_graphs(const qwen2_state *s) {
+int decoder_state_graphs(const decoder_state *s) {
     return backend_graph_count(s->st);
 }
 
-static int check_seqs(const qwen2_model *m, const qwen2_state *s, const kv_store *kv,
-                      const qwen2_seq *seqs, int n_seqs, int *total) {
+static int check_seqs(const decoder_model *m, const decoder_state *s, const kv_store *kv,
+                      const decoder_seq *seqs, int n_seqs, int *total) {
     const model_config *c = &m->cfg;
     if (kv->n_layers != c->n_layers || kv->kv_dim != c->n_kv_heads * c->head_dim || !kv->buf) {
-        LOG_E("qwen2", "kv store shape (layers %d, kv_dim %d) does not match the model (%d, %d)",
+        LOG_E("model", "kv store shape (layers %d, kv_dim %d) does not match the model (%d, %d)",
               kv->n_layers, kv->kv_dim, c->n_layers, c->n_kv_heads * c->head_dim);
         return -EINVAL;
     }
     backend *kb = backend_buffer_backend(kv->buf);
     if (kb != m->be && !(backend_is_cpu(kb) && backend_is_cpu(m->be))) {
-        LOG_E("qwen2", "kv store on %s, the model on %s", backend_name(kb), backend_name(m->be));
+        LOG_E("model", "kv store on %s, the model on %s", backend_name(kb), backend_name(m->be));
         return -EINVAL;
     }
     int T = 0;
     for (int i = 0; i < n_seqs; i++) {
-        const qwen2_seq *q = &seqs[i];
+        const decoder_seq *q = &seqs[i];
         int end = q->start_pos + q->n_tokens;
         if (q->n_tokens <= 0 || q->start_pos < 0) {
-            LOG_E("qwen2",
+            LOG_E("model",
                   "sequence %d: n_tokens %d, start_pos %d (need n_tokens >= 1, start_pos >= 0)", i,
                   q->n_tokens, q->start_pos);
             return -EINVAL;
         }
         if (end > c->max_position) {
-            LOG_E("qwen2", "sequence %d: position %d beyond max_position_embeddings %d", i, end - 1,
+            LOG_E("model", "sequence %d: position %d beyond max_position_embeddings %d", i, end - 1,
                   c->max_position);
             return -EINVAL;
         }
         if ((long)q->n_blocks * kv->block_size < end) {
-            LOG_E("qwen2", "sequence %d: %d blocks of %d tokens cannot hold %d positions", i,
+            LOG_E("model", "sequence %d: %d blocks of %d tokens cannot hold %d positions", i,
                   q->n_blocks, kv->block_size, end);
             return -EINVAL;
         }
         for (int b = 0; b < (end + kv->block_size - 1) / kv->block_size; b++)
             if (q->block_table[b] < 0 || q->block_table[b] >= kv->n_blocks) {
-                LOG_E("qwen2", "sequence %d: block id %d outside the KV store [0, %d)", i,
+                LOG_E("model", "sequence %d: block id %d outside the KV store [0, %d)", i,
                       q->block_table[b], kv->n_blocks);
                 return -EINVAL;
             }
         for (int t = 0; t < q->n_tokens; t++)
             if (q->tokens[t] < 0 || q->tokens[t] >= c->vocab_size) {
-                LOG_E("qwen2", "sequence %d: token id %d outside the vocabulary [0, %d)", i,
+                LOG_E("model", "sequence %d: token id %d outside the vocabulary [0, %d)", i,
                       q->tokens[t], c->vocab_size);
                 return -EINVAL;
             }
         T += q->n_tokens;
     }
     if (T > s->max_tokens) {
-        LOG_E("qwen2", "%d tokens in one forward call; the workspace holds %d", T, s->max_tokens);
+        LOG_E("model", "%d tokens in one forward call; the workspace holds %d", T, s->max_tokens);
         return -EINVAL;
     }
     *total = T;
@@ -293,7 +307,7 @@ static int check_seqs(const qwen2_model *m, const qwen2_state *s, const kv_store
 /* Fills the batch's host metadata for the backend and plans it: token rows, positions,
  * block tables, and the rows whose logits are wanted (every row of a logits_all sequence,
  * else its last), in sequence order. */
-static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs, int n_seqs,
+static int plan_batch(decoder_state *s, const kv_store *kv, const decoder_seq *seqs, int n_seqs,
                       int T) {
     int nbt = 0;
     for (int i = 0; i < n_seqs; i++)
@@ -307,7 +321,7 @@ static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs,
     int t = 0, n_out = 0, b = 0;
     s->qo_indptr[0] = s->bt_indptr[0] = 0;
     for (int i = 0; i < n_seqs; i++) {
-        const qwen2_seq *q = &seqs[i];
+        const decoder_seq *q = &seqs[i];
         int end = q->start_pos + q->n_tokens, nb = (end + kv->block_size - 1) / kv->block_size;
         memcpy(s->bt_indices + b, q->block_table, (size_t)nb * sizeof(int32_t));
         b += nb;
@@ -334,12 +348,15 @@ static int plan_batch(qwen2_state *s, const kv_store *kv, const qwen2_seq *seqs,
     } while (0)
 
 /* The planned batch's T tokens through every layer: s->x holds the residual stream after. */
-static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kvp, int T) {
+static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv *kvp, int T) {
     const model_config *c = &m->cfg;
     const model_weights *w = &m->w;
-    int rc, h = c->hidden_size, I = c->intermediate_size, nh = c->n_heads;
+    int rc, h = c->hidden_size, I = c->intermediate_size, nh = c->n_heads, qd = c->q_dim;
     const backend_dtype a = s->act, mm = s->mm; /* activations, matmul inputs */
-    const float eps = c->rms_norm_eps, scale = (float)(1.0 / sqrt((double)c->head_dim));
+    /* transformers scales cos and sin by the rope's attention factor (yarn): q.k by its
+     * square, folded into the softmax scale */
+    const float eps = c->rms_norm_eps,
+                scale = (float)(1.0 / sqrt((double)c->head_dim)) * m->rope_attn * m->rope_attn;
     const backend_kv bkv = *kvp;
     backend_stream *st = s->st;
     /* where the backend folds the residual add into the o / down GEMMs (CUDA prefill), x += the
@@ -351,6 +368,7 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
         /* attention block: x += wo . attention(rope(wq . norm(x)), rope(wk . ..), wv . ..)
+         * (Qwen3: rope(qk_norm(wq . norm(x))) per head; Mistral: over the window's keys)
          * (the previous layer's MLP output y joins x here: x += y, then the norm) */
         TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, l && !fused ? s->y : NULL, a, L->attn_norm, T,
                                 h, eps));
@@ -374,10 +392,13 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
                               .dt = a,
                               .inv_freq = m->rope_inv_freq,
                               .kv = &bkv,
-                              .layer = l};
+                              .layer = l,
+                              .q_norm = L->q_norm,
+                              .k_norm = L->k_norm,
+                              .qk_eps = eps};
         TRY(backend_qkv(st, &qkv));
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
-        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, h};
+        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, qd};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
         /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))) */
         TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, fused ? NULL : s->y, a, L->mlp_norm, T, h,
@@ -403,7 +424,7 @@ static int run_layers(const qwen2_model *m, qwen2_state *s, const backend_kv *kv
 }
 
 /* logits_buf holds at least rows rows (a new buffer drops the recorded steps using the old) */
-static int logits_reserve(const qwen2_model *m, qwen2_state *s, int rows) {
+static int logits_reserve(const decoder_model *m, decoder_state *s, int rows) {
     if (s->logits_cap >= rows) return 0;
     backend_graph_reset(s->st);
     backend_buffer_free(s->logits_buf);
@@ -419,7 +440,7 @@ static int logits_reserve(const qwen2_model *m, qwen2_state *s, int rows) {
 }
 
 /* head: logits (n_out, vocab) f32 = lm_head · norm(x) of the wanted rows */
-static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
+static int run_head(const decoder_model *m, decoder_state *s, int n_out) {
     const model_config *c = &m->cfg;
     const model_weights *w = &m->w;
     int rc, h = c->hidden_size;
@@ -437,7 +458,8 @@ static int run_head(const qwen2_model *m, qwen2_state *s, int n_out) {
  * sequences whose host arrays follow each other (the engine's one logits array) go in one
  * download.  Sequences asking for their greedy token get it from one argmax over the rows
  * on the device (only the ids come back). */
-static int download_outputs(qwen2_state *s, const qwen2_seq *seqs, int n_seqs, int n_rows, int V) {
+static int download_outputs(decoder_state *s, const decoder_seq *seqs, int n_seqs, int n_rows,
+                            int V) {
     backend_stream *st = s->st;
     const float *dev = backend_buffer_ptr(s->logits_buf);
     int rc, want_amax = 0;
@@ -451,7 +473,7 @@ static int download_outputs(qwen2_state *s, const qwen2_seq *seqs, int n_seqs, i
     size_t r = 0, run_rows = 0, run_dev = 0;
     float *run_host = NULL;
     for (int i = 0; i <= n_seqs; i++) {
-        const qwen2_seq *q = i < n_seqs ? &seqs[i] : NULL;
+        const decoder_seq *q = i < n_seqs ? &seqs[i] : NULL;
         if (q && !q->logits && !q->argmax) continue;
         size_t rows = q ? (q->logits && q->logits_all ? (size_t)q->n_tokens : 1) : 0;
         if (q && q->argmax) *q->argmax = s->amax_host[r + rows - 1];
@@ -471,7 +493,7 @@ static int download_outputs(qwen2_state *s, const qwen2_seq *seqs, int n_seqs, i
 
 /* The decode batch's bucket (the smallest recorded batch size >= T), or 0: run it eagerly.
  * Only batches of one new token per sequence, each wanting its logits. */
-static int graph_bucket(const qwen2_state *s, const qwen2_seq *seqs, int n_seqs) {
+static int graph_bucket(const decoder_state *s, const decoder_seq *seqs, int n_seqs) {
     if (!s->n_buckets || n_seqs > s->graph_buckets[s->n_buckets - 1]) return 0;
     for (int i = 0; i < n_seqs; i++)
         if (seqs[i].n_tokens != 1 || (!seqs[i].logits && !seqs[i].argmax)) return 0;
@@ -483,8 +505,8 @@ static int graph_bucket(const qwen2_state *s, const qwen2_seq *seqs, int n_seqs)
 /* A decode step through a recorded graph: the batch padded to B sequences (padding: kv_len
  * 0, position -1, no blocks), positions bucketed to 256, 384, 512, 768, ... (2^k and
  * 1.5 * 2^k: the attention grid and block-table stride of the graph). */
-static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
-                         int n_seqs, int B) {
+static int forward_graph(const decoder_model *m, decoder_state *s, const kv_store *kv,
+                         decoder_seq *seqs, int n_seqs, int B) {
     int rc, V = m->cfg.vocab_size, max_len = 0, nbt = 0;
     for (int i = 0; i < n_seqs; i++)
         if (seqs[i].start_pos + 1 > max_len) max_len = seqs[i].start_pos + 1;
@@ -525,7 +547,7 @@ static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *k
     }
     backend_batch bb = {B, B, tok, seq, pos, qo, kvl, bti, s->bt_indices, B, orow};
     const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
-                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window};
     TRY(backend_graph_plan(s->st, &bb, C, max_blocks));
     rc = backend_graph_begin(s->st);
     if (rc < 0) return rc;
@@ -540,21 +562,21 @@ static int forward_graph(const qwen2_model *m, qwen2_state *s, const kv_store *k
     return backend_stream_sync(s->st);
 }
 
-int qwen2_forward(const qwen2_model *m, qwen2_state *s, const kv_store *kv, qwen2_seq *seqs,
-                  int n_seqs) {
+int decoder_forward(const decoder_model *m, decoder_state *s, const kv_store *kv, decoder_seq *seqs,
+                    int n_seqs) {
     const model_config *c = &m->cfg;
     int T, rc = check_seqs(m, s, kv, seqs, n_seqs, &T);
     if (rc) return rc;
     int V = c->vocab_size;
     const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
-                            kv->n_layers, kv->n_kv_heads, kv->head_dim};
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window};
     backend_stream *st = s->st;
     int B = graph_bucket(s, seqs, n_seqs);
     if (B) {
         if ((rc = forward_graph(m, s, kv, seqs, n_seqs, B)) != -EIO) return rc;
-        LOG_E("qwen2", "recorded decode step failed: running every step eagerly from now on");
+        LOG_E("model", "recorded decode step failed: running every step eagerly from now on");
         backend_stream_sync(st); /* clears nothing, but reports a sticky device error */
-        qwen2_state_set_graphs(s, 0);
+        decoder_state_set_graphs(s, 0);
     }
     int n_out = plan_batch(s, kv, seqs, n_seqs, T);
     if (n_out < 0) return n_out;
