@@ -10,7 +10,7 @@ DEBS=(
   libibverbs-dev libssl-dev openssl libyaml-dev iproute2 xz-utils curl
   prometheus etcd-server etcd-client
 )
-PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib)
+PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib jsonschema)
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
