@@ -9,6 +9,11 @@
  *     token, the advance); prints the compile time, the first walk's cost per token
  *     (masks computed as the walk meets new states: cold) and the later walks' (warm),
  *     and the cost of applying a mask to a row of logits.
+ *   ... --docs DOCS.jsonl
+ *     instead of random walks, replays documents (one JSON string a line: the text) as the
+ *     model would write them (the tokenizer's tokens), twice: the first pass meets every
+ *     state first (cold: masks computed), the second finds them cached (warm); per token
+ *     the mask and the advance, and each token is checked against the mask.
  *   disagg bench grammar --tokenizer DIR --masks CASES.jsonl
  *     CASES: one JSON object a line, {"kind": "json_schema" | "json_object" | "regex" |
  *     "grammar" | "choice", "text": ..., "tokens": [ids], "compact": bool}; prints for
@@ -147,16 +152,82 @@ static int run_masks(grammar_vocab *v, const char *path, int with_ids) {
     return 0;
 }
 
+/* Replays docs through g: 0, or 1 when a document breaks the grammar. */
+static int run_docs(grammar *g, const tokenizer *tok, const char *path) {
+    size_t len;
+    char *text = read_all(path, &len);
+    if (!text) {
+        fprintf(stderr, "bench grammar: cannot read %s\n", path);
+        return 1;
+    }
+    double ns[2] = {0, 0}, worst[2] = {0, 0};
+    long ntok[2] = {0, 0};
+    int ndocs = 0, rc = 0;
+    for (int pass = 0; pass < 2 && !rc; pass++) {
+        char *copy = strdup(text);
+        char *save = NULL;
+        for (char *line = strtok_r(copy, "\n", &save); line && !rc;
+             line = strtok_r(NULL, "\n", &save)) {
+            json_t *j = json_loads(line, JSON_DECODE_ANY, NULL);
+            if (!json_is_string(j)) {
+                json_decref(j);
+                continue;
+            }
+            int32_t *ids = NULL;
+            size_t n = 0;
+            char err[256];
+            if (tokenizer_encode(tok, json_string_value(j), json_string_length(j), false, &ids, &n,
+                                 err, sizeof err)) {
+                json_decref(j);
+                continue;
+            }
+            ndocs += pass == 0;
+            grammar_state s = grammar_start(g);
+            for (size_t i = 0; i < n; i++) {
+                uint64_t a = clock_now_ns();
+                const uint32_t *m = grammar_state_mask(g, s);
+                int ok = m[ids[i] >> 5] >> (ids[i] & 31) & 1u;
+                grammar_state ns2 = grammar_advance_token(g, s, ids[i]);
+                double c = (double)(clock_now_ns() - a);
+                ns[pass] += c;
+                if (c > worst[pass]) worst[pass] = c;
+                ntok[pass]++;
+                if (!ok || ns2 == GRAMMAR_DEAD) {
+                    fprintf(stderr, "bench grammar: token %zu (%d) of %s is not allowed\n", i,
+                            ids[i], line);
+                    rc = 1;
+                    break;
+                }
+                s = ns2;
+            }
+            if (!rc && !grammar_state_accepting(g, s)) {
+                fprintf(stderr, "bench grammar: the grammar does not accept %s\n", line);
+                rc = 1;
+            }
+            free(ids);
+            json_decref(j);
+        }
+        free(copy);
+    }
+    printf("documents       %d (%ld tokens a pass)\n", ndocs, ntok[0]);
+    printf("first pass      %.2f us/token, worst token %.2f ms (masks computed as states appear)\n",
+           ntok[0] ? ns[0] / 1e3 / (double)ntok[0] : 0.0, worst[0] / 1e6);
+    printf("second pass     %.2f us/token, worst token %.1f us (mask + advance, cached)\n",
+           ntok[1] ? ns[1] / 1e3 / (double)ntok[1] : 0.0, worst[1] / 1e3);
+    free(text);
+    return rc;
+}
+
 static void usage(void) {
     fprintf(stderr,
             "usage: disagg bench grammar --tokenizer DIR (--json-schema FILE | --regex RE | "
             "--grammar FILE | --choice JSON | --json-object) [--walks N] [--max-steps N] "
-            "[--seed S] [--compact]\n"
+            "[--seed S] [--compact] [--docs DOCS.jsonl]\n"
             "       disagg bench grammar --tokenizer DIR --masks CASES.jsonl [--ids]\n");
 }
 
 int bench_grammar_main(int argc, char **argv) {
-    const char *tokdir = NULL, *masks = NULL, *text = NULL;
+    const char *tokdir = NULL, *masks = NULL, *text = NULL, *docs = NULL;
     char *owned = NULL;
     grammar_kind kind = GRAMMAR_JSON_OBJECT;
     int have_kind = 0, walks = 20, max_steps = 200, ids = 0, compact = 0;
@@ -166,6 +237,8 @@ int bench_grammar_main(int argc, char **argv) {
         size_t len;
         if (!strcmp(a, "--tokenizer") && val)
             tokdir = argv[++i];
+        else if (!strcmp(a, "--docs") && val)
+            docs = argv[++i];
         else if (!strcmp(a, "--masks") && val)
             masks = argv[++i];
         else if (!strcmp(a, "--ids"))
@@ -231,18 +304,34 @@ int bench_grammar_main(int argc, char **argv) {
         rc = 1;
         goto out;
     }
+    if (docs) {
+        printf("vocabulary      %d tokens (built in %.1f ms)\n", n, (double)t_vocab / 1e6);
+        printf("compile         %.3f ms\n", (double)t_compile / 1e6);
+        rc = run_docs(g, tok, docs);
+        int ns, nm, nn;
+        grammar_stats(g, &ns, &nm, &nn);
+        printf("states          %d (%d masks, %d stack nodes)\n", ns, nm, nn);
+        grammar_unref(g);
+        goto out;
+    }
     rng_state r;
     rng_seed(&r, seed);
     int32_t *allowed = malloc(sizeof(int32_t) * (size_t)n);
     float *logits = malloc(sizeof(float) * (size_t)n);
-    double cold_ns = 0, warm_ns = 0, apply_ns = 0;
+    double cold_ns = 0, warm_ns = 0, apply_ns = 0, new_mask_ns = 0;
+    long new_masks = 0;
     long cold_tok = 0, warm_tok = 0, apply_n = 0, accepted = 0;
     for (int w = 0; w < walks; w++) {
         grammar_state s = grammar_start(g);
         for (int step = 0; step < max_steps; step++) {
+            int nm0;
+            grammar_stats(g, NULL, &nm0, NULL);
             uint64_t a = clock_now_ns();
             const uint32_t *m = grammar_state_mask(g, s);
             uint64_t b = clock_now_ns();
+            int nm1;
+            grammar_stats(g, NULL, &nm1, NULL);
+            if (nm1 > nm0) new_mask_ns += (double)(b - a), new_masks++;
             /* apply to a row, as the sampler does */
             for (int i = 0; i < n; i++)
                 logits[i] = (float)i;
@@ -297,6 +386,8 @@ int bench_grammar_main(int argc, char **argv) {
     printf("apply mask      %.1f us/row (-inf over a %d-entry logits row)\n",
            apply_n ? apply_ns / 1e3 / (double)apply_n : 0.0, n);
     printf("states          %d (%d masks, %d stack nodes)\n", ns, nm, nn);
+    printf("new mask        %.2f ms each (%ld computed during the walks)\n",
+           new_masks ? new_mask_ns / 1e6 / (double)new_masks : 0.0, new_masks);
     free(allowed);
     free(logits);
     grammar_unref(g);

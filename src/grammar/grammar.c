@@ -23,6 +23,9 @@ struct grammar_vocab {
     uint8_t *special;
     int32_t *ord; /* non-special, non-empty tokens sorted by bytes */
     int32_t *lcp; /* common prefix with the previous token in ord */
+    int32_t *nse; /* next index in ord whose lcp is smaller than this one's (n_sorted: none) */
+    uint8_t *blob; /* the sorted tokens' bytes back to back: the walk reads memory in order */
+    uint32_t *soff; /* (n_sorted + 1) offsets into blob */
 };
 
 static const grammar_vocab *sort_vocab;
@@ -48,7 +51,8 @@ grammar_vocab *grammar_vocab_new(int n, const uint8_t *const *bytes, const size_
     v->special = calloc((size_t)n + 1, 1);
     v->ord = calloc((size_t)n + 1, sizeof *v->ord);
     v->lcp = calloc((size_t)n + 1, sizeof *v->lcp);
-    if (!v->bytes || !v->lens || !v->special || !v->ord || !v->lcp) {
+    v->nse = calloc((size_t)n + 1, sizeof *v->nse);
+    if (!v->bytes || !v->lens || !v->special || !v->ord || !v->lcp || !v->nse) {
         grammar_vocab_free(v);
         return NULL;
     }
@@ -75,6 +79,36 @@ grammar_vocab *grammar_vocab_new(int n, const uint8_t *const *bytes, const size_
             l++;
         v->lcp[k] = (int32_t)l;
     }
+    /* next smaller element of lcp, by a stack: a rejected prefix skips its subtree */
+    int32_t *st = malloc(sizeof *st * ((size_t)v->n_sorted + 1));
+    if (!st) {
+        grammar_vocab_free(v);
+        return NULL;
+    }
+    int sp = 0;
+    for (int k = v->n_sorted - 1; k >= 0; k--) {
+        while (sp && v->lcp[st[sp - 1]] >= v->lcp[k])
+            sp--;
+        v->nse[k] = sp ? st[sp - 1] : v->n_sorted;
+        st[sp++] = k;
+    }
+    free(st);
+    size_t total = 0;
+    for (int k = 0; k < v->n_sorted; k++)
+        total += v->lens[v->ord[k]];
+    v->blob = malloc(total + 1);
+    v->soff = malloc(sizeof *v->soff * ((size_t)v->n_sorted + 1));
+    if (!v->blob || !v->soff || total >= UINT32_MAX) {
+        grammar_vocab_free(v);
+        return NULL;
+    }
+    size_t off = 0;
+    for (int k = 0; k < v->n_sorted; k++) {
+        v->soff[k] = (uint32_t)off;
+        memcpy(v->blob + off, v->bytes[v->ord[k]], v->lens[v->ord[k]]);
+        off += v->lens[v->ord[k]];
+    }
+    v->soff[v->n_sorted] = (uint32_t)off;
     return v;
 }
 
@@ -88,6 +122,9 @@ void grammar_vocab_free(grammar_vocab *v) {
     free(v->special);
     free(v->ord);
     free(v->lcp);
+    free(v->nse);
+    free(v->blob);
+    free(v->soff);
     free(v);
 }
 
@@ -346,21 +383,35 @@ static const uint32_t *state_mask(grammar *g, int32_t sid) {
     int32_t st[1024];
     st[0] = sid;
     int valid = 1; /* st[0 .. valid) hold the states after the current prefix's bytes */
-    for (int k = 0; k < v->n_sorted; k++) {
-        int32_t t = v->ord[k];
+    for (int k = 0; k < v->n_sorted;) {
         int l = v->lcp[k];
         if (valid > l + 1) valid = l + 1;
         int d = valid - 1;
-        const uint8_t *b = v->bytes[t];
-        int len = (int)v->lens[t];
-        if (len > 1023) continue;
+        const uint8_t *b = v->blob + v->soff[k];
+        int len = (int)(v->soff[k + 1] - v->soff[k]);
+        if (len > 1023) {
+            k++;
+            continue;
+        }
         int32_t cur = st[d];
         while (cur != GRAMMAR_DEAD && d < len) {
-            cur = step_byte(g, cur, b[d]);
+            const int32_t *tr = g->states[cur].trans; /* the memoised transition, else compute */
+            int32_t nx = tr ? tr[b[d]] : -1;
+            cur = nx >= 0 ? nx : step_byte(g, cur, b[d]);
             st[++d] = cur;
         }
         valid = d + 1;
-        if (cur != GRAMMAR_DEAD) m[t >> 5] |= 1u << (t & 31);
+        if (cur != GRAMMAR_DEAD) {
+            int32_t t = v->ord[k];
+            m[t >> 5] |= 1u << (t & 31);
+            k++;
+            continue;
+        }
+        /* the first d bytes are dead: skip every later token sharing them (lcp >= d) */
+        int j = k + 1;
+        while (j < v->n_sorted && v->lcp[j] >= d)
+            j = v->nse[j];
+        k = j;
     }
     g->states[sid].mask = m;
     g->n_masks++;
