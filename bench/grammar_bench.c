@@ -218,12 +218,25 @@ static int run_docs(grammar *g, const tokenizer *tok, const char *path) {
     return rc;
 }
 
-static void usage(void) {
-    fprintf(stderr,
-            "usage: disagg bench grammar --tokenizer DIR (--json-schema FILE | --regex RE | "
-            "--grammar FILE | --choice JSON | --json-object) [--walks N] [--max-steps N] "
-            "[--seed S] [--compact] [--docs DOCS.jsonl]\n"
-            "       disagg bench grammar --tokenizer DIR --masks CASES.jsonl [--ids]\n");
+static void usage(FILE *f) {
+    fprintf(
+        f, "usage: disagg bench grammar --tokenizer DIR (--json-schema FILE | --regex RE | "
+           "--grammar FILE | --choice JSON | --json-object) [--walks N] [--max-steps N] "
+           "[--seed S] [--compact] [--docs DOCS.jsonl]\n"
+           "       disagg bench grammar --tokenizer DIR --masks CASES.jsonl [--ids]\n\n"
+           "  --tokenizer DIR     the tokenizer (tokenizer.json) whose vocabulary the masks cover\n"
+           "  --json-schema FILE  constrain to a JSON Schema\n"
+           "  --regex RE          constrain to a regular expression\n"
+           "  --grammar FILE      constrain to a GBNF / EBNF grammar (start rule root)\n"
+           "  --choice JSON       constrain to one of a JSON list of strings\n"
+           "  --json-object       constrain to any JSON object\n"
+           "  --compact           JSON without free whitespace (disable_any_whitespace)\n"
+           "  --walks N           random walks through the grammar (default 20)\n"
+           "  --max-steps N       tokens per walk at most (default 200)\n"
+           "  --seed S            the walks' random seed (default 1)\n"
+           "  --docs DOCS.jsonl   replay documents (a JSON string a line) instead, twice\n"
+           "  --masks CASES.jsonl print the masks along given token walks (JSON lines)\n"
+           "  --ids               with --masks: the allowed ids too, not just count and hash\n");
 }
 
 int bench_grammar_main(int argc, char **argv) {
@@ -235,7 +248,11 @@ int bench_grammar_main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
         size_t len;
-        if (!strcmp(a, "--tokenizer") && val)
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            free(owned);
+            return 0;
+        } else if (!strcmp(a, "--tokenizer") && val)
             tokdir = argv[++i];
         else if (!strcmp(a, "--docs") && val)
             docs = argv[++i];
@@ -269,13 +286,13 @@ int bench_grammar_main(int argc, char **argv) {
             seed = strtoull(argv[++i], NULL, 10);
         else {
             fprintf(stderr, "bench grammar: unknown or incomplete argument '%s'\n", a);
-            usage();
+            usage(stderr);
             free(owned);
             return 2;
         }
     }
     if (!tokdir || (!masks && !have_kind) || walks < 1 || max_steps < 1) {
-        usage();
+        usage(stderr);
         free(owned);
         return 2;
     }
