@@ -104,7 +104,6 @@ gen_req *gen_req_new(server *s, hs_req *http, bool chat, const gen_ops *ops) {
 }
 
 int gen_prepare_constraint(server *s, gen_req *r) {
-    if (!s->gcache) return 0;
     char err[1024] = "";
     int tool_fmt = 0;
     if (structured_from_request(s->gcache, r->o.body, r->o.kind == OAI_CHAT, &r->constraint,

@@ -344,6 +344,9 @@ int structured_from_request(structured_cache *c, json_t *body, int is_chat, gram
         }
     }
     (void)is_chat;
+    if (!rc && w.field && !c)
+        rc = err_fail(err, errlen, -EINVAL,
+                      "structured outputs are unavailable: the vocabulary could not be built");
     if (!rc && w.field) {
         char e2[512] = "";
         *out = cache_get(c, w.kind, w.text, strlen(w.text), any_ws, e2, sizeof e2);
