@@ -19,7 +19,8 @@ from server_harness import BIN, Server
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "grammar" / "xgrammar_masks.jsonl"
-QWEN_TOKENIZER = Path("/work/shared/data/qwen2.5-tokenizer")
+# beside the source tree, as tests/unit/test_tokenizer.c finds it
+QWEN_TOKENIZER = ROOT.parent / "shared" / "data" / "qwen2.5-tokenizer"
 TOKENIZER = QWEN_TOKENIZER if (QWEN_TOKENIZER / "tokenizer.json").exists() else None
 
 # Steps where disagg's mask differs from xgrammar's on purpose (docs/structured_outputs.md).
