@@ -21,10 +21,10 @@ struct grammar_vocab {
     uint8_t **bytes;
     size_t *lens;
     uint8_t *special;
-    int32_t *ord; /* non-special, non-empty tokens sorted by bytes */
-    int32_t *lcp; /* common prefix with the previous token in ord */
-    int32_t *nse; /* next index in ord whose lcp is smaller than this one's (n_sorted: none) */
-    uint8_t *blob; /* the sorted tokens' bytes back to back: the walk reads memory in order */
+    int32_t *ord;   /* non-special, non-empty tokens sorted by bytes */
+    int32_t *lcp;   /* common prefix with the previous token in ord */
+    int32_t *nse;   /* next index in ord whose lcp is smaller than this one's (n_sorted: none) */
+    uint8_t *blob;  /* the sorted tokens' bytes back to back: the walk reads memory in order */
     uint32_t *soff; /* (n_sorted + 1) offsets into blob */
 };
 
@@ -491,10 +491,10 @@ char *grammar_to_gbnf(grammar_kind kind, const char *text, size_t len, const gra
 }
 
 char *grammar_json_schema_rules(const char *schema, size_t len, int any_whitespace,
-                                const char *root_name, int helpers, int first, int *next,
-                                char *err, size_t errlen) {
-    return json_schema_to_gbnf_ex(schema, len, any_whitespace, root_name, helpers, first, next,
-                                  err, errlen);
+                                const char *root_name, int helpers, int first, int *next, char *err,
+                                size_t errlen) {
+    return json_schema_to_gbnf_ex(schema, len, any_whitespace, root_name, helpers, first, next, err,
+                                  errlen);
 }
 
 grammar *grammar_ref(grammar *g) {

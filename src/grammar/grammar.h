@@ -65,8 +65,8 @@ char *grammar_to_gbnf(grammar_kind kind, const char *text, size_t len, const gra
  * root_name, its other rules numbered from first (*next: the next free number), the shared
  * json-* and ws rules written only when helpers (write them once). */
 char *grammar_json_schema_rules(const char *schema, size_t len, int any_whitespace,
-                                const char *root_name, int helpers, int first, int *next,
-                                char *err, size_t errlen);
+                                const char *root_name, int helpers, int first, int *next, char *err,
+                                size_t errlen);
 grammar *grammar_ref(grammar *g);
 void grammar_unref(grammar *g);
 /* Counts of the lazily built tables (states, masks computed, stack nodes). */

@@ -24,11 +24,11 @@ typedef struct structured_cache structured_cache;
 structured_cache *structured_cache_new(const grammar_vocab *vocab);
 void structured_cache_free(structured_cache *c);
 
-/* The constraint of request body (c NULL: any constraint is an error) (chat: is_chat; tools as the body gives them):
- * *out = NULL when there is none, else a grammar reference the caller unrefs (or hands
- * on).  *tool_call_format: 1 when the grammar is a tool call (hermes
- * <tool_call>{"name":..., "arguments":...}</tool_call>), so the server parses the output
- * as tool calls.  -EINVAL with err naming the problem (a 400). */
+/* The constraint of request body (c NULL: any constraint is an error) (chat: is_chat; tools as the
+ * body gives them): *out = NULL when there is none, else a grammar reference the caller unrefs (or
+ * hands on).  *tool_call_format: 1 when the grammar is a tool call (hermes <tool_call>{"name":...,
+ * "arguments":...}</tool_call>), so the server parses the output as tool calls.  -EINVAL with err
+ * naming the problem (a 400). */
 int structured_from_request(structured_cache *c, json_t *body, int is_chat, grammar **out,
                             int *tool_call_format, char *err, size_t errlen);
 
