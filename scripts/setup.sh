@@ -11,8 +11,9 @@ DEBS=(
   prometheus etcd-server etcd-client
 )
 PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib
-      tokenizers transformers sentencepiece protobuf llama-models mistral-common)
-# The last six are the tokenizer references (tests/integration/tokenizer_refs.py):
+      tokenizers transformers sentencepiece protobuf llama-models mistral-common
+      jsonschema)
+# jsonschema validates structured outputs (test_structured_outputs.py); the six before it are the tokenizer references (tests/integration/tokenizer_refs.py):
 # HF tokenizers and transformers' converters (no torch), the SentencePiece
 # library, and the packages that ship Llama 3's and Mistral's tokenizer files
 # (they bring tiktoken).

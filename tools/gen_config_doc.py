@@ -45,6 +45,7 @@ COMMANDS = [
     ["bench", "model"],
     ["bench", "serve"],
     ["bench", "proxy"],
+    ["bench", "grammar"],
     ["transfer"],
     ["transfer", "target"],
     ["transfer", "copy"],

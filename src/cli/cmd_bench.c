@@ -15,7 +15,9 @@ int cmd_bench(int argc, char **argv) {
                    "  model      CPU model prefill/decode speed beside memory-bandwidth and GEMM "
                    "ceilings\n"
                    "  serve      an OpenAI-compatible server under load (vllm bench serve)\n"
-                   "  proxy      P/D proxy added latency, relay rate, concurrent streams\n\n"
+                   "  proxy      P/D proxy added latency, relay rate, concurrent streams\n"
+                   "  grammar    structured-output token masks: CPU per token, masks for "
+                   "comparison\n\n"
                    "`disagg bench <what> --help` lists its options.\n");
         return argc < 2 ? 2 : 0;
     }
@@ -23,8 +25,10 @@ int cmd_bench(int argc, char **argv) {
     if (!strcmp(argv[1], "model")) return bench_model_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "serve")) return bench_serve_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "proxy")) return bench_proxy_main(argc - 1, argv + 1);
-    fprintf(stderr,
-            "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy\n",
-            argv[1]);
+    if (!strcmp(argv[1], "grammar")) return bench_grammar_main(argc - 1, argv + 1);
+    fprintf(
+        stderr,
+        "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy, grammar\n",
+        argv[1]);
     return 2;
 }

@@ -16,6 +16,7 @@
 #include "kernels/backend.h"
 #include "model/arch.h"
 #include "model/decoder.h"
+#include "grammar/grammar.h"
 #include "model/sampler.h"
 
 #include <errno.h>
@@ -51,6 +52,10 @@ typedef struct ereq {
 
     int n_kv_received;     /* usage: prompt tokens whose KV came from the producer */
     int n_prompt_computed; /* usage: prompt tokens run through the model here */
+
+    grammar *gm;           /* structured outputs: the constraint, or NULL */
+    grammar_state gs;      /* its state after the output so far */
+    const uint32_t *gmask; /* gs's allowed tokens, fetched before the forward */
 } ereq;
 
 typedef struct kept_blocks { /* blocks held outside any request */
@@ -89,6 +94,8 @@ struct engine {
     float *scratch;   /* (vocab) the sampler's working copy of a row */
     int32_t *amax;    /* (max_num_seqs) greedy tokens computed on the device */
     int dev_greedy;   /* 1: plain greedy requests take the device argmax (not on the CPU) */
+    uint32_t *gallow; /* ((vocab + 31) / 32) a constrained row's allowed tokens */
+
     int vocab;
     int max_model_len;
 
@@ -180,6 +187,7 @@ static void row_logprobs(const float *l, int vocab, int32_t chosen, int top_n, e
 
 static void ereq_free(ereq *r) {
     if (r->smp) sampler_free(r->smp);
+    grammar_unref(r->gm);
     seq_free(&r->s);
     free(r->stop_ids);
     free(r->prompt_lp);
@@ -340,10 +348,15 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
         memcpy(r->stop_ids, p->stop_token_ids, (size_t)p->n_stop_token_ids * sizeof *r->stop_ids);
     }
     r->p.stop_token_ids = r->stop_ids;
+    r->p.grammar = NULL;
     r->smp = sampler_init(&spar, e->vocab, p->prompt, p->n_prompt, err, errlen);
     if (!r->smp) {
         ereq_free(r);
         return -EINVAL;
+    }
+    if (p->grammar) {
+        r->gm = grammar_ref(p->grammar);
+        r->gs = grammar_start(r->gm);
     }
     if (sp->prompt_logprobs >= 0) {
         r->prompt_lp = calloc((size_t)p->n_prompt, sizeof *r->prompt_lp);
@@ -536,6 +549,45 @@ static uint64_t expire_quarantine(engine *e) {
 static int is_stop_token(const engine *e, const ereq *r, int32_t t);
 static void deliver_token(engine *e, ereq *r, const engine_token *tok, int stop);
 
+/* ---- structured outputs (grammar/) ------------------------------------------------ */
+
+/* A constrained request's stop tokens: the model's eos and the request's stop ids
+ * (allowed only where the grammar accepts; they end the request even with ignore_eos). */
+static int grammar_is_stop(const engine *e, const ereq *r, int32_t t) {
+    const model_config *c = &e->model.cfg;
+    for (int i = 0; i < c->n_eos; i++)
+        if (c->eos_ids[i] == t) return 1;
+    for (int i = 0; i < r->p.n_stop_token_ids; i++)
+        if (r->stop_ids[i] == t) return 1;
+    return 0;
+}
+
+/* The allowed tokens of r's next position: its state's mask (r->gmask, fetched before
+ * the forward) plus the stop tokens where the grammar accepts, in e->gallow. */
+static const uint32_t *grammar_allow(engine *e, ereq *r) {
+    int words = (e->vocab + 31) / 32;
+    memcpy(e->gallow, r->gmask, (size_t)words * sizeof *e->gallow);
+    if (grammar_state_accepting(r->gm, r->gs)) {
+        const model_config *c = &e->model.cfg;
+        for (int i = 0; i < c->n_eos; i++)
+            if (c->eos_ids[i] >= 0 && c->eos_ids[i] < e->vocab)
+                e->gallow[c->eos_ids[i] >> 5] |= 1u << (c->eos_ids[i] & 31);
+        for (int i = 0; i < r->p.n_stop_token_ids; i++)
+            e->gallow[r->stop_ids[i] >> 5] |= 1u << (r->stop_ids[i] & 31);
+    }
+    return e->gallow;
+}
+
+/* r's grammar takes token t: 1 when t is a stop token where the grammar accepts (the
+ * request ends), 0 when the grammar moved on, -1 when t breaks the grammar (state kept). */
+static int grammar_take(engine *e, ereq *r, int32_t t) {
+    if (grammar_is_stop(e, r, t)) return grammar_state_accepting(r->gm, r->gs) ? 1 : -1;
+    grammar_state ns = grammar_advance_token(r->gm, r->gs, t);
+    if (ns == GRAMMAR_DEAD) return -1;
+    r->gs = ns;
+    return 0;
+}
+
 /* The first-token handoff (engine_kv_load_done_first_token): 1 when r takes the
  * producer's token instead of recomputing its last prompt position. */
 static int first_token_handoff(engine *e, ereq *r, int32_t token) {
@@ -548,6 +600,8 @@ static int first_token_handoff(engine *e, ereq *r, int32_t token) {
         why = "the request asks for logprobs";
     else if (r->n_generated || r->s.n_tokens != r->s.n_prompt)
         why = "the request already has output";
+    else if (r->gm && grammar_take(e, r, token) < 0) /* last: it advances the grammar */
+        why = "the token breaks the request's grammar";
     if (why) {
         if (token < 0 || token >= e->vocab)
             LOG_W(MOD,
@@ -564,7 +618,8 @@ static int first_token_handoff(engine *e, ereq *r, int32_t token) {
     }
     /* The producer's prefill sampled it from the same logits a colocated prefill
      * computes, with the same sampler: record it and skip the draw it cost. */
-    int stop = is_stop_token(e, r, token) && 1 > r->p.min_tokens;
+    int stop = (is_stop_token(e, r, token) && 1 > r->p.min_tokens) ||
+               (r->gm && grammar_is_stop(e, r, token));
     sampler_accept_drawn(r->smp, token);
     seq_append(&r->s, token);
     sched_unpark(&e->sched, &r->s, r->s.n_prompt); /* no prompt position is computed here */
@@ -786,9 +841,11 @@ static void run_step(engine *e) {
         f->n_blocks = it->s->n_blocks;
         f->logits_all = r->prompt_lp && it->start < r->s.n_prompt;
         f->argmax = NULL;
+        if (it->logits && r->gm) /* the mask is ready before the logits arrive */
+            r->gmask = grammar_state_mask(r->gm, r->gs);
         if (f->logits_all)
             f->logits = e->plogits; /* only one such item per step (see below) */
-        else if (it->logits && e->dev_greedy && sampler_plain_greedy(r->smp)) {
+        else if (it->logits && e->dev_greedy && sampler_plain_greedy(r->smp) && !r->gm) {
             f->logits = NULL; /* greedy, no logprobs, no penalties: only the id comes back */
             f->argmax = &e->amax[i];
         } else
@@ -844,14 +901,22 @@ static void run_step(engine *e) {
             /* Sample the next token (on a scratch copy: logprobs are of the raw row). */
             memcpy(e->scratch, last, (size_t)e->vocab * sizeof *e->scratch);
             sample_result sr;
-            sampler_sample(r->smp, e->scratch, &sr);
+            if (r->gm)
+                sampler_sample_masked(r->smp, e->scratch, grammar_allow(e, r), &sr);
+            else
+                sampler_sample(r->smp, e->scratch, &sr);
             tok.id = sr.token;
             tok.logprob = sr.logprob;
             tok.n_top = sr.n_top;
             memcpy(tok.top_ids, sr.top_ids, sizeof tok.top_ids);
             memcpy(tok.top_logprobs, sr.top_logprobs, sizeof tok.top_logprobs);
         }
-        int stop = is_stop_token(e, r, tok.id) && r->n_generated + 1 > r->p.min_tokens;
+        int gstop = r->gm ? grammar_take(e, r, tok.id) : 0;
+        if (gstop < 0) { /* cannot happen: the mask allowed it */
+            finish(e, r, "error", -1, "the sampled token breaks the request's grammar");
+            continue;
+        }
+        int stop = gstop || (is_stop_token(e, r, tok.id) && r->n_generated + 1 > r->p.min_tokens);
         if (r->kv_role == KV_REQ_REMOTE_DECODE && r->n_generated == 0 && e->conn.first_token)
             e->conn.first_token(e->conn.ctx, r->kv_handle, r->s.id, tok.id); /* for the decoder */
         seq_append(&r->s, tok.id);
@@ -1020,6 +1085,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
     e->scratch = malloc((size_t)e->vocab * sizeof(float));
+    e->gallow = malloc((size_t)(e->vocab + 31) / 32 * sizeof(uint32_t));
     e->amax = calloc((size_t)c.max_num_seqs, sizeof *e->amax);
     /* on the CPU the logits are already in host memory: the host sampler's greedy is free */
     e->dev_greedy = !backend_is_cpu(e->be);
@@ -1059,6 +1125,7 @@ fail:
     free(e->logits);
     free(e->plogits);
     free(e->scratch);
+    free(e->gallow);
     free(e->amax);
     if (e->state) decoder_state_free(e->state);
     kv_store_free(&e->kv);
@@ -1100,6 +1167,7 @@ void engine_destroy(engine *e) {
     free(e->logits);
     free(e->plogits);
     free(e->scratch);
+    free(e->gallow);
     free(e->amax);
     decoder_state_free(e->state);
     kv_store_free(&e->kv);
@@ -1125,6 +1193,10 @@ const char *engine_model_dir(const engine *e) {
 }
 int engine_max_model_len(const engine *e) {
     return e->max_model_len;
+}
+
+int engine_vocab_size(const engine *e) {
+    return e->vocab;
 }
 
 int engine_block_size(const engine *e) {

@@ -73,6 +73,11 @@ typedef struct engine_request_params {
      * position (engine_kv_load_done_first_token) — the caller says the request is one
      * output sequence (n == 1); the engine also requires no logprobs / prompt_logprobs. */
     int first_token_handoff_ok;
+    /* Structured outputs: the grammar the output must follow (grammar/, compiled over this
+     * engine's vocabulary), or NULL.  The engine takes a reference.  Each sampled token
+     * is masked to the grammar's allowed tokens (mask fetched before the forward); the
+     * model's eos and the stop ids are allowed exactly when the grammar accepts. */
+    struct grammar *grammar;
 } engine_request_params;
 
 #define ENGINE_MAX_TOP_LOGPROBS 20
@@ -191,6 +196,7 @@ const struct model_config *engine_model_config(const engine *e);
 /* The resolved model directory (tokenizer files live there). */
 const char *engine_model_dir(const engine *e);
 int engine_max_model_len(const engine *e);
+int engine_vocab_size(const engine *e); /* entries of a logits row */
 int engine_block_size(const engine *e); /* tokens per KV block (auto resolved) */
 
 #endif

@@ -184,6 +184,10 @@ static void top_n(const float *v, int len, int n, int32_t *ids) {
 }
 
 int sampler_sample(sampler *s, float *logits, sample_result *out) {
+    return sampler_sample_masked(s, logits, NULL, out);
+}
+
+int sampler_sample_masked(sampler *s, float *logits, const uint32_t *allow, sample_result *out) {
     const sampler_params *p = &s->p;
     int V = s->vocab;
     memset(out, 0, sizeof *out);
@@ -212,6 +216,18 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
             *l = raw > 0 ? raw / p->repetition_penalty : raw * p->repetition_penalty;
         if (c->out) *l -= p->frequency_penalty * (float)c->out + p->presence_penalty;
     }
+    if (allow) /* the constraint, after the logprobs (raw) and the penalties */
+        for (int w = 0; w < (V + 31) / 32; w++) {
+            uint32_t m = allow[w];
+            if (m == 0xFFFFFFFFu) continue;
+            int base = w * 32, end = base + 32 < V ? base + 32 : V;
+            if (!m) /* the common case of a narrow mask: a plain store loop */
+                for (int i = base; i < end; i++)
+                    logits[i] = -INFINITY;
+            else /* only the disallowed ones */
+                for (uint32_t z = ~m; z; z &= z - 1)
+                    if (base + __builtin_ctz(z) < V) logits[base + __builtin_ctz(z)] = -INFINITY;
+        }
     int32_t tok;
     if (p->temperature == 0.0f || p->top_k == 1) {
         tok = 0;
@@ -300,6 +316,12 @@ int sampler_sample(sampler *s, float *logits, sample_result *out) {
             }
         }
     }
+    if (allow && !(allow[tok >> 5] >> (tok & 31) & 1u)) /* only rounding can land here */
+        for (int i = 0; i < V; i++)
+            if (allow[i >> 5] >> (i & 31) & 1u) {
+                tok = i;
+                break;
+            }
     out->token = tok;
     out->logprob = (float)((double)s->raw[tok] - lse);
     for (int i = 0; i < p->n_stop; i++)

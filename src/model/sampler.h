@@ -54,6 +54,10 @@ void sampler_free(sampler *s);
 /* Picks the next token from logits (vocab_size; modified in place) and records it as
  * output for the penalties. */
 int sampler_sample(sampler *s, float *logits, sample_result *out);
+/* sampler_sample with a constraint: only tokens whose bit is set in allow (bit i of word
+ * i / 32, vocab_size bits) may be chosen (they get -inf after the penalties); logprobs
+ * stay those of the raw distribution.  allow must admit at least one token; NULL: none. */
+int sampler_sample_masked(sampler *s, float *logits, const uint32_t *allow, sample_result *out);
 /* 1 when the next token is the plain argmax of the raw logits: greedy (temperature 0 or
  * top_k 1), no penalties and no logprobs — the device may pick it (backend_argmax: the
  * largest logit, lowest id on ties, as here) and the logits need not be downloaded. */

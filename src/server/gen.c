@@ -104,6 +104,19 @@ gen_req *gen_req_new(server *s, hs_req *http, bool chat, const gen_ops *ops) {
     return r;
 }
 
+int gen_prepare_constraint(server *s, gen_req *r) {
+    char err[1024] = "";
+    int tool_fmt = 0;
+    if (structured_from_request(s->gcache, r->o.body, r->o.kind == OAI_CHAT, &r->constraint,
+                                &tool_fmt, err, sizeof err)) {
+        const char *param = strstr(err, "tool") == err ? "tool_choice" : NULL;
+        oai_error_set(&r->err, 400, "BadRequestError", param, "%s", err);
+        return -1;
+    }
+    if (tool_fmt) r->o.parse_tool_calls = true;
+    return 0;
+}
+
 void gen_req_free(gen_req *r) {
     if (!r) return;
     for (int i = 0; i < r->n_ch; i++) {
@@ -117,6 +130,7 @@ void gen_req_free(gen_req *r) {
         free(c->error);
     }
     free(r->ch);
+    grammar_unref(r->constraint);
     for (int i = 0; i < r->n_prompts; i++) {
         if (r->pids) free(r->pids[i]);
         if (r->ptext) free(r->ptext[i]);
@@ -291,6 +305,7 @@ static int gen_submit(gen_req *r, gen_choice *c, bool with_kv) {
     p.kv_transfer_params = with_kv ? r->kv_params_text : NULL;
     p.first_token_handoff_ok =
         r->o.n == 1; /* n > 1: choice 0 recomputes (its siblings share its blocks) */
+    p.grammar = r->constraint;
     char err[512] = "";
     int rc = engine_submit(r->s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
     if (rc) {

@@ -97,6 +97,8 @@ struct gen_req {
     oai_namer namer;        /* token strings for logprobs */
     char *kv_params_text;   /* o.kv_transfer_params as JSON text for the engine, or NULL */
     gen_prepare_fn prepare; /* what the preparation thread runs */
+
+    struct grammar *constraint; /* structured outputs (structured.c), or NULL: own reference */
 };
 
 /* Allocate a request for http; fills id, x_request_id, created, arrival.
@@ -112,6 +114,9 @@ void gen_start(gen_req *r);
  * gen_start it or reply its error.  The endpoints' common entry. */
 void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare);
 /* Free a request that never reached gen_start (after replying an error). */
+/* The request's structured-output constraint into r->constraint (a 400 in r->err when
+ * it is bad): 0 or -1. */
+int gen_prepare_constraint(server *s, gen_req *r);
 void gen_req_free(gen_req *r);
 /* Write an SSE buffer to the client as one chunk. */
 void gen_send_chunk(gen_req *r, sbuf *sse);

@@ -403,6 +403,8 @@ static void *loader_main(void *arg) {
     }
     s->defaults.model_path = s->cfg.model;
     s->max_model_len = engine_max_model_len(e);
+    s->gvocab = structured_vocab_new(tok, engine_vocab_size(e));
+    s->gcache = s->gvocab ? structured_cache_new(s->gvocab) : NULL;
     s->tok = tok;
     s->eng = e;
     if (s->cfg.on_engine) s->cfg.on_engine(s->cfg.on_engine_arg, e);
@@ -551,6 +553,8 @@ out:
     prep_free(s);            /* before hs_server_free: the requests it holds are answered */
     hs_server_free(s->http); /* closes every connection */
     if (s->tmpl) chat_template_free(s->tmpl);
+    structured_cache_free(s->gcache); /* after the requests: they hold grammars */
+    grammar_vocab_free(s->gvocab);
     if (s->tok) tokenizer_free(s->tok);
     if (s->wake) event_free(s->wake);
     if (s->ready_ev) event_free(s->ready_ev);

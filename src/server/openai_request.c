@@ -318,29 +318,14 @@ static int parse_stop_ids(oai_request *r, const json_t *body, oai_error *err) {
     return ids_from_array(s, "stop_token_ids", &r->stop_token_ids, &r->n_stop_token_ids, err);
 }
 
-/* Fields we cannot honour: refused rather than silently ignored. */
+/* Fields we cannot honour: refused rather than silently ignored.  Structured outputs
+ * (response_format, structured_outputs, guided_*, tool_choice required / named) are
+ * checked and compiled by structured.c. */
 static int refuse_unsupported(const json_t *body, oai_error *err) {
-    static const char *guided[] = {"guided_json",        "guided_regex",
-                                   "guided_choice",      "guided_grammar",
-                                   "structured_outputs", "guided_decoding_backend"};
-    for (size_t i = 0; i < sizeof guided / sizeof guided[0]; i++) {
-        const json_t *v = json_object_get(body, guided[i]);
-        if (v && !json_is_null(v))
-            return bad(err, guided[i], "'%s' (structured output) is not supported by this server",
-                       guided[i]);
-    }
     const json_t *v = json_object_get(body, "logit_bias");
     if (v && !json_is_null(v) && !(json_is_object(v) && json_object_size(v) == 0))
         return bad(err, "logit_bias",
                    "'logit_bias' is not supported by this server; accepted: null or {}");
-    v = json_object_get(body, "response_format");
-    if (v && !json_is_null(v)) {
-        const json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
-        if (!json_is_string(t) || strcmp(json_string_value(t), "text"))
-            return bad(err, "response_format",
-                       "'response_format' type must be \"text\"; json_object and json_schema are "
-                       "not supported");
-    }
     v = json_object_get(body, "use_beam_search");
     if (json_is_true(v))
         return bad(err, "use_beam_search", "beam search is not supported; accepted: false");
@@ -477,11 +462,13 @@ static int parse_chat(oai_request *r, const json_t *body, oai_error *err) {
     if (tc && !json_is_null(tc)) {
         if (json_is_string(tc) && !strcmp(json_string_value(tc), "none"))
             auto_choice = false;
-        else if (!(json_is_string(tc) && !strcmp(json_string_value(tc), "auto")))
-            return bad(
-                err, "tool_choice",
-                "'tool_choice' must be \"auto\" or \"none\"; \"required\" and named tool choice "
-                "need structured output, which this server does not support");
+        else if (!(json_is_string(tc) && (!strcmp(json_string_value(tc), "auto") ||
+                                          !strcmp(json_string_value(tc), "required"))) &&
+                 !(json_is_object(tc) &&
+                   json_is_string(json_object_get(json_object_get(tc, "function"), "name"))))
+            return bad(err, "tool_choice",
+                       "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
+                       "\"function\", \"function\": {\"name\": ...}}");
     }
     r->parse_tool_calls = r->tools && auto_choice;
     r->add_generation_prompt = true;
@@ -617,6 +604,7 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     int plp = r->prompt_logprobs;
     if (r->echo && r->logprobs >= 0 && r->logprobs > plp) plp = r->logprobs;
     r->sampling.prompt_logprobs = plp;
+    r->body = json_incref(root);
     rc = 0;
 out:
     json_decref(root);
@@ -643,5 +631,6 @@ void oai_request_free(oai_request *r) {
     free(r->stop);
     free(r->stop_token_ids);
     json_decref(r->kv_transfer_params);
+    json_decref(r->body);
     memset(r, 0, sizeof *r);
 }

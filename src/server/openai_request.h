@@ -107,6 +107,7 @@ typedef struct oai_request {
     bool skip_special_tokens;        /* drop special tokens from the text (default) */
     bool include_stop_str_in_output; /* keep the matched stop string */
     json_t *kv_transfer_params;      /* vLLM extension, own reference or NULL */
+    json_t *body;                    /* the whole request (own reference): structured outputs */
 } oai_request;
 
 /* Parse body (len bytes).  Returns 0, or -EINVAL with err filled (the

@@ -14,6 +14,7 @@
 #include "server/metrics.h"
 #include "server/openai_request.h"
 #include "server/sbuf.h"
+#include "server/structured.h"
 #include "server/server.h"
 
 #include <pthread.h>
@@ -43,6 +44,8 @@ typedef struct server {
     engine *eng;                      /* NULL until ready */
     struct mooncake_connector *conn;  /* KV connector (--kv-transfer-config), or NULL */
     tokenizer *tok;                   /* NULL until ready */
+    grammar_vocab *gvocab;            /* structured outputs: the vocabulary (with tok) */
+    structured_cache *gcache;         /* compiled grammars by request constraint */
     chat_template *tmpl;              /* NULL when the model has no (supported) template */
     char tmpl_error[512];             /* why tmpl is NULL */
     int max_model_len;                /* engine_max_model_len */

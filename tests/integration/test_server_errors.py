@@ -63,7 +63,7 @@ BAD = [
     (CH, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "wizard"),
     (CH, {"messages": MSG, "logprobs": 3}, "logprobs", "boolean"),
     (CH, {"messages": MSG, "top_logprobs": 2}, "top_logprobs", "logprobs"),
-    (CH, {"messages": MSG, "tool_choice": "required", "tools": []}, "tool_choice", "auto"),
+    (CH, {"messages": MSG, "tool_choice": "required", "tools": []}, "tool_choice", "non-empty 'tools'"),
     (CH, {"messages": MSG, "max_completion_tokens": -1}, "max_completion_tokens", "between 1"),
 ]
 
