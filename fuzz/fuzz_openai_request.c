@@ -69,6 +69,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (oai_request_parse(&r, kind, (const char *)data + 1, size - 1, &g_def, &e) != 0) {
         if (e.status < 400 || e.status > 499 || !e.type || !e.message[0]) abort();
         free(oai_error_json(&e));
+        oai_request_free(&r); /* a refused body may keep kv_transfer_params */
         return 0;
     }
     check_request(&r);
