@@ -379,6 +379,49 @@ int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, co
                          backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
                          float scale);
 
+/* ---- mixture of experts (Qwen3-MoE, Mixtral) -------------------------------------------
+ * A sparse MLP block: a router picks top_k of n_experts SwiGLU experts per token and the block's
+ * output is their weighted sum.  Two operations: the routing (computed exactly as transformers
+ * does, so the choices are part of the batch invariance), then the experts. */
+
+/* ids (T, top_k) int32 and weights (T, top_k) f32, device memory, from logits (T, n_experts) f32
+ * (the router's backend_matmul with y_dt F32): p = softmax(logits row) in f32 (max subtracted,
+ * expf, summed in expert order, p_e = e_e / sum), the top_k largest p in descending order (ties:
+ * the lower expert index first, as torch.topk), then with norm (Qwen3-MoE's norm_topk_prob;
+ * Mixtral always) w_j = p_j / (p_0 + ... + p_{k-1}) summed in that order, else w_j = p_j.
+ * 1 <= top_k <= n_experts <= BACKEND_MOE_MAX_EXPERTS. */
+#define BACKEND_MOE_MAX_EXPERTS 512
+int backend_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits,
+                      int T, int n_experts, int top_k, int norm);
+
+/* out (T, hidden) of out_dt = sum over the token's chosen experts, in ascending expert index
+ * (transformers' loop order), of weights[t, j] * down_e(silu(gate_e . x[t]) * (up_e . x[t])),
+ * accumulated in f32 from zero.  Expert e's matrices: gate_e, up_e (inter, hidden), down_e
+ * (hidden, inter), of w_dt.  They come either per expert (w_gate[e], w_up[e], w_down[e]: host
+ * arrays of n_experts device addresses, e.g. the CPU's zero-copy mapping) or stacked
+ * (w_gate_up_all: (n_experts, 2 * inter, hidden), expert e's gate rows then its up rows;
+ * w_down_all: (n_experts, hidden, inter); both from backend_weights_load_cat in that part
+ * order) when backend_wants_cat(); a backend uses the form it has.  ids / weights: from
+ * backend_moe_route (device).  A token's result does not depend on the other tokens of the
+ * batch (how many tokens each expert got, empty experts).  Generic form (backend.c, what the
+ * CPU runs): per expert, gather its tokens, backend_gate_up and backend_matmul over them, then
+ * per token the weighted sum in ascending expert order.  The backend allocates its own
+ * scratch (grown as T grows, kept with the stream). */
+typedef struct backend_moe_op {
+    const void *x;            /* (T, hidden) normed input */
+    backend_dtype x_dt;       /* its dtype */
+    int T, hidden, inter;     /* tokens, model width, one expert's intermediate width */
+    int n_experts, top_k;     /* as backend_moe_route */
+    const int32_t *ids;       /* (T, top_k) device */
+    const float *weights;     /* (T, top_k) device */
+    const void *const *w_gate, *const *w_up, *const *w_down; /* per expert, or NULL */
+    const void *w_gate_up_all, *w_down_all;                 /* stacked, or NULL */
+    backend_dtype w_dt;       /* dtype of the expert weights (as stored) */
+    void *out;                /* (T, hidden) */
+    backend_dtype out_dt;     /* dtype of out */
+} backend_moe_op;
+int backend_moe(backend_stream *st, const backend_moe_op *op);
+
 /* Ceilings of the device for benchmarks: copy bandwidth (GB/s, bytes read + written, a
  * large device-to-device copy) and the bf16 GEMM rate (TFLOP/s) at M x N x K through the
  * backend's GEMM.  Either pointer may be NULL.  -ENOTSUP on the CPU. */
