@@ -30,6 +30,8 @@ size_t backend_dtype_size(backend_dtype dt) {
     case BACKEND_F16:
     case BACKEND_BF16:
         return 2;
+    case BACKEND_F8E4M3:
+        return 1;
     }
     return 0;
 }
@@ -42,6 +44,8 @@ const char *backend_dtype_name(backend_dtype dt) {
         return "float16";
     case BACKEND_BF16:
         return "bfloat16";
+    case BACKEND_F8E4M3:
+        return "float8_e4m3fn";
     }
     return "?";
 }

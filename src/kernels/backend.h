@@ -65,11 +65,19 @@ typedef struct backend backend;               /* a device (opaque) */
 typedef struct backend_buffer backend_buffer; /* memory on that device (opaque) */
 typedef struct backend_stream backend_stream; /* an in-order queue of work (opaque) */
 
-/* Element types; the values equal kernels/cpu cpu_dtype's. */
-typedef enum backend_dtype { BACKEND_F32 = 0, BACKEND_F16 = 1, BACKEND_BF16 = 2 } backend_dtype;
+/* Element types; the values equal kernels/cpu cpu_dtype's.  BACKEND_F8E4M3 is OCP FP8 e4m3
+ * ("float8_e4m3fn": 1 sign, 4 exponent, 3 mantissa bits, bias 7, no infinities, max 448), the
+ * element of FP8 weights and of an FP8 KV cache; it always comes with scales (per tensor,
+ * channel or block), which the operation that reads it is given beside it. */
+typedef enum backend_dtype {
+    BACKEND_F32 = 0,
+    BACKEND_F16 = 1,
+    BACKEND_BF16 = 2,
+    BACKEND_F8E4M3 = 3
+} backend_dtype;
 
-size_t backend_dtype_size(backend_dtype dt);      /* 4 or 2; 0 for an unknown value */
-const char *backend_dtype_name(backend_dtype dt); /* "float32", "float16", "bfloat16" */
+size_t backend_dtype_size(backend_dtype dt);      /* 4, 2 or 1; 0 for an unknown value */
+const char *backend_dtype_name(backend_dtype dt); /* "float32", "float16", "bfloat16", "float8_e4m3fn" */
 /* "auto" (-> *out = -1), "float32"/"f32", "float16"/"f16"/"half", "bfloat16"/"bf16".
  * Returns 0, or -EINVAL for anything else (the caller words the error; accepted names are
  * BACKEND_DTYPE_NAMES). */
