@@ -318,7 +318,20 @@ arch_steps() {
     check $? "bench model $s (dummy weights)"
   done
 }
-if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ]; then
+# ONLY=profile: one decode step of each PROFILE_SHAPES shape (default llama-3.1-8b qwen3-8b) at
+# batch 1, context 4096, kernel by kernel under Nsight Compute (tools/gpu_profile_decode.py:
+# time, DRAM bytes and GB/s per kernel; skips loudly where ncu is missing or cannot read counters).
+profile_steps() {
+  for s in ${PROFILE_SHAPES:-llama-3.1-8b qwen3-8b}; do
+    step "profile: one decode step of $s (batch 1, context 4096) under ncu"
+    python3 tools/gpu_profile_decode.py "$BIN" "$SRC/bench/shapes/$s" --batch 1 --context 4096 \
+      ${PROFILE_COPY_GBS:+--copy-gbs $PROFILE_COPY_GBS}
+    check $? "profile $s"
+  done
+}
+if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
+   [ "${ONLY:-}" = profile ]; then
+  [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = arch ] && arch_steps
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps
