@@ -1017,7 +1017,7 @@ static void tb_print_footer(const tb_options *o, const tb_sweep *s) {
     }
     tb_target t[TB_MAX_BLOCKS * 2 + 1];
     int n = tb_targets(s, t, (int)(sizeof t / sizeof t[0]));
-    if (n) printf("targets (issue 2):\n");
+    if (n) printf("targets:\n");
     for (int i = 0; i < n; i++)
         printf("  %s  %-52s %10.1f %-5s (target %s %.0f%s)\n",
                tb_target_pass(&t[i]) ? "PASS" : "MISS", t[i].what, t[i].measured, t[i].unit,

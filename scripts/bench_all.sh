@@ -21,13 +21,13 @@ trap cleanup EXIT
 
 echo "== load: $(uptime)" | tee "$OUT/uptime.txt"
 
-echo "== transfer engine (issue 2)"
+echo "== transfer engine"
 $B bench transfer --protocol tcp,shm --operation read,write | tee "$OUT/transfer.txt"
 
-echo "== model runtime (issue 3)"
+echo "== model runtime"
 $B bench model "$M" --prompt-len 512 --gen-len 32 --threads 2 | tee "$OUT/model.txt"
 
-echo "== server (issue 5): 1, 2, 4 and 8 concurrent streams, 0.5B-shape bf16"
+echo "== server: 1, 2, 4 and 8 concurrent streams, 0.5B-shape bf16"
 C=$(free_port)
 $B serve "$M" --host 127.0.0.1 --port "$C" --kv-cache-memory 2G --max-model-len 2048 --threads 2 \
   --served-model-name m >"$OUT/serve-colocated.log" 2>&1 & pids+=($!)
@@ -38,7 +38,7 @@ for conc in 1 2 4 8; do
     | tee "$OUT/serve-c$conc.txt"
 done
 
-echo "== P/D (issue 6): colocated vs prefill + decode at concurrency 1, 512-token prompts"
+echo "== P/D: colocated vs prefill + decode at concurrency 1, 512-token prompts"
 P=$(free_port); D=$(free_port); BP=$(free_port)
 VLLM_MOONCAKE_BOOTSTRAP_PORT=$BP $B serve "$M" --host 127.0.0.1 --port "$P" --kv-cache-memory 2G \
   --max-model-len 2048 --threads 2 --served-model-name m --kv-transfer-config \
@@ -55,7 +55,7 @@ $B bench serve --base-url "http://127.0.0.1:$D" --pd-prefill "http://127.0.0.1:$
   --pd-bootstrap "http://127.0.0.1:$BP" --random-input-len 512 --random-output-len 16 --num-prompts 4 \
   --max-concurrency 1 --ignore-eos --disable-tqdm --seed 7 --json "$OUT/pd.json" | tee "$OUT/pd.txt"
 
-echo "== TTFT against prompt length (issue 14 plots): colocated and P/D, concurrency 1"
+echo "== TTFT against prompt length (the plots): colocated and P/D, concurrency 1"
 # warm-up (other prompts: the seed differs, so nothing below hits the prefix cache)
 $B bench serve --base-url "http://127.0.0.1:$C" --random-input-len 32 --random-output-len 2 --num-prompts 1 \
   --ignore-eos --disable-tqdm --seed 99 >/dev/null
@@ -70,7 +70,7 @@ for len in $TTFT_LENS; do
   echo "prompt $len: colocated $(python3 -c "import json;print(round(json.load(open('$OUT/ttft-colocated-$len.json'))['mean_ttft_ms']))") ms, P/D $(python3 -c "import json;print(round(json.load(open('$OUT/ttft-pd-$len.json'))['mean_ttft_ms']))") ms"
 done | tee "$OUT/ttft.txt"
 
-echo "== proxy (issue 7)"
+echo "== proxy"
 $B bench proxy | tee "$OUT/proxy.txt"
 echo "== load: $(uptime)" | tee -a "$OUT/uptime.txt"
 

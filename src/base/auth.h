@@ -1,6 +1,6 @@
 /*
- * auth — the shared-secret primitives behind authenticated KV ports (issue 11,
- * docs/security.md): HMAC-SHA256 (OpenSSL), a constant-time compare, random
+ * auth — the shared-secret primitives behind authenticated KV ports
+ * (docs/security.md): HMAC-SHA256 (OpenSSL), a constant-time compare, random
  * nonces from the OS CSPRNG, and the one rule for where the secret comes from.
  * No hand-rolled crypto: every primitive here is OpenSSL's.
  */

@@ -1,6 +1,6 @@
 /*
- * discovery — prefill and decode instances found through etcd (issue 16,
- * docs/scaling.md).  Three parts, all on base/etcd:
+ * discovery — prefill and decode instances found through etcd
+ * (docs/scaling.md).  Three parts, all on base/etcd:
  *
  *  - the `--discovery etcd://host:port[,host:port...]/prefix` URL
  *    (etcds:// for TLS) and its options (TTL, TLS files, user/password);

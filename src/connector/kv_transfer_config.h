@@ -1,7 +1,6 @@
 /*
  * kv_transfer_config — the `--kv-transfer-config` JSON and the VLLM_MOONCAKE_*
- * environment of a disaggregated instance (PROTOCOL.md §4, issue 6
- * "Configuration").  Parsing validates every value and, on failure, writes one
+ * environment of a disaggregated instance (PROTOCOL.md §4).  Parsing validates every value and, on failure, writes one
  * message naming the key (or variable), the bad value and the accepted values.
  *
  * Accepted JSON is vLLM's KVTransferConfig: the keys that matter here

@@ -258,7 +258,7 @@ backend_dtype backend_kv_dtype_default(const backend *be) {
 int backend_block_size_default(const backend *be) {
     /* the CPU attention reads each block's K (and V) rows of a layer as one run: 8 KiB at 16
      * tokens (0.5B shape, f32), 64 KiB at 128, which the hardware prefetchers stream ~1.7x
-     * faster (docs/benchmarks.md, issue 18); vLLM's CPU platform picks 128 as well for its
+     * faster (docs/benchmarks.md); vLLM's CPU platform picks 128 as well for its
      * optimised (IPEX) attention.  The GPU kernels are tuned for 16, vLLM's CUDA default. */
     return backend_is_cpu(be) ? 128 : 16;
 }

@@ -1,6 +1,5 @@
 /*
- * membership — the proxy's upstreams from etcd (`disagg proxy --discovery`,
- * issue 16): base/discovery's watcher keeps the set of registered instances
+ * membership — the proxy's upstreams from etcd (`disagg proxy --discovery`): base/discovery's watcher keeps the set of registered instances
  * on its thread; a 100 ms timer on the proxy loop compares the set's
  * generation and, when it changed, reconciles the upstream slots with it: a
  * new key takes a free slot (upstream_init, then an immediate probe, so it

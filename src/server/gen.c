@@ -560,8 +560,7 @@ static void gen_start_stream(gen_req *r) {
 }
 
 /* A request refused before the engine took it: a decoder tells the producer
- * that the KV it keeps for the request's transfer will not be pulled
- * (issue 25 item 11).  No-op for other requests. */
+ * that the KV it keeps for the request's transfer will not be pulled.  No-op for other requests. */
 static void gen_release_unused_kv(gen_req *r) {
     if (!r->s->conn || !r->o.kv_transfer_params) return;
     char *t = json_dumps(r->o.kv_transfer_params, JSON_COMPACT);

@@ -1,7 +1,7 @@
 /*
  * metadata_etcd — the engine's segment in etcd in the key layout of
  * Mooncake's metadata server (transfer_config.metadata_server =
- * "etcd://host:port[,host:port...]"; issue 16):
+ * "etcd://host:port[,host:port...]"):
  *
  *   mooncake/ram/<segment name>       the segment descriptor (segment_desc's JSON,
  *                                     the same text the handshake port serves)

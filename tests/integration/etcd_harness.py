@@ -1,4 +1,4 @@
-"""Real etcd processes for the discovery tests (issue 16): a single member or a
+"""Real etcd processes for the discovery tests: a single member or a
 cluster of members on 127.0.0.1 with free client and peer ports, data in a
 temporary directory, killed at teardown.  Reads go through etcd's v3 JSON
 gateway with requests (the same API disagg's base/etcd.c uses, written

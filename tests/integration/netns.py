@@ -1,4 +1,4 @@
-"""netns — the multi-host test fixture (issue 8): "hosts" made of Linux network
+"""netns — the multi-host test fixture: "hosts" made of Linux network
 namespaces on this machine, the processes that run inside them, and their
 teardown, even when a test fails.
 

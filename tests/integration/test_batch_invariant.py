@@ -1,4 +1,4 @@
-"""`disagg serve --batch-invariant` (issue 15): on the CPU, whose kernels are batch-invariant
+"""`disagg serve --batch-invariant`: on the CPU, whose kernels are batch-invariant
 by construction, the flag is accepted (and `--no-batch-invariant` undoes it), serves, and a
 greedy completion is the same with and without it, alone and among concurrent requests.
 The GPU side (the CUDA kernels it selects) is tests/unit/test_cuda_invariant.c and

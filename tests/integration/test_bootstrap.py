@@ -288,7 +288,7 @@ def test_env_port_default():
         assert stop_server(p) == 0
 
 
-# ---- addr validation and liveness (issue 25 item 14) -------------------------------------
+# ---- addr validation and liveness -------------------------------------
 
 ACCEPTED = "accepted: tcp://HOST:PORT with HOST a hostname, an IPv4 address or a bracketed IPv6"
 

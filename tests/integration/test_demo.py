@@ -1,4 +1,4 @@
-"""`disagg demo` (issue 8): P + D + proxy on free localhost ports, one chat
+"""`disagg demo`: P + D + proxy on free localhost ports, one chat
 request through the proxy, the KV transfer reported, everything stopped."""
 import os
 import re

@@ -93,7 +93,7 @@ def gpu_visible():
 
 
 def test_two_instances_on_one_gpu_at_a_fifth_each():
-    """issue 25 item 5: --gpu-memory-utilization is this instance's budget (vLLM's reading:
+    """--gpu-memory-utilization is this instance's budget (vLLM's reading:
     "two instances on one GPU: 0.5 each"), so a second instance at 0.2 starts next to a first
     at 0.2 with the same KV cache; its log names the other process's memory.  GPU only
     (scripts/gpu_check.sh runs this file); the arithmetic is unit-tested in test_gpu_budget."""

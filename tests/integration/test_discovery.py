@@ -1,4 +1,4 @@
-"""Scale-out through etcd (issue 16, docs/scaling.md): real etcd processes (one
+"""Scale-out through etcd (docs/scaling.md): real etcd processes (one
 member, then a 3-member cluster), real `disagg serve` prefill/decode instances
 registering with --discovery and real `disagg proxy --discovery` routers
 watching them.  Instances join without a restart, a killed one disappears

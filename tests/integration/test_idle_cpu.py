@@ -1,4 +1,4 @@
-"""Idle processes sleep (issue 11, section 1): a prefill (kv_producer), a
+"""Idle processes sleep: a prefill (kv_producer), a
 decode (kv_consumer), a kv_both instance, a colocated `disagg serve` (no
 connector), a `disagg bootstrap` and a `disagg proxy`, started and left without traffic for 5 s, each use under
 0.1 s of CPU time (utime + stime of every thread, read from /proc/PID/stat);

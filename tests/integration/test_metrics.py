@@ -1,4 +1,4 @@
-"""/metrics of every process (issue 14): a colocated `disagg serve`, a kv_producer
+"""/metrics of every process: a colocated `disagg serve`, a kv_producer
 (P), a kv_consumer (D) and the `disagg proxy` in front of them.  Each endpoint's
 text goes through the real tools: Prometheus's `promtool check metrics` and
 prometheus_client's text parser (the parser vLLM's own scrapers use), and
@@ -269,7 +269,7 @@ def test_request_histograms_pd(scraped):
 
 
 def check_prompt_sources(fams, usages, side):
-    """issue 25 item 9: vLLM's P/D series, with vLLM's names, labels and types:
+    """vLLM's P/D series, with vLLM's names, labels and types:
     vllm:prompt_tokens_by_source_total{source=local_compute|local_cache_hit|external_kv_transfer}
     adds up to the prompts; vllm:external_prefix_cache_queries/_hits_total count D's
     remote-prefill prompt tokens asked of / received from P; the histogram

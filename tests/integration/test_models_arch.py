@@ -1,4 +1,4 @@
-"""The architectures beside Qwen2 through `disagg serve` (issue 27): the random tiny Llama 3
+"""The architectures beside Qwen2 through `disagg serve`: the random tiny Llama 3
 (llama3 rope, tied), Qwen3 (q/k norm, head_dim 32 != 64/4, yarn, tied) and Mistral (sliding
 window 8 shorter than the prompts, head_dim 24, linear rope) checkpoints of
 tools/gen_random_model.py, against the logits transformers computed for them

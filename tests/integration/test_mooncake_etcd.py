@@ -1,4 +1,4 @@
-"""disagg segments in etcd in Mooncake's metadata layout (issue 16, optional
+"""disagg segments in etcd in Mooncake's metadata layout (optional
 part): `disagg transfer target --metadata-server etcd://...` puts its
 descriptor under mooncake/ram/<segment> and mooncake/rpc_meta/<segment>, and
 the real Mooncake wheel, initialised with the same etcd as its metadata server

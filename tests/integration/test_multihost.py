@@ -1,4 +1,4 @@
-"""Multi-host P/D (issue 8, "Multi-host tests"): the prefill instance runs in one
+"""Multi-host P/D ("Multi-host tests"): the prefill instance runs in one
 network namespace ("host"), the decode instance in another, the client (and the
 proxy) in the root namespace, all joined by a LAN bridge (netns.Cluster).  Two
 veth links between the hosts, veth-a and veth-b, act as two NICs:

@@ -1,5 +1,5 @@
-"""Discovery through etcd across hosts (issue 16 with issue 8's network
-namespaces): four "hosts", a 3-member etcd cluster on three of them, two
+"""Discovery through etcd across hosts (network
+namespaces as the multi-host tests use): four "hosts", a 3-member etcd cluster on three of them, two
 prefill and three decode instances (a third prefill joins later), two proxies
 in the root namespace.  An
 instance that joins on another host is used; a host cut off the LAN (its link

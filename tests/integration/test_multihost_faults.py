@@ -1,4 +1,4 @@
-"""Fault matrix across hosts (issue 8): each fault hits a prefill/decode pair
+"""Fault matrix across hosts: each fault hits a prefill/decode pair
 running in two network namespaces (netns.Cluster); every test has a deadline
 (pytest-timeout and the requests' own), and afterwards every instance's KV
 blocks in use return to zero and a follow-up request is served correctly.

@@ -1,4 +1,4 @@
-"""Multi-host P/D through `disagg proxy` (issue 8): the proxy runs in the root
+"""Multi-host P/D through `disagg proxy`: the proxy runs in the root
 namespace, prefill and decode instances in their own network namespaces
 (netns.Cluster); outputs equal a colocated server's, a client that goes away
 frees every block, and a burst of 200 concurrent requests over 2 prefill and

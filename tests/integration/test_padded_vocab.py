@@ -1,4 +1,4 @@
-"""A token id in the padded tail of the vocabulary (issue 18): Qwen2.5's embedding has 151936
+"""A token id in the padded tail of the vocabulary: Qwen2.5's embedding has 151936
 rows, its tokenizer 151665 tokens.  A model that emits such an id must not end the stream
 with "detokenization failed": Hugging Face tokenizers and vLLM decode it to an empty string
 and carry on, and so does `disagg serve` (text "", logprob token "").

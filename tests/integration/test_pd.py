@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation end to end (issue 6): a kv_producer and a
+"""Prefill/decode disaggregation end to end: a kv_producer and a
 kv_consumer `disagg serve`, requests sent the way vLLM's proxy sends them
 (PROTOCOL.md section 1), output compared token for token with a colocated
 `disagg serve` of the same model; failure handling, deadlines and block

@@ -1,4 +1,4 @@
-"""Errors that say what happened (issue 11 section 4), with real `disagg serve`
+"""Errors that say what happened, with real `disagg serve`
 producer and consumer processes: unusable kv_transfer_params are a 400 naming
 the field, an unreachable producer a 502 naming it, a pull for a transfer id
 the producer never receives fails within DISAGG_KV_UNKNOWN_TRANSFER_TIMEOUT

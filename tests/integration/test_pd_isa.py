@@ -1,4 +1,4 @@
-"""CPU kernel ISAs end to end (issue 18): each `disagg serve` says which kernels it runs
+"""CPU kernel ISAs end to end: each `disagg serve` says which kernels it runs
 (start-up log, /metrics disagg:kernels_info); a P/D pair whose CPUs run different kernels
 (forced here with DISAGG_CPU_ISA: P avx2, D avx512bf16; P avx512f, D avx2) still moves the KV -- the layout is
 the same -- and the producer reports the pair once, since the result is not promised to be
@@ -107,7 +107,7 @@ def test_pd_layout_mismatch_still_refused():
 
 
 def test_pd_bf16_kv_cache_equals_colocated():
-    """--kv-cache-dtype bfloat16 on the CPU (issue 18, opt-in): the bf16 KV bytes move from P
+    """--kv-cache-dtype bfloat16 on the CPU (opt-in): the bf16 KV bytes move from P
     to D and D's greedy tokens equal a colocated bf16-KV server's, token for token."""
     import test_pd
     bf16 = ("--kv-cache-dtype", "bfloat16")

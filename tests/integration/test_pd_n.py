@@ -1,4 +1,4 @@
-"""n > 1 across P/D (issue 14): through `disagg proxy` with the official `openai`
+"""n > 1 across P/D: through `disagg proxy` with the official `openai`
 client, the prompt is prefilled once on P and moved once (one transfer_id), and D
 decodes the n choices sharing the pulled prompt blocks; the choices equal a
 colocated `disagg serve` asked for the same n (greedy and seeded sampling,

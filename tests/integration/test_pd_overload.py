@@ -1,4 +1,4 @@
-"""A P/D pair under load and attack (issue 25 items 10, 11, 12, 14, 15), with real
+"""A P/D pair under load and attack, with real
 `disagg serve` producer and consumer processes on 127.0.0.1:
 
 * D holds hundreds of concurrent KV pulls (each pull's ZeroMQ sockets fit the context's

@@ -1,5 +1,5 @@
-"""Tensor-parallel pairing of a decode instance with its prefill instance (issue 17,
-docs/parallel.md), with real `disagg serve` processes and the producer's real bootstrap
+"""Tensor-parallel pairing of a decode instance with its prefill instance
+(docs/parallel.md), with real `disagg serve` processes and the producer's real bootstrap
 server: once a second prefill TP rank is registered for the producer's engine id, the
 decoder reads P's TP size from /query (two tp_rank keys), works out that its only rank
 must pull from both prefill ranks, and fails the request with a message saying so,

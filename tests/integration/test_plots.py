@@ -1,4 +1,4 @@
-"""tools/plot_benchmarks.py (issue 14): the pictures in docs/benchmarks.md come from
+"""tools/plot_benchmarks.py: the pictures in docs/benchmarks.md come from
 the numbers in docs/img/benchmarks.json, which hold what the docs' tables say, and
 scripts/bench_all.sh redraws them from its own run."""
 import json

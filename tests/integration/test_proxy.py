@@ -250,7 +250,7 @@ def test_both_reject_client_gets_the_prefills_status_in_either_order(doubles, pr
 
 
 def test_n_and_best_of_prefill_copy_drops_best_of(doubles, proxy_factory):
-    """issue 25 item 3: P's copy has n 1, so best_of (which a server wants equal to n) goes
+    """P's copy has n 1, so best_of (which a server wants equal to n) goes
     too; D gets both unchanged."""
     p, d, px = pd(doubles, proxy_factory)
     body = {"model": "m", "prompt": "x", "max_tokens": 3, "n": 2, "best_of": 2}
@@ -300,7 +300,7 @@ BAD_BODIES = [  # (path, body, param, words in the message): what P's copy rewri
                          ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD_BODIES)])
 def test_invalid_fields_refused_before_contacting_any_instance(doubles, proxy_factory, path, body,
                                                                param, words):
-    """issue 25 item 11: what P's copy rewrites cannot be refused by P; a D refusing it left P
+    """What P's copy rewrites cannot be refused by P; a D refusing it left P
     holding the KV.  The proxy refuses it itself, with disagg serve's 400 body shape."""
     p, d, px = pd(doubles, proxy_factory)
     r = requests.post(px.url + path, json=body, timeout=10)
@@ -335,7 +335,7 @@ def test_valid_fields_pass_the_proxys_checks(doubles, proxy_factory, body):
 
 
 def test_decode_5xx_is_relayed_at_once_and_prefill_cancelled(doubles, proxy_factory):
-    """issue 25 item 12: D failed (5xx): the client need not wait for a P that may never
+    """D failed (5xx): the client need not wait for a P that may never
     answer; P's request is cancelled."""
     p, d, px = pd(doubles, proxy_factory)
     _warm(p, d, px)
@@ -356,7 +356,7 @@ def test_decode_5xx_is_relayed_at_once_and_prefill_cancelled(doubles, proxy_fact
 
 @pytest.mark.parametrize("decode_answered", [False, True])
 def test_prefill_that_stops_answering_ends_the_wait(doubles, proxy_factory, decode_answered):
-    """issue 25 item 12: a prefill whose health probes go unanswered (a stopped process) is
+    """A prefill whose health probes go unanswered (a stopped process) is
     given up: the requests waiting for it get D's complete answer (D rejected) or a 502 naming
     it within seconds, not at the upstream timeout."""
     p, d, px = pd(doubles, proxy_factory)
@@ -724,7 +724,7 @@ def test_decode_stalling_mid_stream_ends_with_an_error_event(doubles, proxy_fact
 
 
 def test_split_events_and_a_trailing_partial_event_relayed_unchanged(doubles, proxy_factory):
-    """The proxy holds a partial SSE event until its end (issue 25 item 15): events D writes in
+    """The proxy holds a partial SSE event until its end: events D writes in
     two pieces reach the client whole and unchanged, and bytes after the last event end are
     still relayed when D's answer ends."""
     p, d, px = pd(doubles, proxy_factory)
@@ -745,7 +745,7 @@ def test_split_events_and_a_trailing_partial_event_relayed_unchanged(doubles, pr
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_decode_dying_mid_stream_gives_the_client_a_clean_error(doubles, proxy_factory, chat):
-    """issue 25 item 15: D's connection ends mid-event: the client gets the whole events before
+    """D's connection ends mid-event: the client gets the whole events before
     it, then an error event and [DONE], and a properly ended chunked body; the official openai
     client raises APIError naming the decode (not a protocol error)."""
     p, d, px = pd(doubles, proxy_factory)

@@ -1,4 +1,4 @@
-"""`disagg proxy` command-line forms of vLLM's example proxies (issue 14) and
+"""`disagg proxy` command-line forms of vLLM's example proxies and
 `--api-key` (clients are checked, the key goes upstream).
 
 The argument forms are those of vLLM's MooncakeConnector proxy

@@ -1,4 +1,4 @@
-"""`disagg proxy` in front of real `disagg serve` instances (issue 7): a
+"""`disagg proxy` in front of real `disagg serve` instances: a
 kv_producer and a kv_consumer behind the proxy, the official `openai` client
 in front; answers compared with a colocated `disagg serve` of the same model."""
 import json
@@ -236,11 +236,11 @@ def test_request_both_instances_reject_gets_the_prefills_400_unchanged(stack):
     wait_blocks_zero(p.server)
 
 
-# --- issue 25: items 3, 11, 12, 15 -------------------------------------------------------------
+# --- n/best_of, rewritten fields, stopped P, killed D -------------------------------------------------------------
 
 
 def test_n_and_best_of_through_the_proxy(stack, colocated):
-    """issue 25 item 3: `n: 2, best_of: 2` works on serve and now through the proxy too."""
+    """`n: 2, best_of: 2` works on serve and now through the proxy too."""
     _, _, px = stack
     kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, n=2, extra_body={"best_of": 2})
     want = client(colocated.url).completions.create(**kw)
@@ -250,7 +250,7 @@ def test_n_and_best_of_through_the_proxy(stack, colocated):
 
 
 def test_request_d_would_refuse_never_reaches_p(stack):
-    """issue 25 item 11: fields P's copy rewrites (n, max_tokens, ...) are refused by the proxy
+    """Fields P's copy rewrites (n, max_tokens, ...) are refused by the proxy
     with the server's 400 body shape and param, and P never gets the request (so it holds no
     KV for it)."""
     p, d, px = stack
@@ -270,7 +270,7 @@ def test_request_d_would_refuse_never_reaches_p(stack):
 
 
 def test_stopped_prefill_gives_the_client_an_error_within_seconds():
-    """issue 25 item 12: P is SIGSTOPped (its sockets still accept): the client's request
+    """P is SIGSTOPped (its sockets still accept): the client's request
     through the proxy ends in a 5xx within seconds — the proxy gives P up after its health
     probes go unanswered, without waiting for D — and the proxy stays up and serves again
     once P resumes."""
@@ -313,7 +313,7 @@ def test_stopped_prefill_gives_the_client_an_error_within_seconds():
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_decode_killed_mid_stream_gives_the_openai_client_an_api_error(chat):
-    """issue 25 item 15: D is killed (SIGKILL) during a streamed answer: the official openai
+    """D is killed (SIGKILL) during a streamed answer: the official openai
     client gets APIError naming the decode instance (the proxy's final error event), not a
     broken chunked encoding."""
     p = Prefill()

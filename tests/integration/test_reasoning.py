@@ -1,4 +1,4 @@
-"""--reasoning-parser and chat_template_kwargs end to end (issue 27), with the official openai
+"""--reasoning-parser and chat_template_kwargs end to end, with the official openai
 client against models whose greedy output is steered (tool_call_model.py: a bigram chain of
 added tokens), so the <think> text the parser sees is known."""
 import json

@@ -1,4 +1,4 @@
-"""Who may talk to which port (issue 11 section 3, docs/security.md): the
+"""Who may talk to which port (docs/security.md): the
 attacks of the issue against real `disagg serve` / `disagg bootstrap`
 processes, each refused, and the normal paths with and without a secret.
 

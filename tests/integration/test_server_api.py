@@ -285,7 +285,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.mark.parametrize("extra", [{}, {"stop": ["zzz-never"]}])
 def test_tools_without_a_call_return_the_text(client, extra):
-    """issue 25 item 1: with tools and tool_choice auto (the default) an output without
+    """With tools and tool_choice auto (the default) an output without
     <tool_call> is the message content (vLLM's hermes parser), as with tool_choice none and as
     streamed -- not "" with 16 completion tokens."""
     msgs = [{"role": "user", "content": "Tell me about the economy."}]
@@ -304,7 +304,7 @@ def test_tools_without_a_call_return_the_text(client, extra):
 
 
 def test_load_and_ping(srv):
-    """issue 25 item 8: vllm-router's power_of_two probes GET /load; /ping is vLLM's (GET and
+    """vllm-router's power_of_two probes GET /load; /ping is vLLM's (GET and
     POST, 200 as /health)."""
     r = requests.get(srv.url + "/load")
     assert r.status_code == 200 and r.json() == {"server_load": 0}, r.text

@@ -92,7 +92,7 @@ def pd_chat(p, d, boot, body, stream=False):
 
 
 def test_tools_without_a_call_return_the_text_through_pd(pd):
-    """issue 25 item 1, disaggregated: D's chat with tools (tool_choice auto) whose output has
+    """Disaggregated: D's chat with tools (tool_choice auto) whose output has
     no <tool_call> answers the text, streamed or not, as tool_choice none does."""
     p, d, boot = pd
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "d",
@@ -109,7 +109,7 @@ def test_tools_without_a_call_return_the_text_through_pd(pd):
 
 
 def test_pinned_engine_id_survives_a_restart():
-    """issue 25 item 8: kv_transfer_config.engine_id (vLLM's field) pins P's id in the bootstrap
+    """kv_transfer_config.engine_id (vLLM's field) pins P's id in the bootstrap
     table, so a router that cached it (vllm-router) keeps working after P restarts; D pulls
     with the id read before the restart."""
     boot = free_port()

@@ -1,4 +1,4 @@
-"""Slow and large clients (issue 11, section 5), over real sockets against the
+"""Slow and large clients, over real sockets against the
 real `disagg serve` and `disagg proxy`:
 
 * a slow-loris client (one byte a second, never finishing its head) is cut

@@ -1,4 +1,4 @@
-"""Structured outputs (issue 32, docs/structured_outputs.md): the grammar engine's token
+"""Structured outputs (docs/structured_outputs.md): the grammar engine's token
 masks against xgrammar's (golden data written by tools/grammar_xgrammar.py, xgrammar needs
 torch), 1,000 constrained samples at temperature 1 on the default model that all
 validate, the request forms vLLM accepts (response_format, structured_outputs, guided_*,

@@ -1,5 +1,5 @@
-"""Idle-connection floods on the transfer engine's tcp data port (issue 25 item 13,
-docs/security.md "Connection floods"), with and without a shared secret, loopback only:
+"""Idle-connection floods on the transfer engine's tcp data port
+(docs/security.md "Connection floods"), with and without a shared secret, loopback only:
 
 * a connection that sends nothing within 2 s of connecting (no request, or with a
   secret no authentication) is closed, so idle sockets cannot pile up;

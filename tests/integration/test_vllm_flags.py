@@ -1,4 +1,4 @@
-"""`disagg serve` with the flags of `vllm serve` deployment scripts (issue 14, "Command line"):
+"""`disagg serve` with the flags of `vllm serve` deployment scripts ("Command line"):
 each is accepted, honoured where disagg has the concept (tokenizer directory, revision in the
 HF cache, chat-template file, generation config, logprob cap, CORS, hermes tool calls), or
 refused with a message naming what is accepted (tensor parallel > 1, quantization, fp8 KV
@@ -136,7 +136,7 @@ def test_unknown_flag_names_the_nearest(flag, nearest):
 @pytest.mark.parametrize("flag", ["--frobnicate-the-widgets-now", "-tpx", "--zz", "--port-numberx",
                                   "--max"])
 def test_unknown_flag_far_from_every_name_gets_no_hint(flag):
-    """issue 25 item 6: only close names are suggested (the dash-less names differ in at most
+    """Only close names are suggested (the dash-less names differ in at most
     40 % of their characters, about difflib's ratio >= 0.6)."""
     err = refused(flag, "1")
     assert f"unknown option '{flag}'" in err and "did you mean" not in err, err
@@ -156,7 +156,7 @@ def test_unknown_flag_far_from_every_name_gets_no_hint(flag):
     (("--quantization", "awq"), ["'awq' is not supported", "accepted: none"]),
 ])
 def test_vllm_flags_disagg_lacks_say_so(args, words):
-    """issue 25 item 6: vLLM's flags for features disagg lacks name the feature, not a wrong
+    """vLLM's flags for features disagg lacks name the feature, not a wrong
     flag ("--reasoning-parser" once suggested --tool-call-parser)."""
     err = refused(*args)
     for w in words:
@@ -165,7 +165,7 @@ def test_vllm_flags_disagg_lacks_say_so(args, words):
 
 
 def test_no_effect_flags_are_accepted_and_logged():
-    """issue 25 item 6: vLLM's compilation / uvicorn tuning flags start the server, each logged
+    """vLLM's compilation / uvicorn tuning flags start the server, each logged
     as having no effect."""
     flags = ["-O0", "-O", "3", "--compilation-config", '{"level": 3}', "--async-scheduling",
              "--no-async-scheduling", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details"]
@@ -184,7 +184,7 @@ def test_no_effect_flags_are_accepted_and_logged():
 
 
 def test_served_model_names_all_served():
-    """issue 25 item 4: --served-model-name a b (vLLM's nargs +) serves both names; responses
+    """--served-model-name a b (vLLM's nargs +) serves both names; responses
     report the first; /v1/models lists both (once read `b` as MODEL and exited)."""
     srv = Server("--served-model-name", "alpha", "beta", "--kv-cache-memory", "16M",
                  "--max-model-len", "256", name=None)
@@ -220,7 +220,7 @@ def test_served_model_names_from_config_file(tmp_path):
 
 
 def test_override_generation_config_applies():
-    """issue 25 item 6: --override-generation-config (vLLM's) replaces the generation config's
+    """--override-generation-config (vLLM's) replaces the generation config's
     defaults for requests that omit them; max_new_tokens caps max_tokens as vLLM's
     get_max_tokens does."""
     srv = Server("--override-generation-config", '{"temperature": 0, "max_new_tokens": 5}',

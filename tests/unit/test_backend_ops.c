@@ -1413,7 +1413,7 @@ static void test_registry(void **state) {
     assert_int_equal(backend_open("cpu", NULL, &be, err, sizeof err), 0);
     assert_string_equal(backend_name(be), "cpu");
     assert_true(backend_kv_dtype_ok(be, BACKEND_F32));
-    assert_true(backend_kv_dtype_ok(be, BACKEND_BF16)); /* opt-in (issue 18) */
+    assert_true(backend_kv_dtype_ok(be, BACKEND_BF16)); /* opt-in */
     assert_false(backend_kv_dtype_ok(be, BACKEND_F16));
     assert_int_equal(backend_kv_dtype_default(be), BACKEND_F32);
     backend_close(be);

@@ -289,7 +289,7 @@ static void test_start_errors_and_no_fd_leak(void **state) {
     assert_int_equal(count_fds(), before);
 }
 
-/* ---- authentication (issue 11 section 3) ------------------------------- */
+/* ---- authentication ------------------------------- */
 
 /* POST /register with an optional extra header; returns the status, body in out. */
 static int raw_register(uint16_t port, const char *body, const char *hdr, char *out, size_t cap) {

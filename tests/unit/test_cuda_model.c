@@ -172,7 +172,7 @@ static void test_model_tiny_random(void **st) {
     json_decref(g);
 }
 
-/* The architectures beside Qwen2 (issue 27): Llama 3 (llama3 rope, tied, no biases), Qwen3
+/* The architectures beside Qwen2: Llama 3 (llama3 rope, tied, no biases), Qwen3
  * (q/k norm: kernels/cuda/cuda_qknorm.cu, head_dim 32 != 64/4, yarn) and Mistral (sliding
  * window 8 < the 300 tokens: kernels/cuda/cuda_window.cu, head_dim 24) -- the f32
  * checkpoints, bf16 on the GPU -- against the CPU forward, f32 and bf16 KV. */

@@ -14,7 +14,7 @@
 #define GiB ((size_t)1 << 30)
 #define MiB ((size_t)1 << 20)
 
-/* issue 25 item 5: P at 0.2 on a 141 GB device, then D at 0.2 on the same device.  D starts
+/* P at 0.2 on a 141 GB device, then D at 0.2 on the same device.  D starts
  * with P's 0.2 x total already taken (others); its own weights are 1 GiB. */
 static void test_second_instance_on_one_gpu(void **state) {
     (void)state;

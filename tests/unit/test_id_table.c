@@ -1,5 +1,4 @@
-/* Unit tests: id_table, the producer's index of pending pulls (issue 11
- * section 3): get/put/del through growth, deletes in any order, and that a
+/* Unit tests: id_table, the producer's index of pending pulls: get/put/del through growth, deletes in any order, and that a
  * table of 200k entries answers lookups (hits and misses) without walking. */
 #include <setjmp.h>
 #include <stdarg.h>

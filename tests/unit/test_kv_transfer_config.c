@@ -1,5 +1,5 @@
 /* Unit tests: --kv-transfer-config JSON and the VLLM_MOONCAKE_* environment
- * (PROTOCOL.md §4, issue 6 "Configuration"): defaults, every accepted value,
+ * (PROTOCOL.md §4): defaults, every accepted value,
  * and a matrix of bad inputs whose messages must name the key and the
  * accepted values. */
 #include <setjmp.h>
@@ -304,7 +304,7 @@ static void test_env_defaults_and_values(void **state) {
     assert_int_equal(e.bootstrap_port, 8998);
     assert_true(e.connector_timeout_s == 30.0);
     assert_true(e.abort_request_timeout_s == 480.0);
-    assert_true(e.unknown_transfer_timeout_s == 30.0); /* issue 11: bounded, <= 30 s */
+    assert_true(e.unknown_transfer_timeout_s == 30.0); /* bounded, <= 30 s */
     assert_string_equal(e.host_ip, "");
     assert_int_equal(e.with_nvidia_peermem, -1);
 
@@ -351,7 +351,7 @@ static void test_env_bad_matrix(void **state) {
     env_clear();
 }
 
-/* auth_secret (issue 11 section 3): the key, else DISAGG_KV_SECRET, else none;
+/* auth_secret: the key, else DISAGG_KV_SECRET, else none;
  * a bad value is refused without echoing it. */
 static void test_auth_secret_and_pending_cap(void **state) {
     (void)state;
@@ -403,7 +403,7 @@ static void test_auth_secret_and_pending_cap(void **state) {
                  badcap[i]);
         parse_bad(j, "kv_connector_extra_config.max_pending_pulls", "an integer from 1 to 1048576");
     }
-    /* max_remote_loads (issue 25): default 512, 1..4096 */
+    /* max_remote_loads: default 512, 1..4096 */
     snprintf(j, sizeof j, "%s}", base);
     assert_int_equal(parse_ok(j).max_remote_loads, KV_CONFIG_REMOTE_LOADS_DEFAULT);
     assert_int_equal(KV_CONFIG_REMOTE_LOADS_DEFAULT, 512);

@@ -309,7 +309,7 @@ static void test_our_dealer_against_python_router(void **state) {
     assert_string_equal(c.ok[1], "r2");
 }
 
-/* ---- authentication (issue 11 section 3, docs/security.md) -------------- */
+/* ---- authentication (docs/security.md) -------------- */
 
 static void put64(unsigned char *p, uint64_t v) {
     for (int i = 7; i >= 0; i--, v >>= 8)

@@ -597,7 +597,7 @@ static void test_reply_bad(void **state) {
 /* The "disagg_first_tokens" reply extension: encoded only when present (vLLM's
  * bytes unchanged otherwise, test_encode_matches_msgspec), round-trips, and
  * entries of another shape are dropped without failing the reply. */
-/* "disagg_unknown_reqs" (issue 25): round trip in a CONTINUE; non-string entries are
+/* "disagg_unknown_reqs": round trip in a CONTINUE; non-string entries are
  * dropped, a value that is not an array is ignored, and neither fails the reply. */
 static void test_unknown_reqs_extension(void **state) {
     (void)state;

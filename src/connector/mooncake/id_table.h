@@ -1,6 +1,6 @@
 /*
  * id_table — a string-keyed hash table (transfer id -> entry) for the
- * producer's pending pulls (issue 11 section 3): O(1) expected get, put and
+ * producer's pending pulls: O(1) expected get, put and
  * delete however many entries a flood of bogus pulls creates.  The hash is
  * XXH3 with a per-table random seed, so that a peer cannot choose ids that
  * collide (hash flooding).  Chained buckets; the table doubles when the load

@@ -828,7 +828,7 @@ int mooncake_connector_metrics(mooncake_connector *c, prom *p) {
     memcpy(fc, c->fail_c, sizeof fc);
     acked = c->cancel_acked;
     unacked = c->cancel_unacked;
-    evicted = c->pulls_evicted; /* issue 11 section 3: what the KV ports refused */
+    evicted = c->pulls_evicted; /* what the KV ports refused */
     unknown = c->n_unknown;
     for (cons_req *r = c->conss; r; r = r->next)
         loads_unknown += r->loading && r->p_unknown && !r->evicted;

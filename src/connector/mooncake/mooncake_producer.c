@@ -3,7 +3,7 @@
 
 /* ---- producer: pulls and senders ----------------------------------------------- */
 
-/* O(1): the index, not a walk of prods (issue 11 section 3: a flood of
+/* O(1): the index, not a walk of prods (a flood of
  * bogus pulls must not slow the lookups of real ones). */
 prod_req *mc_prod_find(mooncake_connector *c, const char *transfer_id) {
     return id_table_get(&c->prod_index, transfer_id);

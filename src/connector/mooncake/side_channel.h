@@ -22,7 +22,7 @@
  * side_channel_call_conn gives for each of its pulls: a decoder that dies is
  * noticed.
  *
- * Authentication (docs/security.md, issue 11 section 3): with a shared secret
+ * Authentication (docs/security.md): with a shared secret
  * every message gets a second ZeroMQ frame, the auth frame
  * (SIDE_CHANNEL_AUTH_LEN bytes):
  *   pull  D->P: "DKA1" 'P' ts_ms(u64 BE, wall clock) nonce(16) mac(32)

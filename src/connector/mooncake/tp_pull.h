@@ -1,5 +1,5 @@
 /*
- * tp_pull — the connector's side of tensor parallelism (issue 17, docs/parallel.md): which
+ * tp_pull — the connector's side of tensor parallelism (docs/parallel.md): which
  * TP shape this instance has, which prefill ranks a decode rank pulls from (by their
  * side-channel addresses in the bootstrap table), and the runs a prefill rank writes for a
  * pull that names the decode rank's TP shape (remote_tp_size / remote_tp_rank, PROTOCOL.md

@@ -404,7 +404,7 @@ static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, con
 /* Positions per kernel call at most (a piece): a block's rows of a layer are one run in
  * memory, and within a long run (the CPU's block size is 128) the prefetch of the piece two
  * ahead goes out 32 KiB at a time, not a whole block's 64 KiB in one burst that stalls the
- * loads behind it (docs/benchmarks.md, issue 18).  Any cut gives the same bits: scores are
+ * loads behind it (docs/benchmarks.md).  Any cut gives the same bits: scores are
  * per position, and the values accumulate in position order across calls. */
 #define ATT_PIECE 64
 /* up to this many tokens the keys are split into chunks over the threads */

@@ -1,5 +1,5 @@
 /*
- * cuda_invariant — the CUDA backend's batch-invariant mode (`--batch-invariant`, issue 15):
+ * cuda_invariant — the CUDA backend's batch-invariant mode (`--batch-invariant`):
  * kernels whose result for one token does not depend on what else is in the batch, how
  * many rows a GEMM has, or how the prompt was chunked.  Built into libdisagg_cuda.so beside
  * the fast mode's op families (cuda_common.cuh; cuda_backend.cu calls these when a

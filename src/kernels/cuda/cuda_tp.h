@@ -1,5 +1,5 @@
 /*
- * cuda_tp — the tensor-parallel communicator of the CUDA module (issue 17; docs/parallel.md):
+ * cuda_tp — the tensor-parallel communicator of the CUDA module (docs/parallel.md):
  * one process per GPU, an NCCL communicator over the TP group, in-place all-reduce of bf16
  * or f32 on a CUDA stream (the backend's, for the sharded forward's two all-reduces per
  * layer).  Built into libdisagg_cuda.so from cuda_tp.cu (a second exported symbol,
