@@ -27,7 +27,7 @@
 # QUICK=1 skips the variant (GEMV=0) and the HF references (a short re-run);
 # PERF_VARIANTS=1 re-runs the 7B decode/prefill with each kernel switch flipped;
 # TEST_DEVICE_SUITE=1 adds the server integration tests against --device cuda.
-# The batch-invariant mode (--batch-invariant, issue 15) has its own steps: test_cuda_invariant
+# The batch-invariant mode (--batch-invariant) has its own steps: test_cuda_invariant
 # (GEMM rows, attention schedules, the model alone / batched / chunked, also on the 7B-shaped
 # weights), `disagg bench model --batch-invariant` (its cost against the fast mode, 7B) and
 # tools/gpu_invariant_serve.py (serve: concurrent vs single answers; P/D through the proxy vs
@@ -38,20 +38,20 @@
 # skips the test's fast-mode comparisons, INV_GEMM_BENCH=1 adds its GEMM timing table,
 # INV_DECODE_BENCH=1 its decode-step parts (GEMMs, attention per kernel variant) and INV_LOG=
 # (empty) silences the per-shape algorithm log.
-# ONLY=prefill (issue 12's prefill): the 7B weights, test_backend_ops (also with the 8-warp
+# ONLY=prefill: the 7B weights, test_backend_ops (also with the 8-warp
 # k_prefill_attention_mma8w for every grid, the f32 gate|up), test_cuda_model, bench model 7B,
 # then the prefill with per-op times (DISAGG_CUDA_PROF=8192) and with the 8-warp kernel
 # (PREFILL_VARIANTS adds env settings to that list; PREFILL_LIST replaces it).  PREFILL_QUICK_TESTS=1
 # skips the f32 gate|up parity run, PREFILL_TEST_VARIANTS / PREFILL_MODEL_VARIANTS add
 # test_backend_ops / test_cuda_model runs (settings joined by commas), PREFILL_INV=1 adds
 # test_cuda_invariant, PREFILL_LENS the prompt lengths.
-# ONLY=decode (issue 12's batch-1 decode): test_backend_ops, test_cuda_model, the 7B decode
+# ONLY=decode: test_backend_ops, test_cuda_model, the 7B decode
 # table (DECODE_BASE_MODULE=an older libdisagg_cuda.so: its table too, the same run), decode
 # with each switch in DECODE_VARIANTS flipped (a variant's settings joined by commas; at the
 # batch sizes DECODE_VARIANT_BATCHES, default 1,2,8), the per-op timing of an eager 1-token
 # step (DISAGG_CUDA_PROF=1; again with each of DECODE_PROF_VARIANTS) and the serve smoke
 # (DECODE_NO_SMOKE=1 skips it).  DECODE_TEST_VARIANTS: the settings the two tests run again with.
-# Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
+# Tensor parallelism: tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
@@ -242,7 +242,7 @@ prefill_steps() {
   done
 }
 decode_steps() {
-  # issue 12's batch-1 decode: the parity tests, the 7B decode table (after and, with
+  # the batch-1 decode: the parity tests, the 7B decode table (after and, with
   # DECODE_BASE_MODULE=path/libdisagg_cuda.so of the previous commit, before in the same run),
   # the kernel switches and the per-op timing of an eager step (DISAGG_CUDA_PROF=1)
   step "decode: 7B-shaped random weights (in the background), test_backend_ops, test_cuda_model"
@@ -297,7 +297,7 @@ if [ "${ONLY:-}" = decode ]; then
   echo "gpu_check (ONLY=decode): $fails failed step(s)"
   exit $((fails > 0))
 fi
-# ONLY=arch (issue 27): the ops the Llama 3 / Qwen3 / Mistral forward adds (q/k per-head norm,
+# ONLY=arch: the ops the Llama 3 / Qwen3 / Mistral forward adds (q/k per-head norm,
 # sliding-window attention: kernels/cuda/cuda_window.cu) and the three tiny architectures'
 # forward vs the CPU, then `bench model --load-format dummy` on the Llama-3.1-8B and Qwen3-8B
 # shapes (bench/shapes/: random bf16 weights made in HBM at load, no files); ARCH_BENCH_ARGS
