@@ -156,6 +156,10 @@ static int engine_sampling_to_params(const engine_sampling *sp, const engine_req
     out->has_seed = sp->has_seed;
     out->seed = sp->seed;
     out->logprobs = sp->logprobs < 0 ? 0 : sp->logprobs;
+    out->bias_ids = sp->logit_bias_ids, out->bias = sp->logit_bias, out->n_bias = sp->n_logit_bias;
+    out->allowed = sp->allowed_token_ids, out->n_allowed = sp->n_allowed_token_ids;
+    out->bad_ids = sp->bad_word_ids, out->bad_lens = sp->bad_word_lens;
+    out->n_bad = sp->n_bad_words;
     (void)p;
     return sampler_params_check(out, 1 << 30, err, errlen);
 }
@@ -349,6 +353,10 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
     }
     r->p.stop_token_ids = r->stop_ids;
     r->p.grammar = NULL;
+    /* the sampler keeps its own copies of the logit processors' arrays */
+    r->p.sampling.logit_bias_ids = NULL, r->p.sampling.logit_bias = NULL;
+    r->p.sampling.allowed_token_ids = NULL;
+    r->p.sampling.bad_word_ids = NULL, r->p.sampling.bad_word_lens = NULL;
     r->smp = sampler_init(&spar, e->vocab, p->prompt, p->n_prompt, err, errlen);
     if (!r->smp) {
         ereq_free(r);

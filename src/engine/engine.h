@@ -54,6 +54,17 @@ typedef struct engine_sampling {
     uint64_t seed;       /* per-request seed: reproducible output */
     int logprobs;        /* -1: none; N >= 0: chosen token's logprob + top N */
     int prompt_logprobs; /* -1: none; N >= 0: prompt tokens' logprobs + top N */
+    /* Logit processors (model/sampler.h sampler_params): the caller's arrays, read by
+     * engine_submit only (the request's sampler copies them; token ids are checked against
+     * the vocabulary there, an out-of-range one refused with -EINVAL naming it). */
+    const int32_t *logit_bias_ids; /* logit_bias: (n_logit_bias) token ids ... */
+    const float *logit_bias;       /* ... and their biases, [-100, 100] */
+    int n_logit_bias;
+    const int32_t *allowed_token_ids; /* (n_allowed_token_ids); 0 = every token */
+    int n_allowed_token_ids;
+    const int32_t *bad_word_ids;  /* bad_words as token sequences, concatenated */
+    const int32_t *bad_word_lens; /* (n_bad_words) their lengths */
+    int n_bad_words;
 } engine_sampling;
 
 void engine_sampling_init(engine_sampling *s);

@@ -29,6 +29,13 @@ struct sampler {
     int32_t *idx;      /* (vocab) candidate ids scratch */
     float *raw;        /* (vocab) copy of the raw logits (for logprobs) */
     float *prob;       /* (vocab) relative probabilities scratch (top-p) */
+    /* the logit processors' own copies (the params' pointers point here) */
+    int32_t *bias_ids;
+    float *bias;
+    uint32_t *allowed; /* (vocab / 32) bit mask, NULL = all */
+    int32_t *bad_ids, *bad_lens;
+    int32_t *recent; /* the last bad_ctx output tokens (a ring), for multi-token bad words */
+    int bad_ctx, n_recent;
 };
 
 /* ---- params ----------------------------------------------------------------- */
@@ -68,6 +75,36 @@ int sampler_params_check(const sampler_params *p, int vocab, char *err, size_t e
     for (int i = 0; i < p->n_stop; i++)
         if (p->stop_ids[i] < 0 || p->stop_ids[i] >= vocab)
             BAD("stop token id %d is outside the vocabulary [0, %d)", p->stop_ids[i], vocab);
+    if (p->n_bias < 0 || (p->n_bias && (!p->bias_ids || !p->bias)))
+        BAD("logit_bias: %d entries without their arrays", p->n_bias);
+    for (int i = 0; i < p->n_bias; i++) {
+        if (p->bias_ids[i] < 0 || p->bias_ids[i] >= vocab)
+            BAD("logit_bias: token id %d is outside the vocabulary; accepted: 0 to %d",
+                p->bias_ids[i], vocab - 1);
+        if (!(p->bias[i] >= -100.0f && p->bias[i] <= 100.0f))
+            BAD("logit_bias: bias %g of token %d is invalid; accepted: -100 to 100",
+                (double)p->bias[i], p->bias_ids[i]);
+    }
+    if (p->n_allowed < 0 || (p->n_allowed && !p->allowed))
+        BAD("allowed_token_ids: %d entries without their array", p->n_allowed);
+    for (int i = 0; i < p->n_allowed; i++)
+        if (p->allowed[i] < 0 || p->allowed[i] >= vocab)
+            BAD("allowed_token_ids: token id %d is outside the vocabulary; accepted: 0 to %d",
+                p->allowed[i], vocab - 1);
+    if (p->n_bad < 0 || (p->n_bad && (!p->bad_ids || !p->bad_lens)))
+        BAD("bad_words: %d sequences without their arrays", p->n_bad);
+    long total = 0;
+    for (int i = 0; i < p->n_bad; i++) {
+        if (p->bad_lens[i] < 1) BAD("bad_words: sequence %d is empty", i);
+        total += p->bad_lens[i];
+        if (total > SAMPLER_MAX_BAD_TOKENS)
+            BAD("bad_words: more than %d tokens in all; accepted: at most %d",
+                SAMPLER_MAX_BAD_TOKENS, SAMPLER_MAX_BAD_TOKENS);
+    }
+    for (long i = 0; i < total; i++)
+        if (p->bad_ids[i] < 0 || p->bad_ids[i] >= vocab)
+            BAD("bad_words: token id %d is outside the vocabulary; accepted: 0 to %d",
+                p->bad_ids[i], vocab - 1);
     return 0;
 #undef BAD
 }
@@ -107,12 +144,14 @@ static tok_count *count_slot(sampler *s, int32_t tok, int insert) {
 int sampler_plain_greedy(const sampler *s) {
     const sampler_params *p = &s->p;
     return (p->temperature == 0.0f || p->top_k == 1) && p->repetition_penalty == 1.0f &&
-           p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && p->logprobs == 0;
+           p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && p->logprobs == 0 &&
+           p->n_bias == 0 && p->n_allowed == 0 && p->n_bad == 0;
 }
 
 void sampler_accept(sampler *s, int32_t token) {
     tok_count *c = count_slot(s, token, 1);
     if (c) c->out++;
+    if (s->bad_ctx) s->recent[s->n_recent++ % s->bad_ctx] = token;
 }
 
 void sampler_accept_drawn(sampler *s, int32_t token) {
@@ -122,6 +161,66 @@ void sampler_accept_drawn(sampler *s, int32_t token) {
 }
 
 /* ---- lifecycle ---------------------------------------------------------------- */
+
+/* The logit processors' arrays into the sampler (s->p's pointers then point at them). */
+static int copy_processors(sampler *s, const sampler_params *p) {
+    int n_bad_tok = 0, longest = 0;
+    for (int i = 0; i < p->n_bad; i++) {
+        n_bad_tok += p->bad_lens[i];
+        if (p->bad_lens[i] > longest) longest = p->bad_lens[i];
+    }
+    if (p->n_bias) {
+        s->bias_ids = malloc((size_t)p->n_bias * sizeof *s->bias_ids);
+        s->bias = malloc((size_t)p->n_bias * sizeof *s->bias);
+        if (!s->bias_ids || !s->bias) return -ENOMEM;
+        memcpy(s->bias_ids, p->bias_ids, (size_t)p->n_bias * sizeof *s->bias_ids);
+        memcpy(s->bias, p->bias, (size_t)p->n_bias * sizeof *s->bias);
+    }
+    if (p->n_allowed) {
+        s->allowed = calloc((size_t)(s->vocab + 31) / 32, sizeof *s->allowed);
+        if (!s->allowed) return -ENOMEM;
+        for (int i = 0; i < p->n_allowed; i++)
+            s->allowed[p->allowed[i] >> 5] |= 1u << (p->allowed[i] & 31);
+    }
+    if (p->n_bad) {
+        s->bad_ids = malloc((size_t)n_bad_tok * sizeof *s->bad_ids);
+        s->bad_lens = malloc((size_t)p->n_bad * sizeof *s->bad_lens);
+        s->bad_ctx = longest - 1;
+        s->recent = s->bad_ctx ? malloc((size_t)s->bad_ctx * sizeof *s->recent) : NULL;
+        if (!s->bad_ids || !s->bad_lens || (s->bad_ctx && !s->recent)) return -ENOMEM;
+        memcpy(s->bad_ids, p->bad_ids, (size_t)n_bad_tok * sizeof *s->bad_ids);
+        memcpy(s->bad_lens, p->bad_lens, (size_t)p->n_bad * sizeof *s->bad_lens);
+    }
+    s->p.bias_ids = s->bias_ids, s->p.bias = s->bias;
+    s->p.allowed = NULL; /* the mask stands for the list */
+    s->p.bad_ids = s->bad_ids, s->p.bad_lens = s->bad_lens;
+    return 0;
+}
+
+/* The i-th most recent output token (i = 0: the last), or -1 before the output has it. */
+static int32_t recent_token(const sampler *s, int i) {
+    if (i >= s->n_recent || i >= s->bad_ctx) return -1;
+    return s->recent[(s->n_recent - 1 - i) % s->bad_ctx];
+}
+
+/* allowed_token_ids, bad_words, logit_bias on the logits (vLLM's order and semantics: a
+ * bad word's last token is banned when the output ends with its other tokens; a one-token
+ * bad word always). */
+static void apply_processors(const sampler *s, float *logits) {
+    const sampler_params *p = &s->p;
+    int V = s->vocab;
+    if (s->allowed)
+        for (int i = 0; i < V; i++)
+            if (!(s->allowed[i >> 5] >> (i & 31) & 1u)) logits[i] = -INFINITY;
+    for (int b = 0, off = 0; b < p->n_bad; off += p->bad_lens[b++]) {
+        int len = p->bad_lens[b], match = 1;
+        for (int j = 0; j < len - 1 && match; j++) /* bad[off + len - 2 - j] vs recent j */
+            match = recent_token(s, j) == p->bad_ids[off + len - 2 - j];
+        if (match) logits[p->bad_ids[off + len - 1]] = -INFINITY;
+    }
+    for (int i = 0; i < p->n_bias; i++)
+        logits[p->bias_ids[i]] += p->bias[i];
+}
 
 sampler *sampler_init(const sampler_params *p, int vocab, const int32_t *prompt, int n_prompt,
                       char *err, size_t errlen) {
@@ -134,6 +233,10 @@ sampler *sampler_init(const sampler_params *p, int vocab, const int32_t *prompt,
     s->raw = malloc((size_t)vocab * sizeof *s->raw);
     s->prob = malloc((size_t)vocab * sizeof *s->prob);
     if (!s->idx || !s->raw || !s->prob) {
+        sampler_free(s);
+        return NULL;
+    }
+    if (copy_processors(s, p)) {
         sampler_free(s);
         return NULL;
     }
@@ -154,6 +257,12 @@ void sampler_free(sampler *s) {
     free(s->idx);
     free(s->raw);
     free(s->prob);
+    free(s->bias_ids);
+    free(s->bias);
+    free(s->allowed);
+    free(s->bad_ids);
+    free(s->bad_lens);
+    free(s->recent);
     free(s);
 }
 
@@ -206,6 +315,7 @@ int sampler_sample_masked(sampler *s, float *logits, const uint32_t *allow, samp
             out->top_logprobs[i] = (float)(logits[out->top_ids[i]] - lse);
     }
     memcpy(s->raw, logits, (size_t)V * sizeof *logits);
+    apply_processors(s, logits);
     /* penalties on the tokens seen */
     for (int i = 0; i < s->cap; i++) {
         tok_count *c = &s->counts[i];

@@ -29,7 +29,20 @@ typedef struct sampler_params {
     int logprobs;                       /* top-N logprobs to report, 0..SAMPLER_MAX_LOGPROBS */
     int32_t stop_ids[SAMPLER_MAX_STOP]; /* token ids that end the request */
     int n_stop;                         /* entries of stop_ids */
+    /* Logit processors (vLLM's order: allowed_token_ids, bad_words, logit_bias, then the
+     * penalties), all on the logits after the raw logprobs are taken.  The arrays are the
+     * caller's; sampler_init copies them. */
+    const int32_t *bias_ids;  /* logit_bias: (n_bias) token ids ... */
+    const float *bias;        /* ... and what is added to their logits, [-100, 100] */
+    int n_bias;               /* 0 = off */
+    const int32_t *allowed;   /* allowed_token_ids: (n_allowed) the only tokens that may come */
+    int n_allowed;            /* 0 = off (an empty list is refused by the API layer) */
+    const int32_t *bad_ids;   /* bad_words as token sequences, concatenated: (sum bad_lens) */
+    const int32_t *bad_lens;  /* (n_bad) length of each sequence, >= 1: its last token is */
+    int n_bad;                /* banned when the output so far ends with the rest of it */
 } sampler_params;
+
+#define SAMPLER_MAX_BAD_TOKENS 1024 /* all bad-word tokens of one request (vLLM's limit) */
 
 typedef struct sample_result {
     int32_t token;                            /* chosen token */
@@ -59,7 +72,7 @@ int sampler_sample(sampler *s, float *logits, sample_result *out);
  * stay those of the raw distribution.  allow must admit at least one token; NULL: none. */
 int sampler_sample_masked(sampler *s, float *logits, const uint32_t *allow, sample_result *out);
 /* 1 when the next token is the plain argmax of the raw logits: greedy (temperature 0 or
- * top_k 1), no penalties and no logprobs — the device may pick it (backend_argmax: the
+ * top_k 1), no penalties, no logit processors and no logprobs — the device may pick it (backend_argmax: the
  * largest logit, lowest id on ties, as here) and the logits need not be downloaded. */
 int sampler_plain_greedy(const sampler *s);
 /* Records a token produced elsewhere (e.g. the first token from a prefill instance). */

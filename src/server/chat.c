@@ -198,7 +198,7 @@ int chat_render_ids(server *s, const json_t *messages, const json_t *tools, cons
 /* Parse, render and tokenize (on the loop or the preparation thread). */
 static int chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
     if (oai_request_parse(&r->o, OAI_CHAT, body, len, &s->defaults, &r->err)) return -1;
-    if (gen_prepare_constraint(s, r)) return -1;
+    if (gen_prepare_constraint(s, r) || gen_prepare_bad_words(s, r)) return -1;
     r->pids = calloc(1, sizeof *r->pids);
     r->n_pids = calloc(1, sizeof *r->n_pids);
     if (!r->pids || !r->n_pids) {

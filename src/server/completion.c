@@ -132,7 +132,7 @@ static int cmpl_prepare_prompts(server *s, gen_req *r) {
 /* Parse and tokenize (on the loop or the preparation thread). */
 static int cmpl_prepare(server *s, gen_req *r, const char *body, size_t len) {
     if (oai_request_parse(&r->o, OAI_COMPLETIONS, body, len, &s->defaults, &r->err)) return -1;
-    if (gen_prepare_constraint(s, r)) return -1;
+    if (gen_prepare_constraint(s, r) || gen_prepare_bad_words(s, r)) return -1;
     if (r->o.stream && r->o.echo && r->o.logprobs >= 0) {
         oai_error_set(&r->err, 400, "BadRequestError", "echo",
                       "'echo' together with 'logprobs' is not available when 'stream' is true");

@@ -9,6 +9,7 @@
 #include "base/http_server.h"
 #include "base/log.h"
 #include "connector/mooncake/mooncake_connector.h"
+#include "model/sampler.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -114,6 +115,82 @@ int gen_prepare_constraint(server *s, gen_req *r) {
         return -1;
     }
     if (tool_fmt) r->o.parse_tool_calls = true;
+    return 0;
+}
+
+/* One bad word's variant (text) tokenized and appended, unless it is vLLM's skipped case:
+ * the prefix-space variant is kept only when it tokenizes to as many tokens as the plain one
+ * and starts with a different token. */
+static int bad_word_add(server *s, gen_req *r, const char *text, size_t len, int prefix_variant,
+                        int *n_seq, int *n_tok, int *cap) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    char msg[256];
+    if (tokenizer_encode(s->tok, text, len, false, &ids, &n, msg, sizeof msg)) {
+        oai_error_set(&r->err, 400, "BadRequestError", "bad_words", "bad_words: %s", msg);
+        return -1;
+    }
+    oai_request *o = &r->o;
+    int last_len = *n_seq ? o->bad_word_lens[*n_seq - 1] : 0;
+    int keep = n > 0 && (!prefix_variant ||
+                         ((int)n == last_len && ids[0] != o->bad_word_ids[*n_tok - last_len]));
+    if (keep && *n_tok + (int)n > SAMPLER_MAX_BAD_TOKENS) {
+        free(ids);
+        oai_error_set(&r->err, 400, "BadRequestError", "bad_words",
+                      "'bad_words' tokenize to more than %d tokens in all; accepted: at most %d",
+                      SAMPLER_MAX_BAD_TOKENS, SAMPLER_MAX_BAD_TOKENS);
+        return -1;
+    }
+    if (keep) {
+        if (*n_tok + (int)n > *cap) {
+            int ncap = (*n_tok + (int)n) * 2;
+            int32_t *g = realloc(o->bad_word_ids, (size_t)ncap * sizeof *g);
+            if (!g) {
+                free(ids);
+                oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+                return -1;
+            }
+            o->bad_word_ids = g, *cap = ncap;
+        }
+        memcpy(o->bad_word_ids + *n_tok, ids, n * sizeof *ids);
+        *n_tok += (int)n;
+        o->bad_word_lens[(*n_seq)++] = (int32_t)n;
+    }
+    free(ids);
+    return 0;
+}
+
+int gen_prepare_bad_words(server *s, gen_req *r) {
+    oai_request *o = &r->o;
+    if (o->n_bad_words == 0) return 0;
+    o->bad_word_lens = malloc((size_t)o->n_bad_words * 2 * sizeof *o->bad_word_lens);
+    if (!o->bad_word_lens) {
+        oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+        return -1;
+    }
+    int n_seq = 0, n_tok = 0, cap = 0;
+    for (int i = 0; i < o->n_bad_words; i++) {
+        /* vLLM: the word with its leading spaces stripped, then " " + it (a word at the start
+         * of the text and in its middle are different tokens) */
+        const char *w = o->bad_words[i];
+        while (*w == ' ')
+            w++;
+        size_t wl = strlen(w);
+        char *sp = malloc(wl + 2);
+        if (!sp) {
+            oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+            return -1;
+        }
+        sp[0] = ' ';
+        memcpy(sp + 1, w, wl + 1);
+        int rc = bad_word_add(s, r, w, wl, 0, &n_seq, &n_tok, &cap);
+        if (!rc) rc = bad_word_add(s, r, sp, wl + 1, 1, &n_seq, &n_tok, &cap);
+        free(sp);
+        if (rc) return -1;
+    }
+    o->sampling.bad_word_ids = o->bad_word_ids;
+    o->sampling.bad_word_lens = o->bad_word_lens;
+    o->sampling.n_bad_words = n_seq;
     return 0;
 }
 

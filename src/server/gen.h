@@ -117,6 +117,10 @@ void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare);
 /* The request's structured-output constraint into r->constraint (a 400 in r->err when
  * it is bad): 0 or -1. */
 int gen_prepare_constraint(server *s, gen_req *r);
+/* The request's bad_words tokenized as vLLM does (each word as given without its leading
+ * spaces, and with one leading space when that tokenizes differently) into its sampling
+ * parameters (a 400 in r->err when they exceed the limit): 0 or -1. */
+int gen_prepare_bad_words(server *s, gen_req *r);
 void gen_req_free(gen_req *r);
 /* Write an SSE buffer to the client as one chunk. */
 void gen_send_chunk(gen_req *r, sbuf *sse);

@@ -322,11 +322,7 @@ static int parse_stop_ids(oai_request *r, const json_t *body, oai_error *err) {
  * (response_format, structured_outputs, guided_*, tool_choice required / named) are
  * checked and compiled by structured.c. */
 static int refuse_unsupported(const json_t *body, oai_error *err) {
-    const json_t *v = json_object_get(body, "logit_bias");
-    if (v && !json_is_null(v) && !(json_is_object(v) && json_object_size(v) == 0))
-        return bad(err, "logit_bias",
-                   "'logit_bias' is not supported by this server; accepted: null or {}");
-    v = json_object_get(body, "use_beam_search");
+    const json_t *v = json_object_get(body, "use_beam_search");
     if (json_is_true(v))
         return bad(err, "use_beam_search", "beam search is not supported; accepted: false");
     return 0;
@@ -372,6 +368,80 @@ static int parse_sampling(oai_request *r, const json_t *body, const oai_defaults
     if (rc == 1) {
         s->has_seed = 1;
         s->seed = (uint64_t)seed;
+    }
+    return 0;
+}
+
+/* logit_bias {"token id": bias}, allowed_token_ids [ids], bad_words ["text"] (vLLM's forms
+ * and messages; token ids are checked against the vocabulary by the engine). */
+static int parse_logit_processors(oai_request *r, const json_t *body, oai_error *err) {
+    engine_sampling *s = &r->sampling;
+    const json_t *v = json_object_get(body, "logit_bias");
+    if (v && !json_is_null(v)) {
+        if (!json_is_object(v))
+            return bad(err, "logit_bias",
+                       "'logit_bias' must be an object mapping token ids to biases, got %s",
+                       text_json_kind(v));
+        size_t n = json_object_size(v), i = 0;
+        r->logit_bias_ids = malloc((n ? n : 1) * sizeof *r->logit_bias_ids);
+        r->logit_bias = malloc((n ? n : 1) * sizeof *r->logit_bias);
+        if (!r->logit_bias_ids || !r->logit_bias) return bad(err, "logit_bias", "out of memory");
+        const char *key;
+        const json_t *b;
+        json_object_foreach((json_t *)v, key, b) {
+            char *end;
+            errno = 0;
+            long long id = strtoll(key, &end, 10);
+            if (!key[0] || *end || errno || id < 0 || id > INT32_MAX)
+                return bad(err, "logit_bias",
+                           "Found token_id `%s` in logit_bias but token_id must be an integer or "
+                           "string representing an integer (a token id of the vocabulary)",
+                           key);
+            if (!json_is_number(b))
+                return bad(err, "logit_bias", "logit_bias[\"%s\"] must be a number, got %s", key,
+                           text_json_kind(b));
+            double x = json_number_value(b);
+            r->logit_bias_ids[i] = (int32_t)id;
+            r->logit_bias[i++] = (float)(x < -100.0 ? -100.0 : x > 100.0 ? 100.0 : x);
+        }
+        s->logit_bias_ids = r->logit_bias_ids, s->logit_bias = r->logit_bias;
+        s->n_logit_bias = (int)i;
+    }
+    v = json_object_get(body, "allowed_token_ids");
+    if (v && !json_is_null(v)) {
+        if (!json_is_array(v))
+            return bad(err, "allowed_token_ids",
+                       "'allowed_token_ids' must be a list of token ids, got %s",
+                       text_json_kind(v));
+        if (json_array_size(v) == 0)
+            return bad(err, "allowed_token_ids",
+                       "'allowed_token_ids' is empty: give at least one token id, or null");
+        if (ids_from_array(v, "allowed_token_ids", &r->allowed_token_ids,
+                           &s->n_allowed_token_ids, err))
+            return -EINVAL;
+        s->allowed_token_ids = r->allowed_token_ids;
+    }
+    v = json_object_get(body, "bad_words");
+    if (v && !json_is_null(v)) {
+        if (!json_is_array(v))
+            return bad(err, "bad_words", "'bad_words' must be a list of strings, got %s",
+                       text_json_kind(v));
+        size_t n = json_array_size(v);
+        if (n > 128)
+            return bad(err, "bad_words", "'bad_words' holds %zu words; at most 128 are accepted",
+                       n);
+        r->bad_words = calloc(n ? n : 1, sizeof *r->bad_words);
+        if (!r->bad_words) return bad(err, "bad_words", "out of memory");
+        for (size_t i = 0; i < n; i++) {
+            const json_t *w = json_array_get(v, i);
+            if (!json_is_string(w) || json_string_length(w) == 0)
+                return bad(err, "bad_words", "'bad_words' element %zu must be a non-empty string, "
+                           "got %s", i, json_is_string(w) ? "an empty string" : text_json_kind(w));
+            size_t len;
+            r->bad_words[i] = dup_json_string(w, &len);
+            if (!r->bad_words[i]) return bad(err, "bad_words", "out of memory");
+            r->n_bad_words = (int)i + 1;
+        }
     }
     return 0;
 }
@@ -575,7 +645,7 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     }
     if (get_bool(root, "ignore_eos", &r->ignore_eos, err) < 0) goto out;
     if (parse_stop(r, root, err) || parse_stop_ids(r, root, err)) goto out;
-    if (parse_sampling(r, root, d, err)) goto out;
+    if (parse_sampling(r, root, d, err) || parse_logit_processors(r, root, err)) goto out;
     if (parse_stream(r, root, err)) goto out;
     if (get_int(root, "prompt_logprobs", 0, OAI_MAX_LOGPROBS, &r->prompt_logprobs, err) < 0)
         goto out;
@@ -630,6 +700,14 @@ void oai_request_free(oai_request *r) {
         free(r->stop[i]);
     free(r->stop);
     free(r->stop_token_ids);
+    free(r->logit_bias_ids);
+    free(r->logit_bias);
+    free(r->allowed_token_ids);
+    for (int i = 0; i < r->n_bad_words; i++)
+        free(r->bad_words[i]);
+    free(r->bad_words);
+    free(r->bad_word_ids);
+    free(r->bad_word_lens);
     json_decref(r->kv_transfer_params);
     json_decref(r->body);
     memset(r, 0, sizeof *r);

@@ -106,6 +106,14 @@ typedef struct oai_request {
     bool return_tokens_as_token_ids; /* logprob tokens as "token_id:N" */
     bool skip_special_tokens;        /* drop special tokens from the text (default) */
     bool include_stop_str_in_output; /* keep the matched stop string */
+    /* logit processors (sampling.* point at these once parsed; bad words are tokenized by
+     * the server, which has the tokenizer: bad_word_ids / bad_word_lens) */
+    int32_t *logit_bias_ids;         /* logit_bias keys ... */
+    float *logit_bias;               /* ... and values, clamped to [-100, 100] as vLLM */
+    int32_t *allowed_token_ids;      /* vLLM's allowed_token_ids */
+    char **bad_words;                /* (n_bad_words) vLLM's bad_words */
+    int n_bad_words;
+    int32_t *bad_word_ids, *bad_word_lens; /* the server's tokenization of bad_words */
     json_t *kv_transfer_params;      /* vLLM extension, own reference or NULL */
     json_t *body;                    /* the whole request (own reference): structured outputs */
 } oai_request;

@@ -334,6 +334,76 @@ static void expect_bad(sampler_params *p, const char *needle) {
     sampler_params_default(p);
 }
 
+/* logit_bias, allowed_token_ids, bad_words (vLLM's logit processors): greedy picks the
+ * biased / allowed token; a two-token bad word bans its last token only after its first;
+ * logprobs stay the raw distribution's; the sampled distribution under allowed_token_ids is
+ * the renormalised restriction; and none of them is a "plain greedy" request. */
+static void test_logit_processors(void **st) {
+    (void)st;
+    char err[256];
+    sampler_params p;
+    sampler_params_default(&p);
+    sample_result r;
+    float l[V];
+    /* logit_bias: +3 on token 2 (logit log 0.1 + 3 + 3 > log 0.5 + 3) */
+    int32_t bid[1] = {2};
+    float bv[1] = {3.0f};
+    p.bias_ids = bid, p.bias = bv, p.n_bias = 1, p.logprobs = 1;
+    sampler *s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+    assert_non_null(s);
+    assert_false(sampler_plain_greedy(s));
+    fill(l);
+    assert_int_equal(sampler_sample(s, l, &r), 0);
+    assert_int_equal(r.token, 2);
+    assert_true(fabs(r.logprob - log(0.1)) < 1e-5); /* raw, before the bias */
+    assert_int_equal(r.top_ids[0], 0);
+    sampler_free(s);
+    /* allowed_token_ids {3, 4}: greedy 3; sampled at temperature 1: 0.07 : 0.03 */
+    sampler_params_default(&p);
+    int32_t al[2] = {4, 3};
+    p.allowed = al, p.n_allowed = 2;
+    s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+    assert_non_null(s);
+    assert_false(sampler_plain_greedy(s));
+    fill(l);
+    assert_int_equal(sampler_sample(s, l, &r), 0);
+    assert_int_equal(r.token, 3);
+    sampler_free(s);
+    p.temperature = 1.0f, p.has_seed = 1, p.seed = 11;
+    double want[V] = {0, 0, 0, 0.7, 0.3};
+    check_freq(&p, want, 20000);
+    /* bad words: [0] always banned; [1, 2]: 2 banned right after a 1 */
+    sampler_params_default(&p);
+    int32_t bad[3] = {0, 1, 2}, lens[2] = {1, 2};
+    p.bad_ids = bad, p.bad_lens = lens, p.n_bad = 2;
+    s = sampler_init(&p, V, NULL, 0, err, sizeof err);
+    assert_non_null(s);
+    fill(l);
+    assert_int_equal(sampler_sample(s, l, &r), 0);
+    assert_int_equal(r.token, 1); /* 0 banned */
+    l[0] = 0, l[1] = 0, l[2] = 9, l[3] = 1, l[4] = 0;
+    assert_int_equal(sampler_sample(s, l, &r), 0);
+    assert_int_equal(r.token, 3); /* 2 follows the 1 just produced: banned */
+    l[0] = 0, l[1] = 0, l[2] = 9, l[3] = 1, l[4] = 0;
+    assert_int_equal(sampler_sample(s, l, &r), 0);
+    assert_int_equal(r.token, 2); /* after a 3 it is allowed */
+    sampler_free(s);
+    /* bad values */
+    sampler_params_default(&p);
+    int32_t oob[1] = {V};
+    p.bias_ids = oob, p.bias = bv, p.n_bias = 1;
+    assert_null(sampler_init(&p, V, NULL, 0, err, sizeof err));
+    assert_non_null(strstr(err, "logit_bias"));
+    sampler_params_default(&p);
+    p.allowed = oob, p.n_allowed = 1;
+    assert_null(sampler_init(&p, V, NULL, 0, err, sizeof err));
+    assert_non_null(strstr(err, "allowed_token_ids"));
+    sampler_params_default(&p);
+    p.bad_ids = oob, p.bad_lens = lens, p.n_bad = 1;
+    assert_null(sampler_init(&p, V, NULL, 0, err, sizeof err));
+    assert_non_null(strstr(err, "bad_words"));
+}
+
 static void test_invalid(void **st) {
     (void)st;
     sampler_params p;
@@ -374,6 +444,7 @@ int main(void) {
         cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_logprobs_and_stop),
         cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_logit_processors),
         cmocka_unit_test(test_plain_greedy),
         cmocka_unit_test(test_accept_drawn_continues_stream),
     };

@@ -187,8 +187,44 @@ static void test_stop_and_logprobs(void **state) {
                "between 0 and 20");
     expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"suffix\":\"s\"}", 400, "suffix",
                "not supported");
-    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"5\":1}}", 400, "logit_bias",
-               "not supported");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"a5\":1}}", 400, "logit_bias",
+               "must be an integer");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"5\":\"1\"}}", 400,
+               "logit_bias", "must be a number");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":[5]}", 400, "logit_bias",
+               "must be an object");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"allowed_token_ids\":[]}", 400,
+               "allowed_token_ids", "is empty");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"allowed_token_ids\":[1,-2]}", 400,
+               "allowed_token_ids", "non-negative");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"bad_words\":[\"a\",\"\"]}", 400, "bad_words",
+               "element 1");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"bad_words\":\"a\"}", 400, "bad_words",
+               "list of strings");
+}
+
+/* logit_bias (values clamped to [-100, 100] as vLLM), allowed_token_ids and bad_words reach
+ * the sampling parameters. */
+static void test_logit_processors(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+    assert_int_equal(parse(OAI_COMPLETIONS,
+                           "{\"prompt\":\"x\",\"logit_bias\":{\"5\":1.5,\"7\":-300},"
+                           "\"allowed_token_ids\":[5,7,9],\"bad_words\":[\" hi\",\"yo\"]}",
+                           &r, &e),
+                     0);
+    assert_int_equal(r.sampling.n_logit_bias, 2);
+    assert_int_equal(r.sampling.logit_bias_ids[0], 5);
+    assert_true(r.sampling.logit_bias[0] == 1.5f);
+    assert_int_equal(r.sampling.logit_bias_ids[1], 7);
+    assert_true(r.sampling.logit_bias[1] == -100.0f);
+    assert_int_equal(r.sampling.n_allowed_token_ids, 3);
+    assert_int_equal(r.sampling.allowed_token_ids[2], 9);
+    assert_int_equal(r.n_bad_words, 2);
+    assert_string_equal(r.bad_words[0], " hi");
+    assert_int_equal(r.sampling.n_bad_words, 0); /* tokenized by the server */
+    oai_request_free(&r);
 }
 
 static void test_stream_options(void **state) {
@@ -318,6 +354,7 @@ int main(void) {
         cmocka_unit_test(test_sampling_ranges),
         cmocka_unit_test(test_stop_and_logprobs),
         cmocka_unit_test(test_stream_options),
+        cmocka_unit_test(test_logit_processors),
         cmocka_unit_test(test_model_and_json),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_error_json),
