@@ -48,7 +48,7 @@ json_t *pd_prefill_body(const json_t *client, const char *transfer_id) {
     json_object_del(b, "min_tokens");
     json_object_del(b, "min_completion_tokens");
     /* n > 1: P prefills the prompt once; D decodes the n choices on its KV.
-     * best_of follows n (a server refuses best_of != n): P's copy drops it. */
+     * best_of (>= n) is D's: P's copy drops it. */
     if (json_object_get(b, "n")) json_object_set_new(b, "n", json_integer(1));
     json_object_del(b, "best_of");
     json_object_set_new(b, "kv_transfer_params",
@@ -124,9 +124,9 @@ int pd_check_client_body(const json_t *b, int chat, char *param, size_t pcap, ch
     CHECK_INT("n", 1, INT32_MAX, &n);
     rc = check_int(b, "best_of", 1, INT32_MAX, &best_of, param, pcap, msg, mcap);
     if (rc < 0) return rc;
-    if (rc == 1 && best_of != n) /* P's copy drops it, D would refuse it */
-        return refuse(param, pcap, msg, mcap, "best_of",
-                      "'best_of' must equal 'n' (%lld); best-of sampling is not supported", n);
+    if (rc == 1 && best_of < n) /* P's copy drops it, D would refuse it */
+        return refuse(param, pcap, msg, mcap, "best_of", "'best_of' (%lld) must be at least 'n' (%lld)",
+                      best_of, n);
     CHECK_INT("max_tokens", 1, INT32_MAX, &max_tokens);
     if (chat) CHECK_INT("max_completion_tokens", 1, INT32_MAX, &max_tokens); /* it wins */
     CHECK_INT("min_tokens", 0, INT32_MAX, &min_tokens);
@@ -149,6 +149,11 @@ int pd_check_client_body(const json_t *b, int chat, char *param, size_t pcap, ch
             return refuse(param, pcap, msg, mcap, "stream_options",
                           "'stream_options' can only be set when 'stream' is true");
     }
+    if (stream && best_of > n)
+        return refuse(param, pcap, msg, mcap, "best_of",
+                      "'best_of' (%lld) greater than 'n' (%lld) cannot be streamed: the best "
+                      "sequences are known only at the end; accepted with stream: best_of equal to n",
+                      best_of, n);
     const json_t *plp = json_object_get(b, "prompt_logprobs");
     if (stream && plp && !json_is_null(plp))
         return refuse(param, pcap, msg, mcap, "prompt_logprobs",

@@ -34,7 +34,7 @@ int pd_check_client_body(const json_t *body, int chat, char *param, size_t pcap,
                          size_t mcap);
 
 /* The prefill body (new reference) for client body `client`: n 1 and no
- * best_of (P prefills once), also without min_tokens /
+ * best_of (P prefills once; D generates the best_of sequences), also without min_tokens /
  * min_completion_tokens, which a 1-token request cannot honour. */
 json_t *pd_prefill_body(const json_t *client, const char *transfer_id);
 /* The decode body (new reference). */

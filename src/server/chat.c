@@ -119,6 +119,7 @@ static json_t *chat_build(gen_req *r) {
     reasoning_kind rk = (reasoning_kind)r->s->cfg.reasoning_parser;
     for (int i = 0; i < r->n_ch; i++) {
         gen_choice *c = &r->ch[i];
+        if (c->dropped) continue;
         const char *all = c->text.data ? c->text.data : "";
         reasoning_split sp;
         reasoning_split_final(rk, all, c->text.len, &sp);

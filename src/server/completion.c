@@ -58,6 +58,7 @@ static json_t *cmpl_build(gen_req *r) {
     json_t *choices = json_array();
     for (int i = 0; i < r->n_ch; i++) {
         gen_choice *c = &r->ch[i];
+        if (c->dropped) continue;
         json_array_append_new(choices, oai_completion_choice(c->index, c->text.data, c->text.len,
                                                              cmpl_logprobs(c), c->finish_reason,
                                                              json_incref(c->stop_reason),

@@ -252,15 +252,37 @@ void gen_send_chunk(gen_req *r, sbuf *sse) {
 
 void gen_usage(const gen_req *r, oai_usage *u) {
     memset(u, 0, sizeof *u);
-    int n = r->o.n;
     for (int p = 0; p < r->n_prompts; p++)
         u->prompt_tokens += r->n_pids[p];
-    for (int i = 0; i < r->n_ch; i++) {
+    for (int i = 0; i < r->n_ch; i++) { /* every sequence generated, also best_of's dropped */
         u->completion_tokens += r->ch[i].n_tokens;
-        if (i % n == 0) u->cached_tokens += r->ch[i].n_cached;
+        if (r->ch[i].seq == 0) u->cached_tokens += r->ch[i].n_cached;
         if (r->ch[i].kv_role) u->kv_transfer = true;
         u->received_tokens += r->ch[i].n_kv_received;
         u->computed_tokens += r->ch[i].n_prompt_computed;
+    }
+}
+
+static int cmp_best(const void *a, const void *b) {
+    const gen_choice *x = a, *y = b;
+    if (x->prompt != y->prompt) return x->prompt - y->prompt;
+    if (x->cum_logprob != y->cum_logprob) return x->cum_logprob > y->cum_logprob ? -1 : 1;
+    return x->seq - y->seq;
+}
+
+/* best_of > n (vLLM's): per prompt, the n sequences of highest cumulative logprob (ties: the
+ * earlier sequence) become choices p * n .. p * n + n - 1 in that order; the others are
+ * dropped from the response (their tokens still count in usage).  The choices are reordered
+ * so: every engine callback has ended. */
+static void gen_choose_best_of(gen_req *r) {
+    int n = r->o.n, k = r->o.best_of;
+    if (k <= n) return;
+    qsort(r->ch, (size_t)r->n_ch, sizeof *r->ch, cmp_best);
+    for (int i = 0; i < r->n_ch; i++) {
+        gen_choice *c = &r->ch[i];
+        int rank = i % k;
+        c->dropped = rank >= n;
+        c->index = c->prompt * n + rank;
     }
 }
 
@@ -307,6 +329,7 @@ static void gen_complete(gen_req *r) {
     } else if (r->has_err) {
         server_reply_error(r->http, &r->err, r->x_request_id);
     } else {
+        gen_choose_best_of(r);
         json_t *body = r->ops->build_response(r);
         if (body)
             server_reply_json(r->http, 200, body, r->x_request_id);
@@ -377,11 +400,11 @@ static int gen_submit(gen_req *r, gen_choice *c, bool with_kv) {
     p.n_stop_token_ids = r->o.n_stop_token_ids;
     p.sampling = r->o.sampling;
     /* choice i of a prompt samples with seed + i, here and on every instance */
-    if (p.sampling.has_seed) p.sampling.seed += (uint64_t)(c->index % r->o.n);
+    if (p.sampling.has_seed) p.sampling.seed += (uint64_t)c->seq;
     p.request_id = r->id;
     p.kv_transfer_params = with_kv ? r->kv_params_text : NULL;
     p.first_token_handoff_ok =
-        r->o.n == 1; /* n > 1: choice 0 recomputes (its siblings share its blocks) */
+        r->o.best_of == 1; /* n > 1: choice 0 recomputes (its siblings share its blocks) */
     p.grammar = r->constraint;
     char err[512] = "";
     int rc = engine_submit(r->s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
@@ -440,6 +463,7 @@ static void gen_on_token(gen_choice *c, const engine_token *t) {
     }
     c->t_last = now;
     c->n_tokens++;
+    c->cum_logprob += t->logprob;
     gen_add_logprobs(c, t);
     size_t before = c->text.len;
     detok_stream_set_stops(&c->ds, c->n_tokens >= r->o.min_tokens);
@@ -478,7 +502,7 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     q.n_prompt = g->n_prompt;
     q.n_generated = c->n_tokens; /* as usage.completion_tokens */
     q.max_tokens_param = r->o.max_tokens;
-    q.n_param = r->o.n > 0 && c->index % r->o.n == 0 ? r->o.n : 0; /* once per prompt */
+    q.n_param = c->seq == 0 ? r->o.n : 0; /* once per prompt */
     q.n_cached = g->n_cached;
     q.n_kv_received = g->n_kv_recv;
     q.remote_prefill = g->kv_role == KV_REQ_REMOTE_PREFILL;
@@ -669,7 +693,7 @@ void gen_start(gen_req *r) {
             }
         if (gen_check_lengths(r, p, &max_tokens[p])) goto fail;
     }
-    r->n_ch = r->n_prompts * r->o.n;
+    r->n_ch = r->n_prompts * r->o.best_of;
     r->ch = calloc((size_t)r->n_ch, sizeof *r->ch);
     if (!r->ch) {
         oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
@@ -678,8 +702,9 @@ void gen_start(gen_req *r) {
     for (int i = 0; i < r->n_ch; i++) {
         gen_choice *c = &r->ch[i];
         c->r = r;
-        c->index = i;
-        c->prompt = i / r->o.n;
+        c->index = i; /* best_of > n: renumbered when the n best are chosen */
+        c->prompt = i / r->o.best_of;
+        c->seq = i % r->o.best_of;
         c->max_tokens = max_tokens[c->prompt];
         sbuf_init(&c->text, (size_t)1 << 30);
         if (sbuf_append(&c->text, "", 0)) { /* text.data is never NULL from here on */

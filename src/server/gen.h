@@ -27,6 +27,9 @@ typedef int (*gen_prepare_fn)(server *s, gen_req *r, const char *body, size_t le
 typedef struct gen_choice {
     gen_req *r;                /* owner */
     int index;                 /* choice index in the response */
+    int seq;                   /* sequence index within its prompt, 0 .. best_of - 1 */
+    bool dropped;              /* best_of > n: not among the n best (not in the response) */
+    double cum_logprob;        /* sum of its tokens' logprobs (best_of ranks by it) */
     int prompt;                /* which prompt it continues */
     uint64_t eid;              /* engine request id */
     bool submitted;            /* engine_submit succeeded: a FINISHED event will come */

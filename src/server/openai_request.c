@@ -632,11 +632,11 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     if (get_int(root, "n", 1, OAI_MAX_N, &r->n, err) < 0) goto out;
     long long best_of = 0;
     if (get_i64(root, "best_of", 1, OAI_MAX_N, &best_of, err) < 0) goto out;
-    if (best_of && best_of != r->n) {
-        bad(err, "best_of", "'best_of' must equal 'n' (%d); best-of sampling is not supported",
-            r->n);
+    if (best_of && best_of < r->n) {
+        bad(err, "best_of", "'best_of' (%lld) must be at least 'n' (%d)", best_of, r->n);
         goto out;
     }
+    r->best_of = best_of ? (int)best_of : r->n;
     if (get_int(root, "min_tokens", 0, INT32_MAX, &r->min_tokens, err) < 0) goto out;
     if (r->max_tokens > 0 && r->min_tokens > r->max_tokens) {
         bad(err, "min_tokens", "'min_tokens' (%d) must be at most max_tokens (%d)", r->min_tokens,
@@ -655,6 +655,12 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     if (get_bool(root, "include_stop_str_in_output", &r->include_stop_str_in_output, err) < 0)
         goto out;
     if (get_bool(root, "add_special_tokens", &r->add_special_tokens, err) < 0) goto out;
+    if (r->stream && r->best_of > r->n) {
+        bad(err, "best_of", "'best_of' (%d) greater than 'n' (%d) cannot be streamed: the best "
+            "sequences are known only at the end; accepted with stream: best_of equal to n",
+            r->best_of, r->n);
+        goto out;
+    }
     if (r->stream && r->prompt_logprobs >= 0) {
         bad(err, "prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true");
         goto out;
@@ -674,6 +680,8 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
     int plp = r->prompt_logprobs;
     if (r->echo && r->logprobs >= 0 && r->logprobs > plp) plp = r->logprobs;
     r->sampling.prompt_logprobs = plp;
+    /* best_of > n ranks the sequences by cumulative logprob: each token's is needed */
+    if (r->best_of > r->n && r->sampling.logprobs < 0) r->sampling.logprobs = 0;
     r->body = json_incref(root);
     rc = 0;
 out:

@@ -88,6 +88,8 @@ typedef struct oai_request {
     bool parse_tool_calls;           /* chat: tools given and tool_choice is "auto" */
     bool add_special_tokens;         /* tokenizer's bos/eos (completions: true, chat: false) */
     int n;                           /* choices per prompt */
+    int best_of;                     /* sequences generated per prompt (>= n): the n of highest
+                                        cumulative logprob are returned (vLLM's best_of) */
     int max_tokens;                  /* -1: as many as max_model_len allows */
     int min_tokens;                  /* eos/stop ignored before this many tokens */
     bool ignore_eos;                 /* keep generating past eos */

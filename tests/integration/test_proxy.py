@@ -250,7 +250,7 @@ def test_both_reject_client_gets_the_prefills_status_in_either_order(doubles, pr
 
 
 def test_n_and_best_of_prefill_copy_drops_best_of(doubles, proxy_factory):
-    """P's copy has n 1, so best_of (which a server wants equal to n) goes
+    """P's copy has n 1, so best_of (D's: it generates the best_of sequences) goes
     too; D gets both unchanged."""
     p, d, px = pd(doubles, proxy_factory)
     body = {"model": "m", "prompt": "x", "max_tokens": 3, "n": 2, "best_of": 2}
@@ -268,7 +268,8 @@ BAD_BODIES = [  # (path, body, param, words in the message): what P's copy rewri
     ("/v1/completions", {"prompt": "x", "n": 1.5}, "n", ["'n'", "a number"]),
     ("/v1/completions", {"prompt": "x", "n": "2"}, "n", ["'n'", "a string"]),
     ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of", ["'best_of'", "(2)"]),
-    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of", ["'best_of'", "(2)"]),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3, "stream": True}, "best_of",
+     ["'best_of'", "cannot be streamed"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ["'max_tokens'", "got 0"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens", ["'max_tokens'", "got -1"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, "max_tokens", ["'max_tokens'", "a number"]),

@@ -249,6 +249,23 @@ def test_n_and_best_of_through_the_proxy(stack, colocated):
     assert len(got.choices) == 2
 
 
+def test_best_of_greater_than_n(stack, colocated):
+    """best_of 4, n 2 (vLLM's best_of): the two of the four seeded sequences with the highest
+    cumulative logprob, in that order -- the same four sequences n 4 returns (choice i samples
+    with seed + i) ranked here by the sums of their token logprobs; through the proxy (D
+    generates them) equal to colocated; usage counts all four."""
+    _, _, px = stack
+    base = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=77)
+    four = client(colocated.url).completions.create(n=4, logprobs=0, **base)
+    ranked = sorted(four.choices, key=lambda c: (-sum(c.logprobs.token_logprobs), c.index))
+    assert len({c.text for c in four.choices}) > 1
+    for url in (colocated.url, px.url):
+        got = client(url).completions.create(n=2, extra_body={"best_of": 4}, **base)
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [c.text for c in ranked[:2]]
+        assert got.usage.completion_tokens == four.usage.completion_tokens
+        assert all(c.logprobs is None for c in got.choices)  # not asked for
+
+
 def test_request_d_would_refuse_never_reaches_p(stack):
     """Fields P's copy rewrites (n, max_tokens, ...) are refused by the proxy
     with the server's 400 body shape and param, and P never gets the request (so it holds no
@@ -256,7 +273,7 @@ def test_request_d_would_refuse_never_reaches_p(stack):
     p, d, px = stack
     key = f'disagg_proxy_backend_requests_total{{role="prefill",backend="{p.url}"}}'
     before = px.metrics()[key]
-    for field, value in (("n", 0), ("max_tokens", 0), ("best_of", 3)):
+    for field, value in (("n", 0), ("max_tokens", 0), ("best_of", 0)):
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, field: value}
         direct = requests.post(d.url + "/v1/completions", json=body, timeout=TIMEOUT)
         r = requests.post(px.url + "/v1/completions", json=body, timeout=TIMEOUT)

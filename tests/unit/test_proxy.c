@@ -105,7 +105,9 @@ static void test_client_body_checks(void **state) {
     expect_refused("{\"prompt\":\"x\",\"n\":true}", 0, "n", "got a boolean");
     expect_refused("{\"prompt\":\"x\",\"n\":2.5}", 0, "n", "got a number");
     expect_refused("{\"prompt\":\"x\",\"n\":2,\"best_of\":1}", 0, "best_of",
-                   "'best_of' must equal 'n' (2)");
+                   "'best_of' (1) must be at least 'n' (2)");
+    expect_refused("{\"prompt\":\"x\",\"best_of\":2,\"stream\":true}", 0, "best_of",
+                   "cannot be streamed");
     expect_refused("{\"prompt\":\"x\",\"best_of\":0}", 0, "best_of", "got 0");
     expect_refused("{\"prompt\":\"x\",\"max_tokens\":0}", 0, "max_tokens", "between 1 and");
     expect_refused("{\"prompt\":\"x\",\"max_tokens\":\"5\"}", 0, "max_tokens", "got a string");

@@ -151,8 +151,10 @@ static void test_sampling_ranges(void **state) {
     expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"seed\":\"1\"}", 400, "seed", "integer");
     expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"ignore_eos\":1}", 400, "ignore_eos",
                "boolean");
-    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"best_of\":2}", 400, "best_of",
-               "must equal 'n'");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":3,\"best_of\":2}", 400, "best_of",
+               "must be at least 'n' (3)");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"best_of\":2,\"stream\":true}", 400,
+               "best_of", "cannot be streamed");
 }
 
 static void test_stop_and_logprobs(void **state) {
