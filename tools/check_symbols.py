@@ -19,7 +19,7 @@ belongs to transfer).  One `nm` over all of them lists the global defined symbol
 
 Exceptions live in tools/symbols_allow.txt (a symbol, then why, one a line); an entry that is
 no longer needed fails the check too, so the list shows what is left to rename.  Exits 1
-naming each offender (its library, object file, what is wrong and how to fix it)."""
+naming each offender (its source file and library, what is wrong and how to fix it)."""
 import re
 import subprocess
 import sys
@@ -86,17 +86,20 @@ def main():
     syms = []
     for line in out.splitlines():
         m = re.match(r"(.*)/libdisagg_(\w+)\.a\[(.+?)\.o\]: (\S+) ([A-Za-z])", line)
-        if m and m.group(5) not in "UwvN":
+        # names starting with "__" are the implementation's (gcc's ASan: __odr_asan.NAME)
+        if m and m.group(5) not in "UwvN" and not m.group(4).startswith("__"):
             syms.append((m.group(2), m.group(3), m.group(4)))
 
     allow = read_allow()
     layers = sorted({s[0] for s in syms})
-    info = {}
+    info, sources = {}, {}
     for layer in layers:
         if not (ROOT / "src" / layer).is_dir():
             sys.exit(f"check_symbols: libdisagg_{layer}.a has no src/{layer}/ (a new library? "
                      f"add it to this script's PREFIXES)")
         hs, names = headers_of(layer)
+        for f in (ROOT / "src" / layer).rglob("*.c"):
+            sources[(layer, f.name)] = str(f.relative_to(ROOT))
         prefixes = sorted({h.stem + "_" for h in hs} | {h.stem.split("_")[0] + "_" for h in hs}
                           | set(PREFIXES.get(layer, [])))
         info[layer] = (names, prefixes)
@@ -105,7 +108,7 @@ def main():
     bad, allowed_used = [], set()
     for layer, obj, sym in syms:
         names, prefixes = info[layer]
-        where = f"libdisagg_{layer}.a ({obj})"
+        where = f"{sources.get((layer, obj), obj)} (libdisagg_{layer}.a)"
         problems = []
         if sym in owner and owner[sym] != layer:
             problems.append(f"also defined by libdisagg_{owner[sym]}.a: one of them renames it")
