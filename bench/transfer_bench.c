@@ -5,8 +5,9 @@
  *
  * Modes:
  *   --mode target      registers one buffer filled with a known pattern, prints
- *                      "disagg-bench-target segment=IP:PORT addr=0x.. length=N
- *                      pid=P protocol=tcp" on stdout and serves until SIGINT/TERM.
+ *                      the target ready line (transfer_bench.h: one JSON object,
+ *                      {"segment","pid","buffers":[{"addr","length"}],...}) on
+ *                      stdout and serves until SIGINT/TERM.
  *   --mode initiator   opens --segment-id and runs the sweep against it.
  *   (no --mode)        single command: for each protocol, fork+exec
  *                      /proc/self/exe as a target, read its line from a pipe,
@@ -27,6 +28,7 @@
  */
 #include "base/auth.h"
 #include "base/bytesize.h"
+#include "base/flags.h"
 #include "bench/bench.h"
 #include "bench/transfer_bench.h"
 #include "disagg/transfer.h"
@@ -91,144 +93,132 @@ static const char *tb_op_name(transfer_opcode op) {
     return op == TRANSFER_READ ? "read" : "write";
 }
 
-static void tb_usage(FILE *f) {
-    fprintf(
-        f,
-        "usage: disagg bench transfer [options]\n"
-        "\n"
-        "Throughput and latency of the transfer engine, like Mooncake's transfer_engine_bench.\n"
-        "Without --mode it runs both ends itself: it forks a target (this binary with\n"
-        "--mode target), reads the target's segment name and buffer address from a pipe,\n"
-        "and sweeps the block sizes against it.\n"
-        "\n"
-        "options (also accepted as --name=value and with '_' for '-'):\n"
-        "  --mode target|initiator  run one end only (default: both, single command)\n"
-        "  --protocol P         tcp, shm, or a list \"tcp,shm\" (default tcp); target: one\n"
-        "  --operation O        read, write, or \"read,write\" (default read)\n"
-        "  --block-size S       one size or a list \"4K,1M\" (default 4K,16K,64K,256K,1M,4M,\n"
-        "                       16M,64M); sizes take K, M, G, T suffixes (1K = 1024)\n"
-        "  --batch-size N       requests per batch, 1..65536 (default 128); capped per block\n"
-        "                       size so that threads x batch x block fits half the buffer\n"
-        "  --threads N          submitting threads, 1..64 (default 1)\n"
-        "  --duration T         seconds per block size: 1, 0.5, 2s, 500ms; > 0 (default 1)\n"
-        "  --rounds N           split each size's time into N rounds, 1..9 (default 3): the\n"
-        "                       engine and its ceilings alternate round by round and each\n"
-        "                       reports its best round (the machine may be shared); batch\n"
-        "                       latencies are pooled over all rounds\n"
-        "  --device-name LIST   comma-separated interfaces for the engine's tcp paths\n"
-        "                       (default: none given, the engine's default)\n"
-        "  --local-hostname IP  address the engines advertise (default: 127.0.0.1 in\n"
-        "                       single-command mode, else the engine's choice)\n"
-        "  --segment-id IP:PORT initiator: the target's segment name (required there)\n"
-        "  --port N             target: handshake port (default 0, ephemeral)\n"
-        "  --buffer-size S      target buffer (default 512M; single-command mode grows it\n"
-        "                       to 2 x threads x largest block); READs use its first half,\n"
-        "                       WRITEs its second half\n"
-        "  --verify             check every byte moved: the target's buffer holds a known\n"
-        "                       pattern, READs compare with it, WRITEs are read back and\n"
-        "                       compared; mismatches are reported and the exit status is 1.\n"
-        "                       The timed loop then includes the checking.\n"
-        "  --hugepages on|off   back every buffer (the target's, the initiator's, the ceilings')\n"
-        "                       with transparent huge pages (MADV_HUGEPAGE) or 4 KiB pages\n"
-        "                       (default on)\n"
-        "  --json               print the results as one JSON object on stdout instead of tables\n"
-        "  --location cuda:N    device memory on both sides (cuda_ipc and staged tcp against\n"
-        "                       their ceilings; its own options: --location cuda:0 --help)\n"
-        "  --no-ceilings        measure the engine only (no memcpy/socket loops, no ratios):\n"
-        "                       for profiling it with perf\n"
-        "  -h, --help           this text\n"
-        "\n"
-        "Per block size: GB/s (10^9 bytes/s), ops/s, p50/p99 latency of one batch (submit to\n"
-        "all completed), then ceilings measured right after at the same block size and memory\n"
-        "footprint: single-thread memcpy GB/s, and for tcp a plain blocking loopback socket\n"
-        "request/response loop (one connection: 24-byte header + block for write, 24-byte\n"
-        "header then 8 + block bytes back for read), and the engine's ratio to its ceiling\n"
-        "(tcp: socket loop; shm: memcpy).  Once per protocol, a streaming memcpy (1 MiB blocks\n"
-        "over 64 MiB, beyond the caches) is measured too; the shm targets show the ratio to it\n"
-        "beside the verdict.  Then the single-request round trip (4 KiB, batch 1, one thread)\n"
-        "and the issue-2 targets, PASS or MISS: shm >= 64 KiB at >= 80%% of memcpy, tcp >= 1 MiB\n"
-        "at >= 80%% of the socket loop, 4 KiB requests/s >= 60k (tcp) / 200k (shm), tcp\n"
-        "single-request round trip p50 <= 40 us.\n"
-        "\n"
-        "examples:\n"
-        "  disagg bench transfer --protocol tcp,shm --operation read,write\n"
-        "  disagg bench transfer --protocol shm --block-size 1M --duration 3 --verify\n"
-        "  disagg bench transfer --mode target --protocol tcp --local-hostname 10.0.0.2\n"
-        "  disagg bench transfer --mode initiator --segment-id 10.0.0.2:40123 --threads 2\n"
-        "\n"
-        "exit status: 0 done (targets missed are reported, not failures), 1 engine error or\n"
-        "verification mismatch, 2 bad options.\n");
-}
+#define TB_USAGE                                                                                   \
+    "usage: disagg bench transfer [options]\n"                                                     \
+    "\n"                                                                                           \
+    "Throughput and latency of the transfer engine, like Mooncake's transfer_engine_bench.\n"      \
+    "Without --mode it runs both ends itself: it forks a target (this binary with\n"               \
+    "--mode target), reads the target's ready line (its segment name and buffer address)\n"        \
+    "from a pipe, and sweeps the block sizes against it.\n"                                        \
+    "\n"                                                                                           \
+    "options (also accepted as --name=value and with '_' for '-'):\n"
 
-static int tb_bad(const char *opt, const char *val, const char *accepted) {
-    fprintf(stderr, "disagg bench transfer: bad %s '%s': expected %s (see --help)\n", opt, val,
-            accepted);
-    return 2;
-}
+#define TB_EPILOG                                                                                  \
+    "\n"                                                                                           \
+    "Per block size: GB/s (10^9 bytes/s), ops/s, p50/p99 latency of one batch (submit to\n"        \
+    "all completed), then ceilings measured right after at the same block size and memory\n"       \
+    "footprint: single-thread memcpy GB/s, and for tcp a plain blocking loopback socket\n"         \
+    "request/response loop (one connection: 24-byte header + block for write, 24-byte\n"           \
+    "header then 8 + block bytes back for read), and the engine's ratio to its ceiling\n"          \
+    "(tcp: socket loop; shm: memcpy).  Once per protocol, a streaming memcpy (1 MiB blocks\n"      \
+    "over 64 MiB, beyond the caches) is measured too; the shm targets show the ratio to it\n"      \
+    "beside the verdict.  Then the single-request round trip (4 KiB, batch 1, one thread)\n"       \
+    "and the issue-2 targets, PASS or MISS: shm >= 64 KiB at >= 80% of memcpy, tcp >= 1 MiB\n"     \
+    "at >= 80% of the socket loop, 4 KiB requests/s >= 60k (tcp) / 200k (shm), tcp\n"              \
+    "single-request round trip p50 <= 40 us.\n"                                                    \
+    "\n"                                                                                           \
+    "examples:\n"                                                                                  \
+    "  disagg bench transfer --protocol tcp,shm --operation read,write\n"                          \
+    "  disagg bench transfer --protocol shm --block-size 1M --duration 3 --verify\n"               \
+    "  disagg bench transfer --mode target --protocol tcp --local-hostname 10.0.0.2\n"             \
+    "  disagg bench transfer --mode initiator --segment-id 10.0.0.2:40123 --threads 2\n"           \
+    "\n"                                                                                           \
+    "exit status: 0 done (targets missed are reported, not failures), 1 engine error or\n"         \
+    "verification mismatch, 2 bad options.\n"
 
 #define TB_SIZE_FORMS "sizes of 1..1G bytes: " BYTESIZE_FORMS
 
-/* Parse a comma list with one item parser; returns the count or -1. */
-static int tb_parse_protocols(const char *s, tb_options *o) {
+/* --protocol: tcp, shm, or the list "tcp,shm". */
+static int tb_flag_protocols(flags_parser *p, const flag_def *d, const char *s) {
+    tb_options *o = d->dst;
     char buf[64];
-    if (strlen(s) >= sizeof buf) return -1;
-    strcpy(buf, s);
+    int ok = strlen(s) < sizeof buf;
     o->nprotocols = 0;
-    for (char *save, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        transfer_protocol p;
-        if (!strcmp(t, "tcp"))
-            p = TRANSFER_PROTO_TCP;
-        else if (!strcmp(t, "shm"))
-            p = TRANSFER_PROTO_SHM;
-        else
-            return -1;
-        for (int i = 0; i < o->nprotocols; i++)
-            if (o->protocols[i] == p) return -1;
-        if (o->nprotocols == 2) return -1;
-        o->protocols[o->nprotocols++] = p;
+    if (ok) strcpy(buf, s);
+    for (char *save, *t = ok ? strtok_r(buf, ",", &save) : NULL; t && ok;
+         t = strtok_r(NULL, ",", &save)) {
+        transfer_protocol pr = !strcmp(t, "tcp") ? TRANSFER_PROTO_TCP : TRANSFER_PROTO_SHM;
+        ok = (!strcmp(t, "tcp") || !strcmp(t, "shm")) && o->nprotocols < 2 &&
+             !(o->nprotocols && o->protocols[0] == pr);
+        if (ok) o->protocols[o->nprotocols++] = pr;
     }
-    return o->nprotocols ? 0 : -1;
+    if (ok && o->nprotocols) return 0;
+    flags_error(p, "--protocol '%s' is not accepted; accepted: tcp, shm, or the list tcp,shm", s);
+    return -1;
 }
 
-static int tb_parse_operations(const char *s, tb_options *o) {
+/* --operation: read, write, or the list "read,write". */
+static int tb_flag_operations(flags_parser *p, const flag_def *d, const char *s) {
+    tb_options *o = d->dst;
     char buf[64];
-    if (strlen(s) >= sizeof buf) return -1;
-    strcpy(buf, s);
+    int ok = strlen(s) < sizeof buf;
     o->noperations = 0;
-    for (char *save, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        transfer_opcode op;
-        if (!strcmp(t, "read"))
-            op = TRANSFER_READ;
-        else if (!strcmp(t, "write"))
-            op = TRANSFER_WRITE;
-        else
-            return -1;
-        for (int i = 0; i < o->noperations; i++)
-            if (o->operations[i] == op) return -1;
-        if (o->noperations == 2) return -1;
-        o->operations[o->noperations++] = op;
+    if (ok) strcpy(buf, s);
+    for (char *save, *t = ok ? strtok_r(buf, ",", &save) : NULL; t && ok;
+         t = strtok_r(NULL, ",", &save)) {
+        transfer_opcode op = !strcmp(t, "read") ? TRANSFER_READ : TRANSFER_WRITE;
+        ok = (!strcmp(t, "read") || !strcmp(t, "write")) && o->noperations < 2 &&
+             !(o->noperations && o->operations[0] == op);
+        if (ok) o->operations[o->noperations++] = op;
     }
-    return o->noperations ? 0 : -1;
+    if (ok && o->noperations) return 0;
+    flags_error(
+        p, "--operation '%s' is not accepted; accepted: read, write, or the list read,write", s);
+    return -1;
 }
 
-/* Returns 0, or 2 after printing which item is bad. */
-static int tb_parse_blocks(const char *s, tb_options *o) {
+/* --block-size: one size or a comma list of at most TB_MAX_BLOCKS, each 1..1G (the tcp
+ * protocol's limit). */
+static int tb_flag_blocks(flags_parser *p, const flag_def *d, const char *s) {
+    tb_options *o = d->dst;
     char buf[512];
-    if (strlen(s) >= sizeof buf) return tb_bad("--block-size", s, "at most 511 characters");
-    strcpy(buf, s);
     o->nblocks = 0;
-    if (!*s || s[0] == ',' || s[strlen(s) - 1] == ',' || strstr(s, ",,"))
-        return tb_bad("--block-size", s,
-                      TB_SIZE_FORMS " (a list separates sizes by single commas)");
+    if (strlen(s) >= sizeof buf) {
+        flags_error(p, "--block-size '%.40s...' is not accepted; accepted: at most 511 characters",
+                    s);
+        return -1;
+    }
+    if (!*s || s[0] == ',' || s[strlen(s) - 1] == ',' || strstr(s, ",,")) {
+        flags_error(p,
+                    "--block-size '%s' is not accepted; accepted: " TB_SIZE_FORMS
+                    " (a list separates sizes by single commas)",
+                    s);
+        return -1;
+    }
+    strcpy(buf, s);
     for (char *save, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
         size_t v;
-        /* at most 1G: the tcp protocol's limit */
-        if (tb_parse_size("--block-size", t, 1, 1ull << 30, &v)) return 2;
-        if (o->nblocks == TB_MAX_BLOCKS)
-            return tb_bad("--block-size", s, "a list of at most 32 sizes");
+        if (tb_parse_size("--block-size", t, 1, 1ull << 30, &v)) return -1;
+        if (o->nblocks == TB_MAX_BLOCKS) {
+            flags_error(p,
+                        "--block-size '%s' is not accepted; accepted: a list of at most %d sizes",
+                        s, TB_MAX_BLOCKS);
+            return -1;
+        }
         o->blocks[o->nblocks++] = v;
     }
     return 0;
+}
+
+static int tb_flag_duration(flags_parser *p, const flag_def *d, const char *s) {
+    if (!tb_parse_duration(s, d->dst)) return 0;
+    flags_error(p,
+                "--duration '%s' is not accepted; accepted: seconds > 0 and <= 3600: a number "
+                "with an optional s or ms suffix, e.g. 1, 0.5, 2s, 500ms",
+                s);
+    return -1;
+}
+
+/* A check after a string is stored: not empty (--device-name, --local-hostname), with a port
+ * (--segment-id). */
+static int tb_flag_nonempty(flags_parser *p, const flag_def *d, const char *s) {
+    const char *what =
+        !strcmp(d->name, "--segment-id")    ? "the target's segment name IP:PORT or [IPv6]:PORT"
+        : !strcmp(d->name, "--device-name") ? "interface names such as lo or eth0,eth1"
+                                            : "an IP address";
+    if (*s && (strcmp(d->name, "--segment-id") || strchr(s, ':'))) return 0;
+    flags_error(p, "%s '%s' is not accepted; accepted: %s", d->name, s, what);
+    return -1;
 }
 
 /* Returns -1 to go on, or the exit status (0 after --help, 2 on a bad option). */
@@ -246,138 +236,81 @@ static int tb_parse_args(int argc, char **argv, tb_options *o) {
     o->batch = 128;
     o->threads = 1;
     o->rounds = 3;
-    o->hugepages = true;
     o->duration = 1.0;
     o->buffer_size = TB_DEFAULT_BUFFER;
-    bool mode_given = false, port_given = false, segment_given = false;
-
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (!strcmp(arg, "-h") || !strcmp(arg, "--help")) {
-            tb_usage(stdout);
-            return 0;
-        }
-        if (strncmp(arg, "--", 2) || !arg[2]) {
-            fprintf(stderr,
-                    "disagg bench transfer: unexpected argument '%s'; options start with '--' "
-                    "(see --help)\n",
-                    arg);
-            return 2;
-        }
-        /* name without "--", '_' -> '-', split at '=' */
-        char name[64];
-        const char *eq = strchr(arg, '=');
-        size_t nlen = eq ? (size_t)(eq - arg - 2) : strlen(arg + 2);
-        if (nlen >= sizeof name) nlen = sizeof name - 1;
-        for (size_t k = 0; k < nlen; k++)
-            name[k] = arg[2 + k] == '_' ? '-' : arg[2 + k];
-        name[nlen] = 0;
-        if (!strcmp(name, "verify") || !strcmp(name, "json") || !strcmp(name, "no-ceilings")) {
-            if (eq) {
-                fprintf(stderr, "disagg bench transfer: --%s takes no value (got '%s')\n", name,
-                        eq + 1);
-                return 2;
-            }
-            if (!strcmp(name, "verify"))
-                o->verify = true;
-            else if (!strcmp(name, "json"))
-                o->json = true;
-            else
-                o->no_ceilings = true;
-            continue;
-        }
-        static const char *const with_value[] = {
-            "mode",    "protocol", "operation",   "block-size",     "batch-size",
-            "threads", "duration", "device-name", "local-hostname", "segment-id",
-            "port",    "rounds",   "buffer-size", "hugepages"};
-        bool known = false;
-        for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
-            if (!strcmp(name, with_value[k])) known = true;
-        if (!known) {
-            fprintf(
-                stderr,
-                "disagg bench transfer: unknown option '%s'; accepted: --mode, --protocol, "
-                "--operation, --block-size, --batch-size, --threads, --duration, "
-                "--device-name, --local-hostname, --segment-id, --port, --buffer-size, --rounds, "
-                "--hugepages, "
-                "--verify, --json, --no-ceilings, --help\n",
-                arg);
-            return 2;
-        }
-        const char *val = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
-        if (!val) {
-            fprintf(stderr, "disagg bench transfer: --%s needs a value (see --help)\n", name);
-            return 2;
-        }
-        long v;
-        int rc;
-        if (!strcmp(name, "mode")) {
-            if (!strcmp(val, "target"))
-                o->mode = TB_MODE_TARGET;
-            else if (!strcmp(val, "initiator"))
-                o->mode = TB_MODE_INITIATOR;
-            else
-                return tb_bad("--mode", val, "target or initiator (leave it out to run both)");
-            mode_given = true;
-        } else if (!strcmp(name, "protocol")) {
-            if (tb_parse_protocols(val, o))
-                return tb_bad("--protocol", val, "tcp, shm, or the list tcp,shm");
-        } else if (!strcmp(name, "operation")) {
-            if (tb_parse_operations(val, o))
-                return tb_bad("--operation", val, "read, write, or the list read,write");
-        } else if (!strcmp(name, "block-size")) {
-            if ((rc = tb_parse_blocks(val, o))) return rc;
-        } else if (!strcmp(name, "batch-size")) {
-            if (tb_parse_int(val, 1, 65536, &v))
-                return tb_bad("--batch-size", val, "an integer from 1 to 65536");
-            o->batch = v;
-        } else if (!strcmp(name, "threads")) {
-            if (tb_parse_int(val, 1, 64, &v))
-                return tb_bad("--threads", val, "an integer from 1 to 64");
-            o->threads = v;
-        } else if (!strcmp(name, "hugepages")) {
-            if (!strcmp(val, "on"))
-                o->hugepages = true;
-            else if (!strcmp(val, "off"))
-                o->hugepages = false;
-            else
-                return tb_bad("--hugepages", val, "on or off");
-        } else if (!strcmp(name, "rounds")) {
-            if (tb_parse_int(val, 1, TB_MAX_ROUNDS, &v))
-                return tb_bad("--rounds", val, "an integer from 1 to 9");
-            o->rounds = v;
-        } else if (!strcmp(name, "duration")) {
-            if (tb_parse_duration(val, &o->duration))
-                return tb_bad("--duration", val,
-                              "seconds > 0 and <= 3600: a number with an optional s or ms "
-                              "suffix, e.g. 1, 0.5, 2s, 500ms");
-        } else if (!strcmp(name, "device-name")) {
-            if (!*val)
-                return tb_bad("--device-name", val, "interface names such as lo or eth0,eth1");
-            o->device_name = val;
-        } else if (!strcmp(name, "local-hostname")) {
-            if (!*val) return tb_bad("--local-hostname", val, "an IP address");
-            o->local_hostname = val;
-        } else if (!strcmp(name, "segment-id")) {
-            if (!*val || !strchr(val, ':'))
-                return tb_bad("--segment-id", val,
-                              "the target's segment name IP:PORT or [IPv6]:PORT");
-            o->segment_id = val;
-            segment_given = true;
-        } else if (!strcmp(name, "port")) {
-            if (tb_parse_int(val, 0, 65535, &v))
-                return tb_bad("--port", val, "an integer from 0 (ephemeral) to 65535");
-            o->port = v;
-            port_given = true;
-        } else if (!strcmp(name, "buffer-size")) {
-            if (tb_parse_size("--buffer-size", val, 2 * TB_PAGE, SIZE_MAX, &o->buffer_size))
-                return 2;
-        }
-    }
-    (void)mode_given;
+    o->port = -1; /* not given */
+    int mode = -1, hugepages = 0;
+    const flag_def defs[] = {
+        {FLAG_CHOICE_("--mode", &mode, "target", "initiator"), .metavar = "target|initiator",
+         .help = "run one end only (default: both, single command)"},
+        {FLAG_CUSTOM_("--protocol", o, tb_flag_protocols), .metavar = "P",
+         .help = "tcp, shm, or a list \"tcp,shm\" (default tcp); target: one"},
+        {FLAG_CUSTOM_("--operation", o, tb_flag_operations), .metavar = "O",
+         .help = "read, write, or \"read,write\" (default read)"},
+        {FLAG_CUSTOM_("--block-size", o, tb_flag_blocks), .metavar = "S",
+         .help = "one size or a list \"4K,1M\" (default 4K,16K,64K,256K,1M,4M,16M,64M); sizes "
+                 "take K, M, G, T suffixes (1K = 1024)"},
+        {FLAG_INT_("--batch-size", &o->batch, 1, 65536),
+         .help = "requests per batch, 1..65536 (default 128); capped per block size so that "
+                 "threads x batch x block fits half the buffer"},
+        {FLAG_INT_("--threads", &o->threads, 1, 64),
+         .help = "submitting threads, 1..64 (default 1)"},
+        {FLAG_CUSTOM_("--duration", &o->duration, tb_flag_duration), .metavar = "T",
+         .help = "seconds per block size: 1, 0.5, 2s, 500ms; > 0 (default 1)"},
+        {FLAG_INT_("--rounds", &o->rounds, 1, TB_MAX_ROUNDS),
+         .help = "split each size's time into N rounds, 1..9 (default 3): the engine and its "
+                 "ceilings alternate round by round and each reports its best round (the machine "
+                 "may be shared); batch latencies are pooled over all rounds"},
+        {FLAG_STRING_("--device-name", &o->device_name), .metavar = "LIST", .fn = tb_flag_nonempty,
+         .help = "comma-separated interfaces for the engine's tcp paths (default: none given, the "
+                 "engine's default)"},
+        {FLAG_STRING_("--local-hostname", &o->local_hostname), .metavar = "IP",
+         .fn = tb_flag_nonempty,
+         .help = "address the engines advertise (default: 127.0.0.1 in single-command mode, else "
+                 "the engine's choice)"},
+        {FLAG_STRING_("--segment-id", &o->segment_id), .metavar = "IP:PORT", .fn = tb_flag_nonempty,
+         .help = "initiator: the target's segment name (required there)"},
+        {FLAG_INT_("--port", &o->port, 0, 65535),
+         .help = "target: handshake port (default 0, ephemeral)"},
+        {FLAG_BYTES_("--buffer-size", &o->buffer_size, 2 * TB_PAGE, (double)(1ull << 50)),
+         .metavar = "S",
+         .help = "target buffer (default 512M; single-command mode grows it to 2 x threads x "
+                 "largest block); READs use its first half, WRITEs its second half"},
+        {FLAG_BOOL_("--verify", &o->verify),
+         .help = "check every byte moved: the target's buffer holds a known pattern, READs "
+                 "compare with it, WRITEs are read back and compared; mismatches are reported "
+                 "and the exit status is 1. The timed loop then includes the checking."},
+        {FLAG_CHOICE_("--hugepages", &hugepages, "on", "off"), .metavar = "on|off",
+         .help = "back every buffer (the target's, the initiator's, the ceilings') with "
+                 "transparent huge pages (MADV_HUGEPAGE) or 4 KiB pages (default on)"},
+        {FLAG_BOOL_("--json", &o->json),
+         .help = "print the results as one JSON object on stdout instead of tables"},
+        /* never parsed here: bench_transfer_main hands the command to transfer_bench_cuda.c */
+        {FLAG_STRING_("--location", (const char **)NULL), .metavar = "cuda:N",
+         .help = "device memory on both sides (cuda_ipc and staged tcp against their ceilings; "
+                 "its own options: --location cuda:0 --help)"},
+        {FLAG_BOOL_("--no-ceilings", &o->no_ceilings),
+         .help = "measure the engine only (no memcpy/socket loops, no ratios): for profiling it "
+                 "with perf"},
+        {FLAG_TEXT_("-h, --help", "this text")},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {.cmd = "bench transfer",
+                             .usage = TB_USAGE,
+                             .epilog = TB_EPILOG,
+                             .tables = tables,
+                             .help_col = 23,
+                             .underscores = 1,
+                             .list_on_unknown = 1};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
+    if (mode >= 0) o->mode = mode == 0 ? TB_MODE_TARGET : TB_MODE_INITIATOR;
+    o->hugepages = hugepages == 0;
+    bool port_given = o->port >= 0, segment_given = o->segment_id != NULL;
+    if (!port_given) o->port = 0;
     if (o->mode == TB_MODE_INITIATOR && !segment_given) {
         fprintf(stderr, "disagg bench transfer: --mode initiator needs --segment-id IP:PORT (the "
-                        "line the target printed)\n");
+                        "segment of the target's ready line)\n");
         return 2;
     }
     if (o->mode != TB_MODE_INITIATOR && segment_given) {
@@ -496,10 +429,14 @@ static int tb_run_target(const tb_options *o) {
         tb_unmap(buf, o->buffer_size, o->hugepages);
         return 1;
     }
-    printf("disagg-bench-target segment=%s addr=0x%" PRIxPTR " length=%zu pid=%d protocol=%s\n",
-           transfer_engine_segment_name(eng), (uintptr_t)buf, o->buffer_size, (int)getpid(),
-           transfer_protocol_name(o->protocols[0]));
-    fflush(stdout);
+    const tb_ready_buf ready = {(uintptr_t)buf, o->buffer_size, "cpu:0"};
+    if (tb_ready_print(eng, auth_secret_resolve(NULL) != NULL, o->protocols[0], &ready, 1,
+                       json_pack("{s:I}", "pattern", (json_int_t)TB_SEED_TARGET))) {
+        transfer_unregister(eng, buf);
+        transfer_engine_destroy(eng);
+        tb_unmap(buf, o->buffer_size, o->hugepages);
+        return 1;
+    }
     fprintf(stderr,
             "disagg bench transfer: target %s serving %zu bytes at %p (SIGINT/SIGTERM stops)\n",
             transfer_engine_segment_name(eng), o->buffer_size, (void *)buf);
@@ -551,23 +488,24 @@ static int tb_child_spawn(const tb_options *o, transfer_protocol proto, tb_child
     }
     args[n] = NULL;
     /* The one line, within 30 s (the target fills its buffer first). */
-    char line[512];
+    char line[1024];
     if (tb_spawn("disagg bench transfer", args, 30ull * 1000000000ull, &c->proc, line, sizeof line))
         return 1;
     c->pid = c->proc.pid;
-    unsigned long long addr = 0;
-    size_t length = 0;
-    int tpid = 0;
-    if (sscanf(line, "disagg-bench-target segment=%127s addr=0x%llx length=%zu pid=%d", c->segment,
-               &addr, &length, &tpid) != 4) {
-        fprintf(stderr, "disagg bench transfer: unexpected line from the target: %s\n", line);
+    char why[768];
+    json_t *ready = tb_ready_parse(line, why, sizeof why);
+    if (!ready) {
+        fprintf(stderr, "disagg bench transfer: the target printed %s\n", why);
         kill(c->pid, SIGKILL);
         tb_proc_stop(&c->proc, 0, 10ull * 1000000000ull);
         c->pid = 0;
         return 1;
     }
-    c->addr = addr;
-    c->length = length;
+    snprintf(c->segment, sizeof c->segment, "%s",
+             json_string_value(json_object_get(ready, "segment")));
+    c->addr = tb_ready_u64(ready, 0, "addr");
+    c->length = (size_t)tb_ready_u64(ready, 0, "length");
+    json_decref(ready);
     return 0;
 }
 

@@ -10,7 +10,9 @@
 #define DISAGG_BENCH_TRANSFER_BENCH_H
 
 #include "base/rng.h"
+#include "disagg/transfer.h"
 
+#include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -54,6 +56,27 @@ typedef struct tb_proc {
  * 0, or 1 with a message prefixed `who` (the child killed and reaped). */
 int tb_spawn(const char *who, const char *const argv[], uint64_t timeout_ns, tb_proc *c, char *line,
              size_t cap);
+/* The one "target ready" line of every transfer target (`disagg transfer target`,
+ * `disagg bench transfer --mode target` and its `--location cuda:N` form): one JSON object
+ * on one line,
+ *   {"segment": "IP:PORT", "tcp_data_port": N, "pid": P, "auth": bool, "protocol": "tcp",
+ *    "buffers": [{"addr": A, "length": L, "location": "cpu:0"}, ...], ...}
+ * the target's own members (extra's: "pattern", "ipc", ...) after those. */
+typedef struct tb_ready_buf {
+    uint64_t addr, length;
+    const char *location; /* "cpu:0", "cuda:0" */
+} tb_ready_buf;
+/* Prints it on stdout (and flushes) for engine e serving bufs[0..n); extra (may be NULL) is
+ * consumed.  0, or -1 (out of memory, said on stderr). */
+int tb_ready_print(transfer_engine *e, bool auth, transfer_protocol protocol,
+                   const tb_ready_buf *bufs, size_t n, json_t *extra);
+/* Parses a ready line: the object with a string "segment", an integer "pid" and a non-empty
+ * "buffers" array of objects with integer "addr" and "length"; NULL with why in err
+ * otherwise.  The caller json_decref()s it. */
+json_t *tb_ready_parse(const char *line, char *err, size_t cap);
+/* Member k of its buffer i (addr, length), or 0. */
+uint64_t tb_ready_u64(const json_t *ready, size_t i, const char *k);
+
 /* Its next stdout line within timeout_ns: 0 or -1. */
 int tb_proc_read_line(tb_proc *c, char *line, size_t cap, uint64_t timeout_ns);
 /* Close its stdin, send sig (0 = none), wait up to timeout_ns for it to
@@ -93,8 +116,6 @@ int tb_socket_ceiling(const char *host, bool is_read, size_t block, void *client
 int tb_parse_size(const char *opt, const char *s, uint64_t min, uint64_t max, size_t *out);
 /* Seconds: "1", "0.5", "2s", "500ms"; must be > 0 and <= 3600.  Returns 0 or -1. */
 int tb_parse_duration(const char *s, double *out);
-/* Integer in [lo, hi].  Returns 0 or -1. */
-int tb_parse_int(const char *s, long lo, long hi, long *out);
 /* "4 KiB", "64 MiB", "1000 B" into buf. */
 const char *tb_format_size(size_t n, char *buf, size_t cap);
 

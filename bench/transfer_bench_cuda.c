@@ -15,6 +15,7 @@
  * block of the target's region: one copy per block).
  */
 #include "base/bytesize.h"
+#include "base/flags.h"
 #include "bench/bench.h"
 #include "bench/transfer_bench.h"
 #include "disagg/transfer.h"
@@ -61,47 +62,54 @@ static size_t tc_blocks(const tc_options *o) {
     return (size_t)((o->tokens + o->block_tokens - 1) / o->block_tokens);
 }
 
-static void tc_usage(FILE *f) {
-    fprintf(f,
-            "usage: disagg bench transfer --location cuda:N [options]\n"
-            "\n"
-            "The transfer engine with device memory on both sides (a forked target on the same\n"
-            "GPU), moving one prompt's KV cache in the engine's block layout, for every transport\n"
-            "that runs on one host, against ceilings measured in the same run: cuda_ipc vs one\n"
-            "device-to-device copy through an IPC mapping; staged tcp vs the engine's tcp with\n"
-            "host memory, a plain loopback socket loop and the pinned PCIe copies.\n"
-            "\n"
-            "options:\n"
-            "  --location cuda:N    device memory of GPU N on both sides (required here)\n"
-            "  --protocol P         cuda_ipc, tcp or \"cuda_ipc,tcp\" (default both)\n"
-            "  --tokens N           prompt tokens (default 4096)\n"
-            "  --kv-shape L,H,D     layers, KV heads, head_dim (default 28,4,128: Qwen2.5-7B),\n"
-            "                       bf16, blocks of --block-tokens (default 16)\n"
-            "  --reps N             timed repetitions per row, 1..1000 (default 20; tcp rows 5)\n"
-            "  --local-hostname IP  address the engines use (default 127.0.0.1)\n"
-            "  -h, --help           this text\n"
-            "\n"
-            "exit status: 0 done (targets missed are reported), 1 engine error, verification\n"
-            "mismatch or no GPU, 2 bad options.\n");
-}
-
-static int tc_bad(const char *opt, const char *val, const char *accepted) {
-    fprintf(stderr, "disagg bench transfer: %s '%s' is not accepted; accepted: %s\n", opt, val,
-            accepted);
-    return 2;
-}
-
-static int tc_long(const char *opt, const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        char acc[64];
-        snprintf(acc, sizeof acc, "an integer in %ld..%ld", lo, hi);
-        return tc_bad(opt, s, acc);
+/* --location cuda:N */
+static int tc_flag_location(flags_parser *p, const flag_def *d, const char *v) {
+    int *device = d->dst;
+    char *end = NULL;
+    long n = -1;
+    if (!strncmp(v, "cuda:", 5) && v[5] >= '0' && v[5] <= '9') n = strtol(v + 5, &end, 10);
+    if (n < 0 || n > 63 || *end) {
+        flags_error(p, "--location '%s' is not accepted; accepted: cuda:N (N in 0..63)", v);
+        return -1;
     }
-    *out = v;
+    *device = (int)n;
     return 0;
+}
+
+/* --protocol cuda_ipc, tcp or "cuda_ipc,tcp" */
+static int tc_flag_protocol(flags_parser *p, const flag_def *d, const char *v) {
+    tc_options *o = d->dst;
+    char buf[64];
+    int ok = strlen(v) < sizeof buf;
+    o->ipc = o->tcp = 0;
+    if (ok) strcpy(buf, v);
+    for (char *save, *t = ok ? strtok_r(buf, ",", &save) : NULL; t && ok;
+         t = strtok_r(NULL, ",", &save)) {
+        if (!strcmp(t, "cuda_ipc"))
+            o->ipc = 1;
+        else if (!strcmp(t, "tcp"))
+            o->tcp = 1;
+        else
+            ok = 0;
+    }
+    if (ok && (o->ipc || o->tcp)) return 0;
+    flags_error(p, "--protocol '%s' is not accepted; accepted: cuda_ipc, tcp, \"cuda_ipc,tcp\"", v);
+    return -1;
+}
+
+/* --kv-shape L,H,D */
+static int tc_flag_kv_shape(flags_parser *p, const flag_def *d, const char *v) {
+    tc_options *o = d->dst;
+    char tail;
+    if (sscanf(v, "%ld,%ld,%ld%c", &o->layers, &o->kv_heads, &o->head_dim, &tail) == 3 &&
+        o->layers >= 1 && o->layers <= 1024 && o->kv_heads >= 1 && o->kv_heads <= 1024 &&
+        o->head_dim >= 1 && o->head_dim <= 1024)
+        return 0;
+    flags_error(p,
+                "--kv-shape '%s' is not accepted; accepted: L,H,D: layers, KV heads, head_dim, "
+                "each 1..1024",
+                v);
+    return -1;
 }
 
 /* -1 = go on, else the exit status. */
@@ -116,73 +124,62 @@ static int tc_parse(int argc, char **argv, tc_options *o) {
     o->head_dim = 128;
     o->reps = 20;
     o->host = "127.0.0.1";
-    for (int i = 1; i < argc; i++) {
-        char name[64];
-        const char *a = argv[i], *val = NULL;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            tc_usage(stdout);
-            return 0;
-        }
-        if (strncmp(a, "--", 2) != 0) return tc_bad("argument", a, "options starting with --");
-        const char *eq = strchr(a, '=');
-        size_t n = eq ? (size_t)(eq - a) : strlen(a);
-        if (n >= sizeof name) return tc_bad("option", a, "see --help");
-        memcpy(name, a, n);
-        name[n] = 0;
-        for (char *p = name; *p; p++)
-            if (*p == '_') *p = '-';
-        if (eq)
-            val = eq + 1;
-        else if (i + 1 < argc)
-            val = argv[++i];
-        else
-            return tc_bad(name, "(missing value)", "see --help");
-        int rc = 0;
-        if (!strcmp(name, "--location")) {
-            char *end;
-            long d = -1;
-            if (!strncmp(val, "cuda:", 5) && val[5]) d = strtol(val + 5, &end, 10);
-            if (d < 0 || d > 63 || *end) return tc_bad(name, val, "cuda:N (N in 0..63)");
-            o->device = (int)d;
-        } else if (!strcmp(name, "--mode")) {
-            if (strcmp(val, "target")) return tc_bad(name, val, "target (else: both ends)");
-            o->target = 1;
-        } else if (!strcmp(name, "--protocol")) {
-            o->ipc = o->tcp = 0;
-            char buf[64];
-            snprintf(buf, sizeof buf, "%s", val);
-            for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
-                if (!strcmp(t, "cuda_ipc"))
-                    o->ipc = 1;
-                else if (!strcmp(t, "tcp"))
-                    o->tcp = 1;
-                else
-                    return tc_bad(name, val, "cuda_ipc, tcp, \"cuda_ipc,tcp\"");
-            }
-            if (!o->ipc && !o->tcp) return tc_bad(name, val, "cuda_ipc, tcp, \"cuda_ipc,tcp\"");
-        } else if (!strcmp(name, "--tokens")) {
-            rc = tc_long(name, val, 1, 1 << 20, &o->tokens);
-        } else if (!strcmp(name, "--block-tokens")) {
-            rc = tc_long(name, val, 1, 1024, &o->block_tokens);
-        } else if (!strcmp(name, "--kv-shape")) {
-            if (sscanf(val, "%ld,%ld,%ld", &o->layers, &o->kv_heads, &o->head_dim) != 3 ||
-                o->layers < 1 || o->layers > 1024 || o->kv_heads < 1 || o->kv_heads > 1024 ||
-                o->head_dim < 1 || o->head_dim > 1024)
-                return tc_bad(name, val, "L,H,D: layers, KV heads, head_dim, each 1..1024");
-        } else if (!strcmp(name, "--reps")) {
-            rc = tc_long(name, val, 1, 1000, &o->reps);
-        } else if (!strcmp(name, "--local-hostname")) {
-            o->host = val;
-        } else {
-            return tc_bad("option", name,
-                          "--location, --mode, --protocol, --tokens, --block-tokens, --kv-shape, "
-                          "--reps, --local-hostname (see --help)");
-        }
-        if (rc) return rc;
+    int mode = -1;
+    const flag_def defs[] = {
+        {FLAG_CUSTOM_("--location", &o->device, tc_flag_location), .metavar = "cuda:N",
+         .help = "device memory of GPU N on both sides (required here)"},
+        {FLAG_CHOICE_("--mode", &mode, "target"), .metavar = "target",
+         .help = "the target end only (default: both ends)"},
+        {FLAG_CUSTOM_("--protocol", o, tc_flag_protocol), .metavar = "P",
+         .help = "cuda_ipc, tcp or \"cuda_ipc,tcp\" (default both)"},
+        {FLAG_INT_("--tokens", &o->tokens, 1, 1 << 20), .help = "prompt tokens (default 4096)"},
+        {FLAG_CUSTOM_("--kv-shape", o, tc_flag_kv_shape), .metavar = "L,H,D",
+         .help = "layers, KV heads, head_dim (default 28,4,128: Qwen2.5-7B), bf16, blocks of "
+                 "--block-tokens"},
+        {FLAG_INT_("--block-tokens", &o->block_tokens, 1, 1024),
+         .help = "tokens per KV block, 1..1024 (default 16)"},
+        {FLAG_INT_("--reps", &o->reps, 1, 1000),
+         .help = "timed repetitions per row, 1..1000 (default 20; tcp rows 5)"},
+        {FLAG_STRING_("--local-hostname", &o->host), .metavar = "IP",
+         .help = "address the engines use (default 127.0.0.1)"},
+        {FLAG_TEXT_("-h, --help", "this text")},
+        {0}};
+    const flag_def *tables[] = {defs, NULL};
+    const flags_spec spec = {
+        .cmd = "bench transfer",
+        .usage =
+            "usage: disagg bench transfer --location cuda:N [options]\n"
+            "\n"
+            "The transfer engine with device memory on both sides (a forked target on the same\n"
+            "GPU), moving one prompt's KV cache in the engine's block layout, for every transport\n"
+            "that runs on one host, against ceilings measured in the same run: cuda_ipc vs one\n"
+            "device-to-device copy through an IPC mapping; staged tcp vs the engine's tcp with\n"
+            "host memory, a plain loopback socket loop and the pinned PCIe copies.\n"
+            "\n"
+            "options:\n",
+        .epilog = "\n"
+                  "exit status: 0 done (targets missed are reported), 1 engine error, "
+                  "verification\n"
+                  "mismatch or no GPU, 2 bad options.\n",
+        .tables = tables,
+        .help_col = 23,
+        .underscores = 1,
+        .list_on_unknown = 1};
+    int pr = flags_parse(&spec, argc, argv);
+    if (pr) return pr == FLAGS_HELP ? 0 : 2;
+    o->target = mode == 0;
+    if (o->device < 0) {
+        fprintf(stderr, "disagg bench transfer: --location is missing; accepted: cuda:N\n");
+        return 2;
     }
-    if (o->device < 0) return tc_bad("--location", "(missing)", "cuda:N");
-    if ((double)tc_block_bytes(o) * (double)tc_blocks(o) > 64e9)
-        return tc_bad("--tokens", "(KV above 64 GB)", "a KV of at most 64 GB");
+    if ((double)tc_block_bytes(o) * (double)tc_blocks(o) > 64e9) {
+        fprintf(stderr,
+                "disagg bench transfer: --tokens %ld x --kv-shape %ld,%ld,%ld is a KV of %.1f GB; "
+                "accepted: a KV of at most 64 GB\n",
+                o->tokens, o->layers, o->kv_heads, o->head_dim,
+                (double)tc_block_bytes(o) * (double)tc_blocks(o) / 1e9);
+        return 2;
+    }
     return -1;
 }
 
@@ -282,11 +279,12 @@ static int tc_run_target(const tc_options *o) {
         return 1;
     }
     tc_hex(handle, hl, hex);
-    printf("disagg-bench-cuda-target segment=%s dev=0x%llx host=0x%llx length=%zu pid=%d ipc=%s "
-           "ipc_off=%llu\n",
-           transfer_engine_segment_name(e), (unsigned long long)(uintptr_t)dev,
-           (unsigned long long)(uintptr_t)host, dlen, (int)getpid(), hex, (unsigned long long)off);
-    fflush(stdout);
+    /* the ready line: buffers[0] the device buffer, [1] the host one; its IPC handle */
+    const tb_ready_buf ready[2] = {{(uintptr_t)dev, dlen, loc},
+                                   {(uintptr_t)host, kv + TC_SLACK, "cpu"}};
+    if (tb_ready_print(e, false, TRANSFER_PROTO_AUTO, ready, 2,
+                       json_pack("{s:s,s:I}", "ipc", hex, "ipc_off", (json_int_t)off)))
+        return 1;
     /* Commands: "verify OFF LEN KEY SEED" (device), "verifyhost OFF LEN KEY SEED",
      * "quit".  Each answers one line. */
     char line[256];
@@ -338,24 +336,27 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
                           shape,      "--local-hostname",
                           o->host,    NULL};
     /* The target allocates and fills its device buffer first. */
-    char line[512], hex[2 * TRANSFER_IPC_HANDLE_MAX + 1];
+    char line[4096], why[768] = "";
     if (tb_spawn("disagg bench transfer", args, 120ull * 1000000000ull, &c->proc, line,
                  sizeof line))
         return 1;
     pid_t pid = c->proc.pid;
     c->pid = pid;
-    int tpid;
     c->in = fdopen(c->proc.in, "w");
     c->out = fdopen(c->proc.out, "r");
-    if (!c->in || !c->out ||
-        sscanf(line,
-               "disagg-bench-cuda-target segment=%127s dev=0x%llx host=0x%llx length=%zu pid=%d "
-               "ipc=%128s ipc_off=%llu",
-               c->segment, &c->dev, &c->host, &c->length, &tpid, hex, &c->ipc_off) != 7) {
-        fprintf(stderr,
-                "disagg bench transfer: the forked target (pid %d) printed no segment "
-                "line (see its error above)\n",
-                (int)pid);
+    json_t *ready = tb_ready_parse(line, why, sizeof why);
+    const char *hex = json_string_value(json_object_get(ready, "ipc"));
+    if (ready && (json_array_size(json_object_get(ready, "buffers")) != 2 || !hex ||
+                  strlen(hex) > 2 * TRANSFER_IPC_HANDLE_MAX || strlen(hex) % 2 ||
+                  !json_is_integer(json_object_get(ready, "ipc_off"))))
+        snprintf(why, sizeof why,
+                 "a ready line without the device and host buffers, \"ipc\" "
+                 "and \"ipc_off\": %.200s",
+                 line);
+    if (!c->in || !c->out || !ready || why[0]) {
+        fprintf(stderr, "disagg bench transfer: the forked target (pid %d) printed %s\n", (int)pid,
+                why[0] ? why : "no ready line (see its error above)");
+        json_decref(ready);
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
         if (c->in)
@@ -370,12 +371,19 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
         c->pid = 0;
         return 1;
     }
+    snprintf(c->segment, sizeof c->segment, "%s",
+             json_string_value(json_object_get(ready, "segment")));
+    c->dev = tb_ready_u64(ready, 0, "addr");
+    c->length = (size_t)tb_ready_u64(ready, 0, "length");
+    c->host = tb_ready_u64(ready, 1, "addr");
+    c->ipc_off = (unsigned long long)json_integer_value(json_object_get(ready, "ipc_off"));
     c->ipc_len = strlen(hex) / 2;
     for (size_t i = 0; i < c->ipc_len; i++) {
         unsigned v;
         sscanf(hex + 2 * i, "%2x", &v);
         c->ipc[i] = (uint8_t)v;
     }
+    json_decref(ready);
     return 0;
 }
 

@@ -120,9 +120,11 @@ int transfer_harness_target(int argc, char **argv) {
         "target",
         "[options]",
         "Registers K buffers filled with the pattern (see bench/transfer_harness.c) and\n"
-        "serves them.  Prints one JSON line "
-        "{\"segment\",\"tcp_data_port\",\"pid\",\"auth\",\"buffers\":[{\"addr\",\"length\"}],...}\n"
-        "on start and one {\"event\":\"stats\",...} line on exit (SIGINT/SIGTERM).\n"
+        "serves them.  Prints the ready line of every transfer target (one JSON object:\n"
+        "{\"segment\",\"tcp_data_port\",\"pid\",\"auth\",\"protocol\",\"buffers\":[{\"addr\","
+        "\"length\",\n"
+        "\"location\"}],\"pattern\",...}) on start and one {\"event\":\"stats\",...} line on exit\n"
+        "(SIGINT/SIGTERM).\n"
         "With $DISAGG_KV_SECRET set (also for copy and check) the ports require that\n"
         "shared secret (docs/transfer.md, Security).",
     };
@@ -190,24 +192,15 @@ int transfer_harness_target(int argc, char **argv) {
         nreg++;
     }
 
+    tb_ready_buf ready[TARGET_MAX_BUFFERS];
+    for (size_t k = 0; k < nb; k++)
+        ready[k] = (tb_ready_buf){(uintptr_t)bufs[k].data, bufs[k].length, "cpu:0"};
+    if (status == 0 &&
+        tb_ready_print(eng, cfg.auth_secret != NULL, proto, ready, nb,
+                       json_pack("{s:I,s:i,s:i}", "pattern", (json_int_t)seed, "guard_bytes",
+                                 TARGET_GUARD_BYTES, "guard_value", TARGET_GUARD_VALUE)))
+        status = 1;
     if (status == 0) {
-        json_t *arr = json_array();
-        for (size_t k = 0; k < nb; k++)
-            json_array_append_new(arr, json_pack("{s:I,s:I,s:s}", "addr",
-                                                 (json_int_t)(uintptr_t)bufs[k].data, "length",
-                                                 (json_int_t)bufs[k].length, "location", "cpu:0"));
-        json_t *line = json_pack("{s:s,s:i,s:i,s:b,s:s,s:I,s:i,s:i,s:o}", "segment",
-                                 transfer_engine_segment_name(eng), "tcp_data_port",
-                                 (int)transfer_engine_data_port(eng), "pid", (int)getpid(), "auth",
-                                 cfg.auth_secret != NULL, "protocol", transfer_protocol_name(proto),
-                                 "pattern", (json_int_t)seed, "guard_bytes", TARGET_GUARD_BYTES,
-                                 "guard_value", TARGET_GUARD_VALUE, "buffers", arr);
-        char *s = json_dumps(line, JSON_COMPACT);
-        printf("%s\n", s);
-        fflush(stdout);
-        free(s);
-        json_decref(line);
-
         bool stdin_open = exit_on_eof;
         for (;;) {
             struct pollfd pfd[2] = {{.fd = sfd, .events = POLLIN}, {.fd = 0, .events = POLLIN}};
@@ -237,7 +230,7 @@ int transfer_harness_target(int argc, char **argv) {
                       "bytes_served", (json_int_t)st.bytes_served, "requests_rejected",
                       (json_int_t)st.requests_rejected, "path_retries", (json_int_t)st.path_retries,
                       "shm_fallbacks", (json_int_t)st.shm_fallbacks);
-        s = json_dumps(sj, JSON_COMPACT);
+        char *s = json_dumps(sj, JSON_COMPACT);
         printf("%s\n", s);
         fflush(stdout);
         free(s);
@@ -745,11 +738,10 @@ int transfer_harness_demo(int argc, char **argv) {
         return 1;
     pid_t pid = child.pid;
     int status = 1;
-    json_t *j = NULL;
-    if (!(j = json_loads(line, 0, NULL)) || !json_is_string(json_object_get(j, "segment"))) {
-        fprintf(stderr,
-                "disagg transfer demo: the target (pid %d) did not print its segment line\n",
-                (int)pid);
+    char why[512];
+    json_t *j = tb_ready_parse(line, why, sizeof why);
+    if (!j) {
+        fprintf(stderr, "disagg transfer demo: the target (pid %d) printed %s\n", (int)pid, why);
         goto out;
     }
     char segment[128];

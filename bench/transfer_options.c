@@ -1,9 +1,9 @@
 /*
  * transfer_options — parsers for the values of `disagg bench transfer`'s
- * options (sizes by base/bytesize's grammar, durations, bounded integers) and
- * the size formatter its tables use.  tb_parse_size prints its own error; for
- * the others the callers print the error that names the bad value and the
- * accepted forms, these only say yes or no.
+ * options that base/flags has no type for (a list's sizes by base/bytesize's
+ * grammar, durations) and the size formatter its tables use.  tb_parse_size
+ * prints its own error; for a duration the caller prints the error naming the
+ * bad value and the accepted forms.
  */
 #include "bench/transfer_bench.h"
 #include "base/bytesize.h"
@@ -41,16 +41,6 @@ int tb_parse_duration(const char *s, double *out) {
     else if (*end && strcmp(end, "s"))
         return -1;
     if (!(v > 0) || v > 3600) return -1;
-    *out = v;
-    return 0;
-}
-
-int tb_parse_int(const char *s, long lo, long hi, long *out) {
-    if (!s || !*s) return -1;
-    errno = 0;
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (errno || *end || end == s || v < lo || v > hi) return -1;
     *out = v;
     return 0;
 }

@@ -2,7 +2,8 @@
  * transfer_spawn — the one way the transfer bench and harness start a target
  * (see transfer_bench.h): this binary forked and exec'd with the target's
  * arguments, its stdin and stdout piped to us, SIGTERM when we die; the
- * first line it prints is its "target ready" line.
+ * first line it prints is its "target ready" line -- one format for every
+ * target, written and read here (tb_ready_print, tb_ready_parse).
  */
 #include "bench/transfer_bench.h"
 
@@ -11,11 +12,67 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+int tb_ready_print(transfer_engine *e, bool auth, transfer_protocol protocol,
+                   const tb_ready_buf *bufs, size_t n, json_t *extra) {
+    json_t *arr = json_array();
+    for (size_t i = 0; arr && i < n; i++)
+        json_array_append_new(arr,
+                              json_pack("{s:I,s:I,s:s}", "addr", (json_int_t)bufs[i].addr, "length",
+                                        (json_int_t)bufs[i].length, "location", bufs[i].location));
+    json_t *line =
+        json_pack("{s:s,s:i,s:i,s:b,s:s,s:o}", "segment", transfer_engine_segment_name(e),
+                  "tcp_data_port", (int)transfer_engine_data_port(e), "pid", (int)getpid(), "auth",
+                  auth, "protocol", transfer_protocol_name(protocol), "buffers", arr);
+    if (line && extra) json_object_update(line, extra);
+    json_decref(extra);
+    char *text = line ? json_dumps(line, JSON_COMPACT) : NULL;
+    json_decref(line);
+    if (!text) {
+        fprintf(stderr, "transfer target: out of memory for the ready line\n");
+        return -1;
+    }
+    printf("%s\n", text);
+    fflush(stdout);
+    free(text);
+    return 0;
+}
+
+json_t *tb_ready_parse(const char *line, char *err, size_t cap) {
+    json_error_t je;
+    json_t *j = json_loads(line, 0, &je);
+    const char *why = NULL;
+    if (!j || !json_is_object(j))
+        why = "not a JSON object";
+    else if (!json_is_string(json_object_get(j, "segment")))
+        why = "no string \"segment\"";
+    else if (!json_is_integer(json_object_get(j, "pid")))
+        why = "no integer \"pid\"";
+    else if (!json_is_array(json_object_get(j, "buffers")) ||
+             !json_array_size(json_object_get(j, "buffers")))
+        why = "no \"buffers\" array";
+    for (size_t i = 0; !why && i < json_array_size(json_object_get(j, "buffers")); i++) {
+        json_t *b = json_array_get(json_object_get(j, "buffers"), i);
+        if (!json_is_integer(json_object_get(b, "addr")) ||
+            !json_is_integer(json_object_get(b, "length")))
+            why = "a buffer without integer \"addr\" and \"length\"";
+    }
+    if (!why) return j;
+    snprintf(err, cap, "not a target ready line (%s): %.200s", why, line);
+    json_decref(j);
+    return NULL;
+}
+
+uint64_t tb_ready_u64(const json_t *ready, size_t i, const char *k) {
+    json_t *b = json_array_get(json_object_get(ready, "buffers"), i);
+    return (uint64_t)json_integer_value(json_object_get(b, k));
+}
 
 static uint64_t sp_now_ns(void) {
     struct timespec ts;

@@ -484,7 +484,7 @@ char *grammar_to_gbnf(grammar_kind kind, const char *text, size_t len, const gra
     case GRAMMAR_REGEX:
         return regex_to_gbnf(text, len, err, errlen);
     case GRAMMAR_CHOICE:
-        return choice_to_gbnf(text, len, err, errlen);
+        return regex_choice_to_gbnf(text, len, err, errlen);
     }
     err_set(err, errlen, "grammar: unknown kind %d", (int)kind);
     return NULL;

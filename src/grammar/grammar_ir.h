@@ -47,11 +47,11 @@ typedef struct sb {
     char *p;
     size_t n, cap;
 } sb;
-void sb_add(sb *b, const char *s, size_t n);
-void sb_puts(sb *b, const char *s);
-void sb_printf(sb *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void gir_sb_add(sb *b, const char *s, size_t n);
+void gir_sb_puts(sb *b, const char *s);
+void gir_sb_printf(sb *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* A byte of a GBNF literal or class, escaped where needed. */
-void esc_byte(sb *b, unsigned char c);
+void gir_esc_byte(sb *b, unsigned char c);
 
 /* The other front ends: text in GBNF (malloc'd) or NULL with err set. */
 char *json_schema_to_gbnf(const char *schema, size_t len, int any_ws, char *err, size_t errlen);
@@ -60,6 +60,6 @@ char *json_schema_to_gbnf(const char *schema, size_t len, int any_ws, char *err,
 char *json_schema_to_gbnf_ex(const char *schema, size_t len, int any_ws, const char *root_name,
                              int helpers, int first, int *next, char *err, size_t errlen);
 char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen);
-char *choice_to_gbnf(const char *json_array, size_t len, char *err, size_t errlen);
+char *regex_choice_to_gbnf(const char *json_array, size_t len, char *err, size_t errlen);
 
 #endif

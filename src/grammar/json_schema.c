@@ -66,13 +66,13 @@ static const char *ows(conv *c) {
 /* The compact JSON text of v as a GBNF literal. */
 static void lit_json(sb *b, json_t *v) {
     char *s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
-    sb_puts(b, "\"");
+    gir_sb_puts(b, "\"");
     for (const unsigned char *p = (const unsigned char *)s; *p; p++)
         if (*p >= 0x80)
-            sb_add(b, (const char *)p, 1);
+            gir_sb_add(b, (const char *)p, 1);
         else
-            esc_byte(b, *p);
-    sb_puts(b, "\"");
+            gir_esc_byte(b, *p);
+    gir_sb_puts(b, "\"");
     free(s);
 }
 
@@ -84,25 +84,25 @@ static int gen(conv *c, json_t *s, char *name, size_t cap);
 static void digits_range(sb *o, const char *a, const char *b, int n) {
     if (n == 0) return;
     if (n == 1) {
-        sb_printf(o, "[%c-%c]", a[0], b[0]);
+        gir_sb_printf(o, "[%c-%c]", a[0], b[0]);
         return;
     }
     if (a[0] == b[0]) {
-        sb_printf(o, "\"%c\" ", a[0]);
+        gir_sb_printf(o, "\"%c\" ", a[0]);
         digits_range(o, a + 1, b + 1, n - 1);
         return;
     }
     char nines[24], zeros[24];
     memset(nines, '9', (size_t)n - 1);
     memset(zeros, '0', (size_t)n - 1);
-    sb_puts(o, "(");
-    sb_printf(o, "\"%c\" (", a[0]);
+    gir_sb_puts(o, "(");
+    gir_sb_printf(o, "\"%c\" (", a[0]);
     digits_range(o, a + 1, nines, n - 1);
-    sb_puts(o, ")");
-    if (a[0] + 1 <= b[0] - 1) sb_printf(o, " | [%c-%c] [0-9]{%d}", a[0] + 1, b[0] - 1, n - 1);
-    sb_printf(o, " | \"%c\" (", b[0]);
+    gir_sb_puts(o, ")");
+    if (a[0] + 1 <= b[0] - 1) gir_sb_printf(o, " | [%c-%c] [0-9]{%d}", a[0] + 1, b[0] - 1, n - 1);
+    gir_sb_printf(o, " | \"%c\" (", b[0]);
     digits_range(o, zeros, b + 1, n - 1);
-    sb_puts(o, "))");
+    gir_sb_puts(o, "))");
 }
 
 /* Non-negative integers in [lo, hi] (hi < 0: unbounded) as alternatives. */
@@ -117,37 +117,37 @@ static void nonneg_range(sb *o, long long lo, long long hi) {
         if (hi >= 0 && x > hi) break;
         if (x > y) continue;
         if (hi < 0 && x == pmin && len > 1) { /* everything from here up */
-            sb_printf(o, "%s[1-9] [0-9]{%d,}", first ? "" : " | ", len - 1);
+            gir_sb_printf(o, "%s[1-9] [0-9]{%d,}", first ? "" : " | ", len - 1);
             first = 0;
             break;
         }
         snprintf(a, sizeof a, "%lld", x);
         snprintf(b, sizeof b, "%lld", y);
-        sb_puts(o, first ? "(" : " | (");
+        gir_sb_puts(o, first ? "(" : " | (");
         digits_range(o, a, b, len);
-        sb_puts(o, ")");
+        gir_sb_puts(o, ")");
         first = 0;
         if (hi < 0 && len == 19) break;
     }
-    if (first) sb_puts(o, "[0-9]"); /* unreachable for lo <= hi */
+    if (first) gir_sb_puts(o, "[0-9]"); /* unreachable for lo <= hi */
 }
 
 static void int_range(sb *o, int has_lo, long long lo, int has_hi, long long hi) {
-    sb_puts(o, "(");
+    gir_sb_puts(o, "(");
     int any = 0;
     /* negatives: -n with n in [max(1, -hi), -lo] */
     if (!has_lo || lo < 0) {
         long long nlo = has_hi && hi < 0 ? -hi : 1, nhi = has_lo ? -lo : -1;
-        sb_puts(o, "\"-\" (");
+        gir_sb_puts(o, "\"-\" (");
         nonneg_range(o, nlo, nhi);
-        sb_puts(o, ")");
+        gir_sb_puts(o, ")");
         any = 1;
     }
     if (!has_hi || hi >= 0) {
-        if (any) sb_puts(o, " | ");
+        if (any) gir_sb_puts(o, " | ");
         nonneg_range(o, has_lo && lo > 0 ? lo : 0, has_hi ? hi : -1);
     }
-    sb_puts(o, ")");
+    gir_sb_puts(o, ")");
 }
 
 /* ---- strings ---- */
@@ -191,13 +191,14 @@ static int gen_string(conv *c, json_t *s, const char *name) {
             return -EINVAL;
         }
         /* "root ::= (...)\n" -> our own rule */
-        sb_printf(o, "%s-pat ::= %s", name, g + strlen("root ::= "));
+        gir_sb_printf(o, "%s-pat ::= %s", name, g + strlen("root ::= "));
         free(g);
-        sb_printf(o, "%s ::= \"\\\"\" %s-pat \"\\\"\"\n", name, name);
+        gir_sb_printf(o, "%s ::= \"\\\"\" %s-pat \"\\\"\"\n", name, name);
         return 0;
     }
     if (fmt && json_is_string(fmt) && format_gbnf(json_string_value(fmt))) {
-        sb_printf(o, "%s ::= \"\\\"\" %s \"\\\"\"\n", name, format_gbnf(json_string_value(fmt)));
+        gir_sb_printf(o, "%s ::= \"\\\"\" %s \"\\\"\"\n", name,
+                      format_gbnf(json_string_value(fmt)));
         return 0;
     }
     if (mn || mx) {
@@ -208,12 +209,12 @@ static int gen_string(conv *c, json_t *s, const char *name) {
         if (lo > 10000 || hi > 10000)
             return cfail(c, "minLength/maxLength above 10000 are not supported%s", NULL);
         if (mx)
-            sb_printf(o, "%s ::= \"\\\"\" json-char{%lld,%lld} \"\\\"\"\n", name, lo, hi);
+            gir_sb_printf(o, "%s ::= \"\\\"\" json-char{%lld,%lld} \"\\\"\"\n", name, lo, hi);
         else
-            sb_printf(o, "%s ::= \"\\\"\" json-char{%lld,} \"\\\"\"\n", name, lo);
+            gir_sb_printf(o, "%s ::= \"\\\"\" json-char{%lld,} \"\\\"\"\n", name, lo);
         return 0;
     }
-    sb_printf(o, "%s ::= json-string\n", name);
+    gir_sb_printf(o, "%s ::= json-string\n", name);
     return 0;
 }
 
@@ -266,25 +267,25 @@ static int gen_object(conv *c, json_t *s, const char *name) {
     /* name-p<i>-<c>: the properties from i on, c = 1 when one was written before */
     for (size_t i = np + 1; i-- > 0;) {
         for (int had = 0; had < 2; had++) {
-            sb_printf(o, "%s-p%zu-%d ::= ", name, i, had);
+            gir_sb_printf(o, "%s-p%zu-%d ::= ", name, i, had);
             if (i == np) {
                 if (aname[0])
-                    sb_printf(o, "\"\" | %s json-string %s %s %s-p%zu-1\n", had ? comma(c) : "",
-                              colon(c), aname, name, np);
+                    gir_sb_printf(o, "\"\" | %s json-string %s %s %s-p%zu-1\n", had ? comma(c) : "",
+                                  colon(c), aname, name, np);
                 else
-                    sb_puts(o, "\"\"\n");
+                    gir_sb_puts(o, "\"\"\n");
                 continue;
             }
-            sb_printf(o, "%s ", had ? comma(c) : "");
+            gir_sb_printf(o, "%s ", had ? comma(c) : "");
             json_t *ks = json_string(keys[i]);
             lit_json(o, ks);
             json_decref(ks);
-            sb_printf(o, " %s %s %s-p%zu-1", colon(c), pn[i], name, i + 1);
-            if (!required[i]) sb_printf(o, " | %s-p%zu-%d", name, i + 1, had);
-            sb_puts(o, "\n");
+            gir_sb_printf(o, " %s %s %s-p%zu-1", colon(c), pn[i], name, i + 1);
+            if (!required[i]) gir_sb_printf(o, " | %s-p%zu-%d", name, i + 1, had);
+            gir_sb_puts(o, "\n");
         }
     }
-    sb_printf(o, "%s ::= \"{\" %s %s-p0-0 %s \"}\"\n", name, ows(c), name, ows(c));
+    gir_sb_printf(o, "%s ::= \"{\" %s %s-p0-0 %s \"}\"\n", name, ows(c), name, ows(c));
 out:
     free(pn);
     free(keys);
@@ -323,30 +324,30 @@ static int gen_array(conv *c, json_t *s, const char *name) {
             }
         /* a prefix of the prefixItems (none required), then more items if allowed:
          * "[" (p0 ("," p1 ("," ... ("," item)*)?)?)? "]" */
-        sb_printf(o, "%s ::= \"[\" %s ", name, ows(c));
+        gir_sb_printf(o, "%s ::= \"[\" %s ", name, ows(c));
         for (size_t i = 0; i < n; i++)
-            sb_printf(o, "(%s %s ", i ? comma(c) : "", pn[i]);
-        if (!(items && json_is_false(items))) sb_printf(o, "(%s %s)* ", comma(c), iname);
+            gir_sb_printf(o, "(%s %s ", i ? comma(c) : "", pn[i]);
+        if (!(items && json_is_false(items))) gir_sb_printf(o, "(%s %s)* ", comma(c), iname);
         for (size_t i = 0; i < n; i++)
-            sb_puts(o, ")? ");
-        sb_printf(o, "%s \"]\"\n", ows(c));
+            gir_sb_puts(o, ")? ");
+        gir_sb_printf(o, "%s \"]\"\n", ows(c));
         free(pn);
         return 0;
     }
-    sb_printf(o, "%s ::= \"[\" %s ", name, ows(c));
+    gir_sb_printf(o, "%s ::= \"[\" %s ", name, ows(c));
     if (hi == 0) {
-        sb_printf(o, "\"]\"\n");
+        gir_sb_printf(o, "\"]\"\n");
         return 0;
     }
-    if (lo == 0) sb_puts(o, "(");
-    sb_printf(o, "%s (%s %s)", iname, comma(c), iname);
+    if (lo == 0) gir_sb_puts(o, "(");
+    gir_sb_printf(o, "%s (%s %s)", iname, comma(c), iname);
     long long rlo = lo > 0 ? lo - 1 : 0;
     if (hi < 0)
-        sb_printf(o, "{%lld,}", rlo);
+        gir_sb_printf(o, "{%lld,}", rlo);
     else
-        sb_printf(o, "{%lld,%lld}", rlo, hi - 1);
-    if (lo == 0) sb_puts(o, ")?");
-    sb_printf(o, " %s \"]\"\n", ows(c));
+        gir_sb_printf(o, "{%lld,%lld}", rlo, hi - 1);
+    if (lo == 0) gir_sb_puts(o, ")?");
+    gir_sb_printf(o, " %s \"]\"\n", ows(c));
     return 0;
 }
 
@@ -376,7 +377,7 @@ static int gen_ref(conv *c, const char *ref, char *name, size_t cap) {
     snprintf(name, cap, "%s", rn);
     char inner[32];
     if (gen(c, t, inner, sizeof inner)) return -EINVAL;
-    sb_printf(&c->out, "%s ::= %s\n", rn, inner);
+    gir_sb_printf(&c->out, "%s ::= %s\n", rn, inner);
     return 0;
 }
 
@@ -401,11 +402,11 @@ static int gen_type(conv *c, json_t *s, const char *t, const char *name) {
     sb *o = &c->out;
     if (!strcmp(t, "string")) return gen_string(c, s, name);
     if (!strcmp(t, "boolean")) {
-        sb_printf(o, "%s ::= \"true\" | \"false\"\n", name);
+        gir_sb_printf(o, "%s ::= \"true\" | \"false\"\n", name);
         return 0;
     }
     if (!strcmp(t, "null")) {
-        sb_printf(o, "%s ::= \"null\"\n", name);
+        gir_sb_printf(o, "%s ::= \"null\"\n", name);
         return 0;
     }
     if (!strcmp(t, "integer")) {
@@ -429,12 +430,12 @@ static int gen_type(conv *c, json_t *s, const char *t, const char *name) {
         if (has_lo && has_hi && hi < lo)
             return cfail(c, "integer range is empty (maximum below minimum)%s", NULL);
         if (!has_lo && !has_hi) {
-            sb_printf(o, "%s ::= json-int\n", name);
+            gir_sb_printf(o, "%s ::= json-int\n", name);
             return 0;
         }
-        sb_printf(o, "%s ::= ", name);
+        gir_sb_printf(o, "%s ::= ", name);
         int_range(o, has_lo, lo, has_hi, hi);
-        sb_puts(o, "\n");
+        gir_sb_puts(o, "\n");
         return 0;
     }
     if (!strcmp(t, "number")) {
@@ -443,8 +444,8 @@ static int gen_type(conv *c, json_t *s, const char *t, const char *name) {
         json_t *mn = json_object_get(s, "minimum"), *xmn = json_object_get(s, "exclusiveMinimum");
         int nonneg = (mn && json_is_number(mn) && json_number_value(mn) >= 0) ||
                      (xmn && json_is_number(xmn) && json_number_value(xmn) >= 0);
-        sb_printf(o, "%s ::= %s(\"0\" | [1-9] [0-9]*) (\".\" [0-9]+)?%s\n", name,
-                  nonneg ? "" : "\"-\"? ", nonneg ? "" : " ([eE] [+\\-]? [0-9]+)?");
+        gir_sb_printf(o, "%s ::= %s(\"0\" | [1-9] [0-9]*) (\".\" [0-9]+)?%s\n", name,
+                      nonneg ? "" : "\"-\"? ", nonneg ? "" : " ([eE] [+\\-]? [0-9]+)?");
         return 0;
     }
     if (!strcmp(t, "object")) return gen_object(c, s, name);
@@ -488,20 +489,20 @@ static int gen(conv *c, json_t *s, char *name, size_t cap) {
     if (!any) any = json_object_get(s, "oneOf");
     json_t *all = json_object_get(s, "allOf");
     if (cst) {
-        sb_printf(o, "%s ::= ", name);
+        gir_sb_printf(o, "%s ::= ", name);
         lit_json(o, cst);
-        sb_puts(o, "\n");
+        gir_sb_puts(o, "\n");
     } else if (en) {
         if (!json_is_array(en) || !json_array_size(en)) {
             rc = cfail(c, "'enum' must be a non-empty list%s", NULL);
             goto out;
         }
-        sb_printf(o, "%s ::= ", name);
+        gir_sb_printf(o, "%s ::= ", name);
         for (size_t i = 0; i < json_array_size(en); i++) {
-            if (i) sb_puts(o, " | ");
+            if (i) gir_sb_puts(o, " | ");
             lit_json(o, json_array_get(en, i));
         }
-        sb_puts(o, "\n");
+        gir_sb_puts(o, "\n");
     } else if (any) {
         if (!json_is_array(any) || !json_array_size(any)) {
             rc = cfail(c, "'anyOf'/'oneOf' must be a non-empty list of schemas%s", NULL);
@@ -513,10 +514,10 @@ static int gen(conv *c, json_t *s, char *name, size_t cap) {
         for (size_t i = 0; i < n && !rc; i++)
             rc = gen(c, json_array_get(any, i), sn[i], sizeof sn[i]);
         if (!rc) {
-            sb_printf(o, "%s ::= ", name);
+            gir_sb_printf(o, "%s ::= ", name);
             for (size_t i = 0; i < n; i++)
-                sb_printf(o, "%s%s", i ? " | " : "", sn[i]);
-            sb_puts(o, "\n");
+                gir_sb_printf(o, "%s%s", i ? " | " : "", sn[i]);
+            gir_sb_puts(o, "\n");
         }
         free(sn);
     } else if (all) {
@@ -526,7 +527,7 @@ static int gen(conv *c, json_t *s, char *name, size_t cap) {
         }
         char in[32];
         rc = gen(c, json_array_get(all, 0), in, sizeof in);
-        if (!rc) sb_printf(o, "%s ::= %s\n", name, in);
+        if (!rc) gir_sb_printf(o, "%s ::= %s\n", name, in);
     } else {
         json_t *type = json_object_get(s, "type");
         if (!type) {
@@ -535,7 +536,7 @@ static int gen(conv *c, json_t *s, char *name, size_t cap) {
             else if (json_object_get(s, "items") || json_object_get(s, "prefixItems"))
                 rc = gen_type(c, s, "array", name);
             else
-                sb_printf(o, "%s ::= json-value\n", name);
+                gir_sb_printf(o, "%s ::= json-value\n", name);
         } else if (json_is_string(type)) {
             rc = gen_type(c, s, json_string_value(type), name);
         } else if (json_is_array(type) && json_array_size(type)) {
@@ -552,10 +553,10 @@ static int gen(conv *c, json_t *s, char *name, size_t cap) {
                 rc = gen_type(c, s, json_string_value(t), sn[i]);
             }
             if (!rc) {
-                sb_printf(o, "%s ::= ", name);
+                gir_sb_printf(o, "%s ::= ", name);
                 for (size_t i = 0; i < n; i++)
-                    sb_printf(o, "%s%s", i ? " | " : "", sn[i]);
-                sb_puts(o, "\n");
+                    gir_sb_printf(o, "%s%s", i ? " | " : "", sn[i]);
+                gir_sb_puts(o, "\n");
             }
             free(sn);
         } else
@@ -593,24 +594,25 @@ char *json_schema_to_gbnf_ex(const char *schema, size_t len, int any_ws, const c
     }
     sb *o = &c.out;
     if (next) *next = c.n;
-    sb_printf(o, "%s ::= %s\n", root_name, top);
+    gir_sb_printf(o, "%s ::= %s\n", root_name, top);
     if (!helpers) return o->p;
-    sb_printf(o, "ws ::= %s\n", any_ws ? WS_ANY : "\"\"");
-    sb_puts(
+    gir_sb_printf(o, "ws ::= %s\n", any_ws ? WS_ANY : "\"\"");
+    gir_sb_puts(
         o,
         "json-char ::= [^\"\\\\\\x00-\\x1F] | \"\\\\\" ([\"\\\\/bfnrt] | \"u\" [A-Fa-f0-9]{4})\n");
-    sb_puts(o, "json-string ::= \"\\\"\" json-char* \"\\\"\"\n");
-    sb_puts(o, "json-int ::= \"0\" | \"-\"? [1-9] [0-9]*\n");
-    sb_puts(
+    gir_sb_puts(o, "json-string ::= \"\\\"\" json-char* \"\\\"\"\n");
+    gir_sb_puts(o, "json-int ::= \"0\" | \"-\"? [1-9] [0-9]*\n");
+    gir_sb_puts(
         o,
         "json-number ::= \"-\"? (\"0\" | [1-9] [0-9]*) (\".\" [0-9]+)? ([eE] [+\\-]? [0-9]+)?\n");
-    sb_printf(o, "json-value ::= json-object | json-array | json-string | json-number | \"true\" | "
-                 "\"false\" | \"null\"\n");
-    sb_printf(o,
-              "json-object ::= \"{\" %s (json-string %s json-value (%s json-string %s "
-              "json-value)*)? %s \"}\"\n",
-              ows(&c), colon(&c), comma(&c), colon(&c), ows(&c));
-    sb_printf(o, "json-array ::= \"[\" %s (json-value (%s json-value)*)? %s \"]\"\n", ows(&c),
-              comma(&c), ows(&c));
+    gir_sb_printf(
+        o, "json-value ::= json-object | json-array | json-string | json-number | \"true\" | "
+           "\"false\" | \"null\"\n");
+    gir_sb_printf(o,
+                  "json-object ::= \"{\" %s (json-string %s json-value (%s json-string %s "
+                  "json-value)*)? %s \"}\"\n",
+                  ows(&c), colon(&c), comma(&c), colon(&c), ows(&c));
+    gir_sb_printf(o, "json-array ::= \"[\" %s (json-value (%s json-value)*)? %s \"]\"\n", ows(&c),
+                  comma(&c), ows(&c));
     return o->p;
 }

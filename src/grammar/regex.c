@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void sb_add(sb *b, const char *s, size_t n) {
+void gir_sb_add(sb *b, const char *s, size_t n) {
     if (b->n + n + 1 > b->cap) {
         size_t nc = b->cap ? b->cap * 2 : 256;
         while (nc < b->n + n + 1)
@@ -29,26 +29,26 @@ void sb_add(sb *b, const char *s, size_t n) {
     b->p[b->n] = 0;
 }
 
-void sb_puts(sb *b, const char *s) {
-    sb_add(b, s, strlen(s));
+void gir_sb_puts(sb *b, const char *s) {
+    gir_sb_add(b, s, strlen(s));
 }
 
-void sb_printf(sb *b, const char *fmt, ...) {
+void gir_sb_printf(sb *b, const char *fmt, ...) {
     char tmp[512];
     va_list ap;
     va_start(ap, fmt);
     int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
-    if (n > 0) sb_add(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+    if (n > 0) gir_sb_add(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
 }
 
 /* A byte of a literal or class, escaped for GBNF. */
-void esc_byte(sb *b, unsigned char c) {
+void gir_esc_byte(sb *b, unsigned char c) {
     if (c < 0x20 || c == '"' || c == '\\' || c == ']' || c == '[' || c == '-' || c == '^' ||
         c == 0x7f)
-        sb_printf(b, "\\x%02X", c);
+        gir_sb_printf(b, "\\x%02X", c);
     else
-        sb_add(b, (const char *)&c, 1);
+        gir_sb_add(b, (const char *)&c, 1);
 }
 
 static const char *class_escape(char c) {
@@ -66,7 +66,7 @@ static const char *class_escape(char c) {
 
 char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
     sb b = {0};
-    sb_puts(&b, "root ::= (");
+    gir_sb_puts(&b, "root ::= (");
     size_t i = 0;
     int depth = 0;
     if (i < len && re[i] == '^') i++;
@@ -82,23 +82,23 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
             i += 2;
             const char *cls = class_escape(e);
             if (cls) {
-                sb_printf(&b, "[%s]", cls);
+                gir_sb_printf(&b, "[%s]", cls);
             } else if (e == 'D' || e == 'W' || e == 'S') {
-                sb_printf(&b, "[^%s]", class_escape((char)(e + 32)));
+                gir_sb_printf(&b, "[^%s]", class_escape((char)(e + 32)));
             } else if (e == 'n')
-                sb_puts(&b, "\"\\n\"");
+                gir_sb_puts(&b, "\"\\n\"");
             else if (e == 't')
-                sb_puts(&b, "\"\\t\"");
+                gir_sb_puts(&b, "\"\\t\"");
             else if (e == 'r')
-                sb_puts(&b, "\"\\r\"");
+                gir_sb_puts(&b, "\"\\r\"");
             else if (e == 'f')
-                sb_puts(&b, "\"\\x0C\"");
+                gir_sb_puts(&b, "\"\\x0C\"");
             else if (e == 'v')
-                sb_puts(&b, "\"\\x0B\"");
+                gir_sb_puts(&b, "\"\\x0B\"");
             else if (e == 'x' || e == 'u') {
                 int nh = e == 'x' ? 2 : 4;
                 if (i + (size_t)nh > len) goto bad_escape;
-                sb_printf(&b, "\"\\%c%.*s\"", e, nh, re + i);
+                gir_sb_printf(&b, "\"\\%c%.*s\"", e, nh, re + i);
                 i += (size_t)nh;
             } else if ((e >= '1' && e <= '9') || e == 'b' || e == 'B' || e == 'A' || e == 'Z' ||
                        e == 'z' || e == 'k' || e == 'p' || e == 'P') {
@@ -109,17 +109,17 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
                 free(b.p);
                 return NULL;
             } else {
-                sb_puts(&b, "\"");
-                esc_byte(&b, (unsigned char)e);
-                sb_puts(&b, "\"");
+                gir_sb_puts(&b, "\"");
+                gir_esc_byte(&b, (unsigned char)e);
+                gir_sb_puts(&b, "\"");
             }
             continue;
         }
         if (c == '[') {
             i++;
-            sb_puts(&b, "[");
+            gir_sb_puts(&b, "[");
             if (i < len && re[i] == '^') {
-                sb_puts(&b, "^");
+                gir_sb_puts(&b, "^");
                 i++;
             }
             int first = 1;
@@ -130,24 +130,24 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
                     char e = re[i + 1];
                     const char *cls = class_escape(e);
                     if (cls)
-                        sb_puts(&b, cls);
+                        gir_sb_puts(&b, cls);
                     else if (e == 'n')
-                        sb_puts(&b, "\\n");
+                        gir_sb_puts(&b, "\\n");
                     else if (e == 't')
-                        sb_puts(&b, "\\t");
+                        gir_sb_puts(&b, "\\t");
                     else if (e == 'r')
-                        sb_puts(&b, "\\r");
+                        gir_sb_puts(&b, "\\r");
                     else if (e == 'D' || e == 'W' || e == 'S') {
                         err_set(err, errlen,
                                 "regex: '\\%c' inside a character class is not supported", e);
                         free(b.p);
                         return NULL;
                     } else
-                        esc_byte(&b, (unsigned char)e);
+                        gir_esc_byte(&b, (unsigned char)e);
                     i += 2;
                 } else if (d == '-' && i + 1 < len && re[i + 1] != ']' && b.p[b.n - 1] != '[' &&
                            b.p[b.n - 1] != '^') {
-                    sb_puts(&b, "-");
+                    gir_sb_puts(&b, "-");
                     i++;
                 } else if (d == '[' && i + 1 < len && re[i + 1] == ':') {
                     err_set(err, errlen, "regex: POSIX classes [:name:] are not supported");
@@ -157,9 +157,9 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
                     /* copy a whole UTF-8 character */
                     int n = d < 0x80 ? 1 : d < 0xE0 ? 2 : d < 0xF0 ? 3 : 4;
                     if (n == 1)
-                        esc_byte(&b, d);
+                        gir_esc_byte(&b, d);
                     else
-                        sb_add(&b, re + i, (size_t)n <= len - i ? (size_t)n : len - i);
+                        gir_sb_add(&b, re + i, (size_t)n <= len - i ? (size_t)n : len - i);
                     i += (size_t)n;
                 }
             }
@@ -169,7 +169,7 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
                 return NULL;
             }
             i++;
-            sb_puts(&b, "]");
+            gir_sb_puts(&b, "]");
             continue;
         }
         if (c == '(') {
@@ -187,7 +187,7 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
                     goto bad_group;
             }
             depth++;
-            sb_puts(&b, "(");
+            gir_sb_puts(&b, "(");
             continue;
         }
         if (c == ')') {
@@ -198,12 +198,12 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
             }
             depth--;
             i++;
-            sb_puts(&b, ")");
+            gir_sb_puts(&b, ")");
             continue;
         }
         if (c == '|') {
             i++;
-            sb_puts(&b, " | ");
+            gir_sb_puts(&b, " | ");
             continue;
         }
         if (c == '*' || c == '+' || c == '?' || c == '{') {
@@ -212,21 +212,21 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
                 while (j < len && (re[j] == ',' || (re[j] >= '0' && re[j] <= '9') || re[j] == ' '))
                     j++;
                 if (j >= len || re[j] != '}' || j == i + 1) { /* a literal '{' */
-                    sb_puts(&b, "\"{\"");
+                    gir_sb_puts(&b, "\"{\"");
                     i++;
                     continue;
                 }
-                sb_add(&b, re + i, j + 1 - i);
+                gir_sb_add(&b, re + i, j + 1 - i);
                 i = j + 1;
             } else {
-                sb_add(&b, (const char *)&c, 1);
+                gir_sb_add(&b, (const char *)&c, 1);
                 i++;
             }
             if (i < len && (re[i] == '?' || re[i] == '+')) i++; /* lazy / possessive */
             continue;
         }
         if (c == '.') {
-            sb_puts(&b, "[^\\n]");
+            gir_sb_puts(&b, "[^\\n]");
             i++;
             continue;
         }
@@ -238,12 +238,12 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
         /* a literal character (whole UTF-8 sequence) */
         {
             int n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-            sb_puts(&b, " \"");
+            gir_sb_puts(&b, " \"");
             if (n == 1)
-                esc_byte(&b, c);
+                gir_esc_byte(&b, c);
             else
-                sb_add(&b, re + i, (size_t)n <= len - i ? (size_t)n : len - i);
-            sb_puts(&b, "\"");
+                gir_sb_add(&b, re + i, (size_t)n <= len - i ? (size_t)n : len - i);
+            gir_sb_puts(&b, "\"");
             i += (size_t)n;
         }
     }
@@ -252,7 +252,7 @@ char *regex_to_gbnf(const char *re, size_t len, char *err, size_t errlen) {
         free(b.p);
         return NULL;
     }
-    sb_puts(&b, ")\n");
+    gir_sb_puts(&b, ")\n");
     return b.p;
 trailing:
     err_set(err, errlen, "regex: trailing '\\'");
@@ -270,7 +270,7 @@ bad_group:
     return NULL;
 }
 
-char *choice_to_gbnf(const char *text, size_t len, char *err, size_t errlen) {
+char *regex_choice_to_gbnf(const char *text, size_t len, char *err, size_t errlen) {
     json_error_t je;
     json_t *a = json_loadb(text, len, 0, &je);
     if (!a || !json_is_array(a) || json_array_size(a) == 0) {
@@ -279,7 +279,7 @@ char *choice_to_gbnf(const char *text, size_t len, char *err, size_t errlen) {
         return NULL;
     }
     sb b = {0};
-    sb_puts(&b, "root ::= ");
+    gir_sb_puts(&b, "root ::= ");
     for (size_t k = 0; k < json_array_size(a); k++) {
         json_t *s = json_array_get(a, k);
         if (!json_is_string(s)) {
@@ -289,18 +289,18 @@ char *choice_to_gbnf(const char *text, size_t len, char *err, size_t errlen) {
             free(b.p);
             return NULL;
         }
-        if (k) sb_puts(&b, " | ");
-        sb_puts(&b, "\"");
+        if (k) gir_sb_puts(&b, " | ");
+        gir_sb_puts(&b, "\"");
         const unsigned char *p = (const unsigned char *)json_string_value(s);
         size_t n = json_string_length(s);
         for (size_t i = 0; i < n; i++)
             if (p[i] >= 0x80)
-                sb_add(&b, (const char *)p + i, 1);
+                gir_sb_add(&b, (const char *)p + i, 1);
             else
-                esc_byte(&b, p[i]);
-        sb_puts(&b, "\"");
+                gir_esc_byte(&b, p[i]);
+        gir_sb_puts(&b, "\"");
     }
-    sb_puts(&b, "\n");
+    gir_sb_puts(&b, "\n");
     json_decref(a);
     return b.p;
 }

@@ -36,7 +36,7 @@ static int enc_normalized_piece(enc_ctx *c, const uint8_t *s, size_t n, bool at_
     const uint8_t *u = cur ? (const uint8_t *)cur : s;
     if (!cur) len = n;
     c->origin = at_origin ? u : NULL;
-    rc = t->any_added_norm ? enc_added(c, u, len, true) : enc_pre(c, 0, u, len);
+    rc = t->any_added_norm ? enc_added(c, u, len, true) : tok_enc_pre(c, 0, u, len);
     c->origin = NULL;
     free(cur);
     return rc;
@@ -79,29 +79,29 @@ static int enc_added(enc_ctx *c, const uint8_t *s, size_t n, bool normalized) {
         pos = stop;
         if (a->single_word) {
             size_t b;
-            bool ok_l = start == 0 || !cp_is_word(cp_before(s, start, &b));
+            bool ok_l = start == 0 || !tok_cp_is_word(tok_cp_before(s, start, &b));
             int l;
-            bool ok_r = stop == n || !cp_is_word(utf8_cp(s + stop, n - stop, &l));
+            bool ok_r = stop == n || !tok_cp_is_word(tok_utf8_cp(s + stop, n - stop, &l));
             if (!ok_l || !ok_r) continue;
         }
         if (start < done) continue; /* swallowed by a previous rstrip */
         if (a->lstrip) {
             while (start > done) {
                 size_t b;
-                if (!cp_is_ws(cp_before(s, start, &b))) break;
+                if (!tok_cp_is_ws(tok_cp_before(s, start, &b))) break;
                 start = b;
             }
         }
         if (a->rstrip) {
             while (stop < n) {
                 int l;
-                if (!cp_is_ws(utf8_cp(s + stop, n - stop, &l))) break;
+                if (!tok_cp_is_ws(tok_utf8_cp(s + stop, n - stop, &l))) break;
                 stop += (size_t)l;
             }
             pos = stop;
         }
         if (start > done) {
-            rc = normalized ? enc_pre(c, 0, s + done, start - done)
+            rc = normalized ? tok_enc_pre(c, 0, s + done, start - done)
                             : enc_normalized_piece(c, s + done, start - done, done == 0);
             if (rc) return rc;
         }
@@ -109,7 +109,7 @@ static int enc_added(enc_ctx *c, const uint8_t *s, size_t n, bool normalized) {
         done = stop;
     }
     if (done < n)
-        return normalized ? enc_pre(c, 0, s + done, n - done)
+        return normalized ? tok_enc_pre(c, 0, s + done, n - done)
                           : enc_normalized_piece(c, s + done, n - done, done == 0);
     return 0;
 }
@@ -179,10 +179,10 @@ int32_t tokenizer_token_id(const tokenizer *t, const char *token) {
     for (size_t k = 0; k < t->n_added; k++)
         if (t->added[k].len == n && memcmp(t->added[k].content, token, n) == 0)
             return t->added[k].id;
-    if (!t->byte_level) return n > 0 ? vocab_find(t, (const uint8_t *)token, n) : -1;
+    if (!t->byte_level) return n > 0 ? tok_vocab_find(t, (const uint8_t *)token, n) : -1;
     tok_bytes b = {0};
     int32_t id = -1;
-    if (byte_level_to_bytes(token, n, &b) && b.n > 0) id = vocab_find(t, b.v, b.n);
+    if (tok_byte_level_to_bytes(token, n, &b) && b.n > 0) id = tok_vocab_find(t, b.v, b.n);
     free(b.v);
     return id;
 }

@@ -25,7 +25,7 @@ const uint8_t *tok_match_key(const tokenizer *t, int32_t id, size_t *n) {
 
 /* ---- vocab hash ---- */
 
-int32_t vocab_find(const tokenizer *t, const uint8_t *p, size_t n) {
+int32_t tok_vocab_find(const tokenizer *t, const uint8_t *p, size_t n) {
     size_t i = tok_hash_bytes(p, n) & t->vocab_mask;
     for (;;) {
         int32_t id = t->vocab_ht[i];
@@ -37,7 +37,7 @@ int32_t vocab_find(const tokenizer *t, const uint8_t *p, size_t n) {
     }
 }
 
-void vocab_insert(tokenizer *t, int32_t id) {
+void tok_vocab_insert(tokenizer *t, int32_t id) {
     size_t n;
     const uint8_t *p = tok_match_key(t, id, &n);
     size_t i = tok_hash_bytes(p, n) & t->vocab_mask;
@@ -64,7 +64,7 @@ static bool merge_find(const tokenizer *t, int32_t a, int32_t b, uint32_t *rank,
 }
 
 /* Inserts unless the pair is already there (HF keeps the first rank too). */
-void merge_insert(tokenizer *t, int32_t a, int32_t b, uint32_t rank, int32_t nid) {
+void tok_merge_insert(tokenizer *t, int32_t a, int32_t b, uint32_t rank, int32_t nid) {
     uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
     size_t i = tok_hash_u64(key) & t->merge_mask;
     while (t->merges[i].key != UINT64_MAX) {
@@ -154,9 +154,9 @@ static int32_t bpe_init_chars(const tokenizer *t, const uint8_t *w, size_t n, bp
     int32_t ns = 0, unk_len = 0; /* unk_len > 0: an unk symbol is pending */
     size_t i = 0;
     while (i < n) {
-        int l = utf8_step(w + i, n - i);
+        int l = tok_utf8_step(w + i, n - i);
         if (l <= 0) l = 1; /* not reached: the text is valid UTF-8 */
-        int32_t id = vocab_find(t, w + i, (size_t)l);
+        int32_t id = tok_vocab_find(t, w + i, (size_t)l);
         if (id >= 0) {
             if (unk_len > 0) bpe_sym_add(sy, &ns, t->unk_id, unk_len);
             unk_len = 0;
@@ -185,7 +185,7 @@ static int32_t bpe_init_chars(const tokenizer *t, const uint8_t *w, size_t n, bp
 
 static int bpe_word_uncached(const tokenizer *t, const uint8_t *w, size_t n, tok_ids *out) {
     if (t->ignore_merges) {
-        int32_t id = vocab_find(t, w, n);
+        int32_t id = tok_vocab_find(t, w, n);
         if (id >= 0) return tok_ids_push(out, id);
     }
     bpe_sym stack_sy[128];
@@ -226,7 +226,7 @@ out:
     return rc;
 }
 
-int bpe_word(const tokenizer *t, const uint8_t *w, size_t n, tok_ids *out) {
+int tok_bpe_word(const tokenizer *t, const uint8_t *w, size_t n, tok_ids *out) {
     if (n == 0) return 0;
     if (n == 1 && t->byte_id[w[0]] >= 0) return tok_ids_push(out, t->byte_id[w[0]]);
     if (n > TOK_CACHE_MAX_WORD) return bpe_word_uncached(t, w, n, out);

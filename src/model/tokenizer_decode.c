@@ -137,7 +137,7 @@ static int byte_token_value(const char *s, size_t n) {
 int tok_decode_key(const tokenizer *t, const char *s, size_t n, tok_bytes *out, bool *is_byte) {
     *is_byte = false;
     if (t->byte_level) {
-        if (byte_level_to_bytes(s, n, out)) return 0;
+        if (tok_byte_level_to_bytes(s, n, out)) return 0;
         return tok_bytes_append(out, s, n);
     }
     /* Replace first (a token holding the pattern is no byte token after it) */
@@ -179,7 +179,7 @@ static int dec_flush_run(tok_bytes *raw, size_t run_start) {
     if (k == 0 || tokenizer_utf8_check((const char *)raw->v + run_start, k) == k) return 0;
     raw->n = run_start;
     for (size_t i = 0; i < k; i++)
-        if (tok_bytes_append(raw, utf8_replacement, 3)) return -ENOMEM;
+        if (tok_bytes_append(raw, tok_utf8_replacement, 3)) return -ENOMEM;
     return 0;
 }
 
@@ -214,7 +214,8 @@ int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip
         rc = tok_bytes_append(&raw, t->arena + t->tok_off[id], t->tok_len[id]);
     }
     if (!rc && in_run) rc = dec_flush_run(&raw, run_start);
-    if (!rc) rc = utf8_lossy_append(&txt, raw.v ? raw.v : (const uint8_t *)"", raw.n, true, NULL);
+    if (!rc)
+        rc = tok_utf8_lossy_append(&txt, raw.v ? raw.v : (const uint8_t *)"", raw.n, true, NULL);
     free(raw.v);
     if (!rc && t->dec_strip > 0) { /* Strip (after Fuse): leading strip chars of the text */
         size_t k = 0;
@@ -252,7 +253,7 @@ int tokenizer_stream_push(const tokenizer *t, tokenizer_stream *st, int32_t id, 
     int rc = tok_bytes_append(&in, buf, (size_t)st->n_pending);
     if (!rc) rc = tok_bytes_append(&in, t->arena + t->tok_off[id], t->tok_len[id]);
     size_t held = 0;
-    if (!rc) rc = utf8_lossy_append(&txt, in.v, in.n, false, &held);
+    if (!rc) rc = tok_utf8_lossy_append(&txt, in.v, in.n, false, &held);
     if (!rc) {
         memcpy(st->pending, in.v + in.n - held, held);
         st->n_pending = (int)held;
@@ -268,7 +269,7 @@ int tokenizer_stream_flush(tokenizer_stream *st, char *out, size_t cap, size_t *
     *out_len = 0;
     if (st->n_pending == 0) return 0;
     if (cap < 3) return -ENOSPC;
-    memcpy(out, utf8_replacement, 3); /* an unfinished character is one U+FFFD */
+    memcpy(out, tok_utf8_replacement, 3); /* an unfinished character is one U+FFFD */
     *out_len = 3;
     st->n_pending = 0;
     return 0;

@@ -47,34 +47,27 @@ size_t tok_pow2_at_least(size_t n);
 
 /* 1..4: a valid character of that length; -k: the first k bytes are one
  * maximal invalid subpart; 0: a valid prefix cut short by the end. */
-int utf8_step(const uint8_t *s, size_t n);
+int tok_utf8_step(const uint8_t *s, size_t n);
 /* Append s[0..n) replacing invalid subparts with U+FFFD (Rust's
  * from_utf8_lossy); when !final an unfinished trailing character is held
  * back and its length returned in *held. */
-int utf8_lossy_append(tok_bytes *out, const uint8_t *s, size_t n, bool final, size_t *held);
+int tok_utf8_lossy_append(tok_bytes *out, const uint8_t *s, size_t n, bool final, size_t *held);
 /* One code point of valid UTF-8 at s (its length in *len). */
-int32_t utf8_cp(const uint8_t *s, size_t n, int *len);
+int32_t tok_utf8_cp(const uint8_t *s, size_t n, int *len);
 /* Last code point before s[end]; *start is where it begins. */
-int32_t cp_before(const uint8_t *s, size_t end, size_t *start);
-bool cp_is_ws(int32_t c);   /* Rust char::is_whitespace */
-bool cp_is_word(int32_t c); /* Rust c.is_alphanumeric() || c == '_' */
-extern const uint8_t utf8_replacement[3];
+int32_t tok_cp_before(const uint8_t *s, size_t end, size_t *start);
+bool tok_cp_is_ws(int32_t c);   /* Rust char::is_whitespace */
+bool tok_cp_is_word(int32_t c); /* Rust c.is_alphanumeric() || c == '_' */
+extern const uint8_t tok_utf8_replacement[3];
 
 /* ---- ByteLevel map and global init (tokenizer_text.c) ---- */
 
-#define BYTE_MAP_CPS 324               /* code points used by the map are < 324 */
 enum { CL_L = 1, CL_N = 2, CL_S = 4 }; /* \p{L}, \p{N}, \s */
 
-typedef struct tok_byte_map {
-    uint16_t byte_to_cp[256];         /* byte -> code point */
-    int16_t cp_to_byte[BYTE_MAP_CPS]; /* code point -> byte, -1 if none */
-} tok_byte_map;
-
-extern tok_byte_map g_byte_map;
-extern uint8_t g_ascii_class[128]; /* CL_* bits of each ASCII char, as Oniguruma has them */
+extern uint8_t tok_ascii_class[128]; /* CL_* bits of each ASCII char, as Oniguruma has them */
 void tok_global_init_once(void);
 /* Byte-level string -> raw bytes; false (out unchanged) if a char is unmapped. */
-bool byte_level_to_bytes(const char *s, size_t n, tok_bytes *out);
+bool tok_byte_level_to_bytes(const char *s, size_t n, tok_bytes *out);
 
 /* ---- the tokenizer object ---- */
 
@@ -211,11 +204,11 @@ struct tokenizer {
 
 /* The vocab lookup key of id (bytes for byte-level, the string otherwise). */
 const uint8_t *tok_match_key(const tokenizer *t, int32_t id, size_t *n);
-int32_t vocab_find(const tokenizer *t, const uint8_t *p, size_t n);
-void vocab_insert(tokenizer *t, int32_t id);
-void merge_insert(tokenizer *t, int32_t a, int32_t b, uint32_t rank, int32_t nid);
+int32_t tok_vocab_find(const tokenizer *t, const uint8_t *p, size_t n);
+void tok_vocab_insert(tokenizer *t, int32_t id);
+void tok_merge_insert(tokenizer *t, int32_t a, int32_t b, uint32_t rank, int32_t nid);
 /* Append the ids of one pre-tokenized word. */
-int bpe_word(const tokenizer *t, const uint8_t *w, size_t n, tok_ids *out);
+int tok_bpe_word(const tokenizer *t, const uint8_t *w, size_t n, tok_ids *out);
 
 /* ---- normalizers (tokenizer_norm.c) ---- */
 
@@ -244,7 +237,7 @@ int tok_compile(const char *path, const char *what, const char *pattern, OnigReg
                 size_t cap);
 char *tok_regex_escape(const char *s);
 /* Run pre-tokenizer steps step.. on s, then BPE on each word. */
-int enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n);
+int tok_enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n);
 
 /* ---- decoders (tokenizer_decode.c) ---- */
 

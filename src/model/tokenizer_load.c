@@ -46,13 +46,13 @@ static json_t *tok_load_json(const char *path, size_t flags, char *err, size_t c
 
 /* Resolve a merge half (a vocabulary string) to an id. */
 static int32_t tok_lookup_piece(tokenizer *t, const char *s, size_t n, tok_bytes *scratch) {
-    if (!t->byte_level) return vocab_find(t, (const uint8_t *)s, n);
+    if (!t->byte_level) return tok_vocab_find(t, (const uint8_t *)s, n);
     scratch->n = 0;
-    if (!byte_level_to_bytes(s, n, scratch)) {
+    if (!tok_byte_level_to_bytes(s, n, scratch)) {
         scratch->n = 0;
         if (tok_bytes_append(scratch, s, n)) return -1;
     }
-    return vocab_find(t, scratch->v, scratch->n);
+    return tok_vocab_find(t, scratch->v, scratch->n);
 }
 
 /* Record id's vocabulary string and the bytes it decodes to. */
@@ -183,15 +183,15 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
         if (t->tok_len[id] > t->max_tok_len) t->max_tok_len = t->tok_len[id];
         size_t kn;
         const uint8_t *k = tok_match_key(t, (int32_t)id, &kn);
-        if (t->has_id[id] == 1 && vocab_find(t, k, kn) < 0) vocab_insert(t, (int32_t)id);
+        if (t->has_id[id] == 1 && tok_vocab_find(t, k, kn) < 0) tok_vocab_insert(t, (int32_t)id);
     }
     for (int b = 0; b < 256; b++) {
         uint8_t c = (uint8_t)b;
         char hex[8];
         snprintf(hex, sizeof(hex), "<0x%02X>", (unsigned)b);
-        t->byte_id[b] = t->byte_level || b < 0x80 ? vocab_find(t, &c, 1) : -1;
+        t->byte_id[b] = t->byte_level || b < 0x80 ? tok_vocab_find(t, &c, 1) : -1;
         t->fallback_id[b] = t->byte_fallback && !t->byte_level
-                                ? vocab_find(t, (const uint8_t *)hex, strlen(hex))
+                                ? tok_vocab_find(t, (const uint8_t *)hex, strlen(hex))
                                 : -1;
     }
     t->unk_id = -1;
@@ -262,7 +262,7 @@ static int tok_parse_model(tokenizer *t, const char *path, json_t *model, json_t
             rc = -EINVAL;
             break;
         }
-        merge_insert(t, ia, ib, (uint32_t)i, inew);
+        tok_merge_insert(t, ia, ib, (uint32_t)i, inew);
     }
     free(scratch.v);
     free(joined.v);

@@ -183,7 +183,7 @@ static int norm_step(const tok_norm *nm, const uint8_t *cur, size_t len, uint8_t
             } else { /* empty match: HF skips it */
                 if (ms >= len) break;
                 int l;
-                utf8_cp(cur + ms, len - ms, &l);
+                tok_utf8_cp(cur + ms, len - ms, &l);
                 pos = ms + (size_t)l;
             }
         }
@@ -195,12 +195,12 @@ static int norm_step(const tok_norm *nm, const uint8_t *cur, size_t len, uint8_t
         size_t s = 0, e = len;
         while (nm->left && s < e) {
             int l;
-            if (!cp_is_ws(utf8_cp(cur + s, e - s, &l))) break;
+            if (!tok_cp_is_ws(tok_utf8_cp(cur + s, e - s, &l))) break;
             s += (size_t)l;
         }
         while (nm->right && e > s) {
             size_t st;
-            if (!cp_is_ws(cp_before(cur, e, &st))) break;
+            if (!tok_cp_is_ws(tok_cp_before(cur, e, &st))) break;
             e = st;
         }
         rc = tok_bytes_append(&b, cur + s, e - s);

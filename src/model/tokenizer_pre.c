@@ -66,7 +66,7 @@ static int pre_parse_metaspace(const char *path, json_t *p, tok_pre *s, char *er
     const char *rep = json_string_value(json_object_get(p, "replacement"));
     if (!rep) rep = "\u2581";
     size_t rl = strlen(rep);
-    if (rl == 0 || rl >= sizeof(s->rep) || utf8_step((const uint8_t *)rep, rl) != (int)rl) {
+    if (rl == 0 || rl >= sizeof(s->rep) || tok_utf8_step((const uint8_t *)rep, rl) != (int)rl) {
         err_set(err, cap, "%s: Metaspace replacement \"%s\" is not one character", path, rep);
         return -EINVAL;
     }
@@ -183,7 +183,7 @@ int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, size_t c
  * does. */
 static size_t qwen_match_ascii(const uint8_t *s, size_t n, size_t i, int max_digits) {
 #define CH(k)  ((k) < n ? (int)s[k] : -1) /* -1: end of text */
-#define CLS(c) ((c) < 0 ? 0 : g_ascii_class[c])
+#define CLS(c) ((c) < 0 ? 0 : tok_ascii_class[c])
     int c0 = s[i];
     if (c0 >= 0x80) return 0;
     /* (?i:'s|'t|'re|'ve|'m|'ll|'d) */
@@ -211,7 +211,7 @@ static size_t qwen_match_ascii(const uint8_t *s, size_t n, size_t i, int max_dig
     }
     if (ls < n) {
         size_t e = ls;
-        while (e < n && s[e] < 0x80 && (g_ascii_class[s[e]] & CL_L))
+        while (e < n && s[e] < 0x80 && (tok_ascii_class[s[e]] & CL_L))
             e++;
         if (e < n && s[e] >= 0x80) return 0;
         return e;
@@ -221,7 +221,7 @@ static size_t qwen_match_ascii(const uint8_t *s, size_t n, size_t i, int max_dig
         size_t e = i + 1;
         while (e < n && e - i < (size_t)max_digits) {
             if (s[e] >= 0x80) return 0; /* may be a non-ASCII digit */
-            if (!(g_ascii_class[s[e]] & CL_N)) break;
+            if (!(tok_ascii_class[s[e]] & CL_N)) break;
             e++;
         }
         return e;
@@ -237,7 +237,7 @@ static size_t qwen_match_ascii(const uint8_t *s, size_t n, size_t i, int max_dig
     }
     if (ps < n) {
         size_t e = ps;
-        while (e < n && s[e] < 0x80 && !(g_ascii_class[s[e]] & (CL_S | CL_L | CL_N)))
+        while (e < n && s[e] < 0x80 && !(tok_ascii_class[s[e]] & (CL_S | CL_L | CL_N)))
             e++;
         if (e < n && s[e] >= 0x80) return 0;
         while (e < n && (s[e] == '\r' || s[e] == '\n'))
@@ -246,7 +246,7 @@ static size_t qwen_match_ascii(const uint8_t *s, size_t n, size_t i, int max_dig
     }
     /* c0 is whitespace: \s*[\r\n]+ | \s+(?!\S) | \s+ */
     size_t e = i, last_nl = n;
-    while (e < n && s[e] < 0x80 && (g_ascii_class[s[e]] & CL_S)) {
+    while (e < n && s[e] < 0x80 && (tok_ascii_class[s[e]] & CL_S)) {
         if (s[e] == '\r' || s[e] == '\n') last_nl = e;
         e++;
     }
@@ -269,7 +269,7 @@ static int enc_regex_split(enc_ctx *c, int step, const tok_pre *p, const uint8_t
         if (p->fast && pos == last) {
             size_t e = qwen_match_ascii(s, n, pos, p->fast);
             if (e > pos) {
-                if ((rc = enc_pre(c, step + 1, s + pos, e - pos))) return rc;
+                if ((rc = tok_enc_pre(c, step + 1, s + pos, e - pos))) return rc;
                 last = pos = e;
                 continue;
             }
@@ -285,15 +285,15 @@ static int enc_regex_split(enc_ctx *c, int step, const tok_pre *p, const uint8_t
         size_t ms = (size_t)c->region->beg[0], me = (size_t)c->region->end[0];
         if (me == ms) { /* empty match: step over one character */
             int l;
-            utf8_cp(s + me, n - me, &l);
+            tok_utf8_cp(s + me, n - me, &l);
             pos = me + (size_t)l;
             continue;
         }
-        if (ms > last && (rc = enc_pre(c, step + 1, s + last, ms - last))) return rc;
-        if ((rc = enc_pre(c, step + 1, s + ms, me - ms))) return rc;
+        if (ms > last && (rc = tok_enc_pre(c, step + 1, s + last, ms - last))) return rc;
+        if ((rc = tok_enc_pre(c, step + 1, s + ms, me - ms))) return rc;
         last = pos = me;
     }
-    if (last < n) return enc_pre(c, step + 1, s + last, n - last);
+    if (last < n) return tok_enc_pre(c, step + 1, s + last, n - last);
     return 0;
 }
 
@@ -317,22 +317,22 @@ static int enc_metaspace(enc_ctx *c, int step, const tok_pre *p, const uint8_t *
     }
     if (!rc) rc = tok_bytes_append(b, s + run, n - run);
     if (rc) return rc;
-    if (!p->split) return enc_pre(c, step + 1, b->v, b->n);
+    if (!p->split) return tok_enc_pre(c, step + 1, b->v, b->n);
     /* MergedWithNext: cut before every replacement character */
     const uint8_t *v = b->v;
     size_t len = b->n, start = 0;
     for (size_t i = 1; i + p->rep_len <= len; i++) {
         if (memcmp(v + i, p->rep, p->rep_len) != 0) continue;
-        if ((rc = enc_pre(c, step + 1, v + start, i - start))) return rc;
+        if ((rc = tok_enc_pre(c, step + 1, v + start, i - start))) return rc;
         start = i;
     }
-    return enc_pre(c, step + 1, v + start, len - start);
+    return tok_enc_pre(c, step + 1, v + start, len - start);
 }
 
-int enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n) {
+int tok_enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n) {
     if (n == 0) return 0;
     const tokenizer *t = c->t;
-    if (step == t->n_pre) return bpe_word(t, s, n, c->out);
+    if (step == t->n_pre) return tok_bpe_word(t, s, n, c->out);
     const tok_pre *p = &t->pre[step];
     if (p->kind == PRE_BYTE_LEVEL && p->add_prefix_space && s[0] != ' ') {
         tok_bytes *b = &c->prefix[step];
@@ -342,6 +342,6 @@ int enc_pre(enc_ctx *c, int step, const uint8_t *s, size_t n) {
         n = b->n;
     }
     if (p->kind == PRE_METASPACE) return enc_metaspace(c, step, p, s, n);
-    if (!p->re) return enc_pre(c, step + 1, s, n);
+    if (!p->re) return tok_enc_pre(c, step + 1, s, n);
     return enc_regex_split(c, step, p, s, n);
 }

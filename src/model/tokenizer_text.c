@@ -76,7 +76,7 @@ size_t tok_pow2_at_least(size_t n) {
 /* Classify the sequence at s[0..n): 1..4 = a valid character of that length;
  * -k = invalid, the first k bytes are one maximal invalid subpart (one
  * U+FFFD); 0 = a valid prefix cut short by the end of the input. */
-int utf8_step(const uint8_t *s, size_t n) {
+int tok_utf8_step(const uint8_t *s, size_t n) {
     uint8_t c = s[0];
     if (c < 0x80) return 1;
     int need;
@@ -118,19 +118,19 @@ size_t tokenizer_utf8_check(const char *text, size_t len) {
             i++;
             continue;
         }
-        int k = utf8_step(s + i, len - i);
+        int k = tok_utf8_step(s + i, len - i);
         if (k <= 0) return i;
         i += (size_t)k;
     }
     return len;
 }
 
-const uint8_t utf8_replacement[3] = {0xEF, 0xBF, 0xBD};
+const uint8_t tok_utf8_replacement[3] = {0xEF, 0xBF, 0xBD};
 
 /* Append s[0..n) to out, replacing invalid subparts with U+FFFD; when
  * final is false an incomplete trailing character is left unconsumed and its
  * length returned in *held (else it becomes U+FFFD). */
-int utf8_lossy_append(tok_bytes *out, const uint8_t *s, size_t n, bool final, size_t *held) {
+int tok_utf8_lossy_append(tok_bytes *out, const uint8_t *s, size_t n, bool final, size_t *held) {
     size_t i = 0, run = 0; /* run: start of the pending valid run */
     if (held) *held = 0;
     while (i < n) {
@@ -138,7 +138,7 @@ int utf8_lossy_append(tok_bytes *out, const uint8_t *s, size_t n, bool final, si
             i++;
             continue;
         }
-        int k = utf8_step(s + i, n - i);
+        int k = tok_utf8_step(s + i, n - i);
         if (k > 0) {
             i += (size_t)k;
             continue;
@@ -149,10 +149,10 @@ int utf8_lossy_append(tok_bytes *out, const uint8_t *s, size_t n, bool final, si
                 if (held) *held = n - i;
                 return 0;
             }
-            if (tok_bytes_append(out, utf8_replacement, 3)) return -ENOMEM;
+            if (tok_bytes_append(out, tok_utf8_replacement, 3)) return -ENOMEM;
             return 0;
         }
-        if (tok_bytes_append(out, utf8_replacement, 3)) return -ENOMEM;
+        if (tok_bytes_append(out, tok_utf8_replacement, 3)) return -ENOMEM;
         i += (size_t)(-k);
         run = i;
     }
@@ -160,7 +160,7 @@ int utf8_lossy_append(tok_bytes *out, const uint8_t *s, size_t n, bool final, si
 }
 
 /* Decode one code point from valid UTF-8 at s (length in *len). */
-int32_t utf8_cp(const uint8_t *s, size_t n, int *len) {
+int32_t tok_utf8_cp(const uint8_t *s, size_t n, int *len) {
     utf8proc_int32_t cp = -1;
     utf8proc_ssize_t k = utf8proc_iterate(s, (utf8proc_ssize_t)n, &cp);
     *len = k > 0 ? (int)k : 1;
@@ -171,19 +171,24 @@ int32_t utf8_cp(const uint8_t *s, size_t n, int *len) {
  * ByteLevel: the GPT-2 bytes <-> printable unicode map
  * ====================================================================== */
 
-tok_byte_map g_byte_map;
-uint8_t g_ascii_class[128];
+#define BYTE_MAP_CPS 324 /* code points used by the map are < 324 */
+
+static struct {
+    uint16_t byte_to_cp[256];         /* byte -> code point */
+    int16_t cp_to_byte[BYTE_MAP_CPS]; /* code point -> byte, -1 if none */
+} byte_map;
+uint8_t tok_ascii_class[128];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
 static void tok_global_init(void) {
     int n = 0;
     for (int c = 0; c < BYTE_MAP_CPS; c++)
-        g_byte_map.cp_to_byte[c] = -1;
+        byte_map.cp_to_byte[c] = -1;
     for (int b = 0; b < 256; b++) {
         bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
         int cp = printable ? b : 256 + n++;
-        g_byte_map.byte_to_cp[b] = (uint16_t)cp;
-        g_byte_map.cp_to_byte[cp] = (int16_t)b;
+        byte_map.byte_to_cp[b] = (uint16_t)cp;
+        byte_map.cp_to_byte[cp] = (int16_t)b;
     }
     OnigEncoding enc[1] = {ONIG_ENCODING_UTF8};
     onig_initialize(enc, 1);
@@ -199,7 +204,7 @@ static void tok_global_init(void) {
         for (int ch = 0; ch < 128; ch++) {
             OnigUChar c = (OnigUChar)ch;
             if (onig_match(re, &c, &c + 1, &c, NULL, ONIG_OPTION_NONE) == 1)
-                g_ascii_class[ch] |= (uint8_t)(1 << k);
+                tok_ascii_class[ch] |= (uint8_t)(1 << k);
         }
         onig_free(re);
     }
@@ -207,18 +212,18 @@ static void tok_global_init(void) {
 
 /* Byte-level string (UTF-8) -> raw bytes.  Returns false (and leaves out
  * untouched past its length on entry) when a character is not in the map. */
-bool byte_level_to_bytes(const char *s, size_t n, tok_bytes *out) {
+bool tok_byte_level_to_bytes(const char *s, size_t n, tok_bytes *out) {
     size_t start = out->n;
     const uint8_t *p = (const uint8_t *)s;
     size_t i = 0;
     while (i < n) {
         int l;
-        int32_t cp = utf8_cp(p + i, n - i, &l);
-        if (cp < 0 || cp >= BYTE_MAP_CPS || g_byte_map.cp_to_byte[cp] < 0) {
+        int32_t cp = tok_utf8_cp(p + i, n - i, &l);
+        if (cp < 0 || cp >= BYTE_MAP_CPS || byte_map.cp_to_byte[cp] < 0) {
             out->n = start;
             return false;
         }
-        uint8_t b = (uint8_t)g_byte_map.cp_to_byte[cp];
+        uint8_t b = (uint8_t)byte_map.cp_to_byte[cp];
         if (tok_bytes_append(out, &b, 1)) {
             out->n = start;
             return false;
@@ -233,22 +238,22 @@ void tok_global_init_once(void) {
 }
 
 /* Last code point before s[end] (valid UTF-8). */
-int32_t cp_before(const uint8_t *s, size_t end, size_t *start) {
+int32_t tok_cp_before(const uint8_t *s, size_t end, size_t *start) {
     size_t i = end - 1;
     while (i > 0 && (s[i] & 0xC0) == 0x80)
         i--;
     int l;
     *start = i;
-    return utf8_cp(s + i, end - i, &l);
+    return tok_utf8_cp(s + i, end - i, &l);
 }
 
-bool cp_is_ws(int32_t c) { /* Rust char::is_whitespace (White_Space) */
+bool tok_cp_is_ws(int32_t c) { /* Rust char::is_whitespace (White_Space) */
     return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
            (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
            c == 0x205F || c == 0x3000;
 }
 
-bool cp_is_word(int32_t c) { /* Rust: c.is_alphanumeric() || c == '_' */
+bool tok_cp_is_word(int32_t c) { /* Rust: c.is_alphanumeric() || c == '_' */
     if (c == '_') return true;
     utf8proc_category_t k = utf8proc_category(c);
     return (k >= UTF8PROC_CATEGORY_LU && k <= UTF8PROC_CATEGORY_LO) ||

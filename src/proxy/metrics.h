@@ -10,11 +10,10 @@
 
 #include <stdint.h>
 
-#define METRICS_NBUCKETS 16
-extern const double METRICS_BUCKETS[METRICS_NBUCKETS]; /* upper bounds in seconds (+Inf implied) */
+#define METRICS_NBUCKETS 16 /* upper bounds 0.5 ms .. 60 s (metrics.c), +Inf implied */
 
 typedef struct metrics_hist {
-    uint64_t bucket[METRICS_NBUCKETS]; /* observations <= METRICS_BUCKETS[i] (not cumulative) */
+    uint64_t bucket[METRICS_NBUCKETS]; /* observations <= bound i (not cumulative) */
     uint64_t count;                    /* all observations */
     double sum;                        /* their sum in seconds */
 } metrics_hist;

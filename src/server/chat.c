@@ -159,9 +159,9 @@ static const gen_ops CHAT_OPS = {chat_stream_start, chat_stream_delta, chat_stre
                                  chat_build};
 
 /* Render and tokenize the conversation (shared with /tokenize). */
-int chat_render_ids(server *s, const json_t *messages, const json_t *tools, const json_t *kwargs,
-                    bool add_generation_prompt, bool add_special, int32_t **ids, size_t *n,
-                    oai_error *err) {
+int server_chat_render_ids(server *s, const json_t *messages, const json_t *tools,
+                           const json_t *kwargs, bool add_generation_prompt, bool add_special,
+                           int32_t **ids, size_t *n, oai_error *err) {
     if (!s->tmpl) {
         oai_error_set(err, 400, "BadRequestError", "messages",
                       "chat is unavailable for this model: %s; use /v1/completions", s->tmpl_error);
@@ -208,9 +208,9 @@ static int chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
     }
     r->n_prompts = 1;
     size_t n = 0;
-    if (chat_render_ids(s, r->o.messages, r->o.tools, r->o.chat_template_kwargs,
-                        r->o.add_generation_prompt, r->o.add_special_tokens, &r->pids[0], &n,
-                        &r->err))
+    if (server_chat_render_ids(s, r->o.messages, r->o.tools, r->o.chat_template_kwargs,
+                               r->o.add_generation_prompt, r->o.add_special_tokens, &r->pids[0], &n,
+                               &r->err))
         return -1;
     r->n_pids[0] = (int)n;
     if (n == 0) {
@@ -221,7 +221,7 @@ static int chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
     return 0;
 }
 
-void chat_handle(server *s, hs_req *req) {
+void server_chat_handle(server *s, hs_req *req) {
     gen_req *r = gen_req_new(s, req, true, &CHAT_OPS);
     if (!r) {
         server_reply_errorf(req, 500, "InternalServerError", NULL, "out of memory");

@@ -142,7 +142,7 @@ static int cmpl_prepare(server *s, gen_req *r, const char *body, size_t len) {
     return cmpl_prepare_prompts(s, r);
 }
 
-void completion_handle(server *s, hs_req *req) {
+void server_completion_handle(server *s, hs_req *req) {
     gen_req *r = gen_req_new(s, req, false, &CMPL_OPS);
     if (!r) {
         server_reply_errorf(req, 500, "InternalServerError", NULL, "out of memory");

@@ -123,11 +123,11 @@ typedef struct route {
 enum { ROUTE_GET = 1, ROUTE_POST = 2 };
 
 static const route ROUTES[] = {
-    {"/v1/completions", ROUTE_POST, 1, 1, completion_handle},
-    {"/v1/chat/completions", ROUTE_POST, 1, 1, chat_handle},
+    {"/v1/completions", ROUTE_POST, 1, 1, server_completion_handle},
+    {"/v1/chat/completions", ROUTE_POST, 1, 1, server_chat_handle},
     {"/v1/models", ROUTE_GET, 0, 1, handle_models},
-    {"/tokenize", ROUTE_POST, 1, 0, tokenize_handle},
-    {"/detokenize", ROUTE_POST, 1, 0, detokenize_handle},
+    {"/tokenize", ROUTE_POST, 1, 0, server_tokenize_handle},
+    {"/detokenize", ROUTE_POST, 1, 0, server_detokenize_handle},
     {"/health", ROUTE_GET, 0, 0, handle_health},
     {"/ping", ROUTE_GET | ROUTE_POST, 0, 0, handle_health},
     {"/load", ROUTE_GET, 0, 0, handle_load},

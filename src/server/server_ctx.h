@@ -109,15 +109,15 @@ void prep_submit(server *s, prep_job *j);
 void prep_free(server *s);
 
 /* ---- handlers ------------------------------------------------------------ */
-void completion_handle(server *s, hs_req *req); /* completion.c */
-void chat_handle(server *s, hs_req *req);       /* chat.c */
-void tokenize_handle(server *s, hs_req *req);   /* tokenize.c */
-void detokenize_handle(server *s, hs_req *req); /* tokenize.c */
+void server_completion_handle(server *s, hs_req *req); /* completion.c */
+void server_chat_handle(server *s, hs_req *req);       /* chat.c */
+void server_tokenize_handle(server *s, hs_req *req);   /* tokenize.c */
+void server_detokenize_handle(server *s, hs_req *req); /* tokenize.c */
 /* Render messages (+ tools, + chat_template_kwargs or NULL) with the chat
  * template and tokenize (chat.c). */
-int chat_render_ids(server *s, const json_t *messages, const json_t *tools, const json_t *kwargs,
-                    bool add_generation_prompt, bool add_special, int32_t **ids, size_t *n,
-                    oai_error *err);
+int server_chat_render_ids(server *s, const json_t *messages, const json_t *tools,
+                           const json_t *kwargs, bool add_generation_prompt, bool add_special,
+                           int32_t **ids, size_t *n, oai_error *err);
 /* Drain the engine-event queue (gen.c), on the loop thread. */
 void gen_drain_events(server *s);
 /* Shutdown, after engine_destroy: free the requests still in flight (their

@@ -97,8 +97,9 @@ static int tokenize_run(server *s, const char *body, size_t len, json_t **resp,
                           "'chat_template_kwargs' must be an object of template variables");
             goto fail;
         }
-        if (chat_render_ids(s, messages, json_is_array(tools) ? tools : NULL,
-                            json_is_object(kw) ? kw : NULL, add_gen, add_special, &ids, &n, &err))
+        if (server_chat_render_ids(s, messages, json_is_array(tools) ? tools : NULL,
+                                   json_is_object(kw) ? kw : NULL, add_gen, add_special, &ids, &n,
+                                   &err))
             goto fail;
     } else if (json_is_string(prompt)) {
         char msg[512] = "";
@@ -158,7 +159,7 @@ static void tokenize_done(prep_job *j) {
     free(t);
 }
 
-void tokenize_handle(server *s, hs_req *req) {
+void server_tokenize_handle(server *s, hs_req *req) {
     tokenize_job *t = prep_wants(s, req) ? calloc(1, sizeof *t) : NULL;
     if (t) { /* a long prompt: tokenized off the loop */
         t->job.http = req;
@@ -180,7 +181,7 @@ void tokenize_handle(server *s, hs_req *req) {
         server_reply_json(req, 200, resp, NULL);
 }
 
-void detokenize_handle(server *s, hs_req *req) {
+void server_detokenize_handle(server *s, hs_req *req) {
     oai_error err;
     size_t blen = 0;
     char *body = server_read_body(req, &blen);

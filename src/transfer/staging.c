@@ -11,7 +11,7 @@
 #define MOD "transfer.staging"
 
 int stage_parse_device(const char *loc, int *device) {
-    return location_parse_device(loc, device);
+    return transport_location_parse_device(loc, device);
 }
 
 static int slot_stream(const transfer_device_ops *dev, stage_slot *sl, int device, void **out) {

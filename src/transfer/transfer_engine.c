@@ -436,7 +436,7 @@ int transfer_register(transfer_engine *e, void *addr, size_t length, const char 
     const char *loc = location && *location ? location : "cpu:0";
     int device = -1;
     if (strncmp(loc, "cuda", 4) == 0) {
-        if (location_parse_device(loc, &device) != 0) {
+        if (transport_location_parse_device(loc, &device) != 0) {
             LOG_E(MOD, "register: bad device location '%s' (accepted: cuda:N, N in 0..%d)", loc,
                   TRANSPORT_MAX_DEVICES - 1);
             return TRANSFER_EINVAL;
@@ -881,7 +881,7 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
         if (rc) break;
         peer *p = rt[i].p;
         rt[i].device = -1;
-        if (location_is_device(loc)) location_parse_device(loc, &rt[i].device);
+        if (location_is_device(loc)) transport_location_parse_device(loc, &rt[i].device);
         /* shm needs the range in the peer's descriptor (the target's
          * threads do not check it), rdma its keys: a miss re-fetches it once. */
         registry_entry *remote = &rt[i].remote;

@@ -53,7 +53,7 @@ static inline int location_is_device(const char *loc) {
 }
 
 /* Parse "cuda:N" into N (0..TRANSPORT_MAX_DEVICES-1): 0 or TRANSFER_EINVAL. */
-int location_parse_device(const char *loc, int *device);
+int transport_location_parse_device(const char *loc, int *device);
 
 /* Bits of registry_entry.reach (the descriptor's buffers[].transports). */
 #define REACH_TCP  (1u << 0)

@@ -24,7 +24,7 @@ const int transport_table_len = (int)(sizeof transport_table / sizeof transport_
 _Static_assert(sizeof transport_table / sizeof transport_table[0] <= TRANSPORT_MAX,
                "raise TRANSPORT_MAX");
 
-int location_parse_device(const char *loc, int *device) {
+int transport_location_parse_device(const char *loc, int *device) {
     if (!loc || strncmp(loc, "cuda:", 5) != 0) return TRANSFER_EINVAL;
     char *end = NULL;
     long n = strtol(loc + 5, &end, 10);

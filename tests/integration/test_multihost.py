@@ -179,9 +179,8 @@ def bench_write(cluster, device_name):
                  "--device-name", device_name, "--local-hostname", d.lan_ip, "--buffer-size", "128M"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        line = t.stdout.readline()
-        assert "segment=" in line, line
-        seg = line.split("segment=")[1].split()[0]
+        line = t.stdout.readline()  # the target's ready line: one JSON object
+        seg = json.loads(line)["segment"]
         r = p.run(netns.BIN, "bench", "transfer", "--mode", "initiator", "--protocol", "tcp",
                   "--device-name", device_name, "--segment-id", seg, "--operation", "write",
                   "--block-size", "1M", "--batch-size", "32", "--duration", "1", "--rounds", "1",

@@ -95,17 +95,26 @@ static int target_start(target *t, int tokens) {
     t->pid = pid;
     t->in = fdopen(to[1], "w");
     t->out = fdopen(from[0], "r");
-    char line[512];
-    int tp;
-    if (!fgets(line, sizeof line, t->out) ||
-        sscanf(line,
-               "disagg-bench-cuda-target segment=%127s dev=0x%llx host=0x%llx length=%zu pid=%d",
-               t->segment, &t->dev, &t->host, &t->length, &tp) != 5) {
-        fprintf(stderr, "the target printed no segment line\n");
+    /* its ready line (bench/transfer_bench.h): one JSON object, buffers[0] the device buffer,
+     * buffers[1] the host one */
+    char line[4096];
+    json_t *j = fgets(line, sizeof line, t->out) ? json_loads(line, 0, NULL) : NULL;
+    json_t *bufs = json_object_get(j, "buffers");
+    const char *seg = json_string_value(json_object_get(j, "segment"));
+    if (!seg || json_array_size(bufs) != 2 || strlen(seg) >= sizeof t->segment) {
+        fprintf(stderr, "the target printed no ready line\n");
+        json_decref(j);
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
         return -1;
     }
+    snprintf(t->segment, sizeof t->segment, "%s", seg);
+    t->dev =
+        (unsigned long long)json_integer_value(json_object_get(json_array_get(bufs, 0), "addr"));
+    t->length = (size_t)json_integer_value(json_object_get(json_array_get(bufs, 0), "length"));
+    t->host =
+        (unsigned long long)json_integer_value(json_object_get(json_array_get(bufs, 1), "addr"));
+    json_decref(j);
     return 0;
 }
 
