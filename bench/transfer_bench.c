@@ -113,7 +113,7 @@ static const char *tb_op_name(transfer_opcode op) {
     "(tcp: socket loop; shm: memcpy).  Once per protocol, a streaming memcpy (1 MiB blocks\n"      \
     "over 64 MiB, beyond the caches) is measured too; the shm targets show the ratio to it\n"      \
     "beside the verdict.  Then the single-request round trip (4 KiB, batch 1, one thread)\n"       \
-    "and the issue-2 targets, PASS or MISS: shm >= 64 KiB at >= 80% of memcpy, tcp >= 1 MiB\n"     \
+    "and the transfer targets, PASS or MISS: shm >= 64 KiB at >= 80% of memcpy, tcp >= 1 MiB\n"     \
     "at >= 80% of the socket loop, 4 KiB requests/s >= 60k (tcp) / 200k (shm), tcp\n"              \
     "single-request round trip p50 <= 40 us.\n"                                                    \
     "\n"                                                                                           \
