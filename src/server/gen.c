@@ -369,7 +369,10 @@ static void gen_on_token(gen_choice *c, const engine_token *t) {
     gen_add_logprobs(c, t);
     size_t before = c->text.len;
     detok_stream_set_stops(&c->ds, c->n_tokens >= r->o.min_tokens);
-    int rc = detok_stream_push_token(&c->ds, t->id, &c->text);
+    /* the eos / stop id that ends the request is not text (vLLM's detokenizer drops it) */
+    int rc = t->stop && !r->o.include_stop_str_in_output
+                 ? 0
+                 : detok_stream_push_token(&c->ds, t->id, &c->text);
     if (rc < 0) {
         LOG_E("server", "%s: detokenizing token %d failed (%d)", r->id, t->id, rc);
         c->error = strdup("detokenization failed");
