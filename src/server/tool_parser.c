@@ -22,7 +22,9 @@ const tool_parser *tool_parser_find(const char *name) {
     return NULL;
 }
 
-const tool_parser *tool_parser_default(void) { return &tool_parser_hermes; }
+const tool_parser *tool_parser_default(void) {
+    return &tool_parser_hermes;
+}
 
 int tool_parser_stream_calls(const tool_parser *p, const char *text, size_t len, size_t sent,
                              json_t **calls, size_t *content_len) {

@@ -32,7 +32,9 @@
 #define ARGS       "[ARGS]"
 #define CALL_ID    "[CALL_ID]"
 
-static bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+static bool is_ws(char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
 
 /* One element of the pre-v11 array: a call, or NULL (*bad: not a call; else out of memory). */
 static json_t *mistral_element(const json_t *e, bool *bad) {
@@ -48,8 +50,10 @@ static json_t *mistral_element(const json_t *e, bool *bad) {
 
 /* before v11: body is the text after the one [TOOL_CALLS] */
 static int mistral_parse_array(const char *body, size_t n, json_t **calls) {
-    while (n && is_ws(*body)) body++, n--;
-    while (n && is_ws(body[n - 1])) n--;
+    while (n && is_ws(*body))
+        body++, n--;
+    while (n && is_ws(body[n - 1]))
+        n--;
     json_t *arr = json_loadb(body, n, JSON_DISABLE_EOF_CHECK, NULL);
     if (!json_is_array(arr)) {
         json_decref(arr);
@@ -115,7 +119,8 @@ static int mistral_parse_named(const char *body, size_t n, json_t **calls) {
                 }
                 if ((size_t)(brace - q) >= cl && !memcmp(q, CALL_ID, cl)) {
                     const char *s = q + cl, *e = s;
-                    while (e < brace && isalnum((unsigned char)*e)) e++;
+                    while (e < brace && isalnum((unsigned char)*e))
+                        e++;
                     if (e - s == 9) memcpy(id, s, 9), id[9] = 0;
                     q = e;
                     continue;
@@ -149,7 +154,8 @@ static int mistral_parse(const char *text, size_t len, json_t **calls, size_t *c
     if (!start) return 0;
     const char *body = start + tl, *end = text + len;
     const char *first = body;
-    while (first < end && is_ws(*first)) first++;
+    while (first < end && is_ws(*first))
+        first++;
     int n;
     if (first < end && *first == '[') {
         /* before v11: exactly one [TOOL_CALLS] */

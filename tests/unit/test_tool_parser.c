@@ -98,18 +98,20 @@ static void test_hermes(void **state) {
 static void test_llama3_json(void **state) {
     (void)state;
     /* test_extract_tool_calls_simple: text around the call is dropped, content None */
-    json_t *calls = parse("llama3_json",
-                          "Here is the result: {\"name\": \"getOpenIncidentsTool\", \"parameters\": "
-                          "{}} Would you like to know more?",
-                          1, 0);
+    json_t *calls =
+        parse("llama3_json",
+              "Here is the result: {\"name\": \"getOpenIncidentsTool\", \"parameters\": "
+              "{}} Would you like to know more?",
+              1, 0);
     check_call(calls, 0, "getOpenIncidentsTool", "{}");
     assert_int_equal(strncmp(call_id(calls, 0), "chatcmpl-tool-", 14), 0);
     json_decref(calls);
     /* test_extract_tool_calls_with_arguments */
-    calls = parse("llama3_json",
-                  "{\"name\": \"searchTool\", \"parameters\": {\"query\": \"test query\", \"limit\": "
-                  "10}}",
-                  1, 0);
+    calls =
+        parse("llama3_json",
+              "{\"name\": \"searchTool\", \"parameters\": {\"query\": \"test query\", \"limit\": "
+              "10}}",
+              1, 0);
     check_call(calls, 0, "searchTool", "{\"query\": \"test query\", \"limit\": 10}");
     json_decref(calls);
     /* test_extract_tool_calls_no_json, test_extract_tool_calls_invalid_json */
@@ -215,10 +217,11 @@ static void test_mistral_before_v11(void **state) {
     check_mistral_id(call_id(calls, 0));
     json_decref(calls);
     const char *weather = "{\"city\": \"San Francisco\", \"state\": \"CA\", \"unit\": \"celsius\"}";
-    calls = parse("mistral",
-                  "[TOOL_CALLS] [{\"name\": \"get_current_weather\", \"arguments\":{\"city\": \"San "
-                  "Francisco\", \"state\": \"CA\", \"unit\": \"celsius\"}}]",
-                  1, 0);
+    calls =
+        parse("mistral",
+              "[TOOL_CALLS] [{\"name\": \"get_current_weather\", \"arguments\":{\"city\": \"San "
+              "Francisco\", \"state\": \"CA\", \"unit\": \"celsius\"}}]",
+              1, 0);
     check_call(calls, 0, "get_current_weather", weather);
     json_decref(calls);
     calls = parse("mistral",
@@ -233,9 +236,9 @@ static void test_mistral_before_v11(void **state) {
     check_call(calls, 0, "get_age", "{\"name\": \"John Doe\"}");
     json_decref(calls);
     /* test_extract_tool_calls_streaming's cases, whole: spaced, strings, two calls */
-    calls = parse("mistral",
-                  "[TOOL_CALLS]  [ {\"name\":\"add\" , \"arguments\" : {\"a\": 3, \"b\": 4} } ]", 1,
-                  0);
+    calls =
+        parse("mistral",
+              "[TOOL_CALLS]  [ {\"name\":\"add\" , \"arguments\" : {\"a\": 3, \"b\": 4} } ]", 1, 0);
     check_call(calls, 0, "add", "{\"a\": 3, \"b\": 4}");
     json_decref(calls);
     calls = parse("mistral",
@@ -243,11 +246,12 @@ static void test_mistral_before_v11(void **state) {
                   1, 0);
     check_call(calls, 0, "add", "{\"a\": \"3\", \"b\": \"4\"}");
     json_decref(calls);
-    calls = parse("mistral",
-                  "Checking.[TOOL_CALLS][{\"name\": \"add\", \"arguments\": {\"a\": 3.5, \"b\": 4}}, "
-                  "{\"name\": \"get_current_weather\", \"arguments\":{\"city\": \"San Francisco\", "
-                  "\"state\": \"CA\", \"unit\": \"celsius\"}}]",
-                  2, strlen("Checking."));
+    calls =
+        parse("mistral",
+              "Checking.[TOOL_CALLS][{\"name\": \"add\", \"arguments\": {\"a\": 3.5, \"b\": 4}}, "
+              "{\"name\": \"get_current_weather\", \"arguments\":{\"city\": \"San Francisco\", "
+              "\"state\": \"CA\", \"unit\": \"celsius\"}}]",
+              2, strlen("Checking."));
     check_call(calls, 0, "add", "{\"a\": 3.5, \"b\": 4}");
     check_call(calls, 1, "get_current_weather", weather);
     check_mistral_id(call_id(calls, 1));
@@ -285,8 +289,7 @@ static void test_mistral_v11(void **state) {
     json_decref(calls);
     /* the text as Tekken decodes it with special tokens: [ARGS] between name and arguments,
      * content before, two calls; the arguments as the model wrote them */
-    calls = parse("mistral",
-                  "Sure.[TOOL_CALLS]add[ARGS]{\"a\":1}[TOOL_CALLS]get_time[ARGS]{}", 2,
+    calls = parse("mistral", "Sure.[TOOL_CALLS]add[ARGS]{\"a\":1}[TOOL_CALLS]get_time[ARGS]{}", 2,
                   strlen("Sure."));
     check_call(calls, 0, "add", "{\"a\":1}");
     check_call(calls, 1, "get_time", "{}");
@@ -312,10 +315,8 @@ static void test_mistral_v11(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_table),
-        cmocka_unit_test(test_hermes),
-        cmocka_unit_test(test_llama3_json),
-        cmocka_unit_test(test_mistral_before_v11),
+        cmocka_unit_test(test_table),       cmocka_unit_test(test_hermes),
+        cmocka_unit_test(test_llama3_json), cmocka_unit_test(test_mistral_before_v11),
         cmocka_unit_test(test_mistral_v11),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
