@@ -44,7 +44,11 @@ static const struct {
     {0xac42841821ca0ebdULL, CHAT_TEMPLATE_MISTRAL_V3,
      "mistral-v0.3"}, /* Mistral-7B-Instruct-v0.3 */
     {0xe3ef5b5e324fbd8fULL, CHAT_TEMPLATE_MISTRAL_NEMO,
-     "mistral-nemo"} /* Mistral-Nemo-Instruct-2407 */
+     "mistral-nemo"}, /* Mistral-Nemo-Instruct-2407 */
+    {0x65875616c7d31148ULL, CHAT_TEMPLATE_MISTRAL_SMALL,
+     "mistral-small"}, /* Mistral-Small-24B-Instruct-2501 */
+    {0xc2312a1bdd70c1adULL, CHAT_TEMPLATE_MISTRAL_SMALL,
+     "mistral-small"}, /* Mistral-Small-3.1-24B-Instruct-2503 (tokenizer_config.json) */
 };
 
 static const char QWEN25_DEFAULT_SYSTEM[] =
@@ -724,6 +728,9 @@ int chat_template_render(const chat_template *ct, const json_t *messages, const 
         case CHAT_TEMPLATE_MISTRAL_NEMO:
             rc = chat_template_render_mistral(ms, n, tools, ct->kind == CHAT_TEMPLATE_MISTRAL_V3,
                                               opts, &b, err, err_cap);
+            break;
+        case CHAT_TEMPLATE_MISTRAL_SMALL:
+            rc = chat_template_render_mistral_small(ms, n, opts, &b, err, err_cap);
             break;
         }
     }

@@ -410,10 +410,7 @@ int chat_template_render_llama3(const ct_msg *ms, size_t n, const json_t *tools,
     } else if (v31) {
         date = "26 Jul 2024";
     } else { /* strftime_now("%d %b %Y"), as transformers defines it */
-        time_t now = time(NULL);
-        struct tm tm;
-        localtime_r(&now, &tm);
-        strftime(today, sizeof today, "%d %b %Y", &tm);
+        chat_template_strftime_now(o, "%d %b %Y", today, sizeof today);
         date = today;
     }
     const json_t *builtin = v31 ? ct_kw(o, "builtin_tools") : NULL;
@@ -671,6 +668,83 @@ int chat_template_render_mistral(const ct_msg *ms, size_t n, const json_t *tools
             err_set(err, cap,
                     "chat template: Only user and assistant roles are supported, with the "
                     "exception of an initial optional system message! (messages[%zu] is %s)",
+                    i, m->role);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
+void chat_template_strftime_now(const chat_template_opts *o, const char *fmt, char *out,
+                                size_t cap) {
+    time_t now = o->now ? (time_t)o->now : time(NULL);
+    struct tm tm;
+    localtime_r(&now, &tm);
+    if (!strftime(out, cap, fmt, &tm) && cap) out[0] = 0;
+}
+
+/* ======================================================================
+ * Mistral-Small 3 / 3.1 (Mistral-Small-24B-Instruct-2501 and the
+ * tokenizer_config.json template of Mistral-Small-3.1-24B-Instruct-2503; the
+ * latter adds content-block handling that vLLM's string content never takes):
+ *   {%- set today = strftime_now("%Y-%m-%d") %}
+ *   {%- set default_system_message = "You are Mistral Small 3, ... The current date is " + today
+ *       + ".\n\nWhen you're not sure ..." %}
+ *   {{- bos_token }}
+ *   {%- if messages[0]['role'] == 'system' %} system_message, loop_messages = messages[1:]
+ *   {%- else %} the default, all messages {%- endif %}
+ *   {{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}
+ *   user: [INST]content[/INST]; system: [SYSTEM_PROMPT]content[/SYSTEM_PROMPT];
+ *   assistant: content + eos_token; others: raise_exception(...)
+ * No generation prompt, no tools (the template ignores both).
+ * ====================================================================== */
+
+static const char MISTRAL_SMALL_DEFAULT_1[] =
+    "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a French "
+    "startup headquartered in Paris.\nYour knowledge base was last updated on 2023-10-01. The "
+    "current date is ";
+static const char MISTRAL_SMALL_DEFAULT_2[] =
+    ".\n\nWhen you're not sure about some information, you say that you don't have the "
+    "information and don't make up anything.\nIf the user's question is not clear, ambiguous, "
+    "or does not provide enough context for you to accurately answer the question, you do not "
+    "try to answer it right away and you rather ask the user to clarify their request (e.g. "
+    "\"What are some good restaurants around me?\" => \"Where are you?\" or \"When is the next "
+    "flight to Tokyo\" => \"Where do you travel from?\")";
+
+int chat_template_render_mistral_small(const ct_msg *ms, size_t n, const chat_template_opts *o,
+                                       ct_buf *b, char *err, size_t cap) {
+    const char *eos = o->eos_token ? o->eos_token : "</s>";
+    chat_template_puts(b, o->bos_token ? o->bos_token : "<s>");
+    size_t first = 0;
+    chat_template_puts(b, "[SYSTEM_PROMPT]");
+    if (n > 0 && !strcmp(ms[0].role, "system")) {
+        chat_template_put(b, ms[0].content, ms[0].content_len);
+        first = 1;
+    } else {
+        char today[32];
+        chat_template_strftime_now(o, "%Y-%m-%d", today, sizeof today);
+        chat_template_puts(b, MISTRAL_SMALL_DEFAULT_1);
+        chat_template_puts(b, today);
+        chat_template_puts(b, MISTRAL_SMALL_DEFAULT_2);
+    }
+    chat_template_puts(b, "[/SYSTEM_PROMPT]");
+    for (size_t i = first; i < n; i++) {
+        const ct_msg *m = &ms[i];
+        if (!strcmp(m->role, "user")) {
+            chat_template_puts(b, "[INST]");
+            chat_template_put(b, m->content, m->content_len);
+            chat_template_puts(b, "[/INST]");
+        } else if (!strcmp(m->role, "system")) {
+            chat_template_puts(b, "[SYSTEM_PROMPT]");
+            chat_template_put(b, m->content, m->content_len);
+            chat_template_puts(b, "[/SYSTEM_PROMPT]");
+        } else if (!strcmp(m->role, "assistant")) {
+            chat_template_put(b, m->content, m->content_len);
+            chat_template_puts(b, eos);
+        } else {
+            err_set(err, cap,
+                    "chat template: Only user, system and assistant roles are supported! "
+                    "(messages[%zu] is %s)",
                     i, m->role);
             return -EINVAL;
         }

@@ -59,4 +59,10 @@ int chat_template_render_llama3(const ct_msg *ms, size_t n, const json_t *tools,
 int chat_template_render_mistral(const ct_msg *ms, size_t n, const json_t *tools, bool v3,
                                  const chat_template_opts *o, ct_buf *b, char *err, size_t cap);
 
+int chat_template_render_mistral_small(const ct_msg *ms, size_t n, const chat_template_opts *o,
+                                       ct_buf *b, char *err, size_t cap);
+/* strftime of o->now (0: the clock) in local time, as transformers' strftime_now. */
+void chat_template_strftime_now(const chat_template_opts *o, const char *fmt, char *out,
+                                size_t cap);
+
 #endif
