@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include "grammar/grammar.h"
+#include "model/tokenizer.h"
+#include "server/structured.h"
 #include "server/tool_parser.h"
 
 #include <ctype.h>
@@ -313,11 +316,91 @@ static void test_mistral_v11(void **state) {
     assert_string_equal(p->alt_token, "[ARGS]");
 }
 
+/* text = before call (sep call)* after, each call in the format f with the arguments args. */
+static void format_calls(const tool_call_grammar *f, int n, const char *args, char *out,
+                         size_t cap) {
+    size_t k = (size_t)snprintf(out, cap, "%s", f->before);
+    for (int i = 0; i < n; i++)
+        k += (size_t)snprintf(out + k, cap - k, "%s%s%s%s%s%s", i ? f->sep : "", f->open,
+                              f->quoted_name ? "\"get_weather\"" : "get_weather", f->mid, args,
+                              f->close);
+    snprintf(out + k, cap - k, "%s", f->after);
+}
+
+/* The output tool_choice "required" / a named function is constrained to is text the same parser
+ * reads back: for each format, the grammar (server/structured.c over the tiny model's
+ * vocabulary) accepts one and two calls written in it, refuses another function's name, and the
+ * parser returns the calls. */
+static void test_grammar_round_trip(void **state) {
+    (void)state;
+    char err[512];
+    tokenizer *tok = NULL;
+    if (tokenizer_load(DISAGG_SOURCE_DIR "/models/disagg-sotu-tiny", &tok, err, sizeof err))
+        fail_msg("%s", err);
+    grammar_vocab *gv = structured_vocab_new(tok, tokenizer_vocab_size(tok));
+    structured_cache *cache = structured_cache_new(gv);
+    assert_non_null(cache);
+    const struct {
+        const tool_parser *p;
+        const tool_call_grammar *f;
+    } cases[] = {{&tool_parser_hermes, tool_parser_hermes.grammar},
+                 {&tool_parser_llama3_json, tool_parser_llama3_json.grammar},
+                 {&tool_parser_mistral, tool_parser_mistral.grammar},
+                 {&tool_parser_mistral, tool_parser_mistral.alt_grammar}};
+    const char *tools = "[{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+                        "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": "
+                        "{\"type\": \"string\"}}, \"required\": [\"city\"]}}}, {\"type\": "
+                        "\"function\", \"function\": {\"name\": \"get_time\"}}]";
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        for (int named = 0; named < 2; named++) {
+            char body_text[1024];
+            snprintf(body_text, sizeof body_text, "{\"tools\": %s, \"tool_choice\": %s}", tools,
+                     named ? "{\"type\": \"function\", \"function\": {\"name\": "
+                             "\"get_weather\"}}"
+                           : "\"required\"");
+            json_t *body = json_loads(body_text, 0, NULL);
+            grammar *g = NULL;
+            int tool_fmt = 0;
+            if (structured_from_request(cache, body, 1, cases[i].f, &g, &tool_fmt, err, sizeof err))
+                fail_msg("%s: %s", cases[i].p->name, err);
+            assert_non_null(g);
+            assert_int_equal(tool_fmt, 1);
+            for (int n = 1; n <= 2; n++) {
+                char text[512];
+                format_calls(cases[i].f, n, "{\"city\": \"Paris\"}", text, sizeof text);
+                grammar_state s =
+                    grammar_advance_bytes(g, grammar_start(g), (const uint8_t *)text, strlen(text));
+                /* named: exactly one call */
+                bool want = n == 1 || !named;
+                if (want != (s != GRAMMAR_DEAD && grammar_state_accepting(g, s)))
+                    fail_msg("%s grammar (%s) %s '%s'", cases[i].p->name,
+                             named ? "named" : "required", want ? "refuses" : "accepts", text);
+                json_t *calls = parse(cases[i].p->name, text, n, 0);
+                for (int k = 0; k < n; k++)
+                    check_call(calls, (size_t)k, "get_weather", "{\"city\": \"Paris\"}");
+                json_decref(calls);
+            }
+            char other[512];
+            format_calls(cases[i].f, 1, "{}", other, sizeof other);
+            char *w = strstr(other, "get_weather");
+            memcpy(w, "get_whether", 11);
+            assert_int_equal(
+                grammar_advance_bytes(g, grammar_start(g), (const uint8_t *)other, strlen(other)),
+                GRAMMAR_DEAD);
+            grammar_unref(g);
+            json_decref(body);
+        }
+    }
+    structured_cache_free(cache);
+    grammar_vocab_free(gv);
+    tokenizer_free(tok);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_table),       cmocka_unit_test(test_hermes),
         cmocka_unit_test(test_llama3_json), cmocka_unit_test(test_mistral_before_v11),
-        cmocka_unit_test(test_mistral_v11),
+        cmocka_unit_test(test_mistral_v11), cmocka_unit_test(test_grammar_round_trip),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
