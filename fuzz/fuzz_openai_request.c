@@ -8,7 +8,7 @@
  *
  * Checks: a refused body has a 4xx status and a message; an accepted one is
  * within the documented limits, and every token id of its prompt lies in the
- * vocabulary.  Tool-call parsing (tool_calls.c) also runs on the rendered
+ * vocabulary.  Tool-call parsing (every tool_parser) also runs on the rendered
  * prompt: it is the same kind of text the model may echo back.
  */
 #include "fuzz/fuzz_util.h"
@@ -16,7 +16,7 @@
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
 #include "server/openai_request.h"
-#include "server/tool_calls.h"
+#include "server/tool_parser.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,13 +86,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                                  sizeof err) == 0) {
             if (strlen(text) > len) abort();
             tokenize(text, len, r.add_special_tokens);
-            json_t *calls = NULL;
-            size_t content_len = 0;
-            if (tool_calls_parse(text, len, &calls, &content_len) > 0) {
-                if (content_len > len) abort();
-                json_decref(calls);
+            static const char *const parsers[] = {"hermes", "llama3_json", "mistral"};
+            for (int i = 0; i < 3; i++) {
+                const tool_parser *tp = tool_parser_find(parsers[i]);
+                json_t *calls = NULL;
+                size_t content_len = 0;
+                if (tp->parse(text, len, &calls, &content_len) > 0) {
+                    if (content_len > len) abort();
+                    json_decref(calls);
+                }
+                if (tp->safe_prefix(text, len) > len) abort();
             }
-            if (tool_calls_safe_prefix(text, len) > len) abort();
             free(text);
         } else if (!err[0]) {
             abort();

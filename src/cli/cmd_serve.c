@@ -23,6 +23,7 @@
 #include "server/openai_request.h"
 #include "server/reasoning.h"
 #include "server/server.h"
+#include "server/tool_parser.h"
 
 #include <jansson.h>
 #include <yaml.h>
@@ -234,12 +235,17 @@ static int reasoning_parser(flags_parser *p, const flag_def *d, const char *v) {
 }
 
 static int tool_call_parser(flags_parser *p, const flag_def *d, const char *v) {
-    if (!strcmp(v, "hermes")) return 0;
-    flags_error(p,
-                "%s '%s' is not supported; accepted: hermes (Qwen2.5's "
-                "<tool_call>{...}</tool_call>)",
-                d->name, v);
-    return -1;
+    const tool_parser *tp = tool_parser_find(v);
+    if (!tp) {
+        flags_error(p,
+                    "%s '%s' is not supported; accepted: " TOOL_PARSER_NAMES
+                    " (hermes: Qwen2.5's <tool_call>{...}</tool_call>; llama3_json: Llama 3.x's "
+                    "{\"name\": ..., \"parameters\": ...}; mistral: [TOOL_CALLS]...)",
+                    d->name, v);
+        return -1;
+    }
+    S.cfg.tool_parser = tp;
+    return 0;
 }
 
 static int kv_cache_dtype(flags_parser *p, const flag_def *d, const char *v) {
@@ -397,7 +403,9 @@ static const flag_def SERVE_FLAGS[] = {
     {FLAG_BOOL_("--enable-auto-tool-choice", &S.auto_tool_choice),
      .help = "parse tool calls of chats with tools (disagg does by default)"},
     {FLAG_STRING_("--tool-call-parser", &S.tool_parser), .fn = tool_call_parser,
-     .metavar = "hermes", .help = "tool-call format (Qwen2.5's <tool_call> JSON)"},
+     .metavar = "hermes|llama3_json|mistral",
+     .help = "tool-call format: hermes (Qwen2.5's <tool_call> JSON, the default), llama3_json "
+             "(Llama 3.x's JSON), mistral ([TOOL_CALLS])"},
     {FLAG_CUSTOM_("--reasoning-parser", NULL, reasoning_parser), .metavar = "qwen3|deepseek_r1",
      .help = "<think>...</think> text of chat output goes to reasoning_content"},
     {FLAG_JSON_("--allowed-origins", &S.cfg.cors_origins, JSON_ARRAY), .opts = FLAG_STRINGS,
@@ -728,7 +736,7 @@ static int serve_args(int argc, char **argv) {
     const char *model = S.model;
     if (S.auto_tool_choice && !S.tool_parser) {
         fprintf(stderr, "disagg serve: --enable-auto-tool-choice needs --tool-call-parser; "
-                        "accepted: hermes\n");
+                        "accepted: " TOOL_PARSER_NAMES "\n");
         goto fail;
     }
     if (!model) {

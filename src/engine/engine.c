@@ -824,7 +824,9 @@ static void deliver_token(engine *e, ereq *r, const engine_token *tok, int stop)
     r->n_generated++;
     r->t_last_token_ns = clock_now_ns();
     if (!r->t_first_token_ns) r->t_first_token_ns = r->t_last_token_ns;
-    engine_event ev = {.kind = ENGINE_EV_TOKEN, .id = r->s.id, .token = tok};
+    engine_token t = *tok;
+    t.stop = stop;
+    engine_event ev = {.kind = ENGINE_EV_TOKEN, .id = r->s.id, .token = &t};
     r->fn(r->ctx, &ev);
     if (stop)
         finish(e, r, "stop", tok->id, NULL);

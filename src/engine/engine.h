@@ -99,6 +99,8 @@ typedef struct engine_token {
     int n_top;     /* entries in top_* */
     int32_t top_ids[ENGINE_MAX_TOP_LOGPROBS];
     float top_logprobs[ENGINE_MAX_TOP_LOGPROBS]; /* descending */
+    int stop; /* this token ends the request (an eos or stop id): vLLM leaves its text out of the
+                 output unless include_stop_str_in_output */
 } engine_token;
 
 typedef enum engine_event_kind {

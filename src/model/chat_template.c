@@ -44,7 +44,11 @@ static const struct {
     {0xac42841821ca0ebdULL, CHAT_TEMPLATE_MISTRAL_V3,
      "mistral-v0.3"}, /* Mistral-7B-Instruct-v0.3 */
     {0xe3ef5b5e324fbd8fULL, CHAT_TEMPLATE_MISTRAL_NEMO,
-     "mistral-nemo"} /* Mistral-Nemo-Instruct-2407 */
+     "mistral-nemo"}, /* Mistral-Nemo-Instruct-2407 */
+    {0x65875616c7d31148ULL, CHAT_TEMPLATE_MISTRAL_SMALL,
+     "mistral-small"}, /* Mistral-Small-24B-Instruct-2501 */
+    {0xc2312a1bdd70c1adULL, CHAT_TEMPLATE_MISTRAL_SMALL,
+     "mistral-small"}, /* Mistral-Small-3.1-24B-Instruct-2503 (tokenizer_config.json) */
 };
 
 static const char QWEN25_DEFAULT_SYSTEM[] =
@@ -54,7 +58,7 @@ static const char QWEN25_DEFAULT_SYSTEM[] =
  * string builder
  * ====================================================================== */
 
-void ct_put(ct_buf *b, const char *s, size_t n) {
+void chat_template_put(ct_buf *b, const char *s, size_t n) {
     if (b->oom) return;
     if (b->n + n + 1 > b->cap) {
         size_t nc = b->cap ? b->cap : 1024;
@@ -73,8 +77,8 @@ void ct_put(ct_buf *b, const char *s, size_t n) {
     b->v[b->n] = 0;
 }
 
-void ct_puts(ct_buf *b, const char *s) {
-    ct_put(b, s, strlen(s));
+void chat_template_puts(ct_buf *b, const char *s) {
+    chat_template_put(b, s, strlen(s));
 }
 
 /* ======================================================================
@@ -115,7 +119,7 @@ static size_t ct_tag_end(const char *s, size_t n, size_t i) {
 static char *ct_normalize(const char *s) {
     size_t n = strlen(s);
     ct_buf o = {0};
-    ct_put(&o, "", 0);
+    chat_template_put(&o, "", 0);
     size_t i = 0;
     bool prev_dash = false, prev_block = false, at_start = true;
     while (i < n) {
@@ -145,9 +149,9 @@ static char *ct_normalize(const char *s) {
             if ((k > a && s[k - 1] == '\n') || (k == a && (a > i || at_start))) e = k;
         }
         if (e > a) { /* printed text: kept verbatim, between markers */
-            ct_put(&o, "\x01", 1);
-            ct_put(&o, s + a, e - a);
-            ct_put(&o, "\x01", 1);
+            chat_template_put(&o, "\x01", 1);
+            chat_template_put(&o, s + a, e - a);
+            chat_template_put(&o, "\x01", 1);
         }
         at_start = false;
         if (!next_tag) break;
@@ -164,9 +168,9 @@ static char *ct_normalize(const char *s) {
         for (size_t k = j; k < te; k++) {
             char c = s[k];
             if (quote) {
-                ct_put(&o, &c, 1);
+                chat_template_put(&o, &c, 1);
                 if (c == '\\' && k + 1 < te) {
-                    ct_put(&o, &s[++k], 1);
+                    chat_template_put(&o, &s[++k], 1);
                 } else if (c == quote) {
                     quote = 0;
                     last = c;
@@ -175,11 +179,12 @@ static char *ct_normalize(const char *s) {
                 size_t m = k;
                 while (m + 1 < te && ct_ws(s[m + 1]))
                     m++;
-                if (ct_name_char(last) && m + 1 < te && ct_name_char(s[m + 1])) ct_put(&o, " ", 1);
+                if (ct_name_char(last) && m + 1 < te && ct_name_char(s[m + 1]))
+                    chat_template_put(&o, " ", 1);
                 k = m;
             } else {
                 if (c == '\'' || c == '"') quote = c;
-                ct_put(&o, &c, 1);
+                chat_template_put(&o, &c, 1);
                 last = c;
             }
         }
@@ -249,7 +254,7 @@ const char *chat_template_name(const chat_template *ct) {
  * ====================================================================== */
 
 static void ct_json_string(ct_buf *b, const char *s, size_t n) {
-    ct_put(b, "\"", 1);
+    chat_template_put(b, "\"", 1);
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -274,23 +279,23 @@ static void ct_json_string(ct_buf *b, const char *s, size_t n) {
             esc = tmp;
         }
         if (!esc) continue;
-        ct_put(b, s + run, i - run);
-        ct_puts(b, esc);
+        chat_template_put(b, s + run, i - run);
+        chat_template_puts(b, esc);
         run = i + 1;
     }
-    ct_put(b, s + run, n - run);
-    ct_put(b, "\"", 1);
+    chat_template_put(b, s + run, n - run);
+    chat_template_put(b, "\"", 1);
 }
 
 /* Python repr(float): the shortest digits that round-trip; fixed notation
  * when the decimal exponent is in [-4, 16), else d.ddde+XX. */
 static void ct_json_real(ct_buf *b, double v) {
     if (isnan(v)) {
-        ct_puts(b, "NaN");
+        chat_template_puts(b, "NaN");
         return;
     }
     if (isinf(v)) {
-        ct_puts(b, v > 0 ? "Infinity" : "-Infinity");
+        chat_template_puts(b, v > 0 ? "Infinity" : "-Infinity");
         return;
     }
     char e[40];
@@ -341,13 +346,13 @@ static void ct_json_real(ct_buf *b, double v) {
         }
         snprintf(out + j, sizeof(out) - j, "e%c%02d", exp < 0 ? '-' : '+', exp < 0 ? -exp : exp);
     }
-    ct_puts(b, out);
+    chat_template_puts(b, out);
 }
 
 static void ct_indent(ct_buf *b, int indent, int depth) {
-    ct_put(b, "\n", 1);
+    chat_template_put(b, "\n", 1);
     for (int k = 0; k < indent * depth; k++)
-        ct_put(b, " ", 1);
+        chat_template_put(b, " ", 1);
 }
 
 /* json.dumps: separators ", " / ": " without indent; "," + newline and
@@ -356,17 +361,17 @@ static void ct_json_at(ct_buf *b, const json_t *x, int indent, int depth) {
     char tmp[32];
     switch (json_typeof(x)) {
     case JSON_NULL:
-        ct_puts(b, "null");
+        chat_template_puts(b, "null");
         break;
     case JSON_TRUE:
-        ct_puts(b, "true");
+        chat_template_puts(b, "true");
         break;
     case JSON_FALSE:
-        ct_puts(b, "false");
+        chat_template_puts(b, "false");
         break;
     case JSON_INTEGER:
         snprintf(tmp, sizeof(tmp), "%" JSON_INTEGER_FORMAT, json_integer_value(x));
-        ct_puts(b, tmp);
+        chat_template_puts(b, tmp);
         break;
     case JSON_REAL:
         ct_json_real(b, json_real_value(x));
@@ -376,55 +381,55 @@ static void ct_json_at(ct_buf *b, const json_t *x, int indent, int depth) {
         break;
     case JSON_ARRAY: {
         if (json_array_size(x) == 0) {
-            ct_puts(b, "[]");
+            chat_template_puts(b, "[]");
             break;
         }
-        ct_put(b, "[", 1);
+        chat_template_put(b, "[", 1);
         size_t i;
         json_t *v;
         json_array_foreach(x, i, v) {
-            if (i) ct_puts(b, indent >= 0 ? "," : ", ");
+            if (i) chat_template_puts(b, indent >= 0 ? "," : ", ");
             if (indent >= 0) ct_indent(b, indent, depth + 1);
             ct_json_at(b, v, indent, depth + 1);
         }
         if (indent >= 0) ct_indent(b, indent, depth);
-        ct_put(b, "]", 1);
+        chat_template_put(b, "]", 1);
         break;
     }
     case JSON_OBJECT: {
         if (json_object_size(x) == 0) {
-            ct_puts(b, "{}");
+            chat_template_puts(b, "{}");
             break;
         }
-        ct_put(b, "{", 1);
+        chat_template_put(b, "{", 1);
         const char *k;
         size_t klen;
         json_t *v;
         bool first = true;
         void *tmpit;
         json_object_keylen_foreach_safe((json_t *)x, tmpit, k, klen, v) {
-            if (!first) ct_puts(b, indent >= 0 ? "," : ", ");
+            if (!first) chat_template_puts(b, indent >= 0 ? "," : ", ");
             first = false;
             if (indent >= 0) ct_indent(b, indent, depth + 1);
             ct_json_string(b, k, klen);
-            ct_put(b, ": ", 2);
+            chat_template_put(b, ": ", 2);
             ct_json_at(b, v, indent, depth + 1);
         }
         if (indent >= 0) ct_indent(b, indent, depth);
-        ct_put(b, "}", 1);
+        chat_template_put(b, "}", 1);
         break;
     }
     }
 }
 
-void ct_json(ct_buf *b, const json_t *x, int indent) {
+void chat_template_json(ct_buf *b, const json_t *x, int indent) {
     ct_json_at(b, x, indent, 0);
 }
 
 int chat_template_tojson(const json_t *x, char **text_out, size_t *len_out) {
     ct_buf b = {0};
-    ct_json(&b, x, -1);
-    ct_put(&b, "", 0);
+    chat_template_json(&b, x, -1);
+    chat_template_put(&b, "", 0);
     if (b.oom) {
         free(b.v);
         return -ENOMEM;
@@ -444,11 +449,11 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
                            size_t cap) {
     const json_t *c = json_object_get(m, "content");
     ct_buf b = {0};
-    ct_put(&b, "", 0);
+    chat_template_put(&b, "", 0);
     if (!c || json_is_null(c)) {
         /* empty */
     } else if (json_is_string(c)) {
-        ct_put(&b, json_string_value(c), json_string_length(c));
+        chat_template_put(&b, json_string_value(c), json_string_length(c));
     } else if (json_is_array(c)) {
         size_t i, n = 0;
         json_t *p;
@@ -463,8 +468,8 @@ static int ct_content_text(const json_t *m, size_t idx, char **out, size_t *len,
                 free(b.v);
                 return -EINVAL;
             }
-            if (n++) ct_put(&b, "\n", 1);
-            ct_put(&b, json_string_value(t), json_string_length(t));
+            if (n++) chat_template_put(&b, "\n", 1);
+            chat_template_put(&b, json_string_value(t), json_string_length(t));
         }
     } else {
         err_set(err, cap, "messages[%zu].content must be a string, null or a list of text parts",
@@ -555,8 +560,8 @@ static void ct_free_msgs(ct_msg *ms, size_t n) {
     free(ms);
 }
 
-int ct_tool_args(const json_t *fn, bool parse_args, size_t mi, size_t ci, const json_t **args,
-                 json_t **owned, char *err, size_t cap) {
+int chat_template_tool_args(const json_t *fn, bool parse_args, size_t mi, size_t ci,
+                            const json_t **args, json_t **owned, char *err, size_t cap) {
     *owned = NULL;
     const json_t *a = json_object_get(fn, "arguments");
     if (parse_args &&
@@ -604,15 +609,15 @@ static int ct_tool_calls(ct_buf *b, const json_t *calls, size_t mi, bool parse_a
         }
         const json_t *args = NULL;
         json_t *parsed = NULL;
-        int rc = ct_tool_args(tc, parse_args, mi, i, &args, &parsed, err, cap);
+        int rc = chat_template_tool_args(tc, parse_args, mi, i, &args, &parsed, err, cap);
         if (rc) return rc;
         /* {{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
          * {{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }} */
-        ct_puts(b, "\n<tool_call>\n{\"name\": \"");
-        ct_puts(b, name);
-        ct_puts(b, "\", \"arguments\": ");
-        ct_json(b, args, -1);
-        ct_puts(b, "}\n</tool_call>");
+        chat_template_puts(b, "\n<tool_call>\n{\"name\": \"");
+        chat_template_puts(b, name);
+        chat_template_puts(b, "\", \"arguments\": ");
+        chat_template_json(b, args, -1);
+        chat_template_puts(b, "}\n</tool_call>");
         json_decref(parsed);
     }
     return 0;
@@ -623,32 +628,34 @@ static int ct_render_qwen25(const ct_msg *ms, size_t n, const json_t *tools,
     int rc = 0;
     bool first_system = strcmp(ms[0].role, "system") == 0;
     if (json_array_size(tools) > 0) { /* {%- if tools %} */
-        ct_puts(b, "<|im_start|>system\n");
+        chat_template_puts(b, "<|im_start|>system\n");
         if (first_system)
-            ct_put(b, ms[0].content, ms[0].content_len);
+            chat_template_put(b, ms[0].content, ms[0].content_len);
         else
-            ct_puts(b, QWEN25_DEFAULT_SYSTEM);
-        ct_puts(b, "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
-                   "query.\n\nYou are provided with function signatures within <tools></tools> "
-                   "XML tags:\n<tools>");
+            chat_template_puts(b, QWEN25_DEFAULT_SYSTEM);
+        chat_template_puts(
+            b, "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+               "query.\n\nYou are provided with function signatures within <tools></tools> "
+               "XML tags:\n<tools>");
         size_t i;
         json_t *t;
         json_array_foreach(tools, i, t) {
-            ct_puts(b, "\n");
-            ct_json(b, t, -1); /* {{- tool | tojson }} */
+            chat_template_puts(b, "\n");
+            chat_template_json(b, t, -1); /* {{- tool | tojson }} */
         }
-        ct_puts(b, "\n</tools>\n\nFor each function call, return a json object with function "
-                   "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                   "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
-                   "</tool_call><|im_end|>\n");
+        chat_template_puts(
+            b, "\n</tools>\n\nFor each function call, return a json object with function "
+               "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+               "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+               "</tool_call><|im_end|>\n");
     } else if (first_system) {
-        ct_puts(b, "<|im_start|>system\n");
-        ct_put(b, ms[0].content, ms[0].content_len);
-        ct_puts(b, "<|im_end|>\n");
+        chat_template_puts(b, "<|im_start|>system\n");
+        chat_template_put(b, ms[0].content, ms[0].content_len);
+        chat_template_puts(b, "<|im_end|>\n");
     } else {
-        ct_puts(b, "<|im_start|>system\n");
-        ct_puts(b, QWEN25_DEFAULT_SYSTEM);
-        ct_puts(b, "<|im_end|>\n");
+        chat_template_puts(b, "<|im_start|>system\n");
+        chat_template_puts(b, QWEN25_DEFAULT_SYSTEM);
+        chat_template_puts(b, "<|im_end|>\n");
     }
     for (size_t i = 0; i < n && !rc; i++) {
         const ct_msg *m = &ms[i];
@@ -656,28 +663,30 @@ static int ct_render_qwen25(const ct_msg *ms, size_t n, const json_t *tools,
              is_asst = !strcmp(m->role, "assistant"), is_tool = !strcmp(m->role, "tool");
         bool calls = json_array_size(m->tool_calls) > 0;
         if (is_user || (is_sys && i > 0) || (is_asst && !calls)) {
-            ct_puts(b, "<|im_start|>");
-            ct_puts(b, m->role);
-            ct_puts(b, "\n");
-            ct_put(b, m->content, m->content_len);
-            ct_puts(b, "<|im_end|>\n");
+            chat_template_puts(b, "<|im_start|>");
+            chat_template_puts(b, m->role);
+            chat_template_puts(b, "\n");
+            chat_template_put(b, m->content, m->content_len);
+            chat_template_puts(b, "<|im_end|>\n");
         } else if (is_asst) {
-            ct_puts(b, "<|im_start|>assistant");
+            chat_template_puts(b, "<|im_start|>assistant");
             if (m->content_len > 0) { /* {%- if message.content %} */
-                ct_puts(b, "\n");
-                ct_put(b, m->content, m->content_len);
+                chat_template_puts(b, "\n");
+                chat_template_put(b, m->content, m->content_len);
             }
             rc = ct_tool_calls(b, m->tool_calls, i, o->parse_tool_arguments, err, cap);
-            ct_puts(b, "<|im_end|>\n");
+            chat_template_puts(b, "<|im_end|>\n");
         } else if (is_tool) {
-            if (i == 0 || strcmp(ms[i - 1].role, "tool") != 0) ct_puts(b, "<|im_start|>user");
-            ct_puts(b, "\n<tool_response>\n");
-            ct_put(b, m->content, m->content_len);
-            ct_puts(b, "\n</tool_response>");
-            if (i + 1 == n || strcmp(ms[i + 1].role, "tool") != 0) ct_puts(b, "<|im_end|>\n");
+            if (i == 0 || strcmp(ms[i - 1].role, "tool") != 0)
+                chat_template_puts(b, "<|im_start|>user");
+            chat_template_puts(b, "\n<tool_response>\n");
+            chat_template_put(b, m->content, m->content_len);
+            chat_template_puts(b, "\n</tool_response>");
+            if (i + 1 == n || strcmp(ms[i + 1].role, "tool") != 0)
+                chat_template_puts(b, "<|im_end|>\n");
         }
     }
-    if (!rc && o->add_generation_prompt) ct_puts(b, "<|im_start|>assistant\n");
+    if (!rc && o->add_generation_prompt) chat_template_puts(b, "<|im_start|>assistant\n");
     return rc;
 }
 
@@ -701,24 +710,27 @@ int chat_template_render(const chat_template *ct, const json_t *messages, const 
     size_t n = 0;
     int rc = ct_collect(messages, &ms, &n, err, err_cap);
     ct_buf b = {0};
-    ct_put(&b, "", 0);
+    chat_template_put(&b, "", 0);
     if (!rc) {
         switch (ct->kind) {
         case CHAT_TEMPLATE_QWEN25:
             rc = ct_render_qwen25(ms, n, tools, opts, &b, err, err_cap);
             break;
         case CHAT_TEMPLATE_QWEN3:
-            rc = ct_render_qwen3(ms, n, tools, opts, &b, err, err_cap);
+            rc = chat_template_render_qwen3(ms, n, tools, opts, &b, err, err_cap);
             break;
         case CHAT_TEMPLATE_LLAMA31:
         case CHAT_TEMPLATE_LLAMA32:
-            rc = ct_render_llama3(ms, n, tools, ct->kind == CHAT_TEMPLATE_LLAMA31, opts, &b, err,
-                                  err_cap);
+            rc = chat_template_render_llama3(ms, n, tools, ct->kind == CHAT_TEMPLATE_LLAMA31, opts,
+                                             &b, err, err_cap);
             break;
         case CHAT_TEMPLATE_MISTRAL_V3:
         case CHAT_TEMPLATE_MISTRAL_NEMO:
-            rc = ct_render_mistral(ms, n, tools, ct->kind == CHAT_TEMPLATE_MISTRAL_V3, opts, &b,
-                                   err, err_cap);
+            rc = chat_template_render_mistral(ms, n, tools, ct->kind == CHAT_TEMPLATE_MISTRAL_V3,
+                                              opts, &b, err, err_cap);
+            break;
+        case CHAT_TEMPLATE_MISTRAL_SMALL:
+            rc = chat_template_render_mistral_small(ms, n, opts, &b, err, err_cap);
             break;
         }
     }

@@ -47,6 +47,8 @@ typedef enum chat_template_kind {
     CHAT_TEMPLATE_LLAMA32,      /* Llama 3.2 Instruct */
     CHAT_TEMPLATE_MISTRAL_V3,   /* Mistral 7B Instruct v0.3 */
     CHAT_TEMPLATE_MISTRAL_NEMO, /* Mistral Nemo Instruct 2407 */
+    CHAT_TEMPLATE_MISTRAL_SMALL, /* Mistral-Small-24B-Instruct-2501, Mistral-Small-3.1-2503:
+                                    [SYSTEM_PROMPT] (a dated default one), [INST] */
 } chat_template_kind;
 
 typedef struct chat_template_opts {
@@ -66,6 +68,9 @@ typedef struct chat_template_opts {
      * family's ("<|begin_of_text|>" for Llama 3, "<s>" / "</s>" Mistral). */
     const char *bos_token;
     const char *eos_token;
+    /* The time strftime_now reads (Llama 3.2, Mistral-Small), seconds since the epoch, local
+     * time as transformers' datetime.now(); 0: the clock. */
+    long long now;
 } chat_template_opts;
 
 /* Recognise template_text (the "chat_template" of tokenizer_config.json).
@@ -75,7 +80,7 @@ int chat_template_init(const char *template_text, chat_template **out, char *err
 void chat_template_free(chat_template *ct);
 chat_template_kind chat_template_get_kind(const chat_template *ct);
 /* A short name of the recognised template ("qwen2.5", "qwen3", "llama3.1",
- * "llama3.2", "mistral-v0.3", "mistral-nemo"). */
+ * "llama3.2", "mistral-v0.3", "mistral-nemo", "mistral-small"). */
 const char *chat_template_name(const chat_template *ct);
 /* The fingerprint recognition compares (see the top of this file). */
 uint64_t chat_template_fingerprint(const char *template_text);

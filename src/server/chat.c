@@ -2,14 +2,15 @@
  * chat — POST /v1/chat/completions: messages (+ tools) rendered through the
  * model's chat template (model/chat_template) and tokenized, then the gen
  * lifecycle with the chat rendering ("chat.completion" objects, role and
- * content deltas, chat-format logprobs) and Hermes <tool_call> parsing into
- * tool_calls when the request has tools (tool_calls.c).  With
+ * content deltas, chat-format logprobs) and tool-call parsing into tool_calls
+ * when the request has tools (tool_parser.h: --tool-call-parser, hermes by
+ * default).  With
  * --reasoning-parser the <think> part goes to reasoning_content (message and
  * stream deltas) and tool calls are parsed from the rest (reasoning.c).
  */
 #include "server/gen.h"
 #include "server/reasoning.h"
-#include "server/tool_calls.h"
+#include "server/tool_parser.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -43,7 +44,7 @@ static void chat_split(gen_req *r, gen_choice *c, bool final, reasoning_split *s
 static size_t chat_content_end(gen_req *r, gen_choice *c, const reasoning_split *sp) {
     if (!r->o.parse_tool_calls) return sp->c_end;
     return sp->c_start +
-           tool_calls_safe_prefix(c->text.data + sp->c_start, sp->c_end - sp->c_start);
+           r->s->tools->safe_prefix(c->text.data + sp->c_start, sp->c_end - sp->c_start);
 }
 
 /* Sets delta.reasoning_content to the reasoning not sent yet, if any. */
@@ -92,7 +93,9 @@ static int chat_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     if (c->sent < sp.c_start) c->sent = sp.c_start;
     const char *ct = c->text.data ? c->text.data + sp.c_start : "";
     size_t clen = sp.c_end - sp.c_start;
-    if (r->o.parse_tool_calls && tool_calls_parse(ct, clen, &calls, &content_len) > 0) {
+    size_t sent = c->sent > sp.c_start ? c->sent - sp.c_start : 0;
+    if (r->o.parse_tool_calls &&
+        tool_parser_stream_calls(r->s->tools, ct, clen, sent, &calls, &content_len) > 0) {
         if (sp.c_start + content_len > c->sent)
             json_object_set_new(
                 delta, "content",
@@ -130,8 +133,8 @@ static json_t *chat_build(gen_req *r) {
         /* with a reasoning parser, empty content is null (vLLM's `content or None`) */
         bool content_null = rk != REASONING_NONE && len == 0;
         size_t content_len = 0;
-        if (r->o.parse_tool_calls && tool_calls_parse(text, len, &calls, &content_len) > 0) {
-            /* a call: the text before it is the content; no call: all of it (hermes) */
+        if (r->o.parse_tool_calls && r->s->tools->parse(text, len, &calls, &content_len) > 0) {
+            /* a call: the text before it is the content; no call: all of it */
             len = content_len;
             content_null = len == 0;
             if (!strcmp(reason, "stop")) reason = "tool_calls";

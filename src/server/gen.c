@@ -108,13 +108,16 @@ gen_req *gen_req_new(server *s, hs_req *http, bool chat, const gen_ops *ops) {
 int gen_prepare_constraint(server *s, gen_req *r) {
     char err[1024] = "";
     int tool_fmt = 0;
-    if (structured_from_request(s->gcache, r->o.body, r->o.kind == OAI_CHAT, &r->constraint,
-                                &tool_fmt, err, sizeof err)) {
+    if (structured_from_request(s->gcache, r->o.body, r->o.kind == OAI_CHAT, s->tool_grammar,
+                                &r->constraint, &tool_fmt, err, sizeof err)) {
         const char *param = strstr(err, "tool") == err ? "tool_choice" : NULL;
         oai_error_set(&r->err, 400, "BadRequestError", param, "%s", err);
         return -1;
     }
     if (tool_fmt) r->o.parse_tool_calls = true;
+    /* a format that starts with a special token ([TOOL_CALLS]) needs its text (vLLM's mistral
+     * parser sets skip_special_tokens=False the same way) */
+    if (r->o.parse_tool_calls && s->tools->special_token) r->o.skip_special_tokens = false;
     return 0;
 }
 
@@ -467,7 +470,10 @@ static void gen_on_token(gen_choice *c, const engine_token *t) {
     gen_add_logprobs(c, t);
     size_t before = c->text.len;
     detok_stream_set_stops(&c->ds, c->n_tokens >= r->o.min_tokens);
-    int rc = detok_stream_push_token(&c->ds, t->id, &c->text);
+    /* the eos / stop id that ends the request is not text (vLLM's detokenizer drops it) */
+    int rc = t->stop && !r->o.include_stop_str_in_output
+                 ? 0
+                 : detok_stream_push_token(&c->ds, t->id, &c->text);
     if (rc < 0) {
         LOG_E("server", "%s: detokenizing token %d failed (%d)", r->id, t->id, rc);
         c->error = strdup("detokenization failed");

@@ -403,6 +403,15 @@ static void *loader_main(void *arg) {
     }
     s->defaults.model_path = s->cfg.model;
     s->max_model_len = engine_max_model_len(e);
+    s->tools = s->cfg.tool_parser ? s->cfg.tool_parser : tool_parser_default();
+    s->tool_grammar = s->tools->alt_token && tokenizer_token_id(tok, s->tools->alt_token) >= 0
+                          ? s->tools->alt_grammar
+                          : s->tools->grammar;
+    if (s->tools->special_token && tokenizer_token_id(tok, s->tools->special_token) < 0)
+        LOG_W("server",
+              "--tool-call-parser %s: the tokenizer has no %s token; tool calls are found only "
+              "where the model writes it as text",
+              s->tools->name, s->tools->special_token);
     s->gvocab = structured_vocab_new(tok, engine_vocab_size(e));
     s->gcache = s->gvocab ? structured_cache_new(s->gvocab) : NULL;
     s->tok = tok;

@@ -14,7 +14,7 @@
  * follows vLLM's streaming rule: text after "<think>" (deepseek_r1: from the
  * start) streams as reasoning_content until "</think>", then as content; a
  * trailing partial tag is held back until it is decided.  Tool calls are
- * parsed from the content part only (tool_calls.c).
+ * parsed from the content part only (tool_parser.h).
  */
 #ifndef DISAGG_SERVER_REASONING_H
 #define DISAGG_SERVER_REASONING_H

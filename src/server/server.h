@@ -15,6 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+struct tool_parser;
+
 typedef struct server_config {
     const char *host;                    /* listen address (default "0.0.0.0") */
     int port;                            /* listen port (default 8000) */
@@ -34,6 +36,8 @@ typedef struct server_config {
     const char *chat_template;      /* --chat-template text; NULL = the tokenizer's */
     int reasoning_parser;           /* --reasoning-parser: a reasoning_kind (server/reasoning.h),
                                        0 = none: <think> text stays in content */
+    const struct tool_parser *tool_parser; /* --tool-call-parser (server/tool_parser.h);
+                                              NULL = hermes */
     int max_logprobs;               /* --max-logprobs: most (top_)logprobs a request asks (20) */
     const char *generation_config;  /* "auto" (default: the model's generation_config.json),
                                        "vllm" (none), or a directory holding one */

@@ -15,6 +15,7 @@
 #include "server/openai_request.h"
 #include "server/sbuf.h"
 #include "server/structured.h"
+#include "server/tool_parser.h"
 #include "server/server.h"
 
 #include <pthread.h>
@@ -48,6 +49,8 @@ typedef struct server {
     structured_cache *gcache;         /* compiled grammars by request constraint */
     chat_template *tmpl;              /* NULL when the model has no (supported) template */
     char tmpl_error[512];             /* why tmpl is NULL */
+    const tool_parser *tools;         /* parses tool calls (cfg.tool_parser or hermes) */
+    const tool_call_grammar *tool_grammar; /* its format for tool_choice required / named */
     int max_model_len;                /* engine_max_model_len */
     int block_size;                   /* tokens per KV block */
     oai_defaults defaults;            /* request defaults (generation_config.json) */

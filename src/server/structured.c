@@ -6,7 +6,7 @@
 
 #include "base/err.h"
 #include "model/tokenizer.h"
-#include "server/tool_calls.h"
+#include "server/tool_parser.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -128,7 +128,7 @@ typedef struct want {
     grammar_kind kind;
     char *text; /* malloc'd */
     const char *field;
-    int tools; /* hermes tool calls */
+    int tools; /* tool calls (in the tool parser's format) */
 } want;
 
 static int set_want(want *w, grammar_kind kind, char *text, const char *field, char *err,
@@ -182,8 +182,28 @@ static int from_field(want *w, const char *field, const char *what, json_t *v, c
     return 0;
 }
 
-/* The hermes tool-call grammar over tools (only the one named only, if given). */
-static char *tools_gbnf(json_t *tools, const char *only, int any_ws, char *err, size_t errlen) {
+/* GBNF of the literal text s: "..." with quotes and backslashes escaped; nothing for "". */
+static void gbnf_literal(char *out, size_t cap, const char *s) {
+    size_t n = 0;
+    out[0] = 0;
+    if (!*s) return;
+    out[n++] = '"';
+    for (; *s && n + 4 < cap; s++) {
+        if (*s == '"' || *s == '\\') out[n++] = '\\';
+        if (*s == '\n') {
+            out[n++] = '\\';
+            out[n++] = 'n';
+            continue;
+        }
+        out[n++] = *s;
+    }
+    out[n++] = '"';
+    out[n] = 0;
+}
+
+/* The tool-call grammar over tools (only the one named only, if given) in format f. */
+static char *tools_gbnf(json_t *tools, const char *only, int any_ws,
+                        const tool_call_grammar *fmt, char *err, size_t errlen) {
     size_t cap = 4096, n = 0;
     char *out = malloc(cap);
     if (!out) return NULL;
@@ -227,23 +247,34 @@ static char *tools_gbnf(json_t *tools, const char *only, int any_ws, char *err, 
         }
         APPEND(rules);
         free(rules);
-        /* tool<k> ::= "<tool_call>\n{\"name\": \"NAME\", \"arguments\": " args "}\n</tool_call>" */
-        json_t *js = json_string(name);
-        char *qn = json_dumps(js, JSON_ENCODE_ANY);
-        json_decref(js);
-        snprintf(line, sizeof line, "tool%d ::= \"" TOOL_CALL_START "\\n{\\\"name\\\": ", k);
-        APPEND(line);
-        for (const char *p = qn; *p; p++) {
-            char b[8];
-            if (*p == '"' || *p == '\\')
-                snprintf(b, sizeof b, "\\%c", *p);
-            else
-                snprintf(b, sizeof b, "%c", *p);
-            APPEND(b);
+        /* tool<k> ::= OPEN NAME MID tool<k>-args CLOSE, NAME a JSON string or bare */
+        char *qn = NULL;
+        if (fmt->quoted_name) {
+            json_t *js = json_string(name);
+            qn = json_dumps(js, JSON_ENCODE_ANY);
+            json_decref(js);
         }
+        size_t tl = strlen(fmt->open) + strlen(qn ? qn : name) + 1;
+        char *text = malloc(tl), *lit = malloc(2 * tl + 8);
+        if (!text || !lit) {
+            free(qn);
+            free(text);
+            free(lit);
+            free(out);
+            return NULL;
+        }
+        snprintf(text, tl, "%s%s", fmt->open, qn ? qn : name);
         free(qn);
-        snprintf(line, sizeof line,
-                 ", \\\"arguments\\\": \" tool%d-args \"}\\n" TOOL_CALL_END "\"\n", k);
+        gbnf_literal(lit, 2 * tl + 8, text);
+        free(text);
+        snprintf(line, sizeof line, "tool%d ::= ", k);
+        APPEND(line);
+        APPEND(lit);
+        free(lit);
+        char mid[128], close[128];
+        gbnf_literal(mid, sizeof mid, fmt->mid);
+        gbnf_literal(close, sizeof close, fmt->close);
+        snprintf(line, sizeof line, " %s tool%d-args %s\n", mid, k, close);
         APPEND(line);
         size_t al = strlen(alts);
         snprintf(alts + al, sizeof alts - al, "%stool%d", k ? " | " : "", k);
@@ -257,12 +288,21 @@ static char *tools_gbnf(json_t *tools, const char *only, int any_ws, char *err, 
     }
     snprintf(line, sizeof line, "tool-call ::= %s\n", alts);
     APPEND(line);
-    APPEND(only ? "root ::= tool-call\n" : "root ::= tool-call (\"\\n\" tool-call)*\n");
+    char before[128], sep[128], after[128];
+    gbnf_literal(before, sizeof before, fmt->before);
+    gbnf_literal(sep, sizeof sep, fmt->sep);
+    gbnf_literal(after, sizeof after, fmt->after);
+    if (only)
+        snprintf(line, sizeof line, "root ::= %s tool-call %s\n", before, after);
+    else
+        snprintf(line, sizeof line, "root ::= %s tool-call (%s tool-call)* %s\n", before, sep, after);
+    APPEND(line);
 #undef APPEND
     return out;
 }
 
-int structured_from_request(structured_cache *c, json_t *body, int is_chat, grammar **out,
+int structured_from_request(structured_cache *c, json_t *body, int is_chat,
+                            const tool_call_grammar *tool_fmt, grammar **out,
                             int *tool_call_format, char *err, size_t errlen) {
     *out = NULL;
     *tool_call_format = 0;
@@ -324,7 +364,7 @@ int structured_from_request(structured_cache *c, json_t *body, int is_chat, gram
                           "tool_choice \"required\" needs a non-empty 'tools'");
         else {
             /* the arguments compact, as the hermes template writes them: ", " and ": " */
-            char *g = tools_gbnf(tools, NULL, 0, err, errlen);
+            char *g = tools_gbnf(tools, NULL, 0, tool_fmt, err, errlen);
             rc = g ? set_want(&w, GRAMMAR_GBNF, g, "tool_choice", err, errlen) : -EINVAL;
             w.tools = 1;
         }
@@ -338,7 +378,7 @@ int structured_from_request(structured_cache *c, json_t *body, int is_chat, gram
         else if (!json_is_array(tools))
             rc = err_fail(err, errlen, -EINVAL, "a named tool_choice needs 'tools'");
         else {
-            char *g = tools_gbnf(tools, name, 0, err, errlen);
+            char *g = tools_gbnf(tools, name, 0, tool_fmt, err, errlen);
             rc = g ? set_want(&w, GRAMMAR_GBNF, g, "tool_choice", err, errlen) : -EINVAL;
             w.tools = 1;
         }

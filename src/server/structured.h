@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 struct tokenizer;
+struct tool_call_grammar;
 
 /* The grammar view of a tokenizer's vocabulary over n_vocab ids (the model's logits
  * row; ids past the tokenizer's are never allowed). NULL on allocation failure. */
@@ -26,10 +27,12 @@ void structured_cache_free(structured_cache *c);
 
 /* The constraint of request body (c NULL: any constraint is an error) (chat: is_chat; tools as the
  * body gives them): *out = NULL when there is none, else a grammar reference the caller unrefs (or
- * hands on).  *tool_call_format: 1 when the grammar is a tool call (hermes <tool_call>{"name":...,
- * "arguments":...}</tool_call>), so the server parses the output as tool calls.  -EINVAL with err
+ * hands on).  tool_choice "required" / a named function constrain the output to tool calls in
+ * tool_fmt, the tool parser's format (server/tool_parser.h); *tool_call_format is then 1, so the
+ * server parses the output as tool calls.  -EINVAL with err
  * naming the problem (a 400). */
-int structured_from_request(structured_cache *c, json_t *body, int is_chat, grammar **out,
+int structured_from_request(structured_cache *c, json_t *body, int is_chat,
+                            const struct tool_call_grammar *tool_fmt, grammar **out,
                             int *tool_call_format, char *err, size_t errlen);
 
 #endif

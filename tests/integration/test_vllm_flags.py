@@ -97,8 +97,9 @@ def test_kv_cache_dtype_float32_is_accepted():
     (("--chat-template", "{{ messages }}"), ["--chat-template", "unsupported chat template"]),
     (("--allowed-origins", "*"), ["--allowed-origins", "JSON list"]),
     (("--allowed-origins", '["a", 1]'), ["--allowed-origins", "JSON list"]),
-    (("--tool-call-parser", "mistral"), ["'mistral'", "not supported", "hermes"]),
-    (("--enable-auto-tool-choice",), ["--enable-auto-tool-choice", "--tool-call-parser"]),
+    (("--tool-call-parser", "pythonic"), ["'pythonic'", "not supported", "hermes, llama3_json, mistral"]),
+    (("--enable-auto-tool-choice",), ["--enable-auto-tool-choice", "--tool-call-parser",
+                                      "hermes, llama3_json, mistral"]),
     (("--enforce-eager=1",), ["--enforce-eager takes no value"]),
     (("--revision", "v2"), ["--revision"]),
 ])

@@ -35,9 +35,11 @@ def write_safetensors(path, tensors):
             f.write(b)
 
 
-def build(out, chain=None):
+def build(out, chain=None, special=()):
     """Writes the model into directory out (a pathlib.Path); returns the call it emits.  chain:
-    other texts to emit instead, one added token each (e.g. ["<think>", "...", "</think>", ...])."""
+    other texts to emit instead, one added token each (e.g. ["<think>", "...", "</think>", ...]);
+    those in special are special tokens (dropped by skip_special_tokens, as Mistral's
+    [TOOL_CALLS] and Llama's <|python_tag|>)."""
     out.mkdir(parents=True, exist_ok=True)
     tok = json.loads((MODEL / "tokenizer.json").read_text())
     base = max(t["id"] for t in tok["added_tokens"]) + 1  # 4096
@@ -46,7 +48,7 @@ def build(out, chain=None):
     for i, content in enumerate(chain):
         tok["added_tokens"].append({"id": base + i, "content": content, "single_word": False,
                                     "lstrip": False, "rstrip": False, "normalized": False,
-                                    "special": False})
+                                    "special": content in special})
     (out / "tokenizer.json").write_text(json.dumps(tok))
     shutil.copy(MODEL / "tokenizer_config.json", out / "tokenizer_config.json")
     vocab = base + len(chain)

@@ -11,17 +11,38 @@ null content "", tool_calls kept when not null with string arguments parsed
 into objects (null / "" -> {}), and only role, content, tool_calls,
 tool_call_id, name and reasoning_content (a string) kept.
 tests/unit/test_chat_template.c renders the same cases natively and compares
-byte for byte (or expects the same error).
+byte for byte (or expects the same error).  strftime_now (Mistral-Small's
+dated default system prompt) reads a fixed time, NOW, stored in those rows as
+"now" (the C side renders with chat_template_opts.now).
+
+The Mistral-Small templates are copies of the chat_template of
+mistralai/Mistral-Small-24B-Instruct-2501 and of the tokenizer_config.json of
+mistralai/Mistral-Small-3.1-24B-Instruct-2503 (as public GitHub copies quote
+them; the HF repositories cannot be reached from here).
 
 Run: USE_TORCH=0 python3 tests/tools/gen_chat_golden.py  (transformers and
 jinja2 from PyPI; torch is not needed)."""
+import calendar
 import copy
+import datetime
 import json
 import os
 import pathlib
 
 os.environ.setdefault("USE_TORCH", "0")
+import transformers.utils.chat_template_utils as ctu  # noqa: E402
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
+
+NOW = calendar.timegm((2025, 3, 5, 12, 0, 0))  # strftime_now's time (local time of this instant)
+
+
+class FixedDatetime(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return datetime.datetime.fromtimestamp(NOW, tz)
+
+
+ctu.datetime = FixedDatetime  # transformers' strftime_now calls datetime.now()
 
 DIR = pathlib.Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 
@@ -96,6 +117,8 @@ PLAN = {
                                              {"tools_in_user_message": False, "date_string": "2 Feb 2025"}]),
     "mistral-v0.3.jinja": (ALL, [None, TOOLS], [{}]),
     "mistral-nemo.jinja": (ALL, [None, TOOLS], [{}]),
+    "mistral-small-2501.jinja": (ALL, [None, TOOLS], [{}]),
+    "mistral-small-3.1.jinja": (ALL, [None, TOOLS], [{}]),
 }
 TOKENS = {"llama": ("<|begin_of_text|>", "<|eot_id|>"), "mistral": ("<s>", "</s>"), "qwen": (None, "<|im_end|>")}
 
@@ -127,7 +150,43 @@ def vllm_messages(msgs):
     return out
 
 
+def check_mistral_small_against_mistral_common():
+    """The Mistral-Small templates render as mistral-common's Tekken v7 instruct tokenizer
+    (InstructTokenizerV7, the tokenizer of those models) where both apply: a system prompt given,
+    user/assistant turns, assistant text without trailing whitespace (mistral-common strips it;
+    the templates keep it, and vLLM serves these models through the templates' tokenizer files
+    too).  The templates are public copies, so this checks them against Mistral's own code."""
+    try:
+        import mistral_common
+        from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage
+        from mistral_common.protocol.instruct.normalize import InstructRequestNormalizerV7
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+        from mistral_common.tokens.tokenizers.instruct import InstructTokenizerV7
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    except ImportError:
+        print("mistral-common not installed: Mistral-Small templates not cross-checked")
+        return
+    tk = Tekkenizer.from_file(os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json"))
+    it, norm = InstructTokenizerV7(tk), InstructRequestNormalizerV7.normalizer()
+    mk = {"system": SystemMessage, "user": UserMessage, "assistant": AssistantMessage}
+    convs = [[S("Be brief."), U("a"), A(" b"), U("c")],
+             [S("You are terse.\n"), U("  Hi there \n")],
+             [S("sys"), U("What's the weather in Paris and in 東京?"), A("Sunny."), U("Thanks!")]]
+    for tname in ("mistral-small-2501.jinja", "mistral-small-3.1.jinja"):
+        text = (DIR / tname).read_text()
+        for msgs in convs:
+            out, _ = render_jinja_template(conversations=[msgs], chat_template=text, add_generation_prompt=True,
+                                           bos_token="<s>", eos_token="</s>")
+            req = ChatCompletionRequest(messages=[mk[m["role"]](content=m["content"]) for m in msgs])
+            ids = it.encode_instruct(norm.from_chat_completion_request(req)).tokens
+            ref = tk.decode(ids, special_token_policy=SpecialTokenPolicy.KEEP)
+            assert out[0] == ref, (tname, out[0], ref)
+    print("Mistral-Small templates equal mistral-common's v7 rendering on", len(convs), "conversations")
+
+
 def main():
+    check_mistral_small_against_mistral_common()
     rows = []
     for tname, (convs, tool_opts, kw_opts) in PLAN.items():
         text = (DIR / tname).read_text()
@@ -143,6 +202,8 @@ def main():
                         extra["eos_token"] = eos
                         row = {"template": tname, "name": cname, "tools": tools is not None,
                                "kwargs": kw, "add_generation_prompt": agp}
+                        if "strftime_now" in text and tname.startswith("mistral-small"):
+                            row["now"] = NOW
                         try:
                             out, _ = render_jinja_template(conversations=[vllm_messages(CONVS[cname])], tools=tools,
                                                            chat_template=text, add_generation_prompt=agp, **extra)

@@ -284,6 +284,8 @@ static const struct {
     {"llama3.2.jinja", CHAT_TEMPLATE_LLAMA32, "llama3.2"},
     {"mistral-v0.3.jinja", CHAT_TEMPLATE_MISTRAL_V3, "mistral-v0.3"},
     {"mistral-nemo.jinja", CHAT_TEMPLATE_MISTRAL_NEMO, "mistral-nemo"},
+    {"mistral-small-2501.jinja", CHAT_TEMPLATE_MISTRAL_SMALL, "mistral-small"},
+    {"mistral-small-3.1.jinja", CHAT_TEMPLATE_MISTRAL_SMALL, "mistral-small"},
 };
 #define N_FAMILY (sizeof(FAMILY) / sizeof(FAMILY[0]))
 
@@ -386,6 +388,7 @@ static void test_family_goldens(void **state) {
             .add_generation_prompt = json_is_true(json_object_get(o, "add_generation_prompt")),
             .parse_tool_arguments = true,
             .kwargs = json_object_get(o, "kwargs"),
+            .now = json_integer_value(json_object_get(o, "now")), /* strftime_now's time */
         };
         char *got = NULL;
         size_t len = 0;

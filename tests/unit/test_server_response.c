@@ -1,7 +1,7 @@
-/* Unit tests: server/openai_response and server/tool_calls — SSE chunks and
- * bodies compared byte for byte with the hand-written golden streams in
- * tests/data/server/ (see its README), completions logprobs with echo, and
- * Hermes <tool_call> parsing. */
+/* Unit tests: server/openai_response — SSE chunks and bodies compared byte
+ * for byte with the hand-written golden streams in tests/data/server/ (see
+ * its README), completions logprobs with echo.  Tool-call parsing:
+ * test_tool_parser.c. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,7 +9,6 @@
 #include <cmocka.h>
 
 #include "server/openai_response.h"
-#include "server/tool_calls.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -165,46 +164,6 @@ static void test_prompt_logprobs(void **state) {
     json_decref(a);
 }
 
-static void test_tool_calls(void **state) {
-    (void)state;
-    const char *out = "Let me check.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                      "{\"city\": \"Paris\", \"days\": [1, 2]}}\n</tool_call>\n<tool_call>\n"
-                      "{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
-    json_t *calls = NULL;
-    size_t cl = 0;
-    assert_int_equal(tool_calls_parse(out, strlen(out), &calls, &cl), 2);
-    assert_int_equal(cl, strlen("Let me check."));
-    json_t *f0 = json_object_get(json_array_get(calls, 0), "function");
-    assert_string_equal(json_string_value(json_object_get(f0, "name")), "get_weather");
-    /* arguments as Python's json.dumps writes them */
-    assert_string_equal(json_string_value(json_object_get(f0, "arguments")),
-                        "{\"city\": \"Paris\", \"days\": [1, 2]}");
-    assert_string_equal(json_string_value(json_object_get(json_array_get(calls, 0), "type")),
-                        "function");
-    assert_int_equal(strncmp(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
-                             "chatcmpl-tool-", 14),
-                     0);
-    assert_string_not_equal(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
-                            json_string_value(json_object_get(json_array_get(calls, 1), "id")));
-    json_decref(calls);
-    /* invalid JSON inside: plain content */
-    const char *bad = "<tool_call>{not json}</tool_call>";
-    assert_int_equal(tool_calls_parse(bad, strlen(bad), &calls, &cl), 0);
-    assert_null(calls);
-    /* no tool call */
-    assert_int_equal(tool_calls_parse("hello", 5, &calls, &cl), 0);
-    /* cut by the end of generation: still parsed */
-    const char *cut = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n";
-    assert_int_equal(tool_calls_parse(cut, strlen(cut), &calls, &cl), 1);
-    assert_int_equal(cl, 0);
-    json_decref(calls);
-    /* streaming: hold back a partial tag */
-    assert_int_equal(tool_calls_safe_prefix("abc<tool_c", 10), 3);
-    assert_int_equal(tool_calls_safe_prefix("abc<", 4), 3);
-    assert_int_equal(tool_calls_safe_prefix("a<b", 3), 3);
-    assert_int_equal(tool_calls_safe_prefix("ab<tool_call>{", 14), 2);
-}
-
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_completion_stream_golden),
@@ -213,7 +172,6 @@ int main(void) {
         cmocka_unit_test(test_usage_kv_transfer),
         cmocka_unit_test(test_echo_logprobs_and_clamp),
         cmocka_unit_test(test_prompt_logprobs),
-        cmocka_unit_test(test_tool_calls),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
