@@ -34,7 +34,7 @@ static const family families[] = {
     {"Qwen3ForCausalLM", "qwen3", "qwen3", 0, 1, 0, 1, 128, MOE_NONE},
     {"LlamaForCausalLM", "llama", "llama", 0, 0, 0, 1, 0, MOE_NONE},
     {"MistralForCausalLM", "mistral", "mistral", 0, 0, 1, 0, 0, MOE_NONE},
-    {"Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe", 0, 1, 0, 1, 0, MOE_QWEN3},
+    {"Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", 0, 1, 0, 1, 0, MOE_QWEN3},
     {"MixtralForCausalLM", "mixtral", "mixtral", 0, 0, 1, 0, 0, MOE_MIXTRAL},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])

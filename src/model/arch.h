@@ -31,7 +31,7 @@ int arch_describe(model_config *c, const struct json_t *o, const char *where, ch
  * transformers multiplies cos and sin by (yarn's attention factor, else 1). */
 void arch_rope_table(const model_config *c, float *inv_freq, float *attn_factor);
 
-/* "qwen2", "qwen3", "llama", "mistral": the family's short name (the KV layout
+/* "qwen2", "qwen3", "llama", "mistral", "qwen3moe", "mixtral": the short name (KV layout
  * fingerprint's first field). */
 const char *arch_family(const model_config *c);
 
