@@ -232,6 +232,106 @@ static void test_arch_descriptions(void **st) {
     }
 }
 
+/* The mixtures of experts: transformers' defaults, the sparse/dense layer rule, refusals */
+static void test_moe_descriptions(void **st) {
+    (void)st;
+    model_config c;
+    char err[1024];
+    assert_int_equal(parse_arch(&c, "Qwen3MoeForCausalLM", "qwen3_moe", "", err, sizeof err), 0);
+    assert_int_equal(c.n_experts, 128); /* Qwen3MoeConfig's defaults */
+    assert_int_equal(c.n_experts_per_tok, 8);
+    assert_int_equal(c.moe_intermediate_size, 768);
+    assert_int_equal(c.norm_topk_prob, 0);
+    assert_int_equal(c.qk_norm, 1);
+    assert_int_equal(c.head_dim, 16); /* hidden / heads: not Qwen3's 128 */
+    assert_true(model_layer_is_moe(&c, 0) && model_layer_is_moe(&c, 1));
+    assert_int_equal(parse_arch(&c, "Qwen3MoeForCausalLM", "qwen3_moe",
+                                "\"num_local_experts\":16,\"num_experts_per_tok\":4,"
+                                "\"norm_topk_prob\":true,\"decoder_sparse_step\":2,"
+                                "\"mlp_only_layers\":[1,7]",
+                                err, sizeof err),
+                     0);
+    assert_int_equal(c.n_experts, 16);
+    assert_int_equal(c.n_experts_per_tok, 4);
+    assert_int_equal(c.norm_topk_prob, 1);
+    /* (l + 1) % 2 == 0 and not in mlp_only_layers: layer 1 is listed, so none of the 2 */
+    assert_false(model_layer_is_moe(&c, 0));
+    assert_false(model_layer_is_moe(&c, 1));
+    assert_int_equal(parse_arch(&c, "Qwen3MoeForCausalLM", "qwen3_moe",
+                                "\"num_experts\":0", err, sizeof err),
+                     0);
+    assert_false(model_layer_is_moe(&c, 0)); /* no experts: every layer dense */
+    assert_int_equal(parse_arch(&c, "MixtralForCausalLM", "mixtral", "", err, sizeof err), 0);
+    assert_int_equal(c.n_experts, 8);
+    assert_int_equal(c.n_experts_per_tok, 2);
+    assert_int_equal(c.norm_topk_prob, 1);
+    assert_int_equal(c.moe_intermediate_size, 160);
+    assert_true(model_layer_is_moe(&c, 0) && model_layer_is_moe(&c, 1));
+    assert_int_equal(parse_arch(&c, "MixtralForCausalLM", "mixtral", "\"sliding_window\":512",
+                                err, sizeof err),
+                     0);
+    assert_int_equal(c.sliding_window, 512);
+    static const struct {
+        const char *arch, *mt, *extra, *needle1, *needle2;
+    } bad[] = {
+        {"MixtralForCausalLM", "mixtral", "\"num_experts_per_tok\":9", "num_experts_per_tok 9",
+         "1 .. 8"},
+        {"MixtralForCausalLM", "mixtral", "\"num_local_experts\":0", "num_local_experts",
+         "[1, 512]"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"num_experts\":513", "num_experts", "[0, 512]"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"decoder_sparse_step\":0", "decoder_sparse_step",
+         "[1, "},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"mlp_only_layers\":[-1]", "mlp_only_layers[0]",
+         "[0, 2)"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"mlp_only_layers\":\"all\"", "mlp_only_layers",
+         "list of layer indices"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"norm_topk_prob\":\"yes\"", "norm_topk_prob",
+         "true or false"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"use_sliding_window\":true", "use_sliding_window",
+         "MistralForCausalLM"},
+        {"Qwen2MoeForCausalLM", "qwen2_moe", "", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        err[0] = 0;
+        int rc = parse_arch(&c, bad[i].arch, bad[i].mt, bad[i].extra, err, sizeof err);
+        if (rc != -EINVAL || !strstr(err, bad[i].needle1) || !strstr(err, bad[i].needle2))
+            fail_msg("case %zu (%s %s): rc %d, error '%s' (want '%s' and '%s')", i, bad[i].arch,
+                     bad[i].extra, rc, err, bad[i].needle1, bad[i].needle2);
+    }
+}
+
+/* A MoE checkpoint whose config.json disagrees with its tensors: the tensor and shapes named */
+static void test_moe_load_errors(void **st) {
+    (void)st;
+    char src[1024], d[1200];
+    json_t *g = fixture_model("qwen3moe-tiny", src, sizeof src);
+    assert_non_null(g);
+    json_decref(g);
+    snprintf(d, sizeof d, "%s/moebad", g_tmp);
+    const char *edit = "python3 -c \"import json,sys; p=sys.argv[1]+'/config.json'; "
+                       "c=json.load(open(p)); c.update(json.loads(sys.argv[2])); "
+                       "json.dump(c,open(p,'w'))\" %s '%s'";
+    char cmd[2048];
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"num_experts\": 9}");
+    sh("%s", cmd);
+    expect_load_error(d, "model.layers.0.mlp.gate.weight", "shape [8, 64]", "[9, 64]", NULL);
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"moe_intermediate_size\": 16}");
+    sh("%s", cmd);
+    expect_load_error(d, "model.layers.0.mlp.experts.0.gate_proj.weight", "[16, 64]", NULL);
+    /* layer 1 is dense in the checkpoint: made sparse, its router is missing */
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"mlp_only_layers\": []}");
+    sh("%s", cmd);
+    expect_load_error(d, "missing tensor 'model.layers.1.mlp.gate.weight'", NULL);
+    /* and the other way round: a sparse layer made dense leaves its experts without a place */
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"mlp_only_layers\": [1, 2], \"intermediate_size\": 160}");
+    sh("%s", cmd);
+    expect_load_error(d, "model.layers.2.mlp.gate_proj.weight", "missing", NULL);
+}
+
 /* --load-format dummy: config.json alone; the same random weights every load */
 static void test_dummy_load(void **st) {
     (void)st;
@@ -374,7 +474,8 @@ int main(void) {
         cmocka_unit_test(test_config_spellings), cmocka_unit_test(test_config_errors),
         cmocka_unit_test(test_hf_cache),         cmocka_unit_test(test_sharded_matches_single),
         cmocka_unit_test(test_load_errors),      cmocka_unit_test(test_arch_descriptions),
-        cmocka_unit_test(test_dummy_load),
+        cmocka_unit_test(test_dummy_load),       cmocka_unit_test(test_moe_descriptions),
+        cmocka_unit_test(test_moe_load_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
