@@ -1,7 +1,8 @@
 /*
  * arch — what an architecture is, from config.json as transformers reads it: which
- * families disagg runs (Qwen2, Qwen3, Llama 3.x, Mistral), each one's description (biases,
- * q/k norms, head_dim, sliding window, RoPE variant, tying) in model_config, and the RoPE
+ * families disagg runs (Qwen2, Qwen3, Llama 3.x, Mistral, Qwen3-MoE, Mixtral), each one's
+ * description (biases, q/k norms, head_dim, sliding window, RoPE variant, tying, experts) in
+ * model_config, and the RoPE
  * frequency table of each variant computed as transformers' modeling_rope_utils.py does.
  * Everything a checkpoint asks for that the forward does not do is refused here, naming
  * the field and what is accepted (docs/models.md).
