@@ -196,6 +196,89 @@ static void expert_w(const backend_moe_op *o, int e, const void **gate, const vo
     }
 }
 
+/* transformers: expert(x) * weight, then index_add: a product, then a sum (no fma) */
+static void scatter_add(float *acc, const float *y, const int32_t *toks, const float *tw, int n,
+                        int H) {
+    for (int r = 0; r < n; r++) {
+        float *a = acc + (size_t)toks[r] * H;
+        const float *yr = y + (size_t)r * H, wr = tw[r];
+        for (int i = 0; i < H; i++) {
+            float prod = wr * yr[i];
+            a[i] += prod;
+        }
+    }
+}
+
+/* The CPU's blocks: experts in ascending order, up to GROUP experts (at most GROUP_ROWS rows,
+ * or one expert's tokens) per block, their gate and up matmuls as one dispatch of the thread
+ * pool (decode: a few rows per expert, so fewer dispatches matter), one SwiGLU, their down
+ * matmuls as another: each matmul's result equals its own (backend_matmul), so the sums are
+ * those of one expert at a time. */
+#define GROUP      4
+#define GROUP_ROWS 64
+typedef struct moe_sums {
+    const backend_moe_op *o;
+    const int32_t *list;
+    const float *listw;
+    const int *cnt;
+    char *xe;
+    void *h, *h2;
+    float *ye, *acc;
+    int cap;
+    backend_dtype mm;
+} moe_sums;
+
+static int experts_grouped(backend_stream *st, const moe_sums *g) {
+    const backend_moe_op *o = g->o;
+    const int H = o->hidden, I = o->inter, E = o->n_experts;
+    const size_t xrow = (size_t)H * backend_dtype_size(o->x_dt),
+                 hrow = (size_t)I * backend_dtype_size(g->mm);
+    int rc = 0;
+    for (int e = 0; e < E && !rc;) {
+        int ge[GROUP], gn = 0, rows = 0;
+        for (; e < E && gn < GROUP; e++) {
+            int n = g->cnt[e + 1] - g->cnt[e];
+            if (!n) continue;
+            if (gn && rows + n > g->cap) break;
+            ge[gn++] = e, rows += n;
+        }
+        if (!gn) break;
+        backend_matmul_op up[2 * GROUP], down[GROUP];
+        for (int i = 0, off = 0; i < gn; i++) {
+            int n = g->cnt[ge[i] + 1] - g->cnt[ge[i]];
+            const int32_t *toks = g->list + g->cnt[ge[i]];
+            for (int r = 0; r < n; r++)
+                memcpy(g->xe + (size_t)(off + r) * xrow, (const char *)o->x + toks[r] * xrow,
+                       xrow);
+            const void *wg, *wu, *wgu, *wd;
+            expert_w(o, ge[i], &wg, &wu, &wgu, &wd);
+            void *hi = (char *)g->h + off * hrow, *h2i = (char *)g->h2 + off * hrow;
+            const void *xi = g->xe + off * xrow;
+            up[2 * i] = (backend_matmul_op){hi, g->mm, xi, o->x_dt, wg, o->w_dt, NULL, n, I, H};
+            up[2 * i + 1] =
+                (backend_matmul_op){h2i, g->mm, xi, o->x_dt, wu, o->w_dt, NULL, n, I, H};
+            down[i] = (backend_matmul_op){g->ye + (size_t)off * H, BACKEND_F32, hi, g->mm, wd,
+                                          o->w_dt, NULL, n, H, I};
+            off += n;
+        }
+        if ((rc = backend_matmul(st, up, 2 * gn)) ||
+            (rc = backend_swiglu(st, g->h, g->h2, g->mm, rows, I)) ||
+            (rc = backend_matmul(st, down, gn)))
+            break;
+        for (int i = 0, off = 0; i < gn; i++) {
+            int n = g->cnt[ge[i] + 1] - g->cnt[ge[i]];
+            scatter_add(g->acc, g->ye + (size_t)off * H, g->list + g->cnt[ge[i]],
+                        g->listw + g->cnt[ge[i]], n, H);
+            off += n;
+        }
+    }
+    return rc;
+}
+
+static int narrow_out(const backend_moe_op *o, float *acc) {
+    return acc == o->out ? 0 : narrow(o->out, acc, (size_t)o->T * o->hidden, o->out_dt);
+}
+
 static int moe_generic(backend_stream *st, const backend_moe_op *o) {
     struct backend_moe_scratch *s = scratch(st);
     if (!s) return -ENOMEM;
@@ -253,22 +336,30 @@ static int moe_generic(backend_stream *st, const backend_moe_op *o) {
         xh = stage;
         yh = (float *)(stage + (size_t)T * xrow + (size_t)max_n * xrow);
     }
-    size_t hb = (size_t)(max_n ? max_n : 1) * o->inter * backend_dtype_size(mm);
-    char *xe = dev_at_least(st, D_X, (size_t)(max_n ? max_n : 1) * xrow);
+    /* rows of one block: an expert's tokens; on the CPU a group of experts' (GROUP_ROWS) */
+    int cap = max_n > 0 ? max_n : 1;
+    if (host && cap < GROUP_ROWS) cap = (size_t)GROUP_ROWS < n_sel ? GROUP_ROWS : (int)n_sel;
+    size_t hb = (size_t)cap * o->inter * backend_dtype_size(mm);
+    char *xe = dev_at_least(st, D_X, (size_t)cap * xrow);
     void *h = dev_at_least(st, D_H, hb), *h2 = dev_at_least(st, D_H2, hb);
-    float *ye = dev_at_least(st, D_Y, (size_t)(max_n ? max_n : 1) * H * sizeof(float));
+    float *ye = dev_at_least(st, D_Y, (size_t)cap * H * sizeof(float));
     if (!acc || !xe || !h || !h2 || !ye) return -ENOMEM;
     memset(acc, 0, (size_t)T * H * sizeof(float));
+    if (host) {
+        moe_sums g = {o, list, listw, cnt, xe, h, h2, ye, acc, cap, mm};
+        rc = experts_grouped(st, &g);
+        return rc ? rc : narrow_out(o, acc);
+    }
     /* experts in ascending order: each token's sum runs over its experts in that order */
     for (int e = 0; e < E; e++) {
         int n = cnt[e + 1] - cnt[e];
         if (!n) continue;
         const int32_t *toks = list + cnt[e];
         const float *tw = listw + cnt[e];
-        char *gx = host ? xe : (char *)yh - (size_t)max_n * xrow;
+        char *gx = (char *)yh - (size_t)max_n * xrow;
         for (int r = 0; r < n; r++)
             memcpy(gx + (size_t)r * xrow, xh + (size_t)toks[r] * xrow, xrow);
-        if (!host && (rc = backend_upload(st, xe, gx, (size_t)n * xrow))) return rc;
+        if ((rc = backend_upload(st, xe, gx, (size_t)n * xrow))) return rc;
         const void *gate, *up, *gate_up, *down;
         expert_w(o, e, &gate, &up, &gate_up, &down);
         backend_mlp_op g = {.x = xe,
@@ -286,23 +377,9 @@ static int moe_generic(backend_stream *st, const backend_moe_op *o) {
         if ((rc = backend_gate_up(st, &g))) return rc;
         backend_matmul_op d = {ye, BACKEND_F32, h, mm, down, o->w_dt, NULL, n, H, o->inter};
         if ((rc = backend_matmul(st, &d, 1))) return rc;
-        const float *y = ye;
-        if (!host) {
-            if ((rc = backend_download(st, yh, ye, (size_t)n * H * sizeof(float)))) return rc;
-            y = yh;
-        }
-        /* transformers: expert(x) * weight, then index_add: a product, then a sum (no fma) */
-        for (int r = 0; r < n; r++) {
-            float *a = acc + (size_t)toks[r] * H;
-            const float *yr = y + (size_t)r * H, wr = tw[r];
-            for (int i = 0; i < H; i++) {
-                float prod = wr * yr[i];
-                a[i] += prod;
-            }
-        }
+        if ((rc = backend_download(st, yh, ye, (size_t)n * H * sizeof(float)))) return rc;
+        scatter_add(acc, yh, toks, tw, n, H);
     }
-    if (host && acc == o->out) return 0;
-    if (host) return narrow(o->out, acc, (size_t)T * H, o->out_dt);
     char *outh = host_at_least(s, H_LIST, (size_t)T * H * backend_dtype_size(o->out_dt));
     if (!outh) return -ENOMEM;
     if ((rc = narrow(outh, acc, (size_t)T * H, o->out_dt))) return rc;
