@@ -199,7 +199,8 @@ int bench_model_cuda_main(int argc, char **argv) {
     backend_measure(be, NULL, &gemm_mlp, 4096, 2 * c->intermediate_size, c->hidden_size);
     double h = c->hidden_size, kvd = (double)c->n_kv_heads * c->head_dim;
     int tied = m.w.lm_head.data == m.w.embed.data;
-    double all_params, active_layers; /* a mixture of experts: a token's top_k (bench/model_bench_moe.h) */
+    /* a mixture of experts: a token multiplies with its top_k (bench/model_bench_moe.h) */
+    double all_params, active_layers;
     mbm_params(c, tied, &all_params, &active_layers);
     double wbytes = 2.0 * all_params;
     double kv_tok = 2.0 * c->n_layers * kvd * (kv_dtype == DCU_BF16 ? 2 : 4);
@@ -249,7 +250,8 @@ int bench_model_cuda_main(int argc, char **argv) {
     }
     printf("(best of 2 rounds of %d steps after 2 warm-ups; greedy argmax on the device, only the "
            "ids downloaded%s)\n",
-           steps, c->n_experts ? "; MoE bytes: the experts a batch reads under uniform routing" : "");
+           steps,
+           c->n_experts ? "; MoE bytes: the experts a batch reads under uniform routing" : "");
     /* the first correct version in the same run: the generic MoE (a plain loop over experts,
      * the routing read back to the host, eager) where the backend has its own kernels */
     if (!rc && c->n_experts && !backend_moe_generic(be)) {

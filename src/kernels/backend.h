@@ -393,8 +393,9 @@ int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, co
  * expf, summed in expert order, p_e = e_e / sum), the top_k largest p in descending order (ties:
  * the lower expert index first -- NOT always torch.topk's order: on the CPU torch orders equal
  * values its own way, e.g. top 2 of 8 equal logits is [6, 5] on torch 2.15, so on exact ties the
- * choice can differ from transformers'; tests/data/model/golden-moe-route.json), then with norm (Qwen3-MoE's norm_topk_prob;
- * Mixtral always) w_j = p_j / (p_0 + ... + p_{k-1}) summed in that order, else w_j = p_j.
+ * choice can differ from transformers'; tests/data/model/golden-moe-route.json), then with
+ * norm (Qwen3-MoE's norm_topk_prob; Mixtral always) w_j = p_j / (p_0 + ... + p_{k-1}) summed
+ * in that order, else w_j = p_j.
  * 1 <= top_k <= n_experts <= BACKEND_MOE_MAX_EXPERTS. */
 int backend_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits,
                       int T, int n_experts, int top_k, int norm);

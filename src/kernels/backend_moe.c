@@ -153,12 +153,12 @@ static int route_generic(backend_stream *st, int32_t *ids, float *weights, const
     return rc ? rc : backend_upload(st, weights, hw, (size_t)T * k * sizeof(float));
 }
 
-int backend_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits,
-                      int T, int n_experts, int top_k, int norm) {
+int backend_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits, int T,
+                      int n_experts, int top_k, int norm) {
     CHECK(st && ids && weights && logits && T >= 1, "moe_route: bad arguments (T %d)", T);
     CHECK(top_k >= 1 && top_k <= n_experts && n_experts <= BACKEND_MOE_MAX_EXPERTS,
-          "moe_route: top_k %d of %d experts (need 1 <= top_k <= experts <= %d)", top_k,
-          n_experts, BACKEND_MOE_MAX_EXPERTS);
+          "moe_route: top_k %d of %d experts (need 1 <= top_k <= experts <= %d)", top_k, n_experts,
+          BACKEND_MOE_MAX_EXPERTS);
     if (!backend_moe_generic(st->be))
         return st->be->iface->moe_route(st, ids, weights, logits, T, n_experts, top_k, norm);
     return route_generic(st, ids, weights, logits, T, n_experts, top_k, norm);
@@ -248,8 +248,7 @@ static int experts_grouped(backend_stream *st, const moe_sums *g) {
             int n = g->cnt[ge[i] + 1] - g->cnt[ge[i]];
             const int32_t *toks = g->list + g->cnt[ge[i]];
             for (int r = 0; r < n; r++)
-                memcpy(g->xe + (size_t)(off + r) * xrow, (const char *)o->x + toks[r] * xrow,
-                       xrow);
+                memcpy(g->xe + (size_t)(off + r) * xrow, (const char *)o->x + toks[r] * xrow, xrow);
             const void *wg, *wu, *wgu, *wd;
             expert_w(o, ge[i], &wg, &wu, &wgu, &wd);
             void *hi = (char *)g->h + off * hrow, *h2i = (char *)g->h2 + off * hrow;
@@ -257,8 +256,8 @@ static int experts_grouped(backend_stream *st, const moe_sums *g) {
             up[2 * i] = (backend_matmul_op){hi, g->mm, xi, o->x_dt, wg, o->w_dt, NULL, n, I, H};
             up[2 * i + 1] =
                 (backend_matmul_op){h2i, g->mm, xi, o->x_dt, wu, o->w_dt, NULL, n, I, H};
-            down[i] = (backend_matmul_op){g->ye + (size_t)off * H, BACKEND_F32, hi, g->mm, wd,
-                                          o->w_dt, NULL, n, H, I};
+            down[i] = (backend_matmul_op){
+                g->ye + (size_t)off * H, BACKEND_F32, hi, g->mm, wd, o->w_dt, NULL, n, H, I};
             off += n;
         }
         if ((rc = backend_matmul(st, up, 2 * gn)) ||
@@ -308,7 +307,8 @@ static int moe_generic(backend_stream *st, const backend_moe_op *o) {
         cnt[ids[i] + 1]++;
     for (int e = 0; e < E; e++)
         cnt[e + 1] += cnt[e];
-    int32_t *list = host_at_least(s, H_LIST, n_sel * sizeof(int32_t) + (size_t)(E + 1) * sizeof(int));
+    int32_t *list =
+        host_at_least(s, H_LIST, n_sel * sizeof(int32_t) + (size_t)(E + 1) * sizeof(int));
     float *listw = host_at_least(s, H_LISTW, n_sel * sizeof(float));
     if (!list || !listw) return -ENOMEM;
     int *fill = (int *)(list + n_sel);
@@ -329,8 +329,9 @@ static int moe_generic(backend_stream *st, const backend_moe_op *o) {
     const char *xh = o->x;
     float *yh = NULL;
     if (!host) {
-        char *stage = host_at_least(s, H_STAGE, (size_t)T * xrow + (size_t)max_n * xrow +
-                                                    (size_t)max_n * H * sizeof(float));
+        char *stage = host_at_least(s, H_STAGE,
+                                    (size_t)T * xrow + (size_t)max_n * xrow +
+                                        (size_t)max_n * H * sizeof(float));
         if (!stage) return -ENOMEM;
         if ((rc = backend_download(st, stage, o->x, (size_t)T * xrow))) return rc;
         xh = stage;
@@ -392,8 +393,8 @@ int backend_moe(backend_stream *st, const backend_moe_op *o) {
           "moe: bad arguments (T %d, hidden %d, inter %d)", o ? o->T : 0, o ? o->hidden : 0,
           o ? o->inter : 0);
     CHECK(o->top_k >= 1 && o->top_k <= o->n_experts && o->n_experts <= BACKEND_MOE_MAX_EXPERTS,
-          "moe: top_k %d of %d experts (need 1 <= top_k <= experts <= %d)", o->top_k,
-          o->n_experts, BACKEND_MOE_MAX_EXPERTS);
+          "moe: top_k %d of %d experts (need 1 <= top_k <= experts <= %d)", o->top_k, o->n_experts,
+          BACKEND_MOE_MAX_EXPERTS);
     CHECK((o->w_gate && o->w_up && o->w_down) || (o->w_gate_up_all && o->w_down_all),
           "moe: neither per-expert matrices (w_gate, w_up, w_down) nor stacked ones "
           "(w_gate_up_all, w_down_all)");

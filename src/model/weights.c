@@ -1,8 +1,8 @@
 /*
  * weights — binds Hugging Face decoder tensor names (Qwen2/Qwen3/Llama/Mistral: the
- * same names, the description says which exist; Qwen3-MoE / Mixtral: their experts') to the forward's weight structs, in
- * buffers of the model's backend; or, with --load-format dummy, random weights of the
- * same shapes and no files.
+ * same names, the description says which exist; Qwen3-MoE / Mixtral add their routers and
+ * experts) to the forward's weight structs, in buffers of the model's backend; or, with
+ * --load-format dummy, random weights of the same shapes and no files.
  */
 #include "model/weights.h"
 

@@ -3,10 +3,10 @@
  * (backend_moe_route, backend_moe) on every backend this machine has, as test_backend_ops
  * does for the others: the CPU always, CUDA when backend_open("cuda") succeeds (else a loud
  * SKIP line), and on CUDA also the generic form (DISAGG_MOE_GENERIC=1) against its own.
- *   - routing against torch (tests/data/model/golden-moe-route.json, tools/gen_golden_moe_route.py):
- *     the ids exactly, the weights within 1e-6; on exact ties (where torch's order is its
- *     own) the chosen probabilities position by position and backend.h's rule, the lower
- *     index first;
+ *   - routing against torch (tests/data/model/golden-moe-route.json,
+ * tools/gen_golden_moe_route.py): the ids exactly, the weights within 1e-6; on exact ties (where
+ * torch's order is its own) the chosen probabilities position by position and backend.h's rule, the
+ * lower index first;
  *   - the experts against a plain double-precision reference (per token, per chosen expert,
  *     the three dot products), with skewed routing: every token to the same experts,
  *     experts with no token, top_k = n_experts, one token; per-expert and stacked weights,
@@ -70,8 +70,10 @@ static backend_buffer *to_dev(backend_stream *st, const void *v, size_t n, backe
     void *tmp = malloc(n * 4);
     assert_non_null(tmp);
     for (size_t i = 0; i < n; i++) {
-        if (dt == BACKEND_BF16) ((uint16_t *)tmp)[i] = f32_to_bf16(((const float *)v)[i]);
-        else ((uint32_t *)tmp)[i] = ((const uint32_t *)v)[i]; /* f32 or int32 bytes */
+        if (dt == BACKEND_BF16)
+            ((uint16_t *)tmp)[i] = f32_to_bf16(((const float *)v)[i]);
+        else
+            ((uint32_t *)tmp)[i] = ((const uint32_t *)v)[i]; /* f32 or int32 bytes */
     }
     assert_int_equal(backend_upload(st, backend_buffer_ptr(b), tmp, n * backend_dtype_size(dt)), 0);
     free(tmp);
@@ -108,7 +110,8 @@ static void check_route_case(backend_stream *st, json_t *c, size_t ci) {
     backend *be = backend_stream_backend(st);
     int E = (int)json_integer_value(json_object_get(c, "n_experts"));
     int k = (int)json_integer_value(json_object_get(c, "top_k"));
-    int norm = json_is_true(json_object_get(c, "norm")), ties = json_is_true(json_object_get(c, "ties"));
+    int norm = json_is_true(json_object_get(c, "norm")),
+        ties = json_is_true(json_object_get(c, "ties"));
     json_t *jl = json_object_get(c, "logits"), *ji = json_object_get(c, "ids"),
            *jw = json_object_get(c, "weights");
     int T = (int)json_array_size(jl);
@@ -296,7 +299,8 @@ static void run_moe_case(backend_stream *st, const moe_case *mc, backend_dtype w
                          .out_dt = act};
     int rc = backend_moe(st, &op);
     if (rc == -ENOTSUP && !stacked && backend_wants_cat(be)) {
-        fprintf(stderr, "  (%s: per-expert weights not supported, stacked only)\n", backend_name(be));
+        fprintf(stderr, "  (%s: per-expert weights not supported, stacked only)\n",
+                backend_name(be));
     } else {
         assert_int_equal(rc, 0);
         float *got = from_dev(st, DEV(bo), (size_t)T * H, act);
@@ -362,8 +366,10 @@ static void test_moe_batch_invariance(void **state) {
     (void)state;
     backend_stream *st = backend_stream_create(g_be[0]);
     const int H = 72, I = 40, E = 8, k = 2;
-    float *wg = rand_vec((size_t)E * I * H, BACKEND_BF16), *wu = rand_vec((size_t)E * I * H, BACKEND_BF16),
-          *wd = rand_vec((size_t)E * H * I, BACKEND_BF16), *x = rand_vec((size_t)23 * H, BACKEND_F32);
+    float *wg = rand_vec((size_t)E * I * H, BACKEND_BF16),
+          *wu = rand_vec((size_t)E * I * H, BACKEND_BF16),
+          *wd = rand_vec((size_t)E * H * I, BACKEND_BF16),
+          *x = rand_vec((size_t)23 * H, BACKEND_F32);
     const void *pg[8], *pu[8], *pd[8];
     uint16_t *wb = malloc((size_t)3 * E * I * H * 2);
     for (size_t i = 0; i < (size_t)E * I * H; i++) {
@@ -381,9 +387,20 @@ static void test_moe_batch_invariance(void **state) {
     for (int t = 0; t < 23; t++)
         ids[2 * t] = t % 3 ? 4 : 1, ids[2 * t + 1] = t % 5 == 1 ? 7 : 4 - (t % 3 == 0) * 2,
                 rw[2 * t] = 0.6f, rw[2 * t + 1] = 0.4f;
-    backend_moe_op op = {.x = x, .x_dt = BACKEND_F32, .T = 1, .hidden = H, .inter = I,
-                         .n_experts = E, .top_k = k, .ids = ids, .weights = rw, .w_gate = pg,
-                         .w_up = pu, .w_down = pd, .w_dt = BACKEND_BF16, .out = out1,
+    backend_moe_op op = {.x = x,
+                         .x_dt = BACKEND_F32,
+                         .T = 1,
+                         .hidden = H,
+                         .inter = I,
+                         .n_experts = E,
+                         .top_k = k,
+                         .ids = ids,
+                         .weights = rw,
+                         .w_gate = pg,
+                         .w_up = pu,
+                         .w_down = pd,
+                         .w_dt = BACKEND_BF16,
+                         .out = out1,
                          .out_dt = BACKEND_F32};
     assert_int_equal(backend_moe(st, &op), 0);
     op.T = 23, op.out = outn;
@@ -409,9 +426,20 @@ static void test_moe_bad_arguments(void **state) {
     assert_int_equal(backend_moe_route(st, ids, w, l, 1, BACKEND_MOE_MAX_EXPERTS + 1, 1, 1),
                      -EINVAL);
     assert_int_equal(backend_moe_route(st, ids, w, l, 0, 4, 1, 1), -EINVAL);
-    backend_moe_op op = {.x = x, .x_dt = BACKEND_F32, .T = 2, .hidden = 4, .inter = 4,
-                         .n_experts = 4, .top_k = 2, .ids = ids, .weights = w, .w_gate = pe,
-                         .w_up = pe, .w_down = pe, .w_dt = BACKEND_F32, .out = out,
+    backend_moe_op op = {.x = x,
+                         .x_dt = BACKEND_F32,
+                         .T = 2,
+                         .hidden = 4,
+                         .inter = 4,
+                         .n_experts = 4,
+                         .top_k = 2,
+                         .ids = ids,
+                         .weights = w,
+                         .w_gate = pe,
+                         .w_up = pe,
+                         .w_down = pe,
+                         .w_dt = BACKEND_F32,
+                         .out = out,
                          .out_dt = BACKEND_F32};
     assert_int_equal(backend_moe(st, &op), -EINVAL); /* ids[2] = 9 is not an expert */
     ids[2] = 3;
@@ -451,7 +479,8 @@ static void test_weights_load_cat_many_parts(void **state) {
         backend_stream *st = backend_stream_create(g_be[b]);
         float *got = from_dev(st, DEV(bb), (size_t)P * N, stored);
         for (int i = 0; i < P * N; i++)
-            if (got[i] != src[i]) fail_msg("load_cat of %d parts: element %d is %g, want %g", P, i, got[i], src[i]);
+            if (got[i] != src[i])
+                fail_msg("load_cat of %d parts: element %d is %g, want %g", P, i, got[i], src[i]);
         free(got), free(src);
         backend_stream_free(st);
         backend_buffer_free(bb);
@@ -473,8 +502,10 @@ int main(void) {
                 "*** test_backend_ops_moe checks the CPU backend (the generic MoE) only.\n\n",
                 err);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_route_against_torch), cmocka_unit_test(test_moe_skewed),
-        cmocka_unit_test(test_moe_batch_invariance), cmocka_unit_test(test_moe_bad_arguments),
+        cmocka_unit_test(test_route_against_torch),
+        cmocka_unit_test(test_moe_skewed),
+        cmocka_unit_test(test_moe_batch_invariance),
+        cmocka_unit_test(test_moe_bad_arguments),
         cmocka_unit_test(test_weights_load_cat_many_parts),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
