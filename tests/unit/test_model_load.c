@@ -300,6 +300,38 @@ static void test_moe_descriptions(void **st) {
     }
 }
 
+/* bench/shapes' MoE configs read as the real models' (what `bench model --load-format dummy`
+ * makes) */
+static void test_moe_bench_shapes(void **st) {
+    (void)st;
+    model_config c;
+    char dir[1200], err[1024];
+    snprintf(dir, sizeof dir, "%s/bench/shapes/qwen3-30b-a3b", DISAGG_SOURCE_DIR);
+    if (model_config_load(&c, dir, err, sizeof err)) fail_msg("%s", err);
+    assert_int_equal(c.n_layers, 48);
+    assert_int_equal(c.n_experts, 128);
+    assert_int_equal(c.n_experts_per_tok, 8);
+    assert_int_equal(c.moe_intermediate_size, 768);
+    assert_int_equal(c.hidden_size, 2048);
+    assert_int_equal(c.q_dim, 32 * 128);
+    assert_int_equal(c.n_kv_heads, 4);
+    assert_int_equal(c.vocab_size, 151936);
+    assert_int_equal(c.norm_topk_prob, 1);
+    for (int l = 0; l < 48; l++)
+        assert_true(model_layer_is_moe(&c, l));
+    snprintf(dir, sizeof dir, "%s/bench/shapes/mixtral-8x7b", DISAGG_SOURCE_DIR);
+    if (model_config_load(&c, dir, err, sizeof err)) fail_msg("%s", err);
+    assert_int_equal(c.n_layers, 32);
+    assert_int_equal(c.n_experts, 8);
+    assert_int_equal(c.n_experts_per_tok, 2);
+    assert_int_equal(c.moe_intermediate_size, 14336);
+    assert_int_equal(c.hidden_size, 4096);
+    assert_int_equal(c.head_dim, 128);
+    assert_int_equal(c.n_kv_heads, 8);
+    assert_int_equal(c.vocab_size, 32000);
+    assert_int_equal(c.sliding_window, 0);
+}
+
 /* A MoE checkpoint whose config.json disagrees with its tensors: the tensor and shapes named */
 static void test_moe_load_errors(void **st) {
     (void)st;
@@ -475,7 +507,7 @@ int main(void) {
         cmocka_unit_test(test_hf_cache),         cmocka_unit_test(test_sharded_matches_single),
         cmocka_unit_test(test_load_errors),      cmocka_unit_test(test_arch_descriptions),
         cmocka_unit_test(test_dummy_load),       cmocka_unit_test(test_moe_descriptions),
-        cmocka_unit_test(test_moe_load_errors),
+        cmocka_unit_test(test_moe_load_errors),  cmocka_unit_test(test_moe_bench_shapes),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
