@@ -109,16 +109,14 @@ static void route_row(int32_t *ids, float *w, const float *l, int E, int k, int 
     }
     for (int e = 0; e < E; e++)
         p[e] = p[e] / sum;
+    unsigned char taken[BACKEND_MOE_MAX_EXPERTS] = {0};
     for (int j = 0; j < k; j++) {
         int best = -1;
-        for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int i = 0; i < j && !taken; i++)
-                taken = ids[i] == e;
+        for (int e = 0; e < E; e++)
             /* strictly greater: the lower index wins ties; NaN never wins over a number */
-            if (!taken && (best < 0 || p[e] > p[best] || (isnan(p[best]) && !isnan(p[e]))))
+            if (!taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[best]) && !isnan(p[e]))))
                 best = e;
-        }
+        taken[best] = 1;
         ids[j] = best;
         w[j] = p[best];
     }
