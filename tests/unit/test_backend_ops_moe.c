@@ -348,7 +348,7 @@ static void test_moe_skewed(void **state) {
             set_generic(form == 1);
             backend_stream *st = backend_stream_create(g_be[b]);
             for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
-                for (int wdt = 0; wdt < 2; wdt++)
+                for (int wdt = backend_is_cpu(g_be[b]) ? 0 : 1; wdt < 2; wdt++) /* CUDA: bf16 */
                     for (int stacked = 0; stacked < 2; stacked++) {
                         g_rng = 0x2545f4914f6cdd1dull + c; /* the same inputs per case */
                         run_moe_case(st, &cases[c], wdt ? BACKEND_BF16 : BACKEND_F32, stacked,
