@@ -365,22 +365,29 @@ static void test_moe_load_errors(void **st) {
 }
 
 /* --load-format dummy: config.json alone; the same random weights every load */
-static void test_dummy_load(void **st) {
-    (void)st;
+static void dummy_case(const char *variant) {
     char d[1200], err[1024];
-    snprintf(d, sizeof d, "%s/dummy", g_tmp);
-    sh("rm -rf %s && mkdir -p %s && python3 %s/tools/gen_random_model.py --variant qwen3-tiny "
-       "--out "
-       "%s/full >/dev/null && cp %s/full/config.json %s/",
-       d, d, DISAGG_SOURCE_DIR, d, d, d);
+    snprintf(d, sizeof d, "%s/dummy-%s", g_tmp, variant);
+    sh("rm -rf %s && mkdir -p %s && python3 %s/tools/gen_random_model.py --variant %s "
+       "--out %s/full >/dev/null && cp %s/full/config.json %s/",
+       d, d, DISAGG_SOURCE_DIR, variant, d, d, d);
     decoder_model m, m2;
     expect_load_error(d, "no *.safetensors", NULL); /* without dummy: the weights are needed */
     assert_int_equal(decoder_load_ex(&m, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
     assert_int_equal(decoder_load_ex(&m2, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
     assert_int_equal(m.w.st.n_files, 0);
-    assert_non_null(m.w.layers[1].q_norm);
+    if (m.cfg.qk_norm) assert_non_null(m.w.layers[1].q_norm);
     assert_memory_equal(m.w.layers[1].wo.data, m2.w.layers[1].wo.data,
                         (size_t)m.cfg.hidden_size * m.cfg.q_dim * 2);
+    if (m.cfg.n_experts) { /* layer 0 is sparse in both MoE variants */
+        const layer_weights *L = &m.w.layers[0], *L2 = &m2.w.layers[0];
+        assert_non_null(L->router.data);
+        int last = m.cfg.n_experts - 1;
+        assert_memory_equal(L->ex_down[last], L2->ex_down[last],
+                            (size_t)m.cfg.hidden_size * m.cfg.moe_intermediate_size * 2);
+        assert_memory_not_equal(L->ex_down[last], L->ex_down[0],
+                                (size_t)m.cfg.hidden_size * m.cfg.moe_intermediate_size * 2);
+    }
     decoder_state *s = decoder_state_init(&m, 8, 1);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &m.cfg, 1, 16), 0);
@@ -399,6 +406,13 @@ static void test_dummy_load(void **st) {
     decoder_state_free(s);
     decoder_free(&m);
     decoder_free(&m2);
+}
+
+static void test_dummy_load(void **st) {
+    (void)st;
+    dummy_case("qwen3-tiny");
+    dummy_case("qwen3moe-tiny"); /* the experts made up per name, too */
+    dummy_case("mixtral-tiny");
 }
 
 static void test_hf_cache(void **st) {
