@@ -8,6 +8,7 @@
  */
 #include "bench/bench.h"
 #include "bench/model_bench_args.h"
+#include "bench/model_bench_moe.h"
 
 #include "base/clock.h"
 #include "base/flags.h"
@@ -327,14 +328,15 @@ int bench_model_main(int argc, char **argv) {
         return 1;
     }
     /* work accounting */
-    double h = c->hidden_size, kvd = (double)c->n_kv_heads * c->head_dim,
-           inter = c->intermediate_size;
-    double layer_params = h * h * 2 + h * kvd * 2 + 3 * h * inter;
-    double mm_flops_tok = 2.0 * (c->n_layers * layer_params); /* + lm_head on the last row only */
+    double h = c->hidden_size, all_params, active_layers; /* bench/model_bench_moe.h */
+    int tied = m.w.lm_head.data == m.w.embed.data;
+    mbm_params(c, tied, &all_params, &active_layers);
+    double mm_flops_tok = 2.0 * active_layers; /* + lm_head on the last row only */
     double prefill_flops =
         mm_flops_tok * prompt_len + 2.0 * h * c->vocab_size +
-        c->n_layers * 2.0 * 2.0 * h * (double)prompt_len * (prompt_len + 1) / 2.0;
-    double bytes_tok = (double)m.w.matrix_bytes;
+        c->n_layers * 2.0 * 2.0 * (double)c->q_dim * (double)prompt_len * (prompt_len + 1) / 2.0;
+    /* decode reads every matrix once per token; a mixture of experts its top_k experts */
+    double bytes_tok = (double)m.w.matrix_bytes * mbm_step_params(c, tied, 1) / all_params;
     double prefill_tps = prompt_len / prefill_s, decode_tps = gen_len / decode_s;
     double prefill_gflops = prefill_flops / prefill_s / 1e9;
     double decode_gbs = bytes_tok * decode_tps / 1e9, bound_tps = bw * 1e9 / bytes_tok;

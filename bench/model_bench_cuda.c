@@ -11,6 +11,7 @@
  */
 #include "bench/bench.h"
 #include "bench/model_bench_args.h"
+#include "bench/model_bench_moe.h"
 
 #include "base/clock.h"
 #include "kernels/backend.h"
@@ -66,6 +67,32 @@ static int decode_run(const decoder_model *m, decoder_state *s, const kv_store *
     }
     *sec = best;
     free(q), free(tok), free(next);
+    return rc;
+}
+
+/* One prefill of L tokens (one sequence, one forward), best of 3 after a warm-up; prints its
+ * row.  active_layers: the layers' matrix parameters one token multiplies with. */
+static int prefill_row(const decoder_model *m, decoder_state *s, const kv_store *kv, int L,
+                       double active_layers, int32_t *tables, int32_t *toks) {
+    const model_config *c = &m->cfg;
+    double h = c->hidden_size, best = 1e30;
+    int nb = (L + BS - 1) / BS, rc = 0;
+    for (int b = 0; b < nb; b++)
+        tables[b] = b;
+    for (int t = 0; t < L; t++)
+        toks[t] = (t * 7919 + 1) % (c->vocab_size < 100000 ? c->vocab_size : 100000);
+    for (int r = 0; r < 4 && !rc; r++) {
+        int32_t next;
+        decoder_seq q = {
+            .tokens = toks, .n_tokens = L, .block_table = tables, .n_blocks = nb, .argmax = &next};
+        double s0 = now_s();
+        rc = decoder_forward(m, s, kv, &q, 1);
+        double el = now_s() - s0;
+        if (r && el < best) best = el; /* first one warms up */
+    }
+    double flops = 2.0 * active_layers * L + 2.0 * h * c->vocab_size +
+                   c->n_layers * 2.0 * 2.0 * (double)c->q_dim * (double)L * (L + 1) / 2.0;
+    if (!rc) printf("%-28d %12.2f %14.0f %12.1f\n", L, best * 1e3, L / best, flops / best / 1e12);
     return rc;
 }
 
@@ -170,13 +197,12 @@ int bench_model_cuda_main(int argc, char **argv) {
     double copy = 0, gemm = 0, gemm_mlp = 0;
     backend_measure(be, &copy, &gemm, 8192, 8192, 8192);
     backend_measure(be, NULL, &gemm_mlp, 4096, 2 * c->intermediate_size, c->hidden_size);
-    double h = c->hidden_size, kvd = (double)c->n_kv_heads * c->head_dim,
-           inter = c->intermediate_size;
-    double layer_params = h * h * 2 + h * kvd * 2 + 3 * h * inter;
-    double wbytes =
-        2.0 * (c->n_layers * layer_params +
-               (double)c->vocab_size * h * (m.w.lm_head.data == m.w.embed.data ? 1 : 2));
-    double head_bytes = 2.0 * c->vocab_size * h;
+    double h = c->hidden_size, kvd = (double)c->n_kv_heads * c->head_dim;
+    int tied = m.w.lm_head.data == m.w.embed.data;
+    /* a mixture of experts: a token multiplies with its top_k (bench/model_bench_moe.h) */
+    double all_params, active_layers;
+    mbm_params(c, tied, &all_params, &active_layers);
+    double wbytes = 2.0 * all_params;
     double kv_tok = 2.0 * c->n_layers * kvd * (kv_dtype == DCU_BF16 ? 2 : 4);
     printf("GPU %s\n", backend_name(be));
     printf("model %s: %d layers, hidden %d, %d/%d heads, intermediate %d, vocab %d; %.2f GB of "
@@ -186,35 +212,21 @@ int bench_model_cuda_main(int argc, char **argv) {
     printf("ceilings (this run): HBM copy %.0f GB/s (cudaMemcpy D2D, read+write); cuBLASLt bf16 "
            "GEMM %.0f TFLOP/s at 8192^3, %.0f TFLOP/s at %dx%dx%d\n",
            copy, gemm, gemm_mlp, 4096, 2 * c->intermediate_size, c->hidden_size);
+    if (c->n_experts)
+        printf("mixture of experts: %d experts of width %d, top %d; %.2f GB active per token "
+               "(%s)\n",
+               c->n_experts, c->moe_intermediate_size, c->n_experts_per_tok,
+               2.0 * (active_layers + (double)c->vocab_size * h) / 1e9,
+               backend_moe_generic(be) ? "generic MoE: a plain loop over experts"
+                                       : "the backend's MoE kernels");
     printf("weights page cache -> HBM: %.2f s (%.1f GB/s)\n", upload_s, wbytes / upload_s / 1e9);
     printf(
         "the serving forward (model/decoder.c over kernels/backend.h, as disagg serve runs it)\n");
     int32_t *tables = calloc((size_t)n_blocks, 4), *toks = calloc((size_t)max_tokens, 4);
     if (!tables || !toks) rc = -ENOMEM;
     printf("\n%-28s %12s %14s %12s\n", "prefill (one sequence)", "ms", "tok/s", "TFLOP/s");
-    for (int i = 0; i < n_prompts && !rc; i++) {
-        int L = prompts[i], nb = (L + BS - 1) / BS;
-        for (int b = 0; b < nb; b++)
-            tables[b] = b;
-        for (int t = 0; t < L; t++)
-            toks[t] = (t * 7919 + 1) % (c->vocab_size < 100000 ? c->vocab_size : 100000);
-        double best = 1e30;
-        for (int r = 0; r < 4 && !rc; r++) {
-            int32_t next;
-            decoder_seq q = {.tokens = toks,
-                             .n_tokens = L,
-                             .block_table = tables,
-                             .n_blocks = nb,
-                             .argmax = &next};
-            double s0 = now_s();
-            rc = decoder_forward(&m, s, &kv, &q, 1);
-            double el = now_s() - s0;
-            if (r && el < best) best = el; /* first one warms up */
-        }
-        double flops = 2.0 * c->n_layers * layer_params * L + 2.0 * h * c->vocab_size +
-                       c->n_layers * 2.0 * 2.0 * h * (double)L * (L + 1) / 2.0;
-        printf("%-28d %12.2f %14.0f %12.1f\n", L, best * 1e3, L / best, flops / best / 1e12);
-    }
+    for (int i = 0; i < n_prompts && !rc; i++)
+        rc = prefill_row(&m, s, &kv, prompts[i], active_layers, tables, toks);
     int cases[MB_MAXLIST + 1][2], n_cases = 0;
     cases[n_cases][0] = 1, cases[n_cases++][1] = long_ctx;
     for (int i = 0; i < n_batches; i++)
@@ -231,14 +243,35 @@ int bench_model_cuda_main(int argc, char **argv) {
             if ((long)per * B > n_blocks) continue;
             double sec = 0;
             rc = decode_run(&m, s, &kv, B, C, steps, tables, per, &sec);
-            double bytes = wbytes - head_bytes + head_bytes + kv_tok * (C + steps / 2.0) * B;
+            double bytes = 2.0 * mbm_step_params(c, tied, B) + kv_tok * (C + steps / 2.0) * B;
             printf("%-10d %8d %12.3f %12.0f %14.0f %11.0f%%\n", B, C, sec * 1e3, B / sec,
                    bytes / sec / 1e9, 100.0 * bytes / sec / 1e9 / copy);
         }
     }
     printf("(best of 2 rounds of %d steps after 2 warm-ups; greedy argmax on the device, only the "
-           "ids downloaded)\n",
-           steps);
+           "ids downloaded%s)\n",
+           steps,
+           c->n_experts ? "; MoE bytes: the experts a batch reads under uniform routing" : "");
+    /* the first correct version in the same run: the generic MoE (a plain loop over experts,
+     * the routing read back to the host, eager) where the backend has its own kernels */
+    if (!rc && c->n_experts && !backend_moe_generic(be)) {
+        setenv("DISAGG_MOE_GENERIC", "1", 1);
+        decoder_state_set_graphs(s, 0);
+        printf("\nbaseline: DISAGG_MOE_GENERIC=1 (kernels/backend_moe.c: per expert, gather, "
+               "gate_up + down GEMMs, weighted scatter-add on the host; eager)\n");
+        printf("%-28s %12s %14s %12s\n", "prefill (one sequence)", "ms", "tok/s", "TFLOP/s");
+        for (int i = 0; i < n_prompts && !rc; i++)
+            rc = prefill_row(&m, s, &kv, prompts[i], active_layers, tables, toks);
+        printf("%-10s %8s %12s %12s\n", "decode", "context", "ms/step", "tok/s");
+        for (int i = 0; i < n_cases && !rc; i++) {
+            int B = cases[i][0], C = cases[i][1], per = (C + steps + 2 + BS - 1) / BS;
+            if (!(B == 1 || B == max_batch) || (long)per * B > n_blocks) continue;
+            double sec = 0;
+            rc = decode_run(&m, s, &kv, B, C, steps, tables, per, &sec);
+            printf("%-10d %8d %12.3f %12.0f\n", B, C, sec * 1e3, B / sec);
+        }
+        unsetenv("DISAGG_MOE_GENERIC");
+    }
     if (rc) fprintf(stderr, "disagg bench model: CUDA forward failed (%d)\n", rc);
     (void)json;
     free(tables), free(toks);

@@ -329,10 +329,36 @@ profile_steps() {
     check $? "profile $s"
   done
 }
+# ONLY=moe: the MoE ops (backend_moe_route, backend_moe: the backend's kernels and
+# the generic form, DISAGG_MOE_GENERIC=1) against the reference and torch's routing
+# (test_backend_ops_moe), the Qwen3-MoE / Mixtral tiny models vs the CPU (test_cuda_model), then
+# `bench model --load-format dummy` on the Qwen3-30B-A3B and Mixtral-8x7B shapes; each bench
+# run ends with the generic MoE baseline (plain loop over experts) in the same run.
+# MOE_BENCH_ARGS replaces the Qwen3-30B-A3B arguments (default: prefill of 4,096 tokens,
+# decode at batch 1 and 64, batch 1 at 4k context), MIXTRAL_BENCH_ARGS Mixtral's.
+moe_steps() {
+  step "moe: test_backend_ops_moe (routing vs torch, experts vs reference: CUDA, CUDA generic, CPU)"
+  "$BUILD/test_backend_ops_moe"
+  check $? "test_backend_ops_moe"
+  step "moe: test_cuda_model (Qwen3-MoE, Mixtral tiny models vs CPU; all models)"
+  "$BUILD/test_cuda_model"
+  check $? "test_cuda_model (moe)"
+  step "moe: bench model qwen3-30b-a3b --load-format dummy"
+  # shellcheck disable=SC2086
+  "$BIN" bench model "$SRC/bench/shapes/qwen3-30b-a3b" --device cuda --load-format dummy \
+    ${MOE_BENCH_ARGS:---prompt-lens 4096 --batches 1,64 --long-context 4096}
+  check $? "bench model qwen3-30b-a3b (dummy weights)"
+  step "moe: bench model mixtral-8x7b --load-format dummy"
+  # shellcheck disable=SC2086
+  "$BIN" bench model "$SRC/bench/shapes/mixtral-8x7b" --device cuda --load-format dummy \
+    ${MIXTRAL_BENCH_ARGS:---prompt-lens 4096 --batches 1,32 --long-context 4096}
+  check $? "bench model mixtral-8x7b (dummy weights)"
+}
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ]; then
+   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = moe ]; then
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = arch ] && arch_steps
+  [ "$ONLY" = moe ] && moe_steps
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps
   [ "$ONLY" = prefill ] && prefill_steps
@@ -350,6 +376,10 @@ tp_steps
 step "backend parity test (every kernels/backend.h op, CUDA vs reference)"
 "$BUILD/test_backend_ops"
 check $? test_backend_ops
+
+step "backend parity test (the MoE ops, CUDA and its generic form vs reference and torch)"
+"$BUILD/test_backend_ops_moe"
+check $? test_backend_ops_moe
 
 if [ -z "${QUICK:-}" ]; then
 step "GPU parity test with the small-batch GEMV off (DISAGG_CUDA_GEMV=0: cuBLASLt for 1 token too)"

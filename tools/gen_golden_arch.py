@@ -1,5 +1,6 @@
-"""gen_golden_arch: transformers reference logits for the random tiny Llama / Qwen3 / Mistral test
-models of tools/gen_random_model.py.  Writes each checkpoint with that script, loads it with
+"""gen_golden_arch: transformers reference logits for the random tiny Llama / Qwen3 / Mistral /
+Qwen3-MoE / Mixtral test models of tools/gen_random_model.py (the MoE ones with transformers'
+eager loop over experts, experts_implementation="eager").  Writes each checkpoint with that script, loads it with
 transformers' AutoModelForCausalLM.from_pretrained (so config.json is read as transformers reads
 it: rope_scaling, head_dim, sliding_window, tying) in float32 on the CPU with eager attention, and
 writes $OUT/golden-<variant>.json in tools/gen_golden_logits.py's format (per prompt and position
@@ -25,9 +26,15 @@ torch.set_num_threads(os.cpu_count() or 1)
 for name in sys.argv[1:] or sorted(G.VARIANTS):
     d = tempfile.mkdtemp()
     dig = G.write(name, d)
-    m = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    kw = {"experts_implementation": "eager"} if G.VARIANTS[name].get("experts") else {}
+    m = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager",
+                                             output_loading_info=True, **kw)
+    m, info = m
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     m.eval()
     assert type(m).__name__ == G.VARIANTS[name]["arch"], type(m)
+    if G.VARIANTS[name].get("experts"):
+        assert m.config._experts_implementation == "eager", m.config._experts_implementation
     cases = []
     for ids in prompts():
         with torch.no_grad():

@@ -308,7 +308,8 @@ backend_buffer *backend_weights_load(backend *be, const void *src, backend_dtype
 backend_buffer *backend_weights_load_cat(backend *be, const void *const *srcs,
                                          const backend_dtype *src_dts, const size_t *ns,
                                          int n_parts, backend_dtype *stored) {
-    int ok = be && srcs && src_dts && ns && n_parts >= 1 && n_parts <= 8 && stored;
+    int ok = be && srcs && src_dts && ns && n_parts >= 1 &&
+             n_parts <= BACKEND_WEIGHTS_CAT_MAX_PARTS && stored;
     for (int i = 0; ok && i < n_parts; i++)
         ok = srcs[i] && ns[i] > 0 && dt_ok(src_dts[i]);
     if (!ok) {
@@ -371,6 +372,7 @@ backend_stream *backend_stream_create_threads(backend *be, int n_threads) {
 void backend_stream_free(backend_stream *st) {
     if (!st) return;
     st->be->iface->stream_sync(st);
+    backend_moe_scratch_free(st);
     st->be->iface->stream_free(st);
     free(st);
 }

@@ -156,6 +156,8 @@ int backend_transfer_device_ops(const backend *be, int device, struct transfer_d
 
 /* ---- buffers ---------------------------------------------------------------------- */
 
+#define BACKEND_MOE_MAX_EXPERTS 512 /* experts of one MoE layer (backend_moe_route) */
+
 #define BACKEND_BUF_ZERO 0x1 /* contents start zeroed */
 /* The KV region: one large allocation registered for transfers (CPU: anonymous mapping,
  * reserved lazily, transparent huge pages; CUDA: one cudaMalloc).  Implies ZERO. */
@@ -169,10 +171,12 @@ backend_buffer *backend_buffer_alloc(backend *be, size_t bytes, int flags);
  * copies it to HBM as bf16 (f16/f32 converted).  NULL on failure (logged). */
 backend_buffer *backend_weights_load(backend *be, const void *src, backend_dtype src_dtype,
                                      size_t n, backend_dtype *stored);
-/* Several matrices of the same width as one buffer, rows of srcs[0] first (q|k|v, gate|up):
- * part i is ns[i] elements of src_dts[i] at host address srcs[i].  Stored as
- * backend_weights_load stores (one dtype for all parts, in *stored).  NULL on failure
- * (logged), or when the backend lacks it (backend_wants_cat() is 0). */
+/* Several matrices of the same width as one buffer, rows of srcs[0] first (q|k|v, gate|up,
+ * a layer's experts stacked): part i is ns[i] elements of src_dts[i] at host address srcs[i],
+ * 1 <= n_parts <= BACKEND_WEIGHTS_CAT_MAX_PARTS.  Stored as backend_weights_load stores (one
+ * dtype for all parts, in *stored).  NULL on failure (logged), or when the backend lacks it
+ * (backend_wants_cat() is 0). */
+#define BACKEND_WEIGHTS_CAT_MAX_PARTS (2 * BACKEND_MOE_MAX_EXPERTS)
 backend_buffer *backend_weights_load_cat(backend *be, const void *const *srcs,
                                          const backend_dtype *src_dts, const size_t *ns,
                                          int n_parts, backend_dtype *stored);
@@ -395,10 +399,12 @@ int backend_attention_to(backend_stream *st, void *out, backend_dtype out_dt, co
 /* ids (T, top_k) int32 and weights (T, top_k) f32, device memory, from logits (T, n_experts) f32
  * (the router's backend_matmul with y_dt F32): p = softmax(logits row) in f32 (max subtracted,
  * expf, summed in expert order, p_e = e_e / sum), the top_k largest p in descending order (ties:
- * the lower expert index first, as torch.topk), then with norm (Qwen3-MoE's norm_topk_prob;
- * Mixtral always) w_j = p_j / (p_0 + ... + p_{k-1}) summed in that order, else w_j = p_j.
+ * the lower expert index first -- NOT always torch.topk's order: on the CPU torch orders equal
+ * values its own way, e.g. top 2 of 8 equal logits is [6, 5] on torch 2.15, so on exact ties the
+ * choice can differ from transformers'; tests/data/model/golden-moe-route.json), then with
+ * norm (Qwen3-MoE's norm_topk_prob; Mixtral always) w_j = p_j / (p_0 + ... + p_{k-1}) summed
+ * in that order, else w_j = p_j.
  * 1 <= top_k <= n_experts <= BACKEND_MOE_MAX_EXPERTS. */
-#define BACKEND_MOE_MAX_EXPERTS 512
 int backend_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits,
                       int T, int n_experts, int top_k, int norm);
 
@@ -429,6 +435,12 @@ typedef struct backend_moe_op {
     backend_dtype out_dt;     /* dtype of out */
 } backend_moe_op;
 int backend_moe(backend_stream *st, const backend_moe_op *op);
+/* 1 when backend_moe_route / backend_moe run their generic forms on be: the backend has none
+ * of its own, or DISAGG_MOE_GENERIC=1 (the environment, read at each call) forces them (the
+ * benchmark's plain-loop baseline).  On a device backend the generic forms read the routing
+ * back to the host (synchronous copies), so a step using them cannot be recorded as a graph:
+ * the model runs such steps eagerly. */
+int backend_moe_generic(const backend *be);
 
 /* Ceilings of the device for benchmarks: copy bandwidth (GB/s, bytes read + written, a
  * large device-to-device copy) and the bf16 GEMM rate (TFLOP/s) at M x N x K through the

@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 5
+#define BACKEND_ABI_VERSION 6
 
 typedef struct backend_iface {
     /* device */
@@ -74,6 +74,11 @@ typedef struct backend_iface {
     int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
     int (*matmul_residual)(backend_stream *st, const backend_matmul_op *op, void *resid);
     int (*residual_fused)(backend_stream *st, int T); /* NULL: 0 */
+    /* mixture of experts, as backend.h (optional: NULL runs the generic form of
+     * kernels/backend_moe.c; DISAGG_MOE_GENERIC=1 runs it even where these are set) */
+    int (*moe_route)(backend_stream *st, int32_t *ids, float *weights, const float *logits, int T,
+                     int n_experts, int top_k, int norm);
+    int (*moe)(backend_stream *st, const backend_moe_op *op);
 } backend_iface;
 
 struct backend {
@@ -101,9 +106,13 @@ struct backend_buffer {
 };
 
 struct backend_stream {
-    backend *be; /* owner */
-    void *impl;  /* the implementation's per-stream state */
+    backend *be;                    /* owner */
+    void *impl;                     /* the implementation's per-stream state */
+    struct backend_moe_scratch *moe; /* the generic MoE's scratch (kernels/backend_moe.c) */
 };
+
+/* Frees st->moe (backend_stream_free calls it). */
+void backend_moe_scratch_free(backend_stream *st);
 
 /* The module entry point: opens device ordinal opts->device_ord.  Fills a malloc'ed
  * *out (iface, ctx, name, location, dtypes; module is set by the caller) or returns

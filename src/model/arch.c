@@ -7,11 +7,15 @@
  */
 #include "model/arch.h"
 
+#include "kernels/backend.h"
+
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+
+enum { MOE_NONE, MOE_QWEN3, MOE_MIXTRAL };
 
 typedef struct family {
     const char *arch;       /* architectures[0] */
@@ -22,17 +26,21 @@ typedef struct family {
     int window;             /* sliding_window honoured (Mistral) */
     int bias_key;           /* attention_bias / mlp_bias exist in the config (must be false) */
     int head_dim_default;   /* head_dim when config.json has none (0: hidden / heads) */
+    int moe;                /* MOE_NONE, MOE_QWEN3 or MOE_MIXTRAL: the sparse MLP's fields */
 } family;
 
 static const family families[] = {
-    {"Qwen2ForCausalLM", "qwen2", "qwen2", 1, 0, 0, 0, 0},
-    {"Qwen3ForCausalLM", "qwen3", "qwen3", 0, 1, 0, 1, 128},
-    {"LlamaForCausalLM", "llama", "llama", 0, 0, 0, 1, 0},
-    {"MistralForCausalLM", "mistral", "mistral", 0, 0, 1, 0, 0},
+    {"Qwen2ForCausalLM", "qwen2", "qwen2", 1, 0, 0, 0, 0, MOE_NONE},
+    {"Qwen3ForCausalLM", "qwen3", "qwen3", 0, 1, 0, 1, 128, MOE_NONE},
+    {"LlamaForCausalLM", "llama", "llama", 0, 0, 0, 1, 0, MOE_NONE},
+    {"MistralForCausalLM", "mistral", "mistral", 0, 0, 1, 0, 0, MOE_NONE},
+    {"Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", 0, 1, 0, 1, 0, MOE_QWEN3},
+    {"MixtralForCausalLM", "mixtral", "mixtral", 0, 0, 1, 0, 0, MOE_MIXTRAL},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 #define ACCEPTED_ARCHS                                                                             \
-    "Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM (Llama 3.x), MistralForCausalLM"
+    "Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM (Llama 3.x), MistralForCausalLM, "     \
+    "Qwen3MoeForCausalLM, MixtralForCausalLM"
 #define ACCEPTED_ROPE "default, linear, dynamic, yarn, llama3"
 
 static const family *find_family(const model_config *c, const char *mt) {
@@ -135,6 +143,76 @@ bad_factor:
     return -EINVAL;
 }
 
+/* an optional integer field: *out unchanged when absent or null; -EINVAL unless in [lo, hi] */
+static int opt_int(const json_t *o, const char *k, int lo, int hi, int *out, const char *where,
+                   char *err, size_t errlen) {
+    json_t *v = json_object_get(o, k);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
+        snprintf(err, errlen, "%s: \"%s\" must be an integer in [%d, %d]", where, k, lo, hi);
+        return -EINVAL;
+    }
+    *out = (int)json_integer_value(v);
+    return 0;
+}
+
+/* The sparse MLP's description, with transformers' defaults for absent fields
+ * (Qwen3MoeConfig: 128 experts, top 8, moe_intermediate_size 768, decoder_sparse_step 1,
+ * norm_topk_prob false, no mlp_only_layers; MixtralConfig: 8 experts, top 2, every layer
+ * sparse, always renormalised, the experts as wide as intermediate_size). */
+static int parse_moe(model_config *c, const family *f, const json_t *o, const char *where,
+                     char *err, size_t errlen) {
+    const int max_e = BACKEND_MOE_MAX_EXPERTS;
+    c->decoder_sparse_step = 1;
+    if (f->moe == MOE_MIXTRAL) {
+        c->n_experts = 8, c->n_experts_per_tok = 2, c->norm_topk_prob = 1;
+        c->moe_intermediate_size = c->intermediate_size;
+        if (opt_int(o, "num_local_experts", 1, max_e, &c->n_experts, where, err, errlen))
+            return -EINVAL;
+    } else {
+        c->n_experts = 128, c->n_experts_per_tok = 8, c->moe_intermediate_size = 768;
+        /* transformers 5 maps num_experts onto num_local_experts: either spelling */
+        const char *ne = json_object_get(o, "num_experts") ? "num_experts" : "num_local_experts";
+        if (opt_int(o, ne, 0, max_e, &c->n_experts, where, err, errlen) ||
+            opt_int(o, "moe_intermediate_size", 1, 1 << 30, &c->moe_intermediate_size, where, err,
+                    errlen) ||
+            opt_int(o, "decoder_sparse_step", 1, 1 << 30, &c->decoder_sparse_step, where, err,
+                    errlen))
+            return -EINVAL;
+        json_t *nt = json_object_get(o, "norm_topk_prob");
+        if (nt && !json_is_boolean(nt) && !json_is_null(nt)) {
+            snprintf(err, errlen, "%s: \"norm_topk_prob\" must be true or false", where);
+            return -EINVAL;
+        }
+        c->norm_topk_prob = json_is_true(nt);
+        json_t *mo = json_object_get(o, "mlp_only_layers"), *x;
+        size_t i;
+        if (mo && !json_is_null(mo) && !json_is_array(mo)) {
+            snprintf(err, errlen, "%s: \"mlp_only_layers\" must be a list of layer indices", where);
+            return -EINVAL;
+        }
+        json_array_foreach(mo, i, x) {
+            json_int_t l = json_is_integer(x) ? json_integer_value(x) : -1;
+            if (l < 0 || (l >= MODEL_MAX_MLP_ONLY && l < c->n_layers)) {
+                snprintf(err, errlen,
+                         "%s: mlp_only_layers[%zu] must be a layer index in [0, %d) (at most %d)",
+                         where, i, c->n_layers, MODEL_MAX_MLP_ONLY - 1);
+                return -EINVAL;
+            }
+            if (l < c->n_layers) c->mlp_only[l / 64] |= 1ull << (l % 64);
+        }
+    }
+    if (opt_int(o, "num_experts_per_tok", 1, max_e, &c->n_experts_per_tok, where, err, errlen))
+        return -EINVAL;
+    if (c->n_experts && c->n_experts_per_tok > c->n_experts) {
+        snprintf(err, errlen,
+                 "%s: num_experts_per_tok %d is more than the %d experts (accepted: 1 .. %d)",
+                 where, c->n_experts_per_tok, c->n_experts, c->n_experts);
+        return -EINVAL;
+    }
+    return 0;
+}
+
 int arch_check(const model_config *c, const char *mt, const char *where, char *err, size_t errlen) {
     if (find_family(c, mt)) return 0;
     snprintf(err, errlen, "%s: unsupported architecture '%s' (model_type '%s'); accepted: %s",
@@ -219,6 +297,7 @@ int arch_describe(model_config *c, const struct json_t *jo, const char *where, c
                  where, f->arch);
         return -EINVAL;
     }
+    if (f->moe && parse_moe(c, f, o, where, err, errlen)) return -EINVAL;
     return parse_rope(c, o, where, err, errlen);
 }
 

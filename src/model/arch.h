@@ -1,7 +1,8 @@
 /*
  * arch — what an architecture is, from config.json as transformers reads it: which
- * families disagg runs (Qwen2, Qwen3, Llama 3.x, Mistral), each one's description (biases,
- * q/k norms, head_dim, sliding window, RoPE variant, tying) in model_config, and the RoPE
+ * families disagg runs (Qwen2, Qwen3, Llama 3.x, Mistral, Qwen3-MoE, Mixtral), each one's
+ * description (biases, q/k norms, head_dim, sliding window, RoPE variant, tying, experts) in
+ * model_config, and the RoPE
  * frequency table of each variant computed as transformers' modeling_rope_utils.py does.
  * Everything a checkpoint asks for that the forward does not do is refused here, naming
  * the field and what is accepted (docs/models.md).
@@ -31,7 +32,7 @@ int arch_describe(model_config *c, const struct json_t *o, const char *where, ch
  * transformers multiplies cos and sin by (yarn's attention factor, else 1). */
 void arch_rope_table(const model_config *c, float *inv_freq, float *attn_factor);
 
-/* "qwen2", "qwen3", "llama", "mistral": the family's short name (the KV layout
+/* "qwen2", "qwen3", "llama", "mistral", "qwen3moe", "mixtral": the short name (KV layout
  * fingerprint's first field). */
 const char *arch_family(const model_config *c);
 

@@ -123,7 +123,7 @@ void kv_store_free(kv_store *kv) {
 
 /* ---- state ---------------------------------------------------------------- */
 
-enum { B_X, B_Y, B_XB, B_Q, B_K, B_V, B_ATT, B_HB, B_HB2, B_COUNT };
+enum { B_X, B_Y, B_XB, B_Q, B_K, B_V, B_ATT, B_HB, B_HB2, B_RL, B_IDS, B_RW, B_COUNT };
 
 struct decoder_state {
     int max_tokens;     /* capacity in tokens */
@@ -141,6 +141,9 @@ struct decoder_state {
     void *att;                  /* (T, q_dim) of mm: attention output */
     void *hb;                   /* (T, intermediate) of mm: silu(gate) * up */
     void *hb2;                  /* (T, intermediate) up (the generic gate_up; NULL when cat) */
+    void *rlog;                 /* (T, n_experts) f32 router logits (MoE models) */
+    void *ids;                  /* (T, top_k) int32 chosen experts */
+    void *rw;                   /* (T, top_k) f32 their weights */
     backend_buffer *logits_buf; /* (logits_cap, vocab) f32 lm_head output */
     backend_buffer *amax_buf;   /* (logits_cap) int32 greedy ids on the device */
     int logits_cap;             /* rows of logits_buf */
@@ -175,13 +178,19 @@ static decoder_state *state_new(const decoder_model *m, int max_tokens, backend_
     size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size, qd = (size_t)c->q_dim,
            kvd = (size_t)(c->n_kv_heads * c->head_dim), I = (size_t)c->intermediate_size,
            ea = backend_dtype_size(s->act), em = backend_dtype_size(s->mm);
-    int cat = m->w.layers && m->w.layers[0].w_gate_up.data != NULL;
-    size_t width[B_COUNT] = {h, h, h, qd, kvd, kvd, qd, I, cat ? 0 : I};
-    size_t es[B_COUNT] = {ea, ea, em, ea, ea, ea, em, em, em};
-    void **ptr[B_COUNT] = {&s->x, &s->y, &s->xb, &s->q, &s->k, &s->v, &s->att, &s->hb, &s->hb2};
+    int cat = backend_wants_cat(m->be), dense = 0;
+    for (int l = 0; l < c->n_layers && !dense; l++)
+        dense = !model_layer_is_moe(c, l);
+    size_t E = (size_t)c->n_experts, K = (size_t)(E ? c->n_experts_per_tok : 0);
+    /* hb, hb2: only dense MLPs use them (a sparse MLP's scratch is backend_moe's own) */
+    size_t width[B_COUNT] = {h, h, h, qd, kvd, kvd, qd, dense ? I : 0, cat || !dense ? 0 : I,
+                             E, K, K};
+    size_t es[B_COUNT] = {ea, ea, em, ea, ea, ea, em, em, em, 4, 4, 4};
+    void **ptr[B_COUNT] = {&s->x,   &s->y,   &s->xb,   &s->q,  &s->k,   &s->v,
+                           &s->att, &s->hb,  &s->hb2,  &s->rlog, &s->ids, &s->rw};
     int ok = 1;
     for (int i = 0; i < B_COUNT && ok; i++) {
-        if (!width[i]) continue; /* hb2: only the generic gate_up needs it */
+        if (!width[i]) continue; /* not needed by this model on this backend */
         s->buf[i] = backend_buffer_alloc(m->be, T * width[i] * es[i], 0);
         ok = s->buf[i] != NULL;
         if (ok) *ptr[i] = backend_buffer_ptr(s->buf[i]);
@@ -232,7 +241,10 @@ int decoder_state_max_tokens(const decoder_state *s) {
 int decoder_state_set_graphs(decoder_state *s, int max_batch) {
     backend_graph_reset(s->st);
     s->n_buckets = 0;
-    if (max_batch <= 0 || !backend_graph_supported(backend_stream_backend(s->st))) return 0;
+    backend *be = backend_stream_backend(s->st);
+    if (max_batch <= 0 || !backend_graph_supported(be)) return 0;
+    /* the generic MoE reads the routing back to the host: not recordable */
+    if (s->rlog && backend_moe_generic(be)) return 0;
     if (max_batch > s->max_tokens) max_batch = s->max_tokens;
     free(s->pad_meta);
     s->pad_meta = malloc(((size_t)max_batch * 9 + 4) * sizeof(int32_t));
@@ -347,6 +359,36 @@ static int plan_batch(decoder_state *s, const kv_store *kv, const decoder_seq *s
         if ((rc = (call)) != 0) return rc;                                                         \
     } while (0)
 
+/* A sparse MLP: y (T, hidden) = the weighted sum of the chosen experts of norm(x) (s->xb):
+ * router logits in f32, the routing as transformers computes it, then the experts. */
+static int moe_block(const decoder_model *m, decoder_state *s, const layer_weights *L, int T) {
+    const model_config *c = &m->cfg;
+    int rc, h = c->hidden_size, E = c->n_experts, k = c->n_experts_per_tok;
+    backend_stream *st = s->st;
+    backend_matmul_op r = {s->rlog, BACKEND_F32, s->xb, s->mm, L->router.data, L->router.dtype,
+                           NULL,    T,           E,     h};
+    TRY(backend_matmul(st, &r, 1));
+    TRY(backend_moe_route(st, s->ids, s->rw, s->rlog, T, E, k, c->norm_topk_prob));
+    backend_moe_op op = {.x = s->xb,
+                         .x_dt = s->mm,
+                         .T = T,
+                         .hidden = h,
+                         .inter = c->moe_intermediate_size,
+                         .n_experts = E,
+                         .top_k = k,
+                         .ids = s->ids,
+                         .weights = s->rw,
+                         .w_gate = L->ex_gate,
+                         .w_up = L->ex_up,
+                         .w_down = L->ex_down,
+                         .w_gate_up_all = L->ex_gate_up_all,
+                         .w_down_all = L->ex_down_all,
+                         .w_dt = L->expert_dt,
+                         .out = s->y,
+                         .out_dt = s->act};
+    return backend_moe(st, &op);
+}
+
 /* The planned batch's T tokens through every layer: s->x holds the residual stream after. */
 static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv *kvp, int T) {
     const model_config *c = &m->cfg;
@@ -400,9 +442,15 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
         backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, qd};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
-        /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))) */
+        /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))), or its
+         * mixture of experts */
         TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, fused ? NULL : s->y, a, L->mlp_norm, T, h,
                                 eps));
+        if (L->router.data) {
+            TRY(moe_block(m, s, L, T));
+            if (fused) TRY(backend_add(st, s->x, s->y, a, (size_t)T * h));
+            continue;
+        }
         backend_mlp_op mlp = {.x = s->xb,
                               .x_dt = mm,
                               .T = T,

@@ -1,11 +1,12 @@
 /*
- * decoder — the decoder-only transformer forward of every architecture model/arch.c
- * describes (Qwen2, Qwen3, Llama 3.x, Mistral: docs/models.md), on any compute backend
- * (kernels/backend.h): embeddings, per layer RMSNorm -> q/k/v (biases when the description
- * has them) -> [per-head RMSNorm of q and k] -> RoPE (rotate-half, the variant's frequency
- * table) -> GQA causal attention over the paged KV store [within the sliding window] ->
- * o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm and lm_head (tied
- * or not).  On the CPU backend: f32 compute from bf16/f16/f32 weights.
+ * decoder — the decoder-only transformer forward of every architecture model/arch.c describes
+ * (Qwen2, Qwen3, Llama 3.x, Mistral, Qwen3-MoE, Mixtral: docs/models.md), on any compute
+ * backend (kernels/backend.h): embeddings, per layer RMSNorm -> q/k/v (biases when the
+ * description has them) -> [per-head RMSNorm of q and k] -> RoPE (rotate-half, the variant's
+ * frequency table) -> GQA causal attention over the paged KV store [within the sliding window]
+ * -> o_proj -> residual -> RMSNorm -> SwiGLU MLP (Qwen3-MoE / Mixtral sparse layers: router ->
+ * backend_moe_route -> backend_moe over the chosen experts) -> residual, final RMSNorm and
+ * lm_head (tied or not).  On the CPU backend: f32 compute from bf16/f16/f32 weights.
  *
  * The KV cache is a kv_store: one backend buffer of blocks, block-major as DESIGN.md "The
  * KV region" says — block b holds, for block_size tokens, every layer's K and V:

@@ -132,6 +132,12 @@ out:
     return rc;
 }
 
+int model_layer_is_moe(const model_config *c, int l) {
+    if (c->n_experts <= 0 || l < 0 || c->decoder_sparse_step <= 0) return 0;
+    if (l < MODEL_MAX_MLP_ONLY && (c->mlp_only[l / 64] >> (l % 64) & 1)) return 0;
+    return (l + 1) % c->decoder_sparse_step == 0;
+}
+
 int model_config_load(model_config *c, const char *dir, char *err, size_t errlen) {
     char p[4096], g[4096];
     snprintf(p, sizeof p, "%s/config.json", dir);

@@ -8,8 +8,10 @@
 #define DISAGG_MODEL_CONFIG_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define MODEL_MAX_EOS 8
+#define MODEL_MAX_MLP_ONLY 1024 /* mlp_only_layers entries are layer indices below this */
 
 /* RoPE scaling as transformers reads rope_scaling / rope_parameters (model/arch.c) */
 typedef struct model_rope {
@@ -36,7 +38,14 @@ typedef struct model_config {
     int qk_norm;                /* per-head RMSNorm of q and k before RoPE (Qwen3) */
     int sliding_window;         /* attention sees the last sliding_window keys (Mistral); 0 all */
     model_rope rope;            /* RoPE variant (arch_rope_table computes its table) */
-    int intermediate_size;      /* MLP width */
+    int intermediate_size;      /* MLP width (a dense layer's) */
+    /* mixture of experts (Qwen3-MoE, Mixtral: model/arch.c); n_experts 0: every layer dense */
+    int n_experts;             /* num_experts / num_local_experts */
+    int n_experts_per_tok;     /* top_k of the router */
+    int norm_topk_prob;        /* renormalise the top_k weights (Qwen3-MoE's flag; Mixtral 1) */
+    int moe_intermediate_size; /* one expert's width (Mixtral: intermediate_size) */
+    int decoder_sparse_step;   /* layer l is sparse when (l + 1) % step == 0 ... */
+    uint64_t mlp_only[MODEL_MAX_MLP_ONLY / 64]; /* ... and its bit (mlp_only_layers) is clear */
     int max_position;           /* max_position_embeddings */
     float rms_norm_eps;         /* RMSNorm epsilon */
     float rope_theta;           /* RoPE base */
@@ -52,6 +61,10 @@ typedef struct model_config {
     int gen_top_k;                /* 0 (off) if absent */
     float gen_repetition_penalty; /* 1.0 if absent */
 } model_config;
+
+/* 1 when layer l's MLP is a mixture of experts (c->n_experts > 0, l not in mlp_only_layers,
+ * (l + 1) % decoder_sparse_step == 0: transformers' Qwen3MoeDecoderLayer rule). */
+int model_layer_is_moe(const model_config *c, int l);
 
 /* Reads dir/config.json and dir/generation_config.json (optional). */
 int model_config_load(model_config *c, const char *dir, char *err, size_t errlen);

@@ -1,12 +1,13 @@
 /*
  * weights — binds Hugging Face decoder tensor names (Qwen2/Qwen3/Llama/Mistral: the
- * same names, the description says which exist) to the forward's weight structs, in
- * buffers of the model's backend; or, with --load-format dummy, random weights of the
- * same shapes and no files.
+ * same names, the description says which exist; Qwen3-MoE / Mixtral add their routers and
+ * experts) to the forward's weight structs, in buffers of the model's backend; or, with
+ * --load-format dummy, random weights of the same shapes and no files.
  */
 #include "model/weights.h"
 
 #include "base/rng.h"
+#include "model/arch.h"
 
 #include <errno.h>
 #include <math.h>
@@ -258,6 +259,94 @@ static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **
     return rc;
 }
 
+/* A sparse MLP's experts (model/weights.h): per expert where the backend keeps matrices
+ * apart (the CPU: zero-copy views), else stacked -- gate_0, up_0, gate_1, up_1, .. as one
+ * buffer, down_0 .. down_{E-1} as another -- with the per-expert addresses pointing into them. */
+static int w_experts(model_weights *w, layer_weights *L, const model_config *c, int l, int cat,
+                     char *err, size_t errlen) {
+    int E = c->n_experts, I = c->moe_intermediate_size, h = c->hidden_size, rc = 0;
+    int mixtral = !strcmp(arch_family(c), "mixtral");
+    /* Mixtral: w1 = gate, w3 = up, w2 = down */
+    const char *pre = mixtral ? "block_sparse_moe" : "mlp";
+    const char *kind[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj",
+                           mixtral ? "w2" : "down_proj"};
+    char n[256];
+    snprintf(n, sizeof n, "model.layers.%d.%s.gate.weight", l, pre);
+    if ((rc = w_mat(w, &L->router, n, E, h, err, errlen))) return rc;
+    L->ex_gate = calloc((size_t)3 * E, sizeof *L->ex_gate);
+    if (!L->ex_gate) return -ENOMEM;
+    L->ex_up = L->ex_gate + E;
+    L->ex_down = L->ex_gate + 2 * E;
+    const void **dst[3] = {L->ex_gate, L->ex_up, L->ex_down};
+    if (!cat) {
+        for (int e = 0; e < E && !rc; e++)
+            for (int k = 0; k < 3 && !rc; k++) {
+                weight_mat m;
+                snprintf(n, sizeof n, "model.layers.%d.%s.experts.%d.%s.weight", l, pre, e,
+                         kind[k]);
+                rc = w_mat(w, &m, n, k == 2 ? h : I, k == 2 ? I : h, err, errlen);
+                if (rc) break;
+                if (e == 0 && k == 0) L->expert_dt = m.dtype;
+                if (m.dtype != L->expert_dt) {
+                    snprintf(err, errlen,
+                             "tensor '%s' is %s but expert 0's gate is %s: a layer's experts "
+                             "must share one dtype",
+                             n, backend_dtype_name(m.dtype), backend_dtype_name(L->expert_dt));
+                    rc = -EINVAL;
+                }
+                dst[k][e] = m.data;
+            }
+        return rc;
+    }
+    /* stacked: 2 E parts (gate and up interleaved), then E parts (down) */
+    const void **srcs = calloc((size_t)2 * E, sizeof *srcs);
+    backend_dtype *dts = calloc((size_t)2 * E, sizeof *dts);
+    size_t *ns = calloc((size_t)2 * E, sizeof *ns), bytes = 0;
+    if (!srcs || !dts || !ns) rc = -ENOMEM;
+    for (int pass = 0; pass < 2 && !rc; pass++) {
+        int parts = pass ? E : 2 * E;
+        for (int i = 0; i < parts && !rc; i++) {
+            int e = pass ? i : i / 2, k = pass ? 2 : i % 2;
+            w_src t;
+            snprintf(n, sizeof n, "model.layers.%d.%s.experts.%d.%s.weight", l, pre, e, kind[k]);
+            rc = w_get(w, &t, n, 2, k == 2 ? h : I, k == 2 ? I : h, 0, err, errlen);
+            srcs[i] = t.data, dts[i] = t.dt, ns[i] = (size_t)I * h;
+            bytes += rc ? 0 : t.nbytes;
+        }
+        backend_dtype stored = BACKEND_BF16;
+        backend_buffer *b =
+            rc ? NULL : backend_weights_load_cat(w->be, srcs, dts, ns, parts, &stored);
+        w_release(w);
+        if (!rc && (!b || w_keep(w, b))) {
+            backend_buffer_free(b);
+            snprintf(err, errlen, "cannot place layer %d's experts (%zu bytes) on %s", l, bytes,
+                     backend_name(w->be));
+            rc = -ENOMEM;
+        }
+        if (rc) break;
+        size_t m = (size_t)I * h * backend_dtype_size(stored);
+        const char *base = backend_buffer_ptr(b);
+        L->expert_dt = stored;
+        for (int e = 0; e < E; e++) {
+            if (pass) {
+                L->ex_down[e] = base + m * e;
+            } else {
+                L->ex_gate[e] = base + 2 * m * e;
+                L->ex_up[e] = base + 2 * m * e + m;
+            }
+        }
+        if (pass)
+            L->ex_down_all = base;
+        else
+            L->ex_gate_up_all = base;
+    }
+    w->matrix_bytes += bytes;
+    free(srcs);
+    free(dts);
+    free(ns);
+    return rc;
+}
+
 int weights_load(model_weights *w, const model_config *c, const char *dir, char *err,
                  size_t errlen) {
     return weights_load_on(w, backend_cpu_default(), c, dir, err, errlen);
@@ -342,6 +431,10 @@ int weights_load_ex(model_weights *w, backend *be, const model_config *c, const 
         }
         MAT(wo, "self_attn.o_proj.weight", h, qd);
         VEC(mlp_norm, "post_attention_layernorm.weight", h, 1.0f);
+        if (model_layer_is_moe(c, l)) {
+            if (!rc) rc = w_experts(w, L, c, l, cat, err, errlen);
+            continue;
+        }
         if (cat) {
             char ng[256], nu[256];
             snprintf(ng, sizeof ng, "model.layers.%d.mlp.gate_proj.weight", l);
@@ -400,6 +493,8 @@ void weights_free(model_weights *w) {
         free(w->dummy[i]);
     free(w->dummy);
     st_set_free(&w->st);
+    for (int l = 0; w->layers && l < w->n_layers; l++)
+        free(w->layers[l].ex_gate);
     free(w->layers);
     memset(w, 0, sizeof *w);
 }

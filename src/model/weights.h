@@ -7,7 +7,9 @@
  * backend's (host pointers on the CPU).  Loading checks every tensor exists with the shape
  * the config implies and a supported dtype; errors name the file and tensor.  On a backend
  * that computes q|k|v and gate|up as one GEMM each (backend_wants_cat) those matrices are
- * loaded concatenated, once (the separate weight_mats are views into them).
+ * loaded concatenated, once (the separate weight_mats are views into them).  A sparse MLP's
+ * experts come per expert as the Hub ships them (Qwen3-MoE: mlp.gate / mlp.experts.E.
+ * {gate,up,down}_proj; Mixtral: block_sparse_moe.gate / block_sparse_moe.experts.E.{w1,w3,w2}).
  */
 #ifndef DISAGG_MODEL_WEIGHTS_H
 #define DISAGG_MODEL_WEIGHTS_H
@@ -36,6 +38,16 @@ typedef struct layer_weights {
     weight_mat wqkv;      /* (q_dim + 2 kv_dim, hidden) */
     weight_mat w_gate_up; /* (2 intermediate, hidden) */
     float *bqkv;          /* (q_dim + 2 kv_dim), NULL without qkv_bias */
+    /* a sparse MLP (model_layer_is_moe; else router.data NULL and no expert): the router and
+     * n_experts SwiGLU experts of moe_intermediate_size.  Per expert (host arrays of device
+     * addresses, e.g. the CPU's zero-copy views of the safetensors), and on a backend that
+     * wants matrices concatenated also stacked as one buffer each (the per-expert addresses
+     * then point into it): gate_up_all (n_experts, 2 inter, hidden) = gate_0, up_0, gate_1,
+     * up_1, ...; down_all (n_experts, hidden, inter).  Every expert matrix has expert_dt. */
+    weight_mat router;                 /* (n_experts, hidden) */
+    const void **ex_gate, **ex_up, **ex_down; /* (n_experts) each, one allocation */
+    backend_dtype expert_dt;           /* dtype of every expert matrix (as stored) */
+    const void *ex_gate_up_all, *ex_down_all; /* stacked, or NULL */
 } layer_weights;
 
 typedef struct model_weights {

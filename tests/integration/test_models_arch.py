@@ -6,7 +6,9 @@ tools/gen_random_model.py, against the logits transformers computed for them
 prompt logprobs through the server equal transformers' on the CPU; P/D (a kv_producer and a
 kv_consumer moving the KV) equals colocated for each, including prompts sharing a prefix
 (the prefix cache) and prompts longer than Mistral's window; a P/D pair of two models, or of
-two windows, is refused with the layout named; --load-format dummy serves config.json alone."""
+two windows, is refused with the layout named; --load-format dummy serves config.json alone.
+The mixtures of experts (Qwen3-MoE with a dense layer among sparse ones, Mixtral with its
+sliding window) go through the same checks."""
 import json
 import shutil
 import subprocess
@@ -20,7 +22,7 @@ from server_harness import DATA, ROOT, Server, free_port
 from test_pd import PD, TIMEOUT, assert_kv_pulled, consumer_config, producer_config
 from test_server_logprobs import check_against_logits
 
-VARIANTS = ["llama-tiny", "qwen3-tiny", "mistral-tiny"]
+VARIANTS = ["llama-tiny", "qwen3-tiny", "mistral-tiny", "qwen3moe-tiny", "mixtral-tiny"]
 GOLDEN = {v: json.loads((DATA / "model" / f"golden-{v}.json").read_text()) for v in VARIANTS}
 COMMON = ("--max-model-len", "512", "--kv-cache-memory", "64M", "--block-size", "16")
 

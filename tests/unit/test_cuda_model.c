@@ -192,6 +192,31 @@ static void test_model_arch(void **st) {
     }
 }
 
+/* The mixtures of experts (Qwen3-MoE with a dense layer, Mixtral with its window) on the
+ * GPU's MoE kernels -- and on the generic form (DISAGG_MOE_GENERIC=1) -- against the CPU
+ * forward.  A little more room than the dense models: bf16 router logits may pick the other
+ * of two near-tied experts for a token. */
+static void test_model_moe(void **st) {
+    NEED_GPU();
+    const char *names[] = {"qwen3moe-tiny", "mixtral-tiny"};
+    for (int i = 0; i < 2; i++) {
+        char dir[1024];
+        json_t *g = fixture_model(names[i], dir, sizeof dir);
+        assert_non_null(g);
+        int32_t ids[300];
+        for (int k = 0; k < 300; k++)
+            ids[k] = (int32_t)((k * 7919 + 29 * i) % 150000);
+        for (int generic = 0; generic < 2; generic++) {
+            if (generic) setenv("DISAGG_MOE_GENERIC", "1", 1);
+            fprintf(stderr, "  %s, %s MoE\n", names[i], generic ? "generic" : "the backend's");
+            compare_model(dir, ids, 300, DCU_BF16, 0.05);
+            unsetenv("DISAGG_MOE_GENERIC");
+        }
+        compare_model(dir, ids, 300, DCU_F32, 0.05);
+        json_decref(g);
+    }
+}
+
 static void test_model_default(void **st) {
     NEED_GPU();
     char dir[1024];
@@ -555,7 +580,7 @@ static void test_graph_api_cpu(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_model_tiny_random), cmocka_unit_test(test_model_default),
-        cmocka_unit_test(test_model_arch),
+        cmocka_unit_test(test_model_arch), cmocka_unit_test(test_model_moe),
         cmocka_unit_test(test_greedy_golden),     cmocka_unit_test(test_serving_graphs),
         cmocka_unit_test(test_graph_api_cpu),     cmocka_unit_test(test_hf_gpu_reference),
     };

@@ -2,7 +2,8 @@
  * test_model_batch — batch-invariant numerics of the Qwen2 forward: a sequence's logits
  * are byte-identical whether its positions run in one prefill, in chunks, one token at a
  * time, batched beside other sequences (with their own scattered blocks), on 1 or all
- * threads, and on the AVX2 or the scalar kernels.
+ * threads, and on the AVX2 or the scalar kernels.  Once for the Qwen2 tiny model, once for the
+ * Qwen3-MoE one (routing and expert sums included).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -25,10 +26,12 @@ static decoder_model g_m;
 static int V;
 static int32_t A[N], B[NB];
 
+static const char *g_name = "tiny-bf16"; /* the model of the group being run */
+
 static int setup(void **st) {
     (void)st;
     char dir[1024], err[1024];
-    json_t *g = fixture_model("tiny-bf16", dir, sizeof dir);
+    json_t *g = fixture_model(g_name, dir, sizeof dir);
     if (!g) return -1;
     json_decref(g);
     if (decoder_load(&g_m, dir, 0, err, sizeof err)) {
@@ -217,6 +220,10 @@ int main(void) {
         cmocka_unit_test(test_threads),           cmocka_unit_test(test_scalar_equals_avx2),
         cmocka_unit_test(test_bad_inputs),
     };
-    int failed = cmocka_run_group_tests(tests, setup, teardown);
+    int failed = cmocka_run_group_tests_name("qwen2 tiny-bf16", tests, setup, teardown);
+    /* the same with a mixture of experts: the router's choices and the experts' sums are
+     * part of the invariance (a dense layer between two sparse ones) */
+    g_name = "qwen3moe-tiny";
+    failed += cmocka_run_group_tests_name("qwen3moe-tiny", tests, setup, teardown);
     return failed == 0 && g_skipped ? 77 : failed; /* 77: ctest reports Skipped */
 }

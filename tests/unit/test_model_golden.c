@@ -3,7 +3,8 @@
  * attention) logits for the random tiny models (tests/data/model/golden-*.json, made by
  * tools/gen_golden_logits.py for Qwen2 and tools/gen_golden_arch.py for Llama 3 (llama3
  * rope, tied), Qwen3 (q/k norm, head_dim 32 != 64/4, yarn rope, tied) and Mistral (sliding
- * window 8 < the prompts, head_dim 24, linear rope)): relative error <= 1e-4 (f32 weights) /
+ * window 8 < the prompts, head_dim 24, linear rope), Qwen3-MoE and Mixtral (mixtures of
+ * experts, transformers' eager loop over experts)): relative error <= 1e-4 (f32 weights) /
  * 1e-2 (bf16 weights) on the reference's top-16 and 32 fixed vocabulary ids at every stored
  * position, and the 16-token greedy continuation agrees.  The RoPE tables equal
  * transformers' inv_freq and attention scaling.
@@ -168,6 +169,18 @@ static void test_golden_mistral_window(void **st) {
     check_arch("mistral-tiny");
 }
 
+/* mixtures of experts: Qwen3-MoE (a dense layer among sparse ones, norm_topk_prob, q/k
+ * norm, head_dim from hidden / heads) and Mixtral (top 2 of 4, sliding window 8) */
+static void test_golden_qwen3moe(void **st) {
+    (void)st;
+    check_arch("qwen3moe-tiny");
+}
+
+static void test_golden_mixtral(void **st) {
+    (void)st;
+    check_arch("mixtral-tiny");
+}
+
 static void test_golden_f32_scalar(void **st) {
     (void)st;
     with_isa(CPU_ISA_SCALAR, "tiny-f32", 1e-4);
@@ -194,6 +207,7 @@ int main(void) {
         cmocka_unit_test(test_golden_f32_avx2),   cmocka_unit_test(test_golden_bf16),
         cmocka_unit_test(test_golden_f32_scalar), cmocka_unit_test(test_golden_llama3),
         cmocka_unit_test(test_golden_qwen3),      cmocka_unit_test(test_golden_mistral_window),
+        cmocka_unit_test(test_golden_qwen3moe),   cmocka_unit_test(test_golden_mixtral),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
     return failed == 0 && g_skipped ? 77 : failed; /* 77: ctest reports Skipped */

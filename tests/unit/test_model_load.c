@@ -232,23 +232,162 @@ static void test_arch_descriptions(void **st) {
     }
 }
 
-/* --load-format dummy: config.json alone; the same random weights every load */
-static void test_dummy_load(void **st) {
+/* The mixtures of experts: transformers' defaults, the sparse/dense layer rule, refusals */
+static void test_moe_descriptions(void **st) {
     (void)st;
+    model_config c;
+    char err[1024];
+    assert_int_equal(parse_arch(&c, "Qwen3MoeForCausalLM", "qwen3_moe", "", err, sizeof err), 0);
+    assert_int_equal(c.n_experts, 128); /* Qwen3MoeConfig's defaults */
+    assert_int_equal(c.n_experts_per_tok, 8);
+    assert_int_equal(c.moe_intermediate_size, 768);
+    assert_int_equal(c.norm_topk_prob, 0);
+    assert_int_equal(c.qk_norm, 1);
+    assert_int_equal(c.head_dim, 16); /* hidden / heads: not Qwen3's 128 */
+    assert_true(model_layer_is_moe(&c, 0) && model_layer_is_moe(&c, 1));
+    assert_int_equal(parse_arch(&c, "Qwen3MoeForCausalLM", "qwen3_moe",
+                                "\"num_local_experts\":16,\"num_experts_per_tok\":4,"
+                                "\"norm_topk_prob\":true,\"decoder_sparse_step\":2,"
+                                "\"mlp_only_layers\":[1,7]",
+                                err, sizeof err),
+                     0);
+    assert_int_equal(c.n_experts, 16);
+    assert_int_equal(c.n_experts_per_tok, 4);
+    assert_int_equal(c.norm_topk_prob, 1);
+    /* (l + 1) % 2 == 0 and not in mlp_only_layers: layer 1 is listed, so none of the 2 */
+    assert_false(model_layer_is_moe(&c, 0));
+    assert_false(model_layer_is_moe(&c, 1));
+    assert_int_equal(parse_arch(&c, "Qwen3MoeForCausalLM", "qwen3_moe",
+                                "\"num_experts\":0", err, sizeof err),
+                     0);
+    assert_false(model_layer_is_moe(&c, 0)); /* no experts: every layer dense */
+    assert_int_equal(parse_arch(&c, "MixtralForCausalLM", "mixtral", "", err, sizeof err), 0);
+    assert_int_equal(c.n_experts, 8);
+    assert_int_equal(c.n_experts_per_tok, 2);
+    assert_int_equal(c.norm_topk_prob, 1);
+    assert_int_equal(c.moe_intermediate_size, 160);
+    assert_true(model_layer_is_moe(&c, 0) && model_layer_is_moe(&c, 1));
+    assert_int_equal(parse_arch(&c, "MixtralForCausalLM", "mixtral", "\"sliding_window\":512",
+                                err, sizeof err),
+                     0);
+    assert_int_equal(c.sliding_window, 512);
+    static const struct {
+        const char *arch, *mt, *extra, *needle1, *needle2;
+    } bad[] = {
+        {"MixtralForCausalLM", "mixtral", "\"num_experts_per_tok\":9", "num_experts_per_tok 9",
+         "1 .. 8"},
+        {"MixtralForCausalLM", "mixtral", "\"num_local_experts\":0", "num_local_experts",
+         "[1, 512]"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"num_experts\":513", "num_experts", "[0, 512]"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"decoder_sparse_step\":0", "decoder_sparse_step",
+         "[1, "},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"mlp_only_layers\":[-1]", "mlp_only_layers[0]",
+         "[0, 2)"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"mlp_only_layers\":\"all\"", "mlp_only_layers",
+         "list of layer indices"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"norm_topk_prob\":\"yes\"", "norm_topk_prob",
+         "true or false"},
+        {"Qwen3MoeForCausalLM", "qwen3_moe", "\"use_sliding_window\":true", "use_sliding_window",
+         "MistralForCausalLM"},
+        {"Qwen2MoeForCausalLM", "qwen2_moe", "", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        err[0] = 0;
+        int rc = parse_arch(&c, bad[i].arch, bad[i].mt, bad[i].extra, err, sizeof err);
+        if (rc != -EINVAL || !strstr(err, bad[i].needle1) || !strstr(err, bad[i].needle2))
+            fail_msg("case %zu (%s %s): rc %d, error '%s' (want '%s' and '%s')", i, bad[i].arch,
+                     bad[i].extra, rc, err, bad[i].needle1, bad[i].needle2);
+    }
+}
+
+/* bench/shapes' MoE configs read as the real models' (what `bench model --load-format dummy`
+ * makes) */
+static void test_moe_bench_shapes(void **st) {
+    (void)st;
+    model_config c;
+    char dir[1200], err[1024];
+    snprintf(dir, sizeof dir, "%s/bench/shapes/qwen3-30b-a3b", DISAGG_SOURCE_DIR);
+    if (model_config_load(&c, dir, err, sizeof err)) fail_msg("%s", err);
+    assert_int_equal(c.n_layers, 48);
+    assert_int_equal(c.n_experts, 128);
+    assert_int_equal(c.n_experts_per_tok, 8);
+    assert_int_equal(c.moe_intermediate_size, 768);
+    assert_int_equal(c.hidden_size, 2048);
+    assert_int_equal(c.q_dim, 32 * 128);
+    assert_int_equal(c.n_kv_heads, 4);
+    assert_int_equal(c.vocab_size, 151936);
+    assert_int_equal(c.norm_topk_prob, 1);
+    for (int l = 0; l < 48; l++)
+        assert_true(model_layer_is_moe(&c, l));
+    snprintf(dir, sizeof dir, "%s/bench/shapes/mixtral-8x7b", DISAGG_SOURCE_DIR);
+    if (model_config_load(&c, dir, err, sizeof err)) fail_msg("%s", err);
+    assert_int_equal(c.n_layers, 32);
+    assert_int_equal(c.n_experts, 8);
+    assert_int_equal(c.n_experts_per_tok, 2);
+    assert_int_equal(c.moe_intermediate_size, 14336);
+    assert_int_equal(c.hidden_size, 4096);
+    assert_int_equal(c.head_dim, 128);
+    assert_int_equal(c.n_kv_heads, 8);
+    assert_int_equal(c.vocab_size, 32000);
+    assert_int_equal(c.sliding_window, 0);
+}
+
+/* A MoE checkpoint whose config.json disagrees with its tensors: the tensor and shapes named */
+static void test_moe_load_errors(void **st) {
+    (void)st;
+    char src[1024], d[1200];
+    json_t *g = fixture_model("qwen3moe-tiny", src, sizeof src);
+    assert_non_null(g);
+    json_decref(g);
+    snprintf(d, sizeof d, "%s/moebad", g_tmp);
+    const char *edit = "python3 -c \"import json,sys; p=sys.argv[1]+'/config.json'; "
+                       "c=json.load(open(p)); c.update(json.loads(sys.argv[2])); "
+                       "json.dump(c,open(p,'w'))\" %s '%s'";
+    char cmd[2048];
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"num_experts\": 9}");
+    sh("%s", cmd);
+    expect_load_error(d, "model.layers.0.mlp.gate.weight", "shape [8, 64]", "[9, 64]", NULL);
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"moe_intermediate_size\": 16}");
+    sh("%s", cmd);
+    expect_load_error(d, "model.layers.0.mlp.experts.0.gate_proj.weight", "[16, 64]", NULL);
+    /* layer 1 is dense in the checkpoint: made sparse, its router is missing */
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"mlp_only_layers\": []}");
+    sh("%s", cmd);
+    expect_load_error(d, "missing tensor 'model.layers.1.mlp.gate.weight'", NULL);
+    /* and the other way round: a sparse layer made dense leaves its experts without a place */
+    sh("rm -rf %s && cp -r %s %s", d, src, d);
+    snprintf(cmd, sizeof cmd, edit, d, "{\"mlp_only_layers\": [1, 2], \"intermediate_size\": 160}");
+    sh("%s", cmd);
+    expect_load_error(d, "model.layers.2.mlp.gate_proj.weight", "missing", NULL);
+}
+
+/* --load-format dummy: config.json alone; the same random weights every load */
+static void dummy_case(const char *variant) {
     char d[1200], err[1024];
-    snprintf(d, sizeof d, "%s/dummy", g_tmp);
-    sh("rm -rf %s && mkdir -p %s && python3 %s/tools/gen_random_model.py --variant qwen3-tiny "
-       "--out "
-       "%s/full >/dev/null && cp %s/full/config.json %s/",
-       d, d, DISAGG_SOURCE_DIR, d, d, d);
+    snprintf(d, sizeof d, "%s/dummy-%s", g_tmp, variant);
+    sh("rm -rf %s && mkdir -p %s && python3 %s/tools/gen_random_model.py --variant %s "
+       "--out %s/full >/dev/null && cp %s/full/config.json %s/",
+       d, d, DISAGG_SOURCE_DIR, variant, d, d, d);
     decoder_model m, m2;
     expect_load_error(d, "no *.safetensors", NULL); /* without dummy: the weights are needed */
     assert_int_equal(decoder_load_ex(&m, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
     assert_int_equal(decoder_load_ex(&m2, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
     assert_int_equal(m.w.st.n_files, 0);
-    assert_non_null(m.w.layers[1].q_norm);
+    if (m.cfg.qk_norm) assert_non_null(m.w.layers[1].q_norm);
     assert_memory_equal(m.w.layers[1].wo.data, m2.w.layers[1].wo.data,
                         (size_t)m.cfg.hidden_size * m.cfg.q_dim * 2);
+    if (m.cfg.n_experts) { /* layer 0 is sparse in both MoE variants */
+        const layer_weights *L = &m.w.layers[0], *L2 = &m2.w.layers[0];
+        assert_non_null(L->router.data);
+        int last = m.cfg.n_experts - 1;
+        assert_memory_equal(L->ex_down[last], L2->ex_down[last],
+                            (size_t)m.cfg.hidden_size * m.cfg.moe_intermediate_size * 2);
+        assert_memory_not_equal(L->ex_down[last], L->ex_down[0],
+                                (size_t)m.cfg.hidden_size * m.cfg.moe_intermediate_size * 2);
+    }
     decoder_state *s = decoder_state_init(&m, 8, 1);
     kv_store kv;
     assert_int_equal(kv_store_init(&kv, &m.cfg, 1, 16), 0);
@@ -267,6 +406,13 @@ static void test_dummy_load(void **st) {
     decoder_state_free(s);
     decoder_free(&m);
     decoder_free(&m2);
+}
+
+static void test_dummy_load(void **st) {
+    (void)st;
+    dummy_case("qwen3-tiny");
+    dummy_case("qwen3moe-tiny"); /* the experts made up per name, too */
+    dummy_case("mixtral-tiny");
 }
 
 static void test_hf_cache(void **st) {
@@ -374,7 +520,8 @@ int main(void) {
         cmocka_unit_test(test_config_spellings), cmocka_unit_test(test_config_errors),
         cmocka_unit_test(test_hf_cache),         cmocka_unit_test(test_sharded_matches_single),
         cmocka_unit_test(test_load_errors),      cmocka_unit_test(test_arch_descriptions),
-        cmocka_unit_test(test_dummy_load),
+        cmocka_unit_test(test_dummy_load),       cmocka_unit_test(test_moe_descriptions),
+        cmocka_unit_test(test_moe_load_errors),  cmocka_unit_test(test_moe_bench_shapes),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
