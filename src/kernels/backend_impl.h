@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 5
+#define BACKEND_ABI_VERSION 6
 
 typedef struct backend_iface {
     /* device */
@@ -74,6 +74,10 @@ typedef struct backend_iface {
     int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
     int (*matmul_residual)(backend_stream *st, const backend_matmul_op *op, void *resid);
     int (*residual_fused)(backend_stream *st, int T); /* NULL: 0 */
+    /* mixture of experts (NULL: the generic form in backend.c) */
+    int (*moe_route)(backend_stream *st, int32_t *ids, float *weights, const float *logits, int T,
+                     int n_experts, int top_k, int norm);
+    int (*moe)(backend_stream *st, const backend_moe_op *op);
 } backend_iface;
 
 struct backend {
