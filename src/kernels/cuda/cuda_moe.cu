@@ -183,14 +183,17 @@ __global__ void __launch_bounds__(256)
 #define DEC_U 8  /* uint4 loads of a row in flight a lane */
 #define DEC_TT 4 /* tokens a pass */
 
-/* the CTA's expert (or -1) and its pairs into pairs[]; returns the number of pairs */
-__device__ int moe_dec_plan(const int32_t *__restrict__ ids, int P, int E, int slot, int *pairs,
-                            unsigned *bits, int *sh_e, int *sh_n) {
+/* the CTA's expert (or -1) and its pairs into pairs[]; returns the number of pairs.  The ids
+ * are read once, in parallel, into sids (P <= MOE_DEC_MAXP); the rest works on shared memory. */
+__device__ int moe_dec_plan(const int32_t *__restrict__ ids, int P, int E, int slot, int *sids,
+                            int *pairs, unsigned *bits, int *sh_e, int *sh_n) {
     int tid = threadIdx.x;
     if (tid < BACKEND_MOE_MAX_EXPERTS / 32) bits[tid] = 0;
+    for (int p = tid; p < P; p += blockDim.x)
+        sids[p] = ids[p];
     __syncthreads();
     for (int p = tid; p < P; p += blockDim.x) {
-        int e = ids[p];
+        int e = sids[p];
         if (e >= 0 && e < E) atomicOr(&bits[e >> 5], 1u << (e & 31));
     }
     __syncthreads();
@@ -216,7 +219,7 @@ __device__ int moe_dec_plan(const int32_t *__restrict__ ids, int P, int E, int s
         int n = 0;
         for (int base = 0; base < P; base += 32) {
             int p = base + tid;
-            int hit = p < P && ids[p] == e;
+            int hit = p < P && sids[p] == e;
             unsigned m = __ballot_sync(0xffffffffu, hit);
             if (hit) pairs[n + __popc(m & ((1u << tid) - 1))] = p;
             n += __popc(m);
@@ -264,35 +267,39 @@ __device__ __forceinline__ void moe_rows(float (&acc)[NR][DEC_TT], const uint4 *
     }
 }
 
-/* h (P, I) bf16, row = pair: silu(gate_e . x) * (up_e . x); warp = one row i of I (its gate
- * row i and up row I + i of expert e's (2I, H) block) */
+/* h (P, I) bf16, row = pair: silu(gate_e . x) * (up_e . x); a warp = one row i of I (its gate
+ * row i and up row I + i of expert e's (2I, H) block); the CTA takes row blocks blockIdx.x,
+ * + gridDim.x, .. (the plan once for several blocks: moe_dec_grid) */
 __global__ void __launch_bounds__(32 * DEC_WARPS)
     k_moe_dec_gate_up(bf16 *__restrict__ h, const uint4 *__restrict__ x,
                       const uint4 *__restrict__ wgu, const int32_t *__restrict__ ids, int P,
                       int top_k, int E, int I, int H8) {
-    __shared__ int pairs[MOE_DEC_MAXP];
+    __shared__ int sids[MOE_DEC_MAXP], pairs[MOE_DEC_MAXP];
     __shared__ unsigned bits[BACKEND_MOE_MAX_EXPERTS / 32];
     __shared__ int sh_e, sh_n;
-    int n = moe_dec_plan(ids, P, E, blockIdx.y, pairs, bits, &sh_e, &sh_n);
+    int n = moe_dec_plan(ids, P, E, blockIdx.y, sids, pairs, bits, &sh_e, &sh_n);
     if (n == 0) return;
-    int e = sh_e, lane = threadIdx.x & 31;
-    int i = blockIdx.x * DEC_WARPS + (threadIdx.x >> 5);
-    if (i >= I) return;
-    const uint4 *wr[2] = {wgu + ((size_t)e * 2 * I + i) * H8, wgu + ((size_t)e * 2 * I + I + i) * H8};
+    int e = sh_e, lane = threadIdx.x & 31, n_rb = (I + DEC_WARPS - 1) / DEC_WARPS;
     uint64_t pol = mo_evict_first();
-    for (int t0 = 0; t0 < n; t0 += DEC_TT) {
-        int nt = min(DEC_TT, n - t0);
-        const uint4 *xr[DEC_TT];
+    for (int rb = blockIdx.x; rb < n_rb; rb += gridDim.x) {
+        int i = rb * DEC_WARPS + (threadIdx.x >> 5);
+        if (i >= I) continue;
+        const uint4 *wr[2] = {wgu + ((size_t)e * 2 * I + i) * H8,
+                              wgu + ((size_t)e * 2 * I + I + i) * H8};
+        for (int t0 = 0; t0 < n; t0 += DEC_TT) {
+            int nt = min(DEC_TT, n - t0);
+            const uint4 *xr[DEC_TT];
 #pragma unroll
-        for (int t = 0; t < DEC_TT; t++)
-            xr[t] = x + (size_t)(pairs[t0 + min(t, nt - 1)] / top_k) * H8;
-        float acc[2][DEC_TT];
-        moe_rows<2, DEC_U>(acc, wr, xr, nt, H8, lane, pol);
+            for (int t = 0; t < DEC_TT; t++)
+                xr[t] = x + (size_t)(pairs[t0 + min(t, nt - 1)] / top_k) * H8;
+            float acc[2][DEC_TT];
+            moe_rows<2, DEC_U>(acc, wr, xr, nt, H8, lane, pol);
 #pragma unroll
-        for (int t = 0; t < DEC_TT; t++) {
-            float g = warp_sum(acc[0][t]), u = warp_sum(acc[1][t]);
-            if (lane == 0 && t < nt)
-                h[(size_t)pairs[t0 + t] * I + i] = __float2bfloat16(mo_silu_mul(g, u));
+            for (int t = 0; t < DEC_TT; t++) {
+                float g = warp_sum(acc[0][t]), u = warp_sum(acc[1][t]);
+                if (lane == 0 && t < nt)
+                    h[(size_t)pairs[t0 + t] * I + i] = __float2bfloat16(mo_silu_mul(g, u));
+            }
         }
     }
 }
@@ -305,38 +312,40 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
     k_moe_dec_down(float *__restrict__ y, const uint4 *__restrict__ h,
                    const uint4 *__restrict__ wd, const int32_t *__restrict__ ids, int P, int E,
                    int H, int I8) {
-    __shared__ int pairs[MOE_DEC_MAXP];
+    __shared__ int sids[MOE_DEC_MAXP], pairs[MOE_DEC_MAXP];
     __shared__ unsigned bits[BACKEND_MOE_MAX_EXPERTS / 32];
     __shared__ int sh_e, sh_n;
-    int n = moe_dec_plan(ids, P, E, blockIdx.y, pairs, bits, &sh_e, &sh_n);
+    int n = moe_dec_plan(ids, P, E, blockIdx.y, sids, pairs, bits, &sh_e, &sh_n);
     if (n == 0) return;
-    int e = sh_e, lane = threadIdx.x & 31;
-    int r0 = (blockIdx.x * DEC_WARPS + (threadIdx.x >> 5)) * DN_NR;
-    if (r0 >= H) return;
-    const uint4 *wr[DN_NR];
-#pragma unroll
-    for (int r = 0; r < DN_NR; r++) /* a row past H re-reads the last (not stored) */
-        wr[r] = wd + ((size_t)e * H + min(r0 + r, H - 1)) * I8;
+    int e = sh_e, lane = threadIdx.x & 31, n_rb = (H + DN_NR * DEC_WARPS - 1) / (DN_NR * DEC_WARPS);
     uint64_t pol = mo_evict_first();
-    for (int t0 = 0; t0 < n; t0 += DEC_TT) {
-        int nt = min(DEC_TT, n - t0);
-        const uint4 *xr[DEC_TT];
+    for (int rb = blockIdx.x; rb < n_rb; rb += gridDim.x) {
+        int r0 = (rb * DEC_WARPS + (threadIdx.x >> 5)) * DN_NR;
+        if (r0 >= H) continue;
+        const uint4 *wr[DN_NR];
 #pragma unroll
-        for (int t = 0; t < DEC_TT; t++)
-            xr[t] = h + (size_t)pairs[t0 + min(t, nt - 1)] * I8;
-        float acc[DN_NR][DEC_TT];
-        moe_rows<DN_NR, DN_U>(acc, wr, xr, nt, I8, lane, pol);
+        for (int r = 0; r < DN_NR; r++) /* a row past H re-reads the last (not stored) */
+            wr[r] = wd + ((size_t)e * H + min(r0 + r, H - 1)) * I8;
+        for (int t0 = 0; t0 < n; t0 += DEC_TT) {
+            int nt = min(DEC_TT, n - t0);
+            const uint4 *xr[DEC_TT];
 #pragma unroll
-        for (int t = 0; t < DEC_TT; t++) {
-            float v[DN_NR];
+            for (int t = 0; t < DEC_TT; t++)
+                xr[t] = h + (size_t)pairs[t0 + min(t, nt - 1)] * I8;
+            float acc[DN_NR][DEC_TT];
+            moe_rows<DN_NR, DN_U>(acc, wr, xr, nt, I8, lane, pol);
 #pragma unroll
-            for (int r = 0; r < DN_NR; r++)
-                v[r] = warp_sum(acc[r][t]);
-            if (lane == 0 && t < nt) {
-                float *yr = y + (size_t)pairs[t0 + t] * H;
+            for (int t = 0; t < DEC_TT; t++) {
+                float v[DN_NR];
 #pragma unroll
                 for (int r = 0; r < DN_NR; r++)
-                    if (r0 + r < H) yr[r0 + r] = v[r];
+                    v[r] = warp_sum(acc[r][t]);
+                if (lane == 0 && t < nt) {
+                    float *yr = y + (size_t)pairs[t0 + t] * H;
+#pragma unroll
+                    for (int r = 0; r < DN_NR; r++)
+                        if (r0 + r < H) yr[r0 + r] = v[r];
+                }
             }
         }
     }
@@ -364,9 +373,12 @@ __global__ void __launch_bounds__(1024)
     for (int e = tid; e < E; e += blockDim.x)
         cnt[e] = 0;
     __syncthreads();
-    for (int p = tid; p < P; p += blockDim.x) {
-        int e = ids[p];
-        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    int lane = tid & 31;
+    /* warp-aggregated: the lanes of one expert add once (their leader), ranks by lane */
+    for (int p0 = 0; p0 < P; p0 += blockDim.x) {
+        int p = p0 + tid, e = p < P ? ids[p] : -1, ok = e >= 0 && e < E;
+        unsigned peers = __match_any_sync(0xffffffffu, ok ? e : -1);
+        if (ok && lane == __ffs(peers) - 1) atomicAdd(&cnt[e], __popc(peers));
     }
     __syncthreads();
     if (tid == 0) {
@@ -390,14 +402,20 @@ __global__ void __launch_bounds__(1024)
         }
     }
     __syncthreads();
-    for (int p = tid; p < P; p += blockDim.x) {
-        int e = ids[p];
-        if (e >= 0 && e < E) {
-            int pos = atomicAdd(&cur[e], 1);
-            perm[pos] = p;
-            inv[p] = pos;
-        } else {
-            inv[p] = -1;
+    for (int p0 = 0; p0 < P; p0 += blockDim.x) {
+        int p = p0 + tid, e = p < P ? ids[p] : -1, ok = e >= 0 && e < E;
+        unsigned peers = __match_any_sync(0xffffffffu, ok ? e : -1);
+        int leader = __ffs(peers) - 1, base = 0;
+        if (ok && lane == leader) base = atomicAdd(&cur[e], __popc(peers));
+        base = __shfl_sync(0xffffffffu, base, leader);
+        if (p < P) {
+            if (ok) {
+                int pos = base + __popc(peers & ((1u << lane) - 1));
+                perm[pos] = p;
+                inv[p] = pos;
+            } else {
+                inv[p] = -1;
+            }
         }
     }
 }
@@ -576,7 +594,7 @@ size_t moe_ws_bytes(const moe_args *a) {
 }
 
 int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args *a) {
-    (void)n_sm;
+    if (n_sm < 1) n_sm = 1;
     int T = a->T, H = a->hidden, I = a->inter, E = a->n_experts, k = a->top_k;
     if (T <= 0) return 0;
     if (!moe_shape_ok(H, I) || E < 1 || E > BACKEND_MOE_MAX_EXPERTS || k < 1 || k > E)
@@ -599,8 +617,13 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
     const int32_t *inv = NULL;
     if (a->path == MOE_PATH_DECODE) {
         if (P > MOE_DEC_MAXP) return -EINVAL;
+        /* slots: the distinct experts at most; row blocks a CTA: about two CTAs an SM over
+         * all slots (the plan amortised over several blocks, one wave) */
         int slots = E < P ? E : P;
-        dim3 g1((I + DEC_WARPS - 1) / DEC_WARPS, slots), g2((H + DN_NR * DEC_WARPS - 1) / (DN_NR * DEC_WARPS), slots);
+        int rb1 = (I + DEC_WARPS - 1) / DEC_WARPS, rb2 = (H + DN_NR * DEC_WARPS - 1) / (DN_NR * DEC_WARPS);
+        int want = 2 * n_sm / slots; /* at most one wave of 2 CTAs an SM (128 registers) */
+        if (want < 1) want = 1;
+        dim3 g1(want < rb1 ? want : rb1, slots), g2(want < rb2 ? want : rb2, slots);
         k_moe_dec_gate_up<<<g1, 32 * DEC_WARPS, 0, st>>>(h, (const uint4 *)x,
                                                          (const uint4 *)a->w_gate_up_all, a->ids,
                                                          P, k, E, I, H / 8);
