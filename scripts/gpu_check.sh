@@ -360,6 +360,10 @@ moe_steps() {
         ${MOE_MODEL_ARGS:---prompt-lens 4096 --batches 1,32,64 --long-context 4096}
       check $? "bench model $s ${v:-(default)}"
     done
+    step "moe: per-op timing of eager 1-token and 64-token steps, $s (DISAGG_CUDA_PROF=64)"
+    env DISAGG_CUDA_PROF=64 "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda \
+      --load-format dummy --prompt-lens 16 --batches 1,64 2>&1 | grep -E "^prof|^ *(1|64) "
+    check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
   done
 }
 if [ "${ONLY:-}" = moe ]; then
