@@ -10,7 +10,8 @@
  * are made first; a timed pass runs backend_moe once per routing, round-robin, so the experts
  * a call reads change from call to call (no L2 reuse across calls).  Printed per T: the mean
  * time of one call (eager: calls enqueued back to back, one sync; and, for T <= 64 where the
- * backend records graphs, one CUDA graph of --routings calls replayed), the route alone, the
+ * backend records graphs, one CUDA graph of --routings calls replayed), the route alone (one
+ * call between two synchronisations: launch latency included), the
  * active bytes (the weights of the distinct experts the call's tokens chose, plus x and out)
  * and their rate against the copy ceiling.  DISAGG_MOE_GENERIC=1 (backend.c) forces the generic
  * form: run the benchmark again with it to compare.
@@ -159,10 +160,11 @@ int bench_moe_main(int argc, char **argv) {
         wu[e] = (const char *)wg[e] + (size_t)I * H * es;
         wdn[e] = (const char *)backend_buffer_ptr(bd) + (size_t)e * H * I * es;
     }
+    int failed = 0;
     printf("%7s %12s %12s %12s %10s %10s %8s\n", "tokens", "route us", "moe us", "graph us",
            "active MB", "GB/s", "of copy");
     for (int ti = 0; ti < nT; ti++) {
-        int T = Ts[ti];
+        int T = Ts[ti], ok_t = 0;
         char *used = NULL;
         size_t nx = (size_t)T * H;
         uint16_t *hx = malloc(nx * 2);
@@ -295,12 +297,14 @@ int bench_moe_main(int argc, char **argv) {
         printf("%7d %12.1f %12.1f %12.1f %10.1f %10.0f %7.0f%%\n", T, t_route / R * 1e6, us, gus,
                active / 1e6, gbs, copy_gbs > 0 ? 100.0 * gbs / copy_gbs : 0.0);
         fflush(stdout);
-        rc = 0;
+        ok_t = 1;
     next:
+        if (!ok_t) failed = 1;
         free(used), free(hx), free(lg), free(ids);
         backend_buffer_free(bx), backend_buffer_free(bo), backend_buffer_free(bl),
             backend_buffer_free(bid), backend_buffer_free(bw);
     }
+    rc = failed;
 out_w:
     free(wg), free(wu), free(wdn);
 out:
