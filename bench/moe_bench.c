@@ -197,8 +197,7 @@ int bench_moe_main(int argc, char **argv) {
             double t0 = now_s();
             int rr = backend_moe_route(st, rid, rw, backend_buffer_ptr(bl), T, E, K, 1);
             if (rr) {
-                fprintf(stderr, "disagg bench moe: backend_moe_route failed at T %d (%d)\n", T,
-                        rr);
+                fprintf(stderr, "disagg bench moe: backend_moe_route failed at T %d (%d)\n", T, rr);
                 goto next;
             }
             backend_stream_sync(st);

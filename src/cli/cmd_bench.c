@@ -29,9 +29,9 @@ int cmd_bench(int argc, char **argv) {
     if (!strcmp(argv[1], "proxy")) return bench_proxy_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "grammar")) return bench_grammar_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "moe")) return bench_moe_main(argc - 1, argv + 1);
-    fprintf(
-        stderr,
-        "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy, grammar, moe\n",
-        argv[1]);
+    fprintf(stderr,
+            "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy, "
+            "grammar, moe\n",
+            argv[1]);
     return 2;
 }

@@ -687,8 +687,8 @@ int backend_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, i
 /* ---- mixture of experts: the dispatch to the backend's table.  (The moecuda branch's
  * minimal form, for the CUDA implementation and its tests; the model branch brings the
  * generic form and DISAGG_MOE_GENERIC: at the merge, keep that one.) */
-int backend_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits,
-                      int T, int n_experts, int top_k, int norm) {
+int backend_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits, int T,
+                      int n_experts, int top_k, int norm) {
     CHECK(st && ids && weights && logits && T >= 1 && n_experts >= 1 &&
               n_experts <= BACKEND_MOE_MAX_EXPERTS && top_k >= 1 && top_k <= n_experts,
           "moe_route: bad arguments (T %d, n_experts %d, top_k %d; need 1 <= top_k <= "

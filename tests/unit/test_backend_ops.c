@@ -1681,14 +1681,15 @@ static void test_moe_route_cuda(void **state) {
                         backend_buffer *bl = to_dev(st, lg, (size_t)T * E, BACKEND_F32),
                                        *bid = backend_buffer_alloc(be, sizeof(int32_t) * T * k, 0),
                                        *bw = backend_buffer_alloc(be, sizeof(float) * T * k, 0);
-                        assert_int_equal(backend_moe_route(st, DEV(bid), DEV(bw), DEV(bl), T, E,
-                                                           k, norm),
-                                         0);
+                        assert_int_equal(
+                            backend_moe_route(st, DEV(bid), DEV(bw), DEV(bl), T, E, k, norm), 0);
                         assert_int_equal(backend_stream_sync(st), 0);
                         int32_t *gid = malloc(sizeof(int32_t) * T * k);
                         float *gw = malloc(sizeof(float) * T * k);
-                        assert_int_equal(backend_download(st, gid, DEV(bid), sizeof(int32_t) * T * k), 0);
-                        assert_int_equal(backend_download(st, gw, DEV(bw), sizeof(float) * T * k), 0);
+                        assert_int_equal(
+                            backend_download(st, gid, DEV(bid), sizeof(int32_t) * T * k), 0);
+                        assert_int_equal(backend_download(st, gw, DEV(bw), sizeof(float) * T * k),
+                                         0);
                         int32_t rid[BACKEND_MOE_MAX_EXPERTS];
                         float rw[BACKEND_MOE_MAX_EXPERTS], p[BACKEND_MOE_MAX_EXPERTS];
                         for (int t = 0; t < T; t++) {
@@ -1720,9 +1721,9 @@ static void test_moe_route_cuda(void **state) {
         /* bad arguments: top_k past n_experts, n_experts past the limit */
         backend_buffer *b = backend_buffer_alloc(be, 4096, 0);
         assert_int_equal(backend_moe_route(st, DEV(b), DEV(b), DEV(b), 1, 4, 5, 1), -EINVAL);
-        assert_int_equal(backend_moe_route(st, DEV(b), DEV(b), DEV(b), 1,
-                                           BACKEND_MOE_MAX_EXPERTS + 1, 2, 1),
-                         -EINVAL);
+        assert_int_equal(
+            backend_moe_route(st, DEV(b), DEV(b), DEV(b), 1, BACKEND_MOE_MAX_EXPERTS + 1, 2, 1),
+            -EINVAL);
         backend_buffer_free(b);
         backend_stream_free(st);
     }
@@ -1751,7 +1752,8 @@ static void moe_case(backend *be, backend_stream *st, int T, int E, int k, int H
             for (int j = 0; j < k; j++)
                 lg[(size_t)t * E + (3 + j) % E] = 20.0f - j;
     float *x = rand_vec((size_t)T * H, BACKEND_BF16);
-    backend_buffer *bx = to_dev(st, x, (size_t)T * H, x_dt), *bl = to_dev(st, lg, (size_t)T * E, BACKEND_F32),
+    backend_buffer *bx = to_dev(st, x, (size_t)T * H, x_dt),
+                   *bl = to_dev(st, lg, (size_t)T * E, BACKEND_F32),
                    *bid = backend_buffer_alloc(be, sizeof(int32_t) * T * k, 0),
                    *bw = backend_buffer_alloc(be, sizeof(float) * T * k, 0),
                    *bo = backend_buffer_alloc(be, (size_t)T * H * backend_dtype_size(out_dt), 0);
@@ -1857,10 +1859,20 @@ static void moe_graph_case(backend *be, backend_stream *st, int T, int E, int k,
                    *bid = backend_buffer_alloc(be, sizeof(int32_t) * T * k, 0),
                    *bw = backend_buffer_alloc(be, sizeof(float) * T * k, 0),
                    *bo = backend_buffer_alloc(be, sizeof(float) * T * H, 0);
-    backend_moe_op op = {.x = DEV(bx), .x_dt = BACKEND_BF16, .T = T, .hidden = H, .inter = I,
-                         .n_experts = E, .top_k = k, .ids = DEV(bid), .weights = DEV(bw),
-                         .w_gate_up_all = DEV(bgu), .w_down_all = DEV(bd), .w_dt = sgu,
-                         .out = DEV(bo), .out_dt = BACKEND_F32};
+    backend_moe_op op = {.x = DEV(bx),
+                         .x_dt = BACKEND_BF16,
+                         .T = T,
+                         .hidden = H,
+                         .inter = I,
+                         .n_experts = E,
+                         .top_k = k,
+                         .ids = DEV(bid),
+                         .weights = DEV(bw),
+                         .w_gate_up_all = DEV(bgu),
+                         .w_down_all = DEV(bd),
+                         .w_dt = sgu,
+                         .out = DEV(bo),
+                         .out_dt = BACKEND_F32};
     assert_int_equal(backend_moe_route(st, DEV(bid), DEV(bw), DEV(bl), T, E, k, 1), 0);
     assert_int_equal(backend_moe(st, &op), 0);
     float *want = from_dev(st, DEV(bo), (size_t)T * H, BACKEND_F32);
@@ -1920,10 +1932,20 @@ static void test_moe_cuda(void **state) {
         moe_graph_case(be, st, 64, 128, 8, 64, 96);
         /* what the CUDA kernels refuse (hidden not a multiple of 32): -ENOTSUP, not a crash */
         backend_buffer *b = backend_buffer_alloc(be, 1 << 16, BACKEND_BUF_ZERO); /* ids 0 */
-        backend_moe_op op = {.x = DEV(b), .x_dt = BACKEND_BF16, .T = 1, .hidden = 40, .inter = 64,
-                             .n_experts = 4, .top_k = 2, .ids = DEV(b), .weights = DEV(b),
-                             .w_gate_up_all = DEV(b), .w_down_all = DEV(b), .w_dt = BACKEND_BF16,
-                             .out = DEV(b), .out_dt = BACKEND_F32};
+        backend_moe_op op = {.x = DEV(b),
+                             .x_dt = BACKEND_BF16,
+                             .T = 1,
+                             .hidden = 40,
+                             .inter = 64,
+                             .n_experts = 4,
+                             .top_k = 2,
+                             .ids = DEV(b),
+                             .weights = DEV(b),
+                             .w_gate_up_all = DEV(b),
+                             .w_down_all = DEV(b),
+                             .w_dt = BACKEND_BF16,
+                             .out = DEV(b),
+                             .out_dt = BACKEND_F32};
         int rc = backend_moe(st, &op);
         /* -ENOTSUP from the CUDA kernels; 0 where a generic form took it, -EINVAL where that
          * form wants the per-expert arrays: an error code, never a crash */
@@ -1977,7 +1999,8 @@ int main(void) {
     };
     /* TEST_BACKEND_OPS_FILTER=pattern: only the tests whose name matches (cmocka's filter,
      * e.g. "test_moe*" for gpu_check's ONLY=moe) */
-    if (getenv("TEST_BACKEND_OPS_FILTER")) cmocka_set_test_filter(getenv("TEST_BACKEND_OPS_FILTER"));
+    if (getenv("TEST_BACKEND_OPS_FILTER"))
+        cmocka_set_test_filter(getenv("TEST_BACKEND_OPS_FILTER"));
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = g_n_be - 1; i >= 0; i--)
         backend_close(g_be[i]);

@@ -121,7 +121,7 @@ int moe_route(cudaStream_t st, int32_t *ids, float *w, const float *logits, int 
     if (T <= 0) return 0;
     if (E < 1 || E > BACKEND_MOE_MAX_EXPERTS || k < 1 || k > E) return -EINVAL;
     k_moe_route<<<(T + RT_WARPS - 1) / RT_WARPS, 32 * RT_WARPS, 0, st>>>(ids, w, logits, T, E, k,
-                                                                        norm);
+                                                                         norm);
     return launch_check("moe_route");
 }
 
@@ -138,9 +138,9 @@ __global__ void k_moe_to_bf16(bf16 *dst, const float *src, size_t n) {
  * an invalid expert id (outside 0..E-1) add nothing.  Grid (T, column blocks). */
 template <typename OT>
 __global__ void __launch_bounds__(256)
-    k_moe_combine(OT *__restrict__ out, const float *__restrict__ y, const int32_t *__restrict__ ids,
-                  const float *__restrict__ wts, const int32_t *__restrict__ inv, int H, int k,
-                  int E) {
+    k_moe_combine(OT *__restrict__ out, const float *__restrict__ y,
+                  const int32_t *__restrict__ ids, const float *__restrict__ wts,
+                  const int32_t *__restrict__ inv, int H, int k, int E) {
     __shared__ int ord[BACKEND_MOE_MAX_EXPERTS];
     __shared__ int n_ord;
     int t = blockIdx.x;
@@ -180,8 +180,8 @@ __global__ void __launch_bounds__(256)
  * DT tokens at a time (more tokens: again, from L2).  Each CTA plans from the ids itself (P is
  * small): no sort kernel between the routing and the GEMVs. */
 #define DEC_WARPS 8
-#define DEC_U 8  /* uint4 loads of a row in flight a lane */
-#define DEC_TT 4 /* tokens a pass */
+#define DEC_U     8 /* uint4 loads of a row in flight a lane */
+#define DEC_TT    4 /* tokens a pass */
 
 /* the CTA's expert (or -1) and its pairs into pairs[]; returns the number of pairs.  The ids
  * are read once, in parallel, into sids (P <= MOE_DEC_MAXP); the rest works on shared memory. */
@@ -307,11 +307,10 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
 /* y (P, H) f32, row = pair: down_e . h[pair]; warp = DN_NR rows of down_e (H, I), DN_U loads
  * of each in flight a lane (the rows are short: inter 768 is 96 uint4s, 3 a lane) */
 #define DN_NR 4
-#define DN_U 4
+#define DN_U  4
 __global__ void __launch_bounds__(32 * DEC_WARPS)
-    k_moe_dec_down(float *__restrict__ y, const uint4 *__restrict__ h,
-                   const uint4 *__restrict__ wd, const int32_t *__restrict__ ids, int P, int E,
-                   int H, int I8) {
+    k_moe_dec_down(float *__restrict__ y, const uint4 *__restrict__ h, const uint4 *__restrict__ wd,
+                   const int32_t *__restrict__ ids, int P, int E, int H, int I8) {
     __shared__ int sids[MOE_DEC_MAXP], pairs[MOE_DEC_MAXP];
     __shared__ unsigned bits[BACKEND_MOE_MAX_EXPERTS / 32];
     __shared__ int sh_e, sh_n;
@@ -356,11 +355,11 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
  * pairs sorted by expert (perm[pos] = pair; the order inside an expert's group is whatever
  * the atomics gave: each GEMM row is computed on its own, so no result depends on it),
  * inv[pair] = pos (-1: an invalid id), and the M-tile table (tile_e, tile_m0; n_tiles). */
-#define GM_BM 128
-#define GM_BN 128
-#define GM_BK 32
-#define GM_LD (GM_BK + 8) /* padded smem row (80 bytes: ldmatrix conflict-free) */
-#define GM_ST 3           /* cp.async stages */
+#define GM_BM   128
+#define GM_BN   128
+#define GM_BK   32
+#define GM_LD   (GM_BK + 8) /* padded smem row (80 bytes: ldmatrix conflict-free) */
+#define GM_ST   3           /* cp.async stages */
 #define GM_SMEM (GM_ST * 2 * GM_BM * GM_LD * 2)
 
 __global__ void __launch_bounds__(1024)
@@ -434,8 +433,8 @@ __global__ void __launch_bounds__(256)
                const int32_t *__restrict__ tile_e, const int32_t *__restrict__ tile_m0,
                const int32_t *__restrict__ n_tiles, int top_k, int K, int Nrows, int Nout) {
     extern __shared__ __align__(16) unsigned char gsm[];
-    bf16 *As = (bf16 *)gsm;                       /* [ST][BM][LD] */
-    bf16 *Bs = As + GM_ST * GM_BM * GM_LD;        /* [ST][BN][LD] */
+    bf16 *As = (bf16 *)gsm;                /* [ST][BM][LD] */
+    bf16 *Bs = As + GM_ST * GM_BM * GM_LD; /* [ST][BN][LD] */
     int tile = blockIdx.y;
     if (tile >= *n_tiles) return;
     int e = tile_e[tile], m0 = tile_m0[tile], m_end = off[e + 1];
@@ -498,9 +497,9 @@ __global__ void __launch_bounds__(256)
                                     (lane >> 4) * 8);
 #pragma unroll
             for (int nj = 0; nj < 2; nj++)
-                ldsm_x4(bfr[nj], bs + (size_t)(wn * 32 + nj * 16 + (lane >> 4) * 8 + (lane & 7)) *
-                                         GM_LD +
-                                     kk + ((lane >> 3) & 1) * 8);
+                ldsm_x4(bfr[nj],
+                        bs + (size_t)(wn * 32 + nj * 16 + (lane >> 4) * 8 + (lane & 7)) * GM_LD +
+                            kk + ((lane >> 3) & 1) * 8);
 #pragma unroll
             for (int mi = 0; mi < 4; mi++)
 #pragma unroll
@@ -536,7 +535,8 @@ __global__ void __launch_bounds__(256)
                 for (int ni = 0; ni < 4; ni++) {
                     int n = blockIdx.x * GM_BN + wn * 32 + ni * 8 + (lane & 3) * 2;
                     if (n < Nout)
-                        *(float2 *)(y + n) = make_float2(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
+                        *(float2 *)(y + n) =
+                            make_float2(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
                 }
             }
         }
@@ -569,7 +569,8 @@ static moe_lay moe_layout(const moe_args *a) {
     o += align256(P * a->inter * 2);
     L.y = o;
     o += align256(P * a->hidden * 4);
-    L.max_tiles = (int)((P + GM_BM - 1) / GM_BM + (size_t)(a->n_experts < (int)P ? a->n_experts : P));
+    L.max_tiles =
+        (int)((P + GM_BM - 1) / GM_BM + (size_t)(a->n_experts < (int)P ? a->n_experts : P));
     L.perm = o;
     L.inv = L.off = L.te = L.tm = L.nt = o;
     if (a->path == MOE_PATH_GEMM) {
@@ -620,18 +621,17 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
         /* slots: the distinct experts at most; row blocks a CTA: about two CTAs an SM over
          * all slots (the plan amortised over several blocks, one wave) */
         int slots = E < P ? E : P;
-        int rb1 = (I + DEC_WARPS - 1) / DEC_WARPS, rb2 = (H + DN_NR * DEC_WARPS - 1) / (DN_NR * DEC_WARPS);
+        int rb1 = (I + DEC_WARPS - 1) / DEC_WARPS,
+            rb2 = (H + DN_NR * DEC_WARPS - 1) / (DN_NR * DEC_WARPS);
         int want = 2 * n_sm / slots; /* at most one wave of 2 CTAs an SM (128 registers) */
         if (want < 1) want = 1;
         dim3 g1(want < rb1 ? want : rb1, slots), g2(want < rb2 ? want : rb2, slots);
-        k_moe_dec_gate_up<<<g1, 32 * DEC_WARPS, 0, st>>>(h, (const uint4 *)x,
-                                                         (const uint4 *)a->w_gate_up_all, a->ids,
-                                                         P, k, E, I, H / 8);
+        k_moe_dec_gate_up<<<g1, 32 * DEC_WARPS, 0, st>>>(
+            h, (const uint4 *)x, (const uint4 *)a->w_gate_up_all, a->ids, P, k, E, I, H / 8);
         int rc = launch_check("moe decode gate_up");
         if (rc) return rc;
-        k_moe_dec_down<<<g2, 32 * DEC_WARPS, 0, st>>>(y, (const uint4 *)h,
-                                                      (const uint4 *)a->w_down_all, a->ids, P, E,
-                                                      H, I / 8);
+        k_moe_dec_down<<<g2, 32 * DEC_WARPS, 0, st>>>(
+            y, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids, P, E, H, I / 8);
         rc = launch_check("moe decode down");
         if (rc) return rc;
     } else {
@@ -652,8 +652,8 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
             if (dev >= 0 && dev < 64) attr_done[dev] = 1;
         }
         dim3 g1((I + 63) / 64, L.max_tiles), g2((H + GM_BN - 1) / GM_BN, L.max_tiles);
-        k_moe_gemm<0><<<g1, 256, GM_SMEM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off,
-                                                te, tm, nt, k, H, 2 * I, I);
+        k_moe_gemm<0><<<g1, 256, GM_SMEM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off, te,
+                                                tm, nt, k, H, 2 * I, I);
         rc = launch_check("moe gemm gate_up");
         if (rc) return rc;
         k_moe_gemm<1><<<g2, 256, GM_SMEM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off, te,
@@ -665,9 +665,10 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
     int by = (H + 255) / 256;
     dim3 gc(T, by > 8 ? 8 : by);
     if (a->out_bf16)
-        k_moe_combine<bf16><<<gc, 256, 0, st>>>((bf16 *)a->out, y, a->ids, a->weights, inv, H, k, E);
+        k_moe_combine<bf16>
+            <<<gc, 256, 0, st>>>((bf16 *)a->out, y, a->ids, a->weights, inv, H, k, E);
     else
-        k_moe_combine<float><<<gc, 256, 0, st>>>((float *)a->out, y, a->ids, a->weights, inv, H, k,
-                                                 E);
+        k_moe_combine<float>
+            <<<gc, 256, 0, st>>>((float *)a->out, y, a->ids, a->weights, inv, H, k, E);
     return launch_check("moe combine");
 }

@@ -37,7 +37,7 @@ typedef struct moe_args {
 } moe_args;
 
 #define MOE_PATH_DECODE 0
-#define MOE_PATH_GEMM 1
+#define MOE_PATH_GEMM   1
 
 /* the path for T tokens: decode when T * top_k <= max_pairs (DISAGG_CUDA_MOE_DEC_PAIRS,
  * default 512, capped at MOE_DEC_MAXP) and !force_gemm, else the grouped GEMM */
