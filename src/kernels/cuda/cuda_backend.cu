@@ -1015,7 +1015,8 @@ static int cb_moe(backend_stream *st, const backend_moe_op *o) {
     cb_stream *s = CB(st);
     if (o->w_dt != BACKEND_BF16 || !o->w_gate_up_all || !o->w_down_all ||
         (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16) ||
-        (o->out_dt != BACKEND_F32 && o->out_dt != BACKEND_BF16) || !moe_shape_ok(o->hidden, o->inter) ||
+        (o->out_dt != BACKEND_F32 && o->out_dt != BACKEND_BF16) ||
+        !moe_shape_ok(o->hidden, o->inter) ||
         (((uintptr_t)o->x | (uintptr_t)o->w_gate_up_all | (uintptr_t)o->w_down_all) & 15))
         return -ENOTSUP;
     moe_args a;
