@@ -51,8 +51,6 @@
 # batch sizes DECODE_VARIANT_BATCHES, default 1,2,8), the per-op timing of an eager 1-token
 # step (DISAGG_CUDA_PROF=1; again with each of DECODE_PROF_VARIANTS) and the serve smoke
 # (DECODE_NO_SMOKE=1 skips it).  DECODE_TEST_VARIANTS: the settings the two tests run again with.
-# ONLY=moe: the mixture-of-experts op (test_backend_ops' MoE cases, `disagg bench moe`, the
-# MoE model shapes where present): see moe_steps below.
 # Tensor parallelism (issue 17): tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
@@ -131,6 +129,58 @@ if [ "${ONLY:-}" = tp ]; then
   exit $((fails > 0))
 fi
 
+# ONLY=moe (mixture of experts): test_backend_ops' MoE cases (the routing and both CUDA paths
+# of backend_moe against host references, skewed routing), then `disagg bench moe` (the op
+# alone at the Qwen3-30B-A3B layer shape: 128 experts, top 8, hidden 2048, inter 768; T 1, 64,
+# 4096; us, GB/s of the active bytes and the fraction of the copy ceiling measured in the same
+# run) by default, with DISAGG_MOE_GENERIC=1 (backend.c's generic form) and with
+# DISAGG_CUDA_MOE_DEC_PAIRS=0 (the grouped GEMM at every T), and at the Mixtral-8x7B layer shape
+# (8 experts, top 2, hidden 4096, inter 14336; T 1, 32, 4096); then, where the tree has the MoE
+# model shapes (bench/shapes/qwen3-30b-a3b, mixtral-8x7b), test_cuda_model and `disagg bench
+# model --load-format dummy` on them, also with DISAGG_MOE_GENERIC=1.  MOE_BENCH_ARGS replaces
+# the op benchmark's arguments, MOE_MODEL_ARGS the model benchmark's (default: prefill of 4,096
+# tokens, decode at batch 1, 32 and 64 at 4k context).
+moe_steps() {
+  step "moe: test_backend_ops (routing, decode GEMVs and grouped GEMM vs host references)"
+  TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops"
+  check $? "test_backend_ops (moe)"
+  for v in "" DISAGG_MOE_GENERIC=1 DISAGG_CUDA_MOE_DEC_PAIRS=0; do
+    step "moe: bench moe (Qwen3-30B-A3B layer) ${v:-(default)}"
+    # shellcheck disable=SC2086
+    env $v "$BIN" bench moe ${MOE_BENCH_ARGS:-}
+    check $? "bench moe ${v:-(default)}"
+  done
+  step "moe: bench moe (Mixtral-8x7B layer: 8 experts, top 2, hidden 4096, inter 14336)"
+  # shellcheck disable=SC2086
+  "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,32,4096 \
+    --iters 20 ${MOE_BENCH_MIXTRAL_ARGS:-}
+  check $? "bench moe (Mixtral layer)"
+  if [ -d "$SRC/bench/shapes/qwen3-30b-a3b" ]; then
+    step "moe: test_cuda_model (the MoE tiny models among the rest)"
+    "$BUILD/test_cuda_model"
+    check $? "test_cuda_model (moe)"
+  fi
+  for s in qwen3-30b-a3b mixtral-8x7b; do
+    [ -d "$SRC/bench/shapes/$s" ] || { echo "(bench/shapes/$s not in this tree: skipped)"; continue; }
+    for v in "" DISAGG_MOE_GENERIC=1; do
+      step "moe: bench model $s --load-format dummy ${v:-(default)}"
+      # shellcheck disable=SC2086
+      env $v "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy \
+        ${MOE_MODEL_ARGS:---prompt-lens 4096 --batches 1,32,64 --long-context 4096}
+      check $? "bench model $s ${v:-(default)}"
+    done
+    step "moe: per-op timing of eager 1-token and 64-token steps, $s (DISAGG_CUDA_PROF=64)"
+    env DISAGG_CUDA_PROF=64 "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda \
+      --load-format dummy --prompt-lens 16 --batches 1,64 2>&1 | grep -E "^prof|^ *(1|64) "
+    check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
+  done
+}
+if [ "${ONLY:-}" = moe ]; then
+  moe_steps
+  step "summary"
+  echo "gpu_check (ONLY=moe): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 W7=/dev/shm/q7b
 [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
 inv_steps() {
@@ -320,58 +370,6 @@ arch_steps() {
     check $? "bench model $s (dummy weights)"
   done
 }
-# ONLY=moe (mixture of experts): test_backend_ops' MoE cases (the routing and both CUDA paths
-# of backend_moe against host references, skewed routing), then `disagg bench moe` (the op
-# alone at the Qwen3-30B-A3B layer shape: 128 experts, top 8, hidden 2048, inter 768; T 1, 64,
-# 4096; us, GB/s of the active bytes and the fraction of the copy ceiling measured in the same
-# run) by default, with DISAGG_MOE_GENERIC=1 (backend.c's generic form) and with
-# DISAGG_CUDA_MOE_DEC_PAIRS=0 (the grouped GEMM at every T), and at the Mixtral-8x7B layer shape
-# (8 experts, top 2, hidden 4096, inter 14336; T 1, 32, 4096); then, where the tree has the MoE
-# model shapes (bench/shapes/qwen3-30b-a3b, mixtral-8x7b), test_cuda_model and `disagg bench
-# model --load-format dummy` on them, also with DISAGG_MOE_GENERIC=1.  MOE_BENCH_ARGS replaces
-# the op benchmark's arguments, MOE_MODEL_ARGS the model benchmark's (default: prefill of 4,096
-# tokens, decode at batch 1, 32 and 64 at 4k context).
-moe_steps() {
-  step "moe: test_backend_ops (routing, decode GEMVs and grouped GEMM vs host references)"
-  TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops"
-  check $? "test_backend_ops (moe)"
-  for v in "" DISAGG_MOE_GENERIC=1 DISAGG_CUDA_MOE_DEC_PAIRS=0; do
-    step "moe: bench moe (Qwen3-30B-A3B layer) ${v:-(default)}"
-    # shellcheck disable=SC2086
-    env $v "$BIN" bench moe ${MOE_BENCH_ARGS:-}
-    check $? "bench moe ${v:-(default)}"
-  done
-  step "moe: bench moe (Mixtral-8x7B layer: 8 experts, top 2, hidden 4096, inter 14336)"
-  # shellcheck disable=SC2086
-  "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,32,4096 \
-    --iters 20 ${MOE_BENCH_MIXTRAL_ARGS:-}
-  check $? "bench moe (Mixtral layer)"
-  if [ -d "$SRC/bench/shapes/qwen3-30b-a3b" ]; then
-    step "moe: test_cuda_model (the MoE tiny models among the rest)"
-    "$BUILD/test_cuda_model"
-    check $? "test_cuda_model (moe)"
-  fi
-  for s in qwen3-30b-a3b mixtral-8x7b; do
-    [ -d "$SRC/bench/shapes/$s" ] || { echo "(bench/shapes/$s not in this tree: skipped)"; continue; }
-    for v in "" DISAGG_MOE_GENERIC=1; do
-      step "moe: bench model $s --load-format dummy ${v:-(default)}"
-      # shellcheck disable=SC2086
-      env $v "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy \
-        ${MOE_MODEL_ARGS:---prompt-lens 4096 --batches 1,32,64 --long-context 4096}
-      check $? "bench model $s ${v:-(default)}"
-    done
-    step "moe: per-op timing of eager 1-token and 64-token steps, $s (DISAGG_CUDA_PROF=64)"
-    env DISAGG_CUDA_PROF=64 "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda \
-      --load-format dummy --prompt-lens 16 --batches 1,64 2>&1 | grep -E "^prof|^ *(1|64) "
-    check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
-  done
-}
-if [ "${ONLY:-}" = moe ]; then
-  moe_steps
-  step "summary"
-  echo "gpu_check (ONLY=moe): $fails failed step(s)"
-  exit $((fails > 0))
-fi
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ]; then
   [ "$ONLY" = arch ] && arch_steps
   [ "$ONLY" = inv ] && inv_steps
