@@ -181,6 +181,7 @@ if [ "${ONLY:-}" = moe ]; then
   echo "gpu_check (ONLY=moe): $fails failed step(s)"
   exit $((fails > 0))
 fi
+
 W7=/dev/shm/q7b
 [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
 inv_steps() {
