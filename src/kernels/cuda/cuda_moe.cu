@@ -458,6 +458,10 @@ __global__ void __launch_bounds__(256)
         b_src[q] = W + ((size_t)e * Nrows + wrow) * K;
     }
     int KT = K / GM_BK;
+    /* 16-row slices of this warp's 64 rows inside the group (a group's last tile is often
+     * partial): the others skip their ldmatrix and mma (warp-uniform) */
+    int live = (m_end - (m0 + wm * 64) + 15) / 16;
+    live = live < 0 ? 0 : live > 4 ? 4 : live;
     auto load = [&](int kt, int st) {
         int k0 = kt * GM_BK + ch * 8;
 #pragma unroll
@@ -488,13 +492,15 @@ __global__ void __launch_bounds__(256)
         cp_async_commit();
         const bf16 *as = As + (size_t)(kt % GM_ST) * GM_BM * GM_LD;
         const bf16 *bs = Bs + (size_t)(kt % GM_ST) * GM_BN * GM_LD;
+        if (live == 0) continue; /* this warp's rows are past the group: loads only */
 #pragma unroll
         for (int kk = 0; kk < GM_BK; kk += 16) {
             uint32_t af[4][4], bfr[2][4];
 #pragma unroll
             for (int mi = 0; mi < 4; mi++)
-                ldsm_x4(af[mi], as + (size_t)(wm * 64 + mi * 16 + (lane & 15)) * GM_LD + kk +
-                                    (lane >> 4) * 8);
+                if (mi < live)
+                    ldsm_x4(af[mi], as + (size_t)(wm * 64 + mi * 16 + (lane & 15)) * GM_LD + kk +
+                                        (lane >> 4) * 8);
 #pragma unroll
             for (int nj = 0; nj < 2; nj++)
                 ldsm_x4(bfr[nj],
@@ -502,10 +508,11 @@ __global__ void __launch_bounds__(256)
                             kk + ((lane >> 3) & 1) * 8);
 #pragma unroll
             for (int mi = 0; mi < 4; mi++)
+                if (mi < live)
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++)
-                    mma_bf16(acc[mi][ni], af[mi][0], af[mi][1], af[mi][2], af[mi][3],
-                             bfr[ni >> 1][(ni & 1) * 2], bfr[ni >> 1][(ni & 1) * 2 + 1]);
+                    for (int ni = 0; ni < 4; ni++)
+                        mma_bf16(acc[mi][ni], af[mi][0], af[mi][1], af[mi][2], af[mi][3],
+                                 bfr[ni >> 1][(ni & 1) * 2], bfr[ni >> 1][(ni & 1) * 2 + 1]);
         }
     }
     cp_async_wait_all();
