@@ -1796,9 +1796,13 @@ static void moe_case(backend *be, backend_stream *st, int T, int E, int k, int H
             }
         }
     }
-    const char *paths[2] = {"1024", "0"};
-    for (int pi = 0; pi < 2; pi++) {
+    /* 0: the decode GEMVs (with the fused down + sum where T * top_k <= 16), 1: the grouped
+     * GEMM, 2: the decode GEMVs with the separate down and k_moe_combine */
+    const char *paths[3] = {"1024", "0", "1024"};
+    for (int pi = 0; pi < 3; pi++) {
+        if (pi == 2 && (long)T * k > 16) break;
         setenv("DISAGG_CUDA_MOE_DEC_PAIRS", paths[pi], 1);
+        if (pi == 2) setenv("DISAGG_CUDA_MOE_FUSED_DOWN", "0", 1);
         backend_moe_op op = {.x = DEV(bx),
                              .x_dt = x_dt,
                              .T = T,
@@ -1815,8 +1819,10 @@ static void moe_case(backend *be, backend_stream *st, int T, int E, int k, int H
                              .out_dt = out_dt};
         char what[160];
         snprintf(what, sizeof what, "moe (%s) T %d E %d top_k %d H %d I %d%s x %s out %s",
-                 (long)T * k <= 1024 && pi == 0 ? "decode GEMVs" : "grouped GEMM", T, E, k, H, I,
-                 skew ? " skewed" : "", x_dt == BACKEND_BF16 ? "bf16" : "f32",
+                 (long)T * k > 1024 || pi == 1 ? "grouped GEMM"
+                 : pi == 2                     ? "decode GEMVs, separate sum"
+                                               : "decode GEMVs",
+                 T, E, k, H, I, skew ? " skewed" : "", x_dt == BACKEND_BF16 ? "bf16" : "f32",
                  out_dt == BACKEND_BF16 ? "bf16" : "f32");
         float *got[2];
         for (int rep = 0; rep < 2; rep++) {
@@ -1832,6 +1838,7 @@ static void moe_case(backend *be, backend_stream *st, int T, int E, int k, int H
         free(got[0]), free(got[1]);
     }
     unsetenv("DISAGG_CUDA_MOE_DEC_PAIRS");
+    unsetenv("DISAGG_CUDA_MOE_FUSED_DOWN");
     free(hgu), free(hd), free(fgu), free(fd), free(lg), free(x), free(ids), free(wts), free(want),
         free(hh);
     backend_buffer *bufs[] = {bgu, bd, bx, bl, bid, bw, bo};

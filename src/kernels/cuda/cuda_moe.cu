@@ -350,6 +350,98 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
     }
 }
 
+/* Few pairs (P <= FD_MAXP: batch 1 and 2 at top 8): down and the weighted sum in one kernel,
+ * out (T, H) directly.  A warp = one row r of H for every pair: the pairs sorted by (token,
+ * expert) once a CTA, then in groups of FD_G, each group's rows of down_e (their experts')
+ * streamed together (FD_G x DN_U loads in flight a lane) and dotted with the pairs' h, and
+ * acc_t += w * dot in that order: per token ascending expert, from 0, as k_moe_combine sums
+ * (the dot's lane split is moe_rows'). */
+#define FD_MAXP 16
+#define FD_G    4
+template <typename OT>
+__global__ void __launch_bounds__(32 * DEC_WARPS)
+    k_moe_dec_down_fused(OT *__restrict__ out, const uint4 *__restrict__ h,
+                         const uint4 *__restrict__ wd, const int32_t *__restrict__ ids,
+                         const float *__restrict__ wts, int P, int top_k, int E, int H, int I8) {
+    __shared__ int s_pair[FD_MAXP], s_ids[FD_MAXP], s_n;
+    if (threadIdx.x < P) s_ids[threadIdx.x] = ids[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) { /* valid pairs, insertion-sorted by (token, expert, slot) */
+        int n = 0;
+        for (int p = 0; p < P; p++) {
+            int e = s_ids[p];
+            if (e < 0 || e >= E) continue;
+            int q = n++;
+            while (q > 0) {
+                int o = s_pair[q - 1];
+                int to = o / top_k, tp = p / top_k, eo = s_ids[o];
+                if (to < tp || (to == tp && (eo < e || (eo == e && o < p)))) break;
+                s_pair[q] = o;
+                q--;
+            }
+            s_pair[q] = p;
+        }
+        s_n = n;
+    }
+    __syncthreads();
+    int n = s_n, lane = threadIdx.x & 31;
+    int r = blockIdx.x * DEC_WARPS + (threadIdx.x >> 5);
+    if (r >= H) return;
+    if (lane == 0) /* a token without a valid pair sums nothing: 0 (as k_moe_combine) */
+        for (int t = 0; t < P / top_k; t++)
+            store_as(out + (size_t)t * H + r, 0.0f);
+    uint64_t pol = mo_evict_first();
+    float acc = 0.0f;
+    int cur_t = n > 0 ? s_pair[0] / top_k : 0;
+    for (int g = 0; g < n; g += FD_G) {
+        int ng = min(FD_G, n - g);
+        const uint4 *wr[FD_G], *xr[FD_G];
+#pragma unroll
+        for (int q = 0; q < FD_G; q++) {
+            int p = s_pair[g + min(q, ng - 1)];
+            wr[q] = wd + ((size_t)s_ids[p] * H + r) * I8;
+            xr[q] = h + (size_t)p * I8;
+        }
+        float part[FD_G];
+#pragma unroll
+        for (int q = 0; q < FD_G; q++)
+            part[q] = 0.0f;
+        for (int base = 0; base < I8; base += 32 * DN_U) {
+            uint4 wv[FD_G][DN_U];
+#pragma unroll
+            for (int q = 0; q < FD_G; q++)
+#pragma unroll
+                for (int u = 0; u < DN_U; u++) {
+                    int i = base + lane + 32 * u;
+                    wv[q][u] =
+                        q < ng && i < I8 ? mo_ld_stream(wr[q] + i, pol) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+            for (int u = 0; u < DN_U; u++) {
+                int i = base + lane + 32 * u;
+                if (i < I8)
+#pragma unroll
+                    for (int q = 0; q < FD_G; q++)
+                        if (q < ng) part[q] += mo_dot8(wv[q][u], __ldg(xr[q] + i));
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < FD_G; q++) {
+            float d = warp_sum(part[q]);
+            if (q < ng) {
+                int p = s_pair[g + q], t = p / top_k;
+                if (t != cur_t) { /* the previous token is complete */
+                    if (lane == 0) store_as(out + (size_t)cur_t * H + r, acc);
+                    acc = 0.0f;
+                    cur_t = t;
+                }
+                acc += wts[p] * d;
+            }
+        }
+    }
+    if (n > 0 && lane == 0) store_as(out + (size_t)cur_t * H + r, acc);
+}
+
 /* ---- prefill: counting sort, grouped tensor-core GEMM --------------------------------------
  * k_moe_sort (one CTA): per-expert counts (shared integer atomics), offsets off[0..E], the
  * pairs sorted by expert (perm[pos] = pair; the order inside an expert's group is whatever
@@ -637,6 +729,18 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
             h, (const uint4 *)x, (const uint4 *)a->w_gate_up_all, a->ids, P, k, E, I, H / 8);
         int rc = launch_check("moe decode gate_up");
         if (rc) return rc;
+        if (P <= FD_MAXP && a->fused_down) { /* down + the weighted sum, out directly */
+            int gd = (H + DEC_WARPS - 1) / DEC_WARPS;
+            if (a->out_bf16)
+                k_moe_dec_down_fused<bf16><<<gd, 32 * DEC_WARPS, 0, st>>>(
+                    (bf16 *)a->out, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids,
+                    a->weights, P, k, E, H, I / 8);
+            else
+                k_moe_dec_down_fused<float><<<gd, 32 * DEC_WARPS, 0, st>>>(
+                    (float *)a->out, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids,
+                    a->weights, P, k, E, H, I / 8);
+            return launch_check("moe decode down (fused sum)");
+        }
         k_moe_dec_down<<<g2, 32 * DEC_WARPS, 0, st>>>(
             y, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids, P, E, H, I / 8);
         rc = launch_check("moe decode down");

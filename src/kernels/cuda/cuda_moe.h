@@ -8,7 +8,8 @@
  *                the chosen experts' rows: the gate|up GEMV with SwiGLU (a CTA a row block of
  *                one chosen expert, every token that chose it sharing the weight read), the
  *                down GEMV into per-(token, slot) partials, and the weighted sum of a token's
- *                partials in ascending expert order
+ *                partials in ascending expert order (T * top_k <= 16: down and the sum in
+ *                one kernel)
  *   prefill      a counting sort of the (token, slot) pairs by expert (one CTA), then one
  *                tensor-core GEMM kernel over every expert's group of rows (gate|up with the
  *                SwiGLU in its epilogue, bf16 h), the same kernel for down (f32 rows), and the
@@ -33,7 +34,9 @@ typedef struct moe_args {
     const void *w_gate_up_all, *w_down_all; /* bf16, stacked */
     void *out;
     int out_bf16;
-    int path; /* MOE_PATH_* from moe_path() */
+    int path;       /* MOE_PATH_* from moe_path() */
+    int fused_down; /* decode with T * top_k <= 16: down and the weighted sum in one kernel
+                       (DISAGG_CUDA_MOE_FUSED_DOWN=0: the down GEMV, then k_moe_combine) */
 } moe_args;
 
 #define MOE_PATH_DECODE 0
