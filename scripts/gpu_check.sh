@@ -135,7 +135,8 @@ fi
 # 4096; us, GB/s of the active bytes and the fraction of the copy ceiling measured in the same
 # run) by default, with DISAGG_MOE_GENERIC=1 (backend.c's generic form) and with
 # DISAGG_CUDA_MOE_DEC_PAIRS=0 (the grouped GEMM at every T), with DISAGG_CUDA_MOE_FUSED_DOWN=0
-# (batch 1: the down GEMV and the sum as two kernels), and at the Mixtral-8x7B layer shape
+# (batch 1: the down GEMV and the sum as two kernels), with DISAGG_CUDA_MOE_Y_BF16=1 (prefill:
+# the down rows in bf16), and at the Mixtral-8x7B layer shape
 # (8 experts, top 2, hidden 4096, inter 14336; T 1, 32, 4096); then, where the tree has the MoE
 # model shapes (bench/shapes/qwen3-30b-a3b, mixtral-8x7b), test_cuda_model and `disagg bench
 # model --load-format dummy` on them, also with DISAGG_MOE_GENERIC=1.  MOE_BENCH_ARGS replaces
@@ -145,7 +146,8 @@ moe_steps() {
   step "moe: test_backend_ops (routing, decode GEMVs and grouped GEMM vs host references)"
   TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops"
   check $? "test_backend_ops (moe)"
-  for v in "" DISAGG_MOE_GENERIC=1 DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_FUSED_DOWN=0; do
+  for v in "" DISAGG_MOE_GENERIC=1 DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_FUSED_DOWN=0 \
+    DISAGG_CUDA_MOE_Y_BF16=1; do
     step "moe: bench moe (Qwen3-30B-A3B layer) ${v:-(default)}"
     # shellcheck disable=SC2086
     env $v "$BIN" bench moe ${MOE_BENCH_ARGS:-}

@@ -1797,12 +1797,13 @@ static void moe_case(backend *be, backend_stream *st, int T, int E, int k, int H
         }
     }
     /* 0: the decode GEMVs (with the fused down + sum where T * top_k <= 16), 1: the grouped
-     * GEMM, 2: the decode GEMVs with the separate down and k_moe_combine */
-    const char *paths[3] = {"1024", "0", "1024"};
-    for (int pi = 0; pi < 3; pi++) {
-        if (pi == 2 && (long)T * k > 16) break;
-        setenv("DISAGG_CUDA_MOE_DEC_PAIRS", paths[pi], 1);
-        if (pi == 2) setenv("DISAGG_CUDA_MOE_FUSED_DOWN", "0", 1);
+     * GEMM, 2: the decode GEMVs with the separate down and k_moe_combine (T * top_k <= 16
+     * only), 3: the grouped GEMM with the down rows in bf16 */
+    for (int pi = 0; pi < 4; pi++) {
+        if (pi == 2 && (long)T * k > 16) continue;
+        setenv("DISAGG_CUDA_MOE_DEC_PAIRS", pi == 1 || pi == 3 ? "0" : "1024", 1);
+        setenv("DISAGG_CUDA_MOE_FUSED_DOWN", pi == 2 ? "0" : "1", 1);
+        setenv("DISAGG_CUDA_MOE_Y_BF16", pi == 3 ? "1" : "0", 1);
         backend_moe_op op = {.x = DEV(bx),
                              .x_dt = x_dt,
                              .T = T,
@@ -1819,9 +1820,10 @@ static void moe_case(backend *be, backend_stream *st, int T, int E, int k, int H
                              .out_dt = out_dt};
         char what[160];
         snprintf(what, sizeof what, "moe (%s) T %d E %d top_k %d H %d I %d%s x %s out %s",
-                 (long)T * k > 1024 || pi == 1 ? "grouped GEMM"
-                 : pi == 2                     ? "decode GEMVs, separate sum"
-                                               : "decode GEMVs",
+                 pi == 3                         ? "grouped GEMM, bf16 down rows"
+                 : (long)T * k > 1024 || pi == 1 ? "grouped GEMM"
+                 : pi == 2                       ? "decode GEMVs, separate sum"
+                                                 : "decode GEMVs",
                  T, E, k, H, I, skew ? " skewed" : "", x_dt == BACKEND_BF16 ? "bf16" : "f32",
                  out_dt == BACKEND_BF16 ? "bf16" : "f32");
         float *got[2];
@@ -1839,6 +1841,7 @@ static void moe_case(backend *be, backend_stream *st, int T, int E, int k, int H
     }
     unsetenv("DISAGG_CUDA_MOE_DEC_PAIRS");
     unsetenv("DISAGG_CUDA_MOE_FUSED_DOWN");
+    unsetenv("DISAGG_CUDA_MOE_Y_BF16");
     free(hgu), free(hd), free(fgu), free(fd), free(lg), free(x), free(ids), free(wts), free(want),
         free(hh);
     backend_buffer *bufs[] = {bgu, bd, bx, bl, bid, bw, bo};

@@ -1036,6 +1036,8 @@ static int cb_moe(backend_stream *st, const backend_moe_op *o) {
     a.path = moe_path(o->T, o->top_k, moe_dec_pairs(), s->inv);
     const char *fd = getenv("DISAGG_CUDA_MOE_FUSED_DOWN");
     a.fused_down = !(fd && !strcmp(fd, "0"));
+    const char *yb = getenv("DISAGG_CUDA_MOE_Y_BF16");
+    a.y_bf16 = yb && !strcmp(yb, "1");
     size_t need = moe_ws_bytes(&a);
     void *ws = cb_scratch(s, 2, need);
     if (!ws) return s->capturing ? -EINVAL : -ENOMEM;

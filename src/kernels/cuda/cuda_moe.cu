@@ -134,13 +134,14 @@ __global__ void k_moe_to_bf16(bf16 *dst, const float *src, size_t n) {
 }
 
 /* out (T, H) = per token t, over its top_k pairs in ascending expert index, acc += w * y[row],
- * acc from 0 in f32; row = inv ? inv[p] : p for pair p = t * k + j (y (rows, H) f32); pairs of
- * an invalid expert id (outside 0..E-1) add nothing.  Grid (T, column blocks). */
-template <typename OT>
+ * acc from 0 in f32; row = inv ? inv[p] : p for pair p = t * k + j (y (rows, H) of YT: f32, or
+ * bf16 with DISAGG_CUDA_MOE_Y_BF16); pairs of an invalid expert id (outside 0..E-1) add
+ * nothing.  Grid (T, column blocks). */
+template <typename OT, typename YT>
 __global__ void __launch_bounds__(256)
-    k_moe_combine(OT *__restrict__ out, const float *__restrict__ y,
-                  const int32_t *__restrict__ ids, const float *__restrict__ wts,
-                  const int32_t *__restrict__ inv, int H, int k, int E) {
+    k_moe_combine(OT *__restrict__ out, const YT *__restrict__ y, const int32_t *__restrict__ ids,
+                  const float *__restrict__ wts, const int32_t *__restrict__ inv, int H, int k,
+                  int E) {
     __shared__ int ord[BACKEND_MOE_MAX_EXPERTS];
     __shared__ int n_ord;
     int t = blockIdx.x;
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(256)
             int j = ord[q];
             size_t p = (size_t)t * k + j;
             size_t row = inv ? (size_t)inv[p] : p;
-            acc += wts[p] * y[row * H + c];
+            acc += wts[p] * load_f(y + row * H + c);
         }
         store_as(out + (size_t)t * H + c, acc);
     }
@@ -515,7 +516,7 @@ __global__ void __launch_bounds__(1024)
  * that warp column wn holds gate rows n0 + 16 wn .. + 15 then the up rows of the same j
  * (n0 = 64 blockIdx.x); epilogue h[pos][j] = silu(g) * u in bf16.
  * MODE 1 (down): A rows = h[pos] (K = I), B = down_e rows n0 .. n0 + 127 (n0 = 128
- * blockIdx.x); epilogue y[pos][n] f32.
+ * blockIdx.x); epilogue y[pos][n] f32 (MODE 2: the same in bf16).
  * CTA tile 128 x 128, K step 32, 3 cp.async stages, 8 warps as 2 (M) x 4 (N) of 64 x 32,
  * mma.sync m16n8k16 bf16 with f32 accumulators; blockIdx.y = M-tile (past n_tiles: exit). */
 template <int MODE>
@@ -629,12 +630,15 @@ __global__ void __launch_bounds__(256)
                     }
                 }
             } else {
-                float *y = (float *)outp + (size_t)pos * Nout;
 #pragma unroll
                 for (int ni = 0; ni < 4; ni++) {
                     int n = blockIdx.x * GM_BN + wn * 32 + ni * 8 + (lane & 3) * 2;
-                    if (n < Nout)
-                        *(float2 *)(y + n) =
+                    if (n >= Nout) continue;
+                    if (MODE == 2)
+                        *(__nv_bfloat162 *)((bf16 *)outp + (size_t)pos * Nout + n) =
+                            __floats2bfloat162_rn(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
+                    else
+                        *(float2 *)((float *)outp + (size_t)pos * Nout + n) =
                             make_float2(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
                 }
             }
@@ -713,7 +717,7 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
         x = (const bf16 *)(w + L.xb);
     }
     bf16 *h = (bf16 *)(w + L.h);
-    float *y = (float *)(w + L.y);
+    void *y = w + L.y; /* f32, or bf16 on the GEMM path with y_bf16 */
     const int32_t *inv = NULL;
     if (a->path == MOE_PATH_DECODE) {
         if (P > MOE_DEC_MAXP) return -EINVAL;
@@ -742,7 +746,7 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
             return launch_check("moe decode down (fused sum)");
         }
         k_moe_dec_down<<<g2, 32 * DEC_WARPS, 0, st>>>(
-            y, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids, P, E, H, I / 8);
+            (float *)y, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids, P, E, H, I / 8);
         rc = launch_check("moe decode down");
         if (rc) return rc;
     } else {
@@ -760,6 +764,8 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
                                     GM_SMEM));
             CK(cudaFuncSetAttribute(k_moe_gemm<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     GM_SMEM));
+            CK(cudaFuncSetAttribute(k_moe_gemm<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    GM_SMEM));
             if (dev >= 0 && dev < 64) attr_done[dev] = 1;
         }
         dim3 g1((I + 63) / 64, L.max_tiles), g2((H + GM_BN - 1) / GM_BN, L.max_tiles);
@@ -767,19 +773,30 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
                                                 tm, nt, k, H, 2 * I, I);
         rc = launch_check("moe gemm gate_up");
         if (rc) return rc;
-        k_moe_gemm<1><<<g2, 256, GM_SMEM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off, te,
-                                                tm, nt, k, I, H, H);
+        if (a->y_bf16)
+            k_moe_gemm<2><<<g2, 256, GM_SMEM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+                                                    te, tm, nt, k, I, H, H);
+        else
+            k_moe_gemm<1><<<g2, 256, GM_SMEM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+                                                    te, tm, nt, k, I, H, H);
         rc = launch_check("moe gemm down");
         if (rc) return rc;
         inv = invw;
     }
     int by = (H + 255) / 256;
     dim3 gc(T, by > 8 ? 8 : by);
-    if (a->out_bf16)
-        k_moe_combine<bf16>
-            <<<gc, 256, 0, st>>>((bf16 *)a->out, y, a->ids, a->weights, inv, H, k, E);
+    int y16 = a->path == MOE_PATH_GEMM && a->y_bf16;
+#define MOE_COMB(OT, YT)                                                                           \
+    k_moe_combine<OT, YT>                                                                          \
+        <<<gc, 256, 0, st>>>((OT *)a->out, (const YT *)y, a->ids, a->weights, inv, H, k, E)
+    if (a->out_bf16 && y16)
+        MOE_COMB(bf16, bf16);
+    else if (a->out_bf16)
+        MOE_COMB(bf16, float);
+    else if (y16)
+        MOE_COMB(float, bf16);
     else
-        k_moe_combine<float>
-            <<<gc, 256, 0, st>>>((float *)a->out, y, a->ids, a->weights, inv, H, k, E);
+        MOE_COMB(float, float);
+#undef MOE_COMB
     return launch_check("moe combine");
 }

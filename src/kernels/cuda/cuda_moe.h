@@ -37,6 +37,8 @@ typedef struct moe_args {
     int path;       /* MOE_PATH_* from moe_path() */
     int fused_down; /* decode with T * top_k <= 16: down and the weighted sum in one kernel
                        (DISAGG_CUDA_MOE_FUSED_DOWN=0: the down GEMV, then k_moe_combine) */
+    int y_bf16;     /* grouped GEMM: the down rows in bf16 before the weighted sum (half the
+                       bytes written and read back; DISAGG_CUDA_MOE_Y_BF16=1, default off) */
 } moe_args;
 
 #define MOE_PATH_DECODE 0
