@@ -1940,12 +1940,15 @@ static void test_moe_cuda(void **state) {
         moe_graph_case(be, st, 1, 128, 8, 64, 96);
         moe_graph_case(be, st, 7, 8, 2, 64, 96);
         moe_graph_case(be, st, 64, 128, 8, 64, 96);
-        /* what the CUDA kernels refuse (hidden not a multiple of 32): -ENOTSUP, not a crash */
+        /* hidden and inter multiples of 8, not of 32: the GEMM's last K step zero-filled */
+        moe_case(be, st, 7, 8, 2, 72, 40, 0, BACKEND_F32, BACKEND_F32);
+        moe_case(be, st, 300, 8, 2, 72, 40, 1, BACKEND_BF16, BACKEND_F32);
+        /* what the CUDA kernels refuse (hidden not a multiple of 8): -ENOTSUP, not a crash */
         backend_buffer *b = backend_buffer_alloc(be, 1 << 16, BACKEND_BUF_ZERO); /* ids 0 */
         backend_moe_op op = {.x = DEV(b),
                              .x_dt = BACKEND_BF16,
                              .T = 1,
-                             .hidden = 40,
+                             .hidden = 36,
                              .inter = 64,
                              .n_experts = 4,
                              .top_k = 2,

@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(256)
         }
         b_src[q] = W + ((size_t)e * Nrows + wrow) * K;
     }
-    int KT = K / GM_BK;
+    int KT = (K + GM_BK - 1) / GM_BK;
     /* 16-row slices of this warp's 64 rows inside the group (a group's last tile is often
      * partial): the others skip their ldmatrix and mma (warp-uniform) */
     int live = (m_end - (m0 + wm * 64) + 15) / 16;
@@ -560,8 +560,15 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int q = 0; q < 2; q++) {
             int r = (tid >> 2) + 64 * q;
-            cp_async16(As + ((size_t)st * GM_BM + r) * GM_LD + ch * 8, a_src[q] + k0);
-            cp_async16(Bs + ((size_t)st * GM_BN + r) * GM_LD + ch * 8, b_src[q] + k0);
+            bf16 *ad = As + ((size_t)st * GM_BM + r) * GM_LD + ch * 8,
+                 *bd = Bs + ((size_t)st * GM_BN + r) * GM_LD + ch * 8;
+            if (k0 < K) { /* K % 8 == 0: a 16-byte chunk is all in or all past K */
+                cp_async16(ad, a_src[q] + k0);
+                cp_async16(bd, b_src[q] + k0);
+            } else { /* the last K step's tail: zeros (the barrier before use orders them) */
+                *(uint4 *)ad = make_uint4(0, 0, 0, 0);
+                *(uint4 *)bd = make_uint4(0, 0, 0, 0);
+            }
         }
     };
     float acc[4][4][4];
@@ -653,7 +660,7 @@ int moe_path(int T, int top_k, int max_pairs, int force_gemm) {
 }
 
 int moe_shape_ok(int hidden, int inter) {
-    return hidden >= 32 && inter >= 32 && hidden % 32 == 0 && inter % 32 == 0;
+    return hidden >= 8 && inter >= 8 && hidden % 8 == 0 && inter % 8 == 0;
 }
 
 /* workspace layout: [xb (T, H) bf16 when x is f32] [h (P, I) bf16] [y (P, H) f32]

@@ -48,7 +48,7 @@ typedef struct moe_args {
  * default 512, capped at MOE_DEC_MAXP) and !force_gemm, else the grouped GEMM */
 #define MOE_DEC_MAXP 1024
 int moe_path(int T, int top_k, int max_pairs, int force_gemm);
-/* the shapes the kernels take: hidden and inter multiples of 32, at least 32 */
+/* the shapes the kernels take: hidden and inter multiples of 8 (16-byte rows) */
 int moe_shape_ok(int hidden, int inter);
 /* workspace bytes for a call (0 never) */
 size_t moe_ws_bytes(const moe_args *a);
