@@ -129,6 +129,71 @@ if [ "${ONLY:-}" = tp ]; then
   exit $((fails > 0))
 fi
 
+# ONLY=moe (mixture of experts): test_backend_ops' CUDA MoE cases (the routing and every CUDA
+# path of backend_moe against host references, skewed routing, CUDA graphs) and, where the tree
+# has it, test_backend_ops_moe (the model branch's: CUDA, its generic form and the CPU against
+# the reference and torch's routing); then `disagg bench moe` (the op alone at the
+# Qwen3-30B-A3B layer shape: 128 experts, top 8, hidden 2048, inter 768; T 1, 64, 4096; us,
+# GB/s of the active bytes and the fraction of the copy ceiling measured in the same run) by
+# default, with DISAGG_MOE_GENERIC=1 (the generic form), DISAGG_CUDA_MOE_DEC_PAIRS=0 (the
+# grouped GEMM at every T), DISAGG_CUDA_MOE_FUSED_DOWN=0 (batch 1: the down GEMV and the sum as
+# two kernels) and DISAGG_CUDA_MOE_Y_BF16=1 (prefill: the down rows in bf16), and at the
+# Mixtral-8x7B layer shape (8 experts, top 2, hidden 4096, inter 14336; T 1, 32, 4096); then,
+# where the tree has the MoE model shapes (bench/shapes/qwen3-30b-a3b, mixtral-8x7b),
+# test_cuda_model, `disagg bench model --load-format dummy` on each (its generic-MoE baseline
+# comes in the same run) and the per-op timing of its eager decode steps.  MOE_OP_ARGS replaces
+# the op benchmark's arguments, MOE_BENCH_ARGS / MIXTRAL_BENCH_ARGS the model benchmark's
+# (default: prefill of 4,096 tokens, decode at batch 1 and 64 / 1 and 32, batch 1 at 4k).
+moe_kernel_steps() {
+  step "moe: test_backend_ops (CUDA MoE: routing, decode GEMVs, grouped GEMM, graphs)"
+  TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops"
+  check $? "test_backend_ops (moe)"
+  if [ -x "$BUILD/test_backend_ops_moe" ]; then
+    step "moe: test_backend_ops_moe (routing vs torch, experts vs reference: CUDA, generic, CPU)"
+    "$BUILD/test_backend_ops_moe"
+    check $? "test_backend_ops_moe"
+  fi
+  # MOE_QUICK=1: the default kernels and the generic baseline only, no per-op timing
+  variants=("" DISAGG_MOE_GENERIC=1 DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_FUSED_DOWN=0
+    DISAGG_CUDA_MOE_Y_BF16=1)
+  [ -n "${MOE_QUICK:-}" ] && variants=("" DISAGG_MOE_GENERIC=1)
+  for v in "${variants[@]}"; do
+    step "moe: bench moe (Qwen3-30B-A3B layer) ${v:-(default)}"
+    # shellcheck disable=SC2086
+    env $v "$BIN" bench moe ${MOE_OP_ARGS:-}
+    check $? "bench moe ${v:-(default)}"
+  done
+  step "moe: bench moe (Mixtral-8x7B layer: 8 experts, top 2, hidden 4096, inter 14336)"
+  "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,32,4096 \
+    --iters 20
+  check $? "bench moe (Mixtral layer)"
+  if [ -d "$SRC/bench/shapes/qwen3-30b-a3b" ]; then
+    step "moe: test_cuda_model (the Qwen3-MoE and Mixtral tiny models among the rest)"
+    "$BUILD/test_cuda_model"
+    check $? "test_cuda_model (moe)"
+  fi
+  for s in qwen3-30b-a3b mixtral-8x7b; do
+    [ -d "$SRC/bench/shapes/$s" ] || { echo "(bench/shapes/$s not in this tree: skipped)"; continue; }
+    args=${MOE_BENCH_ARGS:---prompt-lens 4096 --batches 1,64 --long-context 4096}
+    [ "$s" = mixtral-8x7b ] && args=${MIXTRAL_BENCH_ARGS:---prompt-lens 4096 --batches 1,32 --long-context 4096}
+    step "moe: bench model $s --load-format dummy $args"
+    # shellcheck disable=SC2086
+    "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy $args
+    check $? "bench model $s (dummy weights)"
+    [ -n "${MOE_QUICK:-}" ] && continue
+    step "moe: per-op timing of eager 1-token and 64-token steps, $s (DISAGG_CUDA_PROF=64)"
+    env DISAGG_CUDA_PROF=64 "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda \
+      --load-format dummy --prompt-lens 16 --batches 1,64 2>&1 | grep -E "^prof|^ *(1|64) "
+    check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
+  done
+}
+if [ "${ONLY:-}" = moe ]; then
+  moe_kernel_steps
+  step "summary"
+  echo "gpu_check (ONLY=moe): $fails failed step(s)"
+  exit $((fails > 0))
+fi
+
 W7=/dev/shm/q7b
 [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
 inv_steps() {
@@ -329,36 +394,10 @@ profile_steps() {
     check $? "profile $s"
   done
 }
-# ONLY=moe: the MoE ops (backend_moe_route, backend_moe: the backend's kernels and
-# the generic form, DISAGG_MOE_GENERIC=1) against the reference and torch's routing
-# (test_backend_ops_moe), the Qwen3-MoE / Mixtral tiny models vs the CPU (test_cuda_model), then
-# `bench model --load-format dummy` on the Qwen3-30B-A3B and Mixtral-8x7B shapes; each bench
-# run ends with the generic MoE baseline (plain loop over experts) in the same run.
-# MOE_BENCH_ARGS replaces the Qwen3-30B-A3B arguments (default: prefill of 4,096 tokens,
-# decode at batch 1 and 64, batch 1 at 4k context), MIXTRAL_BENCH_ARGS Mixtral's.
-moe_steps() {
-  step "moe: test_backend_ops_moe (routing vs torch, experts vs reference: CUDA, CUDA generic, CPU)"
-  "$BUILD/test_backend_ops_moe"
-  check $? "test_backend_ops_moe"
-  step "moe: test_cuda_model (Qwen3-MoE, Mixtral tiny models vs CPU; all models)"
-  "$BUILD/test_cuda_model"
-  check $? "test_cuda_model (moe)"
-  step "moe: bench model qwen3-30b-a3b --load-format dummy"
-  # shellcheck disable=SC2086
-  "$BIN" bench model "$SRC/bench/shapes/qwen3-30b-a3b" --device cuda --load-format dummy \
-    ${MOE_BENCH_ARGS:---prompt-lens 4096 --batches 1,64 --long-context 4096}
-  check $? "bench model qwen3-30b-a3b (dummy weights)"
-  step "moe: bench model mixtral-8x7b --load-format dummy"
-  # shellcheck disable=SC2086
-  "$BIN" bench model "$SRC/bench/shapes/mixtral-8x7b" --device cuda --load-format dummy \
-    ${MIXTRAL_BENCH_ARGS:---prompt-lens 4096 --batches 1,32 --long-context 4096}
-  check $? "bench model mixtral-8x7b (dummy weights)"
-}
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = moe ]; then
+   [ "${ONLY:-}" = profile ]; then
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = arch ] && arch_steps
-  [ "$ONLY" = moe ] && moe_steps
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps
   [ "$ONLY" = prefill ] && prefill_steps

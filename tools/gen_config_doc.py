@@ -46,6 +46,7 @@ COMMANDS = [
     ["bench", "serve"],
     ["bench", "proxy"],
     ["bench", "grammar"],
+    ["bench", "moe"],
     ["transfer"],
     ["transfer", "target"],
     ["transfer", "copy"],

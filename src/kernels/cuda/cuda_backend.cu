@@ -14,6 +14,7 @@
 #include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_invariant.h"
+#include "kernels/cuda/cuda_moe.h"
 #include "kernels/cuda/cuda_qknorm.h"
 #include "kernels/cuda/cuda_window.h"
 
@@ -47,8 +48,9 @@ typedef struct cb_stream {
     int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
     void *xconv;          /* bf16 copy of a matmul input */
     size_t xconv_bytes;
-    void *scr[2];         /* fused ops' intermediates: [0] the q|k|v GEMM, [1] gate|up */
-    size_t scr_bytes[2];
+    void *scr[3];         /* fused ops' intermediates: [0] the q|k|v GEMM, [1] gate|up,
+                             [2] the mixture of experts' workspace (cuda_moe.h) */
+    size_t scr_bytes[3];
     /* recorded decode steps (backend_graph_*): one entry per (T, max_ctx, max_blocks) */
     struct cb_graph *graphs;
     int n_graphs, cap_graphs;
@@ -352,6 +354,7 @@ static void cb_stream_free(backend_stream *st) {
     iv_scratch_free(&s->ivs);
     cudaFree(s->scr[0]);
     cudaFree(s->scr[1]);
+    cudaFree(s->scr[2]);
     free(s->h_meta);
     ctx_free(s->c);
     free(s);
@@ -991,6 +994,62 @@ static int cb_matmul_residual(backend_stream *st, const backend_matmul_op *o, vo
     return rc ? rc : cb_add(st, resid, o->y, o->y_dt, (size_t)o->T * o->N);
 }
 
+/* ---- mixture of experts (cuda_moe.cu) ---------------------------------------------------- */
+
+static int cb_moe_route(backend_stream *st, int32_t *ids, float *weights, const float *logits,
+                        int T, int n_experts, int top_k, int norm) {
+    return pm(CB(st), moe_route(CB(st)->c->stream, ids, weights, logits, T, n_experts, top_k, norm),
+              "moe route", 0);
+}
+
+/* decode (few (token, expert) pairs): DISAGG_CUDA_MOE_DEC_PAIRS (default 512, at most
+ * MOE_DEC_MAXP; 0: the grouped GEMM at every T), read at every call (tests switch it); the
+ * batch-invariant mode always takes the grouped GEMM, whose rows do not depend on the batch */
+static int moe_dec_pairs(void) {
+    const char *e = getenv("DISAGG_CUDA_MOE_DEC_PAIRS");
+    int v = e && *e ? atoi(e) : 512;
+    return v < 0 ? 0 : v > MOE_DEC_MAXP ? MOE_DEC_MAXP : v;
+}
+
+static int cb_moe(backend_stream *st, const backend_moe_op *o) {
+    cb_stream *s = CB(st);
+    if (o->w_dt != BACKEND_BF16 || !o->w_gate_up_all || !o->w_down_all ||
+        (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16) ||
+        (o->out_dt != BACKEND_F32 && o->out_dt != BACKEND_BF16) ||
+        !moe_shape_ok(o->hidden, o->inter) ||
+        (((uintptr_t)o->x | (uintptr_t)o->w_gate_up_all | (uintptr_t)o->w_down_all) & 15))
+        return -ENOTSUP;
+    moe_args a;
+    a.x = o->x;
+    a.x_bf16 = o->x_dt == BACKEND_BF16;
+    a.T = o->T;
+    a.hidden = o->hidden;
+    a.inter = o->inter;
+    a.n_experts = o->n_experts;
+    a.top_k = o->top_k;
+    a.ids = o->ids;
+    a.weights = o->weights;
+    a.w_gate_up_all = o->w_gate_up_all;
+    a.w_down_all = o->w_down_all;
+    a.out = o->out;
+    a.out_bf16 = o->out_dt == BACKEND_BF16;
+    a.path = moe_path(o->T, o->top_k, moe_dec_pairs(), s->inv);
+    const char *fd = getenv("DISAGG_CUDA_MOE_FUSED_DOWN");
+    a.fused_down = !(fd && !strcmp(fd, "0"));
+    const char *yb = getenv("DISAGG_CUDA_MOE_Y_BF16");
+    a.y_bf16 = yb && !strcmp(yb, "1");
+    size_t need = moe_ws_bytes(&a);
+    void *ws = cb_scratch(s, 2, need);
+    if (!ws) return s->capturing ? -EINVAL : -ENOMEM;
+    double bytes = 0;
+    if (s->prof && s->prof->on) { /* the weights of the distinct chosen experts, at most */
+        long P = (long)o->T * o->top_k, ne = P < o->n_experts ? P : o->n_experts;
+        bytes = (double)ne * 3 * o->inter * o->hidden * 2;
+    }
+    return pm(s, moe_run(s->c->stream, s->c->n_sm, ws, need, &a),
+              a.path == MOE_PATH_DECODE ? "moe (decode GEMVs)" : "moe (grouped GEMM)", bytes);
+}
+
 static const backend_iface CB_IFACE = {
     cb_free,     cb_memory,         cb_buffer_alloc, cb_weights_load, cb_buffer_free,
     cb_stream_create, cb_stream_free, cb_stream_sync, cb_upload,      cb_download,
@@ -999,7 +1058,7 @@ static const backend_iface CB_IFACE = {
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,     cb_matmul_residual,
-    cb_residual_fused,
+    cb_residual_fused, cb_moe_route,  cb_moe,
 };
 
 extern "C" __attribute__((visibility("default"))) int

@@ -14,6 +14,8 @@
  *   cuda_attention_decode.cu split-KV decode attention (tensor cores and scalar) + combine
  *   cuda_attention_prefill.cu  prefill attention over 128/64-row tiles (mma.sync, wmma)
  *   cuda_sampling.cu         argmax
+ *   cuda_moe.cu              mixture of experts: routing, decode GEMVs over the chosen
+ *                            experts, the sort by expert and the grouped GEMM (cuda_moe.h)
  *   cuda_backend.cu          kernels/backend.h on top of them (buffers, streams, plans,
  *                            CUDA graphs, per-op timing; the module's one entry point)
  * Built for sm_90 plus compute_90 PTX; linked against the static CUDA runtime and
