@@ -43,6 +43,7 @@ typedef struct tc_options {
     long tokens;  /* prompt tokens */
     long block_tokens;
     long layers, kv_heads, head_dim;
+    long elem;    /* bytes of a KV element: --kv-cache-dtype (bfloat16 2, fp8 1, float32 4) */
     long reps;
     const char *host;
 } tc_options;
@@ -55,7 +56,10 @@ static uint64_t tc_now(void) {
 
 static size_t tc_block_bytes(const tc_options *o) {
     return (size_t)o->layers * 2 * (size_t)o->block_tokens * (size_t)o->kv_heads *
-           (size_t)o->head_dim * 2;
+           (size_t)o->head_dim * (size_t)o->elem;
+}
+static const char *tc_dtype(const tc_options *o) {
+    return o->elem == 1 ? "fp8" : o->elem == 4 ? "float32" : "bfloat16";
 }
 static size_t tc_blocks(const tc_options *o) {
     return (size_t)((o->tokens + o->block_tokens - 1) / o->block_tokens);
@@ -76,7 +80,8 @@ static void tc_usage(FILE *f) {
             "  --protocol P         cuda_ipc, tcp or \"cuda_ipc,tcp\" (default both)\n"
             "  --tokens N           prompt tokens (default 4096)\n"
             "  --kv-shape L,H,D     layers, KV heads, head_dim (default 28,4,128: Qwen2.5-7B),\n"
-            "                       bf16, blocks of --block-tokens (default 16)\n"
+            "                       blocks of --block-tokens (default 16)\n"
+            "  --kv-cache-dtype T   bfloat16 (default), fp8 (e4m3: half the bytes) or float32\n"
             "  --reps N             timed repetitions per row, 1..1000 (default 20; tcp rows 5)\n"
             "  --local-hostname IP  address the engines use (default 127.0.0.1)\n"
             "  -h, --help           this text\n"
@@ -114,6 +119,7 @@ static int tc_parse(int argc, char **argv, tc_options *o) {
     o->layers = 28;
     o->kv_heads = 4;
     o->head_dim = 128;
+    o->elem = 2;
     o->reps = 20;
     o->host = "127.0.0.1";
     for (int i = 1; i < argc; i++) {
@@ -169,6 +175,15 @@ static int tc_parse(int argc, char **argv, tc_options *o) {
                 o->layers < 1 || o->layers > 1024 || o->kv_heads < 1 || o->kv_heads > 1024 ||
                 o->head_dim < 1 || o->head_dim > 1024)
                 return tc_bad(name, val, "L,H,D: layers, KV heads, head_dim, each 1..1024");
+        } else if (!strcmp(name, "--kv-cache-dtype")) {
+            if (!strcmp(val, "bfloat16") || !strcmp(val, "bf16") || !strcmp(val, "auto"))
+                o->elem = 2;
+            else if (!strcmp(val, "fp8") || !strcmp(val, "fp8_e4m3"))
+                o->elem = 1;
+            else if (!strcmp(val, "float32") || !strcmp(val, "f32"))
+                o->elem = 4;
+            else
+                return tc_bad(name, val, "bfloat16, fp8, fp8_e4m3, float32");
         } else if (!strcmp(name, "--reps")) {
             rc = tc_long(name, val, 1, 1000, &o->reps);
         } else if (!strcmp(name, "--local-hostname")) {
@@ -176,7 +191,7 @@ static int tc_parse(int argc, char **argv, tc_options *o) {
         } else {
             return tc_bad("option", name,
                           "--location, --mode, --protocol, --tokens, --block-tokens, --kv-shape, "
-                          "--reps, --local-hostname (see --help)");
+                          "--kv-cache-dtype, --reps, --local-hostname (see --help)");
         }
         if (rc) return rc;
     }
@@ -335,7 +350,8 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
                           "target",   "--tokens",
                           tokens,     "--block-tokens",
                           bt,         "--kv-shape",
-                          shape,      "--local-hostname",
+                          shape,      "--kv-cache-dtype",
+                          tc_dtype(o), "--local-hostname",
                           o->host,    NULL};
     /* The target allocates and fills its device buffer first. */
     char line[512], hex[2 * TRANSFER_IPC_HANDLE_MAX + 1];
@@ -497,9 +513,9 @@ static int tc_run(const tc_options *o) {
     size_t free_b = 0, total_b = 0;
     api->mem_info(o->device, &free_b, &total_b);
     printf("disagg bench transfer --location %s: KV of %ld tokens, %ld layers x K,V x %ld tokens "
-           "x %ld KV heads x %ld x bf16 = %zu-byte blocks, %zu blocks, %.1f MB; target pid %d "
+           "x %ld KV heads x %ld x %s = %zu-byte blocks, %zu blocks, %.1f MB; target pid %d "
            "on the same GPU (%.1f of %.1f GB free)\n",
-           loc, o->tokens, o->layers, o->block_tokens, o->kv_heads, o->head_dim, bb, nb,
+           loc, o->tokens, o->layers, o->block_tokens, o->kv_heads, o->head_dim, tc_dtype(o), bb, nb,
            (double)kv / 1e6, (int)c.pid, (double)free_b / 1e9, (double)total_b / 1e9);
 
     /* Requests: local block i -> remote block i (contiguous) or 2i (scattered, every other
@@ -648,6 +664,10 @@ static int tc_run(const tc_options *o) {
     if (o->tcp && tcp_dev > 0 && tcp_host > 0)
         printf("  staged tcp >= 80%% of host-memory tcp: %.2f vs %.2f GB/s = %.0f%%  %s\n", tcp_dev,
                tcp_host, 100 * tcp_dev / tcp_host, tcp_dev >= 0.8 * tcp_host ? "PASS" : "MISS");
+    /* one line to compare KV dtypes (gpu_check ONLY=fp8kv): the time of this prompt's KV */
+    printf("kv time %s %ld tokens %.1f MB: cuda_ipc %.3f ms, staged tcp %.3f ms\n", tc_dtype(o),
+           o->tokens, (double)kv / 1e6, o->ipc && ipc_cont > 0 ? ipc_cont * 1e3 : -1.0,
+           o->tcp && tcp_dev > 0 ? (double)kv / (tcp_dev * 1e9) * 1e3 : -1.0);
 out:
     free(cont);
     free(scat);

@@ -1033,6 +1033,19 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -EINVAL;
         goto fail;
     }
+    /* the GPU's FP8 KV kernels: not in the batch-invariant attention nor the sliding-window
+     * one (kernels/cuda/cuda_invariant.cu, cuda_window.cu): refused here, not at the first
+     * request */
+    if (kv_dt == BACKEND_F8E4M3 && !backend_is_cpu(e->be) &&
+        (c.batch_invariant || mc->sliding_window)) {
+        snprintf(err, errlen,
+                 "--kv-cache-dtype fp8 is not implemented on %s with %s; accepted there: "
+                 "--kv-cache-dtype auto, bfloat16 or float32",
+                 backend_name(e->be),
+                 c.batch_invariant ? "--batch-invariant" : "a sliding-window model");
+        rc = -EINVAL;
+        goto fail;
+    }
     size_t block_bytes = decoder_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0,
            mem_free = 0;
     /* activations first: on a GPU the KV cache gets what is left (vLLM's
