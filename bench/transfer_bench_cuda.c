@@ -44,6 +44,7 @@ typedef struct tc_options {
     long tokens;  /* prompt tokens */
     long block_tokens;
     long layers, kv_heads, head_dim;
+    long elem;    /* bytes of a KV element: --kv-cache-dtype (bfloat16 2, fp8 1, float32 4) */
     long reps;
     const char *host;
 } tc_options;
@@ -56,10 +57,29 @@ static uint64_t tc_now(void) {
 
 static size_t tc_block_bytes(const tc_options *o) {
     return (size_t)o->layers * 2 * (size_t)o->block_tokens * (size_t)o->kv_heads *
-           (size_t)o->head_dim * 2;
+           (size_t)o->head_dim * (size_t)o->elem;
+}
+static const char *tc_dtype(const tc_options *o) {
+    return o->elem == 1 ? "fp8" : o->elem == 4 ? "float32" : "bfloat16";
 }
 static size_t tc_blocks(const tc_options *o) {
     return (size_t)((o->tokens + o->block_tokens - 1) / o->block_tokens);
+}
+
+/* --kv-cache-dtype: the KV element's bytes */
+static int tc_flag_kv_dtype(flags_parser *p, const flag_def *d, const char *v) {
+    long *elem = d->dst;
+    if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16") || !strcmp(v, "auto"))
+        *elem = 2;
+    else if (!strcmp(v, "fp8") || !strcmp(v, "fp8_e4m3") || !strcmp(v, "float8_e4m3fn"))
+        *elem = 1;
+    else if (!strcmp(v, "float32") || !strcmp(v, "f32"))
+        *elem = 4;
+    else {
+        flags_error(p, "--kv-cache-dtype '%s' is not accepted; accepted: bfloat16, fp8, float32", v);
+        return -1;
+    }
+    return 0;
 }
 
 /* --location cuda:N */
@@ -122,6 +142,7 @@ static int tc_parse(int argc, char **argv, tc_options *o) {
     o->layers = 28;
     o->kv_heads = 4;
     o->head_dim = 128;
+    o->elem = 2;
     o->reps = 20;
     o->host = "127.0.0.1";
     int mode = -1;
@@ -134,10 +155,12 @@ static int tc_parse(int argc, char **argv, tc_options *o) {
          .help = "cuda_ipc, tcp or \"cuda_ipc,tcp\" (default both)"},
         {FLAG_INT_("--tokens", &o->tokens, 1, 1 << 20), .help = "prompt tokens (default 4096)"},
         {FLAG_CUSTOM_("--kv-shape", o, tc_flag_kv_shape), .metavar = "L,H,D",
-         .help = "layers, KV heads, head_dim (default 28,4,128: Qwen2.5-7B), bf16, blocks of "
+         .help = "layers, KV heads, head_dim (default 28,4,128: Qwen2.5-7B), blocks of "
                  "--block-tokens"},
         {FLAG_INT_("--block-tokens", &o->block_tokens, 1, 1024),
          .help = "tokens per KV block, 1..1024 (default 16)"},
+        {FLAG_CUSTOM_("--kv-cache-dtype", &o->elem, tc_flag_kv_dtype), .metavar = "T",
+         .help = "bfloat16 (default), fp8 (e4m3: half the bytes) or float32"},
         {FLAG_INT_("--reps", &o->reps, 1, 1000),
          .help = "timed repetitions per row, 1..1000 (default 20; tcp rows 5)"},
         {FLAG_STRING_("--local-hostname", &o->host), .metavar = "IP",
@@ -333,7 +356,8 @@ static int tc_spawn(const tc_options *o, tc_child *c) {
                           "target",   "--tokens",
                           tokens,     "--block-tokens",
                           bt,         "--kv-shape",
-                          shape,      "--local-hostname",
+                          shape,      "--kv-cache-dtype",
+                          tc_dtype(o), "--local-hostname",
                           o->host,    NULL};
     /* The target allocates and fills its device buffer first. */
     char line[4096], why[768] = "";
@@ -505,9 +529,9 @@ static int tc_run(const tc_options *o) {
     size_t free_b = 0, total_b = 0;
     api->mem_info(o->device, &free_b, &total_b);
     printf("disagg bench transfer --location %s: KV of %ld tokens, %ld layers x K,V x %ld tokens "
-           "x %ld KV heads x %ld x bf16 = %zu-byte blocks, %zu blocks, %.1f MB; target pid %d "
+           "x %ld KV heads x %ld x %s = %zu-byte blocks, %zu blocks, %.1f MB; target pid %d "
            "on the same GPU (%.1f of %.1f GB free)\n",
-           loc, o->tokens, o->layers, o->block_tokens, o->kv_heads, o->head_dim, bb, nb,
+           loc, o->tokens, o->layers, o->block_tokens, o->kv_heads, o->head_dim, tc_dtype(o), bb, nb,
            (double)kv / 1e6, (int)c.pid, (double)free_b / 1e9, (double)total_b / 1e9);
 
     /* Requests: local block i -> remote block i (contiguous) or 2i (scattered, every other
@@ -656,6 +680,10 @@ static int tc_run(const tc_options *o) {
     if (o->tcp && tcp_dev > 0 && tcp_host > 0)
         printf("  staged tcp >= 80%% of host-memory tcp: %.2f vs %.2f GB/s = %.0f%%  %s\n", tcp_dev,
                tcp_host, 100 * tcp_dev / tcp_host, tcp_dev >= 0.8 * tcp_host ? "PASS" : "MISS");
+    /* one line to compare KV dtypes (gpu_check ONLY=fp8kv): the time of this prompt's KV */
+    printf("kv time %s %ld tokens %.1f MB: cuda_ipc %.3f ms, staged tcp %.3f ms\n", tc_dtype(o),
+           o->tokens, (double)kv / 1e6, o->ipc && ipc_cont > 0 ? ipc_cont * 1e3 : -1.0,
+           o->tcp && tcp_dev > 0 ? (double)kv / (tcp_dev * 1e9) * 1e3 : -1.0);
 out:
     free(cont);
     free(scat);

@@ -54,6 +54,14 @@
 # Tensor parallelism: tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
+# ONLY=fp8kv (issue 29's FP8 KV cache): test_backend_ops (the FP8 KV cases on CUDA: kv_write,
+# the q|k|v epilogues, decode and prefill attention vs a dequantizing reference; also with the
+# 8-warp prefill kernel, the q|k|v GEMV off and cuBLASLt for one token), tools/gpu_fp8kv_check.py
+# (serve --kv-cache-dtype bfloat16 vs fp8 on the tiny model and the Qwen2.5-7B shape with
+# --load-format dummy: requests, the KV tokens at --gpu-memory-utilization 0.9 and the batch of
+# 8k sequences that fits), `bench transfer --location cuda:0` of a 4k-token 7B KV for bfloat16
+# and fp8 (cuda_ipc and staged tcp: the fp8/bf16 time ratios, target <= 0.5), and P/D with fp8
+# on every instance (tools/gpu_pd_check.py, PD_QUICK): P/D equals colocated fp8.
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -394,9 +402,48 @@ profile_steps() {
     check $? "profile $s"
   done
 }
+fp8kv_steps() {
+  step "fp8 KV: test_backend_ops (FP8 KV write, q|k|v epilogues, decode and prefill attention on CUDA)"
+  "$BUILD/test_backend_ops" > /tmp/tbo-fp8.log 2>&1
+  check $? test_backend_ops
+  grep -E "fp8|FAILED|ERROR|PASSED|SKIP" /tmp/tbo-fp8.log | head -30
+  for v in DISAGG_CUDA_FLASH_MT=1 DISAGG_CUDA_FLASH_AUTO=0 DISAGG_CUDA_QKV_FUSE=0 DISAGG_CUDA_GEMV=0 DISAGG_CUDA_QKV_BF16=0; do
+    env ${v//,/ } "$BUILD/test_backend_ops" > /tmp/tbo-fp8.log 2>&1
+    check $? "test_backend_ops with $v"
+    grep -E "FAILED|ERROR|tolerance|differ" /tmp/tbo-fp8.log | head -10
+  done
+  step "fp8 KV: serve bfloat16 vs fp8 (tiny model; Qwen2.5-7B shape, dummy weights): requests, KV tokens, batch at 8k"
+  TOK=$SRC/../shared/data/qwen2.5-tokenizer
+  [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
+  PYTHONUNBUFFERED=1 python3 tools/gpu_fp8kv_check.py "$BIN" "$OUT" "$SRC/models/disagg-sotu-tiny" \
+    "$SRC/bench/shapes/qwen2.5-7b:dummy:$TOK"
+  check $? gpu_fp8kv_check
+  step "fp8 KV: bench transfer of a 4k-token KV of the 7B shape, bfloat16 then fp8 (cuda_ipc and staged tcp)"
+  for dt in bfloat16 fp8; do
+    "$BIN" bench transfer --location cuda:0 --kv-cache-dtype $dt > "$OUT/transfer-$dt.log" 2>&1
+    check $? "bench transfer --location cuda:0 --kv-cache-dtype $dt"
+    grep -E "^disagg bench transfer|^[a-z_ :]+ +(contiguous|scattered|one copy)|^  |^kv time" "$OUT/transfer-$dt.log"
+  done
+  awk '/^kv time bfloat16/ { bi = $9; bt = $13 } /^kv time fp8/ { fi = $9; ft = $13 }
+       END { if (bi > 0 && bt > 0 && fi > 0 && ft > 0)
+               printf "fp8 / bf16 KV transfer time: cuda_ipc %.3f / %.3f ms = %.2f (target <= 0.5 %s), staged tcp %.3f / %.3f ms = %.2f (target <= 0.5 %s)\n",
+                      fi, bi, fi / bi, fi / bi <= 0.5 ? "PASS" : "MISS", ft, bt, ft / bt, ft / bt <= 0.5 ? "PASS" : "MISS";
+             else print "fp8 / bf16 KV transfer time: a row is missing" }' \
+    "$OUT/transfer-bfloat16.log" "$OUT/transfer-fp8.log"
+  if python3 -c 'import openai' 2>/dev/null; then
+    step "fp8 KV: P/D with --kv-cache-dtype fp8 on every instance (cuda_ipc, then staged tcp): P/D vs colocated fp8"
+    mkdir -p "$OUT/pd-fp8"
+    PD_SERVE_ARGS="--kv-cache-dtype fp8" PD_QUICK=1 PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" \
+      "$SRC/models/disagg-sotu-tiny" "$OUT/pd-fp8"
+    check $? "gpu_pd_check --kv-cache-dtype fp8"
+  else
+    echo "******** SKIP gpu_pd_check fp8: the openai package is not importable here ********"
+  fi
+}
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ]; then
+   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ]; then
   [ "$ONLY" = profile ] && profile_steps
+  [ "$ONLY" = fp8kv ] && fp8kv_steps
   [ "$ONLY" = arch ] && arch_steps
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps

@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -249,13 +250,10 @@ static int tool_call_parser(flags_parser *p, const flag_def *d, const char *v) {
 }
 
 static int kv_cache_dtype(flags_parser *p, const flag_def *d, const char *v) {
-    if (!strncmp(v, "fp8", 3)) {
-        flags_error(p, "%s %s is not supported: no fp8 KV cache kernels; accepted: %s", d->name, v,
-                    BACKEND_DTYPE_NAMES);
-        return -1;
-    }
-    if (backend_dtype_parse(v, &S.cfg.engine.kv_cache_dtype)) {
-        flags_error(p, "%s '%s' is not supported; accepted: %s", d->name, v, BACKEND_DTYPE_NAMES);
+    if (backend_kv_dtype_parse(v, &S.cfg.engine.kv_cache_dtype)) {
+        flags_error(p, "%s '%s' is not supported%s; accepted: %s", d->name, v,
+                    !strncasecmp(v, "fp8", 3) ? " (of FP8, only e4m3 KV kernels exist)" : "",
+                    BACKEND_KV_DTYPE_NAMES);
         return -1;
     }
     return 0;
@@ -348,8 +346,9 @@ static const flag_def SERVE_FLAGS[] = {
      .help = "compute device (default auto: cuda when its module loads and a GPU is visible, else "
              "cpu)"},
     {FLAG_CUSTOM_("--kv-cache-dtype", NULL, kv_cache_dtype),
-     .metavar = "auto|bfloat16|float16|float32",
-     .help = "KV-cache element type (default auto: the device's, float32 on the CPU)"},
+     .metavar = "auto|bfloat16|float16|float32|fp8|fp8_e4m3",
+     .help = "KV-cache element type (default auto: the device's, float32 on the CPU; fp8 = "
+             "fp8_e4m3: e4m3 with the checkpoint's k_scale / v_scale, else 1.0)"},
     {FLAG_DOUBLE_("--gpu-memory-utilization", &S.cfg.engine.gpu_memory_utilization, 0, 1),
      .opts = FLAG_OPEN_LO, .unit = "a fraction", .metavar = "F",
      .help = "GPU: this instance's budget, a fraction of the device's total memory, for its "

@@ -494,6 +494,20 @@ static const char *engine_kernels(const engine *e) {
     return backend_kernels_name(e->be);
 }
 
+/* FNV-1a over the bits of every layer's k_scale and v_scale */
+static uint32_t engine_kv_scales_hash(const engine *e) {
+    uint32_t h = 2166136261u;
+    for (int l = 0; l < e->model.cfg.n_layers; l++)
+        for (int which = 0; which < 2; which++) {
+            float f = (which ? e->model.w.v_scale : e->model.w.k_scale)[l];
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            for (int b = 0; b < 4; b++)
+                h = (h ^ ((u >> (8 * b)) & 0xffu)) * 16777619u;
+        }
+    return h;
+}
+
 void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     const model_config *c = &e->model.cfg;
     memset(out, 0, sizeof *out);
@@ -502,11 +516,17 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     out->block_bytes = decoder_kv_block_bytes_dt(c, e->kv.block_size, e->kv.dtype);
     snprintf(out->location, sizeof out->location, "%s", backend_buffer_location(e->kv.buf));
     out->backend = backend_buffer_backend(e->kv.buf);
-    static const char *const short_dt[] = {"f32", "f16", "bf16"};
+    static const char *const short_dt[] = {"f32", "f16", "bf16", "fp8e4m3"};
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;
-    char quirks[48] = ""; /* what else makes the KV differ: the family and its window */
-    if (c->sliding_window) snprintf(quirks, sizeof quirks, ":swa%d", c->sliding_window);
+    char quirks[64] = ""; /* what else makes the KV differ: the family and its window */
+    size_t qn = 0;
+    if (c->sliding_window)
+        qn += (size_t)snprintf(quirks, sizeof quirks, ":swa%d", c->sliding_window);
+    /* FP8 KV with checkpoint scales: the bytes mean e4m3 * scale, so a peer must have the same
+     * scales (a hash of their bits; no field when every scale is 1.0, as vLLM's default) */
+    if (e->kv.dtype == BACKEND_F8E4M3 && e->model.w.k_scale)
+        snprintf(quirks + qn, sizeof quirks - qn, ":kvs%08x", engine_kv_scales_hash(e));
     snprintf(out->fingerprint, sizeof out->fingerprint,
              "%s:L%d:kvh%d:hd%d:bs%d:%s:layer-kv-token-major:v%d%s" ENGINE_KERNELS_TAG "%s",
              arch_family(c), c->n_layers, c->n_kv_heads, c->head_dim, e->kv.block_size,
@@ -1023,6 +1043,19 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -EINVAL;
         goto fail;
     }
+    /* the GPU's FP8 KV kernels: not in the batch-invariant attention nor the sliding-window
+     * one (kernels/cuda/cuda_invariant.cu, cuda_window.cu): refused here, not at the first
+     * request */
+    if (kv_dt == BACKEND_F8E4M3 && !backend_is_cpu(e->be) &&
+        (c.batch_invariant || mc->sliding_window)) {
+        snprintf(err, errlen,
+                 "--kv-cache-dtype fp8 is not implemented on %s with %s; accepted there: "
+                 "--kv-cache-dtype auto, bfloat16 or float32",
+                 backend_name(e->be),
+                 c.batch_invariant ? "--batch-invariant" : "a sliding-window model");
+        rc = -EINVAL;
+        goto fail;
+    }
     size_t block_bytes = decoder_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0,
            mem_free = 0;
     /* activations first: on a GPU the KV cache gets what is left (vLLM's
@@ -1126,6 +1159,13 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
           e->model.dir, backend_name(e->be), engine_kernels(e), mc->n_layers, mc->hidden_size,
           e->vocab, nblocks, c.block_size, nblocks * (size_t)c.block_size,
           (double)e->kv_bytes / (1 << 20), backend_dtype_name(kv_dt));
+    if (kv_dt == BACKEND_F8E4M3)
+        LOG_I(MOD, "FP8 KV cache: e4m3 with per-tensor scales %s",
+              e->model.w.k_scale ? "k_scale / v_scale from the checkpoint"
+                                 : "1.0 (the checkpoint has no k_scale / v_scale)");
+    else if (e->model.w.k_scale)
+        LOG_I(MOD, "the checkpoint's k_scale / v_scale are not used: the KV cache is %s "
+              "(they apply to --kv-cache-dtype fp8)", backend_dtype_name(kv_dt));
     *out = e;
     return 0;
 fail:

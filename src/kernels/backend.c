@@ -65,6 +65,15 @@ int backend_dtype_parse(const char *s, int *out) {
     return -EINVAL;
 }
 
+int backend_kv_dtype_parse(const char *s, int *out) {
+    if (s && (!strcasecmp(s, "fp8") || !strcasecmp(s, "fp8_e4m3") ||
+              !strcasecmp(s, "float8_e4m3fn"))) {
+        *out = BACKEND_F8E4M3;
+        return 0;
+    }
+    return backend_dtype_parse(s, out);
+}
+
 static int dt_ok(backend_dtype dt) {
     return backend_dtype_size(dt) != 0;
 }
@@ -536,10 +545,17 @@ size_t backend_kv_block_bytes(const backend_kv *kv) {
            (size_t)kv->head_dim * backend_dtype_size(kv->dtype);
 }
 
+float backend_kv_scale(const backend_kv *kv, int layer, int which) {
+    if (kv->dtype != BACKEND_F8E4M3) return 1.0f;
+    const float *s = which ? kv->v_scale : kv->k_scale;
+    return s ? s[layer] : 1.0f;
+}
+
 static int kv_ok(const backend_kv *kv, int layer) {
     return kv && kv->base && kv->n_blocks >= 1 && kv->block_size >= 1 && kv->n_layers >= 1 &&
            kv->n_kv_heads >= 1 && kv->head_dim >= 1 && dt_ok(kv->dtype) && layer >= 0 &&
-           layer < kv->n_layers && kv->window >= 0;
+           layer < kv->n_layers && kv->window >= 0 && backend_kv_scale(kv, layer, 0) > 0.0f &&
+           backend_kv_scale(kv, layer, 1) > 0.0f;
 }
 
 int backend_attention_window(const backend *be) {

@@ -21,8 +21,8 @@
  * f32 vectors on the device.
  *
  * Dtypes.  Every pointer argument comes with its dtype (or is documented as f32).  The
- * CPU backend computes in f32: activations, logits and KV are f32 (weights f32, f16 or
- * bf16); it returns -ENOTSUP for other activation dtypes.  The CUDA backend keeps weights
+ * CPU backend computes in f32: activations, logits are f32, KV f32, bf16 or FP8 e4m3 (weights
+ * f32, f16 or bf16); it returns -ENOTSUP for other activation dtypes.  The CUDA backend keeps weights
  * and KV in bf16 (or KV in f32) and chooses its activation dtype, which the model reads
  * from backend_act_dtype().  Logits are always f32.
  *
@@ -83,6 +83,11 @@ const char *backend_dtype_name(backend_dtype dt); /* "float32", "float16", "bflo
  * BACKEND_DTYPE_NAMES). */
 #define BACKEND_DTYPE_NAMES "auto, bfloat16, float16, float32"
 int backend_dtype_parse(const char *s, int *out);
+/* --kv-cache-dtype: backend_dtype_parse's names plus vLLM's "fp8" and "fp8_e4m3" (and
+ * "float8_e4m3fn") for BACKEND_F8E4M3.  Returns 0 or -EINVAL (fp8_e5m2, int8, ...: the caller
+ * words the error with BACKEND_KV_DTYPE_NAMES). */
+#define BACKEND_KV_DTYPE_NAMES "auto, bfloat16, float16, float32, fp8, fp8_e4m3"
+int backend_kv_dtype_parse(const char *s, int *out);
 
 /* ---- devices ---------------------------------------------------------------------- */
 
@@ -292,8 +297,17 @@ typedef struct backend_kv {
      * keys p - window + 1 .. p only; 0 = every key 0..p.  Only backend_attention reads it
      * (a backend without backend_attention_window returns -ENOTSUP for a nonzero window) */
     int window;
+    /* FP8 KV (dtype BACKEND_F8E4M3): the per-tensor scales of each layer's K and V, *host*
+     * arrays of n_layers floats (vLLM's k_scale / v_scale: from the checkpoint, else 1.0), or
+     * NULL for all 1.0.  Written elements are e4m3(x / scale) -- round to nearest even,
+     * saturated to +-448 --, read elements are e4m3 * scale.  The values are passed to the
+     * kernels as arguments (a recorded graph keeps them: they never change for a region).
+     * Ignored for other dtypes. */
+    const float *k_scale, *v_scale;
 } backend_kv;
 size_t backend_kv_block_bytes(const backend_kv *kv);
+/* the scale of layer's K (which 0) or V (1): 1.0 unless an FP8 region has one */
+float backend_kv_scale(const backend_kv *kv, int layer, int which);
 
 /* Writes K and V of every token (k, v: (T, n_kv_heads * head_dim) of dt) into layer's
  * slot of the token's position in its sequence's blocks (from the plan), converted to

@@ -595,7 +595,8 @@ static int forward_graph(const decoder_model *m, decoder_state *s, const kv_stor
     }
     backend_batch bb = {B, B, tok, seq, pos, qo, kvl, bti, s->bt_indices, B, orow};
     const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
-                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window};
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window,
+                            m->w.k_scale, m->w.v_scale};
     TRY(backend_graph_plan(s->st, &bb, C, max_blocks));
     rc = backend_graph_begin(s->st);
     if (rc < 0) return rc;
@@ -617,7 +618,8 @@ int decoder_forward(const decoder_model *m, decoder_state *s, const kv_store *kv
     if (rc) return rc;
     int V = c->vocab_size;
     const backend_kv bkv = {kv->base,     kv->dtype,      kv->n_blocks, kv->block_size,
-                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window};
+                            kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window,
+                            m->w.k_scale, m->w.v_scale};
     backend_stream *st = s->st;
     int B = graph_bucket(s, seqs, n_seqs);
     if (B) {

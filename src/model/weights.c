@@ -347,6 +347,71 @@ static int w_experts(model_weights *w, layer_weights *L, const model_config *c, 
     return rc;
 }
 
+/* One scalar scale tensor (shape [] or [1], F32/BF16/F16) as a positive finite f32.  1: found,
+ * 0: absent, < 0: malformed (err says why). */
+static int w_scalar(model_weights *w, const char *name, float *out, char *err, size_t errlen) {
+    const st_tensor *t = st_set_find(&w->st, name);
+    if (!t) return 0;
+    backend_dtype dt;
+    if (w_dtype(t->dtype, &dt) || t->n_dims > 1 || (t->n_dims == 1 && t->shape[0] != 1) ||
+        t->nbytes != backend_dtype_size(dt)) {
+        snprintf(err, errlen,
+                 "%s: tensor '%s' (dtype %s, %d dimensions) is not one F32/BF16/F16 scale",
+                 st_set_file_of(&w->st, t), name, t->dtype, t->n_dims);
+        return -EINVAL;
+    }
+    backend_row_to_f32(out, t->data, dt, 1);
+    if (!(*out > 0.0f) || !isfinite(*out)) {
+        snprintf(err, errlen, "%s: tensor '%s' is %g: a KV cache scale must be positive and finite",
+                 st_set_file_of(&w->st, t), name, (double)*out);
+        return -EINVAL;
+    }
+    if (w->st_used) w->st_used[t - w->st.tensors] = 1;
+    return 1;
+}
+
+/* The FP8 KV cache's k_scale / v_scale per layer (vLLM's checkpoint names; the older kv_scale
+ * is both).  Absent in every layer: w->k_scale stays NULL (1.0).  Present in some layers
+ * only: the others get 1.0, as vLLM's default. */
+static int w_kv_scales(model_weights *w, const model_config *c, char *err, size_t errlen) {
+    if (w->dummy_seed) return 0;
+    int L = c->n_layers, any = 0;
+    float *ks = malloc((size_t)L * sizeof *ks), *vs = malloc((size_t)L * sizeof *vs);
+    if (!ks || !vs) {
+        free(ks);
+        free(vs);
+        return -ENOMEM;
+    }
+    char n[256];
+    for (int l = 0; l < L; l++) {
+        ks[l] = vs[l] = 1.0f;
+        float kv = 1.0f;
+        int rc;
+        snprintf(n, sizeof n, "model.layers.%d.self_attn.kv_scale", l);
+        if ((rc = w_scalar(w, n, &kv, err, errlen)) < 0) goto bad;
+        if (rc) ks[l] = vs[l] = kv, any = 1;
+        snprintf(n, sizeof n, "model.layers.%d.self_attn.k_scale", l);
+        if ((rc = w_scalar(w, n, &ks[l], err, errlen)) < 0) goto bad;
+        any |= rc;
+        snprintf(n, sizeof n, "model.layers.%d.self_attn.v_scale", l);
+        if ((rc = w_scalar(w, n, &vs[l], err, errlen)) < 0) goto bad;
+        any |= rc;
+        continue;
+    bad:
+        free(ks);
+        free(vs);
+        return rc;
+    }
+    if (!any) {
+        free(ks);
+        free(vs);
+        return 0;
+    }
+    w->k_scale = ks;
+    w->v_scale = vs;
+    return 0;
+}
+
 int weights_load(model_weights *w, const model_config *c, const char *dir, char *err,
                  size_t errlen) {
     return weights_load_on(w, backend_cpu_default(), c, dir, err, errlen);
@@ -458,6 +523,7 @@ int weights_load_ex(model_weights *w, backend *be, const model_config *c, const 
         else
             rc = w_mat(w, &w->lm_head, "lm_head.weight", c->vocab_size, h, err, errlen);
     }
+    if (!rc) rc = w_kv_scales(w, c, err, errlen);
     if (!rc) rc = backend_stream_sync(st);
     backend_stream_free(st);
     /* a tensor the description has no place for means the description is wrong (a bias the
@@ -492,6 +558,8 @@ void weights_free(model_weights *w) {
     for (int i = 0; i < w->n_dummy; i++)
         free(w->dummy[i]);
     free(w->dummy);
+    free(w->k_scale);
+    free(w->v_scale);
     st_set_free(&w->st);
     for (int l = 0; w->layers && l < w->n_layers; l++)
         free(w->layers[l].ex_gate);

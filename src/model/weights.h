@@ -63,6 +63,10 @@ typedef struct model_weights {
     backend_buffer **bufs; /* (n_bufs) every buffer made, freed by weights_free */
     int n_bufs, cap_bufs;
     unsigned char *st_used; /* (st.n_tensors) 1: bound (the rest is refused) */
+    /* the FP8 KV cache's per-tensor scales (vLLM's names: model.layers.N.self_attn.k_scale /
+     * v_scale, or the older kv_scale for both): host arrays of n_layers floats, NULL when the
+     * checkpoint has none (then 1.0, as vLLM) -- kernels/backend.h backend_kv.k_scale */
+    float *k_scale, *v_scale;
     uint64_t dummy_seed;    /* nonzero: --load-format dummy (random weights, no files) */
     void **dummy;           /* (n_dummy) host bytes of made-up tensors the backend aliases */
     int n_dummy, cap_dummy;

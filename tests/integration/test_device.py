@@ -64,6 +64,64 @@ def test_cpu_bf16_kv_cache_serves():
     assert out["bfloat16"][:4] == out["float32"][:4], out
 
 
+FP8_PROMPTS = ["the state of the Union is", "Mr. Speaker, the President of the United States",
+               "our economy", "tonight I want to talk about", "we will not", "the American people"]
+
+
+def blocks_of(log):
+    m = re.search(r"KV cache (\d+) blocks x (\d+) tokens", log)
+    assert m, log
+    return int(m.group(1))
+
+
+def test_cpu_fp8_kv_cache_serves_close_to_f32():
+    """--kv-cache-dtype fp8 (vLLM's name; e4m3, scale 1.0 without checkpoint scales) serves on
+    the CPU; the same --kv-cache-memory holds 4x the f32 blocks (2x bf16's); the dtype shows in
+    the startup log and vllm:cache_config_info.  Greedy output against the f32 cache, measured
+    (docs/server.md): a prompt's tokens may diverge only at a near tie of the f32 run (top-2
+    logprob margin < 0.3 at the first differing position)."""
+    out, blocks = {}, {}
+    for dt in ("float32", "bfloat16", "fp8"):
+        s = Server("--device", "cpu", "--kv-cache-dtype", dt, "--kv-cache-memory", "16M",
+                   "--max-model-len", "256")
+        try:
+            log = s.logs()
+            blocks[dt] = blocks_of(log)
+            out[dt] = []
+            for prompt in FP8_PROMPTS:
+                r = requests.post(s.url + "/v1/completions",
+                                  json={"model": "tiny", "prompt": prompt, "max_tokens": 24,
+                                        "temperature": 0, "ignore_eos": True, "logprobs": 2})
+                assert r.status_code == 200, r.text
+                out[dt].append(r.json()["choices"][0]["logprobs"])
+            if dt == "fp8":
+                assert "MiB, float8_e4m3fn)" in log, log
+                assert "FP8 KV cache: e4m3 with per-tensor scales 1.0" in log, log
+                info = [k for k in s.metrics() if k.startswith("vllm:cache_config_info{")]
+                assert info and 'cache_dtype="float8_e4m3fn"' in info[0], info
+        finally:
+            assert s.stop() == 0, s.logs()
+    # a quarter / half the bytes a block: 4x / 2x the blocks (floor of the same budget)
+    assert blocks["fp8"] // 4 == blocks["float32"] and blocks["fp8"] // 2 == blocks["bfloat16"], blocks
+    same, total, prefix, dlp = 0, 0, [], 0.0
+    for ref, got in zip(out["float32"], out["fp8"]):
+        a, b = ref["tokens"], got["tokens"]
+        n = 0
+        while n < len(a) and a[n] == b[n]:
+            dlp = max(dlp, abs(ref["token_logprobs"][n] - got["token_logprobs"][n]))
+            n += 1
+        prefix.append(n)
+        same += sum(x == y for x, y in zip(a, b))
+        total += len(a)
+        if n < len(a):
+            top = sorted(ref["top_logprobs"][n].values(), reverse=True)
+            assert len(top) >= 2 and top[0] - top[1] < 0.3, (n, ref["top_logprobs"][n], a, b)
+    print(f"fp8 vs f32 KV, greedy 24 tokens x {len(FP8_PROMPTS)} prompts: common prefixes "
+          f"{prefix}, {same}/{total} positions equal, max |logprob diff| on the common prefix "
+          f"{dlp:.3f}")
+    assert dlp < 0.5, dlp
+
+
 def test_auto_falls_back_to_cpu_and_serves():
     s = Server("--device", "auto", "--kv-cache-dtype", "auto", "--kv-cache-memory", "16M",
                "--max-model-len", "256", env=NO_MODULE)

@@ -1,7 +1,7 @@
 """`disagg serve` with the flags of `vllm serve` deployment scripts ("Command line"):
 each is accepted, honoured where disagg has the concept (tokenizer directory, revision in the
 HF cache, chat-template file, generation config, logprob cap, CORS, hermes tool calls), or
-refused with a message naming what is accepted (tensor parallel > 1, quantization, fp8 KV
+refused with a message naming what is accepted (tensor parallel > 1, quantization, fp8_e5m2 KV
 cache ...).  Real `disagg serve` processes, the official openai client and raw HTTP."""
 import json
 import os
@@ -78,8 +78,9 @@ def test_kv_cache_dtype_float32_is_accepted():
     (("--quantization", "awq"), ["'awq'", "not supported", "unquantized"]),
     (("-q", "fp8"), ["'fp8'", "not supported"]),
     (("--quantization", "zzz"), ["'zzz'", "not a vLLM quantization method"]),
-    (("--kv-cache-dtype", "fp8"), ["fp8", "not supported", "bfloat16"]),
-    (("--kv-cache-dtype", "fp8_e5m2"), ["fp8_e5m2", "not supported"]),
+    (("--kv-cache-dtype", "fp8_e5m2"), ["'fp8_e5m2'", "not supported", "only e4m3",
+                                         "fp8, fp8_e4m3"]),
+    (("--kv-cache-dtype", "int8"), ["'int8'", "not supported", "bfloat16", "fp8_e4m3"]),
     (("--kv-cache-dtype", "int4"), ["'int4'", "float32"]),
     (("--load-format", "pt"), ["'pt'", "not supported", "auto, safetensors"]),
     (("--load-format", "pickle"), ["'pickle'", "not a load format"]),

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/fp8.h"
 
 #define MAX_BE 2
 static backend *g_be[MAX_BE]; /* [0] cpu, [1] cuda when available */
@@ -389,7 +390,7 @@ static void test_kv_write(void **state) {
         backend *be = g_be[bi];
         backend_stream *st = backend_stream_create(be);
         backend_dtype a = backend_act_dtype(be), kdt = backend_kv_dtype_default(be);
-        backend_kv kv = {NULL, kdt, 12, 5, 3, 2, 6, 0};
+        backend_kv kv = {NULL, kdt, 12, 5, 3, 2, 6, 0, NULL, NULL};
         size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
         assert_int_equal(backend_kv_block_bytes(&kv),
                          (size_t)3 * 2 * 5 * 2 * 6 * backend_dtype_size(kdt));
@@ -437,7 +438,7 @@ static void attention_case(backend *be, int S, const int *start, const int *n_ne
     int total_blocks = 0;
     for (int s = 0; s < S; s++)
         total_blocks += (start[s] + n_new[s] + bs - 1) / bs;
-    backend_kv kv = {NULL, kdt, total_blocks + 3, bs, 2, n_kv_heads, hd, g_window};
+    backend_kv kv = {NULL, kdt, total_blocks + 3, bs, 2, n_kv_heads, hd, g_window, NULL, NULL};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, S, start, n_new, bs, kv.n_blocks, 10);
@@ -517,7 +518,7 @@ static void attention_alone_case(backend *be, int start, int n_new, int n_kv_hea
                                  int hd, int bs, backend_dtype kdt) {
     backend_stream *st = backend_stream_create(be);
     int nb = (start + n_new + bs - 1) / bs;
-    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, g_window};
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, g_window, NULL, NULL};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
@@ -569,7 +570,7 @@ static float *block_size_run(backend *be, int start, int n_new, int n_kv_heads, 
                              const float *q) {
     backend_stream *st = backend_stream_create(be);
     int np = start + n_new, nb = (np + bs - 1) / bs, layer = 1, nh = n_kv_heads * group;
-    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, 0};
+    backend_kv kv = {NULL, kdt, nb + 3, bs, 2, n_kv_heads, hd, 0, NULL, NULL};
     size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
     test_batch tb;
     make_batch(&tb, 1, &start, &n_new, bs, kv.n_blocks, 10);
@@ -799,7 +800,7 @@ static void test_fused_ops(void **state) {
         check_close("add_rmsnorm: out", be, gxb, wxb, (size_t)T * H,
                     mm == BACKEND_F32 ? 1e-5 : 8e-3);
         /* qkv */
-        backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
+        backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0, NULL, NULL};
         size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
         backend_buffer *region =
             backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
@@ -1145,7 +1146,7 @@ static void test_qkv_gemv(void **state) {
             backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
                            *bb = to_dev(st, bias, W, BACKEND_F32),
                            *binv = to_dev(st, inv, HD / 2, BACKEND_F32);
-            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0, NULL, NULL};
             size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
             backend_buffer *region =
                 backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
@@ -1539,7 +1540,7 @@ static void test_qkv_prefill(void **state) {
             const float *dbias = DEV(bbias);
             float *xb = rand_vec((size_t)T * H, BACKEND_BF16);
             backend_buffer *bx = to_dev(st, xb, (size_t)T * H, mm);
-            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0};
+            backend_kv kv = {NULL, kdt, tb.n_blocks, tb.bs, L, NKV, HD, 0, NULL, NULL};
             size_t n_el = backend_kv_block_bytes(&kv) / backend_dtype_size(kdt) * kv.n_blocks;
             backend_buffer *region =
                 backend_buffer_alloc(be, n_el * backend_dtype_size(kdt), BACKEND_BUF_KV);
@@ -1971,6 +1972,304 @@ static void test_moe_cuda(void **state) {
     }
 }
 
+/* ---- FP8 KV cache (e4m3, per-tensor scales) ------------------------------------------- */
+
+/* region bytes of an FP8 KV (n bytes) downloaded */
+static uint8_t *bytes_from_dev(backend_stream *st, const void *dev, size_t n) {
+    assert_int_equal(backend_stream_sync(st), 0);
+    uint8_t *b = malloc(n);
+    assert_non_null(b);
+    assert_int_equal(backend_download(st, b, dev, n), 0);
+    return b;
+}
+
+/* kv_write into an FP8 region: every byte is kernels/fp8.h's e4m3(x / scale) (nearest even,
+ * saturated to +-448: values up to 1.5 x 448 x scale are written); layers with different
+ * scales */
+static void test_fp8_kv_write(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        assert_true(backend_kv_dtype_ok(be, BACKEND_F8E4M3));
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        float ks[3] = {1.0f, 0.0375f, 2.5f}, vs[3] = {0.5f, 0.011f, 1.0f};
+        backend_kv kv = {NULL, BACKEND_F8E4M3, 12, 5, 3, 2, 6, 0, ks, vs};
+        size_t n_el = backend_kv_block_bytes(&kv) * kv.n_blocks;
+        assert_int_equal(backend_kv_block_bytes(&kv), (size_t)3 * 2 * 5 * 2 * 6);
+        backend_buffer *region = backend_buffer_alloc(be, n_el, BACKEND_BUF_KV);
+        assert_non_null(region);
+        kv.base = DEV(region);
+        test_batch tb;
+        int start[3] = {0, 7, 3}, n_new[3] = {9, 1, 2};
+        make_batch(&tb, 3, start, n_new, kv.block_size, kv.n_blocks, 10);
+        assert_int_equal(backend_plan(st, &tb.b), 0);
+        int kvd = kv.n_kv_heads * kv.head_dim;
+        for (int layer = 0; layer < 3; layer++) {
+            float *k = rand_vec((size_t)tb.T * kvd, a), *v = rand_vec((size_t)tb.T * kvd, a);
+            for (int i = 0; i < tb.T * kvd; i++) /* across the range, some past 448 x scale */
+                k[i] *= 672.0f * ks[layer] * (float)urand(), v[i] *= 672.0f * vs[layer];
+            backend_buffer *bk = to_dev(st, k, (size_t)tb.T * kvd, a),
+                           *bv = to_dev(st, v, (size_t)tb.T * kvd, a);
+            assert_int_equal(backend_kv_write(st, &kv, layer, DEV(bk), DEV(bv), a), 0);
+            uint8_t *got = bytes_from_dev(st, kv.base, n_el);
+            for (int t = 0; t < tb.T; t++) {
+                int s = tb.tok_seq[t], p = tb.tok_pos[t];
+                int blk = tb.bt[tb.bt_ptr[s] + p / kv.block_size], slot = p % kv.block_size;
+                for (int e = 0; e < kvd; e++)
+                    for (int which = 0; which < 2; which++) {
+                        size_t at = kv_index(&kv, blk, layer, which, slot, e / kv.head_dim,
+                                             e % kv.head_dim);
+                        float x = (which ? v : k)[t * kvd + e];
+                        uint8_t want = fp8_e4m3_from_f32(x / (which ? vs : ks)[layer]);
+                        if (got[at] != want)
+                            fail_msg("fp8 kv_write on %s: layer %d %s of token %d element %d: "
+                                     "byte 0x%02x, e4m3(%.9g / %g) is 0x%02x",
+                                     backend_name(be), layer, which ? "V" : "K", t, e, got[at],
+                                     (double)x, (double)(which ? vs : ks)[layer], want);
+                        got[at] = 0;
+                    }
+            }
+            free(got), free(k), free(v);
+            backend_buffer_free(bk), backend_buffer_free(bv);
+        }
+        backend_buffer_free(region);
+        backend_stream_free(st);
+    }
+}
+
+/* attention over an FP8 region (random e4m3 bytes, values about +-2 after the scale) against
+ * a reference that dequantizes (e4m3 * scale in double): decode, prefill tiles and a mixed
+ * batch, GQA, head_dim 128/64/32/16 (the CUDA tensor-core decode, the 128-row prefill
+ * kernels and the scalar kernel), block sizes 16 and 5 */
+static void fp8_attention_case(backend *be, int S, const int *start, const int *n_new,
+                               int n_kv_heads, int group, int hd, int bs) {
+    backend_stream *st = backend_stream_create(be);
+    backend_dtype a = backend_act_dtype(be);
+    int total_blocks = 0;
+    for (int s = 0; s < S; s++)
+        total_blocks += (start[s] + n_new[s] + bs - 1) / bs;
+    float ks[2] = {0.7f, 0.0139f}, vs[2] = {3.0f, 0.0217f};
+    backend_kv kv = {NULL, BACKEND_F8E4M3, total_blocks + 3, bs, 2, n_kv_heads, hd, 0, ks, vs};
+    size_t n_el = backend_kv_block_bytes(&kv) * kv.n_blocks;
+    test_batch tb;
+    make_batch(&tb, S, start, n_new, bs, kv.n_blocks, 10);
+    int layer = 1, nh = n_kv_heads * group;
+    uint8_t *region = malloc(n_el);
+    assert_non_null(region);
+    for (size_t i = 0; i < n_el; i++) { /* K of layer 1 ~ +-2 / 0.0139, V ~ +-2 / 0.0217 */
+        uint8_t b = fp8_e4m3_from_f32(frand() * 2.0f / 0.0139f);
+        region[i] = b;
+    }
+    backend_buffer *breg = backend_buffer_alloc(be, n_el, BACKEND_BUF_KV);
+    assert_non_null(breg);
+    assert_int_equal(backend_upload(st, DEV(breg), region, n_el), 0);
+    kv.base = DEV(breg);
+    float *q = rand_vec((size_t)tb.T * nh * hd, a);
+    round_to(q, (size_t)tb.T * nh * hd, a);
+    backend_buffer *bq = to_dev(st, q, (size_t)tb.T * nh * hd, a),
+                   *bo = backend_buffer_alloc(be, (size_t)tb.T * nh * hd * 4, 0);
+    assert_int_equal(backend_plan(st, &tb.b), 0);
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    assert_int_equal(backend_attention(st, DEV(bo), DEV(bq), a, &kv, layer, nh, scale), 0);
+    double *want = calloc((size_t)tb.T * nh * hd, sizeof(double));
+    double *sc = malloc(sizeof(double) * 8192);
+    assert_non_null(want), assert_non_null(sc);
+    for (int t = 0; t < tb.T; t++) {
+        int s = tb.tok_seq[t], p = tb.tok_pos[t];
+        for (int h = 0; h < nh; h++) {
+            int kh = h / group;
+            const float *qq = q + ((size_t)t * nh + h) * hd;
+            double mx = -INFINITY, sum = 0;
+            for (int j = 0; j <= p; j++) {
+                int blk = tb.bt[tb.bt_ptr[s] + j / bs];
+                double d = 0;
+                for (int i = 0; i < hd; i++)
+                    d += (double)qq[i] *
+                         ((double)fp8_e4m3_to_f32(region[kv_index(&kv, blk, layer, 0, j % bs, kh, i)]) *
+                          ks[layer]);
+                sc[j] = d * scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            for (int j = 0; j <= p; j++)
+                sum += (sc[j] = exp(sc[j] - mx));
+            double *o = want + ((size_t)t * nh + h) * hd;
+            for (int j = 0; j <= p; j++) {
+                int blk = tb.bt[tb.bt_ptr[s] + j / bs];
+                for (int i = 0; i < hd; i++)
+                    o[i] += sc[j] / sum *
+                            ((double)fp8_e4m3_to_f32(region[kv_index(&kv, blk, layer, 1, j % bs, kh, i)]) *
+                             vs[layer]);
+            }
+        }
+    }
+    float *got = from_dev(st, DEV(bo), (size_t)tb.T * nh * hd, a);
+    char what[128];
+    snprintf(what, sizeof what, "fp8 KV attention (%d seqs, %d kv heads x group %d, hd %d, bs %d)",
+             S, n_kv_heads, group, hd, bs);
+    /* CPU: dequantized to f32, then the f32 kernels; CUDA: the e4m3 values exactly in bf16, q
+     * (times k_scale) and the softmax weights rounded to bf16 for the tensor cores */
+    check_close(what, be, got, want, (size_t)tb.T * nh * hd, backend_is_cpu(be) ? 2e-5 : 2e-2);
+    free(got), free(want), free(sc), free(q), free(region);
+    backend_buffer_free(bq), backend_buffer_free(bo), backend_buffer_free(breg);
+    backend_stream_free(st);
+}
+
+static void test_fp8_kv_attention(void **state) {
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        int s1[1] = {300}, n1[1] = {1}; /* decode */
+        fp8_attention_case(be, 1, s1, n1, 2, 7, 128, 16);
+        fp8_attention_case(be, 1, s1, n1, 2, 2, 64, 16);
+        fp8_attention_case(be, 1, s1, n1, 1, 3, 32, 5);
+        int s2[1] = {0}, n2[1] = {150}; /* prefill: one full tile and a partial one */
+        fp8_attention_case(be, 1, s2, n2, 2, 7, 128, 16);
+        fp8_attention_case(be, 1, s2, n2, 2, 2, 64, 16);
+        fp8_attention_case(be, 1, s2, n2, 1, 2, 32, 16);
+        fp8_attention_case(be, 1, s2, n2, 2, 2, 16, 16);
+        int s3[3] = {77, 400, 0}, n3[3] = {40, 1, 20}; /* chunk mid-block, decode, prefill */
+        fp8_attention_case(be, 3, s3, n3, 2, 7, 128, 16);
+        fp8_attention_case(be, 3, s3, n3, 2, 3, 64, 5);
+        fp8_attention_case(be, 3, s3, n3, 2, 3, 24, 5);
+    }
+}
+
+/* The attention block's fused input op (backend_qkv) into an FP8 region: the bytes equal
+ * e4m3(x / scale) of what the same op writes into an f32 region -- on CUDA the decode GEMV's
+ * epilogue (1 token), k_qkv_finish (3), k_qkv_finish_vec2 (140, bf16 GEMM output) and the
+ * Qwen3 q/k norm path; on the CPU the generic form (kv_write). */
+static void test_fp8_kv_qkv(void **state) {
+    enum { H = 48, NH = 6, NKV = 2, L = 2, LAYER = 1, HD = 16 };
+    int KVD = NKV * HD, NQ = NH * HD, W = NQ + 2 * KVD;
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be), mm = backend_mm_dtype(be);
+        int cat = backend_wants_cat(be);
+        uint16_t *hw = malloc(sizeof(uint16_t) * W * H);
+        float *fw = malloc(sizeof(float) * W * H);
+        assert_non_null(hw), assert_non_null(fw);
+        bf16_mat(hw, fw, (size_t)W * H);
+        float bias[NH * HD + 2 * NKV * HD], inv[HD / 2], qn[HD], kn[HD];
+        for (int i = 0; i < W; i++)
+            bias[i] = frand() * 8.0f;
+        for (int i = 0; i < HD / 2; i++)
+            inv[i] = 1.0f / powf(10000.0f, (float)(2 * i) / HD);
+        for (int i = 0; i < HD; i++)
+            qn[i] = 1.0f + 0.5f * frand(), kn[i] = 1.0f + 0.5f * frand();
+        backend_dtype sw = BACKEND_BF16;
+        backend_buffer *bw = NULL, *bqw = NULL, *bkw = NULL, *bvw = NULL;
+        const void *wq, *wk, *wv, *wqkv = NULL;
+        if (cat) {
+            const void *s3[3] = {hw, hw + (size_t)NQ * H, hw + (size_t)(NQ + KVD) * H};
+            backend_dtype d3[3] = {BACKEND_BF16, BACKEND_BF16, BACKEND_BF16};
+            size_t n3[3] = {(size_t)NQ * H, (size_t)KVD * H, (size_t)KVD * H};
+            assert_non_null(bw = backend_weights_load_cat(be, s3, d3, n3, 3, &sw));
+            wqkv = DEV(bw);
+            size_t es = backend_dtype_size(sw);
+            wq = wqkv, wk = (const char *)wqkv + (size_t)NQ * H * es;
+            wv = (const char *)wk + (size_t)KVD * H * es;
+        } else {
+            assert_non_null(bqw = backend_weights_load(be, hw, BACKEND_BF16, (size_t)NQ * H, &sw));
+            assert_non_null(bkw = backend_weights_load(be, hw + (size_t)NQ * H, BACKEND_BF16,
+                                                       (size_t)KVD * H, &sw));
+            assert_non_null(bvw = backend_weights_load(be, hw + (size_t)(NQ + KVD) * H,
+                                                       BACKEND_BF16, (size_t)KVD * H, &sw));
+            wq = DEV(bqw), wk = DEV(bkw), wv = DEV(bvw);
+        }
+        backend_buffer *bbias = to_dev(st, bias, W, BACKEND_F32),
+                       *binv = to_dev(st, inv, HD / 2, BACKEND_F32),
+                       *bqn = to_dev(st, qn, HD, BACKEND_F32), *bkn = to_dev(st, kn, HD, BACKEND_F32);
+        const float *dbias = DEV(bbias);
+        const int Ts[3][2] = {{1, 0}, {2, 1}, {100, 40}}; /* n_new of two sequences */
+        for (int ti = 0; ti < 3; ti++)
+            for (int norm = 0; norm < 2; norm++) {
+                test_batch tb;
+                int start[2] = {5, 20}, n_new[2] = {Ts[ti][0], Ts[ti][1]}, S = n_new[1] ? 2 : 1;
+                make_batch(&tb, S, start, n_new, 16, 16, 10);
+                assert_int_equal(backend_plan(st, &tb.b), 0);
+                int T = tb.T;
+                float *xb = rand_vec((size_t)T * H, BACKEND_BF16);
+                backend_buffer *bx = to_dev(st, xb, (size_t)T * H, mm);
+                float ks[L] = {1.0f, 0.03f}, vs[L] = {1.0f, 0.07f};
+                backend_kv k32 = {NULL, BACKEND_F32, tb.n_blocks, tb.bs, L, NKV, HD, 0, NULL, NULL};
+                backend_kv k8 = {NULL, BACKEND_F8E4M3, tb.n_blocks, tb.bs, L, NKV, HD, 0, ks, vs};
+                size_t n_el = backend_kv_block_bytes(&k8) * k8.n_blocks;
+                backend_buffer *r32 = backend_buffer_alloc(be, n_el * 4, BACKEND_BUF_KV),
+                               *r8 = backend_buffer_alloc(be, n_el, BACKEND_BUF_KV);
+                k32.base = DEV(r32), k8.base = DEV(r8);
+                backend_buffer *bqo = backend_buffer_alloc(be, (size_t)T * NQ * 4, 0),
+                               *bks = backend_buffer_alloc(be, (size_t)T * KVD * 4, 0),
+                               *bvs = backend_buffer_alloc(be, (size_t)T * KVD * 4, 0);
+                backend_qkv_op op = {.x = DEV(bx),
+                                     .x_dt = mm,
+                                     .T = T,
+                                     .hidden = H,
+                                     .n_heads = NH,
+                                     .wq = wq,
+                                     .wk = wk,
+                                     .wv = wv,
+                                     .w_dt = sw,
+                                     .bq = dbias,
+                                     .bk = dbias + NQ,
+                                     .bv = dbias + NQ + KVD,
+                                     .wqkv = wqkv,
+                                     .bqkv = wqkv ? dbias : NULL,
+                                     .q = DEV(bqo),
+                                     .k = DEV(bks),
+                                     .v = DEV(bvs),
+                                     .dt = a,
+                                     .inv_freq = DEV(binv),
+                                     .kv = &k32,
+                                     .layer = LAYER,
+                                     .q_norm = norm ? DEV(bqn) : NULL,
+                                     .k_norm = norm ? DEV(bkn) : NULL,
+                                     .qk_eps = 1e-6f};
+                assert_int_equal(backend_qkv(st, &op), 0);
+                op.kv = &k8;
+                assert_int_equal(backend_qkv(st, &op), 0);
+                float *f = from_dev(st, k32.base, n_el, BACKEND_F32);
+                uint8_t *b8 = bytes_from_dev(st, k8.base, n_el);
+                size_t per_layer = (size_t)tb.bs * KVD, bad = 0, first = 0;
+                for (size_t i = 0; i < n_el; i++) {
+                    int which = (int)(i / per_layer % 2);
+                    uint8_t want = fp8_e4m3_from_f32(f[i] / (which ? vs : ks)[LAYER]);
+                    if (b8[i] != want && !bad++) first = i;
+                }
+                if (bad)
+                    fail_msg("fp8 qkv on %s (T %d, q/k norm %d): %zu bytes differ from e4m3 of "
+                             "the f32 KV / scale, first at %zu: 0x%02x, f32 %.9g -> 0x%02x",
+                             backend_name(be), T, norm, bad, first, b8[first], (double)f[first],
+                             fp8_e4m3_from_f32(f[first] / ((first / per_layer % 2) ? vs : ks)[LAYER]));
+                backend_buffer *bufs[] = {bx, r32, r8, bqo, bks, bvs};
+                for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                    backend_buffer_free(bufs[i]);
+                free(f), free(b8), free(xb);
+            }
+        backend_buffer *bufs[] = {bw, bqw, bkw, bvw, bbias, binv, bqn, bkn};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            backend_buffer_free(bufs[i]);
+        free(hw), free(fw);
+        backend_stream_free(st);
+    }
+}
+
+/* --kv-cache-dtype names: vLLM's fp8 / fp8_e4m3 are e4m3; fp8_e5m2 and int8 are refused */
+static void test_kv_dtype_names(void **state) {
+    int dt = -2;
+    assert_int_equal(backend_kv_dtype_parse("fp8", &dt), 0);
+    assert_int_equal(dt, BACKEND_F8E4M3);
+    assert_int_equal(backend_kv_dtype_parse("fp8_e4m3", &dt), 0);
+    assert_int_equal(dt, BACKEND_F8E4M3);
+    assert_int_equal(backend_kv_dtype_parse("auto", &dt), 0);
+    assert_int_equal(dt, -1);
+    assert_int_equal(backend_kv_dtype_parse("bfloat16", &dt), 0);
+    assert_int_equal(dt, BACKEND_BF16);
+    assert_int_equal(backend_kv_dtype_parse("fp8_e5m2", &dt), -EINVAL);
+    assert_int_equal(backend_kv_dtype_parse("int8", &dt), -EINVAL);
+    assert_int_equal((int)backend_dtype_size(BACKEND_F8E4M3), 1);
+    assert_string_equal(backend_dtype_name(BACKEND_F8E4M3), "float8_e4m3fn");
+}
+
 int main(void) {
     char err[512];
     if (backend_open("cpu", NULL, &g_be[0], err, sizeof err)) {
@@ -2009,6 +2308,10 @@ int main(void) {
         /* CUDA mixture of experts */
         cmocka_unit_test(test_moe_route_cuda),
         cmocka_unit_test(test_moe_cuda),
+        cmocka_unit_test(test_fp8_kv_write),
+        cmocka_unit_test(test_fp8_kv_attention),
+        cmocka_unit_test(test_fp8_kv_qkv),
+        cmocka_unit_test(test_kv_dtype_names),
     };
     /* TEST_BACKEND_OPS_FILTER=pattern: only the tests whose name matches (cmocka's filter,
      * e.g. "test_moe*" for gpu_check's ONLY=moe) */

@@ -511,7 +511,7 @@ static int at_case_run(backend *be, const at_case *c, int *rows_checked) {
     backend_stream *s = backend_stream_create(be);
     assert_non_null(s);
     int W = c->nh * c->hd, kvd = c->nkv * c->hd, nlayers = 2, nb = NSEQ * 24;
-    backend_kv kv = {NULL, c->kv_dt, nb, AT_BS, nlayers, c->nkv, c->hd, 0};
+    backend_kv kv = {NULL, c->kv_dt, nb, AT_BS, nlayers, c->nkv, c->hd, 0, NULL, NULL};
     backend_buffer *kvb = backend_buffer_alloc(be, backend_kv_block_bytes(&kv) * nb, BACKEND_BUF_KV);
     assert_non_null(kvb);
     kv.base = backend_buffer_ptr(kvb);
@@ -931,7 +931,7 @@ static void test_decode_bench(void **st) {
     memset(ms, 0, sizeof ms);
     for (int mode = 0; mode < 2; mode++) {
         backend_stream *s = backend_stream_create(be[mode]);
-        backend_kv kv = {NULL, BACKEND_BF16, nb, BS, NL, NKV, HD, 0};
+        backend_kv kv = {NULL, BACKEND_BF16, nb, BS, NL, NKV, HD, 0, NULL, NULL};
         size_t kvbytes = backend_kv_block_bytes(&kv) * nb;
         backend_buffer *kvb = rand_buffer(be[mode], s, kvbytes, 0);
         kv.base = backend_buffer_ptr(kvb);

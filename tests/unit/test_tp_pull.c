@@ -30,6 +30,13 @@ static void test_shape_from_fingerprint(void **state) {
                                                &sh, err, sizeof err),
                      0);
     assert_int_equal(sh.elem_bytes, 4);
+    /* an FP8 KV cache (e4m3, one byte), with its checkpoint scales' field after the vocab */
+    assert_int_equal(
+        tp_shape_from_fingerprint("qwen2:L28:kvh4:hd128:bs16:fp8e4m3:layer-kv-token-major:v152064"
+                                  ":kvs1a2b3c4d",
+                                  &sh, err, sizeof err),
+        0);
+    assert_int_equal(sh.elem_bytes, 1);
     assert_int_equal(tp_shape_from_fingerprint("qwen2:L2:kvh4:hd8:bs4:f64:layer-kv-token-major:v9",
                                                &sh, err, sizeof err),
                      XFER_PLAN_EINVAL);

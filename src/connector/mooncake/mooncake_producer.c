@@ -322,15 +322,54 @@ static int layout_compatible(const char *peer, const char *mine) {
     return 1;
 }
 
+/* The KV dtype a fingerprint names (its sixth field), as backend_dtype_name says it */
+static const char *layout_dtype(const char *fp, char *buf, size_t cap) {
+    const char *p = fp;
+    for (int i = 0; i < 5 && p; i++)
+        if ((p = strchr(p, ':'))) p++;
+    size_t n = p ? strcspn(p, ":") : 0;
+    static const char *const names[][2] = {{"f32", "float32"},
+                                           {"f16", "float16"},
+                                           {"bf16", "bfloat16"},
+                                           {"fp8e4m3", "float8_e4m3fn"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (n == strlen(names[i][0]) && !strncmp(p, names[i][0], n)) return names[i][1];
+    snprintf(buf, cap, "%.*s", (int)(n < 32 ? n : 32), p ? p : "?");
+    return buf;
+}
+
+/* The FP8 KV scales' field of a fingerprint (":kvs<hash>"), "1.0" without one */
+static const char *layout_scales(const char *fp, char *buf, size_t cap) {
+    const char *k = strstr(fp, ":kvs");
+    if (!k) return "1.0";
+    snprintf(buf, cap, "%.*s", (int)strcspn(k + 1, ":"), k + 1);
+    return buf;
+}
+
 /* Side-channel thread: a decoder's pull.  Must not block. */
 void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
     mooncake_connector *c = ud;
     if (pull->layout && !layout_compatible(pull->layout, c->region.fingerprint)) {
-        char msg[400];
-        snprintf(msg, sizeof msg,
-                 "KV layout mismatch: decoder has %s, producer has %s (same model, dtype and "
-                 "--block-size are required)",
-                 pull->layout, c->region.fingerprint);
+        char msg[480], b1[40], b2[40], b3[40], b4[40];
+        const char *dd = layout_dtype(pull->layout, b1, sizeof b1),
+                   *pd = layout_dtype(c->region.fingerprint, b2, sizeof b2);
+        const char *ds = layout_scales(pull->layout, b3, sizeof b3),
+                   *ps = layout_scales(c->region.fingerprint, b4, sizeof b4);
+        if (strcmp(dd, pd))
+            snprintf(msg, sizeof msg,
+                     "KV dtype mismatch: prefill %s, decode %s (P and D need the same "
+                     "--kv-cache-dtype); decoder has %s, producer has %s",
+                     pd, dd, pull->layout, c->region.fingerprint);
+        else if (strcmp(ds, ps))
+            snprintf(msg, sizeof msg,
+                     "KV scales mismatch: prefill %s, decode %s (FP8 KV of checkpoints with "
+                     "different k_scale / v_scale); decoder has %s, producer has %s",
+                     ps, ds, pull->layout, c->region.fingerprint);
+        else
+            snprintf(msg, sizeof msg,
+                     "KV layout mismatch: decoder has %s, producer has %s (same model, dtype and "
+                     "--block-size are required)",
+                     pull->layout, c->region.fingerprint);
         LOG_W(MOD, "refusing a pull: %s", msg);
         pthread_mutex_lock(&c->mu);
         c->fail_p[FP_REFUSED]++;

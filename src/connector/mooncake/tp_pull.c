@@ -24,7 +24,10 @@ int tp_shape_from_fingerprint(const char *fp, xfer_kv_shape *out, char *err, siz
                  fp ? fp : "(none)");
         return XFER_PLAN_EINVAL;
     }
-    int es = !strcmp(dt, "f32") ? 4 : (!strcmp(dt, "f16") || !strcmp(dt, "bf16")) ? 2 : 0;
+    int es = !strcmp(dt, "f32")                           ? 4
+             : (!strcmp(dt, "f16") || !strcmp(dt, "bf16")) ? 2
+             : !strcmp(dt, "fp8e4m3")                      ? 1
+                                                           : 0;
     if (!es || L < 1 || H < 1 || hd < 1 || bs < 1) {
         snprintf(err, err_cap,
                  "KV layout '%.80s': bad layers, heads, head_dim, block size or dtype", fp);

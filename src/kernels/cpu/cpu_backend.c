@@ -10,6 +10,7 @@
 #include "base/log.h"
 #include "kernels/backend_impl.h"
 #include "kernels/cpu/cpu_matmul.h"
+#include "kernels/fp8.h"
 
 #include <errno.h>
 #include <math.h>
@@ -38,7 +39,8 @@ static void cpu_fill(backend *be) {
     be->attention_window = 1;
     be->act_dtype = BACKEND_F32;
     be->kv_dtype = BACKEND_F32;
-    be->kv_dtypes = 1u << BACKEND_F32 | 1u << BACKEND_BF16; /* bf16: opt-in (half the bytes) */
+    be->kv_dtypes = 1u << BACKEND_F32 | 1u << BACKEND_BF16 |
+                    1u << BACKEND_F8E4M3; /* bf16, fp8: opt-in (half, a quarter of the bytes) */
 }
 
 int cpu_backend_open(const backend_options *opts, backend **out, char *err, size_t errlen) {
@@ -381,14 +383,20 @@ static inline void *kv_at(const backend_kv *kv, const backend_batch *pb, int seq
 static int cpu_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
                         const void *v, backend_dtype dt) {
     NEED_PLAN("kv_write");
-    NEED_F32("kv_write",
-             dt == BACKEND_F32 && (kv->dtype == BACKEND_F32 || kv->dtype == BACKEND_BF16));
+    NEED_F32("kv_write", dt == BACKEND_F32 && (kv->dtype == BACKEND_F32 ||
+                                               kv->dtype == BACKEND_BF16 ||
+                                               kv->dtype == BACKEND_F8E4M3));
     size_t kvd = (size_t)kv->n_kv_heads * kv->head_dim;
     for (int t = 0; t < pb->n_tokens; t++)
         for (int which = 0; which < 2; which++) {
             void *dst = kv_at(kv, pb, pb->tok_seq[t], pb->tok_pos[t], layer, which);
             const float *src = (const float *)(which ? v : k) + (size_t)t * kvd;
-            if (kv->dtype == BACKEND_BF16)
+            if (kv->dtype == BACKEND_F8E4M3) { /* e4m3(x / scale), nearest even, saturated */
+                float sc = backend_kv_scale(kv, layer, which);
+                uint8_t *d8 = dst;
+                for (size_t i = 0; i < kvd; i++)
+                    d8[i] = fp8_e4m3_from_f32(src[i] / sc);
+            } else if (kv->dtype == BACKEND_BF16)
                 cpu_f32_to_bf16_row(dst, src, (int)kvd); /* round to nearest even */
             else
                 memcpy(dst, src, kvd * 4);
@@ -475,7 +483,7 @@ static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *p
                       size_t pstride) {
     const backend_kv *kv = j->kv;
     int hd = kv->head_dim, nkv = kv->n_kv_heads, group = j->n_heads / nkv, width = j->n_heads * hd;
-    int bf16 = kv->dtype == BACKEND_BF16, bs = kv->block_size;
+    int bf16 = kv->dtype == BACKEND_BF16, fp8 = kv->dtype == BACKEND_F8E4M3, bs = kv->block_size;
     size_t kvd = (size_t)nkv * hd, es = backend_dtype_size(kv->dtype);
     int seq = j->pb->tok_seq[t], np = j->pb->tok_pos[t] + 1;
     int cs = att_lo(kv, np - 1) + c * ATT_CHUNK, ce = np - cs < ATT_CHUNK ? np : cs + ATT_CHUNK,
@@ -525,10 +533,23 @@ static void att_chunk(const att_job *j, int t, int c, int kh0, int kh1, float *p
         const float *src[CPU_ATT_MAX_HEADS];
         const void *rows[CPU_ATT_MAX_HEADS];
         const int kstep = CPU_ATT_MAX_HEADS / group; /* KV heads per call (cpu_attention: >= 1) */
+        /* FP8 KV: the piece's rows of these KV heads dequantized to f32 first (the exact e4m3
+         * value times the layer's scale, rounded once to f32), then the f32 kernels on them */
+        float *deq = NULL;
+        if (fp8) {
+            deq = cpu_scratch(4, (size_t)n * kvd);
+            if (!deq) abort(); /* a worker cannot report; n * kv_dim floats */
+            float sc = backend_kv_scale(kv, j->layer, which);
+            const uint8_t *src8 = att_rows(j, bt, which, -1, p);
+            for (int r = 0; r < n; r++)
+                for (size_t e = (size_t)kh0 * hd; e < (size_t)kh1 * hd; e++)
+                    deq[r * kvd + e] = fp8_e4m3_to_f32(src8[r * kvd + e]) * sc;
+        }
         for (int ka = kh0; ka < kh1; ka += kstep) {
             int kb_end = ka + kstep < kh1 ? ka + kstep : kh1, nh = 0;
             for (int kvh = ka; kvh < kb_end; kvh++) {
-                const void *kb = att_rows(j, bt, which, kvh, p);
+                const void *kb = fp8 ? (const void *)(deq + (size_t)kvh * hd)
+                                     : att_rows(j, bt, which, kvh, p);
                 for (int g = kvh * group; g < (kvh + 1) * group; g++, nh++) {
                     float *sg = scores + (size_t)(g - g0) * ATT_CHUNK + (p - cs);
                     rows[nh] = kb;
@@ -595,8 +616,9 @@ static void att_chunk_task(void *ctx, int task) {
 static int cpu_attention(backend_stream *st, void *out, const void *q, backend_dtype dt,
                          const backend_kv *kv, int layer, int n_heads, float scale) {
     NEED_PLAN("attention");
-    NEED_F32("attention",
-             dt == BACKEND_F32 && (kv->dtype == BACKEND_F32 || kv->dtype == BACKEND_BF16));
+    NEED_F32("attention", dt == BACKEND_F32 && (kv->dtype == BACKEND_F32 ||
+                                                kv->dtype == BACKEND_BF16 ||
+                                                kv->dtype == BACKEND_F8E4M3));
     cpu_stream *cs = st->impl;
     cpu_pool *pool = cs->pool;
     int T = pb->n_tokens, nkv = kv->n_kv_heads, hd = kv->head_dim;

@@ -23,7 +23,7 @@ void cpu_pool_run(cpu_pool *p, int n_tasks, cpu_pool_fn fn, void *ctx);
 
 /* Per-thread scratch buffer `slot` (0..CPU_SCRATCH_SLOTS-1) of at least n floats, 32-byte
  * aligned, kept for the thread's life (freed at thread exit).  NULL if out of memory. */
-#define CPU_SCRATCH_SLOTS 4
+#define CPU_SCRATCH_SLOTS 5
 float *cpu_scratch(int slot, size_t n);
 
 #endif

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
     k_decode_attention(OT *out, float *part, float *ml, const float *q, const KT *kv, int bs,
                 int n_layers, int layer, const int32_t *pos, const int32_t *seq,
                 const int32_t *bts, int bt_stride, int nh, int nkv, int hd, int chunk,
-                float scale, const int32_t *list) {
+                float scale, const int32_t *list, float ksc, float vsc) {
     int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int t = list ? list[ti] : ti; /* token; partials are indexed by ti */
     int G = nh / nkv, kvd = nkv * hd;
@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 #pragma unroll
                 for (int d = 0; d < ND; d++) {
                     int e = lane + 32 * d;
-                    kk[u][d] = e < hd ? load_f(kr + e) : 0.0f;
-                    vv[u][d] = e < hd ? load_f(vr + e) : 0.0f;
+                    kk[u][d] = e < hd ? load_kv(kr + e, ksc) : 0.0f;
+                    vv[u][d] = e < hd ? load_kv(vr + e, vsc) : 0.0f;
                 }
             } else {
 #pragma unroll
@@ -285,7 +285,8 @@ static void launch_att(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, in
     dim3 grid(T, nkv, splits);
     k_decode_attention<KT, OT, ND><<<grid, ATT_WARPS * 32, 0, c->stream>>>(
         out, c->att_part, c->att_ml, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer,
-        pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale, c->att_list);
+        pos, seq, bts, bt_stride, nh, nkv, hd, chunk, scale, c->att_list, kv->k_scale,
+        kv->v_scale);
     if (splits > 1) att_combine<OT>(c, out, T, nh, hd, splits);
 }
 
@@ -350,9 +351,16 @@ int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q,
         }
     }
     int bf_kv = kv->dtype == DCU_BF16, bf_out = out_dtype == DCU_BF16;
-    if (bf_kv && (hd == 64 || hd == 128) && nh / nkv <= 8)
+    int f8_kv = kv->dtype == DCU_F8E4M3;
+    if ((bf_kv || f8_kv) && (hd == 64 || hd == 128) && nh / nkv <= 8)
         return launch_att_mma(c, out, bf_out, q, kv, layer, pos, seq, bts, bt_stride, T, nh, nkv,
                               hd, splits, chunk, scale);
+    if (f8_kv && bf_out)
+        return att_nd<f8e4m3, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
+                                    nkv, hd, splits, chunk, scale);
+    if (f8_kv)
+        return att_nd<f8e4m3, float>(c, (float *)out, q, kv, layer, pos, seq, bts, bt_stride, T,
+                                     nh, nkv, hd, splits, chunk, scale);
     if (bf_kv && bf_out)
         return att_nd<bf16, bf16>(c, (bf16 *)out, q, kv, layer, pos, seq, bts, bt_stride, T, nh,
                                   nkv, hd, splits, chunk, scale);
@@ -395,11 +403,21 @@ __device__ __forceinline__ uint32_t pair_bf(const uint4 &a, const uint4 &b, int 
     return __byte_perm(u4_word(a, e >> 1), u4_word(b, e >> 1), (e & 1) ? 0x7632 : 0x5410);
 }
 
-template <int HD, typename OT>
+/* 8 KV elements as 8 bf16 (bf16 KV: one 16-byte load; FP8 KV: one 8-byte load converted
+ * exactly, the scales applied outside: k_scale folded into q's scale, v_scale into O) */
+__device__ __forceinline__ uint4 kv_ld8(const bf16 *p) {
+    return *(const uint4 *)p;
+}
+__device__ __forceinline__ uint4 kv_ld8(const f8e4m3 *p) {
+    return e4m3x8_to_bf8(*(const uint2 *)p);
+}
+
+template <int HD, typename OT, typename KT>
 __global__ void __launch_bounds__(AM_WARPS * 32)
-    k_decode_attention_mma(OT *out, float *part, float *ml, const float *q, const bf16 *kv, int bs,
+    k_decode_attention_mma(OT *out, float *part, float *ml, const float *q, const KT *kv, int bs,
               int n_layers, int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
-              int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list) {
+              int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list,
+              float vsc) {
     pdl_wait();
     constexpr int NP = HD / 32, NU = HD / 64, MT = HD / 16;
     int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
@@ -432,12 +450,12 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             int key = k0 + 16 * kk + 2 * qd + (r & 1) + (r >> 1) * 8;
-            const bf16 *vp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 1) +
-                                            (size_t)kvh * HD + 8 * g
-                                      : NULL;
+            const KT *vp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 1) +
+                                          (size_t)kvh * HD + 8 * g
+                                    : NULL;
 #pragma unroll
             for (int u = 0; u < NU; u++)
-                va[kk][r][u] = vp ? *(const uint4 *)(vp + 64 * u) : make_uint4(0, 0, 0, 0);
+                va[kk][r][u] = vp ? kv_ld8(vp + 64 * u) : make_uint4(0, 0, 0, 0);
         }
     /* S (4 tiles of 8 keys): row g, keys 8j + 2qd, +1 in s[j][0], s[j][1] */
     float s[4][4];
@@ -446,12 +464,12 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
         int key = k0 + 8 * j + g;
         uint4 kr[NP];
-        const bf16 *kp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 0) +
-                                        (size_t)kvh * HD + 8 * qd
-                                  : NULL;
+        const KT *kp = key < k1 ? kv + kv_off(bt, key, bs, n_layers, kvd, layer, 0) +
+                                      (size_t)kvh * HD + 8 * qd
+                                : NULL;
 #pragma unroll
         for (int p = 0; p < NP; p++)
-            kr[p] = kp ? *(const uint4 *)(kp + 32 * p) : make_uint4(0, 0, 0, 0);
+            kr[p] = kp ? kv_ld8(kp + 32 * p) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int p = 0; p < NP; p++) {
             mma_bf16(s[j], qa[p][0][0], 0u, qa[p][0][1], 0u, kr[p].x, kr[p].y);
@@ -525,6 +543,7 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
                 L += sm_l[ww][hg] * f;
                 A += sm_o[ww][hg][e] * f;
             }
+        A *= vsc; /* FP8 KV: v_scale (1 otherwise: the same bits) */
         int head = kvh * G + hg;
         if (splits == 1) {
             store_as(out + (size_t)t * nh * HD + (size_t)head * HD + e, L > 0 ? A / L : 0.0f);
@@ -544,19 +563,29 @@ static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, con
                           int bt_stride, int T, int nh, int nkv, int hd, int splits, int chunk,
                           float scale) {
     dim3 grid(T, nkv, splits);
-    const bf16 *kb = (const bf16 *)kv->base;
-#define AMM(H, OT)                                                                                 \
-    launch_pdl(c, "attention (tensor cores)", k_decode_attention_mma<H, OT>, grid,                 \
-               dim3(AM_WARPS * 32), 0, (OT *)out, c->att_part, c->att_ml, q, kb, kv->block_size,   \
-               kv->n_layers, layer, pos, seq, bts, bt_stride, nh, nkv, chunk, scale, c->att_list)
-    if (hd == 128 && bf_out)
-        AMM(128, bf16);
-    else if (hd == 128)
-        AMM(128, float);
-    else if (bf_out)
-        AMM(64, bf16);
-    else
-        AMM(64, float);
+    int f8 = kv->dtype == DCU_F8E4M3;
+    /* FP8 KV: k_scale folded into q's scale, v_scale applied to O */
+    float qs = f8 ? scale * kv->k_scale : scale, vsc = f8 ? kv->v_scale : 1.0f;
+#define AMM(H, OT, KT)                                                                             \
+    launch_pdl(c, "attention (tensor cores)", k_decode_attention_mma<H, OT, KT>, grid,             \
+               dim3(AM_WARPS * 32), 0, (OT *)out, c->att_part, c->att_ml, q,                       \
+               (const KT *)kv->base, kv->block_size, kv->n_layers, layer, pos, seq, bts,           \
+               bt_stride, nh, nkv, chunk, qs, c->att_list, vsc)
+#define AMM_KV(H, OT)                                                                              \
+    if (f8)                                                                                        \
+        AMM(H, OT, f8e4m3);                                                                        \
+    else                                                                                           \
+        AMM(H, OT, bf16)
+    if (hd == 128 && bf_out) {
+        AMM_KV(128, bf16);
+    } else if (hd == 128) {
+        AMM_KV(128, float);
+    } else if (bf_out) {
+        AMM_KV(64, bf16);
+    } else {
+        AMM_KV(64, float);
+    }
+#undef AMM_KV
 #undef AMM
     int rc = launch_check("attention (tensor cores)");
     if (!rc && splits > 1)

@@ -174,15 +174,27 @@ __device__ __forceinline__ float ex2f(float x) {
     return y;
 }
 
+/* 8 KV elements (global) -> 8 bf16 (shared) of a K/V tile: bf16 KV by cp.async (16 bytes,
+ * asynchronous, in the stage's commit group); FP8 KV by one 8-byte load converted exactly to
+ * bf16 and stored (synchronous: the scales are applied outside, k_scale folded into q's
+ * scale, v_scale into O) */
+__device__ __forceinline__ void kv_tile8(bf16 *dst, const bf16 *src) {
+    cp_async16(dst, src);
+}
+__device__ __forceinline__ void kv_tile8(bf16 *dst, const f8e4m3 *src) {
+    *(uint4 *)dst = e4m3x8_to_bf8(*(const uint2 *)src);
+}
+
 static size_t prefill_mma8w_smem(int hd) {
     return (size_t)2 * 2 * FA_BK * (hd + F2_PAD) * 2;
 }
 
-template <int HD, typename OT, int NW>
+template <int HD, typename OT, int NW, typename KT>
 __global__ void __launch_bounds__(NW * 32, NW == 4 ? 2 : 1)
-    k_prefill_attention_mma8w(OT *out, const float *q, const bf16 *kv, int bs, int n_layers,
+    k_prefill_attention_mma8w(OT *out, const float *q, const KT *kv, int bs, int n_layers,
                               int layer, const int32_t *tiles, int n_tiles, const int32_t *pos,
-                              const int32_t *bts, int bt_stride, int nh, int nkv, float qscale) {
+                              const int32_t *bts, int bt_stride, int nh, int nkv, float qscale,
+                              float vsc) {
     constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16, NTH = NW * 32;
     int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
     int kvh = h / (nh / nkv), kvd = nkv * HD;
@@ -191,7 +203,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 2 : 1)
     int p0 = pos[t0], kmax = p0 + rows;
     extern __shared__ __align__(16) char smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 16;
-    const bf16 *kvh_base = kv + (size_t)kvh * HD;
+    const KT *kvh_base = kv + (size_t)kvh * HD;
     const size_t vgap = (size_t)bs * kvd; /* V of a slot is one (block size x kv_dim) after K */
     /* tile kt's K and V into stage stg (cp.async, one commit group) */
     auto load_async = [&](int stg, int kt) {
@@ -201,9 +213,9 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 2 : 1)
             int r = i / (HD / 8), c8 = i % (HD / 8), j = kt + r;
             bf16 *kd = K_ + r * LD + c8 * 8, *vd = V_ + r * LD + c8 * 8;
             if (j < kmax) {
-                const bf16 *src = kvh_base + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + c8 * 8;
-                cp_async16(kd, src);
-                cp_async16(vd, src + vgap);
+                const KT *src = kvh_base + kv_off(bt, j, bs, n_layers, kvd, layer, 0) + c8 * 8;
+                kv_tile8(kd, src);
+                kv_tile8(vd, src + vgap);
             } else {
                 *(uint4 *)kd = make_uint4(0, 0, 0, 0);
                 *(uint4 *)vd = make_uint4(0, 0, 0, 0);
@@ -337,6 +349,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 2 : 1)
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     float i0 = l0 > 0 ? 1.0f / l0 : 0.0f, i1 = l1 > 0 ? 1.0f / l1 : 0.0f;
+    if (sizeof(KT) == 1) i0 *= vsc, i1 *= vsc; /* FP8 KV: v_scale */
 #pragma unroll
     for (int dn = 0; dn < DT; dn++) {
         int d = dn * 8 + 2 * qd;
@@ -353,22 +366,35 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 2 : 1)
     }
 }
 
-template <int HD, typename OT, int NW>
-static int launch_prefill_mma8w(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
-                            const int32_t *tiles, int n_tiles, const int32_t *pos,
-                            const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+template <int HD, typename OT, int NW, typename KT>
+static int launch_prefill_mma8w_kt(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv,
+                                   int layer, const int32_t *tiles, int n_tiles,
+                                   const int32_t *pos, const int32_t *bts, int bt_stride, int nh,
+                                   int nkv, float scale, float vsc) {
     size_t sh = prefill_mma8w_smem(HD);
     static int attr_done;
     if (!attr_done) {
-        cudaFuncSetAttribute(k_prefill_attention_mma8w<HD, OT, NW>,
+        cudaFuncSetAttribute(k_prefill_attention_mma8w<HD, OT, NW, KT>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sh);
         attr_done = 1;
     }
     dim3 grid(nh, n_tiles);
-    k_prefill_attention_mma8w<HD, OT, NW><<<grid, NW * 32, sh, c->stream>>>(
-        out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
-        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
+    k_prefill_attention_mma8w<HD, OT, NW, KT><<<grid, NW * 32, sh, c->stream>>>(
+        out, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f, vsc);
     return launch_check("prefill_attention_mma8w");
+}
+/* FP8 KV: k_scale folded into q's scale, v_scale applied to O */
+template <int HD, typename OT, int NW>
+static int launch_prefill_mma8w(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                                const int32_t *tiles, int n_tiles, const int32_t *pos,
+                                const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    if (kv->dtype == DCU_F8E4M3)
+        return launch_prefill_mma8w_kt<HD, OT, NW, f8e4m3>(c, out, q, kv, layer, tiles, n_tiles,
+                                                           pos, bts, bt_stride, nh, nkv,
+                                                           scale * kv->k_scale, kv->v_scale);
+    return launch_prefill_mma8w_kt<HD, OT, NW, bf16>(c, out, q, kv, layer, tiles, n_tiles, pos,
+                                                     bts, bt_stride, nh, nkv, scale, 1.0f);
 }
 
 /* k_prefill_attention_mma — k_prefill_attention_mma8w with 32 query rows a warp (the default;
@@ -383,11 +409,12 @@ static size_t prefill_mma_smem(int hd) {
     return (size_t)(FA_BQ3 + 2 * 2 * FA_BK) * (hd + F2_PAD) * 2;
 }
 
-template <int HD, typename OT>
+template <int HD, typename OT, typename KT>
 __global__ void __launch_bounds__(PA_NW * 32, 2)
-    k_prefill_attention_mma(OT *out, const float *q, const bf16 *kv, int bs, int n_layers,
+    k_prefill_attention_mma(OT *out, const float *q, const KT *kv, int bs, int n_layers,
                             int layer, const int32_t *tiles, int n_tiles, const int32_t *pos,
-                            const int32_t *bts, int bt_stride, int nh, int nkv, float qscale) {
+                            const int32_t *bts, int bt_stride, int nh, int nkv, float qscale,
+                            float vsc) {
     constexpr int LD = HD + F2_PAD, NT = FA_BK / 8, DT = HD / 8, KS = HD / 16, NTH = PA_NW * 32;
     int h = blockIdx.x, tile = n_tiles - 1 - (int)blockIdx.y;
     int kvh = h / (nh / nkv), kvd = nkv * HD;
@@ -397,7 +424,7 @@ __global__ void __launch_bounds__(PA_NW * 32, 2)
     extern __shared__ __align__(16) char smem[];
     bf16 *Qs = (bf16 *)smem, *KV0 = Qs + FA_BQ3 * LD;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wr0 = warp * 32;
-    const bf16 *kvh_base = kv + (size_t)kvh * HD;
+    const KT *kvh_base = kv + (size_t)kvh * HD;
     const size_t vgap = (size_t)bs * kvd;
     /* kv_off's address with the loop-invariant parts hoisted and, for a power-of-two block
      * size, a shift and a mask for the division (the same address) */
@@ -413,10 +440,10 @@ __global__ void __launch_bounds__(PA_NW * 32, 2)
             if (j < kmax) {
                 int bi = bs_sh >= 0 ? j >> bs_sh : j / bs,
                     slot = bs_sh >= 0 ? j & (bs - 1) : j % bs;
-                const bf16 *src =
+                const KT *src =
                     kvh_base + (size_t)bt[bi] * per_block + lay_off + (size_t)slot * kvd + c8 * 8;
-                cp_async16(kd, src);
-                cp_async16(vd, src + vgap);
+                kv_tile8(kd, src);
+                kv_tile8(vd, src + vgap);
             } else {
                 *(uint4 *)kd = make_uint4(0, 0, 0, 0);
                 *(uint4 *)vd = make_uint4(0, 0, 0, 0);
@@ -564,6 +591,7 @@ __global__ void __launch_bounds__(PA_NW * 32, 2)
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
         float i0 = l0 > 0 ? 1.0f / l0 : 0.0f, i1 = l1 > 0 ? 1.0f / l1 : 0.0f;
+        if (sizeof(KT) == 1) i0 *= vsc, i1 *= vsc; /* FP8 KV: v_scale */
         int r0 = wr0 + mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
         for (int dn = 0; dn < DT; dn++) {
@@ -582,22 +610,34 @@ __global__ void __launch_bounds__(PA_NW * 32, 2)
     }
 }
 
-template <int HD, typename OT>
-static int launch_prefill_mma(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
-                         const int32_t *tiles, int n_tiles, const int32_t *pos,
-                         const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+template <int HD, typename OT, typename KT>
+static int launch_prefill_mma_kt(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                                 const int32_t *tiles, int n_tiles, const int32_t *pos,
+                                 const int32_t *bts, int bt_stride, int nh, int nkv, float scale,
+                                 float vsc) {
     size_t sh = prefill_mma_smem(HD);
     static int attr_done;
     if (!attr_done) {
-        cudaFuncSetAttribute(k_prefill_attention_mma<HD, OT>,
+        cudaFuncSetAttribute(k_prefill_attention_mma<HD, OT, KT>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sh);
         attr_done = 1;
     }
     dim3 grid(nh, n_tiles);
-    k_prefill_attention_mma<HD, OT><<<grid, PA_NW * 32, sh, c->stream>>>(
-        out, q, (const bf16 *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
-        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f);
+    k_prefill_attention_mma<HD, OT, KT><<<grid, PA_NW * 32, sh, c->stream>>>(
+        out, q, (const KT *)kv->base, kv->block_size, kv->n_layers, layer, tiles, n_tiles, pos,
+        bts, bt_stride, nh, nkv, scale * 1.4426950408889634f, vsc);
     return launch_check("prefill_attention_mma");
+}
+template <int HD, typename OT>
+static int launch_prefill_mma(dcu_ctx *c, OT *out, const float *q, const dcu_kv *kv, int layer,
+                              const int32_t *tiles, int n_tiles, const int32_t *pos,
+                              const int32_t *bts, int bt_stride, int nh, int nkv, float scale) {
+    if (kv->dtype == DCU_F8E4M3)
+        return launch_prefill_mma_kt<HD, OT, f8e4m3>(c, out, q, kv, layer, tiles, n_tiles, pos,
+                                                     bts, bt_stride, nh, nkv,
+                                                     scale * kv->k_scale, kv->v_scale);
+    return launch_prefill_mma_kt<HD, OT, bf16>(c, out, q, kv, layer, tiles, n_tiles, pos, bts,
+                                               bt_stride, nh, nkv, scale, 1.0f);
 }
 
 /* k_prefill_attention_mma's CTAs are 4 warps: when the grid leaves SMs without a CTA (a
@@ -621,8 +661,10 @@ static int launch_prefill_tiles(dcu_ctx *c, OT *out, const float *q, const dcu_k
                                                      bts, bt_stride, nh, nkv, scale);
 }
 
-/* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128) */
+/* Can the prefill kernel take this shape? (bf16 KV, head_dim 16/32/64/128; FP8 KV, head_dim
+ * 32/64/128: the 128-row kernels, which convert the tiles to bf16 as they load them) */
 int flash_ok(const dcu_ctx *c, int kv_dtype, int hd) {
+    if (kv_dtype == DCU_F8E4M3) return hd == 32 || hd == 64 || hd == 128;
     return kv_dtype == DCU_BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
 }
 
@@ -679,6 +721,8 @@ int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q,
                                         bts, bt_stride, nh, nkv, scale))
         if (hd >= 32 && tiles3_d)
             rc = hd == 32 ? FL3(32) : hd == 64 ? FL3(64) : FL3(128);
+        else if (kv->dtype == DCU_F8E4M3) /* the wmma kernel reads bf16 KV only */
+            rc = -ENOTSUP;
         else
             rc = hd == 16 ? FL(16) : hd == 32 ? FL(32) : hd == 64 ? FL(64) : FL(128);
 #undef FL

@@ -700,18 +700,34 @@ static int cb_rope(backend_stream *st, void *q, int nq, void *k, int nk, backend
     return rc;
 }
 
-static dcu_kv to_dkv(const backend_kv *kv) {
-    dcu_kv d = {kv->base, kv->dtype == BACKEND_BF16 ? DCU_BF16 : DCU_F32, kv->n_blocks,
-                kv->block_size, kv->n_layers, kv->n_kv_heads * kv->head_dim};
+/* the KV dtypes of the module: bf16, f32, FP8 e4m3 (with the layer's scales) */
+static int kv_dt_ok(const backend_kv *kv) {
+    return kv->dtype == BACKEND_BF16 || kv->dtype == BACKEND_F32 || kv->dtype == BACKEND_F8E4M3;
+}
+/* the launchers' kv_kind: 0 f32, 1 bf16, 2 e4m3 */
+static int kv_kind(const backend_kv *kv) {
+    return kv->dtype == BACKEND_BF16 ? 1 : kv->dtype == BACKEND_F8E4M3 ? 2 : 0;
+}
+
+static dcu_kv to_dkv(const backend_kv *kv, int layer) {
+    dcu_kv d = {kv->base,
+                kv->dtype == BACKEND_BF16     ? DCU_BF16
+                : kv->dtype == BACKEND_F8E4M3 ? DCU_F8E4M3
+                                              : DCU_F32,
+                kv->n_blocks,
+                kv->block_size,
+                kv->n_layers,
+                kv->n_kv_heads * kv->head_dim,
+                backend_kv_scale(kv, layer, 0),
+                backend_kv_scale(kv, layer, 1)};
     return d;
 }
 
 static int cb_kv_write(backend_stream *st, const backend_kv *kv, int layer, const void *k,
                        const void *v, backend_dtype dt) {
     cb_stream *s = CB(st);
-    if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
-        return -ENOTSUP;
-    dcu_kv d = to_dkv(kv);
+    if (dt != BACKEND_F32 || !kv_dt_ok(kv)) return -ENOTSUP;
+    dcu_kv d = to_dkv(kv, layer);
     return kv_write(s->c, &d, layer, (const float *)k, (const float *)v, d.kv_dim, s->pos, s->seq,
                     s->bt, s->stride, s->T);
 }
@@ -722,9 +738,14 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
                            backend_dtype dt, const backend_kv *kv, int layer, int n_heads,
                            float scale) {
     cb_stream *s = CB(st);
-    if (dt != BACKEND_F32 || (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32) ||
-        (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16))
+    if (dt != BACKEND_F32 || !kv_dt_ok(kv) || (out_dt != BACKEND_F32 && out_dt != BACKEND_BF16))
         return -ENOTSUP;
+    if (kv->dtype == BACKEND_F8E4M3 && (kv->window > 0 || s->inv)) {
+        fprintf(stderr, "cuda: an FP8 KV cache is not implemented with %s; accepted there: "
+                        "--kv-cache-dtype bfloat16 or float32\n",
+                kv->window > 0 ? "a sliding window (Mistral)" : "--batch-invariant");
+        return -ENOTSUP;
+    }
     if (kv->window > 0) /* Mistral's sliding window: every call of the model (cuda_window.h) */
         return pm(s,
                   cw_attention(s->c->stream, out, out_dt == BACKEND_BF16, (const float *)q,
@@ -747,10 +768,10 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
                               kv->head_dim, scale);
         return rc || out_dt != BACKEND_BF16 ? rc : to_bf16(s->c, out, o32, n);
     }
-    dcu_kv d = to_dkv(kv);
+    dcu_kv d = to_dkv(kv, layer);
     int od = out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32;
     double kvb = (double)s->max_ctx * 2 * kv->n_kv_heads * kv->head_dim *
-                 (kv->dtype == BACKEND_BF16 ? 2 : 4) * (s->S > 0 ? s->S : 1);
+                 (double)backend_dtype_size(kv->dtype) * (s->S > 0 ? s->S : 1);
     if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
         return pm(s, attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                                s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, scale,
@@ -807,9 +828,9 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
 static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     cb_stream *s = CB(st);
     const backend_kv *kv = o->kv;
-    if (o->dt != BACKEND_F32 || o->w_dt != BACKEND_BF16 ||
-        (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
-        return -ENOTSUP;
+    if (o->dt != BACKEND_F32 || o->w_dt != BACKEND_BF16 || !kv_dt_ok(kv)) return -ENOTSUP;
+    const float ksc = backend_kv_scale(kv, o->layer, 0), vsc = backend_kv_scale(kv, o->layer, 1);
+    const int kk = kv_kind(kv);
     int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
         W = (nh + 2 * nkv) * hd;
     if (T <= 0) return 0;
@@ -821,18 +842,18 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
         int rc = cb_matmul(st, &g, 1);
         if (rc) return rc;
         return pm(s,
-                  cq_qknorm_finish(s->c->stream, (float *)o->q, kv->base,
-                                   kv->dtype == BACKEND_BF16, kv->block_size, kv->n_layers,
-                                   o->layer, qkv, o->bqkv, o->q_norm, o->k_norm, o->qk_eps, s->pos,
-                                   s->seq, s->bt, s->stride, o->inv_freq, T, nh, nkv, hd),
+                  cq_qknorm_finish(s->c->stream, (float *)o->q, kv->base, kk, kv->block_size,
+                                   kv->n_layers, o->layer, qkv, o->bqkv, o->q_norm, o->k_norm,
+                                   o->qk_eps, s->pos, s->seq, s->bt, s->stride, o->inv_freq, T,
+                                   nh, nkv, hd, ksc, vsc),
                   "qk norm finish (bias, q/k norm, rope, kv)", 0);
     }
     if (!s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
         /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
-        int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, o->x, o->wqkv,
-                          o->bqkv, T, o->hidden, kv->block_size, kv->n_layers, o->layer, s->pos,
-                          s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd);
+        int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kk, o->x, o->wqkv, o->bqkv, T,
+                          o->hidden, kv->block_size, kv->n_layers, o->layer, s->pos, s->seq,
+                          s->bt, s->stride, o->inv_freq, nh, nkv, hd, ksc, vsc);
         return pm(s, rc, "qkv gemv (bias, rope, kv)", (double)W * o->hidden * 2);
     }
     /* prefill-sized batches (T >= c->qkv_bf16_min_t, fast mode, bf16 x): the GEMM writes
@@ -846,9 +867,9 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
         int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, o->wqkv, T, W, o->hidden),
                     "q|k|v GEMM (bf16 out)", (double)W * o->hidden * 2);
         if (rc) return rc;
-        rc = qkv_finish(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
-                        kv->n_layers, o->layer, qkv16, DCU_BF16, o->bqkv, s->pos, s->seq, s->bt,
-                        s->stride, o->inv_freq, T, nh, nkv, hd);
+        rc = qkv_finish(s->c, (float *)o->q, kv->base, kk, kv->block_size, kv->n_layers,
+                        o->layer, qkv16, DCU_BF16, o->bqkv, s->pos, s->seq, s->bt, s->stride,
+                        o->inv_freq, T, nh, nkv, hd, ksc, vsc);
         return pm(s, rc,
                   qkv_finish_vec2(hd) ? "qkv_finish2 (bf16 in; bias, rope, kv)"
                                       : "qkv_finish (bf16 q|k|v; bias, rope, kv)",
@@ -860,9 +881,9 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                            o->hidden};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
-    rc = qkv_finish(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
-                    kv->n_layers, o->layer, qkv, DCU_F32, o->bqkv, s->pos, s->seq, s->bt,
-                    s->stride, o->inv_freq, T, nh, nkv, hd);
+    rc = qkv_finish(s->c, (float *)o->q, kv->base, kk, kv->block_size, kv->n_layers, o->layer,
+                    qkv, DCU_F32, o->bqkv, s->pos, s->seq, s->bt, s->stride, o->inv_freq, T, nh,
+                    nkv, hd, ksc, vsc);
     return pm(s, rc, "qkv_finish (bias, rope, kv)", 0);
 }
 
@@ -1115,7 +1136,7 @@ disagg_backend_module_open(int abi_version, const backend_options *opts, backend
     be->act_dtype = BACKEND_F32;
     be->mm_dtype = BACKEND_BF16;
     be->kv_dtype = BACKEND_BF16;
-    be->kv_dtypes = (1u << BACKEND_F32) | (1u << BACKEND_BF16);
+    be->kv_dtypes = (1u << BACKEND_F32) | (1u << BACKEND_BF16) | (1u << BACKEND_F8E4M3);
     *out = be;
     return 0;
 }

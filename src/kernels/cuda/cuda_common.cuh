@@ -31,6 +31,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <errno.h>
@@ -215,6 +216,53 @@ __device__ __forceinline__ float load_f(const bf16 *p) {
     return __bfloat162float(*p);
 }
 
+/* ---- the FP8 KV cache's element (e4m3, per-tensor scales) -----------------------------
+ * f8e4m3: one byte of OCP e4m3.  Written as e4m3(x / scale), round to nearest even,
+ * saturated to +-448 (cvt.rn.satfinite, as vLLM's cache write; kernels/fp8.h on the host);
+ * read as e4m3 * scale.  store_kv / load_kv take the scale for every KV type and ignore it
+ * for f32 and bf16 (whose bits therefore do not change).  kv_kind: the launchers' KV type
+ * switch, 0 f32, 1 bf16, 2 e4m3 (dcu_kv_kind from a DCU dtype). */
+struct f8e4m3 {
+    uint8_t b;
+};
+static inline int dcu_kv_kind(int dtype) {
+    return dtype == DCU_BF16 ? 1 : dtype == DCU_F8E4M3 ? 2 : 0;
+}
+__device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
+    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ float e4m3_to_f32(uint8_t b) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3);
+    return __half2float(__half(h));
+}
+/* two e4m3 (lo byte first) -> bf16x2 (exact: every e4m3 value is a bf16) */
+__device__ __forceinline__ uint32_t e4m3x2_to_bf2(uint16_t two) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two, __NV_E4M3);
+    float2 f = __half22float2(__half2(h));
+    __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    return *(uint32_t *)&b;
+}
+/* 8 e4m3 (a uint2) -> 8 bf16 (a uint4), in order */
+__device__ __forceinline__ uint4 e4m3x8_to_bf8(uint2 v) {
+    return make_uint4(e4m3x2_to_bf2((uint16_t)(v.x & 0xffffu)), e4m3x2_to_bf2((uint16_t)(v.x >> 16)),
+                      e4m3x2_to_bf2((uint16_t)(v.y & 0xffffu)), e4m3x2_to_bf2((uint16_t)(v.y >> 16)));
+}
+template <typename KT> __device__ __forceinline__ void store_kv(KT *p, float v, float sc) {
+    store_as(p, v);
+}
+template <> __device__ __forceinline__ void store_kv<f8e4m3>(f8e4m3 *p, float v, float sc) {
+    p->b = f32_to_e4m3(v / sc);
+}
+__device__ __forceinline__ float load_kv(const float *p, float sc) {
+    return *p;
+}
+__device__ __forceinline__ float load_kv(const bf16 *p, float sc) {
+    return __bfloat162float(*p);
+}
+__device__ __forceinline__ float load_kv(const f8e4m3 *p, float sc) {
+    return e4m3_to_f32(p->b) * sc;
+}
+
 static inline int grid_for(size_t n, int threads) {
     size_t g = (n + threads - 1) / threads;
     return (int)(g > 65535 * 4 ? 65535 * 4 : (g ? g : 1));
@@ -243,16 +291,16 @@ int add_bias(dcu_ctx *c, float *y, const float *b, int N, size_t n);
 int kv_write(dcu_ctx *c, const dcu_kv *kv, int layer, const float *k, const float *v, int stride,
              const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride, int T);
 /* q|k|v (T, (nh + 2 nkv) hd) of qkv_dtype (DCU_F32 or DCU_BF16) -> bias + RoPE -> q out (f32)
- * and K/V into the cache (kv_bf16: bf16 KV, else f32); bf16 input with qkv_finish_vec2(hd)
+ * and K/V into the cache (kv_kind: 0 f32, 1 bf16, 2 e4m3 / scale); bf16 input with qkv_finish_vec2(hd)
  * runs two elements a thread (k_qkv_finish_vec2, launched the ordinary way), the other
  * forms one RoPE pair a thread with PDL */
 static inline int qkv_finish_vec2(int hd) {
     return hd % 4 == 0 && 128 % (hd / 4) == 0;
 }
-int qkv_finish(dcu_ctx *c, float *q, void *kv, int kv_bf16, int bs, int n_layers, int layer,
+int qkv_finish(dcu_ctx *c, float *q, void *kv, int kv_kind, int bs, int n_layers, int layer,
                const void *qkv, int qkv_dtype, const float *bias, const int32_t *pos,
                const int32_t *seq, const int32_t *bts, int bt_stride, const float *inv_freq,
-               int T, int nh, int nkv, int hd);
+               int T, int nh, int nkv, int hd, float k_scale, float v_scale);
 
 /* ---- cuda_gemm.cu ------------------------------------------------------------------- */
 int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T, int N,
@@ -274,11 +322,12 @@ int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, 
 /* h (T, I) of h_dtype = silu(x wg^T) * (x wu^T), w = [wg; wu] (2I, K) */
 int gemv_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w, int T, int I,
                  int K);
-/* the fused q|k|v GEMV: bias, RoPE and the KV write (kv_bf16: bf16 KV) in its epilogue */
-int gemv_qkv(dcu_ctx *c, float *qout, void *kv, int kv_bf16, const void *x, const void *w,
+/* the fused q|k|v GEMV: bias, RoPE and the KV write (kv_kind: 0 f32, 1 bf16, 2 e4m3 with
+ * the layer's scales) in its epilogue */
+int gemv_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
              const float *bias, int T, int K, int bs, int n_layers, int layer,
              const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
-             const float *inv_freq, int nh, int nkv, int hd);
+             const float *inv_freq, int nh, int nkv, int hd, float k_scale, float v_scale);
 
 /* ---- cuda_attention_decode.cu ------------------------------------------------------- */
 int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q, const dcu_kv *kv,

@@ -193,7 +193,8 @@ __global__ void __launch_bounds__(256)
     k_gemv_qkv(float *__restrict__ qout, KT *kv, const uint4 *__restrict__ x,
                const uint4 *__restrict__ w, const float *__restrict__ bias, int K8, int len,
                int bs, int n_layers, int layer, const int32_t *pos, const int32_t *seq,
-               const int32_t *bts, int bt_stride, const float *inv_freq, int nh, int nkv, int hd) {
+               const int32_t *bts, int bt_stride, const float *inv_freq, int nh, int nkv, int hd,
+               float ksc, float vsc) {
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int pi = blockIdx.x * ((blockDim.x >> 5) / S) + wi / S, sp = wi % S;
     int half = hd / 2, h = nh * hd, kvd = nkv * hd, n_rope = (nh + nkv) * half;
@@ -256,13 +257,13 @@ __global__ void __launch_bounds__(256)
                 qout[(size_t)t * h + r1] = o1;
             } else if (!pad) {
                 size_t ok = kv_off(bt, p, bs, n_layers, kvd, layer, 0);
-                store_as(kv + ok + (r0 - h), o0);
-                store_as(kv + ok + (r1 - h), o1);
+                store_kv(kv + ok + (r0 - h), o0, ksc);
+                store_kv(kv + ok + (r1 - h), o1, ksc);
             }
         } else if (!pad) {
             size_t ov = kv_off(bt, p, bs, n_layers, kvd, layer, 1);
-            store_as(kv + ov + (r0 - h - kvd), u);
-            store_as(kv + ov + (r1 - h - kvd), v);
+            store_kv(kv + ov + (r0 - h - kvd), u, vsc);
+            store_kv(kv + ov + (r1 - h - kvd), v, vsc);
         }
     }
 }
@@ -339,7 +340,7 @@ template <typename KT>
 static int gemv_qkv_t(dcu_ctx *c, float *qout, KT *kv, const void *x, const void *w,
                       const float *bias, int T, int K, int bs, int n_layers, int layer,
                       const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
-                      const float *inv_freq, int nh, int nkv, int hd) {
+                      const float *inv_freq, int nh, int nkv, int hd, float ksc, float vsc) {
     int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2, K8 = K / 8;
     int S = gemv_split_for(c, c->qkv_split, pairs, K8, GV_MIN_LEN_QKV), wc = nw > S ? nw : S,
         rpc = wc / S;
@@ -351,7 +352,7 @@ static int gemv_qkv_t(dcu_ctx *c, float *qout, KT *kv, const void *x, const void
     if (T == TT && S == SS)                                                                        \
         return launch_pdl(c, "gemv_qkv", k_gemv_qkv<TT, KT, SS>, g, b, 0, qout, kv, xv, wv, bias,  \
                           K8, len, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh,    \
-                          nkv, hd);
+                          nkv, hd, ksc, vsc);
     GQ_(1, 1) GQ_(1, 2) GQ_(1, 4) GQ_(1, 8) GQ_(2, 1) GQ_(2, 2) GQ_(2, 4) GQ_(2, 8)
 #undef GQ_
     return -EINVAL;
@@ -378,12 +379,15 @@ int gemv_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w,
                                : gemv_launch<1, float>(c, (float *)h, x, w, NULL, T, I, K);
 }
 
-int gemv_qkv(dcu_ctx *c, float *qout, void *kv, int kv_bf16, const void *x, const void *w,
+int gemv_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
              const float *bias, int T, int K, int bs, int n_layers, int layer, const int32_t *pos,
              const int32_t *seq, const int32_t *bts, int bt_stride, const float *inv_freq, int nh,
-             int nkv, int hd) {
-    return kv_bf16 ? gemv_qkv_t<bf16>(c, qout, (bf16 *)kv, x, w, bias, T, K, bs, n_layers, layer,
-                                      pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd)
+             int nkv, int hd, float ksc, float vsc) {
+    if (kv_kind == 2)
+        return gemv_qkv_t<f8e4m3>(c, qout, (f8e4m3 *)kv, x, w, bias, T, K, bs, n_layers, layer,
+                                  pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, ksc, vsc);
+    return kv_kind ? gemv_qkv_t<bf16>(c, qout, (bf16 *)kv, x, w, bias, T, K, bs, n_layers, layer,
+                                      pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, 1.0f, 1.0f)
                    : gemv_qkv_t<float>(c, qout, (float *)kv, x, w, bias, T, K, bs, n_layers, layer,
-                                       pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd);
+                                       pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, 1.0f, 1.0f);
 }

@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 /* element types; numbering equals cpu_dtype (CPU_F32 0, CPU_F16 1, CPU_BF16 2) */
-typedef enum dcu_dtype { DCU_F32 = 0, DCU_F16 = 1, DCU_BF16 = 2 } dcu_dtype;
+typedef enum dcu_dtype { DCU_F32 = 0, DCU_F16 = 1, DCU_BF16 = 2, DCU_F8E4M3 = 3 } dcu_dtype;
 
 typedef struct dcu_ctx dcu_ctx; /* one device, one stream, one cuBLASLt handle */
 
@@ -38,8 +38,9 @@ typedef struct dcu_info {
 
 typedef struct dcu_kv {
     void *base; /* device pointer: (n_blocks, n_layers, 2, block_size, kv_dim) */
-    int dtype;  /* DCU_BF16 or DCU_F32 */
+    int dtype;  /* DCU_BF16, DCU_F32 or DCU_F8E4M3 */
     int n_blocks, block_size, n_layers, kv_dim;
+    float k_scale, v_scale; /* DCU_F8E4M3: the call's layer's scales (element = e4m3 * scale) */
 } dcu_kv;
 
 #endif

@@ -259,15 +259,15 @@ int add_bias(dcu_ctx *c, float *y, const float *b, int N, size_t n) {
 template <typename KT>
 __global__ void k_kv_write(KT *kv, int bs, int n_layers, int kvd, int layer, const float *k,
                            const float *v, int stride, const int32_t *pos, const int32_t *seq,
-                           const int32_t *bts, int bt_stride) {
+                           const int32_t *bts, int bt_stride, float ksc, float vsc) {
     int t = blockIdx.x;
     if (pos[t] < 0) return; /* a padding row of a recorded decode step */
     const int32_t *bt = bts + (size_t)seq[t] * bt_stride;
     size_t ok = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 0);
     size_t ov = kv_off(bt, pos[t], bs, n_layers, kvd, layer, 1);
     for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
-        store_as(kv + ok + i, k[(size_t)t * stride + i]);
-        store_as(kv + ov + i, v[(size_t)t * stride + i]);
+        store_kv(kv + ok + i, k[(size_t)t * stride + i], ksc);
+        store_kv(kv + ov + i, v[(size_t)t * stride + i], vsc);
     }
 }
 
@@ -275,14 +275,18 @@ int kv_write(dcu_ctx *c, const dcu_kv *kv, int layer, const float *k, const floa
                     int stride, const int32_t *pos, const int32_t *seq, const int32_t *bts,
                     int bt_stride, int T) {
     if (T <= 0) return 0;
-    if (kv->dtype == DCU_BF16)
+    if (kv->dtype == DCU_F8E4M3)
+        k_kv_write<f8e4m3><<<T, 128, 0, c->stream>>>(
+            (f8e4m3 *)kv->base, kv->block_size, kv->n_layers, kv->kv_dim, layer, k, v, stride,
+            pos, seq, bts, bt_stride, kv->k_scale, kv->v_scale);
+    else if (kv->dtype == DCU_BF16)
         k_kv_write<bf16><<<T, 128, 0, c->stream>>>((bf16 *)kv->base, kv->block_size, kv->n_layers,
                                                    kv->kv_dim, layer, k, v, stride, pos, seq, bts,
-                                                   bt_stride);
+                                                   bt_stride, 1.0f, 1.0f);
     else
         k_kv_write<float><<<T, 128, 0, c->stream>>>((float *)kv->base, kv->block_size,
                                                     kv->n_layers, kv->kv_dim, layer, k, v, stride,
-                                                    pos, seq, bts, bt_stride);
+                                                    pos, seq, bts, bt_stride, 1.0f, 1.0f);
     return launch_check("kv_write");
 }
 
@@ -299,7 +303,7 @@ template <typename KT, typename IT = float>
 __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int layer, const IT *qkv,
                              const float *bias, const int32_t *pos, const int32_t *seq,
                              const int32_t *bts, int bt_stride, const float *inv_freq, int nh,
-                             int nkv, int hd) {
+                             int nkv, int hd, float ksc, float vsc) {
     pdl_trigger();
     pdl_wait();
     int t = blockIdx.x, half = hd / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
@@ -337,31 +341,37 @@ __global__ void k_qkv_finish(float *qout, KT *kv, int bs, int n_layers, int laye
             qout[(size_t)t * h + o + half] = r1;
         } else if (!pad) {
             int ko = o - h;
-            store_as(kv + ok + ko, r0);
-            store_as(kv + ok + ko + half, r1);
+            store_kv(kv + ok + ko, r0, ksc);
+            store_kv(kv + ok + ko + half, r1, ksc);
         }
     }
     if (pad) return;
     for (int vi = i0; vi < kvd; vi += istep)
-        store_as(kv + ov + vi, ld_f(row + h + kvd + vi) + (bias ? bias[h + kvd + vi] : 0.0f));
+        store_kv(kv + ov + vi, ld_f(row + h + kvd + vi) + (bias ? bias[h + kvd + vi] : 0.0f), vsc);
 }
 
 /* k_qkv_finish for a bf16 q|k|v (the prefill path, cb_qkv) with two adjacent elements a
  * thread: bf16x2 loads, float2 / paired stores, the cos / sin of its two angles once (the
  * block's stride is whole heads).  Each element's arithmetic is k_qkv_finish's, so the
  * results are bit-identical; needs head_dim % 4 == 0 and blockDim % (head_dim / 4) == 0. */
-template <typename KT> __device__ __forceinline__ void store2_as(KT *p, float a, float b);
-template <> __device__ __forceinline__ void store2_as<float>(float *p, float a, float b) {
+template <typename KT> __device__ __forceinline__ void store2_as(KT *p, float a, float b, float sc);
+template <> __device__ __forceinline__ void store2_as<float>(float *p, float a, float b, float sc) {
     *(float2 *)p = make_float2(a, b);
 }
-template <> __device__ __forceinline__ void store2_as<bf16>(bf16 *p, float a, float b) {
+template <> __device__ __forceinline__ void store2_as<bf16>(bf16 *p, float a, float b, float sc) {
     *(__nv_bfloat162 *)p = __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store2_as<f8e4m3>(f8e4m3 *p, float a, float b, float sc) {
+    p[0].b = f32_to_e4m3(a / sc);
+    p[1].b = f32_to_e4m3(b / sc);
 }
 template <typename KT>
 __global__ void k_qkv_finish_vec2(float *qout, KT *kv, int bs, int n_layers, int layer,
                                   const bf16 *qkv, const float *bias, const int32_t *pos,
                                   const int32_t *seq, const int32_t *bts, int bt_stride,
-                                  const float *inv_freq, int nh, int nkv, int hd) {
+                                  const float *inv_freq, int nh, int nkv, int hd, float ksc,
+                                  float vsc) {
     int t = blockIdx.x, half = hd / 2, hp = half / 2, h = nh * hd, kvd = nkv * hd, W = h + 2 * kvd;
     const bf16 *row = qkv + (size_t)t * W;
     int n_pairs = (nh + nkv) * hp;
@@ -391,52 +401,54 @@ __global__ void k_qkv_finish_vec2(float *qout, KT *kv, int bs, int n_layers, int
             *(float2 *)(qout + (size_t)t * h + o + half) = make_float2(r10, r11);
         } else if (!pad) {
             int ko = o - h;
-            store2_as(kv + ok + ko, r00, r01);
-            store2_as(kv + ok + ko + half, r10, r11);
+            store2_as(kv + ok + ko, r00, r01, ksc);
+            store2_as(kv + ok + ko + half, r10, r11, ksc);
         }
     }
     if (pad) return;
     for (int vi = 2 * i0; vi < kvd; vi += 2 * istep) {
         float2 v = __bfloat1622float2(*(const __nv_bfloat162 *)(row + h + kvd + vi));
         store2_as(kv + ov + vi, v.x + (bias ? bias[h + kvd + vi] : 0.0f),
-                  v.y + (bias ? bias[h + kvd + vi + 1] : 0.0f));
+                  v.y + (bias ? bias[h + kvd + vi + 1] : 0.0f), vsc);
     }
 }
 
 /* the launches of cb_qkv (cuda_backend.cu): blocks per token enough to fill the GPU at batch 1
  * (one item per thread), one at large T */
-int qkv_finish(dcu_ctx *c, float *q, void *kv, int kv_bf16, int bs, int n_layers, int layer,
+int qkv_finish(dcu_ctx *c, float *q, void *kv, int kv_kind, int bs, int n_layers, int layer,
                const void *qkv, int qkv_dtype, const float *bias, const int32_t *pos,
                const int32_t *seq, const int32_t *bts, int bt_stride, const float *inv_freq,
-               int T, int nh, int nkv, int hd) {
+               int T, int nh, int nkv, int hd, float ksc, float vsc) {
+    if (kv_kind != 2) ksc = vsc = 1.0f;
     if (qkv_dtype == DCU_BF16 && qkv_finish_vec2(hd)) { /* two elements a thread */
         int items = (nh + nkv) * (hd / 4), by = (items + 127) / 128;
         if (by > 1 && T > 1) by = (by + T - 1) / T;
         dim3 grid(T, by < 1 ? 1 : by);
-        if (kv_bf16)
-            k_qkv_finish_vec2<bf16><<<grid, 128, 0, c->stream>>>(
-                q, (bf16 *)kv, bs, n_layers, layer, (const bf16 *)qkv, bias, pos, seq, bts,
-                bt_stride, inv_freq, nh, nkv, hd);
+#define VEC2(KT)                                                                                   \
+    k_qkv_finish_vec2<KT><<<grid, 128, 0, c->stream>>>(q, (KT *)kv, bs, n_layers, layer,           \
+                                                       (const bf16 *)qkv, bias, pos, seq, bts,     \
+                                                       bt_stride, inv_freq, nh, nkv, hd, ksc, vsc)
+        if (kv_kind == 2)
+            VEC2(f8e4m3);
+        else if (kv_kind)
+            VEC2(bf16);
         else
-            k_qkv_finish_vec2<float><<<grid, 128, 0, c->stream>>>(
-                q, (float *)kv, bs, n_layers, layer, (const bf16 *)qkv, bias, pos, seq, bts,
-                bt_stride, inv_freq, nh, nkv, hd);
+            VEC2(float);
+#undef VEC2
         return launch_check("qkv_finish2");
     }
     int items = (nh + nkv) * (hd / 2), by = (items + 127) / 128;
     if (by > 1 && T > 1) by = (by + T - 1) / T;
     dim3 grid(T, by < 1 ? 1 : by);
+#define FIN(KT, IT)                                                                                \
+    launch_pdl(c, "qkv_finish", k_qkv_finish<KT, IT>, grid, dim3(128), 0, q, (KT *)kv, bs,         \
+               n_layers, layer, (const IT *)qkv, bias, pos, seq, bts, bt_stride, inv_freq, nh,     \
+               nkv, hd, ksc, vsc)
+    int rc;
     if (qkv_dtype == DCU_BF16)
-        return kv_bf16 ? launch_pdl(c, "qkv_finish", k_qkv_finish<bf16, bf16>, grid, dim3(128), 0,
-                                    q, (bf16 *)kv, bs, n_layers, layer, (const bf16 *)qkv, bias,
-                                    pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd)
-                       : launch_pdl(c, "qkv_finish", k_qkv_finish<float, bf16>, grid, dim3(128),
-                                    0, q, (float *)kv, bs, n_layers, layer, (const bf16 *)qkv,
-                                    bias, pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd);
-    return kv_bf16 ? launch_pdl(c, "qkv_finish", k_qkv_finish<bf16>, grid, dim3(128), 0, q,
-                                (bf16 *)kv, bs, n_layers, layer, (const float *)qkv, bias, pos,
-                                seq, bts, bt_stride, inv_freq, nh, nkv, hd)
-                   : launch_pdl(c, "qkv_finish", k_qkv_finish<float>, grid, dim3(128), 0, q,
-                                (float *)kv, bs, n_layers, layer, (const float *)qkv, bias, pos,
-                                seq, bts, bt_stride, inv_freq, nh, nkv, hd);
+        rc = kv_kind == 2 ? FIN(f8e4m3, bf16) : kv_kind ? FIN(bf16, bf16) : FIN(float, bf16);
+    else
+        rc = kv_kind == 2 ? FIN(f8e4m3, float) : kv_kind ? FIN(bf16, float) : FIN(float, float);
+#undef FIN
+    return rc;
 }

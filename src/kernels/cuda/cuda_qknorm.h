@@ -13,11 +13,13 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-/* 0, -EINVAL (hd odd or > 1024) or -EIO (launch failure, logged). */
-int cq_qknorm_finish(cudaStream_t stream, float *qout, void *kv, int kv_bf16, int bs, int n_layers,
+/* kv_kind: 0 f32, 1 bf16, 2 FP8 e4m3 KV (K written as e4m3(k / k_scale), V as
+ * e4m3(v / v_scale); the scales are ignored for the other kinds).
+ * 0, -EINVAL (hd odd or > 1024) or -EIO (launch failure, logged). */
+int cq_qknorm_finish(cudaStream_t stream, float *qout, void *kv, int kv_kind, int bs, int n_layers,
                      int layer, const float *qkv, const float *bias, const float *q_norm,
                      const float *k_norm, float eps, const int32_t *pos, const int32_t *seq,
                      const int32_t *bt, int bt_stride, const float *inv_freq, int T, int nh,
-                     int nkv, int hd);
+                     int nkv, int hd, float k_scale, float v_scale);
 
 #endif
