@@ -49,7 +49,7 @@ typedef struct sb_opts {
     double goodput_ttft_ms, goodput_tpot_ms, goodput_e2el_ms; /* --goodput, 0 = unset */
     double pct[8];                                            /* --metric-percentiles */
     int n_pct;
-    int save_detailed;    /* --save-detailed: per-request lists in the JSON */
+    int save_detailed;     /* --save-detailed: per-request lists in the JSON */
     const char *json_path; /* --json */
     const char *api_key;   /* OPENAI_API_KEY */
     int progress;          /* progress bar on a tty */
@@ -65,18 +65,19 @@ typedef struct sb_opts {
 } sb_opts;
 
 typedef struct sb_req {
-    struct sb_run *run;  /* owner */
-    int index;           /* request number */
-    int item, turn;      /* the dataset item and its user turn (0 for a single prompt) */
-    char *body;          /* JSON request body, built when the request is sent */
-    const char *path;    /* the endpoint it goes to */
-    hc_req *req;         /* the decode (or colocated) request, NULL when over */
-    int status;          /* its HTTP status, 0 = no head (yet) */
-    double t_start;      /* seconds, monotonic */
-    double t_first;      /* first content chunk, 0 = none yet */
-    double t_last;       /* latest content chunk */
-    double t_end;        /* completion */
-    double *itl;         /* (n_itl) inter-chunk gaps */
+    struct sb_run *run; /* owner */
+    int index;          /* request number */
+    int item, turn;     /* the dataset item and its user turn (0 for a single prompt) */
+    char *body;         /* JSON request body, built when the request is sent */
+    const char *path;   /* the endpoint it goes to */
+    hc_req *req;        /* the decode (or colocated) request, NULL when over */
+    int status;         /* its HTTP status, 0 = no head (yet) */
+    double t_ready;     /* due (its arrival, or the previous turn's answer), monotonic */
+    double t_start;     /* sent (after t_ready when --max-concurrency made it wait) */
+    double t_first;     /* first content chunk, 0 = none yet */
+    double t_last;      /* latest content chunk */
+    double t_end;       /* completion */
+    double *itl;        /* (n_itl) inter-chunk gaps */
     int n_itl, cap_itl;
     int prompt_tokens, output_tokens; /* from usage */
     int ok;                           /* finished with [DONE] and HTTP 200 */
@@ -110,8 +111,8 @@ typedef struct sb_run {
     sb_conv *convs; /* (n_items) */
     sb_req *reqs;   /* (n_reqs): every user turn of every item, item by item */
     int n_reqs;
-    int next_item;       /* next item whose first turn is due */
-    int *ready;          /* requests ready to go (a FIFO, n_reqs slots) */
+    int next_item; /* next item whose first turn is due */
+    int *ready;    /* requests ready to go (a FIFO, n_reqs slots) */
     int ready_head, ready_tail;
     int in_flight, done;
     double t0;           /* benchmark start */
@@ -182,9 +183,8 @@ static void sb_add_pd(const sb_opts *o, json_t *b, char **p_body) {
 static char *sb_make_body(sb_run *run, sb_req *q) {
     const sb_opts *o = run->o;
     const sd_item *it = &run->items[q->item];
-    json_t *b = json_pack("{s:s,s:i,s:b,s:{s:b},s:f}", "model", o->model, "max_tokens",
-                          it->out_len, "stream", 1, "stream_options", "include_usage", 1,
-                          "temperature", 0.0);
+    json_t *b = json_pack("{s:s,s:i,s:b,s:{s:b},s:f}", "model", o->model, "max_tokens", it->out_len,
+                          "stream", 1, "stream_options", "include_usage", 1, "temperature", 0.0);
     if (!b) return NULL;
     if (o->ignore_eos) json_object_set_new(b, "ignore_eos", json_true());
     if (it->conv) {
@@ -326,6 +326,7 @@ static void sb_finish(sb_run *run) {
 }
 
 static void sb_push_ready(sb_run *run, int i) {
+    run->reqs[i].t_ready = now_s();
     run->ready[run->ready_tail++] = i;
 }
 
@@ -417,8 +418,8 @@ static void sb_send(sb_run *run, sb_req *q) {
     char hdr[600];
     sb_headers(o, hdr, sizeof hdr);
     run->in_flight++;
-    q->req = hc_request(run->pool, "POST", q->path, hdr, q->body, strlen(q->body), &SB_TIMEOUTS,
-                        &cb, q);
+    q->req =
+        hc_request(run->pool, "POST", q->path, hdr, q->body, strlen(q->body), &SB_TIMEOUTS, &cb, q);
     if (!q->req) { /* out of memory: counted as a failed request */
         run->in_flight--;
         q->t_end = now_s();
@@ -593,7 +594,13 @@ static int sb_report(sb_run *run, double duration) {
     const char *first_err = NULL;
     json_t *input_lens = json_array(), *output_lens = json_array(), *ttfts = json_array(),
            *itls = json_array(), *lats = json_array(), *starts = json_array(),
-           *texts = json_array(), *errors = json_array();
+           *texts = json_array(), *errors = json_array(), *queues = json_array();
+    double *qt = calloc((size_t)n + 1, sizeof(double)),
+           *e2q = calloc((size_t)n + 1, sizeof(double));
+    if (!qt || !e2q) {
+        fprintf(stderr, "disagg bench serve: out of memory\n");
+        return 1;
+    }
     for (int i = 0; i < n; i++) {
         sb_req *q = &run->reqs[i];
         int good_req = q->ok && q->t_first != 0;
@@ -605,10 +612,12 @@ static int sb_report(sb_run *run, double duration) {
             json_array_append_new(il, json_real(q->itl[k]));
         json_array_append_new(itls, il);
         json_array_append_new(lats, json_real(good_req ? q->t_end - q->t_start : 0));
+        json_array_append_new(queues, json_real(q->sent ? q->t_start - q->t_ready : 0));
         json_array_append_new(starts, json_real(q->sent ? q->t_start - run->t0 : 0));
         json_array_append_new(texts, json_string(q->text ? q->text : ""));
-        json_array_append_new(errors,
-                              json_string(good_req ? "" : q->err[0] ? q->err : "no output"));
+        json_array_append_new(errors, json_string(good_req    ? ""
+                                                  : q->err[0] ? q->err
+                                                              : "no output"));
         if (!good_req) {
             if (!first_err) first_err = q->err[0] ? q->err : "no output";
             continue;
@@ -616,6 +625,8 @@ static int sb_report(sb_run *run, double duration) {
         double t1 = q->t_first - q->t_start, e = q->t_end - q->t_start;
         ttft[ok] = t1;
         e2el[ok] = e;
+        qt[ok] = q->t_start - q->t_ready;
+        e2q[ok] = e + qt[ok];
         double tp = q->output_tokens > 1 ? (e - t1) / (q->output_tokens - 1) : 0;
         if (q->output_tokens > 1) tpot[n_tpot++] = tp;
         memcpy(itl + n_itl, q->itl, (size_t)q->n_itl * sizeof(double));
@@ -681,6 +692,7 @@ static int sb_report(sb_run *run, double duration) {
     json_object_set_new(res, "output_throughput", json_real(out_tok / duration));
     json_object_set_new(res, "total_token_throughput", json_real((in_tok + out_tok) / duration));
     json_object_set_new(res, "latencies", json_incref(lats));
+    json_object_set_new(res, "queue_times", json_incref(queues));
     json_object_set_new(res, "max_output_tokens_per_s", json_real(peak_tok));
     json_object_set_new(res, "max_concurrent_requests", json_integer(peak_conc));
     json_object_set_new(res, "rtfx", json_real(0));
@@ -701,6 +713,7 @@ static int sb_report(sb_run *run, double duration) {
     json_decref(starts);
     json_decref(texts);
     json_decref(errors);
+    json_decref(queues);
     /* disagg's own: what was run */
     json_object_set_new(res, "dataset_name", json_string(SD_NAMES[o->ds.kind]));
     json_object_set_new(res, "endpoint", json_string(o->endpoint));
@@ -714,9 +727,8 @@ static int sb_report(sb_run *run, double duration) {
         json_object_set_new(res, "num_requests", json_integer(n));
     }
     json_object_set_new(res, "goodput_slo_ms",
-                        has_goodput ? json_pack("{s:f,s:f,s:f}", "ttft", o->goodput_ttft_ms,
-                                                "tpot", o->goodput_tpot_ms, "e2el",
-                                                o->goodput_e2el_ms)
+                        has_goodput ? json_pack("{s:f,s:f,s:f}", "ttft", o->goodput_ttft_ms, "tpot",
+                                                o->goodput_tpot_ms, "e2el", o->goodput_e2el_ms)
                                     : json_null());
     sb_print_stat(o, "---------------Time to First Token----------------", "TTFT", "ttft",
                   sb_stats(o, ttft, ok), res);
@@ -726,6 +738,16 @@ static int sb_report(sb_run *run, double duration) {
                   sb_stats(o, itl, n_itl), res);
     sb_print_stat(o, "----------------End-to-end Latency----------------", "E2EL", "e2el",
                   sb_stats(o, e2el, ok), res);
+    if (o->max_concurrency > 0) { /* vLLM's client-side queueing (a slot's wait) */
+        sb_print_stat(o, "--------------Client-side Queueing---------------", "Client Queue Time",
+                      "client_queue_time", sb_stats(o, qt, ok), res);
+        if (!isinf(o->rate))
+            sb_print_stat(o, "-------Queue-inclusive End-to-end Latency--------",
+                          "E2EL incl. Client Queue", "e2el_including_client_queue",
+                          sb_stats(o, e2q, ok), res);
+    }
+    free(qt);
+    free(e2q);
     if (o->pd_prefill) {
         double *pl = calloc((size_t)n + 1, sizeof(double));
         int p_ok = 0;
@@ -840,10 +862,10 @@ static int sb_http(const char *host, int port, const char *method, const char *p
     char hdr[700] = "";
     int hn = 0;
     if (body) hn = snprintf(hdr, sizeof hdr, "Content-Type: application/json\r\n");
-    if (api_key) snprintf(hdr + hn, sizeof hdr - (size_t)hn, "Authorization: Bearer %s\r\n", api_key);
+    if (api_key)
+        snprintf(hdr + hn, sizeof hdr - (size_t)hn, "Authorization: Bearer %s\r\n", api_key);
     *out = NULL;
-    if (p && g.body &&
-        hc_request(p, method, path, hdr, body, body ? strlen(body) : 0, &t, &cb, &g))
+    if (p && g.body && hc_request(p, method, path, hdr, body, body ? strlen(body) : 0, &t, &cb, &g))
         event_base_dispatch(g.b);
     else
         g.err = HC_ECONNECT; /* out of memory */

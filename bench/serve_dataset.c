@@ -186,9 +186,10 @@ static void sd_keys(const json_t *j, char *out, size_t cap) {
     size_t n = 0;
     out[0] = 0;
     if (!json_is_object(j)) {
-        snprintf(out, cap, "%s", json_is_array(j)    ? "(a list)"
-                                 : json_is_string(j) ? "(a string)"
-                                                     : "(not an object)");
+        snprintf(out, cap, "%s",
+                 json_is_array(j)    ? "(a list)"
+                 : json_is_string(j) ? "(a string)"
+                                     : "(not an object)");
         return;
     }
     json_object_foreach((json_t *)j, k, v) {
@@ -272,8 +273,9 @@ static int sd_custom_item(const sd_opts *o, const json_t *j, const char *where, 
         json_array_append_new(it->conv, msg);
     }
     if (it->n_turns == 0) {
-        seterr(err, cap, "%s: a conversation without a user turn (%zu turns, none with role "
-                         "\"user\" or from \"human\")",
+        seterr(err, cap,
+               "%s: a conversation without a user turn (%zu turns, none with role "
+               "\"user\" or from \"human\")",
                where, json_array_size(c));
         return -1;
     }

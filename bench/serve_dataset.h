@@ -29,26 +29,26 @@ enum { SD_RANDOM, SD_PREFIX_REPETITION, SD_CUSTOM, SD_SHAREGPT };
 
 /* One item: a single prompt, or a conversation of n_turns user turns. */
 typedef struct sd_item {
-    char *prompt;  /* a single prompt (NULL for a conversation) */
-    json_t *conv;  /* a conversation: [{"role", "content"}] as in the file, NULL for a prompt */
-    int n_turns;   /* user turns: 1 for a prompt */
-    int in_len;    /* prompt length: words (random datasets), tokens (sharegpt), 0 unknown */
-    int out_len;   /* max_tokens of each request */
+    char *prompt; /* a single prompt (NULL for a conversation) */
+    json_t *conv; /* a conversation: [{"role", "content"}] as in the file, NULL for a prompt */
+    int n_turns;  /* user turns: 1 for a prompt */
+    int in_len;   /* prompt length: words (random datasets), tokens (sharegpt), 0 unknown */
+    int out_len;  /* max_tokens of each request */
 } sd_item;
 
 /* Counts the tokens of text (sharegpt: the server's /tokenize); -1 when it cannot. */
 typedef int (*sd_count_fn)(void *ctx, const char *text);
 
 typedef struct sd_opts {
-    int kind;          /* SD_* */
-    const char *path;  /* --dataset-path */
-    int num_prompts;   /* --num-prompts */
-    uint64_t *rng;     /* splitmix64 state (--seed) */
+    int kind;         /* SD_* */
+    const char *path; /* --dataset-path */
+    int num_prompts;  /* --num-prompts */
+    uint64_t *rng;    /* splitmix64 state (--seed) */
     int disable_shuffle, no_oversample;
     int input_len, output_len; /* random */
     double range_ratio;
     int prefix_len, suffix_len, num_prefixes, prefix_output_len; /* prefix_repetition */
-    int custom_output_len;                                         /* custom */
+    int custom_output_len;                                       /* custom */
     int sharegpt_output_len; /* sharegpt: 0 = the gpt reply's token count */
     sd_count_fn count;
     void *count_ctx;
