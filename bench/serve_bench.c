@@ -1118,7 +1118,7 @@ int bench_serve_main(int argc, char **argv) {
          .help = "SLOs: ttft:MS tpot:MS e2el:MS"},
         {FLAG_CUSTOM_("--metric-percentiles", &o, sb_percentiles), .metavar = "P,P",
          .help = "percentiles reported (default 90,99)"},
-        {FLAG_INT_("--seed", &o.seed, 1, LLONG_MAX),
+        {FLAG_INT_("--seed", &o.seed, 0, LLONG_MAX),
          .help = "dataset and arrival seed (default 0)"},
         {FLAG_STRING_("--json", &o.json_path), .metavar = "FILE",
          .help = "write the results as JSON (vLLM's keys)"},
