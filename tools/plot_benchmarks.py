@@ -213,7 +213,8 @@ def parse_sweep(d, title=""):
         missing = [k for k in SWEEP_FIELDS if k not in j]
         if missing:
             raise ValueError(f"{p}: missing {', '.join(missing)} (`disagg bench serve --json` keys)")
-        pt = {"rate": sw["rate"], "gpus": sw.get("gpus", 1), "transport": sw.get("transport", "")}
+        pt = {"rate": sw["rate"], "gpus": sw.get("gpus", 1), "transport": sw.get("transport", ""),
+              "device": sw.get("device", "GPU")}
         pt.update({k: j[k] for k in SWEEP_FIELDS})
         runs.setdefault(sw["setup"], []).append(pt)
         slo = slo or j.get("goodput_slo_ms")
@@ -251,7 +252,7 @@ def plot_sweep_latency(s, path):
         ax.set_title(f"{name} against request rate")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(s["title"] + " — " + s.get("source", ""), fontsize=9)
+    fig.suptitle(s["title"] + "\n" + s.get("source", ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -275,7 +276,7 @@ def plot_sweep_goodput(s, path):
     ax.set_title("goodput under SLO — " + slo_text(s.get("slo_ms")), fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(s["title"] + " — " + s.get("source", ""), fontsize=8)
+    fig.suptitle(s["title"] + "\n" + s.get("source", ""), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -289,15 +290,17 @@ def plot_sweep_pareto(s, path):
             continue
         x = [1000 / p["mean_tpot_ms"] for p in pts]
         y = [p["output_throughput"] / max(1, p["gpus"]) for p in pts]
-        ax.plot(x, y, style, color=color, label=f"{label} ({pts[0]['gpus']} GPU{'s' if pts[0]['gpus'] > 1 else ''})")
+        dev = pts[0].get("device", "GPU")
+        ax.plot(x, y, style, color=color, label=f"{label} ({pts[0]['gpus']} {dev}{'s' if pts[0]['gpus'] > 1 else ''})")
         for p, xi, yi in zip(pts, x, y):
             ax.annotate(f"{p['rate']:g}/s", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("tok/s per user (1000 / mean TPOT)")
-    ax.set_ylabel("output tok/s per GPU")
-    ax.set_title("throughput per GPU against speed per user (labels: request rate)", fontsize=9)
+    devs = {p.get("device", "GPU") for v in s["runs"].values() for p in v}
+    ax.set_ylabel(f"output tok/s per {devs.pop() if len(devs) == 1 else 'device'}")
+    ax.set_title("throughput per device against speed per user (labels: request rate)", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(s["title"] + " — " + s.get("source", ""), fontsize=8)
+    fig.suptitle(s["title"] + "\n" + s.get("source", ""), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

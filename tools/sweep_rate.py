@@ -14,9 +14,11 @@ or let it start them (one after the other: colocated, then P + D + proxy), on on
       --pd-protocol tcp -- --random-input-len 128 --random-output-len 16
 
 Everything after `--` goes to every `bench serve` run (dataset, lengths, --goodput ...);
---num-prompts is --prompts-per-rate, or rate x --seconds-per-rate (at least --min-prompts).
+--num-prompts is --prompts-per-rate, or rate x --seconds-per-rate (at least --min-prompts);
+each rate gets its own --seed (--seed + 1000 x its position), so no run's prompts are already in
+the server's prefix cache from an earlier rate.
 Writes OUT/sweep-{colocated,pd}-r{RATE}.json: bench serve's JSON (vLLM's keys) plus
-"sweep": {"setup", "rate", "gpus", "transport"}; and OUT/sweep-logs/ (server logs).
+"sweep": {"setup", "rate", "gpus", "transport", "device"}; and OUT/sweep-logs/ (server logs).
 Exit status 1 when a run fails (its JSON is still written when bench serve wrote one).
 """
 import argparse
@@ -96,11 +98,11 @@ def parse_rates(text):
 
 def run_rates(a, setup, url, gpus, transport, bench_args):
     bad = 0
-    for rate in a.rates:
+    for k, rate in enumerate(a.rates):
         n = a.prompts_per_rate or max(a.min_prompts, int(round(rate * a.seconds_per_rate)))
         out = os.path.join(a.out, f"sweep-{setup}-r{rate:g}.json")
         argv = [a.bin, "bench", "serve", "--base-url", url, "--request-rate", f"{rate:g}",
-                "--num-prompts", str(n), "--seed", str(a.seed), "--json", out, "--disable-tqdm",
+                "--num-prompts", str(n), "--seed", str(a.seed + 1000 * (k + 1)), "--json", out, "--disable-tqdm",
                 "--label", f"{setup} r={rate:g}"] + bench_args
         print(f"sweep_rate: {setup} at {rate:g} req/s, {n} requests", flush=True)
         r = subprocess.run(argv, capture_output=True, text=True)
@@ -113,7 +115,8 @@ def run_rates(a, setup, url, gpus, transport, bench_args):
                   flush=True)
         if os.path.exists(out):
             j = json.load(open(out))
-            j["sweep"] = {"setup": setup, "rate": rate, "gpus": gpus, "transport": transport}
+            j["sweep"] = {"setup": setup, "rate": rate, "gpus": gpus, "transport": transport,
+                          "device": a.device_name}
             with open(out, "w") as f:
                 json.dump(j, f, indent=1)
     return bad
@@ -137,10 +140,14 @@ def main(argv=None):
     ap.add_argument("--pd", metavar="URL", help="a running P/D proxy (disagg proxy, vLLM's toy proxy ...)")
     ap.add_argument("--gpus-colocated", type=int, default=1, help="GPUs the colocated server holds (per-GPU figures)")
     ap.add_argument("--gpus-pd", type=int, default=2, help="GPUs P and D hold together (default 2; 1 when they share one)")
+    ap.add_argument("--device-name", default="GPU",
+                    help="what --gpus-* count, for the per-device figures (default GPU; e.g. 'CPU host')")
     ap.add_argument("--start", metavar="MODEL", help="start the servers here from MODEL (colocated, then P + D + proxy)")
     ap.add_argument("--serve-args", default="", help="more `disagg serve` flags for every instance (--start)")
     ap.add_argument("--colocated-serve-args", default="", help="flags for the colocated instance only (--start)")
     ap.add_argument("--pd-serve-args", default="", help="flags for P and D only (--start), e.g. half the threads")
+    ap.add_argument("--prefill-serve-args", default="", help="flags for P only (--start), e.g. --device cuda:0")
+    ap.add_argument("--decode-serve-args", default="", help="flags for D only (--start), e.g. --device cuda:1")
     ap.add_argument("--pd-protocol", default=None,
                     help="mooncake_protocol of P and D (--start): tcp, shm, cuda_ipc; default: the connector's choice")
     ap.add_argument("--setups", default="colocated,pd", help="which to run: colocated,pd (default both)")
@@ -183,11 +190,13 @@ def main(argv=None):
                     boot = free_port()
                     p = Proc(a.bin, "prefill", ["serve", a.start, "--host", "127.0.0.1", "--port", "{port}",
                                                 "--kv-transfer-config", kv_cfg("kv_producer", a.pd_protocol),
-                                                *serve_args, *shlex.split(a.pd_serve_args)], logdir, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)})
+                                                *serve_args, *shlex.split(a.pd_serve_args),
+                                                *shlex.split(a.prefill_serve_args)], logdir, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)})
                     procs.append(p)
                     d = Proc(a.bin, "decode", ["serve", a.start, "--host", "127.0.0.1", "--port", "{port}",
                                                "--kv-transfer-config", kv_cfg("kv_consumer", a.pd_protocol),
-                                               *serve_args, *shlex.split(a.pd_serve_args)], logdir)
+                                               *serve_args, *shlex.split(a.pd_serve_args),
+                                               *shlex.split(a.decode_serve_args)], logdir)
                     procs.append(d)
                     x = Proc(a.bin, "proxy", ["proxy", "--host", "127.0.0.1", "--port", "{port}",
                                               "--prefill", p.url, str(boot), "--decode", d.url], logdir)

@@ -118,3 +118,20 @@ def test_sweep_bad_input_named(tmp_path):
     r = subprocess.run([sys.executable, str(TOOL), "--sweep", str(empty), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "missing p99_itl_ms" in r.stderr, r.stderr
+
+
+def test_docs_show_the_sweep_and_its_table_matches_the_json():
+    """The CPU sweep's pictures are committed and shown, and docs/benchmarks.md's table holds
+    the numbers benchmarks.json recorded from the sweep's JSONs."""
+    md = (ROOT / "docs" / "benchmarks.md").read_text()
+    for png in SWEEP_PNGS:
+        assert f"](img/{png})" in md, png
+        assert (IMG / png).read_bytes()[:4] == b"\x89PNG", png
+    rec = json.loads((IMG / "benchmarks.json").read_text())["sweep_cpu"]["runs"]
+    rows = re.findall(r"^\| (colocated|P/D)[^|]*\| ([\d.]+) \| \d+/\d+ \| (\d+) / (\d+) \| [\d.]+ / [\d.]+ \| "
+                      r"[\d.]+ \| [\d.]+ \| ([\d.]+) \|", md, re.M)
+    assert len(rows) == sum(len(v) for v in rec.values()), rows
+    for setup, rate, p50, p99, good in rows:
+        pt = next(p for p in rec["colocated" if setup == "colocated" else "pd"] if p["rate"] == float(rate))
+        assert (int(p50), int(p99)) == (round(pt["median_ttft_ms"]), round(pt["p99_ttft_ms"])), (setup, rate)
+        assert float(good) == round(pt["request_goodput"], 2), (setup, rate)

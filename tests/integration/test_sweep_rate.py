@@ -27,7 +27,7 @@ def test_sweep_colocated_and_pd(tmp_path):
             assert j["completed"] == 4 and j["failed"] == 0 and j["total_output_tokens"] == 16, j
             assert j["request_rate"] == rate and j["request_goodput"] == j["request_throughput"]
             assert j["sweep"] == {"setup": setup, "rate": rate, "gpus": 1,
-                                  "transport": "tcp" if setup == "pd" else "none"}
+                                  "transport": "tcp" if setup == "pd" else "none", "device": "GPU"}
     # the P/D runs went through the proxy: the producer answered each request with its one
     # token (max_tokens 1), the consumer decoded the 4; the colocated server saw none of them
     logs = out / "sweep-logs"
