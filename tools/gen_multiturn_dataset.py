@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """A multi-turn conversation dataset for `disagg bench serve --dataset-name custom`.
 
-Each line of the output (JSONL) is one conversation, in the shape vLLM's
-benchmarks/multi_turn tools use ({"id", "messages": [{"role", "content"}]}):
+Each line of the output (JSONL; or one JSON list when --out ends in .json) is one
+conversation, in the shape vLLM's benchmarks/multi_turn tools use ({"id", "messages":
+[{"role", "content"}]}):
 user turns only -- the assistant turns are the server's own answers, which
 `bench serve` appends to the history before it sends the next user turn, so the
 prefix a turn shares with the one before is real.  The user turns are
 consecutive passages of the public-domain State of the Union corpus
-(/work/shared/data/sotu, CC0), each conversation starting at its own place, so
+(shared/data/sotu beside the checkout, CC0; --corpus another text), each conversation starting at its own place, so
 conversations share no prefix with one another (beyond the chat template).
 
 Context growth: turn k's prompt holds k user passages and k-1 answers, so with
@@ -29,7 +30,11 @@ import random
 import re
 import sys
 
-CORPUS = "/work/shared/data/sotu/sotu.txt.xz"
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the corpus beside the checkout (shared/ or ../shared/), else the workstation's copy
+CORPUS = next((p for p in (os.path.join(HERE, "..", "shared", "data", "sotu", "sotu.txt.xz"),
+                           os.path.join(HERE, "..", "..", "shared", "data", "sotu", "sotu.txt.xz"))
+               if os.path.exists(p)), "/work/shared/data/sotu/sotu.txt.xz")
 ASKS = [
     "Summarize the passage above in one sentence.",
     "What does the speaker ask of Congress here?",
@@ -66,7 +71,9 @@ def build(words, conversations, turns, user_words, seed):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the JSONL file to write")
+    ap.add_argument("--out", required=True,
+                    help="the file to write: JSONL (one conversation a line), or a .json name for one JSON "
+                         "list (vLLM's benchmarks/multi_turn input shape); bench serve reads both")
     ap.add_argument("--conversations", type=int, default=64, help="conversations (default 64)")
     ap.add_argument("--turns", type=int, default=8, help="user turns per conversation (default 8)")
     ap.add_argument("--user-words", type=int, default=800, help="corpus words per user turn (default 800)")
@@ -84,8 +91,11 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     with open(a.out, "w", encoding="utf-8") as f:
-        for c in convs:
-            f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        if a.out.endswith(".json"):
+            json.dump(convs, f, ensure_ascii=False, indent=1)
+        else:
+            for c in convs:
+                f.write(json.dumps(c, ensure_ascii=False) + "\n")
     msg = f"gen_multiturn_dataset: {len(convs)} conversations x {a.turns} turns x {a.user_words} words -> {a.out}"
     if a.tokenizer:
         try:

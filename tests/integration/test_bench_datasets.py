@@ -259,3 +259,28 @@ def test_bad_dataset_refused(tmp_path, name, content, message):
     r = bench("http://127.0.0.1:1", "--model", "m", *args, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "Serving Benchmark Result" not in r.stdout
+
+
+def test_generated_multiturn_dataset(srv, tmp_path):
+    """tools/gen_multiturn_dataset.py's file (here from a small corpus of its own; JSONL and
+    vLLM's JSON-list shape) runs as a custom multi-turn dataset: every conversation's turns
+    in order, each prompt longer than the previous prompt plus its answer."""
+    import sys
+    from pathlib import Path
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("<|doc|> 1790_Washington_None\n" + " ".join(
+        f"the people of the nation and the state must work {i}" for i in range(300)))
+    tool = Path(__file__).resolve().parents[2] / "tools" / "gen_multiturn_dataset.py"
+    for name in ("mt.jsonl", "mt.json"):
+        out = tmp_path / name
+        g = subprocess.run([sys.executable, str(tool), "--out", str(out), "--corpus", str(corpus),
+                            "--conversations", "3", "--turns", "3", "--user-words", "24"],
+                           capture_output=True, text=True, timeout=60)
+        assert g.returncode == 0 and "3 conversations x 3 turns" in g.stdout, g.stderr
+        j, _ = run_json(srv.url, tmp_path, "--dataset-name", "custom", "--dataset-path", str(out),
+                        "--custom-output-len", "4", "--ignore-eos", "--num-prompts", "3",
+                        "--save-detailed", "--disable-shuffle", "--max-concurrency", "2")
+        assert j["completed"] == 9 and j["num_conversations"] == 3, j
+        for c in range(3):
+            lens = j["input_lens"][3 * c:3 * c + 3]
+            assert lens[0] > 24 and all(lens[t] > lens[t - 1] + 4 + 24 for t in (1, 2)), lens
