@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -49,7 +50,12 @@ typedef struct sb_opts {
     double goodput_ttft_ms, goodput_tpot_ms, goodput_e2el_ms; /* --goodput, 0 = unset */
     double pct[8];                                            /* --metric-percentiles */
     int n_pct;
-    int save_detailed;     /* --save-detailed: per-request lists in the JSON */
+    int save_detailed;  /* --save-detailed: per-request lists in the JSON */
+    int metrics;        /* --percentile-metrics: bits SB_M_* */
+    double temperature; /* --temperature */
+    int save_result;    /* --save-result: vLLM's file name under --result-dir */
+    const char *result_dir, *result_filename;
+    const char *backend;   /* --backend as given, NULL: from the endpoint */
     const char *json_path; /* --json */
     const char *api_key;   /* OPENAI_API_KEY */
     int progress;          /* progress bar on a tty */
@@ -120,6 +126,8 @@ typedef struct sb_run {
     double *arrival;     /* (n_items) offsets of the items' first turns */
     double kv[4]; /* P/D over the run: D load seconds sum, count; P send seconds sum, count */
 } sb_run;
+
+enum { SB_M_TTFT = 1, SB_M_TPOT = 2, SB_M_ITL = 4, SB_M_E2EL = 8 };
 
 static double now_s(void) {
     struct timespec ts;
@@ -652,7 +660,7 @@ static int sb_report(sb_run *run, double duration) {
     int chat = strstr(o->endpoint, "chat") != NULL;
     for (int i = 0; i < run->n_items; i++)
         chat |= run->items[i].conv != NULL;
-    const char *backend = chat ? "openai-chat" : "openai";
+    const char *backend = o->backend ? o->backend : chat ? "openai-chat" : "openai";
     json_object_set_new(res, "date", json_string(date));
     json_object_set_new(res, "endpoint_type", json_string(backend));
     json_object_set_new(res, "backend", json_string(backend));
@@ -730,14 +738,18 @@ static int sb_report(sb_run *run, double duration) {
                         has_goodput ? json_pack("{s:f,s:f,s:f}", "ttft", o->goodput_ttft_ms, "tpot",
                                                 o->goodput_tpot_ms, "e2el", o->goodput_e2el_ms)
                                     : json_null());
-    sb_print_stat(o, "---------------Time to First Token----------------", "TTFT", "ttft",
-                  sb_stats(o, ttft, ok), res);
-    sb_print_stat(o, "-----Time per Output Token (excl. 1st token)------", "TPOT", "tpot",
-                  sb_stats(o, tpot, n_tpot), res);
-    sb_print_stat(o, "---------------Inter-token Latency----------------", "ITL", "itl",
-                  sb_stats(o, itl, n_itl), res);
-    sb_print_stat(o, "----------------End-to-end Latency----------------", "E2EL", "e2el",
-                  sb_stats(o, e2el, ok), res);
+    if (o->metrics & SB_M_TTFT)
+        sb_print_stat(o, "---------------Time to First Token----------------", "TTFT", "ttft",
+                      sb_stats(o, ttft, ok), res);
+    if (o->metrics & SB_M_TPOT)
+        sb_print_stat(o, "-----Time per Output Token (excl. 1st token)------", "TPOT", "tpot",
+                      sb_stats(o, tpot, n_tpot), res);
+    if (o->metrics & SB_M_ITL)
+        sb_print_stat(o, "---------------Inter-token Latency----------------", "ITL", "itl",
+                      sb_stats(o, itl, n_itl), res);
+    if (o->metrics & SB_M_E2EL)
+        sb_print_stat(o, "----------------End-to-end Latency----------------", "E2EL", "e2el",
+                      sb_stats(o, e2el, ok), res);
     if (o->max_concurrency > 0) { /* vLLM's client-side queueing (a slot's wait) */
         sb_print_stat(o, "--------------Client-side Queueing---------------", "Client Queue Time",
                       "client_queue_time", sb_stats(o, qt, ok), res);
@@ -777,11 +789,37 @@ static int sb_report(sb_run *run, double duration) {
         fprintf(stderr, "disagg bench serve: %d request(s) failed; first error: %s\n", n - ok,
                 first_err);
     int rc = 0;
-    if (o->json_path) {
-        if (json_dump_file(res, o->json_path, JSON_INDENT(2))) {
-            fprintf(stderr, "disagg bench serve: cannot write %s\n", o->json_path);
+    if (o->json_path && json_dump_file(res, o->json_path, JSON_INDENT(2))) {
+        fprintf(stderr, "disagg bench serve: cannot write %s\n", o->json_path);
+        rc = 1;
+    }
+    if (o->save_result) { /* vLLM's name: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json */
+        char name[1024], path[2048], rate[64], conc[48] = "";
+        if (isinf(o->rate))
+            snprintf(rate, sizeof rate, "inf");
+        else if (o->rate == floor(o->rate) && o->rate < 1e15)
+            snprintf(rate, sizeof rate, "%.1f", o->rate); /* Python's str(4.0) */
+        else
+            snprintf(rate, sizeof rate, "%.15g", o->rate);
+        if (o->max_concurrency) snprintf(conc, sizeof conc, "-concurrency%d", o->max_concurrency);
+        const char *base = strrchr(o->model, '/');
+        if (o->result_filename)
+            snprintf(name, sizeof name, "%s", o->result_filename);
+        else
+            snprintf(name, sizeof name, "%s-%sqps%s-%s-%s.json", o->label ? o->label : backend,
+                     rate, conc, base ? base + 1 : o->model, date);
+        if (o->result_dir) {
+            if (mkdir(o->result_dir, 0777) && errno != EEXIST)
+                fprintf(stderr, "disagg bench serve: --result-dir %s: %s\n", o->result_dir,
+                        strerror(errno));
+            snprintf(path, sizeof path, "%s/%s", o->result_dir, name);
+        } else
+            snprintf(path, sizeof path, "%s", name);
+        if (json_dump_file(res, path, JSON_INDENT(2))) {
+            fprintf(stderr, "disagg bench serve: cannot write %s\n", path);
             rc = 1;
-        }
+        } else
+            printf("Results written to %s\n", path);
     }
     json_decref(res);
     free(ttft);
@@ -1042,6 +1080,33 @@ static int sb_percentiles(flags_parser *p, const flag_def *d, const char *v) {
     return 0;
 }
 
+/* --percentile-metrics "ttft,tpot,itl,e2el": which metrics get mean/median/percentiles. */
+static int sb_metrics(flags_parser *p, const flag_def *d, const char *v) {
+    sb_opts *o = d->dst;
+    static const char *names[] = {"ttft", "tpot", "itl", "e2el"};
+    o->metrics = 0;
+    for (const char *s = v; *s;) {
+        size_t n = strcspn(s, ",");
+        int k = 0;
+        while (k < 4 && !(strlen(names[k]) == n && !strncmp(s, names[k], n)))
+            k++;
+        if (k == 4) {
+            flags_error(p,
+                        "--percentile-metrics '%s'; accepted: a comma-separated list of ttft, "
+                        "tpot, itl, e2el",
+                        v);
+            return -1;
+        }
+        o->metrics |= 1 << k;
+        s += n + (s[n] == ',');
+    }
+    if (!o->metrics) {
+        flags_error(p, "--percentile-metrics needs at least one of ttft, tpot, itl, e2el");
+        return -1;
+    }
+    return 0;
+}
+
 int bench_serve_main(int argc, char **argv) {
     sb_opts o;
     memset(&o, 0, sizeof o);
@@ -1059,12 +1124,21 @@ int bench_serve_main(int argc, char **argv) {
     o.pct[0] = 90;
     o.pct[1] = 99;
     o.n_pct = 2;
+    o.metrics = SB_M_TTFT | SB_M_TPOT | SB_M_ITL | SB_M_E2EL;
     o.progress = isatty(2);
+    const char *host = NULL;
+    int port = 0, backend = -1;
     o.api_key = getenv("OPENAI_API_KEY");
     int endpoint = 0;
     const flag_def defs[] = {
         {FLAG_STRING_("--base-url", &o.base_url), .metavar = "URL",
-         .help = "server (default http://127.0.0.1:8000)"},
+         .help = "server (default http://127.0.0.1:8000, or from --host and --port)"},
+        {FLAG_STRING_("--host", &host), .metavar = "H",
+         .help = "server host when --base-url is not given (default 127.0.0.1)"},
+        {FLAG_INT_("--port", &port, 1, 65535), .help = "server port (default 8000)"},
+        {FLAG_CHOICE_("--backend", &backend, "openai", "vllm", "openai-chat"), .metavar = "B",
+         .help = "vLLM's names for the endpoint: openai and vllm -> /v1/completions, openai-chat "
+                 "-> /v1/chat/completions (default: --endpoint)"},
         {FLAG_CHOICE_("--endpoint", &endpoint, "/v1/completions", "/v1/chat/completions"),
          .metavar = "PATH",
          .help = "/v1/completions (default) or /v1/chat/completions; multi-turn conversations "
@@ -1125,6 +1199,21 @@ int bench_serve_main(int argc, char **argv) {
         {FLAG_BOOL_("--save-detailed", &o.save_detailed),
          .help = "the JSON gets per-request lists: input_lens, output_lens, ttfts, itls, "
                  "start_times, generated_texts, errors"},
+        {FLAG_CUSTOM_("--percentile-metrics", &o, sb_metrics), .metavar = "M,M",
+         .help = "metrics given percentiles: ttft, tpot, itl, e2el (default all four)"},
+        {FLAG_DOUBLE_("--temperature", &o.temperature, 0, 2), .metavar = "T",
+         .help = "sampling temperature sent (default 0: greedy; vLLM leaves it to the server)"},
+        {FLAG_BOOL_("--save-result", &o.save_result),
+         .help =
+             "write the JSON under vLLM's file name LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json"},
+        {FLAG_STRING_("--result-dir", &o.result_dir), .metavar = "DIR",
+         .help = "--save-result's directory (default: the current one)"},
+        {FLAG_STRING_("--result-filename", &o.result_filename), .metavar = "NAME",
+         .help = "--save-result's file name instead of vLLM's"},
+        {FLAG_NO_EFFECT_("--tokenizer", "token counts are the server's usage numbers"),
+         .metavar = "NAME", .help = "accepted, no effect: the server counts the tokens"},
+        {FLAG_NO_EFFECT_("--trust-remote-code", "no tokenizer is loaded here"), .opts = FLAG_SWITCH,
+         .help = "accepted, no effect"},
         {FLAG_BOOL_("--disable-tqdm", &o.progress), .opts = FLAG_STORE_FALSE,
          .help = "no progress bar"},
         {FLAG_STRING_("--pd-prefill", &o.pd_prefill), .metavar = "URL",
@@ -1144,6 +1233,16 @@ int bench_serve_main(int argc, char **argv) {
     int pr = flags_parse(&spec, argc, argv);
     if (pr) return pr == FLAGS_HELP ? 0 : 2;
     o.endpoint = endpoint ? "/v1/chat/completions" : "/v1/completions";
+    static const char *const backends[] = {"openai", "vllm", "openai-chat"};
+    if (backend >= 0) o.backend = backends[backend];
+    if (backend == 2) o.endpoint = "/v1/chat/completions";
+    if (backend == 0 || backend == 1) o.endpoint = "/v1/completions";
+    static char url_buf[300];
+    if ((host || port) && !strcmp(o.base_url, "http://127.0.0.1:8000")) {
+        snprintf(url_buf, sizeof url_buf, "http://%s:%d", host ? host : "127.0.0.1",
+                 port ? port : 8000);
+        o.base_url = url_buf;
+    }
     if (o.ds.kind == SD_RANDOM) o.ignore_eos = 1; /* as vLLM: random runs to its lengths */
     if (sb_parse_url(&o)) return 2;
     if (o.pd_bootstrap && !o.pd_prefill) {

@@ -284,3 +284,25 @@ def test_generated_multiturn_dataset(srv, tmp_path):
         for c in range(3):
             lens = j["input_lens"][3 * c:3 * c + 3]
             assert lens[0] > 24 and all(lens[t] > lens[t - 1] + 4 + 24 for t in (1, 2)), lens
+
+
+def test_a_vllm_command_line_runs_unchanged(srv, tmp_path):
+    """`vllm bench serve`'s usual flags, as its docs write them: --backend, --host/--port,
+    --percentile-metrics, --metric-percentiles, --save-result under vLLM's file name,
+    --tokenizer and --trust-remote-code accepted (the server counts the tokens)."""
+    port = srv.url.rsplit(":", 1)[1]
+    r = subprocess.run([BIN, "bench", "serve", "--backend", "vllm", "--model", "tiny", "--host", "127.0.0.1",
+                        "--port", port, "--dataset-name", "random", "--random-input-len", "16",
+                        "--random-output-len", "4", "--num-prompts", "3", "--request-rate", "10",
+                        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                        "--save-result", "--result-dir", str(tmp_path / "res"), "--tokenizer", "Qwen/x",
+                        "--trust-remote-code", "--seed", "0", "--disable-tqdm"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = list((tmp_path / "res").glob("vllm-10.0qps-tiny-*.json"))
+    assert len(files) == 1, list((tmp_path / "res").iterdir())
+    j = json.loads(files[0].read_text())
+    assert j["backend"] == "vllm" and j["completed"] == 3 and j["total_output_tokens"] == 12
+    assert {"p50_ttft_ms", "p99_ttft_ms", "p50_e2el_ms", "p99_itl_ms"} <= set(j) and "p90_ttft_ms" not in j
+    r = bench(srv.url, "--percentile-metrics", "ttft,latency", "--num-prompts", "1")
+    assert r.returncode == 2 and "accepted: a comma-separated list of ttft, tpot, itl, e2el" in r.stderr
