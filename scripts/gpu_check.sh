@@ -333,7 +333,7 @@ sweep_steps() {
   [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
   mkdir -p "$M7" && cp bench/shapes/qwen2.5-7b/config.json "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$M7"/
   check $? "the 7B-shape model folder (config + the Qwen2.5 tokenizer)"
-  local pd_gpus=1 p_dev="" d_dev="" kv_pd=24G where="one H200 shared by P and D"
+  local pd_gpus=1 p_dev="" d_dev="" kv_pd=24G where="one GPU shared by P and D"
   if [ -n "${SWEEP_TWO_GPUS:-}" ]; then
     pd_gpus=2 p_dev="--device cuda:0" d_dev="--device cuda:1" kv_pd=48G where="P on cuda:0, D on cuda:1"
   fi
@@ -347,8 +347,11 @@ sweep_steps() {
     --gpus-colocated 1 --gpus-pd "$pd_gpus" --device-name GPU \
     -- --random-input-len 3000 --random-output-len 150 --goodput ${SWEEP_SLO:-ttft:2000 tpot:50}
   check $? "sweep_rate (JSONs in $OUT/sweep)"
+  mkdir -p "$OUT/sweep-img" # the docs' numbers plus this run's: copy it over docs/img/benchmarks.json
+  [ -f "$OUT/sweep-img/benchmarks.json" ] || cp docs/img/benchmarks.json "$OUT/sweep-img/"
   python3 tools/plot_benchmarks.py --sweep "$OUT/sweep" --sweep-key sweep_gpu --out "$OUT/sweep-img" \
-    --sweep-source "H200, $where, $(date -u +%F)"
+    --sweep-title "Qwen2.5-7B shape (dummy weights), ~3k tokens in / 150 out" \
+    --sweep-source "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $where, $(date -u '+%F %H:%M') UTC"
   check $? "plot_benchmarks --sweep (PNGs in $OUT/sweep-img)"
   python3 - "$OUT/sweep" <<'PYEOF'
 import glob, json, sys
