@@ -47,7 +47,7 @@ typedef struct sb_opts {
     int max_concurrency;  /* --max-concurrency, 0 = unlimited */
     int ignore_eos;       /* --ignore-eos (the random dataset sets it, as vLLM) */
     uint64_t seed;        /* --seed */
-    double goodput_ttft_ms, goodput_tpot_ms, goodput_e2el_ms; /* --goodput, 0 = unset */
+    double goodput_ttft_ms, goodput_tpot_ms, goodput_e2el_ms; /* --goodput, < 0 = unset */
     double pct[8];                                            /* --metric-percentiles */
     int n_pct;
     int save_detailed;  /* --save-detailed: per-request lists in the JSON */
@@ -643,9 +643,9 @@ static int sb_report(sb_run *run, double duration) {
         out_tok += q->output_tokens;
         /* vLLM's goodput: every SLO given is met (a request of one token has TPOT 0) */
         int g = 1;
-        if (o->goodput_ttft_ms > 0 && t1 * 1e3 > o->goodput_ttft_ms) g = 0;
-        if (o->goodput_tpot_ms > 0 && tp * 1e3 > o->goodput_tpot_ms) g = 0;
-        if (o->goodput_e2el_ms > 0 && e * 1e3 > o->goodput_e2el_ms) g = 0;
+        if (o->goodput_ttft_ms >= 0 && t1 * 1e3 > o->goodput_ttft_ms) g = 0;
+        if (o->goodput_tpot_ms >= 0 && tp * 1e3 > o->goodput_tpot_ms) g = 0;
+        if (o->goodput_e2el_ms >= 0 && e * 1e3 > o->goodput_e2el_ms) g = 0;
         good += g;
         ok++;
     }
@@ -683,7 +683,7 @@ static int sb_report(sb_run *run, double duration) {
     printf("%-40s %-10ld\n", "Total input tokens:", in_tok);
     printf("%-40s %-10ld\n", "Total generated tokens:", out_tok);
     printf("%-40s %-10.2f\n", "Request throughput (req/s):", ok / duration);
-    int has_goodput = o->goodput_ttft_ms > 0 || o->goodput_tpot_ms > 0 || o->goodput_e2el_ms > 0;
+    int has_goodput = o->goodput_ttft_ms >= 0 || o->goodput_tpot_ms >= 0 || o->goodput_e2el_ms >= 0;
     if (has_goodput) printf("%-40s %-10.2f\n", "Request goodput (req/s):", good / duration);
     printf("%-40s %-10.2f\n", "Output token throughput (tok/s):", out_tok / duration);
     printf("%-40s %-10.2f\n", "Peak output token throughput (tok/s):", peak_tok);
@@ -734,10 +734,11 @@ static int sb_report(sb_run *run, double duration) {
         json_object_set_new(res, "num_conversations", json_integer(convs));
         json_object_set_new(res, "num_requests", json_integer(n));
     }
-    json_object_set_new(res, "goodput_slo_ms",
-                        has_goodput ? json_pack("{s:f,s:f,s:f}", "ttft", o->goodput_ttft_ms, "tpot",
-                                                o->goodput_tpot_ms, "e2el", o->goodput_e2el_ms)
-                                    : json_null());
+    json_t *slo = has_goodput ? json_object() : json_null();
+    if (o->goodput_ttft_ms >= 0) json_object_set_new(slo, "ttft", json_real(o->goodput_ttft_ms));
+    if (o->goodput_tpot_ms >= 0) json_object_set_new(slo, "tpot", json_real(o->goodput_tpot_ms));
+    if (o->goodput_e2el_ms >= 0) json_object_set_new(slo, "e2el", json_real(o->goodput_e2el_ms));
+    json_object_set_new(res, "goodput_slo_ms", slo);
     if (o->metrics & SB_M_TTFT)
         sb_print_stat(o, "---------------Time to First Token----------------", "TTFT", "ttft",
                       sb_stats(o, ttft, ok), res);
@@ -1125,6 +1126,7 @@ int bench_serve_main(int argc, char **argv) {
     o.pct[1] = 99;
     o.n_pct = 2;
     o.metrics = SB_M_TTFT | SB_M_TPOT | SB_M_ITL | SB_M_E2EL;
+    o.goodput_ttft_ms = o.goodput_tpot_ms = o.goodput_e2el_ms = -1;
     o.progress = isatty(2);
     const char *host = NULL;
     int port = 0, backend = -1;

@@ -232,7 +232,7 @@ def parse_sweep(d, title=""):
 def slo_text(slo):
     if not slo:
         return "no SLO given (goodput = throughput)"
-    return "SLO: " + ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items() if v)
+    return "SLO: " + ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
 
 
 def plot_sweep_latency(s, path):

@@ -78,6 +78,13 @@ def test_random_keys_are_vllms(srv, tmp_path):
     assert j["errors"] == [""] * 4 and all(t for t in j["generated_texts"])
     assert "P99 TTFT (ms):" in r.stdout and "Peak concurrent requests:" in r.stdout
     assert "p90_ttft_ms" not in j  # only the percentiles asked for
+    assert j["goodput_slo_ms"] == {"ttft": 100000, "tpot": 100000}
+    # an SLO of 0 ms is an SLO (vLLM's check is value <= SLO): no request meets it
+    j, _ = run_json(srv.url, tmp_path, "--num-prompts", "2", "--random-input-len", "8",
+                    "--random-output-len", "2", "--goodput", "e2el:0")
+    assert j["request_goodput"] == 0 and j["goodput_slo_ms"] == {"e2el": 0} and j["completed"] == 2
+    j, _ = run_json(srv.url, tmp_path, "--num-prompts", "1", "--random-input-len", "8", "--random-output-len", "2")
+    assert j["request_goodput"] is None and j["goodput_slo_ms"] is None
 
 
 def test_prefix_repetition(srv, tmp_path):

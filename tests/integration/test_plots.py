@@ -70,7 +70,7 @@ def sample_run(setup, rate, gpus):
             "total_output_tokens": 8 * 16, "request_throughput": rate * 0.98,
             "request_goodput": rate * (0.9 if setup == "pd" else 0.7), "output_throughput": rate * 16,
             "median_ttft_ms": 20 * k, "p99_ttft_ms": 60 * k, "median_itl_ms": 2 * k, "p99_itl_ms": 9 * k,
-            "mean_tpot_ms": 3 * k, "goodput_slo_ms": {"ttft": 200.0, "tpot": 20.0, "e2el": 0.0},
+            "mean_tpot_ms": 3 * k, "goodput_slo_ms": {"ttft": 200.0, "tpot": 20.0},
             "sweep": {"setup": setup, "rate": rate, "gpus": gpus, "transport": "tcp"}}
 
 
