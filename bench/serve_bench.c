@@ -583,6 +583,47 @@ out:
     free(ev);
 }
 
+/* Multi-turn: the completed turns and their median TTFT and prompt tokens by turn number
+ * (turn 1 has no cached history; later turns show what the prefix cache saves). */
+static void sb_by_turn(sb_run *run, json_t *res) {
+    int max_t = 0;
+    for (int i = 0; i < run->n_reqs; i++)
+        if (run->items[run->reqs[i].item].conv && run->reqs[i].turn + 1 > max_t)
+            max_t = run->reqs[i].turn + 1;
+    double *v = calloc((size_t)run->n_reqs + 1, sizeof *v);
+    json_t *cnt = json_array(), *ttft = json_array(), *in = json_array();
+    if (!v || !cnt || !ttft || !in) {
+        free(v);
+        json_decref(cnt);
+        json_decref(ttft);
+        json_decref(in);
+        return;
+    }
+    printf("%s\n", "--------Multi-turn: median TTFT (ms) by turn------");
+    for (int t = 0; t < max_t; t++) {
+        int n = 0;
+        long tok = 0;
+        for (int i = 0; i < run->n_reqs; i++) {
+            sb_req *q = &run->reqs[i];
+            if (!run->items[q->item].conv || q->turn != t || !q->ok || !q->t_first) continue;
+            v[n++] = q->t_first - q->t_start;
+            tok += q->prompt_tokens;
+        }
+        qsort(v, (size_t)n, sizeof *v, cmp_d);
+        double med = n ? sb_pct(v, n, 50) * 1e3 : 0;
+        json_array_append_new(cnt, json_integer(n));
+        json_array_append_new(ttft, json_real(med));
+        json_array_append_new(in, json_real(n ? (double)tok / n : 0));
+        char lab[64];
+        snprintf(lab, sizeof lab, "Turn %d (%d, ~%ld prompt tokens):", t + 1, n, n ? tok / n : 0);
+        printf("%-40s %-10.2f\n", lab, med);
+    }
+    json_object_set_new(res, "turn_completed", cnt);
+    json_object_set_new(res, "turn_median_ttft_ms", ttft);
+    json_object_set_new(res, "turn_mean_input_tokens", in);
+    free(v);
+}
+
 static int sb_report(sb_run *run, double duration) {
     const sb_opts *o = run->o;
     int n = run->n_reqs, ok = 0;
@@ -733,6 +774,7 @@ static int sb_report(sb_run *run, double duration) {
     if (convs) {
         json_object_set_new(res, "num_conversations", json_integer(convs));
         json_object_set_new(res, "num_requests", json_integer(n));
+        sb_by_turn(run, res);
     }
     json_t *slo = has_goodput ? json_object() : json_null();
     if (o->goodput_ttft_ms >= 0) json_object_set_new(slo, "ttft", json_real(o->goodput_ttft_ms));

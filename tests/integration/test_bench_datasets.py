@@ -158,6 +158,10 @@ def test_multiturn_against_server(srv, tmp_path):
             assert j["input_lens"][i] > j["input_lens"][i - 1] + j["output_lens"][i - 1]
             reusable += (j["input_lens"][i - 1] // BLOCK - 1) * BLOCK
     assert hits >= reusable, (hits, reusable)
+    # the by-turn summary: 3 turns of 3 conversations each, prompts growing
+    assert j["turn_completed"] == [3, 3, 3] and len(j["turn_median_ttft_ms"]) == 3
+    assert j["turn_mean_input_tokens"][0] < j["turn_mean_input_tokens"][1] < j["turn_mean_input_tokens"][2]
+    assert "Multi-turn: median TTFT (ms) by turn" in r.stdout and "Turn 3 (3, ~" in r.stdout
 
 
 def test_multiturn_history_carries_the_answers(tmp_path):
