@@ -54,7 +54,7 @@
 # Tensor parallelism: tests/unit/test_nccl (NCCL loads, 1-rank all-reduce, and an
 # N-process all-reduce when N >= 2 GPUs are visible); ONLY=tp runs just that.  NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0, as the device machines require).
-# ONLY=fp8kv (issue 29's FP8 KV cache): test_backend_ops (the FP8 KV cases on CUDA: kv_write,
+# ONLY=fp8kv (the FP8 KV cache): test_backend_ops (the FP8 KV cases on CUDA: kv_write,
 # the q|k|v epilogues, decode and prefill attention vs a dequantizing reference; also with the
 # 8-warp prefill kernel, the q|k|v GEMV off and cuBLASLt for one token), tools/gpu_fp8kv_check.py
 # (serve --kv-cache-dtype bfloat16 vs fp8 on the tiny model and the Qwen2.5-7B shape with
@@ -62,6 +62,14 @@
 # 8k sequences that fits), `bench transfer --location cuda:0` of a 4k-token 7B KV for bfloat16
 # and fp8 (cuda_ipc and staged tcp: the fp8/bf16 time ratios, target <= 0.5), and P/D with fp8
 # on every instance (tools/gpu_pd_check.py, PD_QUICK): P/D equals colocated fp8.
+# ONLY=sweep: the request-rate sweep of docs/benchmarks.md (tools/sweep_rate.py): colocated vs
+# P/D behind disagg proxy with the KV over cuda_ipc, P and D sharing the one GPU, on the
+# Qwen2.5-7B shape with dummy weights (bench/shapes/qwen2.5-7b + the Qwen2.5 tokenizer),
+# ~3k-token random prompts, 150 tokens out, Poisson arrivals at SWEEP_RATES (default
+# 1,2,4,6,8), each rate's arrivals spread over SWEEP_SECONDS (default 20), goodput under
+# SWEEP_SLO (default "ttft:2000 tpot:50"); SWEEP_SETUPS=colocated or pd runs one half (two
+# commands under the 10-minute limit; the same OUT keeps both halves); SWEEP_TWO_GPUS=1 puts
+# P on cuda:0 and D on cuda:1.  JSONs in $OUT/sweep, pictures (key sweep_gpu) in $OUT/sweep-img.
 # Everything is logged to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -440,6 +448,53 @@ fp8kv_steps() {
     echo "******** SKIP gpu_pd_check fp8: the openai package is not importable here ********"
   fi
 }
+sweep_steps() {
+  step "sweep: request rate, colocated vs P/D (KV over cuda_ipc), Qwen2.5-7B shape, dummy weights"
+  M7=$OUT/qwen2.5-7b-dummy
+  TOK=$SRC/../shared/data/qwen2.5-tokenizer
+  [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
+  mkdir -p "$M7" && cp bench/shapes/qwen2.5-7b/config.json "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$M7"/
+  check $? "the 7B-shape model folder (config + the Qwen2.5 tokenizer)"
+  local pd_gpus=1 p_dev="" d_dev="" kv_pd=24G where="one GPU shared by P and D"
+  if [ -n "${SWEEP_TWO_GPUS:-}" ]; then
+    pd_gpus=2 p_dev="--device cuda:0" d_dev="--device cuda:1" kv_pd=48G where="P on cuda:0, D on cuda:1"
+  fi
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 python3 tools/sweep_rate.py --bin "$BIN" --out "$OUT/sweep" \
+    --rates "${SWEEP_RATES:-1,2,4,6,8}" --seconds-per-rate "${SWEEP_SECONDS:-20}" --min-prompts 16 \
+    --setups "${SWEEP_SETUPS:-colocated,pd}" --start "$M7" \
+    --serve-args "--device cuda --load-format dummy --max-model-len 8192 --block-size 16 --served-model-name qwen2.5-7b-dummy" \
+    --colocated-serve-args "--kv-cache-memory 48G" --pd-serve-args "--kv-cache-memory $kv_pd" \
+    --prefill-serve-args "$p_dev" --decode-serve-args "$d_dev" \
+    --gpus-colocated 1 --gpus-pd "$pd_gpus" --device-name GPU \
+    -- --random-input-len 3000 --random-output-len 150 --goodput ${SWEEP_SLO:-ttft:2000 tpot:50}
+  check $? "sweep_rate (JSONs in $OUT/sweep)"
+  mkdir -p "$OUT/sweep-img" # the docs' numbers plus this run's: copy it over docs/img/benchmarks.json
+  [ -f "$OUT/sweep-img/benchmarks.json" ] || cp docs/img/benchmarks.json "$OUT/sweep-img/"
+  python3 tools/plot_benchmarks.py --sweep "$OUT/sweep" --sweep-key sweep_gpu --out "$OUT/sweep-img" \
+    --sweep-title "Qwen2.5-7B shape (dummy weights), ~3k tokens in / 150 out" \
+    --sweep-source "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $where, $(date -u '+%F %H:%M') UTC"
+  check $? "plot_benchmarks --sweep (PNGs in $OUT/sweep-img)"
+  python3 - "$OUT/sweep" <<'PYEOF'
+import glob, json, sys
+rows = []
+for p in sorted(glob.glob(sys.argv[1] + "/sweep-*.json")):
+    j = json.load(open(p))
+    rows.append((j["sweep"]["setup"], j["sweep"]["rate"], j))
+print("| setup | rate | done | p50 TTFT ms | p99 TTFT ms | p50 ITL ms | p99 ITL ms | goodput req/s | out tok/s |")
+print("|---|---|---|---|---|---|---|---|---|")
+for setup, rate, j in sorted(rows, key=lambda r: (r[0] != "colocated", r[1])):
+    print("| %s | %g | %d/%d | %.0f | %.0f | %.1f | %.1f | %.2f | %.0f |" % (
+        setup, rate, j["completed"], j["completed"] + j["failed"], j["median_ttft_ms"], j["p99_ttft_ms"],
+        j["median_itl_ms"], j["p99_itl_ms"], j["request_goodput"] or 0, j["output_throughput"]))
+PYEOF
+}
+if [ "${ONLY:-}" = sweep ]; then
+  sweep_steps
+  step "summary"
+  echo "gpu_check (ONLY=sweep): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
    [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ]; then
   [ "$ONLY" = profile ] && profile_steps

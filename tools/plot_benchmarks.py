@@ -7,12 +7,21 @@
   decode.png    decode tokens/s against batch size (CPU: `bench serve`
                 concurrency; H200: the fused forward of `bench model`)
   ttft.png      time to first token against prompt length, P/D and colocated
+  KEY_latency.png   request-rate sweep (tools/sweep_rate.py): TTFT and ITL, median
+                    and p99, against the request rate, colocated vs P/D
+  KEY_goodput.png   the same sweep: goodput under the run's SLO (--goodput) and
+                    request throughput against the request rate
+  KEY_pareto.png    the same sweep: output tok/s per GPU against tok/s per user
+                    (1000 / mean TPOT), one point per rate
 
   tools/plot_benchmarks.py --results bench-results --out docs/img
       reads what scripts/bench_all.sh wrote (transfer.txt, serve-c*.json,
       ttft-{colocated,pd}-LEN.json), writes the PNGs and benchmarks.json (the
       numbers plotted; parts the run does not produce, the H200 figures, are
       kept from the previous benchmarks.json)
+  tools/plot_benchmarks.py --sweep sweep-out --sweep-key sweep_cpu --out docs/img
+      reads tools/sweep_rate.py's JSONs (sweep-{colocated,pd}-rRATE.json) into
+      benchmarks.json under KEY (sweep_cpu, sweep_gpu ...) and draws its PNGs
   tools/plot_benchmarks.py --out docs/img
       redraws the PNGs from docs/img/benchmarks.json alone
 """
@@ -184,21 +193,152 @@ def plot_ttft(data, path):
     plt.close(fig)
 
 
+SWEEP_FIELDS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "mean_tpot_ms",
+                "request_throughput", "request_goodput", "output_throughput", "completed", "failed")
+SETUPS = (("colocated", "colocated", "o-", "tab:blue"), ("pd", "P/D", "s--", "tab:orange"))
+
+
+def parse_sweep(d, title=""):
+    """tools/sweep_rate.py's JSONs in directory d -> {"title", "slo_ms", "runs": {setup: [point
+    per rate, sorted]}}; a point: rate, gpus, transport and SWEEP_FIELDS."""
+    runs, slo, model, lens = {}, None, None, None
+    paths = sorted(glob.glob(os.path.join(d, "sweep-*.json")))
+    if not paths:
+        raise ValueError(f"{d}: no sweep-*.json (tools/sweep_rate.py writes them)")
+    for p in paths:
+        j = load_json(p)
+        sw = j.get("sweep")
+        if not isinstance(sw, dict) or sw.get("setup") not in ("colocated", "pd"):
+            raise ValueError(f"{p}: no 'sweep' object with setup colocated or pd (not tools/sweep_rate.py's)")
+        missing = [k for k in SWEEP_FIELDS if k not in j]
+        if missing:
+            raise ValueError(f"{p}: missing {', '.join(missing)} (`disagg bench serve --json` keys)")
+        pt = {"rate": sw["rate"], "gpus": sw.get("gpus", 1), "transport": sw.get("transport", ""),
+              "device": sw.get("device", "GPU")}
+        pt.update({k: j[k] for k in SWEEP_FIELDS})
+        runs.setdefault(sw["setup"], []).append(pt)
+        slo = slo or j.get("goodput_slo_ms")
+        model = model or j.get("model_id")
+        if j.get("completed"):
+            lens = lens or (round(j["total_input_tokens"] / j["completed"]),
+                            round(j["total_output_tokens"] / j["completed"]))
+    for v in runs.values():
+        v.sort(key=lambda pt: pt["rate"])
+    if not title:
+        title = f"{model}" + (f", ~{lens[0]} tokens in / {lens[1]} out" if lens else "")
+    return {"title": title, "slo_ms": slo, "runs": runs}
+
+
+def slo_text(slo):
+    if not slo:
+        return "no SLO given (goodput = throughput)"
+    return "SLO: " + ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
+
+
+def plot_sweep_latency(s, path):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for ax, metric, name in ((axes[0], "ttft", "TTFT"), (axes[1], "itl", "ITL")):
+        for setup, label, style, color in SETUPS:
+            pts = s["runs"].get(setup)
+            if not pts:
+                continue
+            x = [p["rate"] for p in pts]
+            ax.plot(x, [p[f"median_{metric}_ms"] for p in pts], style, color=color, label=f"{label} p50")
+            ax.plot(x, [p[f"p99_{metric}_ms"] for p in pts], style, color=color, alpha=0.45, lw=2.5,
+                    label=f"{label} p99")
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"{name} against request rate")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(s["title"] + "\n" + s.get("source", ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep_goodput(s, path):
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    top = 0
+    for setup, label, style, color in SETUPS:
+        pts = s["runs"].get(setup)
+        if not pts:
+            continue
+        x = [p["rate"] for p in pts]
+        good = [p["request_goodput"] if p["request_goodput"] is not None else p["request_throughput"] for p in pts]
+        ax.plot(x, good, style, color=color, label=f"{label} goodput")
+        ax.plot(x, [p["request_throughput"] for p in pts], ":", color=color, label=f"{label} throughput")
+        top = max([top] + x)
+    ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="-.", label="offered rate")
+    ax.set_xlabel("request rate (req/s, Poisson)")
+    ax.set_ylabel("requests/s")
+    ax.set_title("goodput under SLO — " + slo_text(s.get("slo_ms")), fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(s["title"] + "\n" + s.get("source", ""), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep_pareto(s, path):
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for setup, label, style, color in SETUPS:
+        pts = [p for p in s["runs"].get(setup, []) if p["mean_tpot_ms"] > 0]
+        if not pts:
+            continue
+        x = [1000 / p["mean_tpot_ms"] for p in pts]
+        y = [p["output_throughput"] / max(1, p["gpus"]) for p in pts]
+        dev = pts[0].get("device", "GPU")
+        ax.plot(x, y, style, color=color, label=f"{label} ({pts[0]['gpus']} {dev}{'s' if pts[0]['gpus'] > 1 else ''})")
+        for p, xi, yi in zip(pts, x, y):
+            ax.annotate(f"{p['rate']:g}/s", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("tok/s per user (1000 / mean TPOT)")
+    devs = {p.get("device", "GPU") for v in s["runs"].values() for p in v}
+    ax.set_ylabel(f"output tok/s per {devs.pop() if len(devs) == 1 else 'device'}")
+    ax.set_title("throughput per device against speed per user (labels: request rate)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(s["title"] + "\n" + s.get("source", ""), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sweep_keys(data):
+    return sorted(k for k, v in data.items() if k.startswith("sweep") and isinstance(v, dict) and v.get("runs"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", help="a scripts/bench_all.sh output directory (bench-results)")
     ap.add_argument("--out", default="docs/img", help="where the PNGs and benchmarks.json go (docs/img)")
+    ap.add_argument("--sweep", help="a tools/sweep_rate.py output directory")
+    ap.add_argument("--sweep-key", default="sweep_cpu",
+                    help="benchmarks.json key (and PNG prefix) of --sweep: sweep_cpu (default), sweep_gpu ...")
+    ap.add_argument("--sweep-title", default="", help="the sweep's title (default: model and lengths)")
+    ap.add_argument("--sweep-source", default="", help="where the sweep ran, for the pictures")
     a = ap.parse_args(argv)
+    if a.sweep_key and not re.fullmatch(r"sweep[A-Za-z0-9_]*", a.sweep_key):
+        ap.error(f"--sweep-key {a.sweep_key}: a name starting with 'sweep' (letters, digits, _)")
     rec = os.path.join(a.out, "benchmarks.json")
     previous = load_json(rec) if os.path.exists(rec) else {}
     if a.results:
         if not os.path.isdir(a.results):
             ap.error(f"--results {a.results}: not a directory (scripts/bench_all.sh writes bench-results/)")
         data = from_results(a.results, previous)
-    elif previous:
-        data = previous
+    elif previous or a.sweep:
+        data = dict(previous)
     else:
         ap.error(f"no --results and no {rec} to redraw from")
+    if a.sweep:
+        if not os.path.isdir(a.sweep):
+            ap.error(f"--sweep {a.sweep}: not a directory (tools/sweep_rate.py --out)")
+        try:
+            data[a.sweep_key] = dict(parse_sweep(a.sweep, a.sweep_title), source=a.sweep_source)
+        except ValueError as e:
+            ap.error(str(e))
     os.makedirs(a.out, exist_ok=True)
     drawn = []
     has = {"transfer.png": any(k.split()[0] in ("tcp", "shm") for k in data.get("transfer", {})),
@@ -211,7 +351,12 @@ def main(argv=None):
             drawn.append(name)
         else:
             print(f"plot_benchmarks: no {key} numbers, {name} not drawn", file=sys.stderr)
-    if a.results:
+    for key in sweep_keys(data):
+        for suffix, fn in (("latency", plot_sweep_latency), ("goodput", plot_sweep_goodput),
+                           ("pareto", plot_sweep_pareto)):
+            fn(data[key], os.path.join(a.out, f"{key}_{suffix}.png"))
+            drawn.append(f"{key}_{suffix}.png")
+    if a.results or a.sweep:
         with open(rec, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
