@@ -83,6 +83,17 @@ typedef struct cb_prof {
     int T, ctx;                /* the shape being summed */
 } cb_prof;
 
+/* The module links nothing of disagg itself (backend.c lives in the binary): these are
+ * backend_kv_scale and backend_dtype_size for the KV dtypes, as kernels/backend.c defines them. */
+static float cb_kv_scale(const backend_kv *kv, int layer, int which) {
+    if (kv->dtype != BACKEND_F8E4M3) return 1.0f;
+    const float *sc = which ? kv->v_scale : kv->k_scale;
+    return sc ? sc[layer] : 1.0f;
+}
+static int cb_kv_elem(backend_dtype dt) {
+    return dt == BACKEND_F32 ? 4 : dt == BACKEND_F8E4M3 ? 1 : 2;
+}
+
 static void prof_print(cb_prof *p) {
     if (!p->steps) return;
     double tot = 0;
@@ -718,8 +729,8 @@ static dcu_kv to_dkv(const backend_kv *kv, int layer) {
                 kv->block_size,
                 kv->n_layers,
                 kv->n_kv_heads * kv->head_dim,
-                backend_kv_scale(kv, layer, 0),
-                backend_kv_scale(kv, layer, 1)};
+                cb_kv_scale(kv, layer, 0),
+                cb_kv_scale(kv, layer, 1)};
     return d;
 }
 
@@ -771,7 +782,7 @@ static int cb_attention_to(backend_stream *st, void *out, backend_dtype out_dt, 
     dcu_kv d = to_dkv(kv, layer);
     int od = out_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32;
     double kvb = (double)s->max_ctx * 2 * kv->n_kv_heads * kv->head_dim *
-                 (double)backend_dtype_size(kv->dtype) * (s->S > 0 ? s->S : 1);
+                 (double)cb_kv_elem(kv->dtype) * (s->S > 0 ? s->S : 1);
     if (s->n_tiles && flash_ok(s->c, d.dtype, kv->head_dim))
         return pm(s, attention_mixed(s->c, out, od, (const float *)q, &d, layer, s->pos, s->seq, s->bt,
                                s->stride, s->T, n_heads, kv->n_kv_heads, kv->head_dim, scale,
@@ -829,7 +840,7 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     cb_stream *s = CB(st);
     const backend_kv *kv = o->kv;
     if (o->dt != BACKEND_F32 || o->w_dt != BACKEND_BF16 || !kv_dt_ok(kv)) return -ENOTSUP;
-    const float ksc = backend_kv_scale(kv, o->layer, 0), vsc = backend_kv_scale(kv, o->layer, 1);
+    const float ksc = cb_kv_scale(kv, o->layer, 0), vsc = cb_kv_scale(kv, o->layer, 1);
     const int kk = kv_kind(kv);
     int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
         W = (nh + 2 * nkv) * hd;
