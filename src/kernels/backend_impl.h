@@ -74,6 +74,10 @@ typedef struct backend_iface {
     int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
     int (*matmul_residual)(backend_stream *st, const backend_matmul_op *op, void *resid);
     int (*residual_fused)(backend_stream *st, int T); /* NULL: 0 */
+    /* FP8 weights (optional: NULL dequantizes to an f32 buffer in backend.c, the CPU's way) */
+    int (*weights_load_fp8)(backend *be, backend_buffer *b, const uint8_t *src, int N, int K,
+                            const float *scales, int block_n, int block_k, backend_dtype *stored,
+                            backend_wscale *ws);
 } backend_iface;
 
 struct backend {

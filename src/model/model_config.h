@@ -9,6 +9,8 @@
 
 #include <stddef.h>
 
+#include "model/quant.h"
+
 #define MODEL_MAX_EOS 8
 
 /* RoPE scaling as transformers reads rope_scaling / rope_parameters (model/arch.c) */
@@ -51,6 +53,7 @@ typedef struct model_config {
     float gen_top_p;              /* 1.0 if absent */
     int gen_top_k;                /* 0 (off) if absent */
     float gen_repetition_penalty; /* 1.0 if absent */
+    model_quant quant;            /* quantization_config (model/quant.h); QUANT_NONE if absent */
 } model_config;
 
 /* Reads dir/config.json and dir/generation_config.json (optional). */

@@ -286,8 +286,8 @@ static void test_matmul(void **state) {
                                    *by2 = backend_buffer_alloc(be, (size_t)T * N * 4, 0);
                     /* two ops in one dispatch, the second without bias and f32 out */
                     backend_matmul_op ops[2] = {
-                        {DEV(by), a, DEV(bx), a, DEV(bw), stored, withb ? DEV(bb) : NULL, T, N, K},
-                        {DEV(by2), BACKEND_F32, DEV(bx), a, DEV(bw), stored, NULL, T, N, K}};
+                        {DEV(by), a, DEV(bx), a, DEV(bw), stored, withb ? DEV(bb) : NULL, T, N, K, {NULL, 0, 0, NULL}},
+                        {DEV(by2), BACKEND_F32, DEV(bx), a, DEV(bw), stored, NULL, T, N, K, {NULL, 0, 0, NULL}}};
                     assert_int_equal(backend_matmul(st, ops, 2), 0);
                     double *want = malloc(sizeof(double) * T * N),
                            *want2 = malloc(sizeof(double) * T * N);
@@ -1384,7 +1384,7 @@ static void test_plan_checks(void **state) {
     assert_int_equal(backend_embed(fresh, x, BACKEND_F32, table, BACKEND_F32, 2), -EINVAL);
     /* the CPU backend computes in f32 only */
     assert_int_equal(backend_add(st, x, x + 2, BACKEND_BF16, 2), -ENOTSUP);
-    backend_matmul_op bad = {x, BACKEND_F32, table, BACKEND_F32, table, BACKEND_F32, NULL, 0, 1, 1};
+    backend_matmul_op bad = {x, BACKEND_F32, table, BACKEND_F32, table, BACKEND_F32, NULL, 0, 1, 1, {NULL, 0, 0, NULL}};
     assert_int_equal(backend_matmul(st, &bad, 1), -EINVAL);
     assert_int_equal(backend_matmul(st, &bad, 0), -EINVAL);
     backend_stream_free(fresh);
@@ -1458,7 +1458,7 @@ static void test_matmul_residual(void **state) {
             backend_buffer *bx = to_dev(st, x, (size_t)T * K, mm),
                            *br = to_dev(st, r, (size_t)T * N, a),
                            *by = backend_buffer_alloc(be, (size_t)T * N * backend_dtype_size(a), 0);
-            backend_matmul_op op = {DEV(by), a, DEV(bx), mm, DEV(bw), sw, NULL, T, N, K};
+            backend_matmul_op op = {DEV(by), a, DEV(bx), mm, DEV(bw), sw, NULL, T, N, K, {NULL, 0, 0, NULL}};
             assert_int_equal(backend_matmul_residual(st, &op, DEV(br)), 0);
             float *got = from_dev(st, DEV(br), (size_t)T * N, a);
             double *want = malloc(sizeof(double) * T * N);
