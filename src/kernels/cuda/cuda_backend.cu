@@ -321,6 +321,41 @@ static int cb_weights_load_cat(backend *be, backend_buffer *b, const void *const
     return 0;
 }
 
+/* An FP8 matrix: one buffer of [e4m3 (N, K)] [f32 scales] [bf16 twin (N, K)], each part
+ * 256-byte aligned.  The decode GEMV streams the e4m3 bytes (gemv_fp8); the GEMMs of larger
+ * batches run cuBLASLt bf16 on the twin, dequantized here once (e4m3 * scale, rounded to bf16):
+ * 3 bytes a weight in HBM until an FP8 tensor-core GEMM takes the prefill. */
+static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *src, int N, int K,
+                               const float *scales, int block_n, int block_k,
+                               backend_dtype *stored, backend_wscale *ws) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    size_t n = (size_t)N * K, ng = (size_t)((N + block_n - 1) / block_n) *
+                                   ((K + block_k - 1) / block_k);
+    size_t o_s = (n + 255) & ~(size_t)255, o_t = (o_s + ng * 4 + 255) & ~(size_t)255;
+    int rc = cb_buffer_alloc(be, b, o_t + n * 2, 0);
+    if (rc) return rc;
+    char *base = (char *)b->ptr;
+    dcu_ctx *c = d->loader;
+    cudaSetDevice(d->ord);
+    if (cudaMemcpy(base, src, n, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(base + o_s, scales, ng * 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        fp8_dequant_bf16(c, (bf16 *)(base + o_t), (const uint8_t *)base, (const float *)(base + o_s),
+                         block_n, block_k, N, K) ||
+        cudaStreamSynchronize(c->stream) != cudaSuccess) {
+        fprintf(stderr, "cuda: FP8 weights upload failed: %s\n",
+                cudaGetErrorString(cudaGetLastError()));
+        cb_buffer_free(be, b);
+        return -EIO;
+    }
+    d->loaded += n * 3 + ng * 4;
+    ws->s = (const float *)(base + o_s);
+    ws->block_n = block_n;
+    ws->block_k = block_k;
+    ws->twin = base + o_t;
+    *stored = BACKEND_F8E4M3;
+    return 0;
+}
+
 static int cb_stream_create(backend *be, backend_stream *st) {
     cb_dev *d = (cb_dev *)be->ctx;
     char err[256];
@@ -653,8 +688,10 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
     int last_T = 0, last_K = 0;
     for (int i = 0; i < n_ops; i++) {
         const backend_matmul_op *o = &ops[i];
-        if (o->w_dt != BACKEND_BF16 || o->y_dt != BACKEND_F32 ||
-            (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16))
+        int fp8 = o->w_dt == BACKEND_F8E4M3;
+        if ((o->w_dt != BACKEND_BF16 && !fp8) || o->y_dt != BACKEND_F32 ||
+            (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16) ||
+            (fp8 && (!o->w_scale.s || !o->w_scale.twin)))
             return -ENOTSUP;
         const void *xb = o->x;
         if (o->x_dt == BACKEND_F32) {
@@ -675,9 +712,24 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
             }
             xb = s->xconv;
         }
+        /* FP8 weights: the e4m3 GEMV for decode-sized T (not in the batch-invariant mode, whose
+         * rows must not depend on T), else the GEMM on the bf16 twin */
+        if (fp8 && !s->inv && o->T <= s->c->fp8_gemv_max_t &&
+            gemv_fp8_ok(o->T, o->K, o->w_scale.block_k, xb, o->w)) {
+            int rc = gemv_fp8(s->c, (float *)o->y, xb, o->w, o->w_scale.s, o->w_scale.block_n,
+                              o->w_scale.block_k, o->bias, o->T, o->N, o->K);
+            if (rc) return rc;
+            if (s->prof && s->prof->on) {
+                char nm[48];
+                snprintf(nm, sizeof nm, "fp8 gemv %dx%d", o->N, o->K);
+                prof_mark(s, nm, (double)o->N * o->K);
+            }
+            continue;
+        }
+        const void *wb = fp8 ? o->w_scale.twin : o->w;
         int rc = s->inv ? iv_matmul(s->c->lt, s->c->device, s->c->stream, s->c->ws, s->c->ws_bytes,
-                                    &s->pol, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K)
-                        : matmul(s->c, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K);
+                                    &s->pol, (float *)o->y, xb, wb, o->bias, o->T, o->N, o->K)
+                        : matmul(s->c, (float *)o->y, xb, wb, o->bias, o->T, o->N, o->K);
         if (rc) return rc;
         if (s->prof && s->prof->on) {
             char nm[40];
@@ -804,7 +856,8 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
 static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     cb_stream *s = CB(st);
     const backend_kv *kv = o->kv;
-    if (o->dt != BACKEND_F32 || o->w_dt != BACKEND_BF16 ||
+    int fp8 = o->w_dt == BACKEND_F8E4M3; /* through cb_matmul (the FP8 GEMV or the twin) */
+    if (o->dt != BACKEND_F32 || (o->w_dt != BACKEND_BF16 && !fp8) ||
         (kv->dtype != BACKEND_BF16 && kv->dtype != BACKEND_F32))
         return -ENOTSUP;
     int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
@@ -813,8 +866,8 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     if (o->q_norm) { /* Qwen3: the q|k|v GEMM in f32, then norm, RoPE, KV (cuda_qknorm.h) */
         float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
         if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
-        backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
-                               o->hidden};
+        backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, o->w_dt, NULL, T, W,
+                               o->hidden, o->sqkv};
         int rc = cb_matmul(st, &g, 1);
         if (rc) return rc;
         return pm(s,
@@ -824,7 +877,7 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                                    s->seq, s->bt, s->stride, o->inv_freq, T, nh, nkv, hd),
                   "qk norm finish (bias, q/k norm, rope, kv)", 0);
     }
-    if (!s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
+    if (!fp8 && !s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
         /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
         int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, o->x, o->wqkv,
@@ -837,10 +890,12 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
      * f32, then RoPE in f32) and k_qkv_finish reads that: 2 instead of 4 bytes of T x W
      * written and read back */
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->qkv_bf16_min_t > 0 &&
-        T >= s->c->qkv_bf16_min_t) {
+        T >= s->c->qkv_bf16_min_t &&
+        (!fp8 || (T > s->c->fp8_gemv_max_t && o->sqkv.twin))) {
+        const void *wqkv = fp8 ? o->sqkv.twin : o->wqkv;
         bf16 *qkv16 = (bf16 *)cb_scratch(s, 0, (size_t)T * W * 2);
         if (!qkv16) return s->capturing ? -EINVAL : -ENOMEM;
-        int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, o->wqkv, T, W, o->hidden),
+        int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, wqkv, T, W, o->hidden),
                     "q|k|v GEMM (bf16 out)", (double)W * o->hidden * 2);
         if (rc) return rc;
         rc = qkv_finish(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
@@ -853,8 +908,8 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     }
     float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
     if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
-    backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
-                           o->hidden};
+    backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, o->w_dt, NULL, T, W,
+                           o->hidden, o->sqkv};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
     rc = qkv_finish(s->c, (float *)o->q, kv->base, kv->dtype == BACKEND_BF16, kv->block_size,
@@ -866,10 +921,12 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
 /* one GEMM over gate|up into scratch, then h = silu(gate) * up in h_dt */
 static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     cb_stream *s = CB(st);
-    if (o->w_dt != BACKEND_BF16 || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
+    int fp8 = o->w_dt == BACKEND_F8E4M3; /* through cb_matmul (the FP8 GEMV or the twin) */
+    if ((o->w_dt != BACKEND_BF16 && !fp8) || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
         return -ENOTSUP;
     int T = o->T, I = o->inter;
-    if (!s->inv && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
+    const void *wgu = fp8 ? o->s_gate_up.twin : o->w_gate_up; /* what the bf16 GEMMs read */
+    if (!fp8 && !s->inv && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->w_gate_up))
         /* decode: one GEMV over gate|up with the SwiGLU in its epilogue (no f32 gate|up) */
         return pm(s,
@@ -880,10 +937,10 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
      * gate|up in bf16 and SwiGLU reads that (the f32 intermediate was 4 bytes x T x 2I
      * written and read back: 620 MB a layer at 4,096 tokens of the 7B shape) */
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->gu_bf16_min_t > 0 &&
-        T >= s->c->gu_bf16_min_t) {
+        T >= s->c->gu_bf16_min_t && (!fp8 || (T > s->c->fp8_gemv_max_t && wgu))) {
         bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
-        int rc = pm(s, matmul_bf16out(s->c, gu16, o->x, o->w_gate_up, T, 2 * I, o->hidden),
+        int rc = pm(s, matmul_bf16out(s->c, gu16, o->x, wgu, T, 2 * I, o->hidden),
                     "gate|up GEMM (bf16 out)", 2.0 * 2 * I * o->hidden);
         if (rc) return rc;
         return pm(s,
@@ -898,7 +955,7 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
         int rc = pm(s,
                     iv_matmul_bf16out(s->c->lt, s->c->device, s->c->stream, s->c->ws,
-                                      s->c->ws_bytes, &s->pol, gu16, o->x, o->w_gate_up, T, 2 * I,
+                                      s->c->ws_bytes, &s->pol, gu16, o->x, wgu, T, 2 * I,
                                       o->hidden),
                     "gate|up GEMM (invariant, bf16 out)", 2.0 * 2 * I * o->hidden);
         if (rc) return rc;
@@ -908,8 +965,8 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     }
     float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
     if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
-    backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, BACKEND_BF16, NULL, T,
-                           2 * I, o->hidden};
+    backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, o->w_dt, NULL, T,
+                           2 * I, o->hidden, o->s_gate_up};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
     return pm(s, swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I),
@@ -999,7 +1056,7 @@ static const backend_iface CB_IFACE = {
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,     cb_matmul_residual,
-    cb_residual_fused,
+    cb_residual_fused, cb_weights_load_fp8,
 };
 
 extern "C" __attribute__((visibility("default"))) int
