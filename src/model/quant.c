@@ -47,8 +47,9 @@ static int parse_ct(model_quant *q, const json_t *qc, const char *where, char *e
     }
     const json_t *groups = json_object_get(qc, "config_groups");
     if (!json_is_object(groups) || !json_object_size(groups)) {
-        snprintf(err, errlen, "%s: compressed-tensors quantization_config has no config_groups",
-                 where);
+        snprintf(err, errlen,
+                 "%s: compressed-tensors quantization_config has no config_groups (accepted: %s)",
+                 where, QUANT_ACCEPTED);
         return -EINVAL;
     }
     const char *gname;
@@ -121,7 +122,8 @@ int quant_parse(model_quant *q, const json_t *qc, const char *where, char *err, 
         if (!json_is_array(bs) || json_array_size(bs) != 2 || a < 1 || b < 1 || a > 65536 ||
             b > 65536) {
             snprintf(err, errlen,
-                     "%s: fp8 weight_block_size must be two positive integers, e.g. [128, 128]",
+                     "%s: fp8 weight_block_size is not accepted (accepted: two positive integers, e.g. "
+                     "[128, 128])",
                      where);
             return -EINVAL;
         }

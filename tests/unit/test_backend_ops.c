@@ -330,6 +330,80 @@ static void test_matmul(void **state) {
     }
 }
 
+/* FP8 weights (backend_weights_load_fp8): random e4m3 codes (no NaN) and scales per tensor,
+ * per channel and per 128 x 128 block (partial blocks in rows and columns), against a host
+ * reference in double of x . (e4m3 * scale)^T.  The CPU dequantizes to f32 at load (1e-5);
+ * CUDA's e4m3 GEMV (T <= DISAGG_CUDA_FP8_GEMV, default 8, K % 16 == 0) multiplies the scale
+ * onto 16-term partial sums in f32 (1e-4), its larger T run cuBLASLt over the bf16 twin (e4m3 *
+ * scale rounded to bf16: 2^-9 per weight, 1e-2 of 1 + |ref|). */
+static void test_matmul_fp8(void **state) {
+    (void)state;
+    int shapes[][3] = {{1, 5, 16},    {1, 37, 272},  {3, 200, 336}, {8, 130, 4112},
+                       {2, 129, 400}, {9, 33, 256},  {64, 257, 384}, {5, 3, 24}};
+    const char *ge = getenv("DISAGG_CUDA_FP8_GEMV");
+    int gemv_t = ge ? atoi(ge) : 8;
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
+            for (int lay = 0; lay < 3; lay++) {
+                int T = shapes[k][0], N = shapes[k][1], K = shapes[k][2];
+                int bn = lay == 0 ? N : lay == 1 ? 1 : 128, bk = lay == 2 ? 128 : K;
+                int nkb = (K + bk - 1) / bk, ng = (N + bn - 1) / bn * nkb;
+                uint8_t *q = malloc((size_t)N * K);
+                float *sc = malloc((size_t)ng * sizeof *sc), *wf = malloc((size_t)N * K * 4);
+                assert_non_null(q), assert_non_null(sc), assert_non_null(wf);
+                for (int i = 0; i < ng; i++)
+                    sc[i] = (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)K))); /* dots ~1 */
+                for (size_t i = 0; i < (size_t)N * K; i++) {
+                    do
+                        q[i] = (uint8_t)irand(256);
+                    while ((q[i] & 0x7f) == 0x7f);
+                }
+                backend_e4m3_to_f32(wf, q, (size_t)N * K);
+                float *x = rand_vec((size_t)T * K, BACKEND_BF16), *bias = rand_vec((size_t)N, BACKEND_F32);
+                backend_dtype stored;
+                backend_wscale ws;
+                backend_buffer *bw =
+                    backend_weights_load_fp8(be, q, N, K, sc, bn, bk, &stored, &ws);
+                assert_non_null(bw);
+                assert_true(stored == BACKEND_F8E4M3 ? ws.s != NULL : ws.s == NULL);
+                backend_buffer *bx = to_dev(st, x, (size_t)T * K, a),
+                               *bb = to_dev(st, bias, (size_t)N, BACKEND_F32),
+                               *by = backend_buffer_alloc(be, (size_t)T * N * 4, 0);
+                backend_matmul_op op = {DEV(by), BACKEND_F32, DEV(bx), a, DEV(bw), stored,
+                                        DEV(bb), T, N, K, ws};
+                assert_int_equal(backend_matmul(st, &op, 1), 0);
+                double *want = malloc(sizeof(double) * T * N);
+                for (int t = 0; t < T; t++)
+                    for (int n = 0; n < N; n++) {
+                        double acc = bias[n];
+                        for (int i = 0; i < K; i++)
+                            acc += (double)x[t * K + i] * wf[(size_t)n * K + i] *
+                                   sc[(n / bn) * nkb + i / bk];
+                        want[t * N + n] = acc;
+                    }
+                float *got = from_dev(st, DEV(by), (size_t)T * N, BACKEND_F32);
+                char what[96];
+                snprintf(what, sizeof what, "fp8 matmul T %d N %d K %d scales %s", T, N, K,
+                         lay == 0 ? "per tensor" : lay == 1 ? "per channel" : "128x128");
+                double tol = backend_is_cpu(be) ? 1e-5 : (T <= gemv_t && K % 16 == 0) ? 1e-4 : 1e-2;
+                check_close(what, be, got, want, (size_t)T * N, tol);
+                /* a matmul of FP8 weights without their scales is refused */
+                if (stored == BACKEND_F8E4M3) {
+                    backend_matmul_op bad = op;
+                    memset(&bad.w_scale, 0, sizeof bad.w_scale);
+                    assert_int_equal(backend_matmul(st, &bad, 1), -EINVAL);
+                }
+                free(got), free(want), free(x), free(bias), free(q), free(sc), free(wf);
+                backend_buffer_free(bw), backend_buffer_free(bx), backend_buffer_free(bb),
+                    backend_buffer_free(by);
+            }
+        backend_stream_free(st);
+    }
+}
+
 static void test_rope(void **state) {
     int cases[][3] = {{2, 1, 8}, {7, 7, 6}, {4, 2, 64}, {14, 2, 64}};
     for (int bi = 0; bi < g_n_be; bi++) {
@@ -1638,6 +1712,7 @@ int main(void) {
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_fp8),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),
