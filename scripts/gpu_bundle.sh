@@ -18,7 +18,7 @@ else
 fi | grep -v '^build' | tar cf - -T - | tar xf - -C "$STAGE/src"
 cp -r ../shared/data/qwen2.5-tokenizer "$STAGE/shared/data/" 2>/dev/null ||
   cp -r /work/shared/data/qwen2.5-tokenizer "$STAGE/shared/data/"
-for b in disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer test_nccl libdisagg_cuda.so; do
+for b in disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer test_nccl test_quant libdisagg_cuda.so; do
   cp "$BUILD/$b" "$STAGE/prebuilt/" && strip --strip-debug "$STAGE/prebuilt/$b"
 done
 # WHEELS=dir (default: the repo's .whl/ when it exists, the device README's convention):
