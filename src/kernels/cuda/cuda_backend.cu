@@ -337,8 +337,11 @@ static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *sr
     char *base = (char *)b->ptr;
     dcu_ctx *c = d->loader;
     cudaSetDevice(d->ord);
-    if (cudaMemcpy(base, src, n, cudaMemcpyHostToDevice) != cudaSuccess ||
-        cudaMemcpy(base + o_s, scales, ng * 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+    /* copies and the dequantization ordered on the loader's stream (a pageable copy may
+     * return before its DMA is done); the host arrays live until the sync below */
+    if (cudaMemcpyAsync(base, src, n, cudaMemcpyHostToDevice, c->stream) != cudaSuccess ||
+        cudaMemcpyAsync(base + o_s, scales, ng * 4, cudaMemcpyHostToDevice, c->stream) !=
+            cudaSuccess ||
         fp8_dequant_bf16(c, (bf16 *)(base + o_t), (const uint8_t *)base, (const float *)(base + o_s),
                          block_n, block_k, N, K) ||
         cudaStreamSynchronize(c->stream) != cudaSuccess) {
