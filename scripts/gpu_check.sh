@@ -330,7 +330,7 @@ fp8_steps() {
   step "fp8: test_quant (e4m3 table, quantizer, quantization_config)"
   "$BUILD/test_quant" 2>&1 | tail -3
   check ${PIPESTATUS[0]} test_quant
-  for v in "" DISAGG_CUDA_FP8_GEMV=0; do
+  for v in "" DISAGG_CUDA_FP8_GEMV=0 DISAGG_CUDA_FP8_TWIN=0; do
     step "fp8: test_backend_ops ${v:-(default: FP8 GEMV for T <= 8)}"
     env $v "$BUILD/test_backend_ops" > /tmp/tbo8.log 2>&1
     check $? "test_backend_ops ${v}"

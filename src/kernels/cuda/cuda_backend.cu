@@ -332,7 +332,9 @@ static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *sr
     size_t n = (size_t)N * K, ng = (size_t)((N + block_n - 1) / block_n) *
                                    ((K + block_k - 1) / block_k);
     size_t o_s = (n + 255) & ~(size_t)255, o_t = (o_s + ng * 4 + 255) & ~(size_t)255;
-    int rc = cb_buffer_alloc(be, b, o_t + n * 2, 0);
+    const char *tw = getenv("DISAGG_CUDA_FP8_TWIN"); /* 0: no bf16 twin (1 byte a weight) */
+    int twin = !(tw && !strcmp(tw, "0"));
+    int rc = cb_buffer_alloc(be, b, twin ? o_t + n * 2 : o_s + ng * 4, 0);
     if (rc) return rc;
     char *base = (char *)b->ptr;
     dcu_ctx *c = d->loader;
@@ -342,19 +344,19 @@ static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *sr
     if (cudaMemcpyAsync(base, src, n, cudaMemcpyHostToDevice, c->stream) != cudaSuccess ||
         cudaMemcpyAsync(base + o_s, scales, ng * 4, cudaMemcpyHostToDevice, c->stream) !=
             cudaSuccess ||
-        fp8_dequant_bf16(c, (bf16 *)(base + o_t), (const uint8_t *)base, (const float *)(base + o_s),
-                         block_n, block_k, N, K) ||
+        (twin && fp8_dequant_bf16(c, (bf16 *)(base + o_t), (const uint8_t *)base,
+                                  (const float *)(base + o_s), block_n, block_k, N, K)) ||
         cudaStreamSynchronize(c->stream) != cudaSuccess) {
         fprintf(stderr, "cuda: FP8 weights upload failed: %s\n",
                 cudaGetErrorString(cudaGetLastError()));
         cb_buffer_free(be, b);
         return -EIO;
     }
-    d->loaded += n * 3 + ng * 4;
+    d->loaded += n * (twin ? 3 : 1) + ng * 4;
     ws->s = (const float *)(base + o_s);
     ws->block_n = block_n;
     ws->block_k = block_k;
-    ws->twin = base + o_t;
+    ws->twin = twin ? base + o_t : NULL;
     *stored = BACKEND_F8E4M3;
     return 0;
 }
@@ -694,7 +696,7 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
         int fp8 = o->w_dt == BACKEND_F8E4M3;
         if ((o->w_dt != BACKEND_BF16 && !fp8) || o->y_dt != BACKEND_F32 ||
             (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16) ||
-            (fp8 && (!o->w_scale.s || !o->w_scale.twin)))
+            (fp8 && !o->w_scale.s))
             return -ENOTSUP;
         const void *xb = o->x;
         if (o->x_dt == BACKEND_F32) {
@@ -717,11 +719,17 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
         }
         /* FP8 weights: the e4m3 GEMV for decode-sized T (not in the batch-invariant mode, whose
          * rows must not depend on T), else the GEMM on the bf16 twin */
-        if (fp8 && !s->inv && o->T <= s->c->fp8_gemv_max_t &&
-            gemv_fp8_ok(o->T, o->K, o->w_scale.block_k, xb, o->w)) {
-            int rc = gemv_fp8(s->c, (float *)o->y, xb, o->w, o->w_scale.s, o->w_scale.block_n,
-                              o->w_scale.block_k, o->bias, o->T, o->N, o->K);
-            if (rc) return rc;
+        if (fp8 && ((!s->inv && o->T <= s->c->fp8_gemv_max_t) || !o->w_scale.twin)) {
+            /* without a twin (DISAGG_CUDA_FP8_TWIN=0) every T on the GEMV, 8 tokens a launch:
+             * FP8's memory, not a GEMM's speed for prefill */
+            if (!gemv_fp8_ok(1, o->K, o->w_scale.block_k, xb, o->w)) return -ENOTSUP;
+            for (int t0 = 0; t0 < o->T; t0 += 8) {
+                int nt = o->T - t0 < 8 ? o->T - t0 : 8;
+                int rc = gemv_fp8(s->c, (float *)o->y + (size_t)t0 * o->N,
+                                  (const bf16 *)xb + (size_t)t0 * o->K, o->w, o->w_scale.s,
+                                  o->w_scale.block_n, o->w_scale.block_k, o->bias, nt, o->N, o->K);
+                if (rc) return rc;
+            }
             if (s->prof && s->prof->on) {
                 char nm[48];
                 snprintf(nm, sizeof nm, "fp8 gemv %dx%d", o->N, o->K);
@@ -953,7 +961,7 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     /* the batch-invariant mode (bf16 x): gate|up in bf16 at EVERY row count, decode included,
      * so a row's rounding never depends on the batch (iv_matmul_bf16out's pinned and
      * probe-verified algorithms), then the same SwiGLU */
-    if (s->inv && s->pol.gu16 && o->x_dt == BACKEND_BF16) {
+    if (s->inv && s->pol.gu16 && o->x_dt == BACKEND_BF16 && wgu) {
         bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
         int rc = pm(s,
