@@ -391,6 +391,18 @@ static void test_matmul_fp8(void **state) {
                          lay == 0 ? "per tensor" : lay == 1 ? "per channel" : "128x128");
                 double tol = backend_is_cpu(be) ? 1e-5 : (T <= gemv_t && K % 16 == 0) ? 1e-4 : 1e-2;
                 check_close(what, be, got, want, (size_t)T * N, tol);
+                /* the residual form (CUDA at T >= 64: cuBLASLt's epilogue onto resid, over the
+                 * twin): resid + the same product */
+                float *r0 = rand_vec((size_t)T * N, BACKEND_F32);
+                backend_buffer *br = to_dev(st, r0, (size_t)T * N, BACKEND_F32);
+                assert_int_equal(backend_matmul_residual(st, &op, DEV(br)), 0);
+                float *gr = from_dev(st, DEV(br), (size_t)T * N, BACKEND_F32);
+                for (int i = 0; i < T * N; i++)
+                    want[i] += r0[i];
+                strncat(what, " (+= residual)", sizeof what - strlen(what) - 1);
+                check_close(what, be, gr, want, (size_t)T * N, tol);
+                free(r0), free(gr);
+                backend_buffer_free(br);
                 /* a matmul of FP8 weights without their scales is refused */
                 if (stored == BACKEND_F8E4M3) {
                     backend_matmul_op bad = op;

@@ -1044,9 +1044,12 @@ static int cb_residual_fused(backend_stream *st, int T) {
 static int cb_matmul_residual(backend_stream *st, const backend_matmul_op *o, void *resid) {
     cb_stream *s = CB(st);
     dcu_ctx *c = s->c;
+    /* FP8 weights at GEMM sizes: the same over their bf16 twin */
+    int fp8 = o->w_dt == BACKEND_F8E4M3 && o->w_scale.twin && o->T > c->fp8_gemv_max_t;
+    const void *wb = fp8 ? o->w_scale.twin : o->w;
     if (cb_residual_fused(st, o->T) && o->y_dt == BACKEND_F32 && o->x_dt == BACKEND_BF16 &&
-        o->w_dt == BACKEND_BF16 && !o->bias && !gemv_ok(c, o->T, o->K, o->x, o->w)) {
-        int rc = matmul_acc(c, (float *)resid, (float *)o->y, o->x, o->w, o->T, o->N, o->K);
+        (o->w_dt == BACKEND_BF16 || fp8) && !o->bias && !gemv_ok(c, o->T, o->K, o->x, wb)) {
+        int rc = matmul_acc(c, (float *)resid, (float *)o->y, o->x, wb, o->T, o->N, o->K);
         if (rc) return rc;
         if (s->prof && s->prof->on) {
             char nm[48];
