@@ -106,8 +106,8 @@ int bench_model_cuda_main(int argc, char **argv) {
         return 2;
     }
     /* fp8: the weights quantized at load (with dummy weights: 128 x 128 blocks, model/weights.h) */
-    int load_flags = (dummy ? DECODER_LOAD_DUMMY : 0) |
-                     (q_arg && !strcmp(q_arg, "fp8") ? DECODER_LOAD_FP8 : 0);
+    int load_flags =
+        (dummy ? DECODER_LOAD_DUMMY : 0) | (q_arg && !strcmp(q_arg, "fp8") ? DECODER_LOAD_FP8 : 0);
     if (kv_arg && !strcmp(kv_arg, "float32")) {
         kv_dtype = DCU_F32;
     } else if (kv_arg && strcmp(kv_arg, "auto") && strcmp(kv_arg, "bfloat16")) {

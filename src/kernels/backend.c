@@ -355,8 +355,7 @@ static int fp8_dequant_f32(backend *be, backend_buffer *b, const uint8_t *src, i
 backend_buffer *backend_weights_load_fp8(backend *be, const uint8_t *src, int N, int K,
                                          const float *scales, int block_n, int block_k,
                                          backend_dtype *stored, backend_wscale *ws) {
-    if (!be || !src || !scales || N < 1 || K < 1 || block_n < 1 || block_k < 1 || !stored ||
-        !ws) {
+    if (!be || !src || !scales || N < 1 || K < 1 || block_n < 1 || block_k < 1 || !stored || !ws) {
         LOG_E(MOD, "weights_load_fp8: bad arguments (%d x %d, blocks %d x %d)", N, K, block_n,
               block_k);
         return NULL;
@@ -721,11 +720,10 @@ int backend_gate_up(backend_stream *st, const backend_mlp_op *o) {
     if (o->w_gate_up && st->be->iface->gate_up) return st->be->iface->gate_up(st, o);
     CHECK(o->w_gate && o->w_up && o->h2,
           "gate_up: %s has no fused form: give w_gate, w_up and the h2 scratch", st->be->name);
-    backend_matmul_op ops[2] = {
-        {o->h, o->h_dt, o->x, o->x_dt, o->w_gate, o->w_dt, NULL, o->T, o->inter, o->hidden,
-         o->s_gate},
-        {o->h2, o->h_dt, o->x, o->x_dt, o->w_up, o->w_dt, NULL, o->T, o->inter, o->hidden,
-         o->s_up}};
+    backend_matmul_op ops[2] = {{o->h, o->h_dt, o->x, o->x_dt, o->w_gate, o->w_dt, NULL, o->T,
+                                 o->inter, o->hidden, o->s_gate},
+                                {o->h2, o->h_dt, o->x, o->x_dt, o->w_up, o->w_dt, NULL, o->T,
+                                 o->inter, o->hidden, o->s_up}};
     int rc = backend_matmul(st, ops, 2);
     return rc ? rc : backend_swiglu(st, o->h, o->h2, o->h_dt, o->T, o->inter);
 }

@@ -65,8 +65,8 @@ int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int pr
                  m->dir, m->cfg.sliding_window, m->cfg.max_position, backend_name(be));
         return -ENOTSUP;
     }
-    if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, (dummy & DECODER_LOAD_DUMMY) ? 0x5eed : 0, err,
-                              errlen)))
+    if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, (dummy & DECODER_LOAD_DUMMY) ? 0x5eed : 0,
+                              err, errlen)))
         return rc;
     int half = m->cfg.head_dim / 2;
     float *inv = malloc((size_t)half * sizeof(float));
@@ -418,7 +418,7 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
                               .sqkv = L->wqkv.scale};
         TRY(backend_qkv(st, &qkv));
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
-        backend_matmul_op o = {s->y, a,    s->att, mm, L->wo.data, L->wo.dtype,
+        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype,
                                NULL, T, h,      qd, L->wo.scale};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
         /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))) */

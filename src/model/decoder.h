@@ -53,7 +53,7 @@ int decoder_load_on(decoder_model *m, const char *model_arg, backend *be, int pr
  * model/weights.h); DECODER_LOAD_FP8: --quantization fp8 (model/quant.h: an unquantized
  * checkpoint's linear layers quantized at load; an FP8 checkpoint loads as it is). */
 #define DECODER_LOAD_DUMMY 1
-#define DECODER_LOAD_FP8 2
+#define DECODER_LOAD_FP8   2
 int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
                     char *err, size_t errlen);
 void decoder_free(decoder_model *m);

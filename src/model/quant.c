@@ -35,8 +35,7 @@ static const char *ct_args_bad(const json_t *a, const char **strategy) {
     return NULL;
 }
 
-static int parse_ct(model_quant *q, const json_t *qc, const char *where, char *err,
-                    size_t errlen) {
+static int parse_ct(model_quant *q, const json_t *qc, const char *where, char *err, size_t errlen) {
     const char *fmt = json_string_value(json_object_get(qc, "format"));
     if (fmt && strcmp(fmt, "float-quantized") && strcmp(fmt, "naive-quantized")) {
         snprintf(err, errlen,
@@ -55,7 +54,8 @@ static int parse_ct(model_quant *q, const json_t *qc, const char *where, char *e
     const char *gname;
     json_t *g;
     json_object_foreach((json_t *)groups, gname, g) {
-        const json_t *w = json_object_get(g, "weights"), *ia = json_object_get(g, "input_activations");
+        const json_t *w = json_object_get(g, "weights"),
+                     *ia = json_object_get(g, "input_activations");
         const char *strat = NULL, *bad = w ? ct_args_bad(w, &strat) : "absent";
         if (!bad && strat && strcmp(strat, "tensor") && strcmp(strat, "channel") &&
             strcmp(strat, "block"))
@@ -121,10 +121,11 @@ int quant_parse(model_quant *q, const json_t *qc, const char *where, char *err, 
                    b = json_integer_value(json_array_get(bs, 1));
         if (!json_is_array(bs) || json_array_size(bs) != 2 || a < 1 || b < 1 || a > 65536 ||
             b > 65536) {
-            snprintf(err, errlen,
-                     "%s: fp8 weight_block_size is not accepted (accepted: two positive integers, e.g. "
-                     "[128, 128])",
-                     where);
+            snprintf(
+                err, errlen,
+                "%s: fp8 weight_block_size is not accepted (accepted: two positive integers, e.g. "
+                "[128, 128])",
+                where);
             return -EINVAL;
         }
         q->block_n = (int)a;
@@ -139,14 +140,14 @@ uint8_t quant_f32_to_e4m3(float x) {
     memcpy(&u, &x, 4);
     uint8_t sign = (uint8_t)((u >> 24) & 0x80);
     u &= 0x7fffffffu;
-    if (u > 0x7f800000u) return 0x7f;                  /* NaN */
-    if (u >= 0x43e00000u) return sign | 0x7e;          /* >= 448: saturate */
-    if (u < 0x3c800000u) {                             /* < 2^-6: subnormal, steps of 2^-9 */
+    if (u > 0x7f800000u) return 0x7f;         /* NaN */
+    if (u >= 0x43e00000u) return sign | 0x7e; /* >= 448: saturate */
+    if (u < 0x3c800000u) {                    /* < 2^-6: subnormal, steps of 2^-9 */
         float a;
         memcpy(&a, &u, 4);
-        return sign | (uint8_t)rintf(a * 512.0f);      /* 8 steps carry into 2^-6 */
+        return sign | (uint8_t)rintf(a * 512.0f); /* 8 steps carry into 2^-6 */
     }
-    u += 0x7ffffu + ((u >> 20) & 1);                   /* round the mantissa to 3 bits, even */
+    u += 0x7ffffu + ((u >> 20) & 1); /* round the mantissa to 3 bits, even */
     int e = (int)(u >> 23) - 127 + 7, m = (int)((u >> 20) & 7);
     int code = (e << 3) | m;
     return sign | (uint8_t)(code > 0x7e ? 0x7e : code);

@@ -37,7 +37,8 @@ static const st_tensor *w_find(model_weights *w, const char *name, int n_dims, i
     }
     backend_dtype dt;
     if (w_dtype(t->dtype, &dt) != 0 && !(n_dims == 2 && !strcmp(t->dtype, "F8_E4M3"))) {
-        snprintf(err, errlen, "%s: tensor '%s' has unsupported dtype %s (accepted: BF16, F16, F32%s)",
+        snprintf(err, errlen,
+                 "%s: tensor '%s' has unsupported dtype %s (accepted: BF16, F16, F32%s)",
                  st_set_file_of(&w->st, t), name, t->dtype,
                  n_dims == 2 ? ", F8_E4M3 with its scales" : "");
         return NULL;
@@ -211,8 +212,8 @@ static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *
     }
     /* a checkpoint's e4m3 tensor: its scale tensor says the granularity by its shape */
     f->q = t->data;
-    const st_tensor *sc = w_side(w, name, w->quant.scale_suffix ? w->quant.scale_suffix
-                                                                : "weight_scale");
+    const st_tensor *sc =
+        w_side(w, name, w->quant.scale_suffix ? w->quant.scale_suffix : "weight_scale");
     if (!sc) sc = w_side(w, name, "weight_scale_inv");
     if (!sc) sc = w_side(w, name, "weight_scale");
     w_side(w, name, "input_scale"); /* static activation scheme: accepted, not used */
@@ -263,8 +264,7 @@ static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *
     backend_row_to_f32(f->s, sc->data, sdt, (int)numel);
     for (int64_t i = 0; i < numel; i++)
         if (!(f->s[i] > 0.0f) || isinf(f->s[i])) {
-            snprintf(err, errlen,
-                     "%s: scale %lld of '%s' is %g (accepted: finite and positive)",
+            snprintf(err, errlen, "%s: scale %lld of '%s' is %g (accepted: finite and positive)",
                      st_set_file_of(&w->st, sc), (long long)i, name, (double)f->s[i]);
             w_fp8_free(f);
             return -EINVAL;
@@ -274,8 +274,8 @@ static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *
 
 static int w_fp8_place(model_weights *w, weight_mat *m, const char *name, const w_fp8 *f, int rows,
                        int cols, char *err, size_t errlen) {
-    backend_buffer *b = backend_weights_load_fp8(w->be, f->q, rows, cols, f->s, f->bn, f->bk,
-                                                 &m->dtype, &m->scale);
+    backend_buffer *b =
+        backend_weights_load_fp8(w->be, f->q, rows, cols, f->s, f->bn, f->bk, &m->dtype, &m->scale);
     if (!b || w_keep(w, b)) {
         backend_buffer_free(b);
         snprintf(err, errlen, "cannot place FP8 tensor '%s' (%d x %d) on %s", name, rows, cols,
@@ -295,8 +295,10 @@ static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, in
     int rc = w_get(w, &t, name, 2, rows, cols, 0, err, errlen);
     if (rc) return rc;
     if (t.dt == BACKEND_F8E4M3 && !w_quantizable(name) && strcmp(name, "lm_head.weight")) {
-        snprintf(err, errlen, "tensor '%s' is F8_E4M3: an FP8 embedding is not supported "
-                 "(accepted: BF16, F16, F32 embeddings)", name);
+        snprintf(err, errlen,
+                 "tensor '%s' is F8_E4M3: an FP8 embedding is not supported "
+                 "(accepted: BF16, F16, F32 embeddings)",
+                 name);
         return -EINVAL;
     }
     if (t.dt == BACKEND_F8E4M3 || (w->quant.kind == QUANT_FP8_ONLINE && w_quantizable(name))) {
@@ -340,7 +342,8 @@ static int w_mat_cat_fp8(model_weights *w, weight_mat *cat, weight_mat **parts, 
     }
     for (int i = 0; i < n && !rc; i++) {
         if (f[i].bk != f[0].bk) {
-            snprintf(err, errlen, "FP8 tensors '%s' and '%s' have scales over %d and %d columns: "
+            snprintf(err, errlen,
+                     "FP8 tensors '%s' and '%s' have scales over %d and %d columns: "
                      "cannot concatenate them (accepted: the same column blocks)",
                      names[0], names[i], f[0].bk, f[i].bk);
             rc = -EINVAL;

@@ -285,9 +285,28 @@ static void test_matmul(void **state) {
                                    *by = backend_buffer_alloc(be, (size_t)T * N * 4, 0),
                                    *by2 = backend_buffer_alloc(be, (size_t)T * N * 4, 0);
                     /* two ops in one dispatch, the second without bias and f32 out */
-                    backend_matmul_op ops[2] = {
-                        {DEV(by), a, DEV(bx), a, DEV(bw), stored, withb ? DEV(bb) : NULL, T, N, K, {NULL, 0, 0, NULL}},
-                        {DEV(by2), BACKEND_F32, DEV(bx), a, DEV(bw), stored, NULL, T, N, K, {NULL, 0, 0, NULL}}};
+                    backend_matmul_op ops[2] = {{DEV(by),
+                                                 a,
+                                                 DEV(bx),
+                                                 a,
+                                                 DEV(bw),
+                                                 stored,
+                                                 withb ? DEV(bb) : NULL,
+                                                 T,
+                                                 N,
+                                                 K,
+                                                 {NULL, 0, 0, NULL}},
+                                                {DEV(by2),
+                                                 BACKEND_F32,
+                                                 DEV(bx),
+                                                 a,
+                                                 DEV(bw),
+                                                 stored,
+                                                 NULL,
+                                                 T,
+                                                 N,
+                                                 K,
+                                                 {NULL, 0, 0, NULL}}};
                     assert_int_equal(backend_matmul(st, ops, 2), 0);
                     double *want = malloc(sizeof(double) * T * N),
                            *want2 = malloc(sizeof(double) * T * N);
@@ -339,8 +358,8 @@ static void test_matmul(void **state) {
  * GEMV, 8 tokens a launch). */
 static void test_matmul_fp8(void **state) {
     (void)state;
-    int shapes[][3] = {{1, 5, 16},    {1, 37, 272},  {3, 200, 336}, {8, 130, 4112},
-                       {2, 129, 400}, {9, 33, 256},  {64, 257, 384}, {5, 3, 24}};
+    int shapes[][3] = {{1, 5, 16},    {1, 37, 272}, {3, 200, 336},  {8, 130, 4112},
+                       {2, 129, 400}, {9, 33, 256}, {64, 257, 384}, {5, 3, 24}};
     const char *ge = getenv("DISAGG_CUDA_FP8_GEMV");
     int gemv_t = ge ? atoi(ge) : 8;
     for (int bi = 0; bi < g_n_be; bi++) {
@@ -356,14 +375,16 @@ static void test_matmul_fp8(void **state) {
                 float *sc = malloc((size_t)ng * sizeof *sc), *wf = malloc((size_t)N * K * 4);
                 assert_non_null(q), assert_non_null(sc), assert_non_null(wf);
                 for (int i = 0; i < ng; i++)
-                    sc[i] = (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)K))); /* dots ~1 */
+                    sc[i] =
+                        (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)K))); /* dots ~1 */
                 for (size_t i = 0; i < (size_t)N * K; i++) {
                     do
                         q[i] = (uint8_t)irand(256);
                     while ((q[i] & 0x7f) == 0x7f);
                 }
                 backend_e4m3_to_f32(wf, q, (size_t)N * K);
-                float *x = rand_vec((size_t)T * K, BACKEND_BF16), *bias = rand_vec((size_t)N, BACKEND_F32);
+                float *x = rand_vec((size_t)T * K, BACKEND_BF16),
+                      *bias = rand_vec((size_t)N, BACKEND_F32);
                 backend_dtype stored;
                 backend_wscale ws;
                 backend_buffer *bw =
@@ -374,7 +395,7 @@ static void test_matmul_fp8(void **state) {
                                *bb = to_dev(st, bias, (size_t)N, BACKEND_F32),
                                *by = backend_buffer_alloc(be, (size_t)T * N * 4, 0);
                 backend_matmul_op op = {DEV(by), BACKEND_F32, DEV(bx), a, DEV(bw), stored,
-                                        DEV(bb), T, N, K, ws};
+                                        DEV(bb), T,           N,       K, ws};
                 assert_int_equal(backend_matmul(st, &op, 1), 0);
                 double *want = malloc(sizeof(double) * T * N);
                 for (int t = 0; t < T; t++)
@@ -388,7 +409,9 @@ static void test_matmul_fp8(void **state) {
                 float *got = from_dev(st, DEV(by), (size_t)T * N, BACKEND_F32);
                 char what[96];
                 snprintf(what, sizeof what, "fp8 matmul T %d N %d K %d scales %s", T, N, K,
-                         lay == 0 ? "per tensor" : lay == 1 ? "per channel" : "128x128");
+                         lay == 0   ? "per tensor"
+                         : lay == 1 ? "per channel"
+                                    : "128x128");
                 double tol = backend_is_cpu(be) ? 1e-5 : (T <= gemv_t && K % 16 == 0) ? 1e-4 : 1e-2;
                 check_close(what, be, got, want, (size_t)T * N, tol);
                 /* the residual form (CUDA at T >= 64: cuBLASLt's epilogue onto resid, over the
@@ -1471,7 +1494,8 @@ static void test_plan_checks(void **state) {
     assert_int_equal(backend_embed(fresh, x, BACKEND_F32, table, BACKEND_F32, 2), -EINVAL);
     /* the CPU backend computes in f32 only */
     assert_int_equal(backend_add(st, x, x + 2, BACKEND_BF16, 2), -ENOTSUP);
-    backend_matmul_op bad = {x, BACKEND_F32, table, BACKEND_F32, table, BACKEND_F32, NULL, 0, 1, 1, {NULL, 0, 0, NULL}};
+    backend_matmul_op bad = {x, BACKEND_F32, table, BACKEND_F32,       table, BACKEND_F32, NULL,
+                             0, 1,           1,     {NULL, 0, 0, NULL}};
     assert_int_equal(backend_matmul(st, &bad, 1), -EINVAL);
     assert_int_equal(backend_matmul(st, &bad, 0), -EINVAL);
     backend_stream_free(fresh);
@@ -1545,7 +1569,8 @@ static void test_matmul_residual(void **state) {
             backend_buffer *bx = to_dev(st, x, (size_t)T * K, mm),
                            *br = to_dev(st, r, (size_t)T * N, a),
                            *by = backend_buffer_alloc(be, (size_t)T * N * backend_dtype_size(a), 0);
-            backend_matmul_op op = {DEV(by), a, DEV(bx), mm, DEV(bw), sw, NULL, T, N, K, {NULL, 0, 0, NULL}};
+            backend_matmul_op op = {DEV(by), a, DEV(bx), mm, DEV(bw),           sw,
+                                    NULL,    T, N,       K,  {NULL, 0, 0, NULL}};
             assert_int_equal(backend_matmul_residual(st, &op, DEV(br)), 0);
             float *got = from_dev(st, DEV(br), (size_t)T * N, a);
             double *want = malloc(sizeof(double) * T * N);

@@ -54,8 +54,10 @@ static json_t *fixture_model(const char *name, char *dir, size_t dirlen) {
                  "mkdir -p %s && python3 %s/tools/%s --out %s %s | sed "
                  "-n 's/^weights_sha256 //p' > %s",
                  dir, DISAGG_SOURCE_DIR,
-                 qwen2 ? "gen_random_qwen2.py" : fp8 ? "gen_random_fp8.py" : "gen_random_model.py", dir,
-                 args, marker);
+                 qwen2 ? "gen_random_qwen2.py"
+                 : fp8 ? "gen_random_fp8.py"
+                       : "gen_random_model.py",
+                 dir, args, marker);
         if (system(cmd) != 0) {
             fprintf(stderr, "fixture: generator failed: %s\n", cmd);
             json_decref(g);

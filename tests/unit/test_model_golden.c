@@ -220,11 +220,16 @@ static int isa_from_env(void) {
 int main(void) {
     if (isa_from_env()) return 77;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_golden_f32_avx2),   cmocka_unit_test(test_golden_bf16),
-        cmocka_unit_test(test_golden_f32_scalar), cmocka_unit_test(test_golden_llama3),
-        cmocka_unit_test(test_golden_qwen3),      cmocka_unit_test(test_golden_mistral_window),
-        cmocka_unit_test(test_golden_fp8_block),  cmocka_unit_test(test_golden_fp8_channel),
-        cmocka_unit_test(test_golden_fp8_tensor_static), cmocka_unit_test(test_golden_fp8_online),
+        cmocka_unit_test(test_golden_f32_avx2),
+        cmocka_unit_test(test_golden_bf16),
+        cmocka_unit_test(test_golden_f32_scalar),
+        cmocka_unit_test(test_golden_llama3),
+        cmocka_unit_test(test_golden_qwen3),
+        cmocka_unit_test(test_golden_mistral_window),
+        cmocka_unit_test(test_golden_fp8_block),
+        cmocka_unit_test(test_golden_fp8_channel),
+        cmocka_unit_test(test_golden_fp8_tensor_static),
+        cmocka_unit_test(test_golden_fp8_online),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
     return failed == 0 && g_skipped ? 77 : failed; /* 77: ctest reports Skipped */

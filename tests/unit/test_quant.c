@@ -134,9 +134,9 @@ static void test_parse_accepted(void **st) {
     assert_int_equal(q.kind, QUANT_FP8);
     assert_int_equal(q.block_n, 128);
     assert_string_equal(q.scale_suffix, "weight_scale_inv");
-    assert_int_equal(parse("{\"quant_method\":\"fp8\",\"activation_scheme\":\"static\"}", &q, err,
-                           sizeof err),
-                     0);
+    assert_int_equal(
+        parse("{\"quant_method\":\"fp8\",\"activation_scheme\":\"static\"}", &q, err, sizeof err),
+        0);
     assert_int_equal(q.block_n, 0);
     assert_int_equal(q.act_static, 1);
     assert_string_equal(q.scale_suffix, "weight_scale");
@@ -144,7 +144,8 @@ static void test_parse_accepted(void **st) {
         parse("{\"quant_method\":\"compressed-tensors\",\"format\":\"float-quantized\","
               "\"config_groups\":{\"g\":{\"targets\":[\"Linear\"],\"weights\":{\"num_bits\":8,"
               "\"type\":\"float\",\"strategy\":\"channel\"},\"input_activations\":{\"num_bits\":8,"
-              "\"type\":\"float\",\"strategy\":\"token\",\"dynamic\":true}}},\"ignore\":[\"lm_head\"]}",
+              "\"type\":\"float\",\"strategy\":\"token\",\"dynamic\":true}}},\"ignore\":[\"lm_"
+              "head\"]}",
               &q, err, sizeof err),
         0);
     assert_int_equal(q.kind, QUANT_FP8_CT);

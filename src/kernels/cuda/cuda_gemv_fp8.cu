@@ -16,8 +16,8 @@
 #include <cuda_fp8.h>
 
 #define GF_WARPS 8 /* rows (warps) per CTA */
-#define GF_U 4     /* 16-byte weight loads in flight a lane */
-#define GF_MAXT 8  /* tokens at most */
+#define GF_U     4 /* 16-byte weight loads in flight a lane */
+#define GF_MAXT  8 /* tokens at most */
 
 __device__ __forceinline__ uint64_t gf_evict_first() {
     uint64_t pol;
@@ -60,8 +60,8 @@ __device__ __forceinline__ float gf_dot16(const float *w, uint4 xa, uint4 xb) {
 template <int TT>
 __global__ void __launch_bounds__(32 * GF_WARPS)
     k_gemv_fp8(float *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
-               const float *__restrict__ s, int bn, int bk, int nkb,
-               const float *__restrict__ bias, int N, int K16) {
+               const float *__restrict__ s, int bn, int bk, int nkb, const float *__restrict__ bias,
+               int N, int K16) {
     int row = blockIdx.x * GF_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const uint4 *wr = w + (size_t)row * K16;
@@ -145,8 +145,8 @@ __global__ void k_fp8_dequant(bf16 *__restrict__ out, const uint8_t *__restrict_
     }
 }
 
-int fp8_dequant_bf16(dcu_ctx *c, bf16 *out, const uint8_t *q, const float *s, int bn, int bk,
-                     int N, int K) {
+int fp8_dequant_bf16(dcu_ctx *c, bf16 *out, const uint8_t *q, const float *s, int bn, int bk, int N,
+                     int K) {
     size_t n = (size_t)N * K;
     int nkb = (K + bk - 1) / bk;
     size_t blocks = (n + 255) / 256;
