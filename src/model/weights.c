@@ -11,9 +11,11 @@
 
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int w_dtype(const char *s, backend_dtype *out) {
     if (!strcmp(s, "BF16"))
@@ -179,6 +181,33 @@ static const st_tensor *w_side(model_weights *w, const char *name, const char *s
     return t;
 }
 
+/* --quantization fp8: row blocks [b0, b1) of t quantized into f (one thread's share) */
+typedef struct w_qjob {
+    const w_src *t;
+    w_fp8 *f;
+    int rows, cols, nkb, b0, b1, rc;
+} w_qjob;
+
+static void *w_qrun(void *arg) {
+    w_qjob *j = arg;
+    w_fp8 *f = j->f;
+    size_t es = backend_dtype_size(j->t->dt);
+    float *row = malloc((size_t)f->bn * j->cols * sizeof *row);
+    if (!row) {
+        j->rc = -ENOMEM;
+        return NULL;
+    }
+    for (int b = j->b0; b < j->b1; b++) {
+        int r0 = b * f->bn, nr = j->rows - r0 < f->bn ? j->rows - r0 : f->bn;
+        backend_row_to_f32(row, (const char *)j->t->data + (size_t)r0 * j->cols * es, j->t->dt,
+                           nr * j->cols);
+        quant_fp8_matrix(f->q_own + (size_t)r0 * j->cols, f->s + (size_t)b * j->nkb, row, nr,
+                         j->cols, f->bn, f->bk);
+    }
+    free(row);
+    return NULL;
+}
+
 /* The e4m3 matrix `name` (rows, cols) of the checkpoint, or (online) t quantized here. */
 static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *t, int rows,
                      int cols, char *err, size_t errlen) {
@@ -189,24 +218,38 @@ static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *
         f->bk = w->dummy_seed ? 128 : cols;
         nkb = (cols + f->bk - 1) / f->bk;
         ngrid = (rows + f->bn - 1) / f->bn * nkb;
-        float *row = malloc((size_t)f->bn * cols * sizeof *row);
         f->q_own = malloc((size_t)rows * cols);
         f->s = malloc((size_t)ngrid * sizeof *f->s);
-        if (!row || !f->q_own || !f->s) {
-            free(row);
+        if (!f->q_own || !f->s) {
             w_fp8_free(f);
             snprintf(err, errlen, "cannot allocate the FP8 quantization of '%s'", name);
             return -ENOMEM;
         }
-        size_t es = backend_dtype_size(t->dt);
-        for (int r0 = 0; r0 < rows; r0 += f->bn) {
-            int nr = rows - r0 < f->bn ? rows - r0 : f->bn;
-            backend_row_to_f32(row, (const char *)t->data + (size_t)r0 * cols * es, t->dt,
-                               nr * cols);
-            quant_fp8_matrix(f->q_own + (size_t)r0 * cols, f->s + (size_t)(r0 / f->bn) * nkb, row,
-                             nr, cols, f->bn, f->bk);
+        /* the row blocks are independent: split over the CPUs (the same bytes either way) */
+        int nblk = (rows + f->bn - 1) / f->bn;
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        int nt = ncpu > 16 ? 16 : ncpu < 1 ? 1 : (int)ncpu, rc = 0;
+        if (nt > nblk) nt = nblk;
+        w_qjob jobs[16];
+        pthread_t th[16];
+        int started[16] = {0};
+        for (int i = 0; i < nt; i++) {
+            jobs[i] = (w_qjob){
+                t, f, rows, cols, nkb, (int)((long)nblk * i / nt), (int)((long)nblk * (i + 1) / nt),
+                0};
+            if (i > 0) started[i] = !pthread_create(&th[i], NULL, w_qrun, &jobs[i]);
+            if (i > 0 && !started[i]) w_qrun(&jobs[i]); /* no thread: here */
         }
-        free(row);
+        w_qrun(&jobs[0]);
+        for (int i = 0; i < nt; i++) {
+            if (started[i]) pthread_join(th[i], NULL);
+            if (jobs[i].rc) rc = jobs[i].rc;
+        }
+        if (rc) {
+            w_fp8_free(f);
+            snprintf(err, errlen, "cannot allocate the FP8 quantization of '%s'", name);
+            return rc;
+        }
         f->q = f->q_own;
         return 0;
     }
