@@ -103,7 +103,7 @@ int bench_model_cuda_main(int argc, char **argv) {
     int ctx = 1024, long_ctx = 4096, steps = 32, json = 0, kv_dtype = DCU_BF16;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--batch-invariant")) return bench_model_inv_main(argc, argv);
-    const char *kv_arg = NULL, *lf_arg = NULL;
+    const char *kv_arg = NULL, *lf_arg = NULL, *q_arg = NULL;
     int dummy = 0;
     const mb_opt opts[] = {
         {"--load-format", MB_WORD, &lf_arg, NULL},
@@ -114,16 +114,27 @@ int bench_model_cuda_main(int argc, char **argv) {
         {"--gen-len", MB_INT, &steps, NULL},
         {"--kv-cache-dtype", MB_WORD, &kv_arg, NULL},
         {"--json", MB_FLAG, &json, NULL},
+        {"--quantization", MB_WORD, &q_arg, NULL},
     };
     int rc = mb_parse_args(argc, argv, "disagg bench model --device cuda", opts,
                            (int)(sizeof opts / sizeof opts[0]),
                            "usage: disagg bench model MODEL --device cuda [--prompt-lens 512,4096] "
                            "[--batches 1,8,32,64,128] [--context 1024] [--long-context 4096] "
                            "[--gen-len 32] [--kv-cache-dtype auto|bfloat16|float32] "
-                           "[--load-format auto|safetensors|dummy] [--json]",
+                           "[--load-format auto|safetensors|dummy] [--quantization none|fp8] "
+                           "[--json]",
                            &model_arg);
     if (rc) return rc < 0 ? 0 : rc;
     if (lf_arg && mb_load_format(lf_arg, &dummy)) return 2;
+    if (q_arg && strcmp(q_arg, "none") && strcmp(q_arg, "fp8")) {
+        fprintf(stderr,
+                "disagg bench model: --quantization '%s' is not supported; accepted: none, fp8\n",
+                q_arg);
+        return 2;
+    }
+    /* fp8: the weights quantized at load (with dummy weights: 128 x 128 blocks, model/weights.h) */
+    int load_flags =
+        (dummy ? DECODER_LOAD_DUMMY : 0) | (q_arg && !strcmp(q_arg, "fp8") ? DECODER_LOAD_FP8 : 0);
     if (kv_arg && !strcmp(kv_arg, "float32")) {
         kv_dtype = DCU_F32;
     } else if (kv_arg && strcmp(kv_arg, "auto") && strcmp(kv_arg, "bfloat16")) {
@@ -144,7 +155,7 @@ int bench_model_cuda_main(int argc, char **argv) {
     }
     decoder_model m;
     double t0 = now_s();
-    if (decoder_load_ex(&m, model_arg, be, 1, dummy, err, sizeof err)) {
+    if (decoder_load_ex(&m, model_arg, be, 1, load_flags, err, sizeof err)) {
         fprintf(stderr, "disagg bench model: %s\n", err);
         backend_close(be);
         return 1;

@@ -18,7 +18,7 @@ else
 fi | grep -v '^build' | tar cf - -T - | tar xf - -C "$STAGE/src"
 cp -r ../shared/data/qwen2.5-tokenizer "$STAGE/shared/data/" 2>/dev/null ||
   cp -r /work/shared/data/qwen2.5-tokenizer "$STAGE/shared/data/"
-for b in disagg test_cuda_model test_backend_ops test_backend_ops_moe test_cuda_invariant test_gpu_transfer test_nccl libdisagg_cuda.so; do
+for b in disagg test_cuda_model test_backend_ops test_backend_ops_moe test_cuda_invariant test_gpu_transfer test_nccl test_quant libdisagg_cuda.so; do
   # a test this tree does not have (test_backend_ops_moe before the MoE model merge): skipped
   [ -e "$BUILD/$b" ] || [ "$b" != test_backend_ops_moe ] || { echo "gpu_bundle: no $b: skipped"; continue; }
   cp "$BUILD/$b" "$STAGE/prebuilt/" && strip --strip-debug "$STAGE/prebuilt/$b"

@@ -103,7 +103,7 @@ if [ -n "${PREBUILT:-}" ] && [ -n "${ONLY:-}${NO_REBUILD:-}" ] && [ -f "$PREBUIL
   echo "${ONLY:+ONLY=$ONLY}${NO_REBUILD:+NO_REBUILD=1}: the prebuilt binaries and CUDA module in $PREBUILT (no rebuild)"
   BUILD=$PREBUILT
 elif cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$OUT/cmake.log" 2>&1; then
-  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer test_nccl >>"$OUT/cmake.log" 2>&1
+  ninja -C "$BUILD" -j "$(nproc)" disagg test_cuda_model test_backend_ops test_cuda_invariant test_gpu_transfer test_nccl test_quant >>"$OUT/cmake.log" 2>&1
   check $? "cmake build in $BUILD"
 elif [ -n "${PREBUILT:-}" ]; then
   echo "cmake configure failed here (missing C dev packages: $(grep -o 'package .* not found\|Could NOT find [A-Za-z]*' "$OUT/cmake.log" | head -3 | tr '\n' ' '))"
@@ -495,10 +495,46 @@ if [ "${ONLY:-}" = sweep ]; then
   echo "gpu_check (ONLY=sweep): $fails failed step(s)"
   exit $((fails > 0))
 fi
+# ONLY=fp8: FP8 weights -- test_quant (e4m3 conversion, quantizer, quantization_config),
+# test_backend_ops (the e4m3 GEMV for T <= 8 and the bf16-twin GEMM for larger T, per tensor /
+# channel / 128x128 scales with partial blocks, against a host reference; again with
+# DISAGG_CUDA_FP8_GEMV=0: every T on the twin), test_cuda_model (the tiny FP8 checkpoints on the
+# GPU vs the CPU's dequantization), then `bench model --load-format dummy` on the Qwen2.5-7B and
+# Llama-3.1-8B shapes in bf16 and with --quantization fp8 (dummy weights quantized at load in
+# 128 x 128 blocks) one after the other in the same run; FP8_BENCH_ARGS replaces the
+# benchmark's arguments (default: prefill of 4,096 tokens, decode at batch 1 and 32 at 4k).
+fp8_steps() {
+  step "fp8: test_quant (e4m3 table, quantizer, quantization_config)"
+  "$BUILD/test_quant" 2>&1 | tail -3
+  check ${PIPESTATUS[0]} test_quant
+  for v in "" DISAGG_CUDA_FP8_GEMV=0 DISAGG_CUDA_FP8_TWIN=0; do
+    step "fp8: test_backend_ops ${v:-(default: FP8 GEMV for T <= 8)}"
+    env $v "$BUILD/test_backend_ops" > /tmp/tbo8.log 2>&1
+    check $? "test_backend_ops ${v}"
+    grep -E "fp8|FAILED|ERROR|PASSED" /tmp/tbo8.log | head -20
+  done
+  step "fp8: test_cuda_model (FP8 tiny checkpoints, GPU vs CPU)"
+  "$BUILD/test_cuda_model" 2>&1 | grep -E "fp8|FAILED|ERROR|PASSED|OK"
+  check ${PIPESTATUS[0]} "test_cuda_model (fp8)"
+  for s in qwen2.5-7b llama-3.1-8b; do
+    for q in none fp8; do
+      step "fp8: bench model $s --load-format dummy --quantization $q"
+      # shellcheck disable=SC2086
+      "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy --quantization $q \
+        ${FP8_BENCH_ARGS:---prompt-lens 4096 --batches 1,32 --long-context 4096}
+      check $? "bench model $s --quantization $q (dummy weights)"
+    done
+  done
+  step "fp8: per-op timing of eager 1-token steps, Qwen2.5-7B shape, fp8 (DISAGG_CUDA_PROF=1)"
+  DISAGG_CUDA_PROF=1 "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" --device cuda --load-format dummy \
+    --quantization fp8 --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof|^1 "
+  check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_PROF=1"
+}
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ]; then
+   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ]; then
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = fp8kv ] && fp8kv_steps
+  [ "$ONLY" = fp8 ] && fp8_steps
   [ "$ONLY" = arch ] && arch_steps
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps

@@ -156,10 +156,12 @@ static const char *const QUANTIZATIONS[] = {"aqlm",
                                             NULL};
 
 static int quantization(flags_parser *p, const flag_def *d, const char *v) {
-    if (!strcmp(v, "none")) return 0;
+    S.cfg.engine.quant_fp8 = !strcmp(v, "fp8");
+    if (!strcmp(v, "none") || !strcmp(v, "fp8")) return 0;
     flags_error(p,
                 "%s '%s' is %s; disagg runs unquantized weights (bfloat16, float16 or float32 "
-                "safetensors); accepted: none",
+                "safetensors) and FP8 (fp8 / compressed-tensors checkpoints, or fp8 quantized at "
+                "load); accepted: none, fp8",
                 d->name, v,
                 flags_one_of(v, QUANTIZATIONS) ? "not supported"
                                                : "not a vLLM quantization method");
@@ -375,7 +377,10 @@ static const flag_def SERVE_FLAGS[] = {
      .opts = FLAG_SWITCH | FLAG_NEGATABLE,
      .help = "accepted: prompts are always prefilled in chunks of --max-num-batched-tokens"},
     {FLAG_CUSTOM_("--quantization", NULL, quantization), .aliases = "-q", .metavar = "METHOD",
-     .help = "refused: weights run unquantized (none is accepted)"},
+     .help = "none, or fp8: quantize an unquantized checkpoint's linear layers to FP8 e4m3 at "
+             "load (one scale per output channel; with --load-format dummy 128x128 blocks); "
+             "FP8 checkpoints (quantization_config fp8 / compressed-tensors) load without it; "
+             "other methods (awq, gptq, ...) are refused"},
     {FLAG_CUSTOM_("--load-format", NULL, load_format), .metavar = "auto|safetensors|dummy",
      .help = "weight format; dummy: config.json alone, random weights of its shapes made at load "
              "(benchmarks; the tokenizer files are still read); others, e.g. pt or gguf, are "

@@ -1018,7 +1018,10 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
      * measured against it (--gpu-memory-utilization is this instance's budget) */
     size_t free_before = 0, total_before = 0;
     backend_memory(e->be, &free_before, &total_before);
-    rc = decoder_load_ex(&e->model, c.model, e->be, c.progress, c.load_dummy, err, errlen);
+    rc = decoder_load_ex(&e->model, c.model, e->be, c.progress,
+                         (c.load_dummy ? DECODER_LOAD_DUMMY : 0) |
+                             (c.quant_fp8 ? DECODER_LOAD_FP8 : 0),
+                         err, errlen);
     if (rc) {
         backend_close(e->be);
         free(e);

@@ -38,6 +38,7 @@ typedef struct engine_config {
     int enforce_eager;             /* GPU: no CUDA graphs (default: decode steps as graphs) */
     int batch_invariant;           /* --batch-invariant: backend_options.batch_invariant */
     int load_dummy;                /* --load-format dummy: random weights, config.json alone */
+    int quant_fp8;                 /* --quantization fp8: quantize the weights at load */
 } engine_config;
 
 void engine_config_init(engine_config *c);

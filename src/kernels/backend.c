@@ -13,6 +13,8 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -314,6 +316,79 @@ backend_buffer *backend_weights_load(backend *be, const void *src, backend_dtype
     return b;
 }
 
+/* ---- FP8 weights ---------------------------------------------------------------------- */
+
+static float g_e4m3[256];
+static pthread_once_t g_e4m3_once = PTHREAD_ONCE_INIT;
+
+/* OCP e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
+ * (m / 8 * 2^-6), S.1111.111 is NaN, no infinities.  Every value is exactly an f32. */
+static void e4m3_table(void) {
+    for (int i = 0; i < 256; i++) {
+        int e = (i >> 3) & 15, m = i & 7;
+        float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m / 8.0f, -6);
+        if (e == 15 && m == 7) v = NAN;
+        g_e4m3[i] = (i & 0x80) ? -v : v;
+    }
+}
+
+void backend_e4m3_to_f32(float *out, const uint8_t *src, size_t n) {
+    pthread_once(&g_e4m3_once, e4m3_table);
+    for (size_t i = 0; i < n; i++)
+        out[i] = g_e4m3[src[i]];
+}
+
+/* the generic form (the CPU): the matrix dequantized to f32 in a host buffer, each weight
+ * e4m3 * scale rounded once, as a checkpoint's f32-dequantized twin computes it */
+static int fp8_dequant_f32(backend *be, backend_buffer *b, const uint8_t *src, int N, int K,
+                           const float *scales, int block_n, int block_k) {
+    size_t n = (size_t)N * (size_t)K;
+    if (be->iface->buffer_alloc(be, b, n * sizeof(float), 0)) return -ENOMEM;
+    if (!b->is_host) {
+        be->iface->buffer_free(be, b);
+        return -ENOTSUP;
+    }
+    pthread_once(&g_e4m3_once, e4m3_table);
+    float *w = b->ptr;
+    int nkb = (K + block_k - 1) / block_k;
+    for (int r = 0; r < N; r++) {
+        const float *sr = scales + (size_t)(r / block_n) * nkb;
+        const uint8_t *q = src + (size_t)r * K;
+        float *o = w + (size_t)r * K;
+        for (int k = 0; k < K; k++)
+            o[k] = g_e4m3[q[k]] * sr[k / block_k];
+    }
+    return 0;
+}
+
+backend_buffer *backend_weights_load_fp8(backend *be, const uint8_t *src, int N, int K,
+                                         const float *scales, int block_n, int block_k,
+                                         backend_dtype *stored, backend_wscale *ws) {
+    if (!be || !src || !scales || N < 1 || K < 1 || block_n < 1 || block_k < 1 || !stored || !ws) {
+        LOG_E(MOD, "weights_load_fp8: bad arguments (%d x %d, blocks %d x %d)", N, K, block_n,
+              block_k);
+        return NULL;
+    }
+    memset(ws, 0, sizeof *ws);
+    backend_buffer *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->be = be;
+    int rc;
+    if (be->iface->weights_load_fp8) {
+        rc = be->iface->weights_load_fp8(be, b, src, N, K, scales, block_n, block_k, stored, ws);
+    } else {
+        rc = fp8_dequant_f32(be, b, src, N, K, scales, block_n, block_k);
+        *stored = BACKEND_F32;
+    }
+    if (rc) {
+        LOG_E(MOD, "weights_load_fp8: %s cannot place a %d x %d FP8 matrix (%s)", be->name, N, K,
+              rc == -ENOTSUP ? "not supported" : "out of memory");
+        free(b);
+        return NULL;
+    }
+    return b;
+}
+
 backend_buffer *backend_weights_load_cat(backend *be, const void *const *srcs,
                                          const backend_dtype *src_dts, const size_t *ns,
                                          int n_parts, backend_dtype *stored) {
@@ -527,6 +602,9 @@ int backend_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops) 
         CHECK(o->y && o->x && o->w && o->T >= 1 && o->N >= 1 && o->K >= 1 && dt_ok(o->y_dt) &&
                   dt_ok(o->x_dt) && dt_ok(o->w_dt),
               "matmul: op %d has bad arguments (T %d, N %d, K %d)", i, o->T, o->N, o->K);
+        CHECK((o->w_dt == BACKEND_F8E4M3) == (o->w_scale.s != NULL) &&
+                  (!o->w_scale.s || (o->w_scale.block_n >= 1 && o->w_scale.block_k >= 1)),
+              "matmul: op %d: FP8 weights need their scales (and only they have scales)", i);
     }
     return st->be->iface->matmul(st, ops, n_ops);
 }
@@ -637,9 +715,9 @@ int backend_qkv(backend_stream *st, const backend_qkv_op *o) {
     const backend_kv *kv = o->kv;
     int T = o->T, kvd = kv->n_kv_heads * kv->head_dim, nq = o->n_heads * kv->head_dim;
     backend_matmul_op ops[3] = {
-        {o->q, o->dt, o->x, o->x_dt, o->wq, o->w_dt, o->bq, T, nq, o->hidden},
-        {o->k, o->dt, o->x, o->x_dt, o->wk, o->w_dt, o->bk, T, kvd, o->hidden},
-        {o->v, o->dt, o->x, o->x_dt, o->wv, o->w_dt, o->bv, T, kvd, o->hidden}};
+        {o->q, o->dt, o->x, o->x_dt, o->wq, o->w_dt, o->bq, T, nq, o->hidden, o->sq},
+        {o->k, o->dt, o->x, o->x_dt, o->wk, o->w_dt, o->bk, T, kvd, o->hidden, o->sk},
+        {o->v, o->dt, o->x, o->x_dt, o->wv, o->w_dt, o->bv, T, kvd, o->hidden, o->sv}};
     int rc = backend_matmul(st, ops, 3);
     if (!rc && o->q_norm)
         rc = backend_rmsnorm(st, o->q, o->dt, o->q, o->dt, o->q_norm, T * o->n_heads, kv->head_dim,
@@ -660,9 +738,10 @@ int backend_gate_up(backend_stream *st, const backend_mlp_op *o) {
     if (o->w_gate_up && st->be->iface->gate_up) return st->be->iface->gate_up(st, o);
     CHECK(o->w_gate && o->w_up && o->h2,
           "gate_up: %s has no fused form: give w_gate, w_up and the h2 scratch", st->be->name);
-    backend_matmul_op ops[2] = {
-        {o->h, o->h_dt, o->x, o->x_dt, o->w_gate, o->w_dt, NULL, o->T, o->inter, o->hidden},
-        {o->h2, o->h_dt, o->x, o->x_dt, o->w_up, o->w_dt, NULL, o->T, o->inter, o->hidden}};
+    backend_matmul_op ops[2] = {{o->h, o->h_dt, o->x, o->x_dt, o->w_gate, o->w_dt, NULL, o->T,
+                                 o->inter, o->hidden, o->s_gate},
+                                {o->h2, o->h_dt, o->x, o->x_dt, o->w_up, o->w_dt, NULL, o->T,
+                                 o->inter, o->hidden, o->s_up}};
     int rc = backend_matmul(st, ops, 2);
     return rc ? rc : backend_swiglu(st, o->h, o->h2, o->h_dt, o->T, o->inter);
 }

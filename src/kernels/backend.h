@@ -259,8 +259,40 @@ int backend_embed(backend_stream *st, void *out, backend_dtype out_dt, const voi
 int backend_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const void *x,
                     backend_dtype x_dt, const float *w, int rows, int n, float eps);
 
+/* The scales of an FP8 (BACKEND_F8E4M3) weight matrix w (N, K): element (n, k) stands for
+ *   e4m3_to_f32(w[n, k]) * s[(n / block_n) * ceil(K / block_k) + k / block_k]
+ * so one f32 scale covers a block of block_n rows by block_k columns, the grid row-major and
+ * the last block of a row or column partial when N or K is not a multiple:
+ *   per tensor   block_n = N, block_k = K   (one scale)
+ *   per channel  block_n = 1, block_k = K   (N scales: llm-compressor's FP8_DYNAMIC)
+ *   128 x 128    block_n = block_k = 128    (weight_scale_inv of Qwen3-*-FP8, DeepSeek)
+ * s is a device address (backend_weights_load_fp8 places it).  A zero-initialised
+ * backend_wscale (s NULL) means "no scales": w is bf16/f16/f32 and the op ignores it.
+ * twin: the backend's own companion of the matrix, as backend_weights_load_fp8 filled it
+ * (CUDA: the same weights dequantized to bf16 for its prefill GEMMs), NULL on the CPU. */
+typedef struct backend_wscale {
+    const float *s;       /* f32 scales (device address), NULL: unscaled weights */
+    int block_n, block_k; /* rows x columns of w that one scale covers (>= 1 each) */
+    const void *twin;     /* backend-private companion (NULL: none) */
+} backend_wscale;
+
+/* n e4m3 bytes (host) widened to f32, exactly (a 256-entry table; NaN encodings 0x7f/0xff
+ * give NaN). */
+void backend_e4m3_to_f32(float *out, const uint8_t *src, size_t n);
+
+/* An FP8 matrix (N, K) of e4m3 bytes at host src with host f32 scales laid out as
+ * backend_wscale says (ceil(N / block_n) * ceil(K / block_k) of them).  The backend stores it
+ * as it computes best, says how in *stored and fills *ws for the operations: the CPU
+ * dequantizes to f32 (w * scale, rounded once: *stored F32, *ws zeroed; 4 bytes a weight),
+ * CUDA keeps e4m3 and the scales in HBM (*stored F8E4M3, its decode GEMV reads those) and a
+ * bf16 twin for prefill GEMMs (ws->twin).  The returned buffer holds all of it (ws points
+ * into it); the host arrays may be freed once it returns.  NULL on failure (logged). */
+backend_buffer *backend_weights_load_fp8(backend *be, const uint8_t *src, int N, int K,
+                                         const float *scales, int block_n, int block_k,
+                                         backend_dtype *stored, backend_wscale *ws);
+
 /* y (T, N) of y_dt = x (T, K) of x_dt · w (N, K)^T of w_dt + bias (N, f32, or NULL).
- * Accumulates in f32.  y must not overlap x. */
+ * Accumulates in f32.  y must not overlap x.  w_dt F8E4M3 needs w_scale (see above). */
 typedef struct backend_matmul_op {
     void *y;            /* (T, N) out */
     backend_dtype y_dt; /* dtype of y (F32 for logits) */
@@ -270,6 +302,7 @@ typedef struct backend_matmul_op {
     backend_dtype w_dt; /* dtype of w (as backend_weights_load stored it) */
     const float *bias;  /* (N) f32 or NULL */
     int T, N, K;        /* shapes, all >= 1 */
+    backend_wscale w_scale; /* FP8 w: its scales; zero otherwise */
 } backend_matmul_op;
 #define BACKEND_MATMUL_MAX_OPS 8
 /* n_ops (1 .. BACKEND_MATMUL_MAX_OPS) independent matmuls in one dispatch (q/k/v; gate/up);
@@ -370,6 +403,8 @@ typedef struct backend_qkv_op {
      * (T * n_heads, head_dim) rows and of k as (T * n_kv_heads, head_dim), rope, kv_write */
     const float *q_norm, *k_norm;
     float qk_eps;
+    /* FP8 weights (w_dt F8E4M3): the scales of wq, wk, wv and of wqkv; zero otherwise */
+    backend_wscale sq, sk, sv, sqkv;
 } backend_qkv_op;
 int backend_qkv(backend_stream *st, const backend_qkv_op *op);
 
@@ -385,6 +420,8 @@ typedef struct backend_mlp_op {
     void *h;                   /* out (T, inter) */
     void *h2;                  /* (T, inter) scratch of the generic form (NULL with w_gate_up) */
     backend_dtype h_dt;        /* dtype of h and h2 */
+    /* FP8 weights (w_dt F8E4M3): the scales of w_gate, w_up and w_gate_up; zero otherwise */
+    backend_wscale s_gate, s_up, s_gate_up;
 } backend_mlp_op;
 int backend_gate_up(backend_stream *st, const backend_mlp_op *op);
 

@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 6
+#define BACKEND_ABI_VERSION 7
 
 typedef struct backend_iface {
     /* device */
@@ -79,6 +79,10 @@ typedef struct backend_iface {
     int (*moe_route)(backend_stream *st, int32_t *ids, float *weights, const float *logits, int T,
                      int n_experts, int top_k, int norm);
     int (*moe)(backend_stream *st, const backend_moe_op *op);
+    /* FP8 weights (optional: NULL dequantizes to an f32 buffer in backend.c, the CPU's way) */
+    int (*weights_load_fp8)(backend *be, backend_buffer *b, const uint8_t *src, int N, int K,
+                            const float *scales, int block_n, int block_k, backend_dtype *stored,
+                            backend_wscale *ws);
 } backend_iface;
 
 struct backend {

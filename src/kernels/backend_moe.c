@@ -251,11 +251,11 @@ static int experts_grouped(backend_stream *st, const moe_sums *g) {
             expert_w(o, ge[i], &wg, &wu, &wgu, &wd);
             void *hi = (char *)g->h + off * hrow, *h2i = (char *)g->h2 + off * hrow;
             const void *xi = g->xe + off * xrow;
-            up[2 * i] = (backend_matmul_op){hi, g->mm, xi, o->x_dt, wg, o->w_dt, NULL, n, I, H};
+            up[2 * i] = (backend_matmul_op){hi, g->mm, xi, o->x_dt, wg, o->w_dt, NULL, n, I, H, {0}};
             up[2 * i + 1] =
-                (backend_matmul_op){h2i, g->mm, xi, o->x_dt, wu, o->w_dt, NULL, n, I, H};
+                (backend_matmul_op){h2i, g->mm, xi, o->x_dt, wu, o->w_dt, NULL, n, I, H, {0}};
             down[i] = (backend_matmul_op){
-                g->ye + (size_t)off * H, BACKEND_F32, hi, g->mm, wd, o->w_dt, NULL, n, H, I};
+                g->ye + (size_t)off * H, BACKEND_F32, hi, g->mm, wd, o->w_dt, NULL, n, H, I, {0}};
             off += n;
         }
         if ((rc = backend_matmul(st, up, 2 * gn)) ||
@@ -374,7 +374,7 @@ static int moe_generic(backend_stream *st, const backend_moe_op *o) {
                             .h2 = h2,
                             .h_dt = mm};
         if ((rc = backend_gate_up(st, &g))) return rc;
-        backend_matmul_op d = {ye, BACKEND_F32, h, mm, down, o->w_dt, NULL, n, H, o->inter};
+        backend_matmul_op d = {ye, BACKEND_F32, h, mm, down, o->w_dt, NULL, n, H, o->inter, {0}};
         if ((rc = backend_matmul(st, &d, 1))) return rc;
         if ((rc = backend_download(st, yh, ye, (size_t)n * H * sizeof(float)))) return rc;
         scatter_add(acc, yh, toks, tw, n, H);

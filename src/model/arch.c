@@ -6,6 +6,7 @@
  * and in double where it computes on Python floats.
  */
 #include "model/arch.h"
+#include "model/quant.h"
 
 #include "kernels/backend.h"
 
@@ -232,15 +233,15 @@ int arch_describe(model_config *c, const struct json_t *jo, const char *where, c
     c->qkv_bias = f->qkv_bias;
     c->qk_norm = f->qk_norm;
     /* what the forward does not do: refused, never ignored */
-    static const char *const never[] = {"quantization_config", "attention_sink", "sinks",
-                                        "attn_logit_softcapping", "final_logit_softcapping"};
+    static const char *const never[] = {"attention_sink", "sinks", "attn_logit_softcapping",
+                                        "final_logit_softcapping"};
+    int qrc = quant_parse(&c->quant, json_object_get(o, "quantization_config"), where, err, errlen);
+    if (qrc) return qrc;
     for (size_t i = 0; i < sizeof never / sizeof never[0]; i++) {
         json_t *v = json_object_get(o, never[i]);
         if (v && !json_is_null(v) && !json_is_false(v)) {
-            snprintf(err, errlen, "%s: \"%s\" is not supported (accepted: absent or null%s)", where,
-                     never[i],
-                     !strcmp(never[i], "quantization_config") ? "; quantized checkpoints: issue 29"
-                                                              : "");
+            snprintf(err, errlen, "%s: \"%s\" is not supported (accepted: absent or null)", where,
+                     never[i]);
             return -EINVAL;
         }
     }

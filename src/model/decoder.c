@@ -29,6 +29,19 @@ int decoder_load_on(decoder_model *m, const char *model_arg, backend *be, int pr
     return decoder_load_ex(m, model_arg, be, progress, 0, err, errlen);
 }
 
+/* --quantization fp8: quantize an unquantized checkpoint at load; an FP8 checkpoint already
+ * is (vLLM accepts the flag on one too); another method is refused */
+static int decoder_quant_online(model_config *c, const char *dir, char *err, size_t errlen) {
+    if (c->quant.kind == QUANT_FP8 || c->quant.kind == QUANT_FP8_CT) return 0;
+    if (c->quant.kind != QUANT_NONE) {
+        snprintf(err, errlen, "%s/config.json: --quantization fp8 on a %s checkpoint", dir,
+                 quant_kind_name(c->quant.kind));
+        return -EINVAL;
+    }
+    c->quant.kind = QUANT_FP8_ONLINE;
+    return 0;
+}
+
 int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
                     char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
@@ -36,6 +49,8 @@ int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int pr
     int rc = hf_cache_resolve(model_arg, m->dir, sizeof m->dir, err, errlen);
     if (rc) return rc;
     if ((rc = model_config_load(&m->cfg, m->dir, err, errlen))) return rc;
+    if ((dummy & DECODER_LOAD_FP8) && (rc = decoder_quant_online(&m->cfg, m->dir, err, errlen)))
+        return rc;
     if (m->cfg.n_heads / m->cfg.n_kv_heads > DECODER_MAX_GROUP || m->cfg.head_dim > 1024) {
         snprintf(err, errlen,
                  "%s/config.json: %d query heads per KV head and head_dim %d; supported: at most "
@@ -50,7 +65,8 @@ int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int pr
                  m->dir, m->cfg.sliding_window, m->cfg.max_position, backend_name(be));
         return -ENOTSUP;
     }
-    if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, dummy ? 0x5eed : 0, err, errlen)))
+    if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, (dummy & DECODER_LOAD_DUMMY) ? 0x5eed : 0,
+                              err, errlen)))
         return rc;
     int half = m->cfg.head_dim / 2;
     float *inv = malloc((size_t)half * sizeof(float));
@@ -70,7 +86,7 @@ int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int pr
         decoder_free(m);
         return rc;
     }
-    if (progress && !dummy) st_set_prefault(&m->w.st, m->dir);
+    if (progress && !(dummy & DECODER_LOAD_DUMMY)) st_set_prefault(&m->w.st, m->dir);
     return 0;
 }
 
@@ -366,7 +382,7 @@ static int moe_block(const decoder_model *m, decoder_state *s, const layer_weigh
     int rc, h = c->hidden_size, E = c->n_experts, k = c->n_experts_per_tok;
     backend_stream *st = s->st;
     backend_matmul_op r = {s->rlog, BACKEND_F32, s->xb, s->mm, L->router.data, L->router.dtype,
-                           NULL,    T,           E,     h};
+                           NULL,    T,           E,     h, {0}};
     TRY(backend_matmul(st, &r, 1));
     TRY(backend_moe_route(st, s->ids, s->rw, s->rlog, T, E, k, c->norm_topk_prob));
     backend_moe_op op = {.x = s->xb,
@@ -437,10 +453,15 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
                               .layer = l,
                               .q_norm = L->q_norm,
                               .k_norm = L->k_norm,
-                              .qk_eps = eps};
+                              .qk_eps = eps,
+                              .sq = L->wq.scale,
+                              .sk = L->wk.scale,
+                              .sv = L->wv.scale,
+                              .sqkv = L->wqkv.scale};
         TRY(backend_qkv(st, &qkv));
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
-        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, qd};
+        backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype,
+                               NULL, T, h,      qd, L->wo.scale};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
         /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))), or its
          * mixture of experts */
@@ -462,10 +483,13 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
                               .w_gate_up = L->w_gate_up.data,
                               .h = s->hb,
                               .h2 = s->hb2,
-                              .h_dt = mm};
+                              .h_dt = mm,
+                              .s_gate = L->w_gate.scale,
+                              .s_up = L->w_up.scale,
+                              .s_gate_up = L->w_gate_up.scale};
         TRY(backend_gate_up(st, &mlp));
         backend_matmul_op down = {s->y, a, s->hb, mm, L->w_down.data, L->w_down.dtype,
-                                  NULL, T, h,     I};
+                                  NULL, T, h,     I,  L->w_down.scale};
         TRY(fused ? backend_matmul_residual(st, &down, s->x) : backend_matmul(st, &down, 1));
     }
     return fused ? 0 : backend_add(st, s->x, s->y, a, (size_t)T * h);
@@ -498,7 +522,8 @@ static int run_head(const decoder_model *m, decoder_state *s, int n_out) {
     TRY(backend_gather_rows(st, s->y, s->x, a, h));
     TRY(backend_rmsnorm(st, s->xb, s->mm, s->y, a, w->final_norm, n_out, h, c->rms_norm_eps));
     backend_matmul_op head = {logits,           BACKEND_F32, s->xb, s->mm,         w->lm_head.data,
-                              w->lm_head.dtype, NULL,        n_out, c->vocab_size, h};
+                              w->lm_head.dtype, NULL,        n_out, c->vocab_size, h,
+                              w->lm_head.scale};
     return backend_matmul(st, &head, 1);
 }
 

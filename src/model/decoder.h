@@ -50,7 +50,11 @@ typedef struct decoder_model {
 int decoder_load(decoder_model *m, const char *model_arg, int progress, char *err, size_t errlen);
 int decoder_load_on(decoder_model *m, const char *model_arg, backend *be, int progress, char *err,
                     size_t errlen);
-/* dummy: --load-format dummy (config.json alone, random weights: model/weights.h). */
+/* dummy: flags -- DECODER_LOAD_DUMMY: --load-format dummy (config.json alone, random weights:
+ * model/weights.h); DECODER_LOAD_FP8: --quantization fp8 (model/quant.h: an unquantized
+ * checkpoint's linear layers quantized at load; an FP8 checkpoint loads as it is). */
+#define DECODER_LOAD_DUMMY 1
+#define DECODER_LOAD_FP8   2
 int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
                     char *err, size_t errlen);
 void decoder_free(decoder_model *m);

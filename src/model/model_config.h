@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "model/quant.h"
+
 #define MODEL_MAX_EOS 8
 #define MODEL_MAX_MLP_ONLY 1024 /* mlp_only_layers entries are layer indices below this */
 
@@ -60,6 +62,7 @@ typedef struct model_config {
     float gen_top_p;              /* 1.0 if absent */
     int gen_top_k;                /* 0 (off) if absent */
     float gen_repetition_penalty; /* 1.0 if absent */
+    model_quant quant;            /* quantization_config (model/quant.h); QUANT_NONE if absent */
 } model_config;
 
 /* 1 when layer l's MLP is a mixture of experts (c->n_experts > 0, l not in mlp_only_layers,

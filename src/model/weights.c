@@ -8,12 +8,15 @@
 
 #include "base/rng.h"
 #include "model/arch.h"
+#include "model/quant.h"
 
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int w_dtype(const char *s, backend_dtype *out) {
     if (!strcmp(s, "BF16"))
@@ -36,9 +39,11 @@ static const st_tensor *w_find(model_weights *w, const char *name, int n_dims, i
         return NULL;
     }
     backend_dtype dt;
-    if (w_dtype(t->dtype, &dt) != 0) {
-        snprintf(err, errlen, "%s: tensor '%s' has unsupported dtype %s (accepted: BF16, F16, F32)",
-                 st_set_file_of(&w->st, t), name, t->dtype);
+    if (w_dtype(t->dtype, &dt) != 0 && !(n_dims == 2 && !strcmp(t->dtype, "F8_E4M3"))) {
+        snprintf(err, errlen,
+                 "%s: tensor '%s' has unsupported dtype %s (accepted: BF16, F16, F32%s)",
+                 st_set_file_of(&w->st, t), name, t->dtype,
+                 n_dims == 2 ? ", F8_E4M3 with its scales" : "");
         return NULL;
     }
     if (t->n_dims != n_dims || t->shape[0] != d0 || (n_dims == 2 && t->shape[1] != d1)) {
@@ -72,7 +77,8 @@ static int w_get(model_weights *w, w_src *out, const char *name, int n_dims, int
                  float fill, char *err, size_t errlen) {
     if (!w->dummy_seed) {
         const st_tensor *t = w_find(w, name, n_dims, d0, d1, err, errlen);
-        if (!t || w_dtype(t->dtype, &out->dt)) return -EINVAL;
+        if (!t) return -EINVAL;
+        if (w_dtype(t->dtype, &out->dt)) out->dt = BACKEND_F8E4M3; /* w_find allowed only it */
         if (w->st_used) w->st_used[t - w->st.tensors] = 1;
         out->data = t->data;
         out->nbytes = t->nbytes;
@@ -143,11 +149,210 @@ static int w_keep(model_weights *w, backend_buffer *b) {
     return 0;
 }
 
+/* ---- FP8 matrices ----------------------------------------------------------------------- */
+
+/* An FP8 matrix on the host: e4m3 bytes (q: the mapping's, or own when quantized here) and
+ * its f32 scales (always own), one per bn x bk block. */
+typedef struct w_fp8 {
+    const uint8_t *q;
+    uint8_t *q_own;
+    float *s;
+    int bn, bk;
+} w_fp8;
+
+static void w_fp8_free(w_fp8 *f) {
+    free(f->q_own);
+    free(f->s);
+    memset(f, 0, sizeof *f);
+}
+
+/* the decoder's linear layers: what --quantization fp8 quantizes (not embed, not lm_head) */
+static int w_quantizable(const char *name) {
+    return !strncmp(name, "model.layers.", 13);
+}
+
+/* marks <prefix>suffix used and returns it, or NULL */
+static const st_tensor *w_side(model_weights *w, const char *name, const char *suffix) {
+    char sn[300];
+    size_t len = strlen(name);
+    if (len < 6 || strcmp(name + len - 6, "weight")) return NULL;
+    snprintf(sn, sizeof sn, "%.*s%s", (int)(len - 6), name, suffix);
+    const st_tensor *t = st_set_find(&w->st, sn);
+    if (t && w->st_used) w->st_used[t - w->st.tensors] = 1;
+    return t;
+}
+
+/* --quantization fp8: row blocks [b0, b1) of t quantized into f (one thread's share) */
+typedef struct w_qjob {
+    const w_src *t;
+    w_fp8 *f;
+    int rows, cols, nkb, b0, b1, rc;
+} w_qjob;
+
+static void *w_qrun(void *arg) {
+    w_qjob *j = arg;
+    w_fp8 *f = j->f;
+    size_t es = backend_dtype_size(j->t->dt);
+    float *row = malloc((size_t)f->bn * j->cols * sizeof *row);
+    if (!row) {
+        j->rc = -ENOMEM;
+        return NULL;
+    }
+    for (int b = j->b0; b < j->b1; b++) {
+        int r0 = b * f->bn, nr = j->rows - r0 < f->bn ? j->rows - r0 : f->bn;
+        backend_row_to_f32(row, (const char *)j->t->data + (size_t)r0 * j->cols * es, j->t->dt,
+                           nr * j->cols);
+        quant_fp8_matrix(f->q_own + (size_t)r0 * j->cols, f->s + (size_t)b * j->nkb, row, nr,
+                         j->cols, f->bn, f->bk);
+    }
+    free(row);
+    return NULL;
+}
+
+/* The e4m3 matrix `name` (rows, cols) of the checkpoint, or (online) t quantized here. */
+static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *t, int rows,
+                     int cols, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    int nkb, ngrid;
+    if (t->dt != BACKEND_F8E4M3) { /* --quantization fp8 */
+        f->bn = w->dummy_seed ? 128 : 1;
+        f->bk = w->dummy_seed ? 128 : cols;
+        nkb = (cols + f->bk - 1) / f->bk;
+        ngrid = (rows + f->bn - 1) / f->bn * nkb;
+        f->q_own = malloc((size_t)rows * cols);
+        f->s = malloc((size_t)ngrid * sizeof *f->s);
+        if (!f->q_own || !f->s) {
+            w_fp8_free(f);
+            snprintf(err, errlen, "cannot allocate the FP8 quantization of '%s'", name);
+            return -ENOMEM;
+        }
+        /* the row blocks are independent: split over the CPUs (the same bytes either way) */
+        int nblk = (rows + f->bn - 1) / f->bn;
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        int nt = ncpu > 16 ? 16 : ncpu < 1 ? 1 : (int)ncpu, rc = 0;
+        if (nt > nblk) nt = nblk;
+        w_qjob jobs[16];
+        pthread_t th[16];
+        int started[16] = {0};
+        for (int i = 0; i < nt; i++) {
+            jobs[i] = (w_qjob){
+                t, f, rows, cols, nkb, (int)((long)nblk * i / nt), (int)((long)nblk * (i + 1) / nt),
+                0};
+            if (i > 0) started[i] = !pthread_create(&th[i], NULL, w_qrun, &jobs[i]);
+            if (i > 0 && !started[i]) w_qrun(&jobs[i]); /* no thread: here */
+        }
+        w_qrun(&jobs[0]);
+        for (int i = 0; i < nt; i++) {
+            if (started[i]) pthread_join(th[i], NULL);
+            if (jobs[i].rc) rc = jobs[i].rc;
+        }
+        if (rc) {
+            w_fp8_free(f);
+            snprintf(err, errlen, "cannot allocate the FP8 quantization of '%s'", name);
+            return rc;
+        }
+        f->q = f->q_own;
+        return 0;
+    }
+    /* a checkpoint's e4m3 tensor: its scale tensor says the granularity by its shape */
+    f->q = t->data;
+    const st_tensor *sc =
+        w_side(w, name, w->quant.scale_suffix ? w->quant.scale_suffix : "weight_scale");
+    if (!sc) sc = w_side(w, name, "weight_scale_inv");
+    if (!sc) sc = w_side(w, name, "weight_scale");
+    w_side(w, name, "input_scale"); /* static activation scheme: accepted, not used */
+    const char *where = w->st.n_files ? w->st.files[0].path : "?";
+    if (!sc) {
+        snprintf(err, errlen,
+                 "%s: FP8 tensor '%s' has no scale tensor (.weight_scale_inv or .weight_scale)%s",
+                 where, name,
+                 w->quant.kind == QUANT_NONE ? "; config.json has no quantization_config" : "");
+        return -EINVAL;
+    }
+    if (w->quant.kind == QUANT_NONE) {
+        snprintf(err, errlen,
+                 "%s: tensor '%s' is F8_E4M3 but config.json has no quantization_config "
+                 "(accepted: %s)",
+                 st_set_file_of(&w->st, sc), name, QUANT_ACCEPTED);
+        return -EINVAL;
+    }
+    backend_dtype sdt;
+    int64_t numel = 1;
+    for (int i = 0; i < sc->n_dims; i++)
+        numel *= sc->shape[i];
+    int bn0 = w->quant.block_n, bk0 = w->quant.block_k;
+    if (numel == 1)
+        f->bn = rows, f->bk = cols;
+    else if (numel == rows && (sc->n_dims == 1 || (sc->n_dims == 2 && sc->shape[1] == 1)))
+        f->bn = 1, f->bk = cols;
+    else if (sc->n_dims == 2 && bn0 > 0 && sc->shape[0] == (rows + bn0 - 1) / bn0 &&
+             sc->shape[1] == (cols + bk0 - 1) / bk0)
+        f->bn = bn0, f->bk = bk0;
+    else if (sc->n_dims == 2 && bn0 <= 0 && sc->shape[0] > 1 && sc->shape[1] > 1 &&
+             (rows + 127) / 128 == sc->shape[0] && (cols + 127) / 128 == sc->shape[1])
+        f->bn = f->bk = 128; /* compressed-tensors strategy block: its default 128 x 128 */
+    else {
+        snprintf(err, errlen,
+                 "%s: scale tensor of '%s' has %lld elements in %d dims; accepted for a (%d, %d) "
+                 "matrix: 1 (per tensor), %d (per channel) or the %s block grid",
+                 st_set_file_of(&w->st, sc), name, (long long)numel, sc->n_dims, rows, cols, rows,
+                 bn0 > 0 ? "weight_block_size" : "128 x 128");
+        return -EINVAL;
+    }
+    if (w_dtype(sc->dtype, &sdt)) {
+        snprintf(err, errlen, "%s: scale tensor of '%s' has dtype %s (accepted: F32, BF16, F16)",
+                 st_set_file_of(&w->st, sc), name, sc->dtype);
+        return -EINVAL;
+    }
+    if (!(f->s = malloc((size_t)numel * sizeof *f->s))) return -ENOMEM;
+    backend_row_to_f32(f->s, sc->data, sdt, (int)numel);
+    for (int64_t i = 0; i < numel; i++)
+        if (!(f->s[i] > 0.0f) || isinf(f->s[i])) {
+            snprintf(err, errlen, "%s: scale %lld of '%s' is %g (accepted: finite and positive)",
+                     st_set_file_of(&w->st, sc), (long long)i, name, (double)f->s[i]);
+            w_fp8_free(f);
+            return -EINVAL;
+        }
+    return 0;
+}
+
+static int w_fp8_place(model_weights *w, weight_mat *m, const char *name, const w_fp8 *f, int rows,
+                       int cols, char *err, size_t errlen) {
+    backend_buffer *b =
+        backend_weights_load_fp8(w->be, f->q, rows, cols, f->s, f->bn, f->bk, &m->dtype, &m->scale);
+    if (!b || w_keep(w, b)) {
+        backend_buffer_free(b);
+        snprintf(err, errlen, "cannot place FP8 tensor '%s' (%d x %d) on %s", name, rows, cols,
+                 backend_name(w->be));
+        return -ENOMEM;
+    }
+    m->data = backend_buffer_ptr(b);
+    m->rows = rows;
+    m->cols = cols;
+    w->matrix_bytes += (size_t)rows * cols;
+    return 0;
+}
+
 static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, int cols, char *err,
                  size_t errlen) {
     w_src t;
     int rc = w_get(w, &t, name, 2, rows, cols, 0, err, errlen);
     if (rc) return rc;
+    if (t.dt == BACKEND_F8E4M3 && !w_quantizable(name) && strcmp(name, "lm_head.weight")) {
+        snprintf(err, errlen,
+                 "tensor '%s' is F8_E4M3: an FP8 embedding is not supported "
+                 "(accepted: BF16, F16, F32 embeddings)",
+                 name);
+        return -EINVAL;
+    }
+    if (t.dt == BACKEND_F8E4M3 || (w->quant.kind == QUANT_FP8_ONLINE && w_quantizable(name))) {
+        w_fp8 f;
+        rc = w_fp8_get(w, &f, name, &t, rows, cols, err, errlen);
+        if (!rc) rc = w_fp8_place(w, m, name, &f, rows, cols, err, errlen);
+        w_fp8_free(&f);
+        w_release(w);
+        return rc;
+    }
     backend_buffer *b =
         backend_weights_load(w->be, t.data, t.dt, (size_t)rows * (size_t)cols, &m->dtype);
     w_release(w);
@@ -166,16 +371,85 @@ static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, in
 
 /* Matrices of the same width as one buffer (rows of names[0] first); parts[i] become views
  * into it, *cat the whole. */
+/* FP8 parts as one matrix: the e4m3 rows one after the other; the scale grids concatenated
+ * when every part has the same blocks and whole blocks of rows, else every part's scales
+ * expanded to one per row (the same column blocks; exact) */
+static int w_mat_cat_fp8(model_weights *w, weight_mat *cat, weight_mat **parts, const char **names,
+                         const int *rows, int n, int cols, const w_src *ts, char *err,
+                         size_t errlen) {
+    w_fp8 f[4];
+    int rc = 0, total = 0, same = 1;
+    memset(f, 0, sizeof f);
+    for (int i = 0; i < n && !rc; i++) {
+        rc = w_fp8_get(w, &f[i], names[i], &ts[i], rows[i], cols, err, errlen);
+        total += rows[i];
+    }
+    for (int i = 0; i < n && !rc; i++) {
+        if (f[i].bk != f[0].bk) {
+            snprintf(err, errlen,
+                     "FP8 tensors '%s' and '%s' have scales over %d and %d columns: "
+                     "cannot concatenate them (accepted: the same column blocks)",
+                     names[0], names[i], f[0].bk, f[i].bk);
+            rc = -EINVAL;
+        }
+        if (f[i].bn != f[0].bn || (i < n - 1 && rows[i] % f[i].bn)) same = 0;
+    }
+    int bn = same ? f[0].bn : 1, bk = f[0].bk, nkb = (cols + bk - 1) / bk;
+    uint8_t *q = rc ? NULL : malloc((size_t)total * cols);
+    float *s = rc ? NULL : malloc((size_t)((total + bn - 1) / bn + n) * nkb * sizeof *s);
+    if (!rc && (!q || !s)) rc = -ENOMEM;
+    int off = 0;
+    size_t soff = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        memcpy(q + (size_t)off * cols, f[i].q, (size_t)rows[i] * cols);
+        int g = same ? (rows[i] + bn - 1) / bn : rows[i];
+        for (int r = 0; r < g; r++)
+            memcpy(s + soff + (size_t)r * nkb, f[i].s + (size_t)(same ? r : r / f[i].bn) * nkb,
+                   (size_t)nkb * sizeof *s);
+        soff += (size_t)g * nkb;
+        off += rows[i];
+    }
+    w_fp8 all = {q, NULL, s, bn, bk};
+    if (!rc) rc = w_fp8_place(w, cat, names[0], &all, total, cols, err, errlen);
+    off = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        weight_mat *p = parts[i];
+        size_t es = backend_dtype_size(cat->dtype);
+        p->data = (const char *)cat->data + (size_t)off * cols * es;
+        p->dtype = cat->dtype;
+        p->rows = rows[i];
+        p->cols = cols;
+        p->scale = cat->scale;
+        if (cat->scale.s) p->scale.s += (size_t)(off / bn) * nkb;
+        if (cat->scale.twin)
+            p->scale.twin = (const char *)cat->scale.twin + (size_t)off * cols * 2; /* bf16 */
+        off += rows[i];
+    }
+    free(q);
+    free(s);
+    for (int i = 0; i < n; i++)
+        w_fp8_free(&f[i]);
+    w_release(w);
+    return rc;
+}
+
 static int w_mat_cat(model_weights *w, weight_mat *cat, weight_mat **parts, const char **names,
                      const int *rows, int n, int cols, char *err, size_t errlen) {
+    w_src fts[4];
+    int any8 = 0;
+    for (int i = 0; i < n; i++) {
+        int rc = w_get(w, &fts[i], names[i], 2, rows[i], cols, 0, err, errlen);
+        if (rc) return rc;
+        any8 |= fts[i].dt == BACKEND_F8E4M3 ||
+                (w->quant.kind == QUANT_FP8_ONLINE && w_quantizable(names[i]));
+    }
+    if (any8) return w_mat_cat_fp8(w, cat, parts, names, rows, n, cols, fts, err, errlen);
     const void *srcs[4];
     backend_dtype dts[4];
     size_t ns[4], bytes = 0;
     int total = 0;
     for (int i = 0; i < n; i++) {
-        w_src t;
-        int rc = w_get(w, &t, names[i], 2, rows[i], cols, 0, err, errlen);
-        if (rc) return rc;
+        w_src t = fts[i];
         srcs[i] = t.data;
         dts[i] = t.dt;
         ns[i] = (size_t)rows[i] * (size_t)cols;
@@ -427,6 +701,7 @@ int weights_load_ex(model_weights *w, backend *be, const model_config *c, const 
     memset(w, 0, sizeof *w);
     w->be = be;
     w->dummy_seed = dummy_seed;
+    w->quant = c->quant;
     int rc = dummy_seed ? 0 : st_set_open(&w->st, dir, err, errlen);
     if (rc) return rc;
     if (!dummy_seed && !(w->st_used = calloc((size_t)w->st.n_tensors + 1, 1))) {

@@ -19,9 +19,10 @@
 #include "model/safetensors.h"
 
 typedef struct weight_mat {
-    const void *data;    /* (rows, cols) device address */
-    backend_dtype dtype; /* element type as the backend stores it */
-    int rows, cols;      /* shape */
+    const void *data;     /* (rows, cols) device address */
+    backend_dtype dtype;  /* element type as the backend stores it */
+    int rows, cols;       /* shape */
+    backend_wscale scale; /* F8E4M3: its scales (backend.h); zero otherwise */
 } weight_mat;
 
 typedef struct layer_weights {
@@ -70,6 +71,7 @@ typedef struct model_weights {
     uint64_t dummy_seed;    /* nonzero: --load-format dummy (random weights, no files) */
     void **dummy;           /* (n_dummy) host bytes of made-up tensors the backend aliases */
     int n_dummy, cap_dummy;
+    model_quant quant; /* the config's (QUANT_FP8_ONLINE: quantize the decoder's matrices) */
 } model_weights;
 
 /* On the CPU backend (backend_cpu_default). */
@@ -83,6 +85,12 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
  * on be as a checkpoint's would be. */
 int weights_load_ex(model_weights *w, backend *be, const model_config *c, const char *dir,
                     uint64_t dummy_seed, char *err, size_t errlen);
+/* FP8 (c->quant, model/quant.h): a checkpoint's e4m3 matrices come with their scale tensors
+ * (<layer>.weight_scale_inv / .weight_scale; input_scale accepted and unused) and go through
+ * backend_weights_load_fp8; with QUANT_FP8_ONLINE (--quantization fp8) every linear layer of
+ * the decoder (not the embedding or lm_head) is quantized at load, one scale per output
+ * channel -- with --load-format dummy per 128 x 128 block, the layout of the FP8 checkpoints
+ * the benchmarks stand for. */
 void weights_free(model_weights *w);
 
 #endif

@@ -75,8 +75,8 @@ def test_kv_cache_dtype_float32_is_accepted():
     (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2", "not supported"]),
     (("-dp", "2"), ["--data-parallel-size 2", "disagg proxy"]),
     (("-tp", "0"), ["--tensor-parallel-size", "[1,"]),
-    (("--quantization", "awq"), ["'awq'", "not supported", "unquantized"]),
-    (("-q", "fp8"), ["'fp8'", "not supported"]),
+    (("--quantization", "awq"), ["'awq'", "not supported", "unquantized", "accepted: none, fp8"]),
+    (("-q", "gptq"), ["'gptq'", "not supported"]),
     (("--quantization", "zzz"), ["'zzz'", "not a vLLM quantization method"]),
     (("--kv-cache-dtype", "fp8_e5m2"), ["'fp8_e5m2'", "not supported", "only e4m3",
                                          "fp8, fp8_e4m3"]),
@@ -155,7 +155,7 @@ def test_unknown_flag_far_from_every_name_gets_no_hint(flag):
     (("--ssl-keyfile", "k.pem"), ["TLS is not supported", "reverse proxy"]),
     (("--cpu-offload-gb", "4"), ["offloading weights", "not supported"]),
     (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2 is not supported", "accepted: 1"]),
-    (("--quantization", "awq"), ["'awq' is not supported", "accepted: none"]),
+    (("--quantization", "awq"), ["'awq' is not supported", "accepted: none, fp8"]),
 ])
 def test_vllm_flags_disagg_lacks_say_so(args, words):
     """vLLM's flags for features disagg lacks name the feature, not a wrong

@@ -286,9 +286,28 @@ static void test_matmul(void **state) {
                                    *by = backend_buffer_alloc(be, (size_t)T * N * 4, 0),
                                    *by2 = backend_buffer_alloc(be, (size_t)T * N * 4, 0);
                     /* two ops in one dispatch, the second without bias and f32 out */
-                    backend_matmul_op ops[2] = {
-                        {DEV(by), a, DEV(bx), a, DEV(bw), stored, withb ? DEV(bb) : NULL, T, N, K},
-                        {DEV(by2), BACKEND_F32, DEV(bx), a, DEV(bw), stored, NULL, T, N, K}};
+                    backend_matmul_op ops[2] = {{DEV(by),
+                                                 a,
+                                                 DEV(bx),
+                                                 a,
+                                                 DEV(bw),
+                                                 stored,
+                                                 withb ? DEV(bb) : NULL,
+                                                 T,
+                                                 N,
+                                                 K,
+                                                 {NULL, 0, 0, NULL}},
+                                                {DEV(by2),
+                                                 BACKEND_F32,
+                                                 DEV(bx),
+                                                 a,
+                                                 DEV(bw),
+                                                 stored,
+                                                 NULL,
+                                                 T,
+                                                 N,
+                                                 K,
+                                                 {NULL, 0, 0, NULL}}};
                     assert_int_equal(backend_matmul(st, ops, 2), 0);
                     double *want = malloc(sizeof(double) * T * N),
                            *want2 = malloc(sizeof(double) * T * N);
@@ -327,6 +346,97 @@ static void test_matmul(void **state) {
                         backend_buffer_free(by2);
                     backend_stream_free(cst);
                 }
+        backend_stream_free(st);
+    }
+}
+
+/* FP8 weights (backend_weights_load_fp8): random e4m3 codes (no NaN) and scales per tensor,
+ * per channel and per 128 x 128 block (partial blocks in rows and columns), against a host
+ * reference in double of x . (e4m3 * scale)^T.  The CPU dequantizes to f32 at load (1e-5);
+ * CUDA's e4m3 GEMV (T <= DISAGG_CUDA_FP8_GEMV, default 8, K % 16 == 0) multiplies the scale
+ * onto 16-term partial sums in f32 (1e-4), its larger T run cuBLASLt over the bf16 twin (e4m3 *
+ * scale rounded to bf16: 2^-9 per weight, 1e-2 of 1 + |ref|; with DISAGG_CUDA_FP8_TWIN=0 the
+ * GEMV, 8 tokens a launch). */
+static void test_matmul_fp8(void **state) {
+    (void)state;
+    int shapes[][3] = {{1, 5, 16},    {1, 37, 272}, {3, 200, 336},  {8, 130, 4112},
+                       {2, 129, 400}, {9, 33, 256}, {64, 257, 384}, {5, 3, 24}};
+    const char *ge = getenv("DISAGG_CUDA_FP8_GEMV");
+    int gemv_t = ge ? atoi(ge) : 8;
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype a = backend_act_dtype(be);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
+            for (int lay = 0; lay < 3; lay++) {
+                int T = shapes[k][0], N = shapes[k][1], K = shapes[k][2];
+                int bn = lay == 0 ? N : lay == 1 ? 1 : 128, bk = lay == 2 ? 128 : K;
+                int nkb = (K + bk - 1) / bk, ng = (N + bn - 1) / bn * nkb;
+                uint8_t *q = malloc((size_t)N * K);
+                float *sc = malloc((size_t)ng * sizeof *sc), *wf = malloc((size_t)N * K * 4);
+                assert_non_null(q), assert_non_null(sc), assert_non_null(wf);
+                for (int i = 0; i < ng; i++)
+                    sc[i] =
+                        (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)K))); /* dots ~1 */
+                for (size_t i = 0; i < (size_t)N * K; i++) {
+                    do
+                        q[i] = (uint8_t)irand(256);
+                    while ((q[i] & 0x7f) == 0x7f);
+                }
+                backend_e4m3_to_f32(wf, q, (size_t)N * K);
+                float *x = rand_vec((size_t)T * K, BACKEND_BF16),
+                      *bias = rand_vec((size_t)N, BACKEND_F32);
+                backend_dtype stored;
+                backend_wscale ws;
+                backend_buffer *bw =
+                    backend_weights_load_fp8(be, q, N, K, sc, bn, bk, &stored, &ws);
+                assert_non_null(bw);
+                assert_true(stored == BACKEND_F8E4M3 ? ws.s != NULL : ws.s == NULL);
+                backend_buffer *bx = to_dev(st, x, (size_t)T * K, a),
+                               *bb = to_dev(st, bias, (size_t)N, BACKEND_F32),
+                               *by = backend_buffer_alloc(be, (size_t)T * N * 4, 0);
+                backend_matmul_op op = {DEV(by), BACKEND_F32, DEV(bx), a, DEV(bw), stored,
+                                        DEV(bb), T,           N,       K, ws};
+                assert_int_equal(backend_matmul(st, &op, 1), 0);
+                double *want = malloc(sizeof(double) * T * N);
+                for (int t = 0; t < T; t++)
+                    for (int n = 0; n < N; n++) {
+                        double acc = bias[n];
+                        for (int i = 0; i < K; i++)
+                            acc += (double)x[t * K + i] * wf[(size_t)n * K + i] *
+                                   sc[(n / bn) * nkb + i / bk];
+                        want[t * N + n] = acc;
+                    }
+                float *got = from_dev(st, DEV(by), (size_t)T * N, BACKEND_F32);
+                char what[96];
+                snprintf(what, sizeof what, "fp8 matmul T %d N %d K %d scales %s", T, N, K,
+                         lay == 0   ? "per tensor"
+                         : lay == 1 ? "per channel"
+                                    : "128x128");
+                double tol = backend_is_cpu(be) ? 1e-5 : (T <= gemv_t && K % 16 == 0) ? 1e-4 : 1e-2;
+                check_close(what, be, got, want, (size_t)T * N, tol);
+                /* the residual form (CUDA at T >= 64: cuBLASLt's epilogue onto resid, over the
+                 * twin): resid + the same product */
+                float *r0 = rand_vec((size_t)T * N, BACKEND_F32);
+                backend_buffer *br = to_dev(st, r0, (size_t)T * N, BACKEND_F32);
+                assert_int_equal(backend_matmul_residual(st, &op, DEV(br)), 0);
+                float *gr = from_dev(st, DEV(br), (size_t)T * N, BACKEND_F32);
+                for (int i = 0; i < T * N; i++)
+                    want[i] += r0[i];
+                strncat(what, " (+= residual)", sizeof what - strlen(what) - 1);
+                check_close(what, be, gr, want, (size_t)T * N, tol);
+                free(r0), free(gr);
+                backend_buffer_free(br);
+                /* a matmul of FP8 weights without their scales is refused */
+                if (stored == BACKEND_F8E4M3) {
+                    backend_matmul_op bad = op;
+                    memset(&bad.w_scale, 0, sizeof bad.w_scale);
+                    assert_int_equal(backend_matmul(st, &bad, 1), -EINVAL);
+                }
+                free(got), free(want), free(x), free(bias), free(q), free(sc), free(wf);
+                backend_buffer_free(bw), backend_buffer_free(bx), backend_buffer_free(bb),
+                    backend_buffer_free(by);
+            }
         backend_stream_free(st);
     }
 }
@@ -1385,7 +1495,8 @@ static void test_plan_checks(void **state) {
     assert_int_equal(backend_embed(fresh, x, BACKEND_F32, table, BACKEND_F32, 2), -EINVAL);
     /* the CPU backend computes in f32 only */
     assert_int_equal(backend_add(st, x, x + 2, BACKEND_BF16, 2), -ENOTSUP);
-    backend_matmul_op bad = {x, BACKEND_F32, table, BACKEND_F32, table, BACKEND_F32, NULL, 0, 1, 1};
+    backend_matmul_op bad = {x, BACKEND_F32, table, BACKEND_F32,       table, BACKEND_F32, NULL,
+                             0, 1,           1,     {NULL, 0, 0, NULL}};
     assert_int_equal(backend_matmul(st, &bad, 1), -EINVAL);
     assert_int_equal(backend_matmul(st, &bad, 0), -EINVAL);
     backend_stream_free(fresh);
@@ -1459,7 +1570,8 @@ static void test_matmul_residual(void **state) {
             backend_buffer *bx = to_dev(st, x, (size_t)T * K, mm),
                            *br = to_dev(st, r, (size_t)T * N, a),
                            *by = backend_buffer_alloc(be, (size_t)T * N * backend_dtype_size(a), 0);
-            backend_matmul_op op = {DEV(by), a, DEV(bx), mm, DEV(bw), sw, NULL, T, N, K};
+            backend_matmul_op op = {DEV(by), a, DEV(bx), mm, DEV(bw),           sw,
+                                    NULL,    T, N,       K,  {NULL, 0, 0, NULL}};
             assert_int_equal(backend_matmul_residual(st, &op, DEV(br)), 0);
             float *got = from_dev(st, DEV(br), (size_t)T * N, a);
             double *want = malloc(sizeof(double) * T * N);
@@ -2289,6 +2401,7 @@ int main(void) {
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_fp8),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),

@@ -160,7 +160,7 @@ static int gemm_run(backend_stream *s, gemm_bufs *g, int r0, int M, int bias) {
                             bias ? backend_buffer_ptr(g->bias) : NULL,
                             M,
                             g->N,
-                            g->K};
+                            g->K, {NULL, 0, 0, NULL}};
     int rc = backend_matmul(s, &op, 1);
     return rc ? rc : backend_stream_sync(s);
 }
@@ -271,7 +271,7 @@ static int gate_up_differ(backend *be, int I, int H, const int *Ms, int nM, int 
         if (rows[i] >= maxM) rows[i] = maxM - 1;
         backend_mlp_op o = {(char *)backend_buffer_ptr(x) + (size_t)rows[i] * H * 2,
                             BACKEND_BF16, 1, H, I, NULL, NULL, BACKEND_BF16,
-                            backend_buffer_ptr(w), backend_buffer_ptr(h), NULL, BACKEND_BF16};
+                            backend_buffer_ptr(w), backend_buffer_ptr(h), NULL, BACKEND_BF16, {NULL, 0, 0, NULL}, {NULL, 0, 0, NULL}, {NULL, 0, 0, NULL}};
         assert_int_equal(backend_gate_up(s, &o), 0);
         assert_int_equal(backend_download(s, ref + (size_t)i * I, backend_buffer_ptr(h),
                                           (size_t)I * 2),
@@ -283,7 +283,7 @@ static int gate_up_differ(backend *be, int I, int H, const int *Ms, int nM, int 
         int M = Ms[mi];
         backend_mlp_op o = {backend_buffer_ptr(x), BACKEND_BF16, M, H, I, NULL, NULL,
                             BACKEND_BF16, backend_buffer_ptr(w), backend_buffer_ptr(h), NULL,
-                            BACKEND_BF16};
+                            BACKEND_BF16, {NULL, 0, 0, NULL}, {NULL, 0, 0, NULL}, {NULL, 0, 0, NULL}};
         assert_int_equal(backend_gate_up(s, &o), 0);
         for (int i = 0; i < NS; i++) {
             if (rows[i] >= M) continue;
@@ -376,7 +376,7 @@ static void test_matmul_bench(void **st) {
                                             backend_buffer_ptr(g.x), BACKEND_F32,
                                             backend_buffer_ptr(g.w), BACKEND_BF16,
                                             NULL,                    M,
-                                            N,                       K};
+                                            N,                       K, {NULL, 0, 0, NULL}};
                     assert_int_equal(backend_matmul(s, &op, 1), 0);
                 }
                 assert_int_equal(backend_stream_sync(s), 0);
@@ -906,7 +906,7 @@ static void test_decode_bench(void **st) {
                         backend_matmul_op op = {backend_buffer_ptr(y), BACKEND_F32,
                                                 backend_buffer_ptr(x), BACKEND_BF16,
                                                 backend_buffer_ptr(w[k]), BACKEND_BF16,
-                                                NULL, M, shp[k][0], shp[k][1]};
+                                                NULL, M, shp[k][0], shp[k][1], {NULL, 0, 0, NULL}};
                         assert_int_equal(backend_matmul(s, &op, 1), 0);
                     }
                 assert_int_equal(backend_stream_sync(s), 0);

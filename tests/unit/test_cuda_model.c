@@ -192,6 +192,26 @@ static void test_model_arch(void **st) {
     }
 }
 
+/* FP8 checkpoints (tools/gen_random_fp8.py): 128 x 128 blocks with partial blocks, per channel
+ * (bf16 scales), per tensor -- the GPU's e4m3 + scales (its prefill GEMMs on the bf16 twin)
+ * against the CPU's f32 dequantization, f32 and bf16 KV */
+static void test_model_fp8(void **st) {
+    NEED_GPU();
+    const char *names[] = {"qwen2-fp8-block-tiny", "llama-fp8-channel-tiny",
+                           "qwen3-fp8-tensor-tiny"};
+    for (int i = 0; i < 3; i++) {
+        char dir[1024];
+        json_t *g = fixture_model(names[i], dir, sizeof dir);
+        assert_non_null(g);
+        int32_t ids[300];
+        for (int k = 0; k < 300; k++)
+            ids[k] = (int32_t)((k * 7919 + 31 * i) % 150000);
+        compare_model(dir, ids, 300, DCU_F32, 0.03);
+        compare_model(dir, ids, 300, DCU_BF16, 0.03);
+        json_decref(g);
+    }
+}
+
 /* The mixtures of experts (Qwen3-MoE with a dense layer, Mixtral with its window) on the
  * GPU's MoE kernels -- and on the generic form (DISAGG_MOE_GENERIC=1) -- against the CPU
  * forward.  A little more room than the dense models: bf16 router logits may pick the other
@@ -581,6 +601,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_model_tiny_random), cmocka_unit_test(test_model_default),
         cmocka_unit_test(test_model_arch), cmocka_unit_test(test_model_moe),
+        cmocka_unit_test(test_model_fp8),
         cmocka_unit_test(test_greedy_golden),     cmocka_unit_test(test_serving_graphs),
         cmocka_unit_test(test_graph_api_cpu),     cmocka_unit_test(test_hf_gpu_reference),
     };

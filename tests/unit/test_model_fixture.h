@@ -2,7 +2,8 @@
  * test_model_fixture — shared by the model unit tests: makes the random tiny test models
  * with tools/gen_random_qwen2.py (Qwen2: "tiny-f32", "tiny-bf16") or
  * tools/gen_random_model.py (the other architectures: "llama-tiny", "qwen3-tiny",
- * "mistral-tiny"; numpy only) in a per-user temp directory, checks
+ * "mistral-tiny"; numpy only) or tools/gen_random_fp8.py (the FP8 checkpoints: names with
+ * "fp8" or "online") in a per-user temp directory, checks
  * their weights digest against the golden file's, and reads the golden JSON.
  */
 #ifndef DISAGG_TEST_MODEL_FIXTURE_H
@@ -28,7 +29,7 @@ static json_t *fixture_model(const char *name, char *dir, size_t dirlen) {
     }
     const char *want = json_string_value(json_object_get(g, "weights_sha256"));
     int seed = (int)json_integer_value(json_object_get(g, "seed"));
-    int qwen2 = !strncmp(name, "tiny-", 5);
+    int qwen2 = !strncmp(name, "tiny-", 5), fp8 = strstr(name, "fp8") || strstr(name, "online");
     char args[128];
     if (qwen2)
         snprintf(args, sizeof args, "%s --seed %d",
@@ -52,8 +53,11 @@ static json_t *fixture_model(const char *name, char *dir, size_t dirlen) {
         snprintf(cmd, sizeof cmd,
                  "mkdir -p %s && python3 %s/tools/%s --out %s %s | sed "
                  "-n 's/^weights_sha256 //p' > %s",
-                 dir, DISAGG_SOURCE_DIR, qwen2 ? "gen_random_qwen2.py" : "gen_random_model.py", dir,
-                 args, marker);
+                 dir, DISAGG_SOURCE_DIR,
+                 qwen2 ? "gen_random_qwen2.py"
+                 : fp8 ? "gen_random_fp8.py"
+                       : "gen_random_model.py",
+                 dir, args, marker);
         if (system(cmd) != 0) {
             fprintf(stderr, "fixture: generator failed: %s\n", cmd);
             json_decref(g);

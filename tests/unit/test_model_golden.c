@@ -32,12 +32,12 @@ static int argmax(const float *v, int n) {
     return b;
 }
 
-static void check_model(const char *name, double tol) {
+static void check_model_ex(const char *name, double tol, int load_flags) {
     char dir[1024], err[1024];
     json_t *g = fixture_model(name, dir, sizeof dir);
     assert_non_null(g);
     decoder_model m;
-    int rc = decoder_load(&m, dir, 0, err, sizeof err);
+    int rc = decoder_load_ex(&m, dir, backend_cpu_default(), 0, load_flags, err, sizeof err);
     if (rc) fprintf(stderr, "%s\n", err);
     assert_int_equal(rc, 0);
     decoder_state *s = decoder_state_init(&m, 256, 0);
@@ -100,6 +100,10 @@ static void check_model(const char *name, double tol) {
     decoder_state_free(s);
     decoder_free(&m);
     json_decref(g);
+}
+
+static void check_model(const char *name, double tol) {
+    check_model_ex(name, tol, 0);
 }
 
 static int g_skipped; /* tests skipped for a missing ISA */
@@ -169,6 +173,31 @@ static void test_golden_mistral_window(void **st) {
     check_arch("mistral-tiny");
 }
 
+/* FP8 checkpoints on the CPU: dequantized at load (e4m3 * scale in f32), against transformers
+ * on the f32-dequantized twin (tools/gen_golden_fp8.py): the same weights, so the f32 tolerance.
+ * 128 x 128 blocks with partial blocks (quant_method fp8, weight_scale_inv), compressed-tensors
+ * per channel (bf16 scales) and per tensor with a static input_scale, and --quantization fp8 on
+ * an f32 checkpoint (per-channel scales made at load, as the twin's). */
+static void test_golden_fp8_block(void **st) {
+    (void)st;
+    check_model("qwen2-fp8-block-tiny", 1e-4);
+}
+
+static void test_golden_fp8_channel(void **st) {
+    (void)st;
+    check_model("llama-fp8-channel-tiny", 1e-4);
+}
+
+static void test_golden_fp8_tensor_static(void **st) {
+    (void)st;
+    check_model("qwen3-fp8-tensor-tiny", 1e-4);
+}
+
+static void test_golden_fp8_online(void **st) {
+    (void)st;
+    check_model_ex("qwen2-online-tiny", 1e-4, DECODER_LOAD_FP8);
+}
+
 /* mixtures of experts: Qwen3-MoE (a dense layer among sparse ones, norm_topk_prob, q/k
  * norm, head_dim from hidden / heads) and Mixtral (top 2 of 4, sliding window 8) */
 static void test_golden_qwen3moe(void **st) {
@@ -208,6 +237,8 @@ int main(void) {
         cmocka_unit_test(test_golden_f32_scalar), cmocka_unit_test(test_golden_llama3),
         cmocka_unit_test(test_golden_qwen3),      cmocka_unit_test(test_golden_mistral_window),
         cmocka_unit_test(test_golden_qwen3moe),   cmocka_unit_test(test_golden_mixtral),
+        cmocka_unit_test(test_golden_fp8_block), cmocka_unit_test(test_golden_fp8_channel),
+        cmocka_unit_test(test_golden_fp8_tensor_static), cmocka_unit_test(test_golden_fp8_online),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
     return failed == 0 && g_skipped ? 77 : failed; /* 77: ctest reports Skipped */

@@ -334,6 +334,46 @@ static int cb_weights_load_cat(backend *be, backend_buffer *b, const void *const
     return 0;
 }
 
+/* An FP8 matrix: one buffer of [e4m3 (N, K)] [f32 scales] [bf16 twin (N, K)], each part
+ * 256-byte aligned.  The decode GEMV streams the e4m3 bytes (gemv_fp8); the GEMMs of larger
+ * batches run cuBLASLt bf16 on the twin, dequantized here once (e4m3 * scale, rounded to bf16):
+ * 3 bytes a weight in HBM until an FP8 tensor-core GEMM takes the prefill. */
+static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *src, int N, int K,
+                               const float *scales, int block_n, int block_k,
+                               backend_dtype *stored, backend_wscale *ws) {
+    cb_dev *d = (cb_dev *)be->ctx;
+    size_t n = (size_t)N * K, ng = (size_t)((N + block_n - 1) / block_n) *
+                                   ((K + block_k - 1) / block_k);
+    size_t o_s = (n + 255) & ~(size_t)255, o_t = (o_s + ng * 4 + 255) & ~(size_t)255;
+    const char *tw = getenv("DISAGG_CUDA_FP8_TWIN"); /* 0: no bf16 twin (1 byte a weight) */
+    int twin = !(tw && !strcmp(tw, "0"));
+    int rc = cb_buffer_alloc(be, b, twin ? o_t + n * 2 : o_s + ng * 4, 0);
+    if (rc) return rc;
+    char *base = (char *)b->ptr;
+    dcu_ctx *c = d->loader;
+    cudaSetDevice(d->ord);
+    /* copies and the dequantization ordered on the loader's stream (a pageable copy may
+     * return before its DMA is done); the host arrays live until the sync below */
+    if (cudaMemcpyAsync(base, src, n, cudaMemcpyHostToDevice, c->stream) != cudaSuccess ||
+        cudaMemcpyAsync(base + o_s, scales, ng * 4, cudaMemcpyHostToDevice, c->stream) !=
+            cudaSuccess ||
+        (twin && fp8_dequant_bf16(c, (bf16 *)(base + o_t), (const uint8_t *)base,
+                                  (const float *)(base + o_s), block_n, block_k, N, K)) ||
+        cudaStreamSynchronize(c->stream) != cudaSuccess) {
+        fprintf(stderr, "cuda: FP8 weights upload failed: %s\n",
+                cudaGetErrorString(cudaGetLastError()));
+        cb_buffer_free(be, b);
+        return -EIO;
+    }
+    d->loaded += n * (twin ? 3 : 1) + ng * 4;
+    ws->s = (const float *)(base + o_s);
+    ws->block_n = block_n;
+    ws->block_k = block_k;
+    ws->twin = twin ? base + o_t : NULL;
+    *stored = BACKEND_F8E4M3;
+    return 0;
+}
+
 static int cb_stream_create(backend *be, backend_stream *st) {
     cb_dev *d = (cb_dev *)be->ctx;
     char err[256];
@@ -667,8 +707,10 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
     int last_T = 0, last_K = 0;
     for (int i = 0; i < n_ops; i++) {
         const backend_matmul_op *o = &ops[i];
-        if (o->w_dt != BACKEND_BF16 || o->y_dt != BACKEND_F32 ||
-            (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16))
+        int fp8 = o->w_dt == BACKEND_F8E4M3;
+        if ((o->w_dt != BACKEND_BF16 && !fp8) || o->y_dt != BACKEND_F32 ||
+            (o->x_dt != BACKEND_F32 && o->x_dt != BACKEND_BF16) ||
+            (fp8 && !o->w_scale.s))
             return -ENOTSUP;
         const void *xb = o->x;
         if (o->x_dt == BACKEND_F32) {
@@ -689,9 +731,30 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
             }
             xb = s->xconv;
         }
+        /* FP8 weights: the e4m3 GEMV for decode-sized T (not in the batch-invariant mode, whose
+         * rows must not depend on T), else the GEMM on the bf16 twin */
+        if (fp8 && ((!s->inv && o->T <= s->c->fp8_gemv_max_t) || !o->w_scale.twin)) {
+            /* without a twin (DISAGG_CUDA_FP8_TWIN=0) every T on the GEMV, 8 tokens a launch:
+             * FP8's memory, not a GEMM's speed for prefill */
+            if (!gemv_fp8_ok(1, o->K, o->w_scale.block_k, xb, o->w)) return -ENOTSUP;
+            for (int t0 = 0; t0 < o->T; t0 += 8) {
+                int nt = o->T - t0 < 8 ? o->T - t0 : 8;
+                int rc = gemv_fp8(s->c, (float *)o->y + (size_t)t0 * o->N,
+                                  (const bf16 *)xb + (size_t)t0 * o->K, o->w, o->w_scale.s,
+                                  o->w_scale.block_n, o->w_scale.block_k, o->bias, nt, o->N, o->K);
+                if (rc) return rc;
+            }
+            if (s->prof && s->prof->on) {
+                char nm[48];
+                snprintf(nm, sizeof nm, "fp8 gemv %dx%d", o->N, o->K);
+                prof_mark(s, nm, (double)o->N * o->K);
+            }
+            continue;
+        }
+        const void *wb = fp8 ? o->w_scale.twin : o->w;
         int rc = s->inv ? iv_matmul(s->c->lt, s->c->device, s->c->stream, s->c->ws, s->c->ws_bytes,
-                                    &s->pol, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K)
-                        : matmul(s->c, (float *)o->y, xb, o->w, o->bias, o->T, o->N, o->K);
+                                    &s->pol, (float *)o->y, xb, wb, o->bias, o->T, o->N, o->K)
+                        : matmul(s->c, (float *)o->y, xb, wb, o->bias, o->T, o->N, o->K);
         if (rc) return rc;
         if (s->prof && s->prof->on) {
             char nm[40];
@@ -839,7 +902,9 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
 static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     cb_stream *s = CB(st);
     const backend_kv *kv = o->kv;
-    if (o->dt != BACKEND_F32 || o->w_dt != BACKEND_BF16 || !kv_dt_ok(kv)) return -ENOTSUP;
+    int fp8 = o->w_dt == BACKEND_F8E4M3; /* through cb_matmul (the FP8 GEMV or the twin) */
+    if (o->dt != BACKEND_F32 || (o->w_dt != BACKEND_BF16 && !fp8) || !kv_dt_ok(kv))
+        return -ENOTSUP;
     const float ksc = cb_kv_scale(kv, o->layer, 0), vsc = cb_kv_scale(kv, o->layer, 1);
     const int kk = kv_kind(kv);
     int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
@@ -848,8 +913,8 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     if (o->q_norm) { /* Qwen3: the q|k|v GEMM in f32, then norm, RoPE, KV (cuda_qknorm.h) */
         float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
         if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
-        backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
-                               o->hidden};
+        backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, o->w_dt, NULL, T, W,
+                               o->hidden, o->sqkv};
         int rc = cb_matmul(st, &g, 1);
         if (rc) return rc;
         return pm(s,
@@ -859,7 +924,7 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                                    nh, nkv, hd, ksc, vsc),
                   "qk norm finish (bias, q/k norm, rope, kv)", 0);
     }
-    if (!s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
+    if (!fp8 && !s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
         /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
         int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kk, o->x, o->wqkv, o->bqkv, T,
@@ -872,10 +937,12 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
      * f32, then RoPE in f32) and k_qkv_finish reads that: 2 instead of 4 bytes of T x W
      * written and read back */
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->qkv_bf16_min_t > 0 &&
-        T >= s->c->qkv_bf16_min_t) {
+        T >= s->c->qkv_bf16_min_t &&
+        (!fp8 || (T > s->c->fp8_gemv_max_t && o->sqkv.twin))) {
+        const void *wqkv = fp8 ? o->sqkv.twin : o->wqkv;
         bf16 *qkv16 = (bf16 *)cb_scratch(s, 0, (size_t)T * W * 2);
         if (!qkv16) return s->capturing ? -EINVAL : -ENOMEM;
-        int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, o->wqkv, T, W, o->hidden),
+        int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, wqkv, T, W, o->hidden),
                     "q|k|v GEMM (bf16 out)", (double)W * o->hidden * 2);
         if (rc) return rc;
         rc = qkv_finish(s->c, (float *)o->q, kv->base, kk, kv->block_size, kv->n_layers,
@@ -888,8 +955,8 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     }
     float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
     if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
-    backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, BACKEND_BF16, NULL, T, W,
-                           o->hidden};
+    backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, o->w_dt, NULL, T, W,
+                           o->hidden, o->sqkv};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
     rc = qkv_finish(s->c, (float *)o->q, kv->base, kk, kv->block_size, kv->n_layers, o->layer,
@@ -901,10 +968,12 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
 /* one GEMM over gate|up into scratch, then h = silu(gate) * up in h_dt */
 static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     cb_stream *s = CB(st);
-    if (o->w_dt != BACKEND_BF16 || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
+    int fp8 = o->w_dt == BACKEND_F8E4M3; /* through cb_matmul (the FP8 GEMV or the twin) */
+    if ((o->w_dt != BACKEND_BF16 && !fp8) || (o->h_dt != BACKEND_F32 && o->h_dt != BACKEND_BF16))
         return -ENOTSUP;
     int T = o->T, I = o->inter;
-    if (!s->inv && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
+    const void *wgu = fp8 ? o->s_gate_up.twin : o->w_gate_up; /* what the bf16 GEMMs read */
+    if (!fp8 && !s->inv && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->w_gate_up))
         /* decode: one GEMV over gate|up with the SwiGLU in its epilogue (no f32 gate|up) */
         return pm(s,
@@ -915,10 +984,10 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
      * gate|up in bf16 and SwiGLU reads that (the f32 intermediate was 4 bytes x T x 2I
      * written and read back: 620 MB a layer at 4,096 tokens of the 7B shape) */
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->gu_bf16_min_t > 0 &&
-        T >= s->c->gu_bf16_min_t) {
+        T >= s->c->gu_bf16_min_t && (!fp8 || (T > s->c->fp8_gemv_max_t && wgu))) {
         bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
-        int rc = pm(s, matmul_bf16out(s->c, gu16, o->x, o->w_gate_up, T, 2 * I, o->hidden),
+        int rc = pm(s, matmul_bf16out(s->c, gu16, o->x, wgu, T, 2 * I, o->hidden),
                     "gate|up GEMM (bf16 out)", 2.0 * 2 * I * o->hidden);
         if (rc) return rc;
         return pm(s,
@@ -928,12 +997,12 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     /* the batch-invariant mode (bf16 x): gate|up in bf16 at EVERY row count, decode included,
      * so a row's rounding never depends on the batch (iv_matmul_bf16out's pinned and
      * probe-verified algorithms), then the same SwiGLU */
-    if (s->inv && s->pol.gu16 && o->x_dt == BACKEND_BF16) {
+    if (s->inv && s->pol.gu16 && o->x_dt == BACKEND_BF16 && wgu) {
         bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
         int rc = pm(s,
                     iv_matmul_bf16out(s->c->lt, s->c->device, s->c->stream, s->c->ws,
-                                      s->c->ws_bytes, &s->pol, gu16, o->x, o->w_gate_up, T, 2 * I,
+                                      s->c->ws_bytes, &s->pol, gu16, o->x, wgu, T, 2 * I,
                                       o->hidden),
                     "gate|up GEMM (invariant, bf16 out)", 2.0 * 2 * I * o->hidden);
         if (rc) return rc;
@@ -943,8 +1012,8 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     }
     float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
     if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
-    backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, BACKEND_BF16, NULL, T,
-                           2 * I, o->hidden};
+    backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, o->w_dt, NULL, T,
+                           2 * I, o->hidden, o->s_gate_up};
     int rc = cb_matmul(st, &g, 1);
     if (rc) return rc;
     return pm(s, swiglu(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu, T, I),
@@ -1011,9 +1080,12 @@ static int cb_residual_fused(backend_stream *st, int T) {
 static int cb_matmul_residual(backend_stream *st, const backend_matmul_op *o, void *resid) {
     cb_stream *s = CB(st);
     dcu_ctx *c = s->c;
+    /* FP8 weights at GEMM sizes: the same over their bf16 twin */
+    int fp8 = o->w_dt == BACKEND_F8E4M3 && o->w_scale.twin && o->T > c->fp8_gemv_max_t;
+    const void *wb = fp8 ? o->w_scale.twin : o->w;
     if (cb_residual_fused(st, o->T) && o->y_dt == BACKEND_F32 && o->x_dt == BACKEND_BF16 &&
-        o->w_dt == BACKEND_BF16 && !o->bias && !gemv_ok(c, o->T, o->K, o->x, o->w)) {
-        int rc = matmul_acc(c, (float *)resid, (float *)o->y, o->x, o->w, o->T, o->N, o->K);
+        (o->w_dt == BACKEND_BF16 || fp8) && !o->bias && !gemv_ok(c, o->T, o->K, o->x, wb)) {
+        int rc = matmul_acc(c, (float *)resid, (float *)o->y, o->x, wb, o->T, o->N, o->K);
         if (rc) return rc;
         if (s->prof && s->prof->on) {
             char nm[48];
@@ -1090,7 +1162,7 @@ static const backend_iface CB_IFACE = {
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,     cb_matmul_residual,
-    cb_residual_fused, cb_moe_route,  cb_moe,
+    cb_residual_fused, cb_moe_route,  cb_moe, cb_weights_load_fp8,
 };
 
 extern "C" __attribute__((visibility("default"))) int

@@ -83,6 +83,8 @@ struct dcu_ctx {
     size_t att_part_cap, att_ml_cap;
     int32_t *amax_tmp; /* argmax partials: AMX_ROWS x AMX_PARTS (value, index) pairs */
     int last_err;
+    int fp8_gemv_max_t; /* FP8 GEMMs of T <= this on the FP8 GEMV (DISAGG_CUDA_FP8_GEMV=0..8,
+                           default 8; larger T: cuBLASLt bf16 on the twin) */
     int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
                        T through cuBLASLt; at T = 2 cuBLASLt measured faster) */
     int pdl;        /* programmatic dependent launch of the decode kernels (default on;
@@ -301,6 +303,15 @@ int qkv_finish(dcu_ctx *c, float *q, void *kv, int kv_kind, int bs, int n_layers
                const void *qkv, int qkv_dtype, const float *bias, const int32_t *pos,
                const int32_t *seq, const int32_t *bts, int bt_stride, const float *inv_freq,
                int T, int nh, int nkv, int hd, float k_scale, float v_scale);
+
+/* ---- cuda_gemv_fp8.cu --------------------------------------------------------------- */
+/* the FP8 decode GEMV (weight-only: x bf16, w e4m3 with backend_wscale's scales s, bn x bk a
+ * scale) for T = 1..8, and the load-time dequantization to the bf16 twin of the GEMMs */
+int gemv_fp8_ok(int T, int K, int bk, const void *x, const void *w);
+int gemv_fp8(dcu_ctx *c, float *y, const void *x, const void *w, const float *s, int bn, int bk,
+             const float *bias, int T, int N, int K);
+int fp8_dequant_bf16(dcu_ctx *c, bf16 *out, const uint8_t *q, const float *s, int bn, int bk,
+                     int N, int K);
 
 /* ---- cuda_gemm.cu ------------------------------------------------------------------- */
 int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T, int N,

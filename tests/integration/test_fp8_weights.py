@@ -1,0 +1,114 @@
+"""FP8 checkpoints through `disagg serve` on the CPU (the f32 dequantization at load): the random
+tiny compressed-tensors per-channel Llama of tools/gen_random_fp8.py gives transformers' greedy
+output and prompt logprobs (tests/data/model/golden-llama-fp8-channel-tiny.json: transformers on
+the checkpoint's f32-dequantized twin, tools/gen_golden_fp8.py); a P/D pair serving it equals
+colocated; quantization methods disagg lacks, and FP8 tensors without their scales, are refused
+at load naming what was wrong and what is accepted."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import requests
+
+import server_harness
+from server_harness import BIN, DATA, ROOT, Server
+from test_models_arch import COMMON, ids_of, pd_for
+from test_pd import TIMEOUT, assert_kv_pulled
+from test_server_logprobs import check_against_logits
+
+VARIANT = "llama-fp8-channel-tiny"
+GOLDEN = json.loads((DATA / "model" / f"golden-{VARIANT}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp(VARIANT)
+    got = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_random_fp8.py"), "--out", str(d),
+                          "--variant", VARIANT], check=True, capture_output=True, text=True).stdout
+    assert f"weights_sha256 {GOLDEN['weights_sha256']}" in got
+    return d
+
+
+@pytest.fixture(scope="module")
+def colocated(model):
+    s = Server(*COMMON, model=str(model), name="tiny")
+    try:
+        yield s
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.skipif(server_harness.on_gpu(), reason=server_harness.CPU_EXACT)
+def test_greedy_and_prompt_logprobs_match_transformers(colocated):
+    for c in GOLDEN["cases"]:
+        n_prompt = len(c["prompt_ids"])
+        body = {"model": "tiny", "prompt": c["prompt_ids"], "max_tokens": len(c["greedy"]), "temperature": 0,
+                "repetition_penalty": 1.0, "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True,
+                "prompt_logprobs": 16}
+        r = requests.post(colocated.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]] == c["greedy"], n_prompt
+        plp = ch["prompt_logprobs"]
+        for row in c["rows"]:
+            p = row["pos"]
+            if p + 1 < n_prompt:
+                e = plp[p + 1]
+                ours = {int(k): v["logprob"] for k, v in e.items() if v["rank"] is not None}
+                extra = {int(k): v["logprob"] for k, v in e.items() if v["rank"] is None}
+                check_against_logits(ours, row, extra)
+
+
+def test_pd_equals_colocated(model, colocated):
+    pd = pd_for(model)
+    try:
+        base = [int(x) for x in GOLDEN["cases"][3]["prompt_ids"]]
+        for prompt in (base[:40], base):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0,
+                    "ignore_eos": True, "return_tokens_as_token_ids": True}
+            ref = ids_of(requests.post(colocated.url + "/v1/completions", json=body, timeout=TIMEOUT))
+            pr, dr = pd.send(body)
+            assert pr.status_code == 200, pr.text
+            assert ids_of(dr) == ref, len(prompt)
+            assert_kv_pulled(dr.json()["usage"])
+    finally:
+        pd.stop()
+
+
+def generate(model_dir):
+    return subprocess.run([BIN, "generate", str(model_dir), "--prompt-ids", "1,2,3", "--ids", "--max-tokens", "1"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("qc,needles", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, ['quant_method "awq" is not supported', 'accepted:',
+                                                            '"fp8"', '"compressed-tensors"']),
+    ({"quant_method": "gptq", "bits": 4}, ['"gptq" is not supported']),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int",
+                                                                                 "strategy": "channel"}}}},
+     ["weights are int", "int8 w8a8", "accepted:"]),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, ['"modelopt" is not supported']),
+])
+def test_unsupported_methods_refused(model, tmp_path, qc, needles):
+    d = tmp_path / "m"
+    shutil.copytree(model, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = generate(d)
+    assert r.returncode != 0
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+def test_fp8_without_scales_or_config_refused(model, tmp_path):
+    # no quantization_config: the F8_E4M3 tensors are refused naming the missing config
+    d = tmp_path / "noqc"
+    shutil.copytree(model, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = generate(d)
+    assert r.returncode != 0 and "F8_E4M3" in r.stderr and "quantization_config" in r.stderr, r.stderr
