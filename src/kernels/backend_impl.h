@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 5
+#define BACKEND_ABI_VERSION 6
 
 typedef struct backend_iface {
     /* device */
@@ -74,6 +74,13 @@ typedef struct backend_iface {
     int (*measure)(backend *be, double *copy_gbs, double *gemm_tflops, int M, int N, int K);
     int (*matmul_residual)(backend_stream *st, const backend_matmul_op *op, void *resid);
     int (*residual_fused)(backend_stream *st, int T); /* NULL: 0 */
+    /* layer-progress events (optional: NULL where an operation is done when it returns, the
+     * CPU).  event_record returns 1 when it recorded nothing (the stream records a graph);
+     * event_query 1 done, 0 pending, -EIO. */
+    int (*event_new)(backend *be, void **ev);
+    void (*event_free)(backend *be, void *ev);
+    int (*event_record)(backend_stream *st, void *ev);
+    int (*event_query)(backend *be, void *ev);
 } backend_iface;
 
 struct backend {
@@ -89,6 +96,7 @@ struct backend {
     unsigned kv_dtypes;         /* bit (1 << dtype) per KV dtype supported */
     int is_static;              /* 1: backend_close() does nothing (backend_cpu_default) */
     void *module;               /* dlopen handle of the module (closed by backend_close) */
+    struct backend_layer_progress *layer_progress; /* backend_layer_progress_new, or NULL */
 };
 
 struct backend_buffer {

@@ -397,6 +397,7 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
                               .k_norm = L->k_norm,
                               .qk_eps = eps};
         TRY(backend_qkv(st, &qkv));
+        TRY(backend_layer_mark(st, l)); /* layer l's KV is written: it may leave (P/D) */
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
         backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype, NULL, T, h, qd};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
