@@ -263,6 +263,6 @@ int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
 int mc_write_runs(mooncake_connector *c, const side_channel_pull *pull, const xfer_run *runs,
                   size_t n, uint64_t *bytes, unsigned *via, char *err, size_t cap);
 void mc_count_write_locked(mooncake_connector *c, const prod_req *p, int rc, uint64_t bytes,
-                           size_t nruns, unsigned via, uint64_t t0);
+                           size_t nruns, unsigned via, uint64_t t0, int live);
 
 #endif

@@ -247,7 +247,7 @@ int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
 
 /* Caller holds mu.  Count one request's write (whole or streamed) in the stats. */
 void mc_count_write_locked(mooncake_connector *c, const prod_req *p, int rc, uint64_t bytes,
-                           size_t nruns, unsigned via, uint64_t t0) {
+                           size_t nruns, unsigned via, uint64_t t0, int live) {
     char viabuf[64];
     if (rc == 0) {
         static const transfer_protocol order[4] = {TRANSFER_PROTO_TCP, TRANSFER_PROTO_SHM,
@@ -261,8 +261,10 @@ void mc_count_write_locked(mooncake_connector *c, const prod_req *p, int rc, uin
             }
         c->st.send_count++;
         c->st.send_sum_s += (double)(clock_now_ns() - t0) / 1e9;
-        c->st.bytes_sent += bytes;
-        c->st.descriptors_sent += nruns;
+        if (!live) { /* a stream counted them as they went */
+            c->st.bytes_sent += bytes;
+            c->st.descriptors_sent += nruns;
+        }
         c->st.transfers_ok++;
         if (first) /* once per transport: which one the KV moves over */
             LOG_I(MOD, "KV of transfer %s (%" PRIu64 " bytes, %s memory) moved over %s",
@@ -297,7 +299,7 @@ void *mc_sender_main(void *arg) {
                              &via, err, sizeof err);
         pthread_mutex_lock(&c->mu);
         prod_req *p = t->p;
-        mc_count_write_locked(c, p, rc, bytes, nruns, via, t0);
+        mc_count_write_locked(c, p, rc, bytes, nruns, via, t0, 0);
         if (rc) LOG_W(MOD, "transfer %s: %s", p->transfer_id, err);
         p->state = P_DONE;
         mc_prod_release_blocks_locked(c, p); /* one decoder rank: pulled once */

@@ -109,6 +109,10 @@ static int write_layers(mooncake_connector *c, const side_channel_pull *pull, co
     if (rc == 0) {
         acc->bytes += bytes;
         acc->runs += (size_t)k;
+        pthread_mutex_lock(&c->mu); /* the byte counters move as the layers go */
+        c->st.bytes_sent += bytes;
+        c->st.descriptors_sent += (size_t)k;
+        pthread_mutex_unlock(&c->mu);
     }
     return rc;
 }
@@ -216,7 +220,7 @@ static void *stream_main(void *arg) {
         }
         pthread_cond_wait(&c->lw_cv, &c->mu);
     }
-    int streamed = rc == 0;
+    int streamed = rc == 0, live = 1;
     if (rc == 0 && (p->sent_upto < p->n_prompt || p->n_prompt == 0)) {
         /* the chunks did not cover the prompt (no layer marks, out of memory): the kept
          * blocks go whole, as on the whole-request path */
@@ -227,9 +231,10 @@ static void *stream_main(void *arg) {
         unsigned via = 0;
         rc = mc_send_blocks(c, pull, &pull->reqs[t->req], p, &bytes, &nruns, &via, err,
                             sizeof err);
-        acc.bytes += bytes;
-        acc.runs += nruns;
+        acc.bytes = bytes; /* the counters take the whole send (and what went before) */
+        acc.runs = nruns;
         acc.via |= via;
+        live = 0;
         pthread_mutex_lock(&c->mu);
     }
     if (rc == -ECANCELED) {
@@ -238,7 +243,7 @@ static void *stream_main(void *arg) {
         c->fail_p[FP_PREFILL_ENDED]++;
     } else {
         mc_count_write_locked(c, p, rc, acc.bytes, acc.runs, acc.via,
-                              p->prefill_end_ns ? p->prefill_end_ns : clock_now_ns());
+                              p->prefill_end_ns ? p->prefill_end_ns : clock_now_ns(), live);
         if (rc) LOG_W(MOD, "transfer %s (layer-wise): %s", p->transfer_id, err);
     }
     if (rc == 0 && streamed) c->st.layerwise_sent++;
