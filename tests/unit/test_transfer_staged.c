@@ -81,6 +81,7 @@ typedef struct fake_dev {
     _Atomic uint64_t to_host, from_host, bytes_to_host, bytes_from_host, syncs;
     atomic_int pinned_live, streams_live, max_queued;
     _Atomic uint64_t d2d, bytes_d2d;
+    _Atomic uint64_t batches; /* copy_device_batch calls */
     atomic_int exports, opens, closes;
 } fake_dev;
 
@@ -214,6 +215,18 @@ static int f_copy_device(void *ctx, void *st, void *dst, const void *src, size_t
     return 0;
 }
 
+/* A batch is its copies queued as one operation (the CUDA module: one kernel launch). */
+static int f_copy_device_batch(void *ctx, void *st, void *const *dst, const void *const *src,
+                               const size_t *len, size_t n) {
+    fake_dev *d = ctx;
+    atomic_fetch_add(&d->batches, 1);
+    for (size_t i = 0; i < n; i++) {
+        int rc = f_copy_device(ctx, st, dst[i], src[i], len[i]);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 static void fake_init(fake_dev *d, transfer_device_ops *ops) {
     memset(d, 0, sizeof *d);
     d->size = DEVBUF;
@@ -269,6 +282,7 @@ static void add_ipc(transfer_device_ops *o) {
     o->ipc_open = f_ipc_open;
     o->ipc_close = f_ipc_close;
     o->copy_device = f_copy_device;
+    o->copy_device_batch = f_copy_device_batch;
 }
 
 static int setup_proto(void **state, transfer_protocol proto) {
@@ -550,7 +564,8 @@ static void test_cuda_ipc(void **state) {
     assert_int_equal(atomic_load(&f->idev.to_host) + atomic_load(&f->idev.from_host), staged);
     assert_int_equal(atomic_load(&f->idev.opens), 1); /* mapped once */
 
-    /* 32 contiguous requests (odd sizes) = one copy; three scattered = three. */
+    /* 32 contiguous requests (odd sizes) = one copy; three scattered = three copies in one
+     * batch (one device operation). */
     enum { N = 32 };
     transfer_request reqs[N];
     size_t off = 0;
@@ -561,14 +576,25 @@ static void test_cuda_ipc(void **state) {
         off += len;
     }
     fill_random((uint8_t *)f->idev.back + 3, off);
-    uint64_t c0 = atomic_load(&f->idev.d2d);
+    uint64_t c0 = atomic_load(&f->idev.d2d), b0 = atomic_load(&f->idev.batches);
     assert_int_equal(run(f, reqs, N), 0);
     assert_memory_equal(f->tdev.back + 11, f->idev.back + 3, off);
     assert_int_equal(atomic_load(&f->idev.d2d) - c0, 1);
+    assert_int_equal(atomic_load(&f->idev.batches) - b0, 1);
     transfer_request scat[3] = {reqs[0], reqs[5], reqs[9]};
+    fill_random((uint8_t *)f->idev.back + 3, off);
     c0 = atomic_load(&f->idev.d2d);
+    b0 = atomic_load(&f->idev.batches);
     assert_int_equal(run(f, scat, 3), 0);
     assert_int_equal(atomic_load(&f->idev.d2d) - c0, 3);
+    assert_int_equal(atomic_load(&f->idev.batches) - b0, 1);
+    for (int k = 0; k < 3; k++) { /* each landed where it belongs */
+        int i = k == 0 ? 0 : k == 1 ? 5 : 9;
+        size_t o = (size_t)((char *)reqs[i].local - lptr(f, 1, 0));
+        size_t ro = (size_t)(reqs[i].remote_addr - rptr(f, 1, 0));
+        assert_memory_equal((uint8_t *)f->tdev.back + ro, (uint8_t *)f->idev.back + o,
+                            reqs[i].length);
+    }
 
     /* Host memory on the initiator: not cuda_ipc (staged tcp on the target). */
     fill_random(f->ihost, 9000);
