@@ -169,13 +169,13 @@ with netns.Cluster() as cl:
     lw = {"whole": [], "streaming": []}
     try:
         colocated_one(colo, 999)  # warm-ups
-        for d in ds.values():
-            pd_one(p, boot, d, engine_id, 998)
+        for k, d in enumerate(ds.values()):
+            pd_one(p, boot, d, engine_id, 997 - k)
         tx0 = h0.tx_bytes("veth-a")
-        for s in range(a.n):
-            rows["colocated"].append(colocated_one(colo, s)[0])
-            for mode, d in ds.items():
-                t, u = pd_one(p, boot, d, engine_id, s)
+        for s in range(a.n):  # a prompt of its own for every request: P's prefix cache stays out
+            rows["colocated"].append(colocated_one(colo, 3 * s)[0])
+            for k, (mode, d) in enumerate(ds.items()):
+                t, u = pd_one(p, boot, d, engine_id, 3 * s + 1 + k)
                 rows["P/D " + mode].append(t)
                 lw[mode].append(((u or {}).get("kv_transfer") or {}).get("layerwise"))
             print(f"  round {s + 1}/{a.n}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()),
