@@ -570,6 +570,14 @@ static void *reaper_main(void *arg) {
                 beat_waiters_locked(c, p, now);
             }
         }
+        /* a streamed pull whose request is still queued here: the same heartbeat */
+        for (int i = 0; i < c->n_streams; i++) {
+            pull_job *job = c->streams[i]->job;
+            if (now - job->beat_ns < BEAT_PERIOD_NS) continue;
+            job->beat_ns = now;
+            side_channel_reply cr = {.status = SIDE_CHANNEL_CONTINUE};
+            side_channel_call_reply(job->call, &cr);
+        }
         for (cons_req *r = c->conss; r; r = r->next)
             if (r->loading && now >= r->deadline_ns) {
                 r->timed_out = 1;
