@@ -27,8 +27,10 @@ import requests
 
 BIN, MODEL, LOGDIR = sys.argv[1:4]
 os.makedirs(LOGDIR, exist_ok=True)
-COMMON = ["--device", "cuda", "--max-model-len", "8192", "--kv-cache-memory", "2G", "--block-size", "16",
-          "--served-model-name", "tiny"] + os.environ.get("STREAM_SERVE_ARGS", "").split()
+# STREAM_DEVICE=cpu STREAM_IN_LEN=300 STREAM_MAX_LEN=1024 with the tiny model: a dry run here
+COMMON = ["--device", os.environ.get("STREAM_DEVICE", "cuda"), "--max-model-len",
+          os.environ.get("STREAM_MAX_LEN", "8192"), "--kv-cache-memory", os.environ.get("STREAM_KV_MEM", "2G"),
+          "--block-size", "16", "--served-model-name", "tiny"] + os.environ.get("STREAM_SERVE_ARGS", "").split()
 IN_LEN = int(os.environ.get("STREAM_IN_LEN", "4000"))
 N_REQ = int(os.environ.get("STREAM_N", "8"))
 LW_P = 'disagg:kv_transfer_layerwise_requests_total{side="producer"}'
