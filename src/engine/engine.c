@@ -113,6 +113,7 @@ struct engine {
 
     backend_layer_progress *lp; /* layer marks for the connector's prefill_chunk, or NULL */
     uint64_t step_seq;          /* step thread only: the forwards run so far */
+
     ereq *live;               /* step thread only: every request it owns */
     engine_kv_connector conn; /* hooks (conn.classify NULL = none) */
     kv_note *notes;           /* under mu: connector answers (LIFO) */
@@ -888,7 +889,8 @@ static void run_step(engine *e) {
     }
     pl->n_items = n = m;
     uint64_t step = ++e->step_seq;
-    if (e->lp && e->conn.prefill_chunk) { /* the connector streams prefill chunks of remote-decode requests by layer */
+    if (e->lp && e->conn.prefill_chunk) { /* the connector streams prefill chunks of remote-decode
+                                             requests by layer */
         backend_layer_progress_begin(e->lp, step);
         for (int i = 0; i < n; i++) {
             const sched_item *it = &pl->items[i];

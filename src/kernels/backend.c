@@ -707,7 +707,9 @@ struct backend_layer_progress {
 backend_layer_progress *backend_layer_progress_new(backend *be, int n_layers) {
     if (!be || n_layers <= 0 || be->layer_progress) {
         LOG_E("backend", "backend_layer_progress_new: %s",
-              !be ? "no backend" : n_layers <= 0 ? "no layers" : "the backend has one already");
+              !be             ? "no backend"
+              : n_layers <= 0 ? "no layers"
+                              : "the backend has one already");
         return NULL;
     }
     backend_layer_progress *lp = calloc(1, sizeof *lp);

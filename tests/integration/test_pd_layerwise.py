@@ -187,8 +187,8 @@ def slow_model(tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(MODEL / f, d / f)
     cfg = json.loads((MODEL / "config.json").read_text())
-    cfg.update(hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
-               num_key_value_heads=2, layer_types=["full_attention"] * 12)
+    cfg.update(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+               num_key_value_heads=2, layer_types=["full_attention"] * 16)
     (d / "config.json").write_text(json.dumps(cfg))
     return str(d)
 
@@ -214,7 +214,7 @@ def start_stream(x, body):
 
 
 def test_producer_killed_mid_stream_fails_the_decoder_at_once(slow_model):
-    x = Pair(p_args=("--max-num-batched-tokens", "64"), model=slow_model, extra=("--load-format", "dummy"))
+    x = Pair(p_args=("--max-num-batched-tokens", "32"), model=slow_model, extra=("--load-format", "dummy"))
     try:
         ex, fp, fd = start_stream(x, long_body())
         x.p.proc.send_signal(signal.SIGKILL)
@@ -240,7 +240,7 @@ def test_decoder_client_gone_mid_stream_frees_both_sides(slow_model):
     """The decoder's client goes away while P streams: D cancels, P stops writing and
     acknowledges (FINISH), D frees its blocks at once; P's prefill runs to its end and its
     blocks are freed then (nobody will pull them)."""
-    x = Pair(p_args=("--max-num-batched-tokens", "64"), model=slow_model, extra=("--load-format", "dummy"))
+    x = Pair(p_args=("--max-num-batched-tokens", "32"), model=slow_model, extra=("--load-format", "dummy"))
     try:
         body = long_body()
         tid = "xfer-" + str(uuid.uuid4())

@@ -326,7 +326,8 @@ static void request_released(void *ctx, void *hp, uint64_t id) {
     if (h->is_producer) {
         prod_req *p = h->p;
         p->engine_released = 1;
-        pthread_cond_broadcast(&c->lw_cv); /* a stream thread waiting for its chunks */
+        /* a stream thread waiting for its chunks looks again */
+        pthread_cond_broadcast(&c->lw_cv);
         if (p->state == P_PREFILLING) { /* finished without request_finished (engine stop) */
             p->state = P_FAILED;
             snprintf(p->fail_msg, sizeof p->fail_msg, "the prefill request was dropped");
@@ -780,17 +781,16 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         return rc < 0 ? rc : -EINVAL;
     }
     warn_if_exposed(c);
-    engine_kv_connector hooks = {.ctx = c,
-                                 .classify = classify,
-                                 .start_load = start_load,
-                                 .request_finished = request_finished,
-                                 .first_token = first_token,
-                                 .request_released = request_released,
-                                 /* layer marks cost the forward a little: only where a
-                                  * pull can ask for them */
-                                 .prefill_chunk = is_producer_role(c) && c->cfg.layerwise
-                                                      ? mc_prefill_chunk
-                                                      : NULL};
+    engine_kv_connector hooks = {
+        .ctx = c,
+        .classify = classify,
+        .start_load = start_load,
+        .request_finished = request_finished,
+        .first_token = first_token,
+        .request_released = request_released,
+        /* layer marks cost the forward a little: only where a
+         * pull can ask for them */
+        .prefill_chunk = is_producer_role(c) && c->cfg.layerwise ? mc_prefill_chunk : NULL};
     engine_set_kv_connector(eng, &hooks);
     LOG_I(MOD,
           "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "

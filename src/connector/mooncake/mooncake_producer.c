@@ -214,8 +214,8 @@ int mc_write_runs(mooncake_connector *c, const side_channel_pull *pull, const xf
 }
 
 int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
-                       const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
-                       size_t *nruns, unsigned *via, char *err, size_t cap) {
+                   const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
+                   size_t *nruns, unsigned *via, char *err, size_t cap) {
     *via = 0;
     if (pull->n_regions != 1) {
         snprintf(err, cap,
@@ -296,7 +296,7 @@ void *mc_sender_main(void *arg) {
         unsigned via = 0;
         uint64_t t0 = clock_now_ns();
         int rc = mc_send_blocks(c, t->job->pull, &t->job->pull->reqs[t->req], t->p, &bytes, &nruns,
-                             &via, err, sizeof err);
+                                &via, err, sizeof err);
         pthread_mutex_lock(&c->mu);
         prod_req *p = t->p;
         mc_count_write_locked(c, p, rc, bytes, nruns, via, t0, 0);

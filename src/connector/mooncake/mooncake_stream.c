@@ -97,10 +97,10 @@ static int write_layers(mooncake_connector *c, const side_channel_pull *pull, co
                         const int64_t *d_ids, size_t n, int n_layers, int first, int count,
                         xfer_run *runs, stream_acc *acc, char *err, size_t cap) {
     if (n == 0) return 0;
-    int k = xfer_plan_layers(p_ids, d_ids, n, (uint64_t)(uintptr_t)c->region.base,
-                             pull->kv_caches_base_addr[0], c->region.block_bytes,
-                             (uint64_t)c->region.n_blocks, n_layers, first, count, runs, n, err,
-                             cap);
+    int k =
+        xfer_plan_layers(p_ids, d_ids, n, (uint64_t)(uintptr_t)c->region.base,
+                         pull->kv_caches_base_addr[0], c->region.block_bytes,
+                         (uint64_t)c->region.n_blocks, n_layers, first, count, runs, n, err, cap);
     if (k < 0) return k;
     uint64_t bytes = 0;
     unsigned via = 0;
@@ -120,8 +120,8 @@ static int write_layers(mooncake_connector *c, const side_channel_pull *pull, co
 /* Write one chunk: its ready tokens at once, then layer by layer as the forward marks them
  * (layers already written when the thread gets to them go together). */
 static int stream_chunk(mooncake_connector *c, send_task *t, const lw_chunk *ch, int n_prompt,
-                        struct backend_layer_progress *lp, int n_layers, stream_acc *acc,
-                        char *err, size_t cap) {
+                        struct backend_layer_progress *lp, int n_layers, stream_acc *acc, char *err,
+                        size_t cap) {
     const side_channel_pull *pull = t->job->pull;
     const side_channel_block_group *g = &pull->reqs[t->req].groups[0];
     int bs = c->region.block_size;
@@ -140,12 +140,12 @@ static int stream_chunk(mooncake_connector *c, send_task *t, const lw_chunk *ch,
         rc = -ENOMEM;
     }
     if (rc == 0 && ch->ready_lo < ch->start) { /* there before this step: every layer now */
-        size_t n = pair_blocks(ch, g, n_total, ch->ready_lo / bs, (ch->start + bs - 1) / bs,
-                               p_ids, d_ids);
+        size_t n =
+            pair_blocks(ch, g, n_total, ch->ready_lo / bs, (ch->start + bs - 1) / bs, p_ids, d_ids);
         rc = write_layers(c, pull, p_ids, d_ids, n, n_layers, 0, n_layers, runs, acc, err, cap);
     }
-    size_t n = rc ? 0 : pair_blocks(ch, g, n_total, ch->start / bs, (ch->end + bs - 1) / bs,
-                                    p_ids, d_ids);
+    size_t n =
+        rc ? 0 : pair_blocks(ch, g, n_total, ch->start / bs, (ch->end + bs - 1) / bs, p_ids, d_ids);
     for (int l = 0; rc == 0 && l < n_layers;) {
         for (;;) {
             if (atomic_load(&t->stop)) {
@@ -229,8 +229,7 @@ static void *stream_main(void *arg) {
         uint64_t bytes = 0;
         size_t nruns = 0;
         unsigned via = 0;
-        rc = mc_send_blocks(c, pull, &pull->reqs[t->req], p, &bytes, &nruns, &via, err,
-                            sizeof err);
+        rc = mc_send_blocks(c, pull, &pull->reqs[t->req], p, &bytes, &nruns, &via, err, sizeof err);
         acc.bytes = bytes; /* the counters take the whole send (and what went before) */
         acc.runs = nruns;
         acc.via |= via;
@@ -317,8 +316,8 @@ void mc_stream_start_locked(mooncake_connector *c, prod_req *p) {
 
 /* Caller holds mu.  Stop the stream threads of a decoder's pull: by its identity and D
  * request id (a cancel), or by its side-channel connection (conn != 0: it closed). */
-void mc_stream_stop_locked(mooncake_connector *c, const void *peer, size_t peer_len,
-                           uint64_t conn, const char *req_id, const char *why) {
+void mc_stream_stop_locked(mooncake_connector *c, const void *peer, size_t peer_len, uint64_t conn,
+                           const char *req_id, const char *why) {
     for (int i = 0; i < c->n_streams; i++) {
         send_task *t = c->streams[i];
         int hit = conn ? side_channel_call_conn(t->job->call) == conn
