@@ -190,7 +190,11 @@ static void *stream_main(void *arg) {
     char err[320] = "";
     stream_acc acc = {0};
     xfer_kv_shape sh;
-    int rc = tp_shape_from_fingerprint(c->region.fingerprint, &sh, err, sizeof err);
+    /* a layout this file cannot cut into layers: the whole blocks at the prefill's end */
+    int layers = tp_shape_from_fingerprint(c->region.fingerprint, &sh, err, sizeof err) == 0 &&
+                 sh.n_layers > 0 && c->region.block_bytes % (size_t)sh.n_layers == 0;
+    int rc = 0;
+    err[0] = '\0';
     size_t next = 0;
     int reason = FP_WRITE_FAILED;
     pthread_mutex_lock(&c->mu);
@@ -201,7 +205,9 @@ static void *stream_main(void *arg) {
             rc = -ECANCELED;
             break;
         }
-        if (next < p->n_chunks) {
+        if (!layers) {
+            next = p->n_chunks; /* nothing streamed: the fallback below sends it all */
+        } else if (next < p->n_chunks) {
             lw_chunk ch = p->chunks[next++]; /* its blocks stay until p is freed */
             int n_prompt = p->n_prompt;
             struct backend_layer_progress *lp = p->lp;
@@ -221,7 +227,7 @@ static void *stream_main(void *arg) {
         pthread_cond_wait(&c->lw_cv, &c->mu);
     }
     int streamed = rc == 0, live = 1;
-    if (rc == 0 && (p->sent_upto < p->n_prompt || p->n_prompt == 0)) {
+    if (rc == 0 && (!layers || p->sent_upto < p->n_prompt || p->n_prompt == 0)) {
         /* the chunks did not cover the prompt (no layer marks, out of memory): the kept
          * blocks go whole, as on the whole-request path */
         streamed = 0;
