@@ -12,7 +12,9 @@
  * buffer of 1 x KV); it prints one line and then answers "verify" commands on stdin, so
  * every byte written is checked where it landed.  Layouts: contiguous (one request per
  * block, adjacent on both sides: cuda_ipc makes them one copy) and scattered (every other
- * block of the target's region: one copy per block).
+ * block of the target's region: one copy per block, which cuda_ipc queues as one batch --
+ * measured for each way the CUDA module can run a batch, DISAGG_CUDA_BATCH_COPY each /
+ * memcpy_batch / kernel), and one layer of every block (layer-wise streaming's unit).
  */
 #include "base/bytesize.h"
 #include "base/flags.h"
@@ -586,20 +588,51 @@ static int tc_run(const tc_options *o) {
                 status = 1;
             }
         }
-        tc_time(ea, scat, nb, o->reps, api, &r);
-        if (r.rc) {
-            fprintf(stderr, "cuda_ipc scattered: %s\n", transfer_strerror(r.rc));
-            status = 1;
-        } else {
-            tc_row("cuda_ipc", "scattered", nb, &r, kv);
+        /* scattered: every block its own copy, as one batch operation (the gather/scatter
+         * kernel, the default), cudaMemcpyBatchAsync, or one cudaMemcpyAsync each (before) */
+        static const char *const modes[3] = {"each", "memcpy_batch", "kernel"};
+        for (int m = 0; m < 3; m++) {
+            setenv("DISAGG_CUDA_BATCH_COPY", modes[m], 1);
+            char what[48];
+            snprintf(what, sizeof what, "cuda_ipc (%s)", modes[m]);
+            const uint64_t seed_m = seed ^ (0x51 + (uint64_t)m);
+            if (tc_fill(&ops, o->device, dev, kv, 0, seed_m)) status = 1;
+            tc_time(ea, scat, nb, o->reps, api, &r);
+            if (r.rc) {
+                fprintf(stderr, "%s scattered: %s\n", what, transfer_strerror(r.rc));
+                status = 1;
+                continue;
+            }
+            tc_row(what, "scattered", nb, &r, kv);
             long long bad = 0;
             for (size_t i = 0; i < nb && bad == 0; i++)
-                bad = tc_remote_check(&c, "verify", 2 * i * bb, bb, i * bb, seed);
+                bad = tc_remote_check(&c, "verify", 2 * i * bb, bb, i * bb, seed_m);
             if (bad != 0) {
-                fprintf(stderr, "cuda_ipc scattered: %lld bytes differ at the target\n", bad);
+                fprintf(stderr, "%s scattered: %lld bytes differ at the target\n", what, bad);
                 status = 1;
             }
         }
+        /* one layer of every block (layer-wise streaming's unit): bb / layers bytes at
+         * layer 1's offset of each block, scattered as above */
+        size_t lb = bb / (size_t)o->layers;
+        transfer_request *lay = calloc(nb, sizeof *lay);
+        for (int m = 0; lay && m < 3; m++) {
+            setenv("DISAGG_CUDA_BATCH_COPY", modes[m], 1);
+            for (size_t i = 0; i < nb; i++)
+                lay[i] = (transfer_request){TRANSFER_WRITE, dev + i * bb + lb, sa,
+                                            c.dev + 2 * i * bb + lb, lb};
+            char what[48];
+            snprintf(what, sizeof what, "cuda_ipc (%s)", modes[m]);
+            tc_time(ea, lay, nb, o->reps, api, &r);
+            if (r.rc) {
+                fprintf(stderr, "%s one layer: %s\n", what, transfer_strerror(r.rc));
+                status = 1;
+                continue;
+            }
+            tc_row(what, "one layer", nb, &r, lb * nb);
+        }
+        free(lay);
+        unsetenv("DISAGG_CUDA_BATCH_COPY");
     }
     if (o->tcp) {
         long reps = o->reps < 5 ? o->reps : 5;

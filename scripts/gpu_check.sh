@@ -23,6 +23,13 @@
 #      client: carried as wheels in $PREBUILT/whl when the image lacks it) and
 #      `disagg bench transfer --location cuda:0`; KV_7B=1 adds TTFT at a 4k prompt on the
 #      7B shape (random weights made here, the Qwen2.5 tokenizer), P/D vs colocated.
+# ONLY=stream (layer-wise P/D streaming and one-launch KV copies; stream_steps below):
+#      test_gpu_transfer (with the gather/scatter copy kernel, and with one copy per block),
+#      `disagg bench transfer --location cuda:0` (256 scattered 917 KB blocks: one copy each vs
+#      cudaMemcpyBatchAsync vs the kernel, one layer of every block, the contiguous ceiling),
+#      the tiny-model P/D check (tools/gpu_pd_check.py, PD_QUICK) and tools/gpu_stream_check.py:
+#      TTFT at a 4k prompt on the 7B shape, colocated vs P/D over cuda_ipc and staged tcp, the
+#      whole-request path vs streaming against the same producer in the same run.
 # NO_REBUILD=1 (with PREBUILT) uses the bundle's prebuilt CUDA module instead of rebuilding it.
 # QUICK=1 skips the variant (GEMV=0) and the HF references (a short re-run);
 # PERF_VARIANTS=1 re-runs the 7B decode/prefill with each kernel switch flipped;
@@ -256,6 +263,34 @@ kv_steps() {
   step "bench transfer --location cuda:0 (cuda_ipc and staged tcp vs ceilings of the same run)"
   "$BIN" bench transfer --location cuda:0
   check $? "bench transfer --location cuda:0"
+}
+stream_steps() {
+  step "stream: test_gpu_transfer (cuda_ipc batches as one gather/scatter kernel launch), then one copy per block"
+  DISAGG_BIN=$BIN "$BUILD/test_gpu_transfer"
+  check $? test_gpu_transfer
+  DISAGG_CUDA_BATCH_COPY=each DISAGG_BIN=$BIN "$BUILD/test_gpu_transfer"
+  check $? "test_gpu_transfer with DISAGG_CUDA_BATCH_COPY=each"
+  step "stream: bench transfer --location cuda:0 --ipc (256 scattered 917 KB blocks: each / memcpy_batch / kernel; target <= 0.2 ms)"
+  "$BIN" bench transfer --location cuda:0
+  check $? "bench transfer --location cuda:0"
+  step "stream: P/D on the tiny model (streaming is the default), P/D must equal colocated"
+  if python3 -c 'import openai' 2>/dev/null; then
+    mkdir -p "$OUT/pd-stream"
+    PD_QUICK=1 PYTHONUNBUFFERED=1 python3 tools/gpu_pd_check.py "$BIN" "$SRC/models/disagg-sotu-tiny" "$OUT/pd-stream"
+    check $? "gpu_pd_check (quick)"
+  else
+    echo "******** SKIP gpu_pd_check: the openai package is not importable here ********"
+  fi
+  step "stream: TTFT at a 4k prompt, 7B shape: colocated vs P/D (cuda_ipc, staged tcp) x (whole, streaming)"
+  W7=/dev/shm/q7b
+  [ "$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)" -gt 20 ] 2>/dev/null || W7=/tmp/q7b
+  [ -f "$W7/model.safetensors.index.json" ] || python3 tools/gen_random_qwen2_gpu.py --out "$W7" --shape 7b
+  check $? "gen_random_qwen2_gpu 7b"
+  TOK=$SRC/../shared/data/qwen2.5-tokenizer
+  [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
+  cp "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$W7"/
+  PYTHONUNBUFFERED=1 python3 tools/gpu_stream_check.py "$BIN" "$W7" "$OUT/stream"
+  check $? gpu_stream_check
 }
 prefill_steps() {
   step "prefill: 7B-shaped random bf16 weights"
@@ -531,11 +566,12 @@ fp8_steps() {
   check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_PROF=1"
 }
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ]; then
+   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = stream ]; then
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = fp8kv ] && fp8kv_steps
   [ "$ONLY" = fp8 ] && fp8_steps
   [ "$ONLY" = arch ] && arch_steps
+  [ "$ONLY" = stream ] && stream_steps
   [ "$ONLY" = inv ] && inv_steps
   [ "$ONLY" = kv ] && kv_steps
   [ "$ONLY" = prefill ] && prefill_steps

@@ -194,6 +194,12 @@ typedef struct transfer_device_ops {
     int (*ipc_open)(void *ctx, int device, const void *handle, size_t handle_len, void **base);
     void (*ipc_close)(void *ctx, void *base);
     int (*copy_device)(void *ctx, void *stream, void *dst, const void *src, size_t len);
+    /* Optional (NULL = copy_device per copy): queue n device-to-device copies
+     * (dst[i] <- src[i], len[i] bytes; none overlapping) on stream as one
+     * operation -- the CUDA module launches one gather/scatter copy kernel
+     * over the list (docs/transfer.md "cuda_ipc"). */
+    int (*copy_device_batch)(void *ctx, void *stream, void *const *dst, const void *const *src,
+                             const size_t *len, size_t n);
 } transfer_device_ops;
 
 #define TRANSFER_IPC_HANDLE_MAX 64

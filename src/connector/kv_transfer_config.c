@@ -74,7 +74,8 @@ static const top_key TOP_KEYS[] = {
 
 static const char *const EXTRA_KEYS[] = {
     "num_workers", "mooncake_protocol", "device_name",         "bootstrap_server_address",
-    "auth_secret", "max_pending_pulls", "first_token_handoff", "max_remote_loads"};
+    "auth_secret", "max_pending_pulls", "first_token_handoff", "max_remote_loads",
+    "layerwise"};
 #define N_EXTRA_KEYS (sizeof EXTRA_KEYS / sizeof EXTRA_KEYS[0])
 
 static const char *const ROLE_NAMES[] = {"kv_producer", "kv_consumer", "kv_both"};
@@ -312,6 +313,15 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
                 return KV_CONFIG_EINVAL;
             }
             c->first_token_handoff = json_is_true(v);
+        } else if (strcmp(key, "layerwise") == 0) {
+            if (!json_is_boolean(v)) {
+                err_set(err, cap,
+                        "kv-transfer-config: kv_connector_extra_config.layerwise: %s is not "
+                        "accepted; accepted: true (default) or false",
+                        json_short(v, shown, sizeof shown));
+                return KV_CONFIG_EINVAL;
+            }
+            c->layerwise = json_is_true(v);
         } else {
             const char *hint = did_you_mean(key, EXTRA_KEYS, N_EXTRA_KEYS);
             LOG_W(MOD,
@@ -388,6 +398,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     c.max_pending_pulls = KV_CONFIG_PENDING_PULLS_DEFAULT;
     c.max_remote_loads = KV_CONFIG_REMOTE_LOADS_DEFAULT;
     c.first_token_handoff = 1;
+    c.layerwise = 1;
     if (err && err_cap) err[0] = '\0';
     if (!json_text) {
         err_set(err, err_cap, "kv-transfer-config: missing (NULL) text");

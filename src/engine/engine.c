@@ -52,6 +52,7 @@ typedef struct ereq {
 
     int n_kv_received;     /* usage: prompt tokens whose KV came from the producer */
     int n_prompt_computed; /* usage: prompt tokens run through the model here */
+    int kv_layerwise;      /* usage: the producer streamed the KV layer by layer */
 
     grammar *gm;           /* structured outputs: the constraint, or NULL */
     grammar_state gs;      /* its state after the output so far */
@@ -74,6 +75,7 @@ typedef struct kv_note { /* a connector's answer, queued for the step thread */
     int http_status;     /* failure: its HTTP status (0 = 500) */
     int has_first;       /* ok: the producer's first output token came with the KV */
     int32_t first_token; /* that token */
+    int layerwise;       /* ok: the producer streamed it layer by layer */
     char error[512];
     struct kv_note *next;
 } kv_note;
@@ -108,6 +110,9 @@ struct engine {
     int stop;
     uint64_t next_id;
     engine_stats stats; /* snapshot published after every step */
+
+    backend_layer_progress *lp; /* layer marks for the connector's prefill_chunk, or NULL */
+    uint64_t step_seq;          /* step thread only: the forwards run so far */
 
     ereq *live;               /* step thread only: every request it owns */
     engine_kv_connector conn; /* hooks (conn.classify NULL = none) */
@@ -212,6 +217,7 @@ static void emit_finish(engine *e, ereq *r, const char *reason, int32_t stop_tok
                        .kv_role = r->kv_role,
                        .n_kv_received = r->n_kv_received,
                        .n_prompt_computed = r->n_prompt_computed,
+                       .kv_layerwise = r->kv_layerwise,
                        .t_queued_ns = r->t_arrival_ns,
                        .t_scheduled_ns = r->t_scheduled_ns,
                        .t_first_token_ns = r->t_first_token_ns,
@@ -462,6 +468,16 @@ void engine_kv_load_done_first_token(engine *e, uint64_t id, int32_t token) {
     push_note(e, n);
 }
 
+void engine_kv_load_done_streamed(engine *e, uint64_t id, int32_t token, int layerwise) {
+    kv_note *n = note_new(id, 0, "reporting the KV load");
+    if (!n) return;
+    n->ok = 1;
+    n->has_first = token >= 0;
+    n->first_token = token;
+    n->layerwise = layerwise;
+    push_note(e, n);
+}
+
 void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
                            const char *error) {
     kv_note *n = note_new(id, 0, "reporting the KV load");
@@ -485,6 +501,10 @@ void engine_set_kv_connector(engine *e, const engine_kv_connector *c) {
         e->conn = *c;
     else
         memset(&e->conn, 0, sizeof e->conn);
+    /* before the first submit: the step thread runs no forward yet */
+    if (e->conn.prefill_chunk && !e->lp)
+        e->lp = backend_layer_progress_new(e->be, e->model.cfg.n_layers);
+    if (!e->lp) e->conn.prefill_chunk = NULL; /* logged: the whole-request path only */
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -691,6 +711,7 @@ static void handle_note(engine *e, const kv_note *n) {
     if (n->ok) {
         /* the KV start_load() asked for: the prompt less the local prefix-cache hits */
         r->n_kv_received = r->s.n_prompt - r->s.n_cached;
+        r->kv_layerwise = n->layerwise;
         if (r->prompt_lp && r->prompt_lp_done < r->s.n_prompt) {
             /* Prompt logprobs need every prompt position's logits, which the received
              * KV does not carry: compute the prompt here (the same positions, the same
@@ -897,7 +918,21 @@ static void run_step(engine *e) {
         m++;
     }
     pl->n_items = n = m;
+    uint64_t step = ++e->step_seq;
+    if (e->lp && e->conn.prefill_chunk) { /* the connector streams prefill chunks of remote-decode
+                                             requests by layer */
+        backend_layer_progress_begin(e->lp, step);
+        for (int i = 0; i < n; i++) {
+            const sched_item *it = &pl->items[i];
+            ereq *r = it->s->owner;
+            if (r->kv_role != KV_REQ_REMOTE_DECODE || it->start >= r->s.n_prompt) continue;
+            int end = it->start + it->count < r->s.n_prompt ? it->start + it->count : r->s.n_prompt;
+            e->conn.prefill_chunk(e->conn.ctx, r->kv_handle, r->s.id, r->s.blocks, r->s.n_blocks,
+                                  it->start, end, r->s.n_prompt, step, e->lp);
+        }
+    }
     int rc = decoder_forward(&e->model, e->state, &e->kv, e->fwd, n);
+    backend_layer_progress_end(e->lp, step); /* synced (or failed): every layer is done */
     if (rc != 0) {
         for (int i = 0; i < n; i++)
             finish(e, pl->items[i].s->owner, "error", -1, "model forward failed");
@@ -1223,6 +1258,7 @@ void engine_destroy(engine *e) {
     free(e->gallow);
     free(e->amax);
     decoder_state_free(e->state);
+    backend_layer_progress_free(e->lp);
     kv_store_free(&e->kv);
     decoder_free(&e->model);
     backend_close(e->be);

@@ -124,6 +124,7 @@ typedef struct engine_event {
     int kv_role;               /* kv_role_of_request: LOCAL, REMOTE_PREFILL or REMOTE_DECODE */
     int n_kv_received;         /* prompt tokens whose KV a producer sent (consumer, load ok) */
     int n_prompt_computed;     /* prompt tokens this instance ran through the model */
+    int kv_layerwise;          /* consumer: the producer streamed the KV layer by layer */
     /* timeline (clock_now_ns; 0 = never happened): submitted, first scheduled,
      * first and last generated token — vLLM's queue/prefill/decode/inference times */
     uint64_t t_queued_ns, t_scheduled_ns, t_first_token_ns, t_last_token_ns;
@@ -169,6 +170,9 @@ void engine_kv_load_done(engine *e, uint64_t id, int ok, int recompute, uint64_t
  * is computed here.  Otherwise it is engine_kv_load_done(e, id, 1, 0, 0, NULL):
  * the last prompt position is recomputed (an out-of-vocabulary token is logged). */
 void engine_kv_load_done_first_token(engine *e, uint64_t id, int32_t token);
+/* Either of the two above (token < 0: engine_kv_load_done(e, id, 1, 0, 0, NULL)), also
+ * saying whether the producer streamed the KV layer by layer (engine_event.kv_layerwise). */
+void engine_kv_load_done_streamed(engine *e, uint64_t id, int32_t token, int layerwise);
 /* engine_kv_load_done(e, id, 0, recompute, hold_ns, error) that also says
  * which HTTP status the failure is (400: unusable kv_transfer_params, 502/503:
  * producer unreachable or failing, 504: no KV in time; 0 = 500). */

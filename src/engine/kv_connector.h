@@ -23,6 +23,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+struct backend_layer_progress; /* kernels/backend.h */
+
 typedef enum kv_role_of_request {
     KV_REQ_LOCAL = 0,          /* no remote KV involved */
     KV_REQ_REMOTE_PREFILL = 1, /* consumer: load the prompt's KV from a producer */
@@ -51,6 +53,17 @@ typedef struct engine_kv_connector {
     void (*first_token)(void *ctx, void *handle, uint64_t id, int32_t token);
     /* The engine forgets the request (after finish or abort); free handle. */
     void (*request_released)(void *ctx, void *handle, uint64_t id);
+    /* Producer (optional, may be NULL; with it the engine marks each layer's KV as the
+     * forward writes it, kernels/backend.h "layer progress"): the forward of step `step`
+     * computes prompt tokens [start, end) of a remote-decode request (one prefill chunk;
+     * n_prompt tokens in all).  blocks (n_blocks) is its block table now: it grows with
+     * later chunks, and after a preemption the tokens come again, in new blocks.  Tokens
+     * before start were there before this step (prefix cache, earlier chunks).  Layer l
+     * of the chunk is written once backend_layer_wait(progress, step, l, ...) returns; the
+     * blocks stay the request's until request_finished (which follows the last chunk). */
+    void (*prefill_chunk)(void *ctx, void *handle, uint64_t id, const int32_t *blocks,
+                          int n_blocks, int start, int end, int n_prompt, uint64_t step,
+                          struct backend_layer_progress *progress);
 } engine_kv_connector;
 
 /* The KV region, for registration with the transfer engine and the layout

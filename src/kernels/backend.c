@@ -8,6 +8,7 @@
 #include "kernels/cpu/cpu_matmul.h"
 #include "kernels/cuda/cuda_transfer.h"
 
+#include "base/clock.h"
 #include "base/log.h"
 
 #include <dlfcn.h>
@@ -783,4 +784,146 @@ int backend_measure(backend *be, double *copy_gbs, double *gemm_tflops, int M, i
     if (!be || !be->iface->measure) return -ENOTSUP;
     CHECK(M >= 1 && N >= 1 && K >= 1, "measure: M %d, N %d, K %d (need >= 1)", M, N, K);
     return be->iface->measure(be, copy_gbs, gemm_tflops, M, N, K);
+}
+
+/* ---- layer progress (backend.h) -------------------------------------------------------- */
+
+struct backend_layer_progress {
+    backend *be;
+    int n_layers;
+    pthread_mutex_t mu; /* guards everything below; held around event record and query */
+    pthread_cond_t cv;  /* a mark completed or a step ended */
+    uint64_t cur;       /* the step being enqueued */
+    uint64_t done;      /* every layer of the steps <= done is written */
+    uint64_t *marked;   /* (n_layers) the step of the layer's last recorded event */
+    uint64_t *written;  /* (n_layers) the last step whose layer is known written */
+    void **ev;          /* (n_layers) device events; NULL: a mark completes at once */
+};
+
+backend_layer_progress *backend_layer_progress_new(backend *be, int n_layers) {
+    if (!be || n_layers <= 0 || be->layer_progress) {
+        LOG_E("backend", "backend_layer_progress_new: %s",
+              !be             ? "no backend"
+              : n_layers <= 0 ? "no layers"
+                              : "the backend has one already");
+        return NULL;
+    }
+    backend_layer_progress *lp = calloc(1, sizeof *lp);
+    if (!lp) return NULL;
+    lp->be = be;
+    lp->n_layers = n_layers;
+    lp->marked = calloc((size_t)n_layers, sizeof *lp->marked);
+    lp->written = calloc((size_t)n_layers, sizeof *lp->written);
+    int ok = lp->marked && lp->written;
+    if (ok && be->iface->event_new) {
+        lp->ev = calloc((size_t)n_layers, sizeof *lp->ev);
+        ok = lp->ev != NULL;
+        for (int l = 0; ok && l < n_layers; l++)
+            ok = be->iface->event_new(be, &lp->ev[l]) == 0;
+    }
+    pthread_mutex_init(&lp->mu, NULL);
+    clock_cond_init(&lp->cv);
+    if (!ok) {
+        LOG_E("backend", "backend_layer_progress_new: cannot create %d layer events on %s",
+              n_layers, be->name);
+        be->layer_progress = lp;
+        backend_layer_progress_free(lp);
+        return NULL;
+    }
+    be->layer_progress = lp;
+    return lp;
+}
+
+void backend_layer_progress_free(backend_layer_progress *lp) {
+    if (!lp) return;
+    if (lp->be->layer_progress == lp) lp->be->layer_progress = NULL;
+    for (int l = 0; lp->ev && l < lp->n_layers; l++)
+        if (lp->ev[l]) lp->be->iface->event_free(lp->be, lp->ev[l]);
+    free(lp->ev);
+    free(lp->marked);
+    free(lp->written);
+    pthread_mutex_destroy(&lp->mu);
+    pthread_cond_destroy(&lp->cv);
+    free(lp);
+}
+
+void backend_layer_progress_begin(backend_layer_progress *lp, uint64_t step) {
+    if (!lp) return;
+    pthread_mutex_lock(&lp->mu);
+    lp->cur = step;
+    pthread_mutex_unlock(&lp->mu);
+}
+
+void backend_layer_progress_end(backend_layer_progress *lp, uint64_t step) {
+    if (!lp) return;
+    pthread_mutex_lock(&lp->mu);
+    if (step > lp->done) lp->done = step;
+    pthread_cond_broadcast(&lp->cv);
+    pthread_mutex_unlock(&lp->mu);
+}
+
+uint64_t backend_layer_progress_done(backend_layer_progress *lp) {
+    if (!lp) return 0;
+    pthread_mutex_lock(&lp->mu);
+    uint64_t d = lp->done;
+    pthread_mutex_unlock(&lp->mu);
+    return d;
+}
+
+int backend_layer_mark(backend_stream *st, int layer) {
+    backend_layer_progress *lp = st ? st->be->layer_progress : NULL;
+    if (!lp) return 0;
+    if (layer < 0 || layer >= lp->n_layers) {
+        LOG_E("backend", "backend_layer_mark: layer %d out of range (0..%d)", layer,
+              lp->n_layers - 1);
+        return -EINVAL;
+    }
+    int rc = 0;
+    pthread_mutex_lock(&lp->mu);
+    if (!lp->ev) { /* the operations before it are done: the layer is written */
+        lp->written[layer] = lp->cur;
+        pthread_cond_broadcast(&lp->cv);
+    } else {
+        rc = lp->be->iface->event_record(st, lp->ev[layer]);
+        if (rc == 0) lp->marked[layer] = lp->cur;
+        rc = rc > 0 ? 0 : rc; /* recording a graph: the step's _end completes it */
+    }
+    pthread_mutex_unlock(&lp->mu);
+    return rc;
+}
+
+/* How long a waiter sleeps between queries of a pending device event. */
+#define LAYER_POLL_NS 20000u
+
+int backend_layer_wait(backend_layer_progress *lp, uint64_t step, int layer, uint64_t timeout_ns) {
+    if (!lp || layer < 0 || layer >= lp->n_layers) return -EINVAL;
+    uint64_t deadline = clock_now_ns() + timeout_ns;
+    int rc = 0;
+    pthread_mutex_lock(&lp->mu);
+    for (;;) {
+        if (lp->done >= step || lp->written[layer] >= step) break;
+        int pending = 0;
+        if (lp->ev && lp->marked[layer] >= step) {
+            int q = lp->be->iface->event_query(lp->be, lp->ev[layer]);
+            if (q < 0) {
+                rc = -EIO;
+                break;
+            }
+            if (q > 0) { /* the event (of this step or a later one) completed */
+                lp->written[layer] = lp->marked[layer];
+                break;
+            }
+            pending = 1;
+        }
+        uint64_t now = clock_now_ns();
+        if (now >= deadline) {
+            rc = -ETIMEDOUT;
+            break;
+        }
+        uint64_t until = pending && deadline - now > LAYER_POLL_NS ? now + LAYER_POLL_NS : deadline;
+        struct timespec ts = clock_to_timespec(until);
+        pthread_cond_timedwait(&lp->cv, &lp->mu, &ts);
+    }
+    pthread_mutex_unlock(&lp->mu);
+    return rc;
 }

@@ -537,4 +537,31 @@ int backend_graph_end(backend_stream *st, int ok);
 void backend_graph_reset(backend_stream *st);
 int backend_graph_count(const backend_stream *st); /* graphs recorded on st (tests, logs) */
 
+/* ---- layer progress: how far a forward has written the KV --------------------------------
+ *
+ * A prefill's KV can leave the device layer by layer while the later layers are computed
+ * (layer-wise P/D streaming, docs/connector.md).  A backend_layer_progress belongs to one
+ * backend (backend_layer_progress_new attaches it; one per backend) and numbers forwards by
+ * the caller's step counter: the engine says backend_layer_progress_begin(lp, step) before a
+ * forward and backend_layer_progress_end(lp, step) after it has synced (or failed: the step is
+ * over either way); the model calls backend_layer_mark(st, layer) after each layer's KV write
+ * and attention, which records "layer written" at that point of the stream (the CUDA backend:
+ * one cudaEvent per layer, recorded on the stream; the CPU backend runs each operation before
+ * returning, so the mark itself completes it).  Any thread may then wait for a layer of a step
+ * with backend_layer_wait.  A mark made while the stream records a graph is not kept (the
+ * graph's replays do not record it): such a step's layers complete at its _end.  Without a
+ * progress attached, backend_layer_mark does nothing. */
+typedef struct backend_layer_progress backend_layer_progress;
+/* NULL on failure (logged) or when be already has one. */
+backend_layer_progress *backend_layer_progress_new(backend *be, int n_layers);
+void backend_layer_progress_free(backend_layer_progress *lp); /* detaches it; NULL is fine */
+void backend_layer_progress_begin(backend_layer_progress *lp, uint64_t step);
+void backend_layer_progress_end(backend_layer_progress *lp, uint64_t step);
+int backend_layer_mark(backend_stream *st, int layer);
+/* 0 once layer `layer` of step `step` (and every earlier step) is written, -ETIMEDOUT when
+ * timeout_ns passed first, -EIO on a device error, -EINVAL for a layer out of range. */
+int backend_layer_wait(backend_layer_progress *lp, uint64_t step, int layer, uint64_t timeout_ns);
+/* The step of the last _end (0: none yet). */
+uint64_t backend_layer_progress_done(backend_layer_progress *lp);
+
 #endif

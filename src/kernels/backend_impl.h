@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 7
+#define BACKEND_ABI_VERSION 8
 
 typedef struct backend_iface {
     /* device */
@@ -83,6 +83,13 @@ typedef struct backend_iface {
     int (*weights_load_fp8)(backend *be, backend_buffer *b, const uint8_t *src, int N, int K,
                             const float *scales, int block_n, int block_k, backend_dtype *stored,
                             backend_wscale *ws);
+    /* layer-progress events (optional: NULL where an operation is done when it returns, the
+     * CPU).  event_record returns 1 when it recorded nothing (the stream records a graph);
+     * event_query 1 done, 0 pending, -EIO. */
+    int (*event_new)(backend *be, void **ev);
+    void (*event_free)(backend *be, void *ev);
+    int (*event_record)(backend_stream *st, void *ev);
+    int (*event_query)(backend *be, void *ev);
 } backend_iface;
 
 struct backend {
@@ -98,6 +105,7 @@ struct backend {
     unsigned kv_dtypes;         /* bit (1 << dtype) per KV dtype supported */
     int is_static;              /* 1: backend_close() does nothing (backend_cpu_default) */
     void *module;               /* dlopen handle of the module (closed by backend_close) */
+    struct backend_layer_progress *layer_progress; /* backend_layer_progress_new, or NULL */
 };
 
 struct backend_buffer {

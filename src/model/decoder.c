@@ -459,6 +459,7 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
                               .sv = L->wv.scale,
                               .sqkv = L->wqkv.scale};
         TRY(backend_qkv(st, &qkv));
+        TRY(backend_layer_mark(st, l)); /* layer l's KV is written: it may leave (P/D) */
         TRY(backend_attention_to(st, s->att, mm, s->q, a, &bkv, l, nh, scale));
         backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype,
                                NULL, T, h,      qd, L->wo.scale};

@@ -31,6 +31,7 @@ typedef struct gen_event {
     int error_status;                    /* its HTTP status (0 = 500) */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
     int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
+    int kv_layerwise;                    /* FINISHED: the KV came layer by layer */
     metrics_request timing;              /* FINISHED: the engine's timeline */
     engine_token *prompt_lp;             /* (n_prompt) prompt logprobs, or NULL */
 } gen_event;
@@ -60,6 +61,7 @@ static void gen_engine_cb(void *ctx, const engine_event *ev) {
         g->n_generated = ev->n_generated;
         g->kv_role = ev->kv_role;
         g->n_kv_recv = ev->n_kv_received;
+        g->kv_layerwise = ev->kv_layerwise;
         g->n_computed = ev->n_prompt_computed;
         g->timing.t_queued_ns = ev->t_queued_ns;
         g->timing.t_scheduled_ns = ev->t_scheduled_ns;
@@ -261,6 +263,8 @@ void gen_usage(const gen_req *r, oai_usage *u) {
         u->completion_tokens += r->ch[i].n_tokens;
         if (r->ch[i].seq == 0) u->cached_tokens += r->ch[i].n_cached;
         if (r->ch[i].kv_role) u->kv_transfer = true;
+        if (r->ch[i].kv_role == KV_REQ_REMOTE_PREFILL) u->kv_pulled = true;
+        if (r->ch[i].kv_layerwise) u->kv_layerwise = true;
         u->received_tokens += r->ch[i].n_kv_received;
         u->computed_tokens += r->ch[i].n_prompt_computed;
     }
@@ -503,6 +507,7 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     c->n_cached = g->n_cached;
     c->kv_role = g->kv_role;
     c->n_kv_received = g->n_kv_recv;
+    c->kv_layerwise = g->kv_layerwise;
     c->n_prompt_computed = g->n_computed;
     metrics_request q = g->timing;
     q.n_prompt = g->n_prompt;

@@ -53,6 +53,7 @@ typedef struct gen_choice {
     int n_cached;              /* of those, from the prefix cache */
     int kv_role;               /* kv_role_of_request (engine/kv_connector.h) */
     int n_kv_received;         /* of the prompt, tokens whose KV came from a producer */
+    int kv_layerwise;          /* that KV was streamed layer by layer */
     int n_prompt_computed;     /* prompt tokens this instance computed */
     char *error;               /* engine error message */
     int error_status;          /* its HTTP status from the engine (0 = 500) */

@@ -22,10 +22,13 @@ json_t *oai_usage_json(const oai_usage *u) {
     json_object_set_new(
         o, "prompt_tokens_details",
         u->cached_tokens < 0 ? json_null() : json_pack("{s:i}", "cached_tokens", u->cached_tokens));
-    if (u->kv_transfer) /* an extension field: OpenAI and vLLM clients ignore it */
-        json_object_set_new(o, "kv_transfer",
-                            json_pack("{s:i,s:i}", "received_prompt_tokens", u->received_tokens,
-                                      "computed_prompt_tokens", u->computed_tokens));
+    if (u->kv_transfer) { /* an extension field: OpenAI and vLLM clients ignore it */
+        json_t *kv = json_pack("{s:i,s:i}", "received_prompt_tokens", u->received_tokens,
+                               "computed_prompt_tokens", u->computed_tokens);
+        if (kv && u->kv_pulled) /* the pull streamed layer by layer (docs/connector.md) */
+            json_object_set_new(kv, "layerwise", json_boolean(u->kv_layerwise));
+        json_object_set_new(o, "kv_transfer", kv);
+    }
     return o;
 }
 

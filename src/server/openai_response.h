@@ -37,6 +37,8 @@ typedef struct oai_usage {
     bool kv_transfer;      /* a P/D request: add "kv_transfer" (the two counts below) */
     int received_tokens;   /* prompt tokens whose KV came from the producer */
     int computed_tokens;   /* prompt tokens computed by this instance */
+    bool kv_pulled;        /* a consumer's request: add "layerwise" */
+    bool kv_layerwise;     /* the producer streamed its KV layer by layer */
 } oai_usage;
 
 json_t *oai_usage_json(const oai_usage *u);

@@ -172,8 +172,17 @@ static void ipc_submit(transport *t, void *conn, xfer_op *ops) {
     }
     if (rc == 0 && c->gone) rc = TRANSFER_ECONN;
     int used[STAGE_MAX_DEVICES] = {0};
-    /* Runs: ops adjacent on both sides with the same direction and device
-     * become one copy. */
+    /* Runs: ops adjacent on both sides with the same direction and device become one copy;
+     * with copy_device_batch, every run of a device goes in one operation (one kernel launch
+     * over the list: a request's scattered blocks, a layer of them). */
+    size_t n_ops = 0;
+    for (xfer_op *op = ops; op; op = op->next)
+        n_ops++;
+    void **bdst = d && d->copy_device_batch ? malloc((n_ops ? n_ops : 1) * sizeof *bdst) : NULL;
+    const void **bsrc = bdst ? malloc(n_ops * sizeof *bsrc + 1) : NULL;
+    size_t *blen = bsrc ? malloc(n_ops * sizeof *blen + 1) : NULL;
+    int *bdev = blen ? malloc(n_ops * sizeof *bdev + 1) : NULL;
+    size_t nb = 0;
     for (xfer_op *op = ops; op && rc == 0;) {
         xfer_op *last = op;
         size_t len = op->len;
@@ -197,15 +206,46 @@ static void ipc_submit(transport *t, void *conn, xfer_op *ops) {
         }
         s->stream_owner = d;
         used[dev] = 1;
-        int cr = op->opcode == TRANSFER_WRITE
-                     ? d->copy_device(d->ctx, s->stream[dev], peer, op->local, len)
-                     : d->copy_device(d->ctx, s->stream[dev], op->local, peer, len);
-        if (cr) {
-            LOG_E(MOD, "device-to-device copy of %zu bytes failed (%d)", len, cr);
+        void *to = op->opcode == TRANSFER_WRITE ? (void *)peer : op->local;
+        const void *from = op->opcode == TRANSFER_WRITE ? (const void *)op->local : peer;
+        if (bdev) { /* queued: one operation per device below */
+            bdst[nb] = to;
+            bsrc[nb] = from;
+            blen[nb] = len;
+            bdev[nb++] = dev;
+        } else if (d->copy_device(d->ctx, s->stream[dev], to, from, len)) {
+            LOG_E(MOD, "device-to-device copy of %zu bytes failed", len);
             rc = TRANSFER_ESYS;
         }
         op = last->next;
     }
+    for (int k = 0; rc == 0 && bdev && k < STAGE_MAX_DEVICES; k++) {
+        if (!used[k]) continue;
+        size_t m = 0; /* this device's copies, to the front */
+        for (size_t i = 0; i < nb; i++)
+            if (bdev[i] == k) {
+                void *t = bdst[m];
+                const void *f = bsrc[m];
+                size_t l = blen[m];
+                int dv = bdev[m];
+                bdst[m] = bdst[i], bsrc[m] = bsrc[i], blen[m] = blen[i], bdev[m] = bdev[i];
+                bdst[i] = t, bsrc[i] = f, blen[i] = l, bdev[i] = dv;
+                m++;
+            }
+        if (d->copy_device_batch(d->ctx, s->stream[k], bdst, bsrc, blen, m)) {
+            LOG_E(MOD, "device-to-device batch of %zu copies failed", m);
+            rc = TRANSFER_ESYS;
+        }
+        /* the next device's copies start after these */
+        for (size_t i = 0; i + m < nb; i++)
+            bdst[i] = bdst[i + m], bsrc[i] = bsrc[i + m], blen[i] = blen[i + m],
+            bdev[i] = bdev[i + m];
+        nb -= m;
+    }
+    free(bdst);
+    free(bsrc);
+    free(blen);
+    free(bdev);
     for (int k = 0; k < STAGE_MAX_DEVICES; k++)
         if (used[k] && d->sync(d->ctx, s->stream[k]) != 0 && rc == 0) rc = TRANSFER_ESYS;
     pthread_mutex_unlock(&c->mu);

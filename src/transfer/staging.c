@@ -71,13 +71,13 @@ static void slot_release_locked(stager *s, stage_slot *sl) {
     pthread_cond_broadcast(&s->cv);
 }
 
-/* End op (outside the lock), giving back its slot. */
+/* End op (outside the lock), giving back its slot when no other op's bytes are in it. */
 static void finish(stager *s, xfer_op *op, int err) {
     stage_slot *sl = op->slot;
     op->slot = NULL;
     op->local = NULL;
     pthread_mutex_lock(&s->mu);
-    if (sl) slot_release_locked(s, sl);
+    if (sl && --sl->refs == 0) slot_release_locked(s, sl);
     s->inflight--;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
@@ -98,27 +98,48 @@ static void run_h2d(stager *s, xfer_op *op) {
     finish(s, op, rc);
 }
 
-/* op has a slot: stage a WRITE's bytes, then send it. */
-static void run_start(stager *s, xfer_op *op) {
-    if (xfer_op_canceled(op)) {
-        finish(s, op, TRANSFER_ECANCELED);
-        return;
-    }
-    op->local = op->slot->buf;
-    if (op->opcode == TRANSFER_WRITE) {
-        void *st;
-        int rc = slot_stream(s->dev, op->slot, op->device, &st);
-        if (rc == 0 && s->dev->copy_to_host(s->dev->ctx, st, op->slot->buf, op->dev, op->len) != 0)
-            rc = TRANSFER_ESYS;
-        if (rc == 0 && s->dev->sync(s->dev->ctx, st) != 0) rc = TRANSFER_ESYS;
-        if (rc) {
-            LOG_E(MOD, "device->host copy of %zu bytes from cuda:%d failed", op->len, op->device);
-            finish(s, op, rc);
+/* ops (n, a list through next) share one slot: a READ alone, or WRITEs of one device whose
+ * bytes fit in it together.  Stage the WRITEs' bytes -- every device->host copy queued on the
+ * slot's stream, then one sync (small pieces, such as one layer of many KV blocks, would
+ * otherwise cost a sync each) -- and send them. */
+static void run_start(stager *s, xfer_op *ops, int n) {
+    stage_slot *sl = ops->slot;
+    if (ops->opcode != TRANSFER_WRITE) {
+        if (xfer_op_canceled(ops)) {
+            finish(s, ops, TRANSFER_ECANCELED);
             return;
         }
-        atomic_fetch_add(&s->stats->out, op->len);
+        ops->local = sl->buf;
+        s->send(s->send_ctx, ops);
+        return;
     }
-    s->send(s->send_ctx, op);
+    void *st;
+    int rc = slot_stream(s->dev, sl, ops->device, &st);
+    size_t off = 0, bytes = 0;
+    for (xfer_op *op = ops; op && rc == 0; op = op->next) {
+        op->local = sl->buf + off;
+        off += op->len;
+        if (xfer_op_canceled(op)) continue;
+        if (s->dev->copy_to_host(s->dev->ctx, st, op->local, op->dev, op->len) != 0)
+            rc = TRANSFER_ESYS;
+        bytes += op->len;
+    }
+    if (rc == 0 && s->dev->sync(s->dev->ctx, st) != 0) rc = TRANSFER_ESYS;
+    if (rc)
+        LOG_E(MOD, "device->host copy of %zu bytes (%d pieces) from cuda:%d failed", bytes, n,
+              ops->device);
+    else
+        atomic_fetch_add(&s->stats->out, bytes);
+    for (xfer_op *op = ops, *next; op; op = next) {
+        next = op->next;
+        op->next = NULL;
+        if (rc)
+            finish(s, op, rc);
+        else if (xfer_op_canceled(op))
+            finish(s, op, TRANSFER_ECANCELED);
+        else
+            s->send(s->send_ctx, op);
+    }
 }
 
 /* One thread: completions first (they free slots), then new work while a
@@ -136,11 +157,26 @@ static void *stager_main(void *arg) {
             continue;
         }
         if (s->work_h && s->free_slots) {
+            stage_slot *sl = s->free_slots;
+            s->free_slots = sl->next;
             op = q_pop(&s->work_h, &s->work_t);
-            op->slot = s->free_slots;
-            s->free_slots = op->slot->next;
+            op->slot = sl;
+            int n = 1;
+            size_t used = op->len;
+            xfer_op *last = op;
+            while (op->opcode == TRANSFER_WRITE && s->work_h && n < STAGE_GATHER_MAX &&
+                   s->work_h->opcode == TRANSFER_WRITE && s->work_h->device == op->device &&
+                   used + s->work_h->len <= STAGE_SLOT_BYTES) {
+                xfer_op *more = q_pop(&s->work_h, &s->work_t);
+                more->slot = sl;
+                used += more->len;
+                last->next = more;
+                last = more;
+                n++;
+            }
+            sl->refs = n;
             pthread_mutex_unlock(&s->mu);
-            run_start(s, op);
+            run_start(s, op, n);
             pthread_mutex_lock(&s->mu);
             continue;
         }

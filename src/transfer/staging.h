@@ -28,12 +28,14 @@
 
 #define STAGE_SLOT_BYTES  (1u << 20) /* a staged chunk */
 #define STAGE_SLOTS       8          /* initiator chunks in flight per engine */
+#define STAGE_GATHER_MAX  64 /* small WRITEs staged together into one slot (one sync) */
 #define STAGE_MAX_DEVICES TRANSPORT_MAX_DEVICES
 
 typedef struct stage_slot {
     char *buf;                       /* pinned, STAGE_SLOT_BYTES */
     void *stream[STAGE_MAX_DEVICES]; /* created on first use per device */
     struct stage_slot *next;         /* free list */
+    int refs;                        /* ops whose bytes are in it (small WRITEs share one) */
 } stage_slot;
 
 /* Parse "cuda:N" into N (0..STAGE_MAX_DEVICES-1): 0 or TRANSFER_EINVAL. */

@@ -530,11 +530,15 @@ void transfer_engine_get_device_stats(transfer_engine *e, transfer_device_stats 
 
 /* The location of the local registration holding [addr, +len) in loc: 1, or
  * 0 when the range is not registered. */
-static int local_registered(transfer_engine *e, const void *addr, size_t len, char *loc,
-                            size_t cap) {
+static int local_registered(transfer_engine *e, const void *addr, size_t len, char *loc, size_t cap,
+                            uint64_t *lo, uint64_t *hi) {
     pthread_rwlock_rdlock(&e->reg_lock);
     const registry_entry *r = registry_find(&e->regs, (uint64_t)(uintptr_t)addr, len);
-    if (r) snprintf(loc, cap, "%s", r->location);
+    if (r) {
+        snprintf(loc, cap, "%s", r->location);
+        *lo = r->addr;
+        *hi = r->addr + r->length;
+    }
     pthread_rwlock_unlock(&e->reg_lock);
     return r != NULL;
 }
@@ -861,15 +865,30 @@ int transfer_batch_submit(transfer_engine *e, transfer_batch h, const transfer_r
     int rc = 0, refreshed = 0;
     size_t nops = 0;
     /* 1. Validate everything before anything is queued. */
+    uint64_t llo = 0, lhi = 0; /* the local registration of the last routed request */
     for (size_t i = 0; i < n && rc == 0; i++) {
         const transfer_request *r = &reqs[i];
         char loc[32] = "";
+        uint64_t la = (uint64_t)(uintptr_t)r->local;
+        /* A request to the same segment, inside the same local registration and the same
+         * remote buffer as the one before (a request's blocks, one layer of them), routes as
+         * it did: no lookups or locks again. */
+        if (i > 0 && rt[i - 1].p && !rt[i - 1].reject && rt[i - 1].have &&
+            r->target == reqs[i - 1].target && r->length > 0 && r->local &&
+            (r->opcode == TRANSFER_READ || r->opcode == TRANSFER_WRITE) && la >= llo && la < lhi &&
+            r->length <= lhi - la && r->remote_addr >= rt[i - 1].remote.addr &&
+            r->remote_addr < rt[i - 1].remote.addr + rt[i - 1].remote.length &&
+            r->length <= rt[i - 1].remote.addr + rt[i - 1].remote.length - r->remote_addr) {
+            rt[i] = rt[i - 1];
+            nops += (r->length + rt[i].stripe - 1) / rt[i].stripe;
+            continue;
+        }
         if ((r->opcode != TRANSFER_READ && r->opcode != TRANSFER_WRITE) || r->length == 0 ||
             !r->local) {
             LOG_E(MOD, "submit: request %zu is invalid (opcode %d, length %zu)", i, (int)r->opcode,
                   r->length);
             rc = TRANSFER_EINVAL;
-        } else if (!local_registered(e, r->local, r->length, loc, sizeof loc)) {
+        } else if (!local_registered(e, r->local, r->length, loc, sizeof loc, &llo, &lhi)) {
             LOG_E(MOD,
                   "submit: request %zu: local range [%p, +%zu) is not inside a registered buffer",
                   i, r->local, r->length);

@@ -773,6 +773,73 @@ static void test_cancel_message(void **state) {
     msgpack_sbuffer_destroy(&sb);
 }
 
+/* "disagg_layerwise": true in a pull, ["<req id>", ...] in a FINISH; anything else in the pull
+ * reads as "no", a malformed reply value is dropped; a pull without it encodes no key. */
+static void test_layerwise_extension(void **state) {
+    (void)state;
+    int64_t ids[] = {7};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks r = {"req", "xfer", &g, 1};
+    uint64_t base[] = {4096};
+    int64_t lens[] = {64};
+    side_channel_pull p = {.remote_hostname = "h",
+                           .remote_port = 1,
+                           .remote_tp_size = 1,
+                           .reqs = &r,
+                           .n_reqs = 1,
+                           .kv_caches_base_addr = base,
+                           .block_lens = lens,
+                           .kv_block_lens = lens,
+                           .n_regions = 1,
+                           .remote_pp_size = 1,
+                           .layerwise = 1};
+    char *buf, *buf0, err[256];
+    size_t len, len0;
+    assert_int_equal(side_channel_pull_encode(&p, &buf, &len), 0);
+    side_channel_pull d;
+    assert_int_equal(side_channel_pull_decode(buf, len, &d, err, sizeof err), 0);
+    assert_int_equal(d.layerwise, 1);
+    side_channel_pull_free(&d);
+    assert_non_null(memmem(buf, len, SIDE_CHANNEL_LAYERWISE_KEY, strlen(SIDE_CHANNEL_LAYERWISE_KEY)));
+    p.layerwise = 0;
+    assert_int_equal(side_channel_pull_encode(&p, &buf0, &len0), 0);
+    assert_null(memmem(buf0, len0, SIDE_CHANNEL_LAYERWISE_KEY, strlen(SIDE_CHANNEL_LAYERWISE_KEY)));
+    assert_int_equal(side_channel_pull_decode(buf0, len0, &d, err, sizeof err), 0);
+    assert_int_equal(d.layerwise, 0);
+    side_channel_pull_free(&d);
+    free(buf0);
+    /* the same pull with "disagg_layerwise": 1 (not a boolean): decoded, not streaming */
+    char *one = malloc(len);
+    memcpy(one, buf, len);
+    assert_int_equal((unsigned char)one[len - 1], 0xc3); /* the last value is true */
+    one[len - 1] = 0x01;
+    assert_int_equal(side_channel_pull_decode(one, len, &d, err, sizeof err), 0);
+    assert_int_equal(d.layerwise, 0);
+    side_channel_pull_free(&d);
+    free(one);
+    free(buf);
+    /* reply */
+    char *ok[2] = {"d-1", "d-2"}, *lw[1] = {"d-2"};
+    side_channel_reply rr = {
+        .status = SIDE_CHANNEL_FINISH, .ok_reqs = ok, .n_ok = 2, .lw_reqs = lw, .n_lw = 1};
+    assert_int_equal(side_channel_reply_encode(&rr, &buf, &len), 0);
+    side_channel_reply dr;
+    assert_int_equal(side_channel_reply_decode(buf, len, &dr, err, sizeof err), 0);
+    assert_int_equal(dr.n_lw, 1);
+    assert_string_equal(dr.lw_reqs[0], "d-2");
+    side_channel_reply_free(&dr);
+    free(buf);
+    /* {"status": 0, "disagg_layerwise": 5}: the reply stands, the key is dropped */
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    pack_hex(&sb, "82a673746174757300b06469736167675f6c617965727769736505");
+    assert_int_equal(side_channel_reply_decode(sb.data, sb.size, &dr, err, sizeof err), 0);
+    assert_int_equal(dr.status, SIDE_CHANNEL_FINISH);
+    assert_int_equal(dr.n_lw, 0);
+    side_channel_reply_free(&dr);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cancel_message),
@@ -790,6 +857,7 @@ int main(void) {
         cmocka_unit_test(test_reply_bad),
         cmocka_unit_test(test_first_tokens_extension),
         cmocka_unit_test(test_unknown_reqs_extension),
+        cmocka_unit_test(test_layerwise_extension),
         cmocka_unit_test(test_mutation_fuzz),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -221,6 +221,47 @@ static void test_remote_rejected(void **state) {
     assert_memory_equal(f->imem, f->tmem, 4096);
 }
 
+/* Requests that follow one the engine routed (same segment, same local registration, same
+ * remote buffer) reuse its route; one that leaves either range is checked in full: past the
+ * remote buffer's end or after it fails alone, a local range past its registration fails
+ * the submit. */
+static void test_route_reuse_boundaries(void **state) {
+    fixture *f = *state;
+    uint64_t tbase = (uint64_t)(uintptr_t)f->tmem;
+    memset(f->imem, 0x5A, 4096);
+    transfer_request r[5] = {
+        {TRANSFER_WRITE, f->imem, f->seg, tbase + 100, 50},             /* fine */
+        {TRANSFER_WRITE, f->imem, f->seg, tbase + TBUF - 10, 20},       /* runs past the end */
+        {TRANSFER_WRITE, f->imem + 8, f->seg, tbase + 200, 60},         /* fine */
+        {TRANSFER_WRITE, f->imem + 16, f->seg, tbase + TBUF + 4096, 5}, /* after the end */
+        {TRANSFER_WRITE, f->imem + 24, f->seg, tbase + 300, 70},        /* fine */
+    };
+    transfer_batch b;
+    assert_int_equal(transfer_batch_alloc(f->init, 5, &b), 0);
+    assert_int_equal(transfer_batch_submit(f->init, b, r, 5), 0);
+    assert_int_equal(transfer_batch_wait(f->init, b, 10 * NS_PER_S), TRANSFER_EREMOTEADDR);
+    for (int i = 0; i < 5; i++) {
+        transfer_status st;
+        assert_int_equal(transfer_batch_get_status(f->init, b, (size_t)i, &st), 0);
+        if (i == 1 || i == 3) {
+            assert_int_equal(st.state, TRANSFER_STATE_FAILED);
+            assert_int_equal(st.error, TRANSFER_EREMOTEADDR);
+        } else {
+            assert_int_equal(st.state, TRANSFER_STATE_COMPLETED);
+            assert_int_equal(st.transferred_bytes, r[i].length);
+            assert_memory_equal(f->tmem + (r[i].remote_addr - tbase), r[i].local, r[i].length);
+        }
+    }
+    assert_int_equal(transfer_batch_free(f->init, b), 0);
+    transfer_request l[2] = {
+        {TRANSFER_WRITE, f->imem, f->seg, tbase, 64},
+        {TRANSFER_WRITE, f->imem + TBUF - 8, f->seg, tbase + 64, 16}, /* past the local buffer */
+    };
+    assert_int_equal(transfer_batch_alloc(f->init, 2, &b), 0);
+    assert_int_equal(transfer_batch_submit(f->init, b, l, 2), TRANSFER_ENOTREG);
+    assert_int_equal(transfer_batch_free(f->init, b), 0);
+}
+
 static void test_batch_handles(void **state) {
     fixture *f = *state;
     transfer_batch b, b2;
@@ -518,6 +559,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_large_striped, setup_shm, teardown),
         cmocka_unit_test_setup_teardown(test_remote_rejected, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_remote_rejected, setup_shm, teardown),
+        cmocka_unit_test_setup_teardown(test_route_reuse_boundaries, setup_tcp, teardown),
+        cmocka_unit_test_setup_teardown(test_route_reuse_boundaries, setup_shm, teardown),
         cmocka_unit_test_setup_teardown(test_batch_handles, setup_tcp, teardown),
         cmocka_unit_test_teardown(test_cancel, kill_target),
         cmocka_unit_test_setup_teardown(test_register_errors, setup_tcp, teardown),

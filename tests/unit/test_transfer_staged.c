@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -81,6 +82,7 @@ typedef struct fake_dev {
     _Atomic uint64_t to_host, from_host, bytes_to_host, bytes_from_host, syncs;
     atomic_int pinned_live, streams_live, max_queued;
     _Atomic uint64_t d2d, bytes_d2d;
+    _Atomic uint64_t batches; /* copy_device_batch calls */
     atomic_int exports, opens, closes;
 } fake_dev;
 
@@ -214,6 +216,18 @@ static int f_copy_device(void *ctx, void *st, void *dst, const void *src, size_t
     return 0;
 }
 
+/* A batch is its copies queued as one operation (the CUDA module: one kernel launch). */
+static int f_copy_device_batch(void *ctx, void *st, void *const *dst, const void *const *src,
+                               const size_t *len, size_t n) {
+    fake_dev *d = ctx;
+    atomic_fetch_add(&d->batches, 1);
+    for (size_t i = 0; i < n; i++) {
+        int rc = f_copy_device(ctx, st, dst[i], src[i], len[i]);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 static void fake_init(fake_dev *d, transfer_device_ops *ops) {
     memset(d, 0, sizeof *d);
     d->size = DEVBUF;
@@ -269,6 +283,7 @@ static void add_ipc(transfer_device_ops *o) {
     o->ipc_open = f_ipc_open;
     o->ipc_close = f_ipc_close;
     o->copy_device = f_copy_device;
+    o->copy_device_batch = f_copy_device_batch;
 }
 
 static int setup_proto(void **state, transfer_protocol proto) {
@@ -377,6 +392,28 @@ static void test_roundtrip_all_locations(void **state) {
                 assert_int_equal(run(f, &r, 1), 0);
                 assert_memory_equal(lbytes(f, ld, boff), rbytes(f, rd, roff), len);
             }
+}
+
+/* One layer of many KV blocks: 200 strided 4 KiB pieces.  The stager packs small WRITEs into
+ * one pinned slot -- all their device->host copies queued, one sync -- so the initiator syncs
+ * far fewer times than there are pieces; every byte still lands where it belongs. */
+static void test_small_writes_share_slots(void **state) {
+    fixture *f = *state;
+    enum { N = 200, PIECE = 4096, STRIDE = 3 * 4096 + 64 };
+    transfer_request reqs[N];
+    for (int i = 0; i < N; i++)
+        reqs[i] = (transfer_request){TRANSFER_WRITE, f->idev.va + 5 + (size_t)i * STRIDE, f->seg,
+                                     rptr(f, 1, 7 + (size_t)i * STRIDE), PIECE};
+    fill_random((uint8_t *)f->idev.back, (size_t)N * STRIDE + 16);
+    uint64_t s0 = atomic_load(&f->idev.syncs), c0 = atomic_load(&f->idev.to_host);
+    assert_int_equal(run(f, reqs, N), 0);
+    for (int i = 0; i < N; i++)
+        assert_memory_equal(f->tdev.back + 7 + (size_t)i * STRIDE,
+                            f->idev.back + 5 + (size_t)i * STRIDE, PIECE);
+    uint64_t syncs = atomic_load(&f->idev.syncs) - s0;
+    assert_int_equal(atomic_load(&f->idev.to_host) - c0, N); /* a copy per piece ... */
+    assert_true(syncs < N / 4);                              /* ... not a sync per piece */
+    printf("  %d pieces of %d bytes staged with %llu syncs\n", N, PIECE, (unsigned long long)syncs);
 }
 
 /* Many odd-sized device requests in one batch: several staged chunks in
@@ -550,7 +587,8 @@ static void test_cuda_ipc(void **state) {
     assert_int_equal(atomic_load(&f->idev.to_host) + atomic_load(&f->idev.from_host), staged);
     assert_int_equal(atomic_load(&f->idev.opens), 1); /* mapped once */
 
-    /* 32 contiguous requests (odd sizes) = one copy; three scattered = three. */
+    /* 32 contiguous requests (odd sizes) = one copy; three scattered = three copies in one
+     * batch (one device operation). */
     enum { N = 32 };
     transfer_request reqs[N];
     size_t off = 0;
@@ -561,14 +599,25 @@ static void test_cuda_ipc(void **state) {
         off += len;
     }
     fill_random((uint8_t *)f->idev.back + 3, off);
-    uint64_t c0 = atomic_load(&f->idev.d2d);
+    uint64_t c0 = atomic_load(&f->idev.d2d), b0 = atomic_load(&f->idev.batches);
     assert_int_equal(run(f, reqs, N), 0);
     assert_memory_equal(f->tdev.back + 11, f->idev.back + 3, off);
     assert_int_equal(atomic_load(&f->idev.d2d) - c0, 1);
+    assert_int_equal(atomic_load(&f->idev.batches) - b0, 1);
     transfer_request scat[3] = {reqs[0], reqs[5], reqs[9]};
+    fill_random((uint8_t *)f->idev.back + 3, off);
     c0 = atomic_load(&f->idev.d2d);
+    b0 = atomic_load(&f->idev.batches);
     assert_int_equal(run(f, scat, 3), 0);
     assert_int_equal(atomic_load(&f->idev.d2d) - c0, 3);
+    assert_int_equal(atomic_load(&f->idev.batches) - b0, 1);
+    for (int k = 0; k < 3; k++) { /* each landed where it belongs */
+        int i = k == 0 ? 0 : k == 1 ? 5 : 9;
+        size_t o = (size_t)((char *)reqs[i].local - lptr(f, 1, 0));
+        size_t ro = (size_t)(reqs[i].remote_addr - rptr(f, 1, 0));
+        assert_memory_equal((uint8_t *)f->tdev.back + ro, (uint8_t *)f->idev.back + o,
+                            reqs[i].length);
+    }
 
     /* Host memory on the initiator: not cuda_ipc (staged tcp on the target). */
     fill_random(f->ihost, 9000);
@@ -657,6 +706,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_tcp_asked_stays_tcp, setup_ipc_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_roundtrip_all_locations, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_roundtrip_all_locations, setup_auto, teardown),
+        cmocka_unit_test_setup_teardown(test_small_writes_share_slots, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_many_in_flight, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_transport_selection, setup_auto, teardown),
         cmocka_unit_test_setup_teardown(test_copy_failure, setup_tcp, teardown),

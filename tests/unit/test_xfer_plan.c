@@ -453,6 +453,50 @@ static void test_tp_refusals(void **state) {
     assert_non_null(strstr(err, "bad KV shape"));
 }
 
+/* Layer-wise streaming: one layer of n paired blocks is one run per block at the layer's
+ * offset; a range of layers is one longer run per block; all layers coalesce whole blocks
+ * where both sides' ids are consecutive; bad ranges and ids are refused, naming them. */
+static void test_plan_layers(void **state) {
+    (void)state;
+    const uint64_t bl = 4 * 1000; /* 4 layers of 1000 bytes */
+    int64_t p[] = {3, 4, 5, 9}, d[] = {10, 11, 13, 14};
+    xfer_run runs[8];
+    char err[256];
+    int n = xfer_plan_layers(p, d, 4, 0x100000, 0x900000, bl, 16, 4, 2, 1, runs, 8, err,
+                             sizeof err);
+    assert_int_equal(n, 4);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(runs[i].src, 0x100000 + (uint64_t)p[i] * bl + 2000);
+        assert_int_equal(runs[i].dst, 0x900000 + (uint64_t)d[i] * bl + 2000);
+        assert_int_equal(runs[i].len, 1000);
+    }
+    n = xfer_plan_layers(p, d, 4, 0, 0, bl, 16, 4, 1, 3, runs, 8, err, sizeof err);
+    assert_int_equal(n, 4);
+    assert_int_equal(runs[3].src, 9 * bl + 1000);
+    assert_int_equal(runs[3].len, 3000);
+    /* whole blocks: (3,10)(4,11) consecutive on both sides, then (5,13), (9,14) */
+    n = xfer_plan_layers(p, d, 4, 0, 0, bl, 16, 4, 0, 4, runs, 8, err, sizeof err);
+    assert_int_equal(n, 3);
+    assert_int_equal(runs[0].src, 3 * bl);
+    assert_int_equal(runs[0].dst, 10 * bl);
+    assert_int_equal(runs[0].len, 2 * bl);
+    assert_int_equal(runs[1].len, bl);
+    /* refusals */
+    assert_int_equal(xfer_plan_layers(p, d, 4, 0, 0, bl, 16, 4, 3, 2, runs, 8, err, sizeof err),
+                     XFER_PLAN_EINVAL);
+    assert_non_null(strstr(err, "layers 3..4"));
+    assert_int_equal(xfer_plan_layers(p, d, 4, 0, 0, bl, 16, 3, 0, 1, runs, 8, err, sizeof err),
+                     XFER_PLAN_EINVAL);
+    assert_non_null(strstr(err, "3 equal layers"));
+    assert_int_equal(xfer_plan_layers(p, d, 4, 0, 0, bl, 8, 4, 0, 1, runs, 8, err, sizeof err),
+                     XFER_PLAN_EINVAL);
+    assert_non_null(strstr(err, "prefill 9"));
+    assert_int_equal(xfer_plan_layers(p, d, 4, 0, 0, bl, 16, 4, 0, 1, runs, 3, err, sizeof err),
+                     XFER_PLAN_ENOSPC);
+    assert_int_equal(xfer_plan_layers(p, d, 0, 0, 0, bl, 16, 4, 0, 1, runs, 8, err, sizeof err),
+                     0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tail_and_coalescing),
@@ -462,6 +506,7 @@ int main(void) {
         cmocka_unit_test(test_tp_exact_ranges),
         cmocka_unit_test(test_tp_random_sweep),
         cmocka_unit_test(test_tp_refusals),
+        cmocka_unit_test(test_plan_layers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -113,6 +113,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 h = malloc(sizeof *h);
                 if (h) *h = (handle){1, p};
                 role = KV_REQ_REMOTE_DECODE;
+                mc_stream_start_locked(c, p); /* a streaming pull came ahead of it */
             }
             pthread_mutex_unlock(&c->mu);
         }
@@ -256,6 +257,28 @@ static void request_finished(void *ctx, void *hp, uint64_t id, const char *reaso
     }
     prod_req *p = h->p;
     pthread_mutex_lock(&c->mu);
+    p->prefill_end_ns = clock_now_ns();
+    if (p->streaming) { /* a stream thread writes the last layers and answers the pull */
+        p->prefill_over = -1;
+        if (keep && (p->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *p->blocks))) {
+            memcpy(p->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
+            p->n_blocks = n_blocks;
+            p->kept = 1;
+            c->st.kept++;
+            p->prefill_over = 1;
+        } else if (keep) {
+            snprintf(p->fail_msg, sizeof p->fail_msg, "producer out of memory");
+            engine_kv_release(c->eng, id); /* kept by the engine, not by us */
+        } else {
+            snprintf(p->fail_msg, sizeof p->fail_msg,
+                     "the prefill request ended with '%s' before its KV was ready", reason);
+        }
+        pthread_cond_broadcast(&c->lw_cv);
+        mc_prod_wake_waiters_locked(c, p); /* any second pull: already being pulled */
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    mc_prod_free_chunks(p); /* no stream: a later pull takes the whole-request path */
     if (keep) {
         p->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *p->blocks);
         if (p->blocks) memcpy(p->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
@@ -303,6 +326,8 @@ static void request_released(void *ctx, void *hp, uint64_t id) {
     if (h->is_producer) {
         prod_req *p = h->p;
         p->engine_released = 1;
+        /* a stream thread waiting for its chunks looks again */
+        pthread_cond_broadcast(&c->lw_cv);
         if (p->state == P_PREFILLING) { /* finished without request_finished (engine stop) */
             p->state = P_FAILED;
             snprintf(p->fail_msg, sizeof p->fail_msg, "the prefill request was dropped");
@@ -373,6 +398,7 @@ static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_ch
     for (size_t k = 0; k < cx->n; k++) {
         const char *rid = cx->req_ids[k], *tid = cx->transfer_ids[k];
         prod_req *p = mc_prod_find(c, tid);
+        mc_stream_stop_locked(c, peer, peer_len, 0, rid, why); /* its FINISH follows */
         for (pull_part **pw = p ? &p->waiters : NULL; pw && *pw;) {
             pull_part *w = *pw;
             if (side_channel_call_peer_is(w->job->call, peer, peer_len) &&
@@ -430,6 +456,7 @@ static void on_gone(void *ud, uint64_t conn) {
     uint64_t now = clock_now_ns();
     int n = 0;
     pthread_mutex_lock(&c->mu);
+    mc_stream_stop_locked(c, NULL, 0, conn, NULL, why); /* nobody reads what they write */
     for (prod_req *p = c->prods, *next; p; p = next) {
         next = p->next;
         int hit = 0;
@@ -543,6 +570,14 @@ static void *reaper_main(void *arg) {
             } else if (p->waiters) {
                 beat_waiters_locked(c, p, now);
             }
+        }
+        /* a streamed pull whose request is still queued here: the same heartbeat */
+        for (int i = 0; i < c->n_streams; i++) {
+            pull_job *job = c->streams[i]->job;
+            if (now - job->beat_ns < BEAT_PERIOD_NS) continue;
+            job->beat_ns = now;
+            side_channel_reply cr = {.status = SIDE_CHANNEL_CONTINUE};
+            side_channel_call_reply(job->call, &cr);
         }
         for (cons_req *r = c->conss; r; r = r->next)
             if (r->loading && now >= r->deadline_ns) {
@@ -667,6 +702,7 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     pthread_mutex_init(&c->mu, NULL);
     clock_cond_init(&c->cv); /* the reaper's timed wait takes clock_now_ns deadlines */
     clock_cond_init(&c->q_cv);
+    clock_cond_init(&c->lw_cv);
     c->eng = eng;
     int rc = kv_transfer_config_parse(json, &c->cfg, err, errlen);
     if (rc == 0) rc = kv_transfer_env_load(&c->env, err, errlen);
@@ -745,12 +781,16 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         return rc < 0 ? rc : -EINVAL;
     }
     warn_if_exposed(c);
-    engine_kv_connector hooks = {.ctx = c,
-                                 .classify = classify,
-                                 .start_load = start_load,
-                                 .request_finished = request_finished,
-                                 .first_token = first_token,
-                                 .request_released = request_released};
+    engine_kv_connector hooks = {
+        .ctx = c,
+        .classify = classify,
+        .start_load = start_load,
+        .request_finished = request_finished,
+        .first_token = first_token,
+        .request_released = request_released,
+        /* layer marks cost the forward a little: only where a
+         * pull can ask for them */
+        .prefill_chunk = is_producer_role(c) && c->cfg.layerwise ? mc_prefill_chunk : NULL};
     engine_set_kv_connector(eng, &hooks);
     LOG_I(MOD,
           "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "
@@ -776,13 +816,14 @@ void mooncake_connector_destroy(mooncake_connector *c) {
         atomic_store(&r->cancel, SIDE_CHANNEL_CANCEL_DROP);
     pthread_cond_broadcast(&c->q_cv);
     pthread_cond_broadcast(&c->cv);
+    pthread_cond_broadcast(&c->lw_cv);
     pthread_mutex_unlock(&c->mu);
     for (int i = 0; i < c->n_senders; i++)
         pthread_join(c->senders[i], NULL);
     pthread_join(c->reaper, NULL);
     atomic_store(&c->release_cancel, SIDE_CHANNEL_CANCEL_DROP);
     pthread_mutex_lock(&c->mu); /* pull threads end within 100 ms of their cancel */
-    while (c->n_pull_threads > 0 || c->n_releases > 0)
+    while (c->n_pull_threads > 0 || c->n_releases > 0 || c->n_streams > 0)
         pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
     if (c->bs) bootstrap_server_stop(c->bs);
@@ -793,9 +834,11 @@ void mooncake_connector_destroy(mooncake_connector *c) {
             n = w->next;
             free(w);
         }
+        mc_prod_free_chunks(p);
         free(p->blocks);
         free(p);
     }
+    free(c->streams);
     while (c->conss) { /* requests still live in the engine (its hooks are gone) */
         cons_req *r = c->conss;
         c->conss = r->next;
@@ -809,6 +852,7 @@ void mooncake_connector_destroy(mooncake_connector *c) {
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->q_cv);
+    pthread_cond_destroy(&c->lw_cv);
     free(c);
 }
 
@@ -894,6 +938,11 @@ int mooncake_connector_metrics(mooncake_connector *c, prom *p) {
                 "Producer: requests whose KV was written, by transport.");
     for (int i = 0; i < 4; i++)
         prom_sample_u64(p, s.transport_requests[i], "transport", tn[i], NULL);
+    prom_family(p, "disagg:kv_transfer_layerwise_requests", PROM_COUNTER,
+                "Requests whose KV moved layer by layer while the prefill ran (producer: "
+                "streamed; consumer: pulls the producer answered as streamed).");
+    prom_sample_u64(p, s.layerwise_sent, "side", "producer", NULL);
+    prom_sample_u64(p, s.layerwise_pulled, "side", "consumer", NULL);
     prom_family(p, "disagg:kv_auth_rejected", PROM_COUNTER,
                 "Messages refused for authentication (auth_secret / DISAGG_KV_SECRET), by port.");
     prom_sample_u64(p, sc_rej, "port", "side_channel", NULL);

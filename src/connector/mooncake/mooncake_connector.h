@@ -76,6 +76,9 @@ typedef struct mooncake_stats {
      * rdma, cuda_ipc), KV bytes and requests (a request over two counts in both) */
     uint64_t transport_bytes[4];
     uint64_t transport_requests[4];
+    /* requests whose KV moved layer by layer while the prefill ran: producer (streamed),
+     * consumer (pulls answered as streamed) */
+    uint64_t layerwise_sent, layerwise_pulled;
 } mooncake_stats;
 
 #define MOONCAKE_TRANSPORTS                                                                        \

@@ -11,6 +11,7 @@ typedef struct pull_outcome {
     int ok;              /* our request was in ok_reqs */
     int done;            /* a final reply came */
     int32_t first_token; /* P's first output token for our request ("disagg_first_tokens"), -1 */
+    int layerwise;       /* P streamed our request's KV layer by layer ("disagg_layerwise") */
     char err[320];
 } pull_outcome;
 
@@ -31,6 +32,8 @@ static int on_reply(void *ud, const side_channel_reply *r) {
     }
     for (size_t i = 0; i < r->n_ft; i++)
         if (!strcmp(r->ft_reqs[i], o->my_req)) o->first_token = r->ft_tokens[i];
+    for (size_t i = 0; i < r->n_lw; i++)
+        if (!strcmp(r->lw_reqs[i], o->my_req)) o->layerwise = 1;
     if (r->status != SIDE_CHANNEL_CONTINUE) {
         o->done = 1;
     } else { /* the producer is alive and still has the request: extend the deadline */
@@ -149,7 +152,8 @@ void *mc_pull_main(void *arg) {
                                   .kv_block_lens = &blen,
                                   .n_regions = 1,
                                   .remote_pp_size = 1,
-                                  .layout = c->region.fingerprint};
+                                  .layout = c->region.fingerprint,
+                                  .layerwise = c->cfg.layerwise};
         double timeout = c->env.abort_request_timeout_s + 60;
         if (!g.ids) {
             rc = -ENOMEM;
@@ -218,16 +222,17 @@ void *mc_pull_main(void *arg) {
     pthread_mutex_lock(&c->mu); /* counted before the client can see the outcome */
     if (ok) {
         c->st.pulls_ok++;
+        if (o.layerwise) c->st.layerwise_pulled++;
         load_observe_locked(c, secs);
     } else {
         c->st.pulls_failed++;
         c->fail_c[reason]++;
     }
     pthread_mutex_unlock(&c->mu);
-    if (ok && o.first_token >= 0 && c->cfg.first_token_handoff)
-        engine_kv_load_done_first_token(c->eng, r->id, o.first_token);
-    else if (ok)
-        engine_kv_load_done(c->eng, r->id, 1, recompute, 0, NULL);
+    if (ok)
+        engine_kv_load_done_streamed(
+            c->eng, r->id, o.first_token >= 0 && c->cfg.first_token_handoff ? o.first_token : -1,
+            o.layerwise);
     else
         engine_kv_load_failed(c->eng, r->id, recompute, hold_ns, status, msg);
     pthread_mutex_lock(&c->mu);

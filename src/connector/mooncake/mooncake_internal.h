@@ -80,10 +80,21 @@ typedef enum prod_state {
 
 struct pull_job;
 
+/* One prefill chunk of a remote-decode request (engine hook prefill_chunk), for
+ * layer-wise streaming: tokens [ready_lo, start) were there before its step (send them at
+ * once), [start, end) are written layer by layer in step `step`. */
+typedef struct lw_chunk {
+    int ready_lo, start, end;
+    uint64_t step;
+    int32_t *blocks; /* (n_blocks) the request's block table at that step */
+    int n_blocks;
+} lw_chunk;
+
 typedef struct pull_part { /* one request of a pull, waiting for its producer entry */
     struct pull_job *job;
     size_t req; /* index in job->pull->reqs */
     struct pull_part *next;
+    int layerwise; /* the pull asked for layer-wise streaming and can have it */
 } pull_part;
 
 typedef struct prod_req {
@@ -100,6 +111,15 @@ typedef struct prod_req {
     int cancelled;       /* a decoder cancelled its pull: release the blocks once ready */
     int32_t first_token; /* the first output token the prefill sampled, -1 = none yet */
     pull_part *waiters;
+    /* layer-wise streaming (mooncake_stream.c) */
+    int n_prompt;                     /* prompt tokens (prefill_chunk) */
+    lw_chunk *chunks;                 /* (n_chunks) every chunk the engine ran, in order */
+    size_t n_chunks, cap_chunks;
+    int sent_upto;                    /* tokens covered by the chunks so far */
+    struct backend_layer_progress *lp; /* the engine's layer marks */
+    int streaming;                    /* a stream thread serves the pull (state P_SENDING) */
+    int prefill_over;                 /* request_finished came: 1 kept, -1 not kept */
+    uint64_t prefill_end_ns;          /* when (the streamed send's exposed time counts from it) */
     struct prod_req *next, *prev;   /* c->prods (prev: O(1) unlink) */
     struct prod_req *unext, *uprev; /* c->u_head..u_tail while P_UNKNOWN (oldest last) */
 } prod_req;
@@ -113,6 +133,8 @@ typedef struct pull_job { /* one pull from a decoder, until its final reply */
     char **ft_reqs;     /* (n_reqs) ok requests with P's first token ... */
     int32_t *ft_tokens; /* ... and that token ("disagg_first_tokens") */
     size_t n_ft;
+    char **lw_reqs; /* (n_reqs) ok requests whose KV was streamed ("disagg_layerwise") */
+    size_t n_lw;
     char err_msg[256];
     uint64_t beat_ns; /* last reply (or arrival): a CONTINUE follows every BEAT_PERIOD_NS */
 } pull_job;
@@ -122,6 +144,10 @@ typedef struct send_task {
     size_t req;
     prod_req *p;
     struct send_task *next;
+    /* a stream thread's task (c->streams): the decoder cancelled or went away */
+    atomic_int stop;
+    const char *stop_why;
+    struct mooncake_connector *c;
 } send_task;
 
 typedef struct cons_req {
@@ -172,6 +198,9 @@ struct mooncake_connector {
     id_table prod_index;       /* transfer_id -> prod_req, every entry of prods */
     int n_unknown;             /* prods in P_UNKNOWN: pulls ahead of their request */
     prod_req *u_head, *u_tail; /* those, newest first (eviction takes the oldest) */
+    send_task **streams;       /* (n_streams) stream threads' tasks */
+    int n_streams, cap_streams;
+    pthread_cond_t lw_cv;      /* a chunk, the prefill's end, a stop: stream threads look */
     uint64_t pulls_evicted;    /* P_UNKNOWN entries evicted at max_pending_pulls */
     char listen_host[256];     /* the server's --host ("" = all interfaces) */
     /* consumer */
@@ -219,5 +248,21 @@ void mc_unknown_remove_locked(mooncake_connector *c, prod_req *p);
 void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull);
 void *mc_pull_main(void *arg);
 void *mc_sender_main(void *arg);
+/* mooncake_stream.c: layer-wise streaming. */
+int mc_pull_can_stream(const mooncake_connector *c, const side_channel_pull *pull, size_t req);
+void mc_stream_start_locked(mooncake_connector *c, prod_req *p);
+void mc_stream_stop_locked(mooncake_connector *c, const void *peer, size_t peer_len,
+                           uint64_t conn, const char *req_id, const char *why);
+void mc_prefill_chunk(void *ctx, void *handle, uint64_t id, const int32_t *blocks, int n_blocks,
+                      int start, int end, int n_prompt, uint64_t step,
+                      struct backend_layer_progress *progress);
+void mc_prod_free_chunks(prod_req *p);
+int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
+                   const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
+                   size_t *nruns, unsigned *via, char *err, size_t cap);
+int mc_write_runs(mooncake_connector *c, const side_channel_pull *pull, const xfer_run *runs,
+                  size_t n, uint64_t *bytes, unsigned *via, char *err, size_t cap);
+void mc_count_write_locked(mooncake_connector *c, const prod_req *p, int rc, uint64_t bytes,
+                           size_t nruns, unsigned via, uint64_t t0, int live);
 
 #endif

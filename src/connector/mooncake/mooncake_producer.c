@@ -59,13 +59,16 @@ static void job_finish_locked(mooncake_connector *c, pull_job *job) {
                             .err_msg = job->n_err ? job->err_msg : NULL,
                             .ft_reqs = job->ft_reqs,
                             .ft_tokens = job->ft_tokens,
-                            .n_ft = job->n_ft};
+                            .n_ft = job->n_ft,
+                            .lw_reqs = job->lw_reqs,
+                            .n_lw = job->n_lw};
     side_channel_call_reply(job->call, &r);
     side_channel_pull_release(job->pull);
     free(job->ok);
     free(job->err);
     free(job->ft_reqs);
     free(job->ft_tokens);
+    free(job->lw_reqs);
     free(job);
     (void)c;
 }
@@ -106,7 +109,7 @@ void mc_prod_wake_waiters_locked(mooncake_connector *c, prod_req *p) {
         if (p->state == P_READY) {
             send_task *t = malloc(sizeof *t);
             if (t) {
-                *t = (send_task){w->job, w->req, p, NULL};
+                *t = (send_task){.job = w->job, .req = w->req, .p = p};
                 p->state = P_SENDING;
                 if (c->q_tail)
                     c->q_tail->next = t;
@@ -141,6 +144,7 @@ void mc_prod_maybe_free_locked(mooncake_connector *c, prod_req *p) {
     else
         c->prods = p->next;
     if (p->next) p->next->prev = p->prev;
+    mc_prod_free_chunks(p);
     free(p->blocks);
     free(p);
 }
@@ -171,10 +175,47 @@ static const char *transports_str(unsigned via, char *buf, size_t cap) {
     return buf[0] ? buf : "no transport";
 }
 
-static int send_blocks(mooncake_connector *c, const side_channel_pull *pull,
-                       const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
-                       size_t *nruns, unsigned *via, char *err, size_t cap) {
+/* Write runs into the decoder of pull (its transfer-engine segment). */
+int mc_write_runs(mooncake_connector *c, const side_channel_pull *pull, const xfer_run *runs,
+                  size_t n, uint64_t *bytes, unsigned *via, char *err, size_t cap) {
     char viabuf[64];
+    *via = 0;
+    *bytes = 0;
+    void **src = malloc((n ? n : 1) * sizeof *src);
+    uint64_t *dst = malloc((n ? n : 1) * sizeof *dst);
+    size_t *len = malloc((n ? n : 1) * sizeof *len);
+    int rc = -ENOMEM;
+    if (src && dst && len) {
+        for (size_t i = 0; i < n; i++) {
+            src[i] = (void *)(uintptr_t)runs[i].src;
+            dst[i] = runs[i].dst;
+            len[i] = (size_t)runs[i].len;
+            *bytes += runs[i].len;
+        }
+        char target[320];
+        if (strchr(pull->remote_hostname, ':'))
+            snprintf(target, sizeof target, "[%s]:%" PRId64, pull->remote_hostname,
+                     pull->remote_port);
+        else
+            snprintf(target, sizeof target, "%s:%" PRId64, pull->remote_hostname,
+                     pull->remote_port);
+        rc = transfer_sync_write_via(c->te, target, src, dst, len, n, via);
+        if (rc)
+            snprintf(err, cap, "writing %zu KV bytes to decoder %s over %s failed: %s",
+                     (size_t)*bytes, target, transports_str(*via, viabuf, sizeof viabuf),
+                     transfer_strerror(rc));
+    } else {
+        snprintf(err, cap, "producer out of memory");
+    }
+    free(src);
+    free(dst);
+    free(len);
+    return rc;
+}
+
+int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
+                   const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
+                   size_t *nruns, unsigned *via, char *err, size_t cap) {
     *via = 0;
     if (pull->n_regions != 1) {
         snprintf(err, cap,
@@ -198,40 +239,44 @@ static int send_blocks(mooncake_connector *c, const side_channel_pull *pull,
                          &n_runs, err, cap);
     free(pids);
     if (n < 0) return n;
-    n = (int)n_runs;
-    void **src = malloc((size_t)(n ? n : 1) * sizeof *src);
-    uint64_t *dst = malloc((size_t)(n ? n : 1) * sizeof *dst);
-    size_t *len = malloc((size_t)(n ? n : 1) * sizeof *len);
-    int rc = -ENOMEM;
-    if (src && dst && len) {
-        *bytes = 0;
-        for (int i = 0; i < n; i++) {
-            src[i] = (void *)(uintptr_t)runs[i].src;
-            dst[i] = runs[i].dst;
-            len[i] = (size_t)runs[i].len;
-            *bytes += runs[i].len;
-        }
-        char target[320];
-        if (strchr(pull->remote_hostname, ':'))
-            snprintf(target, sizeof target, "[%s]:%" PRId64, pull->remote_hostname,
-                     pull->remote_port);
-        else
-            snprintf(target, sizeof target, "%s:%" PRId64, pull->remote_hostname,
-                     pull->remote_port);
-        rc = transfer_sync_write_via(c->te, target, src, dst, len, (size_t)n, via);
-        if (rc)
-            snprintf(err, cap, "writing %zu KV bytes to decoder %s over %s failed: %s",
-                     (size_t)*bytes, target, transports_str(*via, viabuf, sizeof viabuf),
-                     transfer_strerror(rc));
-        *nruns = (size_t)n;
-    } else {
-        snprintf(err, cap, "producer out of memory");
-    }
-    free(src);
-    free(dst);
-    free(len);
+    int rc = mc_write_runs(c, pull, runs, n_runs, bytes, via, err, cap);
+    *nruns = n_runs;
     free(runs);
     return rc;
+}
+
+/* Caller holds mu.  Count one request's write (whole or streamed) in the stats. */
+void mc_count_write_locked(mooncake_connector *c, const prod_req *p, int rc, uint64_t bytes,
+                           size_t nruns, unsigned via, uint64_t t0, int live) {
+    char viabuf[64];
+    if (rc == 0) {
+        static const transfer_protocol order[4] = {TRANSFER_PROTO_TCP, TRANSFER_PROTO_SHM,
+                                                   TRANSFER_PROTO_RDMA, TRANSFER_PROTO_CUDA_IPC};
+        int first = 1;
+        for (int i = 0; i < 4; i++)
+            if (via & (1u << (unsigned)order[i])) {
+                first &= c->st.transport_requests[i] == 0;
+                c->st.transport_requests[i]++;
+                c->st.transport_bytes[i] += bytes; /* a mixed write counts in each */
+            }
+        c->st.send_count++;
+        c->st.send_sum_s += (double)(clock_now_ns() - t0) / 1e9;
+        if (!live) { /* a stream counted them as they went */
+            c->st.bytes_sent += bytes;
+            c->st.descriptors_sent += nruns;
+        }
+        c->st.transfers_ok++;
+        if (first) /* once per transport: which one the KV moves over */
+            LOG_I(MOD, "KV of transfer %s (%" PRIu64 " bytes, %s memory) moved over %s",
+                  p->transfer_id, bytes, c->region.location,
+                  transports_str(via, viabuf, sizeof viabuf));
+        LOG_D(MOD, "transfer %s: %" PRIu64 " bytes in %zu descriptors over %s, %.2f ms",
+              p->transfer_id, bytes, nruns, transports_str(via, viabuf, sizeof viabuf),
+              (double)(clock_now_ns() - t0) / 1e6);
+    } else {
+        c->st.transfers_failed++;
+        c->fail_p[FP_WRITE_FAILED]++;
+    }
 }
 
 void *mc_sender_main(void *arg) {
@@ -249,40 +294,13 @@ void *mc_sender_main(void *arg) {
         uint64_t bytes = 0;
         size_t nruns = 0;
         unsigned via = 0;
-        char viabuf[64];
         uint64_t t0 = clock_now_ns();
-        int rc = send_blocks(c, t->job->pull, &t->job->pull->reqs[t->req], t->p, &bytes, &nruns,
-                             &via, err, sizeof err);
+        int rc = mc_send_blocks(c, t->job->pull, &t->job->pull->reqs[t->req], t->p, &bytes, &nruns,
+                                &via, err, sizeof err);
         pthread_mutex_lock(&c->mu);
         prod_req *p = t->p;
-        if (rc == 0) {
-            static const transfer_protocol order[4] = {TRANSFER_PROTO_TCP, TRANSFER_PROTO_SHM,
-                                                       TRANSFER_PROTO_RDMA,
-                                                       TRANSFER_PROTO_CUDA_IPC};
-            int first = 1;
-            for (int i = 0; i < 4; i++)
-                if (via & (1u << (unsigned)order[i])) {
-                    first &= c->st.transport_requests[i] == 0;
-                    c->st.transport_requests[i]++;
-                    c->st.transport_bytes[i] += bytes; /* a mixed write counts in each */
-                }
-            c->st.send_count++;
-            c->st.send_sum_s += (double)(clock_now_ns() - t0) / 1e9;
-            c->st.bytes_sent += bytes;
-            c->st.descriptors_sent += nruns;
-            c->st.transfers_ok++;
-            if (first) /* once per transport: which one the KV moves over */
-                LOG_I(MOD, "KV of transfer %s (%" PRIu64 " bytes, %s memory) moved over %s",
-                      p->transfer_id, bytes, c->region.location,
-                      transports_str(via, viabuf, sizeof viabuf));
-            LOG_D(MOD, "transfer %s: %" PRIu64 " bytes in %zu descriptors over %s, %.2f ms",
-                  p->transfer_id, bytes, nruns, transports_str(via, viabuf, sizeof viabuf),
-                  (double)(clock_now_ns() - t0) / 1e6);
-        } else {
-            c->st.transfers_failed++;
-            c->fail_p[FP_WRITE_FAILED]++;
-            LOG_W(MOD, "transfer %s: %s", p->transfer_id, err);
-        }
+        mc_count_write_locked(c, p, rc, bytes, nruns, via, t0, 0);
+        if (rc) LOG_W(MOD, "transfer %s: %s", p->transfer_id, err);
         p->state = P_DONE;
         mc_prod_release_blocks_locked(c, p); /* one decoder rank: pulled once */
         if (rc == 0 && p->first_token >= 0 && c->cfg.first_token_handoff && t->job->ft_reqs &&
@@ -410,6 +428,7 @@ void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
     job->err = er;
     job->ft_reqs = calloc(pull->n_reqs + 1, sizeof *job->ft_reqs); /* NULL: no handoff */
     job->ft_tokens = calloc(pull->n_reqs + 1, sizeof *job->ft_tokens);
+    job->lw_reqs = calloc(pull->n_reqs + 1, sizeof *job->lw_reqs); /* NULL: none listed */
     job->pending = pull->n_reqs + 1; /* +1 held until the loop is done */
     uint64_t now = clock_now_ns();
     job->beat_ns = now;
@@ -487,9 +506,11 @@ void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
             mc_job_req_done_locked(c, job, i, 0, "producer out of memory");
             continue;
         }
-        *w = (pull_part){job, i, p->waiters};
+        *w = (pull_part){job, i, p->waiters, mc_pull_can_stream(c, pull, i)};
         p->waiters = w;
-        if (p->state == P_UNKNOWN) {
+        if (p->state == P_PREFILLING && w->layerwise) {
+            mc_stream_start_locked(c, p); /* its prefill runs: its layers go as computed */
+        } else if (p->state == P_UNKNOWN) {
             if (!p->deadline_ns || p->deadline_ns > wait_deadline) p->deadline_ns = wait_deadline;
             if (unk) unk[n_unk++] = rb->req_id;
         } else if (p->state == P_PREFILLING) {

@@ -424,6 +424,7 @@ enum {
     P_GROUP_INDICES,
     P_PP_SIZE,
     P_LAYOUT,
+    P_LAYERWISE,
     P_NKEYS
 };
 static const char *const PULL_KEYS[P_NKEYS] = {"remote_hostname",
@@ -438,7 +439,8 @@ static const char *const PULL_KEYS[P_NKEYS] = {"remote_hostname",
                                                "registered_layer_indices",
                                                "registered_group_indices",
                                                "remote_pp_size",
-                                               SIDE_CHANNEL_LAYOUT_KEY};
+                                               SIDE_CHANNEL_LAYOUT_KEY,
+                                               SIDE_CHANNEL_LAYERWISE_KEY};
 
 /* One req_blocks entry: [transfer_id, [[ids], ...]].  A flat [ids] (older vLLM,
  * one KV group) is accepted as one group. */
@@ -584,6 +586,9 @@ static int decode_pull(dec_ctx *c, const msgpack_object_map *m, side_channel_pul
     if (f[P_LAYOUT] && f[P_LAYOUT]->type != MSGPACK_OBJECT_NIL &&
         (rc = get_str(c, PULL_KEYS[P_LAYOUT], f[P_LAYOUT], &p->layout)))
         return rc;
+    /* an extension never fails a pull: only true asks for streaming */
+    p->layerwise = f[P_LAYERWISE] && f[P_LAYERWISE]->type == MSGPACK_OBJECT_BOOLEAN &&
+                   f[P_LAYERWISE]->via.boolean;
     return 0;
 }
 
@@ -612,22 +617,23 @@ void side_channel_pull_free(side_channel_pull *p) {
 
 /* ---- reply --------------------------------------------------------------- */
 
-enum { R_STATUS, R_OK, R_ERR, R_MSG, R_FT, R_UNK, R_NKEYS };
+enum { R_STATUS, R_OK, R_ERR, R_MSG, R_FT, R_UNK, R_LW, R_NKEYS };
 static const char *const REPLY_KEYS[R_NKEYS] = {"status",
                                                 "ok_reqs",
                                                 "err_reqs",
                                                 "err_msg",
                                                 SIDE_CHANNEL_FIRST_TOKENS_KEY,
-                                                SIDE_CHANNEL_UNKNOWN_KEY};
+                                                SIDE_CHANNEL_UNKNOWN_KEY,
+                                                SIDE_CHANNEL_LAYERWISE_KEY};
 
-/* "disagg_unknown_reqs": ["<req id>", ...]; anything else is dropped (an
- * extension must never fail a pull). */
-static int get_unknown_reqs(dec_ctx *c, const msgpack_object *o, side_channel_reply *out) {
+/* "disagg_unknown_reqs" / "disagg_layerwise": ["<req id>", ...]; anything else is dropped
+ * (an extension must never fail a pull). */
+static int get_req_list(dec_ctx *c, const msgpack_object *o, char ***list, size_t *n_list) {
     if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size == 0) return 0;
     size_t n = o->via.array.size;
     if (n > SIDE_CHANNEL_MAX_REQS) return 0;
-    out->unknown_reqs = arena_alloc(c->arena, n * sizeof *out->unknown_reqs);
-    if (!out->unknown_reqs) return SIDE_CHANNEL_ENOMEM;
+    *list = arena_alloc(c->arena, n * sizeof **list);
+    if (!*list) return SIDE_CHANNEL_ENOMEM;
     for (size_t i = 0; i < n; i++) {
         const msgpack_object *e = &o->via.array.ptr[i];
         if (e->type != MSGPACK_OBJECT_STR || e->via.str.size == 0 ||
@@ -636,7 +642,7 @@ static int get_unknown_reqs(dec_ctx *c, const msgpack_object *o, side_channel_re
         char *id = arena_alloc(c->arena, e->via.str.size + 1);
         if (!id) return SIDE_CHANNEL_ENOMEM;
         memcpy(id, e->via.str.ptr, e->via.str.size);
-        out->unknown_reqs[out->n_unknown++] = id;
+        (*list)[(*n_list)++] = id;
     }
     return 0;
 }
@@ -691,7 +697,9 @@ int side_channel_reply_decode(const void *buf, size_t len, side_channel_reply *o
         if (rc == 0 && f[R_MSG] && f[R_MSG]->type != MSGPACK_OBJECT_NIL)
             rc = get_str(&c, "err_msg", f[R_MSG], &out->err_msg);
         if (rc == 0 && f[R_FT]) rc = get_first_tokens(&c, f[R_FT], out);
-        if (rc == 0 && f[R_UNK]) rc = get_unknown_reqs(&c, f[R_UNK], out);
+        if (rc == 0 && f[R_UNK])
+            rc = get_req_list(&c, f[R_UNK], &out->unknown_reqs, &out->n_unknown);
+        if (rc == 0 && f[R_LW]) rc = get_req_list(&c, f[R_LW], &out->lw_reqs, &out->n_lw);
         if (rc == SIDE_CHANNEL_ENOMEM) err_set(err, err_cap, "side-channel reply: out of memory");
     }
     msgpack_unpacked_destroy(&u);
@@ -756,8 +764,8 @@ int side_channel_pull_encode(const side_channel_pull *p, char **out, size_t *out
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
     int has_names = p->n_layer_names > 0, has_li = p->n_layer_indices > 0,
         has_gi = p->n_group_indices > 0, has_pp = p->remote_pp_size != 1 && p->remote_pp_size != 0,
-        has_layout = p->layout != NULL;
-    size_t nkeys = 8 + (size_t)(has_names + has_li + has_gi + has_pp + has_layout);
+        has_layout = p->layout != NULL, has_lw = p->layerwise != 0;
+    size_t nkeys = 8 + (size_t)(has_names + has_li + has_gi + has_pp + has_layout + has_lw);
     int rc = msgpack_pack_map(&pk, nkeys);
     rc = rc ? rc : pack_cstr(&pk, "remote_hostname");
     rc = rc ? rc : pack_cstr(&pk, p->remote_hostname ? p->remote_hostname : "");
@@ -806,6 +814,10 @@ int side_channel_pull_encode(const side_channel_pull *p, char **out, size_t *out
         rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_LAYOUT_KEY);
         rc = rc ? rc : pack_cstr(&pk, p->layout);
     }
+    if (has_lw) {
+        rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_LAYERWISE_KEY);
+        rc = rc ? rc : msgpack_pack_true(&pk);
+    }
     return finish(&sb, rc, out, out_len);
 }
 
@@ -815,7 +827,7 @@ int side_channel_reply_encode(const side_channel_reply *r, char **out, size_t *o
     msgpack_packer pk;
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
     size_t nkeys = 1 + (r->n_ok > 0) + (r->n_err > 0) + (r->err_msg != NULL) + (r->n_ft > 0) +
-                   (r->n_unknown > 0);
+                   (r->n_unknown > 0) + (r->n_lw > 0);
     int rc = msgpack_pack_map(&pk, nkeys);
     rc = rc ? rc : pack_cstr(&pk, "status");
     rc = rc ? rc : msgpack_pack_int(&pk, (int)r->status);
@@ -843,6 +855,10 @@ int side_channel_reply_encode(const side_channel_reply *r, char **out, size_t *o
     if (r->n_unknown) {
         rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_UNKNOWN_KEY);
         rc = rc ? rc : pack_strs(&pk, r->unknown_reqs, r->n_unknown);
+    }
+    if (r->n_lw) {
+        rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_LAYERWISE_KEY);
+        rc = rc ? rc : pack_strs(&pk, r->lw_reqs, r->n_lw);
     }
     return finish(&sb, rc, out, out_len);
 }

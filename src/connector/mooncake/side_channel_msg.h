@@ -43,6 +43,12 @@
  * means the request arrived.  A consumer at its cap of loads evicts such a pull
  * first.  msgspec ignores the key: a vLLM decoder reads an empty CONTINUE. */
 #define SIDE_CHANNEL_UNKNOWN_KEY "disagg_unknown_reqs"
+/* Layer-wise streaming (docs/connector.md "Layer-wise streaming").  In a pull, true: this
+ * decoder accepts its blocks written layer by layer while the producer's prefill still
+ * runs (it reads them only after the FINISH that lists the request in ok_reqs, as ever).
+ * In a FINISH, ["<D req id>", ...]: the requests whose KV was streamed that way.  vLLM's
+ * and Mooncake's peers ignore the key: they keep the whole-request path. */
+#define SIDE_CHANNEL_LAYERWISE_KEY "disagg_layerwise"
 
 /* One KV group's newly allocated block ids on D. */
 typedef struct side_channel_block_group {
@@ -78,6 +84,7 @@ typedef struct side_channel_pull {
     size_t n_group_indices;
     int64_t remote_pp_size; /* default 1 */
     char *layout;           /* "disagg_layout" fingerprint, NULL = absent (vLLM peer) */
+    int layerwise;          /* "disagg_layerwise": true (anything else reads as 0) */
     void *arena;            /* decode: owns every pointer above; NULL when built by hand */
 } side_channel_pull;
 
@@ -106,6 +113,10 @@ typedef struct side_channel_reply {
      * is dropped (n_unknown 0). */
     char **unknown_reqs;
     size_t n_unknown;
+    /* "disagg_layerwise" (SIDE_CHANNEL_LAYERWISE_KEY): D request ids whose KV the producer
+     * streamed layer by layer.  Lenient like unknown_reqs. */
+    char **lw_reqs;
+    size_t n_lw;
     void *arena; /* decode: owns the pointers above */
 } side_channel_reply;
 

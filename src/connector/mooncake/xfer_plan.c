@@ -290,3 +290,49 @@ int xfer_run2d_flatten(const xfer_run2d *in, size_t n, xfer_run *out, size_t max
     }
     return (int)k;
 }
+
+/* ---- layer-wise streaming (xfer_plan.h) --------------------------------------------------- */
+
+int xfer_plan_layers(const int64_t *p_ids, const int64_t *d_ids, size_t n, uint64_t p_base,
+                     uint64_t d_base, uint64_t block_len, uint64_t p_num_blocks, int n_layers,
+                     int first, int count, xfer_run *runs, size_t max_runs, char *err,
+                     size_t err_cap) {
+    if (n_layers < 1 || block_len == 0 || block_len % (uint64_t)n_layers != 0) {
+        snprintf(err, err_cap, "a block of %llu bytes does not hold %d equal layers",
+                 (unsigned long long)block_len, n_layers);
+        return XFER_PLAN_EINVAL;
+    }
+    if (first < 0 || count < 1 || first > n_layers - count) {
+        snprintf(err, err_cap, "layers %d..%d are outside 0..%d", first, first + count - 1,
+                 n_layers - 1);
+        return XFER_PLAN_EINVAL;
+    }
+    int rc = ids_ok(p_ids, d_ids, n, p_num_blocks, err, err_cap);
+    if (rc) return rc;
+    uint64_t layer_len = block_len / (uint64_t)n_layers;
+    uint64_t off = (uint64_t)first * layer_len, len = (uint64_t)count * layer_len;
+    int whole = len == block_len;
+    size_t k = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i + 1;
+        while (whole && j < n && p_ids[j] == p_ids[j - 1] + 1 && d_ids[j] == d_ids[j - 1] + 1)
+            j++;
+        if (k == max_runs) {
+            snprintf(err, err_cap, "more than %zu transfer runs", max_runs);
+            return XFER_PLAN_ENOSPC;
+        }
+        xfer_run *run = &runs[k++];
+        uint64_t src, dst;
+        if (mul_add((uint64_t)p_ids[i], block_len, p_base, &src) ||
+            mul_add((uint64_t)d_ids[i], block_len, d_base, &dst) || src > UINT64_MAX - off ||
+            dst > UINT64_MAX - off) {
+            snprintf(err, err_cap, "block address overflows 64 bits");
+            return XFER_PLAN_EINVAL;
+        }
+        run->src = src + off;
+        run->dst = dst + off;
+        run->len = len * (uint64_t)(j - i);
+        i = j;
+    }
+    return (int)k;
+}

@@ -132,4 +132,19 @@ int xfer_run2d_flatten(const xfer_run2d *in, size_t n, xfer_run *out, size_t max
 /* Rank r's block bytes under shape (rows * local heads * head_dim * elem_bytes). */
 uint64_t xfer_tp_block_bytes(const xfer_kv_shape *shape, int tp, int rank);
 
+/* ---- layer-wise streaming -----------------------------------------------------------------
+ *
+ * In the block-major region (block (n_layers, 2, block_size, heads, head_dim)) layer l of a
+ * block is the block_len / n_layers bytes at l * that: one layer of a run of blocks is a
+ * strided piece, one run per block.  xfer_plan_layers gives the runs that move layers
+ * [first, first + count) of n paired blocks (p_ids[i] -> d_ids[i], both regions with
+ * block_len bytes a block): one run per block, except that whole blocks (count == n_layers)
+ * are coalesced where both sides' ids are consecutive.  Returns the number of runs (n for a
+ * layer range), or a negative code with a message (ids out of range: p_num_blocks bounds
+ * P's; a layer range outside 0..n_layers; block_len not a multiple of n_layers; runs full). */
+int xfer_plan_layers(const int64_t *p_ids, const int64_t *d_ids, size_t n, uint64_t p_base,
+                     uint64_t d_base, uint64_t block_len, uint64_t p_num_blocks, int n_layers,
+                     int first, int count, xfer_run *runs, size_t max_runs, char *err,
+                     size_t err_cap);
+
 #endif

@@ -1154,6 +1154,37 @@ static int cb_moe(backend_stream *st, const backend_moe_op *o) {
               a.path == MOE_PATH_DECODE ? "moe (decode GEMVs)" : "moe (grouped GEMM)", bytes);
 }
 
+/* ---- layer-progress events (backend.h "layer progress") ---------------------------------- */
+
+static int cb_event_new(backend *be, void **ev) {
+    cudaSetDevice(((cb_dev *)be->ctx)->ord);
+    cudaEvent_t e;
+    CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    *ev = (void *)e;
+    return 0;
+}
+
+static void cb_event_free(backend *be, void *ev) {
+    cudaSetDevice(((cb_dev *)be->ctx)->ord);
+    cudaEventDestroy((cudaEvent_t)ev);
+}
+
+static int cb_event_record(backend_stream *st, void *ev) {
+    cb_stream *s = CB(st);
+    if (s->capturing) return 1; /* the graph's replays would not record it */
+    CK(cudaEventRecord((cudaEvent_t)ev, s->c->stream));
+    return 0;
+}
+
+static int cb_event_query(backend *be, void *ev) {
+    cudaSetDevice(((cb_dev *)be->ctx)->ord);
+    cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+    if (e == cudaSuccess) return 1;
+    if (e == cudaErrorNotReady) return 0;
+    fprintf(stderr, "cuda: cudaEventQuery (layer progress) failed: %s\n", cudaGetErrorString(e));
+    return -EIO;
+}
+
 static const backend_iface CB_IFACE = {
     cb_free,     cb_memory,         cb_buffer_alloc, cb_weights_load, cb_buffer_free,
     cb_stream_create, cb_stream_free, cb_stream_sync, cb_upload,      cb_download,
@@ -1162,7 +1193,8 @@ static const backend_iface CB_IFACE = {
     cb_add,      cb_gather_rows,    cb_argmax,       cb_graph_plan,   cb_graph_begin,
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,     cb_matmul_residual,
-    cb_residual_fused, cb_moe_route,  cb_moe, cb_weights_load_fp8,
+    cb_residual_fused, cb_moe_route,  cb_moe, cb_weights_load_fp8, cb_event_new, cb_event_free,
+    cb_event_record, cb_event_query,
 };
 
 extern "C" __attribute__((visibility("default"))) int

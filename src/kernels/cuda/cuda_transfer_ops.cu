@@ -20,9 +20,19 @@ struct dev_ctx {
 };
 dev_ctx g_dev[MAX_DEV];
 
+/* One copy of a batch (copy_device_batch), as the gather/scatter kernel reads it. */
+struct copy_desc {
+    const char *src;
+    char *dst;
+    unsigned long long len;
+};
+
 struct xstream {
     cudaStream_t s;
     int device;
+    copy_desc *d_desc; /* device copy of the last batch's descriptors (grown as needed) */
+    size_t desc_cap;
+    copy_desc *h_desc; /* host array they are built in */
 };
 
 /* Own exports (CUDA refuses to open a handle in the process that made it): a handle
@@ -87,7 +97,7 @@ void lookup_driver(void) {
 int op_stream_create(void *ctx, int device, void **out) {
     (void)ctx;
     if (set_dev(device)) return -EIO;
-    xstream *x = (xstream *)malloc(sizeof *x);
+    xstream *x = (xstream *)calloc(1, sizeof *x);
     if (!x) return -ENOMEM;
     x->device = device;
     cudaError_t e = cudaStreamCreateWithFlags(&x->s, cudaStreamNonBlocking);
@@ -104,7 +114,10 @@ void op_stream_destroy(void *ctx, void *stream) {
     xstream *x = (xstream *)stream;
     if (!x) return;
     cudaSetDevice(x->device);
+    cudaStreamSynchronize(x->s);
+    if (x->d_desc) cudaFree(x->d_desc);
     cudaStreamDestroy(x->s);
+    free(x->h_desc);
     free(x);
 }
 
@@ -132,6 +145,127 @@ int op_copy_device(void *ctx, void *stream, void *dst, const void *src, size_t l
     __atomic_add_fetch(&g_d2d, 1, __ATOMIC_RELAXED);
     return copy_async((xstream *)stream, dst, src, len, cudaMemcpyDeviceToDevice,
                       "device-to-device copy");
+}
+
+/* The gather/scatter copy: blockIdx.y walks the descriptors, blockIdx.x and the threads a
+ * descriptor's bytes -- 16 bytes a load where both ends are 16-aligned (the KV blocks are),
+ * else byte by byte.  Every byte is copied exactly once; copies must not overlap. */
+__global__ void gather_scatter_copy(const copy_desc *__restrict__ d, int n) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (int i = blockIdx.y; i < n; i += gridDim.y) {
+        const char *__restrict__ src = d[i].src;
+        char *__restrict__ dst = d[i].dst;
+        const size_t len = d[i].len;
+        size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+        size_t done = 0;
+        if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
+            const size_t n16 = len / 16;
+            const uint4 *__restrict__ s16 = (const uint4 *)src;
+            uint4 *__restrict__ d16 = (uint4 *)dst;
+            size_t j = k;
+            for (; j + 3 * stride < n16; j += 4 * stride) { /* four loads in flight */
+                uint4 a = s16[j], b = s16[j + stride], c = s16[j + 2 * stride],
+                      e = s16[j + 3 * stride];
+                d16[j] = a;
+                d16[j + stride] = b;
+                d16[j + 2 * stride] = c;
+                d16[j + 3 * stride] = e;
+            }
+            for (; j < n16; j += stride)
+                d16[j] = s16[j];
+            done = n16 * 16;
+        }
+        for (size_t j = done + k; j < len; j += stride)
+            dst[j] = src[j];
+    }
+}
+
+/* How a batch is copied: DISAGG_CUDA_BATCH_COPY=kernel (default: one launch of the kernel
+ * above), memcpy_batch (cudaMemcpyBatchAsync, CUDA 12.8+), each (one cudaMemcpyAsync per
+ * copy, as before).  Read per call, so a benchmark can compare them in one process. */
+enum { BATCH_KERNEL, BATCH_MEMCPY, BATCH_EACH };
+int batch_mode(void) {
+    const char *m = getenv("DISAGG_CUDA_BATCH_COPY");
+    if (!m || !*m || !strcmp(m, "kernel")) return BATCH_KERNEL;
+    if (!strcmp(m, "memcpy_batch")) return BATCH_MEMCPY;
+    if (!strcmp(m, "each")) return BATCH_EACH;
+    static int warned;
+    if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+        fprintf(stderr,
+                "[cuda transfer] DISAGG_CUDA_BATCH_COPY=%s is not accepted (kernel, "
+                "memcpy_batch, each); using kernel\n",
+                m);
+    return BATCH_KERNEL;
+}
+
+int op_copy_device_batch(void *ctx, void *stream, void *const *dst, const void *const *src,
+                         const size_t *len, size_t n) {
+    (void)ctx;
+    xstream *x = (xstream *)stream;
+    if (n == 0) return 0;
+    if (set_dev(x->device)) return -EIO;
+    int mode = batch_mode();
+    if (n == 1 || mode == BATCH_EACH) {
+        for (size_t i = 0; i < n; i++) {
+            int rc = op_copy_device(ctx, stream, dst[i], src[i], len[i]);
+            if (rc) return rc;
+        }
+        return 0;
+    }
+    __atomic_add_fetch(&g_d2d, 1, __ATOMIC_RELAXED); /* one device operation */
+    cudaError_t e;
+    if (mode == BATCH_MEMCPY) {
+#if CUDART_VERSION >= 12080
+        cudaMemcpyAttributes attr;
+        memset(&attr, 0, sizeof attr);
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        attr.srcLocHint.type = cudaMemLocationTypeDevice;
+        attr.srcLocHint.id = x->device;
+        attr.dstLocHint.type = cudaMemLocationTypeDevice;
+        attr.dstLocHint.id = x->device;
+        size_t idx = 0;
+        e = cudaMemcpyBatchAsync((void *const *)dst, (const void *const *)src, len, n, &attr, &idx,
+                                 1, x->s);
+        return e == cudaSuccess ? 0 : fail("cudaMemcpyBatchAsync", e);
+#else
+        return fail("cudaMemcpyBatchAsync (needs CUDA 12.8)", cudaErrorNotSupported);
+#endif
+    }
+    if (n > x->desc_cap) {
+        size_t cap = x->desc_cap ? x->desc_cap : 256;
+        while (cap < n)
+            cap *= 2;
+        copy_desc *h = (copy_desc *)realloc(x->h_desc, cap * sizeof *h);
+        if (!h) return -ENOMEM;
+        x->h_desc = h;
+        /* the previous batch may still read the old array */
+        if ((e = cudaStreamSynchronize(x->s)) != cudaSuccess) return fail("batch copy", e);
+        if (x->d_desc) cudaFree(x->d_desc);
+        x->d_desc = NULL;
+        x->desc_cap = 0;
+        if ((e = cudaMalloc((void **)&x->d_desc, cap * sizeof *x->d_desc)) != cudaSuccess)
+            return fail("cudaMalloc (batch copy descriptors)", e);
+        x->desc_cap = cap;
+    }
+    size_t max_len = 0;
+    for (size_t i = 0; i < n; i++) {
+        x->h_desc[i].src = (const char *)src[i];
+        x->h_desc[i].dst = (char *)dst[i];
+        x->h_desc[i].len = len[i];
+        if (len[i] > max_len) max_len = len[i];
+    }
+    /* pageable source: the call returns once the bytes are staged, so h_desc may be
+     * rebuilt at once; stream order keeps the kernel of the previous batch first */
+    e = cudaMemcpyAsync(x->d_desc, x->h_desc, n * sizeof *x->h_desc, cudaMemcpyHostToDevice,
+                        x->s);
+    if (e != cudaSuccess) return fail("batch copy descriptors", e);
+    const int threads = 256;
+    size_t per_block = (size_t)threads * 16 * 8; /* eight 16-byte loads per thread */
+    size_t gx = (max_len + per_block - 1) / per_block;
+    dim3 grid((unsigned)(gx < 1 ? 1 : gx > 1024 ? 1024 : gx), (unsigned)(n < 65535 ? n : 65535));
+    gather_scatter_copy<<<grid, threads, 0, x->s>>>(x->d_desc, (int)n);
+    e = cudaGetLastError();
+    return e == cudaSuccess ? 0 : fail("batch copy kernel", e);
 }
 
 int op_sync(void *ctx, void *stream) {
@@ -330,6 +464,7 @@ int api_device_ops(int device, transfer_device_ops *out, char *err, size_t errle
     out->ipc_open = op_ipc_open;
     out->ipc_close = op_ipc_close;
     out->copy_device = op_copy_device;
+    out->copy_device_batch = op_copy_device_batch;
     return 0;
 }
 
