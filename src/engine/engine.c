@@ -115,6 +115,9 @@ struct engine {
     kept_blocks *kept;        /* step thread only */
     int n_kept, n_loading;
     int n_parkwait;    /* consumers not yet parked (not in the scheduler) */
+    kvev_log events;   /* step thread: this step's KV cache events */
+    engine_kv_event_sink sink; /* under mu: sink.publish NULL = no events */
+    int reset_cache;           /* under mu: engine_reset_prefix_cache() asked */
     int n_quarantined; /* blocks held after abandoned loads (see quarantine) */
 };
 
@@ -710,6 +713,43 @@ static void park_consumers(engine *e) {
     }
 }
 
+/* ---- KV cache events ------------------------------------------------------------- */
+
+void engine_set_kv_event_sink(engine *e, const engine_kv_event_sink *sink) {
+    pthread_mutex_lock(&e->mu);
+    if (sink && sink->publish)
+        e->sink = *sink;
+    else
+        memset(&e->sink, 0, sizeof e->sink);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_reset_prefix_cache(engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->reset_cache = 1;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void reset_cache(engine *e) {
+    if (block_pool_reset_cache(&e->bp)) {
+        LOG_W(MOD, "reset_prefix_cache refused: cached blocks are in use by running requests");
+        return;
+    }
+    LOG_I(MOD, "prefix cache reset");
+}
+
+/* Hand this step's events to the sink (under mu: the sink may be detached). */
+static void flush_events(engine *e) {
+    if (e->events.oom) LOG_W(MOD, "out of memory recording KV cache events: some were lost");
+    if (e->events.n) {
+        pthread_mutex_lock(&e->mu);
+        if (e->sink.publish) e->sink.publish(e->sink.ctx, &e->events);
+        pthread_mutex_unlock(&e->mu);
+    }
+    kv_events_reset(&e->events);
+}
+
 /* ---- the step ----------------------------------------------------------------- */
 
 static void publish_stats(engine *e) {
@@ -733,7 +773,7 @@ static void take_inputs(engine *e) {
     publish_stats(e); /* blocks may have been freed: /metrics must see it even if we sleep now */
     pthread_mutex_lock(&e->mu);
     while (!e->stop && !e->inbox && !e->notes && e->n_aborts == 0 && e->sched.n_running == 0 &&
-           e->sched.n_waiting == 0) {
+           e->sched.n_waiting == 0 && !e->reset_cache) {
         if (!next_expiry) {
             pthread_cond_wait(&e->cv, &e->mu);
             continue;
@@ -742,6 +782,8 @@ static void take_inputs(engine *e) {
         struct timespec ts = clock_to_timespec(next_expiry); /* cv is on CLOCK_MONOTONIC */
         pthread_cond_timedwait(&e->cv, &e->mu, &ts);
     }
+    int reset = e->reset_cache;
+    e->reset_cache = 0;
     ereq *in = e->inbox;
     e->inbox = NULL;
     kv_note *notes = e->notes;
@@ -778,6 +820,7 @@ static void take_inputs(engine *e) {
         if (r && !r->zombie) finish(e, r, "abort", -1, NULL);
     }
     free(ab);
+    if (reset) reset_cache(e);
     kv_note *rn = NULL; /* notes are LIFO: handle in arrival order */
     while (notes) {
         kv_note *n = notes->next;
@@ -957,6 +1000,7 @@ static void *step_main(void *arg) {
         pthread_mutex_unlock(&e->mu);
         if (stop) break;
         run_step(e);
+        flush_events(e);
         publish_stats(e);
     }
     while (e->live)
@@ -1108,6 +1152,8 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -ENOMEM;
         goto fail;
     }
+    e->bp.block_size = c.block_size;
+    e->bp.events = &e->events; /* recorded always; published when a sink is attached */
     pthread_mutex_init(&e->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1131,6 +1177,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
 fail:
     sched_plan_free(&e->plan);
     block_pool_free_all(&e->bp);
+    kv_events_free(&e->events);
     free(e->fwd);
     free(e->logits);
     free(e->plogits);
@@ -1173,6 +1220,7 @@ void engine_destroy(engine *e) {
     sched_plan_free(&e->plan);
     sched_free(&e->sched);
     block_pool_free_all(&e->bp);
+    kv_events_free(&e->events);
     free(e->fwd);
     free(e->logits);
     free(e->plogits);

@@ -13,6 +13,7 @@
 #define DISAGG_ENGINE_ENGINE_H
 
 #include "engine/kv_connector.h"
+#include "engine/kv_events.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -145,6 +146,20 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
 /* Cancel: the request ends with finish_reason "abort" and its blocks are freed.
  * Unknown or finished ids are ignored. */
 void engine_abort(engine *e, uint64_t id);
+
+/* KV cache events (vLLM's KVEventBatch): after every step that stored or removed
+ * prefix-cache blocks, publish(ctx, log) runs on the engine thread with that step's
+ * events; it must copy what it keeps and not block.  Attach before the first submit;
+ * NULL detaches (the caller then no longer receives calls once this returns). */
+typedef struct engine_kv_event_sink {
+    void *ctx;
+    void (*publish)(void *ctx, const kvev_log *log);
+} engine_kv_event_sink;
+void engine_set_kv_event_sink(engine *e, const engine_kv_event_sink *sink);
+/* vLLM's reset_prefix_cache: forget every cached block (the device cache and the
+ * offload tiers) at the engine's next step, recording AllBlocksCleared; refused with a
+ * warning in the log while a cached block is in use.  Asynchronous, thread-safe. */
+void engine_reset_prefix_cache(engine *e);
 
 /* Attach a KV connector (before the first submit).  Its classify() runs in
  * engine_submit's thread, the other hooks on the engine thread. */
