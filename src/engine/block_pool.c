@@ -118,10 +118,13 @@ int block_pool_alloc(block_pool *bp, int32_t n, int32_t *out) {
         int32_t b = bp->free_head;
         fq_remove(bp, b);
         if (bp->hash[b]) { /* evict its cached content */
+            bp->evictions++;
             if (bp->tier.evicted) bp->tier.evicted(bp->tier.ctx, b, bp->hash[b]);
             if (bp->events) kv_events_removed(bp->events, KVEV_MEDIUM_GPU, bp->hash[b]);
-            ht_del(bp, bp->hash[b]);
+            /* the block forgets the hash first: ht_del may rebuild the table from hash[] */
+            uint64_t h = bp->hash[b];
             bp->hash[b] = 0;
+            ht_del(bp, h);
         }
         bp->ref[b] = 1;
         out[k] = b;

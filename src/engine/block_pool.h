@@ -40,6 +40,7 @@ typedef struct block_pool {
     size_t ht_tomb;         /* deleted slots (key 1 = tombstone) */
     uint64_t hits, queries; /* prefix-cache statistics, in blocks */
     uint64_t ext_queries, ext_hits; /* lower-tier lookups after a device miss, in blocks */
+    uint64_t evictions;     /* cached blocks the allocator reused */
     kvev_log *events;       /* when set: BlockStored / BlockRemoved of the device cache */
     int block_size;         /* tokens per block (for the events) */
     block_pool_tier tier;   /* tier.load NULL = no lower tier */

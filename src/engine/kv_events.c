@@ -72,17 +72,20 @@ static int push_tokens(kvev_log *l, kvev_event *e, const int32_t *t, int n) {
 void kv_events_stored(kvev_log *l, kvev_medium medium, uint64_t parent, uint64_t hash,
                  const int32_t *tokens, int block_size) {
     kvev_event *e = l->n ? &l->ev[l->n - 1] : NULL;
-    /* one chain continues the last event: the block's parent is its last block */
-    if (!e || e->kind != KVEV_STORED || e->medium != medium || e->block_size != block_size ||
-        !parent || e->hashes[e->n_hashes - 1] != parent) {
+    /* one chain continues the last event: the block's parent is its last block; blocks
+     * without tokens (a lower tier's, as vLLM's offloading reports them) join any */
+    int join = e && e->kind == KVEV_STORED && e->medium == medium && e->block_size == block_size &&
+               (tokens ? parent && e->n_tokens && e->hashes[e->n_hashes - 1] == parent
+                       : e->n_tokens == 0);
+    if (!join) {
         e = new_event(l, KVEV_STORED, medium);
         if (!e) return;
-        e->has_parent = parent != 0;
-        e->parent = parent;
+        e->has_parent = tokens && parent != 0;
+        e->parent = e->has_parent ? parent : 0;
         e->block_size = block_size;
     }
     if (push_hash(l, e, hash)) return;
-    if (push_tokens(l, e, tokens, block_size)) e->n_hashes--;
+    if (tokens && push_tokens(l, e, tokens, block_size)) e->n_hashes--;
 }
 
 void kv_events_removed(kvev_log *l, kvev_medium medium, uint64_t hash) {

@@ -49,7 +49,8 @@ typedef struct kvev_log {
 } kvev_log;
 
 /* A full block (block_size tokens) with hash, chained from parent (0 = the
- * first block of a sequence: no parent), entered medium. */
+ * first block of a sequence: no parent), entered medium.  tokens NULL: a lower
+ * tier's block, announced as vLLM's offloading does (no tokens, no parent). */
 void kv_events_stored(kvev_log *l, kvev_medium medium, uint64_t parent, uint64_t hash,
                  const int32_t *tokens, int block_size);
 void kv_events_removed(kvev_log *l, kvev_medium medium, uint64_t hash);
