@@ -14,6 +14,7 @@
 
 #include "engine/kv_connector.h"
 #include "engine/kv_events.h"
+#include "engine/kv_offload.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -39,6 +40,11 @@ typedef struct engine_config {
     int enforce_eager;             /* GPU: no CUDA graphs (default: decode steps as graphs) */
     int batch_invariant;           /* --batch-invariant: backend_options.batch_invariant */
     int load_dummy;                /* --load-format dummy: random weights, config.json alone */
+    /* KV offload tiers (engine/kv_offload.h): blocks the KV cache evicts go to host memory
+     * (and from there to disk) and come back by copy.  0 / NULL = none. */
+    size_t kv_offload_bytes;         /* --kv-offloading-size: the host tier */
+    const char *kv_offload_disk_dir; /* --kv-offloading-disk: the disk tier's directory */
+    size_t kv_offload_disk_bytes;    /* --kv-offloading-disk-size */
 } engine_config;
 
 void engine_config_init(engine_config *c);
@@ -201,6 +207,7 @@ typedef struct engine_stats {
     int num_running, num_waiting, num_parked;
     int num_blocks, num_blocks_used;      /* KV cache blocks */
     uint64_t prefix_queries, prefix_hits; /* blocks */
+    uint64_t prefix_evictions;            /* cached blocks reused for other KV */
     uint64_t num_preemptions;
     uint64_t prompt_tokens, generation_tokens; /* totals */
     uint64_t steps;
@@ -212,6 +219,10 @@ typedef struct engine_stats {
     uint64_t first_token_handoffs; /* consumer: first tokens taken from the producer */
     uint64_t first_token_refused;  /* consumer: handed-off tokens not used (recomputed) */
     char kernels[32]; /* the compute kernels: the CPU ISA ("avx512f", "avx2", ...) or "cuda" */
+    int has_offload;           /* the KV offload tiers are on: offload holds their counts */
+    kv_offload_stats offload;  /* (has_offload) */
+    uint64_t offload_queries;  /* blocks looked up in the tiers after a device-cache miss */
+    uint64_t offload_hits;     /* of those, copied back from a tier */
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);
