@@ -191,3 +191,44 @@ def test_bad_backend_flag():
                         "--kv-offloading-backend", "lmcache"], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 2 and "--kv-offloading-backend" in r.stderr and "native" in r.stderr, r.stderr
+
+
+def test_tier_events(tmp_path):
+    """With --kv-events-config the tiers announce their blocks as vLLM's offloading does:
+    BlockStored / BlockRemoved with medium CPU and DISK (no tokens, no parent)."""
+    import json
+    import time
+
+    import zmq
+
+    from test_kv_events import DEC, BlockRemoved, BlockStored
+    port = server_harness.free_port()
+    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    s = disk_server(tmp_path, "--kv-events-config", cfg)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        time.sleep(1.0)  # slow joiner
+        rounds(s, 2)
+        seen = {}
+        while sub.poll(1000):
+            _, _, payload = sub.recv_multipart()
+            for e in DEC.decode(payload).events:
+                seen.setdefault((type(e).__name__, e.medium), []).append(e)
+        for kind in ("BlockStored", "BlockRemoved"):
+            for medium in ("GPU", "CPU", "DISK") if kind == "BlockStored" else ("GPU", "CPU"):
+                assert (kind, medium) in seen, (kind, medium, list(seen))
+        for e in seen[("BlockStored", "CPU")] + seen[("BlockStored", "DISK")]:
+            assert e.token_ids == [] and e.parent_block_hash is None and e.block_size == BS
+        # every block the host tier stored came from the device cache
+        gpu = {h for e in seen[("BlockStored", "GPU")] for h in e.block_hashes}
+        cpu = {h for e in seen[("BlockStored", "CPU")] for h in e.block_hashes}
+        assert cpu and cpu <= gpu
+        assert isinstance(seen[("BlockRemoved", "CPU")][0], BlockRemoved)
+        assert isinstance(seen[("BlockStored", "DISK")][0], BlockStored)
+    finally:
+        sub.close(0)
+        ctx.term()
+        assert s.stop() == 0
