@@ -48,7 +48,7 @@ def metric(ms, name, tier=None):
                if k.split("{")[0] == name and (tier is None or f'tier="{tier}"' in k))
 
 
-def block_bytes(model, block_size, dtype_bytes=4):
+def block_bytes(model, block_size, dtype_bytes):
     c = json.load(open(os.path.join(model, "config.json")))
     hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * block_size * c["num_key_value_heads"] * hd * dtype_bytes
@@ -57,10 +57,12 @@ def block_bytes(model, block_size, dtype_bytes=4):
 def run(a, name, extra, dataset, tmp):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    bb = block_bytes(a.model, a.block_size)
+    bb = block_bytes(a.model, a.block_size, a.kv_bytes)
     args = [a.bin, "serve", a.model, "--host", "127.0.0.1", "--port", str(port),
             "--block-size", str(a.block_size), "--max-model-len", str(a.max_model_len),
             "--kv-cache-memory", str(a.kv_blocks * bb), "--device", a.device] + extra
+    if a.device != "cpu":
+        args += ["--kv-cache-dtype", "bfloat16"]
     if a.threads:
         args += ["--threads", str(a.threads)]
     log = open(os.path.join(tmp, f"serve-{name}.log"), "w")
@@ -128,12 +130,13 @@ def main():
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.bench_bin = a.bench_bin or a.bin
+    a.kv_bytes = 4 if a.device == "cpu" else 2  # f32 KV on the CPU, bf16 on CUDA
     tmp = tempfile.mkdtemp(prefix="kv-pool-bench-")
     dataset = os.path.join(tmp, "multiturn.jsonl")
     subprocess.run([sys.executable, a.dataset_tool, "--out", dataset, "--conversations",
                     str(a.conversations), "--turns", str(a.turns), "--user-words",
                     str(a.user_words)], check=True, stdout=subprocess.DEVNULL)
-    bb = block_bytes(a.model, a.block_size)
+    bb = block_bytes(a.model, a.block_size, a.kv_bytes)
     gib = lambda blocks, size=bb: repr(blocks * size / 2**30)
     stride = (64 + bb + 4095) // 4096 * 4096
     disk_dir = os.path.join(tmp, "disk")

@@ -14,13 +14,18 @@ import pytest
 import requests
 
 import server_harness
-from server_harness import Server
+from server_harness import Server, on_gpu
 
 BS = 16
-BB = 6 * 2 * BS * 2 * 32 * 4       # one KV block of the tiny model (f32)
+# DISAGG_TEST_DEVICE=cuda (scripts/gpu_check.sh ONLY=kvpool): bf16 KV on the GPU, the
+# batch-invariant mode so that a prompt computed after a restored prefix is bit-equal to the
+# whole prompt computed at once (the CPU engine is invariant anyway)
+DEV = (("--device", "cuda", "--kv-cache-dtype", "bfloat16", "--batch-invariant") if on_gpu()
+       else ("--device", "cpu"))
+BB = 6 * 2 * BS * 2 * 32 * (2 if on_gpu() else 4)  # one KV block of the tiny model
 STRIDE = (64 + BB + 4095) // 4096 * 4096  # one disk slot: header + block, 4 KiB aligned
-BASE = ("--device", "cpu", "--block-size", str(BS), "--max-model-len", "128",
-        "--kv-cache-memory", str(12 * BB))  # 12 blocks: two 80-token prompts at most
+BASE = DEV + ("--block-size", str(BS), "--max-model-len", "128",
+              "--kv-cache-memory", str(12 * BB))  # 12 blocks: two 80-token prompts at most
 PROMPTS = [[(k * 131 + i * 7) % 4000 + 1 for i in range(80)] for k in range(4)]
 
 
