@@ -89,8 +89,11 @@ def run(a, name, extra, dataset, tmp):
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
     prompt = res["total_input_tokens"]
-    dev = metric(ms, "vllm:prefix_cache_hits_total") - a.block_size * (
-        metric(ms, "disagg:kv_offload_blocks_loaded_total"))
+    # cached prompt tokens of the finished requests (device cache or a tier), less the tiers'
+    # loads: vllm:prefix_cache_hits counts every admission attempt's lookups, not tokens served
+    cached = sum(v for k, v in ms.items() if k.startswith("vllm:prompt_tokens_by_source_total")
+                 and 'source="local_cache_hit"' in k)
+    dev = cached - a.block_size * metric(ms, "disagg:kv_offload_blocks_loaded_total")
     host = a.block_size * metric(ms, "disagg:kv_offload_blocks_loaded_total", "host")
     disk = a.block_size * metric(ms, "disagg:kv_offload_blocks_loaded_total", "disk")
     return {
