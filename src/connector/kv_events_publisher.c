@@ -260,6 +260,7 @@ static void service_replay(kv_events_publisher *p) {
             zmq_msg_close(&m);
         n++;
     }
+    if (n == 0) return; /* nothing after all */
     int kept = n < 4 ? n : 4;
     if (n != 3 || zmq_msg_size(&parts[2]) == 0 || zmq_msg_size(&parts[2]) > 8) {
         LOG_W(MOD, "invalid replay request of %d frames: accepted: [empty, start seq as 1..8 "

@@ -264,3 +264,20 @@ def test_connect_mode_and_disabled():
             assert not sub.poll(1000)
         finally:
             assert s.stop() == 0
+
+
+def test_replay_bad_request_ignored(srv):
+    """A replay request that is not [empty, 1..8-byte seq] is logged and dropped; the next
+    good one is answered (from a seq past everything: just the end marker)."""
+    d = srv.ctx.socket(zmq.DEALER)
+    d.connect(f"tcp://127.0.0.1:{srv.rep}")
+    try:
+        d.send_multipart([b"", b"\x00" * 9])
+        d.send_multipart([b"", b"x", b"y"])
+        d.send_multipart([b"", (1 << 40).to_bytes(8, "big")])
+        assert d.poll(5000)
+        assert d.recv_multipart() == [b"", (-1).to_bytes(8, "big", signed=True), b""]
+        assert not d.poll(300)
+        assert "invalid replay request" in srv.logs()
+    finally:
+        d.close(0)
