@@ -144,6 +144,15 @@ int kv_events_config_parse(const char *json, kv_events_config *c, char *err, siz
             goto out;
         }
     }
+    const char *fmt = getenv("DISAGG_KV_EVENTS_FORMAT");
+    if (fmt && *fmt && strcmp(fmt, "array") && strcmp(fmt, "map")) {
+        rc = set_err(err, errlen,
+                     "DISAGG_KV_EVENTS_FORMAT '%s' is not known; accepted: array (positional "
+                     "events, the default), map (tagged maps, vLLM >= 0.26)",
+                     fmt);
+        goto out;
+    }
+    c->map_events = fmt && !strcmp(fmt, "map");
     if (!have_publisher)
         snprintf(c->publisher, sizeof c->publisher, "%s", c->enable_kv_cache_events ? "zmq" : "null");
     c->enabled = c->enable_kv_cache_events && !strcmp(c->publisher, "zmq");
@@ -166,7 +175,22 @@ static void pack_hashes(msgpack_packer *pk, const kvev_event *e) {
         msgpack_pack_uint64(pk, e->hashes[i]);
 }
 
-static void encode_batch(msgpack_sbuffer *sb, const kvev_log *log, double ts) {
+/* the event's tag, then (map) each field's name before its value */
+static void pack_head(msgpack_packer *pk, int map, const char *tag, size_t nfields) {
+    if (map) {
+        msgpack_pack_map(pk, nfields + 1);
+        pack_str(pk, "type");
+    } else {
+        msgpack_pack_array(pk, nfields + 1);
+    }
+    pack_str(pk, tag);
+}
+
+static void pack_key(msgpack_packer *pk, int map, const char *key) {
+    if (map) pack_str(pk, key);
+}
+
+static void encode_batch(msgpack_sbuffer *sb, const kvev_log *log, double ts, int map) {
     msgpack_packer pk;
     msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
     msgpack_pack_array(&pk, 3);
@@ -176,30 +200,36 @@ static void encode_batch(msgpack_sbuffer *sb, const kvev_log *log, double ts) {
         const kvev_event *e = &log->ev[i];
         switch (e->kind) {
         case KVEV_STORED:
-            msgpack_pack_array(&pk, 8);
-            pack_str(&pk, "BlockStored");
+            pack_head(&pk, map, "BlockStored", 7);
+            pack_key(&pk, map, "block_hashes");
             pack_hashes(&pk, e);
+            pack_key(&pk, map, "parent_block_hash");
             if (e->has_parent)
                 msgpack_pack_uint64(&pk, e->parent);
             else
                 msgpack_pack_nil(&pk);
+            pack_key(&pk, map, "token_ids");
             msgpack_pack_array(&pk, (size_t)e->n_tokens);
             for (int t = 0; t < e->n_tokens; t++)
                 msgpack_pack_int32(&pk, e->tokens[t]);
+            pack_key(&pk, map, "block_size");
             msgpack_pack_int(&pk, e->block_size);
-            msgpack_pack_nil(&pk); /* lora_id */
+            pack_key(&pk, map, "lora_id");
+            msgpack_pack_nil(&pk);
+            pack_key(&pk, map, "medium");
             pack_str(&pk, kv_events_medium_name(e->medium));
-            msgpack_pack_nil(&pk); /* lora_name */
+            pack_key(&pk, map, "lora_name");
+            msgpack_pack_nil(&pk);
             break;
         case KVEV_REMOVED:
-            msgpack_pack_array(&pk, 3);
-            pack_str(&pk, "BlockRemoved");
+            pack_head(&pk, map, "BlockRemoved", 2);
+            pack_key(&pk, map, "block_hashes");
             pack_hashes(&pk, e);
+            pack_key(&pk, map, "medium");
             pack_str(&pk, kv_events_medium_name(e->medium));
             break;
         case KVEV_CLEARED:
-            msgpack_pack_array(&pk, 1);
-            pack_str(&pk, "AllBlocksCleared");
+            pack_head(&pk, map, "AllBlocksCleared", 0);
             break;
         }
     }
@@ -355,7 +385,7 @@ void kv_events_publisher_publish(void *arg, const kvev_log *log) {
     clock_gettime(CLOCK_REALTIME, &ts);
     msgpack_sbuffer sb;
     msgpack_sbuffer_init(&sb);
-    encode_batch(&sb, log, (double)ts.tv_sec + ts.tv_nsec * 1e-9);
+    encode_batch(&sb, log, (double)ts.tv_sec + ts.tv_nsec * 1e-9, p->cfg.map_events);
     payload *x = calloc(1, sizeof *x);
     if (!x || !sb.data) {
         free(x);
@@ -471,9 +501,9 @@ int kv_events_publisher_create(const kv_events_config *c, kv_events_publisher **
         close_all(p);
         return -1;
     }
-    LOG_I(MOD, "publishing KV cache events on %s (%s)%s%s%s", c->endpoint, b ? "bound" : "connected",
-          c->replay_endpoint[0] ? ", replay on " : "", c->replay_endpoint,
-          c->topic[0] ? "" : ", empty topic");
+    LOG_I(MOD, "publishing KV cache events on %s (%s)%s%s, %s events", c->endpoint,
+          b ? "bound" : "connected", c->replay_endpoint[0] ? ", replay on " : "",
+          c->replay_endpoint, c->map_events ? "map" : "array");
     *out = p;
     return 0;
 }

@@ -13,6 +13,9 @@
  *                 lora_id nil, medium, lora_name nil]
  *   BlockRemoved ["BlockRemoved", [hash...], medium]
  *   AllBlocksCleared ["AllBlocksCleared"]
+ * With $DISAGG_KV_EVENTS_FORMAT=map each event is instead a map tagged by "type"
+ * ({"type": "BlockStored", "block_hashes": ..., ...}: the same fields by name), as vLLM
+ * encodes them since 0.26; the batch stays positional.
  * Hashes are the prefix cache's 64-bit block hashes (msgpack unsigned ints).
  * Encoding runs on the engine thread; one publisher thread owns the sockets.
  */
@@ -36,6 +39,8 @@ typedef struct kv_events_config {
     int hwm;               /* PUB send high-water mark (100000) */
     int max_queue_size;    /* batches waiting for the publisher thread (100000) */
     char topic[128];       /* first frame of every message ("") */
+    int map_events;        /* $DISAGG_KV_EVENTS_FORMAT=map: events as tagged maps (vLLM >= 0.26,
+                              vllm-project/vllm#42892); "array" (default): positional arrays */
 } kv_events_config;
 
 /* Parse the JSON; 0, or -22 with err naming the key, the bad value and what is accepted. */

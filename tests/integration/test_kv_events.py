@@ -6,6 +6,7 @@ serves the replay ROUTER.  Decoded with msgspec Structs that mirror vLLM's own
 omit_defaults=True, tag=True; BlockStored's fields in vLLM's order), so a
 router that consumes vLLM's events decodes ours."""
 import json
+import os
 import subprocess
 import time
 
@@ -281,3 +282,77 @@ def test_replay_bad_request_ignored(srv):
         assert "invalid replay request" in srv.logs()
     finally:
         d.close(0)
+
+
+# vLLM >= 0.26 (vllm-project/vllm#42892): the events lost array_like (tagged maps under
+# "type"), the batch stayed positional.
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+
+
+class MapRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class MapCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapBatch(EventBatch):
+    events: list[MapStored | MapRemoved | MapCleared]
+
+
+def test_map_format():
+    port = free_port()
+    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    s = Server("--device", "cpu", "--block-size", str(BS), "--max-model-len", "128",
+               "--kv-cache-memory", str(12 * 6 * 2 * BS * 2 * 32 * 4), "--kv-events-config", cfg,
+               env={"DISAGG_KV_EVENTS_FORMAT": "map"})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        time.sleep(1.0)
+        for k in range(20, 26):
+            complete(s, prompt(k, 100))
+        requests.post(s.url + "/reset_prefix_cache", timeout=10)
+        kinds = set()
+        stored = None
+        while sub.poll(1000):
+            _, _, payload = sub.recv_multipart()
+            raw = msgspec.msgpack.decode(payload)
+            assert isinstance(raw, list) and isinstance(raw[1][0], dict)
+            assert raw[1][0]["type"] in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+            for e in msgspec.msgpack.decode(payload, type=MapBatch).events:
+                kinds.add(type(e).__name__)
+                if isinstance(e, MapStored) and stored is None:
+                    stored = e
+        assert kinds == {"MapStored", "MapRemoved", "MapCleared"}, kinds
+        assert stored.token_ids == prompt(20, 100)[:96] and stored.medium == "GPU"
+    finally:
+        sub.close(0)
+        ctx.term()
+        assert s.stop() == 0
+
+
+def test_bad_format_env():
+    r = subprocess.run([BIN, "serve", str(MODEL), "--kv-events-config",
+                        '{"enable_kv_cache_events": true}'], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "DISAGG_KV_EVENTS_FORMAT": "json"})
+    assert r.returncode == 2
+    assert "DISAGG_KV_EVENTS_FORMAT 'json' is not known; accepted: array" in r.stderr, r.stderr
