@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -155,7 +154,8 @@ struct kv_offload {
     char *kv_base; /* device address of block 0 */
     size_t bb;     /* block bytes */
     tier host, disk;
-    char *host_mem; /* (host.n_slots * bb) */
+    backend_buffer *host_buf; /* the host tier (BACKEND_BUF_HOST) */
+    char *host_mem;           /* its (host.n_slots * bb) bytes */
     size_t host_len;
     int fd; /* the disk tier's slab file, -1 = none */
     char path[4096];
@@ -382,14 +382,15 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
     size_t nh = c->host_bytes / c->block_bytes;
     if (nh > INT32_MAX / 4) nh = INT32_MAX / 4;
     o->host_len = nh * o->bb;
-    o->host_mem = mmap(NULL, o->host_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (o->host_mem == MAP_FAILED) {
-        o->host_mem = NULL;
-        snprintf(err, errlen, "cannot map a host KV tier of %zu bytes: %s", o->host_len,
-                 strerror(errno));
+    /* through the backend: pinned on CUDA, so the tier's copies run at full speed */
+    o->host_buf = backend_buffer_alloc(backend_stream_backend(st), o->host_len, BACKEND_BUF_HOST);
+    if (!o->host_buf) {
+        snprintf(err, errlen, "cannot allocate a host KV tier of %zu bytes (--kv-offloading-size)",
+                 o->host_len);
         kv_offload_destroy(o);
         return -1;
     }
+    o->host_mem = backend_buffer_ptr(o->host_buf);
     if (tier_init(&o->host, (int32_t)nh)) {
         snprintf(err, errlen, "out of memory for the host KV tier's index");
         kv_offload_destroy(o);
@@ -439,7 +440,7 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
 
 void kv_offload_destroy(kv_offload *o) {
     if (!o) return;
-    if (o->host_mem) munmap(o->host_mem, o->host_len);
+    backend_buffer_free(o->host_buf);
     if (o->fd >= 0) {
         close(o->fd);
         unlink(o->path);
