@@ -5,6 +5,7 @@
 #include "base/log.h"
 #include "kernels/backend.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -357,6 +358,25 @@ const char *kv_offload_disk_path(const kv_offload *o) {
 
 /* ---- lifecycle -------------------------------------------------------------------- */
 
+/* Slabs a killed run left in dir (its pid gone): removed, so crashes do not fill the disk.
+ * Never read: their blocks may be another model's. */
+static void remove_stale_slabs(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        int pid, n, end = 0;
+        if (sscanf(de->d_name, "disagg-kv-%d-%d.slab%n", &pid, &n, &end) != 2 ||
+            de->d_name[end] || pid <= 0)
+            continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to judge) */
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (!unlink(path)) LOG_I(MOD, "removed %s, left by a run that is gone", path);
+    }
+    closedir(d);
+}
+
 int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_base,
                       kv_offload **out, char *err, size_t errlen) {
     *out = NULL;
@@ -408,6 +428,7 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
             return -1;
         }
         if (nd > INT32_MAX / 4) nd = INT32_MAX / 4;
+        remove_stale_slabs(c->disk_dir);
         static atomic_int serial;
         snprintf(o->path, sizeof o->path, "%s/disagg-kv-%d-%d.slab", c->disk_dir, (int)getpid(),
                  atomic_fetch_add(&serial, 1));

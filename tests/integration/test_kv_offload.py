@@ -107,8 +107,21 @@ def slab(tmp_path):
     return tmp_path / files[0]
 
 
+def dead_pid():
+    pid = 4000000
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    return pid
+
+
 def test_disk_tier_outputs_unchanged_and_removed(tmp_path, reference):
+    stale = tmp_path / f"disagg-kv-{dead_pid()}-0.slab"  # a killed run's slab
+    stale.write_bytes(b"x" * STRIDE)
+    mine = tmp_path / "disagg-kv-notes.txt"  # not a slab: left alone
+    mine.write_text("keep")
     s = disk_server(tmp_path)
+    assert not stale.exists() and mine.exists()
+    mine.unlink()
     try:
         assert [lp for lp, _ in rounds(s, 3)] == reference
         assert m(s, "disagg:kv_offload_blocks_stored_total", "disk") > 0
