@@ -565,8 +565,25 @@ fp8_steps() {
     --quantization fp8 --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof|^1 "
   check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_PROF=1"
 }
+# ONLY=kvpool: the KV offload tiers and KV events on the GPU (docs/kv_pool.md): the tiers'
+# tests with bf16 KV in HBM and --batch-invariant (answers with the pool equal to those
+# without, disk faults recomputed), the events' tests, then tools/kv_pool_bench.py (multi-turn
+# chats with an HBM KV cache too small for them: no tiers, host tier, small host + disk tier;
+# KVPOOL_BENCH_ARGS replaces its sizes).
+kvpool_steps() {
+  step "kvpool: test_kv_offload.py + test_kv_events.py on the GPU"
+  DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+    tests/integration/test_kv_offload.py tests/integration/test_kv_events.py 2>&1 | tail -15
+  check ${PIPESTATUS[0]} "kv offload and events tests (cuda)"
+  step "kvpool: tools/kv_pool_bench.py --device cuda"
+  # shellcheck disable=SC2086
+  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
+    --json "$OUT/kvpool_bench.json"
+  check $? "kv_pool_bench (cuda)"
+}
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = stream ]; then
+   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ]; then
+  [ "$ONLY" = kvpool ] && kvpool_steps
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = fp8kv ] && fp8kv_steps
   [ "$ONLY" = fp8 ] && fp8_steps

@@ -16,6 +16,7 @@
 #include "cli/discovery_cli.h"
 
 #include "base/log.h"
+#include "connector/kv_events_publisher.h"
 #include "connector/kv_transfer_config.h"
 #include "kernels/backend.h"
 #include "model/chat_template.h"
@@ -83,6 +84,8 @@ static struct serve_opts {
     int auto_tool_choice;
     flag_list names; /* --served-model-name */
     discovery_cli disc;
+    double offload_gib, offload_disk_gib; /* --kv-offloading-size, --kv-offloading-disk-size */
+    int offload_backend;                  /* --kv-offloading-backend: 0 native */
 } S;
 
 static int on_model(flags_parser *p, const char *word) {
@@ -298,6 +301,25 @@ static int check_kv_transfer_config(flags_parser *p, const flag_def *d, const ch
     return -1;
 }
 
+static int check_kv_events_config(flags_parser *p, const flag_def *d, const char *v) {
+    kv_events_config ec;
+    char err[512];
+    if (!kv_events_config_parse(v, &ec, err, sizeof err)) return 0;
+    flags_error(p, "%s: %s", d->name, err);
+    return -1;
+}
+
+static int offloading_gib(flags_parser *p, const flag_def *d, const char *v) {
+    (void)p, (void)v;
+    double gib = *(double *)d->dst;
+    size_t bytes = (size_t)(gib * 1073741824.0);
+    if (d->dst == &S.offload_gib)
+        S.cfg.engine.kv_offload_bytes = bytes;
+    else
+        S.cfg.engine.kv_offload_disk_bytes = bytes;
+    return 0;
+}
+
 static int uvicorn_log_level(flags_parser *p, const flag_def *d, const char *v) {
     (void)p, (void)v;
     static const log_level map[] = {LOG_ERROR, LOG_ERROR, LOG_WARN, LOG_INFO, LOG_DEBUG, LOG_DEBUG};
@@ -428,6 +450,23 @@ static const flag_def SERVE_FLAGS[] = {
     {FLAG_STRING_("--kv-transfer-config", &S.cfg.kv_transfer_config),
      .fn = check_kv_transfer_config, .metavar = "JSON",
      .help = "KV connector configuration (P/D disaggregation)"},
+    {FLAG_DOUBLE_("--kv-offloading-size", &S.offload_gib, 0, 1 << 20), .fn = offloading_gib,
+     .metavar = "GIB",
+     .help = "host-memory KV tier of GIB GiB: blocks the KV cache evicts are kept there (LRU) "
+             "and copied back instead of recomputed (vLLM's flag; default 0: none)"},
+    {FLAG_CHOICE_("--kv-offloading-backend", &S.offload_backend, "native"),
+     .help = "the offload tiers' implementation: native (disagg's own, the only one; vLLM's "
+             "lmcache is not available)"},
+    {FLAG_STRING_("--kv-offloading-disk", &S.cfg.engine.kv_offload_disk_dir), .metavar = "DIR",
+     .help = "disk KV tier under the host tier: blocks the host tier evicts go to a "
+             "checksummed slab file in DIR (created empty, removed at exit)"},
+    {FLAG_DOUBLE_("--kv-offloading-disk-size", &S.offload_disk_gib, 0, 1 << 30),
+     .fn = offloading_gib, .metavar = "GIB", .help = "the disk tier's size in GiB"},
+    {FLAG_STRING_("--kv-events-config", &S.cfg.kv_events_config), .fn = check_kv_events_config,
+     .metavar = "JSON",
+     .help = "KV cache events (vLLM's KVEventsConfig): e.g. '{\"enable_kv_cache_events\": true, "
+             "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+             "publishes BlockStored/BlockRemoved/AllBlocksCleared batches on ZMQ"},
     {FLAG_BYTES_("--max-body-bytes", &S.cfg.max_body_bytes, 1, 1ull << 50), .metavar = "N",
      .help = "request body limit (default 32M) -> 413"},
     {FLAG_DOUBLE_("--client-header-timeout", &S.cfg.header_timeout_s, 0, 86400),
@@ -491,7 +530,6 @@ static const flag_def SERVE_FLAGS[] = {
                    "overriding config.json is not supported (edit a copy of the model directory)")},
     {FLAG_REFUSED_("--logits-processors", "custom logits processors are not supported")},
     {FLAG_REFUSED_("--enable-sleep-mode", "sleep mode is not supported")},
-    {FLAG_REFUSED_("--kv-events-config", "KV cache events are not published")},
     {FLAG_REFUSED_("--otlp-traces-endpoint",
                    "OpenTelemetry tracing is not supported (use GET /metrics)")},
     {FLAG_REFUSED_("--ssl-keyfile", "TLS is not supported: terminate TLS in a reverse proxy in "

@@ -118,8 +118,13 @@ int block_pool_alloc(block_pool *bp, int32_t n, int32_t *out) {
         int32_t b = bp->free_head;
         fq_remove(bp, b);
         if (bp->hash[b]) { /* evict its cached content */
-            ht_del(bp, bp->hash[b]);
+            bp->evictions++;
+            if (bp->tier.evicted) bp->tier.evicted(bp->tier.ctx, b, bp->hash[b]);
+            if (bp->events) kv_events_removed(bp->events, KVEV_MEDIUM_GPU, bp->hash[b]);
+            /* the block forgets the hash first: ht_del may rebuild the table from hash[] */
+            uint64_t h = bp->hash[b];
             bp->hash[b] = 0;
+            ht_del(bp, h);
         }
         bp->ref[b] = 1;
         out[k] = b;
@@ -154,6 +159,51 @@ void block_pool_set_hash(block_pool *bp, int32_t id, uint64_t hash) {
     if (ht_get(bp, hash) >= 0) return;
     bp->hash[id] = hash;
     ht_put(bp, hash, id);
+}
+
+int block_pool_cache_block(block_pool *bp, int32_t id, uint64_t parent, uint64_t hash,
+                           const int32_t *tokens) {
+    if (id < 0 || id >= bp->num_blocks || hash <= HT_TOMB || bp->hash[id]) return 0;
+    if (ht_get(bp, hash) >= 0) return 0;
+    bp->hash[id] = hash;
+    ht_put(bp, hash, id);
+    if (bp->events) kv_events_stored(bp->events, KVEV_MEDIUM_GPU, parent, hash, tokens, bp->block_size);
+    return 1;
+}
+
+int32_t block_pool_lookup_tiered(block_pool *bp, uint64_t parent, uint64_t hash,
+                                 const int32_t *tokens) {
+    int32_t b = block_pool_lookup(bp, hash);
+    if (b >= 0 || !bp->tier.load || hash <= HT_TOMB) return b;
+    bp->ext_queries++;
+    if (block_pool_alloc(bp, 1, &b)) return -1;
+    if (bp->tier.load(bp->tier.ctx, hash, b)) { /* not there: the block goes back, first out */
+        bp->ref[b] = 0;
+        if (bp->num_free == 0) {
+            fq_push_tail(bp, b);
+        } else {
+            int32_t h = bp->free_head;
+            bp->prev[b] = -1;
+            bp->next[b] = h;
+            bp->prev[h] = b;
+            bp->free_head = b;
+            bp->num_free++;
+        }
+        return -1;
+    }
+    bp->ext_hits++;
+    block_pool_cache_block(bp, b, parent, hash, tokens);
+    return b;
+}
+
+int block_pool_reset_cache(block_pool *bp) {
+    for (int32_t b = 0; b < bp->num_blocks; b++)
+        if (bp->hash[b] && bp->ref[b] > 0) return -1;
+    for (int32_t b = 0; b < bp->num_blocks; b++)
+        bp->hash[b] = 0;
+    ht_rebuild(bp);
+    if (bp->events) kv_events_cleared(bp->events);
+    return 0;
 }
 
 void block_pool_ref(block_pool *bp, int32_t id) {

@@ -12,8 +12,21 @@
 #ifndef DISAGG_ENGINE_BLOCK_POOL_H
 #define DISAGG_ENGINE_BLOCK_POOL_H
 
+#include "engine/kv_events.h"
+
 #include <stddef.h>
 #include <stdint.h>
+
+/* A lower cache tier under the device cache (engine/kv_offload.h behind it):
+ * a cached block the allocator is about to reuse is offered to it first
+ * (evicted: its bytes are still intact), and a prefix block the device cache
+ * lacks may come back from it (load: the bytes copied into block, 0 on
+ * success).  Runs on the pool's (the step) thread. */
+typedef struct block_pool_tier {
+    void *ctx;
+    void (*evicted)(void *ctx, int32_t block, uint64_t hash);
+    int (*load)(void *ctx, uint64_t hash, int32_t block);
+} block_pool_tier;
 
 typedef struct block_pool {
     int32_t num_blocks;
@@ -26,6 +39,11 @@ typedef struct block_pool {
     size_t ht_cap;          /* power of two, >= 2 * num_blocks */
     size_t ht_tomb;         /* deleted slots (key 1 = tombstone) */
     uint64_t hits, queries; /* prefix-cache statistics, in blocks */
+    uint64_t ext_queries, ext_hits; /* lower-tier lookups after a device miss, in blocks */
+    uint64_t evictions;     /* cached blocks the allocator reused */
+    kvev_log *events;       /* when set: BlockStored / BlockRemoved of the device cache */
+    int block_size;         /* tokens per block (for the events) */
+    block_pool_tier tier;   /* tier.load NULL = no lower tier */
 } block_pool;
 
 int block_pool_init(block_pool *bp, int32_t num_blocks);
@@ -46,6 +64,19 @@ int block_pool_contains(const block_pool *bp, uint64_t hash);
 /* Record that block id now holds the full block with this hash (first writer
  * wins: if another block already has the hash, nothing changes). */
 void block_pool_set_hash(block_pool *bp, int32_t id, uint64_t hash);
+/* block_pool_set_hash for the full block of block_size tokens chained from
+ * parent (0 = first block), recording a BlockStored event when the block
+ * became cached.  Returns 1 then, 0 when the hash was already cached. */
+int block_pool_cache_block(block_pool *bp, int32_t id, uint64_t parent, uint64_t hash,
+                           const int32_t *tokens);
+/* block_pool_lookup, and on a device miss the lower tier: a free block gets
+ * the tier's copy of the block (hash, chained from parent, of tokens) and
+ * joins the device cache, referenced once.  -1 when neither has it. */
+int32_t block_pool_lookup_tiered(block_pool *bp, uint64_t parent, uint64_t hash,
+                                 const int32_t *tokens);
+/* Forget every cached hash (vLLM's reset_prefix_cache): refused (-1, nothing
+ * changed) while a cached block is in use.  Records AllBlocksCleared. */
+int block_pool_reset_cache(block_pool *bp);
 /* One more reference to a block already in use. */
 void block_pool_ref(block_pool *bp, int32_t id);
 int32_t block_pool_num_free(const block_pool *bp);

@@ -12,6 +12,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "engine/block_pool.h"
+#include "engine/kv_offload.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
 #include "model/arch.h"
@@ -120,6 +121,11 @@ struct engine {
     kept_blocks *kept;        /* step thread only */
     int n_kept, n_loading;
     int n_parkwait;    /* consumers not yet parked (not in the scheduler) */
+    kvev_log events;   /* step thread: this step's KV cache events */
+    kv_offload *off;   /* the KV offload tiers, or NULL */
+    backend_stream *off_st; /* their copies' stream */
+    engine_kv_event_sink sink; /* under mu: sink.publish NULL = no events */
+    int reset_cache;           /* under mu: engine_reset_prefix_cache() asked */
     int n_quarantined; /* blocks held after abandoned loads (see quarantine) */
 };
 
@@ -751,6 +757,99 @@ static void park_consumers(engine *e) {
     }
 }
 
+/* ---- KV offload tiers: the block pool's lower tier ------------------------------- */
+
+static void tier_evicted(void *ctx, int32_t block, uint64_t hash) {
+    engine *e = ctx;
+    if (kv_offload_store(e->off, hash, block))
+        LOG_W(MOD, "copying evicted KV block %d to the host tier failed: it is dropped", block);
+}
+
+static int tier_load(void *ctx, uint64_t hash, int32_t block) {
+    engine *e = ctx;
+    int64_t h = kv_offload_lookup(e->off, hash);
+    return h < 0 ? -1 : kv_offload_load(e->off, h, block);
+}
+
+static int offload_init(engine *e, const model_config *mc, size_t block_bytes, char *err,
+                        size_t errlen) {
+    const engine_config *c = &e->cfg;
+    if (!c->kv_offload_bytes) {
+        if (c->kv_offload_disk_dir) {
+            snprintf(err, errlen, "--kv-offloading-disk needs the host tier above it: give "
+                                  "--kv-offloading-size too");
+            return -EINVAL;
+        }
+        return 0;
+    }
+    if (!c->enable_prefix_caching) {
+        LOG_W(MOD, "--kv-offloading-size is ignored: prefix caching is off "
+                   "(--no-enable-prefix-caching), so no block would come back");
+        return 0;
+    }
+    if (c->kv_offload_disk_dir && !c->kv_offload_disk_bytes) {
+        snprintf(err, errlen, "--kv-offloading-disk '%s' needs --kv-offloading-disk-size GiB",
+                 c->kv_offload_disk_dir);
+        return -EINVAL;
+    }
+    kv_offload_config oc = {
+        c->kv_offload_bytes,
+        c->kv_offload_disk_dir,
+        c->kv_offload_disk_bytes,
+        block_bytes,
+        kv_offload_layout_key(engine_model_dir(e), mc->n_layers, mc->n_kv_heads, mc->head_dim,
+                              backend_dtype_name(e->kv.dtype), e->kv.block_size, block_bytes),
+        e->kv.block_size,
+    };
+    e->off_st = backend_stream_create(e->be);
+    if (!e->off_st) {
+        snprintf(err, errlen, "cannot create a stream for the KV offload copies");
+        return -ENOMEM;
+    }
+    if (kv_offload_create(&oc, e->off_st, e->kv.base, &e->off, err, errlen)) return -EINVAL;
+    kv_offload_set_events(e->off, &e->events);
+    e->bp.tier = (block_pool_tier){e, tier_evicted, tier_load};
+    return 0;
+}
+
+/* ---- KV cache events ------------------------------------------------------------- */
+
+void engine_set_kv_event_sink(engine *e, const engine_kv_event_sink *sink) {
+    pthread_mutex_lock(&e->mu);
+    if (sink && sink->publish)
+        e->sink = *sink;
+    else
+        memset(&e->sink, 0, sizeof e->sink);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_reset_prefix_cache(engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->reset_cache = 1;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void reset_cache(engine *e) {
+    if (block_pool_reset_cache(&e->bp)) {
+        LOG_W(MOD, "reset_prefix_cache refused: cached blocks are in use by running requests");
+        return;
+    }
+    if (e->off) kv_offload_clear(e->off);
+    LOG_I(MOD, "prefix cache reset");
+}
+
+/* Hand this step's events to the sink (under mu: the sink may be detached). */
+static void flush_events(engine *e) {
+    if (e->events.oom) LOG_W(MOD, "out of memory recording KV cache events: some were lost");
+    if (e->events.n) {
+        pthread_mutex_lock(&e->mu);
+        if (e->sink.publish) e->sink.publish(e->sink.ctx, &e->events);
+        pthread_mutex_unlock(&e->mu);
+    }
+    kv_events_reset(&e->events);
+}
+
 /* ---- the step ----------------------------------------------------------------- */
 
 static void publish_stats(engine *e) {
@@ -762,8 +861,15 @@ static void publish_stats(engine *e) {
     e->stats.num_blocks_used = block_pool_num_used(&e->bp);
     e->stats.prefix_queries = e->bp.queries;
     e->stats.prefix_hits = e->bp.hits;
+    e->stats.prefix_evictions = e->bp.evictions;
     e->stats.num_preemptions = e->sched.num_preemptions;
     e->stats.num_kept = e->n_kept;
+    if (e->off) {
+        e->stats.has_offload = 1;
+        kv_offload_get_stats(e->off, &e->stats.offload);
+        e->stats.offload_queries = e->bp.ext_queries;
+        e->stats.offload_hits = e->bp.ext_hits;
+    }
     e->stats.num_loading = e->n_loading;
     pthread_mutex_unlock(&e->mu);
 }
@@ -774,7 +880,7 @@ static void take_inputs(engine *e) {
     publish_stats(e); /* blocks may have been freed: /metrics must see it even if we sleep now */
     pthread_mutex_lock(&e->mu);
     while (!e->stop && !e->inbox && !e->notes && e->n_aborts == 0 && e->sched.n_running == 0 &&
-           e->sched.n_waiting == 0) {
+           e->sched.n_waiting == 0 && !e->reset_cache) {
         if (!next_expiry) {
             pthread_cond_wait(&e->cv, &e->mu);
             continue;
@@ -783,6 +889,8 @@ static void take_inputs(engine *e) {
         struct timespec ts = clock_to_timespec(next_expiry); /* cv is on CLOCK_MONOTONIC */
         pthread_cond_timedwait(&e->cv, &e->mu, &ts);
     }
+    int reset = e->reset_cache;
+    e->reset_cache = 0;
     ereq *in = e->inbox;
     e->inbox = NULL;
     kv_note *notes = e->notes;
@@ -819,6 +927,7 @@ static void take_inputs(engine *e) {
         if (r && !r->zombie) finish(e, r, "abort", -1, NULL);
     }
     free(ab);
+    if (reset) reset_cache(e);
     kv_note *rn = NULL; /* notes are LIFO: handle in arrival order */
     while (notes) {
         kv_note *n = notes->next;
@@ -1012,6 +1121,7 @@ static void *step_main(void *arg) {
         pthread_mutex_unlock(&e->mu);
         if (stop) break;
         run_step(e);
+        flush_events(e);
         publish_stats(e);
     }
     while (e->live)
@@ -1179,6 +1289,9 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -ENOMEM;
         goto fail;
     }
+    e->bp.block_size = c.block_size;
+    e->bp.events = &e->events; /* recorded always; published when a sink is attached */
+    if ((rc = offload_init(e, mc, block_bytes, err, errlen))) goto fail;
     pthread_mutex_init(&e->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1208,7 +1321,10 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     return 0;
 fail:
     sched_plan_free(&e->plan);
+    kv_offload_destroy(e->off);
+    backend_stream_free(e->off_st);
     block_pool_free_all(&e->bp);
+    kv_events_free(&e->events);
     free(e->fwd);
     free(e->logits);
     free(e->plogits);
@@ -1250,7 +1366,10 @@ void engine_destroy(engine *e) {
     free(e->aborts);
     sched_plan_free(&e->plan);
     sched_free(&e->sched);
+    kv_offload_destroy(e->off);
+    backend_stream_free(e->off_st);
     block_pool_free_all(&e->bp);
+    kv_events_free(&e->events);
     free(e->fwd);
     free(e->logits);
     free(e->plogits);

@@ -13,6 +13,8 @@
 #define DISAGG_ENGINE_ENGINE_H
 
 #include "engine/kv_connector.h"
+#include "engine/kv_events.h"
+#include "engine/kv_offload.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -39,6 +41,11 @@ typedef struct engine_config {
     int batch_invariant;           /* --batch-invariant: backend_options.batch_invariant */
     int load_dummy;                /* --load-format dummy: random weights, config.json alone */
     int quant_fp8;                 /* --quantization fp8: quantize the weights at load */
+    /* KV offload tiers (engine/kv_offload.h): blocks the KV cache evicts go to host memory
+     * (and from there to disk) and come back by copy.  0 / NULL = none. */
+    size_t kv_offload_bytes;         /* --kv-offloading-size: the host tier */
+    const char *kv_offload_disk_dir; /* --kv-offloading-disk: the disk tier's directory */
+    size_t kv_offload_disk_bytes;    /* --kv-offloading-disk-size */
 } engine_config;
 
 void engine_config_init(engine_config *c);
@@ -148,6 +155,20 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
  * Unknown or finished ids are ignored. */
 void engine_abort(engine *e, uint64_t id);
 
+/* KV cache events (vLLM's KVEventBatch): after every step that stored or removed
+ * prefix-cache blocks, publish(ctx, log) runs on the engine thread with that step's
+ * events; it must copy what it keeps and not block.  Attach before the first submit;
+ * NULL detaches (the caller then no longer receives calls once this returns). */
+typedef struct engine_kv_event_sink {
+    void *ctx;
+    void (*publish)(void *ctx, const kvev_log *log);
+} engine_kv_event_sink;
+void engine_set_kv_event_sink(engine *e, const engine_kv_event_sink *sink);
+/* vLLM's reset_prefix_cache: forget every cached block (the device cache and the
+ * offload tiers) at the engine's next step, recording AllBlocksCleared; refused with a
+ * warning in the log while a cached block is in use.  Asynchronous, thread-safe. */
+void engine_reset_prefix_cache(engine *e);
+
 /* Attach a KV connector (before the first submit).  Its classify() runs in
  * engine_submit's thread, the other hooks on the engine thread. */
 void engine_set_kv_connector(engine *e, const engine_kv_connector *c);
@@ -191,6 +212,7 @@ typedef struct engine_stats {
     int num_running, num_waiting, num_parked;
     int num_blocks, num_blocks_used;      /* KV cache blocks */
     uint64_t prefix_queries, prefix_hits; /* blocks */
+    uint64_t prefix_evictions;            /* cached blocks reused for other KV */
     uint64_t num_preemptions;
     uint64_t prompt_tokens, generation_tokens; /* totals */
     uint64_t steps;
@@ -202,6 +224,10 @@ typedef struct engine_stats {
     uint64_t first_token_handoffs; /* consumer: first tokens taken from the producer */
     uint64_t first_token_refused;  /* consumer: handed-off tokens not used (recomputed) */
     char kernels[32]; /* the compute kernels: the CPU ISA ("avx512f", "avx2", ...) or "cuda" */
+    int has_offload;           /* the KV offload tiers are on: offload holds their counts */
+    kv_offload_stats offload;  /* (has_offload) */
+    uint64_t offload_queries;  /* blocks looked up in the tiers after a device-cache miss */
+    uint64_t offload_hits;     /* of those, copied back from a tier */
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);

@@ -143,8 +143,9 @@ static void take_cached_prefix(scheduler *s, seq *q) {
     if (full <= 0 || ensure_capacity(q, full)) return;
     uint64_t h = 0;
     for (int i = 0; i < full; i++) {
-        h = block_pool_hash_tokens(h, q->tokens + i * bs, bs);
-        int32_t b = block_pool_lookup(s->bp, h);
+        uint64_t parent = h;
+        h = block_pool_hash_tokens(parent, q->tokens + i * bs, bs);
+        int32_t b = block_pool_lookup_tiered(s->bp, parent, h, q->tokens + i * bs);
         if (b < 0) break;
         q->blocks[q->n_blocks++] = b;
         q->hashes[q->n_hashed++] = h;
@@ -239,7 +240,9 @@ static void register_hashes(scheduler *s, seq *q) {
         uint64_t parent = q->n_hashed ? q->hashes[q->n_hashed - 1] : 0;
         uint64_t h = block_pool_hash_tokens(parent, q->tokens + q->n_hashed * bs, bs);
         q->hashes[q->n_hashed] = h;
-        if (s->cfg.enable_prefix_caching) block_pool_set_hash(s->bp, q->blocks[q->n_hashed], h);
+        if (s->cfg.enable_prefix_caching)
+            block_pool_cache_block(s->bp, q->blocks[q->n_hashed], parent, h,
+                                   q->tokens + q->n_hashed * bs);
         q->n_hashed++;
     }
 }

@@ -167,6 +167,10 @@ int backend_transfer_device_ops(const backend *be, int device, struct transfer_d
 /* The KV region: one large allocation registered for transfers (CPU: anonymous mapping,
  * reserved lazily, transparent huge pages; CUDA: one cudaMalloc).  Implies ZERO. */
 #define BACKEND_BUF_KV 0x2
+/* Host memory the device copies to and from at full speed (backend_upload/download): CUDA
+ * page-locked (cudaHostAlloc, portable), the CPU backend plain memory.  The host reads and
+ * writes it directly (backend_buffer_is_host is 1, ptr is a host address). */
+#define BACKEND_BUF_HOST 0x4
 
 /* Returns NULL on failure (logged with the size and the device's reason). */
 backend_buffer *backend_buffer_alloc(backend *be, size_t bytes, int flags);

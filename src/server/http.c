@@ -14,6 +14,7 @@
 #include "base/http_server.h"
 #include "base/log.h"
 #include "base/net.h"
+#include "connector/kv_events_publisher.h"
 #include "connector/mooncake/mooncake_connector.h"
 #include "model/model_config.h"
 
@@ -62,6 +63,13 @@ static void handle_load(server *s, hs_req *req) {
     if (s->eng) engine_get_stats(s->eng, &st);
     json_int_t load = (json_int_t)st.num_running + st.num_waiting + st.num_parked;
     server_reply_json(req, 200, json_pack("{s:I}", "server_load", load), NULL);
+}
+
+/* vLLM's POST /reset_prefix_cache: every cached block is forgotten at the engine's next
+ * step (refused, with a warning in the log, while cached blocks are in use); 200 at once. */
+static void handle_reset_prefix_cache(server *s, hs_req *req) {
+    engine_reset_prefix_cache(s->eng);
+    server_reply_text(req, 200, NULL, "", 0);
 }
 
 static void handle_version(server *s, hs_req *req) {
@@ -133,6 +141,7 @@ static const route ROUTES[] = {
     {"/load", ROUTE_GET, 0, 0, handle_load},
     {"/version", ROUTE_GET, 0, 0, handle_version},
     {"/metrics", ROUTE_GET, 0, 0, handle_metrics},
+    {"/reset_prefix_cache", ROUTE_POST, 1, 0, handle_reset_prefix_cache},
 };
 #define NROUTES (sizeof ROUTES / sizeof ROUTES[0])
 
@@ -356,6 +365,25 @@ static void *loader_main(void *arg) {
             goto fail;
         }
     }
+    if (s->cfg.kv_events_config) { /* attach before the first submit */
+        kv_events_config ec;
+        rc = kv_events_config_parse(s->cfg.kv_events_config, &ec, err, sizeof err);
+        if (!rc && ec.enabled) {
+            rc = kv_events_publisher_create(&ec, &s->kvev, err, sizeof err);
+            if (!rc) {
+                engine_kv_event_sink sink = {s->kvev, kv_events_publisher_publish};
+                engine_set_kv_event_sink(e, &sink);
+            }
+        }
+        if (rc) {
+            snprintf(s->load_error, sizeof s->load_error,
+                     "starting the KV event publisher failed: %s", err);
+            if (s->conn) mooncake_connector_destroy(s->conn);
+            s->conn = NULL;
+            engine_destroy(e);
+            goto fail;
+        }
+    }
     tokenizer *tok = NULL;
     const char *tok_dir = s->cfg.tokenizer_dir ? s->cfg.tokenizer_dir : engine_model_dir(e);
     rc = tokenizer_load(tok_dir, &tok, err, sizeof err);
@@ -555,6 +583,9 @@ out:
     /* the connector detaches itself from the engine, so it goes first */
     if (s->conn) mooncake_connector_destroy(s->conn);
     s->conn = NULL;
+    if (s->eng) engine_set_kv_event_sink(s->eng, NULL);
+    kv_events_publisher_destroy(s->kvev); /* sends what is queued */
+    s->kvev = NULL;
     if (s->eng) engine_destroy(s->eng); /* no engine callback runs after this */
     s->eng = NULL;                      /* close callbacks below must not abort */
     gen_drop_events(s);                 /* events of requests that are freed next */

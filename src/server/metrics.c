@@ -187,11 +187,11 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
     counter(p, "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, in "
             "terms of number of queried tokens.",
-            (double)m->external_queries);
+            (double)m->external_queries + (double)st->offload_queries * block_size);
     counter(p, "vllm:external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing, in "
             "terms of number of cached tokens.",
-            (double)m->external_hits);
+            (double)m->external_hits + (double)st->offload_hits * block_size);
     static const char *sources[METRICS_SOURCE_COUNT] = {"local_compute", "local_cache_hit",
                                                         "external_kv_transfer"};
     prom_family(p, "vllm:prompt_tokens_by_source", PROM_COUNTER,
@@ -205,6 +205,48 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
             (double)st->prefix_queries);
     counter(p, "disagg:prefix_cache_hits_blocks", "Prefix cache hits, in blocks.",
             (double)st->prefix_hits);
+    counter(p, "disagg:kv_cache_evicted_blocks",
+            "Cached KV blocks the device cache evicted (reused for other KV).",
+            (double)st->prefix_evictions);
+    if (st->has_offload) {
+        static const char *tiers[KV_TIER_COUNT] = {"host", "disk"};
+        const kv_offload_stats *o = &st->offload;
+#define PER_TIER(name, type, help, field, scale)                                                   \
+    do {                                                                                           \
+        prom_family(p, name, type, help);                                                          \
+        for (int t = 0; t < KV_TIER_COUNT; t++)                                                    \
+            if (t == KV_TIER_HOST || o->capacity[KV_TIER_DISK])                                    \
+                prom_sample(p, (double)o->field[t] * (scale), "tier", tiers[t], NULL);             \
+    } while (0)
+        PER_TIER("disagg:kv_offload_blocks_stored", PROM_COUNTER,
+                 "KV blocks written into an offload tier.", stored, 1);
+        PER_TIER("disagg:kv_offload_blocks_loaded", PROM_COUNTER,
+                 "KV blocks copied back from an offload tier instead of recomputed.", loaded, 1);
+        PER_TIER("disagg:kv_offload_blocks_evicted", PROM_COUNTER,
+                 "KV blocks an offload tier dropped to make room (LRU).", evicted, 1);
+        PER_TIER("disagg:kv_offload_bytes_stored", PROM_COUNTER,
+                 "Bytes written into an offload tier.", bytes_stored, 1);
+        PER_TIER("disagg:kv_offload_bytes_loaded", PROM_COUNTER,
+                 "Bytes copied back from an offload tier.", bytes_loaded, 1);
+        PER_TIER("disagg:kv_offload_load_seconds", PROM_COUNTER,
+                 "Time spent copying blocks back from an offload tier.", load_ns, 1e-9);
+        PER_TIER("disagg:kv_offload_hits", PROM_COUNTER,
+                 "Offload lookups (after a device-cache miss) found in a tier.", hits, 1);
+        PER_TIER("disagg:kv_offload_blocks_resident", PROM_GAUGE,
+                 "KV blocks an offload tier holds.", resident, 1);
+        PER_TIER("disagg:kv_offload_blocks_capacity", PROM_GAUGE,
+                 "KV blocks an offload tier holds at most.", capacity, 1);
+#undef PER_TIER
+        counter(p, "disagg:kv_offload_lookups",
+                "Offload tier lookups after a device prefix-cache miss, in blocks.",
+                (double)o->lookups);
+        counter(p, "disagg:kv_offload_corrupt_blocks",
+                "Disk-tier blocks that failed their checksum or header checks (recomputed).",
+                (double)o->corrupt);
+        counter(p, "disagg:kv_offload_write_errors",
+                "Disk-tier writes that failed (full disk, I/O error): the block was dropped.",
+                (double)o->write_errors);
+    }
     counter(p, "vllm:num_preemptions", "Cumulative number of preemptions.",
             (double)st->num_preemptions);
     counter(p, "disagg:engine_steps", "Engine steps executed.", (double)st->steps);

@@ -26,6 +26,7 @@ typedef struct server_config {
     int n_more_model_names;              /* names, served too (listed, accepted as "model") */
     const char *api_key;                 /* Bearer key required on the /v1 routes; NULL = none */
     const char *kv_transfer_config; /* --kv-transfer-config JSON text, kept for the connector */
+    const char *kv_events_config;   /* --kv-events-config JSON text (vLLM's KVEventsConfig) */
     size_t max_body_bytes;          /* request body limit (default 32 MiB) → 413 */
     double header_timeout_s;        /* head complete this long after its first byte (60) */
     double keepalive_timeout_s;     /* idle keep-alive connection closed after (5) */

@@ -44,6 +44,7 @@ typedef struct server {
     pthread_t loader;                 /* engine_create runs here */
     engine *eng;                      /* NULL until ready */
     struct mooncake_connector *conn;  /* KV connector (--kv-transfer-config), or NULL */
+    struct kv_events_publisher *kvev; /* KV event publisher (--kv-events-config), or NULL */
     tokenizer *tok;                   /* NULL until ready */
     grammar_vocab *gvocab;            /* structured outputs: the vocabulary (with tok) */
     structured_cache *gcache;         /* compiled grammars by request constraint */

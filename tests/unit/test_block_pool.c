@@ -102,12 +102,130 @@ static void test_many_hashes(void **state) {
     block_pool_free_all(&bp);
 }
 
+/* An evicted hash must be gone even when the eviction's tombstone rebuilds the table
+ * (once a rebuild re-inserted the hash being evicted: a later lookup returned a block
+ * that held other KV). */
+static void test_evicted_hash_gone(void **state) {
+    (void)state;
+    block_pool bp;
+    assert_int_equal(block_pool_init(&bp, 12), 0);
+    for (int round = 0; round < 50; round++) {
+        int32_t ids[6];
+        assert_int_equal(block_pool_alloc(&bp, 6, ids), 0);
+        for (int i = 0; i < 6; i++)
+            block_pool_set_hash(&bp, ids[i], 100ull * (uint64_t)round + (uint64_t)i + 2);
+        block_pool_release(&bp, ids, 6);
+        for (int r = 0; r <= round; r++)
+            for (int i = 0; i < 6; i++) {
+                uint64_t h = 100ull * (uint64_t)r + (uint64_t)i + 2;
+                int32_t b = block_pool_lookup(&bp, h);
+                assert_int_equal(b >= 0, r >= round - 1); /* 12 blocks: the last two rounds */
+                if (b >= 0) {
+                    assert_true(bp.hash[b] == h);
+                    block_pool_release(&bp, &b, 1);
+                }
+            }
+    }
+    block_pool_free_all(&bp);
+}
+
+typedef struct fake_tier {
+    uint64_t stored[64];
+    int n_stored;
+    int loads, fail;
+    uint64_t last_load;
+    int32_t last_block;
+} fake_tier;
+
+static void ft_evicted(void *ctx, int32_t block, uint64_t hash) {
+    fake_tier *t = ctx;
+    (void)block;
+    t->stored[t->n_stored++] = hash;
+}
+
+static int ft_load(void *ctx, uint64_t hash, int32_t block) {
+    fake_tier *t = ctx;
+    t->loads++;
+    t->last_load = hash;
+    t->last_block = block;
+    for (int i = 0; i < t->n_stored; i++)
+        if (t->stored[i] == hash && !t->fail) return 0;
+    return -1;
+}
+
+/* The lower-tier hooks: evictions are offered to the tier, device misses asked of it; a
+ * loaded block joins the device cache (BlockStored), a failed load gives the block back;
+ * the events say what entered and left. */
+static void test_tier_hooks_and_events(void **state) {
+    (void)state;
+    block_pool bp;
+    kvev_log log = {0};
+    fake_tier ft = {0};
+    assert_int_equal(block_pool_init(&bp, 2), 0);
+    bp.block_size = 4;
+    bp.events = &log;
+    bp.tier = (block_pool_tier){&ft, ft_evicted, ft_load};
+    int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    uint64_t h0 = block_pool_hash_tokens(0, toks, 4), h1 = block_pool_hash_tokens(h0, toks + 4, 4);
+    int32_t a[2];
+    assert_int_equal(block_pool_alloc(&bp, 2, a), 0);
+    assert_int_equal(block_pool_cache_block(&bp, a[0], 0, h0, toks), 1);
+    assert_int_equal(block_pool_cache_block(&bp, a[1], h0, h1, toks + 4), 1);
+    assert_int_equal(block_pool_cache_block(&bp, a[1], h0, h1, toks + 4), 0); /* already */
+    /* one chain: one BlockStored of both blocks, no parent, their 8 tokens */
+    assert_int_equal(log.n, 1);
+    assert_int_equal(log.ev[0].kind, KVEV_STORED);
+    assert_int_equal(log.ev[0].n_hashes, 2);
+    assert_false(log.ev[0].has_parent);
+    assert_int_equal(log.ev[0].n_tokens, 8);
+    assert_memory_equal(log.ev[0].tokens, toks, sizeof toks);
+    kv_events_reset(&log);
+    block_pool_release(&bp, a, 2);
+    int32_t x[2];
+    assert_int_equal(block_pool_alloc(&bp, 2, x), 0); /* evicts both: the tier gets them */
+    assert_int_equal(ft.n_stored, 2);
+    assert_int_equal(log.n, 1);
+    assert_int_equal(log.ev[0].kind, KVEV_REMOVED);
+    assert_int_equal(log.ev[0].n_hashes, 2);
+    assert_false(block_pool_contains(&bp, h0) || block_pool_contains(&bp, h1));
+    block_pool_release(&bp, x, 2);
+    kv_events_reset(&log);
+    /* a device miss comes back from the tier, cached again with its parent */
+    int32_t b = block_pool_lookup_tiered(&bp, h0, h1, toks + 4);
+    assert_true(b >= 0);
+    assert_true(ft.last_load == h1 && ft.last_block == b);
+    assert_true(block_pool_contains(&bp, h1));
+    assert_int_equal(bp.ext_queries, 1);
+    assert_int_equal(bp.ext_hits, 1);
+    assert_int_equal(log.n, 1);
+    assert_true(log.ev[0].has_parent && log.ev[0].parent == h0);
+    /* a failed load: -1, the block back on the free queue, nothing cached */
+    ft.fail = 1;
+    assert_int_equal(block_pool_lookup_tiered(&bp, 0, h0, toks), -1);
+    assert_int_equal(block_pool_num_free(&bp), 1);
+    assert_false(block_pool_contains(&bp, h0));
+    assert_int_equal(bp.ext_queries, 2);
+    assert_int_equal(bp.ext_hits, 1);
+    /* reset: refused while a cached block is in use, then everything goes */
+    assert_int_equal(block_pool_reset_cache(&bp), -1);
+    block_pool_release(&bp, &b, 1);
+    kv_events_reset(&log);
+    assert_int_equal(block_pool_reset_cache(&bp), 0);
+    assert_false(block_pool_contains(&bp, h1));
+    assert_int_equal(log.n, 1);
+    assert_int_equal(log.ev[0].kind, KVEV_CLEARED);
+    kv_events_free(&log);
+    block_pool_free_all(&bp);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_alloc_release),
         cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_lru_order),
         cmocka_unit_test(test_many_hashes),
+        cmocka_unit_test(test_evicted_hash_gone),
+        cmocka_unit_test(test_tier_hooks_and_events),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,473 @@
+/* kv_offload — see kv_offload.h. */
+#include "engine/kv_offload.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "kernels/backend.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#define MOD        "kv_offload"
+#define HT_EMPTY   (-1)
+#define HT_TOMB    (-2)
+#define DISK_MAGIC 0x314b564b47534944ull /* "DISGKVK1" */
+#define DISK_HDR   64                    /* bytes before a slot's data */
+#define DISK_ALIGN 4096
+
+/* ---- one tier's slots: hash index, LRU order, free slots ------------------------- */
+
+typedef struct tier {
+    int32_t n_slots, n_used;
+    uint64_t *key;        /* (n_slots) the block hash a used slot holds */
+    int32_t *prev, *next; /* (n_slots) LRU list of used slots, head = least recent */
+    int32_t head, tail;
+    int32_t *free_slots; /* (n_slots) stack */
+    int32_t n_free;
+    int32_t *ht; /* (ht_cap) slot, HT_EMPTY or HT_TOMB */
+    size_t ht_cap, ht_tomb;
+} tier;
+
+static int tier_init(tier *t, int32_t n) {
+    memset(t, 0, sizeof *t);
+    t->n_slots = n;
+    t->head = t->tail = -1;
+    t->ht_cap = 16;
+    while (t->ht_cap < (size_t)n * 2)
+        t->ht_cap <<= 1;
+    t->key = calloc((size_t)n, sizeof *t->key);
+    t->prev = malloc((size_t)n * sizeof *t->prev);
+    t->next = malloc((size_t)n * sizeof *t->next);
+    t->free_slots = malloc((size_t)n * sizeof *t->free_slots);
+    t->ht = malloc(t->ht_cap * sizeof *t->ht);
+    if (!t->key || !t->prev || !t->next || !t->free_slots || !t->ht) return -1;
+    for (int32_t i = 0; i < n; i++)
+        t->free_slots[i] = n - 1 - i; /* slot 0 first */
+    t->n_free = n;
+    for (size_t i = 0; i < t->ht_cap; i++)
+        t->ht[i] = HT_EMPTY;
+    return 0;
+}
+
+static void tier_free(tier *t) {
+    free(t->key);
+    free(t->prev);
+    free(t->next);
+    free(t->free_slots);
+    free(t->ht);
+    memset(t, 0, sizeof *t);
+}
+
+static size_t ht_slot_of(const tier *t, uint64_t key) {
+    size_t mask = t->ht_cap - 1, i = (size_t)(key ^ key >> 29) & mask;
+    while (t->ht[i] != HT_EMPTY && (t->ht[i] == HT_TOMB || t->key[t->ht[i]] != key))
+        i = (i + 1) & mask;
+    return i;
+}
+
+static int32_t tier_find(const tier *t, uint64_t key) {
+    if (!t->n_slots) return -1;
+    size_t i = ht_slot_of(t, key);
+    return t->ht[i] >= 0 ? t->ht[i] : -1;
+}
+
+static void lru_unlink(tier *t, int32_t s) {
+    if (t->prev[s] >= 0)
+        t->next[t->prev[s]] = t->next[s];
+    else
+        t->head = t->next[s];
+    if (t->next[s] >= 0)
+        t->prev[t->next[s]] = t->prev[s];
+    else
+        t->tail = t->prev[s];
+}
+
+static void lru_push_tail(tier *t, int32_t s) {
+    t->prev[s] = t->tail;
+    t->next[s] = -1;
+    if (t->tail >= 0)
+        t->next[t->tail] = s;
+    else
+        t->head = s;
+    t->tail = s;
+}
+
+static void tier_touch(tier *t, int32_t s) {
+    lru_unlink(t, s);
+    lru_push_tail(t, s);
+}
+
+static void ht_rebuild(tier *t) {
+    for (size_t i = 0; i < t->ht_cap; i++)
+        t->ht[i] = HT_EMPTY;
+    t->ht_tomb = 0;
+    for (int32_t s = t->head; s >= 0; s = t->next[s]) {
+        size_t mask = t->ht_cap - 1, i = (size_t)(t->key[s] ^ t->key[s] >> 29) & mask;
+        while (t->ht[i] != HT_EMPTY)
+            i = (i + 1) & mask;
+        t->ht[i] = s;
+    }
+}
+
+/* slot s (taken from the free stack) now holds key, most recently used */
+static void tier_insert(tier *t, int32_t s, uint64_t key) {
+    t->key[s] = key;
+    size_t mask = t->ht_cap - 1, i = (size_t)(key ^ key >> 29) & mask;
+    while (t->ht[i] >= 0)
+        i = (i + 1) & mask;
+    if (t->ht[i] == HT_TOMB) t->ht_tomb--;
+    t->ht[i] = s;
+    lru_push_tail(t, s);
+    t->n_used++;
+}
+
+static void tier_remove(tier *t, int32_t s) {
+    size_t i = ht_slot_of(t, t->key[s]);
+    if (t->ht[i] == s) {
+        t->ht[i] = HT_TOMB;
+        t->ht_tomb++;
+    }
+    lru_unlink(t, s);
+    t->key[s] = 0;
+    t->free_slots[t->n_free++] = s;
+    t->n_used--;
+    if (t->ht_tomb > t->ht_cap / 4) ht_rebuild(t);
+}
+
+static int32_t tier_take(tier *t) {
+    return t->n_free ? t->free_slots[--t->n_free] : -1;
+}
+
+/* ---- the pool --------------------------------------------------------------------- */
+
+struct kv_offload {
+    kv_offload_config cfg;
+    backend_stream *st;
+    char *kv_base; /* device address of block 0 */
+    size_t bb;     /* block bytes */
+    tier host, disk;
+    backend_buffer *host_buf; /* the host tier (BACKEND_BUF_HOST) */
+    char *host_mem;           /* its (host.n_slots * bb) bytes */
+    size_t host_len;
+    int fd; /* the disk tier's slab file, -1 = none */
+    char path[4096];
+    size_t stride; /* a disk slot: header + data, DISK_ALIGN-aligned */
+    unsigned char *bounce; /* (stride) a disk slot read or written */
+    kvev_log *events;
+    kv_offload_stats stats;
+    uint64_t warned_writes;
+};
+
+uint64_t kv_offload_layout_key(const char *model, int layers, int kv_heads, int head_dim,
+                               const char *dtype, int block_size, size_t block_bytes) {
+    char buf[4608];
+    int n = snprintf(buf, sizeof buf, "disagg-kv|%s|L%d|H%d|D%d|%s|bs%d|bb%zu", model ? model : "",
+                     layers, kv_heads, head_dim, dtype ? dtype : "", block_size, block_bytes);
+    if (n < 0) n = 0;
+    if ((size_t)n >= sizeof buf) n = (int)sizeof buf - 1;
+    return XXH3_64bits(buf, (size_t)n);
+}
+
+static uint64_t checksum(const kv_offload *o, uint64_t hash, const void *data) {
+    return XXH3_64bits_withSeed(data, o->bb, hash ^ o->cfg.layout_key ^ 0x6b76706f6f6cull);
+}
+
+void kv_offload_set_events(kv_offload *o, kvev_log *log) {
+    o->events = log;
+}
+
+static void ev_stored(kv_offload *o, kvev_medium m, uint64_t hash) {
+    if (o->events) kv_events_stored(o->events, m, 0, hash, NULL, o->cfg.block_size);
+}
+
+static void ev_removed(kv_offload *o, kvev_medium m, uint64_t hash) {
+    if (o->events) kv_events_removed(o->events, m, hash);
+}
+
+/* ---- disk tier -------------------------------------------------------------------- */
+
+static void disk_drop(kv_offload *o, int32_t s) {
+    ev_removed(o, KVEV_MEDIUM_DISK, o->disk.key[s]);
+    tier_remove(&o->disk, s);
+}
+
+/* The host slot's block goes to the disk tier (the host tier is evicting it). */
+static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
+    int32_t s = tier_find(&o->disk, hash);
+    if (s >= 0) { /* already there (loaded from it earlier): keep that copy */
+        tier_touch(&o->disk, s);
+        return;
+    }
+    s = tier_take(&o->disk);
+    if (s < 0) {
+        int32_t v = o->disk.head;
+        disk_drop(o, v);
+        o->stats.evicted[KV_TIER_DISK]++;
+        s = tier_take(&o->disk);
+    }
+    uint64_t hdr[DISK_HDR / 8] = {DISK_MAGIC, o->cfg.layout_key, hash, o->bb,
+                                  checksum(o, hash, data)};
+    memcpy(o->bounce, hdr, sizeof hdr);
+    memcpy(o->bounce + DISK_HDR, data, o->bb);
+    size_t len = DISK_HDR + o->bb;
+    ssize_t w = pwrite(o->fd, o->bounce, len, (off_t)s * (off_t)o->stride);
+    if (w != (ssize_t)len) {
+        int e = w < 0 ? errno : ENOSPC;
+        uint64_t n = o->stats.write_errors++;
+        if ((n & (n + 1)) == 0) /* 1st, 2nd, 4th, ... */
+            LOG_W(MOD,
+                  "writing a KV block to %s failed (%s): the block is dropped and will be "
+                  "recomputed (%llu failed writes so far)",
+                  o->path, strerror(e), (unsigned long long)n + 1);
+        o->disk.free_slots[o->disk.n_free++] = s;
+        return;
+    }
+    tier_insert(&o->disk, s, hash);
+    o->stats.stored[KV_TIER_DISK]++;
+    o->stats.bytes_stored[KV_TIER_DISK] += o->bb;
+    ev_stored(o, KVEV_MEDIUM_DISK, hash);
+}
+
+/* Read disk slot s into the device block; -1 (slot dropped) when it fails a check. */
+static int disk_load(kv_offload *o, int32_t s, int32_t block) {
+    uint64_t hash = o->disk.key[s];
+    size_t len = DISK_HDR + o->bb;
+    ssize_t r = pread(o->fd, o->bounce, len, (off_t)s * (off_t)o->stride);
+    const char *why = NULL;
+    uint64_t hdr[DISK_HDR / 8];
+    if (r < 0)
+        why = strerror(errno);
+    else if ((size_t)r != len)
+        why = "truncated";
+    else {
+        memcpy(hdr, o->bounce, sizeof hdr);
+        if (hdr[0] != DISK_MAGIC)
+            why = "bad magic";
+        else if (hdr[1] != o->cfg.layout_key)
+            why = "another model, dtype or block layout";
+        else if (hdr[2] != hash || hdr[3] != o->bb)
+            why = "another block";
+        else if (hdr[4] != checksum(o, hash, o->bounce + DISK_HDR))
+            why = "checksum mismatch";
+    }
+    if (why) {
+        o->stats.corrupt++;
+        LOG_W(MOD, "KV block %016llx in %s slot %d is unusable (%s): recomputed instead",
+              (unsigned long long)hash, o->path, s, why);
+        disk_drop(o, s);
+        return -1;
+    }
+    if (backend_upload(o->st, o->kv_base + (size_t)block * o->bb, o->bounce + DISK_HDR, o->bb))
+        return -1;
+    return 0;
+}
+
+/* ---- host tier -------------------------------------------------------------------- */
+
+int kv_offload_store(kv_offload *o, uint64_t hash, int32_t block) {
+    int32_t s = tier_find(&o->host, hash);
+    if (s >= 0) {
+        tier_touch(&o->host, s);
+        return 0;
+    }
+    s = tier_take(&o->host);
+    if (s < 0) { /* the least recently used host block goes down a tier */
+        int32_t v = o->host.head;
+        uint64_t vh = o->host.key[v];
+        if (o->fd >= 0) disk_store(o, vh, o->host_mem + (size_t)v * o->bb);
+        ev_removed(o, KVEV_MEDIUM_CPU, vh);
+        tier_remove(&o->host, v);
+        o->stats.evicted[KV_TIER_HOST]++;
+        s = tier_take(&o->host);
+    }
+    if (backend_download(o->st, o->host_mem + (size_t)s * o->bb, o->kv_base + (size_t)block * o->bb,
+                         o->bb)) {
+        o->host.free_slots[o->host.n_free++] = s;
+        return -1;
+    }
+    tier_insert(&o->host, s, hash);
+    o->stats.stored[KV_TIER_HOST]++;
+    o->stats.bytes_stored[KV_TIER_HOST] += o->bb;
+    ev_stored(o, KVEV_MEDIUM_CPU, hash);
+    return 0;
+}
+
+int64_t kv_offload_lookup(kv_offload *o, uint64_t hash) {
+    o->stats.lookups++;
+    int32_t s = tier_find(&o->host, hash);
+    if (s >= 0) {
+        tier_touch(&o->host, s);
+        o->stats.hits[KV_TIER_HOST]++;
+        return s;
+    }
+    s = tier_find(&o->disk, hash);
+    if (s >= 0) {
+        tier_touch(&o->disk, s);
+        o->stats.hits[KV_TIER_DISK]++;
+        return (int64_t)1 << 32 | s;
+    }
+    return -1;
+}
+
+int kv_offload_load(kv_offload *o, int64_t handle, int32_t block) {
+    int t = (int)(handle >> 32);
+    int32_t s = (int32_t)(handle & 0xffffffff);
+    tier *tr = t ? &o->disk : &o->host;
+    if (handle < 0 || t >= KV_TIER_COUNT || s >= tr->n_slots || !tr->key[s]) return -1;
+    uint64_t t0 = clock_now_ns();
+    int rc;
+    if (t == KV_TIER_HOST)
+        rc = backend_upload(o->st, o->kv_base + (size_t)block * o->bb,
+                            o->host_mem + (size_t)s * o->bb, o->bb);
+    else
+        rc = disk_load(o, s, block);
+    if (rc) return -1;
+    o->stats.loaded[t]++;
+    o->stats.bytes_loaded[t] += o->bb;
+    o->stats.load_ns[t] += clock_now_ns() - t0;
+    return 0;
+}
+
+void kv_offload_clear(kv_offload *o) {
+    while (o->host.head >= 0)
+        tier_remove(&o->host, o->host.head);
+    while (o->disk.head >= 0)
+        tier_remove(&o->disk, o->disk.head);
+}
+
+void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out) {
+    *out = o->stats;
+    out->resident[KV_TIER_HOST] = o->host.n_used;
+    out->resident[KV_TIER_DISK] = o->disk.n_used;
+    out->capacity[KV_TIER_HOST] = o->host.n_slots;
+    out->capacity[KV_TIER_DISK] = o->disk.n_slots;
+}
+
+const char *kv_offload_disk_path(const kv_offload *o) {
+    return o->fd >= 0 ? o->path : "";
+}
+
+/* ---- lifecycle -------------------------------------------------------------------- */
+
+/* Slabs a killed run left in dir (its pid gone): removed, so crashes do not fill the disk.
+ * Never read: their blocks may be another model's. */
+static void remove_stale_slabs(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        int pid, n, end = 0;
+        if (sscanf(de->d_name, "disagg-kv-%d-%d.slab%n", &pid, &n, &end) != 2 ||
+            de->d_name[end] || pid <= 0)
+            continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to judge) */
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (!unlink(path)) LOG_I(MOD, "removed %s, left by a run that is gone", path);
+    }
+    closedir(d);
+}
+
+int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_base,
+                      kv_offload **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!c->block_bytes || c->host_bytes < c->block_bytes) {
+        snprintf(err, errlen,
+                 "--kv-offloading-size holds no KV block (%zu bytes; one block is %zu bytes): "
+                 "accepted: at least one block",
+                 c->host_bytes, c->block_bytes);
+        return -1;
+    }
+    kv_offload *o = calloc(1, sizeof *o);
+    if (!o) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    o->cfg = *c;
+    o->cfg.disk_dir = NULL;
+    o->st = st;
+    o->kv_base = kv_base;
+    o->bb = c->block_bytes;
+    o->fd = -1;
+    o->disk.head = o->disk.tail = -1; /* no disk tier until one is set up */
+    size_t nh = c->host_bytes / c->block_bytes;
+    if (nh > INT32_MAX / 4) nh = INT32_MAX / 4;
+    o->host_len = nh * o->bb;
+    /* through the backend: pinned on CUDA, so the tier's copies run at full speed */
+    o->host_buf = backend_buffer_alloc(backend_stream_backend(st), o->host_len, BACKEND_BUF_HOST);
+    if (!o->host_buf) {
+        snprintf(err, errlen, "cannot allocate a host KV tier of %zu bytes (--kv-offloading-size)",
+                 o->host_len);
+        kv_offload_destroy(o);
+        return -1;
+    }
+    o->host_mem = backend_buffer_ptr(o->host_buf);
+    if (tier_init(&o->host, (int32_t)nh)) {
+        snprintf(err, errlen, "out of memory for the host KV tier's index");
+        kv_offload_destroy(o);
+        return -1;
+    }
+    if (c->disk_dir) {
+        o->stride = (DISK_HDR + o->bb + DISK_ALIGN - 1) / DISK_ALIGN * DISK_ALIGN;
+        size_t nd = c->disk_bytes / o->stride;
+        if (nd == 0) {
+            snprintf(err, errlen,
+                     "--kv-offloading-disk-size holds no KV block (%zu bytes; one slot is %zu "
+                     "bytes): accepted: at least one slot",
+                     c->disk_bytes, o->stride);
+            kv_offload_destroy(o);
+            return -1;
+        }
+        if (nd > INT32_MAX / 4) nd = INT32_MAX / 4;
+        remove_stale_slabs(c->disk_dir);
+        static atomic_int serial;
+        snprintf(o->path, sizeof o->path, "%s/disagg-kv-%d-%d.slab", c->disk_dir, (int)getpid(),
+                 atomic_fetch_add(&serial, 1));
+        /* a new, empty file: a restart never finds another run's KV */
+        o->fd = open(o->path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (o->fd < 0) {
+            snprintf(err, errlen, "--kv-offloading-disk '%s': cannot create %s: %s; accepted: a "
+                     "writable directory",
+                     c->disk_dir, o->path, strerror(errno));
+            kv_offload_destroy(o);
+            return -1;
+        }
+        o->bounce = aligned_alloc(DISK_ALIGN, o->stride);
+        if (!o->bounce || tier_init(&o->disk, (int32_t)nd)) {
+            snprintf(err, errlen, "out of memory for the disk KV tier");
+            kv_offload_destroy(o);
+            return -1;
+        }
+        /* a file size limit (ulimit -f) must fail the write (EFBIG), not kill the server */
+        signal(SIGXFSZ, SIG_IGN);
+    }
+    LOG_I(MOD, "host tier: %d blocks of %zu bytes (%.1f MiB)", o->host.n_slots, o->bb,
+          o->host_len / 1048576.0);
+    if (o->fd >= 0)
+        LOG_I(MOD, "disk tier: %d blocks in %s (slots of %zu bytes, %.1f MiB)", o->disk.n_slots,
+              o->path, o->stride, (double)o->disk.n_slots * (double)o->stride / 1048576.0);
+    *out = o;
+    return 0;
+}
+
+void kv_offload_destroy(kv_offload *o) {
+    if (!o) return;
+    backend_buffer_free(o->host_buf);
+    if (o->fd >= 0) {
+        close(o->fd);
+        unlink(o->path);
+    }
+    free(o->bounce);
+    tier_free(&o->host);
+    tier_free(&o->disk);
+    free(o);
+}

@@ -1,0 +1,86 @@
+/*
+ * kv_offload — the KV cache's lower tiers: a host-memory tier (--kv-offloading-size)
+ * and under it an optional disk tier (--kv-offloading-disk), both LRU, keyed by the
+ * prefix cache's block hashes (block_pool.h).  A cached block the device cache evicts
+ * is copied to the host tier (kv_offload_store); a block the host tier evicts goes to
+ * the disk tier; a prefix block the device cache lacks comes back by copy
+ * (kv_offload_lookup + kv_offload_load) into a free device block instead of being
+ * recomputed.  A block found again stays in its tier (its LRU position refreshed), so
+ * evicting it from the device once more costs no copy.
+ *
+ * The bytes move through the compute backend (backend_download / backend_upload: the
+ * device's KV region to and from host memory).  Disk slots are checksummed (XXH3 of
+ * the bytes, seeded with the block hash and the layout key): a corrupt, truncated or
+ * foreign slot is detected, dropped and the block recomputed; a failed write (full
+ * disk, I/O error, file size limit) drops the block with a warning.  The layout key
+ * (model, KV dtype, block size, block bytes) is in every disk slot's header, and the
+ * slab file is created empty at start and removed at exit: never stale KV.
+ *
+ * Not thread-safe: the engine's step thread owns it (the engine copies the stats into
+ * engine_stats after each step).  Copies are synchronous on that thread.
+ */
+#ifndef DISAGG_ENGINE_KV_OFFLOAD_H
+#define DISAGG_ENGINE_KV_OFFLOAD_H
+
+#include "engine/kv_events.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct backend_stream;
+
+enum { KV_TIER_HOST = 0, KV_TIER_DISK = 1, KV_TIER_COUNT = 2 };
+
+typedef struct kv_offload_config {
+    size_t host_bytes;    /* host tier size (> 0) */
+    const char *disk_dir; /* disk tier directory, NULL = no disk tier */
+    size_t disk_bytes;    /* disk tier size (> 0 with disk_dir) */
+    size_t block_bytes;   /* one KV block */
+    uint64_t layout_key;  /* model, dtype, block layout: kv_offload_layout_key */
+    int block_size;       /* tokens per block (events) */
+} kv_offload_config;
+
+typedef struct kv_offload_stats {
+    uint64_t stored[KV_TIER_COUNT];  /* blocks written into the tier */
+    uint64_t loaded[KV_TIER_COUNT];  /* blocks copied back to the device from the tier */
+    uint64_t evicted[KV_TIER_COUNT]; /* blocks the tier dropped to make room (LRU) */
+    uint64_t bytes_stored[KV_TIER_COUNT], bytes_loaded[KV_TIER_COUNT];
+    uint64_t load_ns[KV_TIER_COUNT]; /* time spent loading (copy, read, checksum) */
+    uint64_t lookups, hits[KV_TIER_COUNT];
+    uint64_t corrupt;      /* disk slots that failed their checks (recomputed) */
+    uint64_t write_errors; /* disk writes that failed (the block was dropped) */
+    int64_t resident[KV_TIER_COUNT]; /* blocks held now */
+    int64_t capacity[KV_TIER_COUNT]; /* blocks the tier holds at most */
+} kv_offload_stats;
+
+typedef struct kv_offload kv_offload;
+
+/* An XXH3 fingerprint of what makes KV bytes meaningful: the model (its directory and
+ * shape), the KV dtype and the block layout. */
+uint64_t kv_offload_layout_key(const char *model, int layers, int kv_heads, int head_dim,
+                               const char *dtype, int block_size, size_t block_bytes);
+
+/* The tiers copy blocks of the KV region at kv_base (device address, block-major,
+ * block_bytes apart) through stream st.  -1 with err (what was wrong) on failure. */
+int kv_offload_create(const kv_offload_config *c, struct backend_stream *st, void *kv_base,
+                      kv_offload **out, char *err, size_t errlen);
+void kv_offload_destroy(kv_offload *o); /* NULL is fine; removes the slab file */
+
+/* Events (medium CPU / DISK) are recorded into log when set. */
+void kv_offload_set_events(kv_offload *o, kvev_log *log);
+
+/* Copy device block `block` (cached under hash) into the host tier; nothing when the
+ * tier holds hash already (refreshed instead).  0, or -1 when the copy failed. */
+int kv_offload_store(kv_offload *o, uint64_t hash, int32_t block);
+/* A handle to hash's copy in some tier (refreshed as most recently used), -1 if none. */
+int64_t kv_offload_lookup(kv_offload *o, uint64_t hash);
+/* Copy the block of handle into device block `block`: 0, or -1 (a disk slot that
+ * failed its checks is dropped: the caller recomputes). */
+int kv_offload_load(kv_offload *o, int64_t handle, int32_t block);
+/* Drop every block of every tier (reset_prefix_cache). */
+void kv_offload_clear(kv_offload *o);
+void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out);
+/* The disk tier's slab file ("" when none): tests corrupt it. */
+const char *kv_offload_disk_path(const kv_offload *o);
+
+#endif

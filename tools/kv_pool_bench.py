@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""kv_pool_bench — the multi-turn benchmark of docs/kv_pool.md with and without the KV
+offload tiers: one `disagg serve` per configuration (a KV cache too small for the
+conversations), `disagg bench serve --dataset-name custom` with a multi-turn file from
+tools/gen_multiturn_dataset.py, then /metrics: where the prompt tokens came from (the
+device prefix cache, the host tier, the disk tier, computed) and TTFT P50/P90.
+
+  tools/kv_pool_bench.py [--bin build/disagg] [--model models/disagg-sotu-tiny]
+      [--conversations 16] [--turns 8] [--user-words 80] [--output-len 24]
+      [--kv-blocks 128] [--block-size 16] [--max-model-len 2048]
+      [--configs none,host,disk] [--json out.json]
+
+Prints a Markdown table (docs/benchmarks.md); timings are measurements, not checks.
+Device runs: --device cuda plus a 7B model and larger sizes (docs/kv_pool.md)."""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(url):
+    out = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def metric(ms, name, tier=None):
+    return sum(v for k, v in ms.items()
+               if k.split("{")[0] == name and (tier is None or f'tier="{tier}"' in k))
+
+
+def block_bytes(model, block_size, dtype_bytes):
+    c = json.load(open(os.path.join(model, "config.json")))
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * block_size * c["num_key_value_heads"] * hd * dtype_bytes
+
+
+def run(a, name, extra, dataset, tmp):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    bb = block_bytes(a.model, a.block_size, a.kv_bytes)
+    args = [a.bin, "serve", a.model, "--host", "127.0.0.1", "--port", str(port),
+            "--block-size", str(a.block_size), "--max-model-len", str(a.max_model_len),
+            "--kv-cache-memory", str(a.kv_blocks * bb), "--device", a.device] + extra
+    if a.device != "cpu":
+        args += ["--kv-cache-dtype", "bfloat16"]
+    if a.threads:
+        args += ["--threads", str(a.threads)]
+    log = open(os.path.join(tmp, f"serve-{name}.log"), "w")
+    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise SystemExit(f"{name}: the server did not start; see {log.name}")
+        out = os.path.join(tmp, f"bench-{name}.json")
+        subprocess.run([a.bench_bin, "bench", "serve", "--base-url", url, "--dataset-name",
+                        "custom", "--dataset-path", dataset, "--num-prompts",
+                        str(a.conversations), "--custom-output-len", str(a.output_len),
+                        "--ignore-eos", "--request-rate", str(a.request_rate),
+                        "--max-concurrency", str(a.max_concurrency), "--seed", "0",
+                        "--json", out], check=True, stdout=subprocess.DEVNULL)
+        res = json.load(open(out))
+        ms = metrics(url)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    prompt = res["total_input_tokens"]
+    # cached prompt tokens of the finished requests (device cache or a tier), less the tiers'
+    # loads: vllm:prefix_cache_hits counts every admission attempt's lookups, not tokens served
+    cached = sum(v for k, v in ms.items() if k.startswith("vllm:prompt_tokens_by_source_total")
+                 and 'source="local_cache_hit"' in k)
+    dev = cached - a.block_size * metric(ms, "disagg:kv_offload_blocks_loaded_total")
+    host = a.block_size * metric(ms, "disagg:kv_offload_blocks_loaded_total", "host")
+    disk = a.block_size * metric(ms, "disagg:kv_offload_blocks_loaded_total", "disk")
+    return {
+        "config": name, "requests": res["completed"], "prompt_tokens": prompt,
+        "device_hit": dev / prompt, "host_hit": host / prompt, "disk_hit": disk / prompt,
+        "computed": metric(ms, "vllm:prompt_tokens_total") / prompt,
+        "evicted_blocks": metric(ms, "disagg:kv_cache_evicted_blocks_total"),
+        "ttft_p50_ms": res["median_ttft_ms"], "ttft_p90_ms": res.get("p90_ttft_ms"),
+        "output_tok_s": res["output_throughput"],
+        "load_ms_per_block": 1000 * metric(ms, "disagg:kv_offload_load_seconds_total") /
+        max(1.0, metric(ms, "disagg:kv_offload_blocks_loaded_total")),
+        "corrupt": metric(ms, "disagg:kv_offload_corrupt_blocks_total"),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", default=os.path.join(ROOT, "build", "disagg"))
+    ap.add_argument("--bench-bin", default=None, help="the bench client (default --bin)")
+    ap.add_argument("--dataset-tool", default=os.path.join(ROOT, "tools", "gen_multiturn_dataset.py"))
+    ap.add_argument("--model", default=os.path.join(ROOT, "models", "disagg-sotu-tiny"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--user-words", type=int, default=80)
+    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--request-rate", type=float, default=4)
+    ap.add_argument("--max-concurrency", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-blocks", type=int, default=128, help="the device KV cache, in blocks")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--host-blocks", type=int, default=4096)
+    ap.add_argument("--small-host-blocks", type=int, default=64, help="the host tier of 'disk'")
+    ap.add_argument("--disk-blocks", type=int, default=4096)
+    ap.add_argument("--configs", default="none,host,disk")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    a.bench_bin = a.bench_bin or a.bin
+    a.kv_bytes = 4 if a.device == "cpu" else 2  # f32 KV on the CPU, bf16 on CUDA
+    tmp = tempfile.mkdtemp(prefix="kv-pool-bench-")
+    dataset = os.path.join(tmp, "multiturn.jsonl")
+    subprocess.run([sys.executable, a.dataset_tool, "--out", dataset, "--conversations",
+                    str(a.conversations), "--turns", str(a.turns), "--user-words",
+                    str(a.user_words)], check=True, stdout=subprocess.DEVNULL)
+    bb = block_bytes(a.model, a.block_size, a.kv_bytes)
+    gib = lambda blocks, size=bb: repr(blocks * size / 2**30)
+    stride = (64 + bb + 4095) // 4096 * 4096
+    disk_dir = os.path.join(tmp, "disk")
+    os.makedirs(disk_dir)
+    cfgs = {
+        "none": [],
+        "host": ["--kv-offloading-size", gib(a.host_blocks)],
+        "disk": ["--kv-offloading-size", gib(a.small_host_blocks), "--kv-offloading-disk",
+                 disk_dir, "--kv-offloading-disk-size", gib(a.disk_blocks, stride)],
+    }
+    rows = [run(a, c, cfgs[c], dataset, tmp) for c in a.configs.split(",")]
+    print(f"{a.conversations} conversations x {a.turns} turns x {a.user_words} words, "
+          f"{a.output_len}-token answers, rate {a.request_rate}/s, concurrency "
+          f"{a.max_concurrency}; KV cache {a.kv_blocks} blocks of {a.block_size} tokens; "
+          f"host tier {a.host_blocks} blocks ('disk': {a.small_host_blocks} + disk "
+          f"{a.disk_blocks})\n")
+    print("| tiers | prompt tokens | device hit | host hit | disk hit | computed | "
+          "device evictions | TTFT P50 ms | TTFT P90 ms | out tok/s | load ms/block |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['prompt_tokens']} | {r['device_hit']:.1%} | "
+              f"{r['host_hit']:.1%} | {r['disk_hit']:.1%} | {r['computed']:.1%} | "
+              f"{r['evicted_blocks']:.0f} | {r['ttft_p50_ms']:.1f} | "
+              f"{r['ttft_p90_ms'] or 0:.1f} | {r['output_tok_s']:.1f} | "
+              f"{r['load_ms_per_block']:.3f} |")
+    if a.json:
+        json.dump(rows, open(a.json, "w"), indent=1)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
