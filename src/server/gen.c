@@ -2,6 +2,7 @@
  * gen — generation request lifecycle (see gen.h).
  */
 #include "server/gen.h"
+#include "server/beam_search.h"
 
 #include "engine/kv_connector.h"
 
@@ -37,7 +38,7 @@ typedef struct gen_event {
 
 /* ---- the engine thread side ---------------------------------------------- */
 
-static void gen_engine_cb(void *ctx, const engine_event *ev) {
+void gen_engine_event_fn(void *ctx, const engine_event *ev) {
     gen_choice *c = ctx;
     server *s = c->r->s;
     gen_event *g = calloc(1, sizeof *g);
@@ -112,6 +113,12 @@ int gen_prepare_constraint(server *s, gen_req *r) {
                                 &r->constraint, &tool_fmt, err, sizeof err)) {
         const char *param = strstr(err, "tool") == err ? "tool_choice" : NULL;
         oai_error_set(&r->err, 400, "BadRequestError", param, "%s", err);
+        return -1;
+    }
+    if (r->constraint && r->o.use_beam_search) {
+        oai_error_set(&r->err, 400, "BadRequestError", "tool_choice",
+                      "a constrained output (tool_choice \"required\" or a named tool) is not "
+                      "applied by beam search; accepted with use_beam_search: \"auto\" or \"none\"");
         return -1;
     }
     if (tool_fmt) r->o.parse_tool_calls = true;
@@ -210,6 +217,7 @@ void gen_req_free(gen_req *r) {
         free(c->error);
     }
     free(r->ch);
+    beam_search_free(r->beam);
     grammar_unref(r->constraint);
     for (int i = 0; i < r->n_prompts; i++) {
         if (r->pids) free(r->pids[i]);
@@ -307,6 +315,7 @@ static void gen_abort_all(gen_req *r, const char *why) {
             engine_abort(r->s->eng, r->ch[i].eid);
             n++;
         }
+    if (r->s->eng) beam_search_abort(r);
     LOG_I("server", "%s: %s, aborted %d engine request(s)", r->id, why, n);
 }
 
@@ -389,6 +398,18 @@ static void gen_choice_done(gen_choice *c, const char *reason) {
     }
 }
 
+void gen_choice_emit(gen_choice *c, const char *reason) {
+    gen_req *r = c->r;
+    if (r->streaming && !r->client_gone && !c->error && c->text.len > c->sent) {
+        sbuf sse;
+        sbuf_init(&sse, (size_t)1 << 30);
+        r->ops->stream_delta(r, c, c->text.data + c->sent, c->text.len - c->sent, &sse);
+        gen_send_chunk(r, &sse);
+        sbuf_free(&sse);
+    }
+    gen_choice_done(c, reason);
+}
+
 /* Submit choice c to the engine (with the request's kv_transfer_params when
  * with_kv); on failure r->err is set.  0 or a negative error. */
 static int gen_submit(gen_req *r, gen_choice *c, bool with_kv) {
@@ -410,7 +431,7 @@ static int gen_submit(gen_req *r, gen_choice *c, bool with_kv) {
         r->o.best_of == 1; /* n > 1: choice 0 recomputes (its siblings share its blocks) */
     p.grammar = r->constraint;
     char err[512] = "";
-    int rc = engine_submit(r->s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
+    int rc = engine_submit(r->s->eng, &p, gen_engine_event_fn, c, &c->eid, err, sizeof err);
     if (rc) {
         r->has_err = true;
         oai_error_set(&r->err, rc == -EINVAL ? 400 : 500,
@@ -583,7 +604,13 @@ void gen_drain_events(server *s) {
         gen_event *next = g->next;
         gen_choice *c = g->c;
         gen_req *r = c->r;
-        if (g->kind == ENGINE_EV_TOKEN) {
+        if (r->beam && g->kind == ENGINE_EV_TOKEN) {
+            beam_search_on_token(c, &g->tok);
+        } else if (r->beam) {
+            beam_search_on_finished(c, g->finish_reason, g->error, g->error_status, g->kv_role,
+                                    g->n_kv_recv, g->n_computed);
+            if (r->n_pending == 0) gen_complete(r);
+        } else if (g->kind == ENGINE_EV_TOKEN) {
             gen_on_token(c, &g->tok);
         } else {
             gen_on_finished(c, g);
@@ -747,7 +774,9 @@ void gen_start(gen_req *r) {
      * produced its first token — its prompt blocks are then in the prefix cache and
      * they share them (gen_release_deferred). */
     int n_now = r->kv_params_text ? 1 : r->n_ch;
-    for (int i = 0; i < r->n_ch; i++) {
+    /* beam search submits its steps' requests itself, not the choices */
+    if (r->o.use_beam_search) (void)beam_search_start(r, max_tokens);
+    for (int i = 0; i < r->n_ch && !r->o.use_beam_search; i++) {
         gen_choice *c = &r->ch[i];
         if (i >= n_now) {
             c->deferred = true;

@@ -102,6 +102,7 @@ struct gen_req {
     gen_prepare_fn prepare; /* what the preparation thread runs */
 
     struct grammar *constraint; /* structured outputs (structured.c), or NULL: own reference */
+    struct beam_search *beam;   /* use_beam_search: the search (beam_search.c), else NULL */
 };
 
 /* Allocate a request for http; fills id, x_request_id, created, arrival.
@@ -127,6 +128,12 @@ int gen_prepare_bad_words(server *s, gen_req *r);
 void gen_req_free(gen_req *r);
 /* Write an SSE buffer to the client as one chunk. */
 void gen_send_chunk(gen_req *r, sbuf *sse);
+/* The engine callback: ctx is a gen_choice of a live request (runs on the engine thread,
+ * queues the event for the loop). */
+void gen_engine_event_fn(void *ctx, const engine_event *ev);
+/* c has all its text (c->text) and ends with reason: stream what was not sent and its
+ * last chunk (or its error when c->error is set), observe the metrics. */
+void gen_choice_emit(gen_choice *c, const char *reason);
 /* Usage totals over all choices so far. */
 void gen_usage(const gen_req *r, oai_usage *u);
 
