@@ -218,6 +218,7 @@ void gen_req_free(gen_req *r) {
     }
     free(r->ch);
     beam_search_free(r->beam);
+    if (r->ext_free) r->ext_free(r->ext);
     grammar_unref(r->constraint);
     for (int i = 0; i < r->n_prompts; i++) {
         if (r->pids) free(r->pids[i]);
@@ -329,12 +330,17 @@ static void gen_complete(gen_req *r) {
     if (r->streaming) {
         sbuf sse;
         sbuf_init(&sse, (size_t)1 << 30);
-        if (r->o.include_usage) {
-            oai_usage u;
-            gen_usage(r, &u);
-            oai_sse_event(&sse, oai_usage_chunk(r->chat, r->id, r->created, r->s->model_name, &u));
+        if (r->ops->stream_end) {
+            r->ops->stream_end(r, &sse);
+        } else {
+            if (r->o.include_usage) {
+                oai_usage u;
+                gen_usage(r, &u);
+                oai_sse_event(&sse,
+                              oai_usage_chunk(r->chat, r->id, r->created, r->s->model_name, &u));
+            }
+            oai_sse_done(&sse);
         }
-        oai_sse_done(&sse);
         gen_send_chunk(r, &sse);
         sbuf_free(&sse);
         hs_reply_end(r->http);

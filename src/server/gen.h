@@ -69,6 +69,9 @@ typedef struct gen_ops {
     int (*stream_finish)(gen_req *r, gen_choice *c, sbuf *sse);
     /* Non-streaming: the response body once every choice is done. */
     json_t *(*build_response)(gen_req *r);
+    /* Streaming, optional: the stream's tail once every choice is done (NULL: the usage
+     * chunk when asked, then data: [DONE] — the OpenAI chat / completions ending). */
+    int (*stream_end)(gen_req *r, sbuf *sse);
 } gen_ops;
 
 struct gen_req {
@@ -103,6 +106,8 @@ struct gen_req {
 
     struct grammar *constraint; /* structured outputs (structured.c), or NULL: own reference */
     struct beam_search *beam;   /* use_beam_search: the search (beam_search.c), else NULL */
+    void *ext;                  /* the endpoint's own state (responses.c, messages.c), or NULL */
+    void (*ext_free)(void *ext); /* frees ext */
 };
 
 /* Allocate a request for http; fills id, x_request_id, created, arrival.
@@ -117,7 +122,6 @@ void gen_start(gen_req *r);
  * r->err) on the loop, or on the preparation thread for a large body, then
  * gen_start it or reply its error.  The endpoints' common entry. */
 void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare);
-/* Free a request that never reached gen_start (after replying an error). */
 /* The request's structured-output constraint into r->constraint (a 400 in r->err when
  * it is bad): 0 or -1. */
 int gen_prepare_constraint(server *s, gen_req *r);
@@ -125,6 +129,7 @@ int gen_prepare_constraint(server *s, gen_req *r);
  * spaces, and with one leading space when that tokenizes differently) into its sampling
  * parameters (a 400 in r->err when they exceed the limit): 0 or -1. */
 int gen_prepare_bad_words(server *s, gen_req *r);
+/* Free a request that never reached gen_start (after replying an error). */
 void gen_req_free(gen_req *r);
 /* Write an SSE buffer to the client as one chunk. */
 void gen_send_chunk(gen_req *r, sbuf *sse);
