@@ -207,7 +207,13 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
     }
     json_object_set(chat, "max_tokens", (json_t *)mt);
     const json_t *ss = json_object_get(in, "stop_sequences");
-    if (ss && !json_is_null(ss)) json_object_set(chat, "stop", (json_t *)ss);
+    if (ss && !json_is_null(ss)) {
+        if (!json_is_array(ss)) {
+            bad(err, "stop_sequences", "'stop_sequences' must be a list of strings");
+            goto fail;
+        }
+        json_object_set(chat, "stop", (json_t *)ss);
+    }
     const json_t *tools = json_object_get(in, "tools");
     if (tools && !json_is_null(tools)) {
         if (!json_is_array(tools)) {
