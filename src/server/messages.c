@@ -167,7 +167,9 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
     json_t *chat = json_object();
     json_t *msgs = json_array();
     json_object_set_new(chat, "messages", msgs);
-    static const char *const pass[] = {"model", "temperature", "top_p", "top_k", "stream"};
+    /* kv_transfer_params: disagg proxy's P/D fields (vLLM's extension, as in chat) */
+    static const char *const pass[] = {"model", "temperature", "top_p", "top_k", "stream",
+                                       "kv_transfer_params"};
     const char *k;
     json_t *v;
     json_object_foreach((json_t *)in, k, v) {

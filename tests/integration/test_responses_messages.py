@@ -5,7 +5,7 @@ sequences are the APIs'; function tools (tool_choice named / required / any) com
 function_call items and tool_use blocks whose arguments follow the schema; earlier tool
 calls and results in the input render as the chat's; text.format json_schema constrains
 as response_format does; bad values get a 400 naming the field; through `disagg proxy`
-both paths are refused with a 501 naming them."""
+(P/D) both answer as the colocated server."""
 import json
 
 import anthropic
@@ -263,3 +263,49 @@ def test_api_key_as_x_api_key():
 
 def oai_key(s, key):
     return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=TIMEOUT)
+
+
+# ---- through disagg proxy (P/D) ---------------------------------------------------------
+
+def received_tokens(s):
+    """D's vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}."""
+    text = requests.get(s.url + "/metrics", timeout=TIMEOUT).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_by_source_total")
+               and 'source="external_kv_transfer"' in line)
+
+
+def test_pd_equals_colocated(server):
+    """P gets max_output_tokens 1 (Responses) / max_tokens 1 (Messages) and keeps the prompt's
+    KV; D pulls it and answers: the same output as the colocated server, streaming and not."""
+    from test_proxy_pd import Prefill, decode
+    p = Prefill()
+    d = decode()
+    px = ProxyProc([p], [d])
+    try:
+        px.wait_ready(30)
+        via = type("U", (), {"url": px.url})
+        before = received_tokens(d)
+        kw = dict(model="tiny", input=QUESTION, instructions="Be brief.", max_output_tokens=10,
+                  temperature=0)
+        want = oai(server).responses.create(**kw).output_text
+        assert oai(via).responses.create(**kw).output_text == want
+        events = list(oai(via).responses.create(stream=True, **kw))
+        assert events[-1].type == "response.completed" and events[-1].response.output_text == want
+        mk = dict(model="tiny", max_tokens=10, system="Be brief.",
+                  messages=[{"role": "user", "content": QUESTION}], extra_body={"temperature": 0})
+        want = anth(server).messages.create(**mk).content[0].text
+        assert anth(via).messages.create(**mk).content[0].text == want
+        with anth(via).messages.stream(**mk) as s:
+            for _ in s:
+                pass
+            assert s.get_final_message().content[0].text == want
+        assert received_tokens(d) > before
+        r = requests.post(px.url + "/v1/messages", timeout=TIMEOUT,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    finally:
+        px.proc.terminate()
+        assert px.proc.wait(10) == 0, px.output()
+        assert d.stop() == 0, d.logs()
+        assert p.server.stop() == 0, p.server.logs()
