@@ -122,7 +122,7 @@ static int message_to_chat(const json_t *m, size_t idx, json_t *msgs, oai_error 
                 bad(err, "messages", "%s: a tool_use block needs string 'id' and 'name'", where);
                 goto fail;
             }
-            char *args = json_dumps(input ? input : json_object(), JSON_COMPACT | JSON_ENCODE_ANY);
+            char *args = input ? json_dumps(input, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
             json_array_append_new(calls, json_pack("{s:O,s:s,s:{s:O,s:s}}", "id", id, "type",
                                                    "function", "function", "name", name,
                                                    "arguments", args ? args : "{}"));

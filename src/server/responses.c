@@ -411,7 +411,6 @@ static json_t *short_real(float f) {
 static json_t *resp_object(gen_req *r, const char *status, json_t *output, bool with_usage) {
     resp_ext *x = r->ext;
     const json_t *q = x->req;
-    gen_choice *c = r->n_ch ? &r->ch[0] : NULL;
     json_t *incomplete = json_null();
     if (!strcmp(status, "incomplete"))
         incomplete = json_pack("{s:s}", "reason", "max_output_tokens");
@@ -433,7 +432,6 @@ static json_t *resp_object(gen_req *r, const char *status, json_t *output, bool 
         json_integer(0), "truncation", "disabled", "usage",
         with_usage ? resp_usage(r) : json_null(), "user", echo_or(q, "user", json_null()),
         "service_tier", "auto", "store", json_false(), "error", json_null());
-    (void)c;
     return o;
 }
 
