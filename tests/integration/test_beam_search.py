@@ -191,6 +191,21 @@ def test_bad_values(colocated, body, param, needle):
     assert err["param"] == param and needle in err["message"], err
 
 
+def test_client_leaves_mid_search(colocated):
+    """The step requests in flight are aborted and no further step is submitted: the server
+    drains to no load and keeps answering (under ASan the fixture's exit checks leaks)."""
+    import time
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(colocated.url + "/v1/completions", timeout=0.5,
+                      json=dict(model="tiny", prompt=PROMPT, n=4, max_tokens=400,
+                                use_beam_search=True, temperature=0))
+    deadline = time.time() + 30
+    while requests.get(colocated.url + "/load", timeout=5).json()["server_load"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert requests.get(colocated.url + "/load", timeout=5).json()["server_load"] == 0
+    assert summary(beam(colocated.url, PROMPT, 2, 3))
+
+
 def test_max_logprobs_caps_width():
     s = Server(*COMMON, "--max-logprobs", "6")
     try:
