@@ -236,6 +236,15 @@ void gen_req_free(gen_req *r) {
 
 static void gen_abort_all(gen_req *r, const char *why);
 
+/* Reply r->err on http in the endpoint's error shape. */
+static void gen_reply_error(gen_req *r, hs_req *http) {
+    json_t *b = r->ops->error_body ? r->ops->error_body(r, &r->err) : NULL;
+    if (b)
+        server_reply_json(http, r->err.status, b, r->x_request_id);
+    else
+        server_reply_error(http, &r->err, r->x_request_id);
+}
+
 /* ---- output ------------------------------------------------------------------ */
 
 /* The client left (base/http_server sees it at once: it keeps reading while
@@ -345,7 +354,7 @@ static void gen_complete(gen_req *r) {
         sbuf_free(&sse);
         hs_reply_end(r->http);
     } else if (r->has_err) {
-        server_reply_error(r->http, &r->err, r->x_request_id);
+        gen_reply_error(r, r->http);
     } else {
         gen_choose_best_of(r);
         json_t *body = r->ops->build_response(r);
@@ -393,9 +402,13 @@ static void gen_choice_done(gen_choice *c, const char *reason) {
         if (c->error) {
             oai_error e;
             oai_error_set(&e, gen_error_status(c), gen_error_type(c), NULL, "%s", c->error);
-            char *j = oai_error_json(&e);
-            if (j) sbuf_appendf(&sse, "data: %s\n\n", j);
-            free(j);
+            if (r->ops->stream_error) {
+                r->ops->stream_error(r, &e, &sse);
+            } else {
+                char *j = oai_error_json(&e);
+                if (j) sbuf_appendf(&sse, "data: %s\n\n", j);
+                free(j);
+            }
         } else {
             r->ops->stream_finish(r, c, &sse);
         }
@@ -803,12 +816,12 @@ void gen_start(gen_req *r) {
         hs_req_set_close_cb(r->http, gen_close_cb, r);
         return; /* gen_complete replies (the error, if any) */
     }
-    server_reply_error(r->http, &r->err, r->x_request_id);
+    gen_reply_error(r, r->http);
     gen_free_and_account(r);
     return;
 fail:
     gen_release_unused_kv(r);
-    server_reply_error(r->http, &r->err, r->x_request_id);
+    gen_reply_error(r, r->http);
     gen_req_free(r);
 }
 
@@ -831,7 +844,7 @@ static void gen_prep_done(prep_job *j) {
     }
     if (rc) {
         gen_release_unused_kv(r);
-        server_reply_error(http, &r->err, r->x_request_id);
+        gen_reply_error(r, http);
         gen_req_free(r);
         return;
     }
@@ -860,7 +873,7 @@ void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare) {
     free(body);
     if (rc) {
         gen_release_unused_kv(r);
-        server_reply_error(r->http, &r->err, r->x_request_id);
+        gen_reply_error(r, r->http);
         gen_req_free(r);
         return;
     }

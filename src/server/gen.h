@@ -72,6 +72,12 @@ typedef struct gen_ops {
     /* Streaming, optional: the stream's tail once every choice is done (NULL: the usage
      * chunk when asked, then data: [DONE] — the OpenAI chat / completions ending). */
     int (*stream_end)(gen_req *r, sbuf *sse);
+    /* Optional: the endpoint's error body for e (NULL: the OpenAI / vLLM
+     * {"error": {...}} body). */
+    json_t *(*error_body)(gen_req *r, const oai_error *e);
+    /* Streaming, optional: the event for an error after the stream started (NULL: a
+     * data: {"error": {...}} chunk). */
+    int (*stream_error)(gen_req *r, const oai_error *e, sbuf *sse);
 } gen_ops;
 
 struct gen_req {

@@ -461,8 +461,34 @@ static int msg_stream_end(gen_req *r, sbuf *sse) {
     return msg_event(sse, "message_stop", json_object());
 }
 
+/* Anthropic's error body: {"type": "error", "error": {"type", "message"}}. */
+static json_t *msg_error_body(gen_req *r, const oai_error *e) {
+    (void)r;
+    int st = e->status;
+    const char *type = st == 400   ? "invalid_request_error"
+                       : st == 401 ? "authentication_error"
+                       : st == 403 ? "permission_error"
+                       : st == 404 ? "not_found_error"
+                       : st == 413 ? "request_too_large"
+                       : st == 429 ? "rate_limit_error"
+                       : st == 503 ? "overloaded_error"
+                                   : "api_error";
+    return json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "type", type, "message",
+                     e->message);
+}
+
+static int msg_stream_error(gen_req *r, const oai_error *e, sbuf *sse) {
+    json_t *b = msg_error_body(r, e);
+    char *t = b ? json_dumps(b, JSON_COMPACT) : NULL;
+    json_decref(b);
+    if (!t) return -1;
+    int rc = sbuf_appendf(sse, "event: error\ndata: %s\n\n", t);
+    free(t);
+    return rc;
+}
+
 static const gen_ops MSG_OPS = {msg_stream_start, msg_stream_delta, msg_stream_finish, msg_build,
-                                msg_stream_end};
+                                msg_stream_end,   msg_error_body,   msg_stream_error};
 
 void server_messages_handle(server *s, hs_req *req) {
     gen_req *r = gen_req_new(s, req, true, &MSG_OPS);

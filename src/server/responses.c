@@ -588,8 +588,17 @@ static int resp_stream_end(gen_req *r, sbuf *sse) {
                                 resp_object(r, final_status(c), json_incref(x->items), true)));
 }
 
+/* An error after the stream started: the Responses "error" event. */
+static int resp_stream_error(gen_req *r, const oai_error *e, sbuf *sse) {
+    return resp_event(r, sse, "error",
+                      json_pack("{s:s,s:s,s:o}", "code", e->type ? e->type : "api_error", "message",
+                                e->message, "param",
+                                e->param[0] ? json_string(e->param) : json_null()));
+}
+
 static const gen_ops RESP_OPS = {resp_stream_start, resp_stream_delta, resp_stream_finish,
-                                 resp_build, resp_stream_end};
+                                 resp_build,        resp_stream_end,   NULL,
+                                 resp_stream_error};
 
 void server_responses_handle(server *s, hs_req *req) {
     gen_req *r = gen_req_new(s, req, true, &RESP_OPS);

@@ -235,16 +235,34 @@ def test_messages_tools(server):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "\"user\" | \"assistant\""),
     ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking", "not supported"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice", "\"any\""),
-    ({"stop_sequences": "x"}, "stop_sequences", "stop"),
+    ({"stop_sequences": "x"}, "stop_sequences", "must be a list of strings"),
+    ({"temperature": "hot"}, "temperature", "must be a number"),
 ])
 def test_messages_bad_values(server, body, param, needle):
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
     b = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     b.update(body)
     b = {k: v for k, v in b.items() if v is not None}
     r = requests.post(server.url + "/v1/messages", json=b, timeout=TIMEOUT)
     assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == param and needle in err["message"], err
+    j = r.json()
+    assert j["type"] == "error" and j["error"]["type"] == "invalid_request_error", j
+    assert needle in j["error"]["message"] and param in j["error"]["message"], j
+
+
+def test_messages_errors_in_anthropic_shape(server):
+    with pytest.raises(anthropic.BadRequestError, match="images and documents are not supported"):
+        anth(server).messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+    r = requests.post(server.url + "/v1/messages", timeout=TIMEOUT,
+                      json={"model": "gpt-4", "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    # too long for max_model_len (1024): vLLM's wording, in Anthropic's shape
+    r = requests.post(server.url + "/v1/messages", timeout=TIMEOUT,
+                      json={"model": "tiny", "max_tokens": 5000,
+                            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
 
 
 def test_api_key_as_x_api_key():
