@@ -26,6 +26,8 @@ typedef struct resp_ext {
     int seq;          /* stream: next sequence_number */
     bool msg_open;    /* stream: the message item and its text part were announced */
     int msg_index;    /* its output_index */
+    int rs_state;     /* stream: the reasoning item 0 not started, 1 open, 2 done */
+    int rs_index;     /* its output_index */
     json_t *items;    /* stream: the output items in the order they were emitted */
     char msg_id[200]; /* "msg_..." */
 } resp_ext;
@@ -502,6 +504,48 @@ static void text_delta(gen_req *r, sbuf *sse, const char *t, size_t n) {
                          x->msg_index, "content_index", 0, "delta", t, n, "logprobs"));
 }
 
+static void rs_id(gen_req *r, char *id, size_t cap) {
+    snprintf(id, cap, "rs_%s", r->id + 5);
+}
+
+/* Reasoning text streamed as a reasoning item: opened on its first text. */
+static void reasoning_delta(gen_req *r, sbuf *sse, const char *t, size_t n) {
+    resp_ext *x = r->ext;
+    char id[240];
+    rs_id(r, id, sizeof id);
+    if (x->rs_state == 0) {
+        x->rs_state = 1;
+        x->rs_index = (int)json_array_size(x->items);
+        json_array_append_new(x->items, json_null()); /* its place; the final item at the end */
+        resp_event(r, sse, "response.output_item.added",
+                   json_pack("{s:i,s:{s:s,s:s,s:[],s:[],s:n}}", "output_index", x->rs_index,
+                             "item", "id", id, "type", "reasoning", "summary", "content",
+                             "status"));
+    }
+    if (n > 0)
+        resp_event(r, sse, "response.reasoning_text.delta",
+                   json_pack("{s:s,s:i,s:i,s:s%}", "item_id", id, "output_index", x->rs_index,
+                             "content_index", 0, "delta", t, n));
+}
+
+/* Close the reasoning item with its whole text. */
+static void reasoning_done(gen_req *r, sbuf *sse, const char *t, size_t n) {
+    resp_ext *x = r->ext;
+    if (x->rs_state != 1) return;
+    x->rs_state = 2;
+    char id[240];
+    rs_id(r, id, sizeof id);
+    resp_event(r, sse, "response.reasoning_text.done",
+               json_pack("{s:s,s:i,s:i,s:s%}", "item_id", id, "output_index", x->rs_index,
+                         "content_index", 0, "text", t, n));
+    json_t *item = json_pack("{s:s,s:s,s:[],s:[{s:s,s:s%}],s:n}", "id", id, "type", "reasoning",
+                             "summary", "content", "type", "reasoning_text", "text", t, n,
+                             "status");
+    json_array_set(x->items, (size_t)x->rs_index, item);
+    resp_event(r, sse, "response.output_item.done",
+               json_pack("{s:i,s:o}", "output_index", x->rs_index, "item", item));
+}
+
 /* Content that may be sent now: after any reasoning, before text that may be a tool call. */
 static int resp_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t len, sbuf *sse) {
     (void)text;
@@ -509,11 +553,19 @@ static int resp_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t
     reasoning_split sp;
     reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser,
                            c->text.data ? c->text.data : "", c->text.len, false, &sp);
+    resp_ext *x = r->ext;
+    if (sp.has_reasoning && x->rs_state < 2 && sp.r_end - sp.r_start > c->r_sent) {
+        reasoning_delta(r, sse, c->text.data + sp.r_start + c->r_sent,
+                        sp.r_end - sp.r_start - c->r_sent);
+        c->r_sent = sp.r_end - sp.r_start;
+    }
     if (c->sent < sp.c_start) c->sent = sp.c_start;
     size_t end = sp.c_end;
     if (r->o.parse_tool_calls)
         end = sp.c_start + r->s->tools->safe_prefix(c->text.data + sp.c_start, sp.c_end - sp.c_start);
     if (end > c->sent) {
+        if (x->rs_state == 1) /* the content started: the reasoning is over */
+            reasoning_done(r, sse, c->text.data + sp.r_start, sp.r_end - sp.r_start);
         text_delta(r, sse, c->text.data + c->sent, end - c->sent);
         c->sent = end;
     }
@@ -524,6 +576,20 @@ static int resp_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     resp_ext *x = r->ext;
     resp_split o;
     resp_split_final(r, c, &o);
+    if (o.sp.has_reasoning && x->rs_state < 2) { /* what was not streamed of it, then done */
+        size_t rl = o.sp.r_end - o.sp.r_start;
+        if (rl > c->r_sent || x->rs_state == 0)
+            reasoning_delta(r, sse, c->text.data + o.sp.r_start + c->r_sent,
+                            rl > c->r_sent ? rl - c->r_sent : 0);
+        reasoning_done(r, sse, c->text.data + o.sp.r_start, rl);
+    } else if (x->rs_state == 1) { /* streamed as reasoning, which the final split does not
+                                    * keep (qwen3 without </think>): closed as streamed */
+        reasoning_split ss;
+        reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser, c->text.data,
+                               c->text.len, true, &ss);
+        size_t rl = ss.r_end - ss.r_start < c->r_sent ? ss.r_end - ss.r_start : c->r_sent;
+        reasoning_done(r, sse, c->text.data + ss.r_start, rl);
+    }
     size_t done = c->sent > o.sp.c_start ? c->sent - o.sp.c_start : 0;
     if (o.calls && done > o.content_len) { /* a call's text went out as content: it stays so */
         json_decref(o.calls);
@@ -561,15 +627,6 @@ static int resp_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
         resp_event(r, sse, "response.function_call_arguments.done",
                    json_pack("{s:s,s:i,s:O}", "item_id", iid, "output_index", idx, "arguments",
                              args));
-        resp_event(r, sse, "response.output_item.done",
-                   json_pack("{s:i,s:O}", "output_index", idx, "item", item));
-        json_array_append_new(x->items, item);
-    }
-    if (o.sp.has_reasoning) { /* streamed as one item at the end */
-        json_t *item = reasoning_item(r, &o, c);
-        int idx = (int)json_array_size(x->items);
-        resp_event(r, sse, "response.output_item.added",
-                   json_pack("{s:i,s:O}", "output_index", idx, "item", item));
         resp_event(r, sse, "response.output_item.done",
                    json_pack("{s:i,s:O}", "output_index", idx, "item", item));
         json_array_append_new(x->items, item);
