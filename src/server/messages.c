@@ -20,6 +20,8 @@
 
 typedef struct msg_ext {
     int block;          /* stream: blocks started so far */
+    int think_state;    /* stream: the thinking block 0 not started, 1 open, 2 closed */
+    int think_index;
     bool text_open;     /* stream: the text block is open (index text_index) */
     int text_index;
     const char *stop_reason; /* stream: for message_delta */
@@ -345,6 +347,13 @@ static json_t *msg_build(gen_req *r) {
     msg_split o;
     msg_split_final(r, c, 0, &o);
     json_t *content = json_array();
+    reasoning_split sp;
+    reasoning_split_final((reasoning_kind)r->s->cfg.reasoning_parser,
+                          c->text.data ? c->text.data : "", c->text.len, &sp);
+    if (sp.has_reasoning) /* --reasoning-parser: a thinking block first */
+        json_array_append_new(content, json_pack("{s:s,s:s%,s:s}", "type", "thinking", "thinking",
+                                                 c->text.data + sp.r_start, sp.r_end - sp.r_start,
+                                                 "signature", ""));
     if (o.content_len > 0 || !o.calls)
         json_array_append_new(content, json_pack("{s:s,s:s%}", "type", "text", "text", o.content,
                                                  o.content_len));
@@ -385,9 +394,32 @@ static int msg_stream_start(gen_req *r, sbuf *sse) {
                                "usage", "input_tokens", r->n_pids[0], "output_tokens", 0));
 }
 
+static void thinking_delta(gen_req *r, sbuf *sse, const char *t, size_t n) {
+    msg_ext *x = r->ext;
+    if (x->think_state == 0) {
+        x->think_state = 1;
+        x->think_index = x->block++;
+        msg_event(sse, "content_block_start",
+                  json_pack("{s:i,s:{s:s,s:s,s:s}}", "index", x->think_index, "content_block",
+                            "type", "thinking", "thinking", "", "signature", ""));
+    }
+    if (n > 0)
+        msg_event(sse, "content_block_delta",
+                  json_pack("{s:i,s:{s:s,s:s%}}", "index", x->think_index, "delta", "type",
+                            "thinking_delta", "thinking", t, n));
+}
+
+static void thinking_stop(gen_req *r, sbuf *sse) {
+    msg_ext *x = r->ext;
+    if (x->think_state != 1) return;
+    x->think_state = 2;
+    msg_event(sse, "content_block_stop", json_pack("{s:i}", "index", x->think_index));
+}
+
 static void text_delta(gen_req *r, sbuf *sse, const char *t, size_t n) {
     msg_ext *x = r->ext;
     if (n == 0) return;
+    thinking_stop(r, sse);
     if (!x->text_open) {
         x->text_open = true;
         x->text_index = x->block++;
@@ -406,6 +438,12 @@ static int msg_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t 
     reasoning_split sp;
     reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser,
                            c->text.data ? c->text.data : "", c->text.len, false, &sp);
+    msg_ext *x = r->ext;
+    if (sp.has_reasoning && x->think_state < 2 && sp.r_end - sp.r_start > c->r_sent) {
+        thinking_delta(r, sse, c->text.data + sp.r_start + c->r_sent,
+                       sp.r_end - sp.r_start - c->r_sent);
+        c->r_sent = sp.r_end - sp.r_start;
+    }
     if (c->sent < sp.c_start) c->sent = sp.c_start;
     size_t end = sp.c_end;
     if (r->o.parse_tool_calls)
@@ -422,6 +460,13 @@ static int msg_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     reasoning_split sp;
     reasoning_split_final((reasoning_kind)r->s->cfg.reasoning_parser,
                           c->text.data ? c->text.data : "", c->text.len, &sp);
+    if (sp.has_reasoning && x->think_state < 2) {
+        size_t rl = sp.r_end - sp.r_start;
+        if (rl > c->r_sent || x->think_state == 0)
+            thinking_delta(r, sse, c->text.data + sp.r_start + c->r_sent,
+                           rl > c->r_sent ? rl - c->r_sent : 0);
+    }
+    thinking_stop(r, sse);
     size_t done = c->sent > sp.c_start ? c->sent - sp.c_start : 0;
     msg_split o;
     msg_split_final(r, c, done, &o);
