@@ -134,8 +134,8 @@ static void not_ready_reason(const proxy *px, char *out, size_t cap) {
 
 static void write_metrics(proxy *px, prom *o) {
     static const char *const ep_names[EP_COUNT] = {
-        "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-        "/v1/responses",   "/v1/messages",         "other"};
+        "/v1/completions", "/v1/chat/completions", "/v1/models",   "/health",
+        "/metrics",        "/v1/responses",        "/v1/messages", "other"};
     static const char *const err_names[PERR_COUNT] = {
         "bad_request",     "not_found",     "method_not_allowed",  "not_ready",
         "prefill_failed",  "decode_failed", "client_disconnected", "prefill_rejected",

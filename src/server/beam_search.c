@@ -13,10 +13,10 @@
 #include <string.h>
 
 typedef struct bs_beam {
-    int32_t *toks;      /* generated tokens (eos last for a completed beam that keeps it) */
-    int n;              /* tokens */
-    double cum;         /* cumulative logprob */
-    bool eos_stop;      /* completed on eos: finish_reason "stop" */
+    int32_t *toks; /* generated tokens (eos last for a completed beam that keeps it) */
+    int n;         /* tokens */
+    double cum;    /* cumulative logprob */
+    bool eos_stop; /* completed on eos: finish_reason "stop" */
 } bs_beam;
 
 /* One step request's result. */
@@ -30,33 +30,33 @@ typedef struct bs_result {
 } bs_result;
 
 typedef struct bs_prompt {
-    int prompt;         /* index in r->pids */
-    int max_tokens;     /* steps */
-    int step;           /* steps done */
-    bs_beam *live;      /* (n_live) live beams, at most width */
+    int prompt;     /* index in r->pids */
+    int max_tokens; /* steps */
+    int step;       /* steps done */
+    bs_beam *live;  /* (n_live) live beams, at most width */
     int n_live;
-    bs_beam *done;      /* (n_done) completed beams */
+    bs_beam *done; /* (n_done) completed beams */
     int n_done, cap_done;
-    gen_choice *slots;  /* (width) this step's engine requests */
-    bs_result *res;     /* (width) their results */
-    int n_inflight;     /* slots submitted and not yet FINISHED */
-    bool finished;      /* the choices are filled */
+    gen_choice *slots; /* (width) this step's engine requests */
+    bs_result *res;    /* (width) their results */
+    int n_inflight;    /* slots submitted and not yet FINISHED */
+    bool finished;     /* the choices are filled */
 } bs_prompt;
 
 struct beam_search {
     gen_req *r;
-    int width;          /* beam width = n */
-    int eos;            /* the tokenizer's eos id, -1 when none */
-    bs_prompt *p;       /* (n_prompts) */
+    int width;    /* beam width = n */
+    int eos;      /* the tokenizer's eos id, -1 when none */
+    bs_prompt *p; /* (n_prompts) */
     int n_prompts;
-    bool failed;        /* a step failed: no further steps */
+    bool failed; /* a step failed: no further steps */
 };
 
 typedef struct bs_cand {
-    int beam;     /* parent beam */
-    int32_t tok;  /* token */
-    double cum;   /* parent's cumulative logprob + the token's */
-    int order;    /* candidate order, for a stable ranking */
+    int beam;    /* parent beam */
+    int32_t tok; /* token */
+    double cum;  /* parent's cumulative logprob + the token's */
+    int order;   /* candidate order, for a stable ranking */
 } bs_cand;
 
 static void beam_free(bs_beam *b) {
@@ -250,8 +250,7 @@ static int bs_advance(struct beam_search *b, bs_prompt *p) {
         /* vLLM's logprobs entry: the sampled token, then the top ones */
         for (int k = 0; k < res->n_top; k++)
             if (res->top_ids[k] == res->id) sampled_in = true;
-        if (!sampled_in)
-            cand[nc++] = (bs_cand){i, res->id, p->live[i].cum + res->logprob, nc};
+        if (!sampled_in) cand[nc++] = (bs_cand){i, res->id, p->live[i].cum + res->logprob, nc};
         for (int k = 0; k < res->n_top; k++)
             cand[nc++] = (bs_cand){i, res->top_ids[k], p->live[i].cum + res->top_lps[k], nc};
     }

@@ -158,8 +158,8 @@ static json_t *chat_build(gen_req *r) {
     return resp;
 }
 
-static const gen_ops CHAT_OPS = {chat_stream_start, chat_stream_delta, chat_stream_finish,
-                                 chat_build, NULL, NULL, NULL};
+static const gen_ops CHAT_OPS = {
+    chat_stream_start, chat_stream_delta, chat_stream_finish, chat_build, NULL, NULL, NULL};
 
 /* Render and tokenize the conversation (shared with /tokenize). */
 int server_chat_render_ids(server *s, const json_t *messages, const json_t *tools,

@@ -116,9 +116,10 @@ int gen_prepare_constraint(server *s, gen_req *r) {
         return -1;
     }
     if (r->constraint && r->o.use_beam_search) {
-        oai_error_set(&r->err, 400, "BadRequestError", "tool_choice",
-                      "a constrained output (tool_choice \"required\" or a named tool) is not "
-                      "applied by beam search; accepted with use_beam_search: \"auto\" or \"none\"");
+        oai_error_set(
+            &r->err, 400, "BadRequestError", "tool_choice",
+            "a constrained output (tool_choice \"required\" or a named tool) is not "
+            "applied by beam search; accepted with use_beam_search: \"auto\" or \"none\"");
         return -1;
     }
     if (tool_fmt) r->o.parse_tool_calls = true;

@@ -110,9 +110,9 @@ struct gen_req {
     char *kv_params_text;   /* o.kv_transfer_params as JSON text for the engine, or NULL */
     gen_prepare_fn prepare; /* what the preparation thread runs */
 
-    struct grammar *constraint; /* structured outputs (structured.c), or NULL: own reference */
-    struct beam_search *beam;   /* use_beam_search: the search (beam_search.c), else NULL */
-    void *ext;                  /* the endpoint's own state (responses.c, messages.c), or NULL */
+    struct grammar *constraint;  /* structured outputs (structured.c), or NULL: own reference */
+    struct beam_search *beam;    /* use_beam_search: the search (beam_search.c), else NULL */
+    void *ext;                   /* the endpoint's own state (responses.c, messages.c), or NULL */
     void (*ext_free)(void *ext); /* frees ext */
 };
 

@@ -285,7 +285,8 @@ static void http_dispatch(hs_req *req, void *arg) {
         server_reply_errorf(
             req, 404, "NotFoundError", NULL,
             "No route for %s; accepted: POST /v1/completions, POST "
-            "/v1/chat/completions, POST /v1/responses, POST /v1/messages, GET /v1/models, POST /tokenize, POST "
+            "/v1/chat/completions, POST /v1/responses, POST /v1/messages, GET /v1/models, POST "
+            "/tokenize, POST "
             "/detokenize, GET /health, GET|POST /ping, GET /load, GET /version, GET "
             "/metrics",
             path);

@@ -19,10 +19,10 @@
 #include <string.h>
 
 typedef struct msg_ext {
-    int block;          /* stream: blocks started so far */
-    int think_state;    /* stream: the thinking block 0 not started, 1 open, 2 closed */
+    int block;       /* stream: blocks started so far */
+    int think_state; /* stream: the thinking block 0 not started, 1 open, 2 closed */
     int think_index;
-    bool text_open;     /* stream: the text block is open (index text_index) */
+    bool text_open; /* stream: the text block is open (index text_index) */
     int text_index;
     const char *stop_reason; /* stream: for message_delta */
     json_t *stop_sequence;
@@ -87,8 +87,8 @@ static int message_to_chat(const json_t *m, size_t idx, json_t *msgs, oai_error 
     const char *role = json_string_value(json_object_get(m, "role"));
     const json_t *content = json_object_get(m, "content");
     if (!json_is_object(m) || !role || (strcmp(role, "user") && strcmp(role, "assistant")))
-        return bad(err, "messages", "%s must be {\"role\": \"user\" | \"assistant\", \"content\": ...}",
-                   where);
+        return bad(err, "messages",
+                   "%s must be {\"role\": \"user\" | \"assistant\", \"content\": ...}", where);
     if (json_is_string(content)) {
         json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", role, "content", content));
         return 0;
@@ -138,9 +138,10 @@ static int message_to_chat(const json_t *m, size_t idx, json_t *msgs, oai_error 
             const json_t *c = json_object_get(b, "content");
             json_t *t = c ? blocks_text(c, where, "messages", err) : json_string("");
             if (!t) goto fail;
-            json_array_append_new(msgs, json_pack("{s:s,s:O,s:o}", "role", "tool", "tool_call_id",
-                                                  id, "content", t));
-        } else if (ty && (!strcmp(ty, "thinking") || !strcmp(ty, "redacted_thinking")) && !is_user) {
+            json_array_append_new(
+                msgs, json_pack("{s:s,s:O,s:o}", "role", "tool", "tool_call_id", id, "content", t));
+        } else if (ty && (!strcmp(ty, "thinking") || !strcmp(ty, "redacted_thinking")) &&
+                   !is_user) {
             continue; /* earlier reasoning is not rendered again */
         } else {
             bad(err, "messages",
@@ -170,8 +171,8 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
     json_t *msgs = json_array();
     json_object_set_new(chat, "messages", msgs);
     /* kv_transfer_params: disagg proxy's P/D fields (vLLM's extension, as in chat) */
-    static const char *const pass[] = {"model", "temperature", "top_p", "top_k", "stream",
-                                       "kv_transfer_params"};
+    static const char *const pass[] = {"model", "temperature", "top_p",
+                                       "top_k", "stream",      "kv_transfer_params"};
     const char *k;
     json_t *v;
     json_object_foreach((json_t *)in, k, v) {
@@ -231,8 +232,10 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
             const json_t *name = json_object_get(t, "name");
             const char *ty = json_string_value(json_object_get(t, "type"));
             if (!json_is_string(name) || (ty && strcmp(ty, "custom"))) {
-                bad(err, "tools", "'tools' element %zu must be {\"name\": ..., \"input_schema\": "
-                    "...} (server tools are not supported)", i);
+                bad(err, "tools",
+                    "'tools' element %zu must be {\"name\": ..., \"input_schema\": "
+                    "...} (server tools are not supported)",
+                    i);
                 goto fail;
             }
             json_t *f = json_pack("{s:O}", "name", name);
@@ -257,7 +260,8 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
                                 json_pack("{s:s,s:{s:O}}", "type", "function", "function", "name",
                                           json_object_get(tc, "name")));
         else {
-            bad(err, "tool_choice", "'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} "
+            bad(err, "tool_choice",
+                "'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} "
                 "or {\"type\": \"tool\", \"name\": ...}");
             goto fail;
         }
@@ -311,10 +315,9 @@ static void msg_split_final(gen_req *r, gen_choice *c, size_t sent, msg_split *o
     o->content_len = sp.c_end - sp.c_start;
     o->calls = NULL;
     size_t cl = 0;
-    int n = r->o.parse_tool_calls
-                ? tool_parser_stream_calls(r->s->tools, o->content, o->content_len, sent, &o->calls,
-                                           &cl)
-                : 0;
+    int n = r->o.parse_tool_calls ? tool_parser_stream_calls(r->s->tools, o->content,
+                                                             o->content_len, sent, &o->calls, &cl)
+                                  : 0;
     if (n > 0) {
         o->content_len = cl;
     } else {
@@ -325,8 +328,8 @@ static void msg_split_final(gen_req *r, gen_choice *c, size_t sent, msg_split *o
 
 static json_t *tool_use_block(const json_t *call) {
     const json_t *f = json_object_get(call, "function");
-    json_t *input = json_loads(json_string_value(json_object_get(f, "arguments")), JSON_DECODE_ANY,
-                               NULL);
+    json_t *input =
+        json_loads(json_string_value(json_object_get(f, "arguments")), JSON_DECODE_ANY, NULL);
     if (!json_is_object(input)) {
         json_decref(input);
         input = json_object();
@@ -355,19 +358,18 @@ static json_t *msg_build(gen_req *r) {
                                                  c->text.data + sp.r_start, sp.r_end - sp.r_start,
                                                  "signature", ""));
     if (o.content_len > 0 || !o.calls)
-        json_array_append_new(content, json_pack("{s:s,s:s%}", "type", "text", "text", o.content,
-                                                 o.content_len));
+        json_array_append_new(
+            content, json_pack("{s:s,s:s%}", "type", "text", "text", o.content, o.content_len));
     for (size_t i = 0; o.calls && i < json_array_size(o.calls); i++)
         json_array_append_new(content, tool_use_block(json_array_get(o.calls, i)));
     oai_usage u;
     gen_usage(r, &u);
-    json_t *m = json_pack("{s:s,s:s,s:s,s:s,s:o,s:s,s:o,s:{s:i,s:i}}", "id", r->id, "type",
-                          "message", "role", "assistant", "model", r->s->model_name, "content",
-                          content, "stop_reason", stop_reason(c, o.calls != NULL),
-                          "stop_sequence",
-                          json_is_string(c->stop_reason) ? json_incref(c->stop_reason) : json_null(),
-                          "usage", "input_tokens", u.prompt_tokens, "output_tokens",
-                          u.completion_tokens);
+    json_t *m =
+        json_pack("{s:s,s:s,s:s,s:s,s:o,s:s,s:o,s:{s:i,s:i}}", "id", r->id, "type", "message",
+                  "role", "assistant", "model", r->s->model_name, "content", content, "stop_reason",
+                  stop_reason(c, o.calls != NULL), "stop_sequence",
+                  json_is_string(c->stop_reason) ? json_incref(c->stop_reason) : json_null(),
+                  "usage", "input_tokens", u.prompt_tokens, "output_tokens", u.completion_tokens);
     json_decref(o.calls);
     return m;
 }
@@ -390,8 +392,8 @@ static int msg_stream_start(gen_req *r, sbuf *sse) {
     return msg_event(sse, "message_start",
                      json_pack("{s:{s:s,s:s,s:s,s:s,s:[],s:n,s:n,s:{s:i,s:i}}}", "message", "id",
                                r->id, "type", "message", "role", "assistant", "model",
-                               r->s->model_name, "content", "stop_reason", "stop_sequence",
-                               "usage", "input_tokens", r->n_pids[0], "output_tokens", 0));
+                               r->s->model_name, "content", "stop_reason", "stop_sequence", "usage",
+                               "input_tokens", r->n_pids[0], "output_tokens", 0));
 }
 
 static void thinking_delta(gen_req *r, sbuf *sse, const char *t, size_t n) {
@@ -428,8 +430,8 @@ static void text_delta(gen_req *r, sbuf *sse, const char *t, size_t n) {
                             "text", "text", ""));
     }
     msg_event(sse, "content_block_delta",
-              json_pack("{s:i,s:{s:s,s:s%}}", "index", x->text_index, "delta", "type",
-                        "text_delta", "text", t, n));
+              json_pack("{s:i,s:{s:s,s:s%}}", "index", x->text_index, "delta", "type", "text_delta",
+                        "text", t, n));
 }
 
 static int msg_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t len, sbuf *sse) {
@@ -447,7 +449,8 @@ static int msg_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t 
     if (c->sent < sp.c_start) c->sent = sp.c_start;
     size_t end = sp.c_end;
     if (r->o.parse_tool_calls)
-        end = sp.c_start + r->s->tools->safe_prefix(c->text.data + sp.c_start, sp.c_end - sp.c_start);
+        end =
+            sp.c_start + r->s->tools->safe_prefix(c->text.data + sp.c_start, sp.c_end - sp.c_start);
     if (end > c->sent) {
         text_delta(r, sse, c->text.data + c->sent, end - c->sent);
         c->sent = end;
@@ -471,7 +474,8 @@ static int msg_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     msg_split o;
     msg_split_final(r, c, done, &o);
     if (o.content_len > done) text_delta(r, sse, o.content + done, o.content_len - done);
-    if (x->text_open) msg_event(sse, "content_block_stop", json_pack("{s:i}", "index", x->text_index));
+    if (x->text_open)
+        msg_event(sse, "content_block_stop", json_pack("{s:i}", "index", x->text_index));
     for (size_t i = 0; o.calls && i < json_array_size(o.calls); i++) {
         json_t *b = tool_use_block(json_array_get(o.calls, i));
         json_t *input = json_incref(json_object_get(b, "input"));
@@ -501,8 +505,8 @@ static int msg_stream_end(gen_req *r, sbuf *sse) {
     msg_event(sse, "message_delta",
               json_pack("{s:{s:s,s:O*},s:{s:i}}", "delta", "stop_reason",
                         x->stop_reason ? x->stop_reason : "end_turn", "stop_sequence",
-                        x->stop_sequence ? x->stop_sequence : json_null(), "usage",
-                        "output_tokens", c->n_tokens));
+                        x->stop_sequence ? x->stop_sequence : json_null(), "usage", "output_tokens",
+                        c->n_tokens));
     return msg_event(sse, "message_stop", json_object());
 }
 

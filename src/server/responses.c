@@ -122,7 +122,8 @@ static int input_to_messages(const json_t *input, json_t *msgs, oai_error *err) 
                                                   !strcmp(role, "developer") ? "system" : role,
                                                   "content", c));
         } else if (type && !strcmp(type, "function_call")) {
-            const json_t *name = json_object_get(it, "name"), *args = json_object_get(it, "arguments");
+            const json_t *name = json_object_get(it, "name"),
+                         *args = json_object_get(it, "arguments");
             const json_t *cid = json_object_get(it, "call_id");
             if (!json_is_string(name) || !json_is_string(args) || !json_is_string(cid))
                 return bad(err, "input",
@@ -140,7 +141,8 @@ static int input_to_messages(const json_t *input, json_t *msgs, oai_error *err) 
                                                       "content", "", "tool_calls", call));
             }
         } else if (type && !strcmp(type, "function_call_output")) {
-            const json_t *cid = json_object_get(it, "call_id"), *out = json_object_get(it, "output");
+            const json_t *cid = json_object_get(it, "call_id"),
+                         *out = json_object_get(it, "output");
             if (!json_is_string(cid))
                 return bad(err, "input", "%s (function_call_output) needs a string 'call_id'",
                            where);
@@ -173,8 +175,10 @@ static int tools_to_chat(const json_t *tools, json_t *chat, oai_error *err) {
             return bad(err, "tools",
                        "'tools' element %zu must be {\"type\": \"function\", \"name\": ..., "
                        "\"parameters\": ...}%s",
-                       i, ty && strcmp(ty, "function") ? " (built-in tools such as web_search are "
-                                                         "not supported)" : "");
+                       i,
+                       ty && strcmp(ty, "function") ? " (built-in tools such as web_search are "
+                                                      "not supported)"
+                                                    : "");
         }
         json_t *f = json_pack("{s:O}", "name", name);
         const json_t *d = json_object_get(t, "description"), *p = json_object_get(t, "parameters");
@@ -186,13 +190,26 @@ static int tools_to_chat(const json_t *tools, json_t *chat, oai_error *err) {
     return 0;
 }
 
-static const char *const PASS[] = {"model", "temperature", "top_p", "stream", "top_k", "min_p",
-                                   "repetition_penalty", "seed", "stop", "ignore_eos",
-                                   "presence_penalty", "frequency_penalty", "logit_bias",
-                                   "skip_special_tokens", "include_stop_str_in_output",
-                                   "chat_template_kwargs", "kv_transfer_params"};
-static const char *const ECHOED[] = {"store", "metadata", "parallel_tool_calls", "user",
-                                     "service_tier", "prompt_cache_key", "safety_identifier"};
+static const char *const PASS[] = {"model",
+                                   "temperature",
+                                   "top_p",
+                                   "stream",
+                                   "top_k",
+                                   "min_p",
+                                   "repetition_penalty",
+                                   "seed",
+                                   "stop",
+                                   "ignore_eos",
+                                   "presence_penalty",
+                                   "frequency_penalty",
+                                   "logit_bias",
+                                   "skip_special_tokens",
+                                   "include_stop_str_in_output",
+                                   "chat_template_kwargs",
+                                   "kv_transfer_params"};
+static const char *const ECHOED[] = {
+    "store",        "metadata",         "parallel_tool_calls", "user",
+    "service_tier", "prompt_cache_key", "safety_identifier"};
 
 /* The Responses body → a chat completions body (NULL with err set). */
 static json_t *to_chat(const json_t *in, oai_error *err) {
@@ -215,15 +232,19 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
             !strcmp(k, "text") || json_is_null(v))
             continue;
         if (!strcmp(k, "previous_response_id") || !strcmp(k, "conversation")) {
-            bad(err, k, "'%s' is not supported: this server does not store responses; send the "
-                "whole conversation in 'input'", k);
+            bad(err, k,
+                "'%s' is not supported: this server does not store responses; send the "
+                "whole conversation in 'input'",
+                k);
             goto fail;
         }
         if (!strcmp(k, "background") && json_is_false(v)) continue;
-        if (!strcmp(k, "truncation") && json_is_string(v) && !strcmp(json_string_value(v), "disabled"))
+        if (!strcmp(k, "truncation") && json_is_string(v) &&
+            !strcmp(json_string_value(v), "disabled"))
             continue;
         if (!strcmp(k, "include") && json_is_array(v) && json_array_size(v) == 0) continue;
-        if (!strcmp(k, "top_logprobs") && json_is_integer(v) && json_integer_value(v) == 0) continue;
+        if (!strcmp(k, "top_logprobs") && json_is_integer(v) && json_integer_value(v) == 0)
+            continue;
         bad(err, k,
             "'%s' is not supported by /v1/responses here; accepted: input, instructions, "
             "max_output_tokens, temperature, top_p, tools (function), tool_choice, text.format, "
@@ -266,7 +287,8 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
                                 json_pack("{s:s,s:{s:O}}", "type", "function", "function", "name",
                                           json_object_get(tc, "name")));
         } else {
-            bad(err, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+            bad(err, "tool_choice",
+                "'tool_choice' must be \"auto\", \"none\", \"required\" or "
                 "{\"type\": \"function\", \"name\": ...}");
             goto fail;
         }
@@ -289,7 +311,8 @@ static json_t *to_chat(const json_t *in, oai_error *err) {
         } else if (ty && !strcmp(ty, "json_object")) {
             json_object_set_new(chat, "response_format", json_pack("{s:s}", "type", "json_object"));
         } else if (!ty || strcmp(ty, "text")) {
-            bad(err, "text", "'text.format.type' must be \"text\", \"json_schema\" or "
+            bad(err, "text",
+                "'text.format.type' must be \"text\", \"json_schema\" or "
                 "\"json_object\"");
             goto fail;
         }
@@ -428,10 +451,9 @@ static json_t *resp_object(gen_req *r, const char *status, json_t *output, bool 
         short_real(r->o.sampling.temperature), "tool_choice",
         echo_or(q, "tool_choice", json_string("auto")), "tools", tools, "top_p",
         short_real(r->o.sampling.top_p), "background", 0, "max_output_tokens",
-        echo_or(q, "max_output_tokens", json_null()), "previous_response_id", json_null(),
-        "prompt", "reasoning", "text",
-        echo_or(q, "text", json_pack("{s:{s:s}}", "format", "type", "text")), "top_logprobs",
-        json_integer(0), "truncation", "disabled", "usage",
+        echo_or(q, "max_output_tokens", json_null()), "previous_response_id", json_null(), "prompt",
+        "reasoning", "text", echo_or(q, "text", json_pack("{s:{s:s}}", "format", "type", "text")),
+        "top_logprobs", json_integer(0), "truncation", "disabled", "usage",
         with_usage ? resp_usage(r) : json_null(), "user", echo_or(q, "user", json_null()),
         "service_tier", "auto", "store", json_false(), "error", json_null());
     return o;
@@ -518,9 +540,8 @@ static void reasoning_delta(gen_req *r, sbuf *sse, const char *t, size_t n) {
         x->rs_index = (int)json_array_size(x->items);
         json_array_append_new(x->items, json_null()); /* its place; the final item at the end */
         resp_event(r, sse, "response.output_item.added",
-                   json_pack("{s:i,s:{s:s,s:s,s:[],s:[],s:n}}", "output_index", x->rs_index,
-                             "item", "id", id, "type", "reasoning", "summary", "content",
-                             "status"));
+                   json_pack("{s:i,s:{s:s,s:s,s:[],s:[],s:n}}", "output_index", x->rs_index, "item",
+                             "id", id, "type", "reasoning", "summary", "content", "status"));
     }
     if (n > 0)
         resp_event(r, sse, "response.reasoning_text.delta",
@@ -538,9 +559,9 @@ static void reasoning_done(gen_req *r, sbuf *sse, const char *t, size_t n) {
     resp_event(r, sse, "response.reasoning_text.done",
                json_pack("{s:s,s:i,s:i,s:s%}", "item_id", id, "output_index", x->rs_index,
                          "content_index", 0, "text", t, n));
-    json_t *item = json_pack("{s:s,s:s,s:[],s:[{s:s,s:s%}],s:n}", "id", id, "type", "reasoning",
-                             "summary", "content", "type", "reasoning_text", "text", t, n,
-                             "status");
+    json_t *item =
+        json_pack("{s:s,s:s,s:[],s:[{s:s,s:s%}],s:n}", "id", id, "type", "reasoning", "summary",
+                  "content", "type", "reasoning_text", "text", t, n, "status");
     json_array_set(x->items, (size_t)x->rs_index, item);
     resp_event(r, sse, "response.output_item.done",
                json_pack("{s:i,s:o}", "output_index", x->rs_index, "item", item));
@@ -562,7 +583,8 @@ static int resp_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t
     if (c->sent < sp.c_start) c->sent = sp.c_start;
     size_t end = sp.c_end;
     if (r->o.parse_tool_calls)
-        end = sp.c_start + r->s->tools->safe_prefix(c->text.data + sp.c_start, sp.c_end - sp.c_start);
+        end =
+            sp.c_start + r->s->tools->safe_prefix(c->text.data + sp.c_start, sp.c_end - sp.c_start);
     if (end > c->sent) {
         if (x->rs_state == 1) /* the content started: the reasoning is over */
             reasoning_done(r, sse, c->text.data + sp.r_start, sp.r_end - sp.r_start);
@@ -624,9 +646,9 @@ static int resp_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
         json_t *args = json_object_get(item, "arguments");
         resp_event(r, sse, "response.function_call_arguments.delta",
                    json_pack("{s:s,s:i,s:O}", "item_id", iid, "output_index", idx, "delta", args));
-        resp_event(r, sse, "response.function_call_arguments.done",
-                   json_pack("{s:s,s:i,s:O}", "item_id", iid, "output_index", idx, "arguments",
-                             args));
+        resp_event(
+            r, sse, "response.function_call_arguments.done",
+            json_pack("{s:s,s:i,s:O}", "item_id", iid, "output_index", idx, "arguments", args));
         resp_event(r, sse, "response.output_item.done",
                    json_pack("{s:i,s:O}", "output_index", idx, "item", item));
         json_array_append_new(x->items, item);

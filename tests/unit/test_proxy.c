@@ -78,12 +78,12 @@ static void test_prefill_and_decode_bodies(void **state) {
     assert_int_equal(pd_check_api_body(c4, "/v1/responses", param, sizeof param, msg, sizeof msg),
                      0);
     json_t *c6 = J("{\"messages\":[]}");
-    assert_int_not_equal(pd_check_api_body(c6, "/v1/messages", param, sizeof param, msg, sizeof msg),
-                         0);
+    assert_int_not_equal(
+        pd_check_api_body(c6, "/v1/messages", param, sizeof param, msg, sizeof msg), 0);
     assert_string_equal(param, "max_tokens");
     json_t *c7 = J("{\"input\":\"x\",\"max_output_tokens\":0}");
-    assert_int_not_equal(pd_check_api_body(c7, "/v1/responses", param, sizeof param, msg, sizeof msg),
-                         0);
+    assert_int_not_equal(
+        pd_check_api_body(c7, "/v1/responses", param, sizeof param, msg, sizeof msg), 0);
     assert_string_equal(param, "max_output_tokens");
     json_decref(c4);
     json_decref(p4);
