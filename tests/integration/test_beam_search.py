@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from proxy_fixtures import ProxyProc
-from server_harness import Server
+from server_harness import CPU_EXACT, Server, on_gpu
 from test_pd import COMMON
 from test_proxy_pd import Prefill, decode
 
@@ -90,6 +90,7 @@ def summary(resp):
     return [(c["text"], c["finish_reason"]) for c in resp["choices"]]
 
 
+@pytest.mark.skipif(on_gpu(), reason="beams batched differently than the reference's steps; " + CPU_EXACT)
 @pytest.mark.parametrize("prompt,width,max_tokens,kw", [
     (PROMPT, 3, 8, {}),
     (PROMPT, 1, 6, {}),
@@ -124,6 +125,7 @@ def test_length_penalty_changes_ranking(colocated):
     assert [c["text"] for c in short_first] != [c["text"] for c in long_first]
 
 
+@pytest.mark.skipif(on_gpu(), reason="beams batched differently than the reference's steps; " + CPU_EXACT)
 def test_prompts_and_openai_client(colocated):
     """A list of prompts: each gets its own search, choices p * n .. p * n + n - 1."""
     c = openai.OpenAI(base_url=colocated.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
@@ -143,6 +145,7 @@ def test_completions_stream_is_one_body(colocated):
     assert summary(r.json()) == summary(beam(colocated.url, PROMPT, 2, 5))
 
 
+@pytest.mark.skipif(on_gpu(), reason="beams batched differently than the reference's steps; " + CPU_EXACT)
 def test_chat(colocated):
     msgs = [{"role": "user", "content": "What is the state of the Union?"}]
     body = dict(model="tiny", messages=msgs, n=3, max_tokens=6, temperature=0, use_beam_search=True)
