@@ -10,7 +10,7 @@ DEBS=(
   libibverbs-dev libssl-dev openssl libyaml-dev iproute2 xz-utils curl
   prometheus etcd-server etcd-client
 )
-PIPS=(pytest pytest-timeout openai pyzmq msgpack msgspec numpy requests prometheus-client matplotlib
+PIPS=(pytest pytest-timeout openai anthropic pyzmq msgpack msgspec numpy requests prometheus-client matplotlib
       tokenizers transformers sentencepiece protobuf llama-models mistral-common
       jsonschema)
 # jsonschema validates structured outputs (test_structured_outputs.py); the six before it are the tokenizer references (tests/integration/tokenizer_refs.py):
@@ -43,7 +43,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import pytest, openai, zmq, msgpack, msgspec, numpy, requests, pytest_timeout, prometheus_client, matplotlib, tokenizers, transformers, sentencepiece, google.protobuf, llama_models, mistral_common' 2>/dev/null; then
+if ! "$PY" -c 'import pytest, openai, anthropic, zmq, msgpack, msgspec, numpy, requests, pytest_timeout, prometheus_client, matplotlib, tokenizers, transformers, sentencepiece, google.protobuf, llama_models, mistral_common' 2>/dev/null; then
   echo "setup: installing Python test packages: ${PIPS[*]}"
   "$PY" -m pip install -q --disable-pip-version-check "${PIPS[@]}"
 fi

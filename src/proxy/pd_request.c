@@ -36,9 +36,16 @@ int pd_parse_client_body(const char *buf, size_t len, json_t **out, char *err, s
 }
 
 json_t *pd_prefill_body(const json_t *client, const char *transfer_id) {
+    return pd_prefill_body_for(client, transfer_id, "/v1/completions");
+}
+
+json_t *pd_prefill_body_for(const json_t *client, const char *transfer_id, const char *path) {
     json_t *b = json_deep_copy(client);
     if (!b) return NULL;
-    json_object_set_new(b, "max_tokens", json_integer(1));
+    if (!strcmp(path, "/v1/responses"))
+        json_object_set_new(b, "max_output_tokens", json_integer(1));
+    else
+        json_object_set_new(b, "max_tokens", json_integer(1));
     if (json_object_get(b, "max_completion_tokens"))
         json_object_set_new(b, "max_completion_tokens", json_integer(1));
     json_object_set_new(b, "stream", json_false());
@@ -93,6 +100,23 @@ static int check_int(const json_t *o, const char *key, long long lo, long long h
                       "'%s' must be an integer between %lld and %lld, got %lld", key, lo, hi, x);
     *out = x;
     return 1;
+}
+
+int pd_check_api_body(const json_t *b, const char *path, char *param, size_t pcap, char *msg,
+                      size_t mcap) {
+    param[0] = msg[0] = 0;
+    int responses = !strcmp(path, "/v1/responses");
+    const char *key = responses ? "max_output_tokens" : "max_tokens";
+    const json_t *v = json_object_get(b, key);
+    if (!responses && !v)
+        return refuse(param, pcap, msg, mcap, key, "'max_tokens' is required: a positive integer");
+    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) < 1))
+        return refuse(param, pcap, msg, mcap, key, "'%s' must be a positive integer", key);
+    const json_t *st = json_object_get(b, "stream");
+    if (st && !json_is_null(st) && !json_is_boolean(st))
+        return refuse(param, pcap, msg, mcap, "stream",
+                      "'stream' must be a boolean (true or false), got %s", text_json_kind(st));
+    return 0;
 }
 
 int pd_check_client_body(const json_t *b, int chat, char *param, size_t pcap, char *msg,

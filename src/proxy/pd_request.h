@@ -37,6 +37,14 @@ int pd_check_client_body(const json_t *body, int chat, char *param, size_t pcap,
  * best_of (P prefills once; D generates the best_of sequences), also without min_tokens /
  * min_completion_tokens, which a 1-token request cannot honour. */
 json_t *pd_prefill_body(const json_t *client, const char *transfer_id);
+/* The same for the request of path: /v1/responses limits P with max_output_tokens 1 (its
+ * field; max_tokens is not one of the Responses API), the other paths with max_tokens 1. */
+json_t *pd_prefill_body_for(const json_t *client, const char *transfer_id, const char *path);
+/* /v1/responses and /v1/messages: the fields P's copy rewrites (max_output_tokens or
+ * max_tokens, stream) checked as the server checks them; 0 or -EINVAL as
+ * pd_check_client_body. */
+int pd_check_api_body(const json_t *body, const char *path, char *param, size_t pcap, char *msg,
+                      size_t mcap);
 /* The decode body (new reference). */
 json_t *pd_decode_body(const json_t *client, const char *remote_engine_id,
                        const char *remote_bootstrap_addr, const char *transfer_id);

@@ -134,7 +134,8 @@ static void not_ready_reason(const proxy *px, char *out, size_t cap) {
 
 static void write_metrics(proxy *px, prom *o) {
     static const char *const ep_names[EP_COUNT] = {
-        "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
+        "/v1/completions", "/v1/chat/completions", "/v1/models",   "/health",
+        "/metrics",        "/v1/responses",        "/v1/messages", "other"};
     static const char *const err_names[PERR_COUNT] = {
         "bad_request",     "not_found",     "method_not_allowed",  "not_ready",
         "prefill_failed",  "decode_failed", "client_disconnected", "prefill_rejected",
@@ -224,9 +225,13 @@ static void write_metrics(proxy *px, prom *o) {
 static int client_key_ok(proxy *px, hs_req *req) {
     const char *key = px->cfg.api_key;
     if (!key || !key[0]) return 1;
+    /* Authorization: Bearer KEY, or x-api-key: KEY (the Anthropic SDK's, for /v1/messages) */
     const char *h = http_head_get(hs_req_head(req), "Authorization");
-    if (!h || strncasecmp(h, "Bearer ", 7) != 0) return 0;
-    h += 7;
+    if (h && !strncasecmp(h, "Bearer ", 7))
+        h += 7;
+    else
+        h = http_head_get(hs_req_head(req), "x-api-key");
+    if (!h) return 0;
     size_t n = strlen(key);
     return strlen(h) == n && auth_equal(h, key, n);
 }
@@ -242,6 +247,8 @@ static void handle(hs_req *req, void *arg) {
                         : !strcmp(path, "/health")              ? EP_HEALTH
                         : !strcmp(path, "/healthcheck")         ? EP_HEALTH
                         : !strcmp(path, "/metrics")             ? EP_METRICS
+                        : !strcmp(path, "/v1/responses")        ? EP_RESPONSES
+                        : !strcmp(path, "/v1/messages")         ? EP_MESSAGES
                                                                 : EP_OTHER;
     px->requests[ep]++;
     /* as vLLM's --api-key: every /v1 path needs the key; /health, /metrics are open */
@@ -257,11 +264,13 @@ static void handle(hs_req *req, void *arg) {
     if (ep == EP_OTHER) {
         proxy_reply_error(px, req, 404, PERR_NOT_FOUND,
                           "no route for %s %.200s; the proxy serves POST /v1/completions, POST "
-                          "/v1/chat/completions, GET /v1/models, GET /health, GET /metrics",
+                          "/v1/chat/completions, POST /v1/responses, POST /v1/messages, GET "
+                          "/v1/models, GET /health, GET /metrics",
                           method, path);
         return;
     }
-    if ((ep == EP_COMPLETIONS || ep == EP_CHAT) && strcmp(method, "POST") != 0) {
+    if ((ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_RESPONSES || ep == EP_MESSAGES) &&
+        strcmp(method, "POST") != 0) {
         reply_405(px, req, method, path, "POST");
         return;
     }
@@ -331,7 +340,10 @@ static void handle(hs_req *req, void *arg) {
     /* what P's copy rewrites is checked here: P cannot refuse it, and once P
      * accepted, a D that refuses it would leave P holding the KV */
     char param[64];
-    if (pd_check_client_body(j, ep == EP_CHAT, param, sizeof param, why, sizeof why)) {
+    int bad = ep == EP_RESPONSES || ep == EP_MESSAGES
+                  ? pd_check_api_body(j, path, param, sizeof param, why, sizeof why)
+                  : pd_check_client_body(j, ep == EP_CHAT, param, sizeof param, why, sizeof why);
+    if (bad) {
         json_decref(j);
         LOG_D(MOD, "refused before contacting an instance: %s", why);
         char *eb = api_error_json_param(400, param, why);

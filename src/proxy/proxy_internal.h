@@ -19,6 +19,8 @@ typedef enum proxy_endpoint {
     EP_MODELS,          /* GET /v1/models */
     EP_HEALTH,          /* GET /health */
     EP_METRICS,         /* GET /metrics */
+    EP_RESPONSES,       /* POST /v1/responses (OpenAI Responses) */
+    EP_MESSAGES,        /* POST /v1/messages (Anthropic Messages) */
     EP_OTHER,           /* anything else (404/405) */
     EP_COUNT
 } proxy_endpoint;

@@ -377,7 +377,7 @@ static int send_pd(relay *r) {
     uuid4(r->request_id);
     uuid4(u);
     snprintf(r->transfer_id, sizeof r->transfer_id, "xfer-%s", u);
-    json_t *pb = pd_prefill_body(r->body, r->transfer_id);
+    json_t *pb = pd_prefill_body_for(r->body, r->transfer_id, hs_req_path(r->client));
     free(r->p_body);
     r->p_body = pb ? json_dumps(pb, JSON_COMPACT) : NULL;
     json_decref(pb);

@@ -158,8 +158,8 @@ static json_t *chat_build(gen_req *r) {
     return resp;
 }
 
-static const gen_ops CHAT_OPS = {chat_stream_start, chat_stream_delta, chat_stream_finish,
-                                 chat_build};
+static const gen_ops CHAT_OPS = {
+    chat_stream_start, chat_stream_delta, chat_stream_finish, chat_build, NULL, NULL, NULL};
 
 /* Render and tokenize the conversation (shared with /tokenize). */
 int server_chat_render_ids(server *s, const json_t *messages, const json_t *tools,
@@ -200,7 +200,7 @@ int server_chat_render_ids(server *s, const json_t *messages, const json_t *tool
 }
 
 /* Parse, render and tokenize (on the loop or the preparation thread). */
-static int chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
+int server_chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
     if (oai_request_parse(&r->o, OAI_CHAT, body, len, &s->defaults, &r->err)) return -1;
     if (gen_prepare_constraint(s, r) || gen_prepare_bad_words(s, r)) return -1;
     r->pids = calloc(1, sizeof *r->pids);
@@ -230,5 +230,5 @@ void server_chat_handle(server *s, hs_req *req) {
         server_reply_errorf(req, 500, "InternalServerError", NULL, "out of memory");
         return;
     }
-    gen_prepare_and_start(r, chat_prepare);
+    gen_prepare_and_start(r, server_chat_prepare);
 }

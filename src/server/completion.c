@@ -69,7 +69,8 @@ static json_t *cmpl_build(gen_req *r) {
     return oai_response(false, r->id, r->created, r->s->model_name, choices, &u);
 }
 
-static const gen_ops CMPL_OPS = {NULL, cmpl_stream_delta, cmpl_stream_finish, cmpl_build};
+static const gen_ops CMPL_OPS = {
+    NULL, cmpl_stream_delta, cmpl_stream_finish, cmpl_build, NULL, NULL, NULL};
 
 /* Tokenize (or copy) every prompt into r->pids; keep its text for echo. */
 static int cmpl_prepare_prompts(server *s, gen_req *r) {

@@ -2,6 +2,7 @@
  * gen — generation request lifecycle (see gen.h).
  */
 #include "server/gen.h"
+#include "server/beam_search.h"
 
 #include "engine/kv_connector.h"
 
@@ -38,7 +39,7 @@ typedef struct gen_event {
 
 /* ---- the engine thread side ---------------------------------------------- */
 
-static void gen_engine_cb(void *ctx, const engine_event *ev) {
+void gen_engine_event_fn(void *ctx, const engine_event *ev) {
     gen_choice *c = ctx;
     server *s = c->r->s;
     gen_event *g = calloc(1, sizeof *g);
@@ -114,6 +115,13 @@ int gen_prepare_constraint(server *s, gen_req *r) {
                                 &r->constraint, &tool_fmt, err, sizeof err)) {
         const char *param = strstr(err, "tool") == err ? "tool_choice" : NULL;
         oai_error_set(&r->err, 400, "BadRequestError", param, "%s", err);
+        return -1;
+    }
+    if (r->constraint && r->o.use_beam_search) {
+        oai_error_set(
+            &r->err, 400, "BadRequestError", "tool_choice",
+            "a constrained output (tool_choice \"required\" or a named tool) is not "
+            "applied by beam search; accepted with use_beam_search: \"auto\" or \"none\"");
         return -1;
     }
     if (tool_fmt) r->o.parse_tool_calls = true;
@@ -212,6 +220,8 @@ void gen_req_free(gen_req *r) {
         free(c->error);
     }
     free(r->ch);
+    beam_search_free(r->beam);
+    if (r->ext_free) r->ext_free(r->ext);
     grammar_unref(r->constraint);
     for (int i = 0; i < r->n_prompts; i++) {
         if (r->pids) free(r->pids[i]);
@@ -228,6 +238,15 @@ void gen_req_free(gen_req *r) {
 }
 
 static void gen_abort_all(gen_req *r, const char *why);
+
+/* Reply r->err on http in the endpoint's error shape. */
+static void gen_reply_error(gen_req *r, hs_req *http) {
+    json_t *b = r->ops->error_body ? r->ops->error_body(r, &r->err) : NULL;
+    if (b)
+        server_reply_json(http, r->err.status, b, r->x_request_id);
+    else
+        server_reply_error(http, &r->err, r->x_request_id);
+}
 
 /* ---- output ------------------------------------------------------------------ */
 
@@ -311,6 +330,7 @@ static void gen_abort_all(gen_req *r, const char *why) {
             engine_abort(r->s->eng, r->ch[i].eid);
             n++;
         }
+    if (r->s->eng) beam_search_abort(r);
     LOG_I("server", "%s: %s, aborted %d engine request(s)", r->id, why, n);
 }
 
@@ -324,17 +344,22 @@ static void gen_complete(gen_req *r) {
     if (r->streaming) {
         sbuf sse;
         sbuf_init(&sse, (size_t)1 << 30);
-        if (r->o.include_usage) {
-            oai_usage u;
-            gen_usage(r, &u);
-            oai_sse_event(&sse, oai_usage_chunk(r->chat, r->id, r->created, r->s->model_name, &u));
+        if (r->ops->stream_end) {
+            r->ops->stream_end(r, &sse);
+        } else {
+            if (r->o.include_usage) {
+                oai_usage u;
+                gen_usage(r, &u);
+                oai_sse_event(&sse,
+                              oai_usage_chunk(r->chat, r->id, r->created, r->s->model_name, &u));
+            }
+            oai_sse_done(&sse);
         }
-        oai_sse_done(&sse);
         gen_send_chunk(r, &sse);
         sbuf_free(&sse);
         hs_reply_end(r->http);
     } else if (r->has_err) {
-        server_reply_error(r->http, &r->err, r->x_request_id);
+        gen_reply_error(r, r->http);
     } else {
         gen_choose_best_of(r);
         json_t *body = r->ops->build_response(r);
@@ -382,15 +407,31 @@ static void gen_choice_done(gen_choice *c, const char *reason) {
         if (c->error) {
             oai_error e;
             oai_error_set(&e, gen_error_status(c), gen_error_type(c), NULL, "%s", c->error);
-            char *j = oai_error_json(&e);
-            if (j) sbuf_appendf(&sse, "data: %s\n\n", j);
-            free(j);
+            if (r->ops->stream_error) {
+                r->ops->stream_error(r, &e, &sse);
+            } else {
+                char *j = oai_error_json(&e);
+                if (j) sbuf_appendf(&sse, "data: %s\n\n", j);
+                free(j);
+            }
         } else {
             r->ops->stream_finish(r, c, &sse);
         }
         gen_send_chunk(r, &sse);
         sbuf_free(&sse);
     }
+}
+
+void gen_choice_emit(gen_choice *c, const char *reason) {
+    gen_req *r = c->r;
+    if (r->streaming && !r->client_gone && !c->error && c->text.len > c->sent) {
+        sbuf sse;
+        sbuf_init(&sse, (size_t)1 << 30);
+        r->ops->stream_delta(r, c, c->text.data + c->sent, c->text.len - c->sent, &sse);
+        gen_send_chunk(r, &sse);
+        sbuf_free(&sse);
+    }
+    gen_choice_done(c, reason);
 }
 
 /* Submit choice c to the engine (with the request's kv_transfer_params when
@@ -414,7 +455,7 @@ static int gen_submit(gen_req *r, gen_choice *c, bool with_kv) {
         r->o.best_of == 1; /* n > 1: choice 0 recomputes (its siblings share its blocks) */
     p.grammar = r->constraint;
     char err[512] = "";
-    int rc = engine_submit(r->s->eng, &p, gen_engine_cb, c, &c->eid, err, sizeof err);
+    int rc = engine_submit(r->s->eng, &p, gen_engine_event_fn, c, &c->eid, err, sizeof err);
     if (rc) {
         r->has_err = true;
         oai_error_set(&r->err, rc == -EINVAL ? 400 : 500,
@@ -588,7 +629,13 @@ void gen_drain_events(server *s) {
         gen_event *next = g->next;
         gen_choice *c = g->c;
         gen_req *r = c->r;
-        if (g->kind == ENGINE_EV_TOKEN) {
+        if (r->beam && g->kind == ENGINE_EV_TOKEN) {
+            beam_search_on_token(c, &g->tok);
+        } else if (r->beam) {
+            beam_search_on_finished(c, g->finish_reason, g->error, g->error_status, g->kv_role,
+                                    g->n_kv_recv, g->n_computed);
+            if (r->n_pending == 0) gen_complete(r);
+        } else if (g->kind == ENGINE_EV_TOKEN) {
             gen_on_token(c, &g->tok);
         } else {
             gen_on_finished(c, g);
@@ -752,7 +799,9 @@ void gen_start(gen_req *r) {
      * produced its first token — its prompt blocks are then in the prefix cache and
      * they share them (gen_release_deferred). */
     int n_now = r->kv_params_text ? 1 : r->n_ch;
-    for (int i = 0; i < r->n_ch; i++) {
+    /* beam search submits its steps' requests itself, not the choices */
+    if (r->o.use_beam_search) (void)beam_search_start(r, max_tokens);
+    for (int i = 0; i < r->n_ch && !r->o.use_beam_search; i++) {
         gen_choice *c = &r->ch[i];
         if (i >= n_now) {
             c->deferred = true;
@@ -773,12 +822,12 @@ void gen_start(gen_req *r) {
         hs_req_set_close_cb(r->http, gen_close_cb, r);
         return; /* gen_complete replies (the error, if any) */
     }
-    server_reply_error(r->http, &r->err, r->x_request_id);
+    gen_reply_error(r, r->http);
     gen_free_and_account(r);
     return;
 fail:
     gen_release_unused_kv(r);
-    server_reply_error(r->http, &r->err, r->x_request_id);
+    gen_reply_error(r, r->http);
     gen_req_free(r);
 }
 
@@ -801,7 +850,7 @@ static void gen_prep_done(prep_job *j) {
     }
     if (rc) {
         gen_release_unused_kv(r);
-        server_reply_error(http, &r->err, r->x_request_id);
+        gen_reply_error(r, http);
         gen_req_free(r);
         return;
     }
@@ -830,7 +879,7 @@ void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare) {
     free(body);
     if (rc) {
         gen_release_unused_kv(r);
-        server_reply_error(r->http, &r->err, r->x_request_id);
+        gen_reply_error(r, r->http);
         gen_req_free(r);
         return;
     }

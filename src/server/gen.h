@@ -70,6 +70,15 @@ typedef struct gen_ops {
     int (*stream_finish)(gen_req *r, gen_choice *c, sbuf *sse);
     /* Non-streaming: the response body once every choice is done. */
     json_t *(*build_response)(gen_req *r);
+    /* Streaming, optional: the stream's tail once every choice is done (NULL: the usage
+     * chunk when asked, then data: [DONE] — the OpenAI chat / completions ending). */
+    int (*stream_end)(gen_req *r, sbuf *sse);
+    /* Optional: the endpoint's error body for e (NULL: the OpenAI / vLLM
+     * {"error": {...}} body). */
+    json_t *(*error_body)(gen_req *r, const oai_error *e);
+    /* Streaming, optional: the event for an error after the stream started (NULL: a
+     * data: {"error": {...}} chunk). */
+    int (*stream_error)(gen_req *r, const oai_error *e, sbuf *sse);
 } gen_ops;
 
 struct gen_req {
@@ -102,7 +111,10 @@ struct gen_req {
     char *kv_params_text;   /* o.kv_transfer_params as JSON text for the engine, or NULL */
     gen_prepare_fn prepare; /* what the preparation thread runs */
 
-    struct grammar *constraint; /* structured outputs (structured.c), or NULL: own reference */
+    struct grammar *constraint;  /* structured outputs (structured.c), or NULL: own reference */
+    struct beam_search *beam;    /* use_beam_search: the search (beam_search.c), else NULL */
+    void *ext;                   /* the endpoint's own state (responses.c, messages.c), or NULL */
+    void (*ext_free)(void *ext); /* frees ext */
 };
 
 /* Allocate a request for http; fills id, x_request_id, created, arrival.
@@ -117,7 +129,6 @@ void gen_start(gen_req *r);
  * r->err) on the loop, or on the preparation thread for a large body, then
  * gen_start it or reply its error.  The endpoints' common entry. */
 void gen_prepare_and_start(gen_req *r, gen_prepare_fn prepare);
-/* Free a request that never reached gen_start (after replying an error). */
 /* The request's structured-output constraint into r->constraint (a 400 in r->err when
  * it is bad): 0 or -1. */
 int gen_prepare_constraint(server *s, gen_req *r);
@@ -125,9 +136,16 @@ int gen_prepare_constraint(server *s, gen_req *r);
  * spaces, and with one leading space when that tokenizes differently) into its sampling
  * parameters (a 400 in r->err when they exceed the limit): 0 or -1. */
 int gen_prepare_bad_words(server *s, gen_req *r);
+/* Free a request that never reached gen_start (after replying an error). */
 void gen_req_free(gen_req *r);
 /* Write an SSE buffer to the client as one chunk. */
 void gen_send_chunk(gen_req *r, sbuf *sse);
+/* The engine callback: ctx is a gen_choice of a live request (runs on the engine thread,
+ * queues the event for the loop). */
+void gen_engine_event_fn(void *ctx, const engine_event *ev);
+/* c has all its text (c->text) and ends with reason: stream what was not sent and its
+ * last chunk (or its error when c->error is set), observe the metrics. */
+void gen_choice_emit(gen_choice *c, const char *reason);
 /* Usage totals over all choices so far. */
 void gen_usage(const gen_req *r, oai_usage *u);
 

@@ -133,6 +133,8 @@ enum { ROUTE_GET = 1, ROUTE_POST = 2 };
 static const route ROUTES[] = {
     {"/v1/completions", ROUTE_POST, 1, 1, server_completion_handle},
     {"/v1/chat/completions", ROUTE_POST, 1, 1, server_chat_handle},
+    {"/v1/responses", ROUTE_POST, 1, 1, server_responses_handle},
+    {"/v1/messages", ROUTE_POST, 1, 1, server_messages_handle},
     {"/v1/models", ROUTE_GET, 0, 1, handle_models},
     {"/tokenize", ROUTE_POST, 1, 0, server_tokenize_handle},
     {"/detokenize", ROUTE_POST, 1, 0, server_detokenize_handle},
@@ -145,11 +147,16 @@ static const route ROUTES[] = {
 };
 #define NROUTES (sizeof ROUTES / sizeof ROUTES[0])
 
+/* The key as Authorization: Bearer KEY, or as x-api-key: KEY (how the Anthropic SDK sends it,
+ * for /v1/messages). */
 static int api_key_ok(server *s, hs_req *req) {
     if (!s->cfg.api_key || !*s->cfg.api_key) return 1;
     const char *h = http_head_get(hs_req_head(req), "Authorization");
-    if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
-    h += 7;
+    if (h && !strncasecmp(h, "Bearer ", 7))
+        h += 7;
+    else
+        h = http_head_get(hs_req_head(req), "x-api-key");
+    if (!h) return 0;
     size_t a = strlen(h), b = strlen(s->cfg.api_key);
     unsigned diff = (unsigned)(a ^ b);
     for (size_t i = 0; i < a && i < b; i++)
@@ -287,7 +294,8 @@ static void http_dispatch(hs_req *req, void *arg) {
         server_reply_errorf(
             req, 404, "NotFoundError", NULL,
             "No route for %s; accepted: POST /v1/completions, POST "
-            "/v1/chat/completions, GET /v1/models, POST /tokenize, POST "
+            "/v1/chat/completions, POST /v1/responses, POST /v1/messages, GET /v1/models, POST "
+            "/tokenize, POST "
             "/detokenize, GET /health, GET|POST /ping, GET /load, GET /version, GET "
             "/metrics",
             path);

@@ -318,13 +318,56 @@ static int parse_stop_ids(oai_request *r, const json_t *body, oai_error *err) {
     return ids_from_array(s, "stop_token_ids", &r->stop_token_ids, &r->n_stop_token_ids, err);
 }
 
-/* Fields we cannot honour: refused rather than silently ignored.  Structured outputs
- * (response_format, structured_outputs, guided_*, tool_choice required / named) are
- * checked and compiled by structured.c. */
-static int refuse_unsupported(const json_t *body, oai_error *err) {
-    const json_t *v = json_object_get(body, "use_beam_search");
-    if (json_is_true(v))
-        return bad(err, "use_beam_search", "beam search is not supported; accepted: false");
+/* use_beam_search (vLLM's): beam width n, length_penalty, temperature, ignore_eos and
+ * include_stop_str_in_output are what vLLM's beam search reads; the other sampling fields
+ * would be dropped by it, so they are refused here naming the field. */
+static int parse_beam_search(oai_request *r, const json_t *body, const oai_defaults *d,
+                             oai_error *err) {
+    r->length_penalty = 1.0f;
+    if (get_bool(body, "use_beam_search", &r->use_beam_search, err) < 0) return -EINVAL;
+    const json_t *lp = json_object_get(body, "length_penalty");
+    if (lp && !json_is_null(lp)) {
+        if (!json_is_number(lp) || !isfinite(json_number_value(lp)))
+            return bad(err, "length_penalty", "'length_penalty' must be a number, got %s",
+                       text_json_kind(lp));
+        r->length_penalty = (float)json_number_value(lp);
+    }
+    if (!r->use_beam_search) return 0;
+    int max_lp = d->max_logprobs >= 0 ? d->max_logprobs : OAI_MAX_LOGPROBS;
+    if (2 * r->n > max_lp)
+        return bad(err, "n",
+                   "beam search with 'n' = %d asks for 2 * n = %d logprobs per step, more than the "
+                   "maximum %d (--max-logprobs); accepted with use_beam_search: n from 1 to %d",
+                   r->n, 2 * r->n, max_lp, max_lp / 2);
+    static const char *const ignored[] = {
+        "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "top_p",
+        "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+        "top_logprobs", "prompt_logprobs", "response_format", "structured_outputs",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar"};
+    for (size_t i = 0; i < sizeof ignored / sizeof *ignored; i++) {
+        const json_t *v = json_object_get(body, ignored[i]);
+        if (v && !json_is_null(v))
+            return bad(err, ignored[i],
+                       "'%s' is not applied by beam search (vLLM's beam search reads n, "
+                       "max_tokens, temperature, length_penalty, ignore_eos and "
+                       "include_stop_str_in_output); leave it out with use_beam_search",
+                       ignored[i]);
+    }
+    if (r->best_of != r->n)
+        return bad(err, "best_of", "'best_of' (%d) must equal 'n' (%d) with use_beam_search: the "
+                   "beam width is n", r->best_of, r->n);
+    if (r->logprobs >= 0)
+        return bad(err, "logprobs",
+                   "'logprobs' are not returned with use_beam_search; accepted: null%s",
+                   r->kind == OAI_CHAT ? " or false" : "");
+    if (r->echo) return bad(err, "echo", "'echo' is not available with use_beam_search");
+    if (r->min_tokens > 0)
+        return bad(err, "min_tokens", "'min_tokens' is not applied by beam search; accepted: 0");
+    /* vLLM does not stream beam search on /v1/completions: the response is one JSON body */
+    if (r->kind == OAI_COMPLETIONS) {
+        r->stream = false;
+        r->include_usage = r->continuous_usage_stats = false;
+    }
     return 0;
 }
 
@@ -627,7 +670,6 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
         r->kv_transfer_params = json_incref((json_t *)kv);
     }
     if (parse_model(r, root, d, err)) goto out;
-    if (refuse_unsupported(root, err)) goto out;
     if ((kind == OAI_CHAT ? parse_chat(r, root, err) : parse_completions(r, root, err))) goto out;
     if (get_int(root, "n", 1, OAI_MAX_N, &r->n, err) < 0) goto out;
     long long best_of = 0;
@@ -661,6 +703,7 @@ int oai_request_parse(oai_request *r, oai_kind kind, const char *body, size_t le
             r->best_of, r->n);
         goto out;
     }
+    if (parse_beam_search(r, root, d, err)) goto out;
     if (r->stream && r->prompt_logprobs >= 0) {
         bad(err, "prompt_logprobs", "'prompt_logprobs' is not available when 'stream' is true");
         goto out;

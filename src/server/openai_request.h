@@ -116,6 +116,8 @@ typedef struct oai_request {
     char **bad_words;                /* (n_bad_words) vLLM's bad_words */
     int n_bad_words;
     int32_t *bad_word_ids, *bad_word_lens; /* the server's tokenization of bad_words */
+    bool use_beam_search;            /* vLLM's beam search (beam_search.c), beam width n */
+    float length_penalty;            /* beam search: score = cum_logprob / len ** it (1) */
     json_t *kv_transfer_params;      /* vLLM extension, own reference or NULL */
     json_t *body;                    /* the whole request (own reference): structured outputs */
 } oai_request;

@@ -115,6 +115,8 @@ void prep_free(server *s);
 /* ---- handlers ------------------------------------------------------------ */
 void server_completion_handle(server *s, hs_req *req); /* completion.c */
 void server_chat_handle(server *s, hs_req *req);       /* chat.c */
+void server_responses_handle(server *s, hs_req *req);  /* responses.c */
+void server_messages_handle(server *s, hs_req *req);   /* messages.c */
 void server_tokenize_handle(server *s, hs_req *req);   /* tokenize.c */
 void server_detokenize_handle(server *s, hs_req *req); /* tokenize.c */
 /* Render messages (+ tools, + chat_template_kwargs or NULL) with the chat
@@ -122,6 +124,10 @@ void server_detokenize_handle(server *s, hs_req *req); /* tokenize.c */
 int server_chat_render_ids(server *s, const json_t *messages, const json_t *tools,
                            const json_t *kwargs, bool add_generation_prompt, bool add_special,
                            int32_t **ids, size_t *n, oai_error *err);
+/* Parse a chat completions body, render and tokenize it into r (a gen_req, gen.h): 0, or
+ * -1 with r->err set (chat.c).  The Responses and Messages endpoints translate their bodies
+ * into this one. */
+int server_chat_prepare(server *s, struct gen_req *r, const char *body, size_t len);
 /* Drain the engine-event queue (gen.c), on the loop thread. */
 void gen_drain_events(server *s);
 /* Shutdown, after engine_destroy: free the requests still in flight (their

@@ -160,3 +160,39 @@ def test_no_parser_keeps_think_in_content(r1_model):
         assert m.content.startswith("checking the weather</think>")
     finally:
         assert srv.stop() == 0
+
+
+def test_responses_reasoning_item(qwen3_srv):
+    """/v1/responses: the <think> part is a reasoning item before the message, streamed as
+    response.reasoning_text.delta events that close before the text starts."""
+    c = client(qwen3_srv)
+    r = c.responses.create(model="tiny", input="What is 2 + 2?", max_output_tokens=16, temperature=0)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "I should add." and r.output_text == "The answer is 4."
+    events = list(c.responses.create(model="tiny", input="What is 2 + 2?", max_output_tokens=16,
+                                     temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "I should add."
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["reasoning", "message"]
+    assert done.output[0].content[0].text == "I should add." and done.output_text == "The answer is 4."
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+
+
+def test_messages_thinking_block(qwen3_srv):
+    """/v1/messages: the <think> part is a thinking block before the text, streamed as
+    thinking_delta events (the anthropic SDK accumulates them)."""
+    import anthropic
+    c = anthropic.Anthropic(base_url=qwen3_srv.url, api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="tiny", max_tokens=16, messages=[{"role": "user", "content": "What is 2 + 2?"}],
+              extra_body={"temperature": 0})
+    m = c.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == "I should add." and m.content[1].text == "The answer is 4."
+    with c.messages.stream(**kw) as s:
+        types = [e.type for e in s]
+        final = s.get_final_message()
+    assert "thinking" in types
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "I should add." and final.content[1].text == "The answer is 4."

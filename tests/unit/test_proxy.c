@@ -65,6 +65,32 @@ static void test_prefill_and_decode_bodies(void **state) {
     json_decref(c3);
     json_decref(p3);
     json_decref(d3);
+    /* /v1/responses: P is limited by max_output_tokens (max_tokens is not a Responses field) */
+    json_t *c4 = J("{\"input\":\"x\",\"max_output_tokens\":40,\"stream\":true}");
+    json_t *p4 = pd_prefill_body_for(c4, "t", "/v1/responses");
+    assert_int_equal(json_integer_value(json_object_get(p4, "max_output_tokens")), 1);
+    assert_null(json_object_get(p4, "max_tokens"));
+    assert_true(json_is_false(json_object_get(p4, "stream")));
+    json_t *c5 = J("{\"messages\":[],\"max_tokens\":9}");
+    json_t *p5 = pd_prefill_body_for(c5, "t", "/v1/messages");
+    assert_int_equal(json_integer_value(json_object_get(p5, "max_tokens")), 1);
+    char param[64], msg[256];
+    assert_int_equal(pd_check_api_body(c4, "/v1/responses", param, sizeof param, msg, sizeof msg),
+                     0);
+    json_t *c6 = J("{\"messages\":[]}");
+    assert_int_not_equal(
+        pd_check_api_body(c6, "/v1/messages", param, sizeof param, msg, sizeof msg), 0);
+    assert_string_equal(param, "max_tokens");
+    json_t *c7 = J("{\"input\":\"x\",\"max_output_tokens\":0}");
+    assert_int_not_equal(
+        pd_check_api_body(c7, "/v1/responses", param, sizeof param, msg, sizeof msg), 0);
+    assert_string_equal(param, "max_output_tokens");
+    json_decref(c4);
+    json_decref(p4);
+    json_decref(c5);
+    json_decref(p5);
+    json_decref(c6);
+    json_decref(c7);
     json_decref(client);
     json_decref(p);
     json_decref(want_p);

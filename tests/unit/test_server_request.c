@@ -229,6 +229,40 @@ static void test_logit_processors(void **state) {
     oai_request_free(&r);
 }
 
+static void test_beam_search(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+    assert_int_equal(parse(OAI_COMPLETIONS,
+                           "{\"prompt\":\"x\",\"n\":4,\"use_beam_search\":true,"
+                           "\"length_penalty\":0.5,\"stream\":true,\"ignore_eos\":true}",
+                           &r, &e),
+                     0);
+    assert_true(r.use_beam_search);
+    assert_true(r.length_penalty == 0.5f);
+    assert_int_equal(r.n, 4);
+    assert_false(r.stream); /* vLLM answers completions' beam search with one body */
+    oai_request_free(&r);
+    assert_int_equal(parse(OAI_CHAT,
+                           "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                           "\"use_beam_search\":true,\"stream\":true}",
+                           &r, &e),
+                     0);
+    assert_true(r.stream); /* chat streams the beams at the end */
+    assert_true(r.length_penalty == 1.0f);
+    oai_request_free(&r);
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":11,\"use_beam_search\":true}", 400,
+               "n", "n from 1 to 10");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"use_beam_search\":true,\"top_k\":3}", 400,
+               "top_k", "not applied by beam search");
+    expect_bad(OAI_CHAT,
+               "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+               "\"use_beam_search\":true,\"logprobs\":true}",
+               400, "logprobs", "not returned with use_beam_search");
+    expect_bad(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"length_penalty\":[1]}", 400,
+               "length_penalty", "must be a number");
+}
+
 static void test_stream_options(void **state) {
     (void)state;
     oai_request r;
@@ -356,6 +390,7 @@ int main(void) {
         cmocka_unit_test(test_sampling_ranges),
         cmocka_unit_test(test_stop_and_logprobs),
         cmocka_unit_test(test_stream_options),
+        cmocka_unit_test(test_beam_search),
         cmocka_unit_test(test_logit_processors),
         cmocka_unit_test(test_model_and_json),
         cmocka_unit_test(test_chat),
