@@ -38,6 +38,7 @@ typedef struct engine_config {
     int enforce_eager;             /* GPU: no CUDA graphs (default: decode steps as graphs) */
     int batch_invariant;           /* --batch-invariant: backend_options.batch_invariant */
     int load_dummy;                /* --load-format dummy: random weights, config.json alone */
+    struct collective *tp_group;   /* -tp > 1: rank 0's group (tp_worker.h: the rest), or NULL */
 } engine_config;
 
 void engine_config_init(engine_config *c);

@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "model/model_config.h"
 #include "model/safetensors.h"
+#include "model/tp_shard.h"
 
 typedef struct weight_mat {
     const void *data;    /* (rows, cols) device address */
@@ -66,6 +67,7 @@ typedef struct model_weights {
     uint64_t dummy_seed;    /* nonzero: --load-format dummy (random weights, no files) */
     void **dummy;           /* (n_dummy) host bytes of made-up tensors the backend aliases */
     int n_dummy, cap_dummy;
+    const tp_shard *tp;     /* tensor parallelism: this rank's cut of each tensor (NULL: whole) */
 } model_weights;
 
 /* On the CPU backend (backend_cpu_default). */
@@ -79,6 +81,11 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
  * on be as a checkpoint's would be. */
 int weights_load_ex(model_weights *w, backend *be, const model_config *c, const char *dir,
                     uint64_t dummy_seed, char *err, size_t errlen);
+/* tp non-NULL: only this rank's share of each tensor (model/tp_shard.h: rows of the
+ * column-parallel matrices as views, columns of the row-parallel ones and the vocab-parallel
+ * rows copied); every weight_mat then has the rank's shape. */
+int weights_load_tp(model_weights *w, backend *be, const model_config *c, const char *dir,
+                    uint64_t dummy_seed, const tp_shard *tp, char *err, size_t errlen);
 void weights_free(model_weights *w);
 
 #endif
