@@ -14,5 +14,6 @@ int bench_model_inv_main(int argc, char **argv);  /* model_bench_inv.c: --batch-
 int bench_serve_main(int argc, char **argv);      /* serve_bench.c: vllm bench serve */
 int bench_proxy_main(int argc, char **argv);      /* proxy_bench.c */
 int bench_grammar_main(int argc, char **argv);    /* grammar_bench.c: structured-output masks */
+int bench_collective_main(int argc, char **argv); /* collective_bench.c: CPU TP collectives */
 
 #endif

@@ -17,7 +17,9 @@ int cmd_bench(int argc, char **argv) {
                    "  serve      an OpenAI-compatible server under load (vllm bench serve)\n"
                    "  proxy      P/D proxy added latency, relay rate, concurrent streams\n"
                    "  grammar    structured-output token masks: CPU per token, masks for "
-                   "comparison\n\n"
+                   "comparison\n"
+                   "  collective the CPU tensor-parallel group's shared-memory all-reduce and "
+                   "all-gather\n\n"
                    "`disagg bench <what> --help` lists its options.\n");
         return argc < 2 ? 2 : 0;
     }
@@ -26,9 +28,11 @@ int cmd_bench(int argc, char **argv) {
     if (!strcmp(argv[1], "serve")) return bench_serve_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "proxy")) return bench_proxy_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "grammar")) return bench_grammar_main(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "collective")) return bench_collective_main(argc - 1, argv + 1);
     fprintf(
         stderr,
-        "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy, grammar\n",
+        "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy, grammar, "
+        "collective\n",
         argv[1]);
     return 2;
 }

@@ -73,6 +73,10 @@ static void *watch_main(void *arg) {
             L.failed = 1;
             collective_poison(L.c, what);
             LOG_E(MOD, "%s: the server cannot run without it; stopping", what);
+            /* the forward in flight fails at once (the group is poisoned): a moment for its
+             * requests' error replies to leave before the shutdown closes connections */
+            struct timespec grace = {0, 200 * 1000 * 1000};
+            nanosleep(&grace, NULL);
             kill(getpid(), SIGTERM);
         }
     }
@@ -183,7 +187,7 @@ int tp_launch_start(int n, collective **out, char *err, size_t errlen) {
         rc = -ENOMEM;
     }
     if (rc) goto fail;
-    LOG_I(MOD, "tensor parallelism: %d ranks (this process rank 0; workers' pids%s)", n, "");
+    LOG_I(MOD, "tensor parallelism: %d ranks (this process is rank 0)", n);
     for (int r = 1; r < n; r++)
         LOG_I(MOD, "rank %d: pid %d", r, (int)L.pid[r]);
     *out = L.c;

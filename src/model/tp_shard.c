@@ -64,6 +64,12 @@ int tp_shard_init(tp_shard *sh, const model_config *c, collective *coll, char *e
 }
 
 void tp_shard_free(tp_shard *sh) {
+    double secs = 0;
+    long calls = 0;
+    if (sh->coll) collective_stats(sh->coll, &secs, &calls);
+    if (calls) /* the cost of tensor parallelism's communication, for the benchmarks */
+        LOG_I(MOD, "rank %d: %ld collectives, %.3f s in them (%.1f us each)", sh->rank, calls,
+              secs, secs / (double)calls * 1e6);
     backend_buffer_free(sh->head_buf);
     sh->head_buf = NULL;
     sh->head_cap = 0;
