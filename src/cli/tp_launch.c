@@ -65,7 +65,9 @@ static void *watch_main(void *arg) {
             int r = who[i], status = 0;
             if (waitpid(L.pid[r], &status, 0) != L.pid[r]) continue;
             L.exited[r] = 1;
-            if (L.stopping) continue;
+            /* status 0: the worker took rank 0's stop (the engine ended before
+             * tp_launch_stop was called) */
+            if (L.stopping || (WIFEXITED(status) && WEXITSTATUS(status) == 0)) continue;
             char how[96], what[192];
             describe(status, how, sizeof how);
             snprintf(what, sizeof what, "tensor-parallel worker rank %d (pid %d) %s", r,
