@@ -722,6 +722,15 @@ static int tp_setup(server_config *cfg, int rank) {
                 S.tp);
         return -1;
     }
+    if (cfg->kv_transfer_config) { /* only rank 0's KV would be registered: half the heads */
+        fprintf(stderr,
+                "disagg serve: --kv-transfer-config with --tensor-parallel-size %d is not "
+                "supported yet (each rank's KV region registered under its tp_rank, D pulling "
+                "from every P rank it needs: docs/parallel.md); accepted: P/D at -tp 1, or -tp "
+                "%d without a connector\n",
+                S.tp, S.tp);
+        return -1;
+    }
     if (!strcmp(d, "auto")) {
         backend *be = NULL;
         char err[512];
