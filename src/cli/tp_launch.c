@@ -128,7 +128,7 @@ int tp_launch_start(int n, collective **out, char *err, size_t errlen) {
     memset(&L, 0, sizeof L);
     L.wake[0] = L.wake[1] = -1;
     /* a slot holds a prefill chunk's hidden states or a logits chunk; the message a step */
-    int rc = collective_create(n, (size_t)16 << 20, (size_t)16 << 20, &L.c, err, errlen);
+    int rc = collective_create(n, (size_t)16 << 20, (size_t)64 << 20, &L.c, err, errlen);
     if (rc) return rc;
     if ((rc = collective_join(L.c, 0))) {
         snprintf(err, errlen, "cannot join the tensor-parallel group as rank 0");
@@ -218,7 +218,10 @@ int tp_launch_stop(collective *c, int abort) {
     for (int r = 1; r < L.n; r++) {
         if (L.exited[r]) continue;
         int status = 0;
-        for (int i = 0; i < 1000; i++) { /* 10 s */
+        /* 2 s for a clean exit after the stop message; then the group is failed (a worker
+         * still waiting for a start that never came leaves at once); 5 s more, then killed */
+        for (int i = 0; i < 700 && !L.exited[r]; i++) {
+            if (i == 200 && !collective_poisoned(c)) collective_poison(c, "rank 0 stopped");
             if (waitpid(L.pid[r], &status, WNOHANG) == L.pid[r]) {
                 L.exited[r] = 1;
                 break;

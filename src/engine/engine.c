@@ -1009,6 +1009,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     rc = decoder_load_tp(&e->model, c.model, e->be, c.progress, c.load_dummy, c.tp_group, err,
                          errlen);
     if (rc) {
+        if (c.tp_group) collective_poison(c.tp_group, "rank 0 could not load the model");
         backend_close(e->be);
         free(e);
         return rc;
