@@ -879,6 +879,8 @@ static void run_step(engine *e) {
     }
     pl->n_items = n = m;
     int rc = decoder_forward(&e->model, e->state, &e->kv, e->fwd, n);
+    if (rc != 0 && e->cfg.tp_group) /* the ranks may be out of step now: the group cannot go on */
+        collective_poison(e->cfg.tp_group, "rank 0's forward failed");
     if (rc != 0) {
         for (int i = 0; i < n; i++)
             finish(e, pl->items[i].s->owner, "error", -1, "model forward failed");
