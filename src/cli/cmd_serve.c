@@ -32,6 +32,7 @@
 #include <yaml.h>
 
 #include <errno.h>
+#include <signal.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -873,6 +874,8 @@ static int serve_args(int argc, char **argv) {
     if (S.tp > 1 && tp_setup(cfg, tp_rank)) goto fail;
     if (worker) { /* rank tp_rank of the group rank 0 started: no server */
         cfg->engine.progress = 0;
+        /* a terminal's Ctrl-C reaches the whole process group: rank 0 stops the workers */
+        signal(SIGINT, SIG_IGN);
         if (collective_open(tp_fd, &tp_group, err, sizeof err) ||
             collective_join(tp_group, tp_rank) ||
             tp_worker_run(&cfg->engine, tp_group, err, sizeof err)) {
