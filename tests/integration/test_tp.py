@@ -159,3 +159,34 @@ def test_tp2_equals_tp1_on_every_architecture(tmp_path, variant):
     finally:
         assert one.stop() == 0
         assert two.stop() == 0
+
+
+def test_tp2_batched_and_prompt_logprobs_equal_tp1(tp1):
+    """Concurrent requests (one forward carries several sequences, prefill chunks and decodes
+    mixed, each with its block table) and prompt logprobs (every prompt row's logits gathered
+    over the ranks) at TP 2 equal TP 1's."""
+    from concurrent.futures import ThreadPoolExecutor
+    srv = Server("--threads", "1", "--kv-cache-memory", "64M", "-tp", "2",
+                 "--max-num-batched-tokens", "64")
+    try:
+        want = [greedy(tp1, p) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            got = list(ex.map(lambda p: greedy(srv, p), PROMPTS))
+        for p, w, g in zip(PROMPTS, want, got):
+            assert w[0] == g[0], p
+            assert max(abs(a - b) for a, b in zip(w[1], g[1])) < 1e-3
+
+        def plp(s):
+            r = requests.post(s.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": PROMPTS[1] * 4, "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": 1})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["prompt_logprobs"]
+        a, b = plp(tp1), plp(srv)
+        assert len(a) == len(b) > 40
+        for x, y in zip(a[1:], b[1:]):
+            assert x.keys() == y.keys()
+            for k in x:
+                assert abs(x[k]["logprob"] - y[k]["logprob"]) < 1e-3
+    finally:
+        assert srv.stop() == 0
