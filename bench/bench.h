@@ -15,5 +15,6 @@ int bench_serve_main(int argc, char **argv);      /* serve_bench.c: vllm bench s
 int bench_proxy_main(int argc, char **argv);      /* proxy_bench.c */
 int bench_grammar_main(int argc, char **argv);    /* grammar_bench.c: structured-output masks */
 int bench_moe_main(int argc, char **argv);        /* moe_bench.c: the mixture-of-experts op */
+int bench_collective_main(int argc, char **argv); /* collective_bench.c: CPU TP collectives */
 
 #endif

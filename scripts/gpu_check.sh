@@ -144,6 +144,11 @@ tp_steps() {
   step "tensor parallel: test_nccl (NCCL loads, 1-rank and $(nvidia-smi -L 2>/dev/null | wc -l)-GPU all-reduce, f32 and bf16)"
   "$BUILD/test_nccl"
   check $? test_nccl
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    step "tensor parallel: serve -tp 2 --device cuda (ranks on cuda:0, cuda:1, NCCL) against -tp 1"
+    python3 tools/tp_compare.py "$BIN" "$SRC/models/disagg-sotu-tiny" --tp 2 --device cuda
+    check $? "tp_compare -tp 2"
+  fi
 }
 if [ "${ONLY:-}" = tp ]; then
   tp_steps

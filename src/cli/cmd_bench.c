@@ -20,6 +20,8 @@ int cmd_bench(int argc, char **argv) {
                    "comparison\n"
                    "  moe        the mixture-of-experts op alone (route + experts) beside the copy "
                    "ceiling\n\n"
+                   "  collective the CPU tensor-parallel group's shared-memory all-reduce and "
+                   "all-gather\n\n"
                    "`disagg bench <what> --help` lists its options.\n");
         return argc < 2 ? 2 : 0;
     }
@@ -29,9 +31,10 @@ int cmd_bench(int argc, char **argv) {
     if (!strcmp(argv[1], "proxy")) return bench_proxy_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "grammar")) return bench_grammar_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "moe")) return bench_moe_main(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "collective")) return bench_collective_main(argc - 1, argv + 1);
     fprintf(stderr,
             "disagg bench: unknown benchmark '%s'; accepted: transfer, model, serve, proxy, "
-            "grammar, moe\n",
+            "grammar, moe, collective\n",
             argv[1]);
     return 2;
 }

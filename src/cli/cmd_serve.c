@@ -14,6 +14,9 @@
 #include "base/flags.h"
 #include "cli/commands.h"
 #include "cli/discovery_cli.h"
+#include "cli/tp_launch.h"
+#include "engine/tp_worker.h"
+#include "kernels/collective.h"
 
 #include "base/log.h"
 #include "connector/kv_events_publisher.h"
@@ -30,6 +33,7 @@
 #include <yaml.h>
 
 #include <errno.h>
+#include <signal.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,6 +90,8 @@ static struct serve_opts {
     discovery_cli disc;
     double offload_gib, offload_disk_gib; /* --kv-offloading-size, --kv-offloading-disk-size */
     int offload_backend;                  /* --kv-offloading-backend: 0 native */
+    int tp;               /* --tensor-parallel-size */
+    const char *executor; /* --distributed-executor-backend */
 } S;
 
 static int on_model(flags_parser *p, const char *word) {
@@ -108,9 +114,24 @@ static int one_device(flags_parser *p, const flag_def *d, const char *v) {
     return -1;
 }
 
+/* -tp: 1, 2, 4 or 8 ranks (whether the model's heads and widths divide: at load) */
+static int tp_size(flags_parser *p, const flag_def *d, const char *v) {
+    (void)v;
+    if (S.tp == 1 || S.tp == 2 || S.tp == 4 || S.tp == 8) return 0;
+    flags_error(p,
+                "%s %d is not supported; accepted: 1, 2, 4 or 8 (ranks as processes of this "
+                "host, each holding 1/N of the heads and MLP; the model's heads must divide)",
+                d->name, S.tp);
+    return -1;
+}
+
 static int executor_backend(flags_parser *p, const flag_def *d, const char *v) {
+    S.executor = v;
     if (!strcmp(v, "uni") || !strcmp(v, "mp")) return 0;
-    flags_error(p, "%s '%s' is %s; accepted: uni, mp (disagg runs in one process)", d->name, v,
+    flags_error(p,
+                "%s '%s' is %s; accepted: mp (one process per tensor-parallel rank on this host, "
+                "as vLLM's multiprocessing executor), uni (one process: --tensor-parallel-size 1)",
+                d->name, v,
                 !strcmp(v, "ray") || !strcmp(v, "external_launcher")
                     ? "not supported"
                     : "not a backend (vLLM's: ray, mp, uni, external_launcher)");
@@ -385,16 +406,17 @@ static const flag_def SERVE_FLAGS[] = {
      .env = "VLLM_BATCH_INVARIANT",
      .help = "GPU: kernels whose result for a request does not depend on the batch or the "
              "prompt's chunking (default off, or VLLM_BATCH_INVARIANT=1; the CPU always is)"},
-    {FLAG_INT_("--tensor-parallel-size", (int *)NULL, 1, 1 << 20), .aliases = "-tp",
-     .fn = one_device,
-     .help = "1 only (one device per process; scale out with more instances behind disagg "
-             "proxy)"},
+    {FLAG_INT_("--tensor-parallel-size", &S.tp, 1, 1 << 20), .aliases = "-tp", .fn = tp_size,
+     .help = "tensor-parallel ranks: 1, 2, 4 or 8 processes on this host (rank 0 serves, the "
+             "others are workers it starts; each holds 1/N of the heads, the MLP and the "
+             "vocabulary; --device cuda: rank r on cuda:r)"},
     {FLAG_INT_("--pipeline-parallel-size", (int *)NULL, 1, 1 << 20), .aliases = "-pp",
      .fn = one_device, .help = "1 only"},
     {FLAG_INT_("--data-parallel-size", (int *)NULL, 1, 1 << 20), .aliases = "-dp", .fn = one_device,
      .help = "1 only (run more instances behind disagg proxy)"},
     {FLAG_CUSTOM_("--distributed-executor-backend", NULL, executor_backend), .metavar = "B",
-     .help = "uni|mp (one process; ray and external_launcher are refused)"},
+     .help = "mp (the default with -tp > 1: one process per rank) or uni (one process, -tp 1); "
+             "ray and external_launcher are refused"},
     {FLAG_CUSTOM_("--enable-chunked-prefill", NULL, chunked_prefill),
      .opts = FLAG_SWITCH | FLAG_NEGATABLE,
      .help = "accepted: prompts are always prefilled in chunks of --max-num-batched-tokens"},
@@ -731,6 +753,56 @@ out:
 
 static int serve_args(int argc, char **argv);
 
+/* -tp N: the device of rank r ("cuda" -> "cuda:r"; "auto" resolved first, the same way on
+ * every rank), the threads of each rank (default: the cores shared out), and the checks. */
+static int tp_setup(server_config *cfg, int rank) {
+    static char dev[32];
+    const char *d = cfg->engine.device;
+    if (S.executor && !strcmp(S.executor, "uni")) {
+        fprintf(stderr,
+                "disagg serve: --distributed-executor-backend uni runs one process; "
+                "--tensor-parallel-size %d needs mp (one process per rank)\n",
+                S.tp);
+        return -1;
+    }
+    if (cfg->kv_transfer_config) { /* only rank 0's KV would be registered: half the heads */
+        fprintf(stderr,
+                "disagg serve: --kv-transfer-config with --tensor-parallel-size %d is not "
+                "supported yet (each rank's KV region registered under its tp_rank, D pulling "
+                "from every P rank it needs: docs/parallel.md); accepted: P/D at -tp 1, or -tp "
+                "%d without a connector\n",
+                S.tp, S.tp);
+        return -1;
+    }
+    if (!strcmp(d, "auto")) {
+        backend *be = NULL;
+        char err[512];
+        if (backend_open("auto", NULL, &be, err, sizeof err)) {
+            fprintf(stderr, "disagg serve: --device auto: %s\n", err);
+            return -1;
+        }
+        d = backend_is_cpu(be) ? "cpu" : "cuda";
+        backend_close(be);
+    }
+    if (!strncmp(d, "cuda:", 5)) {
+        fprintf(stderr,
+                "disagg serve: --device %s with --tensor-parallel-size %d: rank r runs "
+                "on cuda:r; accepted: cuda, cpu, auto\n",
+                d, S.tp);
+        return -1;
+    }
+    if (!strcmp(d, "cuda"))
+        snprintf(dev, sizeof dev, "cuda:%d", rank);
+    else
+        snprintf(dev, sizeof dev, "%s", d);
+    cfg->engine.device = dev;
+    if (cfg->engine.threads == 0 && !strncmp(dev, "cpu", 3)) {
+        long nc = sysconf(_SC_NPROCESSORS_ONLN);
+        cfg->engine.threads = nc / S.tp > 0 ? (int)(nc / S.tp) : 1;
+    }
+    return 0;
+}
+
 int cmd_serve(int argc, char **argv) {
     discovery_cli_init(&S.disc);
     discovery_cli_flags(&S.disc, 1, DISCOVERY_FLAGS);
@@ -766,7 +838,9 @@ static int serve_args(int argc, char **argv) {
     static char default_model[PATH_MAX];
     static char model_dir[PATH_MAX], tok_dir[PATH_MAX];
     char *template_text = NULL;
+    collective *tp_group = NULL;
     int rc = 2;
+    S.tp = 1;
     int pr = flags_parse(&SERVE_SPEC, argc, argv);
     if (pr == FLAGS_HELP) goto done_ok;
     if (pr) goto fail;
@@ -832,6 +906,36 @@ static int serve_args(int argc, char **argv) {
         cfg->chat_template = template_text;
     }
     cfg->engine.progress = isatty(2);
+    int tp_rank = 0, tp_fd = -1;
+    int worker = tp_launch_worker_env(&tp_rank, &tp_fd, err, sizeof err);
+    if (worker < 0 || (worker && S.tp <= tp_rank)) {
+        fprintf(stderr, "disagg serve: %s\n",
+                worker < 0 ? err : "a tensor-parallel worker of a larger group than -tp says");
+        goto fail;
+    }
+    if (S.tp > 1 && tp_setup(cfg, tp_rank)) goto fail;
+    if (worker) { /* rank tp_rank of the group rank 0 started: no server */
+        cfg->engine.progress = 0;
+        /* a terminal's Ctrl-C reaches the whole process group: rank 0 stops the workers */
+        signal(SIGINT, SIG_IGN);
+        if (collective_open(tp_fd, &tp_group, err, sizeof err) ||
+            collective_join(tp_group, tp_rank) ||
+            tp_worker_run(&cfg->engine, tp_group, err, sizeof err)) {
+            fprintf(stderr, "disagg serve: tensor-parallel worker rank %d: %s\n", tp_rank, err);
+            rc = 1;
+        } else
+            rc = 0;
+        collective_free(tp_group);
+        tp_group = NULL;
+        goto out;
+    }
+    if (S.tp > 1) {
+        if (tp_launch_start(S.tp, &tp_group, err, sizeof err)) {
+            fprintf(stderr, "disagg serve: --tensor-parallel-size %d: %s\n", S.tp, err);
+            goto fail;
+        }
+        cfg->engine.tp_group = tp_group;
+    }
     if (discovery_cli_finish("serve", &S.disc)) goto fail;
     serve_registration *reg = NULL;
     if (S.disc.set) {
@@ -854,6 +958,8 @@ static int serve_args(int argc, char **argv) {
     }
     rc = server_run(cfg) == 0 ? 0 : 1;
     serve_registration_stop(reg);
+    if (tp_group && tp_launch_stop(tp_group, 0)) rc = 1; /* a worker died while serving */
+    tp_group = NULL;
     goto out;
 done_ok:
     rc = 0;
@@ -861,6 +967,7 @@ done_ok:
 fail:
     rc = 2;
 out:
+    if (tp_group) tp_launch_stop(tp_group, 1); /* started, then a later step failed */
     flag_list_free(&S.names);
     json_decref(cfg->cors_origins);
     json_decref(cfg->cors_methods);

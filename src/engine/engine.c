@@ -539,7 +539,8 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     memset(out, 0, sizeof *out);
     out->base = e->kv.base;
     out->bytes = e->kv_bytes;
-    out->block_bytes = decoder_kv_block_bytes_dt(c, e->kv.block_size, e->kv.dtype);
+    /* this rank's heads (model.local); the fingerprint names the model's total */
+    out->block_bytes = decoder_kv_block_bytes_dt(&e->model.local, e->kv.block_size, e->kv.dtype);
     snprintf(out->location, sizeof out->location, "%s", backend_buffer_location(e->kv.buf));
     out->backend = backend_buffer_backend(e->kv.buf);
     static const char *const short_dt[] = {"f32", "f16", "bf16", "fp8e4m3"};
@@ -1042,6 +1043,8 @@ static void run_step(engine *e) {
     }
     int rc = decoder_forward(&e->model, e->state, &e->kv, e->fwd, n);
     backend_layer_progress_end(e->lp, step); /* synced (or failed): every layer is done */
+    if (rc != 0 && e->cfg.tp_group) /* the ranks may be out of step now: the group cannot go on */
+        collective_poison(e->cfg.tp_group, "rank 0's forward failed");
     if (rc != 0) {
         for (int i = 0; i < n; i++)
             finish(e, pl->items[i].s->owner, "error", -1, "model forward failed");
@@ -1158,16 +1161,24 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         free(e);
         return rc;
     }
+    if (c.tp_group && !backend_is_cpu(e->be) &&
+        (rc = collective_attach_nccl(c.tp_group, e->be, 0, err, errlen))) {
+        collective_poison(c.tp_group, "rank 0 could not join NCCL");
+        backend_close(e->be);
+        free(e);
+        return rc;
+    }
     if (c.block_size == 0) e->cfg.block_size = c.block_size = backend_block_size_default(e->be);
     /* what the device has free before this instance loads anything: what it uses later is
      * measured against it (--gpu-memory-utilization is this instance's budget) */
     size_t free_before = 0, total_before = 0;
     backend_memory(e->be, &free_before, &total_before);
-    rc = decoder_load_ex(&e->model, c.model, e->be, c.progress,
+    rc = decoder_load_tp(&e->model, c.model, e->be, c.progress,
                          (c.load_dummy ? DECODER_LOAD_DUMMY : 0) |
                              (c.quant_fp8 ? DECODER_LOAD_FP8 : 0),
-                         err, errlen);
+                         c.tp_group, err, errlen);
     if (rc) {
+        if (c.tp_group) collective_poison(c.tp_group, "rank 0 could not load the model");
         backend_close(e->be);
         free(e);
         return rc;
@@ -1204,14 +1215,18 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         rc = -EINVAL;
         goto fail;
     }
-    size_t block_bytes = decoder_kv_block_bytes_dt(mc, c.block_size, kv_dt), mem_total = 0,
+    /* a TP rank's blocks hold its KV heads (model.local) */
+    const model_config *kc = &e->model.local;
+    size_t block_bytes = decoder_kv_block_bytes_dt(kc, c.block_size, kv_dt), mem_total = 0,
            mem_free = 0;
     /* activations first: on a GPU the KV cache gets what is left (vLLM's
      * --gpu-memory-utilization: weights + activations + KV <= that fraction of the device) */
     e->state = decoder_state_create(&e->model, e->cfg.max_num_batched_tokens);
     if (e->state && !backend_is_cpu(e->be)) {
         /* decode steps of up to max_num_seqs sequences as CUDA graphs, unless --enforce-eager */
-        int nb = c.enforce_eager ? 0 : decoder_state_set_graphs(e->state, c.max_num_seqs);
+        /* a step with collectives on the NCCL stream is not recorded */
+        int nb =
+            c.enforce_eager || c.tp_group ? 0 : decoder_state_set_graphs(e->state, c.max_num_seqs);
         if (nb > 0)
             LOG_I(MOD, "decode steps of 1..%d sequences as CUDA graphs (%d batch-size buckets)",
                   c.max_num_seqs < e->cfg.max_num_batched_tokens ? c.max_num_seqs
@@ -1266,7 +1281,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     if (nblocks > INT32_MAX / 2) nblocks = INT32_MAX / 2;
     e->kv_bytes = nblocks * block_bytes;
     /* the backend allocates the region (CPU: an anonymous mapping with huge pages) */
-    if (kv_store_init_on(&e->kv, e->be, mc, (int)nblocks, c.block_size, kv_dt, BACKEND_BUF_KV)) {
+    if (kv_store_init_on(&e->kv, e->be, kc, (int)nblocks, c.block_size, kv_dt, BACKEND_BUF_KV)) {
         snprintf(err, errlen, "cannot allocate a KV cache of %zu bytes on %s", e->kv_bytes,
                  backend_name(e->be));
         rc = -ENOMEM;
@@ -1291,7 +1306,25 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     }
     e->bp.block_size = c.block_size;
     e->bp.events = &e->events; /* recorded always; published when a sink is attached */
+    if (c.tp_group && (c.kv_offload_bytes || c.kv_offload_disk_dir)) {
+        snprintf(err, errlen,
+                 "--kv-offloading-size / --kv-offloading-disk with -tp > 1 are not implemented (the "
+                 "tiers would copy rank 0's KV heads only); accepted: the tiers at -tp 1");
+        rc = -EINVAL;
+        goto fail;
+    }
     if ((rc = offload_init(e, mc, block_bytes, err, errlen))) goto fail;
+    if (c.tp_group) { /* the other ranks make the same region and workspace */
+        tp_init_msg im = {(int32_t)nblocks, c.block_size, (int32_t)kv_dt,
+                          e->cfg.max_num_batched_tokens};
+        if ((rc = tp_step_send_init(c.tp_group, &im))) {
+            snprintf(err, errlen, "the tensor-parallel ranks are gone (%s)", strerror(-rc));
+            goto fail;
+        }
+        LOG_I(MOD, "tensor parallelism: rank 0 of %d (%d of %d query heads, %d of %d KV heads)",
+              e->model.tp->size, e->model.tp->n_heads, mc->n_heads, e->model.tp->n_kv_heads,
+              mc->n_kv_heads);
+    }
     pthread_mutex_init(&e->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1320,6 +1353,7 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     *out = e;
     return 0;
 fail:
+    if (c.tp_group) collective_poison(c.tp_group, "rank 0's engine did not start");
     sched_plan_free(&e->plan);
     kv_offload_destroy(e->off);
     backend_stream_free(e->off_st);
@@ -1346,7 +1380,9 @@ void engine_destroy(engine *e) {
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
-    while (e->inbox) { /* submitted after the loop ended */
+    if (e->cfg.tp_group && !collective_poisoned(e->cfg.tp_group))
+        tp_step_send_stop(e->cfg.tp_group); /* the workers leave their loops */
+    while (e->inbox) {                      /* submitted after the loop ended */
         ereq *r = e->inbox;
         e->inbox = r->next;
         emit_finish(e, r, "abort", -1, NULL);

@@ -46,6 +46,7 @@ typedef struct engine_config {
     size_t kv_offload_bytes;         /* --kv-offloading-size: the host tier */
     const char *kv_offload_disk_dir; /* --kv-offloading-disk: the disk tier's directory */
     size_t kv_offload_disk_bytes;    /* --kv-offloading-disk-size */
+    struct collective *tp_group;   /* -tp > 1: rank 0's group (tp_worker.h: the rest), or NULL */
 } engine_config;
 
 void engine_config_init(engine_config *c);

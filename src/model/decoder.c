@@ -44,6 +44,11 @@ static int decoder_quant_online(model_config *c, const char *dir, char *err, siz
 
 int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
                     char *err, size_t errlen) {
+    return decoder_load_tp(m, model_arg, be, progress, dummy, NULL, err, errlen);
+}
+
+int decoder_load_tp(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
+                    collective *coll, char *err, size_t errlen) {
     memset(m, 0, sizeof *m);
     m->be = be;
     int rc = hf_cache_resolve(model_arg, m->dir, sizeof m->dir, err, errlen);
@@ -65,9 +70,24 @@ int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int pr
                  m->dir, m->cfg.sliding_window, m->cfg.max_position, backend_name(be));
         return -ENOTSUP;
     }
-    if ((rc = weights_load_ex(&m->w, be, &m->cfg, m->dir, (dummy & DECODER_LOAD_DUMMY) ? 0x5eed : 0,
-                              err, errlen)))
+    if (coll && m->cfg.quant.kind != QUANT_NONE) {
+        snprintf(err, errlen,
+                 "%s: FP8 weights with tensor parallelism (-tp > 1) are not implemented (the scale "
+                 "tensors are not sharded); accepted: -tp 1 with FP8, or an unquantized checkpoint",
+                 m->dir);
+        return -ENOTSUP;
+    }
+    if (coll && (!(m->tp = calloc(1, sizeof *m->tp)) ||
+                 (rc = tp_shard_init(m->tp, &m->cfg, coll, err, errlen)))) {
+        decoder_free(m);
+        return rc ? rc : -ENOMEM;
+    }
+    tp_shard_config(m->tp, &m->cfg, &m->local);
+    uint64_t seed = (dummy & DECODER_LOAD_DUMMY) ? 0x5eed : 0;
+    if ((rc = weights_load_tp(&m->w, be, &m->cfg, m->dir, seed, m->tp, err, errlen))) {
+        decoder_free(m);
         return rc;
+    }
     int half = m->cfg.head_dim / 2;
     float *inv = malloc((size_t)half * sizeof(float));
     m->rope_buf = inv ? backend_buffer_alloc(be, (size_t)half * sizeof(float), 0) : NULL;
@@ -91,6 +111,8 @@ int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int pr
 }
 
 void decoder_free(decoder_model *m) {
+    if (m->tp) tp_shard_free(m->tp);
+    free(m->tp);
     weights_free(&m->w);
     backend_buffer_free(m->rope_buf);
     memset(m, 0, sizeof *m);
@@ -177,7 +199,7 @@ struct decoder_state {
 };
 
 static decoder_state *state_new(const decoder_model *m, int max_tokens, backend_stream *st) {
-    const model_config *c = &m->cfg;
+    const model_config *c = &m->local;
     if (max_tokens <= 0 || !st) {
         backend_stream_free(st);
         return NULL;
@@ -279,7 +301,7 @@ int decoder_state_graphs(const decoder_state *s) {
 
 static int check_seqs(const decoder_model *m, const decoder_state *s, const kv_store *kv,
                       const decoder_seq *seqs, int n_seqs, int *total) {
-    const model_config *c = &m->cfg;
+    const model_config *c = &m->local;
     if (kv->n_layers != c->n_layers || kv->kv_dim != c->n_kv_heads * c->head_dim || !kv->buf) {
         LOG_E("model", "kv store shape (layers %d, kv_dim %d) does not match the model (%d, %d)",
               kv->n_layers, kv->kv_dim, c->n_layers, c->n_kv_heads * c->head_dim);
@@ -335,8 +357,8 @@ static int check_seqs(const decoder_model *m, const decoder_state *s, const kv_s
 /* Fills the batch's host metadata for the backend and plans it: token rows, positions,
  * block tables, and the rows whose logits are wanted (every row of a logits_all sequence,
  * else its last), in sequence order. */
-static int plan_batch(decoder_state *s, const kv_store *kv, const decoder_seq *seqs, int n_seqs,
-                      int T) {
+static int plan_batch(const decoder_model *m, decoder_state *s, const kv_store *kv,
+                      const decoder_seq *seqs, int n_seqs, int T) {
     int nbt = 0;
     for (int i = 0; i < n_seqs; i++)
         nbt += (seqs[i].start_pos + seqs[i].n_tokens + kv->block_size - 1) / kv->block_size;
@@ -354,7 +376,7 @@ static int plan_batch(decoder_state *s, const kv_store *kv, const decoder_seq *s
         memcpy(s->bt_indices + b, q->block_table, (size_t)nb * sizeof(int32_t));
         b += nb;
         for (int j = 0; j < q->n_tokens; j++, t++) {
-            s->tokens[t] = q->tokens[j];
+            s->tokens[t] = tp_shard_token(m->tp, q->tokens[j]); /* the rank's embedding row */
             s->tok_seq[t] = i;
             s->tok_pos[t] = q->start_pos + j;
             if ((q->logits && q->logits_all) || ((q->logits || q->argmax) && j == q->n_tokens - 1))
@@ -378,7 +400,7 @@ static int plan_batch(decoder_state *s, const kv_store *kv, const decoder_seq *s
 /* A sparse MLP: y (T, hidden) = the weighted sum of the chosen experts of norm(x) (s->xb):
  * router logits in f32, the routing as transformers computes it, then the experts. */
 static int moe_block(const decoder_model *m, decoder_state *s, const layer_weights *L, int T) {
-    const model_config *c = &m->cfg;
+    const model_config *c = &m->local;
     int rc, h = c->hidden_size, E = c->n_experts, k = c->n_experts_per_tok;
     backend_stream *st = s->st;
     backend_matmul_op r = {s->rlog, BACKEND_F32, s->xb, s->mm, L->router.data, L->router.dtype,
@@ -407,7 +429,7 @@ static int moe_block(const decoder_model *m, decoder_state *s, const layer_weigh
 
 /* The planned batch's T tokens through every layer: s->x holds the residual stream after. */
 static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv *kvp, int T) {
-    const model_config *c = &m->cfg;
+    const model_config *c = &m->local; /* this rank's heads and widths */
     const model_weights *w = &m->w;
     int rc, h = c->hidden_size, I = c->intermediate_size, nh = c->n_heads, qd = c->q_dim;
     const backend_dtype a = s->act, mm = s->mm; /* activations, matmul inputs */
@@ -420,9 +442,14 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
     /* where the backend folds the residual add into the o / down GEMMs (CUDA prefill), x += the
      * GEMM's output there and the norms add nothing; else the GEMMs write y and the norm after
      * each adds it (the CPU, decode, --batch-invariant: the same sums either way) */
-    const int fused = backend_residual_fused(st, T);
+    const int fused = !m->tp && backend_residual_fused(st, T);
+    /* tensor parallelism: the partial sums of each rank (the vocab-parallel embedding, the
+     * row-parallel o_proj and down_proj) summed over the group */
+    const size_t th = (size_t)T * h;
+#define TP_SUM(buf) TRY(m->tp ? tp_shard_all_reduce(m->tp, m->be, st, buf, a, th) : 0)
 
     TRY(backend_embed(st, s->x, a, w->embed.data, w->embed.dtype, h));
+    TP_SUM(s->x);
     for (int l = 0; l < c->n_layers; l++) {
         const layer_weights *L = &w->layers[l];
         /* attention block: x += wo . attention(rope(wq . norm(x)), rope(wk . ..), wv . ..)
@@ -464,12 +491,14 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
         backend_matmul_op o = {s->y, a, s->att, mm, L->wo.data, L->wo.dtype,
                                NULL, T, h,      qd, L->wo.scale};
         TRY(fused ? backend_matmul_residual(st, &o, s->x) : backend_matmul(st, &o, 1));
+        TP_SUM(s->y);
         /* MLP block: x += w_down . (silu(w_gate . norm(x)) * (w_up . norm(x))), or its
          * mixture of experts */
         TRY(backend_add_rmsnorm(st, s->xb, mm, s->x, fused ? NULL : s->y, a, L->mlp_norm, T, h,
                                 eps));
         if (L->router.data) {
             TRY(moe_block(m, s, L, T));
+            TP_SUM(s->y);
             if (fused) TRY(backend_add(st, s->x, s->y, a, (size_t)T * h));
             continue;
         }
@@ -492,7 +521,9 @@ static int run_layers(const decoder_model *m, decoder_state *s, const backend_kv
         backend_matmul_op down = {s->y, a, s->hb, mm, L->w_down.data, L->w_down.dtype,
                                   NULL, T, h,     I,  L->w_down.scale};
         TRY(fused ? backend_matmul_residual(st, &down, s->x) : backend_matmul(st, &down, 1));
+        TP_SUM(s->y);
     }
+#undef TP_SUM
     return fused ? 0 : backend_add(st, s->x, s->y, a, (size_t)T * h);
 }
 
@@ -525,7 +556,7 @@ static int run_head(const decoder_model *m, decoder_state *s, int n_out) {
     backend_matmul_op head = {logits,           BACKEND_F32, s->xb, s->mm,         w->lm_head.data,
                               w->lm_head.dtype, NULL,        n_out, c->vocab_size, h,
                               w->lm_head.scale};
-    return backend_matmul(st, &head, 1);
+    return m->tp ? tp_shard_lm_head(m->tp, m->be, st, &head) : backend_matmul(st, &head, 1);
 }
 
 /* Copies the logits rows (in sequence order from dev) to each sequence's host array; runs of
@@ -611,7 +642,7 @@ static int forward_graph(const decoder_model *m, decoder_state *s, const kv_stor
             nb = (end + kv->block_size - 1) / kv->block_size;
         if (real) memcpy(s->bt_indices + b, seqs[i].block_table, (size_t)nb * sizeof(int32_t));
         b += nb;
-        tok[i] = real ? seqs[i].tokens[0] : 0;
+        tok[i] = real ? tp_shard_token(m->tp, seqs[i].tokens[0]) : 0;
         seq[i] = i;
         pos[i] = end - 1;
         orow[i] = i;
@@ -647,6 +678,7 @@ int decoder_forward(const decoder_model *m, decoder_state *s, const kv_store *kv
                             kv->n_layers, kv->n_kv_heads, kv->head_dim, m->cfg.sliding_window,
                             m->w.k_scale, m->w.v_scale};
     backend_stream *st = s->st;
+    if (m->tp && m->tp->rank == 0) TRY(tp_step_send(m->tp->coll, seqs, n_seqs)); /* the workers' */
     int B = graph_bucket(s, seqs, n_seqs);
     if (B) {
         if ((rc = forward_graph(m, s, kv, seqs, n_seqs, B)) != -EIO) return rc;
@@ -654,7 +686,7 @@ int decoder_forward(const decoder_model *m, decoder_state *s, const kv_store *kv
         backend_stream_sync(st); /* clears nothing, but reports a sticky device error */
         decoder_state_set_graphs(s, 0);
     }
-    int n_out = plan_batch(s, kv, seqs, n_seqs, T);
+    int n_out = plan_batch(m, s, kv, seqs, n_seqs, T);
     if (n_out < 0) return n_out;
     TRY(run_layers(m, s, &bkv, T));
     if (!n_out) return backend_stream_sync(st);

@@ -30,6 +30,7 @@
 
 #include "kernels/backend.h"
 #include "model/model_config.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 #include <stddef.h>
@@ -43,6 +44,10 @@ typedef struct decoder_model {
     backend_buffer *rope_buf;   /* rope_inv_freq's buffer */
     const float *rope_inv_freq; /* (head_dim / 2) f32, device address */
     float rope_attn;            /* the rope's cos/sin factor (yarn), folded into the scale */
+    /* tensor parallelism (model/tp_shard.h): this rank's share, NULL at TP 1 */
+    tp_shard *tp;
+    model_config local; /* the shapes this rank computes (heads, KV heads, MLP widths; the
+                           KV store's): cfg cut by tp, cfg itself at TP 1 */
 } decoder_model;
 
 /* model_arg: a directory or a hub name in the HF cache.  progress: warm the page cache
@@ -57,6 +62,11 @@ int decoder_load_on(decoder_model *m, const char *model_arg, backend *be, int pr
 #define DECODER_LOAD_FP8   2
 int decoder_load_ex(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
                     char *err, size_t errlen);
+/* coll non-NULL: rank collective_rank(coll) of a tensor-parallel group; loads only that
+ * rank's share of the weights, and decoder_forward runs the group's collectives (rank 0 also
+ * sends each forward's batch to the other ranks, which run it from tp_step_recv). */
+int decoder_load_tp(decoder_model *m, const char *model_arg, backend *be, int progress, int dummy,
+                    collective *coll, char *err, size_t errlen);
 void decoder_free(decoder_model *m);
 
 typedef struct kv_store {
@@ -71,7 +81,8 @@ typedef struct kv_store {
     backend_buffer *buf; /* the region (backend_buffer_location says where it lives) */
 } kv_store;
 
-/* Bytes of one block of f32 KV (decoder_kv_block_bytes_dt: of KV dtype dt). */
+/* Bytes of one block of f32 KV (decoder_kv_block_bytes_dt: of KV dtype dt).  A TP rank's
+ * region: pass the model's `local` shapes. */
 size_t decoder_kv_block_bytes(const model_config *c, int block_size);
 size_t decoder_kv_block_bytes_dt(const model_config *c, int block_size, backend_dtype dt);
 /* Allocates a zeroed f32 region for n_blocks on the CPU (tests, generate, bench). */

@@ -71,7 +71,63 @@ typedef struct w_src {
     const void *data;
     backend_dtype dt;
     size_t nbytes;
+    int rows, cols; /* the shape this rank holds (1-D: cols 1) */
 } w_src;
+
+/* keeps host bytes made here (dummy weights, a rank's copied slice) until w_release */
+static int w_hold(model_weights *w, void *buf) {
+    if (w->n_dummy == w->cap_dummy) {
+        int cap = w->cap_dummy ? 2 * w->cap_dummy : 64;
+        void **p = realloc(w->dummy, (size_t)cap * sizeof *p);
+        if (!p) return -ENOMEM;
+        w->dummy = p;
+        w->cap_dummy = cap;
+    }
+    w->dummy[w->n_dummy++] = buf;
+    return 0;
+}
+
+/* This rank's cut of out (the whole tensor, d0 x d1; model/tp_shard.h): rows in place, columns
+ * and vocabulary rows copied (the whole made-up tensor freed then). */
+static int w_cut(model_weights *w, w_src *out, const char *name, int n_dims, int64_t d0,
+                 int64_t d1) {
+    out->rows = (int)d0;
+    out->cols = n_dims == 2 ? (int)d1 : 1;
+    if (!w->tp) return 0;
+    tp_split sp = tp_shard_split(w->tp, name);
+    size_t es = backend_dtype_size(out->dt), cols = (size_t)out->cols;
+    if (sp.kind == TP_WHOLE) return 0;
+    if (sp.kind == TP_ROWS) {
+        out->data = (const char *)out->data + (size_t)sp.first * cols * es;
+        out->rows = sp.count;
+        out->nbytes = (size_t)sp.count * cols * es;
+        return 0;
+    }
+    size_t rows = sp.kind == TP_COLS ? (size_t)d0 : (size_t)sp.pad_rows;
+    size_t ncols = sp.kind == TP_COLS ? (size_t)sp.count : cols;
+    char *buf = calloc(rows * ncols, es);
+    if (!buf || w_hold(w, buf)) {
+        free(buf);
+        return -ENOMEM;
+    }
+    const char *src = out->data;
+    if (sp.kind == TP_COLS)
+        for (size_t r = 0; r < rows; r++)
+            memcpy(buf + r * ncols * es, src + (r * cols + (size_t)sp.first) * es, ncols * es);
+    else if (sp.count > 0)
+        memcpy(buf, src + (size_t)sp.first * cols * es, (size_t)sp.count * cols * es);
+    /* a made-up whole tensor is not needed any more (the last one held before buf) */
+    if (w->dummy_seed && w->n_dummy >= 2 && w->dummy[w->n_dummy - 2] == src) {
+        free(w->dummy[w->n_dummy - 2]);
+        w->dummy[w->n_dummy - 2] = buf;
+        w->n_dummy--;
+    }
+    out->data = buf;
+    out->rows = (int)rows;
+    out->cols = (int)ncols;
+    out->nbytes = rows * ncols * es;
+    return 0;
+}
 
 static int w_get(model_weights *w, w_src *out, const char *name, int n_dims, int64_t d0, int64_t d1,
                  float fill, char *err, size_t errlen) {
@@ -82,23 +138,16 @@ static int w_get(model_weights *w, w_src *out, const char *name, int n_dims, int
         if (w->st_used) w->st_used[t - w->st.tensors] = 1;
         out->data = t->data;
         out->nbytes = t->nbytes;
-        return 0;
+        return w_cut(w, out, name, n_dims, d0, d1);
     }
     size_t n = (size_t)d0 * (size_t)(n_dims == 2 ? d1 : 1);
     size_t es = n_dims == 2 ? 2 : 4;
-    if (w->n_dummy == w->cap_dummy) {
-        int cap = w->cap_dummy ? 2 * w->cap_dummy : 64;
-        void **p = realloc(w->dummy, (size_t)cap * sizeof *p);
-        if (!p) return -ENOMEM;
-        w->dummy = p;
-        w->cap_dummy = cap;
-    }
     void *buf = malloc(n * es);
-    if (!buf) {
+    if (!buf || w_hold(w, buf)) {
+        free(buf);
         snprintf(err, errlen, "cannot allocate %zu bytes of dummy weights for '%s'", n * es, name);
         return -ENOMEM;
     }
-    w->dummy[w->n_dummy++] = buf;
     if (n_dims == 2) {
         /* one generator per tensor, seeded from its name: the same weights every load */
         uint64_t h = w->dummy_seed;
@@ -126,12 +175,12 @@ static int w_get(model_weights *w, w_src *out, const char *name, int n_dims, int
     }
     out->data = buf;
     out->nbytes = n * es;
-    return 0;
+    return w_cut(w, out, name, n_dims, d0, d1);
 }
 
-/* made-up bytes the backend has copied: freed (not on the CPU, which aliases them) */
+/* bytes made here that the backend has copied: freed (not on the CPU, which aliases them) */
 static void w_release(model_weights *w) {
-    if (!w->dummy_seed || backend_is_cpu(w->be)) return;
+    if (backend_is_cpu(w->be)) return;
     for (int i = 0; i < w->n_dummy; i++)
         free(w->dummy[i]);
     w->n_dummy = 0;
@@ -354,7 +403,7 @@ static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, in
         return rc;
     }
     backend_buffer *b =
-        backend_weights_load(w->be, t.data, t.dt, (size_t)rows * (size_t)cols, &m->dtype);
+        backend_weights_load(w->be, t.data, t.dt, (size_t)t.rows * (size_t)t.cols, &m->dtype);
     w_release(w);
     if (!b || w_keep(w, b)) {
         backend_buffer_free(b);
@@ -363,8 +412,8 @@ static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, in
         return -ENOMEM;
     }
     m->data = backend_buffer_ptr(b);
-    m->rows = rows;
-    m->cols = cols;
+    m->rows = t.rows;
+    m->cols = t.cols;
     w->matrix_bytes += t.nbytes;
     return 0;
 }
@@ -447,14 +496,15 @@ static int w_mat_cat(model_weights *w, weight_mat *cat, weight_mat **parts, cons
     const void *srcs[4];
     backend_dtype dts[4];
     size_t ns[4], bytes = 0;
-    int total = 0;
+    int total = 0, got_rows[4], got_cols = cols;
     for (int i = 0; i < n; i++) {
         w_src t = fts[i];
         srcs[i] = t.data;
         dts[i] = t.dt;
-        ns[i] = (size_t)rows[i] * (size_t)cols;
+        ns[i] = (size_t)t.rows * (size_t)t.cols;
         bytes += t.nbytes;
-        total += rows[i];
+        total += got_rows[i] = t.rows;
+        got_cols = t.cols;
     }
     backend_buffer *b = backend_weights_load_cat(w->be, srcs, dts, ns, n, &cat->dtype);
     w_release(w);
@@ -466,13 +516,13 @@ static int w_mat_cat(model_weights *w, weight_mat *cat, weight_mat **parts, cons
     }
     cat->data = backend_buffer_ptr(b);
     cat->rows = total;
-    cat->cols = cols;
+    cat->cols = got_cols;
     size_t off = 0, es = backend_dtype_size(cat->dtype);
     for (int i = 0; i < n; i++) {
         parts[i]->data = (const char *)cat->data + off * es;
         parts[i]->dtype = cat->dtype;
-        parts[i]->rows = rows[i];
-        parts[i]->cols = cols;
+        parts[i]->rows = got_rows[i];
+        parts[i]->cols = got_cols;
         off += ns[i];
     }
     w->matrix_bytes += bytes;
@@ -485,6 +535,7 @@ static int w_vec(model_weights *w, backend_stream *st, float **v, const char *na
     w_src t;
     int rc = w_get(w, &t, name, 1, n, 0, fill, err, errlen);
     if (rc) return rc;
+    n = t.rows;
     backend_dtype dt = t.dt;
     float *host = malloc((size_t)n * sizeof *host);
     backend_buffer *b = host ? backend_buffer_alloc(w->be, (size_t)n * sizeof *host, 0) : NULL;
@@ -509,7 +560,7 @@ static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **
     w_src ts[4];
     for (int i = 0; i < n; i++) {
         if ((rc = w_get(w, &ts[i], names[i], 1, lens[i], 0, 0.0f, err, errlen))) return rc;
-        total += lens[i];
+        total += ts[i].rows;
     }
     float *host = malloc((size_t)total * sizeof *host);
     backend_buffer *b = host ? backend_buffer_alloc(w->be, (size_t)total * sizeof *host, 0) : NULL;
@@ -517,9 +568,9 @@ static int w_vec_cat(model_weights *w, backend_stream *st, float **cat, float **
     if (b && !w_keep(w, b)) {
         int off = 0;
         for (int i = 0; i < n; i++) {
-            backend_row_to_f32(host + off, ts[i].data, ts[i].dt, lens[i]);
+            backend_row_to_f32(host + off, ts[i].data, ts[i].dt, ts[i].rows);
             parts[i] = (float *)backend_buffer_ptr(b) + off;
-            off += lens[i];
+            off += ts[i].rows;
         }
         rc = backend_upload(st, backend_buffer_ptr(b), host, (size_t)total * sizeof *host);
         *cat = backend_buffer_ptr(b);
@@ -584,7 +635,7 @@ static int w_experts(model_weights *w, layer_weights *L, const model_config *c, 
             w_src t;
             snprintf(n, sizeof n, "model.layers.%d.%s.experts.%d.%s.weight", l, pre, e, kind[k]);
             rc = w_get(w, &t, n, 2, k == 2 ? h : I, k == 2 ? I : h, 0, err, errlen);
-            srcs[i] = t.data, dts[i] = t.dt, ns[i] = (size_t)I * h;
+            srcs[i] = t.data, dts[i] = t.dt, ns[i] = rc ? 0 : (size_t)t.rows * (size_t)t.cols;
             bytes += rc ? 0 : t.nbytes;
         }
         backend_dtype stored = BACKEND_BF16;
@@ -598,7 +649,7 @@ static int w_experts(model_weights *w, layer_weights *L, const model_config *c, 
             rc = -ENOMEM;
         }
         if (rc) break;
-        size_t m = (size_t)I * h * backend_dtype_size(stored);
+        size_t m = ns[0] * backend_dtype_size(stored);
         const char *base = backend_buffer_ptr(b);
         L->expert_dt = stored;
         for (int e = 0; e < E; e++) {
@@ -698,8 +749,14 @@ int weights_load_on(model_weights *w, backend *be, const model_config *c, const 
 
 int weights_load_ex(model_weights *w, backend *be, const model_config *c, const char *dir,
                     uint64_t dummy_seed, char *err, size_t errlen) {
+    return weights_load_tp(w, be, c, dir, dummy_seed, NULL, err, errlen);
+}
+
+int weights_load_tp(model_weights *w, backend *be, const model_config *c, const char *dir,
+                    uint64_t dummy_seed, const tp_shard *tp, char *err, size_t errlen) {
     memset(w, 0, sizeof *w);
     w->be = be;
+    w->tp = tp;
     w->dummy_seed = dummy_seed;
     w->quant = c->quant;
     int rc = dummy_seed ? 0 : st_set_open(&w->st, dir, err, errlen);

@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "model/model_config.h"
 #include "model/safetensors.h"
+#include "model/tp_shard.h"
 
 typedef struct weight_mat {
     const void *data;     /* (rows, cols) device address */
@@ -72,6 +73,7 @@ typedef struct model_weights {
     void **dummy;           /* (n_dummy) host bytes of made-up tensors the backend aliases */
     int n_dummy, cap_dummy;
     model_quant quant; /* the config's (QUANT_FP8_ONLINE: quantize the decoder's matrices) */
+    const tp_shard *tp;     /* tensor parallelism: this rank's cut of each tensor (NULL: whole) */
 } model_weights;
 
 /* On the CPU backend (backend_cpu_default). */
@@ -91,6 +93,11 @@ int weights_load_ex(model_weights *w, backend *be, const model_config *c, const 
  * the decoder (not the embedding or lm_head) is quantized at load, one scale per output
  * channel -- with --load-format dummy per 128 x 128 block, the layout of the FP8 checkpoints
  * the benchmarks stand for. */
+/* tp non-NULL: only this rank's share of each tensor (model/tp_shard.h: rows of the
+ * column-parallel matrices as views, columns of the row-parallel ones and the vocab-parallel
+ * rows copied); every weight_mat then has the rank's shape. */
+int weights_load_tp(model_weights *w, backend *be, const model_config *c, const char *dir,
+                    uint64_t dummy_seed, const tp_shard *tp, char *err, size_t errlen);
 void weights_free(model_weights *w);
 
 #endif

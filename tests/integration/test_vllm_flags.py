@@ -70,8 +70,8 @@ def test_kv_cache_dtype_float32_is_accepted():
 # ---- refused: concepts disagg does not run (yet), with the accepted values named --------------
 
 @pytest.mark.parametrize("args,words", [
-    (("-tp", "2"), ["--tensor-parallel-size 2", "not supported", "accepted: 1"]),
-    (("--tensor-parallel-size=4",), ["--tensor-parallel-size 4", "not supported"]),
+    (("-tp", "3"), ["--tensor-parallel-size 3", "not supported", "accepted: 1, 2, 4 or 8"]),
+    (("--tensor-parallel-size=16",), ["--tensor-parallel-size 16", "not supported"]),
     (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2", "not supported"]),
     (("-dp", "2"), ["--data-parallel-size 2", "disagg proxy"]),
     (("-tp", "0"), ["--tensor-parallel-size", "[1,"]),
@@ -84,7 +84,7 @@ def test_kv_cache_dtype_float32_is_accepted():
     (("--kv-cache-dtype", "int4"), ["'int4'", "float32"]),
     (("--load-format", "pt"), ["'pt'", "not supported", "auto, safetensors"]),
     (("--load-format", "pickle"), ["'pickle'", "not a load format"]),
-    (("--distributed-executor-backend", "ray"), ["'ray'", "not supported", "uni, mp"]),
+    (("--distributed-executor-backend", "ray"), ["'ray'", "not supported", "accepted: mp"]),
     (("--distributed-executor-backend", "slurm"), ["'slurm'", "not a backend"]),
     (("--max-logprobs", "21"), ["--max-logprobs 21", "at most 20"]),
     (("--max-logprobs", "x"), ["--max-logprobs", "integer"]),
@@ -569,7 +569,7 @@ def test_config_file_and_command_line_override(tmp_path):
 
 @pytest.mark.parametrize("text,words", [
     ("max-model-lenn: 5\n", ["unknown option '--max-model-lenn'", "did you mean --max-model-len"]),
-    ("tensor-parallel-size: 2\n", ["--tensor-parallel-size 2", "not supported"]),
+    ("tensor-parallel-size: 3\n", ["--tensor-parallel-size 3", "not supported"]),
     ("enforce-eager: maybe\n", ["'enforce-eager' is a switch", "true or false"]),
     ("a: [b\n", ["YAML error at line"]),
     ("- max-model-len\n", ["expected a mapping"]),
