@@ -95,7 +95,11 @@ class Proc:
 
 
 def serve(name, *extra, env=None):
-    return Proc(name, ["serve", MODEL, "--host", "127.0.0.1", "--port", "{port}", *COMMON, *extra], env=env)
+    # no prefix caching: every round (whole, streaming) sends the same prompts to the same P, and a
+    # prefix hit would both shorten the prefill (TTFT) and change its GEMM shapes (bf16 bits) --
+    # the first H200 run measured exactly that (streaming "faster" than colocated, texts differing)
+    return Proc(name, ["serve", MODEL, "--host", "127.0.0.1", "--port", "{port}", *COMMON,
+                       "--no-enable-prefix-caching", *extra], env=env)
 
 
 def kv_cfg(role, proto, **extra):
