@@ -306,7 +306,15 @@ def test_tools_without_a_call_return_the_text(client, extra):
 def test_load_and_ping(srv):
     """vllm-router's power_of_two probes GET /load; /ping is vLLM's (GET and
     POST, 200 as /health)."""
-    r = requests.get(srv.url + "/load")
+    # the previous test's streamed request may still be ending on the server (its last chunk
+    # reached the client first): poll until the server counts none
+    import time
+    deadline = time.monotonic() + 10
+    while True:
+        r = requests.get(srv.url + "/load")
+        if r.status_code != 200 or r.json() == {"server_load": 0} or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert r.status_code == 200 and r.json() == {"server_load": 0}, r.text
     for m in ("GET", "POST"):
         assert requests.request(m, srv.url + "/ping").status_code == 200
