@@ -182,9 +182,10 @@ moe_kernel_steps() {
     check $? "test_backend_ops_moe"
   fi
   # MOE_QUICK=1: the default kernels and the generic baseline only, no per-op timing
-  variants=("" DISAGG_MOE_GENERIC=1 DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_FUSED_DOWN=0
-    DISAGG_CUDA_MOE_Y_BF16=1)
-  [ -n "${MOE_QUICK:-}" ] && variants=("" DISAGG_MOE_GENERIC=1)
+  # DISAGG_MOE_GENERIC=0: the CUDA kernels (opt-in: the generic form is the default)
+  variants=(DISAGG_MOE_GENERIC=0 DISAGG_MOE_GENERIC=1 "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_DEC_PAIRS=0"
+    "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_FUSED_DOWN=0" "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_Y_BF16=1")
+  [ -n "${MOE_QUICK:-}" ] && variants=(DISAGG_MOE_GENERIC=0 DISAGG_MOE_GENERIC=1)
   for v in "${variants[@]}"; do
     step "moe: bench moe (Qwen3-30B-A3B layer) ${v:-(default)}"
     # shellcheck disable=SC2086
@@ -192,7 +193,7 @@ moe_kernel_steps() {
     check $? "bench moe ${v:-(default)}"
   done
   step "moe: bench moe (Mixtral-8x7B layer: 8 experts, top 2, hidden 4096, inter 14336)"
-  "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,32,4096 \
+  DISAGG_MOE_GENERIC=0 "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,32,4096 \
     --iters 20
   check $? "bench moe (Mixtral layer)"
   if [ -d "$SRC/bench/shapes/qwen3-30b-a3b" ]; then
@@ -206,11 +207,11 @@ moe_kernel_steps() {
     [ "$s" = mixtral-8x7b ] && args=${MIXTRAL_BENCH_ARGS:---prompt-lens 4096 --batches 1,32 --long-context 4096}
     step "moe: bench model $s --load-format dummy $args"
     # shellcheck disable=SC2086
-    "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy $args
+    DISAGG_MOE_GENERIC=0 "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy $args
     check $? "bench model $s (dummy weights)"
     [ -n "${MOE_QUICK:-}" ] && continue
     step "moe: per-op timing of eager 1-token and 64-token steps, $s (DISAGG_CUDA_PROF=64)"
-    env DISAGG_CUDA_PROF=64 "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda \
+    env DISAGG_CUDA_PROF=64 DISAGG_MOE_GENERIC=0 "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda \
       --load-format dummy --prompt-lens 16 --batches 1,64 2>&1 | grep -E "^prof|^ *(1|64) "
     check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
   done

@@ -1772,6 +1772,7 @@ static void moe_route_ref(const float *l, int E, int k, int norm, int32_t *ids, 
 
 static void test_moe_route_cuda(void **state) {
     (void)state;
+    setenv("DISAGG_MOE_GENERIC", "0", 1); /* the CUDA kernels (opt-in by default) */
     int Ts[] = {1, 7, 300}, Es[] = {8, 128, 512}, ks[] = {2, 8};
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
@@ -2031,6 +2032,7 @@ static void moe_graph_case(backend *be, backend_stream *st, int T, int E, int k,
 
 static void test_moe_cuda(void **state) {
     (void)state;
+    setenv("DISAGG_MOE_GENERIC", "0", 1); /* the CUDA kernels (opt-in by default) */
     for (int bi = 0; bi < g_n_be; bi++) {
         backend *be = g_be[bi];
         if (backend_is_cpu(be)) continue;

@@ -97,7 +97,7 @@ static void set_generic(int on) {
     if (on)
         setenv("DISAGG_MOE_GENERIC", "1", 1);
     else
-        unsetenv("DISAGG_MOE_GENERIC");
+        setenv("DISAGG_MOE_GENERIC", "0", 1); /* the backend's own kernels (opt-in) */
 }
 /* the forms to run on be: its own, and on a backend that has one also the generic form */
 static int n_forms(const backend *be) {
