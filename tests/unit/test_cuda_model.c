@@ -225,9 +225,10 @@ static void test_model_fp8(void **st) {
  * GPU's MoE kernels -- and on the generic form (DISAGG_MOE_GENERIC=1) -- against the CPU
  * forward.  bf16 router logits pick the other of two near-tied experts for a few tokens, and
  * such a token's row differs in full: transformers itself with its matmul inputs and weights
- * rounded to bf16 (the GPU's GEMMs) against f32 flips 8 (Qwen3-MoE) and 12 (Mixtral) of these
- * 300 tokens, rows off by up to 0.25 and 0.34 of the largest logit, the other rows within
- * 0.03 (the dense Qwen3 the same way: 0.0235 at most, as on the H200).  So: every row but 30
+ * rounded to bf16 (the GPU's GEMMs) against f32 chooses other experts for 8 token-layers of
+ * Qwen3-MoE and puts 8 (Qwen3-MoE) and 12 (Mixtral) of these 300 rows past 0.03, off by up to
+ * 0.25 and 0.34 of the largest logit, the other rows within 0.03 (the dense Qwen3 the same
+ * way: 0.0235 at most, as on the H200).  So: every row but 30
  * (10%) within 0.05; a wrong kernel moves them all. */
 static void test_model_moe(void **st) {
     NEED_GPU();
