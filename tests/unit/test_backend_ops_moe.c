@@ -306,10 +306,20 @@ static void run_moe_case(backend_stream *st, const moe_case *mc, backend_dtype w
         float *got = from_dev(st, DEV(bo), (size_t)T * H, act);
         double *want = malloc((size_t)T * H * sizeof *want);
         reference(want, x, wg, wu, wd, ids, rw, T, H, I, k);
-        double tol = act == BACKEND_F32 ? 2e-5 : 3e-2, worst = 0;
+        /* f32 throughout (the CPU): element by element.  Matmul inputs in bf16 (CUDA, either
+         * form: x and h rounded): the error of an element is that of its token's row (|want|
+         * up to ~60 here: bf16 h moves an element by ~0.1 however small it is), so relative
+         * to 1 + the row's largest |want| -- 0.007 at most over many draws of these cases,
+         * where a wrong expert, row or column is off by the row's scale */
+        int bf = act != BACKEND_F32 || backend_mm_dtype(be) != BACKEND_F32;
+        double tol = bf ? 2e-2 : 2e-5, worst = 0;
         size_t wi = 0;
         for (size_t i = 0; i < (size_t)T * H; i++) {
-            double e = fabs(got[i] - want[i]) / (1.0 + fabs(want[i]));
+            double scale = fabs(want[i]);
+            if (bf)
+                for (size_t c = i - i % H; c < i - i % H + H; c++)
+                    scale = fabs(want[c]) > scale ? fabs(want[c]) : scale;
+            double e = fabs(got[i] - want[i]) / (1.0 + scale);
             if (!(e <= worst)) worst = e, wi = i;
         }
         if (!(worst <= tol))

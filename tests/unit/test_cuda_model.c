@@ -98,7 +98,10 @@ static int gpu_fwd(gpu_model *g, decoder_seq *q) {
 
 #define BS 16
 
-static double compare_model(const char *dir, const int32_t *ids, int n, int kv_dtype, double tol) {
+/* every row's max |gpu - cpu| / max |cpu logit| within tol, but for max_over rows (a mixture
+ * of experts' routing near-ties, test_model_moe) */
+static double compare_model_n(const char *dir, const int32_t *ids, int n, int kv_dtype, double tol,
+                              int max_over) {
     char err[1024];
     decoder_model m;
     int rc = decoder_load(&m, dir, 0, err, sizeof err);
@@ -132,7 +135,7 @@ static double compare_model(const char *dir, const int32_t *ids, int n, int kv_d
         assert_int_equal(amax, hb); /* device argmax == host argmax of the downloaded row */
     }
     double worst = 0;
-    int top_agree = 0;
+    int top_agree = 0, over = 0;
     for (int t = 0; t < n; t++) {
         double mx = 0, e = 0;
         int bc = 0, bg = 0;
@@ -145,18 +148,24 @@ static double compare_model(const char *dir, const int32_t *ids, int n, int kv_d
         }
         top_agree += bc == bg;
         if (e / mx > worst) worst = e / mx;
+        over += !(e / mx <= tol);
     }
     fprintf(stderr,
-            "  model %s, %d tokens, %s KV: max |gpu-cpu| / max|logit| %.2e (tol %.2e), argmax "
-            "agrees on %d/%d rows\n",
-            dir, n, kv_dtype == DCU_BF16 ? "bf16" : "f32", worst, tol, top_agree, n);
-    assert_true(worst <= tol);
+            "  model %s, %d tokens, %s KV: max |gpu-cpu| / max|logit| %.2e (tol %.2e; %d rows "
+            "past it, %d allowed), argmax agrees on %d/%d rows\n",
+            dir, n, kv_dtype == DCU_BF16 ? "bf16" : "f32", worst, tol, over, max_over, top_agree,
+            n);
+    assert_true(over <= max_over);
     gpu_close(&g);
     kv_store_free(&kv);
     decoder_state_free(s);
     decoder_free(&m);
     free(cpu), free(gpu);
     return worst;
+}
+
+static double compare_model(const char *dir, const int32_t *ids, int n, int kv_dtype, double tol) {
+    return compare_model_n(dir, ids, n, kv_dtype, tol, 0);
 }
 
 static void test_model_tiny_random(void **st) {
@@ -214,8 +223,13 @@ static void test_model_fp8(void **st) {
 
 /* The mixtures of experts (Qwen3-MoE with a dense layer, Mixtral with its window) on the
  * GPU's MoE kernels -- and on the generic form (DISAGG_MOE_GENERIC=1) -- against the CPU
- * forward.  A little more room than the dense models: bf16 router logits may pick the other
- * of two near-tied experts for a token. */
+ * forward.  bf16 router logits pick the other of two near-tied experts for a few tokens, and
+ * such a token's row differs in full: transformers itself with its matmul inputs and weights
+ * rounded to bf16 (the GPU's GEMMs) against f32 chooses other experts for 8 token-layers of
+ * Qwen3-MoE and puts 8 (Qwen3-MoE) and 12 (Mixtral) of these 300 rows past 0.03, off by up to
+ * 0.25 and 0.34 of the largest logit, the other rows within 0.03 (the dense Qwen3 the same
+ * way: 0.0235 at most, as on the H200).  So: every row but 30
+ * (10%) within 0.05; a wrong kernel moves them all. */
 static void test_model_moe(void **st) {
     NEED_GPU();
     const char *names[] = {"qwen3moe-tiny", "mixtral-tiny"};
@@ -229,10 +243,10 @@ static void test_model_moe(void **st) {
         for (int generic = 0; generic < 2; generic++) {
             setenv("DISAGG_MOE_GENERIC", generic ? "1" : "0", 1); /* 0: the kernels (opt-in) */
             fprintf(stderr, "  %s, %s MoE\n", names[i], generic ? "generic" : "the backend's");
-            compare_model(dir, ids, 300, DCU_BF16, 0.05);
+            compare_model_n(dir, ids, 300, DCU_BF16, 0.05, 30);
             unsetenv("DISAGG_MOE_GENERIC");
         }
-        compare_model(dir, ids, 300, DCU_F32, 0.05);
+        compare_model_n(dir, ids, 300, DCU_F32, 0.05, 30);
         json_decref(g);
     }
 }
