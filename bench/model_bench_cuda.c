@@ -225,10 +225,15 @@ int bench_model_cuda_main(int argc, char **argv) {
     /* bytes a decode step reads a parameter of the layers' matrices (a mixture's experts
      * stay bf16, stacked: theirs) and of the lm_head, as stored (--quantization fp8: e4m3 +
      * scales, the lm_head bf16) */
-    const layer_weights *L0 = &m.w.layers[0];
+    const layer_weights *L0 = &m.w.layers[0], *Le = L0;
+    for (int l = 0; l < c->n_layers; l++)
+        if (model_layer_is_moe(c, l)) {
+            Le = &m.w.layers[l];
+            break;
+        }
     const weight_mat *lm = &m.w.lm_head;
     backend_wscale no_scale = {0};
-    double bpp_layers = c->n_experts ? read_bytes_per_param(L0->expert_dt, &no_scale)
+    double bpp_layers = c->n_experts ? read_bytes_per_param(Le->expert_dt, &no_scale)
                                      : read_bytes_per_param(L0->wq.dtype, &L0->wq.scale),
            bpp_lm = read_bytes_per_param(lm->dtype, &lm->scale), vh = (double)c->vocab_size * h;
     int fp8 = L0->wq.dtype == BACKEND_F8E4M3;
@@ -239,9 +244,10 @@ int bench_model_cuda_main(int argc, char **argv) {
            "bf16 weights%s, KV %s\n",
            m.dir, c->n_layers, c->hidden_size, c->n_heads, c->n_kv_heads, c->intermediate_size,
            c->vocab_size, wbytes / 1e9,
-           fp8 ? " (the layers' matrices in HBM as FP8 e4m3 + scales, a decode step reading "
-                 "those, and a bf16 twin for prefill)"
-               : " in HBM",
+           !fp8                ? " in HBM"
+           : L0->wq.scale.twin ? " (the layers' matrices in HBM as FP8 e4m3 + scales, which a "
+                                 "decode step reads, and a bf16 twin for prefill)"
+                               : " (the layers' matrices in HBM as FP8 e4m3 + scales only)",
            kv_dtype == DCU_BF16 ? "bf16" : "f32");
     printf("ceilings (this run): HBM copy %.0f GB/s (cudaMemcpy D2D, read+write); cuBLASLt bf16 "
            "GEMM %.0f TFLOP/s at 8192^3, %.0f TFLOP/s at %dx%dx%d\n",
