@@ -336,7 +336,7 @@ int bench_model_main(int argc, char **argv) {
         mm_flops_tok * prompt_len + 2.0 * h * c->vocab_size +
         c->n_layers * 2.0 * 2.0 * (double)c->q_dim * (double)prompt_len * (prompt_len + 1) / 2.0;
     /* decode reads every matrix once per token; a mixture of experts its top_k experts */
-    double bytes_tok = (double)m.w.matrix_bytes * mbm_step_params(c, tied, 1) / all_params;
+    double bytes_tok = (double)m.w.matrix_bytes * mbm_step_params(c, 1) / all_params;
     double prefill_tps = prompt_len / prefill_s, decode_tps = gen_len / decode_s;
     double prefill_gflops = prefill_flops / prefill_s / 1e9;
     double decode_gbs = bytes_tok * decode_tps / 1e9, bound_tps = bw * 1e9 / bytes_tok;

@@ -29,6 +29,15 @@ static double now_s(void) {
     return (double)clock_now_ns() / 1e9;
 }
 
+/* bytes a parameter of a matrix stored as dt (scales bn x bk for FP8) costs the decode: an
+ * FP8 matrix's e4m3 byte and its share of the f32 scales (its bf16 twin is read by the
+ * prefill GEMMs only), else the dtype's size */
+static double read_bytes_per_param(backend_dtype dt, const backend_wscale *ws) {
+    if (dt == BACKEND_F8E4M3)
+        return 1.0 + 4.0 / ((double)ws->block_n * ws->block_k);
+    return (double)backend_dtype_size(dt);
+}
+
 /* n_seqs sequences, one token each at position ctx + step, blocks laid out consecutively;
  * greedy on the device (decoder_seq.argmax: only the ids come back, as serve does for greedy
  * requests without logprobs) */
@@ -213,13 +222,33 @@ int bench_model_cuda_main(int argc, char **argv) {
     /* a mixture of experts: a token multiplies with its top_k (bench/model_bench_moe.h) */
     double all_params, active_layers;
     mbm_params(c, tied, &all_params, &active_layers);
-    double wbytes = 2.0 * all_params;
+    /* bytes a decode step reads a parameter of the layers' matrices (a mixture's experts
+     * stay bf16, stacked: theirs) and of the lm_head, as stored (--quantization fp8: e4m3 +
+     * scales, the lm_head bf16) */
+    const layer_weights *L0 = &m.w.layers[0], *Le = L0;
+    for (int l = 0; l < c->n_layers; l++)
+        if (model_layer_is_moe(c, l)) {
+            Le = &m.w.layers[l];
+            break;
+        }
+    const weight_mat *lm = &m.w.lm_head;
+    backend_wscale no_scale = {0};
+    double bpp_layers = c->n_experts ? read_bytes_per_param(Le->expert_dt, &no_scale)
+                                     : read_bytes_per_param(L0->wq.dtype, &L0->wq.scale),
+           bpp_lm = read_bytes_per_param(lm->dtype, &lm->scale), vh = (double)c->vocab_size * h;
+    int fp8 = L0->wq.dtype == BACKEND_F8E4M3;
+    double wbytes = 2.0 * all_params; /* the bf16 checkpoint's bytes (the upload's source) */
     double kv_tok = 2.0 * c->n_layers * kvd * (kv_dtype == DCU_BF16 ? 2 : 4);
     printf("GPU %s\n", backend_name(be));
     printf("model %s: %d layers, hidden %d, %d/%d heads, intermediate %d, vocab %d; %.2f GB of "
-           "bf16 weights in HBM, KV %s\n",
+           "bf16 weights%s, KV %s\n",
            m.dir, c->n_layers, c->hidden_size, c->n_heads, c->n_kv_heads, c->intermediate_size,
-           c->vocab_size, wbytes / 1e9, kv_dtype == DCU_BF16 ? "bf16" : "f32");
+           c->vocab_size, wbytes / 1e9,
+           !fp8                ? " in HBM"
+           : L0->wq.scale.twin ? " (the layers' matrices in HBM as FP8 e4m3 + scales, which a "
+                                 "decode step reads, and a bf16 twin for prefill)"
+                               : " (the layers' matrices in HBM as FP8 e4m3 + scales only)",
+           kv_dtype == DCU_BF16 ? "bf16" : "f32");
     printf("ceilings (this run): HBM copy %.0f GB/s (cudaMemcpy D2D, read+write); cuBLASLt bf16 "
            "GEMM %.0f TFLOP/s at 8192^3, %.0f TFLOP/s at %dx%dx%d\n",
            copy, gemm, gemm_mlp, 4096, 2 * c->intermediate_size, c->hidden_size);
@@ -254,7 +283,8 @@ int bench_model_cuda_main(int argc, char **argv) {
             if ((long)per * B > n_blocks) continue;
             double sec = 0;
             rc = decode_run(&m, s, &kv, B, C, steps, tables, per, &sec);
-            double bytes = 2.0 * mbm_step_params(c, tied, B) + kv_tok * (C + steps / 2.0) * B;
+            double sp = mbm_step_params(c, B);
+            double bytes = bpp_layers * (sp - vh) + bpp_lm * vh + kv_tok * (C + steps / 2.0) * B;
             printf("%-10d %8d %12.3f %12.0f %14.0f %11.0f%%\n", B, C, sec * 1e3, B / sec,
                    bytes / sec / 1e9, 100.0 * bytes / sec / 1e9 / copy);
         }

@@ -21,8 +21,8 @@ void mbm_params(const model_config *c, int tied, double *total, double *active_l
     *active_layers = a;
 }
 
-double mbm_step_params(const model_config *c, int tied, int B) {
-    double p = (double)c->vocab_size * c->hidden_size * (tied ? 1 : 2), E = c->n_experts;
+double mbm_step_params(const model_config *c, int B) {
+    double p = (double)c->vocab_size * c->hidden_size, E = c->n_experts; /* the lm_head */
     double read = E > 0 ? E * (1.0 - pow(1.0 - c->n_experts_per_tok / E, B)) : 0;
     for (int l = 0; l < c->n_layers; l++)
         p += layer_params(c, l, read);

@@ -16,7 +16,8 @@
 void mbm_params(const model_config *c, int tied, double *total, double *active_layers);
 /* Parameters a decode step of B tokens reads: the layers' matrices with, per sparse layer, the
  * experts expected to be chosen by at least one token under uniform routing,
- * n_experts * (1 - (1 - top_k / n_experts)^B), plus lm_head. */
-double mbm_step_params(const model_config *c, int tied, int B);
+ * n_experts * (1 - (1 - top_k / n_experts)^B), plus lm_head (vocab x hidden, tied or not: an
+ * untied embedding table is not read beyond its B rows). */
+double mbm_step_params(const model_config *c, int B);
 
 #endif

@@ -557,6 +557,10 @@ fp8_steps() {
   step "fp8: test_cuda_model (FP8 tiny checkpoints, GPU vs CPU)"
   "$BUILD/test_cuda_model" 2>&1 | grep -E "fp8|FAILED|ERROR|PASSED|OK"
   check ${PIPESTATUS[0]} "test_cuda_model (fp8)"
+  step "fp8: per-op timing of eager 1-token steps, Qwen2.5-7B shape, fp8 (DISAGG_CUDA_PROF=1; before the benchmarks: the run may be cut)"
+  DISAGG_CUDA_PROF=1 "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" --device cuda --load-format dummy \
+    --quantization fp8 --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof|^1 "
+  check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_PROF=1"
   for s in qwen2.5-7b llama-3.1-8b; do
     for q in none fp8; do
       step "fp8: bench model $s --load-format dummy --quantization $q"
@@ -566,10 +570,6 @@ fp8_steps() {
       check $? "bench model $s --quantization $q (dummy weights)"
     done
   done
-  step "fp8: per-op timing of eager 1-token steps, Qwen2.5-7B shape, fp8 (DISAGG_CUDA_PROF=1)"
-  DISAGG_CUDA_PROF=1 "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" --device cuda --load-format dummy \
-    --quantization fp8 --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof|^1 "
-  check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_PROF=1"
 }
 # ONLY=kvpool: the KV offload tiers and KV events on the GPU (docs/kv_pool.md): the tiers'
 # tests with bf16 KV in HBM and --batch-invariant (answers with the pool equal to those

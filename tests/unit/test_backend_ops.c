@@ -373,7 +373,8 @@ static void test_matmul(void **state) {
  * CUDA's e4m3 GEMV (T <= DISAGG_CUDA_FP8_GEMV, default 8, K % 16 == 0) multiplies the scale
  * onto 16-term partial sums in f32 (1e-4), its larger T run cuBLASLt over the bf16 twin (e4m3 *
  * scale rounded to bf16: 2^-9 per weight, 1e-2 of 1 + |ref|; with DISAGG_CUDA_FP8_TWIN=0 the
- * GEMV, 8 tokens a launch). */
+ * GEMV, 8 tokens a launch).  K = 24 (not a multiple of 16): the twin at every T, or without a
+ * twin the GEMV's scalar form -- no shape is refused. */
 static void test_matmul_fp8(void **state) {
     (void)state;
     int shapes[][3] = {{1, 5, 16},    {1, 37, 272}, {3, 200, 336},  {8, 130, 4112},

@@ -203,7 +203,12 @@ static void test_model_arch(void **st) {
 
 /* FP8 checkpoints (tools/gen_random_fp8.py): 128 x 128 blocks with partial blocks, per channel
  * (bf16 scales), per tensor -- the GPU's e4m3 + scales (its prefill GEMMs on the bf16 twin)
- * against the CPU's f32 dequantization, f32 and bf16 KV */
+ * against the CPU's f32 dequantization, f32 and bf16 KV.  The twin is e4m3 * scale rounded to
+ * bf16 once, as the f32 checkpoints of test_model_arch are, so the error is theirs, but
+ * qwen2-fp8-block-tiny (hidden 192, weights 0.1 n) amplifies it more than the hidden-64
+ * models: transformers with every linear's weights and inputs rounded to bf16 and the q|k|v
+ * and gate|up outputs too (tools/emulate_gpu_rounding.py) gives 3.69e-2 at f32 KV (the H200
+ * measured 3.70e-2; llama-tiny 2.45e-2 both), hence 0.05 here. */
 static void test_model_fp8(void **st) {
     NEED_GPU();
     const char *names[] = {"qwen2-fp8-block-tiny", "llama-fp8-channel-tiny",
@@ -215,8 +220,8 @@ static void test_model_fp8(void **st) {
         int32_t ids[300];
         for (int k = 0; k < 300; k++)
             ids[k] = (int32_t)((k * 7919 + 31 * i) % 150000);
-        compare_model(dir, ids, 300, DCU_F32, 0.03);
-        compare_model(dir, ids, 300, DCU_BF16, 0.03);
+        compare_model(dir, ids, 300, DCU_F32, 0.05);
+        compare_model(dir, ids, 300, DCU_BF16, 0.05);
         json_decref(g);
     }
 }

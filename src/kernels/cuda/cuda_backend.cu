@@ -749,12 +749,13 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
             }
             xb = s->xconv;
         }
-        /* FP8 weights: the e4m3 GEMV for decode-sized T (not in the batch-invariant mode, whose
-         * rows must not depend on T), else the GEMM on the bf16 twin */
-        if (fp8 && ((!s->inv && o->T <= s->c->fp8_gemv_max_t) || !o->w_scale.twin)) {
-            /* without a twin (DISAGG_CUDA_FP8_TWIN=0) every T on the GEMV, 8 tokens a launch:
-             * FP8's memory, not a GEMM's speed for prefill */
-            if (!gemv_fp8_ok(1, o->K, o->w_scale.block_k, xb, o->w)) return -ENOTSUP;
+        /* FP8 weights: the e4m3 GEMV for decode-sized T where its 16-byte loads take the
+         * shape (not in the batch-invariant mode, whose rows must not depend on T), else the
+         * GEMM on the bf16 twin; without a twin (DISAGG_CUDA_FP8_TWIN=0) every T and shape on
+         * the GEMV (its scalar form where the loads cannot), 8 tokens a launch: FP8's
+         * memory, not a GEMM's speed for prefill */
+        if (fp8 && (!o->w_scale.twin || (!s->inv && o->T <= s->c->fp8_gemv_max_t &&
+                                         gemv_fp8_ok(1, o->K, o->w_scale.block_k, xb, o->w)))) {
             for (int t0 = 0; t0 < o->T; t0 += 8) {
                 int nt = o->T - t0 < 8 ? o->T - t0 : 8;
                 int rc = gemv_fp8(s->c, (float *)o->y + (size_t)t0 * o->N,

@@ -307,6 +307,8 @@ int qkv_finish(dcu_ctx *c, float *q, void *kv, int kv_kind, int bs, int n_layers
 /* ---- cuda_gemv_fp8.cu --------------------------------------------------------------- */
 /* the FP8 decode GEMV (weight-only: x bf16, w e4m3 with backend_wscale's scales s, bn x bk a
  * scale) for T = 1..8, and the load-time dequantization to the bf16 twin of the GEMMs */
+/* gemv_fp8_ok: the 16-byte-load kernel takes the shape; gemv_fp8 takes every shape (a scalar
+ * kernel for the others) */
 int gemv_fp8_ok(int T, int K, int bk, const void *x, const void *w);
 int gemv_fp8(dcu_ctx *c, float *y, const void *x, const void *w, const float *s, int bn, int bk,
              const float *bias, int T, int N, int K);

@@ -7,7 +7,10 @@
  *                e4m3x2 -> f16x2 conversion (exact), dots them with x in f32 and multiplies
  *                the 16-term partial sum by the f32 scale of their block (backend_wscale:
  *                per tensor, per channel or 128 x 128); one warp a weight row, streaming
- *                1 byte a weight (half the bf16 GEMV's bytes).
+ *                1 byte a weight (half the bf16 GEMV's bytes).  Shapes the 16-byte loads
+ *                cannot take (K % 16, a block_k neither a multiple of 16 nor >= K, x or w
+ *                not 16-byte aligned) run a scalar form of it (k_gemv_fp8_any): every shape
+ *                backend_wscale describes has a GEMV.
  *   fp8_dequant  e4m3 * scale -> bf16, at load: the bf16 twin the prefill GEMMs use (cuBLASLt
  *                bf16; an FP8 tensor-core GEMM for prefill is not here yet).
  */
@@ -56,12 +59,14 @@ __device__ __forceinline__ float gf_dot16(const float *w, uint4 xa, uint4 xb) {
 
 /* y (T, N) f32 = x (T, K) bf16 . (w e4m3 * scale)^T (+ bias).  K16 = K / 16 uint4 a row; the
  * scale of the 16 weights at columns 16 i .. 16 i + 15 is s[(row / bn) nkb + 16 i / bk]
- * (gemv_fp8_ok: bk a multiple of 16, or >= K, so the 16 share one). */
+ * (gemv_fp8_ok: bk a multiple of 16, or >= K, so the 16 share one): i >> ksh when bk / 16 is
+ * 2^ksh (ksh 31 when one scale spans the row), else a division (ksh -1).  The scales are
+ * loaded with the weights, not after their conversion. */
 template <int TT>
 __global__ void __launch_bounds__(32 * GF_WARPS)
     k_gemv_fp8(float *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
-               const float *__restrict__ s, int bn, int bk, int nkb, const float *__restrict__ bias,
-               int N, int K16) {
+               const float *__restrict__ s, int bn, int bk, int nkb, int ksh,
+               const float *__restrict__ bias, int N, int K16) {
     int row = blockIdx.x * GF_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const uint4 *wr = w + (size_t)row * K16;
@@ -74,10 +79,12 @@ __global__ void __launch_bounds__(32 * GF_WARPS)
     int K8 = 2 * K16; /* uint4 of x a token row */
     for (int i0 = lane; i0 < K16; i0 += 32 * GF_U) {
         uint4 wv[GF_U];
+        float sv[GF_U];
 #pragma unroll
         for (int u = 0; u < GF_U; u++) {
             int i = i0 + 32 * u;
             wv[u] = i < K16 ? gf_ld_stream(wr + i, pol) : make_uint4(0, 0, 0, 0);
+            sv[u] = i < K16 ? __ldg(sr + (ksh >= 0 ? i >> ksh : (16 * i) / bk)) : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < GF_U; u++) {
@@ -88,11 +95,10 @@ __global__ void __launch_bounds__(32 * GF_WARPS)
                 gf_cvt4(wv[u].y, wf + 4);
                 gf_cvt4(wv[u].z, wf + 8);
                 gf_cvt4(wv[u].w, wf + 12);
-                float sc = __ldg(sr + (16 * i) / bk);
 #pragma unroll
                 for (int t = 0; t < TT; t++) {
                     const uint4 *xr = x + (size_t)t * K8 + 2 * i;
-                    acc[t] = fmaf(sc, gf_dot16(wf, __ldg(xr), __ldg(xr + 1)), acc[t]);
+                    acc[t] = fmaf(sv[u], gf_dot16(wf, __ldg(xr), __ldg(xr + 1)), acc[t]);
                 }
             }
         }
@@ -104,6 +110,36 @@ __global__ void __launch_bounds__(32 * GF_WARPS)
     }
 }
 
+/* the scalar form for the shapes the 16-byte loads cannot take: one warp a row, a lane a
+ * column at a time, each weight times its own block's scale */
+template <int TT>
+__global__ void __launch_bounds__(32 * GF_WARPS)
+    k_gemv_fp8_any(float *__restrict__ y, const bf16 *__restrict__ x,
+                   const uint8_t *__restrict__ w, const float *__restrict__ s, int bn, int bk,
+                   int nkb, const float *__restrict__ bias, int N, int K) {
+    int row = blockIdx.x * GF_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const uint8_t *wr = w + (size_t)row * K;
+    const float *sr = s + (size_t)(row / bn) * nkb;
+    float acc[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++)
+        acc[t] = 0.0f;
+    for (int k = lane; k < K; k += 32) {
+        __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)__ldg(wr + k), __NV_E4M3);
+        float v = __half2float(*reinterpret_cast<__half *>(&h)) * __ldg(sr + k / bk);
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+            acc[t] = fmaf(v, __bfloat162float(x[(size_t)t * K + k]), acc[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) y[(size_t)t * N + row] = v + (bias ? bias[row] : 0.0f);
+    }
+}
+
+/* whether the 16-byte-load kernel takes the shape (else gemv_fp8 runs the scalar form) */
 int gemv_fp8_ok(int T, int K, int bk, const void *x, const void *w) {
     return T >= 1 && T <= GF_MAXT && K % 16 == 0 && (bk % 16 == 0 || bk >= K) &&
            !(((uintptr_t)x | (uintptr_t)w) & 15);
@@ -111,14 +147,24 @@ int gemv_fp8_ok(int T, int K, int bk, const void *x, const void *w) {
 
 int gemv_fp8(dcu_ctx *c, float *y, const void *x, const void *w, const float *s, int bn, int bk,
              const float *bias, int T, int N, int K) {
-    if (!gemv_fp8_ok(T, K, bk, x, w) || bn < 1 || bk < 1) return -EINVAL;
-    int nkb = (K + bk - 1) / bk, K16 = K / 16;
+    if (T < 1 || T > GF_MAXT || bn < 1 || bk < 1 || K < 1) return -EINVAL;
+    int nkb = (K + bk - 1) / bk, K16 = K / 16, vec = gemv_fp8_ok(T, K, bk, x, w);
+    int ksh = nkb == 1 ? 31 : -1; /* the scale column of uint4 i: i >> ksh, or 16 i / bk */
+    if (ksh < 0 && bk % 16 == 0 && !((bk / 16) & (bk / 16 - 1))) {
+        ksh = 0;
+        while ((16 << ksh) < bk)
+            ksh++;
+    }
     dim3 g((N + GF_WARPS - 1) / GF_WARPS), b(32 * GF_WARPS);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
     switch (T) {
 #define GF_(TT)                                                                                    \
     case TT:                                                                                       \
-        k_gemv_fp8<TT><<<g, b, 0, c->stream>>>(y, xv, wv, s, bn, bk, nkb, bias, N, K16);           \
+        if (vec)                                                                                   \
+            k_gemv_fp8<TT><<<g, b, 0, c->stream>>>(y, xv, wv, s, bn, bk, nkb, ksh, bias, N, K16);  \
+        else                                                                                       \
+            k_gemv_fp8_any<TT><<<g, b, 0, c->stream>>>(y, (const bf16 *)x, (const uint8_t *)w, s,  \
+                                                       bn, bk, nkb, bias, N, K);                   \
         break;
         GF_(1) GF_(2) GF_(3) GF_(4) GF_(5) GF_(6) GF_(7) GF_(8)
 #undef GF_
