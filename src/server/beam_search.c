@@ -250,9 +250,14 @@ static int bs_advance(struct beam_search *b, bs_prompt *p) {
         /* vLLM's logprobs entry: the sampled token, then the top ones */
         for (int k = 0; k < res->n_top; k++)
             if (res->top_ids[k] == res->id) sampled_in = true;
-        if (!sampled_in) cand[nc++] = (bs_cand){i, res->id, p->live[i].cum + res->logprob, nc};
-        for (int k = 0; k < res->n_top; k++)
-            cand[nc++] = (bs_cand){i, res->top_ids[k], p->live[i].cum + res->top_lps[k], nc};
+        if (!sampled_in) {
+            cand[nc] = (bs_cand){i, res->id, p->live[i].cum + res->logprob, nc};
+            nc++;
+        }
+        for (int k = 0; k < res->n_top; k++) {
+            cand[nc] = (bs_cand){i, res->top_ids[k], p->live[i].cum + res->top_lps[k], nc};
+            nc++;
+        }
     }
     int rc = 0;
     int kept = 0;
