@@ -229,6 +229,13 @@ int arch_describe(model_config *c, const struct json_t *jo, const char *where, c
     if (!f) return arch_check(c, mt, where, err, errlen);
     if (!c->head_dim)
         c->head_dim = f->head_dim_default ? f->head_dim_default : c->hidden_size / c->n_heads;
+    if (c->head_dim < 1 || c->head_dim % 2) {
+        snprintf(err, errlen,
+                 "%s: head_dim %d (hidden_size %d / num_attention_heads %d when config.json has no "
+                 "head_dim) is not accepted; accepted: a positive even head_dim",
+                 where, c->head_dim, c->hidden_size, c->n_heads);
+        return -EINVAL;
+    }
     c->q_dim = c->n_heads * c->head_dim;
     c->qkv_bias = f->qkv_bias;
     c->qk_norm = f->qk_norm;
