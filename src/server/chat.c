@@ -199,6 +199,30 @@ int server_chat_render_ids(server *s, const json_t *messages, const json_t *tool
     return 0;
 }
 
+json_t *server_body_object(gen_req *r, const char *body, size_t len) {
+    json_error_t je;
+    json_t *in = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &je);
+    if (json_is_object(in)) return in;
+    oai_error_set(&r->err, 400, "BadRequestError", NULL,
+                  in ? "The request body must be a JSON object"
+                     : "Invalid JSON body: %s at line %d column %d",
+                  je.text, je.line, je.column);
+    json_decref(in);
+    return NULL;
+}
+
+int server_chat_prepare_json(server *s, gen_req *r, json_t *chat) {
+    char *text = json_dumps(chat, JSON_COMPACT);
+    json_decref(chat);
+    if (!text) {
+        oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
+        return -1;
+    }
+    int rc = server_chat_prepare(s, r, text, strlen(text));
+    free(text);
+    return rc;
+}
+
 /* Parse, render and tokenize (on the loop or the preparation thread). */
 int server_chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
     if (oai_request_parse(&r->o, OAI_CHAT, body, len, &s->defaults, &r->err)) return -1;

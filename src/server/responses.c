@@ -324,28 +324,13 @@ fail:
 }
 
 static int resp_prepare(server *s, gen_req *r, const char *body, size_t len) {
-    json_error_t je;
-    json_t *in = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &je);
-    if (!json_is_object(in)) {
-        oai_error_set(&r->err, 400, "BadRequestError", NULL,
-                      in ? "The request body must be a JSON object"
-                         : "Invalid JSON body: %s at line %d column %d",
-                      je.text, je.line, je.column);
-        json_decref(in);
-        return -1;
-    }
+    json_t *in = server_body_object(r, body, len);
+    if (!in) return -1;
     json_t *chat = to_chat(in, &r->err);
     resp_ext *x = r->ext;
     x->req = in;
     if (!chat) return -1;
-    char *text = json_dumps(chat, JSON_COMPACT);
-    json_decref(chat);
-    if (!text) {
-        oai_error_set(&r->err, 500, "InternalServerError", NULL, "out of memory");
-        return -1;
-    }
-    int rc = server_chat_prepare(s, r, text, strlen(text));
-    free(text);
+    int rc = server_chat_prepare_json(s, r, chat);
     if (rc) { /* the chat fields' names in Responses terms */
         if (!strcmp(r->err.param, "messages")) snprintf(r->err.param, sizeof r->err.param, "input");
         if (!strcmp(r->err.param, "max_tokens"))

@@ -128,6 +128,10 @@ int server_chat_render_ids(server *s, const json_t *messages, const json_t *tool
  * -1 with r->err set (chat.c).  The Responses and Messages endpoints translate their bodies
  * into this one. */
 int server_chat_prepare(server *s, struct gen_req *r, const char *body, size_t len);
+/* For those translations: the request body as a JSON object (new reference), or NULL with a
+ * 400 in r->err; and server_chat_prepare of a translated chat body (the reference is taken). */
+struct json_t *server_body_object(struct gen_req *r, const char *body, size_t len);
+int server_chat_prepare_json(server *s, struct gen_req *r, struct json_t *chat);
 /* Drain the engine-event queue (gen.c), on the loop thread. */
 void gen_drain_events(server *s);
 /* Shutdown, after engine_destroy: free the requests still in flight (their
