@@ -378,7 +378,8 @@ static void test_matmul(void **state) {
 static void test_matmul_fp8(void **state) {
     (void)state;
     int shapes[][3] = {{1, 5, 16},    {1, 37, 272}, {3, 200, 336},  {8, 130, 4112},
-                       {2, 129, 400}, {9, 33, 256}, {64, 257, 384}, {5, 3, 24}};
+                       {2, 129, 400}, {9, 33, 256}, {64, 257, 384}, {5, 3, 24},
+                       {1, 37, 4128}, {2, 300, 2064}}; /* the last two: split-K GEMVs */
     const char *ge = getenv("DISAGG_CUDA_FP8_GEMV");
     int gemv_t = ge ? atoi(ge) : 8;
     for (int bi = 0; bi < g_n_be; bi++) {
@@ -1233,6 +1234,93 @@ static void test_gate_up_gemv(void **state) {
             free(gh), free(wh), free(x), free(hgu), free(fgu);
             backend_buffer_free(bgu), backend_buffer_free(bx), backend_buffer_free(bh);
         }
+        backend_stream_free(st);
+    }
+}
+
+/* backend_gate_up over FP8 gate|up weights (one (2I, K) e4m3 matrix, scales per tensor, per
+ * channel, 128 x 128) at decode sizes: CUDA's fused GEMV (SwiGLU epilogue, split-K for K >= 2048
+ * at these few rows) over the e4m3 bytes; the CPU's dequantized f32.  Against a host reference
+ * in double of silu(x wg^T) * (x wu^T) with w = e4m3 * scale. */
+static void test_gate_up_fp8(void **state) {
+    (void)state;
+    int shapes[][3] = {{1, 128, 272}, {2, 256, 2064}, {1, 256, 4128}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        backend_dtype mm = backend_mm_dtype(be);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
+            for (int lay = 0; lay < 3; lay++) {
+                int T = shapes[k][0], I = shapes[k][1], H = shapes[k][2], N = 2 * I;
+                int bn = lay == 0 ? N : lay == 1 ? 1 : 128, bk = lay == 2 ? 128 : H;
+                int nkb = (H + bk - 1) / bk, ng = (N + bn - 1) / bn * nkb;
+                test_batch tb;
+                int start[1] = {3}, n_new[1] = {T};
+                make_batch(&tb, 1, start, n_new, 4, 8, 10);
+                assert_int_equal(backend_plan(st, &tb.b), 0);
+                uint8_t *q = malloc((size_t)N * H);
+                float *sc = malloc((size_t)ng * sizeof *sc), *wf = malloc((size_t)N * H * 4);
+                assert_non_null(q), assert_non_null(sc), assert_non_null(wf);
+                for (int i = 0; i < ng; i++)
+                    sc[i] = (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)H)));
+                for (size_t i = 0; i < (size_t)N * H; i++) {
+                    do
+                        q[i] = (uint8_t)irand(256);
+                    while ((q[i] & 0x7f) == 0x7f);
+                }
+                backend_e4m3_to_f32(wf, q, (size_t)N * H);
+                backend_dtype stored;
+                backend_wscale ws;
+                backend_buffer *bw = backend_weights_load_fp8(be, q, N, H, sc, bn, bk, &stored, &ws);
+                assert_non_null(bw);
+                /* the up half as its own matrix (I a multiple of bn or one scale a tensor) */
+                backend_wscale su = ws;
+                size_t es = backend_dtype_size(stored);
+                if (ws.s) {
+                    su.s = ws.s + (bn >= N ? 0 : (size_t)(I / bn) * nkb);
+                    if (ws.twin) su.twin = (const char *)ws.twin + (size_t)I * H * 2;
+                }
+                float *x = rand_vec((size_t)T * H, BACKEND_BF16);
+                backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
+                               *bh = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0),
+                               *bh2 = backend_buffer_alloc(be, (size_t)T * I * backend_dtype_size(mm), 0);
+                backend_mlp_op mo = {.x = DEV(bx),
+                                     .x_dt = mm,
+                                     .T = T,
+                                     .hidden = H,
+                                     .inter = I,
+                                     .w_gate = DEV(bw),
+                                     .w_up = (const char *)DEV(bw) + (size_t)I * H * es,
+                                     .w_dt = stored,
+                                     .w_gate_up = backend_wants_cat(be) ? DEV(bw) : NULL,
+                                     .h = DEV(bh),
+                                     .h2 = backend_wants_cat(be) ? NULL : DEV(bh2),
+                                     .h_dt = mm,
+                                     .s_gate = ws,
+                                     .s_up = su,
+                                     .s_gate_up = ws};
+                assert_int_equal(backend_gate_up(st, &mo), 0);
+                float *gh = from_dev(st, DEV(bh), (size_t)T * I, mm);
+                double *wh = malloc(sizeof(double) * T * I);
+                for (int t = 0; t < T; t++)
+                    for (int n = 0; n < I; n++) {
+                        double gg = 0, uu = 0;
+                        for (int i = 0; i < H; i++) {
+                            gg += (double)x[t * H + i] * wf[(size_t)n * H + i] *
+                                  sc[(n / bn) * nkb + i / bk];
+                            uu += (double)x[t * H + i] * wf[(size_t)(I + n) * H + i] *
+                                  sc[((I + n) / bn) * nkb + i / bk];
+                        }
+                        wh[t * I + n] = gg / (1.0 + exp(-gg)) * uu;
+                    }
+                char what[96];
+                snprintf(what, sizeof what, "fp8 gate_up T %d I %d K %d scales %s", T, I, H,
+                         lay == 0 ? "per tensor" : lay == 1 ? "per channel" : "128x128");
+                check_close(what, be, gh, wh, (size_t)T * I, mm == BACKEND_F32 ? 1e-4 : 1e-2);
+                free(gh), free(wh), free(x), free(q), free(sc), free(wf);
+                backend_buffer_free(bw), backend_buffer_free(bx), backend_buffer_free(bh),
+                    backend_buffer_free(bh2);
+            }
         backend_stream_free(st);
     }
 }
@@ -2430,6 +2518,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_matmul_fp8),
+        cmocka_unit_test(test_gate_up_fp8),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),

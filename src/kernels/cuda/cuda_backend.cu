@@ -719,6 +719,13 @@ static int cb_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, const
               "rmsnorm", 0);
 }
 
+/* FP8 weights at decode T (<= 2 and DISAGG_CUDA_FP8_GEMV) on cuda_gemv.cu's GEMV family
+ * (split-K, the fused q|k|v and gate|up epilogues, PDL), not in the batch-invariant mode */
+static int cb_f8_gemv(const cb_stream *s, int T, int K, const backend_wscale *ws, const void *x,
+                      const void *w) {
+    return !s->inv && ws->s && T <= s->c->fp8_gemv_max_t && gemv_f8_ok(T, K, ws->block_k, x, w);
+}
+
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
     cb_stream *s = CB(st);
     const void *last_x = NULL;
@@ -754,6 +761,17 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
          * GEMM on the bf16 twin; without a twin (DISAGG_CUDA_FP8_TWIN=0) every T and shape on
          * the GEMV (its scalar form where the loads cannot), 8 tokens a launch: FP8's
          * memory, not a GEMM's speed for prefill */
+        if (fp8 && cb_f8_gemv(s, o->T, o->K, &o->w_scale, xb, o->w)) {
+            dcu_f8scale f8 = {o->w_scale.s, o->w_scale.block_n, o->w_scale.block_k};
+            int rc = gemv_f8(s->c, (float *)o->y, xb, o->w, &f8, o->bias, o->T, o->N, o->K);
+            if (rc) return rc;
+            if (s->prof && s->prof->on) {
+                char nm[48];
+                snprintf(nm, sizeof nm, "fp8 gemv %dx%d", o->N, o->K);
+                prof_mark(s, nm, (double)o->N * o->K);
+            }
+            continue;
+        }
         if (fp8 && (!o->w_scale.twin || (!s->inv && o->T <= s->c->fp8_gemv_max_t &&
                                          gemv_fp8_ok(1, o->K, o->w_scale.block_k, xb, o->w)))) {
             for (int t0 = 0; t0 < o->T; t0 += 8) {
@@ -946,10 +964,19 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     if (!fp8 && !s->inv && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         gemv_ok(s->c, T, o->hidden, o->x, o->wqkv)) {
         /* decode: one GEMV over q|k|v with bias, RoPE and the KV write in its epilogue */
-        int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kk, o->x, o->wqkv, o->bqkv, T,
+        int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kk, o->x, o->wqkv, NULL, o->bqkv, T,
                           o->hidden, kv->block_size, kv->n_layers, o->layer, s->pos, s->seq,
                           s->bt, s->stride, o->inv_freq, nh, nkv, hd, ksc, vsc);
         return pm(s, rc, "qkv gemv (bias, rope, kv)", (double)W * o->hidden * 2);
+    }
+    if (fp8 && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
+        cb_f8_gemv(s, T, o->hidden, &o->sqkv, o->x, o->wqkv)) {
+        /* the same fused GEMV over FP8 q|k|v weights */
+        dcu_f8scale f8 = {o->sqkv.s, o->sqkv.block_n, o->sqkv.block_k};
+        int rc = gemv_qkv(s->c, (float *)o->q, kv->base, kk, o->x, o->wqkv, &f8, o->bqkv, T,
+                          o->hidden, kv->block_size, kv->n_layers, o->layer, s->pos, s->seq,
+                          s->bt, s->stride, o->inv_freq, nh, nkv, hd, ksc, vsc);
+        return pm(s, rc, "fp8 qkv gemv (bias, rope, kv)", (double)W * o->hidden);
     }
     /* prefill-sized batches (T >= c->qkv_bf16_min_t, fast mode, bf16 x): the GEMM writes
      * q|k|v in bf16 (its epilogue rounds the f32 accumulator; the bias is added after, in
@@ -997,8 +1024,17 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
         /* decode: one GEMV over gate|up with the SwiGLU in its epilogue (no f32 gate|up) */
         return pm(s,
                   gemv_gate_up(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, o->x,
-                               o->w_gate_up, T, I, o->hidden),
+                               o->w_gate_up, NULL, T, I, o->hidden),
                   "gate_up+swiglu gemv", 2.0 * I * o->hidden * 2);
+    if (fp8 && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
+        cb_f8_gemv(s, T, o->hidden, &o->s_gate_up, o->x, o->w_gate_up)) {
+        /* the same over FP8 gate|up weights */
+        dcu_f8scale f8 = {o->s_gate_up.s, o->s_gate_up.block_n, o->s_gate_up.block_k};
+        return pm(s,
+                  gemv_gate_up(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, o->x,
+                               o->w_gate_up, &f8, T, I, o->hidden),
+                  "fp8 gate_up+swiglu gemv", 2.0 * I * o->hidden);
+    }
     /* prefill-sized batches (T >= c->gu_bf16_min_t, fast mode, bf16 x): the GEMM writes
      * gate|up in bf16 and SwiGLU reads that (the f32 intermediate was 4 bytes x T x 2I
      * written and read back: 620 MB a layer at 4,096 tokens of the 7B shape) */

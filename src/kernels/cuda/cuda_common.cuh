@@ -191,6 +191,27 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+/* FP8 e4m3 weights in the GEMVs: 4 e4m3 (one u32, element 0 in the low byte) -> 4 f32,
+ * exactly (the hardware e4m3x2 -> f16x2 conversion); f8_dot16: sum_j w[j] x[j] over 16
+ * elements, w f32, x two uint4 of 8 bf16 each, in element order */
+__device__ __forceinline__ void f8_cvt4(uint32_t v, float *f) {
+    __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+    __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v >> 16), __NV_E4M3);
+    float2 a = __half22float2(*reinterpret_cast<__half2 *>(&lo));
+    float2 b = __half22float2(*reinterpret_cast<__half2 *>(&hi));
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+}
+__device__ __forceinline__ float f8_dot16(const float *w, uint4 xa, uint4 xb) {
+    uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    float d = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        d = fmaf(w[2 * j], __uint_as_float(xs[j] << 16), d);
+        d = fmaf(w[2 * j + 1], __uint_as_float(xs[j] & 0xffff0000u), d);
+    }
+    return d;
+}
+
 /* sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets it */
 static __device__ float block_sum(float v) {
     __shared__ float sh[32];
@@ -329,15 +350,27 @@ cublasStatus_t lt_desc_nt(cublasLtMatmulDesc_t *op);
 int lt_cfg(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttributes_t at);
 
 /* ---- cuda_gemv.cu ------------------------------------------------------------------- */
+typedef struct {
+    const float *s; /* (ceil(N / bn), ceil(K / bk)) f32, row-major */
+    int bn, bk;
+} dcu_f8scale;
 int gemv_ok(const dcu_ctx *c, int T, int K, const void *x, const void *w);
 int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T, int N,
          int K);
-/* h (T, I) of h_dtype = silu(x wg^T) * (x wu^T), w = [wg; wu] (2I, K) */
-int gemv_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w, int T, int I,
-                 int K);
+int gemv_f8(dcu_ctx *c, float *y, const void *x, const void *w, const dcu_f8scale *f8,
+            const float *bias, int T, int N, int K);
+int gemv_f8_ok(int T, int K, int bk, const void *x, const void *w);
+/* h (T, I) of h_dtype = silu(x wg^T) * (x wu^T), w = [wg; wu] (2I, K); f8: FP8 weights or NULL */
+int gemv_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w,
+                 const dcu_f8scale *f8, int T, int I, int K);
 /* the fused q|k|v GEMV: bias, RoPE and the KV write (kv_kind: 0 f32, 1 bf16, 2 e4m3 with
  * the layer's scales) in its epilogue */
+/* FP8 e4m3 weights in the GEMVs above: w (N, K) e4m3 and one f32 scale s per bn x bk block
+ * (backend_wscale); NULL where the weights are bf16.  gemv_f8_ok: the GEMV family takes FP8
+ * weights of this shape (T <= 2, K % 16 == 0, bk a multiple of 16 or >= K, 16-byte aligned);
+ * T = 3..8 and the other shapes run gemv_fp8 (cuda_gemv_fp8.cu). */
 int gemv_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
+             const dcu_f8scale *f8,
              const float *bias, int T, int K, int bs, int n_layers, int layer,
              const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
              const float *inv_freq, int nh, int nkv, int hd, float k_scale, float v_scale);

@@ -3,6 +3,10 @@
  * tokens, weight-streaming bound (one warp a weight row, or S warps a row split over K),
  * with the gate|up GEMV (SwiGLU in its epilogue) and the q|k|v GEMV (bias, RoPE and the KV
  * write in its epilogue).  matmul (cuda_gemm.cu) takes the GEMV where gemv_ok() says so.
+ * Every kernel has two weight formats (template WF): bf16 (WF_BF16: a 16-byte load is 8
+ * weights, dotted with one uint4 of x) and FP8 e4m3 (WF_F8: a 16-byte load is 16 weights,
+ * converted exactly to f32, dotted with two uint4 of x in f32, the 16-term sum times the f32
+ * scale of their block) -- FP8 weights get the same split-K, fusions and PDL as bf16.
  */
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -46,40 +50,78 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p, uint64_t pol) {
 #define GV_S (32 * GV_U)
 #define GV_MAXW 8 /* warps a CTA at most (DISAGG_CUDA_GEMV_WARPS) */
 #define GV_MAXS 8 /* split-K factor at most (DISAGG_CUDA_GEMV_SPLIT) */
-template <int NR>
-__device__ __forceinline__ void gv_load(uint4 (&wv)[NR][GV_U], const uint4 *const *wr, int i0,
-                                        int K8, uint64_t pol) {
+#define WF_BF16 0
+#define WF_F8   1
+/* the scales of FP8 weights on the device side: row r's scales at s + (r / bn) nkb; the
+ * scale of weight uint4 g (columns 16 g .. 16 g + 15, one block: gemv_f8_ok) is column
+ * g >> ksh when bk / 16 is 2^ksh (ksh 31 when one scale spans the row), else 16 g / bk */
+struct gv_sc {
+    const float *s;
+    int bn, bk, nkb, ksh;
+};
+__device__ __forceinline__ const float *gv_srow(const gv_sc &sc, int row) {
+    return sc.s + (size_t)(row / sc.bn) * sc.nkb;
+}
+template <int NR, int WF>
+__device__ __forceinline__ void gv_load(uint4 (&wv)[NR][GV_U], float (&sv)[NR][GV_U],
+                                        const uint4 *const *wr, const float *const *sr, int i0,
+                                        int ib, int K8, uint64_t pol, const gv_sc &sc) {
 #pragma unroll
     for (int r = 0; r < NR; r++)
 #pragma unroll
         for (int u = 0; u < GV_U; u++) {
             int i = i0 + 32 * u;
             wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
+            if constexpr (WF == WF_F8) {
+                int g = ib + i; /* the uint4's index in the whole row */
+                sv[r][u] = i < K8 ? __ldg(sr[r] + (sc.ksh >= 0 ? g >> sc.ksh : (16 * g) / sc.bk))
+                                  : 0.0f;
+            }
         }
 }
-template <int TT, int NR>
+template <int TT, int NR, int WF>
 __device__ __forceinline__ void gv_fma(float (&acc)[NR][TT], const uint4 (&wv)[NR][GV_U],
-                                       const uint4 *__restrict__ x, int xs, int i0, int K8) {
+                                       const float (&sv)[NR][GV_U], const uint4 *__restrict__ x,
+                                       int xs, int i0, int K8) {
 #pragma unroll
     for (int u = 0; u < GV_U; u++) {
         int i = i0 + 32 * u;
         if (i < K8) {
+            if constexpr (WF == WF_F8) {
 #pragma unroll
-            for (int t = 0; t < TT; t++) {
-                uint4 xv = __ldg(x + (size_t)t * xs + i);
+                for (int r = 0; r < NR; r++) {
+                    float wf[16];
+                    f8_cvt4(wv[r][u].x, wf);
+                    f8_cvt4(wv[r][u].y, wf + 4);
+                    f8_cvt4(wv[r][u].z, wf + 8);
+                    f8_cvt4(wv[r][u].w, wf + 12);
 #pragma unroll
-                for (int r = 0; r < NR; r++)
-                    acc[r][t] += dot8(wv[r][u], xv);
+                    for (int t = 0; t < TT; t++) {
+                        const uint4 *xr = x + (size_t)t * xs + 2 * i;
+                        acc[r][t] = fmaf(sv[r][u], f8_dot16(wf, __ldg(xr), __ldg(xr + 1)),
+                                         acc[r][t]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    uint4 xv = __ldg(x + (size_t)t * xs + i);
+#pragma unroll
+                    for (int r = 0; r < NR; r++)
+                        acc[r][t] += dot8(wv[r][u], xv);
+                }
             }
         }
     }
 }
-/* acc[r][t] = this lane's part of row r . token t (warp_sum it) over uint4s 0 .. K8 - 1 of
- * wr[r] and of x (token t at x + t xs: xs = K8 of the whole row; a split-K warp passes its
- * range's start in wr and x and its length as K8); calls pdl_wait() */
-template <int TT, int NR>
+/* acc[r][t] = this lane's part of row r . token t (warp_sum it) over weight uint4s 0 .. K8 - 1
+ * of wr[r] and the matching x (token t at x + t xs: xs = uint4s of x's whole row; a split-K
+ * warp passes its range's start in wr and x, its length as K8 and, FP8, its first uint4's
+ * index in the row as ib, with sr[r] = gv_srow(row r)); calls pdl_wait() */
+template <int TT, int NR, int WF>
 __device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const *wr,
-                                        const uint4 *__restrict__ x, int xs, int K8, int lane) {
+                                        const uint4 *__restrict__ x, int xs, int K8, int lane,
+                                        const float *const *sr, int ib, const gv_sc &sc) {
 #pragma unroll
     for (int r = 0; r < NR; r++)
 #pragma unroll
@@ -87,23 +129,26 @@ __device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const
             acc[r][t] = 0.0f;
     uint64_t pol = l2_evict_first();
     uint4 wa[NR][GV_U];
+    float sa[NR][GV_U];
     int base = 0;
-    gv_load<NR>(wa, wr, base + lane, K8, pol);
+    gv_load<NR, WF>(wa, sa, wr, sr, base + lane, ib, K8, pol, sc);
     pdl_wait();
     for (;;) {
-        gv_fma<TT, NR>(acc, wa, x, xs, base + lane, K8);
+        gv_fma<TT, NR, WF>(acc, wa, sa, x, xs, base + lane, K8);
         base += GV_S;
         if (base >= K8) break;
-        gv_load<NR>(wa, wr, base + lane, K8, pol);
+        gv_load<NR, WF>(wa, sa, wr, sr, base + lane, ib, K8, pol, sc);
     }
 }
+/* x's uint4s per weight uint4 */
+#define GV_XW(WF) ((WF) == WF_F8 ? 2 : 1)
 
 /* MODE 0: y (T, N) f32 = x w^T (+ bias), one row a warp; MODE 1: h (T, I) =
  * silu(x wg^T) * (x wu^T) in OT, wg = rows 0..I-1 of w, wu = rows I..2I-1 (N = I). */
-template <int TT, int MODE, typename OT>
+template <int TT, int MODE, typename OT, int WF>
 __global__ void __launch_bounds__(256)
     k_gemv(OT *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
-            const float *__restrict__ bias, int N, int K8) {
+            const float *__restrict__ bias, int N, int K8, gv_sc sc) {
     constexpr int NR = MODE == 1 ? 2 : 1;
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) { /* N: rows of the output (I for MODE 1) */
@@ -111,10 +156,15 @@ __global__ void __launch_bounds__(256)
         return;
     }
     const uint4 *wr[NR];
+    const float *sr[NR] = {};
     wr[0] = w + (size_t)row * K8;
     if (NR == 2) wr[NR - 1] = w + (size_t)(row + N) * K8;
+    if constexpr (WF == WF_F8) {
+        sr[0] = gv_srow(sc, row);
+        if (NR == 2) sr[NR - 1] = gv_srow(sc, row + N);
+    }
     float acc[NR][TT];
-    gv_rows<TT, NR>(acc, wr, x, K8, K8, lane);
+    gv_rows<TT, NR, WF>(acc, wr, x, GV_XW(WF) * K8, K8, lane, sr, 0, sc);
     pdl_trigger(); /* late: the next kernel's CTAs start once this grid's loads are done */
 #pragma unroll
     for (int t = 0; t < TT; t++) {
@@ -138,10 +188,10 @@ __global__ void __launch_bounds__(256)
  * epilogue of the CTA that finishes last — threadfence, an integer count, k_rmsnorm4's
  * arithmetic, the same bits — measured 0.35 ms a step slower than the separate k_rmsnorm4 on
  * the H200 with CUDA graphs, 4.97 vs 4.62 ms at batch 1, 4k: removed.) */
-template <int TT, int S, int NR>
+template <int TT, int S, int NR, int WF>
 __global__ void __launch_bounds__(256)
     k_gemv_sk(float *__restrict__ y, const uint4 *__restrict__ x, const uint4 *__restrict__ w,
-              const float *__restrict__ bias, int N, int K8, int len) {
+              const float *__restrict__ bias, int N, int K8, int len, gv_sc sc) {
     __shared__ float red[GV_MAXW][NR][TT];
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row = (blockIdx.x * ((blockDim.x >> 5) / S) + wi / S) * NR, sp = wi % S;
@@ -149,10 +199,14 @@ __global__ void __launch_bounds__(256)
     float acc[NR][TT];
     if (row < N && n > 0) {
         const uint4 *wr[NR];
+        const float *sr[NR] = {};
 #pragma unroll
-        for (int r = 0; r < NR; r++)
+        for (int r = 0; r < NR; r++) {
             wr[r] = w + (size_t)min(row + r, N - 1) * K8 + lo; /* a dead row re-reads the last */
-        gv_rows<TT, NR>(acc, wr, x + lo, K8, n, lane);
+            if constexpr (WF == WF_F8) sr[r] = gv_srow(sc, min(row + r, N - 1));
+        }
+        gv_rows<TT, NR, WF>(acc, wr, x + (size_t)GV_XW(WF) * lo, GV_XW(WF) * K8, n, lane, sr, lo,
+                            sc);
     } else {
 #pragma unroll
         for (int r = 0; r < NR; r++)
@@ -188,13 +242,13 @@ __global__ void __launch_bounds__(256)
  * padding row, pos < 0) — the same arithmetic as k_qkv_finish on the GEMV's output.  S > 1:
  * split-K as k_gemv_sk (S warps a pair, uint4s [s len, (s + 1) len) each, the partial sums
  * added in split order by the pair's first warp, which runs the epilogue). */
-template <int TT, typename KT, int S>
+template <int TT, typename KT, int S, int WF>
 __global__ void __launch_bounds__(256)
     k_gemv_qkv(float *__restrict__ qout, KT *kv, const uint4 *__restrict__ x,
                const uint4 *__restrict__ w, const float *__restrict__ bias, int K8, int len,
                int bs, int n_layers, int layer, const int32_t *pos, const int32_t *seq,
                const int32_t *bts, int bt_stride, const float *inv_freq, int nh, int nkv, int hd,
-               float ksc, float vsc) {
+               float ksc, float vsc, gv_sc sc) {
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int pi = blockIdx.x * ((blockDim.x >> 5) / S) + wi / S, sp = wi % S;
     int half = hd / 2, h = nh * hd, kvd = nkv * hd, n_rope = (nh + nkv) * half;
@@ -209,7 +263,10 @@ __global__ void __launch_bounds__(256)
     float acc[2][TT];
     if (live && n > 0) {
         const uint4 *wr[2] = {w + (size_t)r0 * K8 + lo, w + (size_t)r1 * K8 + lo};
-        gv_rows<TT, 2>(acc, wr, x + lo, K8, n, lane);
+        const float *sr[2] = {};
+        if constexpr (WF == WF_F8) sr[0] = gv_srow(sc, r0), sr[1] = gv_srow(sc, r1);
+        gv_rows<TT, 2, WF>(acc, wr, x + (size_t)GV_XW(WF) * lo, GV_XW(WF) * K8, n, lane, sr, lo,
+                           sc);
     } else {
 #pragma unroll
         for (int t = 0; t < TT; t++)
@@ -297,16 +354,32 @@ static int gemv_split_len(int K8, int S) {
     return S == 1 ? K8 : ((K8 + S - 1) / S + 7) / 8 * 8;
 }
 
+/* the device form of FP8 scales (zeros for bf16 weights) */
+static gv_sc gv_sc_of(const dcu_f8scale *f8, int K) {
+    gv_sc sc = {};
+    if (!f8) return sc;
+    sc.s = f8->s, sc.bn = f8->bn, sc.bk = f8->bk;
+    sc.nkb = (K + f8->bk - 1) / f8->bk;
+    sc.ksh = sc.nkb == 1 ? 31 : -1;
+    if (sc.ksh < 0 && f8->bk % 16 == 0 && !((f8->bk / 16) & (f8->bk / 16 - 1))) {
+        sc.ksh = 0;
+        while ((16 << sc.ksh) < f8->bk)
+            sc.ksh++;
+    }
+    return sc;
+}
+
 /* the split-K GEMV (k_gemv_sk) with S splits, c->gemv_split_rows rows a warp */
+template <int WF>
 static int gemv_sk_launch(dcu_ctx *c, float *y, const uint4 *xv, const uint4 *wv,
-                          const float *bias, int T, int N, int K8, int S) {
+                          const float *bias, int T, int N, int K8, int S, gv_sc sc) {
     int nw = c->gemv_warps, wc = nw > S ? nw : S, len = gemv_split_len(K8, S), nr = c->gemv_split_rows;
     int rpc = wc / S * nr; /* rows a CTA */
     dim3 gs((N + rpc - 1) / rpc), bs(32 * wc);
 #define GSK_(TT, SS, NR)                                                                         \
     if (T == TT && S == SS && nr == NR)                                                          \
-        return launch_pdl(c, "gemv (split-K)", k_gemv_sk<TT, SS, NR>, gs, bs, 0, y, xv, wv, bias, \
-                          N, K8, len);
+        return launch_pdl(c, "gemv (split-K)", k_gemv_sk<TT, SS, NR, WF>, gs, bs, 0, y, xv, wv,   \
+                          bias, N, K8, len, sc);
 #define GSK_S(TT, NR) GSK_(TT, 2, NR) GSK_(TT, 4, NR) GSK_(TT, 8, NR)
     GSK_S(1, 1) GSK_S(2, 1) GSK_S(1, 2) GSK_S(2, 2)
 #undef GSK_S
@@ -314,34 +387,51 @@ static int gemv_sk_launch(dcu_ctx *c, float *y, const uint4 *xv, const uint4 *wv
     return -EINVAL;
 }
 
-template <int MODE, typename OT>
+template <int MODE, typename OT, int WF>
 static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const float *bias, int T,
-                       int N, int K) {
+                       int N, int K, gv_sc sc) {
     int nw = c->gemv_warps; /* warps (output rows) per CTA */
     dim3 g((N + nw - 1) / nw), b(32 * nw);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
-    int K8 = K / 8;
+    int K8 = WF == WF_F8 ? K / 16 : K / 8; /* weight uint4s a row */
     if constexpr (MODE == 0 && sizeof(OT) == 4) {
         int S = gemv_split_for(c, c->gemv_split, N, K8, GV_MIN_LEN);
-        if (S > 1) return gemv_sk_launch(c, y, xv, wv, bias, T, N, K8, S);
+        if (S > 1) return gemv_sk_launch<WF>(c, y, xv, wv, bias, T, N, K8, S, sc);
     }
-    if (T == 1) return launch_pdl(c, "gemv", k_gemv<1, MODE, OT>, g, b, 0, y, xv, wv, bias, N, K8);
-    if (T == 2) return launch_pdl(c, "gemv", k_gemv<2, MODE, OT>, g, b, 0, y, xv, wv, bias, N, K8);
+    if (T == 1)
+        return launch_pdl(c, "gemv", k_gemv<1, MODE, OT, WF>, g, b, 0, y, xv, wv, bias, N, K8, sc);
+    if (T == 2)
+        return launch_pdl(c, "gemv", k_gemv<2, MODE, OT, WF>, g, b, 0, y, xv, wv, bias, N, K8, sc);
     return -EINVAL;
 }
 
 int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T, int N,
          int K) {
-    return gemv_launch<0, float>(c, y, x, w, bias, T, N, K);
+    return gemv_launch<0, float, WF_BF16>(c, y, x, w, bias, T, N, K, gv_sc_of(NULL, K));
+}
+
+/* FP8 weights: T = 1..2 (the bf16 GEMV's token counts), whole 16-byte loads, a 16-weight
+ * load within one scale block */
+int gemv_f8_ok(int T, int K, int bk, const void *x, const void *w) {
+    return T >= 1 && T <= GEMV_MAX_T && K % 16 == 0 && (bk % 16 == 0 || bk >= K) &&
+           !(((uintptr_t)x | (uintptr_t)w) & 15);
+}
+
+int gemv_f8(dcu_ctx *c, float *y, const void *x, const void *w, const dcu_f8scale *f8,
+            const float *bias, int T, int N, int K) {
+    if (!f8 || !gemv_f8_ok(T, K, f8->bk, x, w)) return -EINVAL;
+    return gemv_launch<0, float, WF_F8>(c, y, x, w, bias, T, N, K, gv_sc_of(f8, K));
 }
 
 /* the fused q|k|v GEMV (k_gemv_qkv) for T = 1..2, split-K by gemv_split_for */
-template <typename KT>
+template <typename KT, int WF>
 static int gemv_qkv_t(dcu_ctx *c, float *qout, KT *kv, const void *x, const void *w,
                       const float *bias, int T, int K, int bs, int n_layers, int layer,
                       const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
-                      const float *inv_freq, int nh, int nkv, int hd, float ksc, float vsc) {
-    int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2, K8 = K / 8;
+                      const float *inv_freq, int nh, int nkv, int hd, float ksc, float vsc,
+                      gv_sc sc) {
+    int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2,
+        K8 = WF == WF_F8 ? K / 16 : K / 8;
     int S = gemv_split_for(c, c->qkv_split, pairs, K8, GV_MIN_LEN_QKV), wc = nw > S ? nw : S,
         rpc = wc / S;
     int len = gemv_split_len(K8, S);
@@ -350,9 +440,9 @@ static int gemv_qkv_t(dcu_ctx *c, float *qout, KT *kv, const void *x, const void
     if (T < 1 || T > 2) return -EINVAL;
 #define GQ_(TT, SS)                                                                                \
     if (T == TT && S == SS)                                                                        \
-        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<TT, KT, SS>, g, b, 0, qout, kv, xv, wv, bias,  \
-                          K8, len, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq, nh,    \
-                          nkv, hd, ksc, vsc);
+        return launch_pdl(c, "gemv_qkv", k_gemv_qkv<TT, KT, SS, WF>, g, b, 0, qout, kv, xv, wv,    \
+                          bias, K8, len, bs, n_layers, layer, pos, seq, bts, bt_stride, inv_freq,  \
+                          nh, nkv, hd, ksc, vsc, sc);
     GQ_(1, 1) GQ_(1, 2) GQ_(1, 4) GQ_(1, 8) GQ_(2, 1) GQ_(2, 2) GQ_(2, 4) GQ_(2, 8)
 #undef GQ_
     return -EINVAL;
@@ -373,21 +463,45 @@ int gemv_ok(const dcu_ctx *c, int T, int K, const void *x, const void *w) {
     return T >= 1 && T <= c->gemv_max_t && K % 8 == 0 && !(((uintptr_t)x | (uintptr_t)w) & 15);
 }
 
-int gemv_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w, int T, int I,
-                 int K) {
-    return h_dtype == DCU_BF16 ? gemv_launch<1, bf16>(c, (bf16 *)h, x, w, NULL, T, I, K)
-                               : gemv_launch<1, float>(c, (float *)h, x, w, NULL, T, I, K);
+template <int WF>
+static int gemv_gate_up_t(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w,
+                          int T, int I, int K, gv_sc sc) {
+    return h_dtype == DCU_BF16 ? gemv_launch<1, bf16, WF>(c, (bf16 *)h, x, w, NULL, T, I, K, sc)
+                               : gemv_launch<1, float, WF>(c, (float *)h, x, w, NULL, T, I, K, sc);
+}
+int gemv_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w,
+                 const dcu_f8scale *f8, int T, int I, int K) {
+    if (f8 && !gemv_f8_ok(T, K, f8->bk, x, w)) return -EINVAL;
+    return f8 ? gemv_gate_up_t<WF_F8>(c, h, h_dtype, x, w, T, I, K, gv_sc_of(f8, K))
+              : gemv_gate_up_t<WF_BF16>(c, h, h_dtype, x, w, T, I, K, gv_sc_of(NULL, K));
 }
 
-int gemv_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
-             const float *bias, int T, int K, int bs, int n_layers, int layer, const int32_t *pos,
-             const int32_t *seq, const int32_t *bts, int bt_stride, const float *inv_freq, int nh,
-             int nkv, int hd, float ksc, float vsc) {
+template <int WF>
+static int gemv_qkv_wf(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x,
+                       const void *w, const float *bias, int T, int K, int bs, int n_layers,
+                       int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                       int bt_stride, const float *inv_freq, int nh, int nkv, int hd, float ksc,
+                       float vsc, gv_sc sc) {
     if (kv_kind == 2)
-        return gemv_qkv_t<f8e4m3>(c, qout, (f8e4m3 *)kv, x, w, bias, T, K, bs, n_layers, layer,
-                                  pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, ksc, vsc);
-    return kv_kind ? gemv_qkv_t<bf16>(c, qout, (bf16 *)kv, x, w, bias, T, K, bs, n_layers, layer,
-                                      pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, 1.0f, 1.0f)
-                   : gemv_qkv_t<float>(c, qout, (float *)kv, x, w, bias, T, K, bs, n_layers, layer,
-                                       pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, 1.0f, 1.0f);
+        return gemv_qkv_t<f8e4m3, WF>(c, qout, (f8e4m3 *)kv, x, w, bias, T, K, bs, n_layers,
+                                      layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, ksc,
+                                      vsc, sc);
+    return kv_kind ? gemv_qkv_t<bf16, WF>(c, qout, (bf16 *)kv, x, w, bias, T, K, bs, n_layers,
+                                          layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd,
+                                          1.0f, 1.0f, sc)
+                   : gemv_qkv_t<float, WF>(c, qout, (float *)kv, x, w, bias, T, K, bs, n_layers,
+                                           layer, pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd,
+                                           1.0f, 1.0f, sc);
+}
+int gemv_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
+             const dcu_f8scale *f8, const float *bias, int T, int K, int bs, int n_layers,
+             int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
+             const float *inv_freq, int nh, int nkv, int hd, float ksc, float vsc) {
+    if (f8 && !gemv_f8_ok(T, K, f8->bk, x, w)) return -EINVAL;
+    return f8 ? gemv_qkv_wf<WF_F8>(c, qout, kv, kv_kind, x, w, bias, T, K, bs, n_layers, layer,
+                                   pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, ksc, vsc,
+                                   gv_sc_of(f8, K))
+              : gemv_qkv_wf<WF_BF16>(c, qout, kv, kv_kind, x, w, bias, T, K, bs, n_layers, layer,
+                                     pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd, ksc, vsc,
+                                     gv_sc_of(NULL, K));
 }

@@ -2,7 +2,8 @@
  * cuda_gemv_fp8 — FP8 (e4m3) weights on the CUDA module (cuda_common.cuh):
  *
  *   gemv_fp8     the decode GEMV y (T, N) f32 = x (T, K) bf16 . dequant(w (N, K) e4m3)^T
- *                (+ bias) for T = 1..8: weight-only FP8 -- the activations stay bf16, each
+ *                (+ bias) for T = 1..8 (T <= 2 of the shapes gemv_f8_ok takes run cuda_gemv.cu's
+ *                GEMV family instead: split-K, fused epilogues, PDL): weight-only FP8 -- the activations stay bf16, each
  *                lane converts 16 e4m3 weights (one 16-byte load) to f32 with the hardware
  *                e4m3x2 -> f16x2 conversion (exact), dots them with x in f32 and multiplies
  *                the 16-term partial sum by the f32 scale of their block (backend_wscale:
@@ -34,29 +35,6 @@ __device__ __forceinline__ uint4 gf_ld_stream(const uint4 *p, uint64_t pol) {
         : "l"(p), "l"(pol));
     return v;
 }
-/* 4 e4m3 (one u32, element 0 in the low byte) -> 4 f32, exactly */
-__device__ __forceinline__ void gf_cvt4(uint32_t v, float *f) {
-    __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
-    __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v >> 16), __NV_E4M3);
-    float2 a = __half22float2(*reinterpret_cast<__half2 *>(&lo));
-    float2 b = __half22float2(*reinterpret_cast<__half2 *>(&hi));
-    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
-}
-__device__ __forceinline__ float gf_bf(uint32_t v, int hi) {
-    return __uint_as_float(hi ? (v & 0xffff0000u) : (v << 16));
-}
-/* sum_j w[j] x[j] over 16 elements: w f32, x two uint4 of 8 bf16 each, in element order */
-__device__ __forceinline__ float gf_dot16(const float *w, uint4 xa, uint4 xb) {
-    uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-    float d = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        d = fmaf(w[2 * j], gf_bf(xs[j], 0), d);
-        d = fmaf(w[2 * j + 1], gf_bf(xs[j], 1), d);
-    }
-    return d;
-}
-
 /* y (T, N) f32 = x (T, K) bf16 . (w e4m3 * scale)^T (+ bias).  K16 = K / 16 uint4 a row; the
  * scale of the 16 weights at columns 16 i .. 16 i + 15 is s[(row / bn) nkb + 16 i / bk]
  * (gemv_fp8_ok: bk a multiple of 16, or >= K, so the 16 share one): i >> ksh when bk / 16 is
@@ -91,14 +69,14 @@ __global__ void __launch_bounds__(32 * GF_WARPS)
             int i = i0 + 32 * u;
             if (i < K16) {
                 float wf[16];
-                gf_cvt4(wv[u].x, wf);
-                gf_cvt4(wv[u].y, wf + 4);
-                gf_cvt4(wv[u].z, wf + 8);
-                gf_cvt4(wv[u].w, wf + 12);
+                f8_cvt4(wv[u].x, wf);
+                f8_cvt4(wv[u].y, wf + 4);
+                f8_cvt4(wv[u].z, wf + 8);
+                f8_cvt4(wv[u].w, wf + 12);
 #pragma unroll
                 for (int t = 0; t < TT; t++) {
                     const uint4 *xr = x + (size_t)t * K8 + 2 * i;
-                    acc[t] = fmaf(sv[u], gf_dot16(wf, __ldg(xr), __ldg(xr + 1)), acc[t]);
+                    acc[t] = fmaf(sv[u], f8_dot16(wf, __ldg(xr), __ldg(xr + 1)), acc[t]);
                 }
             }
         }
