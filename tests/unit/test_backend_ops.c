@@ -117,6 +117,15 @@ static float *from_dev(backend_stream *st, const void *dev, size_t n, backend_dt
 }
 #define DEV(b) backend_buffer_ptr(b)
 
+/* the largest |got - want| / (1 + |want|) (NaN: infinity) */
+static double max_err(const float *got, const double *want, size_t n) {
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - want[i]) / (1.0 + fabs(want[i]));
+        if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+    }
+    return worst;
+}
 /* |got - want| <= tol * (1 + |want|) everywhere, else fail naming the op and element */
 static void check_close(const char *what, const backend *be, const float *got, const double *want,
                         size_t n, double tol) {
@@ -379,7 +388,8 @@ static void test_matmul_fp8(void **state) {
     (void)state;
     int shapes[][3] = {{1, 5, 16},    {1, 37, 272}, {3, 200, 336},  {8, 130, 4112},
                        {2, 129, 400}, {9, 33, 256}, {64, 257, 384}, {5, 3, 24},
-                       {1, 37, 4128}, {2, 300, 2064}}; /* the last two: split-K GEMVs */
+                       {1, 37, 4128}, {2, 300, 2064}, /* split-K GEMVs */
+                       {64, 256, 384}, {100, 512, 2064}}; /* CUDA: the e4m3 GEMM (W8A8) */
     const char *ge = getenv("DISAGG_CUDA_FP8_GEMV");
     int gemv_t = ge ? atoi(ge) : 8;
     for (int bi = 0; bi < g_n_be; bi++) {
@@ -433,17 +443,45 @@ static void test_matmul_fp8(void **state) {
                          : lay == 1 ? "per channel"
                                     : "128x128");
                 double tol = backend_is_cpu(be) ? 1e-5 : (T <= gemv_t && K % 16 == 0) ? 1e-4 : 1e-2;
-                check_close(what, be, got, want, (size_t)T * N, tol);
+                /* CUDA at T > the GEMV's, rows of one scale, N and K multiples of 16: cuBLASLt's
+                 * e4m3 GEMM on x quantized per token (W8A8, cuda_gemm_fp8.cu) where cuBLASLt
+                 * has it, else the twin: the result must match one of the two computations --
+                 * want8 emulates the quantization (scale amax / 448 in f32, e4m3 of x * (1 /
+                 * scale), nearest even) and leaves only the f32 accumulation (1e-4) */
+                int w8a8 = !backend_is_cpu(be) && T > gemv_t && bk >= K && N % 16 == 0 &&
+                           K % 16 == 0 && !(getenv("DISAGG_CUDA_FP8_GEMM") &&
+                                            !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "0"));
+                double *want8 = w8a8 ? malloc(sizeof(double) * T * N) : NULL;
+                for (int t = 0; w8a8 && t < T; t++) {
+                    float amax = 0.0f;
+                    for (int i = 0; i < K; i++)
+                        amax = fmaxf(amax, fabsf(x[t * K + i]));
+                    float xs = amax > 0.0f ? amax / 448.0f : 1.0f, inv = 1.0f / xs;
+                    for (int n = 0; n < N; n++) {
+                        double acc = 0;
+                        for (int i = 0; i < K; i++)
+                            acc += (double)fp8_e4m3_to_f32(fp8_e4m3_from_f32(x[t * K + i] * inv)) *
+                                   wf[(size_t)n * K + i];
+                        want8[t * N + n] = bias[n] + acc * xs * sc[(n / bn) * nkb];
+                    }
+                }
+                int took8 = w8a8 && max_err(got, want8, (size_t)T * N) <= 1e-4;
+                if (!took8) check_close(what, be, got, want, (size_t)T * N, tol);
                 /* the residual form (CUDA at T >= 64: cuBLASLt's epilogue onto resid, over the
                  * twin): resid + the same product */
                 float *r0 = rand_vec((size_t)T * N, BACKEND_F32);
                 backend_buffer *br = to_dev(st, r0, (size_t)T * N, BACKEND_F32);
                 assert_int_equal(backend_matmul_residual(st, &op, DEV(br)), 0);
                 float *gr = from_dev(st, DEV(br), (size_t)T * N, BACKEND_F32);
-                for (int i = 0; i < T * N; i++)
+                for (int i = 0; i < T * N; i++) {
                     want[i] += r0[i];
+                    if (want8) want8[i] += r0[i];
+                }
                 strncat(what, " (+= residual)", sizeof what - strlen(what) - 1);
-                check_close(what, be, gr, want, (size_t)T * N, tol);
+                if (!(w8a8 && max_err(gr, want8, (size_t)T * N) <= 1e-4))
+                    check_close(what, be, gr, want, (size_t)T * N, tol);
+                if (took8) print_message("  %s: the e4m3 GEMM (W8A8)\n", what);
+                free(want8);
                 free(r0), free(gr);
                 backend_buffer_free(br);
                 /* a matmul of FP8 weights without their scales is refused */

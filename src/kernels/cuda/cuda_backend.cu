@@ -48,9 +48,10 @@ typedef struct cb_stream {
     int n_tiles, n_rest, rest_ctx, flash_hd; /* flash_hd: head_dim the split assumed */
     void *xconv;          /* bf16 copy of a matmul input */
     size_t xconv_bytes;
-    void *scr[3];         /* fused ops' intermediates: [0] the q|k|v GEMM, [1] gate|up,
-                             [2] the mixture of experts' workspace (cuda_moe.h) */
-    size_t scr_bytes[3];
+    void *scr[4];         /* fused ops' intermediates: [0] the q|k|v GEMM, [1] gate|up,
+                             [2] the mixture of experts' workspace (cuda_moe.h), [3] FP8
+                             GEMMs' e4m3 activations and their per-token scales */
+    size_t scr_bytes[4];
     /* recorded decode steps (backend_graph_*): one entry per (T, max_ctx, max_blocks) */
     struct cb_graph *graphs;
     int n_graphs, cap_graphs;
@@ -362,11 +363,25 @@ static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *sr
     cb_dev *d = (cb_dev *)be->ctx;
     size_t n = (size_t)N * K, ng = (size_t)((N + block_n - 1) / block_n) *
                                    ((K + block_k - 1) / block_k);
-    size_t o_s = (n + 255) & ~(size_t)255, o_t = (o_s + ng * 4 + 255) & ~(size_t)255;
+    /* scales spanning whole rows (per tensor, per channel): one f32 a row too, the A scale
+     * vector of the FP8 tensor-core GEMM (cb_f8_rowscale finds it after the scales) */
+    int rowvec = block_k >= K;
+    size_t o_s = (n + 255) & ~(size_t)255, o_r = (o_s + ng * 4 + 255) & ~(size_t)255;
+    size_t o_t = rowvec ? (o_r + (size_t)N * 4 + 255) & ~(size_t)255 : o_r;
+    float *hrow = NULL;
+    if (rowvec) {
+        hrow = (float *)malloc((size_t)N * 4);
+        if (!hrow) return -ENOMEM;
+        for (int r = 0; r < N; r++)
+            hrow[r] = scales[r / block_n];
+    }
     const char *tw = getenv("DISAGG_CUDA_FP8_TWIN"); /* 0: no bf16 twin (1 byte a weight) */
     int twin = !(tw && !strcmp(tw, "0"));
-    int rc = cb_buffer_alloc(be, b, twin ? o_t + n * 2 : o_s + ng * 4, 0);
-    if (rc) return rc;
+    int rc = cb_buffer_alloc(be, b, twin ? o_t + n * 2 : o_t, 0);
+    if (rc) {
+        free(hrow);
+        return rc;
+    }
     char *base = (char *)b->ptr;
     dcu_ctx *c = d->loader;
     cudaSetDevice(d->ord);
@@ -375,15 +390,19 @@ static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *sr
     if (cudaMemcpyAsync(base, src, n, cudaMemcpyHostToDevice, c->stream) != cudaSuccess ||
         cudaMemcpyAsync(base + o_s, scales, ng * 4, cudaMemcpyHostToDevice, c->stream) !=
             cudaSuccess ||
+        (rowvec && cudaMemcpyAsync(base + o_r, hrow, (size_t)N * 4, cudaMemcpyHostToDevice,
+                                   c->stream) != cudaSuccess) ||
         (twin && fp8_dequant_bf16(c, (bf16 *)(base + o_t), (const uint8_t *)base,
                                   (const float *)(base + o_s), block_n, block_k, N, K)) ||
         cudaStreamSynchronize(c->stream) != cudaSuccess) {
         fprintf(stderr, "cuda: FP8 weights upload failed: %s\n",
                 cudaGetErrorString(cudaGetLastError()));
+        free(hrow);
         cb_buffer_free(be, b);
         return -EIO;
     }
-    d->loaded += n * (twin ? 3 : 1) + ng * 4;
+    free(hrow);
+    d->loaded += n * (twin ? 3 : 1) + ng * 4 + (rowvec ? (size_t)N * 4 : 0);
     ws->s = (const float *)(base + o_s);
     ws->block_n = block_n;
     ws->block_k = block_k;
@@ -424,6 +443,7 @@ static void cb_stream_free(backend_stream *st) {
     cudaFree(s->scr[0]);
     cudaFree(s->scr[1]);
     cudaFree(s->scr[2]);
+    cudaFree(s->scr[3]);
     free(s->h_meta);
     ctx_free(s->c);
     free(s);
@@ -726,6 +746,40 @@ static int cb_f8_gemv(const cb_stream *s, int T, int K, const backend_wscale *ws
     return !s->inv && ws->s && T <= s->c->fp8_gemv_max_t && gemv_f8_ok(T, K, ws->block_k, x, w);
 }
 
+/* the one-scale-a-row vector cb_weights_load_fp8 placed after the scales (NULL: the scale
+ * blocks split rows, e.g. 128 x 128) */
+static const float *cb_f8_rowscale(const backend_wscale *ws, int N, int K) {
+    if (!ws->s || ws->block_k < K) return NULL;
+    size_t ng = (size_t)(N + ws->block_n - 1) / ws->block_n;
+    return (const float *)((const char *)ws->s + ((ng * 4 + 255) & ~(size_t)255));
+}
+
+static void *cb_scratch(cb_stream *s, int i, size_t bytes);
+
+/* FP8 weights at prefill-sized T on the FP8 tensor cores (cuda_gemm_fp8.cu): x (T, K) bf16
+ * quantized per token into scratch 3, then cuBLASLt's e4m3 GEMM into y (kind 0 f32, 1 f32 +=,
+ * 2 bf16).  -ENOTSUP: not for these weights or this shape (the caller runs the bf16 twin);
+ * never in the batch-invariant mode (DISAGG_CUDA_FP8_GEMM=0: never at all) */
+static int cb_f8_gemm(cb_stream *s, void *y, int kind, const void *x, const backend_wscale *ws,
+                      const void *w, int T, int N, int K) {
+    const float *sw = cb_f8_rowscale(ws, N, K);
+    if (s->inv || !s->c->fp8_gemm || !sw || !fp8_gemm_ok(T, N, K) ||
+        (((uintptr_t)x | (uintptr_t)w) & 15))
+        return -ENOTSUP;
+    size_t qb = ((size_t)T * K + 255) & ~(size_t)255;
+    char *scr = (char *)cb_scratch(s, 3, qb + (size_t)T * 4);
+    if (!scr) return s->capturing ? -EINVAL : -ENOMEM;
+    int rc = fp8_act_quant(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K);
+    if (rc) return rc;
+    rc = fp8_gemm(s->c, y, kind, (const uint8_t *)scr, (const float *)(scr + qb), w, sw, T, N, K);
+    if (!rc && s->prof && s->prof->on) {
+        char nm[48];
+        snprintf(nm, sizeof nm, "fp8 gemm %dx%d%s", N, K, kind == 1 ? " (+= residual)" : "");
+        prof_mark(s, nm, (double)N * K);
+    }
+    return rc;
+}
+
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops) {
     cb_stream *s = CB(st);
     const void *last_x = NULL;
@@ -761,6 +815,14 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
          * GEMM on the bf16 twin; without a twin (DISAGG_CUDA_FP8_TWIN=0) every T and shape on
          * the GEMV (its scalar form where the loads cannot), 8 tokens a launch: FP8's
          * memory, not a GEMM's speed for prefill */
+        if (fp8 && o->T > s->c->fp8_gemv_max_t) {
+            int rc = cb_f8_gemm(s, o->y, 0, xb, &o->w_scale, o->w, o->T, o->N, o->K);
+            if (!rc && o->bias) rc = add_bias(s->c, (float *)o->y, o->bias, o->N, (size_t)o->T * o->N);
+            if (rc != -ENOTSUP) {
+                if (rc) return rc;
+                continue;
+            }
+        }
         if (fp8 && cb_f8_gemv(s, o->T, o->K, &o->w_scale, xb, o->w)) {
             dcu_f8scale f8 = {o->w_scale.s, o->w_scale.block_n, o->w_scale.block_k};
             int rc = gemv_f8(s->c, (float *)o->y, xb, o->w, &f8, o->bias, o->T, o->N, o->K);
@@ -935,6 +997,8 @@ static int cb_add_rmsnorm(backend_stream *st, void *out, backend_dtype out_dt, v
 
 static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops);
 
+static int cb_qkv_generic(backend_stream *st, const backend_qkv_op *o);
+
 /* one GEMM over q|k|v into scratch, then bias + RoPE + q out + K/V into the cache */
 static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     cb_stream *s = CB(st);
@@ -984,11 +1048,17 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
      * written and read back */
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->qkv_bf16_min_t > 0 &&
         T >= s->c->qkv_bf16_min_t &&
-        (!fp8 || (T > s->c->fp8_gemv_max_t && o->sqkv.twin))) {
+        (!fp8 || (T > s->c->fp8_gemv_max_t &&
+                  (o->sqkv.twin || cb_f8_rowscale(&o->sqkv, W, o->hidden))))) {
         const void *wqkv = fp8 ? o->sqkv.twin : o->wqkv;
         bf16 *qkv16 = (bf16 *)cb_scratch(s, 0, (size_t)T * W * 2);
         if (!qkv16) return s->capturing ? -EINVAL : -ENOMEM;
-        int rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, wqkv, T, W, o->hidden),
+        /* FP8 weights: the e4m3 tensor-core GEMM, else the bf16 twin */
+        int rc = fp8 ? cb_f8_gemm(s, qkv16, 2, o->x, &o->sqkv, o->wqkv, T, W, o->hidden)
+                     : -ENOTSUP;
+        if (rc == -ENOTSUP && !wqkv) return cb_qkv_generic(st, o);
+        if (rc == -ENOTSUP)
+            rc = pm(s, matmul_bf16out(s->c, qkv16, o->x, wqkv, T, W, o->hidden),
                     "q|k|v GEMM (bf16 out)", (double)W * o->hidden * 2);
         if (rc) return rc;
         rc = qkv_finish(s->c, (float *)o->q, kv->base, kk, kv->block_size, kv->n_layers,
@@ -999,6 +1069,18 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                                       : "qkv_finish (bf16 q|k|v; bias, rope, kv)",
                   0);
     }
+    return cb_qkv_generic(st, o);
+}
+
+/* cb_qkv's general form: the q|k|v matmul (cb_matmul: any weights, any T) into f32 scratch,
+ * then bias + RoPE + q out + K/V into the cache */
+static int cb_qkv_generic(backend_stream *st, const backend_qkv_op *o) {
+    cb_stream *s = CB(st);
+    const backend_kv *kv = o->kv;
+    const float ksc = cb_kv_scale(kv, o->layer, 0), vsc = cb_kv_scale(kv, o->layer, 1);
+    const int kk = kv_kind(kv);
+    int T = s->T, nh = o->n_heads, nkv = kv->n_kv_heads, hd = kv->head_dim,
+        W = (nh + 2 * nkv) * hd;
     float *qkv = (float *)cb_scratch(s, 0, (size_t)T * W * 4);
     if (!qkv) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {qkv, BACKEND_F32, o->x, o->x_dt, o->wqkv, o->w_dt, NULL, T, W,
@@ -1039,11 +1121,19 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
      * gate|up in bf16 and SwiGLU reads that (the f32 intermediate was 4 bytes x T x 2I
      * written and read back: 620 MB a layer at 4,096 tokens of the 7B shape) */
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->gu_bf16_min_t > 0 &&
-        T >= s->c->gu_bf16_min_t && (!fp8 || (T > s->c->fp8_gemv_max_t && wgu))) {
+        T >= s->c->gu_bf16_min_t &&
+        (!fp8 || (T > s->c->fp8_gemv_max_t &&
+                  (wgu || (o->w_gate_up && cb_f8_rowscale(&o->s_gate_up, 2 * I, o->hidden)))))) {
         bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
-        int rc = pm(s, matmul_bf16out(s->c, gu16, o->x, wgu, T, 2 * I, o->hidden),
+        /* FP8 weights: the e4m3 tensor-core GEMM, else the bf16 twin */
+        int rc = fp8 && o->w_gate_up ? cb_f8_gemm(s, gu16, 2, o->x, &o->s_gate_up, o->w_gate_up,
+                                                  T, 2 * I, o->hidden)
+                                     : -ENOTSUP;
+        if (rc == -ENOTSUP && wgu)
+            rc = pm(s, matmul_bf16out(s->c, gu16, o->x, wgu, T, 2 * I, o->hidden),
                     "gate|up GEMM (bf16 out)", 2.0 * 2 * I * o->hidden);
+        if (rc == -ENOTSUP) goto general;
         if (rc) return rc;
         return pm(s,
                   swiglu16(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu16, T, I),
@@ -1065,6 +1155,7 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
                   swiglu16(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, gu16, T, I),
                   "swiglu (bf16 gate|up)", 0);
     }
+general:;
     float *gu = (float *)cb_scratch(s, 1, (size_t)T * 2 * I * 4);
     if (!gu) return s->capturing ? -EINVAL : -ENOMEM;
     backend_matmul_op g = {gu, BACKEND_F32, o->x, o->x_dt, o->w_gate_up, o->w_dt, NULL, T,
@@ -1135,7 +1226,13 @@ static int cb_residual_fused(backend_stream *st, int T) {
 static int cb_matmul_residual(backend_stream *st, const backend_matmul_op *o, void *resid) {
     cb_stream *s = CB(st);
     dcu_ctx *c = s->c;
-    /* FP8 weights at GEMM sizes: the same over their bf16 twin */
+    /* FP8 weights at GEMM sizes: the e4m3 tensor-core GEMM with beta = 1 onto resid, else the
+     * same over their bf16 twin */
+    if (o->w_dt == BACKEND_F8E4M3 && o->T > c->fp8_gemv_max_t && cb_residual_fused(st, o->T) &&
+        o->y_dt == BACKEND_F32 && o->x_dt == BACKEND_BF16 && !o->bias) {
+        int rc = cb_f8_gemm(s, resid, 1, o->x, &o->w_scale, o->w, o->T, o->N, o->K);
+        if (rc != -ENOTSUP) return rc;
+    }
     int fp8 = o->w_dt == BACKEND_F8E4M3 && o->w_scale.twin && o->T > c->fp8_gemv_max_t;
     const void *wb = fp8 ? o->w_scale.twin : o->w;
     if (cb_residual_fused(st, o->T) && o->y_dt == BACKEND_F32 && o->x_dt == BACKEND_BF16 &&

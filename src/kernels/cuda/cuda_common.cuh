@@ -85,6 +85,8 @@ struct dcu_ctx {
     int last_err;
     int fp8_gemv_max_t; /* FP8 GEMMs of T <= this on the FP8 GEMV (DISAGG_CUDA_FP8_GEMV=0..8,
                            default 8; larger T: cuBLASLt bf16 on the twin) */
+    int fp8_gemm;       /* FP8 weights at larger T on the e4m3 tensor cores (cuda_gemm_fp8.cu;
+                           DISAGG_CUDA_FP8_GEMM=0: the bf16 twin) */
     int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
                        T through cuBLASLt; at T = 2 cuBLASLt measured faster) */
     int pdl;        /* programmatic dependent launch of the decode kernels (default on;
@@ -335,6 +337,15 @@ int gemv_fp8(dcu_ctx *c, float *y, const void *x, const void *w, const float *s,
              const float *bias, int T, int N, int K);
 int fp8_dequant_bf16(dcu_ctx *c, bf16 *out, const uint8_t *q, const float *s, int bn, int bk,
                      int N, int K);
+
+/* ---- cuda_gemm_fp8.cu --------------------------------------------------------------- */
+/* W8A8 for prefill: x bf16 quantized per token to e4m3 (sx: amax / 448 a token), then
+ * cuBLASLt's e4m3 GEMM with outer-vector scales (sw: one f32 a weight row); y of kind 0 f32,
+ * 1 f32 += (beta 1), 2 bf16.  -ENOTSUP: no cuBLASLt algorithm for the shape (remembered) */
+int fp8_act_quant(dcu_ctx *c, uint8_t *q, float *sx, const void *x, int T, int K);
+int fp8_gemm_ok(int T, int N, int K);
+int fp8_gemm(dcu_ctx *c, void *y, int kind, const uint8_t *xq, const float *sx, const void *w,
+             const float *sw, int T, int N, int K);
 
 /* ---- cuda_gemm.cu ------------------------------------------------------------------- */
 int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T, int N,
