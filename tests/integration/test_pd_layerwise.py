@@ -30,7 +30,7 @@ LW = "disagg:kv_transfer_layerwise_requests_total"
 
 
 def kv_config(role, **extra):
-    extra.setdefault("layerwise", True)  # opt-in on both sides (docs/connector.md)
+    extra.setdefault("layerwise", True)  # the default: said explicitly, as these tests are about it
     return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role,
                        "kv_connector_extra_config": dict({"mooncake_protocol": "tcp"}, **extra)})
 
@@ -177,7 +177,7 @@ def test_bad_layerwise_value_is_refused_at_startup():
                         "--kv-transfer-config", kv_config("kv_consumer", layerwise="yes")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert "kv_connector_extra_config.layerwise" in r.stderr and "true or false (default)" in r.stderr
+    assert "kv_connector_extra_config.layerwise" in r.stderr and "true (default) or false" in r.stderr
 
 
 # ---- faults, on a model whose prefill takes long enough to interrupt ---------------------------
