@@ -226,8 +226,9 @@ def test_producer_killed_mid_stream_fails_the_decoder_at_once(slow_model):
         print(f"decoder answered {elapsed * 1000:.0f} ms after the producer was killed mid-stream")
         ex.shutdown()
         assert r.status_code == 502, r.text
-        assert "side channel" in r.text or "unreachable" in r.text, r.text
-        assert elapsed < 2.0, "the decoder waited for its liveness probe instead of the closed socket"
+        # how D found out (the time is printed above, informational): its side channel saw
+        # P's connection close, not its liveness probe of P's bootstrap server (seconds later)
+        assert "closed the connection" in r.text, r.text
         # no decode from what had landed: the request failed; its blocks are held back from reuse
         # (P may have been writing) and then freed (the quarantine, docs/connector.md)
         assert metric(x.ds[0], "disagg:kv_transfer_failures_total", side="consumer",
