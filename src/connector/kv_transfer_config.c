@@ -317,7 +317,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
             if (!json_is_boolean(v)) {
                 err_set(err, cap,
                         "kv-transfer-config: kv_connector_extra_config.layerwise: %s is not "
-                        "accepted; accepted: true or false (default)",
+                        "accepted; accepted: true (default) or false",
                         json_short(v, shown, sizeof shown));
                 return KV_CONFIG_EINVAL;
             }
@@ -398,9 +398,7 @@ int kv_transfer_config_parse(const char *json_text, kv_transfer_config *out, cha
     c.max_pending_pulls = KV_CONFIG_PENDING_PULLS_DEFAULT;
     c.max_remote_loads = KV_CONFIG_REMOTE_LOADS_DEFAULT;
     c.first_token_handoff = 1;
-    /* opt-in: with it on, a follow-up request after a black-holed tcp connection failed its
-     * transfer (test_multihost_faults' relay case) -- until that is fixed */
-    c.layerwise = 0;
+    c.layerwise = 1; /* streams only when both sides have it and the pull comes in time */
     if (err && err_cap) err[0] = '\0';
     if (!json_text) {
         err_set(err, err_cap, "kv-transfer-config: missing (NULL) text");

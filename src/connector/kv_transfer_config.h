@@ -79,7 +79,7 @@ typedef struct kv_transfer_config {
      * a consumer uses such a token instead of recomputing the last prompt position
      * (docs/connector.md).  false: neither. */
     int first_token_handoff;
-    /* layerwise (default false: opt-in, see docs/connector.md): a consumer asks for its KV layer by layer while the
+    /* layerwise (default true): a consumer asks for its KV layer by layer while the
      * producer's prefill runs ("disagg_layerwise" in the pull), a producer streams it when
      * asked (docs/connector.md "Layer-wise streaming").  false: the whole-request path. */
     int layerwise;

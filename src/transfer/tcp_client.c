@@ -150,6 +150,30 @@ static void lane_break_locked(lane *l, uint32_t epoch) {
     pthread_cond_broadcast(&l->recv_cv);
 }
 
+/* A request on lane `from` got no reply before its deadline: the peer, or the way to it,
+ * went silent on that connection.  The other lanes of the same path were opened to the
+ * same peer the same way, and a silent connection looks exactly like an idle one (no
+ * error, no EOF): left open, each would hand a later request -- the next transfer of
+ * another prefill -- a whole deadline of silence before it fails too.  Close them now;
+ * their in-flight ops are retried (writes to fixed addresses: sending one again is
+ * harmless) and their next op opens a fresh connection.  Caller holds no lane lock. */
+static void break_path_siblings(tcp_client *c, const lane *from) {
+    int n = 0;
+    for (int k = 0; k < c->lanes_per_path; k++) {
+        lane *s = &c->lanes[from->path * c->lanes_per_path + k];
+        if (s == from) continue;
+        pthread_mutex_lock(&s->mu);
+        if (s->fd >= 0 && !s->broken) {
+            lane_break_locked(s, s->epoch);
+            n++;
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    if (n)
+        LOG_W(MOD, "%s went silent: closing its %d other connection%s too",
+              c->paths[from->path].label, n, n == 1 ? "" : "s");
+}
+
 /* Caller holds l->mu, the lane is connected and nobody else is sending:
  * gather queued ops into one sendmsg and send it (the lock is dropped while
  * writing); returns with l->mu held. */
@@ -436,6 +460,9 @@ static void *receiver_main(void *arg) {
                 pthread_mutex_unlock(&l->mu);
                 LOG_W(MOD, "request of %zu bytes on %s timed out", op->len,
                       c->paths[l->path].label);
+                /* before the op ends: once its batch has failed, the next transfer
+                 * finds no connection of this path that went silent with it */
+                break_path_siblings(c, l);
                 xfer_done(c->sink, op, TRANSFER_ETIMEDOUT);
                 pthread_mutex_lock(&l->mu);
             } else if (err == TRANSFER_EPROTO && l->f_head == op && l->epoch == epoch) {

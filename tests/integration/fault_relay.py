@@ -12,7 +12,10 @@ connection opens one to the target and copies bytes both ways, applying:
 
 Faults apply to the connections numbered (from 0, in accept order) in
 `faulty` (default: all), so "the first connection is reset, the retry goes
-through" can be written.  stats() says what each connection did.
+through" can be written.  black_hole_open() makes every connection open at
+that moment silent at once, whatever its byte count (the path went dark for
+the connections it carried; later ones are relayed).  stats() says what each
+connection did.
 """
 import heapq
 import socket
@@ -31,6 +34,7 @@ class _Conn:
         self.up = 0  # client -> target bytes read
         self.down = 0  # target -> client bytes read
         self.outcome = "open"
+        self.silenced = False  # black_hole_open(): swallow everything from now on
         self.lock = threading.Lock()
         self.closed = False
 
@@ -130,6 +134,10 @@ class FaultRelay:
             if upstream:
                 before = conn.up
                 conn.up += len(data)
+                if conn.silenced:
+                    conn.outcome = "stalled (black_hole_open)"
+                    self._blackhole(conn, src)
+                    break
                 if conn.faulty and self.reset_after is not None and conn.up >= self.reset_after:
                     keep = max(0, self.reset_after - before)
                     if keep:
@@ -152,7 +160,7 @@ class FaultRelay:
                     break
             else:
                 conn.down += len(data)
-                if conn.outcome.startswith("stalled"):
+                if conn.outcome.startswith("stalled") or conn.silenced:
                     continue  # the black hole swallows replies too
             if w:
                 with cv:
@@ -184,6 +192,16 @@ class FaultRelay:
             except OSError:
                 break
         conn.close()
+
+    def black_hole_open(self):
+        """Every connection open now goes silent (reads and drops, answers nothing);
+        connections accepted later are relayed.  Returns how many were open."""
+        n = 0
+        for c in self.conns:
+            if not c.closed and c.outcome == "open":
+                c.silenced = True
+                n += 1
+        return n
 
     def stats(self):
         return [{"index": c.index, "up": c.up, "down": c.down, "outcome": c.outcome} for c in self.conns]

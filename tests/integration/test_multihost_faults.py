@@ -343,6 +343,26 @@ def test_one_link_down_mid_transfer(pair, cluster, colocated):
     follow_up_ok(pds["fail"], colocated)
 
 
+def with_extra(cfg, extra):
+    """cfg (kv_config's JSON) with these kv_connector_extra_config keys added."""
+    c = json.loads(cfg)
+    c["kv_connector_extra_config"].update(extra or {})
+    return json.dumps(c)
+
+
+def send_streamed(pd, body):
+    """D's request first, P's once D's pull waits there: P's prefill starts with the pull
+    present, so a layer-wise pair streams it.  Returns (P response, D response)."""
+    import concurrent.futures as cf
+    pb, db, _ = pd.bodies(body)
+    with cf.ThreadPoolExecutor(2) as ex:
+        fd = ex.submit(requests.post, pd.d.url + "/v1/completions", json=db, timeout=TIMEOUT)
+        wait_for(lambda: pd.p.metric("disagg:kv_pending_unknown_pulls") >= 1 or fd.done(), 20,
+                 "D's pull to wait at P")
+        fp = ex.submit(requests.post, pd.p.url + "/v1/completions", json=pb, timeout=TIMEOUT)
+        return fp.result(), fd.result()
+
+
 @pytest.fixture
 def relayed(cluster):
     """relayed(**FaultRelay faults) -> HostPD whose decoder advertises the root
@@ -350,12 +370,13 @@ def relayed(cluster):
     relays there; the data port's relay injects the faults."""
     made = []
 
-    def make(policy="fail", **faults):
+    def make(policy="fail", extra=None, **faults):
         p, d = cluster.hosts
         env = dict(FAST, VLLM_HOST_IP=cluster.root_ip)
         n = next(_ports)
         pd = HostPD(p, d, device_name=None, p_env=FAST, d_env=env, port=8100 + n, boot_port=8700 + n,
-                    d_cfg=kv_config("kv_consumer", None, kv_load_failure_policy=policy))
+                    p_cfg=with_extra(kv_config("kv_producer", None), extra),
+                    d_cfg=with_extra(kv_config("kv_consumer", None, kv_load_failure_policy=policy), extra))
         made.append(pd)
         seg = [ln for ln in pd.d.logs().splitlines() if "transfer segment" in ln][0]
         rpc_port = int(seg.split("transfer segment ")[1].split(",")[0].rsplit(":", 1)[1])
@@ -411,6 +432,38 @@ def test_relay_black_hole_fails_cleanly(relayed, colocated):
     assert any(c["outcome"].startswith("stalled") for c in relay.stats()), relay.stats()
     all_blocks_free(pd.p, pd.d, timeout=30)
     follow_up_ok(pd, colocated)
+
+
+def test_relay_black_hole_layerwise_follow_up_gets_fresh_connections(relayed, colocated):
+    """Layer-wise streaming on both sides.  A streamed request leaves both of P's data
+    connections (lanes) to D open; then every open connection goes silent; a one-block
+    request (one write, on one of them) fails at its chunk's deadline.  The streamed
+    follow-up spreads its layers over both lanes: it must not hit the other silent one (P
+    closes a path's other connections when one goes silent) and equals colocated."""
+    pd, relay = relayed(extra={"layerwise": True})
+    body = dict(BODY, prompt=prompt(150, salt=50))
+    pr, dr = send_streamed(pd, body)
+    assert pr.status_code == 200, pr.text
+    assert completion_ids(dr) == reference(colocated, body)
+    assert dr.json()["usage"]["kv_transfer"]["layerwise"] is True, dr.json()["usage"]
+    assert relay.black_hole_open() >= 2, relay.stats()  # both lanes were open
+    one_block = dict(BODY, prompt=prompt(4, salt=51))  # < 16 tokens: one block, one write
+    t0 = time.time()
+    pr, dr = send_streamed(pd, one_block)
+    elapsed = time.time() - t0
+    assert pr.status_code == 200, pr.text
+    assert failed_cleanly(dr), dr.text  # its only write went into the black hole
+    assert "deadline exceeded" in dr.text, dr.text
+    assert elapsed < 90, elapsed
+    all_blocks_free(pd.p, pd.d, timeout=30)
+    body = dict(BODY, prompt=prompt(150, salt=52))
+    pr, dr = send_streamed(pd, body)
+    assert pr.status_code == 200, pr.text
+    assert completion_ids(dr) == reference(colocated, body), relay.stats()
+    assert dr.json()["usage"]["kv_transfer"]["layerwise"] is True
+    assert "went silent: closing its 1 other connection" in pd.p.logs(), pd.p.logs()
+    all_blocks_free(pd.p, pd.d)
+    follow_up_ok(pd, colocated, salt=998)
 
 
 # ---- start-up ----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ LW = "disagg:kv_transfer_layerwise_requests_total"
 
 
 def kv_config(role, **extra):
-    extra.setdefault("layerwise", True)  # opt-in on both sides (docs/connector.md)
+    extra.setdefault("layerwise", True)  # the default: said explicitly, as these tests are about it
     return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role,
                        "kv_connector_extra_config": dict({"mooncake_protocol": "tcp"}, **extra)})
 
@@ -177,7 +177,7 @@ def test_bad_layerwise_value_is_refused_at_startup():
                         "--kv-transfer-config", kv_config("kv_consumer", layerwise="yes")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert "kv_connector_extra_config.layerwise" in r.stderr and "true or false (default)" in r.stderr
+    assert "kv_connector_extra_config.layerwise" in r.stderr and "true (default) or false" in r.stderr
 
 
 # ---- faults, on a model whose prefill takes long enough to interrupt ---------------------------
@@ -226,8 +226,9 @@ def test_producer_killed_mid_stream_fails_the_decoder_at_once(slow_model):
         print(f"decoder answered {elapsed * 1000:.0f} ms after the producer was killed mid-stream")
         ex.shutdown()
         assert r.status_code == 502, r.text
-        assert "side channel" in r.text or "unreachable" in r.text, r.text
-        assert elapsed < 2.0, "the decoder waited for its liveness probe instead of the closed socket"
+        # how D found out (the time is printed above, informational): its side channel saw
+        # P's connection close, not its liveness probe of P's bootstrap server (seconds later)
+        assert "closed the connection" in r.text, r.text
         # no decode from what had landed: the request failed; its blocks are held back from reuse
         # (P may have been writing) and then freed (the quarantine, docs/connector.md)
         assert metric(x.ds[0], "disagg:kv_transfer_failures_total", side="consumer",

@@ -438,9 +438,29 @@ static void test_first_token_handoff_switch(void **state) {
     }
 }
 
+/* layerwise: on by default (both sides), false switches it off, anything but a boolean is
+ * refused naming the key and the accepted values. */
+static void test_layerwise_switch(void **state) {
+    (void)state;
+    const char *base = "{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_producer\"";
+    char j[512];
+    snprintf(j, sizeof j, "%s}", base);
+    assert_int_equal(parse_ok(j).layerwise, 1);
+    snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"layerwise\":false}}", base);
+    kv_transfer_config c = parse_ok(j);
+    assert_int_equal(c.layerwise, 0);
+    assert_string_equal(c.unknown_extra_keys, "");
+    static const char *const bad[] = {"1", "\"true\"", "null", "{}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(j, sizeof j, "%s,\"kv_connector_extra_config\":{\"layerwise\":%s}}", base, bad[i]);
+        parse_bad(j, "kv_connector_extra_config.layerwise", "true (default) or false");
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_first_token_handoff_switch),
+        cmocka_unit_test(test_layerwise_switch),
         cmocka_unit_test(test_minimal_producer_defaults),
         cmocka_unit_test(test_full_config),
         cmocka_unit_test(test_vllm_fields_accepted_and_ignored),
