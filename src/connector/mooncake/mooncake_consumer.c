@@ -298,16 +298,23 @@ void *mc_pull_main(void *arg) {
             layerwise);
     else
         engine_kv_load_failed(c->eng, r->id, recompute, hold_ns, status, msg);
-    /* A pull of several that failed: the prefill ranks not pulled yet still keep the
-     * request's blocks; tell them (after the request failed: a dead rank must not delay
-     * the error) */
-    if (!ok && done > 0 && done < nt) {
+    /* A pull of several that failed: the other prefill ranks may still keep the request's
+     * blocks (those not pulled yet, and ours when one P process serves every rank, which
+     * frees them after the last pull): tell every rank, the failed one last, after the
+     * request failed (a dead rank must not delay the error).  A rank already pulled has
+     * nothing left to free and answers at once. */
+    if (!ok && done > 0 && nt > 1) {
+        pull_target rel[MC_PULL_TARGETS];
+        int nr = 0;
+        for (int i = 0; i < nt; i++)
+            if (i != done - 1) rel[nr++] = tg[i];
+        rel[nr++] = tg[done - 1];
         char rerr[320] = "";
-        int nf = release_targets(c, tg + done, nt - done, r->transfer_id, &c->release_cancel,
-                                 rerr, sizeof rerr);
+        int nf = release_targets(c, rel, nr, r->transfer_id, &c->release_cancel, rerr,
+                                 sizeof rerr);
         if (nf)
             LOG_W(MOD, "transfer %s: %d of %d prefill ranks not told to release its KV: %s",
-                  r->transfer_id, nf, nt - done, rerr);
+                  r->transfer_id, nf, nr, rerr);
     }
     pthread_mutex_lock(&c->mu);
     c->st.loading--;
