@@ -765,6 +765,19 @@ static int tp_setup(server_config *cfg, int rank) {
                 S.tp);
         return -1;
     }
+    kv_transfer_config kc;
+    char kerr[256];
+    if (cfg->kv_transfer_config &&
+        !kv_transfer_config_parse(cfg->kv_transfer_config, &kc, kerr, sizeof kerr) &&
+        kc.layerwise) {
+        fprintf(stderr,
+                "disagg serve: kv_connector_extra_config.layerwise true with "
+                "--tensor-parallel-size %d is not implemented (an instance of several ranks "
+                "sends and pulls whole requests); accepted: layerwise at -tp 1, or -tp %d "
+                "without layerwise\n",
+                S.tp, S.tp);
+        return -1;
+    }
     if (!strcmp(d, "auto")) {
         backend *be = NULL;
         char err[512];
