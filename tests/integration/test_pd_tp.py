@@ -102,6 +102,18 @@ def release_pull(transfer_id, block_len):
         "kv_caches_base_addr": [1 << 40], "block_lens": [block_len], "kv_block_lens": [block_len]})
 
 
+def pull_once(endpoint, frame):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10000)
+    s.connect(endpoint)
+    try:
+        s.send(frame)
+        return msgpack.unpackb(s.recv())
+    finally:
+        s.close()
+
+
 def test_a_release_at_one_prefill_rank_frees_the_request():
     pd = PDTP(2, 1)
     try:
@@ -111,16 +123,15 @@ def test_a_release_at_one_prefill_rank_frees_the_request():
             kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}))
         assert r.status_code == 200, r.text
         assert blocks_used(pd.p) > 0  # kept for the decoder's pulls
-        block_len = int(re.search(r"blocks of (\d+) bytes\)", pd.p.logs()).group(1))
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 10000)
-        s.connect(pd.table["0"]["worker_addr"]["1"]["0"])  # tp_rank 1 only
-        try:
-            s.send(release_pull(tid, block_len))
-            reply = msgpack.unpackb(s.recv())
-        finally:
-            s.close()
+        rank_bytes = int(re.search(r"blocks of (\d+) bytes\)", pd.p.logs()).group(1))
+        endpoint = pd.table["0"]["worker_addr"]["1"]["0"]  # tp_rank 1 only
+        # a TP-1 decoder's blocks hold both ranks' heads: P's rank size is refused, naming it
+        reply = pull_once(endpoint, release_pull(tid, rank_bytes))
+        assert reply["status"] == 2 and (
+            f"decoder blocks are {rank_bytes} bytes, producer's {2 * rank_bytes} (what decode "
+            "tp_rank 0 of 1 holds)") in reply["err_msg"], reply
+        assert blocks_used(pd.p) > 0
+        reply = pull_once(endpoint, release_pull(tid, 2 * rank_bytes))
         assert reply["status"] == 0, reply  # FINISH
         wait_blocks_zero(pd.p, timeout=5)
     finally:

@@ -424,12 +424,22 @@ void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
         side_channel_pull_release(pull);
         return;
     }
-    if (!pull->layout && pull->n_regions == 1 &&
-        (uint64_t)pull->block_lens[0] != c->region.block_bytes) {
+    /* a peer without the fingerprint (vLLM): its blocks must be what its TP rank holds of
+     * this model's KV (this rank's own size when the TP shapes are equal) */
+    uint64_t want_bb = c->region.block_bytes;
+    xfer_kv_shape sh;
+    char sherr[160];
+    if (pull->remote_tp_size >= 1 && pull->remote_tp_size <= XFER_TP_MAX &&
+        pull->remote_tp_rank >= 0 && pull->remote_tp_rank < pull->remote_tp_size &&
+        (pull->remote_tp_size != c->tp.tp_size || c->tp.tp_size > 1) &&
+        tp_shape_from_fingerprint(c->region.fingerprint, &sh, sherr, sizeof sherr) == 0)
+        want_bb = xfer_tp_block_bytes(&sh, (int)pull->remote_tp_size, (int)pull->remote_tp_rank);
+    if (!pull->layout && pull->n_regions == 1 && (uint64_t)pull->block_lens[0] != want_bb) {
         char msg[256];
         snprintf(msg, sizeof msg,
-                 "KV block size mismatch: decoder blocks are %" PRId64 " bytes, producer's %zu",
-                 pull->block_lens[0], c->region.block_bytes);
+                 "KV block size mismatch: decoder blocks are %" PRId64 " bytes, producer's %" PRIu64
+                 " (what decode tp_rank %" PRId64 " of %" PRId64 " holds)",
+                 pull->block_lens[0], want_bb, pull->remote_tp_rank, pull->remote_tp_size);
         pthread_mutex_lock(&c->mu);
         c->fail_p[FP_REFUSED]++;
         pthread_mutex_unlock(&c->mu);
