@@ -4,11 +4,13 @@ real side channels: every P rank registers under its tp_rank, D reads P's TP siz
 /query and pulls, for each of its ranks, from every P rank that rank needs (vLLM's
 TpKVTopology), each P rank writing its KV heads into the D rank's head slice.
 
-- P TP 2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2: greedy token ids and text equal
-  a colocated server at D's TP size, every prompt token's KV came from P (usage), and no
-  block stays in use on either side afterwards;
+- P TP 2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2 (the tiny model's 2 KV heads),
+  P TP 2 -> D TP 4 and P TP 4 -> D TP 2 (a random Llama with 4 KV heads, split at TP 4):
+  greedy token ids and text equal a colocated server at D's TP size, every prompt token's
+  KV came from P (usage), and no block stays in use on either side afterwards;
 - P frees a request's blocks once every rank was pulled, or when the decoder releases it at
-  any one rank (a vLLM-shaped release pull sent to tp_rank 1 only);
+  any one rank (a vLLM-shaped release pull sent to tp_rank 1 only; a vLLM decoder's pull is
+  checked against the block bytes its own TP rank holds);
 - a P whose TP size does not fit the model's KV heads and D's is refused with a clear error
   and D's blocks are freed;
 - a P rank dying (SIGKILL of a worker) stops that P with a message naming the rank, and D's
@@ -16,6 +18,8 @@ TpKVTopology), each P rank writing its KV heads into the D rank's head slice.
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -24,7 +28,7 @@ import pytest
 import requests
 import zmq
 
-from server_harness import Server, free_port, on_gpu
+from server_harness import ROOT, Server, free_port, on_gpu
 from test_pd import (BODY, COMMON, PD, blocks_used, completion_ids, consumer_config,
                      corpus_prompts, producer_config, wait_blocks_zero)
 from test_pd_errors import d_params
@@ -36,16 +40,17 @@ PROMPTS = ["The capital of France is", corpus_prompts()[7]]  # 1 block, and 8 bl
 
 
 class PDTP(PD):
-    """A producer at -tp p_tp and a consumer at -tp d_tp."""
+    """A producer at -tp p_tp and a consumer at -tp d_tp (of model, default the tiny one)."""
 
-    def __init__(self, p_tp, d_tp):
+    def __init__(self, p_tp, d_tp, model=None, common=COMMON):
         self.boot_port = free_port()
         env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.boot_port)}
-        self.p = Server(*COMMON, *TP_ARGS, "-tp", str(p_tp), "--kv-transfer-config",
-                        producer_config(), env=env)
+        kw = {"model": model} if model else {}
+        self.p = Server(*common, *TP_ARGS, "-tp", str(p_tp), "--kv-transfer-config",
+                        producer_config(), env=env, **kw)
         try:
-            self.d = Server(*COMMON, *TP_ARGS, "-tp", str(d_tp), "--kv-transfer-config",
-                            consumer_config())
+            self.d = Server(*common, *TP_ARGS, "-tp", str(d_tp), "--kv-transfer-config",
+                            consumer_config(), **kw)
         except Exception:
             self.p.stop()
             raise
@@ -91,6 +96,34 @@ def test_pd_across_tp_sizes_equals_colocated_at_the_decoders_tp(colocated, p_tp,
         wait_blocks_zero(pd.d)
         wait_blocks_zero(pd.p)  # every P rank pulled: the blocks went back
     finally:
+        pd.stop()
+
+
+KV4_COMMON = ("--max-model-len", "256", "--kv-cache-memory", "16M", "--block-size", "16")
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
+def test_pd_across_tp_sizes_with_split_kv_heads(tmp_path_factory, p_tp, d_tp):
+    """A model with 4 KV heads: at TP 4 each rank holds one (split, not replicated), so a
+    TP-2 rank's blocks go to two TP-4 ranks (and back)."""
+    d = tmp_path_factory.mktemp("kv4") / "llama-kv4-tiny"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gen_random_model.py"), "--out", str(d),
+                    "--variant", "llama-kv4-tiny"], check=True, capture_output=True)
+    pd = PDTP(p_tp, d_tp, model=str(d), common=KV4_COMMON)
+    colo = Server(*KV4_COMMON, *TP_ARGS, "-tp", str(d_tp), model=str(d))
+    try:
+        assert "1 of 4 KV heads" in (pd.p if p_tp == 4 else pd.d).logs()
+        for prompt in ("The capital of France is", corpus_prompts()[6]):
+            p, dr = pd.send(dict(BODY, prompt=prompt))
+            assert p.status_code == 200, p.text
+            ids, text, _ = completion_ids(dr)
+            assert (ids, text) == colocated_ids(colo, prompt)[:2], prompt
+            usage = dr.json()["usage"]
+            assert usage["kv_transfer"]["received_prompt_tokens"] == usage["prompt_tokens"], usage
+        wait_blocks_zero(pd.d)
+        wait_blocks_zero(pd.p)
+    finally:
+        colo.stop()
         pd.stop()
 
 
