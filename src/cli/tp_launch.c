@@ -280,19 +280,17 @@ int tp_launch_stop(collective *c, int abort) {
 int tp_launch_worker_env(int *rank, int *fd, int *kv_fd, char *err, size_t errlen) {
     const char *v = getenv(TP_LAUNCH_ENV);
     if (!v || !*v) return 0;
-    char *end = NULL;
-    long r = strtol(v, &end, 10);
-    long f = end && *end == ':' ? strtol(end + 1, &end, 10) : -1;
-    long k = end && *end == ':' ? strtol(end + 1, &end, 10) : -1;
-    if (r < 1 || r >= COLLECTIVE_MAX_RANKS || f < 0 || !end || *end ||
-        (k < 0 && strchr(v, ':') != strrchr(v, ':'))) {
+    int r = -1, f = -1, k = -1, n2 = 0, n3 = 0;
+    int ok = sscanf(v, "%d:%d%n", &r, &f, &n2) == 2 && n2 > 0 &&
+             (v[n2] == 0 || (sscanf(v + n2, ":%d%n", &k, &n3) == 1 && v[n2 + n3] == 0 && k >= 0));
+    if (!ok || r < 1 || r >= COLLECTIVE_MAX_RANKS || f < 0) {
         snprintf(err, errlen,
                  "%s='%s': expected <rank>:<fd>[:<kv_fd>] (set by disagg serve -tp N itself)",
                  TP_LAUNCH_ENV, v);
         return -1;
     }
-    *rank = (int)r;
-    *fd = (int)f;
-    *kv_fd = (int)k;
+    *rank = r;
+    *fd = f;
+    *kv_fd = k;
     return 1;
 }

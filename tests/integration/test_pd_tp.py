@@ -212,3 +212,14 @@ def test_a_prefill_rank_dying_fails_the_decoders_request_fast():
         assert ok.status_code == 200, ok.text
     finally:
         pd.stop()
+
+
+@pytest.mark.parametrize("value", ["1:3:x", "1:3:", "1:3:-1", "1:3:4:5", "0:3:4"])
+def test_a_malformed_worker_environment_is_refused(value):
+    """DISAGG_TP_WORKER=<rank>:<fd>[:<kv_fd>] is set by `serve -tp N` for its workers; anything
+    else is refused naming the variable and the accepted form."""
+    from server_harness import BIN, MODEL
+    r = subprocess.run([BIN, "serve", str(MODEL), "--port", "1", "-tp", "2"], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, DISAGG_TP_WORKER=value))
+    assert r.returncode != 0
+    assert f"DISAGG_TP_WORKER='{value}': expected <rank>:<fd>[:<kv_fd>]" in r.stderr, r.stderr
