@@ -223,3 +223,34 @@ def test_a_malformed_worker_environment_is_refused(value):
                        text=True, timeout=60, env=dict(os.environ, DISAGG_TP_WORKER=value))
     assert r.returncode != 0
     assert f"DISAGG_TP_WORKER='{value}': expected <rank>:<fd>[:<kv_fd>]" in r.stderr, r.stderr
+
+
+def test_a_prefill_rank_dying_during_a_pull_fails_it_without_waiting_for_the_timeout():
+    """D's pull waits at P (its transfer id never reaches P); a P worker is killed: P stops,
+    and D fails the request at once (the side channel's connection closed), naming the pull,
+    instead of after the pull's (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60) s.  (Its blocks then sit out the 35 s
+    quarantine of a pull without a final reply, as at TP 1: not waited for here.)"""
+    pd = PDTP(2, 1)
+    try:
+        import concurrent.futures as cf
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(requests.post, pd.d.url + "/v1/completions", timeout=60,
+                            json=dict(BODY, prompt=PROMPTS[1], kv_transfer_params=d_params(pd)))
+            deadline = time.time() + 10
+            while blocks_used(pd.d) == 0 and time.time() < deadline:
+                time.sleep(0.05)
+            assert blocks_used(pd.d) > 0, "the request never reached its pull"
+            pid = int(re.search(r"rank 1: pid (\d+)", pd.p.logs()).group(1))
+            os.kill(pid, signal.SIGKILL)
+            assert pd.p.proc.wait(timeout=30) == 1
+            d = fut.result()
+        assert d.status_code >= 500, d.text
+        msg = d.json()["error"]["message"]
+        # the side channel saw the connection close (or the probe the bootstrap server gone)
+        assert "producer unreachable" in msg, msg
+        assert "decode tp_rank 0 from prefill" in msg and "pull 1 of 2" in msg, msg
+        ok = requests.post(pd.d.url + "/v1/completions", json=dict(BODY, prompt=PROMPTS[0]),
+                           timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        pd.stop()
