@@ -13,8 +13,10 @@ TpKVTopology), each P rank writing its KV heads into the D rank's head slice.
   checked against the block bytes its own TP rank holds);
 - a P whose TP size does not fit the model's KV heads and D's is refused with a clear error
   and D's blocks are freed;
-- a P rank dying (SIGKILL of a worker) stops that P with a message naming the rank, and D's
-  next request for it fails fast with a clear error, its blocks freed, D still serving."""
+- a P rank dying (SIGKILL of a worker) stops that P with a message naming the rank; D's
+  next request for it fails fast with a clear error, its blocks freed, D still serving; a
+  pull waiting at P when its worker dies fails at once, naming the pull;
+- a malformed DISAGG_TP_WORKER (what `serve -tp N` sets for its workers) is refused."""
 import os
 import re
 import signal
