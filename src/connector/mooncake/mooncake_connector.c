@@ -866,6 +866,11 @@ void mooncake_connector_destroy(mooncake_connector *c) {
         c->prods = p->next;
         for (pull_part *w = p->waiters, *n; w; w = n) {
             n = w->next;
+            /* its pull ends (the reply goes nowhere: the side channels are stopped) and its
+             * job is freed with its last request */
+            pthread_mutex_lock(&c->mu);
+            mc_job_req_done_locked(c, w->job, w->req, 0, "the producer is stopping");
+            pthread_mutex_unlock(&c->mu);
             free(w);
         }
         mc_prod_free_chunks(p);
