@@ -4,10 +4,10 @@
  * same command line re-executed (/proc/self/exe, /proc/self/cmdline) with
  * DISAGG_TP_WORKER=<rank>:<fd>[:<kv_fd>] in its environment (fd: the group's shared segment,
  * kernels/collective.h; kv_fd: an empty memfd for the rank's KV region, given when the region
- * is shared with rank 0 for P/D, engine.h tp_kv_fds), which makes that `disagg serve` a worker (engine/tp_worker.h) instead
- * of a server.  A worker dies with rank 0 (PR_SET_PDEATHSIG); a worker that exits while the
- * server runs fails the group and stops the server (SIGTERM to itself) with its exit status
- * logged, so nothing hangs on a missing rank.
+ * is shared with rank 0 for P/D, engine.h tp_kv_fds), which makes that `disagg serve` a worker
+ * (engine/tp_worker.h) instead of a server.  A worker dies with rank 0 (PR_SET_PDEATHSIG); a worker
+ * that exits while the server runs fails the group and stops the server (SIGTERM to itself) with
+ * its exit status logged, so nothing hangs on a missing rank.
  */
 #ifndef DISAGG_CLI_TP_LAUNCH_H
 #define DISAGG_CLI_TP_LAUNCH_H

@@ -42,8 +42,7 @@ static int kv_share(kv_store *kv, int kv_fd, int rank, char *err, size_t errlen)
     return 0;
 }
 
-int tp_worker_run(const engine_config *cfg, collective *coll, int kv_fd, char *err,
-                  size_t errlen) {
+int tp_worker_run(const engine_config *cfg, collective *coll, int kv_fd, char *err, size_t errlen) {
     int rank = collective_rank(coll);
     backend_options bo;
     backend_options_init(&bo);

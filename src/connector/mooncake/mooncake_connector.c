@@ -663,9 +663,8 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
         if (rc) return rc;
         side_channel_server_set_cancel_fn(rs->sc, on_cancel);
         side_channel_server_set_gone_fn(rs->sc, on_gone);
-        snprintf(rs->addr, sizeof rs->addr,
-                 strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u", c->host,
-                 side_channel_server_port(rs->sc));
+        snprintf(rs->addr, sizeof rs->addr, strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u",
+                 c->host, side_channel_server_port(rs->sc));
     }
     c->sc = c->rank_sc[0].sc;
     snprintf(c->sc_addr, sizeof c->sc_addr, "%s", c->rank_sc[0].addr);
@@ -813,17 +812,15 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         return rc < 0 ? rc : -EINVAL;
     }
     warn_if_exposed(c);
-    engine_kv_connector hooks = {
-        .ctx = c,
-        .classify = classify,
-        .start_load = start_load,
-        .request_finished = request_finished,
-        .first_token = first_token,
-        .request_released = request_released,
-        /* layer marks cost the forward a little: only where a
-         * pull can ask for them */
-        .prefill_chunk =
-            is_producer_role(c) && c->cfg.layerwise && c->tp.tp_size == 1 ? mc_prefill_chunk : NULL};
+    /* layer marks cost the forward a little: only where a pull can ask for them (one rank) */
+    int layer_marks = is_producer_role(c) && c->cfg.layerwise && c->tp.tp_size == 1;
+    engine_kv_connector hooks = {.ctx = c,
+                                 .classify = classify,
+                                 .start_load = start_load,
+                                 .request_finished = request_finished,
+                                 .first_token = first_token,
+                                 .request_released = request_released,
+                                 .prefill_chunk = layer_marks ? mc_prefill_chunk : NULL};
     engine_set_kv_connector(eng, &hooks);
     LOG_I(MOD,
           "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "

@@ -107,9 +107,8 @@ static int resolve_targets(mooncake_connector *c, const char *bootstrap, const c
 }
 
 /* The pull message of decode rank d_rank for rb (its region, its TP shape). */
-static void pull_message(mooncake_connector *c, int d_rank, side_channel_req_blocks *rb,
-                         char *host, size_t host_cap, uint64_t *base, int64_t *blen,
-                         side_channel_pull *pull) {
+static void pull_message(mooncake_connector *c, int d_rank, side_channel_req_blocks *rb, char *host,
+                         size_t host_cap, uint64_t *base, int64_t *blen, side_channel_pull *pull) {
     uint16_t port = 0;
     net_split_host_port(c->segment, host, host_cap, &port, 0);
     *base = (uint64_t)(uintptr_t)c->rank_region[d_rank].base;
@@ -132,8 +131,7 @@ static void pull_message(mooncake_connector *c, int d_rank, side_channel_req_blo
  * ids, what vLLM's decoder sends), each within RELEASE_TIMEOUT_S; *cancel stops them.
  * Returns how many failed (err: the last reason). */
 static int release_targets(mooncake_connector *c, const pull_target *tg, int n,
-                           const char *transfer_id, atomic_int *cancel, char *err,
-                           size_t errcap) {
+                           const char *transfer_id, atomic_int *cancel, char *err, size_t errcap) {
     static atomic_uint seq;
     int failed = 0;
     for (int i = 0; i < n; i++) {
@@ -310,8 +308,7 @@ void *mc_pull_main(void *arg) {
             if (i != done - 1) rel[nr++] = tg[i];
         rel[nr++] = tg[done - 1];
         char rerr[320] = "";
-        int nf = release_targets(c, rel, nr, r->transfer_id, &c->release_cancel, rerr,
-                                 sizeof rerr);
+        int nf = release_targets(c, rel, nr, r->transfer_id, &c->release_cancel, rerr, sizeof rerr);
         if (nf)
             LOG_W(MOD, "transfer %s: %d of %d prefill ranks not told to release its KV: %s",
                   r->transfer_id, nf, nr, rerr);
@@ -340,8 +337,7 @@ static void *release_main(void *arg) {
     pull_target tg[MC_PULL_TARGETS];
     int nt = 0;
     int rc = resolve_targets(c, j->bootstrap, j->engine_id, tg, &nt, err, sizeof err);
-    if (rc == 0 && release_targets(c, tg, nt, j->transfer_id, &c->release_cancel, err,
-                                   sizeof err))
+    if (rc == 0 && release_targets(c, tg, nt, j->transfer_id, &c->release_cancel, err, sizeof err))
         rc = -EIO;
     if (rc)
         LOG_W(MOD, "transfer %s: telling the producer to release its KV failed: %s", j->transfer_id,
