@@ -48,6 +48,10 @@ VARIANTS = {
                               "sliding_window": None, "max_window_layers": 2,
                               "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": 128}}),
+    # Llama with as many KV heads as query heads (4): TP 4 splits them instead of replicating
+    "llama-kv4-tiny": dict(arch="LlamaForCausalLM", model_type="llama", head_dim=16, tie=True, seed=4242,
+                           extra={"rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False,
+                                  "num_key_value_heads": 4}),
     "mistral-tiny": dict(arch="MistralForCausalLM", model_type="mistral", head_dim=24, tie=False, seed=1618,
                          extra={"rope_theta": 10000.0, "sliding_window": 8,
                                 "rope_scaling": {"type": "linear", "factor": 2.0}}),
@@ -75,7 +79,8 @@ def moe_layer(v, l):
 
 def tensor_list(v):
     """(name, shape, kind) in the fixed generation order. kind: w (normal*0.1), n (1+0.1n)."""
-    c = {**BASE, "num_hidden_layers": v.get("layers", BASE["num_hidden_layers"])}
+    c = {**BASE, "num_hidden_layers": v.get("layers", BASE["num_hidden_layers"]),
+         "num_key_value_heads": v["extra"].get("num_key_value_heads", BASE["num_key_value_heads"])}
     h, inter = c["hidden_size"], c["intermediate_size"]
     hd = v["head_dim"] or h // c["num_attention_heads"]
     qd, kvd = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd

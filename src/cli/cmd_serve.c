@@ -765,12 +765,16 @@ static int tp_setup(server_config *cfg, int rank) {
                 S.tp);
         return -1;
     }
-    if (cfg->kv_transfer_config) { /* only rank 0's KV would be registered: half the heads */
+    kv_transfer_config kc;
+    char kerr[256];
+    if (cfg->kv_transfer_config &&
+        !kv_transfer_config_parse(cfg->kv_transfer_config, &kc, kerr, sizeof kerr) &&
+        kc.layerwise) {
         fprintf(stderr,
-                "disagg serve: --kv-transfer-config with --tensor-parallel-size %d is not "
-                "supported yet (each rank's KV region registered under its tp_rank, D pulling "
-                "from every P rank it needs: docs/parallel.md); accepted: P/D at -tp 1, or -tp "
-                "%d without a connector\n",
+                "disagg serve: kv_connector_extra_config.layerwise true with "
+                "--tensor-parallel-size %d is not implemented (an instance of several ranks "
+                "sends and pulls whole requests); accepted: layerwise at -tp 1, or -tp %d "
+                "without layerwise\n",
                 S.tp, S.tp);
         return -1;
     }
@@ -906,8 +910,8 @@ static int serve_args(int argc, char **argv) {
         cfg->chat_template = template_text;
     }
     cfg->engine.progress = isatty(2);
-    int tp_rank = 0, tp_fd = -1;
-    int worker = tp_launch_worker_env(&tp_rank, &tp_fd, err, sizeof err);
+    int tp_rank = 0, tp_fd = -1, tp_kv_fd = -1;
+    int worker = tp_launch_worker_env(&tp_rank, &tp_fd, &tp_kv_fd, err, sizeof err);
     if (worker < 0 || (worker && S.tp <= tp_rank)) {
         fprintf(stderr, "disagg serve: %s\n",
                 worker < 0 ? err : "a tensor-parallel worker of a larger group than -tp says");
@@ -920,7 +924,7 @@ static int serve_args(int argc, char **argv) {
         signal(SIGINT, SIG_IGN);
         if (collective_open(tp_fd, &tp_group, err, sizeof err) ||
             collective_join(tp_group, tp_rank) ||
-            tp_worker_run(&cfg->engine, tp_group, err, sizeof err)) {
+            tp_worker_run(&cfg->engine, tp_group, tp_kv_fd, err, sizeof err)) {
             fprintf(stderr, "disagg serve: tensor-parallel worker rank %d: %s\n", tp_rank, err);
             rc = 1;
         } else
@@ -930,11 +934,13 @@ static int serve_args(int argc, char **argv) {
         goto out;
     }
     if (S.tp > 1) {
-        if (tp_launch_start(S.tp, &tp_group, err, sizeof err)) {
+        /* with a KV connector, rank 0 maps every rank's KV region (P/D across TP sizes) */
+        if (tp_launch_start(S.tp, cfg->kv_transfer_config != NULL, &tp_group, err, sizeof err)) {
             fprintf(stderr, "disagg serve: --tensor-parallel-size %d: %s\n", S.tp, err);
             goto fail;
         }
         cfg->engine.tp_group = tp_group;
+        cfg->engine.tp_kv_fds = tp_launch_kv_fds();
     }
     if (discovery_cli_finish("serve", &S.disc)) goto fail;
     serve_registration *reg = NULL;

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -34,6 +35,8 @@ static struct {
     int wake[2];                      /* stop the watcher */
     pthread_t watcher;
     collective *c;
+    int kv_fd[COLLECTIVE_MAX_RANKS]; /* share_kv: each worker's KV memfd (0 unused), else -1 */
+    int share_kv;
 } L;
 
 static void describe(int status, char *out, size_t cap) {
@@ -123,10 +126,32 @@ static char **self_argv(char **buf) {
     return v;
 }
 
-int tp_launch_start(int n, collective **out, char *err, size_t errlen) {
+static void close_kv_fds(void) {
+    for (int r = 0; r < COLLECTIVE_MAX_RANKS; r++)
+        if (L.kv_fd[r] >= 0) close(L.kv_fd[r]);
+}
+
+const int *tp_launch_kv_fds(void) {
+    return L.share_kv ? L.kv_fd : NULL;
+}
+
+int tp_launch_start(int n, int share_kv, collective **out, char *err, size_t errlen) {
     *out = NULL;
     memset(&L, 0, sizeof L);
     L.wake[0] = L.wake[1] = -1;
+    for (int r = 0; r < COLLECTIVE_MAX_RANKS; r++)
+        L.kv_fd[r] = -1;
+    L.share_kv = share_kv;
+    for (int r = 1; share_kv && r < n; r++) {
+        char name[48];
+        snprintf(name, sizeof name, "disagg-kv-rank%d", r);
+        if ((L.kv_fd[r] = memfd_create(name, MFD_CLOEXEC)) < 0) {
+            snprintf(err, errlen, "cannot make rank %d's shared KV region (memfd_create: %s)", r,
+                     strerror(errno));
+            close_kv_fds();
+            return -errno;
+        }
+    }
     /* a slot holds a prefill chunk's hidden states or a logits chunk; the message a step */
     int rc = collective_create(n, (size_t)16 << 20, (size_t)64 << 20, &L.c, err, errlen);
     if (rc) return rc;
@@ -157,7 +182,10 @@ int tp_launch_start(int n, collective **out, char *err, size_t errlen) {
     pid_t parent = getpid();
     int fd = collective_fd(L.c);
     for (int r = 1; r < n; r++) {
-        snprintf(envvar[r], sizeof envvar[r], TP_LAUNCH_ENV "=%d:%d", r, fd);
+        if (L.kv_fd[r] >= 0)
+            snprintf(envvar[r], sizeof envvar[r], TP_LAUNCH_ENV "=%d:%d:%d", r, fd, L.kv_fd[r]);
+        else
+            snprintf(envvar[r], sizeof envvar[r], TP_LAUNCH_ENV "=%d:%d", r, fd);
         envp[env_at] = envvar[r];
         pid_t pid = fork();
         if (pid == 0) {
@@ -165,6 +193,7 @@ int tp_launch_start(int n, collective **out, char *err, size_t errlen) {
             if (getppid() != parent) _exit(1);
             int fl = fcntl(fd, F_GETFD);
             if (fl >= 0) fcntl(fd, F_SETFD, fl & ~FD_CLOEXEC);
+            if (L.kv_fd[r] >= 0) fcntl(L.kv_fd[r], F_SETFD, 0);
             execve("/proc/self/exe", argv, envp);
             _exit(127);
         }
@@ -204,6 +233,7 @@ fail:
         }
     if (L.wake[0] >= 0) close(L.wake[0]), close(L.wake[1]);
     collective_free(L.c);
+    close_kv_fds();
     memset(&L, 0, sizeof L);
     return rc;
 }
@@ -242,22 +272,25 @@ int tp_launch_stop(collective *c, int abort) {
     close(L.wake[1]);
     int failed = L.failed;
     collective_free(L.c);
+    close_kv_fds();
     memset(&L, 0, sizeof L);
     return failed;
 }
 
-int tp_launch_worker_env(int *rank, int *fd, char *err, size_t errlen) {
+int tp_launch_worker_env(int *rank, int *fd, int *kv_fd, char *err, size_t errlen) {
     const char *v = getenv(TP_LAUNCH_ENV);
     if (!v || !*v) return 0;
-    char *end = NULL;
-    long r = strtol(v, &end, 10);
-    long f = end && *end == ':' ? strtol(end + 1, &end, 10) : -1;
-    if (r < 1 || r >= COLLECTIVE_MAX_RANKS || f < 0 || !end || *end) {
-        snprintf(err, errlen, "%s='%s': expected <rank>:<fd> (set by disagg serve -tp N itself)",
+    int r = -1, f = -1, k = -1, n2 = 0, n3 = 0;
+    int ok = sscanf(v, "%d:%d%n", &r, &f, &n2) == 2 && n2 > 0 &&
+             (v[n2] == 0 || (sscanf(v + n2, ":%d%n", &k, &n3) == 1 && v[n2 + n3] == 0 && k >= 0));
+    if (!ok || r < 1 || r >= COLLECTIVE_MAX_RANKS || f < 0) {
+        snprintf(err, errlen,
+                 "%s='%s': expected <rank>:<fd>[:<kv_fd>] (set by disagg serve -tp N itself)",
                  TP_LAUNCH_ENV, v);
         return -1;
     }
-    *rank = (int)r;
-    *fd = (int)f;
+    *rank = r;
+    *fd = f;
+    *kv_fd = k;
     return 1;
 }

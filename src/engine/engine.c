@@ -15,6 +15,7 @@
 #include "engine/kv_offload.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
+#include "kernels/collective.h"
 #include "model/arch.h"
 #include "model/decoder.h"
 #include "grammar/grammar.h"
@@ -26,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #define MOD                   "engine"
@@ -88,6 +90,8 @@ struct engine {
     decoder_state *state;
     kv_store kv;     /* the KV region (a buffer of be) */
     size_t kv_bytes; /* its length */
+    /* cfg.tp_kv_fds: rank r's KV region (r >= 1) mapped here, kv_bytes each, else NULL */
+    void *tp_kv[COLLECTIVE_MAX_RANKS];
     block_pool bp;
     scheduler sched;
     sched_plan plan;
@@ -532,6 +536,49 @@ static uint32_t engine_kv_scales_hash(const engine *e) {
                 h = (h ^ ((u >> (8 * b)) & 0xffu)) * 16777619u;
         }
     return h;
+}
+
+/* Rank 0 with shared worker regions (cfg.tp_kv_fds): size each rank's memfd to the region
+ * (every rank holds as many blocks of as many heads) and map it. */
+static int tp_kv_map(engine *e, char *err, size_t errlen) {
+    if (!e->cfg.tp_group || !e->cfg.tp_kv_fds) return 0;
+    if (!backend_is_cpu(e->be) || !backend_buffer_is_host(e->kv.buf)) {
+        snprintf(err, errlen,
+                 "--kv-transfer-config with --tensor-parallel-size %d on %s is not implemented "
+                 "(each rank's device KV would need its own transfer engine); accepted: -tp > 1 "
+                 "with a connector on the CPU, or -tp 1 on a GPU",
+                 collective_size(e->cfg.tp_group), backend_name(e->be));
+        return -ENOTSUP;
+    }
+    for (int r = 1; r < collective_size(e->cfg.tp_group); r++) {
+        int fd = e->cfg.tp_kv_fds[r];
+        void *p = MAP_FAILED;
+        if (fd < 0 || ftruncate(fd, (off_t)e->kv_bytes) ||
+            (p = mmap(NULL, e->kv_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) ==
+                MAP_FAILED) {
+            snprintf(err, errlen, "cannot map rank %d's shared KV region of %zu bytes: %s", r,
+                     e->kv_bytes, fd < 0 ? "no memfd" : strerror(errno));
+            return -ENOMEM;
+        }
+        e->tp_kv[r] = p;
+    }
+    return 0;
+}
+
+static void tp_kv_unmap(engine *e) {
+    for (int r = 0; r < COLLECTIVE_MAX_RANKS; r++)
+        if (e->tp_kv[r]) munmap(e->tp_kv[r], e->kv_bytes), e->tp_kv[r] = NULL;
+}
+
+int engine_tp_size(const engine *e) {
+    return e->cfg.tp_group ? collective_size(e->cfg.tp_group) : 1;
+}
+
+int engine_get_kv_region_rank(const engine *e, int rank, engine_kv_region *out) {
+    if (rank < 0 || rank >= engine_tp_size(e) || (rank > 0 && !e->tp_kv[rank])) return -ENOENT;
+    engine_get_kv_region(e, out);
+    if (rank > 0) out->base = e->tp_kv[rank];
+    return 0;
 }
 
 void engine_get_kv_region(const engine *e, engine_kv_region *out) {
@@ -1314,9 +1361,10 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         goto fail;
     }
     if ((rc = offload_init(e, mc, block_bytes, err, errlen))) goto fail;
+    if ((rc = tp_kv_map(e, err, errlen))) goto fail;
     if (c.tp_group) { /* the other ranks make the same region and workspace */
         tp_init_msg im = {(int32_t)nblocks, c.block_size, (int32_t)kv_dt,
-                          e->cfg.max_num_batched_tokens};
+                          e->cfg.max_num_batched_tokens, e->tp_kv[1] != NULL};
         if ((rc = tp_step_send_init(c.tp_group, &im))) {
             snprintf(err, errlen, "the tensor-parallel ranks are gone (%s)", strerror(-rc));
             goto fail;
@@ -1366,6 +1414,7 @@ fail:
     free(e->gallow);
     free(e->amax);
     if (e->state) decoder_state_free(e->state);
+    tp_kv_unmap(e);
     kv_store_free(&e->kv);
     decoder_free(&e->model);
     backend_close(e->be);
@@ -1414,6 +1463,7 @@ void engine_destroy(engine *e) {
     free(e->amax);
     decoder_state_free(e->state);
     backend_layer_progress_free(e->lp);
+    tp_kv_unmap(e);
     kv_store_free(&e->kv);
     decoder_free(&e->model);
     backend_close(e->be);

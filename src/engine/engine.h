@@ -47,6 +47,11 @@ typedef struct engine_config {
     const char *kv_offload_disk_dir; /* --kv-offloading-disk: the disk tier's directory */
     size_t kv_offload_disk_bytes;    /* --kv-offloading-disk-size */
     struct collective *tp_group;   /* -tp > 1: rank 0's group (tp_worker.h: the rest), or NULL */
+    /* -tp > 1 on the CPU with a KV connector: per rank (index 1..N-1) an empty memfd that
+     * rank 0 sizes to the rank's KV region and maps, and the worker maps as its region, so
+     * that the connector moves every rank's KV heads (engine_get_kv_region_rank).  NULL:
+     * the workers' regions are private. */
+    const int *tp_kv_fds;
 } engine_config;
 
 void engine_config_init(engine_config *c);
@@ -174,6 +179,12 @@ void engine_reset_prefix_cache(engine *e);
  * engine_submit's thread, the other hooks on the engine thread. */
 void engine_set_kv_connector(engine *e, const engine_kv_connector *c);
 void engine_get_kv_region(const engine *e, engine_kv_region *out);
+/* The TP group's size (1 without -tp), and tensor-parallel rank `rank`'s KV region as this
+ * process (rank 0) reaches it: its heads of every block, the same block ids, fingerprint and
+ * block bytes as rank 0's; base is the shared mapping of the rank's region (engine_config
+ * tp_kv_fds).  0, or -ENOENT (no such rank, or its region is not shared with rank 0). */
+int engine_tp_size(const engine *e);
+int engine_get_kv_region_rank(const engine *e, int rank, engine_kv_region *out);
 /* Consumer: the remote KV of request id has arrived (ok) or not.  On failure
  * the request fails with error, or, when recompute is set, computes its
  * prompt locally.  hold_ns > 0 (a failure where the producer may still be

@@ -12,10 +12,37 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define MOD "tp-worker"
 
-int tp_worker_run(const engine_config *cfg, collective *coll, char *err, size_t errlen) {
+/* The region kv (a host mapping of its backend) becomes the shared memfd kv_fd, mapped over
+ * the same addresses (MAP_FIXED: the buffer keeps its pointer and size, and its free unmaps
+ * the shared mapping).  rank 0 sized the memfd to exactly this region. */
+static int kv_share(kv_store *kv, int kv_fd, int rank, char *err, size_t errlen) {
+    size_t bytes = backend_buffer_size(kv->buf);
+    struct stat sb;
+    if (kv_fd < 0 || !backend_buffer_is_host(kv->buf) || fstat(kv_fd, &sb) ||
+        (size_t)sb.st_size != bytes) {
+        snprintf(err, errlen,
+                 "rank %d: rank 0 shares KV regions, but this rank's %s (%zu bytes, memfd %d of "
+                 "%lld bytes) cannot be mapped from it",
+                 rank, kv_fd < 0 ? "has no memfd" : "region", bytes, kv_fd,
+                 kv_fd < 0 ? 0LL : (long long)sb.st_size);
+        return -EINVAL;
+    }
+    if (mmap(kv->base, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, kv_fd, 0) ==
+        MAP_FAILED) {
+        snprintf(err, errlen, "rank %d: cannot map its shared KV region: %s", rank,
+                 strerror(errno));
+        return -errno;
+    }
+    return 0;
+}
+
+int tp_worker_run(const engine_config *cfg, collective *coll, int kv_fd, char *err, size_t errlen) {
     int rank = collective_rank(coll);
     backend_options bo;
     backend_options_init(&bo);
@@ -47,6 +74,8 @@ int tp_worker_run(const engine_config *cfg, collective *coll, char *err, size_t 
                  im.n_blocks, backend_name(be));
         goto out;
     }
+    if (im.kv_shared && (rc = kv_share(&kv, kv_fd, rank, err, errlen))) goto out;
+    if (kv_fd >= 0) close(kv_fd);
     if (!(st = decoder_state_create(&m, im.max_tokens))) {
         snprintf(err, errlen, "rank %d: out of memory for the forward's workspace", rank);
         rc = -ENOMEM;

@@ -14,8 +14,12 @@
 struct collective;
 
 /* cfg: the same engine configuration rank 0 runs (the same command line); coll: the group,
- * joined as this rank.  Returns 0 when rank 0 stopped the group, else a negative errno with
- * err saying what failed (loading, the region, a forward, the group). */
-int tp_worker_run(const engine_config *cfg, struct collective *coll, char *err, size_t errlen);
+ * joined as this rank; kv_fd: the memfd of its KV region when rank 0 shares it (rank 0 sizes
+ * it and says so in its start message; the region is then mapped from it, so that rank 0's
+ * KV connector reads and writes this rank's heads), else -1.  Returns 0 when rank 0 stopped the
+ * group, else a negative errno with err saying what failed (loading, the region, a forward, the
+ * group). */
+int tp_worker_run(const engine_config *cfg, struct collective *coll, int kv_fd, char *err,
+                  size_t errlen);
 
 #endif

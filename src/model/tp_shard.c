@@ -221,8 +221,9 @@ int tp_step_send(collective *c, const decoder_seq *seqs, int n_seqs) {
 }
 
 int tp_step_send_init(collective *c, const tp_init_msg *m) {
-    int32_t w[5] = {TP_MSG_INIT, m->n_blocks, m->block_size, m->kv_dtype, m->max_tokens};
-    return send_words(c, w, 5);
+    int32_t w[6] = {TP_MSG_INIT,   m->n_blocks, m->block_size,
+                    m->kv_dtype,   m->max_tokens, m->kv_shared};
+    return send_words(c, w, 6);
 }
 
 int tp_step_send_stop(collective *c) {
@@ -249,8 +250,8 @@ int tp_step_recv(collective *c, tp_step *s, int vocab) {
     if (nw < 1) return -EPROTO;
     if (w[0] == TP_MSG_STOP) return TP_MSG_STOP;
     if (w[0] == TP_MSG_INIT) {
-        if (nw != 5) return -EPROTO;
-        s->init = (tp_init_msg){w[1], w[2], w[3], w[4]};
+        if (nw != 6) return -EPROTO;
+        s->init = (tp_init_msg){w[1], w[2], w[3], w[4], w[5]};
         return TP_MSG_INIT;
     }
     if (w[0] != TP_MSG_STEP || nw < 2) return -EPROTO;

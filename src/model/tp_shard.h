@@ -79,6 +79,7 @@ enum { TP_MSG_STEP = 1, TP_MSG_STOP = 2, TP_MSG_INIT = 3 };
 /* What rank 0 tells the workers once, before the first step: the KV region's shape. */
 typedef struct tp_init_msg {
     int32_t n_blocks, block_size, kv_dtype, max_tokens;
+    int32_t kv_shared; /* 1: the worker maps its KV region from its memfd (rank 0 sized it) */
 } tp_init_msg;
 
 /* A worker's copy of the received step (its arrays owned here). */

@@ -99,8 +99,10 @@ def test_bad_parallel_flags_are_refused():
     rc, err = serve_fails("-tp", "2", "--device", "cuda:1")
     assert rc == 2 and "rank r runs on cuda:r" in err, err
     rc, err = serve_fails("-tp", "2", "--kv-transfer-config",
-                          '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}')
-    assert rc == 2 and "--kv-transfer-config with --tensor-parallel-size 2 is not supported" in err
+                          '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+                          '"kv_connector_extra_config":{"layerwise":true}}')
+    assert rc == 2 and ("kv_connector_extra_config.layerwise true with --tensor-parallel-size 2 "
+                        "is not implemented") in err, err
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused(tmp_path):

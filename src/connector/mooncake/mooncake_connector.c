@@ -392,7 +392,8 @@ static void beat_waiters_locked(mooncake_connector *c, prod_req *p, uint64_t now
  * pull's final FINISH, sent when its last part ended, is the acknowledgement:
  * after it nothing more is written into the decoder's blocks. */
 static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_channel_cancel *cx) {
-    mooncake_connector *c = ud;
+    mc_rank_sc *rs = ud;
+    mooncake_connector *c = rs->c;
     static const char why[] = "cancelled by the decoder";
     pthread_mutex_lock(&c->mu);
     for (size_t k = 0; k < cx->n; k++) {
@@ -401,7 +402,8 @@ static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_ch
         mc_stream_stop_locked(c, peer, peer_len, 0, rid, why); /* its FINISH follows */
         for (pull_part **pw = p ? &p->waiters : NULL; pw && *pw;) {
             pull_part *w = *pw;
-            if (side_channel_call_peer_is(w->job->call, peer, peer_len) &&
+            if (w->job->rank == rs->rank &&
+                side_channel_call_peer_is(w->job->call, peer, peer_len) &&
                 !strcmp(w->job->pull->reqs[w->req].req_id, rid)) {
                 *pw = w->next;
                 c->fail_p[FP_CANCELLED]++;
@@ -414,14 +416,16 @@ static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_ch
         }
         for (send_task **pt = &c->q_head, *prev = NULL; *pt;) {
             send_task *t = *pt;
-            if (side_channel_call_peer_is(t->job->call, peer, peer_len) &&
+            if (t->job->rank == rs->rank &&
+                side_channel_call_peer_is(t->job->call, peer, peer_len) &&
                 !strcmp(t->job->pull->reqs[t->req].req_id, rid) &&
                 !strcmp(t->p->transfer_id, tid)) {
                 *pt = t->next;
                 if (c->q_tail == t) c->q_tail = prev;
                 prod_req *tp = t->p;
-                tp->state = P_DONE; /* never sent: its decoder gave up, free the blocks */
-                mc_prod_release_blocks_locked(c, tp);
+                /* never sent: its decoder gave up, the blocks are freed (once no other
+                 * rank's write of them is in flight) */
+                mc_prod_send_ended_locked(c, tp, 0);
                 c->fail_p[FP_CANCELLED]++;
                 mc_job_req_done_locked(c, t->job, t->req, 0, why);
                 mc_prod_wake_waiters_locked(c, tp);
@@ -451,7 +455,8 @@ static void on_cancel(void *ud, const void *peer, size_t peer_len, const side_ch
  * waited for are released as soon as they are ready (or at once) instead of
  * being kept for the abort timeout: nobody is left to pull them. */
 static void on_gone(void *ud, uint64_t conn) {
-    mooncake_connector *c = ud;
+    mc_rank_sc *rs = ud;
+    mooncake_connector *c = rs->c;
     static const char why[] = "the decoder's side-channel connection closed";
     uint64_t now = clock_now_ns();
     int n = 0;
@@ -462,7 +467,7 @@ static void on_gone(void *ud, uint64_t conn) {
         int hit = 0;
         for (pull_part **pw = &p->waiters; *pw;) {
             pull_part *w = *pw;
-            if (side_channel_call_conn(w->job->call) == conn) {
+            if (w->job->rank == rs->rank && side_channel_call_conn(w->job->call) == conn) {
                 *pw = w->next;
                 c->fail_p[FP_CANCELLED]++;
                 mc_job_req_done_locked(c, w->job, w->req, 0, why);
@@ -647,14 +652,22 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
                  bootstrap_server_port(c->bs));
         LOG_I(MOD, "bootstrap server on %s (VLLM_MOONCAKE_BOOTSTRAP_PORT)", server);
     }
-    /* The side channel listens only on the advertised KV host, the address
-     * the bootstrap table gives decoders. */
-    int rc = side_channel_server_start_auth(c->host, 0, secret, mc_on_pull, c, &c->sc, err, errlen);
-    if (rc) return rc;
-    side_channel_server_set_cancel_fn(c->sc, on_cancel);
-    side_channel_server_set_gone_fn(c->sc, on_gone);
-    snprintf(c->sc_addr, sizeof c->sc_addr, strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u",
-             c->host, side_channel_server_port(c->sc));
+    /* The side channels (one per TP rank, as vLLM's TP workers) listen only on the
+     * advertised KV host, the address the bootstrap table gives decoders. */
+    for (int r = 0; r < c->tp.tp_size; r++) {
+        mc_rank_sc *rs = &c->rank_sc[r];
+        rs->c = c;
+        rs->rank = r;
+        int rc = side_channel_server_start_auth(c->host, 0, secret, mc_on_pull, rs, &rs->sc, err,
+                                                errlen);
+        if (rc) return rc;
+        side_channel_server_set_cancel_fn(rs->sc, on_cancel);
+        side_channel_server_set_gone_fn(rs->sc, on_gone);
+        snprintf(rs->addr, sizeof rs->addr, strchr(c->host, ':') ? "tcp://[%s]:%u" : "tcp://%s:%u",
+                 c->host, side_channel_server_port(rs->sc));
+    }
+    c->sc = c->rank_sc[0].sc;
+    snprintf(c->sc_addr, sizeof c->sc_addr, "%s", c->rank_sc[0].addr);
     c->n_senders = c->cfg.num_workers;
     c->senders = calloc((size_t)c->n_senders, sizeof *c->senders);
     if (!c->senders) return -ENOMEM;
@@ -662,14 +675,18 @@ static int start_producer(mooncake_connector *c, char *err, size_t errlen) {
         pthread_create(&c->senders[i], NULL, mc_sender_main, c);
     bootstrap_retry retry;
     bootstrap_retry_init(&retry, c->env.connector_timeout_s);
-    bootstrap_registration reg = {c->cfg.engine_id, 0, c->tp.tp_rank, 0, c->sc_addr};
-    rc = bootstrap_client_register_auth(server, &reg, secret, &retry, err, errlen);
-    if (rc) {
-        if (rc == BOOTSTRAP_EAUTH) LOG_E(MOD, "cannot register with the bootstrap server: %s", err);
-        return rc;
+    /* every rank under its tp_rank: a decoder learns this instance's TP size from them */
+    for (int r = 0; r < c->tp.tp_size; r++) {
+        bootstrap_registration reg = {c->cfg.engine_id, 0, r, 0, c->rank_sc[r].addr};
+        int rc = bootstrap_client_register_auth(server, &reg, secret, &retry, err, errlen);
+        if (rc) {
+            if (rc == BOOTSTRAP_EAUTH)
+                LOG_E(MOD, "cannot register with the bootstrap server: %s", err);
+            return rc;
+        }
+        LOG_I(MOD, "producer engine %s tp_rank %d of %d registered at %s (side channel %s)",
+              c->cfg.engine_id, r, c->tp.tp_size, server, c->rank_sc[r].addr);
     }
-    LOG_I(MOD, "producer engine %s registered at %s (side channel %s)", c->cfg.engine_id, server,
-          c->sc_addr);
     return 0;
 }
 
@@ -714,7 +731,18 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
     c->proto = kv_transfer_config_effective_protocol(&c->cfg, n_nics > 0);
     engine_get_kv_region(eng, &c->region);
     int on_device = !strncmp(c->region.location, "cuda", 4);
-    c->tp = tp_local_of(&c->region);
+    c->tp = (tp_local){engine_tp_size(eng), 0};
+    if (c->tp.tp_size > MC_TP_MAX) c->tp.tp_size = MC_TP_MAX;
+    c->rank_region[0] = c->region;
+    for (int r = 1; r < c->tp.tp_size; r++)
+        if (engine_get_kv_region_rank(eng, r, &c->rank_region[r])) {
+            snprintf(err, errlen,
+                     "tensor-parallel rank %d's KV region is not shared with rank 0 (the KV "
+                     "connector moves every rank's heads from rank 0's process)",
+                     r);
+            free(c);
+            return -EINVAL;
+        }
     transfer_config tc;
     transfer_config_init(&tc);
     /* The KV host (advertised, and where the side channel listens):
@@ -749,7 +777,10 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         free(c);
         return rc;
     }
-    rc = transfer_register(c->te, c->region.base, c->region.bytes, c->region.location);
+    rc = 0;
+    for (int r = 0; r < c->tp.tp_size && !rc; r++) /* every rank's heads move from here */
+        rc = transfer_register(c->te, c->rank_region[r].base, c->rank_region[r].bytes,
+                               c->rank_region[r].location);
     if (rc) {
         snprintf(err, errlen, "cannot register the KV cache with the transfer engine: %s",
                  transfer_strerror(rc));
@@ -781,16 +812,15 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
         return rc < 0 ? rc : -EINVAL;
     }
     warn_if_exposed(c);
-    engine_kv_connector hooks = {
-        .ctx = c,
-        .classify = classify,
-        .start_load = start_load,
-        .request_finished = request_finished,
-        .first_token = first_token,
-        .request_released = request_released,
-        /* layer marks cost the forward a little: only where a
-         * pull can ask for them */
-        .prefill_chunk = is_producer_role(c) && c->cfg.layerwise ? mc_prefill_chunk : NULL};
+    /* layer marks cost the forward a little: only where a pull can ask for them (one rank) */
+    int layer_marks = is_producer_role(c) && c->cfg.layerwise && c->tp.tp_size == 1;
+    engine_kv_connector hooks = {.ctx = c,
+                                 .classify = classify,
+                                 .start_load = start_load,
+                                 .request_finished = request_finished,
+                                 .first_token = first_token,
+                                 .request_released = request_released,
+                                 .prefill_chunk = layer_marks ? mc_prefill_chunk : NULL};
     engine_set_kv_connector(eng, &hooks);
     LOG_I(MOD,
           "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "
@@ -809,7 +839,8 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
 void mooncake_connector_destroy(mooncake_connector *c) {
     if (!c) return;
     if (c->eng) engine_set_kv_connector(c->eng, NULL);
-    if (c->sc) side_channel_server_stop(c->sc);
+    for (int r = 0; r < MC_TP_MAX; r++)
+        if (c->rank_sc[r].sc) side_channel_server_stop(c->rank_sc[r].sc);
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
     for (cons_req *r = c->conss; r; r = r->next)
@@ -832,6 +863,11 @@ void mooncake_connector_destroy(mooncake_connector *c) {
         c->prods = p->next;
         for (pull_part *w = p->waiters, *n; w; w = n) {
             n = w->next;
+            /* its pull ends (the reply goes nowhere: the side channels are stopped) and its
+             * job is freed with its last request */
+            pthread_mutex_lock(&c->mu);
+            mc_job_req_done_locked(c, w->job, w->req, 0, "the producer is stopping");
+            pthread_mutex_unlock(&c->mu);
             free(w);
         }
         mc_prod_free_chunks(p);
@@ -877,7 +913,9 @@ int mooncake_connector_metrics(mooncake_connector *c, prom *p) {
     for (cons_req *r = c->conss; r; r = r->next)
         loads_unknown += r->loading && r->p_unknown && !r->evicted;
     pthread_mutex_unlock(&c->mu);
-    uint64_t sc_rej = c->sc ? side_channel_server_auth_rejected(c->sc) : 0;
+    uint64_t sc_rej = 0;
+    for (int r = 0; r < MC_TP_MAX; r++)
+        if (c->rank_sc[r].sc) sc_rej += side_channel_server_auth_rejected(c->rank_sc[r].sc);
     uint64_t bs_rej = c->bs ? bootstrap_server_auth_rejected(c->bs) : 0;
 
     prom_style style0 = p->style;

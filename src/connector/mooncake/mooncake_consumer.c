@@ -49,9 +49,18 @@ static int on_reply(void *ud, const side_channel_reply *r) {
     return 0;
 }
 
-/* Find the producer's side-channel endpoint for engine_id via its bootstrap server. */
-static int resolve_endpoint(mooncake_connector *c, const char *bootstrap, const char *engine_id,
-                            char *ep, size_t cap, char *err, size_t errcap) {
+/* One pull of a transfer: decode rank d_rank's heads from the prefill rank at addr. */
+typedef struct pull_target {
+    int d_rank;
+    char addr[160]; /* the prefill rank's side channel */
+} pull_target;
+
+/* Every pull of a transfer, found via the producer's bootstrap server: for each rank of this
+ * instance, the prefill ranks it pulls from (tp_pull.h, vLLM's TpKVTopology).  *n of them
+ * into tg (room for MC_PULL_TARGETS).  0; -ENOENT: no such engine; -ENOTSUP: its TP shape
+ * cannot be pulled from here; else the bootstrap server did not answer. */
+static int resolve_targets(mooncake_connector *c, const char *bootstrap, const char *engine_id,
+                           pull_target *tg, int *n, char *err, size_t errcap) {
     /* A bootstrap server answers /query from its own thread in microseconds:
      * one that accepts but does not answer (a hung or stopped producer, a
      * wrong address) is gone.  Each attempt gets LOOKUP_ANSWER_S (or the
@@ -64,38 +73,82 @@ static int resolve_endpoint(mooncake_connector *c, const char *bootstrap, const 
     retry.attempts = 2;
     retry.backoff_s = 0.5;
     bootstrap_table t;
+    *n = 0;
     int rc = bootstrap_client_query(bootstrap, &retry, &t, err, errcap);
     if (rc) return rc;
-    const char *addr = NULL;
     const bootstrap_engine *pe = NULL;
     for (size_t i = 0; i < t.n && !pe; i++)
         if (t.engines[i].engine_id && !strcmp(t.engines[i].engine_id, engine_id))
             pe = &t.engines[i];
-    if (pe) { /* the prefill ranks this decode rank pulls from (tp_pull.h) */
-        xfer_kv_shape sh;
-        tp_pull_peer peers[8];
-        int np = tp_shape_from_fingerprint(c->region.fingerprint, &sh, err, errcap);
-        if (np == 0) np = tp_pull_peers(pe, &c->tp, sh.n_kv_heads, peers, 8, err, errcap);
-        if (np == 1) addr = peers[0].addr;
-        if (np > 1)
-            snprintf(err, errcap,
-                     "prefill engine %s has TP %d: decode tp_rank %d of %d must pull from %d "
-                     "prefill ranks, which this connector does not do yet (docs/parallel.md)",
-                     pe->engine_id, pe->tp_size, c->tp.tp_rank, c->tp.tp_size, np);
-        if (np != 1) {
-            bootstrap_table_free(&t);
-            return -ENOTSUP;
-        }
-    }
-    if (!addr) {
+    if (!pe) {
         snprintf(err, errcap, "bootstrap server %s knows no engine '%s' (remote_engine_id)",
                  bootstrap, engine_id);
         bootstrap_table_free(&t);
         return -ENOENT;
     }
-    snprintf(ep, cap, "%s", addr);
+    xfer_kv_shape sh;
+    rc = tp_shape_from_fingerprint(c->region.fingerprint, &sh, err, errcap);
+    for (int d = 0; rc == 0 && d < c->tp.tp_size; d++) {
+        tp_local dl = {c->tp.tp_size, d};
+        tp_pull_peer peers[MC_TP_MAX];
+        int np = tp_pull_peers(pe, &dl, sh.n_kv_heads, peers, MC_TP_MAX, err, errcap);
+        if (np < 0) {
+            rc = np;
+            break;
+        }
+        for (int i = 0; i < np && *n < MC_PULL_TARGETS; i++) {
+            tg[*n].d_rank = d;
+            snprintf(tg[*n].addr, sizeof tg[*n].addr, "%s", peers[i].addr);
+            (*n)++;
+        }
+    }
     bootstrap_table_free(&t);
-    return 0;
+    return rc ? -ENOTSUP : 0;
+}
+
+/* The pull message of decode rank d_rank for rb (its region, its TP shape). */
+static void pull_message(mooncake_connector *c, int d_rank, side_channel_req_blocks *rb, char *host,
+                         size_t host_cap, uint64_t *base, int64_t *blen, side_channel_pull *pull) {
+    uint16_t port = 0;
+    net_split_host_port(c->segment, host, host_cap, &port, 0);
+    *base = (uint64_t)(uintptr_t)c->rank_region[d_rank].base;
+    *blen = (int64_t)c->rank_region[d_rank].block_bytes;
+    *pull = (side_channel_pull){.remote_hostname = host,
+                                .remote_port = port,
+                                .remote_tp_size = c->tp.tp_size,
+                                .remote_tp_rank = d_rank,
+                                .reqs = rb,
+                                .n_reqs = 1,
+                                .kv_caches_base_addr = base,
+                                .block_lens = blen,
+                                .kv_block_lens = blen,
+                                .n_regions = 1,
+                                .remote_pp_size = 1,
+                                .layout = c->region.fingerprint};
+}
+
+/* Tell the prefill ranks tg (n) that transfer_id will not be pulled (a pull with no block
+ * ids, what vLLM's decoder sends), each within RELEASE_TIMEOUT_S; *cancel stops them.
+ * Returns how many failed (err: the last reason). */
+static int release_targets(mooncake_connector *c, const pull_target *tg, int n,
+                           const char *transfer_id, atomic_int *cancel, char *err, size_t errcap) {
+    static atomic_uint seq;
+    int failed = 0;
+    for (int i = 0; i < n; i++) {
+        char req[48], host[64];
+        snprintf(req, sizeof req, "d-release-%u", atomic_fetch_add(&seq, 1));
+        side_channel_block_group g = {0};
+        side_channel_req_blocks rb = {req, (char *)transfer_id, &g, 1};
+        uint64_t base;
+        int64_t blen;
+        side_channel_pull pull;
+        pull_message(c, tg[i].d_rank, &rb, host, sizeof host, &base, &blen, &pull);
+        if (side_channel_pull_run_ex(tg[i].addr, &pull,
+                                     c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL,
+                                     RELEASE_TIMEOUT_S, cancel, 0, NULL, NULL, NULL, err, errcap))
+            failed++;
+    }
+    return failed;
 }
 
 static void load_observe_locked(mooncake_connector *c, double s) {
@@ -106,18 +159,98 @@ static void load_observe_locked(mooncake_connector *c, double s) {
         if (s <= b[i]) c->st.load_buckets[i]++;
 }
 
+/* One pull (decode rank tg->d_rank's heads from the prefill rank at tg->addr) of r's blocks
+ * after its local prefix.  0 when the producer listed our request as written; otherwise
+ * err, *status, *reason say why and *hold_ns how long the blocks must stay out of use. */
+static int pull_one(mooncake_connector *c, cons_req *r, const pull_target *tg, pull_outcome *o,
+                    int *status, int *reason, uint64_t *hold_ns, char *err, size_t errcap) {
+    int bs = c->region.block_size, acked = 0;
+    int first = r->n_local_tokens / bs; /* blocks before this came from the local prefix cache */
+    side_channel_block_group g = {0};
+    g.n = (size_t)(r->n_blocks - first);
+    g.ids = malloc((g.n ? g.n : 1) * sizeof *g.ids);
+    if (!g.ids) {
+        *status = 500;
+        *reason = FC_LOCAL;
+        snprintf(err, errcap, "decoder out of memory");
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < g.n; i++)
+        g.ids[i] = r->blocks[first + (int)i];
+    side_channel_req_blocks rb = {(char *)o->my_req, r->transfer_id, &g, 1};
+    char host[64];
+    uint64_t base;
+    int64_t blen;
+    side_channel_pull pull;
+    pull_message(c, tg->d_rank, &rb, host, sizeof host, &base, &blen, &pull);
+    pull.layerwise = c->cfg.layerwise && c->tp.tp_size == 1;
+    o->ok = o->done = 0;
+    o->err[0] = 0;
+    double timeout = c->env.abort_request_timeout_s + 60;
+    int rc = side_channel_pull_run_ex(tg->addr, &pull,
+                                      c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL, timeout,
+                                      &r->cancel, CANCEL_ACK_S, &acked, on_reply, o, err, errcap);
+    /* Abandoned without the producer's final reply (and without its
+     * acknowledgement of our cancel): its sender may still be writing
+     * into these blocks, for at most its transfer deadline (30 s + 1 ns
+     * per byte, Mooncake's default) — keep them out of use that long,
+     * plus a margin.  An acknowledged cancel frees them at once. */
+    if (rc != 0 && rc != SIDE_CHANNEL_EREFUSED && !o->done && !acked)
+        *hold_ns = 35 * 1000000000ull + (uint64_t)g.n * (uint64_t)c->region.block_bytes;
+    if (rc == SIDE_CHANNEL_ECANCELED) {
+        pthread_mutex_lock(&c->mu);
+        if (atomic_load(&r->cancel) == SIDE_CHANNEL_CANCEL_ASK) {
+            if (acked)
+                c->cancel_acked++;
+            else
+                c->cancel_unacked++;
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (rc == SIDE_CHANNEL_ECANCELED)
+        *reason = FC_CANCELLED;
+    else if (rc == SIDE_CHANNEL_ETIMEDOUT)
+        *status = 504, *reason = FC_TIMEOUT;
+    else if (rc != 0)
+        *reason = FC_PRODUCER_UNREACHABLE;
+    free(g.ids);
+    if (rc == 0 && !o->ok && !o->err[0])
+        snprintf(o->err, sizeof o->err, "producer's reply did not list this request");
+    if (rc == 0 && !o->ok) snprintf(err, errcap, "%s", o->err);
+    if (rc == SIDE_CHANNEL_ECANCELED && r->unreachable) {
+        snprintf(err, errcap, "producer unreachable: its bootstrap server %s stopped answering",
+                 r->bootstrap);
+        *reason = FC_PRODUCER_UNREACHABLE;
+    } else if (rc == SIDE_CHANNEL_ECANCELED && r->evicted) {
+        snprintf(err, errcap,
+                 "too many remote KV loads in flight: evicted to make room "
+                 "(kv_connector_extra_config.max_remote_loads %d) -- the producer %s did not "
+                 "know this transfer id",
+                 c->cfg.max_remote_loads, tg->addr);
+        *status = 503;
+        *reason = FC_EVICTED;
+    } else if (rc == SIDE_CHANNEL_ECANCELED && r->timed_out) {
+        snprintf(err, errcap, "no KV from producer %s within the decoder's deadline", tg->addr);
+        *status = 504;
+        *reason = FC_TIMEOUT;
+    }
+    return rc == 0 && o->ok ? 0 : rc ? rc : -EIO;
+}
+
 void *mc_pull_main(void *arg) {
     cons_req *r = arg;
     mooncake_connector *c = r->c;
     uint64_t t0 = clock_now_ns();
-    char ep[256], err[320] = "";
+    char err[320] = "";
     pull_outcome o = {.c = c, .r = r, .first_token = -1};
-    int status = 502, reason = FC_PRODUCER_ERROR, acked = 0;
+    int status = 502, reason = FC_PRODUCER_ERROR;
     char my_req[32];
     snprintf(my_req, sizeof my_req, "d-%" PRIu64, r->id);
     o.my_req = my_req;
     uint64_t hold_ns = 0; /* set when a pull went out and its final reply never came */
-    int rc = resolve_endpoint(c, r->bootstrap, r->remote_engine_id, ep, sizeof ep, err, sizeof err);
+    pull_target tg[MC_PULL_TARGETS];
+    int nt = 0, done = 0;
+    int rc = resolve_targets(c, r->bootstrap, r->remote_engine_id, tg, &nt, err, sizeof err);
     if (rc == -ENOENT) {
         status = 400; /* the bootstrap server answered: the engine id is wrong */
         reason = FC_BAD_PARAMS;
@@ -126,92 +259,20 @@ void *mc_pull_main(void *arg) {
     } else if (rc) {
         reason = FC_BOOTSTRAP_UNREACHABLE;
     }
-    if (rc == 0) {
-        int bs = c->region.block_size;
-        int first =
-            r->n_local_tokens / bs; /* blocks before this came from the local prefix cache */
-        side_channel_block_group g = {0};
-        g.n = (size_t)(r->n_blocks - first);
-        g.ids = malloc((g.n ? g.n : 1) * sizeof *g.ids);
-        for (size_t i = 0; g.ids && i < g.n; i++)
-            g.ids[i] = r->blocks[first + (int)i];
-        side_channel_req_blocks rb = {my_req, r->transfer_id, &g, 1};
-        uint64_t base = (uint64_t)(uintptr_t)c->region.base;
-        int64_t blen = (int64_t)c->region.block_bytes;
-        char host[64];
-        uint16_t port = 0;
-        net_split_host_port(c->segment, host, sizeof host, &port, 0);
-        side_channel_pull pull = {.remote_hostname = host,
-                                  .remote_port = port,
-                                  .remote_tp_size = c->tp.tp_size,
-                                  .remote_tp_rank = c->tp.tp_rank,
-                                  .reqs = &rb,
-                                  .n_reqs = 1,
-                                  .kv_caches_base_addr = &base,
-                                  .block_lens = &blen,
-                                  .kv_block_lens = &blen,
-                                  .n_regions = 1,
-                                  .remote_pp_size = 1,
-                                  .layout = c->region.fingerprint,
-                                  .layerwise = c->cfg.layerwise};
-        double timeout = c->env.abort_request_timeout_s + 60;
-        if (!g.ids) {
-            rc = -ENOMEM;
-            status = 500;
-            reason = FC_LOCAL;
-            snprintf(err, sizeof err, "decoder out of memory");
-        } else {
-            rc = side_channel_pull_run_ex(
-                ep, &pull, c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL, timeout, &r->cancel,
-                CANCEL_ACK_S, &acked, on_reply, &o, err, sizeof err);
-            /* Abandoned without the producer's final reply (and without its
-             * acknowledgement of our cancel): its sender may still be writing
-             * into these blocks, for at most its transfer deadline (30 s + 1 ns
-             * per byte, Mooncake's default) — keep them out of use that long,
-             * plus a margin.  An acknowledged cancel frees them at once. */
-            if (rc != 0 && rc != SIDE_CHANNEL_EREFUSED && !o.done && !acked)
-                hold_ns = 35 * 1000000000ull + (uint64_t)g.n * (uint64_t)c->region.block_bytes;
-            if (rc == SIDE_CHANNEL_ECANCELED) {
-                pthread_mutex_lock(&c->mu);
-                if (atomic_load(&r->cancel) == SIDE_CHANNEL_CANCEL_ASK) {
-                    if (acked)
-                        c->cancel_acked++;
-                    else
-                        c->cancel_unacked++;
-                }
-                pthread_mutex_unlock(&c->mu);
-            }
-            if (rc == SIDE_CHANNEL_ECANCELED)
-                reason = FC_CANCELLED;
-            else if (rc == SIDE_CHANNEL_ETIMEDOUT)
-                status = 504, reason = FC_TIMEOUT;
-            else if (rc != 0)
-                reason = FC_PRODUCER_UNREACHABLE;
+    /* one pull per pair of decode rank and prefill rank, in turn: every one must succeed */
+    int layerwise = 1;
+    for (; rc == 0 && done < nt; done++) {
+        o.layerwise = 0;
+        rc = pull_one(c, r, &tg[done], &o, &status, &reason, &hold_ns, err, sizeof err);
+        if (rc && nt > 1) {
+            char e2[320];
+            snprintf(e2, sizeof e2, "%s (decode tp_rank %d from prefill %s, pull %d of %d)", err,
+                     tg[done].d_rank, tg[done].addr, done + 1, nt);
+            snprintf(err, sizeof err, "%s", e2);
         }
-        free(g.ids);
-        if (rc == 0 && !o.ok && !o.err[0])
-            snprintf(o.err, sizeof o.err, "producer's reply did not list this request");
-        if (rc == 0 && !o.ok) snprintf(err, sizeof err, "%s", o.err);
-        if (rc == SIDE_CHANNEL_ECANCELED && r->unreachable) {
-            snprintf(err, sizeof err,
-                     "producer unreachable: its bootstrap server %s stopped answering",
-                     r->bootstrap);
-            reason = FC_PRODUCER_UNREACHABLE;
-        } else if (rc == SIDE_CHANNEL_ECANCELED && r->evicted) {
-            snprintf(err, sizeof err,
-                     "too many remote KV loads in flight: evicted to make room "
-                     "(kv_connector_extra_config.max_remote_loads %d) -- the producer %s did not "
-                     "know this transfer id",
-                     c->cfg.max_remote_loads, ep);
-            status = 503;
-            reason = FC_EVICTED;
-        } else if (rc == SIDE_CHANNEL_ECANCELED && r->timed_out) {
-            snprintf(err, sizeof err, "no KV from producer %s within the decoder's deadline", ep);
-            status = 504;
-            reason = FC_TIMEOUT;
-        }
+        layerwise &= o.layerwise;
     }
-    int ok = rc == 0 && o.ok;
+    int ok = rc == 0;
     double secs = (double)(clock_now_ns() - t0) / 1e9;
     if (!ok)
         LOG_W(MOD, "request %" PRIu64 " (transfer %s): remote KV load failed: %s", r->id,
@@ -222,7 +283,7 @@ void *mc_pull_main(void *arg) {
     pthread_mutex_lock(&c->mu); /* counted before the client can see the outcome */
     if (ok) {
         c->st.pulls_ok++;
-        if (o.layerwise) c->st.layerwise_pulled++;
+        if (layerwise) c->st.layerwise_pulled++;
         load_observe_locked(c, secs);
     } else {
         c->st.pulls_failed++;
@@ -232,9 +293,26 @@ void *mc_pull_main(void *arg) {
     if (ok)
         engine_kv_load_done_streamed(
             c->eng, r->id, o.first_token >= 0 && c->cfg.first_token_handoff ? o.first_token : -1,
-            o.layerwise);
+            layerwise);
     else
         engine_kv_load_failed(c->eng, r->id, recompute, hold_ns, status, msg);
+    /* A pull of several that failed: the other prefill ranks may still keep the request's
+     * blocks (those not pulled yet, and ours when one P process serves every rank, which
+     * frees them after the last pull): tell every rank, the failed one last, after the
+     * request failed (a dead rank must not delay the error).  A rank already pulled has
+     * nothing left to free and answers at once. */
+    if (!ok && done > 0 && nt > 1) {
+        pull_target rel[MC_PULL_TARGETS];
+        int nr = 0;
+        for (int i = 0; i < nt; i++)
+            if (i != done - 1) rel[nr++] = tg[i];
+        rel[nr++] = tg[done - 1];
+        char rerr[320] = "";
+        int nf = release_targets(c, rel, nr, r->transfer_id, &c->release_cancel, rerr, sizeof rerr);
+        if (nf)
+            LOG_W(MOD, "transfer %s: %d of %d prefill ranks not told to release its KV: %s",
+                  r->transfer_id, nf, nr, rerr);
+    }
     pthread_mutex_lock(&c->mu);
     c->st.loading--;
     c->n_pull_threads--;
@@ -255,34 +333,12 @@ void *mc_pull_main(void *arg) {
 static void *release_main(void *arg) {
     release_job *j = arg;
     mooncake_connector *c = j->c;
-    char ep[256], err[320] = "", host[64];
-    int rc = resolve_endpoint(c, j->bootstrap, j->engine_id, ep, sizeof ep, err, sizeof err);
-    if (rc == 0) {
-        static atomic_uint seq;
-        char req[48];
-        snprintf(req, sizeof req, "d-release-%u", atomic_fetch_add(&seq, 1));
-        side_channel_block_group g = {0};
-        side_channel_req_blocks rb = {req, j->transfer_id, &g, 1};
-        uint64_t base = (uint64_t)(uintptr_t)c->region.base;
-        int64_t blen = (int64_t)c->region.block_bytes;
-        uint16_t port = 0;
-        net_split_host_port(c->segment, host, sizeof host, &port, 0);
-        side_channel_pull pull = {.remote_hostname = host,
-                                  .remote_port = port,
-                                  .remote_tp_size = c->tp.tp_size,
-                                  .remote_tp_rank = c->tp.tp_rank,
-                                  .reqs = &rb,
-                                  .n_reqs = 1,
-                                  .kv_caches_base_addr = &base,
-                                  .block_lens = &blen,
-                                  .kv_block_lens = &blen,
-                                  .n_regions = 1,
-                                  .remote_pp_size = 1,
-                                  .layout = c->region.fingerprint};
-        rc = side_channel_pull_run_ex(ep, &pull, c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL,
-                                      RELEASE_TIMEOUT_S, &c->release_cancel, 0, NULL, NULL, NULL,
-                                      err, sizeof err);
-    }
+    char err[320] = "";
+    pull_target tg[MC_PULL_TARGETS];
+    int nt = 0;
+    int rc = resolve_targets(c, j->bootstrap, j->engine_id, tg, &nt, err, sizeof err);
+    if (rc == 0 && release_targets(c, tg, nt, j->transfer_id, &c->release_cancel, err, sizeof err))
+        rc = -EIO;
     if (rc)
         LOG_W(MOD, "transfer %s: telling the producer to release its KV failed: %s", j->transfer_id,
               err);

@@ -42,6 +42,8 @@
 #define PROBE_PERIOD_NS   (2 * NS_PER_S)
 #define BEAT_PERIOD_NS    (10 * NS_PER_S) /* CONTINUE to a pull waiting on a live request */
 #define CANCEL_ACK_S      5.0             /* D waits this long for P to acknowledge a cancel */
+#define MC_TP_MAX         8   /* TP ranks of one instance (serve -tp: 1, 2, 4, 8) */
+#define MC_PULL_TARGETS   64  /* (decode rank, prefill rank) pairs of one transfer */
 #define LOOKUP_ANSWER_S   2.0 /* D's bootstrap lookup: connect + answer deadline per attempt */
 
 /* Failure counters (disagg:kv_transfer_failures_total{side,reason}). */
@@ -110,6 +112,11 @@ typedef struct prod_req {
     int fail_reason;     /* P_FAILED: FP_* */
     int cancelled;       /* a decoder cancelled its pull: release the blocks once ready */
     int32_t first_token; /* the first output token the prefill sampled, -1 = none yet */
+    /* Pulls of this transfer (one per pair of P rank and D rank, vLLM's TpKVTopology):
+     * expected = max(this TP size, the decoder's), set by the first pull; the blocks are
+     * freed when every expected pull was written (or the decoder released them) and none is
+     * being written. */
+    int pulls_expected, pulls_started, pulls_done;
     pull_part *waiters;
     /* layer-wise streaming (mooncake_stream.c) */
     int n_prompt;                     /* prompt tokens (prefill_chunk) */
@@ -125,6 +132,7 @@ typedef struct prod_req {
 } prod_req;
 
 typedef struct pull_job { /* one pull from a decoder, until its final reply */
+    int rank; /* the TP rank whose side channel took it: the heads it writes */
     side_channel_call *call;
     side_channel_pull *pull;
     size_t pending;   /* requests not yet done */
@@ -176,20 +184,33 @@ typedef struct handle { /* what the engine holds per request */
     void *p; /* prod_req* or cons_req* */
 } handle;
 
+/* One TP rank's side channel (the producer serves one per rank, as vLLM's TP workers each
+ * serve theirs): the callbacks' user data. */
+typedef struct mc_rank_sc {
+    struct mooncake_connector *c;
+    int rank;
+    side_channel_server *sc;
+    char addr[160]; /* "tcp://host:port", registered under tp_rank = rank */
+} mc_rank_sc;
+
 struct mooncake_connector {
     kv_transfer_config cfg;
     kv_transfer_env env;
     kv_protocol proto; /* effective */
     engine *eng;
-    engine_kv_region region;
-    tp_local tp; /* this instance's TP shape (tp_pull.h) */
+    engine_kv_region region; /* rank 0's KV region (the engine's own) */
+    tp_local tp;             /* this instance's TP shape: {engine_tp_size, 0} (tp_pull.h) */
+    /* every rank's region as this process reaches it (engine_get_kv_region_rank; [0] is
+     * region): each registered with the transfer engine */
+    engine_kv_region rank_region[MC_TP_MAX];
     transfer_engine *te;
     char segment[128]; /* our transfer-engine segment name */
     char host[64];     /* advertised host */
     /* producer */
     bootstrap_server *bs;
-    side_channel_server *sc;
-    char sc_addr[160]; /* "tcp://host:port" */
+    side_channel_server *sc; /* rank 0's (rank_sc[0].sc) */
+    char sc_addr[160];       /* its "tcp://host:port" */
+    mc_rank_sc rank_sc[MC_TP_MAX]; /* each rank's side channel (tp.tp_size of them) */
     send_task *q_head, *q_tail;
     pthread_t *senders;
     int n_senders;
@@ -257,7 +278,8 @@ void mc_prefill_chunk(void *ctx, void *handle, uint64_t id, const int32_t *block
                       int start, int end, int n_prompt, uint64_t step,
                       struct backend_layer_progress *progress);
 void mc_prod_free_chunks(prod_req *p);
-int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
+void mc_prod_send_ended_locked(mooncake_connector *c, prod_req *p, int sent);
+int mc_send_blocks(mooncake_connector *c, int rank, const side_channel_pull *pull,
                    const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
                    size_t *nruns, unsigned *via, char *err, size_t cap);
 int mc_write_runs(mooncake_connector *c, const side_channel_pull *pull, const xfer_run *runs,

@@ -100,17 +100,25 @@ void mc_prod_release_blocks_locked(mooncake_connector *c, prod_req *p) {
     }
 }
 
-/* Caller holds mu.  p became ready or failed: serve or fail its waiters. */
+/* Caller holds mu.  p became ready or failed: serve or fail its waiters.  A ready p serves
+ * as many pulls as the TP shapes pair (pulls_expected: one per pair of P rank and D rank);
+ * one more is refused as a second pull of the same transfer. */
 void mc_prod_wake_waiters_locked(mooncake_connector *c, prod_req *p) {
     pull_part *w = p->waiters;
     p->waiters = NULL;
     while (w) {
         pull_part *n = w->next;
-        if (p->state == P_READY) {
+        if (!p->pulls_expected && p->state == P_READY) {
+            int64_t d = w->job->pull->remote_tp_size;
+            p->pulls_expected = d > c->tp.tp_size && d <= XFER_TP_MAX ? (int)d : c->tp.tp_size;
+        }
+        if ((p->state == P_READY || p->state == P_SENDING) &&
+            p->pulls_started < p->pulls_expected) {
             send_task *t = malloc(sizeof *t);
             if (t) {
                 *t = (send_task){.job = w->job, .req = w->req, .p = p};
                 p->state = P_SENDING;
+                p->pulls_started++;
                 if (c->q_tail)
                     c->q_tail->next = t;
                 else
@@ -122,7 +130,8 @@ void mc_prod_wake_waiters_locked(mooncake_connector *c, prod_req *p) {
             }
         } else {
             const char *why = p->state == P_FAILED ? p->fail_msg
-                              : p->state == P_SENDING || p->state == P_DONE
+                              : p->state == P_SENDING || p->state == P_DONE ||
+                                      p->state == P_READY
                                   ? "transfer already pulled by another request"
                                   : "no such transfer";
             c->fail_p[p->state == P_FAILED ? p->fail_reason : FP_REFUSED]++;
@@ -130,6 +139,23 @@ void mc_prod_wake_waiters_locked(mooncake_connector *c, prod_req *p) {
         }
         free(w);
         w = n;
+    }
+}
+
+/* Caller holds mu.  One pull of p was written (sent 1) or dropped before it was (0): once
+ * none is being written, p is done when every expected pull came or its decoder released it
+ * (blocks freed), else ready for the next pull. */
+void mc_prod_send_ended_locked(mooncake_connector *c, prod_req *p, int sent) {
+    if (sent)
+        p->pulls_done++;
+    else
+        p->pulls_started--;
+    if (p->pulls_started > p->pulls_done) return; /* another rank's write is in flight */
+    if (p->pulls_done >= p->pulls_expected || p->cancelled || !sent) {
+        p->state = P_DONE;
+        mc_prod_release_blocks_locked(c, p);
+    } else {
+        p->state = P_READY; /* more ranks pull it; the abort timeout still runs */
     }
 }
 
@@ -213,7 +239,7 @@ int mc_write_runs(mooncake_connector *c, const side_channel_pull *pull, const xf
     return rc;
 }
 
-int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
+int mc_send_blocks(mooncake_connector *c, int rank, const side_channel_pull *pull,
                    const side_channel_req_blocks *rb, const prod_req *p, uint64_t *bytes,
                    size_t *nruns, unsigned *via, char *err, size_t cap) {
     *via = 0;
@@ -235,8 +261,9 @@ int mc_send_blocks(mooncake_connector *c, const side_channel_pull *pull,
     /* the decoder's TP shape decides which heads go where (tp_pull.h, xfer_plan.h) */
     xfer_run *runs = NULL;
     size_t n_runs = 0;
-    int n = tp_send_runs(&c->region, &c->tp, pull, pids, (size_t)p->n_blocks, g->ids, g->n, &runs,
-                         &n_runs, err, cap);
+    tp_local own = {c->tp.tp_size, rank};
+    int n = tp_send_runs(&c->rank_region[rank], &own, pull, pids, (size_t)p->n_blocks, g->ids,
+                         g->n, &runs, &n_runs, err, cap);
     free(pids);
     if (n < 0) return n;
     int rc = mc_write_runs(c, pull, runs, n_runs, bytes, via, err, cap);
@@ -295,14 +322,13 @@ void *mc_sender_main(void *arg) {
         size_t nruns = 0;
         unsigned via = 0;
         uint64_t t0 = clock_now_ns();
-        int rc = mc_send_blocks(c, t->job->pull, &t->job->pull->reqs[t->req], t->p, &bytes, &nruns,
-                                &via, err, sizeof err);
+        int rc = mc_send_blocks(c, t->job->rank, t->job->pull, &t->job->pull->reqs[t->req], t->p,
+                                &bytes, &nruns, &via, err, sizeof err);
         pthread_mutex_lock(&c->mu);
         prod_req *p = t->p;
         mc_count_write_locked(c, p, rc, bytes, nruns, via, t0, 0);
         if (rc) LOG_W(MOD, "transfer %s: %s", p->transfer_id, err);
-        p->state = P_DONE;
-        mc_prod_release_blocks_locked(c, p); /* one decoder rank: pulled once */
+        mc_prod_send_ended_locked(c, p, 1); /* the last of its pulls frees the blocks */
         if (rc == 0 && p->first_token >= 0 && c->cfg.first_token_handoff && t->job->ft_reqs &&
             t->job->ft_tokens) { /* the first-token handoff: D need not recompute it */
             t->job->ft_reqs[t->job->n_ft] = t->job->pull->reqs[t->req].req_id;
@@ -366,7 +392,8 @@ static const char *layout_scales(const char *fp, char *buf, size_t cap) {
 
 /* Side-channel thread: a decoder's pull.  Must not block. */
 void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
-    mooncake_connector *c = ud;
+    mc_rank_sc *rs = ud;
+    mooncake_connector *c = rs->c;
     if (pull->layout && !layout_compatible(pull->layout, c->region.fingerprint)) {
         char msg[480], b1[40], b2[40], b3[40], b4[40];
         const char *dd = layout_dtype(pull->layout, b1, sizeof b1),
@@ -397,12 +424,22 @@ void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
         side_channel_pull_release(pull);
         return;
     }
-    if (!pull->layout && pull->n_regions == 1 &&
-        (uint64_t)pull->block_lens[0] != c->region.block_bytes) {
+    /* a peer without the fingerprint (vLLM): its blocks must be what its TP rank holds of
+     * this model's KV (this rank's own size when the TP shapes are equal) */
+    uint64_t want_bb = c->region.block_bytes;
+    xfer_kv_shape sh;
+    char sherr[160];
+    if (pull->remote_tp_size >= 1 && pull->remote_tp_size <= XFER_TP_MAX &&
+        pull->remote_tp_rank >= 0 && pull->remote_tp_rank < pull->remote_tp_size &&
+        (pull->remote_tp_size != c->tp.tp_size || c->tp.tp_size > 1) &&
+        tp_shape_from_fingerprint(c->region.fingerprint, &sh, sherr, sizeof sherr) == 0)
+        want_bb = xfer_tp_block_bytes(&sh, (int)pull->remote_tp_size, (int)pull->remote_tp_rank);
+    if (!pull->layout && pull->n_regions == 1 && (uint64_t)pull->block_lens[0] != want_bb) {
         char msg[256];
         snprintf(msg, sizeof msg,
-                 "KV block size mismatch: decoder blocks are %" PRId64 " bytes, producer's %zu",
-                 pull->block_lens[0], c->region.block_bytes);
+                 "KV block size mismatch: decoder blocks are %" PRId64 " bytes, producer's %" PRIu64
+                 " (what decode tp_rank %" PRId64 " of %" PRId64 " holds)",
+                 pull->block_lens[0], want_bb, pull->remote_tp_rank, pull->remote_tp_size);
         pthread_mutex_lock(&c->mu);
         c->fail_p[FP_REFUSED]++;
         pthread_mutex_unlock(&c->mu);
@@ -422,6 +459,7 @@ void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
         side_channel_pull_release(pull);
         return;
     }
+    job->rank = rs->rank;
     job->call = call;
     job->pull = pull;
     job->ok = ok;
@@ -454,6 +492,8 @@ void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
                 p->state = P_DONE;
                 mc_prod_release_blocks_locked(c, p);
                 mc_prod_maybe_free_locked(c, p);
+            } else if (p->state == P_SENDING) { /* freed when the writes in flight end */
+                p->cancelled = 1;
             } else if (p->state == P_PREFILLING || p->state == P_UNKNOWN) {
                 p->cancelled = 1;
                 if (p->state == P_UNKNOWN && !p->waiters) p->deadline_ns = wait_deadline;

@@ -235,7 +235,8 @@ static void *stream_main(void *arg) {
         uint64_t bytes = 0;
         size_t nruns = 0;
         unsigned via = 0;
-        rc = mc_send_blocks(c, pull, &pull->reqs[t->req], p, &bytes, &nruns, &via, err, sizeof err);
+        rc = mc_send_blocks(c, 0, pull, &pull->reqs[t->req], p, &bytes, &nruns, &via, err,
+                            sizeof err);
         acc.bytes = bytes; /* the counters take the whole send (and what went before) */
         acc.runs = nruns;
         acc.via |= via;

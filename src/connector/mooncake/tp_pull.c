@@ -6,11 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-tp_local tp_local_of(const engine_kv_region *region) {
-    (void)region;
-    return (tp_local){1, 0};
-}
-
 int tp_shape_from_fingerprint(const char *fp, xfer_kv_shape *out, char *err, size_t err_cap) {
     int L = 0, H = 0, hd = 0, bs = 0, used = 0;
     char dt[8] = "", fam[16] = "";

@@ -24,11 +24,6 @@ typedef struct tp_local {
     int tp_rank; /* this process's rank */
 } tp_local;
 
-/* The TP shape of the instance whose engine gave region.  Every instance is one process
- * holding the whole KV today (the sharded forward, serve's --tensor-parallel-size, is not
- * built: docs/parallel.md), so {1, 0}; this is the one place that will read it. */
-tp_local tp_local_of(const engine_kv_region *region);
-
 /* The KV shape from a layout fingerprint "<family>:L<layers>:kvh<heads>:hd<dim>:bs<tokens>:
  * <f32|f16|bf16>:layer-kv-token-major:..."; XFER_PLAN_EINVAL with a message otherwise. */
 int tp_shape_from_fingerprint(const char *fp, xfer_kv_shape *out, char *err, size_t err_cap);
