@@ -769,7 +769,7 @@ static int tp_setup(server_config *cfg, int rank) {
     char kerr[256];
     if (cfg->kv_transfer_config &&
         !kv_transfer_config_parse(cfg->kv_transfer_config, &kc, kerr, sizeof kerr) &&
-        kc.layerwise) {
+        kc.layerwise && kc.layerwise_set) {
         fprintf(stderr,
                 "disagg serve: kv_connector_extra_config.layerwise true with "
                 "--tensor-parallel-size %d is not implemented (an instance of several ranks "

@@ -322,6 +322,7 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
                 return KV_CONFIG_EINVAL;
             }
             c->layerwise = json_is_true(v);
+            c->layerwise_set = 1;
         } else {
             const char *hint = did_you_mean(key, EXTRA_KEYS, N_EXTRA_KEYS);
             LOG_W(MOD,

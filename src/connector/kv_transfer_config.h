@@ -81,8 +81,10 @@ typedef struct kv_transfer_config {
     int first_token_handoff;
     /* layerwise (default true): a consumer asks for its KV layer by layer while the
      * producer's prefill runs ("disagg_layerwise" in the pull), a producer streams it when
-     * asked (docs/connector.md "Layer-wise streaming").  false: the whole-request path. */
-    int layerwise;
+     * asked (docs/connector.md "Layer-wise streaming").  false: the whole-request path.
+     * layerwise_set: the config named it (an instance of several TP ranks streams nothing
+     * and refuses an explicit true; its default is quietly off there). */
+    int layerwise, layerwise_set;
     /* what was accepted but means nothing here (comma-separated, for logs/tests) */
     char ignored_keys[KV_CONFIG_KEYS_MAX];       /* vLLM KVTransferConfig fields unused here */
     char unknown_extra_keys[KV_CONFIG_KEYS_MAX]; /* kv_connector_extra_config keys unknown */
