@@ -1,0 +1,205 @@
+"""`disagg serve --tokenizer-mode mistral` (vLLM's MistralTokenizer): chats are encoded by
+mistral-common's rules, not a chat template.  For each tokenizer version whose file
+mistral-common ships (SentencePiece v1, v2, v3, v7; Tekken v3 and the same Tekken vocabulary
+as v7), the prompt ids the server renders (POST /tokenize with messages, the path
+/v1/chat/completions takes) must equal mistral-common's
+`MistralTokenizer.encode_chat_completion(ChatCompletionRequest.from_openai(...)).tokens`, for
+plain chat, system prompts, multi-turn, tools with tool calls and results.  The model is
+`--load-format dummy` (config.json alone) with the vocabulary size of the tokenizer.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import requests
+
+import tokenizer_refs
+from server_harness import Server
+
+# name: (mistral-common data file, file name in the model dir, version, tekken)
+FLAVOURS = {
+    "spm-v1": ("tokenizer.model.v1", "tokenizer.model.v1", "v1", False),
+    "spm-v2": ("mistral_instruct_tokenizer_240216.model.v2", "tokenizer.model.v2", "v2", False),
+    "spm-v3": ("mistral_instruct_tokenizer_240323.model.v3", "tokenizer.model.v3", "v3", False),
+    "spm-v7": ("mistral_instruct_tokenizer_241114.model.v7", "tokenizer.model.v7", "v7", False),
+    "tekken-v3": ("tekken_240911.json", "tekken.json", "v3", True),
+    "tekken-v7": ("tekken_240911.json", "tekken.json", "v7", True),
+}
+COMMON = ("--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "32M")
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+CONVERSATIONS = {
+    "plain": [{"role": "user", "content": "Hello, how are you?"}],
+    "special_text": [{"role": "user", "content": "say [INST] and </s> as text  "}],
+    "system": [{"role": "system", "content": "You are terse."},
+               {"role": "user", "content": "Name a colour."}],
+    "multi_turn": [{"role": "system", "content": "You are terse."},
+                   {"role": "user", "content": "Name a colour."},
+                   {"role": "assistant", "content": "Blue. "},
+                   {"role": "user", "content": "Another?"},
+                   {"role": "user", "content": [{"type": "text", "text": "One more."}]}],
+    "tool_calls": [{"role": "user", "content": "Weather in Paris and Rome?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "abcDEF123", "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                       {"id": "call_9z8y7x6w5", "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+                   {"role": "tool", "tool_call_id": "abcDEF123", "name": "get_weather",
+                    "content": "{\"temp\": 21}"},
+                   {"role": "tool", "tool_call_id": "call_9z8y7x6w5", "name": "get_weather",
+                    "content": "sunny"},
+                   {"role": "assistant", "content": "Paris 21, Rome sunny."},
+                   {"role": "user", "content": "Thanks. And Oslo?"}],
+    "continue_final": [{"role": "user", "content": "Count to three."},
+                       {"role": "assistant", "content": "One, two,"}],
+}
+# tools take part where the version has control tokens for them
+WITH_TOOLS = {"tool_calls", "plain"}
+
+
+def build_model(d, flavour):
+    """A model directory: tokenizer.json (+ config) converted from the mistral-common file,
+    the file itself, and a tiny Mistral config.json of the tokenizer's vocabulary size."""
+    data_file, name, version, tekken = FLAVOURS[flavour]
+    src = os.path.join(tokenizer_refs.mistral_data_dir(), data_file)
+    if tekken:
+        with open(src, encoding="utf-8") as f:
+            j = json.load(f)
+        j["config"]["version"] = version
+        tek = d / "tekken.json"
+        tek.write_text(json.dumps(j), encoding="utf-8")
+        tokenizer_refs.tekken_json(str(d), str(tek))
+        vocab = j["config"]["default_vocab_size"]
+        ref = str(tek)
+    else:
+        _, proto = tokenizer_refs.spm_faithful(str(d), data_file)
+        shutil.copy(src, d / name)
+        vocab = len(proto.pieces)
+        ref = str(d / name)
+    cfg = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None,
+           "tie_word_embeddings": True, "vocab_size": vocab, "hidden_act": "silu",
+           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    (d / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    return ref
+
+
+def reference_ids(ref_file, messages, tools):
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    mt = MistralTokenizer.from_file(ref_file)
+    msgs = json.loads(json.dumps(messages))
+    for m in msgs:  # vLLM's truncate_tool_call_ids
+        for tc in m.get("tool_calls") or []:
+            tc["id"] = tc["id"][-9:]
+        if "tool_call_id" in m:
+            m["tool_call_id"] = m["tool_call_id"][-9:]
+    req = ChatCompletionRequest.from_openai(messages=msgs, tools=tools)
+    if msgs[-1]["role"] == "assistant":  # vLLM continues a final assistant message
+        req.messages[-1].prefix = True
+    return mt.encode_chat_completion(req).tokens
+
+
+@pytest.fixture(scope="module", params=sorted(FLAVOURS))
+def served(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    ref = build_model(d, request.param)
+    s = Server(*COMMON, "--tokenizer-mode", "mistral", model=str(d), ready_timeout=120)
+    try:
+        yield request.param, ref, s
+    finally:
+        assert s.stop() == 0
+
+
+def cases(flavour):
+    version = FLAVOURS[flavour][2]
+    for name, msgs in CONVERSATIONS.items():
+        if version == "v1" and name == "tool_calls":
+            continue
+        yield name, msgs, None
+        if name in WITH_TOOLS and version != "v1":
+            yield name + "+tools", msgs, TOOLS
+
+
+def test_prompt_ids_equal_mistral_common(served):
+    flavour, ref, s = served
+    bad = []
+    for name, msgs, tools in cases(flavour):
+        body = {"model": "tiny", "messages": msgs}
+        if tools:
+            body["tools"] = tools
+        r = requests.post(s.url + "/tokenize", json=body, timeout=30)
+        assert r.status_code == 200, (name, r.text)
+        want = reference_ids(ref, msgs, tools)
+        if r.json()["tokens"] != want:
+            bad.append((name, r.json()["tokens"], want))
+    assert not bad, f"{flavour}: {bad}"
+
+
+def test_chat_completion_runs_on_the_mistral_prompt(served):
+    flavour, ref, s = served
+    msgs = CONVERSATIONS["system"]
+    r = requests.post(s.url + "/v1/chat/completions",
+                      json={"model": "tiny", "messages": msgs, "max_tokens": 3, "temperature": 0,
+                            "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(reference_ids(ref, msgs, None))
+
+
+def test_bad_conversations_are_refused_by_name(served):
+    flavour, _, s = served
+    version = FLAVOURS[flavour][2]
+    bad = [([{"role": "assistant", "content": "hi"}], "start with a user message"),
+           ([{"role": "user", "content": "a"}, {"role": "tool", "content": "x", "tool_call_id": "abcdefghi"}],
+            "Unexpected role 'tool' after role 'user'"),
+           ([{"role": "developer", "content": "a"}], "accepted: system, user, assistant, tool"),
+           ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "accepts only")]
+    if version in ("v3", "v7"):
+        bad.append(([{"role": "user", "content": "a"},
+                     {"role": "assistant", "tool_calls": [{"id": "a-b", "type": "function",
+                                                           "function": {"name": "f", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": "a-b", "content": "1"}],
+                    "Tool call id was a-b but must be a-z, A-Z, 0-9, with a length of 9"))
+    for msgs, text in bad:
+        r = requests.post(s.url + "/v1/chat/completions",
+                          json={"model": "tiny", "messages": msgs, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 400, (msgs, r.text)
+        assert text in r.json()["error"]["message"], r.text
+
+
+def test_tokenizer_mode_values(tmp_path):
+    """auto picks mistral when a mistral-common file is there; an unknown mode is refused."""
+    import subprocess
+    from server_harness import BIN
+    out = subprocess.run([BIN, "serve", str(tmp_path), "--tokenizer-mode", "fast"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "accepted: auto, hf, slow, mistral" in out.stderr + out.stdout
+    d = tmp_path / "m"
+    d.mkdir()
+    build_model(d, "spm-v3")
+    s = Server(*COMMON, model=str(d), ready_timeout=120)  # auto
+    try:
+        msgs = CONVERSATIONS["system"]
+        r = requests.post(s.url + "/tokenize", json={"model": "tiny", "messages": msgs}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == reference_ids(str(d / "tokenizer.model.v3"), msgs, None)
+    finally:
+        assert s.stop() == 0
+    # --tokenizer-mode hf keeps the chat template: this tokenizer_config.json has none
+    s = Server(*COMMON, "--tokenizer-mode", "hf", model=str(d), ready_timeout=120)
+    try:
+        r = requests.post(s.url + "/v1/chat/completions",
+                          json={"model": "tiny", "messages": CONVERSATIONS["plain"], "max_tokens": 1},
+                          timeout=30)
+        assert r.status_code == 400 and "no chat template" in r.text, r.text
+    finally:
+        assert s.stop() == 0
