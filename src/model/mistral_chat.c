@@ -499,6 +499,31 @@ static int mc_read(const mistral_chat *mc, const json_t *messages, mc_conv *raw,
             err_set(err, cap, "messages[%zu]: Tools not implemented for tokenizer V1", i);
             return -EINVAL;
         }
+    if (mc->version == 2) { /* InstructTokenizerV2._validate_tool_results */
+        size_t last_user = 0;
+        for (i = 0; i < n; i++)
+            if (raw->m[i].role == MC_USER) last_user = i;
+        bool call_turn = false;
+        int results = 0;
+        for (i = last_user; i < n; i++) {
+            const mc_msg *m = &raw->m[i];
+            if (m->role == MC_ASSISTANT) {
+                call_turn = m->has_calls;
+                results = 0;
+            } else if (m->role == MC_TOOL) {
+                if (call_turn && ++results > 1) {
+                    err_set(err, cap,
+                            "messages[%zu]: Tokenizer v2 does not support multiple tool results "
+                            "for one assistant turn.",
+                            i);
+                    return -EINVAL;
+                }
+            } else {
+                call_turn = false;
+                results = 0;
+            }
+        }
+    }
     /* every assistant's tool calls answered before the next assistant message */
     long expected = 0;
     for (i = 1; i < n; i++) {
@@ -558,10 +583,16 @@ static int mc_aggregate_run(const mistral_chat *mc, mc_conv *raw, size_t a, size
             mc_msg *m = mc_conv_push(out);
             if (!m) return -ENOMEM;
             m->role = MC_TOOL;
-            char *j = mc_norm_json(raw->m[i].text.v, raw->m[i].text.n);
-            if (!j) return -ENOMEM;
-            chat_template_puts(&m->text, j);
-            free(j);
+            if (mc->version >= 7) { /* the V7 normalizer keeps the text as it is */
+                chat_template_put(&m->text, raw->m[i].text.v ? raw->m[i].text.v : "",
+                                  raw->m[i].text.n);
+            } else { /* before: JSON re-serialized, empty as {} */
+                char *j = mc_norm_json(raw->m[i].text.v, raw->m[i].text.n);
+                if (!j) return -ENOMEM;
+                chat_template_puts(&m->text, j);
+                free(j);
+            }
+            if (m->text.oom) return -ENOMEM;
             m->name = raw->m[i].name;
             if (raw->m[i].id_own && !(m->id_own = strdup(raw->m[i].id_own))) return -ENOMEM;
             m->id = m->id_own;

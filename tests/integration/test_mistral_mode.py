@@ -1,14 +1,18 @@
 """`disagg serve --tokenizer-mode mistral` (vLLM's MistralTokenizer): chats are encoded by
 mistral-common's rules, not a chat template.  For each tokenizer version whose file
-mistral-common ships (SentencePiece v1, v2, v3, v7; Tekken v3 and the same Tekken vocabulary
-as v7), the prompt ids the server renders (POST /tokenize with messages, the path
-/v1/chat/completions takes) must equal mistral-common's
-`MistralTokenizer.encode_chat_completion(ChatCompletionRequest.from_openai(...)).tokens`, for
-plain chat, system prompts, multi-turn, tools with tool calls and results.  The model is
+mistral-common ships (SentencePiece v1, v2, v3, v7; Tekken v3, and its vocabulary as v7, v11
+and v13, the latter two with the special tokens the hub's v11/v13 files list), the prompt ids
+the server renders (POST /tokenize with messages: the path /v1/chat/completions takes) must
+equal mistral-common's
+`MistralTokenizer.encode_chat_completion(ChatCompletionRequest.from_openai(...)).tokens` for
+plain chat, system prompts, multi-turn, tools with tool calls and results; the mistral tool
+parser's calls must round-trip; bad conversations are refused naming the rule.  The model is
 `--load-format dummy` (config.json alone) with the vocabulary size of the tokenizer.
 """
+import functools
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -25,7 +29,12 @@ FLAVOURS = {
     "spm-v7": ("mistral_instruct_tokenizer_241114.model.v7", "tokenizer.model.v7", "v7", False),
     "tekken-v3": ("tekken_240911.json", "tekken.json", "v3", True),
     "tekken-v7": ("tekken_240911.json", "tekken.json", "v7", True),
+    "tekken-v11": ("tekken_240911.json", "tekken.json", "v11", True),
+    "tekken-v13": ("tekken_240911.json", "tekken.json", "v13", True),
 }
+# v11+ files list their special tokens; these are the ranks the hub's v11/v13 files
+# (Mistral-Small-3.1, Magistral, Devstral) give [ARGS], [CALL_ID], [THINK], [/THINK]
+V11_SPECIALS = {32: "[ARGS]", 33: "[CALL_ID]", 34: "[THINK]", 35: "[/THINK]"}
 COMMON = ("--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "32M")
 
 TOOLS = [{"type": "function", "function": {
@@ -57,9 +66,40 @@ CONVERSATIONS = {
                    {"role": "user", "content": "Thanks. And Oslo?"}],
     "continue_final": [{"role": "user", "content": "Count to three."},
                        {"role": "assistant", "content": "One, two,"}],
+    "system_middle": [{"role": "system", "content": "One."}, {"role": "system", "content": ""},
+                      {"role": "user", "content": "a"}, {"role": "system", "content": "Two."},
+                      {"role": "user", "content": [{"type": "text", "text": "b"},
+                                                   {"type": "text", "text": "c"}]}],
+    "assistant_first": [{"role": "system", "content": "Sys."},
+                        {"role": "assistant", "content": "I start."},
+                        {"role": "user", "content": ""}],
+    "unicode": [{"role": "user", "content": "Grüße 🤖 日本語\n\n  \t x  "},
+                {"role": "assistant", "content": "  ok  "},
+                {"role": "user", "content": "Ünïcødé"}],
+}
+# tool conversations of the versions with tool tokens (v2+); v7+ only where marked
+TOOL_CONVERSATIONS = {
+    "results_reordered": [{"role": "user", "content": "Two cities"},
+                          {"role": "assistant", "tool_calls": [
+                              {"id": "aaaaaaaa1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": "not json"}},
+                              {"id": "bbbbbbbb2", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]},
+                          {"role": "tool", "tool_call_id": "bbbbbbbb2", "content": ""},
+                          {"role": "tool", "tool_call_id": "aaaaaaaa1",
+                           "content": [{"type": "text", "text": "[1, 2.5, \"é\"]"}]}],
+    "content_and_calls": [{"role": "user", "content": "Paris?"},
+                          {"role": "assistant", "content": "Checking. ", "tool_calls": [
+                              {"id": "ccccccccc", "type": "function",
+                               "function": {"name": "get_weather",
+                                            "arguments": {"city": "Paris", "n": [1, {"x": None}]}}}]},
+                          {"role": "tool", "tool_call_id": "ccccccccc", "content": "{\"t\":1}"}],
 }
 # tools take part where the version has control tokens for them
 WITH_TOOLS = {"tool_calls", "plain"}
+
+
+_TEKKEN_CONVERTED = {}  # the conversion takes seconds: done once per special-token list
 
 
 def build_model(d, flavour):
@@ -71,9 +111,21 @@ def build_model(d, flavour):
         with open(src, encoding="utf-8") as f:
             j = json.load(f)
         j["config"]["version"] = version
+        if version in ("v11", "v13"):
+            from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+            base = Tekkenizer.from_file(src)
+            names = [V11_SPECIALS.get(i, base.id_to_piece(i)) for i in range(base.num_special_tokens)]
+            j["special_tokens"] = [{"rank": i, "token_str": t, "is_control": True}
+                                   for i, t in enumerate(names)]
         tek = d / "tekken.json"
         tek.write_text(json.dumps(j), encoding="utf-8")
-        tokenizer_refs.tekken_json(str(d), str(tek))
+        key = version in ("v11", "v13")  # the converted vocabulary: one per special-token list
+        if key not in _TEKKEN_CONVERTED:
+            tokenizer_refs.tekken_json(str(d), str(tek))
+            _TEKKEN_CONVERTED[key] = d
+        else:
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(_TEKKEN_CONVERTED[key] / f, d / f)
         vocab = j["config"]["default_vocab_size"]
         ref = str(tek)
     else:
@@ -91,10 +143,15 @@ def build_model(d, flavour):
     return ref
 
 
+@functools.lru_cache(maxsize=None)
+def reference_tokenizer(ref_file):
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    return MistralTokenizer.from_file(ref_file)
+
+
 def reference_ids(ref_file, messages, tools):
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
-    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
-    mt = MistralTokenizer.from_file(ref_file)
+    mt = reference_tokenizer(ref_file)
     msgs = json.loads(json.dumps(messages))
     for m in msgs:  # vLLM's truncate_tool_call_ids
         for tc in m.get("tool_calls") or []:
@@ -111,7 +168,8 @@ def reference_ids(ref_file, messages, tools):
 def served(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     ref = build_model(d, request.param)
-    s = Server(*COMMON, "--tokenizer-mode", "mistral", model=str(d), ready_timeout=120)
+    s = Server(*COMMON, "--tokenizer-mode", "mistral", "--tool-call-parser", "mistral",
+               model=str(d), ready_timeout=120)
     try:
         yield request.param, ref, s
     finally:
@@ -119,13 +177,20 @@ def served(request, tmp_path_factory):
 
 
 def cases(flavour):
-    version = FLAVOURS[flavour][2]
+    version = int(FLAVOURS[flavour][2][1:])
     for name, msgs in CONVERSATIONS.items():
-        if version == "v1" and name == "tool_calls":
+        if version == 1 and name == "tool_calls":
             continue
+        if version >= 7 and name == "assistant_first":
+            continue  # mistral-common v7 encodes no [INST] before it: a prompt unlike training
         yield name, msgs, None
-        if name in WITH_TOOLS and version != "v1":
+        if name in WITH_TOOLS and version != 1:
             yield name + "+tools", msgs, TOOLS
+    for name, msgs in TOOL_CONVERSATIONS.items():
+        if version == 2 and name == "results_reordered":
+            continue  # v2 refuses two results of one turn (test_bad_conversations_are_refused_by_name)
+        if version >= 2 and (version >= 7 or name != "content_and_calls"):
+            yield name, msgs, TOOLS
 
 
 def test_prompt_ids_equal_mistral_common(served):
@@ -153,6 +218,38 @@ def test_chat_completion_runs_on_the_mistral_prompt(served):
     assert r.json()["usage"]["prompt_tokens"] == len(reference_ids(ref, msgs, None))
 
 
+ENUM_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
+                                          "required": ["city"], "additionalProperties": False}}}]
+
+
+def test_mistral_tool_parser_round_trip(served):
+    """--tool-call-parser mistral: a named tool_choice constrains the output to the call format
+    (v11+: [TOOL_CALLS]name[ARGS]{...}), the parser returns the call with a 9-character id, and
+    that call and its result sent back encode as mistral-common encodes them."""
+    flavour, ref, s = served
+    if FLAVOURS[flavour][2] == "v1":
+        pytest.skip("tokenizer v1 has no tool calls")
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = requests.post(s.url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": msgs, "tools": ENUM_TOOLS, "max_tokens": 200, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls", ch
+    calls = ch["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] == "get_weather" and
+                         json.loads(c["function"]["arguments"]) == {"city": "Paris"} for c in calls), calls
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in calls), calls
+    turn = msgs + [{"role": "assistant", "content": None, "tool_calls": calls}] + [
+        {"role": "tool", "tool_call_id": c["id"], "name": "get_weather", "content": "{\"temp\": 21}"}
+        for c in calls]
+    r = requests.post(s.url + "/tokenize", json={"model": "tiny", "messages": turn, "tools": ENUM_TOOLS},
+                      timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == reference_ids(ref, turn, ENUM_TOOLS)
+
+
 def test_bad_conversations_are_refused_by_name(served):
     flavour, _, s = served
     version = FLAVOURS[flavour][2]
@@ -168,6 +265,11 @@ def test_bad_conversations_are_refused_by_name(served):
                                                            "function": {"name": "f", "arguments": "{}"}}]},
                      {"role": "tool", "tool_call_id": "a-b", "content": "1"}],
                     "Tool call id was a-b but must be a-z, A-Z, 0-9, with a length of 9"))
+    if version == "v2":
+        bad.append((TOOL_CONVERSATIONS["results_reordered"], "does not support multiple tool results"))
+    if version in ("v2", "v3"):
+        bad.append((TOOL_CONVERSATIONS["content_and_calls"],
+                    "must have either content or tool_calls, but not both"))
     for msgs, text in bad:
         r = requests.post(s.url + "/v1/chat/completions",
                           json={"model": "tiny", "messages": msgs, "max_tokens": 1}, timeout=30)
