@@ -305,3 +305,28 @@ def test_tokenizer_mode_values(tmp_path):
         assert r.status_code == 400 and "no chat template" in r.text, r.text
     finally:
         assert s.stop() == 0
+
+
+def test_bad_tokenizer_files_are_refused_at_start(tmp_path):
+    """A version mistral-common has no encoding for here, or a tokenizer.json that lacks the
+    version's control tokens, stops the server naming the file and what is accepted."""
+    d = tmp_path / "v15"
+    d.mkdir()
+    build_model(d, "tekken-v3")
+    j = json.loads((d / "tekken.json").read_text(encoding="utf-8"))
+    j["config"]["version"] = "v15"
+    (d / "tekken.json").write_text(json.dumps(j), encoding="utf-8")
+    with pytest.raises(RuntimeError, match=r'tokenizer version "v15" is not supported; accepted: v1, v2, v3'):
+        Server(*COMMON, "--tokenizer-mode", "mistral", model=str(d), ready_timeout=60)
+    d = tmp_path / "v1-as-v3"  # the v1 vocabulary has no [INST] token
+    d.mkdir()
+    build_model(d, "spm-v1")
+    os.rename(d / "tokenizer.model.v1", d / "tokenizer.model.v3")
+    with pytest.raises(RuntimeError, match=r"says version v3 but the tokenizer in .* has no \[INST\] token"):
+        Server(*COMMON, "--tokenizer-mode", "mistral", model=str(d), ready_timeout=60)
+    d = tmp_path / "none"  # mistral asked for, no mistral-common file
+    d.mkdir()
+    build_model(d, "spm-v3")
+    os.remove(d / "tokenizer.model.v3")
+    with pytest.raises(RuntimeError, match=r"no mistral-common tokenizer file \(tekken.json or tokenizer.model.v\*\)"):
+        Server(*COMMON, "--tokenizer-mode", "mistral", model=str(d), ready_timeout=60)
