@@ -250,6 +250,21 @@ def test_mistral_tool_parser_round_trip(served):
     assert r.json()["tokens"] == reference_ids(ref, turn, ENUM_TOOLS)
 
 
+def test_bad_tools_are_refused_by_name(served):
+    flavour, _, s = served
+    if FLAVOURS[flavour][2] == "v1":
+        pytest.skip("tokenizer v1 ignores tools")
+    msgs = [{"role": "user", "content": "a"}]
+    for tools, text in [([{"type": "function", "function": {"name": "x y"}}], "tools[0].function.name"),
+                        ([{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+                         "tools[0].function.parameters must be an object"),
+                        ([{"type": "function", "function": {"name": "f", "description": 3}}],
+                         "tools[0].function.description must be a string")]:
+        r = requests.post(s.url + "/tokenize", json={"model": "tiny", "messages": msgs, "tools": tools},
+                          timeout=30)
+        assert r.status_code == 400 and text in r.json()["error"]["message"], r.text
+
+
 def test_bad_conversations_are_refused_by_name(served):
     flavour, _, s = served
     version = FLAVOURS[flavour][2]
@@ -265,6 +280,16 @@ def test_bad_conversations_are_refused_by_name(served):
                                                            "function": {"name": "f", "arguments": "{}"}}]},
                      {"role": "tool", "tool_call_id": "a-b", "content": "1"}],
                     "Tool call id was a-b but must be a-z, A-Z, 0-9, with a length of 9"))
+    bad += [("not a list", "messages"),
+            ([{"role": "user", "content": 5}], "content must be a string, null or an array of text parts"),
+            ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"id": "abcdefghi"}]}],
+             "function.name must be a string"),
+            ([{"role": "user", "content": "a"},
+              {"role": "assistant", "tool_calls": [{"id": "abcdefghi", "function": {"name": "f g"}}]}],
+             "Function name was f g"),
+            ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": {"id": 1}}],
+             "tool_calls must be an array"),
+            ([{"role": "system"}, {"role": "user", "content": "a"}], "System prompt must have content")]
     if version == "v2":
         bad.append((TOOL_CONVERSATIONS["results_reordered"], "does not support multiple tool results"))
     if version in ("v2", "v3"):
@@ -273,6 +298,9 @@ def test_bad_conversations_are_refused_by_name(served):
     for msgs, text in bad:
         r = requests.post(s.url + "/v1/chat/completions",
                           json={"model": "tiny", "messages": msgs, "max_tokens": 1}, timeout=30)
+        if text == "messages":  # the request parser's own check
+            assert r.status_code == 400, r.text
+            continue
         assert r.status_code == 400, (msgs, r.text)
         assert text in r.json()["error"]["message"], r.text
 
