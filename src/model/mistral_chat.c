@@ -36,9 +36,9 @@ enum {
     T_COUNT
 };
 static const char *const TOKEN_NAMES[T_COUNT] = {
-    "[INST]",          "[/INST]",         "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-    "[TOOL_RESULTS]",  "[/TOOL_RESULTS]", "[TOOL_CALLS]",      "[SYSTEM_PROMPT]",
-    "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]",            "[CALL_ID]"};
+    "[INST]",          "[/INST]",      "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[SYSTEM_PROMPT]",   "[/SYSTEM_PROMPT]",   "[TOOL_CONTENT]",
+    "[ARGS]",          "[CALL_ID]"};
 
 struct mistral_chat {
     const tokenizer *tok; /* encodes the text; outlives the handle */
@@ -200,21 +200,21 @@ typedef struct mc_call {
 } mc_call;
 
 typedef struct mc_msg {
-    int role;          /* MC_* */
-    ct_buf text;       /* content, its text parts joined with "\n\n" */
-    mc_call *calls;    /* assistant: (n_calls) */
-    size_t n_calls;    /* 0: none */
-    bool has_calls;    /* tool_calls present and non-empty */
-    const char *id;    /* tool: tool_call_id (in the request's JSON), truncated copy below */
-    char *id_own;      /* tool: the id used */
-    const char *name;  /* tool: name or NULL */
-    bool prefix;       /* assistant: continued (no eos) */
+    int role;         /* MC_* */
+    ct_buf text;      /* content, its text parts joined with "\n\n" */
+    mc_call *calls;   /* assistant: (n_calls) */
+    size_t n_calls;   /* 0: none */
+    bool has_calls;   /* tool_calls present and non-empty */
+    const char *id;   /* tool: tool_call_id (in the request's JSON), truncated copy below */
+    char *id_own;     /* tool: the id used */
+    const char *name; /* tool: name or NULL */
+    bool prefix;      /* assistant: continued (no eos) */
 } mc_msg;
 
 typedef struct mc_conv {
-    mc_msg *m;   /* (n) */
-    size_t n;    /* used */
-    size_t cap;  /* allocated */
+    mc_msg *m;  /* (n) */
+    size_t n;   /* used */
+    size_t cap; /* allocated */
 } mc_conv;
 
 static void mc_msg_free(mc_msg *m) {
@@ -266,8 +266,8 @@ static int mc_content(const json_t *m, size_t i, ct_buf *b, char *err, size_t ca
         return 0;
     }
     if (!json_is_array(c)) {
-        err_set(err, cap,
-                "messages[%zu].content must be a string, null or an array of text parts", i);
+        err_set(err, cap, "messages[%zu].content must be a string, null or an array of text parts",
+                i);
         return -EINVAL;
     }
     size_t k;
@@ -345,8 +345,7 @@ static int mc_read_calls(const mistral_chat *mc, const json_t *calls, size_t i, 
         const json_t *args = json_object_get(fn, "arguments");
         const json_t *id = json_object_get(tc, "id");
         if (!json_is_string(name)) {
-            err_set(err, cap, "messages[%zu].tool_calls[%zu].function.name must be a string", i,
-                    k);
+            err_set(err, cap, "messages[%zu].tool_calls[%zu].function.name must be a string", i, k);
             return -EINVAL;
         }
         if (!mc_name_ok(json_string_value(name))) {
@@ -438,8 +437,10 @@ static int mc_read(const mistral_chat *mc, const json_t *messages, mc_conv *raw,
                 return -EINVAL;
             }
             if (mc->version >= 7 && !m->text.n && !m->has_calls) {
-                err_set(err, cap, "messages[%zu]: Invalid assistant message: no content and no "
-                                  "tool_calls", i);
+                err_set(err, cap,
+                        "messages[%zu]: Invalid assistant message: no content and no "
+                        "tool_calls",
+                        i);
                 return -EINVAL;
             }
             m->prefix = i + 1 == n; /* vLLM continues a final assistant message */
@@ -477,8 +478,9 @@ static int mc_read(const mistral_chat *mc, const json_t *messages, mc_conv *raw,
     }
     /* structure: one message must be user or system; the order of roles */
     if (n == 1 && raw->m[0].role != MC_USER && raw->m[0].role != MC_SYSTEM) {
-        err_set(err, cap, "messages: Conversation must start with a user message or system "
-                          "message");
+        err_set(err, cap,
+                "messages: Conversation must start with a user message or system "
+                "message");
         return -EINVAL;
     }
     static const unsigned NEXT[4] = {
@@ -563,8 +565,8 @@ static int mc_read(const mistral_chat *mc, const json_t *messages, mc_conv *raw,
 /* ---- normalization ----------------------------------------------------- */
 
 /* One run of messages of one role [a, b) of raw, aggregated into out. */
-static int mc_aggregate_run(const mistral_chat *mc, mc_conv *raw, size_t a, size_t b,
-                            mc_conv *out, char ***latest, size_t *n_latest) {
+static int mc_aggregate_run(const mistral_chat *mc, mc_conv *raw, size_t a, size_t b, mc_conv *out,
+                            char ***latest, size_t *n_latest) {
     int role = raw->m[a].role;
     if (role == MC_SYSTEM) {
         if (mc->version < 7) return 0; /* joined into the system prompt */
@@ -718,8 +720,7 @@ static int mc_text(const mistral_chat *mc, mc_ids *o, const char *s, size_t n, c
     return rc;
 }
 
-static int mc_json_text(const mistral_chat *mc, mc_ids *o, const json_t *x, char *err,
-                        size_t cap) {
+static int mc_json_text(const mistral_chat *mc, mc_ids *o, const json_t *x, char *err, size_t cap) {
     ct_buf b = {0};
     chat_template_json(&b, x, -1);
     int rc = b.oom ? -ENOMEM : mc_text(mc, o, b.v, b.n, err, cap);
@@ -734,8 +735,7 @@ static json_t *mc_parse_json(const char *s) {
 }
 
 /* [AVAILABLE_TOOLS] json.dumps([tool.model_dump(exclude strict)]) [/AVAILABLE_TOOLS] */
-static int mc_tools(const mistral_chat *mc, mc_ids *o, const json_t *tools, char *err,
-                    size_t cap) {
+static int mc_tools(const mistral_chat *mc, mc_ids *o, const json_t *tools, char *err, size_t cap) {
     json_t *list = json_array();
     size_t i;
     const json_t *t;
@@ -882,7 +882,8 @@ static int mc_tool(const mistral_chat *mc, mc_ids *o, const mc_msg *m, bool befo
         return rc;
     }
     json_t *r = json_object(); /* v2: [{"name", "content"}]; v3: {"content", "call_id"} */
-    if (mc->version == 2) json_object_set_new(r, "name", m->name ? json_string(m->name) : json_null());
+    if (mc->version == 2)
+        json_object_set_new(r, "name", m->name ? json_string(m->name) : json_null());
     json_object_set_new(r, "content", mc_parse_json(s));
     if (mc->version == 3) json_object_set_new(r, "call_id", json_string(m->id));
     json_t *x = r;
@@ -921,15 +922,19 @@ int mistral_chat_encode(const mistral_chat *mc, const json_t *messages, const js
         const mc_msg *m = &conv.m[i];
         bool before = last_user != SIZE_MAX && i < last_user;
         switch (m->role) {
-            case MC_USER:
-                rc = mc_user(mc, &o, m, tools, i == first_user, i == last_user, &sys, err, cap);
-                break;
-            case MC_ASSISTANT: rc = mc_assistant(mc, &o, m, before, err, cap); break;
-            case MC_TOOL: rc = mc_tool(mc, &o, m, before, err, cap); break;
-            default: /* v7+: [SYSTEM_PROMPT] text [/SYSTEM_PROMPT] */
-                rc = mc_push(&o, mc->t[T_SYSTEM]);
-                if (!rc) rc = mc_text(mc, &o, m->text.v, m->text.n, err, cap);
-                if (!rc) rc = mc_push(&o, mc->t[T_END_SYSTEM]);
+        case MC_USER:
+            rc = mc_user(mc, &o, m, tools, i == first_user, i == last_user, &sys, err, cap);
+            break;
+        case MC_ASSISTANT:
+            rc = mc_assistant(mc, &o, m, before, err, cap);
+            break;
+        case MC_TOOL:
+            rc = mc_tool(mc, &o, m, before, err, cap);
+            break;
+        default: /* v7+: [SYSTEM_PROMPT] text [/SYSTEM_PROMPT] */
+            rc = mc_push(&o, mc->t[T_SYSTEM]);
+            if (!rc) rc = mc_text(mc, &o, m->text.v, m->text.n, err, cap);
+            if (!rc) rc = mc_push(&o, mc->t[T_END_SYSTEM]);
         }
     }
     mc_conv_free(&raw);

@@ -36,8 +36,7 @@ static int enc_normalized_piece(enc_ctx *c, const uint8_t *s, size_t n, bool at_
     const uint8_t *u = cur ? (const uint8_t *)cur : s;
     if (!cur) len = n;
     c->origin = at_origin ? u : NULL;
-    rc = t->any_added_norm && !c->no_added ? enc_added(c, u, len, true)
-                                           : tok_enc_pre(c, 0, u, len);
+    rc = t->any_added_norm && !c->no_added ? enc_added(c, u, len, true) : tok_enc_pre(c, 0, u, len);
     c->origin = NULL;
     free(cur);
     return rc;
@@ -115,8 +114,8 @@ static int enc_added(enc_ctx *c, const uint8_t *s, size_t n, bool normalized) {
     return 0;
 }
 
-static int encode(const tokenizer *t, const char *text, size_t len, bool add_special,
-                  bool no_added, int32_t **ids_out, size_t *n_out, char *err, size_t err_cap) {
+static int encode(const tokenizer *t, const char *text, size_t len, bool add_special, bool no_added,
+                  int32_t **ids_out, size_t *n_out, char *err, size_t err_cap) {
     *ids_out = NULL;
     *n_out = 0;
     if (!text && len) {

@@ -404,9 +404,12 @@ static void *loader_main(void *arg) {
     }
     char mfile[4096];
     int mode = s->cfg.tokenizer_mode;
-    if (mode == SERVER_TOKENIZER_MODE_AUTO && mistral_chat_find_file(tok_dir, mfile, sizeof mfile)) {
-        LOG_I("server", "--tokenizer-mode auto: %s is a mistral-common tokenizer file: mode mistral "
-                        "(--tokenizer-mode hf for the chat template instead)", mfile);
+    if (mode == SERVER_TOKENIZER_MODE_AUTO &&
+        mistral_chat_find_file(tok_dir, mfile, sizeof mfile)) {
+        LOG_I("server",
+              "--tokenizer-mode auto: %s is a mistral-common tokenizer file: mode mistral "
+              "(--tokenizer-mode hf for the chat template instead)",
+              mfile);
         mode = SERVER_TOKENIZER_MODE_MISTRAL;
     }
     if (mode == SERVER_TOKENIZER_MODE_MISTRAL) {

@@ -21,8 +21,12 @@ struct tool_parser;
  * mistral-common file (tekken.json, tokenizer.model.v*), else hf; hf and slow are
  * the tokenizer.json tokenizer with the chat template; mistral encodes chats by
  * mistral-common's rules (model/mistral_chat.h). */
-enum { SERVER_TOKENIZER_MODE_AUTO, SERVER_TOKENIZER_MODE_HF, SERVER_TOKENIZER_MODE_SLOW,
-       SERVER_TOKENIZER_MODE_MISTRAL };
+enum {
+    SERVER_TOKENIZER_MODE_AUTO,
+    SERVER_TOKENIZER_MODE_HF,
+    SERVER_TOKENIZER_MODE_SLOW,
+    SERVER_TOKENIZER_MODE_MISTRAL
+};
 
 typedef struct server_config {
     const char *host;                    /* listen address (default "0.0.0.0") */

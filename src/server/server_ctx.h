@@ -51,8 +51,7 @@ typedef struct server {
     structured_cache *gcache;         /* compiled grammars by request constraint */
     chat_template *tmpl;              /* NULL when the model has no (supported) template */
     char tmpl_error[512];             /* why tmpl is NULL */
-    mistral_chat *mistral;            /* --tokenizer-mode mistral: chats encoded by
-                                         mistral-common's rules, not tmpl; else NULL */
+    mistral_chat *mistral;            /* mistral mode: chats by mistral-common, not tmpl */
     const tool_parser *tools;         /* parses tool calls (cfg.tool_parser or hermes) */
     const tool_call_grammar *tool_grammar; /* its format for tool_choice required / named */
     int max_model_len;                /* engine_max_model_len */
