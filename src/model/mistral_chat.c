@@ -546,9 +546,24 @@ static int mc_read(const mistral_chat *mc, const json_t *messages, mc_conv *raw,
                             i, m->id);
                     return -EINVAL;
                 }
+                for (size_t j = i; j-- > 0 && raw->m[j].role == MC_TOOL;)
+                    if (!strcmp(raw->m[j].id, m->id)) {
+                        err_set(err, cap,
+                                "messages[%zu]: Duplicate tool call id %s in tool results", i,
+                                m->id);
+                        return -EINVAL;
+                    }
             }
             expected--;
         } else if (m->role == MC_ASSISTANT) {
+            for (size_t k = 0; mc->version >= 11 && k < m->n_calls; k++)
+                for (size_t q = 0; q < k; q++)
+                    if (!strcmp(m->calls[q].id, m->calls[k].id)) {
+                        err_set(err, cap,
+                                "messages[%zu]: Duplicate tool call id %s in assistant message", i,
+                                m->calls[k].id);
+                        return -EINVAL;
+                    }
             if (expected != 0) {
                 err_set(err, cap,
                         "messages[%zu]: Not the same number of function calls and responses "
@@ -645,7 +660,6 @@ static int mc_aggregate_run(const mistral_chat *mc, mc_conv *raw, size_t a, size
         free(r->calls); /* moved */
         r->calls = NULL;
         r->n_calls = 0;
-        m->prefix |= r->prefix;
     }
     for (size_t i = a; i < b; i++)
         m->prefix |= raw->m[i].prefix;

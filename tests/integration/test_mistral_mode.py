@@ -266,7 +266,7 @@ def test_bad_tools_are_refused_by_name(served):
 
 
 def test_bad_conversations_are_refused_by_name(served):
-    flavour, _, s = served
+    flavour, ref, s = served
     version = FLAVOURS[flavour][2]
     bad = [([{"role": "assistant", "content": "hi"}], "start with a user message"),
            ([{"role": "user", "content": "a"}, {"role": "tool", "content": "x", "tool_call_id": "abcdefghi"}],
@@ -290,6 +290,18 @@ def test_bad_conversations_are_refused_by_name(served):
             ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": {"id": 1}}],
              "tool_calls must be an array"),
             ([{"role": "system"}, {"role": "user", "content": "a"}], "System prompt must have content")]
+    if version in ("v11", "v13"):
+        call = {"id": "abcdefghi", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        bad += [([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [call, call]},
+                  {"role": "tool", "tool_call_id": "abcdefghi", "content": "1"}],
+                 "Duplicate tool call id abcdefghi in assistant message"),
+                ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "abcdefghi", "content": "1"},
+                  {"role": "tool", "tool_call_id": "abcdefghi", "content": "2"}],
+                 "Duplicate tool call id abcdefghi in tool results"),
+                ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "zzzzzzzzz", "content": "1"}],
+                 "Unexpected tool call id zzzzzzzzz in tool results")]
     if version == "v2":
         bad.append((TOOL_CONVERSATIONS["results_reordered"], "does not support multiple tool results"))
     if version in ("v2", "v3"):
@@ -303,6 +315,15 @@ def test_bad_conversations_are_refused_by_name(served):
             continue
         assert r.status_code == 400, (msgs, r.text)
         assert text in r.json()["error"]["message"], r.text
+        if text not in OWN_CHECKS:  # mistral-common's own rule: it refuses the conversation too
+            with pytest.raises(Exception):
+                reference_ids(ref, msgs, None)
+
+
+# refusals of what mistral-common's Python types would not hold, or disagg does not take
+OWN_CHECKS = {"accepted: system, user, assistant, tool", "accepts only",
+              "content must be a string, null or an array of text parts", "function.name must be a string",
+              "tool_calls must be an array"}
 
 
 def test_tokenizer_mode_values(tmp_path):
