@@ -436,13 +436,6 @@ static int mc_read(const mistral_chat *mc, const json_t *messages, mc_conv *raw,
                         i, mc->name);
                 return -EINVAL;
             }
-            if (mc->version >= 7 && !m->text.n && !m->has_calls) {
-                err_set(err, cap,
-                        "messages[%zu]: Invalid assistant message: no content and no "
-                        "tool_calls",
-                        i);
-                return -EINVAL;
-            }
             m->prefix = i + 1 == n; /* vLLM continues a final assistant message */
         }
         if (r == MC_TOOL) {
@@ -534,7 +527,8 @@ static int mc_read(const mistral_chat *mc, const json_t *messages, mc_conv *raw,
             if (mc->version >= 11) {
                 bool known = false;
                 const mc_msg *a = NULL;
-                for (size_t j = i; j-- > 0;)
+                /* mistral-common's loop skips the first message: its calls expect nothing */
+                for (size_t j = i; j-- > 1;)
                     if (raw->m[j].role == MC_ASSISTANT) {
                         a = &raw->m[j];
                         break;
@@ -873,6 +867,18 @@ static int mc_assistant(const mistral_chat *mc, mc_ids *o, const mc_msg *m, bool
     if (mc->version >= 2) /* content.rstrip(" ") */
         while (n && m->text.v[n - 1] == ' ')
             n--;
+    /* after the merge of consecutive assistant messages (InstructTokenizerV2 / V7) */
+    if (mc->version < 7 && m->has_calls && m->text.n) {
+        err_set(err, cap,
+                "Cannot have tool calls and content defined in the same assistant message (the "
+                "merge of consecutive assistant messages; tokenizer %s)",
+                mc->name);
+        return -EINVAL;
+    }
+    if (!m->has_calls && !m->text.n) {
+        err_set(err, cap, "Invalid assistant message: no content and no tool_calls");
+        return -EINVAL;
+    }
     if (mc->version == 2 && m->has_calls && before_last_user) return 0; /* history dropped */
     if (m->text.n) rc = mc_text(mc, o, m->text.v, n, err, cap);
     if (!rc && m->has_calls) rc = mc_calls(mc, o, m, err, cap);

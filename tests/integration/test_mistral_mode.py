@@ -379,3 +379,58 @@ def test_bad_tokenizer_files_are_refused_at_start(tmp_path):
     os.remove(d / "tokenizer.model.v3")
     with pytest.raises(RuntimeError, match=r"no mistral-common tokenizer file \(tekken.json or tokenizer.model.v\*\)"):
         Server(*COMMON, "--tokenizer-mode", "mistral", model=str(d), ready_timeout=60)
+
+
+TEXTS = ["Hi", "", " lead and trail ", "a\n\nb", "Grüße 🤖", "[INST] x [/INST]", "{\"k\": [1, 2]}",
+         "not json {", "  ", "3.25", "tab\tand\r\nnewline", "日本語のテキスト"]
+
+
+def random_conversation(rng, version):
+    """A conversation of random roles and contents (many break mistral-common's rules)."""
+    msgs = []
+    pending = []
+    for _ in range(rng.randint(1, 7)):
+        role = rng.choice(["user", "user", "assistant", "system"] + (["tool"] if pending else []))
+        text = rng.choice(TEXTS)
+        if role == "tool":
+            msgs.append({"role": "tool", "tool_call_id": pending.pop(0), "name": "get_weather",
+                         "content": text if rng.random() < 0.8 else [{"type": "text", "text": text}]})
+            continue
+        if role == "assistant" and version >= 2 and rng.random() < 0.4:
+            calls = [{"id": "".join(rng.choice("abcXYZ019") for _ in range(9)), "type": "function",
+                      "function": {"name": "get_weather",
+                                   "arguments": rng.choice(["{\"city\": \"Paris\"}", "{}", "", "[1, 2.5]",
+                                                            "oops"])}}
+                     for _ in range(rng.randint(1, 2))]
+            msgs.append({"role": "assistant", "content": text if version >= 7 and rng.random() < 0.3 else None,
+                         "tool_calls": calls})
+            pending = [c["id"] for c in calls]
+            continue
+        content = text if rng.random() < 0.7 else [{"type": "text", "text": t} for t in rng.sample(TEXTS, 2)]
+        msgs.append({"role": role, "content": content})
+    return msgs
+
+
+def test_random_conversations_equal_mistral_common(served):
+    """200 random conversations a flavour (seeded): where mistral-common encodes one, the ids
+    are equal; where it refuses one, so does disagg (400)."""
+    import random
+    flavour, ref, s = served
+    version = int(FLAVOURS[flavour][2][1:])
+    rng = random.Random(flavour)
+    bad = []
+    for k in range(200):
+        msgs = random_conversation(rng, version)
+        tools = TOOLS if version >= 2 and rng.random() < 0.5 else None
+        try:
+            want = reference_ids(ref, msgs, tools)
+        except Exception as e:  # noqa: BLE001 - any refusal of mistral-common's
+            want = e
+        r = requests.post(s.url + "/tokenize", json={"model": "tiny", "messages": msgs, "tools": tools},
+                          timeout=30)
+        if isinstance(want, Exception):
+            if r.status_code != 400:
+                bad.append((k, msgs, "mistral-common refused: " + repr(want)[:200], r.text[:200]))
+        elif r.status_code != 200 or r.json()["tokens"] != want:
+            bad.append((k, msgs, r.text[:300]))
+    assert not bad, f"{flavour}: {len(bad)} differ; first: {bad[:3]}"
