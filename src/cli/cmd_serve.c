@@ -437,8 +437,8 @@ static const flag_def SERVE_FLAGS[] = {
      .help = "mistral: chats encoded by mistral-common's rules ([INST], [SYSTEM_PROMPT], "
              "[AVAILABLE_TOOLS], [TOOL_CALLS], [TOOL_RESULTS] by the version of tekken.json or "
              "tokenizer.model.vN), not the chat template; hf and slow: the chat template; auto "
-             "(default): mistral when the tokenizer directory has tekken.json or "
-             "tokenizer.model.v*, else hf"},
+             "(default, vLLM's rule): mistral when the tokenizer directory is in Mistral's format "
+             "(consolidated*.safetensors) and has tekken.json or tokenizer.model.v*, else hf"},
     {FLAG_STRING_("--revision", &S.revision), .metavar = "REV",
      .help = "MODEL's branch, tag or commit in the HF cache (default main)"},
     {FLAG_STRING_("--chat-template", &S.chat_template), .metavar = "FILE|TEMPLATE",

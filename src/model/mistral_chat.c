@@ -87,6 +87,22 @@ bool mistral_chat_find_file(const char *dir, char *path, size_t cap) {
     return true;
 }
 
+bool mistral_chat_auto(const char *dir) {
+    char path[4096];
+    if (!mistral_chat_find_file(dir, path, sizeof path)) return false;
+    DIR *d = opendir(dir);
+    if (!d) return false;
+    bool found = false;
+    struct dirent *e;
+    while (!found && (e = readdir(d))) {
+        size_t n = strlen(e->d_name);
+        found = !strncmp(e->d_name, "consolidated", 12) && n >= 12 + 12 &&
+                !strcmp(e->d_name + n - 12, ".safetensors");
+    }
+    closedir(d);
+    return found;
+}
+
 static bool version_ok(int v) {
     return v == 1 || v == 2 || v == 3 || v == 7 || v == 11 || v == 13;
 }

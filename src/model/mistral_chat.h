@@ -31,9 +31,11 @@
 typedef struct mistral_chat mistral_chat;
 
 /* The mistral-common tokenizer file of dir (tekken.json, else the
- * tokenizer.model.vN of highest N) written into path, or 0 when there is none:
- * vLLM's `--tokenizer-mode auto` picks the mistral mode when one exists. */
+ * tokenizer.model.vN of highest N) written into path, or 0 when there is none. */
 bool mistral_chat_find_file(const char *dir, char *path, size_t cap);
+/* vLLM's `--tokenizer-mode auto` rule: the mistral mode when dir is a Mistral-format
+ * repository (a consolidated*.safetensors file) with a mistral-common tokenizer file. */
+bool mistral_chat_auto(const char *dir);
 
 /* Read the version from dir's tokenizer file and look up its control tokens in
  * tok (which must outlive the handle).  Errors name the file and what is

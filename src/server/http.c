@@ -404,11 +404,11 @@ static void *loader_main(void *arg) {
     }
     char mfile[4096];
     int mode = s->cfg.tokenizer_mode;
-    if (mode == SERVER_TOKENIZER_MODE_AUTO &&
+    if (mode == SERVER_TOKENIZER_MODE_AUTO && mistral_chat_auto(tok_dir) &&
         mistral_chat_find_file(tok_dir, mfile, sizeof mfile)) {
         LOG_I("server",
-              "--tokenizer-mode auto: %s is a mistral-common tokenizer file: mode mistral "
-              "(--tokenizer-mode hf for the chat template instead)",
+              "--tokenizer-mode auto: a Mistral-format directory (consolidated*.safetensors) with "
+              "%s: mode mistral (--tokenizer-mode hf for the chat template instead)",
               mfile);
         mode = SERVER_TOKENIZER_MODE_MISTRAL;
     }

@@ -327,7 +327,8 @@ OWN_CHECKS = {"accepted: system, user, assistant, tool", "accepts only",
 
 
 def test_tokenizer_mode_values(tmp_path):
-    """auto picks mistral when a mistral-common file is there; an unknown mode is refused."""
+    """auto picks mistral in a Mistral-format directory (consolidated*.safetensors) with a
+    mistral-common file, as vLLM; hf beside the same files; an unknown mode is refused."""
     import subprocess
     from server_harness import BIN
     out = subprocess.run([BIN, "serve", str(tmp_path), "--tokenizer-mode", "fast"],
@@ -337,6 +338,15 @@ def test_tokenizer_mode_values(tmp_path):
     d = tmp_path / "m"
     d.mkdir()
     build_model(d, "spm-v3")
+    # auto without consolidated*.safetensors: hf (this tokenizer_config.json has no template)
+    s = Server(*COMMON, model=str(d), ready_timeout=120)
+    try:
+        r = requests.post(s.url + "/tokenize", json={"model": "tiny", "messages": CONVERSATIONS["plain"]},
+                          timeout=30)
+        assert r.status_code == 400 and "no chat template" in r.text, r.text
+    finally:
+        assert s.stop() == 0
+    (d / "consolidated.safetensors").write_bytes(b"")  # the Mistral-format weights' name (not read)
     s = Server(*COMMON, model=str(d), ready_timeout=120)  # auto
     try:
         msgs = CONVERSATIONS["system"]
@@ -434,3 +444,27 @@ def test_random_conversations_equal_mistral_common(served):
         elif r.status_code != 200 or r.json()["tokens"] != want:
             bad.append((k, msgs, r.text[:300]))
     assert not bad, f"{flavour}: {len(bad)} differ; first: {bad[:3]}"
+
+
+def test_consolidated_weights_beside_the_hf_files_are_not_read(tmp_path):
+    """A hub Mistral directory has consolidated.safetensors (Mistral's tensor names) beside
+    model.safetensors: the weights load from the Hugging Face file alone."""
+    import subprocess
+    import sys
+    import numpy as np
+    from server_harness import ROOT
+    sys.path.insert(0, str(ROOT / "tools"))
+    from gen_random_qwen2 import to_bytes, write_safetensors
+    d = tmp_path / "m"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gen_random_model.py"), "--out", str(d),
+                    "--variant", "mistral-tiny"], check=True, capture_output=True)
+    x = np.zeros((2, 2), dtype=np.float32)
+    write_safetensors(str(d / "consolidated.safetensors"),
+                      [("layers.0.attention.wq.weight", to_bytes(x, "f32"), (2, 2))], "f32")
+    s = Server(*COMMON[2:], model=str(d), ready_timeout=120)
+    try:
+        r = requests.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                          timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        assert s.stop() == 0

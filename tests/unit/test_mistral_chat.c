@@ -81,6 +81,16 @@ static void test_tekken_first(void **state) {
     assert_string_equal(base(path), "tekken.json");
 }
 
+static void test_auto_needs_the_mistral_format(void **state) {
+    (void)state;
+    touch("tokenizer.model.v3", "x");
+    assert_false(mistral_chat_auto(g_dir)); /* vLLM: only with consolidated*.safetensors */
+    touch("consolidated.safetensors.index.json", "{}");
+    assert_false(mistral_chat_auto(g_dir));
+    touch("consolidated-00001-of-00002.safetensors", "");
+    assert_true(mistral_chat_auto(g_dir));
+}
+
 static void test_refused_versions(void **state) {
     (void)state;
     char err[512];
@@ -109,6 +119,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_no_file, setup, teardown),
         cmocka_unit_test_setup_teardown(test_highest_spm_version, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tekken_first, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_auto_needs_the_mistral_format, setup, teardown),
         cmocka_unit_test_setup_teardown(test_refused_versions, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
