@@ -433,6 +433,12 @@ static const flag_def SERVE_FLAGS[] = {
      .help = "accepted (a preempted request is recomputed, nothing is swapped)"},
     {FLAG_STRING_("--tokenizer", &S.tokenizer), .metavar = "DIR|ORG/NAME",
      .help = "load the tokenizer from there (default: MODEL)"},
+    {FLAG_CHOICE_("--tokenizer-mode", &S.cfg.tokenizer_mode, "auto", "hf", "slow", "mistral"),
+     .help = "mistral: chats encoded by mistral-common's rules ([INST], [SYSTEM_PROMPT], "
+             "[AVAILABLE_TOOLS], [TOOL_CALLS], [TOOL_RESULTS] by the version of tekken.json or "
+             "tokenizer.model.vN), not the chat template; hf and slow: the chat template; auto "
+             "(default, vLLM's rule): mistral when the tokenizer directory is in Mistral's format "
+             "(consolidated*.safetensors) and has tekken.json or tokenizer.model.v*, else hf"},
     {FLAG_STRING_("--revision", &S.revision), .metavar = "REV",
      .help = "MODEL's branch, tag or commit in the HF cache (default main)"},
     {FLAG_STRING_("--chat-template", &S.chat_template), .metavar = "FILE|TEMPLATE",

@@ -219,6 +219,9 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         int found = 0;
         while ((de = readdir(d)) && rc == 0) {
             size_t l = strlen(de->d_name);
+            /* consolidated*.safetensors: the same weights in Mistral's own format (other tensor
+             * names), which hub repositories ship beside the Hugging Face files */
+            if (!strncmp(de->d_name, "consolidated", 12)) continue;
             if (l > 12 && !strcmp(de->d_name + l - 12, ".safetensors")) {
                 snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
                 rc = st_add_file(s, path, err, errlen);
@@ -227,9 +230,10 @@ int st_set_open(st_set *s, const char *dir, char *err, size_t errlen) {
         }
         closedir(d);
         if (rc == 0 && !found)
-            rc =
-                err_fail(err, errlen, -ENOENT,
-                         "%s: no *.safetensors weights (and no model.safetensors.index.json)", dir);
+            rc = err_fail(err, errlen, -ENOENT,
+                          "%s: no *.safetensors weights (and no model.safetensors.index.json; "
+                          "consolidated*.safetensors, Mistral's own format, are not read)",
+                          dir);
         if (rc == 0 && s->n_tensors > 0)
             qsort(s->tensors, (size_t)s->n_tensors, sizeof *s->tensors, st_cmp);
     }

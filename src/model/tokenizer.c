@@ -36,7 +36,7 @@ static int enc_normalized_piece(enc_ctx *c, const uint8_t *s, size_t n, bool at_
     const uint8_t *u = cur ? (const uint8_t *)cur : s;
     if (!cur) len = n;
     c->origin = at_origin ? u : NULL;
-    rc = t->any_added_norm ? enc_added(c, u, len, true) : tok_enc_pre(c, 0, u, len);
+    rc = t->any_added_norm && !c->no_added ? enc_added(c, u, len, true) : tok_enc_pre(c, 0, u, len);
     c->origin = NULL;
     free(cur);
     return rc;
@@ -114,8 +114,8 @@ static int enc_added(enc_ctx *c, const uint8_t *s, size_t n, bool normalized) {
     return 0;
 }
 
-int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
-                     int32_t **ids_out, size_t *n_out, char *err, size_t err_cap) {
+static int encode(const tokenizer *t, const char *text, size_t len, bool add_special, bool no_added,
+                  int32_t **ids_out, size_t *n_out, char *err, size_t err_cap) {
     *ids_out = NULL;
     *n_out = 0;
     if (!text && len) {
@@ -131,7 +131,7 @@ int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_
         return -EILSEQ;
     }
     tok_ids out = {0};
-    enc_ctx c = {.t = t, .out = &out, .err = err, .err_cap = err_cap};
+    enc_ctx c = {.t = t, .out = &out, .err = err, .err_cap = err_cap, .no_added = no_added};
     c.region = onig_region_new();
     int rc = c.region ? 0 : -ENOMEM;
     if (add_special && t->has_template) {
@@ -142,8 +142,8 @@ int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_
     }
     if (!rc && len > 0) {
         const uint8_t *s = (const uint8_t *)text;
-        rc = t->any_added_raw ? enc_added(&c, s, len, false)
-                              : enc_normalized_piece(&c, s, len, true);
+        rc = t->any_added_raw && !no_added ? enc_added(&c, s, len, false)
+                                           : enc_normalized_piece(&c, s, len, true);
     }
     if (add_special && t->has_template) {
         for (int k = 0; k < t->n_post_suf && !rc; k++)
@@ -164,6 +164,16 @@ int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_
     *ids_out = out.v;
     *n_out = out.n;
     return 0;
+}
+
+int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
+                     int32_t **ids_out, size_t *n_out, char *err, size_t err_cap) {
+    return encode(t, text, len, add_special, false, ids_out, n_out, err, err_cap);
+}
+
+int tokenizer_encode_plain(const tokenizer *t, const char *text, size_t len, int32_t **ids_out,
+                           size_t *n_out, char *err, size_t err_cap) {
+    return encode(t, text, len, false, true, ids_out, n_out, err, err_cap);
 }
 
 /* ======================================================================

@@ -62,6 +62,12 @@ void tokenizer_free(tokenizer *tok);
 int tokenizer_encode(const tokenizer *tok, const char *text, size_t len, bool add_special,
                      int32_t **ids_out, size_t *n_out, char *err, size_t err_cap);
 
+/* Encode text with no added token recognised in it: "[INST]" in the text is
+ * the characters, never the control token (mistral-common's encode of a
+ * message's text, which treats special-token text as text).  No bos/eos. */
+int tokenizer_encode_plain(const tokenizer *tok, const char *text, size_t len, int32_t **ids_out,
+                           size_t *n_out, char *err, size_t err_cap);
+
 /* Decode ids to UTF-8 text (NUL-terminated, malloc'ed, *len_out without the
  * NUL).  skip_special drops added tokens marked special.  An id outside the
  * vocabulary is -EINVAL. */

@@ -230,6 +230,7 @@ typedef struct enc_ctx {
     const uint8_t *origin;         /* the piece at original offset 0, NULL when none */
     char *err;                     /* caller's error buffer */
     size_t err_cap;
+    bool no_added;                 /* added tokens are plain text (tokenizer_encode_plain) */
 } enc_ctx;
 
 int tok_parse_pre(tokenizer *t, const char *path, json_t *p, char *err, size_t cap);

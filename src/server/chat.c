@@ -165,6 +165,14 @@ static const gen_ops CHAT_OPS = {
 int server_chat_render_ids(server *s, const json_t *messages, const json_t *tools,
                            const json_t *kwargs, bool add_generation_prompt, bool add_special,
                            int32_t **ids, size_t *n, oai_error *err) {
+    if (s->mistral) { /* mistral-common's encoding: bos included, no template options */
+        char merr[512] = "";
+        if (mistral_chat_encode(s->mistral, messages, tools, ids, n, merr, sizeof merr)) {
+            oai_error_set(err, 400, "BadRequestError", "messages", "%s", merr);
+            return -1;
+        }
+        return 0;
+    }
     if (!s->tmpl) {
         oai_error_set(err, 400, "BadRequestError", "messages",
                       "chat is unavailable for this model: %s; use /v1/completions", s->tmpl_error);

@@ -402,8 +402,35 @@ static void *loader_main(void *arg) {
         engine_destroy(e);
         goto fail;
     }
+    char mfile[4096];
+    int mode = s->cfg.tokenizer_mode;
+    if (mode == SERVER_TOKENIZER_MODE_AUTO && mistral_chat_auto(tok_dir) &&
+        mistral_chat_find_file(tok_dir, mfile, sizeof mfile)) {
+        LOG_I("server",
+              "--tokenizer-mode auto: a Mistral-format directory (consolidated*.safetensors) with "
+              "%s: mode mistral (--tokenizer-mode hf for the chat template instead)",
+              mfile);
+        mode = SERVER_TOKENIZER_MODE_MISTRAL;
+    }
+    if (mode == SERVER_TOKENIZER_MODE_MISTRAL) {
+        rc = mistral_chat_open(tok_dir, tok, &s->mistral, err, sizeof err);
+        if (rc) {
+            snprintf(s->load_error, sizeof s->load_error, "loading the tokenizer failed: %s", err);
+            tokenizer_free(tok);
+            if (s->conn) mooncake_connector_destroy(s->conn);
+            s->conn = NULL;
+            engine_destroy(e);
+            goto fail;
+        }
+        LOG_I("server", "chats are encoded by mistral-common's rules: tokenizer %s (%s)%s",
+              mistral_chat_version(s->mistral),
+              mistral_chat_is_tekken(s->mistral) ? "Tekken" : "SentencePiece",
+              s->cfg.chat_template ? "; --chat-template is not used" : "");
+    }
     const char *tt = s->cfg.chat_template ? s->cfg.chat_template : tokenizer_chat_template(tok);
-    if (!tt)
+    if (s->mistral)
+        ; /* no chat template */
+    else if (!tt)
         snprintf(s->tmpl_error, sizeof s->tmpl_error, "the model has no chat template");
     else if (chat_template_init(tt, &s->tmpl, err, sizeof err))
         snprintf(s->tmpl_error, sizeof s->tmpl_error, "%s", err);
@@ -601,6 +628,7 @@ out:
     prep_free(s);            /* before hs_server_free: the requests it holds are answered */
     hs_server_free(s->http); /* closes every connection */
     if (s->tmpl) chat_template_free(s->tmpl);
+    mistral_chat_free(s->mistral);
     structured_cache_free(s->gcache); /* after the requests: they hold grammars */
     grammar_vocab_free(s->gvocab);
     if (s->tok) tokenizer_free(s->tok);

@@ -17,6 +17,17 @@
 
 struct tool_parser;
 
+/* --tokenizer-mode (vLLM's): auto is mistral when the tokenizer directory has a
+ * mistral-common file (tekken.json, tokenizer.model.v*), else hf; hf and slow are
+ * the tokenizer.json tokenizer with the chat template; mistral encodes chats by
+ * mistral-common's rules (model/mistral_chat.h). */
+enum {
+    SERVER_TOKENIZER_MODE_AUTO,
+    SERVER_TOKENIZER_MODE_HF,
+    SERVER_TOKENIZER_MODE_SLOW,
+    SERVER_TOKENIZER_MODE_MISTRAL
+};
+
 typedef struct server_config {
     const char *host;                    /* listen address (default "0.0.0.0") */
     int port;                            /* listen port (default 8000) */
@@ -35,6 +46,7 @@ typedef struct server_config {
     int log_stats;                  /* --disable-log-stats clears it (default 1) */
     const char *tokenizer_dir;      /* --tokenizer, resolved; NULL = the model directory */
     const char *chat_template;      /* --chat-template text; NULL = the tokenizer's */
+    int tokenizer_mode;             /* --tokenizer-mode: a SERVER_TOKENIZER_MODE_* */
     int reasoning_parser;           /* --reasoning-parser: a reasoning_kind (server/reasoning.h),
                                        0 = none: <think> text stays in content */
     const struct tool_parser *tool_parser; /* --tool-call-parser (server/tool_parser.h);

@@ -10,6 +10,7 @@
 
 #include "engine/engine.h"
 #include "model/chat_template.h"
+#include "model/mistral_chat.h"
 #include "model/tokenizer.h"
 #include "server/metrics.h"
 #include "server/openai_request.h"
@@ -50,6 +51,7 @@ typedef struct server {
     structured_cache *gcache;         /* compiled grammars by request constraint */
     chat_template *tmpl;              /* NULL when the model has no (supported) template */
     char tmpl_error[512];             /* why tmpl is NULL */
+    mistral_chat *mistral;            /* mistral mode: chats by mistral-common, not tmpl */
     const tool_parser *tools;         /* parses tool calls (cfg.tool_parser or hermes) */
     const tool_call_grammar *tool_grammar; /* its format for tool_choice required / named */
     int max_model_len;                /* engine_max_model_len */

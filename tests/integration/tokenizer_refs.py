@@ -128,31 +128,54 @@ class MistralV1(MistralSpm):
         super().__init__(out_dir, "tokenizer.model.v1", True)
 
 
+def spm_faithful(out_dir, model_file):
+    """tokenizer.json of mistral-common's SentencePiece file model_file (a name in its data
+    directory) through transformers' SentencePiece-faithful conversion; returns the proto."""
+    import mistral_common
+    from tokenizers import AddedToken, processors
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+    src = os.path.join(os.path.dirname(mistral_common.__file__), "data", model_file)
+    proto = import_protobuf().ModelProto()
+    with open(src, "rb") as f:
+        proto.ParseFromString(f.read())
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    tk = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    # unknown (2) and control (3) pieces are the special tokens
+    tk.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
+                           for p in proto.pieces if p.type in (2, 3)])
+    tk.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", vocab["<s>"])])
+    _save(tk, out_dir, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    return src, proto
+
+
 class MistralV3Spm(MistralSpm):
     name = "mistral_v3_spm"
 
     def __init__(self, out_dir):
-        import mistral_common
         import sentencepiece as spm
-        from tokenizers import AddedToken
-        from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
-        src = os.path.join(os.path.dirname(mistral_common.__file__), "data",
-                           "mistral_instruct_tokenizer_240323.model.v3")
-        proto = import_protobuf().ModelProto()
-        with open(src, "rb") as f:
-            proto.ParseFromString(f.read())
-        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-        tk = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
-        # unknown (2) and control (3) pieces are the special tokens
-        tk.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
-                               for p in proto.pieces if p.type in (2, 3)])
-        from tokenizers import processors
-        tk.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", vocab["<s>"])])
-        _save(tk, out_dir, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+        src, proto = spm_faithful(out_dir, "mistral_instruct_tokenizer_240323.model.v3")
         self.sp = spm.SentencePieceProcessor(model_file=src)
         self.dir = out_dir
         self.specials = [p.piece for p in proto.pieces if p.type in (2, 3)]
+
+
+def mistral_data_dir():
+    import mistral_common
+    return os.path.join(os.path.dirname(mistral_common.__file__), "data")
+
+
+def tekken_json(out_dir, src):
+    """tokenizer.json of the Tekken file src through transformers' MistralConverter, with
+    the <s> template; returns mistral-common's Tekkenizer of it."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    from transformers.integrations.mistral.tokenizer import MistralConverter
+    tk = MistralConverter(vocab_file=src).converted()
+    orig = Tekkenizer.from_file(src)
+    bos = orig.id_to_piece(orig.bos_id)
+    tk.post_processor = _bos_template(bos, orig.bos_id)
+    _save(tk, out_dir, {"bos_token": bos, "eos_token": orig.id_to_piece(orig.eos_id)})
+    return orig
 
 
 class Tekken:
