@@ -13,6 +13,7 @@
 #include "base/log.h"
 #include "engine/block_pool.h"
 #include "engine/kv_offload.h"
+#include "engine/mask_worker.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
 #include "model/arch.h"
@@ -57,7 +58,7 @@ typedef struct ereq {
 
     grammar *gm;           /* structured outputs: the constraint, or NULL */
     grammar_state gs;      /* its state after the output so far */
-    const uint32_t *gmask; /* gs's allowed tokens, fetched before the forward */
+    const uint32_t *gmask; /* this step's allowed tokens (mask_worker: filled during the forward) */
 } ereq;
 
 typedef struct kept_blocks { /* blocks held outside any request */
@@ -97,7 +98,8 @@ struct engine {
     float *scratch;   /* (vocab) the sampler's working copy of a row */
     int32_t *amax;    /* (max_num_seqs) greedy tokens computed on the device */
     int dev_greedy;   /* 1: plain greedy requests take the device argmax (not on the CPU) */
-    uint32_t *gallow; /* ((vocab + 31) / 32) a constrained row's allowed tokens */
+    mask_worker *masks; /* the constrained rows' token masks, filled while the forward runs */
+    int grammar_overlap; /* under mu: 1 masks overlap the forward, 0 filled before it */
 
     int vocab;
     int max_model_len;
@@ -138,6 +140,7 @@ void engine_config_init(engine_config *c) {
     c->max_num_batched_tokens = 2048;
     c->enable_prefix_caching = 1;
     c->device = "cpu";
+    c->grammar_overlap = 1;
     c->kv_cache_dtype = -1;
 }
 
@@ -617,22 +620,6 @@ static int grammar_is_stop(const engine *e, const ereq *r, int32_t t) {
     return 0;
 }
 
-/* The allowed tokens of r's next position: its state's mask (r->gmask, fetched before
- * the forward) plus the stop tokens where the grammar accepts, in e->gallow. */
-static const uint32_t *grammar_allow(engine *e, ereq *r) {
-    int words = (e->vocab + 31) / 32;
-    memcpy(e->gallow, r->gmask, (size_t)words * sizeof *e->gallow);
-    if (grammar_state_accepting(r->gm, r->gs)) {
-        const model_config *c = &e->model.cfg;
-        for (int i = 0; i < c->n_eos; i++)
-            if (c->eos_ids[i] >= 0 && c->eos_ids[i] < e->vocab)
-                e->gallow[c->eos_ids[i] >> 5] |= 1u << (c->eos_ids[i] & 31);
-        for (int i = 0; i < r->p.n_stop_token_ids; i++)
-            e->gallow[r->stop_ids[i] >> 5] |= 1u << (r->stop_ids[i] & 31);
-    }
-    return e->gallow;
-}
-
 /* r's grammar takes token t: 1 when t is a stop token where the grammar accepts (the
  * request ends), 0 when the grammar moved on, -1 when t breaks the grammar (state kept). */
 static int grammar_take(engine *e, ereq *r, int32_t t) {
@@ -1002,8 +989,6 @@ static void run_step(engine *e) {
         f->n_blocks = it->s->n_blocks;
         f->logits_all = r->prompt_lp && it->start < r->s.n_prompt;
         f->argmax = NULL;
-        if (it->logits && r->gm) /* the mask is ready before the logits arrive */
-            r->gmask = grammar_state_mask(r->gm, r->gs);
         if (f->logits_all)
             f->logits = e->plogits; /* only one such item per step (see below) */
         else if (it->logits && e->dev_greedy && sampler_plain_greedy(r->smp) && !r->gm) {
@@ -1028,6 +1013,18 @@ static void run_step(engine *e) {
         m++;
     }
     pl->n_items = n = m;
+    /* The constrained rows' masks (the state's allowed tokens, and the stop tokens where
+     * the grammar accepts) are filled by the mask worker while the forward runs, then
+     * joined before sampling; their states do not move until the tokens are sampled. */
+    mask_worker_reset(e->masks);
+    for (int i = 0; i < n; i++) {
+        ereq *r = pl->items[i].s->owner;
+        if (pl->items[i].logits && r->gm)
+            r->gmask = mask_worker_add(e->masks, r->gm, r->gs, r->stop_ids, r->p.n_stop_token_ids);
+    }
+    pthread_mutex_lock(&e->mu);
+    int overlap = e->grammar_overlap;
+    pthread_mutex_unlock(&e->mu);
     uint64_t step = ++e->step_seq;
     if (e->lp && e->conn.prefill_chunk) { /* the connector streams prefill chunks of remote-decode
                                              requests by layer */
@@ -1041,8 +1038,12 @@ static void run_step(engine *e) {
                                   it->start, end, r->s.n_prompt, step, e->lp);
         }
     }
+    mask_worker_start(e->masks, overlap);
+    uint64_t t_fwd = clock_now_ns();
     int rc = decoder_forward(&e->model, e->state, &e->kv, e->fwd, n);
+    uint64_t t_fwd_end = clock_now_ns();
     backend_layer_progress_end(e->lp, step); /* synced (or failed): every layer is done */
+    mask_worker_join(e->masks);
     if (rc != 0 && e->cfg.tp_group) /* the ranks may be out of step now: the group cannot go on */
         collective_poison(e->cfg.tp_group, "rank 0's forward failed");
     if (rc != 0) {
@@ -1078,8 +1079,12 @@ static void run_step(engine *e) {
             /* Sample the next token (on a scratch copy: logprobs are of the raw row). */
             memcpy(e->scratch, last, (size_t)e->vocab * sizeof *e->scratch);
             sample_result sr;
+            if (r->gm && !r->gmask) {
+                finish(e, r, "error", -1, "no memory for the request's grammar mask");
+                continue;
+            }
             if (r->gm)
-                sampler_sample_masked(r->smp, e->scratch, grammar_allow(e, r), &sr);
+                sampler_sample_masked(r->smp, e->scratch, r->gmask, &sr);
             else
                 sampler_sample(r->smp, e->scratch, &sr);
             tok.id = sr.token;
@@ -1100,10 +1105,23 @@ static void run_step(engine *e) {
         gen++;
         deliver_token(e, r, &tok, stop);
     }
+    int mrows;
+    uint64_t mfill, mwait, t_end = clock_now_ns();
+    mask_worker_last(e->masks, &mrows, &mfill, &mwait);
     pthread_mutex_lock(&e->mu);
     e->stats.prompt_tokens += prompt;
     e->stats.generation_tokens += gen;
     e->stats.steps++;
+    e->stats.step_ns += t_end - t_step;
+    e->stats.forward_ns += t_fwd_end - t_fwd;
+    if (mrows) {
+        e->stats.grammar_steps++;
+        e->stats.grammar_rows += (uint64_t)mrows;
+        e->stats.grammar_fill_ns += mfill;
+        e->stats.grammar_wait_ns += mwait;
+        e->stats.grammar_step_ns += t_end - t_step;
+        e->stats.grammar_forward_ns += t_fwd_end - t_fwd;
+    }
     {
         static const double bounds[] = ENGINE_STEP_TOKEN_BOUNDS;
         int b = 0;
@@ -1147,6 +1165,17 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     if (c.max_num_seqs <= 0 || c.max_num_batched_tokens <= 0) {
         snprintf(err, errlen, "max_num_seqs and max_num_batched_tokens must be positive");
         return -EINVAL;
+    }
+    const char *ov = getenv("DISAGG_GRAMMAR_OVERLAP");
+    if (ov && *ov) {
+        if (strcmp(ov, "0") != 0 && strcmp(ov, "1") != 0) {
+            snprintf(err, errlen,
+                     "DISAGG_GRAMMAR_OVERLAP='%s' is not accepted (0: grammar masks filled before "
+                     "the forward, serially; 1: while the forward runs, the default)",
+                     ov);
+            return -EINVAL;
+        }
+        c.grammar_overlap = ov[0] == '1';
     }
     engine *e = calloc(1, sizeof *e);
     if (!e) return -ENOMEM;
@@ -1291,13 +1320,14 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
     e->scratch = malloc((size_t)e->vocab * sizeof(float));
-    e->gallow = malloc((size_t)(e->vocab + 31) / 32 * sizeof(uint32_t));
+    e->masks = mask_worker_new(e->vocab, mc->eos_ids, mc->n_eos, 1);
+    e->grammar_overlap = c.grammar_overlap;
     e->amax = calloc((size_t)c.max_num_seqs, sizeof *e->amax);
     /* on the CPU the logits are already in host memory: the host sampler's greedy is free */
     e->dev_greedy = !backend_is_cpu(e->be);
     sched_config sc = {c.block_size, c.max_num_seqs, e->cfg.max_num_batched_tokens,
                        c.enable_prefix_caching};
-    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->scratch || !e->amax ||
+    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->scratch || !e->amax || !e->masks ||
         block_pool_init(&e->bp, (int32_t)nblocks) || sched_init(&e->sched, &sc, &e->bp) ||
         sched_plan_init(&e->plan, &sc)) {
         snprintf(err, errlen, "out of memory setting up the engine");
@@ -1363,7 +1393,7 @@ fail:
     free(e->logits);
     free(e->plogits);
     free(e->scratch);
-    free(e->gallow);
+    mask_worker_free(e->masks);
     free(e->amax);
     if (e->state) decoder_state_free(e->state);
     kv_store_free(&e->kv);
@@ -1410,7 +1440,7 @@ void engine_destroy(engine *e) {
     free(e->logits);
     free(e->plogits);
     free(e->scratch);
-    free(e->gallow);
+    mask_worker_free(e->masks);
     free(e->amax);
     decoder_state_free(e->state);
     backend_layer_progress_free(e->lp);
@@ -1420,6 +1450,12 @@ void engine_destroy(engine *e) {
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
+}
+
+void engine_set_grammar_overlap(engine *e, int on) {
+    pthread_mutex_lock(&e->mu);
+    e->grammar_overlap = on ? 1 : 0;
+    pthread_mutex_unlock(&e->mu);
 }
 
 void engine_get_stats(engine *e, engine_stats *out) {
