@@ -1044,6 +1044,7 @@ static void run_step(engine *e) {
     uint64_t t_fwd_end = clock_now_ns();
     backend_layer_progress_end(e->lp, step); /* synced (or failed): every layer is done */
     mask_worker_join(e->masks);
+    uint64_t t_sample = clock_now_ns(); /* the rest of the step: sampling and delivery */
     if (rc != 0 && e->cfg.tp_group) /* the ranks may be out of step now: the group cannot go on */
         collective_poison(e->cfg.tp_group, "rank 0's forward failed");
     if (rc != 0) {
@@ -1114,6 +1115,7 @@ static void run_step(engine *e) {
     e->stats.steps++;
     e->stats.step_ns += t_end - t_step;
     e->stats.forward_ns += t_fwd_end - t_fwd;
+    e->stats.sample_ns += t_end - t_sample;
     if (mrows) {
         e->stats.grammar_steps++;
         e->stats.grammar_rows += (uint64_t)mrows;
@@ -1121,6 +1123,7 @@ static void run_step(engine *e) {
         e->stats.grammar_wait_ns += mwait;
         e->stats.grammar_step_ns += t_end - t_step;
         e->stats.grammar_forward_ns += t_fwd_end - t_fwd;
+        e->stats.grammar_sample_ns += t_end - t_sample;
     }
     {
         static const double bounds[] = ENGINE_STEP_TOKEN_BOUNDS;

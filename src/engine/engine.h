@@ -236,14 +236,15 @@ typedef struct engine_stats {
     uint64_t offload_queries;  /* blocks looked up in the tiers after a device-cache miss */
     uint64_t offload_hits;     /* of those, copied back from a tier */
     /* step timings, summed over the steps (ns): the whole step (plan to the last token
-     * sent) and its forward */
-    uint64_t step_ns, forward_ns;
+     * sent), its forward, and what follows the forward (sampling, delivering the tokens) */
+    uint64_t step_ns, forward_ns, sample_ns;
     /* the steps that sampled constrained rows (structured outputs): their count, their
      * rows, the time spent filling the rows' masks (on the mask thread when overlapped),
      * the time the step thread waited for them (serial: all of it; overlapped: what the
-     * forward did not hide), and these steps' whole and forward times */
+     * forward did not hide), and these steps' whole, forward and after-forward times */
     uint64_t grammar_steps, grammar_rows;
     uint64_t grammar_fill_ns, grammar_wait_ns, grammar_step_ns, grammar_forward_ns;
+    uint64_t grammar_sample_ns;
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);
