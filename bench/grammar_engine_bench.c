@@ -41,8 +41,8 @@ typedef struct geb_slot {
 typedef struct geb_run {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int n_free;     /* slots whose request finished */
-    int n_errors;   /* requests that ended in "error" */
+    int n_free;   /* slots whose request finished */
+    int n_errors; /* requests that ended in "error" */
     char error[256];
     geb_slot *slots;
 } geb_run;
@@ -203,18 +203,19 @@ static int run_one(engine *e, const grammar_vocab *v, const geb_opts *o, int n, 
     double gsteps = (double)(st1.grammar_steps - st0.grammar_steps);
     double gen = (double)(st1.generation_tokens - st0.generation_tokens);
     if (steps > 0)
-        printf("%5d  %-7s  %5.0f  %9.1f  %8.2f  %10.2f  %9.2f  %12.3f  %12.3f  %10.1f  %8.0f\n",
-               n, MODE_NAMES[mode], steps,
-               gsteps > 0 ? (double)(st1.grammar_rows - st0.grammar_rows) / gsteps : 0.0,
-               (double)(st1.step_ns - st0.step_ns) / 1e6 / steps,
-               (double)(st1.forward_ns - st0.forward_ns) / 1e6 / steps,
-               (double)(st1.sample_ns - st0.sample_ns) / 1e6 / steps,
-               gsteps > 0 ? (double)(st1.grammar_fill_ns - st0.grammar_fill_ns) / 1e6 / gsteps : 0.0,
-               gsteps > 0 ? (double)(st1.grammar_wait_ns - st0.grammar_wait_ns) / 1e6 / gsteps : 0.0,
-               gsteps > 0 ? (double)(st1.grammar_fill_ns - st0.grammar_fill_ns) / 1e3 /
-                                (double)(st1.grammar_rows - st0.grammar_rows)
-                          : 0.0,
-               gen / ((double)(t1 - t0) / 1e9));
+        printf(
+            "%5d  %-7s  %5.0f  %9.1f  %8.2f  %10.2f  %9.2f  %12.3f  %12.3f  %10.1f  %8.0f\n", n,
+            MODE_NAMES[mode], steps,
+            gsteps > 0 ? (double)(st1.grammar_rows - st0.grammar_rows) / gsteps : 0.0,
+            (double)(st1.step_ns - st0.step_ns) / 1e6 / steps,
+            (double)(st1.forward_ns - st0.forward_ns) / 1e6 / steps,
+            (double)(st1.sample_ns - st0.sample_ns) / 1e6 / steps,
+            gsteps > 0 ? (double)(st1.grammar_fill_ns - st0.grammar_fill_ns) / 1e6 / gsteps : 0.0,
+            gsteps > 0 ? (double)(st1.grammar_wait_ns - st0.grammar_wait_ns) / 1e6 / gsteps : 0.0,
+            gsteps > 0 ? (double)(st1.grammar_fill_ns - st0.grammar_fill_ns) / 1e3 /
+                             (double)(st1.grammar_rows - st0.grammar_rows)
+                       : 0.0,
+            gen / ((double)(t1 - t0) / 1e9));
     fflush(stdout);
     for (int i = 0; i < n; i++)
         grammar_unref(run.slots[i].g);
@@ -228,31 +229,33 @@ static int run_one(engine *e, const grammar_vocab *v, const geb_opts *o, int n, 
 }
 
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: disagg bench grammar --engine MODEL [--tokenizer DIR] [--device D] "
-            "[--load-format auto|dummy] (--json-schema FILE | --regex RE | --grammar FILE | "
-            "--choice JSON | --json-object) [--compact] [--seqs 8,32] [--modes none,serial,overlap] "
-            "[--steps N] [--prompt-len N] [--max-tokens N] [--temperature T] [--distinct] "
-            "[--threads N]\n\n"
-            "  --engine MODEL      run the serving engine on MODEL (a model directory)\n"
-            "  --tokenizer DIR     the tokenizer whose vocabulary the masks cover (default: MODEL's)\n"
-            "  --device D          cpu (default), cuda[:N], auto\n"
-            "  --load-format F     auto (default) or dummy (random weights from config.json)\n"
-            "  --seqs LIST         requests in flight, one run each (default 8,32)\n"
-            "  --modes LIST        none (no constraint), serial (masks before the forward),\n"
-            "                      overlap (masks while the forward runs), run in this order\n"
-            "                      (repeats allowed, 8 at most); default none,serial,overlap\n"
-            "  --steps N           engine steps measured per run (default 32)\n"
-            "  --prompt-len N      prompt tokens per request (default 16)\n"
-            "  --max-tokens N      output tokens per request at most (default 64)\n"
-            "  --temperature T     sampling temperature (default 0: greedy)\n"
-            "  --distinct          every request compiles its own grammar (no shared masks)\n"
-            "  --threads N         the CPU backend's compute threads (default: all cores)\n"
-            "  the constraint flags as in `disagg bench grammar` (default --json-object)\n\n"
-            "Columns: seqs, mode, steps measured, constrained rows per step, step ms, forward\n"
-            "ms, sample ms (after the forward: sampling, delivery), mask fill ms per step (the mask thread's time when overlapped), mask wait ms\n"
-            "per step (what the step thread waited for the masks), fill us per row, output\n"
-            "tokens/s.\n");
+    fprintf(
+        f,
+        "usage: disagg bench grammar --engine MODEL [--tokenizer DIR] [--device D] "
+        "[--load-format auto|dummy] (--json-schema FILE | --regex RE | --grammar FILE | "
+        "--choice JSON | --json-object) [--compact] [--seqs 8,32] [--modes none,serial,overlap] "
+        "[--steps N] [--prompt-len N] [--max-tokens N] [--temperature T] [--distinct] "
+        "[--threads N]\n\n"
+        "  --engine MODEL      run the serving engine on MODEL (a model directory)\n"
+        "  --tokenizer DIR     the tokenizer whose vocabulary the masks cover (default: MODEL's)\n"
+        "  --device D          cpu (default), cuda[:N], auto\n"
+        "  --load-format F     auto (default) or dummy (random weights from config.json)\n"
+        "  --seqs LIST         requests in flight, one run each (default 8,32)\n"
+        "  --modes LIST        none (no constraint), serial (masks before the forward),\n"
+        "                      overlap (masks while the forward runs), run in this order\n"
+        "                      (repeats allowed, 8 at most); default none,serial,overlap\n"
+        "  --steps N           engine steps measured per run (default 32)\n"
+        "  --prompt-len N      prompt tokens per request (default 16)\n"
+        "  --max-tokens N      output tokens per request at most (default 64)\n"
+        "  --temperature T     sampling temperature (default 0: greedy)\n"
+        "  --distinct          every request compiles its own grammar (no shared masks)\n"
+        "  --threads N         the CPU backend's compute threads (default: all cores)\n"
+        "  the constraint flags as in `disagg bench grammar` (default --json-object)\n\n"
+        "Columns: seqs, mode, steps measured, constrained rows per step, step ms, forward\n"
+        "ms, sample ms (after the forward: sampling, delivery), mask fill ms per step (the mask "
+        "thread's time when overlapped), mask wait ms\n"
+        "per step (what the step thread waited for the masks), fill us per row, output\n"
+        "tokens/s.\n");
 }
 
 static char *slurp(const char *path) {
@@ -276,8 +279,15 @@ static char *slurp(const char *path) {
 }
 
 int bench_grammar_engine_main(int argc, char **argv) {
-    geb_opts o = {.device = "cpu", .kind = GRAMMAR_JSON_OBJECT, .text = "", .seqs = {8, 32},
-                  .n_seqs = 2, .modes = {0, 1, 2}, .n_modes = 3, .steps = 32, .prompt_len = 16,
+    geb_opts o = {.device = "cpu",
+                  .kind = GRAMMAR_JSON_OBJECT,
+                  .text = "",
+                  .seqs = {8, 32},
+                  .n_seqs = 2,
+                  .modes = {0, 1, 2},
+                  .n_modes = 3,
+                  .steps = 32,
+                  .prompt_len = 16,
                   .max_tokens = 64};
     char *owned = NULL;
     int rc = 2;
@@ -296,8 +306,10 @@ int bench_grammar_engine_main(int argc, char **argv) {
         else if (!strcmp(a, "--load-format") && val) {
             const char *f = argv[++i];
             if (strcmp(f, "dummy") != 0 && strcmp(f, "auto") != 0) {
-                fprintf(stderr, "bench grammar --engine: --load-format '%s' is invalid; accepted: "
-                                "auto, dummy\n", f);
+                fprintf(stderr,
+                        "bench grammar --engine: --load-format '%s' is invalid; accepted: "
+                        "auto, dummy\n",
+                        f);
                 goto out;
             }
             o.dummy = !strcmp(f, "dummy");
@@ -326,32 +338,43 @@ int bench_grammar_engine_main(int argc, char **argv) {
             char buf[64];
             snprintf(buf, sizeof buf, "%s", argv[++i]);
             for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-                int m = !strcmp(tok, "none") ? 0 : !strcmp(tok, "serial") ? 1
-                                                  : !strcmp(tok, "overlap") ? 2 : -1;
+                int m = !strcmp(tok, "none")      ? 0
+                        : !strcmp(tok, "serial")  ? 1
+                        : !strcmp(tok, "overlap") ? 2
+                                                  : -1;
                 if (m < 0 || o.n_modes == 8) {
-                    fprintf(stderr, "bench grammar --engine: --modes '%s' is invalid; accepted: "
-                                    "a comma-separated list of none, serial, overlap (8 at most)\n", argv[i]);
+                    fprintf(stderr,
+                            "bench grammar --engine: --modes '%s' is invalid; accepted: "
+                            "a comma-separated list of none, serial, overlap (8 at most)\n",
+                            argv[i]);
                     goto out;
                 }
                 o.modes[o.n_modes++] = m;
             }
         } else if ((!strcmp(a, "--steps") || !strcmp(a, "--prompt-len") ||
-                    !strcmp(a, "--max-tokens") || !strcmp(a, "--threads")) && val) {
+                    !strcmp(a, "--max-tokens") || !strcmp(a, "--threads")) &&
+                   val) {
             char *end;
             long x = strtol(argv[++i], &end, 10);
             if (*end || x < (strcmp(a, "--threads") ? 1 : 0) || x > 100000) {
-                fprintf(stderr, "bench grammar --engine: %s '%s' is invalid; accepted: an "
-                                "integer in [%d, 100000]\n", a, argv[i], strcmp(a, "--threads") ? 1 : 0);
+                fprintf(stderr,
+                        "bench grammar --engine: %s '%s' is invalid; accepted: an "
+                        "integer in [%d, 100000]\n",
+                        a, argv[i], strcmp(a, "--threads") ? 1 : 0);
                 goto out;
             }
-            *(!strcmp(a, "--steps") ? &o.steps : !strcmp(a, "--prompt-len") ? &o.prompt_len
-                : !strcmp(a, "--max-tokens") ? &o.max_tokens : &o.threads) = (int)x;
+            *(!strcmp(a, "--steps")        ? &o.steps
+              : !strcmp(a, "--prompt-len") ? &o.prompt_len
+              : !strcmp(a, "--max-tokens") ? &o.max_tokens
+                                           : &o.threads) = (int)x;
         } else if (!strcmp(a, "--temperature") && val) {
             char *end;
             o.temperature = strtof(argv[++i], &end);
             if (*end || !(o.temperature >= 0 && o.temperature <= 10)) {
-                fprintf(stderr, "bench grammar --engine: --temperature '%s' is invalid; accepted: "
-                                "a number in [0, 10]\n", argv[i]);
+                fprintf(stderr,
+                        "bench grammar --engine: --temperature '%s' is invalid; accepted: "
+                        "a number in [0, 10]\n",
+                        argv[i]);
                 goto out;
             }
         } else {
@@ -396,8 +419,8 @@ int bench_grammar_engine_main(int argc, char **argv) {
     int vocab = engine_vocab_size(e);
     grammar_vocab *v = structured_vocab_new(tok, vocab);
     grammar_options gopt = {.any_whitespace = !o.compact};
-    grammar *probe = v ? grammar_compile(o.kind, o.text, strlen(o.text), &gopt, v, err, sizeof err)
-                       : NULL;
+    grammar *probe =
+        v ? grammar_compile(o.kind, o.text, strlen(o.text), &gopt, v, err, sizeof err) : NULL;
     if (!probe) {
         fprintf(stderr, "bench grammar --engine: %s\n", v ? err : "out of memory");
         rc = 1;

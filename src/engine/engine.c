@@ -92,13 +92,13 @@ struct engine {
     block_pool bp;
     scheduler sched;
     sched_plan plan;
-    decoder_seq *fwd; /* (max_num_seqs) forward descriptors */
-    float *logits;    /* (max_num_seqs, vocab) last-token logits */
-    float *plogits;   /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
-    float *scratch;   /* (vocab) the sampler's working copy of a row */
-    int32_t *amax;    /* (max_num_seqs) greedy tokens computed on the device */
-    int dev_greedy;   /* 1: plain greedy requests take the device argmax (not on the CPU) */
-    mask_worker *masks; /* the constrained rows' token masks, filled while the forward runs */
+    decoder_seq *fwd;    /* (max_num_seqs) forward descriptors */
+    float *logits;       /* (max_num_seqs, vocab) last-token logits */
+    float *plogits;      /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
+    float *scratch;      /* (vocab) the sampler's working copy of a row */
+    int32_t *amax;       /* (max_num_seqs) greedy tokens computed on the device */
+    int dev_greedy;      /* 1: plain greedy requests take the device argmax (not on the CPU) */
+    mask_worker *masks;  /* the constrained rows' token masks, filled while the forward runs */
     int grammar_overlap; /* under mu: 1 masks overlap the forward, 0 filled before it */
 
     int vocab;

@@ -19,12 +19,12 @@ typedef struct mask_row {
 } mask_row;
 
 struct mask_worker {
-    int vocab;        /* tokens a bitmask covers */
-    int words;        /* (vocab + 31) / 32 */
-    int32_t *eos;     /* (n_eos) the model's stop tokens */
+    int vocab;    /* tokens a bitmask covers */
+    int words;    /* (vocab + 31) / 32 */
+    int32_t *eos; /* (n_eos) the model's stop tokens */
     int n_eos;
-    mask_row *rows;   /* (n_rows) this step's rows */
-    uint32_t **bits;  /* (cap_rows) each row's bitmask (words), allocated on first use */
+    mask_row *rows;  /* (n_rows) this step's rows */
+    uint32_t **bits; /* (cap_rows) each row's bitmask (words), allocated on first use */
     int n_rows, cap_rows;
 
     int n_threads;       /* threads wanted */

@@ -291,11 +291,12 @@ OVERLAP_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def serial_server():
-    s = Server("--max-model-len", "1024", env={"DISAGG_GRAMMAR_OVERLAP": "0"})
-    yield s
-    assert s.stop() == 0, s.logs()
+def overlap_servers():
+    """The default (masks overlapped) and DISAGG_GRAMMAR_OVERLAP=0 (serial); on a GPU both
+    --batch-invariant, so that the two servers' different batches give the same logits."""
+    from server_harness import on_gpu
+    args = ["--max-model-len", "1024"] + (["--batch-invariant"] if on_gpu() else [])
+    return Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "1"}), Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "0"})
 
 
 def constrained_outputs(s):
@@ -320,9 +321,14 @@ def constrained_outputs(s):
         return jobs, list(ex.map(one, jobs))
 
 
-def test_mask_overlap_equals_serial(server, serial_server):
-    jobs, overlapped = constrained_outputs(server)
-    _, serial = constrained_outputs(serial_server)
+def test_mask_overlap_equals_serial():
+    ov, se = overlap_servers()
+    try:
+        jobs, overlapped = constrained_outputs(ov)
+        _, serial = constrained_outputs(se)
+    finally:
+        assert ov.stop() == 0, ov.logs()
+        assert se.stop() == 0, se.logs()
     for job, a, b in zip(jobs, overlapped, serial):
         assert a == b, (job, a, b)
     # and they follow their constraints (those that finished)
