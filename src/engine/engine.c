@@ -95,7 +95,9 @@ struct engine {
     decoder_seq *fwd;    /* (max_num_seqs) forward descriptors */
     float *logits;       /* (max_num_seqs, vocab) last-token logits */
     float *plogits;      /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
-    float *scratch;      /* (vocab) the sampler's working copy of a row */
+    int *sidx;           /* (max_num_seqs) this step's host-sampled items */
+    sample_result *sres; /* (max_num_seqs) their draws, by item */
+    int sample_threads;  /* threads sampling them: the step thread and sample_threads - 1 */
     int32_t *amax;       /* (max_num_seqs) greedy tokens computed on the device */
     int dev_greedy;      /* 1: plain greedy requests take the device argmax (not on the CPU) */
     mask_worker *masks;  /* the constrained rows' token masks, filled while the forward runs */
@@ -972,6 +974,21 @@ static void deliver_token(engine *e, ereq *r, const engine_token *tok, int stop)
         finish(e, r, "length", -1, NULL);
 }
 
+/* Draws the next token of this step's k-th host-sampled item (e->sidx[k]) from its logits
+ * row, in place, into e->sres (mask_worker_fn: runs on any of the sampling threads). */
+static void sample_item(void *ctx, int k) {
+    engine *e = ctx;
+    int i = e->sidx[k];
+    const sched_item *it = &e->plan.items[i];
+    ereq *r = it->s->owner;
+    float *last = e->fwd[i].logits;
+    if (e->fwd[i].logits_all) last += (size_t)(it->count - 1) * (size_t)e->vocab;
+    if (r->gm)
+        sampler_sample_masked(r->smp, last, r->gmask, &e->sres[i]);
+    else
+        sampler_sample(r->smp, last, &e->sres[i]);
+}
+
 static void run_step(engine *e) {
     sched_plan *pl = &e->plan;
     if (sched_step(&e->sched, pl) == 0) return;
@@ -1053,6 +1070,21 @@ static void run_step(engine *e) {
         return;
     }
     sched_commit(&e->sched, pl);
+    /* Draw the host-sampled rows first, in place (nothing reads a logits row after its draw;
+     * the sampler takes the logprobs from the raw row before it changes it), on the step
+     * thread and the sampling threads: each row's sampler is its own request's, so the draws
+     * do not depend on which thread made them.  Delivered in item order below. */
+    int n_sample = 0;
+    for (int i = 0; i < n; i++) {
+        ereq *r = pl->items[i].s->owner;
+        if (pl->items[i].logits && !e->fwd[i].argmax && !(r->gm && !r->gmask))
+            e->sidx[n_sample++] = i;
+    }
+    if (e->sample_threads > 1)
+        mask_worker_run(e->masks, n_sample, sample_item, e);
+    else
+        for (int k = 0; k < n_sample; k++)
+            sample_item(e, k);
     uint64_t gen = 0, prompt = 0;
     for (int i = 0; i < n; i++) {
         const sched_item *it = &pl->items[i];
@@ -1065,11 +1097,8 @@ static void run_step(engine *e) {
             prompt += (uint64_t)np;
             r->n_prompt_computed += np;
         }
-        const float *last = e->fwd[i].logits;
-        if (e->fwd[i].logits_all) {
+        if (e->fwd[i].logits_all) /* rows before the last: its draw did not touch them */
             fill_prompt_logprobs(e, r, e->fwd[i].logits, it->start, it->count);
-            last = e->fwd[i].logits + (size_t)(it->count - 1) * (size_t)e->vocab;
-        }
         if (!it->logits) continue;
         engine_token tok;
         memset(&tok, 0, sizeof tok);
@@ -1077,22 +1106,16 @@ static void run_step(engine *e) {
             tok.id = *e->fwd[i].argmax;
             sampler_accept(r->smp, tok.id);
         } else {
-            /* Sample the next token (on a scratch copy: logprobs are of the raw row). */
-            memcpy(e->scratch, last, (size_t)e->vocab * sizeof *e->scratch);
-            sample_result sr;
             if (r->gm && !r->gmask) {
                 finish(e, r, "error", -1, "no memory for the request's grammar mask");
                 continue;
             }
-            if (r->gm)
-                sampler_sample_masked(r->smp, e->scratch, r->gmask, &sr);
-            else
-                sampler_sample(r->smp, e->scratch, &sr);
-            tok.id = sr.token;
-            tok.logprob = sr.logprob;
-            tok.n_top = sr.n_top;
-            memcpy(tok.top_ids, sr.top_ids, sizeof tok.top_ids);
-            memcpy(tok.top_logprobs, sr.top_logprobs, sizeof tok.top_logprobs);
+            const sample_result *sr = &e->sres[i]; /* drawn above */
+            tok.id = sr->token;
+            tok.logprob = sr->logprob;
+            tok.n_top = sr->n_top;
+            memcpy(tok.top_ids, sr->top_ids, sizeof tok.top_ids);
+            memcpy(tok.top_logprobs, sr->top_logprobs, sizeof tok.top_logprobs);
         }
         int gstop = r->gm ? grammar_take(e, r, tok.id) : 0;
         if (gstop < 0) { /* cannot happen: the mask allowed it */
@@ -1180,9 +1203,25 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         }
         c.grammar_overlap = ov[0] == '1';
     }
+    int sample_threads = 1;
+    const char *st = getenv("DISAGG_SAMPLE_THREADS");
+    if (st && *st) {
+        char *end;
+        long v = strtol(st, &end, 10);
+        if (*end || v < 1 || v > 256) {
+            snprintf(err, errlen,
+                     "DISAGG_SAMPLE_THREADS='%s' is not accepted (an integer in [1, 256]: the "
+                     "threads that sample a step's host-sampled rows; 1, the default: the step "
+                     "thread alone)",
+                     st);
+            return -EINVAL;
+        }
+        sample_threads = (int)v;
+    }
     engine *e = calloc(1, sizeof *e);
     if (!e) return -ENOMEM;
     e->cfg = c;
+    e->sample_threads = sample_threads;
     backend_options bo;
     backend_options_init(&bo);
     bo.n_threads = c.threads;
@@ -1322,15 +1361,17 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     e->fwd = calloc((size_t)c.max_num_seqs, sizeof *e->fwd);
     e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
-    e->scratch = malloc((size_t)e->vocab * sizeof(float));
-    e->masks = mask_worker_new(e->vocab, mc->eos_ids, mc->n_eos, 1);
+    e->sidx = malloc((size_t)c.max_num_seqs * sizeof *e->sidx);
+    e->sres = malloc((size_t)c.max_num_seqs * sizeof *e->sres);
+    e->masks = mask_worker_new(e->vocab, mc->eos_ids, mc->n_eos,
+                               e->sample_threads > 1 ? e->sample_threads - 1 : 1);
     e->grammar_overlap = c.grammar_overlap;
     e->amax = calloc((size_t)c.max_num_seqs, sizeof *e->amax);
     /* on the CPU the logits are already in host memory: the host sampler's greedy is free */
     e->dev_greedy = !backend_is_cpu(e->be);
     sched_config sc = {c.block_size, c.max_num_seqs, e->cfg.max_num_batched_tokens,
                        c.enable_prefix_caching};
-    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->scratch || !e->amax || !e->masks ||
+    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->sidx || !e->sres || !e->amax || !e->masks ||
         block_pool_init(&e->bp, (int32_t)nblocks) || sched_init(&e->sched, &sc, &e->bp) ||
         sched_plan_init(&e->plan, &sc)) {
         snprintf(err, errlen, "out of memory setting up the engine");
@@ -1395,7 +1436,8 @@ fail:
     free(e->fwd);
     free(e->logits);
     free(e->plogits);
-    free(e->scratch);
+    free(e->sidx);
+    free(e->sres);
     mask_worker_free(e->masks);
     free(e->amax);
     if (e->state) decoder_state_free(e->state);
@@ -1442,7 +1484,8 @@ void engine_destroy(engine *e) {
     free(e->fwd);
     free(e->logits);
     free(e->plogits);
-    free(e->scratch);
+    free(e->sidx);
+    free(e->sres);
     mask_worker_free(e->masks);
     free(e->amax);
     decoder_state_free(e->state);

@@ -39,6 +39,11 @@ struct mask_worker {
     int n_done;          /* rows filled this step */
     int quit;
 
+    /* mask_worker_run's job: fn(ctx, i) for i < run_n (0: a mask step) */
+    mask_worker_fn run_fn;
+    void *run_ctx;
+    int run_n;
+
     uint64_t fill_ns; /* this step's rows: time spent filling them */
     uint64_t wait_ns; /* and time the caller waited for them */
 };
@@ -65,7 +70,14 @@ static void *worker_main(void *arg) {
             pthread_cond_wait(&w->go, &w->mu);
         if (w->quit) break;
         seen = w->gen;
-        while (w->next < w->n_posted) { /* claim rows until none is left */
+        while (w->run_fn && w->next < w->run_n) { /* a mask_worker_run job */
+            int i = w->next++;
+            pthread_mutex_unlock(&w->mu);
+            w->run_fn(w->run_ctx, i);
+            pthread_mutex_lock(&w->mu);
+            if (++w->n_done == w->run_n) pthread_cond_broadcast(&w->done);
+        }
+        while (!w->run_fn && w->next < w->n_posted) { /* claim rows until none is left */
             int i = w->next++;
             pthread_mutex_unlock(&w->mu);
             uint64_t t0 = clock_now_ns();
@@ -190,6 +202,35 @@ void mask_worker_join(mask_worker *w) {
         pthread_cond_wait(&w->done, &w->mu);
     pthread_mutex_unlock(&w->mu);
     w->wait_ns += clock_now_ns() - t0;
+}
+
+void mask_worker_run(mask_worker *w, int n, mask_worker_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (n == 1 || start_threads(w) != 0) {
+        for (int i = 0; i < n; i++)
+            fn(ctx, i);
+        return;
+    }
+    pthread_mutex_lock(&w->mu);
+    w->run_fn = fn;
+    w->run_ctx = ctx;
+    w->run_n = n;
+    w->next = 0;
+    w->n_done = 0;
+    w->gen++;
+    pthread_cond_broadcast(&w->go);
+    while (w->next < n) { /* the caller takes items too */
+        int i = w->next++;
+        pthread_mutex_unlock(&w->mu);
+        fn(ctx, i);
+        pthread_mutex_lock(&w->mu);
+        w->n_done++;
+    }
+    while (w->n_done < n)
+        pthread_cond_wait(&w->done, &w->mu);
+    w->run_fn = NULL;
+    w->next = w->n_done = w->n_posted; /* a mask step's state again (all joined) */
+    pthread_mutex_unlock(&w->mu);
 }
 
 void mask_worker_last(mask_worker *w, int *rows, uint64_t *fill_ns, uint64_t *wait_ns) {

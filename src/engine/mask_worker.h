@@ -44,6 +44,13 @@ void mask_worker_start(mask_worker *w, int overlap);
 /* Wait until every row is filled. */
 void mask_worker_join(mask_worker *w);
 
+/* The same threads for the step's other per-row work: runs fn(ctx, i) for every i < n on the
+ * threads and the calling thread, and returns when all are done (the engine samples its
+ * host-sampled rows this way, each row's sampler touched by one thread).  Call it between a
+ * join and the next start. */
+typedef void (*mask_worker_fn)(void *ctx, int i);
+void mask_worker_run(mask_worker *w, int n, mask_worker_fn fn, void *ctx);
+
 /* Timings of the last step's rows: fill_ns the time spent filling them (threads' busy
  * time, summed), wait_ns the time the caller spent in start and join for them (serial:
  * the whole fill; overlapped: what the forward did not hide). */

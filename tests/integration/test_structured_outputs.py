@@ -296,7 +296,9 @@ def overlap_servers():
     --batch-invariant, so that the two servers' different batches give the same logits."""
     from server_harness import on_gpu
     args = ["--max-model-len", "1024"] + (["--batch-invariant"] if on_gpu() else [])
-    return Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "1"}), Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "0"})
+    # the overlapped one also draws its rows on three threads (DISAGG_SAMPLE_THREADS)
+    return (Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "1", "DISAGG_SAMPLE_THREADS": "3"}),
+            Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "0", "DISAGG_SAMPLE_THREADS": "1"}))
 
 
 def constrained_outputs(s):
@@ -339,9 +341,11 @@ def test_mask_overlap_equals_serial():
             assert valid(kind, spec, text), (kind, spec, text)
 
 
-def test_mask_overlap_bad_env():
+@pytest.mark.parametrize("var,value", [("DISAGG_GRAMMAR_OVERLAP", "yes"),
+                                       ("DISAGG_SAMPLE_THREADS", "0"), ("DISAGG_SAMPLE_THREADS", "4x")])
+def test_mask_overlap_bad_env(var, value):
     p = subprocess.run([BIN, "serve", str(ROOT / "models" / "disagg-sotu-tiny"), "--port", "1"],
                        capture_output=True, text=True, timeout=120,
-                       env=dict(__import__("os").environ, DISAGG_GRAMMAR_OVERLAP="yes"))
+                       env=dict(__import__("os").environ, **{var: value}))
     assert p.returncode != 0
-    assert "DISAGG_GRAMMAR_OVERLAP='yes' is not accepted" in p.stderr, p.stderr
+    assert f"{var}='{value}' is not accepted" in p.stderr, p.stderr

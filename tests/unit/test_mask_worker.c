@@ -4,7 +4,8 @@
  * state's mask plus the model's eos and the request's stop ids exactly where the grammar
  * accepts.  Rows of one shared grammar and of grammars of their own, 40 rows a step (past
  * the first allocation), random walks that reach accepting and terminated states, steps with
- * no rows, and work done on the caller's thread between start and join (the forward's place).
+ * no rows, and work done on the caller's thread between start and join (the forward's place);
+ * mask_worker_run (the same threads' per-row jobs between steps) runs every item once.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -76,6 +77,11 @@ static void reference(grammar *g, grammar_state s, const int32_t *stop, int n_st
         out[stop[k] >> 5] |= 1u << (stop[k] & 31);
 }
 
+/* mask_worker_run's item: squares[i] = i * i + 1. */
+static void square(void *ctx, int i) {
+    ((int *)ctx)[i] = i * i + 1;
+}
+
 static unsigned rnd(unsigned *x) {
     *x = *x * 1103515245u + 12345u;
     return *x >> 16;
@@ -123,6 +129,12 @@ static void walk(int threads, int own_grammars) {
         uint64_t fill, wait;
         mask_worker_last(w, &nr, &fill, &wait);
         assert_int_equal(nr, n);
+        /* the threads' other job between a join and the next start (the engine's draws) */
+        int squares[N_ROWS + 1];
+        memset(squares, 0, sizeof squares);
+        mask_worker_run(w, n, square, squares);
+        for (int r = 0; r <= N_ROWS; r++)
+            assert_int_equal(squares[r], r < n ? r * r + 1 : 0);
         for (int r = 0; r < n; r++) {
             int i = idx[r];
             reference(g[i], s[i], stop[i], 1, ref);
@@ -176,12 +188,29 @@ static void test_free_unused(void **state) {
     mask_worker_free(NULL);
 }
 
+static void test_run(void **state) {
+    (void)state;
+    int32_t eos = eos_id;
+    mask_worker *w = mask_worker_new(n_vocab, &eos, 1, 3);
+    assert_non_null(w);
+    static int out[1000];
+    for (int rep = 0; rep < 50; rep++) {
+        int n = rep == 0 ? 0 : rep == 1 ? 1 : rep * 20;
+        memset(out, 0, sizeof out);
+        mask_worker_run(w, n, square, out);
+        for (int i = 0; i < 1000; i++)
+            assert_int_equal(out[i], i < n ? i * i + 1 : 0);
+    }
+    mask_worker_free(w);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_serial),
         cmocka_unit_test(test_overlap_one_thread),
         cmocka_unit_test(test_overlap_three_threads),
         cmocka_unit_test(test_free_unused),
+        cmocka_unit_test(test_run),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
