@@ -162,22 +162,27 @@ fi
 # flight (a closed loop), each a 16-token prompt and up to 64 tokens under the JSON Schema of
 # bench/grammar/typical_schema.json, 64 engine steps per run, without a constraint (none), with
 # the masks filled before the forward (serial, DISAGG_GRAMMAR_OVERLAP=0's path) and while it runs
-# (overlap, the default), alternated twice; then the same with a grammar per request
-# (--distinct: every state new).  Per step: step, forward, after-forward (sampling) ms, mask fill
+# (overlap, the default), alternated twice, with the rows drawn by the step thread alone and
+# by 8 threads (DISAGG_SAMPLE_THREADS=8); then with a grammar per request (--distinct: every
+# state new).  Per step: step, forward, after-forward (sampling) ms, mask fill
 # and mask wait ms.  Then the integration check that overlapped and serial outputs are equal,
 # against disagg serve --device cuda.  GRAMMAR_SEQS (default 8,64) and GRAMMAR_ARGS (extra
 # arguments of the benchmark) change it.  Needs this tree's build (not a PREBUILT bundle's).
 grammar_steps() {
   TOK=$SRC/../shared/data/qwen2.5-tokenizer
   [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
-  for extra in "" "--distinct"; do
-    step "grammar: bench grammar --engine qwen2.5-7b (dummy weights) --device cuda, seqs ${GRAMMAR_SEQS:-8,64} $extra"
+  # "threads" = DISAGG_SAMPLE_THREADS: the step thread alone (1) or with 7 helpers drawing the
+  # host-sampled rows (8; the mask thread is one of the helpers)
+  for run in "1 none,serial,overlap,serial,overlap" "8 none,serial,overlap,serial,overlap" \
+             "1 serial,overlap,serial,overlap --distinct"; do
+    set -- $run
+    step "grammar: bench grammar --engine qwen2.5-7b (dummy weights) --device cuda, seqs ${GRAMMAR_SEQS:-8,64}, DISAGG_SAMPLE_THREADS=$1 ${3:-}"
     # shellcheck disable=SC2086
-    "$BIN" bench grammar --engine "$SRC/bench/shapes/qwen2.5-7b" --load-format dummy --device cuda \
-      --tokenizer "$TOK" --json-schema "$SRC/bench/grammar/typical_schema.json" \
-      --seqs "${GRAMMAR_SEQS:-8,64}" --steps 64 --modes none,serial,overlap,serial,overlap $extra \
-      ${GRAMMAR_ARGS:-} 2>&1 | grep -v '^I '
-    check ${PIPESTATUS[0]} "bench grammar --engine 7b $extra"
+    DISAGG_SAMPLE_THREADS=$1 "$BIN" bench grammar --engine "$SRC/bench/shapes/qwen2.5-7b" \
+      --load-format dummy --device cuda --tokenizer "$TOK" \
+      --json-schema "$SRC/bench/grammar/typical_schema.json" --seqs "${GRAMMAR_SEQS:-8,64}" \
+      --steps 64 --modes "$2" ${3:-} ${GRAMMAR_ARGS:-} 2>&1 | grep -v '^I '
+    check ${PIPESTATUS[0]} "bench grammar --engine 7b, DISAGG_SAMPLE_THREADS=$1 ${3:-}"
   done
   if python3 -c 'import openai, jsonschema' 2>/dev/null; then
     step "grammar: overlapped masks give the serial outputs (disagg serve --device cuda, tiny model)"

@@ -41,7 +41,7 @@ uint32_t *mask_worker_add(mask_worker *w, grammar *g, grammar_state s, const int
 /* Fill the rows: overlap 1 hands them to the threads and returns; overlap 0 (or a thread
  * that could not start) fills them here. */
 void mask_worker_start(mask_worker *w, int overlap);
-/* Wait until every row is filled. */
+/* Wait until every row is filled; rows no thread has taken yet are filled here. */
 void mask_worker_join(mask_worker *w);
 
 /* The same threads for the step's other per-row work: runs fn(ctx, i) for every i < n on the
