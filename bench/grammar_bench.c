@@ -223,7 +223,9 @@ static void usage(FILE *f) {
         f, "usage: disagg bench grammar --tokenizer DIR (--json-schema FILE | --regex RE | "
            "--grammar FILE | --choice JSON | --json-object) [--walks N] [--max-steps N] "
            "[--seed S] [--compact] [--docs DOCS.jsonl]\n"
-           "       disagg bench grammar --tokenizer DIR --masks CASES.jsonl [--ids]\n\n"
+           "       disagg bench grammar --tokenizer DIR --masks CASES.jsonl [--ids]\n"
+           "       disagg bench grammar --engine MODEL ... (the engine's step with masks: "
+           "--engine MODEL --help)\n\n"
            "  --tokenizer DIR     the tokenizer (tokenizer.json) whose vocabulary the masks cover\n"
            "  --json-schema FILE  constrain to a JSON Schema\n"
            "  --regex RE          constrain to a regular expression\n"
@@ -245,6 +247,8 @@ int bench_grammar_main(int argc, char **argv) {
     grammar_kind kind = GRAMMAR_JSON_OBJECT;
     int have_kind = 0, walks = 20, max_steps = 200, ids = 0, compact = 0;
     uint64_t seed = 1;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--engine")) return bench_grammar_engine_main(argc, argv);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
         size_t len;

@@ -157,6 +157,49 @@ if [ "${ONLY:-}" = tp ]; then
   exit $((fails > 0))
 fi
 
+# ONLY=grammar (structured outputs on the GPU): `disagg bench grammar --engine` on the Qwen2.5-7B
+# shape with --load-format dummy (random weights in HBM) and the Qwen2.5 tokenizer: 64 requests in
+# flight (a closed loop), each a 16-token prompt and up to 64 tokens under the JSON Schema of
+# bench/grammar/typical_schema.json, 64 engine steps per run, without a constraint (none), with
+# the masks filled before the forward (serial, DISAGG_GRAMMAR_OVERLAP=0's path) and while it runs
+# (overlap, the default), alternated twice, with the rows drawn by the step thread alone and
+# by 8 threads (DISAGG_SAMPLE_THREADS=8); then with a grammar per request (--distinct: every
+# state new).  Per step: step, forward, after-forward (sampling) ms, mask fill
+# and mask wait ms.  Then the integration check that overlapped and serial outputs are equal,
+# against disagg serve --device cuda.  GRAMMAR_SEQS (default 8,64) and GRAMMAR_ARGS (extra
+# arguments of the benchmark) change it.  Needs this tree's build (not a PREBUILT bundle's).
+grammar_steps() {
+  TOK=$SRC/../shared/data/qwen2.5-tokenizer
+  [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
+  # "threads" = DISAGG_SAMPLE_THREADS: the step thread alone (1) or with 7 helpers drawing the
+  # host-sampled rows (8; the mask thread is one of the helpers)
+  for run in "1 none,serial,overlap,serial,overlap" "8 none,serial,overlap,serial,overlap" \
+             "1 serial,overlap,serial,overlap --distinct"; do
+    set -- $run
+    step "grammar: bench grammar --engine qwen2.5-7b (dummy weights) --device cuda, seqs ${GRAMMAR_SEQS:-8,64}, DISAGG_SAMPLE_THREADS=$1 ${3:-}"
+    # shellcheck disable=SC2086
+    DISAGG_SAMPLE_THREADS=$1 "$BIN" bench grammar --engine "$SRC/bench/shapes/qwen2.5-7b" \
+      --load-format dummy --device cuda --tokenizer "$TOK" \
+      --json-schema "$SRC/bench/grammar/typical_schema.json" --seqs "${GRAMMAR_SEQS:-8,64}" \
+      --steps 64 --modes "$2" ${3:-} ${GRAMMAR_ARGS:-} 2>&1 | grep -v '^I '
+    check ${PIPESTATUS[0]} "bench grammar --engine 7b, DISAGG_SAMPLE_THREADS=$1 ${3:-}"
+  done
+  if python3 -c 'import openai, jsonschema' 2>/dev/null; then
+    step "grammar: overlapped masks give the serial outputs (disagg serve --device cuda, tiny model)"
+    DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+      tests/integration/test_structured_outputs.py -k mask_overlap 2>&1 | tail -5
+    check ${PIPESTATUS[0]} "test_structured_outputs -k mask_overlap (cuda)"
+  else
+    echo "******** SKIP the overlap equality test: openai or jsonschema is not importable here ********"
+  fi
+}
+if [ "${ONLY:-}" = grammar ]; then
+  grammar_steps
+  step "summary"
+  echo "gpu_check (ONLY=grammar): $fails failed step(s)"
+  exit $((fails > 0))
+fi
+
 # ONLY=moe (mixture of experts): test_backend_ops' CUDA MoE cases (the routing and every CUDA
 # path of backend_moe against host references, skewed routing, CUDA graphs) and, where the tree
 # has it, test_backend_ops_moe (the model branch's: CUDA, its generic form and the CPU against

@@ -46,6 +46,7 @@ COMMANDS = [
     ["bench", "serve"],
     ["bench", "proxy"],
     ["bench", "grammar"],
+    ["bench", "grammar", "--engine", "MODEL"],
     ["bench", "moe"],
     ["transfer"],
     ["transfer", "target"],

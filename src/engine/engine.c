@@ -13,6 +13,7 @@
 #include "base/log.h"
 #include "engine/block_pool.h"
 #include "engine/kv_offload.h"
+#include "engine/mask_worker.h"
 #include "engine/scheduler.h"
 #include "kernels/backend.h"
 #include "kernels/collective.h"
@@ -59,7 +60,7 @@ typedef struct ereq {
 
     grammar *gm;           /* structured outputs: the constraint, or NULL */
     grammar_state gs;      /* its state after the output so far */
-    const uint32_t *gmask; /* gs's allowed tokens, fetched before the forward */
+    const uint32_t *gmask; /* this step's allowed tokens (mask_worker: filled during the forward) */
 } ereq;
 
 typedef struct kept_blocks { /* blocks held outside any request */
@@ -95,13 +96,16 @@ struct engine {
     block_pool bp;
     scheduler sched;
     sched_plan plan;
-    decoder_seq *fwd; /* (max_num_seqs) forward descriptors */
-    float *logits;    /* (max_num_seqs, vocab) last-token logits */
-    float *plogits;   /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
-    float *scratch;   /* (vocab) the sampler's working copy of a row */
-    int32_t *amax;    /* (max_num_seqs) greedy tokens computed on the device */
-    int dev_greedy;   /* 1: plain greedy requests take the device argmax (not on the CPU) */
-    uint32_t *gallow; /* ((vocab + 31) / 32) a constrained row's allowed tokens */
+    decoder_seq *fwd;    /* (max_num_seqs) forward descriptors */
+    float *logits;       /* (max_num_seqs, vocab) last-token logits */
+    float *plogits;      /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
+    int *sidx;           /* (max_num_seqs) this step's host-sampled items */
+    sample_result *sres; /* (max_num_seqs) their draws, by item */
+    int sample_threads;  /* threads sampling them: the step thread and sample_threads - 1 */
+    int32_t *amax;       /* (max_num_seqs) greedy tokens computed on the device */
+    int dev_greedy;      /* 1: plain greedy requests take the device argmax (not on the CPU) */
+    mask_worker *masks;  /* the constrained rows' token masks, filled while the forward runs */
+    int grammar_overlap; /* under mu: 1 masks overlap the forward, 0 filled before it */
 
     int vocab;
     int max_model_len;
@@ -142,6 +146,7 @@ void engine_config_init(engine_config *c) {
     c->max_num_batched_tokens = 2048;
     c->enable_prefix_caching = 1;
     c->device = "cpu";
+    c->grammar_overlap = 1;
     c->kv_cache_dtype = -1;
 }
 
@@ -664,22 +669,6 @@ static int grammar_is_stop(const engine *e, const ereq *r, int32_t t) {
     return 0;
 }
 
-/* The allowed tokens of r's next position: its state's mask (r->gmask, fetched before
- * the forward) plus the stop tokens where the grammar accepts, in e->gallow. */
-static const uint32_t *grammar_allow(engine *e, ereq *r) {
-    int words = (e->vocab + 31) / 32;
-    memcpy(e->gallow, r->gmask, (size_t)words * sizeof *e->gallow);
-    if (grammar_state_accepting(r->gm, r->gs)) {
-        const model_config *c = &e->model.cfg;
-        for (int i = 0; i < c->n_eos; i++)
-            if (c->eos_ids[i] >= 0 && c->eos_ids[i] < e->vocab)
-                e->gallow[c->eos_ids[i] >> 5] |= 1u << (c->eos_ids[i] & 31);
-        for (int i = 0; i < r->p.n_stop_token_ids; i++)
-            e->gallow[r->stop_ids[i] >> 5] |= 1u << (r->stop_ids[i] & 31);
-    }
-    return e->gallow;
-}
-
 /* r's grammar takes token t: 1 when t is a stop token where the grammar accepts (the
  * request ends), 0 when the grammar moved on, -1 when t breaks the grammar (state kept). */
 static int grammar_take(engine *e, ereq *r, int32_t t) {
@@ -1032,6 +1021,21 @@ static void deliver_token(engine *e, ereq *r, const engine_token *tok, int stop)
         finish(e, r, "length", -1, NULL);
 }
 
+/* Draws the next token of this step's k-th host-sampled item (e->sidx[k]) from its logits
+ * row, in place, into e->sres (mask_worker_fn: runs on any of the sampling threads). */
+static void sample_item(void *ctx, int k) {
+    engine *e = ctx;
+    int i = e->sidx[k];
+    const sched_item *it = &e->plan.items[i];
+    ereq *r = it->s->owner;
+    float *last = e->fwd[i].logits;
+    if (e->fwd[i].logits_all) last += (size_t)(it->count - 1) * (size_t)e->vocab;
+    if (r->gm)
+        sampler_sample_masked(r->smp, last, r->gmask, &e->sres[i]);
+    else
+        sampler_sample(r->smp, last, &e->sres[i]);
+}
+
 static void run_step(engine *e) {
     sched_plan *pl = &e->plan;
     if (sched_step(&e->sched, pl) == 0) return;
@@ -1049,8 +1053,6 @@ static void run_step(engine *e) {
         f->n_blocks = it->s->n_blocks;
         f->logits_all = r->prompt_lp && it->start < r->s.n_prompt;
         f->argmax = NULL;
-        if (it->logits && r->gm) /* the mask is ready before the logits arrive */
-            r->gmask = grammar_state_mask(r->gm, r->gs);
         if (f->logits_all)
             f->logits = e->plogits; /* only one such item per step (see below) */
         else if (it->logits && e->dev_greedy && sampler_plain_greedy(r->smp) && !r->gm) {
@@ -1075,6 +1077,18 @@ static void run_step(engine *e) {
         m++;
     }
     pl->n_items = n = m;
+    /* The constrained rows' masks (the state's allowed tokens, and the stop tokens where
+     * the grammar accepts) are filled by the mask worker while the forward runs, then
+     * joined before sampling; their states do not move until the tokens are sampled. */
+    mask_worker_reset(e->masks);
+    for (int i = 0; i < n; i++) {
+        ereq *r = pl->items[i].s->owner;
+        if (pl->items[i].logits && r->gm)
+            r->gmask = mask_worker_add(e->masks, r->gm, r->gs, r->stop_ids, r->p.n_stop_token_ids);
+    }
+    pthread_mutex_lock(&e->mu);
+    int overlap = e->grammar_overlap;
+    pthread_mutex_unlock(&e->mu);
     uint64_t step = ++e->step_seq;
     if (e->lp && e->conn.prefill_chunk) { /* the connector streams prefill chunks of remote-decode
                                              requests by layer */
@@ -1088,8 +1102,13 @@ static void run_step(engine *e) {
                                   it->start, end, r->s.n_prompt, step, e->lp);
         }
     }
+    mask_worker_start(e->masks, overlap);
+    uint64_t t_fwd = clock_now_ns();
     int rc = decoder_forward(&e->model, e->state, &e->kv, e->fwd, n);
+    uint64_t t_fwd_end = clock_now_ns();
     backend_layer_progress_end(e->lp, step); /* synced (or failed): every layer is done */
+    mask_worker_join(e->masks);
+    uint64_t t_sample = clock_now_ns(); /* the rest of the step: sampling and delivery */
     if (rc != 0 && e->cfg.tp_group) /* the ranks may be out of step now: the group cannot go on */
         collective_poison(e->cfg.tp_group, "rank 0's forward failed");
     if (rc != 0) {
@@ -1098,6 +1117,21 @@ static void run_step(engine *e) {
         return;
     }
     sched_commit(&e->sched, pl);
+    /* Draw the host-sampled rows first, in place (nothing reads a logits row after its draw;
+     * the sampler takes the logprobs from the raw row before it changes it), on the step
+     * thread and the sampling threads: each row's sampler is its own request's, so the draws
+     * do not depend on which thread made them.  Delivered in item order below. */
+    int n_sample = 0;
+    for (int i = 0; i < n; i++) {
+        ereq *r = pl->items[i].s->owner;
+        if (pl->items[i].logits && !e->fwd[i].argmax && !(r->gm && !r->gmask))
+            e->sidx[n_sample++] = i;
+    }
+    if (e->sample_threads > 1)
+        mask_worker_run(e->masks, n_sample, sample_item, e);
+    else
+        for (int k = 0; k < n_sample; k++)
+            sample_item(e, k);
     uint64_t gen = 0, prompt = 0;
     for (int i = 0; i < n; i++) {
         const sched_item *it = &pl->items[i];
@@ -1110,11 +1144,8 @@ static void run_step(engine *e) {
             prompt += (uint64_t)np;
             r->n_prompt_computed += np;
         }
-        const float *last = e->fwd[i].logits;
-        if (e->fwd[i].logits_all) {
+        if (e->fwd[i].logits_all) /* rows before the last: its draw did not touch them */
             fill_prompt_logprobs(e, r, e->fwd[i].logits, it->start, it->count);
-            last = e->fwd[i].logits + (size_t)(it->count - 1) * (size_t)e->vocab;
-        }
         if (!it->logits) continue;
         engine_token tok;
         memset(&tok, 0, sizeof tok);
@@ -1122,18 +1153,16 @@ static void run_step(engine *e) {
             tok.id = *e->fwd[i].argmax;
             sampler_accept(r->smp, tok.id);
         } else {
-            /* Sample the next token (on a scratch copy: logprobs are of the raw row). */
-            memcpy(e->scratch, last, (size_t)e->vocab * sizeof *e->scratch);
-            sample_result sr;
-            if (r->gm)
-                sampler_sample_masked(r->smp, e->scratch, grammar_allow(e, r), &sr);
-            else
-                sampler_sample(r->smp, e->scratch, &sr);
-            tok.id = sr.token;
-            tok.logprob = sr.logprob;
-            tok.n_top = sr.n_top;
-            memcpy(tok.top_ids, sr.top_ids, sizeof tok.top_ids);
-            memcpy(tok.top_logprobs, sr.top_logprobs, sizeof tok.top_logprobs);
+            if (r->gm && !r->gmask) {
+                finish(e, r, "error", -1, "no memory for the request's grammar mask");
+                continue;
+            }
+            const sample_result *sr = &e->sres[i]; /* drawn above */
+            tok.id = sr->token;
+            tok.logprob = sr->logprob;
+            tok.n_top = sr->n_top;
+            memcpy(tok.top_ids, sr->top_ids, sizeof tok.top_ids);
+            memcpy(tok.top_logprobs, sr->top_logprobs, sizeof tok.top_logprobs);
         }
         int gstop = r->gm ? grammar_take(e, r, tok.id) : 0;
         if (gstop < 0) { /* cannot happen: the mask allowed it */
@@ -1147,10 +1176,25 @@ static void run_step(engine *e) {
         gen++;
         deliver_token(e, r, &tok, stop);
     }
+    int mrows;
+    uint64_t mfill, mwait, t_end = clock_now_ns();
+    mask_worker_last(e->masks, &mrows, &mfill, &mwait);
     pthread_mutex_lock(&e->mu);
     e->stats.prompt_tokens += prompt;
     e->stats.generation_tokens += gen;
     e->stats.steps++;
+    e->stats.step_ns += t_end - t_step;
+    e->stats.forward_ns += t_fwd_end - t_fwd;
+    e->stats.sample_ns += t_end - t_sample;
+    if (mrows) {
+        e->stats.grammar_steps++;
+        e->stats.grammar_rows += (uint64_t)mrows;
+        e->stats.grammar_fill_ns += mfill;
+        e->stats.grammar_wait_ns += mwait;
+        e->stats.grammar_step_ns += t_end - t_step;
+        e->stats.grammar_forward_ns += t_fwd_end - t_fwd;
+        e->stats.grammar_sample_ns += t_end - t_sample;
+    }
     {
         static const double bounds[] = ENGINE_STEP_TOKEN_BOUNDS;
         int b = 0;
@@ -1195,9 +1239,36 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         snprintf(err, errlen, "max_num_seqs and max_num_batched_tokens must be positive");
         return -EINVAL;
     }
+    const char *ov = getenv("DISAGG_GRAMMAR_OVERLAP");
+    if (ov && *ov) {
+        if (strcmp(ov, "0") != 0 && strcmp(ov, "1") != 0) {
+            snprintf(err, errlen,
+                     "DISAGG_GRAMMAR_OVERLAP='%s' is not accepted (0: grammar masks filled before "
+                     "the forward, serially; 1: while the forward runs, the default)",
+                     ov);
+            return -EINVAL;
+        }
+        c.grammar_overlap = ov[0] == '1';
+    }
+    int sample_threads = 1;
+    const char *st = getenv("DISAGG_SAMPLE_THREADS");
+    if (st && *st) {
+        char *end;
+        long v = strtol(st, &end, 10);
+        if (*end || v < 1 || v > 256) {
+            snprintf(err, errlen,
+                     "DISAGG_SAMPLE_THREADS='%s' is not accepted (an integer in [1, 256]: the "
+                     "threads that sample a step's host-sampled rows; 1, the default: the step "
+                     "thread alone)",
+                     st);
+            return -EINVAL;
+        }
+        sample_threads = (int)v;
+    }
     engine *e = calloc(1, sizeof *e);
     if (!e) return -ENOMEM;
     e->cfg = c;
+    e->sample_threads = sample_threads;
     backend_options bo;
     backend_options_init(&bo);
     bo.n_threads = c.threads;
@@ -1337,14 +1408,17 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
     e->fwd = calloc((size_t)c.max_num_seqs, sizeof *e->fwd);
     e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
-    e->scratch = malloc((size_t)e->vocab * sizeof(float));
-    e->gallow = malloc((size_t)(e->vocab + 31) / 32 * sizeof(uint32_t));
+    e->sidx = malloc((size_t)c.max_num_seqs * sizeof *e->sidx);
+    e->sres = malloc((size_t)c.max_num_seqs * sizeof *e->sres);
+    e->masks = mask_worker_new(e->vocab, mc->eos_ids, mc->n_eos,
+                               e->sample_threads > 1 ? e->sample_threads - 1 : 1);
+    e->grammar_overlap = c.grammar_overlap;
     e->amax = calloc((size_t)c.max_num_seqs, sizeof *e->amax);
     /* on the CPU the logits are already in host memory: the host sampler's greedy is free */
     e->dev_greedy = !backend_is_cpu(e->be);
     sched_config sc = {c.block_size, c.max_num_seqs, e->cfg.max_num_batched_tokens,
                        c.enable_prefix_caching};
-    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->scratch || !e->amax ||
+    if (!e->state || !e->fwd || !e->logits || !e->plogits || !e->sidx || !e->sres || !e->amax || !e->masks ||
         block_pool_init(&e->bp, (int32_t)nblocks) || sched_init(&e->sched, &sc, &e->bp) ||
         sched_plan_init(&e->plan, &sc)) {
         snprintf(err, errlen, "out of memory setting up the engine");
@@ -1410,8 +1484,9 @@ fail:
     free(e->fwd);
     free(e->logits);
     free(e->plogits);
-    free(e->scratch);
-    free(e->gallow);
+    free(e->sidx);
+    free(e->sres);
+    mask_worker_free(e->masks);
     free(e->amax);
     if (e->state) decoder_state_free(e->state);
     tp_kv_unmap(e);
@@ -1458,8 +1533,9 @@ void engine_destroy(engine *e) {
     free(e->fwd);
     free(e->logits);
     free(e->plogits);
-    free(e->scratch);
-    free(e->gallow);
+    free(e->sidx);
+    free(e->sres);
+    mask_worker_free(e->masks);
     free(e->amax);
     decoder_state_free(e->state);
     backend_layer_progress_free(e->lp);
@@ -1470,6 +1546,12 @@ void engine_destroy(engine *e) {
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
+}
+
+void engine_set_grammar_overlap(engine *e, int on) {
+    pthread_mutex_lock(&e->mu);
+    e->grammar_overlap = on ? 1 : 0;
+    pthread_mutex_unlock(&e->mu);
 }
 
 void engine_get_stats(engine *e, engine_stats *out) {

@@ -52,6 +52,11 @@ typedef struct engine_config {
      * that the connector moves every rank's KV heads (engine_get_kv_region_rank).  NULL:
      * the workers' regions are private. */
     const int *tp_kv_fds;
+    /* Structured outputs: 1 (the default) fills a step's grammar masks on a worker thread
+     * while the forward runs (engine/mask_worker.h), 0 on the step thread before it (the
+     * serial path; the outputs are the same).  The environment variable
+     * DISAGG_GRAMMAR_OVERLAP (0 or 1), when set, overrides it at engine_create. */
+    int grammar_overlap;
 } engine_config;
 
 void engine_config_init(engine_config *c);
@@ -100,8 +105,9 @@ typedef struct engine_request_params {
     int first_token_handoff_ok;
     /* Structured outputs: the grammar the output must follow (grammar/, compiled over this
      * engine's vocabulary), or NULL.  The engine takes a reference.  Each sampled token
-     * is masked to the grammar's allowed tokens (mask fetched before the forward); the
-     * model's eos and the stop ids are allowed exactly when the grammar accepts. */
+     * is masked to the grammar's allowed tokens (the mask filled while the forward runs:
+     * engine_config.grammar_overlap); the model's eos and the stop ids are allowed exactly
+     * when the grammar accepts. */
     struct grammar *grammar;
 } engine_request_params;
 
@@ -240,9 +246,22 @@ typedef struct engine_stats {
     kv_offload_stats offload;  /* (has_offload) */
     uint64_t offload_queries;  /* blocks looked up in the tiers after a device-cache miss */
     uint64_t offload_hits;     /* of those, copied back from a tier */
+    /* step timings, summed over the steps (ns): the whole step (plan to the last token
+     * sent), its forward, and what follows the forward (sampling, delivering the tokens) */
+    uint64_t step_ns, forward_ns, sample_ns;
+    /* the steps that sampled constrained rows (structured outputs): their count, their
+     * rows, the time spent filling the rows' masks (on the mask thread when overlapped),
+     * the time the step thread waited for them (serial: all of it; overlapped: what the
+     * forward did not hide), and these steps' whole, forward and after-forward times */
+    uint64_t grammar_steps, grammar_rows;
+    uint64_t grammar_fill_ns, grammar_wait_ns, grammar_step_ns, grammar_forward_ns;
+    uint64_t grammar_sample_ns;
 } engine_stats;
 
 void engine_get_stats(engine *e, engine_stats *out);
+/* Switch structured outputs' mask overlap (engine_config.grammar_overlap) from the next step
+ * on: for benchmarks comparing the two on one engine.  Thread-safe. */
+void engine_set_grammar_overlap(engine *e, int on);
 /* KV cache usage, 0..1: blocks in use over the blocks of the cache (vllm:kv_cache_usage_perc,
  * and the kv_usage `disagg serve --discovery` publishes). */
 static inline double engine_stats_kv_usage(const engine_stats *st) {

@@ -273,3 +273,79 @@ def test_pd_constrained():
     finally:
         pd.stop()
         colo.stop()
+
+
+# The mask of each constrained row is filled on a worker thread while the forward runs
+# (engine/mask_worker.h); DISAGG_GRAMMAR_OVERLAP=0 fills it on the step thread before the
+# forward.  The masks are the same either way, so the outputs must be.
+OVERLAP_CASES = [
+    ("json", PERSON),
+    ("json", SAMPLED[5][1]),  # $defs, nested objects
+    ("json", {"type": "object", "properties": {"tags": {"type": "array", "items": {
+        "type": "string", "maxLength": 5}, "maxItems": 3}}, "required": ["tags"]}),
+    ("regex", r"[0-9]{3}-[0-9]{4}"),
+    ("regex", r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"),
+    ("choice", ["positive", "negative", "neutral", "mixed feelings"]),
+    ("grammar", 'root ::= "x=" [0-9]{1,3} (", " "y=" [0-9]{1,3})?'),
+    ("grammar", 'root ::= item ("," item)*\nitem ::= [a-c]+ | "[" root "]"'),
+]
+
+
+def overlap_servers():
+    """The default (masks overlapped) and DISAGG_GRAMMAR_OVERLAP=0 (serial); on a GPU both
+    --batch-invariant, so that the two servers' different batches give the same logits."""
+    from server_harness import on_gpu
+    args = ["--max-model-len", "1024"] + (["--batch-invariant"] if on_gpu() else [])
+    # the overlapped one also draws its rows on three threads (DISAGG_SAMPLE_THREADS)
+    return (Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "1", "DISAGG_SAMPLE_THREADS": "3"}),
+            Server(*args, env={"DISAGG_GRAMMAR_OVERLAP": "0", "DISAGG_SAMPLE_THREADS": "1"}))
+
+
+def constrained_outputs(s):
+    """Every OVERLAP_CASES constraint, greedy and seeded at temperature 1 (n = 4), compact and
+    with free whitespace, sent all at once so that the steps batch several constrained rows."""
+    from concurrent.futures import ThreadPoolExecutor
+    c = client(s)
+
+    def one(job):
+        (kind, spec), temp, compact = job
+        so = {kind: spec}
+        if compact:
+            so["disable_any_whitespace"] = True
+        r = c.completions.create(model="tiny", prompt="Fellow-Citizens of the Senate", n=1 if temp == 0 else 4,
+                                 temperature=temp, seed=7, max_tokens=80,
+                                 extra_body={"structured_outputs": so})
+        return [(ch.text, ch.finish_reason) for ch in r.choices]
+
+    jobs = [(case, temp, compact) for case in OVERLAP_CASES for temp in (0.0, 1.0)
+            for compact in ((True, False) if case[0] == "json" else (False,))]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        return jobs, list(ex.map(one, jobs))
+
+
+def test_mask_overlap_equals_serial():
+    ov, se = overlap_servers()
+    try:
+        jobs, overlapped = constrained_outputs(ov)
+        _, serial = constrained_outputs(se)
+    finally:
+        assert ov.stop() == 0, ov.logs()
+        assert se.stop() == 0, se.logs()
+    for job, a, b in zip(jobs, overlapped, serial):
+        assert a == b, (job, a, b)
+    # and they follow their constraints (those that finished)
+    for ((kind, spec), _, _), outs in zip(jobs, overlapped):
+        for text, reason in outs:
+            if reason != "stop" or kind == "grammar":
+                continue
+            assert valid(kind, spec, text), (kind, spec, text)
+
+
+@pytest.mark.parametrize("var,value", [("DISAGG_GRAMMAR_OVERLAP", "yes"),
+                                       ("DISAGG_SAMPLE_THREADS", "0"), ("DISAGG_SAMPLE_THREADS", "4x")])
+def test_mask_overlap_bad_env(var, value):
+    p = subprocess.run([BIN, "serve", str(ROOT / "models" / "disagg-sotu-tiny"), "--port", "1"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(__import__("os").environ, **{var: value}))
+    assert p.returncode != 0
+    assert f"{var}='{value}' is not accepted" in p.stderr, p.stderr
