@@ -142,7 +142,8 @@ static int toy_flag(flags_parser *p, const flag_def *d, const char *v) {
 
 static int policy_flag(flags_parser *p, const flag_def *d, const char *v) {
     if (!policy_parse(v, &A.cfg.policy)) return 0;
-    flags_error(p, "%s '%s' is not accepted; use least_loaded, round_robin, prefix, p2c or kv_aware",
+    flags_error(p,
+                "%s '%s' is not accepted; use least_loaded, round_robin, prefix, p2c or kv_aware",
                 d->name, v);
     return -1;
 }
@@ -271,16 +272,16 @@ static const flags_spec PROXY_SPEC = {
 
 /* Checks the kv_aware flags and loads the tokenizer into cfg->kv; 0, or 2 (usage error). */
 static int kv_setup(proxy_config *cfg, kv_route_config *kc, int discovery) {
-    const char *given = A.tokenizer         ? "--tokenizer"
-                        : A.chat_template   ? "--chat-template"
-                        : A.nep             ? "--kv-events-endpoint"
-                        : A.nrep            ? "--kv-events-replay-endpoint"
-                        : A.events_port > 0 ? "--kv-events-port"
-                        : A.replay_port > 0 ? "--kv-events-replay-port"
-                        : A.topic           ? "--kv-events-topic-filter"
+    const char *given = A.tokenizer          ? "--tokenizer"
+                        : A.chat_template    ? "--chat-template"
+                        : A.nep              ? "--kv-events-endpoint"
+                        : A.nrep             ? "--kv-events-replay-endpoint"
+                        : A.events_port > 0  ? "--kv-events-port"
+                        : A.replay_port > 0  ? "--kv-events-replay-port"
+                        : A.topic            ? "--kv-events-topic-filter"
                         : A.load_weight >= 0 ? "--kv-aware-load-weight"
-                        : A.max_blocks      ? "--kv-index-max-blocks"
-                                            : NULL;
+                        : A.max_blocks       ? "--kv-index-max-blocks"
+                                             : NULL;
     if (cfg->policy != POLICY_KV_AWARE) {
         if (!given) return 0;
         fprintf(stderr, "disagg proxy: %s is only used by --policy kv_aware (the policy is %s)\n",
@@ -341,8 +342,10 @@ static int kv_setup(proxy_config *cfg, kv_route_config *kc, int discovery) {
             free(tt);
             return 2;
         }
-        LOG_W("proxy", "kv_aware: the tokenizer's chat template is not usable (%s): chat "
-                       "requests are routed least_loaded", err);
+        LOG_W("proxy",
+              "kv_aware: the tokenizer's chat template is not usable (%s): chat "
+              "requests are routed least_loaded",
+              err);
     }
     free(tt);
     kv_route_config_default(kc);

@@ -369,11 +369,11 @@ static int send_pd(relay *r) {
     if (px->cfg.policy == POLICY_PREFIX)
         hint.prefix_hash = pd_prefix_hash(r->body, (size_t)px->cfg.prefix_bytes);
     uint64_t kv_tokens = 0;
-    upstream *p = px->kv ? kv_route_pick(px->kv, px->prefill, px->nprefill, &px->rr_prefill,
-                                         r->p_tried, &hint, &eng, &r->kv, r->body,
-                                         hs_req_path(r->client), &kv_tokens)
-                         : policy_pick(px->cfg.policy, px->prefill, px->nprefill,
-                                       &px->rr_prefill, r->p_tried, &hint, &eng);
+    upstream *p =
+        px->kv ? kv_route_pick(px->kv, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
+                               &hint, &eng, &r->kv, r->body, hs_req_path(r->client), &kv_tokens)
+               : policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
+                             &hint, &eng);
     if (!p) {
         char msg[1024];
         tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);

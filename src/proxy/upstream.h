@@ -85,10 +85,10 @@ typedef struct upstream {
     int pub_waiting;      /* published waiting requests */
     double pub_kv_usage;  /* published KV cache usage 0..1 */
     /* --policy kv_aware (kv_route.c), prefills only */
-    struct kv_index *kv;           /* what its KV cache holds, from its KV events (or NULL) */
-    struct kv_subscriber *kvsub;   /* the subscription feeding kv */
-    uint64_t kv_pending_tokens;    /* uncached prompt tokens of this proxy's prefills on it */
-    char engines_seen[256];        /* engine ids of its last /query: a change is a restart */
+    struct kv_index *kv;         /* what its KV cache holds, from its KV events (or NULL) */
+    struct kv_subscriber *kvsub; /* the subscription feeding kv */
+    uint64_t kv_pending_tokens;  /* uncached prompt tokens of this proxy's prefills on it */
+    char engines_seen[256];      /* engine ids of its last /query: a change is a restart */
 } upstream;
 
 /* Parses "http://host[:port][/]" or "host:port" into host/port; -EINVAL with
