@@ -86,7 +86,8 @@ int prompt_ids_of_body(const tokenizer *tok, const chat_template *ct, const json
         if (flag(body, "add_generation_prompt", true, &add_gen, err, errcap) ||
             flag(body, "add_special_tokens", false, &add_special, err, errcap))
             return -EINVAL;
-        return prompt_ids_chat(tok, ct, msgs, json_is_array(tools) ? tools : NULL,
+        /* an empty list is no tools, as the server reads it */
+        return prompt_ids_chat(tok, ct, msgs, json_array_size(tools) > 0 ? tools : NULL,
                                json_is_object(kw) ? kw : NULL, add_gen, add_special, ids, n, err,
                                errcap);
     }
