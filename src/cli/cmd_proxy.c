@@ -53,15 +53,14 @@ static int kv_endpoint_flag(flags_parser *p, const flag_def *d, const char *v) {
     int replay = strstr(d->name, "replay") != NULL;
     const char *eq = v ? strchr(v, '=') : NULL;
     const char *ep = eq ? eq + 1 : NULL;
-    if (!eq || eq == v || (strncmp(ep, "tcp://", 6) && strncmp(ep, "ipc://", 6)) ||
-        !strchr(ep + 6, ep[0] == 't' ? ':' : '/')) {
-        if (!ep || strncmp(ep, "ipc://", 6))
-            flags_error(p,
-                        "%s '%s' is not accepted; give PREFILL_URL=tcp://HOST:PORT (the URL of a "
-                        "--prefill, then the ZMQ endpoint of its %s)",
-                        d->name, v ? v : "", replay ? "replay ROUTER" : "KV events publisher");
-        else
-            flags_error(p, "%s '%s': the ipc:// endpoint has no path", d->name, v);
+    int ok = eq && eq > v &&
+             ((!strncmp(ep, "tcp://", 6) && strchr(ep + 6, ':')) ||
+              (!strncmp(ep, "ipc://", 6) && ep[6]));
+    if (!ok) {
+        flags_error(p,
+                    "%s '%s' is not accepted; give PREFILL_URL=tcp://HOST:PORT (the URL of a "
+                    "--prefill, then the ZMQ endpoint of its %s; ipc://PATH also works)",
+                    d->name, v ? v : "", replay ? "replay ROUTER" : "KV events publisher");
         return -1;
     }
     int *cnt = replay ? &A.nrep : &A.nep;
