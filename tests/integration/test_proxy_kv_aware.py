@@ -14,11 +14,11 @@ import requests
 
 import server_harness
 from proxy_fixtures import ProxyProc
-from server_harness import BIN, MODEL, Server, free_port
+from server_harness import BIN, MODEL, Server, free_port, on_gpu
 from test_pd import consumer_config, producer_config
 
 BS = 16
-BB = 49152  # one KV block of the tiny model (f32 on the CPU)
+BB = 49152 // (2 if on_gpu() else 1)  # one KV block of the tiny model (f32 CPU, bf16 GPU)
 TEXT = ("The state of the Union is strong, and the work of the Congress is before us. "
         "We meet in a season of change, and the people ask that we keep faith with them. ")
 
