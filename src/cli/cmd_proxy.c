@@ -4,9 +4,14 @@
  */
 #include "cli/commands.h"
 
+#include "base/file.h"
 #include "base/flags.h"
 #include "base/log.h"
 #include "cli/discovery_cli.h"
+#include "model/chat_template.h"
+#include "model/hf_cache.h"
+#include "model/prompt_ids.h"
+#include "model/tokenizer.h"
 #include "proxy/proxy.h"
 
 #include <ctype.h>
@@ -22,7 +27,54 @@ static struct proxy_args {
     const char *alias_v[4][POLICY_MAX_BACKENDS]; /* prefiller hosts, ports, decoder hosts, ports */
     int alias_n[4];
     discovery_cli disc;
+    /* --policy kv_aware; "not given" is NULL, -1 or 0 (the defaults are kv_route's) */
+    const char *tokenizer, *chat_template, *topic;
+    kv_route_endpoint ep[POLICY_MAX_BACKENDS], rep[POLICY_MAX_BACKENDS];
+    int nep, nrep;
+    int events_port, replay_port; /* -1: not given */
+    double load_weight;           /* -1: not given */
+    long long max_blocks;         /* 0: not given */
 } A;
+
+/* The tokenizer --policy kv_aware hashes prompts with: the instances' own. */
+static struct proxy_tok {
+    tokenizer *tok;
+    chat_template *ct;
+} T;
+
+static int prompt_tokens(void *arg, const json_t *body, int chat, int32_t **ids, size_t *n,
+                         char *err, size_t errcap) {
+    struct proxy_tok *t = arg;
+    return prompt_ids_of_body(t->tok, t->ct, body, chat, ids, n, err, errcap);
+}
+
+/* --kv-events-endpoint URL=tcp://HOST:PORT (and the replay one): repeatable. */
+static int kv_endpoint_flag(flags_parser *p, const flag_def *d, const char *v) {
+    int replay = strstr(d->name, "replay") != NULL;
+    const char *eq = v ? strchr(v, '=') : NULL;
+    const char *ep = eq ? eq + 1 : NULL;
+    int ok = eq && eq > v &&
+             ((!strncmp(ep, "tcp://", 6) && strchr(ep + 6, ':')) ||
+              (!strncmp(ep, "ipc://", 6) && ep[6]));
+    if (!ok) {
+        flags_error(p,
+                    "%s '%s' is not accepted; give PREFILL_URL=tcp://HOST:PORT (the URL of a "
+                    "--prefill, then the ZMQ endpoint of its %s; ipc://PATH also works)",
+                    d->name, v ? v : "", replay ? "replay ROUTER" : "KV events publisher");
+        return -1;
+    }
+    int *cnt = replay ? &A.nrep : &A.nep;
+    if (*cnt >= POLICY_MAX_BACKENDS) {
+        flags_error(p, "at most %d %s flags", POLICY_MAX_BACKENDS, d->name);
+        return -1;
+    }
+    char *url = strndup(v, (size_t)(eq - v));
+    if (!url) return -1;
+    kv_route_endpoint *e = &(replay ? A.rep : A.ep)[(*cnt)++];
+    e->url = url;
+    e->endpoint = ep;
+    return 0;
+}
 
 /* --prefill URL [BOOTSTRAP]: BOOTSTRAP a port, "none" (the default port 8998, as vLLM's
  * MooncakeConnector proxy), host:port or http://host:port.  --decode URL [URL..]: one or more
@@ -89,8 +141,9 @@ static int toy_flag(flags_parser *p, const flag_def *d, const char *v) {
 
 static int policy_flag(flags_parser *p, const flag_def *d, const char *v) {
     if (!policy_parse(v, &A.cfg.policy)) return 0;
-    flags_error(p, "%s '%s' is not accepted; use least_loaded, round_robin, prefix or p2c", d->name,
-                v);
+    flags_error(p,
+                "%s '%s' is not accepted; use least_loaded, round_robin, prefix, p2c or kv_aware",
+                d->name, v);
     return -1;
 }
 
@@ -133,9 +186,37 @@ static const flag_def PROXY_FLAGS[] = {
      .help = "least_loaded (default: the least load, outstanding or published), round_robin, or "
              "prefix (prefills: prompts sharing their first bytes go to one prefill, bounded by "
              "load; decodes least_loaded), or p2c (the less loaded of two random instances: no "
-             "herding of several proxies on stale published load)"},
+             "herding of several proxies on stale published load), or kv_aware (prefills: the "
+             "one whose KV cache, as its KV events tell, holds the longest prefix of the prompt, "
+             "weighed against its queued tokens; needs --tokenizer)"},
     {FLAG_INT_("--prefix-bytes", &A.cfg.prefix_bytes, 1, 1 << 20),
      .help = "prompt bytes --policy prefix hashes (default 256)"},
+    {FLAG_STRING_("--tokenizer", &A.tokenizer), .aliases = "--kv-tokenizer-path",
+     .metavar = "DIR|ORG/NAME",
+     .help = "kv_aware: the instances' tokenizer (their MODEL or --tokenizer): prompts are "
+             "tokenized, and chats rendered, as they do"},
+    {FLAG_STRING_("--chat-template", &A.chat_template), .metavar = "FILE|TEMPLATE",
+     .help = "kv_aware: the instances' --chat-template, if they have one (default: the "
+             "tokenizer's)"},
+    {FLAG_CUSTOM_("--kv-events-endpoint", NULL, kv_endpoint_flag), .metavar = "URL=tcp://H:P",
+     .help = "kv_aware: the KV events publisher of the --prefill at URL (repeatable; default "
+             "tcp://<its host>:--kv-events-port)"},
+    {FLAG_INT_("--kv-events-port", &A.events_port, 1, 65535),
+     .help = "kv_aware: the publisher port of the prefills without --kv-events-endpoint "
+             "(default 5557, vLLM's)"},
+    {FLAG_CUSTOM_("--kv-events-replay-endpoint", NULL, kv_endpoint_flag),
+     .metavar = "URL=tcp://H:P",
+     .help = "kv_aware: the replay endpoint of the --prefill at URL, asked for missed events "
+             "(repeatable; default --kv-events-replay-port, else none: a gap drops the index)"},
+    {FLAG_INT_("--kv-events-replay-port", &A.replay_port, 1, 65535),
+     .help = "kv_aware: the replay port of the prefills without --kv-events-replay-endpoint"},
+    {FLAG_STRING_("--kv-events-topic-filter", &A.topic), .metavar = "T",
+     .help = "kv_aware: subscribe to KV event messages whose topic starts with T (default: all)"},
+    {FLAG_DOUBLE_("--kv-aware-load-weight", &A.load_weight, 0, 1e6), .metavar = "W",
+     .help = "kv_aware: cost = uncached prompt tokens + W x tokens queued on the prefill "
+             "(default 1; 0: the cache alone)"},
+    {FLAG_INT_("--kv-index-max-blocks", &A.max_blocks, 1, 1LL << 32),
+     .help = "kv_aware: blocks indexed per prefill at most (default 4194304)"},
     {FLAG_STRING_("--api-key", &A.cfg.api_key), .metavar = "KEY",
      .help = "clients must send 'Authorization: Bearer KEY' on /v1 paths (401 otherwise; /health "
              "and /metrics stay open) and it is sent upstream (default: no check, the client's "
@@ -180,7 +261,7 @@ static const flags_spec PROXY_SPEC = {
              "[--decode ...]\n"
              "       disagg proxy --discovery etcd://HOST:PORT[,HOST:PORT..]/PREFIX [options]\n"
              "                    [--host H] [--port N] [--policy "
-             "least_loaded|round_robin|prefix|p2c]\n"
+             "least_loaded|round_robin|prefix|p2c|kv_aware]\n"
              "                    [--api-key KEY]\n\n"
              "P/D router: sends each OpenAI request to a prefill instance (max_tokens 1) and, at\n"
              "the same time, to a decode instance, and relays the decode response.\n\n",
@@ -188,8 +269,104 @@ static const flags_spec PROXY_SPEC = {
     .help_col = 29,
 };
 
+/* Checks the kv_aware flags and loads the tokenizer into cfg->kv; 0, or 2 (usage error). */
+static int kv_setup(proxy_config *cfg, kv_route_config *kc, int discovery) {
+    const char *given = A.tokenizer          ? "--tokenizer"
+                        : A.chat_template    ? "--chat-template"
+                        : A.nep              ? "--kv-events-endpoint"
+                        : A.nrep             ? "--kv-events-replay-endpoint"
+                        : A.events_port > 0  ? "--kv-events-port"
+                        : A.replay_port > 0  ? "--kv-events-replay-port"
+                        : A.topic            ? "--kv-events-topic-filter"
+                        : A.load_weight >= 0 ? "--kv-aware-load-weight"
+                        : A.max_blocks       ? "--kv-index-max-blocks"
+                                             : NULL;
+    if (cfg->policy != POLICY_KV_AWARE) {
+        if (!given) return 0;
+        fprintf(stderr, "disagg proxy: %s is only used by --policy kv_aware (the policy is %s)\n",
+                given, policy_name(cfg->policy));
+        return 2;
+    }
+    if (!A.tokenizer) {
+        fprintf(stderr, "disagg proxy: --policy kv_aware needs --tokenizer DIR|ORG/NAME: the "
+                        "instances' tokenizer (their MODEL), to hash prompts as their prefix "
+                        "caches do\n");
+        return 2;
+    }
+    for (int r = 0; r < 2; r++) /* each URL names a --prefill (unless they come from etcd) */
+        for (int i = 0; i < (r ? A.nrep : A.nep) && !discovery; i++) {
+            const kv_route_endpoint *e = &(r ? A.rep : A.ep)[i];
+            char h[256], h2[256], err[300];
+            uint16_t port, port2;
+            int found = 0;
+            if (upstream_parse_url(e->url, h, sizeof h, &port, err, sizeof err)) {
+                fprintf(stderr, "disagg proxy: %s: %s\n",
+                        r ? "--kv-events-replay-endpoint" : "--kv-events-endpoint", err);
+                return 2;
+            }
+            for (int k = 0; k < cfg->nprefill && !found; k++)
+                found = !upstream_parse_url(cfg->prefill[k].url, h2, sizeof h2, &port2, err,
+                                            sizeof err) &&
+                        port == port2 && !strcmp(h, h2);
+            if (!found) {
+                fprintf(stderr, "disagg proxy: %s %s=%s: %s is not one of the --prefill URLs\n",
+                        r ? "--kv-events-replay-endpoint" : "--kv-events-endpoint", e->url,
+                        e->endpoint, e->url);
+                return 2;
+            }
+        }
+    static char dir[4096];
+    char err[1024];
+    if (hf_cache_resolve(A.tokenizer, dir, sizeof dir, err, sizeof err) ||
+        tokenizer_load(dir, &T.tok, err, sizeof err)) {
+        fprintf(stderr, "disagg proxy: --tokenizer %s: %s\n", A.tokenizer, err);
+        return 2;
+    }
+    char *tt = NULL;
+    if (A.chat_template) { /* as disagg serve: a file's contents, else the template itself */
+        tt = file_read_text(A.chat_template, 1 << 20);
+        if (!tt && !strpbrk(A.chat_template, "{}\n")) {
+            fprintf(stderr,
+                    "disagg proxy: --chat-template '%s' looks like a file path, but it cannot be "
+                    "opened (%s); accepted: a Jinja template file or the template text itself\n",
+                    A.chat_template, strerror(errno));
+            return 2;
+        }
+        if (!tt) tt = strdup(A.chat_template);
+    }
+    const char *text = tt ? tt : tokenizer_chat_template(T.tok);
+    if (text && chat_template_init(text, &T.ct, err, sizeof err)) {
+        if (tt) {
+            fprintf(stderr, "disagg proxy: --chat-template: %s\n", err);
+            free(tt);
+            return 2;
+        }
+        LOG_W("proxy",
+              "kv_aware: the tokenizer's chat template is not usable (%s): chat "
+              "requests are routed least_loaded",
+              err);
+    }
+    free(tt);
+    kv_route_config_default(kc);
+    kc->endpoints = A.ep;
+    kc->nendpoints = A.nep;
+    kc->replay = A.rep;
+    kc->nreplay = A.nrep;
+    if (A.events_port > 0) kc->events_port = A.events_port;
+    if (A.replay_port > 0) kc->replay_port = A.replay_port;
+    if (A.topic) kc->topic = A.topic;
+    if (A.load_weight >= 0) kc->load_weight = A.load_weight;
+    if (A.max_blocks) kc->max_blocks = (size_t)A.max_blocks;
+    kc->tokens = prompt_tokens;
+    kc->tokens_arg = &T;
+    cfg->kv = kc;
+    return 0;
+}
+
 int cmd_proxy(int argc, char **argv) {
     proxy_config_default(&A.cfg);
+    A.events_port = A.replay_port = -1;
+    A.load_weight = -1;
     A.cfg.prefill = A.pre;
     A.cfg.decode = A.dec;
     char alias_urls[2][POLICY_MAX_BACKENDS][300];
@@ -250,5 +427,11 @@ int cmd_proxy(int argc, char **argv) {
                 return 2;
             }
         }
-    return proxy_run(&cfg);
+    kv_route_config kc;
+    int krc = kv_setup(&cfg, &kc, disc.set);
+    if (krc) return krc;
+    int rc = proxy_run(&cfg);
+    chat_template_free(T.ct);
+    tokenizer_free(T.tok);
+    return rc;
 }

@@ -70,6 +70,8 @@ static void add(proxy *px, membership *m, int role, const discovery_instance *e)
         upstream_free(b);
         return;
     }
+    if (px->kv && kv_route_attach(px->kv, b, err, sizeof err))
+        LOG_W(MOD, "%s: no KV events, kv_aware routes it as holding nothing: %s", e->key, err);
     b->discovered = 1;
     snprintf(b->key, sizeof b->key, "%s", e->key);
     snprintf(b->group, sizeof b->group, "%s|%s", e->rec.model, e->rec.kv_layout);

@@ -16,6 +16,8 @@ int policy_parse(const char *s, policy_kind *out) {
         *out = POLICY_PREFIX;
     else if (!strcmp(s, "p2c"))
         *out = POLICY_P2C;
+    else if (!strcmp(s, "kv_aware"))
+        *out = POLICY_KV_AWARE;
     else
         return -EINVAL;
     return 0;
@@ -25,6 +27,7 @@ const char *policy_name(policy_kind k) {
     return k == POLICY_ROUND_ROBIN ? "round_robin"
            : k == POLICY_PREFIX    ? "prefix"
            : k == POLICY_P2C       ? "p2c"
+           : k == POLICY_KV_AWARE  ? "kv_aware"
                                    : "least_loaded";
 }
 
@@ -32,7 +35,7 @@ static int group_ok(const upstream *b, const policy_hint *h) {
     return !h || !h->group || !h->group[0] || !b->group[0] || !strcmp(h->group, b->group);
 }
 
-static int eligible(const upstream *b, uint64_t exclude, const policy_hint *h) {
+int policy_eligible(const upstream *b, uint64_t exclude, const policy_hint *h) {
     return b->active && b->ready && !b->retiring && !(exclude >> b->index & 1) &&
            (b->role == UPSTREAM_DECODE || b->nengines > 0) && group_ok(b, h);
 }
@@ -63,7 +66,7 @@ upstream *policy_pick(policy_kind k, upstream *list, int n, unsigned *rr, uint64
     if (k == POLICY_P2C) {
         int idx[POLICY_MAX_BACKENDS], m = 0;
         for (int i = 0; i < n && m < POLICY_MAX_BACKENDS; i++)
-            if (eligible(&list[i], exclude, hint)) idx[m++] = i;
+            if (policy_eligible(&list[i], exclude, hint)) idx[m++] = i;
         if (m == 0) return NULL;
         /* two distinct draws (one when only one is eligible); the proxy is one thread */
         static uint64_t state;
@@ -78,12 +81,12 @@ upstream *policy_pick(policy_kind k, upstream *list, int n, unsigned *rr, uint64
     } else if (k == POLICY_ROUND_ROBIN) {
         int total = 0;
         for (int i = 0; i < n; i++)
-            if (eligible(&list[i], exclude, hint)) total += slots(&list[i]);
+            if (policy_eligible(&list[i], exclude, hint)) total += slots(&list[i]);
         if (total == 0) return NULL;
         int pick = (int)(*rr % (unsigned)total);
         (*rr)++;
         for (int i = 0; i < n && !best; i++) {
-            if (!eligible(&list[i], exclude, hint)) continue;
+            if (!policy_eligible(&list[i], exclude, hint)) continue;
             if (pick < slots(&list[i])) {
                 best = &list[i];
                 rank_idx = pick;
@@ -96,7 +99,7 @@ upstream *policy_pick(policy_kind k, upstream *list, int n, unsigned *rr, uint64
         (*rr)++;
         for (int j = 0; j < n; j++) {
             upstream *b = &list[(start + (unsigned)j) % (unsigned)n];
-            if (eligible(b, exclude, hint) && (!best || policy_load(b) < policy_load(best)))
+            if (policy_eligible(b, exclude, hint) && (!best || policy_load(b) < policy_load(best)))
                 best = b;
         }
         if (!best) return NULL;
@@ -105,7 +108,7 @@ upstream *policy_pick(policy_kind k, upstream *list, int n, unsigned *rr, uint64
             uint64_t top = 0;
             for (int j = 0; j < n; j++) {
                 upstream *b = &list[j];
-                if (!eligible(b, exclude, hint)) continue;
+                if (!policy_eligible(b, exclude, hint)) continue;
                 uint64_t h = rng_mix64(hint->prefix_hash ^ policy_hash(b->url, strlen(b->url)));
                 if (!pref || h > top) pref = b, top = h;
             }

@@ -31,7 +31,8 @@ typedef enum policy_kind {
     POLICY_LEAST_LOADED = 0,
     POLICY_ROUND_ROBIN = 1,
     POLICY_PREFIX = 2,
-    POLICY_P2C = 3
+    POLICY_P2C = 3,
+    POLICY_KV_AWARE = 4 /* prefills by their KV caches (kv_route.c); here: least_loaded */
 } policy_kind;
 
 #define POLICY_MAX_BACKENDS 64  /* per role: the exclusion mask is 64 bits */
@@ -43,7 +44,7 @@ typedef struct policy_hint {
     const char *group;    /* only upstreams of this group ("" or NULL = any) */
 } policy_hint;
 
-/* "round_robin" | "least_loaded" | "prefix" | "p2c"; -EINVAL otherwise. */
+/* "round_robin" | "least_loaded" | "prefix" | "p2c" | "kv_aware"; -EINVAL otherwise. */
 int policy_parse(const char *s, policy_kind *out);
 const char *policy_name(policy_kind k);
 
@@ -52,6 +53,8 @@ const char *policy_name(policy_kind k);
  * the chosen dp rank's entry. */
 upstream *policy_pick(policy_kind k, upstream *list, int n, unsigned *rr, uint64_t exclude,
                       const policy_hint *hint, const pd_engine **engine);
+/* 1 when b may be chosen: ready, not excluded, of the hint's group. */
+int policy_eligible(const upstream *b, uint64_t exclude, const policy_hint *hint);
 /* The load policy_pick compares (see above). */
 double policy_load(const upstream *b);
 /* FNV-1a over n bytes (the prefix hash; never 0). */

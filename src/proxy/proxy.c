@@ -216,6 +216,7 @@ static void write_metrics(proxy *px, prom *o) {
         prom_histogram(o, &h, "phase", phases[i], NULL);
     }
     membership_write_metrics(px, o);
+    if (px->kv) kv_route_write_metrics(px->kv, px->prefill, px->nprefill, o);
 }
 
 /* ---- routing ---------------------------------------------------------- */
@@ -370,6 +371,10 @@ static void on_upstream_unresponsive(upstream *b, const char *why, void *arg) {
     if (b->role == UPSTREAM_PREFILL) relay_upstream_unresponsive(arg, b, why);
 }
 
+static void on_upstream_restart(upstream *b, const char *why, void *arg) {
+    kv_route_restarted(b, why);
+}
+
 static char *server_error_body(int status, const char *message) {
     return api_error_json(status, message);
 }
@@ -400,7 +405,16 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
     px->env.pool_keepalive_s = cfg->upstream_keepalive_s;
     px->env.probe_timeout_s = cfg->health_interval_s * 2 < 2 ? 2 : cfg->health_interval_s * 2;
     px->env.on_unresponsive = on_upstream_unresponsive;
+    px->env.on_restart = on_upstream_restart;
     px->env.cb_arg = px;
+    if (cfg->policy == POLICY_KV_AWARE) {
+        if (!cfg->kv) {
+            snprintf(err, errcap,
+                     "--policy kv_aware needs the instances' tokenizer: give --tokenizer");
+            goto fail;
+        }
+        if (!(px->kv = kv_route_new(base, cfg->kv, err, errcap))) goto fail;
+    }
     /* with discovery every slot exists from the start: relays point into these arrays */
     size_t np = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->nprefill;
     size_t nd = cfg->discovery ? POLICY_MAX_BACKENDS : (size_t)cfg->ndecode;
@@ -412,6 +426,7 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
                           cfg->prefill[i].bootstrap, &px->env, err, errcap))
             goto fail;
         px->nprefill++;
+        if (px->kv && kv_route_attach(px->kv, &px->prefill[i], err, errcap)) goto fail;
     }
     for (int i = 0; i < cfg->ndecode; i++) {
         if (upstream_init(&px->decode[i], UPSTREAM_DECODE, i, cfg->decode[i].url, NULL, &px->env,
@@ -459,6 +474,7 @@ void proxy_free(proxy *px) {
         upstream_free(&px->decode[i]);
     free(px->prefill);
     free(px->decode);
+    kv_route_free(px->kv); /* after the upstreams: their sockets are of its context */
     free(px);
 }
 

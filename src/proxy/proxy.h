@@ -9,6 +9,7 @@
 #define DISAGG_PROXY_PROXY_H
 
 #include "base/discovery.h"
+#include "proxy/kv_route.h"
 #include "proxy/policy.h"
 
 #include <stddef.h>
@@ -45,6 +46,7 @@ typedef struct proxy_config {
     int quiet;                 /* no start-up banner on stderr */
     const discovery_opts *discovery; /* --discovery: instances from etcd (NULL: none) */
     int prefix_bytes;                /* --policy prefix: prompt bytes hashed (256) */
+    const kv_route_config *kv;       /* --policy kv_aware: its settings (NULL otherwise) */
 } proxy_config;
 
 typedef struct proxy proxy;

@@ -53,6 +53,7 @@ struct proxy {
     upstream *decode;            /* (ndecode) */
     int ndecode;                 /* slots in use */
     membership *members;         /* --discovery (membership.c), or NULL */
+    kv_route *kv;                /* --policy kv_aware (kv_route.c), or NULL */
     unsigned rr_prefill;         /* round-robin cursor over prefill slots */
     unsigned rr_decode;          /* round-robin cursor over decode instances */
     struct event *probe_timer;   /* periodic health probes */

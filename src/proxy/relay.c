@@ -65,6 +65,8 @@ typedef struct relay {
     char p_ctype[128];                 /* its Content-Type */
     uint64_t p_tried;                  /* prefill upstreams that refused (bit = index) */
     uint64_t p_start_ns;               /* prefill dispatch time */
+    kv_route_req kv;                   /* kv_aware: the prompt's token ids and block hashes */
+    uint64_t p_kv_tokens;              /* kv_aware: its uncached tokens, on p's pending count */
     char *d_body;                      /* decode body (JSON text), NULL for passthrough GET */
     upstream *d;                       /* chosen decode */
     hc_req *d_req;                     /* decode request in flight */
@@ -96,6 +98,7 @@ static void relay_free(relay *r) {
     if (r->next) r->next->prev = r->prev;
     if (r->sse_tail) evbuffer_free(r->sse_tail);
     json_decref(r->body);
+    kv_route_req_free(&r->kv);
     free(r->p_body);
     free(r->d_body);
     if (r->p_err) evbuffer_free(r->p_err);
@@ -115,6 +118,8 @@ static double secs(uint64_t ns) {
 static void p_finish_metrics(relay *r, int failed) {
     upstream *p = r->p;
     p->outstanding--;
+    p->kv_pending_tokens -= r->p_kv_tokens;
+    r->p_kv_tokens = 0;
     metrics_hist_observe(&p->latency, secs(clock_now_ns() - r->p_start_ns));
     if (failed) p->errors++;
 }
@@ -363,8 +368,12 @@ static int send_pd(relay *r) {
     policy_hint hint = {0, NULL};
     if (px->cfg.policy == POLICY_PREFIX)
         hint.prefix_hash = pd_prefix_hash(r->body, (size_t)px->cfg.prefix_bytes);
-    upstream *p = policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill,
-                              r->p_tried, &hint, &eng);
+    uint64_t kv_tokens = 0;
+    upstream *p =
+        px->kv ? kv_route_pick(px->kv, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
+                               &hint, &eng, &r->kv, r->body, hs_req_path(r->client), &kv_tokens)
+               : policy_pick(px->cfg.policy, px->prefill, px->nprefill, &px->rr_prefill, r->p_tried,
+                             &hint, &eng);
     if (!p) {
         char msg[1024];
         tried_message(msg, sizeof msg, "prefill", px->prefill, px->nprefill, r->p_tried);
@@ -411,6 +420,8 @@ static int send_pd(relay *r) {
     }
     p->outstanding++;
     p->requests++;
+    r->p_kv_tokens = px->kv ? kv_tokens : 0;
+    p->kv_pending_tokens += r->p_kv_tokens;
     LOG_D(MOD, "request %s: %s to prefill %s dp rank %d, transfer_id %s", r->request_id,
           hs_req_path(r->client), p->url, r->p_rank, r->transfer_id);
     return send_decode(r);

@@ -2,6 +2,8 @@
 #include "proxy/upstream.h"
 
 #include "base/log.h"
+#include "proxy/kv_index.h"
+#include "proxy/kv_subscriber.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -141,6 +143,8 @@ void upstream_free(upstream *b) {
     hc_pool_free(b->bootstrap_pool);
     if (b->probe_body) evbuffer_free(b->probe_body);
     pd_engines_free(b->engines, b->nengines);
+    kv_subscriber_free(b->kvsub);
+    kv_index_free(b->kv);
     memset(b, 0, sizeof *b);
 }
 
@@ -232,6 +236,18 @@ static void probe_done(hc_req *r, int err, void *arg) {
     pd_engines_free(b->engines, b->nengines);
     b->engines = rows;
     b->nengines = n;
+    char seen[sizeof b->engines_seen];
+    size_t off = 0;
+    seen[0] = 0;
+    for (int i = 0; i < n && off < sizeof seen; i++)
+        off += (size_t)snprintf(seen + off, sizeof seen - off, "%s%s", i ? "," : "",
+                                rows[i].engine_id);
+    if (b->engines_seen[0] && strcmp(seen, b->engines_seen) && b->env->on_restart) {
+        char w[600];
+        snprintf(w, sizeof w, "engine %.250s after %.250s", seen, b->engines_seen);
+        b->env->on_restart(b, w, b->env->cb_arg);
+    }
+    snprintf(b->engines_seen, sizeof b->engines_seen, "%s", seen);
     for (int i = 0; i < n; i++)
         LOG_I(MOD, "prefill %s dp rank %d: engine_id %s (tp %d)", b->url, rows[i].dp_rank,
               rows[i].engine_id, rows[i].tp_size);

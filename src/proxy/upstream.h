@@ -38,7 +38,9 @@ typedef struct upstream_env {
     /* called (why: the last probe's failure) each time a upstream's probes
      * have got no answer UPSTREAM_HUNG_MISSES times or more in a row */
     void (*on_unresponsive)(struct upstream *b, const char *why, void *arg);
-    void *cb_arg; /* its argument */
+    /* called when a prefill's engine ids differ from those it had before (a restart) */
+    void (*on_restart)(struct upstream *b, const char *why, void *arg);
+    void *cb_arg; /* their argument */
 } upstream_env;
 
 typedef struct upstream {
@@ -82,6 +84,11 @@ typedef struct upstream {
     int pub_running;      /* published running requests */
     int pub_waiting;      /* published waiting requests */
     double pub_kv_usage;  /* published KV cache usage 0..1 */
+    /* --policy kv_aware (kv_route.c), prefills only */
+    struct kv_index *kv;         /* what its KV cache holds, from its KV events (or NULL) */
+    struct kv_subscriber *kvsub; /* the subscription feeding kv */
+    uint64_t kv_pending_tokens;  /* uncached prompt tokens of this proxy's prefills on it */
+    char engines_seen[256];      /* engine ids of its last /query: a change is a restart */
 } upstream;
 
 /* Parses "http://host[:port][/]" or "host:port" into host/port; -EINVAL with

@@ -11,6 +11,7 @@
 #include "server/gen.h"
 #include "server/reasoning.h"
 #include "server/tool_parser.h"
+#include "model/prompt_ids.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -178,29 +179,9 @@ int server_chat_render_ids(server *s, const json_t *messages, const json_t *tool
                       "chat is unavailable for this model: %s; use /v1/completions", s->tmpl_error);
         return -1;
     }
-    /* bos_token / eos_token as the tokenizer names them (Llama 3 and Mistral print them) */
-    char *bos = NULL;
-    int32_t bos_id = tokenizer_bos_id(s->tok);
     char msg[512] = "";
-    size_t bos_len = 0;
-    if (bos_id >= 0 && tokenizer_decode(s->tok, &bos_id, 1, false, &bos, &bos_len, msg, sizeof msg))
-        bos = NULL;
-    chat_template_opts opts = {.add_generation_prompt = add_generation_prompt,
-                               .parse_tool_arguments = true,
-                               .kwargs = kwargs,
-                               .bos_token = bos,
-                               .eos_token = tokenizer_eos_token(s->tok)};
-    char *text = NULL;
-    size_t len = 0;
-    int rrc = chat_template_render(s->tmpl, messages, tools, &opts, &text, &len, msg, sizeof msg);
-    free(bos);
-    if (rrc) {
-        oai_error_set(err, 400, "BadRequestError", "messages", "%s", msg);
-        return -1;
-    }
-    int rc = tokenizer_encode(s->tok, text, len, add_special, ids, n, msg, sizeof msg);
-    free(text);
-    if (rc) {
+    if (prompt_ids_chat(s->tok, s->tmpl, messages, tools, kwargs, add_generation_prompt,
+                        add_special, ids, n, msg, sizeof msg)) {
         oai_error_set(err, 400, "BadRequestError", "messages", "%s", msg);
         return -1;
     }

@@ -110,6 +110,16 @@ static void handle_metrics(server *s, hs_req *req) {
         prom_sample_u64(&p, st.first_token_refused, "outcome", "refused", NULL);
         rc = prom_error(&p);
     }
+    if (!rc && s->kvev) { /* --kv-events-config: what a subscriber should have received */
+        uint64_t sent, dropped;
+        kv_events_publisher_counts(s->kvev, &sent, &dropped);
+        prom_set_style(&p, PROM_STYLE_INT);
+        prom_family(&p, "disagg:kv_events_batches", PROM_COUNTER,
+                    "KV event batches published on the ZMQ socket, or dropped (queue full).");
+        prom_sample_u64(&p, sent, "outcome", "published", NULL);
+        prom_sample_u64(&p, dropped, "outcome", "dropped", NULL);
+        rc = prom_error(&p);
+    }
     if (rc) LOG_E("server", "/metrics: %s", strerror(-rc));
     server_reply_text(req, rc ? 500 : 200, "text/plain; version=0.0.4; charset=utf-8",
                       rc ? "" : prom_text(&p), rc ? 0 : p.len);
