@@ -94,7 +94,8 @@ static void f8_plan_clear(f8_plan *p) {
 /* the plan of a shape (NULL: none; cuBLASLt refused it).  Plans are per process: cuBLASLt
  * handles of one device share them (descriptors are handle-independent; the algorithm was
  * found on that device kind) */
-static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind) {
+static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind, const float *sw,
+                            const float *sx) {
     for (int i = 0; i < F8_PLANS; i++) {
         f8_plan *p = &g_f8_plans[i];
         if (p->valid && p->T == T && p->N == N && p->K == K && p->kind == kind)
@@ -115,6 +116,14 @@ static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind) {
         if (s == CUBLAS_STATUS_SUCCESS)
             s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode,
                                                sizeof mode);
+        /* the vector scales' pointers before the heuristic query: with them unset (NULL)
+         * the H200 run of 3 December refused every shape (status 7, invalid value) */
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw,
+                                               sizeof sw);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx,
+                                               sizeof sx);
         if (s != CUBLAS_STATUS_SUCCESS) cublasLtMatmulDescDestroy(p->op);
     }
     if (s != CUBLAS_STATUS_SUCCESS) {
@@ -163,7 +172,7 @@ int fp8_gemm(dcu_ctx *c, void *y, int kind, const uint8_t *xq, const float *sx,
     if (T <= 0) return 0;
     if (!fp8_gemm_ok(T, N, K) || kind < 0 || kind > 2) return -ENOTSUP;
     pthread_mutex_lock(&g_f8_mu);
-    f8_plan *p = f8_plan_get(c, T, N, K, kind);
+    f8_plan *p = f8_plan_get(c, T, N, K, kind, sw, sx);
     cublasStatus_t s = CUBLAS_STATUS_NOT_SUPPORTED;
     if (p) {
         cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw,
