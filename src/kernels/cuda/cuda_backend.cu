@@ -763,7 +763,10 @@ static void *cb_scratch(cb_stream *s, int i, size_t bytes);
 static int cb_f8_gemm(cb_stream *s, void *y, int kind, const void *x, const backend_wscale *ws,
                       const void *w, int T, int N, int K) {
     const float *sw = cb_f8_rowscale(ws, N, K);
-    if (s->inv || !s->c->fp8_gemm || !sw || !fp8_gemm_ok(T, N, K) ||
+    /* per-tensor scales only: on the H200 (3 December) per-tensor matched the W8A8 emulation
+     * to 1e-4 while per-channel rows came out wrong (cuBLASLt's A vector not applied as we
+     * read its documentation; not yet understood) */
+    if (s->inv || !s->c->fp8_gemm || !sw || ws->block_n < N || !fp8_gemm_ok(T, N, K) ||
         (((uintptr_t)x | (uintptr_t)w) & 15))
         return -ENOTSUP;
     size_t qb = ((size_t)T * K + 255) & ~(size_t)255;

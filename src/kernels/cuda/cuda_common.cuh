@@ -85,8 +85,9 @@ struct dcu_ctx {
     int last_err;
     int fp8_gemv_max_t; /* FP8 GEMMs of T <= this on the FP8 GEMV (DISAGG_CUDA_FP8_GEMV=0..8,
                            default 8; larger T: cuBLASLt bf16 on the twin) */
-    int fp8_gemm;       /* FP8 weights at larger T on the e4m3 tensor cores (cuda_gemm_fp8.cu;
-                           DISAGG_CUDA_FP8_GEMM=0: the bf16 twin) */
+    int fp8_gemm;       /* FP8 weights of per-tensor scales at larger T on the e4m3 tensor cores
+                           (cuda_gemm_fp8.cu; opt-in: DISAGG_CUDA_FP8_GEMM=1; default the
+                           bf16 twin) */
     int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
                        T through cuBLASLt; at T = 2 cuBLASLt measured faster) */
     int pdl;        /* programmatic dependent launch of the decode kernels (default on;
