@@ -746,6 +746,15 @@ static int cb_f8_gemv(const cb_stream *s, int T, int K, const backend_wscale *ws
     return !s->inv && ws->s && T <= s->c->fp8_gemv_max_t && gemv_f8_ok(T, K, ws->block_k, x, w);
 }
 
+/* DISAGG_CUDA_PROF: a matrix op's mark, named "what NxK suffix", reading bytes */
+static void cb_prof_mat(cb_stream *s, const char *what, const char *suffix, int N, int K,
+                        double bytes) {
+    if (!s->prof || !s->prof->on) return;
+    char nm[64];
+    snprintf(nm, sizeof nm, "%s %dx%d%s", what, N, K, suffix);
+    prof_mark(s, nm, bytes);
+}
+
 /* the one-scale-a-row vector cb_weights_load_fp8 placed after the scales (NULL: the scale
  * blocks split rows, e.g. 128 x 128) */
 static const float *cb_f8_rowscale(const backend_wscale *ws, int N, int K) {
@@ -775,11 +784,7 @@ static int cb_f8_gemm(cb_stream *s, void *y, int kind, const void *x, const back
     int rc = fp8_act_quant(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K);
     if (rc) return rc;
     rc = fp8_gemm(s->c, y, kind, (const uint8_t *)scr, (const float *)(scr + qb), w, sw, T, N, K);
-    if (!rc && s->prof && s->prof->on) {
-        char nm[48];
-        snprintf(nm, sizeof nm, "fp8 gemm %dx%d%s", N, K, kind == 1 ? " (+= residual)" : "");
-        prof_mark(s, nm, (double)N * K);
-    }
+    if (!rc) cb_prof_mat(s, "fp8 gemm", kind == 1 ? " (+= residual)" : "", N, K, (double)N * K);
     return rc;
 }
 
@@ -830,11 +835,7 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
             dcu_f8scale f8 = {o->w_scale.s, o->w_scale.block_n, o->w_scale.block_k};
             int rc = gemv_f8(s->c, (float *)o->y, xb, o->w, &f8, o->bias, o->T, o->N, o->K);
             if (rc) return rc;
-            if (s->prof && s->prof->on) {
-                char nm[48];
-                snprintf(nm, sizeof nm, "fp8 gemv %dx%d", o->N, o->K);
-                prof_mark(s, nm, (double)o->N * o->K);
-            }
+            cb_prof_mat(s, "fp8 gemv", "", o->N, o->K, (double)o->N * o->K);
             continue;
         }
         if (fp8 && (!o->w_scale.twin || (!s->inv && o->T <= s->c->fp8_gemv_max_t &&
@@ -846,11 +847,7 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
                                   o->w_scale.block_n, o->w_scale.block_k, o->bias, nt, o->N, o->K);
                 if (rc) return rc;
             }
-            if (s->prof && s->prof->on) {
-                char nm[48];
-                snprintf(nm, sizeof nm, "fp8 gemv %dx%d", o->N, o->K);
-                prof_mark(s, nm, (double)o->N * o->K);
-            }
+            cb_prof_mat(s, "fp8 gemv", "", o->N, o->K, (double)o->N * o->K);
             continue;
         }
         const void *wb = fp8 ? o->w_scale.twin : o->w;
