@@ -121,6 +121,8 @@ typedef struct sb_run {
     int *ready;    /* requests ready to go (a FIFO, n_reqs slots) */
     int ready_head, ready_tail;
     int in_flight, done;
+    int p_in_flight;     /* P/D: prefill requests not answered yet (the run waits for them) */
+    int p_grace;         /* ... and the 30 s it waits for them at the end has begun */
     double t0;           /* benchmark start */
     struct event *timer; /* next arrival */
     double *arrival;     /* (n_items) offsets of the items' first turns */
@@ -327,10 +329,24 @@ static void sb_progress(sb_run *run) {
     if (done == n) fputc('\n', stderr);
 }
 
+/* The run ends when every request is done and every prefill answered: a decoder can
+ * finish a request before its prefill's answer reaches us (the KV and the first token come
+ * over the side channel), and that answer is counted too. */
+static void sb_maybe_end(sb_run *run) {
+    if (run->done < run->n_reqs) return;
+    if (run->p_in_flight == 0) {
+        event_base_loopexit(run->base, NULL);
+    } else if (!run->p_grace) { /* a prefill that never answers: not past 30 s more */
+        struct timeval tv = {30, 0};
+        run->p_grace = 1;
+        event_base_loopexit(run->base, &tv);
+    }
+}
+
 static void sb_finish(sb_run *run) {
     run->done++;
     sb_progress(run);
-    if (run->done == run->n_reqs) event_base_loopexit(run->base, NULL);
+    sb_maybe_end(run);
 }
 
 static void sb_push_ready(sb_run *run, int i) {
@@ -389,6 +405,8 @@ static void sb_on_p_done(hc_req *r, int err, void *arg) {
     q->p_req = NULL;
     q->t_p_end = now_s();
     if (err) q->p_status = 0; /* no (whole) answer */
+    q->run->p_in_flight--;
+    sb_maybe_end(q->run);
 }
 
 /* Every request may take an hour (a long run at a high rate queues on the server). */
@@ -406,7 +424,10 @@ static void sb_send_prefill(sb_run *run, sb_req *q) {
     static const hc_callbacks cb = {sb_on_p_head, NULL, sb_on_p_done};
     q->p_req = hc_request(run->p_pool, "POST", q->path, "Content-Type: application/json\r\n",
                           q->p_body, strlen(q->p_body), &SB_TIMEOUTS, &cb, q);
-    if (!q->p_req) q->t_p_end = now_s(); /* out of memory: p_status stays 0, a failure */
+    if (!q->p_req)
+        q->t_p_end = now_s(); /* out of memory: p_status stays 0, a failure */
+    else
+        run->p_in_flight++;
 }
 
 static void sb_send(sb_run *run, sb_req *q) {
