@@ -18,4 +18,13 @@ void curl_glue_init(void);
  * none).  NULL when libcurl is out of memory. */
 CURL *curl_glue_easy(const char *url, long connect_timeout_ms, long timeout_ms);
 
+/* curl_glue_easy, but from the handles given back (curl_easy_reset, then the same
+ * options) when there is one: its idle kept-alive connections come with it, so a request
+ * to a server asked before skips the TCP handshake.  Give it back with curl_glue_give
+ * (not curl_easy_cleanup) after the transfer; one thread uses a handle at a time. */
+CURL *curl_glue_take(const char *url, long connect_timeout_ms, long timeout_ms);
+/* A handle from curl_glue_take or curl_glue_easy, kept for the next curl_glue_take (a few
+ * are kept; past them it is cleaned up).  NULL is ignored. */
+void curl_glue_give(CURL *h);
+
 #endif

@@ -170,6 +170,57 @@ static void test_pull_continue_finish(void **state) {
     assert_int_equal(atomic_load(&g_live_jobs), 0);
 }
 
+/* A finished pull leaves its connection for the next pull to the same producer: twenty pulls
+ * in turn use one; a pull that ended without the final reply does not leave its connection;
+ * a producer that stopped and started again on the same port is reached on a new one. */
+static void test_pull_connections_are_reused(void **state) {
+    (void)state;
+    producer p = {0};
+    char ep[64], err[256];
+    side_channel_server *s = start(&p, ep, sizeof ep);
+    int64_t ids[] = {1};
+    side_channel_block_group g = {ids, 1};
+    side_channel_req_blocks req = {"a", "xa", &g, 1};
+    side_channel_pull pull = make_pull(&req, 1);
+    assert_int_equal(side_channel_idle_pull_connections(ep), 0);
+    for (int round = 0; round < 20; round++) {
+        collected c = {0};
+        assert_int_equal(side_channel_pull_run(ep, &pull, 5.0, NULL, collect, &c, err, sizeof err),
+                         0);
+        assert_int_equal(c.status[c.n - 1], SIDE_CHANNEL_FINISH);
+        assert_int_equal(side_channel_idle_pull_connections(ep), 1);
+    }
+    /* the producer goes away and a new one takes its port: the kept connection saw the
+     * disconnect and is not used; the pull goes over a new one */
+    uint16_t port = side_channel_server_port(s);
+    side_channel_server_stop(s);
+    for (int i = 0; i < 100 && atomic_load(&g_live_jobs) > 0; i++)
+        usleep(10000);
+    usleep(100000); /* the disconnect reaches the kept connection's monitor */
+    producer p2 = {0};
+    pthread_mutex_init(&p2.mu, NULL);
+    side_channel_server *s2;
+    assert_int_equal(side_channel_server_start("127.0.0.1", port, on_pull, &p2, &s2, err, sizeof err),
+                     0);
+    collected c = {0};
+    assert_int_equal(side_channel_pull_run(ep, &pull, 5.0, NULL, collect, &c, err, sizeof err), 0);
+    assert_int_equal(c.status[c.n - 1], SIDE_CHANNEL_FINISH);
+    assert_int_equal(side_channel_idle_pull_connections(ep), 1);
+    /* a pull that times out (the producer holds it) closes its connection */
+    p2.mode = 1;
+    memset(&c, 0, sizeof c);
+    assert_int_equal(side_channel_pull_run(ep, &pull, 0.2, NULL, collect, &c, err, sizeof err),
+                     SIDE_CHANNEL_ETIMEDOUT);
+    assert_int_equal(side_channel_idle_pull_connections(ep), 0);
+    side_channel_server_stop(s2);
+    side_channel_reply fin = {.status = SIDE_CHANNEL_ERROR, .err_msg = "stopped"};
+    side_channel_call_reply(p2.held, &fin);
+    side_channel_pull_release(p2.held_pull);
+    for (int i = 0; i < 100 && atomic_load(&g_live_jobs) > 0; i++)
+        usleep(10000);
+    assert_int_equal(atomic_load(&g_live_jobs), 0);
+}
+
 /* Raw DEALER exchange: send frames, return the one reply decoded. */
 static void raw_exchange(const char *ep, const void *const *frames, const size_t *lens, int n,
                          side_channel_reply *out) {
@@ -794,6 +845,7 @@ static void test_auth_cancel(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pull_continue_finish),
+        cmocka_unit_test(test_pull_connections_are_reused),
         cmocka_unit_test(test_bad_pulls_get_error_replies),
         cmocka_unit_test(test_timeout_cancel_and_reply_after_stop),
         cmocka_unit_test(test_python_dealer_against_our_router),

@@ -112,16 +112,14 @@ int bootstrap_auth_header(const char *secret, long long ts, const char *body, si
  * secret: sign the POST body (a fresh timestamp per attempt). */
 static CURLcode attempt(const char *url, const char *post_body, const char *secret,
                         double timeout_s, long *status, resp_buf *body) {
-    CURL *h = curl_easy_init();
-    if (!h) return CURLE_OUT_OF_MEMORY;
-    struct curl_slist *hdr = NULL;
     long ms = (long)(timeout_s * 1000.0);
     if (ms < 1) ms = 1;
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    /* a kept handle: D's lookup per request reuses its connection to the producer's
+     * bootstrap server (no TCP handshake; the server keeps connections alive) */
+    CURL *h = curl_glue_take(url, ms, ms);
+    if (!h) return CURLE_OUT_OF_MEMORY;
+    struct curl_slist *hdr = NULL;
     curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, ms);
-    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, ms);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_body);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, body);
     if (post_body) {
@@ -136,7 +134,7 @@ static CURLcode attempt(const char *url, const char *post_body, const char *secr
     CURLcode c = curl_easy_perform(h);
     if (c == CURLE_OK) curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, status);
     curl_slist_free_all(hdr);
-    curl_easy_cleanup(h);
+    curl_glue_give(h);
     return c;
 }
 

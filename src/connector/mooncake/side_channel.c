@@ -874,6 +874,104 @@ static int cancel_and_wait_ack(void *d, void *mon, const side_channel_pull *pull
     }
 }
 
+/* ---- idle pull connections ------------------------------------------------ */
+
+/* A pull's DEALER (with its monitor), connected to one producer's side channel, is kept
+ * after a pull that ended on the producer's final reply, so that the next pull to the same
+ * endpoint skips the socket set-up and the connection's handshake (TCP, then the ZMTP
+ * greeting: two round trips, most of a small pull's latency on one host).  One pull uses it
+ * at a time.  It is closed instead when its monitor saw the connection go while it was idle,
+ * when a message waits on it that nobody asked for, after DEALER_IDLE_NS idle, or when
+ * DEALER_POOL others are kept.  vLLM's decoder opens a socket per pull; a producer sees no
+ * difference beyond a connection that outlives a pull (its ROUTER serves any peer). */
+#define DEALER_POOL    32
+#define DEALER_IDLE_NS (30 * NS_PER_S)
+
+typedef struct idle_dealer {
+    char ep[192];
+    void *d, *mon;
+    uint64_t since;
+} idle_dealer;
+
+static pthread_mutex_t g_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static idle_dealer g_pool[DEALER_POOL];
+static int g_pool_n;
+
+static void dealer_close(void *d, void *mon) {
+    if (mon) {
+        zmq_socket_monitor(d, NULL, 0);
+        zmq_close(mon);
+    }
+    zmq_close(d);
+}
+
+/* An idle DEALER for endpoint (1, taken out of the pool), or 0; expired ones are closed. */
+static int dealer_take(const char *endpoint, void **d, void **mon) {
+    uint64_t now = clock_now_ns();
+    idle_dealer drop[DEALER_POOL];
+    int nd = 0, found = 0;
+    pthread_mutex_lock(&g_pool_mu);
+    for (int i = g_pool_n - 1; i >= 0; i--) { /* newest last: the newest match is taken */
+        idle_dealer *e = &g_pool[i];
+        int expired = now - e->since > DEALER_IDLE_NS;
+        if (!expired && (found || strcmp(e->ep, endpoint))) continue;
+        if (expired) {
+            drop[nd++] = *e;
+        } else {
+            *d = e->d, *mon = e->mon;
+            found = 1;
+        }
+        memmove(e, e + 1, sizeof *e * (size_t)(g_pool_n - 1 - i));
+        g_pool_n--;
+    }
+    pthread_mutex_unlock(&g_pool_mu);
+    for (int i = 0; i < nd; i++)
+        dealer_close(drop[i].d, drop[i].mon);
+    return found;
+}
+
+/* Whether an idle DEALER can carry a pull: no message waits on it and its monitor saw
+ * nothing but connections since it was put back. */
+static int dealer_still_good(void *d, void *mon) {
+    for (;;) {
+        zmq_pollitem_t it[2] = {{d, 0, ZMQ_POLLIN, 0}, {mon, 0, ZMQ_POLLIN, 0}};
+        int n = zmq_poll(it, 2, 0);
+        if (n < 0) return 0;
+        if (n == 0) return 1;
+        if (it[0].revents & ZMQ_POLLIN) return 0;
+        if (monitor_event(mon) != ZMQ_EVENT_CONNECTED) return 0;
+    }
+}
+
+static void dealer_put(const char *endpoint, void *d, void *mon) {
+    idle_dealer old = {0};
+    if (strlen(endpoint) >= sizeof old.ep) {
+        dealer_close(d, mon);
+        return;
+    }
+    pthread_mutex_lock(&g_pool_mu);
+    if (g_pool_n == DEALER_POOL) { /* full: the oldest goes */
+        old = g_pool[0];
+        memmove(g_pool, g_pool + 1, sizeof *g_pool * (DEALER_POOL - 1));
+        g_pool_n--;
+    }
+    idle_dealer *e = &g_pool[g_pool_n++];
+    snprintf(e->ep, sizeof e->ep, "%s", endpoint);
+    e->d = d, e->mon = mon;
+    e->since = clock_now_ns();
+    pthread_mutex_unlock(&g_pool_mu);
+    if (old.d) dealer_close(old.d, old.mon);
+}
+
+int side_channel_idle_pull_connections(const char *endpoint) {
+    int n = 0;
+    pthread_mutex_lock(&g_pool_mu);
+    for (int i = 0; i < g_pool_n; i++)
+        n += !strcmp(g_pool[i].ep, endpoint);
+    pthread_mutex_unlock(&g_pool_mu);
+    return n;
+}
+
 int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull,
                              const char *secret, double recv_timeout_s, const atomic_int *cancel,
                              double ack_timeout_s, int *acked, side_channel_reply_fn fn, void *ud,
@@ -896,43 +994,58 @@ int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull
                  "side channel: cannot authenticate the pull (no randomness or HMAC)");
         return SIDE_CHANNEL_EIO;
     }
-    void *d = zmq_socket(zctx(), ZMQ_DEALER);
-    if (!d) {
-        free(buf);
-        snprintf(err, err_cap, "side channel: zmq_socket: %s", zmq_strerror(zmq_errno()));
-        return SIDE_CHANNEL_EIO;
-    }
-    int linger = 0, one = 1, snd_ms = recv_timeout_s > 0 ? (int)(recv_timeout_s * 1000) : 1000;
-    int64_t maxmsg = HARD_MAX_MSG;
-    zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
-    zmq_setsockopt(d, ZMQ_SNDTIMEO, &snd_ms, sizeof snd_ms);
-    int conn_ms = 10000; /* a connect that hangs (dropped SYNs) ends in a retry: see below */
-    zmq_setsockopt(d, ZMQ_CONNECT_TIMEOUT, &conn_ms, sizeof conn_ms);
-    if (endpoint && strchr(endpoint, '[')) zmq_setsockopt(d, ZMQ_IPV6, &one, sizeof one);
-    /* Watch the connection: a producer that dies (or drops the connection)
-     * after taking the pull can never answer it (its ROUTER forgot this
-     * peer), so its disconnect fails the pull now instead of at the timeout. */
-    static atomic_uint mon_seq;
-    char mon_ep[64];
-    snprintf(mon_ep, sizeof mon_ep, "inproc://side-channel-pull-%u", atomic_fetch_add(&mon_seq, 1));
-    void *mon = NULL;
-    if (zmq_socket_monitor(d, mon_ep,
-                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED |
-                               ZMQ_EVENT_CONNECT_RETRIED) == 0) {
-        mon = zmq_socket(zctx(), ZMQ_PAIR);
-        if (mon && zmq_connect(mon, mon_ep) != 0) {
-            zmq_close(mon);
-            mon = NULL;
+    void *d = NULL, *mon = NULL;
+    int connected = 0, reusable = 0;
+    while (endpoint && dealer_take(endpoint, &d, &mon)) {
+        if (dealer_still_good(d, mon)) {
+            connected = 1; /* its CONNECTED event came during an earlier pull */
+            break;
         }
+        dealer_close(d, mon);
+        d = mon = NULL;
     }
-    int connected = 0;
-    if (!endpoint || zmq_connect(d, endpoint) != 0) {
-        snprintf(err, err_cap,
-                 "side channel: endpoint '%s' is not accepted (%s); accepted: \"tcp://host:port\"",
-                 endpoint ? endpoint : "(null)", zmq_strerror(zmq_errno()));
-        rc = SIDE_CHANNEL_EINVAL;
-        goto out;
+    int snd_ms = recv_timeout_s > 0 ? (int)(recv_timeout_s * 1000) : 1000;
+    if (d) {
+        zmq_setsockopt(d, ZMQ_SNDTIMEO, &snd_ms, sizeof snd_ms);
+    } else {
+        d = zmq_socket(zctx(), ZMQ_DEALER);
+        if (!d) {
+            free(buf);
+            snprintf(err, err_cap, "side channel: zmq_socket: %s", zmq_strerror(zmq_errno()));
+            return SIDE_CHANNEL_EIO;
+        }
+        int linger = 0, one = 1;
+        int64_t maxmsg = HARD_MAX_MSG;
+        zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+        zmq_setsockopt(d, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+        zmq_setsockopt(d, ZMQ_SNDTIMEO, &snd_ms, sizeof snd_ms);
+        int conn_ms = 10000; /* a connect that hangs (dropped SYNs) ends in a retry: see below */
+        zmq_setsockopt(d, ZMQ_CONNECT_TIMEOUT, &conn_ms, sizeof conn_ms);
+        if (endpoint && strchr(endpoint, '[')) zmq_setsockopt(d, ZMQ_IPV6, &one, sizeof one);
+        /* Watch the connection: a producer that dies (or drops the connection)
+         * after taking the pull can never answer it (its ROUTER forgot this
+         * peer), so its disconnect fails the pull now instead of at the timeout. */
+        static atomic_uint mon_seq;
+        char mon_ep[64];
+        snprintf(mon_ep, sizeof mon_ep, "inproc://side-channel-pull-%u",
+                 atomic_fetch_add(&mon_seq, 1));
+        if (zmq_socket_monitor(d, mon_ep,
+                               ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED |
+                                   ZMQ_EVENT_CONNECT_RETRIED) == 0) {
+            mon = zmq_socket(zctx(), ZMQ_PAIR);
+            if (mon && zmq_connect(mon, mon_ep) != 0) {
+                zmq_close(mon);
+                mon = NULL;
+            }
+        }
+        if (!endpoint || zmq_connect(d, endpoint) != 0) {
+            snprintf(err, err_cap,
+                     "side channel: endpoint '%s' is not accepted (%s); accepted: "
+                     "\"tcp://host:port\"",
+                     endpoint ? endpoint : "(null)", zmq_strerror(zmq_errno()));
+            rc = SIDE_CHANNEL_EINVAL;
+            goto out;
+        }
     }
     if (zmq_send(d, buf, len, secret ? ZMQ_SNDMORE : 0) < 0 ||
         (secret && zmq_send(d, af, sizeof af, 0) < 0)) {
@@ -1007,16 +1120,16 @@ int side_channel_pull_run_ex(const char *endpoint, const side_channel_pull *pull
         side_channel_reply_free(&r);
         if (stop || final) {
             rc = 0;
+            reusable = final; /* nothing more comes on it for this pull */
             break;
         }
         deadline = clock_now_ns() + timeout_ns; /* the timeout is per reply */
     }
 out:
-    if (mon) {
-        zmq_socket_monitor(d, NULL, 0);
-        zmq_close(mon);
-    }
-    zmq_close(d);
+    if (reusable && mon && endpoint)
+        dealer_put(endpoint, d, mon);
+    else
+        dealer_close(d, mon);
     free(buf);
     return rc;
 }

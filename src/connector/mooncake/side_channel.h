@@ -145,6 +145,12 @@ int side_channel_pull_run_auth(const char *endpoint, const side_channel_pull *pu
                                const char *secret, double recv_timeout_s, const atomic_int *cancel,
                                side_channel_reply_fn fn, void *ud, char *err, size_t err_cap);
 
+/* A pull that ended on the producer's final reply leaves its connection (a DEALER) open
+ * for the next pull to the same endpoint, which then skips the connection's set-up; idle
+ * ones are closed after 30 s, when the producer closes them, or beyond 32 kept.  How many
+ * are kept idle for endpoint now. */
+int side_channel_idle_pull_connections(const char *endpoint);
+
 /* Values of the cancel flag for side_channel_pull_run_ex. */
 #define SIDE_CHANNEL_CANCEL_ASK  1 /* tell the producer and wait for its acknowledgement */
 #define SIDE_CHANNEL_CANCEL_DROP 2 /* just stop (the producer is unreachable) */
