@@ -15,7 +15,7 @@ greedy output through the streaming stack equals the whole-request stack's token
 Then `disagg bench serve` (random ~4,000-token prompts, 4 tokens out, concurrency 1, 8
 requests after 2 warm-ups) against colocated and each stack, printed as a table with
 P/D - colocated and the targets (cuda_ipc streaming <= +1 ms, staged tcp streaming <= +6 ms;
-reported, not pass/fail).
+reported, not pass/fail).  STREAM_TRANSPORTS=cuda_ipc runs only that transport's rounds.
 Usage: python3 tools/gpu_stream_check.py BIN MODEL_DIR(7B-shaped, with tokenizer) LOGDIR"""
 import json
 import os
@@ -148,7 +148,11 @@ try:
 finally:
     colo.stop()
 
+# STREAM_TRANSPORTS=cuda_ipc (or "staged tcp"): only those rounds (a short device run)
+ONLY_T = [t.strip() for t in os.environ.get("STREAM_TRANSPORTS", "").split(",") if t.strip()]
 for proto, label in ((None, "cuda_ipc"), ("tcp", "staged tcp")):
+    if ONLY_T and label not in ONLY_T:
+        continue
     boot = free_port()
     P = serve("P-%s" % label.replace(" ", "_"), "--kv-transfer-config", kv_cfg("kv_producer", proto),
               env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)})
