@@ -59,7 +59,7 @@ static float *run_prefill(int threads) {
     int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
     decoder_state *s = decoder_state_init(&g_m, 64, threads);
     float *out = malloc((size_t)N * V * sizeof(float));
-    decoder_seq q = {A, N, 0, table, 8, out, 1, NULL};
+    decoder_seq q = {A, N, 0, table, 8, out, 1, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
     decoder_state_free(s);
     kv_store_free(&kv);
@@ -85,7 +85,7 @@ static void test_chunks_and_tokens(void **st) {
     int32_t table[5] = {9, 2, 14, 0, 7};
     int chunks[3] = {7, 8, 5}, pos = 0;
     for (int c = 0; c < 3; c++) {
-        decoder_seq q = {A + pos, chunks[c], pos, table, 5, out, 1, NULL};
+        decoder_seq q = {A + pos, chunks[c], pos, table, 5, out, 1, NULL, NULL};
         assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, pos, chunks[c], "chunked prefill");
         pos += chunks[c];
@@ -93,7 +93,7 @@ static void test_chunks_and_tokens(void **st) {
     /* one token at a time, last-row logits */
     memset(kv.base, 0, (size_t)kv.n_blocks * decoder_kv_block_bytes(&g_m.cfg, BS));
     for (int p = 0; p < N; p++) {
-        decoder_seq q = {A + p, 1, p, table, 5, out, 0, NULL};
+        decoder_seq q = {A + p, 1, p, table, 5, out, 0, NULL, NULL};
         assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, p, 1, "token-by-token");
     }
@@ -114,22 +114,22 @@ static void test_batched_with_others(void **st) {
     float *la = malloc((size_t)N * V * sizeof(float)), *lb = malloc((size_t)NB * V * sizeof(float));
     float *lc = malloc((size_t)V * sizeof(float));
     /* step 1: A's first 9 tokens beside B's whole prompt and C's 2 tokens */
-    decoder_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL},
-                         {A, 9, 0, ta, 5, la, 1, NULL},
-                         {B + 3, 2, 0, tc, 4, lc, 0, NULL}};
+    decoder_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL, NULL},
+                         {A, 9, 0, ta, 5, la, 1, NULL, NULL},
+                         {B + 3, 2, 0, tc, 4, lc, 0, NULL, NULL}};
     assert_int_equal(decoder_forward(&g_m, s, &kv, q1, 3), 0);
     assert_rows_equal(ref, la, 0, 9, "batched prefill (with 2 others)");
     /* step 2: A's next 10 tokens beside one decode token of B and of C */
     int32_t bn = 42, cn = 77;
-    decoder_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL},
-                         {&cn, 1, 2, tc, 4, lc, 0, NULL},
-                         {A + 9, 10, 9, ta, 5, la, 1, NULL}};
+    decoder_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL, NULL},
+                         {&cn, 1, 2, tc, 4, lc, 0, NULL, NULL},
+                         {A + 9, 10, 9, ta, 5, la, 1, NULL, NULL}};
     assert_int_equal(decoder_forward(&g_m, s, &kv, q2, 3), 0);
     assert_rows_equal(ref, la, 9, 10, "batched chunk (with 2 decodes)");
     /* step 3: A's last token alone vs. beside 2 decode tokens: both must equal */
-    decoder_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL},
-                         {A + 19, 1, 19, ta, 5, la, 0, NULL},
-                         {&cn, 1, 3, tc, 4, lc, 0, NULL}};
+    decoder_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL, NULL},
+                         {A + 19, 1, 19, ta, 5, la, 0, NULL, NULL},
+                         {&cn, 1, 3, tc, 4, lc, 0, NULL, NULL}};
     assert_int_equal(decoder_forward(&g_m, s, &kv, q3, 3), 0);
     assert_rows_equal(ref, la, 19, 1, "batched decode");
     free(la);
@@ -181,17 +181,17 @@ static void test_bad_inputs(void **st) {
     int32_t table[4] = {0, 1, 2, 3}, bad_table[2] = {0, 4};
     float *out = malloc((size_t)V * sizeof(float));
     int32_t tok_bad = V, ok[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-    decoder_seq q = {&tok_bad, 1, 0, table, 4, out, 0, NULL};
+    decoder_seq q = {&tok_bad, 1, 0, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* token id >= vocab */
-    q = (decoder_seq){ok, 9, 0, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 9, 0, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* more than max_tokens */
-    q = (decoder_seq){ok, 1, 16, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 1, 16, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* table too short */
-    q = (decoder_seq){ok, 2, 3, bad_table, 2, out, 0, NULL};
+    q = (decoder_seq){ok, 2, 3, bad_table, 2, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* block id out of range */
-    q = (decoder_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* beyond max_position */
-    q = (decoder_seq){ok, 0, 0, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 0, 0, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* empty */
     free(out);
     kv_store_free(&kv);
