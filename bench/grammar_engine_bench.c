@@ -206,9 +206,11 @@ static int run_one(engine *e, const grammar_vocab *v, const geb_opts *o, int n, 
     double gen = (double)(st1.generation_tokens - st0.generation_tokens);
     if (steps > 0)
         printf(
-            "%5d  %-7s  %5.0f  %9.1f  %8.2f  %10.2f  %9.2f  %12.3f  %12.3f  %10.1f  %8.0f\n", n,
-            MODE_NAMES[mode], steps,
+            "%5d  %-7s  %5.0f  %9.1f  %8.1f  %8.2f  %10.2f  %9.2f  %12.3f  %12.3f  %10.1f  %8.0f\n",
+            n, MODE_NAMES[mode], steps,
             gsteps > 0 ? (double)(st1.grammar_rows - st0.grammar_rows) / gsteps : 0.0,
+            gsteps > 0 ? (double)(st1.grammar_device_rows - st0.grammar_device_rows) / gsteps
+                       : 0.0,
             (double)(st1.step_ns - st0.step_ns) / 1e6 / steps,
             (double)(st1.forward_ns - st0.forward_ns) / 1e6 / steps,
             (double)(st1.sample_ns - st0.sample_ns) / 1e6 / steps,
@@ -256,7 +258,8 @@ static void usage(FILE *f) {
         "  --distinct          every request compiles its own grammar (no shared masks)\n"
         "  --threads N         the CPU backend's compute threads (default: all cores)\n"
         "  the constraint flags as in `disagg bench grammar` (default --json-object)\n\n"
-        "Columns: seqs, mode, steps measured, constrained rows per step, step ms, forward\n"
+        "Columns: seqs, mode, steps measured, constrained rows per step, of those masked on\n"
+        "the device (greedy ones: only the argmax comes back), step ms, forward\n"
         "ms, sample ms (after the forward: sampling, delivery), mask fill ms per step (the mask "
         "thread's time when overlapped), mask wait ms\n"
         "per step (what the step thread waited for the masks), fill us per row, output\n"
@@ -440,8 +443,9 @@ int bench_grammar_engine_main(int argc, char **argv) {
                o.model, o.device, st.kernels, vocab, t_load, o.prompt_len, o.max_tokens,
                (double)o.temperature, o.distinct ? "a distinct" : "one shared",
                o.distinct ? " per request" : " per run");
-        printf(" seqs  mode     steps  rows/step   step ms  forward ms  sample ms  mask fill ms  "
-               "mask wait ms  fill us/row     tok/s\n");
+        printf("sampling threads (DISAGG_SAMPLE_THREADS) %d\n", st.sample_threads);
+        printf(" seqs  mode     steps  rows/step  on dev   step ms  forward ms  sample ms  "
+               "mask fill ms  mask wait ms  fill us/row     tok/s\n");
         rc = 0;
         for (int i = 0; i < o.n_seqs && !rc; i++)
             for (int m = 0; m < o.n_modes && !rc; m++)

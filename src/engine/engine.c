@@ -1110,11 +1110,14 @@ static void run_step(engine *e) {
     mask_worker_reset(e->masks);
     uint32_t *dev_rows = decoder_state_mask_rows(e->state, n); /* cap max_num_seqs: no alloc */
     size_t words = ((size_t)e->vocab + 31) / 32;
-    for (int i = 0, k = 0; i < n; i++) {
+    int n_dev_masked = 0;
+    for (int i = 0; i < n; i++) {
         const sched_item *it = &pl->items[i];
         ereq *r = it->s->owner;
         if (!(it->logits && r->gm)) continue;
-        uint32_t *dst = dev_rows && device_masked(e, r, it, dev_mask) ? dev_rows + k++ * words : NULL;
+        uint32_t *dst = dev_rows && device_masked(e, r, it, dev_mask)
+                            ? dev_rows + (size_t)n_dev_masked++ * words
+                            : NULL;
         r->gmask = mask_worker_add(e->masks, r->gm, r->gs, r->stop_ids, r->p.n_stop_token_ids, dst);
         e->fwd[i].allow = dst ? r->gmask : NULL;
     }
@@ -1226,6 +1229,7 @@ static void run_step(engine *e) {
     if (mrows) {
         e->stats.grammar_steps++;
         e->stats.grammar_rows += (uint64_t)mrows;
+        e->stats.grammar_device_rows += (uint64_t)n_dev_masked;
         e->stats.grammar_fill_ns += mfill;
         e->stats.grammar_wait_ns += mwait;
         e->stats.grammar_step_ns += t_end - t_step;
@@ -1628,6 +1632,7 @@ void engine_get_stats(engine *e, engine_stats *out) {
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
     snprintf(out->kernels, sizeof out->kernels, "%s", engine_kernels(e));
+    out->sample_threads = e->sample_threads;
 }
 
 const struct model_config *engine_model_config(const engine *e) {

@@ -264,6 +264,8 @@ typedef struct engine_stats {
      * the time the step thread waited for them (serial: all of it; overlapped: what the
      * forward did not hide), and these steps' whole, forward and after-forward times */
     uint64_t grammar_steps, grammar_rows;
+    uint64_t grammar_device_rows; /* of those rows, masked on the device (decoder_seq.allow) */
+    int sample_threads;           /* DISAGG_SAMPLE_THREADS as the engine took it */
     uint64_t grammar_fill_ns, grammar_wait_ns, grammar_step_ns, grammar_forward_ns;
     uint64_t grammar_sample_ns;
 } engine_stats;
