@@ -615,9 +615,11 @@ static int apply_masks(decoder_state *s, const decoder_seq *seqs, int n_seqs, in
             uint32_t *dst = rows + (size_t)j * words;
             if (q->allow != dst) {
                 if (q->allow + words > rows && q->allow < end) {
-                    LOG_E("model", "sequence %d: its allow mask is row %td of the state's mask rows; "
-                          "the %d-th masked sequence must use row %d (or memory outside them)",
-                          i, (q->allow - rows) / (ptrdiff_t)words, j + 1, j);
+                    LOG_E("model",
+                          "sequence %d: its allow mask is row %td of the state's mask rows, "
+                          "which the masked sequences must use in order (this one: row %d) or "
+                          "not at all (memory outside them is copied in)",
+                          i, (q->allow - rows) / (ptrdiff_t)words, j);
                     return -EINVAL;
                 }
                 memcpy(dst, q->allow, words * sizeof *dst);

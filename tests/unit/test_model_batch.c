@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <errno.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdio.h>
 
 #include <cmocka.h>
@@ -198,6 +199,67 @@ static void test_bad_inputs(void **st) {
     decoder_state_free(s);
 }
 
+/* Structured outputs' masks (decoder_seq.allow) in a batch: a prefill with every row's logits
+ * and a mask from the caller's memory (copied into the state's mask rows: only its last row is
+ * masked), a greedy sequence whose mask is the state's row 1 (only the argmax comes back: the
+ * best allowed token), and an unmasked one; each against the reference prefill.  A mask in the
+ * state's rows at the wrong row is refused. */
+static int g_hook_calls;
+static void count_hook(void *ctx) {
+    (void)ctx;
+    g_hook_calls++;
+}
+
+static void test_allow_masks(void **st) {
+    (void)st;
+    float *ref = run_prefill(1);
+    kv_store kv;
+    assert_int_equal(kv_store_init(&kv, &g_m.cfg, 12, BS), 0);
+    decoder_state *s = decoder_state_init(&g_m, 64, 1);
+    assert_non_null(s);
+    decoder_state_set_mask_hook(s, count_hook, NULL);
+    int words = (V + 31) / 32;
+    uint32_t *rows = decoder_state_mask_rows(s, 2), *ext = calloc((size_t)words, 4);
+    assert_non_null(rows);
+    assert_non_null(ext);
+    uint32_t x = 12345;
+    for (int w = 0; w < words; w++) {
+        x = x * 1103515245u + 12345u;
+        ext[w] = x & 0x24924924u; /* about every third token */
+        x = x * 1103515245u + 12345u;
+        rows[words + w] = (x >> 3) & 0x11111111u; /* about every fourth */
+    }
+    rows[words] |= 1u; /* token 0: each mask allows something */
+    ext[0] |= 1u;
+    int32_t t0[5] = {0, 1, 2, 3, 4}, t1[3] = {5, 6, 7}, t2[2] = {8, 9};
+    float *la = malloc((size_t)N * V * sizeof(float)), *lc = malloc((size_t)V * sizeof(float));
+    int32_t amax = -1;
+    decoder_seq q[3] = {{A, N, 0, t0, 5, la, 1, NULL, ext},
+                        {A, 9, 0, t1, 3, NULL, 0, &amax, rows + words},
+                        {A, 5, 0, t2, 2, lc, 0, NULL, NULL}};
+    g_hook_calls = 0;
+    assert_int_equal(decoder_forward(&g_m, s, &kv, q, 3), 0);
+    assert_int_equal(g_hook_calls, 1);
+    assert_memory_equal(la, ref, (size_t)(N - 1) * V * sizeof(float)); /* rows before the last */
+    for (int t = 0; t < V; t++) {
+        float want = ext[t / 32] >> (t % 32) & 1u ? ref[(size_t)(N - 1) * V + t] : -INFINITY;
+        if (memcmp(&la[(size_t)(N - 1) * V + t], &want, sizeof want))
+            fail_msg("masked last row: token %d is %g, want %g", t, la[(size_t)(N - 1) * V + t], want);
+    }
+    int best = -1;
+    for (int t = 0; t < V; t++)
+        if (rows[words + t / 32] >> (t % 32) & 1u && (best < 0 || ref[8 * V + t] > ref[8 * V + best]))
+            best = t;
+    assert_int_equal(amax, best);
+    assert_memory_equal(lc, ref + 4 * (size_t)V, (size_t)V * sizeof(float));
+    /* the first masked sequence on row 1 of the state's rows: refused, named */
+    decoder_seq bad = {A, 1, 0, t2, 2, lc, 0, NULL, rows + words};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &bad, 1), -EINVAL);
+    free(la), free(lc), free(ext), free(ref);
+    kv_store_free(&kv);
+    decoder_state_free(s);
+}
+
 /* DISAGG_CPU_ISA=NAME (the ctest entries unit.NAME.ISA): run on that ISA, or say loudly that
  * this CPU cannot and skip (77), rather than quietly testing another one. */
 static int isa_from_env(void) {
@@ -218,7 +280,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunks_and_tokens), cmocka_unit_test(test_batched_with_others),
         cmocka_unit_test(test_threads),           cmocka_unit_test(test_scalar_equals_avx2),
-        cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_bad_inputs),        cmocka_unit_test(test_allow_masks),
     };
     int failed = cmocka_run_group_tests_name("qwen2 tiny-bf16", tests, setup, teardown);
     /* the same with a mixture of experts: the router's choices and the experts' sums are
