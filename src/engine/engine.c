@@ -97,7 +97,8 @@ struct engine {
     scheduler sched;
     sched_plan plan;
     decoder_seq *fwd;    /* (max_num_seqs) forward descriptors */
-    float *logits;       /* (max_num_seqs, vocab) last-token logits */
+    float *logits;       /* (max_num_seqs, vocab) last-token logits (in logits_hb) */
+    backend_buffer *logits_hb; /* page-locked on a GPU: the host-sampled rows come at full speed */
     float *plogits;      /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
     int *sidx;           /* (max_num_seqs) this step's host-sampled items */
     sample_result *sres; /* (max_num_seqs) their draws, by item */
@@ -1459,7 +1460,9 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         goto fail;
     }
     e->fwd = calloc((size_t)c.max_num_seqs, sizeof *e->fwd);
-    e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
+    e->logits_hb = backend_buffer_alloc(e->be, (size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float),
+                                        BACKEND_BUF_HOST);
+    e->logits = e->logits_hb ? backend_buffer_ptr(e->logits_hb) : NULL;
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
     e->sidx = malloc((size_t)c.max_num_seqs * sizeof *e->sidx);
     e->sres = malloc((size_t)c.max_num_seqs * sizeof *e->sres);
@@ -1549,7 +1552,7 @@ fail:
     block_pool_free_all(&e->bp);
     kv_events_free(&e->events);
     free(e->fwd);
-    free(e->logits);
+    backend_buffer_free(e->logits_hb);
     free(e->plogits);
     free(e->sidx);
     free(e->sres);
@@ -1598,7 +1601,7 @@ void engine_destroy(engine *e) {
     block_pool_free_all(&e->bp);
     kv_events_free(&e->events);
     free(e->fwd);
-    free(e->logits);
+    backend_buffer_free(e->logits_hb);
     free(e->plogits);
     free(e->sidx);
     free(e->sres);
