@@ -1048,7 +1048,9 @@ static void sample_item(void *ctx, int k) {
     ereq *r = it->s->owner;
     float *last = e->fwd[i].logits;
     if (e->fwd[i].logits_all) last += (size_t)(it->count - 1) * (size_t)e->vocab;
-    if (r->gm)
+    if (r->gm && e->fwd[i].allow) /* masked on the device already, no logprobs wanted */
+        sampler_sample_premasked(r->smp, last, r->gmask, &e->sres[i]);
+    else if (r->gm)
         sampler_sample_masked(r->smp, last, r->gmask, &e->sres[i]);
     else
         sampler_sample(r->smp, last, &e->sres[i]);
