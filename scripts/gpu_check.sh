@@ -198,8 +198,15 @@ grammar_steps() {
     # shellcheck disable=SC2086
     "$BIN" bench grammar --engine "$shape" --load-format dummy --device "$dev" --tokenizer "$TOK" \
       --json-schema "$SRC/bench/grammar/typical_schema.json" --seqs "${GRAMMAR_SEQS:-64}" \
-      --temperature "$1" --steps "$3" --modes "$2" ${GRAMMAR_ARGS:-} 2>&1 | grep -v '^I '
-    check ${PIPESTATUS[0]} "bench grammar --engine $(basename "$shape"), temperature $1"
+      --temperature "$1" --steps "$3" --modes "$2" ${GRAMMAR_ARGS:-} 2>&1 | grep -v '^I ' |
+      tee "$OUT/grammar-bench-t$1.log"
+    rc=${PIPESTATUS[0]}
+    # a device pick outside its row's mask (the engine's warning): the mask was not applied
+    if grep -q 'not in its mask' "$OUT/grammar-bench-t$1.log"; then
+      echo "a greedy pick on the device fell outside its row's grammar mask"
+      rc=1
+    fi
+    check $rc "bench grammar --engine $(basename "$shape"), temperature $1"
   done
   if python3 -c 'import openai, jsonschema' 2>/dev/null; then
     step "grammar: device masks give the host path's outputs, overlapped masks the serial ones (disagg serve --device $dev, tiny model)"

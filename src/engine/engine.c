@@ -108,6 +108,7 @@ struct engine {
     mask_worker *masks;  /* the constrained rows' token masks, filled while the forward runs */
     int grammar_overlap; /* under mu: 1 masks overlap the forward, 0 filled before it */
     int grammar_device_mask; /* under mu: 1 constrained rows are masked on the device */
+    int warned_mask_pick;    /* a device pick outside its row's mask was logged */
 
     int vocab;
     int max_model_len;
@@ -1196,6 +1197,12 @@ static void run_step(engine *e) {
                 int32_t t = 0;
                 while (t < e->vocab && !(r->gmask[t >> 5] >> (t & 31) & 1u))
                     t++;
+                if (!e->warned_mask_pick++) /* finite logits never land here: say so once */
+                    LOG_W(MOD,
+                          "the device's greedy pick %d of a constrained row is not in its mask "
+                          "(every allowed logit -inf or NaN, or the mask was not applied): took "
+                          "the first allowed token, %d",
+                          tok.id, t);
                 tok.id = t < e->vocab ? t : tok.id;
             }
             sampler_accept(r->smp, tok.id);
