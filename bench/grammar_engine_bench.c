@@ -2,7 +2,8 @@
  * grammar_engine_bench — `disagg bench grammar --engine MODEL`: what structured outputs cost
  * the serving engine's decode step, with the token masks filled while the forward runs
  * (engine/mask_worker.h) and filled serially before it (DISAGG_GRAMMAR_OVERLAP=0), against
- * the same batch unconstrained.
+ * the same batch unconstrained; the masks applied on the device (the default) or, mode host,
+ * the constrained rows' logits brought to the host (DISAGG_GRAMMAR_DEVICE_MASK=0).
  *
  * For each batch size N of --seqs and each mode of --modes (none: no constraint; serial;
  * overlap) it keeps N requests in flight on one engine (a finished request is replaced at
@@ -87,12 +88,12 @@ typedef struct geb_opts {
     grammar_kind kind;
     int compact, dummy, distinct, threads;
     int seqs[GEB_MAX_LIST], n_seqs;
-    int modes[8], n_modes; /* 0 none, 1 serial, 2 overlap (repeats allowed) */
+    int modes[8], n_modes; /* 0 none, 1 serial, 2 overlap, 3 host (repeats allowed) */
     int steps, prompt_len, max_tokens;
     float temperature;
 } geb_opts;
 
-static const char *const MODE_NAMES[] = {"none", "serial", "overlap"};
+static const char *const MODE_NAMES[] = {"none", "serial", "overlap", "host"};
 
 /* One closed-loop run of n requests in mode; prints its row. */
 static int run_one(engine *e, const grammar_vocab *v, const geb_opts *o, int n, int mode,
@@ -105,7 +106,8 @@ static int run_one(engine *e, const grammar_vocab *v, const geb_opts *o, int n, 
         fprintf(stderr, "bench grammar --engine: %s\n", err);
         return 1;
     }
-    if (mode) engine_set_grammar_overlap(e, mode == 2);
+    if (mode) engine_set_grammar_overlap(e, mode >= 2);
+    engine_set_grammar_device_mask(e, mode != 3); /* host: the logits come back, as before */
     geb_run run;
     memset(&run, 0, sizeof run);
     pthread_mutex_init(&run.mu, NULL);
@@ -204,9 +206,11 @@ static int run_one(engine *e, const grammar_vocab *v, const geb_opts *o, int n, 
     double gen = (double)(st1.generation_tokens - st0.generation_tokens);
     if (steps > 0)
         printf(
-            "%5d  %-7s  %5.0f  %9.1f  %8.2f  %10.2f  %9.2f  %12.3f  %12.3f  %10.1f  %8.0f\n", n,
-            MODE_NAMES[mode], steps,
+            "%5d  %-7s  %5.0f  %9.1f  %8.1f  %8.2f  %10.2f  %9.2f  %12.3f  %12.3f  %10.1f  %8.0f\n",
+            n, MODE_NAMES[mode], steps,
             gsteps > 0 ? (double)(st1.grammar_rows - st0.grammar_rows) / gsteps : 0.0,
+            gsteps > 0 ? (double)(st1.grammar_device_rows - st0.grammar_device_rows) / gsteps
+                       : 0.0,
             (double)(st1.step_ns - st0.step_ns) / 1e6 / steps,
             (double)(st1.forward_ns - st0.forward_ns) / 1e6 / steps,
             (double)(st1.sample_ns - st0.sample_ns) / 1e6 / steps,
@@ -242,8 +246,11 @@ static void usage(FILE *f) {
         "  --load-format F     auto (default) or dummy (random weights from config.json)\n"
         "  --seqs LIST         requests in flight, one run each (default 8,32)\n"
         "  --modes LIST        none (no constraint), serial (masks before the forward),\n"
-        "                      overlap (masks while the forward runs), run in this order\n"
-        "                      (repeats allowed, 8 at most); default none,serial,overlap\n"
+        "                      overlap (masks while the forward runs), host (overlap, but\n"
+        "                      the constrained rows' logits come to the host to be masked and\n"
+        "                      drawn: DISAGG_GRAMMAR_DEVICE_MASK=0's path; serial and overlap\n"
+        "                      mask on the device), run in this order (repeats allowed, 8 at\n"
+        "                      most); default none,serial,overlap\n"
         "  --steps N           engine steps measured per run (default 32)\n"
         "  --prompt-len N      prompt tokens per request (default 16)\n"
         "  --max-tokens N      output tokens per request at most (default 64)\n"
@@ -251,7 +258,8 @@ static void usage(FILE *f) {
         "  --distinct          every request compiles its own grammar (no shared masks)\n"
         "  --threads N         the CPU backend's compute threads (default: all cores)\n"
         "  the constraint flags as in `disagg bench grammar` (default --json-object)\n\n"
-        "Columns: seqs, mode, steps measured, constrained rows per step, step ms, forward\n"
+        "Columns: seqs, mode, steps measured, constrained rows per step, of those masked on\n"
+        "the device (greedy ones: only the argmax comes back), step ms, forward\n"
         "ms, sample ms (after the forward: sampling, delivery), mask fill ms per step (the mask "
         "thread's time when overlapped), mask wait ms\n"
         "per step (what the step thread waited for the masks), fill us per row, output\n"
@@ -341,11 +349,13 @@ int bench_grammar_engine_main(int argc, char **argv) {
                 int m = !strcmp(tok, "none")      ? 0
                         : !strcmp(tok, "serial")  ? 1
                         : !strcmp(tok, "overlap") ? 2
+                        : !strcmp(tok, "host")    ? 3
                                                   : -1;
                 if (m < 0 || o.n_modes == 8) {
                     fprintf(stderr,
                             "bench grammar --engine: --modes '%s' is invalid; accepted: "
-                            "a comma-separated list of none, serial, overlap (8 at most)\n",
+                            "a comma-separated list of none, serial, overlap, host (8 at "
+                            "most)\n",
                             argv[i]);
                     goto out;
                 }
@@ -433,8 +443,9 @@ int bench_grammar_engine_main(int argc, char **argv) {
                o.model, o.device, st.kernels, vocab, t_load, o.prompt_len, o.max_tokens,
                (double)o.temperature, o.distinct ? "a distinct" : "one shared",
                o.distinct ? " per request" : " per run");
-        printf(" seqs  mode     steps  rows/step   step ms  forward ms  sample ms  mask fill ms  "
-               "mask wait ms  fill us/row     tok/s\n");
+        printf("sampling threads (DISAGG_SAMPLE_THREADS) %d\n", st.sample_threads);
+        printf(" seqs  mode     steps  rows/step  on dev   step ms  forward ms  sample ms  "
+               "mask fill ms  mask wait ms  fill us/row     tok/s\n");
         rc = 0;
         for (int i = 0; i < o.n_seqs && !rc; i++)
             for (int m = 0; m < o.n_modes && !rc; m++)

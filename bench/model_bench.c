@@ -140,7 +140,7 @@ static double streams_round(const decoder_model *m, cpu_pool *pool, int n, int g
     for (int i = 0; i < n; i++) /* prompts differ: rotated */
         q[i] =
             (decoder_seq){toks + i % (ntoks - plen + 1),      plen, 0,   table + (size_t)i * nb, nb,
-                          logits + (size_t)i * c->vocab_size, 0,    NULL};
+                          logits + (size_t)i * c->vocab_size, 0,    NULL, NULL};
     if (decoder_forward(m, s, &kv, q, n)) goto out_kv;
     uint64_t t0 = clock_now_ns();
     double c0 = process_cpu_s();
@@ -154,7 +154,7 @@ static double streams_round(const decoder_model *m, cpu_pool *pool, int n, int g
             q[i] = (decoder_seq){next + i, 1,
                                  plen + g, table + (size_t)i * nb,
                                  nb,       logits + (size_t)i * c->vocab_size,
-                                 0,        NULL};
+                                 0,        NULL, NULL};
         }
         if (decoder_forward(m, s, &kv, q, n)) goto out_kv;
     }
@@ -297,7 +297,7 @@ int bench_model_main(int argc, char **argv) {
         bw = v > bw ? v : bw;
         v = measure_gemm(threads, 512, c->intermediate_size, c->hidden_size);
         gemm = v > gemm ? v : gemm;
-        decoder_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0, NULL};
+        decoder_seq q = {toks, prompt_len, 0, table, n_blocks, logits, 0, NULL, NULL};
         uint64_t t0 = clock_now_ns();
         double c0 = process_cpu_s();
         rc = decoder_forward(&m, s, &kv, &q, 1);
@@ -310,7 +310,7 @@ int bench_model_main(int argc, char **argv) {
             int32_t next = 0;
             for (int v2 = 1; v2 < c->vocab_size; v2++)
                 if (logits[v2] > logits[next]) next = v2;
-            decoder_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0, NULL};
+            decoder_seq d = {&next, 1, prompt_len + i, table, n_blocks, logits, 0, NULL, NULL};
             rc = decoder_forward(&m, s, &kv, &d, 1);
         }
         double ds = (double)(clock_now_ns() - t1) / 1e9, dc = process_cpu_s() - c1;

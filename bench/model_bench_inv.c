@@ -46,7 +46,7 @@ static int ib_prefill(const decoder_model *m, decoder_state *s, const kv_store *
             for (int i = 0; i < k; i++)
                 q[i] = (decoder_seq){
                     toks + (size_t)(s0 + i) * plen, plen, 0,   tables + (size_t)(s0 + i) * per, per,
-                    logits + (size_t)i * V,         0,    NULL};
+                    logits + (size_t)i * V,         0,    NULL, NULL};
             rc = decoder_forward(m, s, kv, q, k);
         }
         double el = ib_now() - t0;
@@ -121,7 +121,7 @@ static int ib_run(const char *model_arg, int inv, const int *batches, int n_b, i
                     q[i] = (decoder_seq){&toks[i], 1,
                                          ctx + st, tables + (size_t)i * per,
                                          per,      logits + (size_t)i * c->vocab_size,
-                                         0,        NULL};
+                                         0,        NULL, NULL};
                 }
                 rc = decoder_forward(&m, s, &kv, q, n);
             }

@@ -157,40 +157,64 @@ if [ "${ONLY:-}" = tp ]; then
   exit $((fails > 0))
 fi
 
-# ONLY=grammar (structured outputs on the GPU): `disagg bench grammar --engine` on the Qwen2.5-7B
-# shape with --load-format dummy (random weights in HBM) and the Qwen2.5 tokenizer: 64 requests in
-# flight (a closed loop), each a 16-token prompt and up to 64 tokens under the JSON Schema of
-# bench/grammar/typical_schema.json, 64 engine steps per run, without a constraint (none), with
-# the masks filled before the forward (serial, DISAGG_GRAMMAR_OVERLAP=0's path) and while it runs
-# (overlap, the default), alternated twice, with the rows drawn by the step thread alone and
-# by 8 threads (DISAGG_SAMPLE_THREADS=8); then with a grammar per request (--distinct: every
-# state new).  Per step: step, forward, after-forward (sampling) ms, mask fill
-# and mask wait ms.  Then the integration check that overlapped and serial outputs are equal,
-# against disagg serve --device cuda.  GRAMMAR_SEQS (default 8,64) and GRAMMAR_ARGS (extra
-# arguments of the benchmark) change it.  Needs this tree's build (not a PREBUILT bundle's).
+# ONLY=grammar (structured outputs on the GPU; about 2 minutes after the build):
+#   1. test_backend_ops' token-bitmask case on CUDA: backend_token_bitmask after
+#      backend_upload_async from a page-locked buffer, against the reference (a vocabulary not a
+#      multiple of 32, a logits row wider than the vocabulary, a row masked twice, the masked
+#      rows' argmax); the step fails when the CUDA backend was skipped.
+#   2. `disagg bench grammar --engine` on the Qwen2.5-7B shape with --load-format dummy and the
+#      Qwen2.5 tokenizer: 64 requests in flight (a closed loop), each a 16-token prompt and up to
+#      64 tokens under bench/grammar/typical_schema.json; greedy: none (no constraint), overlap
+#      (the default: masks filled while the forward runs and applied on the device, the greedy
+#      rows' argmax on the device, only ids back) and host (DISAGG_GRAMMAR_DEVICE_MASK=0's path:
+#      the constrained rows' logits come to the host, which masks and draws them), alternated
+#      twice, 48 steps each; then at temperature 1 (none, overlap: masked on the device then
+#      drawn on the host, host), 32 steps each.  DISAGG_SAMPLE_THREADS is left at its default
+#      (on CUDA min(8, CPUs / 2); the benchmark prints it).  Per step: rows, rows masked on the
+#      device, step, forward, after-forward (sampling) ms, mask fill and mask wait ms.
+#   3. against disagg serve --device cuda (tiny model, --batch-invariant): the device masks give
+#      the host path's outputs and the overlapped masks the serial ones (test_structured_outputs).
+# GRAMMAR_SEQS (default 64), GRAMMAR_ARGS (extra arguments of the benchmark, after the others:
+# "--steps 4" shortens it), GRAMMAR_SHAPE (default bench/shapes/qwen2.5-7b) and GRAMMAR_DEVICE
+# (default cuda; cpu runs the same logic on a machine without a GPU) change it.  Needs this
+# tree's build (not a PREBUILT bundle's).
 grammar_steps() {
+  local dev=${GRAMMAR_DEVICE:-cuda} shape=${GRAMMAR_SHAPE:-$SRC/bench/shapes/qwen2.5-7b} rc run
   TOK=$SRC/../shared/data/qwen2.5-tokenizer
   [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
-  # "threads" = DISAGG_SAMPLE_THREADS: the step thread alone (1) or with 7 helpers drawing the
-  # host-sampled rows (8; the mask thread is one of the helpers)
-  for run in "1 none,serial,overlap,serial,overlap" "8 none,serial,overlap,serial,overlap" \
-             "1 serial,overlap,serial,overlap --distinct"; do
+  step "grammar: test_backend_ops test_token_bitmask (the device's token bitmask against the reference)"
+  # the E lines are the bad-argument checks' own errors (expected)
+  TEST_BACKEND_OPS_FILTER=test_token_bitmask "$BUILD/test_backend_ops" >"$OUT/grammar-ops.log" 2>&1
+  rc=$?
+  grep -v '^E .*backend: \(token_bitmask\|upload_async\)' "$OUT/grammar-ops.log" | tail -6
+  if [ "$dev" = cuda ] && grep -q 'SKIP: CUDA' "$OUT/grammar-ops.log"; then
+    echo "the CUDA backend was not tested (see the SKIP line)"
+    rc=1
+  fi
+  check $rc "test_backend_ops test_token_bitmask ($dev)"
+  for run in "0 none,overlap,host,none,overlap,host 48" "1 none,overlap,host 32"; do
     set -- $run
-    step "grammar: bench grammar --engine qwen2.5-7b (dummy weights) --device cuda, seqs ${GRAMMAR_SEQS:-8,64}, DISAGG_SAMPLE_THREADS=$1 ${3:-}"
+    step "grammar: bench grammar --engine $(basename "$shape") (dummy weights) --device $dev, seqs ${GRAMMAR_SEQS:-64}, temperature $1"
     # shellcheck disable=SC2086
-    DISAGG_SAMPLE_THREADS=$1 "$BIN" bench grammar --engine "$SRC/bench/shapes/qwen2.5-7b" \
-      --load-format dummy --device cuda --tokenizer "$TOK" \
-      --json-schema "$SRC/bench/grammar/typical_schema.json" --seqs "${GRAMMAR_SEQS:-8,64}" \
-      --steps 64 --modes "$2" ${3:-} ${GRAMMAR_ARGS:-} 2>&1 | grep -v '^I '
-    check ${PIPESTATUS[0]} "bench grammar --engine 7b, DISAGG_SAMPLE_THREADS=$1 ${3:-}"
+    "$BIN" bench grammar --engine "$shape" --load-format dummy --device "$dev" --tokenizer "$TOK" \
+      --json-schema "$SRC/bench/grammar/typical_schema.json" --seqs "${GRAMMAR_SEQS:-64}" \
+      --temperature "$1" --steps "$3" --modes "$2" ${GRAMMAR_ARGS:-} 2>&1 | grep -v '^I ' |
+      tee "$OUT/grammar-bench-t$1.log"
+    rc=${PIPESTATUS[0]}
+    # a device pick outside its row's mask (the engine's warning): the mask was not applied
+    if grep -q 'not in its mask' "$OUT/grammar-bench-t$1.log"; then
+      echo "a greedy pick on the device fell outside its row's grammar mask"
+      rc=1
+    fi
+    check $rc "bench grammar --engine $(basename "$shape"), temperature $1"
   done
   if python3 -c 'import openai, jsonschema' 2>/dev/null; then
-    step "grammar: overlapped masks give the serial outputs (disagg serve --device cuda, tiny model)"
-    DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
-      tests/integration/test_structured_outputs.py -k mask_overlap 2>&1 | tail -5
-    check ${PIPESTATUS[0]} "test_structured_outputs -k mask_overlap (cuda)"
+    step "grammar: device masks give the host path's outputs, overlapped masks the serial ones (disagg serve --device $dev, tiny model)"
+    DISAGG_TEST_DEVICE=$dev DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+      tests/integration/test_structured_outputs.py -k "device_mask_equals or mask_overlap_equals" 2>&1 | tail -5
+    check ${PIPESTATUS[0]} "test_structured_outputs -k 'device_mask_equals or mask_overlap_equals' ($dev)"
   else
-    echo "******** SKIP the overlap equality test: openai or jsonschema is not importable here ********"
+    echo "******** SKIP the equality tests: openai or jsonschema is not importable here ********"
   fi
 }
 if [ "${ONLY:-}" = grammar ]; then

@@ -297,7 +297,7 @@ int cmd_generate(int argc, char **argv) {
     uint64_t t0 = clock_now_ns();
     for (int p = 0; p < n; p += GEN_CHUNK) {
         int len = n - p < GEN_CHUNK ? n - p : GEN_CHUNK;
-        decoder_seq q = {ids + p, len, p, table, n_blocks, logits, 0, NULL};
+        decoder_seq q = {ids + p, len, p, table, n_blocks, logits, 0, NULL, NULL};
         if (decoder_forward(&m, s, &kv, &q, 1)) goto out;
     }
     uint64_t t1 = clock_now_ns();
@@ -327,7 +327,7 @@ int cmd_generate(int argc, char **argv) {
             why = "max_model_len";
             break;
         }
-        decoder_seq q = {&r.token, 1, pos++, table, n_blocks, logits, 0, NULL};
+        decoder_seq q = {&r.token, 1, pos++, table, n_blocks, logits, 0, NULL, NULL};
         if (decoder_forward(&m, s, &kv, &q, 1)) goto out;
     }
     if (buf && !o.ids_out &&

@@ -97,7 +97,8 @@ struct engine {
     scheduler sched;
     sched_plan plan;
     decoder_seq *fwd;    /* (max_num_seqs) forward descriptors */
-    float *logits;       /* (max_num_seqs, vocab) last-token logits */
+    float *logits;       /* (max_num_seqs, vocab) last-token logits (in logits_hb) */
+    backend_buffer *logits_hb; /* page-locked on a GPU: the host-sampled rows come at full speed */
     float *plogits;      /* (PROMPT_LOGPROBS_CHUNK, vocab) prompt-logprob chunk */
     int *sidx;           /* (max_num_seqs) this step's host-sampled items */
     sample_result *sres; /* (max_num_seqs) their draws, by item */
@@ -106,6 +107,8 @@ struct engine {
     int dev_greedy;      /* 1: plain greedy requests take the device argmax (not on the CPU) */
     mask_worker *masks;  /* the constrained rows' token masks, filled while the forward runs */
     int grammar_overlap; /* under mu: 1 masks overlap the forward, 0 filled before it */
+    int grammar_device_mask; /* under mu: 1 constrained rows are masked on the device */
+    int warned_mask_pick;    /* a device pick outside its row's mask was logged */
 
     int vocab;
     int max_model_len;
@@ -147,6 +150,7 @@ void engine_config_init(engine_config *c) {
     c->enable_prefix_caching = 1;
     c->device = "cpu";
     c->grammar_overlap = 1;
+    c->grammar_device_mask = 1;
     c->kv_cache_dtype = -1;
 }
 
@@ -1021,6 +1025,21 @@ static void deliver_token(engine *e, ereq *r, const engine_token *tok, int stop)
         finish(e, r, "length", -1, NULL);
 }
 
+/* 1 when item it's constrained row is masked on the device (decoder_seq.allow): its logits
+ * come back masked (or, greedy, only the argmax), which gives the host path's tokens exactly,
+ * but its raw logprobs would be those of the masked row, so a request that wants logprobs (or
+ * prompt logprobs) keeps the host path. */
+static int device_masked(const engine *e, const ereq *r, const sched_item *it, int on) {
+    (void)e;
+    return on && r->gm && it->logits && !r->prompt_lp && r->p.sampling.logprobs < 0;
+}
+
+/* The mask hook of the decoder (decoder_state_set_mask_hook): the masks are needed now. */
+static void join_masks(void *ctx) {
+    engine *e = ctx;
+    mask_worker_join(e->masks);
+}
+
 /* Draws the next token of this step's k-th host-sampled item (e->sidx[k]) from its logits
  * row, in place, into e->sres (mask_worker_fn: runs on any of the sampling threads). */
 static void sample_item(void *ctx, int k) {
@@ -1030,7 +1049,9 @@ static void sample_item(void *ctx, int k) {
     ereq *r = it->s->owner;
     float *last = e->fwd[i].logits;
     if (e->fwd[i].logits_all) last += (size_t)(it->count - 1) * (size_t)e->vocab;
-    if (r->gm)
+    if (r->gm && e->fwd[i].allow) /* masked on the device already, no logprobs wanted */
+        sampler_sample_premasked(r->smp, last, r->gmask, &e->sres[i]);
+    else if (r->gm)
         sampler_sample_masked(r->smp, last, r->gmask, &e->sres[i]);
     else
         sampler_sample(r->smp, last, &e->sres[i]);
@@ -1042,6 +1063,9 @@ static void run_step(engine *e) {
     uint64_t t_step = clock_now_ns(); /* the scheduled time of requests first in this plan */
     int n = pl->n_items;
     int k_logits = 0;
+    pthread_mutex_lock(&e->mu);
+    int overlap = e->grammar_overlap, dev_mask = e->grammar_device_mask;
+    pthread_mutex_unlock(&e->mu);
     for (int i = 0; i < n; i++) {
         const sched_item *it = &pl->items[i];
         ereq *r = it->s->owner;
@@ -1053,10 +1077,14 @@ static void run_step(engine *e) {
         f->n_blocks = it->s->n_blocks;
         f->logits_all = r->prompt_lp && it->start < r->s.n_prompt;
         f->argmax = NULL;
+        f->allow = NULL; /* set below with the masks */
         if (f->logits_all)
             f->logits = e->plogits; /* only one such item per step (see below) */
-        else if (it->logits && e->dev_greedy && sampler_plain_greedy(r->smp) && !r->gm) {
-            f->logits = NULL; /* greedy, no logprobs, no penalties: only the id comes back */
+        else if (it->logits && sampler_plain_greedy(r->smp) &&
+                 (r->gm ? device_masked(e, r, it, dev_mask) : e->dev_greedy)) {
+            /* greedy, no logprobs, no penalties: only the id comes back (a constrained row's
+             * argmax over its masked logits, on every backend) */
+            f->logits = NULL;
             f->argmax = &e->amax[i];
         } else
             f->logits = it->logits ? e->logits + (size_t)(k_logits++) * (size_t)e->vocab : NULL;
@@ -1079,16 +1107,24 @@ static void run_step(engine *e) {
     pl->n_items = n = m;
     /* The constrained rows' masks (the state's allowed tokens, and the stop tokens where
      * the grammar accepts) are filled by the mask worker while the forward runs, then
-     * joined before sampling; their states do not move until the tokens are sampled. */
+     * joined before sampling; their states do not move until the tokens are sampled.
+     * Rows masked on the device get their bitmasks in the model's page-locked mask rows (row k
+     * for the k-th such item), which the forward uploads as they are once it has joined the
+     * worker (join_masks, after the head is enqueued). */
     mask_worker_reset(e->masks);
+    uint32_t *dev_rows = decoder_state_mask_rows(e->state, n); /* cap max_num_seqs: no alloc */
+    size_t words = ((size_t)e->vocab + 31) / 32;
+    int n_dev_masked = 0;
     for (int i = 0; i < n; i++) {
-        ereq *r = pl->items[i].s->owner;
-        if (pl->items[i].logits && r->gm)
-            r->gmask = mask_worker_add(e->masks, r->gm, r->gs, r->stop_ids, r->p.n_stop_token_ids);
+        const sched_item *it = &pl->items[i];
+        ereq *r = it->s->owner;
+        if (!(it->logits && r->gm)) continue;
+        uint32_t *dst = dev_rows && device_masked(e, r, it, dev_mask)
+                            ? dev_rows + (size_t)n_dev_masked++ * words
+                            : NULL;
+        r->gmask = mask_worker_add(e->masks, r->gm, r->gs, r->stop_ids, r->p.n_stop_token_ids, dst);
+        e->fwd[i].allow = dst ? r->gmask : NULL;
     }
-    pthread_mutex_lock(&e->mu);
-    int overlap = e->grammar_overlap;
-    pthread_mutex_unlock(&e->mu);
     uint64_t step = ++e->step_seq;
     if (e->lp && e->conn.prefill_chunk) { /* the connector streams prefill chunks of remote-decode
                                              requests by layer */
@@ -1149,14 +1185,28 @@ static void run_step(engine *e) {
         if (!it->logits) continue;
         engine_token tok;
         memset(&tok, 0, sizeof tok);
+        if (r->gm && !r->gmask) {
+            finish(e, r, "error", -1, "no memory for the request's grammar mask");
+            continue;
+        }
         if (e->fwd[i].argmax) { /* the device's greedy pick (no logprobs were asked for) */
             tok.id = *e->fwd[i].argmax;
+            if (r->gm && !(r->gmask[tok.id >> 5] >> (tok.id & 31) & 1u)) {
+                /* every allowed logit was -inf or NaN: the host sampler's choice, the first
+                 * allowed token */
+                int32_t t = 0;
+                while (t < e->vocab && !(r->gmask[t >> 5] >> (t & 31) & 1u))
+                    t++;
+                if (!e->warned_mask_pick++) /* finite logits never land here: say so once */
+                    LOG_W(MOD,
+                          "the device's greedy pick %d of a constrained row is not in its mask "
+                          "(every allowed logit -inf or NaN, or the mask was not applied): took "
+                          "the first allowed token, %d",
+                          tok.id, t);
+                tok.id = t < e->vocab ? t : tok.id;
+            }
             sampler_accept(r->smp, tok.id);
         } else {
-            if (r->gm && !r->gmask) {
-                finish(e, r, "error", -1, "no memory for the request's grammar mask");
-                continue;
-            }
             const sample_result *sr = &e->sres[i]; /* drawn above */
             tok.id = sr->token;
             tok.logprob = sr->logprob;
@@ -1189,6 +1239,7 @@ static void run_step(engine *e) {
     if (mrows) {
         e->stats.grammar_steps++;
         e->stats.grammar_rows += (uint64_t)mrows;
+        e->stats.grammar_device_rows += (uint64_t)n_dev_masked;
         e->stats.grammar_fill_ns += mfill;
         e->stats.grammar_wait_ns += mwait;
         e->stats.grammar_step_ns += t_end - t_step;
@@ -1250,7 +1301,19 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         }
         c.grammar_overlap = ov[0] == '1';
     }
-    int sample_threads = 1;
+    const char *dm = getenv("DISAGG_GRAMMAR_DEVICE_MASK");
+    if (dm && *dm) {
+        if (strcmp(dm, "0") != 0 && strcmp(dm, "1") != 0) {
+            snprintf(err, errlen,
+                     "DISAGG_GRAMMAR_DEVICE_MASK='%s' is not accepted (1: constrained rows masked "
+                     "on the device, greedy ones picked there, the default; 0: their logits "
+                     "come to the host and the sampler masks them)",
+                     dm);
+            return -EINVAL;
+        }
+        c.grammar_device_mask = dm[0] == '1';
+    }
+    int sample_threads = 0; /* 0: the backend's default, below */
     const char *st = getenv("DISAGG_SAMPLE_THREADS");
     if (st && *st) {
         char *end;
@@ -1258,8 +1321,8 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         if (*end || v < 1 || v > 256) {
             snprintf(err, errlen,
                      "DISAGG_SAMPLE_THREADS='%s' is not accepted (an integer in [1, 256]: the "
-                     "threads that sample a step's host-sampled rows; 1, the default: the step "
-                     "thread alone)",
+                     "threads that sample a step's host-sampled rows; 1: the step thread alone, "
+                     "the default on the CPU; on CUDA the default is min(8, CPUs / 2))",
                      st);
             return -EINVAL;
         }
@@ -1406,13 +1469,29 @@ int engine_create(const engine_config *cfg, engine **out, char *err, size_t errl
         goto fail;
     }
     e->fwd = calloc((size_t)c.max_num_seqs, sizeof *e->fwd);
-    e->logits = malloc((size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float));
+    e->logits_hb = backend_buffer_alloc(e->be, (size_t)c.max_num_seqs * (size_t)e->vocab * sizeof(float),
+                                        BACKEND_BUF_HOST);
+    e->logits = e->logits_hb ? backend_buffer_ptr(e->logits_hb) : NULL;
     e->plogits = malloc((size_t)PROMPT_LOGPROBS_CHUNK * (size_t)e->vocab * sizeof(float));
     e->sidx = malloc((size_t)c.max_num_seqs * sizeof *e->sidx);
     e->sres = malloc((size_t)c.max_num_seqs * sizeof *e->sres);
+    if (!e->sample_threads) { /* the default: see DISAGG_SAMPLE_THREADS in engine.h */
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        e->sample_threads = backend_is_cpu(e->be) || ncpu < 4 ? 1 : ncpu / 2 < 8 ? (int)(ncpu / 2) : 8;
+    }
     e->masks = mask_worker_new(e->vocab, mc->eos_ids, mc->n_eos,
                                e->sample_threads > 1 ? e->sample_threads - 1 : 1);
     e->grammar_overlap = c.grammar_overlap;
+    e->grammar_device_mask = c.grammar_device_mask;
+    if (e->state) { /* the device-masked rows' page-locked bitmasks, one per sequence */
+        decoder_state_set_mask_hook(e->state, join_masks, e);
+        if (!decoder_state_mask_rows(e->state, c.max_num_seqs)) {
+            snprintf(err, errlen, "cannot allocate %d page-locked grammar mask rows on %s",
+                     c.max_num_seqs, backend_name(e->be));
+            rc = -ENOMEM;
+            goto fail;
+        }
+    }
     e->amax = calloc((size_t)c.max_num_seqs, sizeof *e->amax);
     /* on the CPU the logits are already in host memory: the host sampler's greedy is free */
     e->dev_greedy = !backend_is_cpu(e->be);
@@ -1482,7 +1561,7 @@ fail:
     block_pool_free_all(&e->bp);
     kv_events_free(&e->events);
     free(e->fwd);
-    free(e->logits);
+    backend_buffer_free(e->logits_hb);
     free(e->plogits);
     free(e->sidx);
     free(e->sres);
@@ -1531,7 +1610,7 @@ void engine_destroy(engine *e) {
     block_pool_free_all(&e->bp);
     kv_events_free(&e->events);
     free(e->fwd);
-    free(e->logits);
+    backend_buffer_free(e->logits_hb);
     free(e->plogits);
     free(e->sidx);
     free(e->sres);
@@ -1554,11 +1633,18 @@ void engine_set_grammar_overlap(engine *e, int on) {
     pthread_mutex_unlock(&e->mu);
 }
 
+void engine_set_grammar_device_mask(engine *e, int on) {
+    pthread_mutex_lock(&e->mu);
+    e->grammar_device_mask = on ? 1 : 0;
+    pthread_mutex_unlock(&e->mu);
+}
+
 void engine_get_stats(engine *e, engine_stats *out) {
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
     snprintf(out->kernels, sizeof out->kernels, "%s", engine_kernels(e));
+    out->sample_threads = e->sample_threads;
 }
 
 const struct model_config *engine_model_config(const engine *e) {

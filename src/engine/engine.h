@@ -57,6 +57,16 @@ typedef struct engine_config {
      * serial path; the outputs are the same).  The environment variable
      * DISAGG_GRAMMAR_OVERLAP (0 or 1), when set, overrides it at engine_create. */
     int grammar_overlap;
+    /* Structured outputs: 1 (the default) applies a constrained row's bitmask to its logits on
+     * the device (backend_token_bitmask) and, when the request is plain greedy, picks the token
+     * there (only the id comes back, as for an unconstrained greedy row); other constrained
+     * rows come back masked and are drawn on the host as before.  Rows of requests that want
+     * logprobs keep the host path (their logprobs are those of the raw distribution).  0: every
+     * constrained row's logits come to the host and the sampler masks them.  The tokens are the
+     * same either way.  DISAGG_GRAMMAR_DEVICE_MASK (0 or 1), when set, overrides it at
+     * engine_create.  (DISAGG_SAMPLE_THREADS=N: the host draws of a step on N threads; default
+     * 1 on the CPU backend, min(8, online CPUs / 2) on a device.) */
+    int grammar_device_mask;
 } engine_config;
 
 void engine_config_init(engine_config *c);
@@ -254,6 +264,8 @@ typedef struct engine_stats {
      * the time the step thread waited for them (serial: all of it; overlapped: what the
      * forward did not hide), and these steps' whole, forward and after-forward times */
     uint64_t grammar_steps, grammar_rows;
+    uint64_t grammar_device_rows; /* of those rows, masked on the device (decoder_seq.allow) */
+    int sample_threads;           /* DISAGG_SAMPLE_THREADS as the engine took it */
     uint64_t grammar_fill_ns, grammar_wait_ns, grammar_step_ns, grammar_forward_ns;
     uint64_t grammar_sample_ns;
 } engine_stats;
@@ -262,6 +274,9 @@ void engine_get_stats(engine *e, engine_stats *out);
 /* Switch structured outputs' mask overlap (engine_config.grammar_overlap) from the next step
  * on: for benchmarks comparing the two on one engine.  Thread-safe. */
 void engine_set_grammar_overlap(engine *e, int on);
+/* Switch structured outputs' device masks (engine_config.grammar_device_mask) from the next
+ * step on: for benchmarks comparing the two on one engine.  Thread-safe. */
+void engine_set_grammar_device_mask(engine *e, int on);
 /* KV cache usage, 0..1: blocks in use over the blocks of the cache (vllm:kv_cache_usage_perc,
  * and the kv_usage `disagg serve --discovery` publishes). */
 static inline double engine_stats_kv_usage(const engine_stats *st) {

@@ -1,7 +1,8 @@
 /*
  * mask_worker — see mask_worker.h.  The rows of a step are claimed one at a time by the
- * threads (and by nobody else); a row's bitmask buffer is allocated once and reused, so
- * the pointer mask_worker_add returns stays valid for the step.
+ * threads (and by nobody else); a row's bitmask goes where the caller says, or into a buffer
+ * of the worker's allocated once and reused, so the pointer mask_worker_add returns stays
+ * valid for the step.
  */
 #include "engine/mask_worker.h"
 
@@ -16,6 +17,7 @@ typedef struct mask_row {
     grammar_state s;         /* its state before this step's token */
     const int32_t *stop_ids; /* (n_stop) the request's stop ids (borrowed) */
     int n_stop;
+    uint32_t *dst; /* where its bitmask goes (the caller's, or bits[i]) */
 } mask_row;
 
 struct mask_worker {
@@ -51,7 +53,7 @@ struct mask_worker {
 /* Row i's bitmask: the state's mask plus the stop tokens where the grammar accepts. */
 static void fill_row(mask_worker *w, int i) {
     const mask_row *r = &w->rows[i];
-    uint32_t *m = w->bits[i];
+    uint32_t *m = r->dst;
     memcpy(m, grammar_state_mask(r->g, r->s), (size_t)w->words * sizeof *m);
     if (!grammar_state_accepting(r->g, r->s)) return;
     for (int k = 0; k < w->n_eos; k++)
@@ -139,7 +141,7 @@ void mask_worker_reset(mask_worker *w) {
 }
 
 uint32_t *mask_worker_add(mask_worker *w, grammar *g, grammar_state s, const int32_t *stop_ids,
-                          int n_stop) {
+                          int n_stop, uint32_t *dst) {
     if (w->n_rows == w->cap_rows) {
         int cap = w->cap_rows ? 2 * w->cap_rows : 16;
         mask_row *rows = realloc(w->rows, (size_t)cap * sizeof *rows);
@@ -153,10 +155,12 @@ uint32_t *mask_worker_add(mask_worker *w, grammar *g, grammar_state s, const int
         w->cap_rows = cap;
     }
     int i = w->n_rows;
-    if (!w->bits[i] && !(w->bits[i] = malloc((size_t)w->words * sizeof(uint32_t)))) return NULL;
-    w->rows[i] = (mask_row){.g = g, .s = s, .stop_ids = stop_ids, .n_stop = n_stop};
+    if (!dst && !w->bits[i] && !(w->bits[i] = malloc((size_t)w->words * sizeof(uint32_t))))
+        return NULL;
+    if (!dst) dst = w->bits[i];
+    w->rows[i] = (mask_row){.g = g, .s = s, .stop_ids = stop_ids, .n_stop = n_stop, .dst = dst};
     w->n_rows++;
-    return w->bits[i];
+    return dst;
 }
 
 /* Start the threads not yet running; 0 when at least one runs. */

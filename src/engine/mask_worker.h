@@ -34,10 +34,12 @@ void mask_worker_free(mask_worker *w); /* joins its threads; NULL is fine */
 /* Begin a step's rows (after the previous step's join). */
 void mask_worker_reset(mask_worker *w);
 /* Add a row: grammar g (borrowed until join) in state s, with the request's stop ids
- * (n_stop, borrowed until join).  Returns the row's bitmask, filled by join, or NULL on
- * allocation failure. */
+ * (n_stop, borrowed until join), its bitmask written to dst ((vocab + 31) / 32 words: the
+ * engine passes the model's page-locked mask rows, which go to the device as they are) or,
+ * dst NULL, to a buffer of the worker's.  Returns the row's bitmask, filled by join, or NULL
+ * on allocation failure. */
 uint32_t *mask_worker_add(mask_worker *w, grammar *g, grammar_state s, const int32_t *stop_ids,
-                          int n_stop);
+                          int n_stop, uint32_t *dst);
 /* Fill the rows: overlap 1 hands them to the threads and returns; overlap 0 (or a thread
  * that could not start) fills them here. */
 void mask_worker_start(mask_worker *w, int overlap);

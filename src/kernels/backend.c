@@ -487,6 +487,21 @@ int backend_download(backend_stream *st, void *host, const void *dev, size_t byt
     CHECK(dev && host, "download: null pointer (dev %p, host %p)", dev, host);
     return st->be->iface->download(st, host, dev, bytes);
 }
+int backend_upload_async(backend_stream *st, void *dev, const backend_buffer *hb, size_t offset,
+                         size_t bytes) {
+    if (!bytes) return 0;
+    CHECK(dev && hb, "upload_async: null pointer (dev %p, host buffer %p)", dev, (const void *)hb);
+    CHECK(hb->be == st->be && hb->is_host && (hb->flags & BACKEND_BUF_HOST),
+          "upload_async: the source must be a BACKEND_BUF_HOST buffer of the stream's backend "
+          "(%s)",
+          backend_name(st->be));
+    CHECK(offset <= hb->size && bytes <= hb->size - offset,
+          "upload_async: bytes [%zu, %zu) outside the host buffer of %zu bytes", offset,
+          offset + bytes, hb->size);
+    const void *host = (const char *)hb->ptr + offset;
+    if (!st->be->iface->upload_async) return st->be->iface->upload(st, dev, host, bytes);
+    return st->be->iface->upload_async(st, dev, host, bytes);
+}
 int backend_copy(backend_stream *st, void *dst, const void *src, size_t bytes) {
     if (!bytes || dst == src) return 0;
     CHECK(dst && src, "copy: null pointer (dst %p, src %p)", dst, src);
@@ -688,6 +703,17 @@ int backend_argmax(backend_stream *st, int32_t *out, const float *logits, int ro
     CHECK(out && logits && rows >= 1 && vocab >= 1, "argmax: bad arguments (rows %d, vocab %d)",
           rows, vocab);
     return st->be->iface->argmax(st, out, logits, rows, vocab);
+}
+
+int backend_token_bitmask(backend_stream *st, float *logits, int width, const int32_t *bitmask,
+                          const int32_t *rows, int n, int vocab) {
+    if (n == 0) return 0;
+    CHECK(logits && bitmask && rows && n >= 1 && vocab >= 1 && vocab <= width,
+          "token_bitmask: bad arguments (n %d, vocab %d, width %d; accepted: n >= 0, "
+          "1 <= vocab <= width, non-null logits, bitmask and rows)",
+          n, vocab, width);
+    if (!st->be->iface->token_bitmask) return -ENOTSUP;
+    return st->be->iface->token_bitmask(st, logits, width, bitmask, rows, n, vocab);
 }
 
 /* ---- fused operations: the backend's own, else the generic form ----------------------- */

@@ -216,6 +216,14 @@ int backend_upload(backend_stream *st, void *dev, const void *host, size_t bytes
 int backend_download(backend_stream *st, void *host, const void *dev, size_t bytes);
 int backend_copy(backend_stream *st, void *dst, const void *src, size_t bytes);
 int backend_memset_zero(backend_stream *st, void *dev, size_t bytes);
+/* An upload that returns once it is enqueued (CUDA: one cudaMemcpyAsync on the stream,
+ * ordered after the work enqueued before it and before the work enqueued after it): bytes
+ * from offset `offset` of host buffer hb (made with BACKEND_BUF_HOST on the stream's
+ * backend) to device address dev.  The host bytes must not change until the stream has
+ * synced (backend_stream_sync, or a later backend_download, which syncs).  The CPU backend
+ * copies at once.  Not while the stream records a graph (-EINVAL). */
+int backend_upload_async(backend_stream *st, void *dev, const backend_buffer *hb, size_t offset,
+                         size_t bytes);
 
 /* ---- one forward's batch ------------------------------------------------------------ */
 
@@ -516,6 +524,18 @@ int backend_gather_rows(backend_stream *st, void *out, const void *x, backend_dt
 /* Sampling helpers on the device.  out (rows) int32 on the device: index of the largest
  * of each row of logits (rows, vocab) f32 (the first one on ties; NaN never wins). */
 int backend_argmax(backend_stream *st, int32_t *out, const float *logits, int rows, int vocab);
+
+/* Structured outputs' token masks (xgrammar's packed bitmask, as vLLM applies it on the
+ * device): for k < n, row rows[k] of logits (any number of rows, each `width` f32) keeps its
+ * value at token t only when t < vocab and bit t % 32 of word t / 32 of bitmask row k is
+ * set; every other token of the row becomes -inf.  bitmask: (n, (vocab + 31) / 32) int32
+ * (bit i of word w allows token 32 w + i); rows: (n) int32 row indices.  Both are device
+ * addresses (upload them with backend_upload_async from a BACKEND_BUF_HOST buffer).  vocab
+ * may be less than width: the ids from vocab to width (a logits row padded beyond the
+ * tokenizer's vocabulary) are always disallowed, as are the bits of the last word beyond
+ * vocab.  1 <= vocab <= width; a row may repeat (the same mask applied twice). */
+int backend_token_bitmask(backend_stream *st, float *logits, int width, const int32_t *bitmask,
+                          const int32_t *rows, int n, int vocab);
 
 /* ---- recorded decode steps (CUDA graphs) ------------------------------------------------ */
 

@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 
 /* Bump on any change to backend.h's types or this file's structs. */
-#define BACKEND_ABI_VERSION 8
+#define BACKEND_ABI_VERSION 9
 
 typedef struct backend_iface {
     /* device */
@@ -90,6 +90,11 @@ typedef struct backend_iface {
     void (*event_free)(backend *be, void *ev);
     int (*event_record)(backend_stream *st, void *ev);
     int (*event_query)(backend *be, void *ev);
+    /* structured outputs: backend_upload_async (hb checked: a host buffer of the stream's
+     * backend, the range inside it) and backend_token_bitmask (arguments checked) */
+    int (*upload_async)(backend_stream *st, void *dev, const void *host, size_t bytes);
+    int (*token_bitmask)(backend_stream *st, float *logits, int width, const int32_t *bitmask,
+                         const int32_t *rows, int n, int vocab);
 } backend_iface;
 
 struct backend {

@@ -186,6 +186,12 @@ struct decoder_state {
     backend_buffer *amax_buf;   /* (logits_cap) int32 greedy ids on the device */
     int logits_cap;             /* rows of logits_buf */
     int32_t *amax_host;         /* (logits_cap) */
+    /* structured outputs' masks (decoder_seq.allow): mask_host, page-locked, holds mask_cap row
+     * indices then mask_cap bitmask rows; mask_dev the same on the device */
+    backend_buffer *mask_host, *mask_dev;
+    int mask_cap, mask_words;
+    void (*mask_hook)(void *ctx);
+    void *mask_ctx;
     /* the batch's host metadata (backend_batch) */
     int32_t *tokens, *tok_seq, *tok_pos, *out_rows; /* (max_tokens) each */
     int32_t *qo_indptr, *kv_len, *bt_indptr;        /* (max_tokens + 1) each */
@@ -213,6 +219,7 @@ static decoder_state *state_new(const decoder_model *m, int max_tokens, backend_
     s->act = backend_act_dtype(m->be);
     s->mm = backend_mm_dtype(m->be);
     s->max_tokens = max_tokens;
+    s->mask_words = (m->cfg.vocab_size + 31) / 32; /* decoder_seq.allow covers the whole vocabulary */
     size_t T = (size_t)max_tokens, h = (size_t)c->hidden_size, qd = (size_t)c->q_dim,
            kvd = (size_t)(c->n_kv_heads * c->head_dim), I = (size_t)c->intermediate_size,
            ea = backend_dtype_size(s->act), em = backend_dtype_size(s->mm);
@@ -260,6 +267,8 @@ void decoder_state_free(decoder_state *s) {
     backend_buffer_free(s->logits_buf);
     backend_buffer_free(s->amax_buf);
     free(s->amax_host);
+    backend_buffer_free(s->mask_host);
+    backend_buffer_free(s->mask_dev);
     free(s->tokens);
     free(s->tok_seq);
     free(s->tok_pos);
@@ -274,6 +283,30 @@ void decoder_state_free(decoder_state *s) {
 
 int decoder_state_max_tokens(const decoder_state *s) {
     return s->max_tokens;
+}
+
+uint32_t *decoder_state_mask_rows(decoder_state *s, int n) {
+    if (n < 1) n = 1;
+    if (n > s->mask_cap) {
+        backend *be = backend_stream_backend(s->st);
+        int cap = n < 16 ? 16 : n;
+        size_t bytes = (size_t)cap * sizeof(int32_t) * (1 + (size_t)s->mask_words);
+        backend_buffer *h = backend_buffer_alloc(be, bytes, BACKEND_BUF_HOST),
+                       *d = h ? backend_buffer_alloc(be, bytes, 0) : NULL;
+        if (!d) {
+            backend_buffer_free(h);
+            return NULL;
+        }
+        backend_buffer_free(s->mask_host);
+        backend_buffer_free(s->mask_dev);
+        s->mask_host = h, s->mask_dev = d, s->mask_cap = cap;
+    }
+    return (uint32_t *)backend_buffer_ptr(s->mask_host) + s->mask_cap;
+}
+
+void decoder_state_set_mask_hook(decoder_state *s, void (*fn)(void *ctx), void *ctx) {
+    s->mask_hook = fn;
+    s->mask_ctx = ctx;
 }
 
 int decoder_state_set_graphs(decoder_state *s, int max_batch) {
@@ -559,6 +592,49 @@ static int run_head(const decoder_model *m, decoder_state *s, int n_out) {
     return m->tp ? tp_shard_lm_head(m->tp, m->be, st, &head) : backend_matmul(st, &head, 1);
 }
 
+/* The sequences' allow masks on their logits rows (in sequence order on the device, n_rows
+ * in all): after the mask hook, the masks (row k of mask_host for the k-th masked sequence,
+ * copied there when the sequence's pointer is elsewhere) and their row indices go to the
+ * device in one asynchronous copy, then backend_token_bitmask. */
+static int apply_masks(decoder_state *s, const decoder_seq *seqs, int n_seqs, int V) {
+    int n = 0, rc;
+    for (int i = 0; i < n_seqs; i++)
+        n += seqs[i].allow && (seqs[i].logits || seqs[i].argmax);
+    if (!n) return 0;
+    if (s->mask_hook) s->mask_hook(s->mask_ctx);
+    size_t words = (size_t)s->mask_words;
+    if (!decoder_state_mask_rows(s, n)) return -ENOMEM;
+    int32_t *hdr = backend_buffer_ptr(s->mask_host);
+    uint32_t *rows = (uint32_t *)hdr + s->mask_cap, *end = rows + (size_t)s->mask_cap * words;
+    int j = 0;
+    for (int i = 0, r = 0; i < n_seqs; i++) {
+        const decoder_seq *q = &seqs[i];
+        if (!q->logits && !q->argmax) continue;
+        int nr = q->logits && q->logits_all ? q->n_tokens : 1;
+        if (q->allow) {
+            uint32_t *dst = rows + (size_t)j * words;
+            if (q->allow != dst) {
+                if (q->allow + words > rows && q->allow < end) {
+                    LOG_E("model",
+                          "sequence %d: its allow mask is row %td of the state's mask rows, "
+                          "which the masked sequences must use in order (this one: row %d) or "
+                          "not at all (memory outside them is copied in)",
+                          i, (q->allow - rows) / (ptrdiff_t)words, j);
+                    return -EINVAL;
+                }
+                memcpy(dst, q->allow, words * sizeof *dst);
+            }
+            hdr[j++] = r + nr - 1;
+        }
+        r += nr;
+    }
+    size_t bytes = ((size_t)s->mask_cap + (size_t)n * words) * sizeof(int32_t);
+    int32_t *dev = backend_buffer_ptr(s->mask_dev);
+    TRY(backend_upload_async(s->st, dev, s->mask_host, 0, bytes));
+    return backend_token_bitmask(s->st, backend_buffer_ptr(s->logits_buf), V,
+                                 dev + s->mask_cap, dev, n, V);
+}
+
 /* Copies the logits rows (in sequence order from dev) to each sequence's host array; runs of
  * sequences whose host arrays follow each other (the engine's one logits array) go in one
  * download.  Sequences asking for their greedy token get it from one argmax over the rows
@@ -568,6 +644,7 @@ static int download_outputs(decoder_state *s, const decoder_seq *seqs, int n_seq
     backend_stream *st = s->st;
     const float *dev = backend_buffer_ptr(s->logits_buf);
     int rc, want_amax = 0;
+    TRY(apply_masks(s, seqs, n_seqs, V));
     for (int i = 0; i < n_seqs; i++)
         want_amax |= seqs[i].argmax != NULL;
     if (want_amax) {

@@ -105,6 +105,14 @@ typedef struct decoder_seq {
     int32_t *argmax;            /* out: the greedy token of the last new row (the largest
                                    logit, lowest id on ties, computed on the device: with
                                    logits NULL nothing else comes back), or NULL */
+    const uint32_t *allow;      /* in: structured outputs: the tokens the last new row may
+                                   take, a packed bitmask of the model's vocab_size tokens (bit
+                                   t % 32 of word t / 32, xgrammar's layout), or NULL.  Applied
+                                   on the device to that row's logits (-inf elsewhere) before
+                                   its argmax and its download.  Read once the forward reaches
+                                   the head, after the state's mask hook returned; the k-th
+                                   sequence with a mask should use row k of
+                                   decoder_state_mask_rows (no copy) or memory outside them */
 } decoder_seq;
 
 typedef struct decoder_state decoder_state;
@@ -118,6 +126,16 @@ decoder_state *decoder_state_create(const decoder_model *m, int max_tokens);
 decoder_state *decoder_state_init(const decoder_model *m, int max_tokens, int n_threads);
 void decoder_state_free(decoder_state *s);
 int decoder_state_max_tokens(const decoder_state *s);
+
+/* Structured outputs (decoder_seq.allow).  Page-locked host rows for the masks of up to n
+ * sequences, row k at words * k (words = (vocab_size + 31) / 32), valid until a call with a
+ * larger n or the state's free; the forward uploads the rows it uses in one asynchronous copy
+ * on the state's stream.  NULL on allocation failure (logged). */
+uint32_t *decoder_state_mask_rows(decoder_state *s, int n);
+/* fn(ctx) is called by decoder_forward once the step's work up to the logits is enqueued and
+ * before any allow mask is read, when some sequence has one (the engine waits there for its
+ * mask thread, so the masks are filled while the device computes the forward).  NULL: none. */
+void decoder_state_set_mask_hook(decoder_state *s, void (*fn)(void *ctx), void *ctx);
 
 /* Decode steps (one new token per sequence, each wanting its logits) of up to max_batch
  * sequences run as recorded graphs on a backend that has them (CUDA graphs): the batch is

@@ -292,29 +292,46 @@ static void top_n(const float *v, int len, int n, int32_t *ids) {
     }
 }
 
+/* want_lp: 1 computes the raw distribution's logprobs (the chosen token's, the top N); 0
+ * leaves out->logprob 0 (sampler_sample_premasked: the caller wants none) */
+static int sample_impl(sampler *s, float *logits, const uint32_t *allow, sample_result *out,
+                       int want_lp);
+
 int sampler_sample(sampler *s, float *logits, sample_result *out) {
-    return sampler_sample_masked(s, logits, NULL, out);
+    return sample_impl(s, logits, NULL, out, 1);
 }
 
 int sampler_sample_masked(sampler *s, float *logits, const uint32_t *allow, sample_result *out) {
+    return sample_impl(s, logits, allow, out, 1);
+}
+
+int sampler_sample_premasked(sampler *s, float *logits, const uint32_t *allow, sample_result *out) {
+    return sample_impl(s, logits, allow, out, s->p.logprobs > 0);
+}
+
+static int sample_impl(sampler *s, float *logits, const uint32_t *allow, sample_result *out,
+                       int want_lp) {
     const sampler_params *p = &s->p;
     int V = s->vocab;
     memset(out, 0, sizeof *out);
-    /* raw log-softmax normaliser for logprobs */
-    float mx = logits[0];
-    for (int i = 1; i < V; i++)
-        if (logits[i] > mx) mx = logits[i];
-    double z = 0;
-    for (int i = 0; i < V; i++)
-        z += (double)expf(logits[i] - mx);
-    double lse = (double)mx + log(z);
-    if (p->logprobs > 0) {
-        top_n(logits, V, p->logprobs, out->top_ids);
-        out->n_top = p->logprobs;
-        for (int i = 0; i < out->n_top; i++)
-            out->top_logprobs[i] = (float)(logits[out->top_ids[i]] - lse);
+    double lse = 0;
+    if (want_lp) {
+        /* raw log-softmax normaliser for logprobs */
+        float mx = logits[0];
+        for (int i = 1; i < V; i++)
+            if (logits[i] > mx) mx = logits[i];
+        double z = 0;
+        for (int i = 0; i < V; i++)
+            z += (double)expf(logits[i] - mx);
+        lse = (double)mx + log(z);
+        if (p->logprobs > 0) {
+            top_n(logits, V, p->logprobs, out->top_ids);
+            out->n_top = p->logprobs;
+            for (int i = 0; i < out->n_top; i++)
+                out->top_logprobs[i] = (float)(logits[out->top_ids[i]] - lse);
+        }
+        memcpy(s->raw, logits, (size_t)V * sizeof *logits);
     }
-    memcpy(s->raw, logits, (size_t)V * sizeof *logits);
     apply_processors(s, logits);
     /* penalties on the tokens seen */
     for (int i = 0; i < s->cap; i++) {
@@ -433,7 +450,7 @@ int sampler_sample_masked(sampler *s, float *logits, const uint32_t *allow, samp
                 break;
             }
     out->token = tok;
-    out->logprob = (float)((double)s->raw[tok] - lse);
+    out->logprob = want_lp ? (float)((double)s->raw[tok] - lse) : 0.0f;
     for (int i = 0; i < p->n_stop; i++)
         if (p->stop_ids[i] == tok) out->is_stop = 1;
     sampler_accept(s, tok);

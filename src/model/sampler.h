@@ -71,6 +71,12 @@ int sampler_sample(sampler *s, float *logits, sample_result *out);
  * i / 32, vocab_size bits) may be chosen (they get -inf after the penalties); logprobs
  * stay those of the raw distribution.  allow must admit at least one token; NULL: none. */
 int sampler_sample_masked(sampler *s, float *logits, const uint32_t *allow, sample_result *out);
+/* sampler_sample_masked for logits the constraint was already applied to (on the device:
+ * backend_token_bitmask) of a request that wants no logprobs (params.logprobs 0): the same
+ * token for the same logits and seed, without the raw log-softmax pass and its copy of the
+ * row (out->logprob is 0: the raw distribution is gone anyway).  With logprobs > 0 it is
+ * sampler_sample_masked. */
+int sampler_sample_premasked(sampler *s, float *logits, const uint32_t *allow, sample_result *out);
 /* 1 when the next token is the plain argmax of the raw logits: greedy (temperature 0 or
  * top_k 1), no penalties, no logit processors and no logprobs — the device may pick it (backend_argmax: the
  * largest logit, lowest id on ties, as here) and the logits need not be downloaded. */

@@ -341,7 +341,37 @@ def test_mask_overlap_equals_serial():
             assert valid(kind, spec, text), (kind, spec, text)
 
 
-@pytest.mark.parametrize("var,value", [("DISAGG_GRAMMAR_OVERLAP", "yes"),
+def test_device_mask_equals_host():
+    """A constrained row's bitmask applied to its logits by the backend (backend_token_bitmask:
+    the default; greedy rows then take the backend's argmax and only the id comes back) gives
+    the tokens of the host path (DISAGG_GRAMMAR_DEVICE_MASK=0: the logits come back and the
+    sampler masks them), greedy and seeded at temperature 1; requests with logprobs keep the
+    host path and report the raw distribution's logprobs either way."""
+    from server_harness import on_gpu
+    args = ["--max-model-len", "1024"] + (["--batch-invariant"] if on_gpu() else [])
+    dev = Server(*args, env={"DISAGG_GRAMMAR_DEVICE_MASK": "1", "DISAGG_SAMPLE_THREADS": "3"})
+    host = Server(*args, env={"DISAGG_GRAMMAR_DEVICE_MASK": "0", "DISAGG_SAMPLE_THREADS": "1"})
+    try:
+        jobs, on_dev = constrained_outputs(dev)
+        _, on_host = constrained_outputs(host)
+        lp = []
+        for s in (dev, host):
+            r = client(s).completions.create(
+                model="tiny", prompt="Fellow-Citizens of the Senate", max_tokens=24, temperature=0,
+                logprobs=2, extra_body={"structured_outputs": {"regex": r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"}})
+            lp.append((r.choices[0].text, r.choices[0].logprobs.token_logprobs,
+                       r.choices[0].logprobs.top_logprobs))
+    finally:
+        assert dev.stop() == 0, dev.logs()
+        assert host.stop() == 0, host.logs()
+    for job, a, b in zip(jobs, on_dev, on_host):
+        assert a == b, (job, a, b)
+    assert lp[0] == lp[1]
+    # raw logprobs: the chosen token's is below 0 and the top tokens need not be allowed ones
+    assert all(x <= 0 for x in lp[0][1] if x is not None)
+
+
+@pytest.mark.parametrize("var,value", [("DISAGG_GRAMMAR_OVERLAP", "yes"), ("DISAGG_GRAMMAR_DEVICE_MASK", "2"),
                                        ("DISAGG_SAMPLE_THREADS", "0"), ("DISAGG_SAMPLE_THREADS", "4x")])
 def test_mask_overlap_bad_env(var, value):
     p = subprocess.run([BIN, "serve", str(ROOT / "models" / "disagg-sotu-tiny"), "--port", "1"],

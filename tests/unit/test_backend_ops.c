@@ -1563,6 +1563,100 @@ static void test_gather_argmax(void **state) {
     }
 }
 
+/* Structured outputs' token masks: backend_token_bitmask against a bit-by-bit reference, the
+ * masks and row indices uploaded with backend_upload_async from a host buffer, on shapes of a
+ * vocabulary not a multiple of 32, a logits row wider than the vocabulary (padded ids: always
+ * -inf, also where the mask's last word has bits set beyond the vocabulary) and a row named
+ * twice; then the masked rows' argmax is the reference's best allowed token. */
+static void test_token_bitmask(void **state) {
+    static const int shapes[][2] = {{1000, 1000}, {1000, 1024}, {4096, 4096}, {33, 40}, {1, 1}};
+    for (int bi = 0; bi < g_n_be; bi++) {
+        backend *be = g_be[bi];
+        backend_stream *st = backend_stream_create(be);
+        assert_non_null(st);
+        for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+            int vocab = shapes[c][0], width = shapes[c][1], words = (vocab + 31) / 32;
+            int R = 6, n = 5, rows[5] = {4, 0, 2, 5, 2}; /* any order; row 2 twice; 1, 3 free */
+            float *lg = rand_vec((size_t)R * width, BACKEND_F32);
+            /* header: the row indices, then the n masks */
+            size_t bytes = (size_t)n * 4 + (size_t)n * words * 4;
+            backend_buffer *hb = backend_buffer_alloc(be, bytes, BACKEND_BUF_HOST);
+            assert_non_null(hb);
+            assert_true(backend_buffer_is_host(hb));
+            int32_t *h = backend_buffer_ptr(hb);
+            memcpy(h, rows, sizeof rows);
+            uint32_t *m = (uint32_t *)h + n;
+            for (int k = 0; k < n; k++)
+                for (int w = 0; w < words; w++) {
+                    int kind = irand(4); /* all, none, sparse, dense */
+                    uint32_t a = kind == 0   ? 0xFFFFFFFFu
+                                 : kind == 1 ? 0
+                                             : (uint32_t)(urand() * 4294967296.0);
+                    if (kind == 2) a &= (uint32_t)(urand() * 4294967296.0);
+                    m[(size_t)k * words + w] = a;
+                }
+            if (c == 1) m[words - 1] |= 0xFF000000u; /* bits 1000..1023: beyond the vocabulary */
+            if (vocab == 1) m[0] = 0x3; /* token 0 allowed, bit 1 beyond the vocabulary */
+            for (int k = 0; k < n; k++) /* every row allows one token at least */
+                m[(size_t)k * words] |= 1u << (k % (vocab < 32 ? vocab : 32));
+            double *want = malloc((size_t)R * width * sizeof *want);
+            assert_non_null(want);
+            for (size_t i = 0; i < (size_t)R * width; i++)
+                want[i] = lg[i];
+            for (int k = 0; k < n; k++)
+                for (int t = 0; t < width; t++)
+                    if (!(t < vocab && (m[(size_t)k * words + t / 32] >> (t % 32) & 1u)))
+                        want[(size_t)rows[k] * width + t] = -INFINITY;
+            backend_buffer *bl = to_dev(st, lg, (size_t)R * width, BACKEND_F32),
+                           *bm = backend_buffer_alloc(be, bytes, 0),
+                           *bo = backend_buffer_alloc(be, (size_t)R * 4, 0);
+            assert_non_null(bm);
+            assert_int_equal(backend_upload_async(st, DEV(bm), hb, 0, bytes), 0);
+            assert_int_equal(backend_token_bitmask(st, DEV(bl), width,
+                                                   (const int32_t *)DEV(bm) + n,
+                                                   (const int32_t *)DEV(bm), n, vocab),
+                             0);
+            assert_int_equal(backend_argmax(st, DEV(bo), DEV(bl), R, width), 0);
+            float *got = from_dev(st, DEV(bl), (size_t)R * width, BACKEND_F32);
+            for (size_t i = 0; i < (size_t)R * width; i++)
+                if (!(got[i] == want[i] || (isinf(got[i]) && isinf(want[i]) && got[i] < 0 && want[i] < 0)))
+                    fail_msg("token_bitmask on %s: vocab %d width %d: element (%zu, %zu) is %g, "
+                             "want %g",
+                             backend_name(be), vocab, width, i / (size_t)width, i % (size_t)width,
+                             (double)got[i], want[i]);
+            int32_t amax[6];
+            assert_int_equal(backend_download(st, amax, DEV(bo), sizeof amax), 0);
+            for (int r = 0; r < R; r++) {
+                int best = 0;
+                for (int t = 1; t < width; t++)
+                    if (want[(size_t)r * width + t] > want[(size_t)r * width + best]) best = t;
+                assert_int_equal(amax[r], best);
+            }
+            free(got), free(want), free(lg);
+            backend_buffer_free(bl), backend_buffer_free(bm), backend_buffer_free(bo);
+            backend_buffer_free(hb);
+        }
+        /* bad arguments: named errors, nothing done */
+        backend_buffer *dev = backend_buffer_alloc(be, 64, 0),
+                       *hb = backend_buffer_alloc(be, 64, BACKEND_BUF_HOST);
+        assert_non_null(dev);
+        assert_non_null(hb);
+        assert_int_equal(backend_token_bitmask(st, DEV(dev), 8, DEV(dev), DEV(dev), 1, 9), -EINVAL);
+        assert_int_equal(backend_token_bitmask(st, DEV(dev), 8, DEV(dev), DEV(dev), 1, 0), -EINVAL);
+        assert_int_equal(backend_token_bitmask(st, DEV(dev), 8, NULL, DEV(dev), 1, 8), -EINVAL);
+        assert_int_equal(backend_token_bitmask(st, NULL, 8, NULL, NULL, 0, 8), 0); /* no rows */
+        assert_int_equal(backend_upload_async(st, DEV(dev), hb, 32, 64), -EINVAL); /* past its end */
+        assert_int_equal(backend_upload_async(st, DEV(dev), NULL, 0, 8), -EINVAL);
+        if (!backend_is_cpu(be)) /* a device buffer is not host memory */
+            assert_int_equal(backend_upload_async(st, DEV(hb), dev, 0, 8), -EINVAL);
+        backend_buffer *plain = backend_buffer_alloc(be, 64, 0); /* not made with BUF_HOST */
+        assert_non_null(plain);
+        assert_int_equal(backend_upload_async(st, DEV(dev), plain, 0, 8), -EINVAL);
+        backend_buffer_free(plain), backend_buffer_free(dev), backend_buffer_free(hb);
+        backend_stream_free(st);
+    }
+}
+
 /* ---- buffers, plan checks, registry ------------------------------------------------- */
 
 static void test_buffers(void **state) {
@@ -2584,6 +2678,7 @@ int main(void) {
         cmocka_unit_test(test_attention_block_sizes),
         cmocka_unit_test(test_swiglu_add),
         cmocka_unit_test(test_gather_argmax),
+        cmocka_unit_test(test_token_bitmask),
         cmocka_unit_test(test_plan_checks),
         cmocka_unit_test(test_registry),
         cmocka_unit_test(test_fused_ops),

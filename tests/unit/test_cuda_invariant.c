@@ -678,7 +678,7 @@ static void m_run(const decoder_model *m, decoder_state *st, const kv_store *kv,
                                  sq[i].table,
                                  (sq[i].done + c + MB - 1) / MB,
                                  i ? sq[i].logits : sq[i].logits + (size_t)sq[i].done * V,
-                                 i ? 0 : 1, NULL};
+                                 i ? 0 : 1, NULL, NULL};
             sq[i].done += c;
             T += c;
         }

@@ -115,7 +115,7 @@ static double compare_model_n(const char *dir, const int32_t *ids, int n, int kv
     for (int b = 0; b < nb; b++)
         table[b] = nb - 1 - b;
     float *cpu = malloc((size_t)n * V * 4), *gpu = malloc((size_t)n * V * 4);
-    decoder_seq sq = {ids, n, 0, table, nb, cpu, 1, NULL};
+    decoder_seq sq = {ids, n, 0, table, nb, cpu, 1, NULL, NULL};
     assert_int_equal(decoder_forward(&m, s, &kv, &sq, 1), 0);
     gpu_model g;
     gpu_open(&g, dir, n, nb, BS, (backend_dtype)kv_dtype);
@@ -123,10 +123,10 @@ static double compare_model_n(const char *dir, const int32_t *ids, int n, int kv
      * the device argmax of the last row rides along */
     int half = n / 2 > 0 ? n / 2 : 1;
     int32_t amax = -1;
-    decoder_seq g1 = {ids, half, 0, table, nb, gpu, 1, NULL};
+    decoder_seq g1 = {ids, half, 0, table, nb, gpu, 1, NULL, NULL};
     assert_int_equal(gpu_fwd(&g, &g1), 0);
     if (n > half) {
-        decoder_seq g2 = {ids + half, n - half, half, table, nb, gpu + (size_t)half * V, 1, &amax};
+        decoder_seq g2 = {ids + half, n - half, half, table, nb, gpu + (size_t)half * V, 1, &amax, NULL};
         assert_int_equal(gpu_fwd(&g, &g2), 0);
         int hb = 0;
         const float *last = gpu + (size_t)(n - 1) * V;
@@ -293,7 +293,7 @@ static void test_greedy_golden(void **st) {
         for (int i = 0; i < n; i++)
             ids[i] = (int32_t)json_integer_value(json_array_get(jp, (size_t)i));
         int32_t next;
-        decoder_seq q = {ids, n, 0, table, nb, NULL, 0, &next};
+        decoder_seq q = {ids, n, 0, table, nb, NULL, 0, &next, NULL};
         assert_int_equal(gpu_fwd(&gc, &q), 0);
         json_t *jm = json_object_get(p, "top2_logit_margins");
         int k = 0;
@@ -301,7 +301,7 @@ static void test_greedy_golden(void **st) {
             int want = (int)json_integer_value(json_array_get(jo, (size_t)k));
             if (next != want) break;
             ids[n + k] = next;
-            decoder_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next};
+            decoder_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next, NULL};
             assert_int_equal(gpu_fwd(&gc, &d), 0);
         }
         all++;
@@ -356,7 +356,7 @@ static void hf_case(const char *refdir, const char *name, const char *model_dir)
         for (int i = 0; i < n; i++)
             ids[i] = (int32_t)json_integer_value(json_array_get(jp, (size_t)i));
         float *lg = malloc((size_t)n * V * 4);
-        decoder_seq q = {ids, n, 0, table, nb, lg, 1, NULL};
+        decoder_seq q = {ids, n, 0, table, nb, lg, 1, NULL, NULL};
         assert_int_equal(gpu_fwd(&gc, &q), 0);
         const char *kinds[] = {"bf16", "f32"};
         for (int k = 0; k < 2; k++) {
@@ -387,12 +387,12 @@ static void hf_case(const char *refdir, const char *name, const char *model_dir)
         json_t *jo = json_object_get(cs, "greedy_bf16");
         int no = (int)json_array_size(jo), k = 0;
         int32_t next = 0;
-        decoder_seq q2 = {ids, n, 0, table, nb, NULL, 0, &next};
+        decoder_seq q2 = {ids, n, 0, table, nb, NULL, 0, &next, NULL};
         assert_int_equal(gpu_fwd(&gc, &q2), 0);
         for (; k < no && k < 64; k++) {
             if (next != (int)json_integer_value(json_array_get(jo, (size_t)k))) break;
             ids[n + k] = next;
-            decoder_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next};
+            decoder_seq d = {&ids[n + k], 1, n + k, table, nb, NULL, 0, &next, NULL};
             assert_int_equal(gpu_fwd(&gc, &d), 0);
         }
         fprintf(stderr, "  HF %s case %zu: greedy %d/%d tokens equal to HF bf16 on the GPU\n", name,
@@ -462,7 +462,7 @@ static void gs_decode(decoder_model *m, backend *be, gs_run *r, int graphs, cons
     for (int i = 0; i < GS_N; i++) {
         for (int t = 0; t < plen[i]; t++)
             prompt[t] = (int32_t)((t * 104729 + 7 * i + 3) % 4000);
-        decoder_seq q = {prompt, plen[i], 0, tables[i], 64, lg, 0, NULL};
+        decoder_seq q = {prompt, plen[i], 0, tables[i], 64, lg, 0, NULL, NULL};
         assert_int_equal(decoder_forward(m, r->s, &r->kv, &q, 1), 0);
         r->toks[i][0] = gs_argmax(lg, V);
     }
@@ -478,7 +478,7 @@ static void gs_decode(decoder_model *m, backend *be, gs_run *r, int graphs, cons
                                  64,
                                  r->logits + ((size_t)i * GS_STEPS + step) * V,
                                  0,
-                                 NULL};
+                                 NULL, NULL};
         }
         int reps = graphs && step == 0 ? 3 : 1;
         float *first = NULL;

@@ -108,6 +108,8 @@ static void walk(int threads, int own_grammars) {
     assert_non_null(w);
     int words = (n_vocab + 31) / 32;
     uint32_t *ref = malloc((size_t)words * sizeof *ref);
+    uint32_t *ext = malloc((size_t)N_ROWS * words * sizeof *ext);
+    assert_non_null(ext);
     unsigned x = 7u + (unsigned)threads;
     for (int step = 0; step < 30; step++) {
         mask_worker_reset(w);
@@ -116,8 +118,11 @@ static void walk(int threads, int own_grammars) {
         for (int i = 0; i < N_ROWS; i++) {
             if (step % 7 == 3 && i % 2) continue; /* some steps leave rows out */
             if (step == 5) continue;              /* and one has none */
-            rows[n] = mask_worker_add(w, g[i], s[i], stop[i], 1);
+            /* every third row into the caller's memory (the engine's page-locked rows) */
+            uint32_t *dst = i % 3 == 0 ? ext + (size_t)n * words : NULL;
+            rows[n] = mask_worker_add(w, g[i], s[i], stop[i], 1, dst);
             assert_non_null(rows[n]);
+            if (dst) assert_ptr_equal(rows[n], dst);
             idx[n++] = i;
         }
         mask_worker_start(w, threads > 0);
@@ -152,6 +157,7 @@ static void walk(int threads, int own_grammars) {
         }
     }
     free(ref);
+    free(ext);
     mask_worker_free(w);
     for (int i = 0; i < N_ROWS; i++)
         grammar_unref(g[i]);

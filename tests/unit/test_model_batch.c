@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <errno.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdio.h>
 
 #include <cmocka.h>
@@ -59,7 +60,7 @@ static float *run_prefill(int threads) {
     int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
     decoder_state *s = decoder_state_init(&g_m, 64, threads);
     float *out = malloc((size_t)N * V * sizeof(float));
-    decoder_seq q = {A, N, 0, table, 8, out, 1, NULL};
+    decoder_seq q = {A, N, 0, table, 8, out, 1, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
     decoder_state_free(s);
     kv_store_free(&kv);
@@ -85,7 +86,7 @@ static void test_chunks_and_tokens(void **st) {
     int32_t table[5] = {9, 2, 14, 0, 7};
     int chunks[3] = {7, 8, 5}, pos = 0;
     for (int c = 0; c < 3; c++) {
-        decoder_seq q = {A + pos, chunks[c], pos, table, 5, out, 1, NULL};
+        decoder_seq q = {A + pos, chunks[c], pos, table, 5, out, 1, NULL, NULL};
         assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, pos, chunks[c], "chunked prefill");
         pos += chunks[c];
@@ -93,7 +94,7 @@ static void test_chunks_and_tokens(void **st) {
     /* one token at a time, last-row logits */
     memset(kv.base, 0, (size_t)kv.n_blocks * decoder_kv_block_bytes(&g_m.cfg, BS));
     for (int p = 0; p < N; p++) {
-        decoder_seq q = {A + p, 1, p, table, 5, out, 0, NULL};
+        decoder_seq q = {A + p, 1, p, table, 5, out, 0, NULL, NULL};
         assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         assert_rows_equal(ref, out, p, 1, "token-by-token");
     }
@@ -114,22 +115,22 @@ static void test_batched_with_others(void **st) {
     float *la = malloc((size_t)N * V * sizeof(float)), *lb = malloc((size_t)NB * V * sizeof(float));
     float *lc = malloc((size_t)V * sizeof(float));
     /* step 1: A's first 9 tokens beside B's whole prompt and C's 2 tokens */
-    decoder_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL},
-                         {A, 9, 0, ta, 5, la, 1, NULL},
-                         {B + 3, 2, 0, tc, 4, lc, 0, NULL}};
+    decoder_seq q1[3] = {{B, NB, 0, tb, 4, lb, 1, NULL, NULL},
+                         {A, 9, 0, ta, 5, la, 1, NULL, NULL},
+                         {B + 3, 2, 0, tc, 4, lc, 0, NULL, NULL}};
     assert_int_equal(decoder_forward(&g_m, s, &kv, q1, 3), 0);
     assert_rows_equal(ref, la, 0, 9, "batched prefill (with 2 others)");
     /* step 2: A's next 10 tokens beside one decode token of B and of C */
     int32_t bn = 42, cn = 77;
-    decoder_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL},
-                         {&cn, 1, 2, tc, 4, lc, 0, NULL},
-                         {A + 9, 10, 9, ta, 5, la, 1, NULL}};
+    decoder_seq q2[3] = {{&bn, 1, NB, tb, 4, lb, 0, NULL, NULL},
+                         {&cn, 1, 2, tc, 4, lc, 0, NULL, NULL},
+                         {A + 9, 10, 9, ta, 5, la, 1, NULL, NULL}};
     assert_int_equal(decoder_forward(&g_m, s, &kv, q2, 3), 0);
     assert_rows_equal(ref, la, 9, 10, "batched chunk (with 2 decodes)");
     /* step 3: A's last token alone vs. beside 2 decode tokens: both must equal */
-    decoder_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL},
-                         {A + 19, 1, 19, ta, 5, la, 0, NULL},
-                         {&cn, 1, 3, tc, 4, lc, 0, NULL}};
+    decoder_seq q3[3] = {{&bn, 1, NB + 1, tb, 4, lb, 0, NULL, NULL},
+                         {A + 19, 1, 19, ta, 5, la, 0, NULL, NULL},
+                         {&cn, 1, 3, tc, 4, lc, 0, NULL, NULL}};
     assert_int_equal(decoder_forward(&g_m, s, &kv, q3, 3), 0);
     assert_rows_equal(ref, la, 19, 1, "batched decode");
     free(la);
@@ -181,19 +182,80 @@ static void test_bad_inputs(void **st) {
     int32_t table[4] = {0, 1, 2, 3}, bad_table[2] = {0, 4};
     float *out = malloc((size_t)V * sizeof(float));
     int32_t tok_bad = V, ok[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-    decoder_seq q = {&tok_bad, 1, 0, table, 4, out, 0, NULL};
+    decoder_seq q = {&tok_bad, 1, 0, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* token id >= vocab */
-    q = (decoder_seq){ok, 9, 0, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 9, 0, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* more than max_tokens */
-    q = (decoder_seq){ok, 1, 16, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 1, 16, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* table too short */
-    q = (decoder_seq){ok, 2, 3, bad_table, 2, out, 0, NULL};
+    q = (decoder_seq){ok, 2, 3, bad_table, 2, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* block id out of range */
-    q = (decoder_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 1, g_m.cfg.max_position, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* beyond max_position */
-    q = (decoder_seq){ok, 0, 0, table, 4, out, 0, NULL};
+    q = (decoder_seq){ok, 0, 0, table, 4, out, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), -EINVAL); /* empty */
     free(out);
+    kv_store_free(&kv);
+    decoder_state_free(s);
+}
+
+/* Structured outputs' masks (decoder_seq.allow) in a batch: a prefill with every row's logits
+ * and a mask from the caller's memory (copied into the state's mask rows: only its last row is
+ * masked), a greedy sequence whose mask is the state's row 1 (only the argmax comes back: the
+ * best allowed token), and an unmasked one; each against the reference prefill.  A mask in the
+ * state's rows at the wrong row is refused. */
+static int g_hook_calls;
+static void count_hook(void *ctx) {
+    (void)ctx;
+    g_hook_calls++;
+}
+
+static void test_allow_masks(void **st) {
+    (void)st;
+    float *ref = run_prefill(1);
+    kv_store kv;
+    assert_int_equal(kv_store_init(&kv, &g_m.cfg, 12, BS), 0);
+    decoder_state *s = decoder_state_init(&g_m, 64, 1);
+    assert_non_null(s);
+    decoder_state_set_mask_hook(s, count_hook, NULL);
+    int words = (V + 31) / 32;
+    uint32_t *rows = decoder_state_mask_rows(s, 2), *ext = calloc((size_t)words, 4);
+    assert_non_null(rows);
+    assert_non_null(ext);
+    uint32_t x = 12345;
+    for (int w = 0; w < words; w++) {
+        x = x * 1103515245u + 12345u;
+        ext[w] = x & 0x24924924u; /* about every third token */
+        x = x * 1103515245u + 12345u;
+        rows[words + w] = (x >> 3) & 0x11111111u; /* about every fourth */
+    }
+    rows[words] |= 1u; /* token 0: each mask allows something */
+    ext[0] |= 1u;
+    int32_t t0[5] = {0, 1, 2, 3, 4}, t1[3] = {5, 6, 7}, t2[2] = {8, 9};
+    float *la = malloc((size_t)N * V * sizeof(float)), *lc = malloc((size_t)V * sizeof(float));
+    int32_t amax = -1;
+    decoder_seq q[3] = {{A, N, 0, t0, 5, la, 1, NULL, ext},
+                        {A, 9, 0, t1, 3, NULL, 0, &amax, rows + words},
+                        {A, 5, 0, t2, 2, lc, 0, NULL, NULL}};
+    g_hook_calls = 0;
+    assert_int_equal(decoder_forward(&g_m, s, &kv, q, 3), 0);
+    assert_int_equal(g_hook_calls, 1);
+    assert_memory_equal(la, ref, (size_t)(N - 1) * V * sizeof(float)); /* rows before the last */
+    for (int t = 0; t < V; t++) {
+        float want = ext[t / 32] >> (t % 32) & 1u ? ref[(size_t)(N - 1) * V + t] : -INFINITY;
+        if (memcmp(&la[(size_t)(N - 1) * V + t], &want, sizeof want))
+            fail_msg("masked last row: token %d is %g, want %g", t, la[(size_t)(N - 1) * V + t], want);
+    }
+    int best = -1;
+    for (int t = 0; t < V; t++)
+        if (rows[words + t / 32] >> (t % 32) & 1u && (best < 0 || ref[8 * V + t] > ref[8 * V + best]))
+            best = t;
+    assert_int_equal(amax, best);
+    assert_memory_equal(lc, ref + 4 * (size_t)V, (size_t)V * sizeof(float));
+    /* the first masked sequence on row 1 of the state's rows: refused, named */
+    decoder_seq bad = {A, 1, 0, t2, 2, lc, 0, NULL, rows + words};
+    assert_int_equal(decoder_forward(&g_m, s, &kv, &bad, 1), -EINVAL);
+    free(la), free(lc), free(ext), free(ref);
     kv_store_free(&kv);
     decoder_state_free(s);
 }
@@ -218,7 +280,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunks_and_tokens), cmocka_unit_test(test_batched_with_others),
         cmocka_unit_test(test_threads),           cmocka_unit_test(test_scalar_equals_avx2),
-        cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_bad_inputs),        cmocka_unit_test(test_allow_masks),
     };
     int failed = cmocka_run_group_tests_name("qwen2 tiny-bf16", tests, setup, teardown);
     /* the same with a mixture of experts: the router's choices and the experts' sums are

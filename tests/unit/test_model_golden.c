@@ -59,7 +59,7 @@ static void check_model_ex(const char *name, double tol, int load_flags) {
         for (int b = 0; b < kv.n_blocks; b++)
             table[b] = kv.n_blocks - 1 - b; /* any order works */
         float *logits = malloc((size_t)n * V * sizeof(float));
-        decoder_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1, NULL};
+        decoder_seq sq = {ids, n, 0, table, kv.n_blocks, logits, 1, NULL, NULL};
         assert_int_equal(decoder_forward(&m, s, &kv, &sq, 1), 0);
         size_t ri;
         json_t *row;
@@ -87,7 +87,7 @@ static void check_model_ex(const char *name, double tol, int load_flags) {
                 fail_msg("%s case %zu greedy step %zu: got %d, transformers %d", name, ci, k, cur,
                          want);
             ids[n + k] = cur;
-            decoder_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0, NULL};
+            decoder_seq st = {&ids[n + k], 1, n + (int)k, table, kv.n_blocks, logits, 0, NULL, NULL};
             assert_int_equal(decoder_forward(&m, s, &kv, &st, 1), 0);
             cur = argmax(logits, V);
         }

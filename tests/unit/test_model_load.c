@@ -396,7 +396,7 @@ static void dummy_case(const char *variant) {
     assert_int_equal(kv_store_init(&kv, &m.cfg, 1, 16), 0);
     int32_t toks[4] = {1, 2, 3, 4}, table[1] = {0};
     float *lg = malloc((size_t)m.cfg.vocab_size * sizeof *lg);
-    decoder_seq q = {toks, 4, 0, table, 1, lg, 0, NULL};
+    decoder_seq q = {toks, 4, 0, table, 1, lg, 0, NULL, NULL};
     assert_int_equal(decoder_forward(&m, s, &kv, &q, 1), 0);
     double sum = 0;
     for (int i = 0; i < m.cfg.vocab_size; i++) {

@@ -69,7 +69,7 @@ static void test_greedy(void **st) {
         int32_t *table = malloc((size_t)nb * sizeof *table);
         for (int b = 0; b < nb; b++)
             table[b] = b;
-        decoder_seq q = {ids, n, 0, table, nb, logits, 0, NULL};
+        decoder_seq q = {ids, n, 0, table, nb, logits, 0, NULL, NULL};
         assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         int out = 0;
         for (; out < max_new; out++) {
@@ -90,7 +90,7 @@ static void test_greedy(void **st) {
                 break;
             }
             ids[n + out] = best;
-            decoder_seq d = {&ids[n + out], 1, n + out, table, nb, logits, 0, NULL};
+            decoder_seq d = {&ids[n + out], 1, n + out, table, nb, logits, 0, NULL, NULL};
             assert_int_equal(decoder_forward(&g_m, s, &kv, &d, 1), 0);
         }
         assert_int_equal(out, (int)json_array_size(jo));
@@ -124,7 +124,7 @@ static void test_heldout_nll(void **st) {
     int w = 0, max_w = getenv("SOTU_WINDOWS") ? atoi(getenv("SOTU_WINDOWS")) : 6;
     for (int start = 0; start < total && w < max_w; start += W, w++) {
         int n = total - start < W ? total - start : W;
-        decoder_seq q = {ids + start, n, 0, table, nb, logits, 1, NULL};
+        decoder_seq q = {ids + start, n, 0, table, nb, logits, 1, NULL, NULL};
         assert_int_equal(decoder_forward(&g_m, s, &kv, &q, 1), 0);
         double wsum = 0;
         for (int t = 1; t < n; t++) {

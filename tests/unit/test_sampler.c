@@ -189,6 +189,63 @@ static void test_plain_greedy(void **st) {
     }
 }
 
+/* sampler_sample_premasked (logits the constraint was applied to on the device) draws the
+ * tokens sampler_sample_masked draws from the raw logits, seed for seed, under temperature,
+ * top-k, top-p, min-p, the penalties and a logit bias; its logprob is 0. */
+static void test_premasked_equals_masked(void **st) {
+    (void)st;
+    enum { W = 1000, STEPS = 300 };
+    uint32_t allow[(W + 31) / 32];
+    float raw[W], a[W], b[W];
+    int32_t bias_id = 7;
+    float bias = 2.0f;
+    for (int cfg = 0; cfg < 5; cfg++) {
+        sampler_params p;
+        sampler_params_default(&p);
+        p.temperature = cfg == 4 ? 0.0f : 0.7f + 0.3f * (float)cfg;
+        p.top_k = cfg == 1 ? 40 : cfg == 3 ? 300 : 0;
+        p.top_p = cfg == 2 || cfg == 3 ? 0.9f : 1.0f;
+        p.min_p = cfg == 3 ? 0.01f : 0.0f;
+        p.repetition_penalty = cfg >= 2 ? 1.3f : 1.0f;
+        p.frequency_penalty = cfg == 2 ? 0.5f : 0.0f;
+        p.presence_penalty = cfg == 4 ? -0.5f : 0.0f;
+        p.bias_ids = &bias_id, p.bias = &bias, p.n_bias = cfg == 1;
+        p.has_seed = 1;
+        p.seed = 99 + (uint64_t)cfg;
+        char err[256];
+        int32_t prompt[3] = {1, 2, 3};
+        sampler *sm = sampler_init(&p, W, prompt, 3, err, sizeof err),
+                *sp = sampler_init(&p, W, prompt, 3, err, sizeof err);
+        assert_non_null(sm);
+        assert_non_null(sp);
+        uint32_t x = 17u + (uint32_t)cfg;
+        for (int step = 0; step < STEPS; step++) {
+            for (int i = 0; i < W; i++) {
+                x = x * 1664525u + 1013904223u;
+                raw[i] = (float)(x >> 8) / 16777216.0f * 8.0f - 4.0f;
+            }
+            for (int w = 0; w < (W + 31) / 32; w++) {
+                x = x * 1664525u + 1013904223u;
+                allow[w] = step % 3 == 0 ? x & (x >> 7) : step % 3 == 1 ? x : 0xFFFFFFFFu;
+            }
+            allow[0] |= 1u << 5;
+            memcpy(a, raw, sizeof raw);
+            for (int i = 0; i < W; i++) /* the device's mask */
+                b[i] = allow[i / 32] >> (i % 32) & 1u ? raw[i] : -INFINITY;
+            sample_result ra, rb;
+            assert_int_equal(sampler_sample_masked(sm, a, allow, &ra), 0);
+            assert_int_equal(sampler_sample_premasked(sp, b, allow, &rb), 0);
+            if (ra.token != rb.token)
+                fail_msg("config %d step %d: masked drew %d, premasked %d", cfg, step, ra.token,
+                         rb.token);
+            assert_true(allow[rb.token / 32] >> (rb.token % 32) & 1u);
+            assert_true(rb.logprob == 0.0f);
+        }
+        sampler_free(sm);
+        sampler_free(sp);
+    }
+}
+
 static void test_seed_reproducible(void **st) {
     (void)st;
     sampler_params p;
@@ -441,6 +498,7 @@ int main(void) {
         cmocka_unit_test(test_top_p_large_vocab),
         cmocka_unit_test(test_greedy_and_ties),
         cmocka_unit_test(test_seed_reproducible),
+        cmocka_unit_test(test_premasked_equals_masked),
         cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_logprobs_and_stop),
         cmocka_unit_test(test_invalid),

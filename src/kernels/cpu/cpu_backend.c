@@ -717,6 +717,28 @@ static int cpu_argmax(backend_stream *st, int32_t *out, const float *logits, int
     return 0;
 }
 
+/* Structured outputs' token masks: -inf on every token of the named rows that the row's
+ * bitmask does not allow (tokens >= vocab never are). */
+static int cpu_token_bitmask(backend_stream *st, float *logits, int width, const int32_t *bitmask,
+                             const int32_t *rows, int n, int vocab) {
+    (void)st;
+    int words = (vocab + 31) / 32;
+    for (int k = 0; k < n; k++) {
+        float *l = logits + (size_t)rows[k] * (size_t)width;
+        const uint32_t *m = (const uint32_t *)bitmask + (size_t)k * (size_t)words;
+        for (int w = 0; w < words; w++) {
+            uint32_t a = m[w];
+            int base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            if (a == 0xFFFFFFFFu && end == base + 32) continue;
+            for (int t = base; t < end; t++)
+                if (!(a >> (t - base) & 1u)) l[t] = -INFINITY;
+        }
+        for (int t = vocab; t < width; t++)
+            l[t] = -INFINITY;
+    }
+    return 0;
+}
+
 static const backend_iface cpu_iface = {
     .free = cpu_free,
     .memory = cpu_memory,
@@ -741,4 +763,6 @@ static const backend_iface cpu_iface = {
     .add = cpu_add,
     .gather_rows = cpu_gather_rows,
     .argmax = cpu_argmax,
+    .upload_async = cpu_upload, /* host memory: the copy is the whole of it */
+    .token_bitmask = cpu_token_bitmask,
 };

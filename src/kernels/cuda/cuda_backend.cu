@@ -1213,6 +1213,22 @@ static int cb_argmax(backend_stream *st, int32_t *out, const float *logits, int 
     return pm(CB(st), argmax(CB(st)->c, out, logits, rows, vocab), "argmax", 0);
 }
 
+static int cb_token_bitmask(backend_stream *st, float *logits, int width, const int32_t *bitmask,
+                            const int32_t *rows, int n, int vocab) {
+    ON_DEV(st);
+    return pm(CB(st), token_bitmask(CB(st)->c, logits, width, bitmask, rows, n, vocab),
+              "token_bitmask", 0);
+}
+
+/* backend_upload_async: host is page-locked (a BACKEND_BUF_HOST buffer), so the copy runs
+ * from it in the stream's order without a staging copy or a sync */
+static int cb_upload_async(backend_stream *st, void *dev, const void *host, size_t n) {
+    ON_DEV(st);
+    if (CB(st)->capturing) return -EINVAL;
+    CK(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, CB(st)->c->stream));
+    return 0;
+}
+
 /* backend_residual_fused: the fast mode at T >= c->resid_min_t (DISAGG_CUDA_RESID_GEMM); never
  * in the batch-invariant mode, whose op sequence stays the plain one at every T */
 static int cb_residual_fused(backend_stream *st, int T) {
@@ -1346,7 +1362,7 @@ static const backend_iface CB_IFACE = {
     cb_graph_end, cb_graph_reset,   cb_graph_count,   cb_weights_load_cat, cb_add_rmsnorm,
     cb_qkv,      cb_gate_up,        cb_attention_to,  cb_measure,     cb_matmul_residual,
     cb_residual_fused, cb_moe_route,  cb_moe, cb_weights_load_fp8, cb_event_new, cb_event_free,
-    cb_event_record, cb_event_query,
+    cb_event_record, cb_event_query, cb_upload_async, cb_token_bitmask,
 };
 
 extern "C" __attribute__((visibility("default"))) int

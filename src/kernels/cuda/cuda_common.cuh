@@ -405,5 +405,9 @@ int attention_mixed(dcu_ctx *c, void *out, int out_dtype, const float *q, const 
 
 /* ---- cuda_sampling.cu --------------------------------------------------------------- */
 int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int vocab);
+/* backend_token_bitmask: -inf on the tokens of logits rows rows[k] that bitmask row k does not
+ * allow (and on every token >= vocab) */
+int token_bitmask(dcu_ctx *c, float *logits, int width, const int32_t *bitmask, const int32_t *rows,
+                  int n, int vocab);
 
 #endif

@@ -1,5 +1,6 @@
 /* cuda_sampling — greedy sampling of the CUDA module (cuda_common.cuh): argmax over the logits
- * rows (one block a row, or two stages of AMX_PARTS blocks a row for up to AMX_ROWS rows). */
+ * rows (one block a row, or two stages of AMX_PARTS blocks a row for up to AMX_ROWS rows), and
+ * structured outputs' token bitmasks applied to the logits before it. */
 #include "kernels/cuda/cuda_common.cuh"
 
 /* ---- argmax --------------------------------------------------------------------- */
@@ -89,4 +90,29 @@ int argmax(dcu_ctx *c, int32_t *out, const float *logits, int rows, int vocab) {
     k_argmax_part<<<dim3(rows, AMX_PARTS), 256, 0, c->stream>>>(c->amax_tmp, logits, vocab);
     k_argmax_final<<<rows, 32, 0, c->stream>>>(out, c->amax_tmp, AMX_PARTS);
     return launch_check("argmax");
+}
+
+/* ---- token bitmask ---------------------------------------------------------------- */
+
+/* grid (n, ceil(width / 1024)): block (k, p) takes 1024 tokens of row rows[k], one a thread;
+ * a warp reads one bitmask word (32 consecutive tokens) */
+__global__ void __launch_bounds__(256) k_token_bitmask(float *logits, int width,
+                                                       const int32_t *bitmask,
+                                                       const int32_t *rows, int vocab) {
+    int k = blockIdx.x, words = (vocab + 31) >> 5;
+    float *l = logits + (size_t)rows[k] * width;
+    const uint32_t *m = (const uint32_t *)bitmask + (size_t)k * words;
+    for (int t = blockIdx.y * 1024 + threadIdx.x; t < min(width, (blockIdx.y + 1) * 1024);
+         t += blockDim.x) {
+        int ok = t < vocab && ((m[t >> 5] >> (t & 31)) & 1u);
+        if (!ok) l[t] = -INFINITY;
+    }
+}
+
+int token_bitmask(dcu_ctx *c, float *logits, int width, const int32_t *bitmask, const int32_t *rows,
+                  int n, int vocab) {
+    if (n <= 0) return 0;
+    k_token_bitmask<<<dim3(n, (width + 1023) / 1024), 256, 0, c->stream>>>(logits, width, bitmask,
+                                                                          rows, vocab);
+    return launch_check("token_bitmask");
 }
