@@ -19,9 +19,10 @@ import pytest
 import requests
 
 from proxy_fixtures import ProxyProc
-from server_harness import BIN, MODEL, Server, free_port
+from server_harness import BIN, MODEL, Server, free_port, on_gpu
 
 BS = 16
+BB = 49152 // (2 if on_gpu() else 1)  # one KV block of the tiny model (f32 CPU, bf16 GPU)
 TEXT = ("The state of the Union is strong, and the work of the Congress is before us. "
         "We meet in a season of change, and the people ask that we keep faith with them. ")
 
@@ -36,14 +37,15 @@ def both_config(engine_id, mode="always"):
 class PoolInstance:
     """A kv_both instance with a known engine id and bootstrap port, publishing KV events."""
 
-    def __init__(self, engine_id):
+    def __init__(self, engine_id, *extra, kv_memory="96M", max_len=1024, mode="always"):
         self.engine_id = engine_id
         self.bootstrap_port, self.kv_port = free_port(), free_port()
         ev = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://*:{self.kv_port}"}
-        self.server = Server("--max-model-len", "1024", "--block-size", str(BS),
-                             "--kv-cache-memory", "96M", "--kv-transfer-config",
-                             both_config(engine_id), "--kv-events-config", json.dumps(ev),
+        self.server = Server("--max-model-len", str(max_len), "--block-size", str(BS),
+                             "--kv-cache-memory", kv_memory, "--kv-transfer-config",
+                             both_config(engine_id, mode), "--kv-events-config", json.dumps(ev),
+                             *extra,
                              env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port)})
         self.url = self.server.url
         self.bootstrap = f"http://127.0.0.1:{self.bootstrap_port}"
@@ -140,6 +142,62 @@ def test_prefix_fetched_equals_recompute(pair):
     assert a.server.metrics()['disagg:kv_pool_serve_requests_total{outcome="served"}'] == served0 + 1
     settle(a, b)
     assert got == recompute(b, ids)
+    settle(a, b)
+
+
+def test_prefix_in_the_holders_host_tier_is_fetched(pair):
+    """A holder whose device cache (40 blocks) evicted the prefix into its host tier: it copies
+    the blocks back into device blocks to pin them, and the fetch succeeds."""
+    _, b = pair
+    c = PoolInstance("pool-c", "--kv-offloading-size", "0.05", kv_memory=str(40 * BB),
+                     max_len=512)
+    try:
+        ids = prompt_on(c, b, "Tiered")
+        for i in range(4):  # 4 x 13 blocks through a 40-block cache: the prefix goes to the tier
+            answer(complete(c.url, tokens(c, f"Filler {i}: " + TEXT * 6)[:13 * BS], max_tokens=1))
+        assert c.m("disagg:kv_cache_evicted_blocks_total") >= 12
+        loaded0 = c.m("disagg:kv_offload_blocks_loaded_total")
+        fetched0 = b.m("disagg:kv_pool_fetch_requests_total")
+        got = answer(complete(b.url, ids, kv={"pool_source": c.source(12 * BS)}))
+        assert b.m("disagg:kv_pool_fetch_requests_total") == fetched0 + 1
+        assert c.m("disagg:kv_offload_blocks_loaded_total") - loaded0 >= 1
+        settle(b, c)
+        assert got == recompute(b, ids)
+        settle(b, c)
+    finally:
+        c.server.stop()
+
+
+def test_auto_mode_fetches_before_anything_is_measured(pair):
+    """pool_fetch "auto" weighs measured transfer and prefill times; before either was
+    measured it fetches (the fetch measures); "never" computes.  Both count what they did."""
+    a, _ = pair
+    e = PoolInstance("pool-e", mode="auto")
+    n = PoolInstance("pool-n", mode="never")
+    try:
+        ids = prompt_on(a, e, "Auto")
+        got = answer(complete(e.url, ids, kv={"pool_source": a.source(12 * BS)}))
+        assert e.m("disagg:kv_pool_fetch_requests_total") == 1
+        assert got == answer(complete(n.url, ids, kv={"pool_source": a.source(12 * BS)}))
+        m = n.server.metrics()
+        assert m["disagg:kv_pool_fetch_requests_total"] == 0
+        assert m['disagg:kv_pool_fetch_skipped_total{reason="pool_fetch_never"}'] == 1
+        settle(a, e, n)
+    finally:
+        e.server.stop()
+        n.server.stop()
+
+
+def test_prompt_logprobs_request_is_not_fetched(pair):
+    """prompt_logprobs need every prompt position computed: no pull, the same answer."""
+    a, b = pair
+    ids = prompt_on(a, b, "Prompt logprobs")
+    f0 = b.m("disagg:kv_pool_fetch_requests_total")
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 1, "kv_transfer_params": {"pool_source": a.source(12 * BS)}}
+    r = requests.post(b.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert b.m("disagg:kv_pool_fetch_requests_total") == f0
     settle(a, b)
 
 
