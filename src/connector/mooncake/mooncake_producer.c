@@ -410,7 +410,12 @@ static void pool_pull_locked(mooncake_connector *c, pull_job *job, size_t i) {
         refuse = "a pool fetch's transfer id starts with \"" POOL_TX_PREFIX "\"";
     else if (rb->n_groups != 1 || nids == 0)
         refuse = "a pool fetch names one KV group of block ids";
-    else if (nids > full) {
+    else if (pull->n_pool_tokens > (size_t)engine_max_model_len(c->eng)) {
+        snprintf(msg, sizeof msg,
+                 "the pull names %zu pool tokens; this instance's max_model_len is %d",
+                 pull->n_pool_tokens, engine_max_model_len(c->eng));
+        refuse = msg;
+    } else if (nids > full) {
         snprintf(msg, sizeof msg,
                  "the pull asks for %zu blocks; its %zu pool tokens fill %zu blocks of %d", nids,
                  pull->n_pool_tokens, full, bs);
