@@ -67,8 +67,8 @@ def pair():
         a.server.stop()
         raise
     yield a, b
-    for x in (a, b):
-        x.server.stop()
+    rcs = [x.server.stop() for x in (a, b)]
+    assert rcs == [0, 0], f"exit statuses {rcs} (a sanitizer report?): {b.server.logs()}"
 
 
 def tokens(inst, text):
@@ -165,7 +165,7 @@ def test_prefix_in_the_holders_host_tier_is_fetched(pair):
         assert got == recompute(b, ids)
         settle(b, c)
     finally:
-        c.server.stop()
+        assert c.server.stop() == 0, c.server.logs()
 
 
 def test_auto_mode_fetches_before_anything_is_measured(pair):
@@ -184,8 +184,8 @@ def test_auto_mode_fetches_before_anything_is_measured(pair):
         assert m['disagg:kv_pool_fetch_skipped_total{reason="pool_fetch_never"}'] == 1
         settle(a, e, n)
     finally:
-        e.server.stop()
-        n.server.stop()
+        rcs = [e.server.stop(), n.server.stop()]
+    assert rcs == [0, 0], rcs
 
 
 def test_prompt_logprobs_request_is_not_fetched(pair):
@@ -356,5 +356,6 @@ def test_proxy_names_the_holder_when_load_sends_the_prompt_elsewhere(pair):
         assert got == recompute(b, ids)
     finally:
         px.stop()
-        d.stop()
+        rc = d.stop()
+    assert rc == 0, d.logs()
     settle(a, b)
