@@ -153,7 +153,7 @@ def test_prefix_in_the_holders_host_tier_is_fetched(pair):
                      max_len=512)
     try:
         ids = prompt_on(c, b, "Tiered")
-        for i in range(4):  # 4 x 13 blocks through a 40-block cache: the prefix goes to the tier
+        for i in range(6):  # 6 x 13 blocks through a 40-block cache: the prefix goes to the tier
             answer(complete(c.url, tokens(c, f"Filler {i}: " + TEXT * 6)[:13 * BS], max_tokens=1))
         assert c.m("disagg:kv_cache_evicted_blocks_total") >= 12
         loaded0 = c.m("disagg:kv_offload_blocks_loaded_total")
@@ -295,6 +295,21 @@ def test_pool_source_with_remote_prefill_is_refused(pair):
     assert r.status_code == 400, r.text
     assert "cannot be combined with do_remote_prefill" in r.text
     settle(a, b)
+
+
+def test_pool_source_on_a_producer_is_refused(pair):
+    a, _ = pair
+    cfg = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                      "kv_connector_extra_config": {"mooncake_protocol": "tcp"}})
+    p = Server("--max-model-len", "512", "--kv-cache-memory", "32M", "--kv-transfer-config", cfg,
+               env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())})
+    try:
+        r = complete(p.url, "Producer " + TEXT, kv={"pool_source": a.source(16)})
+        assert r.status_code == 400, r.text
+        assert ("pool_source needs kv_role kv_consumer or kv_both (this instance pulls the "
+                "prefix); this instance is kv_producer") in r.json()["error"]["message"]
+    finally:
+        assert p.stop() == 0, p.logs()
 
 
 def test_bad_pool_fetch_mode_stops_start_up():
