@@ -654,9 +654,30 @@ kvpool_steps() {
     --json "$OUT/kvpool_bench.json"
   check $? "kv_pool_bench (cuda)"
 }
+# ONLY=poolfetch: the pool fetch across instances on the GPU (docs/kv_pool.md): its tests with
+# the KV in HBM (a prefix fetched equals recompute, evicted / dead / stopped holders recomputed,
+# the proxy naming the holder), then tools/pool_fetch_bench.py (TTFT of a moved conversation,
+# fetched vs recomputed) over tcp (staged through host memory) and rdma (no NIC here: the
+# transfer engine's auto path, cuda_ipc between the two processes' HBM).
+poolfetch_steps() {
+  step "poolfetch: test_kv_pool_fetch.py on the GPU"
+  DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+    tests/integration/test_kv_pool_fetch.py 2>&1 | tail -15
+  check ${PIPESTATUS[0]} "pool fetch tests (cuda)"
+  for proto in tcp rdma; do
+    step "poolfetch: tools/pool_fetch_bench.py --device cuda --protocol $proto"
+    # shellcheck disable=SC2086
+    python3 tools/pool_fetch_bench.py --bin "$BIN" --device cuda --protocol $proto \
+      ${POOLFETCH_BENCH_ARGS:---reps 5 --lengths 256,1024,2000 --kv-cache-memory 2G} \
+      --json "$OUT/poolfetch_bench_$proto.json"
+    check $? "pool_fetch_bench (cuda, $proto)"
+  done
+}
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ]; then
+   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = stream ] ||
+   [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ]; then
   [ "$ONLY" = kvpool ] && kvpool_steps
+  [ "$ONLY" = poolfetch ] && poolfetch_steps
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = fp8kv ] && fp8kv_steps
   [ "$ONLY" = fp8 ] && fp8_steps

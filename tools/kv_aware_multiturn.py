@@ -7,7 +7,11 @@ and the proxy are started fresh (cold caches); C conversations run concurrently,
 turns in sequence (a turn's prompt is the whole conversation so far, as a chat client sends
 it).  Printed per policy: the prefills' prompt tokens computed vs found in their prefix
 caches (their vllm:prompt_tokens_by_source), the proxy's kv_aware counters when it has
-them, and the turns' latency (a non-streamed reply of --max-tokens tokens).
+them, and the turns' latency (a non-streamed reply of --max-tokens tokens).  The policy
+"kv_aware+pool" is kv_aware with --kv-pool-fetch over kv_both prefills (pool_fetch
+--pool-mode): a turn that load sends away from its conversation's prefill fetches its
+prefix from there ("fetched": the prefills' external_kv_transfer tokens, counted in the
+cache share; "pool" after the kv_aware counters: the requests that named a pool source).
 
     python3 tools/kv_aware_multiturn.py --model models/disagg-sotu-tiny \\
         --policies least_loaded,round_robin,kv_aware --conversations 8 --turns 4
@@ -32,11 +36,13 @@ TEXT = ("The state of the Union is strong, and the work of the Congress is befor
 
 
 class Prefill:
-    def __init__(self, model, common):
+    def __init__(self, model, common, pool=None):
         self.bootstrap_port, self.kv_port = free_port(), free_port()
         ev = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{self.kv_port}"}
-        cfg = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+        cfg = {"kv_connector": "MooncakeConnector", "kv_role": "kv_both" if pool else "kv_producer",
                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+        if pool:  # the pool fetch (docs/kv_pool.md): its mode
+            cfg["kv_connector_extra_config"]["pool_fetch"] = pool
         self.server = Server(*common, "--kv-transfer-config", json.dumps(cfg),
                              "--kv-events-config", json.dumps(ev), model=model,
                              env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port)})
@@ -47,13 +53,16 @@ def by_source(server):
     m = server.metrics()
     get = lambda s: sum(v for k, v in m.items()
                         if k.startswith("vllm:prompt_tokens_by_source") and f'source="{s}"' in k)
-    return get("local_compute"), get("local_cache_hit")
+    return get("local_compute"), get("local_cache_hit"), get("external_kv_transfer")
 
 
 def run(policy, a):
     common = ("--max-model-len", str(a.max_model_len), "--block-size", "16",
               "--kv-cache-memory", a.kv_cache_memory)
-    ps = [Prefill(a.model, common) for _ in range(2)]
+    # "kv_aware+pool": kv_aware with --kv-pool-fetch, kv_both prefills (pool_fetch --pool-mode)
+    pool = policy.endswith("+pool")
+    policy = policy.split("+")[0]
+    ps = [Prefill(a.model, common, a.pool_mode if pool else None) for _ in range(2)]
     dcfg = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
     d = Server(*common, "--kv-transfer-config", json.dumps(dcfg), model=a.model)
@@ -62,6 +71,8 @@ def run(policy, a):
         extra += ["--tokenizer", a.model]
         for p in ps:
             extra += ["--kv-events-endpoint", f"{p.url}=tcp://127.0.0.1:{p.kv_port}"]
+        if pool:
+            extra += ["--kv-pool-fetch"]
     px = ProxyProc(ps, [d], extra=extra)
     lat, errors = [], []
     try:
@@ -87,17 +98,20 @@ def run(policy, a):
             t.start()
         for t in th:
             t.join()
-        computed = cached = 0
+        computed = cached = fetched = 0
         for p in ps:
-            c, h = by_source(p.server)
+            c, h, f = by_source(p.server)
             computed += c
             cached += h
+            fetched += f
         m = px.metrics()
         kv = {r: int(m.get(f'disagg_proxy_kv_aware_requests_total{{result="{r}"}}', 0))
               for r in ("hit", "load", "miss")}
-        return dict(policy=policy, computed=int(computed), cached=int(cached),
+        return dict(policy=policy + ("+pool" if pool else ""), computed=int(computed),
+                    cached=int(cached), fetched=int(fetched),
                     p50=statistics.median(lat), mean=statistics.mean(lat), errors=len(errors),
-                    kv=kv if policy == "kv_aware" else None)
+                    kv=kv if policy == "kv_aware" else None, pool=int(m.get(
+                        "disagg_proxy_kv_pool_source_requests_total", 0)))
     finally:
         px.stop()
         d.stop()
@@ -114,17 +128,21 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-cache-memory", default="96M")
+    ap.add_argument("--pool-mode", default="auto",
+                    help="kv_aware+pool: the prefills' pool_fetch (auto, always)")
     a = ap.parse_args()
     rows = [run(p, a) for p in a.policies.split(",")]
     print(f"{a.conversations} conversations x {a.turns} turns, 2 prefills + 1 decode, "
           f"max_tokens {a.max_tokens}")
     print(f"{'policy':<14}{'prefill tokens computed':>25}{'from prefix cache':>19}"
-          f"{'cache share':>13}{'p50 s':>8}{'mean s':>8}  kv_aware hit/load/miss")
+          f"{'fetched':>9}{'cache share':>13}{'p50 s':>8}{'mean s':>8}  kv_aware hit/load/miss")
     for r in rows:
         share = r["cached"] / max(1, r["cached"] + r["computed"])
         kv = "/".join(str(r["kv"][k]) for k in ("hit", "load", "miss")) if r["kv"] else "-"
-        print(f"{r['policy']:<14}{r['computed']:>25}{r['cached']:>19}{share:>12.1%}"
+        share = (r["cached"] + r["fetched"]) / max(1, r["cached"] + r["fetched"] + r["computed"])
+        print(f"{r['policy']:<14}{r['computed']:>25}{r['cached']:>19}{r['fetched']:>9}{share:>12.1%}"
               f"{r['p50']:>8.3f}{r['mean']:>8.3f}  {kv}"
+              + (f"  pool {r['pool']}" if r["policy"].endswith("+pool") else "")
               + (f"  ({r['errors']} errors)" if r["errors"] else ""))
 
 

@@ -34,6 +34,7 @@ static struct proxy_args {
     int events_port, replay_port; /* -1: not given */
     double load_weight;           /* -1: not given */
     long long max_blocks;         /* 0: not given */
+    int pool_fetch;               /* --kv-pool-fetch */
 } A;
 
 /* The tokenizer --policy kv_aware hashes prompts with: the instances' own. */
@@ -217,6 +218,11 @@ static const flag_def PROXY_FLAGS[] = {
              "(default 1; 0: the cache alone)"},
     {FLAG_INT_("--kv-index-max-blocks", &A.max_blocks, 1, 1LL << 32),
      .help = "kv_aware: blocks indexed per prefill at most (default 4194304)"},
+    {FLAG_BOOL_("--kv-pool-fetch", &A.pool_fetch),
+     .help = "kv_aware: when load sends a prompt to a prefill other than the one holding its "
+             "longest prefix, name the holder in kv_transfer_params.pool_source, so that the "
+             "prefill pulls that prefix's KV instead of computing it (the prefills must be "
+             "kv_both; docs/kv_pool.md)"},
     {FLAG_STRING_("--api-key", &A.cfg.api_key), .metavar = "KEY",
      .help = "clients must send 'Authorization: Bearer KEY' on /v1 paths (401 otherwise; /health "
              "and /metrics stay open) and it is sent upstream (default: no check, the client's "
@@ -280,6 +286,7 @@ static int kv_setup(proxy_config *cfg, kv_route_config *kc, int discovery) {
                         : A.topic            ? "--kv-events-topic-filter"
                         : A.load_weight >= 0 ? "--kv-aware-load-weight"
                         : A.max_blocks       ? "--kv-index-max-blocks"
+                        : A.pool_fetch       ? "--kv-pool-fetch"
                                              : NULL;
     if (cfg->policy != POLICY_KV_AWARE) {
         if (!given) return 0;
@@ -357,6 +364,7 @@ static int kv_setup(proxy_config *cfg, kv_route_config *kc, int discovery) {
     if (A.topic) kc->topic = A.topic;
     if (A.load_weight >= 0) kc->load_weight = A.load_weight;
     if (A.max_blocks) kc->max_blocks = (size_t)A.max_blocks;
+    kc->pool_fetch = A.pool_fetch;
     kc->tokens = prompt_tokens;
     kc->tokens_arg = &T;
     cfg->kv = kc;

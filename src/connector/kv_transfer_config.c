@@ -75,7 +75,7 @@ static const top_key TOP_KEYS[] = {
 static const char *const EXTRA_KEYS[] = {
     "num_workers", "mooncake_protocol", "device_name",         "bootstrap_server_address",
     "auth_secret", "max_pending_pulls", "first_token_handoff", "max_remote_loads",
-    "layerwise"};
+    "layerwise",   "pool_fetch"};
 #define N_EXTRA_KEYS (sizeof EXTRA_KEYS / sizeof EXTRA_KEYS[0])
 
 static const char *const ROLE_NAMES[] = {"kv_producer", "kv_consumer", "kv_both"};
@@ -323,6 +323,21 @@ static int parse_extra(const json_t *extra, kv_transfer_config *c, char *err, si
             }
             c->layerwise = json_is_true(v);
             c->layerwise_set = 1;
+        } else if (strcmp(key, "pool_fetch") == 0) {
+            const char *m = json_string_value(v);
+            int k = !m ? -1
+                    : !strcmp(m, "auto")   ? KV_POOL_FETCH_AUTO
+                    : !strcmp(m, "always") ? KV_POOL_FETCH_ALWAYS
+                    : !strcmp(m, "never")  ? KV_POOL_FETCH_NEVER
+                                           : -1;
+            if (k < 0) {
+                err_set(err, cap,
+                        "kv-transfer-config: kv_connector_extra_config.pool_fetch: %s is not "
+                        "accepted; accepted: \"auto\" (default), \"always\" or \"never\"",
+                        json_short(v, shown, sizeof shown));
+                return KV_CONFIG_EINVAL;
+            }
+            c->pool_fetch = k;
         } else {
             const char *hint = did_you_mean(key, EXTRA_KEYS, N_EXTRA_KEYS);
             LOG_W(MOD,

@@ -46,6 +46,12 @@ typedef enum kv_protocol {
 #define KV_CONFIG_REMOTE_LOADS_DEFAULT  512 /* max_remote_loads */
 #define KV_CONFIG_REMOTE_LOADS_MAX      4096
 
+typedef enum kv_pool_fetch_mode {
+    KV_POOL_FETCH_AUTO = 0,
+    KV_POOL_FETCH_ALWAYS = 1,
+    KV_POOL_FETCH_NEVER = 2,
+} kv_pool_fetch_mode;
+
 typedef struct kv_transfer_config {
     char kv_connector[64];                      /* always "MooncakeConnector" after a parse */
     kv_role role;                               /* kv_role (required) */
@@ -85,6 +91,11 @@ typedef struct kv_transfer_config {
      * layerwise_set: the config named it (an instance of several TP ranks streams nothing
      * and refuses an explicit true; its default is quietly off there). */
     int layerwise, layerwise_set;
+    /* pool_fetch: what a consumer does with a request's kv_transfer_params.pool_source (a
+     * prefix of the prompt another instance holds, docs/kv_pool.md): "auto" (default) pulls
+     * it when the estimated transfer time is below the prefill time it saves, "always"
+     * pulls it, "never" computes the prompt here. */
+    kv_pool_fetch_mode pool_fetch;
     /* what was accepted but means nothing here (comma-separated, for logs/tests) */
     char ignored_keys[KV_CONFIG_KEYS_MAX];       /* vLLM KVTransferConfig fields unused here */
     char unknown_extra_keys[KV_CONFIG_KEYS_MAX]; /* kv_connector_extra_config keys unknown */

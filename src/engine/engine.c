@@ -50,6 +50,7 @@ typedef struct ereq {
     void *kv_handle;   /* the connector's per-request state */
     int loading;       /* consumer: start_load() sent, load_done() not yet */
     int needs_park;    /* consumer: waiting for blocks to park with */
+    int pool_fetch;    /* a prefix of the prompt's KV is pulled from another instance first */
     int zombie;        /* finished to the client, blocks wait for load_done() */
     int error_status;  /* HTTP status for an "error" finish (0 = internal, 500) */
     struct ereq *next; /* inbox or live list */
@@ -73,8 +74,11 @@ typedef struct kept_blocks { /* blocks held outside any request */
 
 typedef struct kv_note { /* a connector's answer, queued for the step thread */
     uint64_t id;
-    int kind; /* 0 load done, 1 release */
+    int kind; /* 0 load done, 1 release, 2 pin a prefix (engine_kv_pin_prefix) */
     int ok, recompute;
+    int n_tokens;    /* load done (pool fetch): prompt tokens filled; pin: count of tokens */
+    int32_t *tokens; /* pin: (n_tokens) the token ids whose cached prefix is pinned */
+    uint64_t key;    /* pin: the connector's key for the answer */
     uint64_t hold_ns;    /* failure: keep the blocks out of use this long */
     int http_status;     /* failure: its HTTP status (0 = 500) */
     int has_first;       /* ok: the producer's first output token came with the KV */
@@ -409,14 +413,17 @@ int engine_submit(engine *e, const engine_request_params *p, engine_event_fn fn,
     r->s.id = ++e->next_id;
     pthread_mutex_unlock(&e->mu);
     if (p->kv_transfer_params && e->conn.classify) {
-        int role = e->conn.classify(e->conn.ctx, r->s.id, p->kv_transfer_params, p->n_prompt,
-                                    &r->kv_handle, err, errlen);
+        int role = e->conn.classify(e->conn.ctx, r->s.id, p->kv_transfer_params, p->prompt,
+                                    p->n_prompt, &r->kv_handle, err, errlen);
         if (role < 0) {
             ereq_free(r);
             return -EINVAL;
         }
-        r->kv_role = role;
-        r->needs_park = role == KV_REQ_REMOTE_PREFILL;
+        /* prompt logprobs compute every prompt position here anyway: no pool fetch (the
+         * connector's handle is released with the request, nothing pulled) */
+        r->pool_fetch = (role & KV_REQ_POOL_FETCH) && !r->prompt_lp;
+        r->kv_role = role & ~KV_REQ_POOL_FETCH;
+        r->needs_park = r->kv_role == KV_REQ_REMOTE_PREFILL || r->pool_fetch;
     }
     pthread_mutex_lock(&e->mu);
     r->s.owner = r;
@@ -512,6 +519,29 @@ void engine_kv_release(engine *e, uint64_t id) {
     kv_note *n = note_new(id, 1, "releasing the kept blocks");
     if (!n) return;
     push_note(e, n);
+}
+
+void engine_kv_load_done_prefix(engine *e, uint64_t id, int n_tokens) {
+    kv_note *n = note_new(id, 0, "reporting the KV load");
+    if (!n) return;
+    n->ok = 1;
+    n->n_tokens = n_tokens > 0 ? n_tokens : 0;
+    push_note(e, n);
+}
+
+int engine_kv_pin_prefix(engine *e, uint64_t key, const int32_t *tokens, int n_tokens) {
+    kv_note *n = note_new(0, 2, "pinning a cached prefix");
+    if (!n) return -ENOMEM;
+    n->key = key;
+    n->n_tokens = n_tokens > 0 ? n_tokens : 0;
+    n->tokens = malloc((size_t)(n->n_tokens ? n->n_tokens : 1) * sizeof *n->tokens);
+    if (!n->tokens) {
+        free(n);
+        return -ENOMEM;
+    }
+    memcpy(n->tokens, tokens, (size_t)n->n_tokens * sizeof *tokens);
+    push_note(e, n);
+    return 0;
 }
 
 void engine_set_kv_connector(engine *e, const engine_kv_connector *c) {
@@ -732,7 +762,50 @@ static int first_token_handoff(engine *e, ereq *r, int32_t token) {
     return 1;
 }
 
+/* engine_kv_pin_prefix on the step thread: the cached full blocks of n->tokens (the device
+ * cache, then the tiers, as a request's admission walks them) are kept under a fresh id
+ * and handed to the connector. */
+static void pin_prefix(engine *e, const kv_note *n) {
+    int bs = e->sched.cfg.block_size, full = n->n_tokens / bs, got = 0;
+    int32_t *blocks = malloc((size_t)(full ? full : 1) * sizeof *blocks);
+    uint64_t h = 0;
+    for (int i = 0; blocks && e->cfg.enable_prefix_caching && i < full; i++) {
+        uint64_t parent = h;
+        h = block_pool_hash_tokens(parent, n->tokens + i * bs, bs);
+        int32_t b = block_pool_lookup_tiered(&e->bp, parent, h, n->tokens + i * bs);
+        if (b < 0) break;
+        blocks[got++] = b;
+    }
+    kept_blocks *k = got ? calloc(1, sizeof *k) : NULL;
+    uint64_t pin_id = 0;
+    if (k) {
+        pthread_mutex_lock(&e->mu);
+        pin_id = ++e->next_id; /* request ids and pin ids share the counter: never equal */
+        pthread_mutex_unlock(&e->mu);
+        *k = (kept_blocks){.id = pin_id, .blocks = blocks, .n = got, .next = e->kept};
+        e->kept = k;
+        e->n_kept++;
+    } else if (got) { /* no memory: nothing pinned */
+        block_pool_release(&e->bp, blocks, got);
+        got = 0;
+    }
+    if (e->conn.prefix_pinned) {
+        e->conn.prefix_pinned(e->conn.ctx, n->key, pin_id, blocks, got);
+    } else if (k) { /* nobody to hand them to */
+        e->kept = k->next;
+        e->n_kept--;
+        block_pool_release(&e->bp, blocks, got);
+        free(k);
+        free(blocks);
+    }
+    if (!k) free(blocks);
+}
+
 static void handle_note(engine *e, const kv_note *n) {
+    if (n->kind == 2) {
+        pin_prefix(e, n);
+        return;
+    }
     if (n->kind == 1) {
         for (kept_blocks **pp = &e->kept; *pp; pp = &(*pp)->next)
             if ((*pp)->id == n->id) {
@@ -753,6 +826,17 @@ static void handle_note(engine *e, const kv_note *n) {
     if (n->hold_ns) quarantine(e, r, n->hold_ns);
     if (r->zombie) { /* aborted meanwhile: now the blocks can go */
         finish(e, r, "abort", -1, NULL);
+        return;
+    }
+    if (r->pool_fetch) { /* a prefix arrived (or none): the rest is computed here */
+        int upto = n->ok ? n->n_tokens : 0;
+        if (upto > r->s.n_prompt - 1) upto = r->s.n_prompt - 1; /* the last one gives logits */
+        if (upto < r->s.n_cached) upto = r->s.n_cached;
+        r->n_kv_received = upto - r->s.n_cached;
+        if (!n->ok)
+            LOG_I(MOD, "request %llu: pool fetch failed (%s); computing its prompt here",
+                  (unsigned long long)r->s.id, n->error);
+        sched_unpark(&e->sched, &r->s, upto);
         return;
     }
     if (n->ok) {
@@ -979,6 +1063,7 @@ static void take_inputs(engine *e) {
     while (rn) {
         kv_note *n = rn->next;
         handle_note(e, rn);
+        free(rn->tokens);
         free(rn);
         rn = n;
     }
@@ -1236,6 +1321,10 @@ static void run_step(engine *e) {
     e->stats.step_ns += t_end - t_step;
     e->stats.forward_ns += t_fwd_end - t_fwd;
     e->stats.sample_ns += t_end - t_sample;
+    if (prompt >= (uint64_t)e->cfg.block_size && prompt * 10 >= (prompt + gen) * 9) {
+        e->stats.prefill_forward_ns += t_fwd_end - t_fwd; /* a prefill step */
+        e->stats.prefill_forward_tokens += prompt + gen;
+    }
     if (mrows) {
         e->stats.grammar_steps++;
         e->stats.grammar_rows += (uint64_t)mrows;
@@ -1600,6 +1689,7 @@ void engine_destroy(engine *e) {
     while (e->notes) {
         kv_note *n = e->notes;
         e->notes = n->next;
+        free(n->tokens);
         free(n);
     }
     free(e->aborts);

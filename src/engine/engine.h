@@ -227,8 +227,18 @@ void engine_kv_load_done_streamed(engine *e, uint64_t id, int32_t token, int lay
  * producer unreachable or failing, 504: no KV in time; 0 = 500). */
 void engine_kv_load_failed(engine *e, uint64_t id, int recompute, uint64_t hold_ns, int http_status,
                            const char *error);
-/* Producer: free the blocks kept for request id (after request_finished keep). */
+/* Producer: free the blocks kept for request id (after request_finished keep), or the
+ * blocks pinned under id (engine_kv_pin_prefix). */
 void engine_kv_release(engine *e, uint64_t id);
+/* Pool fetch, consumer: the KV of the request's first n_tokens prompt tokens arrived (full
+ * blocks; tokens the local prefix cache held are part of them): it computes the rest of its
+ * prompt here, those tokens counted as received (engine_event.n_kv_received). */
+void engine_kv_load_done_prefix(engine *e, uint64_t id, int n_tokens);
+/* Pool fetch, holder: at the next step, pin the cached KV of the longest prefix of the
+ * full blocks of tokens (n_tokens) that the device cache or the offload tiers hold
+ * (a tier's block is copied into a free device block first), and answer through the
+ * connector's prefix_pinned(key, ...).  Thread-safe; -ENOMEM. */
+int engine_kv_pin_prefix(engine *e, uint64_t key, const int32_t *tokens, int n_tokens);
 
 /* vllm:iteration_tokens_total's bucket bounds (vLLM v1's PrometheusStatLogger):
  * tokens (prompt + generated) per engine step. */
@@ -259,6 +269,10 @@ typedef struct engine_stats {
     /* step timings, summed over the steps (ns): the whole step (plan to the last token
      * sent), its forward, and what follows the forward (sampling, delivering the tokens) */
     uint64_t step_ns, forward_ns, sample_ns;
+    /* the forwards of the steps that were prefill (at least a block of prompt tokens, 90 % of
+     * the step's tokens): their time (ns) and tokens -- the prefill rate a pool fetch is
+     * weighed against */
+    uint64_t prefill_forward_ns, prefill_forward_tokens;
     /* the steps that sampled constrained rows (structured outputs): their count, their
      * rows, the time spent filling the rows' masks (on the mask thread when overlapped),
      * the time the step thread waited for them (serial: all of it; overlapped: what the

@@ -31,13 +31,22 @@ typedef enum kv_role_of_request {
     KV_REQ_REMOTE_DECODE = 2,  /* producer: keep the KV for a consumer to pull */
 } kv_role_of_request;
 
+/* OR'ed into classify()'s role (LOCAL or REMOTE_DECODE): a pool fetch.  The engine parks
+ * the request with blocks for its prompt as for a remote prefill and calls start_load();
+ * the connector pulls a prefix of the prompt's KV from another instance and reports how
+ * many prompt tokens it filled (engine_kv_load_done_prefix), or a failure, after which
+ * the prompt is computed here (a pool fetch never fails a request).  Then the request
+ * goes on in its role. */
+#define KV_REQ_POOL_FETCH 4
+
 typedef struct engine_kv_connector {
     void *ctx;
-    /* kv_params: the request's kv_transfer_params as JSON text.  Returns the
-     * role, or -1 with err filled when the params are invalid (the request
+    /* kv_params: the request's kv_transfer_params as JSON text; prompt (n_prompt) its
+     * token ids (valid during the call).  Returns the role (possibly with
+     * KV_REQ_POOL_FETCH), or -1 with err filled when the params are invalid (the request
      * is rejected).  *handle: the connector's per-request state (may be NULL). */
-    int (*classify)(void *ctx, uint64_t id, const char *kv_params, int n_prompt, void **handle,
-                    char *err, size_t errlen);
+    int (*classify)(void *ctx, uint64_t id, const char *kv_params, const int32_t *prompt,
+                    int n_prompt, void **handle, char *err, size_t errlen);
     /* Consumer: blocks (n_blocks) hold the whole prompt; the first
      * n_local_tokens tokens' KV is already there (local prefix cache). */
     void (*start_load)(void *ctx, void *handle, uint64_t id, const int32_t *blocks, int n_blocks,
@@ -64,6 +73,12 @@ typedef struct engine_kv_connector {
     void (*prefill_chunk)(void *ctx, void *handle, uint64_t id, const int32_t *blocks,
                           int n_blocks, int start, int end, int n_prompt, uint64_t step,
                           struct backend_layer_progress *progress);
+    /* Holder of a pool fetch (optional, may be NULL): the answer to engine_kv_pin_prefix(key):
+     * blocks (n_blocks, maybe 0) hold the KV of the first n_blocks full blocks of the tokens
+     * asked, pinned (kept) under pin_id until engine_kv_release(pin_id); nothing is pinned
+     * (pin_id 0) when n_blocks is 0.  Without the hook the pins are released at once. */
+    void (*prefix_pinned)(void *ctx, uint64_t key, uint64_t pin_id, const int32_t *blocks,
+                          int n_blocks);
 } engine_kv_connector;
 
 /* The KV region, for registration with the transfer engine and the layout

@@ -27,6 +27,8 @@ struct kv_route {
     uint64_t results[KV_RESULTS]; /* requests by routing result */
     uint64_t prompt_tokens;       /* prompt tokens of the requests routed with tokens */
     uint64_t cached_tokens;       /* of them, held by the chosen prefill (any medium) */
+    uint64_t pool_named;          /* requests sent with a pool source */
+    uint64_t pool_tokens;         /* the tokens those sources held */
     double mean_uncached;         /* moving mean of the uncached tokens of a prefill */
 };
 
@@ -145,9 +147,10 @@ upstream *kv_route_pick(kv_route *kr, upstream *list, int n, unsigned *rr, uint6
                         const json_t *body, const char *path, uint64_t *uncached) {
     if (!rq->done) tokenize(kr, rq, body, path);
     *uncached = rq->n;
-    upstream *best = NULL;
+    rq->pool_tokens = 0;
+    upstream *best = NULL, *holder = NULL;
     double best_cost = 0, best_load = 0;
-    int best_cached = 0, any_cached = 0;
+    int best_cached = 0, any_cached = 0, holder_cached = 0;
     unsigned start = *rr;
     for (int j = 0; rq->n && j < n; j++) {
         upstream *b = &list[(start + (unsigned)j) % (unsigned)n];
@@ -166,6 +169,10 @@ upstream *kv_route_pick(kv_route *kr, upstream *list, int n, unsigned *rr, uint6
                                  KV_ROUTE_DISK_WEIGHT * per[KV_MEDIUM_DISK]);
         }
         any_cached |= cached > 0;
+        if (cached > holder_cached && b->nengines > 0) {
+            holder = b;
+            holder_cached = cached;
+        }
         double others = b->has_load ? (double)b->pub_running + b->pub_waiting - b->outstanding : 0;
         double queued =
             (double)b->kv_pending_tokens + (others > 0 ? others * kr->mean_uncached : 0);
@@ -187,6 +194,15 @@ upstream *kv_route_pick(kv_route *kr, upstream *list, int n, unsigned *rr, uint6
         if (engine) *engine = &best->engines[best->rank_rr++ % (unsigned)best->nengines];
     }
     if (!best) return NULL;
+    if (kr->cfg.pool_fetch && holder && holder != best && holder_cached > best_cached) {
+        snprintf(rq->pool_engine_id, sizeof rq->pool_engine_id, "%s", holder->engines[0].engine_id);
+        snprintf(rq->pool_bootstrap, sizeof rq->pool_bootstrap, "%s", holder->bootstrap_url);
+        rq->pool_tokens = holder_cached;
+        kr->pool_named++;
+        kr->pool_tokens += (uint64_t)holder_cached;
+        LOG_D(MOD, "kv_aware: pool source %s (%d tokens) for a prefill on %s", holder->url,
+              holder_cached, best->url);
+    }
     if (!rq->counted) {
         rq->counted = 1;
         kr->results[res]++;
@@ -217,6 +233,13 @@ void kv_route_write_metrics(const kv_route *kr, const upstream *list, int n, pro
     prom_family(o, "disagg_proxy_kv_aware_cached_tokens", PROM_COUNTER,
                 "Of them, the tokens of the prefix the chosen prefill held (any medium).");
     prom_sample_u64(o, kr->cached_tokens, NULL);
+    prom_family(o, "disagg_proxy_kv_pool_source_requests", PROM_COUNTER,
+                "--kv-pool-fetch: prefill requests that named a pool source (the prefill holding "
+                "a longer prefix of the prompt than the one chosen).");
+    prom_sample_u64(o, kr->pool_named, NULL);
+    prom_family(o, "disagg_proxy_kv_pool_source_tokens", PROM_COUNTER,
+                "--kv-pool-fetch: the prefix tokens those pool sources held.");
+    prom_sample_u64(o, kr->pool_tokens, NULL);
     static const char *const media[KV_MEDIA] = {"GPU", "CPU", "DISK"};
     prom_family(o, "disagg_proxy_kv_index_blocks", PROM_GAUGE,
                 "Blocks each prefill holds as its KV events tell it, by medium.");

@@ -17,7 +17,12 @@
  * the lowest cost wins (ties: the lower load, then round robin).  When no
  * eligible prefill holds any block of the prompt (or it has no tokens: too short,
  * /v1/responses or /v1/messages bodies, a tokenizer error) the choice is
- * least_loaded's.  Decodes are always least_loaded.  The index is advisory:
+ * least_loaded's.  Decodes are always least_loaded.  With pool_fetch (--kv-pool-fetch), a
+ * request sent to a prefill that holds less of its prompt than another eligible prefill
+ * (load made it cheaper) names that holder in kv_route_req.pool_* (its engine id, bootstrap
+ * address and the tokens it holds): the relay puts it in the prefill's
+ * kv_transfer_params.pool_source, and the prefill pulls that prefix (docs/kv_pool.md).  The
+ * index is advisory:
  * events lag the instances by a step, and a request routed on a block evicted
  * meanwhile only loses the hit.
  */
@@ -55,6 +60,7 @@ typedef struct kv_route_config {
     double load_weight;        /* --kv-aware-load-weight (1) */
     size_t max_blocks;         /* --kv-index-max-blocks: per instance (4194304) */
     double replay_timeout_s;   /* one replay's deadline (5) */
+    int pool_fetch;            /* --kv-pool-fetch: name the holder of the longest prefix */
     kv_route_tokens_fn tokens; /* the prompt's token ids */
     void *tokens_arg;          /* its argument */
 } kv_route_config;
@@ -68,6 +74,11 @@ typedef struct kv_route_req {
     int nchain;      /* full blocks */
     int chain_bs;    /* their block size (0: none yet) */
     int counted;     /* its result is in the counters */
+    /* the last pick's pool source (pool_tokens 0: none): the eligible prefill holding the
+     * longest prefix of the prompt when the pick is another one holding less */
+    char pool_engine_id[128]; /* its engine id (dp rank 0's) */
+    char pool_bootstrap[300]; /* its bootstrap address, "http://host:port" */
+    int pool_tokens;          /* the prefix it holds (any medium), in tokens */
 } kv_route_req;
 
 typedef struct kv_route kv_route;

@@ -387,6 +387,11 @@ static int send_pd(relay *r) {
     uuid4(u);
     snprintf(r->transfer_id, sizeof r->transfer_id, "xfer-%s", u);
     json_t *pb = pd_prefill_body_for(r->body, r->transfer_id, hs_req_path(r->client));
+    if (pb && px->kv && r->kv.pool_tokens > 0) /* the holder of a longer prefix (kv_route.h) */
+        json_object_set_new(json_object_get(pb, "kv_transfer_params"), "pool_source",
+                            json_pack("{s:s, s:s, s:i}", "remote_engine_id",
+                                      r->kv.pool_engine_id, "remote_bootstrap_addr",
+                                      r->kv.pool_bootstrap, "num_tokens", r->kv.pool_tokens));
     free(r->p_body);
     r->p_body = pb ? json_dumps(pb, JSON_COMPACT) : NULL;
     json_decref(pb);

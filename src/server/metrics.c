@@ -101,6 +101,9 @@ void metrics_observe_prompt_sources(server_metrics *m, const metrics_request *q)
     if (q->remote_prefill) { /* the connector was asked for the prompt (vLLM: at scheduling) */
         m->external_queries += (uint64_t)(q->n_prompt > 0 ? q->n_prompt : 0);
         m->external_hits += (uint64_t)(q->n_kv_received > 0 ? q->n_kv_received : 0);
+    } else if (q->n_kv_received > 0) { /* a pool fetch: the prefix pulled from a holder */
+        m->external_queries += (uint64_t)q->n_kv_received;
+        m->external_hits += (uint64_t)q->n_kv_received;
     }
     if (!q->t_first_token_ns || q->n_prompt <= 0) return; /* never prefilled */
     long long cached = q->n_cached > 0 ? q->n_cached : 0;

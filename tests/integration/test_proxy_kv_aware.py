@@ -70,12 +70,15 @@ def stack():
     p1 = KVPrefill(blocks=40)  # small: the eviction test fills it
     d = Server("--max-model-len", "512", "--block-size", str(BS), "--kv-cache-memory", "96M",
                "--kv-transfer-config", consumer_config())
-    px = ProxyProc([p0, p1], [d], extra=kv_flags([p0, p1]))
+    prefills = [p0, p1]
+    px = ProxyProc(prefills, [d], extra=kv_flags(prefills))
     px.wait_ready(30)
-    yield [p0, p1], d, px
+    yield prefills, d, px
     px.stop()
     d.stop()
-    for p in (p0, p1):
+    # the list, not p0 and p1: test_restarted_prefill_starts_with_an_empty_index replaces
+    # prefills[0] with a restarted instance, which must be stopped too
+    for p in prefills:
         p.server.stop()
 
 
@@ -241,6 +244,10 @@ def test_restarted_prefill_starts_with_an_empty_index(stack):
     assert series(px, "disagg_proxy_kv_index_blocks", p0, "GPU") > 0
     drops = series(px, "disagg_proxy_kv_index_drops_total", p0)
     p0.server.stop()
+    # down for several probe periods (0.1 s): a restart quicker than the probe period is not
+    # seen as one by the health probes (the engine table is re-read only after a failed
+    # probe), and the proxy would keep routing with the old engine id
+    time.sleep(0.5)
     ps[0] = KVPrefill(port=p0.server.port,
                       ports=(p0.bootstrap_port, p0.kv_port, p0.replay_port))
     # the proxy sees a new engine id (and, once it publishes, a seq from 0 again)

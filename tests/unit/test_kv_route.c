@@ -1,7 +1,8 @@
 /* Unit tests of --policy kv_aware's choice (src/proxy/kv_route.c) over fake prefills whose
  * indexes are fed KVEventBatch payloads: the longest cached prefix wins; the tiers count less
  * than the device cache; a holder whose queue costs more than its cache saves loses (the
- * "load" result); nothing cached and no token ids fall back to least_loaded; the counters. */
+ * "load" result); nothing cached and no token ids fall back to least_loaded; the counters;
+ * with pool_fetch, a pick that is not the holder of the longest prefix names the holder. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -75,21 +76,34 @@ typedef struct fixture {
     unsigned rr;
 } fixture;
 
-static int setup(void **state) {
+static int setup_with(void **state, int pool_fetch) {
     fixture *f = calloc(1, sizeof *f);
     f->base = event_base_new();
     kv_route_config c;
     kv_route_config_default(&c);
     c.tokens = fake_tokens;
+    c.pool_fetch = pool_fetch;
     char err[256];
     f->kr = kv_route_new(f->base, &c, err, sizeof err);
     assert_non_null(f->kr);
     for (int i = 0; i < 3; i++) {
         fake(&f->p[i], UPSTREAM_PREFILL, i, 1);
         snprintf(f->p[i].url, sizeof f->p[i].url, "http://p%d:8000", i);
+        snprintf(f->p[i].bootstrap_url, sizeof f->p[i].bootstrap_url, "http://p%d:8998", i);
+        char eid[32];
+        snprintf(eid, sizeof eid, "engine-p%d", i);
+        f->p[i].engines[0].engine_id = strdup(eid);
     }
     *state = f;
     return 0;
+}
+
+static int setup(void **state) {
+    return setup_with(state, 0);
+}
+
+static int setup_pool(void **state) {
+    return setup_with(state, 1);
 }
 
 static int teardown(void **state) {
@@ -102,8 +116,9 @@ static int teardown(void **state) {
     return 0;
 }
 
-/* One choice for a chat request; *uncached gets what the chosen one lacks. */
-static upstream *pick(fixture *f, uint64_t exclude, uint64_t *uncached) {
+/* One choice for a chat request; *uncached gets what the chosen one lacks, *pool its pool
+ * source (when not NULL). */
+static upstream *pick_req(fixture *f, uint64_t exclude, uint64_t *uncached, kv_route_req *pool) {
     kv_route_req rq = {0};
     json_t *body = json_pack("{s:[]}", "messages");
     const pd_engine *eng = NULL;
@@ -112,9 +127,14 @@ static upstream *pick(fixture *f, uint64_t exclude, uint64_t *uncached) {
                                 "/v1/chat/completions", &u);
     if (b) assert_ptr_equal(eng, &b->engines[0]);
     if (uncached) *uncached = u;
+    if (pool) *pool = rq;
     kv_route_req_free(&rq);
     json_decref(body);
     return b;
+}
+
+static upstream *pick(fixture *f, uint64_t exclude, uint64_t *uncached) {
+    return pick_req(f, exclude, uncached, NULL);
 }
 
 static double counter(fixture *f, const char *series) {
@@ -194,12 +214,46 @@ static void test_fallbacks(void **state) {
     assert_null(pick(f, 7, NULL));
 }
 
+/* --kv-pool-fetch: load sends the prompt to p2 while p1 holds 4 blocks (in its host tier): p1 is named the pool source, with the 16 tokens it holds; the holder
+ * chosen, or pool_fetch off, names none. */
+static void test_pool_source_names_the_holder(void **state) {
+    fixture *f = *state;
+    hold(&f->p[1], 4, "CPU", 100);
+    hold(&f->p[2], 1, "GPU", 200); /* holds less than p1 */
+    kv_route_req rq;
+    assert_ptr_equal(pick_req(f, 0, NULL, &rq), &f->p[1]);
+    assert_int_equal(rq.pool_tokens, 0);
+    f->p[1].kv_pending_tokens = 100;
+    upstream *b = pick_req(f, 0, NULL, &rq);
+    assert_ptr_equal(b, &f->p[2]); /* 32 - 4 < 32 */
+    assert_int_equal(rq.pool_tokens, 4 * BS);
+    assert_string_equal(rq.pool_engine_id, "engine-p1");
+    assert_string_equal(rq.pool_bootstrap, "http://p1:8998");
+    assert_int_equal(counter(f, "disagg_proxy_kv_pool_source_requests_total"), 1);
+    assert_int_equal(counter(f, "disagg_proxy_kv_pool_source_tokens_total"), 4 * BS);
+    /* the holder out of rotation: nothing to fetch from */
+    assert_ptr_equal(pick_req(f, 1u << 1, NULL, &rq), &f->p[2]);
+    assert_int_equal(rq.pool_tokens, 0);
+}
+
+static void test_no_pool_source_without_the_flag(void **state) {
+    fixture *f = *state;
+    hold(&f->p[1], 4, "GPU", 100);
+    f->p[1].kv_pending_tokens = 100;
+    kv_route_req rq;
+    assert_ptr_not_equal(pick_req(f, 0, NULL, &rq), &f->p[1]);
+    assert_int_equal(rq.pool_tokens, 0);
+    assert_int_equal(counter(f, "disagg_proxy_kv_pool_source_requests_total"), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_longest_prefix_wins, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tiers_count_less, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_outweighs_cache, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fallbacks, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pool_source_names_the_holder, setup_pool, teardown),
+        cmocka_unit_test_setup_teardown(test_no_pool_source_without_the_flag, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -840,8 +840,62 @@ static void test_layerwise_extension(void **state) {
     msgpack_sbuffer_destroy(&sb);
 }
 
+/* "disagg_pool_tokens": the pool fetch's token ids round-trip; a pull without them encodes no
+ * key; a negative id and a pool pull of two requests are refused with a message naming the key. */
+static void test_pool_tokens_extension(void **state) {
+    (void)state;
+    int64_t ids[] = {7, 8};
+    side_channel_block_group g = {ids, 2};
+    side_channel_req_blocks r[2] = {{"req", "pool-1", &g, 1}, {"req2", "pool-2", &g, 1}};
+    uint64_t base[] = {4096};
+    int64_t lens[] = {64};
+    int64_t tok[] = {1, 2, 3, 4000, 0};
+    side_channel_pull p = {.remote_hostname = "h",
+                           .remote_port = 1,
+                           .remote_tp_size = 1,
+                           .reqs = r,
+                           .n_reqs = 1,
+                           .kv_caches_base_addr = base,
+                           .block_lens = lens,
+                           .kv_block_lens = lens,
+                           .n_regions = 1,
+                           .remote_pp_size = 1,
+                           .pool_tokens = tok,
+                           .n_pool_tokens = 5};
+    char *buf, err[256];
+    size_t len;
+    side_channel_pull d;
+    assert_int_equal(side_channel_pull_encode(&p, &buf, &len), 0);
+    assert_int_equal(side_channel_pull_decode(buf, len, &d, err, sizeof err), 0);
+    assert_int_equal(d.n_pool_tokens, 5);
+    for (int i = 0; i < 5; i++)
+        assert_int_equal(d.pool_tokens[i], tok[i]);
+    side_channel_pull_free(&d);
+    free(buf);
+    tok[1] = -2;
+    assert_int_equal(side_channel_pull_encode(&p, &buf, &len), 0);
+    assert_int_equal(side_channel_pull_decode(buf, len, &d, err, sizeof err), SIDE_CHANNEL_EINVAL);
+    assert_non_null(strstr(err, SIDE_CHANNEL_POOL_TOKENS_KEY));
+    free(buf);
+    tok[1] = 2;
+    p.n_reqs = 2;
+    assert_int_equal(side_channel_pull_encode(&p, &buf, &len), 0);
+    assert_int_equal(side_channel_pull_decode(buf, len, &d, err, sizeof err), SIDE_CHANNEL_EINVAL);
+    assert_non_null(strstr(err, "names the prefix of one request"));
+    free(buf);
+    p.n_reqs = 1;
+    p.n_pool_tokens = 0;
+    assert_int_equal(side_channel_pull_encode(&p, &buf, &len), 0);
+    assert_null(memmem(buf, len, SIDE_CHANNEL_POOL_TOKENS_KEY, strlen(SIDE_CHANNEL_POOL_TOKENS_KEY)));
+    assert_int_equal(side_channel_pull_decode(buf, len, &d, err, sizeof err), 0);
+    assert_int_equal(d.n_pool_tokens, 0);
+    side_channel_pull_free(&d);
+    free(buf);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_pool_tokens_extension),
         cmocka_unit_test(test_cancel_message),
         cmocka_unit_test(test_decode_golden_pull_min),
         cmocka_unit_test(test_decode_golden_pull_full),

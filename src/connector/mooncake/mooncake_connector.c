@@ -2,6 +2,8 @@
  */
 #include "connector/mooncake/mooncake_internal.h"
 
+#include "base/uuid.h"
+
 /* Failure reasons as the metrics name them (FP_* producer, FC_* consumer). */
 static const char *const FP_NAMES[FP_COUNT] = {"unknown_transfer", "prefill_ended", "write_failed",
                                                "refused",          "cancelled",     "bad_params"};
@@ -41,8 +43,158 @@ static const char *kind_of(json_t *o, const char *k) {
     return v ? text_json_kind(v) : "nothing";
 }
 
-static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt, void **out,
-                    char *err, size_t errlen) {
+/* ---- pool fetch: kv_transfer_params.pool_source (docs/kv_pool.md) ------------------ */
+
+typedef struct pool_source {
+    char engine_id[ID_MAX];
+    char bootstrap[256];
+    int n_tokens; /* the prefix the holder caches, in tokens */
+} pool_source;
+
+/* Reads kv_transfer_params.pool_source: 0 when absent or null, 1 with *ps, -1 with err. */
+static int parse_pool_source(mooncake_connector *c, json_t *o, int n_prompt, int remote_prefill,
+                             pool_source *ps, char *err, size_t errlen) {
+    json_t *v = json_object_get(o, "pool_source");
+    if (!v || json_is_null(v)) return 0;
+    static const char accepted[] = "{\"remote_engine_id\": the holder's engine id, "
+                                   "\"remote_bootstrap_addr\": \"http://host:port\" of its "
+                                   "bootstrap server, \"num_tokens\": the prefix it holds, in "
+                                   "tokens}";
+    if (!json_is_object(v)) {
+        snprintf(err, errlen, "kv_transfer_params.pool_source must be an object %s, got %s",
+                 accepted, text_json_kind(v));
+        return -1;
+    }
+    const char *key;
+    json_t *x;
+    json_object_foreach(v, key, x) {
+        if (strcmp(key, "remote_engine_id") && strcmp(key, "remote_bootstrap_addr") &&
+            strcmp(key, "num_tokens")) {
+            snprintf(err, errlen,
+                     "kv_transfer_params.pool_source has an unknown key '%.64s'; accepted: %s", key,
+                     accepted);
+            return -1;
+        }
+    }
+    if (remote_prefill) {
+        snprintf(err, errlen,
+                 "kv_transfer_params.pool_source cannot be combined with do_remote_prefill: the "
+                 "producer sends the whole prompt's KV");
+        return -1;
+    }
+    if (!is_consumer_role(c)) {
+        snprintf(err, errlen,
+                 "kv_transfer_params.pool_source needs kv_role kv_consumer or kv_both (this "
+                 "instance pulls the prefix); this instance is %s",
+                 kv_role_name(c->cfg.role));
+        return -1;
+    }
+    const char *eid = jstr(v, "remote_engine_id"), *boot = jstr(v, "remote_bootstrap_addr");
+    json_t *nt = json_object_get(v, "num_tokens");
+    if (!eid || !*eid || strlen(eid) >= ID_MAX) {
+        snprintf(err, errlen,
+                 "kv_transfer_params.pool_source.remote_engine_id must be a non-empty string "
+                 "(below %d bytes), got %s",
+                 ID_MAX, kind_of(v, "remote_engine_id"));
+        return -1;
+    }
+    if (!strcmp(eid, c->cfg.engine_id)) {
+        snprintf(err, errlen,
+                 "kv_transfer_params.pool_source.remote_engine_id '%s' is this instance: a pool "
+                 "source is another instance",
+                 eid);
+        return -1;
+    }
+    if (!boot || !bootstrap_addr_ok(boot)) {
+        snprintf(err, errlen,
+                 "kv_transfer_params.pool_source.remote_bootstrap_addr %s%.200s%s is not "
+                 "accepted; accepted: \"http://host:port\" or \"host:port\" (port 1..65535)",
+                 boot ? "'" : "", boot ? boot : kind_of(v, "remote_bootstrap_addr"),
+                 boot ? "'" : "");
+        return -1;
+    }
+    if (!json_is_integer(nt) || json_integer_value(nt) < 1 ||
+        json_integer_value(nt) > n_prompt) {
+        char shown[64];
+        if (json_is_integer(nt))
+            snprintf(shown, sizeof shown, "%lld", (long long)json_integer_value(nt));
+        else
+            snprintf(shown, sizeof shown, "%s", kind_of(v, "num_tokens"));
+        snprintf(err, errlen,
+                 "kv_transfer_params.pool_source.num_tokens must be an integer from 1 to the "
+                 "prompt's %d tokens, got %s",
+                 n_prompt, shown);
+        return -1;
+    }
+    snprintf(ps->engine_id, sizeof ps->engine_id, "%s", eid);
+    snprintf(ps->bootstrap, sizeof ps->bootstrap, "%s", boot);
+    ps->n_tokens = (int)json_integer_value(nt);
+    return 1;
+}
+
+/* pool_fetch auto: is pulling n_blocks blocks faster than computing their n_tokens here?
+ * The transfer: the blocks' bytes x the seconds per byte the previous fetches took (their
+ * round trips included); the prefill: the tokens x the seconds per token of the engine's
+ * prefill steps.  Before either is measured: yes (the fetch measures).  Every 16th fetch
+ * judged slower is taken anyway, so that the estimate follows the links and the load.
+ * Caller holds mu. */
+static int pool_worth_it_locked(mooncake_connector *c, int n_tokens, int n_blocks) {
+    if (c->cfg.pool_fetch == KV_POOL_FETCH_ALWAYS) return 1;
+    engine_stats st;
+    engine_get_stats(c->eng, &st);
+    if (!st.prefill_forward_tokens || c->pool_s_per_byte <= 0) return 1;
+    double prefill_s = (double)n_tokens * (double)st.prefill_forward_ns / 1e9 /
+                       (double)st.prefill_forward_tokens;
+    double bytes = (double)n_blocks * (double)c->region.block_bytes * c->tp.tp_size;
+    double xfer_s = bytes * c->pool_s_per_byte;
+    if (xfer_s < prefill_s) return 1;
+    LOG_D(MOD, "pool fetch of %d tokens not taken: transfer %.3f ms estimated, prefill %.3f ms",
+          n_tokens, xfer_s * 1e3, prefill_s * 1e3);
+    return (c->pool_skipped[PS_COST] + 1) % 16 == 0;
+}
+
+/* The pool fetch of a request whose kv_transfer_params name a pool source: a cons_req, or
+ * NULL (counted as skipped: nothing worth pulling, or pool_fetch says no). */
+static cons_req *pool_fetch_new(mooncake_connector *c, uint64_t id, const pool_source *ps,
+                                const int32_t *prompt, int n_prompt) {
+    int bs = c->region.block_size;
+    int upto = ps->n_tokens < n_prompt - 1 ? ps->n_tokens : n_prompt - 1; /* last: logits */
+    int n_blocks = upto > 0 ? upto / bs : 0;
+    pthread_mutex_lock(&c->mu);
+    int skip = c->cfg.pool_fetch == KV_POOL_FETCH_NEVER ? PS_NEVER
+               : n_blocks == 0                          ? PS_SHORT
+               : !pool_worth_it_locked(c, n_blocks * bs, n_blocks) ? PS_COST
+                                                                   : -1;
+    if (skip >= 0) {
+        c->pool_skipped[skip]++;
+        pthread_mutex_unlock(&c->mu);
+        return NULL;
+    }
+    pthread_mutex_unlock(&c->mu);
+    cons_req *r = calloc(1, sizeof *r);
+    int32_t *tok = malloc((size_t)n_blocks * bs * sizeof *tok);
+    if (!r || !tok) {
+        free(r);
+        free(tok);
+        return NULL;
+    }
+    memcpy(tok, prompt, (size_t)n_blocks * bs * sizeof *tok);
+    char u[UUID_STR_LEN + 1];
+    uuid4(u);
+    r->c = c;
+    r->id = id;
+    r->n_prompt = n_prompt;
+    r->pool = 1;
+    r->tokens = tok;
+    r->pool_tokens = n_blocks * bs;
+    snprintf(r->transfer_id, sizeof r->transfer_id, POOL_TX_PREFIX "%s", u);
+    snprintf(r->remote_engine_id, sizeof r->remote_engine_id, "%s", ps->engine_id);
+    snprintf(r->bootstrap, sizeof r->bootstrap, "%s", ps->bootstrap);
+    return r;
+}
+
+static int classify(void *ctx, uint64_t id, const char *kv_params, const int32_t *prompt,
+                    int n_prompt, void **out, char *err, size_t errlen) {
     mooncake_connector *c = ctx;
     *out = NULL;
     json_error_t je;
@@ -84,6 +236,12 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
             role = -1;
         }
     }
+    pool_source ps;
+    int has_pool = 0;
+    if (role == 0) {
+        has_pool = parse_pool_source(c, o, n_prompt, remote_prefill, &ps, err, errlen);
+        if (has_pool < 0) role = -1;
+    }
     if (role == 0 && remote_decode) {
         if (!is_producer_role(c)) {
             snprintf(err, errlen,
@@ -111,7 +269,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 }
                 p->id = id;
                 h = malloc(sizeof *h);
-                if (h) *h = (handle){1, p};
+                if (h) *h = (handle){1, p, NULL};
                 role = KV_REQ_REMOTE_DECODE;
                 mc_stream_start_locked(c, p); /* a streaming pull came ahead of it */
             }
@@ -153,7 +311,7 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
                 snprintf(r->transfer_id, sizeof r->transfer_id, "%s", tid);
                 snprintf(r->remote_engine_id, sizeof r->remote_engine_id, "%s", eid);
                 snprintf(r->bootstrap, sizeof r->bootstrap, "%s", boot);
-                *h = (handle){0, r};
+                *h = (handle){0, r, NULL};
                 r->h = h;
                 pthread_mutex_lock(&c->mu);
                 r->next = c->conss;
@@ -163,9 +321,26 @@ static int classify(void *ctx, uint64_t id, const char *kv_params, int n_prompt,
             }
         }
     }
+    if (role >= 0 && has_pool > 0) {
+        cons_req *r = pool_fetch_new(c, id, &ps, prompt, n_prompt);
+        if (r && !h && !(h = calloc(1, sizeof *h))) {
+            free(r->tokens);
+            free(r);
+            r = NULL;
+        }
+        if (r) {
+            h->pool = r;
+            r->h = h->p ? NULL : h; /* a handle of its own: freed at destroy if never released */
+            pthread_mutex_lock(&c->mu);
+            r->next = c->conss;
+            c->conss = r;
+            pthread_mutex_unlock(&c->mu);
+            role |= KV_REQ_POOL_FETCH;
+        }
+    }
     if (role < 0) {
         pthread_mutex_lock(&c->mu);
-        if (remote_prefill || (bad_flag && !strcmp(bad_flag, "do_remote_prefill")))
+        if (remote_prefill || has_pool < 0 || (bad_flag && !strcmp(bad_flag, "do_remote_prefill")))
             c->fail_c[FC_BAD_PARAMS]++;
         else
             c->fail_p[FP_BAD_PARAMS]++;
@@ -180,7 +355,14 @@ static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, 
                        int n_local_tokens, int n_prompt) {
     mooncake_connector *c = ctx;
     handle *h = hp;
-    cons_req *r = h->p;
+    cons_req *r = h->pool ? h->pool : h->p;
+    if (r->pool && n_local_tokens >= r->pool_tokens) { /* the local prefix cache has it all */
+        pthread_mutex_lock(&c->mu);
+        c->pool_skipped[PS_CACHED]++;
+        pthread_mutex_unlock(&c->mu);
+        engine_kv_load_done_prefix(c->eng, id, n_local_tokens);
+        return;
+    }
     r->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *r->blocks);
     if (!r->blocks) {
         engine_kv_load_done(c->eng, id, 0, 0, 0, "decoder out of memory");
@@ -191,7 +373,10 @@ static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, 
     r->n_local_tokens = n_local_tokens;
     r->n_prompt = n_prompt;
     r->started_ns = clock_now_ns();
-    r->deadline_ns = r->started_ns + (uint64_t)((c->env.abort_request_timeout_s + 60) * 1e9);
+    r->deadline_ns =
+        r->started_ns + (uint64_t)((r->pool ? POOL_TIMEOUT_S + 2 * LOOKUP_ANSWER_S + 1
+                                            : c->env.abort_request_timeout_s + 60) *
+                                   1e9);
     pthread_mutex_lock(&c->mu);
     int cap = c->cfg.max_remote_loads;
     if (!c->stop && c->n_pull_threads - c->n_evicting >= cap && c->n_pull_threads < 2 * cap) {
@@ -209,6 +394,12 @@ static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, 
             c->n_evicting++;
             atomic_store(&old->cancel, SIDE_CHANNEL_CANCEL_ASK);
         }
+    }
+    if (r->pool && (c->n_pull_threads - c->n_evicting >= cap || c->stop)) {
+        c->pool_fallbacks[PF_BUSY]++;
+        pthread_mutex_unlock(&c->mu);
+        engine_kv_load_failed(c->eng, id, 1, 0, 0, "too many remote KV loads in flight");
+        return;
     }
     if (c->n_pull_threads - c->n_evicting >= cap || c->n_pull_threads >= 2 * cap || c->stop) {
         c->fail_c[FC_BUSY]++;
@@ -240,9 +431,11 @@ static void start_load(void *ctx, void *hp, uint64_t id, const int32_t *blocks, 
         r->loading = 0;
         c->st.loading--;
         c->n_pull_threads--;
+        if (r->pool) c->pool_fallbacks[PF_BUSY]++;
         pthread_mutex_unlock(&c->mu);
-        engine_kv_load_done(c->eng, id, 0, c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE,
-                            0, "cannot start a pull thread");
+        engine_kv_load_done(c->eng, id, 0,
+                            r->pool || c->cfg.load_failure_policy == KV_LOAD_FAILURE_RECOMPUTE, 0,
+                            "cannot start a pull thread");
     }
 }
 
@@ -251,6 +444,9 @@ static void request_finished(void *ctx, void *hp, uint64_t id, const char *reaso
     mooncake_connector *c = ctx;
     handle *h = hp;
     if (!h) return;
+    if (h->pool && !blocks) /* aborted during its pool fetch: stop the pull */
+        atomic_store(&h->pool->cancel, SIDE_CHANNEL_CANCEL_ASK);
+    if (!h->p) return;
     if (!h->is_producer) { /* consumer aborted during its load: stop the pull */
         atomic_store(&((cons_req *)h->p)->cancel, SIDE_CHANNEL_CANCEL_ASK);
         return;
@@ -323,7 +519,12 @@ static void request_released(void *ctx, void *hp, uint64_t id) {
     handle *h = hp;
     if (!h) return;
     pthread_mutex_lock(&c->mu);
-    if (h->is_producer) {
+    if (h->pool) { /* its pull thread, if any, frees it when it ends; nothing to release */
+        h->pool->released = 1;
+        mc_cons_maybe_free_locked(c, h->pool);
+    }
+    if (!h->p) {
+    } else if (h->is_producer) {
         prod_req *p = h->p;
         p->engine_released = 1;
         /* a stream thread waiting for its chunks looks again */
@@ -820,7 +1021,8 @@ int mooncake_connector_create_on(const char *json, const char *listen_host, engi
                                  .request_finished = request_finished,
                                  .first_token = first_token,
                                  .request_released = request_released,
-                                 .prefill_chunk = layer_marks ? mc_prefill_chunk : NULL};
+                                 .prefill_chunk = layer_marks ? mc_prefill_chunk : NULL,
+                                 .prefix_pinned = is_producer_role(c) ? mc_prefix_pinned : NULL};
     engine_set_kv_connector(eng, &hooks);
     LOG_I(MOD,
           "MooncakeConnector: role %s, engine_id %s, transport %s, transfer segment %s, KV region "
@@ -880,6 +1082,7 @@ void mooncake_connector_destroy(mooncake_connector *c) {
         c->conss = r->next;
         if (!r->released) free(r->h);
         free(r->blocks);
+        free(r->tokens);
         free(r);
     }
     id_table_free(&c->prod_index);
@@ -896,6 +1099,44 @@ void mooncake_connector_get_stats(mooncake_connector *c, mooncake_stats *out) {
     pthread_mutex_lock(&c->mu);
     *out = c->st;
     pthread_mutex_unlock(&c->mu);
+}
+
+/* The pool fetch's families (docs/kv_pool.md). */
+static void pool_metrics(mooncake_connector *c, prom *p) {
+    static const char *const fbn[PF_COUNT] = {"evicted", "unreachable", "timeout", "error", "busy"};
+    static const char *const skn[PS_COUNT] = {"cached_here", "not_worth_it", "pool_fetch_never",
+                                              "too_short"};
+    pthread_mutex_lock(&c->mu);
+    uint64_t req = c->pool_fetched, blocks = c->pool_blocks, bytes = c->pool_bytes;
+    double secs = c->pool_seconds;
+    uint64_t fb[PF_COUNT], sk[PS_COUNT], served = c->pool_served, not_held = c->pool_not_held;
+    memcpy(fb, c->pool_fallbacks, sizeof fb);
+    memcpy(sk, c->pool_skipped, sizeof sk);
+    pthread_mutex_unlock(&c->mu);
+    prom_family(p, "disagg:kv_pool_fetch_requests", PROM_COUNTER,
+                "Pool fetch: requests whose prompt prefix was pulled from the instance holding "
+                "it (kv_transfer_params.pool_source) instead of computed.");
+    prom_sample_u64(p, req, NULL);
+    prom_family(p, "disagg:kv_pool_fetch_blocks", PROM_COUNTER, "Pool fetch: KV blocks pulled.");
+    prom_sample_u64(p, blocks, NULL);
+    prom_family(p, "disagg:kv_pool_fetch_bytes", PROM_COUNTER, "Pool fetch: KV bytes pulled.");
+    prom_sample_u64(p, bytes, NULL);
+    prom_family(p, "disagg:kv_pool_fetch_seconds", PROM_COUNTER,
+                "Pool fetch: time from the holder's lookup to the KV in place, summed.");
+    prom_sample(p, secs, NULL);
+    prom_family(p, "disagg:kv_pool_fetch_fallbacks", PROM_COUNTER,
+                "Pool fetch: fetches that failed, the prompt then computed here, by reason.");
+    for (int i = 0; i < PF_COUNT; i++)
+        prom_sample_u64(p, fb[i], "reason", fbn[i], NULL);
+    prom_family(p, "disagg:kv_pool_fetch_skipped", PROM_COUNTER,
+                "Pool fetch: pool_source requests not fetched, by reason.");
+    for (int i = 0; i < PS_COUNT; i++)
+        prom_sample_u64(p, sk[i], "reason", skn[i], NULL);
+    prom_family(p, "disagg:kv_pool_serve_requests", PROM_COUNTER,
+                "Pool fetch, holder: prefixes pinned and sent (served), or not held whole any "
+                "more (not_held: the fetcher computes the prompt).");
+    prom_sample_u64(p, served, "outcome", "served", NULL);
+    prom_sample_u64(p, not_held, "outcome", "not_held", NULL);
 }
 
 int mooncake_connector_metrics(mooncake_connector *c, prom *p) {
@@ -967,6 +1208,7 @@ int mooncake_connector_metrics(mooncake_connector *c, prom *p) {
                 "quarantined).");
     prom_sample_u64(p, acked, "acked", "yes", NULL);
     prom_sample_u64(p, unacked, "acked", "no", NULL);
+    pool_metrics(c, p);
     static const char *const tn[4] = MOONCAKE_TRANSPORTS;
     prom_family(p, "disagg:kv_transfer_transport_bytes", PROM_COUNTER,
                 "Producer: KV bytes written to decoders, by the transport that carried them.");

@@ -42,8 +42,9 @@ static int on_reply(void *ud, const side_channel_reply *r) {
             if (!strcmp(r->unknown_reqs[i], o->my_req)) unknown = 1;
         pthread_mutex_lock(&o->c->mu);
         o->r->p_unknown = unknown;
-        o->r->deadline_ns =
-            clock_now_ns() + (uint64_t)((o->c->env.abort_request_timeout_s + 60) * 1e9);
+        if (!o->r->pool) /* a pool fetch keeps its short deadline */
+            o->r->deadline_ns =
+                clock_now_ns() + (uint64_t)((o->c->env.abort_request_timeout_s + 60) * 1e9);
         pthread_mutex_unlock(&o->c->mu);
     }
     return 0;
@@ -167,7 +168,7 @@ static int pull_one(mooncake_connector *c, cons_req *r, const pull_target *tg, p
     int bs = c->region.block_size, acked = 0;
     int first = r->n_local_tokens / bs; /* blocks before this came from the local prefix cache */
     side_channel_block_group g = {0};
-    g.n = (size_t)(r->n_blocks - first);
+    g.n = (size_t)((r->pool ? r->pool_tokens / bs : r->n_blocks) - first);
     g.ids = malloc((g.n ? g.n : 1) * sizeof *g.ids);
     if (!g.ids) {
         *status = 500;
@@ -183,10 +184,24 @@ static int pull_one(mooncake_connector *c, cons_req *r, const pull_target *tg, p
     int64_t blen;
     side_channel_pull pull;
     pull_message(c, tg->d_rank, &rb, host, sizeof host, &base, &blen, &pull);
-    pull.layerwise = c->cfg.layerwise && c->tp.tp_size == 1;
+    pull.layerwise = !r->pool && c->cfg.layerwise && c->tp.tp_size == 1;
+    int64_t *ptok = NULL;
+    if (r->pool) { /* a pool fetch: the holder pins the cached blocks of these tokens */
+        ptok = malloc((size_t)r->pool_tokens * sizeof *ptok);
+        if (!ptok) {
+            free(g.ids);
+            *reason = FC_LOCAL;
+            snprintf(err, errcap, "decoder out of memory");
+            return -ENOMEM;
+        }
+        for (int i = 0; i < r->pool_tokens; i++)
+            ptok[i] = r->tokens[i];
+        pull.pool_tokens = ptok;
+        pull.n_pool_tokens = (size_t)r->pool_tokens;
+    }
     o->ok = o->done = 0;
     o->err[0] = 0;
-    double timeout = c->env.abort_request_timeout_s + 60;
+    double timeout = r->pool ? POOL_TIMEOUT_S : c->env.abort_request_timeout_s + 60;
     int rc = side_channel_pull_run_ex(tg->addr, &pull,
                                       c->cfg.auth_secret[0] ? c->cfg.auth_secret : NULL, timeout,
                                       &r->cancel, CANCEL_ACK_S, &acked, on_reply, o, err, errcap);
@@ -214,6 +229,7 @@ static int pull_one(mooncake_connector *c, cons_req *r, const pull_target *tg, p
     else if (rc != 0)
         *reason = FC_PRODUCER_UNREACHABLE;
     free(g.ids);
+    free(ptok);
     if (rc == 0 && !o->ok && !o->err[0])
         snprintf(o->err, sizeof o->err, "producer's reply did not list this request");
     if (rc == 0 && !o->ok) snprintf(err, errcap, "%s", o->err);
@@ -235,6 +251,54 @@ static int pull_one(mooncake_connector *c, cons_req *r, const pull_target *tg, p
         *reason = FC_TIMEOUT;
     }
     return rc == 0 && o->ok ? 0 : rc ? rc : -EIO;
+}
+
+/* The end of a pool fetch's pull thread: counted, the engine told (the prefix, or compute
+ * it all here), the thread's hold on r dropped. */
+static void pool_ended(mooncake_connector *c, cons_req *r, int ok, int reason, double secs,
+                       uint64_t hold_ns, const char *err) {
+    int bs = c->region.block_size;
+    int n_blocks = r->pool_tokens / bs - r->n_local_tokens / bs;
+    double bytes = (double)n_blocks * (double)c->region.block_bytes * c->tp.tp_size;
+    int fb = strstr(err, "no longer holds")                    ? PF_EVICTED
+             : reason == FC_TIMEOUT                            ? PF_TIMEOUT
+             : reason == FC_PRODUCER_UNREACHABLE ||
+                     reason == FC_BOOTSTRAP_UNREACHABLE        ? PF_UNREACHABLE
+             : reason == FC_LOCAL                              ? PF_BUSY
+                                                               : PF_ERROR;
+    if (ok)
+        LOG_D(MOD, "request %" PRIu64 ": pool fetch of %d blocks from %s in %.2f ms", r->id,
+              n_blocks, r->bootstrap, secs * 1e3);
+    else
+        LOG_W(MOD, "request %" PRIu64 ": pool fetch from %s failed (%s); computing the prompt",
+              r->id, r->bootstrap, err);
+    pthread_mutex_lock(&c->mu); /* counted before the client can see the outcome */
+    if (ok) {
+        c->pool_fetched++;
+        c->pool_blocks += (uint64_t)n_blocks;
+        c->pool_bytes += (uint64_t)bytes;
+        c->pool_seconds += secs;
+        double spb = bytes > 0 ? secs / bytes : 0;
+        c->pool_s_per_byte = c->pool_s_per_byte > 0 ? 0.8 * c->pool_s_per_byte + 0.2 * spb : spb;
+    } else {
+        c->pool_fallbacks[fb]++;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (ok) {
+        engine_kv_load_done_prefix(c->eng, r->id, r->pool_tokens);
+    } else {
+        char msg[400];
+        snprintf(msg, sizeof msg, "pool fetch from %s failed: %s", r->bootstrap, err);
+        engine_kv_load_failed(c->eng, r->id, 1, hold_ns, 0, msg);
+    }
+    pthread_mutex_lock(&c->mu);
+    c->st.loading--;
+    c->n_pull_threads--;
+    if (r->evicted) c->n_evicting--;
+    r->loading = 0;
+    mc_cons_maybe_free_locked(c, r);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
 }
 
 void *mc_pull_main(void *arg) {
@@ -274,6 +338,10 @@ void *mc_pull_main(void *arg) {
     }
     int ok = rc == 0;
     double secs = (double)(clock_now_ns() - t0) / 1e9;
+    if (r->pool) {
+        pool_ended(c, r, ok, reason, secs, hold_ns, err);
+        return NULL;
+    }
     if (!ok)
         LOG_W(MOD, "request %" PRIu64 " (transfer %s): remote KV load failed: %s", r->id,
               r->transfer_id, err);

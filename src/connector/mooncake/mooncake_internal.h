@@ -45,6 +45,27 @@
 #define MC_TP_MAX         8   /* TP ranks of one instance (serve -tp: 1, 2, 4, 8) */
 #define MC_PULL_TARGETS   64  /* (decode rank, prefill rank) pairs of one transfer */
 #define LOOKUP_ANSWER_S   2.0 /* D's bootstrap lookup: connect + answer deadline per attempt */
+#define POOL_TIMEOUT_S    5.0 /* a pool fetch: the holder's silence before the prompt is
+                                 computed here instead (it pins and sends at once) */
+#define POOL_TX_PREFIX    "pool-" /* transfer ids of pool fetches */
+
+/* Pool fetches that fell back to computing the prompt (disagg:kv_pool_fetch_fallbacks_total). */
+enum {
+    PF_EVICTED,     /* the holder no longer held the whole prefix */
+    PF_UNREACHABLE, /* its bootstrap server or side channel did not answer */
+    PF_TIMEOUT,     /* no KV within POOL_TIMEOUT_S */
+    PF_ERROR,       /* the holder refused or failed the transfer */
+    PF_BUSY,        /* max_remote_loads pulls in flight, or local resources */
+    PF_COUNT
+};
+/* pool_source requests not fetched (disagg:kv_pool_fetch_skipped_total). */
+enum {
+    PS_CACHED,  /* the local prefix cache held as much */
+    PS_COST,    /* pool_fetch auto: the transfer was estimated slower than the prefill */
+    PS_NEVER,   /* pool_fetch never */
+    PS_SHORT,   /* not one full block to fetch before the last prompt token */
+    PS_COUNT
+};
 
 /* Failure counters (disagg:kv_transfer_failures_total{side,reason}). */
 enum {
@@ -111,6 +132,11 @@ typedef struct prod_req {
     char fail_msg[192];
     int fail_reason;     /* P_FAILED: FP_* */
     int cancelled;       /* a decoder cancelled its pull: release the blocks once ready */
+    /* a pool fetch served here: no request of ours, the blocks are pinned by the engine
+     * (engine_kv_pin_prefix) under pin_key; P_PREFILLING until they are */
+    int pool;
+    uint64_t pin_key;
+    int pool_blocks; /* full blocks of the tokens the pull named: all must be pinned */
     int32_t first_token; /* the first output token the prefill sampled, -1 = none yet */
     /* Pulls of this transfer (one per pair of P rank and D rank, vLLM's TpKVTopology):
      * expected = max(this TP size, the decoder's), set by the first pull; the blocks are
@@ -173,6 +199,11 @@ typedef struct cons_req {
     int timed_out;       /* the reaper's deadline cancelled the pull */
     int p_unknown;       /* the producer said it does not know the transfer id (yet) */
     int evicted;         /* cancelled to make room at max_remote_loads */
+    /* a pool fetch (kv_transfer_params.pool_source): the prefix pool_tokens (full blocks) of
+     * tokens is pulled from remote_engine_id at bootstrap, under a fresh transfer_id */
+    int pool;
+    int32_t *tokens; /* (pool_tokens) */
+    int pool_tokens;
     int loading;         /* a pull thread owns it */
     int released;        /* the engine dropped its handle */
     void *h;             /* that handle (freed at destroy when the engine never released it) */
@@ -181,7 +212,8 @@ typedef struct cons_req {
 
 typedef struct handle { /* what the engine holds per request */
     int is_producer;
-    void *p; /* prod_req* or cons_req* */
+    void *p;        /* prod_req* or cons_req* (NULL: a local request with a pool fetch) */
+    cons_req *pool; /* the request's pool fetch, or NULL */
 } handle;
 
 /* One TP rank's side channel (the producer serves one per rank, as vLLM's TP workers each
@@ -239,6 +271,15 @@ struct mooncake_connector {
     mooncake_stats st;
     uint64_t fail_p[FP_COUNT], fail_c[FC_COUNT]; /* failure counters */
     uint64_t cancel_acked, cancel_unacked;       /* consumer: cancels acknowledged or not */
+    /* pool fetch (docs/kv_pool.md), consumer: fetches that brought KV, their blocks, bytes,
+     * seconds; the fallbacks and skips by reason; holder: pins served and refused */
+    uint64_t pool_fetched, pool_blocks, pool_bytes;
+    double pool_seconds;
+    uint64_t pool_fallbacks[PF_COUNT], pool_skipped[PS_COUNT];
+    uint64_t pool_served, pool_not_held;
+    double pool_s_per_byte; /* measured transfer time per byte (EWMA), 0 = none yet */
+    double pool_rtt_s;      /* measured fixed cost of a fetch (EWMA of the smallest) */
+    uint64_t pin_seq;       /* the last pin key given */
 };
 
 static inline int is_producer_role(const mooncake_connector *c) {
@@ -256,6 +297,8 @@ typedef struct release_job {
 /* Shared between the parts (each defined in the file its name says: prod_/job_/on_pull/
  * sender_ in mooncake_producer.c, pull_/release_ in mooncake_consumer.c). */
 void mc_cons_maybe_free_locked(mooncake_connector *c, cons_req *r);
+void mc_prefix_pinned(void *ctx, uint64_t key, uint64_t pin_id, const int32_t *blocks,
+                      int n_blocks);
 void mc_job_req_done_locked(mooncake_connector *c, pull_job *job, size_t req, int ok,
                             const char *why);
 prod_req *mc_prod_find(mooncake_connector *c, const char *transfer_id);

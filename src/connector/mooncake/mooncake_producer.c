@@ -184,6 +184,7 @@ void mc_cons_maybe_free_locked(mooncake_connector *c, cons_req *r) {
             break;
         }
     free(r->blocks);
+    free(r->tokens);
     free(r);
 }
 
@@ -390,6 +391,123 @@ static const char *layout_scales(const char *fp, char *buf, size_t cap) {
     return buf;
 }
 
+/* ---- pool fetch, holder side (docs/kv_pool.md) ------------------------------------ */
+
+/* Caller holds mu.  Request i of a pull naming pool tokens: its transfer id is the
+ * fetcher's own; the engine is asked to pin the cached blocks of the tokens' full blocks
+ * (mc_prefix_pinned answers), and the pull waits for them as for a prefill.  A second pull
+ * of the same transfer (another TP rank of the fetcher) joins the first. */
+static void pool_pull_locked(mooncake_connector *c, pull_job *job, size_t i) {
+    const side_channel_pull *pull = job->pull;
+    const side_channel_req_blocks *rb = &pull->reqs[i];
+    int bs = c->region.block_size;
+    size_t full = pull->n_pool_tokens / (size_t)bs, nids = 0;
+    for (size_t g = 0; g < rb->n_groups; g++)
+        nids += rb->groups[g].n;
+    const char *refuse = NULL;
+    char msg[200];
+    if (strncmp(rb->transfer_id, POOL_TX_PREFIX, strlen(POOL_TX_PREFIX)))
+        refuse = "a pool fetch's transfer id starts with \"" POOL_TX_PREFIX "\"";
+    else if (rb->n_groups != 1 || nids == 0)
+        refuse = "a pool fetch names one KV group of block ids";
+    else if (pull->n_pool_tokens > (size_t)engine_max_model_len(c->eng)) {
+        snprintf(msg, sizeof msg,
+                 "the pull names %zu pool tokens; this instance's max_model_len is %d",
+                 pull->n_pool_tokens, engine_max_model_len(c->eng));
+        refuse = msg;
+    } else if (nids > full) {
+        snprintf(msg, sizeof msg,
+                 "the pull asks for %zu blocks; its %zu pool tokens fill %zu blocks of %d", nids,
+                 pull->n_pool_tokens, full, bs);
+        refuse = msg;
+    }
+    for (size_t k = 0; !refuse && k < full * (size_t)bs; k++)
+        if (pull->pool_tokens[k] > INT32_MAX) refuse = "a pool token id is beyond int32";
+    prod_req *p = refuse ? NULL : mc_prod_find(c, rb->transfer_id);
+    if (!refuse && p && !p->pool) refuse = "the transfer id names a request, not a pool fetch";
+    if (refuse) {
+        c->fail_p[FP_REFUSED]++;
+        mc_job_req_done_locked(c, job, i, 0, refuse);
+        return;
+    }
+    pull_part *w = malloc(sizeof *w);
+    int32_t *tok = !p ? malloc(full * (size_t)bs * sizeof *tok) : NULL;
+    if (!p && tok && (p = mc_prod_new(c, rb->transfer_id, P_PREFILLING))) {
+        p->pool = 1;
+        p->engine_released = 1; /* no request of the engine: freed once done */
+        p->pin_key = ++c->pin_seq;
+        p->pool_blocks = (int)full;
+        for (size_t k = 0; k < full * (size_t)bs; k++)
+            tok[k] = (int32_t)pull->pool_tokens[k];
+        if (engine_kv_pin_prefix(c->eng, p->pin_key, tok, (int)(full * (size_t)bs))) {
+            p->state = P_FAILED;
+            p->fail_reason = FP_REFUSED;
+            snprintf(p->fail_msg, sizeof p->fail_msg, "producer out of memory");
+        }
+    }
+    free(tok);
+    if (!p || !w) {
+        free(w);
+        mc_job_req_done_locked(c, job, i, 0, "producer out of memory");
+        return;
+    }
+    *w = (pull_part){job, i, p->waiters, 0};
+    p->waiters = w;
+    if (p->state != P_PREFILLING) {
+        mc_prod_wake_waiters_locked(c, p);
+        mc_prod_maybe_free_locked(c, p);
+    }
+}
+
+/* Engine hook (its step thread): the blocks of pool fetch `key` are pinned (n_blocks of
+ * them) -- all of them, or the fetch fails and the fetcher computes the prompt. */
+void mc_prefix_pinned(void *ctx, uint64_t key, uint64_t pin_id, const int32_t *blocks,
+                      int n_blocks) {
+    mooncake_connector *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    prod_req *p = c->prods;
+    while (p && !(p->pool && p->pin_key == key))
+        p = p->next;
+    if (!p || p->state != P_PREFILLING || n_blocks < p->pool_blocks ||
+        !(p->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *p->blocks))) {
+        if (pin_id) engine_kv_release(c->eng, pin_id);
+        if (p && p->state == P_PREFILLING) {
+            p->state = P_FAILED;
+            p->fail_reason = FP_REFUSED;
+            if (n_blocks < p->pool_blocks) {
+                c->pool_not_held++;
+                snprintf(p->fail_msg, sizeof p->fail_msg,
+                         "pool fetch: this instance no longer holds the prefix (%d of its %d "
+                         "blocks cached)",
+                         n_blocks, p->pool_blocks);
+            } else {
+                snprintf(p->fail_msg, sizeof p->fail_msg, "producer out of memory");
+            }
+            mc_prod_wake_waiters_locked(c, p);
+            mc_prod_maybe_free_locked(c, p);
+        }
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    memcpy(p->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
+    p->n_blocks = n_blocks;
+    p->id = pin_id;
+    p->kept = 1;
+    c->st.kept++;
+    c->pool_served++;
+    p->state = P_READY;
+    /* its pulls are here already (they asked for the pin): a short expiry */
+    p->deadline_ns = clock_now_ns() + (uint64_t)(POOL_TIMEOUT_S * 1e9);
+    if (p->cancelled && !p->waiters) {
+        p->state = P_DONE;
+        mc_prod_release_blocks_locked(c, p);
+    } else {
+        mc_prod_wake_waiters_locked(c, p);
+    }
+    mc_prod_maybe_free_locked(c, p);
+    pthread_mutex_unlock(&c->mu);
+}
+
 /* Side-channel thread: a decoder's pull.  Must not block. */
 void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
     mc_rank_sc *rs = ud;
@@ -478,6 +596,10 @@ void mc_on_pull(void *ud, side_channel_call *call, side_channel_pull *pull) {
     pthread_mutex_lock(&c->mu);
     for (size_t i = 0; i < pull->n_reqs; i++) {
         const side_channel_req_blocks *rb = &pull->reqs[i];
+        if (pull->n_pool_tokens) {
+            pool_pull_locked(c, job, i);
+            continue;
+        }
         prod_req *p = mc_prod_find(c, rb->transfer_id);
         size_t nids = 0;
         for (size_t g = 0; g < rb->n_groups; g++)

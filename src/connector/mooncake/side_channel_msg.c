@@ -425,6 +425,7 @@ enum {
     P_PP_SIZE,
     P_LAYOUT,
     P_LAYERWISE,
+    P_POOL_TOKENS,
     P_NKEYS
 };
 static const char *const PULL_KEYS[P_NKEYS] = {"remote_hostname",
@@ -440,7 +441,8 @@ static const char *const PULL_KEYS[P_NKEYS] = {"remote_hostname",
                                                "registered_group_indices",
                                                "remote_pp_size",
                                                SIDE_CHANNEL_LAYOUT_KEY,
-                                               SIDE_CHANNEL_LAYERWISE_KEY};
+                                               SIDE_CHANNEL_LAYERWISE_KEY,
+                                               SIDE_CHANNEL_POOL_TOKENS_KEY};
 
 /* One req_blocks entry: [transfer_id, [[ids], ...]].  A flat [ids] (older vLLM,
  * one KV group) is accepted as one group. */
@@ -589,6 +591,16 @@ static int decode_pull(dec_ctx *c, const msgpack_object_map *m, side_channel_pul
     /* an extension never fails a pull: only true asks for streaming */
     p->layerwise = f[P_LAYERWISE] && f[P_LAYERWISE]->type == MSGPACK_OBJECT_BOOLEAN &&
                    f[P_LAYERWISE]->via.boolean;
+    if (f[P_POOL_TOKENS] &&
+        (rc = get_i64_list(c, PULL_KEYS[P_POOL_TOKENS], f[P_POOL_TOKENS],
+                           SIDE_CHANNEL_MAX_POOL_TOKENS, 0, &p->pool_tokens, &p->n_pool_tokens)))
+        return rc;
+    if (p->n_pool_tokens && p->n_reqs != 1) {
+        err_set(c->err, c->cap,
+                "side-channel pull: %s names the prefix of one request; the pull has %zu",
+                SIDE_CHANNEL_POOL_TOKENS_KEY, p->n_reqs);
+        return SIDE_CHANNEL_EINVAL;
+    }
     return 0;
 }
 
@@ -764,8 +776,9 @@ int side_channel_pull_encode(const side_channel_pull *p, char **out, size_t *out
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
     int has_names = p->n_layer_names > 0, has_li = p->n_layer_indices > 0,
         has_gi = p->n_group_indices > 0, has_pp = p->remote_pp_size != 1 && p->remote_pp_size != 0,
-        has_layout = p->layout != NULL, has_lw = p->layerwise != 0;
-    size_t nkeys = 8 + (size_t)(has_names + has_li + has_gi + has_pp + has_layout + has_lw);
+        has_layout = p->layout != NULL, has_lw = p->layerwise != 0, has_pool = p->n_pool_tokens > 0;
+    size_t nkeys =
+        8 + (size_t)(has_names + has_li + has_gi + has_pp + has_layout + has_lw + has_pool);
     int rc = msgpack_pack_map(&pk, nkeys);
     rc = rc ? rc : pack_cstr(&pk, "remote_hostname");
     rc = rc ? rc : pack_cstr(&pk, p->remote_hostname ? p->remote_hostname : "");
@@ -817,6 +830,10 @@ int side_channel_pull_encode(const side_channel_pull *p, char **out, size_t *out
     if (has_lw) {
         rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_LAYERWISE_KEY);
         rc = rc ? rc : msgpack_pack_true(&pk);
+    }
+    if (has_pool) {
+        rc = rc ? rc : pack_cstr(&pk, SIDE_CHANNEL_POOL_TOKENS_KEY);
+        rc = rc ? rc : pack_i64s(&pk, p->pool_tokens, p->n_pool_tokens);
     }
     return finish(&sb, rc, out, out_len);
 }

@@ -49,6 +49,14 @@
  * In a FINISH, ["<D req id>", ...]: the requests whose KV was streamed that way.  vLLM's
  * and Mooncake's peers ignore the key: they keep the whole-request path. */
 #define SIDE_CHANNEL_LAYERWISE_KEY "disagg_layerwise"
+/* A pool fetch (docs/kv_pool.md): in a pull of one request, the token ids of the prefix
+ * whose cached KV the pulling instance wants.  The transfer id then names no request of
+ * the producer: it pins the cached blocks of these tokens' full blocks (its device cache,
+ * else its offload tiers), writes the tail the pull's block ids ask for, and releases them;
+ * a prefix it no longer holds whole fails the request ("no longer holds").  vLLM's
+ * peers do not know it (they answer "no such transfer" after their timeout). */
+#define SIDE_CHANNEL_POOL_TOKENS_KEY "disagg_pool_tokens"
+#define SIDE_CHANNEL_MAX_POOL_TOKENS (1u << 21) /* token ids of one pool fetch */
 
 /* One KV group's newly allocated block ids on D. */
 typedef struct side_channel_block_group {
@@ -85,6 +93,8 @@ typedef struct side_channel_pull {
     int64_t remote_pp_size; /* default 1 */
     char *layout;           /* "disagg_layout" fingerprint, NULL = absent (vLLM peer) */
     int layerwise;          /* "disagg_layerwise": true (anything else reads as 0) */
+    int64_t *pool_tokens;   /* (n_pool_tokens) "disagg_pool_tokens", 0 = absent */
+    size_t n_pool_tokens;
     void *arena;            /* decode: owns every pointer above; NULL when built by hand */
 } side_channel_pull;
 
