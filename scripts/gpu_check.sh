@@ -615,7 +615,7 @@ fp8_steps() {
   done
 }
 # ONLY=fp8gemv: the tensor-core FP8 decode GEMV (DISAGG_CUDA_FP8_MMA, cuda_gemv_f8mma.cu; off by
-# default) -- test_backend_ops' test_fp8_mma_gemv / test_fp8_mma_gate_up (against a host
+# default) -- test_backend_ops' test_fp8_mma_gemv / _gate_up / _qkv (against a host
 # reference, T 1..16, the 7B shapes), the FP8 cases and test_cuda_model's FP8 checkpoints with
 # the switch on, then `bench model` on the Qwen2.5-7B shape with --quantization fp8 (per-channel
 # scales, dummy weights) with the switch off and on: the copy ceiling of the run, decode b1 @ 4k,

@@ -5,7 +5,9 @@ in numpy, checked against x . (w * scale)^T (and the gate|up SwiGLU form) in flo
 Each lane's loads, the A/B fragments it hands to mma.sync m16n8k16 (placed where PTX's fragment
 layout puts them: A rows g / g + 8, columns 2t, 2t + 1 / + 8; B rows 2t, 2t + 1 / + 8, column g;
 C rows g / g + 8, columns 2t, 2t + 1), the per-chunk block scales, the split-K sum of the SK
-warps of a tile in split order and the epilogue's stores are emulated for several shapes, tile
+warps of a tile in split order and the epilogue's stores (MODE 0 rows, MODE 1 SwiGLU of the
+gate|up pair, MODE 2 the q|k|v RoPE pairs and v rows before bias/RoPE, which test_backend_ops'
+test_fp8_mma_qkv checks on the GPU) are emulated for several shapes, tile
 counts a warp (MT) and splits (SK), with partial tiles, partial 64-column chunks and 128 x 128
 scale blocks.  It checks the kernel's layout without a GPU (the hardware's rounding is not
 emulated: values are float64); exit status 1 on a mismatch or an output written twice / never.
@@ -18,13 +20,21 @@ import numpy as np
 rng = np.random.default_rng(1)
 FM_WARPS, FM_LD = 8, 4
 
+QA = {}  # MODE 2: nh, nkv, hd
+
+
 def fm_row(MODE, p, r, N):
     if MODE == 0: return min(16*p + r, N-1)
-    o = min(8*p + (r & 7), N-1)
-    return o if r < 8 else N + o
+    if MODE == 1:
+        o = min(8*p + (r & 7), N-1)
+        return o if r < 8 else N + o
+    nh, nkv, hd = QA['nh'], QA['nkv'], QA['hd']
+    hq = hd // 16; nr = (nh + nkv)*hq
+    if p < nr: return (p // hq)*hd + (p % hq)*8 + (r & 7) + (0 if r < 8 else hd//2)
+    return min((nh + nkv)*hd + 16*(p - nr) + r, N-1)
 
 def run(MODE, T, N, K, bn, bk, MT, SK):
-    rows = N if MODE == 0 else 2*N
+    rows = 2*N if MODE == 1 else N
     w = rng.standard_normal((rows, K)).astype(np.float32)
     x = rng.standard_normal((T, K)).astype(np.float32)
     nkb = (K + bk - 1)//bk
@@ -32,7 +42,8 @@ def run(MODE, T, N, K, bn, bk, MT, SK):
     BS = 1 if bk < K else 0
     NT = 2 if T > 8 else 1
     U = FM_LD // MT
-    n_tiles = (N + 15)//16 if MODE == 0 else (N + 7)//8
+    n_tiles = (N + 15)//16 if MODE == 0 else (N + 7)//8 if MODE == 1 else \
+        (QA['nh'] + QA['nkv'])*(QA['hd']//16) + QA['nkv']*QA['hd']//16
     K16 = K//16; CH = (K16 + 3)//4
     lenc = (CH + SK - 1)//SK
     tpc = FM_WARPS//SK*MT
@@ -104,6 +115,9 @@ def run(MODE, T, N, K, bn, bk, MT, SK):
                                 olo = 16*p + g; ohi = olo + 8
                                 if olo < N: y[tok, olo] = vlo; written[tok, olo] += 1
                                 if ohi < N: y[tok, ohi] = vhi; written[tok, ohi] += 1
+                            elif MODE == 2:  # the pair (rlo, rhi) before bias and RoPE
+                                y[tok, rlo] = vlo; written[tok, rlo] += 1
+                                y[tok, rhi] = vhi; written[tok, rhi] += 1
                             else:
                                 o = 8*p + g
                                 if o < N: y[tok, o] = vlo/(1+np.exp(-vlo))*vhi; written[tok, o] += 1
@@ -120,6 +134,10 @@ def run(MODE, T, N, K, bn, bk, MT, SK):
     return ok
 
 allok = True
+for nh, nkv, hd, T, K, bn, bk, SK in [(6, 2, 16, 3, 272, 1, 272, 2), (4, 2, 32, 9, 336, 128, 128, 4),
+                                     (3, 1, 64, 16, 1040, 1, 1040, 8)]:
+    QA.update(nh=nh, nkv=nkv, hd=hd)
+    allok &= run(2, T, (nh + 2*nkv)*hd, K, bn, bk, 1, SK)
 for MODE, T, N, K, bn, bk, MT, SK in [
     (0, 1, 37, 272, 37, 272, 1, 1), (0, 7, 37, 272, 1, 272, 2, 2), (0, 9, 40, 336, 128, 128, 1, 4),
     (0, 16, 50, 1040, 1, 1040, 2, 8), (0, 3, 3, 16, 3, 16, 1, 8), (0, 16, 33, 4112, 128, 128, 2, 4),

@@ -1594,6 +1594,141 @@ static void test_fp8_mma_gate_up(void **state) {
     backend_close(bm);
 }
 
+/* backend_qkv over one FP8 q|k|v matrix on the tensor-core GEMV with the bias, RoPE and KV-write
+ * epilogue (DISAGG_CUDA_FP8_MMA=1): q (bias, RoPE) and the f32 K/V written into the cache
+ * against a host reference in double (1e-4 of 1 + |ref|), T = 1, 2, 7, 16 sequences of one new
+ * token each, scales per tensor / per channel / 128 x 128, a small head layout (hd 16, GQA 3)
+ * and the Qwen2.5-7B one (28 q heads, 4 KV heads, hd 128, hidden 3584). */
+static void test_fp8_mma_qkv(void **state) {
+    (void)state;
+    backend *bm = open_fp8_mma("test_fp8_mma_qkv");
+    if (!bm) return;
+    int shapes[][4] = {{6, 2, 16, 272}, {28, 4, 128, 3584}}; /* nh, nkv, hd, hidden */
+    int Ts[] = {1, 2, 7, 16};
+    enum { L = 2, LAYER = 1 };
+    backend_stream *st = backend_stream_create(bm);
+    backend_dtype mm = backend_mm_dtype(bm);
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        int NH = shapes[k][0], NKV = shapes[k][1], HD = shapes[k][2], H = shapes[k][3];
+        int Q = NH * HD, KVD = NKV * HD, W = Q + 2 * KVD;
+        uint8_t *q8 = malloc((size_t)W * H);
+        float *wf = malloc((size_t)W * H * 4), *bias = rand_vec((size_t)W, BACKEND_F32);
+        float *inv = malloc(sizeof(float) * HD / 2);
+        assert_non_null(q8), assert_non_null(wf), assert_non_null(inv);
+        fp8_rand_matrix(q8, wf, (size_t)W * H);
+        for (int i = 0; i < HD / 2; i++)
+            inv[i] = 1.0f / powf(10000.0f, (float)(2 * i) / HD);
+        for (int lay = 0; lay < 3; lay++) {
+            int bn = lay == 0 ? W : lay == 1 ? 1 : 128, bk = lay == 2 ? 128 : H;
+            int nkb = (H + bk - 1) / bk, ng = (W + bn - 1) / bn * nkb;
+            float *sc = malloc((size_t)ng * sizeof *sc);
+            assert_non_null(sc);
+            for (int i = 0; i < ng; i++)
+                sc[i] = (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)H)));
+            backend_dtype stored;
+            backend_wscale ws;
+            backend_buffer *bw = backend_weights_load_fp8(bm, q8, W, H, sc, bn, bk, &stored, &ws);
+            assert_non_null(bw);
+            for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+                int T = Ts[ti], start[16], n_new[16];
+                for (int i = 0; i < T; i++)
+                    start[i] = 5 + 7 * i, n_new[i] = 1;
+                test_batch tb;
+                make_batch(&tb, T, start, n_new, 8, 256, 10);
+                assert_int_equal(backend_plan(st, &tb.b), 0);
+                float *x = rand_vec((size_t)T * H, BACKEND_BF16);
+                backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
+                               *bb = to_dev(st, bias, W, BACKEND_F32),
+                               *binv = to_dev(st, inv, HD / 2, BACKEND_F32);
+                backend_kv kv = {NULL, BACKEND_F32, tb.n_blocks, tb.bs, L, NKV, HD, 0, NULL, NULL};
+                size_t n_el = backend_kv_block_bytes(&kv) / 4 * kv.n_blocks;
+                backend_buffer *region = backend_buffer_alloc(bm, n_el * 4, BACKEND_BUF_KV);
+                kv.base = DEV(region);
+                backend_buffer *bq = backend_buffer_alloc(bm, (size_t)T * Q * 4, 0),
+                               *bk_ = backend_buffer_alloc(bm, (size_t)T * KVD * 4, 0),
+                               *bv = backend_buffer_alloc(bm, (size_t)T * KVD * 4, 0);
+                const float *db = DEV(bb);
+                const char *w0 = DEV(bw);
+                size_t es = backend_dtype_size(stored);
+                backend_qkv_op op = {.x = DEV(bx),
+                                     .x_dt = mm,
+                                     .T = T,
+                                     .hidden = H,
+                                     .n_heads = NH,
+                                     .wq = w0,
+                                     .wk = w0 + (size_t)Q * H * es,
+                                     .wv = w0 + (size_t)(Q + KVD) * H * es,
+                                     .w_dt = stored,
+                                     .bq = db,
+                                     .bk = db + Q,
+                                     .bv = db + Q + KVD,
+                                     .wqkv = w0,
+                                     .bqkv = db,
+                                     .sqkv = ws,
+                                     .q = DEV(bq),
+                                     .k = DEV(bk_),
+                                     .v = DEV(bv),
+                                     .dt = BACKEND_F32,
+                                     .inv_freq = DEV(binv),
+                                     .kv = &kv,
+                                     .layer = LAYER};
+                assert_int_equal(backend_qkv(st, &op), 0);
+                float *gq = from_dev(st, DEV(bq), (size_t)T * Q, BACKEND_F32);
+                float *gkv = from_dev(st, kv.base, n_el, BACKEND_F32);
+                double *wq = calloc((size_t)T * Q, sizeof(double)),
+                       *wkv = calloc(n_el, sizeof(double)), *row = malloc(sizeof(double) * W);
+                assert_non_null(wq), assert_non_null(wkv), assert_non_null(row);
+                for (int t = 0; t < T; t++) {
+                    for (int n = 0; n < W; n++) {
+                        double acc = bias[n];
+                        for (int i = 0; i < H; i++)
+                            acc += (double)x[(size_t)t * H + i] * wf[(size_t)n * H + i] *
+                                   sc[(n / bn) * nkb + i / bk];
+                        row[n] = acc;
+                    }
+                    int p = tb.tok_pos[t];
+                    for (int hh = 0; hh < NH + NKV; hh++)
+                        for (int i = 0; i < HD / 2; i++) {
+                            float ang = (float)p * inv[i];
+                            double c = cos(ang), sn = sin(ang), u = row[hh * HD + i],
+                                   w = row[hh * HD + i + HD / 2];
+                            row[hh * HD + i] = u * c - w * sn;
+                            row[hh * HD + i + HD / 2] = w * c + u * sn;
+                        }
+                    for (int n = 0; n < Q; n++)
+                        wq[(size_t)t * Q + n] = row[n];
+                    int sq = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[sq] + p / kv.block_size],
+                        slot = p % kv.block_size;
+                    for (int hh = 0; hh < NKV; hh++)
+                        for (int d = 0; d < HD; d++) {
+                            wkv[kv_index(&kv, blk, LAYER, 0, slot, hh, d)] = row[Q + hh * HD + d];
+                            wkv[kv_index(&kv, blk, LAYER, 1, slot, hh, d)] =
+                                row[Q + KVD + hh * HD + d];
+                        }
+                }
+                char what[128];
+                snprintf(what, sizeof what, "fp8 mma qkv T %d nh %d nkv %d hd %d K %d scales %s: q",
+                         T, NH, NKV, HD, H,
+                         lay == 0 ? "per tensor" : lay == 1 ? "per channel" : "128x128");
+                print_message("  %s: error %.2g, K/V %.2g\n", what, max_err(gq, wq, (size_t)T * Q),
+                              max_err(gkv, wkv, n_el));
+                check_close(what, bm, gq, wq, (size_t)T * Q, 1e-4);
+                strncat(what, " -> K/V in the cache", sizeof what - strlen(what) - 1);
+                check_close(what, bm, gkv, wkv, n_el, 1e-4);
+                free(gq), free(gkv), free(wq), free(wkv), free(row), free(x);
+                backend_buffer *bufs[] = {bx, bb, binv, region, bq, bk_, bv};
+                for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                    backend_buffer_free(bufs[i]);
+            }
+            free(sc);
+            backend_buffer_free(bw);
+        }
+        free(q8), free(wf), free(bias), free(inv);
+    }
+    backend_stream_free(st);
+    backend_close(bm);
+}
+
 /* backend_qkv at the decode sizes (1 and 2 tokens) over the concatenated q|k|v matrix: the
  * CUDA backend's fused GEMV (bias, RoPE and the KV write in its epilogue), split-K for long
  * rows (DISAGG_CUDA_QKV_SPLIT; by default hidden 2056 takes 2 splits, 4104 4), GQA 3.  Run
@@ -2790,6 +2925,7 @@ int main(void) {
         cmocka_unit_test(test_gate_up_fp8),
         cmocka_unit_test(test_fp8_mma_gemv),
         cmocka_unit_test(test_fp8_mma_gate_up),
+        cmocka_unit_test(test_fp8_mma_qkv),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),

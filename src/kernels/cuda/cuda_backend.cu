@@ -1047,6 +1047,15 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                           s->bt, s->stride, o->inv_freq, nh, nkv, hd, ksc, vsc);
         return pm(s, rc, "qkv gemv (bias, rope, kv)", (double)W * o->hidden * 2);
     }
+    if (fp8 && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 && hd % 16 == 0 &&
+        cb_f8_mma(s, T, o->hidden, &o->sqkv, o->x, o->wqkv)) {
+        /* the same on the tensor cores (DISAGG_CUDA_FP8_MMA), T <= 16 */
+        dcu_f8scale f8 = {o->sqkv.s, o->sqkv.block_n, o->sqkv.block_k};
+        int rc = gemv_f8mma_qkv(s->c, (float *)o->q, kv->base, kk, o->x, o->wqkv, &f8, o->bqkv,
+                                T, o->hidden, kv->block_size, kv->n_layers, o->layer, s->pos,
+                                s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd, ksc, vsc);
+        return pm(s, rc, "fp8 mma qkv gemv (bias, rope, kv)", (double)W * o->hidden);
+    }
     if (fp8 && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         cb_f8_gemv(s, T, o->hidden, &o->sqkv, o->x, o->wqkv)) {
         /* the same fused GEMV over FP8 q|k|v weights */

@@ -354,6 +354,12 @@ int gemv_f8mma(dcu_ctx *c, float *y, const void *x, const void *w, const dcu_f8s
                const float *bias, int T, int N, int K);
 int gemv_f8mma_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w,
                        const dcu_f8scale *f8, int T, int I, int K);
+/* the q|k|v form (bias, RoPE, q out and the KV write as gemv_qkv; hd a multiple of 16) */
+int gemv_f8mma_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
+                   const dcu_f8scale *f8, const float *bias, int T, int K, int bs, int n_layers,
+                   int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                   int bt_stride, const float *inv_freq, int nh, int nkv, int hd, float ksc,
+                   float vsc);
 
 /* ---- cuda_gemm_fp8.cu --------------------------------------------------------------- */
 /* W8A8 for prefill: x bf16 quantized per token to e4m3 (sx: amax / 448 a token), then

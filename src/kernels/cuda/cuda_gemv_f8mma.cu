@@ -80,13 +80,31 @@ __device__ __forceinline__ uint32_t fm_word(const uint4 &v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
+/* the q|k|v epilogue's arguments (MODE 2; as k_gemv_qkv's): q out (T, nh hd), the KV cache
+ * (y, of type OT) with its layout, the positions, sequences and block tables of the T tokens */
+struct fm_qkv {
+    float *q;
+    const int32_t *pos, *seq, *bts;
+    const float *inv_freq;
+    int bt_stride, nh, nkv, hd, bs, n_layers, layer;
+    float ksc, vsc;
+};
+
 /* the weight row behind tile row r (0..15) of tile p: MODE 0 rows 16p + r; MODE 1 gate row
- * 8p + r (r < 8) or up row I + 8p + r - 8; clamped into the matrix (a dead row re-reads the
- * last; its result is not stored).  N: rows (MODE 0) or I (MODE 1). */
-template <int MODE> __device__ __forceinline__ int fm_row(int p, int r, int N) {
+ * 8p + r (r < 8) or up row I + 8p + r - 8; MODE 2 (q|k|v, hd a multiple of 16) the RoPE pairs
+ * of q and k head hh = p / (hd / 16), rows hh hd + j and + hd / 2 for j = 8 (p % (hd / 16)) +
+ * r % 8, then the v rows 16 at a time; clamped into the matrix (a dead row re-reads the
+ * last; its result is not stored).  N: rows (MODE 0, 2) or I (MODE 1). */
+template <int MODE>
+__device__ __forceinline__ int fm_row(int p, int r, int N, const fm_qkv &qa) {
     if (MODE == 0) return min(16 * p + r, N - 1);
-    int o = min(8 * p + (r & 7), N - 1);
-    return r < 8 ? o : N + o;
+    if (MODE == 1) {
+        int o = min(8 * p + (r & 7), N - 1);
+        return r < 8 ? o : N + o;
+    }
+    int hq = qa.hd / 16, nr = (qa.nh + qa.nkv) * hq;
+    if (p < nr) return (p / hq) * qa.hd + (p % hq) * 8 + (r & 7) + (r < 8 ? 0 : qa.hd / 2);
+    return min((qa.nh + qa.nkv) * qa.hd + 16 * (p - nr) + r, N - 1);
 }
 
 /* MODE 0: y (T, N) f32 = x w^T (+ bias); MODE 1: y (T, N) OT = silu(x wg^T) * (x wu^T), w
@@ -99,11 +117,14 @@ template <int MODE> __device__ __forceinline__ int fm_row(int p, int r, int N) {
 template <int NT, int MT, int MODE, typename OT, int BS>
 __global__ void __launch_bounds__(32 * FM_WARPS)
     k_f8mma(OT *__restrict__ y, const bf16 *__restrict__ x, const uint8_t *__restrict__ w,
-            fm_sc sc, const float *__restrict__ bias, int T, int N, int K, int SK, int lenc) {
+            fm_sc sc, const float *__restrict__ bias, int T, int N, int K, int SK, int lenc,
+            fm_qkv qa) {
     constexpr int U = FM_LD / MT;
     __shared__ float red[FM_WARPS][MT][NT][4][32];
     const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n_tiles = MODE == 0 ? (N + 15) / 16 : (N + 7) / 8;
+    const int n_tiles = MODE == 0   ? (N + 15) / 16
+                        : MODE == 1 ? (N + 7) / 8
+                                    : (qa.nh + qa.nkv) * (qa.hd / 16) + qa.nkv * qa.hd / 16;
     const int p0 = (blockIdx.x * (FM_WARPS / SK) + wi / SK) * MT, sp = wi % SK;
     const int K16 = K / 16, CH = (K16 + 3) / 4;
     const int c_lo = sp * lenc, c_hi = min(CH, c_lo + lenc);
@@ -111,8 +132,8 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
     int rlo[MT], rhi[MT];
 #pragma unroll
     for (int m = 0; m < MT; m++) {
-        rlo[m] = live ? fm_row<MODE>(p0 + m, g, N) : 0;
-        rhi[m] = live ? fm_row<MODE>(p0 + m, g + 8, N) : 0;
+        rlo[m] = live ? fm_row<MODE>(p0 + m, g, N, qa) : 0;
+        rhi[m] = live ? fm_row<MODE>(p0 + m, g + 8, N, qa) : 0;
     }
     float acc[MT][NT][4];
 #pragma unroll
@@ -232,7 +253,7 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
                 for (int q = 0; q < 4; q++)
                     acc[m][n][q] = 0.0f;
             for (int r = 0; r < 16; r++) {
-                int row = fm_row<MODE>(p0 + m, r, N);
+                int row = fm_row<MODE>(p0 + m, r, N, qa);
                 const uint8_t *wr = w + (size_t)row * K;
                 const float *sr = sc.s + (size_t)(row / sc.bn) * sc.nkb;
                 for (int tok = 0; tok < T; tok++) {
@@ -296,15 +317,39 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
                 int tok = 8 * n + 2 * t + e;
                 if (tok >= T) continue;
                 float vlo = acc[m][n][e] * slo, vhi = acc[m][n][2 + e] * shi;
-                if (MODE == 0) {
+                if constexpr (MODE == 0) {
                     int olo = 16 * p + g, ohi = olo + 8;
                     if (olo < N)
                         store_as(y + (size_t)tok * N + olo, vlo + (bias ? bias[olo] : 0.0f));
                     if (ohi < N)
                         store_as(y + (size_t)tok * N + ohi, vhi + (bias ? bias[ohi] : 0.0f));
-                } else {
+                } else if constexpr (MODE == 1) {
                     int o = 8 * p + g;
                     if (o < N) store_as(y + (size_t)tok * N + o, vlo / (1.0f + expf(-vlo)) * vhi);
+                } else { /* k_gemv_qkv's epilogue for the pair (rlo, rhi) */
+                    const int h = qa.nh * qa.hd, kvd = qa.nkv * qa.hd, hq = qa.hd / 16;
+                    const int rl = rlo[m], rh = rhi[m];
+                    float u = vlo + (bias ? bias[rl] : 0.0f), v = vhi + (bias ? bias[rh] : 0.0f);
+                    int ps = qa.pos[tok], pad = ps < 0;
+                    const int32_t *bt = qa.bts + (size_t)qa.seq[tok] * qa.bt_stride;
+                    if (p < (qa.nh + qa.nkv) * hq) {
+                        int hh = p / hq, j = (p % hq) * 8 + g;
+                        float an = (pad ? 0.0f : (float)ps) * qa.inv_freq[j];
+                        float cs = cosf(an), sn = sinf(an);
+                        float o0 = u * cs - v * sn, o1 = v * cs + u * sn;
+                        if (hh < qa.nh) {
+                            qa.q[(size_t)tok * h + rl] = o0;
+                            qa.q[(size_t)tok * h + rh] = o1;
+                        } else if (!pad) {
+                            size_t ok = kv_off(bt, ps, qa.bs, qa.n_layers, kvd, qa.layer, 0);
+                            store_kv(y + ok + (rl - h), o0, qa.ksc);
+                            store_kv(y + ok + (rh - h), o1, qa.ksc);
+                        }
+                    } else if (!pad) {
+                        size_t ov = kv_off(bt, ps, qa.bs, qa.n_layers, kvd, qa.layer, 1);
+                        store_kv(y + ov + (rl - h - kvd), u, qa.vsc);
+                        store_kv(y + ov + (rh - h - kvd), v, qa.vsc);
+                    }
                 }
             }
     }
@@ -337,13 +382,17 @@ static void f8mma_shape(const dcu_ctx *c, int tiles, int CH, int *mt, int *sk) {
 
 template <int MODE, typename OT>
 static int f8mma_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const dcu_f8scale *f8,
-                        const float *bias, int T, int N, int K) {
+                        const float *bias, int T, int N, int K, const fm_qkv &qa) {
     if (!f8 || !f8->s || f8->bn < 1 || f8->bk < 1 || N < 1 || !gemv_f8mma_ok(T, K, f8->bk, x, w))
         return -EINVAL;
     fm_sc sc = {f8->s, f8->bn, f8->bk, (K + f8->bk - 1) / f8->bk};
     int bs = f8->bk < K; /* scale blocks inside a row (bk a multiple of 64: gemv_f8mma_ok) */
-    int tiles = MODE == 0 ? (N + 15) / 16 : (N + 7) / 8, CH = (K / 16 + 3) / 4, MT, SK;
+    int tiles = MODE == 0   ? (N + 15) / 16
+                : MODE == 1 ? (N + 7) / 8
+                            : (qa.nh + qa.nkv) * (qa.hd / 16) + qa.nkv * qa.hd / 16;
+    int CH = (K / 16 + 3) / 4, MT, SK;
     f8mma_shape(c, tiles, CH, &MT, &SK);
+    if (MODE == 2) MT = 1; /* (few tiles: the q|k|v form has MT 1 only) */
     int lenc = (CH + SK - 1) / SK, tpc = FM_WARPS / SK * MT; /* tiles a CTA */
     dim3 g((tiles + tpc - 1) / tpc), b(32 * FM_WARPS);
     const bf16 *xb = (const bf16 *)x;
@@ -351,20 +400,39 @@ static int f8mma_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const d
 #define FM_(NT, M, BS)                                                                             \
     if ((T > 8) == (NT == 2) && MT == M && bs == BS)                                               \
         return launch_pdl(c, "gemv_f8mma", k_f8mma<NT, M, MODE, OT, BS>, g, b, 0, y, xb, wb, sc,   \
-                          bias, T, N, K, SK, lenc);
+                          bias, T, N, K, SK, lenc, qa);
     FM_(1, 1, 0) FM_(1, 1, 1) FM_(2, 1, 0) FM_(2, 1, 1)
-    FM_(1, 2, 0) FM_(1, 2, 1) FM_(2, 2, 0) FM_(2, 2, 1)
+    if constexpr (MODE != 2) {
+        FM_(1, 2, 0) FM_(1, 2, 1) FM_(2, 2, 0) FM_(2, 2, 1)
+    }
 #undef FM_
     return -EINVAL;
 }
 
 int gemv_f8mma(dcu_ctx *c, float *y, const void *x, const void *w, const dcu_f8scale *f8,
                const float *bias, int T, int N, int K) {
-    return f8mma_launch<0, float>(c, y, x, w, f8, bias, T, N, K);
+    return f8mma_launch<0, float>(c, y, x, w, f8, bias, T, N, K, fm_qkv{});
 }
 
 int gemv_f8mma_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w,
                        const dcu_f8scale *f8, int T, int I, int K) {
-    return h_dtype == DCU_BF16 ? f8mma_launch<1, bf16>(c, (bf16 *)h, x, w, f8, NULL, T, I, K)
-                               : f8mma_launch<1, float>(c, (float *)h, x, w, f8, NULL, T, I, K);
+    return h_dtype == DCU_BF16
+               ? f8mma_launch<1, bf16>(c, (bf16 *)h, x, w, f8, NULL, T, I, K, fm_qkv{})
+               : f8mma_launch<1, float>(c, (float *)h, x, w, f8, NULL, T, I, K, fm_qkv{});
+}
+
+int gemv_f8mma_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
+                   const dcu_f8scale *f8, const float *bias, int T, int K, int bs, int n_layers,
+                   int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                   int bt_stride, const float *inv_freq, int nh, int nkv, int hd, float ksc,
+                   float vsc) {
+    if (hd < 16 || hd % 16 || nh < 1 || nkv < 1) return -EINVAL;
+    fm_qkv qa = {qout, pos, seq, bts, inv_freq, bt_stride, nh, nkv, hd, bs, n_layers, layer,
+                 ksc, vsc};
+    int W = (nh + 2 * nkv) * hd;
+    if (kv_kind == 2)
+        return f8mma_launch<2, f8e4m3>(c, (f8e4m3 *)kv, x, w, f8, bias, T, W, K, qa);
+    qa.ksc = qa.vsc = 1.0f;
+    return kv_kind ? f8mma_launch<2, bf16>(c, (bf16 *)kv, x, w, f8, bias, T, W, K, qa)
+                   : f8mma_launch<2, float>(c, (float *)kv, x, w, f8, bias, T, W, K, qa);
 }
