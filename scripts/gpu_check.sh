@@ -631,6 +631,16 @@ fp8gemv_steps() {
   DISAGG_CUDA_FP8_MMA=1 TEST_BACKEND_OPS_FILTER='test_*fp8*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma2.log 2>&1
   check $? "test_backend_ops fp8 cases, DISAGG_CUDA_FP8_MMA=1"
   grep -E "FAILED|ERROR|PASSED|tolerance" /tmp/tbo-f8mma2.log | head -20
+  # the kernel forms the default shapes do not take: 32-row warps with single-buffered loads,
+  # and with double-buffered loads at 2 splits
+  for v in DISAGG_CUDA_FP8_MMA_MT=2,DISAGG_CUDA_FP8_MMA_DB=0 \
+           DISAGG_CUDA_FP8_MMA_MT=2,DISAGG_CUDA_FP8_MMA_DB=1,DISAGG_CUDA_FP8_MMA_SPLIT=2; do
+    step "fp8gemv: test_backend_ops test_fp8_mma_* with $v"
+    # shellcheck disable=SC2086
+    env ${v//,/ } TEST_BACKEND_OPS_FILTER='test_fp8_mma*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma3.log 2>&1
+    check $? "test_backend_ops test_fp8_mma_*, $v"
+    grep -E "FAILED|ERROR|PASSED|tolerance" /tmp/tbo-f8mma3.log | head -20
+  done
   step "fp8gemv: test_cuda_model (FP8 tiny checkpoints, GPU vs CPU) with DISAGG_CUDA_FP8_MMA=1"
   DISAGG_CUDA_FP8_MMA=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "fp8|FAILED|ERROR|PASSED|OK"
   check ${PIPESTATUS[0]} "test_cuda_model, DISAGG_CUDA_FP8_MMA=1"

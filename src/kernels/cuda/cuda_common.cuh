@@ -89,6 +89,7 @@ struct dcu_ctx {
                            DISAGG_CUDA_FP8_MMA=1: T <= 16, =N: T <= N; default 0: off) */
     int fp8_mma_split;  /* its warps a tile (DISAGG_CUDA_FP8_MMA_SPLIT=auto|1|2|4|8; 0 auto) */
     int fp8_mma_mt;     /* its 16-row tiles a warp (DISAGG_CUDA_FP8_MMA_MT=1|2; 0 auto) */
+    int fp8_mma_db;     /* its loads double-buffered (DISAGG_CUDA_FP8_MMA_DB=0|1; -1 auto) */
     int fp8_gemm;       /* FP8 weights of per-tensor scales at larger T on the e4m3 tensor cores
                            (cuda_gemm_fp8.cu; opt-in: DISAGG_CUDA_FP8_GEMM=1; default the
                            bf16 twin) */

@@ -2,8 +2,9 @@
  * cuda_gemv_f8mma — the FP8 (e4m3) weight-only decode GEMV on the tensor cores, for T = 1..16
  * tokens (DISAGG_CUDA_FP8_MMA=1; off by default until measured on the H200; cuda_common.cuh):
  *
- *   y (T, N) f32 = x (T, K) bf16 . (w (N, K) e4m3 * scale)^T (+ bias), and the gate|up form
- *   h (T, I) = silu(x wg^T) * (x wu^T) with w = [wg; wu] (2I, K) in one matrix.
+ *   y (T, N) f32 = x (T, K) bf16 . (w (N, K) e4m3 * scale)^T (+ bias), the gate|up form
+ *   h (T, I) = silu(x wg^T) * (x wu^T) with w = [wg; wu] (2I, K) in one matrix, and the q|k|v
+ *   form with k_gemv_qkv's epilogue (bias, RoPE, q out, the KV write).
  *
  * Why the tensor cores: the CUDA-core e4m3 GEMVs (cuda_gemv.cu, cuda_gemv_fp8.cu) spend per
  * weight a conversion to f16, one to f32, an unpack of x and an FMA, and reached 45-65 % of
@@ -23,11 +24,13 @@
  * column 64 c + 16 t + 4 j + (0, 1 | 2, 3); the lane's B fragment is x of token g (n-tile 0)
  * or g + 8 (n-tile 1) at the same columns: 16 bf16 (two 16-byte loads through L1), converted
  * once for the warp's MT tiles.  8 x 16 bytes of weight loads a lane are in flight before the
- * first is used.  A tile's
- * rows: 16 consecutive rows; in the gate|up form gate rows 8p..8p+7 with up rows I+8p..
- * I+8p+7, so each lane holds the gate and the up value of the same output (SwiGLU in
- * registers).  Split-K inside the CTA: SK warps share a tile, each a range of chunks, their
- * sums added in split order through shared memory (the same bits every run).
+ * first is used (16 with DB: the next 8 issued before these are used).  A tile's rows: 16
+ * consecutive rows; in the gate|up form gate rows 8p..8p+7 with up rows I+8p..I+8p+7, so each
+ * lane holds the gate and the up value of the same output (SwiGLU in registers); in the
+ * q|k|v form 8 RoPE pairs (rows j, j + hd/2 of one head) or 16 v rows.  Split-K inside the
+ * CTA: SK warps share a tile, each a range of chunks, their sums added in split order through
+ * shared memory (the same bits every run).  tools/emulate_fp8_mma_layout.py checks this
+ * layout in numpy.
  * Scales (backend_wscale): one a row (per tensor, per channel: bk >= K) multiplied at the
  * end; blocks of bk columns with bk a multiple of 64 (128 x 128) folded in per chunk.
  */
@@ -114,7 +117,7 @@ __device__ __forceinline__ int fm_row(int p, int r, int N, const fm_qkv &qa) {
  * FM_WARPS / SK such warp tiles, SK warps each, warp sp taking chunks [sp lenc, (sp + 1) lenc)
  * of the ceil(K / 64).  FM_LD / MT chunks of loads in flight: 8 x 16 bytes a lane. */
 #define FM_LD 4 /* chunks x tiles a lane loads before using them (two 16-byte loads each) */
-template <int NT, int MT, int MODE, typename OT, int BS>
+template <int NT, int MT, int MODE, typename OT, int BS, int DB>
 __global__ void __launch_bounds__(32 * FM_WARPS)
     k_f8mma(OT *__restrict__ y, const bf16 *__restrict__ x, const uint8_t *__restrict__ w,
             fm_sc sc, const float *__restrict__ bias, int T, int N, int K, int SK, int lenc,
@@ -159,11 +162,10 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
         for (int n = 0; n < NT; n++) /* token g + 8n (no load when it is >= T) */
             xr[n] = reinterpret_cast<const uint4 *>(x + (size_t)min(g + 8 * n, T - 1) * K);
         const uint64_t pol = fm_evict_first();
-        uint4 wa[U][MT][2];
-        float sa[U][MT][2];
-        int c0 = c_lo;
-        /* the chunks c0 .. c0 + U - 1 (those < c_hi) into wa / sa */
-        auto load = [&](int cb) {
+        uint4 wa[U][MT][2], wb[U][MT][2];
+        float sa[U][MT][2], sb[U][MT][2];
+        /* the chunks cb .. cb + U - 1 (those < c_hi) into W / S */
+        auto load = [&](uint4(&W)[U][MT][2], float(&S)[U][MT][2], int cb) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 int c = cb + u, i = 4 * c + t; /* this lane's uint4 of the row */
@@ -171,21 +173,20 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
                 int kb = BS && c < c_hi ? (64 * c) / sc.bk : 0;
 #pragma unroll
                 for (int m = 0; m < MT; m++) {
-                    wa[u][m][0] = ok ? fm_ld_stream(wl[m] + i, pol) : make_uint4(0, 0, 0, 0);
-                    wa[u][m][1] = ok ? fm_ld_stream(wh[m] + i, pol) : make_uint4(0, 0, 0, 0);
+                    W[u][m][0] = ok ? fm_ld_stream(wl[m] + i, pol) : make_uint4(0, 0, 0, 0);
+                    W[u][m][1] = ok ? fm_ld_stream(wh[m] + i, pol) : make_uint4(0, 0, 0, 0);
                     if (BS) {
-                        sa[u][m][0] = __ldg(sl[m] + kb);
-                        sa[u][m][1] = __ldg(sh[m] + kb);
+                        S[u][m][0] = __ldg(sl[m] + kb);
+                        S[u][m][1] = __ldg(sh[m] + kb);
                     }
                 }
             }
         };
-        load(c0);
-        pdl_wait(); /* x is the previous kernel's output; the weights are not */
-        for (;;) {
+        /* the products of the chunks cb0 .. cb0 + U - 1 (those < c_hi), loaded in W / S */
+        auto compute = [&](const uint4(&W)[U][MT][2], const float(&S)[U][MT][2], int cb0) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                int c = c0 + u, i = 4 * c + t;
+                int c = cb0 + u, i = 4 * c + t;
                 if (c >= c_hi) break; /* warp-uniform */
                 uint32_t xb[NT][8];
 #pragma unroll
@@ -211,8 +212,8 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
                         uint32_t a0, a1, a2, a3; /* rows g, g + 8; columns 4j + 0, 1 | 2, 3 */
-                        fm_e4m3x4(fm_word(wa[u][m][0], j), a0, a2);
-                        fm_e4m3x4(fm_word(wa[u][m][1], j), a1, a3);
+                        fm_e4m3x4(fm_word(W[u][m][0], j), a0, a2);
+                        fm_e4m3x4(fm_word(W[u][m][1], j), a1, a3);
 #pragma unroll
                         for (int n = 0; n < NT; n++)
                             fm_mma(d[n], a0, a1, a2, a3, xb[n][2 * j], xb[n][2 * j + 1]);
@@ -220,10 +221,10 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
 #pragma unroll
                     for (int n = 0; n < NT; n++) {
                         if (BS) {
-                            acc[m][n][0] = fmaf(sa[u][m][0], d[n][0], acc[m][n][0]);
-                            acc[m][n][1] = fmaf(sa[u][m][0], d[n][1], acc[m][n][1]);
-                            acc[m][n][2] = fmaf(sa[u][m][1], d[n][2], acc[m][n][2]);
-                            acc[m][n][3] = fmaf(sa[u][m][1], d[n][3], acc[m][n][3]);
+                            acc[m][n][0] = fmaf(S[u][m][0], d[n][0], acc[m][n][0]);
+                            acc[m][n][1] = fmaf(S[u][m][0], d[n][1], acc[m][n][1]);
+                            acc[m][n][2] = fmaf(S[u][m][1], d[n][2], acc[m][n][2]);
+                            acc[m][n][3] = fmaf(S[u][m][1], d[n][3], acc[m][n][3]);
                         } else {
 #pragma unroll
                             for (int q = 0; q < 4; q++)
@@ -232,9 +233,28 @@ __global__ void __launch_bounds__(32 * FM_WARPS)
                     }
                 }
             }
-            c0 += U;
-            if (c0 >= c_hi) break;
-            load(c0);
+        };
+        int c0 = c_lo;
+        load(wa, sa, c0);
+        pdl_wait(); /* x is the previous kernel's output; the weights are not */
+        if (DB) { /* two buffers: the next U chunks' loads in flight while these are used */
+            for (;;) {
+                if (c0 + U < c_hi) load(wb, sb, c0 + U);
+                compute(wa, sa, c0);
+                c0 += U;
+                if (c0 >= c_hi) break;
+                if (c0 + U < c_hi) load(wa, sa, c0 + U);
+                compute(wb, sb, c0);
+                c0 += U;
+                if (c0 >= c_hi) break;
+            }
+        } else {
+            for (;;) {
+                compute(wa, sa, c0);
+                c0 += U;
+                if (c0 >= c_hi) break;
+                load(wa, sa, c0);
+            }
         }
     } else {
         pdl_wait();
@@ -393,17 +413,22 @@ static int f8mma_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const d
     int CH = (K / 16 + 3) / 4, MT, SK;
     f8mma_shape(c, tiles, CH, &MT, &SK);
     if (MODE == 2) MT = 1; /* (few tiles: the q|k|v form has MT 1 only) */
+    /* double-buffered loads (DISAGG_CUDA_FP8_MMA_DB=0|1; default: for MT 1, the GEMVs of few
+     * tiles, whose warps are too few to keep enough bytes in flight single-buffered) */
+    int db = c->fp8_mma_db == 0 || c->fp8_mma_db == 1 ? c->fp8_mma_db : MT == 1;
     int lenc = (CH + SK - 1) / SK, tpc = FM_WARPS / SK * MT; /* tiles a CTA */
     dim3 g((tiles + tpc - 1) / tpc), b(32 * FM_WARPS);
     const bf16 *xb = (const bf16 *)x;
     const uint8_t *wb = (const uint8_t *)w;
-#define FM_(NT, M, BS)                                                                             \
-    if ((T > 8) == (NT == 2) && MT == M && bs == BS)                                               \
-        return launch_pdl(c, "gemv_f8mma", k_f8mma<NT, M, MODE, OT, BS>, g, b, 0, y, xb, wb, sc,   \
-                          bias, T, N, K, SK, lenc, qa);
-    FM_(1, 1, 0) FM_(1, 1, 1) FM_(2, 1, 0) FM_(2, 1, 1)
+#define FM_(NT, M, BS, D)                                                                          \
+    if ((T > 8) == (NT == 2) && MT == M && bs == BS && db == D)                                    \
+        return launch_pdl(c, "gemv_f8mma", k_f8mma<NT, M, MODE, OT, BS, D>, g, b, 0, y, xb, wb,    \
+                          sc, bias, T, N, K, SK, lenc, qa);
+    FM_(1, 1, 0, 0) FM_(1, 1, 1, 0) FM_(2, 1, 0, 0) FM_(2, 1, 1, 0)
+    FM_(1, 1, 0, 1) FM_(1, 1, 1, 1) FM_(2, 1, 0, 1) FM_(2, 1, 1, 1)
     if constexpr (MODE != 2) {
-        FM_(1, 2, 0) FM_(1, 2, 1) FM_(2, 2, 0) FM_(2, 2, 1)
+        FM_(1, 2, 0, 0) FM_(1, 2, 1, 0) FM_(2, 2, 0, 0) FM_(2, 2, 1, 0)
+        FM_(1, 2, 0, 1) FM_(1, 2, 1, 1) FM_(2, 2, 0, 1) FM_(2, 2, 1, 1)
     }
 #undef FM_
     return -EINVAL;
