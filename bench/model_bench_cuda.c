@@ -278,7 +278,9 @@ int bench_model_cuda_main(int argc, char **argv) {
                "GB/s read", "of copy bw", mode ? "CUDA graphs" : "eager (--enforce-eager)");
         for (int i = 0; i < n_cases && !rc; i++) {
             int B = cases[i][0], C = cases[i][1];
-            if (!mode && !(B == 1 || B == 32)) continue; /* eager: the two target cases */
+            /* eager: the two target cases, or every case under DISAGG_CUDA_PROF (its per-op
+             * tables time eager steps only) */
+            if (!mode && !(B == 1 || B == 32 || getenv("DISAGG_CUDA_PROF"))) continue;
             int per = (C + steps + 2 + BS - 1) / BS;
             if ((long)per * B > n_blocks) continue;
             double sec = 0;

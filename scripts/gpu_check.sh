@@ -638,6 +638,57 @@ fp8_steps() {
     done
   done
 }
+# ONLY=fp8gemv: the tensor-core FP8 decode GEMV (DISAGG_CUDA_FP8_MMA, cuda_gemv_f8mma.cu; off by
+# default) -- test_backend_ops' test_fp8_mma_gemv / _gate_up / _qkv (against a host
+# reference, T 1..16, the 7B shapes), the FP8 cases and test_cuda_model's FP8 checkpoints with
+# the switch on, then `bench model` on the Qwen2.5-7B shape with --quantization fp8 (per-channel
+# scales, dummy weights) with the switch off and on: the copy ceiling of the run, decode b1 @ 4k,
+# b1 and b16 @ 1k (CUDA graphs), and per-op tables of eager steps (DISAGG_CUDA_PROF=16:
+# "prof:" lines, GB/s of each GEMV's FP8 bytes).  FP8GEMV_BENCH_ARGS replaces the bench's
+# arguments; FP8GEMV_VARIANTS adds runs with the switch on and other settings (below).
+fp8gemv_steps() {
+  step "fp8gemv: test_backend_ops test_fp8_mma_* (the tensor-core FP8 GEMV vs a host reference)"
+  TEST_BACKEND_OPS_FILTER='test_fp8_mma*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma.log 2>&1
+  check $? "test_backend_ops test_fp8_mma_*"
+  grep -E "fp8 mma|FAILED|ERROR|PASSED|SKIP|tolerance" /tmp/tbo-f8mma.log | head -150
+  step "fp8gemv: test_backend_ops FP8 cases with DISAGG_CUDA_FP8_MMA=1"
+  DISAGG_CUDA_FP8_MMA=1 TEST_BACKEND_OPS_FILTER='test_*fp8*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma2.log 2>&1
+  check $? "test_backend_ops fp8 cases, DISAGG_CUDA_FP8_MMA=1"
+  grep -E "FAILED|ERROR|PASSED|tolerance" /tmp/tbo-f8mma2.log | head -20
+  # the kernel forms the default shapes do not take: 32-row warps with single-buffered loads,
+  # and with double-buffered loads at 2 splits
+  for v in DISAGG_CUDA_FP8_MMA_MT=2,DISAGG_CUDA_FP8_MMA_DB=0 \
+           DISAGG_CUDA_FP8_MMA_MT=2,DISAGG_CUDA_FP8_MMA_DB=1,DISAGG_CUDA_FP8_MMA_SPLIT=2; do
+    step "fp8gemv: test_backend_ops test_fp8_mma_* with $v"
+    # shellcheck disable=SC2086
+    env ${v//,/ } TEST_BACKEND_OPS_FILTER='test_fp8_mma*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma3.log 2>&1
+    check $? "test_backend_ops test_fp8_mma_*, $v"
+    grep -E "FAILED|ERROR|PASSED|tolerance" /tmp/tbo-f8mma3.log | head -20
+  done
+  step "fp8gemv: test_cuda_model (FP8 tiny checkpoints, GPU vs CPU) with DISAGG_CUDA_FP8_MMA=1"
+  DISAGG_CUDA_FP8_MMA=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "fp8|FAILED|ERROR|PASSED|OK"
+  check ${PIPESTATUS[0]} "test_cuda_model, DISAGG_CUDA_FP8_MMA=1"
+  for m in 0 1; do
+    step "fp8gemv: bench model qwen2.5-7b --quantization fp8, DISAGG_CUDA_FP8_MMA=$m (per-op: DISAGG_CUDA_PROF=16)"
+    # shellcheck disable=SC2086
+    DISAGG_CUDA_FP8_MMA=$m DISAGG_CUDA_PROF=16 "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" \
+      --device cuda --load-format dummy --quantization fp8 \
+      ${FP8GEMV_BENCH_ARGS:---prompt-lens 16 --batches 1,16 --long-context 4096} 2>&1 |
+      grep -E "^ceilings|^decode|^[0-9]+ +[0-9]+ |^prof|rror|^disagg|^cuda"
+    check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_FP8_MMA=$m"
+  done
+  # FP8GEMV_VARIANTS: more runs with the switch on and these settings (an entry's settings
+  # joined by commas, e.g. "DISAGG_CUDA_FP8_MMA_MT=1 DISAGG_CUDA_FP8_MMA_SPLIT=4,DISAGG_CUDA_FP8_MMA_MT=2")
+  for v in ${FP8GEMV_VARIANTS:-}; do
+    step "fp8gemv: bench model qwen2.5-7b --quantization fp8, DISAGG_CUDA_FP8_MMA=1 $v"
+    # shellcheck disable=SC2086
+    env ${v//,/ } DISAGG_CUDA_FP8_MMA=1 DISAGG_CUDA_PROF=16 "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" \
+      --device cuda --load-format dummy --quantization fp8 \
+      ${FP8GEMV_BENCH_ARGS:---prompt-lens 16 --batches 1,16 --long-context 4096} 2>&1 |
+      grep -E "^ceilings|^decode|^[0-9]+ +[0-9]+ |^prof|rror|^disagg|^cuda"
+    check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_FP8_MMA=1 $v"
+  done
+}
 # ONLY=kvpool: the KV offload tiers and KV events on the GPU (docs/kv_pool.md): the tiers'
 # tests with bf16 KV in HBM and --batch-invariant (answers with the pool equal to those
 # without, disk faults recomputed), the events' tests, then tools/kv_pool_bench.py (multi-turn
@@ -674,13 +725,14 @@ poolfetch_steps() {
   done
 }
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
-   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = stream ] ||
-   [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ]; then
+   [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = fp8gemv ] ||
+   [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ]; then
   [ "$ONLY" = kvpool ] && kvpool_steps
   [ "$ONLY" = poolfetch ] && poolfetch_steps
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = fp8kv ] && fp8kv_steps
   [ "$ONLY" = fp8 ] && fp8_steps
+  [ "$ONLY" = fp8gemv ] && fp8gemv_steps
   [ "$ONLY" = arch ] && arch_steps
   [ "$ONLY" = stream ] && stream_steps
   [ "$ONLY" = inv ] && inv_steps

@@ -1363,6 +1363,372 @@ static void test_gate_up_fp8(void **state) {
     }
 }
 
+/* ---- the tensor-core FP8 GEMV (CUDA, DISAGG_CUDA_FP8_MMA) ------------------------------ */
+
+/* a CUDA backend opened with DISAGG_CUDA_FP8_MMA=1 (the variable restored after), or NULL with
+ * a loud SKIP line */
+static backend *open_fp8_mma(const char *test) {
+    if (g_n_be < 2) {
+        print_message("*** SKIP %s: no CUDA backend here (the tensor-core FP8 GEMV needs the "
+                      "GPU)\n",
+                      test);
+        return NULL;
+    }
+    const char *old = getenv("DISAGG_CUDA_FP8_MMA");
+    char *keep = old ? strdup(old) : NULL;
+    setenv("DISAGG_CUDA_FP8_MMA", "1", 1);
+    backend *bm = NULL;
+    char err[512];
+    int rc = backend_open("cuda", NULL, &bm, err, sizeof err);
+    if (keep)
+        setenv("DISAGG_CUDA_FP8_MMA", keep, 1);
+    else
+        unsetenv("DISAGG_CUDA_FP8_MMA");
+    free(keep);
+    if (rc) fail_msg("%s: a second CUDA backend did not open: %s", test, err);
+    return bm;
+}
+
+/* random e4m3 codes (no NaN) for an (N, K) matrix and its f32 values */
+static void fp8_rand_matrix(uint8_t *q, float *wf, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        do
+            q[i] = (uint8_t)irand(256);
+        while ((q[i] & 0x7f) == 0x7f);
+    }
+    backend_e4m3_to_f32(wf, q, n);
+}
+
+/* backend_matmul over FP8 weights on the tensor-core GEMV (a backend opened with
+ * DISAGG_CUDA_FP8_MMA=1) against a host reference in double of x . (e4m3 * scale)^T + bias, at
+ * the CUDA-core GEMV's tolerance (1e-4 of 1 + |ref|), for T = 1, 2, 7, 9, 16 and scales per
+ * tensor, per channel and 128 x 128: N and K not multiples of 16 rows / 64 columns (partial
+ * tiles and chunks), K = 16, long rows (split-K), and the Qwen2.5-7B shapes (down 3584 x 18944,
+ * q|k|v 4608 x 3584, o 3584 x 3584; every 61st row and the last against the reference).  The
+ * default CUDA backend (the CUDA-core GEMV for T <= 8, the bf16 twin above) runs the same
+ * product, its error printed beside.  One case puts |x| = 131072 (beyond f16) into token 0: the
+ * warps that see it recompute in f32. */
+static void test_fp8_mma_gemv(void **state) {
+    (void)state;
+    backend *bm = open_fp8_mma("test_fp8_mma_gemv");
+    if (!bm) return;
+    backend *bd = g_be[1];
+    int shapes[][2] = {{37, 272}, {200, 336}, {130, 4112}, {3, 16},
+                       {129, 2064}, {3584, 18944}, {4608, 3584}, {3584, 3584}};
+    int Ts[] = {1, 2, 7, 9, 16};
+    backend_stream *sm = backend_stream_create(bm), *sd = backend_stream_create(bd);
+    backend_dtype a = backend_act_dtype(bm);
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        int N = shapes[k][0], K = shapes[k][1], big = (size_t)N * K > 4000000;
+        uint8_t *q = malloc((size_t)N * K);
+        float *wf = malloc((size_t)N * K * 4);
+        assert_non_null(q), assert_non_null(wf);
+        fp8_rand_matrix(q, wf, (size_t)N * K);
+        for (int lay = 0; lay < 3; lay++) {
+            int bn = lay == 0 ? N : lay == 1 ? 1 : 128, bk = lay == 2 ? 128 : K;
+            int nkb = (K + bk - 1) / bk, ng = (N + bn - 1) / bn * nkb;
+            float *sc = malloc((size_t)ng * sizeof *sc);
+            assert_non_null(sc);
+            for (int i = 0; i < ng; i++)
+                sc[i] = (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)K)));
+            backend_dtype dtm, dtd;
+            backend_wscale wsm, wsd;
+            backend_buffer *bwm = backend_weights_load_fp8(bm, q, N, K, sc, bn, bk, &dtm, &wsm);
+            backend_buffer *bwd = backend_weights_load_fp8(bd, q, N, K, sc, bn, bk, &dtd, &wsd);
+            assert_non_null(bwm), assert_non_null(bwd);
+            assert_int_equal(dtm, BACKEND_F8E4M3);
+            for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+                int T = Ts[ti], huge = k == 1 && lay == 1 && T >= 7;
+                float *x = rand_vec((size_t)T * K, BACKEND_BF16),
+                      *bias = rand_vec((size_t)N, BACKEND_F32);
+                if (huge) x[K / 3] = 131072.0f; /* token 0: not an f16 */
+                backend_buffer *bxm = to_dev(sm, x, (size_t)T * K, a),
+                               *bbm = to_dev(sm, bias, (size_t)N, BACKEND_F32),
+                               *bym = backend_buffer_alloc(bm, (size_t)T * N * 4, 0);
+                backend_buffer *bxd = to_dev(sd, x, (size_t)T * K, a),
+                               *bbd = to_dev(sd, bias, (size_t)N, BACKEND_F32),
+                               *byd = backend_buffer_alloc(bd, (size_t)T * N * 4, 0);
+                backend_matmul_op om = {DEV(bym), BACKEND_F32, DEV(bxm), a, DEV(bwm), dtm,
+                                        DEV(bbm), T,           N,        K, wsm};
+                backend_matmul_op od = {DEV(byd), BACKEND_F32, DEV(bxd), a, DEV(bwd), dtd,
+                                        DEV(bbd), T,           N,        K, wsd};
+                assert_int_equal(backend_matmul(sm, &om, 1), 0);
+                assert_int_equal(backend_matmul(sd, &od, 1), 0);
+                float *gm = from_dev(sm, DEV(bym), (size_t)T * N, BACKEND_F32);
+                float *gd = from_dev(sd, DEV(byd), (size_t)T * N, BACKEND_F32);
+                /* the rows checked: all, or every 61st and the last of the 7B shapes */
+                int step = big ? 61 : 1, nr = (N - 1) / step + 1 + ((N - 1) % step != 0);
+                double *want = malloc(sizeof(double) * T * nr);
+                float *cm = malloc(sizeof(float) * T * nr), *cd = malloc(sizeof(float) * T * nr);
+                assert_non_null(want), assert_non_null(cm), assert_non_null(cd);
+                size_t m = 0;
+                for (int t = 0; t < T; t++)
+                    for (int r = 0; r < nr; r++, m++) {
+                        int n = r * step < N ? r * step : N - 1;
+                        double acc = bias[n];
+                        for (int i = 0; i < K; i++)
+                            acc += (double)x[(size_t)t * K + i] * wf[(size_t)n * K + i] *
+                                   sc[(n / bn) * nkb + i / bk];
+                        want[m] = acc;
+                        cm[m] = gm[(size_t)t * N + n], cd[m] = gd[(size_t)t * N + n];
+                    }
+                char what[128];
+                snprintf(what, sizeof what, "fp8 mma gemv T %d N %d K %d scales %s%s", T, N, K,
+                         lay == 0   ? "per tensor"
+                         : lay == 1 ? "per channel"
+                                    : "128x128",
+                         huge ? " (|x| 131072: the f32 fallback)" : "");
+                print_message("  %s: error %.2g (the default path: %.2g)\n", what,
+                              max_err(cm, want, m), max_err(cd, want, m));
+                check_close(what, bm, cm, want, m, 1e-4);
+                free(want), free(cm), free(cd), free(gm), free(gd), free(x), free(bias);
+                backend_buffer_free(bxm), backend_buffer_free(bbm), backend_buffer_free(bym);
+                backend_buffer_free(bxd), backend_buffer_free(bbd), backend_buffer_free(byd);
+            }
+            free(sc);
+            backend_buffer_free(bwm), backend_buffer_free(bwd);
+        }
+        free(q), free(wf);
+    }
+    backend_stream_free(sm), backend_stream_free(sd);
+    backend_close(bm);
+}
+
+/* backend_gate_up over one (2I, K) FP8 gate|up matrix on the tensor-core GEMV (SwiGLU in its
+ * epilogue; DISAGG_CUDA_FP8_MMA=1) against a host reference in double of silu(x wg^T) * (x
+ * wu^T), h in the backend's matmul dtype (1e-2 of 1 + |ref| for bf16, as test_gate_up_fp8),
+ * T = 1, 2, 7, 16, scales per tensor / per channel / 128 x 128: I not a multiple of 8, K not
+ * of 64, and the Qwen2.5-7B gate|up (I 18944, K 3584; every 61st output and the last). */
+static void test_fp8_mma_gate_up(void **state) {
+    (void)state;
+    backend *bm = open_fp8_mma("test_fp8_mma_gate_up");
+    if (!bm) return;
+    int shapes[][2] = {{100, 272}, {256, 2064}, {18944, 3584}};
+    int Ts[] = {1, 2, 7, 16};
+    backend_stream *st = backend_stream_create(bm);
+    backend_dtype mm = backend_mm_dtype(bm);
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        int I = shapes[k][0], H = shapes[k][1], N = 2 * I, big = (size_t)N * H > 4000000;
+        uint8_t *q = malloc((size_t)N * H);
+        float *wf = malloc((size_t)N * H * 4);
+        assert_non_null(q), assert_non_null(wf);
+        fp8_rand_matrix(q, wf, (size_t)N * H);
+        for (int lay = 0; lay < 3; lay++) {
+            int bn = lay == 0 ? N : lay == 1 ? 1 : 128, bk = lay == 2 ? 128 : H;
+            int nkb = (H + bk - 1) / bk, ng = (N + bn - 1) / bn * nkb;
+            float *sc = malloc((size_t)ng * sizeof *sc);
+            assert_non_null(sc);
+            for (int i = 0; i < ng; i++)
+                sc[i] = (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)H)));
+            backend_dtype stored;
+            backend_wscale ws;
+            backend_buffer *bw = backend_weights_load_fp8(bm, q, N, H, sc, bn, bk, &stored, &ws);
+            assert_non_null(bw);
+            backend_wscale su = ws;
+            if (ws.s) {
+                su.s = ws.s + (bn >= N ? 0 : (size_t)(I / bn) * nkb);
+                if (ws.twin) su.twin = (const char *)ws.twin + (size_t)I * H * 2;
+            }
+            for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+                int T = Ts[ti];
+                test_batch tb;
+                int start[1] = {3}, n_new[1] = {T};
+                make_batch(&tb, 1, start, n_new, 4, 8, 10);
+                assert_int_equal(backend_plan(st, &tb.b), 0);
+                float *x = rand_vec((size_t)T * H, BACKEND_BF16);
+                size_t es = backend_dtype_size(stored), hb = (size_t)T * I * backend_dtype_size(mm);
+                int cat = backend_wants_cat(bm);
+                backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
+                               *bh = backend_buffer_alloc(bm, hb, 0),
+                               *bh2 = cat ? NULL : backend_buffer_alloc(bm, hb, 0);
+                backend_mlp_op mo = {.x = DEV(bx),
+                                     .x_dt = mm,
+                                     .T = T,
+                                     .hidden = H,
+                                     .inter = I,
+                                     .w_gate = DEV(bw),
+                                     .w_up = (const char *)DEV(bw) + (size_t)I * H * es,
+                                     .w_dt = stored,
+                                     .w_gate_up = cat ? DEV(bw) : NULL,
+                                     .h = DEV(bh),
+                                     .h2 = cat ? NULL : DEV(bh2),
+                                     .h_dt = mm,
+                                     .s_gate = ws,
+                                     .s_up = su,
+                                     .s_gate_up = ws};
+                assert_int_equal(backend_gate_up(st, &mo), 0);
+                float *gh = from_dev(st, DEV(bh), (size_t)T * I, mm);
+                int step = big ? 61 : 1, nr = (I - 1) / step + 1 + ((I - 1) % step != 0);
+                double *wh = malloc(sizeof(double) * T * nr);
+                float *ch = malloc(sizeof(float) * T * nr);
+                assert_non_null(wh), assert_non_null(ch);
+                size_t m = 0;
+                for (int t = 0; t < T; t++)
+                    for (int r = 0; r < nr; r++, m++) {
+                        int n = r * step < I ? r * step : I - 1;
+                        double gg = 0, uu = 0;
+                        for (int i = 0; i < H; i++) {
+                            gg += (double)x[(size_t)t * H + i] * wf[(size_t)n * H + i] *
+                                  sc[(n / bn) * nkb + i / bk];
+                            uu += (double)x[(size_t)t * H + i] * wf[(size_t)(I + n) * H + i] *
+                                  sc[((I + n) / bn) * nkb + i / bk];
+                        }
+                        wh[m] = gg / (1.0 + exp(-gg)) * uu;
+                        ch[m] = gh[(size_t)t * I + n];
+                    }
+                char what[96];
+                snprintf(what, sizeof what, "fp8 mma gate_up T %d I %d K %d scales %s", T, I, H,
+                         lay == 0 ? "per tensor" : lay == 1 ? "per channel" : "128x128");
+                print_message("  %s: error %.2g\n", what, max_err(ch, wh, m));
+                check_close(what, bm, ch, wh, m, mm == BACKEND_F32 ? 1e-4 : 1e-2);
+                free(gh), free(wh), free(ch), free(x);
+                backend_buffer_free(bx), backend_buffer_free(bh);
+                if (bh2) backend_buffer_free(bh2);
+            }
+            free(sc);
+            backend_buffer_free(bw);
+        }
+        free(q), free(wf);
+    }
+    backend_stream_free(st);
+    backend_close(bm);
+}
+
+/* backend_qkv over one FP8 q|k|v matrix on the tensor-core GEMV with the bias, RoPE and KV-write
+ * epilogue (DISAGG_CUDA_FP8_MMA=1): q (bias, RoPE) and the f32 K/V written into the cache
+ * against a host reference in double (1e-4 of 1 + |ref|), T = 1, 2, 7, 16 sequences of one new
+ * token each, scales per tensor / per channel / 128 x 128, a small head layout (hd 16, GQA 3)
+ * and the Qwen2.5-7B one (28 q heads, 4 KV heads, hd 128, hidden 3584). */
+static void test_fp8_mma_qkv(void **state) {
+    (void)state;
+    backend *bm = open_fp8_mma("test_fp8_mma_qkv");
+    if (!bm) return;
+    int shapes[][4] = {{6, 2, 16, 272}, {28, 4, 128, 3584}}; /* nh, nkv, hd, hidden */
+    int Ts[] = {1, 2, 7, 16};
+    enum { L = 2, LAYER = 1 };
+    backend_stream *st = backend_stream_create(bm);
+    backend_dtype mm = backend_mm_dtype(bm);
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        int NH = shapes[k][0], NKV = shapes[k][1], HD = shapes[k][2], H = shapes[k][3];
+        int Q = NH * HD, KVD = NKV * HD, W = Q + 2 * KVD;
+        uint8_t *q8 = malloc((size_t)W * H);
+        float *wf = malloc((size_t)W * H * 4), *bias = rand_vec((size_t)W, BACKEND_F32);
+        float *inv = malloc(sizeof(float) * HD / 2);
+        assert_non_null(q8), assert_non_null(wf), assert_non_null(inv);
+        fp8_rand_matrix(q8, wf, (size_t)W * H);
+        for (int i = 0; i < HD / 2; i++)
+            inv[i] = 1.0f / powf(10000.0f, (float)(2 * i) / HD);
+        for (int lay = 0; lay < 3; lay++) {
+            int bn = lay == 0 ? W : lay == 1 ? 1 : 128, bk = lay == 2 ? 128 : H;
+            int nkb = (H + bk - 1) / bk, ng = (W + bn - 1) / bn * nkb;
+            float *sc = malloc((size_t)ng * sizeof *sc);
+            assert_non_null(sc);
+            for (int i = 0; i < ng; i++)
+                sc[i] = (float)((0.2 + urand()) * 2.0 / (448.0 * sqrt((double)H)));
+            backend_dtype stored;
+            backend_wscale ws;
+            backend_buffer *bw = backend_weights_load_fp8(bm, q8, W, H, sc, bn, bk, &stored, &ws);
+            assert_non_null(bw);
+            for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+                int T = Ts[ti], start[16], n_new[16];
+                for (int i = 0; i < T; i++)
+                    start[i] = 5 + 7 * i, n_new[i] = 1;
+                test_batch tb;
+                make_batch(&tb, T, start, n_new, 8, 256, 10);
+                assert_int_equal(backend_plan(st, &tb.b), 0);
+                float *x = rand_vec((size_t)T * H, BACKEND_BF16);
+                backend_buffer *bx = to_dev(st, x, (size_t)T * H, mm),
+                               *bb = to_dev(st, bias, W, BACKEND_F32),
+                               *binv = to_dev(st, inv, HD / 2, BACKEND_F32);
+                backend_kv kv = {NULL, BACKEND_F32, tb.n_blocks, tb.bs, L, NKV, HD, 0, NULL, NULL};
+                size_t n_el = backend_kv_block_bytes(&kv) / 4 * kv.n_blocks;
+                backend_buffer *region = backend_buffer_alloc(bm, n_el * 4, BACKEND_BUF_KV);
+                kv.base = DEV(region);
+                backend_buffer *bq = backend_buffer_alloc(bm, (size_t)T * Q * 4, 0),
+                               *bk_ = backend_buffer_alloc(bm, (size_t)T * KVD * 4, 0),
+                               *bv = backend_buffer_alloc(bm, (size_t)T * KVD * 4, 0);
+                const float *db = DEV(bb);
+                const char *w0 = DEV(bw);
+                size_t es = backend_dtype_size(stored);
+                backend_qkv_op op = {.x = DEV(bx),
+                                     .x_dt = mm,
+                                     .T = T,
+                                     .hidden = H,
+                                     .n_heads = NH,
+                                     .wq = w0,
+                                     .wk = w0 + (size_t)Q * H * es,
+                                     .wv = w0 + (size_t)(Q + KVD) * H * es,
+                                     .w_dt = stored,
+                                     .bq = db,
+                                     .bk = db + Q,
+                                     .bv = db + Q + KVD,
+                                     .wqkv = w0,
+                                     .bqkv = db,
+                                     .sqkv = ws,
+                                     .q = DEV(bq),
+                                     .k = DEV(bk_),
+                                     .v = DEV(bv),
+                                     .dt = BACKEND_F32,
+                                     .inv_freq = DEV(binv),
+                                     .kv = &kv,
+                                     .layer = LAYER};
+                assert_int_equal(backend_qkv(st, &op), 0);
+                float *gq = from_dev(st, DEV(bq), (size_t)T * Q, BACKEND_F32);
+                float *gkv = from_dev(st, kv.base, n_el, BACKEND_F32);
+                double *wq = calloc((size_t)T * Q, sizeof(double)),
+                       *wkv = calloc(n_el, sizeof(double)), *row = malloc(sizeof(double) * W);
+                assert_non_null(wq), assert_non_null(wkv), assert_non_null(row);
+                for (int t = 0; t < T; t++) {
+                    for (int n = 0; n < W; n++) {
+                        double acc = bias[n];
+                        for (int i = 0; i < H; i++)
+                            acc += (double)x[(size_t)t * H + i] * wf[(size_t)n * H + i] *
+                                   sc[(n / bn) * nkb + i / bk];
+                        row[n] = acc;
+                    }
+                    int p = tb.tok_pos[t];
+                    for (int hh = 0; hh < NH + NKV; hh++)
+                        for (int i = 0; i < HD / 2; i++) {
+                            float ang = (float)p * inv[i];
+                            double c = cos(ang), sn = sin(ang), u = row[hh * HD + i],
+                                   w = row[hh * HD + i + HD / 2];
+                            row[hh * HD + i] = u * c - w * sn;
+                            row[hh * HD + i + HD / 2] = w * c + u * sn;
+                        }
+                    for (int n = 0; n < Q; n++)
+                        wq[(size_t)t * Q + n] = row[n];
+                    int sq = tb.tok_seq[t], blk = tb.bt[tb.bt_ptr[sq] + p / kv.block_size],
+                        slot = p % kv.block_size;
+                    for (int hh = 0; hh < NKV; hh++)
+                        for (int d = 0; d < HD; d++) {
+                            wkv[kv_index(&kv, blk, LAYER, 0, slot, hh, d)] = row[Q + hh * HD + d];
+                            wkv[kv_index(&kv, blk, LAYER, 1, slot, hh, d)] =
+                                row[Q + KVD + hh * HD + d];
+                        }
+                }
+                char what[128];
+                snprintf(what, sizeof what, "fp8 mma qkv T %d nh %d nkv %d hd %d K %d scales %s: q",
+                         T, NH, NKV, HD, H,
+                         lay == 0 ? "per tensor" : lay == 1 ? "per channel" : "128x128");
+                print_message("  %s: error %.2g, K/V %.2g\n", what, max_err(gq, wq, (size_t)T * Q),
+                              max_err(gkv, wkv, n_el));
+                check_close(what, bm, gq, wq, (size_t)T * Q, 1e-4);
+                strncat(what, " -> K/V in the cache", sizeof what - strlen(what) - 1);
+                check_close(what, bm, gkv, wkv, n_el, 1e-4);
+                free(gq), free(gkv), free(wq), free(wkv), free(row), free(x);
+                backend_buffer *bufs[] = {bx, bb, binv, region, bq, bk_, bv};
+                for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                    backend_buffer_free(bufs[i]);
+            }
+            free(sc);
+            backend_buffer_free(bw);
+        }
+        free(q8), free(wf), free(bias), free(inv);
+    }
+    backend_stream_free(st);
+    backend_close(bm);
+}
+
 /* backend_qkv at the decode sizes (1 and 2 tokens) over the concatenated q|k|v matrix: the
  * CUDA backend's fused GEMV (bias, RoPE and the KV write in its epilogue), split-K for long
  * rows (DISAGG_CUDA_QKV_SPLIT; by default hidden 2056 takes 2 splits, 4104 4), GQA 3.  Run
@@ -2670,6 +3036,9 @@ int main(void) {
         cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_matmul_fp8),
         cmocka_unit_test(test_gate_up_fp8),
+        cmocka_unit_test(test_fp8_mma_gemv),
+        cmocka_unit_test(test_fp8_mma_gate_up),
+        cmocka_unit_test(test_fp8_mma_qkv),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_kv_write),
         cmocka_unit_test(test_attention),

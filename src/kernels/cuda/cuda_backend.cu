@@ -746,6 +746,13 @@ static int cb_f8_gemv(const cb_stream *s, int T, int K, const backend_wscale *ws
     return !s->inv && ws->s && T <= s->c->fp8_gemv_max_t && gemv_f8_ok(T, K, ws->block_k, x, w);
 }
 
+/* FP8 weights at T <= DISAGG_CUDA_FP8_MMA (off by default) on the tensor-core e4m3 GEMV
+ * (cuda_gemv_f8mma.cu), ahead of the CUDA-core GEMVs; not in the batch-invariant mode */
+static int cb_f8_mma(const cb_stream *s, int T, int K, const backend_wscale *ws, const void *x,
+                     const void *w) {
+    return !s->inv && ws->s && T <= s->c->fp8_mma_max_t && gemv_f8mma_ok(T, K, ws->block_k, x, w);
+}
+
 /* DISAGG_CUDA_PROF: a matrix op's mark, named "what NxK suffix", reading bytes */
 static void cb_prof_mat(cb_stream *s, const char *what, const char *suffix, int N, int K,
                         double bytes) {
@@ -823,6 +830,13 @@ static int cb_matmul(backend_stream *st, const backend_matmul_op *ops, int n_ops
          * GEMM on the bf16 twin; without a twin (DISAGG_CUDA_FP8_TWIN=0) every T and shape on
          * the GEMV (its scalar form where the loads cannot), 8 tokens a launch: FP8's
          * memory, not a GEMM's speed for prefill */
+        if (fp8 && cb_f8_mma(s, o->T, o->K, &o->w_scale, xb, o->w)) {
+            dcu_f8scale f8 = {o->w_scale.s, o->w_scale.block_n, o->w_scale.block_k};
+            int rc = gemv_f8mma(s->c, (float *)o->y, xb, o->w, &f8, o->bias, o->T, o->N, o->K);
+            if (rc) return rc;
+            cb_prof_mat(s, "fp8 mma gemv", "", o->N, o->K, (double)o->N * o->K);
+            continue;
+        }
         if (fp8 && o->T > s->c->fp8_gemv_max_t) {
             int rc = cb_f8_gemm(s, o->y, 0, xb, &o->w_scale, o->w, o->T, o->N, o->K);
             if (!rc && o->bias) rc = add_bias(s->c, (float *)o->y, o->bias, o->N, (size_t)o->T * o->N);
@@ -1033,6 +1047,15 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
                           s->bt, s->stride, o->inv_freq, nh, nkv, hd, ksc, vsc);
         return pm(s, rc, "qkv gemv (bias, rope, kv)", (double)W * o->hidden * 2);
     }
+    if (fp8 && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 && hd % 16 == 0 &&
+        cb_f8_mma(s, T, o->hidden, &o->sqkv, o->x, o->wqkv)) {
+        /* the same on the tensor cores (DISAGG_CUDA_FP8_MMA), T <= 16 */
+        dcu_f8scale f8 = {o->sqkv.s, o->sqkv.block_n, o->sqkv.block_k};
+        int rc = gemv_f8mma_qkv(s->c, (float *)o->q, kv->base, kk, o->x, o->wqkv, &f8, o->bqkv,
+                                T, o->hidden, kv->block_size, kv->n_layers, o->layer, s->pos,
+                                s->seq, s->bt, s->stride, o->inv_freq, nh, nkv, hd, ksc, vsc);
+        return pm(s, rc, "fp8 mma qkv gemv (bias, rope, kv)", (double)W * o->hidden);
+    }
     if (fp8 && s->c->qkv_fuse && o->wqkv && o->x_dt == BACKEND_BF16 &&
         cb_f8_gemv(s, T, o->hidden, &o->sqkv, o->x, o->wqkv)) {
         /* the same fused GEMV over FP8 q|k|v weights */
@@ -1108,6 +1131,15 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
                   gemv_gate_up(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32, o->x,
                                o->w_gate_up, NULL, T, I, o->hidden),
                   "gate_up+swiglu gemv", 2.0 * I * o->hidden * 2);
+    if (fp8 && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
+        cb_f8_mma(s, T, o->hidden, &o->s_gate_up, o->x, o->w_gate_up)) {
+        /* the same on the tensor cores (DISAGG_CUDA_FP8_MMA) */
+        dcu_f8scale f8 = {o->s_gate_up.s, o->s_gate_up.block_n, o->s_gate_up.block_k};
+        return pm(s,
+                  gemv_f8mma_gate_up(s->c, o->h, o->h_dt == BACKEND_BF16 ? DCU_BF16 : DCU_F32,
+                                     o->x, o->w_gate_up, &f8, T, I, o->hidden),
+                  "fp8 mma gate_up+swiglu gemv", 2.0 * I * o->hidden);
+    }
     if (fp8 && o->w_gate_up && o->x_dt == BACKEND_BF16 &&
         cb_f8_gemv(s, T, o->hidden, &o->s_gate_up, o->x, o->w_gate_up)) {
         /* the same over FP8 gate|up weights */

@@ -85,6 +85,11 @@ struct dcu_ctx {
     int last_err;
     int fp8_gemv_max_t; /* FP8 GEMMs of T <= this on the FP8 GEMV (DISAGG_CUDA_FP8_GEMV=0..8,
                            default 8; larger T: cuBLASLt bf16 on the twin) */
+    int fp8_mma_max_t;  /* FP8 GEMMs of T <= this on the tensor-core e4m3 GEMV (cuda_gemv_f8mma.cu;
+                           DISAGG_CUDA_FP8_MMA=1: T <= 16, =N: T <= N; default 0: off) */
+    int fp8_mma_split;  /* its warps a tile (DISAGG_CUDA_FP8_MMA_SPLIT=auto|1|2|4|8; 0 auto) */
+    int fp8_mma_mt;     /* its 16-row tiles a warp (DISAGG_CUDA_FP8_MMA_MT=1|2; 0 auto) */
+    int fp8_mma_db;     /* its loads double-buffered (DISAGG_CUDA_FP8_MMA_DB=0|1; -1 auto) */
     int fp8_gemm;       /* FP8 weights of per-tensor scales at larger T on the e4m3 tensor cores
                            (cuda_gemm_fp8.cu; opt-in: DISAGG_CUDA_FP8_GEMM=1; default the
                            bf16 twin) */
@@ -339,6 +344,24 @@ int gemv_fp8(dcu_ctx *c, float *y, const void *x, const void *w, const float *s,
 int fp8_dequant_bf16(dcu_ctx *c, bf16 *out, const uint8_t *q, const float *s, int bn, int bk,
                      int N, int K);
 
+/* ---- cuda_gemv_f8mma.cu ------------------------------------------------------------- */
+/* the FP8 decode GEMV on the tensor cores (weight-only: x bf16, w e4m3, f32 accumulate) for
+ * T = 1..16: y (T, N) f32 = x w^T (+ bias), and the gate|up form h (T, I) of h_dtype =
+ * silu(x wg^T) * (x wu^T), w = [wg; wu] (2I, K).  gemv_f8mma_ok: K a multiple of 16, the
+ * scale blocks whole rows (bk >= K) or multiples of 64 columns, x and w 16-byte aligned. */
+int gemv_f8mma_ok(int T, int K, int bk, const void *x, const void *w);
+typedef struct dcu_f8scale dcu_f8scale;
+int gemv_f8mma(dcu_ctx *c, float *y, const void *x, const void *w, const dcu_f8scale *f8,
+               const float *bias, int T, int N, int K);
+int gemv_f8mma_gate_up(dcu_ctx *c, void *h, int h_dtype, const void *x, const void *w,
+                       const dcu_f8scale *f8, int T, int I, int K);
+/* the q|k|v form (bias, RoPE, q out and the KV write as gemv_qkv; hd a multiple of 16) */
+int gemv_f8mma_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x, const void *w,
+                   const dcu_f8scale *f8, const float *bias, int T, int K, int bs, int n_layers,
+                   int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
+                   int bt_stride, const float *inv_freq, int nh, int nkv, int hd, float ksc,
+                   float vsc);
+
 /* ---- cuda_gemm_fp8.cu --------------------------------------------------------------- */
 /* W8A8 for prefill: x bf16 quantized per token to e4m3 (sx: amax / 448 a token), then
  * cuBLASLt's e4m3 GEMM with outer-vector scales (sw: one f32 a weight row); y of kind 0 f32,
@@ -362,10 +385,10 @@ cublasStatus_t lt_desc_nt(cublasLtMatmulDesc_t *op);
 int lt_cfg(const cublasLtMatmulAlgo_t *a, cublasLtMatmulAlgoConfigAttributes_t at);
 
 /* ---- cuda_gemv.cu ------------------------------------------------------------------- */
-typedef struct {
+struct dcu_f8scale {
     const float *s; /* (ceil(N / bn), ceil(K / bk)) f32, row-major */
     int bn, bk;
-} dcu_f8scale;
+};
 int gemv_ok(const dcu_ctx *c, int T, int K, const void *x, const void *w);
 int gemv(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T, int N,
          int K);

@@ -100,6 +100,14 @@ dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->gemv_max_t = getenv("DISAGG_CUDA_GEMV") ? atoi(getenv("DISAGG_CUDA_GEMV")) : 1;
     c->fp8_gemv_max_t = getenv("DISAGG_CUDA_FP8_GEMV") ? atoi(getenv("DISAGG_CUDA_FP8_GEMV")) : 8;
     if (c->fp8_gemv_max_t < 0 || c->fp8_gemv_max_t > 8) c->fp8_gemv_max_t = 8;
+    {
+        const char *m = getenv("DISAGG_CUDA_FP8_MMA");
+        int v = m ? atoi(m) : 0;
+        c->fp8_mma_max_t = v == 1 ? 16 : v >= 2 && v <= 16 ? v : 0;
+    }
+    c->fp8_mma_split = split_env("DISAGG_CUDA_FP8_MMA_SPLIT");
+    c->fp8_mma_mt = getenv("DISAGG_CUDA_FP8_MMA_MT") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_MT")) : 0;
+    c->fp8_mma_db = getenv("DISAGG_CUDA_FP8_MMA_DB") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_DB")) : -1;
     c->fp8_gemm = getenv("DISAGG_CUDA_FP8_GEMM") && !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "1");
     if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
     c->pdl = !(getenv("DISAGG_CUDA_PDL") && !strcmp(getenv("DISAGG_CUDA_PDL"), "0"));
