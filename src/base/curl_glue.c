@@ -54,6 +54,13 @@ CURL *curl_glue_take(const char *url, long connect_timeout_ms, long timeout_ms) 
     return h;
 }
 
+void curl_glue_drop_kept(void) {
+    pthread_mutex_lock(&g_kept_mu);
+    while (g_n_kept > 0)
+        curl_easy_cleanup(g_kept[--g_n_kept]);
+    pthread_mutex_unlock(&g_kept_mu);
+}
+
 void curl_glue_give(CURL *h) {
     if (!h) return;
     pthread_mutex_lock(&g_kept_mu);

@@ -26,5 +26,8 @@ CURL *curl_glue_take(const char *url, long connect_timeout_ms, long timeout_ms);
 /* A handle from curl_glue_take or curl_glue_easy, kept for the next curl_glue_take (a few
  * are kept; past them it is cleaned up).  NULL is ignored. */
 void curl_glue_give(CURL *h);
+/* Clean up every kept handle and so close their idle connections (a test counting its
+ * file descriptors; nothing else needs it: the kept ones are few and bounded). */
+void curl_glue_drop_kept(void);
 
 #endif
