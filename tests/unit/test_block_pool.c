@@ -164,7 +164,7 @@ static void test_tier_hooks_and_events(void **state) {
     assert_int_equal(block_pool_init(&bp, 2), 0);
     bp.block_size = 4;
     bp.events = &log;
-    bp.tier = (block_pool_tier){&ft, ft_evicted, ft_load};
+    bp.tier = (block_pool_tier){&ft, ft_evicted, ft_load, NULL, NULL};
     int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     uint64_t h0 = block_pool_hash_tokens(0, toks, 4), h1 = block_pool_hash_tokens(h0, toks + 4, 4);
     int32_t a[2];
