@@ -170,7 +170,7 @@ static int locate_prefix(scheduler *s, seq *q, int full) {
             s->kinds[n] = KV_LOAD_DEVICE;
             continue;
         }
-        int t = block_pool_tier_find(s->bp, h);
+        int t = q->no_tier_loads ? -1 : block_pool_tier_find(s->bp, h);
         if (t < 0) break;
         s->kinds[n] = (signed char)t;
     }
@@ -226,7 +226,6 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
     if (pending) {
         q->state = SEQ_LOADING;
         q->n_loads = pending;
-        q->load_end = end;
         q->t_load_ns = clock_now_ns();
         return 1;
     }
@@ -248,17 +247,17 @@ void sched_load_done(scheduler *s, seq *q, int32_t block, int ok) {
                                q->tokens + i * bs);
     block_pool_load_finished(s->bp, block);
     if (i < 0) return;
-    if (!ok && i < q->load_end) q->load_end = i;
+    if (!ok) q->no_tier_loads = 1; /* not again: the rest of the prompt is computed */
     if (--q->n_loads > 0) return;
-    if (q->load_end < q->n_blocks) { /* a failed copy: the rest of the prompt is computed */
-        block_pool_release(s->bp, q->blocks + q->load_end, q->n_blocks - q->load_end);
-        q->n_blocks = q->n_hashed = q->load_end;
-    }
-    q->n_computed = q->n_cached = q->n_blocks * bs;
+    /* Every copy ended: the blocks are in the device cache now (those copied well), so q
+     * lets them go and waits, first in line, to be admitted as any request: its walk finds
+     * them there (the most recently freed blocks, the last the allocator reuses).  A waiting
+     * sequence holds no blocks: one that cannot be admitted never holds up another. */
+    drop_blocks(s, q);
     s->n_loading--;
     s->loads_waited++;
     s->load_wait_ns += clock_now_ns() - q->t_load_ns;
-    q->state = SEQ_WAITING; /* first in line: it was when its copies started */
+    q->state = SEQ_WAITING;
     list_push_head(&s->wait_head, &s->wait_tail, q);
     s->n_waiting++;
 }

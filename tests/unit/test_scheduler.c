@@ -262,7 +262,8 @@ static void compute_and_evict(env *e, seq *q) {
 }
 
 /* The tier's blocks come back in the background: the sequence waits (SEQ_LOADING, out of
- * the batch, its blocks held twice) while another is admitted; a failed copy cuts its
+ * the batch, its blocks held twice) while another is admitted; then it waits first in line
+ * holding nothing and takes the copied blocks from the device cache; a failed copy cuts its
  * prefix there; an abort meanwhile leaves the copies' blocks to the copies; the cost model
  * may decline. */
 static void test_tier_loads(void **state) {
@@ -301,18 +302,21 @@ static void test_tier_loads(void **state) {
     sched_load_done(&e.s, &b, b.blocks[1], 0);
     assert_int_equal(b.state, SEQ_LOADING);
     sched_load_done(&e.s, &b, b2, 1);
+    /* b waits first in line holding nothing: the copied blocks are in the device cache */
     assert_int_equal(b.state, SEQ_WAITING);
     assert_ptr_equal(e.s.wait_head, &b);
     assert_int_equal(e.s.n_loading, 0);
-    assert_int_equal(b.n_blocks, 1);
-    assert_int_equal(b.n_computed, 4);
-    assert_int_equal(b.n_cached, 4);
+    assert_int_equal(b.n_blocks, 0);
     assert_true(block_pool_contains(&e.bp, b.hashes[0]));
+    assert_true(block_pool_contains(&e.bp, b.hashes[2]));
     assert_int_equal(e.bp.ref[b2], 0); /* cached, free */
     assert_int_equal(e.s.loads_waited, 1);
-    step(&e); /* b runs from its 4 loaded tokens */
+    at.n_started = 0;
+    step(&e); /* b runs from its first block (the second failed: computed, not copied again) */
     assert_int_equal(b.state, SEQ_RUNNING);
+    assert_int_equal(b.n_cached, 4);
     assert_true(b.n_computed > 4);
+    assert_int_equal(at.n_started, 0);
     sched_finish(&e.s, &b, 0);
     sched_finish(&e.s, &c, 0);
     /* an abort while loading: the copies keep their blocks until they end */
@@ -352,11 +356,72 @@ static void test_tier_loads(void **state) {
     env_free(&e);
 }
 
+/* Two sequences whose copies ended and a preempted one first in line that needs most of the
+ * cache: nobody holds blocks while waiting, so the head is admitted (a waiting sequence
+ * holding copied blocks behind a head that cannot fit would stall the engine for good). */
+static void test_loaded_never_block_the_head(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 16, 4, 8, 64);
+    async_tier at = {0};
+    e.bp.tier = (block_pool_tier){&at, at_evicted, at_load, at_find, at_load_async};
+    e.s.async_loads = 1;
+    seq a1, a2, b, d, x;
+    make_seq(&a1, 1, 13, 100, 1);
+    compute_and_evict(&e, &a1);
+    make_seq(&a2, 2, 13, 300, 1);
+    compute_and_evict(&e, &a2);
+    make_seq(&b, 3, 13, 100, 4);
+    make_seq(&d, 4, 13, 300, 4);
+    sched_add(&e.s, &b);
+    sched_add(&e.s, &d);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.s.n_loading, 2);
+    for (int i = 0; i < at.n_started; i++)
+        sched_load_done(&e.s, at.tag[i] == 3 ? &b : &d, at.block[i], 1);
+    assert_int_equal(e.s.n_waiting, 2);
+    assert_int_equal(block_pool_num_used(&e.bp), 0); /* they hold nothing */
+    make_seq(&x, 5, 50, 700, 4); /* 13 blocks: fits only if nobody holds more than 3 */
+    sched_add(&e.s, &x);
+    e.s.wait_head->prev = NULL; /* move x to the head, as a preempted sequence goes */
+    e.s.wait_tail = x.prev;
+    x.prev->next = NULL;
+    x.next = e.s.wait_head;
+    e.s.wait_head->prev = &x;
+    e.s.wait_head = &x;
+    x.prev = NULL;
+    for (int k = 0; k < 40 && x.state != SEQ_FINISHED; k++) {
+        step(&e);
+        if (x.n_tokens - x.n_prompt >= 4) sched_finish(&e.s, &x, 0);
+    }
+    assert_int_equal(x.state, SEQ_FINISHED);
+    /* x evicted their blocks back into the tier: they copy them again, and run */
+    at.n_started = 0;
+    for (int k = 0; k < 40 && (b.state != SEQ_RUNNING || d.state != SEQ_RUNNING); k++) {
+        step(&e);
+        for (int i = 0; i < at.n_started; i++)
+            sched_load_done(&e.s, at.tag[i] == 3 ? &b : &d, at.block[i], 1);
+        at.n_started = 0;
+    }
+    assert_int_equal(b.state, SEQ_RUNNING);
+    assert_int_equal(b.n_cached, 12);
+    assert_int_equal(d.state, SEQ_RUNNING);
+    sched_finish(&e.s, &b, 0);
+    sched_finish(&e.s, &d, 0);
+    seq_free(&a1);
+    seq_free(&a2);
+    seq_free(&b);
+    seq_free(&d);
+    seq_free(&x);
+    env_free(&e);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_prefix_cache_admission),
         cmocka_unit_test(test_preemption),      cmocka_unit_test(test_park_unpark),
         cmocka_unit_test(test_max_num_seqs),    cmocka_unit_test(test_tier_loads),
+        cmocka_unit_test(test_loaded_never_block_the_head),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
