@@ -136,6 +136,7 @@ struct engine {
     kv_load_cost cost;      /* (off) copy or recompute a tier's block */
     int off_ready;          /* under mu: a tier load ended (the step thread reaps it) */
     uint64_t steps_during_loads; /* step thread: forwards run while tier copies were pending */
+    int stalled_on_loads; /* step thread: nothing could run until a tier copy ends (sleep) */
     engine_kv_event_sink sink; /* under mu: sink.publish NULL = no events */
     int reset_cache;           /* under mu: engine_reset_prefix_cache() asked */
     int n_quarantined; /* blocks held after abandoned loads (see quarantine) */
@@ -1012,8 +1013,10 @@ static void take_inputs(engine *e) {
     uint64_t next_expiry = expire_quarantine(e);
     publish_stats(e); /* blocks may have been freed: /metrics must see it even if we sleep now */
     pthread_mutex_lock(&e->mu);
+    /* asleep when nothing can run: no request, or only ones waiting for blocks that tier
+     * copies hold (the end of a copy wakes it: off_ready) */
     while (!e->stop && !e->inbox && !e->notes && e->n_aborts == 0 && e->sched.n_running == 0 &&
-           e->sched.n_waiting == 0 && !e->reset_cache && !e->off_ready) {
+           (e->sched.n_waiting == 0 || e->stalled_on_loads) && !e->reset_cache && !e->off_ready) {
         if (!next_expiry) {
             pthread_cond_wait(&e->cv, &e->mu);
             continue;
@@ -1137,7 +1140,9 @@ static void sample_item(void *ctx, int k) {
 
 static void run_step(engine *e) {
     sched_plan *pl = &e->plan;
-    if (sched_step(&e->sched, pl) == 0) return;
+    int planned = sched_step(&e->sched, pl);
+    e->stalled_on_loads = !planned && e->sched.n_loading > 0;
+    if (!planned) return;
     uint64_t t_step = clock_now_ns(); /* the scheduled time of requests first in this plan */
     int n = pl->n_items;
     int k_logits = 0;
