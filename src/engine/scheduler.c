@@ -226,6 +226,7 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
     if (pending) {
         q->state = SEQ_LOADING;
         q->n_loads = pending;
+        q->load_end = end;
         q->t_load_ns = clock_now_ns();
         return 1;
     }
@@ -247,13 +248,18 @@ void sched_load_done(scheduler *s, seq *q, int32_t block, int ok) {
                                q->tokens + i * bs);
     block_pool_load_finished(s->bp, block);
     if (i < 0) return;
-    if (!ok) q->no_tier_loads = 1; /* not again: the rest of the prompt is computed */
+    if (!ok) {
+        q->no_tier_loads = 1; /* not again: the rest of the prompt is computed */
+        if (i < q->load_end) q->load_end = i;
+    }
     if (--q->n_loads > 0) return;
-    /* Every copy ended: the blocks are in the device cache now (those copied well), so q
-     * lets them go and waits, first in line, to be admitted as any request: its walk finds
-     * them there (the most recently freed blocks, the last the allocator reuses).  A waiting
-     * sequence holds no blocks: one that cannot be admitted never holds up another. */
-    drop_blocks(s, q);
+    if (q->load_end < q->n_blocks) { /* a failed copy: the prefix ends there */
+        block_pool_release(s->bp, q->blocks + q->load_end, q->n_blocks - q->load_end);
+        q->n_blocks = q->n_hashed = q->load_end;
+    }
+    /* first in line with its prefix computed; if it cannot be admitted, it lets the blocks
+     * go (sched_step: a waiting sequence never holds up another) */
+    q->n_computed = q->n_cached = q->n_blocks * bs;
     s->n_loading--;
     s->loads_waited++;
     s->load_wait_ns += clock_now_ns() - q->t_load_ns;
@@ -336,6 +342,10 @@ int sched_step(scheduler *s, sched_plan *p) {
         if (q->max_chunk > 0 && count > q->max_chunk) count = q->max_chunk;
         if (grow_blocks(s, q, q->n_computed + count) != 0) {
             drop_blocks(s, q); /* give cached blocks back; try again next step */
+            /* and so do the others whose tier copies ended (they hold their prefix until
+             * admitted): behind a head that cannot fit they would hold it up for good */
+            for (seq *w = s->wait_head; w; w = w->next)
+                if (w->n_blocks) drop_blocks(s, w);
             break;
         }
         list_unlink(&s->wait_head, &s->wait_tail, q);

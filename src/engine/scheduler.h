@@ -44,6 +44,7 @@ typedef struct seq {
     int no_prefix_cache;     /* skip prefix-cache lookup at admission */
     int max_chunk;           /* most tokens computed in one step, 0 = no limit */
     int n_loads;             /* SEQ_LOADING: tier copies into its blocks not ended yet */
+    int load_end;            /* SEQ_LOADING: blocks [0, load_end) are good (a failed copy cuts) */
     int no_tier_loads;       /* a copy of its failed: its prefix comes from the device cache only */
     uint64_t t_load_ns;      /* SEQ_LOADING: when its copies started */
     struct seq *prev, *next; /* links in the scheduler's waiting or running list */
@@ -116,8 +117,9 @@ int sched_park_with_blocks(scheduler *s, seq *q);
 void sched_take_blocks(scheduler *s, seq *q, int32_t **blocks, int *n_blocks);
 /* A tier copy into q's block ended (ok: the block holds its KV and joins the device cache).
  * q NULL (the request is gone) or no longer loading: only the copy's reference goes.  When
- * q's last copy ends, q lets its blocks go (they are cached) and waits at the head of the
- * queue: its admission takes them from the device cache, up to the first failed copy. */
+ * q's last copy ends, q keeps its prefix up to the first failed copy and waits at the head
+ * of the queue holding it; when the head of the queue cannot be admitted, every waiting
+ * sequence lets its blocks go (they stay in the device cache), so none holds up another. */
 void sched_load_done(scheduler *s, seq *q, int32_t block, int ok);
 /* q's KV for [0, n_computed) arrived: back to running. */
 void sched_unpark(scheduler *s, seq *q, int n_computed);
