@@ -180,8 +180,9 @@ static int locate_prefix(scheduler *s, seq *q, int full) {
 /* Take the longest cached prefix of full blocks (at least one token is left to
  * compute, so the last prompt token always produces logits): the device cache's
  * blocks, and the tiers' where the cost model says copy.  Tier copies run in the
- * background when async (the return is 1: q must wait for them, SEQ_LOADING), else
- * before this returns (0). */
+ * background when async (the return is 1: q must wait for them, SEQ_LOADING; -1: too
+ * few free blocks to start them, q holds nothing and waits), else before this returns
+ * (0). */
 static int take_cached_prefix(scheduler *s, seq *q, int async) {
     if (!s->cfg.enable_prefix_caching || q->no_prefix_cache || q->n_blocks > 0) return 0;
     int bs = s->cfg.block_size;
@@ -196,8 +197,27 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
     }
     int j = s->cost ? kv_load_cost_plan(s->cost, s->kinds, n) : n;
     /* the device's blocks first (referenced: a tier copy's allocation cannot evict them) */
-    for (int i = 0; i < j; i++)
+    int n_tier = 0;
+    for (int i = 0; i < j; i++) {
         q->blocks[i] = s->kinds[i] == KV_LOAD_DEVICE ? block_pool_lookup(bp, q->hashes[i]) : -1;
+        n_tier += s->kinds[i] != KV_LOAD_DEVICE;
+    }
+    /* Copies in the background only for a sequence that could be admitted once they end:
+     * the copies' blocks and its first chunk's must be free beyond what the sequences
+     * already loading reserved for theirs, else it waits first in line (copies for a
+     * sequence that then cannot run would only be evicted again). */
+    int reserve = 0;
+    if (async && n_tier && bp->tier.load_async) {
+        int chunk = q->n_tokens - j * bs;
+        if (chunk > s->cfg.max_num_batched_tokens) chunk = s->cfg.max_num_batched_tokens;
+        if (q->max_chunk > 0 && chunk > q->max_chunk) chunk = q->max_chunk;
+        reserve = sched_blocks_for(s, j * bs + chunk) - j;
+        if (block_pool_num_free(bp) < s->reserved + n_tier + reserve) {
+            for (int i = 0; i < j; i++)
+                if (s->kinds[i] == KV_LOAD_DEVICE) block_pool_release(bp, &q->blocks[i], 1);
+            return -1;
+        }
+    }
     int end = j, pending = 0;
     for (int i = 0; i < j; i++) {
         if (s->kinds[i] == KV_LOAD_DEVICE) continue;
@@ -228,6 +248,8 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
         q->n_loads = pending;
         q->load_end = end;
         q->t_load_ns = clock_now_ns();
+        q->reserve = reserve;
+        s->reserved += reserve;
         return 1;
     }
     q->n_computed = q->n_cached = end * bs;
@@ -253,6 +275,8 @@ void sched_load_done(scheduler *s, seq *q, int32_t block, int ok) {
         if (i < q->load_end) q->load_end = i;
     }
     if (--q->n_loads > 0) return;
+    s->reserved -= q->reserve;
+    q->reserve = 0;
     if (q->load_end < q->n_blocks) { /* a failed copy: the prefix ends there */
         block_pool_release(s->bp, q->blocks + q->load_end, q->n_blocks - q->load_end);
         q->n_blocks = q->n_hashed = q->load_end;
@@ -331,7 +355,8 @@ int sched_step(scheduler *s, sched_plan *p) {
            s->n_running + s->n_parked + s->n_loading < s->cfg.max_num_seqs &&
            p->n_preempted == 0) {
         seq *q = s->wait_head;
-        if (take_cached_prefix(s, q, s->async_loads)) { /* it waits for copies; the batch not */
+        int loads = take_cached_prefix(s, q, s->async_loads);
+        if (loads > 0) { /* it waits for copies; the batch does not */
             list_unlink(&s->wait_head, &s->wait_tail, q);
             s->n_waiting--;
             s->n_loading++;
@@ -340,7 +365,10 @@ int sched_step(scheduler *s, sched_plan *p) {
         int count = q->n_tokens - q->n_computed;
         if (count > budget) count = budget;
         if (q->max_chunk > 0 && count > q->max_chunk) count = q->max_chunk;
-        if (grow_blocks(s, q, q->n_computed + count) != 0) {
+        /* the blocks the loading sequences reserved for their first chunks are not taken */
+        int need = sched_blocks_for(s, q->n_computed + count) - q->n_blocks;
+        if (loads < 0 || (need > 0 && block_pool_num_free(s->bp) - s->reserved < need) ||
+            grow_blocks(s, q, q->n_computed + count) != 0) {
             drop_blocks(s, q); /* give cached blocks back; try again next step */
             /* and so do the others whose tier copies ended (they hold their prefix until
              * admitted): behind a head that cannot fit they would hold it up for good */
@@ -387,6 +415,8 @@ void sched_finish(scheduler *s, seq *q, int keep_blocks) {
         s->n_waiting--;
     } else if (q->state == SEQ_LOADING) { /* in no list; the copies keep their blocks */
         s->n_loading--;
+        s->reserved -= q->reserve;
+        q->reserve = 0;
     } else if (q->state == SEQ_RUNNING || q->state == SEQ_PARKED) {
         list_unlink(&s->run_head, &s->run_tail, q);
         if (q->state == SEQ_RUNNING)

@@ -45,6 +45,7 @@ typedef struct seq {
     int max_chunk;           /* most tokens computed in one step, 0 = no limit */
     int n_loads;             /* SEQ_LOADING: tier copies into its blocks not ended yet */
     int load_end;            /* SEQ_LOADING: blocks [0, load_end) are good (a failed copy cuts) */
+    int reserve;             /* SEQ_LOADING: free blocks kept for its first chunk after them */
     int no_tier_loads;       /* a copy of its failed: its prefix comes from the device cache only */
     uint64_t t_load_ns;      /* SEQ_LOADING: when its copies started */
     struct seq *prev, *next; /* links in the scheduler's waiting or running list */
@@ -80,6 +81,7 @@ typedef struct scheduler {
     seq *run_head, *run_tail;   /* admission order */
     int n_waiting, n_running, n_parked;
     int n_loading; /* SEQ_LOADING sequences */
+    int reserved;  /* free blocks the SEQ_LOADING sequences keep for their first chunks */
     uint64_t num_preemptions;
     /* the offload tiers' copies: whether to copy (NULL = always) and how (async_loads: in
      * the background with block_pool_load_async, else block_pool_lookup_tiered) */
