@@ -628,9 +628,9 @@ kvpool_steps() {
   DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
     tests/integration/test_kv_offload.py tests/integration/test_kv_events.py 2>&1 | tail -15
   check ${PIPESTATUS[0]} "kv offload and events tests (cuda)"
-  step "kvpool: tools/kv_pool_bench.py --device cuda (async and sync loads)"
+  step "kvpool: tools/kv_pool_bench.py --device cuda (auto, async and sync loads)"
   # shellcheck disable=SC2086
-  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --loads async,sync ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
+  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --loads auto,async,sync ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
     --json "$OUT/kvpool_bench.json"
   check $? "kv_pool_bench (cuda)"
   step "kvpool: tools/kv_pool_bench.py --device cuda, 2 ms more per copy (a slow medium)"

@@ -8,11 +8,12 @@ device prefix cache, the host tier, the disk tier, computed) and TTFT P50/P90.
   tools/kv_pool_bench.py [--bin build/disagg] [--model models/disagg-sotu-tiny]
       [--conversations 16] [--turns 8] [--user-words 80] [--output-len 24]
       [--kv-blocks 128] [--block-size 16] [--max-model-len 2048]
-      [--configs none,host,disk] [--loads async[,sync]] [--load-delay-ms MS]
+      [--configs none,host,disk] [--loads auto[,async,sync]] [--load-delay-ms MS]
       [--copy cost|always] [--json out.json]
 
---loads runs each tier configuration with the tiers' copies on the loader thread (async,
-the default) and/or on the step thread (sync: DISAGG_KV_OFFLOAD_LOADS=sync, the comparison);
+--loads runs each tier configuration with DISAGG_KV_OFFLOAD_LOADS = auto (the default: copies
+estimated under a tenth of a step inline, the others on the loader thread), async (every copy
+on the loader thread) and/or sync (every copy on the step thread, the comparison);
 --load-delay-ms makes each copy wait that long first (DISAGG_KV_OFFLOAD_LOAD_DELAY_MS: a slow
 medium); --copy always copies every tier hit back (DISAGG_KV_OFFLOAD_COPY), cost lets the
 copy-or-recompute model decide.  "wait ms" is the mean time a request waited for its copies;
@@ -145,7 +146,7 @@ def main():
     ap.add_argument("--small-host-blocks", type=int, default=64, help="the host tier of 'disk'")
     ap.add_argument("--disk-blocks", type=int, default=4096)
     ap.add_argument("--configs", default="none,host,disk")
-    ap.add_argument("--loads", default="async", help="async, sync or both (async,sync)")
+    ap.add_argument("--loads", default="auto", help="auto, async, sync or several (auto,async,sync)")
     ap.add_argument("--load-delay-ms", type=int, default=0)
     ap.add_argument("--copy", default="cost", choices=["cost", "always"])
     ap.add_argument("--json", default=None)
@@ -170,10 +171,10 @@ def main():
     }
     rows = []
     for c in a.configs.split(","):
-        for mode in (["async"] if c == "none" else a.loads.split(",")):
+        for mode in (["auto"] if c == "none" else a.loads.split(",")):
             env = {"DISAGG_KV_OFFLOAD_LOADS": mode, "DISAGG_KV_OFFLOAD_COPY": a.copy,
                    "DISAGG_KV_OFFLOAD_LOAD_DELAY_MS": str(a.load_delay_ms)}
-            name = c if c == "none" or a.loads == "async" else f"{c} {mode}"
+            name = c if c == "none" or a.loads == "auto" else f"{c} {mode}"
             rows.append(run(a, name.replace(" ", "-"), cfgs[c], dataset, tmp, env))
             rows[-1]["config"] = name
     print(f"{a.conversations} conversations x {a.turns} turns x {a.user_words} words, "

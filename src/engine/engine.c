@@ -810,7 +810,10 @@ static void tier_evicted(void *ctx, int32_t block, uint64_t hash) {
 static int tier_load(void *ctx, uint64_t hash, int32_t block) {
     engine *e = ctx;
     int64_t h = kv_offload_lookup(e->off, hash);
-    return h < 0 ? -1 : kv_offload_load(e->off, h, block);
+    uint64_t t0 = clock_now_ns();
+    if (h < 0 || kv_offload_load(e->off, h, block)) return -1;
+    kv_load_cost_observe_load(&e->cost, (int)(h >> 32), e->cost.block_bytes, clock_now_ns() - t0);
+    return 0;
 }
 
 static int tier_find(void *ctx, uint64_t hash) {
@@ -852,16 +855,21 @@ static int offload_env(engine *e, kv_offload_config *oc, char *err, size_t errle
                                getenv("DISAGG_KV_OFFLOAD_BANDWIDTH"), err, errlen))
         return -EINVAL;
     const char *lm = getenv("DISAGG_KV_OFFLOAD_LOADS");
+    e->sched.async_loads = SCHED_LOADS_AUTO;
     if (lm && *lm) {
-        if (strcmp(lm, "async") && strcmp(lm, "sync")) {
+        if (strcmp(lm, "auto") && strcmp(lm, "async") && strcmp(lm, "sync")) {
             snprintf(err, errlen,
-                     "DISAGG_KV_OFFLOAD_LOADS='%s' is not accepted (async: tier copies on the "
-                     "loader thread while the batch runs, the default; sync: on the step thread, "
-                     "for comparison)",
+                     "DISAGG_KV_OFFLOAD_LOADS='%s' is not accepted (auto: tier copies estimated "
+                     "under a tenth of a step on the step thread, the others on the loader "
+                     "thread while the batch runs, the default; async: all on the loader "
+                     "thread; sync: all on the step thread, for comparison)",
                      lm);
             return -EINVAL;
         }
-        oc->sync_loads = !strcmp(lm, "sync");
+        e->sched.async_loads = !strcmp(lm, "sync")    ? SCHED_LOADS_INLINE
+                               : !strcmp(lm, "async") ? SCHED_LOADS_BACKGROUND
+                                                      : SCHED_LOADS_AUTO;
+        oc->sync_loads = !strcmp(lm, "sync"); /* no loader thread */
     }
     const char *dl = getenv("DISAGG_KV_OFFLOAD_LOAD_DELAY_MS");
     if (dl && *dl) {
@@ -925,11 +933,13 @@ static int offload_init(engine *e, const model_config *mc, size_t block_bytes, c
     kv_offload_set_notify(e->off, tier_load_ended, e);
     e->bp.tier = (block_pool_tier){e, tier_evicted, tier_load, tier_find, tier_load_async};
     e->sched.cost = &e->cost;
-    e->sched.async_loads = 1;
+    static const char *const where[] = {"on the step thread (DISAGG_KV_OFFLOAD_LOADS=sync)",
+                                        "inline when under a tenth of a step, else on the loader",
+                                        "on the loader thread (DISAGG_KV_OFFLOAD_LOADS=async)"};
     LOG_I(MOD,
           "KV offload loads: %s, copy %s (a block: %.1f us from the host tier, %.1f us from the "
           "disk, %.1f us to recompute, until measured)",
-          oc.sync_loads ? "on the step thread (DISAGG_KV_OFFLOAD_LOADS=sync)" : "asynchronous",
+          where[e->sched.async_loads],
           e->cost.policy == KV_LOAD_POLICY_ALWAYS ? "always" : "when faster than the prefill",
           1e6 * kv_load_cost_copy_s(&e->cost, KV_TIER_HOST),
           1e6 * kv_load_cost_copy_s(&e->cost, KV_TIER_DISK), 1e6 * kv_load_cost_recompute_s(&e->cost));
@@ -1285,6 +1295,7 @@ static void run_step(engine *e) {
      * prompt tokens (decode-only steps run far fewer tokens a second) */
     if (e->off && prompt >= (uint64_t)e->cfg.block_size)
         kv_load_cost_observe_prefill(&e->cost, prompt + gen, t_fwd_end - t_fwd);
+    if (e->off) kv_load_cost_observe_step(&e->cost, t_fwd_end - t_fwd);
     int mrows;
     uint64_t mfill, mwait, t_end = clock_now_ns();
     mask_worker_last(e->masks, &mrows, &mfill, &mwait);

@@ -16,6 +16,7 @@ void kv_load_cost_init(kv_load_cost *c, size_t block_bytes, int block_size) {
     c->tier_bps[KV_TIER_HOST] = KV_LOAD_COST_SEED_HOST_BPS;
     c->tier_bps[KV_TIER_DISK] = KV_LOAD_COST_SEED_DISK_BPS;
     c->prefill_tps = KV_LOAD_COST_SEED_PREFILL;
+    c->step_s = KV_LOAD_COST_SEED_STEP;
 }
 
 /* "123", "1.5e9", "200M", "2G", "64k": > 0, finite; -1 otherwise */
@@ -101,6 +102,17 @@ void kv_load_cost_observe_prefill(kv_load_cost *c, uint64_t tokens, uint64_t ns)
     if (!tokens) return;
     double tps = (double)tokens / ((double)(ns ? ns : 1) * 1e-9);
     c->prefill_tps += KV_LOAD_COST_ALPHA * (tps - c->prefill_tps);
+}
+
+void kv_load_cost_observe_step(kv_load_cost *c, uint64_t ns) {
+    c->step_s += KV_LOAD_COST_ALPHA * ((double)ns * 1e-9 - c->step_s);
+}
+
+int kv_load_cost_inline(const kv_load_cost *c, const signed char *kinds, int n) {
+    double t = 0;
+    for (int i = 0; i < n; i++)
+        if (kinds[i] != KV_LOAD_DEVICE) t += kv_load_cost_copy_s(c, kinds[i]);
+    return t < KV_LOAD_COST_INLINE * c->step_s;
 }
 
 double kv_load_cost_copy_s(const kv_load_cost *c, int tier) {

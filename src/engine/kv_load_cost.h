@@ -18,6 +18,9 @@
  * every tier hit (tests); a fixed bandwidth per tier replaces the measurement (and turns
  * the probes off): "disk=1" makes every disk copy cost more than its prefill.
  *
+ * Where a copy runs: copies estimated under a tenth of a forward are made inline on the step
+ * thread (kv_load_cost_inline), the others on the tiers' loader thread while the batch steps.
+ *
  * Not thread-safe: the engine's step thread owns it.
  */
 #ifndef DISAGG_ENGINE_KV_LOAD_COST_H
@@ -33,6 +36,8 @@
 #define KV_LOAD_COST_SEED_DISK_BPS 2e9  /* disk tier: an NVMe read */
 #define KV_LOAD_COST_SEED_PREFILL  1e4  /* tokens/s */
 #define KV_LOAD_COST_PROBE        64    /* every 64th declined prefix of a tier is copied */
+#define KV_LOAD_COST_SEED_STEP    0.02  /* seconds a forward takes, until measured */
+#define KV_LOAD_COST_INLINE       0.1   /* copies under this fraction of a step: inline */
 
 enum { KV_LOAD_DEVICE = -1 }; /* a block kind: in the device cache (no copy) */
 enum { KV_LOAD_POLICY_COST = 0, KV_LOAD_POLICY_ALWAYS = 1 };
@@ -44,6 +49,7 @@ typedef struct kv_load_cost {
     double tier_bps[KV_TIER_COUNT];   /* bytes/s of a tier's copies (EWMA, or fixed) */
     int tier_fixed[KV_TIER_COUNT];    /* 1: tier_bps is set, not measured */
     double prefill_tps;               /* tokens/s of the prefill (EWMA) */
+    double step_s;                    /* seconds a forward takes (EWMA) */
     uint64_t declined[KV_TIER_COUNT]; /* blocks a tier held that were recomputed instead */
     uint64_t probes;                  /* declined prefixes copied anyway to re-measure */
     uint64_t declines_since_probe[KV_TIER_COUNT];
@@ -64,6 +70,9 @@ void kv_load_cost_observe_load(kv_load_cost *c, int tier, size_t bytes, uint64_t
 /* A forward computed `tokens` prompt (and decode) tokens in ns. */
 void kv_load_cost_observe_prefill(kv_load_cost *c, uint64_t tokens, uint64_t ns);
 
+/* A forward (of any tokens) took ns. */
+void kv_load_cost_observe_step(kv_load_cost *c, uint64_t ns);
+
 /* Estimated seconds to copy one block from tier t, and to recompute one block. */
 double kv_load_cost_copy_s(const kv_load_cost *c, int tier);
 double kv_load_cost_recompute_s(const kv_load_cost *c);
@@ -73,5 +82,11 @@ double kv_load_cost_recompute_s(const kv_load_cost *c);
  * (0..n): the best prefix by the time it saves, or n under the "always" policy or for a
  * probe.  Counts the tier blocks left out in declined[]. */
 int kv_load_cost_plan(kv_load_cost *c, const signed char *kinds, int n);
+
+/* Whether the copies of the tier blocks among kinds[0, n) are best made inline, on the
+ * step thread: their estimated time is under KV_LOAD_COST_INLINE of a forward, so the
+ * batch hardly waits, while a copy in the background costs the request a step (it is
+ * admitted at the step after the copies end). */
+int kv_load_cost_inline(const kv_load_cost *c, const signed char *kinds, int n);
 
 #endif

@@ -207,7 +207,10 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
      * already loading reserved for theirs, else it waits first in line (copies for a
      * sequence that then cannot run would only be evicted again). */
     int reserve = 0;
-    if (async && n_tier && bp->tier.load_async) {
+    async = async && n_tier && bp->tier.load_async &&
+            !(s->async_loads == SCHED_LOADS_AUTO && s->cost &&
+              kv_load_cost_inline(s->cost, s->kinds, j));
+    if (async) {
         int chunk = q->n_tokens - j * bs;
         if (chunk > s->cfg.max_num_batched_tokens) chunk = s->cfg.max_num_batched_tokens;
         if (q->max_chunk > 0 && chunk > q->max_chunk) chunk = q->max_chunk;
@@ -222,7 +225,7 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
     for (int i = 0; i < j; i++) {
         if (s->kinds[i] == KV_LOAD_DEVICE) continue;
         int32_t b;
-        if (async && bp->tier.load_async) {
+        if (async) {
             bp->queries++; /* the device cache's miss */
             b = block_pool_load_async(bp, q->hashes[i], q->id);
             pending += b >= 0;
@@ -355,7 +358,7 @@ int sched_step(scheduler *s, sched_plan *p) {
            s->n_running + s->n_parked + s->n_loading < s->cfg.max_num_seqs &&
            p->n_preempted == 0) {
         seq *q = s->wait_head;
-        int loads = take_cached_prefix(s, q, s->async_loads);
+        int loads = take_cached_prefix(s, q, s->async_loads != SCHED_LOADS_INLINE);
         if (loads > 0) { /* it waits for copies; the batch does not */
             list_unlink(&s->wait_head, &s->wait_tail, q);
             s->n_waiting--;

@@ -74,6 +74,11 @@ typedef struct sched_plan {
     int n_preempted;
 } sched_plan;
 
+/* Where tier copies run: inline (at admission, on the step thread), auto (inline when the
+ * cost model says they take under a tenth of a step, else background), background (the
+ * loader thread, the request in SEQ_LOADING). */
+enum { SCHED_LOADS_INLINE = 0, SCHED_LOADS_AUTO = 1, SCHED_LOADS_BACKGROUND = 2 };
+
 typedef struct scheduler {
     sched_config cfg;
     block_pool *bp;
@@ -86,7 +91,7 @@ typedef struct scheduler {
     /* the offload tiers' copies: whether to copy (NULL = always) and how (async_loads: in
      * the background with block_pool_load_async, else block_pool_lookup_tiered) */
     kv_load_cost *cost;
-    int async_loads;
+    int async_loads; /* SCHED_LOADS_*: where the admission's tier copies run */
     signed char *kinds; /* (cap_kinds) scratch: where each prefix block is */
     int cap_kinds;
     uint64_t loads_waited, load_wait_ns; /* sequences that waited for copies, and how long */

@@ -83,7 +83,7 @@ def reference():
 
 def test_host_tier_outputs_unchanged(reference):
     s = Server(*BASE, "--kv-offloading-size", gib(64), "--kv-offloading-backend", "native",
-               env=ALWAYS)
+               env=dict(ALWAYS, DISAGG_KV_OFFLOAD_LOADS="async"))  # every copy on the loader
     try:
         got = rounds(s, 3)
         assert [lp for lp, _ in got] == reference
@@ -282,7 +282,7 @@ def test_tier_events(tmp_path):
 
 # each tier load sleeps 1 s on the loader first (a slow medium): a restored 4-block prefix
 # waits >= 4 s for its copies, while the step thread serves the others
-SLOW = dict(ALWAYS, DISAGG_KV_OFFLOAD_LOAD_DELAY_MS="1000")
+SLOW = dict(ALWAYS, DISAGG_KV_OFFLOAD_LOAD_DELAY_MS="1000", DISAGG_KV_OFFLOAD_LOADS="async")
 
 
 def evict_round(s, reference):

@@ -112,6 +112,21 @@ static void test_always(void **state) {
     assert_int_equal(kv_load_cost_plan(&c, a, 3), 0);
 }
 
+/* Copies under a tenth of a forward are made inline; longer ones in the background. */
+static void test_inline(void **state) {
+    (void)state;
+    kv_load_cost c;
+    init(&c); /* host 0.1 ms, disk 0.5 ms a block; a step 20 ms until measured */
+    const signed char h[] = {D, H, H, D}, k[] = {K, K, K, K, K};
+    assert_true(kv_load_cost_inline(&c, h, 4));  /* 0.2 ms < 2 ms */
+    assert_false(kv_load_cost_inline(&c, k, 5)); /* 2.5 ms */
+    const signed char d[] = {D, D};
+    assert_true(kv_load_cost_inline(&c, d, 2)); /* nothing to copy */
+    for (int i = 0; i < 200; i++) kv_load_cost_observe_step(&c, 1000000); /* 1 ms steps */
+    assert_true(fabs(c.step_s - 1e-3) < 1e-5);
+    assert_false(kv_load_cost_inline(&c, h, 4)); /* 0.2 ms > 0.1 ms */
+}
+
 /* The switches' bad values: refused with a message naming the variable and what is accepted. */
 static void test_bad_switches(void **state) {
     (void)state;
@@ -145,6 +160,7 @@ int main(void) {
         cmocka_unit_test(test_seeds_copy),   cmocka_unit_test(test_averages),
         cmocka_unit_test(test_best_prefix),  cmocka_unit_test(test_probes),
         cmocka_unit_test(test_always),       cmocka_unit_test(test_bad_switches),
+        cmocka_unit_test(test_inline),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

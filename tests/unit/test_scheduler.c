@@ -272,7 +272,7 @@ static void test_tier_loads(void **state) {
     env_init(&e, 16, 4, 8, 64);
     async_tier at = {0};
     e.bp.tier = (block_pool_tier){&at, at_evicted, at_load, at_find, at_load_async};
-    e.s.async_loads = 1;
+    e.s.async_loads = SCHED_LOADS_BACKGROUND;
     seq a, b, c, d, f;
     make_seq(&a, 1, 13, 100, 1);
     compute_and_evict(&e, &a);
@@ -368,7 +368,7 @@ static void test_loaded_never_block_the_head(void **state) {
     env_init(&e, 16, 4, 8, 64);
     async_tier at = {0};
     e.bp.tier = (block_pool_tier){&at, at_evicted, at_load, at_find, at_load_async};
-    e.s.async_loads = 1;
+    e.s.async_loads = SCHED_LOADS_BACKGROUND;
     seq a1, a2, b, d, x;
     make_seq(&a1, 1, 13, 100, 1);
     compute_and_evict(&e, &a1);
