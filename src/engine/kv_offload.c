@@ -386,12 +386,21 @@ int64_t kv_offload_lookup(kv_offload *o, uint64_t hash) {
     return -1;
 }
 
+/* cfg.load_delay_ms: every load waits that long first (a slow medium) */
+static void slow_medium(const kv_offload *o) {
+    if (!o->cfg.load_delay_ms) return;
+    struct timespec ts = {o->cfg.load_delay_ms / 1000, (long)(o->cfg.load_delay_ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
+}
+
 int kv_offload_load(kv_offload *o, int64_t handle, int32_t block) {
     int t = (int)(handle >> 32);
     int32_t s = (int32_t)(handle & 0xffffffff);
     tier *tr = t ? &o->disk : &o->host;
     if (handle < 0 || t >= KV_TIER_COUNT || s >= tr->n_slots || !tr->key[s]) return -1;
     uint64_t t0 = clock_now_ns(), hash = tr->key[s];
+    slow_medium(o);
     const char *why;
     int rc = copy_in(o, o->st, o->bounce, t, s, hash, block, &why);
     if (why) disk_bad(o, s, hash, why);
@@ -412,12 +421,7 @@ int kv_offload_find(const kv_offload *o, uint64_t hash) {
 
 static void run_job(const kv_offload *o, backend_stream *st, unsigned char *buf, load_job *j) {
     uint64_t t0 = clock_now_ns();
-    if (o->cfg.load_delay_ms) {
-        struct timespec ts = {o->cfg.load_delay_ms / 1000,
-                              (long)(o->cfg.load_delay_ms % 1000) * 1000000L};
-        while (nanosleep(&ts, &ts) && errno == EINTR) {
-        }
-    }
+    slow_medium(o);
     j->ok = copy_in(o, st, buf, j->tier, j->slot, j->hash, j->block, &j->why) == 0;
     j->ns = clock_now_ns() - t0;
 }

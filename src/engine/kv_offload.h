@@ -48,7 +48,7 @@ typedef struct kv_offload_config {
     uint64_t layout_key;  /* model, dtype, block layout: kv_offload_layout_key */
     int block_size;       /* tokens per block (events) */
     int sync_loads;       /* 1: kv_offload_load_async copies on the calling thread (comparison) */
-    unsigned load_delay_ms; /* each load waits this long first: a slow medium (tests, benches) */
+    unsigned load_delay_ms; /* each load (either kind) waits this long first: a slow medium */
 } kv_offload_config;
 
 typedef struct kv_offload_stats {
