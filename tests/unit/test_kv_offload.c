@@ -170,10 +170,11 @@ static void test_async_host(void **state) {
     assert_int_equal(kv_offload_load_async(o, 100, 5, 77), 0);
     assert_int_equal(kv_offload_load_async(o, 999, 6, 78), -1); /* no tier has it */
     assert_int_equal(kv_offload_in_flight(o), 1);
-    /* 100 is being loaded: three more blocks evict 101, 102 and 103, never 100 */
+    /* 100 is being loaded (into block 5, which nothing else touches meanwhile): three more
+     * blocks evict 101, 102 and 103, never 100 */
     for (int k = 3; k < 6; k++) {
-        fill(k, k + 1);
-        assert_int_equal(kv_offload_store(o, 100 + (uint64_t)k, k), 0);
+        fill(k - 3, k + 1);
+        assert_int_equal(kv_offload_store(o, 100 + (uint64_t)k, k - 3), 0);
     }
     assert_int_equal(kv_offload_find(o, 100), KV_TIER_HOST);
     assert_int_equal(kv_offload_find(o, 101), -1);
