@@ -620,9 +620,10 @@ fp8_steps() {
 # waits for its copies on the loader's CUDA stream, an abort during a load, copies declined
 # by the cost model, the sync mode), the events' tests, then
 # tools/kv_pool_bench.py (multi-turn chats with an HBM KV cache too small for them: no tiers,
-# host tier, small host + disk tier, each with the copies on the loader thread and on the step
-# thread; KVPOOL_BENCH_ARGS replaces its sizes), and the same with 2 ms more per copy (a slow
-# medium: the step time of the others while a prefix loads, async against sync).
+# host tier, small host + disk tier, each with DISAGG_KV_OFFLOAD_LOADS auto, async (copies on the
+# loader thread and its CUDA stream) and sync (on the step thread); KVPOOL_BENCH_ARGS replaces its
+# sizes), and the host tier with 2 ms more per copy (a slow medium: the step time of the others
+# while a prefix loads, async against sync).
 kvpool_steps() {
   step "kvpool: test_kv_offload.py + test_kv_events.py on the GPU"
   DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
