@@ -691,19 +691,29 @@ fp8gemv_steps() {
 }
 # ONLY=kvpool: the KV offload tiers and KV events on the GPU (docs/kv_pool.md): the tiers'
 # tests with bf16 KV in HBM and --batch-invariant (answers with the pool equal to those
-# without, disk faults recomputed), the events' tests, then tools/kv_pool_bench.py (multi-turn
-# chats with an HBM KV cache too small for them: no tiers, host tier, small host + disk tier;
-# KVPOOL_BENCH_ARGS replaces its sizes).
+# without, disk faults recomputed; the asynchronous loads: a request served while another
+# waits for its copies on the loader's CUDA stream, an abort during a load, copies declined
+# by the cost model, the sync mode), the events' tests, then
+# tools/kv_pool_bench.py (multi-turn chats with an HBM KV cache too small for them: no tiers,
+# host tier, small host + disk tier, each with DISAGG_KV_OFFLOAD_LOADS auto, async (copies on the
+# loader thread and its CUDA stream) and sync (on the step thread); KVPOOL_BENCH_ARGS replaces its
+# sizes), and the host tier with 2 ms more per copy (a slow medium: the step time of the others
+# while a prefix loads, async against sync).
 kvpool_steps() {
   step "kvpool: test_kv_offload.py + test_kv_events.py on the GPU"
   DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
     tests/integration/test_kv_offload.py tests/integration/test_kv_events.py 2>&1 | tail -15
   check ${PIPESTATUS[0]} "kv offload and events tests (cuda)"
-  step "kvpool: tools/kv_pool_bench.py --device cuda"
+  step "kvpool: tools/kv_pool_bench.py --device cuda (auto, async and sync loads)"
   # shellcheck disable=SC2086
-  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
+  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --loads auto,async,sync ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
     --json "$OUT/kvpool_bench.json"
   check $? "kv_pool_bench (cuda)"
+  step "kvpool: tools/kv_pool_bench.py --device cuda, 2 ms more per copy (a slow medium)"
+  # shellcheck disable=SC2086
+  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --configs host --loads async,sync --copy always --load-delay-ms 2 ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
+    --json "$OUT/kvpool_bench_slow.json"
+  check $? "kv_pool_bench slow medium (cuda)"
 }
 # ONLY=poolfetch: the pool fetch across instances on the GPU (docs/kv_pool.md): its tests with
 # the KV in HBM (a prefix fetched equals recompute, evicted / dead / stopped holders recomputed,

@@ -8,7 +8,16 @@ device prefix cache, the host tier, the disk tier, computed) and TTFT P50/P90.
   tools/kv_pool_bench.py [--bin build/disagg] [--model models/disagg-sotu-tiny]
       [--conversations 16] [--turns 8] [--user-words 80] [--output-len 24]
       [--kv-blocks 128] [--block-size 16] [--max-model-len 2048]
-      [--configs none,host,disk] [--json out.json]
+      [--configs none,host,disk] [--loads auto[,async,sync]] [--load-delay-ms MS]
+      [--copy cost|always] [--json out.json]
+
+--loads runs each tier configuration with DISAGG_KV_OFFLOAD_LOADS = auto (the default: copies
+estimated under a tenth of a step inline, the others on the loader thread), async (every copy
+on the loader thread) and/or sync (every copy on the step thread, the comparison);
+--load-delay-ms makes each copy wait that long first (DISAGG_KV_OFFLOAD_LOAD_DELAY_MS: a slow
+medium); --copy always copies every tier hit back (DISAGG_KV_OFFLOAD_COPY), cost lets the
+copy-or-recompute model decide.  "wait ms" is the mean time a request waited for its copies;
+ITL is the inter-token latency of every stream (the other requests' steps while one loads).
 
 Prints a Markdown table (docs/benchmarks.md); timings are measurements, not checks.
 Device runs: --device cuda plus a 7B model and larger sizes (docs/kv_pool.md)."""
@@ -54,7 +63,7 @@ def block_bytes(model, block_size, dtype_bytes):
     return c["num_hidden_layers"] * 2 * block_size * c["num_key_value_heads"] * hd * dtype_bytes
 
 
-def run(a, name, extra, dataset, tmp):
+def run(a, name, extra, dataset, tmp, env=None):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     bb = block_bytes(a.model, a.block_size, a.kv_bytes)
@@ -66,7 +75,8 @@ def run(a, name, extra, dataset, tmp):
     if a.threads:
         args += ["--threads", str(a.threads)]
     log = open(os.path.join(tmp, f"serve-{name}.log"), "w")
-    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                         env=dict(os.environ, **(env or {})))
     try:
         for _ in range(600):
             try:
@@ -106,6 +116,12 @@ def run(a, name, extra, dataset, tmp):
         "load_ms_per_block": 1000 * metric(ms, "disagg:kv_offload_load_seconds_total") /
         max(1.0, metric(ms, "disagg:kv_offload_blocks_loaded_total")),
         "corrupt": metric(ms, "disagg:kv_offload_corrupt_blocks_total"),
+        "ttft_p99_ms": res.get("p99_ttft_ms"),
+        "itl_p50_ms": res.get("median_itl_ms"), "itl_p99_ms": res.get("p99_itl_ms"),
+        "load_wait_ms": 1000 * metric(ms, "disagg:kv_offload_load_wait_seconds_total") /
+        max(1.0, metric(ms, "disagg:kv_offload_load_waits_total")),
+        "declined": metric(ms, "disagg:kv_offload_blocks_declined_total"),
+        "steps_during_loads": metric(ms, "disagg:kv_offload_steps_during_loads_total"),
     }
 
 
@@ -130,6 +146,9 @@ def main():
     ap.add_argument("--small-host-blocks", type=int, default=64, help="the host tier of 'disk'")
     ap.add_argument("--disk-blocks", type=int, default=4096)
     ap.add_argument("--configs", default="none,host,disk")
+    ap.add_argument("--loads", default="auto", help="auto, async, sync or several (auto,async,sync)")
+    ap.add_argument("--load-delay-ms", type=int, default=0)
+    ap.add_argument("--copy", default="cost", choices=["cost", "always"])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.bench_bin = a.bench_bin or a.bin
@@ -150,21 +169,30 @@ def main():
         "disk": ["--kv-offloading-size", gib(a.small_host_blocks), "--kv-offloading-disk",
                  disk_dir, "--kv-offloading-disk-size", gib(a.disk_blocks, stride)],
     }
-    rows = [run(a, c, cfgs[c], dataset, tmp) for c in a.configs.split(",")]
+    rows = []
+    for c in a.configs.split(","):
+        for mode in (["auto"] if c == "none" else a.loads.split(",")):
+            env = {"DISAGG_KV_OFFLOAD_LOADS": mode, "DISAGG_KV_OFFLOAD_COPY": a.copy,
+                   "DISAGG_KV_OFFLOAD_LOAD_DELAY_MS": str(a.load_delay_ms)}
+            name = c if c == "none" or a.loads == "auto" else f"{c} {mode}"
+            rows.append(run(a, name.replace(" ", "-"), cfgs[c], dataset, tmp, env))
+            rows[-1]["config"] = name
     print(f"{a.conversations} conversations x {a.turns} turns x {a.user_words} words, "
           f"{a.output_len}-token answers, rate {a.request_rate}/s, concurrency "
           f"{a.max_concurrency}; KV cache {a.kv_blocks} blocks of {a.block_size} tokens; "
           f"host tier {a.host_blocks} blocks ('disk': {a.small_host_blocks} + disk "
-          f"{a.disk_blocks})\n")
+          f"{a.disk_blocks}); copies {a.copy}, {a.load_delay_ms} ms extra a copy\n")
     print("| tiers | prompt tokens | device hit | host hit | disk hit | computed | "
-          "device evictions | TTFT P50 ms | TTFT P90 ms | out tok/s | load ms/block |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "device evictions | TTFT P50 ms | TTFT P90 ms | out tok/s | load ms/block | "
+          "wait ms | ITL P50 ms | ITL P99 ms | declined |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['prompt_tokens']} | {r['device_hit']:.1%} | "
               f"{r['host_hit']:.1%} | {r['disk_hit']:.1%} | {r['computed']:.1%} | "
               f"{r['evicted_blocks']:.0f} | {r['ttft_p50_ms']:.1f} | "
               f"{r['ttft_p90_ms'] or 0:.1f} | {r['output_tok_s']:.1f} | "
-              f"{r['load_ms_per_block']:.3f} |")
+              f"{r['load_ms_per_block']:.3f} | {r['load_wait_ms']:.2f} | "
+              f"{r['itl_p50_ms'] or 0:.1f} | {r['itl_p99_ms'] or 0:.1f} | {r['declined']:.0f} |")
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
     shutil.rmtree(tmp, ignore_errors=True)

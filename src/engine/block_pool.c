@@ -171,6 +171,21 @@ int block_pool_cache_block(block_pool *bp, int32_t id, uint64_t parent, uint64_t
     return 1;
 }
 
+/* A block just allocated goes back unused: first out again. */
+static void give_back(block_pool *bp, int32_t b) {
+    bp->ref[b] = 0;
+    if (bp->num_free == 0) {
+        fq_push_tail(bp, b);
+    } else {
+        int32_t h = bp->free_head;
+        bp->prev[b] = -1;
+        bp->next[b] = h;
+        bp->prev[h] = b;
+        bp->free_head = b;
+        bp->num_free++;
+    }
+}
+
 int32_t block_pool_lookup_tiered(block_pool *bp, uint64_t parent, uint64_t hash,
                                  const int32_t *tokens) {
     int32_t b = block_pool_lookup(bp, hash);
@@ -178,22 +193,35 @@ int32_t block_pool_lookup_tiered(block_pool *bp, uint64_t parent, uint64_t hash,
     bp->ext_queries++;
     if (block_pool_alloc(bp, 1, &b)) return -1;
     if (bp->tier.load(bp->tier.ctx, hash, b)) { /* not there: the block goes back, first out */
-        bp->ref[b] = 0;
-        if (bp->num_free == 0) {
-            fq_push_tail(bp, b);
-        } else {
-            int32_t h = bp->free_head;
-            bp->prev[b] = -1;
-            bp->next[b] = h;
-            bp->prev[h] = b;
-            bp->free_head = b;
-            bp->num_free++;
-        }
+        give_back(bp, b);
         return -1;
     }
     bp->ext_hits++;
     block_pool_cache_block(bp, b, parent, hash, tokens);
     return b;
+}
+
+int block_pool_tier_find(const block_pool *bp, uint64_t hash) {
+    if (!bp->tier.find || hash <= HT_TOMB) return -1;
+    return bp->tier.find(bp->tier.ctx, hash);
+}
+
+int32_t block_pool_load_async(block_pool *bp, uint64_t hash, uint64_t tag) {
+    if (!bp->tier.load_async || hash <= HT_TOMB) return -1;
+    bp->ext_queries++;
+    int32_t b;
+    if (block_pool_alloc(bp, 1, &b)) return -1;
+    if (bp->tier.load_async(bp->tier.ctx, hash, b, tag)) {
+        give_back(bp, b);
+        return -1;
+    }
+    bp->ref[b] = 2; /* the caller's and the copy's */
+    bp->ext_hits++;
+    return b;
+}
+
+void block_pool_load_finished(block_pool *bp, int32_t block) {
+    block_pool_release(bp, &block, 1);
 }
 
 int block_pool_reset_cache(block_pool *bp) {

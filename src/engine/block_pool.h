@@ -21,11 +21,17 @@
  * a cached block the allocator is about to reuse is offered to it first
  * (evicted: its bytes are still intact), and a prefix block the device cache
  * lacks may come back from it (load: the bytes copied into block, 0 on
- * success).  Runs on the pool's (the step) thread. */
+ * success).  find says which of its levels holds a hash (0, 1, ...; -1 none)
+ * without side effects; load_async starts the copy into block and returns at
+ * once (0 started), the tier's owner reporting the end to whoever asked (tag
+ * is theirs), who then calls block_pool_load_finished.  The hooks run on the
+ * pool's (the step) thread; find and load_async may be NULL (no async loads). */
 typedef struct block_pool_tier {
     void *ctx;
     void (*evicted)(void *ctx, int32_t block, uint64_t hash);
     int (*load)(void *ctx, uint64_t hash, int32_t block);
+    int (*find)(void *ctx, uint64_t hash);
+    int (*load_async)(void *ctx, uint64_t hash, int32_t block, uint64_t tag);
 } block_pool_tier;
 
 typedef struct block_pool {
@@ -74,6 +80,16 @@ int block_pool_cache_block(block_pool *bp, int32_t id, uint64_t parent, uint64_t
  * joins the device cache, referenced once.  -1 when neither has it. */
 int32_t block_pool_lookup_tiered(block_pool *bp, uint64_t parent, uint64_t hash,
                                  const int32_t *tokens);
+/* Which level of the lower tier holds hash (tier.find), -1 when none or no tier. */
+int block_pool_tier_find(const block_pool *bp, uint64_t hash);
+/* An asynchronous load from the lower tier: a free block, referenced twice (once for
+ * the caller, once for the copy: the block cannot be reused before the copy ends, even
+ * if the caller lets go), and tier.load_async started into it.  Not cached yet (the
+ * caller caches it when the copy ended well).  -1 when no block is free or the tier
+ * no longer holds hash (the block goes back).  Counts an external query and hit. */
+int32_t block_pool_load_async(block_pool *bp, uint64_t hash, uint64_t tag);
+/* The copy into block ended (well or not): drops its reference. */
+void block_pool_load_finished(block_pool *bp, int32_t block);
 /* Forget every cached hash (vLLM's reset_prefix_cache): refused (-1, nothing
  * changed) while a cached block is in use.  Records AllBlocksCleared. */
 int block_pool_reset_cache(block_pool *bp);

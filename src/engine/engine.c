@@ -12,6 +12,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "engine/block_pool.h"
+#include "engine/kv_load_cost.h"
 #include "engine/kv_offload.h"
 #include "engine/mask_worker.h"
 #include "engine/scheduler.h"
@@ -139,6 +140,10 @@ struct engine {
     kvev_log events;   /* step thread: this step's KV cache events */
     kv_offload *off;   /* the KV offload tiers, or NULL */
     backend_stream *off_st; /* their copies' stream */
+    kv_load_cost cost;      /* (off) copy or recompute a tier's block */
+    int off_ready;          /* under mu: a tier load ended (the step thread reaps it) */
+    uint64_t steps_during_loads; /* step thread: forwards run while tier copies were pending */
+    int stalled_on_loads; /* step thread: nothing could run until a tier copy ends (sleep) */
     engine_kv_event_sink sink; /* under mu: sink.publish NULL = no events */
     int reset_cache;           /* under mu: engine_reset_prefix_cache() asked */
     int n_quarantined; /* blocks held after abandoned loads (see quarantine) */
@@ -893,7 +898,82 @@ static void tier_evicted(void *ctx, int32_t block, uint64_t hash) {
 static int tier_load(void *ctx, uint64_t hash, int32_t block) {
     engine *e = ctx;
     int64_t h = kv_offload_lookup(e->off, hash);
-    return h < 0 ? -1 : kv_offload_load(e->off, h, block);
+    uint64_t t0 = clock_now_ns();
+    if (h < 0 || kv_offload_load(e->off, h, block)) return -1;
+    kv_load_cost_observe_load(&e->cost, (int)(h >> 32), e->cost.block_bytes, clock_now_ns() - t0);
+    return 0;
+}
+
+static int tier_find(void *ctx, uint64_t hash) {
+    engine *e = ctx;
+    return kv_offload_find(e->off, hash);
+}
+
+static int tier_load_async(void *ctx, uint64_t hash, int32_t block, uint64_t tag) {
+    engine *e = ctx;
+    return kv_offload_load_async(e->off, hash, block, tag);
+}
+
+/* The tiers' loader thread: a load ended; the step thread reaps it (take_inputs). */
+static void tier_load_ended(void *ctx) {
+    engine *e = ctx;
+    pthread_mutex_lock(&e->mu);
+    e->off_ready = 1;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* The tier loads that ended: their blocks join the device cache and their requests, once
+ * every copy of theirs ended, wait at the head of the queue (or the blocks go back: the
+ * request was aborted meanwhile). */
+static void reap_tier_loads(engine *e) {
+    kv_offload_done d[64];
+    int n;
+    while ((n = kv_offload_reap(e->off, d, 64)) > 0)
+        for (int k = 0; k < n; k++) {
+            if (d[k].ok) kv_load_cost_observe_load(&e->cost, d[k].tier, e->cost.block_bytes, d[k].ns);
+            ereq *r = find_live(e, d[k].tag);
+            sched_load_done(&e->sched, r ? &r->s : NULL, d[k].block, d[k].ok);
+        }
+}
+
+/* The environment's switches of the tiers' loads (docs/configuration.md). */
+static int offload_env(engine *e, kv_offload_config *oc, char *err, size_t errlen) {
+    if (kv_load_cost_configure(&e->cost, getenv("DISAGG_KV_OFFLOAD_COPY"),
+                               getenv("DISAGG_KV_OFFLOAD_BANDWIDTH"), err, errlen))
+        return -EINVAL;
+    const char *lm = getenv("DISAGG_KV_OFFLOAD_LOADS");
+    e->sched.async_loads = SCHED_LOADS_AUTO;
+    if (lm && *lm) {
+        if (strcmp(lm, "auto") && strcmp(lm, "async") && strcmp(lm, "sync")) {
+            snprintf(err, errlen,
+                     "DISAGG_KV_OFFLOAD_LOADS='%s' is not accepted (auto: tier copies estimated "
+                     "under a tenth of a step on the step thread, the others on the loader "
+                     "thread while the batch runs, the default; async: all on the loader "
+                     "thread; sync: all on the step thread, for comparison)",
+                     lm);
+            return -EINVAL;
+        }
+        e->sched.async_loads = !strcmp(lm, "sync")    ? SCHED_LOADS_INLINE
+                               : !strcmp(lm, "async") ? SCHED_LOADS_BACKGROUND
+                                                      : SCHED_LOADS_AUTO;
+        oc->sync_loads = !strcmp(lm, "sync"); /* no loader thread */
+    }
+    const char *dl = getenv("DISAGG_KV_OFFLOAD_LOAD_DELAY_MS");
+    if (dl && *dl) {
+        char *end;
+        long v = strtol(dl, &end, 10);
+        if (*end || v < 0 || v > 60000) {
+            snprintf(err, errlen,
+                     "DISAGG_KV_OFFLOAD_LOAD_DELAY_MS='%s' is not accepted (an integer in [0, "
+                     "60000]: milliseconds each tier load waits first, a slow medium for tests "
+                     "and benchmarks; 0, the default: none)",
+                     dl);
+            return -EINVAL;
+        }
+        oc->load_delay_ms = (unsigned)v;
+    }
+    return 0;
 }
 
 static int offload_init(engine *e, const model_config *mc, size_t block_bytes, char *err,
@@ -925,7 +1005,12 @@ static int offload_init(engine *e, const model_config *mc, size_t block_bytes, c
         kv_offload_layout_key(engine_model_dir(e), mc->n_layers, mc->n_kv_heads, mc->head_dim,
                               backend_dtype_name(e->kv.dtype), e->kv.block_size, block_bytes),
         e->kv.block_size,
+        0,
+        0,
     };
+    kv_load_cost_init(&e->cost, block_bytes, e->kv.block_size);
+    int rc = offload_env(e, &oc, err, errlen);
+    if (rc) return rc;
     e->off_st = backend_stream_create(e->be);
     if (!e->off_st) {
         snprintf(err, errlen, "cannot create a stream for the KV offload copies");
@@ -933,7 +1018,19 @@ static int offload_init(engine *e, const model_config *mc, size_t block_bytes, c
     }
     if (kv_offload_create(&oc, e->off_st, e->kv.base, &e->off, err, errlen)) return -EINVAL;
     kv_offload_set_events(e->off, &e->events);
-    e->bp.tier = (block_pool_tier){e, tier_evicted, tier_load};
+    kv_offload_set_notify(e->off, tier_load_ended, e);
+    e->bp.tier = (block_pool_tier){e, tier_evicted, tier_load, tier_find, tier_load_async};
+    e->sched.cost = &e->cost;
+    static const char *const where[] = {"on the step thread (DISAGG_KV_OFFLOAD_LOADS=sync)",
+                                        "inline when under a tenth of a step, else on the loader",
+                                        "on the loader thread (DISAGG_KV_OFFLOAD_LOADS=async)"};
+    LOG_I(MOD,
+          "KV offload loads: %s, copy %s (a block: %.1f us from the host tier, %.1f us from the "
+          "disk, %.1f us to recompute, until measured)",
+          where[e->sched.async_loads],
+          e->cost.policy == KV_LOAD_POLICY_ALWAYS ? "always" : "when faster than the prefill",
+          1e6 * kv_load_cost_copy_s(&e->cost, KV_TIER_HOST),
+          1e6 * kv_load_cost_copy_s(&e->cost, KV_TIER_DISK), 1e6 * kv_load_cost_recompute_s(&e->cost));
     return 0;
 }
 
@@ -980,7 +1077,7 @@ static void flush_events(engine *e) {
 static void publish_stats(engine *e) {
     pthread_mutex_lock(&e->mu);
     e->stats.num_running = e->sched.n_running;
-    e->stats.num_waiting = e->sched.n_waiting;
+    e->stats.num_waiting = e->sched.n_waiting + e->sched.n_loading; /* as vLLM: waiting for KV */
     e->stats.num_parked = e->sched.n_parked;
     e->stats.num_blocks = e->bp.num_blocks;
     e->stats.num_blocks_used = block_pool_num_used(&e->bp);
@@ -994,6 +1091,16 @@ static void publish_stats(engine *e) {
         kv_offload_get_stats(e->off, &e->stats.offload);
         e->stats.offload_queries = e->bp.ext_queries;
         e->stats.offload_hits = e->bp.ext_hits;
+        e->stats.offload_loading = e->sched.n_loading;
+        e->stats.offload_steps_during_loads = e->steps_during_loads;
+        e->stats.offload_load_waits = e->sched.loads_waited;
+        e->stats.offload_load_wait_ns = e->sched.load_wait_ns;
+        for (int t = 0; t < KV_TIER_COUNT; t++) {
+            e->stats.offload_bps[t] = e->cost.tier_bps[t];
+            e->stats.offload_declined[t] = e->cost.declined[t];
+        }
+        e->stats.offload_prefill_tps = e->cost.prefill_tps;
+        e->stats.offload_probes = e->cost.probes;
     }
     e->stats.num_loading = e->n_loading;
     pthread_mutex_unlock(&e->mu);
@@ -1004,8 +1111,10 @@ static void take_inputs(engine *e) {
     uint64_t next_expiry = expire_quarantine(e);
     publish_stats(e); /* blocks may have been freed: /metrics must see it even if we sleep now */
     pthread_mutex_lock(&e->mu);
+    /* asleep when nothing can run: no request, or only ones waiting for blocks that tier
+     * copies hold (the end of a copy wakes it: off_ready) */
     while (!e->stop && !e->inbox && !e->notes && e->n_aborts == 0 && e->sched.n_running == 0 &&
-           e->sched.n_waiting == 0 && !e->reset_cache) {
+           (e->sched.n_waiting == 0 || e->stalled_on_loads) && !e->reset_cache && !e->off_ready) {
         if (!next_expiry) {
             pthread_cond_wait(&e->cv, &e->mu);
             continue;
@@ -1020,6 +1129,8 @@ static void take_inputs(engine *e) {
     e->inbox = NULL;
     kv_note *notes = e->notes;
     e->notes = NULL;
+    int off_ready = e->off_ready;
+    e->off_ready = 0;
     size_t na = e->n_aborts;
     uint64_t *ab = NULL;
     if (na) {
@@ -1052,6 +1163,7 @@ static void take_inputs(engine *e) {
         if (r && !r->zombie) finish(e, r, "abort", -1, NULL);
     }
     free(ab);
+    if (off_ready) reap_tier_loads(e);
     if (reset) reset_cache(e);
     kv_note *rn = NULL; /* notes are LIFO: handle in arrival order */
     while (notes) {
@@ -1144,7 +1256,9 @@ static void sample_item(void *ctx, int k) {
 
 static void run_step(engine *e) {
     sched_plan *pl = &e->plan;
-    if (sched_step(&e->sched, pl) == 0) return;
+    int planned = sched_step(&e->sched, pl);
+    e->stalled_on_loads = !planned && e->sched.n_loading > 0;
+    if (!planned) return;
     uint64_t t_step = clock_now_ns(); /* the scheduled time of requests first in this plan */
     int n = pl->n_items;
     int k_logits = 0;
@@ -1224,6 +1338,7 @@ static void run_step(engine *e) {
         }
     }
     mask_worker_start(e->masks, overlap);
+    if (e->off && kv_offload_busy(e->off) > 0) e->steps_during_loads++; /* the copies overlap it */
     uint64_t t_fwd = clock_now_ns();
     int rc = decoder_forward(&e->model, e->state, &e->kv, e->fwd, n);
     uint64_t t_fwd_end = clock_now_ns();
@@ -1311,6 +1426,11 @@ static void run_step(engine *e) {
         gen++;
         deliver_token(e, r, &tok, stop);
     }
+    /* the prefill rate the tiers' copies are weighed against: steps with a block's worth of
+     * prompt tokens (decode-only steps run far fewer tokens a second) */
+    if (e->off && prompt >= (uint64_t)e->cfg.block_size)
+        kv_load_cost_observe_prefill(&e->cost, prompt + gen, t_fwd_end - t_fwd);
+    if (e->off) kv_load_cost_observe_step(&e->cost, t_fwd_end - t_fwd);
     int mrows;
     uint64_t mfill, mwait, t_end = clock_now_ns();
     mask_worker_last(e->masks, &mrows, &mfill, &mwait);

@@ -266,6 +266,14 @@ typedef struct engine_stats {
     kv_offload_stats offload;  /* (has_offload) */
     uint64_t offload_queries;  /* blocks looked up in the tiers after a device-cache miss */
     uint64_t offload_hits;     /* of those, copied back from a tier */
+    int offload_loading;       /* requests waiting for tier copies (counted in num_waiting too) */
+    uint64_t offload_steps_during_loads; /* forwards run while tier copies were pending */
+    uint64_t offload_load_waits;         /* requests that waited for tier copies */
+    uint64_t offload_load_wait_ns;       /* their time waiting (copies started to all ended) */
+    double offload_bps[KV_TIER_COUNT];   /* the cost model's bandwidth of each tier, bytes/s */
+    double offload_prefill_tps;          /* and its prefill rate, tokens/s */
+    uint64_t offload_declined[KV_TIER_COUNT]; /* blocks a tier held, recomputed (cost) */
+    uint64_t offload_probes;             /* declined prefixes copied anyway to re-measure */
     /* step timings, summed over the steps (ns): the whole step (plan to the last token
      * sent), its forward, and what follows the forward (sampling, delivering the tokens) */
     uint64_t step_ns, forward_ns, sample_ns;

@@ -8,12 +8,14 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -35,6 +37,8 @@ typedef struct tier {
     int32_t n_free;
     int32_t *ht; /* (ht_cap) slot, HT_EMPTY or HT_TOMB */
     size_t ht_cap, ht_tomb;
+    int32_t *pins; /* (n_slots) loads reading the slot now: out of the LRU list while > 0 */
+    unsigned char *doomed; /* (n_slots) dropped while pinned: freed when the last load ends */
 } tier;
 
 static int tier_init(tier *t, int32_t n) {
@@ -49,7 +53,10 @@ static int tier_init(tier *t, int32_t n) {
     t->next = malloc((size_t)n * sizeof *t->next);
     t->free_slots = malloc((size_t)n * sizeof *t->free_slots);
     t->ht = malloc(t->ht_cap * sizeof *t->ht);
-    if (!t->key || !t->prev || !t->next || !t->free_slots || !t->ht) return -1;
+    t->pins = calloc((size_t)n, sizeof *t->pins);
+    t->doomed = calloc((size_t)n, 1);
+    if (!t->key || !t->prev || !t->next || !t->free_slots || !t->ht || !t->pins || !t->doomed)
+        return -1;
     for (int32_t i = 0; i < n; i++)
         t->free_slots[i] = n - 1 - i; /* slot 0 first */
     t->n_free = n;
@@ -64,6 +71,8 @@ static void tier_free(tier *t) {
     free(t->next);
     free(t->free_slots);
     free(t->ht);
+    free(t->pins);
+    free(t->doomed);
     memset(t, 0, sizeof *t);
 }
 
@@ -102,6 +111,7 @@ static void lru_push_tail(tier *t, int32_t s) {
 }
 
 static void tier_touch(tier *t, int32_t s) {
+    if (t->pins[s]) return; /* out of the list while loaded; back at the tail after */
     lru_unlink(t, s);
     lru_push_tail(t, s);
 }
@@ -110,7 +120,8 @@ static void ht_rebuild(tier *t) {
     for (size_t i = 0; i < t->ht_cap; i++)
         t->ht[i] = HT_EMPTY;
     t->ht_tomb = 0;
-    for (int32_t s = t->head; s >= 0; s = t->next[s]) {
+    for (int32_t s = 0; s < t->n_slots; s++) { /* pinned slots are in no LRU list: every key */
+        if (!t->key[s]) continue;
         size_t mask = t->ht_cap - 1, i = (size_t)(t->key[s] ^ t->key[s] >> 29) & mask;
         while (t->ht[i] != HT_EMPTY)
             i = (i + 1) & mask;
@@ -130,17 +141,43 @@ static void tier_insert(tier *t, int32_t s, uint64_t key) {
     t->n_used++;
 }
 
-static void tier_remove(tier *t, int32_t s) {
+static void ht_forget(tier *t, int32_t s) {
     size_t i = ht_slot_of(t, t->key[s]);
     if (t->ht[i] == s) {
         t->ht[i] = HT_TOMB;
         t->ht_tomb++;
     }
+    t->key[s] = 0; /* first: a rebuild reads key[] */
+    if (t->ht_tomb > t->ht_cap / 4) ht_rebuild(t);
+}
+
+/* Drop used slot s: freed now, or (a load reads it) unfindable now and freed when the
+ * last load ends (tier_unpin). */
+static void tier_remove(tier *t, int32_t s) {
+    ht_forget(t, s);
+    if (t->pins[s]) {
+        t->doomed[s] = 1;
+        return;
+    }
     lru_unlink(t, s);
-    t->key[s] = 0;
     t->free_slots[t->n_free++] = s;
     t->n_used--;
-    if (t->ht_tomb > t->ht_cap / 4) ht_rebuild(t);
+}
+
+/* A load reads slot s: neither evicted nor reused until tier_unpin. */
+static void tier_pin(tier *t, int32_t s) {
+    if (t->pins[s]++ == 0) lru_unlink(t, s);
+}
+
+static void tier_unpin(tier *t, int32_t s) {
+    if (--t->pins[s] > 0) return;
+    if (t->doomed[s]) {
+        t->doomed[s] = 0;
+        t->free_slots[t->n_free++] = s;
+        t->n_used--;
+        return;
+    }
+    lru_push_tail(t, s); /* just used: most recent */
 }
 
 static int32_t tier_take(tier *t) {
@@ -148,6 +185,17 @@ static int32_t tier_take(tier *t) {
 }
 
 /* ---- the pool --------------------------------------------------------------------- */
+
+/* One load for the loader thread (kv_offload_load_async). */
+typedef struct load_job {
+    uint64_t tag, hash;
+    int32_t block, slot;
+    int tier;
+    int ok;          /* set by the loader */
+    const char *why; /* a disk slot's failed check (the step thread drops the slot) */
+    uint64_t ns;     /* the loader's time on it */
+    struct load_job *next;
+} load_job;
 
 struct kv_offload {
     kv_offload_config cfg;
@@ -161,10 +209,26 @@ struct kv_offload {
     int fd; /* the disk tier's slab file, -1 = none */
     char path[4096];
     size_t stride; /* a disk slot: header + data, DISK_ALIGN-aligned */
-    unsigned char *bounce; /* (stride) a disk slot read or written */
+    unsigned char *bounce; /* (stride) a disk slot read or written on the owner's thread */
     kvev_log *events;
     kv_offload_stats stats;
     uint64_t warned_writes;
+
+    /* the loader thread and its queues */
+    backend_stream *load_st;   /* its copies (CUDA: a stream beside the compute stream) */
+    backend_buffer *stage_buf; /* (stride) its disk reads (BACKEND_BUF_HOST: pinned on CUDA) */
+    unsigned char *stage;
+    pthread_t loader;
+    int loader_on, mu_on;
+    pthread_mutex_t mu; /* guards the two queues and stop */
+    pthread_cond_t cv;
+    load_job *todo_head, *todo_tail; /* to run, FIFO */
+    load_job *done_head, *done_tail; /* ran, not reaped, FIFO */
+    int n_done;                      /* on the done list */
+    int stop;
+    int in_flight; /* owner's thread: loads not reaped yet */
+    void (*notify)(void *ctx);
+    void *notify_ctx;
 };
 
 uint64_t kv_offload_layout_key(const char *model, int layers, int kv_heads, int head_dim,
@@ -210,6 +274,7 @@ static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
     s = tier_take(&o->disk);
     if (s < 0) {
         int32_t v = o->disk.head;
+        if (v < 0) return; /* every slot is being loaded: the block is not kept */
         disk_drop(o, v);
         o->stats.evicted[KV_TIER_DISK]++;
         s = tier_take(&o->disk);
@@ -237,38 +302,40 @@ static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
     ev_stored(o, KVEV_MEDIUM_DISK, hash);
 }
 
-/* Read disk slot s into the device block; -1 (slot dropped) when it fails a check. */
-static int disk_load(kv_offload *o, int32_t s, int32_t block) {
-    uint64_t hash = o->disk.key[s];
+/* Read disk slot s (holding hash) into buf (stride bytes) and check it: NULL, or why it
+ * is unusable.  Any thread: reads only what a pinned slot's load may read. */
+static const char *disk_read(const kv_offload *o, unsigned char *buf, int32_t s, uint64_t hash) {
     size_t len = DISK_HDR + o->bb;
-    ssize_t r = pread(o->fd, o->bounce, len, (off_t)s * (off_t)o->stride);
-    const char *why = NULL;
+    ssize_t r = pread(o->fd, buf, len, (off_t)s * (off_t)o->stride);
     uint64_t hdr[DISK_HDR / 8];
-    if (r < 0)
-        why = strerror(errno);
-    else if ((size_t)r != len)
-        why = "truncated";
-    else {
-        memcpy(hdr, o->bounce, sizeof hdr);
-        if (hdr[0] != DISK_MAGIC)
-            why = "bad magic";
-        else if (hdr[1] != o->cfg.layout_key)
-            why = "another model, dtype or block layout";
-        else if (hdr[2] != hash || hdr[3] != o->bb)
-            why = "another block";
-        else if (hdr[4] != checksum(o, hash, o->bounce + DISK_HDR))
-            why = "checksum mismatch";
-    }
-    if (why) {
-        o->stats.corrupt++;
-        LOG_W(MOD, "KV block %016llx in %s slot %d is unusable (%s): recomputed instead",
-              (unsigned long long)hash, o->path, s, why);
-        disk_drop(o, s);
-        return -1;
-    }
-    if (backend_upload(o->st, o->kv_base + (size_t)block * o->bb, o->bounce + DISK_HDR, o->bb))
-        return -1;
-    return 0;
+    if (r < 0) return "read error";
+    if ((size_t)r != len) return "truncated";
+    memcpy(hdr, buf, sizeof hdr);
+    if (hdr[0] != DISK_MAGIC) return "bad magic";
+    if (hdr[1] != o->cfg.layout_key) return "another model, dtype or block layout";
+    if (hdr[2] != hash || hdr[3] != o->bb) return "another block";
+    if (hdr[4] != checksum(o, hash, buf + DISK_HDR)) return "checksum mismatch";
+    return NULL;
+}
+
+/* A disk slot failed its checks at load: counted, logged and dropped (the caller
+ * recomputes the block). */
+static void disk_bad(kv_offload *o, int32_t s, uint64_t hash, const char *why) {
+    o->stats.corrupt++;
+    LOG_W(MOD, "KV block %016llx in %s slot %d is unusable (%s): recomputed instead",
+          (unsigned long long)hash, o->path, s, why);
+    if (o->disk.key[s] == hash) disk_drop(o, s);
+}
+
+/* Copy tier t's slot s (holding hash) into device block `block` through st, a disk slot
+ * by way of buf: 0, or -1 (*why set when a disk slot failed its checks). */
+static int copy_in(const kv_offload *o, backend_stream *st, unsigned char *buf, int t, int32_t s,
+                   uint64_t hash, int32_t block, const char **why) {
+    *why = NULL;
+    char *dst = o->kv_base + (size_t)block * o->bb;
+    if (t == KV_TIER_HOST) return backend_upload(st, dst, o->host_mem + (size_t)s * o->bb, o->bb);
+    if ((*why = disk_read(o, buf, s, hash))) return -1;
+    return backend_upload(st, dst, buf + DISK_HDR, o->bb) ? -1 : 0;
 }
 
 /* ---- host tier -------------------------------------------------------------------- */
@@ -282,6 +349,7 @@ int kv_offload_store(kv_offload *o, uint64_t hash, int32_t block) {
     s = tier_take(&o->host);
     if (s < 0) { /* the least recently used host block goes down a tier */
         int32_t v = o->host.head;
+        if (v < 0) return 0; /* every slot is being loaded: the block is not kept */
         uint64_t vh = o->host.key[v];
         if (o->fd >= 0) disk_store(o, vh, o->host_mem + (size_t)v * o->bb);
         ev_removed(o, KVEV_MEDIUM_CPU, vh);
@@ -318,18 +386,24 @@ int64_t kv_offload_lookup(kv_offload *o, uint64_t hash) {
     return -1;
 }
 
+/* cfg.load_delay_ms: every load waits that long first (a slow medium) */
+static void slow_medium(const kv_offload *o) {
+    if (!o->cfg.load_delay_ms) return;
+    struct timespec ts = {o->cfg.load_delay_ms / 1000, (long)(o->cfg.load_delay_ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
+}
+
 int kv_offload_load(kv_offload *o, int64_t handle, int32_t block) {
     int t = (int)(handle >> 32);
     int32_t s = (int32_t)(handle & 0xffffffff);
     tier *tr = t ? &o->disk : &o->host;
     if (handle < 0 || t >= KV_TIER_COUNT || s >= tr->n_slots || !tr->key[s]) return -1;
-    uint64_t t0 = clock_now_ns();
-    int rc;
-    if (t == KV_TIER_HOST)
-        rc = backend_upload(o->st, o->kv_base + (size_t)block * o->bb,
-                            o->host_mem + (size_t)s * o->bb, o->bb);
-    else
-        rc = disk_load(o, s, block);
+    uint64_t t0 = clock_now_ns(), hash = tr->key[s];
+    slow_medium(o);
+    const char *why;
+    int rc = copy_in(o, o->st, o->bounce, t, s, hash, block, &why);
+    if (why) disk_bad(o, s, hash, why);
     if (rc) return -1;
     o->stats.loaded[t]++;
     o->stats.bytes_loaded[t] += o->bb;
@@ -337,11 +411,134 @@ int kv_offload_load(kv_offload *o, int64_t handle, int32_t block) {
     return 0;
 }
 
+int kv_offload_find(const kv_offload *o, uint64_t hash) {
+    if (tier_find(&o->host, hash) >= 0) return KV_TIER_HOST;
+    if (tier_find(&o->disk, hash) >= 0) return KV_TIER_DISK;
+    return -1;
+}
+
+/* ---- the loader ------------------------------------------------------------------- */
+
+static void run_job(const kv_offload *o, backend_stream *st, unsigned char *buf, load_job *j) {
+    uint64_t t0 = clock_now_ns();
+    slow_medium(o);
+    j->ok = copy_in(o, st, buf, j->tier, j->slot, j->hash, j->block, &j->why) == 0;
+    j->ns = clock_now_ns() - t0;
+}
+
+static void push_done(kv_offload *o, load_job *j) {
+    pthread_mutex_lock(&o->mu);
+    j->next = NULL;
+    if (o->done_tail)
+        o->done_tail->next = j;
+    else
+        o->done_head = j;
+    o->done_tail = j;
+    o->n_done++;
+    pthread_mutex_unlock(&o->mu);
+    if (o->notify) o->notify(o->notify_ctx);
+}
+
+static void *loader_main(void *arg) {
+    kv_offload *o = arg;
+    pthread_mutex_lock(&o->mu);
+    for (;;) {
+        while (!o->stop && !o->todo_head)
+            pthread_cond_wait(&o->cv, &o->mu);
+        if (o->stop) break;
+        load_job *j = o->todo_head;
+        o->todo_head = j->next;
+        if (!o->todo_head) o->todo_tail = NULL;
+        pthread_mutex_unlock(&o->mu);
+        run_job(o, o->load_st, o->stage, j);
+        push_done(o, j);
+        pthread_mutex_lock(&o->mu);
+    }
+    pthread_mutex_unlock(&o->mu);
+    return NULL;
+}
+
+void kv_offload_set_notify(kv_offload *o, void (*fn)(void *ctx), void *ctx) {
+    o->notify = fn;
+    o->notify_ctx = ctx;
+}
+
+int kv_offload_load_async(kv_offload *o, uint64_t hash, int32_t block, uint64_t tag) {
+    int64_t h = kv_offload_lookup(o, hash);
+    if (h < 0) return -1;
+    load_job *j = calloc(1, sizeof *j);
+    if (!j) return -1;
+    j->tag = tag;
+    j->hash = hash;
+    j->block = block;
+    j->tier = (int)(h >> 32);
+    j->slot = (int32_t)(h & 0xffffffff);
+    tier_pin(j->tier ? &o->disk : &o->host, j->slot);
+    o->in_flight++;
+    if (!o->loader_on) { /* sync_loads: the copy on this thread, reaped as the others */
+        run_job(o, o->st, o->bounce, j);
+        push_done(o, j);
+        return 0;
+    }
+    pthread_mutex_lock(&o->mu);
+    if (o->todo_tail)
+        o->todo_tail->next = j;
+    else
+        o->todo_head = j;
+    o->todo_tail = j;
+    pthread_cond_signal(&o->cv);
+    pthread_mutex_unlock(&o->mu);
+    return 0;
+}
+
+int kv_offload_reap(kv_offload *o, kv_offload_done *out, int max) {
+    int n = 0;
+    while (n < max) {
+        pthread_mutex_lock(&o->mu);
+        load_job *j = o->done_head;
+        if (j) {
+            o->done_head = j->next;
+            if (!o->done_head) o->done_tail = NULL;
+            o->n_done--;
+        }
+        pthread_mutex_unlock(&o->mu);
+        if (!j) break;
+        tier *tr = j->tier ? &o->disk : &o->host;
+        tier_unpin(tr, j->slot);
+        if (j->why) disk_bad(o, j->slot, j->hash, j->why);
+        if (j->ok) {
+            o->stats.loaded[j->tier]++;
+            o->stats.bytes_loaded[j->tier] += o->bb;
+            o->stats.load_ns[j->tier] += j->ns;
+        }
+        out[n++] = (kv_offload_done){j->tag, j->block, j->tier, j->ok, j->ns};
+        o->in_flight--;
+        free(j);
+    }
+    return n;
+}
+
+int kv_offload_in_flight(const kv_offload *o) {
+    return o->in_flight;
+}
+
+int kv_offload_busy(kv_offload *o) {
+    pthread_mutex_lock(&o->mu);
+    int n = o->in_flight - o->n_done;
+    pthread_mutex_unlock(&o->mu);
+    return n;
+}
+
+static void tier_clear(tier *t) {
+    while (t->head >= 0)
+        tier_remove(t, t->head);
+    for (int32_t s = 0; s < t->n_slots; s++) /* being loaded: freed when the load ends */
+        if (t->pins[s] && t->key[s]) tier_remove(t, s);
+}
+
 void kv_offload_clear(kv_offload *o) {
-    while (o->host.head >= 0)
-        tier_remove(&o->host, o->host.head);
-    while (o->disk.head >= 0)
-        tier_remove(&o->disk, o->disk.head);
+    tier_clear(&o->host);
+    tier_clear(&o->disk);
 }
 
 void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out) {
@@ -350,6 +547,7 @@ void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out) {
     out->resident[KV_TIER_DISK] = o->disk.n_used;
     out->capacity[KV_TIER_HOST] = o->host.n_slots;
     out->capacity[KV_TIER_DISK] = o->disk.n_slots;
+    out->in_flight = o->in_flight;
 }
 
 const char *kv_offload_disk_path(const kv_offload *o) {
@@ -357,6 +555,36 @@ const char *kv_offload_disk_path(const kv_offload *o) {
 }
 
 /* ---- lifecycle -------------------------------------------------------------------- */
+
+/* The loader: its stream, its staging buffer, its thread (none with sync_loads). */
+static int loader_start(kv_offload *o, char *err, size_t errlen) {
+    pthread_mutex_init(&o->mu, NULL);
+    pthread_cond_init(&o->cv, NULL);
+    o->mu_on = 1;
+    if (o->cfg.sync_loads) return 0;
+    backend *be = backend_stream_backend(o->st);
+    o->load_st = backend_stream_create_threads(be, 1); /* the copies run on the loader itself */
+    if (!o->load_st) {
+        snprintf(err, errlen, "cannot create a stream for the KV offload loads");
+        return -1;
+    }
+    if (o->fd >= 0) {
+        o->stage_buf = backend_buffer_alloc(be, o->stride, BACKEND_BUF_HOST);
+        if (!o->stage_buf) {
+            snprintf(err, errlen, "cannot allocate the disk KV tier's staging buffer (%zu bytes)",
+                     o->stride);
+            return -1;
+        }
+        o->stage = backend_buffer_ptr(o->stage_buf);
+    }
+    int rc = pthread_create(&o->loader, NULL, loader_main, o);
+    if (rc) {
+        snprintf(err, errlen, "cannot start the KV offload loader thread: %s", strerror(rc));
+        return -1;
+    }
+    o->loader_on = 1;
+    return 0;
+}
 
 /* Slabs a killed run left in dir (its pid gone): removed, so crashes do not fill the disk.
  * Never read: their blocks may be another model's. */
@@ -455,12 +683,35 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
     if (o->fd >= 0)
         LOG_I(MOD, "disk tier: %d blocks in %s (slots of %zu bytes, %.1f MiB)", o->disk.n_slots,
               o->path, o->stride, (double)o->disk.n_slots * (double)o->stride / 1048576.0);
+    if (loader_start(o, err, errlen)) {
+        kv_offload_destroy(o);
+        return -1;
+    }
     *out = o;
     return 0;
 }
 
 void kv_offload_destroy(kv_offload *o) {
     if (!o) return;
+    if (o->loader_on) { /* the load in progress ends; the queued ones are dropped */
+        pthread_mutex_lock(&o->mu);
+        o->stop = 1;
+        pthread_cond_signal(&o->cv);
+        pthread_mutex_unlock(&o->mu);
+        pthread_join(o->loader, NULL);
+    }
+    load_job *lists[2] = {o->todo_head, o->done_head};
+    for (int i = 0; i < 2; i++)
+        for (load_job *j = lists[i], *n; j; j = n) {
+            n = j->next;
+            free(j);
+        }
+    if (o->mu_on) {
+        pthread_mutex_destroy(&o->mu);
+        pthread_cond_destroy(&o->cv);
+    }
+    backend_stream_free(o->load_st);
+    backend_buffer_free(o->stage_buf);
     backend_buffer_free(o->host_buf);
     if (o->fd >= 0) {
         close(o->fd);

@@ -16,8 +16,17 @@
  * (model, KV dtype, block size, block bytes) is in every disk slot's header, and the
  * slab file is created empty at start and removed at exit: never stale KV.
  *
- * Not thread-safe: the engine's step thread owns it (the engine copies the stats into
- * engine_stats after each step).  Copies are synchronous on that thread.
+ * Loads run on a loader thread of the tiers' own (kv_offload_load_async): the step thread
+ * names the slot and the device block, the loader reads the disk slot into its staging
+ * buffer and checks it, uploads the bytes through a stream of its own (CUDA: a second
+ * stream, so the copy overlaps the forward on the compute stream) and reports the load
+ * done (kv_offload_reap, after the notify callback); the slot is pinned meanwhile (no
+ * eviction, no reuse; a clear drops it when the load ends).  kv_offload_load is the same
+ * copy on the calling thread, for callers that need the bytes at once.
+ *
+ * Not thread-safe apart from the loader: the engine's step thread owns it (the engine
+ * copies the stats into engine_stats after each step).  Stores (evictions from the device)
+ * are synchronous on that thread.
  */
 #ifndef DISAGG_ENGINE_KV_OFFLOAD_H
 #define DISAGG_ENGINE_KV_OFFLOAD_H
@@ -38,6 +47,8 @@ typedef struct kv_offload_config {
     size_t block_bytes;   /* one KV block */
     uint64_t layout_key;  /* model, dtype, block layout: kv_offload_layout_key */
     int block_size;       /* tokens per block (events) */
+    int sync_loads;       /* 1: kv_offload_load_async copies on the calling thread (comparison) */
+    unsigned load_delay_ms; /* each load (either kind) waits this long first: a slow medium */
 } kv_offload_config;
 
 typedef struct kv_offload_stats {
@@ -51,7 +62,17 @@ typedef struct kv_offload_stats {
     uint64_t write_errors; /* disk writes that failed (the block was dropped) */
     int64_t resident[KV_TIER_COUNT]; /* blocks held now */
     int64_t capacity[KV_TIER_COUNT]; /* blocks the tier holds at most */
+    int64_t in_flight;               /* asynchronous loads queued or copying now */
 } kv_offload_stats;
+
+/* One asynchronous load that ended (kv_offload_reap). */
+typedef struct kv_offload_done {
+    uint64_t tag;  /* the caller's, from kv_offload_load_async */
+    int32_t block; /* the device block it filled */
+    int tier;      /* KV_TIER_* it came from */
+    int ok;        /* 1: the block holds the bytes; 0: recompute (a disk slot failed its checks) */
+    uint64_t ns;   /* the loader's time on it (read, checks, upload; not the queueing) */
+} kv_offload_done;
 
 typedef struct kv_offload kv_offload;
 
@@ -64,7 +85,8 @@ uint64_t kv_offload_layout_key(const char *model, int layers, int kv_heads, int 
  * block_bytes apart) through stream st.  -1 with err (what was wrong) on failure. */
 int kv_offload_create(const kv_offload_config *c, struct backend_stream *st, void *kv_base,
                       kv_offload **out, char *err, size_t errlen);
-void kv_offload_destroy(kv_offload *o); /* NULL is fine; removes the slab file */
+/* NULL is fine; stops the loader (loads not started are dropped), removes the slab file */
+void kv_offload_destroy(kv_offload *o);
 
 /* Events (medium CPU / DISK) are recorded into log when set. */
 void kv_offload_set_events(kv_offload *o, kvev_log *log);
@@ -74,10 +96,27 @@ void kv_offload_set_events(kv_offload *o, kvev_log *log);
 int kv_offload_store(kv_offload *o, uint64_t hash, int32_t block);
 /* A handle to hash's copy in some tier (refreshed as most recently used), -1 if none. */
 int64_t kv_offload_lookup(kv_offload *o, uint64_t hash);
-/* Copy the block of handle into device block `block`: 0, or -1 (a disk slot that
- * failed its checks is dropped: the caller recomputes). */
+/* Copy the block of handle into device block `block` on the calling thread: 0, or -1 (a
+ * disk slot that failed its checks is dropped: the caller recomputes). */
 int kv_offload_load(kv_offload *o, int64_t handle, int32_t block);
-/* Drop every block of every tier (reset_prefix_cache). */
+/* Which tier holds hash (KV_TIER_*), -1 if none.  No side effects (no LRU refresh, no count). */
+int kv_offload_find(const kv_offload *o, uint64_t hash);
+/* kv_offload_lookup(hash) and a load of it into device block `block` on the loader thread;
+ * block must stay untouched until kv_offload_reap reports it.  0 queued, -1 when no tier
+ * holds hash (counted as a lookup) or no memory. */
+int kv_offload_load_async(kv_offload *o, uint64_t hash, int32_t block, uint64_t tag);
+/* Up to max loads that ended since the last call (stats, slot checks and events done here,
+ * on the owner's thread); their count. */
+int kv_offload_reap(kv_offload *o, kv_offload_done *out, int max);
+/* Loads queued or copying (not yet reaped). */
+int kv_offload_in_flight(const kv_offload *o);
+/* Of those, the ones the loader has not finished. */
+int kv_offload_busy(kv_offload *o);
+/* fn(ctx) is called from the loader thread each time a load ends (the owner then reaps);
+ * set before the first load. */
+void kv_offload_set_notify(kv_offload *o, void (*fn)(void *ctx), void *ctx);
+/* Drop every block of every tier (reset_prefix_cache); a slot being loaded goes when its
+ * load ends. */
 void kv_offload_clear(kv_offload *o);
 void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out);
 /* The disk tier's slab file ("" when none): tests corrupt it. */

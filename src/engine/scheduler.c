@@ -1,6 +1,8 @@
 /* scheduler — see scheduler.h. */
 #include "engine/scheduler.h"
 
+#include "base/clock.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,6 +16,7 @@ int sched_init(scheduler *s, const sched_config *cfg, block_pool *bp) {
 }
 
 void sched_free(scheduler *s) {
+    free(s->kinds);
     memset(s, 0, sizeof *s);
 }
 
@@ -134,13 +137,10 @@ static void drop_blocks(scheduler *s, seq *q) {
     q->n_cached = 0;
 }
 
-/* Take the longest cached prefix of full blocks (at least one token is left to
- * compute, so the last prompt token always produces logits). */
-static void take_cached_prefix(scheduler *s, seq *q) {
-    if (!s->cfg.enable_prefix_caching || q->no_prefix_cache || q->n_blocks > 0) return;
+/* The longest cached prefix the old way: the device cache, then the lower tier's
+ * synchronous copies, block by block (a tier without find/load_async hooks). */
+static void take_prefix_walk(scheduler *s, seq *q, int full) {
     int bs = s->cfg.block_size;
-    int full = (q->n_tokens - 1) / bs;
-    if (full <= 0 || ensure_capacity(q, full)) return;
     uint64_t h = 0;
     for (int i = 0; i < full; i++) {
         uint64_t parent = h;
@@ -150,7 +150,149 @@ static void take_cached_prefix(scheduler *s, seq *q) {
         q->blocks[q->n_blocks++] = b;
         q->hashes[q->n_hashed++] = h;
     }
+}
+
+/* Where each prefix block is (q->hashes[i], s->kinds[i]: the device cache or a tier), for
+ * the blocks some cache holds from block 0 on; their count (-1: no memory). */
+static int locate_prefix(scheduler *s, seq *q, int full) {
+    if (full > s->cap_kinds) {
+        signed char *k = realloc(s->kinds, (size_t)full);
+        if (!k) return -1;
+        s->kinds = k;
+        s->cap_kinds = full;
+    }
+    int bs = s->cfg.block_size, n = 0;
+    uint64_t h = 0;
+    for (; n < full; n++) {
+        h = block_pool_hash_tokens(h, q->tokens + n * bs, bs);
+        q->hashes[n] = h;
+        if (block_pool_contains(s->bp, h)) {
+            s->kinds[n] = KV_LOAD_DEVICE;
+            continue;
+        }
+        int t = q->no_tier_loads ? -1 : block_pool_tier_find(s->bp, h);
+        if (t < 0) break;
+        s->kinds[n] = (signed char)t;
+    }
+    return n;
+}
+
+/* Take the longest cached prefix of full blocks (at least one token is left to
+ * compute, so the last prompt token always produces logits): the device cache's
+ * blocks, and the tiers' where the cost model says copy.  Tier copies run in the
+ * background when async (the return is 1: q must wait for them, SEQ_LOADING; -1: too
+ * few free blocks to start them, q holds nothing and waits), else before this returns
+ * (0). */
+static int take_cached_prefix(scheduler *s, seq *q, int async) {
+    if (!s->cfg.enable_prefix_caching || q->no_prefix_cache || q->n_blocks > 0) return 0;
+    int bs = s->cfg.block_size;
+    int full = (q->n_tokens - 1) / bs;
+    if (full <= 0 || ensure_capacity(q, full)) return 0;
+    block_pool *bp = s->bp;
+    int n = bp->tier.find ? locate_prefix(s, q, full) : -1;
+    if (n < 0) {
+        take_prefix_walk(s, q, full);
+        q->n_computed = q->n_cached = q->n_blocks * bs;
+        return 0;
+    }
+    int j = s->cost ? kv_load_cost_plan(s->cost, s->kinds, n) : n;
+    /* the device's blocks first (referenced: a tier copy's allocation cannot evict them) */
+    int n_tier = 0;
+    for (int i = 0; i < j; i++) {
+        q->blocks[i] = s->kinds[i] == KV_LOAD_DEVICE ? block_pool_lookup(bp, q->hashes[i]) : -1;
+        n_tier += s->kinds[i] != KV_LOAD_DEVICE;
+    }
+    /* Copies in the background only for a sequence that could be admitted once they end:
+     * the copies' blocks and its first chunk's must be free beyond what the sequences
+     * already loading reserved for theirs, else it waits first in line (copies for a
+     * sequence that then cannot run would only be evicted again). */
+    int reserve = 0;
+    async = async && n_tier && bp->tier.load_async &&
+            !(s->async_loads == SCHED_LOADS_AUTO && s->cost &&
+              kv_load_cost_inline(s->cost, s->kinds, j));
+    if (async) {
+        int chunk = q->n_tokens - j * bs;
+        if (chunk > s->cfg.max_num_batched_tokens) chunk = s->cfg.max_num_batched_tokens;
+        if (q->max_chunk > 0 && chunk > q->max_chunk) chunk = q->max_chunk;
+        reserve = sched_blocks_for(s, j * bs + chunk) - j;
+        if (block_pool_num_free(bp) < s->reserved + n_tier + reserve) {
+            for (int i = 0; i < j; i++)
+                if (s->kinds[i] == KV_LOAD_DEVICE) block_pool_release(bp, &q->blocks[i], 1);
+            return -1;
+        }
+    }
+    int end = j, pending = 0;
+    for (int i = 0; i < j; i++) {
+        if (s->kinds[i] == KV_LOAD_DEVICE) continue;
+        int32_t b;
+        if (async) {
+            bp->queries++; /* the device cache's miss */
+            b = block_pool_load_async(bp, q->hashes[i], q->id);
+            pending += b >= 0;
+        } else {
+            b = block_pool_lookup_tiered(bp, i ? q->hashes[i - 1] : 0, q->hashes[i],
+                                         q->tokens + i * bs);
+        }
+        if (b < 0) { /* the tier lost it meanwhile, or no block is free: the prefix ends */
+            end = i;
+            break;
+        }
+        q->blocks[i] = b;
+    }
+    for (int i = end; i < j; i++) /* device blocks after a failed copy: not needed */
+        if (s->kinds[i] == KV_LOAD_DEVICE) block_pool_release(bp, &q->blocks[i], 1);
+    if (end == j && j < full) { /* the lookup that ended the walk, as a walk counts it */
+        bp->queries++;
+        if (bp->tier.load) bp->ext_queries++;
+    }
+    q->n_blocks = q->n_hashed = end;
+    if (pending) {
+        q->state = SEQ_LOADING;
+        q->n_loads = pending;
+        q->load_end = end;
+        q->t_load_ns = clock_now_ns();
+        q->reserve = reserve;
+        s->reserved += reserve;
+        return 1;
+    }
+    q->n_computed = q->n_cached = end * bs;
+    return 0;
+}
+
+void sched_load_done(scheduler *s, seq *q, int32_t block, int ok) {
+    int i = -1;
+    if (q && q->state == SEQ_LOADING)
+        for (int k = 0; k < q->n_blocks; k++)
+            if (q->blocks[k] == block) {
+                i = k;
+                break;
+            }
+    int bs = s->cfg.block_size;
+    if (i >= 0 && ok) /* it joins the device cache (BlockStored) */
+        block_pool_cache_block(s->bp, block, i ? q->hashes[i - 1] : 0, q->hashes[i],
+                               q->tokens + i * bs);
+    block_pool_load_finished(s->bp, block);
+    if (i < 0) return;
+    if (!ok) {
+        q->no_tier_loads = 1; /* not again: the rest of the prompt is computed */
+        if (i < q->load_end) q->load_end = i;
+    }
+    if (--q->n_loads > 0) return;
+    s->reserved -= q->reserve;
+    q->reserve = 0;
+    if (q->load_end < q->n_blocks) { /* a failed copy: the prefix ends there */
+        block_pool_release(s->bp, q->blocks + q->load_end, q->n_blocks - q->load_end);
+        q->n_blocks = q->n_hashed = q->load_end;
+    }
+    /* first in line with its prefix computed; if it cannot be admitted, it lets the blocks
+     * go (sched_step: a waiting sequence never holds up another) */
     q->n_computed = q->n_cached = q->n_blocks * bs;
+    s->n_loading--;
+    s->loads_waited++;
+    s->load_wait_ns += clock_now_ns() - q->t_load_ns;
+    q->state = SEQ_WAITING;
+    list_push_head(&s->wait_head, &s->wait_tail, q);
+    s->n_waiting++;
 }
 
 static void preempt(scheduler *s, seq *q, sched_plan *p) {
@@ -213,14 +355,28 @@ int sched_step(scheduler *s, sched_plan *p) {
     }
     /* 2. Waiting sequences, FCFS, while there is room (no preemption to admit). */
     while (s->wait_head && budget > 0 && p->n_items < s->cfg.max_num_seqs &&
-           s->n_running + s->n_parked < s->cfg.max_num_seqs && p->n_preempted == 0) {
+           s->n_running + s->n_parked + s->n_loading < s->cfg.max_num_seqs &&
+           p->n_preempted == 0) {
         seq *q = s->wait_head;
-        take_cached_prefix(s, q);
+        int loads = take_cached_prefix(s, q, s->async_loads != SCHED_LOADS_INLINE);
+        if (loads > 0) { /* it waits for copies; the batch does not */
+            list_unlink(&s->wait_head, &s->wait_tail, q);
+            s->n_waiting--;
+            s->n_loading++;
+            continue;
+        }
         int count = q->n_tokens - q->n_computed;
         if (count > budget) count = budget;
         if (q->max_chunk > 0 && count > q->max_chunk) count = q->max_chunk;
-        if (grow_blocks(s, q, q->n_computed + count) != 0) {
+        /* the blocks the loading sequences reserved for their first chunks are not taken */
+        int need = sched_blocks_for(s, q->n_computed + count) - q->n_blocks;
+        if (loads < 0 || (need > 0 && block_pool_num_free(s->bp) - s->reserved < need) ||
+            grow_blocks(s, q, q->n_computed + count) != 0) {
             drop_blocks(s, q); /* give cached blocks back; try again next step */
+            /* and so do the others whose tier copies ended (they hold their prefix until
+             * admitted): behind a head that cannot fit they would hold it up for good */
+            for (seq *w = s->wait_head; w; w = w->next)
+                if (w->n_blocks) drop_blocks(s, w);
             break;
         }
         list_unlink(&s->wait_head, &s->wait_tail, q);
@@ -260,6 +416,10 @@ void sched_finish(scheduler *s, seq *q, int keep_blocks) {
     if (q->state == SEQ_WAITING) {
         list_unlink(&s->wait_head, &s->wait_tail, q);
         s->n_waiting--;
+    } else if (q->state == SEQ_LOADING) { /* in no list; the copies keep their blocks */
+        s->n_loading--;
+        s->reserved -= q->reserve;
+        q->reserve = 0;
     } else if (q->state == SEQ_RUNNING || q->state == SEQ_PARKED) {
         list_unlink(&s->run_head, &s->run_tail, q);
         if (q->state == SEQ_RUNNING)
@@ -277,7 +437,7 @@ void sched_finish(scheduler *s, seq *q, int keep_blocks) {
 
 int sched_park_with_blocks(scheduler *s, seq *q) {
     if (q->state != SEQ_WAITING) return -1;
-    take_cached_prefix(s, q);
+    take_cached_prefix(s, q, 0);
     if (grow_blocks(s, q, q->n_tokens) != 0) {
         drop_blocks(s, q);
         return -1;

@@ -6,13 +6,18 @@
  * longest cached prefix of full blocks from the block pool.  When blocks run
  * out, the most recently admitted running sequence is preempted (its blocks
  * released, recomputed later).  A sequence may be parked (waiting for remote
- * KV) without holding up the others.  The scheduler plans; the engine runs the
+ * KV) without holding up the others.  Prefix blocks an offload tier holds come
+ * back by copy when engine/kv_load_cost.h says the copy is faster than their
+ * prefill; the copies run asynchronously (block_pool_load_async) while the
+ * sequence waits in SEQ_LOADING, out of the batch, and the engine reports each
+ * copy's end (sched_load_done).  The scheduler plans; the engine runs the
  * model and reports back with sched_commit().
  */
 #ifndef DISAGG_ENGINE_SCHEDULER_H
 #define DISAGG_ENGINE_SCHEDULER_H
 
 #include "engine/block_pool.h"
+#include "engine/kv_load_cost.h"
 
 #include <stdint.h>
 
@@ -21,6 +26,7 @@ typedef enum seq_state {
     SEQ_RUNNING = 1,  /* has blocks, scheduled every step */
     SEQ_PARKED = 2,   /* has blocks, waiting for something outside (remote KV) */
     SEQ_FINISHED = 3, /* blocks released (or handed to the connector) */
+    SEQ_LOADING = 4,  /* has blocks, waiting for copies from the offload tiers (in no list) */
 } seq_state;
 
 typedef struct seq {
@@ -37,6 +43,11 @@ typedef struct seq {
     int num_preemptions;
     int no_prefix_cache;     /* skip prefix-cache lookup at admission */
     int max_chunk;           /* most tokens computed in one step, 0 = no limit */
+    int n_loads;             /* SEQ_LOADING: tier copies into its blocks not ended yet */
+    int load_end;            /* SEQ_LOADING: blocks [0, load_end) are good (a failed copy cuts) */
+    int reserve;             /* SEQ_LOADING: free blocks kept for its first chunk after them */
+    int no_tier_loads;       /* a copy of its failed: its prefix comes from the device cache only */
+    uint64_t t_load_ns;      /* SEQ_LOADING: when its copies started */
     struct seq *prev, *next; /* links in the scheduler's waiting or running list */
     void *owner;             /* the engine's request */
 } seq;
@@ -63,13 +74,27 @@ typedef struct sched_plan {
     int n_preempted;
 } sched_plan;
 
+/* Where tier copies run: inline (at admission, on the step thread), auto (inline when the
+ * cost model says they take under a tenth of a step, else background), background (the
+ * loader thread, the request in SEQ_LOADING). */
+enum { SCHED_LOADS_INLINE = 0, SCHED_LOADS_AUTO = 1, SCHED_LOADS_BACKGROUND = 2 };
+
 typedef struct scheduler {
     sched_config cfg;
     block_pool *bp;
     seq *wait_head, *wait_tail; /* FCFS */
     seq *run_head, *run_tail;   /* admission order */
     int n_waiting, n_running, n_parked;
+    int n_loading; /* SEQ_LOADING sequences */
+    int reserved;  /* free blocks the SEQ_LOADING sequences keep for their first chunks */
     uint64_t num_preemptions;
+    /* the offload tiers' copies: whether to copy (NULL = always) and how (async_loads: in
+     * the background with block_pool_load_async, else block_pool_lookup_tiered) */
+    kv_load_cost *cost;
+    int async_loads; /* SCHED_LOADS_*: where the admission's tier copies run */
+    signed char *kinds; /* (cap_kinds) scratch: where each prefix block is */
+    int cap_kinds;
+    uint64_t loads_waited, load_wait_ns; /* sequences that waited for copies, and how long */
 } scheduler;
 
 int sched_init(scheduler *s, const sched_config *cfg, block_pool *bp);
@@ -97,6 +122,12 @@ int sched_park_with_blocks(scheduler *s, seq *q);
 /* Take q's block table away without releasing the blocks (the caller now owns
  * the references, *blocks is malloc'd); q has no KV afterwards. */
 void sched_take_blocks(scheduler *s, seq *q, int32_t **blocks, int *n_blocks);
+/* A tier copy into q's block ended (ok: the block holds its KV and joins the device cache).
+ * q NULL (the request is gone) or no longer loading: only the copy's reference goes.  When
+ * q's last copy ends, q keeps its prefix up to the first failed copy and waits at the head
+ * of the queue holding it; when the head of the queue cannot be admitted, every waiting
+ * sequence lets its blocks go (they stay in the device cache), so none holds up another. */
+void sched_load_done(scheduler *s, seq *q, int32_t block, int ok);
 /* q's KV for [0, n_computed) arrived: back to running. */
 void sched_unpark(scheduler *s, seq *q, int n_computed);
 /* Number of blocks needed to hold n tokens. */

@@ -214,13 +214,14 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
     if (st->has_offload) {
         static const char *tiers[KV_TIER_COUNT] = {"host", "disk"};
         const kv_offload_stats *o = &st->offload;
-#define PER_TIER(name, type, help, field, scale)                                                   \
+#define PER_TIER_OF(name, type, help, arr, scale)                                                  \
     do {                                                                                           \
         prom_family(p, name, type, help);                                                          \
         for (int t = 0; t < KV_TIER_COUNT; t++)                                                    \
             if (t == KV_TIER_HOST || o->capacity[KV_TIER_DISK])                                    \
-                prom_sample(p, (double)o->field[t] * (scale), "tier", tiers[t], NULL);             \
+                prom_sample(p, (double)(arr)[t] * (scale), "tier", tiers[t], NULL);                \
     } while (0)
+#define PER_TIER(name, type, help, field, scale) PER_TIER_OF(name, type, help, o->field, scale)
         PER_TIER("disagg:kv_offload_blocks_stored", PROM_COUNTER,
                  "KV blocks written into an offload tier.", stored, 1);
         PER_TIER("disagg:kv_offload_blocks_loaded", PROM_COUNTER,
@@ -239,7 +240,39 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
                  "KV blocks an offload tier holds.", resident, 1);
         PER_TIER("disagg:kv_offload_blocks_capacity", PROM_GAUGE,
                  "KV blocks an offload tier holds at most.", capacity, 1);
+        PER_TIER_OF("disagg:kv_offload_blocks_declined", PROM_COUNTER,
+                 "KV blocks an offload tier held that were recomputed instead: the copy was "
+                 "estimated slower than their prefill.",
+                    st->offload_declined, 1);
+        PER_TIER_OF("disagg:kv_offload_bandwidth_bytes_per_second", PROM_GAUGE,
+                 "The copy-or-recompute estimate of an offload tier's load bandwidth "
+                 "(exponentially averaged from its loads, or DISAGG_KV_OFFLOAD_BANDWIDTH).",
+                    st->offload_bps, 1);
 #undef PER_TIER
+#undef PER_TIER_OF
+        gauge(p, "disagg:kv_offload_loads_in_flight",
+              "Asynchronous copies from the offload tiers queued or running (blocks).",
+              (double)o->in_flight);
+        gauge(p, "disagg:kv_offload_requests_loading",
+              "Requests waiting for copies from the offload tiers (out of the batch; counted "
+              "in vllm:num_requests_waiting too).",
+              (double)st->offload_loading);
+        counter(p, "disagg:kv_offload_steps_during_loads",
+                "Engine forwards that ran while copies from the offload tiers were pending.",
+                (double)st->offload_steps_during_loads);
+        counter(p, "disagg:kv_offload_load_waits",
+                "Requests that waited for copies from the offload tiers.",
+                (double)st->offload_load_waits);
+        counter(p, "disagg:kv_offload_load_wait_seconds",
+                "Time requests waited for copies from the offload tiers (first copy started to "
+                "last one ended).",
+                (double)st->offload_load_wait_ns * 1e-9);
+        gauge(p, "disagg:kv_offload_prefill_tokens_per_second",
+              "The copy-or-recompute estimate of the prefill rate (exponentially averaged).",
+              st->offload_prefill_tps);
+        counter(p, "disagg:kv_offload_probes",
+                "Declined tier copies made anyway to measure the tier again.",
+                (double)st->offload_probes);
         counter(p, "disagg:kv_offload_lookups",
                 "Offload tier lookups after a device prefix-cache miss, in blocks.",
                 (double)o->lookups);

@@ -4,11 +4,17 @@ a disk slab) and come back by copy; the answers (greedy tokens, their logprobs a
 logprobs) equal those of the same server without the pool.  Disk faults: corrupt,
 foreign and truncated slots are detected and recomputed, a failing write (file size
 limit) degrades to recompute with a warning; the slab starts empty and is removed at
-exit."""
+exit.  The copies run on the tiers' loader thread: a request waits for its copies (out of
+the batch) while the others are served, an abort meanwhile frees every block, and the
+copy-or-recompute model declines copies slower than the prefill they save."""
+import json
 import os
 import resource
+import socket
 import stat
 import sys
+import threading
+import time
 
 import pytest
 import requests
@@ -27,6 +33,16 @@ STRIDE = (64 + BB + 4095) // 4096 * 4096  # one disk slot: header + block, 4 KiB
 BASE = DEV + ("--block-size", str(BS), "--max-model-len", "128",
               "--kv-cache-memory", str(12 * BB))  # 12 blocks: two 80-token prompts at most
 PROMPTS = [[(k * 131 + i * 7) % 4000 + 1 for i in range(80)] for k in range(4)]
+# every tier hit copied back whatever the copy-or-recompute model estimates: the tests that
+# count the copies do not depend on how fast this machine copies or computes
+ALWAYS = {"DISAGG_KV_OFFLOAD_COPY": "always"}
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def gib(blocks, size=BB):
@@ -66,7 +82,8 @@ def reference():
 
 
 def test_host_tier_outputs_unchanged(reference):
-    s = Server(*BASE, "--kv-offloading-size", gib(64), "--kv-offloading-backend", "native")
+    s = Server(*BASE, "--kv-offloading-size", gib(64), "--kv-offloading-backend", "native",
+               env=dict(ALWAYS, DISAGG_KV_OFFLOAD_LOADS="async"))  # every copy on the loader
     try:
         got = rounds(s, 3)
         assert [lp for lp, _ in got] == reference
@@ -81,6 +98,12 @@ def test_host_tier_outputs_unchanged(reference):
         assert m(s, "vllm:external_prefix_cache_queries_total") >= loaded * BS
         assert m(s, "disagg:kv_offload_blocks_capacity", "host") == 64
         assert m(s, "disagg:kv_offload_blocks_resident", "host") == 20
+        # 8 requests waited for their copies (out of the batch), none waits now
+        assert m(s, "disagg:kv_offload_load_waits_total") == 8
+        assert m(s, "disagg:kv_offload_requests_loading") == 0
+        assert m(s, "disagg:kv_offload_loads_in_flight") == 0
+        # (the stats are published after the step that answered)
+        wait_for(lambda: m(s, "disagg:kv_blocks_used") == 0, 10, "the blocks to be free")
     finally:
         assert s.stop() == 0
 
@@ -96,7 +119,7 @@ def test_host_tier_lru_eviction(reference):
         assert s.stop() == 0
 
 
-def disk_server(tmp_path, *extra, disk_blocks=64, env=None):
+def disk_server(tmp_path, *extra, disk_blocks=64, env=ALWAYS):
     return Server(*BASE, "--kv-offloading-size", gib(2), "--kv-offloading-disk", str(tmp_path),
                   "--kv-offloading-disk-size", gib(disk_blocks, STRIDE), *extra, env=env)
 
@@ -155,9 +178,12 @@ def test_disk_faults_recomputed(tmp_path, reference, fault):
         got += rounds(s, 2)
         assert [lp for lp, _ in got] == reference
         assert m(s, "disagg:kv_offload_corrupt_blocks_total") > 0
-        why = {"data": "checksum mismatch", "layout": "another model, dtype or block layout",
-               "truncate": "truncated"}[fault]
-        assert f"({why}): recomputed instead" in s.logs()
+        # a truncated slab reads short ("truncated") until later writes extend the file past a
+        # slot again: then the slot reads as the hole's zeros ("bad magic"); the loader reads
+        # the slots after the step thread's writes of the same step, so either may come first
+        whys = {"data": ["checksum mismatch"], "layout": ["another model, dtype or block layout"],
+                "truncate": ["truncated", "bad magic"]}[fault]
+        assert any(f"({why}): recomputed instead" in s.logs() for why in whys)
     finally:
         assert s.stop() == 0
 
@@ -178,7 +204,7 @@ def test_disk_write_failure_degrades(tmp_path, reference):
     server_harness.BIN = str(wrapper)
     try:
         s = Server(*BASE, "--kv-offloading-size", gib(2), "--kv-offloading-disk", str(d),
-                   "--kv-offloading-disk-size", gib(64, STRIDE))
+                   "--kv-offloading-disk-size", gib(64, STRIDE), env=ALWAYS)
     finally:
         server_harness.BIN = old
     try:
@@ -250,3 +276,125 @@ def test_tier_events(tmp_path):
         sub.close(0)
         ctx.term()
         assert s.stop() == 0
+
+
+# ---- asynchronous loads and the copy-or-recompute model --------------------------------
+
+# each tier load sleeps 1 s on the loader first (a slow medium): a restored 4-block prefix
+# waits >= 4 s for its copies, while the step thread serves the others
+SLOW = dict(ALWAYS, DISAGG_KV_OFFLOAD_LOAD_DELAY_MS="1000", DISAGG_KV_OFFLOAD_LOADS="async")
+
+
+def evict_round(s, reference):
+    """Every prompt once: prompts 0 and 1 end in the host tier only (2 and 3 fill the cache)."""
+    assert [ask(s, p)[0] for p in PROMPTS] == reference[:4]
+
+
+def test_batch_steps_while_a_prefix_loads(reference):
+    """Prompt 0's prefix comes back from the host tier at 1 s a block; a short request sent
+    while it waits is answered meanwhile (forwards ran with copies pending), then prompt 0
+    gets its answer, the same as without the pool, with its 64 prefix tokens copied."""
+    s = Server(*BASE, "--kv-offloading-size", gib(64), env=SLOW)
+    try:
+        evict_round(s, reference)
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=ask(s, PROMPTS[0])))
+        t.start()
+        wait_for(lambda: m(s, "disagg:kv_offload_requests_loading") == 1, 30,
+                 "prompt 0 to wait for its copies")
+        assert m(s, "disagg:kv_offload_loads_in_flight") == 4
+        r = requests.post(s.url + "/v1/completions", json={
+            "model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 20
+        # answered while prompt 0 still waited (its copies take 4 s; this takes milliseconds)
+        assert m(s, "disagg:kv_offload_requests_loading") == 1
+        assert m(s, "disagg:kv_offload_steps_during_loads_total") >= 1
+        t.join(60)
+        lp, cached = out["r"]
+        assert lp == reference[4] and cached == 64
+        assert m(s, "disagg:kv_offload_blocks_loaded_total", "host") == 4
+        assert m(s, "disagg:kv_offload_load_waits_total") == 1
+        assert m(s, "disagg:kv_offload_load_wait_seconds_total") >= 4.0  # the loader's sleeps
+        wait_for(lambda: m(s, "disagg:kv_blocks_used") == 0, 10, "the blocks to be free")
+    finally:
+        assert s.stop() == 0
+
+
+def raw_post(s, body):
+    data = json.dumps(body).encode()
+    c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return c
+
+
+def test_abort_while_loading_frees_every_block(reference):
+    """The client leaves while its prefix is being copied back: the request ends at once,
+    the copies' blocks go back when the copies end, nothing stays in use; the server goes
+    on answering the same."""
+    s = Server(*BASE, "--kv-offloading-size", gib(64), env=SLOW)
+    try:
+        evict_round(s, reference)
+        c = raw_post(s, {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6})
+        wait_for(lambda: m(s, "disagg:kv_offload_requests_loading") == 1, 30,
+                 "prompt 0 to wait for its copies")
+        c.close()
+        wait_for(lambda: m(s, "disagg:kv_offload_requests_loading") == 0, 30, "the abort")
+        wait_for(lambda: m(s, "disagg:kv_offload_loads_in_flight") == 0, 30, "the copies to end")
+        wait_for(lambda: m(s, "disagg:kv_blocks_used") == 0, 10, "the blocks to be free")
+        assert m(s, "disagg:kv_offload_load_waits_total") == 0  # nobody was left to wait
+        assert ask(s, PROMPTS[3])[0] == reference[3]  # in the device cache: no copy
+        wait_for(lambda: m(s, "disagg:kv_blocks_used") == 0, 10, "the blocks to be free")
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_copies_slower_than_the_prefill_are_declined(tmp_path, reference, tier):
+    """DISAGG_KV_OFFLOAD_BANDWIDTH=<tier>=1 (one byte a second): every copy from that tier is
+    slower than the prefill it would save, so those prefixes are recomputed and counted as
+    declined; the answers do not change."""
+    env = {"DISAGG_KV_OFFLOAD_BANDWIDTH": f"{tier}=1"}
+    s = (Server(*BASE, "--kv-offloading-size", gib(64), env=env) if tier == "host"
+         else disk_server(tmp_path, env=env))
+    try:
+        got = rounds(s, 3)
+        assert [lp for lp, _ in got] == reference
+        assert m(s, "disagg:kv_offload_blocks_loaded_total", tier) == 0
+        assert m(s, "disagg:kv_offload_blocks_declined_total", tier) >= 8
+        assert m(s, "disagg:kv_offload_bandwidth_bytes_per_second", tier) == 1
+        assert m(s, "disagg:kv_offload_probes_total") == 0  # a set bandwidth is not re-measured
+        if tier == "host":
+            assert all(c == 0 for _, c in got)  # nothing came back: every prompt recomputed
+    finally:
+        assert s.stop() == 0
+
+
+def test_sync_loads_same_answers(reference):
+    """DISAGG_KV_OFFLOAD_LOADS=sync (the comparison mode): the copies run on the step
+    thread, no forward runs with one pending; the answers are the same."""
+    s = Server(*BASE, "--kv-offloading-size", gib(64),
+               env=dict(ALWAYS, DISAGG_KV_OFFLOAD_LOADS="sync"))
+    try:
+        got = rounds(s, 3)
+        assert [lp for lp, _ in got] == reference
+        assert all(c == 64 for _, c in got[4:])
+        assert m(s, "disagg:kv_offload_blocks_loaded_total", "host") >= 32
+        assert m(s, "disagg:kv_offload_steps_during_loads_total") == 0
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize("var,value,msg", [
+    ("DISAGG_KV_OFFLOAD_COPY", "sometimes", "DISAGG_KV_OFFLOAD_COPY='sometimes' is not accepted"),
+    ("DISAGG_KV_OFFLOAD_BANDWIDTH", "disk=0", "DISAGG_KV_OFFLOAD_BANDWIDTH='disk=0' is not accepted"),
+    ("DISAGG_KV_OFFLOAD_BANDWIDTH", "gpu=1G", "host=BYTES_PER_S,disk=BYTES_PER_S"),
+    ("DISAGG_KV_OFFLOAD_LOADS", "later", "DISAGG_KV_OFFLOAD_LOADS='later' is not accepted"),
+    ("DISAGG_KV_OFFLOAD_LOAD_DELAY_MS", "-1", "DISAGG_KV_OFFLOAD_LOAD_DELAY_MS='-1' is not accepted"),
+])
+def test_bad_load_switches(var, value, msg):
+    with pytest.raises(RuntimeError) as ex:
+        Server(*BASE, "--kv-offloading-size", gib(8), env={var: value}, ready_timeout=60)
+    assert msg in str(ex.value)

@@ -164,7 +164,7 @@ static void test_tier_hooks_and_events(void **state) {
     assert_int_equal(block_pool_init(&bp, 2), 0);
     bp.block_size = 4;
     bp.events = &log;
-    bp.tier = (block_pool_tier){&ft, ft_evicted, ft_load};
+    bp.tier = (block_pool_tier){&ft, ft_evicted, ft_load, NULL, NULL};
     int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     uint64_t h0 = block_pool_hash_tokens(0, toks, 4), h1 = block_pool_hash_tokens(h0, toks + 4, 4);
     int32_t a[2];
@@ -218,6 +218,58 @@ static void test_tier_hooks_and_events(void **state) {
     block_pool_free_all(&bp);
 }
 
+static int ft_find(void *ctx, uint64_t hash) {
+    fake_tier *t = ctx;
+    for (int i = 0; i < t->n_stored; i++)
+        if (t->stored[i] == hash) return 1; /* "level 1" */
+    return -1;
+}
+
+static int ft_load_async(void *ctx, uint64_t hash, int32_t block, uint64_t tag) {
+    fake_tier *t = ctx;
+    t->last_block = block;
+    t->last_load = tag;
+    return ft_find(ctx, hash) >= 0 && !t->fail ? 0 : -1;
+}
+
+/* An asynchronous load: the block is referenced by the caller and by the copy, so the
+ * caller letting go does not free it; the end of the copy does.  A tier that lost the hash
+ * gives the block back at once. */
+static void test_load_async(void **state) {
+    (void)state;
+    block_pool bp;
+    fake_tier ft = {0};
+    assert_int_equal(block_pool_init(&bp, 3), 0);
+    bp.tier = (block_pool_tier){&ft, ft_evicted, ft_load, ft_find, ft_load_async};
+    ft.stored[ft.n_stored++] = 1234;
+    assert_int_equal(block_pool_tier_find(&bp, 1234), 1);
+    assert_int_equal(block_pool_tier_find(&bp, 999), -1);
+    int32_t b = block_pool_load_async(&bp, 1234, 42);
+    assert_true(b >= 0 && ft.last_block == b && ft.last_load == 42);
+    assert_int_equal(bp.ref[b], 2);
+    assert_false(block_pool_contains(&bp, 1234)); /* cached by the caller when the copy ends */
+    block_pool_release(&bp, &b, 1);                /* the caller goes (an abort) */
+    assert_int_equal(block_pool_num_used(&bp), 1);  /* the copy still writes it */
+    block_pool_load_finished(&bp, b);
+    assert_int_equal(block_pool_num_used(&bp), 0);
+    assert_int_equal(block_pool_load_async(&bp, 999, 43), -1); /* not held */
+    assert_int_equal(block_pool_num_free(&bp), 3);
+    assert_int_equal(bp.ext_queries, 2);
+    assert_int_equal(bp.ext_hits, 1);
+    /* no free block: -1, nothing started */
+    int32_t all[3];
+    assert_int_equal(block_pool_alloc(&bp, 3, all), 0);
+    ft.last_block = -7;
+    assert_int_equal(block_pool_load_async(&bp, 1234, 44), -1);
+    assert_int_equal(ft.last_block, -7);
+    block_pool_release(&bp, all, 3);
+    /* no async hooks: nothing */
+    bp.tier = (block_pool_tier){&ft, ft_evicted, ft_load, NULL, NULL};
+    assert_int_equal(block_pool_tier_find(&bp, 1234), -1);
+    assert_int_equal(block_pool_load_async(&bp, 1234, 45), -1);
+    block_pool_free_all(&bp);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_alloc_release),
@@ -226,6 +278,7 @@ int main(void) {
         cmocka_unit_test(test_many_hashes),
         cmocka_unit_test(test_evicted_hash_gone),
         cmocka_unit_test(test_tier_hooks_and_events),
+        cmocka_unit_test(test_load_async),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

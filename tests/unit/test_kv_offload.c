@@ -1,5 +1,7 @@
 /* Unit tests: engine/kv_offload — the host tier's LRU, the disk tier under it, a block's
- * bytes surviving the round trip, corrupt and foreign slots refused, the events. */
+ * bytes surviving the round trip, corrupt and foreign slots refused, the events; the
+ * asynchronous loads on the loader thread (slots pinned while loaded, a clear meanwhile,
+ * a corrupt slot found by the loader, the notify callback, the synchronous mode). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,6 +12,8 @@
 #include "kernels/backend.h"
 
 #include <fcntl.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +43,7 @@ static int load(kv_offload *o, uint64_t hash, int block) {
 static void test_host_lru(void **state) {
     (void)state;
     backend_stream *st = backend_stream_create(backend_cpu_default());
-    kv_offload_config c = {3 * BB, NULL, 0, BB, 42, 16};
+    kv_offload_config c = {3 * BB, NULL, 0, BB, 42, 16, 0, 0};
     kv_offload *o;
     char err[256];
     assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
@@ -90,7 +94,7 @@ static void test_disk_tier(void **state) {
     char dir[] = "/tmp/kvoff-XXXXXX";
     assert_non_null(mkdtemp(dir));
     backend_stream *st = backend_stream_create(backend_cpu_default());
-    kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16};
+    kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, 0, 0};
     kv_offload *o;
     char err[256];
     assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
@@ -120,9 +124,124 @@ static void test_disk_tier(void **state) {
     kv_offload_destroy(o);
     assert_int_equal(access(path, F_OK), -1); /* removed */
     /* too small: an error naming the flag */
-    kv_offload_config bad = {BB - 1, NULL, 0, BB, 42, 16};
+    kv_offload_config bad = {BB - 1, NULL, 0, BB, 42, 16, 0, 0};
     assert_int_equal(kv_offload_create(&bad, st, kv, &o, err, sizeof err), -1);
     assert_non_null(strstr(err, "--kv-offloading-size"));
+    backend_stream_free(st);
+    rmdir(dir);
+}
+
+static atomic_int notified;
+
+static void on_load_ended(void *ctx) {
+    (void)ctx;
+    atomic_fetch_add(&notified, 1);
+}
+
+/* The next ended load (waits up to 10 s for the loader). */
+static kv_offload_done reap_one(kv_offload *o) {
+    kv_offload_done d;
+    memset(&d, 0, sizeof d);
+    for (int i = 0; i < 10000; i++) {
+        if (kv_offload_reap(o, &d, 1) == 1) return d;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    fail_msg("no load ended within 10 s");
+    return d;
+}
+
+static void test_async_host(void **state) {
+    (void)state;
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    kv_offload_config c = {3 * BB, NULL, 0, BB, 42, 16, 0, 200}; /* loads take 200 ms */
+    kv_offload *o;
+    char err[256];
+    assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+    kv_offload_set_notify(o, on_load_ended, NULL);
+    atomic_store(&notified, 0);
+    for (int k = 0; k < 3; k++) {
+        fill(k, k + 1);
+        assert_int_equal(kv_offload_store(o, 100 + (uint64_t)k, k), 0);
+    }
+    assert_int_equal(kv_offload_find(o, 101), KV_TIER_HOST);
+    assert_int_equal(kv_offload_find(o, 999), -1);
+    memset(kv + 5 * BB, 0, BB);
+    assert_int_equal(kv_offload_load_async(o, 100, 5, 77), 0);
+    assert_int_equal(kv_offload_load_async(o, 999, 6, 78), -1); /* no tier has it */
+    assert_int_equal(kv_offload_in_flight(o), 1);
+    /* 100 is being loaded (into block 5, which nothing else touches meanwhile): three more
+     * blocks evict 101, 102 and 103, never 100 */
+    for (int k = 3; k < 6; k++) {
+        fill(k - 3, k + 1);
+        assert_int_equal(kv_offload_store(o, 100 + (uint64_t)k, k - 3), 0);
+    }
+    assert_int_equal(kv_offload_find(o, 100), KV_TIER_HOST);
+    assert_int_equal(kv_offload_find(o, 101), -1);
+    assert_int_equal(kv_offload_find(o, 103), -1);
+    kv_offload_done d = reap_one(o);
+    assert_true(d.tag == 77 && d.block == 5 && d.tier == KV_TIER_HOST && d.ok == 1);
+    assert_true(d.ns >= 150000000ull); /* the delay is the loader's time, not the caller's */
+    assert_true(holds(5, 1));
+    assert_int_equal(atomic_load(&notified), 1);
+    assert_int_equal(kv_offload_in_flight(o), 0);
+    kv_offload_stats s;
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.loaded[KV_TIER_HOST], 1);
+    assert_int_equal(s.resident[KV_TIER_HOST], 3);
+    /* a clear while a load reads a slot: the hash is gone at once, the slot when it ends */
+    assert_int_equal(kv_offload_load_async(o, 105, 6, 79), 0);
+    kv_offload_clear(o);
+    assert_int_equal(kv_offload_find(o, 105), -1);
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.resident[KV_TIER_HOST], 1);
+    d = reap_one(o);
+    assert_true(d.ok && d.block == 6 && holds(6, 6));
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.resident[KV_TIER_HOST], 0);
+    /* every slot free again: three stores fit without evicting */
+    for (int k = 0; k < 3; k++) assert_int_equal(kv_offload_store(o, 300 + (uint64_t)k, k), 0);
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.resident[KV_TIER_HOST], 3);
+    /* destroyed with a load queued: joined, nothing leaks */
+    assert_int_equal(kv_offload_load_async(o, 300, 7, 80), 0);
+    kv_offload_destroy(o);
+    backend_stream_free(st);
+}
+
+static void test_async_disk_and_sync_mode(void **state) {
+    (void)state;
+    char dir[] = "/tmp/kvoff-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    for (int sync = 0; sync < 2; sync++) {
+        kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, sync, 0};
+        kv_offload *o;
+        char err[256];
+        assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+        for (int k = 0; k < 4; k++) { /* a host tier of one block: 200..202 go to disk */
+            fill(k, 10 + k);
+            assert_int_equal(kv_offload_store(o, 200 + (uint64_t)k, k), 0);
+        }
+        assert_int_equal(kv_offload_find(o, 201), KV_TIER_DISK);
+        int fd = open(kv_offload_disk_path(o), O_RDWR); /* corrupt slot 1 (hash 201) */
+        unsigned char x = 0x55;
+        assert_int_equal(pwrite(fd, &x, 1, 4096 + 64 + 10), 1);
+        close(fd);
+        memset(kv, 0, sizeof kv);
+        assert_int_equal(kv_offload_load_async(o, 200, 6, 1), 0);
+        assert_int_equal(kv_offload_load_async(o, 201, 7, 2), 0);
+        if (sync) assert_int_equal(kv_offload_busy(o), 0); /* both done on this thread */
+        kv_offload_done a = reap_one(o), b = reap_one(o);
+        assert_true(a.tag == 1 && a.ok && a.tier == KV_TIER_DISK && holds(6, 10));
+        assert_true(b.tag == 2 && !b.ok);
+        kv_offload_stats s;
+        kv_offload_get_stats(o, &s);
+        assert_int_equal(s.corrupt, 1);
+        assert_int_equal(s.loaded[KV_TIER_DISK], 1);
+        assert_int_equal(kv_offload_find(o, 201), -1); /* dropped */
+        kv_offload_destroy(o);
+    }
     backend_stream_free(st);
     rmdir(dir);
 }
@@ -131,6 +250,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_host_lru),
         cmocka_unit_test(test_disk_tier),
+        cmocka_unit_test(test_async_host),
+        cmocka_unit_test(test_async_disk_and_sync_mode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

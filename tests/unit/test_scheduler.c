@@ -1,5 +1,6 @@
 /* Unit tests: engine/scheduler — chunked prefill under the token budget,
- * decode batching, prefix-cache admission, preemption by recompute, parking. */
+ * decode batching, prefix-cache admission, preemption by recompute, parking,
+ * prefixes copied back from a lower tier in the background (SEQ_LOADING). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -214,11 +215,215 @@ static void test_max_num_seqs(void **state) {
     env_free(&e);
 }
 
+/* A lower tier that keeps the hashes the pool evicts and records the copies started. */
+typedef struct async_tier {
+    uint64_t held[64];
+    int n_held;
+    int32_t block[16];
+    uint64_t tag[16];
+    int n_started;
+} async_tier;
+
+static void at_evicted(void *ctx, int32_t block, uint64_t hash) {
+    async_tier *t = ctx;
+    (void)block;
+    t->held[t->n_held++] = hash;
+}
+
+static int at_find(void *ctx, uint64_t hash) {
+    async_tier *t = ctx;
+    for (int i = 0; i < t->n_held; i++)
+        if (t->held[i] == hash) return 0;
+    return -1;
+}
+
+static int at_load(void *ctx, uint64_t hash, int32_t block) {
+    (void)ctx, (void)hash, (void)block;
+    return -1; /* the synchronous path is not used here */
+}
+
+static int at_load_async(void *ctx, uint64_t hash, int32_t block, uint64_t tag) {
+    async_tier *t = ctx;
+    if (at_find(ctx, hash) < 0) return -1;
+    t->block[t->n_started] = block;
+    t->tag[t->n_started++] = tag;
+    return 0;
+}
+
+/* Compute q (13 tokens: 3 full blocks) to its end, finish it, then evict every cached block
+ * into the tier. */
+static void compute_and_evict(env *e, seq *q) {
+    sched_add(&e->s, q);
+    while (q->n_computed < q->n_tokens) step(e);
+    sched_finish(&e->s, q, 0);
+    int32_t all[16];
+    assert_int_equal(block_pool_alloc(&e->bp, 16, all), 0);
+    block_pool_release(&e->bp, all, 16);
+}
+
+/* The tier's blocks come back in the background: the sequence waits (SEQ_LOADING, out of
+ * the batch, its blocks held twice) while another is admitted; then it waits first in line
+ * holding nothing and takes the copied blocks from the device cache; a failed copy cuts its
+ * prefix there; an abort meanwhile leaves the copies' blocks to the copies; the cost model
+ * may decline. */
+static void test_tier_loads(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 16, 4, 8, 64);
+    async_tier at = {0};
+    e.bp.tier = (block_pool_tier){&at, at_evicted, at_load, at_find, at_load_async};
+    e.s.async_loads = SCHED_LOADS_BACKGROUND;
+    seq a, b, c, d, f;
+    make_seq(&a, 1, 13, 100, 1);
+    compute_and_evict(&e, &a);
+    assert_int_equal(at.n_held, 3);
+    make_seq(&b, 2, 13, 100, 4); /* a's prompt: 3 blocks in the tier */
+    make_seq(&c, 3, 5, 900, 4);  /* another: computed now */
+    sched_add(&e.s, &b);
+    sched_add(&e.s, &c);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.p.n_items, 1);
+    assert_ptr_equal(e.p.items[0].s, &c); /* the batch went on without b */
+    sched_commit(&e.s, &e.p);
+    assert_int_equal(b.state, SEQ_LOADING);
+    assert_int_equal(e.s.n_loading, 1);
+    assert_int_equal(e.s.n_waiting, 0);
+    assert_int_equal(b.n_blocks, 3);
+    assert_int_equal(b.n_loads, 3);
+    assert_int_equal(at.n_started, 3);
+    for (int i = 0; i < 3; i++) {
+        assert_true(at.block[i] == b.blocks[i] && at.tag[i] == 2);
+        assert_int_equal(e.bp.ref[b.blocks[i]], 2); /* b's and the copy's */
+    }
+    assert_int_equal(e.bp.ext_hits, 3);
+    /* copies end: the first well, the second not, the third well (cached, not b's) */
+    int32_t b2 = b.blocks[2];
+    sched_load_done(&e.s, &b, b.blocks[0], 1);
+    sched_load_done(&e.s, &b, b.blocks[1], 0);
+    assert_int_equal(b.state, SEQ_LOADING);
+    sched_load_done(&e.s, &b, b2, 1);
+    /* b waits first in line with its prefix up to the failed copy */
+    assert_int_equal(b.state, SEQ_WAITING);
+    assert_ptr_equal(e.s.wait_head, &b);
+    assert_int_equal(e.s.n_loading, 0);
+    assert_int_equal(b.n_blocks, 1);
+    assert_int_equal(b.n_computed, 4);
+    assert_int_equal(b.n_cached, 4);
+    assert_true(block_pool_contains(&e.bp, b.hashes[0]));
+    assert_true(block_pool_contains(&e.bp, b.hashes[2])); /* copied well: cached */
+    assert_int_equal(e.bp.ref[b2], 0);                     /* and free */
+    assert_int_equal(e.s.loads_waited, 1);
+    at.n_started = 0;
+    step(&e); /* b runs from its 4 loaded tokens (the failed block is computed) */
+    assert_int_equal(b.state, SEQ_RUNNING);
+    assert_int_equal(b.n_cached, 4);
+    assert_true(b.n_computed > 4);
+    assert_int_equal(at.n_started, 0);
+    sched_finish(&e.s, &b, 0);
+    sched_finish(&e.s, &c, 0);
+    /* an abort while loading: the copies keep their blocks until they end */
+    int32_t all[16];
+    assert_int_equal(block_pool_alloc(&e.bp, 16, all), 0);
+    block_pool_release(&e.bp, all, 16);
+    at.n_started = 0;
+    make_seq(&d, 4, 13, 100, 4);
+    sched_add(&e.s, &d);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(d.state, SEQ_LOADING);
+    assert_int_equal(at.n_started, 3);
+    sched_finish(&e.s, &d, 0);
+    assert_int_equal(e.s.n_loading, 0);
+    assert_int_equal(block_pool_num_used(&e.bp), 3);
+    for (int i = 0; i < 3; i++) sched_load_done(&e.s, NULL, at.block[i], 1);
+    assert_int_equal(block_pool_num_used(&e.bp), 0);
+    seq_free(&d);
+    /* the cost model: a 1 B/s tier is slower than any prefill: recomputed, no copy */
+    kv_load_cost cost;
+    kv_load_cost_init(&cost, 1000, 4);
+    assert_int_equal(kv_load_cost_configure(&cost, NULL, "host=1", NULL, 0), 0);
+    e.s.cost = &cost;
+    at.n_started = 0;
+    make_seq(&f, 5, 13, 100, 4);
+    sched_add(&e.s, &f);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(f.state, SEQ_RUNNING);
+    assert_int_equal(f.n_cached, 0);
+    assert_int_equal(at.n_started, 0);
+    assert_int_equal(cost.declined[KV_TIER_HOST], 3);
+    sched_finish(&e.s, &f, 0);
+    seq_free(&a);
+    seq_free(&b);
+    seq_free(&c);
+    seq_free(&f);
+    env_free(&e);
+}
+
+/* Two sequences whose copies ended (holding their prefixes) and a preempted one first in
+ * line that needs most of the cache: the head cannot be admitted, so the others let their
+ * blocks go and the head is admitted next (holding them behind a head that cannot fit
+ * stalled the engine for good). */
+static void test_loaded_never_block_the_head(void **state) {
+    (void)state;
+    env e;
+    env_init(&e, 16, 4, 8, 64);
+    async_tier at = {0};
+    e.bp.tier = (block_pool_tier){&at, at_evicted, at_load, at_find, at_load_async};
+    e.s.async_loads = SCHED_LOADS_BACKGROUND;
+    seq a1, a2, b, d, x;
+    make_seq(&a1, 1, 13, 100, 1);
+    compute_and_evict(&e, &a1);
+    make_seq(&a2, 2, 13, 300, 1);
+    compute_and_evict(&e, &a2);
+    make_seq(&b, 3, 13, 100, 4);
+    make_seq(&d, 4, 13, 300, 4);
+    sched_add(&e.s, &b);
+    sched_add(&e.s, &d);
+    sched_step(&e.s, &e.p);
+    assert_int_equal(e.s.n_loading, 2);
+    for (int i = 0; i < at.n_started; i++)
+        sched_load_done(&e.s, at.tag[i] == 3 ? &b : &d, at.block[i], 1);
+    assert_int_equal(e.s.n_waiting, 2);
+    assert_int_equal(block_pool_num_used(&e.bp), 6); /* they hold their prefixes */
+    make_seq(&x, 5, 50, 700, 4); /* 13 blocks: fits only if they let theirs go */
+    sched_add(&e.s, &x);
+    e.s.wait_head->prev = NULL; /* move x to the head, as a preempted sequence goes */
+    e.s.wait_tail = x.prev;
+    x.prev->next = NULL;
+    x.next = e.s.wait_head;
+    e.s.wait_head->prev = &x;
+    e.s.wait_head = &x;
+    x.prev = NULL;
+    at.n_started = 0;
+    int x_ran = 0;
+    for (int k = 0; k < 60 && (b.state != SEQ_RUNNING || d.state != SEQ_RUNNING); k++) {
+        step(&e);
+        x_ran |= x.state == SEQ_RUNNING;
+        if (x.state == SEQ_RUNNING && x.n_tokens - x.n_prompt >= 1) sched_finish(&e.s, &x, 0);
+        for (int i = 0; i < at.n_started; i++) /* copies (again, after x evicted them) end */
+            sched_load_done(&e.s, at.tag[i] == 3 ? &b : &d, at.block[i], 1);
+        at.n_started = 0;
+    }
+    assert_true(x_ran);
+    assert_int_equal(x.state, SEQ_FINISHED);
+    assert_int_equal(b.state, SEQ_RUNNING);
+    assert_int_equal(b.n_cached, 12);
+    assert_int_equal(d.state, SEQ_RUNNING);
+    sched_finish(&e.s, &b, 0);
+    sched_finish(&e.s, &d, 0);
+    seq_free(&a1);
+    seq_free(&a2);
+    seq_free(&b);
+    seq_free(&d);
+    seq_free(&x);
+    env_free(&e);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_prefix_cache_admission),
         cmocka_unit_test(test_preemption),      cmocka_unit_test(test_park_unpark),
-        cmocka_unit_test(test_max_num_seqs),
+        cmocka_unit_test(test_max_num_seqs),    cmocka_unit_test(test_tier_loads),
+        cmocka_unit_test(test_loaded_never_block_the_head),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
