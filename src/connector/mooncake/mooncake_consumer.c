@@ -253,6 +253,19 @@ static int pull_one(mooncake_connector *c, cons_req *r, const pull_target *tg, p
     return rc == 0 && o->ok ? 0 : rc ? rc : -EIO;
 }
 
+/* The end of a pull thread: its load is no longer in flight; r is freed if nothing else
+ * holds it. */
+static void pull_thread_done(mooncake_connector *c, cons_req *r) {
+    pthread_mutex_lock(&c->mu);
+    c->st.loading--;
+    c->n_pull_threads--;
+    if (r->evicted) c->n_evicting--;
+    r->loading = 0;
+    mc_cons_maybe_free_locked(c, r);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
 /* The end of a pool fetch's pull thread: counted, the engine told (the prefix, or compute
  * it all here), the thread's hold on r dropped. */
 static void pool_ended(mooncake_connector *c, cons_req *r, int ok, int reason, double secs,
@@ -291,14 +304,7 @@ static void pool_ended(mooncake_connector *c, cons_req *r, int ok, int reason, d
         snprintf(msg, sizeof msg, "pool fetch from %s failed: %s", r->bootstrap, err);
         engine_kv_load_failed(c->eng, r->id, 1, hold_ns, 0, msg);
     }
-    pthread_mutex_lock(&c->mu);
-    c->st.loading--;
-    c->n_pull_threads--;
-    if (r->evicted) c->n_evicting--;
-    r->loading = 0;
-    mc_cons_maybe_free_locked(c, r);
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    pull_thread_done(c, r);
 }
 
 void *mc_pull_main(void *arg) {
@@ -381,14 +387,7 @@ void *mc_pull_main(void *arg) {
             LOG_W(MOD, "transfer %s: %d of %d prefill ranks not told to release its KV: %s",
                   r->transfer_id, nf, nr, rerr);
     }
-    pthread_mutex_lock(&c->mu);
-    c->st.loading--;
-    c->n_pull_threads--;
-    if (r->evicted) c->n_evicting--;
-    r->loading = 0;
-    mc_cons_maybe_free_locked(c, r);
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    pull_thread_done(c, r);
     return NULL;
 }
 
