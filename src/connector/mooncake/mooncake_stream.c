@@ -245,6 +245,8 @@ static void *stream_main(void *arg) {
     }
     if (rc == -ECANCELED) {
         c->fail_p[FP_CANCELLED]++;
+        LOG_W(MOD, "transfer %s (layer-wise): stopped: %s", p->transfer_id,
+              t->stop_why ? t->stop_why : "cancelled");
     } else if (reason == FP_PREFILL_ENDED) {
         c->fail_p[FP_PREFILL_ENDED]++;
     } else {
