@@ -282,6 +282,19 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
         counter(p, "disagg:kv_offload_write_errors",
                 "Disk-tier writes that failed (full disk, I/O error): the block was dropped.",
                 (double)o->write_errors);
+        if (o->capacity[KV_TIER_DISK]) {
+            gauge(p, "disagg:kv_offload_writes_queued",
+                  "Disk-tier writes queued for the writer thread or being written (blocks).",
+                  (double)o->writes_queued);
+            counter(p, "disagg:kv_offload_writes_dropped",
+                    "Blocks the host tier evicted that were not written to disk: the write "
+                    "queue was full (the disk is behind).",
+                    (double)o->writes_dropped);
+            gauge(p, "disagg:kv_offload_disk_direct_io",
+                  "1 when the disk tier's slab is read and written with O_DIRECT, 0 when "
+                  "through the page cache.",
+                  (double)o->direct_io);
+        }
     }
     counter(p, "vllm:num_preemptions", "Cumulative number of preemptions.",
             (double)st->num_preemptions);
