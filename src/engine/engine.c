@@ -992,8 +992,9 @@ static int offload_env(engine *e, kv_offload_config *oc, char *err, size_t errle
         if (*end || v < 1 || v > 4096) {
             snprintf(err, errlen,
                      "DISAGG_KV_OFFLOAD_WRITE_QUEUE='%s' is not accepted (an integer in [1, "
-                     "4096]: disk writes queued at most, each one block's buffer; default %d)",
-                     wq, KV_OFFLOAD_WRITE_QUEUE);
+                     "4096]: disk writes queued at most, each one block's buffer; default: "
+                     "%zu MiB of buffers, 16 to 4096 blocks)",
+                     wq, KV_OFFLOAD_WRITE_QUEUE_BYTES >> 20);
             return -EINVAL;
         }
         oc->write_queue = (int)v;

@@ -453,14 +453,21 @@ int kv_offload_store(kv_offload *o, uint64_t hash, int32_t block) {
         int32_t v = o->host.head;
         if (v < 0) return 0; /* every slot is being loaded: the block is not kept */
         uint64_t vh = o->host.key[v];
-        if (o->fd >= 0) disk_store(o, vh, o->host_mem + (size_t)v * o->bb);
+        if (o->fd >= 0) {
+            uint64_t t0 = clock_now_ns();
+            disk_store(o, vh, o->host_mem + (size_t)v * o->bb);
+            o->stats.store_ns[KV_TIER_DISK] += clock_now_ns() - t0;
+        }
         ev_removed(o, KVEV_MEDIUM_CPU, vh);
         tier_remove(&o->host, v);
         o->stats.evicted[KV_TIER_HOST]++;
         s = tier_take(&o->host);
     }
-    if (backend_download(o->st, o->host_mem + (size_t)s * o->bb, o->kv_base + (size_t)block * o->bb,
-                         o->bb)) {
+    uint64_t t0 = clock_now_ns();
+    int rc = backend_download(o->st, o->host_mem + (size_t)s * o->bb,
+                              o->kv_base + (size_t)block * o->bb, o->bb);
+    o->stats.store_ns[KV_TIER_HOST] += clock_now_ns() - t0;
+    if (rc) {
         o->host.free_slots[o->host.n_free++] = s;
         return -1;
     }
@@ -710,7 +717,11 @@ static int writer_start(kv_offload *o, char *err, size_t errlen) {
     pthread_cond_init(&o->wcv, NULL);
     o->wmu_on = 1;
     if (o->cfg.sync_writes) return 0;
-    int n = o->nwb = o->cfg.write_queue > 0 ? o->cfg.write_queue : KV_OFFLOAD_WRITE_QUEUE;
+    size_t fit = KV_OFFLOAD_WRITE_QUEUE_BYTES / o->stride; /* a burst of evictions fits */
+    int n = o->nwb = o->cfg.write_queue > 0 ? o->cfg.write_queue
+                     : fit < 16                ? 16
+                     : fit > 4096              ? 4096
+                                               : (int)fit;
     o->wmem = aligned_alloc(DISK_ALIGN, (size_t)n * o->stride);
     o->wb_slot = calloc((size_t)n, sizeof *o->wb_slot);
     o->wb_refs = calloc((size_t)n, sizeof *o->wb_refs);

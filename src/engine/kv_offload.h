@@ -58,7 +58,8 @@ typedef struct kv_offload_config {
     int sync_loads;       /* 1: kv_offload_load_async copies on the calling thread (comparison) */
     unsigned load_delay_ms; /* each load (either kind) waits this long first: a slow medium */
     int sync_writes;      /* 1: disk writes on the calling thread (comparison); 0: the writer thread */
-    int write_queue;      /* disk writes queued at most (0: KV_OFFLOAD_WRITE_QUEUE) */
+    int write_queue;      /* disk writes queued at most (0: KV_OFFLOAD_WRITE_QUEUE_BYTES of
+                           * buffers, from 16 to 4096 blocks) */
     unsigned write_delay_ms; /* each disk write waits this long first: a slow disk */
     int direct_io;        /* KV_DIRECT_IO_* */
 } kv_offload_config;
@@ -67,7 +68,7 @@ typedef struct kv_offload_config {
  * refuses it or keeps files in memory anyway (tmpfs, ramfs): then buffered, with an info
  * line naming the filesystem.  ON: O_DIRECT or the creation fails.  OFF: buffered. */
 enum { KV_DIRECT_IO_AUTO = 0, KV_DIRECT_IO_ON = 1, KV_DIRECT_IO_OFF = 2 };
-#define KV_OFFLOAD_WRITE_QUEUE 16
+#define KV_OFFLOAD_WRITE_QUEUE_BYTES ((size_t)64 << 20)
 
 typedef struct kv_offload_stats {
     uint64_t stored[KV_TIER_COUNT];  /* blocks written into the tier */
@@ -75,6 +76,8 @@ typedef struct kv_offload_stats {
     uint64_t evicted[KV_TIER_COUNT]; /* blocks the tier dropped to make room (LRU) */
     uint64_t bytes_stored[KV_TIER_COUNT], bytes_loaded[KV_TIER_COUNT];
     uint64_t load_ns[KV_TIER_COUNT]; /* time spent loading (copy, read, checksum) */
+    uint64_t store_ns[KV_TIER_COUNT]; /* the caller's time storing (host: the copy down; disk:
+                                       * the write with sync_writes, else the queueing) */
     uint64_t lookups, hits[KV_TIER_COUNT];
     uint64_t corrupt;      /* disk slots that failed their checks (recomputed) */
     uint64_t write_errors; /* disk writes that failed (the block was dropped) */

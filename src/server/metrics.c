@@ -234,6 +234,10 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
                  "Bytes copied back from an offload tier.", bytes_loaded, 1);
         PER_TIER("disagg:kv_offload_load_seconds", PROM_COUNTER,
                  "Time spent copying blocks back from an offload tier.", load_ns, 1e-9);
+        PER_TIER("disagg:kv_offload_store_seconds", PROM_COUNTER,
+                 "Step-thread time spent storing into an offload tier (host: the copy down; "
+                 "disk: the write when synchronous, else queueing it).",
+                 store_ns, 1e-9);
         PER_TIER("disagg:kv_offload_hits", PROM_COUNTER,
                  "Offload lookups (after a device-cache miss) found in a tier.", hits, 1);
         PER_TIER("disagg:kv_offload_blocks_resident", PROM_GAUGE,
