@@ -4,7 +4,8 @@ a disk slab) and come back by copy; the answers (greedy tokens, their logprobs a
 logprobs) equal those of the same server without the pool.  Disk faults: corrupt,
 foreign and truncated slots are detected and recomputed, a failing write (file size
 limit) degrades to recompute with a warning; the slab starts empty and is removed at
-exit.  The copies run on the tiers' loader thread: a request waits for its copies (out of
+exit; the slab is O_DIRECT where the filesystem takes it (buffered on tmpfs), its writes run
+on a writer thread whose full queue drops (counted) rather than blocking.  The copies run on the tiers' loader thread: a request waits for its copies (out of
 the batch) while the others are served, an abort meanwhile frees every block, and the
 copy-or-recompute model declines copies slower than the prefill they save."""
 import json

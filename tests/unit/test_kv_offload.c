@@ -1,7 +1,9 @@
 /* Unit tests: engine/kv_offload — the host tier's LRU, the disk tier under it, a block's
  * bytes surviving the round trip, corrupt and foreign slots refused, the events; the
  * asynchronous loads on the loader thread (slots pinned while loaded, a clear meanwhile,
- * a corrupt slot found by the loader, the notify callback, the synchronous mode). */
+ * a corrupt slot found by the loader, the notify callback, the synchronous mode); the disk
+ * writer thread (a full queue dropping, a queued block loaded from its buffer, a clear and a
+ * shutdown with writes queued), a torn slot refused, the O_DIRECT modes. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
