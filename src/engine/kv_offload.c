@@ -250,7 +250,6 @@ struct kv_offload {
     int writer_on, wmu_on, wstop;
     pthread_mutex_t wmu;
     pthread_cond_t wcv;
-    uint64_t warned_drops;
 };
 
 uint64_t kv_offload_layout_key(const char *model, int layers, int kv_heads, int head_dim,
@@ -363,7 +362,10 @@ static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
     s = tier_take(&o->disk);
     if (s < 0) {
         int32_t v = o->disk.head;
-        if (v < 0) return; /* every slot is being loaded: the block is not kept */
+        if (v < 0) { /* every slot is being loaded or written: the block is not kept */
+            if (b >= 0) o->wb_free[o->n_wb_free++] = b;
+            return;
+        }
         disk_drop(o, v);
         o->stats.evicted[KV_TIER_DISK]++;
         s = tier_take(&o->disk);

@@ -320,6 +320,44 @@ static void test_write_queue(void **state) {
     rmdir(dir);
 }
 
+/* A disk of one slot, its write slow: the next victims find no slot to take (the one slot is
+ * being written) and are not kept; their write buffers go back (none leaks: the queue of
+ * two takes a write again once the first ended). */
+static void test_disk_slot_busy_writing(void **state) {
+    (void)state;
+    char dir[] = "/tmp/kvoff-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    kv_offload_config c = {1 * BB, dir, 4096, BB, 42, 16, 0, 0, 0, 2, 200, 0};
+    kv_offload *o;
+    char err[256];
+    assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+    for (int k = 0; k < 5; k++) { /* 4 victims: 400 written, 401..403 not kept */
+        fill(k, 60 + k);
+        assert_int_equal(kv_offload_store(o, 400 + (uint64_t)k, k), 0);
+    }
+    kv_offload_stats s;
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.writes_queued, 1);
+    assert_int_equal(s.writes_dropped, 0); /* a leaked buffer would have made 403 a drop */
+    assert_int_equal(kv_offload_find(o, 401), -1);
+    kv_offload_drain_writes(o);
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.stored[KV_TIER_DISK], 1);
+    memset(kv, 0, sizeof kv);
+    assert_int_equal(load(o, 400, 6), 0);
+    assert_true(holds(6, 60));
+    /* the slot free to evict again: the next victim (404) replaces 400 */
+    fill(0, 99);
+    assert_int_equal(kv_offload_store(o, 490, 0), 0);
+    kv_offload_drain_writes(o);
+    assert_int_equal(kv_offload_find(o, 404), KV_TIER_DISK);
+    assert_int_equal(kv_offload_find(o, 400), -1);
+    kv_offload_destroy(o);
+    backend_stream_free(st);
+    rmdir(dir);
+}
+
 /* A slot whose write was torn (the header and the first half of the block written, the
  * second half another block's bytes): the checksum refuses it. */
 static void test_torn_slot_refused(void **state) {
@@ -409,6 +447,7 @@ int main(void) {
         cmocka_unit_test(test_async_disk_and_sync_mode),
         cmocka_unit_test(test_write_queue),
         cmocka_unit_test(test_torn_slot_refused),
+        cmocka_unit_test(test_disk_slot_busy_writing),
         cmocka_unit_test(test_direct_io_modes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
