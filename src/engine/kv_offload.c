@@ -338,6 +338,15 @@ static void settle_writes(kv_offload *o) {
     } while (n == 64);
 }
 
+/* cfg.write_delay_ms: every disk write waits that long first (a slow disk) */
+static void slow_disk(const kv_offload *o) {
+    if (!o->cfg.write_delay_ms) return;
+    struct timespec ts = {o->cfg.write_delay_ms / 1000,
+                          (long)(o->cfg.write_delay_ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
+}
+
 /* The host slot's block goes to the disk tier (the host tier is evicting it). */
 static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
     int32_t s = tier_find(&o->disk, hash);
@@ -387,6 +396,7 @@ static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
         return;
     }
     slot_image(o, o->bounce, hash, data);
+    slow_disk(o);
     ssize_t w = pwrite(o->fd, o->bounce, o->stride, (off_t)s * (off_t)o->stride);
     if (w != (ssize_t)o->stride) {
         write_failed(o, w < 0 ? errno : ENOSPC);
@@ -695,12 +705,7 @@ static void *writer_main(void *arg) {
         o->wq_n--;
         off_t off = (off_t)o->wb_slot[b] * (off_t)o->stride;
         pthread_mutex_unlock(&o->wmu);
-        if (o->cfg.write_delay_ms) {
-            struct timespec ts = {o->cfg.write_delay_ms / 1000,
-                                  (long)(o->cfg.write_delay_ms % 1000) * 1000000L};
-            while (nanosleep(&ts, &ts) && errno == EINTR) {
-            }
-        }
+        slow_disk(o);
         ssize_t w = pwrite(o->fd, o->wmem + (size_t)b * o->stride, o->stride, off);
         int err = w == (ssize_t)o->stride ? 0 : w < 0 ? errno : ENOSPC;
         pthread_mutex_lock(&o->wmu);
