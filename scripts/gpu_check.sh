@@ -715,6 +715,31 @@ kvpool_steps() {
     --json "$OUT/kvpool_bench_slow.json"
   check $? "kv_pool_bench slow medium (cuda)"
 }
+# ONLY=tierio: the disk tier's I/O on the GPU machine (docs/kv_pool.md, "Disk I/O"): the disk
+# tests of test_kv_offload.py with the KV in HBM (O_DIRECT, tmpfs-buffered and synchronous
+# writes: answers equal to no pool; a full write queue dropping; the faults), then
+# tools/kv_pool_bench.py on the disk configuration: the writes on the writer thread against the
+# step thread, the slab O_DIRECT against buffered (the load bandwidth from the disk), and the
+# writes against a slow disk (5 ms more a write: the step time of the others while the host
+# tier spills).  The slab lives under TIERIO_DISK_DIR (default: the system's temporary dir).
+tierio_steps() {
+  step "tierio: test_kv_offload.py disk tests on the GPU"
+  DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+    tests/integration/test_kv_offload.py -k "disk or bad" 2>&1 | tail -15
+  check ${PIPESTATUS[0]} "kv offload disk tests (cuda)"
+  step "tierio: tools/kv_pool_bench.py --device cuda --configs disk (writes async/sync x O_DIRECT/buffered)"
+  # shellcheck disable=SC2086
+  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --configs disk --writes async,sync \
+    --direct-io auto,off ${TIERIO_DISK_DIR:+--disk-dir "$TIERIO_DISK_DIR"} ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
+    --json "$OUT/tierio_bench.json"
+  check $? "kv_pool_bench disk I/O (cuda)"
+  step "tierio: tools/kv_pool_bench.py --device cuda --configs disk, 5 ms more per disk write"
+  # shellcheck disable=SC2086
+  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --configs disk --writes async,sync \
+    --write-delay-ms 5 ${TIERIO_DISK_DIR:+--disk-dir "$TIERIO_DISK_DIR"} ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
+    --json "$OUT/tierio_bench_slow.json"
+  check $? "kv_pool_bench slow disk (cuda)"
+}
 # ONLY=poolfetch: the pool fetch across instances on the GPU (docs/kv_pool.md): its tests with
 # the KV in HBM (a prefix fetched equals recompute, evicted / dead / stopped holders recomputed,
 # the proxy naming the holder), then tools/pool_fetch_bench.py (TTFT of a moved conversation,
@@ -736,8 +761,10 @@ poolfetch_steps() {
 }
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
    [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = fp8gemv ] ||
-   [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ]; then
+   [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ] ||
+   [ "${ONLY:-}" = tierio ]; then
   [ "$ONLY" = kvpool ] && kvpool_steps
+  [ "$ONLY" = tierio ] && tierio_steps
   [ "$ONLY" = poolfetch ] && poolfetch_steps
   [ "$ONLY" = profile ] && profile_steps
   [ "$ONLY" = fp8kv ] && fp8kv_steps

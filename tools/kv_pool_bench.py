@@ -9,7 +9,8 @@ device prefix cache, the host tier, the disk tier, computed) and TTFT P50/P90.
       [--conversations 16] [--turns 8] [--user-words 80] [--output-len 24]
       [--kv-blocks 128] [--block-size 16] [--max-model-len 2048]
       [--configs none,host,disk] [--loads auto[,async,sync]] [--load-delay-ms MS]
-      [--copy cost|always] [--json out.json]
+      [--copy cost|always] [--writes async[,sync]] [--direct-io auto[,off]]
+      [--write-delay-ms MS] [--disk-dir DIR] [--json out.json]
 
 --loads runs each tier configuration with DISAGG_KV_OFFLOAD_LOADS = auto (the default: copies
 estimated under a tenth of a step inline, the others on the loader thread), async (every copy
@@ -18,6 +19,16 @@ on the loader thread) and/or sync (every copy on the step thread, the comparison
 medium); --copy always copies every tier hit back (DISAGG_KV_OFFLOAD_COPY), cost lets the
 copy-or-recompute model decide.  "wait ms" is the mean time a request waited for its copies;
 ITL is the inter-token latency of every stream (the other requests' steps while one loads).
+
+--writes runs the 'disk' configuration with the disk writes on the tiers' writer thread
+(async, the default) and/or on the step thread (sync, DISAGG_KV_OFFLOAD_WRITES: the host tier's
+victim written before the step goes on); --direct-io with the slab opened O_DIRECT where the
+filesystem takes it (auto) and/or buffered through the page cache (off,
+DISAGG_KV_OFFLOAD_DIRECT_IO); --write-delay-ms makes each disk write wait that long first (a
+slow disk); --disk-dir puts the slab there (default: under the system's temporary directory).
+"drops" counts the disk copies dropped because the write queue was full; "step thread in disk
+stores" is the time the step thread spent handing the host tier's victims to the disk (the
+write itself when sync, the copy into a write buffer when async).
 
 Prints a Markdown table (docs/benchmarks.md); timings are measurements, not checks.
 Device runs: --device cuda plus a 7B model and larger sizes (docs/kv_pool.md)."""
@@ -122,6 +133,14 @@ def run(a, name, extra, dataset, tmp, env=None):
         max(1.0, metric(ms, "disagg:kv_offload_load_waits_total")),
         "declined": metric(ms, "disagg:kv_offload_blocks_declined_total"),
         "steps_during_loads": metric(ms, "disagg:kv_offload_steps_during_loads_total"),
+        "disk_load_ms_per_block": 1000 * metric(ms, "disagg:kv_offload_load_seconds_total", "disk") /
+        max(1.0, metric(ms, "disagg:kv_offload_blocks_loaded_total", "disk")),
+        "disk_load_mb_s": metric(ms, "disagg:kv_offload_bytes_loaded_total", "disk") / 1e6 /
+        max(1e-9, metric(ms, "disagg:kv_offload_load_seconds_total", "disk")),
+        "disk_stored": metric(ms, "disagg:kv_offload_blocks_stored_total", "disk"),
+        "writes_dropped": metric(ms, "disagg:kv_offload_writes_dropped_total"),
+        "direct_io": metric(ms, "disagg:kv_offload_disk_direct_io"),
+        "disk_store_s": metric(ms, "disagg:kv_offload_store_seconds_total", "disk"),
     }
 
 
@@ -149,6 +168,10 @@ def main():
     ap.add_argument("--loads", default="auto", help="auto, async, sync or several (auto,async,sync)")
     ap.add_argument("--load-delay-ms", type=int, default=0)
     ap.add_argument("--copy", default="cost", choices=["cost", "always"])
+    ap.add_argument("--writes", default="async", help="async, sync or both (async,sync)")
+    ap.add_argument("--direct-io", default="auto", help="auto, off or both (auto,off)")
+    ap.add_argument("--write-delay-ms", type=int, default=0)
+    ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.bench_bin = a.bench_bin or a.bin
@@ -161,8 +184,7 @@ def main():
     bb = block_bytes(a.model, a.block_size, a.kv_bytes)
     gib = lambda blocks, size=bb: repr(blocks * size / 2**30)
     stride = (64 + bb + 4095) // 4096 * 4096
-    disk_dir = os.path.join(tmp, "disk")
-    os.makedirs(disk_dir)
+    disk_dir = tempfile.mkdtemp(prefix="kv-pool-bench-disk-", dir=a.disk_dir)
     cfgs = {
         "none": [],
         "host": ["--kv-offloading-size", gib(a.host_blocks)],
@@ -172,16 +194,28 @@ def main():
     rows = []
     for c in a.configs.split(","):
         for mode in (["auto"] if c == "none" else a.loads.split(",")):
-            env = {"DISAGG_KV_OFFLOAD_LOADS": mode, "DISAGG_KV_OFFLOAD_COPY": a.copy,
-                   "DISAGG_KV_OFFLOAD_LOAD_DELAY_MS": str(a.load_delay_ms)}
-            name = c if c == "none" or a.loads == "auto" else f"{c} {mode}"
-            rows.append(run(a, name.replace(" ", "-"), cfgs[c], dataset, tmp, env))
-            rows[-1]["config"] = name
+            for wr in (a.writes.split(",") if c == "disk" else ["async"]):
+                for dio in (a.direct_io.split(",") if c == "disk" else ["auto"]):
+                    env = {"DISAGG_KV_OFFLOAD_LOADS": mode, "DISAGG_KV_OFFLOAD_COPY": a.copy,
+                           "DISAGG_KV_OFFLOAD_LOAD_DELAY_MS": str(a.load_delay_ms),
+                           "DISAGG_KV_OFFLOAD_WRITES": wr, "DISAGG_KV_OFFLOAD_DIRECT_IO": dio,
+                           "DISAGG_KV_OFFLOAD_WRITE_DELAY_MS": str(a.write_delay_ms)}
+                    name = c
+                    if c != "none" and a.loads != "auto":
+                        name += f" {mode}"
+                    if c == "disk" and a.writes != "async":
+                        name += f" writes={wr}"
+                    if c == "disk" and a.direct_io != "auto":
+                        name += f" io={dio}"
+                    rows.append(run(a, name.replace(" ", "-").replace("=", "-"), cfgs[c],
+                                    dataset, tmp, env))
+                    rows[-1]["config"] = name
     print(f"{a.conversations} conversations x {a.turns} turns x {a.user_words} words, "
           f"{a.output_len}-token answers, rate {a.request_rate}/s, concurrency "
           f"{a.max_concurrency}; KV cache {a.kv_blocks} blocks of {a.block_size} tokens; "
           f"host tier {a.host_blocks} blocks ('disk': {a.small_host_blocks} + disk "
-          f"{a.disk_blocks}); copies {a.copy}, {a.load_delay_ms} ms extra a copy\n")
+          f"{a.disk_blocks}); copies {a.copy}, {a.load_delay_ms} ms extra a copy, "
+          f"{a.write_delay_ms} ms extra a disk write; slab in {disk_dir}\n")
     print("| tiers | prompt tokens | device hit | host hit | disk hit | computed | "
           "device evictions | TTFT P50 ms | TTFT P90 ms | out tok/s | load ms/block | "
           "wait ms | ITL P50 ms | ITL P99 ms | declined |")
@@ -193,9 +227,23 @@ def main():
               f"{r['ttft_p90_ms'] or 0:.1f} | {r['output_tok_s']:.1f} | "
               f"{r['load_ms_per_block']:.3f} | {r['load_wait_ms']:.2f} | "
               f"{r['itl_p50_ms'] or 0:.1f} | {r['itl_p99_ms'] or 0:.1f} | {r['declined']:.0f} |")
+    if any(r["config"].startswith("disk") for r in rows):
+        print("\n| disk config | O_DIRECT | disk blocks stored | drops | disk loads | "
+              "disk load ms/block | disk load MB/s | step thread in disk stores ms | ITL P50 ms | "
+              "ITL P99 ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r["config"].startswith("disk"):
+                print(f"| {r['config']} | {'yes' if r['direct_io'] else 'no'} | "
+                      f"{r['disk_stored']:.0f} | {r['writes_dropped']:.0f} | "
+                      f"{r['disk_hit'] * r['prompt_tokens'] / a.block_size:.0f} | "
+                      f"{r['disk_load_ms_per_block']:.3f} | {r['disk_load_mb_s']:.0f} | "
+                      f"{1000 * r['disk_store_s']:.1f} | "
+                      f"{r['itl_p50_ms'] or 0:.2f} | {r['itl_p99_ms'] or 0:.2f} |")
     if a.json:
         json.dump(rows, open(a.json, "w"), indent=1)
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(disk_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

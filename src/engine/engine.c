@@ -973,6 +973,60 @@ static int offload_env(engine *e, kv_offload_config *oc, char *err, size_t errle
         }
         oc->load_delay_ms = (unsigned)v;
     }
+    const char *wm = getenv("DISAGG_KV_OFFLOAD_WRITES");
+    if (wm && *wm) {
+        if (strcmp(wm, "async") && strcmp(wm, "sync")) {
+            snprintf(err, errlen,
+                     "DISAGG_KV_OFFLOAD_WRITES='%s' is not accepted (async: disk writes on the "
+                     "tiers' writer thread, the default; sync: on the step thread, for "
+                     "comparison)",
+                     wm);
+            return -EINVAL;
+        }
+        oc->sync_writes = !strcmp(wm, "sync");
+    }
+    const char *wq = getenv("DISAGG_KV_OFFLOAD_WRITE_QUEUE");
+    if (wq && *wq) {
+        char *end;
+        long v = strtol(wq, &end, 10);
+        if (*end || v < 1 || v > 4096) {
+            snprintf(err, errlen,
+                     "DISAGG_KV_OFFLOAD_WRITE_QUEUE='%s' is not accepted (an integer in [1, "
+                     "4096]: disk writes queued at most, each one block's buffer; default: "
+                     "%zu MiB of buffers, 16 to 4096 blocks)",
+                     wq, KV_OFFLOAD_WRITE_QUEUE_BYTES >> 20);
+            return -EINVAL;
+        }
+        oc->write_queue = (int)v;
+    }
+    const char *wd = getenv("DISAGG_KV_OFFLOAD_WRITE_DELAY_MS");
+    if (wd && *wd) {
+        char *end;
+        long v = strtol(wd, &end, 10);
+        if (*end || v < 0 || v > 60000) {
+            snprintf(err, errlen,
+                     "DISAGG_KV_OFFLOAD_WRITE_DELAY_MS='%s' is not accepted (an integer in [0, "
+                     "60000]: milliseconds each disk write waits first, a slow disk for tests "
+                     "and benchmarks; 0, the default: none)",
+                     wd);
+            return -EINVAL;
+        }
+        oc->write_delay_ms = (unsigned)v;
+    }
+    const char *dio = getenv("DISAGG_KV_OFFLOAD_DIRECT_IO");
+    if (dio && *dio) {
+        if (strcmp(dio, "auto") && strcmp(dio, "on") && strcmp(dio, "off")) {
+            snprintf(err, errlen,
+                     "DISAGG_KV_OFFLOAD_DIRECT_IO='%s' is not accepted (auto: O_DIRECT where the "
+                     "filesystem accepts it and is not memory (tmpfs), the default; on: O_DIRECT "
+                     "or the start fails; off: buffered through the page cache)",
+                     dio);
+            return -EINVAL;
+        }
+        oc->direct_io = !strcmp(dio, "on")    ? KV_DIRECT_IO_ON
+                        : !strcmp(dio, "off") ? KV_DIRECT_IO_OFF
+                                              : KV_DIRECT_IO_AUTO;
+    }
     return 0;
 }
 
@@ -1007,6 +1061,10 @@ static int offload_init(engine *e, const model_config *mc, size_t block_bytes, c
         e->kv.block_size,
         0,
         0,
+        0,
+        0,
+        0,
+        KV_DIRECT_IO_AUTO,
     };
     kv_load_cost_init(&e->cost, block_bytes, e->kv.block_size);
     int rc = offload_env(e, &oc, err, errlen);

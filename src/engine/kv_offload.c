@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -191,6 +192,7 @@ typedef struct load_job {
     uint64_t tag, hash;
     int32_t block, slot;
     int tier;
+    int wb;          /* a disk slot whose write is queued: the write buffer it is read from, or -1 */
     int ok;          /* set by the loader */
     const char *why; /* a disk slot's failed check (the step thread drops the slot) */
     uint64_t ns;     /* the loader's time on it */
@@ -207,9 +209,11 @@ struct kv_offload {
     char *host_mem;           /* its (host.n_slots * bb) bytes */
     size_t host_len;
     int fd; /* the disk tier's slab file, -1 = none */
+    int direct; /* fd is O_DIRECT: whole slots from DISK_ALIGN-aligned buffers */
     char path[4096];
     size_t stride; /* a disk slot: header + data, DISK_ALIGN-aligned */
     unsigned char *bounce; /* (stride) a disk slot read or written on the owner's thread */
+    int32_t *disk_wb; /* (disk slots) the write buffer whose write fills the slot, or -1 */
     kvev_log *events;
     kv_offload_stats stats;
     uint64_t warned_writes;
@@ -229,6 +233,23 @@ struct kv_offload {
     int in_flight; /* owner's thread: loads not reaped yet */
     void (*notify)(void *ctx);
     void *notify_ctx;
+
+    /* the writer thread: write buffers, each one disk slot, owned by the step thread while
+     * free; a queued buffer is read by the writer (and by loads of its slot) until settled */
+    int nwb;                 /* write buffers (cfg.write_queue) */
+    unsigned char *wmem;     /* (nwb * stride) DISK_ALIGN-aligned */
+    int32_t *wb_slot;        /* (nwb) the disk slot a buffer's write fills */
+    int *wb_refs;            /* (nwb) step thread: its write until settled + loads reading it */
+    int *wb_err;             /* (nwb) writer: 0, or the errno of its failed write */
+    int32_t *wb_free;        /* (nwb) stack of free buffers */
+    int n_wb_free;
+    int *wq, wq_head, wq_n;  /* (nwb) queued writes, a ring (under wmu) */
+    int *wdone, n_wdone;     /* (nwb) ended, not settled (under wmu) */
+    int w_pending;           /* step thread: writes queued, not settled */
+    pthread_t writer;
+    int writer_on, wmu_on, wstop;
+    pthread_mutex_t wmu;
+    pthread_cond_t wcv;
 };
 
 uint64_t kv_offload_layout_key(const char *model, int layers, int kv_heads, int head_dim,
@@ -264,6 +285,68 @@ static void disk_drop(kv_offload *o, int32_t s) {
     tier_remove(&o->disk, s);
 }
 
+/* A slot image: the header, then the block (the rest of the stride stays as it is: zeros). */
+static void slot_image(const kv_offload *o, unsigned char *buf, uint64_t hash, const void *data) {
+    uint64_t hdr[DISK_HDR / 8] = {DISK_MAGIC, o->cfg.layout_key, hash, o->bb,
+                                  checksum(o, hash, data)};
+    memcpy(buf, hdr, sizeof hdr);
+    memcpy(buf + DISK_HDR, data, o->bb);
+}
+
+static void write_failed(kv_offload *o, int e) {
+    uint64_t n = o->stats.write_errors++;
+    if ((n & (n + 1)) == 0) /* 1st, 2nd, 4th, ... */
+        LOG_W(MOD,
+              "writing a KV block to %s failed (%s): the block is dropped and will be "
+              "recomputed (%llu failed writes so far)",
+              o->path, strerror(e), (unsigned long long)n + 1);
+}
+
+static void wb_release(kv_offload *o, int b) {
+    if (--o->wb_refs[b] == 0) o->wb_free[o->n_wb_free++] = b;
+}
+
+/* The disk writes that ended: the slot unpinned (a failed one dropped), the buffer reused
+ * once no load reads it.  Owner's thread. */
+static void settle_writes(kv_offload *o) {
+    if (!o->writer_on) return;
+    int done[64], n;
+    do {
+        pthread_mutex_lock(&o->wmu);
+        n = o->n_wdone < 64 ? o->n_wdone : 64;
+        memcpy(done, o->wdone + (o->n_wdone - n), (size_t)n * sizeof *done);
+        o->n_wdone -= n;
+        pthread_mutex_unlock(&o->wmu);
+        for (int k = 0; k < n; k++) {
+            int b = done[k];
+            int32_t s = o->wb_slot[b];
+            o->disk_wb[s] = -1;
+            o->w_pending--;
+            if (!o->wb_err[b]) {
+                o->stats.stored[KV_TIER_DISK]++;
+                o->stats.bytes_stored[KV_TIER_DISK] += o->bb;
+            } else {
+                write_failed(o, o->wb_err[b]);
+                if (!o->disk.doomed[s]) { /* still listed: unfindable now, freed below */
+                    ev_removed(o, KVEV_MEDIUM_DISK, o->disk.key[s]);
+                    tier_remove(&o->disk, s);
+                }
+            }
+            tier_unpin(&o->disk, s);
+            wb_release(o, b);
+        }
+    } while (n == 64);
+}
+
+/* cfg.write_delay_ms: every disk write waits that long first (a slow disk) */
+static void slow_disk(const kv_offload *o) {
+    if (!o->cfg.write_delay_ms) return;
+    struct timespec ts = {o->cfg.write_delay_ms / 1000,
+                          (long)(o->cfg.write_delay_ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
+}
+
 /* The host slot's block goes to the disk tier (the host tier is evicting it). */
 static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
     int32_t s = tier_find(&o->disk, hash);
@@ -271,28 +354,52 @@ static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
         tier_touch(&o->disk, s);
         return;
     }
+    int b = -1;
+    if (o->writer_on) {
+        settle_writes(o);
+        if (!o->n_wb_free) { /* the disk is behind: drop this copy rather than wait */
+            uint64_t n = o->stats.writes_dropped++;
+            if ((n & (n + 1)) == 0)
+                LOG_W(MOD,
+                      "the disk KV tier's writes are behind (%d queued): a block evicted from "
+                      "host memory is dropped instead of written to %s (%llu dropped so far)",
+                      o->w_pending, o->path, (unsigned long long)n + 1);
+            return;
+        }
+        b = o->wb_free[--o->n_wb_free];
+    }
     s = tier_take(&o->disk);
     if (s < 0) {
         int32_t v = o->disk.head;
-        if (v < 0) return; /* every slot is being loaded: the block is not kept */
+        if (v < 0) { /* every slot is being loaded or written: the block is not kept */
+            if (b >= 0) o->wb_free[o->n_wb_free++] = b;
+            return;
+        }
         disk_drop(o, v);
         o->stats.evicted[KV_TIER_DISK]++;
         s = tier_take(&o->disk);
     }
-    uint64_t hdr[DISK_HDR / 8] = {DISK_MAGIC, o->cfg.layout_key, hash, o->bb,
-                                  checksum(o, hash, data)};
-    memcpy(o->bounce, hdr, sizeof hdr);
-    memcpy(o->bounce + DISK_HDR, data, o->bb);
-    size_t len = DISK_HDR + o->bb;
-    ssize_t w = pwrite(o->fd, o->bounce, len, (off_t)s * (off_t)o->stride);
-    if (w != (ssize_t)len) {
-        int e = w < 0 ? errno : ENOSPC;
-        uint64_t n = o->stats.write_errors++;
-        if ((n & (n + 1)) == 0) /* 1st, 2nd, 4th, ... */
-            LOG_W(MOD,
-                  "writing a KV block to %s failed (%s): the block is dropped and will be "
-                  "recomputed (%llu failed writes so far)",
-                  o->path, strerror(e), (unsigned long long)n + 1);
+    if (b >= 0) { /* queued: findable now, pinned (no eviction, no reuse) until it ended */
+        unsigned char *buf = o->wmem + (size_t)b * o->stride;
+        slot_image(o, buf, hash, data);
+        o->wb_slot[b] = s;
+        o->wb_refs[b] = 1;
+        o->disk_wb[s] = b;
+        o->w_pending++;
+        tier_insert(&o->disk, s, hash);
+        tier_pin(&o->disk, s);
+        ev_stored(o, KVEV_MEDIUM_DISK, hash);
+        pthread_mutex_lock(&o->wmu);
+        o->wq[(o->wq_head + o->wq_n++) % o->nwb] = b;
+        pthread_cond_signal(&o->wcv);
+        pthread_mutex_unlock(&o->wmu);
+        return;
+    }
+    slot_image(o, o->bounce, hash, data);
+    slow_disk(o);
+    ssize_t w = pwrite(o->fd, o->bounce, o->stride, (off_t)s * (off_t)o->stride);
+    if (w != (ssize_t)o->stride) {
+        write_failed(o, w < 0 ? errno : ENOSPC);
         o->disk.free_slots[o->disk.n_free++] = s;
         return;
     }
@@ -302,20 +409,25 @@ static void disk_store(kv_offload *o, uint64_t hash, const void *data) {
     ev_stored(o, KVEV_MEDIUM_DISK, hash);
 }
 
-/* Read disk slot s (holding hash) into buf (stride bytes) and check it: NULL, or why it
- * is unusable.  Any thread: reads only what a pinned slot's load may read. */
-static const char *disk_read(const kv_offload *o, unsigned char *buf, int32_t s, uint64_t hash) {
-    size_t len = DISK_HDR + o->bb;
-    ssize_t r = pread(o->fd, buf, len, (off_t)s * (off_t)o->stride);
+/* Check a slot image (header and checksum) for hash: NULL, or why it is unusable. */
+static const char *slot_check(const kv_offload *o, const unsigned char *buf, uint64_t hash) {
     uint64_t hdr[DISK_HDR / 8];
-    if (r < 0) return "read error";
-    if ((size_t)r != len) return "truncated";
     memcpy(hdr, buf, sizeof hdr);
     if (hdr[0] != DISK_MAGIC) return "bad magic";
     if (hdr[1] != o->cfg.layout_key) return "another model, dtype or block layout";
     if (hdr[2] != hash || hdr[3] != o->bb) return "another block";
     if (hdr[4] != checksum(o, hash, buf + DISK_HDR)) return "checksum mismatch";
     return NULL;
+}
+
+/* Read disk slot s (holding hash) into buf (stride bytes, DISK_ALIGN-aligned: O_DIRECT) and
+ * check it: NULL, or why it is unusable.  Any thread: reads only what a pinned slot's load
+ * may read. */
+static const char *disk_read(const kv_offload *o, unsigned char *buf, int32_t s, uint64_t hash) {
+    ssize_t r = pread(o->fd, buf, o->stride, (off_t)s * (off_t)o->stride);
+    if (r < 0) return "read error";
+    if ((size_t)r < DISK_HDR + o->bb) return "truncated";
+    return slot_check(o, buf, hash);
 }
 
 /* A disk slot failed its checks at load: counted, logged and dropped (the caller
@@ -328,13 +440,15 @@ static void disk_bad(kv_offload *o, int32_t s, uint64_t hash, const char *why) {
 }
 
 /* Copy tier t's slot s (holding hash) into device block `block` through st, a disk slot
- * by way of buf: 0, or -1 (*why set when a disk slot failed its checks). */
+ * by way of buf, or from write buffer wb (>= 0: its write is queued): 0, or -1 (*why set
+ * when a disk slot failed its checks). */
 static int copy_in(const kv_offload *o, backend_stream *st, unsigned char *buf, int t, int32_t s,
-                   uint64_t hash, int32_t block, const char **why) {
+                   int wb, uint64_t hash, int32_t block, const char **why) {
     *why = NULL;
     char *dst = o->kv_base + (size_t)block * o->bb;
     if (t == KV_TIER_HOST) return backend_upload(st, dst, o->host_mem + (size_t)s * o->bb, o->bb);
-    if ((*why = disk_read(o, buf, s, hash))) return -1;
+    if (wb >= 0) buf = o->wmem + (size_t)wb * o->stride;
+    if ((*why = wb >= 0 ? slot_check(o, buf, hash) : disk_read(o, buf, s, hash))) return -1;
     return backend_upload(st, dst, buf + DISK_HDR, o->bb) ? -1 : 0;
 }
 
@@ -351,14 +465,21 @@ int kv_offload_store(kv_offload *o, uint64_t hash, int32_t block) {
         int32_t v = o->host.head;
         if (v < 0) return 0; /* every slot is being loaded: the block is not kept */
         uint64_t vh = o->host.key[v];
-        if (o->fd >= 0) disk_store(o, vh, o->host_mem + (size_t)v * o->bb);
+        if (o->fd >= 0) {
+            uint64_t t0 = clock_now_ns();
+            disk_store(o, vh, o->host_mem + (size_t)v * o->bb);
+            o->stats.store_ns[KV_TIER_DISK] += clock_now_ns() - t0;
+        }
         ev_removed(o, KVEV_MEDIUM_CPU, vh);
         tier_remove(&o->host, v);
         o->stats.evicted[KV_TIER_HOST]++;
         s = tier_take(&o->host);
     }
-    if (backend_download(o->st, o->host_mem + (size_t)s * o->bb, o->kv_base + (size_t)block * o->bb,
-                         o->bb)) {
+    uint64_t t0 = clock_now_ns();
+    int rc = backend_download(o->st, o->host_mem + (size_t)s * o->bb,
+                              o->kv_base + (size_t)block * o->bb, o->bb);
+    o->stats.store_ns[KV_TIER_HOST] += clock_now_ns() - t0;
+    if (rc) {
         o->host.free_slots[o->host.n_free++] = s;
         return -1;
     }
@@ -402,7 +523,7 @@ int kv_offload_load(kv_offload *o, int64_t handle, int32_t block) {
     uint64_t t0 = clock_now_ns(), hash = tr->key[s];
     slow_medium(o);
     const char *why;
-    int rc = copy_in(o, o->st, o->bounce, t, s, hash, block, &why);
+    int rc = copy_in(o, o->st, o->bounce, t, s, t ? o->disk_wb[s] : -1, hash, block, &why);
     if (why) disk_bad(o, s, hash, why);
     if (rc) return -1;
     o->stats.loaded[t]++;
@@ -422,7 +543,7 @@ int kv_offload_find(const kv_offload *o, uint64_t hash) {
 static void run_job(const kv_offload *o, backend_stream *st, unsigned char *buf, load_job *j) {
     uint64_t t0 = clock_now_ns();
     slow_medium(o);
-    j->ok = copy_in(o, st, buf, j->tier, j->slot, j->hash, j->block, &j->why) == 0;
+    j->ok = copy_in(o, st, buf, j->tier, j->slot, j->wb, j->hash, j->block, &j->why) == 0;
     j->ns = clock_now_ns() - t0;
 }
 
@@ -473,6 +594,8 @@ int kv_offload_load_async(kv_offload *o, uint64_t hash, int32_t block, uint64_t 
     j->block = block;
     j->tier = (int)(h >> 32);
     j->slot = (int32_t)(h & 0xffffffff);
+    j->wb = j->tier ? o->disk_wb[j->slot] : -1;
+    if (j->wb >= 0) o->wb_refs[j->wb]++; /* read from the queued bytes: kept until reaped */
     tier_pin(j->tier ? &o->disk : &o->host, j->slot);
     o->in_flight++;
     if (!o->loader_on) { /* sync_loads: the copy on this thread, reaped as the others */
@@ -492,6 +615,7 @@ int kv_offload_load_async(kv_offload *o, uint64_t hash, int32_t block, uint64_t 
 }
 
 int kv_offload_reap(kv_offload *o, kv_offload_done *out, int max) {
+    settle_writes(o);
     int n = 0;
     while (n < max) {
         pthread_mutex_lock(&o->mu);
@@ -505,6 +629,7 @@ int kv_offload_reap(kv_offload *o, kv_offload_done *out, int max) {
         if (!j) break;
         tier *tr = j->tier ? &o->disk : &o->host;
         tier_unpin(tr, j->slot);
+        if (j->wb >= 0) wb_release(o, j->wb);
         if (j->why) disk_bad(o, j->slot, j->hash, j->why);
         if (j->ok) {
             o->stats.loaded[j->tier]++;
@@ -542,7 +667,10 @@ void kv_offload_clear(kv_offload *o) {
 }
 
 void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out) {
+    settle_writes(o);
     *out = o->stats;
+    out->writes_queued = o->w_pending;
+    out->direct_io = o->direct;
     out->resident[KV_TIER_HOST] = o->host.n_used;
     out->resident[KV_TIER_DISK] = o->disk.n_used;
     out->capacity[KV_TIER_HOST] = o->host.n_slots;
@@ -550,8 +678,152 @@ void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out) {
     out->in_flight = o->in_flight;
 }
 
+void kv_offload_drain_writes(kv_offload *o) {
+    for (;;) {
+        settle_writes(o);
+        if (!o->w_pending) return;
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 const char *kv_offload_disk_path(const kv_offload *o) {
     return o->fd >= 0 ? o->path : "";
+}
+
+/* ---- the writer ------------------------------------------------------------------- */
+
+static void *writer_main(void *arg) {
+    kv_offload *o = arg;
+    pthread_mutex_lock(&o->wmu);
+    for (;;) {
+        while (!o->wstop && !o->wq_n)
+            pthread_cond_wait(&o->wcv, &o->wmu);
+        if (o->wstop) break; /* the queued writes are dropped: the slab goes with the pool */
+        int b = o->wq[o->wq_head];
+        o->wq_head = (o->wq_head + 1) % o->nwb;
+        o->wq_n--;
+        off_t off = (off_t)o->wb_slot[b] * (off_t)o->stride;
+        pthread_mutex_unlock(&o->wmu);
+        slow_disk(o);
+        ssize_t w = pwrite(o->fd, o->wmem + (size_t)b * o->stride, o->stride, off);
+        int err = w == (ssize_t)o->stride ? 0 : w < 0 ? errno : ENOSPC;
+        pthread_mutex_lock(&o->wmu);
+        o->wb_err[b] = err;
+        o->wdone[o->n_wdone++] = b;
+        pthread_mutex_unlock(&o->wmu);
+        if (o->notify) o->notify(o->notify_ctx);
+        pthread_mutex_lock(&o->wmu);
+    }
+    pthread_mutex_unlock(&o->wmu);
+    return NULL;
+}
+
+static int writer_start(kv_offload *o, char *err, size_t errlen) {
+    pthread_mutex_init(&o->wmu, NULL);
+    pthread_cond_init(&o->wcv, NULL);
+    o->wmu_on = 1;
+    if (o->cfg.sync_writes) return 0;
+    size_t fit = KV_OFFLOAD_WRITE_QUEUE_BYTES / o->stride; /* a burst of evictions fits */
+    int n = o->nwb = o->cfg.write_queue > 0 ? o->cfg.write_queue
+                     : fit < 16                ? 16
+                     : fit > 4096              ? 4096
+                                               : (int)fit;
+    o->wmem = aligned_alloc(DISK_ALIGN, (size_t)n * o->stride);
+    o->wb_slot = calloc((size_t)n, sizeof *o->wb_slot);
+    o->wb_refs = calloc((size_t)n, sizeof *o->wb_refs);
+    o->wb_err = calloc((size_t)n, sizeof *o->wb_err);
+    o->wb_free = calloc((size_t)n, sizeof *o->wb_free);
+    o->wq = calloc((size_t)n, sizeof *o->wq);
+    o->wdone = calloc((size_t)n, sizeof *o->wdone);
+    if (!o->wmem || !o->wb_slot || !o->wb_refs || !o->wb_err || !o->wb_free || !o->wq ||
+        !o->wdone) {
+        snprintf(err, errlen, "out of memory for the disk KV tier's %d write buffers of %zu bytes",
+                 n, o->stride);
+        return -1;
+    }
+    memset(o->wmem, 0, (size_t)n * o->stride); /* the padding after a block is written too */
+    for (int b = 0; b < n; b++)
+        o->wb_free[o->n_wb_free++] = n - 1 - b;
+    int rc = pthread_create(&o->writer, NULL, writer_main, o);
+    if (rc) {
+        snprintf(err, errlen, "cannot start the KV offload writer thread: %s", strerror(rc));
+        return -1;
+    }
+    o->writer_on = 1;
+    return 0;
+}
+
+/* The name of the filesystem under fd, for the log. */
+static const char *fs_name(int fd, char *buf, size_t len) {
+    struct statfs sf;
+    if (fstatfs(fd, &sf)) return "an unknown filesystem";
+    static const struct {
+        unsigned long magic;
+        const char *name;
+    } known[] = {{0xEF53, "ext4"},         {0x58465342, "xfs"},     {0x9123683E, "btrfs"},
+                 {0x01021994, "tmpfs"},    {0x858458f6, "ramfs"},   {0x794c7630, "overlayfs"},
+                 {0x6969, "nfs"},          {0x2fc12fc1, "zfs"},     {0xF2F52010, "f2fs"},
+                 {0x65735546, "fuse"},     {0xFF534D42, "cifs"},    {0x4d44, "vfat"}};
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+        if ((unsigned long)sf.f_type == known[i].magic) return known[i].name;
+    snprintf(buf, len, "filesystem type 0x%lx", (unsigned long)sf.f_type);
+    return buf;
+}
+
+/* Open the slab (new, empty): O_DIRECT as cfg.direct_io asks and the filesystem allows
+ * (a probe write of one slot, then truncated back), else buffered.  fd, or -1 (err set). */
+static int open_slab(kv_offload *o, char *err, size_t errlen) {
+    const int flags = O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC;
+    int fd = open(o->path, flags, 0600);
+    if (fd < 0) {
+        snprintf(err, errlen, "--kv-offloading-disk '%s': cannot create %s: %s; accepted: a "
+                 "writable directory", o->cfg.disk_dir, o->path, strerror(errno));
+        return -1;
+    }
+    char fsbuf[64];
+    const char *fs = fs_name(fd, fsbuf, sizeof fsbuf);
+    if (o->cfg.direct_io == KV_DIRECT_IO_OFF) {
+        LOG_I(MOD, "disk tier on %s: buffered I/O (DISAGG_KV_OFFLOAD_DIRECT_IO=off)", fs);
+        return fd;
+    }
+    if (o->cfg.direct_io == KV_DIRECT_IO_AUTO &&
+        (!strcmp(fs, "tmpfs") || !strcmp(fs, "ramfs"))) {
+        LOG_I(MOD, "disk tier on %s: buffered I/O (the files are in memory; O_DIRECT would "
+                   "only add copies)", fs);
+        return fd;
+    }
+    const char *why = NULL;
+    int e = 0;
+    int dfd = open(o->path, O_RDWR | O_CLOEXEC | O_DIRECT);
+    if (dfd < 0) {
+        why = "open";
+        e = errno;
+    } else if (pwrite(dfd, o->bounce, o->stride, 0) != (ssize_t)o->stride) {
+        why = "write";
+        e = errno;
+        close(dfd);
+        dfd = -1;
+    }
+    if (ftruncate(fd, 0)) { /* the probe's slot: the slab starts empty */
+    }
+    if (dfd < 0) {
+        if (o->cfg.direct_io == KV_DIRECT_IO_ON) {
+            snprintf(err, errlen, "--kv-offloading-disk '%s' is on %s, which refuses O_DIRECT "
+                     "(%s: %s); accepted with DISAGG_KV_OFFLOAD_DIRECT_IO=on: a filesystem "
+                     "with direct I/O (ext4, xfs, btrfs); auto falls back to buffered I/O",
+                     o->cfg.disk_dir, fs, why, strerror(e));
+            close(fd);
+            return -1;
+        }
+        LOG_I(MOD, "disk tier on %s: buffered I/O (the filesystem refuses O_DIRECT: %s: %s)", fs,
+              why, strerror(e));
+        return fd;
+    }
+    close(fd);
+    o->direct = 1;
+    LOG_I(MOD, "disk tier on %s: O_DIRECT (no page cache)", fs);
+    return dfd;
 }
 
 /* ---- lifecycle -------------------------------------------------------------------- */
@@ -569,13 +841,16 @@ static int loader_start(kv_offload *o, char *err, size_t errlen) {
         return -1;
     }
     if (o->fd >= 0) {
-        o->stage_buf = backend_buffer_alloc(be, o->stride, BACKEND_BUF_HOST);
+        /* one slot, DISK_ALIGN-aligned inside the buffer (O_DIRECT; pinned memory on CUDA is
+         * page-aligned already, the CPU backend's is malloc's) */
+        o->stage_buf = backend_buffer_alloc(be, o->stride + DISK_ALIGN, BACKEND_BUF_HOST);
         if (!o->stage_buf) {
             snprintf(err, errlen, "cannot allocate the disk KV tier's staging buffer (%zu bytes)",
-                     o->stride);
+                     o->stride + DISK_ALIGN);
             return -1;
         }
-        o->stage = backend_buffer_ptr(o->stage_buf);
+        uintptr_t p = (uintptr_t)backend_buffer_ptr(o->stage_buf);
+        o->stage = (unsigned char *)((p + DISK_ALIGN - 1) & ~(uintptr_t)(DISK_ALIGN - 1));
     }
     int rc = pthread_create(&o->loader, NULL, loader_main, o);
     if (rc) {
@@ -660,18 +935,21 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
         static atomic_int serial;
         snprintf(o->path, sizeof o->path, "%s/disagg-kv-%d-%d.slab", c->disk_dir, (int)getpid(),
                  atomic_fetch_add(&serial, 1));
-        /* a new, empty file: a restart never finds another run's KV */
-        o->fd = open(o->path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (o->fd < 0) {
-            snprintf(err, errlen, "--kv-offloading-disk '%s': cannot create %s: %s; accepted: a "
-                     "writable directory",
-                     c->disk_dir, o->path, strerror(errno));
+        o->bounce = aligned_alloc(DISK_ALIGN, o->stride);
+        o->disk_wb = malloc(nd * sizeof *o->disk_wb);
+        if (!o->bounce || !o->disk_wb || tier_init(&o->disk, (int32_t)nd)) {
+            snprintf(err, errlen, "out of memory for the disk KV tier");
             kv_offload_destroy(o);
             return -1;
         }
-        o->bounce = aligned_alloc(DISK_ALIGN, o->stride);
-        if (!o->bounce || tier_init(&o->disk, (int32_t)nd)) {
-            snprintf(err, errlen, "out of memory for the disk KV tier");
+        memset(o->bounce, 0, o->stride);
+        for (size_t i = 0; i < nd; i++)
+            o->disk_wb[i] = -1;
+        /* a new, empty file: a restart never finds another run's KV */
+        o->cfg.disk_dir = c->disk_dir; /* for open_slab's messages only */
+        o->fd = open_slab(o, err, errlen);
+        o->cfg.disk_dir = NULL;
+        if (o->fd < 0) {
             kv_offload_destroy(o);
             return -1;
         }
@@ -683,7 +961,7 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
     if (o->fd >= 0)
         LOG_I(MOD, "disk tier: %d blocks in %s (slots of %zu bytes, %.1f MiB)", o->disk.n_slots,
               o->path, o->stride, (double)o->disk.n_slots * (double)o->stride / 1048576.0);
-    if (loader_start(o, err, errlen)) {
+    if (loader_start(o, err, errlen) || (o->fd >= 0 && writer_start(o, err, errlen))) {
         kv_offload_destroy(o);
         return -1;
     }
@@ -700,6 +978,25 @@ void kv_offload_destroy(kv_offload *o) {
         pthread_mutex_unlock(&o->mu);
         pthread_join(o->loader, NULL);
     }
+    if (o->writer_on) { /* the write in progress ends; the queued ones are dropped */
+        pthread_mutex_lock(&o->wmu);
+        o->wstop = 1;
+        pthread_cond_signal(&o->wcv);
+        pthread_mutex_unlock(&o->wmu);
+        pthread_join(o->writer, NULL);
+    }
+    if (o->wmu_on) {
+        pthread_mutex_destroy(&o->wmu);
+        pthread_cond_destroy(&o->wcv);
+    }
+    free(o->wmem);
+    free(o->wb_slot);
+    free(o->wb_refs);
+    free(o->wb_err);
+    free(o->wb_free);
+    free(o->wq);
+    free(o->wdone);
+    free(o->disk_wb);
     load_job *lists[2] = {o->todo_head, o->done_head};
     for (int i = 0; i < 2; i++)
         for (load_job *j = lists[i], *n; j; j = n) {

@@ -24,9 +24,17 @@
  * eviction, no reuse; a clear drops it when the load ends).  kv_offload_load is the same
  * copy on the calling thread, for callers that need the bytes at once.
  *
- * Not thread-safe apart from the loader: the engine's step thread owns it (the engine
- * copies the stats into engine_stats after each step).  Stores (evictions from the device)
- * are synchronous on that thread.
+ * Disk writes (the host tier's LRU victim going down) run on a writer thread: the step
+ * thread copies the victim's bytes (with the slot header) into one of a bounded set of
+ * aligned write buffers and queues it; with every buffer taken (the disk is behind) the
+ * disk copy is dropped and counted (writes_dropped), the step never waits.  The disk slot
+ * is findable at once and pinned until its write ended; a load of it meanwhile is served
+ * from the queued buffer.  The slab is opened with O_DIRECT where the filesystem accepts
+ * it (KV_DIRECT_IO_*): reads and writes are whole 4 KiB-aligned slots from aligned buffers.
+ *
+ * Not thread-safe apart from the loader and the writer: the engine's step thread owns it
+ * (the engine copies the stats into engine_stats after each step).  Stores into the host
+ * tier (evictions from the device) are synchronous on that thread.
  */
 #ifndef DISAGG_ENGINE_KV_OFFLOAD_H
 #define DISAGG_ENGINE_KV_OFFLOAD_H
@@ -49,7 +57,18 @@ typedef struct kv_offload_config {
     int block_size;       /* tokens per block (events) */
     int sync_loads;       /* 1: kv_offload_load_async copies on the calling thread (comparison) */
     unsigned load_delay_ms; /* each load (either kind) waits this long first: a slow medium */
+    int sync_writes;      /* 1: disk writes on the calling thread (comparison); 0: the writer thread */
+    int write_queue;      /* disk writes queued at most (0: KV_OFFLOAD_WRITE_QUEUE_BYTES of
+                           * buffers, from 16 to 4096 blocks) */
+    unsigned write_delay_ms; /* each disk write waits this long first: a slow disk */
+    int direct_io;        /* KV_DIRECT_IO_* */
 } kv_offload_config;
+
+/* How the disk slab is opened.  AUTO: O_DIRECT (no page cache) unless the filesystem
+ * refuses it or keeps files in memory anyway (tmpfs, ramfs): then buffered, with an info
+ * line naming the filesystem.  ON: O_DIRECT or the creation fails.  OFF: buffered. */
+enum { KV_DIRECT_IO_AUTO = 0, KV_DIRECT_IO_ON = 1, KV_DIRECT_IO_OFF = 2 };
+#define KV_OFFLOAD_WRITE_QUEUE_BYTES ((size_t)64 << 20)
 
 typedef struct kv_offload_stats {
     uint64_t stored[KV_TIER_COUNT];  /* blocks written into the tier */
@@ -57,12 +76,17 @@ typedef struct kv_offload_stats {
     uint64_t evicted[KV_TIER_COUNT]; /* blocks the tier dropped to make room (LRU) */
     uint64_t bytes_stored[KV_TIER_COUNT], bytes_loaded[KV_TIER_COUNT];
     uint64_t load_ns[KV_TIER_COUNT]; /* time spent loading (copy, read, checksum) */
+    uint64_t store_ns[KV_TIER_COUNT]; /* the caller's time storing (host: the copy down; disk:
+                                       * the write with sync_writes, else the queueing) */
     uint64_t lookups, hits[KV_TIER_COUNT];
     uint64_t corrupt;      /* disk slots that failed their checks (recomputed) */
     uint64_t write_errors; /* disk writes that failed (the block was dropped) */
     int64_t resident[KV_TIER_COUNT]; /* blocks held now */
     int64_t capacity[KV_TIER_COUNT]; /* blocks the tier holds at most */
     int64_t in_flight;               /* asynchronous loads queued or copying now */
+    int64_t writes_queued;   /* disk writes queued or being written now (the writer thread) */
+    uint64_t writes_dropped; /* disk copies dropped because the write queue was full */
+    int direct_io;           /* 1: the slab is read and written with O_DIRECT */
 } kv_offload_stats;
 
 /* One asynchronous load that ended (kv_offload_reap). */
@@ -106,19 +130,23 @@ int kv_offload_find(const kv_offload *o, uint64_t hash);
  * holds hash (counted as a lookup) or no memory. */
 int kv_offload_load_async(kv_offload *o, uint64_t hash, int32_t block, uint64_t tag);
 /* Up to max loads that ended since the last call (stats, slot checks and events done here,
- * on the owner's thread); their count. */
+ * on the owner's thread); their count.  The disk writes that ended are settled too (their
+ * slots unpinned, their buffers reused, failures counted). */
 int kv_offload_reap(kv_offload *o, kv_offload_done *out, int max);
 /* Loads queued or copying (not yet reaped). */
 int kv_offload_in_flight(const kv_offload *o);
 /* Of those, the ones the loader has not finished. */
 int kv_offload_busy(kv_offload *o);
-/* fn(ctx) is called from the loader thread each time a load ends (the owner then reaps);
- * set before the first load. */
+/* fn(ctx) is called from the loader thread each time a load ends, and from the writer
+ * thread each time a disk write ends (the owner then reaps: kv_offload_reap); set before
+ * the first load or store. */
 void kv_offload_set_notify(kv_offload *o, void (*fn)(void *ctx), void *ctx);
 /* Drop every block of every tier (reset_prefix_cache); a slot being loaded goes when its
  * load ends. */
 void kv_offload_clear(kv_offload *o);
 void kv_offload_get_stats(kv_offload *o, kv_offload_stats *out);
+/* Wait until every queued disk write ended, and settle them (tests, benchmarks). */
+void kv_offload_drain_writes(kv_offload *o);
 /* The disk tier's slab file ("" when none): tests corrupt it. */
 const char *kv_offload_disk_path(const kv_offload *o);
 

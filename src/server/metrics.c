@@ -234,6 +234,10 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
                  "Bytes copied back from an offload tier.", bytes_loaded, 1);
         PER_TIER("disagg:kv_offload_load_seconds", PROM_COUNTER,
                  "Time spent copying blocks back from an offload tier.", load_ns, 1e-9);
+        PER_TIER("disagg:kv_offload_store_seconds", PROM_COUNTER,
+                 "Step-thread time spent storing into an offload tier (host: the copy down; "
+                 "disk: the write when synchronous, else queueing it).",
+                 store_ns, 1e-9);
         PER_TIER("disagg:kv_offload_hits", PROM_COUNTER,
                  "Offload lookups (after a device-cache miss) found in a tier.", hits, 1);
         PER_TIER("disagg:kv_offload_blocks_resident", PROM_GAUGE,
@@ -282,6 +286,19 @@ int metrics_render(const server_metrics *m, const engine_stats *st, int block_si
         counter(p, "disagg:kv_offload_write_errors",
                 "Disk-tier writes that failed (full disk, I/O error): the block was dropped.",
                 (double)o->write_errors);
+        if (o->capacity[KV_TIER_DISK]) {
+            gauge(p, "disagg:kv_offload_writes_queued",
+                  "Disk-tier writes queued for the writer thread or being written (blocks).",
+                  (double)o->writes_queued);
+            counter(p, "disagg:kv_offload_writes_dropped",
+                    "Blocks the host tier evicted that were not written to disk: the write "
+                    "queue was full (the disk is behind).",
+                    (double)o->writes_dropped);
+            gauge(p, "disagg:kv_offload_disk_direct_io",
+                  "1 when the disk tier's slab is read and written with O_DIRECT, 0 when "
+                  "through the page cache.",
+                  (double)o->direct_io);
+        }
     }
     counter(p, "vllm:num_preemptions", "Cumulative number of preemptions.",
             (double)st->num_preemptions);

@@ -4,15 +4,20 @@ a disk slab) and come back by copy; the answers (greedy tokens, their logprobs a
 logprobs) equal those of the same server without the pool.  Disk faults: corrupt,
 foreign and truncated slots are detected and recomputed, a failing write (file size
 limit) degrades to recompute with a warning; the slab starts empty and is removed at
-exit.  The copies run on the tiers' loader thread: a request waits for its copies (out of
+exit; the slab is O_DIRECT where the filesystem takes it (buffered on tmpfs), its writes run
+on a writer thread whose full queue drops (counted) rather than blocking.  The copies run on the tiers' loader thread: a request waits for its copies (out of
 the batch) while the others are served, an abort meanwhile frees every block, and the
 copy-or-recompute model declines copies slower than the prefill they save."""
 import json
+import mmap
 import os
+import pathlib
 import resource
+import shutil
 import socket
 import stat
 import sys
+import tempfile
 import threading
 import time
 
@@ -137,24 +142,85 @@ def dead_pid():
     return pid
 
 
-def test_disk_tier_outputs_unchanged_and_removed(tmp_path, reference):
-    stale = tmp_path / f"disagg-kv-{dead_pid()}-0.slab"  # a killed run's slab
+def direct_io_works(d):
+    """Whether the filesystem of directory d takes an O_DIRECT write of 4 KiB."""
+    p = os.path.join(d, "odirect-probe")
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            buf = mmap.mmap(-1, 4096)  # page-aligned
+            return os.pwrite(fd, buf, 0) == 4096
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def writes_settled(s):
+    wait_for(lambda: m(s, "disagg:kv_offload_writes_queued") == 0, 10, "the disk writes")
+
+
+@pytest.fixture
+def shm_dir():
+    """A directory on tmpfs (/dev/shm): the buffered fallback."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = tempfile.mkdtemp(prefix="disagg-test-", dir="/dev/shm")
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered", "sync_writes"])
+def test_disk_tier_outputs_unchanged_and_removed(tmp_path, shm_dir, reference, mode):
+    """The disk tier in each I/O mode: O_DIRECT where the filesystem takes it (the test's
+    /tmp), the buffered fallback on tmpfs, and the writes on the step thread
+    (DISAGG_KV_OFFLOAD_WRITES=sync): the same answers, the slab gone at exit."""
+    d = shm_dir if mode == "buffered" else tmp_path
+    stale = d / f"disagg-kv-{dead_pid()}-0.slab"  # a killed run's slab
     stale.write_bytes(b"x" * STRIDE)
-    mine = tmp_path / "disagg-kv-notes.txt"  # not a slab: left alone
+    mine = d / "disagg-kv-notes.txt"  # not a slab: left alone
     mine.write_text("keep")
-    s = disk_server(tmp_path)
+    env = dict(ALWAYS, DISAGG_KV_OFFLOAD_WRITES="sync") if mode == "sync_writes" else ALWAYS
+    s = disk_server(d, env=env)
     assert not stale.exists() and mine.exists()
     mine.unlink()
     try:
         assert [lp for lp, _ in rounds(s, 3)] == reference
+        writes_settled(s)
         assert m(s, "disagg:kv_offload_blocks_stored_total", "disk") > 0
         assert m(s, "disagg:kv_offload_blocks_loaded_total", "disk") > 0
         assert m(s, "disagg:kv_offload_corrupt_blocks_total") == 0
-        assert os.path.getsize(slab(tmp_path)) > 0
-        assert stat.S_IMODE(os.stat(slab(tmp_path)).st_mode) == 0o600
+        assert m(s, "disagg:kv_offload_writes_dropped_total") == 0
+        direct = m(s, "disagg:kv_offload_disk_direct_io")
+        if mode == "buffered":
+            assert direct == 0 and "disk tier on tmpfs: buffered I/O" in s.logs()
+        elif direct_io_works(str(d)) and not any(
+                f"disk tier on {fs}:" in s.logs() for fs in ("tmpfs", "ramfs")):
+            assert direct == 1 and "O_DIRECT (no page cache)" in s.logs()
+        assert os.path.getsize(slab(d)) > 0
+        assert stat.S_IMODE(os.stat(slab(d)).st_mode) == 0o600
     finally:
         assert s.stop() == 0
-    assert not os.listdir(tmp_path)  # the slab goes at exit: a restart starts empty
+    assert not os.listdir(d)  # the slab goes at exit: a restart starts empty
+
+
+def test_disk_write_queue_full_drops(tmp_path, reference):
+    """A slow disk (300 ms a write) behind a queue of one write: the host tier's victims that
+    find the queue full are not written (counted, a warning), the steps never wait for the
+    disk, and the answers are the same."""
+    s = disk_server(tmp_path, env=dict(ALWAYS, DISAGG_KV_OFFLOAD_WRITE_DELAY_MS="300",
+                                       DISAGG_KV_OFFLOAD_WRITE_QUEUE="1"))
+    try:
+        assert [lp for lp, _ in rounds(s, 3)] == reference
+        assert m(s, "disagg:kv_offload_writes_dropped_total") > 0
+        assert "a block evicted from host memory is dropped instead of written" in s.logs()
+        writes_settled(s)
+        assert m(s, "disagg:kv_offload_write_errors_total") == 0
+    finally:
+        assert s.stop() == 0
 
 
 @pytest.mark.parametrize("fault", ["data", "layout", "truncate"])
@@ -162,6 +228,7 @@ def test_disk_faults_recomputed(tmp_path, reference, fault):
     s = disk_server(tmp_path)
     try:
         got = rounds(s, 1)
+        writes_settled(s)  # the writer thread's writes are on the file: then damage them
         assert m(s, "disagg:kv_offload_blocks_stored_total", "disk") > 0
         path = slab(tmp_path)
         size = os.path.getsize(path)
@@ -209,7 +276,7 @@ def test_disk_write_failure_degrades(tmp_path, reference):
         server_harness.BIN = old
     try:
         assert [lp for lp, _ in rounds(s, 3)] == reference
-        assert m(s, "disagg:kv_offload_write_errors_total") > 0
+        wait_for(lambda: m(s, "disagg:kv_offload_write_errors_total") > 0, 10, "a failed write")
         assert "the block is dropped and will be recomputed" in s.logs()
     finally:
         assert s.stop() == 0
@@ -393,6 +460,10 @@ def test_sync_loads_same_answers(reference):
     ("DISAGG_KV_OFFLOAD_BANDWIDTH", "gpu=1G", "host=BYTES_PER_S,disk=BYTES_PER_S"),
     ("DISAGG_KV_OFFLOAD_LOADS", "later", "DISAGG_KV_OFFLOAD_LOADS='later' is not accepted"),
     ("DISAGG_KV_OFFLOAD_LOAD_DELAY_MS", "-1", "DISAGG_KV_OFFLOAD_LOAD_DELAY_MS='-1' is not accepted"),
+    ("DISAGG_KV_OFFLOAD_WRITES", "later", "DISAGG_KV_OFFLOAD_WRITES='later' is not accepted"),
+    ("DISAGG_KV_OFFLOAD_WRITE_QUEUE", "0", "DISAGG_KV_OFFLOAD_WRITE_QUEUE='0' is not accepted"),
+    ("DISAGG_KV_OFFLOAD_WRITE_DELAY_MS", "x", "DISAGG_KV_OFFLOAD_WRITE_DELAY_MS='x' is not accepted"),
+    ("DISAGG_KV_OFFLOAD_DIRECT_IO", "yes", "DISAGG_KV_OFFLOAD_DIRECT_IO='yes' is not accepted"),
 ])
 def test_bad_load_switches(var, value, msg):
     with pytest.raises(RuntimeError) as ex:

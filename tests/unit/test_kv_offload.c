@@ -1,7 +1,9 @@
 /* Unit tests: engine/kv_offload — the host tier's LRU, the disk tier under it, a block's
  * bytes surviving the round trip, corrupt and foreign slots refused, the events; the
  * asynchronous loads on the loader thread (slots pinned while loaded, a clear meanwhile,
- * a corrupt slot found by the loader, the notify callback, the synchronous mode). */
+ * a corrupt slot found by the loader, the notify callback, the synchronous mode); the disk
+ * writer thread (a full queue dropping, a queued block loaded from its buffer, a clear and a
+ * shutdown with writes queued), a torn slot refused, the O_DIRECT modes. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #define BB 1000 /* block bytes */
@@ -43,7 +46,7 @@ static int load(kv_offload *o, uint64_t hash, int block) {
 static void test_host_lru(void **state) {
     (void)state;
     backend_stream *st = backend_stream_create(backend_cpu_default());
-    kv_offload_config c = {3 * BB, NULL, 0, BB, 42, 16, 0, 0};
+    kv_offload_config c = {3 * BB, NULL, 0, BB, 42, 16, 0, 0, 0, 0, 0, 0};
     kv_offload *o;
     char err[256];
     assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
@@ -94,7 +97,7 @@ static void test_disk_tier(void **state) {
     char dir[] = "/tmp/kvoff-XXXXXX";
     assert_non_null(mkdtemp(dir));
     backend_stream *st = backend_stream_create(backend_cpu_default());
-    kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, 0, 0};
+    kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, 0, 0, 0, 0, 0, 0};
     kv_offload *o;
     char err[256];
     assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
@@ -104,6 +107,7 @@ static void test_disk_tier(void **state) {
         fill(k, 10 + k);
         assert_int_equal(kv_offload_store(o, 200 + (uint64_t)k, k), 0);
     }
+    kv_offload_drain_writes(o); /* on the file now (the writer thread) */
     memset(kv, 0, sizeof kv);
     assert_int_equal(load(o, 200, 7), 0); /* from the disk */
     assert_true(holds(7, 10));
@@ -124,7 +128,7 @@ static void test_disk_tier(void **state) {
     kv_offload_destroy(o);
     assert_int_equal(access(path, F_OK), -1); /* removed */
     /* too small: an error naming the flag */
-    kv_offload_config bad = {BB - 1, NULL, 0, BB, 42, 16, 0, 0};
+    kv_offload_config bad = {BB - 1, NULL, 0, BB, 42, 16, 0, 0, 0, 0, 0, 0};
     assert_int_equal(kv_offload_create(&bad, st, kv, &o, err, sizeof err), -1);
     assert_non_null(strstr(err, "--kv-offloading-size"));
     backend_stream_free(st);
@@ -154,7 +158,7 @@ static kv_offload_done reap_one(kv_offload *o) {
 static void test_async_host(void **state) {
     (void)state;
     backend_stream *st = backend_stream_create(backend_cpu_default());
-    kv_offload_config c = {3 * BB, NULL, 0, BB, 42, 16, 0, 200}; /* loads take 200 ms */
+    kv_offload_config c = {3 * BB, NULL, 0, BB, 42, 16, 0, 200, 0, 0, 0, 0}; /* loads take 200 ms */
     kv_offload *o;
     char err[256];
     assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
@@ -215,7 +219,7 @@ static void test_async_disk_and_sync_mode(void **state) {
     assert_non_null(mkdtemp(dir));
     backend_stream *st = backend_stream_create(backend_cpu_default());
     for (int sync = 0; sync < 2; sync++) {
-        kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, sync, 0};
+        kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, sync, 0, 0, 0, 0, 0};
         kv_offload *o;
         char err[256];
         assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
@@ -224,6 +228,7 @@ static void test_async_disk_and_sync_mode(void **state) {
             assert_int_equal(kv_offload_store(o, 200 + (uint64_t)k, k), 0);
         }
         assert_int_equal(kv_offload_find(o, 201), KV_TIER_DISK);
+        kv_offload_drain_writes(o);
         int fd = open(kv_offload_disk_path(o), O_RDWR); /* corrupt slot 1 (hash 201) */
         unsigned char x = 0x55;
         assert_int_equal(pwrite(fd, &x, 1, 4096 + 64 + 10), 1);
@@ -246,12 +251,207 @@ static void test_async_disk_and_sync_mode(void **state) {
     rmdir(dir);
 }
 
+/* The writer thread: a slow disk (300 ms a write) and a queue of one write.  The host tier's
+ * victims go down without the caller waiting; the one queued is findable and loads from
+ * its queued bytes (inline and on the loader); the others are dropped and counted; drained,
+ * the block is on the file. */
+static void test_write_queue(void **state) {
+    (void)state;
+    char dir[] = "/tmp/kvoff-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, 0, 0, 0, 1, 300, 0};
+    kv_offload *o;
+    char err[256];
+    assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+    kv_offload_set_notify(o, on_load_ended, NULL);
+    atomic_store(&notified, 0);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int k = 0; k < 4; k++) { /* 200 is queued, 201 and 202 find the queue full */
+        fill(k, 20 + k);
+        assert_int_equal(kv_offload_store(o, 200 + (uint64_t)k, k), 0);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+    assert_true(ms < 250); /* the stores did not wait for the 300 ms write */
+    kv_offload_stats s;
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.writes_queued, 1);
+    assert_int_equal(s.writes_dropped, 2);
+    assert_int_equal(s.stored[KV_TIER_DISK], 0);
+    assert_int_equal(kv_offload_find(o, 200), KV_TIER_DISK);
+    assert_int_equal(kv_offload_find(o, 201), -1);
+    assert_int_equal(kv_offload_find(o, 202), -1);
+    memset(kv, 0, sizeof kv);
+    assert_int_equal(load(o, 200, 5), 0); /* inline, from the queued bytes */
+    assert_true(holds(5, 20));
+    assert_int_equal(kv_offload_load_async(o, 200, 6, 9), 0); /* on the loader, same bytes */
+    kv_offload_done d = reap_one(o);
+    assert_true(d.tag == 9 && d.ok && d.tier == KV_TIER_DISK && holds(6, 20));
+    kv_offload_drain_writes(o);
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.writes_queued, 0);
+    assert_int_equal(s.stored[KV_TIER_DISK], 1);
+    assert_int_equal(s.resident[KV_TIER_DISK], 1);
+    assert_true(atomic_load(&notified) >= 2); /* the load and the write woke the owner */
+    memset(kv, 0, sizeof kv);
+    assert_int_equal(load(o, 200, 7), 0); /* now from the file */
+    assert_true(holds(7, 20));
+    /* the buffer is free again: the next victim is queued, not dropped */
+    fill(0, 30);
+    assert_int_equal(kv_offload_store(o, 210, 0), 0); /* evicts 203 from host to disk */
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.writes_dropped, 2);
+    assert_int_equal(s.writes_queued, 1);
+    /* a clear while the write is queued: gone at once, the slot freed when the write ends */
+    kv_offload_clear(o);
+    assert_int_equal(kv_offload_find(o, 203), -1);
+    kv_offload_drain_writes(o);
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.resident[KV_TIER_DISK], 0);
+    /* destroyed with a write queued: dropped, joined, nothing leaks */
+    fill(1, 31);
+    assert_int_equal(kv_offload_store(o, 211, 1), 0);
+    assert_int_equal(kv_offload_store(o, 212, 1), 0);
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.writes_queued, 1);
+    kv_offload_destroy(o);
+    backend_stream_free(st);
+    rmdir(dir);
+}
+
+/* A disk of one slot, its write slow: the next victims find no slot to take (the one slot is
+ * being written) and are not kept; their write buffers go back (none leaks: the queue of
+ * two takes a write again once the first ended). */
+static void test_disk_slot_busy_writing(void **state) {
+    (void)state;
+    char dir[] = "/tmp/kvoff-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    kv_offload_config c = {1 * BB, dir, 4096, BB, 42, 16, 0, 0, 0, 2, 200, 0};
+    kv_offload *o;
+    char err[256];
+    assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+    for (int k = 0; k < 5; k++) { /* 4 victims: 400 written, 401..403 not kept */
+        fill(k, 60 + k);
+        assert_int_equal(kv_offload_store(o, 400 + (uint64_t)k, k), 0);
+    }
+    kv_offload_stats s;
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.writes_queued, 1);
+    assert_int_equal(s.writes_dropped, 0); /* a leaked buffer would have made 403 a drop */
+    assert_int_equal(kv_offload_find(o, 401), -1);
+    kv_offload_drain_writes(o);
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.stored[KV_TIER_DISK], 1);
+    memset(kv, 0, sizeof kv);
+    assert_int_equal(load(o, 400, 6), 0);
+    assert_true(holds(6, 60));
+    /* the slot free to evict again: the next victim (404) replaces 400 */
+    fill(0, 99);
+    assert_int_equal(kv_offload_store(o, 490, 0), 0);
+    kv_offload_drain_writes(o);
+    assert_int_equal(kv_offload_find(o, 404), KV_TIER_DISK);
+    assert_int_equal(kv_offload_find(o, 400), -1);
+    kv_offload_destroy(o);
+    backend_stream_free(st);
+    rmdir(dir);
+}
+
+/* A slot whose write was torn (the header and the first half of the block written, the
+ * second half another block's bytes): the checksum refuses it. */
+static void test_torn_slot_refused(void **state) {
+    (void)state;
+    char dir[] = "/tmp/kvoff-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, 0, 0, 0, 0, 0, 0};
+    kv_offload *o;
+    char err[256];
+    assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+    for (int k = 0; k < 3; k++) { /* 200 and 201 go to disk slots 0 and 1 */
+        fill(k, 40 + k);
+        assert_int_equal(kv_offload_store(o, 200 + (uint64_t)k, k), 0);
+    }
+    kv_offload_drain_writes(o);
+    int fd = open(kv_offload_disk_path(o), O_RDWR);
+    assert_true(fd >= 0);
+    unsigned char half[BB / 2];
+    assert_int_equal(pread(fd, half, sizeof half, 4096 + 64 + BB / 2), (ssize_t)sizeof half);
+    assert_int_equal(pwrite(fd, half, sizeof half, 64 + BB / 2), (ssize_t)sizeof half);
+    close(fd);
+    memset(kv, 0, sizeof kv);
+    assert_int_equal(load(o, 200, 5), -1);
+    assert_int_equal(load(o, 201, 6), 0);
+    assert_true(holds(6, 41));
+    kv_offload_stats s;
+    kv_offload_get_stats(o, &s);
+    assert_int_equal(s.corrupt, 1);
+    kv_offload_destroy(o);
+    backend_stream_free(st);
+    rmdir(dir);
+}
+
+/* The ways of opening the slab: O_DIRECT off (buffered), on (O_DIRECT, or a creation error
+ * naming it where the filesystem refuses), auto on tmpfs (buffered: memory anyway); the
+ * blocks come back the same in each, sync and async writes. */
+static void test_direct_io_modes(void **state) {
+    (void)state;
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    const char *bases[2] = {"/tmp", "/dev/shm"};
+    for (int bi = 0; bi < 2; bi++) {
+        char dir[64];
+        snprintf(dir, sizeof dir, "%s/kvoff-XXXXXX", bases[bi]);
+        if (!mkdtemp(dir)) continue; /* no /dev/shm here */
+        for (int mode = KV_DIRECT_IO_AUTO; mode <= KV_DIRECT_IO_OFF; mode++)
+            for (int sync = 0; sync < 2; sync++) {
+                kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, 0, 0, sync, 0, 0, mode};
+                kv_offload *o;
+                char err[512];
+                if (kv_offload_create(&c, st, kv, &o, err, sizeof err)) {
+                    assert_int_equal(mode, KV_DIRECT_IO_ON); /* a filesystem without O_DIRECT */
+                    assert_non_null(strstr(err, "refuses O_DIRECT"));
+                    continue;
+                }
+                kv_offload_stats s;
+                kv_offload_get_stats(o, &s);
+                if (mode == KV_DIRECT_IO_ON) assert_int_equal(s.direct_io, 1);
+                if (mode == KV_DIRECT_IO_OFF) assert_int_equal(s.direct_io, 0);
+                struct statfs sf;
+                if (mode == KV_DIRECT_IO_AUTO && !statfs(dir, &sf) && sf.f_type == 0x01021994)
+                    assert_int_equal(s.direct_io, 0); /* tmpfs: buffered by choice */
+                for (int k = 0; k < 4; k++) {
+                    fill(k, 50 + k);
+                    assert_int_equal(kv_offload_store(o, 300 + (uint64_t)k, k), 0);
+                }
+                kv_offload_drain_writes(o);
+                memset(kv, 0, sizeof kv);
+                for (int k = 0; k < 3; k++) {
+                    assert_int_equal(kv_offload_find(o, 300 + (uint64_t)k), KV_TIER_DISK);
+                    assert_int_equal(load(o, 300 + (uint64_t)k, 4 + k), 0);
+                    assert_true(holds(4 + k, 50 + k));
+                }
+                kv_offload_get_stats(o, &s);
+                assert_int_equal(s.stored[KV_TIER_DISK], 3);
+                assert_int_equal(s.corrupt, 0);
+                kv_offload_destroy(o);
+            }
+        rmdir(dir);
+    }
+    backend_stream_free(st);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_host_lru),
         cmocka_unit_test(test_disk_tier),
         cmocka_unit_test(test_async_host),
         cmocka_unit_test(test_async_disk_and_sync_mode),
+        cmocka_unit_test(test_write_queue),
+        cmocka_unit_test(test_torn_slot_refused),
+        cmocka_unit_test(test_disk_slot_busy_writing),
+        cmocka_unit_test(test_direct_io_modes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
