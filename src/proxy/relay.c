@@ -302,6 +302,11 @@ static void relay_complete(relay *r) {
  * bytes, end it if the decode already finished.  Returns 1 if r was freed. */
 static int relay_advance(relay *r) {
     if (!r->d_status || r->engine_wait || !gate_open(r)) return 0;
+    /* a first 400 of D is read whole before it is relayed: it may be the
+     * consumer's "knows no engine" (stale_engine), which is not relayed */
+    if (!r->started && !r->d_done && r->d_status == 400 && r->body && !r->engine_retried &&
+        evbuffer_get_length(r->held) <= RELAY_4XXBODY_MAX)
+        return 0;
     if (!r->started) {
         hs_reply_start(r->client, r->d_status, r->d_hdrs, r->d_nhdrs, r->d_clen);
         r->started = 1;
@@ -594,6 +599,11 @@ static void d_data(hc_req *q, struct evbuffer *data, void *arg) {
         return;
     }
     evbuffer_add_buffer(r->held, data);
+    /* a 400 too large to be the consumer's message: relayed from now on */
+    if (r->d_status == 400 && evbuffer_get_length(r->held) > RELAY_4XXBODY_MAX) {
+        (void)relay_advance(r); /* D is not done: r stays */
+        if (r->started) return;
+    }
     if (evbuffer_get_length(r->held) > RELAY_HOLD_MAX && !r->d_paused) {
         r->d_paused = 1;
         hc_pause(q, 1);
