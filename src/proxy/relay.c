@@ -18,6 +18,13 @@
  * P's request cancelled) or when P stops answering its health probes
  * (UPSTREAM_HUNG_MISSES probe timeouts in a row): a relay still waiting for
  * that P answers D's complete answer if there is one, else a 502 naming P.
+ * A D that answers 400 "bootstrap server ... knows no engine '<the id sent>'"
+ * (the prefill restarted after its engine table was read; D pulled nothing)
+ * makes the relay re-read that prefill's table and resend the decode request
+ * once, with the new engine id and the same transfer id (P's answer, and the
+ * KV it holds for the transfer, stay as they are); the client sees D's 400
+ * only when the re-read shows no new id.  A first 400 of D is read whole
+ * (<= RELAY_4XXBODY_MAX) before anything of it is relayed.
  * A streamed (SSE) decode answer is relayed whole events at a time, so that
  * when D fails mid-stream the client gets a final `data: {"error": ...}`
  * event, `data: [DONE]` and a properly ended stream, as vLLM's server sends

@@ -257,8 +257,11 @@ static void probe_done(hc_req *r, int err, void *arg) {
             if (b->env->on_unresponsive) b->env->on_unresponsive(b, w, b->env->cb_arg);
         }
         /* a probe that timed out is repeated at once (a refused one waits
-         * for the next tick: nothing to wait for, no spinning) */
-        if (err == HC_ETIMEOUT && b->probe_stage == 0 && b->active && !b->retiring)
+         * for the next tick: nothing to wait for, no spinning); a wanted
+         * table re-read goes first (out:), so that the requests waiting for it
+         * wait one probe timeout at most */
+        if (err == HC_ETIMEOUT && b->probe_stage == 0 && b->active && !b->retiring &&
+            b->refresh_state != 1)
             probe_start(b, 0);
         goto out;
     }
