@@ -667,6 +667,28 @@ def test_unknown_engine_resends_the_decode_request_once(doubles, proxy_factory, 
     assert px.metrics()['disagg_proxy_errors_total{reason="decode_rejected"}'] == 1
 
 
+def test_unknown_engine_for_concurrent_requests(doubles, proxy_factory):
+    """Requests in flight together around P's restart: those sent with the old id are
+    resent once each (the re-reads they ask share a /query when they overlap), the
+    others go out with the new id; all are answered, the restart is counted once."""
+    p, d = doubles("prefill", "p0"), doubles("decode", "d0")
+    px = proxy_factory([p], [d], ["--health-interval", "300"])
+    d.known_engines = knows(p)
+    p.engine_generation += 1
+    p.delay = 0.3  # P's answers come after D's 400s
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        codes = list(ex.map(lambda i: requests.post(px.url + "/v1/completions",
+                                                     json={"prompt": str(i)}).status_code,
+                            range(8)))
+    assert codes == [200] * 8
+    retried = stale_retries(px)
+    assert retried >= 1
+    assert len(p.completions()) == 8 and len(d.completions()) == 8 + retried
+    new = {json_body(r)["kv_transfer_params"]["remote_engine_id"] for r in d.completions()}
+    assert new == {"engine-p0-g0-dp0", p.engine_id(0)}
+    assert refreshes(px, p, "unknown_engine") == 1
+
+
 @pytest.mark.parametrize("table", ["same", "unreadable"])
 def test_unknown_engine_with_no_new_table_relays_the_decodes_400(doubles, proxy_factory, table):
     """A D naming the engine unknown while P's table holds the same id (a hand-made
