@@ -289,7 +289,9 @@ static void probe_done(hc_req *r, int err, void *arg) {
         goto out;
     }
     table_ok = 1;
-    set_state(b, 1, 1, NULL);
+    /* a re-read asked after a failed /health does not put it back: the next
+     * probe that passes does */
+    if (b->healthy) set_state(b, 1, 1, NULL);
 out:
     if (refresh)
         refresh_ended(b, table_ok);
