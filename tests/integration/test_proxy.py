@@ -689,6 +689,25 @@ def test_unknown_engine_for_concurrent_requests(doubles, proxy_factory):
     assert refreshes(px, p, "unknown_engine") == 1
 
 
+def test_unknown_engine_while_a_health_probe_hangs(doubles, proxy_factory):
+    """The re-read D's answer asks for waits for the probe in flight; when that is
+    a /health that never answers, the re-read goes first once it times out (not
+    after the repeated /health probes): the request is answered."""
+    p, d = doubles("prefill", "p0"), doubles("decode", "d0")
+    px = proxy_factory([p], [d], ["--health-interval", "0.5"])  # probes wait 2 s
+    d.known_engines = knows(p)
+    p.health_hang = True
+    deadline = time.monotonic() + 10
+    while not any(r["path"] == "/health" and not r["done"].is_set() for r in list(p.requests)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    p.engine_generation += 1  # restarted while the probe hangs: it is not re-read yet
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert stale_retries(px) == 1
+    p.health_hang = False
+
+
 @pytest.mark.parametrize("table", ["same", "unreadable"])
 def test_unknown_engine_with_no_new_table_relays_the_decodes_400(doubles, proxy_factory, table):
     """A D naming the engine unknown while P's table holds the same id (a hand-made
