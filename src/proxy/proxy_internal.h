@@ -66,7 +66,7 @@ struct proxy {
     uint64_t responses[6];       /* client responses by status class (index = status/100) */
     uint64_t errors[PERR_COUNT]; /* failures by kind */
     uint64_t retries[2]; /* requests resent to another upstream after a refused connect, by role */
-    uint64_t engine_retries; /* decode requests resent with a prefill's re-read engine id */
+    uint64_t engine_retries;   /* decode requests resent with a prefill's re-read engine id */
     metrics_hist t_prefill;    /* P dispatch -> P response end */
     metrics_hist t_decode;     /* P response end -> D response end (the decode part) */
     metrics_hist t_first_byte; /* client request -> first byte relayed */

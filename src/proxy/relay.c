@@ -738,14 +738,15 @@ void relay_upstream_table(proxy *px, upstream *b, int ok) {
             /* not read, the rank is gone, or the same id: D's answer stands */
             LOG_W(MOD, "request %s: prefill %s's engine table %s; relaying decode's answer",
                   r->request_id, b->url,
-                  !ok ? "could not be read again"
+                  !ok  ? "could not be read again"
                   : !e ? "no longer has the request's dp rank"
                        : "still names the same engine");
             (void)relay_advance(r);
             continue;
         }
-        LOG_I(MOD, "request %s: resending the decode request with prefill %s's engine %s "
-                   "(was %s), transfer %s",
+        LOG_I(MOD,
+              "request %s: resending the decode request with prefill %s's engine %s "
+              "(was %s), transfer %s",
               r->request_id, b->url, e->engine_id, r->p_engine_id, r->transfer_id);
         snprintf(r->p_engine_id, sizeof r->p_engine_id, "%s", e->engine_id);
         /* the same transfer id: the restarted P holds (or is computing) its KV */
