@@ -156,6 +156,11 @@ static void write_metrics(proxy *px, prom *o) {
                 "Requests resent to another instance after a refused connection.");
     for (int r = 0; r < 2; r++)
         prom_sample_u64(o, px->retries[r], "role", upstream_role_name((upstream_role)r), NULL);
+    prom_family(o, "disagg_proxy_stale_engine_retries", PROM_COUNTER,
+                "Decode requests resent with a prefill's re-read engine id after the decode "
+                "answered that the prefill's bootstrap server knows no engine it was given "
+                "(the prefill restarted).");
+    prom_sample_u64(o, px->engine_retries, NULL);
     prom_family(o, "disagg_proxy_inflight_requests", PROM_GAUGE, "Client requests being relayed.");
     prom_sample(o, px->inflight, NULL);
     prom_family(o, "disagg_proxy_ready", PROM_GAUGE,
@@ -214,6 +219,17 @@ static void write_metrics(proxy *px, prom *o) {
     for (int i = 0; i < 4; i++) {
         prom_hist h = metrics_hist_view(ph[i]);
         prom_histogram(o, &h, "phase", phases[i], NULL);
+    }
+    prom_family(o, "disagg_proxy_engine_table_refreshes", PROM_COUNTER,
+                "Times a prefill's bootstrap /query table was read with engine ids other than "
+                "those the proxy had (a restart), by what read it: probe (the health probe, "
+                "every period) or unknown_engine (a decode named the engine unknown).");
+    for (int i = 0; i < px->nprefill; i++) {
+        const upstream *b = &px->prefill[i];
+        if (!b->active) continue;
+        prom_sample_u64(o, b->table_changes[0], "backend", b->url, "trigger", "probe", NULL);
+        prom_sample_u64(o, b->table_changes[1], "backend", b->url, "trigger", "unknown_engine",
+                        NULL);
     }
     membership_write_metrics(px, o);
     if (px->kv) kv_route_write_metrics(px->kv, px->prefill, px->nprefill, o);
@@ -375,6 +391,10 @@ static void on_upstream_restart(upstream *b, const char *why, void *arg) {
     kv_route_restarted(b, why);
 }
 
+static void on_upstream_table(upstream *b, int ok, void *arg) {
+    relay_upstream_table(arg, b, ok);
+}
+
 static char *server_error_body(int status, const char *message) {
     return api_error_json(status, message);
 }
@@ -406,6 +426,7 @@ proxy *proxy_new(struct event_base *base, const proxy_config *cfg, char *err, si
     px->env.probe_timeout_s = cfg->health_interval_s * 2 < 2 ? 2 : cfg->health_interval_s * 2;
     px->env.on_unresponsive = on_upstream_unresponsive;
     px->env.on_restart = on_upstream_restart;
+    px->env.on_table = on_upstream_table;
     px->env.cb_arg = px;
     if (cfg->policy == POLICY_KV_AWARE) {
         if (!cfg->kv) {

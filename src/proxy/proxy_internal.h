@@ -66,6 +66,7 @@ struct proxy {
     uint64_t responses[6];       /* client responses by status class (index = status/100) */
     uint64_t errors[PERR_COUNT]; /* failures by kind */
     uint64_t retries[2]; /* requests resent to another upstream after a refused connect, by role */
+    uint64_t engine_retries;   /* decode requests resent with a prefill's re-read engine id */
     metrics_hist t_prefill;    /* P dispatch -> P response end */
     metrics_hist t_decode;     /* P response end -> D response end (the decode part) */
     metrics_hist t_first_byte; /* client request -> first byte relayed */
@@ -86,5 +87,9 @@ void relay_start_passthrough(proxy *px, hs_req *req);
 /* relay.c: prefill b stopped answering (why): the requests still waiting
  * for it stop waiting (D's complete answer is relayed, else a 502). */
 void relay_upstream_unresponsive(proxy *px, upstream *b, const char *why);
+/* relay.c: prefill b's engine table was re-read (ok) or could not be (0): the
+ * requests whose decode named its old engine unknown are resent to a decode
+ * with the new engine id, or get that decode's answer. */
+void relay_upstream_table(proxy *px, upstream *b, int ok);
 
 #endif

@@ -18,6 +18,13 @@
  * P's request cancelled) or when P stops answering its health probes
  * (UPSTREAM_HUNG_MISSES probe timeouts in a row): a relay still waiting for
  * that P answers D's complete answer if there is one, else a 502 naming P.
+ * A D that answers 400 "bootstrap server ... knows no engine '<the id sent>'"
+ * (the prefill restarted after its engine table was read; D pulled nothing)
+ * makes the relay re-read that prefill's table and resend the decode request
+ * once, with the new engine id and the same transfer id (P's answer, and the
+ * KV it holds for the transfer, stay as they are); the client sees D's 400
+ * only when the re-read shows no new id.  A first 400 of D is read whole
+ * (<= RELAY_4XXBODY_MAX) before anything of it is relayed.
  * A streamed (SSE) decode answer is relayed whole events at a time, so that
  * when D fails mid-stream the client gets a final `data: {"error": ...}`
  * event, `data: [DONE]` and a properly ended stream, as vLLM's server sends
@@ -85,6 +92,8 @@ typedef struct relay {
     int first_byte;        /* first body byte relayed */
     int sse;               /* D's answer is an event stream without a Content-Length */
     struct evbuffer *sse_tail; /* (< RELAY_SSE_TAIL_MAX) bytes after the last relayed event */
+    int engine_wait;    /* D named p_engine_id unknown: its answer waits for P's table re-read */
+    int engine_retried; /* D was resent once with a re-read engine id (never twice) */
 } relay;
 
 static const hc_callbacks P_CB, D_CB;
@@ -299,7 +308,12 @@ static void relay_complete(relay *r) {
 /* Called whenever the gate may have opened: start the reply, flush held
  * bytes, end it if the decode already finished.  Returns 1 if r was freed. */
 static int relay_advance(relay *r) {
-    if (!r->d_status || !gate_open(r)) return 0;
+    if (!r->d_status || r->engine_wait || !gate_open(r)) return 0;
+    /* a first 400 of D is read whole before it is relayed: it may be the
+     * consumer's "knows no engine" (stale_engine), which is not relayed */
+    if (!r->started && !r->d_done && r->d_status == 400 && r->body && !r->engine_retried &&
+        evbuffer_get_length(r->held) <= RELAY_4XXBODY_MAX)
+        return 0;
     if (!r->started) {
         hs_reply_start(r->client, r->d_status, r->d_hdrs, r->d_nhdrs, r->d_clen);
         r->started = 1;
@@ -592,10 +606,29 @@ static void d_data(hc_req *q, struct evbuffer *data, void *arg) {
         return;
     }
     evbuffer_add_buffer(r->held, data);
+    /* a 400 too large to be the consumer's message: relayed from now on */
+    if (r->d_status == 400 && evbuffer_get_length(r->held) > RELAY_4XXBODY_MAX) {
+        (void)relay_advance(r); /* D is not done: r stays */
+        if (r->started) return;
+    }
     if (evbuffer_get_length(r->held) > RELAY_HOLD_MAX && !r->d_paused) {
         r->d_paused = 1;
         hc_pause(q, 1);
     }
+}
+
+/* Whether D's complete answer is the consumer's "bootstrap server ... knows no
+ * engine '<the engine id sent>'" (HTTP 400, mooncake_consumer.c) for a first
+ * attempt whose prefill is still in play: P restarted after its engine table
+ * was read. */
+static int stale_engine(relay *r) {
+    if (!r->body || r->engine_retried || r->d_status != 400 || r->started || r->p_st == P_GONE ||
+        r->p_st == P_NONE)
+        return 0;
+    char needle[200];
+    int n = snprintf(needle, sizeof needle, "knows no engine '%s'", r->p_engine_id);
+    if (n < 0 || (size_t)n >= sizeof needle) return 0;
+    return evbuffer_search(r->held, needle, (size_t)n, NULL).pos >= 0;
 }
 
 static void d_done(hc_req *q, int err, void *arg) {
@@ -623,6 +656,19 @@ static void d_done(hc_req *q, int err, void *arg) {
     }
     d_finish_metrics(r, r->d_status >= 500);
     r->d_done = 1;
+    if (stale_engine(r)) {
+        /* P restarted after its table was read: its bootstrap server knows
+         * other engine ids.  D pulled nothing, so D is resent (once) with
+         * the id read again; P's answer goes on as it is. */
+        LOG_W(MOD,
+              "request %s: decode %s answered that prefill %s's bootstrap server knows no engine "
+              "'%s' (the prefill restarted); re-reading its engine table",
+              r->request_id, d->url, r->p->url, r->p_engine_id);
+        r->engine_retried = 1;
+        r->engine_wait = 1;
+        if (upstream_refresh_table(r->p) == 0) return; /* relay_upstream_table goes on */
+        r->engine_wait = 0;
+    }
     (void)relay_advance(r);
 }
 
@@ -677,6 +723,45 @@ void relay_start_passthrough(proxy *px, hs_req *req) {
     }
     r->p_st = P_NONE;
     (void)send_decode(r);
+}
+
+void relay_upstream_table(proxy *px, upstream *b, int ok) {
+    relay *next;
+    for (relay *r = px->relays; r; r = next) {
+        next = r->next;
+        if (!r->engine_wait || r->p != b) continue;
+        r->engine_wait = 0;
+        const pd_engine *e = NULL;
+        for (int i = 0; ok && i < b->nengines && !e; i++)
+            if (b->engines[i].dp_rank == r->p_rank) e = &b->engines[i];
+        if (!e || !strcmp(e->engine_id, r->p_engine_id)) {
+            /* not read, the rank is gone, or the same id: D's answer stands */
+            LOG_W(MOD, "request %s: prefill %s's engine table %s; relaying decode's answer",
+                  r->request_id, b->url,
+                  !ok  ? "could not be read again"
+                  : !e ? "no longer has the request's dp rank"
+                       : "still names the same engine");
+            (void)relay_advance(r);
+            continue;
+        }
+        LOG_I(MOD,
+              "request %s: resending the decode request with prefill %s's engine %s "
+              "(was %s), transfer %s",
+              r->request_id, b->url, e->engine_id, r->p_engine_id, r->transfer_id);
+        snprintf(r->p_engine_id, sizeof r->p_engine_id, "%s", e->engine_id);
+        /* the same transfer id: the restarted P holds (or is computing) its KV */
+        json_t *db = pd_decode_body(r->body, r->p_engine_id, b->bootstrap_url, r->transfer_id);
+        free(r->d_body);
+        r->d_body = db ? json_dumps(db, JSON_COMPACT) : NULL;
+        json_decref(db);
+        if (!r->d_body) {
+            relay_fail(r, 500, PERR_DECODE, "out of memory building the decode request");
+            continue;
+        }
+        reset_d(r);
+        px->engine_retries++;
+        (void)send_decode(r);
+    }
 }
 
 void relay_upstream_unresponsive(proxy *px, upstream *b, const char *why) {

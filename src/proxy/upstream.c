@@ -137,6 +137,7 @@ int upstream_init(upstream *b, upstream_role role, int index, const char *url,
 }
 
 void upstream_free(upstream *b) {
+    if (b->refresh_state && b->env && b->env->on_table) b->env->on_table(b, 0, b->env->cb_arg);
     hc_cancel(b->probe);
     b->probe = NULL;
     hc_pool_free(b->pool);
@@ -185,9 +186,63 @@ static void probe_data(hc_req *r, struct evbuffer *data, void *arg) {
 
 static void probe_start(upstream *b, int stage);
 
+/* A table re-read asked by upstream_refresh_table ended (ok: the table was read). */
+static void refresh_ended(upstream *b, int ok) {
+    b->refresh_state = 0;
+    if (b->env->on_table) b->env->on_table(b, ok, b->env->cb_arg);
+}
+
+/* Starts GET /query; a wanted re-read that cannot start ends as failed. */
+static void start_query(upstream *b) {
+    probe_start(b, 1);
+    if (!b->probe && b->refresh_state == 2) refresh_ended(b, 0);
+}
+
+/* The /query answer of b (len bytes at txt): the new table, or why it is not one. */
+static int take_table(upstream *b, const char *txt, size_t len, int refresh, char *why,
+                      size_t whycap) {
+    pd_engine *rows;
+    int n;
+    char perr[300];
+    int rc = pd_parse_query(txt ? txt : "", len, &rows, &n, perr, sizeof perr);
+    if (rc) {
+        snprintf(why, whycap, "%s/query: %s", b->bootstrap_url, perr);
+        return rc;
+    }
+    pd_engines_free(b->engines, b->nengines);
+    b->engines = rows;
+    b->nengines = n;
+    char seen[sizeof b->engines_seen];
+    size_t off = 0;
+    seen[0] = 0;
+    for (int i = 0; i < n && off < sizeof seen; i++)
+        off += (size_t)snprintf(seen + off, sizeof seen - off, "%s%s", i ? "," : "",
+                                rows[i].engine_id);
+    /* the usual case: nothing changed; an empty table (engines not registered
+     * yet) is no restart and leaves the ids seen as they were */
+    if (!n || !strcmp(seen, b->engines_seen)) return 0;
+    if (b->engines_seen[0]) {
+        char w[600];
+        snprintf(w, sizeof w, "engine %.250s after %.250s", seen, b->engines_seen);
+        b->table_changes[refresh]++;
+        LOG_W(MOD, "prefill %s restarted (its /query, read %s, names %s): using the new engine ids",
+              b->url, refresh ? "because a decode named its engine unknown" : "by the health probe",
+              w);
+        if (b->env->on_restart) b->env->on_restart(b, w, b->env->cb_arg);
+    }
+    snprintf(b->engines_seen, sizeof b->engines_seen, "%s", seen);
+    for (int i = 0; i < n; i++)
+        LOG_I(MOD, "prefill %s dp rank %d: engine_id %s (tp %d)", b->url, rows[i].dp_rank,
+              rows[i].engine_id, rows[i].tp_size);
+    return 0;
+}
+
 static void probe_done(hc_req *r, int err, void *arg) {
     upstream *b = arg;
     b->probe = NULL;
+    /* this answer is the table re-read a request waits for */
+    int refresh = b->probe_stage == 1 && b->refresh_state == 2;
+    int table_ok = 0;
     char why[1024];
     const char *what = b->probe_stage == 0 ? "GET /health" : "GET /query";
     const char *where = b->probe_stage == 0 ? b->url : b->bootstrap_url;
@@ -202,56 +257,46 @@ static void probe_done(hc_req *r, int err, void *arg) {
             if (b->env->on_unresponsive) b->env->on_unresponsive(b, w, b->env->cb_arg);
         }
         /* a probe that timed out is repeated at once (a refused one waits
-         * for the next tick: nothing to wait for, no spinning) */
-        if (err == HC_ETIMEOUT && b->probe_stage == 0 && b->active && !b->retiring)
+         * for the next tick: nothing to wait for, no spinning); a wanted
+         * table re-read goes first (out:), so that the requests waiting for it
+         * wait one probe timeout at most */
+        if (err == HC_ETIMEOUT && b->probe_stage == 0 && b->active && !b->retiring &&
+            b->refresh_state != 1)
             probe_start(b, 0);
-        return;
+        goto out;
     }
     if (b->probe_stage == 0) b->misses = 0;
     if (b->probe_status != 200) {
         snprintf(why, sizeof why, "%s on %s answered HTTP %d", what, where, b->probe_status);
         upstream_mark_down(b, why);
-        return;
+        goto out;
     }
     if (b->probe_stage == 0) {
-        if (b->role == UPSTREAM_DECODE || b->nengines > 0) {
+        if (b->role == UPSTREAM_DECODE) {
             set_state(b, 1, 1, NULL);
-            return;
+            goto out;
         }
+        /* a prefill's engine table is read on every probe: one restarted
+         * between two probes answers /health as before, with new engine ids */
         b->healthy = 1;
-        probe_start(b, 1); /* prefill without an engine table: discover it */
+        start_query(b);
         return;
     }
     size_t len = evbuffer_get_length(b->probe_body);
     const char *txt = (const char *)evbuffer_pullup(b->probe_body, -1);
-    pd_engine *rows;
-    int n;
-    char perr[300];
-    int rc = pd_parse_query(txt ? txt : "", len, &rows, &n, perr, sizeof perr);
-    if (rc) {
-        snprintf(why, sizeof why, "%s/query: %s", b->bootstrap_url, perr);
+    if (take_table(b, txt, len, refresh, why, sizeof why)) {
         upstream_mark_down(b, why);
-        return;
+        goto out;
     }
-    pd_engines_free(b->engines, b->nengines);
-    b->engines = rows;
-    b->nengines = n;
-    char seen[sizeof b->engines_seen];
-    size_t off = 0;
-    seen[0] = 0;
-    for (int i = 0; i < n && off < sizeof seen; i++)
-        off += (size_t)snprintf(seen + off, sizeof seen - off, "%s%s", i ? "," : "",
-                                rows[i].engine_id);
-    if (b->engines_seen[0] && strcmp(seen, b->engines_seen) && b->env->on_restart) {
-        char w[600];
-        snprintf(w, sizeof w, "engine %.250s after %.250s", seen, b->engines_seen);
-        b->env->on_restart(b, w, b->env->cb_arg);
-    }
-    snprintf(b->engines_seen, sizeof b->engines_seen, "%s", seen);
-    for (int i = 0; i < n; i++)
-        LOG_I(MOD, "prefill %s dp rank %d: engine_id %s (tp %d)", b->url, rows[i].dp_rank,
-              rows[i].engine_id, rows[i].tp_size);
-    set_state(b, 1, 1, NULL);
+    table_ok = 1;
+    /* a re-read asked after a failed /health does not put it back: the next
+     * probe that passes does */
+    if (b->healthy) set_state(b, 1, 1, NULL);
+out:
+    if (refresh)
+        refresh_ended(b, table_ok);
+    else if (b->refresh_state == 1 && !b->probe && b->active && !b->retiring)
+        start_query(b);
 }
 
 static void probe_start(upstream *b, int stage) {
@@ -263,6 +308,22 @@ static void probe_start(upstream *b, int stage) {
     b->probe =
         hc_request(stage == 0 ? b->pool : b->bootstrap_pool, "GET",
                    stage == 0 ? "/health" : "/query", b->env->auth_header, NULL, 0, &t, &cb, b);
+    if (b->probe && stage == 1 && b->refresh_state == 1) b->refresh_state = 2;
+}
+
+int upstream_refresh_table(upstream *b) {
+    if (b->role != UPSTREAM_PREFILL || !b->active || b->retiring) return -1;
+    /* one is wanted or in flight: either started after a decode had named an engine
+     * unknown, so after the restart that made the caller's engine id stale */
+    if (b->refresh_state) return 0;
+    b->refresh_state = 1;
+    if (b->probe) return 0; /* after the probe in flight (probe_done) */
+    probe_start(b, 1);
+    if (!b->probe) {
+        b->refresh_state = 0;
+        return -1;
+    }
+    return 0;
 }
 
 void upstream_probe(upstream *b) {

@@ -5,8 +5,10 @@
  * discovery (GET /health until 200, then for a prefill GET {bootstrap}/query
  * for dp_rank -> engine_id, PROTOCOL.md §1-2), and per-upstream load and
  * latency counters.  A upstream that fails a probe or refuses a connection is
- * taken out of rotation; the periodic probe puts it back (re-reading its
- * engine table: a restarted prefill has new engine ids).
+ * taken out of rotation; the periodic probe puts it back.  A prefill's probe
+ * re-reads its engine table every time (GET /health, then GET /query): a
+ * prefill restarted between two probes has new engine ids, and no probe of it
+ * may ever fail.
  */
 #ifndef DISAGG_PROXY_BACKEND_H
 #define DISAGG_PROXY_BACKEND_H
@@ -40,6 +42,9 @@ typedef struct upstream_env {
     void (*on_unresponsive)(struct upstream *b, const char *why, void *arg);
     /* called when a prefill's engine ids differ from those it had before (a restart) */
     void (*on_restart)(struct upstream *b, const char *why, void *arg);
+    /* called when a table re-read asked by upstream_refresh_table ended: ok = the
+     * table was read (b->engines is current), 0 = it could not be read */
+    void (*on_table)(struct upstream *b, int ok, void *arg);
     void *cb_arg; /* their argument */
 } upstream_env;
 
@@ -89,6 +94,12 @@ typedef struct upstream {
     struct kv_subscriber *kvsub; /* the subscription feeding kv */
     uint64_t kv_pending_tokens;  /* uncached prompt tokens of this proxy's prefills on it */
     char engines_seen[256];      /* engine ids of its last /query: a change is a restart */
+    /* engine table re-reads asked by upstream_refresh_table (a decode named its engine
+     * unknown): 0 none, 1 wanted (after the probe in flight), 2 the /query in flight is it */
+    int refresh_state;
+    /* times its /query showed new engine ids, by what read it: [0] the periodic
+     * probe, [1] a re-read asked by upstream_refresh_table */
+    uint64_t table_changes[2];
 } upstream;
 
 /* Parses "http://host[:port][/]" or "host:port" into host/port; -EINVAL with
@@ -106,6 +117,10 @@ int upstream_init(upstream *b, upstream_role role, int index, const char *url,
 void upstream_free(upstream *b);
 /* Starts a probe unless one is in flight (or the upstream is retiring). */
 void upstream_probe(upstream *b);
+/* Prefill: re-read its bootstrap /query table now (after the probe in flight, if
+ * any); env->on_table is called when that read ends.  -1 when the upstream is
+ * retiring or inactive (nothing will be called). */
+int upstream_refresh_table(upstream *b);
 /* A request found it unreachable: take it out of rotation until a probe passes. */
 void upstream_mark_down(upstream *b, const char *why);
 const char *upstream_role_name(upstream_role r);

@@ -592,6 +592,141 @@ def test_backend_killed_and_restarted(doubles, proxy_factory):
     assert "engine-p1-g0-dp0" not in engines
 
 
+def knows(*prefills):
+    """A decode double's known_engines: the engine ids the prefills' bootstrap servers
+    know now."""
+    return lambda: {p.engine_id(r) for p in prefills for r in range(p.dp_ranks)}
+
+
+def stale_retries(px):
+    return px.metrics()["disagg_proxy_stale_engine_retries_total"]
+
+
+def refreshes(px, p, trigger):
+    return px.metrics()[f'disagg_proxy_engine_table_refreshes_total{{backend="{p.url}",'
+                        f'trigger="{trigger}"}}']
+
+
+def test_restart_between_two_probes_is_seen_by_the_next_probe(doubles, proxy_factory):
+    """New engine ids with no failed probe (a restart quicker than the probe period):
+    the next probe's /query read takes them, and requests name the new engine."""
+    p, d = doubles("prefill", "p0"), doubles("decode", "d0")
+    d.known_engines = knows(p)
+    px = proxy_factory([p], [d])
+    assert requests.post(px.url + "/v1/completions", json={"prompt": "a"}).status_code == 200
+    p.engine_generation += 1  # its /health never failed
+    deadline = time.monotonic() + 10
+    while refreshes(px, p, "probe") != 1:
+        assert time.monotonic() < deadline, px.output()[-3000:]
+        time.sleep(0.05)
+    d.clear()
+    assert requests.post(px.url + "/v1/completions", json={"prompt": "b"}).status_code == 200
+    assert [json_body(r)["kv_transfer_params"]["remote_engine_id"] for r in d.completions()] == \
+        [p.engine_id(0)]
+    assert stale_retries(px) == 0 and refreshes(px, p, "unknown_engine") == 0
+    assert "restarted" in px.output()
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+def test_unknown_engine_resends_the_decode_request_once(doubles, proxy_factory, first):
+    """D answers that P's bootstrap server knows no such engine: P's table is read
+    again and D gets the request again, once, with the new id and the same transfer
+    id; P is not asked twice.  A D that rejects the second id too is relayed.  Either
+    answers first (D's 400 is read whole before anything is relayed)."""
+    p, d = doubles("prefill", "p0", dp_ranks=2), doubles("decode", "d0")
+    px = proxy_factory([p], [d], ["--health-interval", "300", "--policy", "round_robin"])
+    (d if first == "prefill" else p).delay = 0.2
+    d.known_engines = knows(p)
+    p.engine_generation += 1  # restarted; the proxy's next probe is minutes away
+    for stream in (False, True):
+        p.clear()
+        d.clear()
+        r = requests.post(px.url + "/v1/completions", json={"prompt": "x", "stream": stream})
+        assert r.status_code == 200, r.text
+        sent = [json_body(q)["kv_transfer_params"] for q in d.completions()]
+        rank = int(p.completions()[0]["headers"]["x-data-parallel-rank"])
+        if not stream:  # the first request found the stale id
+            assert len(sent) == 2
+            assert sent[0]["remote_engine_id"] == f"engine-p0-g0-dp{rank}"
+            assert sent[1]["remote_engine_id"] == p.engine_id(rank)
+            assert sent[0]["transfer_id"] == sent[1]["transfer_id"]
+        else:  # the table was re-read: both ranks are current
+            assert [k["remote_engine_id"] for k in sent] == [p.engine_id(rank)]
+        assert len(p.completions()) == 1
+    assert stale_retries(px) == 1 and refreshes(px, p, "unknown_engine") == 1
+    # at most once: P restarts again, every read of its table is followed by new ids
+    # (so a second re-read would find yet another id), and D knows none of them
+    p.engine_generation += 1
+    p.renew_engine_on_query = True
+    d.known_engines = lambda: set()
+    d.clear()
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "y"})
+    assert_openai_error(r, 400, "knows no engine")
+    assert len(d.completions()) == 2
+    assert stale_retries(px) == 2
+    assert px.metrics()['disagg_proxy_errors_total{reason="decode_rejected"}'] == 1
+
+
+def test_unknown_engine_for_concurrent_requests(doubles, proxy_factory):
+    """Requests in flight together around P's restart: those sent with the old id are
+    resent once each (the re-reads they ask share a /query when they overlap), the
+    others go out with the new id; all are answered, the restart is counted once."""
+    p, d = doubles("prefill", "p0"), doubles("decode", "d0")
+    px = proxy_factory([p], [d], ["--health-interval", "300"])
+    d.known_engines = knows(p)
+    p.engine_generation += 1
+    p.delay = 0.3  # P's answers come after D's 400s
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        codes = list(ex.map(lambda i: requests.post(px.url + "/v1/completions",
+                                                     json={"prompt": str(i)}).status_code,
+                            range(8)))
+    assert codes == [200] * 8
+    retried = stale_retries(px)
+    assert retried >= 1
+    assert len(p.completions()) == 8 and len(d.completions()) == 8 + retried
+    new = {json_body(r)["kv_transfer_params"]["remote_engine_id"] for r in d.completions()}
+    assert new == {"engine-p0-g0-dp0", p.engine_id(0)}
+    assert refreshes(px, p, "unknown_engine") == 1
+
+
+def test_unknown_engine_while_a_health_probe_hangs(doubles, proxy_factory):
+    """The re-read D's answer asks for waits for the probe in flight; when that is
+    a /health that never answers, the re-read goes first once it times out (not
+    after the repeated /health probes): the request is answered."""
+    p, d = doubles("prefill", "p0"), doubles("decode", "d0")
+    px = proxy_factory([p], [d], ["--health-interval", "0.5"])  # probes wait 2 s
+    d.known_engines = knows(p)
+    p.health_hang = True
+    deadline = time.monotonic() + 10
+    while not any(r["path"] == "/health" and not r["done"].is_set() for r in list(p.requests)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    p.engine_generation += 1  # restarted while the probe hangs: it is not re-read yet
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert stale_retries(px) == 1
+    p.health_hang = False
+
+
+@pytest.mark.parametrize("table", ["same", "unreadable"])
+def test_unknown_engine_with_no_new_table_relays_the_decodes_400(doubles, proxy_factory, table):
+    """A D naming the engine unknown while P's table holds the same id (a hand-made
+    configuration error), or a table that cannot be read: D's 400 reaches the client
+    as D sent it, D asked once."""
+    p, d = doubles("prefill", "p0"), doubles("decode", "d0")
+    px = proxy_factory([p], [d], ["--health-interval", "300"])
+    d.known_engines = lambda: set()
+    if table == "unreadable":
+        p.query_status = 503
+    r = requests.post(px.url + "/v1/completions", json={"prompt": "x"})
+    assert_openai_error(r, 400, f"knows no engine '{p.engine_id(0)}'")
+    assert len(d.completions()) == 1 and len(p.completions()) == 1
+    assert stale_retries(px) == 0
+    assert refreshes(px, p, "unknown_engine") == 0
+    assert ("could not be read again" if table == "unreadable" else "still names the same engine") \
+        in px.output()
+
+
 def test_retry_on_another_prefill_when_connection_refused(doubles, proxy_factory):
     p0, p1 = doubles("prefill", "p0"), doubles("prefill", "p1")
     d0 = doubles("decode", "d0")

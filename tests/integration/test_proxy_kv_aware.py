@@ -244,9 +244,8 @@ def test_restarted_prefill_starts_with_an_empty_index(stack):
     assert series(px, "disagg_proxy_kv_index_blocks", p0, "GPU") > 0
     drops = series(px, "disagg_proxy_kv_index_drops_total", p0)
     p0.server.stop()
-    # down for several probe periods (0.1 s): a restart quicker than the probe period is not
-    # seen as one by the health probes (the engine table is re-read only after a failed
-    # probe), and the proxy would keep routing with the old engine id
+    # down for several probe periods (0.1 s); a restart quicker than one is seen too (every
+    # probe re-reads the engine table: test_proxy_pd.py, test_proxy.py)
     time.sleep(0.5)
     ps[0] = KVPrefill(port=p0.server.port,
                       ports=(p0.bootstrap_port, p0.kv_port, p0.replay_port))

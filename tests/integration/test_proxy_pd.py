@@ -11,6 +11,7 @@ import openai
 import pytest
 import requests
 
+import server_harness
 from proxy_fixtures import ProxyProc
 from server_harness import BIN, MODEL, Server, free_port
 from test_pd import COMMON, assert_kv_pulled, consumer_config, producer_config, wait_blocks_zero
@@ -19,13 +20,20 @@ TIMEOUT = 120
 
 
 class Prefill:
-    """A kv_producer `disagg serve` with its own bootstrap port."""
+    """A kv_producer `disagg serve` with its own bootstrap port; with `same_as`, a
+    restart of that prefill: the same API and bootstrap ports."""
 
-    def __init__(self, env=None):
-        self.bootstrap_port = free_port()
+    def __init__(self, env=None, same_as=None):
+        self.bootstrap_port = same_as.bootstrap_port if same_as else free_port()
         e = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port)}
         e.update(env or {})
-        self.server = Server(*COMMON, "--kv-transfer-config", producer_config(), env=e)
+        saved = server_harness.free_port
+        if same_as:
+            server_harness.free_port = lambda: same_as.server.port
+        try:
+            self.server = Server(*COMMON, "--kv-transfer-config", producer_config(), env=e)
+        finally:
+            server_harness.free_port = saved
         self.url = self.server.url
 
 
@@ -361,3 +369,89 @@ def test_decode_killed_mid_stream_gives_the_openai_client_an_api_error(chat):
         if d.proc.poll() is None:
             d.stop()
         p.server.stop()
+
+
+# ---- a prefill restarted on the same ports --------------------------------------------
+
+
+def refreshes(px, p, trigger):
+    return px.metrics().get(f'disagg_proxy_engine_table_refreshes_total{{backend="{p.url}",'
+                            f'trigger="{trigger}"}}')
+
+
+def engine_ids(p):
+    return sorted(e["engine_id"] for e in requests.get(
+        f"http://127.0.0.1:{p.bootstrap_port}/query", timeout=5).json().values())
+
+
+def test_prefill_restarted_within_a_probe_period_is_used_with_its_new_engine_id(colocated):
+    """P killed and started again on the same ports before the proxy's next health
+    probe: no probe ever failed, the proxy still holds the old engine id, and D
+    answers 400 "bootstrap server ... knows no engine".  The proxy re-reads P's
+    table and resends D once with the new id (same transfer): the client sees
+    the answer, D pulled P's KV."""
+    p, d = Prefill(), decode()
+    started = [p.server, d]
+    # no periodic probe within the test: the restart is "faster than the probe period"
+    px = ProxyProc([p], [d], extra=["--health-interval", "300"])
+    try:
+        px.wait_ready(30)
+        kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        want = client(colocated.url).completions.create(**kw).choices[0].text
+        assert client(px.url).completions.create(**kw).choices[0].text == want
+        old = engine_ids(p)
+        p.server.proc.kill()
+        p.server.proc.wait()
+        p = Prefill(same_as=p)
+        started.append(p.server)
+        assert engine_ids(p) != old  # a restart registers new engine ids
+        assert refreshes(px, p, "unknown_engine") == 0
+        got = client(px.url).completions.create(**kw)  # openai raises on the stale-id 400
+        assert got.choices[0].text == want
+        assert_kv_pulled(got.usage.model_dump(), computed=0)  # D pulled the restarted P's KV
+        m = px.metrics()
+        assert m["disagg_proxy_stale_engine_retries_total"] == 1, px.output()[-3000:]
+        assert refreshes(px, p, "unknown_engine") == 1
+        assert refreshes(px, p, "probe") == 0
+        assert m['disagg_proxy_errors_total{reason="decode_rejected"}'] == 0
+        assert "restarted" in px.output() and old[0] in px.output()
+        # the table is current now: the next requests (streamed too) go straight through
+        chunks = list(client(px.url).completions.create(stream=True, **kw))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert px.metrics()["disagg_proxy_stale_engine_retries_total"] == 1
+    finally:
+        assert px.stop() == 0, px.output()[-3000:]
+        for s in started:
+            s.stop()
+    assert all(s.proc.poll() is not None for s in started)
+
+
+def test_prefill_restarted_slower_than_the_probe_period(colocated):
+    """P down for several probe periods (0.1 s): the failed probes take it out,
+    the passing one re-reads its table; requests use the new id from the start."""
+    p, d = Prefill(), decode()
+    started = [p.server, d]
+    px = ProxyProc([p], [d])
+    try:
+        px.wait_ready(30)
+        kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=0)
+        want = client(colocated.url).completions.create(**kw).choices[0].text
+        assert client(px.url).completions.create(**kw).choices[0].text == want
+        p.server.stop()
+        deadline = time.monotonic() + 10
+        while requests.get(px.url + "/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, px.output()[-3000:]
+            time.sleep(0.05)
+        p = Prefill(same_as=p)
+        started.append(p.server)
+        px.wait_ready(30)
+        got = client(px.url).completions.create(**kw)
+        assert got.choices[0].text == want
+        assert_kv_pulled(got.usage.model_dump(), computed=0)
+        assert refreshes(px, p, "probe") == 1
+        assert px.metrics()["disagg_proxy_stale_engine_retries_total"] == 0
+    finally:
+        assert px.stop() == 0, px.output()[-3000:]
+        for s in started:
+            s.stop()
+    assert all(s.proc.poll() is not None for s in started)

@@ -15,7 +15,12 @@ health_status, query_status / query_table, fail_status (completions answer
 that HTTP status), close_connection (completions: close the socket without
 answering), delay (seconds before answering), hold (the response waits until
 release() or until the peer disconnects), stream_events / stream_interval,
-health_hang (/health never answered), die_after_events (a stream cut mid-event).
+health_hang (/health never answered), die_after_events (a stream cut mid-event),
+renew_engine_on_query (prefill: every /query answer is followed by new engine ids,
+as if the instance restarted right after it), known_engines (decode: a callable
+returning the engine ids the prefill's bootstrap server knows; a remote_engine_id
+outside them is answered 400 with the kv_consumer's own message, as
+mooncake_consumer.c does).
 stop() closes the listener and every open connection (like a killed
 process); start() serves again on the same port.
 
@@ -118,6 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.path == "/query":
                     body = json.dumps(d.query_table()).encode()
                     self._send(rec, d.query_status, "application/json", body)
+                    if d.renew_engine_on_query:
+                        d.engine_generation += 1
                 else:
                     self._send(rec, 404, "application/json", b'{"detail":"Not Found"}')
             elif self.path == "/health":
@@ -161,6 +168,15 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(rec, d.fail_status, "application/json", json.dumps(err).encode())
                 return
             req = rec["json"] or {}
+            kv = req.get("kv_transfer_params") or {}
+            if d.known_engines and kv.get("remote_engine_id") not in d.known_engines():
+                msg = (f"remote prefill failed (transfer {kv.get('transfer_id')}): bootstrap server "
+                       f"{kv.get('remote_bootstrap_addr')} knows no engine "
+                       f"'{kv.get('remote_engine_id')}' (remote_engine_id)")
+                err = {"error": {"message": msg, "type": "BadRequestError", "param": None,
+                                 "code": 400}}
+                self._send(rec, 400, "application/json", json.dumps(err).encode())
+                return
             chat = self.path.endswith("chat/completions")
             if req.get("stream"):
                 self._stream(rec, req, chat)
@@ -241,6 +257,8 @@ class UpstreamDouble:
         self.split_events = False  # stream: each event in two writes 20 ms apart
         self.stream_trailer = b""  # stream: raw bytes after the last event (no event end)
         self.event_pad = 0  # bytes of padding added to every SSE event (large-stream tests)
+        self.renew_engine_on_query = False  # prefill: new engine ids after every /query answer
+        self.known_engines = None  # decode: () -> engine ids its prefill knows, or None
         self._port = port
         self._bport = bootstrap_port
         self._servers = []
