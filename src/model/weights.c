@@ -129,6 +129,57 @@ static int w_cut(model_weights *w, w_src *out, const char *name, int n_dims, int
     return 0;
 }
 
+/* Made-up bf16 values: uniform in [-scale, scale), one generator per chunk of DUMMY_CHUNK
+ * values seeded from (seed, chunk), so that threads fill the chunks of a large tensor in
+ * parallel (one generator for the whole tensor made 1 GB/s: a minute for a 61 GB MoE shape)
+ * and the bytes never depend on the number of threads. */
+#define DUMMY_CHUNK       ((size_t)1 << 20)
+#define DUMMY_MAX_THREADS 32
+typedef struct dummy_job {
+    uint16_t *b;
+    size_t n, next; /* next: the next chunk to take (atomic) */
+    uint64_t seed;
+    float a;
+} dummy_job;
+
+static void dummy_chunk(const dummy_job *j, size_t c) {
+    rng_state rs;
+    rng_seed(&rs, rng_mix64(j->seed ^ rng_mix64(c + 1)));
+    size_t end = (c + 1) * DUMMY_CHUNK < j->n ? (c + 1) * DUMMY_CHUNK : j->n;
+    for (size_t i = c * DUMMY_CHUNK; i < end; i += 4) {
+        uint64_t r = rng_next(&rs);
+        for (size_t k = 0; k < 4 && i + k < end; k++) {
+            float f = (float)(int16_t)(r >> (16 * k)) * j->a;
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            j->b[i + k] = (uint16_t)(u >> 16);
+        }
+    }
+}
+
+static void *dummy_worker(void *arg) {
+    dummy_job *j = arg;
+    size_t chunks = (j->n + DUMMY_CHUNK - 1) / DUMMY_CHUNK, c;
+    while ((c = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED)) < chunks)
+        dummy_chunk(j, c);
+    return NULL;
+}
+
+static void dummy_fill_bf16(uint16_t *b, size_t n, uint64_t seed, float scale) {
+    dummy_job j = {.b = b, .n = n, .seed = seed, .a = scale / 32768.0f};
+    size_t chunks = (n + DUMMY_CHUNK - 1) / DUMMY_CHUNK;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int nt = cpus < 1 ? 1 : cpus > DUMMY_MAX_THREADS ? DUMMY_MAX_THREADS : (int)cpus;
+    if ((size_t)nt > chunks) nt = (int)chunks;
+    pthread_t th[DUMMY_MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < nt; t++) /* a thread that cannot start leaves its chunks to the rest */
+        if (!pthread_create(&th[started], NULL, dummy_worker, &j)) started++;
+    dummy_worker(&j);
+    for (int t = 0; t < started; t++)
+        pthread_join(th[t], NULL);
+}
+
 static int w_get(model_weights *w, w_src *out, const char *name, int n_dims, int64_t d0, int64_t d1,
                  float fill, char *err, size_t errlen) {
     if (!w->dummy_seed) {
@@ -149,23 +200,11 @@ static int w_get(model_weights *w, w_src *out, const char *name, int n_dims, int
         return -ENOMEM;
     }
     if (n_dims == 2) {
-        /* one generator per tensor, seeded from its name: the same weights every load */
+        /* seeded from the tensor's name: the same weights every load */
         uint64_t h = w->dummy_seed;
         for (const char *c = name; *c; c++)
             h = rng_mix64(h ^ (unsigned char)*c);
-        rng_state rs;
-        rng_seed(&rs, h);
-        float a = 1.0f / sqrtf((float)d1) / 32768.0f;
-        uint16_t *b = buf;
-        for (size_t i = 0; i < n; i += 4) {
-            uint64_t r = rng_next(&rs);
-            for (size_t k = 0; k < 4 && i + k < n; k++) {
-                float f = (float)(int16_t)(r >> (16 * k)) * a;
-                uint32_t u;
-                memcpy(&u, &f, 4);
-                b[i + k] = (uint16_t)(u >> 16);
-            }
-        }
+        dummy_fill_bf16(buf, n, h, 1.0f / sqrtf((float)d1));
         out->dt = BACKEND_BF16;
     } else {
         float *f = buf;
