@@ -16,8 +16,10 @@ if [ -n "${BASE:-}" ]; then
 else
   git ls-files -co --exclude-standard
 fi | grep -v '^build' | tar cf - -T - | tar xf - -C "$STAGE/src"
-cp -r ../shared/data/qwen2.5-tokenizer "$STAGE/shared/data/" 2>/dev/null ||
-  cp -r /work/shared/data/qwen2.5-tokenizer "$STAGE/shared/data/"
+# the tokenizer and the public-domain corpus of the multi-turn benchmarks
+for d in qwen2.5-tokenizer sotu; do
+  cp -r "../shared/data/$d" "$STAGE/shared/data/" 2>/dev/null || cp -r "/work/shared/data/$d" "$STAGE/shared/data/"
+done
 for b in disagg test_cuda_model test_backend_ops test_backend_ops_moe test_cuda_invariant test_gpu_transfer test_nccl test_quant libdisagg_cuda.so; do
   # a test this tree does not have (test_backend_ops_moe before the MoE model merge): skipped
   [ -e "$BUILD/$b" ] || [ "$b" != test_backend_ops_moe ] || { echo "gpu_bundle: no $b: skipped"; continue; }

@@ -91,9 +91,9 @@ step() { echo; echo "=== $(date -u +%T) $* ==="; }
 fails=0
 check() { if [ "$1" -ne 0 ]; then echo "*** FAILED: $2 (exit $1)"; fails=$((fails + 1)); else echo "--- ok: $2"; fi; }
 
-# the openai client (and its needs) from the bundle's wheels when the image lacks it: the P/D
-# check and the DISAGG_TEST_DEVICE server tests use it
-if ! python3 -c 'import openai' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
+# the openai client (and its needs) and msgspec from the bundle's wheels when the image lacks
+# them: the P/D check and the DISAGG_TEST_DEVICE server tests use openai, test_kv_events msgspec
+if ! python3 -c 'import openai, msgspec' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl &&
     export PYTHONPATH=/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}
@@ -556,13 +556,18 @@ fp8kv_steps() {
     echo "******** SKIP gpu_pd_check fp8: the openai package is not importable here ********"
   fi
 }
-sweep_steps() {
-  step "sweep: request rate, colocated vs P/D (KV over cuda_ipc), Qwen2.5-7B shape, dummy weights"
+# M7: a Qwen2.5-7B-shape model folder for `disagg serve --load-format dummy` (the shape's
+# config.json and the real Qwen2.5 tokenizer)
+make_m7() {
   M7=$OUT/qwen2.5-7b-dummy
   TOK=$SRC/../shared/data/qwen2.5-tokenizer
   [ -d "$TOK" ] || TOK=$SRC/shared/data/qwen2.5-tokenizer
   mkdir -p "$M7" && cp bench/shapes/qwen2.5-7b/config.json "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$M7"/
   check $? "the 7B-shape model folder (config + the Qwen2.5 tokenizer)"
+}
+sweep_steps() {
+  step "sweep: request rate, colocated vs P/D (KV over cuda_ipc), Qwen2.5-7B shape, dummy weights"
+  make_m7
   local pd_gpus=1 p_dev="" d_dev="" kv_pd=24G where="one GPU shared by P and D"
   if [ -n "${SWEEP_TWO_GPUS:-}" ]; then
     pd_gpus=2 p_dev="--device cuda:0" d_dev="--device cuda:1" kv_pd=48G where="P on cuda:0, D on cuda:1"
@@ -693,25 +698,30 @@ fp8gemv_steps() {
 # tests with bf16 KV in HBM and --batch-invariant (answers with the pool equal to those
 # without, disk faults recomputed; the asynchronous loads: a request served while another
 # waits for its copies on the loader's CUDA stream, an abort during a load, copies declined
-# by the cost model, the sync mode), the events' tests, then
-# tools/kv_pool_bench.py (multi-turn chats with an HBM KV cache too small for them: no tiers,
-# host tier, small host + disk tier, each with DISAGG_KV_OFFLOAD_LOADS auto, async (copies on the
-# loader thread and its CUDA stream) and sync (on the step thread); KVPOOL_BENCH_ARGS replaces its
-# sizes), and the host tier with 2 ms more per copy (a slow medium: the step time of the others
-# while a prefix loads, async against sync).
+# by the cost model, the sync mode), the events' tests, then the multi-turn benchmark of
+# tools/kv_pool_bench.py on the Qwen2.5-7B shape (dummy weights, the real tokenizer):
+# KVPOOL_CONVERSATIONS (16) conversations x 8 turns of 800 corpus words (contexts growing to
+# about 9k tokens), Poisson arrivals, an HBM KV cache of KVPOOL_KV_BLOCKS (1536) blocks of 16
+# tokens (about 3 conversations): no tiers, a host tier holding them all, a small host tier +
+# the disk (KVPOOL_LOADS: auto; KVPOOL_BENCH_ARGS replaces the sizes); then the tiny model's
+# host tier with 2 ms more per copy (a slow medium: the step time of the others while a
+# prefix loads, async against sync).
 kvpool_steps() {
   step "kvpool: test_kv_offload.py + test_kv_events.py on the GPU"
   DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
     tests/integration/test_kv_offload.py tests/integration/test_kv_events.py 2>&1 | tail -15
   check ${PIPESTATUS[0]} "kv offload and events tests (cuda)"
-  step "kvpool: tools/kv_pool_bench.py --device cuda (auto, async and sync loads)"
+  make_m7
+  step "kvpool: tools/kv_pool_bench.py --device cuda, Qwen2.5-7B shape, multi-turn (none, host, disk)"
   # shellcheck disable=SC2086
-  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --loads auto,async,sync ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
-    --json "$OUT/kvpool_bench.json"
-  check $? "kv_pool_bench (cuda)"
-  step "kvpool: tools/kv_pool_bench.py --device cuda, 2 ms more per copy (a slow medium)"
-  # shellcheck disable=SC2086
-  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --configs host --loads async,sync --copy always --load-delay-ms 2 ${KVPOOL_BENCH_ARGS:---conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 --small-host-blocks 256 --disk-blocks 16384} \
+  PYTHONUNBUFFERED=1 python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --model "$M7" \
+    --serve-args "--load-format dummy" --loads "${KVPOOL_LOADS:-auto}" \
+    ${KVPOOL_BENCH_ARGS:---conversations ${KVPOOL_CONVERSATIONS:-16} --turns 8 --user-words 800 --output-len 64 --request-rate 2 --max-concurrency 8 --max-model-len 10240 --kv-blocks ${KVPOOL_KV_BLOCKS:-1536} --host-blocks 12000 --small-host-blocks 512 --disk-blocks 12000} \
+    --json "$OUT/kvpool_bench_7b.json"
+  check $? "kv_pool_bench (cuda, 7B shape)"
+  step "kvpool: tools/kv_pool_bench.py --device cuda, tiny model, 2 ms more per copy (a slow medium)"
+  python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --configs host --loads async,sync --copy always --load-delay-ms 2 \
+    --conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 \
     --json "$OUT/kvpool_bench_slow.json"
   check $? "kv_pool_bench slow medium (cuda)"
 }

@@ -10,7 +10,8 @@ device prefix cache, the host tier, the disk tier, computed) and TTFT P50/P90.
       [--kv-blocks 128] [--block-size 16] [--max-model-len 2048]
       [--configs none,host,disk] [--loads auto[,async,sync]] [--load-delay-ms MS]
       [--copy cost|always] [--writes async[,sync]] [--direct-io auto[,off]]
-      [--write-delay-ms MS] [--disk-dir DIR] [--json out.json]
+      [--write-delay-ms MS] [--disk-dir DIR] [--serve-args "ARGS"] [--corpus FILE]
+      [--json out.json]
 
 --loads runs each tier configuration with DISAGG_KV_OFFLOAD_LOADS = auto (the default: copies
 estimated under a tenth of a step inline, the others on the loader thread), async (every copy
@@ -30,11 +31,16 @@ slow disk); --disk-dir puts the slab there (default: under the system's temporar
 stores" is the time the step thread spent handing the host tier's victims to the disk (the
 write itself when sync, the copy into a write buffer when async).
 
+--serve-args adds arguments to every `disagg serve` (e.g. "--load-format dummy" with a model
+folder holding a shape's config.json and a tokenizer: bench/shapes/); --corpus is the dataset
+tool's text (default: the State of the Union corpus beside the checkout).
+
 Prints a Markdown table (docs/benchmarks.md); timings are measurements, not checks.
 Device runs: --device cuda plus a 7B model and larger sizes (docs/kv_pool.md)."""
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -80,7 +86,8 @@ def run(a, name, extra, dataset, tmp, env=None):
     bb = block_bytes(a.model, a.block_size, a.kv_bytes)
     args = [a.bin, "serve", a.model, "--host", "127.0.0.1", "--port", str(port),
             "--block-size", str(a.block_size), "--max-model-len", str(a.max_model_len),
-            "--kv-cache-memory", str(a.kv_blocks * bb), "--device", a.device] + extra
+            "--kv-cache-memory", str(a.kv_blocks * bb), "--device", a.device] + extra + \
+        shlex.split(a.serve_args)
     if a.device != "cpu":
         args += ["--kv-cache-dtype", "bfloat16"]
     if a.threads:
@@ -172,6 +179,8 @@ def main():
     ap.add_argument("--direct-io", default="auto", help="auto, off or both (auto,off)")
     ap.add_argument("--write-delay-ms", type=int, default=0)
     ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--serve-args", default="", help="more `disagg serve` arguments")
+    ap.add_argument("--corpus", default=None, help="the dataset tool's --corpus")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.bench_bin = a.bench_bin or a.bin
@@ -180,7 +189,8 @@ def main():
     dataset = os.path.join(tmp, "multiturn.jsonl")
     subprocess.run([sys.executable, a.dataset_tool, "--out", dataset, "--conversations",
                     str(a.conversations), "--turns", str(a.turns), "--user-words",
-                    str(a.user_words)], check=True, stdout=subprocess.DEVNULL)
+                    str(a.user_words)] + (["--corpus", a.corpus] if a.corpus else []),
+                   check=True, stdout=subprocess.DEVNULL)
     bb = block_bytes(a.model, a.block_size, a.kv_bytes)
     gib = lambda blocks, size=bb: repr(blocks * size / 2**30)
     stride = (64 + bb + 4095) // 4096 * 4096
