@@ -760,11 +760,13 @@ poolfetch_steps() {
   DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
     tests/integration/test_kv_pool_fetch.py 2>&1 | tail -15
   check ${PIPESTATUS[0]} "pool fetch tests (cuda)"
+  make_m7
   for proto in tcp rdma; do
-    step "poolfetch: tools/pool_fetch_bench.py --device cuda --protocol $proto"
+    step "poolfetch: tools/pool_fetch_bench.py --device cuda --protocol $proto, Qwen2.5-7B shape"
     # shellcheck disable=SC2086
-    python3 tools/pool_fetch_bench.py --bin "$BIN" --device cuda --protocol $proto \
-      ${POOLFETCH_BENCH_ARGS:---reps 5 --lengths 256,1024,2000 --kv-cache-memory 2G} \
+    python3 tools/pool_fetch_bench.py --bin "$BIN" --device cuda --protocol $proto --model "$M7" \
+      --serve-args "--load-format dummy" --threads 0 \
+      ${POOLFETCH_BENCH_ARGS:---reps 5 --lengths 256,1024,4000,8000 --max-model-len 8448 --kv-cache-memory 8G} \
       --json "$OUT/poolfetch_bench_$proto.json"
     check $? "pool_fetch_bench (cuda, $proto)"
   done

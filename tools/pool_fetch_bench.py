@@ -16,6 +16,7 @@ instances run with pool_fetch "always" (the cost rule of "auto" would decide by 
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -60,6 +61,7 @@ class Instance:
             cmd += ["--threads", str(args.threads)]
         if args.kv_cache_memory:
             cmd += ["--kv-cache-memory", args.kv_cache_memory]
+        cmd += shlex.split(args.serve_args)
         env = dict(os.environ, VLLM_MOONCAKE_BOOTSTRAP_PORT=str(self.bport))
         self.log = open(f"/tmp/pool-fetch-bench-{engine_id}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -113,6 +115,8 @@ def main():
     ap.add_argument("--kv-cache-memory", default="256M")
     ap.add_argument("--protocol", default="tcp")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--serve-args", default="",
+                    help='more `disagg serve` arguments (e.g. "--load-format dummy")')
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.device != "cpu":
@@ -124,9 +128,15 @@ def main():
         b = Instance(args, "bench-b")
         source = {"remote_engine_id": a.engine_id,
                   "remote_bootstrap_addr": f"http://127.0.0.1:{a.bport}"}
-        base = requests.post(a.url + "/tokenize", json={"model": "m", "prompt": TEXT * 400},
-                             timeout=60).json()["tokens"]
-        for n in [int(x) for x in args.lengths.split(",")]:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        reps = 400
+        while True:  # a text long enough for the longest history and the new turn
+            base = requests.post(a.url + "/tokenize", json={"model": "m", "prompt": TEXT * reps},
+                                 timeout=60).json()["tokens"]
+            if len(base) >= max(lengths) + args.new_tokens + 64:
+                break
+            reps *= 2
+        for n in lengths:
             rec, fet = [], []
             blocks0 = metric(b.url, "disagg:kv_pool_fetch_blocks_total")
             bytes0 = metric(b.url, "disagg:kv_pool_fetch_bytes_total")

@@ -23,6 +23,10 @@ from server_harness import BIN, MODEL, Server, free_port, on_gpu
 
 BS = 16
 BB = 49152 // (2 if on_gpu() else 1)  # one KV block of the tiny model (f32 CPU, bf16 GPU)
+# on a GPU (DISAGG_TEST_DEVICE=cuda, scripts/gpu_check.sh ONLY=poolfetch) the batch-invariant
+# mode: the rest of a prompt computed after a fetched prefix is then bit-equal to the whole
+# prompt computed at once (the fast mode's attention splits depend on the chunk)
+EXACT = ("--batch-invariant",) if on_gpu() else ()
 TEXT = ("The state of the Union is strong, and the work of the Congress is before us. "
         "We meet in a season of change, and the people ask that we keep faith with them. ")
 
@@ -45,7 +49,7 @@ class PoolInstance:
         self.server = Server("--max-model-len", str(max_len), "--block-size", str(BS),
                              "--kv-cache-memory", kv_memory, "--kv-transfer-config",
                              both_config(engine_id, mode), "--kv-events-config", json.dumps(ev),
-                             *extra,
+                             *EXACT, *extra,
                              env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port)})
         self.url = self.server.url
         self.bootstrap = f"http://127.0.0.1:{self.bootstrap_port}"
@@ -329,7 +333,7 @@ def test_proxy_names_the_holder_when_load_sends_the_prompt_elsewhere(pair):
     answer equals B computing everything."""
     a, b = pair
     d = Server("--max-model-len", "1024", "--block-size", str(BS), "--kv-cache-memory", "96M",
-               "--kv-transfer-config", json.dumps(
+               *EXACT, "--kv-transfer-config", json.dumps(
                    {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}))
     flags = ["--policy", "kv_aware", "--tokenizer", str(MODEL), "--kv-pool-fetch"]
