@@ -1367,7 +1367,10 @@ static void test_gate_up_fp8(void **state) {
 
 /* a CUDA backend opened with DISAGG_CUDA_FP8_MMA=1 (the variable restored after), or NULL with
  * a loud SKIP line */
-static backend *open_fp8_mma(const char *test) {
+/* a second CUDA backend and a stream of it with DISAGG_CUDA_FP8_MMA=1: the switch is read
+ * when a stream's context is made (ctx_create), so the stream is created while it is set */
+static backend *open_fp8_mma(const char *test, backend_stream **st) {
+    *st = NULL;
     if (g_n_be < 2) {
         print_message("*** SKIP %s: no CUDA backend here (the tensor-core FP8 GEMV needs the "
                       "GPU)\n",
@@ -1380,12 +1383,14 @@ static backend *open_fp8_mma(const char *test) {
     backend *bm = NULL;
     char err[512];
     int rc = backend_open("cuda", NULL, &bm, err, sizeof err);
+    if (!rc) *st = backend_stream_create(bm);
     if (keep)
         setenv("DISAGG_CUDA_FP8_MMA", keep, 1);
     else
         unsetenv("DISAGG_CUDA_FP8_MMA");
     free(keep);
     if (rc) fail_msg("%s: a second CUDA backend did not open: %s", test, err);
+    assert_non_null(*st);
     return bm;
 }
 
@@ -1410,13 +1415,14 @@ static void fp8_rand_matrix(uint8_t *q, float *wf, size_t n) {
  * warps that see it recompute in f32. */
 static void test_fp8_mma_gemv(void **state) {
     (void)state;
-    backend *bm = open_fp8_mma("test_fp8_mma_gemv");
+    backend_stream *sm;
+    backend *bm = open_fp8_mma("test_fp8_mma_gemv", &sm);
     if (!bm) return;
     backend *bd = g_be[1];
     int shapes[][2] = {{37, 272}, {200, 336}, {130, 4112}, {3, 16},
                        {129, 2064}, {3584, 18944}, {4608, 3584}, {3584, 3584}};
     int Ts[] = {1, 2, 7, 9, 16};
-    backend_stream *sm = backend_stream_create(bm), *sd = backend_stream_create(bd);
+    backend_stream *sd = backend_stream_create(bd);
     backend_dtype a = backend_act_dtype(bm);
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
         int N = shapes[k][0], K = shapes[k][1], big = (size_t)N * K > 4000000;
@@ -1501,11 +1507,11 @@ static void test_fp8_mma_gemv(void **state) {
  * of 64, and the Qwen2.5-7B gate|up (I 18944, K 3584; every 61st output and the last). */
 static void test_fp8_mma_gate_up(void **state) {
     (void)state;
-    backend *bm = open_fp8_mma("test_fp8_mma_gate_up");
+    backend_stream *st;
+    backend *bm = open_fp8_mma("test_fp8_mma_gate_up", &st);
     if (!bm) return;
     int shapes[][2] = {{100, 272}, {256, 2064}, {18944, 3584}};
     int Ts[] = {1, 2, 7, 16};
-    backend_stream *st = backend_stream_create(bm);
     backend_dtype mm = backend_mm_dtype(bm);
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
         int I = shapes[k][0], H = shapes[k][1], N = 2 * I, big = (size_t)N * H > 4000000;
@@ -1601,12 +1607,12 @@ static void test_fp8_mma_gate_up(void **state) {
  * and the Qwen2.5-7B one (28 q heads, 4 KV heads, hd 128, hidden 3584). */
 static void test_fp8_mma_qkv(void **state) {
     (void)state;
-    backend *bm = open_fp8_mma("test_fp8_mma_qkv");
+    backend_stream *st;
+    backend *bm = open_fp8_mma("test_fp8_mma_qkv", &st);
     if (!bm) return;
     int shapes[][4] = {{6, 2, 16, 272}, {28, 4, 128, 3584}}; /* nh, nkv, hd, hidden */
     int Ts[] = {1, 2, 7, 16};
     enum { L = 2, LAYER = 1 };
-    backend_stream *st = backend_stream_create(bm);
     backend_dtype mm = backend_mm_dtype(bm);
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
         int NH = shapes[k][0], NKV = shapes[k][1], HD = shapes[k][2], H = shapes[k][3];
