@@ -703,9 +703,9 @@ fp8gemv_steps() {
 # KVPOOL_CONVERSATIONS (16) conversations x 8 turns of 800 corpus words (contexts growing to
 # about 9k tokens), Poisson arrivals, an HBM KV cache of KVPOOL_KV_BLOCKS (1536) blocks of 16
 # tokens (about 3 conversations): no tiers, a host tier holding them all, a small host tier +
-# the disk (KVPOOL_LOADS: auto; KVPOOL_BENCH_ARGS replaces the sizes); then the tiny model's
-# host tier with 2 ms more per copy (a slow medium: the step time of the others while a
-# prefix loads, async against sync).
+# the disk (KVPOOL_LOADS: auto; KVPOOL_BENCH_ARGS replaces the sizes); with KVPOOL_SLOW=1 then
+# the tiny model's host tier with 2 ms more per copy (a slow medium: the step time of the others
+# while a prefix loads, async against sync).
 kvpool_steps() {
   step "kvpool: test_kv_offload.py + test_kv_events.py on the GPU"
   DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
@@ -716,9 +716,10 @@ kvpool_steps() {
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --model "$M7" \
     --serve-args "--load-format dummy" --loads "${KVPOOL_LOADS:-auto}" \
-    ${KVPOOL_BENCH_ARGS:---conversations ${KVPOOL_CONVERSATIONS:-16} --turns 8 --user-words 800 --output-len 64 --request-rate 2 --max-concurrency 8 --max-model-len 10240 --kv-blocks ${KVPOOL_KV_BLOCKS:-1536} --host-blocks 12000 --small-host-blocks 512 --disk-blocks 12000} \
+    ${KVPOOL_BENCH_ARGS:---conversations ${KVPOOL_CONVERSATIONS:-16} --turns 8 --user-words 800 --output-len 64 --request-rate 4 --max-concurrency 8 --max-model-len 10240 --kv-blocks ${KVPOOL_KV_BLOCKS:-1536} --host-blocks 12000 --small-host-blocks 512 --disk-blocks 12000} \
     --json "$OUT/kvpool_bench_7b.json"
   check $? "kv_pool_bench (cuda, 7B shape)"
+  [ -n "${KVPOOL_SLOW:-}" ] || return 0
   step "kvpool: tools/kv_pool_bench.py --device cuda, tiny model, 2 ms more per copy (a slow medium)"
   python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --configs host --loads async,sync --copy always --load-delay-ms 2 \
     --conversations 32 --turns 8 --user-words 90 --output-len 64 --request-rate 8 --max-concurrency 8 --kv-blocks 160 --host-blocks 16384 \
@@ -766,7 +767,7 @@ poolfetch_steps() {
     # shellcheck disable=SC2086
     python3 tools/pool_fetch_bench.py --bin "$BIN" --device cuda --protocol $proto --model "$M7" \
       --serve-args "--load-format dummy" --threads 0 \
-      ${POOLFETCH_BENCH_ARGS:---reps 5 --lengths 256,1024,4000,8000 --max-model-len 8448 --kv-cache-memory 8G} \
+      ${POOLFETCH_BENCH_ARGS:---reps 3 --lengths 256,1024,4000,8000 --max-model-len 8448 --kv-cache-memory 8G} \
       --json "$OUT/poolfetch_bench_$proto.json"
     check $? "pool_fetch_bench (cuda, $proto)"
   done
