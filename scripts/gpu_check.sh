@@ -643,6 +643,36 @@ fp8_steps() {
     done
   done
 }
+# ONLY=fp8block: the W8A8 prefill GEMM on the FP8 tensor cores (DISAGG_CUDA_FP8_GEMM=1, opt-in;
+# cuda_gemm_fp8.cu): test_backend_ops' FP8 cases against the emulation of the activation
+# quantization (per-tensor weight scales: x a token; 128 x 128 blocks: x in 128-column groups),
+# with the activation scales in both layouts cuBLASLt's documentation can be read as
+# (DISAGG_CUDA_FP8_BLOCK_SX unset: a token's groups contiguous; =t: the tokens contiguous),
+# test_cuda_model's FP8 checkpoints (the block-quantized one at prefill) with it on, then the
+# Qwen2.5-7B shape's prefill of 4,096 tokens with --quantization fp8 (dummy weights in 128 x 128
+# blocks) with it off (the bf16 twin) and on, and the per-op table of a 512-token prefill.
+fp8block_steps() {
+  for v in DISAGG_CUDA_FP8_GEMM=1 DISAGG_CUDA_FP8_GEMM=1,DISAGG_CUDA_FP8_BLOCK_SX=t; do
+    step "fp8block: test_backend_ops FP8 cases with $v"
+    # shellcheck disable=SC2086
+    env ${v//,/ } TEST_BACKEND_OPS_FILTER='test_*fp8*' "$BUILD/test_backend_ops" > /tmp/tbo-f8b.log 2>&1
+    check $? "test_backend_ops fp8 cases, $v"
+    grep -E "W8A8|FAILED|ERROR|PASSED|cuBLASLt|cublasLt" /tmp/tbo-f8b.log | head -30
+  done
+  step "fp8block: test_cuda_model (FP8 tiny checkpoints, GPU vs CPU) with DISAGG_CUDA_FP8_GEMM=1"
+  DISAGG_CUDA_FP8_GEMM=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "fp8|FAILED|ERROR|PASSED|cuBLASLt"
+  check ${PIPESTATUS[0]} "test_cuda_model, DISAGG_CUDA_FP8_GEMM=1"
+  for m in 0 1; do
+    step "fp8block: bench model qwen2.5-7b --quantization fp8, DISAGG_CUDA_FP8_GEMM=$m: prefill 4096"
+    DISAGG_CUDA_FP8_GEMM=$m "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" --device cuda \
+      --load-format dummy --quantization fp8 --prompt-lens 512,4096 --batches 1 2>&1 |
+      grep -E "^ceilings|^prefill|^ *[0-9]+ +[0-9.]+ +[0-9]+ +[0-9.]+$|^[0-9]+ +[0-9]+ |rror|^cuda"
+    check ${PIPESTATUS[0]} "bench model 7b fp8 prefill, DISAGG_CUDA_FP8_GEMM=$m"
+  done
+  step "fp8block: per-op timing of a 512-token prefill, 7B fp8, DISAGG_CUDA_FP8_GEMM=1"
+  DISAGG_CUDA_FP8_GEMM=1 DISAGG_CUDA_PROF=512 "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" --device cuda \
+    --load-format dummy --quantization fp8 --prompt-lens 512 --batches 1 2>&1 | grep -E "^prof" | grep -v k_prefill_attention | head -24
+}
 # ONLY=fp8gemv: the tensor-core FP8 decode GEMV (DISAGG_CUDA_FP8_MMA, cuda_gemv_f8mma.cu; off by
 # default) -- test_backend_ops' test_fp8_mma_gemv / _gate_up / _qkv (against a host
 # reference, T 1..16, the 7B shapes), the FP8 cases and test_cuda_model's FP8 checkpoints with
@@ -775,7 +805,8 @@ poolfetch_steps() {
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
    [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = fp8gemv ] ||
    [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ] ||
-   [ "${ONLY:-}" = tierio ]; then
+   [ "${ONLY:-}" = tierio ] || [ "${ONLY:-}" = fp8block ]; then
+  [ "$ONLY" = fp8block ] && fp8block_steps
   [ "$ONLY" = kvpool ] && kvpool_steps
   [ "$ONLY" = tierio ] && tierio_steps
   [ "$ONLY" = poolfetch ] && poolfetch_steps

@@ -389,7 +389,8 @@ static void test_matmul_fp8(void **state) {
     int shapes[][3] = {{1, 5, 16},    {1, 37, 272}, {3, 200, 336},  {8, 130, 4112},
                        {2, 129, 400}, {9, 33, 256}, {64, 257, 384}, {5, 3, 24},
                        {1, 37, 4128}, {2, 300, 2064}, /* split-K GEMVs */
-                       {64, 256, 384}, {100, 512, 2064}}; /* CUDA: the e4m3 GEMM (W8A8) */
+                       {64, 256, 384}, {100, 512, 2064}, /* CUDA: the e4m3 GEMM (W8A8) */
+                       {32, 400, 768}}; /* and its 128 x 128 block form, a partial row block */
     const char *ge = getenv("DISAGG_CUDA_FP8_GEMV");
     int gemv_t = ge ? atoi(ge) : 8;
     for (int bi = 0; bi < g_n_be; bi++) {
@@ -445,24 +446,33 @@ static void test_matmul_fp8(void **state) {
                 double tol = backend_is_cpu(be) ? 1e-5 : (T <= gemv_t && K % 16 == 0) ? 1e-4 : 1e-2;
                 /* CUDA at T > the GEMV's, rows of one scale, N and K multiples of 16: cuBLASLt's
                  * e4m3 GEMM on x quantized per token (W8A8, cuda_gemm_fp8.cu; opt-in:
-                 * DISAGG_CUDA_FP8_GEMM=1, per-tensor scales) where cuBLASLt has it, else the twin: the result must match one of the two computations --
-                 * want8 emulates the quantization (scale amax / 448 in f32, e4m3 of x * (1 /
-                 * scale), nearest even) and leaves only the f32 accumulation (1e-4) */
-                int w8a8 = !backend_is_cpu(be) && T > gemv_t && bk >= K && bn >= N &&
+                 * DISAGG_CUDA_FP8_GEMM=1, per-tensor scales; 128 x 128 blocks with x in
+                 * 128-column groups a token) where cuBLASLt has it, else the twin: the result
+                 * must match one of the two computations -- want8 emulates the quantization
+                 * (scale amax / 448 of the token or its group in f32, e4m3 of x * (1 / scale),
+                 * nearest even) and leaves only the f32 accumulation (1e-4) */
+                int blk = lay == 2 && K % 128 == 0;
+                int w8a8 = !backend_is_cpu(be) && T > gemv_t && ((bk >= K && bn >= N) || blk) &&
                            N % 16 == 0 && K % 16 == 0 && getenv("DISAGG_CUDA_FP8_GEMM") &&
                            !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "1");
                 double *want8 = w8a8 ? malloc(sizeof(double) * T * N) : NULL;
+                int gw = blk ? 128 : K; /* the activation's scale groups */
                 for (int t = 0; w8a8 && t < T; t++) {
-                    float amax = 0.0f;
-                    for (int i = 0; i < K; i++)
-                        amax = fmaxf(amax, fabsf(x[t * K + i]));
-                    float xs = amax > 0.0f ? amax / 448.0f : 1.0f, inv = 1.0f / xs;
-                    for (int n = 0; n < N; n++) {
-                        double acc = 0;
-                        for (int i = 0; i < K; i++)
-                            acc += (double)fp8_e4m3_to_f32(fp8_e4m3_from_f32(x[t * K + i] * inv)) *
-                                   wf[(size_t)n * K + i];
-                        want8[t * N + n] = bias[n] + acc * xs * sc[(n / bn) * nkb];
+                    for (int n = 0; n < N; n++)
+                        want8[t * N + n] = bias[n];
+                    for (int g0 = 0; g0 < K; g0 += gw) {
+                        float amax = 0.0f;
+                        for (int i = g0; i < g0 + gw; i++)
+                            amax = fmaxf(amax, fabsf(x[t * K + i]));
+                        float xs = amax > 0.0f ? amax / 448.0f : 1.0f, inv = 1.0f / xs;
+                        for (int n = 0; n < N; n++) {
+                            double acc = 0;
+                            for (int i = g0; i < g0 + gw; i++)
+                                acc += (double)fp8_e4m3_to_f32(
+                                           fp8_e4m3_from_f32(x[t * K + i] * inv)) *
+                                       wf[(size_t)n * K + i];
+                            want8[t * N + n] += acc * xs * sc[(n / bn) * nkb + g0 / bk];
+                        }
                     }
                 }
                 int took8 = w8a8 && max_err(got, want8, (size_t)T * N) <= 1e-4;

@@ -778,20 +778,29 @@ static void *cb_scratch(cb_stream *s, int i, size_t bytes);
  * never in the batch-invariant mode (DISAGG_CUDA_FP8_GEMM=0: never at all) */
 static int cb_f8_gemm(cb_stream *s, void *y, int kind, const void *x, const backend_wscale *ws,
                       const void *w, int T, int N, int K) {
-    const float *sw = cb_f8_rowscale(ws, N, K);
-    /* per-tensor scales only: on the H200 (3 December) per-tensor matched the W8A8 emulation
-     * to 1e-4 while per-channel rows came out wrong (cuBLASLt's A vector not applied as we
-     * read its documentation; not yet understood) */
-    if (s->inv || !s->c->fp8_gemm || !sw || ws->block_n < N || !fp8_gemm_ok(T, N, K) ||
+    if (s->inv || !s->c->fp8_gemm || !ws->s || !fp8_gemm_ok(T, N, K) ||
         (((uintptr_t)x | (uintptr_t)w) & 15))
         return -ENOTSUP;
+    /* 128 x 128 weight blocks (DeepSeek-style block FP8): x in 128-column groups, cuBLASLt's
+     * block-scaled e4m3 GEMM over the scales as stored */
+    int block = ws->block_n == 128 && ws->block_k == 128 && K % 128 == 0;
+    const float *sw = block ? ws->s : cb_f8_rowscale(ws, N, K);
+    /* else per-tensor scales only: on the H200 (3 December) per-tensor matched the W8A8
+     * emulation to 1e-4 while per-channel rows came out wrong (cuBLASLt's A vector not applied
+     * as we read its documentation; not yet understood) */
+    if (!block && (!sw || ws->block_n < N)) return -ENOTSUP;
     size_t qb = ((size_t)T * K + 255) & ~(size_t)255;
-    char *scr = (char *)cb_scratch(s, 3, qb + (size_t)T * 4);
+    size_t nsx = block ? (size_t)T * (K / 128) : (size_t)T;
+    char *scr = (char *)cb_scratch(s, 3, qb + nsx * 4);
     if (!scr) return s->capturing ? -EINVAL : -ENOMEM;
-    int rc = fp8_act_quant(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K);
+    int rc = block ? fp8_act_quant_g128(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K)
+                   : fp8_act_quant(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K);
     if (rc) return rc;
-    rc = fp8_gemm(s->c, y, kind, (const uint8_t *)scr, (const float *)(scr + qb), w, sw, T, N, K);
-    if (!rc) cb_prof_mat(s, "fp8 gemm", kind == 1 ? " (+= residual)" : "", N, K, (double)N * K);
+    rc = fp8_gemm(s->c, y, kind, block, (const uint8_t *)scr, (const float *)(scr + qb), w, sw, T,
+                  N, K);
+    if (!rc)
+        cb_prof_mat(s, block ? "fp8 gemm (block scales)" : "fp8 gemm",
+                    kind == 1 ? " (+= residual)" : "", N, K, (double)N * K);
     return rc;
 }
 

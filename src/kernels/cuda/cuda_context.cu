@@ -109,6 +109,8 @@ dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->fp8_mma_mt = getenv("DISAGG_CUDA_FP8_MMA_MT") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_MT")) : 0;
     c->fp8_mma_db = getenv("DISAGG_CUDA_FP8_MMA_DB") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_DB")) : -1;
     c->fp8_gemm = getenv("DISAGG_CUDA_FP8_GEMM") && !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "1");
+    c->fp8_block_sx_t =
+        getenv("DISAGG_CUDA_FP8_BLOCK_SX") && !strcmp(getenv("DISAGG_CUDA_FP8_BLOCK_SX"), "t");
     if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
     c->pdl = !(getenv("DISAGG_CUDA_PDL") && !strcmp(getenv("DISAGG_CUDA_PDL"), "0"));
     c->norm_pdl =
