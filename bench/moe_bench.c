@@ -129,7 +129,7 @@ int bench_moe_main(int argc, char **argv) {
     const char *gen = getenv("DISAGG_MOE_GENERIC");
     printf("moe bench: %s, experts %d, top %d, hidden %d, inter %d; copy ceiling %.0f GB/s%s\n",
            backend_name(be), E, K, H, I, copy_gbs,
-           !(gen && !strcmp(gen, "0")) ? " (the generic form: DISAGG_MOE_GENERIC=0 runs the backend's kernels)" : "");
+           gen && !strcmp(gen, "1") ? " (the generic form: DISAGG_MOE_GENERIC=1)" : "");
     size_t ngu = (size_t)E * 2 * I * H, nd = (size_t)E * H * I;
     uint16_t *hw = malloc(sizeof(uint16_t) * (ngu > nd ? ngu : nd));
     if (!hw) {

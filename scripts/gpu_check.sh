@@ -249,9 +249,10 @@ moe_kernel_steps() {
     check $? "test_backend_ops_moe"
   fi
   # MOE_QUICK=1: the default kernels and the generic baseline only, no per-op timing
-  # DISAGG_MOE_GENERIC=0: the CUDA kernels (opt-in: the generic form is the default)
+  # DISAGG_MOE_GENERIC=0: the CUDA kernels (the default; =1: the generic form)
   variants=(DISAGG_MOE_GENERIC=0 DISAGG_MOE_GENERIC=1 "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_DEC_PAIRS=0"
-    "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_FUSED_DOWN=0" "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_Y_BF16=1")
+    "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_FUSED_DOWN=0" "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_Y_BF16=1"
+    "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_DEC_CHUNK=1")
   [ -n "${MOE_QUICK:-}" ] && variants=(DISAGG_MOE_GENERIC=0 DISAGG_MOE_GENERIC=1)
   for v in "${variants[@]}"; do
     step "moe: bench moe (Qwen3-30B-A3B layer) ${v:-(default)}"
@@ -283,6 +284,31 @@ moe_kernel_steps() {
     check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
   done
 }
+# ONLY=moechunk: the chunked decode plan (DISAGG_CUDA_MOE_DEC_CHUNK=1: a CTA group per
+# (expert, 4 pairs) instead of per expert) -- test_backend_ops' MoE cases and
+# test_backend_ops_moe with it on, then `disagg bench moe` at the Qwen3-30B-A3B and Mixtral-8x7B
+# layer shapes for 1..64 tokens with it off and on (a few seconds each).
+moechunk_steps() {
+  step "moechunk: test_backend_ops (moe) and test_backend_ops_moe with DISAGG_CUDA_MOE_DEC_CHUNK=1"
+  DISAGG_CUDA_MOE_DEC_CHUNK=1 TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops" 2>&1 | tail -3
+  check ${PIPESTATUS[0]} "test_backend_ops (moe), DISAGG_CUDA_MOE_DEC_CHUNK=1"
+  DISAGG_CUDA_MOE_DEC_CHUNK=1 "$BUILD/test_backend_ops_moe" 2>&1 | tail -3
+  check ${PIPESTATUS[0]} "test_backend_ops_moe, DISAGG_CUDA_MOE_DEC_CHUNK=1"
+  for c in 0 1; do
+    step "moechunk: bench moe, DISAGG_CUDA_MOE_DEC_CHUNK=$c (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
+    DISAGG_CUDA_MOE_DEC_CHUNK=$c "$BIN" bench moe --tokens 1,8,16,32,64 --iters 20
+    check $? "bench moe qwen3 layer, DISAGG_CUDA_MOE_DEC_CHUNK=$c"
+    DISAGG_CUDA_MOE_DEC_CHUNK=$c "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 \
+      --tokens 1,8,16,32 --iters 20
+    check $? "bench moe mixtral layer, DISAGG_CUDA_MOE_DEC_CHUNK=$c"
+  done
+}
+if [ "${ONLY:-}" = moechunk ]; then
+  moechunk_steps
+  step "summary"
+  echo "gpu_check (ONLY=moechunk): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 if [ "${ONLY:-}" = moe ]; then
   moe_kernel_steps
   step "summary"

@@ -499,9 +499,8 @@ typedef struct backend_moe_op {
 } backend_moe_op;
 int backend_moe(backend_stream *st, const backend_moe_op *op);
 /* 1 when backend_moe_route / backend_moe run their generic forms on be: the backend has none
- * of its own, or the environment (read at each call) does not say DISAGG_MOE_GENERIC=0 -- a
- * backend's own MoE kernels are opt-in until they pass their parity tests on a GPU
- * (kernels/backend_moe.c).  On a device backend the generic forms read the routing
+ * of its own, or the environment (read at each call) says DISAGG_MOE_GENERIC=1 (the
+ * benchmarks' baseline; kernels/backend_moe.c).  On a device backend the generic forms read the routing
  * back to the host (synchronous copies), so a step using them cannot be recorded as a graph:
  * the model runs such steps eagerly. */
 int backend_moe_generic(const backend *be);

@@ -75,7 +75,7 @@ typedef struct backend_iface {
     int (*matmul_residual)(backend_stream *st, const backend_matmul_op *op, void *resid);
     int (*residual_fused)(backend_stream *st, int T); /* NULL: 0 */
     /* mixture of experts, as backend.h (optional: NULL runs the generic form of
-     * kernels/backend_moe.c; these run only with DISAGG_MOE_GENERIC=0) */
+     * kernels/backend_moe.c, as DISAGG_MOE_GENERIC=1 does) */
     int (*moe_route)(backend_stream *st, int32_t *ids, float *weights, const float *logits, int T,
                      int n_experts, int top_k, int norm);
     int (*moe)(backend_stream *st, const backend_moe_op *op);

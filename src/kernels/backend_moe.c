@@ -80,13 +80,13 @@ static void *host_at_least(struct backend_moe_scratch *s, int i, size_t bytes) {
     return s->host[i];
 }
 
-/* DISAGG_MOE_GENERIC: "0" runs a backend's own MoE kernels, anything else or unset the generic
- * form.  The default is the generic form on every backend: the CUDA module's MoE kernels
- * failed their parity tests on the H200 (docs/gpu.md "Mixture of experts") and stay opt-in
- * until they pass. */
+/* DISAGG_MOE_GENERIC=1 forces the generic form on a backend with MoE kernels of its own (the
+ * benchmarks' plain-loop baseline); unset or "0", a backend's own kernels run (the CUDA
+ * module's passed their parity tests on the H200 on 3 December: docs/gpu.md "Mixture of
+ * experts"). */
 static int env_generic(void) {
     const char *e = getenv("DISAGG_MOE_GENERIC");
-    return !(e && !strcmp(e, "0"));
+    return e && !strcmp(e, "1");
 }
 
 int backend_moe_generic(const backend *be) {

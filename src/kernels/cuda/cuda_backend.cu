@@ -1351,6 +1351,8 @@ static int cb_moe(backend_stream *st, const backend_moe_op *o) {
     a.fused_down = !(fd && !strcmp(fd, "0"));
     const char *yb = getenv("DISAGG_CUDA_MOE_Y_BF16");
     a.y_bf16 = yb && !strcmp(yb, "1");
+    const char *dc = getenv("DISAGG_CUDA_MOE_DEC_CHUNK");
+    a.dec_chunk = dc && !strcmp(dc, "1");
     size_t need = moe_ws_bytes(&a);
     void *ws = cb_scratch(s, 2, need);
     if (!ws) return s->capturing ? -EINVAL : -ENOMEM;

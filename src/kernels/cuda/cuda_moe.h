@@ -39,6 +39,8 @@ typedef struct moe_args {
                        (DISAGG_CUDA_MOE_FUSED_DOWN=0: the down GEMV, then k_moe_combine) */
     int y_bf16;     /* grouped GEMM: the down rows in bf16 before the weighted sum (half the
                        bytes written and read back; DISAGG_CUDA_MOE_Y_BF16=1, default off) */
+    int dec_chunk;  /* decode GEMVs: a CTA group per (expert, 4 pairs) chunk, not per expert
+                       (DISAGG_CUDA_MOE_DEC_CHUNK=1, default off) */
 } moe_args;
 
 #define MOE_PATH_DECODE 0
