@@ -284,29 +284,38 @@ moe_kernel_steps() {
     check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
   done
 }
-# ONLY=moechunk: the chunked decode plan (DISAGG_CUDA_MOE_DEC_CHUNK=1: a CTA group per
-# (expert, 4 pairs) instead of per expert) -- test_backend_ops' MoE cases and
-# test_backend_ops_moe with it on, then `disagg bench moe` at the Qwen3-30B-A3B and Mixtral-8x7B
-# layer shapes for 1..64 tokens with it off and on (a few seconds each).
-moechunk_steps() {
-  step "moechunk: test_backend_ops (moe) and test_backend_ops_moe with DISAGG_CUDA_MOE_DEC_CHUNK=1"
-  DISAGG_CUDA_MOE_DEC_CHUNK=1 TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops" 2>&1 | tail -3
-  check ${PIPESTATUS[0]} "test_backend_ops (moe), DISAGG_CUDA_MOE_DEC_CHUNK=1"
-  DISAGG_CUDA_MOE_DEC_CHUNK=1 "$BUILD/test_backend_ops_moe" 2>&1 | tail -3
-  check ${PIPESTATUS[0]} "test_backend_ops_moe, DISAGG_CUDA_MOE_DEC_CHUNK=1"
-  for c in 0 1; do
-    step "moechunk: bench moe, DISAGG_CUDA_MOE_DEC_CHUNK=$c (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
-    DISAGG_CUDA_MOE_DEC_CHUNK=$c "$BIN" bench moe --tokens 1,8,16,32,64 --iters 20
-    check $? "bench moe qwen3 layer, DISAGG_CUDA_MOE_DEC_CHUNK=$c"
-    DISAGG_CUDA_MOE_DEC_CHUNK=$c "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 \
-      --tokens 1,8,16,32 --iters 20
-    check $? "bench moe mixtral layer, DISAGG_CUDA_MOE_DEC_CHUNK=$c"
+# ONLY=moevar: the MoE kernels' opt-in variants -- the chunked decode plan
+# (DISAGG_CUDA_MOE_DEC_CHUNK=1: a CTA group per (expert, 4 pairs) instead of per expert) and the
+# grouped GEMM's K step 64 with 3 or 4 stages (DISAGG_CUDA_MOE_GEMM=bk64|bk64s4): test_backend_ops'
+# MoE cases and test_backend_ops_moe with each on, then `disagg bench moe` at the Qwen3-30B-A3B
+# and Mixtral-8x7B layer shapes with each (a few seconds a run).
+moevar_steps() {
+  for v in DISAGG_CUDA_MOE_DEC_CHUNK=1 DISAGG_CUDA_MOE_GEMM=bk64 DISAGG_CUDA_MOE_GEMM=bk64s4; do
+    step "moevar: test_backend_ops (moe) and test_backend_ops_moe with $v"
+    env $v TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops" 2>&1 | tail -3
+    check ${PIPESTATUS[0]} "test_backend_ops (moe), $v"
+    env $v "$BUILD/test_backend_ops_moe" 2>&1 | tail -3
+    check ${PIPESTATUS[0]} "test_backend_ops_moe, $v"
+  done
+  for v in DISAGG_CUDA_MOE_DEC_CHUNK=0 DISAGG_CUDA_MOE_DEC_CHUNK=1; do
+    step "moevar: bench moe, decode sizes, $v (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
+    env $v "$BIN" bench moe --tokens 1,8,16,32,64 --iters 20
+    check $? "bench moe qwen3 layer, $v"
+    env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,8,16,32 --iters 20
+    check $? "bench moe mixtral layer, $v"
+  done
+  for v in DISAGG_CUDA_MOE_GEMM=bk32 DISAGG_CUDA_MOE_GEMM=bk64 DISAGG_CUDA_MOE_GEMM=bk64s4; do
+    step "moevar: bench moe, prefill sizes, $v (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
+    env $v "$BIN" bench moe --tokens 512,4096 --iters 10
+    check $? "bench moe qwen3 layer, $v"
+    env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 512,4096 --iters 10
+    check $? "bench moe mixtral layer, $v"
   done
 }
-if [ "${ONLY:-}" = moechunk ]; then
-  moechunk_steps
+if [ "${ONLY:-}" = moevar ]; then
+  moevar_steps
   step "summary"
-  echo "gpu_check (ONLY=moechunk): $fails failed step(s)"
+  echo "gpu_check (ONLY=moevar): $fails failed step(s)"
   exit $((fails > 0))
 fi
 if [ "${ONLY:-}" = moe ]; then

@@ -1353,6 +1353,8 @@ static int cb_moe(backend_stream *st, const backend_moe_op *o) {
     a.y_bf16 = yb && !strcmp(yb, "1");
     const char *dc = getenv("DISAGG_CUDA_MOE_DEC_CHUNK");
     a.dec_chunk = dc && !strcmp(dc, "1");
+    const char *gc = getenv("DISAGG_CUDA_MOE_GEMM");
+    a.gemm_cfg = !gc ? 0 : !strcmp(gc, "bk64") ? 1 : !strcmp(gc, "bk64s4") ? 2 : 0;
     size_t need = moe_ws_bytes(&a);
     void *ws = cb_scratch(s, 2, need);
     if (!ws) return s->capturing ? -EINVAL : -ENOMEM;

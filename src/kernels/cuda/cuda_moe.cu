@@ -513,10 +513,9 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
  * inv[pair] = pos (-1: an invalid id), and the M-tile table (tile_e, tile_m0; n_tiles). */
 #define GM_BM   128
 #define GM_BN   128
-#define GM_BK   32
-#define GM_LD   (GM_BK + 8) /* padded smem row (80 bytes: ldmatrix conflict-free) */
-#define GM_ST   3           /* cp.async stages */
-#define GM_SMEM (GM_ST * 2 * GM_BM * GM_LD * 2)
+/* the K step (32, or 64: DISAGG_CUDA_MOE_GEMM=bk64|bk64s4) and the cp.async stages (3, or 4:
+ * bk64s4); smem rows padded by 8 (80 or 144 bytes: ldmatrix conflict-free) */
+#define GM_SMEM(BK, ST) ((ST) * 2 * GM_BM * ((BK) + 8) * 2)
 
 __global__ void __launch_bounds__(1024)
     k_moe_sort(int32_t *__restrict__ perm, int32_t *__restrict__ inv, int32_t *__restrict__ off,
@@ -580,27 +579,30 @@ __global__ void __launch_bounds__(1024)
  * (n0 = 64 blockIdx.x); epilogue h[pos][j] = silu(g) * u in bf16.
  * MODE 1 (down): A rows = h[pos] (K = I), B = down_e rows n0 .. n0 + 127 (n0 = 128
  * blockIdx.x); epilogue y[pos][n] f32 (MODE 2: the same in bf16).
- * CTA tile 128 x 128, K step 32, 3 cp.async stages, 8 warps as 2 (M) x 4 (N) of 64 x 32,
- * mma.sync m16n8k16 bf16 with f32 accumulators; blockIdx.y = M-tile (past n_tiles: exit). */
-template <int MODE>
+ * CTA tile 128 x 128, K step BK (32 or 64), ST cp.async stages, 8 warps as 2 (M) x 4 (N) of
+ * 64 x 32, mma.sync m16n8k16 bf16 with f32 accumulators; blockIdx.y = M-tile (past n_tiles:
+ * exit). */
+template <int MODE, int BK, int ST>
 __global__ void __launch_bounds__(256)
     k_moe_gemm(void *__restrict__ outp, const bf16 *__restrict__ A, const bf16 *__restrict__ W,
                const int32_t *__restrict__ perm, const int32_t *__restrict__ off,
                const int32_t *__restrict__ tile_e, const int32_t *__restrict__ tile_m0,
                const int32_t *__restrict__ n_tiles, int top_k, int K, int Nrows, int Nout) {
     extern __shared__ __align__(16) unsigned char gsm[];
-    bf16 *As = (bf16 *)gsm;                /* [ST][BM][LD] */
-    bf16 *Bs = As + GM_ST * GM_BM * GM_LD; /* [ST][BN][LD] */
+    constexpr int LD = BK + 8, CPR = BK / 8 /* 16-byte chunks a row */, RP = 256 / CPR,
+                  NQ = GM_BM / RP; /* rows a pass, passes */
+    bf16 *As = (bf16 *)gsm;          /* [ST][BM][LD] */
+    bf16 *Bs = As + ST * GM_BM * LD; /* [ST][BN][LD] */
     int tile = blockIdx.y;
     if (tile >= *n_tiles) return;
     int e = tile_e[tile], m0 = tile_m0[tile], m_end = off[e + 1];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
-    /* this thread's two A rows and two B rows (chunk tid % 4 of 16 bytes within a K step) */
-    int ch = tid & 3;
-    const bf16 *a_src[2], *b_src[2];
+    /* this thread's NQ A rows and NQ B rows (chunk tid % CPR of 16 bytes within a K step) */
+    int ch = tid % CPR;
+    const bf16 *a_src[NQ], *b_src[NQ];
 #pragma unroll
-    for (int q = 0; q < 2; q++) {
-        int r = (tid >> 2) + 64 * q;
+    for (int q = 0; q < NQ; q++) {
+        int r = tid / CPR + RP * q;
         int pos = min(m0 + r, m_end - 1); /* a dead row re-reads the group's last */
         a_src[q] = MODE == 0 ? A + (size_t)(perm[pos] / top_k) * K : A + (size_t)pos * K;
         int wrow;
@@ -613,18 +615,18 @@ __global__ void __launch_bounds__(256)
         }
         b_src[q] = W + ((size_t)e * Nrows + wrow) * K;
     }
-    int KT = (K + GM_BK - 1) / GM_BK;
+    int KT = (K + BK - 1) / BK;
     /* 16-row slices of this warp's 64 rows inside the group (a group's last tile is often
      * partial): the others skip their ldmatrix and mma (warp-uniform) */
     int live = (m_end - (m0 + wm * 64) + 15) / 16;
     live = live < 0 ? 0 : live > 4 ? 4 : live;
     auto load = [&](int kt, int st) {
-        int k0 = kt * GM_BK + ch * 8;
+        int k0 = kt * BK + ch * 8;
 #pragma unroll
-        for (int q = 0; q < 2; q++) {
-            int r = (tid >> 2) + 64 * q;
-            bf16 *ad = As + ((size_t)st * GM_BM + r) * GM_LD + ch * 8,
-                 *bd = Bs + ((size_t)st * GM_BN + r) * GM_LD + ch * 8;
+        for (int q = 0; q < NQ; q++) {
+            int r = tid / CPR + RP * q;
+            bf16 *ad = As + ((size_t)st * GM_BM + r) * LD + ch * 8,
+                 *bd = Bs + ((size_t)st * GM_BN + r) * LD + ch * 8;
             if (k0 < K) { /* K % 8 == 0: a 16-byte chunk is all in or all past K */
                 cp_async16(ad, a_src[q] + k0);
                 cp_async16(bd, b_src[q] + k0);
@@ -643,31 +645,31 @@ __global__ void __launch_bounds__(256)
             for (int c = 0; c < 4; c++)
                 acc[a][b][c] = 0.0f;
 #pragma unroll
-    for (int s = 0; s < GM_ST - 1; s++) {
+    for (int s = 0; s < ST - 1; s++) {
         if (s < KT) load(s, s);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; kt++) {
-        cp_async_wait_group<GM_ST - 2>();
+        cp_async_wait_group<ST - 2>();
         __syncthreads();
-        int nk = kt + GM_ST - 1;
-        if (nk < KT) load(nk, nk % GM_ST);
+        int nk = kt + ST - 1;
+        if (nk < KT) load(nk, nk % ST);
         cp_async_commit();
-        const bf16 *as = As + (size_t)(kt % GM_ST) * GM_BM * GM_LD;
-        const bf16 *bs = Bs + (size_t)(kt % GM_ST) * GM_BN * GM_LD;
+        const bf16 *as = As + (size_t)(kt % ST) * GM_BM * LD;
+        const bf16 *bs = Bs + (size_t)(kt % ST) * GM_BN * LD;
         if (live == 0) continue; /* this warp's rows are past the group: loads only */
 #pragma unroll
-        for (int kk = 0; kk < GM_BK; kk += 16) {
+        for (int kk = 0; kk < BK; kk += 16) {
             uint32_t af[4][4], bfr[2][4];
 #pragma unroll
             for (int mi = 0; mi < 4; mi++)
                 if (mi < live)
-                    ldsm_x4(af[mi], as + (size_t)(wm * 64 + mi * 16 + (lane & 15)) * GM_LD + kk +
+                    ldsm_x4(af[mi], as + (size_t)(wm * 64 + mi * 16 + (lane & 15)) * LD + kk +
                                         (lane >> 4) * 8);
 #pragma unroll
             for (int nj = 0; nj < 2; nj++)
                 ldsm_x4(bfr[nj],
-                        bs + (size_t)(wn * 32 + nj * 16 + (lane >> 4) * 8 + (lane & 7)) * GM_LD +
+                        bs + (size_t)(wn * 32 + nj * 16 + (lane >> 4) * 8 + (lane & 7)) * LD +
                             kk + ((lane >> 3) & 1) * 8);
 #pragma unroll
             for (int mi = 0; mi < 4; mi++)
@@ -767,6 +769,37 @@ size_t moe_ws_bytes(const moe_args *a) {
     return moe_layout(a).total;
 }
 
+/* the grouped GEMMs (gate|up, then down) of one K step / stage configuration */
+template <int BK, int ST>
+static int moe_gemms(cudaStream_t st, dim3 g1, dim3 g2, bf16 *h, const bf16 *x, void *y,
+                     const moe_args *a, const int32_t *perm, const int32_t *off, const int32_t *te,
+                     const int32_t *tm, const int32_t *nt) {
+    static int attr_done[64]; /* per device: the kernels' dynamic shared memory limit */
+    int dev = 0, H = a->hidden, I = a->inter, k = a->top_k;
+    constexpr int SM = GM_SMEM(BK, ST);
+    CK(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= 64 || !attr_done[dev]) {
+        CK(cudaFuncSetAttribute(k_moe_gemm<0, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                SM));
+        CK(cudaFuncSetAttribute(k_moe_gemm<1, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                SM));
+        CK(cudaFuncSetAttribute(k_moe_gemm<2, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                SM));
+        if (dev >= 0 && dev < 64) attr_done[dev] = 1;
+    }
+    k_moe_gemm<0, BK, ST><<<g1, 256, SM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off, te,
+                                               tm, nt, k, H, 2 * I, I);
+    int rc = launch_check("moe gemm gate_up");
+    if (rc) return rc;
+    if (a->y_bf16)
+        k_moe_gemm<2, BK, ST><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+                                                   te, tm, nt, k, I, H, H);
+    else
+        k_moe_gemm<1, BK, ST><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+                                                   te, tm, nt, k, I, H, H);
+    return launch_check("moe gemm down");
+}
+
 int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args *a) {
     if (n_sm < 1) n_sm = 1;
     int T = a->T, H = a->hidden, I = a->inter, E = a->n_experts, k = a->top_k;
@@ -829,30 +862,10 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
         k_moe_sort<<<1, 1024, 0, st>>>(perm, invw, off, te, tm, nt, a->ids, P, E);
         int rc = launch_check("moe sort");
         if (rc) return rc;
-        static int attr_done[64]; /* per device: the kernels' dynamic shared memory limit */
-        int dev = 0;
-        CK(cudaGetDevice(&dev));
-        if (dev < 0 || dev >= 64 || !attr_done[dev]) {
-            CK(cudaFuncSetAttribute(k_moe_gemm<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    GM_SMEM));
-            CK(cudaFuncSetAttribute(k_moe_gemm<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    GM_SMEM));
-            CK(cudaFuncSetAttribute(k_moe_gemm<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    GM_SMEM));
-            if (dev >= 0 && dev < 64) attr_done[dev] = 1;
-        }
         dim3 g1((I + 63) / 64, L.max_tiles), g2((H + GM_BN - 1) / GM_BN, L.max_tiles);
-        k_moe_gemm<0><<<g1, 256, GM_SMEM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off, te,
-                                                tm, nt, k, H, 2 * I, I);
-        rc = launch_check("moe gemm gate_up");
-        if (rc) return rc;
-        if (a->y_bf16)
-            k_moe_gemm<2><<<g2, 256, GM_SMEM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
-                                                    te, tm, nt, k, I, H, H);
-        else
-            k_moe_gemm<1><<<g2, 256, GM_SMEM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
-                                                    te, tm, nt, k, I, H, H);
-        rc = launch_check("moe gemm down");
+        rc = a->gemm_cfg == 2   ? moe_gemms<64, 4>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
+             : a->gemm_cfg == 1 ? moe_gemms<64, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
+                                : moe_gemms<32, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt);
         if (rc) return rc;
         inv = invw;
     }

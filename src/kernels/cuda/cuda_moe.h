@@ -41,6 +41,8 @@ typedef struct moe_args {
                        bytes written and read back; DISAGG_CUDA_MOE_Y_BF16=1, default off) */
     int dec_chunk;  /* decode GEMVs: a CTA group per (expert, 4 pairs) chunk, not per expert
                        (DISAGG_CUDA_MOE_DEC_CHUNK=1, default off) */
+    int gemm_cfg;   /* grouped GEMM: 0 K step 32, 3 stages (default); 1 K step 64, 3 stages
+                       (DISAGG_CUDA_MOE_GEMM=bk64); 2 K step 64, 4 stages (=bk64s4) */
 } moe_args;
 
 #define MOE_PATH_DECODE 0
