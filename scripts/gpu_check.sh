@@ -91,9 +91,10 @@ step() { echo; echo "=== $(date -u +%T) $* ==="; }
 fails=0
 check() { if [ "$1" -ne 0 ]; then echo "*** FAILED: $2 (exit $1)"; fails=$((fails + 1)); else echo "--- ok: $2"; fi; }
 
-# the openai client (and its needs) and msgspec from the bundle's wheels when the image lacks
-# them: the P/D check and the DISAGG_TEST_DEVICE server tests use openai, test_kv_events msgspec
-if ! python3 -c 'import openai, msgspec' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
+# the openai client (and its needs), msgspec and pyzmq from the bundle's wheels when the image
+# lacks them: the P/D check and the DISAGG_TEST_DEVICE server tests use openai, test_kv_events
+# msgspec and zmq
+if ! python3 -c 'import openai, msgspec, zmq' 2>/dev/null && [ -d "${PREBUILT:-/nonexistent}/whl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/gpu-check-site "$PREBUILT"/whl/*.whl &&
     export PYTHONPATH=/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}
@@ -252,7 +253,7 @@ moe_kernel_steps() {
   # DISAGG_MOE_GENERIC=0: the CUDA kernels (the default; =1: the generic form)
   variants=(DISAGG_MOE_GENERIC=0 DISAGG_MOE_GENERIC=1 "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_DEC_PAIRS=0"
     "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_FUSED_DOWN=0" "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_Y_BF16=1"
-    "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_DEC_CHUNK=1")
+    "DISAGG_MOE_GENERIC=0 DISAGG_CUDA_MOE_GEMM=bk32")
   [ -n "${MOE_QUICK:-}" ] && variants=(DISAGG_MOE_GENERIC=0 DISAGG_MOE_GENERIC=1)
   for v in "${variants[@]}"; do
     step "moe: bench moe (Qwen3-30B-A3B layer) ${v:-(default)}"
@@ -284,31 +285,23 @@ moe_kernel_steps() {
     check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
   done
 }
-# ONLY=moevar: the MoE kernels' opt-in variants -- the chunked decode plan
-# (DISAGG_CUDA_MOE_DEC_CHUNK=1: a CTA group per (expert, 4 pairs) instead of per expert) and the
-# grouped GEMM's K step 64 with 3 or 4 stages (DISAGG_CUDA_MOE_GEMM=bk64|bk64s4): test_backend_ops'
-# MoE cases and test_backend_ops_moe with each on, then `disagg bench moe` at the Qwen3-30B-A3B
-# and Mixtral-8x7B layer shapes with each (a few seconds a run).
+# ONLY=moevar: the MoE kernels' variants -- the grouped GEMM's first K step of 32
+# (DISAGG_CUDA_MOE_GEMM=bk32; the default is 64) and the decode GEMVs wherever the pairs fit
+# (DISAGG_CUDA_MOE_DEC_PAIRS=512 plus the tokens-an-expert rule's other side: compare
+# DISAGG_CUDA_MOE_DEC_PAIRS=0, the grouped GEMM at every T): test_backend_ops' MoE cases and
+# test_backend_ops_moe with the variant, then `disagg bench moe` at the Qwen3-30B-A3B and
+# Mixtral-8x7B layer shapes for decode and prefill sizes with each (a few seconds a run).
 moevar_steps() {
-  for v in DISAGG_CUDA_MOE_DEC_CHUNK=1 DISAGG_CUDA_MOE_GEMM=bk64 DISAGG_CUDA_MOE_GEMM=bk64s4; do
-    step "moevar: test_backend_ops (moe) and test_backend_ops_moe with $v"
-    env $v TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops" 2>&1 | tail -3
-    check ${PIPESTATUS[0]} "test_backend_ops (moe), $v"
-    env $v "$BUILD/test_backend_ops_moe" 2>&1 | tail -3
-    check ${PIPESTATUS[0]} "test_backend_ops_moe, $v"
-  done
-  for v in DISAGG_CUDA_MOE_DEC_CHUNK=0 DISAGG_CUDA_MOE_DEC_CHUNK=1; do
-    step "moevar: bench moe, decode sizes, $v (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
-    env $v "$BIN" bench moe --tokens 1,8,16,32,64 --iters 20
+  step "moevar: test_backend_ops (moe) and test_backend_ops_moe with DISAGG_CUDA_MOE_GEMM=bk32"
+  DISAGG_CUDA_MOE_GEMM=bk32 TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops" 2>&1 | tail -3
+  check ${PIPESTATUS[0]} "test_backend_ops (moe), DISAGG_CUDA_MOE_GEMM=bk32"
+  DISAGG_CUDA_MOE_GEMM=bk32 "$BUILD/test_backend_ops_moe" 2>&1 | tail -3
+  check ${PIPESTATUS[0]} "test_backend_ops_moe, DISAGG_CUDA_MOE_GEMM=bk32"
+  for v in DISAGG_CUDA_MOE_GEMM=bk64 DISAGG_CUDA_MOE_GEMM=bk32 DISAGG_CUDA_MOE_DEC_PAIRS=0; do
+    step "moevar: bench moe, $v (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
+    env $v "$BIN" bench moe --tokens 1,16,32,64,512,4096 --iters 10
     check $? "bench moe qwen3 layer, $v"
-    env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,8,16,32 --iters 20
-    check $? "bench moe mixtral layer, $v"
-  done
-  for v in DISAGG_CUDA_MOE_GEMM=bk32 DISAGG_CUDA_MOE_GEMM=bk64 DISAGG_CUDA_MOE_GEMM=bk64s4; do
-    step "moevar: bench moe, prefill sizes, $v (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
-    env $v "$BIN" bench moe --tokens 512,4096 --iters 10
-    check $? "bench moe qwen3 layer, $v"
-    env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 512,4096 --iters 10
+    env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,16,32,512,4096 --iters 10
     check $? "bench moe mixtral layer, $v"
   done
 }
@@ -679,8 +672,8 @@ fp8_steps() {
   done
 }
 # ONLY=fp8block: the W8A8 prefill GEMM on the FP8 tensor cores (DISAGG_CUDA_FP8_GEMM=1, opt-in;
-# cuda_gemm_fp8.cu): test_backend_ops' FP8 cases against the emulation of the activation
-# quantization (per-tensor weight scales: x a token; 128 x 128 blocks: x in 128-column groups),
+# cuda_gemm_fp8.cu; 128 x 128 weight blocks only): test_backend_ops' FP8 cases against the
+# emulation of the activation quantization (x in 128-column groups a token),
 # with the activation scales in both layouts cuBLASLt's documentation can be read as
 # (DISAGG_CUDA_FP8_BLOCK_SX unset: a token's groups contiguous; =t: the tokens contiguous),
 # test_cuda_model's FP8 checkpoints (the block-quantized one at prefill) with it on, then the
@@ -765,10 +758,12 @@ fp8gemv_steps() {
 # waits for its copies on the loader's CUDA stream, an abort during a load, copies declined
 # by the cost model, the sync mode), the events' tests, then the multi-turn benchmark of
 # tools/kv_pool_bench.py on the Qwen2.5-7B shape (dummy weights, the real tokenizer):
-# KVPOOL_CONVERSATIONS (16) conversations x 8 turns of 800 corpus words (contexts growing to
-# about 9k tokens), Poisson arrivals, an HBM KV cache of KVPOOL_KV_BLOCKS (1536) blocks of 16
-# tokens (about 3 conversations): no tiers, a host tier holding them all, a small host tier +
-# the disk (KVPOOL_LOADS: auto; KVPOOL_BENCH_ARGS replaces the sizes); with KVPOOL_SLOW=1 then
+# KVPOOL_CONVERSATIONS (24) conversations x 8 turns of 800 corpus words (contexts growing to
+# about 9k tokens), Poisson arrivals at KVPOOL_RATE (6) a second, 8 at a time, an HBM KV cache of
+# KVPOOL_KV_BLOCKS (5000) blocks of 16 tokens: room for the 8 running conversations (the first
+# H200 run, 3 December, had 1,536 blocks: too few for the running batch, so both configurations
+# queued for KV space and the TTFT ratio was 2.0x) but not for the 24; no tiers, a host tier
+# holding them all, a small host tier + the disk (KVPOOL_LOADS: auto; KVPOOL_BENCH_ARGS replaces the sizes); with KVPOOL_SLOW=1 then
 # the tiny model's host tier with 2 ms more per copy (a slow medium: the step time of the others
 # while a prefix loads, async against sync).
 kvpool_steps() {
@@ -781,7 +776,7 @@ kvpool_steps() {
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --model "$M7" \
     --serve-args "--load-format dummy" --loads "${KVPOOL_LOADS:-auto}" \
-    ${KVPOOL_BENCH_ARGS:---conversations ${KVPOOL_CONVERSATIONS:-16} --turns 8 --user-words 800 --output-len 64 --request-rate 4 --max-concurrency 8 --max-model-len 10240 --kv-blocks ${KVPOOL_KV_BLOCKS:-1536} --host-blocks 12000 --small-host-blocks 512 --disk-blocks 12000} \
+    ${KVPOOL_BENCH_ARGS:---conversations ${KVPOOL_CONVERSATIONS:-24} --turns 8 --user-words 800 --output-len 64 --request-rate ${KVPOOL_RATE:-6} --max-concurrency 8 --max-model-len 10240 --kv-blocks ${KVPOOL_KV_BLOCKS:-5000} --host-blocks 16000 --small-host-blocks 1024 --disk-blocks 16000} \
     --json "$OUT/kvpool_bench_7b.json"
   check $? "kv_pool_bench (cuda, 7B shape)"
   [ -n "${KVPOOL_SLOW:-}" ] || return 0

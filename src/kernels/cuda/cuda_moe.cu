@@ -24,12 +24,6 @@ __device__ __forceinline__ uint64_t mo_evict_first() {
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     return pol;
 }
-/* the chunked decode's weights: several CTAs read one expert's rows at about the same time */
-__device__ __forceinline__ uint64_t mo_evict_normal() {
-    uint64_t pol;
-    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
 __device__ __forceinline__ uint4 mo_ld_stream(const uint4 *p, uint64_t pol) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
@@ -237,59 +231,6 @@ __device__ int moe_dec_plan(const int32_t *__restrict__ ids, int P, int E, int s
     return *sh_n;
 }
 
-/* The chunked plan (DISAGG_CUDA_MOE_DEC_CHUNK=1): a slot is one (expert, DEC_TT pairs) chunk,
- * experts ascending and their pairs in pair order, so that an expert with many tokens gets
- * as many CTA groups as it has chunks instead of one group making several passes (at batch
- * 64 of a 128-expert top-8 model, about 4 pairs an expert on average but 10 or more on the
- * busiest, which the whole kernel waited for).  Each pair's products are computed exactly
- * as in moe_dec_plan's passes.  Returns the chunk's pairs (into pairs[]) and the expert in
- * *sh_e; 0 for a slot past the last chunk. */
-__device__ int moe_dec_plan_chunk(const int32_t *__restrict__ ids, int P, int E, int slot,
-                                  int *sids, int *pairs, int *cnt, int *sh_e, int *sh_n) {
-    int tid = threadIdx.x;
-    for (int e = tid; e < E; e += blockDim.x)
-        cnt[e] = 0;
-    for (int p = tid; p < P; p += blockDim.x)
-        sids[p] = ids[p];
-    __syncthreads();
-    for (int p = tid; p < P; p += blockDim.x) {
-        int e = sids[p];
-        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
-    }
-    __syncthreads();
-    if (tid == 0) {
-        int s = slot, e = -1, j = 0;
-        for (int q = 0; q < E; q++) {
-            int c = (cnt[q] + DEC_TT - 1) / DEC_TT;
-            if (s < c) {
-                e = q, j = s;
-                break;
-            }
-            s -= c;
-        }
-        *sh_e = e;
-        *sh_n = j;
-    }
-    __syncthreads();
-    int e = *sh_e, j0 = *sh_n * DEC_TT;
-    if (e < 0) return 0;
-    __syncthreads(); /* every thread has read sh_n before warp 0 writes it */
-    if (tid < 32) {
-        int n = 0;
-        for (int base = 0; base < P; base += 32) {
-            int p = base + tid;
-            int hit = p < P && sids[p] == e;
-            unsigned m = __ballot_sync(0xffffffffu, hit);
-            int idx = n + __popc(m & ((1u << tid) - 1)) - j0;
-            if (hit && idx >= 0 && idx < DEC_TT) pairs[idx] = p;
-            n += __popc(m);
-        }
-        if (tid == 0) *sh_n = min(DEC_TT, n - j0);
-    }
-    __syncthreads();
-    return *sh_n;
-}
-
 /* acc[r][t] (lane parts) = rows wr[r] . xr[t] over K8 uint4s, for t < nt; U uint4s of each
  * row in flight a lane */
 template <int NR, int U>
@@ -333,16 +274,14 @@ __device__ __forceinline__ void moe_rows(float (&acc)[NR][DEC_TT], const uint4 *
 __global__ void __launch_bounds__(32 * DEC_WARPS)
     k_moe_dec_gate_up(bf16 *__restrict__ h, const uint4 *__restrict__ x,
                       const uint4 *__restrict__ wgu, const int32_t *__restrict__ ids, int P,
-                      int top_k, int E, int I, int H8, int chunk) {
+                      int top_k, int E, int I, int H8) {
     __shared__ int sids[MOE_DEC_MAXP], pairs[MOE_DEC_MAXP];
     __shared__ unsigned bits[BACKEND_MOE_MAX_EXPERTS / 32];
-    __shared__ int cnt[BACKEND_MOE_MAX_EXPERTS];
     __shared__ int sh_e, sh_n;
-    int n = chunk ? moe_dec_plan_chunk(ids, P, E, blockIdx.y, sids, pairs, cnt, &sh_e, &sh_n)
-                  : moe_dec_plan(ids, P, E, blockIdx.y, sids, pairs, bits, &sh_e, &sh_n);
+    int n = moe_dec_plan(ids, P, E, blockIdx.y, sids, pairs, bits, &sh_e, &sh_n);
     if (n == 0) return;
     int e = sh_e, lane = threadIdx.x & 31, n_rb = (I + DEC_WARPS - 1) / DEC_WARPS;
-    uint64_t pol = chunk ? mo_evict_normal() : mo_evict_first();
+    uint64_t pol = mo_evict_first();
     for (int rb = blockIdx.x; rb < n_rb; rb += gridDim.x) {
         int i = rb * DEC_WARPS + (threadIdx.x >> 5);
         if (i >= I) continue;
@@ -372,16 +311,14 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
 #define DN_U  4
 __global__ void __launch_bounds__(32 * DEC_WARPS)
     k_moe_dec_down(float *__restrict__ y, const uint4 *__restrict__ h, const uint4 *__restrict__ wd,
-                   const int32_t *__restrict__ ids, int P, int E, int H, int I8, int chunk) {
+                   const int32_t *__restrict__ ids, int P, int E, int H, int I8) {
     __shared__ int sids[MOE_DEC_MAXP], pairs[MOE_DEC_MAXP];
     __shared__ unsigned bits[BACKEND_MOE_MAX_EXPERTS / 32];
-    __shared__ int cnt[BACKEND_MOE_MAX_EXPERTS];
     __shared__ int sh_e, sh_n;
-    int n = chunk ? moe_dec_plan_chunk(ids, P, E, blockIdx.y, sids, pairs, cnt, &sh_e, &sh_n)
-                  : moe_dec_plan(ids, P, E, blockIdx.y, sids, pairs, bits, &sh_e, &sh_n);
+    int n = moe_dec_plan(ids, P, E, blockIdx.y, sids, pairs, bits, &sh_e, &sh_n);
     if (n == 0) return;
     int e = sh_e, lane = threadIdx.x & 31, n_rb = (H + DN_NR * DEC_WARPS - 1) / (DN_NR * DEC_WARPS);
-    uint64_t pol = chunk ? mo_evict_normal() : mo_evict_first();
+    uint64_t pol = mo_evict_first();
     for (int rb = blockIdx.x; rb < n_rb; rb += gridDim.x) {
         int r0 = (rb * DEC_WARPS + (threadIdx.x >> 5)) * DN_NR;
         if (r0 >= H) continue;
@@ -513,8 +450,11 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
  * inv[pair] = pos (-1: an invalid id), and the M-tile table (tile_e, tile_m0; n_tiles). */
 #define GM_BM   128
 #define GM_BN   128
-/* the K step (32, or 64: DISAGG_CUDA_MOE_GEMM=bk64|bk64s4) and the cp.async stages (3, or 4:
- * bk64s4); smem rows padded by 8 (80 or 144 bytes: ldmatrix conflict-free) */
+/* the K step: 64 (the default), or 32 (DISAGG_CUDA_MOE_GEMM=bk32, the first version); 3
+ * cp.async stages; smem rows padded by 8 (144 or 80 bytes: ldmatrix conflict-free).  H200,
+ * 3 December, Qwen3-30B-A3B layer at 4,096 tokens: 1.68-1.70 ms against 1.99-2.01 ms with
+ * K step 32 (512 tokens 0.76 against 0.97; Mixtral's layer -10 % and -20 %); K step 64 with 4
+ * stages was slower (2.09-2.12 ms). */
 #define GM_SMEM(BK, ST) ((ST) * 2 * GM_BM * ((BK) + 8) * 2)
 
 __global__ void __launch_bounds__(1024)
@@ -719,9 +659,12 @@ __global__ void __launch_bounds__(256)
 
 /* ---- host side ------------------------------------------------------------------------------ */
 
-int moe_path(int T, int top_k, int max_pairs, int force_gemm) {
+int moe_path(int T, int top_k, int n_experts, int max_pairs, int force_gemm) {
     if (max_pairs > MOE_DEC_MAXP) max_pairs = MOE_DEC_MAXP;
-    return !force_gemm && (long)T * top_k <= max_pairs ? MOE_PATH_DECODE : MOE_PATH_GEMM;
+    long P = (long)T * top_k, active = P < n_experts ? P : n_experts;
+    /* more than DEC_TT pairs an expert on average: the decode GEMVs would read an expert's
+     * rows once per DEC_TT of its tokens, the grouped GEMM reads them once */
+    return !force_gemm && P <= max_pairs && P <= DEC_TT * active ? MOE_PATH_DECODE : MOE_PATH_GEMM;
 }
 
 int moe_shape_ok(int hidden, int inter) {
@@ -827,15 +770,13 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
         /* slots: the distinct experts at most; row blocks a CTA: about two CTAs an SM over
          * all slots (the plan amortised over several blocks, one wave) */
         int slots = E < P ? E : P;
-        if (a->dec_chunk) slots += P / DEC_TT; /* sum of ceil(n_e / DEC_TT) at most */
         int rb1 = (I + DEC_WARPS - 1) / DEC_WARPS,
             rb2 = (H + DN_NR * DEC_WARPS - 1) / (DN_NR * DEC_WARPS);
         int want = 2 * n_sm / slots; /* at most one wave of 2 CTAs an SM (128 registers) */
         if (want < 1) want = 1;
         dim3 g1(want < rb1 ? want : rb1, slots), g2(want < rb2 ? want : rb2, slots);
         k_moe_dec_gate_up<<<g1, 32 * DEC_WARPS, 0, st>>>(
-            h, (const uint4 *)x, (const uint4 *)a->w_gate_up_all, a->ids, P, k, E, I, H / 8,
-            a->dec_chunk);
+            h, (const uint4 *)x, (const uint4 *)a->w_gate_up_all, a->ids, P, k, E, I, H / 8);
         int rc = launch_check("moe decode gate_up");
         if (rc) return rc;
         if (P <= FD_MAXP && a->fused_down) { /* down + the weighted sum, out directly */
@@ -851,8 +792,7 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
             return launch_check("moe decode down (fused sum)");
         }
         k_moe_dec_down<<<g2, 32 * DEC_WARPS, 0, st>>>(
-            (float *)y, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids, P, E, H, I / 8,
-            a->dec_chunk);
+            (float *)y, (const uint4 *)h, (const uint4 *)a->w_down_all, a->ids, P, E, H, I / 8);
         rc = launch_check("moe decode down");
         if (rc) return rc;
     } else {
@@ -863,9 +803,8 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
         int rc = launch_check("moe sort");
         if (rc) return rc;
         dim3 g1((I + 63) / 64, L.max_tiles), g2((H + GM_BN - 1) / GM_BN, L.max_tiles);
-        rc = a->gemm_cfg == 2   ? moe_gemms<64, 4>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
-             : a->gemm_cfg == 1 ? moe_gemms<64, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
-                                : moe_gemms<32, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt);
+        rc = a->gemm_bk32 ? moe_gemms<32, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
+                          : moe_gemms<64, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt);
         if (rc) return rc;
         inv = invw;
     }

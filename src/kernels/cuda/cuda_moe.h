@@ -39,19 +39,19 @@ typedef struct moe_args {
                        (DISAGG_CUDA_MOE_FUSED_DOWN=0: the down GEMV, then k_moe_combine) */
     int y_bf16;     /* grouped GEMM: the down rows in bf16 before the weighted sum (half the
                        bytes written and read back; DISAGG_CUDA_MOE_Y_BF16=1, default off) */
-    int dec_chunk;  /* decode GEMVs: a CTA group per (expert, 4 pairs) chunk, not per expert
-                       (DISAGG_CUDA_MOE_DEC_CHUNK=1, default off) */
-    int gemm_cfg;   /* grouped GEMM: 0 K step 32, 3 stages (default); 1 K step 64, 3 stages
-                       (DISAGG_CUDA_MOE_GEMM=bk64); 2 K step 64, 4 stages (=bk64s4) */
+    int gemm_bk32;  /* grouped GEMM: the K step 32 of the first version (DISAGG_CUDA_MOE_GEMM=bk32;
+                       default 64) */
 } moe_args;
 
 #define MOE_PATH_DECODE 0
 #define MOE_PATH_GEMM   1
 
 /* the path for T tokens: decode when T * top_k <= max_pairs (DISAGG_CUDA_MOE_DEC_PAIRS,
- * default 512, capped at MOE_DEC_MAXP) and !force_gemm, else the grouped GEMM */
+ * default 512, capped at MOE_DEC_MAXP), at most 4 pairs an expert on average (of the
+ * min(T * top_k, n_experts) experts a batch can choose) and !force_gemm, else the grouped
+ * GEMM */
 #define MOE_DEC_MAXP 1024
-int moe_path(int T, int top_k, int max_pairs, int force_gemm);
+int moe_path(int T, int top_k, int n_experts, int max_pairs, int force_gemm);
 /* the shapes the kernels take: hidden and inter multiples of 8 (16-byte rows) */
 int moe_shape_ok(int hidden, int inter);
 /* workspace bytes for a call (0 never) */
