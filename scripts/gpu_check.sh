@@ -629,6 +629,10 @@ for setup, rate, j in sorted(rows, key=lambda r: (r[0] != "colocated", r[1])):
         setup, rate, j["completed"], j["completed"] + j["failed"], j["median_ttft_ms"], j["p99_ttft_ms"],
         j["median_itl_ms"], j["p99_itl_ms"], j["request_goodput"] or 0, j["output_throughput"]))
 PYEOF
+  # one archive of the JSONs, the logs and the PNGs: the device tool brings back a limited
+  # number of files (the 3 December run lost most of them to that count)
+  tar czf "$OUT/sweep-results.tgz" -C "$OUT" sweep sweep-img && rm -rf "$OUT/sweep" "$OUT/sweep-img"
+  check $? "the sweep's files archived in $OUT/sweep-results.tgz"
 }
 if [ "${ONLY:-}" = sweep ]; then
   sweep_steps
