@@ -363,25 +363,11 @@ static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *sr
     cb_dev *d = (cb_dev *)be->ctx;
     size_t n = (size_t)N * K, ng = (size_t)((N + block_n - 1) / block_n) *
                                    ((K + block_k - 1) / block_k);
-    /* scales spanning whole rows (per tensor, per channel): one f32 a row too, the A scale
-     * vector of the FP8 tensor-core GEMM (cb_f8_rowscale finds it after the scales) */
-    int rowvec = block_k >= K;
-    size_t o_s = (n + 255) & ~(size_t)255, o_r = (o_s + ng * 4 + 255) & ~(size_t)255;
-    size_t o_t = rowvec ? (o_r + (size_t)N * 4 + 255) & ~(size_t)255 : o_r;
-    float *hrow = NULL;
-    if (rowvec) {
-        hrow = (float *)malloc((size_t)N * 4);
-        if (!hrow) return -ENOMEM;
-        for (int r = 0; r < N; r++)
-            hrow[r] = scales[r / block_n];
-    }
+    size_t o_s = (n + 255) & ~(size_t)255, o_t = (o_s + ng * 4 + 255) & ~(size_t)255;
     const char *tw = getenv("DISAGG_CUDA_FP8_TWIN"); /* 0: no bf16 twin (1 byte a weight) */
     int twin = !(tw && !strcmp(tw, "0"));
     int rc = cb_buffer_alloc(be, b, twin ? o_t + n * 2 : o_t, 0);
-    if (rc) {
-        free(hrow);
-        return rc;
-    }
+    if (rc) return rc;
     char *base = (char *)b->ptr;
     dcu_ctx *c = d->loader;
     cudaSetDevice(d->ord);
@@ -390,19 +376,15 @@ static int cb_weights_load_fp8(backend *be, backend_buffer *b, const uint8_t *sr
     if (cudaMemcpyAsync(base, src, n, cudaMemcpyHostToDevice, c->stream) != cudaSuccess ||
         cudaMemcpyAsync(base + o_s, scales, ng * 4, cudaMemcpyHostToDevice, c->stream) !=
             cudaSuccess ||
-        (rowvec && cudaMemcpyAsync(base + o_r, hrow, (size_t)N * 4, cudaMemcpyHostToDevice,
-                                   c->stream) != cudaSuccess) ||
         (twin && fp8_dequant_bf16(c, (bf16 *)(base + o_t), (const uint8_t *)base,
                                   (const float *)(base + o_s), block_n, block_k, N, K)) ||
         cudaStreamSynchronize(c->stream) != cudaSuccess) {
         fprintf(stderr, "cuda: FP8 weights upload failed: %s\n",
                 cudaGetErrorString(cudaGetLastError()));
-        free(hrow);
         cb_buffer_free(be, b);
         return -EIO;
     }
-    free(hrow);
-    d->loaded += n * (twin ? 3 : 1) + ng * 4 + (rowvec ? (size_t)N * 4 : 0);
+    d->loaded += n * (twin ? 3 : 1) + ng * 4;
     ws->s = (const float *)(base + o_s);
     ws->block_n = block_n;
     ws->block_k = block_k;
@@ -762,12 +744,9 @@ static void cb_prof_mat(cb_stream *s, const char *what, const char *suffix, int 
     prof_mark(s, nm, bytes);
 }
 
-/* the one-scale-a-row vector cb_weights_load_fp8 placed after the scales (NULL: the scale
- * blocks split rows, e.g. 128 x 128) */
-static const float *cb_f8_rowscale(const backend_wscale *ws, int N, int K) {
-    if (!ws->s || ws->block_k < K) return NULL;
-    size_t ng = (size_t)(N + ws->block_n - 1) / ws->block_n;
-    return (const float *)((const char *)ws->s + ((ng * 4 + 255) & ~(size_t)255));
+/* FP8 weights the block-scaled e4m3 GEMM takes: 128 x 128 scale blocks, K a multiple of 128 */
+static int cb_f8_block(const backend_wscale *ws, int K) {
+    return ws->s && ws->block_n == 128 && ws->block_k == 128 && K % 128 == 0;
 }
 
 static void *cb_scratch(cb_stream *s, int i, size_t bytes);
@@ -778,31 +757,25 @@ static void *cb_scratch(cb_stream *s, int i, size_t bytes);
  * never in the batch-invariant mode (DISAGG_CUDA_FP8_GEMM=0: never at all) */
 static int cb_f8_gemm(cb_stream *s, void *y, int kind, const void *x, const backend_wscale *ws,
                       const void *w, int T, int N, int K) {
-    if (s->inv || !s->c->fp8_gemm || !ws->s || !fp8_gemm_ok(T, N, K) ||
+    /* 128 x 128 weight blocks only (DeepSeek-style block FP8): x in 128-column groups,
+     * cuBLASLt's block-scaled e4m3 GEMM over the scales as stored.  The outer-vector form (one
+     * scale a weight row, x a token) was removed: on the H200 its per-channel rows came out
+     * wrong in the first run and its per-tensor ones in the second (3 December; cuBLASLt's
+     * OUTER_VEC_32F scales not applied as we read its documentation) -- such weights run the
+     * bf16 twin */
+    if (s->inv || !s->c->fp8_gemm || !cb_f8_block(ws, K) || !fp8_gemm_ok(T, N, K) ||
         (((uintptr_t)x | (uintptr_t)w) & 15))
         return -ENOTSUP;
-    /* 128 x 128 weight blocks (DeepSeek-style block FP8): x in 128-column groups, cuBLASLt's
-     * block-scaled e4m3 GEMM over the scales as stored */
-    int block = ws->block_n == 128 && ws->block_k == 128 && K % 128 == 0;
-    /* the outer-vector form (one scale a weight row, x a token) is off: on the H200 its
-     * per-channel rows came out wrong in the first run and its per-tensor ones in the second
-     * (3 December: error 0.026 against the exact product, not the W8A8 emulation; the
-     * qwen3-fp8-tensor tiny model 0.091 against 0.05), cuBLASLt's OUTER_VEC_32F scales not
-     * applied as we read its documentation -- such weights run the bf16 twin */
-    if (!block) return -ENOTSUP;
-    const float *sw = ws->s;
     size_t qb = ((size_t)T * K + 255) & ~(size_t)255;
-    size_t nsx = block ? (size_t)T * (K / 128) : (size_t)T;
-    char *scr = (char *)cb_scratch(s, 3, qb + nsx * 4);
+    char *scr = (char *)cb_scratch(s, 3, qb + (size_t)T * (K / 128) * 4);
     if (!scr) return s->capturing ? -EINVAL : -ENOMEM;
-    int rc = block ? fp8_act_quant_g128(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K)
-                   : fp8_act_quant(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K);
+    int rc = fp8_act_quant_g128(s->c, (uint8_t *)scr, (float *)(scr + qb), x, T, K);
     if (rc) return rc;
-    rc = fp8_gemm(s->c, y, kind, block, (const uint8_t *)scr, (const float *)(scr + qb), w, sw, T,
-                  N, K);
+    rc = fp8_gemm(s->c, y, kind, (const uint8_t *)scr, (const float *)(scr + qb), w, ws->s, T, N,
+                  K);
     if (!rc)
-        cb_prof_mat(s, block ? "fp8 gemm (block scales)" : "fp8 gemm",
-                    kind == 1 ? " (+= residual)" : "", N, K, (double)N * K);
+        cb_prof_mat(s, "fp8 gemm (block scales)", kind == 1 ? " (+= residual)" : "", N, K,
+                    (double)N * K);
     return rc;
 }
 
@@ -1083,7 +1056,7 @@ static int cb_qkv(backend_stream *st, const backend_qkv_op *o) {
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->qkv_bf16_min_t > 0 &&
         T >= s->c->qkv_bf16_min_t &&
         (!fp8 || (T > s->c->fp8_gemv_max_t &&
-                  (o->sqkv.twin || cb_f8_rowscale(&o->sqkv, W, o->hidden))))) {
+                  (o->sqkv.twin || cb_f8_block(&o->sqkv, o->hidden))))) {
         const void *wqkv = fp8 ? o->sqkv.twin : o->wqkv;
         bf16 *qkv16 = (bf16 *)cb_scratch(s, 0, (size_t)T * W * 2);
         if (!qkv16) return s->capturing ? -EINVAL : -ENOMEM;
@@ -1166,7 +1139,7 @@ static int cb_gate_up(backend_stream *st, const backend_mlp_op *o) {
     if (!s->inv && o->x_dt == BACKEND_BF16 && s->c->gu_bf16_min_t > 0 &&
         T >= s->c->gu_bf16_min_t &&
         (!fp8 || (T > s->c->fp8_gemv_max_t &&
-                  (wgu || (o->w_gate_up && cb_f8_rowscale(&o->s_gate_up, 2 * I, o->hidden)))))) {
+                  (wgu || (o->w_gate_up && cb_f8_block(&o->s_gate_up, o->hidden)))))) {
         bf16 *gu16 = (bf16 *)cb_scratch(s, 1, (size_t)T * 2 * I * 2);
         if (!gu16) return s->capturing ? -EINVAL : -ENOMEM;
         /* FP8 weights: the e4m3 tensor-core GEMM, else the bf16 twin */

@@ -90,9 +90,9 @@ struct dcu_ctx {
     int fp8_mma_split;  /* its warps a tile (DISAGG_CUDA_FP8_MMA_SPLIT=auto|1|2|4|8; 0 auto) */
     int fp8_mma_mt;     /* its 16-row tiles a warp (DISAGG_CUDA_FP8_MMA_MT=1|2; 0 auto) */
     int fp8_mma_db;     /* its loads double-buffered (DISAGG_CUDA_FP8_MMA_DB=0|1; -1 auto) */
-    int fp8_gemm;       /* FP8 weights of per-tensor scales or 128 x 128 blocks at larger T on
-                           the e4m3 tensor cores (cuda_gemm_fp8.cu; opt-in:
-                           DISAGG_CUDA_FP8_GEMM=1; default the bf16 twin) */
+    int fp8_gemm;       /* FP8 weights in 128 x 128 blocks at larger T on the e4m3 tensor cores
+                           (cuda_gemm_fp8.cu; opt-in: DISAGG_CUDA_FP8_GEMM=1; default the bf16
+                           twin) */
     int fp8_block_sx_t; /* the block path's activation scales tokens-contiguous
                            (DISAGG_CUDA_FP8_BLOCK_SX=t; default a token's groups contiguous) */
     int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
@@ -365,17 +365,15 @@ int gemv_f8mma_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x
                    float vsc);
 
 /* ---- cuda_gemm_fp8.cu --------------------------------------------------------------- */
-/* W8A8 for prefill: x bf16 quantized per token to e4m3 (sx: amax / 448 a token), then
- * cuBLASLt's e4m3 GEMM with outer-vector scales (sw: one f32 a weight row); y of kind 0 f32,
- * 1 f32 += (beta 1), 2 bf16.  -ENOTSUP: no cuBLASLt algorithm for the shape (remembered) */
-int fp8_act_quant(dcu_ctx *c, uint8_t *q, float *sx, const void *x, int T, int K);
-/* block FP8: x quantized in 128-column groups a token (sx: T x K / 128, amax / 448 a group;
- * c->fp8_block_sx_t: tokens contiguous), for fp8_gemm with block = 1 (sw: the weights' 128 x
- * 128 block scales, row block major) */
+/* W8A8 block FP8 for prefill: x bf16 quantized to e4m3 in 128-column groups a token (sx: T x
+ * K / 128, amax / 448 a group; c->fp8_block_sx_t: tokens contiguous), then cuBLASLt's
+ * block-scaled e4m3 GEMM (sw: the weights' 128 x 128 block scales, row block major); y of kind
+ * 0 f32, 1 f32 += (beta 1), 2 bf16.  -ENOTSUP: no cuBLASLt algorithm for the shape
+ * (remembered) */
 int fp8_act_quant_g128(dcu_ctx *c, uint8_t *q, float *sx, const void *x, int T, int K);
 int fp8_gemm_ok(int T, int N, int K);
-int fp8_gemm(dcu_ctx *c, void *y, int kind, int block, const uint8_t *xq, const float *sx,
-             const void *w, const float *sw, int T, int N, int K);
+int fp8_gemm(dcu_ctx *c, void *y, int kind, const uint8_t *xq, const float *sx, const void *w,
+             const float *sw, int T, int N, int K);
 
 /* ---- cuda_gemm.cu ------------------------------------------------------------------- */
 int matmul(dcu_ctx *c, float *y, const void *x, const void *w, const float *bias, int T, int N,

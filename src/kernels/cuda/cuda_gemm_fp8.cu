@@ -1,82 +1,30 @@
 /*
- * cuda_gemm_fp8 — FP8 tensor-core GEMMs for prefill-sized batches of FP8 weights (W8A8, as
- * vLLM's FP8 on Hopper: weights e4m3 with their checkpoint scales, activations quantized to
- * e4m3 per token on the fly):
+ * cuda_gemm_fp8 — FP8 tensor-core GEMMs for prefill-sized batches of block-quantized FP8
+ * weights (W8A8 block FP8, as vLLM runs DeepSeek-style checkpoints on Hopper: the weights e4m3
+ * in 128 x 128 blocks with their checkpoint scales, the activations quantized to e4m3 on the fly
+ * in groups of 128 columns):
  *
- *   fp8_act_quant  x (T, K) bf16 -> xq (T, K) e4m3 and sx (T) f32: sx[t] = amax(x[t]) / 448
- *                  (1 for an all-zero row), xq = e4m3(x * (1 / sx[t])), round to nearest even,
- *                  saturating.
- *   fp8_gemm       y (T, N) = sum_k xq[t][k] wq[n][k] * sx[t] * sw[n] through cuBLASLt's e4m3
- *                  GEMM with outer-vector scales (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F on
- *                  A and B), f32 accumulate; out f32 (beta 0 or 1: += onto y, the residual) or
- *                  bf16.  sw is one scale a weight row: FP8 weights whose scale blocks span the
- *                  row (per tensor, per channel).
- *   fp8_act_quant_g128 / fp8_gemm with block = 1: DeepSeek-style block FP8 (the checkpoints'
- *                  weight_block_size [128, 128], vLLM's W8A8 block FP8 on Hopper): x quantized
- *                  to e4m3 in groups of 128 columns a token (sx[t][g] = amax / 448 of the
- *                  group), the weights' 128 x 128 block scales as stored (row block major), and
- *                  cuBLASLt's e4m3 GEMM with CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F on A
- *                  (the weights) and _VEC128_32F on B (the activations; cuBLAS 12.9+, sm_90).
- *                  The activation scales' layout follows B's storage (K x T column-major: a
- *                  token's groups contiguous, sx[t * KB + g]); DISAGG_CUDA_FP8_BLOCK_SX=t puts
- *                  the tokens contiguous instead (sx[g * T + t]), the other reading of the
- *                  documentation, for the GPU tests to tell which cuBLASLt takes.
+ *   fp8_act_quant_g128  x (T, K) bf16 -> xq (T, K) e4m3 and sx (T x K / 128) f32: sx = amax /
+ *                  448 of each 128-column group of a token (1 for an all-zero group), xq =
+ *                  e4m3(x * (1 / sx)), round to nearest even, saturating.
+ *   fp8_gemm       y (T, N) = sum over groups g of sx[t][g] sw[n / 128][g] sum_k xq[t][k] wq[n][k]
+ *                  through cuBLASLt's e4m3 GEMM with CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+ *                  on A (the weights' scales as stored, row block major) and _VEC128_32F on B
+ *                  (cuBLAS 12.9+, sm_90 only), f32 accumulate; out f32 (beta 0 or 1: += onto y,
+ *                  the residual) or bf16.  The activation scales' layout follows B's storage
+ *                  (K x T column-major: a token's groups contiguous, sx[t * KB + g]);
+ *                  DISAGG_CUDA_FP8_BLOCK_SX=t puts the tokens contiguous instead (sx[g * T +
+ *                  t]), the other reading of the documentation, for the GPU tests to tell which
+ *                  cuBLASLt takes.
  *
- * A shape cuBLASLt has no algorithm for (or a cuBLASLt without these scale modes) returns
- * -ENOTSUP once and is remembered; the caller then runs the bf16 twin, as before this file.
+ * (An outer-vector form -- one scale a weight row, x quantized a token -- was removed: its rows
+ * came out wrong on the H200.)  A shape cuBLASLt has no algorithm for (or a cuBLASLt without
+ * these scale modes) returns -ENOTSUP once and is remembered; the caller then runs the bf16
+ * twin.
  */
 #include "kernels/cuda/cuda_common.cuh"
 
 #define AQ_THREADS 256
-
-/* one CTA a token row; K % 8 == 0, x 16-byte aligned */
-__global__ void __launch_bounds__(AQ_THREADS)
-    k_act_quant(uint8_t *__restrict__ q, float *__restrict__ sx, const uint4 *__restrict__ x,
-                int K8) {
-    __shared__ float red[AQ_THREADS / 32];
-    int t = blockIdx.x;
-    const uint4 *xr = x + (size_t)t * K8;
-    float m = 0.0f;
-    for (int i = threadIdx.x; i < K8; i += AQ_THREADS) {
-        uint4 v = xr[i];
-        uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            m = fmaxf(m, fmaxf(fabsf(__uint_as_float(w[j] << 16)),
-                               fabsf(__uint_as_float(w[j] & 0xffff0000u))));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < AQ_THREADS / 32; i++)
-        m = fmaxf(m, red[i]);
-    float s = m > 0.0f ? m / 448.0f : 1.0f, inv = 1.0f / s;
-    if (threadIdx.x == 0) sx[t] = s;
-    uint2 *qr = (uint2 *)(q + (size_t)t * K8 * 8);
-    for (int i = threadIdx.x; i < K8; i += AQ_THREADS) {
-        uint4 v = xr[i];
-        uint32_t w[4] = {v.x, v.y, v.z, v.w}, o[2] = {0, 0};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            float2 f = make_float2(__uint_as_float(w[j] << 16) * inv,
-                                   __uint_as_float(w[j] & 0xffff0000u) * inv);
-            uint32_t b = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);
-            o[j >> 1] |= b << (16 * (j & 1));
-        }
-        qr[i] = make_uint2(o[0], o[1]);
-    }
-}
-
-int fp8_act_quant(dcu_ctx *c, uint8_t *q, float *sx, const void *x, int T, int K) {
-    if (T <= 0) return 0;
-    if (K % 8 || ((uintptr_t)x & 15) || ((uintptr_t)q & 7)) return -EINVAL;
-    k_act_quant<<<T, AQ_THREADS, 0, c->stream>>>(q, sx, (const uint4 *)x, K / 8);
-    return launch_check("fp8 act_quant");
-}
 
 /* one CTA a token row, a thread a uint4 (8 values) at a time, 16 threads a 128-column group
  * (their amax by half-warp shuffles); K % 128 == 0, x 16-byte aligned.  t_major: sx[g * T + t]
@@ -121,11 +69,9 @@ int fp8_act_quant_g128(dcu_ctx *c, uint8_t *q, float *sx, const void *x, int T, 
     return launch_check("fp8 act_quant (128-column groups)");
 }
 
-/* plans: (T, N, K, out kind, block); a shape without an algorithm is kept as a refusal (valid
- * 2) */
+/* plans: (T, N, K, out kind); a shape without an algorithm is kept as a refusal (valid 2) */
 typedef struct {
-    int T, N, K, kind, block, valid; /* kind 0: f32 out, 1: f32 += (beta 1), 2: bf16 out;
-                                        block 1: 128 x 128 weight blocks, 128-column groups */
+    int T, N, K, kind, valid; /* kind 0: f32 out, 1: f32 += (beta 1), 2: bf16 out */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
@@ -149,25 +95,22 @@ static void f8_plan_clear(f8_plan *p) {
 /* the plan of a shape (NULL: none; cuBLASLt refused it).  Plans are per process: cuBLASLt
  * handles of one device share them (descriptors are handle-independent; the algorithm was
  * found on that device kind) */
-static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind, int block,
-                            const float *sw, const float *sx) {
+static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind, const float *sw,
+                            const float *sx) {
     for (int i = 0; i < F8_PLANS; i++) {
         f8_plan *p = &g_f8_plans[i];
-        if (p->valid && p->T == T && p->N == N && p->K == K && p->kind == kind &&
-            p->block == block)
+        if (p->valid && p->T == T && p->N == N && p->K == K && p->kind == kind)
             return p->valid == 1 ? p : NULL;
     }
     f8_plan *p = &g_f8_plans[g_f8_next];
     g_f8_next = (g_f8_next + 1) % F8_PLANS;
     f8_plan_clear(p);
-    p->T = T, p->N = N, p->K = K, p->kind = kind, p->block = block;
+    p->T = T, p->N = N, p->K = K, p->kind = kind;
     cublasStatus_t s = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
     if (s == CUBLAS_STATUS_SUCCESS) {
         cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-        int32_t ma = block ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
-                           : CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
-                mb = block ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
-                           : CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+        int32_t ma = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                mb = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
         cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
         cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
         s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &ma,
@@ -175,8 +118,8 @@ static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind, int block
         if (s == CUBLAS_STATUS_SUCCESS)
             s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mb,
                                                sizeof mb);
-        /* the vector scales' pointers before the heuristic query: with them unset (NULL)
-         * the H200 run of 3 December refused every shape (status 7, invalid value) */
+        /* the scales' pointers before the heuristic query: with them unset (NULL) the H200
+         * run of 3 December refused every shape (status 7, invalid value) */
         if (s == CUBLAS_STATUS_SUCCESS)
             s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw,
                                                sizeof sw);
@@ -205,9 +148,10 @@ static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind, int block
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
         if (!g_f8_said++)
             fprintf(stderr,
-                    "cuda: cuBLASLt has no e4m3 GEMM with %s scales for T=%d N=%d K=%d "
-                    "(status %d): FP8 weights of such shapes run the bf16 twin\n",
-                    block ? "128x128 block / 128-column group" : "outer-vector", T, N, K, (int)s);
+                    "cuda: cuBLASLt has no e4m3 GEMM with 128x128 block / 128-column group "
+                    "scales for T=%d N=%d K=%d (status %d): FP8 weights of such shapes run the "
+                    "bf16 twin\n",
+                    T, N, K, (int)s);
         cublasLtMatmulDescDestroy(p->op);
         cublasLtMatrixLayoutDestroy(p->a);
         cublasLtMatrixLayoutDestroy(p->b);
@@ -223,15 +167,15 @@ static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind, int block
 /* cuBLASLt's FP8 rules: K, N multiples of 16 (T too, for its e4m3 B operand's leading
  * dimension rules we keep ld = K), 16-byte aligned operands */
 int fp8_gemm_ok(int T, int N, int K) {
-    return T > 0 && N % 16 == 0 && K % 16 == 0;
+    return T > 0 && N % 16 == 0 && K % 128 == 0;
 }
 
-int fp8_gemm(dcu_ctx *c, void *y, int kind, int block, const uint8_t *xq, const float *sx,
-             const void *w, const float *sw, int T, int N, int K) {
+int fp8_gemm(dcu_ctx *c, void *y, int kind, const uint8_t *xq, const float *sx, const void *w,
+             const float *sw, int T, int N, int K) {
     if (T <= 0) return 0;
-    if (!fp8_gemm_ok(T, N, K) || kind < 0 || kind > 2 || (block && K % 128)) return -ENOTSUP;
+    if (!fp8_gemm_ok(T, N, K) || kind < 0 || kind > 2) return -ENOTSUP;
     pthread_mutex_lock(&g_f8_mu);
-    f8_plan *p = f8_plan_get(c, T, N, K, kind, block, sw, sx);
+    f8_plan *p = f8_plan_get(c, T, N, K, kind, sw, sx);
     cublasStatus_t s = CUBLAS_STATUS_NOT_SUPPORTED;
     if (p) {
         cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw,
@@ -245,8 +189,8 @@ int fp8_gemm(dcu_ctx *c, void *y, int kind, int block, const uint8_t *xq, const 
     pthread_mutex_unlock(&g_f8_mu);
     if (!p) return -ENOTSUP;
     if (s != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "cuda: cublasLtMatmul (e4m3%s) T=%d N=%d K=%d failed (status %d)\n",
-                block ? ", block scales" : "", T, N, K, (int)s);
+        fprintf(stderr, "cuda: cublasLtMatmul (e4m3, block scales) T=%d N=%d K=%d failed (status %d)\n",
+                T, N, K, (int)s);
         return -EIO;
     }
     return 0;
