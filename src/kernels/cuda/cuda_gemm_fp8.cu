@@ -27,16 +27,18 @@
 #define AQ_THREADS 256
 
 /* one CTA a token row, a thread a uint4 (8 values) at a time, 16 threads a 128-column group
- * (their amax by half-warp shuffles); K % 128 == 0, x 16-byte aligned.  t_major: sx[g * T + t]
- * (DISAGG_CUDA_FP8_BLOCK_SX=t), else sx[t * KB + g] */
+ * (their amax by half-warp shuffles; every thread of the CTA runs every pass, past K with
+ * zeros, so the shuffles' full mask holds); K % 128 == 0, x 16-byte aligned.  t_major:
+ * sx[g * T + t] (DISAGG_CUDA_FP8_BLOCK_SX=t), else sx[t * KB + g] */
 __global__ void __launch_bounds__(AQ_THREADS)
     k_act_quant_g128(uint8_t *__restrict__ q, float *__restrict__ sx, const uint4 *__restrict__ x,
                      int K8, int T, int t_major) {
     int t = blockIdx.x, KB = K8 / 16;
     const uint4 *xr = x + (size_t)t * K8;
     uint2 *qr = (uint2 *)(q + (size_t)t * K8 * 8);
-    for (int i = threadIdx.x; i < K8; i += AQ_THREADS) { /* K8 % 16 == 0: whole groups a pass */
-        uint4 v = xr[i];
+    for (int base = 0; base < K8; base += AQ_THREADS) {
+        int i = base + threadIdx.x, in = i < K8; /* K8 % 16 == 0: a group is all in or all out */
+        uint4 v = in ? xr[i] : make_uint4(0, 0, 0, 0);
         uint32_t w[4] = {v.x, v.y, v.z, v.w}, o[2] = {0, 0};
         float m = 0.0f;
 #pragma unroll
@@ -46,6 +48,7 @@ __global__ void __launch_bounds__(AQ_THREADS)
 #pragma unroll
         for (int off = 8; off > 0; off >>= 1)
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off, 16));
+        if (!in) continue;
         float sc = m > 0.0f ? m / 448.0f : 1.0f, inv = 1.0f / sc;
         int g = i >> 4;
         if ((i & 15) == 0) sx[t_major ? (size_t)g * T + t : (size_t)t * KB + g] = sc;
