@@ -455,7 +455,8 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
  * 3 December, Qwen3-30B-A3B layer at 4,096 tokens: 1.68-1.70 ms against 1.99-2.01 ms with
  * K step 32 (512 tokens 0.76 against 0.97; Mixtral's layer -10 % and -20 %); K step 64 with 4
  * stages was slower (2.09-2.12 ms). */
-#define GM_SMEM(BK, ST) ((ST) * 2 * GM_BM * ((BK) + 8) * 2)
+#define GM_ST          3 /* cp.async stages */
+#define GM_SMEM(BK)    (GM_ST * 2 * GM_BM * ((BK) + 8) * 2)
 
 __global__ void __launch_bounds__(1024)
     k_moe_sort(int32_t *__restrict__ perm, int32_t *__restrict__ inv, int32_t *__restrict__ off,
@@ -519,10 +520,10 @@ __global__ void __launch_bounds__(1024)
  * (n0 = 64 blockIdx.x); epilogue h[pos][j] = silu(g) * u in bf16.
  * MODE 1 (down): A rows = h[pos] (K = I), B = down_e rows n0 .. n0 + 127 (n0 = 128
  * blockIdx.x); epilogue y[pos][n] f32 (MODE 2: the same in bf16).
- * CTA tile 128 x 128, K step BK (32 or 64), ST cp.async stages, 8 warps as 2 (M) x 4 (N) of
- * 64 x 32, mma.sync m16n8k16 bf16 with f32 accumulators; blockIdx.y = M-tile (past n_tiles:
+ * CTA tile 128 x 128, K step BK (32 or 64), GM_ST cp.async stages, 8 warps as 2 (M) x 4 (N)
+ * of 64 x 32, mma.sync m16n8k16 bf16 with f32 accumulators; blockIdx.y = M-tile (past n_tiles:
  * exit). */
-template <int MODE, int BK, int ST>
+template <int MODE, int BK>
 __global__ void __launch_bounds__(256)
     k_moe_gemm(void *__restrict__ outp, const bf16 *__restrict__ A, const bf16 *__restrict__ W,
                const int32_t *__restrict__ perm, const int32_t *__restrict__ off,
@@ -532,7 +533,7 @@ __global__ void __launch_bounds__(256)
     constexpr int LD = BK + 8, CPR = BK / 8 /* 16-byte chunks a row */, RP = 256 / CPR,
                   NQ = GM_BM / RP; /* rows a pass, passes */
     bf16 *As = (bf16 *)gsm;          /* [ST][BM][LD] */
-    bf16 *Bs = As + ST * GM_BM * LD; /* [ST][BN][LD] */
+    bf16 *Bs = As + GM_ST * GM_BM * LD; /* [ST][BN][LD] */
     int tile = blockIdx.y;
     if (tile >= *n_tiles) return;
     int e = tile_e[tile], m0 = tile_m0[tile], m_end = off[e + 1];
@@ -585,18 +586,18 @@ __global__ void __launch_bounds__(256)
             for (int c = 0; c < 4; c++)
                 acc[a][b][c] = 0.0f;
 #pragma unroll
-    for (int s = 0; s < ST - 1; s++) {
+    for (int s = 0; s < GM_ST - 1; s++) {
         if (s < KT) load(s, s);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; kt++) {
-        cp_async_wait_group<ST - 2>();
+        cp_async_wait_group<GM_ST - 2>();
         __syncthreads();
-        int nk = kt + ST - 1;
-        if (nk < KT) load(nk, nk % ST);
+        int nk = kt + GM_ST - 1;
+        if (nk < KT) load(nk, nk % GM_ST);
         cp_async_commit();
-        const bf16 *as = As + (size_t)(kt % ST) * GM_BM * LD;
-        const bf16 *bs = Bs + (size_t)(kt % ST) * GM_BN * LD;
+        const bf16 *as = As + (size_t)(kt % GM_ST) * GM_BM * LD;
+        const bf16 *bs = Bs + (size_t)(kt % GM_ST) * GM_BN * LD;
         if (live == 0) continue; /* this warp's rows are past the group: loads only */
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
@@ -712,33 +713,33 @@ size_t moe_ws_bytes(const moe_args *a) {
     return moe_layout(a).total;
 }
 
-/* the grouped GEMMs (gate|up, then down) of one K step / stage configuration */
-template <int BK, int ST>
+/* the grouped GEMMs (gate|up, then down) of one K step */
+template <int BK>
 static int moe_gemms(cudaStream_t st, dim3 g1, dim3 g2, bf16 *h, const bf16 *x, void *y,
                      const moe_args *a, const int32_t *perm, const int32_t *off, const int32_t *te,
                      const int32_t *tm, const int32_t *nt) {
     static int attr_done[64]; /* per device: the kernels' dynamic shared memory limit */
     int dev = 0, H = a->hidden, I = a->inter, k = a->top_k;
-    constexpr int SM = GM_SMEM(BK, ST);
+    constexpr int SM = GM_SMEM(BK);
     CK(cudaGetDevice(&dev));
     if (dev < 0 || dev >= 64 || !attr_done[dev]) {
-        CK(cudaFuncSetAttribute(k_moe_gemm<0, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CK(cudaFuncSetAttribute(k_moe_gemm<0, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 SM));
-        CK(cudaFuncSetAttribute(k_moe_gemm<1, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CK(cudaFuncSetAttribute(k_moe_gemm<1, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 SM));
-        CK(cudaFuncSetAttribute(k_moe_gemm<2, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CK(cudaFuncSetAttribute(k_moe_gemm<2, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 SM));
         if (dev >= 0 && dev < 64) attr_done[dev] = 1;
     }
-    k_moe_gemm<0, BK, ST><<<g1, 256, SM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off, te,
+    k_moe_gemm<0, BK><<<g1, 256, SM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off, te,
                                                tm, nt, k, H, 2 * I, I);
     int rc = launch_check("moe gemm gate_up");
     if (rc) return rc;
     if (a->y_bf16)
-        k_moe_gemm<2, BK, ST><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+        k_moe_gemm<2, BK><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
                                                    te, tm, nt, k, I, H, H);
     else
-        k_moe_gemm<1, BK, ST><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+        k_moe_gemm<1, BK><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
                                                    te, tm, nt, k, I, H, H);
     return launch_check("moe gemm down");
 }
@@ -803,8 +804,8 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
         int rc = launch_check("moe sort");
         if (rc) return rc;
         dim3 g1((I + 63) / 64, L.max_tiles), g2((H + GM_BN - 1) / GM_BN, L.max_tiles);
-        rc = a->gemm_bk32 ? moe_gemms<32, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
-                          : moe_gemms<64, 3>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt);
+        rc = a->gemm_bk32 ? moe_gemms<32>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
+                          : moe_gemms<64>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt);
         if (rc) return rc;
         inv = invw;
     }
