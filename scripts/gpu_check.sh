@@ -675,6 +675,14 @@ fp8_steps() {
     done
   done
 }
+# tbo_with SETTINGS FILTER LOG WHAT GREP: test_backend_ops' tests matching FILTER with SETTINGS
+# (env settings joined by commas; "" none) into LOG, checked as WHAT, the lines matching GREP shown
+tbo_with() {
+  # shellcheck disable=SC2086
+  env ${1//,/ } TEST_BACKEND_OPS_FILTER="$2" "$BUILD/test_backend_ops" > "$3" 2>&1
+  check $? "$4"
+  grep -E "$5" "$3" | head -"${6:-30}"
+}
 # ONLY=fp8block: the W8A8 prefill GEMM on the FP8 tensor cores (DISAGG_CUDA_FP8_GEMM=1, opt-in;
 # cuda_gemm_fp8.cu; 128 x 128 weight blocks only): test_backend_ops' FP8 cases against the
 # emulation of the activation quantization (x in 128-column groups a token),
@@ -686,10 +694,8 @@ fp8_steps() {
 fp8block_steps() {
   for v in DISAGG_CUDA_FP8_GEMM=1 DISAGG_CUDA_FP8_GEMM=1,DISAGG_CUDA_FP8_BLOCK_SX=t; do
     step "fp8block: test_backend_ops FP8 cases with $v"
-    # shellcheck disable=SC2086
-    env ${v//,/ } TEST_BACKEND_OPS_FILTER='test_*fp8*' "$BUILD/test_backend_ops" > /tmp/tbo-f8b.log 2>&1
-    check $? "test_backend_ops fp8 cases, $v"
-    grep -E "W8A8|FAILED|ERROR|PASSED|cuBLASLt|cublasLt" /tmp/tbo-f8b.log | head -30
+    tbo_with "$v" 'test_*fp8*' /tmp/tbo-f8b.log "test_backend_ops fp8 cases, $v" \
+      "W8A8|FAILED|ERROR|PASSED|cuBLASLt|cublasLt"
   done
   step "fp8block: test_cuda_model (FP8 tiny checkpoints, GPU vs CPU) with DISAGG_CUDA_FP8_GEMM=1"
   DISAGG_CUDA_FP8_GEMM=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "fp8|FAILED|ERROR|PASSED|cuBLASLt"
@@ -715,22 +721,18 @@ fp8block_steps() {
 # arguments; FP8GEMV_VARIANTS adds runs with the switch on and other settings (below).
 fp8gemv_steps() {
   step "fp8gemv: test_backend_ops test_fp8_mma_* (the tensor-core FP8 GEMV vs a host reference)"
-  TEST_BACKEND_OPS_FILTER='test_fp8_mma*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma.log 2>&1
-  check $? "test_backend_ops test_fp8_mma_*"
-  grep -E "fp8 mma|FAILED|ERROR|PASSED|SKIP|tolerance" /tmp/tbo-f8mma.log | head -150
+  tbo_with "" 'test_fp8_mma*' /tmp/tbo-f8mma.log "test_backend_ops test_fp8_mma_*" \
+    "fp8 mma|FAILED|ERROR|PASSED|SKIP|tolerance" 150
   step "fp8gemv: test_backend_ops FP8 cases with DISAGG_CUDA_FP8_MMA=1"
-  DISAGG_CUDA_FP8_MMA=1 TEST_BACKEND_OPS_FILTER='test_*fp8*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma2.log 2>&1
-  check $? "test_backend_ops fp8 cases, DISAGG_CUDA_FP8_MMA=1"
-  grep -E "FAILED|ERROR|PASSED|tolerance" /tmp/tbo-f8mma2.log | head -20
+  tbo_with DISAGG_CUDA_FP8_MMA=1 'test_*fp8*' /tmp/tbo-f8mma2.log \
+    "test_backend_ops fp8 cases, DISAGG_CUDA_FP8_MMA=1" "FAILED|ERROR|PASSED|tolerance" 20
   # the kernel forms the default shapes do not take: 32-row warps with single-buffered loads,
   # and with double-buffered loads at 2 splits
   for v in DISAGG_CUDA_FP8_MMA_MT=2,DISAGG_CUDA_FP8_MMA_DB=0 \
            DISAGG_CUDA_FP8_MMA_MT=2,DISAGG_CUDA_FP8_MMA_DB=1,DISAGG_CUDA_FP8_MMA_SPLIT=2; do
     step "fp8gemv: test_backend_ops test_fp8_mma_* with $v"
-    # shellcheck disable=SC2086
-    env ${v//,/ } TEST_BACKEND_OPS_FILTER='test_fp8_mma*' "$BUILD/test_backend_ops" > /tmp/tbo-f8mma3.log 2>&1
-    check $? "test_backend_ops test_fp8_mma_*, $v"
-    grep -E "FAILED|ERROR|PASSED|tolerance" /tmp/tbo-f8mma3.log | head -20
+    tbo_with "$v" 'test_fp8_mma*' /tmp/tbo-f8mma3.log "test_backend_ops test_fp8_mma_*, $v" \
+      "FAILED|ERROR|PASSED|tolerance" 20
   done
   step "fp8gemv: test_cuda_model (FP8 tiny checkpoints, GPU vs CPU) with DISAGG_CUDA_FP8_MMA=1"
   DISAGG_CUDA_FP8_MMA=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "fp8|FAILED|ERROR|PASSED|OK"
