@@ -758,6 +758,40 @@ fp8gemv_steps() {
     check ${PIPESTATUS[0]} "bench model 7b fp8, DISAGG_CUDA_FP8_MMA=1 $v"
   done
 }
+# ONLY=decvar: two decode switches, off by default -- DISAGG_CUDA_GEMV_DB (the GEMVs' load loop
+# double-buffered: =f8 FP8 weights only, =1 every GEMV; the same sums in the same order) and
+# DISAGG_CUDA_ATT_FUSE=1 (the decode attention's split combine in the CTA that finishes a
+# (token, KV head) last: no combine kernel).  test_backend_ops and test_cuda_model with both
+# on, then batch-1 decode at 4k (and batch 32) on the Llama-3.1-8B shape (bf16) and the
+# Qwen2.5-7B shape with --quantization fp8, each switch alone and both, the default run twice
+# (first and last: the machine's drift within the run).
+decvar_steps() {
+  step "decvar: test_backend_ops with DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_ATT_FUSE=1"
+  DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_ATT_FUSE=1 "$BUILD/test_backend_ops" > /tmp/tbo-dv.log 2>&1
+  check $? "test_backend_ops, GEMV_DB=1 ATT_FUSE=1"
+  grep -E "FAILED|ERROR|PASSED" /tmp/tbo-dv.log | head -20
+  step "decvar: test_cuda_model with DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_ATT_FUSE=1"
+  DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_ATT_FUSE=1 "$BUILD/test_cuda_model" 2>&1 | grep -E "FAILED|ERROR|PASSED|OK"
+  check ${PIPESTATUS[0]} "test_cuda_model, GEMV_DB=1 ATT_FUSE=1"
+  for v in DISAGG_CUDA_GEMV_DB=0 DISAGG_CUDA_GEMV_DB=1 DISAGG_CUDA_ATT_FUSE=1 \
+           DISAGG_CUDA_GEMV_DB=1,DISAGG_CUDA_ATT_FUSE=1 DISAGG_CUDA_GEMV_DB=0; do
+    step "decvar: bench model llama-3.1-8b (bf16), $v"
+    env ${v//,/ } "$BIN" bench model "$SRC/bench/shapes/llama-3.1-8b" --device cuda --load-format dummy \
+      --prompt-lens 16 --batches 1,32 --long-context 4096 2>&1 | grep -E "^ceilings|^decode|^ *[0-9]+ +[0-9]+ |rror"
+    check ${PIPESTATUS[0]} "bench model llama-3.1-8b, $v"
+  done
+  for v in DISAGG_CUDA_GEMV_DB=0 DISAGG_CUDA_GEMV_DB=f8 DISAGG_CUDA_GEMV_DB=f8,DISAGG_CUDA_ATT_FUSE=1 \
+           DISAGG_CUDA_GEMV_DB=0; do
+    step "decvar: bench model qwen2.5-7b --quantization fp8, $v"
+    env ${v//,/ } "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" --device cuda --load-format dummy \
+      --quantization fp8 --prompt-lens 16 --batches 1,32 --long-context 4096 2>&1 |
+      grep -E "^ceilings|^decode|^ *[0-9]+ +[0-9]+ |rror"
+    check ${PIPESTATUS[0]} "bench model 7b fp8, $v"
+  done
+  step "decvar: per-op timing of an eager 1-token step, 7B fp8, DISAGG_CUDA_GEMV_DB=f8"
+  DISAGG_CUDA_GEMV_DB=f8 DISAGG_CUDA_PROF=1 "$BIN" bench model "$SRC/bench/shapes/qwen2.5-7b" --device cuda \
+    --load-format dummy --quantization fp8 --prompt-lens 16 --batches 1 2>&1 | grep -E "^prof" | head -20
+}
 # ONLY=kvpool: the KV offload tiers and KV events on the GPU (docs/kv_pool.md): the tiers'
 # tests with bf16 KV in HBM and --batch-invariant (answers with the pool equal to those
 # without, disk faults recomputed; the asynchronous loads: a request served while another
@@ -841,8 +875,9 @@ poolfetch_steps() {
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
    [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = fp8gemv ] ||
    [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ] ||
-   [ "${ONLY:-}" = tierio ] || [ "${ONLY:-}" = fp8block ]; then
+   [ "${ONLY:-}" = tierio ] || [ "${ONLY:-}" = fp8block ] || [ "${ONLY:-}" = decvar ]; then
   [ "$ONLY" = fp8block ] && fp8block_steps
+  [ "$ONLY" = decvar ] && decvar_steps
   [ "$ONLY" = kvpool ] && kvpool_steps
   [ "$ONLY" = tierio ] && tierio_steps
   [ "$ONLY" = poolfetch ] && poolfetch_steps

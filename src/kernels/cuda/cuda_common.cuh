@@ -81,6 +81,8 @@ struct dcu_ctx {
     float *att_part; /* split-attention partials */
     float *att_ml;   /* (m, l) per partial */
     size_t att_part_cap, att_ml_cap;
+    int *att_cnt;    /* att_fuse: finished splits per (token, KV head), zero between launches */
+    size_t att_cnt_cap;
     int32_t *amax_tmp; /* argmax partials: AMX_ROWS x AMX_PARTS (value, index) pairs */
     int last_err;
     int fp8_gemv_max_t; /* FP8 GEMMs of T <= this on the FP8 GEMV (DISAGG_CUDA_FP8_GEMV=0..8,
@@ -114,6 +116,11 @@ struct dcu_ctx {
     int qkv_split;  /* the same for the fused q|k|v GEMV (DISAGG_CUDA_QKV_SPLIT=auto|1|2|4|8) */
     int gemv_split_rows; /* rows a warp of the split-K GEMV (DISAGG_CUDA_GEMV_SPLIT_ROWS=1|2,
                             default 2) */
+    int gemv_db;         /* the GEMVs' double-buffered load loop: 0 off (default), 1 FP8
+                            weights only, 2 every GEMV (DISAGG_CUDA_GEMV_DB=0|f8|1) */
+    int att_fuse;        /* decode attention on tensor cores with the split combine in the
+                            CTA that finishes a (token, KV head) last, no combine kernel
+                            (DISAGG_CUDA_ATT_FUSE=1; default 0) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
     int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */

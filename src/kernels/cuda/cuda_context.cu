@@ -125,6 +125,11 @@ dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
                                  atoi(getenv("DISAGG_CUDA_GEMV_SPLIT_ROWS")) == 1
                              ? 1
                              : 2;
+    {
+        const char *db = getenv("DISAGG_CUDA_GEMV_DB");
+        c->gemv_db = !db || !strcmp(db, "0") ? 0 : !strcmp(db, "f8") ? 1 : 2;
+    }
+    c->att_fuse = getenv("DISAGG_CUDA_ATT_FUSE") && !strcmp(getenv("DISAGG_CUDA_ATT_FUSE"), "1");
     c->flash_mt = getenv("DISAGG_CUDA_FLASH_MT") && atoi(getenv("DISAGG_CUDA_FLASH_MT")) == 1 ? 1 : 2;
     c->gu_bf16_min_t = getenv("DISAGG_CUDA_GU_BF16") ? atoi(getenv("DISAGG_CUDA_GU_BF16")) : 64;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
@@ -181,6 +186,7 @@ void ctx_free(dcu_ctx *c) {
     cudaFree(c->ws);
     cudaFree(c->att_part);
     cudaFree(c->att_ml);
+    cudaFree(c->att_cnt);
     cudaFree(c->amax_tmp);
     cublasLtDestroy(c->lt);
     cudaStreamDestroy(c->stream);

@@ -50,8 +50,12 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p, uint64_t pol) {
 #define GV_S (32 * GV_U)
 #define GV_MAXW 8 /* warps a CTA at most (DISAGG_CUDA_GEMV_WARPS) */
 #define GV_MAXS 8 /* split-K factor at most (DISAGG_CUDA_GEMV_SPLIT) */
+/* WF: bit 0 the weights' format (0 bf16, 1 FP8 e4m3), bit 1 the double-buffered loop of
+ * gv_rows (DISAGG_CUDA_GEMV_DB; the same sums in the same order, so the same bits) */
 #define WF_BF16 0
 #define WF_F8   1
+#define WF_DB   2
+#define WF_IS_F8(WF) (((WF) & WF_F8) != 0)
 /* the scales of FP8 weights on the device side: row r's scales at s + (r / bn) nkb; the
  * scale of weight uint4 g (columns 16 g .. 16 g + 15, one block: gemv_f8_ok) is column
  * g >> ksh when bk / 16 is 2^ksh (ksh 31 when one scale spans the row), else 16 g / bk */
@@ -62,32 +66,32 @@ struct gv_sc {
 __device__ __forceinline__ const float *gv_srow(const gv_sc &sc, int row) {
     return sc.s + (size_t)(row / sc.bn) * sc.nkb;
 }
-template <int NR, int WF>
-__device__ __forceinline__ void gv_load(uint4 (&wv)[NR][GV_U], float (&sv)[NR][GV_U],
+template <int NR, int WF, int U = GV_U>
+__device__ __forceinline__ void gv_load(uint4 (&wv)[NR][U], float (&sv)[NR][U],
                                         const uint4 *const *wr, const float *const *sr, int i0,
                                         int ib, int K8, uint64_t pol, const gv_sc &sc) {
 #pragma unroll
     for (int r = 0; r < NR; r++)
 #pragma unroll
-        for (int u = 0; u < GV_U; u++) {
+        for (int u = 0; u < U; u++) {
             int i = i0 + 32 * u;
             wv[r][u] = i < K8 ? ld_stream(wr[r] + i, pol) : make_uint4(0, 0, 0, 0);
-            if constexpr (WF == WF_F8) {
+            if constexpr (WF_IS_F8(WF)) {
                 int g = ib + i; /* the uint4's index in the whole row */
                 sv[r][u] = i < K8 ? __ldg(sr[r] + (sc.ksh >= 0 ? g >> sc.ksh : (16 * g) / sc.bk))
                                   : 0.0f;
             }
         }
 }
-template <int TT, int NR, int WF>
-__device__ __forceinline__ void gv_fma(float (&acc)[NR][TT], const uint4 (&wv)[NR][GV_U],
-                                       const float (&sv)[NR][GV_U], const uint4 *__restrict__ x,
+template <int TT, int NR, int WF, int U = GV_U>
+__device__ __forceinline__ void gv_fma(float (&acc)[NR][TT], const uint4 (&wv)[NR][U],
+                                       const float (&sv)[NR][U], const uint4 *__restrict__ x,
                                        int xs, int i0, int K8) {
 #pragma unroll
-    for (int u = 0; u < GV_U; u++) {
+    for (int u = 0; u < U; u++) {
         int i = i0 + 32 * u;
         if (i < K8) {
-            if constexpr (WF == WF_F8) {
+            if constexpr (WF_IS_F8(WF)) {
 #pragma unroll
                 for (int r = 0; r < NR; r++) {
                     float wf[16];
@@ -128,20 +132,44 @@ __device__ __forceinline__ void gv_rows(float (&acc)[NR][TT], const uint4 *const
         for (int t = 0; t < TT; t++)
             acc[r][t] = 0.0f;
     uint64_t pol = l2_evict_first();
-    uint4 wa[NR][GV_U];
-    float sa[NR][GV_U];
     int base = 0;
-    gv_load<NR, WF>(wa, sa, wr, sr, base + lane, ib, K8, pol, sc);
-    pdl_wait();
-    for (;;) {
-        gv_fma<TT, NR, WF>(acc, wa, sa, x, xs, base + lane, K8);
-        base += GV_S;
-        if (base >= K8) break;
+    if constexpr (WF & WF_DB) {
+        /* double-buffered: batch b + 1's loads are in flight while batch b is converted and
+         * summed (GV_U / 2 loads of each row a buffer: the single loop's registers; the 1
+         * December form, GV_U a buffer for bf16, doubled them and lost: half the warps
+         * resident); a lane still takes its uint4s in increasing order, so the sums are the
+         * single loop's, bit for bit */
+        constexpr int U = GV_U / 2, SB = 32 * U;
+        uint4 wa[NR][U], wb[NR][U];
+        float sa[NR][U], sb[NR][U];
+        gv_load<NR, WF, U>(wa, sa, wr, sr, lane, ib, K8, pol, sc);
+        if (SB < K8) gv_load<NR, WF, U>(wb, sb, wr, sr, SB + lane, ib, K8, pol, sc);
+        pdl_wait();
+        for (;;) {
+            gv_fma<TT, NR, WF, U>(acc, wa, sa, x, xs, base + lane, K8);
+            base += SB;
+            if (base >= K8) break;
+            if (base + SB < K8) gv_load<NR, WF, U>(wa, sa, wr, sr, base + SB + lane, ib, K8, pol, sc);
+            gv_fma<TT, NR, WF, U>(acc, wb, sb, x, xs, base + lane, K8);
+            base += SB;
+            if (base >= K8) break;
+            if (base + SB < K8) gv_load<NR, WF, U>(wb, sb, wr, sr, base + SB + lane, ib, K8, pol, sc);
+        }
+    } else {
+        uint4 wa[NR][GV_U];
+        float sa[NR][GV_U];
         gv_load<NR, WF>(wa, sa, wr, sr, base + lane, ib, K8, pol, sc);
+        pdl_wait();
+        for (;;) {
+            gv_fma<TT, NR, WF>(acc, wa, sa, x, xs, base + lane, K8);
+            base += GV_S;
+            if (base >= K8) break;
+            gv_load<NR, WF>(wa, sa, wr, sr, base + lane, ib, K8, pol, sc);
+        }
     }
 }
 /* x's uint4s per weight uint4 */
-#define GV_XW(WF) ((WF) == WF_F8 ? 2 : 1)
+#define GV_XW(WF) (WF_IS_F8(WF) ? 2 : 1)
 
 /* MODE 0: y (T, N) f32 = x w^T (+ bias), one row a warp; MODE 1: h (T, I) =
  * silu(x wg^T) * (x wu^T) in OT, wg = rows 0..I-1 of w, wu = rows I..2I-1 (N = I). */
@@ -159,7 +187,7 @@ __global__ void __launch_bounds__(256)
     const float *sr[NR] = {};
     wr[0] = w + (size_t)row * K8;
     if (NR == 2) wr[NR - 1] = w + (size_t)(row + N) * K8;
-    if constexpr (WF == WF_F8) {
+    if constexpr (WF_IS_F8(WF)) {
         sr[0] = gv_srow(sc, row);
         if (NR == 2) sr[NR - 1] = gv_srow(sc, row + N);
     }
@@ -203,7 +231,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             wr[r] = w + (size_t)min(row + r, N - 1) * K8 + lo; /* a dead row re-reads the last */
-            if constexpr (WF == WF_F8) sr[r] = gv_srow(sc, min(row + r, N - 1));
+            if constexpr (WF_IS_F8(WF)) sr[r] = gv_srow(sc, min(row + r, N - 1));
         }
         gv_rows<TT, NR, WF>(acc, wr, x + (size_t)GV_XW(WF) * lo, GV_XW(WF) * K8, n, lane, sr, lo,
                             sc);
@@ -264,7 +292,7 @@ __global__ void __launch_bounds__(256)
     if (live && n > 0) {
         const uint4 *wr[2] = {w + (size_t)r0 * K8 + lo, w + (size_t)r1 * K8 + lo};
         const float *sr[2] = {};
-        if constexpr (WF == WF_F8) sr[0] = gv_srow(sc, r0), sr[1] = gv_srow(sc, r1);
+        if constexpr (WF_IS_F8(WF)) sr[0] = gv_srow(sc, r0), sr[1] = gv_srow(sc, r1);
         gv_rows<TT, 2, WF>(acc, wr, x + (size_t)GV_XW(WF) * lo, GV_XW(WF) * K8, n, lane, sr, lo,
                            sc);
     } else {
@@ -387,13 +415,20 @@ static int gemv_sk_launch(dcu_ctx *c, float *y, const uint4 *xv, const uint4 *wv
     return -EINVAL;
 }
 
+/* the double-buffered loop for these weights (c->gemv_db: DISAGG_CUDA_GEMV_DB) */
+static int gemv_db_on(const dcu_ctx *c, int wf) {
+    return c->gemv_db == 2 || (c->gemv_db == 1 && WF_IS_F8(wf));
+}
+
 template <int MODE, typename OT, int WF>
 static int gemv_launch(dcu_ctx *c, OT *y, const void *x, const void *w, const float *bias, int T,
                        int N, int K, gv_sc sc) {
+    if constexpr (!(WF & WF_DB))
+        if (gemv_db_on(c, WF)) return gemv_launch<MODE, OT, WF | WF_DB>(c, y, x, w, bias, T, N, K, sc);
     int nw = c->gemv_warps; /* warps (output rows) per CTA */
     dim3 g((N + nw - 1) / nw), b(32 * nw);
     const uint4 *xv = (const uint4 *)x, *wv = (const uint4 *)w;
-    int K8 = WF == WF_F8 ? K / 16 : K / 8; /* weight uint4s a row */
+    int K8 = WF_IS_F8(WF) ? K / 16 : K / 8; /* weight uint4s a row */
     if constexpr (MODE == 0 && sizeof(OT) == 4) {
         int S = gemv_split_for(c, c->gemv_split, N, K8, GV_MIN_LEN);
         if (S > 1) return gemv_sk_launch<WF>(c, y, xv, wv, bias, T, N, K8, S, sc);
@@ -430,8 +465,13 @@ static int gemv_qkv_t(dcu_ctx *c, float *qout, KT *kv, const void *x, const void
                       const int32_t *pos, const int32_t *seq, const int32_t *bts, int bt_stride,
                       const float *inv_freq, int nh, int nkv, int hd, float ksc, float vsc,
                       gv_sc sc) {
+    if constexpr (!(WF & WF_DB))
+        if (gemv_db_on(c, WF))
+            return gemv_qkv_t<KT, WF | WF_DB>(c, qout, kv, x, w, bias, T, K, bs, n_layers, layer,
+                                               pos, seq, bts, bt_stride, inv_freq, nh, nkv, hd,
+                                               ksc, vsc, sc);
     int nw = c->gemv_warps, pairs = (nh + nkv) * (hd / 2) + nkv * hd / 2,
-        K8 = WF == WF_F8 ? K / 16 : K / 8;
+        K8 = WF_IS_F8(WF) ? K / 16 : K / 8;
     int S = gemv_split_for(c, c->qkv_split, pairs, K8, GV_MIN_LEN_QKV), wc = nw > S ? nw : S,
         rpc = wc / S;
     int len = gemv_split_len(K8, S);
