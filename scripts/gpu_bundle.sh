@@ -31,13 +31,14 @@ done
 # truststore, typing-extensions, idna, anyio, h11, and requests, urllib3, certifi,
 # charset-normalizer for the server tests, cp312 manylinux) travel in
 # prebuilt/whl; gpu_check.sh installs them when `import openai` fails there.
-# msgspec and pyzmq (test_kv_events on the GPU) are fetched into .whl/ when missing there (best
-# effort: this machine reaches PyPI, the GPU machine does not)
-for pkg in msgspec pyzmq; do
+# They, msgspec and pyzmq (test_kv_events on the GPU) are fetched into .whl/ with their
+# dependencies when one is missing there (best effort: this machine reaches PyPI, the GPU
+# machine does not)
+for pkg in openai requests msgspec pyzmq; do
   ls .whl/"$pkg"-*.whl >/dev/null 2>&1 ||
     python3 -m pip download -q "$pkg" --only-binary :all: --python-version 3.12 \
-      --platform manylinux_2_28_x86_64 --no-deps -d .whl 2>/dev/null ||
-    echo "gpu_bundle: no $pkg wheel (test_kv_events will not import on the GPU machine)"
+      --platform manylinux_2_28_x86_64 -d .whl 2>/dev/null ||
+    echo "gpu_bundle: no $pkg wheel (the tests that import it will not run on the GPU machine)"
 done
 [ -z "${WHEELS:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && WHEELS=.whl
 if [ -n "${WHEELS:-}" ]; then mkdir -p "$STAGE/prebuilt/whl" && cp "$WHEELS"/*.whl "$STAGE/prebuilt/whl/"; fi

@@ -390,7 +390,9 @@ static void test_matmul_fp8(void **state) {
                        {2, 129, 400}, {9, 33, 256}, {64, 257, 384}, {5, 3, 24},
                        {1, 37, 4128}, {2, 300, 2064}, /* split-K GEMVs */
                        {64, 256, 384}, {100, 512, 2064}, /* CUDA: the e4m3 GEMM (W8A8) */
-                       {32, 400, 768}}; /* and its 128 x 128 block form, a partial row block */
+                       {32, 400, 768}, /* K / 128 not a multiple of 4: the twin */
+                       {48, 272, 1024}, {16, 512, 2048}}; /* its 128 x 128 block form (K % 512
+                                                             == 0), a partial row block */
     const char *ge = getenv("DISAGG_CUDA_FP8_GEMV");
     int gemv_t = ge ? atoi(ge) : 8;
     for (int bi = 0; bi < g_n_be; bi++) {

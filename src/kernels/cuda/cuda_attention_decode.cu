@@ -349,16 +349,6 @@ int attention_scaled(dcu_ctx *c, void *out, int out_dtype, const float *q,
             if (cudaMalloc((void **)&c->att_ml, need_ml * 4) != cudaSuccess) return -ENOMEM;
             c->att_ml_cap = need_ml;
         }
-        size_t need_cnt = (size_t)T * nkv;
-        if (c->att_fuse && need_cnt > c->att_cnt_cap) {
-            cudaFree(c->att_cnt);
-            c->att_cnt = NULL;
-            c->att_cnt_cap = 0;
-            c->gen++;
-            if (cudaMalloc((void **)&c->att_cnt, need_cnt * 4) != cudaSuccess) return -ENOMEM;
-            if (cudaMemsetAsync(c->att_cnt, 0, need_cnt * 4, c->stream) != cudaSuccess) return -EIO;
-            c->att_cnt_cap = need_cnt;
-        }
     }
     int bf_kv = kv->dtype == DCU_BF16, bf_out = out_dtype == DCU_BF16;
     int f8_kv = kv->dtype == DCU_F8E4M3;
@@ -422,55 +412,12 @@ __device__ __forceinline__ uint4 kv_ld8(const f8e4m3 *p) {
     return e4m3x8_to_bf8(*(const uint2 *)p);
 }
 
-/* DISAGG_CUDA_ATT_FUSE=1: the split combine in the attention kernel, no combine launch.  The
- * CTAs of a (token, KV head) count themselves in cnt once their partials are written
- * (threadfence first); the one that counts last resets the count for the next launch and
- * combines the G heads' splits itself, in the same order and arithmetic as
- * k_decode_attention_combine_seq (one element a thread, the splits in order), whatever the
- * batch: a token's result does not depend on T.  Partials are read past L1 (__ldcg): other
- * CTAs wrote them. */
-template <int HD, typename OT>
-__device__ __forceinline__ void att_fused_combine(OT *out, const float *part, const float *ml,
-                                                  int *cnt, int ti, int t, int kvh, int G, int nh,
-                                                  int nkv, int splits) {
-    __shared__ int s_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int *cp = cnt + (size_t)ti * nkv + kvh;
-        int last = atomicAdd(cp, 1) == splits - 1;
-        if (last) *cp = 0;
-        s_last = last;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-        int hg = i / HD, e = i % HD, head = kvh * G + hg;
-        size_t th = (size_t)ti * nh + head;
-        const float *mlh = ml + th * splits * 2, *ph = part + th * splits * HD + e;
-        float M = -INFINITY;
-        for (int s = 0; s < splits; s++)
-            M = fmaxf(M, __ldcg(mlh + 2 * s));
-        float L = 0.0f, A = 0.0f;
-#pragma unroll 4
-        for (int s = 0; s < splits; s++) {
-            float ms = __ldcg(mlh + 2 * s), ls = __ldcg(mlh + 2 * s + 1), ps = __ldcg(ph + (size_t)s * HD);
-            if (ms == -INFINITY) continue;
-            float f = __expf(ms - M);
-            L += ls * f;
-            A += ps * f;
-        }
-        store_as(out + (size_t)t * nh * HD + (size_t)head * HD + e, L > 0 ? A / L : 0.0f);
-    }
-}
-
 template <int HD, typename OT, typename KT>
 __global__ void __launch_bounds__(AM_WARPS * 32)
     k_decode_attention_mma(OT *out, float *part, float *ml, const float *q, const KT *kv, int bs,
               int n_layers, int layer, const int32_t *pos, const int32_t *seq, const int32_t *bts,
               int bt_stride, int nh, int nkv, int chunk, float scale, const int32_t *list,
-              float vsc, int *cnt) {
+              float vsc) {
     pdl_wait();
     constexpr int NP = HD / 32, NU = HD / 64, MT = HD / 16;
     int ti = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
@@ -609,7 +556,6 @@ __global__ void __launch_bounds__(AM_WARPS * 32)
             }
         }
     }
-    if (splits > 1 && cnt) att_fused_combine<HD>(out, part, ml, cnt, ti, t, kvh, G, nh, nkv, splits);
 }
 
 static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, const dcu_kv *kv,
@@ -620,12 +566,11 @@ static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, con
     int f8 = kv->dtype == DCU_F8E4M3;
     /* FP8 KV: k_scale folded into q's scale, v_scale applied to O */
     float qs = f8 ? scale * kv->k_scale : scale, vsc = f8 ? kv->v_scale : 1.0f;
-    int fuse = c->att_fuse && splits > 1 && c->att_cnt; /* the combine in the kernel */
 #define AMM(H, OT, KT)                                                                             \
     launch_pdl(c, "attention (tensor cores)", k_decode_attention_mma<H, OT, KT>, grid,             \
                dim3(AM_WARPS * 32), 0, (OT *)out, c->att_part, c->att_ml, q,                       \
                (const KT *)kv->base, kv->block_size, kv->n_layers, layer, pos, seq, bts,           \
-               bt_stride, nh, nkv, chunk, qs, c->att_list, vsc, fuse ? c->att_cnt : NULL)
+               bt_stride, nh, nkv, chunk, qs, c->att_list, vsc)
 #define AMM_KV(H, OT)                                                                              \
     if (f8)                                                                                        \
         AMM(H, OT, f8e4m3);                                                                        \
@@ -643,7 +588,7 @@ static int launch_att_mma(dcu_ctx *c, void *out, int bf_out, const float *q, con
 #undef AMM_KV
 #undef AMM
     int rc = launch_check("attention (tensor cores)");
-    if (!rc && splits > 1 && !fuse)
+    if (!rc && splits > 1)
         rc = bf_out ? att_combine<bf16>(c, (bf16 *)out, T, nh, hd, splits)
                     : att_combine<float>(c, (float *)out, T, nh, hd, splits);
     return rc;

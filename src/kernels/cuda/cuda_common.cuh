@@ -81,8 +81,6 @@ struct dcu_ctx {
     float *att_part; /* split-attention partials */
     float *att_ml;   /* (m, l) per partial */
     size_t att_part_cap, att_ml_cap;
-    int *att_cnt;    /* att_fuse: finished splits per (token, KV head), zero between launches */
-    size_t att_cnt_cap;
     int32_t *amax_tmp; /* argmax partials: AMX_ROWS x AMX_PARTS (value, index) pairs */
     int last_err;
     int fp8_gemv_max_t; /* FP8 GEMMs of T <= this on the FP8 GEMV (DISAGG_CUDA_FP8_GEMV=0..8,
@@ -95,8 +93,6 @@ struct dcu_ctx {
     int fp8_gemm;       /* FP8 weights in 128 x 128 blocks at larger T on the e4m3 tensor cores
                            (cuda_gemm_fp8.cu; opt-in: DISAGG_CUDA_FP8_GEMM=1; default the bf16
                            twin) */
-    int fp8_block_sx_t; /* the block path's activation scales tokens-contiguous
-                           (DISAGG_CUDA_FP8_BLOCK_SX=t; default a token's groups contiguous) */
     int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
                        T through cuBLASLt; at T = 2 cuBLASLt measured faster) */
     int pdl;        /* programmatic dependent launch of the decode kernels (default on;
@@ -116,11 +112,8 @@ struct dcu_ctx {
     int qkv_split;  /* the same for the fused q|k|v GEMV (DISAGG_CUDA_QKV_SPLIT=auto|1|2|4|8) */
     int gemv_split_rows; /* rows a warp of the split-K GEMV (DISAGG_CUDA_GEMV_SPLIT_ROWS=1|2,
                             default 2) */
-    int gemv_db;         /* the GEMVs' double-buffered load loop: 0 off (default), 1 FP8
-                            weights only, 2 every GEMV (DISAGG_CUDA_GEMV_DB=0|f8|1) */
-    int att_fuse;        /* decode attention on tensor cores with the split combine in the
-                            CTA that finishes a (token, KV head) last, no combine kernel
-                            (DISAGG_CUDA_ATT_FUSE=1; default 0) */
+    int gemv_db;         /* the GEMVs' double-buffered load loop: 0 off, 1 FP8 weights only
+                            (default), 2 every GEMV (DISAGG_CUDA_GEMV_DB=0|f8|1) */
     const int32_t *att_list; /* token list of the next split-attention launch (NULL: all) */
     unsigned gen;            /* bumped whenever a scratch buffer moves (recorded graphs go stale) */
     int tune;                /* DISAGG_CUDA_GEMM_TUNE=1: time cuBLASLt's candidates (T <= 256) */
@@ -373,7 +366,7 @@ int gemv_f8mma_qkv(dcu_ctx *c, float *qout, void *kv, int kv_kind, const void *x
 
 /* ---- cuda_gemm_fp8.cu --------------------------------------------------------------- */
 /* W8A8 block FP8 for prefill: x bf16 quantized to e4m3 in 128-column groups a token (sx: T x
- * K / 128, amax / 448 a group; c->fp8_block_sx_t: tokens contiguous), then cuBLASLt's
+ * K / 128, amax / 448 a group, tokens contiguous), then cuBLASLt's
  * block-scaled e4m3 GEMM (sw: the weights' 128 x 128 block scales, row block major); y of kind
  * 0 f32, 1 f32 += (beta 1), 2 bf16.  -ENOTSUP: no cuBLASLt algorithm for the shape
  * (remembered) */

@@ -109,8 +109,6 @@ dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->fp8_mma_mt = getenv("DISAGG_CUDA_FP8_MMA_MT") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_MT")) : 0;
     c->fp8_mma_db = getenv("DISAGG_CUDA_FP8_MMA_DB") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_DB")) : -1;
     c->fp8_gemm = getenv("DISAGG_CUDA_FP8_GEMM") && !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "1");
-    c->fp8_block_sx_t =
-        getenv("DISAGG_CUDA_FP8_BLOCK_SX") && !strcmp(getenv("DISAGG_CUDA_FP8_BLOCK_SX"), "t");
     if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
     c->pdl = !(getenv("DISAGG_CUDA_PDL") && !strcmp(getenv("DISAGG_CUDA_PDL"), "0"));
     c->norm_pdl =
@@ -127,9 +125,8 @@ dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
                              : 2;
     {
         const char *db = getenv("DISAGG_CUDA_GEMV_DB");
-        c->gemv_db = !db || !strcmp(db, "0") ? 0 : !strcmp(db, "f8") ? 1 : 2;
+        c->gemv_db = !db || !strcmp(db, "f8") ? 1 : !strcmp(db, "0") ? 0 : 2;
     }
-    c->att_fuse = getenv("DISAGG_CUDA_ATT_FUSE") && !strcmp(getenv("DISAGG_CUDA_ATT_FUSE"), "1");
     c->flash_mt = getenv("DISAGG_CUDA_FLASH_MT") && atoi(getenv("DISAGG_CUDA_FLASH_MT")) == 1 ? 1 : 2;
     c->gu_bf16_min_t = getenv("DISAGG_CUDA_GU_BF16") ? atoi(getenv("DISAGG_CUDA_GU_BF16")) : 64;
     c->tune = getenv("DISAGG_CUDA_GEMM_TUNE") && atoi(getenv("DISAGG_CUDA_GEMM_TUNE")) > 0;
@@ -186,7 +183,6 @@ void ctx_free(dcu_ctx *c) {
     cudaFree(c->ws);
     cudaFree(c->att_part);
     cudaFree(c->att_ml);
-    cudaFree(c->att_cnt);
     cudaFree(c->amax_tmp);
     cublasLtDestroy(c->lt);
     cudaStreamDestroy(c->stream);

@@ -9,13 +9,18 @@
  *                  e4m3(x * (1 / sx)), round to nearest even, saturating.
  *   fp8_gemm       y (T, N) = sum over groups g of sx[t][g] sw[n / 128][g] sum_k xq[t][k] wq[n][k]
  *                  through cuBLASLt's e4m3 GEMM with CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
- *                  on A (the weights' scales as stored, row block major) and _VEC128_32F on B
- *                  (cuBLAS 12.9+, sm_90 only), f32 accumulate; out f32 (beta 0 or 1: += onto y,
- *                  the residual) or bf16.  The activation scales' layout follows B's storage
- *                  (K x T column-major: a token's groups contiguous, sx[t * KB + g]);
- *                  DISAGG_CUDA_FP8_BLOCK_SX=t puts the tokens contiguous instead (sx[g * T +
- *                  t]), the other reading of the documentation, for the GPU tests to tell which
- *                  cuBLASLt takes.
+ *                  on A (the weights' scales as stored: a row block's K / 128 scales
+ *                  contiguous) and _VEC128_32F on B (cuBLAS 12.9+, sm_90 only), f32
+ *                  accumulate; out f32 (beta 0 or 1: += onto y, the residual) or bf16.
+ *                  The scales' layouts are the ones PyTorch's _scaled_mm checks before it
+ *                  hands the same cuBLASLt these modes ("block1x128_block128x128"): the
+ *                  activations' scales outer-dimension-contiguous (sx[g * T + t], stride T),
+ *                  the 128 x 128 blocks' with a row block's K blocks contiguous at a stride of
+ *                  round_up(K / 128, 4) -- ours are stored at stride K / 128, so the GEMM
+ *                  takes K a multiple of 512 (every hidden and intermediate size of the
+ *                  families served) and leaves other K to the bf16 twin.  (The H200 run of
+ *                  3 December had a token's groups contiguous and its test shapes K / 128 = 3
+ *                  and 6: wrong; PyTorch's layout is what this follows now.)
  *
  * (An outer-vector form -- one scale a weight row, x quantized a token -- was removed: its rows
  * came out wrong on the H200.)  A shape cuBLASLt has no algorithm for (or a cuBLASLt without
@@ -28,12 +33,12 @@
 
 /* one CTA a token row, a thread a uint4 (8 values) at a time, 16 threads a 128-column group
  * (their amax by half-warp shuffles; every thread of the CTA runs every pass, past K with
- * zeros, so the shuffles' full mask holds); K % 128 == 0, x 16-byte aligned.  t_major:
- * sx[g * T + t] (DISAGG_CUDA_FP8_BLOCK_SX=t), else sx[t * KB + g] */
+ * zeros, so the shuffles' full mask holds); K % 128 == 0, x 16-byte aligned; the scales
+ * tokens-contiguous: sx[g * T + t] */
 __global__ void __launch_bounds__(AQ_THREADS)
     k_act_quant_g128(uint8_t *__restrict__ q, float *__restrict__ sx, const uint4 *__restrict__ x,
-                     int K8, int T, int t_major) {
-    int t = blockIdx.x, KB = K8 / 16;
+                     int K8, int T) {
+    int t = blockIdx.x;
     const uint4 *xr = x + (size_t)t * K8;
     uint2 *qr = (uint2 *)(q + (size_t)t * K8 * 8);
     for (int base = 0; base < K8; base += AQ_THREADS) {
@@ -51,7 +56,7 @@ __global__ void __launch_bounds__(AQ_THREADS)
         if (!in) continue;
         float sc = m > 0.0f ? m / 448.0f : 1.0f, inv = 1.0f / sc;
         int g = i >> 4;
-        if ((i & 15) == 0) sx[t_major ? (size_t)g * T + t : (size_t)t * KB + g] = sc;
+        if ((i & 15) == 0) sx[(size_t)g * T + t] = sc;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             float2 f = make_float2(__uint_as_float(w[j] << 16) * inv,
@@ -67,8 +72,7 @@ int fp8_act_quant_g128(dcu_ctx *c, uint8_t *q, float *sx, const void *x, int T, 
     if (T <= 0) return 0;
     if (K % 128 || ((uintptr_t)x & 15) || ((uintptr_t)q & 7)) return -EINVAL;
     /* AQ_THREADS is a multiple of 16: a group never straddles two passes of the loop */
-    k_act_quant_g128<<<T, AQ_THREADS, 0, c->stream>>>(q, sx, (const uint4 *)x, K / 8, T,
-                                                      c->fp8_block_sx_t);
+    k_act_quant_g128<<<T, AQ_THREADS, 0, c->stream>>>(q, sx, (const uint4 *)x, K / 8, T);
     return launch_check("fp8 act_quant (128-column groups)");
 }
 
@@ -167,10 +171,10 @@ static f8_plan *f8_plan_get(dcu_ctx *c, int T, int N, int K, int kind, const flo
     return p;
 }
 
-/* cuBLASLt's FP8 rules: K, N multiples of 16 (T too, for its e4m3 B operand's leading
- * dimension rules we keep ld = K), 16-byte aligned operands */
+/* cuBLASLt's FP8 rules: N a multiple of 16, 16-byte aligned operands; K a multiple of 512:
+ * the block scales' row stride K / 128 must be the padded round_up(K / 128, 4) (above) */
 int fp8_gemm_ok(int T, int N, int K) {
-    return T > 0 && N % 16 == 0 && K % 128 == 0;
+    return T > 0 && N % 16 == 0 && K % 512 == 0;
 }
 
 int fp8_gemm(dcu_ctx *c, void *y, int kind, const uint8_t *xq, const float *sx, const void *w,
