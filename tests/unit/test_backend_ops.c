@@ -477,7 +477,14 @@ static void test_matmul_fp8(void **state) {
                         }
                     }
                 }
-                int took8 = w8a8 && max_err(got, want8, (size_t)T * N) <= 1e-4;
+                /* the e4m3 GEMM against its emulation: 1e-3 (outputs ~1), not the f32 GEMM's
+                 * 1e-4 -- Hopper's tensor cores add e4m3 products in reduced precision (about
+                 * 14 bits: DeepSeek-V3's report, 3.3.2), cuBLASLt promotes to f32 at each
+                 * 128-wide block.  A wrong scale layout misses it by 1e-1 (the first form,
+                 * 3 December) */
+                double e8 = w8a8 ? max_err(got, want8, (size_t)T * N) : 0.0;
+                int took8 = w8a8 && e8 <= 1e-3;
+                if (w8a8) print_message("  %s: %.3g from the W8A8 emulation\n", what, e8);
                 if (!took8) check_close(what, be, got, want, (size_t)T * N, tol);
                 /* the residual form (CUDA at T >= 64: cuBLASLt's epilogue onto resid, over the
                  * twin): resid + the same product */
@@ -490,7 +497,7 @@ static void test_matmul_fp8(void **state) {
                     if (want8) want8[i] += r0[i];
                 }
                 strncat(what, " (+= residual)", sizeof what - strlen(what) - 1);
-                if (!(w8a8 && max_err(gr, want8, (size_t)T * N) <= 1e-4))
+                if (!(w8a8 && max_err(gr, want8, (size_t)T * N) <= 1e-3))
                     check_close(what, be, gr, want, (size_t)T * N, tol);
                 if (took8) print_message("  %s: the e4m3 GEMM (W8A8)\n", what);
                 free(want8);
