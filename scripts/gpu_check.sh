@@ -683,7 +683,7 @@ tbo_with() {
   check $? "$4"
   grep -E "$5" "$3" | head -"${6:-30}"
 }
-# ONLY=fp8block: the W8A8 prefill GEMM on the FP8 tensor cores (DISAGG_CUDA_FP8_GEMM=1, opt-in;
+# ONLY=fp8block: the W8A8 prefill GEMM on the FP8 tensor cores (the default; DISAGG_CUDA_FP8_GEMM=0 off;
 # cuda_gemm_fp8.cu; 128 x 128 weight blocks only): test_backend_ops' FP8 cases against the
 # emulation of the activation quantization (x in 128-column groups a token),
 # (the activation scales tokens-contiguous, PyTorch's layout for these cuBLASLt modes),

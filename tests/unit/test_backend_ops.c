@@ -448,15 +448,16 @@ static void test_matmul_fp8(void **state) {
                 double tol = backend_is_cpu(be) ? 1e-5 : (T <= gemv_t && K % 16 == 0) ? 1e-4 : 1e-2;
                 /* CUDA at T > the GEMV's, 128 x 128 weight blocks, N a multiple of 16 and K of
                  * 128: cuBLASLt's block-scaled e4m3 GEMM on x quantized in 128-column groups a
-                 * token (W8A8 block FP8, cuda_gemm_fp8.cu; opt-in: DISAGG_CUDA_FP8_GEMM=1)
+                 * token (W8A8 block FP8, cuda_gemm_fp8.cu; DISAGG_CUDA_FP8_GEMM=0: off)
                  * where cuBLASLt has it, else the twin: the result must match one of the two
                  * computations -- want8 emulates the quantization (scale amax / 448 of the
                  * group in f32, e4m3 of x * (1 / scale), nearest even) and leaves only the f32
                  * accumulation (1e-4) */
                 int blk = lay == 2 && K % 128 == 0;
                 int w8a8 = !backend_is_cpu(be) && T > gemv_t && blk &&
-                           N % 16 == 0 && K % 16 == 0 && getenv("DISAGG_CUDA_FP8_GEMM") &&
-                           !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "1");
+                           N % 16 == 0 && K % 16 == 0 &&
+                           !(getenv("DISAGG_CUDA_FP8_GEMM") &&
+                             !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "0"));
                 double *want8 = w8a8 ? malloc(sizeof(double) * T * N) : NULL;
                 const int gw = 128; /* the activation's scale groups */
                 for (int t = 0; w8a8 && t < T; t++) {

@@ -91,7 +91,7 @@ struct dcu_ctx {
     int fp8_mma_mt;     /* its 16-row tiles a warp (DISAGG_CUDA_FP8_MMA_MT=1|2; 0 auto) */
     int fp8_mma_db;     /* its loads double-buffered (DISAGG_CUDA_FP8_MMA_DB=0|1; -1 auto) */
     int fp8_gemm;       /* FP8 weights in 128 x 128 blocks at larger T on the e4m3 tensor cores
-                           (cuda_gemm_fp8.cu; opt-in: DISAGG_CUDA_FP8_GEMM=1; default the bf16
+                           (cuda_gemm_fp8.cu; the default; DISAGG_CUDA_FP8_GEMM=0: the bf16
                            twin) */
     int gemv_max_t; /* GEMMs of T <= this on the GEMV (DISAGG_CUDA_GEMV=0|1|2, default 1; 0: every
                        T through cuBLASLt; at T = 2 cuBLASLt measured faster) */

@@ -108,7 +108,8 @@ dcu_ctx *ctx_create(int device, char *err, size_t errlen) {
     c->fp8_mma_split = split_env("DISAGG_CUDA_FP8_MMA_SPLIT");
     c->fp8_mma_mt = getenv("DISAGG_CUDA_FP8_MMA_MT") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_MT")) : 0;
     c->fp8_mma_db = getenv("DISAGG_CUDA_FP8_MMA_DB") ? atoi(getenv("DISAGG_CUDA_FP8_MMA_DB")) : -1;
-    c->fp8_gemm = getenv("DISAGG_CUDA_FP8_GEMM") && !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "1");
+    /* on by default since its H200 test against the W8A8 emulation passed (3 December) */
+    c->fp8_gemm = !(getenv("DISAGG_CUDA_FP8_GEMM") && !strcmp(getenv("DISAGG_CUDA_FP8_GEMM"), "0"));
     if (c->gemv_max_t < 0 || c->gemv_max_t > GEMV_MAX_T) c->gemv_max_t = GEMV_MAX_T;
     c->pdl = !(getenv("DISAGG_CUDA_PDL") && !strcmp(getenv("DISAGG_CUDA_PDL"), "0"));
     c->norm_pdl =
