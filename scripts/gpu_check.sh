@@ -814,6 +814,17 @@ kvpool_steps() {
     ${KVPOOL_BENCH_ARGS:---conversations ${KVPOOL_CONVERSATIONS:-24} --turns 8 --user-words 800 --output-len 64 --request-rate ${KVPOOL_RATE:-6} --max-concurrency 8 --max-model-len 10240 --kv-blocks ${KVPOOL_KV_BLOCKS:-5000} --host-blocks 16000 --small-host-blocks 1024 --disk-blocks 16000} \
     --json "$OUT/kvpool_bench_7b.json"
   check $? "kv_pool_bench (cuda, 7B shape)"
+  # the chat-like form: shorter user turns (300 words), more of them (18), contexts to ~8.5k
+  # tokens, so a turn's new text is ~10 % of its prompt (the 800-word form: ~22 %); no tiers and
+  # the host tier only (KVPOOL_NO_SHORT=1: skipped)
+  if [ -z "${KVPOOL_NO_SHORT:-}" ]; then
+    step "kvpool: tools/kv_pool_bench.py --device cuda, 7B shape, 24 conversations x 18 turns of 300 words (none, host)"
+    PYTHONUNBUFFERED=1 python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --model "$M7" \
+      --serve-args "--load-format dummy" --configs none,host --conversations 24 --turns 18 --user-words 300 \
+      --output-len 64 --request-rate 6 --max-concurrency 8 --max-model-len 10240 --kv-blocks 5000 \
+      --host-blocks 16000 --json "$OUT/kvpool_bench_7b_short.json"
+    check $? "kv_pool_bench short turns (cuda, 7B shape)"
+  fi
   [ -n "${KVPOOL_SLOW:-}" ] || return 0
   step "kvpool: tools/kv_pool_bench.py --device cuda, tiny model, 2 ms more per copy (a slow medium)"
   python3 tools/kv_pool_bench.py --bin "$BIN" --device cuda --configs host --loads async,sync --copy always --load-delay-ms 2 \
