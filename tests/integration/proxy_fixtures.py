@@ -14,19 +14,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from server_harness import free_port  # noqa: F401 (re-exported to the tests)
 from upstream_double import UpstreamDouble
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.environ.get("DISAGG_BIN", str(ROOT / "build" / "disagg"))
 UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class ProxyProc:

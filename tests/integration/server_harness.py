@@ -20,10 +20,21 @@ MODEL = ROOT / "models" / "disagg-sotu-tiny"
 DATA = ROOT / "tests" / "data"
 
 
+_HANDED_OUT = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before in this test process: two calls in a row
+    can get the same ephemeral port from the kernel (a server's --port and its bootstrap
+    port once collided that way), so each port is handed out once."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port not already handed out after 1000 tries")
 
 
 def device_args(extra):
