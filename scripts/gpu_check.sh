@@ -285,23 +285,28 @@ moe_kernel_steps() {
     check ${PIPESTATUS[0]} "bench model $s, DISAGG_CUDA_PROF=64"
   done
 }
-# ONLY=moevar: the MoE kernels' variants -- the grouped GEMM's first K step of 32
-# (DISAGG_CUDA_MOE_GEMM=bk32; the default is 64) and the decode GEMVs wherever the pairs fit
-# (DISAGG_CUDA_MOE_DEC_PAIRS=512 plus the tokens-an-expert rule's other side: compare
-# DISAGG_CUDA_MOE_DEC_PAIRS=0, the grouped GEMM at every T): test_backend_ops' MoE cases and
-# test_backend_ops_moe with the variant, then `disagg bench moe` at the Qwen3-30B-A3B and
+# ONLY=moevar: the MoE grouped GEMM's M tiles (DISAGG_CUDA_MOE_BM=16, 32, 64 against the
+# default pick and 128, with the grouped GEMM at every T: DISAGG_CUDA_MOE_DEC_PAIRS=0) and the
+# decode GEMVs where the pairs fit (the default rule): test_backend_ops' MoE cases and
+# test_backend_ops_moe with each forced tile, then `disagg bench moe` at the Qwen3-30B-A3B and
 # Mixtral-8x7B layer shapes for decode and prefill sizes with each (a few seconds a run).
 moevar_steps() {
-  step "moevar: test_backend_ops (moe) and test_backend_ops_moe with DISAGG_CUDA_MOE_GEMM=bk32"
-  DISAGG_CUDA_MOE_GEMM=bk32 TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops" 2>&1 | tail -3
-  check ${PIPESTATUS[0]} "test_backend_ops (moe), DISAGG_CUDA_MOE_GEMM=bk32"
-  DISAGG_CUDA_MOE_GEMM=bk32 "$BUILD/test_backend_ops_moe" 2>&1 | tail -3
-  check ${PIPESTATUS[0]} "test_backend_ops_moe, DISAGG_CUDA_MOE_GEMM=bk32"
-  for v in DISAGG_CUDA_MOE_GEMM=bk64 DISAGG_CUDA_MOE_GEMM=bk32 DISAGG_CUDA_MOE_DEC_PAIRS=0; do
+  for bm in 16 32 64; do
+    step "moevar: test_backend_ops (moe) and test_backend_ops_moe, grouped GEMM always, DISAGG_CUDA_MOE_BM=$bm"
+    DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_BM=$bm TEST_BACKEND_OPS_FILTER='test_moe*' "$BUILD/test_backend_ops" 2>&1 | tail -3
+    check ${PIPESTATUS[0]} "test_backend_ops (moe), BM $bm"
+    DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_BM=$bm "$BUILD/test_backend_ops_moe" 2>&1 | tail -3
+    check ${PIPESTATUS[0]} "test_backend_ops_moe, BM $bm"
+  done
+  for v in "DISAGG_CUDA_MOE_DEC_PAIRS=512" "DISAGG_CUDA_MOE_DEC_PAIRS=0" "DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_BM=16" \
+    "DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_BM=32" "DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_BM=64" \
+    "DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_BM=128"; do
     step "moevar: bench moe, $v (Qwen3-30B-A3B layer, then Mixtral-8x7B layer)"
-    env $v "$BIN" bench moe --tokens 1,16,32,64,512,4096 --iters 10
+    # shellcheck disable=SC2086
+    env $v "$BIN" bench moe --tokens 1,4,8,16,32,64,128,512,4096 --iters 10
     check $? "bench moe qwen3 layer, $v"
-    env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,16,32,512,4096 --iters 10
+    # shellcheck disable=SC2086
+    env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,4,8,16,32,64,512,4096 --iters 10
     check $? "bench moe mixtral layer, $v"
   done
 }

@@ -1328,6 +1328,9 @@ static int cb_moe(backend_stream *st, const backend_moe_op *o) {
     a.y_bf16 = yb && !strcmp(yb, "1");
     const char *gc = getenv("DISAGG_CUDA_MOE_GEMM");
     a.gemm_bk32 = gc && !strcmp(gc, "bk32");
+    const char *bm = getenv("DISAGG_CUDA_MOE_BM"); /* 16, 32, 64, 128, auto; default 128 */
+    a.gemm_bm = moe_gemm_bm(o->T, o->top_k, o->n_experts,
+                            !bm || !*bm ? 0 : !strcmp(bm, "auto") ? -1 : atoi(bm));
     size_t need = moe_ws_bytes(&a);
     void *ws = cb_scratch(s, 2, need);
     if (!ws) return s->capturing ? -EINVAL : -ENOMEM;

@@ -447,21 +447,27 @@ __global__ void __launch_bounds__(32 * DEC_WARPS)
  * k_moe_sort (one CTA): per-expert counts (shared integer atomics), offsets off[0..E], the
  * pairs sorted by expert (perm[pos] = pair; the order inside an expert's group is whatever
  * the atomics gave: each GEMM row is computed on its own, so no result depends on it),
- * inv[pair] = pos (-1: an invalid id), and the M-tile table (tile_e, tile_m0; n_tiles). */
-#define GM_BM   128
-#define GM_BN   128
-/* the K step: 64 (the default), or 32 (DISAGG_CUDA_MOE_GEMM=bk32, the first version); 3
- * cp.async stages; smem rows padded by 8 (144 or 80 bytes: ldmatrix conflict-free).  H200,
- * 3 December, Qwen3-30B-A3B layer at 4,096 tokens: 1.68-1.70 ms against 1.99-2.01 ms with
- * K step 32 (512 tokens 0.76 against 0.97; Mixtral's layer -10 % and -20 %); K step 64 with 4
- * stages was slower (2.09-2.12 ms). */
-#define GM_ST          3 /* cp.async stages */
-#define GM_SMEM(BK)    (GM_ST * 2 * GM_BM * ((BK) + 8) * 2)
+ * inv[pair] = pos (-1: an invalid id), and the M-tile table of BM-row tiles (tile_e, tile_m0;
+ * n_tiles).
+ * The M tile BM (rows of an expert's group a CTA) is 128 for prefill and 64, 32 or 16 when an
+ * expert has few tokens (batched decode: Mixtral at batch 32 is 8 tokens an expert): the N
+ * tile is 128 weight rows at every BM, so a CTA streams the same weight bytes and its A rows
+ * (and the MMAs over dead rows) shrink with BM.  moe_gemm_bm picks it. */
+#define GM_BN 128
+/* the K step: 64 (the default), or 32 (DISAGG_CUDA_MOE_GEMM=bk32, the first version; BM 128
+ * only); cp.async stages 3 at BM 128, 4 below; smem rows padded by 8 (144 or 80 bytes:
+ * ldmatrix conflict-free).  H200, 3 December, Qwen3-30B-A3B layer at 4,096 tokens: 1.68-1.70
+ * ms against 1.99-2.01 ms with K step 32 (512 tokens 0.76 against 0.97; Mixtral's layer -10 %
+ * and -20 %); K step 64 with 4 stages at BM 128 was slower (2.09-2.12 ms). */
+#define GM_ST(BM)       ((BM) >= 128 ? 3 : 4)
+#define GM_WM(BM)       ((BM) >= 32 ? 2 : 1) /* warps along M (4 along N) */
+#define GM_SMEM(BM, BK) (GM_ST(BM) * ((BM) + GM_BN) * ((BK) + 8) * 2)
 
 __global__ void __launch_bounds__(1024)
     k_moe_sort(int32_t *__restrict__ perm, int32_t *__restrict__ inv, int32_t *__restrict__ off,
                int32_t *__restrict__ tile_e, int32_t *__restrict__ tile_m0,
-               int32_t *__restrict__ n_tiles, const int32_t *__restrict__ ids, int P, int E) {
+               int32_t *__restrict__ n_tiles, const int32_t *__restrict__ ids, int P, int E,
+               int bm) {
     __shared__ int cnt[BACKEND_MOE_MAX_EXPERTS], cur[BACKEND_MOE_MAX_EXPERTS],
         toff[BACKEND_MOE_MAX_EXPERTS];
     int tid = threadIdx.x;
@@ -483,17 +489,17 @@ __global__ void __launch_bounds__(1024)
             toff[e] = to;
             off[e] = o;
             o += cnt[e];
-            to += (cnt[e] + GM_BM - 1) / GM_BM;
+            to += (cnt[e] + bm - 1) / bm;
         }
         off[E] = o;
         *n_tiles = to;
     }
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
-        int nt = (cnt[e] + GM_BM - 1) / GM_BM;
+        int nt = (cnt[e] + bm - 1) / bm;
         for (int m = 0; m < nt; m++) {
             tile_e[toff[e] + m] = e;
-            tile_m0[toff[e] + m] = cur[e] + m * GM_BM;
+            tile_m0[toff[e] + m] = cur[e] + m * bm;
         }
     }
     __syncthreads();
@@ -520,33 +526,39 @@ __global__ void __launch_bounds__(1024)
  * (n0 = 64 blockIdx.x); epilogue h[pos][j] = silu(g) * u in bf16.
  * MODE 1 (down): A rows = h[pos] (K = I), B = down_e rows n0 .. n0 + 127 (n0 = 128
  * blockIdx.x); epilogue y[pos][n] f32 (MODE 2: the same in bf16).
- * CTA tile 128 x 128, K step BK (32 or 64), GM_ST cp.async stages, 8 warps as 2 (M) x 4 (N)
- * of 64 x 32, mma.sync m16n8k16 bf16 with f32 accumulators; blockIdx.y = M-tile (past n_tiles:
- * exit). */
-template <int MODE, int BK>
-__global__ void __launch_bounds__(256)
+ * CTA tile BM x 128, K step BK (32 or 64), GM_ST cp.async stages, warps as GM_WM (M) x 4 (N)
+ * of BM / GM_WM rows x 32 columns (MI = BM / 16 / GM_WM m16 slices), mma.sync m16n8k16 bf16
+ * with f32 accumulators; blockIdx.y = M-tile (past n_tiles: exit).  Each output row's sum runs
+ * over K in the same order at every BM and BK: the result does not depend on the tile. */
+template <int MODE, int BK, int BM>
+__global__ void __launch_bounds__(128 * GM_WM(BM))
     k_moe_gemm(void *__restrict__ outp, const bf16 *__restrict__ A, const bf16 *__restrict__ W,
                const int32_t *__restrict__ perm, const int32_t *__restrict__ off,
                const int32_t *__restrict__ tile_e, const int32_t *__restrict__ tile_m0,
                const int32_t *__restrict__ n_tiles, int top_k, int K, int Nrows, int Nout) {
     extern __shared__ __align__(16) unsigned char gsm[];
-    constexpr int LD = BK + 8, CPR = BK / 8 /* 16-byte chunks a row */, RP = 256 / CPR,
-                  NQ = GM_BM / RP; /* rows a pass, passes */
+    constexpr int ST = GM_ST(BM), WM = GM_WM(BM), NT = 128 * WM, WR = BM / WM /* warp rows */,
+                  MI = WR / 16, LD = BK + 8, CPR = BK / 8 /* 16-byte chunks a row */,
+                  RP = NT / CPR /* rows a pass */, NQA = (BM + RP - 1) / RP, NQB = GM_BN / RP;
+    static_assert(MI >= 1 && WR % 16 == 0 && GM_BN % RP == 0, "moe gemm tile");
     bf16 *As = (bf16 *)gsm;          /* [ST][BM][LD] */
-    bf16 *Bs = As + GM_ST * GM_BM * LD; /* [ST][BN][LD] */
+    bf16 *Bs = As + ST * BM * LD;    /* [ST][BN][LD] */
     int tile = blockIdx.y;
     if (tile >= *n_tiles) return;
     int e = tile_e[tile], m0 = tile_m0[tile], m_end = off[e + 1];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
-    /* this thread's NQ A rows and NQ B rows (chunk tid % CPR of 16 bytes within a K step) */
+    /* this thread's A rows and B rows (chunk tid % CPR of 16 bytes within a K step) */
     int ch = tid % CPR;
-    const bf16 *a_src[NQ], *b_src[NQ];
+    const bf16 *a_src[NQA], *b_src[NQB];
 #pragma unroll
-    for (int q = 0; q < NQ; q++) {
-        int r = tid / CPR + RP * q;
+    for (int q = 0; q < NQA; q++) {
+        int r = min(tid / CPR + RP * q, BM - 1);
         int pos = min(m0 + r, m_end - 1); /* a dead row re-reads the group's last */
         a_src[q] = MODE == 0 ? A + (size_t)(perm[pos] / top_k) * K : A + (size_t)pos * K;
-        int wrow;
+    }
+#pragma unroll
+    for (int q = 0; q < NQB; q++) {
+        int r = tid / CPR + RP * q, wrow;
         if (MODE == 0) {
             int I = Nout, rr = r & 31, j = blockIdx.x * 64 + (r >> 5) * 16 + (rr & 15);
             j = min(j, I - 1);
@@ -557,55 +569,63 @@ __global__ void __launch_bounds__(256)
         b_src[q] = W + ((size_t)e * Nrows + wrow) * K;
     }
     int KT = (K + BK - 1) / BK;
-    /* 16-row slices of this warp's 64 rows inside the group (a group's last tile is often
+    /* 16-row slices of this warp's WR rows inside the group (a group's last tile is often
      * partial): the others skip their ldmatrix and mma (warp-uniform) */
-    int live = (m_end - (m0 + wm * 64) + 15) / 16;
-    live = live < 0 ? 0 : live > 4 ? 4 : live;
+    int live = (m_end - (m0 + wm * WR) + 15) / 16;
+    live = live < 0 ? 0 : live > MI ? MI : live;
     auto load = [&](int kt, int st) {
         int k0 = kt * BK + ch * 8;
+        /* K % 8 == 0: a 16-byte chunk is all in or all past K; the last K step's tail is
+         * zeros (the barrier before use orders them) */
 #pragma unroll
-        for (int q = 0; q < NQ; q++) {
+        for (int q = 0; q < NQA; q++) {
             int r = tid / CPR + RP * q;
-            bf16 *ad = As + ((size_t)st * GM_BM + r) * LD + ch * 8,
-                 *bd = Bs + ((size_t)st * GM_BN + r) * LD + ch * 8;
-            if (k0 < K) { /* K % 8 == 0: a 16-byte chunk is all in or all past K */
+            if (BM % RP != 0 && r >= BM) continue;
+            bf16 *ad = As + ((size_t)st * BM + r) * LD + ch * 8;
+            if (k0 < K)
                 cp_async16(ad, a_src[q] + k0);
-                cp_async16(bd, b_src[q] + k0);
-            } else { /* the last K step's tail: zeros (the barrier before use orders them) */
+            else
                 *(uint4 *)ad = make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int q = 0; q < NQB; q++) {
+            int r = tid / CPR + RP * q;
+            bf16 *bd = Bs + ((size_t)st * GM_BN + r) * LD + ch * 8;
+            if (k0 < K)
+                cp_async16(bd, b_src[q] + k0);
+            else
                 *(uint4 *)bd = make_uint4(0, 0, 0, 0);
-            }
         }
     };
-    float acc[4][4][4];
+    float acc[MI][4][4];
 #pragma unroll
-    for (int a = 0; a < 4; a++)
+    for (int a = 0; a < MI; a++)
 #pragma unroll
         for (int b = 0; b < 4; b++)
 #pragma unroll
             for (int c = 0; c < 4; c++)
                 acc[a][b][c] = 0.0f;
 #pragma unroll
-    for (int s = 0; s < GM_ST - 1; s++) {
+    for (int s = 0; s < ST - 1; s++) {
         if (s < KT) load(s, s);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; kt++) {
-        cp_async_wait_group<GM_ST - 2>();
+        cp_async_wait_group<ST - 2>();
         __syncthreads();
-        int nk = kt + GM_ST - 1;
-        if (nk < KT) load(nk, nk % GM_ST);
+        int nk = kt + ST - 1;
+        if (nk < KT) load(nk, nk % ST);
         cp_async_commit();
-        const bf16 *as = As + (size_t)(kt % GM_ST) * GM_BM * LD;
-        const bf16 *bs = Bs + (size_t)(kt % GM_ST) * GM_BN * LD;
+        const bf16 *as = As + (size_t)(kt % ST) * BM * LD;
+        const bf16 *bs = Bs + (size_t)(kt % ST) * GM_BN * LD;
         if (live == 0) continue; /* this warp's rows are past the group: loads only */
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
-            uint32_t af[4][4], bfr[2][4];
+            uint32_t af[MI][4], bfr[2][4];
 #pragma unroll
-            for (int mi = 0; mi < 4; mi++)
+            for (int mi = 0; mi < MI; mi++)
                 if (mi < live)
-                    ldsm_x4(af[mi], as + (size_t)(wm * 64 + mi * 16 + (lane & 15)) * LD + kk +
+                    ldsm_x4(af[mi], as + (size_t)(wm * WR + mi * 16 + (lane & 15)) * LD + kk +
                                         (lane >> 4) * 8);
 #pragma unroll
             for (int nj = 0; nj < 2; nj++)
@@ -613,7 +633,7 @@ __global__ void __launch_bounds__(256)
                         bs + (size_t)(wn * 32 + nj * 16 + (lane >> 4) * 8 + (lane & 7)) * LD +
                             kk + ((lane >> 3) & 1) * 8);
 #pragma unroll
-            for (int mi = 0; mi < 4; mi++)
+            for (int mi = 0; mi < MI; mi++)
                 if (mi < live)
 #pragma unroll
                     for (int ni = 0; ni < 4; ni++)
@@ -624,10 +644,10 @@ __global__ void __launch_bounds__(256)
     cp_async_wait_all();
     /* epilogue */
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
-            int pos = m0 + wm * 64 + mi * 16 + (lane >> 2) + hr * 8;
+            int pos = m0 + wm * WR + mi * 16 + (lane >> 2) + hr * 8;
             if (pos >= m_end) continue;
             if (MODE == 0) {
                 int I = Nout;
@@ -668,8 +688,22 @@ int moe_path(int T, int top_k, int n_experts, int max_pairs, int force_gemm) {
     return !force_gemm && P <= max_pairs && P <= DEC_TT * active ? MOE_PATH_DECODE : MOE_PATH_GEMM;
 }
 
+int moe_gemm_bm(int T, int top_k, int n_experts, int force) {
+    if (force == 16 || force == 32 || force == 64 || force == 128) return force;
+    if (force != -1) return 128;
+    long P = (long)T * top_k, active = P < n_experts ? P : n_experts;
+    long avg = active > 0 ? (P + active - 1) / active : 1; /* pairs an expert, rounded up */
+    return avg <= 16 ? 16 : avg <= 32 ? 32 : avg <= 64 ? 64 : 128;
+}
+
 int moe_shape_ok(int hidden, int inter) {
     return hidden >= 8 && inter >= 8 && hidden % 8 == 0 && inter % 8 == 0;
+}
+
+/* the grouped GEMM's M tile for a call: a->gemm_bm (moe_gemm_bm), 128 with the K step 32 */
+static int moe_tile_m(const moe_args *a) {
+    int bm = a->gemm_bm;
+    return a->gemm_bk32 || (bm != 16 && bm != 32 && bm != 64) ? 128 : bm;
 }
 
 /* workspace layout: [xb (T, H) bf16 when x is f32] [h (P, I) bf16] [y (P, H) f32]
@@ -688,8 +722,8 @@ static moe_lay moe_layout(const moe_args *a) {
     o += align256(P * a->inter * 2);
     L.y = o;
     o += align256(P * a->hidden * 4);
-    L.max_tiles =
-        (int)((P + GM_BM - 1) / GM_BM + (size_t)(a->n_experts < (int)P ? a->n_experts : P));
+    int bm = moe_tile_m(a);
+    L.max_tiles = (int)((P + bm - 1) / bm + (size_t)(a->n_experts < (int)P ? a->n_experts : P));
     L.perm = o;
     L.inv = L.off = L.te = L.tm = L.nt = o;
     if (a->path == MOE_PATH_GEMM) {
@@ -713,33 +747,33 @@ size_t moe_ws_bytes(const moe_args *a) {
     return moe_layout(a).total;
 }
 
-/* the grouped GEMMs (gate|up, then down) of one K step */
-template <int BK>
+/* the grouped GEMMs (gate|up, then down) of one K step and M tile */
+template <int BK, int BM>
 static int moe_gemms(cudaStream_t st, dim3 g1, dim3 g2, bf16 *h, const bf16 *x, void *y,
                      const moe_args *a, const int32_t *perm, const int32_t *off, const int32_t *te,
                      const int32_t *tm, const int32_t *nt) {
     static int attr_done[64]; /* per device: the kernels' dynamic shared memory limit */
     int dev = 0, H = a->hidden, I = a->inter, k = a->top_k;
-    constexpr int SM = GM_SMEM(BK);
+    constexpr int SM = GM_SMEM(BM, BK), NT = 128 * GM_WM(BM);
     CK(cudaGetDevice(&dev));
     if (dev < 0 || dev >= 64 || !attr_done[dev]) {
-        CK(cudaFuncSetAttribute(k_moe_gemm<0, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                SM));
-        CK(cudaFuncSetAttribute(k_moe_gemm<1, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                SM));
-        CK(cudaFuncSetAttribute(k_moe_gemm<2, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                SM));
+        CK(cudaFuncSetAttribute(k_moe_gemm<0, BK, BM>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, SM));
+        CK(cudaFuncSetAttribute(k_moe_gemm<1, BK, BM>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, SM));
+        CK(cudaFuncSetAttribute(k_moe_gemm<2, BK, BM>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, SM));
         if (dev >= 0 && dev < 64) attr_done[dev] = 1;
     }
-    k_moe_gemm<0, BK><<<g1, 256, SM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off, te,
-                                               tm, nt, k, H, 2 * I, I);
+    k_moe_gemm<0, BK, BM><<<g1, NT, SM, st>>>(h, x, (const bf16 *)a->w_gate_up_all, perm, off,
+                                               te, tm, nt, k, H, 2 * I, I);
     int rc = launch_check("moe gemm gate_up");
     if (rc) return rc;
     if (a->y_bf16)
-        k_moe_gemm<2, BK><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+        k_moe_gemm<2, BK, BM><<<g2, NT, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
                                                    te, tm, nt, k, I, H, H);
     else
-        k_moe_gemm<1, BK><<<g2, 256, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
+        k_moe_gemm<1, BK, BM><<<g2, NT, SM, st>>>(y, h, (const bf16 *)a->w_down_all, perm, off,
                                                    te, tm, nt, k, I, H, H);
     return launch_check("moe gemm down");
 }
@@ -800,12 +834,18 @@ int moe_run(cudaStream_t st, int n_sm, void *ws, size_t ws_bytes, const moe_args
         int32_t *perm = (int32_t *)(w + L.perm), *invw = (int32_t *)(w + L.inv),
                 *off = (int32_t *)(w + L.off), *te = (int32_t *)(w + L.te),
                 *tm = (int32_t *)(w + L.tm), *nt = (int32_t *)(w + L.nt);
-        k_moe_sort<<<1, 1024, 0, st>>>(perm, invw, off, te, tm, nt, a->ids, P, E);
+        int bm = moe_tile_m(a);
+        k_moe_sort<<<1, 1024, 0, st>>>(perm, invw, off, te, tm, nt, a->ids, P, E, bm);
         int rc = launch_check("moe sort");
         if (rc) return rc;
         dim3 g1((I + 63) / 64, L.max_tiles), g2((H + GM_BN - 1) / GM_BN, L.max_tiles);
-        rc = a->gemm_bk32 ? moe_gemms<32>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
-                          : moe_gemms<64>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt);
+#define MOE_GEMMS(BK, BM) moe_gemms<BK, BM>(st, g1, g2, h, x, y, a, perm, off, te, tm, nt)
+        rc = a->gemm_bk32 ? MOE_GEMMS(32, 128)
+             : bm == 16   ? MOE_GEMMS(64, 16)
+             : bm == 32   ? MOE_GEMMS(64, 32)
+             : bm == 64   ? MOE_GEMMS(64, 64)
+                          : MOE_GEMMS(64, 128);
+#undef MOE_GEMMS
         if (rc) return rc;
         inv = invw;
     }

@@ -11,7 +11,8 @@
  *                partials in ascending expert order (T * top_k <= 16: down and the sum in
  *                one kernel)
  *   prefill      a counting sort of the (token, slot) pairs by expert (one CTA), then one
- *                tensor-core GEMM kernel over every expert's group of rows (gate|up with the
+ *                tensor-core GEMM kernel over every expert's group of rows in tiles of
+ *                16 to 128 rows (moe_gemm_bm: by the tokens an expert) (gate|up with the
  *                SwiGLU in its epilogue, bf16 h), the same kernel for down (f32 rows), and the
  *                same weighted sum through the inverse permutation
  * Every path is CUDA-graph capturable: no host synchronisation, no allocation (the caller's
@@ -40,7 +41,8 @@ typedef struct moe_args {
     int y_bf16;     /* grouped GEMM: the down rows in bf16 before the weighted sum (half the
                        bytes written and read back; DISAGG_CUDA_MOE_Y_BF16=1, default off) */
     int gemm_bk32;  /* grouped GEMM: the K step 32 of the first version (DISAGG_CUDA_MOE_GEMM=bk32;
-                       default 64) */
+                       default 64; its M tile is 128) */
+    int gemm_bm;    /* grouped GEMM: the M tile, 16, 32, 64 or 128 (moe_gemm_bm) */
 } moe_args;
 
 #define MOE_PATH_DECODE 0
@@ -52,6 +54,13 @@ typedef struct moe_args {
  * GEMM */
 #define MOE_DEC_MAXP 1024
 int moe_path(int T, int top_k, int n_experts, int max_pairs, int force_gemm);
+/* the grouped GEMM's M tile (rows of one expert's group a CTA) for T tokens: force when it is
+ * 16, 32, 64 or 128 (DISAGG_CUDA_MOE_BM); with force -1 (DISAGG_CUDA_MOE_BM=auto) the
+ * smallest of those at least the pairs an expert on average (rounded up) over the
+ * min(T * top_k, n_experts) experts a batch can choose (128 for prefill, 16 for Mixtral's
+ * batch 32: 8 tokens an expert); otherwise 128.  The tiles below 128 have not run on a GPU
+ * yet (written when the session's device time was spent): opt-in until they have. */
+int moe_gemm_bm(int T, int top_k, int n_experts, int force);
 /* the shapes the kernels take: hidden and inter multiples of 8 (16-byte rows) */
 int moe_shape_ok(int hidden, int inter);
 /* workspace bytes for a call (0 never) */
