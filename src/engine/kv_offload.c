@@ -557,22 +557,62 @@ static void push_done(kv_offload *o, load_job *j) {
     o->done_tail = j;
     o->n_done++;
     pthread_mutex_unlock(&o->mu);
-    if (o->notify) o->notify(o->notify_ctx);
+}
+
+/* Loads the loader takes at once: the host-tier copies among them are enqueued back to back
+ * and synced once (a sync a block cost the H200 about a third of the copy rate: 917 KB blocks
+ * at 31 GB/s), then reported together; the bound keeps the first of them from waiting long
+ * for the last (32 blocks of the 7B shape: 29 MB, about 0.6 ms over PCIe 5). */
+#define LOADER_BATCH 32
+
+/* jobs b[0..n-1]: host-tier ones enqueued (backend_upload_async), disk ones copied at once
+ * through the staging buffer (that upload syncs the stream, the enqueued ones with it); one
+ * sync at the end decides the enqueued ones; the time is shared among them */
+static void run_batch(kv_offload *o, load_job **b, int n) {
+    uint64_t t0 = clock_now_ns(), t_disk = 0;
+    int n_async = 0;
+    for (int i = 0; i < n; i++) {
+        load_job *j = b[i];
+        if (j->tier != KV_TIER_HOST) {
+            run_job(o, o->load_st, o->stage, j);
+            t_disk += j->ns;
+            continue;
+        }
+        slow_medium(o);
+        j->why = NULL;
+        j->ok = backend_upload_async(o->load_st, o->kv_base + (size_t)j->block * o->bb,
+                                     o->host_buf, (size_t)j->slot * o->bb, o->bb) == 0;
+        n_async++;
+    }
+    int synced = backend_stream_sync(o->load_st) == 0;
+    uint64_t t = clock_now_ns() - t0;
+    uint64_t share = n_async ? (t > t_disk ? t - t_disk : 0) / (uint64_t)n_async : 0;
+    for (int i = 0; i < n; i++)
+        if (b[i]->tier == KV_TIER_HOST) {
+            b[i]->ok = b[i]->ok && synced;
+            b[i]->ns = share;
+        }
 }
 
 static void *loader_main(void *arg) {
     kv_offload *o = arg;
+    load_job *b[LOADER_BATCH];
     pthread_mutex_lock(&o->mu);
     for (;;) {
         while (!o->stop && !o->todo_head)
             pthread_cond_wait(&o->cv, &o->mu);
         if (o->stop) break;
-        load_job *j = o->todo_head;
-        o->todo_head = j->next;
+        int n = 0;
+        while (n < LOADER_BATCH && o->todo_head) {
+            b[n++] = o->todo_head;
+            o->todo_head = o->todo_head->next;
+        }
         if (!o->todo_head) o->todo_tail = NULL;
         pthread_mutex_unlock(&o->mu);
-        run_job(o, o->load_st, o->stage, j);
-        push_done(o, j);
+        run_batch(o, b, n);
+        for (int i = 0; i < n; i++)
+            push_done(o, b[i]);
+        if (o->notify) o->notify(o->notify_ctx);
         pthread_mutex_lock(&o->mu);
     }
     pthread_mutex_unlock(&o->mu);
@@ -601,6 +641,7 @@ int kv_offload_load_async(kv_offload *o, uint64_t hash, int32_t block, uint64_t 
     if (!o->loader_on) { /* sync_loads: the copy on this thread, reaped as the others */
         run_job(o, o->st, o->bounce, j);
         push_done(o, j);
+        if (o->notify) o->notify(o->notify_ctx);
         return 0;
     }
     pthread_mutex_lock(&o->mu);

@@ -20,7 +20,8 @@
  * names the slot and the device block, the loader reads the disk slot into its staging
  * buffer and checks it, uploads the bytes through a stream of its own (CUDA: a second
  * stream, so the copy overlaps the forward on the compute stream) and reports the load
- * done (kv_offload_reap, after the notify callback); the slot is pinned meanwhile (no
+ * done (kv_offload_reap, after the notify callback).  It takes up to 32 queued loads at a
+ * time: their host-tier copies are enqueued back to back and synced once; the slot is pinned meanwhile (no
  * eviction, no reuse; a clear drops it when the load ends).  kv_offload_load is the same
  * copy on the calling thread, for callers that need the bytes at once.
  *
@@ -137,7 +138,7 @@ int kv_offload_reap(kv_offload *o, kv_offload_done *out, int max);
 int kv_offload_in_flight(const kv_offload *o);
 /* Of those, the ones the loader has not finished. */
 int kv_offload_busy(kv_offload *o);
-/* fn(ctx) is called from the loader thread each time a load ends, and from the writer
+/* fn(ctx) is called from the loader thread each time loads end (a batch of them), and from the writer
  * thread each time a disk write ends (the owner then reaps: kv_offload_reap); set before
  * the first load or store. */
 void kv_offload_set_notify(kv_offload *o, void (*fn)(void *ctx), void *ctx);
