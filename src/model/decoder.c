@@ -56,6 +56,17 @@ int decoder_load_tp(decoder_model *m, const char *model_arg, backend *be, int pr
     if ((rc = model_config_load(&m->cfg, m->dir, err, errlen))) return rc;
     if ((dummy & DECODER_LOAD_FP8) && (rc = decoder_quant_online(&m->cfg, m->dir, err, errlen)))
         return rc;
+    if (m->cfg.n_experts && m->cfg.quant.kind != QUANT_NONE) {
+        snprintf(err, errlen,
+                 "%s/config.json: FP8 weights (%s) with a mixture-of-experts model (%d experts) "
+                 "are not implemented: the expert kernels take bf16, f16 or f32 weights; "
+                 "accepted: an unquantized MoE checkpoint, or FP8 with a dense model",
+                 m->dir,
+                 m->cfg.quant.kind == QUANT_FP8_ONLINE ? "--quantization fp8"
+                                                       : "its quantization_config",
+                 m->cfg.n_experts);
+        return -ENOTSUP;
+    }
     if (m->cfg.n_heads / m->cfg.n_kv_heads > DECODER_MAX_GROUP || m->cfg.head_dim > 1024) {
         snprintf(err, errlen,
                  "%s/config.json: %d query heads per KV head and head_dim %d; supported: at most "

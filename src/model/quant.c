@@ -78,6 +78,9 @@ static int parse_ct(model_quant *q, const json_t *qc, const char *where, char *e
             }
             if (!json_is_true(json_object_get(ia, "dynamic"))) q->act_static = 1;
         }
+        q->ct_strategy = strat && !strcmp(strat, "tensor")  ? QUANT_CT_TENSOR
+                         : strat && !strcmp(strat, "block") ? QUANT_CT_BLOCK
+                                                            : QUANT_CT_CHANNEL;
     }
     q->kind = QUANT_FP8_CT;
     q->scale_suffix = "weight_scale";

@@ -47,7 +47,12 @@ typedef struct model_quant {
     int block_n, block_k;     /* QUANT_FP8 with weight_block_size; else 0 */
     int act_static;           /* activation_scheme "static" (input_scale tensors present) */
     const char *scale_suffix; /* "weight_scale_inv" (fp8 blocks) or "weight_scale" */
+    int ct_strategy;          /* QUANT_FP8_CT: the weights' strategy (QUANT_CT_*) */
 } model_quant;
+
+/* compressed-tensors weight strategies (what --load-format dummy quantizes its random
+ * weights in; a real checkpoint's scale tensors say it by their shape) */
+enum { QUANT_CT_CHANNEL = 0, QUANT_CT_TENSOR = 1, QUANT_CT_BLOCK = 2 };
 
 /* Reads config.json's quantization_config (qc; NULL or JSON null: QUANT_NONE).  where names
  * the file for errors.  0, or -EINVAL with err naming what is not accepted. */

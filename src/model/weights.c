@@ -259,6 +259,15 @@ static int w_quantizable(const char *name) {
     return !strncmp(name, "model.layers.", 13);
 }
 
+/* whether matrix `name` is quantized here: --quantization fp8, or --load-format dummy on an
+ * FP8 config (its random weights quantized in the config's layout, so the model runs the FP8
+ * kernels the real checkpoint would) */
+static int w_quantize_here(const model_weights *w, const char *name) {
+    return w_quantizable(name) &&
+           (w->quant.kind == QUANT_FP8_ONLINE ||
+            (w->dummy_seed && (w->quant.kind == QUANT_FP8 || w->quant.kind == QUANT_FP8_CT)));
+}
+
 /* marks <prefix>suffix used and returns it, or NULL */
 static const st_tensor *w_side(model_weights *w, const char *name, const char *suffix) {
     char sn[300];
@@ -302,9 +311,17 @@ static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *
                      int cols, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
     int nkb, ngrid;
-    if (t->dt != BACKEND_F8E4M3) { /* --quantization fp8 */
-        f->bn = w->dummy_seed ? 128 : 1;
-        f->bk = w->dummy_seed ? 128 : cols;
+    if (t->dt != BACKEND_F8E4M3) { /* --quantization fp8, or dummy weights of an FP8 config */
+        const model_quant *q = &w->quant;
+        if (q->kind == QUANT_FP8) /* weight_block_size, else one scale a tensor */
+            f->bn = q->block_n > 0 ? q->block_n : rows, f->bk = q->block_k > 0 ? q->block_k : cols;
+        else if (q->kind == QUANT_FP8_CT)
+            f->bn = q->ct_strategy == QUANT_CT_BLOCK    ? 128
+                    : q->ct_strategy == QUANT_CT_TENSOR ? rows
+                                                        : 1,
+            f->bk = q->ct_strategy == QUANT_CT_BLOCK ? 128 : cols;
+        else /* online: per channel; dummy weights in 128 x 128 blocks (the FP8 tensor cores' form) */
+            f->bn = w->dummy_seed ? 128 : 1, f->bk = w->dummy_seed ? 128 : cols;
         nkb = (cols + f->bk - 1) / f->bk;
         ngrid = (rows + f->bn - 1) / f->bn * nkb;
         f->q_own = malloc((size_t)rows * cols);
@@ -433,7 +450,7 @@ static int w_mat(model_weights *w, weight_mat *m, const char *name, int rows, in
                  name);
         return -EINVAL;
     }
-    if (t.dt == BACKEND_F8E4M3 || (w->quant.kind == QUANT_FP8_ONLINE && w_quantizable(name))) {
+    if (t.dt == BACKEND_F8E4M3 || w_quantize_here(w, name)) {
         w_fp8 f;
         rc = w_fp8_get(w, &f, name, &t, rows, cols, err, errlen);
         if (!rc) rc = w_fp8_place(w, m, name, &f, rows, cols, err, errlen);
@@ -528,8 +545,7 @@ static int w_mat_cat(model_weights *w, weight_mat *cat, weight_mat **parts, cons
     for (int i = 0; i < n; i++) {
         int rc = w_get(w, &fts[i], names[i], 2, rows[i], cols, 0, err, errlen);
         if (rc) return rc;
-        any8 |= fts[i].dt == BACKEND_F8E4M3 ||
-                (w->quant.kind == QUANT_FP8_ONLINE && w_quantizable(names[i]));
+        any8 |= fts[i].dt == BACKEND_F8E4M3 || w_quantize_here(w, names[i]);
     }
     if (any8) return w_mat_cat_fp8(w, cat, parts, names, rows, n, cols, fts, err, errlen);
     const void *srcs[4];

@@ -18,6 +18,7 @@
 #include "model/model_config.h"
 #include "kernels/cpu/cpu_matmul.h"
 #include "model/decoder.h"
+#include "model/quant.h"
 #include "test_model_fixture.h"
 
 static char g_src[1024]; /* the generated tiny bf16 model */
@@ -418,6 +419,97 @@ static void test_dummy_load(void **st) {
     dummy_case("mixtral-tiny");
 }
 
+/* --load-format dummy on an FP8 checkpoint's config.json: the random weights quantized in the
+ * config's layout (the model runs the FP8 kernels the real checkpoint would), never silently
+ * bf16; the same bytes every load.  The CPU keeps FP8 matrices dequantized to f32: each must be
+ * the same config's unquantized dummy weights quantized in want_bn x want_bk blocks (0: the
+ * whole dimension) and dequantized -- the layout is what this checks; the e4m3 arithmetic is
+ * checked against numpy's in the FP8 goldens. */
+static void dummy_fp8_case(const char *variant, int want_bn, int want_bk) {
+    char d[1200], u[1300], err[1024];
+    snprintf(d, sizeof d, "%s/dummy-%s", g_tmp, variant);
+    snprintf(u, sizeof u, "%s/unquantized", d);
+    sh("rm -rf %s && mkdir -p %s/unquantized && python3 %s/tools/gen_random_fp8.py --variant %s "
+       "--out %s/full >/dev/null && cp %s/full/config.json %s/ && python3 -c \"import json,sys; "
+       "c=json.load(open(sys.argv[1])); c.pop('quantization_config'); "
+       "json.dump(c,open(sys.argv[2],'w'))\" %s/config.json %s/config.json",
+       d, d, DISAGG_SOURCE_DIR, variant, d, d, d, d, u);
+    decoder_model m, m2, mu;
+    assert_int_equal(decoder_load_ex(&m, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
+    assert_int_equal(decoder_load_ex(&m2, d, backend_cpu_default(), 0, 1, err, sizeof err), 0);
+    assert_int_equal(decoder_load_ex(&mu, u, backend_cpu_default(), 0, 1, err, sizeof err), 0);
+    const weight_mat *mats[] = {&m.w.layers[1].wq, &m.w.layers[1].wo, &m.w.layers[1].w_down},
+                     *umats[] = {&mu.w.layers[1].wq, &mu.w.layers[1].wo, &mu.w.layers[1].w_down};
+    for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
+        const weight_mat *w = mats[i], *wu = umats[i];
+        if (w->dtype != BACKEND_F32) /* bf16: the dummy weights went unquantized */
+            fail_msg("%s: dummy matrix %zu is %s, not FP8 dequantized to float32", variant, i,
+                     backend_dtype_name(w->dtype));
+        assert_int_equal(wu->dtype, BACKEND_BF16);
+        int N = w->rows, K = w->cols, bn = want_bn > 0 ? want_bn : N, bk = want_bk > 0 ? want_bk : K;
+        int nkb = (K + bk - 1) / bk;
+        float *f = malloc((size_t)N * K * sizeof *f), *sc = malloc((size_t)(N / bn + 1) * nkb * 4);
+        uint8_t *q = malloc((size_t)N * K);
+        assert_true(f && sc && q);
+        const uint16_t *b16 = wu->data;
+        for (size_t k = 0; k < (size_t)N * K; k++) {
+            uint32_t x = (uint32_t)b16[k] << 16;
+            memcpy(&f[k], &x, 4);
+        }
+        quant_fp8_matrix(q, sc, f, N, K, bn, bk);
+        float e4m3[1];
+        const float *got = w->data;
+        for (int r = 0; r < N; r++)
+            for (int c = 0; c < K; c++) {
+                backend_e4m3_to_f32(e4m3, &q[(size_t)r * K + c], 1);
+                float want = e4m3[0] * sc[(size_t)(r / bn) * nkb + c / bk];
+                if (got[(size_t)r * K + c] != want)
+                    fail_msg("%s: matrix %zu (%d x %d) [%d][%d] is %g; quantized in %d x %d "
+                             "blocks it is %g",
+                             variant, i, N, K, r, c, (double)got[(size_t)r * K + c], bn, bk,
+                             (double)want);
+            }
+        free(f);
+        free(sc);
+        free(q);
+    }
+    assert_memory_equal(m.w.layers[1].wo.data, m2.w.layers[1].wo.data,
+                        (size_t)m.w.layers[1].wo.rows * m.w.layers[1].wo.cols * 4);
+    assert_int_not_equal(m.w.embed.dtype, BACKEND_F32); /* embeddings stay unquantized */
+    decoder_free(&m);
+    decoder_free(&m2);
+    decoder_free(&mu);
+}
+
+static void test_dummy_load_fp8(void **st) {
+    (void)st;
+    dummy_fp8_case("qwen2-fp8-block-tiny", 128, 128); /* weight_block_size [128, 128] */
+    dummy_fp8_case("llama-fp8-channel-tiny", 1, 0);   /* compressed-tensors channel */
+    dummy_fp8_case("qwen3-fp8-tensor-tiny", 0, 0);    /* compressed-tensors tensor */
+}
+
+/* FP8 weights with a mixture of experts: refused at load naming both (the expert kernels take
+ * no scales), for an FP8 config and for --quantization fp8 */
+static void test_moe_fp8_refused(void **st) {
+    (void)st;
+    char d[1200], err[1024];
+    snprintf(d, sizeof d, "%s/moe-fp8", g_tmp);
+    sh("rm -rf %s && python3 %s/tools/gen_random_model.py --variant qwen3moe-tiny --out %s "
+       ">/dev/null",
+       d, DISAGG_SOURCE_DIR, d);
+    decoder_model m;
+    err[0] = 0;
+    assert_int_not_equal(
+        decoder_load_ex(&m, d, backend_cpu_default(), 0, DECODER_LOAD_FP8, err, sizeof err), 0);
+    if (!strstr(err, "--quantization fp8") || !strstr(err, "mixture-of-experts"))
+        fail_msg("-q fp8 on a MoE model: '%s'", err);
+    sh("python3 -c \"import json,sys; p=sys.argv[1]+'/config.json'; c=json.load(open(p)); "
+       "c['quantization_config']={'quant_method':'fp8','weight_block_size':[128,128]}; "
+       "json.dump(c,open(p,'w'))\" %s",
+       d);
+    expect_load_error(d, "quantization_config", "mixture-of-experts", "accepted", NULL);
+}
+
 static void test_hf_cache(void **st) {
     (void)st;
     char out[4096], err[4096];
@@ -523,7 +615,8 @@ int main(void) {
         cmocka_unit_test(test_config_spellings), cmocka_unit_test(test_config_errors),
         cmocka_unit_test(test_hf_cache),         cmocka_unit_test(test_sharded_matches_single),
         cmocka_unit_test(test_load_errors),      cmocka_unit_test(test_arch_descriptions),
-        cmocka_unit_test(test_dummy_load),       cmocka_unit_test(test_moe_descriptions),
+        cmocka_unit_test(test_dummy_load),       cmocka_unit_test(test_dummy_load_fp8),
+        cmocka_unit_test(test_moe_fp8_refused),       cmocka_unit_test(test_moe_descriptions),
         cmocka_unit_test(test_moe_load_errors),  cmocka_unit_test(test_moe_bench_shapes),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
