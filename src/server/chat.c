@@ -37,7 +37,7 @@ static int chat_stream_start(gen_req *r, sbuf *sse) {
 /* The streaming split of the text released so far (no reasoning parser:
  * all content). */
 static void chat_split(gen_req *r, gen_choice *c, bool final, reasoning_split *sp) {
-    reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser,
+    reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser, r->think_closed,
                            c->text.data ? c->text.data : "", c->text.len, final, sp);
 }
 
@@ -229,6 +229,15 @@ int server_chat_prepare(server *s, gen_req *r, const char *body, size_t len) {
                                &r->err))
         return -1;
     r->n_pids[0] = (int)n;
+    if (s->cfg.reasoning_parser != REASONING_NONE && s->tok && n > 0) {
+        /* the generation prompt is the tail: whether it closed a think block */
+        size_t tail = n < 64 ? n : 64, tl = 0;
+        char *t = NULL, terr[128];
+        if (!tokenizer_decode(s->tok, r->pids[0] + n - tail, tail, false, &t, &tl, terr,
+                              sizeof terr))
+            r->think_closed = reasoning_prompt_closes(t, tl);
+        free(t);
+    }
     if (n == 0) {
         oai_error_set(&r->err, 400, "BadRequestError", "messages",
                       "the conversation renders to no tokens");

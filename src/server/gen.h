@@ -88,6 +88,8 @@ struct gen_req {
     const gen_ops *ops;     /* endpoint rendering */
     oai_request o;          /* the validated request */
     bool chat;              /* chat endpoint */
+    bool think_closed;      /* chat with a reasoning parser: the prompt closed a think block
+                               (reasoning_prompt_closes) */
     char id[160];           /* "cmpl-..." / "chatcmpl-..." */
     char *x_request_id;     /* X-Request-Id header value, or NULL */
     long long created;      /* unix seconds */

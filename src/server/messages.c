@@ -423,7 +423,7 @@ static int msg_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t 
     (void)text;
     (void)len;
     reasoning_split sp;
-    reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser,
+    reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser, r->think_closed,
                            c->text.data ? c->text.data : "", c->text.len, false, &sp);
     msg_ext *x = r->ext;
     if (sp.has_reasoning && x->think_state < 2 && sp.r_end - sp.r_start > c->r_sent) {

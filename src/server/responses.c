@@ -557,7 +557,7 @@ static int resp_stream_delta(gen_req *r, gen_choice *c, const char *text, size_t
     (void)text;
     (void)len;
     reasoning_split sp;
-    reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser,
+    reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser, r->think_closed,
                            c->text.data ? c->text.data : "", c->text.len, false, &sp);
     resp_ext *x = r->ext;
     if (sp.has_reasoning && x->rs_state < 2 && sp.r_end - sp.r_start > c->r_sent) {
@@ -592,8 +592,8 @@ static int resp_stream_finish(gen_req *r, gen_choice *c, sbuf *sse) {
     } else if (x->rs_state == 1) { /* streamed as reasoning, which the final split does not
                                     * keep (qwen3 without </think>): closed as streamed */
         reasoning_split ss;
-        reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser, c->text.data,
-                               c->text.len, true, &ss);
+        reasoning_split_stream((reasoning_kind)r->s->cfg.reasoning_parser, r->think_closed,
+                               c->text.data, c->text.len, true, &ss);
         size_t rl = ss.r_end - ss.r_start < c->r_sent ? ss.r_end - ss.r_start : c->r_sent;
         reasoning_done(r, sse, c->text.data + ss.r_start, rl);
     }

@@ -137,16 +137,27 @@ def test_deepseek_r1_reasoning_and_tool_calls(r1_model):
         assert srv.stop() == 0
 
 
-def test_qwen3_needs_both_tags(r1_model):
-    """vLLM's qwen3 parser: no <think> in the output, so no reasoning: all of it is content."""
-    srv = Server("--reasoning-parser", "qwen3", "--kv-cache-memory", "16M", model=str(r1_model))
+def test_qwen3_closing_tag_only(r1_model):
+    """vLLM's qwen3 parser: an output with "</think>" but no "<think>" (Qwen3-Thinking-2507's
+    templates open the block in the prompt) has the text before "</think>" as reasoning, final
+    and streamed; after a prompt that closed a block (the official template's enable_thinking
+    false) the stream is all content, as vLLM's reasoning-ended check of the prompt makes it."""
+    srv = Server("--reasoning-parser", "qwen3", "--chat-template", str(TEMPLATES / "qwen3.jinja"),
+                 "--kv-cache-memory", "16M", model=str(r1_model))
     try:
         c = client(srv)
         r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=16, temperature=0)
         m = r.choices[0].message
-        assert m.reasoning_content is None and m.content.startswith("checking the weather</think><tool_call>")
+        assert m.reasoning_content == "checking the weather", m
+        assert m.content.startswith("<tool_call>"), m
         reasoning, content, _, _ = stream(c)
-        assert reasoning == "" and content == m.content
+        assert reasoning == "checking the weather" and content == m.content
+        reasoning, content, _, _ = stream(c, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert reasoning == "" and content.startswith("checking the weather</think><tool_call>")
+        # no "</think>" in the output (cut by max_tokens): all content in the final form
+        r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, temperature=0)
+        m = r.choices[0].message
+        assert m.reasoning_content is None and m.content == "checking the weather", m
     finally:
         assert srv.stop() == 0
 
