@@ -34,6 +34,9 @@ typedef struct lane {
     int fd;                   /* -1 when not connected */
     uint32_t epoch;           /* bumped on every connect */
     int broken;               /* the connection failed; receiver cleans up */
+    int draining;             /* a send failed because the peer closed: nothing more is sent,
+                                 the receiver reads the replies it sent before closing (a
+                                 write it rejected mid-payload), then the connection goes */
     int sending;              /* sender is writing on fd outside the lock */
     int stop;
     pthread_t sender, receiver;
@@ -75,7 +78,7 @@ static void lane_push(lane *l, xfer_op *op) {
         xfer_done(l->cl->sink, op, TRANSFER_ECANCELED);
         return;
     }
-    int idle = !l->q_head && !l->f_head && !l->sending && !l->broken && l->fd >= 0;
+    int idle = !l->q_head && !l->f_head && !l->sending && !l->broken && !l->draining && l->fd >= 0;
     lane_enqueue_locked(l, op);
     if (idle && (op->opcode == TRANSFER_READ || op->len <= INLINE_SEND_MAX)) {
         /* An idle connected lane: send from this thread, saving the sender's
@@ -227,7 +230,19 @@ static void lane_flush_locked(lane *l, uint8_t (*hdrs)[TCP_HEADER_LEN], struct i
     pthread_cond_broadcast(&l->recv_cv);
     if (rc != 0) {
         LOG_D(MOD, "send on %s failed: %s", p->label, strerror(-rc));
-        lane_break_locked(l, epoch);
+        if ((rc == -EPIPE || rc == -ECONNRESET) && l->f_head && l->fd >= 0 && l->epoch == epoch &&
+            !l->broken) {
+            /* the peer closed, maybe after answering: a Mooncake target rejects a write to a
+             * range outside its buffers as soon as it has the header and closes without
+             * reading the payload.  Its replies are still readable: the receiver takes them
+             * (the rejected write fails as the rejection, not as a lost connection) and
+             * breaks the connection at the end of them (EOF or reset). */
+            l->draining = 1;
+            shutdown(fd, SHUT_WR);
+            pthread_cond_broadcast(&l->recv_cv);
+        } else {
+            lane_break_locked(l, epoch);
+        }
     }
     if (l->q_head) pthread_cond_signal(&l->send_cv);
 }
@@ -292,7 +307,7 @@ static void *sender_main(void *arg) {
     struct iovec iov[GATHER_OPS * 2];
     pthread_mutex_lock(&l->mu);
     while (!l->stop) {
-        if (!l->q_head || l->broken || l->sending) {
+        if (!l->q_head || l->broken || l->sending || l->draining) {
             pthread_cond_wait(&l->send_cv, &l->mu);
             continue;
         }
@@ -405,6 +420,7 @@ static void *receiver_main(void *arg) {
             close(l->fd);
             l->fd = -1;
             l->broken = 0;
+            l->draining = 0;
             int stop = l->stop;
             pthread_cond_broadcast(&l->send_cv);
             pthread_mutex_unlock(&l->mu);
@@ -422,6 +438,10 @@ static void *receiver_main(void *arg) {
         if (l->stop) break;
         if (l->fd < 0) {
             pthread_cond_wait(&l->recv_cv, &l->mu);
+            continue;
+        }
+        if (!l->f_head && l->draining) { /* every reply read: the connection goes */
+            lane_break_locked(l, l->epoch);
             continue;
         }
         if (!l->f_head) {
