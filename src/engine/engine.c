@@ -582,6 +582,23 @@ static uint32_t engine_kv_scales_hash(const engine *e) {
     return h;
 }
 
+/* FNV-1a of the RoPE the cached K went through: the inv_freq table (rope_theta and the
+ * scaling folded in) and the cos/sin factor.  Two models of one shape whose RoPE differs
+ * (Llama 3.0 and 3.1: llama3 scaling) hold different K for the same tokens. */
+static uint32_t engine_rope_hash(const model_config *c) {
+    float t[1024 / 2 + 1] = {0};
+    int n = c->head_dim / 2 < 512 ? c->head_dim / 2 : 512;
+    arch_rope_table(c, t, &t[n]);
+    uint32_t h = 2166136261u;
+    for (int i = 0; i <= n; i++) {
+        uint32_t u;
+        memcpy(&u, &t[i], 4);
+        for (int b = 0; b < 4; b++)
+            h = (h ^ ((u >> (8 * b)) & 0xffu)) * 16777619u;
+    }
+    return h;
+}
+
 /* Rank 0 with shared worker regions (cfg.tp_kv_fds): size each rank's memfd to the region
  * (every rank holds as many blocks of as many heads) and map it. */
 static int tp_kv_map(engine *e, char *err, size_t errlen) {
@@ -637,10 +654,10 @@ void engine_get_kv_region(const engine *e, engine_kv_region *out) {
     static const char *const short_dt[] = {"f32", "f16", "bf16", "fp8e4m3"};
     out->n_blocks = e->kv.n_blocks;
     out->block_size = e->kv.block_size;
-    char quirks[64] = ""; /* what else makes the KV differ: the family and its window */
-    size_t qn = 0;
+    char quirks[64] = ""; /* what else makes the KV differ: the RoPE, the window */
+    size_t qn = (size_t)snprintf(quirks, sizeof quirks, ":rope%08x", engine_rope_hash(c));
     if (c->sliding_window)
-        qn += (size_t)snprintf(quirks, sizeof quirks, ":swa%d", c->sliding_window);
+        qn += (size_t)snprintf(quirks + qn, sizeof quirks - qn, ":swa%d", c->sliding_window);
     /* FP8 KV with checkpoint scales: the bytes mean e4m3 * scale, so a peer must have the same
      * scales (a hash of their bits; no field when every scale is 1.0, as vLLM's default) */
     if (e->kv.dtype == BACKEND_F8E4M3 && e->model.w.k_scale)

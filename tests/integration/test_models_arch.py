@@ -10,6 +10,7 @@ two windows, is refused with the layout named; --load-format dummy serves config
 The mixtures of experts (Qwen3-MoE with a dense layer among sparse ones, Mixtral with its
 sliding window) go through the same checks."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -122,14 +123,22 @@ def test_pd_equals_colocated(models, colocated, variant):
 
 
 def test_pd_of_different_models_or_windows_is_refused(models, tmp_path):
-    """The layout fingerprint names the family and the window: Llama P with Qwen3 D (both 2
-    layers, 2 KV heads), and two Mistrals whose windows differ, are refused before a byte moves."""
+    """The layout fingerprint names the family, the RoPE and the window: Llama P with Qwen3 D
+    (both 2 layers, 2 KV heads), two Llamas that differ only in rope_scaling (Llama 3.1's llama3
+    scaling against 3.0's none: the cached K differ), and two Mistrals whose windows differ, are
+    refused before a byte moves."""
     other = tmp_path / "mistral-w16"
     shutil.copytree(models["mistral-tiny"], other)
     cfg = json.loads((other / "config.json").read_text())
     cfg["sliding_window"] = 16
     (other / "config.json").write_text(json.dumps(cfg))
+    plain = tmp_path / "llama-no-scaling"
+    shutil.copytree(models["llama-tiny"], plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    assert cfg.pop("rope_scaling")["rope_type"] == "llama3"
+    (plain / "config.json").write_text(json.dumps(cfg))
     for p_dir, d_dir, needles in [(models["llama-tiny"], models["qwen3-tiny"], ["llama:L2:", "qwen3:L2:"]),
+                                  (models["llama-tiny"], plain, [":rope"]),
                                   (models["mistral-tiny"], other, [":swa8", ":swa16"])]:
         pd = pd_for(p_dir, d_dir)
         try:
@@ -142,6 +151,11 @@ def test_pd_of_different_models_or_windows_is_refused(models, tmp_path):
             assert "refusing a pull: KV layout mismatch" in log, log
             for n in needles:
                 assert n in log, (n, log)
+            ropes = set(re.findall(r":rope([0-9a-f]{8})", log))
+            if d_dir == plain:  # the RoPE is the one difference
+                assert len(ropes) == 2, (ropes, log)
+            if d_dir == other:  # the window is: the same RoPE
+                assert len(ropes) == 1, (ropes, log)
         finally:
             pd.stop()
 
