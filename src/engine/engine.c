@@ -582,20 +582,21 @@ static uint32_t engine_kv_scales_hash(const engine *e) {
     return h;
 }
 
-/* FNV-1a of the RoPE the cached K went through: the inv_freq table (rope_theta and the
- * scaling folded in) and the cos/sin factor.  Two models of one shape whose RoPE differs
- * (Llama 3.0 and 3.1: llama3 scaling) hold different K for the same tokens. */
+/* FNV-1a of what the RoPE the cached K went through depends on: rope_theta and the scaling
+ * parameters as config.json gives them (hex floats: exact), not the table computed from
+ * them, whose last bits may differ between two machines' libm.  Two models of one shape whose
+ * RoPE differs (Llama 3.0 and 3.1: llama3 scaling) hold different K for the same tokens. */
 static uint32_t engine_rope_hash(const model_config *c) {
-    float t[1024 / 2 + 1] = {0};
-    int n = c->head_dim / 2 < 512 ? c->head_dim / 2 : 512;
-    arch_rope_table(c, t, &t[n]);
+    const model_rope *r = &c->rope;
+    char buf[512];
+    int n = snprintf(buf, sizeof buf, "%.15s|%a|%a|%a|%a|%d|%a|%a|%d|%a|%d|%d",
+                     r->type, (double)c->rope_theta, r->factor, r->low_freq_factor,
+                     r->high_freq_factor, r->original_max_position, r->beta_fast, r->beta_slow,
+                     r->truncate, r->attention_factor,
+                     strcmp(r->type, "dynamic") ? 0 : c->max_position, c->head_dim);
     uint32_t h = 2166136261u;
-    for (int i = 0; i <= n; i++) {
-        uint32_t u;
-        memcpy(&u, &t[i], 4);
-        for (int b = 0; b < 4; b++)
-            h = (h ^ ((u >> (8 * b)) & 0xffu)) * 16777619u;
-    }
+    for (int i = 0; i < n && i < (int)sizeof buf; i++)
+        h = (h ^ (unsigned char)buf[i]) * 16777619u;
     return h;
 }
 
