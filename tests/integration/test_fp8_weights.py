@@ -112,3 +112,57 @@ def test_fp8_without_scales_or_config_refused(model, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     r = generate(d)
     assert r.returncode != 0 and "F8_E4M3" in r.stderr and "quantization_config" in r.stderr, r.stderr
+
+
+ONLINE = "qwen2-online-tiny"
+
+
+@pytest.mark.skipif(server_harness.on_gpu(), reason=server_harness.CPU_EXACT)
+def test_quantization_flag_end_to_end(model, tmp_path):
+    """`serve -q fp8` on an unquantized checkpoint quantizes at load: greedy output and prompt
+    logprobs equal transformers on the per-channel twin (golden-qwen2-online-tiny.json), and
+    differ from the same checkpoint served unquantized; on an FP8 checkpoint the flag changes
+    nothing; with -tp 2 it is refused naming what is accepted."""
+    golden = json.loads((DATA / "model" / f"golden-{ONLINE}.json").read_text())
+    d = tmp_path / ONLINE
+    got = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_random_fp8.py"), "--out", str(d),
+                          "--variant", ONLINE], check=True, capture_output=True, text=True).stdout
+    assert f"weights_sha256 {golden['weights_sha256']}" in got
+
+    def first_logprobs(srv, c):
+        body = {"model": "tiny", "prompt": c["prompt_ids"], "max_tokens": len(c["greedy"]), "temperature": 0,
+                "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True, "prompt_logprobs": 16}
+        r = requests.post(srv.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    q = Server(*COMMON, "--quantization", "fp8", model=str(d), name="tiny")
+    plain = Server(*COMMON, model=str(d), name="tiny")
+    try:
+        for c in golden["cases"]:
+            ch = first_logprobs(q, c)
+            assert [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]] == c["greedy"], len(c["prompt_ids"])
+            n_prompt = len(c["prompt_ids"])
+            for row in c["rows"]:
+                p = row["pos"]
+                if p + 1 < n_prompt:
+                    e = ch["prompt_logprobs"][p + 1]
+                    ours = {int(k): v["logprob"] for k, v in e.items() if v["rank"] is not None}
+                    extra = {int(k): v["logprob"] for k, v in e.items() if v["rank"] is None}
+                    check_against_logits(ours, row, extra)
+        c = golden["cases"][0]
+        assert first_logprobs(q, c)["logprobs"]["top_logprobs"] != first_logprobs(plain, c)["logprobs"]["top_logprobs"]
+    finally:
+        assert q.stop() == 0 and plain.stop() == 0
+    # an FP8 checkpoint: the flag is a no-op (the same greedy as the golden)
+    s = Server(*COMMON, "--quantization", "fp8", model=str(model), name="tiny")
+    try:
+        c = GOLDEN["cases"][0]
+        ch = first_logprobs(s, c)
+        assert [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]] == c["greedy"]
+    finally:
+        assert s.stop() == 0
+    r = subprocess.run([BIN, "serve", str(d), "--port", "0", "-tp", "2", "-q", "fp8"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "FP8 weights with tensor parallelism" in r.stderr, r.stderr
+    assert "accepted: -tp 1 with FP8" in r.stderr, r.stderr
