@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int get_int(json_t *o, const char *k, int *out, int required, const char *where, char *err,
                    size_t errlen) {
@@ -138,6 +139,32 @@ int model_layer_is_moe(const model_config *c, int l) {
     return (l + 1) % c->decoder_sparse_step == 0;
 }
 
+/* Checkpoints whose quantization is described beside config.json, not in it: AutoGPTQ /
+ * AutoAWQ's quantize_config.json, NVIDIA ModelOpt's hf_quant_config.json.  Without this their
+ * packed tensors would fail later as missing weights, without saying why. */
+static int side_quant_refused(const char *dir, char *err, size_t errlen) {
+    static const char *const files[] = {"quantize_config.json", "hf_quant_config.json"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char p[4096];
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        if (access(p, F_OK) != 0) continue;
+        char *t = file_read_text(p, 1 << 20);
+        json_t *o = t ? json_loads(t, 0, NULL) : NULL;
+        free(t);
+        const json_t *q = json_object_get(o, "quantization");
+        const char *m = json_string_value(json_object_get(o, "quant_method"));
+        if (!m) m = json_string_value(json_object_get(q, "quant_algo"));
+        if (!m) m = i == 0 ? "gptq or awq" : "modelopt";
+        snprintf(err, errlen,
+                 "%s: a %s-quantized checkpoint (quantization described in %s, not in "
+                 "config.json) is not supported; accepted: %s",
+                 p, m, files[i], QUANT_ACCEPTED);
+        json_decref(o);
+        return -EINVAL;
+    }
+    return 0;
+}
+
 int model_config_load(model_config *c, const char *dir, char *err, size_t errlen) {
     char p[4096], g[4096];
     snprintf(p, sizeof p, "%s/config.json", dir);
@@ -152,5 +179,6 @@ int model_config_load(model_config *c, const char *dir, char *err, size_t errlen
     int rc = model_config_parse(c, cj, gj, p, err, errlen);
     free(cj);
     free(gj);
+    if (!rc && c->quant.kind == QUANT_NONE) rc = side_quant_refused(dir, err, errlen);
     return rc;
 }

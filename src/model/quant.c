@@ -44,6 +44,24 @@ static int parse_ct(model_quant *q, const json_t *qc, const char *where, char *e
                  where, fmt, QUANT_ACCEPTED);
         return -EINVAL;
     }
+    /* parts of a compressed-tensors config that change the math beyond FP8 weights */
+    const json_t *tc = json_object_get(qc, "transform_config"),
+                 *sp = json_object_get(qc, "sparsity_config");
+    if (tc && !json_is_null(tc) && !(json_is_object(tc) && !json_object_size(tc))) {
+        snprintf(err, errlen,
+                 "%s: compressed-tensors transform_config (rotations applied to the weights and "
+                 "activations) is not supported; accepted: %s",
+                 where, QUANT_ACCEPTED);
+        return -EINVAL;
+    }
+    const char *sfmt = json_string_value(json_object_get(sp, "format"));
+    if (sfmt && strcmp(sfmt, "dense")) {
+        snprintf(err, errlen,
+                 "%s: compressed-tensors sparsity_config format \"%s\" (compressed sparse "
+                 "weights) is not supported; accepted: format \"dense\" or none, with %s",
+                 where, sfmt, QUANT_ACCEPTED);
+        return -EINVAL;
+    }
     const json_t *groups = json_object_get(qc, "config_groups");
     if (!json_is_object(groups) || !json_object_size(groups)) {
         snprintf(err, errlen,

@@ -103,6 +103,53 @@ def test_unsupported_methods_refused(model, tmp_path, qc, needles):
         assert n in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("extra,needles", [
+    ({"transform_config": {"config_groups": {"u": {"type": "hadamard", "apply": []}}}},
+     ["transform_config", "not supported", "accepted:"]),
+    ({"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}},
+     ['sparsity_config format "sparse-24-bitmask"', 'accepted: format "dense"']),
+    ({"sparsity_config": {"format": "dense", "sparsity_structure": "unstructured"}}, None),
+])
+def test_compressed_tensors_extras(model, tmp_path, extra, needles):
+    """The parts of a compressed-tensors config that change the math beyond FP8 weights are
+    refused by name; a dense sparsity_config (values stored as they are) loads."""
+    d = tmp_path / "m"
+    shutil.copytree(model, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"].update(extra)
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = generate(d)
+    if needles is None:
+        assert r.returncode == 0, r.stderr
+        return
+    assert r.returncode != 0
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name,body,needles", [
+    ("quantize_config.json", {"bits": 4, "group_size": 128, "quant_method": "gptq"},
+     ["a gptq-quantized checkpoint", "quantize_config.json", "accepted:"]),
+    ("quantize_config.json", {"w_bit": 4, "q_group_size": 128}, ["gptq or awq", "accepted:"]),
+    ("hf_quant_config.json", {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4"}},
+     ["a NVFP4-quantized checkpoint", "hf_quant_config.json", "accepted:"]),
+])
+def test_quantization_beside_config_refused(model, tmp_path, name, body, needles):
+    """AutoGPTQ/AutoAWQ's quantize_config.json and ModelOpt's hf_quant_config.json describe the
+    quantization beside an unquantized-looking config.json: refused by name at load, not as a
+    missing tensor."""
+    d = tmp_path / "m"
+    shutil.copytree(model, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / name).write_text(json.dumps(body))
+    r = generate(d)
+    assert r.returncode != 0
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
 def test_fp8_without_scales_or_config_refused(model, tmp_path):
     # no quantization_config: the F8_E4M3 tensors are refused naming the missing config
     d = tmp_path / "noqc"
