@@ -1051,6 +1051,11 @@ static int offload_env(engine *e, kv_offload_config *oc, char *err, size_t errle
 static int offload_init(engine *e, const model_config *mc, size_t block_bytes, char *err,
                         size_t errlen) {
     const engine_config *c = &e->cfg;
+    if (c->kv_offload_disk_bytes && !c->kv_offload_disk_dir) {
+        snprintf(err, errlen, "--kv-offloading-disk-size needs the directory of the disk tier: "
+                              "give --kv-offloading-disk DIR too");
+        return -EINVAL;
+    }
     if (!c->kv_offload_bytes) {
         if (c->kv_offload_disk_dir) {
             snprintf(err, errlen, "--kv-offloading-disk needs the host tier above it: give "
@@ -1060,13 +1065,25 @@ static int offload_init(engine *e, const model_config *mc, size_t block_bytes, c
         return 0;
     }
     if (!c->enable_prefix_caching) {
-        LOG_W(MOD, "--kv-offloading-size is ignored: prefix caching is off "
-                   "(--no-enable-prefix-caching), so no block would come back");
-        return 0;
+        snprintf(err, errlen,
+                 "--kv-offloading-size needs the prefix cache (its block hashes key the tiers), "
+                 "which --no-enable-prefix-caching turns off; accepted: one or the other");
+        return -EINVAL;
     }
     if (c->kv_offload_disk_dir && !c->kv_offload_disk_bytes) {
         snprintf(err, errlen, "--kv-offloading-disk '%s' needs --kv-offloading-disk-size GiB",
                  c->kv_offload_disk_dir);
+        return -EINVAL;
+    }
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && psz > 0 && c->kv_offload_bytes > (size_t)pages / 10 * 9 * (size_t)psz) {
+        /* the CPU backend reserves it lazily: a size past memory would start and be killed by
+         * the OOM killer later; pinned memory (CUDA) would fail at once, less clearly */
+        snprintf(err, errlen,
+                 "--kv-offloading-size %.2f GiB is more than 90%% of this machine's memory "
+                 "(%.2f GiB); accepted: a host tier that fits in memory",
+                 (double)c->kv_offload_bytes / (1 << 30),
+                 (double)pages * (double)psz / (1 << 30));
         return -EINVAL;
     }
     kv_offload_config oc = {

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <time.h>
@@ -812,11 +813,30 @@ static const char *fs_name(int fd, char *buf, size_t len) {
     return buf;
 }
 
-/* Open the slab (new, empty): O_DIRECT as cfg.direct_io asks and the filesystem allows
- * (a probe write of one slot, then truncated back), else buffered.  fd, or -1 (err set). */
-static int open_slab(kv_offload *o, char *err, size_t errlen) {
-    const int flags = O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC;
-    int fd = open(o->path, flags, 0600);
+/* the slab's lock for the run's life (remove_stale_slabs leaves a locked slab alone) */
+static void slab_lock(const kv_offload *o, int fd) {
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0)
+        LOG_W(MOD, "cannot lock %s (%s): another run sharing the directory may take it for a "
+                   "stale slab", o->path, strerror(errno));
+}
+
+/* Open the slab (new, empty) at a fresh name DIR/disagg-kv-PID-N.slab: created exclusively
+ * (another container sharing the directory may run a process of the same PID: its slab is
+ * never truncated, the next N is taken) and locked (flock) for the run's life, which is what
+ * remove_stale_slabs asks before it removes a slab.  O_DIRECT as cfg.direct_io asks and the
+ * filesystem allows (a probe write of one slot, then truncated back), else buffered.  fd, or
+ * -1 (err set). */
+static int open_slab(kv_offload *o, const char *dir, char *err, size_t errlen) {
+    static atomic_int serial;
+    const int flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
+    int fd = -1;
+    for (int tries = 0; tries < 1024 && fd < 0; tries++) {
+        snprintf(o->path, sizeof o->path, "%s/disagg-kv-%d-%d.slab", dir, (int)getpid(),
+                 atomic_fetch_add(&serial, 1));
+        fd = open(o->path, flags, 0600);
+        if (fd < 0 && errno != EEXIST) break;
+    }
+    if (fd >= 0) slab_lock(o, fd);
     if (fd < 0) {
         snprintf(err, errlen, "--kv-offloading-disk '%s': cannot create %s: %s; accepted: a "
                  "writable directory", o->cfg.disk_dir, o->path, strerror(errno));
@@ -861,7 +881,9 @@ static int open_slab(kv_offload *o, char *err, size_t errlen) {
               why, strerror(e));
         return fd;
     }
-    close(fd);
+    close(fd); /* its lock with it: the O_DIRECT descriptor takes it (the slab is too new for
+                * another run's sweep meanwhile) */
+    slab_lock(o, dfd);
     o->direct = 1;
     LOG_I(MOD, "disk tier on %s: O_DIRECT (no page cache)", fs);
     return dfd;
@@ -902,8 +924,10 @@ static int loader_start(kv_offload *o, char *err, size_t errlen) {
     return 0;
 }
 
-/* Slabs a killed run left in dir (its pid gone): removed, so crashes do not fill the disk.
- * Never read: their blocks may be another model's. */
+/* Slabs a killed run left in dir: removed, so crashes do not fill the disk.  Never read:
+ * their blocks may be another model's.  A slab is stale when its PID is gone here, nobody
+ * holds its lock (a run in another PID namespace sharing the directory does) and it is older
+ * than a few seconds (the moment between a slab's creation and its lock). */
 static void remove_stale_slabs(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) return;
@@ -916,7 +940,13 @@ static void remove_stale_slabs(const char *dir) {
         if (kill(pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to judge) */
         char path[4096];
         snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
-        if (!unlink(path)) LOG_I(MOD, "removed %s, left by a run that is gone", path);
+        int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0) continue;
+        struct stat st;
+        int stale = !fstat(fd, &st) && S_ISREG(st.st_mode) &&
+                    time(NULL) - st.st_mtime > 10 && !flock(fd, LOCK_EX | LOCK_NB);
+        if (stale && !unlink(path)) LOG_I(MOD, "removed %s, left by a run that is gone", path);
+        close(fd); /* the lock goes with it */
     }
     closedir(d);
 }
@@ -973,9 +1003,6 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
         }
         if (nd > INT32_MAX / 4) nd = INT32_MAX / 4;
         remove_stale_slabs(c->disk_dir);
-        static atomic_int serial;
-        snprintf(o->path, sizeof o->path, "%s/disagg-kv-%d-%d.slab", c->disk_dir, (int)getpid(),
-                 atomic_fetch_add(&serial, 1));
         o->bounce = aligned_alloc(DISK_ALIGN, o->stride);
         o->disk_wb = malloc(nd * sizeof *o->disk_wb);
         if (!o->bounce || !o->disk_wb || tier_init(&o->disk, (int32_t)nd)) {
@@ -988,7 +1015,7 @@ int kv_offload_create(const kv_offload_config *c, backend_stream *st, void *kv_b
             o->disk_wb[i] = -1;
         /* a new, empty file: a restart never finds another run's KV */
         o->cfg.disk_dir = c->disk_dir; /* for open_slab's messages only */
-        o->fd = open_slab(o, err, errlen);
+        o->fd = open_slab(o, c->disk_dir, err, errlen);
         o->cfg.disk_dir = NULL;
         if (o->fd < 0) {
             kv_offload_destroy(o);

@@ -179,14 +179,29 @@ def test_disk_tier_outputs_unchanged_and_removed(tmp_path, shm_dir, reference, m
     /tmp), the buffered fallback on tmpfs, and the writes on the step thread
     (DISAGG_KV_OFFLOAD_WRITES=sync): the same answers, the slab gone at exit."""
     d = shm_dir if mode == "buffered" else tmp_path
+    import fcntl
+    old = time.time() - 60
     stale = d / f"disagg-kv-{dead_pid()}-0.slab"  # a killed run's slab
     stale.write_bytes(b"x" * STRIDE)
+    os.utime(stale, (old, old))
+    # a live run's slab in another PID namespace sharing the directory: its PID is gone here,
+    # but it holds the slab's lock, so it stays
+    foreign = d / f"disagg-kv-{dead_pid()}-1.slab"
+    foreign.write_bytes(b"y" * STRIDE)
+    os.utime(foreign, (old, old))
+    lock = open(foreign, "rb")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     mine = d / "disagg-kv-notes.txt"  # not a slab: left alone
     mine.write_text("keep")
     env = dict(ALWAYS, DISAGG_KV_OFFLOAD_WRITES="sync") if mode == "sync_writes" else ALWAYS
-    s = disk_server(d, env=env)
+    try:
+        s = disk_server(d, env=env)
+    finally:
+        lock.close()
     assert not stale.exists() and mine.exists()
+    assert foreign.read_bytes() == b"y" * STRIDE
     mine.unlink()
+    foreign.unlink()
     try:
         assert [lp for lp, _ in rounds(s, 3)] == reference
         writes_settled(s)
@@ -289,6 +304,13 @@ def test_disk_write_failure_degrades(tmp_path, reference):
     (("--kv-offloading-size", "0.01", "--kv-offloading-disk", "/nonexistent/kv",
       "--kv-offloading-disk-size", "0.01"), "--kv-offloading-disk '/nonexistent/kv': cannot create"),
     (("--kv-offloading-size", "0.00000001"), "--kv-offloading-size holds no KV block"),
+    (("--kv-offloading-size", "0.01", "--kv-offloading-disk-size", "0.01"),
+     "--kv-offloading-disk-size needs the directory of the disk tier"),
+    (("--kv-offloading-size", "0.01", "--no-enable-prefix-caching"),
+     "--kv-offloading-size needs the prefix cache"),
+    (("--kv-offloading-size", "1000000"), "more than 90% of this machine's memory"),
+    (("--kv-offloading-size", "0.01", "-tp", "2"),
+     "--kv-offloading-size / --kv-offloading-disk with -tp > 1 are not implemented"),
 ])
 def test_bad_offload_flags(args, msg):
     with pytest.raises(RuntimeError) as ex:

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -442,6 +443,51 @@ static void test_direct_io_modes(void **state) {
     backend_stream_free(st);
 }
 
+/* Two runs sharing a directory whose PIDs coincide (containers: both PID 1): a slab name that
+ * exists is never truncated or reused -- the next one is taken -- and the slab is locked for
+ * the run's life (what another run's stale-slab sweep asks before removing it). */
+static void test_slab_names_exclusive(void **state) {
+    (void)state;
+    char dir[] = "/tmp/kvoff-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    backend_stream *st = backend_stream_create(backend_cpu_default());
+    kv_offload_config c = {1 * BB, dir, 4 * 8192, BB, 42, 16, 0, 0, 0, 0, 0, 0};
+    kv_offload *o;
+    char err[256], taken[3][4200];
+    assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+    int pid, n;
+    const char *base = strrchr(kv_offload_disk_path(o), '/') + 1;
+    assert_int_equal(sscanf(base, "disagg-kv-%d-%d.slab", &pid, &n), 2);
+    assert_int_equal(pid, (int)getpid());
+    int lk = open(kv_offload_disk_path(o), O_RDONLY); /* locked by the run */
+    assert_true(lk >= 0);
+    assert_int_not_equal(flock(lk, LOCK_EX | LOCK_NB), 0);
+    close(lk);
+    kv_offload_destroy(o);
+    for (int k = 0; k < 3; k++) { /* "another container's" slabs at the next names */
+        snprintf(taken[k], sizeof taken[k], "%s/disagg-kv-%d-%d.slab", dir, pid, n + 1 + k);
+        FILE *f = fopen(taken[k], "w");
+        assert_non_null(f);
+        fputs("theirs", f);
+        fclose(f);
+    }
+    assert_int_equal(kv_offload_create(&c, st, kv, &o, err, sizeof err), 0);
+    for (int k = 0; k < 3; k++)
+        assert_string_not_equal(kv_offload_disk_path(o), taken[k]);
+    kv_offload_destroy(o);
+    for (int k = 0; k < 3; k++) {
+        char buf[16] = "";
+        FILE *f = fopen(taken[k], "r");
+        assert_non_null(f);
+        assert_non_null(fgets(buf, sizeof buf, f));
+        fclose(f);
+        assert_string_equal(buf, "theirs");
+        unlink(taken[k]);
+    }
+    backend_stream_free(st);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_host_lru),
@@ -452,6 +498,7 @@ int main(void) {
         cmocka_unit_test(test_torn_slot_refused),
         cmocka_unit_test(test_disk_slot_busy_writing),
         cmocka_unit_test(test_direct_io_modes),
+        cmocka_unit_test(test_slab_names_exclusive),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
