@@ -504,6 +504,14 @@ int kv_events_publisher_create(const kv_events_config *c, kv_events_publisher **
     LOG_I(MOD, "publishing KV cache events on %s (%s)%s%s, %s events", c->endpoint,
           b ? "bound" : "connected", c->replay_endpoint[0] ? ", replay on " : "",
           c->replay_endpoint, c->map_events ? "map" : "array");
+    /* BlockStored carries every cached block's token ids: the prompts, unauthenticated (ZMQ
+     * has no credentials here, as in vLLM) */
+    if ((b && !strncmp(c->endpoint, "tcp://*", 7)) || !strncmp(c->replay_endpoint, "tcp://*", 7))
+        LOG_W(MOD, "the KV events (and their replay) carry the token ids of every cached prompt "
+                   "to anyone who can reach %s%s%s: bind a private address in --kv-events-config "
+                   "or keep the port behind a firewall (docs/security.md)",
+              b ? c->endpoint : "", b && c->replay_endpoint[0] ? " and " : "",
+              c->replay_endpoint);
     *out = p;
     return 0;
 }
