@@ -15,6 +15,9 @@ amax / 448 per block; embeddings, lm_head, norms and biases stay f32.
                            [N, 1] stored bf16, dynamic per-token activations, lm_head ignored
   qwen3-fp8-tensor-tiny    Qwen3 (q/k norm), compressed-tensors per-tensor weight_scale [1] and
                            a static per-tensor input_scale [1] (activation scheme static)
+  qwen2-fp8-block512-tiny  the block variant at hidden 512, intermediate 1024 (tied): every K a
+                           multiple of 512, the shapes the CUDA W8A8 block GEMM takes (the GPU
+                           test compares it with the CPU; no transformers golden)
   qwen2-online-tiny        an unquantized f32 Qwen2 checkpoint (hidden 192): what
                            `--quantization fp8` quantizes at load (per-channel); its --twin is
                            that quantization, done here with the same arithmetic
@@ -53,6 +56,11 @@ VARIANTS = {
                                   extra={"rope_theta": 1000000.0, "attention_bias": False,
                                          "use_sliding_window": False, "sliding_window": None,
                                          "max_window_layers": 2}),
+    "qwen2-fp8-block512-tiny": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden=512, heads=8,
+                                    kv_heads=2, head_dim=64, inter=1024, tie=True, bias=True, qk_norm=False,
+                                    seed=2905, scheme="block", scale_dtype="F32",
+                                    extra={"rope_theta": 1000000.0, "use_sliding_window": False,
+                                           "sliding_window": None, "max_window_layers": 2}),
     "qwen2-online-tiny": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden=192, heads=4, kv_heads=2,
                               head_dim=48, inter=320, tie=False, bias=True, qk_norm=False, seed=2904,
                               scheme="online", scale_dtype="F32",

@@ -212,16 +212,22 @@ static void test_model_arch(void **st) {
 static void test_model_fp8(void **st) {
     NEED_GPU();
     const char *names[] = {"qwen2-fp8-block-tiny", "llama-fp8-channel-tiny",
-                           "qwen3-fp8-tensor-tiny"};
-    for (int i = 0; i < 3; i++) {
+                           "qwen3-fp8-tensor-tiny", "qwen2-fp8-block512-tiny"};
+    for (int i = 0; i < 4; i++) {
         char dir[1024];
         json_t *g = fixture_model(names[i], dir, sizeof dir);
         assert_non_null(g);
         int32_t ids[300];
         for (int k = 0; k < 300; k++)
             ids[k] = (int32_t)((k * 7919 + 31 * i) % 150000);
-        compare_model(dir, ids, 300, DCU_F32, 0.05);
-        compare_model(dir, ids, 300, DCU_BF16, 0.05);
+        /* qwen2-fp8-block512-tiny (every K a multiple of 512) prefills on the W8A8 block GEMM
+         * (the default, DISAGG_CUDA_FP8_GEMM): its activations are quantized to e4m3 in
+         * 128-column groups too, about 2^-4 relative a value, where the CPU keeps them f32.
+         * 0.1 is a first bound, not yet measured on the H200 (added on 4 December without the
+         * device): the run prints the error to tighten it by */
+        double tol = i == 3 ? 0.1 : 0.05;
+        compare_model(dir, ids, 300, DCU_F32, tol);
+        compare_model(dir, ids, 300, DCU_BF16, tol);
         json_decref(g);
     }
 }
