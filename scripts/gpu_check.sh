@@ -309,6 +309,21 @@ moevar_steps() {
     env $v "$BIN" bench moe --experts 8 --top-k 2 --hidden 4096 --inter 14336 --tokens 1,4,8,16,32,64,512,4096 --iters 10
     check $? "bench moe mixtral layer, $v"
   done
+  # MOEVAR_MODEL=1: the whole models' batched decode with the small tiles (DISAGG_CUDA_MOE_BM=auto)
+  # against the default in the same run (Mixtral b32 takes the grouped GEMM by the path rule;
+  # Qwen3-30B-A3B b64 only with DISAGG_CUDA_MOE_DEC_PAIRS=0)
+  [ -n "${MOEVAR_MODEL:-}" ] || return 0
+  for s in mixtral-8x7b qwen3-30b-a3b; do
+    [ -d "$SRC/bench/shapes/$s" ] || continue
+    b=32; [ "$s" = qwen3-30b-a3b ] && b=64
+    for v in "DISAGG_CUDA_MOE_BM=128" "DISAGG_CUDA_MOE_BM=auto" "DISAGG_CUDA_MOE_DEC_PAIRS=0 DISAGG_CUDA_MOE_BM=auto"; do
+      step "moevar: bench model $s --batches $b, $v"
+      # shellcheck disable=SC2086
+      env DISAGG_MOE_GENERIC=0 $v "$BIN" bench model "$SRC/bench/shapes/$s" --device cuda --load-format dummy \
+        --prompt-lens 16 --batches "$b" --long-context 1024
+      check $? "bench model $s b$b, $v"
+    done
+  done
 }
 if [ "${ONLY:-}" = moevar ]; then
   moevar_steps
