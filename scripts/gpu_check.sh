@@ -903,6 +903,29 @@ poolfetch_steps() {
     check $? "pool_fetch_bench (cuda, $proto)"
   done
 }
+# ONLY=pending: what the 4 December session wrote without device time, checked in one call --
+# the MoE grouped GEMM's small M tiles (test_backend_ops' MoE cases and test_backend_ops_moe
+# with the grouped GEMM at every T and each tile, then their layer times: moevar_steps),
+# test_cuda_model (the block-FP8 checkpoint at K % 512 on the W8A8 GEMM among the rest), and
+# the KV pool's tests on the GPU with the batched loader (test_kv_offload.py, test_kv_events.py,
+# test_kv_pool_multiturn.py) before its benchmark (kvpool_steps).
+pending_steps() {
+  moevar_steps
+  step "pending: test_cuda_model (FP8 checkpoints incl. qwen2-fp8-block512-tiny on the W8A8 GEMM)"
+  "$BUILD/test_cuda_model" 2>&1 | grep -E "model .*fp8|FAILED|ERROR|PASSED|OK"
+  check ${PIPESTATUS[0]} "test_cuda_model"
+  step "pending: test_kv_pool_multiturn.py on the GPU"
+  DISAGG_TEST_DEVICE=cuda DISAGG_BIN=$BIN python3 -m pytest -q -p no:cacheprovider \
+    tests/integration/test_kv_pool_multiturn.py 2>&1 | tail -5
+  check ${PIPESTATUS[0]} "kv pool multi-turn test (cuda)"
+  kvpool_steps
+}
+if [ "${ONLY:-}" = pending ]; then
+  pending_steps
+  step "summary"
+  echo "gpu_check (ONLY=pending): $fails failed step(s)"
+  exit $((fails > 0))
+fi
 if [ "${ONLY:-}" = inv ] || [ "${ONLY:-}" = kv ] || [ "${ONLY:-}" = prefill ] || [ "${ONLY:-}" = arch ] ||
    [ "${ONLY:-}" = profile ] || [ "${ONLY:-}" = fp8kv ] || [ "${ONLY:-}" = fp8 ] || [ "${ONLY:-}" = fp8gemv ] ||
    [ "${ONLY:-}" = stream ] || [ "${ONLY:-}" = kvpool ] || [ "${ONLY:-}" = poolfetch ] ||
