@@ -18,6 +18,10 @@ amax / 448 per block; embeddings, lm_head, norms and biases stay f32.
   qwen2-fp8-block512-tiny  the block variant at hidden 512, intermediate 1024 (tied): every K a
                            multiple of 512, the shapes the CUDA W8A8 block GEMM takes (the GPU
                            test compares it with the CPU; no transformers golden)
+  qwen3-fp8-ctblock-tiny   compressed-tensors strategy "block" with block_structure [128, 128] at
+                           hidden 64: every scale grid has one block row or column ([1, 2],
+                           [2, 1], [1, 1]); weight_scale F32 (no transformers golden: its test
+                           compares it with its --twin served the same way)
   qwen2-online-tiny        an unquantized f32 Qwen2 checkpoint (hidden 192): what
                            `--quantization fp8` quantizes at load (per-channel); its --twin is
                            that quantization, done here with the same arithmetic
@@ -61,6 +65,12 @@ VARIANTS = {
                                     seed=2905, scheme="block", scale_dtype="F32",
                                     extra={"rope_theta": 1000000.0, "use_sliding_window": False,
                                            "sliding_window": None, "max_window_layers": 2}),
+    "qwen3-fp8-ctblock-tiny": dict(arch="Qwen3ForCausalLM", model_type="qwen3", hidden=64, heads=4, kv_heads=2,
+                                   head_dim=32, inter=160, tie=True, bias=False, qk_norm=True, seed=2906,
+                                   scheme="ctblock", scale_dtype="F32",
+                                   extra={"rope_theta": 1000000.0, "attention_bias": False,
+                                          "use_sliding_window": False, "sliding_window": None,
+                                          "max_window_layers": 2}),
     "qwen2-online-tiny": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden=192, heads=4, kv_heads=2,
                               head_dim=48, inter=320, tie=False, bias=True, qk_norm=False, seed=2904,
                               scheme="online", scale_dtype="F32",
@@ -186,6 +196,14 @@ def write_st(path, items):
 
 
 def quant_config(v):
+    if v["scheme"] == "ctblock":
+        w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+             "strategy": "block", "block_structure": [128, 128], "observer": "minmax"}
+        ia = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "group",
+              "group_size": 128}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "input_activations": ia}},
+                "ignore": ["lm_head"], "kv_cache_scheme": None}
     if v["scheme"] == "block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
     w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
@@ -200,7 +218,7 @@ def quant_config(v):
 
 def blocks(v, shape):
     s = v["scheme"]
-    return (128, 128) if s == "block" else (1, shape[1]) if s in ("channel", "online") else shape
+    return (128, 128) if s in ("block", "ctblock") else (1, shape[1]) if s in ("channel", "online") else shape
 
 
 def write_config(v, d, qc):
@@ -243,6 +261,8 @@ def write(variant, out_dir, twin_dir=None, orig_dir=None):
             items.append((name, "F8_E4M3", q, shape))
             if v["scheme"] == "block":
                 items.append((base + "weight_scale_inv", "F32", s, s.shape))
+            elif v["scheme"] == "ctblock":
+                items.append((base + "weight_scale", "F32", s, s.shape))
             elif v["scheme"] == "channel":
                 s = bf16_round(s)  # stored bf16: the twin uses the stored value
                 items.append((base + "weight_scale", "BF16", s, (shape[0], 1)))

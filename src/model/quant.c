@@ -99,6 +99,24 @@ static int parse_ct(model_quant *q, const json_t *qc, const char *where, char *e
         q->ct_strategy = strat && !strcmp(strat, "tensor")  ? QUANT_CT_TENSOR
                          : strat && !strcmp(strat, "block") ? QUANT_CT_BLOCK
                                                             : QUANT_CT_CHANNEL;
+        if (q->ct_strategy == QUANT_CT_BLOCK) { /* block_structure [rows, cols], default 128 */
+            const json_t *bs = json_object_get(w, "block_structure");
+            json_int_t a = 128, b = 128;
+            if (bs && !json_is_null(bs)) {
+                a = json_integer_value(json_array_get(bs, 0));
+                b = json_integer_value(json_array_get(bs, 1));
+                if (!json_is_array(bs) || json_array_size(bs) != 2 || a < 1 || b < 1 ||
+                    a > 65536 || b > 65536) {
+                    snprintf(err, errlen,
+                             "%s: compressed-tensors config_groups.%s weights.block_structure is "
+                             "not accepted (accepted: two positive integers, e.g. [128, 128])",
+                             where, gname);
+                    return -EINVAL;
+                }
+            }
+            q->block_n = (int)a;
+            q->block_k = (int)b;
+        }
     }
     q->kind = QUANT_FP8_CT;
     q->scale_suffix = "weight_scale";

@@ -316,10 +316,10 @@ static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *
         if (q->kind == QUANT_FP8) /* weight_block_size, else one scale a tensor */
             f->bn = q->block_n > 0 ? q->block_n : rows, f->bk = q->block_k > 0 ? q->block_k : cols;
         else if (q->kind == QUANT_FP8_CT)
-            f->bn = q->ct_strategy == QUANT_CT_BLOCK    ? 128
+            f->bn = q->ct_strategy == QUANT_CT_BLOCK    ? q->block_n
                     : q->ct_strategy == QUANT_CT_TENSOR ? rows
                                                         : 1,
-            f->bk = q->ct_strategy == QUANT_CT_BLOCK ? 128 : cols;
+            f->bk = q->ct_strategy == QUANT_CT_BLOCK ? q->block_k : cols;
         else /* online: per channel; dummy weights in 128 x 128 blocks (the FP8 tensor cores' form) */
             f->bn = w->dummy_seed ? 128 : 1, f->bk = w->dummy_seed ? 128 : cols;
         nkb = (cols + f->bk - 1) / f->bk;
@@ -393,15 +393,12 @@ static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *
     else if (sc->n_dims == 2 && bn0 > 0 && sc->shape[0] == (rows + bn0 - 1) / bn0 &&
              sc->shape[1] == (cols + bk0 - 1) / bk0)
         f->bn = bn0, f->bk = bk0;
-    else if (sc->n_dims == 2 && bn0 <= 0 && sc->shape[0] > 1 && sc->shape[1] > 1 &&
-             (rows + 127) / 128 == sc->shape[0] && (cols + 127) / 128 == sc->shape[1])
-        f->bn = f->bk = 128; /* compressed-tensors strategy block: its default 128 x 128 */
     else {
         snprintf(err, errlen,
                  "%s: scale tensor of '%s' has %lld elements in %d dims; accepted for a (%d, %d) "
                  "matrix: 1 (per tensor), %d (per channel) or the %s block grid",
                  st_set_file_of(&w->st, sc), name, (long long)numel, sc->n_dims, rows, cols, rows,
-                 bn0 > 0 ? "weight_block_size" : "128 x 128");
+                 bn0 > 0 ? "weight_block_size / block_structure" : "128 x 128");
         return -EINVAL;
     }
     if (w_dtype(sc->dtype, &sdt)) {

@@ -213,3 +213,33 @@ def test_quantization_flag_end_to_end(model, tmp_path):
                        text=True, timeout=120)
     assert r.returncode != 0 and "FP8 weights with tensor parallelism" in r.stderr, r.stderr
     assert "accepted: -tp 1 with FP8" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(server_harness.on_gpu(), reason=server_harness.CPU_EXACT)
+def test_compressed_tensors_block_grids(tmp_path):
+    """compressed-tensors strategy "block" (block_structure [128, 128]) at hidden 64: every scale
+    grid has one block row or one block column ([1, 2], [2, 1], [1, 1]).  The CPU's dequantized
+    weights are then numpy's (the checkpoint's f32 twin, tools/gen_random_fp8.py --twin), so
+    the served logprobs are the twin's exactly."""
+    v = "qwen3-fp8-ctblock-tiny"
+    d, twin = tmp_path / v, tmp_path / "twin"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gen_random_fp8.py"), "--out", str(d), "--variant", v,
+                    "--twin", str(twin)], check=True, capture_output=True)
+    body = {"model": "tiny", "prompt": [(k * 7919) % 150000 for k in range(40)], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True}
+    got = []
+    for m in (d, twin):
+        s = Server(*COMMON, model=str(m), name="tiny")
+        try:
+            r = requests.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["logprobs"])
+        finally:
+            assert s.stop() == 0
+    assert got[0] == got[1]
+    # a block_structure that is not two positive integers is refused naming it
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["block_structure"] = [128]
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = generate(d)
+    assert r.returncode != 0 and "block_structure" in r.stderr and "two positive integers" in r.stderr, r.stderr
