@@ -767,12 +767,19 @@ static int w_kv_scales(model_weights *w, const model_config *c, char *err, size_
         snprintf(n, sizeof n, "model.layers.%d.self_attn.kv_scale", l);
         if ((rc = w_scalar(w, n, &kv, err, errlen)) < 0) goto bad;
         if (rc) ks[l] = vs[l] = kv, any = 1;
-        snprintf(n, sizeof n, "model.layers.%d.self_attn.k_scale", l);
-        if ((rc = w_scalar(w, n, &ks[l], err, errlen)) < 0) goto bad;
-        any |= rc;
-        snprintf(n, sizeof n, "model.layers.%d.self_attn.v_scale", l);
-        if ((rc = w_scalar(w, n, &vs[l], err, errlen)) < 0) goto bad;
-        any |= rc;
+        /* older llm-compressor checkpoints name them k_proj.output_scale / v_proj.output_scale
+         * (vLLM remaps those names to the same scales) */
+        for (int which = 0; which < 2; which++) {
+            const char *kv = which ? "v" : "k";
+            float *dst = which ? &vs[l] : &ks[l];
+            snprintf(n, sizeof n, "model.layers.%d.self_attn.%s_scale", l, kv);
+            if ((rc = w_scalar(w, n, dst, err, errlen)) < 0) goto bad;
+            any |= rc;
+            if (rc) continue;
+            snprintf(n, sizeof n, "model.layers.%d.self_attn.%s_proj.output_scale", l, kv);
+            if ((rc = w_scalar(w, n, dst, err, errlen)) < 0) goto bad;
+            any |= rc;
+        }
         continue;
     bad:
         free(ks);

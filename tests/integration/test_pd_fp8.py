@@ -187,3 +187,29 @@ def test_bad_checkpoint_scale_refused_at_start(tmp_path, value, words):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0, r.stderr
     assert "model.layers.0.self_attn.k_scale" in r.stderr and words in r.stderr, r.stderr
+
+
+def test_output_scale_names(tmp_path):
+    """Older llm-compressor checkpoints name the KV scales k_proj.output_scale /
+    v_proj.output_scale (vLLM remaps them): the same scales as k_scale / v_scale, the same
+    answers to the last logprob."""
+    n = n_layers()
+    new = with_scales(str(tmp_path / "new"), scale_names(n, 0.05, 0.02))
+    old = {}
+    for layer in range(n):
+        old[f"model.layers.{layer}.self_attn.k_proj.output_scale"] = 0.05
+        old[f"model.layers.{layer}.self_attn.v_proj.output_scale"] = 0.02
+    old = with_scales(str(tmp_path / "old"), old)
+    got = []
+    for m in (new, old):
+        s = Server(*COMMON, *FP8, model=m)
+        try:
+            assert "per-tensor scales k_scale / v_scale from the checkpoint" in open(s.log_path).read()
+            r = requests.post(s.url + "/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 3,
+                "ignore_eos": True}, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["logprobs"])
+        finally:
+            assert s.stop() == 0
+    assert got[0] == got[1]
