@@ -568,7 +568,15 @@ static const char *engine_kernels(const engine *e) {
     return backend_kernels_name(e->be);
 }
 
-/* FNV-1a over the bits of every layer's k_scale and v_scale */
+/* FNV-1a (32 bit) of n bytes, continuing from h (2166136261u to start): the fingerprint's
+ * short hashes */
+static uint32_t fnv1a(uint32_t h, const unsigned char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ p[i]) * 16777619u;
+    return h;
+}
+
+/* FNV-1a over the bits of every layer's k_scale and v_scale (each least significant byte first) */
 static uint32_t engine_kv_scales_hash(const engine *e) {
     uint32_t h = 2166136261u;
     for (int l = 0; l < e->model.cfg.n_layers; l++)
@@ -576,8 +584,9 @@ static uint32_t engine_kv_scales_hash(const engine *e) {
             float f = (which ? e->model.w.v_scale : e->model.w.k_scale)[l];
             uint32_t u;
             memcpy(&u, &f, 4);
-            for (int b = 0; b < 4; b++)
-                h = (h ^ ((u >> (8 * b)) & 0xffu)) * 16777619u;
+            unsigned char b[4] = {(unsigned char)u, (unsigned char)(u >> 8),
+                                  (unsigned char)(u >> 16), (unsigned char)(u >> 24)};
+            h = fnv1a(h, b, 4);
         }
     return h;
 }
@@ -594,10 +603,8 @@ static uint32_t engine_rope_hash(const model_config *c) {
                      r->high_freq_factor, r->original_max_position, r->beta_fast, r->beta_slow,
                      r->truncate, r->attention_factor,
                      strcmp(r->type, "dynamic") ? 0 : c->max_position, c->head_dim);
-    uint32_t h = 2166136261u;
-    for (int i = 0; i < n && i < (int)sizeof buf; i++)
-        h = (h ^ (unsigned char)buf[i]) * 16777619u;
-    return h;
+    return fnv1a(2166136261u, (const unsigned char *)buf,
+                 n < 0 ? 0 : n < (int)sizeof buf ? (size_t)n : sizeof buf - 1);
 }
 
 /* Rank 0 with shared worker regions (cfg.tp_kv_fds): size each rank's memfd to the region

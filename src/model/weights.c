@@ -306,22 +306,34 @@ static void *w_qrun(void *arg) {
     return NULL;
 }
 
+/* The scale blocks (bn rows x bk columns) a matrix quantized at load gets: the config's
+ * layout for dummy weights of an FP8 config (fp8: weight_block_size, else one scale a tensor;
+ * compressed-tensors: its strategy), else --quantization fp8's -- per channel, or 128 x 128
+ * blocks for dummy weights (the FP8 tensor cores' form). */
+static void w_quant_layout(const model_weights *w, int rows, int cols, int *bn, int *bk) {
+    const model_quant *q = &w->quant;
+    if (q->kind == QUANT_FP8) {
+        *bn = q->block_n > 0 ? q->block_n : rows;
+        *bk = q->block_k > 0 ? q->block_k : cols;
+    } else if (q->kind == QUANT_FP8_CT && q->ct_strategy == QUANT_CT_BLOCK) {
+        *bn = q->block_n;
+        *bk = q->block_k;
+    } else if (q->kind == QUANT_FP8_CT) {
+        *bn = q->ct_strategy == QUANT_CT_TENSOR ? rows : 1;
+        *bk = cols;
+    } else {
+        *bn = w->dummy_seed ? 128 : 1;
+        *bk = w->dummy_seed ? 128 : cols;
+    }
+}
+
 /* The e4m3 matrix `name` (rows, cols) of the checkpoint, or (online) t quantized here. */
 static int w_fp8_get(model_weights *w, w_fp8 *f, const char *name, const w_src *t, int rows,
                      int cols, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
     int nkb, ngrid;
     if (t->dt != BACKEND_F8E4M3) { /* --quantization fp8, or dummy weights of an FP8 config */
-        const model_quant *q = &w->quant;
-        if (q->kind == QUANT_FP8) /* weight_block_size, else one scale a tensor */
-            f->bn = q->block_n > 0 ? q->block_n : rows, f->bk = q->block_k > 0 ? q->block_k : cols;
-        else if (q->kind == QUANT_FP8_CT)
-            f->bn = q->ct_strategy == QUANT_CT_BLOCK    ? q->block_n
-                    : q->ct_strategy == QUANT_CT_TENSOR ? rows
-                                                        : 1,
-            f->bk = q->ct_strategy == QUANT_CT_BLOCK ? q->block_k : cols;
-        else /* online: per channel; dummy weights in 128 x 128 blocks (the FP8 tensor cores' form) */
-            f->bn = w->dummy_seed ? 128 : 1, f->bk = w->dummy_seed ? 128 : cols;
+        w_quant_layout(w, rows, cols, &f->bn, &f->bk);
         nkb = (cols + f->bk - 1) / f->bk;
         ngrid = (rows + f->bn - 1) / f->bn * nkb;
         f->q_own = malloc((size_t)rows * cols);
