@@ -32,7 +32,7 @@ from pathlib import Path
 
 import requests
 
-from server_harness import BIN, MODEL
+from server_harness import BIN, MODEL, free_port
 
 PREFIX = "dgmh-"
 BRIDGE_ALIAS = "disagg-multihost-test"
@@ -404,10 +404,7 @@ class Proxy:
     prefills = [(NsServer, bootstrap_port)], decodes = [NsServer]."""
 
     def __init__(self, prefills, decodes, extra=(), ready_timeout=30):
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [BIN, "proxy", "--host", "127.0.0.1", "--port", str(self.port), "--health-interval", "0.2"]
         for p, boot in prefills:

@@ -20,21 +20,44 @@ MODEL = ROOT / "models" / "disagg-sotu-tiny"
 DATA = ROOT / "tests" / "data"
 
 
+# Ports come from below the kernel's ephemeral range (32768-60999 by default): a port taken
+# from the ephemeral range and released can be handed by the kernel to anyone's outgoing
+# connection or `bind(0)` listener (our own servers' transfer and side-channel sockets
+# included) before the server meant to use it binds it -- a bootstrap port was lost that way
+# in CI.  Below the range only explicit binds compete; each port is handed out once per test
+# process, starting at a pid-dependent offset so that concurrent test processes spread out.
+_PORT_LO, _PORT_HI = 20000, 32760
 _HANDED_OUT = set()
+_next_port = _PORT_LO + (os.getpid() * 97) % (_PORT_HI - _PORT_LO)
+
+
+def _ephemeral_low():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port():
-    """A port free now and never handed out before in this test process: two calls in a row
-    can get the same ephemeral port from the kernel (a server's --port and its bootstrap
-    port once collided that way), so each port is handed out once."""
-    for _ in range(1000):
+    """A port free now, never handed out before in this test process, and outside the
+    kernel's ephemeral port range (see above)."""
+    global _next_port
+    hi = min(_PORT_HI, _ephemeral_low())
+    span = hi - _PORT_LO
+    for _ in range(span):
+        port = _PORT_LO + (_next_port - _PORT_LO) % span
+        _next_port = port + 1
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no free port not already handed out after 1000 tries")
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORT_LO}-{hi} not already handed out")
 
 
 def device_args(extra):

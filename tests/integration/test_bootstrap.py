@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from server_harness import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.environ.get("DISAGG_BIN", str(ROOT / "build" / "disagg"))
 
@@ -187,16 +189,10 @@ def test_cli_register_and_query(server):
     assert time.monotonic() - t0 < 1.0
 
 
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_register_unreachable_retries_then_fails():
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     r = subprocess.run([BIN, "bootstrap", "register", "--server", f"127.0.0.1:{port}",
                         "--engine-id", "e", "--addr", "tcp://1.2.3.4:5"],
@@ -234,7 +230,7 @@ def test_register_timeout_per_attempt_is_bounded():
 
 
 def test_register_succeeds_when_server_comes_up_during_backoff():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([BIN, "bootstrap", "register", "--server", f"127.0.0.1:{port}",
                              "--engine-id", "late", "--addr", "tcp://1.2.3.4:5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -277,7 +273,7 @@ def test_port_in_use_and_bad_env():
 
 
 def test_env_port_default():
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([BIN, "bootstrap", "--host", "127.0.0.1"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
                          env=_env(VLLM_MOONCAKE_BOOTSTRAP_PORT=str(port)))
@@ -344,7 +340,7 @@ def test_entries_whose_side_channel_refuses_are_dropped():
     """A worker whose side channel refuses connections (nothing listens: the instance
     is gone) leaves the table after 3 refused probes; a live one stays."""
     live = _listener()
-    dead_port = _free_port()
+    dead_port = free_port()
     p, port = start_server(DISAGG_BOOTSTRAP_PROBE_INTERVAL="0.2")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -381,14 +377,14 @@ def test_a_restarted_prefill_replaces_its_dead_entry():
     url = f"http://127.0.0.1:{port}"
     live = _listener()
     try:
-        assert reg(url, engine_id="old", addr=f"tcp://127.0.0.1:{_free_port()}").status_code == 200
+        assert reg(url, engine_id="old", addr=f"tcp://127.0.0.1:{free_port()}").status_code == 200
         new_addr = f"tcp://127.0.0.1:{live.getsockname()[1]}"
         r = reg(url, engine_id="new", addr=new_addr)  # a restart with a new random engine id
         assert r.status_code == 200, r.text
         assert requests.get(url + "/query", timeout=10).json() == {
             "0": {"engine_id": "new", "worker_addr": {"0": {"0": new_addr}}}}
         # the same rank at another (live) address: the live one stands
-        r = reg(url, engine_id="new", addr=f"tcp://127.0.0.1:{_free_port()}")
+        r = reg(url, engine_id="new", addr=f"tcp://127.0.0.1:{free_port()}")
         assert r.status_code == 400 and "already registered at" in r.json()["detail"]
         r = reg(url, engine_id="other", addr=new_addr)
         assert r.status_code == 400 and "Engine ID mismatch" in r.json()["detail"]
