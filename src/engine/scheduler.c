@@ -183,6 +183,11 @@ static int locate_prefix(scheduler *s, seq *q, int full) {
  * background when async (the return is 1: q must wait for them, SEQ_LOADING; -1: too
  * few free blocks to start them, q holds nothing and waits), else before this returns
  * (0). */
+static void note_tier_blocks(seq *q, int n_tier_blocks, int bs) {
+    if (n_tier_blocks > q->n_blocks) n_tier_blocks = q->n_blocks;
+    if (n_tier_blocks * bs > q->n_tier_cached) q->n_tier_cached = n_tier_blocks * bs;
+}
+
 static int take_cached_prefix(scheduler *s, seq *q, int async) {
     if (!s->cfg.enable_prefix_caching || q->no_prefix_cache || q->n_blocks > 0) return 0;
     int bs = s->cfg.block_size;
@@ -246,8 +251,12 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
         if (bp->tier.load) bp->ext_queries++;
     }
     q->n_blocks = q->n_hashed = end;
+    int tier_blocks = 0;
+    for (int i = 0; i < end; i++)
+        tier_blocks += s->kinds[i] != KV_LOAD_DEVICE;
     if (pending) {
         q->state = SEQ_LOADING;
+        q->n_tier_pending = tier_blocks;
         q->n_loads = pending;
         q->load_end = end;
         q->t_load_ns = clock_now_ns();
@@ -256,6 +265,7 @@ static int take_cached_prefix(scheduler *s, seq *q, int async) {
         return 1;
     }
     q->n_computed = q->n_cached = end * bs;
+    note_tier_blocks(q, tier_blocks, bs);
     return 0;
 }
 
@@ -287,6 +297,10 @@ void sched_load_done(scheduler *s, seq *q, int32_t block, int ok) {
     /* first in line with its prefix computed; if it cannot be admitted, it lets the blocks
      * go (sched_step: a waiting sequence never holds up another) */
     q->n_computed = q->n_cached = q->n_blocks * bs;
+    /* a failed copy cut the prefix: its tier blocks past the cut are not counted (at most
+     * n_blocks of them are, whichever they were) */
+    note_tier_blocks(q, q->n_tier_pending, bs);
+    q->n_tier_pending = 0;
     s->n_loading--;
     s->loads_waited++;
     s->load_wait_ns += clock_now_ns() - q->t_load_ns;

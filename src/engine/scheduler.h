@@ -35,6 +35,10 @@ typedef struct seq {
     int n_tokens, cap_tokens, n_prompt;
     int n_computed;  /* KV present for tokens[0, n_computed) */
     int n_cached;    /* of those, taken from the prefix cache at admission */
+    int n_tier_cached;  /* the most prompt tokens one admission copied back from the offload
+                         * tiers (metrics: vLLM counts them as external_kv_transfer); a later
+                         * admission finding them in the device cache keeps the count */
+    int n_tier_pending; /* SEQ_LOADING: blocks of its prefix being copied from the tiers */
     int32_t *blocks; /* (cap_blocks) block table */
     int n_blocks, cap_blocks;
     uint64_t *hashes; /* (cap_blocks) prefix hash of full blocks [0, n_hashed) */

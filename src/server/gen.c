@@ -31,6 +31,7 @@ typedef struct gen_event {
     char *error;                         /* FINISHED with "error" */
     int error_status;                    /* its HTTP status (0 = 500) */
     int n_prompt, n_cached, n_generated; /* FINISHED: usage */
+    int n_tier_cached;                   /* FINISHED: of n_cached, from the offload tiers */
     int kv_role, n_kv_recv, n_computed;  /* FINISHED: P/D accounting */
     int kv_layerwise;                    /* FINISHED: the KV came layer by layer */
     metrics_request timing;              /* FINISHED: the engine's timeline */
@@ -59,6 +60,7 @@ void gen_engine_event_fn(void *ctx, const engine_event *ev) {
         g->error_status = ev->error_status;
         g->n_prompt = ev->n_prompt;
         g->n_cached = ev->n_cached;
+        g->n_tier_cached = ev->n_tier_cached;
         g->n_generated = ev->n_generated;
         g->kv_role = ev->kv_role;
         g->n_kv_recv = ev->n_kv_received;
@@ -556,6 +558,7 @@ static void gen_on_finished(gen_choice *c, gen_event *g) {
     q.max_tokens_param = r->o.max_tokens;
     q.n_param = c->seq == 0 ? r->o.n : 0; /* once per prompt */
     q.n_cached = g->n_cached;
+    q.n_tier_cached = g->n_tier_cached;
     q.n_kv_received = g->n_kv_recv;
     q.remote_prefill = g->kv_role == KV_REQ_REMOTE_PREFILL;
     metrics_observe_request(&r->s->metrics, &q);

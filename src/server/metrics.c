@@ -111,6 +111,10 @@ void metrics_observe_prompt_sources(server_metrics *m, const metrics_request *q)
     if (cached > q->n_prompt) cached = q->n_prompt;
     if (ext > q->n_prompt - cached) ext = q->n_prompt - cached;
     long long computed = q->n_prompt - cached - ext;
+    long long tier = q->n_tier_cached > 0 ? q->n_tier_cached : 0;
+    if (tier > cached) tier = cached;
+    cached -= tier; /* the tiers' copies: external_kv_transfer, as vLLM's OffloadingConnector */
+    ext += tier;
     m->prompt_by_source[METRICS_SOURCE_LOCAL_COMPUTE] += (uint64_t)computed;
     m->prompt_by_source[METRICS_SOURCE_LOCAL_CACHE_HIT] += (uint64_t)cached;
     m->prompt_by_source[METRICS_SOURCE_EXTERNAL] += (uint64_t)ext;

@@ -102,11 +102,13 @@ metrics_finish metrics_finish_of(const char *reason);
 typedef struct metrics_request {
     uint64_t t_queued_ns, t_scheduled_ns, t_first_token_ns, t_last_token_ns;
     int n_prompt, n_generated, max_tokens_param, n_param;
-    /* where the prompt's KV came from: n_cached from the prefix cache, n_kv_received from a
-     * producer (remote_prefill: the request asked for it); the rest was computed here.
+    /* where the prompt's KV came from: n_cached from the prefix cache (n_tier_cached of those
+     * copied back from the offload tiers: external_kv_transfer, as vLLM counts its
+     * OffloadingConnector's), n_kv_received from a producer or a pool fetch
+     * (remote_prefill: the request asked a producer for it); the rest was computed here.
      * Counted (prompt_tokens_by_source, prefill_kv_computed) once the prompt was prefilled
      * (t_first_token_ns != 0), as vLLM counts at the first output. */
-    int n_cached, n_kv_received, remote_prefill;
+    int n_cached, n_tier_cached, n_kv_received, remote_prefill;
 } metrics_request;
 void metrics_observe_request(server_metrics *m, const metrics_request *q);
 /* The part of it about where the prompt's KV came from (prompt_tokens_by_source,

@@ -76,6 +76,12 @@ def m(s, name, tier=None):
     return out
 
 
+def source(s, name):
+    """vllm:prompt_tokens_by_source_total{source=name}."""
+    return sum(v for k, v in s.metrics().items()
+               if k.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{name}"' in k)
+
+
 @pytest.fixture(scope="module")
 def reference():
     s = Server(*BASE)
@@ -101,6 +107,10 @@ def test_host_tier_outputs_unchanged(reference):
         assert m(s, "disagg:kv_offload_load_seconds_total", "host") > 0
         assert m(s, "vllm:external_prefix_cache_hits_total") == loaded * BS
         assert m(s, "vllm:external_prefix_cache_queries_total") >= loaded * BS
+        # the copied tokens are external_kv_transfer, as vLLM's OffloadingConnector counts
+        # them; cached_tokens (usage) still reports them
+        ext, hit = source(s, "external_kv_transfer"), source(s, "local_cache_hit")
+        assert ext == loaded * BS and ext + hit == sum(c for _, c in got), (ext, hit, loaded)
         assert m(s, "disagg:kv_offload_blocks_capacity", "host") == 64
         assert m(s, "disagg:kv_offload_blocks_resident", "host") == 20
         # 8 requests waited for their copies (out of the batch), none waits now
@@ -470,8 +480,12 @@ def test_sync_loads_same_answers(reference):
         got = rounds(s, 3)
         assert [lp for lp, _ in got] == reference
         assert all(c == 64 for _, c in got[4:])
-        assert m(s, "disagg:kv_offload_blocks_loaded_total", "host") >= 32
+        loaded = m(s, "disagg:kv_offload_blocks_loaded_total", "host")
+        assert loaded >= 32
         assert m(s, "disagg:kv_offload_steps_during_loads_total") == 0
+        # copies on the step thread count as external_kv_transfer too
+        ext, hit = source(s, "external_kv_transfer"), source(s, "local_cache_hit")
+        assert ext == loaded * BS and ext + hit == sum(c for _, c in got), (ext, hit, loaded)
     finally:
         assert s.stop() == 0
 

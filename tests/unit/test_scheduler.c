@@ -309,6 +309,7 @@ static void test_tier_loads(void **state) {
     assert_int_equal(b.n_blocks, 1);
     assert_int_equal(b.n_computed, 4);
     assert_int_equal(b.n_cached, 4);
+    assert_int_equal(b.n_tier_cached, 4); /* the one good copy before the cut */
     assert_true(block_pool_contains(&e.bp, b.hashes[0]));
     assert_true(block_pool_contains(&e.bp, b.hashes[2])); /* copied well: cached */
     assert_int_equal(e.bp.ref[b2], 0);                     /* and free */
@@ -317,6 +318,7 @@ static void test_tier_loads(void **state) {
     step(&e); /* b runs from its 4 loaded tokens (the failed block is computed) */
     assert_int_equal(b.state, SEQ_RUNNING);
     assert_int_equal(b.n_cached, 4);
+    assert_int_equal(b.n_tier_cached, 4); /* found in the device cache now: still the tier's */
     assert_true(b.n_computed > 4);
     assert_int_equal(at.n_started, 0);
     sched_finish(&e.s, &b, 0);
@@ -407,6 +409,7 @@ static void test_loaded_never_block_the_head(void **state) {
     assert_int_equal(x.state, SEQ_FINISHED);
     assert_int_equal(b.state, SEQ_RUNNING);
     assert_int_equal(b.n_cached, 12);
+    assert_int_equal(b.n_tier_cached, 12);
     assert_int_equal(d.state, SEQ_RUNNING);
     sched_finish(&e.s, &b, 0);
     sched_finish(&e.s, &d, 0);

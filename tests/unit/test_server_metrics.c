@@ -185,8 +185,35 @@ static void test_request_histograms(void **state) {
     prom_free(&out);
 }
 
+/* Where a prompt's tokens came from: the offload tiers' copies are external_kv_transfer
+ * (vLLM's OffloadingConnector is a KV connector), the device cache's local_cache_hit. */
+static void test_prompt_sources(void **state) {
+    (void)state;
+    server_metrics m;
+    metrics_init(&m);
+    metrics_request q = {
+        .t_first_token_ns = 1, .n_prompt = 100, .n_cached = 64, .n_tier_cached = 48};
+    metrics_observe_prompt_sources(&m, &q);
+    assert_int_equal(m.prompt_by_source[METRICS_SOURCE_LOCAL_COMPUTE], 36);
+    assert_int_equal(m.prompt_by_source[METRICS_SOURCE_LOCAL_CACHE_HIT], 16);
+    assert_int_equal(m.prompt_by_source[METRICS_SOURCE_EXTERNAL], 48);
+    /* a count past the cached tokens is cut to them; a pool fetch adds its received ones */
+    q = (metrics_request){.t_first_token_ns = 1,
+                          .n_prompt = 100,
+                          .n_cached = 16,
+                          .n_tier_cached = 32,
+                          .n_kv_received = 32};
+    metrics_observe_prompt_sources(&m, &q);
+    assert_int_equal(m.prompt_by_source[METRICS_SOURCE_LOCAL_COMPUTE], 36 + 52);
+    assert_int_equal(m.prompt_by_source[METRICS_SOURCE_LOCAL_CACHE_HIT], 16);
+    assert_int_equal(m.prompt_by_source[METRICS_SOURCE_EXTERNAL], 48 + 48);
+    assert_int_equal(m.external_queries, 32);
+    assert_int_equal(m.external_hits, 32);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_render), cmocka_unit_test(test_1_2_5),
-                                       cmocka_unit_test(test_request_histograms)};
+                                       cmocka_unit_test(test_request_histograms),
+                                       cmocka_unit_test(test_prompt_sources)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
