@@ -34,6 +34,8 @@ import subprocess
 import sys
 
 import numpy as np
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 
 # ---- convert ------------------------------------------------------------------------------
@@ -216,11 +218,6 @@ def compare(args):
           + json.dumps(rows) + ")")
 
 
-def free_port():
-    import socket
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        return so.getsockname()[1]
 
 
 def wait_ready(url, proc, what):

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics as st
 import subprocess
 import sys
@@ -24,18 +23,14 @@ import time
 import uuid
 
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "disagg-sotu-tiny")
 PROMPT = "hello there my friend how are you today in the state of the union"
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def kv(role):

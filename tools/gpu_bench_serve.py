@@ -7,8 +7,10 @@ prints disagg bench serve's table for each (TTFT, TPOT, ITL, throughput) and a s
 Exit 1 when the server does not come up or a bench run fails.
 Usage: python3 tools/gpu_bench_serve.py BIN MODEL_DIR WORKDIR [--input-len 512]
        [--output-len 128] [--concurrency 1,16,64]"""
-import argparse, json, os, socket, subprocess, sys, time
+import argparse, json, os, subprocess, sys, time
 import urllib.request
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("bin")
@@ -23,12 +25,6 @@ os.makedirs(a.workdir, exist_ok=True)
 conc = [int(c) for c in a.concurrency.split(",")]
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 port = free_port()

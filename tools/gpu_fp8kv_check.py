@@ -15,12 +15,13 @@ Usage: python3 tools/gpu_fp8kv_check.py BIN LOGDIR MODEL_DIR[:dummy[:TOKENIZER_D
 import concurrent.futures as cf
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 BIN, LOGDIR = sys.argv[1:3]
 MODELS = sys.argv[3:]
@@ -29,12 +30,6 @@ PROMPTS = [("The state of the Union is strong, and our economy is growing. " * 2
            for i in range(8)]
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def start(model, dummy, dt, tok):

@@ -10,8 +10,10 @@ With --pd, the same R requests then go 32 at a time through `disagg proxy` to a 
 the colocated single-request answer, greedy and seeded alike.
 Exit 1 when a request fails or an invariant-mode answer differs.
 Usage: python3 tools/gpu_invariant_serve.py BIN MODEL_DIR LOGDIR [R] [--inv-only] [--pd]"""
-import concurrent.futures as cf, json, os, random, socket, subprocess, sys, time
+import concurrent.futures as cf, json, os, random, subprocess, sys, time
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 BIN, MODEL, LOGDIR = sys.argv[1:4]
 INV_ONLY = "--inv-only" in sys.argv
@@ -35,12 +37,6 @@ for i in range(R):
     reqs.append(body)
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def start(name, *extra, env=None, cmd=None):

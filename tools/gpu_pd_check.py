@@ -26,7 +26,6 @@ import concurrent.futures as cf
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import time
 
 import openai
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 BIN, MODEL, LOGDIR = sys.argv[1:4]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,12 +51,6 @@ COMMON = ["--device", os.environ.get("DISAGG_PD_DEVICE", "cuda"), "--max-model-l
 bad = 0
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 class Proc:

@@ -14,8 +14,10 @@ single-request answer there.  Exit 1 when a request fails, an eager single answe
 from the CUDA-graph one, or a --batch-invariant concurrent answer differs from its single
 one.
 Usage: python3 tools/gpu_serve_smoke.py BIN MODEL_DIR LOGDIR"""
-import concurrent.futures as cf, json, os, socket, subprocess, sys, time
+import concurrent.futures as cf, json, os, subprocess, sys, time
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 BIN, MODEL, LOGDIR = sys.argv[1:4]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,12 +25,6 @@ golden = json.load(open(os.path.join(HERE, "..", "tests", "data", "sotu-tiny", "
 prompts = [p["prompt_text"] for p in golden["prompts"]]
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def start(dev, *extra, name=None):

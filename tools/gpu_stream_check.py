@@ -20,12 +20,13 @@ Usage: python3 tools/gpu_stream_check.py BIN MODEL_DIR(7B-shaped, with tokenizer
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 BIN, MODEL, LOGDIR = sys.argv[1:4]
 os.makedirs(LOGDIR, exist_ok=True)
@@ -48,12 +49,6 @@ def check(cond, what):
         bad += 1
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 class Proc:

@@ -18,23 +18,20 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = ("The state of the Union is strong, and the work of the Congress is before us. "
         "We meet in a season of change, and the people ask that we keep faith with them. ")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(url, name):

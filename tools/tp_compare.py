@@ -7,22 +7,20 @@ first differing token (bf16 on the GPU: a near-tie may flip; the count says how 
 
 usage: tools/tp_compare.py BIN MODEL --tp N [--device cuda] [--tol 0.05]"""
 import argparse
+import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import requests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
+from ports import free_port as port  # noqa: E402  (ports outside the ephemeral range, never twice)
 
 PROMPTS = ["The state of the union is", "Mr. Speaker, Mr. Vice President, members of Congress",
            "Our economy", "We will", "Tonight I want to talk about", "Health care"]
 
 
-def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(a, tp):
