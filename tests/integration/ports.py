@@ -32,8 +32,11 @@ def _ephemeral_low():
 def _claim(port):
     """True when this process now holds port's lock (no other test process has it)."""
     d = Path(os.environ.get("TMPDIR", "/tmp")) / "disagg-test-ports"
-    d.mkdir(mode=0o777, exist_ok=True)
-    fd = os.open(d / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        d.mkdir(mode=0o777, exist_ok=True)
+        fd = os.open(d / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:  # another user's directory: no claim across processes, the rest holds
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
