@@ -241,8 +241,7 @@ static void emit_finish(engine *e, ereq *r, const char *reason, int32_t stop_tok
                        .error_status = error ? r->error_status : 0,
                        .n_prompt = r->s.n_prompt,
                        .n_cached = r->s.n_cached,
-                       .n_tier_cached =
-                           r->s.n_tier_cached < r->s.n_cached ? r->s.n_tier_cached : r->s.n_cached,
+                       .n_tier_cached = r->s.n_tier_cached,
                        .n_generated = r->n_generated,
                        .kv_role = r->kv_role,
                        .n_kv_received = r->n_kv_received,

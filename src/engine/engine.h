@@ -149,7 +149,7 @@ typedef struct engine_event {
     int error_status;          /* its HTTP status (400, 502...; 0 = internal, 500) */
     int n_prompt;              /* usage: prompt tokens */
     int n_cached;              /* of those, served from the prefix cache */
-    int n_tier_cached;         /* of n_cached, copied back from the offload tiers */
+    int n_tier_cached;         /* copied back from the tiers (metrics: at most n_cached) */
     int n_generated;           /* usage: completion tokens */
     int kv_role;               /* kv_role_of_request: LOCAL, REMOTE_PREFILL or REMOTE_DECODE */
     int n_kv_received;         /* prompt tokens whose KV a producer sent (consumer, load ok) */

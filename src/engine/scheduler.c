@@ -177,17 +177,19 @@ static int locate_prefix(scheduler *s, seq *q, int full) {
     return n;
 }
 
+/* q->n_tier_cached: the most tokens one admission copied back (its first n_blocks blocks at
+ * most: a failed copy cut the prefix). */
+static void note_tier_blocks(seq *q, int n_tier_blocks, int bs) {
+    if (n_tier_blocks > q->n_blocks) n_tier_blocks = q->n_blocks;
+    if (n_tier_blocks * bs > q->n_tier_cached) q->n_tier_cached = n_tier_blocks * bs;
+}
+
 /* Take the longest cached prefix of full blocks (at least one token is left to
  * compute, so the last prompt token always produces logits): the device cache's
  * blocks, and the tiers' where the cost model says copy.  Tier copies run in the
  * background when async (the return is 1: q must wait for them, SEQ_LOADING; -1: too
  * few free blocks to start them, q holds nothing and waits), else before this returns
  * (0). */
-static void note_tier_blocks(seq *q, int n_tier_blocks, int bs) {
-    if (n_tier_blocks > q->n_blocks) n_tier_blocks = q->n_blocks;
-    if (n_tier_blocks * bs > q->n_tier_cached) q->n_tier_cached = n_tier_blocks * bs;
-}
-
 static int take_cached_prefix(scheduler *s, seq *q, int async) {
     if (!s->cfg.enable_prefix_caching || q->no_prefix_cache || q->n_blocks > 0) return 0;
     int bs = s->cfg.block_size;

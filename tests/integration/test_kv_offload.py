@@ -68,18 +68,18 @@ def rounds(s, n=2):
     return [ask(s, p) for _ in range(n) for p in PROMPTS]
 
 
-def m(s, name, tier=None):
+def m(s, name, tier=None, label="tier"):
+    """The sum of the series of metric name (with label=tier, when given)."""
     out = 0.0
     for k, v in s.metrics().items():
-        if k.split("{")[0] == name and (tier is None or f'tier="{tier}"' in k):
+        if k.split("{")[0] == name and (tier is None or f'{label}="{tier}"' in k):
             out += v
     return out
 
 
 def source(s, name):
     """vllm:prompt_tokens_by_source_total{source=name}."""
-    return sum(v for k, v in s.metrics().items()
-               if k.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{name}"' in k)
+    return m(s, "vllm:prompt_tokens_by_source_total", name, label="source")
 
 
 @pytest.fixture(scope="module")
